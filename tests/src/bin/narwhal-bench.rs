@@ -60,6 +60,7 @@ fn pct(sorted: &[f64], q: f64) -> f64 {
 
 async fn drive(label: &str, url: &str, args: &Args, n: usize) -> Run {
     let http = reqwest::Client::builder()
+        .no_proxy()
         .pool_max_idle_per_host(args.concurrency)
         .build()
         .expect("HTTP client");

@@ -281,7 +281,10 @@ async fn demo(args: DemoArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let http = reqwest::Client::new();
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("HTTP client");
     for dialect in &args.dialect {
         println!("\n=== {dialect}: 1 prefill + 1 decode engine, router in front ===");
         let up = UpArgs {
