@@ -10,3 +10,25 @@
 mod clock;
 
 pub use clock::{Clock, ClockError, ManualClock, SystemClock};
+
+// Agent protocol (issue #3): canonical JSON, keys, signed answers, verifier, mTLS, client.
+pub mod agent_client;
+pub mod agent_protocol;
+pub mod attestation;
+mod canonical;
+mod identity;
+mod signing;
+pub mod tls;
+
+pub use agent_client::{
+    AgentClient, AgentClientError, AgentEndpoint, AgentTimeouts, Fence, Verified,
+};
+pub use attestation::{
+    AttestationPayload, EngineFacts, Expected, GenerationPayload, Header, KvConsumePayload,
+    KvProducePayload, LegResult, ProbePayload, SignedPayload, TransferEvidence, Verifier,
+    VerifyError,
+};
+pub use canonical::{canonical_json, sha256_digest};
+pub use identity::ProcessIdentity;
+pub use signing::{KeyError, PublicKey, SignedDocument, SigningKey};
+pub use tls::{TlsError, TlsFiles};

@@ -1,0 +1,151 @@
+//! Request and answer bodies of the agent HTTP API (DESIGN.md section 4 table).
+//!
+//! ```text
+//!  GET  /v1/engines                          ──► EnginesAnswer
+//!  GET  /v1/engines/{iid}/process            ──► ProcessIdentity
+//!  POST /v1/engines/{iid}/attestation        FencedRequest       ──► SignedDocument(AttestationPayload)
+//!  POST /v1/engines/{iid}/checks/generation  ModelRequest        ──► SignedDocument(GenerationPayload)
+//!  POST /v1/engines/{iid}/checks/kv/produce  KvProduceRequest    ──► SignedDocument(KvProducePayload)
+//!  POST /v1/engines/{iid}/checks/kv/consume  KvConsumeRequest    ──► SignedDocument(KvConsumePayload)
+//!  POST /v1/engines/{iid}/probe              ProbeRequest        ──► SignedDocument(ProbePayload)
+//!  GET  /health                              ──► {"status":"ok","agent_id":…}
+//!  any error                                 ──► ErrorBody, e.g. 409 {"error":{"code":"stale_epoch",…}}
+//! ```
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::identity::ProcessIdentity;
+
+/// Body of `POST …/attestation`: `{"nonce", "epoch", "holder"}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FencedRequest {
+    /// Router-chosen nonce, echoed in the signed answer.
+    pub nonce: String,
+    /// Router lease epoch; lower than the highest the agent accepted → 409 `stale_epoch`.
+    pub epoch: u64,
+    /// Router lease holder name.
+    pub holder: String,
+}
+
+/// Body of `POST …/checks/generation`: `{"nonce", "epoch", "holder", "model"}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelRequest {
+    /// Router-chosen nonce.
+    pub nonce: String,
+    /// Router lease epoch.
+    pub epoch: u64,
+    /// Router lease holder name.
+    pub holder: String,
+    /// Model id to generate with.
+    pub model: String,
+}
+
+/// Body of `POST …/checks/kv/produce`: `{"nonce", "epoch", "holder", "model", "check_id"}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvProduceRequest {
+    /// Router-chosen nonce.
+    pub nonce: String,
+    /// Router lease epoch.
+    pub epoch: u64,
+    /// Router lease holder name.
+    pub holder: String,
+    /// Model id.
+    pub model: String,
+    /// Router-chosen id tying the two halves of one check together.
+    pub check_id: String,
+}
+
+/// Body of `POST …/checks/kv/consume`: the produce body plus `kv`, the producer's handle
+/// (the `kv` field of the verified [`crate::KvProducePayload`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvConsumeRequest {
+    /// Router-chosen nonce.
+    pub nonce: String,
+    /// Router lease epoch.
+    pub epoch: u64,
+    /// Router lease holder name.
+    pub holder: String,
+    /// Model id.
+    pub model: String,
+    /// Same check id as the produce half.
+    pub check_id: String,
+    /// vLLM `kv_transfer_params` descriptor or SGLang rendezvous.
+    pub kv: Value,
+}
+
+/// Where a probe's KV comes from when it is not produced on the suspect itself.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub enum ProbeProducer {
+    /// Another engine served by the same agent produces: `{"iid": "e1"}`.
+    Iid(String),
+    /// A handle produced elsewhere (another agent's produce answer): `{"kv": {...}}`.
+    Kv(Value),
+}
+
+/// Body of `POST …/probe`: `{"nonce","epoch","holder","model","producer"?}`; without
+/// `producer` both legs run on the suspect.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeRequest {
+    /// Router-chosen nonce.
+    pub nonce: String,
+    /// Router lease epoch.
+    pub epoch: u64,
+    /// Router lease holder name.
+    pub holder: String,
+    /// Model id.
+    pub model: String,
+    /// Named producer, or `null` for a standalone probe.
+    #[serde(default)]
+    pub producer: Option<ProbeProducer>,
+}
+
+/// One engine in `GET /v1/engines`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineEntry {
+    /// Engine instance id.
+    pub iid: String,
+    /// Loopback URL the agent uses.
+    pub url: String,
+    /// `vllm` or `sglang`.
+    pub dialect: String,
+    /// Current identity, or `null` when unreadable (see `error`).
+    pub process: Option<ProcessIdentity>,
+    /// Why the identity could not be read.
+    pub error: Option<String>,
+}
+
+/// Answer of `GET /v1/engines`: `{"agent_id", "engines": [EngineEntry…]}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EnginesAnswer {
+    /// The agent's id.
+    pub agent_id: String,
+    /// Configured engines, in config order.
+    pub engines: Vec<EngineEntry>,
+}
+
+/// Inner object of an error answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    /// Machine-readable code: `stale_epoch`, `holder_conflict`, `unknown_engine`,
+    /// `bad_request`, `process_unavailable`, `engine_unavailable`, `internal`.
+    pub code: String,
+    /// Human-readable message naming the field and value.
+    pub message: String,
+    /// For `stale_epoch`/`holder_conflict`: the highest epoch the agent accepted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub highest_epoch: Option<u64>,
+}
+
+/// Error answer: `{"error": {"code", "message", "highest_epoch"?}}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}

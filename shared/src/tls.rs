@@ -1,0 +1,201 @@
+//! rustls configuration builders for router ⇄ agent mutual TLS (DESIGN.md section 3).
+//!
+//! ```text
+//!   TlsFiles {ca, cert, key} (PEM paths) ──► server_config() ──► agent listener: client cert
+//!                                                                 required, chained to `ca`
+//!                                        └─► client_config() ──► router: presents `cert`, trusts
+//!                                                                 only `ca` for the agent
+//! ```
+//!
+//! Both sides use the ring crypto provider explicitly (no process-wide default needed).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use serde::{Deserialize, Serialize};
+
+/// PEM files for one side of a mutual-TLS connection.
+///
+/// JSON shape (agent config `tls`, fleet `tls`): `{"ca": PATH, "cert": PATH, "key": PATH}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsFiles {
+    /// Fleet CA certificate(s), PEM: the only roots trusted for the peer.
+    pub ca: PathBuf,
+    /// This side's certificate chain, PEM (leaf first).
+    pub cert: PathBuf,
+    /// This side's private key, PEM (PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+}
+
+/// Errors building a TLS configuration; each names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A file could not be read.
+    #[error("tls.{field}: cannot read {path}: {source}")]
+    Read {
+        /// Config key (`ca`, `cert` or `key`).
+        field: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A file held no usable PEM item of the right kind.
+    #[error("tls.{field}: {path} holds no {what}")]
+    Empty {
+        /// Config key.
+        field: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// What was looked for.
+        what: &'static str,
+    },
+    /// rustls refused the material (bad key, mismatched key and certificate, bad CA).
+    #[error("tls: {context}: {source}")]
+    Rustls {
+        /// What was being built.
+        context: &'static str,
+        /// rustls' error.
+        source: rustls::Error,
+    },
+    /// The client verifier could not be built from the CA.
+    #[error("tls.ca: {path}: client verifier: {reason}")]
+    Verifier {
+        /// CA file.
+        path: PathBuf,
+        /// Reason.
+        reason: String,
+    },
+}
+
+fn read(field: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        field,
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Reads every certificate in a PEM file.
+///
+/// # Errors
+/// [`TlsError::Read`] or [`TlsError::Empty`] naming `field` and the path.
+pub fn load_certs(
+    field: &'static str,
+    path: &Path,
+) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let pem = read(field, path)?;
+    let certs: Vec<_> = rustls_pemfile::certs(&mut pem.as_slice())
+        .filter_map(Result::ok)
+        .collect();
+    if certs.is_empty() {
+        return Err(TlsError::Empty {
+            field,
+            path: path.to_path_buf(),
+            what: "CERTIFICATE",
+        });
+    }
+    Ok(certs)
+}
+
+/// Reads the first private key in a PEM file.
+///
+/// # Errors
+/// [`TlsError::Read`] or [`TlsError::Empty`] naming `field` and the path.
+pub fn load_key(field: &'static str, path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    let pem = read(field, path)?;
+    rustls_pemfile::private_key(&mut pem.as_slice())
+        .ok()
+        .flatten()
+        .ok_or_else(|| TlsError::Empty {
+            field,
+            path: path.to_path_buf(),
+            what: "PRIVATE KEY",
+        })
+}
+
+fn roots(path: &Path) -> Result<RootCertStore, TlsError> {
+    let mut store = RootCertStore::empty();
+    for cert in load_certs("ca", path)? {
+        store.add(cert).map_err(|source| TlsError::Rustls {
+            context: "adding the fleet CA",
+            source,
+        })?;
+    }
+    Ok(store)
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+impl TlsFiles {
+    /// Server side (the agent): presents `cert`/`key`, requires a client certificate chaining
+    /// to `ca`; ALPN `http/1.1`.
+    ///
+    /// # Errors
+    /// Any [`TlsError`], naming the file.
+    pub fn server_config(&self) -> Result<ServerConfig, TlsError> {
+        let roots = Arc::new(roots(&self.ca)?);
+        let verifier = WebPkiClientVerifier::builder_with_provider(roots, provider())
+            .build()
+            .map_err(|e| TlsError::Verifier {
+                path: self.ca.clone(),
+                reason: e.to_string(),
+            })?;
+        let mut cfg = ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|source| TlsError::Rustls {
+                context: "protocol versions",
+                source,
+            })?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(load_certs("cert", &self.cert)?, load_key("key", &self.key)?)
+            .map_err(|source| TlsError::Rustls {
+                context: "server certificate and key",
+                source,
+            })?;
+        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(cfg)
+    }
+
+    /// Client side (the router, tests): trusts only `ca`, presents `cert`/`key`.
+    ///
+    /// # Errors
+    /// Any [`TlsError`], naming the file.
+    pub fn client_config(&self) -> Result<ClientConfig, TlsError> {
+        let cfg = ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|source| TlsError::Rustls {
+                context: "protocol versions",
+                source,
+            })?
+            .with_root_certificates(roots(&self.ca)?)
+            .with_client_auth_cert(load_certs("cert", &self.cert)?, load_key("key", &self.key)?)
+            .map_err(|source| TlsError::Rustls {
+                context: "client certificate and key",
+                source,
+            })?;
+        Ok(cfg)
+    }
+}
+
+/// A client configuration that trusts `ca` but presents no client certificate (used to show
+/// that the agent refuses such clients).
+///
+/// # Errors
+/// Any [`TlsError`], naming the CA file.
+pub fn client_config_without_cert(ca: &Path) -> Result<ClientConfig, TlsError> {
+    Ok(ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|source| TlsError::Rustls {
+            context: "protocol versions",
+            source,
+        })?
+        .with_root_certificates(roots(ca)?)
+        .with_no_client_auth())
+}
