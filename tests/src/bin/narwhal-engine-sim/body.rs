@@ -1,0 +1,330 @@
+//! Response bodies: a whole buffer (optionally fragmented) or a lazily generated SSE token
+//! stream. The stream owns the request's [`Tracker`], so a body dropped before it finished (the
+//! client closed the connection) is recorded as `cancelled` at once.
+//!
+//! ```text
+//!  poll_frame ─► [role chunk] ─► token chunks (tpot apart) ─► [usage] ─► [DONE] ─► end
+//!                      └─ cut fault: K token chunks, flush, then a body error (hyper aborts the
+//!                         connection: no terminating chunk, no [DONE])
+//!  fragment fault: every produced byte run is re-cut into K-byte frames, one flush each
+//! ```
+//!
+//! No task or channel per request: frames are produced inside `poll_frame`.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http_body::{Body, Frame, SizeHint};
+use tokio::time::Sleep;
+
+use crate::protocol::{ChunkFormat, DONE};
+use crate::stats::{Outcome, Stats, Tracker};
+use crate::tokenizer;
+
+/// Tokens batched into one frame when there is no per-token delay (same bytes on the wire,
+/// fewer writes).
+const BATCH: u64 = 32;
+
+/// Pause between the last chunk before a cut and the abort, so the chunks are flushed first.
+const CUT_FLUSH: Duration = Duration::from_millis(20);
+
+/// Generation parameters of a streamed answer.
+pub(crate) struct StreamPlan {
+    /// Chunk rendering.
+    pub(crate) fmt: ChunkFormat,
+    /// Prompt hash (generation input).
+    pub(crate) prompt_hash: u64,
+    /// Prompt length in tokens (usage).
+    pub(crate) prompt_tokens: u64,
+    /// Simulator seed.
+    pub(crate) seed: u64,
+    /// Tokens to generate.
+    pub(crate) max_tokens: u64,
+    /// Chat: send the role chunk first.
+    pub(crate) role_chunk: bool,
+    /// Send the usage chunk before `[DONE]`.
+    pub(crate) include_usage: bool,
+    /// Delay between tokens.
+    pub(crate) tpot: Duration,
+    /// Cut fault: abort after this many token chunks.
+    pub(crate) cut_after: Option<u64>,
+    /// Fragment fault: bytes per write.
+    pub(crate) fragment: Option<usize>,
+    /// Top-level member added to the last token chunk (streamed prefill's kv_transfer_params).
+    pub(crate) final_extra: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Role,
+    Tokens,
+    Tail,
+    CutFlush,
+    Cut,
+    End,
+}
+
+/// A streamed token answer; see the module docs.
+pub(crate) struct TokenStream {
+    plan: StreamPlan,
+    tracker: Tracker,
+    stats: Arc<Stats>,
+    next: u64,
+    stage: Stage,
+    sleep: Option<Pin<Box<Sleep>>>,
+    pending: BytesMut,
+    yield_before_next: bool,
+    scratch: String,
+}
+
+impl TokenStream {
+    /// A stream that will settle `tracker` when it ends (or on drop, as cancelled).
+    pub(crate) fn new(plan: StreamPlan, mut tracker: Tracker, stats: Arc<Stats>) -> Self {
+        tracker.mark_head_sent();
+        let stage = if plan.role_chunk {
+            Stage::Role
+        } else {
+            Stage::Tokens
+        };
+        TokenStream {
+            plan,
+            tracker,
+            stats,
+            next: 0,
+            stage,
+            sleep: None,
+            pending: BytesMut::new(),
+            yield_before_next: false,
+            scratch: String::with_capacity(1024),
+        }
+    }
+
+    /// Produces the next run of bytes into `scratch`; `Pending` while a tpot/flush timer runs;
+    /// `Err` to abort the connection.
+    fn produce(&mut self, cx: &mut Context<'_>) -> Poll<Result<bool, std::io::Error>> {
+        self.scratch.clear();
+        match self.stage {
+            Stage::Role => {
+                self.plan.fmt.role_chunk(&mut self.scratch);
+                self.stage = Stage::Tokens;
+                Poll::Ready(Ok(true))
+            }
+            Stage::Tokens => {
+                if self.next > 0 && !self.plan.tpot.is_zero() {
+                    let sleep = self
+                        .sleep
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep(self.plan.tpot)));
+                    if sleep.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    self.sleep = None;
+                }
+                let batch = if self.plan.tpot.is_zero() && self.plan.cut_after.is_none() {
+                    BATCH
+                } else {
+                    1
+                };
+                let mut produced = 0;
+                while produced < batch && self.next < self.plan.max_tokens {
+                    if let Some(k) = self.plan.cut_after
+                        && self.next >= k
+                    {
+                        break;
+                    }
+                    let id = tokenizer::generated_token(
+                        self.plan.prompt_hash,
+                        self.plan.seed,
+                        self.next,
+                    );
+                    self.next += 1;
+                    produced += 1;
+                    let last = self.next == self.plan.max_tokens;
+                    let extra = if last {
+                        self.plan.final_extra.as_str()
+                    } else {
+                        ""
+                    };
+                    self.plan
+                        .fmt
+                        .token_chunk(&mut self.scratch, id, last, extra);
+                }
+                self.stats
+                    .prom_generation_tokens
+                    .fetch_add(produced, Relaxed);
+                self.tracker.set_tokens(self.next);
+                if let Some(k) = self.plan.cut_after
+                    && self.next >= k.min(self.plan.max_tokens)
+                {
+                    // K token chunks sent (or all of them when K >= max_tokens): no [DONE].
+                    self.stage = Stage::CutFlush;
+                } else if self.next >= self.plan.max_tokens {
+                    self.stage = Stage::Tail;
+                }
+                Poll::Ready(Ok(produced > 0))
+            }
+            Stage::Tail => {
+                if self.plan.include_usage {
+                    self.plan.fmt.usage_chunk(
+                        &mut self.scratch,
+                        self.plan.prompt_tokens,
+                        self.next,
+                    );
+                }
+                self.scratch.push_str(DONE);
+                self.stage = Stage::End;
+                self.tracker.finish(Outcome::Ok, 200, self.next);
+                Poll::Ready(Ok(true))
+            }
+            Stage::CutFlush => {
+                let sleep = self
+                    .sleep
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(CUT_FLUSH)));
+                if sleep.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                self.sleep = None;
+                self.stage = Stage::Cut;
+                Poll::Ready(Ok(false))
+            }
+            Stage::Cut => {
+                self.tracker.finish_fault(200, self.next);
+                self.stage = Stage::End;
+                Poll::Ready(Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionAborted,
+                    "injected cut fault",
+                )))
+            }
+            Stage::End => Poll::Ready(Ok(false)),
+        }
+    }
+}
+
+/// Every response body the simulator sends.
+pub(crate) enum SimBody {
+    /// A whole buffer, sent in one frame (or in `fragment`-byte frames).
+    Full {
+        /// Remaining bytes.
+        data: Bytes,
+        /// Fragment fault: bytes per write.
+        fragment: Option<usize>,
+        /// Yield (and so flush) before the next fragment.
+        yield_before_next: bool,
+    },
+    /// A generated SSE stream.
+    Stream(Box<TokenStream>),
+}
+
+impl SimBody {
+    /// A whole body.
+    pub(crate) fn full(data: impl Into<Bytes>) -> Self {
+        SimBody::Full {
+            data: data.into(),
+            fragment: None,
+            yield_before_next: false,
+        }
+    }
+
+    /// A whole body written `fragment` bytes at a time.
+    pub(crate) fn fragmented(data: impl Into<Bytes>, fragment: Option<usize>) -> Self {
+        SimBody::Full {
+            data: data.into(),
+            fragment,
+            yield_before_next: false,
+        }
+    }
+
+    /// An empty body.
+    pub(crate) fn empty() -> Self {
+        Self::full(Bytes::new())
+    }
+}
+
+/// Yields once (so hyper flushes what it has) when `flag` is set; clears it.
+fn yield_once(flag: &mut bool, cx: &mut Context<'_>) -> bool {
+    if *flag {
+        *flag = false;
+        cx.waker().wake_by_ref();
+        true
+    } else {
+        false
+    }
+}
+
+impl Body for SimBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        match self.get_mut() {
+            SimBody::Full {
+                data,
+                fragment,
+                yield_before_next,
+            } => {
+                if data.is_empty() {
+                    return Poll::Ready(None);
+                }
+                match fragment {
+                    None => Poll::Ready(Some(Ok(Frame::data(std::mem::take(data))))),
+                    Some(k) => {
+                        if yield_once(yield_before_next, cx) {
+                            return Poll::Pending;
+                        }
+                        let n = (*k).min(data.len());
+                        *yield_before_next = true;
+                        Poll::Ready(Some(Ok(Frame::data(data.split_to(n)))))
+                    }
+                }
+            }
+            SimBody::Stream(s) => loop {
+                if let Some(k) = s.plan.fragment
+                    && !s.pending.is_empty()
+                {
+                    if yield_once(&mut s.yield_before_next, cx) {
+                        return Poll::Pending;
+                    }
+                    let n = k.min(s.pending.len());
+                    s.yield_before_next = true;
+                    return Poll::Ready(Some(Ok(Frame::data(s.pending.split_to(n).freeze()))));
+                }
+                if s.stage == Stage::End {
+                    return Poll::Ready(None);
+                }
+                match s.produce(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Some(Err(e))),
+                    Poll::Ready(Ok(false)) => continue,
+                    Poll::Ready(Ok(true)) => {
+                        if s.plan.fragment.is_some() {
+                            s.pending.extend_from_slice(s.scratch.as_bytes());
+                            continue;
+                        }
+                        let bytes = Bytes::copy_from_slice(s.scratch.as_bytes());
+                        return Poll::Ready(Some(Ok(Frame::data(bytes))));
+                    }
+                }
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            SimBody::Full { data, .. } => data.is_empty(),
+            SimBody::Stream(s) => s.stage == Stage::End && s.pending.is_empty(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            SimBody::Full { data, .. } => SizeHint::with_exact(data.len() as u64),
+            SimBody::Stream(_) => SizeHint::default(),
+        }
+    }
+}

@@ -1,0 +1,283 @@
+//! `narwhal-engine-sim`: an engine simulator speaking the vLLM and SGLang wire protocols,
+//! including vLLM's NIXL descriptor handoff and SGLang's bootstrap rendezvous, with fault
+//! injection (`/sim/faults`) and counters (`/sim/stats`) for tests (DESIGN.md sections 1 and 8).
+//!
+//! ```text
+//!  CLI ──► Settings ──► bind --listen, --kv-listen (vLLM), --bootstrap-port (SGLang prefill)
+//!      ──► print "narwhal-engine-sim listening on http://HOST:PORT", write --ready-file
+//!      ──► serve HTTP + side channel + lease sweeper on a small multi-thread runtime
+//! ```
+//!
+//! The full contract (flags, phases, fault API, stats fields) is in docs/engine-simulator.md.
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
+
+mod body;
+mod faults;
+mod kv;
+mod protocol;
+mod server;
+mod stats;
+mod tokenizer;
+mod transfer;
+
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use tokio::net::TcpListener;
+
+use server::{Dialect, Mode, Settings, Sim};
+
+/// Command line (docs/engine-simulator.md, "Flags").
+#[derive(Debug, Parser)]
+#[command(
+    name = "narwhal-engine-sim",
+    version,
+    about = "vLLM / SGLang engine simulator"
+)]
+struct Cli {
+    /// HTTP listen address.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+    /// Served model name.
+    #[arg(long, default_value = "tiny-sim")]
+    model: String,
+    /// Wire protocol to speak.
+    #[arg(long, value_enum, default_value = "vllm")]
+    dialect: Dialect,
+    /// Engine id (vLLM `remote_engine_id`); default: a random UUID per process.
+    #[arg(long)]
+    engine_id: Option<String>,
+    /// Generation seed: output is a pure function of (prompt, seed, position).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Delay before the first token / before the prefill answer (milliseconds).
+    #[arg(long, default_value_t = 0)]
+    ttft_ms: u64,
+    /// Extra prefill compute per prompt token (microseconds).
+    #[arg(long, default_value_t = 0)]
+    prefill_us_per_token: u64,
+    /// Delay between streamed tokens (milliseconds).
+    #[arg(long, default_value_t = 0)]
+    tpot_ms: u64,
+    /// Consumer-side delay of a successful KV transfer (milliseconds).
+    #[arg(long, default_value_t = 0)]
+    kv_transfer_ms: u64,
+    /// How long a producer keeps unread KV blocks / rooms (seconds, fractional allowed).
+    #[arg(long, default_value_t = 30.0)]
+    kv_lease_s: f64,
+    /// vLLM NIXL side-channel listen address (its port is `remote_port`).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    kv_listen: SocketAddr,
+    /// SGLang bootstrap server port (prefill mode); 0 = ephemeral.
+    #[arg(long, default_value_t = 0)]
+    bootstrap_port: u16,
+    /// SGLang disaggregation mode.
+    #[arg(long, value_enum, default_value = "null")]
+    disaggregation_mode: Mode,
+    /// Concurrent completion requests before answering 429 (0 = unlimited).
+    #[arg(long, default_value_t = 0)]
+    max_running: u64,
+    /// Context length in tokens (prompt + max_tokens).
+    #[arg(long, default_value_t = 4096)]
+    max_model_len: u64,
+    /// Write `{"url","pid","engine_id","kv_port","bootstrap_port"}` here once serving.
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+    /// Runtime worker threads.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+}
+
+/// Startup failures, each naming the flag or resource.
+#[derive(Debug, thiserror::Error)]
+enum StartError {
+    #[error("--kv-lease-s must be a positive finite number of seconds, got {0}")]
+    Lease(f64),
+    #[error("--threads must be at least 1")]
+    Threads,
+    #[error("cannot build the tokio runtime: {0}")]
+    Runtime(std::io::Error),
+    #[error("cannot bind {what} on {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot write --ready-file {path}: {source}")]
+    ReadyFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("narwhal-engine-sim: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<(), StartError> {
+    if !(cli.kv_lease_s.is_finite() && cli.kv_lease_s > 0.0) {
+        return Err(StartError::Lease(cli.kv_lease_s));
+    }
+    if cli.threads == 0 {
+        return Err(StartError::Threads);
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cli.threads)
+        .enable_all()
+        .build()
+        .map_err(StartError::Runtime)?;
+    rt.block_on(serve(cli))
+}
+
+async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind { what, addr, source })
+}
+
+async fn serve(cli: Cli) -> Result<(), StartError> {
+    let settings = Settings {
+        model: cli.model.clone(),
+        dialect: cli.dialect,
+        engine_id: cli
+            .engine_id
+            .clone()
+            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
+        seed: cli.seed,
+        ttft: Duration::from_millis(cli.ttft_ms),
+        prefill_per_token: Duration::from_micros(cli.prefill_us_per_token),
+        tpot: Duration::from_millis(cli.tpot_ms),
+        kv_transfer: Duration::from_millis(cli.kv_transfer_ms),
+        kv_lease: Duration::from_secs_f64(cli.kv_lease_s),
+        mode: cli.disaggregation_mode,
+        max_running: cli.max_running,
+        max_model_len: cli.max_model_len,
+    };
+    let http = bind("--listen", cli.listen).await?;
+    let http_addr = local(&http, cli.listen);
+    let kv = match cli.dialect {
+        Dialect::Vllm => Some(bind("--kv-listen", cli.kv_listen).await?),
+        Dialect::Sglang => None,
+    };
+    let bootstrap = match (cli.dialect, cli.disaggregation_mode) {
+        (Dialect::Sglang, Mode::Prefill) => {
+            let addr = SocketAddr::new(cli.listen.ip(), cli.bootstrap_port);
+            Some(bind("--bootstrap-port", addr).await?)
+        }
+        _ => None,
+    };
+    let kv_addr = kv.as_ref().map(|l| local(l, cli.kv_listen));
+    let bootstrap_addr = bootstrap.as_ref().map(|l| local(l, cli.listen));
+    let url = format!("http://{http_addr}");
+    let sim = Arc::new(Sim::new(
+        settings,
+        url.clone(),
+        kv_addr,
+        bootstrap_addr,
+        process_start_time(),
+    ));
+    if let Some(l) = kv {
+        tokio::spawn(transfer::serve(l, sim.clone()));
+    }
+    if let Some(l) = bootstrap {
+        tokio::spawn(transfer::serve(l, sim.clone()));
+    }
+    let sweeper = sim.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            sweeper.expire(Instant::now());
+        }
+    });
+    let server = tokio::spawn(server::serve_http(http, sim.clone()));
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "narwhal-engine-sim listening on {url}");
+        let _ = out.flush();
+    }
+    if let Some(path) = &cli.ready_file {
+        let doc = serde_json::json!({
+            "url": url,
+            "pid": std::process::id(),
+            "engine_id": sim.engine_id,
+            "kv_port": kv_addr.map(|a| a.port()),
+            "bootstrap_port": bootstrap_addr.map(|a| a.port()),
+        });
+        write_atomic(path, &doc.to_string()).map_err(|source| StartError::ReadyFile {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    tracing::info!(url = %url, engine.id = %sim.engine_id, "serving");
+    let _ = server.await;
+    Ok(())
+}
+
+fn local(l: &TcpListener, fallback: SocketAddr) -> SocketAddr {
+    l.local_addr().unwrap_or(fallback)
+}
+
+/// Writes `text` to `path` through a temporary file in the same directory and a rename.
+fn write_atomic(path: &Path, text: &str) -> std::io::Result<()> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+    tmp.write_all(text.as_bytes())?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    Ok(())
+}
+
+/// This process's start time in Unix seconds, computed as the agent and Prometheus' process
+/// collector do: `btime + starttime / CLK_TCK` (proc(5) `/proc/self/stat` field 22, `/proc/stat`
+/// `btime`). Falls back to the current time when `/proc` is unreadable.
+fn process_start_time() -> f64 {
+    let from_proc = || -> Option<f64> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let after = &stat[stat.rfind(')')? + 1..];
+        // Fields after the command: state is field 3, starttime is field 22 → index 19.
+        let ticks: f64 = after.split_whitespace().nth(19)?.parse().ok()?;
+        let sys = std::fs::read_to_string("/proc/stat").ok()?;
+        let btime: f64 = sys
+            .lines()
+            .find_map(|l| l.strip_prefix("btime "))?
+            .trim()
+            .parse()
+            .ok()?;
+        let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+            .ok()
+            .flatten()
+            .filter(|h| *h > 0)
+            .unwrap_or(100) as f64;
+        Some(btime + ticks / hz)
+    };
+    from_proc().unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64())
+    })
+}

@@ -1,0 +1,909 @@
+//! HTTP front end: connection loop (hyper HTTP/1), routing, and the completion pipeline per
+//! dialect and phase.
+//!
+//! ```text
+//!  TCP ─► hyper http1 conn (kill switch for "drop" faults) ─► route()
+//!    /v1/completions, /v1/chat/completions ─► parse ─► phase ─► Tracker ─► fault ─► serve_phase
+//!        prefill:    compute (ttft + per-token) ─► issue blocks / publish room ─► 1 answer
+//!        decode:     side channel read / room pull ─► hash check ─► kv_transfer delay ─► tokens
+//!        aggregated: compute ─► tokens (kv.recomputed where decode-capable)
+//!    /health /v1/models /tokenize /version /metrics /server_info /get_model_info /sim/*
+//! ```
+//!
+//! The rules come from docs/engine-simulator.md (the simulator's contract) and
+//! spec/reference-notes.md sections 7.1 to 7.3 (what the router sends and expects).
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::body::{SimBody, StreamPlan, TokenStream};
+use crate::faults::{Action, FaultQueue, Phase, parse_faults};
+use crate::kv::{BlockStore, KvPayload, RoomError, RoomState, RoomStore};
+use crate::protocol::{
+    self, ApiError, ChunkFormat, Kind, KvParams, Limits, Parsed, error_frames, full_response,
+};
+use crate::stats::{Outcome, Stats, Tracker};
+use crate::tokenizer;
+use crate::transfer::{self, TransferError};
+
+/// Largest request body accepted (bytes).
+const MAX_BODY: usize = 32 << 20;
+
+/// Longest an SGLang decode waits for its room to be published (bounded further by the lease).
+const ROOM_WAIT_MAX: Duration = Duration::from_secs(5);
+
+/// Bound on a vLLM side-channel read reply.
+const READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Version strings reported by `/version` (vLLM) and `/server_info` (SGLang).
+pub(crate) const VLLM_VERSION: &str = "0.11.0-sim";
+pub(crate) const SGLANG_VERSION: &str = "0.5.3-sim";
+
+/// Which engine the simulator impersonates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Dialect {
+    /// vLLM OpenAI server with the NIXL connector.
+    Vllm,
+    /// SGLang server with bootstrap disaggregation.
+    Sglang,
+}
+
+impl Dialect {
+    /// Wire name.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Dialect::Vllm => "vllm",
+            Dialect::Sglang => "sglang",
+        }
+    }
+}
+
+/// SGLang `--disaggregation-mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Mode {
+    /// Aggregated serving.
+    Null,
+    /// Prefill server with a bootstrap server.
+    Prefill,
+    /// Decode server pulling from prefill bootstrap servers.
+    Decode,
+}
+
+impl Mode {
+    /// Wire name.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Mode::Null => "null",
+            Mode::Prefill => "prefill",
+            Mode::Decode => "decode",
+        }
+    }
+}
+
+/// Behaviour settings of a running simulator (from the CLI; units in the names).
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub(crate) model: String,
+    pub(crate) dialect: Dialect,
+    pub(crate) engine_id: String,
+    pub(crate) seed: u64,
+    pub(crate) ttft: Duration,
+    pub(crate) prefill_per_token: Duration,
+    pub(crate) tpot: Duration,
+    pub(crate) kv_transfer: Duration,
+    pub(crate) kv_lease: Duration,
+    pub(crate) mode: Mode,
+    pub(crate) max_running: u64,
+    pub(crate) max_model_len: u64,
+}
+
+/// SGLang rooms plus the decode requests waiting for them.
+pub(crate) struct Rooms {
+    pub(crate) store: RoomStore,
+    pub(crate) waiters: HashMap<u64, Vec<tokio::sync::oneshot::Sender<()>>>,
+}
+
+/// Shared state of one simulator process.
+pub(crate) struct Sim {
+    pub(crate) cfg: Settings,
+    pub(crate) engine_id: String,
+    /// `http://host:port` of the HTTP listener.
+    pub(crate) url: String,
+    /// vLLM side channel address (`remote_host`/`remote_port`).
+    pub(crate) kv_addr: Option<SocketAddr>,
+    /// SGLang bootstrap server address (prefill mode).
+    pub(crate) bootstrap_addr: Option<SocketAddr>,
+    pub(crate) stats: Arc<Stats>,
+    /// Process start, Unix seconds (the value `/proc` gives).
+    pub(crate) started_at: f64,
+    faults: Mutex<FaultQueue>,
+    faults_armed: AtomicBool,
+    blocks: Mutex<BlockStore>,
+    rooms: Mutex<Rooms>,
+    id_prefix: u64,
+    id_counter: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // No critical section can leave these structures half-updated; keep serving after a panic.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+impl Sim {
+    /// Builds the state; listeners are bound by the caller.
+    pub(crate) fn new(
+        cfg: Settings,
+        url: String,
+        kv_addr: Option<SocketAddr>,
+        bootstrap_addr: Option<SocketAddr>,
+        started_at: f64,
+    ) -> Self {
+        Sim {
+            engine_id: cfg.engine_id.clone(),
+            blocks: Mutex::new(BlockStore::new(cfg.kv_lease)),
+            rooms: Mutex::new(Rooms {
+                store: RoomStore::new(cfg.kv_lease),
+                waiters: HashMap::new(),
+            }),
+            cfg,
+            url,
+            kv_addr,
+            bootstrap_addr,
+            stats: Arc::new(Stats::default()),
+            started_at,
+            faults: Mutex::new(FaultQueue::default()),
+            faults_armed: AtomicBool::new(false),
+            id_prefix: rand::random::<u64>(),
+            id_counter: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn blocks_lock(&self) -> MutexGuard<'_, BlockStore> {
+        lock(&self.blocks)
+    }
+
+    pub(crate) fn rooms_lock(&self) -> MutexGuard<'_, Rooms> {
+        lock(&self.rooms)
+    }
+
+    /// A fresh 32-hex-digit id (process-random prefix + counter).
+    fn new_id(&self) -> String {
+        let n = self.id_counter.fetch_add(1, Relaxed);
+        format!("{:016x}{:016x}", self.id_prefix, n)
+    }
+
+    fn take_fault(&self, phase: Phase) -> Option<Action> {
+        if !self.faults_armed.load(Relaxed) {
+            return None;
+        }
+        let mut q = lock(&self.faults);
+        let a = q.take(phase);
+        self.faults_armed.store(!q.is_empty(), Relaxed);
+        a
+    }
+
+    /// Phase of a parsed request (docs/engine-simulator.md, "Phases").
+    fn phase_of(&self, p: &Parsed) -> Phase {
+        match self.cfg.dialect {
+            Dialect::Vllm => match p.kv {
+                KvParams::RemoteDecode => Phase::Prefill,
+                KvParams::RemotePrefill(_) | KvParams::BadRemotePrefill(_) => Phase::Decode,
+                KvParams::None => Phase::Aggregated,
+            },
+            Dialect::Sglang => match (self.cfg.mode, &p.bootstrap) {
+                (Mode::Prefill, Some(_)) => Phase::Prefill,
+                (Mode::Decode, Some(_)) => Phase::Decode,
+                _ => Phase::Aggregated,
+            },
+        }
+    }
+
+    /// Frees expired KV; called by the sweeper task.
+    pub(crate) fn expire(&self, now: Instant) {
+        let n = self.blocks_lock().expire(now);
+        let m = self.rooms_lock().store.expire(now);
+        if n + m > 0 {
+            self.stats.kv_expired.fetch_add(n + m, Relaxed);
+        }
+    }
+
+    fn publish_room(&self, room: u64, state: RoomState) -> Result<(), RoomError> {
+        let mut g = self.rooms_lock();
+        g.store.publish(Instant::now(), room, state)?;
+        if let Some(ws) = g.waiters.remove(&room) {
+            for w in ws {
+                let _ = w.send(());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Serves HTTP/1 on `listener` until the process exits.
+pub(crate) async fn serve_http(listener: TcpListener, sim: Arc<Sim>) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let sim = sim.clone();
+        tokio::spawn(async move {
+            let kill = CancellationToken::new();
+            let k2 = kill.clone();
+            let svc = service_fn(move |req| {
+                let sim = sim.clone();
+                let kill = k2.clone();
+                async move { Ok::<_, Infallible>(route(sim, kill, req).await) }
+            });
+            let conn = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .serve_connection(TokioIo::new(stream), svc);
+            tokio::select! {
+                _ = conn => {}
+                _ = kill.cancelled() => {}
+            }
+        });
+    }
+}
+
+fn json_response(status: u16, v: &Value) -> Response<SimBody> {
+    json_bytes(status, serde_json::to_vec(v).unwrap_or_default(), None)
+}
+
+fn json_bytes(status: u16, bytes: Vec<u8>, fragment: Option<usize>) -> Response<SimBody> {
+    let mut r = Response::new(SimBody::fragmented(bytes, fragment));
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+fn text_response(status: u16, ctype: &'static str, body: String) -> Response<SimBody> {
+    let mut r = Response::new(SimBody::full(body));
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(ctype));
+    r
+}
+
+fn sse_response(body: SimBody) -> Response<SimBody> {
+    let mut r = Response::new(body);
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
+
+fn api_error(e: &ApiError) -> Response<SimBody> {
+    json_response(e.status, &e.body())
+}
+
+fn detail(status: u16, msg: &str) -> Response<SimBody> {
+    json_response(status, &json!({ "detail": msg }))
+}
+
+async fn read_body(body: Incoming) -> Result<Bytes, ApiError> {
+    match Limited::new(body, MAX_BODY).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) => Err(ApiError::bad_request(format!(
+            "could not read the request body (limit {MAX_BODY} bytes): {e}"
+        ))),
+    }
+}
+
+async fn route(
+    sim: Arc<Sim>,
+    kill: CancellationToken,
+    req: Request<Incoming>,
+) -> Response<SimBody> {
+    let vllm = sim.cfg.dialect == Dialect::Vllm;
+    let path = req.uri().path().to_string();
+    let m = req.method().clone();
+    match (path.as_str(), &m) {
+        ("/v1/completions", &Method::POST) => completion(&sim, &kill, Kind::Completion, req).await,
+        ("/v1/chat/completions", &Method::POST) => completion(&sim, &kill, Kind::Chat, req).await,
+        ("/health", &Method::GET) => health(&sim).await,
+        ("/v1/models", &Method::GET) => models(&sim),
+        ("/tokenize", &Method::POST) => tokenize(&sim, req).await,
+        ("/version", &Method::GET) if vllm => json_response(200, &json!({"version": VLLM_VERSION})),
+        ("/metrics", &Method::GET) => metrics(&sim),
+        ("/server_info" | "/get_server_info", &Method::GET) if !vllm => server_info(&sim),
+        ("/get_model_info", &Method::GET) if !vllm => json_response(
+            200,
+            &json!({"model_path": sim.cfg.model, "tokenizer_path": sim.cfg.model,
+                    "is_generation": true}),
+        ),
+        ("/sim/faults", &Method::GET) => {
+            let list = lock(&sim.faults).list();
+            json_response(200, &json!({ "faults": list }))
+        }
+        ("/sim/faults", &Method::POST) => match read_body(req.into_body()).await {
+            Err(e) => api_error(&e),
+            Ok(b) => match parse_faults(&b) {
+                Err(e) => json_response(400, &json!({"error": e.to_string()})),
+                Ok(fs) => {
+                    let n = fs.len();
+                    let mut q = lock(&sim.faults);
+                    q.push(fs);
+                    sim.faults_armed.store(!q.is_empty(), Relaxed);
+                    json_response(200, &json!({"queued": n, "faults": q.list()}))
+                }
+            },
+        },
+        ("/sim/faults", &Method::DELETE) => {
+            let mut q = lock(&sim.faults);
+            let n = q.list().len();
+            q.clear();
+            sim.faults_armed.store(false, Relaxed);
+            json_response(200, &json!({ "cleared": n }))
+        }
+        ("/sim/stats", &Method::GET) => {
+            let doc = sim.stats.doc(
+                &sim.engine_id,
+                sim.cfg.dialect.as_str(),
+                &sim.cfg.model,
+                sim.started_at,
+            );
+            json_bytes(200, serde_json::to_vec(&doc).unwrap_or_default(), None)
+        }
+        ("/sim/stats/reset", &Method::POST) => {
+            sim.stats.reset();
+            json_response(200, &json!({ "reset": true }))
+        }
+        (
+            "/v1/completions"
+            | "/v1/chat/completions"
+            | "/health"
+            | "/v1/models"
+            | "/tokenize"
+            | "/metrics"
+            | "/sim/faults"
+            | "/sim/stats"
+            | "/sim/stats/reset",
+            _,
+        ) => detail(405, "Method Not Allowed"),
+        _ => detail(404, "Not Found"),
+    }
+}
+
+async fn health(sim: &Sim) -> Response<SimBody> {
+    match sim.take_fault(Phase::Health) {
+        Some(Action::Status { status, body }) => match body {
+            Some(b) => json_response(status, &b),
+            None => text_response(status, "text/plain", String::new()),
+        },
+        Some(Action::Hang { ms: Some(ms) }) => {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            Response::new(SimBody::empty())
+        }
+        Some(Action::Hang { ms: None }) => std::future::pending().await,
+        _ => Response::new(SimBody::empty()),
+    }
+}
+
+fn models(sim: &Sim) -> Response<SimBody> {
+    let owner = sim.cfg.dialect.as_str();
+    let created = sim.started_at as u64;
+    json_response(
+        200,
+        &json!({"object": "list", "data": [{
+            "id": sim.cfg.model, "object": "model", "created": created, "owned_by": owner,
+            "root": sim.cfg.model, "parent": null, "max_model_len": sim.cfg.max_model_len,
+        }]}),
+    )
+}
+
+async fn tokenize(sim: &Sim, req: Request<Incoming>) -> Response<SimBody> {
+    let b = match read_body(req.into_body()).await {
+        Ok(b) => b,
+        Err(e) => return api_error(&e),
+    };
+    let limits = Limits {
+        model: &sim.cfg.model,
+        max_model_len: sim.cfg.max_model_len,
+    };
+    match protocol::parse_tokenize(&b, &limits) {
+        Ok(ids) => json_response(
+            200,
+            &json!({"count": ids.len(), "max_model_len": sim.cfg.max_model_len, "tokens": ids}),
+        ),
+        Err(e) => api_error(&e),
+    }
+}
+
+fn server_info(sim: &Sim) -> Response<SimBody> {
+    let (host, port) = match sim
+        .url
+        .strip_prefix("http://")
+        .and_then(|a| a.rsplit_once(':'))
+    {
+        Some((h, p)) => (h.to_string(), p.parse::<u16>().unwrap_or(0)),
+        None => (String::new(), 0),
+    };
+    json_response(
+        200,
+        &json!({
+            "model_path": sim.cfg.model,
+            "tokenizer_path": sim.cfg.model,
+            "served_model_name": sim.cfg.model,
+            "host": host,
+            "port": port,
+            "tp_size": 1,
+            "context_length": sim.cfg.max_model_len,
+            "max_running_requests": sim.cfg.max_running,
+            "disaggregation_mode": sim.cfg.mode.as_str(),
+            "disaggregation_bootstrap_port": sim.bootstrap_addr.map(|a| a.port()),
+            "disaggregation_transfer_backend": "mooncake",
+            "random_seed": sim.cfg.seed,
+            "version": SGLANG_VERSION,
+        }),
+    )
+}
+
+fn metrics(sim: &Sim) -> Response<SimBody> {
+    use std::fmt::Write as _;
+    let s = &sim.stats;
+    let model = sim.cfg.model.replace('\\', "\\\\").replace('"', "\\\"");
+    let running = s.in_flight.load(Relaxed).max(0);
+    let prompt = s.prom_prompt_tokens.load(Relaxed);
+    let gen_tokens = s.prom_generation_tokens.load(Relaxed);
+    let success = s.prom_success.load(Relaxed);
+    let mut out = String::with_capacity(2048);
+    let (p, running_name, waiting_name, success_line) = match sim.cfg.dialect {
+        Dialect::Vllm => (
+            "vllm",
+            "num_requests_running",
+            "num_requests_waiting",
+            format!(
+                "vllm:request_success_total{{engine=\"0\",finished_reason=\"length\",model_name=\"{model}\"}} {success}\n"
+            ),
+        ),
+        Dialect::Sglang => (
+            "sglang",
+            "num_running_reqs",
+            "num_queue_reqs",
+            format!("sglang:num_requests_total{{model_name=\"{model}\"}} {success}\n"),
+        ),
+    };
+    let labels = match sim.cfg.dialect {
+        Dialect::Vllm => format!("{{engine=\"0\",model_name=\"{model}\"}}"),
+        Dialect::Sglang => format!("{{model_name=\"{model}\"}}"),
+    };
+    let _ = write!(
+        out,
+        "# HELP {p}:{running_name} Number of requests running.\n\
+         # TYPE {p}:{running_name} gauge\n\
+         {p}:{running_name}{labels} {running}\n\
+         # HELP {p}:{waiting_name} Number of requests waiting.\n\
+         # TYPE {p}:{waiting_name} gauge\n\
+         {p}:{waiting_name}{labels} 0\n\
+         # HELP {p}:prompt_tokens_total Number of prefill tokens processed.\n\
+         # TYPE {p}:prompt_tokens_total counter\n\
+         {p}:prompt_tokens_total{labels} {prompt}\n\
+         # HELP {p}:generation_tokens_total Number of generation tokens processed.\n\
+         # TYPE {p}:generation_tokens_total counter\n\
+         {p}:generation_tokens_total{labels} {gen_tokens}\n"
+    );
+    let success_name = match sim.cfg.dialect {
+        Dialect::Vllm => "request_success_total",
+        Dialect::Sglang => "num_requests_total",
+    };
+    let _ = write!(
+        out,
+        "# HELP {p}:{success_name} Count of successfully processed requests.\n\
+         # TYPE {p}:{success_name} counter\n{success_line}"
+    );
+    let _ = write!(
+        out,
+        "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n\
+         # TYPE process_start_time_seconds gauge\n\
+         process_start_time_seconds {}\n",
+        sim.started_at
+    );
+    text_response(200, "text/plain; version=0.0.4; charset=utf-8", out)
+}
+
+/// Answers a request that failed inside serving: an SSE error frame on a 200 stream when the
+/// client asked to stream (vLLM has already sent its head), else the JSON error with its status.
+fn fail(tracker: &mut Tracker, stream: bool, e: &ApiError) -> Response<SimBody> {
+    if stream {
+        tracker.mark_head_sent();
+        tracker.finish(Outcome::Error, 200, 0);
+        sse_response(SimBody::full(error_frames(e)))
+    } else {
+        tracker.finish(Outcome::Error, e.status, 0);
+        api_error(e)
+    }
+}
+
+/// Everything the answer of one request needs besides the tracker.
+struct Answer<'a> {
+    parsed: &'a Parsed,
+    id: String,
+    created: u64,
+    prompt_hash: u64,
+    kv_params: Option<Value>,
+    fragment: Option<usize>,
+    cut: Option<u32>,
+}
+
+fn respond(sim: &Sim, mut tracker: Tracker, a: Answer<'_>) -> Response<SimBody> {
+    let p = a.parsed;
+    if p.stream {
+        let fmt = ChunkFormat::new(
+            p.kind,
+            &a.id,
+            &sim.cfg.model,
+            a.created,
+            p.return_token_ids,
+            &p.prompt,
+        );
+        let final_extra = a
+            .kv_params
+            .map(|kv| format!("\"kv_transfer_params\":{kv}"))
+            .unwrap_or_default();
+        let plan = StreamPlan {
+            fmt,
+            prompt_hash: a.prompt_hash,
+            prompt_tokens: p.prompt.len() as u64,
+            seed: sim.cfg.seed,
+            max_tokens: p.max_tokens,
+            role_chunk: p.kind == Kind::Chat,
+            include_usage: p.include_usage,
+            tpot: sim.cfg.tpot,
+            cut_after: a.cut.map(u64::from),
+            fragment: a.fragment,
+            final_extra,
+        };
+        let stream = TokenStream::new(plan, tracker, sim.stats.clone());
+        return sse_response(SimBody::Stream(Box::new(stream)));
+    }
+    let (text, ids) = tokenizer::generated_text(a.prompt_hash, sim.cfg.seed, p.max_tokens);
+    sim.stats
+        .prom_generation_tokens
+        .fetch_add(ids.len() as u64, Relaxed);
+    let v = full_response(
+        p.kind,
+        &a.id,
+        &sim.cfg.model,
+        a.created,
+        text,
+        &ids,
+        &p.prompt,
+        p.return_token_ids,
+        a.kv_params,
+    );
+    tracker.finish(Outcome::Ok, 200, ids.len() as u64);
+    json_bytes(200, serde_json::to_vec(&v).unwrap_or_default(), a.fragment)
+}
+
+async fn completion(
+    sim: &Arc<Sim>,
+    kill: &CancellationToken,
+    kind: Kind,
+    req: Request<Incoming>,
+) -> Response<SimBody> {
+    let header_rid = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let created = unix_now() as u64;
+    let limits = Limits {
+        model: &sim.cfg.model,
+        max_model_len: sim.cfg.max_model_len,
+    };
+    let parsed = match read_body(req.into_body()).await {
+        Ok(b) => protocol::parse_request(kind, &b, &limits),
+        Err(e) => Err(e),
+    };
+    let parsed = match parsed {
+        Ok(p) => p,
+        Err(e) => {
+            sim.stats.count_arrival(Phase::Aggregated);
+            let rid = match sim.cfg.dialect {
+                Dialect::Vllm => header_rid,
+                Dialect::Sglang => None,
+            };
+            let mut t = Tracker::new(
+                sim.stats.clone(),
+                rid.unwrap_or_else(|| sim.new_id()),
+                Phase::Aggregated,
+            );
+            t.finish(Outcome::Error, e.status, 0);
+            return api_error(&e);
+        }
+    };
+    let phase = sim.phase_of(&parsed);
+    let request_id = match sim.cfg.dialect {
+        Dialect::Vllm => header_rid,
+        Dialect::Sglang => parsed.rid.clone(),
+    }
+    .unwrap_or_else(|| sim.new_id());
+    sim.stats.count_arrival(phase);
+    let mut tracker = Tracker::new(sim.stats.clone(), request_id, phase);
+    if let Some(b) = &parsed.bootstrap {
+        tracker.set_kv(None, Some(b.room), None);
+    }
+    if sim.cfg.max_running > 0 && sim.stats.in_flight.load(Relaxed) > sim.cfg.max_running as i64 {
+        let e = ApiError {
+            status: 429,
+            kind: "TooManyRequestsError",
+            message: format!(
+                "the engine is at its limit of {} running requests (--max-running)",
+                sim.cfg.max_running
+            ),
+        };
+        tracker.finish(Outcome::Error, 429, 0);
+        return api_error(&e);
+    }
+    let fault = sim.take_fault(phase);
+    let mut fragment = None;
+    let mut cut = None;
+    let mut omit_kv = false;
+    if let Some(f) = &fault {
+        tracker.mark_fault();
+        let sglang_room = match (phase, &parsed.bootstrap) {
+            (Phase::Prefill, Some(b)) if sim.cfg.dialect == Dialect::Sglang => Some(b.room),
+            _ => None,
+        };
+        match f {
+            Action::Status { status, body } => {
+                if let Some(room) = sglang_room {
+                    let _ = sim.publish_room(
+                        room,
+                        RoomState::Failed(format!("prefill answered injected status {status}")),
+                    );
+                }
+                tracker.finish(Outcome::Error, *status, 0);
+                let body = body.clone().unwrap_or_else(|| {
+                    protocol::error_json(*status, "InjectedFault", "injected fault (status)")
+                });
+                return json_response(*status, &body);
+            }
+            Action::Drop => return drop_connection(sim, &mut tracker, kill, sglang_room).await,
+            Action::Cut { .. } if !parsed.stream => {
+                return drop_connection(sim, &mut tracker, kill, sglang_room).await;
+            }
+            Action::Cut { after_tokens } => cut = Some(*after_tokens),
+            Action::Hang { ms } => {
+                tokio::time::sleep(Duration::from_millis(ms.unwrap_or(0))).await;
+            }
+            Action::OmitKv => omit_kv = true,
+            Action::Fragment { bytes } => fragment = Some(*bytes),
+        }
+    }
+    let prompt_hash = tokenizer::prompt_hash(&parsed.prompt);
+    let n_prompt = parsed.prompt.len();
+    sim.stats
+        .prom_prompt_tokens
+        .fetch_add(n_prompt as u64, Relaxed);
+    let rid = tracker.request_id().to_string();
+    let id = match (sim.cfg.dialect, kind) {
+        (Dialect::Vllm, Kind::Completion) => format!("cmpl-{rid}"),
+        (Dialect::Vllm, Kind::Chat) => format!("chatcmpl-{rid}"),
+        (Dialect::Sglang, _) => rid.clone(),
+    };
+    let compute = sim.cfg.ttft + sim.cfg.prefill_per_token * n_prompt as u32;
+    let mut answer = Answer {
+        parsed: &parsed,
+        id,
+        created,
+        prompt_hash,
+        kv_params: None,
+        fragment,
+        cut,
+    };
+    let payload = || KvPayload {
+        prompt_hash,
+        prompt_tokens: n_prompt,
+        request_id: rid.clone(),
+    };
+    match (sim.cfg.dialect, phase) {
+        (Dialect::Vllm, Phase::Prefill) => {
+            sleep(compute).await;
+            if !omit_kv {
+                let block_ids = sim.blocks_lock().issue(Instant::now(), payload());
+                sim.stats.kv_issued.fetch_add(1, Relaxed);
+                let (host, port) = match sim.kv_addr {
+                    Some(a) if a.ip().is_unspecified() => ("127.0.0.1".to_string(), a.port()),
+                    Some(a) => (a.ip().to_string(), a.port()),
+                    None => ("127.0.0.1".to_string(), 0),
+                };
+                answer.kv_params = Some(json!({
+                    "do_remote_prefill": true,
+                    "do_remote_decode": false,
+                    "remote_engine_id": sim.engine_id,
+                    "remote_block_ids": block_ids,
+                    "remote_host": host,
+                    "remote_port": port,
+                    "remote_request_id": answer.id,
+                    "tp_size": 1,
+                }));
+                tracker.set_kv(None, None, Some(block_ids));
+            }
+            respond(sim, tracker, answer)
+        }
+        (Dialect::Vllm, Phase::Decode) => {
+            sleep(sim.cfg.ttft).await;
+            let d = match &parsed.kv {
+                KvParams::RemotePrefill(d) => d,
+                KvParams::BadRemotePrefill(m) => {
+                    sim.stats.kv_rejected.fetch_add(1, Relaxed);
+                    let e = ApiError::internal(format!("invalid kv_transfer_params: {m}"));
+                    return fail(&mut tracker, parsed.stream, &e);
+                }
+                _ => unreachable_phase(),
+            };
+            tracker.set_kv(Some(d.engine_id.clone()), None, Some(d.block_ids.clone()));
+            let req = transfer::Request::ReadBlocks {
+                engine_id: d.engine_id.clone(),
+                block_ids: d.block_ids.clone(),
+                consumer: sim.url.clone(),
+            };
+            let res = transfer::call(&d.host, d.port, &req, READ_TIMEOUT).await;
+            match check_transfer(res, prompt_hash) {
+                Ok(_) => {
+                    sim.stats.kv_consumed.fetch_add(1, Relaxed);
+                    sleep(sim.cfg.kv_transfer).await;
+                    respond(sim, tracker, answer)
+                }
+                Err(msg) => {
+                    sim.stats.kv_rejected.fetch_add(1, Relaxed);
+                    let e = ApiError::internal(format!(
+                        "KV transfer for request {rid} from engine {} failed: {msg}",
+                        d.engine_id
+                    ));
+                    fail(&mut tracker, parsed.stream, &e)
+                }
+            }
+        }
+        (Dialect::Sglang, Phase::Prefill) => {
+            let Some(b) = &parsed.bootstrap else {
+                unreachable_phase()
+            };
+            sleep(compute).await;
+            if !omit_kv {
+                if let Err(e) = sim.publish_room(b.room, RoomState::Ready(payload())) {
+                    let e = ApiError::bad_request(e.to_string());
+                    tracker.finish(Outcome::Error, 400, 0);
+                    return api_error(&e);
+                }
+                sim.stats.kv_issued.fetch_add(1, Relaxed);
+            }
+            respond(sim, tracker, answer)
+        }
+        (Dialect::Sglang, Phase::Decode) => {
+            let Some(b) = &parsed.bootstrap else {
+                unreachable_phase()
+            };
+            sleep(sim.cfg.ttft).await;
+            let wait = ROOM_WAIT_MAX.min(sim.cfg.kv_lease);
+            let req = transfer::Request::PullRoom {
+                room: b.room,
+                wait_ms: wait.as_millis() as u64,
+                consumer: sim.url.clone(),
+            };
+            let res = transfer::call(&b.host, b.port, &req, wait + Duration::from_secs(2)).await;
+            if let Ok(r) = &res {
+                tracker.set_kv(Some(r.engine_id.clone()), None, None);
+            }
+            match check_transfer(res, prompt_hash) {
+                Ok(_) => {
+                    sim.stats.kv_consumed.fetch_add(1, Relaxed);
+                    sleep(sim.cfg.kv_transfer).await;
+                    respond(sim, tracker, answer)
+                }
+                Err(msg) => {
+                    sim.stats.kv_rejected.fetch_add(1, Relaxed);
+                    let e = ApiError::internal(format!(
+                        "KV transfer for rid {rid} (bootstrap room {}) failed: {msg}",
+                        b.room
+                    ));
+                    fail(&mut tracker, parsed.stream, &e)
+                }
+            }
+        }
+        (_, _) => {
+            if sim.cfg.dialect == Dialect::Sglang
+                && sim.cfg.mode != Mode::Null
+                && (parsed.bootstrap_partial || sim.cfg.mode == Mode::Prefill)
+            {
+                let e = ApiError::bad_request(format!(
+                    "a {}-mode server requires bootstrap_host, bootstrap_port and \
+                     bootstrap_room",
+                    sim.cfg.mode.as_str()
+                ));
+                tracker.finish(Outcome::Error, 400, 0);
+                return api_error(&e);
+            }
+            sleep(compute).await;
+            let decode_capable = match sim.cfg.dialect {
+                Dialect::Vllm => true,
+                Dialect::Sglang => sim.cfg.mode == Mode::Decode,
+            };
+            if decode_capable {
+                sim.stats.kv_recomputed.fetch_add(1, Relaxed);
+            }
+            respond(sim, tracker, answer)
+        }
+    }
+}
+
+#[track_caller]
+fn unreachable_phase() -> ! {
+    // phase_of() only yields Decode/Prefill when the matching fields were parsed.
+    unreachable!("phase without its KV fields")
+}
+
+async fn sleep(d: Duration) {
+    if !d.is_zero() {
+        tokio::time::sleep(d).await;
+    }
+}
+
+/// Checks a side-channel reply against this request's prompt.
+fn check_transfer(
+    res: Result<transfer::Reply, TransferError>,
+    prompt_hash: u64,
+) -> Result<transfer::Reply, String> {
+    let r = res.map_err(|e| e.to_string())?;
+    if r.prompt_hash != prompt_hash {
+        return Err(format!(
+            "the transferred KV belongs to a different prompt (producer request {}, prompt hash \
+             {:016x}, this request {:016x})",
+            r.request_id, r.prompt_hash, prompt_hash
+        ));
+    }
+    Ok(r)
+}
+
+/// Closes the connection without a response ("drop" fault, or "cut" on a non-streaming request).
+async fn drop_connection(
+    sim: &Sim,
+    tracker: &mut Tracker,
+    kill: &CancellationToken,
+    sglang_room: Option<u64>,
+) -> Response<SimBody> {
+    if let Some(room) = sglang_room {
+        let _ = sim.publish_room(
+            room,
+            RoomState::Failed("prefill connection dropped (injected fault)".into()),
+        );
+    }
+    tracker.finish_fault(0, 0);
+    kill.cancel();
+    std::future::pending().await
+}
