@@ -1,1 +1,114 @@
-//! placeholder
+//! `narwhal-agent`: the per-host engine agent (DESIGN.md sections 1, 3, 4; issue #3).
+//!
+//! ```text
+//!   router ──mTLS──► http (axum) ──► Agent ──► fence (state_dir/fence.json)
+//!                                      ├─► process (/proc identity of each engine)
+//!                                      ├─► plugin (vLLM | SGLang, loopback HTTP to engines)
+//!                                      └─► SigningKey (Ed25519) ──► SignedDocument
+//! ```
+//! The crate is a library with a thin `main`: [`Config::load`], [`Agent::new`], [`run`].
+//! Embedders (tests, the dev fleet) can use the plugins directly via [`plugin_for`].
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
+
+mod agent;
+mod config;
+mod fence;
+mod http;
+mod keys;
+mod plugin;
+mod process;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use agent::{Agent, RequestError, engine_http_client};
+pub use config::{CONFIG_SCHEMA, Config, ConfigError, ContractDocument, EngineConfig, Timeouts};
+pub use fence::{Decision, EpochStore, FenceError, FenceState, decide};
+pub use http::{router, status_of};
+pub use keys::{KeyFileError, keygen, load as load_signing_key};
+pub use plugin::{
+    BoxFuture, Dialect, EngineCtx, EngineError, EnginePlugin, KvCounters, SglangPlugin, VllmPlugin,
+    plugin_for,
+};
+pub use process::{
+    ProcessError, ProcessLocator, StatFields, find_pid, locate, parse_stat, read_identity,
+};
+
+/// Startup errors; each names the config key at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The config file is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The signing key is missing, unreadable, too open or not a key.
+    #[error(transparent)]
+    Key(#[from] KeyFileError),
+    /// TLS material (config key `tls.*`) is unusable.
+    #[error(transparent)]
+    Tls(#[from] narwhal_shared::TlsError),
+    /// `state_dir` or its fence file is unusable.
+    #[error(transparent)]
+    Fence(#[from] FenceError),
+    /// The engine HTTP client could not be built.
+    #[error("engine http client: {0}")]
+    HttpClient(String),
+    /// Binding or serving failed.
+    #[error("listen {addr}: {source}")]
+    Listen {
+        /// Address.
+        addr: String,
+        /// I/O error.
+        source: std::io::Error,
+    },
+}
+
+/// Everything checked before binding: key, TLS, fence. Build it, then bind, then [`run`].
+pub struct Prepared {
+    /// The agent core.
+    pub agent: Arc<Agent>,
+    /// The TLS acceptor (client certificates required).
+    pub acceptor: tokio_rustls::TlsAcceptor,
+    /// The TLS handshake limit.
+    pub handshake: Duration,
+}
+
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared")
+            .field("agent", &self.agent)
+            .finish()
+    }
+}
+
+/// Loads key, TLS and fence for `config`.
+///
+/// # Errors
+/// [`Error`] naming the config key.
+pub fn prepare(config: &Config, clock: Arc<dyn narwhal_shared::Clock>) -> Result<Prepared, Error> {
+    let agent = Arc::new(Agent::new(config, clock)?);
+    let tls = config.tls.server_config()?;
+    Ok(Prepared {
+        agent,
+        acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(tls)),
+        handshake: Duration::from_secs_f64(config.timeouts.handshake_s),
+    })
+}
+
+/// Serves the agent on `listener` until `shutdown` resolves.
+pub async fn run(
+    prepared: Prepared,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()>,
+) {
+    let app = router(prepared.agent.clone());
+    http::serve(
+        listener,
+        prepared.acceptor,
+        app,
+        prepared.handshake,
+        shutdown,
+    )
+    .await;
+}

@@ -1,0 +1,581 @@
+//! The generic sidecar core: engines, identity, fencing, signing (DESIGN.md sections 3, 4).
+//!
+//! ```text
+//!   request ─► fence.admit(epoch, holder) ─► identity before ─► plugin leg(s) ─► identity after
+//!           ─► payload {header, result} ─► SigningKey::sign ─► SignedDocument
+//! ```
+//! A process change between the two identity reads fails the check (the result would speak
+//! for two processes). Engine-level failures of a check are signed results with `ok: false`;
+//! only fencing, unknown engines, unreadable identities and bad requests are HTTP errors.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use narwhal_shared::agent_protocol::{
+    EngineEntry, EnginesAnswer, FencedRequest, KvConsumeRequest, KvProduceRequest, ModelRequest,
+    ProbeProducer, ProbeRequest,
+};
+use narwhal_shared::attestation::{
+    SCHEMA_ATTESTATION, SCHEMA_GENERATION, SCHEMA_KV_CONSUME, SCHEMA_KV_PRODUCE, SCHEMA_PROBE,
+    SCHEMA_VERSION,
+};
+use narwhal_shared::{
+    AttestationPayload, Clock, GenerationPayload, Header, KvConsumePayload, KvProducePayload,
+    LegResult, ProbePayload, ProcessIdentity, PublicKey, SignedDocument, SigningKey,
+    TransferEvidence,
+};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::config::{Config, EngineConfig};
+use crate::fence::{EpochStore, FenceError};
+use crate::plugin::{EngineCtx, EngineError, EnginePlugin, KvCounters, plugin_for};
+use crate::process::{ProcessError, locate};
+
+/// Errors a request can end in (mapped to HTTP in `http.rs`).
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// No engine with this iid (404 `unknown_engine`).
+    #[error("no engine with iid {iid:?} on this agent")]
+    UnknownEngine {
+        /// The iid asked for.
+        iid: String,
+    },
+    /// Fenced off or fence not persisted (409 `stale_epoch` / `holder_conflict`, 500).
+    #[error(transparent)]
+    Fence(#[from] FenceError),
+    /// The engine's process could not be identified (503 `process_unavailable`).
+    #[error("engine {iid}: process identity: {source}")]
+    Process {
+        /// Engine.
+        iid: String,
+        /// Why.
+        source: ProcessError,
+    },
+    /// The engine did not answer a read the document needs (502 `engine_unavailable`).
+    #[error("engine {iid}: {source}")]
+    Engine {
+        /// Engine.
+        iid: String,
+        /// Why.
+        source: EngineError,
+    },
+    /// The request body is wrong (400 `bad_request`).
+    #[error("request field {field}: {reason}")]
+    BadRequest {
+        /// Offending field.
+        field: String,
+        /// Why.
+        reason: String,
+    },
+    /// Local failure (500 `internal`).
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+struct Engine {
+    cfg: EngineConfig,
+    ctx: EngineCtx,
+    plugin: Arc<dyn EnginePlugin>,
+}
+
+/// The agent: configured engines, key, fence and clock.
+pub struct Agent {
+    agent_id: String,
+    engines: Vec<Engine>,
+    key: SigningKey,
+    fence: EpochStore,
+    clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("agent_id", &self.agent_id)
+            .field(
+                "engines",
+                &self.engines.iter().map(|e| &e.cfg.iid).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+/// A plain-HTTP client for loopback engine calls. reqwest is built without a default crypto
+/// provider, so it gets an explicit ring config (unused for `http://` engines).
+pub fn engine_http_client(connect_timeout: Duration) -> Result<reqwest::Client, String> {
+    let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| e.to_string())?
+    .with_root_certificates(rustls::RootCertStore::empty())
+    .with_no_client_auth();
+    reqwest::Client::builder()
+        .use_preconfigured_tls(tls)
+        .no_proxy()
+        .connect_timeout(connect_timeout)
+        .pool_max_idle_per_host(2)
+        .build()
+        .map_err(|e| e.to_string())
+}
+
+fn sign<P: Serialize>(key: &SigningKey, payload: &P) -> Result<SignedDocument, RequestError> {
+    let value = serde_json::to_value(payload).map_err(|e| RequestError::Internal(e.to_string()))?;
+    Ok(key.sign(value))
+}
+
+fn changed_during(
+    before: &ProcessIdentity,
+    after: &Result<ProcessIdentity, RequestError>,
+) -> Option<String> {
+    match after {
+        Ok(a) if a.same_process(before) => None,
+        Ok(a) => Some(format!(
+            "engine process changed during the check (pid {} start_ticks {} → pid {} start_ticks {})",
+            before.pid, before.start_ticks, a.pid, a.start_ticks
+        )),
+        Err(e) => Some(format!("engine process unavailable after the check: {e}")),
+    }
+}
+
+fn taint(mut leg: LegResult, problem: Option<String>) -> LegResult {
+    if let Some(p) = problem {
+        leg.ok = false;
+        leg.error = Some(match leg.error {
+            Some(e) => format!("{p}; {e}"),
+            None => p,
+        });
+    }
+    leg
+}
+
+fn evidence(
+    before: Option<KvCounters>,
+    after: Option<KvCounters>,
+    leg_ok: bool,
+) -> TransferEvidence {
+    match (before, after) {
+        (Some(b), Some(a)) => {
+            let consumed = a.consumed - b.consumed;
+            let recomputed = a.recomputed - b.recomputed;
+            TransferEvidence {
+                source: "sim_stats".into(),
+                consumed_delta: Some(consumed),
+                recomputed_delta: Some(recomputed),
+                transferred: Some(leg_ok && consumed >= 1 && recomputed == 0),
+            }
+        }
+        _ => TransferEvidence {
+            source: "none".into(),
+            consumed_delta: None,
+            recomputed_delta: None,
+            transferred: None,
+        },
+    }
+}
+
+impl Agent {
+    /// Builds the agent from a validated config: loads the signing key (refusing loose
+    /// permissions) and opens the fence under `state_dir`.
+    ///
+    /// # Errors
+    /// [`crate::Error`] naming the config key.
+    pub fn new(config: &Config, clock: Arc<dyn Clock>) -> Result<Agent, crate::Error> {
+        let key = crate::keys::load(&config.signing_key)?;
+        let fence = EpochStore::open(&config.state_dir)?;
+        let http = engine_http_client(Duration::from_secs_f64(config.timeouts.engine_s))
+            .map_err(crate::Error::HttpClient)?;
+        let engines = config
+            .engines
+            .iter()
+            .map(|cfg| Engine {
+                ctx: EngineCtx {
+                    http: http.clone(),
+                    base: cfg.url.clone(),
+                    read_timeout: Duration::from_secs_f64(config.timeouts.engine_s),
+                    leg_timeout: Duration::from_secs_f64(config.timeouts.generation_s),
+                    bootstrap_host: cfg.bootstrap_host.clone(),
+                    clock: clock.clone(),
+                },
+                plugin: plugin_for(cfg.dialect),
+                cfg: cfg.clone(),
+            })
+            .collect();
+        Ok(Agent {
+            agent_id: config.agent_id.clone(),
+            engines,
+            key,
+            fence,
+            clock,
+        })
+    }
+
+    /// The agent id.
+    pub fn agent_id(&self) -> &str {
+        &self.agent_id
+    }
+
+    /// The public half of the signing key (`ed25519:<base64>`).
+    pub fn public_key(&self) -> PublicKey {
+        self.key.public_key()
+    }
+
+    fn engine(&self, iid: &str) -> Result<&Engine, RequestError> {
+        self.engines
+            .iter()
+            .find(|e| e.cfg.iid == iid)
+            .ok_or_else(|| RequestError::UnknownEngine {
+                iid: iid.to_string(),
+            })
+    }
+
+    async fn identity(&self, engine: &Engine) -> Result<ProcessIdentity, RequestError> {
+        let locator = engine.cfg.locator.clone();
+        let iid = engine.cfg.iid.clone();
+        match tokio::task::spawn_blocking(move || locate(&locator)).await {
+            Ok(Ok(id)) => Ok(id),
+            Ok(Err(source)) => Err(RequestError::Process { iid, source }),
+            Err(e) => Err(RequestError::Internal(format!("identity task: {e}"))),
+        }
+    }
+
+    fn header(
+        &self,
+        schema: &str,
+        iid: &str,
+        nonce: &str,
+        epoch: u64,
+        holder: &str,
+        process: ProcessIdentity,
+    ) -> Result<Header, RequestError> {
+        let issued_at = self
+            .clock
+            .wall()
+            .map_err(|e| RequestError::Internal(e.to_string()))?;
+        Ok(Header {
+            schema: schema.to_string(),
+            schema_version: SCHEMA_VERSION,
+            agent_id: self.agent_id.clone(),
+            iid: iid.to_string(),
+            nonce: nonce.to_string(),
+            epoch,
+            holder: holder.to_string(),
+            issued_at,
+            process,
+        })
+    }
+
+    fn check_model(model: &str) -> Result<(), RequestError> {
+        if model.trim().is_empty() {
+            return Err(RequestError::BadRequest {
+                field: "model".into(),
+                reason: "must not be empty".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// `GET /v1/engines`.
+    pub async fn engines(&self) -> EnginesAnswer {
+        let mut engines = Vec::with_capacity(self.engines.len());
+        for e in &self.engines {
+            let (process, error) = match self.identity(e).await {
+                Ok(p) => (Some(p), None),
+                Err(err) => (None, Some(err.to_string())),
+            };
+            engines.push(EngineEntry {
+                iid: e.cfg.iid.clone(),
+                url: e.cfg.url.clone(),
+                dialect: e.cfg.dialect.as_str().to_string(),
+                process,
+                error,
+            });
+        }
+        EnginesAnswer {
+            agent_id: self.agent_id.clone(),
+            engines,
+        }
+    }
+
+    /// `GET /v1/engines/{iid}/process`.
+    ///
+    /// # Errors
+    /// [`RequestError::UnknownEngine`] or [`RequestError::Process`].
+    pub async fn process(&self, iid: &str) -> Result<ProcessIdentity, RequestError> {
+        let e = self.engine(iid)?;
+        self.identity(e).await
+    }
+
+    /// `POST /v1/engines/{iid}/attestation`: identity, engine facts, contract, signed.
+    ///
+    /// # Errors
+    /// Fence, unknown engine, process, or engine read errors.
+    pub async fn attestation(
+        &self,
+        iid: &str,
+        req: FencedRequest,
+    ) -> Result<SignedDocument, RequestError> {
+        let e = self.engine(iid)?;
+        self.fence.admit(req.epoch, &req.holder)?;
+        let before = self.identity(e).await?;
+        let facts = e
+            .plugin
+            .facts(&e.ctx)
+            .await
+            .map_err(|source| RequestError::Engine {
+                iid: iid.to_string(),
+                source,
+            })?;
+        let after = self.identity(e).await?;
+        if !after.same_process(&before) {
+            return Err(RequestError::Process {
+                iid: iid.to_string(),
+                source: ProcessError::ChangedDuringRead {
+                    pid: after.pid,
+                    before: before.start_ticks,
+                    after: after.start_ticks,
+                },
+            });
+        }
+        let payload = AttestationPayload {
+            header: self.header(
+                SCHEMA_ATTESTATION,
+                iid,
+                &req.nonce,
+                req.epoch,
+                &req.holder,
+                after,
+            )?,
+            engine: facts,
+            contract: e.cfg.contract.as_ref().map(|c| c.contract.clone()),
+            launch_digest: e
+                .cfg
+                .contract
+                .as_ref()
+                .and_then(|c| c.launch_digest.clone()),
+        };
+        sign(&self.key, &payload)
+    }
+
+    /// `POST /v1/engines/{iid}/checks/generation`.
+    ///
+    /// # Errors
+    /// Fence, unknown engine, process or bad-request errors.
+    pub async fn generation(
+        &self,
+        iid: &str,
+        req: ModelRequest,
+    ) -> Result<SignedDocument, RequestError> {
+        let e = self.engine(iid)?;
+        Self::check_model(&req.model)?;
+        self.fence.admit(req.epoch, &req.holder)?;
+        let before = self.identity(e).await?;
+        let leg = e.plugin.generate(&e.ctx, &req.model).await;
+        let after = self.identity(e).await;
+        let result = taint(leg, changed_during(&before, &after));
+        let payload = GenerationPayload {
+            header: self.header(
+                SCHEMA_GENERATION,
+                iid,
+                &req.nonce,
+                req.epoch,
+                &req.holder,
+                before,
+            )?,
+            model: req.model,
+            result,
+        };
+        sign(&self.key, &payload)
+    }
+
+    /// `POST /v1/engines/{iid}/checks/kv/produce`.
+    ///
+    /// # Errors
+    /// Fence, unknown engine, process or bad-request errors.
+    pub async fn kv_produce(
+        &self,
+        iid: &str,
+        req: KvProduceRequest,
+    ) -> Result<SignedDocument, RequestError> {
+        let e = self.engine(iid)?;
+        Self::check_model(&req.model)?;
+        self.fence.admit(req.epoch, &req.holder)?;
+        let before = self.identity(e).await?;
+        let (leg, kv) = e.plugin.produce(&e.ctx, &req.model, &req.check_id).await;
+        let after = self.identity(e).await;
+        let problem = changed_during(&before, &after);
+        let kv = if problem.is_some() { None } else { kv };
+        let payload = KvProducePayload {
+            header: self.header(
+                SCHEMA_KV_PRODUCE,
+                iid,
+                &req.nonce,
+                req.epoch,
+                &req.holder,
+                before,
+            )?,
+            model: req.model,
+            check_id: req.check_id,
+            result: taint(leg, problem),
+            kv,
+        };
+        sign(&self.key, &payload)
+    }
+
+    async fn consume_with_evidence(
+        &self,
+        e: &Engine,
+        model: &str,
+        check_id: &str,
+        kv: Option<&Value>,
+    ) -> (LegResult, TransferEvidence) {
+        let c0 = e.plugin.counters(&e.ctx).await;
+        let leg = e.plugin.consume(&e.ctx, model, check_id, kv).await;
+        let c1 = if c0.is_some() {
+            e.plugin.counters(&e.ctx).await
+        } else {
+            None
+        };
+        let ev = if kv.is_some() {
+            evidence(c0, c1, leg.ok)
+        } else {
+            evidence(None, None, leg.ok)
+        };
+        (leg, ev)
+    }
+
+    /// `POST /v1/engines/{iid}/checks/kv/consume`.
+    ///
+    /// # Errors
+    /// Fence, unknown engine, process or bad-request errors.
+    pub async fn kv_consume(
+        &self,
+        iid: &str,
+        req: KvConsumeRequest,
+    ) -> Result<SignedDocument, RequestError> {
+        let e = self.engine(iid)?;
+        Self::check_model(&req.model)?;
+        if !req.kv.is_object() {
+            return Err(RequestError::BadRequest {
+                field: "kv".into(),
+                reason: "must be the producer's descriptor or rendezvous object".into(),
+            });
+        }
+        self.fence.admit(req.epoch, &req.holder)?;
+        let before = self.identity(e).await?;
+        let (leg, transfer) = self
+            .consume_with_evidence(e, &req.model, &req.check_id, Some(&req.kv))
+            .await;
+        let after = self.identity(e).await;
+        let mut result = taint(leg, changed_during(&before, &after));
+        if transfer.transferred == Some(false) && result.ok {
+            result.ok = false;
+            result.error = Some(format!(
+                "decode succeeded but the engine shows no KV transfer (consumed +{}, recomputed +{})",
+                transfer.consumed_delta.unwrap_or(0),
+                transfer.recomputed_delta.unwrap_or(0)
+            ));
+        }
+        let payload = KvConsumePayload {
+            header: self.header(
+                SCHEMA_KV_CONSUME,
+                iid,
+                &req.nonce,
+                req.epoch,
+                &req.holder,
+                before,
+            )?,
+            model: req.model,
+            check_id: req.check_id,
+            result,
+            transfer,
+        };
+        sign(&self.key, &payload)
+    }
+
+    /// `POST /v1/engines/{iid}/probe`: standalone (both legs on the suspect: a prefill leg,
+    /// then a local streamed decode), from a local producer iid, or from a handed-in KV handle.
+    ///
+    /// # Errors
+    /// Fence, unknown engine (suspect or producer), process or bad-request errors.
+    pub async fn probe(
+        &self,
+        iid: &str,
+        req: ProbeRequest,
+    ) -> Result<SignedDocument, RequestError> {
+        let e = self.engine(iid)?;
+        Self::check_model(&req.model)?;
+        if let Some(ProbeProducer::Iid(p)) = &req.producer {
+            self.engine(p)?;
+        }
+        self.fence.admit(req.epoch, &req.holder)?;
+        let before = self.identity(e).await?;
+        let check_id = format!("probe-{}", req.nonce);
+        let (mode, produce, kv) = match &req.producer {
+            None => {
+                let (leg, _kv) = e.plugin.produce(&e.ctx, &req.model, &check_id).await;
+                // Same engine: the decode reuses its own prefix cache, no descriptor
+                // (reference-notes 7.1 step 6).
+                ("standalone", Some(leg), None)
+            }
+            Some(ProbeProducer::Iid(p)) => {
+                let pe = self.engine(p)?;
+                let (leg, kv) = pe.plugin.produce(&pe.ctx, &req.model, &check_id).await;
+                ("from_producer", Some(leg), kv)
+            }
+            Some(ProbeProducer::Kv(kv)) => ("from_producer", None, Some(kv.clone())),
+        };
+        let produce_ok = produce.as_ref().is_none_or(|l| l.ok);
+        let needs_kv = req.producer.is_some();
+        let (consume, transfer) = if !produce_ok || (needs_kv && kv.is_none()) {
+            (
+                crate::plugin::failed(0.0, "not run: the producer leg failed".into()),
+                evidence(None, None, false),
+            )
+        } else {
+            self.consume_with_evidence(e, &req.model, &check_id, kv.as_ref())
+                .await
+        };
+        let after = self.identity(e).await;
+        let consume = taint(consume, changed_during(&before, &after));
+        let ok = produce_ok && consume.ok && transfer.transferred != Some(false);
+        let payload = ProbePayload {
+            header: self.header(
+                SCHEMA_PROBE,
+                iid,
+                &req.nonce,
+                req.epoch,
+                &req.holder,
+                before,
+            )?,
+            model: req.model,
+            mode: mode.to_string(),
+            produce,
+            consume,
+            transfer,
+            ok,
+        };
+        sign(&self.key, &payload)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn evidence_requires_a_consumed_transfer_and_no_recompute() {
+        let c = |consumed, recomputed| {
+            Some(KvCounters {
+                consumed,
+                recomputed,
+            })
+        };
+        assert_eq!(evidence(c(1, 0), c(2, 0), true).transferred, Some(true));
+        assert_eq!(evidence(c(1, 0), c(2, 1), true).transferred, Some(false));
+        assert_eq!(evidence(c(1, 0), c(1, 0), true).transferred, Some(false));
+        assert_eq!(evidence(c(1, 0), c(2, 0), false).transferred, Some(false));
+        assert_eq!(evidence(None, c(2, 0), true).transferred, None);
+        assert_eq!(evidence(None, None, true).source, "none");
+    }
+}

@@ -1,0 +1,516 @@
+//! Agent configuration file (JSON), schema `narwhal.agent-config` version 1.
+//!
+//! ```text
+//!   file ─► strip "_comment" keys ─► serde (deny_unknown_fields, key paths) ─► RawConfig
+//!        ─► validate(): every problem collected, each naming its dotted key ─► Config
+//! ```
+//!
+//! Shape (see `packaging/agent.example.json`):
+//! ```json
+//! {"schema": "narwhal.agent-config", "schema_version": 1, "agent_id": "gpu-a",
+//!  "listen": "10.0.0.11:8443",
+//!  "tls": {"ca": "/etc/narwhal/ca.pem", "cert": "/etc/narwhal/agent-gpu-a.pem", "key": "..."},
+//!  "signing_key": "/etc/narwhal/agent-gpu-a.ed25519.pk8", "state_dir": "/var/lib/narwhal-agent",
+//!  "timeouts": {"engine_s": 5, "generation_s": 30, "handshake_s": 10},
+//!  "engines": [{"iid": "e0", "url": "http://127.0.0.1:8000", "dialect": "vllm",
+//!               "process": {"listen_port": 8000}, "contract_document": "/etc/narwhal/c.json",
+//!               "model": "meta-llama/Llama-3.1-8B", "bootstrap_host": "10.0.0.11"}]}
+//! ```
+//! `process` holds exactly one of `listen_port`, `pid_file`, `systemd_unit`; when omitted the
+//! port of `url` is used. `timeouts` and its keys are optional (defaults above). Keys starting
+//! with `_` are comments.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use narwhal_shared::TlsFiles;
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use crate::plugin::Dialect;
+use crate::process::ProcessLocator;
+
+/// `schema` value of the agent config.
+pub const CONFIG_SCHEMA: &str = "narwhal.agent-config";
+
+/// A configuration problem; each names the dotted config key and the offending value.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("config {path}: {source}")]
+    Read {
+        /// Config file.
+        path: PathBuf,
+        /// I/O error.
+        source: std::io::Error,
+    },
+    /// JSON syntax error, unknown key or wrong type.
+    #[error("config key {key}: {message}")]
+    Json {
+        /// Dotted key path (`engines[0].process`).
+        key: String,
+        /// serde's message.
+        message: String,
+    },
+    /// A value is present but unacceptable.
+    #[error("config key {key} = {value}: {reason}")]
+    Field {
+        /// Dotted key path.
+        key: String,
+        /// The value, as JSON or a path.
+        value: String,
+        /// Why it is refused.
+        reason: String,
+    },
+    /// Several problems, all reported together.
+    #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
+    Many(Vec<ConfigError>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    schema: String,
+    schema_version: u32,
+    agent_id: String,
+    listen: String,
+    tls: TlsFiles,
+    signing_key: PathBuf,
+    state_dir: PathBuf,
+    #[serde(default)]
+    timeouts: Timeouts,
+    engines: Vec<RawEngine>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEngine {
+    iid: String,
+    url: String,
+    dialect: String,
+    #[serde(default)]
+    process: Option<RawProcess>,
+    #[serde(default)]
+    contract_document: Option<PathBuf>,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    bootstrap_host: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProcess {
+    #[serde(default)]
+    listen_port: Option<u16>,
+    #[serde(default)]
+    pid_file: Option<PathBuf>,
+    #[serde(default)]
+    systemd_unit: Option<String>,
+}
+
+/// Agent timeouts, seconds (config `timeouts`).
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Timeouts {
+    /// Engine reads (version, models, stats), seconds. Default 5.
+    pub engine_s: f64,
+    /// One generation or KV leg, seconds. Default 30.
+    pub generation_s: f64,
+    /// TLS handshake of an incoming connection, seconds. Default 10.
+    pub handshake_s: f64,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            engine_s: 5.0,
+            generation_s: 30.0,
+            handshake_s: 10.0,
+        }
+    }
+}
+
+/// An engine's contract document: the reference's `engine-attestation.json` shape; the agent
+/// uses its `contract` object and, when present, `launch` (reference-notes 5.4, 5.6).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ContractDocument {
+    /// The contract fields, as written.
+    pub contract: Map<String, Value>,
+    /// `sha256_digest({"contract", "launch"})` when the document has `launch`.
+    pub launch_digest: Option<String>,
+}
+
+/// One validated engine entry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// Instance id, unique within the agent.
+    pub iid: String,
+    /// Base URL on loopback, no trailing slash (`http://127.0.0.1:8000`).
+    pub url: String,
+    /// Engine kind.
+    pub dialect: Dialect,
+    /// How to find the process.
+    pub locator: ProcessLocator,
+    /// Contract document, read at startup.
+    pub contract: Option<ContractDocument>,
+    /// Default model for checks when a request omits one (unused when requests name it).
+    pub model: Option<String>,
+    /// Host other engines use to reach this engine's SGLang bootstrap server (default: the
+    /// host of `url`).
+    pub bootstrap_host: String,
+}
+
+/// A validated agent configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Agent id, signed into every payload.
+    pub agent_id: String,
+    /// HTTPS listen address (port 0 = any).
+    pub listen: SocketAddr,
+    /// mTLS files.
+    pub tls: TlsFiles,
+    /// Ed25519 PKCS#8 key file (mode 0600 or stricter).
+    pub signing_key: PathBuf,
+    /// Directory for the persisted fencing epoch.
+    pub state_dir: PathBuf,
+    /// Timeouts.
+    pub timeouts: Timeouts,
+    /// Engines, config order.
+    pub engines: Vec<EngineConfig>,
+}
+
+fn strip_comments(v: &mut Value) {
+    match v {
+        Value::Object(m) => {
+            m.retain(|k, _| !k.starts_with('_'));
+            m.values_mut().for_each(strip_comments);
+        }
+        Value::Array(a) => a.iter_mut().for_each(strip_comments),
+        _ => {}
+    }
+}
+
+fn field(
+    key: impl Into<String>,
+    value: impl std::fmt::Display,
+    reason: impl Into<String>,
+) -> ConfigError {
+    ConfigError::Field {
+        key: key.into(),
+        value: value.to_string(),
+        reason: reason.into(),
+    }
+}
+
+impl Config {
+    /// Reads and validates a config file; relative paths inside are taken as written.
+    ///
+    /// # Errors
+    /// [`ConfigError::Read`], [`ConfigError::Json`], or [`ConfigError::Many`] with every
+    /// problem found.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::parse(&text)
+    }
+
+    /// Parses and validates config text.
+    ///
+    /// # Errors
+    /// As [`Config::load`].
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let mut value: Value = serde_json::from_str(text).map_err(|e| ConfigError::Json {
+            key: "(document)".into(),
+            message: e.to_string(),
+        })?;
+        strip_comments(&mut value);
+        let raw: RawConfig =
+            serde_path_to_error::deserialize(value).map_err(|e| ConfigError::Json {
+                key: e.path().to_string(),
+                message: e.inner().to_string(),
+            })?;
+        raw.validate()
+    }
+}
+
+impl RawConfig {
+    fn validate(self) -> Result<Config, ConfigError> {
+        let mut errors = Vec::new();
+        if self.schema != CONFIG_SCHEMA {
+            errors.push(field(
+                "schema",
+                format!("{:?}", self.schema),
+                format!("must be {CONFIG_SCHEMA:?}"),
+            ));
+        }
+        if self.schema_version != 1 {
+            errors.push(field("schema_version", self.schema_version, "must be 1"));
+        }
+        if self.agent_id.trim().is_empty() {
+            errors.push(field("agent_id", "\"\"", "must not be empty"));
+        }
+        let listen = match self.listen.parse::<SocketAddr>() {
+            Ok(a) => Some(a),
+            Err(_) => {
+                errors.push(field(
+                    "listen",
+                    format!("{:?}", self.listen),
+                    "must be IP:PORT",
+                ));
+                None
+            }
+        };
+        for (key, v) in [
+            ("timeouts.engine_s", self.timeouts.engine_s),
+            ("timeouts.generation_s", self.timeouts.generation_s),
+            ("timeouts.handshake_s", self.timeouts.handshake_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                errors.push(field(key, v, "must be a positive number of seconds"));
+            }
+        }
+        if self.engines.is_empty() {
+            errors.push(field("engines", "[]", "at least one engine is required"));
+        }
+        let mut seen = HashSet::new();
+        let mut engines = Vec::new();
+        for (i, e) in self.engines.into_iter().enumerate() {
+            match validate_engine(i, e, &mut seen) {
+                Ok(engine) => engines.push(engine),
+                Err(mut errs) => errors.append(&mut errs),
+            }
+        }
+        if !errors.is_empty() {
+            return Err(if errors.len() == 1 {
+                errors.remove(0)
+            } else {
+                ConfigError::Many(errors)
+            });
+        }
+        Ok(Config {
+            agent_id: self.agent_id,
+            // Checked above: errors is empty, so listen parsed.
+            listen: listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0))),
+            tls: self.tls,
+            signing_key: self.signing_key,
+            state_dir: self.state_dir,
+            timeouts: self.timeouts,
+            engines,
+        })
+    }
+}
+
+fn validate_engine(
+    i: usize,
+    e: RawEngine,
+    seen: &mut HashSet<String>,
+) -> Result<EngineConfig, Vec<ConfigError>> {
+    let k = |name: &str| format!("engines[{i}].{name}");
+    let mut errors = Vec::new();
+    if e.iid.trim().is_empty() {
+        errors.push(field(k("iid"), "\"\"", "must not be empty"));
+    } else if !e
+        .iid
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    {
+        errors.push(field(
+            k("iid"),
+            format!("{:?}", e.iid),
+            "only letters, digits, '-', '_', '.'",
+        ));
+    } else if !seen.insert(e.iid.clone()) {
+        errors.push(field(
+            k("iid"),
+            format!("{:?}", e.iid),
+            "duplicate engine iid",
+        ));
+    }
+    let url = e.url.trim_end_matches('/').to_string();
+    let parsed = reqwest::Url::parse(&url).ok();
+    let (host, port) = match &parsed {
+        Some(u) if u.scheme() == "http" || u.scheme() == "https" => {
+            (u.host_str().map(str::to_string), u.port_or_known_default())
+        }
+        _ => {
+            errors.push(field(
+                k("url"),
+                format!("{:?}", e.url),
+                "must be http://HOST:PORT",
+            ));
+            (None, None)
+        }
+    };
+    let dialect = match e.dialect.as_str() {
+        "vllm" => Some(Dialect::Vllm),
+        "sglang" => Some(Dialect::Sglang),
+        other => {
+            errors.push(field(
+                k("dialect"),
+                format!("{other:?}"),
+                "must be \"vllm\" or \"sglang\"",
+            ));
+            None
+        }
+    };
+    let locator = match e.process {
+        None => port.map(ProcessLocator::ListenPort),
+        Some(p) => match (p.listen_port, p.pid_file, p.systemd_unit) {
+            (Some(port), None, None) => Some(ProcessLocator::ListenPort(port)),
+            (None, Some(path), None) => Some(ProcessLocator::PidFile(path)),
+            (None, None, Some(unit)) if !unit.trim().is_empty() => {
+                Some(ProcessLocator::SystemdUnit(unit))
+            }
+            _ => {
+                errors.push(field(
+                    k("process"),
+                    "{...}",
+                    "must hold exactly one of listen_port, pid_file, systemd_unit",
+                ));
+                None
+            }
+        },
+    };
+    let contract = match e.contract_document {
+        None => None,
+        Some(path) => match read_contract(&path) {
+            Ok(c) => Some(c),
+            Err(reason) => {
+                errors.push(field(k("contract_document"), path.display(), reason));
+                None
+            }
+        },
+    };
+    match (errors.is_empty(), dialect, locator) {
+        (true, Some(dialect), Some(locator)) => Ok(EngineConfig {
+            iid: e.iid,
+            url,
+            dialect,
+            locator,
+            contract,
+            model: e.model,
+            bootstrap_host: e
+                .bootstrap_host
+                .or(host.map(|h| h.trim_start_matches('[').trim_end_matches(']').to_string()))
+                .unwrap_or_else(|| "127.0.0.1".into()),
+        }),
+        _ => Err(errors),
+    }
+}
+
+/// Reads a contract document: a JSON object with an object `contract` and optional `launch`.
+fn read_contract(path: &Path) -> Result<ContractDocument, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    let doc: Value = serde_json::from_str(&text).map_err(|e| format!("not JSON: {e}"))?;
+    let contract = doc
+        .get("contract")
+        .and_then(Value::as_object)
+        .cloned()
+        .ok_or("has no \"contract\" object")?;
+    let launch_digest = doc.get("launch").map(|launch| {
+        let mut m = Map::new();
+        m.insert("contract".into(), Value::Object(contract.clone()));
+        m.insert("launch".into(), launch.clone());
+        narwhal_shared::sha256_digest(&Value::Object(m))
+    });
+    Ok(ContractDocument {
+        contract,
+        launch_digest,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> Value {
+        serde_json::json!({
+            "schema": "narwhal.agent-config", "schema_version": 1,
+            "_about": "comment",
+            "agent_id": "gpu-a", "listen": "127.0.0.1:0",
+            "tls": {"ca": "ca.pem", "cert": "a.pem", "key": "a.key"},
+            "signing_key": "k.pk8", "state_dir": "/tmp/s",
+            "engines": [
+                {"iid": "e0", "url": "http://127.0.0.1:8000/", "dialect": "vllm"},
+                {"iid": "e1", "url": "http://127.0.0.1:8001", "dialect": "sglang",
+                 "process": {"pid_file": "/run/e1.pid"}, "_note": "x"}
+            ]
+        })
+    }
+
+    #[test]
+    fn the_example_shape_parses_with_defaults() {
+        let c = Config::parse(&base().to_string()).unwrap();
+        assert_eq!(c.agent_id, "gpu-a");
+        assert_eq!(c.engines[0].url, "http://127.0.0.1:8000");
+        assert_eq!(c.engines[0].locator, ProcessLocator::ListenPort(8000));
+        assert_eq!(
+            c.engines[1].locator,
+            ProcessLocator::PidFile("/run/e1.pid".into())
+        );
+        assert_eq!(c.engines[1].dialect, Dialect::Sglang);
+        assert_eq!(c.engines[1].bootstrap_host, "127.0.0.1");
+        assert_eq!(c.timeouts, Timeouts::default());
+    }
+
+    #[test]
+    fn the_shipped_example_config_parses() {
+        let text = include_str!("../../packaging/agent.example.json");
+        let c = Config::parse(text).unwrap();
+        assert_eq!(c.engines.len(), 2);
+    }
+
+    #[test]
+    fn unknown_keys_name_their_path() {
+        let mut v = base();
+        v["engines"][1]["process"]["pid"] = serde_json::json!(3);
+        let err = Config::parse(&v.to_string()).unwrap_err().to_string();
+        assert!(err.contains("engines[1].process"), "{err}");
+        assert!(err.contains("pid"), "{err}");
+    }
+
+    #[test]
+    fn every_problem_is_reported_together() {
+        let mut v = base();
+        v["schema_version"] = serde_json::json!(2);
+        v["listen"] = serde_json::json!("nowhere");
+        v["engines"][1]["iid"] = serde_json::json!("e0");
+        v["engines"][0]["dialect"] = serde_json::json!("trt");
+        v["engines"][1]["process"] = serde_json::json!({"listen_port": 1, "pid_file": "/x"});
+        let err = Config::parse(&v.to_string()).unwrap_err().to_string();
+        for needle in [
+            "schema_version",
+            "listen",
+            "engines[1].iid",
+            "engines[0].dialect",
+            "engines[1].process",
+        ] {
+            assert!(err.contains(needle), "missing {needle} in {err}");
+        }
+    }
+
+    #[test]
+    fn a_contract_document_is_read_and_its_launch_digested() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.json");
+        std::fs::write(
+            &p,
+            r#"{"contract": {"engine_version": "1"}, "launch": {"args": []}}"#,
+        )
+        .unwrap();
+        let mut v = base();
+        v["engines"][0]["contract_document"] = serde_json::json!(p);
+        let c = Config::parse(&v.to_string()).unwrap();
+        let doc = c.engines[0].contract.as_ref().unwrap();
+        assert_eq!(doc.contract["engine_version"], "1");
+        assert!(doc.launch_digest.as_ref().unwrap().starts_with("sha256:"));
+        let mut v = base();
+        v["engines"][0]["contract_document"] = serde_json::json!(dir.path().join("missing.json"));
+        let err = Config::parse(&v.to_string()).unwrap_err().to_string();
+        assert!(err.contains("engines[0].contract_document"), "{err}");
+    }
+}

@@ -1,0 +1,263 @@
+//! Epoch fencing (DESIGN.md section 3, "Fencing reaches the hosts").
+//!
+//! ```text
+//!   POST {epoch, holder} ──► decide(&stored, epoch, holder) ──► Accept | Raise | Stale | HolderConflict
+//!                                     Raise ─► persist {epoch, holder} (temp, fsync, rename, fsync dir)
+//! ```
+//!
+//! The agent keeps the highest epoch it accepted in `<state_dir>/fence.json`
+//! (`{"epoch": 7, "holder": "router-a"}`), so the fence survives agent restarts. A lower epoch
+//! is `stale_epoch`; the same epoch from a different holder is `holder_conflict` (two routers
+//! can never legitimately hold one epoch).
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+/// The persisted fence.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct FenceState {
+    /// Highest accepted epoch (0 = none yet).
+    pub epoch: u64,
+    /// Holder that presented it.
+    pub holder: String,
+}
+
+/// What to do with a request's `(epoch, holder)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Same epoch and holder as stored.
+    Accept,
+    /// Higher epoch: accept after persisting it.
+    Raise,
+    /// Lower than the stored epoch.
+    Stale {
+        /// Stored epoch.
+        highest: u64,
+    },
+    /// Same epoch, other holder.
+    HolderConflict {
+        /// Stored holder.
+        holder: String,
+    },
+}
+
+/// Pure fencing rule.
+pub fn decide(stored: &FenceState, epoch: u64, holder: &str) -> Decision {
+    if epoch < stored.epoch {
+        Decision::Stale {
+            highest: stored.epoch,
+        }
+    } else if epoch > stored.epoch || stored.holder.is_empty() {
+        Decision::Raise
+    } else if stored.holder == holder {
+        Decision::Accept
+    } else {
+        Decision::HolderConflict {
+            holder: stored.holder.clone(),
+        }
+    }
+}
+
+/// Why a request was fenced off, or the fence could not be stored.
+#[derive(Debug, thiserror::Error)]
+pub enum FenceError {
+    /// Lower epoch than accepted before (HTTP 409 `stale_epoch`).
+    #[error("epoch {got} is lower than the highest accepted epoch {highest}")]
+    Stale {
+        /// Highest accepted.
+        highest: u64,
+        /// Presented.
+        got: u64,
+    },
+    /// Same epoch, different holder (HTTP 409 `holder_conflict`).
+    #[error("epoch {epoch} is held by {holder:?}, not {got:?}")]
+    HolderConflict {
+        /// The epoch.
+        epoch: u64,
+        /// Stored holder.
+        holder: String,
+        /// Presented holder.
+        got: String,
+    },
+    /// The state file could not be read or written.
+    #[error("state_dir {path}: {source}")]
+    Io {
+        /// File or directory.
+        path: PathBuf,
+        /// I/O error.
+        source: std::io::Error,
+    },
+    /// The state file is not a fence document.
+    #[error("state file {path}: {reason}")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// Parse error.
+        reason: String,
+    },
+}
+
+/// The fence, persisted under `state_dir`.
+#[derive(Debug)]
+pub struct EpochStore {
+    dir: PathBuf,
+    state: Mutex<FenceState>,
+}
+
+const FILE: &str = "fence.json";
+
+impl EpochStore {
+    /// Opens (creating `dir` if needed) and loads `fence.json` if present.
+    ///
+    /// # Errors
+    /// [`FenceError::Io`] or [`FenceError::Corrupt`].
+    pub fn open(dir: &Path) -> Result<EpochStore, FenceError> {
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| FenceError::Io { path, source }
+        };
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let path = dir.join(FILE);
+        let state = match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| FenceError::Corrupt {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => FenceState::default(),
+            Err(e) => return Err(io(&path)(e)),
+        };
+        Ok(EpochStore {
+            dir: dir.to_path_buf(),
+            state: Mutex::new(state),
+        })
+    }
+
+    /// The current fence.
+    pub fn current(&self) -> FenceState {
+        match self.state.lock() {
+            Ok(s) => s.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    /// Admits or refuses `(epoch, holder)`; a higher epoch is persisted before it is accepted.
+    ///
+    /// # Errors
+    /// [`FenceError::Stale`], [`FenceError::HolderConflict`], or [`FenceError::Io`] when the
+    /// raised epoch cannot be persisted (then it is not accepted).
+    pub fn admit(&self, epoch: u64, holder: &str) -> Result<(), FenceError> {
+        let mut state = match self.state.lock() {
+            Ok(s) => s,
+            Err(p) => p.into_inner(),
+        };
+        match decide(&state, epoch, holder) {
+            Decision::Accept => Ok(()),
+            Decision::Stale { highest } => Err(FenceError::Stale {
+                highest,
+                got: epoch,
+            }),
+            Decision::HolderConflict { holder: stored } => Err(FenceError::HolderConflict {
+                epoch,
+                holder: stored,
+                got: holder.to_string(),
+            }),
+            Decision::Raise => {
+                let next = FenceState {
+                    epoch,
+                    holder: holder.to_string(),
+                };
+                self.persist(&next)?;
+                tracing::info!(fence.epoch = epoch, fence.holder = holder, "fence raised");
+                *state = next;
+                Ok(())
+            }
+        }
+    }
+
+    fn persist(&self, state: &FenceState) -> Result<(), FenceError> {
+        let final_path = self.dir.join(FILE);
+        let tmp = self.dir.join(format!(".{FILE}.tmp"));
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| FenceError::Io { path, source }
+        };
+        let bytes = serde_json::to_vec(state).map_err(|e| FenceError::Corrupt {
+            path: final_path.clone(),
+            reason: e.to_string(),
+        })?;
+        {
+            let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+            f.write_all(&bytes).map_err(io(&tmp))?;
+            f.sync_all().map_err(io(&tmp))?;
+        }
+        std::fs::rename(&tmp, &final_path).map_err(io(&final_path))?;
+        std::fs::File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io(&self.dir))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn st(epoch: u64, holder: &str) -> FenceState {
+        FenceState {
+            epoch,
+            holder: holder.into(),
+        }
+    }
+
+    #[test]
+    fn decide_follows_the_fencing_rule() {
+        assert_eq!(decide(&FenceState::default(), 0, "a"), Decision::Raise);
+        assert_eq!(decide(&st(3, "a"), 3, "a"), Decision::Accept);
+        assert_eq!(decide(&st(3, "a"), 4, "b"), Decision::Raise);
+        assert_eq!(decide(&st(3, "a"), 2, "a"), Decision::Stale { highest: 3 });
+        assert_eq!(
+            decide(&st(3, "a"), 3, "b"),
+            Decision::HolderConflict { holder: "a".into() }
+        );
+    }
+
+    #[test]
+    fn the_highest_epoch_survives_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = EpochStore::open(dir.path()).unwrap();
+        s.admit(5, "router-a").unwrap();
+        s.admit(5, "router-a").unwrap();
+        assert!(matches!(
+            s.admit(4, "router-a"),
+            Err(FenceError::Stale { highest: 5, got: 4 })
+        ));
+        drop(s);
+        let s = EpochStore::open(dir.path()).unwrap();
+        assert_eq!(s.current(), st(5, "router-a"));
+        assert!(matches!(
+            s.admit(4, "router-a"),
+            Err(FenceError::Stale { .. })
+        ));
+        assert!(matches!(
+            s.admit(5, "router-b"),
+            Err(FenceError::HolderConflict { .. })
+        ));
+        s.admit(6, "router-b").unwrap();
+        assert_eq!(
+            EpochStore::open(dir.path()).unwrap().current(),
+            st(6, "router-b")
+        );
+        assert!(!dir.path().join(".fence.json.tmp").exists());
+    }
+
+    #[test]
+    fn a_corrupt_state_file_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(FILE), "nope").unwrap();
+        let err = EpochStore::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("fence.json"), "{err}");
+    }
+}

@@ -1,0 +1,180 @@
+//! `narwhal-agent`: parse, load config, bind, run (STYLE.md section 1).
+//!
+//! ```text
+//! narwhal-agent run --config PATH [--listen IP:PORT] [--ready-file PATH]
+//!   stdout line 1: "narwhal-agent listening on https://HOST:PORT"
+//!   ready file:    {"url", "pid", "agent_id", "public_key"}
+//!   exit 2: bad config, key, TLS or state_dir (message names the config key); 1: bind failure
+//! narwhal-agent keygen --out PATH [--force]
+//!   writes a PKCS#8 Ed25519 key (mode 0600), prints "ed25519:<base64>"
+//! narwhal-agent check-config --config PATH
+//!   validates config, key, TLS and state_dir, prints the public key
+//! ```
+#![forbid(unsafe_code)]
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use narwhal_agent::{Config, prepare};
+use narwhal_shared::SystemClock;
+
+#[derive(Parser)]
+#[command(name = "narwhal-agent", version, about = "Narwhal engine agent")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the agent API over mutual TLS.
+    Run {
+        /// Agent config file (JSON, schema narwhal.agent-config).
+        #[arg(long, env = "NARWHAL_AGENT_CONFIG")]
+        config: PathBuf,
+        /// Override the config's `listen` address.
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+        /// Write {"url","pid","agent_id","public_key"} here once listening.
+        #[arg(long)]
+        ready_file: Option<PathBuf>,
+    },
+    /// Generate an Ed25519 signing key (PKCS#8, mode 0600) and print its public key.
+    Keygen {
+        /// Key file to create.
+        #[arg(long)]
+        out: PathBuf,
+        /// Overwrite an existing file.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Validate a config (including key, TLS files and state_dir) and exit.
+    CheckConfig {
+        /// Agent config file.
+        #[arg(long)]
+        config: PathBuf,
+    },
+}
+
+fn write_ready(path: &Path, doc: &serde_json::Value) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(doc.to_string().as_bytes())?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("NARWHAL_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    match cli.command {
+        Command::Keygen { out, force } => match narwhal_agent::keygen(&out, force) {
+            Ok(pk) => {
+                println!("{pk}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("narwhal-agent: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::CheckConfig { config } => {
+            let checked = Config::load(&config)
+                .map_err(narwhal_agent::Error::from)
+                .and_then(|c| prepare(&c, Arc::new(SystemClock)));
+            match checked {
+                Ok(p) => {
+                    println!("{}", p.agent.public_key());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("narwhal-agent: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+        Command::Run {
+            config,
+            listen,
+            ready_file,
+        } => run(&config, listen, ready_file.as_deref()),
+    }
+}
+
+fn run(config: &Path, listen: Option<std::net::SocketAddr>, ready_file: Option<&Path>) -> ExitCode {
+    let prepared = Config::load(config)
+        .map_err(narwhal_agent::Error::from)
+        .and_then(|c| prepare(&c, Arc::new(SystemClock)).map(|p| (c, p)));
+    let (cfg, prepared) = match prepared {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("narwhal-agent: refusing to start: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(8)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("narwhal-agent: tokio runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    runtime.block_on(async move {
+        let addr = listen.unwrap_or(cfg.listen);
+        let listener = match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("narwhal-agent: listen {addr}: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        let bound = match listener.local_addr() {
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!("narwhal-agent: listen {addr}: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        let url = format!("https://{bound}");
+        println!("narwhal-agent listening on {url}");
+        let _ = std::io::stdout().flush();
+        if let Some(path) = ready_file {
+            let doc = serde_json::json!({"url": url, "pid": std::process::id(),
+                "agent_id": cfg.agent_id, "public_key": prepared.agent.public_key().to_string()});
+            if let Err(e) = write_ready(path, &doc) {
+                eprintln!("narwhal-agent: ready file {}: {e}", path.display());
+                return ExitCode::from(1);
+            }
+        }
+        tracing::info!(agent.id = %cfg.agent_id, url = %url, engines = cfg.engines.len(), "agent listening");
+        let shutdown = async {
+            let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => return std::future::pending::<()>().await,
+            };
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        };
+        narwhal_agent::run(prepared, listener, shutdown).await;
+        tracing::info!("agent stopped");
+        ExitCode::SUCCESS
+    })
+}
