@@ -212,11 +212,6 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
         }
     });
     let server = tokio::spawn(server::serve_http(http, sim.clone()));
-    {
-        let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "narwhal-engine-sim listening on {url}");
-        let _ = out.flush();
-    }
     if let Some(path) = &cli.ready_file {
         let doc = serde_json::json!({
             "url": url,
@@ -229,6 +224,12 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
             path: path.clone(),
             source,
         })?;
+    }
+    // The ready file goes first so that a reader of the stdout line can rely on it too.
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "narwhal-engine-sim listening on {url}");
+        let _ = out.flush();
     }
     tracing::info!(url = %url, engine.id = %sim.engine_id, "serving");
     let _ = server.await;

@@ -1,0 +1,764 @@
+//! End-to-end wire tests of `narwhal-engine-sim` (docs/engine-simulator.md): two simulator
+//! processes on loopback, driven over raw HTTP/1 so that framing (chunks, cuts, drops) is
+//! visible exactly as a router sees it.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+/// A running simulator, killed on drop.
+struct Sim {
+    child: Child,
+    /// `127.0.0.1:PORT`.
+    addr: String,
+}
+
+impl Sim {
+    fn start(args: &[&str]) -> Sim {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_narwhal-engine-sim"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn narwhal-engine-sim");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("read the first stdout line");
+        let addr = line
+            .trim()
+            .strip_prefix("narwhal-engine-sim listening on http://")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .to_string();
+        Sim { child, addr }
+    }
+
+    fn get(&self, path: &str) -> Resp {
+        request(&self.addr, "GET", path, &[], "")
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Resp {
+        request(&self.addr, "POST", path, &[], &body.to_string())
+    }
+
+    fn stats(&self) -> Value {
+        self.get("/sim/stats").json()
+    }
+
+    fn fault(&self, f: Value) {
+        let r = self.post("/sim/faults", &f);
+        assert_eq!(r.status, 200, "fault refused: {}", r.text());
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A raw HTTP/1 response.
+#[derive(Debug)]
+struct Resp {
+    /// 0 when the connection closed without a response head.
+    status: u16,
+    body: Vec<u8>,
+    /// Sizes of the chunks of a chunked body.
+    chunks: Vec<usize>,
+    /// The body ended properly (terminating chunk or full content-length).
+    complete: bool,
+}
+
+impl Resp {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+    }
+
+    /// SSE `data:` payloads in order.
+    fn events(&self) -> Vec<String> {
+        self.text()
+            .split("\n\n")
+            .filter_map(|f| f.strip_prefix("data: "))
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Concatenated token text of an SSE completion/chat stream.
+    fn stream_text(&self) -> String {
+        let mut out = String::new();
+        for e in self.events() {
+            if e == "[DONE]" {
+                continue;
+            }
+            let v: Value = serde_json::from_str(&e).expect("frame JSON");
+            if let Some(c) = v["choices"].get(0) {
+                if let Some(t) = c["text"].as_str() {
+                    out.push_str(t);
+                }
+                if let Some(t) = c["delta"]["content"].as_str() {
+                    out.push_str(t);
+                }
+            }
+        }
+        out
+    }
+}
+
+fn request(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    s.write_all(req.as_bytes()).expect("write request");
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 16384];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => raw.extend_from_slice(&buf[..n]),
+        }
+    }
+    parse_response(&raw)
+}
+
+fn parse_response(raw: &[u8]) -> Resp {
+    let Some(split) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return Resp {
+            status: 0,
+            body: raw.to_vec(),
+            chunks: vec![],
+            complete: false,
+        };
+    };
+    let head = String::from_utf8_lossy(&raw[..split]).to_lowercase();
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("status code");
+    let rest = &raw[split + 4..];
+    if head.contains("transfer-encoding: chunked") {
+        let mut body = Vec::new();
+        let mut chunks = Vec::new();
+        let mut i = 0;
+        let mut complete = false;
+        while let Some(nl) = rest[i..].windows(2).position(|w| w == b"\r\n") {
+            let size_str = String::from_utf8_lossy(&rest[i..i + nl]).to_string();
+            let Ok(size) = usize::from_str_radix(size_str.trim(), 16) else {
+                break;
+            };
+            i += nl + 2;
+            if size == 0 {
+                complete = true;
+                break;
+            }
+            if i + size > rest.len() {
+                body.extend_from_slice(&rest[i..]);
+                break;
+            }
+            body.extend_from_slice(&rest[i..i + size]);
+            chunks.push(size);
+            i += size + 2;
+        }
+        Resp {
+            status,
+            body,
+            chunks,
+            complete,
+        }
+    } else {
+        let cl = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse::<usize>().ok());
+        Resp {
+            status,
+            complete: cl.is_none_or(|n| n == rest.len()),
+            body: rest.to_vec(),
+            chunks: vec![],
+        }
+    }
+}
+
+/// Polls `f` until it returns true or `within` passes.
+fn wait_until(within: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    f()
+}
+
+const PROMPT: &str = "the quick brown fox jumps over the lazy dog again and again";
+
+#[test]
+fn vllm_descriptor_decode_equals_aggregated_and_is_consumed_once() {
+    let p = Sim::start(&["--engine-id", "prod-1"]);
+    let d = Sim::start(&["--engine-id", "dec-1"]);
+    // Aggregated reference on the decode engine.
+    let agg = d.post(
+        "/v1/completions",
+        &json!({"model": "tiny-sim", "prompt": PROMPT, "max_tokens": 6}),
+    );
+    assert_eq!(agg.status, 200);
+    let agg_text = agg.json()["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(agg_text.split_whitespace().count(), 6);
+
+    // Prefill leg as the router sends it (reference-notes 7.1 step 2).
+    let pre = request(
+        &p.addr,
+        "POST",
+        "/v1/completions",
+        &[("x-request-id", "r1-a1-prefill")],
+        &json!({"model": "tiny-sim", "prompt": PROMPT, "max_tokens": 1, "stream": false,
+                "kv_transfer_params": {"do_remote_decode": true}})
+        .to_string(),
+    );
+    assert_eq!(pre.status, 200, "{}", pre.text());
+    let pre = pre.json();
+    let kv = pre["kv_transfer_params"].clone();
+    assert_eq!(kv["do_remote_prefill"], true);
+    assert_eq!(kv["do_remote_decode"], false);
+    assert_eq!(kv["remote_engine_id"], "prod-1");
+    assert_eq!(kv["remote_host"], "127.0.0.1");
+    assert_eq!(kv["tp_size"], 1);
+    // 12 prompt tokens -> one 16-token block.
+    assert_eq!(kv["remote_block_ids"].as_array().unwrap().len(), 1);
+    assert_eq!(pre["usage"]["completion_tokens"], 1);
+
+    // Decode leg (reference-notes 7.1 step 6).
+    let dec_body = json!({"model": "tiny-sim", "prompt": PROMPT, "max_tokens": 6,
+        "stream": true, "return_token_ids": true, "stream_interval": 1,
+        "kv_transfer_params": kv});
+    let dec = request(
+        &d.addr,
+        "POST",
+        "/v1/completions",
+        &[("x-request-id", "r1-a1-decode")],
+        &dec_body.to_string(),
+    );
+    assert_eq!(dec.status, 200);
+    assert!(dec.complete);
+    assert_eq!(dec.events().last().map(String::as_str), Some("[DONE]"));
+    assert_eq!(
+        dec.stream_text(),
+        agg_text,
+        "decode after transfer = aggregated"
+    );
+    let first: Value = serde_json::from_str(&dec.events()[0]).unwrap();
+    assert_eq!(
+        first["choices"][0]["token_ids"].as_array().unwrap().len(),
+        1
+    );
+    assert_eq!(
+        first["choices"][0]["prompt_token_ids"]
+            .as_array()
+            .unwrap()
+            .len(),
+        12
+    );
+
+    let ps = p.stats();
+    assert_eq!(ps["kv"]["issued"], 1);
+    assert_eq!(ps["kv"]["served"], 1);
+    assert_eq!(ps["requests"]["prefill"], 1);
+    let pr = ps["recent"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(pr["request_id"], "r1-a1-prefill");
+    assert_eq!(pr["block_ids"], kv["remote_block_ids"]);
+    assert_eq!(pr["kv_peer"], format!("http://{}", d.addr));
+    let ds = d.stats();
+    assert_eq!(ds["kv"]["consumed"], 1);
+    assert_eq!(ds["kv"]["recomputed"], 1, "the aggregated reference");
+    assert_eq!(ds["requests"]["decode"], 1);
+    let dr = ds["recent"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(dr["request_id"], "r1-a1-decode");
+    assert_eq!(dr["kv_peer"], "prod-1");
+    assert_eq!(dr["outcome"], "ok");
+    assert_eq!(dr["tokens"], 6);
+
+    // A second decode with the same descriptor: blocks were freed on the first read.
+    let again = d.post("/v1/completions", &dec_body);
+    assert_eq!(again.status, 200, "stream already started");
+    let ev = again.events();
+    assert_eq!(ev.len(), 2, "{ev:?}");
+    let err: Value = serde_json::from_str(&ev[0]).unwrap();
+    assert_eq!(err["error"]["code"], 500);
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("already consumed")
+    );
+    assert_eq!(ev[1], "[DONE]");
+
+    // A descriptor naming another engine id (the producer restarted): non-streaming -> 500.
+    let pre2 = p
+        .post(
+            "/v1/completions",
+            &json!({"prompt": PROMPT, "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": true}}),
+        )
+        .json();
+    let mut kv2 = pre2["kv_transfer_params"].clone();
+    kv2["remote_engine_id"] = json!("prod-0-before-restart");
+    let wrong = d.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 6, "kv_transfer_params": kv2}),
+    );
+    assert_eq!(wrong.status, 500);
+    assert!(wrong.text().contains("does not match"), "{}", wrong.text());
+
+    // A descriptor for another prompt: hash mismatch.
+    let pre3 = p
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "something else entirely", "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": true}}),
+        )
+        .json();
+    let other = d.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 6,
+                "kv_transfer_params": pre3["kv_transfer_params"]}),
+    );
+    assert_eq!(other.status, 500);
+    assert!(
+        other.text().contains("different prompt"),
+        "{}",
+        other.text()
+    );
+
+    // Unreachable producer.
+    let mut kv4 = kv.clone();
+    kv4["remote_port"] = json!(1);
+    let unreachable = d.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": kv4}),
+    );
+    assert_eq!(unreachable.status, 500);
+    assert!(unreachable.text().contains("unreachable"));
+
+    let ds = d.stats();
+    assert_eq!(ds["kv"]["consumed"], 1);
+    assert_eq!(ds["kv"]["rejected"], 4);
+}
+
+#[test]
+fn vllm_blocks_expire_after_the_lease() {
+    let p = Sim::start(&["--kv-lease-s", "0.3"]);
+    let d = Sim::start(&[]);
+    let pre = p
+        .post(
+            "/v1/completions",
+            &json!({"prompt": PROMPT, "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": true}}),
+        )
+        .json();
+    assert!(wait_until(
+        Duration::from_secs(3),
+        || p.stats()["kv"]["expired"] == 1
+    ));
+    let late = d.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 2,
+                "kv_transfer_params": pre["kv_transfer_params"]}),
+    );
+    assert_eq!(late.status, 500);
+    assert_eq!(p.stats()["kv"]["served"], 0);
+}
+
+fn bootstrap_port(p: &Sim) -> u64 {
+    let info = p.get("/server_info").json();
+    assert_eq!(info["disaggregation_mode"], "prefill");
+    assert_eq!(info["served_model_name"], "tiny-sim");
+    info["disaggregation_bootstrap_port"]
+        .as_u64()
+        .expect("bootstrap port")
+}
+
+#[test]
+fn sglang_bootstrap_prefill_and_decode_in_both_orders() {
+    let p = Sim::start(&[
+        "--dialect",
+        "sglang",
+        "--disaggregation-mode",
+        "prefill",
+        "--engine-id",
+        "sg-p",
+    ]);
+    let d = Sim::start(&["--dialect", "sglang", "--disaggregation-mode", "decode"]);
+    let bport = bootstrap_port(&p);
+    let agg = d.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 5, "stream": true}),
+    );
+    assert_eq!(agg.status, 200);
+    let agg_text = agg.stream_text();
+    assert_eq!(agg_text.split_whitespace().count(), 5);
+
+    for (room, decode_first) in [(1001u64, true), (1002u64, false)] {
+        let rv = json!({"bootstrap_host": "127.0.0.1", "bootstrap_port": bport,
+                        "bootstrap_room": room});
+        let mut pre_body = json!({"prompt": PROMPT, "max_tokens": 1, "stream": false,
+                                  "rid": format!("room{room}-prefill")});
+        let mut dec_body = json!({"prompt": PROMPT, "max_tokens": 5, "stream": true,
+                                  "return_token_ids": true, "rid": format!("room{room}-decode")});
+        for (k, v) in rv.as_object().unwrap() {
+            pre_body[k] = v.clone();
+            dec_body[k] = v.clone();
+        }
+        let d_addr = d.addr.clone();
+        let p_addr = p.addr.clone();
+        let (dec, pre) = if decode_first {
+            let h = thread::spawn(move || {
+                request(
+                    &d_addr,
+                    "POST",
+                    "/v1/completions",
+                    &[],
+                    &dec_body.to_string(),
+                )
+            });
+            // Let the decode reach the bootstrap server first.
+            assert!(wait_until(Duration::from_secs(2), || {
+                d.stats()["in_flight"] == 1
+            }));
+            let pre = request(
+                &p_addr,
+                "POST",
+                "/v1/completions",
+                &[],
+                &pre_body.to_string(),
+            );
+            (h.join().unwrap(), pre)
+        } else {
+            let pre = request(
+                &p_addr,
+                "POST",
+                "/v1/completions",
+                &[],
+                &pre_body.to_string(),
+            );
+            let dec = request(
+                &d_addr,
+                "POST",
+                "/v1/completions",
+                &[],
+                &dec_body.to_string(),
+            );
+            (dec, pre)
+        };
+        assert_eq!(pre.status, 200, "{}", pre.text());
+        assert_eq!(pre.json()["usage"]["completion_tokens"], 1);
+        assert_eq!(dec.status, 200);
+        assert_eq!(dec.stream_text(), agg_text, "room {room}");
+        let last = d.stats()["recent"]
+            .as_array()
+            .unwrap()
+            .last()
+            .unwrap()
+            .clone();
+        assert_eq!(last["request_id"], format!("room{room}-decode"));
+        assert_eq!(last["room"], room);
+        assert_eq!(last["kv_peer"], "sg-p");
+        assert_eq!(last["outcome"], "ok");
+    }
+    let ps = p.stats();
+    assert_eq!(ps["kv"]["issued"], 2);
+    assert_eq!(ps["kv"]["served"], 2);
+    assert_eq!(ps["requests"]["prefill"], 2);
+    let ds = d.stats();
+    assert_eq!(ds["kv"]["consumed"], 2);
+    assert_eq!(ds["requests"]["decode"], 2);
+
+    // A prefill-mode server refuses requests without the rendezvous.
+    let bad = p.post("/v1/completions", &json!({"prompt": PROMPT}));
+    assert_eq!(bad.status, 400);
+    // The room is consumed once: a second decode of room 1002 waits and fails.
+}
+
+#[test]
+fn sglang_decode_fails_within_the_bound_when_the_room_never_appears() {
+    let p = Sim::start(&["--dialect", "sglang", "--disaggregation-mode", "prefill"]);
+    let d = Sim::start(&[
+        "--dialect",
+        "sglang",
+        "--disaggregation-mode",
+        "decode",
+        "--kv-lease-s",
+        "1",
+    ]);
+    let bport = bootstrap_port(&p);
+    let t0 = Instant::now();
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 3, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": bport, "bootstrap_room": 77}),
+    );
+    let took = t0.elapsed();
+    assert_eq!(r.status, 500, "{}", r.text());
+    assert!(r.text().contains("not published"), "{}", r.text());
+    assert!(took >= Duration::from_millis(900), "waited {took:?}");
+    assert!(took < Duration::from_secs(4), "waited {took:?}");
+
+    // A prefill failure is reported to the waiting decode at once.
+    p.fault(json!({"phase": "prefill", "action": "status", "status": 503}));
+    let pre = p.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 1, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": bport, "bootstrap_room": 78}),
+    );
+    assert_eq!(pre.status, 503);
+    let t0 = Instant::now();
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 3, "stream": true,
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": bport, "bootstrap_room": 78}),
+    );
+    assert!(t0.elapsed() < Duration::from_millis(800));
+    let ev = r.events();
+    assert!(
+        ev[0].contains("\"error\"") && ev[0].contains("failed"),
+        "{ev:?}"
+    );
+    assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
+
+    // Unreachable bootstrap server.
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "bootstrap_host": "127.0.0.1", "bootstrap_port": 1,
+                "bootstrap_room": 79}),
+    );
+    assert_eq!(r.status, 500);
+    assert_eq!(d.stats()["kv"]["rejected"], 3);
+}
+
+#[test]
+fn faults_status_omit_kv_cut_fragment_drop_and_health() {
+    let s = Sim::start(&[]);
+    let body = json!({"prompt": PROMPT, "max_tokens": 5, "stream": true});
+
+    s.fault(
+        json!({"phase": "aggregated", "action": "status", "status": 503,
+                   "body": {"error": {"message": "overloaded"}}}),
+    );
+    assert_eq!(
+        s.get("/sim/faults").json()["faults"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+    let r = s.post("/v1/completions", &body);
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["error"]["message"], "overloaded");
+    assert_eq!(s.get("/sim/faults").json()["faults"], json!([]));
+    assert_eq!(
+        s.post("/v1/completions", &body).status,
+        200,
+        "count 1 by default"
+    );
+
+    s.fault(json!({"phase": "prefill", "action": "omit_kv"}));
+    let r = s.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 1,
+                "kv_transfer_params": {"do_remote_decode": true}}),
+    );
+    assert_eq!(r.status, 200);
+    assert!(r.json().get("kv_transfer_params").is_none());
+    assert_eq!(s.stats()["kv"]["issued"], 0);
+
+    s.fault(json!({"phase": "any", "action": "cut", "after_tokens": 2}));
+    let r = s.post("/v1/completions", &body);
+    assert_eq!(r.status, 200);
+    assert!(!r.complete, "no terminating chunk after a cut");
+    let ev = r.events();
+    assert_eq!(ev.len(), 2, "{ev:?}");
+    assert!(!r.text().contains("[DONE]") && !r.text().contains("\"error\""));
+
+    s.fault(json!({"phase": "aggregated", "action": "fragment", "bytes": 7}));
+    let r = s.post("/v1/completions", &body);
+    assert!(r.complete);
+    assert!(r.chunks.len() > 10, "{:?}", r.chunks);
+    assert!(r.chunks.iter().all(|c| *c <= 7), "{:?}", r.chunks);
+    assert_eq!(r.stream_text().split_whitespace().count(), 5);
+    assert_eq!(r.events().last().map(String::as_str), Some("[DONE]"));
+
+    s.fault(json!({"phase": "aggregated", "action": "drop"}));
+    let r = s.post("/v1/completions", &body);
+    assert_eq!(r.status, 0, "no response at all");
+    assert!(r.body.is_empty());
+
+    s.fault(json!({"phase": "health", "action": "status", "status": 500}));
+    assert_eq!(s.get("/health").status, 500);
+    assert_eq!(s.get("/health").status, 200);
+
+    s.fault(json!({"phase": "decode", "action": "hang", "ms": 10, "count": 3}));
+    assert_eq!(s.get("/sim/faults").json()["faults"][0]["count"], 3);
+    assert_eq!(
+        request(&s.addr, "DELETE", "/sim/faults", &[], "").status,
+        200
+    );
+    assert_eq!(s.get("/sim/faults").json()["faults"], json!([]));
+    let bad = s.post(
+        "/sim/faults",
+        &json!({"phase": "decode", "action": "explode"}),
+    );
+    assert_eq!(bad.status, 400);
+
+    let outcomes: Vec<String> = s.stats()["recent"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["outcome"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        outcomes,
+        ["fault", "ok", "fault", "fault", "fault", "fault"],
+        "status, plain, omit_kv, cut, fragment, drop"
+    );
+}
+
+#[test]
+fn client_disconnects_are_counted_as_cancelled() {
+    let s = Sim::start(&["--ttft-ms", "3000"]);
+    // Disconnect during the time-to-first-token wait.
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    let body = json!({"prompt": PROMPT, "max_tokens": 4}).to_string();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\nx-request-id: gone-1\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    assert!(wait_until(
+        Duration::from_secs(2),
+        || s.stats()["in_flight"] == 1
+    ));
+    let t0 = Instant::now();
+    drop(c);
+    assert!(wait_until(
+        Duration::from_secs(1),
+        || s.stats()["cancelled"] == 1
+    ));
+    assert!(
+        t0.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t0.elapsed()
+    );
+    let st = s.stats();
+    assert_eq!(st["in_flight"], 0);
+    let last = st["recent"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["request_id"], "gone-1");
+    assert_eq!(last["outcome"], "cancelled");
+
+    // Disconnect mid-stream.
+    let s = Sim::start(&["--tpot-ms", "200"]);
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    let body = json!({"prompt": PROMPT, "max_tokens": 50, "stream": true}).to_string();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut buf = [0u8; 4096];
+    let n = c.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).contains("200 OK"));
+    drop(c);
+    assert!(wait_until(
+        Duration::from_secs(2),
+        || s.stats()["cancelled"] == 1
+    ));
+    assert_eq!(s.stats()["in_flight"], 0);
+}
+
+#[test]
+fn validation_metrics_and_ready_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let ready = dir.path().join("ready.json");
+    let s = Sim::start(&[
+        "--max-model-len",
+        "32",
+        "--model",
+        "m1",
+        "--ready-file",
+        ready.to_str().unwrap(),
+    ]);
+    let doc: Value = serde_json::from_slice(&std::fs::read(&ready).unwrap()).unwrap();
+    assert_eq!(doc["url"], format!("http://{}", s.addr));
+    assert!(doc["kv_port"].as_u64().unwrap() > 0);
+    assert_eq!(doc["bootstrap_port"], Value::Null);
+    assert_eq!(doc["pid"], s.child.id());
+
+    let r = s.post("/v1/completions", &json!({"model": "nope", "prompt": "a"}));
+    assert_eq!(r.status, 404);
+    assert_eq!(
+        r.json()["error"]["message"],
+        "The model `nope` does not exist."
+    );
+    let r = request(&s.addr, "POST", "/v1/completions", &[], "{not json");
+    assert_eq!(r.status, 400);
+    let long = vec!["w"; 40].join(" ");
+    let r = s.post("/v1/completions", &json!({"prompt": long}));
+    assert_eq!(r.status, 400);
+    assert!(r.text().contains("maximum context length is 32"));
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({"model": "m1", "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": 2}),
+    );
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["usage"]["completion_tokens"], 2);
+    assert_eq!(s.get("/version").json()["version"], "0.11.0-sim");
+    let m = s.get("/metrics").text();
+    assert!(m.contains(
+        "vllm:request_success_total{engine=\"0\",finished_reason=\"length\",model_name=\"m1\"} 1"
+    ));
+    assert!(m.contains("vllm:num_requests_running"));
+    let start: f64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("process_start_time_seconds "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(start, s.stats()["started_at"].as_f64().unwrap());
+    let t = s
+        .post("/tokenize", &json!({"model": "m1", "prompt": "a b c"}))
+        .json();
+    assert_eq!(t["count"], 3);
+    assert_eq!(t["max_model_len"], 32);
+    assert_eq!(s.stats()["requests"]["aggregated"], 4);
+    assert_eq!(
+        request(&s.addr, "POST", "/sim/stats/reset", &[], "").status,
+        200
+    );
+    assert_eq!(s.stats()["requests"]["aggregated"], 0);
+}
