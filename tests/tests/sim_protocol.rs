@@ -762,3 +762,82 @@ fn validation_metrics_and_ready_file() {
     );
     assert_eq!(s.stats()["requests"]["aggregated"], 0);
 }
+
+#[test]
+fn cancelled_sglang_decode_does_not_consume_its_room() {
+    let p = Sim::start(&[
+        "--dialect",
+        "sglang",
+        "--disaggregation-mode",
+        "prefill",
+        "--kv-lease-s",
+        "0.5",
+    ]);
+    let d = Sim::start(&["--dialect", "sglang", "--disaggregation-mode", "decode"]);
+    let bport = bootstrap_port(&p);
+    let mut c = TcpStream::connect(&d.addr).unwrap();
+    let body = json!({"prompt": PROMPT, "max_tokens": 3, "stream": true, "rid": "gone-decode",
+                      "bootstrap_host": "127.0.0.1", "bootstrap_port": bport,
+                      "bootstrap_room": 500})
+    .to_string();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    assert!(wait_until(
+        Duration::from_secs(2),
+        || d.stats()["in_flight"] == 1
+    ));
+    drop(c);
+    assert!(wait_until(
+        Duration::from_secs(1),
+        || d.stats()["cancelled"] == 1
+    ));
+    let last = d.stats()["recent"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert_eq!(last["request_id"], "gone-decode");
+    assert_eq!(last["room"], 500);
+    // The prefill publishes after the decode went away: nobody takes the room, it expires.
+    let pre = p.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 1, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": bport, "bootstrap_room": 500}),
+    );
+    assert_eq!(pre.status, 200);
+    assert!(wait_until(
+        Duration::from_secs(3),
+        || p.stats()["kv"]["expired"] == 1
+    ));
+    assert_eq!(p.stats()["kv"]["served"], 0);
+}
+
+#[test]
+fn health_hang_holds_until_the_client_gives_up() {
+    let s = Sim::start(&["--dialect", "sglang"]);
+    s.fault(json!({"phase": "health", "action": "hang"}));
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    c.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        .unwrap();
+    let mut buf = [0u8; 256];
+    let err = c.read(&mut buf).expect_err("no answer while hanging");
+    assert!(matches!(
+        err.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    ));
+    drop(c);
+    assert_eq!(s.get("/health").status, 200, "the fault applied once");
+    let info = s.get("/server_info").json();
+    assert_eq!(info["disaggregation_mode"], "null");
+    assert_eq!(info["disaggregation_bootstrap_port"], Value::Null);
+    assert_eq!(s.get("/get_model_info").json()["is_generation"], true);
+    assert!(s.get("/metrics").text().contains("sglang:num_running_reqs"));
+    assert_eq!(s.get("/version").status, 404, "vLLM-only route");
+}

@@ -212,7 +212,12 @@ pub(crate) async fn serve(listener: TcpListener, sim: Arc<Sim>) {
                 return;
             }
             let reply = match serde_json::from_str::<Request>(&line) {
-                Ok(req) => handle(&sim, req).await,
+                // A consumer that goes away while waiting for a room (its decode request was
+                // cancelled) must not consume the room: stop waiting on EOF.
+                Ok(req) => tokio::select! {
+                    r = handle(&sim, req) => r,
+                    () = until_eof(stream.get_mut()) => return,
+                },
                 Err(e) => Reply::err(&sim.engine_id, format!("bad side channel request: {e}")),
             };
             if let Ok(mut out) = serde_json::to_vec(&reply) {
@@ -221,6 +226,17 @@ pub(crate) async fn serve(listener: TcpListener, sim: Arc<Sim>) {
                 let _ = stream.get_mut().shutdown().await;
             }
         });
+    }
+}
+
+/// Resolves when the peer closes its side of the connection (or it breaks).
+async fn until_eof(s: &mut TcpStream) {
+    let mut b = [0u8; 64];
+    loop {
+        match s.read(&mut b).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
     }
 }
 
