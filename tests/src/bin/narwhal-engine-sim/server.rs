@@ -669,6 +669,20 @@ async fn completion(
         tracker.finish(Outcome::Error, 429, 0);
         return api_error(&e);
     }
+    // SGLang P/D servers need the whole rendezvous (checked before faults are consumed).
+    if phase == Phase::Aggregated
+        && sim.cfg.dialect == Dialect::Sglang
+        && sim.cfg.mode != Mode::Null
+        && (parsed.bootstrap_partial || sim.cfg.mode == Mode::Prefill)
+    {
+        let e = ApiError::bad_request(format!(
+            "a {}-mode server requires bootstrap_host, bootstrap_port and \
+             bootstrap_room",
+            sim.cfg.mode.as_str()
+        ));
+        tracker.finish(Outcome::Error, 400, 0);
+        return api_error(&e);
+    }
     let fault = sim.take_fault(phase);
     let mut fragment = None;
     let mut cut = None;
@@ -837,18 +851,6 @@ async fn completion(
             }
         }
         (_, _) => {
-            if sim.cfg.dialect == Dialect::Sglang
-                && sim.cfg.mode != Mode::Null
-                && (parsed.bootstrap_partial || sim.cfg.mode == Mode::Prefill)
-            {
-                let e = ApiError::bad_request(format!(
-                    "a {}-mode server requires bootstrap_host, bootstrap_port and \
-                     bootstrap_room",
-                    sim.cfg.mode.as_str()
-                ));
-                tracker.finish(Outcome::Error, 400, 0);
-                return api_error(&e);
-            }
             sleep(compute).await;
             let decode_capable = match sim.cfg.dialect {
                 Dialect::Vllm => true,
