@@ -1,0 +1,199 @@
+//! `narwhal-serve` command line (reference-notes 8.2; task brief): parse, load the fleet, bind,
+//! announce, then [`crate::run`].
+//!
+//! ```text
+//!  args ──clap──► Args ──Config::load──► Config (exit 2 on any problem, all listed)
+//!       ──bind data + control──► (exit 1: "narwhal-serve: bind <addr>: <error>")
+//!       ──stdout: "narwhal-serve listening data=http://H:P control=http://H:P"
+//!       ──ready file {data, control, pid, run} (atomic) ──► run(config, listeners, shutdown)
+//! ```
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, ValueEnum};
+use narwhal_shared::{Clock, SystemClock};
+use tokio::net::TcpListener;
+
+use crate::config::Config;
+use crate::journal::{Journal, run_id};
+use crate::{Listeners, RunOptions};
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Narwhal router: disaggregated prefill/decode serving for vLLM and SGLang fleets.
+#[derive(Debug, Parser)]
+#[command(name = "narwhal-serve", version, about)]
+struct Args {
+    /// Fleet file (schema narwhal.fleet version 2).
+    #[arg(long, env = "NARWHAL_FLEET")]
+    fleet: PathBuf,
+    /// Data listener address (OpenAI routes). Port 0 picks a free port.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    listen: String,
+    /// Control listener address (state, targets, metrics). Port 0 picks a free port.
+    #[arg(long, default_value = "127.0.0.1:8001")]
+    control_listen: String,
+    /// Request journal (JSONL, appended).
+    #[arg(long, default_value = "runs/journal.jsonl")]
+    journal: PathBuf,
+    /// Write {"data","control","pid","run"} here (atomically) once both listeners are bound.
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+    /// Log format on stderr.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    /// Log level or tracing filter (critical, error, warning, info, debug, trace).
+    #[arg(long, default_value = "info")]
+    log_level: String,
+    /// Admission seats (default serving.max_connections; 1 ..= max_connections).
+    #[arg(long)]
+    max_concurrent: Option<u64>,
+}
+
+fn init_logging(args: &Args) -> Result<(), String> {
+    let level = match args.log_level.as_str() {
+        "critical" => "error",
+        "warning" => "warn",
+        other => other,
+    };
+    let filter = tracing_subscriber::EnvFilter::try_new(level).map_err(|e| format!("--log-level {level:?}: {e}"))?;
+    let b = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter);
+    let r = match args.log_format {
+        LogFormat::Text => b.try_init(),
+        LogFormat::Json => b.json().try_init(),
+    };
+    r.map_err(|e| format!("logging: {e}"))
+}
+
+/// Write `value` to `path` atomically (temp file in the same directory, then rename).
+fn write_atomic(path: &Path, value: &serde_json::Value) -> std::io::Result<()> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("ready"),
+        std::process::id()
+    ));
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(value.to_string().as_bytes())?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)
+}
+
+/// Entry point of the `narwhal-serve` binary. Exit codes: 0 clean shutdown, 1 bind/startup
+/// failure, 2 usage or fleet configuration errors.
+pub fn main_from_args() -> ExitCode {
+    let args = Args::parse();
+    if let Err(e) = init_logging(&args) {
+        eprintln!("narwhal-serve: {e}");
+        return ExitCode::from(2);
+    }
+    let cfg = match Config::load(&args.fleet) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("narwhal-serve: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let max = cfg.serving.max_connections;
+    let max_concurrent = args.max_concurrent.unwrap_or(max);
+    if max_concurrent < 1 || max_concurrent > max {
+        eprintln!("narwhal-serve: --max-concurrent {max_concurrent} must be in 1..={max} (serving.max_connections)");
+        return ExitCode::from(2);
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("narwhal-serve: tokio runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let code = rt.block_on(async_main(args, cfg, max_concurrent as usize));
+    rt.shutdown_timeout(std::time::Duration::from_secs(2));
+    code
+}
+
+async fn bind(addr: &str) -> Result<TcpListener, ExitCode> {
+    TcpListener::bind(addr).await.map_err(|e| {
+        eprintln!("narwhal-serve: bind {addr}: {e}");
+        ExitCode::from(1)
+    })
+}
+
+async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode {
+    let data = match bind(&args.listen).await {
+        Ok(l) => l,
+        Err(c) => return c,
+    };
+    let control = match bind(&args.control_listen).await {
+        Ok(l) => l,
+        Err(c) => return c,
+    };
+    let (Ok(data_addr), Ok(control_addr)) = (data.local_addr(), control.local_addr()) else {
+        eprintln!("narwhal-serve: cannot read the bound addresses");
+        return ExitCode::from(1);
+    };
+    let run = run_id(SystemClock.wall().unwrap_or(0.0));
+    let (journal, _writer) = match Journal::open(&args.journal, &run) {
+        Ok(j) => j,
+        Err(e) => {
+            eprintln!("narwhal-serve: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let data_url = format!("http://{data_addr}");
+    let control_url = format!("http://{control_addr}");
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "narwhal-serve listening data={data_url} control={control_url}");
+        let _ = out.flush();
+    }
+    if let Some(path) = &args.ready_file {
+        let doc = serde_json::json!({"data": data_url, "control": control_url, "pid": std::process::id(), "run": run});
+        if let Err(e) = write_atomic(path, &doc) {
+            eprintln!("narwhal-serve: ready file {}: {e}", path.display());
+            return ExitCode::from(1);
+        }
+    }
+    tracing::info!(data = %data_url, control = %control_url, run = %run, engines = cfg.engines.len(), backend = %cfg.backend, "narwhal-serve started");
+    let result = crate::run(
+        cfg,
+        Listeners { data, control },
+        RunOptions { journal, max_concurrent },
+        shutdown_signal(),
+    )
+    .await;
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("narwhal-serve: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = term => tracing::info!("SIGTERM: shutting down"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+    }
+}

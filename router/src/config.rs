@@ -1,0 +1,1622 @@
+//! Fleet file: schema `narwhal.fleet` version 2 (DESIGN.md section 6, reference-notes 8.1).
+//!
+//! ```text
+//!  fleet.json ──read──► serde_json::Value ──Checker (every key, every rule)──► Config
+//!                                               └─► ConfigError::Invalid { issues: [..all..] }
+//! ```
+//!
+//! The file is parsed into a JSON value first and then walked by hand so that *every* problem
+//! (unknown keys, wrong types, out-of-range values, duplicate iids, ...) is collected and
+//! reported in one run, each naming its dotted path (`engines[1].rol: unknown key`). Keys
+//! starting with `_` are comments at every level. JSON `NaN`/`Infinity` are not JSON and are
+//! refused by the parser.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+/// Which engine kind serves the fleet; decides the P/D protocol (reference-notes 7.1, 7.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// vLLM with the NIXL connector: two-stage prefill then decode, KV descriptor handoff.
+    Vllm,
+    /// SGLang with the Mooncake connector: concurrent legs meeting at a bootstrap rendezvous.
+    Sglang,
+}
+
+impl Backend {
+    /// The lowercase name used in the fleet file, `/narwhal/targets` and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Vllm => "vllm",
+            Backend::Sglang => "sglang",
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The pool an engine is assigned to (reference-notes 8.1 `engines[].role`, default decode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Role {
+    /// Runs prefill legs and produces KV.
+    Prefill,
+    /// Runs decode legs and streams tokens.
+    Decode,
+}
+
+impl Role {
+    /// `"prefill"` or `"decode"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// Agent endpoint of one engine host (DESIGN.md section 4). Parsed now, used by the agent client.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineAgent {
+    /// `https://host:port` of the host's narwhal-agent.
+    pub url: String,
+    /// TLS server name the agent certificate must carry.
+    pub server_name: String,
+    /// `ed25519:<base64>` public key that signs this agent's documents.
+    pub public_key: String,
+}
+
+/// One configured engine (`engines[]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// Instance id, unique in the fleet.
+    pub iid: String,
+    /// Base URL of the engine's OpenAI server, trailing `/` removed.
+    pub url: String,
+    /// Configured pool.
+    pub role: Role,
+    /// Excluded from every role change.
+    pub pin: bool,
+    /// Full attestation URL, `""` when none.
+    pub attestation_url: String,
+    /// Optional agent endpoint.
+    pub agent: Option<EngineAgent>,
+}
+
+/// `slo` section: latency budgets in seconds (both required, > 0).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Slo {
+    /// Time to first token budget, seconds.
+    pub ttft_s: f64,
+    /// Time per output token budget, seconds.
+    pub tpot_s: f64,
+}
+
+/// `serving.admission`: predictive pricing is not implemented here; both values admit openly
+/// (docs/configuration.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdmissionMode {
+    /// Refuse over-budget requests (accepted, runs as `open` in this version).
+    Predictive,
+    /// Never refuse on price.
+    Open,
+}
+
+/// `serving` section (reference-notes 8.1). Times in seconds, sizes in bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Serving {
+    /// `admission` (default `open` here; see [`AdmissionMode`]).
+    pub admission: AdmissionMode,
+    /// `admission_margin` ≥ 0.
+    pub admission_margin: f64,
+    /// `max_connections` ≥ 1 (default 768): default admission seats.
+    pub max_connections: u64,
+    /// End-to-end deadline from arrival (default 600).
+    pub request_timeout_s: f64,
+    /// Prefill leg elapsed limit (default 120, ≤ request timeout).
+    pub prefill_timeout_s: f64,
+    /// Drain time after SIGTERM, whole seconds (default 30).
+    pub graceful_timeout_s: u64,
+    /// Admission queue capacity (default 0 = no waiting).
+    pub queue_capacity: u64,
+    /// Admission queue wait limit (default 0; > 0 required when `queue_capacity` > 0).
+    pub queue_timeout_s: f64,
+    /// Complete prefill→decode attempts per request, 1–3 (default 2).
+    pub max_attempts: u32,
+    /// Retry backoff base (default 0.1).
+    pub retry_base_s: f64,
+    /// Retry backoff cap (default 1.0, ≥ base).
+    pub retry_cap_s: f64,
+    /// Router-wide retry credits (default 10).
+    pub retry_budget: u64,
+    /// Credits added per completed request (default 0.1, 0–1).
+    pub retry_replenish: f64,
+    /// Client request body limit (default 4194304).
+    pub max_request_bytes: u64,
+    /// Response limit: pre-output buffer and non-streaming reassembly (default 16777216).
+    pub max_response_bytes: u64,
+}
+
+/// `engine` section (reference-notes 8.1). Times in seconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineSection {
+    /// `engine.backend` when given (must agree with top-level `backend`).
+    pub backend: Option<Backend>,
+    /// KV connector (`""` → `nixl` for vLLM, `mooncake` for SGLang).
+    pub connector: String,
+    /// API dialect (`""` → backend's).
+    pub dialect: String,
+    /// Size prompts with `/tokenize` (accepted; this version sizes by characters).
+    pub tokenize: bool,
+    /// Characters per token for sizing (default 3.8).
+    pub chars_per_token: f64,
+    /// `/tokenize` timeout (default 2).
+    pub tokenize_timeout_s: f64,
+    /// Env var naming the engine bearer token (`""` = none).
+    pub engine_api_key_env: String,
+    /// The resolved bearer token, when `engine_api_key_env` is set.
+    pub engine_api_key: Option<String>,
+    /// Control pool size (0 → max(4, 2 × engines)).
+    pub control_connections: u64,
+    /// Local pool wait limit (default 5).
+    pub pool_timeout_s: f64,
+    /// TCP connect timeout to engines (default 10).
+    pub connect_timeout_s: f64,
+    /// Health probe timeout (default 5).
+    pub health_timeout_s: f64,
+    /// Limit on each gap between decode chunks after the first token (default 10, 0 disables).
+    pub decode_read_timeout_s: f64,
+    /// Limit on decode headers + first token (default 2.5).
+    pub first_token_timeout_s: f64,
+    /// First-token calibration file (accepted, unused).
+    pub first_token_calibration_path: String,
+}
+
+/// `engine.engine_restart_policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RestartPolicy {
+    /// Engines restart one at a time.
+    Individual,
+    /// The whole fleet restarts as one wave.
+    WholeWave,
+}
+
+impl RestartPolicy {
+    /// `"individual"` or `"whole_wave"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RestartPolicy::Individual => "individual",
+            RestartPolicy::WholeWave => "whole_wave",
+        }
+    }
+}
+
+/// `recovery` section (reference-notes 8.1, 6.2–6.4).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recovery {
+    /// Consecutive failures of one class that trip the breaker (default 3).
+    pub eject_after: u32,
+    /// Probe an ejected engine every `readmit_every × controller.monitor_interval_s` (default 10).
+    pub readmit_every: u32,
+    /// Liveness sweep period in monitor intervals (default 10, 0 disables; accepted, unused).
+    pub liveness_every: u32,
+    /// Liveness misses before ejection (default 2; accepted, unused).
+    pub liveness_misses: u32,
+    /// Restart policy.
+    pub engine_restart_policy: RestartPolicy,
+    /// Timed quarantine after a failed leg (default 0 = disabled; accepted, unused).
+    pub failure_quarantine_s: f64,
+    /// Handoff state file (default `runs/state.json`).
+    pub state_path: String,
+    /// Apply the state file at startup (accepted, unused).
+    pub resume: bool,
+}
+
+/// `controller` section: only what this version uses is kept; the rest is validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Controller {
+    /// Monitoring pass period, seconds (default 1.0, > 0).
+    pub monitor_interval_s: f64,
+    /// Failed passes before monitoring is degraded (default 5).
+    pub monitor_failure_limit: u32,
+    /// Advisory controller (default false).
+    pub advisory: bool,
+    /// Minimum prefill engines (default 1).
+    pub min_prefill: u32,
+    /// Minimum decode engines (default 1).
+    pub min_decode: u32,
+}
+
+/// `agent` section (ours): router-to-agent call limits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentSection {
+    /// Per-call timeout, seconds (default 10).
+    pub timeout_s: f64,
+    /// Accepted `issued_at` skew, seconds (default 30).
+    pub max_skew_s: f64,
+}
+
+/// `lease.backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseBackend {
+    /// No fencing (single router).
+    None,
+    /// flock + atomically replaced JSON record.
+    File,
+    /// etcd v3 lease.
+    Etcd,
+}
+
+/// `lease` section (ours, DESIGN.md section 7). Parsed now; the lease issue uses it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeaseSection {
+    /// Backend (default `none`).
+    pub backend: LeaseBackend,
+    /// File backend path (required for `file`).
+    pub path: String,
+    /// etcd endpoints (required non-empty for `etcd`).
+    pub endpoints: Vec<String>,
+    /// etcd key (default `/narwhal/router-lease`).
+    pub key: String,
+    /// Lease time to live, seconds (default 5; > renew + margin).
+    pub ttl_s: f64,
+    /// Renewal period, seconds (default 1).
+    pub renew_interval_s: f64,
+    /// Safety margin, seconds (default 1).
+    pub safety_margin_s: f64,
+}
+
+/// PEM file paths for a TLS identity (`tls`, `control.tls`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TlsFiles {
+    /// Fleet CA certificate.
+    pub ca: PathBuf,
+    /// Certificate chain.
+    pub cert: PathBuf,
+    /// Private key.
+    pub key: PathBuf,
+}
+
+/// A validated fleet file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// The single served model id.
+    pub model: String,
+    /// Engine kind.
+    pub backend: Backend,
+    /// Engines in file order (iids unique, at least one).
+    pub engines: Vec<EngineConfig>,
+    /// Latency budgets.
+    pub slo: Slo,
+    /// Controller settings.
+    pub controller: Controller,
+    /// Serving settings.
+    pub serving: Serving,
+    /// Engine transport settings.
+    pub engine: EngineSection,
+    /// Breaker and recovery settings.
+    pub recovery: Recovery,
+    /// Agent call limits.
+    pub agent: AgentSection,
+    /// Router lease.
+    pub lease: LeaseSection,
+    /// Router-to-agent mTLS identity.
+    pub tls: Option<TlsFiles>,
+    /// Control listener mTLS identity.
+    pub control_tls: Option<TlsFiles>,
+    /// `engine_contract` as given (validated for key names and types).
+    pub engine_contract: Option<Value>,
+}
+
+/// One problem in a fleet file. Every variant names the dotted key (and value when there is
+/// one).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigIssue {
+    /// A key the schema does not know (a typo would silently fall back to the default).
+    #[error("{path}: unknown key")]
+    UnknownKey {
+        /// Dotted path of the key.
+        path: String,
+    },
+    /// A required key is absent.
+    #[error("{path}: required key is missing")]
+    Missing {
+        /// Dotted path of the key.
+        path: String,
+    },
+    /// The value has the wrong JSON type.
+    #[error("{path} must be {expected}, got {value}")]
+    Type {
+        /// Dotted path.
+        path: String,
+        /// What was expected (`a number`, `an integer`, ...).
+        expected: &'static str,
+        /// The offending value as JSON.
+        value: String,
+    },
+    /// The value breaks a range or enumeration rule.
+    #[error("{path} = {value}: {rule}")]
+    Rule {
+        /// Dotted path.
+        path: String,
+        /// The offending value as JSON.
+        value: String,
+        /// The rule, e.g. `must be > 0`.
+        rule: String,
+    },
+    /// Two engines share an iid.
+    #[error("engines[{second}].iid = \"{iid}\": repeats the instance id of engines[{first}]")]
+    DuplicateIid {
+        /// The repeated iid.
+        iid: String,
+        /// Index of the first engine with it.
+        first: usize,
+        /// Index of the repeat.
+        second: usize,
+    },
+    /// `engines` is empty.
+    #[error("engines: the fleet declares no engines")]
+    NoEngines,
+    /// Top-level `backend` and `engine.backend` disagree.
+    #[error("backend = \"{top}\" disagrees with engine.backend = \"{engine}\"")]
+    BackendMismatch {
+        /// Top-level value.
+        top: String,
+        /// `engine.backend` value.
+        engine: String,
+    },
+}
+
+/// Loading a fleet file failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{path}: cannot read fleet file: {source}")]
+    Read {
+        /// The fleet file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The file is not JSON (NaN and Infinity are not JSON).
+    #[error("{path}: not valid JSON: {source}")]
+    Json {
+        /// The fleet file.
+        path: PathBuf,
+        /// The parser error with line and column.
+        source: serde_json::Error,
+    },
+    /// The JSON breaks the schema; every problem is listed.
+    #[error("{path}: {} problem(s):\n{}", issues.len(), render_issues(issues))]
+    Invalid {
+        /// The fleet file.
+        path: PathBuf,
+        /// All problems found, in file order.
+        issues: Vec<ConfigIssue>,
+    },
+}
+
+fn render_issues(issues: &[ConfigIssue]) -> String {
+    issues
+        .iter()
+        .map(|i| format!("  {i}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+impl Config {
+    /// Read and validate a fleet file.
+    ///
+    /// # Errors
+    /// [`ConfigError::Read`] / [`ConfigError::Json`] when the file cannot be read or parsed;
+    /// [`ConfigError::Invalid`] with every schema problem otherwise.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_json_str(&text, &|k| std::env::var(k).ok()).map_err(|e| match e {
+            ParseError::Json(source) => ConfigError::Json {
+                path: path.to_path_buf(),
+                source,
+            },
+            ParseError::Invalid(issues) => ConfigError::Invalid {
+                path: path.to_path_buf(),
+                issues,
+            },
+        })
+    }
+
+    /// Validate fleet JSON text; `env` resolves `${VAR}` references in engine URLs.
+    ///
+    /// # Errors
+    /// [`ParseError::Json`] for unparsable text, [`ParseError::Invalid`] with every issue.
+    pub fn from_json_str(
+        text: &str,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Config, ParseError> {
+        let value: Value = serde_json::from_str(text).map_err(ParseError::Json)?;
+        let mut c = Checker {
+            issues: Vec::new(),
+            env,
+        };
+        let cfg = c.fleet(&value);
+        match cfg {
+            Some(cfg) if c.issues.is_empty() => Ok(cfg),
+            _ => Err(ParseError::Invalid(c.issues)),
+        }
+    }
+
+    /// The default TTFT/TPOT-free first-token limit for a decode leg, as a `Duration`.
+    pub(crate) fn first_token_timeout(&self) -> std::time::Duration {
+        secs(self.engine.first_token_timeout_s)
+    }
+}
+
+/// Errors of [`Config::from_json_str`].
+#[derive(Debug, thiserror::Error)]
+pub enum ParseError {
+    /// Not JSON.
+    #[error("not valid JSON: {0}")]
+    Json(serde_json::Error),
+    /// Schema issues.
+    #[error("{} problem(s): {}", .0.len(), render_issues(.0))]
+    Invalid(Vec<ConfigIssue>),
+}
+
+pub(crate) fn secs(s: f64) -> std::time::Duration {
+    std::time::Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(std::time::Duration::MAX)
+}
+
+const TOP_KEYS: &[&str] = &[
+    "schema",
+    "schema_version",
+    "model",
+    "backend",
+    "engines",
+    "slo",
+    "controller",
+    "serving",
+    "engine",
+    "recovery",
+    "profiles",
+    "engine_contract",
+    "hardware",
+    "agent",
+    "lease",
+    "tls",
+    "control",
+];
+
+struct Checker<'e> {
+    issues: Vec<ConfigIssue>,
+    env: &'e dyn Fn(&str) -> Option<String>,
+}
+
+fn show(v: &Value) -> String {
+    let s = v.to_string();
+    if s.len() > 80 {
+        format!("{}…", &s[..s.floor_char_boundary(77)])
+    } else {
+        s
+    }
+}
+
+fn join(parent: &str, key: &str) -> String {
+    if parent.is_empty() {
+        key.to_string()
+    } else {
+        format!("{parent}.{key}")
+    }
+}
+
+/// A checked object: remembers its dotted path.
+struct Obj<'v> {
+    path: String,
+    map: Option<&'v Map<String, Value>>,
+}
+
+impl<'v> Obj<'v> {
+    fn get(&self, key: &str) -> Option<&'v Value> {
+        self.map.and_then(|m| m.get(key)).filter(|v| !v.is_null())
+    }
+    fn p(&self, key: &str) -> String {
+        join(&self.path, key)
+    }
+}
+
+impl Checker<'_> {
+    fn rule(&mut self, path: String, v: &Value, rule: impl Into<String>) {
+        self.issues.push(ConfigIssue::Rule {
+            path,
+            value: show(v),
+            rule: rule.into(),
+        });
+    }
+
+    fn ty(&mut self, path: String, v: &Value, expected: &'static str) {
+        self.issues.push(ConfigIssue::Type {
+            path,
+            expected,
+            value: show(v),
+        });
+    }
+
+    /// Check `v` is an object with only `known` keys (plus `_comments`).
+    fn obj<'v>(&mut self, path: &str, v: Option<&'v Value>, known: &[&str]) -> Obj<'v> {
+        let map = match v {
+            None | Some(Value::Null) => None,
+            Some(Value::Object(m)) => {
+                for k in m.keys() {
+                    if !k.starts_with('_') && !known.contains(&k.as_str()) {
+                        self.issues.push(ConfigIssue::UnknownKey {
+                            path: join(path, k),
+                        });
+                    }
+                }
+                Some(m)
+            }
+            Some(other) => {
+                self.ty(path.to_string(), other, "an object");
+                None
+            }
+        };
+        Obj {
+            path: path.to_string(),
+            map,
+        }
+    }
+
+    fn num(&mut self, o: &Obj<'_>, key: &str, default: f64, check: fn(f64) -> Option<&'static str>) -> f64 {
+        let Some(v) = o.get(key) else { return default };
+        match v.as_f64() {
+            Some(x) if v.is_number() => {
+                if let Some(rule) = check(x) {
+                    self.rule(o.p(key), v, rule);
+                }
+                x
+            }
+            _ => {
+                self.ty(o.p(key), v, "a number");
+                default
+            }
+        }
+    }
+
+    fn int(&mut self, o: &Obj<'_>, key: &str, default: u64, min: u64, max: u64) -> u64 {
+        let Some(v) = o.get(key) else { return default };
+        match v.as_u64() {
+            Some(x) => {
+                if x < min || x > max {
+                    let rule = if max == u64::MAX {
+                        format!("must be an integer ≥ {min}")
+                    } else {
+                        format!("must be an integer in {min}..={max}")
+                    };
+                    self.rule(o.p(key), v, rule);
+                }
+                x
+            }
+            None if v.is_i64() => {
+                self.rule(o.p(key), v, format!("must be an integer ≥ {min}"));
+                default
+            }
+            None => {
+                self.ty(o.p(key), v, "an integer");
+                default
+            }
+        }
+    }
+
+    fn boolean(&mut self, o: &Obj<'_>, key: &str, default: bool) -> bool {
+        let Some(v) = o.get(key) else { return default };
+        match v.as_bool() {
+            Some(b) => b,
+            None => {
+                self.ty(o.p(key), v, "a boolean");
+                default
+            }
+        }
+    }
+
+    fn string(&mut self, o: &Obj<'_>, key: &str, default: &str) -> String {
+        let Some(v) = o.get(key) else {
+            return default.to_string();
+        };
+        match v.as_str() {
+            Some(s) => s.to_string(),
+            None => {
+                self.ty(o.p(key), v, "a string");
+                default.to_string()
+            }
+        }
+    }
+
+    fn choice(&mut self, o: &Obj<'_>, key: &str, default: &'static str, allowed: &[&'static str]) -> &'static str {
+        let Some(v) = o.get(key) else { return default };
+        match v.as_str() {
+            Some(s) => match allowed.iter().find(|a| **a == s) {
+                Some(a) => a,
+                None => {
+                    self.rule(o.p(key), v, format!("must be one of {}", allowed.join(", ")));
+                    default
+                }
+            },
+            None => {
+                self.ty(o.p(key), v, "a string");
+                default
+            }
+        }
+    }
+
+    /// Validate the keys and primitive types of a section this version does not act on.
+    fn passive(&mut self, o: &Obj<'_>, keys: &[(&str, Kind)]) {
+        for (k, kind) in keys {
+            let Some(v) = o.get(k) else { continue };
+            let ok = match kind {
+                Kind::NonNegNum => v.as_f64().is_some_and(|x| x >= 0.0),
+                Kind::PosNum => v.as_f64().is_some_and(|x| x > 0.0),
+                Kind::Int => v.is_u64(),
+                Kind::BoolOrNull => v.is_boolean(),
+                Kind::Str => v.is_string(),
+            };
+            if !ok {
+                let expected = match kind {
+                    Kind::NonNegNum => "a number ≥ 0",
+                    Kind::PosNum => "a number > 0",
+                    Kind::Int => "an integer ≥ 0",
+                    Kind::BoolOrNull => "a boolean",
+                    Kind::Str => "a string",
+                };
+                self.ty(o.p(k), v, expected);
+            }
+        }
+    }
+
+    fn env_ref(&mut self, path: String, raw: String) -> String {
+        if let Some(name) = raw.strip_prefix("${").and_then(|r| r.strip_suffix('}')) {
+            if name.is_empty() || name.contains('$') || name.contains('{') || name.contains('}') {
+                self.rule(path, &Value::String(raw.clone()), "malformed ${VAR} reference");
+                return raw;
+            }
+            match (self.env)(name) {
+                Some(val) if !val.is_empty() && !val.contains("${") => return val,
+                Some(val) if val.contains("${") => {
+                    self.rule(path, &Value::String(raw.clone()), format!("environment variable {name} contains another reference"));
+                }
+                _ => {
+                    self.rule(path, &Value::String(raw.clone()), format!("environment variable {name} is unset or empty"));
+                }
+            }
+            raw
+        } else if raw.contains("${") {
+            self.rule(path, &Value::String(raw.clone()), "a ${VAR} reference must be the whole value");
+            raw
+        } else {
+            raw
+        }
+    }
+
+    fn fleet(&mut self, root: &Value) -> Option<Config> {
+        let top = self.obj("", Some(root), TOP_KEYS);
+        if top.map.is_none() {
+            if !root.is_object() {
+                // obj() already reported the type problem with an empty path; name it.
+                self.issues.clear();
+                self.ty("(fleet file)".into(), root, "an object");
+            }
+            return None;
+        }
+        match top.get("schema") {
+            Some(Value::String(s)) if s == "narwhal.fleet" => {}
+            Some(v) => self.rule("schema".into(), v, "must be \"narwhal.fleet\""),
+            None => self.issues.push(ConfigIssue::Missing { path: "schema".into() }),
+        }
+        match top.get("schema_version") {
+            Some(v) if v.as_u64() == Some(2) => {}
+            Some(v) => self.rule("schema_version".into(), v, "must be 2"),
+            None => self.issues.push(ConfigIssue::Missing {
+                path: "schema_version".into(),
+            }),
+        }
+        let model = match top.get("model") {
+            Some(Value::String(s)) if !s.is_empty() => s.clone(),
+            Some(v) => {
+                self.ty("model".into(), v, "a non-empty string");
+                String::new()
+            }
+            None => {
+                self.issues.push(ConfigIssue::Missing { path: "model".into() });
+                String::new()
+            }
+        };
+        let top_backend = top.get("backend").is_some().then(|| self.choice(&top, "backend", "vllm", &["vllm", "sglang"]));
+
+        let engines = self.engines(top.get("engines"));
+
+        // slo (required)
+        let slo_obj = self.obj("slo", top.get("slo"), &["ttft_s", "tpot_s"]);
+        if top.get("slo").is_none() {
+            self.issues.push(ConfigIssue::Missing { path: "slo".into() });
+        }
+        for k in ["ttft_s", "tpot_s"] {
+            if slo_obj.map.is_some() && slo_obj.get(k).is_none() {
+                self.issues.push(ConfigIssue::Missing { path: slo_obj.p(k) });
+            }
+        }
+        let slo = Slo {
+            ttft_s: self.num(&slo_obj, "ttft_s", 1.0, positive),
+            tpot_s: self.num(&slo_obj, "tpot_s", 0.1, positive),
+        };
+
+        let controller = self.controller(top.get("controller"), engines.len());
+        let serving = self.serving(top.get("serving"));
+        let engine = self.engine(top.get("engine"), &serving, engines.len());
+        let recovery = self.recovery(top.get("recovery"));
+        self.profiles(top.get("profiles"));
+        self.hardware(top.get("hardware"));
+        let engine_contract = self.contract(top.get("engine_contract"));
+        let agent_obj = self.obj("agent", top.get("agent"), &["timeout_s", "max_skew_s"]);
+        let agent = AgentSection {
+            timeout_s: self.num(&agent_obj, "timeout_s", 10.0, positive),
+            max_skew_s: self.num(&agent_obj, "max_skew_s", 30.0, non_negative),
+        };
+        let lease = self.lease(top.get("lease"));
+        let tls = self.tls("tls", top.get("tls"));
+        let control = self.obj("control", top.get("control"), &["tls"]);
+        let control_tls = self.tls("control.tls", control.get("tls"));
+
+        let backend = match (top_backend, engine.backend) {
+            (Some(t), Some(e)) if t != e.as_str() => {
+                self.issues.push(ConfigIssue::BackendMismatch {
+                    top: t.to_string(),
+                    engine: e.as_str().to_string(),
+                });
+                Backend::Vllm
+            }
+            (Some("sglang"), _) => Backend::Sglang,
+            (Some(_), _) => Backend::Vllm,
+            (None, Some(e)) => e,
+            (None, None) => Backend::Vllm,
+        };
+        if !engine.dialect.is_empty() && engine.dialect != backend.as_str() {
+            self.rule(
+                "engine.dialect".into(),
+                &Value::String(engine.dialect.clone()),
+                format!("must equal the backend ({backend})"),
+            );
+        }
+        let default_connector = match backend {
+            Backend::Vllm => "nixl",
+            Backend::Sglang => "mooncake",
+        };
+        if !engine.connector.is_empty() && engine.connector != default_connector {
+            self.rule(
+                "engine.connector".into(),
+                &Value::String(engine.connector.clone()),
+                format!("backend {backend} supports only connector \"{default_connector}\""),
+            );
+        }
+        if top.get("engines").is_some() && engines.is_empty() && top.get("engines").is_some_and(Value::is_array) {
+            self.issues.push(ConfigIssue::NoEngines);
+        }
+        if top.get("engines").is_none() {
+            self.issues.push(ConfigIssue::Missing { path: "engines".into() });
+        }
+        let n = engines.len() as u32;
+        if n > 0 && !(n == 1 && controller.min_prefill == 1 && controller.min_decode == 1) && controller.min_prefill + controller.min_decode > n {
+            self.rule(
+                "controller.min_prefill".into(),
+                &Value::from(controller.min_prefill),
+                format!(
+                    "min_prefill + min_decode ({}) exceeds the engine count ({n})",
+                    controller.min_prefill + controller.min_decode
+                ),
+            );
+        }
+        if recovery.engine_restart_policy == RestartPolicy::WholeWave && engine_contract.is_none() {
+            self.rule(
+                "recovery.engine_restart_policy".into(),
+                &Value::from("whole_wave"),
+                "whole_wave requires an engine_contract",
+            );
+        }
+        Some(Config {
+            model,
+            backend,
+            engines,
+            slo,
+            controller,
+            serving,
+            engine,
+            recovery,
+            agent,
+            lease,
+            tls,
+            control_tls,
+            engine_contract,
+        })
+    }
+
+    fn engines(&mut self, v: Option<&Value>) -> Vec<EngineConfig> {
+        let Some(v) = v else { return Vec::new() };
+        let Some(items) = v.as_array() else {
+            self.ty("engines".into(), v, "an array");
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        let mut seen: Vec<(String, usize)> = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let path = format!("engines[{i}]");
+            let o = self.obj(
+                &path,
+                Some(item),
+                &["iid", "url", "role", "pin", "attestation_url", "shared_device", "agent"],
+            );
+            if o.map.is_none() {
+                continue;
+            }
+            let iid = match o.get("iid") {
+                Some(Value::String(s)) if !s.is_empty() => s.clone(),
+                Some(v) => {
+                    self.ty(o.p("iid"), v, "a non-empty string");
+                    String::new()
+                }
+                None => {
+                    self.issues.push(ConfigIssue::Missing { path: o.p("iid") });
+                    String::new()
+                }
+            };
+            let url = match o.get("url") {
+                Some(Value::String(s)) if !s.is_empty() => {
+                    let s = self.env_ref(o.p("url"), s.clone());
+                    if !(s.starts_with("http://") || s.starts_with("https://") || s.starts_with("${")) {
+                        self.rule(o.p("url"), &Value::String(s.clone()), "must be an http:// or https:// URL");
+                    }
+                    s.trim_end_matches('/').to_string()
+                }
+                Some(v) => {
+                    self.ty(o.p("url"), v, "a non-empty string");
+                    String::new()
+                }
+                None => {
+                    self.issues.push(ConfigIssue::Missing { path: o.p("url") });
+                    String::new()
+                }
+            };
+            let role = match self.choice(&o, "role", "decode", &["prefill", "decode"]) {
+                "prefill" => Role::Prefill,
+                _ => Role::Decode,
+            };
+            let pin = self.boolean(&o, "pin", false);
+            let raw_att = self.string(&o, "attestation_url", "");
+            let attestation_url = self.env_ref(o.p("attestation_url"), raw_att);
+            let sd = self.obj(
+                &o.p("shared_device"),
+                o.get("shared_device"),
+                &["group", "gpu_uuid", "device_allowance", "gpu_memory_utilization"],
+            );
+            self.passive(
+                &sd,
+                &[
+                    ("group", Kind::Str),
+                    ("gpu_uuid", Kind::Str),
+                    ("device_allowance", Kind::NonNegNum),
+                    ("gpu_memory_utilization", Kind::PosNum),
+                ],
+            );
+            let agent = match o.get("agent") {
+                None => None,
+                Some(av) => {
+                    let a = self.obj(&o.p("agent"), Some(av), &["url", "server_name", "public_key"]);
+                    if a.map.is_none() {
+                        None
+                    } else {
+                    let req = |c: &mut Self, k: &str| match a.get(k) {
+                        Some(Value::String(s)) if !s.is_empty() => s.clone(),
+                        Some(v) => {
+                            c.ty(a.p(k), v, "a non-empty string");
+                            String::new()
+                        }
+                        None => {
+                            c.issues.push(ConfigIssue::Missing { path: a.p(k) });
+                            String::new()
+                        }
+                    };
+                    let url = req(self, "url");
+                    let server_name = req(self, "server_name");
+                    let public_key = req(self, "public_key");
+                    if !public_key.is_empty() && !public_key.starts_with("ed25519:") {
+                        self.rule(a.p("public_key"), &Value::String(public_key.clone()), "must start with \"ed25519:\"");
+                    }
+                    Some(EngineAgent {
+                        url: url.trim_end_matches('/').to_string(),
+                        server_name,
+                        public_key,
+                    })
+                    }
+                }
+            };
+            if !iid.is_empty() {
+                if let Some((_, first)) = seen.iter().find(|(s, _)| *s == iid) {
+                    self.issues.push(ConfigIssue::DuplicateIid {
+                        iid: iid.clone(),
+                        first: *first,
+                        second: i,
+                    });
+                } else {
+                    seen.push((iid.clone(), i));
+                }
+            }
+            out.push(EngineConfig {
+                iid,
+                url,
+                role,
+                pin,
+                attestation_url,
+                agent,
+            });
+        }
+        out
+    }
+
+    fn controller(&mut self, v: Option<&Value>, _engines: usize) -> Controller {
+        let o = self.obj(
+            "controller",
+            v,
+            &[
+                "monitor_interval_s",
+                "monitor_failure_limit",
+                "advisory",
+                "min_prefill",
+                "min_decode",
+                "flip_history",
+                "thresholds",
+                "reactive",
+            ],
+        );
+        let c = Controller {
+            monitor_interval_s: self.num(&o, "monitor_interval_s", 1.0, positive),
+            monitor_failure_limit: self.int(&o, "monitor_failure_limit", 5, 1, u32::MAX as u64) as u32,
+            advisory: self.boolean(&o, "advisory", false),
+            min_prefill: self.int(&o, "min_prefill", 1, 1, u32::MAX as u64) as u32,
+            min_decode: self.int(&o, "min_decode", 1, 1, u32::MAX as u64) as u32,
+        };
+        self.int(&o, "flip_history", 1000, 1, u64::MAX);
+        let th = self.obj(
+            "controller.thresholds",
+            o.get("thresholds"),
+            &["expand", "shrink", "cooldown_s", "sustained_intervals", "dwell_s", "panic_ratio", "flip_resident_guard"],
+        );
+        let expand = self.num(&th, "expand", 1.0, positive);
+        let shrink = self.num(&th, "shrink", 0.5, non_negative);
+        if shrink >= expand {
+            self.rule(th.p("shrink"), &Value::from(shrink), format!("must be < thresholds.expand ({expand})"));
+        }
+        self.num(&th, "cooldown_s", 10.0, non_negative);
+        self.int(&th, "sustained_intervals", 3, 1, u64::MAX);
+        self.num(&th, "dwell_s", 0.0, non_negative);
+        self.num(&th, "panic_ratio", 0.0, |x| (x != 0.0 && x < 1.0).then_some("must be 0 or ≥ 1"));
+        self.num(&th, "flip_resident_guard", 0.0, non_negative);
+        let re = self.obj(
+            "controller.reactive",
+            o.get("reactive"),
+            &[
+                "window_s",
+                "evidence_span_s",
+                "evidence_max_span_s",
+                "evidence_min_arrivals",
+                "demand_rise_tolerance",
+                "confirmations",
+                "utilization",
+                "min_arrivals",
+                "demand_floor",
+                "movement_margin",
+                "step_s",
+                "decode_correction_min",
+                "decode_correction_max",
+                "decode_correction_alpha",
+                "decode_correction_min_samples",
+            ],
+        );
+        let window = self.num(&re, "window_s", 120.0, positive);
+        let span = self.num(&re, "evidence_span_s", 60.0, positive);
+        let max_span = self.num(&re, "evidence_max_span_s", 120.0, positive);
+        if span > max_span {
+            self.rule(re.p("evidence_span_s"), &Value::from(span), format!("must be ≤ evidence_max_span_s ({max_span})"));
+        }
+        if max_span > window {
+            self.rule(re.p("evidence_max_span_s"), &Value::from(max_span), format!("must be ≤ window_s ({window})"));
+        }
+        self.int(&re, "evidence_min_arrivals", 10, 0, u64::MAX);
+        self.num(&re, "demand_rise_tolerance", 0.25, non_negative);
+        self.int(&re, "confirmations", 2, 1, u64::MAX);
+        self.num(&re, "utilization", 0.8, |x| (x <= 0.0 || x > 1.0).then_some("must be in (0, 1]"));
+        self.int(&re, "min_arrivals", 10, 0, u64::MAX);
+        self.num(&re, "demand_floor", 0.5, non_negative);
+        self.num(&re, "movement_margin", 0.05, |x| (!(0.0..1.0).contains(&x)).then_some("must be in [0, 1)"));
+        self.num(&re, "step_s", 5.0, positive);
+        self.num(&re, "decode_correction_min", 0.5, positive);
+        self.num(&re, "decode_correction_max", 2.0, positive);
+        self.num(&re, "decode_correction_alpha", 0.2, |x| (x <= 0.0 || x > 1.0).then_some("must be in (0, 1]"));
+        self.int(&re, "decode_correction_min_samples", 8, 1, u64::MAX);
+        c
+    }
+
+    fn serving(&mut self, v: Option<&Value>) -> Serving {
+        let o = self.obj(
+            "serving",
+            v,
+            &[
+                "admission",
+                "admission_margin",
+                "max_connections",
+                "request_timeout_s",
+                "prefill_timeout_s",
+                "graceful_timeout_s",
+                "queue_capacity",
+                "queue_timeout_s",
+                "max_attempts",
+                "retry_base_s",
+                "retry_cap_s",
+                "retry_budget",
+                "retry_replenish",
+                "max_request_bytes",
+                "max_response_bytes",
+            ],
+        );
+        let admission = match self.choice(&o, "admission", "open", &["predictive", "open"]) {
+            "predictive" => AdmissionMode::Predictive,
+            _ => AdmissionMode::Open,
+        };
+        let s = Serving {
+            admission,
+            admission_margin: self.num(&o, "admission_margin", 0.0, non_negative),
+            max_connections: self.int(&o, "max_connections", 768, 1, u64::MAX),
+            request_timeout_s: self.num(&o, "request_timeout_s", 600.0, positive),
+            prefill_timeout_s: self.num(&o, "prefill_timeout_s", 120.0, positive),
+            graceful_timeout_s: self.int(&o, "graceful_timeout_s", 30, 0, u64::MAX),
+            queue_capacity: self.int(&o, "queue_capacity", 0, 0, u64::MAX),
+            queue_timeout_s: self.num(&o, "queue_timeout_s", 0.0, non_negative),
+            max_attempts: self.int(&o, "max_attempts", 2, 1, 3) as u32,
+            retry_base_s: self.num(&o, "retry_base_s", 0.1, positive),
+            retry_cap_s: self.num(&o, "retry_cap_s", 1.0, positive),
+            retry_budget: self.int(&o, "retry_budget", 10, 0, u64::MAX),
+            retry_replenish: self.num(&o, "retry_replenish", 0.1, |x| (!(0.0..=1.0).contains(&x)).then_some("must be in [0, 1]")),
+            max_request_bytes: self.int(&o, "max_request_bytes", 4_194_304, 1, u64::MAX),
+            max_response_bytes: self.int(&o, "max_response_bytes", 16_777_216, 1, u64::MAX),
+        };
+        if s.prefill_timeout_s > s.request_timeout_s {
+            self.rule(
+                "serving.prefill_timeout_s".into(),
+                &Value::from(s.prefill_timeout_s),
+                format!("must be ≤ serving.request_timeout_s ({})", s.request_timeout_s),
+            );
+        }
+        if s.queue_capacity > 0 && s.queue_timeout_s <= 0.0 {
+            self.rule(
+                "serving.queue_timeout_s".into(),
+                &Value::from(s.queue_timeout_s),
+                "must be > 0 when serving.queue_capacity > 0",
+            );
+        }
+        if s.retry_cap_s < s.retry_base_s {
+            self.rule(
+                "serving.retry_cap_s".into(),
+                &Value::from(s.retry_cap_s),
+                format!("must be ≥ serving.retry_base_s ({})", s.retry_base_s),
+            );
+        }
+        s
+    }
+
+    fn engine(&mut self, v: Option<&Value>, serving: &Serving, _n: usize) -> EngineSection {
+        let o = self.obj(
+            "engine",
+            v,
+            &[
+                "backend",
+                "connector",
+                "dialect",
+                "tokenize",
+                "chars_per_token",
+                "tokenize_timeout_s",
+                "engine_api_key_env",
+                "control_connections",
+                "pool_timeout_s",
+                "connect_timeout_s",
+                "health_timeout_s",
+                "decode_read_timeout_s",
+                "first_token_timeout_s",
+                "first_token_calibration_path",
+            ],
+        );
+        let backend = o.get("backend").is_some().then(|| match self.choice(&o, "backend", "vllm", &["vllm", "sglang"]) {
+            "sglang" => Backend::Sglang,
+            _ => Backend::Vllm,
+        });
+        let engine_api_key_env = self.string(&o, "engine_api_key_env", "");
+        let engine_api_key = if engine_api_key_env.is_empty() {
+            None
+        } else {
+            let val = (self.env)(&engine_api_key_env).filter(|s| !s.is_empty());
+            if val.is_none() {
+                self.rule(
+                    "engine.engine_api_key_env".into(),
+                    &Value::String(engine_api_key_env.clone()),
+                    "names an environment variable that is unset or empty",
+                );
+            }
+            val
+        };
+        let e = EngineSection {
+            backend,
+            connector: self.string(&o, "connector", ""),
+            dialect: self.string(&o, "dialect", ""),
+            tokenize: self.boolean(&o, "tokenize", true),
+            chars_per_token: self.num(&o, "chars_per_token", 3.8, positive),
+            tokenize_timeout_s: self.num(&o, "tokenize_timeout_s", 2.0, positive),
+            engine_api_key_env,
+            engine_api_key,
+            control_connections: self.int(&o, "control_connections", 0, 0, u64::MAX),
+            pool_timeout_s: self.num(&o, "pool_timeout_s", 5.0, positive),
+            connect_timeout_s: self.num(&o, "connect_timeout_s", 10.0, positive),
+            health_timeout_s: self.num(&o, "health_timeout_s", 5.0, positive),
+            decode_read_timeout_s: self.num(&o, "decode_read_timeout_s", 10.0, non_negative),
+            first_token_timeout_s: self.num(&o, "first_token_timeout_s", 2.5, positive),
+            first_token_calibration_path: self.string(&o, "first_token_calibration_path", ""),
+        };
+        if e.first_token_timeout_s > serving.request_timeout_s {
+            self.rule(
+                "engine.first_token_timeout_s".into(),
+                &Value::from(e.first_token_timeout_s),
+                format!("must be ≤ serving.request_timeout_s ({})", serving.request_timeout_s),
+            );
+        }
+        e
+    }
+
+    fn recovery(&mut self, v: Option<&Value>) -> Recovery {
+        let o = self.obj(
+            "recovery",
+            v,
+            &[
+                "eject_after",
+                "readmit_every",
+                "liveness_every",
+                "liveness_misses",
+                "engine_restart_policy",
+                "failure_quarantine_s",
+                "state_path",
+                "resume",
+                "health",
+            ],
+        );
+        let policy = match self.choice(&o, "engine_restart_policy", "individual", &["individual", "whole_wave"]) {
+            "whole_wave" => RestartPolicy::WholeWave,
+            _ => RestartPolicy::Individual,
+        };
+        let r = Recovery {
+            eject_after: self.int(&o, "eject_after", 3, 1, u32::MAX as u64) as u32,
+            readmit_every: self.int(&o, "readmit_every", 10, 1, u32::MAX as u64) as u32,
+            liveness_every: self.int(&o, "liveness_every", 10, 0, u32::MAX as u64) as u32,
+            liveness_misses: self.int(&o, "liveness_misses", 2, 1, u32::MAX as u64) as u32,
+            engine_restart_policy: policy,
+            failure_quarantine_s: self.num(&o, "failure_quarantine_s", 0.0, non_negative),
+            state_path: self.string(&o, "state_path", "runs/state.json"),
+            resume: self.boolean(&o, "resume", false),
+        };
+        if policy == RestartPolicy::WholeWave && r.liveness_every == 0 {
+            self.rule("recovery.liveness_every".into(), &Value::from(0), "must be > 0 for whole_wave");
+        }
+        let h = self.obj(
+            "recovery.health",
+            o.get("health"),
+            &[
+                "window_s",
+                "drift_band",
+                "min_samples",
+                "probation_windows",
+                "evict_windows",
+                "recovery_windows",
+                "probation_penalty_s",
+                "relative_band",
+            ],
+        );
+        self.num(&h, "window_s", 30.0, positive);
+        self.num(&h, "drift_band", 2.0, |x| (x <= 1.0).then_some("must be > 1"));
+        self.int(&h, "min_samples", 3, 1, u64::MAX);
+        let prob = self.int(&h, "probation_windows", 3, 1, u64::MAX);
+        let evict = self.int(&h, "evict_windows", 5, 1, u64::MAX);
+        if evict < prob {
+            self.rule(h.p("evict_windows"), &Value::from(evict), format!("must be ≥ probation_windows ({prob})"));
+        }
+        self.int(&h, "recovery_windows", 3, 1, u64::MAX);
+        self.num(&h, "probation_penalty_s", 1.5, non_negative);
+        self.num(&h, "relative_band", 1.5, positive);
+        r
+    }
+
+    fn profiles(&mut self, v: Option<&Value>) {
+        let o = self.obj("profiles", v, &["path", "max_decode_fit_mape", "max_decode_cv_mape"]);
+        self.passive(
+            &o,
+            &[("path", Kind::Str), ("max_decode_fit_mape", Kind::NonNegNum), ("max_decode_cv_mape", Kind::NonNegNum)],
+        );
+    }
+
+    fn hardware(&mut self, v: Option<&Value>) {
+        let o = self.obj("hardware", v, &["accelerator", "accelerators_per_engine", "tensor_parallel"]);
+        if o.map.is_none() {
+            return;
+        }
+        let acc = self.string(&o, "accelerator", "");
+        if acc.is_empty() {
+            self.issues.push(ConfigIssue::Missing { path: o.p("accelerator") });
+        }
+        let per = self.int(&o, "accelerators_per_engine", 1, 1, u64::MAX);
+        let tp = self.int(&o, "tensor_parallel", 1, 1, u64::MAX);
+        if tp > per {
+            self.rule(o.p("tensor_parallel"), &Value::from(tp), format!("must be ≤ accelerators_per_engine ({per})"));
+        }
+    }
+
+    fn contract(&mut self, v: Option<&Value>) -> Option<Value> {
+        let v = v?;
+        let o = self.obj(
+            "engine_contract",
+            Some(v),
+            &[
+                "engine_version",
+                "image_digest",
+                "transfer_version",
+                "connector_version",
+                "model_architecture",
+                "model_dtype",
+                "kv_heads",
+                "head_size",
+                "hidden_layers",
+                "attention_backend",
+                "kv_cache_dtype",
+                "cross_layers_blocks",
+                "hybrid_kv_cache_manager",
+                "connector",
+                "kv_role",
+                "transfer_mode",
+                "speculative_config",
+                "enforce_handshake_compat",
+            ],
+        );
+        o.map?;
+        self.passive(
+            &o,
+            &[
+                ("engine_version", Kind::Str),
+                ("image_digest", Kind::Str),
+                ("transfer_version", Kind::Str),
+                ("connector_version", Kind::Int),
+                ("model_architecture", Kind::Str),
+                ("model_dtype", Kind::Str),
+                ("kv_heads", Kind::Int),
+                ("head_size", Kind::Int),
+                ("hidden_layers", Kind::Int),
+                ("attention_backend", Kind::Str),
+                ("kv_cache_dtype", Kind::Str),
+                ("cross_layers_blocks", Kind::BoolOrNull),
+                ("hybrid_kv_cache_manager", Kind::BoolOrNull),
+                ("connector", Kind::Str),
+                ("kv_role", Kind::Str),
+                ("transfer_mode", Kind::Str),
+                ("speculative_config", Kind::Str),
+                ("enforce_handshake_compat", Kind::BoolOrNull),
+            ],
+        );
+        for k in ["engine_version", "connector"] {
+            if o.get(k).and_then(Value::as_str).is_none_or(str::is_empty) {
+                self.issues.push(ConfigIssue::Missing { path: o.p(k) });
+            }
+        }
+        if let Some(d) = o.get("image_digest").and_then(Value::as_str)
+            && !d.is_empty()
+            && !(d.len() == 71 && d.starts_with("sha256:") && d[7..].bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()))
+        {
+            self.rule(o.p("image_digest"), &Value::String(d.to_string()), "must be \"\" or sha256:<64 lowercase hex>");
+        }
+        Some(v.clone())
+    }
+
+    fn lease(&mut self, v: Option<&Value>) -> LeaseSection {
+        let o = self.obj(
+            "lease",
+            v,
+            &["backend", "path", "endpoints", "key", "ttl_s", "renew_interval_s", "safety_margin_s"],
+        );
+        let backend = match self.choice(&o, "backend", "none", &["none", "file", "etcd"]) {
+            "file" => LeaseBackend::File,
+            "etcd" => LeaseBackend::Etcd,
+            _ => LeaseBackend::None,
+        };
+        let path = self.string(&o, "path", "");
+        let mut endpoints = Vec::new();
+        if let Some(ev) = o.get("endpoints") {
+            match ev.as_array() {
+                Some(a) => {
+                    for (i, e) in a.iter().enumerate() {
+                        match e.as_str() {
+                            Some(s) if !s.is_empty() => endpoints.push(s.to_string()),
+                            _ => self.ty(format!("lease.endpoints[{i}]"), e, "a non-empty string"),
+                        }
+                    }
+                }
+                None => self.ty("lease.endpoints".into(), ev, "an array of strings"),
+            }
+        }
+        let l = LeaseSection {
+            backend,
+            path,
+            endpoints,
+            key: self.string(&o, "key", "/narwhal/router-lease"),
+            ttl_s: self.num(&o, "ttl_s", 5.0, positive),
+            renew_interval_s: self.num(&o, "renew_interval_s", 1.0, positive),
+            safety_margin_s: self.num(&o, "safety_margin_s", 1.0, non_negative),
+        };
+        if backend == LeaseBackend::File && l.path.is_empty() {
+            self.issues.push(ConfigIssue::Missing { path: "lease.path".into() });
+        }
+        if backend == LeaseBackend::Etcd && l.endpoints.is_empty() {
+            self.issues.push(ConfigIssue::Missing {
+                path: "lease.endpoints".into(),
+            });
+        }
+        let min = l.renew_interval_s + l.safety_margin_s;
+        if o.map.is_some() && l.ttl_s <= min {
+            self.rule(
+                "lease.ttl_s".into(),
+                &Value::from(l.ttl_s),
+                format!("must exceed renew_interval_s + safety_margin_s ({min})"),
+            );
+        }
+        l
+    }
+
+    fn tls(&mut self, path: &str, v: Option<&Value>) -> Option<TlsFiles> {
+        let o = self.obj(path, v, &["ca", "cert", "key"]);
+        o.map?;
+        let f = |c: &mut Self, k: &str| match o.get(k) {
+            Some(Value::String(s)) if !s.is_empty() => PathBuf::from(s),
+            Some(v) => {
+                c.ty(o.p(k), v, "a non-empty path string");
+                PathBuf::new()
+            }
+            None => {
+                c.issues.push(ConfigIssue::Missing { path: o.p(k) });
+                PathBuf::new()
+            }
+        };
+        Some(TlsFiles {
+            ca: f(self, "ca"),
+            cert: f(self, "cert"),
+            key: f(self, "key"),
+        })
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    NonNegNum,
+    PosNum,
+    Int,
+    BoolOrNull,
+    Str,
+}
+
+fn positive(x: f64) -> Option<&'static str> {
+    (x <= 0.0).then_some("must be > 0")
+}
+
+fn non_negative(x: f64) -> Option<&'static str> {
+    (x < 0.0).then_some("must be ≥ 0")
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    fn base() -> Value {
+        serde_json::json!({
+            "schema": "narwhal.fleet", "schema_version": 2,
+            "_about": "comment",
+            "model": "tiny-sim",
+            "backend": "vllm",
+            "engines": [
+                {"iid": "p0", "url": "http://127.0.0.1:1/", "role": "prefill"},
+                {"iid": "d0", "url": "http://127.0.0.1:2"}
+            ],
+            "slo": {"ttft_s": 2.0, "tpot_s": 0.05}
+        })
+    }
+
+    fn issues(v: Value) -> Vec<ConfigIssue> {
+        match Config::from_json_str(&v.to_string(), &no_env) {
+            Ok(_) => panic!("expected issues"),
+            Err(ParseError::Invalid(i)) => i,
+            Err(e) => panic!("unexpected {e}"),
+        }
+    }
+
+    fn messages(v: Value) -> Vec<String> {
+        issues(v).iter().map(ToString::to_string).collect()
+    }
+
+    #[test]
+    fn minimal_fleet_gets_reference_defaults() {
+        let c = Config::from_json_str(&base().to_string(), &no_env).unwrap();
+        assert_eq!(c.engines[0].url, "http://127.0.0.1:1");
+        assert_eq!(c.engines[0].role, Role::Prefill);
+        assert_eq!(c.engines[1].role, Role::Decode);
+        assert_eq!(c.serving.max_connections, 768);
+        assert_eq!(c.serving.max_attempts, 2);
+        assert_eq!(c.serving.max_request_bytes, 4_194_304);
+        assert_eq!(c.engine.first_token_timeout_s, 2.5);
+        assert_eq!(c.engine.decode_read_timeout_s, 10.0);
+        assert_eq!(c.recovery.eject_after, 3);
+        assert_eq!(c.controller.monitor_interval_s, 1.0);
+        assert_eq!(c.lease.backend, LeaseBackend::None);
+        assert_eq!(c.backend, Backend::Vllm);
+    }
+
+    #[test]
+    fn example_fleet_file_parses() {
+        let text = include_str!("../../../shared/spec/fleet.example.json");
+        let c = Config::from_json_str(text, &no_env).unwrap();
+        assert_eq!(c.engines.len(), 4);
+        assert_eq!(c.lease.backend, LeaseBackend::Etcd);
+        assert!(c.control_tls.is_some());
+    }
+
+    #[test]
+    fn unknown_keys_name_their_dotted_path_and_all_are_reported() {
+        let mut v = base();
+        v["engines"][1]["rol"] = "decode".into();
+        v["serving"] = serde_json::json!({"max_atempts": 2, "_note": "ok"});
+        v["bogus"] = 1.into();
+        let m = messages(v);
+        assert!(m.contains(&"engines[1].rol: unknown key".to_string()), "{m:?}");
+        assert!(m.contains(&"serving.max_atempts: unknown key".to_string()), "{m:?}");
+        assert!(m.contains(&"bogus: unknown key".to_string()), "{m:?}");
+        assert_eq!(m.len(), 3);
+    }
+
+    #[test]
+    fn type_errors_name_key_and_value() {
+        let mut v = base();
+        v["serving"] = serde_json::json!({"max_attempts": true, "request_timeout_s": "600"});
+        v["engines"][0]["pin"] = "yes".into();
+        let m = messages(v);
+        assert!(m.contains(&"serving.max_attempts must be an integer, got true".to_string()), "{m:?}");
+        assert!(m.contains(&"serving.request_timeout_s must be a number, got \"600\"".to_string()), "{m:?}");
+        assert!(m.contains(&"engines[0].pin must be a boolean, got \"yes\"".to_string()), "{m:?}");
+    }
+
+    #[test]
+    fn range_errors_name_key_value_and_rule() {
+        let mut v = base();
+        v["serving"] = serde_json::json!({"max_attempts": 4, "retry_base_s": 2.0});
+        v["slo"]["ttft_s"] = 0.into();
+        v["engines"][0]["role"] = "both".into();
+        let m = messages(v);
+        assert!(m.contains(&"serving.max_attempts = 4: must be an integer in 1..=3".to_string()), "{m:?}");
+        assert!(m.contains(&"slo.ttft_s = 0: must be > 0".to_string()), "{m:?}");
+        assert!(m.iter().any(|s| s.starts_with("serving.retry_cap_s = 1.0: must be ≥")), "{m:?}");
+        assert!(m.contains(&"engines[0].role = \"both\": must be one of prefill, decode".to_string()), "{m:?}");
+    }
+
+    #[test]
+    fn float_for_integer_is_refused() {
+        let mut v = base();
+        v["serving"] = serde_json::json!({"max_connections": 5.0});
+        assert_eq!(
+            messages(v),
+            vec!["serving.max_connections must be an integer, got 5.0".to_string()]
+        );
+    }
+
+    #[test]
+    fn duplicate_iid_and_no_engines() {
+        let mut v = base();
+        v["engines"][1]["iid"] = "p0".into();
+        assert_eq!(
+            issues(v),
+            vec![ConfigIssue::DuplicateIid {
+                iid: "p0".into(),
+                first: 0,
+                second: 1
+            }]
+        );
+        let mut v = base();
+        v["engines"] = serde_json::json!([]);
+        assert!(issues(v).contains(&ConfigIssue::NoEngines));
+    }
+
+    #[test]
+    fn missing_required_keys() {
+        let v = serde_json::json!({"schema": "narwhal.fleet", "schema_version": 2});
+        let m = messages(v);
+        for want in ["model: required key is missing", "engines: required key is missing", "slo: required key is missing"] {
+            assert!(m.contains(&want.to_string()), "{m:?}");
+        }
+    }
+
+    #[test]
+    fn wrong_schema_version() {
+        let mut v = base();
+        v["schema_version"] = 1.into();
+        assert_eq!(messages(v), vec!["schema_version = 1: must be 2".to_string()]);
+    }
+
+    #[test]
+    fn nan_and_infinity_are_not_json() {
+        let text = base().to_string().replace("2.0", "NaN");
+        assert!(matches!(Config::from_json_str(&text, &no_env), Err(ParseError::Json(_))));
+        let text = base().to_string().replace("2.0", "Infinity");
+        assert!(matches!(Config::from_json_str(&text, &no_env), Err(ParseError::Json(_))));
+    }
+
+    #[test]
+    fn backend_sources_must_agree() {
+        let mut v = base();
+        v["engine"] = serde_json::json!({"backend": "sglang"});
+        assert_eq!(
+            issues(v),
+            vec![ConfigIssue::BackendMismatch {
+                top: "vllm".into(),
+                engine: "sglang".into()
+            }]
+        );
+        let mut v = base();
+        v.as_object_mut().unwrap().remove("backend");
+        v["engine"] = serde_json::json!({"backend": "sglang"});
+        let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+        assert_eq!(c.backend, Backend::Sglang);
+    }
+
+    #[test]
+    fn env_references_resolve_whole_values_only() {
+        let mut v = base();
+        v["engines"][0]["url"] = "${P0_URL}".into();
+        let env = |k: &str| (k == "P0_URL").then(|| "http://10.0.0.1:9/".to_string());
+        let c = Config::from_json_str(&v.to_string(), &env).unwrap();
+        assert_eq!(c.engines[0].url, "http://10.0.0.1:9");
+        let m = messages(v.clone());
+        assert!(m.iter().any(|s| s.starts_with("engines[0].url = \"${P0_URL}\": environment variable P0_URL")), "{m:?}");
+        v["engines"][0]["url"] = "http://${HOST}:9".into();
+        let m = messages(v);
+        assert!(m.iter().any(|s| s.contains("must be the whole value")), "{m:?}");
+    }
+
+    #[test]
+    fn lease_timing_rule() {
+        let mut v = base();
+        v["lease"] = serde_json::json!({"backend": "file", "path": "/tmp/l", "ttl_s": 1.0});
+        let m = messages(v);
+        assert_eq!(m, vec!["lease.ttl_s = 1.0: must exceed renew_interval_s + safety_margin_s (2)".to_string()]);
+    }
+
+    #[test]
+    fn comments_are_ignored_everywhere() {
+        let mut v = base();
+        v["engines"][0]["_why"] = "prefill host".into();
+        v["serving"] = serde_json::json!({"_x": {"anything": 1}});
+        assert!(Config::from_json_str(&v.to_string(), &no_env).is_ok());
+    }
+}

@@ -1,0 +1,442 @@
+//! Ingress rules for the completion routes (reference-notes 1.8 stages 3–6, 1.9).
+//!
+//! ```text
+//!  body bytes (already bounded by serving.max_request_bytes) ──validate──► Validated
+//!                                                               └────────► IngressError
+//!  IngressError ──body()──► (status, {"error": {...}})   exactly as reference-notes 1.9
+//! ```
+//!
+//! Pure: no IO. The size limit is enforced by the driver while reading (Content-Length is not
+//! trusted); everything else is checked here.
+
+use http::StatusCode;
+use serde_json::{Map, Value, json};
+
+use crate::config::Backend;
+
+/// Which completion route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/chat/completions`.
+    Chat,
+}
+
+impl Endpoint {
+    /// The request path, also used for both upstream legs.
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+/// A request that passed ingress.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Validated {
+    /// The client body with `model` set to the configured model.
+    pub body: Map<String, Value>,
+    /// Client wants SSE.
+    pub stream: bool,
+    /// Client set `return_token_ids: true`.
+    pub return_token_ids: bool,
+    /// Client set `stream_options.include_usage: true`.
+    pub include_usage: bool,
+    /// Estimated input tokens (token-id prompt length, else characters / chars_per_token, ≥ 1).
+    pub input_len: u64,
+}
+
+/// Why ingress refused a request. Each maps to one status and error body (1.9).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum IngressError {
+    /// Body over `serving.max_request_bytes` → 413 `request_too_large`.
+    #[error("request body exceeds serving.max_request_bytes ({limit} bytes)")]
+    TooLarge {
+        /// The limit in bytes.
+        limit: u64,
+    },
+    /// Not JSON → 400.
+    #[error("the request body is not valid JSON")]
+    InvalidJson,
+    /// A field has the wrong shape → 400 with `param`.
+    #[error("{message}")]
+    Shape {
+        /// Human message naming the field.
+        message: String,
+        /// The field (`null` for the body itself).
+        param: Option<String>,
+    },
+    /// A field Narwhal sets itself → 400 with `param`.
+    #[error("{field} is reserved for Narwhal")]
+    Reserved {
+        /// Dotted field name.
+        field: String,
+    },
+    /// `model` names another model → 404 `model_not_found`.
+    #[error("model '{asked}' is not served here; this router serves '{served}'")]
+    ModelNotFound {
+        /// The client's model.
+        asked: String,
+        /// The configured model.
+        served: String,
+    },
+    /// `n` or `best_of` > 1 → 400 (reference-examples/error-400-n.json).
+    #[error("{field} > 1 cannot be served across a split: the prefill leg runs with max_tokens=1 and the two legs would disagree on sampling width")]
+    SamplingWidth {
+        /// `n` or `best_of`.
+        field: &'static str,
+    },
+}
+
+impl IngressError {
+    /// HTTP status and JSON body (reference-notes 1.9).
+    pub fn response(&self) -> (StatusCode, Value) {
+        let message = self.to_string();
+        match self {
+            IngressError::TooLarge { .. } => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                json!({"error": {"message": message, "type": "request_too_large"}}),
+            ),
+            IngressError::InvalidJson => (
+                StatusCode::BAD_REQUEST,
+                json!({"error": {"message": message, "type": "invalid_request_error", "param": null, "code": null}}),
+            ),
+            IngressError::Shape { param, .. } => (
+                StatusCode::BAD_REQUEST,
+                json!({"error": {"message": message, "type": "invalid_request_error", "param": param, "code": null}}),
+            ),
+            IngressError::Reserved { field } => (
+                StatusCode::BAD_REQUEST,
+                json!({"error": {"message": message, "type": "invalid_request_error", "param": field, "code": null}}),
+            ),
+            IngressError::ModelNotFound { .. } => (
+                StatusCode::NOT_FOUND,
+                json!({"error": {"message": message, "type": "invalid_request_error", "code": "model_not_found"}}),
+            ),
+            IngressError::SamplingWidth { .. } => (
+                StatusCode::BAD_REQUEST,
+                json!({"error": {"message": message, "type": "invalid_request_error"}}),
+            ),
+        }
+    }
+}
+
+fn shape(param: &str, what: &str) -> IngressError {
+    IngressError::Shape {
+        message: format!("'{param}' must be {what}"),
+        param: Some(param.to_string()),
+    }
+}
+
+/// Fields Narwhal sets on the legs; refused in both dialects (task brief; reference-notes 1.8).
+const RESERVED_TOP: &[&str] = &["kv_transfer_params", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room"];
+const RESERVED_XARGS: &[&str] = &["kv_transfer_params", "kv_cache_report_mode", "ec_transfer_params"];
+
+/// Validate one completion body.
+///
+/// # Errors
+/// The first rule broken, in the reference's stage order: JSON, shapes, reserved fields,
+/// non-streaming restrictions, model, sampling width.
+pub fn validate(
+    endpoint: Endpoint,
+    bytes: &[u8],
+    model: &str,
+    backend: Backend,
+    chars_per_token: f64,
+) -> Result<Validated, IngressError> {
+    let v: Value = serde_json::from_slice(bytes).map_err(|_| IngressError::InvalidJson)?;
+    let Value::Object(mut body) = v else {
+        return Err(IngressError::Shape {
+            message: "the request body must be a JSON object".into(),
+            param: None,
+        });
+    };
+    let present = |b: &Map<String, Value>, k: &str| b.get(k).filter(|v| !v.is_null()).cloned();
+    if let Some(m) = present(&body, "model")
+        && !m.is_string()
+    {
+        return Err(shape("model", "a string"));
+    }
+    if let Some(s) = present(&body, "stream")
+        && !s.is_boolean()
+    {
+        return Err(shape("stream", "a boolean"));
+    }
+    for k in ["n", "best_of", "max_tokens", "max_completion_tokens"] {
+        if let Some(x) = present(&body, k)
+            && !(x.is_i64() || x.is_u64())
+        {
+            return Err(shape(k, "an integer"));
+        }
+    }
+    if let Some(p) = present(&body, "prompt")
+        && !(p.is_string() || p.is_array())
+    {
+        return Err(shape("prompt", "a string or an array"));
+    }
+    if let Some(m) = present(&body, "messages")
+        && !m.as_array().is_some_and(|a| a.iter().all(Value::is_object))
+    {
+        return Err(shape("messages", "an array of objects"));
+    }
+    if let Some(so) = present(&body, "stream_options")
+        && !so.is_object()
+    {
+        return Err(shape("stream_options", "an object"));
+    }
+    for k in RESERVED_TOP {
+        if body.contains_key(*k) {
+            return Err(IngressError::Reserved { field: (*k).to_string() });
+        }
+    }
+    if let Some(x) = body.get("vllm_xargs") {
+        match x {
+            Value::Object(xm) => {
+                for k in RESERVED_XARGS {
+                    if xm.contains_key(*k) {
+                        return Err(IngressError::Reserved {
+                            field: format!("vllm_xargs.{k}"),
+                        });
+                    }
+                }
+            }
+            Value::Null => {}
+            _ => return Err(shape("vllm_xargs", "an object")),
+        }
+    }
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    if !stream {
+        if present(&body, "audio").is_some() {
+            return Err(IngressError::Shape {
+                message: "'audio' output is not supported for non-streaming requests".into(),
+                param: Some("audio".into()),
+            });
+        }
+        if let Some(m) = present(&body, "modalities")
+            && m != json!(["text"])
+        {
+            return Err(IngressError::Shape {
+                message: "'modalities' must be [\"text\"] for non-streaming requests".into(),
+                param: Some("modalities".into()),
+            });
+        }
+        if let Some(t) = present(&body, "tools") {
+            let ok = t.as_array().is_some_and(|a| {
+                a.iter()
+                    .all(|x| x.is_object() && x.get("type").and_then(Value::as_str) == Some("function"))
+            });
+            if !ok {
+                return Err(shape("tools", "an array of objects of type 'function'"));
+            }
+        }
+    }
+    if backend == Backend::Sglang && endpoint == Endpoint::Chat {
+        for k in ["return_token_ids", "return_prompt_token_ids", "return_meta_info"] {
+            if body.get(k).is_some_and(truthy) {
+                return Err(IngressError::Shape {
+                    message: format!("'{k}' is not supported on SGLang chat completions"),
+                    param: Some(k.to_string()),
+                });
+            }
+        }
+    }
+    if let Some(Value::String(m)) = body.get("model")
+        && m != model
+    {
+        return Err(IngressError::ModelNotFound {
+            asked: m.clone(),
+            served: model.to_string(),
+        });
+    }
+    for k in ["n", "best_of"] {
+        if body.get(k).and_then(Value::as_i64).is_some_and(|x| x > 1) {
+            return Err(IngressError::SamplingWidth {
+                field: if k == "n" { "n" } else { "best_of" },
+            });
+        }
+    }
+    body.insert("model".into(), Value::String(model.to_string()));
+    let return_token_ids = body.get("return_token_ids").and_then(Value::as_bool).unwrap_or(false);
+    let include_usage = body
+        .get("stream_options")
+        .and_then(|s| s.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let input_len = size_input(&body, chars_per_token);
+    Ok(Validated {
+        body,
+        stream,
+        return_token_ids,
+        include_usage,
+        input_len,
+    })
+}
+
+fn truthy(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64().is_some_and(|x| x != 0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+    }
+}
+
+/// Minimal sizing (reference-notes 7.9 fallback): a token-id prompt counts its ids; text counts
+/// characters / `chars_per_token`, at least 1.
+fn size_input(body: &Map<String, Value>, chars_per_token: f64) -> u64 {
+    if let Some(Value::Array(a)) = body.get("prompt")
+        && !a.is_empty()
+        && a.iter().all(Value::is_u64)
+    {
+        return a.len() as u64;
+    }
+    let mut chars = 0usize;
+    match body.get("prompt") {
+        Some(Value::String(s)) => chars += s.chars().count(),
+        Some(Value::Array(a)) => chars += a.iter().filter_map(Value::as_str).map(|s| s.chars().count()).sum::<usize>(),
+        _ => {}
+    }
+    if let Some(Value::Array(msgs)) = body.get("messages") {
+        for m in msgs {
+            match m.get("content") {
+                Some(Value::String(s)) => chars += s.chars().count(),
+                Some(Value::Array(parts)) => {
+                    chars += parts
+                        .iter()
+                        .filter_map(|p| p.get("text").and_then(Value::as_str))
+                        .map(|s| s.chars().count())
+                        .sum::<usize>()
+                }
+                _ => {}
+            }
+        }
+    }
+    ((chars as f64 / chars_per_token.max(0.1)).ceil() as u64).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(body: &str) -> Result<Validated, IngressError> {
+        validate(Endpoint::Completions, body.as_bytes(), "tiny-sim", Backend::Vllm, 3.8)
+    }
+
+    #[test]
+    fn malformed_bodies_get_400_with_the_reference_messages() {
+        for b in ["{", "", "nul"] {
+            let e = check(b).unwrap_err();
+            assert_eq!(e, IngressError::InvalidJson);
+            let (st, body) = e.response();
+            assert_eq!(st, StatusCode::BAD_REQUEST);
+            assert_eq!(
+                body,
+                json!({"error": {"message": "the request body is not valid JSON", "type": "invalid_request_error", "param": null, "code": null}})
+            );
+        }
+        for b in ["[]", "null", "1", "\"x\""] {
+            let (st, body) = check(b).unwrap_err().response();
+            assert_eq!(st, StatusCode::BAD_REQUEST);
+            assert_eq!(body["error"]["param"], Value::Null);
+            assert_eq!(body["error"]["message"], "the request body must be a JSON object");
+        }
+    }
+
+    #[test]
+    fn field_shapes_name_the_param() {
+        let cases = [
+            (r#"{"model":1}"#, "model"),
+            (r#"{"stream":"yes"}"#, "stream"),
+            (r#"{"max_tokens":true}"#, "max_tokens"),
+            (r#"{"n":1.5}"#, "n"),
+            (r#"{"prompt":5}"#, "prompt"),
+            (r#"{"messages":"x"}"#, "messages"),
+            (r#"{"messages":[1]}"#, "messages"),
+        ];
+        for (b, param) in cases {
+            let (st, body) = check(b).unwrap_err().response();
+            assert_eq!(st, StatusCode::BAD_REQUEST, "{b}");
+            assert_eq!(body["error"]["param"], param, "{b}");
+            assert_eq!(body["error"]["type"], "invalid_request_error");
+            assert_eq!(body["error"]["code"], Value::Null);
+        }
+    }
+
+    #[test]
+    fn reserved_fields_are_refused_in_both_dialects() {
+        for (b, field) in [
+            (r#"{"kv_transfer_params":{}}"#, "kv_transfer_params"),
+            (r#"{"vllm_xargs":{"kv_transfer_params":{}}}"#, "vllm_xargs.kv_transfer_params"),
+            (r#"{"vllm_xargs":{"kv_cache_report_mode":1}}"#, "vllm_xargs.kv_cache_report_mode"),
+            (r#"{"vllm_xargs":{"ec_transfer_params":1}}"#, "vllm_xargs.ec_transfer_params"),
+            (r#"{"rid":"x"}"#, "rid"),
+            (r#"{"bootstrap_host":"h"}"#, "bootstrap_host"),
+            (r#"{"bootstrap_port":1}"#, "bootstrap_port"),
+            (r#"{"bootstrap_room":1}"#, "bootstrap_room"),
+        ] {
+            for backend in [Backend::Vllm, Backend::Sglang] {
+                let e = validate(Endpoint::Completions, b.as_bytes(), "m", backend, 3.8).unwrap_err();
+                let (st, body) = e.response();
+                assert_eq!(st, StatusCode::BAD_REQUEST);
+                assert_eq!(body["error"]["message"], format!("{field} is reserved for Narwhal"));
+                assert_eq!(body["error"]["param"], field);
+            }
+        }
+    }
+
+    #[test]
+    fn wrong_model_is_404() {
+        let (st, body) = check(r#"{"model":"nope","prompt":"x"}"#).unwrap_err().response();
+        assert_eq!(st, StatusCode::NOT_FOUND);
+        assert_eq!(
+            body,
+            json!({"error": {"message": "model 'nope' is not served here; this router serves 'tiny-sim'", "type": "invalid_request_error", "code": "model_not_found"}})
+        );
+    }
+
+    #[test]
+    fn sampling_width_over_one_is_400_like_the_reference() {
+        let (st, body) = check(r#"{"prompt":"x","n":2}"#).unwrap_err().response();
+        assert_eq!(st, StatusCode::BAD_REQUEST);
+        let want: Value = serde_json::from_str(include_str!(
+            "../../../shared/spec/reference-examples/error-400-n.json"
+        ))
+        .unwrap();
+        assert_eq!(body, want["body"]);
+        assert!(check(r#"{"prompt":"x","best_of":3}"#).is_err());
+        assert!(check(r#"{"prompt":"x","n":1}"#).is_ok());
+    }
+
+    #[test]
+    fn too_large_body_shape() {
+        let (st, body) = IngressError::TooLarge { limit: 10 }.response();
+        assert_eq!(st, StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(body["error"]["type"], "request_too_large");
+    }
+
+    #[test]
+    fn valid_request_gets_model_and_flags() {
+        let v = check(r#"{"prompt":[1,2,3],"stream":true,"return_token_ids":true,"stream_options":{"include_usage":true}}"#).unwrap();
+        assert_eq!(v.body["model"], "tiny-sim");
+        assert!(v.stream && v.return_token_ids && v.include_usage);
+        assert_eq!(v.input_len, 3);
+        let v = check(r#"{"prompt":"abcdefgh"}"#).unwrap();
+        assert_eq!(v.input_len, 3);
+        assert!(!v.stream);
+    }
+
+    #[test]
+    fn non_streaming_restrictions_and_sglang_chat_flags() {
+        assert!(check(r#"{"prompt":"x","audio":{}}"#).is_err());
+        assert!(check(r#"{"prompt":"x","modalities":["text"]}"#).is_ok());
+        assert!(check(r#"{"prompt":"x","tools":[{"type":"other"}]}"#).is_err());
+        let e = validate(Endpoint::Chat, br#"{"messages":[],"return_token_ids":true}"#, "m", Backend::Sglang, 3.8);
+        assert!(e.is_err());
+        let ok = validate(Endpoint::Chat, br#"{"messages":[],"return_token_ids":true}"#, "m", Backend::Vllm, 3.8);
+        assert!(ok.is_ok());
+    }
+}

@@ -1,0 +1,96 @@
+//! Narwhal router (`narwhal-serve`): placement, P/D serving for vLLM and SGLang, streaming
+//! relay, breaker, outcome accounting, metrics, state and journal (DESIGN.md sections 3, 5, 6).
+//!
+//! ```text
+//!  clients ──► data listener ──► ingress ──► placement ──► prefill leg ─┐
+//!                                   │                       decode leg ◄┘ (vLLM: descriptor,
+//!                                   ▼                          │         SGLang: rendezvous)
+//!                               outcome (one settle) ◄── relay ◄┘
+//!                                   ├─► metrics  ├─► journal  └─► /narwhal/state
+//!  monitor task ──► breaker probes (GET /health) ──► readmission
+//! ```
+//!
+//! Pure cores (`placement`, `relay`, `breaker`, `ingress`, `outcome`, `config`) take `now` and
+//! RNGs as arguments; the drivers (`serve`, `http`, `upstream`, `state`) do the IO.
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
+
+pub mod breaker;
+mod cli;
+pub mod config;
+mod http;
+pub mod ingress;
+pub mod journal;
+mod metrics;
+pub mod outcome;
+pub mod placement;
+pub mod relay;
+mod serve;
+mod state;
+mod upstream;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use cli::main_from_args;
+pub use config::{Backend, Config, ConfigError, ConfigIssue, Role};
+pub use journal::Journal;
+
+/// The two bound listeners (DESIGN.md section 3).
+#[derive(Debug)]
+pub struct Listeners {
+    /// OpenAI routes, `/health`, `/ready`.
+    pub data: tokio::net::TcpListener,
+    /// `/narwhal/*`, `/metrics`, `/health`, `/ready`.
+    pub control: tokio::net::TcpListener,
+}
+
+/// Runtime options from the command line.
+#[derive(Debug)]
+pub struct RunOptions {
+    /// The opened request journal (its run id names this process).
+    pub journal: Journal,
+    /// Admission seats (`--max-concurrent`, default `serving.max_connections`).
+    pub max_concurrent: usize,
+}
+
+/// Errors that end [`run`].
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The fleet file is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The journal could not be opened.
+    #[error(transparent)]
+    Journal(#[from] journal::JournalError),
+}
+
+/// Serve until `shutdown` resolves, then stop accepting, let open requests finish for up to
+/// `serving.graceful_timeout_s`, and return.
+///
+/// # Errors
+/// None today once listeners are bound; the signature leaves room for lease and state-file
+/// startup failures.
+pub async fn run(
+    config: Config,
+    listeners: Listeners,
+    opts: RunOptions,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), Error> {
+    let clock: Arc<dyn narwhal_shared::Clock> = Arc::new(narwhal_shared::SystemClock);
+    let grace = Duration::from_secs(config.serving.graceful_timeout_s);
+    let shared = state::Shared::new(Arc::new(config), clock, opts.journal, opts.max_concurrent.max(1));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let monitor = tokio::spawn(http::monitor(shared.clone(), stop.clone()));
+    tokio::spawn(http::warm_bootstrap_ports(shared.clone()));
+    let data = tokio::spawn(http::serve(listeners.data, shared.clone(), http::Side::Data, stop.clone(), grace));
+    let control = tokio::spawn(http::serve(listeners.control, shared.clone(), http::Side::Control, stop.clone(), grace));
+    shutdown.await;
+    stop.cancel();
+    let _ = data.await;
+    let _ = control.await;
+    let _ = monitor.await;
+    tracing::info!("narwhal-serve stopped");
+    Ok(())
+}

@@ -1,0 +1,251 @@
+//! Prometheus metrics (reference-notes 10) via prometheus-client.
+//!
+//! ```text
+//!  settle / attempts / breaker transitions ──inc──► counters, histograms
+//!  GET /metrics ──refresh(gauges from the core snapshot)──► OpenMetrics text
+//! ```
+//!
+//! Counters are registered without the `_total` suffix; the OpenMetrics encoder appends it, so
+//! samples read `narwhal_served_total 3` as in the reference. Reason-labelled counters are
+//! pre-seeded with every known reason at 0.
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+use crate::outcome::{EXPIRED_REASONS, FAILED_REASONS, REFUSED_REASONS, REJECTED_REASONS};
+
+/// Label set: ordered `(name, value)` pairs.
+pub(crate) type Labels = Vec<(String, String)>;
+type HistFamily = Family<Labels, Histogram, HistCtor>;
+
+/// Builds histograms with fixed bucket edges.
+#[derive(Clone, Debug)]
+pub(crate) struct HistCtor(Vec<f64>);
+
+impl prometheus_client::metrics::family::MetricConstructor<Histogram> for HistCtor {
+    fn new_metric(&self) -> Histogram {
+        Histogram::new(self.0.clone())
+    }
+}
+
+/// Build a label set.
+pub(crate) fn labels(pairs: &[(&str, &str)]) -> Labels {
+    pairs.iter().map(|(k, v)| ((*k).to_string(), (*v).to_string())).collect()
+}
+
+/// Bucket edges = SLO × these factors, rounded to 6 decimals (reference-notes 10).
+const BUCKET_FACTORS: [f64; 11] = [0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0, 1.5, 3.0, 10.0];
+
+/// `%g`-like formatting of an SLO for the `slo` label (`2.0` → `"2"`, `0.05` → `"0.05"`).
+pub(crate) fn fmt_g(x: f64) -> String {
+    if x.fract() == 0.0 && x.abs() < 1e15 {
+        format!("{}", x as i64)
+    } else {
+        format!("{x}")
+    }
+}
+
+fn buckets(slo: f64) -> Vec<f64> {
+    BUCKET_FACTORS
+        .iter()
+        .map(|f| (slo * f * 1e6).round() / 1e6)
+        .collect()
+}
+
+/// Every metric family the router exports.
+pub(crate) struct Metrics {
+    registry: Registry,
+    pub(crate) served: Counter,
+    pub(crate) slo_met: Counter,
+    pub(crate) offered: Counter,
+    pub(crate) unsized_offered: Counter,
+    pub(crate) expired: Family<Labels, Counter>,
+    pub(crate) prefill_attempts: Counter,
+    pub(crate) decode_attempts: Counter,
+    pub(crate) retry_attempts: Counter,
+    pub(crate) retry_credits_spent: Counter,
+    pub(crate) retry_denied: Counter,
+    pub(crate) served_after_retry: Counter,
+    pub(crate) decode_tokens_observed: Counter,
+    pub(crate) attempt_failures: Family<Labels, Counter>,
+    pub(crate) http_retained: Gauge,
+    pub(crate) http_retained_limit: Gauge,
+    pub(crate) http_retained_high_water: Gauge,
+    pub(crate) retry_credits: Gauge<f64, AtomicU64>,
+    pub(crate) admission_inflight: Gauge,
+    pub(crate) admission_inflight_limit: Gauge,
+    pub(crate) upstream_seconds: Family<Labels, Counter<f64, AtomicU64>>,
+    pub(crate) router_ready: Gauge,
+    pub(crate) router_lease_epoch: Gauge,
+    pub(crate) engine_draining: Family<Labels, Gauge>,
+    pub(crate) instance_role: Family<Labels, Gauge>,
+    pub(crate) pool_instances: Family<Labels, Gauge>,
+    pub(crate) resident: Family<Labels, Gauge>,
+    pub(crate) refused: Family<Labels, Counter>,
+    pub(crate) rejected: Family<Labels, Counter>,
+    pub(crate) invalid_requests: Counter,
+    pub(crate) failed: Family<Labels, Counter>,
+    pub(crate) cancelled: Counter,
+    pub(crate) ejected_instances: Gauge,
+    pub(crate) ejected: Family<Labels, Gauge>,
+    pub(crate) ejections: Family<Labels, Counter>,
+    pub(crate) readmissions: Family<Labels, Counter>,
+    pub(crate) breaker_streak: Family<Labels, Gauge>,
+    pub(crate) probes: Family<Labels, Counter>,
+    pub(crate) ttft: HistFamily,
+    pub(crate) tpot: HistFamily,
+    pub(crate) journal_dropped: Gauge,
+    pub(crate) slo_label_ttft: String,
+    pub(crate) slo_label_tpot: String,
+}
+
+impl Metrics {
+    /// Register every family; `ttft_s`/`tpot_s` scale the histogram buckets.
+    pub(crate) fn new(ttft_s: f64, tpot_s: f64) -> Self {
+        let mut r = Registry::default();
+        macro_rules! reg {
+            ($name:expr, $help:expr, $m:expr) => {{
+                let m = $m;
+                r.register($name, $help, m.clone());
+                m
+            }};
+        }
+        let contract: Family<Labels, Gauge> = reg!("narwhal_contract_info", "Metrics contract of this router", Family::default());
+        contract.get_or_create(&labels(&[("contract", "metrics"), ("version", "2")])).set(1);
+        let m = Metrics {
+            served: reg!("narwhal_served", "Requests completed without error", Counter::default()),
+            slo_met: reg!("narwhal_slo_met", "Completed requests that met both the TTFT and TPOT SLOs", Counter::default()),
+            offered: reg!("narwhal_offered", "Completion requests seen by ingress", Counter::default()),
+            unsized_offered: reg!("narwhal_unsized_offered", "Requests that settled before sizing", Counter::default()),
+            expired: reg!("narwhal_expired", "Original requests terminated by their admission or total deadline, by reason", Family::default()),
+            prefill_attempts: reg!("narwhal_prefill_attempts", "Prefill legs dispatched", Counter::default()),
+            decode_attempts: reg!("narwhal_decode_attempts", "Decode legs dispatched", Counter::default()),
+            retry_attempts: reg!("narwhal_retry_attempts", "Attempts after the first", Counter::default()),
+            retry_credits_spent: reg!("narwhal_retry_credits_spent", "Retry budget credits spent", Counter::default()),
+            retry_denied: reg!("narwhal_retry_denied", "Retries denied by the retry budget", Counter::default()),
+            served_after_retry: reg!("narwhal_served_after_retry", "Requests completed by an attempt after the first", Counter::default()),
+            decode_tokens_observed: reg!("narwhal_decode_tokens_observed", "Output tokens counted from decode streams", Counter::default()),
+            attempt_failures: reg!("narwhal_attempt_failures", "Failed attempts by request phase and failure reason", Family::default()),
+            http_retained: reg!("narwhal_http_retained", "Completion requests currently retained", Gauge::default()),
+            http_retained_limit: reg!("narwhal_http_retained_limit", "Retained request limit (max_concurrent + queue_capacity)", Gauge::default()),
+            http_retained_high_water: reg!("narwhal_http_retained_high_water", "Highest retained request count", Gauge::default()),
+            retry_credits: reg!("narwhal_retry_credits", "Retry budget credits available", Gauge::default()),
+            admission_inflight: reg!("narwhal_admission_inflight", "Admission seats in use", Gauge::default()),
+            admission_inflight_limit: reg!("narwhal_admission_inflight_limit", "Admission seats", Gauge::default()),
+            upstream_seconds: reg!("narwhal_upstream_seconds", "Seconds spent in upstream legs, by phase", Family::default()),
+            router_ready: reg!("narwhal_router_ready", "1 while this router may admit new traffic", Gauge::default()),
+            router_lease_epoch: reg!("narwhal_router_lease_epoch", "Router lease epoch (0 without a lease)", Gauge::default()),
+            engine_draining: reg!("narwhal_engine_draining", "1 while the engine is held out by a drain", Family::default()),
+            instance_role: reg!("narwhal_instance_role", "Current pool assignment for each engine (1 = assigned this role)", Family::default()),
+            pool_instances: reg!("narwhal_pool_instances", "Engines assigned to each pool", Family::default()),
+            resident: reg!("narwhal_resident_requests", "Requests resident on each instance", Family::default()),
+            refused: reg!("narwhal_refused", "Requests refused by predictive admission, by cause", Family::default()),
+            rejected: reg!("narwhal_rejected", "Requests refused with HTTP 429 for capacity or HTTP 503 for router readiness, by reason", Family::default()),
+            invalid_requests: reg!("narwhal_invalid_requests", "Requests refused as invalid before dispatch", Counter::default()),
+            failed: reg!("narwhal_failed", "Requests that ended in an error, by reason", Family::default()),
+            cancelled: reg!("narwhal_cancelled", "Requests abandoned by their client before completion", Counter::default()),
+            ejected_instances: reg!("narwhal_ejected_instances", "Instances the breaker currently holds out of scheduling and both loads", Gauge::default()),
+            ejected: reg!("narwhal_ejected", "1 while this instance is ejected", Family::default()),
+            ejections: reg!("narwhal_engine_ejections", "Engine ejections since router start, by cause", Family::default()),
+            readmissions: reg!("narwhal_engine_readmissions", "Engines returned to placement, by evidence", Family::default()),
+            breaker_streak: reg!("narwhal_engine_breaker_streak", "Consecutive leg failures per engine and class", Family::default()),
+            probes: reg!("narwhal_engine_probes", "Breaker probes by engine, kind and outcome", Family::default()),
+            ttft: reg!(
+                "narwhal_ttft_seconds",
+                "Router arrival to first token",
+                HistFamily::new_with_constructor(HistCtor(buckets(ttft_s)))
+            ),
+            tpot: reg!(
+                "narwhal_tpot_seconds",
+                "Mean time per output token after the first",
+                HistFamily::new_with_constructor(HistCtor(buckets(tpot_s)))
+            ),
+            journal_dropped: reg!("narwhal_journal_dropped_rows", "Journal rows dropped because the writer fell behind", Gauge::default()),
+            slo_label_ttft: fmt_g(ttft_s),
+            slo_label_tpot: fmt_g(tpot_s),
+            registry: Registry::default(),
+        };
+        // Placement is not priced yet, so nothing is ever unserved; exported for the contract.
+        let _unserved: Counter = reg!("narwhal_unserved", "Phase placements over the SLO budget", Counter::default());
+        let slo: Family<Labels, Gauge<f64, AtomicU64>> = reg!("narwhal_slo_seconds", "Configured service-level latency budget in seconds", Family::default());
+        slo.get_or_create(&labels(&[("metric", "ttft"), ("slo", &m.slo_label_ttft)])).set(ttft_s);
+        slo.get_or_create(&labels(&[("metric", "tpot"), ("slo", &m.slo_label_tpot)])).set(tpot_s);
+        for r in FAILED_REASONS {
+            let _ = m.failed.get_or_create(&labels(&[("reason", r)]));
+        }
+        for r in REJECTED_REASONS {
+            let _ = m.rejected.get_or_create(&labels(&[("reason", r)]));
+        }
+        for r in EXPIRED_REASONS {
+            let _ = m.expired.get_or_create(&labels(&[("reason", r)]));
+        }
+        for r in REFUSED_REASONS {
+            let _ = m.refused.get_or_create(&labels(&[("cause", r)]));
+        }
+        for p in ["prefill", "decode"] {
+            let _ = m.upstream_seconds.get_or_create(&labels(&[("phase", p)]));
+        }
+        let _ = m.ttft.get_or_create(&labels(&[("slo", &m.slo_label_ttft)]));
+        let _ = m.tpot.get_or_create(&labels(&[("slo", &m.slo_label_tpot)]));
+        Metrics { registry: r, ..m }
+    }
+
+    /// Observe a first-token latency, seconds.
+    pub(crate) fn observe_ttft(&self, s: f64) {
+        self.ttft.get_or_create(&labels(&[("slo", &self.slo_label_ttft)])).observe(s);
+    }
+
+    /// Observe a time per output token, seconds.
+    pub(crate) fn observe_tpot(&self, s: f64) {
+        self.tpot.get_or_create(&labels(&[("slo", &self.slo_label_tpot)])).observe(s);
+    }
+
+    /// OpenMetrics text of every family.
+    pub(crate) fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// Content type of [`Metrics::render`].
+pub(crate) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_scale_with_the_slo() {
+        assert_eq!(buckets(2.0), vec![0.05, 0.1, 0.2, 0.4, 0.7, 1.0, 1.4, 2.0, 3.0, 6.0, 20.0]);
+        assert_eq!(fmt_g(2.0), "2");
+        assert_eq!(fmt_g(0.05), "0.05");
+    }
+
+    #[test]
+    fn render_has_reference_names_and_seeded_reasons() {
+        let m = Metrics::new(2.0, 0.1);
+        m.served.inc();
+        let t = m.render();
+        for want in [
+            "narwhal_served_total 1",
+            "narwhal_failed_total{reason=\"no_engine\"} 0",
+            "narwhal_rejected_total{reason=\"inflight_limit\"} 0",
+            "narwhal_expired_total{reason=\"handoff\"} 0",
+            "narwhal_cancelled_total 0",
+            "narwhal_invalid_requests_total 0",
+            "narwhal_unserved_total 0",
+            "narwhal_offered_total 0",
+            "# TYPE narwhal_ttft_seconds histogram",
+            "narwhal_slo_seconds{metric=\"ttft\",slo=\"2\"} 2.0",
+        ] {
+            assert!(t.contains(want), "missing {want} in\n{t}");
+        }
+    }
+}

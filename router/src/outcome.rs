@@ -1,0 +1,433 @@
+//! Terminal outcomes and counters (reference-notes 7.7a; DESIGN.md section 5).
+//!
+//! ```text
+//!  request pipeline ──Pending::settle(Settlement)──► sink (counters + metrics + journal row)
+//!                   └─drop without settle──────────► sink.abandoned()  → cancelled / expired
+//! ```
+//!
+//! Every request settles exactly once: [`Pending`] holds the record in an `Option` and gives it
+//! up on the first `settle` (or on drop, which is how a client disconnect is seen). [`Tally`] is
+//! the pure counter set that one settlement updates.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde_json::{Value, json};
+
+/// The seven terminal outcomes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Terminal {
+    /// Stream reached `[DONE]` / non-stream reassembled.
+    Completed,
+    /// Upstream or internal failure.
+    Failed,
+    /// Predictive admission refused (not produced in `open` mode).
+    Refused,
+    /// 429 in-flight limit, 503 not ready.
+    Rejected,
+    /// Deadline, queue timeout, handoff bound.
+    Expired,
+    /// Client went away.
+    Cancelled,
+    /// 400/404/413 before dispatch.
+    Invalid,
+}
+
+impl Terminal {
+    /// The journal `terminal` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Terminal::Completed => "completed",
+            Terminal::Failed => "failed",
+            Terminal::Refused => "refused",
+            Terminal::Rejected => "rejected",
+            Terminal::Expired => "expired",
+            Terminal::Cancelled => "cancelled",
+            Terminal::Invalid => "invalid",
+        }
+    }
+}
+
+/// Known `failed` reasons, pre-seeded at 0 in state and metrics.
+pub const FAILED_REASONS: &[&str] = &[
+    "no_engine",
+    "engine_unreachable",
+    "engine_connection",
+    "engine_timeout",
+    "engine_overloaded",
+    "engine_rejected",
+    "engine_error",
+    "local_pool",
+    "invalid_response",
+    "response_limit",
+    "internal",
+];
+/// Known `rejected` reasons.
+pub const REJECTED_REASONS: &[&str] = &["inflight_limit", "saturated", "not_ready"];
+/// Known `expired` reasons.
+pub const EXPIRED_REASONS: &[&str] = &["deadline", "queue_timeout", "handoff"];
+/// Known `refused` causes.
+pub const REFUSED_REASONS: &[&str] = &["queue", "prompt", "aggregate_unpriced", "slot_wait", "kv_capacity", "tpot"];
+
+/// How one request ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settlement {
+    /// Terminal outcome.
+    pub terminal: Terminal,
+    /// Reason label (`""` for completed/cancelled/invalid).
+    pub reason: String,
+    /// HTTP status sent (200 once output started; `None` when cancelled).
+    pub status: Option<u16>,
+    /// Detailed error (journal only), `None` on success.
+    pub error: Option<String>,
+    /// Error `type` sent to the client, if any.
+    pub error_type: Option<String>,
+}
+
+impl Settlement {
+    /// A completed request.
+    pub fn completed() -> Self {
+        Settlement {
+            terminal: Terminal::Completed,
+            reason: String::new(),
+            status: Some(200),
+            error: None,
+            error_type: None,
+        }
+    }
+
+    /// A cancelled request (client disconnect).
+    pub fn cancelled() -> Self {
+        Settlement {
+            terminal: Terminal::Cancelled,
+            reason: String::new(),
+            status: None,
+            error: Some("client disconnected".into()),
+            error_type: None,
+        }
+    }
+
+    /// Any other outcome.
+    pub fn new(terminal: Terminal, reason: &str, status: u16, error: impl Into<String>, error_type: &str) -> Self {
+        Settlement {
+            terminal,
+            reason: reason.to_string(),
+            status: Some(status),
+            error: Some(error.into()),
+            error_type: Some(error_type.to_string()),
+        }
+    }
+}
+
+/// Per-request facts for the journal row (reference-notes 7.8, the fields that apply).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RequestRecord {
+    /// Router request id (UUID4).
+    pub rid: String,
+    /// `/v1/completions` or `/v1/chat/completions`.
+    pub endpoint: String,
+    /// Arrival, wall seconds.
+    pub arrived: f64,
+    /// Client asked for SSE.
+    pub stream: bool,
+    /// Estimated input tokens (null before sizing).
+    pub input_len: Option<u64>,
+    /// Tokens counted from the decode stream.
+    pub output_len: u64,
+    /// Arrival → first token, seconds.
+    pub ttft_s: Option<f64>,
+    /// Mean gap between tokens after the first, seconds.
+    pub tpot_s: Option<f64>,
+    /// Arrival → settlement, seconds.
+    pub duration_s: f64,
+    /// Attempts dispatched.
+    pub attempts: u32,
+    /// Producer of the last attempt.
+    pub prefill_iid: Option<String>,
+    /// Consumer of the last attempt.
+    pub decode_iid: Option<String>,
+    /// Whether output (the first token) reached the client.
+    pub output_started: bool,
+    /// Failures of earlier attempts (`{phase, iid, reason, error}`).
+    pub attempt_failures: Vec<Value>,
+}
+
+impl RequestRecord {
+    /// The journal row (without `schema`, `schema_version`, `run`, which the journal adds).
+    pub fn row(&self, s: &Settlement) -> Value {
+        json!({
+            "rid": self.rid,
+            "arrived": self.arrived,
+            "input_len": self.input_len,
+            "output_len": self.output_len,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "duration_s": self.duration_s,
+            "attempts": self.attempts,
+            "attempt_failures": self.attempt_failures,
+            "prefill_iid": self.prefill_iid,
+            "decode_iid": self.decode_iid,
+            "status": s.status,
+            "error": s.error,
+            "error_type": s.error_type,
+            "reason": if s.reason.is_empty() { Value::Null } else { Value::String(s.reason.clone()) },
+            "terminal": s.terminal.as_str(),
+            "stream": self.stream,
+            "endpoint": self.endpoint,
+        })
+    }
+}
+
+/// Request counters updated by settlements (plus `offered`, counted at ingress).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tally {
+    /// Every completion POST seen.
+    pub offered: u64,
+    /// Settled before sizing.
+    pub unsized_offered: u64,
+    /// Completed.
+    pub served: u64,
+    /// Completed within TTFT and TPOT SLOs.
+    pub slo_met: u64,
+    /// Failed.
+    pub failed: u64,
+    /// Refused.
+    pub refused: u64,
+    /// Rejected.
+    pub rejected: u64,
+    /// Expired.
+    pub expired: u64,
+    /// Cancelled.
+    pub cancelled: u64,
+    /// Invalid.
+    pub invalid_requests: u64,
+    /// Completed after a retry.
+    pub served_after_retry: u64,
+    /// Reason counts per terminal (failed/rejected/expired/refused), known reasons pre-seeded.
+    pub reasons: BTreeMap<&'static str, BTreeMap<String, u64>>,
+}
+
+impl Default for Tally {
+    fn default() -> Self {
+        let mut reasons = BTreeMap::new();
+        for (t, list) in [
+            ("failed", FAILED_REASONS),
+            ("rejected", REJECTED_REASONS),
+            ("expired", EXPIRED_REASONS),
+            ("refused", REFUSED_REASONS),
+        ] {
+            reasons.insert(t, list.iter().map(|r| ((*r).to_string(), 0)).collect());
+        }
+        Tally {
+            offered: 0,
+            unsized_offered: 0,
+            served: 0,
+            slo_met: 0,
+            failed: 0,
+            refused: 0,
+            rejected: 0,
+            expired: 0,
+            cancelled: 0,
+            invalid_requests: 0,
+            served_after_retry: 0,
+            reasons,
+        }
+    }
+}
+
+impl Tally {
+    /// Count one settlement; `slo_met` when the request met both SLOs; `sized` when it got
+    /// past sizing; `retried` when more than one attempt ran.
+    pub fn apply(&mut self, s: &Settlement, slo_met: bool, sized: bool, retried: bool) {
+        if !sized {
+            self.unsized_offered += 1;
+        }
+        let bucket = match s.terminal {
+            Terminal::Completed => {
+                self.served += 1;
+                if slo_met {
+                    self.slo_met += 1;
+                }
+                if retried {
+                    self.served_after_retry += 1;
+                }
+                None
+            }
+            Terminal::Failed => {
+                self.failed += 1;
+                Some("failed")
+            }
+            Terminal::Refused => {
+                self.refused += 1;
+                Some("refused")
+            }
+            Terminal::Rejected => {
+                self.rejected += 1;
+                Some("rejected")
+            }
+            Terminal::Expired => {
+                self.expired += 1;
+                Some("expired")
+            }
+            Terminal::Cancelled => {
+                self.cancelled += 1;
+                None
+            }
+            Terminal::Invalid => {
+                self.invalid_requests += 1;
+                None
+            }
+        };
+        if let Some(b) = bucket {
+            let reason = if s.reason.is_empty() { "unclassified" } else { s.reason.as_str() };
+            *self.reasons.entry(b).or_default().entry(reason.to_string()).or_default() += 1;
+        }
+    }
+
+    /// `outcome_reasons` for `/narwhal/state`.
+    pub fn reasons_json(&self) -> Value {
+        let mut m = serde_json::Map::new();
+        for t in ["failed", "rejected", "expired", "refused"] {
+            let inner: serde_json::Map<String, Value> = self.reasons[t]
+                .iter()
+                .map(|(k, v)| (k.clone(), Value::from(*v)))
+                .collect();
+            // Keep known reasons in their documented order, extras after.
+            let known: &[&str] = match t {
+                "failed" => FAILED_REASONS,
+                "rejected" => REJECTED_REASONS,
+                "expired" => EXPIRED_REASONS,
+                _ => REFUSED_REASONS,
+            };
+            let mut ordered = serde_json::Map::new();
+            for k in known {
+                ordered.insert((*k).to_string(), inner.get(*k).cloned().unwrap_or(Value::from(0)));
+            }
+            for (k, v) in inner {
+                if !ordered.contains_key(&k) {
+                    ordered.insert(k, v);
+                }
+            }
+            m.insert(t.to_string(), Value::Object(ordered));
+        }
+        Value::Object(m)
+    }
+}
+
+/// Where settlements go: the router's one accounting place.
+pub trait SettleSink: Send + Sync {
+    /// Record the final outcome of `record`.
+    fn settle(&self, record: RequestRecord, settlement: Settlement);
+    /// The settlement for a request dropped without one (cancelled, or expired when its deadline
+    /// already passed; the sink reads the clock).
+    fn abandoned(&self, record: &RequestRecord) -> Settlement;
+}
+
+/// Exactly-once settlement guard for one request.
+pub struct Pending {
+    sink: Arc<dyn SettleSink>,
+    record: Option<RequestRecord>,
+}
+
+impl std::fmt::Debug for Pending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pending").field("record", &self.record).finish()
+    }
+}
+
+impl Pending {
+    /// Guard a new request record.
+    pub fn new(sink: Arc<dyn SettleSink>, record: RequestRecord) -> Self {
+        Pending {
+            sink,
+            record: Some(record),
+        }
+    }
+
+    /// Mutable access to the record while the request runs.
+    pub fn record(&mut self) -> &mut RequestRecord {
+        self.record.as_mut().expect("a Pending holds its record until settled")
+    }
+
+    /// Read access to the record.
+    pub fn record_ref(&self) -> &RequestRecord {
+        self.record.as_ref().expect("a Pending holds its record until settled")
+    }
+
+    /// Settle now; consumes the guard so a second settlement cannot compile.
+    pub fn settle(mut self, settlement: Settlement) {
+        if let Some(r) = self.record.take() {
+            self.sink.settle(r, settlement);
+        }
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(r) = self.record.take() {
+            let s = self.sink.abandoned(&r);
+            self.sink.settle(r, s);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    #[derive(Default)]
+    struct Sink(Mutex<Vec<(String, Terminal)>>);
+    impl SettleSink for Sink {
+        fn settle(&self, r: RequestRecord, s: Settlement) {
+            self.0.lock().unwrap().push((r.rid, s.terminal));
+        }
+        fn abandoned(&self, _: &RequestRecord) -> Settlement {
+            Settlement::cancelled()
+        }
+    }
+
+    fn rec(rid: &str) -> RequestRecord {
+        RequestRecord {
+            rid: rid.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn settle_then_drop_counts_once() {
+        let sink = Arc::new(Sink::default());
+        let p = Pending::new(sink.clone(), rec("a"));
+        p.settle(Settlement::completed());
+        assert_eq!(*sink.0.lock().unwrap(), vec![("a".to_string(), Terminal::Completed)]);
+    }
+
+    #[test]
+    fn dropping_an_unsettled_request_settles_cancelled_once() {
+        let sink = Arc::new(Sink::default());
+        {
+            let mut p = Pending::new(sink.clone(), rec("b"));
+            p.record().attempts = 1;
+        }
+        assert_eq!(*sink.0.lock().unwrap(), vec![("b".to_string(), Terminal::Cancelled)]);
+    }
+
+    #[test]
+    fn tally_counts_reasons_and_seeds_known_ones() {
+        let mut t = Tally::default();
+        t.apply(&Settlement::new(Terminal::Failed, "engine_error", 502, "x", "decode"), false, true, false);
+        t.apply(&Settlement::new(Terminal::Rejected, "", 400, "x", "y"), false, false, false);
+        t.apply(&Settlement::completed(), true, true, true);
+        t.apply(&Settlement::cancelled(), false, true, false);
+        assert_eq!((t.failed, t.rejected, t.served, t.slo_met, t.cancelled), (1, 1, 1, 1, 1));
+        assert_eq!(t.served_after_retry, 1);
+        assert_eq!(t.unsized_offered, 1);
+        let j = t.reasons_json();
+        assert_eq!(j["failed"]["engine_error"], 1);
+        assert_eq!(j["failed"]["no_engine"], 0);
+        assert_eq!(j["rejected"]["unclassified"], 1);
+        assert_eq!(j["expired"]["handoff"], 0);
+        let keys: Vec<&String> = j["failed"].as_object().unwrap().keys().collect();
+        assert_eq!(keys[0], "no_engine");
+    }
+}

@@ -1,0 +1,640 @@
+//! The router's shared runtime state and the documents rendered from it (`/ready`, `/health`,
+//! `/narwhal/state`, `/narwhal/targets`, `/v1/models`; reference-notes 1.3–1.7).
+//!
+//! ```text
+//!  Shared ─┬─ Core (Mutex): engine slots (role, exclusions, resident), breaker, rng,
+//!          │                retry credits, attempt accounting, SGLang bootstrap ports
+//!          ├─ Tally (Mutex): outcome counters          ◄── settle() is the one writer
+//!          ├─ Metrics, Journal, upstream client, admission seats, HA flags
+//! ```
+//!
+//! HA and lifecycle plug in here later: `ha` carries `controls_fleet`, epoch and holder; the
+//! exclusion set already knows `draining`.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use narwhal_shared::Clock;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use serde_json::{Value, json};
+use tokio::sync::Semaphore;
+
+use crate::breaker::{Breaker, FailureClass, Transition};
+use crate::config::{Config, Role, secs};
+use crate::journal::Journal;
+use crate::metrics::{Metrics, labels};
+use crate::outcome::{RequestRecord, SettleSink, Settlement, Tally, Terminal};
+use crate::placement::{EngineSlot, Exclusion, Phase};
+use crate::upstream::Upstream;
+
+/// Attempt and retry accounting (`/narwhal/state.serving`).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct ServingStats {
+    pub(crate) prefill_attempts: u64,
+    pub(crate) decode_attempts: u64,
+    pub(crate) retry_attempts: u64,
+    pub(crate) retry_credits_spent: u64,
+    pub(crate) retry_denied: u64,
+    pub(crate) decode_tokens_observed: u64,
+    pub(crate) attempt_failures: BTreeMap<(String, String), u64>,
+    pub(crate) upstream_prefill_s: f64,
+    pub(crate) upstream_decode_s: f64,
+}
+
+/// Mutable scheduling state behind one lock.
+pub(crate) struct Core {
+    pub(crate) slots: Vec<EngineSlot>,
+    pub(crate) breaker: Breaker,
+    pub(crate) rng: StdRng,
+    pub(crate) retry_credits: f64,
+    pub(crate) stats: ServingStats,
+    pub(crate) bootstrap_ports: Vec<Option<u16>>,
+    pub(crate) unserved: u64,
+}
+
+/// HA view (no lease yet: always controls the fleet, epoch 0, holder "").
+#[derive(Debug, Clone)]
+pub(crate) struct Ha {
+    pub(crate) controls_fleet: bool,
+    pub(crate) standby: bool,
+    pub(crate) epoch: u64,
+    pub(crate) holder: String,
+    pub(crate) failover_blocked: String,
+    pub(crate) lifecycle_blocked: String,
+}
+
+/// Everything request handlers, the monitor and the control routes share.
+pub(crate) struct Shared {
+    pub(crate) cfg: Arc<Config>,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) core: Mutex<Core>,
+    pub(crate) tally: Mutex<Tally>,
+    pub(crate) ha: Mutex<Ha>,
+    pub(crate) metrics: Metrics,
+    pub(crate) journal: Journal,
+    pub(crate) upstream: Upstream,
+    pub(crate) seats: Arc<Semaphore>,
+    pub(crate) max_concurrent: usize,
+    pub(crate) retained: AtomicUsize,
+    pub(crate) retained_high_water: AtomicUsize,
+}
+
+impl Shared {
+    pub(crate) fn new(cfg: Arc<Config>, clock: Arc<dyn Clock>, journal: Journal, max_concurrent: usize) -> Arc<Self> {
+        let n = cfg.engines.len();
+        let probe_interval = secs(cfg.controller.monitor_interval_s * f64::from(cfg.recovery.readmit_every));
+        let slots = cfg.engines.iter().map(|e| EngineSlot::new(e.role)).collect();
+        let metrics = Metrics::new(cfg.slo.ttft_s, cfg.slo.tpot_s);
+        let limit = max_concurrent as u64 + cfg.serving.queue_capacity;
+        metrics.http_retained_limit.set(limit as i64);
+        metrics.admission_inflight_limit.set(max_concurrent as i64);
+        metrics.retry_credits.set(cfg.serving.retry_budget as f64);
+        let upstream = Upstream::new(&cfg);
+        Arc::new(Shared {
+            core: Mutex::new(Core {
+                slots,
+                breaker: Breaker::new(n, cfg.recovery.eject_after, probe_interval),
+                rng: StdRng::from_os_rng(),
+                retry_credits: cfg.serving.retry_budget as f64,
+                stats: ServingStats::default(),
+                bootstrap_ports: vec![None; n],
+                unserved: 0,
+            }),
+            tally: Mutex::new(Tally::default()),
+            ha: Mutex::new(Ha {
+                controls_fleet: true,
+                standby: false,
+                epoch: 0,
+                holder: String::new(),
+                failover_blocked: String::new(),
+                lifecycle_blocked: String::new(),
+            }),
+            metrics,
+            journal,
+            upstream,
+            seats: Arc::new(Semaphore::new(max_concurrent)),
+            max_concurrent,
+            retained: AtomicUsize::new(0),
+            retained_high_water: AtomicUsize::new(0),
+            clock,
+            cfg,
+        })
+    }
+
+    pub(crate) fn core(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn tally(&self) -> MutexGuard<'_, Tally> {
+        self.tally.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn ha(&self) -> Ha {
+        self.ha.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub(crate) fn wall(&self) -> f64 {
+        self.clock.wall().unwrap_or(0.0)
+    }
+
+    pub(crate) fn retained_limit(&self) -> usize {
+        self.max_concurrent + self.cfg.serving.queue_capacity as usize
+    }
+
+    /// Live engine count (not ejected, not draining).
+    pub(crate) fn live_count(&self) -> usize {
+        self.core().slots.iter().filter(|s| s.is_live()).count()
+    }
+
+    /// Readiness (reference-notes 1.2 without lease/lifecycle/monitoring parts yet):
+    /// `(ready, control_ready, reason)`.
+    pub(crate) fn readiness(&self) -> (bool, bool, String) {
+        let ha = self.ha();
+        let control_ready = ha.controls_fleet;
+        let live = self.live_count();
+        let reason = if !ha.failover_blocked.is_empty() {
+            ha.failover_blocked.clone()
+        } else if !ha.lifecycle_blocked.is_empty() {
+            ha.lifecycle_blocked.clone()
+        } else if ha.standby {
+            "shadowing".into()
+        } else if !ha.controls_fleet {
+            "lease expired".into()
+        } else if live == 0 {
+            "no available engines".into()
+        } else {
+            String::new()
+        };
+        (reason.is_empty(), control_ready, reason)
+    }
+
+    /// Apply breaker transitions: exclusion set, metrics, journal events, logs.
+    pub(crate) fn apply_transitions(&self, core: &mut Core, transitions: &[Transition]) {
+        for t in transitions {
+            match *t {
+                Transition::Ejected { iid, cause } => {
+                    core.slots[iid].excluded.insert(Exclusion::Ejected);
+                    let name = &self.cfg.engines[iid].iid;
+                    self.metrics
+                        .ejections
+                        .get_or_create(&labels(&[("iid", name), ("cause", cause.as_str())]))
+                        .inc();
+                    tracing::info!(engine.id = %name, cause = cause.as_str(), "engine ejected");
+                    self.journal.emit(json!({"event": "engine_ejected", "iid": name, "cause": cause.as_str(), "at": self.wall()}));
+                }
+                Transition::Readmitted { iid } => {
+                    core.slots[iid].excluded.remove(&Exclusion::Ejected);
+                    let name = &self.cfg.engines[iid].iid;
+                    self.metrics
+                        .readmissions
+                        .get_or_create(&labels(&[("iid", name), ("evidence", "health")]))
+                        .inc();
+                    tracing::info!(engine.id = %name, "engine readmitted");
+                    self.journal.emit(json!({"event": "engine_readmitted", "iid": name, "evidence": "health", "at": self.wall()}));
+                }
+                Transition::ProbeRequested { iid } => {
+                    tracing::info!(engine.id = %self.cfg.engines[iid].iid, "health verification requested");
+                }
+            }
+        }
+    }
+
+    /// Feed one breaker observation and apply its transitions.
+    pub(crate) fn observe(&self, iid: usize, obs: crate::breaker::Observation) {
+        let now = self.clock.now();
+        let mut core = self.core();
+        let tr = core.breaker.observe(iid, obs, now);
+        self.apply_transitions(&mut core, &tr);
+    }
+
+    /// Refresh scrape-time gauges and render `/metrics`.
+    pub(crate) fn render_metrics(&self) -> String {
+        let (ready, _, _) = self.readiness();
+        let m = &self.metrics;
+        m.router_ready.set(i64::from(ready));
+        m.router_lease_epoch.set(self.ha().epoch as i64);
+        let retained = self.retained.load(Ordering::Relaxed);
+        m.http_retained.set(retained as i64);
+        m.http_retained_high_water
+            .set(self.retained_high_water.load(Ordering::Relaxed) as i64);
+        m.admission_inflight
+            .set((self.max_concurrent - self.seats.available_permits().min(self.max_concurrent)) as i64);
+        m.journal_dropped.set(self.journal.dropped() as i64);
+        let core = self.core();
+        m.retry_credits.set(core.retry_credits);
+        let mut ejected = 0;
+        let mut pool = [0i64; 2];
+        for (i, s) in core.slots.iter().enumerate() {
+            let iid = self.cfg.engines[i].iid.as_str();
+            let is_ej = s.excluded.contains(&Exclusion::Ejected);
+            ejected += i64::from(is_ej);
+            m.ejected.get_or_create(&labels(&[("iid", iid)])).set(i64::from(is_ej));
+            m.engine_draining
+                .get_or_create(&labels(&[("iid", iid)]))
+                .set(i64::from(s.excluded.contains(&Exclusion::Draining)));
+            for role in [Role::Prefill, Role::Decode] {
+                m.instance_role
+                    .get_or_create(&labels(&[("iid", iid), ("role", role.as_str())]))
+                    .set(i64::from(s.role == role));
+            }
+            pool[usize::from(s.role == Role::Decode)] += 1;
+            m.resident
+                .get_or_create(&labels(&[("iid", iid), ("phase", "prefill")]))
+                .set(i64::from(s.resident_prefill));
+            m.resident
+                .get_or_create(&labels(&[("iid", iid), ("phase", "decode")]))
+                .set(i64::from(s.resident_decode));
+            for c in FailureClass::ALL {
+                m.breaker_streak
+                    .get_or_create(&labels(&[("iid", iid), ("class", c.as_str())]))
+                    .set(i64::from(core.breaker.streak(i, c)));
+            }
+        }
+        m.ejected_instances.set(ejected);
+        m.pool_instances.get_or_create(&labels(&[("role", "prefill")])).set(pool[0]);
+        m.pool_instances.get_or_create(&labels(&[("role", "decode")])).set(pool[1]);
+        drop(core);
+        m.render()
+    }
+
+    /// `/ready` (reference-notes 1.3): status and body.
+    pub(crate) fn ready_doc(&self) -> (bool, Value) {
+        let (ready, control_ready, reason) = self.readiness();
+        let ha = self.ha();
+        (
+            ready,
+            json!({
+                "status": if ready { "ready" } else { "not_ready" },
+                "control_ready": control_ready,
+                "epoch": ha.epoch,
+                "holder": ha.holder,
+                "reason": reason,
+            }),
+        )
+    }
+
+    /// `/health` (reference-notes 1.4).
+    pub(crate) fn health_doc(&self) -> Value {
+        let (ready, _, _) = self.readiness();
+        let ha = self.ha();
+        let status = if ready {
+            "ok"
+        } else if !ha.failover_blocked.is_empty() || (!ha.standby && !ha.controls_fleet) {
+            "fenced"
+        } else if !ha.lifecycle_blocked.is_empty() {
+            "maintenance"
+        } else if ha.standby {
+            "standby"
+        } else {
+            "degraded"
+        };
+        json!({
+            "status": status,
+            "instances": self.cfg.engines.len(),
+            "available_instances": self.live_count(),
+        })
+    }
+
+    /// `/v1/models` (reference-notes 1.5).
+    pub(crate) fn models_doc(&self) -> Value {
+        json!({"object": "list", "data": [{"id": self.cfg.model, "object": "model", "owned_by": "narwhal"}]})
+    }
+
+    /// `/narwhal/targets` (reference-notes 1.6).
+    pub(crate) fn targets_doc(&self) -> Value {
+        let groups: Vec<Value> = self
+            .cfg
+            .engines
+            .iter()
+            .map(|e| {
+                let (scheme, rest) = e.url.split_once("://").unwrap_or(("http", e.url.as_str()));
+                let (authority, path) = match rest.find('/') {
+                    Some(i) => (&rest[..i], &rest[i..]),
+                    None => (rest, ""),
+                };
+                let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+                json!({
+                    "targets": [host],
+                    "labels": {
+                        "iid": e.iid,
+                        "backend": self.cfg.backend.as_str(),
+                        "__scheme__": scheme,
+                        "__metrics_path__": format!("{}/metrics", path.trim_end_matches('/')),
+                    }
+                })
+            })
+            .collect();
+        Value::Array(groups)
+    }
+
+    /// `/narwhal/state` (reference-notes 1.7): the starred fields, others stubbed or omitted.
+    pub(crate) fn state_doc(&self) -> Value {
+        let (ready, control_ready, _) = self.readiness();
+        let ha = self.ha();
+        let tally = self.tally().clone();
+        let core = self.core();
+        let names: Vec<&str> = self.cfg.engines.iter().map(|e| e.iid.as_str()).collect();
+        let sorted_by = |pred: &dyn Fn(&EngineSlot) -> bool| {
+            let mut v: Vec<&str> = core
+                .slots
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| pred(s))
+                .map(|(i, _)| names[i])
+                .collect();
+            v.sort_unstable();
+            v
+        };
+        let ejected = sorted_by(&|s| s.excluded.contains(&Exclusion::Ejected));
+        let draining = sorted_by(&|s| s.excluded.contains(&Exclusion::Draining));
+        let prefill_pool = sorted_by(&|s| s.role == Role::Prefill);
+        let decode_pool = sorted_by(&|s| s.role == Role::Decode);
+        let mut resident = serde_json::Map::new();
+        let mut failures = serde_json::Map::new();
+        let mut lifecycle_engines = serde_json::Map::new();
+        let mut order: Vec<usize> = (0..names.len()).collect();
+        order.sort_by_key(|i| names[*i]);
+        for i in order {
+            let s = &core.slots[i];
+            resident.insert(names[i].into(), json!({"prefill": s.resident_prefill, "decode": s.resident_decode}));
+            let streaks: serde_json::Map<String, Value> = FailureClass::ALL
+                .iter()
+                .map(|c| (c.as_str().to_string(), Value::from(core.breaker.streak(i, *c))))
+                .chain(std::iter::once(("liveness".to_string(), Value::from(0))))
+                .collect();
+            failures.insert(names[i].into(), Value::Object(streaks));
+            let draining = s.excluded.contains(&Exclusion::Draining);
+            lifecycle_engines.insert(
+                names[i].into(),
+                json!({
+                    "state": "active", "draining": draining, "accepts_new": s.is_live(),
+                    "ready_to_stop": false,
+                    "resident": {"prefill": s.resident_prefill, "decode": s.resident_decode},
+                    "deadline_at": null, "restart_required": false, "wave_id": "",
+                    "old_process_start": null, "new_process_start": null, "checks": [], "error": ""
+                }),
+            );
+        }
+        let ejections: Vec<Value> = core
+            .breaker
+            .ejections()
+            .iter()
+            .map(|((i, cause), n)| json!({"iid": names[*i], "cause": cause.as_str(), "count": n}))
+            .collect();
+        let readmissions: Vec<Value> = core
+            .breaker
+            .readmissions()
+            .iter()
+            .map(|(i, n)| json!({"iid": names[*i], "evidence": "health", "count": n}))
+            .collect();
+        let st = core.stats.clone();
+        let attempt_failures: Vec<Value> = st
+            .attempt_failures
+            .iter()
+            .map(|((phase, reason), n)| json!({"phase": phase, "reason": reason, "count": n}))
+            .collect();
+        let retry_credits = core.retry_credits;
+        let unserved = core.unserved;
+        drop(core);
+        let mut pinned: Vec<&str> = self.cfg.engines.iter().filter(|e| e.pin).map(|e| e.iid.as_str()).collect();
+        pinned.sort_unstable();
+        let inflight = self.max_concurrent - self.seats.available_permits().min(self.max_concurrent);
+        json!({
+            "schema": "narwhal.state",
+            "schema_version": 1,
+            "journal_run": self.journal.run(),
+            "served": tally.served,
+            "slo_met": tally.slo_met,
+            "offered": tally.offered,
+            "unsized_offered": tally.unsized_offered,
+            "expired": tally.expired,
+            "failed": tally.failed,
+            "cancelled": tally.cancelled,
+            "invalid_requests": tally.invalid_requests,
+            "rejected": tally.rejected,
+            "refused": tally.refused,
+            "controller": "reactive",
+            "token_accounting": "token_ids",
+            "monitoring": {"degraded": false, "reason": null, "core_consecutive": 0, "core_failures": 0},
+            "ha": {"ready": ready, "standby": ha.standby, "epoch": ha.epoch, "holder": ha.holder, "blocked": ha.failover_blocked, "controls_fleet": ha.controls_fleet},
+            "lifecycle": {
+                "engine_restart_policy": self.cfg.recovery.engine_restart_policy.as_str(),
+                "process_starts": {},
+                "router": {"controls_fleet": control_ready, "ready": ready},
+                "wave": {"id": "", "active": false, "ready_to_stop": false},
+                "engines": lifecycle_engines,
+                "events": [],
+            },
+            "admission": {
+                "inflight": inflight,
+                "queued": 0,
+                "queue_capacity": self.cfg.serving.queue_capacity,
+                "queue_high_water": 0,
+                "waiting_prefill": 0,
+                "waiting_decode": 0,
+                "limit": self.max_concurrent,
+                "loop_lag_s": 0.0,
+                "sizing_delay_s": 0.0,
+                "saturation_threshold_s": 0.25 * self.cfg.slo.ttft_s,
+                "rejected": tally.rejected,
+                "refused": tally.refused,
+                "engine_auth": if self.cfg.engine.engine_api_key.is_some() { "bearer" } else { "boundary" },
+                "mode": "open",
+                "margin": self.cfg.serving.admission_margin,
+            },
+            "outcome_reasons": tally.reasons_json(),
+            "serving": {
+                "http_retained": self.retained.load(Ordering::Relaxed),
+                "http_retained_limit": self.retained_limit(),
+                "http_retained_high_water": self.retained_high_water.load(Ordering::Relaxed),
+                "prefill_attempts": st.prefill_attempts,
+                "decode_attempts": st.decode_attempts,
+                "retry_attempts": st.retry_attempts,
+                "retry_credits": retry_credits,
+                "retry_credits_spent": st.retry_credits_spent,
+                "retry_denied": st.retry_denied,
+                "served_after_retry": tally.served_after_retry,
+                "attempt_failures": attempt_failures,
+                "decode_tokens_observed": st.decode_tokens_observed,
+                "upstream_seconds": {"prefill": st.upstream_prefill_s, "decode": st.upstream_decode_s},
+            },
+            "pools": {"prefill": prefill_pool, "decode": decode_pool},
+            "slo": {"ttft_s": self.cfg.slo.ttft_s, "tpot_s": self.cfg.slo.tpot_s},
+            "first_token_timeout_s": self.cfg.engine.first_token_timeout_s,
+            "resident": resident,
+            "pinned": pinned,
+            "min_prefill": self.cfg.controller.min_prefill,
+            "min_decode": self.cfg.controller.min_decode,
+            "ejected": ejected,
+            "draining": draining,
+            "quarantined": [],
+            "holds": {"timed": [], "inference": []},
+            "breaker": {
+                "failures": failures,
+                "verifying": [],
+                "ejections": ejections,
+                "hold_starts": [],
+                "hold_ends": [],
+                "probes": [],
+                "readmissions": readmissions,
+            },
+            "unserved": unserved,
+            "journal_dropped": self.journal.dropped(),
+        })
+    }
+}
+
+impl SettleSink for Shared {
+    /// The one place outcomes are counted: tally, metrics, histograms, retry credits, journal.
+    fn settle(&self, mut record: RequestRecord, s: Settlement) {
+        let now = self.clock.now();
+        let _ = now;
+        record.duration_s = (self.wall() - record.arrived).max(0.0);
+        let slo_met = s.terminal == Terminal::Completed
+            && record.ttft_s.is_some_and(|t| t <= self.cfg.slo.ttft_s)
+            && record.tpot_s.is_none_or(|t| t <= self.cfg.slo.tpot_s);
+        let sized = record.input_len.is_some();
+        self.tally().apply(&s, slo_met, sized, record.attempts > 1);
+        let m = &self.metrics;
+        if !sized {
+            m.unsized_offered.inc();
+        }
+        match s.terminal {
+            Terminal::Completed => {
+                m.served.inc();
+                if slo_met {
+                    m.slo_met.inc();
+                }
+                if record.attempts > 1 {
+                    m.served_after_retry.inc();
+                }
+                let mut core = self.core();
+                core.retry_credits =
+                    (core.retry_credits + self.cfg.serving.retry_replenish).min(self.cfg.serving.retry_budget as f64);
+            }
+            Terminal::Failed => {
+                m.failed.get_or_create(&labels(&[("reason", reason_or(&s))])).inc();
+            }
+            Terminal::Refused => {
+                m.refused.get_or_create(&labels(&[("cause", reason_or(&s))])).inc();
+            }
+            Terminal::Rejected => {
+                m.rejected.get_or_create(&labels(&[("reason", reason_or(&s))])).inc();
+            }
+            Terminal::Expired => {
+                m.expired.get_or_create(&labels(&[("reason", reason_or(&s))])).inc();
+            }
+            Terminal::Cancelled => {
+                m.cancelled.inc();
+            }
+            Terminal::Invalid => {
+                m.invalid_requests.inc();
+            }
+        }
+        if let Some(t) = record.ttft_s {
+            m.observe_ttft(t);
+        }
+        if let Some(t) = record.tpot_s {
+            m.observe_tpot(t);
+        }
+        tracing::info!(
+            rid = %record.rid,
+            terminal = s.terminal.as_str(),
+            reason = %s.reason,
+            status = ?s.status,
+            attempts = record.attempts,
+            output_len = record.output_len,
+            "request settled"
+        );
+        self.journal.emit(record.row(&s));
+    }
+
+    fn abandoned(&self, record: &RequestRecord) -> Settlement {
+        let elapsed = self.wall() - record.arrived;
+        if elapsed >= self.cfg.serving.request_timeout_s {
+            Settlement::new(Terminal::Expired, "deadline", 504, "deadline passed before the client went away", "request_expired")
+        } else {
+            Settlement::cancelled()
+        }
+    }
+}
+
+fn reason_or(s: &Settlement) -> &str {
+    if s.reason.is_empty() { "unclassified" } else { &s.reason }
+}
+
+/// A resident request on one engine in one phase; decrements on drop (RAII).
+pub(crate) struct Resident {
+    shared: Arc<Shared>,
+    iid: usize,
+    phase: Phase,
+}
+
+impl Resident {
+    /// Count a request resident on `iid` (caller holds no core lock).
+    pub(crate) fn new(shared: &Arc<Shared>, iid: usize, phase: Phase) -> Self {
+        {
+            let mut core = shared.core();
+            Self::bump(&mut core, iid, phase, true);
+        }
+        Resident {
+            shared: shared.clone(),
+            iid,
+            phase,
+        }
+    }
+
+    fn bump(core: &mut Core, iid: usize, phase: Phase, up: bool) {
+        let slot = &mut core.slots[iid];
+        let c = match phase {
+            Phase::Prefill => &mut slot.resident_prefill,
+            Phase::Decode => &mut slot.resident_decode,
+        };
+        if up {
+            *c += 1;
+        } else {
+            *c = c.saturating_sub(1);
+        }
+    }
+}
+
+impl Drop for Resident {
+    fn drop(&mut self) {
+        let mut core = self.shared.core();
+        Self::bump(&mut core, self.iid, self.phase, false);
+    }
+}
+
+/// Retained-request slot (in-flight limit); decrements on drop.
+pub(crate) struct Retained(Arc<Shared>);
+
+impl Retained {
+    /// Take a slot unless `max_concurrent + queue_capacity` are retained.
+    pub(crate) fn try_new(shared: &Arc<Shared>) -> Option<Self> {
+        let limit = shared.retained_limit();
+        let mut cur = shared.retained.load(Ordering::Relaxed);
+        loop {
+            if cur >= limit {
+                return None;
+            }
+            match shared
+                .retained
+                .compare_exchange(cur, cur + 1, Ordering::AcqRel, Ordering::Relaxed)
+            {
+                Ok(_) => {
+                    shared.retained_high_water.fetch_max(cur + 1, Ordering::Relaxed);
+                    return Some(Retained(shared.clone()));
+                }
+                Err(now) => cur = now,
+            }
+        }
+    }
+}
+
+impl Drop for Retained {
+    fn drop(&mut self) {
+        self.0.retained.fetch_sub(1, Ordering::AcqRel);
+    }
+}
