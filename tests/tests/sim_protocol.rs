@@ -841,3 +841,51 @@ fn health_hang_holds_until_the_client_gives_up() {
     assert!(s.get("/metrics").text().contains("sglang:num_running_reqs"));
     assert_eq!(s.get("/version").status, 404, "vLLM-only route");
 }
+
+#[test]
+fn max_running_tpot_and_streamed_prefill() {
+    let s = Sim::start(&["--max-running", "1", "--ttft-ms", "400", "--tpot-ms", "40"]);
+    let addr = s.addr.clone();
+    let first = thread::spawn(move || {
+        request(
+            &addr,
+            "POST",
+            "/v1/completions",
+            &[],
+            &json!({"prompt": PROMPT, "max_tokens": 5, "stream": true}).to_string(),
+        )
+    });
+    assert!(wait_until(
+        Duration::from_secs(2),
+        || s.stats()["in_flight"] == 1
+    ));
+    let busy = s.post("/v1/completions", &json!({"prompt": PROMPT}));
+    assert_eq!(busy.status, 429, "{}", busy.text());
+    let t0 = Instant::now();
+    let first = first.join().unwrap();
+    assert_eq!(first.status, 200);
+    assert_eq!(first.stream_text().split_whitespace().count(), 5);
+    // The ttft wait overlapped the 429; the four 40 ms gaps did not.
+    assert!(
+        t0.elapsed() >= Duration::from_millis(150),
+        "{:?}",
+        t0.elapsed()
+    );
+    let recent = s.stats()["recent"].clone();
+    assert_eq!(recent[0]["status"], 429);
+    assert_eq!(recent[1]["outcome"], "ok");
+
+    // A streamed prefill carries kv_transfer_params on its last token chunk.
+    let p = Sim::start(&["--engine-id", "sp"]);
+    let r = p.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2,
+                "stream": true, "kv_transfer_params": {"do_remote_decode": true}}),
+    );
+    let ev = r.events();
+    assert_eq!(ev.len(), 4, "role, 2 tokens, [DONE]: {ev:?}");
+    let last: Value = serde_json::from_str(&ev[2]).unwrap();
+    assert_eq!(last["kv_transfer_params"]["remote_engine_id"], "sp");
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert_eq!(p.stats()["kv"]["issued"], 1);
+}
