@@ -51,8 +51,9 @@ const ROOM_WAIT_MAX: Duration = Duration::from_secs(5);
 /// Bound on a vLLM side-channel read reply.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Version strings reported by `/version` (vLLM) and `/server_info` (SGLang).
+/// Version reported by vLLM's `GET /version`.
 pub(crate) const VLLM_VERSION: &str = "0.11.0-sim";
+/// Version reported by SGLang's `GET /server_info`.
 pub(crate) const SGLANG_VERSION: &str = "0.5.3-sim";
 
 /// Which engine the simulator impersonates.
@@ -99,29 +100,45 @@ impl Mode {
 /// Behaviour settings of a running simulator (from the CLI; units in the names).
 #[derive(Debug, Clone)]
 pub(crate) struct Settings {
+    /// `--model`: the served model name.
     pub(crate) model: String,
+    /// `--dialect`.
     pub(crate) dialect: Dialect,
+    /// `--engine-id` (or a random UUID).
     pub(crate) engine_id: String,
+    /// `--seed`.
     pub(crate) seed: u64,
+    /// `--ttft-ms`: wait before the first token in every phase.
     pub(crate) ttft: Duration,
+    /// `--prefill-us-per-token`: local prefill compute per prompt token.
     pub(crate) prefill_per_token: Duration,
+    /// `--tpot-ms`: gap between streamed tokens.
     pub(crate) tpot: Duration,
+    /// `--kv-transfer-ms`: consumer-side delay of a successful transfer.
     pub(crate) kv_transfer: Duration,
+    /// `--kv-lease-s`: how long a producer holds unread KV.
     pub(crate) kv_lease: Duration,
+    /// `--disaggregation-mode` (SGLang).
     pub(crate) mode: Mode,
+    /// `--max-running` (0 = unlimited).
     pub(crate) max_running: u64,
+    /// `--max-model-len` in tokens.
     pub(crate) max_model_len: u64,
 }
 
 /// SGLang rooms plus the decode requests waiting for them.
 pub(crate) struct Rooms {
+    /// Published rooms.
     pub(crate) store: RoomStore,
+    /// Wake-ups of decode pulls waiting for a room, by room id.
     pub(crate) waiters: HashMap<u64, Vec<tokio::sync::oneshot::Sender<()>>>,
 }
 
 /// Shared state of one simulator process.
 pub(crate) struct Sim {
+    /// Behaviour settings.
     pub(crate) cfg: Settings,
+    /// This process's engine id (`remote_engine_id` of the descriptors it issues).
     pub(crate) engine_id: String,
     /// `http://host:port` of the HTTP listener.
     pub(crate) url: String,
@@ -129,6 +146,7 @@ pub(crate) struct Sim {
     pub(crate) kv_addr: Option<SocketAddr>,
     /// SGLang bootstrap server address (prefill mode).
     pub(crate) bootstrap_addr: Option<SocketAddr>,
+    /// Counters and the recent ring.
     pub(crate) stats: Arc<Stats>,
     /// Process start, Unix seconds (the value `/proc` gives).
     pub(crate) started_at: f64,
@@ -180,10 +198,12 @@ impl Sim {
         }
     }
 
+    /// The vLLM producer block store (short critical sections only).
     pub(crate) fn blocks_lock(&self) -> MutexGuard<'_, BlockStore> {
         lock(&self.blocks)
     }
 
+    /// The SGLang rooms and their waiters (short critical sections only).
     pub(crate) fn rooms_lock(&self) -> MutexGuard<'_, Rooms> {
         lock(&self.rooms)
     }

@@ -48,21 +48,33 @@ pub(crate) struct Recent {
 /// All counters of one simulator process.
 #[derive(Default)]
 pub(crate) struct Stats {
+    /// Requests that arrived as prefill.
     pub(crate) req_prefill: AtomicU64,
+    /// Requests that arrived as decode.
     pub(crate) req_decode: AtomicU64,
+    /// Requests that arrived as aggregated (and malformed ones).
     pub(crate) req_aggregated: AtomicU64,
+    /// Descriptors/rooms produced.
     pub(crate) kv_issued: AtomicU64,
+    /// Descriptors/rooms of this producer read by a consumer.
     pub(crate) kv_served: AtomicU64,
+    /// Transfers completed as consumer.
     pub(crate) kv_consumed: AtomicU64,
+    /// Consumer-side transfer failures.
     pub(crate) kv_rejected: AtomicU64,
+    /// Decode-capable requests served without transferred KV.
     pub(crate) kv_recomputed: AtomicU64,
+    /// Producer KV freed unread after the lease.
     pub(crate) kv_expired: AtomicU64,
+    /// Requests whose client went away before they finished.
     pub(crate) cancelled: AtomicU64,
     /// Completion requests in progress (never reset).
     pub(crate) in_flight: AtomicI64,
-    /// Prometheus counters (monotonic, not reset by `/sim/stats/reset`).
+    /// Prometheus `prompt_tokens_total` (monotonic, not reset by `/sim/stats/reset`).
     pub(crate) prom_prompt_tokens: AtomicU64,
+    /// Prometheus `generation_tokens_total` (monotonic).
     pub(crate) prom_generation_tokens: AtomicU64,
+    /// Prometheus `request_success_total` (monotonic).
     pub(crate) prom_success: AtomicU64,
     recent: Mutex<VecDeque<Recent>>,
 }
