@@ -66,7 +66,10 @@ fn init_logging(args: &Args) -> Result<(), String> {
         other => other,
     };
     let filter = tracing_subscriber::EnvFilter::try_new(level).map_err(|e| format!("--log-level {level:?}: {e}"))?;
-    let b = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter);
+    let b = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(filter);
     let r = match args.log_format {
         LogFormat::Text => b.try_init(),
         LogFormat::Json => b.json().try_init(),

@@ -149,14 +149,23 @@ pub fn candidates(slots: &[EngineSlot], role: Role, avoid: &BTreeSet<usize>) -> 
 
 /// Plan one attempt.
 ///
-/// * Split when both roles have a live, non-avoided engine: prefill by p2c over live prefill
-///   engines; decode by p2c over live decode engines other than the producer, falling back to
-///   the producer only if it is the only decode candidate (reference-notes 7.1 step 5).
-/// * Otherwise aggregated on a live non-avoided engine of any role (p2c).
-/// * `None` when no live engine outside `avoid` exists.
+/// * Split when both roles have a live engine: prefill by p2c over live prefill engines;
+///   decode by p2c over live decode engines other than the producer, falling back to the
+///   producer only if it is the only decode candidate (reference-notes 7.1 step 5).
+/// * `avoid` (engines that failed earlier attempts of this request, reference-notes 7.5) is
+///   honoured per role while it leaves a candidate; when it would empty a role, that role
+///   ignores it (retrying on the same engine beats failing a transient error, and keeps the
+///   request disaggregated).
+/// * Otherwise aggregated on a live engine of any role (p2c, avoid honoured the same way).
+/// * `None` only when no engine is live.
 pub fn plan<R: Rng + ?Sized>(slots: &[EngineSlot], avoid: &BTreeSet<usize>, rng: &mut R) -> Option<Plan> {
-    let pre = candidates(slots, Role::Prefill, avoid);
-    let dec = candidates(slots, Role::Decode, avoid);
+    let none = BTreeSet::new();
+    let pick = |role: Role| {
+        let c = candidates(slots, role, avoid);
+        if c.is_empty() { candidates(slots, role, &none) } else { c }
+    };
+    let pre = pick(Role::Prefill);
+    let dec = pick(Role::Decode);
     if !pre.is_empty() && !dec.is_empty() {
         let prefill = p2c(slots, &pre, rng)?;
         let others: Vec<usize> = dec.iter().copied().filter(|d| *d != prefill).collect();
@@ -167,9 +176,9 @@ pub fn plan<R: Rng + ?Sized>(slots: &[EngineSlot], avoid: &BTreeSet<usize>, rng:
         };
         return Some(Plan::Split { prefill, decode });
     }
-    let any: Vec<usize> = (0..slots.len())
-        .filter(|i| slots[*i].is_live() && !avoid.contains(i))
-        .collect();
+    let live: Vec<usize> = (0..slots.len()).filter(|i| slots[*i].is_live()).collect();
+    let preferred: Vec<usize> = live.iter().copied().filter(|i| !avoid.contains(i)).collect();
+    let any = if preferred.is_empty() { live } else { preferred };
     p2c(slots, &any, rng).map(|engine| Plan::Aggregated { engine })
 }
 
@@ -262,9 +271,17 @@ mod tests {
         assert_eq!(plan(&slots, &avoid, &mut rng), Some(Plan::Split { prefill: 1, decode: 3 }));
     }
 
+    #[test]
+    fn avoid_set_that_empties_a_role_is_ignored_for_that_role() {
+        let slots = fleet(&[P, P, D]);
+        let avoid: BTreeSet<usize> = [0, 2].into();
+        let mut rng = StdRng::seed_from_u64(5);
+        assert_eq!(plan(&slots, &avoid, &mut rng), Some(Plan::Split { prefill: 1, decode: 2 }));
+    }
+
     proptest::proptest! {
         #[test]
-        fn plan_only_returns_live_unavoided_engines(
+        fn plan_returns_live_engines_and_honours_avoid_when_possible(
             roles in proptest::collection::vec(proptest::bool::ANY, 1..8),
             dead in proptest::collection::vec(proptest::bool::ANY, 8),
             avoid_bits in proptest::collection::vec(proptest::bool::ANY, 8),
@@ -278,15 +295,20 @@ mod tests {
             }
             let avoid: BTreeSet<usize> = (0..slots.len()).filter(|i| avoid_bits[*i]).collect();
             let mut rng = StdRng::seed_from_u64(seed);
-            let ok = |i: usize| slots[i].is_live() && !avoid.contains(&i);
+            // Chosen engines are live; an avoided one is chosen only if its role had no other.
+            let ok = |i: usize, role: Option<Role>| {
+                slots[i].is_live()
+                    && (!avoid.contains(&i)
+                        || (0..slots.len()).all(|j| !slots[j].is_live() || avoid.contains(&j) || role.is_some_and(|r| slots[j].role != r)))
+            };
             match plan(&slots, &avoid, &mut rng) {
                 Some(Plan::Split { prefill, decode }) => {
-                    proptest::prop_assert!(ok(prefill) && ok(decode));
+                    proptest::prop_assert!(ok(prefill, Some(P)) && ok(decode, Some(D)));
                     proptest::prop_assert_eq!(slots[prefill].role, P);
                     proptest::prop_assert_eq!(slots[decode].role, D);
                 }
-                Some(Plan::Aggregated { engine }) => proptest::prop_assert!(ok(engine)),
-                None => proptest::prop_assert!((0..slots.len()).all(|i| !ok(i))),
+                Some(Plan::Aggregated { engine }) => proptest::prop_assert!(ok(engine, None)),
+                None => proptest::prop_assert!((0..slots.len()).all(|i| !slots[i].is_live())),
             }
         }
     }

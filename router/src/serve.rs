@@ -750,6 +750,7 @@ async fn collect(
             s = started.live.next(gap) => s,
         };
         clock.update(shared.clock.now(), started.live.tokens());
+        pending.record().output_len = started.live.tokens();
         let err = match step {
             Ok(RelayStep::Output(chunks)) => {
                 for c in &chunks {
