@@ -11,6 +11,8 @@
 //! (`kv_transfer_params` at the top level of the response, `token_ids` per streamed choice with
 //! `return_token_ids`, vLLM >= 0.10.2).
 
+use std::fmt::Write as _;
+
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -516,7 +518,8 @@ impl ChunkFormat {
             if i > 0 {
                 out.push(',');
             }
-            out.push_str(itoa(*t).as_str());
+            // Writing to a String cannot fail.
+            let _ = write!(out, "{t}");
         }
         out.push(']');
     }
@@ -581,10 +584,11 @@ impl ChunkFormat {
     /// The final usage chunk (`choices: []`), sent when `stream_options.include_usage`.
     pub(crate) fn usage_chunk(&self, out: &mut String, prompt: u64, completion: u64) {
         out.push_str(&self.head_no_choices);
-        out.push_str(&format!(
+        let _ = write!(
+            out,
             ",\"choices\":[],\"usage\":{{\"prompt_tokens\":{prompt},\"completion_tokens\":{completion},\"total_tokens\":{}}}}}\n\n",
             prompt + completion
-        ));
+        );
     }
 }
 
@@ -595,10 +599,6 @@ pub(crate) const DONE: &str = "data: [DONE]\n\n";
 /// 200 head went out).
 pub(crate) fn error_frames(err: &ApiError) -> String {
     format!("data: {}\n\n{DONE}", err.body())
-}
-
-fn itoa(n: u32) -> String {
-    n.to_string()
 }
 
 /// Builds a non-streaming `text_completion` / `chat.completion` object. `kv_transfer_params`
