@@ -103,13 +103,7 @@ impl std::fmt::Debug for Agent {
 /// A plain-HTTP client for loopback engine calls. reqwest is built without a default crypto
 /// provider, so it gets an explicit ring config (unused for `http://` engines).
 pub fn engine_http_client(connect_timeout: Duration) -> Result<reqwest::Client, String> {
-    let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|e| e.to_string())?
-    .with_root_certificates(rustls::RootCertStore::empty())
-    .with_no_client_auth();
+    let tls = narwhal_shared::tls::plain_http_client_config().map_err(|e| e.to_string())?;
     reqwest::Client::builder()
         .use_preconfigured_tls(tls)
         .no_proxy()
@@ -510,7 +504,16 @@ impl Agent {
         }
         self.fence.admit(req.epoch, &req.holder)?;
         let before = self.identity(e).await?;
-        let check_id = format!("probe-{}", req.nonce);
+        if matches!(req.producer, Some(ProbeProducer::Kv(_))) && req.check_id.is_none() {
+            return Err(RequestError::BadRequest {
+                field: "check_id".into(),
+                reason: "required with producer.kv (the prompt the KV was produced for)".into(),
+            });
+        }
+        let check_id = req
+            .check_id
+            .clone()
+            .unwrap_or_else(|| format!("probe-{}", req.nonce));
         let (mode, produce, kv) = match &req.producer {
             None => {
                 let (leg, _kv) = e.plugin.produce(&e.ctx, &req.model, &check_id).await;

@@ -3,7 +3,7 @@
 //! ```text
 //! narwhal-agent run --config PATH [--listen IP:PORT] [--ready-file PATH]
 //!   stdout line 1: "narwhal-agent listening on https://HOST:PORT"
-//!   ready file:    {"url", "pid", "agent_id", "public_key"}
+//!   ready file:    {"url", "pid", "agent_id", "public_key"} (written before line 1)
 //!   exit 2: bad config, key, TLS or state_dir (message names the config key); 1: bind failure
 //! narwhal-agent keygen --out PATH [--force]
 //!   writes a PKCS#8 Ed25519 key (mode 0600), prints "ed25519:<base64>"
@@ -152,8 +152,6 @@ fn run(config: &Path, listen: Option<std::net::SocketAddr>, ready_file: Option<&
             }
         };
         let url = format!("https://{bound}");
-        println!("narwhal-agent listening on {url}");
-        let _ = std::io::stdout().flush();
         if let Some(path) = ready_file {
             let doc = serde_json::json!({"url": url, "pid": std::process::id(),
                 "agent_id": cfg.agent_id, "public_key": prepared.agent.public_key().to_string()});
@@ -162,6 +160,9 @@ fn run(config: &Path, listen: Option<std::net::SocketAddr>, ready_file: Option<&
                 return ExitCode::from(1);
             }
         }
+        // After the ready file, so whoever reads this line can rely on the file too.
+        println!("narwhal-agent listening on {url}");
+        let _ = std::io::stdout().flush();
         tracing::info!(agent.id = %cfg.agent_id, url = %url, engines = cfg.engines.len(), "agent listening");
         let shutdown = async {
             let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {

@@ -416,7 +416,8 @@ impl AgentClient {
         .await
     }
 
-    /// `POST /v1/engines/{iid}/probe`, verified.
+    /// `POST /v1/engines/{iid}/probe`, verified. `check_id` must be the produce half's id
+    /// when `producer` is a handed-in KV handle.
     ///
     /// # Errors
     /// As [`AgentClient::attestation`].
@@ -426,6 +427,7 @@ impl AgentClient {
         fence: &Fence,
         model: &str,
         producer: Option<ProbeProducer>,
+        check_id: Option<&str>,
     ) -> Result<Verified<ProbePayload>, AgentClientError> {
         let nonce = new_nonce();
         let body = ProbeRequest {
@@ -434,6 +436,7 @@ impl AgentClient {
             holder: fence.holder.clone(),
             model: model.to_string(),
             producer,
+            check_id: check_id.map(str::to_string),
         };
         let path = format!("/v1/engines/{iid}/probe");
         self.signed(

@@ -88,7 +88,7 @@ pub enum ProbeProducer {
     Kv(Value),
 }
 
-/// Body of `POST …/probe`: `{"nonce","epoch","holder","model","producer"?}`; without
+/// Body of `POST …/probe`: `{"nonce","epoch","holder","model","producer"?,"check_id"?}`; without
 /// `producer` both legs run on the suspect.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -104,6 +104,10 @@ pub struct ProbeRequest {
     /// Named producer, or `null` for a standalone probe.
     #[serde(default)]
     pub producer: Option<ProbeProducer>,
+    /// Check id the KV was produced under (required with `producer: {"kv": ...}`, since both
+    /// legs must use the same prompt); default `probe-<nonce>`.
+    #[serde(default)]
+    pub check_id: Option<String>,
 }
 
 /// One engine in `GET /v1/engines`.

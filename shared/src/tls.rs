@@ -184,6 +184,23 @@ impl TlsFiles {
     }
 }
 
+/// A client configuration that trusts no server and presents no certificate: for reqwest
+/// clients that only speak plain `http://` (engines on loopback), since reqwest is built
+/// without a process-wide crypto provider.
+///
+/// # Errors
+/// [`TlsError::Rustls`] if the ring provider refuses the default protocol versions.
+pub fn plain_http_client_config() -> Result<ClientConfig, TlsError> {
+    Ok(ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|source| TlsError::Rustls {
+            context: "protocol versions",
+            source,
+        })?
+        .with_root_certificates(RootCertStore::empty())
+        .with_no_client_auth())
+}
+
 /// A client configuration that trusts `ca` but presents no client certificate (used to show
 /// that the agent refuses such clients).
 ///

@@ -211,3 +211,20 @@ fn nonces_are_distinct_hex() {
     assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
     assert_ne!(a, new_nonce());
 }
+
+#[test]
+fn signatures_survive_a_json_round_trip_of_awkward_floats() {
+    // The agent signs a Value, sends text, the router parses text back into a Value: every
+    // float must come back bit-identical (serde_json `float_roundtrip`), or signatures break.
+    let k = key();
+    let pk = k.public_key();
+    let mut x: f64 = 1_764_461_234.123_456_7;
+    for i in 0..500u32 {
+        x = x * 1.000_000_119 + f64::from(i) / 7.0;
+        let doc = k.sign(json!({"issued_at": x, "latency_s": 1.0 / (f64::from(i) + 3.0)}));
+        let text = serde_json::to_string(&doc).unwrap();
+        let back: crate::signing::SignedDocument = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.payload, doc.payload, "float changed in transit at {i}");
+        assert!(pk.verify_bytes(&canonical_json(&back.payload), &back.signature));
+    }
+}
