@@ -328,3 +328,130 @@ impl Body for SimBody {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::faults::Phase;
+    use crate::protocol::Kind;
+    use http_body_util::BodyExt;
+
+    fn plan(kind: Kind, max_tokens: u64) -> StreamPlan {
+        StreamPlan {
+            fmt: ChunkFormat::new(kind, "cmpl-t", "m", 1, true, &[1, 2, 3]),
+            prompt_hash: 42,
+            prompt_tokens: 3,
+            seed: 0,
+            max_tokens,
+            role_chunk: kind == Kind::Chat,
+            include_usage: true,
+            tpot: Duration::ZERO,
+            cut_after: None,
+            fragment: None,
+            final_extra: String::new(),
+        }
+    }
+
+    fn body(plan: StreamPlan, stats: &Arc<Stats>) -> SimBody {
+        let t = Tracker::new(stats.clone(), "r".into(), Phase::Aggregated);
+        SimBody::Stream(Box::new(TokenStream::new(plan, t, stats.clone())))
+    }
+
+    /// Collects frames until the end or an error: (frames, ended with error).
+    async fn collect(mut b: SimBody) -> (Vec<Bytes>, bool) {
+        let mut frames = Vec::new();
+        while let Some(f) = b.frame().await {
+            match f {
+                Ok(f) => frames.push(f.into_data().expect("data frame")),
+                Err(_) => return (frames, true),
+            }
+        }
+        (frames, false)
+    }
+
+    fn text(frames: &[Bytes]) -> String {
+        frames
+            .iter()
+            .map(|f| String::from_utf8_lossy(f).into_owned())
+            .collect()
+    }
+
+    fn recent_outcome(stats: &Stats) -> (String, u64) {
+        let doc = serde_json::to_value(stats.doc("e", "vllm", "m", 0.0)).unwrap();
+        let r = &doc["recent"][0];
+        (
+            r["outcome"].as_str().unwrap().to_string(),
+            r["tokens"].as_u64().unwrap(),
+        )
+    }
+
+    #[tokio::test]
+    async fn full_stream_ends_with_usage_and_done() {
+        let stats = Arc::new(Stats::default());
+        let (frames, err) = collect(body(plan(Kind::Chat, 4), &stats)).await;
+        assert!(!err);
+        let t = text(&frames);
+        assert_eq!(
+            t.matches("\"token_ids\":[").count(),
+            5,
+            "role chunk + 4 tokens"
+        );
+        assert!(t.contains("\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":4"));
+        assert!(t.ends_with("data: [DONE]\n\n"));
+        assert_eq!(recent_outcome(&stats), ("ok".into(), 4));
+        assert_eq!(stats.prom_generation_tokens.load(Relaxed), 4);
+    }
+
+    #[tokio::test]
+    async fn cut_sends_k_tokens_then_errors_without_done() {
+        let stats = Arc::new(Stats::default());
+        let mut p = plan(Kind::Completion, 10);
+        p.cut_after = Some(3);
+        let (frames, err) = collect(body(p, &stats)).await;
+        assert!(
+            err,
+            "the body ends with an error so hyper aborts the connection"
+        );
+        let t = text(&frames);
+        assert_eq!(t.matches("data: ").count(), 3);
+        assert!(!t.contains("[DONE]"));
+        assert_eq!(recent_outcome(&stats), ("fault".into(), 3));
+    }
+
+    #[tokio::test]
+    async fn fragments_reassemble_to_the_same_bytes() {
+        let stats = Arc::new(Stats::default());
+        let (whole, _) = collect(body(plan(Kind::Completion, 5), &stats)).await;
+        let mut p = plan(Kind::Completion, 5);
+        p.fragment = Some(5);
+        let (frags, err) = collect(body(p, &stats)).await;
+        assert!(!err);
+        assert!(frags.iter().all(|f| f.len() <= 5 && !f.is_empty()));
+        assert_eq!(text(&frags), text(&whole));
+    }
+
+    #[tokio::test]
+    async fn tpot_paces_tokens_and_a_dropped_body_is_cancelled() {
+        let stats = Arc::new(Stats::default());
+        let mut p = plan(Kind::Completion, 5);
+        p.tpot = Duration::from_millis(20);
+        let t0 = tokio::time::Instant::now();
+        let (frames, _) = collect(body(p, &stats)).await;
+        assert_eq!(frames.len(), 6, "one frame per token, then usage + [DONE]");
+        // tokio's `start_paused` needs the test-util feature, which this crate does not enable;
+        // real time with a lower bound only.
+        assert!(t0.elapsed() >= Duration::from_millis(80), "4 gaps of 20 ms");
+
+        let stats = Arc::new(Stats::default());
+        let mut p = plan(Kind::Completion, 5);
+        p.tpot = Duration::from_millis(100);
+        let mut b = body(p, &stats);
+        let first = b.frame().await.unwrap().unwrap();
+        assert!(first.is_data());
+        assert_eq!(stats.in_flight.load(Relaxed), 1);
+        drop(b);
+        assert_eq!(stats.in_flight.load(Relaxed), 0);
+        assert_eq!(stats.cancelled.load(Relaxed), 1);
+        assert_eq!(recent_outcome(&stats), ("cancelled".into(), 1));
+    }
+}
