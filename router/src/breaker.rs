@@ -212,19 +212,37 @@ impl Breaker {
                 }
             }
             Observation::ClientFault => {
-                clear(e, &[FailureClass::Connection, FailureClass::InferenceStatus]);
+                clear(
+                    e,
+                    &[FailureClass::Connection, FailureClass::InferenceStatus],
+                );
             }
             Observation::PrefillOk => clear(
                 e,
-                &[FailureClass::Connection, FailureClass::InferenceStatus, FailureClass::KvHandoff],
+                &[
+                    FailureClass::Connection,
+                    FailureClass::InferenceStatus,
+                    FailureClass::KvHandoff,
+                ],
             ),
             Observation::DecodeOk => clear(
                 e,
-                &[FailureClass::Connection, FailureClass::InferenceStatus, FailureClass::Stream],
+                &[
+                    FailureClass::Connection,
+                    FailureClass::InferenceStatus,
+                    FailureClass::Stream,
+                ],
             ),
             Observation::HealthOk => {
                 e.probe_in_flight = false;
-                clear(e, &[FailureClass::Connection, FailureClass::Timeout, FailureClass::Overload]);
+                clear(
+                    e,
+                    &[
+                        FailureClass::Connection,
+                        FailureClass::Timeout,
+                        FailureClass::Overload,
+                    ],
+                );
                 e.probe_pending = false;
                 if e.ejected_at.is_some() {
                     e.ejected_at = None;
@@ -312,7 +330,11 @@ mod tests {
         assert!(!br.is_ejected(1));
         // Further failures of an ejected engine change nothing.
         assert!(br.observe(0, CONN, t0).is_empty());
-        assert_eq!(br.ejections().get(&(0, EjectCause::Class(FailureClass::Connection))), Some(&1));
+        assert_eq!(
+            br.ejections()
+                .get(&(0, EjectCause::Class(FailureClass::Connection))),
+            Some(&1)
+        );
     }
 
     #[test]
@@ -352,7 +374,10 @@ mod tests {
         let to = Observation::LegFailed(FailureClass::Timeout);
         br.observe(1, to, t0);
         br.observe(1, to, t0);
-        assert_eq!(br.observe(1, to, t0), vec![Transition::ProbeRequested { iid: 1 }]);
+        assert_eq!(
+            br.observe(1, to, t0),
+            vec![Transition::ProbeRequested { iid: 1 }]
+        );
         assert!(!br.is_ejected(1));
         assert_eq!(br.due_probes(t0), vec![(1, ProbeKind::Verification)]);
         // In flight: not handed out twice.
@@ -394,7 +419,10 @@ mod tests {
         assert!(br.due_probes(t1 + Duration::from_secs(5)).is_empty());
         let t2 = t1 + Duration::from_secs(10);
         assert_eq!(br.due_probes(t2), vec![(0, ProbeKind::Readmission)]);
-        assert_eq!(br.observe(0, Observation::HealthOk, t2), vec![Transition::Readmitted { iid: 0 }]);
+        assert_eq!(
+            br.observe(0, Observation::HealthOk, t2),
+            vec![Transition::Readmitted { iid: 0 }]
+        );
         assert!(!br.is_ejected(0));
         assert_eq!(br.streak(0, FailureClass::Stream), 0);
         assert_eq!(br.readmissions().get(&0), Some(&1));

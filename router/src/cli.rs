@@ -4,8 +4,8 @@
 //! ```text
 //!  args ──clap──► Args ──Config::load──► Config (exit 2 on any problem, all listed)
 //!       ──bind data + control──► (exit 1: "narwhal-serve: bind <addr>: <error>")
-//!       ──stdout: "narwhal-serve listening data=http://H:P control=http://H:P"
-//!       ──ready file {data, control, pid, run} (atomic) ──► run(config, listeners, shutdown)
+//!       ──ready file {data, control, pid, run} (atomic, written first)
+//!       ──stdout: "narwhal-serve listening data=http://H:P control=http://H:P" ──► run(...)
 //! ```
 
 use std::io::Write;
@@ -65,7 +65,8 @@ fn init_logging(args: &Args) -> Result<(), String> {
         "warning" => "warn",
         other => other,
     };
-    let filter = tracing_subscriber::EnvFilter::try_new(level).map_err(|e| format!("--log-level {level:?}: {e}"))?;
+    let filter = tracing_subscriber::EnvFilter::try_new(level)
+        .map_err(|e| format!("--log-level {level:?}: {e}"))?;
     let b = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -79,7 +80,10 @@ fn init_logging(args: &Args) -> Result<(), String> {
 
 /// Write `value` to `path` atomically (temp file in the same directory, then rename).
 fn write_atomic(path: &Path, value: &serde_json::Value) -> std::io::Result<()> {
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
     let tmp = dir.join(format!(
         ".{}.{}.tmp",
@@ -112,10 +116,15 @@ pub fn main_from_args() -> ExitCode {
     let max = cfg.serving.max_connections;
     let max_concurrent = args.max_concurrent.unwrap_or(max);
     if max_concurrent < 1 || max_concurrent > max {
-        eprintln!("narwhal-serve: --max-concurrent {max_concurrent} must be in 1..={max} (serving.max_connections)");
+        eprintln!(
+            "narwhal-serve: --max-concurrent {max_concurrent} must be in 1..={max} (serving.max_connections)"
+        );
         return ExitCode::from(2);
     }
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("narwhal-serve: tokio runtime: {e}");
@@ -157,11 +166,6 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
     };
     let data_url = format!("http://{data_addr}");
     let control_url = format!("http://{control_addr}");
-    {
-        let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "narwhal-serve listening data={data_url} control={control_url}");
-        let _ = out.flush();
-    }
     if let Some(path) = &args.ready_file {
         let doc = serde_json::json!({"data": data_url, "control": control_url, "pid": std::process::id(), "run": run});
         if let Err(e) = write_atomic(path, &doc) {
@@ -169,11 +173,22 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
             return ExitCode::from(1);
         }
     }
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(
+            out,
+            "narwhal-serve listening data={data_url} control={control_url}"
+        );
+        let _ = out.flush();
+    }
     tracing::info!(data = %data_url, control = %control_url, run = %run, engines = cfg.engines.len(), backend = %cfg.backend, "narwhal-serve started");
     let result = crate::run(
         cfg,
         Listeners { data, control },
-        RunOptions { journal, max_concurrent },
+        RunOptions {
+            journal,
+            max_concurrent,
+        },
         shutdown_signal(),
     )
     .await;

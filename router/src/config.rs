@@ -572,7 +572,13 @@ impl Checker<'_> {
         }
     }
 
-    fn num(&mut self, o: &Obj<'_>, key: &str, default: f64, check: fn(f64) -> Option<&'static str>) -> f64 {
+    fn num(
+        &mut self,
+        o: &Obj<'_>,
+        key: &str,
+        default: f64,
+        check: fn(f64) -> Option<&'static str>,
+    ) -> f64 {
         let Some(v) = o.get(key) else { return default };
         match v.as_f64() {
             Some(x) if v.is_number() => {
@@ -637,13 +643,23 @@ impl Checker<'_> {
         }
     }
 
-    fn choice(&mut self, o: &Obj<'_>, key: &str, default: &'static str, allowed: &[&'static str]) -> &'static str {
+    fn choice(
+        &mut self,
+        o: &Obj<'_>,
+        key: &str,
+        default: &'static str,
+        allowed: &[&'static str],
+    ) -> &'static str {
         let Some(v) = o.get(key) else { return default };
         match v.as_str() {
             Some(s) => match allowed.iter().find(|a| **a == s) {
                 Some(a) => a,
                 None => {
-                    self.rule(o.p(key), v, format!("must be one of {}", allowed.join(", ")));
+                    self.rule(
+                        o.p(key),
+                        v,
+                        format!("must be one of {}", allowed.join(", ")),
+                    );
                     default
                 }
             },
@@ -681,21 +697,37 @@ impl Checker<'_> {
     fn env_ref(&mut self, path: String, raw: String) -> String {
         if let Some(name) = raw.strip_prefix("${").and_then(|r| r.strip_suffix('}')) {
             if name.is_empty() || name.contains('$') || name.contains('{') || name.contains('}') {
-                self.rule(path, &Value::String(raw.clone()), "malformed ${VAR} reference");
+                self.rule(
+                    path,
+                    &Value::String(raw.clone()),
+                    "malformed ${VAR} reference",
+                );
                 return raw;
             }
             match (self.env)(name) {
                 Some(val) if !val.is_empty() && !val.contains("${") => return val,
                 Some(val) if val.contains("${") => {
-                    self.rule(path, &Value::String(raw.clone()), format!("environment variable {name} contains another reference"));
+                    self.rule(
+                        path,
+                        &Value::String(raw.clone()),
+                        format!("environment variable {name} contains another reference"),
+                    );
                 }
                 _ => {
-                    self.rule(path, &Value::String(raw.clone()), format!("environment variable {name} is unset or empty"));
+                    self.rule(
+                        path,
+                        &Value::String(raw.clone()),
+                        format!("environment variable {name} is unset or empty"),
+                    );
                 }
             }
             raw
         } else if raw.contains("${") {
-            self.rule(path, &Value::String(raw.clone()), "a ${VAR} reference must be the whole value");
+            self.rule(
+                path,
+                &Value::String(raw.clone()),
+                "a ${VAR} reference must be the whole value",
+            );
             raw
         } else {
             raw
@@ -715,7 +747,9 @@ impl Checker<'_> {
         match top.get("schema") {
             Some(Value::String(s)) if s == "narwhal.fleet" => {}
             Some(v) => self.rule("schema".into(), v, "must be \"narwhal.fleet\""),
-            None => self.issues.push(ConfigIssue::Missing { path: "schema".into() }),
+            None => self.issues.push(ConfigIssue::Missing {
+                path: "schema".into(),
+            }),
         }
         match top.get("schema_version") {
             Some(v) if v.as_u64() == Some(2) => {}
@@ -731,22 +765,29 @@ impl Checker<'_> {
                 String::new()
             }
             None => {
-                self.issues.push(ConfigIssue::Missing { path: "model".into() });
+                self.issues.push(ConfigIssue::Missing {
+                    path: "model".into(),
+                });
                 String::new()
             }
         };
-        let top_backend = top.get("backend").is_some().then(|| self.choice(&top, "backend", "vllm", &["vllm", "sglang"]));
+        let top_backend = top
+            .get("backend")
+            .is_some()
+            .then(|| self.choice(&top, "backend", "vllm", &["vllm", "sglang"]));
 
         let engines = self.engines(top.get("engines"));
 
         // slo (required)
         let slo_obj = self.obj("slo", top.get("slo"), &["ttft_s", "tpot_s"]);
         if top.get("slo").is_none() {
-            self.issues.push(ConfigIssue::Missing { path: "slo".into() });
+            self.issues
+                .push(ConfigIssue::Missing { path: "slo".into() });
         }
         for k in ["ttft_s", "tpot_s"] {
             if slo_obj.map.is_some() && slo_obj.get(k).is_none() {
-                self.issues.push(ConfigIssue::Missing { path: slo_obj.p(k) });
+                self.issues
+                    .push(ConfigIssue::Missing { path: slo_obj.p(k) });
             }
         }
         let slo = Slo {
@@ -802,14 +843,22 @@ impl Checker<'_> {
                 format!("backend {backend} supports only connector \"{default_connector}\""),
             );
         }
-        if top.get("engines").is_some() && engines.is_empty() && top.get("engines").is_some_and(Value::is_array) {
+        if top.get("engines").is_some()
+            && engines.is_empty()
+            && top.get("engines").is_some_and(Value::is_array)
+        {
             self.issues.push(ConfigIssue::NoEngines);
         }
         if top.get("engines").is_none() {
-            self.issues.push(ConfigIssue::Missing { path: "engines".into() });
+            self.issues.push(ConfigIssue::Missing {
+                path: "engines".into(),
+            });
         }
         let n = engines.len() as u32;
-        if n > 0 && !(n == 1 && controller.min_prefill == 1 && controller.min_decode == 1) && controller.min_prefill + controller.min_decode > n {
+        if n > 0
+            && !(n == 1 && controller.min_prefill == 1 && controller.min_decode == 1)
+            && controller.min_prefill + controller.min_decode > n
+        {
             self.rule(
                 "controller.min_prefill".into(),
                 &Value::from(controller.min_prefill),
@@ -856,7 +905,15 @@ impl Checker<'_> {
             let o = self.obj(
                 &path,
                 Some(item),
-                &["iid", "url", "role", "pin", "attestation_url", "shared_device", "agent"],
+                &[
+                    "iid",
+                    "url",
+                    "role",
+                    "pin",
+                    "attestation_url",
+                    "shared_device",
+                    "agent",
+                ],
             );
             if o.map.is_none() {
                 continue;
@@ -875,8 +932,15 @@ impl Checker<'_> {
             let url = match o.get("url") {
                 Some(Value::String(s)) if !s.is_empty() => {
                     let s = self.env_ref(o.p("url"), s.clone());
-                    if !(s.starts_with("http://") || s.starts_with("https://") || s.starts_with("${")) {
-                        self.rule(o.p("url"), &Value::String(s.clone()), "must be an http:// or https:// URL");
+                    if !(s.starts_with("http://")
+                        || s.starts_with("https://")
+                        || s.starts_with("${"))
+                    {
+                        self.rule(
+                            o.p("url"),
+                            &Value::String(s.clone()),
+                            "must be an http:// or https:// URL",
+                        );
                     }
                     s.trim_end_matches('/').to_string()
                 }
@@ -899,7 +963,12 @@ impl Checker<'_> {
             let sd = self.obj(
                 &o.p("shared_device"),
                 o.get("shared_device"),
-                &["group", "gpu_uuid", "device_allowance", "gpu_memory_utilization"],
+                &[
+                    "group",
+                    "gpu_uuid",
+                    "device_allowance",
+                    "gpu_memory_utilization",
+                ],
             );
             self.passive(
                 &sd,
@@ -913,32 +982,40 @@ impl Checker<'_> {
             let agent = match o.get("agent") {
                 None => None,
                 Some(av) => {
-                    let a = self.obj(&o.p("agent"), Some(av), &["url", "server_name", "public_key"]);
+                    let a = self.obj(
+                        &o.p("agent"),
+                        Some(av),
+                        &["url", "server_name", "public_key"],
+                    );
                     if a.map.is_none() {
                         None
                     } else {
-                    let req = |c: &mut Self, k: &str| match a.get(k) {
-                        Some(Value::String(s)) if !s.is_empty() => s.clone(),
-                        Some(v) => {
-                            c.ty(a.p(k), v, "a non-empty string");
-                            String::new()
+                        let req = |c: &mut Self, k: &str| match a.get(k) {
+                            Some(Value::String(s)) if !s.is_empty() => s.clone(),
+                            Some(v) => {
+                                c.ty(a.p(k), v, "a non-empty string");
+                                String::new()
+                            }
+                            None => {
+                                c.issues.push(ConfigIssue::Missing { path: a.p(k) });
+                                String::new()
+                            }
+                        };
+                        let url = req(self, "url");
+                        let server_name = req(self, "server_name");
+                        let public_key = req(self, "public_key");
+                        if !public_key.is_empty() && !public_key.starts_with("ed25519:") {
+                            self.rule(
+                                a.p("public_key"),
+                                &Value::String(public_key.clone()),
+                                "must start with \"ed25519:\"",
+                            );
                         }
-                        None => {
-                            c.issues.push(ConfigIssue::Missing { path: a.p(k) });
-                            String::new()
-                        }
-                    };
-                    let url = req(self, "url");
-                    let server_name = req(self, "server_name");
-                    let public_key = req(self, "public_key");
-                    if !public_key.is_empty() && !public_key.starts_with("ed25519:") {
-                        self.rule(a.p("public_key"), &Value::String(public_key.clone()), "must start with \"ed25519:\"");
-                    }
-                    Some(EngineAgent {
-                        url: url.trim_end_matches('/').to_string(),
-                        server_name,
-                        public_key,
-                    })
+                        Some(EngineAgent {
+                            url: url.trim_end_matches('/').to_string(),
+                            server_name,
+                            public_key,
+                        })
                     }
                 }
             };
@@ -982,7 +1059,8 @@ impl Checker<'_> {
         );
         let c = Controller {
             monitor_interval_s: self.num(&o, "monitor_interval_s", 1.0, positive),
-            monitor_failure_limit: self.int(&o, "monitor_failure_limit", 5, 1, u32::MAX as u64) as u32,
+            monitor_failure_limit: self.int(&o, "monitor_failure_limit", 5, 1, u32::MAX as u64)
+                as u32,
             advisory: self.boolean(&o, "advisory", false),
             min_prefill: self.int(&o, "min_prefill", 1, 1, u32::MAX as u64) as u32,
             min_decode: self.int(&o, "min_decode", 1, 1, u32::MAX as u64) as u32,
@@ -991,17 +1069,31 @@ impl Checker<'_> {
         let th = self.obj(
             "controller.thresholds",
             o.get("thresholds"),
-            &["expand", "shrink", "cooldown_s", "sustained_intervals", "dwell_s", "panic_ratio", "flip_resident_guard"],
+            &[
+                "expand",
+                "shrink",
+                "cooldown_s",
+                "sustained_intervals",
+                "dwell_s",
+                "panic_ratio",
+                "flip_resident_guard",
+            ],
         );
         let expand = self.num(&th, "expand", 1.0, positive);
         let shrink = self.num(&th, "shrink", 0.5, non_negative);
         if shrink >= expand {
-            self.rule(th.p("shrink"), &Value::from(shrink), format!("must be < thresholds.expand ({expand})"));
+            self.rule(
+                th.p("shrink"),
+                &Value::from(shrink),
+                format!("must be < thresholds.expand ({expand})"),
+            );
         }
         self.num(&th, "cooldown_s", 10.0, non_negative);
         self.int(&th, "sustained_intervals", 3, 1, u64::MAX);
         self.num(&th, "dwell_s", 0.0, non_negative);
-        self.num(&th, "panic_ratio", 0.0, |x| (x != 0.0 && x < 1.0).then_some("must be 0 or ≥ 1"));
+        self.num(&th, "panic_ratio", 0.0, |x| {
+            (x != 0.0 && x < 1.0).then_some("must be 0 or ≥ 1")
+        });
         self.num(&th, "flip_resident_guard", 0.0, non_negative);
         let re = self.obj(
             "controller.reactive",
@@ -1028,22 +1120,36 @@ impl Checker<'_> {
         let span = self.num(&re, "evidence_span_s", 60.0, positive);
         let max_span = self.num(&re, "evidence_max_span_s", 120.0, positive);
         if span > max_span {
-            self.rule(re.p("evidence_span_s"), &Value::from(span), format!("must be ≤ evidence_max_span_s ({max_span})"));
+            self.rule(
+                re.p("evidence_span_s"),
+                &Value::from(span),
+                format!("must be ≤ evidence_max_span_s ({max_span})"),
+            );
         }
         if max_span > window {
-            self.rule(re.p("evidence_max_span_s"), &Value::from(max_span), format!("must be ≤ window_s ({window})"));
+            self.rule(
+                re.p("evidence_max_span_s"),
+                &Value::from(max_span),
+                format!("must be ≤ window_s ({window})"),
+            );
         }
         self.int(&re, "evidence_min_arrivals", 10, 0, u64::MAX);
         self.num(&re, "demand_rise_tolerance", 0.25, non_negative);
         self.int(&re, "confirmations", 2, 1, u64::MAX);
-        self.num(&re, "utilization", 0.8, |x| (x <= 0.0 || x > 1.0).then_some("must be in (0, 1]"));
+        self.num(&re, "utilization", 0.8, |x| {
+            (x <= 0.0 || x > 1.0).then_some("must be in (0, 1]")
+        });
         self.int(&re, "min_arrivals", 10, 0, u64::MAX);
         self.num(&re, "demand_floor", 0.5, non_negative);
-        self.num(&re, "movement_margin", 0.05, |x| (!(0.0..1.0).contains(&x)).then_some("must be in [0, 1)"));
+        self.num(&re, "movement_margin", 0.05, |x| {
+            (!(0.0..1.0).contains(&x)).then_some("must be in [0, 1)")
+        });
         self.num(&re, "step_s", 5.0, positive);
         self.num(&re, "decode_correction_min", 0.5, positive);
         self.num(&re, "decode_correction_max", 2.0, positive);
-        self.num(&re, "decode_correction_alpha", 0.2, |x| (x <= 0.0 || x > 1.0).then_some("must be in (0, 1]"));
+        self.num(&re, "decode_correction_alpha", 0.2, |x| {
+            (x <= 0.0 || x > 1.0).then_some("must be in (0, 1]")
+        });
         self.int(&re, "decode_correction_min_samples", 8, 1, u64::MAX);
         c
     }
@@ -1087,7 +1193,9 @@ impl Checker<'_> {
             retry_base_s: self.num(&o, "retry_base_s", 0.1, positive),
             retry_cap_s: self.num(&o, "retry_cap_s", 1.0, positive),
             retry_budget: self.int(&o, "retry_budget", 10, 0, u64::MAX),
-            retry_replenish: self.num(&o, "retry_replenish", 0.1, |x| (!(0.0..=1.0).contains(&x)).then_some("must be in [0, 1]")),
+            retry_replenish: self.num(&o, "retry_replenish", 0.1, |x| {
+                (!(0.0..=1.0).contains(&x)).then_some("must be in [0, 1]")
+            }),
             max_request_bytes: self.int(&o, "max_request_bytes", 4_194_304, 1, u64::MAX),
             max_response_bytes: self.int(&o, "max_response_bytes", 16_777_216, 1, u64::MAX),
         };
@@ -1095,7 +1203,10 @@ impl Checker<'_> {
             self.rule(
                 "serving.prefill_timeout_s".into(),
                 &Value::from(s.prefill_timeout_s),
-                format!("must be ≤ serving.request_timeout_s ({})", s.request_timeout_s),
+                format!(
+                    "must be ≤ serving.request_timeout_s ({})",
+                    s.request_timeout_s
+                ),
             );
         }
         if s.queue_capacity > 0 && s.queue_timeout_s <= 0.0 {
@@ -1136,9 +1247,11 @@ impl Checker<'_> {
                 "first_token_calibration_path",
             ],
         );
-        let backend = o.get("backend").is_some().then(|| match self.choice(&o, "backend", "vllm", &["vllm", "sglang"]) {
-            "sglang" => Backend::Sglang,
-            _ => Backend::Vllm,
+        let backend = o.get("backend").is_some().then(|| {
+            match self.choice(&o, "backend", "vllm", &["vllm", "sglang"]) {
+                "sglang" => Backend::Sglang,
+                _ => Backend::Vllm,
+            }
         });
         let engine_api_key_env = self.string(&o, "engine_api_key_env", "");
         let engine_api_key = if engine_api_key_env.is_empty() {
@@ -1175,7 +1288,10 @@ impl Checker<'_> {
             self.rule(
                 "engine.first_token_timeout_s".into(),
                 &Value::from(e.first_token_timeout_s),
-                format!("must be ≤ serving.request_timeout_s ({})", serving.request_timeout_s),
+                format!(
+                    "must be ≤ serving.request_timeout_s ({})",
+                    serving.request_timeout_s
+                ),
             );
         }
         e
@@ -1197,7 +1313,12 @@ impl Checker<'_> {
                 "health",
             ],
         );
-        let policy = match self.choice(&o, "engine_restart_policy", "individual", &["individual", "whole_wave"]) {
+        let policy = match self.choice(
+            &o,
+            "engine_restart_policy",
+            "individual",
+            &["individual", "whole_wave"],
+        ) {
             "whole_wave" => RestartPolicy::WholeWave,
             _ => RestartPolicy::Individual,
         };
@@ -1212,7 +1333,11 @@ impl Checker<'_> {
             resume: self.boolean(&o, "resume", false),
         };
         if policy == RestartPolicy::WholeWave && r.liveness_every == 0 {
-            self.rule("recovery.liveness_every".into(), &Value::from(0), "must be > 0 for whole_wave");
+            self.rule(
+                "recovery.liveness_every".into(),
+                &Value::from(0),
+                "must be > 0 for whole_wave",
+            );
         }
         let h = self.obj(
             "recovery.health",
@@ -1229,12 +1354,18 @@ impl Checker<'_> {
             ],
         );
         self.num(&h, "window_s", 30.0, positive);
-        self.num(&h, "drift_band", 2.0, |x| (x <= 1.0).then_some("must be > 1"));
+        self.num(&h, "drift_band", 2.0, |x| {
+            (x <= 1.0).then_some("must be > 1")
+        });
         self.int(&h, "min_samples", 3, 1, u64::MAX);
         let prob = self.int(&h, "probation_windows", 3, 1, u64::MAX);
         let evict = self.int(&h, "evict_windows", 5, 1, u64::MAX);
         if evict < prob {
-            self.rule(h.p("evict_windows"), &Value::from(evict), format!("must be ≥ probation_windows ({prob})"));
+            self.rule(
+                h.p("evict_windows"),
+                &Value::from(evict),
+                format!("must be ≥ probation_windows ({prob})"),
+            );
         }
         self.int(&h, "recovery_windows", 3, 1, u64::MAX);
         self.num(&h, "probation_penalty_s", 1.5, non_negative);
@@ -1243,26 +1374,44 @@ impl Checker<'_> {
     }
 
     fn profiles(&mut self, v: Option<&Value>) {
-        let o = self.obj("profiles", v, &["path", "max_decode_fit_mape", "max_decode_cv_mape"]);
+        let o = self.obj(
+            "profiles",
+            v,
+            &["path", "max_decode_fit_mape", "max_decode_cv_mape"],
+        );
         self.passive(
             &o,
-            &[("path", Kind::Str), ("max_decode_fit_mape", Kind::NonNegNum), ("max_decode_cv_mape", Kind::NonNegNum)],
+            &[
+                ("path", Kind::Str),
+                ("max_decode_fit_mape", Kind::NonNegNum),
+                ("max_decode_cv_mape", Kind::NonNegNum),
+            ],
         );
     }
 
     fn hardware(&mut self, v: Option<&Value>) {
-        let o = self.obj("hardware", v, &["accelerator", "accelerators_per_engine", "tensor_parallel"]);
+        let o = self.obj(
+            "hardware",
+            v,
+            &["accelerator", "accelerators_per_engine", "tensor_parallel"],
+        );
         if o.map.is_none() {
             return;
         }
         let acc = self.string(&o, "accelerator", "");
         if acc.is_empty() {
-            self.issues.push(ConfigIssue::Missing { path: o.p("accelerator") });
+            self.issues.push(ConfigIssue::Missing {
+                path: o.p("accelerator"),
+            });
         }
         let per = self.int(&o, "accelerators_per_engine", 1, 1, u64::MAX);
         let tp = self.int(&o, "tensor_parallel", 1, 1, u64::MAX);
         if tp > per {
-            self.rule(o.p("tensor_parallel"), &Value::from(tp), format!("must be ≤ accelerators_per_engine ({per})"));
+            self.rule(
+                o.p("tensor_parallel"),
+                &Value::from(tp),
+                format!("must be ≤ accelerators_per_engine ({per})"),
+            );
         }
     }
 
@@ -1323,9 +1472,17 @@ impl Checker<'_> {
         }
         if let Some(d) = o.get("image_digest").and_then(Value::as_str)
             && !d.is_empty()
-            && !(d.len() == 71 && d.starts_with("sha256:") && d[7..].bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()))
+            && !(d.len() == 71
+                && d.starts_with("sha256:")
+                && d[7..]
+                    .bytes()
+                    .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()))
         {
-            self.rule(o.p("image_digest"), &Value::String(d.to_string()), "must be \"\" or sha256:<64 lowercase hex>");
+            self.rule(
+                o.p("image_digest"),
+                &Value::String(d.to_string()),
+                "must be \"\" or sha256:<64 lowercase hex>",
+            );
         }
         Some(v.clone())
     }
@@ -1334,7 +1491,15 @@ impl Checker<'_> {
         let o = self.obj(
             "lease",
             v,
-            &["backend", "path", "endpoints", "key", "ttl_s", "renew_interval_s", "safety_margin_s"],
+            &[
+                "backend",
+                "path",
+                "endpoints",
+                "key",
+                "ttl_s",
+                "renew_interval_s",
+                "safety_margin_s",
+            ],
         );
         let backend = match self.choice(&o, "backend", "none", &["none", "file", "etcd"]) {
             "file" => LeaseBackend::File,
@@ -1366,7 +1531,9 @@ impl Checker<'_> {
             safety_margin_s: self.num(&o, "safety_margin_s", 1.0, non_negative),
         };
         if backend == LeaseBackend::File && l.path.is_empty() {
-            self.issues.push(ConfigIssue::Missing { path: "lease.path".into() });
+            self.issues.push(ConfigIssue::Missing {
+                path: "lease.path".into(),
+            });
         }
         if backend == LeaseBackend::Etcd && l.endpoints.is_empty() {
             self.issues.push(ConfigIssue::Missing {
@@ -1422,7 +1589,6 @@ fn positive(x: f64) -> Option<&'static str> {
 fn non_negative(x: f64) -> Option<&'static str> {
     (x < 0.0).then_some("must be ≥ 0")
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -1491,8 +1657,14 @@ mod tests {
         v["serving"] = serde_json::json!({"max_atempts": 2, "_note": "ok"});
         v["bogus"] = 1.into();
         let m = messages(v);
-        assert!(m.contains(&"engines[1].rol: unknown key".to_string()), "{m:?}");
-        assert!(m.contains(&"serving.max_atempts: unknown key".to_string()), "{m:?}");
+        assert!(
+            m.contains(&"engines[1].rol: unknown key".to_string()),
+            "{m:?}"
+        );
+        assert!(
+            m.contains(&"serving.max_atempts: unknown key".to_string()),
+            "{m:?}"
+        );
         assert!(m.contains(&"bogus: unknown key".to_string()), "{m:?}");
         assert_eq!(m.len(), 3);
     }
@@ -1503,9 +1675,18 @@ mod tests {
         v["serving"] = serde_json::json!({"max_attempts": true, "request_timeout_s": "600"});
         v["engines"][0]["pin"] = "yes".into();
         let m = messages(v);
-        assert!(m.contains(&"serving.max_attempts must be an integer, got true".to_string()), "{m:?}");
-        assert!(m.contains(&"serving.request_timeout_s must be a number, got \"600\"".to_string()), "{m:?}");
-        assert!(m.contains(&"engines[0].pin must be a boolean, got \"yes\"".to_string()), "{m:?}");
+        assert!(
+            m.contains(&"serving.max_attempts must be an integer, got true".to_string()),
+            "{m:?}"
+        );
+        assert!(
+            m.contains(&"serving.request_timeout_s must be a number, got \"600\"".to_string()),
+            "{m:?}"
+        );
+        assert!(
+            m.contains(&"engines[0].pin must be a boolean, got \"yes\"".to_string()),
+            "{m:?}"
+        );
     }
 
     #[test]
@@ -1515,10 +1696,23 @@ mod tests {
         v["slo"]["ttft_s"] = 0.into();
         v["engines"][0]["role"] = "both".into();
         let m = messages(v);
-        assert!(m.contains(&"serving.max_attempts = 4: must be an integer in 1..=3".to_string()), "{m:?}");
-        assert!(m.contains(&"slo.ttft_s = 0: must be > 0".to_string()), "{m:?}");
-        assert!(m.iter().any(|s| s.starts_with("serving.retry_cap_s = 1.0: must be ≥")), "{m:?}");
-        assert!(m.contains(&"engines[0].role = \"both\": must be one of prefill, decode".to_string()), "{m:?}");
+        assert!(
+            m.contains(&"serving.max_attempts = 4: must be an integer in 1..=3".to_string()),
+            "{m:?}"
+        );
+        assert!(
+            m.contains(&"slo.ttft_s = 0: must be > 0".to_string()),
+            "{m:?}"
+        );
+        assert!(
+            m.iter()
+                .any(|s| s.starts_with("serving.retry_cap_s = 1.0: must be ≥")),
+            "{m:?}"
+        );
+        assert!(
+            m.contains(&"engines[0].role = \"both\": must be one of prefill, decode".to_string()),
+            "{m:?}"
+        );
     }
 
     #[test]
@@ -1552,7 +1746,11 @@ mod tests {
     fn missing_required_keys() {
         let v = serde_json::json!({"schema": "narwhal.fleet", "schema_version": 2});
         let m = messages(v);
-        for want in ["model: required key is missing", "engines: required key is missing", "slo: required key is missing"] {
+        for want in [
+            "model: required key is missing",
+            "engines: required key is missing",
+            "slo: required key is missing",
+        ] {
             assert!(m.contains(&want.to_string()), "{m:?}");
         }
     }
@@ -1561,15 +1759,24 @@ mod tests {
     fn wrong_schema_version() {
         let mut v = base();
         v["schema_version"] = 1.into();
-        assert_eq!(messages(v), vec!["schema_version = 1: must be 2".to_string()]);
+        assert_eq!(
+            messages(v),
+            vec!["schema_version = 1: must be 2".to_string()]
+        );
     }
 
     #[test]
     fn nan_and_infinity_are_not_json() {
         let text = base().to_string().replace("2.0", "NaN");
-        assert!(matches!(Config::from_json_str(&text, &no_env), Err(ParseError::Json(_))));
+        assert!(matches!(
+            Config::from_json_str(&text, &no_env),
+            Err(ParseError::Json(_))
+        ));
         let text = base().to_string().replace("2.0", "Infinity");
-        assert!(matches!(Config::from_json_str(&text, &no_env), Err(ParseError::Json(_))));
+        assert!(matches!(
+            Config::from_json_str(&text, &no_env),
+            Err(ParseError::Json(_))
+        ));
     }
 
     #[test]
@@ -1598,10 +1805,18 @@ mod tests {
         let c = Config::from_json_str(&v.to_string(), &env).unwrap();
         assert_eq!(c.engines[0].url, "http://10.0.0.1:9");
         let m = messages(v.clone());
-        assert!(m.iter().any(|s| s.starts_with("engines[0].url = \"${P0_URL}\": environment variable P0_URL")), "{m:?}");
+        assert!(
+            m.iter()
+                .any(|s| s
+                    .starts_with("engines[0].url = \"${P0_URL}\": environment variable P0_URL")),
+            "{m:?}"
+        );
         v["engines"][0]["url"] = "http://${HOST}:9".into();
         let m = messages(v);
-        assert!(m.iter().any(|s| s.contains("must be the whole value")), "{m:?}");
+        assert!(
+            m.iter().any(|s| s.contains("must be the whole value")),
+            "{m:?}"
+        );
     }
 
     #[test]
@@ -1609,7 +1824,12 @@ mod tests {
         let mut v = base();
         v["lease"] = serde_json::json!({"backend": "file", "path": "/tmp/l", "ttl_s": 1.0});
         let m = messages(v);
-        assert_eq!(m, vec!["lease.ttl_s = 1.0: must exceed renew_interval_s + safety_margin_s (2)".to_string()]);
+        assert_eq!(
+            m,
+            vec![
+                "lease.ttl_s = 1.0: must exceed renew_interval_s + safety_margin_s (2)".to_string()
+            ]
+        );
     }
 
     #[test]

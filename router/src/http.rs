@@ -45,25 +45,41 @@ async fn route(shared: Arc<Shared>, side: Side, req: Request<Incoming>) -> Respo
     let path = req.uri().path().to_string();
     let method = req.method().clone();
     match (side, method, path.as_str()) {
-        (Side::Data, Method::POST, "/v1/completions") => completion(shared, Endpoint::Completions, req).await,
-        (Side::Data, Method::POST, "/v1/chat/completions") => completion(shared, Endpoint::Chat, req).await,
-        (Side::Data, Method::GET, "/v1/models") => json_response(StatusCode::OK, &shared.models_doc(), &rid),
+        (Side::Data, Method::POST, "/v1/completions") => {
+            completion(shared, Endpoint::Completions, req).await
+        }
+        (Side::Data, Method::POST, "/v1/chat/completions") => {
+            completion(shared, Endpoint::Chat, req).await
+        }
+        (Side::Data, Method::GET, "/v1/models") => {
+            json_response(StatusCode::OK, &shared.models_doc(), &rid)
+        }
         (_, Method::GET, "/health") => json_response(StatusCode::OK, &shared.health_doc(), &rid),
         (_, Method::GET, "/ready") => {
             let (ready, body) = shared.ready_doc();
             let mut r = json_response(
-                if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE },
+                if ready {
+                    StatusCode::OK
+                } else {
+                    StatusCode::SERVICE_UNAVAILABLE
+                },
                 &body,
                 &rid,
             );
             if !ready {
-                r.headers_mut()
-                    .insert(http::header::RETRY_AFTER, http::HeaderValue::from_static("1"));
+                r.headers_mut().insert(
+                    http::header::RETRY_AFTER,
+                    http::HeaderValue::from_static("1"),
+                );
             }
             r
         }
-        (Side::Control, Method::GET, "/narwhal/state") => json_response(StatusCode::OK, &shared.state_doc(), &rid),
-        (Side::Control, Method::GET, "/narwhal/targets") => json_response(StatusCode::OK, &shared.targets_doc(), &rid),
+        (Side::Control, Method::GET, "/narwhal/state") => {
+            json_response(StatusCode::OK, &shared.state_doc(), &rid)
+        }
+        (Side::Control, Method::GET, "/narwhal/targets") => {
+            json_response(StatusCode::OK, &shared.targets_doc(), &rid)
+        }
         (Side::Control, Method::GET, "/metrics") => {
             let text = shared.render_metrics();
             let mut r = Response::new(Full::new(bytes::Bytes::from(text)).boxed());
@@ -75,8 +91,22 @@ async fn route(shared: Arc<Shared>, side: Side, req: Request<Incoming>) -> Respo
         }
         (side, m, p) => {
             let known = match side {
-                Side::Data => ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready"].contains(&p),
-                Side::Control => ["/narwhal/state", "/narwhal/targets", "/metrics", "/health", "/ready"].contains(&p),
+                Side::Data => [
+                    "/v1/completions",
+                    "/v1/chat/completions",
+                    "/v1/models",
+                    "/health",
+                    "/ready",
+                ]
+                .contains(&p),
+                Side::Control => [
+                    "/narwhal/state",
+                    "/narwhal/targets",
+                    "/metrics",
+                    "/health",
+                    "/ready",
+                ]
+                .contains(&p),
             };
             if known {
                 json_response(
@@ -96,7 +126,13 @@ async fn route(shared: Arc<Shared>, side: Side, req: Request<Incoming>) -> Respo
 }
 
 /// Accept loop for one listener until `stop`, then wait up to `grace` for open connections.
-pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, side: Side, stop: CancellationToken, grace: Duration) {
+pub(crate) async fn serve(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    side: Side,
+    stop: CancellationToken,
+    grace: Duration,
+) {
     let graceful = GracefulShutdown::new();
     loop {
         let accepted = tokio::select! {
@@ -128,8 +164,14 @@ pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, side: Side
         });
     }
     drop(listener);
-    if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
-        tracing::warn!(grace_s = grace.as_secs_f64(), "connections still open after the graceful timeout");
+    if tokio::time::timeout(grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            grace_s = grace.as_secs_f64(),
+            "connections still open after the graceful timeout"
+        );
     }
 }
 
@@ -153,7 +195,10 @@ pub(crate) async fn monitor(shared: Arc<Shared>, stop: CancellationToken) {
             tokio::spawn(
                 async move {
                     let url = format!("{}/health", shared.cfg.engines[iid].url);
-                    let res = shared.upstream.get(&url, secs(shared.cfg.engine.health_timeout_s)).await;
+                    let res = shared
+                        .upstream
+                        .get(&url, secs(shared.cfg.engine.health_timeout_s))
+                        .await;
                     let ok = matches!(res, Ok((StatusCode::OK, _)));
                     let kind_label = match kind {
                         ProbeKind::Readmission => "readmission",
@@ -168,13 +213,22 @@ pub(crate) async fn monitor(shared: Arc<Shared>, stop: CancellationToken) {
                             ("outcome", if ok { "passed" } else { "failed" }),
                         ]))
                         .inc();
-                    if ok && shared.cfg.backend == Backend::Sglang && shared.cfg.engines[iid].role == Role::Prefill {
-                        if let Err(e) = refresh_bootstrap_port(&shared, iid).await {
-                            tracing::warn!(error = %e, "bootstrap port refresh failed");
-                        }
+                    if ok
+                        && shared.cfg.backend == Backend::Sglang
+                        && shared.cfg.engines[iid].role == Role::Prefill
+                        && let Err(e) = refresh_bootstrap_port(&shared, iid).await
+                    {
+                        tracing::warn!(error = %e, "bootstrap port refresh failed");
                     }
                     tracing::debug!(ok, "probe finished");
-                    shared.observe(iid, if ok { Observation::HealthOk } else { Observation::HealthFailed });
+                    shared.observe(
+                        iid,
+                        if ok {
+                            Observation::HealthOk
+                        } else {
+                            Observation::HealthFailed
+                        },
+                    );
                 }
                 .instrument(span),
             );

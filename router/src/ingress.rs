@@ -83,7 +83,9 @@ pub enum IngressError {
         served: String,
     },
     /// `n` or `best_of` > 1 → 400 (reference-examples/error-400-n.json).
-    #[error("{field} > 1 cannot be served across a split: the prefill leg runs with max_tokens=1 and the two legs would disagree on sampling width")]
+    #[error(
+        "{field} > 1 cannot be served across a split: the prefill leg runs with max_tokens=1 and the two legs would disagree on sampling width"
+    )]
     SamplingWidth {
         /// `n` or `best_of`.
         field: &'static str,
@@ -131,8 +133,18 @@ fn shape(param: &str, what: &str) -> IngressError {
 }
 
 /// Fields Narwhal sets on the legs; refused in both dialects (task brief; reference-notes 1.8).
-const RESERVED_TOP: &[&str] = &["kv_transfer_params", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room"];
-const RESERVED_XARGS: &[&str] = &["kv_transfer_params", "kv_cache_report_mode", "ec_transfer_params"];
+const RESERVED_TOP: &[&str] = &[
+    "kv_transfer_params",
+    "rid",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+];
+const RESERVED_XARGS: &[&str] = &[
+    "kv_transfer_params",
+    "kv_cache_report_mode",
+    "ec_transfer_params",
+];
 
 /// Validate one completion body.
 ///
@@ -188,7 +200,9 @@ pub fn validate(
     }
     for k in RESERVED_TOP {
         if body.contains_key(*k) {
-            return Err(IngressError::Reserved { field: (*k).to_string() });
+            return Err(IngressError::Reserved {
+                field: (*k).to_string(),
+            });
         }
     }
     if let Some(x) = body.get("vllm_xargs") {
@@ -224,8 +238,9 @@ pub fn validate(
         }
         if let Some(t) = present(&body, "tools") {
             let ok = t.as_array().is_some_and(|a| {
-                a.iter()
-                    .all(|x| x.is_object() && x.get("type").and_then(Value::as_str) == Some("function"))
+                a.iter().all(|x| {
+                    x.is_object() && x.get("type").and_then(Value::as_str) == Some("function")
+                })
             });
             if !ok {
                 return Err(shape("tools", "an array of objects of type 'function'"));
@@ -233,7 +248,11 @@ pub fn validate(
         }
     }
     if backend == Backend::Sglang && endpoint == Endpoint::Chat {
-        for k in ["return_token_ids", "return_prompt_token_ids", "return_meta_info"] {
+        for k in [
+            "return_token_ids",
+            "return_prompt_token_ids",
+            "return_meta_info",
+        ] {
             if body.get(k).is_some_and(truthy) {
                 return Err(IngressError::Shape {
                     message: format!("'{k}' is not supported on SGLang chat completions"),
@@ -258,7 +277,10 @@ pub fn validate(
         }
     }
     body.insert("model".into(), Value::String(model.to_string()));
-    let return_token_ids = body.get("return_token_ids").and_then(Value::as_bool).unwrap_or(false);
+    let return_token_ids = body
+        .get("return_token_ids")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     let include_usage = body
         .get("stream_options")
         .and_then(|s| s.get("include_usage"))
@@ -297,7 +319,13 @@ fn size_input(body: &Map<String, Value>, chars_per_token: f64) -> u64 {
     let mut chars = 0usize;
     match body.get("prompt") {
         Some(Value::String(s)) => chars += s.chars().count(),
-        Some(Value::Array(a)) => chars += a.iter().filter_map(Value::as_str).map(|s| s.chars().count()).sum::<usize>(),
+        Some(Value::Array(a)) => {
+            chars += a
+                .iter()
+                .filter_map(Value::as_str)
+                .map(|s| s.chars().count())
+                .sum::<usize>()
+        }
         _ => {}
     }
     if let Some(Value::Array(msgs)) = body.get("messages") {
@@ -323,7 +351,13 @@ mod tests {
     use super::*;
 
     fn check(body: &str) -> Result<Validated, IngressError> {
-        validate(Endpoint::Completions, body.as_bytes(), "tiny-sim", Backend::Vllm, 3.8)
+        validate(
+            Endpoint::Completions,
+            body.as_bytes(),
+            "tiny-sim",
+            Backend::Vllm,
+            3.8,
+        )
     }
 
     #[test]
@@ -342,7 +376,10 @@ mod tests {
             let (st, body) = check(b).unwrap_err().response();
             assert_eq!(st, StatusCode::BAD_REQUEST);
             assert_eq!(body["error"]["param"], Value::Null);
-            assert_eq!(body["error"]["message"], "the request body must be a JSON object");
+            assert_eq!(
+                body["error"]["message"],
+                "the request body must be a JSON object"
+            );
         }
     }
 
@@ -370,19 +407,32 @@ mod tests {
     fn reserved_fields_are_refused_in_both_dialects() {
         for (b, field) in [
             (r#"{"kv_transfer_params":{}}"#, "kv_transfer_params"),
-            (r#"{"vllm_xargs":{"kv_transfer_params":{}}}"#, "vllm_xargs.kv_transfer_params"),
-            (r#"{"vllm_xargs":{"kv_cache_report_mode":1}}"#, "vllm_xargs.kv_cache_report_mode"),
-            (r#"{"vllm_xargs":{"ec_transfer_params":1}}"#, "vllm_xargs.ec_transfer_params"),
+            (
+                r#"{"vllm_xargs":{"kv_transfer_params":{}}}"#,
+                "vllm_xargs.kv_transfer_params",
+            ),
+            (
+                r#"{"vllm_xargs":{"kv_cache_report_mode":1}}"#,
+                "vllm_xargs.kv_cache_report_mode",
+            ),
+            (
+                r#"{"vllm_xargs":{"ec_transfer_params":1}}"#,
+                "vllm_xargs.ec_transfer_params",
+            ),
             (r#"{"rid":"x"}"#, "rid"),
             (r#"{"bootstrap_host":"h"}"#, "bootstrap_host"),
             (r#"{"bootstrap_port":1}"#, "bootstrap_port"),
             (r#"{"bootstrap_room":1}"#, "bootstrap_room"),
         ] {
             for backend in [Backend::Vllm, Backend::Sglang] {
-                let e = validate(Endpoint::Completions, b.as_bytes(), "m", backend, 3.8).unwrap_err();
+                let e =
+                    validate(Endpoint::Completions, b.as_bytes(), "m", backend, 3.8).unwrap_err();
                 let (st, body) = e.response();
                 assert_eq!(st, StatusCode::BAD_REQUEST);
-                assert_eq!(body["error"]["message"], format!("{field} is reserved for Narwhal"));
+                assert_eq!(
+                    body["error"]["message"],
+                    format!("{field} is reserved for Narwhal")
+                );
                 assert_eq!(body["error"]["param"], field);
             }
         }
@@ -390,7 +440,9 @@ mod tests {
 
     #[test]
     fn wrong_model_is_404() {
-        let (st, body) = check(r#"{"model":"nope","prompt":"x"}"#).unwrap_err().response();
+        let (st, body) = check(r#"{"model":"nope","prompt":"x"}"#)
+            .unwrap_err()
+            .response();
         assert_eq!(st, StatusCode::NOT_FOUND);
         assert_eq!(
             body,
@@ -434,9 +486,21 @@ mod tests {
         assert!(check(r#"{"prompt":"x","audio":{}}"#).is_err());
         assert!(check(r#"{"prompt":"x","modalities":["text"]}"#).is_ok());
         assert!(check(r#"{"prompt":"x","tools":[{"type":"other"}]}"#).is_err());
-        let e = validate(Endpoint::Chat, br#"{"messages":[],"return_token_ids":true}"#, "m", Backend::Sglang, 3.8);
+        let e = validate(
+            Endpoint::Chat,
+            br#"{"messages":[],"return_token_ids":true}"#,
+            "m",
+            Backend::Sglang,
+            3.8,
+        );
         assert!(e.is_err());
-        let ok = validate(Endpoint::Chat, br#"{"messages":[],"return_token_ids":true}"#, "m", Backend::Vllm, 3.8);
+        let ok = validate(
+            Endpoint::Chat,
+            br#"{"messages":[],"return_token_ids":true}"#,
+            "m",
+            Backend::Vllm,
+            3.8,
+        );
         assert!(ok.is_ok());
     }
 }

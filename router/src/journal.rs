@@ -67,7 +67,10 @@ impl Journal {
     ///
     /// # Errors
     /// [`JournalError`] when the directory or file cannot be created or written.
-    pub fn open(path: &Path, run: &str) -> Result<(Journal, tokio::task::JoinHandle<()>), JournalError> {
+    pub fn open(
+        path: &Path,
+        run: &str,
+    ) -> Result<(Journal, tokio::task::JoinHandle<()>), JournalError> {
         let err = |source| JournalError {
             path: path.to_path_buf(),
             source,
@@ -169,7 +172,10 @@ mod tests {
         j.close();
         task.await.unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
-        let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let lines: Vec<Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
         assert_eq!(lines.len(), 2);
         assert_eq!(lines[0]["meta"]["schema"], "narwhal.journal");
         assert_eq!(lines[0]["meta"]["run"], "1-abcdef01");

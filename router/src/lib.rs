@@ -80,12 +80,29 @@ pub async fn run(
 ) -> Result<(), Error> {
     let clock: Arc<dyn narwhal_shared::Clock> = Arc::new(narwhal_shared::SystemClock);
     let grace = Duration::from_secs(config.serving.graceful_timeout_s);
-    let shared = state::Shared::new(Arc::new(config), clock, opts.journal, opts.max_concurrent.max(1));
+    let shared = state::Shared::new(
+        Arc::new(config),
+        clock,
+        opts.journal,
+        opts.max_concurrent.max(1),
+    );
     let stop = tokio_util::sync::CancellationToken::new();
     let monitor = tokio::spawn(http::monitor(shared.clone(), stop.clone()));
     tokio::spawn(http::warm_bootstrap_ports(shared.clone()));
-    let data = tokio::spawn(http::serve(listeners.data, shared.clone(), http::Side::Data, stop.clone(), grace));
-    let control = tokio::spawn(http::serve(listeners.control, shared.clone(), http::Side::Control, stop.clone(), grace));
+    let data = tokio::spawn(http::serve(
+        listeners.data,
+        shared.clone(),
+        http::Side::Data,
+        stop.clone(),
+        grace,
+    ));
+    let control = tokio::spawn(http::serve(
+        listeners.control,
+        shared.clone(),
+        http::Side::Control,
+        stop.clone(),
+        grace,
+    ));
     shutdown.await;
     stop.cancel();
     let _ = data.await;

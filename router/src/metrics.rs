@@ -35,7 +35,10 @@ impl prometheus_client::metrics::family::MetricConstructor<Histogram> for HistCt
 
 /// Build a label set.
 pub(crate) fn labels(pairs: &[(&str, &str)]) -> Labels {
-    pairs.iter().map(|(k, v)| ((*k).to_string(), (*v).to_string())).collect()
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
+        .collect()
 }
 
 /// Bucket edges = SLO × these factors, rounded to 6 decimals (reference-notes 10).
@@ -115,46 +118,200 @@ impl Metrics {
                 m
             }};
         }
-        let contract: Family<Labels, Gauge> = reg!("narwhal_contract_info", "Metrics contract of this router", Family::default());
-        contract.get_or_create(&labels(&[("contract", "metrics"), ("version", "2")])).set(1);
+        let contract: Family<Labels, Gauge> = reg!(
+            "narwhal_contract_info",
+            "Metrics contract of this router",
+            Family::default()
+        );
+        contract
+            .get_or_create(&labels(&[("contract", "metrics"), ("version", "2")]))
+            .set(1);
         let m = Metrics {
-            served: reg!("narwhal_served", "Requests completed without error", Counter::default()),
-            slo_met: reg!("narwhal_slo_met", "Completed requests that met both the TTFT and TPOT SLOs", Counter::default()),
-            offered: reg!("narwhal_offered", "Completion requests seen by ingress", Counter::default()),
-            unsized_offered: reg!("narwhal_unsized_offered", "Requests that settled before sizing", Counter::default()),
-            expired: reg!("narwhal_expired", "Original requests terminated by their admission or total deadline, by reason", Family::default()),
-            prefill_attempts: reg!("narwhal_prefill_attempts", "Prefill legs dispatched", Counter::default()),
-            decode_attempts: reg!("narwhal_decode_attempts", "Decode legs dispatched", Counter::default()),
-            retry_attempts: reg!("narwhal_retry_attempts", "Attempts after the first", Counter::default()),
-            retry_credits_spent: reg!("narwhal_retry_credits_spent", "Retry budget credits spent", Counter::default()),
-            retry_denied: reg!("narwhal_retry_denied", "Retries denied by the retry budget", Counter::default()),
-            served_after_retry: reg!("narwhal_served_after_retry", "Requests completed by an attempt after the first", Counter::default()),
-            decode_tokens_observed: reg!("narwhal_decode_tokens_observed", "Output tokens counted from decode streams", Counter::default()),
-            attempt_failures: reg!("narwhal_attempt_failures", "Failed attempts by request phase and failure reason", Family::default()),
-            http_retained: reg!("narwhal_http_retained", "Completion requests currently retained", Gauge::default()),
-            http_retained_limit: reg!("narwhal_http_retained_limit", "Retained request limit (max_concurrent + queue_capacity)", Gauge::default()),
-            http_retained_high_water: reg!("narwhal_http_retained_high_water", "Highest retained request count", Gauge::default()),
-            retry_credits: reg!("narwhal_retry_credits", "Retry budget credits available", Gauge::default()),
-            admission_inflight: reg!("narwhal_admission_inflight", "Admission seats in use", Gauge::default()),
-            admission_inflight_limit: reg!("narwhal_admission_inflight_limit", "Admission seats", Gauge::default()),
-            upstream_seconds: reg!("narwhal_upstream_seconds", "Seconds spent in upstream legs, by phase", Family::default()),
-            router_ready: reg!("narwhal_router_ready", "1 while this router may admit new traffic", Gauge::default()),
-            router_lease_epoch: reg!("narwhal_router_lease_epoch", "Router lease epoch (0 without a lease)", Gauge::default()),
-            engine_draining: reg!("narwhal_engine_draining", "1 while the engine is held out by a drain", Family::default()),
-            instance_role: reg!("narwhal_instance_role", "Current pool assignment for each engine (1 = assigned this role)", Family::default()),
-            pool_instances: reg!("narwhal_pool_instances", "Engines assigned to each pool", Family::default()),
-            resident: reg!("narwhal_resident_requests", "Requests resident on each instance", Family::default()),
-            refused: reg!("narwhal_refused", "Requests refused by predictive admission, by cause", Family::default()),
-            rejected: reg!("narwhal_rejected", "Requests refused with HTTP 429 for capacity or HTTP 503 for router readiness, by reason", Family::default()),
-            invalid_requests: reg!("narwhal_invalid_requests", "Requests refused as invalid before dispatch", Counter::default()),
-            failed: reg!("narwhal_failed", "Requests that ended in an error, by reason", Family::default()),
-            cancelled: reg!("narwhal_cancelled", "Requests abandoned by their client before completion", Counter::default()),
-            ejected_instances: reg!("narwhal_ejected_instances", "Instances the breaker currently holds out of scheduling and both loads", Gauge::default()),
-            ejected: reg!("narwhal_ejected", "1 while this instance is ejected", Family::default()),
-            ejections: reg!("narwhal_engine_ejections", "Engine ejections since router start, by cause", Family::default()),
-            readmissions: reg!("narwhal_engine_readmissions", "Engines returned to placement, by evidence", Family::default()),
-            breaker_streak: reg!("narwhal_engine_breaker_streak", "Consecutive leg failures per engine and class", Family::default()),
-            probes: reg!("narwhal_engine_probes", "Breaker probes by engine, kind and outcome", Family::default()),
+            served: reg!(
+                "narwhal_served",
+                "Requests completed without error",
+                Counter::default()
+            ),
+            slo_met: reg!(
+                "narwhal_slo_met",
+                "Completed requests that met both the TTFT and TPOT SLOs",
+                Counter::default()
+            ),
+            offered: reg!(
+                "narwhal_offered",
+                "Completion requests seen by ingress",
+                Counter::default()
+            ),
+            unsized_offered: reg!(
+                "narwhal_unsized_offered",
+                "Requests that settled before sizing",
+                Counter::default()
+            ),
+            expired: reg!(
+                "narwhal_expired",
+                "Original requests terminated by their admission or total deadline, by reason",
+                Family::default()
+            ),
+            prefill_attempts: reg!(
+                "narwhal_prefill_attempts",
+                "Prefill legs dispatched",
+                Counter::default()
+            ),
+            decode_attempts: reg!(
+                "narwhal_decode_attempts",
+                "Decode legs dispatched",
+                Counter::default()
+            ),
+            retry_attempts: reg!(
+                "narwhal_retry_attempts",
+                "Attempts after the first",
+                Counter::default()
+            ),
+            retry_credits_spent: reg!(
+                "narwhal_retry_credits_spent",
+                "Retry budget credits spent",
+                Counter::default()
+            ),
+            retry_denied: reg!(
+                "narwhal_retry_denied",
+                "Retries denied by the retry budget",
+                Counter::default()
+            ),
+            served_after_retry: reg!(
+                "narwhal_served_after_retry",
+                "Requests completed by an attempt after the first",
+                Counter::default()
+            ),
+            decode_tokens_observed: reg!(
+                "narwhal_decode_tokens_observed",
+                "Output tokens counted from decode streams",
+                Counter::default()
+            ),
+            attempt_failures: reg!(
+                "narwhal_attempt_failures",
+                "Failed attempts by request phase and failure reason",
+                Family::default()
+            ),
+            http_retained: reg!(
+                "narwhal_http_retained",
+                "Completion requests currently retained",
+                Gauge::default()
+            ),
+            http_retained_limit: reg!(
+                "narwhal_http_retained_limit",
+                "Retained request limit (max_concurrent + queue_capacity)",
+                Gauge::default()
+            ),
+            http_retained_high_water: reg!(
+                "narwhal_http_retained_high_water",
+                "Highest retained request count",
+                Gauge::default()
+            ),
+            retry_credits: reg!(
+                "narwhal_retry_credits",
+                "Retry budget credits available",
+                Gauge::default()
+            ),
+            admission_inflight: reg!(
+                "narwhal_admission_inflight",
+                "Admission seats in use",
+                Gauge::default()
+            ),
+            admission_inflight_limit: reg!(
+                "narwhal_admission_inflight_limit",
+                "Admission seats",
+                Gauge::default()
+            ),
+            upstream_seconds: reg!(
+                "narwhal_upstream_seconds",
+                "Seconds spent in upstream legs, by phase",
+                Family::default()
+            ),
+            router_ready: reg!(
+                "narwhal_router_ready",
+                "1 while this router may admit new traffic",
+                Gauge::default()
+            ),
+            router_lease_epoch: reg!(
+                "narwhal_router_lease_epoch",
+                "Router lease epoch (0 without a lease)",
+                Gauge::default()
+            ),
+            engine_draining: reg!(
+                "narwhal_engine_draining",
+                "1 while the engine is held out by a drain",
+                Family::default()
+            ),
+            instance_role: reg!(
+                "narwhal_instance_role",
+                "Current pool assignment for each engine (1 = assigned this role)",
+                Family::default()
+            ),
+            pool_instances: reg!(
+                "narwhal_pool_instances",
+                "Engines assigned to each pool",
+                Family::default()
+            ),
+            resident: reg!(
+                "narwhal_resident_requests",
+                "Requests resident on each instance",
+                Family::default()
+            ),
+            refused: reg!(
+                "narwhal_refused",
+                "Requests refused by predictive admission, by cause",
+                Family::default()
+            ),
+            rejected: reg!(
+                "narwhal_rejected",
+                "Requests refused with HTTP 429 for capacity or HTTP 503 for router readiness, by reason",
+                Family::default()
+            ),
+            invalid_requests: reg!(
+                "narwhal_invalid_requests",
+                "Requests refused as invalid before dispatch",
+                Counter::default()
+            ),
+            failed: reg!(
+                "narwhal_failed",
+                "Requests that ended in an error, by reason",
+                Family::default()
+            ),
+            cancelled: reg!(
+                "narwhal_cancelled",
+                "Requests abandoned by their client before completion",
+                Counter::default()
+            ),
+            ejected_instances: reg!(
+                "narwhal_ejected_instances",
+                "Instances the breaker currently holds out of scheduling and both loads",
+                Gauge::default()
+            ),
+            ejected: reg!(
+                "narwhal_ejected",
+                "1 while this instance is ejected",
+                Family::default()
+            ),
+            ejections: reg!(
+                "narwhal_engine_ejections",
+                "Engine ejections since router start, by cause",
+                Family::default()
+            ),
+            readmissions: reg!(
+                "narwhal_engine_readmissions",
+                "Engines returned to placement, by evidence",
+                Family::default()
+            ),
+            breaker_streak: reg!(
+                "narwhal_engine_breaker_streak",
+                "Consecutive leg failures per engine and class",
+                Family::default()
+            ),
+            probes: reg!(
+                "narwhal_engine_probes",
+                "Breaker probes by engine, kind and outcome",
+                Family::default()
+            ),
             ttft: reg!(
                 "narwhal_ttft_seconds",
                 "Router arrival to first token",
@@ -165,16 +322,30 @@ impl Metrics {
                 "Mean time per output token after the first",
                 HistFamily::new_with_constructor(HistCtor(buckets(tpot_s)))
             ),
-            journal_dropped: reg!("narwhal_journal_dropped_rows", "Journal rows dropped because the writer fell behind", Gauge::default()),
+            journal_dropped: reg!(
+                "narwhal_journal_dropped_rows",
+                "Journal rows dropped because the writer fell behind",
+                Gauge::default()
+            ),
             slo_label_ttft: fmt_g(ttft_s),
             slo_label_tpot: fmt_g(tpot_s),
             registry: Registry::default(),
         };
         // Placement is not priced yet, so nothing is ever unserved; exported for the contract.
-        let _unserved: Counter = reg!("narwhal_unserved", "Phase placements over the SLO budget", Counter::default());
-        let slo: Family<Labels, Gauge<f64, AtomicU64>> = reg!("narwhal_slo_seconds", "Configured service-level latency budget in seconds", Family::default());
-        slo.get_or_create(&labels(&[("metric", "ttft"), ("slo", &m.slo_label_ttft)])).set(ttft_s);
-        slo.get_or_create(&labels(&[("metric", "tpot"), ("slo", &m.slo_label_tpot)])).set(tpot_s);
+        let _unserved: Counter = reg!(
+            "narwhal_unserved",
+            "Phase placements over the SLO budget",
+            Counter::default()
+        );
+        let slo: Family<Labels, Gauge<f64, AtomicU64>> = reg!(
+            "narwhal_slo_seconds",
+            "Configured service-level latency budget in seconds",
+            Family::default()
+        );
+        slo.get_or_create(&labels(&[("metric", "ttft"), ("slo", &m.slo_label_ttft)]))
+            .set(ttft_s);
+        slo.get_or_create(&labels(&[("metric", "tpot"), ("slo", &m.slo_label_tpot)]))
+            .set(tpot_s);
         for r in FAILED_REASONS {
             let _ = m.failed.get_or_create(&labels(&[("reason", r)]));
         }
@@ -197,12 +368,16 @@ impl Metrics {
 
     /// Observe a first-token latency, seconds.
     pub(crate) fn observe_ttft(&self, s: f64) {
-        self.ttft.get_or_create(&labels(&[("slo", &self.slo_label_ttft)])).observe(s);
+        self.ttft
+            .get_or_create(&labels(&[("slo", &self.slo_label_ttft)]))
+            .observe(s);
     }
 
     /// Observe a time per output token, seconds.
     pub(crate) fn observe_tpot(&self, s: f64) {
-        self.tpot.get_or_create(&labels(&[("slo", &self.slo_label_tpot)])).observe(s);
+        self.tpot
+            .get_or_create(&labels(&[("slo", &self.slo_label_tpot)]))
+            .observe(s);
     }
 
     /// OpenMetrics text of every family.
@@ -223,7 +398,10 @@ mod tests {
 
     #[test]
     fn buckets_scale_with_the_slo() {
-        assert_eq!(buckets(2.0), vec![0.05, 0.1, 0.2, 0.4, 0.7, 1.0, 1.4, 2.0, 3.0, 6.0, 20.0]);
+        assert_eq!(
+            buckets(2.0),
+            vec![0.05, 0.1, 0.2, 0.4, 0.7, 1.0, 1.4, 2.0, 3.0, 6.0, 20.0]
+        );
         assert_eq!(fmt_g(2.0), "2");
         assert_eq!(fmt_g(0.05), "0.05");
     }

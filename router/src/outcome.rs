@@ -67,7 +67,14 @@ pub const REJECTED_REASONS: &[&str] = &["inflight_limit", "saturated", "not_read
 /// Known `expired` reasons.
 pub const EXPIRED_REASONS: &[&str] = &["deadline", "queue_timeout", "handoff"];
 /// Known `refused` causes.
-pub const REFUSED_REASONS: &[&str] = &["queue", "prompt", "aggregate_unpriced", "slot_wait", "kv_capacity", "tpot"];
+pub const REFUSED_REASONS: &[&str] = &[
+    "queue",
+    "prompt",
+    "aggregate_unpriced",
+    "slot_wait",
+    "kv_capacity",
+    "tpot",
+];
 
 /// How one request ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -108,7 +115,13 @@ impl Settlement {
     }
 
     /// Any other outcome.
-    pub fn new(terminal: Terminal, reason: &str, status: u16, error: impl Into<String>, error_type: &str) -> Self {
+    pub fn new(
+        terminal: Terminal,
+        reason: &str,
+        status: u16,
+        error: impl Into<String>,
+        error_type: &str,
+    ) -> Self {
         Settlement {
             terminal,
             reason: reason.to_string(),
@@ -279,8 +292,17 @@ impl Tally {
             }
         };
         if let Some(b) = bucket {
-            let reason = if s.reason.is_empty() { "unclassified" } else { s.reason.as_str() };
-            *self.reasons.entry(b).or_default().entry(reason.to_string()).or_default() += 1;
+            let reason = if s.reason.is_empty() {
+                "unclassified"
+            } else {
+                s.reason.as_str()
+            };
+            *self
+                .reasons
+                .entry(b)
+                .or_default()
+                .entry(reason.to_string())
+                .or_default() += 1;
         }
     }
 
@@ -301,7 +323,10 @@ impl Tally {
             };
             let mut ordered = serde_json::Map::new();
             for k in known {
-                ordered.insert((*k).to_string(), inner.get(*k).cloned().unwrap_or(Value::from(0)));
+                ordered.insert(
+                    (*k).to_string(),
+                    inner.get(*k).cloned().unwrap_or(Value::from(0)),
+                );
             }
             for (k, v) in inner {
                 if !ordered.contains_key(&k) {
@@ -331,7 +356,9 @@ pub struct Pending {
 
 impl std::fmt::Debug for Pending {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pending").field("record", &self.record).finish()
+        f.debug_struct("Pending")
+            .field("record", &self.record)
+            .finish()
     }
 }
 
@@ -346,12 +373,16 @@ impl Pending {
 
     /// Mutable access to the record while the request runs.
     pub fn record(&mut self) -> &mut RequestRecord {
-        self.record.as_mut().expect("a Pending holds its record until settled")
+        self.record
+            .as_mut()
+            .expect("a Pending holds its record until settled")
     }
 
     /// Read access to the record.
     pub fn record_ref(&self) -> &RequestRecord {
-        self.record.as_ref().expect("a Pending holds its record until settled")
+        self.record
+            .as_ref()
+            .expect("a Pending holds its record until settled")
     }
 
     /// Settle now; consumes the guard so a second settlement cannot compile.
@@ -399,7 +430,10 @@ mod tests {
         let sink = Arc::new(Sink::default());
         let p = Pending::new(sink.clone(), rec("a"));
         p.settle(Settlement::completed());
-        assert_eq!(*sink.0.lock().unwrap(), vec![("a".to_string(), Terminal::Completed)]);
+        assert_eq!(
+            *sink.0.lock().unwrap(),
+            vec![("a".to_string(), Terminal::Completed)]
+        );
     }
 
     #[test]
@@ -409,17 +443,33 @@ mod tests {
             let mut p = Pending::new(sink.clone(), rec("b"));
             p.record().attempts = 1;
         }
-        assert_eq!(*sink.0.lock().unwrap(), vec![("b".to_string(), Terminal::Cancelled)]);
+        assert_eq!(
+            *sink.0.lock().unwrap(),
+            vec![("b".to_string(), Terminal::Cancelled)]
+        );
     }
 
     #[test]
     fn tally_counts_reasons_and_seeds_known_ones() {
         let mut t = Tally::default();
-        t.apply(&Settlement::new(Terminal::Failed, "engine_error", 502, "x", "decode"), false, true, false);
-        t.apply(&Settlement::new(Terminal::Rejected, "", 400, "x", "y"), false, false, false);
+        t.apply(
+            &Settlement::new(Terminal::Failed, "engine_error", 502, "x", "decode"),
+            false,
+            true,
+            false,
+        );
+        t.apply(
+            &Settlement::new(Terminal::Rejected, "", 400, "x", "y"),
+            false,
+            false,
+            false,
+        );
         t.apply(&Settlement::completed(), true, true, true);
         t.apply(&Settlement::cancelled(), false, true, false);
-        assert_eq!((t.failed, t.rejected, t.served, t.slo_met, t.cancelled), (1, 1, 1, 1, 1));
+        assert_eq!(
+            (t.failed, t.rejected, t.served, t.slo_met, t.cancelled),
+            (1, 1, 1, 1, 1)
+        );
         assert_eq!(t.served_after_retry, 1);
         assert_eq!(t.unsized_offered, 1);
         let j = t.reasons_json();

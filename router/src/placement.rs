@@ -158,11 +158,19 @@ pub fn candidates(slots: &[EngineSlot], role: Role, avoid: &BTreeSet<usize>) -> 
 ///   request disaggregated).
 /// * Otherwise aggregated on a live engine of any role (p2c, avoid honoured the same way).
 /// * `None` only when no engine is live.
-pub fn plan<R: Rng + ?Sized>(slots: &[EngineSlot], avoid: &BTreeSet<usize>, rng: &mut R) -> Option<Plan> {
+pub fn plan<R: Rng + ?Sized>(
+    slots: &[EngineSlot],
+    avoid: &BTreeSet<usize>,
+    rng: &mut R,
+) -> Option<Plan> {
     let none = BTreeSet::new();
     let pick = |role: Role| {
         let c = candidates(slots, role, avoid);
-        if c.is_empty() { candidates(slots, role, &none) } else { c }
+        if c.is_empty() {
+            candidates(slots, role, &none)
+        } else {
+            c
+        }
     };
     let pre = pick(Role::Prefill);
     let dec = pick(Role::Decode);
@@ -177,8 +185,16 @@ pub fn plan<R: Rng + ?Sized>(slots: &[EngineSlot], avoid: &BTreeSet<usize>, rng:
         return Some(Plan::Split { prefill, decode });
     }
     let live: Vec<usize> = (0..slots.len()).filter(|i| slots[*i].is_live()).collect();
-    let preferred: Vec<usize> = live.iter().copied().filter(|i| !avoid.contains(i)).collect();
-    let any = if preferred.is_empty() { live } else { preferred };
+    let preferred: Vec<usize> = live
+        .iter()
+        .copied()
+        .filter(|i| !avoid.contains(i))
+        .collect();
+    let any = if preferred.is_empty() {
+        live
+    } else {
+        preferred
+    };
     p2c(slots, &any, rng).map(|engine| Plan::Aggregated { engine })
 }
 
@@ -201,7 +217,10 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(1);
         assert_eq!(
             plan(&slots, &BTreeSet::new(), &mut rng),
-            Some(Plan::Split { prefill: 0, decode: 1 })
+            Some(Plan::Split {
+                prefill: 0,
+                decode: 1
+            })
         );
     }
 
@@ -214,7 +233,10 @@ mod tests {
         for _ in 0..200 {
             assert_eq!(
                 plan(&slots, &BTreeSet::new(), &mut rng),
-                Some(Plan::Split { prefill: 1, decode: 2 })
+                Some(Plan::Split {
+                    prefill: 1,
+                    decode: 2
+                })
             );
         }
     }
@@ -228,7 +250,10 @@ mod tests {
         for _ in 0..100 {
             assert_eq!(
                 plan(&slots, &BTreeSet::new(), &mut rng),
-                Some(Plan::Split { prefill: 1, decode: 2 })
+                Some(Plan::Split {
+                    prefill: 1,
+                    decode: 2
+                })
             );
         }
     }
@@ -268,7 +293,13 @@ mod tests {
         let slots = fleet(&[P, P, D, D]);
         let avoid: BTreeSet<usize> = [0, 2].into();
         let mut rng = StdRng::seed_from_u64(5);
-        assert_eq!(plan(&slots, &avoid, &mut rng), Some(Plan::Split { prefill: 1, decode: 3 }));
+        assert_eq!(
+            plan(&slots, &avoid, &mut rng),
+            Some(Plan::Split {
+                prefill: 1,
+                decode: 3
+            })
+        );
     }
 
     #[test]
@@ -276,7 +307,13 @@ mod tests {
         let slots = fleet(&[P, P, D]);
         let avoid: BTreeSet<usize> = [0, 2].into();
         let mut rng = StdRng::seed_from_u64(5);
-        assert_eq!(plan(&slots, &avoid, &mut rng), Some(Plan::Split { prefill: 1, decode: 2 }));
+        assert_eq!(
+            plan(&slots, &avoid, &mut rng),
+            Some(Plan::Split {
+                prefill: 1,
+                decode: 2
+            })
+        );
     }
 
     proptest::proptest! {

@@ -216,13 +216,24 @@ impl StreamState {
         }
         let mut v: Value = match serde_json::from_str(data) {
             Ok(v @ Value::Object(_)) => v,
-            Ok(_) => return RelayStep::Failed(StreamFailure::InvalidFrame("data frame is not a JSON object".into())),
-            Err(e) => return RelayStep::Failed(StreamFailure::InvalidFrame(format!("data frame is not JSON: {e}"))),
+            Ok(_) => {
+                return RelayStep::Failed(StreamFailure::InvalidFrame(
+                    "data frame is not a JSON object".into(),
+                ));
+            }
+            Err(e) => {
+                return RelayStep::Failed(StreamFailure::InvalidFrame(format!(
+                    "data frame is not JSON: {e}"
+                )));
+            }
         };
         if let Some(err) = v.get("error").filter(|e| !e.is_null()) {
             let status = err
                 .get("code")
-                .and_then(|c| c.as_u64().or_else(|| c.as_str().and_then(|s| s.parse().ok())))
+                .and_then(|c| {
+                    c.as_u64()
+                        .or_else(|| c.as_str().and_then(|s| s.parse().ok()))
+                })
                 .filter(|c| (400..=599).contains(c))
                 .unwrap_or(500) as u16;
             let message = err
@@ -233,18 +244,29 @@ impl StreamState {
             return RelayStep::Failed(StreamFailure::UpstreamError { status, message });
         }
         let obj = v.as_object_mut().expect("checked object above");
-        let usage_only = obj.get("choices").and_then(Value::as_array).is_none_or(Vec::is_empty);
-        if let Some(p) = obj.get("usage").and_then(|u| u.get("prompt_tokens")).and_then(Value::as_u64) {
+        let usage_only = obj
+            .get("choices")
+            .and_then(Value::as_array)
+            .is_none_or(Vec::is_empty);
+        if let Some(p) = obj
+            .get("usage")
+            .and_then(|u| u.get("prompt_tokens"))
+            .and_then(Value::as_u64)
+        {
             self.prompt_tokens = Some(p);
         }
         let mut new_tokens = 0u64;
         if let Some(choices) = obj.get_mut("choices").and_then(Value::as_array_mut) {
             for ch in choices.iter_mut() {
-                let Some(ch) = ch.as_object_mut() else { continue };
+                let Some(ch) = ch.as_object_mut() else {
+                    continue;
+                };
                 match ch.get("token_ids") {
                     Some(Value::Array(ids)) => {
                         if !ids.iter().all(Value::is_u64) {
-                            return RelayStep::Failed(StreamFailure::InvalidFrame("token_ids must be an array of non-negative integers".into()));
+                            return RelayStep::Failed(StreamFailure::InvalidFrame(
+                                "token_ids must be an array of non-negative integers".into(),
+                            ));
                         }
                         new_tokens += ids.len() as u64;
                     }
@@ -254,7 +276,9 @@ impl StreamState {
                         }
                     }
                     Some(_) => {
-                        return RelayStep::Failed(StreamFailure::InvalidFrame("token_ids must be an array".into()));
+                        return RelayStep::Failed(StreamFailure::InvalidFrame(
+                            "token_ids must be an array".into(),
+                        ));
                     }
                 }
                 if !self.opts.return_token_ids {
@@ -310,7 +334,9 @@ fn content_bearing(choice: &Map<String, Value>) -> bool {
     };
     match choice.get("delta") {
         Some(d) => {
-            nonempty(d.get("content")) || nonempty(d.get("reasoning_content")) || nonempty(d.get("tool_calls"))
+            nonempty(d.get("content"))
+                || nonempty(d.get("reasoning_content"))
+                || nonempty(d.get("tool_calls"))
         }
         None => nonempty(choice.get("text")),
     }
@@ -360,12 +386,20 @@ impl Aggregator {
 
     /// Merge one relayed chunk.
     pub fn push(&mut self, chunk: &Value) {
-        for (k, slot) in [("id", &mut self.id), ("created", &mut self.created), ("model", &mut self.model)] {
+        for (k, slot) in [
+            ("id", &mut self.id),
+            ("created", &mut self.created),
+            ("model", &mut self.model),
+        ] {
             if slot.is_none() {
                 *slot = chunk.get(k).cloned();
             }
         }
-        let Some(choice) = chunk.get("choices").and_then(Value::as_array).and_then(|c| c.first()) else {
+        let Some(choice) = chunk
+            .get("choices")
+            .and_then(Value::as_array)
+            .and_then(|c| c.first())
+        else {
             return;
         };
         if let Some(fr) = choice.get("finish_reason").filter(|f| !f.is_null()) {
@@ -391,7 +425,11 @@ impl Aggregator {
                     }
                 }
             }
-            if let Some(lp) = choice.get("logprobs").and_then(|l| l.get("content")).and_then(Value::as_array) {
+            if let Some(lp) = choice
+                .get("logprobs")
+                .and_then(|l| l.get("content"))
+                .and_then(Value::as_array)
+            {
                 let acc = self.logprobs.get_or_insert_with(|| json!({"content": []}));
                 if let Some(a) = acc.get_mut("content").and_then(Value::as_array_mut) {
                     a.extend(lp.iter().cloned());
@@ -451,7 +489,10 @@ impl Aggregator {
         choice.insert("finish_reason".into(), self.finish_reason);
         if self.chat {
             let mut msg = Map::new();
-            msg.insert("role".into(), self.role.unwrap_or_else(|| "assistant".into()).into());
+            msg.insert(
+                "role".into(),
+                self.role.unwrap_or_else(|| "assistant".into()).into(),
+            );
             msg.insert("content".into(), self.text.into());
             if !self.reasoning.is_empty() {
                 msg.insert("reasoning_content".into(), self.reasoning.into());
@@ -583,11 +624,18 @@ mod tests {
         let mut s = StreamState::new(opts());
         assert_eq!(s.on_data(&chunk("", &[])), RelayStep::Hold);
         assert!(!s.started());
-        let RelayStep::Output(out) = s.on_data(&chunk(" t0", &[5])) else { panic!() };
+        let RelayStep::Output(out) = s.on_data(&chunk(" t0", &[5])) else {
+            panic!()
+        };
         assert_eq!(out.len(), 2, "held chunk flushed with the first token");
-        assert!(out.iter().all(|c| c["choices"][0].get("token_ids").is_none()));
+        assert!(
+            out.iter()
+                .all(|c| c["choices"][0].get("token_ids").is_none())
+        );
         assert!(s.started());
-        let RelayStep::Output(out) = s.on_data(&chunk(" t1", &[6, 7])) else { panic!() };
+        let RelayStep::Output(out) = s.on_data(&chunk(" t1", &[6, 7])) else {
+            panic!()
+        };
         assert_eq!(out.len(), 1);
         assert_eq!(s.tokens(), 3);
         // usage-only chunk is dropped unless asked for, but its prompt_tokens are kept
@@ -605,7 +653,9 @@ mod tests {
             include_usage: true,
             ..opts()
         });
-        let RelayStep::Output(out) = s.on_data(&chunk(" t0", &[5])) else { panic!() };
+        let RelayStep::Output(out) = s.on_data(&chunk(" t0", &[5])) else {
+            panic!()
+        };
         assert_eq!(out[0]["choices"][0]["token_ids"], json!([5]));
         let usage = json!({"choices": [], "usage": {"prompt_tokens": 9}}).to_string();
         assert!(matches!(s.on_data(&usage), RelayStep::Output(_)));
@@ -614,15 +664,24 @@ mod tests {
     #[test]
     fn failures_before_and_after_output() {
         let mut s = StreamState::new(opts());
-        assert_eq!(s.on_data("[DONE]"), RelayStep::Failed(StreamFailure::DoneBeforeToken));
+        assert_eq!(
+            s.on_data("[DONE]"),
+            RelayStep::Failed(StreamFailure::DoneBeforeToken)
+        );
         let mut s = StreamState::new(opts());
         s.on_data(&chunk(" t0", &[5]));
-        assert_eq!(s.on_end(), RelayStep::Failed(StreamFailure::EndedWithoutDone));
+        assert_eq!(
+            s.on_end(),
+            RelayStep::Failed(StreamFailure::EndedWithoutDone)
+        );
         let mut s = StreamState::new(opts());
         let e = json!({"error": {"message": "boom", "type": "x", "code": 503}}).to_string();
         assert_eq!(
             s.on_data(&e),
-            RelayStep::Failed(StreamFailure::UpstreamError { status: 503, message: "boom".into() })
+            RelayStep::Failed(StreamFailure::UpstreamError {
+                status: 503,
+                message: "boom".into()
+            })
         );
         let e = json!({"error": {"message": "boom", "code": "weird"}}).to_string();
         assert!(matches!(
@@ -641,7 +700,10 @@ mod tests {
         for _ in 0..MAX_HELD_FRAMES {
             assert_eq!(s.on_data(&chunk("", &[])), RelayStep::Hold);
         }
-        assert_eq!(s.on_data(&chunk("", &[])), RelayStep::Failed(StreamFailure::ResponseLimit));
+        assert_eq!(
+            s.on_data(&chunk("", &[])),
+            RelayStep::Failed(StreamFailure::ResponseLimit)
+        );
     }
 
     #[test]
@@ -650,7 +712,9 @@ mod tests {
             count_content_chunks: true,
             ..opts()
         });
-        let role = json!({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}).to_string();
+        let role =
+            json!({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+                .to_string();
         assert_eq!(s.on_data(&role), RelayStep::Hold);
         let c = json!({"choices": [{"index": 0, "delta": {"content": "hi"}}]}).to_string();
         assert!(matches!(s.on_data(&c), RelayStep::Output(_)));
@@ -667,7 +731,10 @@ mod tests {
         assert_eq!(v["object"], "text_completion");
         assert_eq!(v["choices"][0]["text"], " t0 t1");
         assert_eq!(v["choices"][0]["finish_reason"], "length");
-        assert_eq!(v["usage"], json!({"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}));
+        assert_eq!(
+            v["usage"],
+            json!({"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11})
+        );
 
         let mut a = Aggregator::new(true);
         a.push(&json!({"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}));
@@ -677,7 +744,10 @@ mod tests {
         let v = a.finish(3, 3);
         assert_eq!(v["object"], "chat.completion");
         assert_eq!(v["choices"][0]["message"]["content"], " t0");
-        assert_eq!(v["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"], "{\"a\":1}");
+        assert_eq!(
+            v["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"],
+            "{\"a\":1}"
+        );
         assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
     }
 

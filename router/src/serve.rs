@@ -37,7 +37,9 @@ use crate::outcome::{Pending, RequestRecord, SettleSink, Settlement, Terminal};
 use crate::placement::{self, Phase, Plan};
 use crate::relay::{Aggregator, RelayOptions, RelayStep, data_frame, done_frame, error_frame};
 use crate::state::{Resident, Retained, Shared};
-use crate::upstream::{LegError, LiveStream, Rendezvous, decode_body, sglang_bodies, url_host, vllm_prefill_body};
+use crate::upstream::{
+    LegError, LiveStream, Rendezvous, decode_body, sglang_bodies, url_host, vllm_prefill_body,
+};
 
 /// Response body type for every route.
 pub(crate) type Body = BoxBody<Bytes, Infallible>;
@@ -47,7 +49,10 @@ pub(crate) fn json_response(status: StatusCode, v: &Value, rid: &str) -> Respons
     let mut r = Response::new(Full::new(Bytes::from(v.to_string())).boxed());
     *r.status_mut() = status;
     let h = r.headers_mut();
-    h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    h.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     if let Ok(v) = HeaderValue::from_str(rid) {
         h.insert("x-request-id", v);
     }
@@ -55,7 +60,8 @@ pub(crate) fn json_response(status: StatusCode, v: &Value, rid: &str) -> Respons
 }
 
 fn with_retry_after(mut r: Response<Body>) -> Response<Body> {
-    r.headers_mut().insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+    r.headers_mut()
+        .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
     r
 }
 
@@ -117,13 +123,24 @@ struct Ctx<'a> {
 }
 
 /// Serve one completion POST. Never fails: every outcome is a response and one settlement.
-pub(crate) async fn completion(shared: Arc<Shared>, endpoint: Endpoint, req: http::Request<Incoming>) -> Response<Body> {
+pub(crate) async fn completion(
+    shared: Arc<Shared>,
+    endpoint: Endpoint,
+    req: http::Request<Incoming>,
+) -> Response<Body> {
     let rid = uuid::Uuid::new_v4().to_string();
     let span = tracing::info_span!("request", id = %rid, route = endpoint.path(), model = %shared.cfg.model);
-    completion_inner(shared, endpoint, req, rid).instrument(span).await
+    completion_inner(shared, endpoint, req, rid)
+        .instrument(span)
+        .await
 }
 
-async fn completion_inner(shared: Arc<Shared>, endpoint: Endpoint, req: http::Request<Incoming>, rid: String) -> Response<Body> {
+async fn completion_inner(
+    shared: Arc<Shared>,
+    endpoint: Endpoint,
+    req: http::Request<Incoming>,
+    rid: String,
+) -> Response<Body> {
     let arrived = shared.clock.now();
     let deadline = arrived + secs(shared.cfg.serving.request_timeout_s);
     shared.tally().offered += 1;
@@ -141,7 +158,13 @@ async fn completion_inner(shared: Arc<Shared>, endpoint: Endpoint, req: http::Re
     let err_body = |message: &str, ty: &str| json!({"error": {"message": message, "type": ty}});
 
     let Some(retained) = Retained::try_new(&shared) else {
-        pending.settle(Settlement::new(Terminal::Rejected, "inflight_limit", 429, "router in-flight limit reached", "server_overloaded_error"));
+        pending.settle(Settlement::new(
+            Terminal::Rejected,
+            "inflight_limit",
+            429,
+            "router in-flight limit reached",
+            "server_overloaded_error",
+        ));
         return with_retry_after(json_response(
             StatusCode::TOO_MANY_REQUESTS,
             &err_body("router in-flight limit reached", "server_overloaded_error"),
@@ -157,7 +180,13 @@ async fn completion_inner(shared: Arc<Shared>, endpoint: Endpoint, req: http::Re
         } else {
             ("Router is not ready", "standby")
         };
-        pending.settle(Settlement::new(Terminal::Rejected, "not_ready", 503, format!("not ready: {reason}"), ty.1));
+        pending.settle(Settlement::new(
+            Terminal::Rejected,
+            "not_ready",
+            503,
+            format!("not ready: {reason}"),
+            ty.1,
+        ));
         return with_retry_after(json_response(
             StatusCode::SERVICE_UNAVAILABLE,
             &json!({"error": {"message": ty.0, "type": ty.1, "code": ty.1}}),
@@ -171,21 +200,46 @@ async fn completion_inner(shared: Arc<Shared>, endpoint: Endpoint, req: http::Re
         Err(ReadError::TooLarge) => {
             let e = ingress::IngressError::TooLarge { limit };
             let (st, body) = e.response();
-            pending.settle(Settlement::new(Terminal::Invalid, "", st.as_u16(), e.to_string(), "request_too_large"));
+            pending.settle(Settlement::new(
+                Terminal::Invalid,
+                "",
+                st.as_u16(),
+                e.to_string(),
+                "request_too_large",
+            ));
             return json_response(st, &body, &rid);
         }
         Err(ReadError::Client(detail)) => {
             tracing::debug!(%detail, "client body read failed");
             pending.settle(Settlement::cancelled());
-            return json_response(StatusCode::BAD_REQUEST, &err_body("request body read failed", "invalid_request_error"), &rid);
+            return json_response(
+                StatusCode::BAD_REQUEST,
+                &err_body("request body read failed", "invalid_request_error"),
+                &rid,
+            );
         }
     };
-    let v = match ingress::validate(endpoint, &bytes, &shared.cfg.model, shared.cfg.backend, shared.cfg.engine.chars_per_token) {
+    let v = match ingress::validate(
+        endpoint,
+        &bytes,
+        &shared.cfg.model,
+        shared.cfg.backend,
+        shared.cfg.engine.chars_per_token,
+    ) {
         Ok(v) => v,
         Err(e) => {
             let (st, body) = e.response();
-            let ty = body["error"]["type"].as_str().unwrap_or("invalid_request_error").to_string();
-            pending.settle(Settlement::new(Terminal::Invalid, "", st.as_u16(), e.to_string(), &ty));
+            let ty = body["error"]["type"]
+                .as_str()
+                .unwrap_or("invalid_request_error")
+                .to_string();
+            pending.settle(Settlement::new(
+                Terminal::Invalid,
+                "",
+                st.as_u16(),
+                e.to_string(),
+                &ty,
+            ));
             return json_response(st, &body, &rid);
         }
     };
@@ -197,7 +251,13 @@ async fn completion_inner(shared: Arc<Shared>, endpoint: Endpoint, req: http::Re
         match shared.seats.clone().try_acquire_owned() {
             Ok(p) => p,
             Err(_) => {
-                pending.settle(Settlement::new(Terminal::Rejected, "inflight_limit", 429, "router in-flight limit reached", "server_overloaded_error"));
+                pending.settle(Settlement::new(
+                    Terminal::Rejected,
+                    "inflight_limit",
+                    429,
+                    "router in-flight limit reached",
+                    "server_overloaded_error",
+                ));
                 return with_retry_after(json_response(
                     StatusCode::TOO_MANY_REQUESTS,
                     &err_body("router in-flight limit reached", "server_overloaded_error"),
@@ -212,7 +272,11 @@ async fn completion_inner(shared: Arc<Shared>, endpoint: Endpoint, req: http::Re
             Ok(Ok(p)) => p,
             _ => {
                 let (reason, ty, msg) = if by == deadline {
-                    ("deadline", "request_expired", "original request deadline expired")
+                    (
+                        "deadline",
+                        "request_expired",
+                        "original request deadline expired",
+                    )
                 } else {
                     ("queue_timeout", "queue_expired", "queue deadline expired")
                 };
@@ -232,7 +296,13 @@ async fn completion_inner(shared: Arc<Shared>, endpoint: Endpoint, req: http::Re
     let outcome = tokio::time::timeout_at(deadline.into(), attempts(&ctx, &mut pending)).await;
     let started = match outcome {
         Err(_) => {
-            pending.settle(Settlement::new(Terminal::Expired, "deadline", 504, "request deadline expired before output", "request_expired"));
+            pending.settle(Settlement::new(
+                Terminal::Expired,
+                "deadline",
+                504,
+                "request deadline expired before output",
+                "request_expired",
+            ));
             return json_response(
                 StatusCode::GATEWAY_TIMEOUT,
                 &err_body("original request deadline expired", "request_expired"),
@@ -241,7 +311,13 @@ async fn completion_inner(shared: Arc<Shared>, endpoint: Endpoint, req: http::Re
         }
         Ok(Err(AttemptsError::NoEngine)) => {
             let ty = "no_schedulable_engines";
-            pending.settle(Settlement::new(Terminal::Failed, "no_engine", 503, "no schedulable engine for this attempt", ty));
+            pending.settle(Settlement::new(
+                Terminal::Failed,
+                "no_engine",
+                503,
+                "no schedulable engine for this attempt",
+                ty,
+            ));
             return with_retry_after(json_response(
                 StatusCode::SERVICE_UNAVAILABLE,
                 &json!({"error": {"message": "Engine capacity is unavailable", "type": ty, "code": ty}}),
@@ -263,18 +339,43 @@ async fn completion_inner(shared: Arc<Shared>, endpoint: Endpoint, req: http::Re
         let task_shared = shared.clone();
         let span = tracing::Span::current();
         tokio::spawn(
-            relay_stream(task_shared, started, pending, tx, deadline, first_token_at, retained, permit).instrument(span),
+            relay_stream(
+                task_shared,
+                started,
+                pending,
+                tx,
+                deadline,
+                first_token_at,
+                retained,
+                permit,
+            )
+            .instrument(span),
         );
         let mut r = Response::new(BodyExt::boxed(ChannelBody(rx)));
         let h = r.headers_mut();
-        h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-        h.insert(http::header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        h.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        h.insert(
+            http::header::CACHE_CONTROL,
+            HeaderValue::from_static("no-cache"),
+        );
         if let Ok(v) = HeaderValue::from_str(&rid) {
             h.insert("x-request-id", v);
         }
         r
     } else {
-        let r = collect(&shared, started, &mut pending, deadline, first_token_at, endpoint, v.input_len).await;
+        let r = collect(
+            &shared,
+            started,
+            &mut pending,
+            deadline,
+            first_token_at,
+            endpoint,
+            v.input_len,
+        )
+        .await;
         drop(permit);
         drop(retained);
         match r {
@@ -318,7 +419,13 @@ fn failure_response(shared: &Shared, pending: Pending, f: &Fail, rid: &str) -> R
     let _ = shared;
     if let Some((status, message, param)) = f.err.client_fault() {
         let st = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
-        pending.settle(Settlement::new(Terminal::Failed, "engine_rejected", st.as_u16(), f.err.detail(), "invalid_request_error"));
+        pending.settle(Settlement::new(
+            Terminal::Failed,
+            "engine_rejected",
+            st.as_u16(),
+            f.err.detail(),
+            "invalid_request_error",
+        ));
         return json_response(
             st,
             &json!({"error": {"message": message, "type": "invalid_request_error", "param": param, "code": null}}),
@@ -327,7 +434,13 @@ fn failure_response(shared: &Shared, pending: Pending, f: &Fail, rid: &str) -> R
     }
     let phase = f.phase.as_str();
     let status = f.err.http_status();
-    pending.settle(Settlement::new(Terminal::Failed, f.err.reason(), status, format!("{phase}: {}", f.err.detail()), phase));
+    pending.settle(Settlement::new(
+        Terminal::Failed,
+        f.err.reason(),
+        status,
+        format!("{phase}: {}", f.err.detail()),
+        phase,
+    ));
     json_response(
         StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
         &json!({"error": {"message": f.err.public_message(), "type": phase, "code": phase}}),
@@ -388,7 +501,10 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Attem
         shared
             .metrics
             .attempt_failures
-            .get_or_create(&labels(&[("phase", f.phase.as_str()), ("reason", f.err.reason())]))
+            .get_or_create(&labels(&[
+                ("phase", f.phase.as_str()),
+                ("reason", f.err.reason()),
+            ]))
             .inc();
         let engine = shared.cfg.engines[f.iid].iid.clone();
         tracing::warn!(engine.id = %engine, phase = f.phase.as_str(), error = %f.err.detail(), attempt = n, "attempt failed");
@@ -436,7 +552,8 @@ fn relay_options(ctx: &Ctx<'_>) -> RelayOptions {
     RelayOptions {
         return_token_ids: ctx.v.return_token_ids,
         include_usage: ctx.v.stream && ctx.v.include_usage,
-        count_content_chunks: ctx.shared.cfg.backend == Backend::Sglang && ctx.endpoint == Endpoint::Chat,
+        count_content_chunks: ctx.shared.cfg.backend == Backend::Sglang
+            && ctx.endpoint == Endpoint::Chat,
         max_response_bytes: ctx.shared.cfg.serving.max_response_bytes,
         collect: !ctx.v.stream,
     }
@@ -462,11 +579,27 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
             let first_by = now + first_token_limit(shared);
             let live = shared
                 .upstream
-                .decode(&url(engine), &format!("{base}-decode"), &body, opts, first_by)
+                .decode(
+                    &url(engine),
+                    &format!("{base}-decode"),
+                    &body,
+                    opts,
+                    first_by,
+                )
                 .instrument(tracing::info_span!("decode", engine = %shared.cfg.engines[engine].iid))
                 .await
-                .map_err(|err| Fail { phase: Phase::Decode, iid: engine, err, producer: None })?;
-            Ok(Started { live, _seat: seat, _prefill_task: None, decode_iid: engine})
+                .map_err(|err| Fail {
+                    phase: Phase::Decode,
+                    iid: engine,
+                    err,
+                    producer: None,
+                })?;
+            Ok(Started {
+                live,
+                _seat: seat,
+                _prefill_task: None,
+                decode_iid: engine,
+            })
         }
         Plan::Split { prefill, decode } if !sglang => {
             let seat_p = Resident::new(shared, prefill, Phase::Prefill);
@@ -475,10 +608,22 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
             let t0 = shared.clock.now();
             let desc = shared
                 .upstream
-                .vllm_prefill(&url(prefill), &format!("{base}-prefill"), &vllm_prefill_body(&ctx.v.body), limit)
-                .instrument(tracing::info_span!("prefill", engine = %shared.cfg.engines[prefill].iid))
+                .vllm_prefill(
+                    &url(prefill),
+                    &format!("{base}-prefill"),
+                    &vllm_prefill_body(&ctx.v.body),
+                    limit,
+                )
+                .instrument(
+                    tracing::info_span!("prefill", engine = %shared.cfg.engines[prefill].iid),
+                )
                 .await
-                .map_err(|err| Fail { phase: Phase::Prefill, iid: prefill, err, producer: None })?;
+                .map_err(|err| Fail {
+                    phase: Phase::Prefill,
+                    iid: prefill,
+                    err,
+                    producer: None,
+                })?;
             drop(seat_p);
             shared.core().stats.upstream_prefill_s += (shared.clock.now() - t0).as_secs_f64();
             shared.observe(prefill, Observation::PrefillOk);
@@ -488,20 +633,44 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
             let first_by = shared.clock.now() + first_token_limit(shared);
             let live = shared
                 .upstream
-                .decode(&url(decode), &format!("{base}-decode"), &body, opts, first_by)
+                .decode(
+                    &url(decode),
+                    &format!("{base}-decode"),
+                    &body,
+                    opts,
+                    first_by,
+                )
                 .instrument(tracing::info_span!("decode", engine = %shared.cfg.engines[decode].iid))
                 .await
-                .map_err(|err| Fail { phase: Phase::Decode, iid: decode, err, producer: Some(prefill) })?;
-            Ok(Started { live, _seat: seat, _prefill_task: None, decode_iid: decode })
+                .map_err(|err| Fail {
+                    phase: Phase::Decode,
+                    iid: decode,
+                    err,
+                    producer: Some(prefill),
+                })?;
+            Ok(Started {
+                live,
+                _seat: seat,
+                _prefill_task: None,
+                decode_iid: decode,
+            })
         }
         Plan::Split { prefill, decode } => {
             // SGLang: reserve both before either leg starts (reference-notes 7.2 step 1).
             let seat_p = Resident::new(shared, prefill, Phase::Prefill);
             let seat_d = Resident::new(shared, decode, Phase::Decode);
-            let fail_p = |err| Fail { phase: Phase::Prefill, iid: prefill, err, producer: None };
-            let port = bootstrap_port(shared, prefill).await.map_err(|e| fail_p(LegError::KvHandoff(e)))?;
-            let host = url_host(&shared.cfg.engines[prefill].url)
-                .ok_or_else(|| fail_p(LegError::KvHandoff("prefill engine URL has no host".into())))?;
+            let fail_p = |err| Fail {
+                phase: Phase::Prefill,
+                iid: prefill,
+                err,
+                producer: None,
+            };
+            let port = bootstrap_port(shared, prefill)
+                .await
+                .map_err(|e| fail_p(LegError::KvHandoff(e)))?;
+            let host = url_host(&shared.cfg.engines[prefill].url).ok_or_else(|| {
+                fail_p(LegError::KvHandoff("prefill engine URL has no host".into()))
+            })?;
             let room: u64 = shared.core().rng.random::<u64>() >> 1;
             let rv = Rendezvous { host, port, room };
             let (pbody, dbody) = sglang_bodies(&ctx.v.body, &rv, &base, chat);
@@ -529,7 +698,9 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
             let dfut = shared
                 .upstream
                 .decode(&durl, &drid, &dbody, opts, first_by)
-                .instrument(tracing::info_span!("decode", engine = %shared.cfg.engines[decode].iid));
+                .instrument(
+                    tracing::info_span!("decode", engine = %shared.cfg.engines[decode].iid),
+                );
             tokio::pin!(dfut);
             let mut prefill_done = false;
             loop {
@@ -586,14 +757,20 @@ pub(crate) async fn bootstrap_port(shared: &Shared, iid: usize) -> Result<u16, S
 /// Fetch and cache `disaggregation_bootstrap_port` from `/server_info`.
 pub(crate) async fn refresh_bootstrap_port(shared: &Shared, iid: usize) -> Result<u16, String> {
     let url = format!("{}/server_info", shared.cfg.engines[iid].url);
-    let (status, body) = shared.upstream.get(&url, secs(shared.cfg.engine.health_timeout_s)).await?;
+    let (status, body) = shared
+        .upstream
+        .get(&url, secs(shared.cfg.engine.health_timeout_s))
+        .await?;
     if status != StatusCode::OK {
         return Err(format!("{url} answered {status}"));
     }
     let v: Value = serde_json::from_slice(&body).map_err(|e| format!("{url}: not JSON: {e}"))?;
     let port = v
         .get("disaggregation_bootstrap_port")
-        .and_then(|p| p.as_u64().or_else(|| p.as_str().and_then(|s| s.parse().ok())))
+        .and_then(|p| {
+            p.as_u64()
+                .or_else(|| p.as_str().and_then(|s| s.parse().ok()))
+        })
         .and_then(|p| u16::try_from(p).ok())
         .ok_or_else(|| format!("{url}: no disaggregation_bootstrap_port"))?;
     shared.core().bootstrap_ports[iid] = Some(port);
@@ -614,7 +791,12 @@ struct TokenClock {
 
 impl TokenClock {
     fn new(at: Instant, tokens: u64) -> Self {
-        TokenClock { first_at: at, first_tokens: tokens, last_at: at, tokens }
+        TokenClock {
+            first_at: at,
+            first_tokens: tokens,
+            last_at: at,
+            tokens,
+        }
     }
     fn update(&mut self, at: Instant, tokens: u64) {
         if tokens > self.tokens {
@@ -691,7 +873,15 @@ async fn relay_stream(
                 return;
             }
             Ok(RelayStep::Failed(f)) => {
-                let s = stream_failed(&shared, &mut pending, &started, &clock, &tx, LegError::Stream(f)).await;
+                let s = stream_failed(
+                    &shared,
+                    &mut pending,
+                    &started,
+                    &clock,
+                    &tx,
+                    LegError::Stream(f),
+                )
+                .await;
                 pending.settle(s);
                 return;
             }
@@ -712,13 +902,21 @@ async fn stream_failed(
     tx: &mpsc::Sender<Bytes>,
     err: LegError,
 ) -> Settlement {
-    let _ = tx.send(error_frame(err.public_message(), "decode", "failed")).await;
+    let _ = tx
+        .send(error_frame(err.public_message(), "decode", "failed"))
+        .await;
     if let Some(class) = err.class(Phase::Decode) {
         shared.observe(started.decode_iid, Observation::LegFailed(class));
     }
     tracing::warn!(error = %err.detail(), "decode stream failed after output");
     finish_record(shared, pending, &started.live, clock);
-    Settlement::new(Terminal::Failed, err.reason(), 200, format!("decode: {}", err.detail()), "decode")
+    Settlement::new(
+        Terminal::Failed,
+        err.reason(),
+        200,
+        format!("decode: {}", err.detail()),
+        "decode",
+    )
 }
 
 /// Collect a stream into one response object for a non-streaming client.
@@ -774,11 +972,19 @@ async fn collect(
         finish_record(shared, pending, &started.live, &clock);
         let status = err.http_status();
         let msg = match err {
-            LegError::Stream(crate::relay::StreamFailure::ResponseLimit) => "Response exceeds the configured limit",
+            LegError::Stream(crate::relay::StreamFailure::ResponseLimit) => {
+                "Response exceeds the configured limit"
+            }
             _ => "Invalid non-streaming upstream response",
         };
         return Err((
-            Settlement::new(Terminal::Failed, err.reason(), status, format!("decode: {}", err.detail()), "decode"),
+            Settlement::new(
+                Terminal::Failed,
+                err.reason(),
+                status,
+                format!("decode: {}", err.detail()),
+                "decode",
+            ),
             StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
             json!({"error": {"message": msg, "type": "decode", "code": "decode"}}),
         ));

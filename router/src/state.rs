@@ -82,10 +82,20 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub(crate) fn new(cfg: Arc<Config>, clock: Arc<dyn Clock>, journal: Journal, max_concurrent: usize) -> Arc<Self> {
+    pub(crate) fn new(
+        cfg: Arc<Config>,
+        clock: Arc<dyn Clock>,
+        journal: Journal,
+        max_concurrent: usize,
+    ) -> Arc<Self> {
         let n = cfg.engines.len();
-        let probe_interval = secs(cfg.controller.monitor_interval_s * f64::from(cfg.recovery.readmit_every));
-        let slots = cfg.engines.iter().map(|e| EngineSlot::new(e.role)).collect();
+        let probe_interval =
+            secs(cfg.controller.monitor_interval_s * f64::from(cfg.recovery.readmit_every));
+        let slots = cfg
+            .engines
+            .iter()
+            .map(|e| EngineSlot::new(e.role))
+            .collect();
         let metrics = Metrics::new(cfg.slo.ttft_s, cfg.slo.tpot_s);
         let limit = max_concurrent as u64 + cfg.serving.queue_capacity;
         metrics.http_retained_limit.set(limit as i64);
@@ -219,8 +229,9 @@ impl Shared {
         m.http_retained.set(retained as i64);
         m.http_retained_high_water
             .set(self.retained_high_water.load(Ordering::Relaxed) as i64);
-        m.admission_inflight
-            .set((self.max_concurrent - self.seats.available_permits().min(self.max_concurrent)) as i64);
+        m.admission_inflight.set(
+            (self.max_concurrent - self.seats.available_permits().min(self.max_concurrent)) as i64,
+        );
         m.journal_dropped.set(self.journal.dropped() as i64);
         let core = self.core();
         m.retry_credits.set(core.retry_credits);
@@ -230,7 +241,9 @@ impl Shared {
             let iid = self.cfg.engines[i].iid.as_str();
             let is_ej = s.excluded.contains(&Exclusion::Ejected);
             ejected += i64::from(is_ej);
-            m.ejected.get_or_create(&labels(&[("iid", iid)])).set(i64::from(is_ej));
+            m.ejected
+                .get_or_create(&labels(&[("iid", iid)]))
+                .set(i64::from(is_ej));
             m.engine_draining
                 .get_or_create(&labels(&[("iid", iid)]))
                 .set(i64::from(s.excluded.contains(&Exclusion::Draining)));
@@ -253,8 +266,12 @@ impl Shared {
             }
         }
         m.ejected_instances.set(ejected);
-        m.pool_instances.get_or_create(&labels(&[("role", "prefill")])).set(pool[0]);
-        m.pool_instances.get_or_create(&labels(&[("role", "decode")])).set(pool[1]);
+        m.pool_instances
+            .get_or_create(&labels(&[("role", "prefill")]))
+            .set(pool[0]);
+        m.pool_instances
+            .get_or_create(&labels(&[("role", "decode")]))
+            .set(pool[1]);
         drop(core);
         m.render()
     }
@@ -358,10 +375,18 @@ impl Shared {
         order.sort_by_key(|i| names[*i]);
         for i in order {
             let s = &core.slots[i];
-            resident.insert(names[i].into(), json!({"prefill": s.resident_prefill, "decode": s.resident_decode}));
+            resident.insert(
+                names[i].into(),
+                json!({"prefill": s.resident_prefill, "decode": s.resident_decode}),
+            );
             let streaks: serde_json::Map<String, Value> = FailureClass::ALL
                 .iter()
-                .map(|c| (c.as_str().to_string(), Value::from(core.breaker.streak(i, *c))))
+                .map(|c| {
+                    (
+                        c.as_str().to_string(),
+                        Value::from(core.breaker.streak(i, *c)),
+                    )
+                })
                 .chain(std::iter::once(("liveness".to_string(), Value::from(0))))
                 .collect();
             failures.insert(names[i].into(), Value::Object(streaks));
@@ -398,9 +423,16 @@ impl Shared {
         let retry_credits = core.retry_credits;
         let unserved = core.unserved;
         drop(core);
-        let mut pinned: Vec<&str> = self.cfg.engines.iter().filter(|e| e.pin).map(|e| e.iid.as_str()).collect();
+        let mut pinned: Vec<&str> = self
+            .cfg
+            .engines
+            .iter()
+            .filter(|e| e.pin)
+            .map(|e| e.iid.as_str())
+            .collect();
         pinned.sort_unstable();
-        let inflight = self.max_concurrent - self.seats.available_permits().min(self.max_concurrent);
+        let inflight =
+            self.max_concurrent - self.seats.available_permits().min(self.max_concurrent);
         json!({
             "schema": "narwhal.state",
             "schema_version": 1,
@@ -511,20 +543,28 @@ impl SettleSink for Shared {
                     m.served_after_retry.inc();
                 }
                 let mut core = self.core();
-                core.retry_credits =
-                    (core.retry_credits + self.cfg.serving.retry_replenish).min(self.cfg.serving.retry_budget as f64);
+                core.retry_credits = (core.retry_credits + self.cfg.serving.retry_replenish)
+                    .min(self.cfg.serving.retry_budget as f64);
             }
             Terminal::Failed => {
-                m.failed.get_or_create(&labels(&[("reason", reason_or(&s))])).inc();
+                m.failed
+                    .get_or_create(&labels(&[("reason", reason_or(&s))]))
+                    .inc();
             }
             Terminal::Refused => {
-                m.refused.get_or_create(&labels(&[("cause", reason_or(&s))])).inc();
+                m.refused
+                    .get_or_create(&labels(&[("cause", reason_or(&s))]))
+                    .inc();
             }
             Terminal::Rejected => {
-                m.rejected.get_or_create(&labels(&[("reason", reason_or(&s))])).inc();
+                m.rejected
+                    .get_or_create(&labels(&[("reason", reason_or(&s))]))
+                    .inc();
             }
             Terminal::Expired => {
-                m.expired.get_or_create(&labels(&[("reason", reason_or(&s))])).inc();
+                m.expired
+                    .get_or_create(&labels(&[("reason", reason_or(&s))]))
+                    .inc();
             }
             Terminal::Cancelled => {
                 m.cancelled.inc();
@@ -554,7 +594,13 @@ impl SettleSink for Shared {
     fn abandoned(&self, record: &RequestRecord) -> Settlement {
         let elapsed = self.wall() - record.arrived;
         if elapsed >= self.cfg.serving.request_timeout_s {
-            Settlement::new(Terminal::Expired, "deadline", 504, "deadline passed before the client went away", "request_expired")
+            Settlement::new(
+                Terminal::Expired,
+                "deadline",
+                504,
+                "deadline passed before the client went away",
+                "request_expired",
+            )
         } else {
             Settlement::cancelled()
         }
@@ -562,7 +608,11 @@ impl SettleSink for Shared {
 }
 
 fn reason_or(s: &Settlement) -> &str {
-    if s.reason.is_empty() { "unclassified" } else { &s.reason }
+    if s.reason.is_empty() {
+        "unclassified"
+    } else {
+        &s.reason
+    }
 }
 
 /// A resident request on one engine in one phase; decrements on drop (RAII).
@@ -619,12 +669,16 @@ impl Retained {
             if cur >= limit {
                 return None;
             }
-            match shared
-                .retained
-                .compare_exchange(cur, cur + 1, Ordering::AcqRel, Ordering::Relaxed)
-            {
+            match shared.retained.compare_exchange(
+                cur,
+                cur + 1,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
                 Ok(_) => {
-                    shared.retained_high_water.fetch_max(cur + 1, Ordering::Relaxed);
+                    shared
+                        .retained_high_water
+                        .fetch_max(cur + 1, Ordering::Relaxed);
                     return Some(Retained(shared.clone()));
                 }
                 Err(now) => cur = now,

@@ -51,7 +51,12 @@ impl Upstream {
         }
     }
 
-    async fn post(&self, url: &str, rid_header: &str, body: &Value) -> Result<hyper::Response<Incoming>, LegError> {
+    async fn post(
+        &self,
+        url: &str,
+        rid_header: &str,
+        body: &Value,
+    ) -> Result<hyper::Response<Incoming>, LegError> {
         let mut b = Request::builder()
             .method(Method::POST)
             .uri(url)
@@ -73,16 +78,26 @@ impl Upstream {
     }
 
     /// GET `url`, returning status and (bounded) body. Used for `/health` and `/server_info`.
-    pub(crate) async fn get(&self, url: &str, timeout: Duration) -> Result<(StatusCode, Bytes), String> {
+    pub(crate) async fn get(
+        &self,
+        url: &str,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), String> {
         let req = Request::builder()
             .method(Method::GET)
             .uri(url)
             .body(Full::new(Bytes::new()))
             .map_err(|e| e.to_string())?;
         let fut = async {
-            let resp = self.client.request(req).await.map_err(|e| error_chain(&e))?;
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|e| error_chain(&e))?;
             let status = resp.status();
-            let body = read_bounded(resp.into_body(), ERROR_BODY_LIMIT).await.map_err(|e| e.to_string())?;
+            let body = read_bounded(resp.into_body(), ERROR_BODY_LIMIT)
+                .await
+                .map_err(|e| e.to_string())?;
             Ok((status, body))
         };
         tokio::time::timeout(timeout, fut)
@@ -91,18 +106,39 @@ impl Upstream {
     }
 
     /// vLLM prefill leg: POST and extract the KV descriptor (reference-notes 7.1 steps 2–3).
-    pub(crate) async fn vllm_prefill(&self, url: &str, rid_header: &str, body: &Value, limit: Instant) -> Result<Value, LegError> {
+    pub(crate) async fn vllm_prefill(
+        &self,
+        url: &str,
+        rid_header: &str,
+        body: &Value,
+        limit: Instant,
+    ) -> Result<Value, LegError> {
         let answer = self.json_leg(url, rid_header, body, limit).await?;
         extract_descriptor(&answer).map_err(LegError::KvHandoff)
     }
 
     /// SGLang prefill leg: POST and wait for a 200 (reference-notes 7.2 step 3).
-    pub(crate) async fn sglang_prefill(&self, url: &str, body: &Value, limit: Instant) -> Result<(), LegError> {
-        let rid = body.get("rid").and_then(Value::as_str).unwrap_or("").to_string();
+    pub(crate) async fn sglang_prefill(
+        &self,
+        url: &str,
+        body: &Value,
+        limit: Instant,
+    ) -> Result<(), LegError> {
+        let rid = body
+            .get("rid")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
         self.json_leg(url, &rid, body, limit).await.map(|_| ())
     }
 
-    async fn json_leg(&self, url: &str, rid_header: &str, body: &Value, limit: Instant) -> Result<Value, LegError> {
+    async fn json_leg(
+        &self,
+        url: &str,
+        rid_header: &str,
+        body: &Value,
+        limit: Instant,
+    ) -> Result<Value, LegError> {
         let fut = async {
             let resp = self.post(url, rid_header, body).await?;
             let status = resp.status();
@@ -112,11 +148,14 @@ impl Upstream {
             if status != StatusCode::OK {
                 return Err(status_error(status, &bytes));
             }
-            serde_json::from_slice::<Value>(&bytes).map_err(|e| LegError::InvalidResponse(format!("prefill answer is not JSON: {e}")))
+            serde_json::from_slice::<Value>(&bytes)
+                .map_err(|e| LegError::InvalidResponse(format!("prefill answer is not JSON: {e}")))
         };
         match tokio::time::timeout_at(limit.into(), fut).await {
             Ok(r) => r,
-            Err(_) => Err(LegError::Timeout("prefill leg exceeded serving.prefill_timeout_s")),
+            Err(_) => Err(LegError::Timeout(
+                "prefill leg exceeded serving.prefill_timeout_s",
+            )),
         }
     }
 
@@ -133,7 +172,9 @@ impl Upstream {
             let resp = self.post(url, rid_header, body).await?;
             let status = resp.status();
             if status != StatusCode::OK {
-                let bytes = read_bounded(resp.into_body(), ERROR_BODY_LIMIT).await.unwrap_or_default();
+                let bytes = read_bounded(resp.into_body(), ERROR_BODY_LIMIT)
+                    .await
+                    .unwrap_or_default();
                 return Err(status_error(status, &bytes));
             }
             let mut live = LiveStream {
@@ -191,10 +232,25 @@ fn status_error(status: StatusCode, bytes: &[u8]) -> LegError {
     let err = parsed.as_ref().and_then(|v| v.get("error"));
     let message = err
         .and_then(|e| e.get("message").and_then(Value::as_str).map(str::to_string))
-        .or_else(|| parsed.as_ref().and_then(|v| v.get("message")).and_then(Value::as_str).map(str::to_string))
-        .or_else(|| parsed.as_ref().and_then(|v| v.get("detail")).and_then(Value::as_str).map(str::to_string))
+        .or_else(|| {
+            parsed
+                .as_ref()
+                .and_then(|v| v.get("message"))
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        })
+        .or_else(|| {
+            parsed
+                .as_ref()
+                .and_then(|v| v.get("detail"))
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        })
         .unwrap_or_else(|| String::from_utf8_lossy(&bytes[..bytes.len().min(512)]).into_owned());
-    let param = err.and_then(|e| e.get("param")).cloned().unwrap_or(Value::Null);
+    let param = err
+        .and_then(|e| e.get("param"))
+        .cloned()
+        .unwrap_or(Value::Null);
     LegError::Status {
         status: status.as_u16(),
         message,
@@ -211,7 +267,9 @@ pub(crate) fn extract_descriptor(answer: &Value) -> Result<Value, String> {
         .pointer("/choices/0/kv_transfer_params")
         .filter(|v| !v.is_null())
         .or_else(|| answer.get("kv_transfer_params").filter(|v| !v.is_null()))
-        .ok_or_else(|| "no handoff: the prefill answer carries no kv_transfer_params".to_string())?;
+        .ok_or_else(|| {
+            "no handoff: the prefill answer carries no kv_transfer_params".to_string()
+        })?;
     let obj = d
         .as_object()
         .filter(|o| !o.is_empty())
@@ -326,7 +384,11 @@ impl LegError {
     /// prompt is too long): relay it as 400-class `invalid_request_error`, no retry, no breaker.
     pub(crate) fn client_fault(&self) -> Option<(u16, &str, &Value)> {
         match self {
-            LegError::Status { status, message, param } => {
+            LegError::Status {
+                status,
+                message,
+                param,
+            } => {
                 if (400..500).contains(status) && *status != 408 && *status != 429 {
                     Some((*status, message, param))
                 } else if *status == 500 && mentions_context_length(message) {
@@ -347,8 +409,12 @@ impl LegError {
         Some(match self {
             LegError::Connect(_) => FailureClass::Connection,
             LegError::Timeout(_) => FailureClass::Timeout,
-            LegError::FirstTokenTimeout | LegError::ReadTimeout | LegError::Cut(_) => FailureClass::Stream,
-            LegError::Status { status: 408 | 429, .. } => FailureClass::Overload,
+            LegError::FirstTokenTimeout | LegError::ReadTimeout | LegError::Cut(_) => {
+                FailureClass::Stream
+            }
+            LegError::Status {
+                status: 408 | 429, ..
+            } => FailureClass::Overload,
             LegError::Status { .. } => FailureClass::InferenceStatus,
             LegError::KvHandoff(_) => FailureClass::KvHandoff,
             LegError::InvalidResponse(_) => FailureClass::InferenceStatus,
@@ -370,8 +436,12 @@ impl LegError {
         }
         match self {
             LegError::Connect(_) | LegError::Cut(_) => "engine_connection",
-            LegError::Timeout(_) | LegError::FirstTokenTimeout | LegError::ReadTimeout => "engine_timeout",
-            LegError::Status { status: 408 | 429, .. } => "engine_overloaded",
+            LegError::Timeout(_) | LegError::FirstTokenTimeout | LegError::ReadTimeout => {
+                "engine_timeout"
+            }
+            LegError::Status {
+                status: 408 | 429, ..
+            } => "engine_overloaded",
             LegError::Status { .. } | LegError::KvHandoff(_) => "engine_error",
             LegError::Stream(StreamFailure::UpstreamError { .. }) => "engine_error",
             LegError::Stream(StreamFailure::ResponseLimit) => "response_limit",
@@ -395,7 +465,9 @@ impl LegError {
             LegError::Stream(StreamFailure::UpstreamError { status, .. }) => {
                 matches!(status, 408 | 429 | 500 | 502 | 503 | 504)
             }
-            LegError::Stream(StreamFailure::EndedWithoutDone | StreamFailure::DoneBeforeToken) => true,
+            LegError::Stream(StreamFailure::EndedWithoutDone | StreamFailure::DoneBeforeToken) => {
+                true
+            }
             LegError::KvHandoff(_) | LegError::InvalidResponse(_) | LegError::Stream(_) => false,
         }
     }
@@ -411,7 +483,9 @@ impl LegError {
     /// Public message (reference-notes 1.9); details go to the journal only.
     pub(crate) fn public_message(&self) -> &'static str {
         match self {
-            LegError::Stream(StreamFailure::ResponseLimit) => "Response exceeds the configured limit",
+            LegError::Stream(StreamFailure::ResponseLimit) => {
+                "Response exceeds the configured limit"
+            }
             _ => "Upstream request failed",
         }
     }
@@ -419,11 +493,20 @@ impl LegError {
     /// Detail for logs and the journal.
     pub(crate) fn detail(&self) -> String {
         match self {
-            LegError::Connect(s) | LegError::Cut(s) | LegError::KvHandoff(s) | LegError::InvalidResponse(s) => s.clone(),
+            LegError::Connect(s)
+            | LegError::Cut(s)
+            | LegError::KvHandoff(s)
+            | LegError::InvalidResponse(s) => s.clone(),
             LegError::Timeout(s) => (*s).to_string(),
-            LegError::FirstTokenTimeout => "no first token within engine.first_token_timeout_s".into(),
-            LegError::ReadTimeout => "decode stream silent beyond engine.decode_read_timeout_s".into(),
-            LegError::Status { status, message, .. } => format!("engine answered {status}: {message}"),
+            LegError::FirstTokenTimeout => {
+                "no first token within engine.first_token_timeout_s".into()
+            }
+            LegError::ReadTimeout => {
+                "decode stream silent beyond engine.decode_read_timeout_s".into()
+            }
+            LegError::Status {
+                status, message, ..
+            } => format!("engine answered {status}: {message}"),
             LegError::Stream(f) => f.detail(),
         }
     }
@@ -441,18 +524,32 @@ fn mentions_context_length(msg: &str) -> bool {
 /// Body of a vLLM prefill leg (reference-notes 7.1 step 2).
 pub(crate) fn vllm_prefill_body(client: &Map<String, Value>) -> Value {
     let mut b = client.clone();
-    for k in ["stream_options", "min_tokens", "n", "best_of", "max_completion_tokens", "kv_transfer_params"] {
+    for k in [
+        "stream_options",
+        "min_tokens",
+        "n",
+        "best_of",
+        "max_completion_tokens",
+        "kv_transfer_params",
+    ] {
         b.remove(k);
     }
     b.insert("max_tokens".into(), 1.into());
     b.insert("stream".into(), false.into());
-    b.insert("kv_transfer_params".into(), serde_json::json!({"do_remote_decode": true}));
+    b.insert(
+        "kv_transfer_params".into(),
+        serde_json::json!({"do_remote_decode": true}),
+    );
     Value::Object(b)
 }
 
 /// Body of a decode leg (vLLM or aggregated): streaming with usage and token ids, plus the
 /// descriptor when given (reference-notes 7.1 step 6).
-pub(crate) fn decode_body(client: &Map<String, Value>, descriptor: Option<&Value>, token_ids: bool) -> Value {
+pub(crate) fn decode_body(
+    client: &Map<String, Value>,
+    descriptor: Option<&Value>,
+    token_ids: bool,
+) -> Value {
     let mut b = client.clone();
     b.remove("kv_transfer_params");
     b.insert("stream".into(), true.into());
@@ -481,9 +578,20 @@ pub(crate) struct Rendezvous {
 }
 
 /// Bodies of the two SGLang legs (reference-notes 7.2 steps 3–4).
-pub(crate) fn sglang_bodies(client: &Map<String, Value>, rv: &Rendezvous, rid_base: &str, chat: bool) -> (Value, Value) {
+pub(crate) fn sglang_bodies(
+    client: &Map<String, Value>,
+    rv: &Rendezvous,
+    rid_base: &str,
+    chat: bool,
+) -> (Value, Value) {
     let mut p = client.clone();
-    for k in ["stream_options", "min_tokens", "n", "best_of", "max_completion_tokens"] {
+    for k in [
+        "stream_options",
+        "min_tokens",
+        "n",
+        "best_of",
+        "max_completion_tokens",
+    ] {
         p.remove(k);
     }
     p.insert("max_tokens".into(), 1.into());
@@ -510,7 +618,10 @@ pub(crate) fn sglang_bodies(client: &Map<String, Value>, rv: &Rendezvous, rid_ba
 
 /// Bootstrap host = host of the prefill engine's URL.
 pub(crate) fn url_host(url: &str) -> Option<String> {
-    url.parse::<http::Uri>().ok()?.host().map(|h| h.trim_matches(['[', ']']).to_string())
+    url.parse::<http::Uri>()
+        .ok()?
+        .host()
+        .map(|h| h.trim_matches(['[', ']']).to_string())
 }
 
 #[cfg(test)]
@@ -521,8 +632,14 @@ mod tests {
     #[test]
     fn descriptor_is_validated_and_carried_verbatim() {
         let d = json!({"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "e", "remote_block_ids": [1, 2], "remote_host": "h", "remote_port": 5, "remote_request_id": "r", "tp_size": 1});
-        assert_eq!(extract_descriptor(&json!({"kv_transfer_params": d})).unwrap(), d);
-        assert_eq!(extract_descriptor(&json!({"choices": [{"kv_transfer_params": d}]})).unwrap(), d);
+        assert_eq!(
+            extract_descriptor(&json!({"kv_transfer_params": d})).unwrap(),
+            d
+        );
+        assert_eq!(
+            extract_descriptor(&json!({"choices": [{"kv_transfer_params": d}]})).unwrap(),
+            d
+        );
         let hybrid = json!({"remote_engine_id": "e", "remote_block_ids": [[1], [2, 3]]});
         assert!(extract_descriptor(&json!({"kv_transfer_params": hybrid})).is_ok());
         for bad in [
@@ -547,7 +664,13 @@ mod tests {
         assert_eq!(p["max_tokens"], 1);
         assert_eq!(p["stream"], false);
         assert_eq!(p["kv_transfer_params"], json!({"do_remote_decode": true}));
-        for k in ["stream_options", "min_tokens", "n", "best_of", "max_completion_tokens"] {
+        for k in [
+            "stream_options",
+            "min_tokens",
+            "n",
+            "best_of",
+            "max_completion_tokens",
+        ] {
             assert!(p.get(k).is_none(), "{k}");
         }
         let d = decode_body(&client, Some(&json!({"remote_engine_id": "e"})), true);
@@ -555,7 +678,11 @@ mod tests {
         assert_eq!(d["return_token_ids"], true);
         assert_eq!(d["stream_options"]["include_usage"], true);
         assert_eq!(d["kv_transfer_params"]["remote_engine_id"], "e");
-        let rv = Rendezvous { host: "10.0.0.1".into(), port: 8998, room: 42 };
+        let rv = Rendezvous {
+            host: "10.0.0.1".into(),
+            port: 8998,
+            room: 42,
+        };
         let (p, d) = sglang_bodies(&client, &rv, "rid-a1", false);
         assert_eq!(p["rid"], "rid-a1-prefill");
         assert_eq!(d["rid"], "rid-a1-decode");
@@ -569,20 +696,42 @@ mod tests {
 
     #[test]
     fn classification() {
-        let ctx = LegError::Status { status: 500, message: "prompt is too long for the model's context length".into(), param: Value::Null };
+        let ctx = LegError::Status {
+            status: 500,
+            message: "prompt is too long for the model's context length".into(),
+            param: Value::Null,
+        };
         assert_eq!(ctx.client_fault().map(|c| c.0), Some(400));
         assert!(!ctx.transient());
         assert_eq!(ctx.class(Phase::Prefill), None);
-        let b = LegError::Status { status: 400, message: "bad".into(), param: Value::Null };
+        let b = LegError::Status {
+            status: 400,
+            message: "bad".into(),
+            param: Value::Null,
+        };
         assert_eq!(b.reason(), "engine_rejected");
-        let s = LegError::Status { status: 503, message: "busy".into(), param: Value::Null };
+        let s = LegError::Status {
+            status: 503,
+            message: "busy".into(),
+            param: Value::Null,
+        };
         assert!(s.transient());
         assert_eq!(s.class(Phase::Decode), Some(FailureClass::InferenceStatus));
-        let o = LegError::Status { status: 429, message: "slow".into(), param: Value::Null };
+        let o = LegError::Status {
+            status: 429,
+            message: "slow".into(),
+            param: Value::Null,
+        };
         assert_eq!(o.class(Phase::Decode), Some(FailureClass::Overload));
         assert!(!LegError::KvHandoff("x".into()).transient());
-        assert_eq!(LegError::KvHandoff("x".into()).class(Phase::Prefill), Some(FailureClass::KvHandoff));
-        assert_eq!(LegError::Connect("x".into()).class(Phase::Prefill), Some(FailureClass::Connection));
+        assert_eq!(
+            LegError::KvHandoff("x".into()).class(Phase::Prefill),
+            Some(FailureClass::KvHandoff)
+        );
+        assert_eq!(
+            LegError::Connect("x".into()).class(Phase::Prefill),
+            Some(FailureClass::Connection)
+        );
         assert_eq!(LegError::FirstTokenTimeout.http_status(), 504);
         assert_eq!(url_host("http://127.0.0.1:8000"), Some("127.0.0.1".into()));
     }
