@@ -380,17 +380,54 @@ impl Metrics {
             .observe(s);
     }
 
-    /// OpenMetrics text of every family.
+    /// Prometheus text (exposition 0.0.4, like the reference) of every family.
     pub(crate) fn render(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);
-        out
+        to_prometheus_text(&out)
     }
 }
 
-/// Content type of [`Metrics::render`].
-pub(crate) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// Rewrite prometheus-client's OpenMetrics output as Prometheus text 0.0.4: counter families
+/// are named with their `_total` suffix in `# HELP`/`# TYPE` (as the reference's
+/// `# TYPE narwhal_served_total counter`), the help text loses the added final period, and the
+/// `# EOF` marker goes.
+fn to_prometheus_text(open_metrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = open_metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(open_metrics.len());
+    for line in open_metrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').unwrap_or((rest, ""));
+            let help = help.strip_suffix('.').unwrap_or(help);
+            let suffix = if counters.contains(name) {
+                "_total"
+            } else {
+                ""
+            };
+            out.push_str(&format!("# HELP {name}{suffix} {help}\n"));
+        } else if let Some(name) = line
+            .strip_prefix("# TYPE ")
+            .and_then(|l| l.strip_suffix(" counter"))
+        {
+            out.push_str(&format!("# TYPE {name}_total counter\n"));
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// Content type of [`Metrics::render`] (reference-notes 1.1).
+pub(crate) const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 #[cfg(test)]
 mod tests {
@@ -421,9 +458,12 @@ mod tests {
             "narwhal_unserved_total 0",
             "narwhal_offered_total 0",
             "# TYPE narwhal_ttft_seconds histogram",
+            "# TYPE narwhal_served_total counter",
+            "# HELP narwhal_served_total Requests completed without error\n",
             "narwhal_slo_seconds{metric=\"ttft\",slo=\"2\"} 2.0",
         ] {
             assert!(t.contains(want), "missing {want} in\n{t}");
         }
+        assert!(!t.contains("# EOF"));
     }
 }

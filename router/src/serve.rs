@@ -324,6 +324,26 @@ async fn completion_inner(
                 &rid,
             ));
         }
+        Ok(Err(AttemptsError::Leg(f)))
+            if f.err.client_fault().is_none() && shared.clock.now() >= deadline =>
+        {
+            // A leg limit that coincides with the request deadline is the deadline.
+            pending.settle(Settlement::new(
+                Terminal::Expired,
+                "deadline",
+                504,
+                format!(
+                    "request deadline expired before output ({})",
+                    f.err.detail()
+                ),
+                "request_expired",
+            ));
+            return json_response(
+                StatusCode::GATEWAY_TIMEOUT,
+                &err_body("original request deadline expired", "request_expired"),
+                &rid,
+            );
+        }
         Ok(Err(AttemptsError::Leg(f))) => return failure_response(&shared, pending, &f, &rid),
         Ok(Ok(s)) => s,
     };
@@ -576,7 +596,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                 body["rid"] = Value::String(format!("{base}-decode"));
             }
             count_decode(shared);
-            let first_by = now + first_token_limit(shared);
+            let first_by = (now + first_token_limit(shared)).min(ctx.deadline);
             let live = shared
                 .upstream
                 .decode(
@@ -630,7 +650,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
             let seat = Resident::new(shared, decode, Phase::Decode);
             count_decode(shared);
             let body = decode_body(&ctx.v.body, (decode != prefill).then_some(&desc), true);
-            let first_by = shared.clock.now() + first_token_limit(shared);
+            let first_by = (shared.clock.now() + first_token_limit(shared)).min(ctx.deadline);
             let live = shared
                 .upstream
                 .decode(
@@ -692,7 +712,8 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                 }
                 .instrument(pspan),
             ));
-            let first_by = now + first_token_limit(shared).min(Duration::from_secs(30));
+            let first_by =
+                (now + first_token_limit(shared).min(Duration::from_secs(30))).min(ctx.deadline);
             let durl = url(decode);
             let drid = format!("{base}-decode");
             let dfut = shared

@@ -189,6 +189,8 @@ struct Fake {
     /// SGLang: decode waits for this long before the head (lets a failing prefill win).
     decode_head_delay: Duration,
     bootstrap_port: u16,
+    /// Answer this many decode requests with 503 first.
+    decode_fail_first: Arc<Mutex<usize>>,
 }
 
 impl Fake {
@@ -200,6 +202,7 @@ impl Fake {
             tokens,
             decode_head_delay: Duration::ZERO,
             bootstrap_port: 8998,
+            decode_fail_first: Arc::new(Mutex::new(0)),
         }
     }
 }
@@ -253,6 +256,18 @@ async fn completions(State(f): State<Fake>, headers: HeaderMap, body: Bytes) -> 
         .into_response();
     }
     f.seen.lock().unwrap().decode.push((rid, v.clone()));
+    {
+        let mut fail = f.decode_fail_first.lock().unwrap();
+        if *fail > 0 {
+            *fail -= 1;
+            guard.done = true;
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                axum::Json(json!({"error": {"message": "busy", "code": 503}})),
+            )
+                .into_response();
+        }
+    }
     tokio::time::sleep(f.decode_head_delay).await;
     let chat = v.get("messages").is_some();
     let with_ids = v["return_token_ids"] == json!(true);
@@ -459,7 +474,10 @@ async fn good_fleet_announces_and_serves_the_documents() {
     assert_eq!(st, StatusCode::NOT_FOUND);
     let (st, h, body) = call("GET", &format!("{}/metrics", s.control), None).await;
     assert_eq!(st, StatusCode::OK);
-    assert!(h["content-type"].to_str().unwrap().contains("openmetrics"));
+    assert_eq!(
+        h["content-type"],
+        "text/plain; version=0.0.4; charset=utf-8"
+    );
     let text = String::from_utf8_lossy(&body);
     assert!(text.contains("narwhal_router_ready 1"), "{text}");
     assert!(
@@ -912,4 +930,215 @@ async fn no_live_engine_answers_503_backend_unavailable() {
         state(&s).await["outcome_reasons"]["rejected"]["not_ready"],
         1
     );
+}
+
+async fn open_stream(s: &Serve, body: Value) -> std::net::TcpStream {
+    let addr = s.data.trim_start_matches("http://").to_string();
+    let body = body.to_string();
+    let mut sock = std::net::TcpStream::connect(&addr).unwrap();
+    write!(
+        sock,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("data: ") {
+        let n = sock.read(&mut buf).unwrap();
+        assert!(n > 0, "stream ended early");
+        got.extend_from_slice(&buf[..n]);
+    }
+    sock
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_decode_failure_is_retried_once() {
+    let p = Fake::new(0, 1);
+    let d = Fake::new(0, 2);
+    *d.decode_fail_first.lock().unwrap() = 1;
+    let pu = spawn_fake(p.clone()).await;
+    let du = spawn_fake(d.clone()).await;
+    let s = start(
+        &fleet(
+            "vllm",
+            vec![
+                json!({"iid": "p0", "url": pu, "role": "prefill"}),
+                json!({"iid": "d0", "url": du, "role": "decode"}),
+            ],
+        ),
+        &[],
+    );
+    let (st, h, body) = call(
+        "POST",
+        &format!("{}/v1/completions", s.data),
+        Some(json!({"prompt": "x", "max_tokens": 2})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+    let rid = h["x-request-id"].to_str().unwrap().to_string();
+    let ds = d.seen.lock().unwrap();
+    assert_eq!(ds.decode.len(), 2);
+    assert_eq!(
+        ds.decode[1].0.as_deref(),
+        Some(format!("{rid}-a2-decode").as_str())
+    );
+    drop(ds);
+    let st = state(&s).await;
+    assert_eq!(st["serving"]["retry_attempts"], 1);
+    assert_eq!(st["serving"]["served_after_retry"], 1);
+    assert_eq!(st["served"], 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inflight_limit_answers_429_with_retry_after() {
+    let p = Fake::new(0, 1);
+    let d = Fake::new(50, 1000);
+    let pu = spawn_fake(p.clone()).await;
+    let du = spawn_fake(d.clone()).await;
+    let s = start(
+        &fleet(
+            "vllm",
+            vec![
+                json!({"iid": "p0", "url": pu, "role": "prefill"}),
+                json!({"iid": "d0", "url": du, "role": "decode"}),
+            ],
+        ),
+        &["--max-concurrent", "1"],
+    );
+    let sock = open_stream(
+        &s,
+        json!({"prompt": "x", "max_tokens": 1000, "stream": true}),
+    )
+    .await;
+    let (st, h, body) = call(
+        "POST",
+        &format!("{}/v1/completions", s.data),
+        Some(json!({"prompt": "x"})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(h["retry-after"], "1");
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        v,
+        json!({"error": {"message": "router in-flight limit reached", "type": "server_overloaded_error"}})
+    );
+    assert_eq!(
+        state(&s).await["outcome_reasons"]["rejected"]["inflight_limit"],
+        1
+    );
+    drop(sock);
+    eventually("slot released", || async {
+        state(&s).await["serving"]["http_retained"] == 0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadline_before_output_is_504_request_expired() {
+    let p = Fake::new(0, 1);
+    let mut d = Fake::new(0, 2);
+    d.decode_head_delay = Duration::from_secs(30);
+    let pu = spawn_fake(p.clone()).await;
+    let du = spawn_fake(d.clone()).await;
+    let mut fl = fleet(
+        "vllm",
+        vec![
+            json!({"iid": "p0", "url": pu, "role": "prefill"}),
+            json!({"iid": "d0", "url": du, "role": "decode"}),
+        ],
+    );
+    fl["serving"]["request_timeout_s"] = json!(0.5);
+    fl["serving"]["prefill_timeout_s"] = json!(0.5);
+    fl["engine"]["first_token_timeout_s"] = json!(0.5);
+    let s = start(&fl, &[]);
+    let (st, _, body) = call(
+        "POST",
+        &format!("{}/v1/completions", s.data),
+        Some(json!({"prompt": "x"})),
+    )
+    .await;
+    assert_eq!(
+        st,
+        StatusCode::GATEWAY_TIMEOUT,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["error"]["type"], "request_expired");
+    eventually("decode cancelled", || async {
+        d.seen.lock().unwrap().cancelled == 1
+    })
+    .await;
+    assert_eq!(state(&s).await["outcome_reasons"]["expired"]["deadline"], 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadline_after_output_ends_the_stream_with_an_expired_frame() {
+    let p = Fake::new(0, 1);
+    let d = Fake::new(100, 1000);
+    let pu = spawn_fake(p.clone()).await;
+    let du = spawn_fake(d.clone()).await;
+    let mut fl = fleet(
+        "vllm",
+        vec![
+            json!({"iid": "p0", "url": pu, "role": "prefill"}),
+            json!({"iid": "d0", "url": du, "role": "decode"}),
+        ],
+    );
+    fl["serving"]["request_timeout_s"] = json!(0.6);
+    fl["serving"]["prefill_timeout_s"] = json!(0.6);
+    fl["engine"]["first_token_timeout_s"] = json!(0.6);
+    let s = start(&fl, &[]);
+    let (st, _, body) = call(
+        "POST",
+        &format!("{}/v1/completions", s.data),
+        Some(json!({"prompt": "x", "max_tokens": 1000, "stream": true})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK);
+    let frames = sse_data(&body);
+    assert!(frames.len() >= 2, "{frames:?}");
+    assert_eq!(
+        frames.last().unwrap(),
+        &json!({"error": {"message": "Request deadline expired", "type": "decode", "code": "expired"}}).to_string()
+    );
+    assert!(!frames.iter().any(|f| f == "[DONE]"));
+    eventually("settled expired", || async {
+        state(&s).await["expired"] == 1
+    })
+    .await;
+    eventually("decode cancelled", || async {
+        d.seen.lock().unwrap().cancelled == 1
+    })
+    .await;
+}
+
+#[test]
+fn sigterm_shuts_down_cleanly() {
+    let mut s = start(
+        &fleet(
+            "vllm",
+            vec![json!({"iid": "d0", "url": "http://127.0.0.1:1"})],
+        ),
+        &[],
+    );
+    let pid = s.child.id().to_string();
+    let st = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(st.success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(code) = s.child.try_wait().unwrap() {
+            assert_eq!(code.code(), Some(0));
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still running 10 s after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
