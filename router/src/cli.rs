@@ -156,6 +156,13 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
         eprintln!("narwhal-serve: cannot read the bound addresses");
         return ExitCode::from(1);
     };
+    let shutdown = match shutdown_signal() {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("narwhal-serve: installing signal handlers: {e}");
+            return ExitCode::from(1);
+        }
+    };
     let run = run_id(SystemClock.wall().unwrap_or(0.0));
     let (journal, _writer) = match Journal::open(&args.journal, &run) {
         Ok(j) => j,
@@ -189,7 +196,7 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
             journal,
             max_concurrent,
         },
-        shutdown_signal(),
+        shutdown,
     )
     .await;
     match result {
@@ -201,17 +208,16 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
     }
 }
 
-async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+/// Install the SIGTERM/SIGINT handlers now (before the listening line, so a supervisor that
+/// signals right after it gets a graceful shutdown) and return the future that waits for one.
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+            _ = int.recv() => tracing::info!("SIGINT: shutting down"),
         }
-    };
-    tokio::select! {
-        _ = term => tracing::info!("SIGTERM: shutting down"),
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
-    }
+    })
 }

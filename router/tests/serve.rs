@@ -979,13 +979,14 @@ async fn transient_decode_failure_is_retried_once() {
     .await;
     assert_eq!(st, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
     let rid = h["x-request-id"].to_str().unwrap().to_string();
-    let ds = d.seen.lock().unwrap();
-    assert_eq!(ds.decode.len(), 2);
-    assert_eq!(
-        ds.decode[1].0.as_deref(),
-        Some(format!("{rid}-a2-decode").as_str())
-    );
-    drop(ds);
+    {
+        let ds = d.seen.lock().unwrap();
+        assert_eq!(ds.decode.len(), 2);
+        assert_eq!(
+            ds.decode[1].0.as_deref(),
+            Some(format!("{rid}-a2-decode").as_str())
+        );
+    }
     let st = state(&s).await;
     assert_eq!(st["serving"]["retry_attempts"], 1);
     assert_eq!(st["serving"]["served_after_retry"], 1);
