@@ -547,6 +547,24 @@ fn sglang_decode_fails_within_the_bound_when_the_room_never_appears() {
     );
     assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
 
+    // A 4xx prefill (refused before the scheduler) publishes nothing: the decode waits the bound.
+    p.fault(json!({"phase": "prefill", "action": "status", "status": 400}));
+    let pre = p.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 1, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": bport, "bootstrap_room": 80}),
+    );
+    assert_eq!(pre.status, 400);
+    let t0 = Instant::now();
+    let r = d.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "bootstrap_host": "127.0.0.1", "bootstrap_port": bport,
+                "bootstrap_room": 80}),
+    );
+    assert_eq!(r.status, 500);
+    assert!(r.text().contains("not published"), "{}", r.text());
+    assert!(t0.elapsed() >= Duration::from_millis(900));
+
     // Unreachable bootstrap server.
     let r = d.post(
         "/v1/completions",
@@ -554,7 +572,7 @@ fn sglang_decode_fails_within_the_bound_when_the_room_never_appears() {
                 "bootstrap_room": 79}),
     );
     assert_eq!(r.status, 500);
-    assert_eq!(d.stats()["kv"]["rejected"], 3);
+    assert_eq!(d.stats()["kv"]["rejected"], 4);
 }
 
 #[test]

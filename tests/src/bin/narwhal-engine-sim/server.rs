@@ -715,7 +715,11 @@ async fn completion(
         };
         match f {
             Action::Status { status, body } => {
-                if let Some(room) = sglang_room {
+                // A 5xx models a failure inside the engine, which SGLang propagates to the
+                // waiting decode (it fails at once). A 4xx models a request refused before it
+                // reached the scheduler: nothing is published and the decode keeps waiting
+                // (bounded) until its own client gives up, as with real SGLang.
+                if let Some(room) = sglang_room.filter(|_| *status >= 500) {
                     let _ = sim.publish_room(
                         room,
                         RoomState::Failed(format!("prefill answered injected status {status}")),
