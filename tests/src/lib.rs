@@ -11,3 +11,11 @@ mod proc;
 
 pub use fleet::{EngineSpec, FleetSpec, RouterHandle, SimHandle, start_router, start_sim};
 pub use proc::{ChildProc, ProcError, bin_path, wait_until};
+
+/// An HTTP client for loopback traffic: no proxies (CI machines may set `HTTP_PROXY`), and
+/// rustls's ring provider installed first (our reqwest build carries no default provider).
+pub fn http_client() -> reqwest::ClientBuilder {
+    // Installing twice is harmless: the second call returns Err, which is ignored.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder().no_proxy()
+}

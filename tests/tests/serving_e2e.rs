@@ -18,8 +18,7 @@ struct Fleet {
 }
 
 fn http() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
+    narwhal_testkit::http_client()
         .timeout(Duration::from_secs(60))
         .build()
         .expect("HTTP client")

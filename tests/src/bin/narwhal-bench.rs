@@ -59,8 +59,7 @@ fn pct(sorted: &[f64], q: f64) -> f64 {
 }
 
 async fn drive(label: &str, url: &str, args: &Args, n: usize) -> Run {
-    let http = reqwest::Client::builder()
-        .no_proxy()
+    let http = narwhal_testkit::http_client()
         .pool_max_idle_per_host(args.concurrency)
         .build()
         .expect("HTTP client");

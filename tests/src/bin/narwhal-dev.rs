@@ -281,8 +281,7 @@ async fn demo(args: DemoArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let http = reqwest::Client::builder()
-        .no_proxy()
+    let http = narwhal_testkit::http_client()
         .build()
         .expect("HTTP client");
     for dialect in &args.dialect {
