@@ -84,16 +84,25 @@ impl SimHandle {
 /// [`ProcError`] when the simulator does not start.
 pub fn start_sim(dir: &Path, spec: &EngineSpec, dialect: &str) -> Result<SimHandle, ProcError> {
     let mut cmd = Command::new(bin_path("narwhal-engine-sim"));
-    cmd.args(["--listen", "127.0.0.1:0", "--dialect", dialect, "--model", "tiny-sim"]);
+    cmd.args([
+        "--listen",
+        "127.0.0.1:0",
+        "--dialect",
+        dialect,
+        "--model",
+        "tiny-sim",
+    ]);
     if dialect == "sglang" {
         cmd.args(["--disaggregation-mode", &spec.role]);
     }
     cmd.args(&spec.sim_args);
     let proc = ChildProc::spawn(cmd, &format!("sim-{}", spec.iid), dir, START_TIMEOUT)?;
-    let url = proc.url_in_first_line(None).ok_or_else(|| ProcError::BadLine {
-        bin: "narwhal-engine-sim".into(),
-        line: proc.first_line.clone(),
-    })?;
+    let url = proc
+        .url_in_first_line(None)
+        .ok_or_else(|| ProcError::BadLine {
+            bin: "narwhal-engine-sim".into(),
+            line: proc.first_line.clone(),
+        })?;
     Ok(SimHandle {
         proc,
         url,

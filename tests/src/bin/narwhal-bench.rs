@@ -18,7 +18,11 @@ use narwhal_testkit::{EngineSpec, FleetSpec, start_router, start_sim};
 use serde_json::json;
 
 #[derive(Parser)]
-#[command(name = "narwhal-bench", version, about = "Router overhead vs direct-to-engine, as ratios")]
+#[command(
+    name = "narwhal-bench",
+    version,
+    about = "Router overhead vs direct-to-engine, as ratios"
+)]
 struct Args {
     /// Concurrent clients.
     #[arg(long, default_value_t = 64)]
@@ -151,9 +155,21 @@ async fn main() -> std::process::ExitCode {
         .expect("temporary directory");
     let threads = args.sim_threads.to_string();
     let sim_args = ["--threads", threads.as_str()];
-    let direct = start_sim(dir.path(), &EngineSpec::new("direct", "decode").args(&sim_args), "vllm");
-    let p = start_sim(dir.path(), &EngineSpec::new("p0", "prefill").args(&sim_args), &args.dialect);
-    let d = start_sim(dir.path(), &EngineSpec::new("d0", "decode").args(&sim_args), &args.dialect);
+    let direct = start_sim(
+        dir.path(),
+        &EngineSpec::new("direct", "decode").args(&sim_args),
+        "vllm",
+    );
+    let p = start_sim(
+        dir.path(),
+        &EngineSpec::new("p0", "prefill").args(&sim_args),
+        &args.dialect,
+    );
+    let d = start_sim(
+        dir.path(),
+        &EngineSpec::new("d0", "decode").args(&sim_args),
+        &args.dialect,
+    );
     let (direct, p, d) = match (direct, p, d) {
         (Ok(a), Ok(b), Ok(c)) => (a, b, c),
         (a, b, c) => {
@@ -182,7 +198,10 @@ async fn main() -> std::process::ExitCode {
     let warm = (args.requests / 10).max(args.concurrency);
     drive("warm", &direct.url, &args, warm).await;
     drive("warm", &router.data, &args, warm).await;
-    println!("{:<8} {:>10} {:>10} {:>10} {:>12} {:>7}", "target", "req/s", "p50 ms", "p99 ms", "ttfb p50 ms", "errors");
+    println!(
+        "{:<8} {:>10} {:>10} {:>10} {:>12} {:>7}",
+        "target", "req/s", "p50 ms", "p99 ms", "ttfb p50 ms", "errors"
+    );
     let a = drive("direct", &direct.url, &args, args.requests).await;
     print(&a);
     let b = drive("router", &router.data, &args, args.requests).await;

@@ -19,7 +19,11 @@ use narwhal_testkit::{EngineSpec, FleetSpec, RouterHandle, SimHandle, start_rout
 use serde_json::{Value, json};
 
 #[derive(Parser)]
-#[command(name = "narwhal-dev", version, about = "Run a local Narwhal fleet on loopback")]
+#[command(
+    name = "narwhal-dev",
+    version,
+    about = "Run a local Narwhal fleet on loopback"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -154,7 +158,13 @@ async fn up(args: UpArgs) -> ExitCode {
         fleet.router.data, fleet.router.control
     );
     for s in &fleet.sims {
-        println!("  engine {:<4} {:<8} {}  pid {}", s.iid, s.role, s.url, s.proc.pid());
+        println!(
+            "  engine {:<4} {:<8} {}  pid {}",
+            s.iid,
+            s.role,
+            s.url,
+            s.proc.pid()
+        );
     }
     println!("  logs, journal and fleet file in {}", fleet.dir.display());
     println!("  ready file {}", ready.display());
@@ -246,7 +256,16 @@ async fn send(http: &reqwest::Client, data: &str, i: usize) -> Outcome {
         while let Some(chunk) = body.next().await {
             match chunk {
                 Ok(c) => text.extend_from_slice(&c),
-                Err(e) => return Outcome { shape, status, tokens: 0, ok: false, latency: t0.elapsed(), note: e.to_string() },
+                Err(e) => {
+                    return Outcome {
+                        shape,
+                        status,
+                        tokens: 0,
+                        ok: false,
+                        latency: t0.elapsed(),
+                        note: e.to_string(),
+                    };
+                }
             }
         }
         let text = String::from_utf8_lossy(&text);
@@ -256,9 +275,27 @@ async fn send(http: &reqwest::Client, data: &str, i: usize) -> Outcome {
             .collect();
         let done = frames.last() == Some(&"[DONE]");
         let errors = frames.iter().filter(|f| f.contains("\"error\"")).count();
-        let n = frames.len().saturating_sub(1);
+        let n = frames
+            .iter()
+            .filter_map(|f| serde_json::from_str::<Value>(f).ok())
+            .filter(|v| {
+                let c = &v["choices"][0];
+                let text = c["text"]
+                    .as_str()
+                    .or_else(|| c["delta"]["content"].as_str());
+                text.is_some_and(|t| !t.is_empty())
+            })
+            .count();
         let ok = status == 200 && done && errors == 0 && n > 0;
-        (n, ok, if ok { String::new() } else { text.chars().take(300).collect() })
+        (
+            n,
+            ok,
+            if ok {
+                String::new()
+            } else {
+                text.chars().take(300).collect()
+            },
+        )
     };
     Outcome {
         shape,
@@ -281,9 +318,7 @@ async fn demo(args: DemoArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let http = narwhal_testkit::http_client()
-        .build()
-        .expect("HTTP client");
+    let http = narwhal_testkit::http_client().build().expect("HTTP client");
     for dialect in &args.dialect {
         println!("\n=== {dialect}: 1 prefill + 1 decode engine, router in front ===");
         let up = UpArgs {
@@ -301,10 +336,16 @@ async fn demo(args: DemoArgs) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-        println!("router data={} control={}", fleet.router.data, fleet.router.control);
+        println!(
+            "router data={} control={}",
+            fleet.router.data, fleet.router.control
+        );
         let futs = (0..args.requests).map(|i| send(&http, &fleet.router.data, i));
         let outcomes = futures_util::future::join_all(futs).await;
-        println!("{:<16} {:>5} {:>7} {:>8} {:>10}", "shape", "sent", "served", "tokens", "p50 ms");
+        println!(
+            "{:<16} {:>5} {:>7} {:>8} {:>10}",
+            "shape", "sent", "served", "tokens", "p50 ms"
+        );
         for shape in ["completion", "completion+sse", "chat", "chat+sse"] {
             let mine: Vec<&Outcome> = outcomes.iter().filter(|o| o.shape == shape).collect();
             let mut lat: Vec<f64> = mine.iter().map(|o| o.latency.as_secs_f64() * 1e3).collect();
@@ -324,7 +365,10 @@ async fn demo(args: DemoArgs) -> ExitCode {
             println!("FAILED {} status {}: {}", o.shape, o.status, o.note);
         }
         println!("engine KV statistics (from each simulator's /sim/stats):");
-        println!("{:<5} {:<8} {:>8} {:>7} {:>7} {:>9} {:>9} {:>11}", "iid", "role", "requests", "issued", "served", "consumed", "rejected", "recomputed");
+        println!(
+            "{:<5} {:<8} {:>8} {:>7} {:>7} {:>9} {:>9} {:>11}",
+            "iid", "role", "requests", "issued", "served", "consumed", "rejected", "recomputed"
+        );
         let mut consumed = 0;
         let mut recomputed = 0;
         for s in &fleet.sims {
@@ -335,12 +379,19 @@ async fn demo(args: DemoArgs) -> ExitCode {
                         .iter()
                         .map(|k| req[*k].as_u64().unwrap_or(0))
                         .sum::<u64>();
-                    let kv = &st["kv"];
-                    consumed += kv["consumed"].as_u64().unwrap_or(0);
-                    recomputed += kv["recomputed"].as_u64().unwrap_or(0);
+                    let kv = |k: &str| st["kv"][k].as_u64().unwrap_or(0);
+                    consumed += kv("consumed");
+                    recomputed += kv("recomputed");
                     println!(
                         "{:<5} {:<8} {:>8} {:>7} {:>7} {:>9} {:>9} {:>11}",
-                        s.iid, s.role, total, kv["issued"], kv["served"], kv["consumed"], kv["rejected"], kv["recomputed"]
+                        s.iid,
+                        s.role,
+                        total,
+                        kv("issued"),
+                        kv("served"),
+                        kv("consumed"),
+                        kv("rejected"),
+                        kv("recomputed")
                     );
                 }
                 Err(e) => {
@@ -351,12 +402,18 @@ async fn demo(args: DemoArgs) -> ExitCode {
         }
         if recomputed > 0 || consumed < args.requests as u64 {
             all_ok = false;
-            println!("FAILED: expected every decode to receive KV ({consumed} consumed, {recomputed} recomputed)");
+            println!(
+                "FAILED: expected every decode to receive KV ({consumed} consumed, {recomputed} recomputed)"
+            );
         }
         if let Ok(state) = fleet.router.state(&http).await {
             println!(
                 "router /narwhal/state: offered={} served={} failed={} cancelled={} invalid={}",
-                state["offered"], state["served"], state["failed"], state["cancelled"], state["invalid_requests"]
+                state["offered"],
+                state["served"],
+                state["failed"],
+                state["cancelled"],
+                state["invalid_requests"]
             );
         }
         drop(fleet);
@@ -365,7 +422,10 @@ async fn demo(args: DemoArgs) -> ExitCode {
         println!("\ndemo: every request served");
         ExitCode::SUCCESS
     } else {
-        println!("\ndemo: some requests failed (logs under {})", base.display());
+        println!(
+            "\ndemo: some requests failed (logs under {})",
+            base.display()
+        );
         if let Ok(t) = tmp {
             let kept = t.keep();
             println!("kept {}", kept.display());
