@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures_util::FutureExt;
 use http::{HeaderValue, Response, StatusCode};
 use http_body_util::{BodyExt, Full, combinators::BoxBody};
 use hyper::body::{Frame, Incoming};
@@ -40,6 +39,9 @@ use crate::state::{Resident, Retained, Shared};
 use crate::upstream::{
     LegError, LiveStream, Rendezvous, decode_body, sglang_bodies, url_host, vllm_prefill_body,
 };
+
+/// How long a failed SGLang decode waits for its concurrent prefill's verdict.
+const PREFILL_VERDICT_WAIT: Duration = Duration::from_secs(1);
 
 /// Response body type for every route.
 pub(crate) type Body = BoxBody<Bytes, Infallible>;
@@ -344,7 +346,7 @@ async fn completion_inner(
                 &rid,
             );
         }
-        Ok(Err(AttemptsError::Leg(f))) => return failure_response(&shared, pending, &f, &rid),
+        Ok(Err(AttemptsError::Leg(f))) => return failure_response(pending, &f, &rid),
         Ok(Ok(s)) => s,
     };
     let first_token_at = shared.clock.now();
@@ -435,8 +437,7 @@ async fn read_body(mut body: Incoming, limit: u64) -> Result<Bytes, ReadError> {
 }
 
 /// Answer a failed request before output and settle it.
-fn failure_response(shared: &Shared, pending: Pending, f: &Fail, rid: &str) -> Response<Body> {
-    let _ = shared;
+fn failure_response(pending: Pending, f: &Fail, rid: &str) -> Response<Body> {
     if let Some((status, message, param)) = f.err.client_fault() {
         let st = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
         pending.settle(Settlement::new(
@@ -738,8 +739,13 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                         return match d {
                             Ok(live) => Ok(Started { live, _seat: seat_d, _prefill_task: Some(ptask), decode_iid: decode }),
                             Err(err) => {
+                                // A failed prefill usually fails the waiting decode too, and the
+                                // two answers race: give the prefill a moment so its error (often
+                                // the client's fault, e.g. 400 context length) is the one reported
+                                // (reference-notes 7.2 step 4).
                                 if !prefill_done
-                                    && let Some(Ok(Err(perr))) = (&mut ptask.0).now_or_never()
+                                    && let Ok(Ok(Err(perr))) =
+                                        tokio::time::timeout(PREFILL_VERDICT_WAIT, &mut ptask.0).await
                                 {
                                     return Err(fail_p(perr));
                                 }

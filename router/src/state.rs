@@ -521,8 +521,6 @@ impl Shared {
 impl SettleSink for Shared {
     /// The one place outcomes are counted: tally, metrics, histograms, retry credits, journal.
     fn settle(&self, mut record: RequestRecord, s: Settlement) {
-        let now = self.clock.now();
-        let _ = now;
         record.duration_s = (self.wall() - record.arrived).max(0.0);
         let slo_met = s.terminal == Terminal::Completed
             && record.ttft_s.is_some_and(|t| t <= self.cfg.slo.ttft_s)

@@ -191,6 +191,8 @@ struct Fake {
     bootstrap_port: u16,
     /// Answer this many decode requests with 503 first.
     decode_fail_first: Arc<Mutex<usize>>,
+    /// How long a prefill takes.
+    prefill_delay: Duration,
 }
 
 impl Fake {
@@ -203,6 +205,7 @@ impl Fake {
             decode_head_delay: Duration::ZERO,
             bootstrap_port: 8998,
             decode_fail_first: Arc::new(Mutex::new(0)),
+            prefill_delay: Duration::from_millis(30),
         }
     }
 }
@@ -240,7 +243,7 @@ async fn completions(State(f): State<Fake>, headers: HeaderMap, body: Bytes) -> 
     };
     if is_prefill {
         f.seen.lock().unwrap().prefill.push((rid, v.clone()));
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        tokio::time::sleep(f.prefill_delay).await;
         let status = *f.prefill_status.lock().unwrap();
         guard.done = true;
         if status != 200 {
@@ -1142,4 +1145,92 @@ fn sigterm_shuts_down_cleanly() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_prefill_error_wins_over_a_decode_that_failed_first() {
+    let p = Fake::new(0, 1);
+    *p.prefill_status.lock().unwrap() = 400;
+    let d = Fake::new(0, 3);
+    *d.decode_fail_first.lock().unwrap() = 1;
+    let pu = spawn_fake(p.clone()).await;
+    let du = spawn_fake(d.clone()).await;
+    let s = start(
+        &fleet(
+            "sglang",
+            vec![
+                json!({"iid": "p0", "url": pu, "role": "prefill"}),
+                json!({"iid": "d0", "url": du, "role": "decode"}),
+            ],
+        ),
+        &[],
+    );
+    let (st, _, body) = call(
+        "POST",
+        &format!("{}/v1/completions", s.data),
+        Some(json!({"prompt": "x", "max_tokens": 3})),
+    )
+    .await;
+    assert_eq!(
+        st,
+        StatusCode::BAD_REQUEST,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    assert_eq!(p.seen.lock().unwrap().prefill.len(), 1, "not retried");
+    assert_eq!(d.seen.lock().unwrap().decode.len(), 1, "not retried");
+    assert_eq!(
+        state(&s).await["outcome_reasons"]["failed"]["engine_rejected"],
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_streaming_client_gone_while_prefill_waits_cancels_the_leg() {
+    let mut p = Fake::new(0, 1);
+    p.prefill_delay = Duration::from_secs(30);
+    let d = Fake::new(0, 3);
+    let pu = spawn_fake(p.clone()).await;
+    let du = spawn_fake(d.clone()).await;
+    let s = start(
+        &fleet(
+            "vllm",
+            vec![
+                json!({"iid": "p0", "url": pu, "role": "prefill"}),
+                json!({"iid": "d0", "url": du, "role": "decode"}),
+            ],
+        ),
+        &[],
+    );
+    let addr = s.data.trim_start_matches("http://").to_string();
+    let body = json!({"prompt": "x", "max_tokens": 3}).to_string();
+    let mut sock = std::net::TcpStream::connect(&addr).unwrap();
+    write!(
+        sock,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    eventually("prefill leg started", || async {
+        p.seen.lock().unwrap().prefill.len() == 1
+    })
+    .await;
+    eventually("resident prefill counted", || async {
+        state(&s).await["resident"]["p0"]["prefill"] == 1
+    })
+    .await;
+    drop(sock);
+    eventually("engine saw the prefill connection close", || async {
+        p.seen.lock().unwrap().cancelled == 1
+    })
+    .await;
+    eventually("settled cancelled", || async {
+        state(&s).await["cancelled"] == 1
+    })
+    .await;
+    let st = state(&s).await;
+    assert_eq!(st["resident"]["p0"], json!({"prefill": 0, "decode": 0}));
+    assert!(d.seen.lock().unwrap().decode.is_empty());
+    let journal = std::fs::read_to_string(&s.journal).unwrap();
+    assert!(journal.contains("\"terminal\":\"cancelled\""));
 }
