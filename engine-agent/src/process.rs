@@ -174,7 +174,7 @@ fn read_stat(proc_root: &Path, pid: u32) -> Result<StatFields, ProcessError> {
         Ok(t) => t,
         Err(e)
             if e.kind() == std::io::ErrorKind::NotFound
-                || e.raw_os_error() == Some(libc::ESRCH) =>
+                || e.raw_os_error() == Some(nix::errno::Errno::ESRCH as i32) =>
         {
             return Err(ProcessError::Vanished { pid });
         }

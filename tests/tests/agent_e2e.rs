@@ -141,6 +141,16 @@ fn keygen(path: &Path) -> PublicKey {
 }
 
 fn write_agent_config(dir: &Path, certs: &DevCerts, id: &str, engines: &[(&str, &Sim)]) -> PathBuf {
+    write_agent_config_with(dir, certs, id, engines, None)
+}
+
+fn write_agent_config_with(
+    dir: &Path,
+    certs: &DevCerts,
+    id: &str,
+    engines: &[(&str, &Sim)],
+    contract_document: Option<&Path>,
+) -> PathBuf {
     let name = format!("agent-{id}");
     let key = dir.join(format!("{name}.ed25519.pk8"));
     if !key.exists() {
@@ -149,8 +159,12 @@ fn write_agent_config(dir: &Path, certs: &DevCerts, id: &str, engines: &[(&str, 
     let engines: Vec<Value> = engines
         .iter()
         .map(|(iid, sim)| {
-            json!({"iid": iid, "url": sim.url, "dialect": sim.dialect,
-                   "process": {"listen_port": sim.port}})
+            let mut e = json!({"iid": iid, "url": sim.url, "dialect": sim.dialect,
+                   "process": {"listen_port": sim.port}});
+            if let Some(doc) = contract_document {
+                e["contract_document"] = json!(doc);
+            }
+            e
         })
         .collect();
     let doc = json!({
@@ -240,7 +254,22 @@ fn now() -> f64 {
 async fn an_attestation_for_a_running_simulator_verifies() {
     let w = world();
     let sim = Sim::start(w.dir.path(), "sim-e0", "vllm", None, 0);
-    let cfg = write_agent_config(w.dir.path(), &w.certs, "a", &[("e0", &sim)]);
+    let contract_doc = w.dir.path().join("engine-attestation.json");
+    std::fs::write(
+        &contract_doc,
+        json!({"schema": "narwhal.attestation", "schema_version": 1,
+               "contract": {"engine_version": "sim", "connector": "NixlConnector", "kv_heads": 8},
+               "launch": {"args": ["--model", "tiny-sim"]}})
+        .to_string(),
+    )
+    .expect("contract document");
+    let cfg = write_agent_config_with(
+        w.dir.path(),
+        &w.certs,
+        "a",
+        &[("e0", &sim)],
+        Some(&contract_doc),
+    );
     let agent = Agent::start(w.dir.path(), &w.certs, "a", cfg);
 
     let health = agent.client.health().await.expect("health");
@@ -276,6 +305,28 @@ async fn an_attestation_for_a_running_simulator_verifies() {
         p.engine.models
     );
     assert!(p.header.process.same_process(&listed));
+    // The host contract document is attested, with its launch digest.
+    let attested = p.contract.as_ref().expect("contract attested");
+    assert_eq!(attested["connector"], "NixlConnector");
+    assert!(
+        p.launch_digest
+            .as_deref()
+            .is_some_and(|d| d.starts_with("sha256:"))
+    );
+    let declared = json!({"connector": "NixlConnector", "kv_heads": 8});
+    narwhal_shared::attestation::check_contract(
+        p.contract.as_ref(),
+        declared.as_object().expect("object"),
+    )
+    .expect("contract matches");
+    let other = json!({"kv_heads": 4});
+    assert!(matches!(
+        narwhal_shared::attestation::check_contract(
+            p.contract.as_ref(),
+            other.as_object().expect("object")
+        ),
+        Err(VerifyError::ContractMismatch { .. })
+    ));
 
     // The unsigned process route agrees, and an unknown engine is a 404 naming it.
     let process = agent.client.process("e0").await.expect("process");
@@ -756,4 +807,54 @@ async fn idle_resident_memory_with_eight_engines_is_small() {
     );
     // Target is 15 MiB (issue 3); debug builds carry more, so the gate here is looser.
     assert!(rss < 40 * 1024, "VmRSS {rss} KiB");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_of_a_suspect_can_decode_from_a_named_local_producer() {
+    let w = world();
+    let p = Sim::start(w.dir.path(), "sim-p0", "vllm", None, 0);
+    let d = Sim::start(w.dir.path(), "sim-d0", "vllm", None, 0);
+    let cfg = write_agent_config(w.dir.path(), &w.certs, "a", &[("p0", &p), ("d0", &d)]);
+    let agent = Agent::start(w.dir.path(), &w.certs, "a", cfg);
+    let before = d.stats().await;
+    let probe = agent
+        .client
+        .probe(
+            "d0",
+            &fence(1),
+            "tiny-sim",
+            Some(narwhal_shared::agent_protocol::ProbeProducer::Iid(
+                "p0".into(),
+            )),
+            None,
+        )
+        .await
+        .expect("probe");
+    assert!(probe.payload.ok, "{:?}", probe.payload);
+    assert_eq!(probe.payload.mode, "from_producer");
+    assert!(probe.payload.produce.as_ref().is_some_and(|l| l.ok));
+    assert_eq!(probe.payload.transfer.transferred, Some(true));
+    let after = d.stats().await;
+    assert!(after["kv"]["consumed"].as_i64() > before["kv"]["consumed"].as_i64());
+    // An unknown producer is a 404 naming it.
+    match agent
+        .client
+        .probe(
+            "d0",
+            &fence(1),
+            "tiny-sim",
+            Some(narwhal_shared::agent_protocol::ProbeProducer::Iid(
+                "zz".into(),
+            )),
+            None,
+        )
+        .await
+    {
+        Err(AgentClientError::Status {
+            status: 404,
+            message,
+            ..
+        }) => assert!(message.contains("zz"), "{message}"),
+        other => panic!("expected 404, got {other:?}"),
+    }
 }
