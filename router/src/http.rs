@@ -154,6 +154,7 @@ pub(crate) async fn serve(
             async move { Ok::<_, Infallible>(route(shared, side, req).await) }
         });
         let conn = http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
             .keep_alive(true)
             .serve_connection(TokioIo::new(stream), svc);
         let fut = graceful.watch(conn);

@@ -113,6 +113,8 @@ struct Started {
     _seat: Resident,
     _prefill_task: Option<AbortOnDrop>,
     decode_iid: usize,
+    /// When the decode leg was dispatched (for `upstream_seconds.decode`).
+    decode_at: Instant,
 }
 
 /// What every step of one request needs.
@@ -620,6 +622,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                 _seat: seat,
                 _prefill_task: None,
                 decode_iid: engine,
+                decode_at: now,
             })
         }
         Plan::Split { prefill, decode } if !sglang => {
@@ -646,8 +649,15 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                     producer: None,
                 })?;
             drop(seat_p);
-            shared.core().stats.upstream_prefill_s += (shared.clock.now() - t0).as_secs_f64();
+            let prefill_s = (shared.clock.now() - t0).as_secs_f64();
+            shared.core().stats.upstream_prefill_s += prefill_s;
+            shared
+                .metrics
+                .upstream_seconds
+                .get_or_create(&labels(&[("phase", "prefill")]))
+                .inc_by(prefill_s);
             shared.observe(prefill, Observation::PrefillOk);
+            let decode_at = shared.clock.now();
             let seat = Resident::new(shared, decode, Phase::Decode);
             count_decode(shared);
             let body = decode_body(&ctx.v.body, (decode != prefill).then_some(&desc), true);
@@ -674,6 +684,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                 _seat: seat,
                 _prefill_task: None,
                 decode_iid: decode,
+                decode_at,
             })
         }
         Plan::Split { prefill, decode } => {
@@ -737,7 +748,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                     }
                     d = &mut dfut => {
                         return match d {
-                            Ok(live) => Ok(Started { live, _seat: seat_d, _prefill_task: Some(ptask), decode_iid: decode }),
+                            Ok(live) => Ok(Started { live, _seat: seat_d, _prefill_task: Some(ptask), decode_iid: decode, decode_at: now }),
                             Err(err) => {
                                 // A failed prefill usually fails the waiting decode too, and the
                                 // two answers race: give the prefill a moment so its error (often
@@ -837,13 +848,22 @@ impl TokenClock {
     }
 }
 
-fn finish_record(shared: &Shared, pending: &mut Pending, live: &LiveStream, clock: &TokenClock) {
+fn finish_record(shared: &Shared, pending: &mut Pending, started: &Started, clock: &TokenClock) {
+    let live = &started.live;
     let rec = pending.record();
     rec.output_len = live.tokens();
     rec.tpot_s = clock.tpot();
+    let decode_s = (shared.clock.now() - started.decode_at).as_secs_f64();
     let mut core = shared.core();
     core.stats.decode_tokens_observed += live.tokens();
+    core.stats.upstream_decode_s += decode_s;
+    drop(core);
     shared.metrics.decode_tokens_observed.inc_by(live.tokens());
+    shared
+        .metrics
+        .upstream_seconds
+        .get_or_create(&labels(&[("phase", "decode")]))
+        .inc_by(decode_s);
 }
 
 /// Relay the rest of a stream to a streaming client (runs as its own task).
@@ -861,7 +881,7 @@ async fn relay_stream(
     let mut clock = TokenClock::new(first_at, started.live.tokens());
     for c in std::mem::take(&mut started.live.first) {
         if tx.send(data_frame(&c)).await.is_err() {
-            finish_record(&shared, &mut pending, &started.live, &clock);
+            finish_record(&shared, &mut pending, &started, &clock);
             return; // client gone: `pending` settles cancelled on drop
         }
     }
@@ -870,12 +890,12 @@ async fn relay_stream(
     loop {
         let step = tokio::select! {
             _ = tx.closed() => {
-                finish_record(&shared, &mut pending, &started.live, &clock);
+                finish_record(&shared, &mut pending, &started, &clock);
                 return;
             }
             _ = tokio::time::sleep_until(deadline.into()) => {
                 let _ = tx.send(error_frame("Request deadline expired", "decode", "expired")).await;
-                finish_record(&shared, &mut pending, &started.live, &clock);
+                finish_record(&shared, &mut pending, &started, &clock);
                 pending.settle(Settlement::new(Terminal::Expired, "deadline", 200, "request deadline expired after output", "decode"));
                 return;
             }
@@ -886,7 +906,7 @@ async fn relay_stream(
             Ok(RelayStep::Output(chunks)) => {
                 for c in chunks {
                     if tx.send(data_frame(&c)).await.is_err() {
-                        finish_record(&shared, &mut pending, &started.live, &clock);
+                        finish_record(&shared, &mut pending, &started, &clock);
                         return;
                     }
                 }
@@ -895,7 +915,7 @@ async fn relay_stream(
             Ok(RelayStep::Done) => {
                 let _ = tx.send(done_frame()).await;
                 shared.observe(decode_iid, Observation::DecodeOk);
-                finish_record(&shared, &mut pending, &started.live, &clock);
+                finish_record(&shared, &mut pending, &started, &clock);
                 pending.settle(Settlement::completed());
                 return;
             }
@@ -936,7 +956,7 @@ async fn stream_failed(
         shared.observe(started.decode_iid, Observation::LegFailed(class));
     }
     tracing::warn!(error = %err.detail(), "decode stream failed after output");
-    finish_record(shared, pending, &started.live, clock);
+    finish_record(shared, pending, started, clock);
     Settlement::new(
         Terminal::Failed,
         err.reason(),
@@ -965,7 +985,7 @@ async fn collect(
     loop {
         let step = tokio::select! {
             _ = tokio::time::sleep_until(deadline.into()) => {
-                finish_record(shared, pending, &started.live, &clock);
+                finish_record(shared, pending, &started, &clock);
                 return Err((
                     Settlement::new(Terminal::Expired, "deadline", 504, "request deadline expired while collecting", "request_expired"),
                     StatusCode::GATEWAY_TIMEOUT,
@@ -986,7 +1006,7 @@ async fn collect(
             Ok(RelayStep::Hold) => continue,
             Ok(RelayStep::Done) => {
                 shared.observe(started.decode_iid, Observation::DecodeOk);
-                finish_record(shared, pending, &started.live, &clock);
+                finish_record(shared, pending, &started, &clock);
                 let prompt = started.live.prompt_tokens().unwrap_or(input_len);
                 return Ok(agg.finish(prompt, started.live.tokens()));
             }
@@ -996,7 +1016,7 @@ async fn collect(
         if let Some(class) = err.class(Phase::Decode) {
             shared.observe(started.decode_iid, Observation::LegFailed(class));
         }
-        finish_record(shared, pending, &started.live, &clock);
+        finish_record(shared, pending, &started, &clock);
         let status = err.http_status();
         let msg = match err {
             LegError::Stream(crate::relay::StreamFailure::ResponseLimit) => {

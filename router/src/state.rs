@@ -577,15 +577,19 @@ impl SettleSink for Shared {
         if let Some(t) = record.tpot_s {
             m.observe_tpot(t);
         }
-        tracing::info!(
-            rid = %record.rid,
-            terminal = s.terminal.as_str(),
-            reason = %s.reason,
-            status = ?s.status,
-            attempts = record.attempts,
-            output_len = record.output_len,
-            "request settled"
-        );
+        if s.terminal == Terminal::Completed {
+            tracing::debug!(rid = %record.rid, attempts = record.attempts, output_len = record.output_len, "request completed");
+        } else {
+            tracing::info!(
+                rid = %record.rid,
+                terminal = s.terminal.as_str(),
+                reason = %s.reason,
+                status = ?s.status,
+                attempts = record.attempts,
+                error = s.error.as_deref().unwrap_or(""),
+                "request settled"
+            );
+        }
         self.journal.emit(record.row(&s));
     }
 

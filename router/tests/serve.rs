@@ -1234,3 +1234,52 @@ async fn non_streaming_client_gone_while_prefill_waits_cancels_the_leg() {
     let journal = std::fs::read_to_string(&s.journal).unwrap();
     assert!(journal.contains("\"terminal\":\"cancelled\""));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_queue_waits_then_expires_and_caps_retained_requests() {
+    let p = Fake::new(0, 1);
+    let d = Fake::new(50, 1000);
+    let pu = spawn_fake(p.clone()).await;
+    let du = spawn_fake(d.clone()).await;
+    let mut fl = fleet(
+        "vllm",
+        vec![
+            json!({"iid": "p0", "url": pu, "role": "prefill"}),
+            json!({"iid": "d0", "url": du, "role": "decode"}),
+        ],
+    );
+    fl["serving"]["queue_capacity"] = json!(1);
+    fl["serving"]["queue_timeout_s"] = json!(0.5);
+    let s = start(&fl, &["--max-concurrent", "1"]);
+    let sock = open_stream(
+        &s,
+        json!({"prompt": "x", "max_tokens": 1000, "stream": true}),
+    )
+    .await;
+    // Second request queues for a seat; a third meanwhile exceeds max_concurrent + queue_capacity.
+    let url = format!("{}/v1/completions", s.data);
+    let queued =
+        tokio::spawn(async move { call("POST", &url, Some(json!({"prompt": "y"}))).await });
+    eventually("second request retained", || async {
+        state(&s).await["serving"]["http_retained"] == 2
+    })
+    .await;
+    let (st, _, _) = call(
+        "POST",
+        &format!("{}/v1/completions", s.data),
+        Some(json!({"prompt": "z"})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::TOO_MANY_REQUESTS);
+    let (st, _, body) = queued.await.unwrap();
+    assert_eq!(st, StatusCode::GATEWAY_TIMEOUT);
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        v,
+        json!({"error": {"message": "queue deadline expired", "type": "queue_expired"}})
+    );
+    let st = state(&s).await;
+    assert_eq!(st["outcome_reasons"]["expired"]["queue_timeout"], 1);
+    assert_eq!(st["outcome_reasons"]["rejected"]["inflight_limit"], 1);
+    drop(sock);
+}
