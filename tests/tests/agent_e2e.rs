@@ -338,6 +338,25 @@ async fn an_attestation_for_a_running_simulator_verifies() {
         other => panic!("expected 404 unknown_engine, got {other:?}"),
     }
 
+    // A malformed body is a 400 naming the field; nothing is signed for it.
+    let bad_body = json!({"nonce": "n", "epoch": 1, "holder": "router-a", "model": 7});
+    match agent
+        .client
+        .post_raw("/v1/engines/e0/checks/generation", &bad_body, 1)
+        .await
+    {
+        Err(AgentClientError::Status {
+            status: 400,
+            code,
+            message,
+            ..
+        }) => {
+            assert_eq!(code, "bad_request");
+            assert!(message.contains("model"), "{message}");
+        }
+        other => panic!("expected 400 bad_request, got {other:?}"),
+    }
+
     // Generation check: at least one token, signed.
     let g = agent
         .client
