@@ -515,12 +515,13 @@ impl Agent {
             .clone()
             .unwrap_or_else(|| format!("probe-{}", req.nonce));
         let (mode, produce, kv) = match &req.producer {
-            None => {
+            None if e.plugin.standalone_prefill() => {
                 let (leg, _kv) = e.plugin.produce(&e.ctx, &req.model, &check_id).await;
                 // Same engine: the decode reuses its own prefix cache, no descriptor
                 // (reference-notes 7.1 step 6).
                 ("standalone", Some(leg), None)
             }
+            None => ("standalone", None, None),
             Some(ProbeProducer::Iid(p)) => {
                 let pe = self.engine(p)?;
                 let (leg, kv) = pe.plugin.produce(&pe.ctx, &req.model, &check_id).await;

@@ -181,6 +181,14 @@ pub trait EnginePlugin: Send + Sync {
         kv: Option<&'a Value>,
     ) -> BoxFuture<'a, LegResult>;
 
+    /// Whether a standalone probe runs a producer leg before the local decode: true for vLLM
+    /// (prefill leg with `do_remote_decode`, then a local decode, as the reference's standalone
+    /// probe), false for SGLang (a rendezvous needs a second server; the probe decodes
+    /// locally, which needs a `null`-mode server, or use a named producer).
+    fn standalone_prefill(&self) -> bool {
+        true
+    }
+
     /// Transfer counters, when the engine publishes them (the simulator's `/sim/stats`);
     /// `None` otherwise.
     fn counters<'a>(&'a self, ctx: &'a EngineCtx) -> BoxFuture<'a, Option<KvCounters>> {

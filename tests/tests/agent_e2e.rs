@@ -784,6 +784,36 @@ async fn an_sglang_kv_check_through_two_agents_uses_the_bootstrap_rendezvous() {
     let after = d.stats().await;
     assert!(after["kv"]["consumed"].as_i64() > before["kv"]["consumed"].as_i64());
     assert_eq!(after["kv"]["recomputed"], before["kv"]["recomputed"]);
+
+    // Standalone probe on SGLang: no rendezvous, a local decode only.
+    let alone = b
+        .client
+        .probe("d0", &fence(1), "tiny-sim", None, None)
+        .await
+        .expect("probe");
+    assert!(alone.payload.ok, "{:?}", alone.payload);
+    assert!(alone.payload.produce.is_none());
+    // A probe of the decoder fed by the prefill engine's rendezvous, produced by agent a.
+    let fresh = a
+        .client
+        .kv_produce("p0", &fence(1), "tiny-sim", "s-2")
+        .await
+        .expect("produce");
+    let fed = b
+        .client
+        .probe(
+            "d0",
+            &fence(1),
+            "tiny-sim",
+            Some(narwhal_shared::agent_protocol::ProbeProducer::Kv(
+                fresh.payload.kv.clone().expect("kv"),
+            )),
+            Some("s-2"),
+        )
+        .await
+        .expect("probe");
+    assert!(fed.payload.ok, "{:?}", fed.payload);
+    assert_eq!(fed.payload.transfer.transferred, Some(true));
 }
 
 fn vm_rss_kib(pid: u32) -> u64 {

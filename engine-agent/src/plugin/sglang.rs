@@ -77,6 +77,10 @@ impl EnginePlugin for SglangPlugin {
         })
     }
 
+    fn standalone_prefill(&self) -> bool {
+        false
+    }
+
     fn produce<'a>(
         &'a self,
         ctx: &'a EngineCtx,
