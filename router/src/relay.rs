@@ -294,7 +294,12 @@ impl StreamState {
             return RelayStep::Hold;
         }
         self.tokens += new_tokens;
-        let size = v.to_string().len() as u64;
+        // Sizes matter only while holding or collecting; a live stream is not re-measured.
+        let size = if self.opts.collect || !self.started {
+            v.to_string().len() as u64
+        } else {
+            0
+        };
         if self.opts.collect {
             self.collected_bytes += size;
             if self.collected_bytes > self.opts.max_response_bytes {
@@ -704,6 +709,24 @@ mod tests {
             s.on_data(&chunk("", &[])),
             RelayStep::Failed(StreamFailure::ResponseLimit)
         );
+    }
+
+    #[test]
+    fn collected_responses_are_capped() {
+        let mut s = StreamState::new(RelayOptions {
+            collect: true,
+            max_response_bytes: 300,
+            ..opts()
+        });
+        assert!(matches!(
+            s.on_data(&chunk(" t0", &[5])),
+            RelayStep::Output(_)
+        ));
+        let mut last = RelayStep::Hold;
+        for _ in 0..5 {
+            last = s.on_data(&chunk(" t1", &[6]));
+        }
+        assert_eq!(last, RelayStep::Failed(StreamFailure::ResponseLimit));
     }
 
     #[test]
