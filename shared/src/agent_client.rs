@@ -565,3 +565,59 @@ impl AgentClient {
 fn secs(s: f64) -> Duration {
     Duration::from_secs_f64(if s.is_finite() && s > 0.0 { s } else { 1.0 })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::SystemClock;
+    use crate::signing::SigningKey;
+
+    fn endpoint(url: &str) -> AgentEndpoint {
+        let key = SigningKey::from_pkcs8(&SigningKey::generate_pkcs8().unwrap()).unwrap();
+        AgentEndpoint {
+            agent_id: "gpu-a".into(),
+            url: url.into(),
+            server_name: "agent-gpu-a".into(),
+            public_key: key.public_key(),
+        }
+    }
+
+    fn build(url: &str) -> Result<AgentClient, AgentClientError> {
+        AgentClient::with_tls_config(
+            endpoint(url),
+            crate::tls::plain_http_client_config().unwrap(),
+            AgentTimeouts::default(),
+            Arc::new(SystemClock),
+        )
+    }
+
+    #[test]
+    fn plaintext_and_malformed_agent_urls_are_refused_naming_the_agent() {
+        for url in ["http://127.0.0.1:8443", "not a url", "https://"] {
+            match build(url) {
+                Err(e @ AgentClientError::Url { .. }) => {
+                    let text = e.to_string();
+                    assert!(text.contains("gpu-a"), "{text}");
+                }
+                other => panic!("{url}: expected Url error, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn requests_go_to_the_server_name_resolved_to_the_configured_address() {
+        let c = build("https://127.0.0.1:8443").unwrap();
+        assert_eq!(c.base, "https://agent-gpu-a:8443");
+        let same = AgentClient::with_tls_config(
+            AgentEndpoint {
+                server_name: "localhost".into(),
+                ..endpoint("https://localhost:9443/")
+            },
+            crate::tls::plain_http_client_config().unwrap(),
+            AgentTimeouts::default(),
+            Arc::new(SystemClock),
+        )
+        .unwrap();
+        assert_eq!(same.base, "https://localhost:9443");
+    }
+}
