@@ -694,3 +694,77 @@ impl Drop for Retained {
         self.0.retained.fetch_sub(1, Ordering::AcqRel);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::breaker::{FailureClass, Observation};
+    use crate::outcome::Pending;
+    use narwhal_shared::ManualClock;
+    use std::time::{Duration, Instant};
+
+    fn shared(clock: Arc<ManualClock>) -> Arc<Shared> {
+        let text = serde_json::json!({
+            "schema": "narwhal.fleet", "schema_version": 2, "model": "m", "backend": "vllm",
+            "engines": [{"iid": "p0", "url": "http://127.0.0.1:1", "role": "prefill"},
+                        {"iid": "d0", "url": "http://127.0.0.1:2"}],
+            "slo": {"ttft_s": 1.0, "tpot_s": 0.1},
+            "serving": {"request_timeout_s": 10, "prefill_timeout_s": 5},
+            "recovery": {"eject_after": 1}
+        })
+        .to_string();
+        let cfg = Config::from_json_str(&text, &|_| None).unwrap();
+        Shared::new(Arc::new(cfg), clock, Journal::disabled("1-deadbeef"), 4)
+    }
+
+    #[test]
+    fn abandoned_request_is_cancelled_before_the_deadline_and_expired_after() {
+        let clock = Arc::new(ManualClock::new(Instant::now(), 1000.0));
+        let sh = shared(clock.clone());
+        let rec = |rid: &str| RequestRecord {
+            rid: rid.into(),
+            arrived: 1000.0,
+            input_len: Some(3),
+            ..Default::default()
+        };
+        drop(Pending::new(sh.clone(), rec("a")));
+        clock.advance(Duration::from_secs(11));
+        drop(Pending::new(sh.clone(), rec("b")));
+        let t = sh.tally().clone();
+        assert_eq!((t.cancelled, t.expired), (1, 1));
+        assert_eq!(t.reasons["expired"]["deadline"], 1);
+        assert!(sh.render_metrics().contains("narwhal_cancelled_total 1"));
+    }
+
+    #[test]
+    fn readiness_follows_live_engines() {
+        let clock = Arc::new(ManualClock::new(Instant::now(), 1000.0));
+        let sh = shared(clock);
+        assert_eq!(sh.ready_doc().1["status"], "ready");
+        sh.observe(0, Observation::LegFailed(FailureClass::Connection));
+        assert_eq!(sh.health_doc()["available_instances"], 1);
+        assert_eq!(sh.state_doc()["ejected"], serde_json::json!(["p0"]));
+        sh.observe(1, Observation::LegFailed(FailureClass::Stream));
+        let (ready, doc) = sh.ready_doc();
+        assert!(!ready);
+        assert_eq!(doc["reason"], "no available engines");
+        assert_eq!(doc["control_ready"], true);
+        assert_eq!(sh.health_doc()["status"], "degraded");
+        let m = sh.render_metrics();
+        assert!(m.contains("narwhal_router_ready 0"), "{m}");
+        assert!(m.contains("narwhal_ejected{iid=\"d0\"} 1"), "{m}");
+        assert!(
+            m.contains("narwhal_engine_ejections_total{iid=\"d0\",cause=\"stream\"} 1"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn targets_strip_userinfo_and_keep_the_path() {
+        let clock = Arc::new(ManualClock::new(Instant::now(), 1000.0));
+        let sh = shared(clock);
+        let t = sh.targets_doc();
+        assert_eq!(t[0]["targets"], serde_json::json!(["127.0.0.1:1"]));
+        assert_eq!(t[1]["labels"]["iid"], "d0");
+    }
+}
