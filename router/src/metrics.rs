@@ -82,6 +82,8 @@ pub(crate) struct Metrics {
     pub(crate) retry_credits: Gauge<f64, AtomicU64>,
     pub(crate) admission_inflight: Gauge,
     pub(crate) admission_inflight_limit: Gauge,
+    pub(crate) queued: Gauge,
+    pub(crate) queue_high_water: Gauge,
     pub(crate) upstream_seconds: Family<Labels, Counter<f64, AtomicU64>>,
     pub(crate) router_ready: Gauge,
     pub(crate) router_lease_epoch: Gauge,
@@ -217,6 +219,16 @@ impl Metrics {
                 "Admission seats in use",
                 Gauge::default()
             ),
+            queued: reg!(
+                "narwhal_queued",
+                "Requests waiting for an admission seat",
+                Gauge::default()
+            ),
+            queue_high_water: reg!(
+                "narwhal_queue_high_water",
+                "Most requests ever waiting for an admission seat",
+                Gauge::default()
+            ),
             admission_inflight_limit: reg!(
                 "narwhal_admission_inflight_limit",
                 "Admission seats",
@@ -331,6 +343,22 @@ impl Metrics {
             slo_label_tpot: fmt_g(tpot_s),
             registry: Registry::default(),
         };
+        let info: Family<Labels, Gauge> = reg!(
+            "narwhal_admission_info",
+            "Admission mode in force (1 = this mode)",
+            Family::default()
+        );
+        info.get_or_create(&labels(&[("mode", "open")])).set(1);
+        let _margin: Gauge<f64, AtomicU64> = reg!(
+            "narwhal_admission_margin",
+            "Predictive admission margin (unused in open mode)",
+            Gauge::default()
+        );
+        let _degraded: Gauge = reg!(
+            "narwhal_monitoring_degraded",
+            "1 while monitoring is degraded (never in this version)",
+            Gauge::default()
+        );
         // Placement is not priced yet, so nothing is ever unserved; exported for the contract.
         let _unserved: Counter = reg!(
             "narwhal_unserved",

@@ -35,7 +35,7 @@ use crate::metrics::labels;
 use crate::outcome::{Pending, RequestRecord, SettleSink, Settlement, Terminal};
 use crate::placement::{self, Phase, Plan};
 use crate::relay::{Aggregator, RelayOptions, RelayStep, data_frame, done_frame, error_frame};
-use crate::state::{Resident, Retained, Shared};
+use crate::state::{Queued, Resident, Retained, Shared};
 use crate::upstream::{
     LegError, LiveStream, Rendezvous, decode_body, sglang_bodies, url_host, vllm_prefill_body,
 };
@@ -272,7 +272,11 @@ async fn completion_inner(
     } else {
         let queue_by = arrived + secs(shared.cfg.serving.queue_timeout_s);
         let by = queue_by.min(deadline);
-        match tokio::time::timeout_at(by.into(), shared.seats.clone().acquire_owned()).await {
+        let waiting = Queued::new(&shared);
+        let acquired =
+            tokio::time::timeout_at(by.into(), shared.seats.clone().acquire_owned()).await;
+        drop(waiting);
+        match acquired {
             Ok(Ok(p)) => p,
             _ => {
                 let (reason, ty, msg) = if by == deadline {

@@ -79,6 +79,8 @@ pub(crate) struct Shared {
     pub(crate) max_concurrent: usize,
     pub(crate) retained: AtomicUsize,
     pub(crate) retained_high_water: AtomicUsize,
+    pub(crate) queued: AtomicUsize,
+    pub(crate) queue_high_water: AtomicUsize,
 }
 
 impl Shared {
@@ -128,6 +130,8 @@ impl Shared {
             max_concurrent,
             retained: AtomicUsize::new(0),
             retained_high_water: AtomicUsize::new(0),
+            queued: AtomicUsize::new(0),
+            queue_high_water: AtomicUsize::new(0),
             clock,
             cfg,
         })
@@ -229,6 +233,9 @@ impl Shared {
         m.http_retained.set(retained as i64);
         m.http_retained_high_water
             .set(self.retained_high_water.load(Ordering::Relaxed) as i64);
+        m.queued.set(self.queued.load(Ordering::Relaxed) as i64);
+        m.queue_high_water
+            .set(self.queue_high_water.load(Ordering::Relaxed) as i64);
         m.admission_inflight.set(
             (self.max_concurrent - self.seats.available_permits().min(self.max_concurrent)) as i64,
         );
@@ -461,9 +468,9 @@ impl Shared {
             },
             "admission": {
                 "inflight": inflight,
-                "queued": 0,
+                "queued": self.queued.load(Ordering::Relaxed),
                 "queue_capacity": self.cfg.serving.queue_capacity,
-                "queue_high_water": 0,
+                "queue_high_water": self.queue_high_water.load(Ordering::Relaxed),
                 "waiting_prefill": 0,
                 "waiting_decode": 0,
                 "limit": self.max_concurrent,
@@ -656,6 +663,23 @@ impl Drop for Resident {
     fn drop(&mut self) {
         let mut core = self.shared.core();
         Self::bump(&mut core, self.iid, self.phase, false);
+    }
+}
+
+/// A request waiting for an admission seat; decrements on drop.
+pub(crate) struct Queued(Arc<Shared>);
+
+impl Queued {
+    pub(crate) fn new(shared: &Arc<Shared>) -> Self {
+        let now = shared.queued.fetch_add(1, Ordering::AcqRel) + 1;
+        shared.queue_high_water.fetch_max(now, Ordering::Relaxed);
+        Queued(shared.clone())
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.0.queued.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

@@ -1279,6 +1279,8 @@ async fn admission_queue_waits_then_expires_and_caps_retained_requests() {
         json!({"error": {"message": "queue deadline expired", "type": "queue_expired"}})
     );
     let st = state(&s).await;
+    assert_eq!(st["admission"]["queue_high_water"], 1);
+    assert_eq!(st["admission"]["queued"], 0);
     assert_eq!(st["outcome_reasons"]["expired"]["queue_timeout"], 1);
     assert_eq!(st["outcome_reasons"]["rejected"]["inflight_limit"], 1);
     drop(sock);
