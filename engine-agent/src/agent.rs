@@ -143,6 +143,10 @@ fn taint(mut leg: LegResult, problem: Option<String>) -> LegResult {
     leg
 }
 
+/// Transfer evidence from counters read around the decode leg. When the engine recorded the
+/// leg itself (by request id) that record decides — `decode` with outcome `ok` is a transfer,
+/// anything else is not — so concurrent traffic cannot fake or hide one; otherwise the counter
+/// deltas decide (consumed rose, recomputed did not).
 fn evidence(
     before: Option<KvCounters>,
     after: Option<KvCounters>,
@@ -152,20 +156,33 @@ fn evidence(
         (Some(b), Some(a)) => {
             let consumed = a.consumed - b.consumed;
             let recomputed = a.recomputed - b.recomputed;
+            let transferred = match (&a.request_phase, &a.request_outcome) {
+                (Some(phase), outcome) => {
+                    leg_ok && phase == "decode" && outcome.as_deref() == Some("ok")
+                }
+                (None, _) => leg_ok && consumed >= 1 && recomputed == 0,
+            };
             TransferEvidence {
                 source: "sim_stats".into(),
                 consumed_delta: Some(consumed),
                 recomputed_delta: Some(recomputed),
-                transferred: Some(leg_ok && consumed >= 1 && recomputed == 0),
+                engine_phase: a.request_phase,
+                transferred: Some(transferred),
             }
         }
         _ => TransferEvidence {
             source: "none".into(),
             consumed_delta: None,
             recomputed_delta: None,
+            engine_phase: None,
             transferred: None,
         },
     }
+}
+
+/// 16 random hex digits, to make engine request ids unique per leg.
+fn short_id() -> String {
+    format!("{:016x}", rand::random::<u64>())
 }
 
 impl Agent {
@@ -423,10 +440,14 @@ impl Agent {
         check_id: &str,
         kv: Option<&Value>,
     ) -> (LegResult, TransferEvidence) {
-        let c0 = e.plugin.counters(&e.ctx).await;
-        let leg = e.plugin.consume(&e.ctx, model, check_id, kv).await;
+        let request_id = format!("narwhal-check-{check_id}-{}-decode", short_id());
+        let c0 = e.plugin.counters(&e.ctx, None).await;
+        let leg = e
+            .plugin
+            .consume(&e.ctx, model, check_id, kv, &request_id)
+            .await;
         let c1 = if c0.is_some() {
-            e.plugin.counters(&e.ctx).await
+            e.plugin.counters(&e.ctx, Some(&request_id)).await
         } else {
             None
         };
@@ -573,6 +594,8 @@ mod tests {
             Some(KvCounters {
                 consumed,
                 recomputed,
+                request_phase: None,
+                request_outcome: None,
             })
         };
         assert_eq!(evidence(c(1, 0), c(2, 0), true).transferred, Some(true));
@@ -581,5 +604,26 @@ mod tests {
         assert_eq!(evidence(c(1, 0), c(2, 0), false).transferred, Some(false));
         assert_eq!(evidence(None, c(2, 0), true).transferred, None);
         assert_eq!(evidence(None, None, true).source, "none");
+    }
+
+    #[test]
+    fn the_engine_record_of_the_leg_beats_counters_moved_by_other_traffic() {
+        let c = |consumed, recomputed, phase: Option<&str>| {
+            Some(KvCounters {
+                consumed,
+                recomputed,
+                request_phase: phase.map(str::to_string),
+                request_outcome: Some("ok".into()),
+            })
+        };
+        // Another request consumed KV meanwhile, ours was recomputed: not a transfer.
+        let ev = evidence(c(1, 0, None), c(2, 1, Some("aggregated")), true);
+        assert_eq!(ev.transferred, Some(false));
+        assert_eq!(ev.engine_phase.as_deref(), Some("aggregated"));
+        // Ours was a real decode even though another request recomputed meanwhile.
+        assert_eq!(
+            evidence(c(1, 0, None), c(2, 1, Some("decode")), true).transferred,
+            Some(true)
+        );
     }
 }

@@ -106,13 +106,18 @@ impl std::fmt::Debug for EngineCtx {
     }
 }
 
-/// KV counters of an engine (the simulator's `/sim/stats` `kv.consumed`, `kv.recomputed`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// KV counters of an engine (the simulator's `/sim/stats` `kv.consumed`, `kv.recomputed`),
+/// and how it recorded one request (`recent[]` entry with that `request_id`).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvCounters {
     /// Transfers this engine consumed as a decoder.
     pub consumed: i64,
     /// Prompts this engine recomputed instead of receiving KV.
     pub recomputed: i64,
+    /// `phase` of the asked-for request (`decode`, `aggregated`, `prefill`), if recorded.
+    pub request_phase: Option<String>,
+    /// `outcome` of the asked-for request (`ok`, `error`, ...), if recorded.
+    pub request_outcome: Option<String>,
 }
 
 /// What is specific to one engine kind.
@@ -171,14 +176,16 @@ pub trait EnginePlugin: Send + Sync {
         check_id: &'a str,
     ) -> BoxFuture<'a, (LegResult, Option<Value>)>;
 
-    /// Consumer half: a streamed decode using `kv` (`None`: a local decode without transfer);
-    /// `tokens` counts token-bearing SSE chunks.
+    /// Consumer half: a streamed decode using `kv` (`None`: a local decode without transfer),
+    /// tagged with `request_id` (vLLM `x-request-id`, SGLang `rid`); `tokens` counts
+    /// token-bearing SSE chunks.
     fn consume<'a>(
         &'a self,
         ctx: &'a EngineCtx,
         model: &'a str,
         check_id: &'a str,
         kv: Option<&'a Value>,
+        request_id: &'a str,
     ) -> BoxFuture<'a, LegResult>;
 
     /// Whether a standalone probe runs a producer leg before the local decode: true for vLLM
@@ -189,14 +196,33 @@ pub trait EnginePlugin: Send + Sync {
         true
     }
 
-    /// Transfer counters, when the engine publishes them (the simulator's `/sim/stats`);
-    /// `None` otherwise.
-    fn counters<'a>(&'a self, ctx: &'a EngineCtx) -> BoxFuture<'a, Option<KvCounters>> {
+    /// Transfer counters and the record of `request_id`, when the engine publishes them (the
+    /// simulator's `/sim/stats`); `None` otherwise.
+    fn counters<'a>(
+        &'a self,
+        ctx: &'a EngineCtx,
+        request_id: Option<&'a str>,
+    ) -> BoxFuture<'a, Option<KvCounters>> {
         Box::pin(async move {
             let v = get_json(ctx, "/sim/stats").await.ok()?;
+            let record = request_id.and_then(|rid| {
+                v.get("recent")?
+                    .as_array()?
+                    .iter()
+                    .rev()
+                    .find(|r| r.get("request_id").and_then(Value::as_str) == Some(rid))
+            });
+            let field = |k: &str| {
+                record
+                    .and_then(|r| r.get(k))
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+            };
             Some(KvCounters {
                 consumed: v.pointer("/kv/consumed")?.as_i64()?,
                 recomputed: v.pointer("/kv/recomputed")?.as_i64()?,
+                request_phase: field("phase"),
+                request_outcome: field("outcome"),
             })
         })
     }
@@ -296,18 +322,24 @@ pub(crate) async fn served_models(ctx: &EngineCtx) -> Result<Vec<String>, Engine
 
 /// Streams `POST path` with `body` and counts token-bearing SSE chunks until `[DONE]`; an
 /// in-stream `{"error": ...}` frame (vLLM reports transfer failures after a 200) fails the leg.
-pub(crate) async fn stream_tokens(ctx: &EngineCtx, path: &str, body: &Value) -> LegResult {
+pub(crate) async fn stream_tokens(
+    ctx: &EngineCtx,
+    path: &str,
+    body: &Value,
+    request_id: Option<&str>,
+) -> LegResult {
     use futures_util::StreamExt as _;
     let started = ctx.clock.now();
     let elapsed = |ctx: &EngineCtx| ctx.clock.now().duration_since(started).as_secs_f64();
-    let resp = match ctx
+    let mut req = ctx
         .http
         .post(format!("{}{}", ctx.base, path))
         .timeout(ctx.leg_timeout)
-        .json(body)
-        .send()
-        .await
-    {
+        .json(body);
+    if let Some(rid) = request_id {
+        req = req.header("x-request-id", rid);
+    }
+    let resp = match req.send().await {
         Ok(r) => r,
         Err(e) => return failed(elapsed(ctx), transport(path, e).to_string()),
     };

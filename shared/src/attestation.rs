@@ -148,6 +148,10 @@ pub struct TransferEvidence {
     pub consumed_delta: Option<i64>,
     /// Increase of the consumer's "prompt recomputed" counter across the decode leg.
     pub recomputed_delta: Option<i64>,
+    /// How the consuming engine recorded this very request (matched by request id), when it
+    /// publishes per-request records: `decode` (KV received) or `aggregated` (recomputed).
+    #[serde(default)]
+    pub engine_phase: Option<String>,
     /// `true`: transferred; `false`: recomputed or nothing consumed; `null`: the engine
     /// publishes no evidence, only the decode outcome is known.
     pub transferred: Option<bool>,

@@ -673,6 +673,12 @@ async fn a_vllm_kv_check_between_two_simulators_through_two_agents_passes_and_fa
     assert!(r.result.tokens >= 1);
     assert_eq!(r.transfer.source, "sim_stats");
     assert_eq!(r.transfer.transferred, Some(true), "{:?}", r.transfer);
+    assert_eq!(
+        r.transfer.engine_phase.as_deref(),
+        Some("decode"),
+        "{:?}",
+        r.transfer
+    );
     let after = d.stats().await;
     assert!(after["kv"]["consumed"].as_i64() > before["kv"]["consumed"].as_i64());
     assert_eq!(after["kv"]["recomputed"], before["kv"]["recomputed"]);
@@ -781,6 +787,10 @@ async fn an_sglang_kv_check_through_two_agents_uses_the_bootstrap_rendezvous() {
         .expect("consume");
     assert!(consumed.payload.result.ok, "{:?}", consumed.payload.result);
     assert_eq!(consumed.payload.transfer.transferred, Some(true));
+    assert_eq!(
+        consumed.payload.transfer.engine_phase.as_deref(),
+        Some("decode")
+    );
     let after = d.stats().await;
     assert!(after["kv"]["consumed"].as_i64() > before["kv"]["consumed"].as_i64());
     assert_eq!(after["kv"]["recomputed"], before["kv"]["recomputed"]);

@@ -144,11 +144,12 @@ impl EnginePlugin for SglangPlugin {
         model: &'a str,
         check_id: &'a str,
         kv: Option<&'a Value>,
+        request_id: &'a str,
     ) -> BoxFuture<'a, LegResult> {
         Box::pin(async move {
             let mut body = json!({"model": model, "prompt": check_prompt(check_id),
                 "max_tokens": 2, "temperature": 0.0, "stream": true,
-                "rid": format!("narwhal-check-{check_id}-decode")});
+                "rid": request_id});
             if let Some(kv) = kv {
                 let (host, port, room) = match rendezvous(kv) {
                     Ok(r) => r,
@@ -158,7 +159,7 @@ impl EnginePlugin for SglangPlugin {
                 body["bootstrap_port"] = json!(port);
                 body["bootstrap_room"] = json!(room);
             }
-            stream_tokens(ctx, "/v1/completions", &body).await
+            stream_tokens(ctx, "/v1/completions", &body, None).await
         })
     }
 }

@@ -116,6 +116,7 @@ impl EnginePlugin for VllmPlugin {
         model: &'a str,
         check_id: &'a str,
         kv: Option<&'a Value>,
+        request_id: &'a str,
     ) -> BoxFuture<'a, LegResult> {
         Box::pin(async move {
             let mut body = json!({"model": model, "prompt": check_prompt(check_id),
@@ -126,7 +127,7 @@ impl EnginePlugin for VllmPlugin {
                 }
                 body["kv_transfer_params"] = kv.clone();
             }
-            stream_tokens(ctx, "/v1/completions", &body).await
+            stream_tokens(ctx, "/v1/completions", &body, Some(request_id)).await
         })
     }
 }
