@@ -491,6 +491,16 @@ mod tests {
     }
 
     #[test]
+    fn an_unknown_systemd_unit_is_a_named_error() {
+        // Whether or not systemd runs here, an unknown unit has no MainPID.
+        let unit = "narwhal-no-such-unit-for-tests.service";
+        match locate(&ProcessLocator::SystemdUnit(unit.into())) {
+            Err(ProcessError::Systemd { unit: u, .. }) => assert_eq!(u, unit),
+            other => panic!("expected a Systemd error, got {other:?}"),
+        }
+    }
+
+    #[test]
     fn pid_files_are_read_and_bad_ones_named() {
         let dir = tempfile::tempdir().unwrap();
         let good = dir.path().join("engine.pid");

@@ -374,6 +374,11 @@ async fn an_attestation_for_a_running_simulator_verifies() {
     assert!(bad.payload.result.error.is_some());
     let _ = &agent.url;
     let _ = &agent.config;
+
+    // SIGTERM (systemd stop) ends the agent cleanly.
+    let mut agent = agent;
+    agent.proc.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(agent.proc.wait_exit(Duration::from_secs(10)), Some(0));
 }
 
 trait Pid {
