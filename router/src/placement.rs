@@ -147,6 +147,24 @@ pub fn candidates(slots: &[EngineSlot], role: Role, avoid: &BTreeSet<usize>) -> 
         .collect()
 }
 
+/// Which engines may serve an aggregated (single-leg) request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Aggregate {
+    /// Any live engine, decode-role engines first (vLLM: every engine is `kv_both`).
+    AnyRole,
+    /// Only decode-role engines (SGLang: a prefill-mode server cannot serve a whole request).
+    DecodeOnly,
+}
+
+/// Plan one attempt with [`Aggregate::AnyRole`]; see [`plan_with`].
+pub fn plan<R: Rng + ?Sized>(
+    slots: &[EngineSlot],
+    avoid: &BTreeSet<usize>,
+    rng: &mut R,
+) -> Option<Plan> {
+    plan_with(slots, avoid, Aggregate::AnyRole, rng)
+}
+
 /// Plan one attempt.
 ///
 /// * Split when both roles have a live engine: prefill by p2c over live prefill engines;
@@ -156,21 +174,22 @@ pub fn candidates(slots: &[EngineSlot], role: Role, avoid: &BTreeSet<usize>) -> 
 ///   honoured per role while it leaves a candidate; when it would empty a role, that role
 ///   ignores it (retrying on the same engine beats failing a transient error, and keeps the
 ///   request disaggregated).
-/// * Otherwise aggregated on a live engine of any role (p2c, avoid honoured the same way).
-/// * `None` only when no engine is live.
-pub fn plan<R: Rng + ?Sized>(
+/// * Otherwise aggregated (reference-notes 6.7): p2c over live decode-role engines, then, with
+///   [`Aggregate::AnyRole`], over any live engine (avoid honoured the same way).
+/// * `None` when no engine may serve.
+pub fn plan_with<R: Rng + ?Sized>(
     slots: &[EngineSlot],
     avoid: &BTreeSet<usize>,
+    aggregate: Aggregate,
     rng: &mut R,
 ) -> Option<Plan> {
     let none = BTreeSet::new();
+    let prefer = |c: Vec<usize>, all: Vec<usize>| if c.is_empty() { all } else { c };
     let pick = |role: Role| {
-        let c = candidates(slots, role, avoid);
-        if c.is_empty() {
-            candidates(slots, role, &none)
-        } else {
-            c
-        }
+        prefer(
+            candidates(slots, role, avoid),
+            candidates(slots, role, &none),
+        )
     };
     let pre = pick(Role::Prefill);
     let dec = pick(Role::Decode);
@@ -184,18 +203,18 @@ pub fn plan<R: Rng + ?Sized>(
         };
         return Some(Plan::Split { prefill, decode });
     }
-    let live: Vec<usize> = (0..slots.len()).filter(|i| slots[*i].is_live()).collect();
-    let preferred: Vec<usize> = live
-        .iter()
-        .copied()
-        .filter(|i| !avoid.contains(i))
-        .collect();
-    let any = if preferred.is_empty() {
-        live
+    let single = if !dec.is_empty() || aggregate == Aggregate::DecodeOnly {
+        dec
     } else {
-        preferred
+        let live: Vec<usize> = (0..slots.len()).filter(|i| slots[*i].is_live()).collect();
+        let preferred: Vec<usize> = live
+            .iter()
+            .copied()
+            .filter(|i| !avoid.contains(i))
+            .collect();
+        prefer(preferred, live)
     };
-    p2c(slots, &any, rng).map(|engine| Plan::Aggregated { engine })
+    p2c(slots, &single, rng).map(|engine| Plan::Aggregated { engine })
 }
 
 #[cfg(test)]
@@ -286,6 +305,27 @@ mod tests {
         );
         slots[1].excluded.insert(Exclusion::Ejected);
         assert_eq!(plan(&slots, &BTreeSet::new(), &mut rng), None);
+    }
+
+    #[test]
+    fn sglang_aggregates_only_on_decode_engines() {
+        let mut slots = fleet(&[P, D]);
+        let mut rng = StdRng::seed_from_u64(4);
+        slots[1].excluded.insert(Exclusion::Ejected);
+        assert_eq!(
+            plan_with(&slots, &BTreeSet::new(), Aggregate::DecodeOnly, &mut rng),
+            None
+        );
+        assert_eq!(
+            plan_with(&slots, &BTreeSet::new(), Aggregate::AnyRole, &mut rng),
+            Some(Plan::Aggregated { engine: 0 })
+        );
+        slots[1].excluded.clear();
+        slots[0].excluded.insert(Exclusion::Draining);
+        assert_eq!(
+            plan_with(&slots, &BTreeSet::new(), Aggregate::DecodeOnly, &mut rng),
+            Some(Plan::Aggregated { engine: 1 })
+        );
     }
 
     #[test]

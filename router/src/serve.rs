@@ -486,7 +486,11 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Attem
         let plan = {
             let mut core = shared.core();
             let core = &mut *core;
-            placement::plan(&core.slots, &avoid, &mut core.rng)
+            let aggregate = match shared.cfg.backend {
+                Backend::Vllm => placement::Aggregate::AnyRole,
+                Backend::Sglang => placement::Aggregate::DecodeOnly,
+            };
+            placement::plan_with(&core.slots, &avoid, aggregate, &mut core.rng)
         };
         let Some(plan) = plan else {
             return Err(AttemptsError::NoEngine);
