@@ -564,6 +564,32 @@ pub fn check_contract(
     Ok(())
 }
 
+/// Checks an attestation's contract for the router: the host contract document's
+/// `engine_version` (when it has one) must be the version the live engine reported
+/// (reference-notes 5.7: the reference sidecar refuses to run otherwise), then every declared
+/// field must match ([`check_contract`]).
+///
+/// # Errors
+/// [`VerifyError::ContractMismatch`] naming the first differing field.
+pub fn check_attestation_contract(
+    payload: &AttestationPayload,
+    declared: &Map<String, Value>,
+) -> Result<(), VerifyError> {
+    if let Some(v) = payload
+        .contract
+        .as_ref()
+        .and_then(|c| c.get("engine_version"))
+        && v.as_str() != Some(payload.engine.version.as_str())
+    {
+        return Err(VerifyError::ContractMismatch {
+            field: "engine_version".into(),
+            observed: v.to_string(),
+            expected: Value::String(payload.engine.version.clone()).to_string(),
+        });
+    }
+    check_contract(payload.contract.as_ref(), declared)
+}
+
 /// A fresh random nonce: 32 lowercase hex digits (128 bits from the system random source).
 pub fn new_nonce() -> String {
     uuid::Uuid::new_v4().simple().to_string()

@@ -228,3 +228,27 @@ fn signatures_survive_a_json_round_trip_of_awkward_floats() {
         assert!(pk.verify_bytes(&canonical_json(&back.payload), &back.signature));
     }
 }
+
+#[test]
+fn the_host_contract_must_describe_the_live_engine_version() {
+    let mut payload = AttestationPayload {
+        header: serde_json::from_value(payload("n", NOW)).unwrap(),
+        engine: EngineFacts {
+            dialect: "vllm".into(),
+            version: "0.11.0".into(),
+            models: vec!["m".into()],
+            bootstrap_port: None,
+        },
+        contract: json!({"engine_version": "0.11.0", "kv_heads": 8})
+            .as_object()
+            .cloned(),
+        launch_digest: None,
+    };
+    let declared = json!({"kv_heads": 8});
+    check_attestation_contract(&payload, declared.as_object().unwrap()).unwrap();
+    payload.engine.version = "0.12.0".into();
+    match check_attestation_contract(&payload, declared.as_object().unwrap()) {
+        Err(VerifyError::ContractMismatch { field, .. }) => assert_eq!(field, "engine_version"),
+        other => panic!("expected engine_version mismatch, got {other:?}"),
+    }
+}
