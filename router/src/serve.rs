@@ -199,7 +199,23 @@ async fn completion_inner(
     }
 
     let limit = shared.cfg.serving.max_request_bytes;
-    let bytes = match read_body(req.into_body(), limit).await {
+    let read = tokio::time::timeout_at(deadline.into(), read_body(req.into_body(), limit)).await;
+    let Ok(read) = read else {
+        // A client that cannot deliver its body within the request deadline.
+        pending.settle(Settlement::new(
+            Terminal::Expired,
+            "deadline",
+            504,
+            "request body not received before the deadline",
+            "request_expired",
+        ));
+        return json_response(
+            StatusCode::GATEWAY_TIMEOUT,
+            &err_body("original request deadline expired", "request_expired"),
+            &rid,
+        );
+    };
+    let bytes = match read {
         Ok(b) => b,
         Err(ReadError::TooLarge) => {
             let e = ingress::IngressError::TooLarge { limit };
