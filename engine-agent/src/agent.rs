@@ -321,6 +321,7 @@ impl Agent {
     ///
     /// # Errors
     /// Fence, unknown engine, process, or engine read errors.
+    #[tracing::instrument(name = "attestation", skip_all, fields(engine.iid = %iid, fence.epoch = req.epoch))]
     pub async fn attestation(
         &self,
         iid: &str,
@@ -372,6 +373,7 @@ impl Agent {
     ///
     /// # Errors
     /// Fence, unknown engine, process or bad-request errors.
+    #[tracing::instrument(name = "generation_check", skip_all, fields(engine.iid = %iid, fence.epoch = req.epoch))]
     pub async fn generation(
         &self,
         iid: &str,
@@ -384,6 +386,7 @@ impl Agent {
         let leg = e.plugin.generate(&e.ctx, &req.model).await;
         let after = self.identity(e).await;
         let result = taint(leg, changed_during(&before, &after));
+        tracing::info!(ok = result.ok, tokens = result.tokens, error = ?result.error, "generation check");
         let payload = GenerationPayload {
             header: self.header(
                 SCHEMA_GENERATION,
@@ -403,6 +406,7 @@ impl Agent {
     ///
     /// # Errors
     /// Fence, unknown engine, process or bad-request errors.
+    #[tracing::instrument(name = "kv_produce", skip_all, fields(engine.iid = %iid, check.id = %req.check_id))]
     pub async fn kv_produce(
         &self,
         iid: &str,
@@ -416,6 +420,8 @@ impl Agent {
         let after = self.identity(e).await;
         let problem = changed_during(&before, &after);
         let kv = if problem.is_some() { None } else { kv };
+        let result = taint(leg, problem);
+        tracing::info!(ok = result.ok, error = ?result.error, "kv produce");
         let payload = KvProducePayload {
             header: self.header(
                 SCHEMA_KV_PRODUCE,
@@ -427,7 +433,7 @@ impl Agent {
             )?,
             model: req.model,
             check_id: req.check_id,
-            result: taint(leg, problem),
+            result,
             kv,
         };
         sign(&self.key, &payload)
@@ -463,6 +469,7 @@ impl Agent {
     ///
     /// # Errors
     /// Fence, unknown engine, process or bad-request errors.
+    #[tracing::instrument(name = "kv_consume", skip_all, fields(engine.iid = %iid, check.id = %req.check_id))]
     pub async fn kv_consume(
         &self,
         iid: &str,
@@ -491,6 +498,8 @@ impl Agent {
                 transfer.recomputed_delta.unwrap_or(0)
             ));
         }
+        tracing::info!(ok = result.ok, tokens = result.tokens, transferred = ?transfer.transferred,
+            error = ?result.error, "kv consume");
         let payload = KvConsumePayload {
             header: self.header(
                 SCHEMA_KV_CONSUME,
@@ -513,6 +522,7 @@ impl Agent {
     ///
     /// # Errors
     /// Fence, unknown engine (suspect or producer), process or bad-request errors.
+    #[tracing::instrument(name = "probe", skip_all, fields(engine.iid = %iid, fence.epoch = req.epoch))]
     pub async fn probe(
         &self,
         iid: &str,
@@ -564,6 +574,7 @@ impl Agent {
         let after = self.identity(e).await;
         let consume = taint(consume, changed_during(&before, &after));
         let ok = produce_ok && consume.ok && transfer.transferred != Some(false);
+        tracing::info!(ok, mode, error = ?consume.error, "probe");
         let payload = ProbePayload {
             header: self.header(
                 SCHEMA_PROBE,
