@@ -740,8 +740,16 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
             let mut ptask = AbortOnDrop(tokio::spawn(
                 async move {
                     let _seat = seat_p;
+                    let t0 = task_shared.clock.now();
                     let r = up.sglang_prefill(&purl, &pbody, limit).await;
                     if r.is_ok() {
+                        let prefill_s = (task_shared.clock.now() - t0).as_secs_f64();
+                        task_shared.core().stats.upstream_prefill_s += prefill_s;
+                        task_shared
+                            .metrics
+                            .upstream_seconds
+                            .get_or_create(&labels(&[("phase", "prefill")]))
+                            .inc_by(prefill_s);
                         task_shared.observe(prefill, Observation::PrefillOk);
                     }
                     r
