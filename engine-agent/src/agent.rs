@@ -30,7 +30,7 @@ use serde_json::Value;
 use crate::config::{Config, EngineConfig};
 use crate::fence::{EpochStore, FenceError};
 use crate::plugin::{EngineCtx, EngineError, EnginePlugin, KvCounters, plugin_for};
-use crate::process::{ProcessError, locate};
+use crate::process::{ProcessError, locate_with_hint};
 
 /// Errors a request can end in (mapped to HTTP in `http.rs`).
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +77,8 @@ struct Engine {
     cfg: EngineConfig,
     ctx: EngineCtx,
     plugin: Arc<dyn EnginePlugin>,
+    /// The pid found last time (a hint for the next lookup, never an answer by itself).
+    last_pid: std::sync::Mutex<Option<u32>>,
 }
 
 /// The agent: configured engines, key, fence and clock.
@@ -209,6 +211,7 @@ impl Agent {
                     clock: clock.clone(),
                 },
                 plugin: plugin_for(cfg.dialect),
+                last_pid: std::sync::Mutex::new(None),
                 cfg: cfg.clone(),
             })
             .collect();
@@ -243,8 +246,14 @@ impl Agent {
     async fn identity(&self, engine: &Engine) -> Result<ProcessIdentity, RequestError> {
         let locator = engine.cfg.locator.clone();
         let iid = engine.cfg.iid.clone();
-        match tokio::task::spawn_blocking(move || locate(&locator)).await {
-            Ok(Ok(id)) => Ok(id),
+        let hint = engine.last_pid.lock().map(|g| *g).unwrap_or(None);
+        match tokio::task::spawn_blocking(move || locate_with_hint(&locator, hint)).await {
+            Ok(Ok(id)) => {
+                if let Ok(mut g) = engine.last_pid.lock() {
+                    *g = Some(id.pid);
+                }
+                Ok(id)
+            }
             Ok(Err(source)) => Err(RequestError::Process { iid, source }),
             Err(e) => Err(RequestError::Internal(format!("identity task: {e}"))),
         }

@@ -33,7 +33,8 @@ pub use plugin::{
     plugin_for,
 };
 pub use process::{
-    ProcessError, ProcessLocator, StatFields, find_pid, locate, parse_stat, read_identity,
+    ProcessError, ProcessLocator, StatFields, find_pid, locate, locate_with_hint, parse_stat,
+    read_identity,
 };
 
 /// Startup errors; each names the config key at fault.

@@ -344,6 +344,40 @@ pub fn find_pid(locator: &ProcessLocator) -> Result<(u32, Option<u16>), ProcessE
     }
 }
 
+fn owns_any(pid: u32, inodes: &[u64]) -> bool {
+    let Ok(proc_) = procfs::process::Process::new(pid as i32) else {
+        return false;
+    };
+    let Ok(fds) = proc_.fd() else {
+        return false;
+    };
+    fds.flatten()
+        .any(|fd| matches!(fd.target, FDTarget::Socket(ino) if inodes.contains(&ino)))
+}
+
+/// As [`locate`], but for a `listen_port` locator first checks whether `hint` (the pid found
+/// last time) still owns the listening socket, which avoids scanning every process's fds. A
+/// hint that no longer owns it falls back to the full scan, so the answer is the same.
+///
+/// # Errors
+/// As [`locate`].
+pub fn locate_with_hint(
+    locator: &ProcessLocator,
+    hint: Option<u32>,
+) -> Result<ProcessIdentity, ProcessError> {
+    if let (ProcessLocator::ListenPort(port), Some(pid)) = (locator, hint) {
+        let inodes = listening_inodes(*port)?;
+        if inodes.is_empty() {
+            return Err(ProcessError::NoListener { port: *port });
+        }
+        if owns_any(pid, &inodes) {
+            return read_identity(pid, Some(*port));
+        }
+        return read_identity(owner_of(*port, &inodes)?, Some(*port));
+    }
+    locate(locator)
+}
+
 /// Finds and reads the engine's identity now (blocking: call from `spawn_blocking`).
 ///
 /// # Errors
@@ -498,6 +532,22 @@ mod tests {
             Err(ProcessError::Systemd { unit: u, .. }) => assert_eq!(u, unit),
             other => panic!("expected a Systemd error, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_stale_hint_falls_back_to_the_scan() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let loc = ProcessLocator::ListenPort(port);
+        let me = std::process::id();
+        assert_eq!(locate_with_hint(&loc, Some(me)).unwrap().pid, me);
+        // pid 1 does not own our socket: the scan still finds us.
+        assert_eq!(locate_with_hint(&loc, Some(1)).unwrap().pid, me);
+        drop(listener);
+        assert_eq!(
+            locate_with_hint(&loc, Some(me)),
+            Err(ProcessError::NoListener { port })
+        );
     }
 
     #[test]
