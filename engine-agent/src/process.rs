@@ -61,6 +61,12 @@ pub enum ProcessError {
         /// State letter (`Z` or `X`).
         state: char,
     },
+    /// The process is exiting: its executable mapping is gone but it is not a zombie yet.
+    #[error("process {pid} is exiting")]
+    Exiting {
+        /// The pid.
+        pid: u32,
+    },
     /// The process changed while it was being read (pid reused mid-read).
     #[error("process {pid} changed while being read (start_ticks {before} then {after})")]
     ChangedDuringRead {
@@ -210,7 +216,10 @@ pub fn read_identity(pid: u32, listen_port: Option<u16>) -> Result<ProcessIdenti
     let exe = match std::fs::read_link(root.join(pid.to_string()).join("exe")) {
         Ok(p) => p.display().to_string(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(ProcessError::Vanished { pid });
+            // The process is exiting (its memory map, hence `exe`, is gone): say whether it
+            // is already a zombie or gone, else that it is on its way out.
+            read_stat(root, pid)?;
+            return Err(ProcessError::Exiting { pid });
         }
         Err(e) => return Err(proc_err(format!("/proc/{pid}/exe"), e)),
     };
@@ -493,9 +502,10 @@ mod tests {
         loop {
             match read_identity(pid, None) {
                 Err(ProcessError::NotRunning { state: 'Z', .. }) => break,
+                // Still running, or caught between exit and zombie: poll again.
                 Ok(_)
                 | Err(ProcessError::ChangedDuringRead { .. })
-                | Err(ProcessError::Proc { .. }) => {}
+                | Err(ProcessError::Exiting { .. }) => {}
                 Err(e) => panic!("unexpected {e}"),
             }
             assert!(waited < deadline, "child {pid} never became a zombie");
