@@ -77,6 +77,9 @@ pub enum Observation {
     HealthOk,
     /// `/health` failed (non-200, connect error, timeout).
     HealthFailed,
+    /// Readmission validation passed through the agents (lifecycle or recovery evidence):
+    /// clears `connection`, `inference_status`, `kv_handoff`, `stream` and un-ejects.
+    Verified,
 }
 
 /// Why an engine was ejected (`narwhal_engine_ejections_total{cause}`).
@@ -86,6 +89,8 @@ pub enum EjectCause {
     Class(FailureClass),
     /// A health probe requested by a timeout/overload streak failed.
     HealthProbe,
+    /// The engine's process changed behind the router's back (found during validation).
+    ProcessIdentity,
 }
 
 impl EjectCause {
@@ -94,6 +99,7 @@ impl EjectCause {
         match self {
             EjectCause::Class(c) => c.as_str(),
             EjectCause::HealthProbe => "health_probe",
+            EjectCause::ProcessIdentity => "process_identity",
         }
     }
 }
@@ -113,10 +119,12 @@ pub enum Transition {
         /// Engine index.
         iid: usize,
     },
-    /// Return the engine to placement (evidence `health`).
+    /// Return the engine to placement.
     Readmitted {
         /// Engine index.
         iid: usize,
+        /// `health` (a probe answered) or `lifecycle` (validation passed).
+        evidence: &'static str,
     },
 }
 
@@ -248,7 +256,31 @@ impl Breaker {
                     e.ejected_at = None;
                     e.streaks = [0; 6];
                     *self.readmissions.entry(iid).or_default() += 1;
-                    out.push(Transition::Readmitted { iid });
+                    out.push(Transition::Readmitted {
+                        iid,
+                        evidence: "health",
+                    });
+                }
+            }
+            Observation::Verified => {
+                e.probe_in_flight = false;
+                e.probe_pending = false;
+                clear(
+                    e,
+                    &[
+                        FailureClass::Connection,
+                        FailureClass::InferenceStatus,
+                        FailureClass::KvHandoff,
+                        FailureClass::Stream,
+                    ],
+                );
+                if e.ejected_at.is_some() {
+                    e.ejected_at = None;
+                    *self.readmissions.entry(iid).or_default() += 1;
+                    out.push(Transition::Readmitted {
+                        iid,
+                        evidence: "lifecycle",
+                    });
                 }
             }
             Observation::HealthFailed => {
@@ -294,6 +326,16 @@ impl Breaker {
                 e.probe_in_flight = true;
                 out.push((iid, ProbeKind::Verification));
             }
+        }
+        out
+    }
+
+    /// Ejects the engine now for `cause` unless it already is (validation found its process
+    /// changed).
+    pub fn eject_now(&mut self, iid: usize, cause: EjectCause, now: Instant) -> Vec<Transition> {
+        let mut out = Vec::new();
+        if self.engines[iid].ejected_at.is_none() {
+            self.eject(iid, cause, now, &mut out);
         }
         out
     }
@@ -421,7 +463,10 @@ mod tests {
         assert_eq!(br.due_probes(t2), vec![(0, ProbeKind::Readmission)]);
         assert_eq!(
             br.observe(0, Observation::HealthOk, t2),
-            vec![Transition::Readmitted { iid: 0 }]
+            vec![Transition::Readmitted {
+                iid: 0,
+                evidence: "health"
+            }]
         );
         assert!(!br.is_ejected(0));
         assert_eq!(br.streak(0, FailureClass::Stream), 0);

@@ -69,6 +69,9 @@ pub struct EngineAgent {
     pub server_name: String,
     /// `ed25519:<base64>` public key that signs this agent's documents.
     pub public_key: String,
+    /// The agent's `agent_id`, which every signed payload must carry; defaults to
+    /// `server_name`.
+    pub agent_id: String,
 }
 
 /// One configured engine (`engines[]`).
@@ -868,12 +871,23 @@ impl Checker<'_> {
                 ),
             );
         }
-        if recovery.engine_restart_policy == RestartPolicy::WholeWave && engine_contract.is_none() {
+        // DESIGN.md 9.2: process identity comes from the agents, so whole-wave restarts need an
+        // agent on every engine rather than an engine_contract.
+        if recovery.engine_restart_policy == RestartPolicy::WholeWave
+            && engines.iter().any(|e| e.agent.is_none())
+        {
             self.rule(
                 "recovery.engine_restart_policy".into(),
                 &Value::from("whole_wave"),
-                "whole_wave requires an engine_contract",
+                "whole_wave requires engines[].agent on every engine",
             );
+        }
+        if tls.is_none() && engines.iter().any(|e| e.agent.is_some()) {
+            self.issues.push(ConfigIssue::Missing {
+                path:
+                    "tls (required by engines[].agent: the router talks to agents over mutual TLS)"
+                        .into(),
+            });
         }
         Some(Config {
             model,
@@ -985,7 +999,7 @@ impl Checker<'_> {
                     let a = self.obj(
                         &o.p("agent"),
                         Some(av),
-                        &["url", "server_name", "public_key"],
+                        &["url", "server_name", "public_key", "agent_id"],
                     );
                     if a.map.is_none() {
                         None
@@ -1011,10 +1025,19 @@ impl Checker<'_> {
                                 "must start with \"ed25519:\"",
                             );
                         }
+                        let agent_id = match a.get("agent_id") {
+                            None => server_name.clone(),
+                            Some(Value::String(s)) if !s.is_empty() => s.clone(),
+                            Some(v) => {
+                                self.ty(a.p("agent_id"), v, "a non-empty string");
+                                String::new()
+                            }
+                        };
                         Some(EngineAgent {
                             url: url.trim_end_matches('/').to_string(),
                             server_name,
                             public_key,
+                            agent_id,
                         })
                     }
                 }

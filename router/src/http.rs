@@ -29,9 +29,24 @@ use tracing::Instrument;
 use crate::breaker::{Observation, ProbeKind};
 use crate::config::{Backend, Role, secs};
 use crate::ingress::Endpoint;
+use crate::lifecycle;
 use crate::metrics::labels;
 use crate::serve::{Body, completion, json_response, refresh_bootstrap_port};
 use crate::state::Shared;
+
+/// Largest lifecycle request body accepted, bytes.
+const CONTROL_BODY_LIMIT: usize = 64 * 1024;
+
+/// Reads a control POST body, bounded by [`CONTROL_BODY_LIMIT`].
+async fn read_control_body(req: Request<Incoming>) -> Result<bytes::Bytes, String> {
+    let limited = http_body_util::Limited::new(req.into_body(), CONTROL_BODY_LIMIT);
+    match limited.collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) => Err(format!(
+            "request body unreadable or over {CONTROL_BODY_LIMIT} bytes: {e}"
+        )),
+    }
+}
 
 /// Which listener a connection arrived on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,6 +92,33 @@ async fn route(shared: Arc<Shared>, side: Side, req: Request<Incoming>) -> Respo
         (Side::Control, Method::GET, "/narwhal/state") => {
             json_response(StatusCode::OK, &shared.state_doc(), &rid)
         }
+        (Side::Control, Method::GET, "/narwhal/lifecycle") => json_response(
+            StatusCode::OK,
+            &lifecycle::driver::document(&shared, ""),
+            &rid,
+        ),
+        (
+            Side::Control,
+            Method::POST,
+            "/narwhal/lifecycle/drain" | "/narwhal/lifecycle/readmit",
+        ) => {
+            let body = match read_control_body(req).await {
+                Ok(b) => b,
+                Err(e) => {
+                    return json_response(
+                        StatusCode::BAD_REQUEST,
+                        &lifecycle::driver::document(&shared, &e),
+                        &rid,
+                    );
+                }
+            };
+            let (status, doc) = if path == "/narwhal/lifecycle/drain" {
+                lifecycle::driver::drain(shared.clone(), body).await
+            } else {
+                lifecycle::driver::readmit(shared.clone(), body).await
+            };
+            json_response(status, &doc, &rid)
+        }
         (Side::Control, Method::GET, "/narwhal/targets") => {
             json_response(StatusCode::OK, &shared.targets_doc(), &rid)
         }
@@ -100,6 +142,9 @@ async fn route(shared: Arc<Shared>, side: Side, req: Request<Incoming>) -> Respo
                 ]
                 .contains(&p),
                 Side::Control => [
+                    "/narwhal/lifecycle",
+                    "/narwhal/lifecycle/drain",
+                    "/narwhal/lifecycle/readmit",
                     "/narwhal/state",
                     "/narwhal/targets",
                     "/metrics",
@@ -186,6 +231,7 @@ pub(crate) async fn monitor(shared: Arc<Shared>, stop: CancellationToken) {
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
+        lifecycle::driver::enforce_whole_wave(&shared);
         let due = {
             let now = shared.clock.now();
             shared.core().breaker.due_probes(now)
@@ -222,6 +268,15 @@ pub(crate) async fn monitor(shared: Arc<Shared>, stop: CancellationToken) {
                         tracing::warn!(error = %e, "bootstrap port refresh failed");
                     }
                     tracing::debug!(ok, "probe finished");
+                    if ok && kind == ProbeKind::Readmission && shared.agents.has(iid) {
+                        // An engine with an agent comes back only through validation of its
+                        // running process (issue 4: transient breaker ejection), not on a
+                        // bare health answer.
+                        if !lifecycle::driver::recover(shared.clone(), iid).await {
+                            shared.core().breaker.probe_inconclusive(iid);
+                        }
+                        return;
+                    }
                     shared.observe(
                         iid,
                         if ok {

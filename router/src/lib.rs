@@ -21,6 +21,7 @@ pub mod config;
 mod http;
 pub mod ingress;
 pub mod journal;
+pub mod lifecycle;
 mod metrics;
 pub mod outcome;
 pub mod placement;
@@ -64,6 +65,9 @@ pub enum Error {
     /// The journal could not be opened.
     #[error(transparent)]
     Journal(#[from] journal::JournalError),
+    /// An agent client could not be built (TLS files, public key); names the key.
+    #[error("{0}")]
+    Agents(String),
 }
 
 /// Serve until `shutdown` resolves, then stop accepting, let open requests finish for up to
@@ -80,14 +84,18 @@ pub async fn run(
 ) -> Result<(), Error> {
     let clock: Arc<dyn narwhal_shared::Clock> = Arc::new(narwhal_shared::SystemClock);
     let grace = Duration::from_secs(config.serving.graceful_timeout_s);
+    let agents =
+        lifecycle::driver::Agents::from_config(&config, clock.clone()).map_err(Error::Agents)?;
     let shared = state::Shared::new(
         Arc::new(config),
         clock,
         opts.journal,
         opts.max_concurrent.max(1),
+        agents,
     );
     let stop = tokio_util::sync::CancellationToken::new();
     let monitor = tokio::spawn(http::monitor(shared.clone(), stop.clone()));
+    let lifecycle_timer = tokio::spawn(lifecycle::driver::timer(shared.clone(), stop.clone()));
     tokio::spawn(http::warm_bootstrap_ports(shared.clone()));
     let data = tokio::spawn(http::serve(
         listeners.data,
@@ -108,6 +116,7 @@ pub async fn run(
     let _ = data.await;
     let _ = control.await;
     let _ = monitor.await;
+    let _ = lifecycle_timer.await;
     tracing::info!("narwhal-serve stopped");
     Ok(())
 }

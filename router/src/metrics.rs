@@ -88,6 +88,9 @@ pub(crate) struct Metrics {
     pub(crate) router_ready: Gauge,
     pub(crate) router_lease_epoch: Gauge,
     pub(crate) engine_draining: Family<Labels, Gauge>,
+    pub(crate) engine_ready_to_stop: Family<Labels, Gauge>,
+    pub(crate) engine_lifecycle_state: Family<Labels, Gauge>,
+    pub(crate) lifecycle_validations: Family<Labels, Counter>,
     pub(crate) instance_role: Family<Labels, Gauge>,
     pub(crate) pool_instances: Family<Labels, Gauge>,
     pub(crate) resident: Family<Labels, Gauge>,
@@ -252,6 +255,21 @@ impl Metrics {
             engine_draining: reg!(
                 "narwhal_engine_draining",
                 "1 while the engine is held out by a drain",
+                Family::default()
+            ),
+            engine_ready_to_stop: reg!(
+                "narwhal_engine_ready_to_stop",
+                "1 while an external supervisor may stop the engine's process",
+                Family::default()
+            ),
+            engine_lifecycle_state: reg!(
+                "narwhal_engine_lifecycle_state",
+                "1 for the engine's current lifecycle state",
+                Family::default()
+            ),
+            lifecycle_validations: reg!(
+                "narwhal_lifecycle_validations",
+                "Readmission validations by engine, kind (operator, recovery) and result",
                 Family::default()
             ),
             instance_role: reg!(

@@ -12,7 +12,7 @@
 //! exclusion set already knows `draining`.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use narwhal_shared::Clock;
@@ -24,6 +24,8 @@ use tokio::sync::Semaphore;
 use crate::breaker::{Breaker, FailureClass, Transition};
 use crate::config::{Config, Role, secs};
 use crate::journal::Journal;
+use crate::lifecycle::Lifecycle;
+use crate::lifecycle::driver::Agents;
 use crate::metrics::{Metrics, labels};
 use crate::outcome::{RequestRecord, SettleSink, Settlement, Tally, Terminal};
 use crate::placement::{EngineSlot, Exclusion, Phase};
@@ -81,6 +83,16 @@ pub(crate) struct Shared {
     pub(crate) retained_high_water: AtomicUsize,
     pub(crate) queued: AtomicUsize,
     pub(crate) queue_high_water: AtomicUsize,
+    /// The pure lifecycle manager (always locked before `core`).
+    pub(crate) lifecycle: Mutex<Lifecycle>,
+    /// Serialises lifecycle actions end to end, agent calls included.
+    pub(crate) lifecycle_lock: tokio::sync::Mutex<()>,
+    /// Wakes the drain-deadline timer when a drain starts.
+    pub(crate) lifecycle_wake: tokio::sync::Notify,
+    /// Some engine is held by the lifecycle: resident changes must refresh drain progress.
+    pub(crate) any_held: AtomicBool,
+    /// The engines' agents (mutual TLS).
+    pub(crate) agents: Agents,
 }
 
 impl Shared {
@@ -89,8 +101,13 @@ impl Shared {
         clock: Arc<dyn Clock>,
         journal: Journal,
         max_concurrent: usize,
+        agents: Agents,
     ) -> Arc<Self> {
         let n = cfg.engines.len();
+        let lifecycle = Lifecycle::new(
+            cfg.engines.iter().map(|e| e.iid.clone()).collect(),
+            cfg.recovery.engine_restart_policy,
+        );
         let probe_interval =
             secs(cfg.controller.monitor_interval_s * f64::from(cfg.recovery.readmit_every));
         let slots = cfg
@@ -132,6 +149,11 @@ impl Shared {
             retained_high_water: AtomicUsize::new(0),
             queued: AtomicUsize::new(0),
             queue_high_water: AtomicUsize::new(0),
+            lifecycle: Mutex::new(lifecycle),
+            lifecycle_lock: tokio::sync::Mutex::new(()),
+            lifecycle_wake: tokio::sync::Notify::new(),
+            any_held: AtomicBool::new(false),
+            agents,
             clock,
             cfg,
         })
@@ -143,6 +165,18 @@ impl Shared {
 
     pub(crate) fn tally(&self) -> MutexGuard<'_, Tally> {
         self.tally.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn lifecycle(&self) -> MutexGuard<'_, Lifecycle> {
+        self.lifecycle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Mirrors the lifecycle's readiness hold (`whole-wave drain <id>`, ...) into `/ready`.
+    pub(crate) fn set_lifecycle_blocked(&self, reason: &str) {
+        let mut ha = self.ha.lock().unwrap_or_else(|p| p.into_inner());
+        if ha.lifecycle_blocked != reason {
+            ha.lifecycle_blocked = reason.to_string();
+        }
     }
 
     pub(crate) fn ha(&self) -> Ha {
@@ -198,15 +232,15 @@ impl Shared {
                     tracing::info!(engine.id = %name, cause = cause.as_str(), "engine ejected");
                     self.journal.emit(json!({"event": "engine_ejected", "iid": name, "cause": cause.as_str(), "at": self.wall()}));
                 }
-                Transition::Readmitted { iid } => {
+                Transition::Readmitted { iid, evidence } => {
                     core.slots[iid].excluded.remove(&Exclusion::Ejected);
                     let name = &self.cfg.engines[iid].iid;
                     self.metrics
                         .readmissions
-                        .get_or_create(&labels(&[("iid", name), ("evidence", "health")]))
+                        .get_or_create(&labels(&[("iid", name), ("evidence", evidence)]))
                         .inc();
-                    tracing::info!(engine.id = %name, "engine readmitted");
-                    self.journal.emit(json!({"event": "engine_readmitted", "iid": name, "evidence": "health", "at": self.wall()}));
+                    tracing::info!(engine.id = %name, evidence, "engine readmitted");
+                    self.journal.emit(json!({"event": "engine_readmitted", "iid": name, "evidence": evidence, "at": self.wall()}));
                 }
                 Transition::ProbeRequested { iid } => {
                     tracing::info!(engine.id = %self.cfg.engines[iid].iid, "health verification requested");
@@ -228,6 +262,16 @@ impl Shared {
         let (ready, _, _) = self.readiness();
         let m = &self.metrics;
         m.router_ready.set(i64::from(ready));
+        for (iid, state, ready_to_stop) in crate::lifecycle::driver::gauges(self) {
+            m.engine_ready_to_stop
+                .get_or_create(&labels(&[("iid", &iid)]))
+                .set(i64::from(ready_to_stop));
+            for st in crate::lifecycle::DrainState::ALL {
+                m.engine_lifecycle_state
+                    .get_or_create(&labels(&[("iid", &iid), ("state", st.as_str())]))
+                    .set(i64::from(st.as_str() == state));
+            }
+        }
         m.router_lease_epoch.set(self.ha().epoch as i64);
         let retained = self.retained.load(Ordering::Relaxed);
         m.http_retained.set(retained as i64);
@@ -355,7 +399,14 @@ impl Shared {
 
     /// `/narwhal/state` (reference-notes 1.7): the starred fields, others stubbed or omitted.
     pub(crate) fn state_doc(&self) -> Value {
-        let (ready, control_ready, _) = self.readiness();
+        let (ready, _, _) = self.readiness();
+        // The lifecycle view: the lifecycle document minus its envelope (reference-notes 1.7).
+        let mut lifecycle_view = crate::lifecycle::driver::document(self, "");
+        if let Some(m) = lifecycle_view.as_object_mut() {
+            for k in ["schema", "schema_version", "error"] {
+                m.remove(k);
+            }
+        }
         let ha = self.ha();
         let tally = self.tally().clone();
         let core = self.core();
@@ -377,7 +428,6 @@ impl Shared {
         let decode_pool = sorted_by(&|s| s.role == Role::Decode);
         let mut resident = serde_json::Map::new();
         let mut failures = serde_json::Map::new();
-        let mut lifecycle_engines = serde_json::Map::new();
         let mut order: Vec<usize> = (0..names.len()).collect();
         order.sort_by_key(|i| names[*i]);
         for i in order {
@@ -397,17 +447,6 @@ impl Shared {
                 .chain(std::iter::once(("liveness".to_string(), Value::from(0))))
                 .collect();
             failures.insert(names[i].into(), Value::Object(streaks));
-            let draining = s.excluded.contains(&Exclusion::Draining);
-            lifecycle_engines.insert(
-                names[i].into(),
-                json!({
-                    "state": "active", "draining": draining, "accepts_new": s.is_live(),
-                    "ready_to_stop": false,
-                    "resident": {"prefill": s.resident_prefill, "decode": s.resident_decode},
-                    "deadline_at": null, "restart_required": false, "wave_id": "",
-                    "old_process_start": null, "new_process_start": null, "checks": [], "error": ""
-                }),
-            );
         }
         let ejections: Vec<Value> = core
             .breaker
@@ -458,14 +497,7 @@ impl Shared {
             "token_accounting": "token_ids",
             "monitoring": {"degraded": false, "reason": null, "core_consecutive": 0, "core_failures": 0},
             "ha": {"ready": ready, "standby": ha.standby, "epoch": ha.epoch, "holder": ha.holder, "blocked": ha.failover_blocked, "controls_fleet": ha.controls_fleet},
-            "lifecycle": {
-                "engine_restart_policy": self.cfg.recovery.engine_restart_policy.as_str(),
-                "process_starts": {},
-                "router": {"controls_fleet": control_ready, "ready": ready},
-                "wave": {"id": "", "active": false, "ready_to_stop": false},
-                "engines": lifecycle_engines,
-                "events": [],
-            },
+            "lifecycle": lifecycle_view,
             "admission": {
                 "inflight": inflight,
                 "queued": self.queued.load(Ordering::Relaxed),
@@ -661,8 +693,14 @@ impl Resident {
 
 impl Drop for Resident {
     fn drop(&mut self) {
-        let mut core = self.shared.core();
-        Self::bump(&mut core, self.iid, self.phase, false);
+        {
+            let mut core = self.shared.core();
+            Self::bump(&mut core, self.iid, self.phase, false);
+        }
+        // Eager drain progress (DESIGN.md 9.4): only when something is held.
+        if self.shared.any_held.load(Ordering::Acquire) {
+            crate::lifecycle::driver::refresh(&self.shared);
+        }
     }
 }
 
@@ -738,7 +776,14 @@ mod tests {
         })
         .to_string();
         let cfg = Config::from_json_str(&text, &|_| None).unwrap();
-        Shared::new(Arc::new(cfg), clock, Journal::disabled("1-deadbeef"), 4)
+        let n = cfg.engines.len();
+        Shared::new(
+            Arc::new(cfg),
+            clock,
+            Journal::disabled("1-deadbeef"),
+            4,
+            Agents::none(n),
+        )
     }
 
     #[test]

@@ -1,0 +1,758 @@
+//! The lifecycle driver: the HTTP actions (`GET /narwhal/lifecycle`, `POST .../drain`,
+//! `POST .../readmit`), identity capture and validation through the agents, eager drain
+//! progress, and recovery of breaker-ejected engines (seed "Lifecycle API"; DESIGN.md 9.2–9.7).
+//!
+//! Locking: the async `lifecycle_lock` serialises lifecycle actions end to end (including the
+//! agent calls); the `lifecycle` mutex guards the pure [`Lifecycle`] and is always taken before
+//! the core mutex, never after it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::StatusCode;
+use narwhal_shared::{AgentClient, AgentEndpoint, AgentTimeouts, Clock, Fence, ProcessIdentity};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use super::machine::{DrainRequest, EngineView, Lifecycle, Now};
+use super::validation::{Attested, Checks, Identity, Plan, Report, validate};
+use crate::breaker::{EjectCause, Observation};
+use crate::config::{Config, RestartPolicy, secs};
+use crate::metrics::labels;
+use crate::placement::Exclusion;
+use crate::state::Shared;
+
+/// The mTLS clients of the engines' agents, one per distinct agent, indexed by engine.
+pub(crate) struct Agents {
+    per_engine: Vec<Option<Arc<AgentClient>>>,
+}
+
+impl Agents {
+    /// No agents (fleets without `engines[].agent`, and unit tests).
+    #[cfg(test)]
+    pub(crate) fn none(engines: usize) -> Agents {
+        Agents {
+            per_engine: vec![None; engines],
+        }
+    }
+
+    /// Builds one client per distinct agent of the fleet file (engines on one host share it).
+    ///
+    /// # Errors
+    /// A message naming the offending key (`engines[0].agent.public_key`, `tls.cert`, ...).
+    pub(crate) fn from_config(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Agents, String> {
+        let mut per_engine = Vec::with_capacity(cfg.engines.len());
+        let mut built: BTreeMap<(String, String), Arc<AgentClient>> = BTreeMap::new();
+        let timeouts = AgentTimeouts {
+            connect_s: cfg.agent.timeout_s.min(5.0),
+            request_s: cfg.agent.timeout_s,
+            check_s: cfg.agent.timeout_s.max(30.0),
+            max_skew_s: cfg.agent.max_skew_s,
+        };
+        for (i, e) in cfg.engines.iter().enumerate() {
+            let Some(a) = &e.agent else {
+                per_engine.push(None);
+                continue;
+            };
+            let key = (a.url.clone(), a.server_name.clone());
+            if let Some(c) = built.get(&key) {
+                per_engine.push(Some(c.clone()));
+                continue;
+            }
+            let tls = cfg.tls.as_ref().ok_or_else(|| {
+                "tls: required by engines[].agent (mutual TLS to the agents)".to_string()
+            })?;
+            let public_key = narwhal_shared::PublicKey::parse(&a.public_key)
+                .map_err(|err| format!("engines[{i}].agent.public_key: {err}"))?;
+            let endpoint = AgentEndpoint {
+                agent_id: a.agent_id.clone(),
+                url: a.url.clone(),
+                server_name: a.server_name.clone(),
+                public_key,
+            };
+            let files = narwhal_shared::TlsFiles {
+                ca: tls.ca.clone(),
+                cert: tls.cert.clone(),
+                key: tls.key.clone(),
+            };
+            let client = AgentClient::new(endpoint, &files, timeouts, clock.clone())
+                .map_err(|err| format!("engines[{i}].agent: {err}"))?;
+            let client = Arc::new(client);
+            built.insert(key, client.clone());
+            per_engine.push(Some(client));
+        }
+        Ok(Agents { per_engine })
+    }
+
+    fn get(&self, i: usize) -> Option<&Arc<AgentClient>> {
+        self.per_engine.get(i).and_then(Option::as_ref)
+    }
+
+    /// True when engine `i` has an agent.
+    pub(crate) fn has(&self, i: usize) -> bool {
+        self.get(i).is_some()
+    }
+}
+
+fn now(shared: &Shared) -> Now {
+    Now {
+        mono: shared.clock.now(),
+        wall: shared.wall(),
+    }
+}
+
+fn new_wave_id() -> String {
+    let u = uuid::Uuid::new_v4().simple().to_string();
+    format!("wave-{}", &u[..12])
+}
+
+fn index(shared: &Shared, iid: &str) -> Option<usize> {
+    shared.cfg.engines.iter().position(|e| e.iid == iid)
+}
+
+fn fence(shared: &Shared) -> Fence {
+    let ha = shared.ha();
+    Fence {
+        epoch: ha.epoch,
+        holder: ha.holder,
+    }
+}
+
+/// Resident prefill + decode count per engine name.
+fn resident(shared: &Shared) -> BTreeMap<String, u32> {
+    let core = shared.core();
+    shared
+        .cfg
+        .engines
+        .iter()
+        .zip(core.slots.iter())
+        .map(|(e, s)| (e.iid.clone(), s.resident_prefill + s.resident_decode))
+        .collect()
+}
+
+fn live(shared: &Shared) -> BTreeSet<String> {
+    let core = shared.core();
+    shared
+        .cfg
+        .engines
+        .iter()
+        .zip(core.slots.iter())
+        .filter(|(_, s)| s.is_live())
+        .map(|(e, _)| e.iid.clone())
+        .collect()
+}
+
+/// Applies the machine's holds to placement and readiness, and journals its new events.
+/// Called with the lifecycle mutex held (lifecycle before core).
+fn commit(shared: &Shared, lc: &mut Lifecycle) {
+    let held = lc.held();
+    {
+        let mut core = shared.core();
+        for (e, slot) in shared.cfg.engines.iter().zip(core.slots.iter_mut()) {
+            if held.contains(&e.iid) {
+                slot.excluded.insert(Exclusion::Draining);
+            } else {
+                slot.excluded.remove(&Exclusion::Draining);
+            }
+        }
+    }
+    shared.any_held.store(!held.is_empty(), Ordering::Release);
+    shared.set_lifecycle_blocked(lc.blocked_reason());
+    for ev in lc.take_events() {
+        tracing::info!(
+            action = ev["action"].as_str().unwrap_or(""),
+            engine.id = ev["iid"].as_str().unwrap_or(""),
+            wave = ev["wave_id"].as_str().unwrap_or(""),
+            "lifecycle event"
+        );
+        shared.journal.emit(ev);
+    }
+}
+
+/// Re-evaluates drain progress now (DESIGN.md 9.4): called when a held engine's resident count
+/// changes and by the deadline timer.
+pub(crate) fn refresh(shared: &Shared) {
+    let mut lc = shared.lifecycle();
+    let counts = resident(shared);
+    lc.refresh(now(shared), |iid| counts.get(iid).copied().unwrap_or(0));
+    commit(shared, &mut lc);
+}
+
+/// Wakes at the next drain deadline (or when a drain starts) and refreshes.
+pub(crate) async fn timer(shared: Arc<Shared>, stop: CancellationToken) {
+    loop {
+        let next = shared.lifecycle().next_deadline();
+        let wait = async {
+            match next {
+                Some(d) => {
+                    tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await;
+                    // The deadline is strict (now > deadline): step past it.
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = shared.lifecycle_wake.notified() => {}
+            _ = wait => {}
+        }
+        refresh(&shared);
+    }
+}
+
+/// `router.controls_fleet` (DESIGN.md 9.1).
+fn controls(shared: &Shared) -> &'static str {
+    let ha = shared.ha();
+    if ha.controls_fleet {
+        "active"
+    } else if ha.standby && ha.failover_blocked.is_empty() {
+        "standby"
+    } else {
+        "fenced"
+    }
+}
+
+/// The lifecycle document with `error` (`""` on success).
+pub(crate) fn document(shared: &Shared, error: &str) -> Value {
+    let (ready, _, _) = shared.readiness();
+    let controls = controls(shared);
+    let lc = shared.lifecycle();
+    let views: BTreeMap<String, EngineView> = {
+        let core = shared.core();
+        shared
+            .cfg
+            .engines
+            .iter()
+            .zip(core.slots.iter())
+            .map(|(e, s)| {
+                (
+                    e.iid.clone(),
+                    EngineView {
+                        resident_prefill: s.resident_prefill,
+                        resident_decode: s.resident_decode,
+                        accepts_new: s.is_live(),
+                    },
+                )
+            })
+            .collect()
+    };
+    lc.document(
+        controls,
+        ready,
+        |iid| views.get(iid).copied().unwrap_or_default(),
+        error,
+    )
+}
+
+fn reply(shared: &Shared, status: StatusCode, error: &str) -> (StatusCode, Value) {
+    (status, document(shared, error))
+}
+
+fn parse_body(body: &Bytes) -> Result<serde_json::Map<String, Value>, String> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(serde_json::Map::new());
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err("the request body must be a JSON object".into()),
+        Err(e) => Err(format!("the request body is not valid JSON: {e}")),
+    }
+}
+
+fn parse_engines(m: &serde_json::Map<String, Value>) -> Result<Vec<String>, String> {
+    match m.get("engines") {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| "engines must be a list of engine ids (strings)".to_string())
+            })
+            .collect(),
+        Some(_) => Err("engines must be a list of engine ids (strings)".into()),
+    }
+}
+
+fn parse_wave(m: &serde_json::Map<String, Value>) -> Result<bool, String> {
+    match m.get("wave") {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err("wave must be true or false".into()),
+    }
+}
+
+fn unknown_keys(m: &serde_json::Map<String, Value>, known: &[&str]) -> Result<(), String> {
+    match m.keys().find(|k| !known.contains(&k.as_str())) {
+        Some(k) => Err(format!(
+            "unknown field {k:?} (expected {})",
+            known.join(", ")
+        )),
+        None => Ok(()),
+    }
+}
+
+fn parse_drain(body: &Bytes) -> Result<DrainRequest, String> {
+    let m = parse_body(body)?;
+    unknown_keys(&m, &["engines", "wave", "deadline_s"])?;
+    let deadline_s = match m.get("deadline_s") {
+        None | Some(Value::Null) => 300.0,
+        Some(v) => v
+            .as_f64()
+            .ok_or_else(|| "deadline_s must be a number of seconds".to_string())?,
+    };
+    Ok(DrainRequest {
+        engines: parse_engines(&m)?,
+        wave: parse_wave(&m)?,
+        deadline_s,
+    })
+}
+
+fn parse_readmit(body: &Bytes) -> Result<(Vec<String>, bool), String> {
+    let m = parse_body(body)?;
+    unknown_keys(&m, &["engines", "wave"])?;
+    Ok((parse_engines(&m)?, parse_wave(&m)?))
+}
+
+const NOT_IN_CONTROL: &str = "this router does not control the fleet";
+
+/// Reads the engine's process start through its agent, as a signed, verified attestation.
+async fn capture(shared: &Shared, iid: &str) -> Result<f64, String> {
+    let i = index(shared, iid).ok_or_else(|| format!("{iid} is not configured"))?;
+    let agent = shared.agents.get(i).ok_or_else(|| {
+        "process identity unreadable: no agent configured for this engine (engines[].agent)"
+            .to_string()
+    })?;
+    let v = agent
+        .attestation(iid, &fence(shared), None)
+        .await
+        .map_err(|e| format!("process identity unreadable: {e}"))?;
+    Ok(v.payload.header.process.process_start_time_seconds)
+}
+
+/// `POST /narwhal/lifecycle/drain` (seed "Draining engines"; reference-notes 1.10, 4.3–4.4).
+pub(crate) async fn drain(shared: Arc<Shared>, body: Bytes) -> (StatusCode, Value) {
+    let req = match parse_drain(&body) {
+        Ok(r) => r,
+        Err(e) => return reply(&shared, StatusCode::BAD_REQUEST, &e),
+    };
+    if !shared.ha().controls_fleet {
+        return reply(&shared, StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL);
+    }
+    let _serial = shared.lifecycle_lock.lock().await;
+    let plan = {
+        let live = live(&shared);
+        let mut lc = shared.lifecycle();
+        match lc.begin(now(&shared), &req, &live, &new_wave_id()) {
+            Ok(p) => {
+                commit(&shared, &mut lc);
+                p
+            }
+            Err(e) => {
+                drop(lc);
+                return reply(&shared, StatusCode::CONFLICT, &e.to_string());
+            }
+        }
+    };
+    shared.lifecycle_wake.notify_one();
+    // Every target is out of placement now; record identities (DESIGN.md section 4).
+    let captured =
+        futures_util::future::join_all(plan.capture.iter().map(|iid| capture(&shared, iid))).await;
+    let mut failures = Vec::new();
+    {
+        let ejected: BTreeSet<String> = {
+            let core = shared.core();
+            shared
+                .cfg
+                .engines
+                .iter()
+                .zip(core.slots.iter())
+                .filter(|(_, s)| s.excluded.contains(&Exclusion::Ejected))
+                .map(|(e, _)| e.iid.clone())
+                .collect()
+        };
+        let counts = resident(&shared);
+        let mut lc = shared.lifecycle();
+        let t = now(&shared);
+        for (iid, r) in plan.capture.iter().zip(captured) {
+            let err = r.as_ref().err().cloned();
+            if !lc.bind_identity(t, iid, r, ejected.contains(iid)) {
+                failures.push(format!("{iid}: {}", err.unwrap_or_default()));
+            }
+        }
+        lc.refresh(t, |iid| counts.get(iid).copied().unwrap_or(0));
+        commit(&shared, &mut lc);
+    }
+    if !shared.ha().controls_fleet {
+        return reply(
+            &shared,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "router control was fenced during drain",
+        );
+    }
+    if !failures.is_empty() {
+        failures.sort();
+        return reply(
+            &shared,
+            StatusCode::SERVICE_UNAVAILABLE,
+            &failures.join("; "),
+        );
+    }
+    reply(&shared, StatusCode::OK, "")
+}
+
+/// `POST /narwhal/lifecycle/readmit` (seed "Readmitting engines"; reference-notes 1.10,
+/// 4.7–4.8).
+pub(crate) async fn readmit(shared: Arc<Shared>, body: Bytes) -> (StatusCode, Value) {
+    let (engines, wave) = match parse_readmit(&body) {
+        Ok(r) => r,
+        Err(e) => return reply(&shared, StatusCode::BAD_REQUEST, &e),
+    };
+    if !shared.ha().controls_fleet {
+        return reply(&shared, StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL);
+    }
+    let _serial = shared.lifecycle_lock.lock().await;
+    let targets = {
+        let counts = resident(&shared);
+        let mut lc = shared.lifecycle();
+        let t = now(&shared);
+        match lc.mark_validating(t, &engines, wave, |iid| {
+            counts.get(iid).copied().unwrap_or(0)
+        }) {
+            Ok(t) => {
+                commit(&shared, &mut lc);
+                t
+            }
+            Err(e) => {
+                drop(lc);
+                return reply(&shared, StatusCode::CONFLICT, &e.to_string());
+            }
+        }
+    };
+    let report = run_validation(&shared, &targets, wave).await;
+    finish(&shared, &targets, report, "operator")
+}
+
+/// Builds the validation plan for `targets` from the records and the live fleet.
+fn plan(shared: &Shared, targets: &[String], wave: bool) -> Plan {
+    let lc = shared.lifecycle();
+    let restart_after = targets
+        .iter()
+        .map(|t| {
+            let old = lc
+                .record(t)
+                .filter(|r| r.restart_required)
+                .and_then(|r| r.old_process_start);
+            (t.clone(), old)
+        })
+        .collect();
+    let accepted_starts = lc.process_starts().clone();
+    drop(lc);
+    Plan {
+        targets: targets.to_vec(),
+        roles: shared
+            .cfg
+            .engines
+            .iter()
+            .map(|e| (e.iid.clone(), e.role))
+            .collect(),
+        live: live(shared),
+        restart_after,
+        accepted_starts,
+        model: shared.cfg.model.clone(),
+        wave,
+    }
+}
+
+async fn run_validation(shared: &Arc<Shared>, targets: &[String], wave: bool) -> Report {
+    let plan = plan(shared, targets, wave);
+    let checks = AgentChecks {
+        shared: shared.clone(),
+        fence: fence(shared),
+    };
+    let check_id = uuid::Uuid::new_v4().simple().to_string();
+    validate(&plan, &checks, &check_id).await
+}
+
+/// Applies a validation report: readmit on success, block every candidate on failure, eject
+/// peers whose process changed (reference-notes 4.7; DESIGN.md 9.7).
+fn finish(
+    shared: &Shared,
+    targets: &[String],
+    report: Report,
+    kind: &'static str,
+) -> (StatusCode, Value) {
+    let t = now(shared);
+    if !report.changed_peers.is_empty() {
+        let mut core = shared.core();
+        for peer in &report.changed_peers {
+            if let Some(i) = index(shared, peer) {
+                let tr = core
+                    .breaker
+                    .eject_now(i, EjectCause::ProcessIdentity, t.mono);
+                shared.apply_transitions(&mut core, &tr);
+            }
+        }
+    }
+    let passed = report.passed()
+        && targets.iter().all(|iid| {
+            report
+                .engines
+                .get(iid)
+                .is_some_and(|o| o.process_start.is_some())
+        });
+    let record_metric = |result: &str| {
+        for iid in targets {
+            shared
+                .metrics
+                .lifecycle_validations
+                .get_or_create(&labels(&[("iid", iid), ("kind", kind), ("result", result)]))
+                .inc();
+        }
+    };
+    if !shared.ha().controls_fleet {
+        let mut lc = shared.lifecycle();
+        lc.abort_validation(t, "router control was fenced during validation");
+        commit(shared, &mut lc);
+        drop(lc);
+        record_metric("fenced");
+        return reply(
+            shared,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "router control was fenced during validation",
+        );
+    }
+    if passed {
+        let outcome: BTreeMap<_, _> = report
+            .engines
+            .into_iter()
+            .filter(|(iid, _)| targets.contains(iid))
+            .collect();
+        let mut lc = shared.lifecycle();
+        let back = lc.readmitted(t, &outcome);
+        {
+            let mut core = shared.core();
+            for iid in &back {
+                if let Some(i) = index(shared, iid) {
+                    let tr = core.breaker.observe(i, Observation::Verified, t.mono);
+                    shared.apply_transitions(&mut core, &tr);
+                }
+            }
+        }
+        commit(shared, &mut lc);
+        drop(lc);
+        record_metric("passed");
+        reply(shared, StatusCode::OK, "")
+    } else {
+        let mut lc = shared.lifecycle();
+        lc.validation_failed(t, &report.engines);
+        commit(shared, &mut lc);
+        drop(lc);
+        record_metric("failed");
+        reply(
+            shared,
+            StatusCode::CONFLICT,
+            "readmission validation failed",
+        )
+    }
+}
+
+/// Recovery of a breaker-ejected engine whose health probe passed: validate the running
+/// process through the same checks (no restart required) and readmit it; under `whole_wave`
+/// an ejection instead requires a whole-wave restart (reference-notes 4.9). Returns whether
+/// the engine is back in placement.
+pub(crate) async fn recover(shared: Arc<Shared>, i: usize) -> bool {
+    let Ok(_serial) = shared.lifecycle_lock.try_lock() else {
+        return false; // another lifecycle action runs; the next probe retries
+    };
+    let iid = shared.cfg.engines[i].iid.clone();
+    let started = {
+        let mut lc = shared.lifecycle();
+        let ok = lc.start_recovery_validation(now(&shared), &iid, &new_wave_id());
+        commit(&shared, &mut lc);
+        ok
+    };
+    if !started {
+        return false;
+    }
+    let targets = vec![iid];
+    let report = run_validation(&shared, &targets, false).await;
+    let (status, _) = finish(&shared, &targets, report, "recovery");
+    status == StatusCode::OK
+}
+
+/// Under `whole_wave`, an ejection requires a whole-wave restart (reference-notes 4.9).
+pub(crate) fn enforce_whole_wave(shared: &Shared) {
+    if shared.cfg.recovery.engine_restart_policy != RestartPolicy::WholeWave
+        || !shared.ha().controls_fleet
+    {
+        return;
+    }
+    let ejected: Vec<String> = {
+        let core = shared.core();
+        shared
+            .cfg
+            .engines
+            .iter()
+            .zip(core.slots.iter())
+            .filter(|(_, s)| s.excluded.contains(&Exclusion::Ejected))
+            .map(|(e, _)| e.iid.clone())
+            .collect()
+    };
+    let Some(first) = ejected.first() else { return };
+    let mut lc = shared.lifecycle();
+    if !lc.wave_id().is_empty() {
+        return;
+    }
+    lc.require_restart_wave(
+        now(shared),
+        &format!("engine {first} was excluded"),
+        false,
+        &new_wave_id(),
+    );
+    commit(shared, &mut lc);
+}
+
+/// Lifecycle gauges for `/metrics`: `(iid, state, ready_to_stop)` per engine.
+pub(crate) fn gauges(shared: &Shared) -> Vec<(String, &'static str, bool)> {
+    let lc = shared.lifecycle();
+    shared
+        .cfg
+        .engines
+        .iter()
+        .map(|e| {
+            (
+                e.iid.clone(),
+                lc.state(&e.iid).as_str(),
+                lc.ready_to_stop(&e.iid),
+            )
+        })
+        .collect()
+}
+
+/// [`Checks`] through the router's engine client (health) and the agents (everything signed).
+struct AgentChecks {
+    shared: Arc<Shared>,
+    fence: Fence,
+}
+
+fn identity(p: &ProcessIdentity) -> Identity {
+    Identity {
+        key: format!("{}:{}:{}", p.boot_id, p.pid, p.start_ticks),
+        start: p.process_start_time_seconds,
+    }
+}
+
+impl AgentChecks {
+    fn agent(&self, iid: &str) -> Result<(usize, Arc<AgentClient>), String> {
+        let i = index(&self.shared, iid).ok_or_else(|| format!("{iid} is not configured"))?;
+        let a =
+            self.shared.agents.get(i).ok_or_else(|| {
+                "no agent configured for this engine (engines[].agent)".to_string()
+            })?;
+        Ok((i, a.clone()))
+    }
+}
+
+impl Checks for AgentChecks {
+    async fn health(&self, iid: &str) -> Result<(), String> {
+        let i = index(&self.shared, iid).ok_or_else(|| format!("{iid} is not configured"))?;
+        let url = format!("{}/health", self.shared.cfg.engines[i].url);
+        match self
+            .shared
+            .upstream
+            .get(&url, secs(self.shared.cfg.engine.health_timeout_s))
+            .await
+        {
+            Ok((StatusCode::OK, _)) => Ok(()),
+            Ok((s, _)) => Err(format!("HTTP {}", s.as_u16())),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn attest(&self, iid: &str) -> Result<Attested, String> {
+        let (_, a) = self.agent(iid)?;
+        let v = a
+            .attestation(iid, &self.fence, None)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(Attested {
+            identity: identity(&v.payload.header.process),
+            models: v.payload.engine.models.clone(),
+            fingerprint: v.document.key_id.clone(),
+        })
+    }
+
+    async fn generation(&self, iid: &str) -> Result<Identity, String> {
+        let (_, a) = self.agent(iid)?;
+        let model = self.shared.cfg.model.clone();
+        let v = a
+            .generation_check(iid, &self.fence, &model)
+            .await
+            .map_err(|e| e.to_string())?;
+        let r = &v.payload.result;
+        if !r.ok || r.tokens == 0 {
+            return Err(r
+                .error
+                .clone()
+                .unwrap_or_else(|| "no tokens generated".into()));
+        }
+        Ok(identity(&v.payload.header.process))
+    }
+
+    async fn kv_produce(&self, iid: &str, check_id: &str) -> Result<(Value, Identity), String> {
+        let (_, a) = self.agent(iid)?;
+        let model = self.shared.cfg.model.clone();
+        let v = a
+            .kv_produce(iid, &self.fence, &model, check_id)
+            .await
+            .map_err(|e| e.to_string())?;
+        let p = &v.payload;
+        if !p.result.ok {
+            return Err(p
+                .result
+                .error
+                .clone()
+                .unwrap_or_else(|| "prefill failed".into()));
+        }
+        let kv = p
+            .kv
+            .clone()
+            .ok_or_else(|| "the producer returned no KV descriptor or rendezvous".to_string())?;
+        Ok((kv, identity(&p.header.process)))
+    }
+
+    async fn kv_consume(&self, iid: &str, check_id: &str, kv: Value) -> Result<Identity, String> {
+        let (_, a) = self.agent(iid)?;
+        let model = self.shared.cfg.model.clone();
+        let v = a
+            .kv_consume(iid, &self.fence, &model, check_id, kv)
+            .await
+            .map_err(|e| e.to_string())?;
+        let p = &v.payload;
+        if !p.result.ok {
+            return Err(p
+                .result
+                .error
+                .clone()
+                .unwrap_or_else(|| "decode failed".into()));
+        }
+        if p.result.tokens == 0 {
+            return Err("no tokens decoded after the transfer".into());
+        }
+        let t = &p.transfer;
+        let transferred = t.transferred.unwrap_or(false)
+            || (t.consumed_delta.unwrap_or(0) >= 1 && t.recomputed_delta.unwrap_or(0) == 0);
+        if !transferred {
+            return Err(format!(
+                "no KV transfer observed ({}): the consumer recomputed the prefill",
+                t.source
+            ));
+        }
+        Ok(identity(&p.header.process))
+    }
+}

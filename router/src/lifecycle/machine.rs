@@ -1,0 +1,1443 @@
+//! The engine lifecycle core: drain records, whole-fleet waves, `ready_to_stop`, and the
+//! readmission bookkeeping around validation (seed "Lifecycle API", reference-notes 4.1–4.7,
+//! 4.9, 4.11, 4.12; departures in DESIGN.md section 9).
+//!
+//! Pure: it never reads a clock, sleeps or touches the network. The driver passes [`Now`] and
+//! the resident request counts, performs the process-identity captures and the validation checks
+//! the core asks for, and feeds the results back. Every transition appends a lifecycle event
+//! that the driver takes with [`Lifecycle::take_events`] for the journal.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value, json};
+
+pub use crate::config::RestartPolicy;
+
+/// How many lifecycle events the document keeps (reference-notes 4.1).
+pub const EVENT_HISTORY: usize = 200;
+
+/// A reading of both clocks, taken once by the driver per operation.
+#[derive(Debug, Clone, Copy)]
+pub struct Now {
+    /// Monotonic time, for drain deadlines.
+    pub mono: Instant,
+    /// Wall-clock Unix seconds, for persisted and displayed times (`requested_at`, `at`).
+    pub wall: f64,
+}
+
+impl Now {
+    /// Both readings moved forward by `by`.
+    pub fn after(self, by: Duration) -> Now {
+        Now {
+            mono: self.mono + by,
+            wall: self.wall + by.as_secs_f64(),
+        }
+    }
+}
+
+/// Lifecycle state of one engine (reference-notes 4.2). An engine without a record is `Active`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DrainState {
+    /// In service (no hold).
+    Active,
+    /// Out of placement; resident requests are finishing.
+    Draining,
+    /// Out of placement, no resident work, pre-restart process identity recorded.
+    Drained,
+    /// The drain deadline passed with work still resident (reported, never cancelled).
+    DeadlineExceeded,
+    /// Readmission checks are running.
+    Validating,
+    /// Held out after a failed identity capture or a failed validation.
+    Blocked,
+}
+
+impl DrainState {
+    /// Every state, in the order the metrics label them.
+    pub const ALL: [DrainState; 6] = [
+        DrainState::Active,
+        DrainState::Draining,
+        DrainState::Drained,
+        DrainState::DeadlineExceeded,
+        DrainState::Validating,
+        DrainState::Blocked,
+    ];
+
+    /// The state's name in documents, events and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DrainState::Active => "active",
+            DrainState::Draining => "draining",
+            DrainState::Drained => "drained",
+            DrainState::DeadlineExceeded => "deadline_exceeded",
+            DrainState::Validating => "validating",
+            DrainState::Blocked => "blocked",
+        }
+    }
+}
+
+/// One engine's lifecycle record (reference-notes 4.1). Times are wall-clock Unix seconds;
+/// the drain deadline is also kept on the monotonic clock for evaluation (DESIGN.md 9.8).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DrainRecord {
+    /// Engine id.
+    pub iid: String,
+    /// Current state.
+    pub state: DrainState,
+    /// When the hold started (wall seconds).
+    pub requested_at: f64,
+    /// Drain deadline (wall seconds); equals `requested_at` for holds without a drain.
+    pub deadline_at: f64,
+    /// Monotonic drain deadline; `None` for holds without a drain or restored records.
+    #[serde(skip)]
+    pub deadline: Option<Instant>,
+    /// Readmission requires a process start newer than `old_process_start`.
+    pub restart_required: bool,
+    /// `wave-<12 hex>` or `""`.
+    pub wave_id: String,
+    /// Process start (Unix seconds) of the process the supervisor may stop.
+    pub old_process_start: Option<f64>,
+    /// Process start accepted at readmission.
+    pub new_process_start: Option<f64>,
+    /// Last error, `""` when none.
+    pub error: String,
+    /// Checks passed in the last validation, in the order they ran.
+    pub checks: Vec<String>,
+}
+
+/// A drain request (`POST /narwhal/lifecycle/drain`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DrainRequest {
+    /// Target engine ids; empty with `wave` means every configured engine.
+    pub engines: Vec<String>,
+    /// Drain the whole fleet as one wave.
+    pub wave: bool,
+    /// Seconds until the drain is reported `deadline_exceeded` (default 300).
+    pub deadline_s: f64,
+}
+
+/// What the driver must do after an accepted drain.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DrainPlan {
+    /// The drain's targets (sorted).
+    pub targets: Vec<String>,
+    /// Targets whose process identity must be captured (through their agents) and bound
+    /// with [`Lifecycle::bind_identity`].
+    pub capture: Vec<String>,
+    /// True when the request repeated an accepted drain: nothing changed (DESIGN.md 9.5).
+    pub repeated: bool,
+}
+
+/// A rejected lifecycle action: each maps to HTTP 409 with the message as the document's
+/// `error` (reference-notes 4.3, 4.7, 1.10; the wording is the reference's, byte for byte,
+/// because supervisors match on it).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LifecycleError {
+    /// Non-wave drain under `whole_wave`.
+    #[error("engine_restart_policy requires a whole-wave drain")]
+    PolicyRequiresWave,
+    /// Ids not in the fleet file.
+    #[error("unknown engine(s): {}", .0.join(", "))]
+    UnknownEngines(Vec<String>),
+    /// `deadline_s` not finite or not positive.
+    #[error("deadline_s must be positive")]
+    BadDeadline,
+    /// A wave drain that does not name every engine.
+    #[error("a whole-wave drain must name every configured engine")]
+    WaveMustNameAll,
+    /// A non-wave drain of zero or several engines.
+    #[error("a non-wave drain must name exactly one engine")]
+    NonWaveExactlyOne,
+    /// Another lifecycle action holds these engines.
+    #[error("lifecycle action already active for {}", .0.join(", "))]
+    AlreadyActive(Vec<String>),
+    /// Draining this engine would leave nothing to place on.
+    #[error("the last schedulable engine requires a whole-wave drain")]
+    LastSchedulable,
+    /// A wave readmission that does not name exactly the active wave.
+    #[error("whole-wave readmission must name the active wave's complete engine set")]
+    WaveReadmitSet,
+    /// An individual readmission while a wave is active.
+    #[error("an active whole wave must be validated and readmitted as one engine set")]
+    WaveActive,
+    /// An individual readmission of zero or several engines.
+    #[error("readmission must name exactly one engine")]
+    ReadmitExactlyOne,
+    /// A readmission target that is not drained or blocked.
+    #[error("{iid} is {state}, expected drained")]
+    NotDrained {
+        /// The engine.
+        iid: String,
+        /// Its state's name.
+        state: &'static str,
+    },
+    /// A planned restart without a recorded pre-restart identity.
+    #[error("{0} has no recorded pre-restart process identity")]
+    NoPreRestartIdentity(String),
+}
+
+/// Result of one engine's validation, as the readmission plan reports it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineOutcome {
+    /// Checks passed, in order.
+    pub checks: Vec<String>,
+    /// Failures, in order (empty when every check passed).
+    pub failures: Vec<String>,
+    /// Process start (Unix seconds) the checks were bound to, when read.
+    pub process_start: Option<f64>,
+}
+
+/// What the document needs to know about one engine beyond its record.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineView {
+    /// Requests of this engine in their prefill leg.
+    pub resident_prefill: u32,
+    /// Requests of this engine in their decode leg.
+    pub resident_decode: u32,
+    /// Eligible for new placement (not held, ejected, quarantined).
+    pub accepts_new: bool,
+}
+
+/// The lifecycle manager for one fleet.
+#[derive(Debug, Clone)]
+pub struct Lifecycle {
+    engines: Vec<String>,
+    policy: RestartPolicy,
+    records: BTreeMap<String, DrainRecord>,
+    wave_id: String,
+    wave_ready_emitted: bool,
+    blocked_reason: String,
+    process_starts: BTreeMap<String, f64>,
+    events: VecDeque<Value>,
+    pending: Vec<Value>,
+}
+
+impl Lifecycle {
+    /// A manager for the configured engines (config order) under `policy`.
+    pub fn new(engines: Vec<String>, policy: RestartPolicy) -> Self {
+        Self {
+            engines,
+            policy,
+            records: BTreeMap::new(),
+            wave_id: String::new(),
+            wave_ready_emitted: false,
+            blocked_reason: String::new(),
+            process_starts: BTreeMap::new(),
+            events: VecDeque::new(),
+            pending: Vec::new(),
+        }
+    }
+
+    /// The configured restart policy.
+    pub fn policy(&self) -> RestartPolicy {
+        self.policy
+    }
+
+    /// An engine's state (`Active` without a record).
+    pub fn state(&self, iid: &str) -> DrainState {
+        self.records
+            .get(iid)
+            .map_or(DrainState::Active, |r| r.state)
+    }
+
+    /// An engine's record, if it has one.
+    pub fn record(&self, iid: &str) -> Option<&DrainRecord> {
+        self.records.get(iid)
+    }
+
+    /// Engines held out of placement by the lifecycle (any non-`active` record).
+    pub fn held(&self) -> BTreeSet<String> {
+        self.records
+            .values()
+            .filter(|r| r.state != DrainState::Active)
+            .map(|r| r.iid.clone())
+            .collect()
+    }
+
+    /// The active wave id, `""` when none.
+    pub fn wave_id(&self) -> &str {
+        &self.wave_id
+    }
+
+    /// Why router-wide readiness is withdrawn (`whole-wave drain <id>`, ...), `""` when not.
+    pub fn blocked_reason(&self) -> &str {
+        &self.blocked_reason
+    }
+
+    /// Last accepted process start per engine (Unix seconds).
+    pub fn process_starts(&self) -> &BTreeMap<String, f64> {
+        &self.process_starts
+    }
+
+    /// Accepts `start` as the engine's verified process start (identity check at startup).
+    pub fn accept_process_start(&mut self, iid: &str, start: f64) {
+        self.process_starts.insert(iid.to_string(), start);
+    }
+
+    /// The last [`EVENT_HISTORY`] events, oldest first.
+    pub fn events(&self) -> impl Iterator<Item = &Value> {
+        self.events.iter()
+    }
+
+    /// Events emitted since the last call, for the journal.
+    pub fn take_events(&mut self) -> Vec<Value> {
+        std::mem::take(&mut self.pending)
+    }
+
+    /// The earliest monotonic instant at which [`Lifecycle::refresh`] could change a state
+    /// without a resident-count change (a drain deadline), for the driver's timer.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.records
+            .values()
+            .filter(|r| r.state == DrainState::Draining)
+            .filter_map(|r| r.deadline)
+            .min()
+    }
+
+    fn emit(&mut self, now: Now, action: &str, fields: Value) {
+        let mut ev = Map::new();
+        ev.insert("event".into(), "engine_lifecycle".into());
+        ev.insert("action".into(), action.into());
+        ev.insert("at".into(), json!(now.wall));
+        if let Value::Object(f) = fields {
+            ev.extend(f);
+        }
+        let ev = Value::Object(ev);
+        self.pending.push(ev.clone());
+        self.events.push_back(ev);
+        while self.events.len() > EVENT_HISTORY {
+            self.events.pop_front();
+        }
+    }
+
+    fn unknown(&self, ids: &[String]) -> Vec<String> {
+        let mut u: Vec<String> = ids
+            .iter()
+            .filter(|i| !self.engines.contains(i))
+            .cloned()
+            .collect();
+        u.sort();
+        u.dedup();
+        u
+    }
+
+    fn all_sorted(&self) -> Vec<String> {
+        let mut v = self.engines.clone();
+        v.sort();
+        v
+    }
+
+    /// Starts a drain (reference-notes 4.3, rules checked in that order), with
+    /// DESIGN.md 9.5: repeating an accepted drain is not an error.
+    ///
+    /// `live` is the set of engines currently eligible for placement; `new_wave_id` names the
+    /// wave if one starts. Every target leaves placement (is [`Lifecycle::held`]) on return,
+    /// before the driver captures identities.
+    ///
+    /// # Errors
+    /// A [`LifecycleError`] (HTTP 409); nothing changes.
+    pub fn begin(
+        &mut self,
+        now: Now,
+        req: &DrainRequest,
+        live: &BTreeSet<String>,
+        new_wave_id: &str,
+    ) -> Result<DrainPlan, LifecycleError> {
+        if self.policy == RestartPolicy::WholeWave && !req.wave {
+            return Err(LifecycleError::PolicyRequiresWave);
+        }
+        let mut targets: Vec<String> = if !req.engines.is_empty() {
+            req.engines.clone()
+        } else if req.wave {
+            self.all_sorted()
+        } else {
+            Vec::new()
+        };
+        targets.sort();
+        targets.dedup();
+        let unknown = self.unknown(&targets);
+        if !unknown.is_empty() {
+            return Err(LifecycleError::UnknownEngines(unknown));
+        }
+        if !req.deadline_s.is_finite() || req.deadline_s <= 0.0 {
+            return Err(LifecycleError::BadDeadline);
+        }
+        if req.wave {
+            if targets != self.all_sorted() {
+                return Err(LifecycleError::WaveMustNameAll);
+            }
+        } else if targets.len() != 1 {
+            return Err(LifecycleError::NonWaveExactlyOne);
+        }
+        let held: Vec<String> = self.held().into_iter().collect();
+        if !held.is_empty() {
+            let wave_active = !self.wave_id.is_empty();
+            let promotion = req.wave && !wave_active && live.is_empty();
+            let same_set = targets == held && req.wave == wave_active;
+            if promotion {
+                // Proceed below as a new wave over everything.
+            } else if same_set
+                && held
+                    .iter()
+                    .any(|i| self.records[i].old_process_start.is_none())
+            {
+                let capture = held
+                    .iter()
+                    .filter(|i| self.records[*i].old_process_start.is_none())
+                    .cloned()
+                    .collect();
+                return Ok(DrainPlan {
+                    targets,
+                    capture,
+                    repeated: false,
+                });
+            } else if same_set
+                && held.iter().all(|i| {
+                    matches!(
+                        self.records[i].state,
+                        DrainState::Draining | DrainState::Drained | DrainState::DeadlineExceeded
+                    )
+                })
+            {
+                return Ok(DrainPlan {
+                    targets,
+                    capture: Vec::new(),
+                    repeated: true,
+                });
+            } else {
+                return Err(LifecycleError::AlreadyActive(held));
+            }
+        }
+        if !req.wave && live.iter().all(|i| targets.contains(i)) {
+            return Err(LifecycleError::LastSchedulable);
+        }
+        let wave_id = if req.wave {
+            new_wave_id.to_string()
+        } else {
+            String::new()
+        };
+        let deadline = now.mono + Duration::from_secs_f64(req.deadline_s);
+        for iid in &targets {
+            let kept = self
+                .records
+                .get(iid)
+                .filter(|r| r.restart_required && r.state != DrainState::Active)
+                .and_then(|r| r.old_process_start);
+            self.records.insert(
+                iid.clone(),
+                DrainRecord {
+                    iid: iid.clone(),
+                    state: DrainState::Draining,
+                    requested_at: now.wall,
+                    deadline_at: now.wall + req.deadline_s,
+                    deadline: Some(deadline),
+                    restart_required: true,
+                    wave_id: wave_id.clone(),
+                    old_process_start: kept,
+                    new_process_start: None,
+                    error: String::new(),
+                    checks: Vec::new(),
+                },
+            );
+            self.emit(
+                now,
+                "drain_started",
+                json!({"iid": iid, "wave_id": wave_id}),
+            );
+        }
+        if req.wave {
+            self.wave_id = wave_id.clone();
+            self.wave_ready_emitted = false;
+            self.blocked_reason = format!("whole-wave drain {wave_id}");
+            self.emit(
+                now,
+                "wave_started",
+                json!({"engines": targets, "wave_id": wave_id}),
+            );
+        }
+        let capture = targets
+            .iter()
+            .filter(|i| self.records[*i].old_process_start.is_none())
+            .cloned()
+            .collect();
+        Ok(DrainPlan {
+            targets,
+            capture,
+            repeated: false,
+        })
+    }
+
+    /// Binds a captured process identity to a drain (reference-notes 4.4).
+    ///
+    /// `captured` is the process start (Unix seconds) read through the engine's agent, or the
+    /// capture error. A failed capture of an engine the breaker has `ejected` falls back to the
+    /// last accepted start (a stopped engine stays bound to the process the router verified).
+    /// Returns whether an identity is bound; unbound records go `blocked` with the error, and
+    /// the same drain request retries the capture.
+    pub fn bind_identity(
+        &mut self,
+        now: Now,
+        iid: &str,
+        captured: Result<f64, String>,
+        ejected: bool,
+    ) -> bool {
+        let fallback = self.process_starts.get(iid).copied();
+        let Some(rec) = self.records.get_mut(iid) else {
+            return false;
+        };
+        let wave_id = rec.wave_id.clone();
+        let bound = match captured {
+            Ok(start) => Ok(start),
+            Err(e) => match fallback {
+                Some(start) if ejected => Ok(start),
+                _ => Err(e),
+            },
+        };
+        match bound {
+            Ok(start) => {
+                rec.old_process_start = Some(start);
+                rec.error.clear();
+                if rec.state == DrainState::Blocked {
+                    rec.state = DrainState::Draining;
+                }
+                self.emit(
+                    now,
+                    "process_recorded",
+                    json!({"iid": iid, "process_start": start, "wave_id": wave_id}),
+                );
+                true
+            }
+            Err(e) => {
+                let error = if e.is_empty() {
+                    "engine process identity could not be recorded".to_string()
+                } else {
+                    e
+                };
+                rec.state = DrainState::Blocked;
+                rec.error = error.clone();
+                self.emit(
+                    now,
+                    "drain_blocked",
+                    json!({"iid": iid, "error": error, "wave_id": wave_id}),
+                );
+                false
+            }
+        }
+    }
+
+    /// Evaluates drain progress (reference-notes 4.5), eagerly: the driver calls it whenever a
+    /// resident count changes and at [`Lifecycle::next_deadline`] (DESIGN.md 9.4). Each
+    /// transition emits its event once. `resident(iid)` is the engine's prefill + decode count.
+    pub fn refresh(&mut self, now: Now, resident: impl Fn(&str) -> u32) {
+        let ids: Vec<String> = self.records.keys().cloned().collect();
+        for iid in ids {
+            let rec = &self.records[&iid];
+            if !matches!(
+                rec.state,
+                DrainState::Draining | DrainState::DeadlineExceeded
+            ) {
+                continue;
+            }
+            let n = resident(&iid);
+            let wave_id = rec.wave_id.clone();
+            if n == 0 && rec.old_process_start.is_some() {
+                let rec = self.records.get_mut(&iid).expect("iid from keys");
+                rec.state = DrainState::Drained;
+                // Unlike the reference (reference-notes 11.18), a drained record does not keep
+                // the stale deadline error.
+                rec.error.clear();
+                self.emit(
+                    now,
+                    "drain_complete",
+                    json!({"iid": iid, "wave_id": wave_id}),
+                );
+            } else if rec.state == DrainState::Draining
+                && rec.deadline.is_some_and(|d| now.mono > d)
+            {
+                let rec = self.records.get_mut(&iid).expect("iid from keys");
+                rec.state = DrainState::DeadlineExceeded;
+                rec.error = format!("{n} resident request(s) remain after the drain deadline");
+                self.emit(
+                    now,
+                    "drain_deadline_exceeded",
+                    json!({"iid": iid, "resident": n, "wave_id": wave_id}),
+                );
+            }
+        }
+        if !self.wave_ready_emitted && self.wave_ready_to_stop() {
+            self.wave_ready_emitted = true;
+            let engines = self.wave_members();
+            let wave_id = self.wave_id.clone();
+            self.emit(
+                now,
+                "wave_ready_to_stop",
+                json!({"engines": engines, "wave_id": wave_id}),
+            );
+        }
+    }
+
+    fn wave_members(&self) -> Vec<String> {
+        self.records
+            .values()
+            .filter(|r| !self.wave_id.is_empty() && r.wave_id == self.wave_id)
+            .map(|r| r.iid.clone())
+            .collect()
+    }
+
+    /// Every member of the active wave is drained. False when no wave is active
+    /// (DESIGN.md 9.3; the reference compares non-wave records, reference-notes 11.4).
+    pub fn wave_ready_to_stop(&self) -> bool {
+        let members = self.wave_members();
+        !members.is_empty()
+            && members
+                .iter()
+                .all(|i| self.records[i].state == DrainState::Drained)
+    }
+
+    /// The external supervisor may stop this engine's process now (reference-notes 4.6).
+    pub fn ready_to_stop(&self, iid: &str) -> bool {
+        self.records.get(iid).is_some_and(|r| {
+            r.old_process_start.is_some()
+                && r.state == DrainState::Drained
+                && (r.wave_id.is_empty() || self.wave_ready_to_stop())
+        })
+    }
+
+    /// Accepts a readmission request and moves its targets to `validating`
+    /// (reference-notes 1.10 and 4.7). Returns the sorted targets.
+    ///
+    /// # Errors
+    /// A [`LifecycleError`] (HTTP 409); nothing changes.
+    pub fn mark_validating(
+        &mut self,
+        now: Now,
+        engines: &[String],
+        wave: bool,
+        resident: impl Fn(&str) -> u32,
+    ) -> Result<Vec<String>, LifecycleError> {
+        let mut targets: Vec<String> = if !engines.is_empty() {
+            engines.to_vec()
+        } else if wave {
+            self.all_sorted()
+        } else {
+            Vec::new()
+        };
+        targets.sort();
+        targets.dedup();
+        let unknown = self.unknown(&targets);
+        if !unknown.is_empty() {
+            return Err(LifecycleError::UnknownEngines(unknown));
+        }
+        if wave {
+            if self.wave_id.is_empty() || targets != self.wave_members() {
+                return Err(LifecycleError::WaveReadmitSet);
+            }
+        } else if !self.wave_id.is_empty() {
+            return Err(LifecycleError::WaveActive);
+        } else if targets.len() != 1 {
+            return Err(LifecycleError::ReadmitExactlyOne);
+        }
+        self.refresh(now, &resident);
+        for iid in &targets {
+            let rec = self.records.get(iid);
+            let state = rec.map_or(DrainState::Active, |r| r.state);
+            if !matches!(state, DrainState::Drained | DrainState::Blocked) {
+                return Err(LifecycleError::NotDrained {
+                    iid: iid.clone(),
+                    state: state.as_str(),
+                });
+            }
+            if let Some(r) = rec
+                && r.restart_required
+                && r.old_process_start.is_none()
+            {
+                return Err(LifecycleError::NoPreRestartIdentity(iid.clone()));
+            }
+        }
+        for iid in &targets {
+            let rec = self.records.get_mut(iid).expect("checked above");
+            rec.state = DrainState::Validating;
+            rec.error.clear();
+            rec.checks.clear();
+            let wave_id = rec.wave_id.clone();
+            self.emit(
+                now,
+                "validation_started",
+                json!({"iid": iid, "wave_id": wave_id}),
+            );
+        }
+        Ok(targets)
+    }
+
+    /// Validation failed: every `validating` record goes `blocked` with its own failures, or,
+    /// when it had none, the names of the engines that failed (DESIGN.md 9.7).
+    pub fn validation_failed(&mut self, now: Now, outcome: &BTreeMap<String, EngineOutcome>) {
+        let failed: Vec<String> = outcome
+            .iter()
+            .filter(|(_, o)| !o.failures.is_empty())
+            .map(|(i, _)| i.clone())
+            .collect();
+        let validating: Vec<String> = self
+            .records
+            .values()
+            .filter(|r| r.state == DrainState::Validating)
+            .map(|r| r.iid.clone())
+            .collect();
+        for iid in validating {
+            let own = outcome.get(&iid).cloned().unwrap_or_default();
+            let rec = self.records.get_mut(&iid).expect("iid from records");
+            rec.state = DrainState::Blocked;
+            rec.checks = own.checks;
+            rec.error = if own.failures.is_empty() {
+                let others: Vec<String> = failed
+                    .iter()
+                    .filter(|f| **f != iid)
+                    .map(|f| format!("{f} ({})", outcome[f].failures.join("; ")))
+                    .collect();
+                if rec.wave_id.is_empty() {
+                    format!("peer failed validation: {}", others.join(", "))
+                } else {
+                    format!(
+                        "another engine in the wave failed validation: {}",
+                        others.join(", ")
+                    )
+                }
+            } else {
+                own.failures.join("; ")
+            };
+            let (error, wave_id) = (rec.error.clone(), rec.wave_id.clone());
+            self.emit(
+                now,
+                "validation_failed",
+                json!({"iid": iid, "error": error, "wave_id": wave_id}),
+            );
+        }
+    }
+
+    /// Fencing or an internal error interrupted validation: every `validating` record goes
+    /// `blocked` with `error`.
+    pub fn abort_validation(&mut self, now: Now, error: &str) {
+        let mut outcome = BTreeMap::new();
+        for r in self.records.values() {
+            if r.state == DrainState::Validating {
+                outcome.insert(
+                    r.iid.clone(),
+                    EngineOutcome {
+                        checks: r.checks.clone(),
+                        failures: vec![error.to_string()],
+                        process_start: None,
+                    },
+                );
+            }
+        }
+        self.validation_failed(now, &outcome);
+    }
+
+    /// Every target passed: records go `active` with their validated process start and
+    /// checks, and a finished wave releases router readiness (reference-notes 4.7). Returns the
+    /// engines to return to placement.
+    pub fn readmitted(
+        &mut self,
+        now: Now,
+        outcome: &BTreeMap<String, EngineOutcome>,
+    ) -> Vec<String> {
+        let mut back = Vec::new();
+        for (iid, o) in outcome {
+            let Some(rec) = self.records.get_mut(iid) else {
+                continue;
+            };
+            if rec.state != DrainState::Validating {
+                continue;
+            }
+            rec.state = DrainState::Active;
+            rec.new_process_start = o.process_start;
+            rec.checks = o.checks.clone();
+            rec.error.clear();
+            let wave_id = rec.wave_id.clone();
+            if let Some(start) = o.process_start {
+                self.process_starts.insert(iid.clone(), start);
+            }
+            back.push(iid.clone());
+            self.emit(
+                now,
+                "readmitted",
+                json!({"iid": iid, "process_start": o.process_start, "wave_id": wave_id}),
+            );
+        }
+        if !self.wave_id.is_empty() {
+            let members = self.wave_members();
+            if members
+                .iter()
+                .all(|i| self.records[i].state == DrainState::Active)
+            {
+                let wave_id = std::mem::take(&mut self.wave_id);
+                self.blocked_reason.clear();
+                for i in &members {
+                    if let Some(r) = self.records.get_mut(i) {
+                        r.wave_id.clear();
+                    }
+                }
+                self.emit(
+                    now,
+                    "wave_readmitted",
+                    json!({"engines": members, "wave_id": wave_id}),
+                );
+            }
+        }
+        back
+    }
+
+    /// Starts validation of an engine the breaker ejected, without a restart
+    /// (reference-notes 4.9, issue 4 "transient breaker ejection"). Returns `false` when it
+    /// must not start now: another lifecycle action holds an engine, or under `whole_wave`
+    /// (which instead requires a restart wave, see [`Lifecycle::require_restart_wave`]).
+    pub fn start_recovery_validation(&mut self, now: Now, iid: &str, new_wave_id: &str) -> bool {
+        if !self.engines.iter().any(|e| e == iid) {
+            return false;
+        }
+        if self.policy == RestartPolicy::WholeWave {
+            self.require_restart_wave(
+                now,
+                "engine recovery requires a managed whole-wave restart",
+                false,
+                new_wave_id,
+            );
+            return false;
+        }
+        // A failed recovery (blocked, no restart required, no wave) does not hold up another
+        // recovery, nor a retry of itself on the next probe; any other hold does.
+        let busy = self.records.values().any(|r| {
+            r.state != DrainState::Active
+                && !(r.state == DrainState::Blocked && !r.restart_required && r.wave_id.is_empty())
+        });
+        if busy {
+            return false;
+        }
+        self.records.insert(
+            iid.to_string(),
+            DrainRecord {
+                iid: iid.to_string(),
+                state: DrainState::Validating,
+                requested_at: now.wall,
+                deadline_at: now.wall,
+                deadline: None,
+                restart_required: false,
+                wave_id: String::new(),
+                old_process_start: self.process_starts.get(iid).copied(),
+                new_process_start: None,
+                error: String::new(),
+                checks: Vec::new(),
+            },
+        );
+        self.emit(
+            now,
+            "recovery_validation_started",
+            json!({"iid": iid, "wave_id": ""}),
+        );
+        true
+    }
+
+    /// Holds every engine in a new restart-required wave (reference-notes 4.9). A no-op while
+    /// a wave is active unless `reset`.
+    pub fn require_restart_wave(&mut self, now: Now, reason: &str, reset: bool, new_wave_id: &str) {
+        if !self.wave_id.is_empty() && !reset {
+            return;
+        }
+        let wave_id = new_wave_id.to_string();
+        for iid in self.engines.clone() {
+            self.records.insert(
+                iid.clone(),
+                DrainRecord {
+                    iid,
+                    state: DrainState::Blocked,
+                    requested_at: now.wall,
+                    deadline_at: now.wall,
+                    deadline: None,
+                    restart_required: true,
+                    wave_id: wave_id.clone(),
+                    old_process_start: None,
+                    new_process_start: None,
+                    error: reason.to_string(),
+                    checks: Vec::new(),
+                },
+            );
+        }
+        self.wave_id = wave_id.clone();
+        self.wave_ready_emitted = false;
+        self.blocked_reason = format!("whole-wave restart required: {reason}");
+        self.emit(
+            now,
+            "restart_required",
+            json!({"wave_id": wave_id, "reason": reason}),
+        );
+    }
+
+    /// The lifecycle document, schema `narwhal.lifecycle` version 1 (seed "Lifecycle API",
+    /// reference-notes 4.11; `router.controls_fleet` is `"active"`, `"standby"` or `"fenced"`,
+    /// DESIGN.md 9.1). `view(iid)` gives resident counts and placement eligibility; `error` is
+    /// the rejected action's message, `""` on success.
+    pub fn document(
+        &self,
+        controls_fleet: &str,
+        ready: bool,
+        view: impl Fn(&str) -> EngineView,
+        error: &str,
+    ) -> Value {
+        let mut engines = Map::new();
+        for iid in self.all_sorted() {
+            let v = view(&iid);
+            let rec = self.records.get(&iid);
+            let state = rec.map_or(DrainState::Active, |r| r.state);
+            engines.insert(
+                iid.clone(),
+                json!({
+                    "state": state.as_str(),
+                    "draining": state != DrainState::Active,
+                    "accepts_new": v.accepts_new && state == DrainState::Active,
+                    "ready_to_stop": self.ready_to_stop(&iid),
+                    "resident": {"prefill": v.resident_prefill, "decode": v.resident_decode},
+                    "deadline_at": rec.map(|r| r.deadline_at),
+                    "restart_required": rec.is_some_and(|r| r.restart_required),
+                    "wave_id": rec.map_or("", |r| r.wave_id.as_str()),
+                    "old_process_start": rec.and_then(|r| r.old_process_start),
+                    "new_process_start": rec.and_then(|r| r.new_process_start),
+                    "checks": rec.map_or(&[][..], |r| r.checks.as_slice()),
+                    "error": rec.map_or("", |r| r.error.as_str()),
+                }),
+            );
+        }
+        json!({
+            "schema": "narwhal.lifecycle",
+            "schema_version": 1,
+            "router": {"controls_fleet": controls_fleet, "ready": ready},
+            "wave": {
+                "id": self.wave_id,
+                "active": !self.wave_id.is_empty(),
+                "readiness_withdrawn": !self.blocked_reason.is_empty(),
+                "ready_to_stop": self.wave_ready_to_stop(),
+            },
+            "engines": engines,
+            "events": self.events.iter().collect::<Vec<_>>(),
+            "engine_restart_policy": self.policy.as_str(),
+            "process_starts": self.process_starts,
+            "error": error,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t0() -> Now {
+        Now {
+            mono: Instant::now(),
+            wall: 1_800_000_000.0,
+        }
+    }
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    fn lc(ids: &[&str], policy: RestartPolicy) -> Lifecycle {
+        Lifecycle::new(ids.iter().map(|s| s.to_string()).collect(), policy)
+    }
+
+    fn set(ids: &[&str]) -> BTreeSet<String> {
+        ids.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn drain(ids: &[&str], wave: bool) -> DrainRequest {
+        DrainRequest {
+            engines: ids.iter().map(|s| s.to_string()).collect(),
+            wave,
+            deadline_s: 30.0,
+        }
+    }
+
+    fn actions(l: &Lifecycle) -> Vec<String> {
+        l.events()
+            .map(|e| e["action"].as_str().unwrap_or_default().to_string())
+            .collect()
+    }
+
+    fn ok(start: f64) -> EngineOutcome {
+        EngineOutcome {
+            checks: vec!["health".into()],
+            failures: vec![],
+            process_start: Some(start),
+        }
+    }
+
+    fn fail(msg: &str) -> EngineOutcome {
+        EngineOutcome {
+            checks: vec!["health".into()],
+            failures: vec![msg.into()],
+            process_start: None,
+        }
+    }
+
+    /// Drains `iid` of an idle two-engine fleet to `drained` with start 100.
+    fn drained(l: &mut Lifecycle, now: Now, iid: &str) {
+        let plan = l
+            .begin(now, &drain(&[iid], false), &set(&["e0", "e1"]), "")
+            .unwrap();
+        assert_eq!(plan.capture, vec![iid.to_string()]);
+        assert!(l.bind_identity(now, iid, Ok(100.0), false));
+        l.refresh(now, |_| 0);
+        assert_eq!(l.state(iid), DrainState::Drained);
+    }
+
+    #[test]
+    fn drain_leaves_placement_before_identity_and_completes_when_idle() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        let plan = l
+            .begin(now, &drain(&["e0"], false), &set(&["e0", "e1"]), "")
+            .unwrap();
+        assert_eq!(l.held(), set(&["e0"]), "held before any identity capture");
+        assert_eq!(plan.capture, vec!["e0".to_string()]);
+        assert!(!l.ready_to_stop("e0"));
+        l.refresh(now, |_| 0);
+        assert_eq!(
+            l.state("e0"),
+            DrainState::Draining,
+            "no identity yet: not drained"
+        );
+        assert!(l.bind_identity(now, "e0", Ok(100.0), false));
+        l.refresh(now, |_| 0);
+        assert_eq!(l.state("e0"), DrainState::Drained);
+        assert!(l.ready_to_stop("e0"));
+        assert_eq!(
+            actions(&l),
+            ["drain_started", "process_recorded", "drain_complete"]
+        );
+    }
+
+    #[test]
+    fn drain_waits_for_resident_work_then_reports_deadline_then_drains() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        l.begin(now, &drain(&["e0"], false), &set(&["e0", "e1"]), "")
+            .unwrap();
+        l.bind_identity(now, "e0", Ok(100.0), false);
+        l.refresh(now, |_| 2);
+        assert_eq!(l.state("e0"), DrainState::Draining);
+        assert!(!l.ready_to_stop("e0"));
+        assert_eq!(l.next_deadline(), Some(now.mono + secs(30)));
+        l.refresh(now.after(secs(31)), |_| 2);
+        assert_eq!(l.state("e0"), DrainState::DeadlineExceeded);
+        assert_eq!(
+            l.record("e0").unwrap().error,
+            "2 resident request(s) remain after the drain deadline"
+        );
+        l.refresh(now.after(secs(32)), |_| 2);
+        assert_eq!(
+            actions(&l)
+                .iter()
+                .filter(|a| *a == "drain_deadline_exceeded")
+                .count(),
+            1,
+            "each event once"
+        );
+        l.refresh(now.after(secs(40)), |_| 0);
+        assert_eq!(l.state("e0"), DrainState::Drained);
+        assert_eq!(l.record("e0").unwrap().error, "", "no stale deadline error");
+    }
+
+    #[test]
+    fn drain_rules_are_checked_in_order_and_change_nothing() {
+        let now = t0();
+        let live = set(&["e0", "e1"]);
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        let err = |l: &mut Lifecycle, r: DrainRequest, live: &BTreeSet<String>| {
+            l.begin(now, &r, live, "wave-x").unwrap_err().to_string()
+        };
+        assert_eq!(
+            err(&mut l, drain(&["zz", "e0", "aa"], false), &live),
+            "unknown engine(s): aa, zz"
+        );
+        let mut bad = drain(&["e0"], false);
+        bad.deadline_s = 0.0;
+        assert_eq!(
+            err(&mut l, bad.clone(), &live),
+            "deadline_s must be positive"
+        );
+        bad.deadline_s = f64::NAN;
+        assert_eq!(err(&mut l, bad, &live), "deadline_s must be positive");
+        assert_eq!(
+            err(&mut l, drain(&["e0", "e1"], false), &live),
+            "a non-wave drain must name exactly one engine"
+        );
+        assert_eq!(
+            err(&mut l, drain(&[], false), &live),
+            "a non-wave drain must name exactly one engine"
+        );
+        assert_eq!(
+            err(&mut l, drain(&["e0"], true), &live),
+            "a whole-wave drain must name every configured engine"
+        );
+        assert_eq!(
+            err(&mut l, drain(&["e0"], false), &set(&["e0"])),
+            "the last schedulable engine requires a whole-wave drain"
+        );
+        assert!(l.held().is_empty());
+        assert_eq!(l.events().count(), 0);
+        let mut w = lc(&["e0", "e1"], RestartPolicy::WholeWave);
+        assert_eq!(
+            err(&mut w, drain(&["e0"], false), &live),
+            "engine_restart_policy requires a whole-wave drain"
+        );
+    }
+
+    #[test]
+    fn second_engine_drain_while_one_is_held_is_409() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1", "e2"], RestartPolicy::Individual);
+        drained(&mut l, now, "e0");
+        let e = l
+            .begin(now, &drain(&["e1"], false), &set(&["e1", "e2"]), "")
+            .unwrap_err();
+        assert_eq!(e.to_string(), "lifecycle action already active for e0");
+    }
+
+    #[test]
+    fn repeating_an_accepted_drain_is_idempotent() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        drained(&mut l, now, "e0");
+        let before = l.record("e0").cloned();
+        let n = l.events().count();
+        let plan = l
+            .begin(now, &drain(&["e0"], false), &set(&["e1"]), "")
+            .unwrap();
+        assert!(plan.repeated);
+        assert!(plan.capture.is_empty());
+        assert_eq!(l.record("e0").cloned(), before);
+        assert_eq!(l.events().count(), n);
+    }
+
+    #[test]
+    fn failed_capture_blocks_and_the_same_drain_retries_it() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        l.begin(now, &drain(&["e0"], false), &set(&["e0", "e1"]), "")
+            .unwrap();
+        assert!(!l.bind_identity(now, "e0", Err("e0: agent unreachable".into()), false));
+        assert_eq!(l.state("e0"), DrainState::Blocked);
+        assert_eq!(l.held(), set(&["e0"]), "stays out of placement");
+        let plan = l
+            .begin(now, &drain(&["e0"], false), &set(&["e1"]), "")
+            .unwrap();
+        assert_eq!(plan.capture, vec!["e0".to_string()]);
+        assert!(!plan.repeated);
+        assert!(l.bind_identity(now, "e0", Ok(100.0), false));
+        assert_eq!(l.state("e0"), DrainState::Draining);
+        assert_eq!(l.record("e0").unwrap().error, "");
+    }
+
+    #[test]
+    fn ejected_engine_binds_to_last_accepted_start() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        l.accept_process_start("e0", 90.0);
+        l.begin(now, &drain(&["e0"], false), &set(&["e1", "e0"]), "")
+            .unwrap();
+        assert!(l.bind_identity(now, "e0", Err("connection refused".into()), true));
+        assert_eq!(l.record("e0").unwrap().old_process_start, Some(90.0));
+    }
+
+    #[test]
+    fn readmission_rules() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        let e = |l: &mut Lifecycle, ids: &[&str], wave: bool| {
+            let ids: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
+            l.mark_validating(now, &ids, wave, |_| 0)
+                .unwrap_err()
+                .to_string()
+        };
+        assert_eq!(e(&mut l, &["e0"], false), "e0 is active, expected drained");
+        assert_eq!(
+            e(&mut l, &["e0", "e1"], false),
+            "readmission must name exactly one engine"
+        );
+        assert_eq!(
+            e(&mut l, &[], true),
+            "whole-wave readmission must name the active wave's complete engine set"
+        );
+        l.begin(now, &drain(&["e0"], false), &set(&["e0", "e1"]), "")
+            .unwrap();
+        l.bind_identity(now, "e0", Ok(100.0), false);
+        l.refresh(now, |_| 1);
+        let ids = vec!["e0".to_string()];
+        assert_eq!(
+            l.mark_validating(now, &ids, false, |_| 1)
+                .unwrap_err()
+                .to_string(),
+            "e0 is draining, expected drained"
+        );
+        assert_eq!(l.mark_validating(now, &ids, false, |_| 0).unwrap(), ids);
+        assert_eq!(l.state("e0"), DrainState::Validating);
+    }
+
+    #[test]
+    fn blocked_capture_without_identity_cannot_be_readmitted() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        l.begin(now, &drain(&["e0"], false), &set(&["e0", "e1"]), "")
+            .unwrap();
+        l.bind_identity(now, "e0", Err("unreadable".into()), false);
+        let ids = vec!["e0".to_string()];
+        assert_eq!(
+            l.mark_validating(now, &ids, false, |_| 0)
+                .unwrap_err()
+                .to_string(),
+            "e0 has no recorded pre-restart process identity"
+        );
+    }
+
+    #[test]
+    fn failed_validation_blocks_and_names_failures_then_passes() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        drained(&mut l, now, "e0");
+        let ids = vec!["e0".to_string()];
+        l.mark_validating(now, &ids, false, |_| 0).unwrap();
+        let out = BTreeMap::from([(
+            "e0".to_string(),
+            fail("engine process did not restart after drain"),
+        )]);
+        l.validation_failed(now, &out);
+        let r = l.record("e0").unwrap();
+        assert_eq!(r.state, DrainState::Blocked);
+        assert_eq!(r.error, "engine process did not restart after drain");
+        assert_eq!(r.checks, vec!["health".to_string()]);
+        assert_eq!(l.held(), set(&["e0"]));
+        // Blocked keeps the captured identity: readmit again without a re-drain.
+        l.mark_validating(now, &ids, false, |_| 0).unwrap();
+        let back = l.readmitted(now, &BTreeMap::from([("e0".to_string(), ok(200.0))]));
+        assert_eq!(back, ids);
+        let r = l.record("e0").unwrap();
+        assert_eq!(r.state, DrainState::Active);
+        assert_eq!(r.new_process_start, Some(200.0));
+        assert_eq!(r.old_process_start, Some(100.0));
+        assert_eq!(l.process_starts()["e0"], 200.0);
+        assert!(l.held().is_empty());
+    }
+
+    #[test]
+    fn peer_failure_is_reported_by_name() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        drained(&mut l, now, "e0");
+        l.mark_validating(now, &["e0".to_string()], false, |_| 0)
+            .unwrap();
+        let out = BTreeMap::from([
+            ("e0".to_string(), ok(200.0)),
+            (
+                "e1".to_string(),
+                fail("peer process changed before readmission"),
+            ),
+        ]);
+        l.validation_failed(now, &out);
+        assert_eq!(
+            l.record("e0").unwrap().error,
+            "peer failed validation: e1 (peer process changed before readmission)"
+        );
+        assert!(l.record("e1").is_none(), "the peer gets no record");
+    }
+
+    #[test]
+    fn whole_wave_lifecycle() {
+        let now = t0();
+        let all = set(&["e0", "e1"]);
+        let mut l = lc(&["e0", "e1"], RestartPolicy::WholeWave);
+        let plan = l.begin(now, &drain(&[], true), &all, "wave-abc").unwrap();
+        assert_eq!(plan.capture.len(), 2);
+        assert_eq!(l.wave_id(), "wave-abc");
+        assert_eq!(l.blocked_reason(), "whole-wave drain wave-abc");
+        assert_eq!(l.held(), all);
+        l.bind_identity(now, "e0", Ok(100.0), false);
+        l.bind_identity(now, "e1", Ok(101.0), false);
+        l.refresh(now, |i| u32::from(i == "e1"));
+        assert_eq!(l.state("e0"), DrainState::Drained);
+        assert!(
+            !l.ready_to_stop("e0"),
+            "wave member waits for the whole wave"
+        );
+        assert!(!l.wave_ready_to_stop());
+        l.refresh(now, |_| 0);
+        assert!(l.wave_ready_to_stop());
+        assert!(l.ready_to_stop("e0") && l.ready_to_stop("e1"));
+        l.refresh(now, |_| 0);
+        assert_eq!(
+            actions(&l)
+                .iter()
+                .filter(|a| *a == "wave_ready_to_stop")
+                .count(),
+            1
+        );
+        let one = vec!["e0".to_string()];
+        assert_eq!(
+            l.mark_validating(now, &one, false, |_| 0)
+                .unwrap_err()
+                .to_string(),
+            "an active whole wave must be validated and readmitted as one engine set"
+        );
+        assert_eq!(
+            l.mark_validating(now, &one, true, |_| 0)
+                .unwrap_err()
+                .to_string(),
+            "whole-wave readmission must name the active wave's complete engine set"
+        );
+        let targets = l.mark_validating(now, &[], true, |_| 0).unwrap();
+        l.validation_failed(
+            now,
+            &BTreeMap::from([
+                ("e0".to_string(), ok(200.0)),
+                (
+                    "e1".to_string(),
+                    fail("engine process did not restart after drain"),
+                ),
+            ]),
+        );
+        assert_eq!(l.state("e0"), DrainState::Blocked);
+        assert_eq!(
+            l.record("e0").unwrap().error,
+            "another engine in the wave failed validation: e1 (engine process did not restart after drain)"
+        );
+        assert_eq!(l.wave_id(), "wave-abc", "wave stays active");
+        l.mark_validating(now, &targets, true, |_| 0).unwrap();
+        l.readmitted(
+            now,
+            &BTreeMap::from([("e0".to_string(), ok(200.0)), ("e1".to_string(), ok(201.0))]),
+        );
+        assert_eq!(l.wave_id(), "");
+        assert_eq!(l.blocked_reason(), "");
+        assert!(l.held().is_empty());
+        assert_eq!(l.record("e0").unwrap().wave_id, "");
+        assert!(actions(&l).contains(&"wave_readmitted".to_string()));
+    }
+
+    #[test]
+    fn wave_ready_to_stop_is_false_without_a_wave() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        drained(&mut l, now, "e0");
+        assert!(l.ready_to_stop("e0"));
+        assert!(!l.wave_ready_to_stop());
+        let doc = l.document("active", true, |_| EngineView::default(), "");
+        assert_eq!(doc["wave"]["ready_to_stop"], false);
+        assert_eq!(doc["wave"]["active"], false);
+    }
+
+    #[test]
+    fn promotion_to_a_wave_when_nothing_is_live() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        drained(&mut l, now, "e0");
+        let e = l
+            .begin(now, &drain(&[], true), &set(&["e1"]), "wave-1")
+            .unwrap_err();
+        assert_eq!(e.to_string(), "lifecycle action already active for e0");
+        let plan = l
+            .begin(now, &drain(&[], true), &set(&[]), "wave-1")
+            .unwrap();
+        assert_eq!(
+            plan.capture,
+            vec!["e1".to_string()],
+            "e0 keeps its captured identity"
+        );
+        assert_eq!(l.record("e0").unwrap().old_process_start, Some(100.0));
+    }
+
+    #[test]
+    fn recovery_validation_needs_no_restart_and_respects_other_holds() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        l.accept_process_start("e1", 50.0);
+        assert!(l.start_recovery_validation(now, "e1", "wave-r"));
+        let r = l.record("e1").unwrap();
+        assert_eq!(
+            (r.state, r.restart_required),
+            (DrainState::Validating, false)
+        );
+        assert!(
+            !l.start_recovery_validation(now, "e0", "wave-r"),
+            "one action at a time"
+        );
+        l.readmitted(now, &BTreeMap::from([("e1".to_string(), ok(50.0))]));
+        assert_eq!(l.state("e1"), DrainState::Active);
+        let mut w = lc(&["e0", "e1"], RestartPolicy::WholeWave);
+        assert!(!w.start_recovery_validation(now, "e1", "wave-r"));
+        assert_eq!(w.held(), set(&["e0", "e1"]));
+        assert_eq!(
+            w.blocked_reason(),
+            "whole-wave restart required: engine recovery requires a managed whole-wave restart"
+        );
+        // The operator's way out: a wave drain captures identities for the blocked records.
+        let plan = w
+            .begin(now, &drain(&[], true), &set(&[]), "wave-2")
+            .unwrap();
+        assert_eq!(plan.capture.len(), 2);
+    }
+
+    #[test]
+    fn document_shape() {
+        let now = t0();
+        let mut l = lc(&["e1", "e0"], RestartPolicy::Individual);
+        drained(&mut l, now, "e0");
+        let doc = l.document(
+            "fenced",
+            false,
+            |i| EngineView {
+                resident_prefill: 0,
+                resident_decode: u32::from(i == "e1"),
+                accepts_new: i == "e1",
+            },
+            "boom",
+        );
+        assert_eq!(doc["schema"], "narwhal.lifecycle");
+        assert_eq!(doc["router"]["controls_fleet"], "fenced");
+        let keys: Vec<&String> = doc["engines"].as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["e0", "e1"], "sorted");
+        let e0 = &doc["engines"]["e0"];
+        assert_eq!(e0["state"], "drained");
+        assert_eq!(e0["draining"], true);
+        assert_eq!(e0["accepts_new"], false);
+        assert_eq!(e0["ready_to_stop"], true);
+        assert_eq!(e0["old_process_start"], 100.0);
+        let e1 = &doc["engines"]["e1"];
+        assert_eq!(e1["state"], "active");
+        assert_eq!(e1["deadline_at"], Value::Null);
+        assert_eq!(e1["resident"]["decode"], 1);
+        assert_eq!(doc["error"], "boom");
+        assert_eq!(doc["events"].as_array().unwrap().len(), 3);
+    }
+
+    #[test]
+    fn event_history_is_bounded() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        for i in 0..150 {
+            l.begin(now, &drain(&["e0"], false), &set(&["e0", "e1"]), "")
+                .unwrap();
+            l.bind_identity(now, "e0", Ok(f64::from(i)), false);
+            l.refresh(now, |_| 0);
+            l.mark_validating(now, &["e0".to_string()], false, |_| 0)
+                .unwrap();
+            l.readmitted(
+                now,
+                &BTreeMap::from([("e0".to_string(), ok(f64::from(i) + 0.5))]),
+            );
+        }
+        assert_eq!(l.events().count(), EVENT_HISTORY);
+        assert_eq!(l.take_events().len(), 150 * 5);
+        assert!(l.take_events().is_empty());
+    }
+}

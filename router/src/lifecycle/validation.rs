@@ -1,0 +1,629 @@
+//! Readmission validation: the six checks of the seed ("Readmitting engines"), in order —
+//! health, process-bound attestation, configured model, direct generation, role-compatible KV
+//! transfer, final health — run over every participant (the targets and the peers they
+//! exchange KV with), with the process identity re-checked between steps
+//! (reference-notes 4.8; DESIGN.md 9.2 and 9.7).
+//!
+//! The sequencing is here; the I/O is behind [`Checks`] (the router implements it with the
+//! engine's `/health` and the agents' signed answers), so every rule is unit-tested with a fake.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+
+use super::machine::EngineOutcome;
+pub use crate::config::Role;
+
+/// The identity a signed answer speaks for: `(boot_id, pid, start_ticks)` plus the process
+/// start in Unix seconds (DESIGN.md section 4).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Identity {
+    /// `(boot_id, pid, start_ticks)` rendered as one comparable key.
+    pub key: String,
+    /// Process start, Unix seconds.
+    pub start: f64,
+}
+
+/// A verified attestation, reduced to what validation needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Attested {
+    /// The process the attestation is bound to.
+    pub identity: Identity,
+    /// Models the engine serves (as the agent read them from the engine).
+    pub models: Vec<String>,
+    /// Short fingerprint shown in the check name (`attestation <fp>`): the signing key id.
+    pub fingerprint: String,
+}
+
+/// The I/O validation needs. Each call returns a one-line error naming what failed.
+pub trait Checks {
+    /// `GET <engine>/health` from the router answers 200.
+    fn health(&self, iid: &str) -> impl Future<Output = Result<(), String>> + Send;
+    /// A signed attestation through the engine's agent, verified (key, nonce, epoch, iid,
+    /// freshness, contract).
+    fn attest(&self, iid: &str) -> impl Future<Output = Result<Attested, String>> + Send;
+    /// A signed direct-generation check (≥ 1 token); returns the identity it ran against.
+    fn generation(&self, iid: &str) -> impl Future<Output = Result<Identity, String>> + Send;
+    /// The producer half of a KV check; returns the KV handle (descriptor or rendezvous) and
+    /// the identity it ran against.
+    fn kv_produce(
+        &self,
+        iid: &str,
+        check_id: &str,
+    ) -> impl Future<Output = Result<(serde_json::Value, Identity), String>> + Send;
+    /// The consumer half: decodes from `kv`; must prove the transfer happened (no recompute).
+    fn kv_consume(
+        &self,
+        iid: &str,
+        check_id: &str,
+        kv: serde_json::Value,
+    ) -> impl Future<Output = Result<Identity, String>> + Send;
+}
+
+/// What to validate.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Engines being readmitted (sorted).
+    pub targets: Vec<String>,
+    /// Every configured engine with its router role, in config order.
+    pub roles: Vec<(String, Role)>,
+    /// Engines currently eligible for placement (candidate peers).
+    pub live: BTreeSet<String>,
+    /// Per target: the pre-restart process start a planned restart must exceed
+    /// (`None` when no restart is required, e.g. after a breaker ejection).
+    pub restart_after: BTreeMap<String, Option<f64>>,
+    /// Last accepted process start per engine; a peer whose live start differs has changed.
+    pub accepted_starts: BTreeMap<String, f64>,
+    /// The configured model.
+    pub model: String,
+    /// A whole wave: every configured engine takes part and the pairs cover them all.
+    pub wave: bool,
+}
+
+/// The fabric pairs `(producer, consumer)` and extra participants for a plan, or the failure
+/// every target gets when no pair exists (reference-notes 4.8 step 2, with roles bound: our
+/// router never switches roles).
+pub fn fabric_pairs(plan: &Plan) -> Result<Vec<(String, String)>, String> {
+    let producers: Vec<&String> = plan
+        .roles
+        .iter()
+        .filter(|(_, r)| *r == Role::Prefill)
+        .map(|(i, _)| i)
+        .collect();
+    let consumers: Vec<&String> = plan
+        .roles
+        .iter()
+        .filter(|(_, r)| *r == Role::Decode)
+        .map(|(i, _)| i)
+        .collect();
+    if plan.roles.len() < 2 || producers.is_empty() || consumers.is_empty() {
+        // Aggregated fleets (one role only) move no KV between engines.
+        return Ok(Vec::new());
+    }
+    let mut pairs = Vec::new();
+    if plan.wave {
+        for (cursor, p) in producers.iter().enumerate() {
+            let c = consumers[cursor % consumers.len()];
+            pairs.push(((*p).clone(), c.clone()));
+        }
+        for c in &consumers {
+            if !pairs.iter().any(|(_, cc)| cc == *c) {
+                pairs.push((producers[0].clone(), (*c).clone()));
+            }
+        }
+        return Ok(pairs);
+    }
+    for t in &plan.targets {
+        let role = plan.roles.iter().find(|(i, _)| i == t).map(|(_, r)| *r);
+        let peer_role = match role {
+            Some(Role::Prefill) => Role::Decode,
+            Some(Role::Decode) => Role::Prefill,
+            None => return Err(format!("{t} is not a configured engine")),
+        };
+        let peer = plan
+            .roles
+            .iter()
+            .find(|(i, r)| *r == peer_role && i != t && plan.live.contains(i))
+            .map(|(i, _)| i.clone());
+        let Some(peer) = peer else {
+            return Err("fabric validation requires a peer in the opposite role".to_string());
+        };
+        pairs.push(if peer_role == Role::Decode {
+            (t.clone(), peer)
+        } else {
+            (peer, t.clone())
+        });
+    }
+    Ok(pairs)
+}
+
+/// Per-engine outcome of a validation run; `passed()` when nobody failed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Report {
+    /// Outcome of every participant (targets and peers).
+    pub engines: BTreeMap<String, EngineOutcome>,
+    /// Peers whose process changed behind the router's back (the driver ejects them).
+    pub changed_peers: Vec<String>,
+}
+
+impl Report {
+    /// No participant has a failure.
+    pub fn passed(&self) -> bool {
+        self.engines.values().all(|o| o.failures.is_empty())
+    }
+
+    fn pass(&mut self, iid: &str, check: impl Into<String>) {
+        self.engines
+            .entry(iid.to_string())
+            .or_default()
+            .checks
+            .push(check.into());
+    }
+
+    fn fail(&mut self, iid: &str, failure: impl Into<String>) {
+        self.engines
+            .entry(iid.to_string())
+            .or_default()
+            .failures
+            .push(failure.into());
+    }
+}
+
+/// Runs the checks of `plan` in the seed's order and reports every participant's outcome.
+/// Targets that pass carry the validated process start in `process_start`.
+pub async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str) -> Report {
+    let mut report = Report::default();
+    for t in &plan.targets {
+        report.engines.entry(t.clone()).or_default();
+    }
+    let pairs = match fabric_pairs(plan) {
+        Ok(p) => p,
+        Err(e) => {
+            for t in &plan.targets {
+                report.fail(t, e.clone());
+            }
+            return report;
+        }
+    };
+    let mut participants: Vec<String> = plan.targets.clone();
+    let mut peers: BTreeSet<String> = BTreeSet::new();
+    for (p, c) in &pairs {
+        for i in [p, c] {
+            if !participants.contains(i) {
+                participants.push(i.clone());
+                peers.insert(i.clone());
+            }
+        }
+    }
+    let is_target = |i: &str| plan.targets.iter().any(|t| t == i);
+
+    // 1-3 (and generation for targets): per participant, sequentially.
+    let mut attested: BTreeMap<String, Attested> = BTreeMap::new();
+    for iid in &participants {
+        if let Err(e) = checks.health(iid).await {
+            report.fail(iid, format!("health did not answer 200: {e}"));
+            continue;
+        }
+        report.pass(iid, "health");
+        let a = match checks.attest(iid).await {
+            Ok(a) => a,
+            Err(e) => {
+                report.fail(iid, format!("attestation: {e}"));
+                continue;
+            }
+        };
+        report.pass(iid, format!("attestation {}", a.fingerprint));
+        if peers.contains(iid)
+            && plan
+                .accepted_starts
+                .get(iid)
+                .is_some_and(|prev| *prev != a.identity.start)
+        {
+            report.fail(iid, "peer process changed before readmission");
+            report.changed_peers.push(iid.clone());
+            continue;
+        }
+        if !a.models.contains(&plan.model) {
+            report.fail(
+                iid,
+                format!("serves {:?}, expected {}", a.models, plan.model),
+            );
+            continue;
+        }
+        report.pass(iid, "model");
+        if is_target(iid) {
+            match plan.restart_after.get(iid).copied().flatten() {
+                Some(old) if a.identity.start <= old => {
+                    report.fail(iid, "engine process did not restart after drain");
+                    continue;
+                }
+                Some(_) => report.pass(iid, "new process identity"),
+                None => report.pass(iid, "process identity"),
+            }
+            match checks.generation(iid).await {
+                Ok(id) if id.key == a.identity.key => report.pass(iid, "generation"),
+                Ok(_) => {
+                    report.fail(
+                        iid,
+                        "identity changed or unavailable during validation: generation ran on another process",
+                    );
+                    continue;
+                }
+                Err(e) => {
+                    report.fail(iid, format!("generation failed: {e}"));
+                    continue;
+                }
+            }
+            report
+                .engines
+                .get_mut(iid)
+                .expect("target entry exists")
+                .process_start = Some(a.identity.start);
+        }
+        attested.insert(iid.clone(), a);
+    }
+    if !report.passed() {
+        return report;
+    }
+
+    // 5. Role-compatible KV transfer, each pair with identities re-checked on both sides.
+    if pairs.is_empty() {
+        for t in &plan.targets {
+            report.pass(t, "fabric not applicable: no engine of the opposite role");
+        }
+    }
+    for (n, (src, dst)) in pairs.iter().enumerate() {
+        let id = format!("{check_id}-{n}");
+        let outcome = async {
+            let (kv, pid) = checks
+                .kv_produce(src, &id)
+                .await
+                .map_err(|e| format!("produce: {e}"))?;
+            if pid.key != attested[src].identity.key {
+                return Err(format!("{src} process changed during validation"));
+            }
+            let cid = checks
+                .kv_consume(dst, &id, kv)
+                .await
+                .map_err(|e| format!("consume: {e}"))?;
+            if cid.key != attested[dst].identity.key {
+                return Err(format!("{dst} process changed during validation"));
+            }
+            Ok(())
+        }
+        .await;
+        match outcome {
+            Ok(()) => {
+                report.pass(src, format!("fabric produce to {dst}"));
+                report.pass(dst, format!("fabric consume from {src}"));
+            }
+            Err(e) => {
+                report.fail(src, format!("fabric {src}->{dst}: {e}"));
+                report.fail(dst, format!("fabric {src}->{dst}: {e}"));
+            }
+        }
+    }
+    if !report.passed() {
+        return report;
+    }
+
+    // 6. Final health, then the final identity recheck of every participant.
+    for t in &plan.targets {
+        match checks.health(t).await {
+            Ok(()) => report.pass(t, "final health"),
+            Err(_) => report.fail(t, "final health failed after fabric validation"),
+        }
+    }
+    if !report.passed() {
+        return report;
+    }
+    for iid in &participants {
+        match checks.attest(iid).await {
+            Ok(a) if a.identity.key == attested[iid].identity.key => {}
+            Ok(_) => report.fail(
+                iid,
+                "identity changed or unavailable during validation: the process was replaced",
+            ),
+            Err(e) => report.fail(
+                iid,
+                format!("identity changed or unavailable during validation: {e}"),
+            ),
+        }
+    }
+    report
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// A fleet of fake engines: per engine an identity, models, and a failing step if any.
+    struct Fake {
+        ids: Mutex<BTreeMap<String, Identity>>,
+        fail: BTreeMap<String, &'static str>,
+        models: Vec<String>,
+        calls: Mutex<Vec<String>>,
+        /// After this many attestations of the engine, its process is replaced.
+        replace_after: BTreeMap<String, usize>,
+    }
+
+    impl Fake {
+        fn new(engines: &[(&str, f64)]) -> Fake {
+            Fake {
+                ids: Mutex::new(
+                    engines
+                        .iter()
+                        .map(|(i, s)| {
+                            (
+                                i.to_string(),
+                                Identity {
+                                    key: format!("{i}@{s}"),
+                                    start: *s,
+                                },
+                            )
+                        })
+                        .collect(),
+                ),
+                fail: BTreeMap::new(),
+                models: vec!["m".into()],
+                calls: Mutex::new(Vec::new()),
+                replace_after: BTreeMap::new(),
+            }
+        }
+        fn failing(mut self, iid: &str, step: &'static str) -> Fake {
+            self.fail.insert(iid.into(), step);
+            self
+        }
+        fn step(&self, iid: &str, step: &str) -> Result<Identity, String> {
+            self.calls.lock().unwrap().push(format!("{step} {iid}"));
+            if self.fail.get(iid) == Some(&step) {
+                return Err(format!("{step} broken"));
+            }
+            Ok(self.ids.lock().unwrap()[iid].clone())
+        }
+    }
+
+    impl Checks for Fake {
+        async fn health(&self, iid: &str) -> Result<(), String> {
+            let n = self
+                .calls
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|c| *c == &format!("health {iid}"))
+                .count();
+            if n >= 1 && self.fail.get(iid) == Some(&"final health") {
+                return Err("503".into());
+            }
+            self.step(iid, "health").map(|_| ())
+        }
+        async fn attest(&self, iid: &str) -> Result<Attested, String> {
+            let id = self.step(iid, "attest")?;
+            let n = self
+                .calls
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|c| *c == &format!("attest {iid}"))
+                .count();
+            if self.replace_after.get(iid).is_some_and(|k| n > *k) {
+                let new = Identity {
+                    key: format!("{iid}@new"),
+                    start: id.start + 1.0,
+                };
+                self.ids.lock().unwrap().insert(iid.into(), new.clone());
+                return Ok(Attested {
+                    identity: new,
+                    models: self.models.clone(),
+                    fingerprint: "fp".into(),
+                });
+            }
+            Ok(Attested {
+                identity: id,
+                models: self.models.clone(),
+                fingerprint: "fp".into(),
+            })
+        }
+        async fn generation(&self, iid: &str) -> Result<Identity, String> {
+            self.step(iid, "generation")
+        }
+        async fn kv_produce(
+            &self,
+            iid: &str,
+            _: &str,
+        ) -> Result<(serde_json::Value, Identity), String> {
+            self.step(iid, "produce")
+                .map(|i| (serde_json::json!({"from": iid}), i))
+        }
+        async fn kv_consume(
+            &self,
+            iid: &str,
+            _: &str,
+            kv: serde_json::Value,
+        ) -> Result<Identity, String> {
+            assert!(kv["from"].is_string());
+            self.step(iid, "consume")
+        }
+    }
+
+    fn plan(targets: &[&str], old: Option<f64>) -> Plan {
+        Plan {
+            targets: targets.iter().map(|s| s.to_string()).collect(),
+            roles: vec![("p0".into(), Role::Prefill), ("d0".into(), Role::Decode)],
+            live: ["d0".to_string(), "p0".to_string()]
+                .into_iter()
+                .filter(|i| !targets.contains(&i.as_str()))
+                .collect(),
+            restart_after: targets.iter().map(|t| (t.to_string(), old)).collect(),
+            accepted_starts: BTreeMap::from([("p0".into(), 10.0), ("d0".into(), 20.0)]),
+            model: "m".into(),
+            wave: false,
+        }
+    }
+
+    fn run<F: Future>(f: F) -> F::Output {
+        // A single-threaded executor is enough: the fake never pends.
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        let mut f = std::pin::pin!(f);
+        loop {
+            if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+                return v;
+            }
+        }
+    }
+
+    #[test]
+    fn restarted_prefill_passes_every_check_in_the_seed_order() {
+        let fake = Fake::new(&[("p0", 15.0), ("d0", 20.0)]);
+        let r = run(validate(&plan(&["p0"], Some(10.0)), &fake, "c"));
+        assert!(r.passed(), "{r:?}");
+        assert_eq!(
+            r.engines["p0"].checks,
+            [
+                "health",
+                "attestation fp",
+                "model",
+                "new process identity",
+                "generation",
+                "fabric produce to d0",
+                "final health"
+            ]
+        );
+        assert_eq!(r.engines["p0"].process_start, Some(15.0));
+        assert_eq!(
+            r.engines["d0"].checks,
+            [
+                "health",
+                "attestation fp",
+                "model",
+                "fabric consume from p0"
+            ]
+        );
+    }
+
+    #[test]
+    fn decode_target_consumes_from_a_prefill_peer() {
+        let fake = Fake::new(&[("p0", 10.0), ("d0", 25.0)]);
+        let r = run(validate(&plan(&["d0"], Some(20.0)), &fake, "c"));
+        assert!(r.passed(), "{r:?}");
+        assert!(
+            r.engines["d0"]
+                .checks
+                .contains(&"fabric consume from p0".to_string())
+        );
+    }
+
+    #[test]
+    fn not_restarted_fails_naming_it() {
+        let fake = Fake::new(&[("p0", 10.0), ("d0", 20.0)]);
+        let r = run(validate(&plan(&["p0"], Some(10.0)), &fake, "c"));
+        assert_eq!(
+            r.engines["p0"].failures,
+            ["engine process did not restart after drain"]
+        );
+        assert_eq!(
+            r.engines["p0"].checks,
+            ["health", "attestation fp", "model"]
+        );
+    }
+
+    #[test]
+    fn no_restart_required_after_a_breaker_ejection() {
+        let fake = Fake::new(&[("p0", 10.0), ("d0", 20.0)]);
+        let r = run(validate(&plan(&["p0"], None), &fake, "c"));
+        assert!(r.passed(), "{r:?}");
+        assert!(
+            r.engines["p0"]
+                .checks
+                .contains(&"process identity".to_string())
+        );
+    }
+
+    #[test]
+    fn each_check_failing_on_its_own_names_that_check() {
+        let cases = [
+            ("health", "health did not answer 200"),
+            ("attest", "attestation: attest broken"),
+            ("generation", "generation failed"),
+            ("produce", "fabric p0->d0: produce"),
+            (
+                "final health",
+                "final health failed after fabric validation",
+            ),
+        ];
+        for (step, want) in cases {
+            let fake = Fake::new(&[("p0", 15.0), ("d0", 20.0)]).failing("p0", step);
+            let r = run(validate(&plan(&["p0"], Some(10.0)), &fake, "c"));
+            assert!(!r.passed(), "{step}");
+            let f = r.engines["p0"].failures.join("; ");
+            assert!(f.starts_with(want), "{step}: {f}");
+        }
+        let mut fake = Fake::new(&[("p0", 15.0), ("d0", 20.0)]);
+        fake.models = vec!["other".into()];
+        let r = run(validate(&plan(&["p0"], Some(10.0)), &fake, "c"));
+        assert_eq!(r.engines["p0"].failures, ["serves [\"other\"], expected m"]);
+        // A consumer that cannot take the KV fails the pair, named on the target too.
+        let fake = Fake::new(&[("p0", 15.0), ("d0", 20.0)]).failing("d0", "consume");
+        let r = run(validate(&plan(&["p0"], Some(10.0)), &fake, "c"));
+        assert_eq!(
+            r.engines["p0"].failures,
+            ["fabric p0->d0: consume: consume broken"]
+        );
+    }
+
+    #[test]
+    fn peer_that_changed_is_reported_as_the_peers_failure() {
+        let fake = Fake::new(&[("p0", 15.0), ("d0", 99.0)]);
+        let r = run(validate(&plan(&["p0"], Some(10.0)), &fake, "c"));
+        assert_eq!(
+            r.engines["d0"].failures,
+            ["peer process changed before readmission"]
+        );
+        assert!(r.engines["p0"].failures.is_empty());
+        assert_eq!(r.changed_peers, ["d0"]);
+        assert!(!r.passed());
+    }
+
+    #[test]
+    fn process_replaced_during_validation_fails_it() {
+        let mut fake = Fake::new(&[("p0", 15.0), ("d0", 20.0)]);
+        fake.replace_after.insert("p0".into(), 1);
+        let r = run(validate(&plan(&["p0"], Some(10.0)), &fake, "c"));
+        assert!(
+            r.engines["p0"].failures[0]
+                .starts_with("identity changed or unavailable during validation"),
+            "{r:?}"
+        );
+    }
+
+    #[test]
+    fn no_live_peer_fails_every_target() {
+        let fake = Fake::new(&[("p0", 15.0), ("d0", 20.0)]);
+        let mut p = plan(&["p0"], Some(10.0));
+        p.live.clear();
+        let r = run(validate(&p, &fake, "c"));
+        assert_eq!(
+            r.engines["p0"].failures,
+            ["fabric validation requires a peer in the opposite role"]
+        );
+    }
+
+    #[test]
+    fn wave_pairs_cover_every_engine() {
+        let mut p = plan(&["p0", "p1", "d0", "d1", "d2"], Some(1.0));
+        p.wave = true;
+        p.roles = vec![
+            ("p0".into(), Role::Prefill),
+            ("d0".into(), Role::Decode),
+            ("p1".into(), Role::Prefill),
+            ("d1".into(), Role::Decode),
+            ("d2".into(), Role::Decode),
+        ];
+        let pairs = fabric_pairs(&p).unwrap();
+        assert_eq!(
+            pairs,
+            [("p0", "d0"), ("p1", "d1"), ("p0", "d2")].map(|(a, b)| (a.to_string(), b.to_string()))
+        );
+    }
+}
