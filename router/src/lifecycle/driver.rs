@@ -465,6 +465,7 @@ fn plan(shared: &Shared, targets: &[String], wave: bool) -> Plan {
         accepted_starts,
         model: shared.cfg.model.clone(),
         wave,
+        direct_generation: shared.cfg.backend != crate::config::Backend::Sglang,
     }
 }
 
@@ -481,7 +482,7 @@ async fn run_validation(shared: &Arc<Shared>, targets: &[String], wave: bool) ->
 /// Applies a validation report: readmit on success, block every candidate on failure, eject
 /// peers whose process changed (reference-notes 4.7; DESIGN.md 9.7).
 fn finish(
-    shared: &Shared,
+    shared: &Arc<Shared>,
     targets: &[String],
     report: Report,
     kind: &'static str,
@@ -545,6 +546,21 @@ fn finish(
         }
         commit(shared, &mut lc);
         drop(lc);
+        // A restarted SGLang prefill engine may serve its bootstrap rendezvous on a new port.
+        if shared.cfg.backend == crate::config::Backend::Sglang {
+            for iid in &back {
+                if let Some(i) = index(shared, iid)
+                    .filter(|i| shared.cfg.engines[*i].role == crate::config::Role::Prefill)
+                {
+                    let shared = shared.clone();
+                    tokio::spawn(async move {
+                        if let Err(e) = crate::serve::refresh_bootstrap_port(&shared, i).await {
+                            tracing::warn!(error = %e, "bootstrap port refresh after readmission failed");
+                        }
+                    });
+                }
+            }
+        }
         record_metric("passed");
         reply(shared, StatusCode::OK, "")
     } else {

@@ -77,6 +77,10 @@ pub struct Plan {
     pub model: String,
     /// A whole wave: every configured engine takes part and the pairs cover them all.
     pub wave: bool,
+    /// Run the direct-generation check. False for SGLang, whose disaggregated servers only
+    /// generate through a bootstrap rendezvous: there the KV-transfer check is the generation
+    /// evidence (reference-notes 4.8 step 5).
+    pub direct_generation: bool,
 }
 
 /// The fabric pairs `(producer, consumer)` and extra participants for a plan, or the failure
@@ -238,6 +242,15 @@ pub async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str) -> Rep
                 }
                 Some(_) => report.pass(iid, "new process identity"),
                 None => report.pass(iid, "process identity"),
+            }
+            if !plan.direct_generation {
+                report
+                    .engines
+                    .get_mut(iid)
+                    .expect("target entry exists")
+                    .process_start = Some(a.identity.start);
+                attested.insert(iid.clone(), a);
+                continue;
             }
             match checks.generation(iid).await {
                 Ok(id) if id.key == a.identity.key => report.pass(iid, "generation"),
@@ -458,6 +471,7 @@ mod tests {
             accepted_starts: BTreeMap::from([("p0".into(), 10.0), ("d0".into(), 20.0)]),
             model: "m".into(),
             wave: false,
+            direct_generation: true,
         }
     }
 
@@ -594,6 +608,34 @@ mod tests {
             r.engines["p0"].failures[0]
                 .starts_with("identity changed or unavailable during validation"),
             "{r:?}"
+        );
+    }
+
+    #[test]
+    fn sglang_skips_direct_generation_and_relies_on_the_transfer() {
+        let fake = Fake::new(&[("p0", 15.0), ("d0", 20.0)]).failing("p0", "generation");
+        let mut p = plan(&["p0"], Some(10.0));
+        p.direct_generation = false;
+        let r = run(validate(&p, &fake, "c"));
+        assert!(r.passed(), "{r:?}");
+        assert_eq!(
+            r.engines["p0"].checks,
+            [
+                "health",
+                "attestation fp",
+                "model",
+                "new process identity",
+                "fabric produce to d0",
+                "final health"
+            ]
+        );
+        assert!(
+            !fake
+                .calls
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|c| c.starts_with("generation"))
         );
     }
 
