@@ -9,7 +9,10 @@ pub mod certs;
 mod fleet;
 mod proc;
 
-pub use fleet::{EngineSpec, FleetSpec, RouterHandle, SimHandle, start_router, start_sim};
+pub use fleet::{
+    AgentHandle, EngineSpec, FleetSpec, RouterHandle, SimHandle, start_agent, start_router,
+    start_sim,
+};
 pub use proc::{ChildProc, ProcError, bin_path, wait_until};
 
 /// An HTTP client for loopback traffic: no proxies (CI machines may set `HTTP_PROXY`), and

@@ -15,7 +15,13 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use futures_util::StreamExt;
-use narwhal_testkit::{EngineSpec, FleetSpec, RouterHandle, SimHandle, start_router, start_sim};
+use std::sync::{Arc, Mutex};
+
+use narwhal_testkit::certs::make_dev_certs;
+use narwhal_testkit::{
+    AgentHandle, EngineSpec, FleetSpec, RouterHandle, SimHandle, bin_path, start_agent,
+    start_router, start_sim,
+};
 use serde_json::{Value, json};
 
 #[derive(Parser)]
@@ -31,10 +37,17 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Start simulated engines and a router; run until interrupted.
+    /// Start simulated engines, one agent per simulated host, and a router; run until
+    /// interrupted.
     Up(UpArgs),
-    /// Start a fleet, send a scripted mix of requests, print what happened.
+    /// Start a fleet, send a scripted mix of requests, drain and restart engines, print what
+    /// happened.
     Demo(DemoArgs),
+    /// Make development certificates (fleet CA, router, standby, ctl, agents) with rcgen.
+    Certs(CertsArgs),
+    /// Restart one simulated engine of a running `narwhal-dev up` as a new process on the same
+    /// port (what a supervisor's restart command does to a real engine).
+    Restart(RestartArgs),
 }
 
 #[derive(clap::Args, Clone)]
@@ -48,10 +61,16 @@ struct UpArgs {
     /// Engine dialect: vllm (NIXL descriptors) or sglang (bootstrap rendezvous).
     #[arg(long, default_value = "vllm", value_parser = ["vllm", "sglang"])]
     dialect: String,
-    /// Directory for the fleet file, logs, journal and state (created if missing).
+    /// Simulated GPU hosts, one agent each; engines are spread over them round-robin.
+    #[arg(long, default_value_t = 2)]
+    hosts: usize,
+    /// `recovery.engine_restart_policy` of the router.
+    #[arg(long, default_value = "individual", value_parser = ["individual", "whole_wave"])]
+    restart_policy: String,
+    /// Directory for certificates, fleet file, logs, journal and state (created if missing).
     #[arg(long, default_value = "runs/dev")]
     dir: PathBuf,
-    /// Write a JSON document naming every started process here once the fleet serves.
+    /// Write a JSON document naming every started process here (default DIR/fleet.ready.json).
     #[arg(long)]
     ready_file: Option<PathBuf>,
     /// Extra flags for every simulator, e.g. `--sim-arg=--tpot-ms --sim-arg=5`.
@@ -72,12 +91,37 @@ struct DemoArgs {
     dir: Option<PathBuf>,
 }
 
+#[derive(clap::Args)]
+struct CertsArgs {
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+    /// Agent ids to issue `agent-<id>` certificates for.
+    #[arg(long, value_delimiter = ',', default_value = "host0,host1")]
+    agents: Vec<String>,
+}
+
+#[derive(clap::Args)]
+struct RestartArgs {
+    /// Engine id (`p0`, `d0`, ...).
+    iid: String,
+    /// The `--dir` of the running `narwhal-dev up`.
+    #[arg(long, default_value = "runs/dev")]
+    dir: PathBuf,
+}
+
 /// Everything `up` started.
 struct Fleet {
     sims: Vec<SimHandle>,
+    agents: Vec<AgentHandle>,
+    /// Agent id serving each engine.
+    host_of: Vec<String>,
     router: RouterHandle,
     dir: PathBuf,
+    certs: PathBuf,
     dialect: String,
+    /// `http://127.0.0.1:PORT` of this process's restart endpoint, once serving.
+    dev_control: String,
 }
 
 impl Fleet {
@@ -88,6 +132,12 @@ impl Fleet {
             .dir
             .canonicalize()
             .map_err(|e| format!("{}: {e}", args.dir.display()))?;
+        let hosts: Vec<String> = (0..args.hosts.max(1)).map(|h| format!("host{h}")).collect();
+        let mut names = vec!["router", "standby", "ctl"];
+        let agent_names: Vec<String> = hosts.iter().map(|h| format!("agent-{h}")).collect();
+        names.extend(agent_names.iter().map(String::as_str));
+        let certs_dir = dir.join("certs");
+        let certs = make_dev_certs(&certs_dir, &names).map_err(|e| e.to_string())?;
         let extra: Vec<&str> = args.sim_args.iter().map(String::as_str).collect();
         let mut specs = Vec::new();
         for i in 0..args.prefill {
@@ -100,13 +150,40 @@ impl Fleet {
         for spec in &specs {
             sims.push(start_sim(&dir, spec, &args.dialect).map_err(|e| e.to_string())?);
         }
-        let fleet = FleetSpec::for_sims(&args.dialect, &sims);
+        let host_of: Vec<String> = (0..sims.len())
+            .map(|i| hosts[i % hosts.len()].clone())
+            .collect();
+        let mut agents = Vec::new();
+        for h in &hosts {
+            let mine: Vec<&SimHandle> = sims
+                .iter()
+                .zip(&host_of)
+                .filter(|(_, hh)| *hh == h)
+                .map(|(s, _)| s)
+                .collect();
+            if mine.is_empty() {
+                continue;
+            }
+            agents.push(start_agent(&dir, &certs, h, &mine).map_err(|e| e.to_string())?);
+        }
+        let mut fleet = FleetSpec::for_sims(&args.dialect, &sims)
+            .tls(&certs, "router")
+            .with(json!({"recovery": {"engine_restart_policy": args.restart_policy}}));
+        for (s, h) in sims.iter().zip(&host_of) {
+            if let Some(a) = agents.iter().find(|a| &a.agent_id == h) {
+                fleet = fleet.agent(&s.iid, a);
+            }
+        }
         let router = start_router(&dir, "router", &fleet, &[]).map_err(|e| e.to_string())?;
         Ok(Fleet {
             sims,
+            agents,
+            host_of,
             router,
             dir,
+            certs: certs_dir,
             dialect: args.dialect.clone(),
+            dev_control: String::new(),
         })
     }
 
@@ -116,6 +193,8 @@ impl Fleet {
             "schema_version": 1,
             "dir": self.dir,
             "dialect": self.dialect,
+            "certs": self.certs,
+            "dev_control": self.dev_control,
             "router": {
                 "data": self.router.data,
                 "control": self.router.control,
@@ -123,11 +202,94 @@ impl Fleet {
                 "fleet": self.router.fleet,
                 "journal": self.router.journal,
             },
-            "engines": self.sims.iter().map(|s| json!({
-                "iid": s.iid, "role": s.role, "url": s.url, "pid": s.proc.pid(),
+            "engines": self.sims.iter().zip(&self.host_of).map(|(s, h)| json!({
+                "iid": s.iid, "role": s.role, "url": s.url, "pid": s.proc.pid(), "agent": h,
+            })).collect::<Vec<_>>(),
+            "agents": self.agents.iter().map(|a| json!({
+                "id": a.agent_id, "url": a.url, "pid": a.proc.pid(), "public_key": a.public_key,
             })).collect::<Vec<_>>(),
         })
     }
+
+    /// Restarts engine `iid` on its ports; returns the new pid.
+    fn restart(&mut self, iid: &str) -> Result<u32, String> {
+        let sim = self
+            .sims
+            .iter_mut()
+            .find(|s| s.iid == iid)
+            .ok_or_else(|| format!("no engine {iid:?} in this fleet"))?;
+        sim.restart(&[]).map_err(|e| e.to_string())?;
+        Ok(sim.proc.pid())
+    }
+}
+
+type SharedFleet = Arc<Mutex<Fleet>>;
+
+/// Serves `POST /restart/{iid}` on loopback for `narwhal-dev restart`.
+async fn dev_control(fleet: SharedFleet, ready: PathBuf) -> std::io::Result<String> {
+    use axum::extract::{Path as UrlPath, State};
+    use axum::routing::post;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    async fn restart(
+        State((fleet, ready)): State<(SharedFleet, PathBuf)>,
+        UrlPath(iid): UrlPath<String>,
+    ) -> (axum::http::StatusCode, axum::Json<Value>) {
+        let out = tokio::task::spawn_blocking(move || {
+            let mut f = fleet.lock().unwrap_or_else(|p| p.into_inner());
+            let r = f.restart(&iid);
+            if r.is_ok() {
+                let _ = write_atomically(&ready, &format!("{:#}\n", f.ready_doc()));
+            }
+            r.map(|pid| (iid, pid))
+        })
+        .await;
+        match out {
+            Ok(Ok((iid, pid))) => (
+                axum::http::StatusCode::OK,
+                axum::Json(json!({"iid": iid, "pid": pid})),
+            ),
+            Ok(Err(e)) => (
+                axum::http::StatusCode::BAD_REQUEST,
+                axum::Json(json!({"error": e})),
+            ),
+            Err(e) => (
+                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                axum::Json(json!({"error": e.to_string()})),
+            ),
+        }
+    }
+    let app = axum::Router::new()
+        .route("/restart/{iid}", post(restart))
+        .with_state((fleet, ready));
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok(url)
+}
+
+/// Starts a fleet with its restart endpoint and writes the ready file.
+async fn bring_up(args: &UpArgs) -> Result<(SharedFleet, PathBuf), String> {
+    let a = args.clone();
+    let fleet = tokio::task::spawn_blocking(move || Fleet::start(&a))
+        .await
+        .map_err(|e| e.to_string())??;
+    let ready = args
+        .ready_file
+        .clone()
+        .unwrap_or_else(|| fleet.dir.join("fleet.ready.json"));
+    let fleet = Arc::new(Mutex::new(fleet));
+    let url = dev_control(fleet.clone(), ready.clone())
+        .await
+        .map_err(|e| format!("dev control listener: {e}"))?;
+    let doc = {
+        let mut f = fleet.lock().unwrap_or_else(|p| p.into_inner());
+        f.dev_control = url;
+        f.ready_doc()
+    };
+    write_atomically(&ready, &format!("{doc:#}\n"))
+        .map_err(|e| format!("write {}: {e}", ready.display()))?;
+    Ok((fleet, ready))
 }
 
 fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
@@ -136,44 +298,116 @@ fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
+fn certs(args: CertsArgs) -> ExitCode {
+    let mut names = vec!["router".to_string(), "standby".into(), "ctl".into()];
+    names.extend(args.agents.iter().map(|a| format!("agent-{a}")));
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    match make_dev_certs(&args.out, &refs) {
+        Ok(c) => {
+            println!("fleet CA: {}", c.ca.display());
+            for n in &names {
+                println!("{n}: {} {}", c.cert(n).display(), c.key(n).display());
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("narwhal-dev certs: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn restart(args: RestartArgs) -> ExitCode {
+    let ready = args.dir.join("fleet.ready.json");
+    let doc: Value = match std::fs::read(&ready)
+        .map_err(|e| e.to_string())
+        .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
+    {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!(
+                "narwhal-dev restart: cannot read {} (is `narwhal-dev up --dir {}` running?): {e}",
+                ready.display(),
+                args.dir.display()
+            );
+            return ExitCode::FAILURE;
+        }
+    };
+    let Some(control) = doc["dev_control"].as_str().filter(|s| !s.is_empty()) else {
+        eprintln!(
+            "narwhal-dev restart: {} names no dev_control endpoint",
+            ready.display()
+        );
+        return ExitCode::FAILURE;
+    };
+    let http = narwhal_testkit::http_client()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("HTTP client");
+    match http
+        .post(format!("{control}/restart/{}", args.iid))
+        .send()
+        .await
+    {
+        Ok(r) => {
+            let ok = r.status().is_success();
+            let body: Value = r.json().await.unwrap_or_default();
+            if ok {
+                println!("{}: restarted as pid {}", args.iid, body["pid"]);
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("narwhal-dev restart: {}", body["error"]);
+                ExitCode::FAILURE
+            }
+        }
+        Err(e) => {
+            eprintln!("narwhal-dev restart: {control}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 async fn up(args: UpArgs) -> ExitCode {
-    let fleet = match Fleet::start(&args) {
-        Ok(f) => f,
+    let (fleet, ready) = match bring_up(&args).await {
+        Ok(x) => x,
         Err(e) => {
             eprintln!("narwhal-dev up: {e}");
             return ExitCode::FAILURE;
         }
     };
-    let doc = fleet.ready_doc();
-    let ready = args
-        .ready_file
-        .clone()
-        .unwrap_or_else(|| fleet.dir.join("fleet.ready.json"));
-    if let Err(e) = write_atomically(&ready, &format!("{doc:#}\n")) {
-        eprintln!("narwhal-dev up: write {}: {e}", ready.display());
-        return ExitCode::FAILURE;
-    }
-    println!(
-        "narwhal-dev up: router data={} control={}",
-        fleet.router.data, fleet.router.control
-    );
-    for s in &fleet.sims {
+    {
+        let f = fleet.lock().unwrap_or_else(|p| p.into_inner());
         println!(
-            "  engine {:<4} {:<8} {}  pid {}",
-            s.iid,
-            s.role,
-            s.url,
-            s.proc.pid()
+            "narwhal-dev up: router data={} control={}",
+            f.router.data, f.router.control
         );
+        for (s, h) in f.sims.iter().zip(&f.host_of) {
+            println!(
+                "  engine {:<4} {:<8} {}  pid {}  agent {h}",
+                s.iid,
+                s.role,
+                s.url,
+                s.proc.pid()
+            );
+        }
+        for a in &f.agents {
+            println!("  agent  {:<6} {}  pid {}", a.agent_id, a.url, a.proc.pid());
+        }
+        println!("  certificates in {}", f.certs.display());
+        println!("  logs, journal and fleet file in {}", f.dir.display());
+        println!("  ready file {}", ready.display());
+        println!(
+            "try:\n  curl -s {}/v1/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"tiny-sim\",\"prompt\":\"hello world\",\"max_tokens\":8}}'",
+            f.router.data
+        );
+        println!("  curl -s {}/narwhal/lifecycle", f.router.control);
+        println!(
+            "  narwhalctl --router {} wave-restart --rolling --restart-cmd 'narwhal-dev restart {{iid}} --dir {}'",
+            f.router.control,
+            f.dir.display()
+        );
+        println!("Ctrl-C stops the fleet.");
     }
-    println!("  logs, journal and fleet file in {}", fleet.dir.display());
-    println!("  ready file {}", ready.display());
-    println!(
-        "try:\n  curl -s {}/v1/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"tiny-sim\",\"prompt\":\"hello world\",\"max_tokens\":8}}'",
-        fleet.router.data
-    );
-    println!("  curl -s {}/narwhal/state | head", fleet.router.control);
-    println!("Ctrl-C stops the fleet.");
     wait_for_signal().await;
     println!("narwhal-dev up: stopping");
     drop(fleet);
@@ -325,22 +559,35 @@ async fn demo(args: DemoArgs) -> ExitCode {
             prefill: 1,
             decode: 1,
             dialect: dialect.clone(),
+            hosts: 2,
+            restart_policy: "individual".into(),
             dir: base.join(dialect),
             ready_file: None,
             sim_args: vec!["--tpot-ms".into(), "1".into()],
         };
-        let fleet = match Fleet::start(&up) {
+        let (fleet, _ready) = match bring_up(&up).await {
             Ok(f) => f,
             Err(e) => {
                 eprintln!("narwhal-dev demo: {e}");
                 return ExitCode::FAILURE;
             }
         };
-        println!(
-            "router data={} control={}",
-            fleet.router.data, fleet.router.control
-        );
-        let futs = (0..args.requests).map(|i| send(&http, &fleet.router.data, i));
+        let (data, control, dir, engines) = {
+            let f = fleet.lock().unwrap_or_else(|p| p.into_inner());
+            let engines: Vec<(String, String, String)> = f
+                .sims
+                .iter()
+                .map(|s| (s.iid.clone(), s.role.clone(), s.url.clone()))
+                .collect();
+            (
+                f.router.data.clone(),
+                f.router.control.clone(),
+                f.dir.clone(),
+                engines,
+            )
+        };
+        println!("router data={data} control={control}; one agent per engine host, mutual TLS");
+        let futs = (0..args.requests).map(|i| send(&http, &data, i));
         let outcomes = futures_util::future::join_all(futs).await;
         println!(
             "{:<16} {:>5} {:>7} {:>8} {:>10}",
@@ -371,8 +618,15 @@ async fn demo(args: DemoArgs) -> ExitCode {
         );
         let mut consumed = 0;
         let mut recomputed = 0;
-        for s in &fleet.sims {
-            match s.stats(&http).await {
+        for (iid, role, url) in &engines {
+            let stats = async {
+                http.get(format!("{url}/sim/stats"))
+                    .send()
+                    .await?
+                    .json::<Value>()
+                    .await
+            };
+            match stats.await {
                 Ok(st) => {
                     let req = &st["requests"];
                     let total = ["prefill", "decode", "aggregated"]
@@ -384,8 +638,8 @@ async fn demo(args: DemoArgs) -> ExitCode {
                     recomputed += kv("recomputed");
                     println!(
                         "{:<5} {:<8} {:>8} {:>7} {:>7} {:>9} {:>9} {:>11}",
-                        s.iid,
-                        s.role,
+                        iid,
+                        role,
                         total,
                         kv("issued"),
                         kv("served"),
@@ -396,7 +650,7 @@ async fn demo(args: DemoArgs) -> ExitCode {
                 }
                 Err(e) => {
                     all_ok = false;
-                    println!("{:<5} stats unavailable: {e}", s.iid);
+                    println!("{iid:<5} stats unavailable: {e}");
                 }
             }
         }
@@ -406,7 +660,14 @@ async fn demo(args: DemoArgs) -> ExitCode {
                 "FAILED: expected every decode to receive KV ({consumed} consumed, {recomputed} recomputed)"
             );
         }
-        if let Ok(state) = fleet.router.state(&http).await {
+        let state = |http: reqwest::Client, control: String| async move {
+            http.get(format!("{control}/narwhal/state"))
+                .send()
+                .await?
+                .json::<Value>()
+                .await
+        };
+        if let Ok(state) = state(http.clone(), control.clone()).await {
             println!(
                 "router /narwhal/state: offered={} served={} failed={} cancelled={} invalid={}",
                 state["offered"],
@@ -415,6 +676,44 @@ async fn demo(args: DemoArgs) -> ExitCode {
                 state["cancelled"],
                 state["invalid_requests"]
             );
+        }
+        // Lifecycle tour through narwhalctl, the reference external supervisor: a rolling
+        // restart (one engine at a time, the fleet keeps serving), then a whole-fleet wave.
+        let dev = std::env::current_exe().unwrap_or_else(|_| bin_path("narwhal-dev"));
+        let restart_cmd = format!("{} restart {{iid}} --dir {}", dev.display(), dir.display());
+        for (title, extra) in [
+            ("rolling restart, one engine at a time", vec!["--rolling"]),
+            ("whole-fleet wave restart", vec![]),
+        ] {
+            println!("\n--- {dialect}: {title} (narwhalctl wave-restart) ---");
+            let mut cmd = tokio::process::Command::new(bin_path("narwhalctl"));
+            cmd.args(["--router", &control, "wave-restart"])
+                .args(&extra)
+                .args(["--restart-cmd", &restart_cmd, "--timeout-s", "60"]);
+            match cmd.status().await {
+                Ok(st) if st.success() => {}
+                Ok(st) => {
+                    all_ok = false;
+                    println!("FAILED: narwhalctl wave-restart exited with {st}");
+                }
+                Err(e) => {
+                    all_ok = false;
+                    println!("FAILED: cannot run narwhalctl: {e}");
+                }
+            }
+        }
+        let futs = (0..8).map(|i| send(&http, &data, i));
+        let after = futures_util::future::join_all(futs).await;
+        let served = after.iter().filter(|o| o.ok).count();
+        println!(
+            "after the restarts: {served}/{} requests served",
+            after.len()
+        );
+        if served != after.len() {
+            all_ok = false;
+            for o in after.iter().filter(|o| !o.ok) {
+                println!("FAILED {} status {}: {}", o.shape, o.status, o.note);
+            }
         }
         drop(fleet);
     }
@@ -440,5 +739,7 @@ async fn main() -> ExitCode {
     match cli.cmd {
         Cmd::Up(a) => up(a).await,
         Cmd::Demo(a) => demo(a).await,
+        Cmd::Certs(a) => certs(a),
+        Cmd::Restart(a) => restart(a).await,
     }
 }
