@@ -113,6 +113,8 @@ struct Started {
     _seat: Resident,
     _prefill_task: Option<AbortOnDrop>,
     decode_iid: usize,
+    /// The prefill engine whose KV the decode consumes (`None` for an aggregated leg).
+    producer: Option<usize>,
     /// When the decode leg was dispatched (for `upstream_seconds.decode`).
     decode_at: Instant,
 }
@@ -526,6 +528,10 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Attem
                 }
             }
         }
+        let producer = match plan {
+            Plan::Split { prefill, .. } => Some(prefill),
+            Plan::Aggregated { .. } => None,
+        };
         let attempt_span = tracing::debug_span!("attempt", n);
         let result = run_attempt(ctx, n, plan).instrument(attempt_span).await;
         let f = match result {
@@ -534,7 +540,7 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Attem
         };
         // Breaker and accounting for the failed leg.
         match f.err.class(f.phase) {
-            Some(class) => shared.observe(f.iid, Observation::LegFailed(class)),
+            Some(class) => shared.observe_leg_failure(f.iid, f.phase, class, producer),
             None => shared.observe(f.iid, Observation::ClientFault),
         }
         {
@@ -646,6 +652,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                 _seat: seat,
                 _prefill_task: None,
                 decode_iid: engine,
+                producer: None,
                 decode_at: now,
             })
         }
@@ -708,6 +715,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                 _seat: seat,
                 _prefill_task: None,
                 decode_iid: decode,
+                producer: Some(prefill),
                 decode_at,
             })
         }
@@ -780,7 +788,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                     }
                     d = &mut dfut => {
                         return match d {
-                            Ok(live) => Ok(Started { live, _seat: seat_d, _prefill_task: Some(ptask), decode_iid: decode, decode_at: now }),
+                            Ok(live) => Ok(Started { live, _seat: seat_d, _prefill_task: Some(ptask), decode_iid: decode, producer: Some(prefill), decode_at: now }),
                             Err(err) => {
                                 // A failed prefill usually fails the waiting decode too, and the
                                 // two answers race: give the prefill a moment so its error (often
@@ -985,7 +993,7 @@ async fn stream_failed(
         .send(error_frame(err.public_message(), "decode", "failed"))
         .await;
     if let Some(class) = err.class(Phase::Decode) {
-        shared.observe(started.decode_iid, Observation::LegFailed(class));
+        shared.observe_leg_failure(started.decode_iid, Phase::Decode, class, started.producer);
     }
     tracing::warn!(error = %err.detail(), "decode stream failed after output");
     finish_record(shared, pending, started, clock);
@@ -1046,7 +1054,7 @@ async fn collect(
             Err(e) => e,
         };
         if let Some(class) = err.class(Phase::Decode) {
-            shared.observe(started.decode_iid, Observation::LegFailed(class));
+            shared.observe_leg_failure(started.decode_iid, Phase::Decode, class, started.producer);
         }
         finish_record(shared, pending, &started, &clock);
         let status = err.http_status();

@@ -11,7 +11,7 @@
 //! HA and lifecycle plug in here later: `ha` carries `controls_fleet`, epoch and holder; the
 //! exclusion set already knows `draining`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -54,6 +54,10 @@ pub(crate) struct Core {
     pub(crate) stats: ServingStats,
     pub(crate) bootstrap_ports: Vec<Option<u16>>,
     pub(crate) unserved: u64,
+    /// Suspect engines: producers whose KV fed this engine's failing decode streams (`""` for
+    /// a decode without a producer); verification reruns those paths (issue 4; handoff
+    /// `inference_sources`). Cleared when validation readmits the engine.
+    pub(crate) sources: Vec<BTreeSet<String>>,
 }
 
 /// HA view (no lease yet: always controls the fleet, epoch 0, holder "").
@@ -129,6 +133,7 @@ impl Shared {
                 retry_credits: cfg.serving.retry_budget as f64,
                 stats: ServingStats::default(),
                 bootstrap_ports: vec![None; n],
+                sources: vec![BTreeSet::new(); n],
                 unserved: 0,
             }),
             tally: Mutex::new(Tally::default()),
@@ -247,6 +252,25 @@ impl Shared {
                 }
             }
         }
+    }
+
+    /// A leg failed with `class`: stream-class failures of a decode leg also record the
+    /// producer that fed it (`producer`: the prefill engine, `None` when the decode ran alone),
+    /// so verification can rerun that path (reference-notes 6.2, 6.8).
+    pub(crate) fn observe_leg_failure(
+        &self,
+        iid: usize,
+        phase: Phase,
+        class: FailureClass,
+        producer: Option<usize>,
+    ) {
+        if phase == Phase::Decode && class == FailureClass::Stream {
+            let name = producer
+                .map(|p| self.cfg.engines[p].iid.clone())
+                .unwrap_or_default();
+            self.core().sources[iid].insert(name);
+        }
+        self.observe(iid, crate::breaker::Observation::LegFailed(class));
     }
 
     /// Feed one breaker observation and apply its transitions.
@@ -423,6 +447,15 @@ impl Shared {
             v
         };
         let ejected = sorted_by(&|s| s.excluded.contains(&Exclusion::Ejected));
+        let mut inference_sources = serde_json::Map::new();
+        let mut inference_holds = Vec::new();
+        for (i, set) in core.sources.iter().enumerate() {
+            if !set.is_empty() {
+                let producers: Vec<&String> = set.iter().collect();
+                inference_sources.insert(names[i].into(), json!(producers));
+                inference_holds.push(json!({"iid": names[i], "recorded_producers": producers}));
+            }
+        }
         let draining = sorted_by(&|s| s.excluded.contains(&Exclusion::Draining));
         let prefill_pool = sorted_by(&|s| s.role == Role::Prefill);
         let decode_pool = sorted_by(&|s| s.role == Role::Decode);
@@ -541,7 +574,8 @@ impl Shared {
             "ejected": ejected,
             "draining": draining,
             "quarantined": [],
-            "holds": {"timed": [], "inference": []},
+            "holds": {"timed": [], "inference": inference_holds},
+            "inference_sources": inference_sources,
             "breaker": {
                 "failures": failures,
                 "verifying": [],

@@ -452,6 +452,17 @@ fn plan(shared: &Shared, targets: &[String], wave: bool) -> Plan {
         .collect();
     let accepted_starts = lc.process_starts().clone();
     drop(lc);
+    let verify_sources = {
+        let core = shared.core();
+        targets
+            .iter()
+            .filter_map(|t| {
+                let i = index(shared, t)?;
+                let s = &core.sources[i];
+                (!s.is_empty()).then(|| (t.clone(), s.iter().cloned().collect()))
+            })
+            .collect()
+    };
     Plan {
         targets: targets.to_vec(),
         roles: shared
@@ -466,6 +477,7 @@ fn plan(shared: &Shared, targets: &[String], wave: bool) -> Plan {
         model: shared.cfg.model.clone(),
         wave,
         direct_generation: shared.cfg.backend != crate::config::Backend::Sglang,
+        verify_sources,
     }
 }
 
@@ -539,6 +551,7 @@ fn finish(
             let mut core = shared.core();
             for iid in &back {
                 if let Some(i) = index(shared, iid) {
+                    core.sources[i].clear();
                     let tr = core.breaker.observe(i, Observation::Verified, t.mono);
                     shared.apply_transitions(&mut core, &tr);
                 }
@@ -768,6 +781,32 @@ impl Checks for AgentChecks {
                 "no KV transfer observed ({}): the consumer recomputed the prefill",
                 t.source
             ));
+        }
+        Ok(identity(&p.header.process))
+    }
+
+    async fn probe(
+        &self,
+        iid: &str,
+        check_id: &str,
+        kv: Option<Value>,
+    ) -> Result<Identity, String> {
+        let (_, a) = self.agent(iid)?;
+        let model = self.shared.cfg.model.clone();
+        let producer = kv.map(narwhal_shared::agent_protocol::ProbeProducer::Kv);
+        let v = a
+            .probe(iid, &self.fence, &model, producer, Some(check_id))
+            .await
+            .map_err(|e| e.to_string())?;
+        let p = &v.payload;
+        if !p.ok {
+            let why = p
+                .consume
+                .error
+                .clone()
+                .or_else(|| p.produce.as_ref().and_then(|l| l.error.clone()))
+                .unwrap_or_else(|| format!("probe failed ({})", p.transfer.source));
+            return Err(why);
         }
         Ok(identity(&p.header.process))
     }

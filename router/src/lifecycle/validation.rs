@@ -57,6 +57,14 @@ pub trait Checks {
         check_id: &str,
         kv: serde_json::Value,
     ) -> impl Future<Output = Result<Identity, String>> + Send;
+    /// Verification probe of a suspect: decode from `kv` produced elsewhere, or with `None` a
+    /// local probe (both legs on the suspect); returns the identity it ran against.
+    fn probe(
+        &self,
+        iid: &str,
+        check_id: &str,
+        kv: Option<serde_json::Value>,
+    ) -> impl Future<Output = Result<Identity, String>> + Send;
 }
 
 /// What to validate.
@@ -81,6 +89,9 @@ pub struct Plan {
     /// generate through a bootstrap rendezvous: there the KV-transfer check is the generation
     /// evidence (reference-notes 4.8 step 5).
     pub direct_generation: bool,
+    /// Suspect targets: the producers whose KV fed their failing decodes (`""` = a local
+    /// probe). Verification reruns each path before the engine returns (reference-notes 6.3).
+    pub verify_sources: BTreeMap<String, Vec<String>>,
 }
 
 /// The fabric pairs `(producer, consumer)` and extra participants for a plan, or the failure
@@ -319,6 +330,42 @@ pub async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str) -> Rep
         return report;
     }
 
+    // Suspects: rerun the paths that failed in service (producer -> suspect, or local).
+    for t in &plan.targets {
+        for (n, producer) in plan.verify_sources.get(t).into_iter().flatten().enumerate() {
+            let id = format!("{check_id}-verify-{n}");
+            let outcome = async {
+                let kv = if producer.is_empty() {
+                    None
+                } else {
+                    let (kv, _) = checks
+                        .kv_produce(producer, &id)
+                        .await
+                        .map_err(|e| format!("produce on {producer}: {e}"))?;
+                    Some(kv)
+                };
+                let pid = checks.probe(t, &id, kv).await?;
+                if pid.key != attested[t].identity.key {
+                    return Err(format!("{t} process changed during validation"));
+                }
+                Ok(())
+            }
+            .await;
+            let name = if producer.is_empty() {
+                "verification (local probe)".to_string()
+            } else {
+                format!("verification from {producer}")
+            };
+            match outcome {
+                Ok(()) => report.pass(t, name),
+                Err(e) => report.fail(t, format!("{name}: {e}")),
+            }
+        }
+    }
+    if !report.passed() {
+        return report;
+    }
+
     // 6. Final health, then the final identity recheck of every participant.
     for t in &plan.targets {
         match checks.health(t).await {
@@ -457,6 +504,19 @@ mod tests {
             assert!(kv["from"].is_string());
             self.step(iid, "consume")
         }
+        async fn probe(
+            &self,
+            iid: &str,
+            _: &str,
+            kv: Option<serde_json::Value>,
+        ) -> Result<Identity, String> {
+            let step = if kv.is_some() {
+                "probe-from"
+            } else {
+                "probe-local"
+            };
+            self.step(iid, step)
+        }
     }
 
     fn plan(targets: &[&str], old: Option<f64>) -> Plan {
@@ -472,6 +532,7 @@ mod tests {
             model: "m".into(),
             wave: false,
             direct_generation: true,
+            verify_sources: BTreeMap::new(),
         }
     }
 
@@ -636,6 +697,31 @@ mod tests {
                 .unwrap()
                 .iter()
                 .any(|c| c.starts_with("generation"))
+        );
+    }
+
+    #[test]
+    fn suspect_reruns_the_recorded_paths_before_returning() {
+        let fake = Fake::new(&[("p0", 10.0), ("d0", 20.0)]);
+        let mut p = plan(&["d0"], None);
+        p.verify_sources
+            .insert("d0".into(), vec!["".into(), "p0".into()]);
+        let r = run(validate(&p, &fake, "c"));
+        assert!(r.passed(), "{r:?}");
+        let checks = &r.engines["d0"].checks;
+        let at = |name: &str| {
+            checks
+                .iter()
+                .position(|c| c == name)
+                .unwrap_or_else(|| panic!("{name} in {checks:?}"))
+        };
+        assert!(at("fabric consume from p0") < at("verification (local probe)"));
+        assert!(at("verification from p0") < at("final health"));
+        let fake = Fake::new(&[("p0", 10.0), ("d0", 20.0)]).failing("d0", "probe-from");
+        let r = run(validate(&p, &fake, "c"));
+        assert_eq!(
+            r.engines["d0"].failures,
+            ["verification from p0: probe-from broken"]
         );
     }
 
