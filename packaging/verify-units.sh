@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Verifies every systemd unit under packaging/systemd with systemd-analyze. ExecStart binaries
+# must exist for `verify`, so the units are checked against this checkout's debug build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build -q --workspace --bins
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+for u in packaging/systemd/*.service; do
+  sed "s#/usr/bin/#$PWD/target/debug/#g" "$u" > "$tmp/$(basename "$u")"
+done
+systemd-analyze verify "$tmp"/*.service
+echo "systemd-analyze verify: $(ls packaging/systemd/*.service | wc -l) unit(s) clean"
