@@ -18,6 +18,7 @@ pub mod attestation;
 mod canonical;
 mod identity;
 mod signing;
+pub mod handoff;
 pub mod tls;
 
 pub use agent_client::{

@@ -10,7 +10,6 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 pub use crate::config::RestartPolicy;
@@ -37,76 +36,7 @@ impl Now {
     }
 }
 
-/// Lifecycle state of one engine (reference-notes 4.2). An engine without a record is `Active`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DrainState {
-    /// In service (no hold).
-    Active,
-    /// Out of placement; resident requests are finishing.
-    Draining,
-    /// Out of placement, no resident work, pre-restart process identity recorded.
-    Drained,
-    /// The drain deadline passed with work still resident (reported, never cancelled).
-    DeadlineExceeded,
-    /// Readmission checks are running.
-    Validating,
-    /// Held out after a failed identity capture or a failed validation.
-    Blocked,
-}
-
-impl DrainState {
-    /// Every state, in the order the metrics label them.
-    pub const ALL: [DrainState; 6] = [
-        DrainState::Active,
-        DrainState::Draining,
-        DrainState::Drained,
-        DrainState::DeadlineExceeded,
-        DrainState::Validating,
-        DrainState::Blocked,
-    ];
-
-    /// The state's name in documents, events and metric labels.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DrainState::Active => "active",
-            DrainState::Draining => "draining",
-            DrainState::Drained => "drained",
-            DrainState::DeadlineExceeded => "deadline_exceeded",
-            DrainState::Validating => "validating",
-            DrainState::Blocked => "blocked",
-        }
-    }
-}
-
-/// One engine's lifecycle record (reference-notes 4.1). Times are wall-clock Unix seconds;
-/// the drain deadline is also kept on the monotonic clock for evaluation (DESIGN.md 9.8).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DrainRecord {
-    /// Engine id.
-    pub iid: String,
-    /// Current state.
-    pub state: DrainState,
-    /// When the hold started (wall seconds).
-    pub requested_at: f64,
-    /// Drain deadline (wall seconds); equals `requested_at` for holds without a drain.
-    pub deadline_at: f64,
-    /// Monotonic drain deadline; `None` for holds without a drain or restored records.
-    #[serde(skip)]
-    pub deadline: Option<Instant>,
-    /// Readmission requires a process start newer than `old_process_start`.
-    pub restart_required: bool,
-    /// `wave-<12 hex>` or `""`.
-    pub wave_id: String,
-    /// Process start (Unix seconds) of the process the supervisor may stop.
-    pub old_process_start: Option<f64>,
-    /// Process start accepted at readmission.
-    pub new_process_start: Option<f64>,
-    /// Last error, `""` when none.
-    pub error: String,
-    /// Checks passed in the last validation, in the order they ran.
-    pub checks: Vec<String>,
-}
+pub use narwhal_shared::handoff::{DrainRecord, DrainState};
 
 /// A drain request (`POST /narwhal/lifecycle/drain`).
 #[derive(Debug, Clone, PartialEq)]
