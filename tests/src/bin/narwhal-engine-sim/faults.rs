@@ -49,6 +49,11 @@ pub(crate) struct FaultSpec {
     /// How many matching requests it applies to (default 1, at least 1).
     #[serde(default = "one")]
     pub(crate) count: u32,
+    /// How many matching requests pass untouched before the fault applies (default 0). While
+    /// skipping, the fault still matches first in queue order: a skipped request gets no fault
+    /// at all, not a later one. The listing shows the skips remaining.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub(crate) skip: u32,
     /// `status`, `hang`, `cut`, `drop`, `omit_kv` or `fragment`.
     pub(crate) action: String,
     /// For `status`: the HTTP status to answer (100..=599).
@@ -70,6 +75,10 @@ pub(crate) struct FaultSpec {
 
 fn one() -> u32 {
     1
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// What a matched fault makes the simulator do to one request.
@@ -274,6 +283,10 @@ impl FaultQueue {
             s.phase == phase || (s.phase == Phase::Any && phase != Phase::Health)
         })?;
         let (spec, action) = &mut self.items[idx];
+        if spec.skip > 0 {
+            spec.skip -= 1;
+            return None;
+        }
         let action = action.clone();
         spec.count -= 1;
         if spec.count == 0 {
@@ -343,6 +356,41 @@ mod tests {
         assert!(err(r#"{"phase":"decode","action":"drop","extra":1}"#).contains("extra"));
         // One bad fault in a list refuses the whole list.
         assert!(parse_faults(br#"[{"phase":"decode","action":"drop"},{"phase":"x"}]"#).is_err());
+    }
+
+    #[test]
+    fn skip_lets_the_first_matching_requests_pass() {
+        let mut q = q(
+            r#"[{"phase":"health","action":"status","status":503,"skip":2},
+                         {"phase":"health","action":"status","status":500}]"#,
+        );
+        assert_eq!(
+            q.take(Phase::Prefill),
+            None,
+            "other phases do not consume skips"
+        );
+        assert_eq!(q.take(Phase::Health), None);
+        assert_eq!(q.list()[0].skip, 1, "listing shows the skips remaining");
+        assert_eq!(
+            q.take(Phase::Health),
+            None,
+            "a skipped request gets no later fault"
+        );
+        assert_eq!(
+            q.take(Phase::Health),
+            Some(Action::Status {
+                status: 503,
+                body: None
+            })
+        );
+        assert_eq!(
+            q.take(Phase::Health),
+            Some(Action::Status {
+                status: 500,
+                body: None
+            })
+        );
+        assert!(q.is_empty());
     }
 
     #[test]
