@@ -91,6 +91,8 @@ pub enum EjectCause {
     HealthProbe,
     /// The engine's process changed behind the router's back (found during validation).
     ProcessIdentity,
+    /// Ejected by the router whose handoff this router applied (`--resume`, takeover).
+    Restored,
 }
 
 impl EjectCause {
@@ -100,6 +102,7 @@ impl EjectCause {
             EjectCause::Class(c) => c.as_str(),
             EjectCause::HealthProbe => "health_probe",
             EjectCause::ProcessIdentity => "process_identity",
+            EjectCause::Restored => "handoff",
         }
     }
 }

@@ -57,6 +57,10 @@ struct Args {
     /// Admission seats (default serving.max_connections; 1 ..= max_connections).
     #[arg(long)]
     max_concurrent: Option<u64>,
+    /// Apply the handoff in recovery.state_path at startup (same as recovery.resume: true):
+    /// totals, roles, ejections, suspects and lifecycle holds survive a restart.
+    #[arg(long)]
+    resume: bool,
 }
 
 fn init_logging(args: &Args) -> Result<(), String> {
@@ -195,6 +199,7 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
         RunOptions {
             journal,
             max_concurrent,
+            resume: args.resume,
         },
         shutdown,
     )

@@ -142,6 +142,7 @@ async fn route(shared: Arc<Shared>, side: Side, req: Request<Incoming>) -> Respo
                 ]
                 .contains(&p),
                 Side::Control => [
+                    "/narwhal/handoff",
                     "/narwhal/lifecycle",
                     "/narwhal/lifecycle/drain",
                     "/narwhal/lifecycle/readmit",

@@ -18,6 +18,7 @@
 pub mod breaker;
 mod cli;
 pub mod config;
+mod handoff;
 mod http;
 pub mod ingress;
 pub mod journal;
@@ -54,6 +55,8 @@ pub struct RunOptions {
     pub journal: Journal,
     /// Admission seats (`--max-concurrent`, default `serving.max_connections`).
     pub max_concurrent: usize,
+    /// `--resume`: apply the state file's handoff at startup.
+    pub resume: bool,
 }
 
 /// Errors that end [`run`].
@@ -93,7 +96,13 @@ pub async fn run(
         opts.max_concurrent.max(1),
         agents,
     );
+    if opts.resume || shared.cfg.recovery.resume {
+        if let Some(reason) = handoff::resume(&shared) {
+            lifecycle::driver::resume_refused(&shared, &reason);
+        }
+    }
     let stop = tokio_util::sync::CancellationToken::new();
+    let state_writer = tokio::spawn(handoff::writer(shared.clone(), stop.clone()));
     let monitor = tokio::spawn(http::monitor(shared.clone(), stop.clone()));
     let lifecycle_timer = tokio::spawn(lifecycle::driver::timer(shared.clone(), stop.clone()));
     tokio::spawn(http::warm_bootstrap_ports(shared.clone()));
@@ -117,6 +126,7 @@ pub async fn run(
     let _ = control.await;
     let _ = monitor.await;
     let _ = lifecycle_timer.await;
+    let _ = state_writer.await;
     tracing::info!("narwhal-serve stopped");
     Ok(())
 }

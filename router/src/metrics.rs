@@ -108,6 +108,8 @@ pub(crate) struct Metrics {
     pub(crate) ttft: HistFamily,
     pub(crate) tpot: HistFamily,
     pub(crate) journal_dropped: Gauge,
+    pub(crate) state_writes: Counter,
+    pub(crate) state_write_failures: Counter,
     pub(crate) slo_label_ttft: String,
     pub(crate) slo_label_tpot: String,
 }
@@ -357,6 +359,16 @@ impl Metrics {
                 "Journal rows dropped because the writer fell behind",
                 Gauge::default()
             ),
+            state_writes: reg!(
+                "narwhal_state_writes",
+                "Handoff documents written to recovery.state_path",
+                Counter::default()
+            ),
+            state_write_failures: reg!(
+                "narwhal_state_write_failures",
+                "State file writes that failed (the previous file stays intact)",
+                Counter::default()
+            ),
             slo_label_ttft: fmt_g(ttft_s),
             slo_label_tpot: fmt_g(tpot_s),
             registry: Registry::default(),
@@ -413,6 +425,36 @@ impl Metrics {
     }
 
     /// Observe a first-token latency, seconds.
+    /// Starts the outcome counters at a restored handoff's totals (`--resume`, takeover), so
+    /// `/metrics` continues from the previous router's counts as `/narwhal/state` does.
+    pub(crate) fn restore_totals(
+        &self,
+        t: &crate::outcome::Tally,
+        h: &narwhal_shared::handoff::Handoff,
+    ) {
+        let c = |k: &str| h.counters.get(k).copied().unwrap_or(0);
+        self.served.inc_by(c("served"));
+        self.slo_met.inc_by(c("slo_met"));
+        self.offered.inc_by(c("offered"));
+        self.unsized_offered.inc_by(c("unsized_offered"));
+        self.cancelled.inc_by(c("cancelled"));
+        self.invalid_requests.inc_by(c("invalid_requests"));
+        for (terminal, family, label) in [
+            ("failed", &self.failed, "reason"),
+            ("rejected", &self.rejected, "reason"),
+            ("expired", &self.expired, "reason"),
+            ("refused", &self.refused, "cause"),
+        ] {
+            if let Some(reasons) = t.reasons.get(terminal) {
+                for (reason, n) in reasons {
+                    if *n > 0 {
+                        family.get_or_create(&labels(&[(label, reason)])).inc_by(*n);
+                    }
+                }
+            }
+        }
+    }
+
     pub(crate) fn observe_ttft(&self, s: f64) {
         self.ttft
             .get_or_create(&labels(&[("slo", &self.slo_label_ttft)]))

@@ -543,6 +543,12 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Attem
             Some(class) => shared.observe_leg_failure(f.iid, f.phase, class, producer),
             None => shared.observe(f.iid, Observation::ClientFault),
         }
+        if f.phase == Phase::Decode && matches!(f.err, LegError::FirstTokenTimeout) {
+            // A consolidation-risk event (reference-notes 9), carried in the handoff.
+            shared
+                .demand()
+                .record("first_token_timeout", shared.clock.now());
+        }
         {
             let mut core = shared.core();
             *core

@@ -69,6 +69,8 @@ pub(crate) struct Ha {
     pub(crate) holder: String,
     pub(crate) failover_blocked: String,
     pub(crate) lifecycle_blocked: String,
+    /// Why `--resume` refused the state file (`""` when it did not).
+    pub(crate) resume_refused: String,
 }
 
 /// Everything request handlers, the monitor and the control routes share.
@@ -97,6 +99,10 @@ pub(crate) struct Shared {
     pub(crate) any_held: AtomicBool,
     /// The engines' agents (mutual TLS).
     pub(crate) agents: Agents,
+    /// The newest consolidation-risk event (handoff `demand_risk`).
+    pub(crate) demand: Mutex<crate::handoff::Demand>,
+    /// Wakes the state-file writer after a lifecycle or ejection change.
+    pub(crate) state_dirty: tokio::sync::Notify,
 }
 
 impl Shared {
@@ -144,6 +150,7 @@ impl Shared {
                 holder: String::new(),
                 failover_blocked: String::new(),
                 lifecycle_blocked: String::new(),
+                resume_refused: String::new(),
             }),
             metrics,
             journal,
@@ -159,6 +166,8 @@ impl Shared {
             lifecycle_wake: tokio::sync::Notify::new(),
             any_held: AtomicBool::new(false),
             agents,
+            demand: Mutex::new(crate::handoff::Demand::default()),
+            state_dirty: tokio::sync::Notify::new(),
             clock,
             cfg,
         })
@@ -172,8 +181,20 @@ impl Shared {
         self.tally.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    pub(crate) fn demand(&self) -> MutexGuard<'_, crate::handoff::Demand> {
+        self.demand.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub(crate) fn lifecycle(&self) -> MutexGuard<'_, Lifecycle> {
         self.lifecycle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records why `--resume` refused the state file.
+    pub(crate) fn set_resume_refused(&self, reason: &str) {
+        self.ha
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .resume_refused = reason.to_string();
     }
 
     /// Mirrors the lifecycle's readiness hold (`whole-wave drain <id>`, ...) into `/ready`.
@@ -225,6 +246,12 @@ impl Shared {
 
     /// Apply breaker transitions: exclusion set, metrics, journal events, logs.
     pub(crate) fn apply_transitions(&self, core: &mut Core, transitions: &[Transition]) {
+        if transitions
+            .iter()
+            .any(|t| !matches!(t, Transition::ProbeRequested { .. }))
+        {
+            crate::handoff::mark_dirty(self);
+        }
         for t in transitions {
             match *t {
                 Transition::Ejected { iid, cause } => {
@@ -529,7 +556,7 @@ impl Shared {
             "controller": "reactive",
             "token_accounting": "token_ids",
             "monitoring": {"degraded": false, "reason": null, "core_consecutive": 0, "core_failures": 0},
-            "ha": {"ready": ready, "standby": ha.standby, "epoch": ha.epoch, "holder": ha.holder, "blocked": ha.failover_blocked, "controls_fleet": ha.controls_fleet},
+            "ha": {"ready": ready, "standby": ha.standby, "epoch": ha.epoch, "holder": ha.holder, "blocked": ha.failover_blocked, "controls_fleet": ha.controls_fleet, "resume": {"refused": !ha.resume_refused.is_empty(), "reason": ha.resume_refused}},
             "lifecycle": lifecycle_view,
             "admission": {
                 "inflight": inflight,

@@ -222,12 +222,10 @@ impl Handoff {
     /// # Errors
     /// [`HandoffError`] naming the first offending field.
     pub fn from_value(v: Value) -> Result<Handoff, HandoffError> {
-        let obj = v
-            .as_object()
-            .ok_or_else(|| HandoffError::ContractVersion {
-                field: "(document)".into(),
-                reason: "must be a JSON object".into(),
-            })?;
+        let obj = v.as_object().ok_or_else(|| HandoffError::ContractVersion {
+            field: "(document)".into(),
+            reason: "must be a JSON object".into(),
+        })?;
         match obj.get("schema") {
             Some(Value::String(s)) if s == HANDOFF_SCHEMA => {}
             other => {
@@ -367,7 +365,10 @@ impl Handoff {
             if !seen.insert(r.iid.as_str()) {
                 return Err(field(at("iid"), format!("{:?} has two records", r.iid)));
             }
-            for (name, t) in [("requested_at", r.requested_at), ("deadline_at", r.deadline_at)] {
+            for (name, t) in [
+                ("requested_at", r.requested_at),
+                ("deadline_at", r.deadline_at),
+            ] {
                 if !t.is_finite() {
                     return Err(field(at(name), "must be a finite Unix time"));
                 }
@@ -377,7 +378,10 @@ impl Handoff {
                 ("new_process_start", r.new_process_start),
             ] {
                 if t.is_some_and(|t| !t.is_finite() || t <= 0.0) {
-                    return Err(field(at(name), "must be null or a positive finite Unix time"));
+                    return Err(field(
+                        at(name),
+                        "must be null or a positive finite Unix time",
+                    ));
                 }
             }
             if !r.wave_id.is_empty() && r.wave_id != lc.wave_id {
@@ -401,10 +405,10 @@ impl Handoff {
                 ));
             }
         }
-        if let Some(risk) = &self.demand_risk {
-            if !risk.age_s.is_finite() || risk.age_s < 0.0 {
-                return Err(field("demand_risk.age_s", "must be a finite number >= 0"));
-            }
+        if let Some(risk) = &self.demand_risk
+            && (!risk.age_s.is_finite() || risk.age_s < 0.0)
+        {
+            return Err(field("demand_risk.age_s", "must be a finite number >= 0"));
         }
         Ok(())
     }
@@ -585,31 +589,74 @@ mod tests {
         assert_eq!(h.lifecycle.records[0].state, DrainState::Drained);
         let again = Handoff::from_value(serde_json::to_value(&h).unwrap()).unwrap();
         assert_eq!(h, again);
-        let keys: Vec<String> = serde_json::to_value(&h).unwrap().as_object().unwrap().keys().cloned().collect();
-        assert_eq!(keys[..6], ["schema", "schema_version", "at", "run", "model", "epoch"]);
+        let keys: Vec<String> = serde_json::to_value(&h)
+            .unwrap()
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect();
+        assert_eq!(
+            keys[..6],
+            ["schema", "schema_version", "at", "run", "model", "epoch"]
+        );
     }
 
     #[test]
     fn every_bad_field_is_named() {
-        let cases: Vec<(Box<dyn FnOnce(&mut Value)>, &str)> = vec![
+        type Mutation = Box<dyn FnOnce(&mut Value)>;
+        let cases: Vec<(Mutation, &str)> = vec![
             (Box::new(|v| v["schema"] = json!("narwhal.other")), "schema"),
-            (Box::new(|v| v["schema_version"] = json!(2)), "schema_version"),
-            (Box::new(|v| v["schema_version"] = json!(true)), "schema_version"),
+            (
+                Box::new(|v| v["schema_version"] = json!(2)),
+                "schema_version",
+            ),
+            (
+                Box::new(|v| v["schema_version"] = json!(true)),
+                "schema_version",
+            ),
             (Box::new(|v| v["epoch"] = json!(-1)), "epoch"),
             (Box::new(|v| v["epoch"] = json!(true)), "epoch"),
             (Box::new(|v| v["holder"] = json!(5)), "holder"),
             (Box::new(|v| v["engines"] = json!(["e1", "e0"])), "engines"),
             (Box::new(|v| v["roles"]["e0"] = json!("both")), "roles.e0"),
             (Box::new(|v| v["ejected"] = json!(["e9"])), "ejected[0]"),
-            (Box::new(|v| v["inference_sources"]["e1"] = json!([])), "inference_sources.e1"),
-            (Box::new(|v| v["inference_sources"]["e1"] = json!(["e7"])), "inference_sources.e1[0]"),
-            (Box::new(|v| v["lifecycle"]["process_starts"]["e9"] = json!(1.0)), "lifecycle.process_starts.e9"),
-            (Box::new(|v| v["lifecycle"]["process_starts"]["e0"] = json!(0)), "lifecycle.process_starts.e0"),
-            (Box::new(|v| v["lifecycle"]["records"][0]["state"] = json!("sleeping")), "lifecycle.records[0].state"),
-            (Box::new(|v| v["lifecycle"]["engine_restart_policy"] = json!("never")), "lifecycle.engine_restart_policy"),
-            (Box::new(|v| v["lifecycle"]["wave_id"] = json!("wave-1")), "lifecycle.wave_id"),
-            (Box::new(|v| v["lifecycle"]["records"][0]["wave_id"] = json!("wave-x")), "lifecycle.records[0].wave_id"),
-            (Box::new(|v| v["demand_risk"]["age_s"] = json!(-3)), "demand_risk.age_s"),
+            (
+                Box::new(|v| v["inference_sources"]["e1"] = json!([])),
+                "inference_sources.e1",
+            ),
+            (
+                Box::new(|v| v["inference_sources"]["e1"] = json!(["e7"])),
+                "inference_sources.e1[0]",
+            ),
+            (
+                Box::new(|v| v["lifecycle"]["process_starts"]["e9"] = json!(1.0)),
+                "lifecycle.process_starts.e9",
+            ),
+            (
+                Box::new(|v| v["lifecycle"]["process_starts"]["e0"] = json!(0)),
+                "lifecycle.process_starts.e0",
+            ),
+            (
+                Box::new(|v| v["lifecycle"]["records"][0]["state"] = json!("sleeping")),
+                "lifecycle.records[0].state",
+            ),
+            (
+                Box::new(|v| v["lifecycle"]["engine_restart_policy"] = json!("never")),
+                "lifecycle.engine_restart_policy",
+            ),
+            (
+                Box::new(|v| v["lifecycle"]["wave_id"] = json!("wave-1")),
+                "lifecycle.wave_id",
+            ),
+            (
+                Box::new(|v| v["lifecycle"]["records"][0]["wave_id"] = json!("wave-x")),
+                "lifecycle.records[0].wave_id",
+            ),
+            (
+                Box::new(|v| v["demand_risk"]["age_s"] = json!(-3)),
+                "demand_risk.age_s",
+            ),
             (Box::new(|v| v["surprise"] = json!(1)), "surprise"),
         ];
         for (mutate, name) in cases {
@@ -660,11 +707,17 @@ mod tests {
         // An invalid document is refused and the good file stays.
         let mut bad = h.clone();
         bad.engines = vec!["e1".into(), "e0".into()];
-        assert!(matches!(write_state_file(&path, &bad), Err(PersistError::Invalid(_))));
+        assert!(matches!(
+            write_state_file(&path, &bad),
+            Err(PersistError::Invalid(_))
+        ));
         assert!(matches!(load_state_file(&path), Loaded::Valid(_)));
         // No temp files remain.
-        let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().filter_map(Result::ok)
-            .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp")).collect();
+        let leftovers: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(Result::ok)
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+            .collect();
         assert!(leftovers.is_empty());
         // A torn file is reported, not applied.
         let text = std::fs::read_to_string(&path).unwrap();

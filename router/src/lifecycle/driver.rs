@@ -145,9 +145,10 @@ fn live(shared: &Shared) -> BTreeSet<String> {
         .collect()
 }
 
-/// Applies the machine's holds to placement and readiness, and journals its new events.
-/// Called with the lifecycle mutex held (lifecycle before core).
-fn commit(shared: &Shared, lc: &mut Lifecycle) {
+/// Applies the machine's holds to placement and readiness, journals its new events, and asks
+/// for the state file to be written. Called with the lifecycle mutex held (lifecycle before
+/// core).
+pub(crate) fn commit(shared: &Shared, lc: &mut Lifecycle) {
     let held = lc.held();
     {
         let mut core = shared.core();
@@ -161,7 +162,11 @@ fn commit(shared: &Shared, lc: &mut Lifecycle) {
     }
     shared.any_held.store(!held.is_empty(), Ordering::Release);
     shared.set_lifecycle_blocked(lc.blocked_reason());
-    for ev in lc.take_events() {
+    let events = lc.take_events();
+    if !events.is_empty() {
+        crate::handoff::mark_dirty(shared);
+    }
+    for ev in events {
         tracing::info!(
             action = ev["action"].as_str().unwrap_or(""),
             engine.id = ev["iid"].as_str().unwrap_or(""),
@@ -643,6 +648,22 @@ pub(crate) fn enforce_whole_wave(shared: &Shared) {
         false,
         &new_wave_id(),
     );
+    commit(shared, &mut lc);
+}
+
+/// `--resume` refused the state file. With an agent on every engine the fleet's processes can
+/// be re-verified, so (as the reference does with a contract, reference-notes 2.8) every engine
+/// is held in a restart-required wave: the operator drains the wave, restarts, readmits.
+/// Without agents the router serves with fresh state and reports the reason in
+/// `/narwhal/state.ha.resume`.
+pub(crate) fn resume_refused(shared: &Shared, reason: &str) {
+    shared.set_resume_refused(reason);
+    let all_agents = (0..shared.cfg.engines.len()).all(|i| shared.agents.has(i));
+    if !all_agents {
+        return;
+    }
+    let mut lc = shared.lifecycle();
+    lc.require_restart_wave(now(shared), reason, true, &new_wave_id());
     commit(shared, &mut lc);
 }
 

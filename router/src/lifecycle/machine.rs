@@ -805,6 +805,74 @@ impl Lifecycle {
         );
     }
 
+    /// The durable part for the handoff (reference-notes 2.1 `lifecycle`): records sorted by
+    /// engine id, the last events, the policy and the accepted process starts.
+    pub fn export(&self) -> narwhal_shared::handoff::LifecycleState {
+        narwhal_shared::handoff::LifecycleState {
+            wave_id: self.wave_id.clone(),
+            records: self.records.values().cloned().collect(),
+            events: self.events.iter().cloned().collect(),
+            engine_restart_policy: self.policy.as_str().to_string(),
+            process_starts: self.process_starts.clone(),
+        }
+    }
+
+    /// Restores a handoff's lifecycle part (reference-notes 4.13): records and process starts
+    /// are replaced, a record that was `validating` comes back `blocked` (its validation died
+    /// with the old router), a wave withdraws readiness again, drain deadlines are re-anchored
+    /// to this process's monotonic clock from the time they had left, and events are kept
+    /// (not journaled again). The handoff was validated already (engines, wave membership).
+    ///
+    /// # Errors
+    /// A reason naming the offending record; nothing changes then.
+    pub fn restore(
+        &mut self,
+        now: Now,
+        state: &narwhal_shared::handoff::LifecycleState,
+    ) -> Result<(), String> {
+        if state.engine_restart_policy != self.policy.as_str() {
+            return Err("handoff engine restart policy mismatch".into());
+        }
+        let mut records = BTreeMap::new();
+        for (i, r) in state.records.iter().enumerate() {
+            if !self.engines.contains(&r.iid) {
+                return Err(format!(
+                    "lifecycle.records[{i}].iid: {:?} is not a configured engine",
+                    r.iid
+                ));
+            }
+            let mut r = r.clone();
+            if r.state == DrainState::Validating {
+                r.state = DrainState::Blocked;
+                r.error = "readmission validation was interrupted by router replacement".into();
+            }
+            r.deadline = (r.state == DrainState::Draining).then(|| {
+                let left = (r.deadline_at - now.wall).max(0.0);
+                now.mono + Duration::from_secs_f64(left)
+            });
+            records.insert(r.iid.clone(), r);
+        }
+        self.records = records;
+        self.process_starts = state.process_starts.clone();
+        self.wave_id = state.wave_id.clone();
+        self.wave_ready_emitted = false;
+        self.blocked_reason = if self.wave_id.is_empty() {
+            String::new()
+        } else {
+            format!("whole-wave drain {}", self.wave_id)
+        };
+        self.events = state
+            .events
+            .iter()
+            .rev()
+            .take(EVENT_HISTORY)
+            .rev()
+            .cloned()
+            .collect();
+        self.pending.clear();
+        Ok(())
+    }
+
     /// The lifecycle document, schema `narwhal.lifecycle` version 1 (seed "Lifecycle API",
     /// reference-notes 4.11; `router.controls_fleet` is `"active"`, `"standby"` or `"fenced"`,
     /// DESIGN.md 9.1). `view(iid)` gives resident counts and placement eligibility; `error` is
@@ -1348,6 +1416,62 @@ mod tests {
         assert_eq!(e1["resident"]["decode"], 1);
         assert_eq!(doc["error"], "boom");
         assert_eq!(doc["events"].as_array().unwrap().len(), 3);
+    }
+
+    #[test]
+    fn export_restore_round_trip_blocks_interrupted_validation() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        drained(&mut l, now, "e0");
+        l.accept_process_start("e1", 50.0);
+        l.mark_validating(now, &["e0".to_string()], false, |_| 0)
+            .unwrap();
+        let state = l.export();
+        assert_eq!(state.engine_restart_policy, "individual");
+        let later = now.after(secs(100));
+        let mut r = lc(&["e0", "e1"], RestartPolicy::Individual);
+        r.restore(later, &state).unwrap();
+        let rec = r.record("e0").unwrap();
+        assert_eq!(rec.state, DrainState::Blocked);
+        assert_eq!(
+            rec.error,
+            "readmission validation was interrupted by router replacement"
+        );
+        assert_eq!(rec.old_process_start, Some(100.0));
+        assert_eq!(r.held(), set(&["e0"]));
+        assert_eq!(r.process_starts()["e1"], 50.0);
+        assert_eq!(r.events().count(), l.events().count());
+        assert!(
+            r.take_events().is_empty(),
+            "restored events are not journaled again"
+        );
+        // The restored blocked record can be readmitted without a new drain.
+        r.mark_validating(later, &["e0".to_string()], false, |_| 0)
+            .unwrap();
+    }
+
+    #[test]
+    fn restore_reanchors_drain_deadlines_and_waves() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::WholeWave);
+        l.begin(now, &drain(&[], true), &set(&["e0", "e1"]), "wave-w")
+            .unwrap();
+        let state = l.export();
+        let mut r = lc(&["e0", "e1"], RestartPolicy::WholeWave);
+        let later = Now {
+            mono: now.mono + secs(5),
+            wall: now.wall + 10.0,
+        };
+        r.restore(later, &state).unwrap();
+        assert_eq!(r.wave_id(), "wave-w");
+        assert_eq!(r.blocked_reason(), "whole-wave drain wave-w");
+        // 30 s deadline, 10 s of wall time gone: 20 s left on the new monotonic clock.
+        assert_eq!(r.next_deadline(), Some(later.mono + secs(20)));
+        let mut other = lc(&["e0", "e1"], RestartPolicy::Individual);
+        assert_eq!(
+            other.restore(later, &state).unwrap_err(),
+            "handoff engine restart policy mismatch"
+        );
     }
 
     #[test]
