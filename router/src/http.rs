@@ -92,6 +92,16 @@ async fn route(shared: Arc<Shared>, side: Side, req: Request<Incoming>) -> Respo
         (Side::Control, Method::GET, "/narwhal/state") => {
             json_response(StatusCode::OK, &shared.state_doc(), &rid)
         }
+        (Side::Control, Method::GET, "/narwhal/handoff") => {
+            match serde_json::to_value(crate::handoff::snapshot(&shared)) {
+                Ok(v) => json_response(StatusCode::OK, &v, &rid),
+                Err(e) => json_response(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    &json!({"error": {"message": format!("handoff: {e}"), "type": "internal"}}),
+                    &rid,
+                ),
+            }
+        }
         (Side::Control, Method::GET, "/narwhal/lifecycle") => json_response(
             StatusCode::OK,
             &lifecycle::driver::document(&shared, ""),

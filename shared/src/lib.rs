@@ -16,9 +16,9 @@ pub mod agent_client;
 pub mod agent_protocol;
 pub mod attestation;
 mod canonical;
+pub mod handoff;
 mod identity;
 mod signing;
-pub mod handoff;
 pub mod tls;
 
 pub use agent_client::{
