@@ -51,6 +51,11 @@ fn http() -> reqwest::Client {
 /// Starts the fleet under restart `policy` (`individual` or `whole_wave`), with extra
 /// simulator flags and fleet-file overrides.
 fn lab(policy: &str, sim_args: &[&str], overrides: Value) -> Lab {
+    lab_with("vllm", policy, sim_args, overrides)
+}
+
+/// [`lab`] with engines of `dialect` (`vllm` or `sglang`).
+fn lab_with(dialect: &str, policy: &str, sim_args: &[&str], overrides: Value) -> Lab {
     let dir = tempfile::tempdir().expect("tempdir");
     let certs = make_dev_certs(
         &dir.path().join("certs"),
@@ -60,19 +65,19 @@ fn lab(policy: &str, sim_args: &[&str], overrides: Value) -> Lab {
     let p0 = start_sim(
         dir.path(),
         &EngineSpec::new("p0", "prefill").args(sim_args),
-        "vllm",
+        dialect,
     )
     .expect("p0 simulator");
     let d0 = start_sim(
         dir.path(),
         &EngineSpec::new("d0", "decode").args(sim_args),
-        "vllm",
+        dialect,
     )
     .expect("d0 simulator");
     let a0 = start_agent(dir.path(), &certs, "h0", &[&p0]).expect("agent h0");
     let a1 = start_agent(dir.path(), &certs, "h1", &[&d0]).expect("agent h1");
     let sims = [p0, d0];
-    let spec = FleetSpec::for_sims("vllm", &sims)
+    let spec = FleetSpec::for_sims(dialect, &sims)
         .tls(&certs, "router")
         .agent("p0", &a0)
         .agent("d0", &a1)
@@ -260,22 +265,43 @@ fn restart_agent(dir: &Path, a: &mut AgentHandle, key: Option<&Path>) {
     a.public_key = doc["public_key"].as_str().unwrap_or_default().to_string();
 }
 
-/// Restarts `p0` on its ports serving `model` instead of `tiny-sim`.
+/// Kills `sim` and starts a new simulator process on its listen (and KV) port serving
+/// `model`; for a SGLang prefill engine, `bootstrap` picks the bootstrap port (`Some(0)`: a new
+/// ephemeral one), else it keeps its port.
 ///
 /// `SimHandle::restart(&["--model", ..])` cannot do this: the test kit always passes
-/// `--model tiny-sim` and the simulator refuses a repeated `--model` (reported; see the
-/// report of issue 4's tests), so the process is started here.
-fn restart_sim_serving(lab: &mut Lab, model: &str) {
-    let sim = &mut lab.p0;
+/// `--model tiny-sim` (and the bootstrap port), and the simulator refuses a repeated flag
+/// (reported with issue 4's tests), so the process is started here.
+fn respawn(dir: &Path, sim: &mut SimHandle, model: &str, bootstrap: Option<u16>) {
     sim.proc.kill();
     let mut cmd = Command::new(bin_path("narwhal-engine-sim"));
-    cmd.args(["--dialect", "vllm", "--model", model])
-        .args(["--listen", &format!("127.0.0.1:{}", sim.port)]);
+    cmd.args(["--dialect", &sim.dialect, "--model", model])
+        .args(["--listen", &format!("127.0.0.1:{}", sim.port)])
+        .args(&sim.sim_args);
     if let Some(k) = sim.kv_port {
         cmd.args(["--kv-listen", &format!("127.0.0.1:{k}")]);
     }
-    sim.proc = ChildProc::spawn(cmd, "sim-p0-other", lab.dir.path(), Duration::from_secs(30))
-        .expect("simulator with another model");
+    if sim.dialect == "sglang" {
+        cmd.args(["--disaggregation-mode", &sim.role]);
+        if let Some(b) = bootstrap.or(sim.bootstrap_port) {
+            cmd.args(["--bootstrap-port", &b.to_string()]);
+        }
+    }
+    let ready = dir.join(format!("respawn-{}.ready.json", sim.iid));
+    let _ = std::fs::remove_file(&ready);
+    cmd.arg("--ready-file").arg(&ready);
+    sim.proc = ChildProc::spawn(
+        cmd,
+        &format!("respawn-{}", sim.iid),
+        dir,
+        Duration::from_secs(30),
+    )
+    .expect("simulator respawned");
+    let doc: Value =
+        serde_json::from_slice(&std::fs::read(&ready).expect("ready file")).expect("ready JSON");
+    sim.bootstrap_port = doc["bootstrap_port"]
+        .as_u64()
+        .and_then(|p| u16::try_from(p).ok());
 }
 
 /// A streaming completion read chunk by chunk.
@@ -593,7 +619,7 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
     assert_eq!(lab.a0.public_key, pinned);
 
     // 3. model
-    restart_sim_serving(&mut lab, "other-model");
+    respawn(lab.dir.path(), &mut lab.p0, "other-model", None);
     let (err, checks) = refused(&lab, "model").await;
     assert_eq!(err, r#"serves ["other-model"], expected tiny-sim"#);
     assert_checks(&checks, &["health", "attestation"]);
@@ -1239,4 +1265,231 @@ async fn narwhalctl_wave_restart_and_rolling_restart() {
     assert_eq!(out.status.code(), Some(0), "{out:?}");
     let out = ctl("http://127.0.0.1:1", &["status"]);
     assert_eq!(out.status.code(), Some(3), "unreachable: {out:?}");
+}
+
+/// A drain deadline that passes with a stream still resident is reported (never cancels the
+/// work): `drain_deadline_exceeded` reaches the journal from the router's timer with nobody
+/// reading the document, the stream still completes, and the engine then drains with no stale
+/// error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
+    let lab = lab("individual", &["--tpot-ms", "40"], json!({}));
+    let s = Stream::start(&lab, "outlives the drain deadline", 30).await;
+    let (status, doc) = lab
+        .post("drain", json!({"engines": ["d0"], "deadline_s": 0.2}))
+        .await;
+    assert_eq!(status, 200, "{doc:#}");
+    let ev = lab
+        .journal_event("drain_deadline_exceeded", Some("d0"))
+        .await;
+    assert_eq!(ev["resident"], 1, "{ev}");
+    assert!(!lab.has_event("drain_complete", Some("d0")));
+    let doc = lab.doc().await;
+    let e = &doc["engines"]["d0"];
+    assert_eq!(e["state"], "deadline_exceeded", "{doc:#}");
+    assert_eq!(
+        e["error"],
+        "1 resident request(s) remain after the drain deadline"
+    );
+    assert_eq!(e["ready_to_stop"], false);
+    let (status, doc) = lab.post("readmit", json!({"engines": ["d0"]})).await;
+    assert_eq!(status, 409);
+    assert_eq!(doc["error"], "d0 is deadline_exceeded, expected drained");
+    let text = s.finish().await;
+    assert!(
+        text.matches("\"text\"").count() >= 30,
+        "the stream ran to its end"
+    );
+    lab.journal_event("drain_complete", Some("d0")).await;
+    let doc = lab.doc().await;
+    let e = &doc["engines"]["d0"];
+    assert_eq!(e["state"], "drained", "{doc:#}");
+    assert_eq!(e["error"], "", "no stale deadline error");
+    assert_eq!(e["ready_to_stop"], true);
+}
+
+/// Under `whole_wave`, a breaker ejection puts every engine in a restart-required wave
+/// (reference-notes 4.9): `/ready` 503 naming it, every engine `blocked` with no recorded
+/// identity (so a readmit is refused), the operator's wave drain captures identities, and after
+/// every engine restarts the wave readmission returns the fleet to service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes() {
+    let mut lab = lab("whole_wave", &[], json!({"recovery": {"eject_after": 1}}));
+    lab.complete("warm up").await;
+    lab.d0.proc.kill();
+    let _ = lab
+        .http
+        .post(format!("{}/v1/completions", lab.router.data))
+        .json(&json!({"model": "tiny-sim", "prompt": "d0 is gone", "max_tokens": 2}))
+        .send()
+        .await;
+    let ev = lab.journal_event("restart_required", None).await;
+    assert_eq!(ev["reason"], "engine d0 was excluded", "{ev}");
+    let wave_id = ev["wave_id"].as_str().unwrap().to_string();
+    let (status, ready) = lab.ready().await;
+    assert_eq!(status, 503);
+    assert_eq!(
+        ready["reason"],
+        "whole-wave restart required: engine d0 was excluded"
+    );
+    let doc = lab.doc().await;
+    assert_eq!(doc["wave"]["id"], wave_id.as_str(), "{doc:#}");
+    for iid in ["p0", "d0"] {
+        let e = &doc["engines"][iid];
+        assert_eq!(e["state"], "blocked", "{iid}");
+        assert_eq!(e["restart_required"], true, "{iid}");
+        assert_eq!(e["old_process_start"], Value::Null, "{iid}");
+        assert_eq!(e["error"], "engine d0 was excluded", "{iid}");
+    }
+    // The engine answers again; automatic recovery must not readmit it under whole_wave.
+    lab.d0.restart(&[]).expect("d0 back");
+    let (status, doc) = lab.post("readmit", json!({"wave": true})).await;
+    assert_eq!(status, 409, "{doc:#}");
+    assert_eq!(
+        doc["error"],
+        "d0 has no recorded pre-restart process identity"
+    );
+    // Drain the wave: identities are captured for the held records (no new wave).
+    let (status, doc) = lab.post("drain", json!({"wave": true})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    assert_eq!(doc["wave"]["id"], wave_id.as_str(), "same wave");
+    lab.journal_event("wave_ready_to_stop", None).await;
+    assert!(
+        !lab.has_event("recovery_validation_started", Some("d0")),
+        "no automatic recovery under whole_wave"
+    );
+    lab.p0.restart(&[]).expect("restart p0");
+    lab.d0.restart(&[]).expect("restart d0");
+    let (status, doc) = lab.post("readmit", json!({"wave": true})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    assert_eq!(doc["wave"]["active"], false);
+    let doc = lab
+        .doc_until("both engines in placement", |d| {
+            d["engines"]["p0"]["accepts_new"] == true && d["engines"]["d0"]["accepts_new"] == true
+        })
+        .await;
+    assert_eq!(doc["router"]["ready"], true, "{doc:#}");
+    assert_eq!(lab.ready().await.0, 200);
+    let before = n(&lab.stats(&lab.d0).await["requests"]["decode"]);
+    lab.complete("after the forced wave").await;
+    assert!(n(&lab.stats(&lab.d0).await["requests"]["decode"]) > before);
+}
+
+/// A recovery validation that fails (the engine came back serving the wrong model) leaves the
+/// engine out, `blocked` without a restart requirement; the next probe retries, and once the
+/// engine is right it is readmitted automatically.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
+    let mut lab = lab("individual", &[], json!({"recovery": {"eject_after": 1}}));
+    lab.complete("warm up").await;
+    lab.d0.proc.kill();
+    let _ = lab
+        .http
+        .post(format!("{}/v1/completions", lab.router.data))
+        .json(&json!({"model": "tiny-sim", "prompt": "d0 is gone", "max_tokens": 2}))
+        .send()
+        .await;
+    lab.doc_until("d0 ejected", |d| d["engines"]["d0"]["accepts_new"] == false)
+        .await;
+    respawn(lab.dir.path(), &mut lab.d0, "other-model", None);
+    let ev = lab.journal_event("validation_failed", Some("d0")).await;
+    assert_eq!(
+        ev["error"], r#"serves ["other-model"], expected tiny-sim"#,
+        "{ev}"
+    );
+    let doc = lab.doc().await;
+    let e = &doc["engines"]["d0"];
+    assert_eq!(e["accepts_new"], false, "{doc:#}");
+    assert_eq!(e["restart_required"], false);
+    assert!(
+        lab.stats(&lab.d0).await["requests"]["decode"] == 0,
+        "no traffic reaches an engine that failed validation"
+    );
+    lab.d0.restart(&[]).expect("d0 right again");
+    lab.journal_event("readmitted", Some("d0")).await;
+    lab.doc_until("d0 back", |d| {
+        d["engines"]["d0"]["accepts_new"] == true && d["engines"]["d0"]["state"] == "active"
+    })
+    .await;
+    let before = n(&lab.stats(&lab.d0).await["requests"]["decode"]);
+    lab.complete("d0 decodes again").await;
+    assert!(n(&lab.stats(&lab.d0).await["requests"]["decode"]) > before);
+}
+
+/// SGLang: readmission has no direct-generation check (the KV rendezvous is the generation
+/// evidence), and a prefill engine restarted on a new bootstrap port serves P/D traffic right
+/// after its readmission answers 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
+    let mut lab = lab_with("sglang", "individual", &[], json!({}));
+    lab.complete("warm up").await;
+    let (status, doc) = lab.post("drain", json!({"engines": ["p0"]})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    lab.journal_event("drain_complete", Some("p0")).await;
+    let old_port = lab.p0.bootstrap_port;
+    respawn(lab.dir.path(), &mut lab.p0, "tiny-sim", Some(0));
+    assert_ne!(lab.p0.bootstrap_port, old_port, "a new bootstrap port");
+    let (status, doc) = lab.post("readmit", json!({"engines": ["p0"]})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    assert_checks(
+        &strs(&doc["engines"]["p0"]["checks"]),
+        &[
+            "health",
+            "attestation",
+            "model",
+            "new process identity",
+            "fabric produce to d0",
+            "final health",
+        ],
+    );
+    let (p, d) = (
+        lab.stats(&lab.p0).await["requests"]["prefill"].clone(),
+        lab.stats(&lab.d0).await["kv"].clone(),
+    );
+    for i in 0..3 {
+        lab.complete(&format!("right after readmission {i}")).await;
+    }
+    let d2 = lab.stats(&lab.d0).await["kv"].clone();
+    assert!(n(&lab.stats(&lab.p0).await["requests"]["prefill"]) >= n(&p) + 3);
+    assert_eq!(d2["rejected"], d["rejected"], "no rendezvous failed: {d2}");
+    assert!(n(&d2["consumed"]) >= n(&d["consumed"]) + 3, "{d2}");
+}
+
+/// Under `whole_wave`, an engine that crashed (ejected, still down) is bound to the last process
+/// the router verified when the operator drains the forced wave (reference-notes 4.4 binding,
+/// 4.10 identities accepted at startup), so the supervisor restarts it once: the drain is 200
+/// while it is down, and the restarted process passes the wave readmission.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() {
+    let mut lab = lab("whole_wave", &[], json!({"recovery": {"eject_after": 1}}));
+    let d0_start = lab.stats(&lab.d0).await["started_at"].as_f64().unwrap();
+    lab.doc_until("identities accepted at startup", |d| {
+        d["process_starts"]["d0"].as_f64().is_some() && d["process_starts"]["p0"].as_f64().is_some()
+    })
+    .await;
+    lab.complete("warm up").await;
+    lab.d0.proc.kill();
+    let _ = lab
+        .http
+        .post(format!("{}/v1/completions", lab.router.data))
+        .json(&json!({"model": "tiny-sim", "prompt": "d0 crashed", "max_tokens": 2}))
+        .send()
+        .await;
+    lab.journal_event("restart_required", None).await;
+    let (status, doc) = lab.post("drain", json!({"wave": true})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    let old = doc["engines"]["d0"]["old_process_start"].as_f64();
+    assert_eq!(
+        old,
+        Some(d0_start),
+        "bound to the verified process: {doc:#}"
+    );
+    lab.journal_event("wave_ready_to_stop", None).await;
+    lab.p0.restart(&[]).expect("restart p0");
+    lab.d0.restart(&[]).expect("restart d0");
+    let (status, doc) = lab.post("readmit", json!({"wave": true})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    lab.doc_until("d0 back", |d| d["engines"]["d0"]["accepts_new"] == true)
+        .await;
+    lab.complete("after the crash wave").await;
 }

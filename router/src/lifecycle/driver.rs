@@ -186,8 +186,39 @@ pub(crate) fn refresh(shared: &Shared) {
     commit(shared, &mut lc);
 }
 
-/// Wakes at the next drain deadline (or when a drain starts) and refreshes.
+/// Reads every engine's process start through its agent once at startup and accepts it as the
+/// last verified start (reference-notes 4.10, startup part; the ejection of changed processes
+/// is not done here). Engines whose agent does not answer stay without one.
+async fn accept_startup_identities(shared: Arc<Shared>) {
+    if !shared.ha().controls_fleet {
+        return;
+    }
+    let ids: Vec<String> = shared
+        .cfg
+        .engines
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| shared.agents.has(*i))
+        .map(|(_, e)| e.iid.clone())
+        .collect();
+    let got = futures_util::future::join_all(ids.iter().map(|iid| capture(&shared, iid))).await;
+    let mut lc = shared.lifecycle();
+    for (iid, r) in ids.iter().zip(got) {
+        match r {
+            Ok(start) => {
+                lc.accept_startup_process_start(iid, start);
+            }
+            Err(e) => {
+                tracing::warn!(engine.id = %iid, error = %e, "startup process identity unreadable")
+            }
+        }
+    }
+}
+
+/// Wakes at the next drain deadline (or when a drain starts) and refreshes. At startup it also
+/// records every engine's verified process start ([`accept_startup_identities`]).
 pub(crate) async fn timer(shared: Arc<Shared>, stop: CancellationToken) {
+    tokio::spawn(accept_startup_identities(shared.clone()));
     loop {
         let next = shared.lifecycle().next_deadline();
         let wait = async {
