@@ -1,0 +1,426 @@
+//! File lease backend: an exclusive `flock` on `<path>.lock` around every read-decide-write,
+//! and the `narwhal.router-lease` record replaced atomically and durably (reference-notes 3.2
+//! and 3.3; DESIGN.md 9.9 adds the fsyncs the reference lacks, 11.16).
+//!
+//! The lock is `flock(LOCK_EX)` (std's [`std::fs::File::try_lock`]), so a Python reference
+//! router on the same file interoperates. It is taken non-blocking and retried for up to
+//! `lock_timeout`: a holder stopped by `SIGSTOP` while inside the lock must not hang the other
+//! router forever. Blocking file I/O runs in [`tokio::task::spawn_blocking`].
+
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io::{ErrorKind, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::{
+    Claim, Lease, LeaseError, LeaseLoss, LeaseRecord, LeaseStore, parse_record, render_record,
+};
+
+/// How long to wait for the flock by default, seconds.
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The file backend (`lease.backend = "file"`, `lease.path`).
+#[derive(Debug, Clone)]
+pub struct FileLease {
+    path: PathBuf,
+    lock_path: PathBuf,
+    lock_timeout: Duration,
+}
+
+impl FileLease {
+    /// A lease stored at `path`, locked through `<path>.lock` (the suffix is appended to the
+    /// full file name, as the reference does). Nothing is opened yet.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        let path = path.into();
+        let mut lock = path.clone().into_os_string();
+        lock.push(".lock");
+        FileLease {
+            path,
+            lock_path: PathBuf::from(lock),
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
+        }
+    }
+
+    /// How long an operation waits for the flock before failing with
+    /// [`LeaseError::LockBusy`] (default [`DEFAULT_LOCK_TIMEOUT`]).
+    #[must_use]
+    pub fn with_lock_timeout(mut self, timeout: Duration) -> Self {
+        self.lock_timeout = timeout;
+        self
+    }
+
+    /// The record file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The lock file (`<path>.lock`).
+    pub fn lock_path(&self) -> &Path {
+        &self.lock_path
+    }
+
+    /// Runs `f` under the exclusive flock, on the blocking pool.
+    async fn locked<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&FileLease) -> Result<T, LeaseError> + Send + 'static,
+    ) -> Result<T, LeaseError> {
+        let me = self.clone();
+        match tokio::task::spawn_blocking(move || {
+            let _guard = me.lock()?;
+            f(&me)
+        })
+        .await
+        {
+            Ok(r) => r,
+            Err(e) => Err(LeaseError::Io {
+                step: "run blocking task",
+                path: self.path.display().to_string(),
+                source: std::io::Error::other(e.to_string()),
+            }),
+        }
+    }
+
+    /// Takes the flock, retrying every 5 ms for up to `lock_timeout`. The lock is released
+    /// when the returned file is dropped (closing the descriptor).
+    fn lock(&self) -> Result<File, LeaseError> {
+        let io = |step, source| LeaseError::Io {
+            step,
+            path: self.lock_path.display().to_string(),
+            source,
+        };
+        if let Some(dir) = self
+            .lock_path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+        {
+            std::fs::create_dir_all(dir).map_err(|e| io("create directory", e))?;
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&self.lock_path)
+            .map_err(|e| io("open lock", e))?;
+        // Bounded by a count of 5 ms naps rather than a clock reading: the wait only has to
+        // end, not be measured precisely.
+        let nap = Duration::from_millis(5);
+        let tries = (self.lock_timeout.as_millis() / nap.as_millis()).max(1);
+        for _ in 0..tries {
+            match file.try_lock() {
+                Ok(()) => return Ok(file),
+                Err(TryLockError::WouldBlock) => std::thread::sleep(nap),
+                Err(TryLockError::Error(e)) => return Err(io("lock", e)),
+            }
+        }
+        match file.try_lock() {
+            Ok(()) => Ok(file),
+            Err(TryLockError::WouldBlock) => Err(LeaseError::LockBusy {
+                path: self.lock_path.display().to_string(),
+                waited_s: self.lock_timeout.as_secs_f64(),
+            }),
+            Err(TryLockError::Error(e)) => Err(io("lock", e)),
+        }
+    }
+
+    /// Reads the record; the caller holds the lock. Absent file = `None`.
+    fn read_unlocked(&self) -> Result<Option<LeaseRecord>, LeaseError> {
+        match std::fs::read(&self.path) {
+            Ok(bytes) => parse_record(&bytes, &self.path.display().to_string()).map(Some),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(LeaseError::Io {
+                step: "read",
+                path: self.path.display().to_string(),
+                source: e,
+            }),
+        }
+    }
+
+    /// Writes `rec` to a temp sibling `.<name>.<pid>.<hex>.tmp`, fsyncs it, renames it over
+    /// the record and fsyncs the directory; the caller holds the lock. On failure the old
+    /// record is untouched and the temp file removed.
+    fn write_unlocked(&self, rec: &LeaseRecord) -> Result<(), LeaseError> {
+        let dir = self
+            .path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let name = self
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "router-lease".into());
+        let tmp = dir.join(format!(
+            ".{name}.{}.{:016x}.tmp",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        let io = |step, p: &Path| {
+            let path = p.display().to_string();
+            move |source| LeaseError::Io { step, path, source }
+        };
+        let result = (|| {
+            let mut f = File::create(&tmp).map_err(io("create", &tmp))?;
+            f.write_all(&render_record(rec))
+                .map_err(io("write", &tmp))?;
+            f.sync_all().map_err(io("fsync", &tmp))?;
+            drop(f);
+            std::fs::rename(&tmp, &self.path).map_err(io("rename", &self.path))?;
+            File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(io("fsync directory", dir))
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        result
+    }
+
+    /// Writes `rec` under the lock without any decision: for tests and tools that need to
+    /// stage a record (another holder's, an expired one).
+    ///
+    /// # Errors
+    /// [`LeaseError`] from the lock or the write.
+    pub async fn overwrite(&self, rec: LeaseRecord) -> Result<(), LeaseError> {
+        self.locked(move |me| me.write_unlocked(&rec)).await
+    }
+}
+
+impl LeaseStore for FileLease {
+    fn describe(&self) -> String {
+        format!("file {}", self.path.display())
+    }
+
+    async fn read(&self) -> Result<Option<LeaseRecord>, LeaseError> {
+        self.locked(|me| me.read_unlocked()).await
+    }
+
+    async fn claim(&self, core: &Lease, now_wall: f64) -> Result<Claim, LeaseError> {
+        let core = core.clone();
+        self.locked(move |me| {
+            let current = me.read_unlocked()?;
+            let decision = core.claim(current.as_ref(), now_wall);
+            if let Claim::Write(rec) = &decision {
+                me.write_unlocked(rec)?;
+            }
+            Ok(decision)
+        })
+        .await
+    }
+
+    async fn renew(
+        &self,
+        core: &Lease,
+        now_wall: f64,
+    ) -> Result<Result<LeaseRecord, LeaseLoss>, LeaseError> {
+        let mut core = core.clone();
+        self.locked(move |me| {
+            let current = me.read_unlocked()?;
+            match core.renew(current.as_ref(), now_wall) {
+                Ok(rec) => {
+                    me.write_unlocked(&rec)?;
+                    Ok(Ok(rec))
+                }
+                Err(loss) => Ok(Err(loss)),
+            }
+        })
+        .await
+    }
+
+    async fn release(&self, core: &Lease, now_wall: f64) -> Result<bool, LeaseError> {
+        let mut core = core.clone();
+        self.locked(move |me| {
+            let current = me.read_unlocked()?;
+            match core.release(current.as_ref(), now_wall) {
+                Some(rec) => me.write_unlocked(&rec).map(|()| true),
+                None => Ok(false),
+            }
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lease::{Control, LeaseTiming};
+
+    fn timing() -> LeaseTiming {
+        LeaseTiming {
+            ttl: Duration::from_secs(2),
+            renew_interval: Duration::from_millis(500),
+            safety_margin: Duration::from_millis(500),
+        }
+    }
+
+    fn setup() -> (tempfile::TempDir, FileLease) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileLease::new(dir.path().join("narwhal.router-lease"));
+        (dir, store)
+    }
+
+    #[test]
+    fn lock_file_is_the_full_name_plus_dot_lock() {
+        let s = FileLease::new("/var/lib/narwhal/router.lease");
+        assert_eq!(
+            s.lock_path(),
+            Path::new("/var/lib/narwhal/router.lease.lock")
+        );
+        assert_eq!(s.describe(), "file /var/lib/narwhal/router.lease");
+    }
+
+    #[tokio::test]
+    async fn claim_refuse_takeover_fence_and_release() {
+        let (_dir, store) = setup();
+        let t0 = std::time::Instant::now();
+        assert_eq!(store.read().await.unwrap(), None, "absent file is no lease");
+
+        // A claims epoch 1.
+        let mut a = Lease::new("a:1".into(), timing());
+        let Claim::Write(rec) = store.claim(&a, 100.0).await.unwrap() else {
+            panic!("A must get the free lease")
+        };
+        assert_eq!(
+            (rec.epoch, rec.holder.as_str(), rec.expires_at),
+            (1, "a:1", 102.0)
+        );
+        a.granted(rec.epoch, t0);
+        assert_eq!(store.read().await.unwrap(), Some(rec.clone()));
+        let text = std::fs::read_to_string(store.path()).unwrap();
+        assert!(
+            text.ends_with("}\n") && text.starts_with("{\"epoch\":1,"),
+            "{text}"
+        );
+
+        // B is refused while A's record is live, and nothing is written.
+        let mut b = Lease::new("b:2".into(), timing());
+        let held = store.claim(&b, 101.0).await.unwrap();
+        assert_eq!(
+            held,
+            Claim::HeldBy {
+                holder: "a:1".into(),
+                epoch: 1,
+                expires_at: 102.0
+            }
+        );
+        assert_eq!(store.read().await.unwrap(), Some(rec));
+
+        // A renews: same epoch, later expiry.
+        let renewed = store.renew(&a, 101.0).await.unwrap().unwrap();
+        assert_eq!((renewed.epoch, renewed.expires_at), (1, 103.0));
+
+        // After expiry B takes over at epoch 2.
+        let Claim::Write(rb) = store.claim(&b, 103.0).await.unwrap() else {
+            panic!("B must take the expired lease")
+        };
+        assert_eq!((rb.epoch, rb.holder.as_str()), (2, "b:2"));
+        b.granted(rb.epoch, t0);
+
+        // A's next renewal finds B: fenced at once, record untouched.
+        assert_eq!(
+            store.renew(&a, 103.1).await.unwrap(),
+            Err(LeaseLoss::HeldByAnother)
+        );
+        a.fence(LeaseLoss::HeldByAnother);
+        assert_eq!(a.control(t0), Control::Fenced);
+        assert_eq!(store.read().await.unwrap(), Some(rb.clone()));
+
+        // A's release does not touch B's record; B's release expires it at the same epoch.
+        assert!(!store.release(&a, 103.2).await.unwrap());
+        assert_eq!(store.read().await.unwrap(), Some(rb));
+        assert!(store.release(&b, 103.5).await.unwrap());
+        let released = store.read().await.unwrap().unwrap();
+        assert_eq!((released.epoch, released.expires_at), (2, 103.5));
+        assert!(!released.live(103.5));
+
+        // The next claim, even right away, advances the epoch.
+        let Claim::Write(rc) = store.claim(&a, 103.6).await.unwrap() else {
+            panic!("released lease is free")
+        };
+        assert_eq!(rc.epoch, 3);
+        let leftovers: Vec<_> = std::fs::read_dir(_dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".tmp"))
+            .collect();
+        assert!(leftovers.is_empty(), "temp files left: {leftovers:?}");
+    }
+
+    #[tokio::test]
+    async fn a_torn_record_is_an_error_not_an_absent_lease() {
+        let (_dir, store) = setup();
+        std::fs::write(store.path(), b"{\"epoch\": 1, \"expires_at\": 10").unwrap();
+        let err = store.read().await.unwrap_err().to_string();
+        assert!(
+            err.starts_with(&format!(
+                "lease record {} is malformed",
+                store.path().display()
+            )),
+            "{err}"
+        );
+        let a = Lease::new("a:1".into(), timing());
+        let err = store.claim(&a, 100.0).await.unwrap_err();
+        assert!(matches!(err, LeaseError::Malformed { .. }), "{err}");
+        // Never overwritten by a claim.
+        assert_eq!(
+            std::fs::read(store.path()).unwrap(),
+            b"{\"epoch\": 1, \"expires_at\": 10"
+        );
+        let loss: LeaseLoss = err.into();
+        assert!(
+            loss.to_string()
+                .starts_with("lease unavailable: lease record ")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_renewal_of_a_lapsed_or_vanished_record_is_refused() {
+        let (_dir, store) = setup();
+        let t0 = std::time::Instant::now();
+        let mut a = Lease::new("a:1".into(), timing());
+        let Claim::Write(rec) = store.claim(&a, 100.0).await.unwrap() else {
+            panic!()
+        };
+        a.granted(rec.epoch, t0);
+        assert_eq!(
+            store.renew(&a, 102.5).await.unwrap(),
+            Err(LeaseLoss::Lapsed)
+        );
+        std::fs::remove_file(store.path()).unwrap();
+        assert_eq!(
+            store.renew(&a, 100.5).await.unwrap(),
+            Err(LeaseLoss::Lapsed)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_lock_held_elsewhere_times_out_with_a_named_error() {
+        let (_dir, store) = setup();
+        let store = store.with_lock_timeout(Duration::from_millis(50));
+        // Hold the lock through a second, independent open file description.
+        let other = File::create(store.lock_path()).unwrap();
+        other.lock().unwrap();
+        let err = store.read().await.unwrap_err().to_string();
+        assert!(
+            err.starts_with(&format!(
+                "lease lock {} still held by another process after 0.",
+                store.lock_path().display()
+            )),
+            "{err}"
+        );
+        other.unlock().unwrap();
+        assert_eq!(store.read().await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn an_unwritable_directory_is_an_io_error_naming_the_step() {
+        let (dir, _) = setup();
+        // A regular file where the directory should be.
+        let blocker = dir.path().join("not-a-dir");
+        std::fs::write(&blocker, b"x").unwrap();
+        let store = FileLease::new(blocker.join("lease"));
+        let a = Lease::new("a:1".into(), timing());
+        let err = store.claim(&a, 1.0).await.unwrap_err().to_string();
+        assert!(err.starts_with("lease file create directory"), "{err}");
+    }
+}
