@@ -18,7 +18,6 @@
 pub mod breaker;
 mod cli;
 pub mod config;
-mod ha;
 mod handoff;
 mod http;
 pub mod ingress;
@@ -39,7 +38,6 @@ use std::time::Duration;
 
 pub use cli::main_from_args;
 pub use config::{Backend, Config, ConfigError, ConfigIssue, Role};
-pub use ha::StandbyOptions;
 pub use journal::Journal;
 
 /// The two bound listeners (DESIGN.md section 3).
@@ -60,10 +58,6 @@ pub struct RunOptions {
     pub max_concurrent: usize,
     /// `--resume`: apply the state file's handoff at startup.
     pub resume: bool,
-    /// `--standby-of`: start as a warm standby of this primary.
-    pub standby: Option<StandbyOptions>,
-    /// `--router-id`: prefix of the lease holder token.
-    pub router_id: String,
 }
 
 /// Errors that end [`run`].
@@ -78,9 +72,6 @@ pub enum Error {
     /// An agent client could not be built (TLS files, public key); names the key.
     #[error("{0}")]
     Agents(String),
-    /// The lease backend could not be set up (timings, etcd endpoints); names the key.
-    #[error("{0}")]
-    Lease(String),
 }
 
 /// Serve until `shutdown` resolves, then stop accepting, let open requests finish for up to
@@ -99,35 +90,19 @@ pub async fn run(
     let grace = Duration::from_secs(config.serving.graceful_timeout_s);
     let agents =
         lifecycle::driver::Agents::from_config(&config, clock.clone()).map_err(Error::Agents)?;
-    let lease = lease::LeaseDriver::from_config(&config.lease, &opts.router_id, clock.clone())
-        .map_err(|e| Error::Lease(e.to_string()))?;
     let shared = state::Shared::new(
         Arc::new(config),
         clock,
         opts.journal,
         opts.max_concurrent.max(1),
         agents,
-        Arc::new(lease),
     );
-    let stop = tokio_util::sync::CancellationToken::new();
-    if let Some(standby) = &opts.standby {
-        // A warm standby serves nothing until it takes over (reference-notes 2.9).
-        tokio::spawn(ha::standby_loop(
-            shared.clone(),
-            Some(standby.clone()),
-            stop.clone(),
-        ));
-    } else {
-        if opts.resume || shared.cfg.recovery.resume {
-            if let Some(reason) = handoff::resume(&shared) {
-                lifecycle::driver::resume_refused(&shared, &reason);
-            }
-        }
-        ha::start_primary(shared.clone(), None, stop.clone()).await;
-        if shared.ha().controls_fleet {
-            lifecycle::driver::check_identities(&shared).await;
+    if opts.resume || shared.cfg.recovery.resume {
+        if let Some(reason) = handoff::resume(&shared) {
+            lifecycle::driver::resume_refused(&shared, &reason);
         }
     }
+    let stop = tokio_util::sync::CancellationToken::new();
     let state_writer = tokio::spawn(handoff::writer(shared.clone(), stop.clone()));
     let monitor = tokio::spawn(http::monitor(shared.clone(), stop.clone()));
     let lifecycle_timer = tokio::spawn(lifecycle::driver::timer(shared.clone(), stop.clone()));
