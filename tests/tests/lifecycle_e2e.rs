@@ -1493,3 +1493,94 @@ async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() 
         .await;
     lab.complete("after the crash wave").await;
 }
+
+/// DESIGN.md 9.7: a peer whose process changed behind the router's back fails an individual
+/// readmission by name and is ejected (`process_identity`).
+///
+/// In a one-prefill, one-decode fleet that leaves nothing live: the breaker's recovery of the
+/// peer is refused while the target's drain record is held (reference-notes 4.9), and the
+/// target cannot be readmitted without a live peer. The way out is the operator's whole-wave
+/// drain (allowed because nothing is live, reference-notes 4.3 rule 5) and a wave readmission
+/// after the peer restarts once more; this test pins that path (see the issue-4 report).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
+    let mut lab = lab("individual", &[], json!({}));
+    lab.doc_until("identities accepted at startup", |d| {
+        d["process_starts"]["d0"].as_f64().is_some()
+    })
+    .await;
+    let (status, doc) = lab.post("drain", json!({"engines": ["p0"]})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    lab.journal_event("drain_complete", Some("p0")).await;
+    lab.p0.restart(&[]).expect("restart p0");
+    lab.d0
+        .restart(&[])
+        .expect("d0 restarted without the router knowing");
+    let (status, doc) = lab.post("readmit", json!({"engines": ["p0"]})).await;
+    assert_eq!(status, 409, "{doc:#}");
+    assert_eq!(
+        doc["engines"]["p0"]["error"],
+        "peer failed validation: d0 (peer process changed before readmission)"
+    );
+    assert_eq!(doc["engines"]["p0"]["state"], "blocked");
+    assert_eq!(doc["engines"]["d0"]["accepts_new"], false, "d0 ejected");
+    assert_eq!(doc["engines"]["d0"]["state"], "active", "no record for d0");
+    let m = lab.metrics().await;
+    assert!(
+        metric(
+            &m,
+            "narwhal_engine_ejections_total",
+            &["iid=\"d0\"", "cause=\"process_identity\""]
+        )
+        .is_some_and(|v| v >= 1.0),
+        "{m}"
+    );
+    assert_eq!(lab.ready().await.0, 503, "nothing live");
+    // Nothing live: a whole-wave drain is allowed and takes over the held record.
+    let (status, doc) = lab.post("drain", json!({"wave": true})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    lab.journal_event("wave_ready_to_stop", None).await;
+    lab.d0.restart(&[]).expect("restart d0 for the wave");
+    let (status, doc) = lab.post("readmit", json!({"wave": true})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    lab.doc_until("both back", |d| {
+        d["engines"]["d0"]["accepts_new"] == true && d["engines"]["p0"]["accepts_new"] == true
+    })
+    .await;
+    assert_eq!(lab.ready().await.0, 200);
+    lab.complete("both back").await;
+}
+
+/// An engine that crashes while draining: its stream fails, it is ejected, its drain completes
+/// (nothing resident, identity recorded) so the supervisor may restart it, automatic recovery
+/// leaves the drain alone, and the operator's readmission returns it to placement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_crashing_while_draining_is_readmitted_by_the_operator() {
+    let mut lab = lab(
+        "individual",
+        &["--tpot-ms", "40"],
+        json!({"recovery": {"eject_after": 1}}),
+    );
+    let s = Stream::start(&lab, "its decode engine will crash", 30).await;
+    let (status, doc) = lab.post("drain", json!({"engines": ["d0"]})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    assert_eq!(doc["engines"]["d0"]["state"], "draining");
+    lab.d0.proc.kill();
+    let mut resp = s.resp;
+    while let Ok(Some(_)) = resp.chunk().await {}
+    lab.journal_event("drain_complete", Some("d0")).await;
+    let doc = lab.doc().await;
+    assert_eq!(doc["engines"]["d0"]["ready_to_stop"], true, "{doc:#}");
+    lab.d0.restart(&[]).expect("supervisor restarts d0");
+    // Health answers again, but the drain hold stands until the operator readmits.
+    let doc = lab.doc().await;
+    assert_eq!(doc["engines"]["d0"]["state"], "drained", "{doc:#}");
+    let (status, doc) = lab.post("readmit", json!({"engines": ["d0"]})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    assert!(!lab.has_event("recovery_validation_started", Some("d0")));
+    lab.doc_until("d0 back", |d| d["engines"]["d0"]["accepts_new"] == true)
+        .await;
+    let before = n(&lab.stats(&lab.d0).await["requests"]["decode"]);
+    lab.complete("d0 decodes again").await;
+    assert!(n(&lab.stats(&lab.d0).await["requests"]["decode"]) > before);
+}
