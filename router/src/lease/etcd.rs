@@ -220,10 +220,17 @@ impl EtcdLease {
     /// One keep-alive round trip; `Ok(false)` when etcd says the lease is gone (TTL ≤ 0).
     async fn keep_alive(&self, client: &mut Client, held: &mut Held) -> Result<bool, LeaseError> {
         if held.keep_alive.is_none() {
-            let pair = self
+            match self
                 .call("keep-alive", client.lease_keep_alive(held.id))
-                .await?;
-            held.keep_alive = Some(pair);
+                .await
+            {
+                Ok(pair) => held.keep_alive = Some(pair),
+                // etcd already expired (or someone revoked) the lease.
+                Err(LeaseError::Etcd { message, .. }) if message.contains("lease not found") => {
+                    return Ok(false);
+                }
+                Err(e) => return Err(e),
+            }
         }
         let Some((keeper, stream)) = held.keep_alive.as_mut() else {
             return Err(self.err("keep-alive", "no stream"));
@@ -238,6 +245,10 @@ impl EtcdLease {
             Ok(None) => {
                 held.keep_alive = None;
                 Err(self.err("keep-alive", "stream closed by the server"))
+            }
+            Err(LeaseError::Etcd { message, .. }) if message.contains("lease not found") => {
+                held.keep_alive = None;
+                Ok(false)
             }
             Err(e) => {
                 held.keep_alive = None;
