@@ -4,10 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build -q --workspace --bins
+bindir="${CARGO_TARGET_DIR:-$PWD/target}/debug"
+case "$bindir" in /*) ;; *) bindir="$PWD/$bindir" ;; esac
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 for u in packaging/systemd/*.service; do
-  sed "s#/usr/bin/#$PWD/target/debug/#g" "$u" > "$tmp/$(basename "$u")"
+  sed "s#/usr/bin/#$bindir/#g" "$u" > "$tmp/$(basename "$u")"
 done
 systemd-analyze verify "$tmp"/*.service
 echo "systemd-analyze verify: $(ls packaging/systemd/*.service | wc -l) unit(s) clean"

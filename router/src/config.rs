@@ -1666,7 +1666,7 @@ mod tests {
 
     #[test]
     fn example_fleet_file_parses() {
-        let text = include_str!("../../../shared/spec/fleet.example.json");
+        let text = include_str!("../testdata/reference-fleet.example.json");
         let c = Config::from_json_str(text, &no_env).unwrap();
         assert_eq!(c.engines.len(), 4);
         assert_eq!(c.lease.backend, LeaseBackend::Etcd);

@@ -455,7 +455,7 @@ mod tests {
         let (st, body) = check(r#"{"prompt":"x","n":2}"#).unwrap_err().response();
         assert_eq!(st, StatusCode::BAD_REQUEST);
         let want: Value = serde_json::from_str(include_str!(
-            "../../../shared/spec/reference-examples/error-400-n.json"
+            "../testdata/reference-error-400-n.json"
         ))
         .unwrap();
         assert_eq!(body, want["body"]);
