@@ -92,10 +92,10 @@ impl Etcd {
             let opts = etcd_client::ConnectOptions::new()
                 .with_connect_timeout(Duration::from_millis(300))
                 .with_timeout(Duration::from_millis(500));
-            if let Ok(mut c) = etcd_client::Client::connect([&self.endpoint], Some(opts)).await {
-                if c.get("/ready-probe", None).await.is_ok() {
-                    return true;
-                }
+            if let Ok(mut c) = etcd_client::Client::connect([&self.endpoint], Some(opts)).await
+                && c.get("/ready-probe", None).await.is_ok()
+            {
+                return true;
             }
             assert!(
                 t0.elapsed() < Duration::from_secs(15),
@@ -384,8 +384,7 @@ async fn an_unreachable_etcd_is_unavailable_within_the_call_timeout() {
     assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
     let loss: LeaseLoss = err.into();
     assert!(
-        loss.to_string()
-            .starts_with(&format!("lease unavailable: etcd ")),
+        loss.to_string().starts_with("lease unavailable: etcd "),
         "{loss}"
     );
     assert!(
