@@ -61,6 +61,22 @@ struct Args {
     /// totals, roles, ejections, suspects and lifecycle holds survive a restart.
     #[arg(long)]
     resume: bool,
+    /// Start as a warm standby of the primary whose control listener is at this URL
+    /// (requires a lease backend other than none in the fleet file).
+    #[arg(long)]
+    standby_of: Option<String>,
+    /// Seconds between standby polls of the primary.
+    #[arg(long, default_value_t = 0.25)]
+    standby_probe_interval: f64,
+    /// Missed polls before the standby tries to take over (it still needs the lease to lapse).
+    #[arg(long, default_value_t = 4)]
+    standby_takeover_after: u32,
+    /// A retained handoff older than this many seconds is not applied at takeover.
+    #[arg(long, default_value_t = 30.0)]
+    standby_max_handoff_age: f64,
+    /// Prefix of this router's lease holder token (default: host name and control port).
+    #[arg(long)]
+    router_id: Option<String>,
 }
 
 fn init_logging(args: &Args) -> Result<(), String> {
@@ -175,8 +191,47 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
             return ExitCode::from(1);
         }
     };
+    if let Some(t) = &cfg.control_tls {
+        let files = narwhal_shared::TlsFiles {
+            ca: t.ca.clone(),
+            cert: t.cert.clone(),
+            key: t.key.clone(),
+        };
+        if let Err(e) = files.server_config() {
+            eprintln!("narwhal-serve: control.{e}");
+            return ExitCode::from(2);
+        }
+    }
     let data_url = format!("http://{data_addr}");
-    let control_url = format!("http://{control_addr}");
+    let control_scheme = if cfg.control_tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let control_url = format!("{control_scheme}://{control_addr}");
+    let standby = args
+        .standby_of
+        .as_ref()
+        .map(|primary| crate::StandbyOptions {
+            primary: primary.trim_end_matches('/').to_string(),
+            probe_interval: std::time::Duration::from_secs_f64(
+                args.standby_probe_interval.max(0.01),
+            ),
+            takeover_after: args.standby_takeover_after.max(1),
+            max_handoff_age_s: args.standby_max_handoff_age,
+        });
+    if standby.is_some() && cfg.lease.backend == crate::config::LeaseBackend::None {
+        eprintln!(
+            "narwhal-serve: --standby-of needs a lease: set lease.backend to file or etcd in the fleet file"
+        );
+        return ExitCode::from(2);
+    }
+    let router_id = args.router_id.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "narwhal".into());
+        format!("{host}:{}", control_addr.port())
+    });
     if let Some(path) = &args.ready_file {
         let doc = serde_json::json!({"data": data_url, "control": control_url, "pid": std::process::id(), "run": run});
         if let Err(e) = write_atomic(path, &doc) {
@@ -200,6 +255,8 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
             journal,
             max_concurrent,
             resume: args.resume,
+            standby,
+            router_id,
         },
         shutdown,
     )

@@ -190,6 +190,23 @@ pub(crate) async fn serve(
     grace: Duration,
 ) {
     let graceful = GracefulShutdown::new();
+    let tls = match (side, &shared.cfg.control_tls) {
+        (Side::Control, Some(files)) => {
+            let files = narwhal_shared::TlsFiles {
+                ca: files.ca.clone(),
+                cert: files.cert.clone(),
+                key: files.key.clone(),
+            };
+            match files.server_config() {
+                Ok(cfg) => Some(tokio_rustls::TlsAcceptor::from(Arc::new(cfg))),
+                Err(e) => {
+                    tracing::error!(error = %e, "control.tls unusable; the control listener stays closed");
+                    return;
+                }
+            }
+        }
+        _ => None,
+    };
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => break,
@@ -204,21 +221,56 @@ pub(crate) async fn serve(
             }
         };
         let _ = stream.set_nodelay(true);
-        let shared = shared.clone();
-        let svc = service_fn(move |req| {
+        let svc = {
             let shared = shared.clone();
-            async move { Ok::<_, Infallible>(route(shared, side, req).await) }
-        });
-        let conn = http1::Builder::new()
-            .timer(hyper_util::rt::TokioTimer::new())
-            .keep_alive(true)
-            .serve_connection(TokioIo::new(stream), svc);
-        let fut = graceful.watch(conn);
-        tokio::spawn(async move {
-            if let Err(e) = fut.await {
-                tracing::debug!(%peer, error = %e, "connection ended with error");
+            service_fn(move |req| {
+                let shared = shared.clone();
+                async move { Ok::<_, Infallible>(route(shared, side, req).await) }
+            })
+        };
+        let builder = {
+            let mut b = http1::Builder::new();
+            b.timer(hyper_util::rt::TokioTimer::new()).keep_alive(true);
+            b
+        };
+        match &tls {
+            None => {
+                let fut = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc));
+                tokio::spawn(async move {
+                    if let Err(e) = fut.await {
+                        tracing::debug!(%peer, error = %e, "connection ended with error");
+                    }
+                });
             }
-        });
+            Some(acceptor) => {
+                // Mutual TLS: only clients whose certificate chains to the fleet CA (standby
+                // routers, narwhalctl, supervisors) get past the handshake (DESIGN.md 3).
+                let acceptor = acceptor.clone();
+                let watcher = graceful.watcher();
+                tokio::spawn(async move {
+                    let tls = match tokio::time::timeout(
+                        Duration::from_secs(10),
+                        acceptor.accept(stream),
+                    )
+                    .await
+                    {
+                        Ok(Ok(s)) => s,
+                        Ok(Err(e)) => {
+                            tracing::info!(%peer, error = %e, "control TLS handshake refused");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::info!(%peer, "control TLS handshake timed out");
+                            return;
+                        }
+                    };
+                    let conn = builder.serve_connection(TokioIo::new(tls), svc);
+                    if let Err(e) = watcher.watch(conn).await {
+                        tracing::debug!(%peer, error = %e, "connection ended with error");
+                    }
+                });
+            }
+        }
     }
     drop(listener);
     if tokio::time::timeout(grace, graceful.shutdown())

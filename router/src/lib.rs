@@ -18,6 +18,7 @@
 pub mod breaker;
 mod cli;
 pub mod config;
+mod ha;
 mod handoff;
 mod http;
 pub mod ingress;
@@ -38,6 +39,7 @@ use std::time::Duration;
 
 pub use cli::main_from_args;
 pub use config::{Backend, Config, ConfigError, ConfigIssue, Role};
+pub use ha::StandbyOptions;
 pub use journal::Journal;
 
 /// The two bound listeners (DESIGN.md section 3).
@@ -58,6 +60,10 @@ pub struct RunOptions {
     pub max_concurrent: usize,
     /// `--resume`: apply the state file's handoff at startup.
     pub resume: bool,
+    /// `--standby-of`: start as a warm standby of this primary.
+    pub standby: Option<StandbyOptions>,
+    /// `--router-id`: prefix of the lease holder token.
+    pub router_id: String,
 }
 
 /// Errors that end [`run`].
@@ -72,6 +78,9 @@ pub enum Error {
     /// An agent client could not be built (TLS files, public key); names the key.
     #[error("{0}")]
     Agents(String),
+    /// The lease backend could not be set up (timings, etcd endpoints); names the key.
+    #[error("{0}")]
+    Lease(String),
 }
 
 /// Serve until `shutdown` resolves, then stop accepting, let open requests finish for up to
@@ -90,19 +99,36 @@ pub async fn run(
     let grace = Duration::from_secs(config.serving.graceful_timeout_s);
     let agents =
         lifecycle::driver::Agents::from_config(&config, clock.clone()).map_err(Error::Agents)?;
+    let lease = lease::LeaseDriver::from_config(&config.lease, &opts.router_id, clock.clone())
+        .map_err(|e| Error::Lease(e.to_string()))?;
     let shared = state::Shared::new(
         Arc::new(config),
         clock,
         opts.journal,
         opts.max_concurrent.max(1),
         agents,
+        Arc::new(lease),
     );
-    if opts.resume || shared.cfg.recovery.resume {
-        if let Some(reason) = handoff::resume(&shared) {
+    let stop = tokio_util::sync::CancellationToken::new();
+    if let Some(standby) = &opts.standby {
+        // A warm standby serves nothing until it takes over (reference-notes 2.9).
+        tokio::spawn(ha::standby_loop(
+            shared.clone(),
+            Some(standby.clone()),
+            stop.clone(),
+        ));
+    } else {
+        if (opts.resume || shared.cfg.recovery.resume)
+            && let Some(reason) = handoff::resume(&shared)
+        {
             lifecycle::driver::resume_refused(&shared, &reason);
         }
+        ha::start_primary(shared.clone(), None, stop.clone()).await;
+        if shared.ha().controls_fleet {
+            // Catch restarts that happened behind the router's back (reference-notes 4.10).
+            tokio::spawn(lifecycle::driver::check_identities_owned(shared.clone()));
+        }
     }
-    let stop = tokio_util::sync::CancellationToken::new();
     let state_writer = tokio::spawn(handoff::writer(shared.clone(), stop.clone()));
     let monitor = tokio::spawn(http::monitor(shared.clone(), stop.clone()));
     let lifecycle_timer = tokio::spawn(lifecycle::driver::timer(shared.clone(), stop.clone()));
@@ -122,12 +148,20 @@ pub async fn run(
         grace,
     ));
     shutdown.await;
+    let was_controlling = shared.ha().controls_fleet;
     stop.cancel();
     let _ = data.await;
     let _ = control.await;
     let _ = monitor.await;
     let _ = lifecycle_timer.await;
     let _ = state_writer.await;
+    if was_controlling {
+        match shared.lease.release().await {
+            Ok(true) => tracing::info!("lease released"),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(error = %e, "lease release failed; it lapses at expiry"),
+        }
+    }
     tracing::info!("narwhal-serve stopped");
     Ok(())
 }

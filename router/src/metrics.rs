@@ -109,6 +109,7 @@ pub(crate) struct Metrics {
     pub(crate) tpot: HistFamily,
     pub(crate) journal_dropped: Gauge,
     pub(crate) state_writes: Counter,
+    pub(crate) takeover_gap: Gauge<f64, AtomicU64>,
     pub(crate) state_write_failures: Counter,
     pub(crate) slo_label_ttft: String,
     pub(crate) slo_label_tpot: String,
@@ -357,6 +358,11 @@ impl Metrics {
             journal_dropped: reg!(
                 "narwhal_journal_dropped_rows",
                 "Journal rows dropped because the writer fell behind",
+                Gauge::default()
+            ),
+            takeover_gap: reg!(
+                "narwhal_standby_takeover_gap_seconds",
+                "Seconds from the standby's last good poll of the primary to serving as primary",
                 Gauge::default()
             ),
             state_writes: reg!(

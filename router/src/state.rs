@@ -103,6 +103,8 @@ pub(crate) struct Shared {
     pub(crate) demand: Mutex<crate::handoff::Demand>,
     /// Wakes the state-file writer after a lifecycle or ejection change.
     pub(crate) state_dirty: tokio::sync::Notify,
+    /// The router lease (backend `none`: always active, epoch 0).
+    pub(crate) lease: Arc<crate::lease::LeaseDriver>,
 }
 
 impl Shared {
@@ -112,6 +114,7 @@ impl Shared {
         journal: Journal,
         max_concurrent: usize,
         agents: Agents,
+        lease: Arc<crate::lease::LeaseDriver>,
     ) -> Arc<Self> {
         let n = cfg.engines.len();
         let lifecycle = Lifecycle::new(
@@ -168,6 +171,7 @@ impl Shared {
             agents,
             demand: Mutex::new(crate::handoff::Demand::default()),
             state_dirty: tokio::sync::Notify::new(),
+            lease,
             clock,
             cfg,
         })
@@ -205,8 +209,16 @@ impl Shared {
         }
     }
 
+    /// The HA view. `controls_fleet` is false as soon as the lease's local validity lapses,
+    /// even before the renew loop notices (reference-notes 3.4).
     pub(crate) fn ha(&self) -> Ha {
-        self.ha.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        let mut ha = self.ha.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if ha.controls_fleet
+            && self.lease.control(self.clock.now()) != crate::lease::Control::Active
+        {
+            ha.controls_fleet = false;
+        }
+        ha
     }
 
     pub(crate) fn wall(&self) -> f64 {
@@ -838,12 +850,17 @@ mod tests {
         .to_string();
         let cfg = Config::from_json_str(&text, &|_| None).unwrap();
         let n = cfg.engines.len();
+        let lease = Arc::new(
+            crate::lease::LeaseDriver::from_config(&cfg.lease, "test", clock.clone())
+                .expect("lease none"),
+        );
         Shared::new(
             Arc::new(cfg),
             clock,
             Journal::disabled("1-deadbeef"),
             4,
             Agents::none(n),
+            lease,
         )
     }
 

@@ -356,6 +356,15 @@ fn parse_readmit(body: &Bytes) -> Result<(Vec<String>, bool), String> {
 
 const NOT_IN_CONTROL: &str = "this router does not control the fleet";
 
+/// An agent's error as one line. An agent that saw a newer epoch proves another router took
+/// over: this one fences itself at once (DESIGN.md section 3, fencing reaches the hosts).
+fn agent_error(shared: &Shared, e: narwhal_shared::AgentClientError) -> String {
+    if matches!(e, narwhal_shared::AgentClientError::StaleEpoch { .. }) {
+        crate::ha::fence(shared, &crate::lease::LeaseLoss::HeldByAnother);
+    }
+    e.to_string()
+}
+
 /// Reads the engine's process start through its agent, as a signed, verified attestation.
 async fn capture(shared: &Shared, iid: &str) -> Result<f64, String> {
     let i = index(shared, iid).ok_or_else(|| format!("{iid} is not configured"))?;
@@ -366,7 +375,7 @@ async fn capture(shared: &Shared, iid: &str) -> Result<f64, String> {
     let v = agent
         .attestation(iid, &fence(shared), None)
         .await
-        .map_err(|e| format!("process identity unreadable: {e}"))?;
+        .map_err(|e| format!("process identity unreadable: {}", agent_error(shared, e)))?;
     Ok(v.payload.header.process.process_start_time_seconds)
 }
 
@@ -470,7 +479,7 @@ pub(crate) async fn readmit(shared: Arc<Shared>, body: Bytes) -> (StatusCode, Va
         }
     };
     let report = run_validation(&shared, &targets, wave).await;
-    finish(&shared, &targets, report, "operator")
+    finish(&shared, &targets, report, "operator").await
 }
 
 /// Builds the validation plan for `targets` from the records and the live fleet.
@@ -527,14 +536,52 @@ async fn run_validation(shared: &Arc<Shared>, targets: &[String], wave: bool) ->
     validate(&plan, &checks, &check_id).await
 }
 
+/// The engines (indexes) among `targets` whose SGLang bootstrap port must be learnt again
+/// before they take traffic: prefill engines of an SGLang fleet (a restarted prefill server may
+/// serve its bootstrap rendezvous on a new port). Empty for vLLM.
+fn bootstrap_refresh(
+    backend: crate::config::Backend,
+    engines: &[(String, crate::config::Role)],
+    targets: &[String],
+) -> Vec<usize> {
+    if backend != crate::config::Backend::Sglang {
+        return Vec::new();
+    }
+    engines
+        .iter()
+        .enumerate()
+        .filter(|(_, (iid, role))| *role == crate::config::Role::Prefill && targets.contains(iid))
+        .map(|(i, _)| i)
+        .collect()
+}
+
 /// Applies a validation report: readmit on success, block every candidate on failure, eject
 /// peers whose process changed (reference-notes 4.7; DESIGN.md 9.7).
-fn finish(
+///
+/// Before a passing SGLang prefill engine returns to placement, its bootstrap port is read
+/// again (`/server_info`) while it is still held, so no request is placed with a stale port
+/// (found by tests/tests/lifecycle_e2e.rs: refreshing after the release let the first
+/// requests' decodes fail their rendezvous). A failed refresh is logged; requests refresh the
+/// port on demand.
+async fn finish(
     shared: &Arc<Shared>,
     targets: &[String],
     report: Report,
     kind: &'static str,
 ) -> (StatusCode, Value) {
+    if report.passed() {
+        let engines: Vec<(String, crate::config::Role)> = shared
+            .cfg
+            .engines
+            .iter()
+            .map(|e| (e.iid.clone(), e.role))
+            .collect();
+        for i in bootstrap_refresh(shared.cfg.backend, &engines, targets) {
+            if let Err(e) = crate::serve::refresh_bootstrap_port(shared, i).await {
+                tracing::warn!(engine.id = %engines[i].0, error = %e, "bootstrap port refresh before readmission failed");
+            }
+        }
+    }
     let t = now(shared);
     if !report.changed_peers.is_empty() {
         let mut core = shared.core();
@@ -595,21 +642,6 @@ fn finish(
         }
         commit(shared, &mut lc);
         drop(lc);
-        // A restarted SGLang prefill engine may serve its bootstrap rendezvous on a new port.
-        if shared.cfg.backend == crate::config::Backend::Sglang {
-            for iid in &back {
-                if let Some(i) = index(shared, iid)
-                    .filter(|i| shared.cfg.engines[*i].role == crate::config::Role::Prefill)
-                {
-                    let shared = shared.clone();
-                    tokio::spawn(async move {
-                        if let Err(e) = crate::serve::refresh_bootstrap_port(&shared, i).await {
-                            tracing::warn!(error = %e, "bootstrap port refresh after readmission failed");
-                        }
-                    });
-                }
-            }
-        }
         record_metric("passed");
         reply(shared, StatusCode::OK, "")
     } else {
@@ -646,7 +678,7 @@ pub(crate) async fn recover(shared: Arc<Shared>, i: usize) -> bool {
     }
     let targets = vec![iid];
     let report = run_validation(&shared, &targets, false).await;
-    let (status, _) = finish(&shared, &targets, report, "recovery");
+    let (status, _) = finish(&shared, &targets, report, "recovery").await;
     status == StatusCode::OK
 }
 
@@ -696,6 +728,65 @@ pub(crate) fn resume_refused(shared: &Shared, reason: &str) {
     let mut lc = shared.lifecycle();
     lc.require_restart_wave(now(shared), reason, true, &new_wave_id());
     commit(shared, &mut lc);
+}
+
+/// Checks every engine's process identity through its agent (reference-notes 4.10): at
+/// startup and after a takeover. An engine whose process start differs from the one last
+/// accepted restarted behind the router's back: it is ejected (cause `process_identity`) and
+/// comes back only through validation. Engines held by the lifecycle are left alone. The
+/// first fenced agent call also teaches each agent this router's epoch.
+pub(crate) async fn check_identities(shared: &Arc<Shared>) {
+    let candidates: Vec<(usize, String)> = {
+        let core = shared.core();
+        shared
+            .cfg
+            .engines
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| shared.agents.has(*i))
+            .filter(|(i, _)| {
+                !core.slots[*i].excluded.contains(&Exclusion::Draining)
+                    && !core.slots[*i].excluded.contains(&Exclusion::Ejected)
+            })
+            .map(|(i, e)| (i, e.iid.clone()))
+            .collect()
+    };
+    let reads =
+        futures_util::future::join_all(candidates.iter().map(|(_, iid)| capture(shared, iid)))
+            .await;
+    let t = now(shared);
+    let mut lc = shared.lifecycle();
+    for ((i, iid), r) in candidates.into_iter().zip(reads) {
+        let previous = lc.process_starts().get(&iid).copied();
+        match r {
+            Ok(start) if previous.is_none_or(|p| p == start) => {
+                lc.accept_process_start(&iid, start);
+            }
+            other => {
+                let reason = match &other {
+                    Ok(_) => "engine process changed behind the router".to_string(),
+                    Err(e) => e.clone(),
+                };
+                tracing::warn!(engine.id = %iid, %reason, ?previous, "engine excluded by the identity check");
+                shared.journal.emit(serde_json::json!({
+                    "event": "engine_lifecycle", "action": "process_excluded", "at": t.wall,
+                    "iid": iid, "reason": reason, "previous_process_start": previous,
+                    "observed_process_start": other.ok(),
+                }));
+                let mut core = shared.core();
+                let tr = core
+                    .breaker
+                    .eject_now(i, EjectCause::ProcessIdentity, t.mono);
+                shared.apply_transitions(&mut core, &tr);
+            }
+        }
+    }
+    commit(shared, &mut lc);
+}
+
+/// [`check_identities`] for `tokio::spawn`.
+pub(crate) async fn check_identities_owned(shared: Arc<Shared>) {
+    check_identities(&shared).await;
 }
 
 /// Lifecycle gauges for `/metrics`: `(iid, state, ready_to_stop)` per engine.
@@ -760,7 +851,7 @@ impl Checks for AgentChecks {
         let v = a
             .attestation(iid, &self.fence, None)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| agent_error(&self.shared, e))?;
         Ok(Attested {
             identity: identity(&v.payload.header.process),
             models: v.payload.engine.models.clone(),
@@ -774,7 +865,7 @@ impl Checks for AgentChecks {
         let v = a
             .generation_check(iid, &self.fence, &model)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| agent_error(&self.shared, e))?;
         let r = &v.payload.result;
         if !r.ok || r.tokens == 0 {
             return Err(r
@@ -791,7 +882,7 @@ impl Checks for AgentChecks {
         let v = a
             .kv_produce(iid, &self.fence, &model, check_id)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| agent_error(&self.shared, e))?;
         let p = &v.payload;
         if !p.result.ok {
             return Err(p
@@ -813,7 +904,7 @@ impl Checks for AgentChecks {
         let v = a
             .kv_consume(iid, &self.fence, &model, check_id, kv)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| agent_error(&self.shared, e))?;
         let p = &v.payload;
         if !p.result.ok {
             return Err(p
@@ -849,7 +940,7 @@ impl Checks for AgentChecks {
         let v = a
             .probe(iid, &self.fence, &model, producer, Some(check_id))
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| agent_error(&self.shared, e))?;
         let p = &v.payload;
         if !p.ok {
             let why = p
@@ -861,5 +952,32 @@ impl Checks for AgentChecks {
             return Err(why);
         }
         Ok(identity(&p.header.process))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Backend, Role};
+
+    #[test]
+    fn sglang_prefill_targets_refresh_their_bootstrap_port_before_release() {
+        let engines = vec![
+            ("p0".to_string(), Role::Prefill),
+            ("d0".to_string(), Role::Decode),
+            ("p1".to_string(), Role::Prefill),
+        ];
+        let all = ["p0".to_string(), "d0".to_string(), "p1".to_string()];
+        assert_eq!(bootstrap_refresh(Backend::Sglang, &engines, &all), [0, 2]);
+        assert_eq!(
+            bootstrap_refresh(Backend::Sglang, &engines, &["d0".to_string()]),
+            Vec::<usize>::new(),
+            "decode engines have no bootstrap server"
+        );
+        assert_eq!(
+            bootstrap_refresh(Backend::Vllm, &engines, &all),
+            Vec::<usize>::new(),
+            "vLLM has no rendezvous"
+        );
     }
 }

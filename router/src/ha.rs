@@ -1,0 +1,307 @@
+//! High availability: the primary's lease claim and renewal with fencing, and the warm
+//! standby that polls the primary and takes over only under a valid, fenced lease
+//! (seed "HA handoff"; reference-notes 2.9, 3.4; DESIGN.md sections 7 and 9.6).
+//!
+//! ```text
+//!  primary:  claim ─► active ─(renew fails / another holder)─► fenced ─► standby loop
+//!  standby:  poll /ready + /narwhal/handoff, match the lease record, retain + persist
+//!            ─(N misses and the lease expired)─► claim epoch+1 ─► apply ─► re-check
+//!            identities through the agents ─► active (renew loop)
+//! ```
+//! Every failure on the way leaves the router a standby that tries again (DESIGN.md 9.6).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use narwhal_shared::handoff::{Handoff, HandoffError, write_state_file};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use crate::lease::driver::LeaseEvent;
+use crate::lease::{Control, LeaseLoss};
+use crate::state::Shared;
+
+/// Standby settings (`narwhal-serve --standby-of URL ...`; reference-notes 2.9 defaults).
+#[derive(Debug, Clone)]
+pub struct StandbyOptions {
+    /// The primary's control listener, e.g. `https://10.0.0.5:8001`.
+    pub primary: String,
+    /// Seconds between polls (default 0.25).
+    pub probe_interval: Duration,
+    /// Consecutive missed polls before a takeover is attempted (default 4).
+    pub takeover_after: u32,
+    /// A retained handoff older than this (by its `at`, wall clock) is not applied (default 30 s).
+    pub max_handoff_age_s: f64,
+}
+
+/// Sets the HA flags: control, standby mode, the reason shown in `/ready`, epoch and holder.
+fn set_role(shared: &Shared, active: bool, standby: bool, blocked: &str) {
+    let mut ha = shared.ha.lock().unwrap_or_else(|p| p.into_inner());
+    ha.controls_fleet = active;
+    ha.standby = standby;
+    ha.failover_blocked = blocked.to_string();
+    ha.epoch = shared.lease.epoch();
+    ha.holder = shared.lease.holder();
+}
+
+/// Startup of a primary: claim the lease (backend `none`: nothing to claim) and keep it.
+/// On failure the router serves nothing and retries as a standby (DESIGN.md 9.6).
+pub(crate) async fn start_primary(
+    shared: Arc<Shared>,
+    standby: Option<StandbyOptions>,
+    stop: CancellationToken,
+) {
+    if !shared.lease.enabled() {
+        return;
+    }
+    match shared.lease.claim().await {
+        Ok(epoch) => {
+            tracing::info!(epoch, holder = %shared.lease.holder(), "lease claimed; this router controls the fleet");
+            set_role(&shared, true, false, "");
+            keep(shared, standby, stop);
+        }
+        Err(loss) => {
+            tracing::warn!(reason = %loss, "lease not claimed at startup; waiting as a standby");
+            set_role(&shared, false, true, &loss.to_string());
+            tokio::spawn(standby_loop(shared, standby, stop));
+        }
+    }
+}
+
+/// Renews the lease; a lost lease fences the router at once, then it goes back to standby.
+fn keep(shared: Arc<Shared>, standby: Option<StandbyOptions>, stop: CancellationToken) {
+    let on_change = {
+        let shared = shared.clone();
+        let stop = stop.clone();
+        move |ev: LeaseEvent| {
+            let LeaseEvent::Fenced { epoch, loss } = ev;
+            tracing::error!(epoch, reason = %loss, "fenced: no new placements, lifecycle actions refused");
+            fence(&shared, &loss);
+            tokio::spawn(standby_loop(shared.clone(), standby.clone(), stop.clone()));
+        }
+    };
+    shared.lease.clone().spawn_renew(stop, on_change);
+}
+
+/// Fences the router: it no longer controls the fleet (`/health` `fenced`, `/ready` 503 with
+/// the reason, lifecycle actions 503, no new prefill placements).
+pub(crate) fn fence(shared: &Shared, loss: &LeaseLoss) {
+    let reason = match loss {
+        LeaseLoss::HeldByAnother => "lease held by another router".to_string(),
+        LeaseLoss::Lapsed => "lease renewal failed".to_string(),
+        LeaseLoss::Unavailable(e) => format!("lease unavailable: {e}"),
+    };
+    let mut ha = shared.ha.lock().unwrap_or_else(|p| p.into_inner());
+    ha.controls_fleet = false;
+    ha.failover_blocked = reason;
+}
+
+/// What one poll of the primary found.
+enum Poll {
+    /// The primary answered and its document matches the lease record.
+    Good(Box<Handoff>),
+    /// Anything else; the reason is logged at debug.
+    Miss(String),
+}
+
+async fn poll(shared: &Shared, http: &reqwest::Client, primary: &str) -> Poll {
+    let ready = match http.get(format!("{primary}/ready")).send().await {
+        Ok(r) => {
+            let ok = r.status().is_success();
+            let body: Value = r.json().await.unwrap_or_default();
+            // A 503 with control_ready (e.g. a whole-wave drain) is a healthy primary.
+            ok || body["control_ready"] == true
+        }
+        Err(e) => return Poll::Miss(format!("/ready: {e}")),
+    };
+    if !ready {
+        return Poll::Miss("primary does not control the fleet".into());
+    }
+    let doc = match http.get(format!("{primary}/narwhal/handoff")).send().await {
+        Ok(r) if r.status().is_success() => match r.json::<Value>().await {
+            Ok(v) => v,
+            Err(e) => return Poll::Miss(format!("/narwhal/handoff: {e}")),
+        },
+        Ok(r) => return Poll::Miss(format!("/narwhal/handoff: HTTP {}", r.status())),
+        Err(e) => return Poll::Miss(format!("/narwhal/handoff: {e}")),
+    };
+    let h = match Handoff::from_value(doc) {
+        Ok(h) => h,
+        Err(e @ HandoffError::ContractVersion { .. }) => {
+            // The reference stops here for good (reference-notes 11.8); we keep polling.
+            return Poll::Miss(format!("primary speaks another handoff contract: {e}"));
+        }
+        Err(e) => return Poll::Miss(format!("invalid handoff: {e}")),
+    };
+    let record = match shared.lease.read_record().await {
+        Ok(Some(r)) => r,
+        Ok(None) => return Poll::Miss("no lease record".into()),
+        Err(e) => return Poll::Miss(format!("lease unreadable: {e}")),
+    };
+    let now = shared.wall();
+    if record.holder != h.holder || record.epoch != h.epoch || !record.live(now) {
+        return Poll::Miss(format!(
+            "handoff epoch {} / holder {:?} does not match the live lease (epoch {}, holder {:?})",
+            h.epoch, h.holder, record.epoch, record.holder
+        ));
+    }
+    Poll::Good(Box::new(h))
+}
+
+fn client(shared: &Shared) -> Result<reqwest::Client, String> {
+    let timeout = Duration::from_millis(800);
+    let mut b = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(timeout)
+        .connect_timeout(timeout);
+    if let Some(tls) = &shared.cfg.control_tls {
+        let files = narwhal_shared::TlsFiles {
+            ca: tls.ca.clone(),
+            cert: tls.cert.clone(),
+            key: tls.key.clone(),
+        };
+        b = b.use_preconfigured_tls(files.client_config().map_err(|e| e.to_string())?);
+    } else {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+    b.build().map_err(|e| e.to_string())
+}
+
+/// The warm standby (reference-notes 2.9, with DESIGN.md 9.6: never stops for good). Without
+/// a primary URL (a fenced primary started without `--standby-of`) it only retries the lease
+/// and, once it holds it again, resumes from its own state file.
+pub(crate) async fn standby_loop(
+    shared: Arc<Shared>,
+    opts: Option<StandbyOptions>,
+    stop: CancellationToken,
+) {
+    {
+        let mut ha = shared.ha.lock().unwrap_or_else(|p| p.into_inner());
+        ha.standby = true;
+        ha.controls_fleet = false;
+    }
+    let interval = opts
+        .as_ref()
+        .map_or(shared.lease.timing().renew_interval, |o| o.probe_interval);
+    let http = match client(&shared) {
+        Ok(c) => c,
+        Err(e) => {
+            set_role(&shared, false, true, &format!("standby client: {e}"));
+            return;
+        }
+    };
+    let mut retained: Option<Box<Handoff>> = None;
+    let mut misses: u32 = 0;
+    let mut last_good: Option<Instant> = None;
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(interval) => {}
+        }
+        if let Some(o) = &opts {
+            match poll(&shared, &http, &o.primary).await {
+                Poll::Good(h) => {
+                    misses = 0;
+                    last_good = Some(shared.clock.now());
+                    let path = std::path::PathBuf::from(&shared.cfg.recovery.state_path);
+                    let copy = (*h).clone();
+                    let _ =
+                        tokio::task::spawn_blocking(move || write_state_file(&path, &copy)).await;
+                    retained = Some(h);
+                    set_role(&shared, false, true, "");
+                    continue;
+                }
+                Poll::Miss(why) => {
+                    misses += 1;
+                    tracing::debug!(misses, %why, "standby poll missed");
+                    if misses < o.takeover_after {
+                        continue;
+                    }
+                }
+            }
+            let fresh = retained
+                .as_ref()
+                .is_some_and(|h| shared.wall() - h.at <= o.max_handoff_age_s);
+            if !fresh {
+                set_role(&shared, false, true, "no fresh handoff");
+                continue;
+            }
+        }
+        match take_over(&shared, retained.as_deref()).await {
+            Ok(()) => {
+                let gap = last_good.map(|t| shared.clock.now().saturating_duration_since(t));
+                tracing::info!(
+                    epoch = shared.lease.epoch(),
+                    gap_s = gap.map(|g| g.as_secs_f64()),
+                    "took over the fleet"
+                );
+                if let Some(g) = gap {
+                    shared.metrics.takeover_gap.set(g.as_secs_f64());
+                }
+                keep(shared.clone(), opts.clone(), stop.clone());
+                return;
+            }
+            Err(Takeover::HeldByAnother) => {}
+            Err(Takeover::Failed(why)) => {
+                tracing::warn!(%why, "takeover failed; staying a standby and retrying");
+                set_role(&shared, false, true, &why);
+            }
+        }
+    }
+}
+
+enum Takeover {
+    /// The primary's lease is still valid: never take over then.
+    HeldByAnother,
+    /// Claimed but could not serve; the lease was released.
+    Failed(String),
+}
+
+async fn take_over(shared: &Arc<Shared>, retained: Option<&Handoff>) -> Result<(), Takeover> {
+    let epoch = match shared.lease.claim().await {
+        Ok(e) => e,
+        Err(LeaseLoss::HeldByAnother) => return Err(Takeover::HeldByAnother),
+        Err(e) => return Err(Takeover::Failed(format!("lease unavailable: {e}"))),
+    };
+    let release = |why: String| async move {
+        let _ = shared.lease.release().await;
+        Err(Takeover::Failed(why))
+    };
+    match retained {
+        Some(h) => {
+            if h.epoch + 1 != epoch && h.epoch != 0 {
+                return release(format!(
+                    "handoff epoch {} cannot precede claimed epoch {epoch}",
+                    h.epoch
+                ))
+                .await;
+            }
+            if let Err(why) = crate::handoff::apply(shared, h) {
+                return release(format!("handoff rejected: {why}")).await;
+            }
+        }
+        None => {
+            // A fenced primary without a peer: its own state file is the best it has.
+            if let Some(reason) = crate::handoff::resume(shared) {
+                return release(reason).await;
+            }
+        }
+    }
+    if shared.lease.control(shared.clock.now()) != Control::Active {
+        return release("lease expired while applying handoff".into()).await;
+    }
+    set_role(shared, true, false, "");
+    // The agents learn the new epoch from this first fenced call and refuse the old primary's.
+    crate::lifecycle::driver::check_identities(shared).await;
+    if shared.lease.control(shared.clock.now()) != Control::Active {
+        set_role(
+            shared,
+            false,
+            true,
+            "lease expired during identity validation",
+        );
+        return release("lease expired during identity validation".into()).await;
+    }
+    crate::handoff::mark_dirty(shared);
+    Ok(())
+}
