@@ -226,6 +226,30 @@ async fn claim_refuse_takeover_fence_and_release() {
     assert_eq!(rc.epoch, 3, "the epoch advances across a vanished record");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_claims_have_exactly_one_winner() {
+    let etcd = Etcd::start().await;
+    let key = "/narwhal/t6/router-lease";
+    let mut tasks = Vec::new();
+    for i in 0..6 {
+        let s = etcd.store(key, Duration::from_secs(2));
+        tasks.push(tokio::spawn(async move {
+            let core = Lease::new(format!("r{i}:x"), timing(2000, 500, 500));
+            s.claim(&core, 1000.0).await.unwrap()
+        }));
+    }
+    let mut winners = Vec::new();
+    for t in tasks {
+        if let Claim::Write(rec) = t.await.unwrap() {
+            winners.push(rec);
+        }
+    }
+    assert_eq!(winners.len(), 1, "{winners:?}");
+    assert_eq!(winners[0].epoch, 1);
+    let s = etcd.store(key, Duration::from_secs(2));
+    assert_eq!(s.read().await.unwrap(), Some(winners.remove(0)));
+}
+
 #[tokio::test]
 async fn a_lapsed_etcd_lease_removes_the_record_and_the_epoch_still_advances() {
     let etcd = Etcd::start().await;

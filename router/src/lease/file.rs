@@ -346,6 +346,29 @@ mod tests {
         assert!(leftovers.is_empty(), "temp files left: {leftovers:?}");
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_claims_have_exactly_one_winner() {
+        let (_dir, store) = setup();
+        let mut tasks = Vec::new();
+        for i in 0..8 {
+            // Separate stores: every operation opens its own lock file description.
+            let s = FileLease::new(store.path());
+            tasks.push(tokio::spawn(async move {
+                let core = Lease::new(format!("r{i}:x"), timing());
+                s.claim(&core, 100.0).await.unwrap()
+            }));
+        }
+        let mut winners = Vec::new();
+        for t in tasks {
+            if let Claim::Write(rec) = t.await.unwrap() {
+                winners.push(rec);
+            }
+        }
+        assert_eq!(winners.len(), 1, "{winners:?}");
+        assert_eq!(winners[0].epoch, 1);
+        assert_eq!(store.read().await.unwrap(), Some(winners.remove(0)));
+    }
+
     #[tokio::test]
     async fn a_torn_record_is_an_error_not_an_absent_lease() {
         let (_dir, store) = setup();
