@@ -230,8 +230,9 @@ impl<S: LeaseStore> LeaseDriver<S> {
     /// Backend `none`: `Ok(0)`.
     ///
     /// # Errors
-    /// [`LeaseLoss::HeldByAnother`] while another router's record is live;
-    /// [`LeaseLoss::Unavailable`] when the store fails. Control is unchanged then.
+    /// [`LeaseLoss::HeldByAnother`] while another router's record is live (a router that
+    /// believed it held the lease is fenced by this answer); [`LeaseLoss::Unavailable`] when
+    /// the store fails (control unchanged: local validity still bounds it).
     pub async fn claim(&self) -> Result<u64, LeaseLoss> {
         let Some(store) = &self.store else {
             return Ok(0);
@@ -252,6 +253,10 @@ impl<S: LeaseStore> LeaseDriver<S> {
                 expires_at,
             }) => {
                 tracing::info!(%holder, epoch, expires_at, "router lease held by another router");
+                if let Some(ours) = core.epoch() {
+                    // We thought we held it: someone took over, so stop controlling now.
+                    self.fence(ours, LeaseLoss::HeldByAnother);
+                }
                 Err(LeaseLoss::HeldByAnother)
             }
             Err(e) => {
@@ -542,6 +547,11 @@ mod tests {
         assert_eq!(b.epoch(), 2);
         assert_eq!(a.control(t0), Control::Active, "A has not noticed yet");
         assert_eq!(a.renew().await, Err(LeaseLoss::HeldByAnother));
+        assert_eq!(
+            a.renew().await,
+            Err(LeaseLoss::HeldByAnother),
+            "stays fenced"
+        );
         let st = a.status(t0);
         assert_eq!((st.control, st.epoch), (Control::Fenced, 0));
         assert_eq!(st.reason.as_deref(), Some("lease held by another router"));
@@ -551,6 +561,22 @@ mod tests {
         assert_eq!(a.claim().await, Ok(3));
         assert_eq!(a.control(clock_a.now()), Control::Active);
         assert_eq!(a.renew().await, Ok(3));
+    }
+
+    #[tokio::test]
+    async fn a_claim_that_finds_another_holder_fences_a_router_that_thought_it_held() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("lease");
+        let t0 = SystemClock.now();
+        let clock_a = Arc::new(ManualClock::new(t0, 1_000.0));
+        let clock_b = Arc::new(ManualClock::new(t0, 1_003.0));
+        let a = file_driver(&path, "a", timing(2000, 500, 500), clock_a.clone());
+        let b = file_driver(&path, "b", timing(2000, 500, 500), clock_b.clone());
+        assert_eq!(a.claim().await, Ok(1));
+        assert_eq!(b.claim().await, Ok(2));
+        assert_eq!(a.control(t0), Control::Active);
+        assert_eq!(a.claim().await, Err(LeaseLoss::HeldByAnother));
+        assert_eq!(a.control(t0), Control::Fenced);
     }
 
     #[tokio::test]
