@@ -50,12 +50,12 @@ fn http() -> reqwest::Client {
 
 /// Starts the fleet under restart `policy` (`individual` or `whole_wave`), with extra
 /// simulator flags and fleet-file overrides.
-fn lab(policy: &str, sim_args: &[&str], overrides: Value) -> Lab {
-    lab_with("vllm", policy, sim_args, overrides)
+async fn lab(policy: &str, sim_args: &[&str], overrides: Value) -> Lab {
+    lab_with("vllm", policy, sim_args, overrides).await
 }
 
 /// [`lab`] with engines of `dialect` (`vllm` or `sglang`).
-fn lab_with(dialect: &str, policy: &str, sim_args: &[&str], overrides: Value) -> Lab {
+async fn lab_with(dialect: &str, policy: &str, sim_args: &[&str], overrides: Value) -> Lab {
     let dir = tempfile::tempdir().expect("tempdir");
     let certs = make_dev_certs(
         &dir.path().join("certs"),
@@ -85,7 +85,7 @@ fn lab_with(dialect: &str, policy: &str, sim_args: &[&str], overrides: Value) ->
         .with(overrides);
     let router = start_router(dir.path(), "router", &spec, &[]).expect("router");
     let [p0, d0] = sims;
-    Lab {
+    let lab = Lab {
         router,
         p0,
         d0,
@@ -94,7 +94,14 @@ fn lab_with(dialect: &str, policy: &str, sim_args: &[&str], overrides: Value) ->
         http: http(),
         _certs: certs,
         dir,
-    }
+    };
+    // The router's startup identity check (reference-notes 4.10) accepts both processes in one
+    // step; tests start from there, so it never races what they do to engines and agents.
+    lab.doc_until("process identities accepted at startup", |d| {
+        d["process_starts"]["p0"].is_number() && d["process_starts"]["d0"].is_number()
+    })
+    .await;
+    lab
 }
 
 impl Lab {
@@ -399,7 +406,7 @@ fn metric(text: &str, name: &str, parts: &[&str]) -> Option<f64> {
 /// `ready_to_stop`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop() {
-    let lab = lab("individual", &["--tpot-ms", "40"], json!({}));
+    let lab = lab("individual", &["--tpot-ms", "40"], json!({})).await;
     // Two streams of ~1.2 s each, decoding on d0.
     let s1 = Stream::start(&lab, "first stream in flight", 30).await;
     let s2 = Stream::start(&lab, "second stream in flight", 30).await;
@@ -487,7 +494,7 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
 /// restart it passes every check in the seed's order, and traffic reaches the engine again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_again() {
-    let mut lab = lab("individual", &[], json!({}));
+    let mut lab = lab("individual", &[], json!({})).await;
     let (status, doc) = lab.post("drain", json!({"engines": ["d0"]})).await;
     assert_eq!(status, 200, "{doc:#}");
     lab.journal_event("drain_complete", Some("d0")).await;
@@ -575,7 +582,7 @@ async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_a
 /// blocked engine keeps its recorded identity, so each retry is a plain readmit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
-    let mut lab = lab("individual", &[], json!({}));
+    let mut lab = lab("individual", &[], json!({})).await;
     let (status, doc) = lab.post("drain", json!({"engines": ["p0"]})).await;
     assert_eq!(status, 200, "{doc:#}");
     lab.journal_event("drain_complete", Some("p0")).await;
@@ -583,7 +590,23 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
 
     async fn refused(lab: &Lab, what: &str) -> (String, Vec<String>) {
         let (status, doc) = lab.post("readmit", json!({"engines": ["p0"]})).await;
-        assert_eq!(status, 409, "{what}: {doc:#}");
+        if status != 409 {
+            let faults: Value = lab
+                .http
+                .get(format!("{}/sim/faults", lab.p0.url))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let recent = lab.stats(&lab.p0).await["recent"].clone();
+            panic!(
+                "{what}: {status} {}; p0 faults {faults}; p0 recent {recent:#}; router log {}",
+                doc["error"],
+                lab.router.proc.stderr_tail(60)
+            );
+        }
         assert_eq!(doc["error"], "readmission validation failed", "{what}");
         let e = &doc["engines"]["p0"];
         assert_eq!(e["state"], "blocked", "{what}");
@@ -715,7 +738,7 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
 /// blocks the whole wave naming that engine, and passes once it is restarted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whole_wave_drain_and_readmission() {
-    let mut lab = lab("whole_wave", &["--tpot-ms", "40"], json!({}));
+    let mut lab = lab("whole_wave", &["--tpot-ms", "40"], json!({})).await;
     let (status, doc) = lab.post("drain", json!({"engines": ["p0"]})).await;
     assert_eq!(status, 409);
     assert_eq!(
@@ -837,7 +860,7 @@ async fn whole_wave_drain_and_readmission() {
 /// (reference-notes 4.3 rule 6).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requirement() {
-    let mut lab = lab("individual", &[], json!({"recovery": {"eject_after": 1}}));
+    let mut lab = lab("individual", &[], json!({"recovery": {"eject_after": 1}})).await;
     lab.complete("warm up").await;
     lab.d0.proc.kill();
     // Connection refused on d0's decode legs: the breaker ejects it (requests may still be
@@ -922,7 +945,7 @@ async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requ
 /// malformed bodies. Every reply is the full document with the message in `error`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lifecycle_refusals_have_the_reference_shapes() {
-    let lab = lab("individual", &[], json!({}));
+    let lab = lab("individual", &[], json!({})).await;
     let conflict = |body: Value, msg: &'static str| {
         let lab = &lab;
         async move {
@@ -1038,7 +1061,7 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
 /// identity and completes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_with_agent_down_is_503_holds_the_engine_and_the_retry_succeeds() {
-    let mut lab = lab("individual", &[], json!({"agent": {"timeout_s": 2}}));
+    let mut lab = lab("individual", &[], json!({"agent": {"timeout_s": 2}})).await;
     lab.a0.proc.kill();
     let (status, doc) = lab.post("drain", json!({"engines": ["p0"]})).await;
     assert_eq!(status, 503, "{doc:#}");
@@ -1183,7 +1206,7 @@ fn ctl(control: &str, args: &[&str]) -> std::process::Output {
 /// 1 for a refused action, 3 for an unreachable router.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn narwhalctl_wave_restart_and_rolling_restart() {
-    let lab = lab("individual", &[], json!({}));
+    let lab = lab("individual", &[], json!({})).await;
     let script = restart_script(lab.dir.path(), &[&lab.p0, &lab.d0]);
     let _reap = PidFiles(vec![
         lab.dir.path().join("p0.pid"),
@@ -1273,7 +1296,7 @@ async fn narwhalctl_wave_restart_and_rolling_restart() {
 /// error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
-    let lab = lab("individual", &["--tpot-ms", "40"], json!({}));
+    let lab = lab("individual", &["--tpot-ms", "40"], json!({})).await;
     let s = Stream::start(&lab, "outlives the drain deadline", 30).await;
     let (status, doc) = lab
         .post("drain", json!({"engines": ["d0"], "deadline_s": 0.2}))
@@ -1314,7 +1337,7 @@ async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
 /// every engine restarts the wave readmission returns the fleet to service.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes() {
-    let mut lab = lab("whole_wave", &[], json!({"recovery": {"eject_after": 1}}));
+    let mut lab = lab("whole_wave", &[], json!({"recovery": {"eject_after": 1}})).await;
     lab.complete("warm up").await;
     lab.d0.proc.kill();
     let _ = lab
@@ -1380,7 +1403,7 @@ async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes
 /// engine is right it is readmitted automatically.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
-    let mut lab = lab("individual", &[], json!({"recovery": {"eject_after": 1}}));
+    let mut lab = lab("individual", &[], json!({"recovery": {"eject_after": 1}})).await;
     lab.complete("warm up").await;
     lab.d0.proc.kill();
     let _ = lab
@@ -1421,7 +1444,7 @@ async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
 /// after its readmission answers 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
-    let mut lab = lab_with("sglang", "individual", &[], json!({}));
+    let mut lab = lab_with("sglang", "individual", &[], json!({})).await;
     lab.complete("warm up").await;
     let (status, doc) = lab.post("drain", json!({"engines": ["p0"]})).await;
     assert_eq!(status, 200, "{doc:#}");
@@ -1429,6 +1452,38 @@ async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
     let old_port = lab.p0.bootstrap_port;
     respawn(lab.dir.path(), &mut lab.p0, "tiny-sim", Some(0));
     assert_ne!(lab.p0.bootstrap_port, old_port, "a new bootstrap port");
+    let rejected_before = lab.stats(&lab.d0).await["kv"]["rejected"].clone();
+    // Traffic runs through the readmission: the first P/D requests placed on p0 after it is
+    // back must already use its new bootstrap port.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let hammer = {
+        let (http, data, stop) = (lab.http.clone(), lab.router.data.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut bad = Vec::new();
+            let mut i = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                i += 1;
+                let r = http
+                    .post(format!("{data}/v1/completions"))
+                    .json(
+                        &json!({"model": "tiny-sim", "prompt": format!("hammer {i}"),
+                                  "max_tokens": 2}),
+                    )
+                    .send()
+                    .await;
+                match r {
+                    Ok(r) if r.status() == 200 => {}
+                    Ok(r) => bad.push(format!(
+                        "{}: {}",
+                        r.status(),
+                        r.text().await.unwrap_or_default()
+                    )),
+                    Err(e) => bad.push(e.to_string()),
+                }
+            }
+            (i, bad)
+        })
+    };
     let (status, doc) = lab.post("readmit", json!({"engines": ["p0"]})).await;
     assert_eq!(status, 200, "{doc:#}");
     assert_checks(
@@ -1441,6 +1496,20 @@ async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
             "fabric produce to d0",
             "final health",
         ],
+    );
+    let p_now = n(&lab.stats(&lab.p0).await["requests"]["prefill"]);
+    wait_until(WAIT, || async {
+        (n(&lab.stats(&lab.p0).await["requests"]["prefill"]) >= p_now + 5).then_some(())
+    })
+    .await
+    .expect("P/D traffic on p0 after readmission");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (sent, bad) = hammer.await.unwrap();
+    assert!(bad.is_empty(), "{} of {sent} failed: {bad:?}", bad.len());
+    assert_eq!(
+        lab.stats(&lab.d0).await["kv"]["rejected"],
+        rejected_before,
+        "no decode used a stale bootstrap port"
     );
     let (p, d) = (
         lab.stats(&lab.p0).await["requests"]["prefill"].clone(),
@@ -1461,7 +1530,7 @@ async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
 /// while it is down, and the restarted process passes the wave readmission.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() {
-    let mut lab = lab("whole_wave", &[], json!({"recovery": {"eject_after": 1}}));
+    let mut lab = lab("whole_wave", &[], json!({"recovery": {"eject_after": 1}})).await;
     let d0_start = lab.stats(&lab.d0).await["started_at"].as_f64().unwrap();
     lab.doc_until("identities accepted at startup", |d| {
         d["process_starts"]["d0"].as_f64().is_some() && d["process_starts"]["p0"].as_f64().is_some()
@@ -1504,7 +1573,7 @@ async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() 
 /// after the peer restarts once more; this test pins that path (see the issue-4 report).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
-    let mut lab = lab("individual", &[], json!({}));
+    let mut lab = lab("individual", &[], json!({})).await;
     lab.doc_until("identities accepted at startup", |d| {
         d["process_starts"]["d0"].as_f64().is_some()
     })
@@ -1560,7 +1629,8 @@ async fn engine_crashing_while_draining_is_readmitted_by_the_operator() {
         "individual",
         &["--tpot-ms", "40"],
         json!({"recovery": {"eject_after": 1}}),
-    );
+    )
+    .await;
     let s = Stream::start(&lab, "its decode engine will crash", 30).await;
     let (status, doc) = lab.post("drain", json!({"engines": ["d0"]})).await;
     assert_eq!(status, 200, "{doc:#}");

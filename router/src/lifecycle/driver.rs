@@ -186,39 +186,8 @@ pub(crate) fn refresh(shared: &Shared) {
     commit(shared, &mut lc);
 }
 
-/// Reads every engine's process start through its agent once at startup and accepts it as the
-/// last verified start (reference-notes 4.10, startup part; the ejection of changed processes
-/// is not done here). Engines whose agent does not answer stay without one.
-async fn accept_startup_identities(shared: Arc<Shared>) {
-    if !shared.ha().controls_fleet {
-        return;
-    }
-    let ids: Vec<String> = shared
-        .cfg
-        .engines
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| shared.agents.has(*i))
-        .map(|(_, e)| e.iid.clone())
-        .collect();
-    let got = futures_util::future::join_all(ids.iter().map(|iid| capture(&shared, iid))).await;
-    let mut lc = shared.lifecycle();
-    for (iid, r) in ids.iter().zip(got) {
-        match r {
-            Ok(start) => {
-                lc.accept_startup_process_start(iid, start);
-            }
-            Err(e) => {
-                tracing::warn!(engine.id = %iid, error = %e, "startup process identity unreadable")
-            }
-        }
-    }
-}
-
-/// Wakes at the next drain deadline (or when a drain starts) and refreshes. At startup it also
-/// records every engine's verified process start ([`accept_startup_identities`]).
+/// Wakes at the next drain deadline (or when a drain starts) and refreshes.
 pub(crate) async fn timer(shared: Arc<Shared>, stop: CancellationToken) {
-    tokio::spawn(accept_startup_identities(shared.clone()));
     loop {
         let next = shared.lifecycle().next_deadline();
         let wait = async {
@@ -736,7 +705,8 @@ pub(crate) fn resume_refused(shared: &Shared, reason: &str) {
 /// comes back only through validation. Engines held by the lifecycle are left alone. The
 /// first fenced agent call also teaches each agent this router's epoch.
 pub(crate) async fn check_identities(shared: &Arc<Shared>) {
-    let candidates: Vec<(usize, String)> = {
+    let candidates: Vec<(usize, String, Option<f64>)> = {
+        let lc = shared.lifecycle();
         let core = shared.core();
         shared
             .cfg
@@ -748,30 +718,26 @@ pub(crate) async fn check_identities(shared: &Arc<Shared>) {
                 !core.slots[*i].excluded.contains(&Exclusion::Draining)
                     && !core.slots[*i].excluded.contains(&Exclusion::Ejected)
             })
-            .map(|(i, e)| (i, e.iid.clone()))
+            .map(|(i, e)| (i, e.iid.clone(), lc.process_starts().get(&e.iid).copied()))
             .collect()
     };
     let reads =
-        futures_util::future::join_all(candidates.iter().map(|(_, iid)| capture(shared, iid)))
+        futures_util::future::join_all(candidates.iter().map(|(_, iid, _)| capture(shared, iid)))
             .await;
     let t = now(shared);
     let mut lc = shared.lifecycle();
-    for ((i, iid), r) in candidates.into_iter().zip(reads) {
+    for ((i, iid, before), r) in candidates.into_iter().zip(reads) {
         let previous = lc.process_starts().get(&iid).copied();
-        match r {
-            Ok(start) if previous.is_none_or(|p| p == start) => {
-                lc.accept_process_start(&iid, start);
-            }
-            other => {
-                let reason = match &other {
-                    Ok(_) => "engine process changed behind the router".to_string(),
-                    Err(e) => e.clone(),
-                };
+        let held = lc.state(&iid) != super::machine::DrainState::Active;
+        match identity_verdict(held, before, previous, &r) {
+            IdentityVerdict::Skip => {}
+            IdentityVerdict::Accept(start) => lc.accept_process_start(&iid, start),
+            IdentityVerdict::Exclude(reason) => {
                 tracing::warn!(engine.id = %iid, %reason, ?previous, "engine excluded by the identity check");
                 shared.journal.emit(serde_json::json!({
                     "event": "engine_lifecycle", "action": "process_excluded", "at": t.wall,
                     "iid": iid, "reason": reason, "previous_process_start": previous,
-                    "observed_process_start": other.ok(),
+                    "observed_process_start": r.ok(),
                 }));
                 let mut core = shared.core();
                 let tr = core
@@ -782,6 +748,38 @@ pub(crate) async fn check_identities(shared: &Arc<Shared>) {
         }
     }
     commit(shared, &mut lc);
+}
+
+/// What the identity check does with one engine's reading (reference-notes 4.10).
+#[derive(Debug, Clone, PartialEq)]
+enum IdentityVerdict {
+    /// The lifecycle took the engine over while the agent was being asked (a drain began, or a
+    /// readmission accepted a newer start): its process is the lifecycle's business now.
+    Skip,
+    /// The same process as last accepted (or the first one seen): accept its start.
+    Accept(f64),
+    /// Changed or unreadable: eject (cause `process_identity`) with this reason.
+    Exclude(String),
+}
+
+/// Decides on one reading. `held` is whether the engine has a non-`active` lifecycle record
+/// now; `before`/`now` are its accepted start when the check began and now; `read` is the
+/// process start read through the agent. Found by tests/tests/lifecycle_e2e.rs: applying a
+/// reading taken before a drain began ejected engines in the middle of a planned restart.
+fn identity_verdict(
+    held: bool,
+    before: Option<f64>,
+    now: Option<f64>,
+    read: &Result<f64, String>,
+) -> IdentityVerdict {
+    if held || before != now {
+        return IdentityVerdict::Skip;
+    }
+    match read {
+        Ok(start) if now.is_none_or(|p| p == *start) => IdentityVerdict::Accept(*start),
+        Ok(_) => IdentityVerdict::Exclude("engine process changed behind the router".into()),
+        Err(e) => IdentityVerdict::Exclude(e.clone()),
+    }
 }
 
 /// [`check_identities`] for `tokio::spawn`.
@@ -959,6 +957,37 @@ impl Checks for AgentChecks {
 mod tests {
     use super::*;
     use crate::config::{Backend, Role};
+
+    #[test]
+    fn identity_check_leaves_engines_the_lifecycle_took_over_meanwhile() {
+        let err: Result<f64, String> = Err("process identity unreadable: HTTP 503".into());
+        assert_eq!(
+            identity_verdict(true, Some(1.0), Some(1.0), &err),
+            IdentityVerdict::Skip,
+            "a drain began while the agent was asked"
+        );
+        assert_eq!(
+            identity_verdict(false, Some(1.0), Some(2.0), &Ok(1.0)),
+            IdentityVerdict::Skip,
+            "a readmission accepted a newer start meanwhile"
+        );
+        assert_eq!(
+            identity_verdict(false, None, None, &Ok(5.0)),
+            IdentityVerdict::Accept(5.0)
+        );
+        assert_eq!(
+            identity_verdict(false, Some(5.0), Some(5.0), &Ok(5.0)),
+            IdentityVerdict::Accept(5.0)
+        );
+        assert_eq!(
+            identity_verdict(false, Some(5.0), Some(5.0), &Ok(6.0)),
+            IdentityVerdict::Exclude("engine process changed behind the router".into())
+        );
+        assert_eq!(
+            identity_verdict(false, Some(5.0), Some(5.0), &err),
+            IdentityVerdict::Exclude("process identity unreadable: HTTP 503".into())
+        );
+    }
 
     #[test]
     fn sglang_prefill_targets_refresh_their_bootstrap_port_before_release() {

@@ -207,19 +207,6 @@ impl Lifecycle {
         self.process_starts.insert(iid.to_string(), start);
     }
 
-    /// Accepts `start` (Unix seconds, read through the engine's agent at router startup) as
-    /// the engine's verified process start unless one is already known, e.g. restored from a
-    /// handoff or accepted by a readmission that finished first (reference-notes 4.10, the
-    /// startup sweep). Returns whether it was accepted. A drain of an engine that has crashed
-    /// since then binds to this start (reference-notes 4.4, [`Lifecycle::bind_identity`]).
-    pub fn accept_startup_process_start(&mut self, iid: &str, start: f64) -> bool {
-        if !self.engines.iter().any(|e| e == iid) || self.process_starts.contains_key(iid) {
-            return false;
-        }
-        self.process_starts.insert(iid.to_string(), start);
-        true
-    }
-
     /// The last [`EVENT_HISTORY`] events, oldest first.
     pub fn events(&self) -> impl Iterator<Item = &Value> {
         self.events.iter()
@@ -1164,13 +1151,13 @@ mod tests {
 
     #[test]
     fn startup_identity_binds_a_crashed_engine_in_a_forced_wave() {
-        // Found by tests/tests/lifecycle_e2e.rs: without the startup sweep, a crashed engine's
-        // forced-wave drain stayed 503 until it was restarted, and then needed a second restart.
+        // Found by tests/tests/lifecycle_e2e.rs: without the starts accepted at startup
+        // (driver::check_identities), a crashed engine's forced-wave drain stayed 503 until it
+        // was restarted, and then needed a second restart.
         let now = t0();
         let mut l = lc(&["e0", "e1"], RestartPolicy::WholeWave);
-        assert!(l.accept_startup_process_start("e0", 90.0));
-        assert!(l.accept_startup_process_start("e1", 91.0));
-        assert!(!l.accept_startup_process_start("zz", 1.0), "unknown engine");
+        l.accept_process_start("e0", 90.0);
+        l.accept_process_start("e1", 91.0);
         l.require_restart_wave(now, "engine e1 was excluded", false, "wave-a");
         let plan = l
             .begin(now, &drain(&[], true), &set(&[]), "wave-b")
@@ -1181,21 +1168,6 @@ mod tests {
         assert_eq!(l.record("e1").unwrap().old_process_start, Some(91.0));
         l.refresh(now, |_| 0);
         assert!(l.wave_ready_to_stop());
-    }
-
-    #[test]
-    fn startup_identity_never_overrides_a_known_start() {
-        let now = t0();
-        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
-        drained(&mut l, now, "e0");
-        l.mark_validating(now, &["e0".to_string()], false, |_| 0)
-            .unwrap();
-        l.readmitted(now, &BTreeMap::from([("e0".to_string(), ok(200.0))]));
-        assert!(
-            !l.accept_startup_process_start("e0", 100.0),
-            "a sweep answer older than the readmission"
-        );
-        assert_eq!(l.process_starts()["e0"], 200.0);
     }
 
     #[test]
