@@ -430,6 +430,12 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
     let old = e["old_process_start"].as_f64().expect("identity recorded");
     assert!((old - d0_start).abs() < 0.05, "old {old} vs sim {d0_start}");
     assert_eq!(doc["engines"]["p0"]["state"], "active");
+    assert_eq!(doc["wave"]["active"], false);
+    assert_eq!(
+        lab.ready().await.0,
+        200,
+        "an individual drain keeps the router ready"
+    );
     // Not readmittable while work is resident.
     let (status, doc) = lab.post("readmit", json!({"engines": ["d0"]})).await;
     assert_eq!(status, 409);
@@ -487,6 +493,22 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
     assert_eq!(
         metric(&m, "narwhal_engine_draining", &["iid=\"d0\""]),
         Some(1.0)
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "narwhal_engine_lifecycle_state",
+            &["iid=\"d0\"", "state=\"drained\""]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "narwhal_engine_lifecycle_state",
+            &["iid=\"d0\"", "state=\"draining\""]
+        ),
+        Some(0.0)
     );
 }
 
@@ -759,7 +781,9 @@ async fn whole_wave_drain_and_readmission() {
         "{wave_id}"
     );
     assert_eq!(doc["wave"]["active"], true);
+    assert_eq!(doc["wave"]["readiness_withdrawn"], true);
     assert_eq!(doc["wave"]["ready_to_stop"], false);
+    assert_eq!(doc["router"]["ready"], false);
     let (status, ready) = lab.ready().await;
     assert_eq!(status, 503, "{ready}");
     assert_eq!(
