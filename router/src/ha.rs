@@ -227,17 +227,8 @@ pub(crate) async fn standby_loop(
                 continue;
             }
         }
-        match take_over(&shared, retained.as_deref()).await {
+        match take_over(&shared, retained.as_deref(), last_good).await {
             Ok(()) => {
-                let gap = last_good.map(|t| shared.clock.now().saturating_duration_since(t));
-                tracing::info!(
-                    epoch = shared.lease.epoch(),
-                    gap_s = gap.map(|g| g.as_secs_f64()),
-                    "took over the fleet"
-                );
-                if let Some(g) = gap {
-                    shared.metrics.takeover_gap.set(g.as_secs_f64());
-                }
                 keep(shared.clone(), opts.clone(), stop.clone());
                 return;
             }
@@ -257,11 +248,23 @@ enum Takeover {
     Failed(String),
 }
 
-async fn take_over(shared: &Arc<Shared>, retained: Option<&Handoff>) -> Result<(), Takeover> {
+/// Why `/ready` is 503 between the claim and the end of the identity check (reference-notes
+/// 1.3 item 6): the router controls the fleet but serves nothing until every engine's identity
+/// was re-checked through its agent (reference-notes 1.2 `identities_ready`, 2.9).
+pub(crate) const IDENTITY_PENDING: &str = "engine identity validation pending";
+
+/// Claims the lease, applies `retained` (or the own state file), re-checks identities, then
+/// records the takeover gap (monotonic time since `last_good`, the last good poll) and only
+/// then clears the readiness hold, so `/ready` 200 means the takeover is complete.
+async fn take_over(
+    shared: &Arc<Shared>,
+    retained: Option<&Handoff>,
+    last_good: Option<Instant>,
+) -> Result<(), Takeover> {
     let epoch = match shared.lease.claim().await {
         Ok(e) => e,
         Err(LeaseLoss::HeldByAnother) => return Err(Takeover::HeldByAnother),
-        Err(e) => return Err(Takeover::Failed(format!("lease unavailable: {e}"))),
+        Err(e) => return Err(Takeover::Failed(e.to_string())),
     };
     let release = |why: String| async move {
         let _ = shared.lease.release().await;
@@ -290,7 +293,10 @@ async fn take_over(shared: &Arc<Shared>, retained: Option<&Handoff>) -> Result<(
     if shared.lease.control(shared.clock.now()) != Control::Active {
         return release("lease expired while applying handoff".into()).await;
     }
-    set_role(shared, true, false, "");
+    // Controls the fleet (the identity check runs only then) but is not ready yet: no
+    // placement on an engine whose process was not re-checked (found by ha_e2e: `/ready`
+    // answered 200 before the agents had been asked).
+    set_role(shared, true, false, IDENTITY_PENDING);
     // The agents learn the new epoch from this first fenced call and refuse the old primary's.
     crate::lifecycle::driver::check_identities(shared).await;
     if shared.lease.control(shared.clock.now()) != Control::Active {
@@ -301,6 +307,26 @@ async fn take_over(shared: &Arc<Shared>, retained: Option<&Handoff>) -> Result<(
             "lease expired during identity validation",
         );
         return release("lease expired during identity validation".into()).await;
+    }
+    if !shared.ha().controls_fleet {
+        // An agent answered stale_epoch: a newer router exists; `fence` set the reason.
+        return release("fenced by an agent during identity validation".into()).await;
+    }
+    let gap = last_good.map(|t| shared.clock.now().saturating_duration_since(t));
+    tracing::info!(
+        epoch = shared.lease.epoch(),
+        gap_s = gap.map(|g| g.as_secs_f64()),
+        "took over the fleet"
+    );
+    if let Some(g) = gap {
+        shared.metrics.takeover_gap.set(g.as_secs_f64());
+    }
+    {
+        // Clear only our own hold: a stale-epoch answer during the check may have fenced us.
+        let mut ha = shared.ha.lock().unwrap_or_else(|p| p.into_inner());
+        if ha.failover_blocked == IDENTITY_PENDING {
+            ha.failover_blocked.clear();
+        }
     }
     crate::handoff::mark_dirty(shared);
     Ok(())

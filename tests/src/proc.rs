@@ -165,7 +165,7 @@ impl ChildProc {
     /// Waits up to `timeout` for the child to exit by itself; returns its exit code.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
         let deadline = Instant::now() + timeout;
-        while Instant::now() < deadline {
+        while self.child.is_some() && Instant::now() < deadline {
             if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
                 self.child = None;
                 return status.code();

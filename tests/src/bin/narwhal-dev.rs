@@ -76,6 +76,9 @@ struct UpArgs {
     /// Extra flags for every simulator, e.g. `--sim-arg=--tpot-ms --sim-arg=5`.
     #[arg(long = "sim-arg", allow_hyphen_values = true)]
     sim_args: Vec<String>,
+    /// Also start a warm standby router (file lease in DIR) that takes over if the primary dies.
+    #[arg(long)]
+    standby: bool,
 }
 
 #[derive(clap::Args)]
@@ -112,16 +115,25 @@ struct RestartArgs {
 
 /// Everything `up` started.
 struct Fleet {
+    // Field order is drop order: routers stop (gracefully, see `Drop`) before the engines.
+    router: RouterHandle,
+    /// The warm standby router, with `--standby`.
+    standby: Option<RouterHandle>,
     sims: Vec<SimHandle>,
     agents: Vec<AgentHandle>,
     /// Agent id serving each engine.
     host_of: Vec<String>,
-    router: RouterHandle,
     dir: PathBuf,
     certs: PathBuf,
     dialect: String,
     /// `http://127.0.0.1:PORT` of this process's restart endpoint, once serving.
     dev_control: String,
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        self.stop_routers();
+    }
 }
 
 impl Fleet {
@@ -174,12 +186,37 @@ impl Fleet {
                 fleet = fleet.agent(&s.iid, a);
             }
         }
-        let router = start_router(&dir, "router", &fleet, &[]).map_err(|e| e.to_string())?;
+        let (router, standby) = if args.standby {
+            // Two routers, one lease (file backend in DIR), each with its own state file.
+            let lease = json!({"lease": {"backend": "file", "path": dir.join("router.lease.json"),
+                                         "ttl_s": 2.0, "renew_interval_s": 0.5, "safety_margin_s": 0.5}});
+            let primary = fleet
+                .clone()
+                .with(lease.clone())
+                .with(json!({"recovery": {"state_path": dir.join("state-primary.json")}}));
+            let router = start_router(&dir, "router", &primary, &["--router-id", "primary"])
+                .map_err(|e| e.to_string())?;
+            let secondary = fleet
+                .with(lease)
+                .with(json!({"recovery": {"state_path": dir.join("state-standby.json")}}));
+            let standby = start_router(
+                &dir,
+                "standby",
+                &secondary,
+                &["--standby-of", &router.control, "--router-id", "standby"],
+            )
+            .map_err(|e| e.to_string())?;
+            (router, Some(standby))
+        } else {
+            let router = start_router(&dir, "router", &fleet, &[]).map_err(|e| e.to_string())?;
+            (router, None)
+        };
         Ok(Fleet {
+            router,
+            standby,
             sims,
             agents,
             host_of,
-            router,
             dir,
             certs: certs_dir,
             dialect: args.dialect.clone(),
@@ -202,6 +239,9 @@ impl Fleet {
                 "fleet": self.router.fleet,
                 "journal": self.router.journal,
             },
+            "standby": self.standby.as_ref().map(|r| json!({
+                "data": r.data, "control": r.control, "pid": r.proc.pid(), "fleet": r.fleet,
+            })),
             "engines": self.sims.iter().zip(&self.host_of).map(|(s, h)| json!({
                 "iid": s.iid, "role": s.role, "url": s.url, "pid": s.proc.pid(), "agent": h,
             })).collect::<Vec<_>>(),
@@ -209,6 +249,19 @@ impl Fleet {
                 "id": a.agent_id, "url": a.url, "pid": a.proc.pid(), "public_key": a.public_key,
             })).collect::<Vec<_>>(),
         })
+    }
+
+    /// Stops the routers gracefully (SIGTERM: open streams finish, the lease is released),
+    /// before the engines and agents are killed by their own drops.
+    fn stop_routers(&mut self) {
+        for r in std::iter::once(&mut self.router).chain(self.standby.as_mut()) {
+            r.proc.signal(nix::sys::signal::Signal::SIGTERM);
+        }
+        for r in std::iter::once(&mut self.router).chain(self.standby.as_mut()) {
+            if r.proc.wait_exit(Duration::from_secs(40)).is_none() {
+                r.proc.kill();
+            }
+        }
     }
 
     /// Restarts engine `iid` on its ports; returns the new pid.
@@ -393,6 +446,14 @@ async fn up(args: UpArgs) -> ExitCode {
         for a in &f.agents {
             println!("  agent  {:<6} {}  pid {}", a.agent_id, a.url, a.proc.pid());
         }
+        if let Some(s) = &f.standby {
+            println!(
+                "  standby router data={} control={}  pid {} (takes over if the primary dies)",
+                s.data,
+                s.control,
+                s.proc.pid()
+            );
+        }
         println!("  certificates in {}", f.certs.display());
         println!("  logs, journal and fleet file in {}", f.dir.display());
         println!("  ready file {}", ready.display());
@@ -564,6 +625,7 @@ async fn demo(args: DemoArgs) -> ExitCode {
             dir: base.join(dialect),
             ready_file: None,
             sim_args: vec!["--tpot-ms".into(), "1".into()],
+            standby: true,
         };
         let (fleet, _ready) = match bring_up(&up).await {
             Ok(f) => f,
@@ -679,7 +741,9 @@ async fn demo(args: DemoArgs) -> ExitCode {
         }
         // Lifecycle tour through narwhalctl, the reference external supervisor: a rolling
         // restart (one engine at a time, the fleet keeps serving), then a whole-fleet wave.
-        let dev = std::env::current_exe().unwrap_or_else(|_| bin_path("narwhal-dev"));
+        // The binary beside this one (not current_exe(), which names a "(deleted)" file when
+        // the binary was rebuilt while the demo runs).
+        let dev = bin_path("narwhal-dev");
         let restart_cmd = format!("{} restart {{iid}} --dir {}", dev.display(), dir.display());
         for (title, extra) in [
             ("rolling restart, one engine at a time", vec!["--rolling"]),
@@ -707,6 +771,66 @@ async fn demo(args: DemoArgs) -> ExitCode {
         let served = after.iter().filter(|o| o.ok).count();
         println!(
             "after the restarts: {served}/{} requests served",
+            after.len()
+        );
+        if served != after.len() {
+            all_ok = false;
+        }
+        // Failover: SIGKILL the primary; the warm standby takes over once the lease lapses.
+        println!("\n--- {dialect}: failover (kill -9 the primary router) ---");
+        // The standby applies the last handoff it retained: let it catch up with the primary
+        // first (it writes what it retained to its own state file).
+        let primary_served = state(http.clone(), control.clone())
+            .await
+            .map(|st| st["served"].clone())
+            .unwrap_or_default();
+        let retained = dir.join("state-standby.json");
+        let in_sync = narwhal_testkit::wait_until(Duration::from_secs(10), || async {
+            let doc: Value = serde_json::from_slice(&std::fs::read(&retained).ok()?).ok()?;
+            (doc["counters"]["served"] == primary_served && doc["lifecycle"]["wave_id"] == "")
+                .then_some(())
+        })
+        .await;
+        if in_sync.is_none() {
+            println!("note: the standby's retained handoff lags the primary");
+        }
+        let (standby_data, standby_control) = {
+            let mut f = fleet.lock().unwrap_or_else(|p| p.into_inner());
+            f.router.proc.kill();
+            let s = f.standby.as_ref().expect("demo runs a standby");
+            (s.data.clone(), s.control.clone())
+        };
+        let killed = Instant::now();
+        let took_over = narwhal_testkit::wait_until(Duration::from_secs(20), || async {
+            let r = http
+                .get(format!("{standby_control}/ready"))
+                .send()
+                .await
+                .ok()?;
+            r.status().is_success().then_some(())
+        })
+        .await;
+        match took_over {
+            Some(()) => println!(
+                "standby took over {:.2} s after the primary died (lease TTL 2 s)",
+                killed.elapsed().as_secs_f64()
+            ),
+            None => {
+                all_ok = false;
+                println!("FAILED: the standby did not take over within 20 s");
+            }
+        }
+        if let Ok(st) = state(http.clone(), standby_control.clone()).await {
+            println!(
+                "standby /narwhal/state: epoch={} served={} (continued from the primary's handoff)",
+                st["ha"]["epoch"], st["served"]
+            );
+        }
+        let futs = (0..8).map(|i| send(&http, &standby_data, i));
+        let after = futures_util::future::join_all(futs).await;
+        let served = after.iter().filter(|o| o.ok).count();
+        println!(
+            "through the new primary: {served}/{} requests served",
             after.len()
         );
         if served != after.len() {
