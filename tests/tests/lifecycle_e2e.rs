@@ -1591,10 +1591,10 @@ async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() 
 /// readmission by name and is ejected (`process_identity`).
 ///
 /// In a one-prefill, one-decode fleet that leaves nothing live: the breaker's recovery of the
-/// peer is refused while the target's drain record is held (reference-notes 4.9), and the
-/// target cannot be readmitted without a live peer. The way out is the operator's whole-wave
-/// drain (allowed because nothing is live, reference-notes 4.3 rule 5) and a wave readmission
-/// after the peer restarts once more; this test pins that path (see the issue-4 report).
+/// peer waits for the target's hold to end (reference-notes 4.9), and the target has no live
+/// peer. The next readmission of the target takes the ejected peer along as a co-target
+/// validated without a restart requirement, and both return (the reference stays stuck until a
+/// whole-wave restart; this was found here and fixed in `Lifecycle::join_recovery`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
     let mut lab = lab("individual", &[], json!({})).await;
@@ -1629,19 +1629,37 @@ async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
         "{m}"
     );
     assert_eq!(lab.ready().await.0, 503, "nothing live");
-    // Nothing live: a whole-wave drain is allowed and takes over the held record.
-    let (status, doc) = lab.post("drain", json!({"wave": true})).await;
+    assert!(!lab.has_event("recovery_validation_started", Some("d0")));
+    let (status, doc) = lab.post("readmit", json!({"engines": ["p0"]})).await;
     assert_eq!(status, 200, "{doc:#}");
-    lab.journal_event("wave_ready_to_stop", None).await;
-    lab.d0.restart(&[]).expect("restart d0 for the wave");
-    let (status, doc) = lab.post("readmit", json!({"wave": true})).await;
-    assert_eq!(status, 200, "{doc:#}");
+    let d0 = &doc["engines"]["d0"];
+    assert_eq!(d0["state"], "active", "{doc:#}");
+    assert_eq!(d0["restart_required"], false);
+    assert_checks(
+        &strs(&d0["checks"]),
+        &[
+            "health",
+            "attestation",
+            "model",
+            "process identity",
+            "generation",
+            "fabric consume from p0",
+            "final health",
+        ],
+    );
+    let d0_start = lab.stats(&lab.d0).await["started_at"].as_f64().unwrap();
+    assert_eq!(doc["process_starts"]["d0"].as_f64(), Some(d0_start));
+    assert_eq!(doc["engines"]["p0"]["state"], "active");
+    lab.journal_event("recovery_validation_started", Some("d0"))
+        .await;
     lab.doc_until("both back", |d| {
         d["engines"]["d0"]["accepts_new"] == true && d["engines"]["p0"]["accepts_new"] == true
     })
     .await;
     assert_eq!(lab.ready().await.0, 200);
+    let before = n(&lab.stats(&lab.d0).await["requests"]["decode"]);
     lab.complete("both back").await;
+    assert!(n(&lab.stats(&lab.d0).await["requests"]["decode"]) > before);
 }
 
 /// An engine that crashes while draining: its stream fails, it is ejected, its drain completes

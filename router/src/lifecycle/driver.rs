@@ -437,9 +437,24 @@ pub(crate) async fn readmit(shared: Arc<Shared>, body: Bytes) -> (StatusCode, Va
         match lc.mark_validating(t, &engines, wave, |iid| {
             counts.get(iid).copied().unwrap_or(0)
         }) {
-            Ok(t) => {
+            Ok(mut targets) => {
+                if !wave {
+                    let roles: Vec<(String, crate::config::Role)> = shared
+                        .cfg
+                        .engines
+                        .iter()
+                        .map(|e| (e.iid.clone(), e.role))
+                        .collect();
+                    let ejected = ejected(&shared);
+                    if let Some(peer) = co_target(&roles, &targets[0], &live(&shared), &ejected)
+                        && lc.join_recovery(t, &peer)
+                    {
+                        targets.push(peer);
+                        targets.sort();
+                    }
+                }
                 commit(&shared, &mut lc);
-                t
+                targets
             }
             Err(e) => {
                 drop(lc);
@@ -449,6 +464,47 @@ pub(crate) async fn readmit(shared: Arc<Shared>, body: Bytes) -> (StatusCode, Va
     };
     let report = run_validation(&shared, &targets, wave).await;
     finish(&shared, &targets, report, "operator").await
+}
+
+/// Engines the breaker has ejected.
+fn ejected(shared: &Shared) -> BTreeSet<String> {
+    let core = shared.core();
+    shared
+        .cfg
+        .engines
+        .iter()
+        .zip(core.slots.iter())
+        .filter(|(_, s)| s.excluded.contains(&Exclusion::Ejected))
+        .map(|(e, _)| e.iid.clone())
+        .collect()
+}
+
+/// The ejected engine an individual readmission of `target` must validate alongside it
+/// ([`Lifecycle::join_recovery`]): when no engine of the opposite role is live, the first
+/// ejected one in config order. `None` when a live peer exists (the usual case), for an
+/// aggregated fleet (one role), or when no opposite-role engine is ejected.
+fn co_target(
+    roles: &[(String, crate::config::Role)],
+    target: &str,
+    live: &BTreeSet<String>,
+    ejected: &BTreeSet<String>,
+) -> Option<String> {
+    use crate::config::Role;
+    let role = roles.iter().find(|(i, _)| i == target)?.1;
+    let opposite = match role {
+        Role::Prefill => Role::Decode,
+        Role::Decode => Role::Prefill,
+    };
+    let mut others = roles
+        .iter()
+        .filter(|(i, r)| *r == opposite && i != target)
+        .peekable();
+    others.peek()?;
+    let others: Vec<&String> = others.map(|(i, _)| i).collect();
+    if others.iter().any(|i| live.contains(*i)) {
+        return None;
+    }
+    others.into_iter().find(|i| ejected.contains(*i)).cloned()
 }
 
 /// Builds the validation plan for `targets` from the records and the live fleet.
@@ -987,6 +1043,36 @@ mod tests {
             identity_verdict(false, Some(5.0), Some(5.0), &err),
             IdentityVerdict::Exclude("process identity unreadable: HTTP 503".into())
         );
+    }
+
+    #[test]
+    fn an_ejected_peer_is_a_co_target_only_when_no_peer_is_live() {
+        let roles = vec![
+            ("p0".to_string(), Role::Prefill),
+            ("d0".to_string(), Role::Decode),
+            ("d1".to_string(), Role::Decode),
+        ];
+        let set = |ids: &[&str]| ids.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
+        assert_eq!(
+            co_target(&roles, "p0", &set(&["d1"]), &set(&["d0"])),
+            None,
+            "d1 is a live peer"
+        );
+        assert_eq!(
+            co_target(&roles, "p0", &set(&[]), &set(&["d1", "d0"])),
+            Some("d0".to_string()),
+            "first ejected peer in config order"
+        );
+        assert_eq!(
+            co_target(&roles, "d0", &set(&[]), &set(&["d1"])),
+            None,
+            "d1 has the target's own role; p0 is held, not ejected"
+        );
+        let aggregated = vec![
+            ("e0".to_string(), Role::Decode),
+            ("e1".to_string(), Role::Decode),
+        ];
+        assert_eq!(co_target(&aggregated, "e0", &set(&[]), &set(&["e1"])), None);
     }
 
     #[test]

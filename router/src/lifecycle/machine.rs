@@ -770,6 +770,52 @@ impl Lifecycle {
         true
     }
 
+    /// Adds a breaker-ejected engine to a running individual readmission as a co-target
+    /// validated without a restart requirement, like a recovery (reference-notes 4.9), when it
+    /// is the target's only possible fabric peer. Without this, a one-prefill, one-decode fleet
+    /// whose peer was ejected while the target was held could never return to service: the
+    /// peer's recovery waits for the target's hold to end, and the target's readmission needs
+    /// a live peer (found by tests/tests/lifecycle_e2e.rs; a departure from the reference,
+    /// which stays stuck until a whole-wave restart).
+    ///
+    /// Returns `false` (nothing changes) during a wave, for an unknown engine, or when the
+    /// engine has a lifecycle record other than a failed recovery (`blocked`, no restart
+    /// required, no wave).
+    pub fn join_recovery(&mut self, now: Now, iid: &str) -> bool {
+        if !self.wave_id.is_empty() || !self.engines.iter().any(|e| e == iid) {
+            return false;
+        }
+        let free = self.records.get(iid).is_none_or(|r| {
+            r.state == DrainState::Active
+                || (r.state == DrainState::Blocked && !r.restart_required && r.wave_id.is_empty())
+        });
+        if !free {
+            return false;
+        }
+        self.records.insert(
+            iid.to_string(),
+            DrainRecord {
+                iid: iid.to_string(),
+                state: DrainState::Validating,
+                requested_at: now.wall,
+                deadline_at: now.wall,
+                deadline: None,
+                restart_required: false,
+                wave_id: String::new(),
+                old_process_start: self.process_starts.get(iid).copied(),
+                new_process_start: None,
+                error: String::new(),
+                checks: Vec::new(),
+            },
+        );
+        self.emit(
+            now,
+            "recovery_validation_started",
+            json!({"iid": iid, "wave_id": ""}),
+        );
+        true
+    }
+
     /// Holds every engine in a new restart-required wave (reference-notes 4.9). A no-op while
     /// a wave is active unless `reset`.
     pub fn require_restart_wave(&mut self, now: Now, reason: &str, reset: bool, new_wave_id: &str) {
@@ -1168,6 +1214,46 @@ mod tests {
         assert_eq!(l.record("e1").unwrap().old_process_start, Some(91.0));
         l.refresh(now, |_| 0);
         assert!(l.wave_ready_to_stop());
+    }
+
+    #[test]
+    fn an_ejected_peer_joins_a_readmission_and_both_return() {
+        let now = t0();
+        let mut l = lc(&["p0", "d0"], RestartPolicy::Individual);
+        l.accept_process_start("d0", 50.0);
+        drained(&mut l, now, "p0");
+        assert!(
+            !l.start_recovery_validation(now, "d0", "wave-r"),
+            "the held target blocks the peer's own recovery"
+        );
+        let ids = vec!["p0".to_string()];
+        l.mark_validating(now, &ids, false, |_| 0).unwrap();
+        assert!(l.join_recovery(now, "d0"));
+        assert!(!l.join_recovery(now, "d0"), "already validating");
+        assert!(!l.join_recovery(now, "zz"));
+        let r = l.record("d0").unwrap();
+        assert_eq!(
+            (r.state, r.restart_required, r.old_process_start),
+            (DrainState::Validating, false, Some(50.0))
+        );
+        // A failure blocks both; the next readmission takes the failed recovery along again.
+        l.validation_failed(
+            now,
+            &BTreeMap::from([("d0".to_string(), fail("health did not answer 200"))]),
+        );
+        assert_eq!(l.state("d0"), DrainState::Blocked);
+        l.mark_validating(now, &ids, false, |_| 0).unwrap();
+        assert!(l.join_recovery(now, "d0"));
+        let back = l.readmitted(
+            now,
+            &BTreeMap::from([("p0".to_string(), ok(200.0)), ("d0".to_string(), ok(60.0))]),
+        );
+        assert_eq!(back, ["d0", "p0"]);
+        assert!(l.held().is_empty());
+        assert_eq!(l.process_starts()["d0"], 60.0);
+        let mut w = lc(&["p0", "d0"], RestartPolicy::WholeWave);
+        w.require_restart_wave(now, "r", false, "wave-w");
+        assert!(!w.join_recovery(now, "d0"), "never during a wave");
     }
 
     #[test]

@@ -134,19 +134,30 @@ pub fn fabric_pairs(plan: &Plan) -> Result<Vec<(String, String)>, String> {
             Some(Role::Decode) => Role::Prefill,
             None => return Err(format!("{t} is not a configured engine")),
         };
+        // A live peer first; else another target of the same validation (an ejected peer the
+        // driver added as a co-target, see `driver::join_ejected_peer`).
+        let opposite = |i: &String, r: &Role| *r == peer_role && i != t;
         let peer = plan
             .roles
             .iter()
-            .find(|(i, r)| *r == peer_role && i != t && plan.live.contains(i))
+            .find(|(i, r)| opposite(i, r) && plan.live.contains(i))
+            .or_else(|| {
+                plan.roles
+                    .iter()
+                    .find(|(i, r)| opposite(i, r) && plan.targets.contains(i))
+            })
             .map(|(i, _)| i.clone());
         let Some(peer) = peer else {
             return Err("fabric validation requires a peer in the opposite role".to_string());
         };
-        pairs.push(if peer_role == Role::Decode {
+        let pair = if peer_role == Role::Decode {
             (t.clone(), peer)
         } else {
             (peer, t.clone())
-        });
+        };
+        if !pairs.contains(&pair) {
+            pairs.push(pair);
+        }
     }
     Ok(pairs)
 }
@@ -574,6 +585,43 @@ mod tests {
                 "model",
                 "fabric consume from p0"
             ]
+        );
+    }
+
+    #[test]
+    fn an_ejected_peer_validated_as_co_target_pairs_with_the_target() {
+        // p0 restarted after its drain; d0 (ejected, not live) joins without a restart
+        // requirement (Lifecycle::join_recovery).
+        let fake = Fake::new(&[("p0", 15.0), ("d0", 30.0)]);
+        let mut p = plan(&["d0", "p0"], Some(10.0));
+        p.restart_after.insert("d0".into(), None);
+        assert!(p.live.is_empty());
+        assert_eq!(
+            fabric_pairs(&p).unwrap(),
+            [("p0".to_string(), "d0".to_string())],
+            "one pair, not one per target"
+        );
+        let r = run(validate(&p, &fake, "c"));
+        assert!(r.passed(), "{r:?}");
+        assert!(r.changed_peers.is_empty(), "a co-target is not a peer");
+        assert_eq!(
+            r.engines["d0"].checks,
+            [
+                "health",
+                "attestation fp",
+                "model",
+                "process identity",
+                "generation",
+                "fabric consume from p0",
+                "final health"
+            ]
+        );
+        assert_eq!(r.engines["d0"].process_start, Some(30.0));
+        p.targets = vec!["p0".into()];
+        assert_eq!(
+            fabric_pairs(&p).unwrap_err(),
+            "fabric validation requires a peer in the opposite role",
+            "without the co-target there is no peer"
         );
     }
 
