@@ -1696,3 +1696,51 @@ async fn engine_crashing_while_draining_is_readmitted_by_the_operator() {
     lab.complete("d0 decodes again").await;
     assert!(n(&lab.stats(&lab.d0).await["requests"]["decode"]) > before);
 }
+
+/// The seed's "transient breaker ejection": the engine's process stalls (SIGSTOP), its decode
+/// leg misses the first-token deadline (class `stream`) and the breaker ejects it; when it resumes
+/// (SIGCONT) the same process is validated through the agents (`process identity`, the start
+/// the router accepted at startup) and readmitted without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_engine_is_readmitted_as_the_same_process_after_it_resumes() {
+    use nix::sys::signal::Signal;
+    let lab = lab(
+        "individual",
+        &[],
+        json!({"recovery": {"eject_after": 1},
+               "engine": {"first_token_timeout_s": 0.3, "health_timeout_s": 0.3}}),
+    )
+    .await;
+    let accepted = lab.doc().await["process_starts"]["d0"].as_f64().unwrap();
+    lab.d0.proc.signal(Signal::SIGSTOP);
+    let _ = lab
+        .http
+        .post(format!("{}/v1/completions", lab.router.data))
+        .json(&json!({"model": "tiny-sim", "prompt": "d0 stalls", "max_tokens": 2}))
+        .send()
+        .await;
+    lab.doc_until("d0 ejected", |d| d["engines"]["d0"]["accepts_new"] == false)
+        .await;
+    lab.d0.proc.signal(Signal::SIGCONT);
+    let ev = lab.journal_event("readmitted", Some("d0")).await;
+    assert_eq!(ev["process_start"].as_f64(), Some(accepted), "same process");
+    let doc = lab
+        .doc_until("d0 back", |d| d["engines"]["d0"]["accepts_new"] == true)
+        .await;
+    let e = &doc["engines"]["d0"];
+    assert_eq!(e["restart_required"], false, "{doc:#}");
+    assert!(strs(&e["checks"]).contains(&"process identity".to_string()));
+    let m = lab.metrics().await;
+    assert!(
+        metric(
+            &m,
+            "narwhal_engine_ejections_total",
+            &["iid=\"d0\"", "cause=\"stream\""]
+        )
+        .is_some_and(|v| v >= 1.0),
+        "{m}"
+    );
+    let before = n(&lab.stats(&lab.d0).await["requests"]["decode"]);
+    lab.complete("d0 decodes again").await;
+    assert!(n(&lab.stats(&lab.d0).await["requests"]["decode"]) > before);
+}
