@@ -54,11 +54,21 @@ impl Demand {
         })
     }
 
-    /// Applies a carried risk: the age is re-anchored to this process's clock (the wall-clock
-    /// gap between write and apply is not added) and the counts are added to ours.
-    pub(crate) fn restore(&mut self, risk: &DemandRisk, now: std::time::Instant) {
-        let since = now
-            .checked_sub(Duration::from_secs_f64(risk.age_s.max(0.0)))
+    /// Applies a carried risk: the age is re-anchored to this process's clock, `gap_s`
+    /// (seconds between the document's write, its `at`, and this apply, wall clock, clamped at
+    /// 0) is added once, so the event keeps ageing through a takeover or a restart instead of
+    /// looking `gap_s` younger (reference-notes 11.14: the reference drops the gap), and the
+    /// counts are added to ours (reference-notes 9).
+    pub(crate) fn restore(&mut self, risk: &DemandRisk, gap_s: f64, now: std::time::Instant) {
+        let age = risk.age_s.max(0.0)
+            + if gap_s.is_finite() {
+                gap_s.max(0.0)
+            } else {
+                0.0
+            };
+        let since = Duration::try_from_secs_f64(age)
+            .ok()
+            .and_then(|a| now.checked_sub(a))
             .unwrap_or(now);
         if self.since.is_none_or(|s| since >= s) {
             self.since = Some(since);
@@ -247,13 +257,13 @@ pub(crate) fn apply(shared: &Shared, h: &Handoff) -> Result<Applied, String> {
         }
         shared.metrics.restore_totals(&t, h);
     }
-    if let Some(risk) = &h.demand_risk {
-        shared.demand().restore(risk, now.mono);
-    }
     let applied = Applied {
         run: h.run.clone(),
         gap_s: (now.wall - h.at).max(0.0),
     };
+    if let Some(risk) = &h.demand_risk {
+        shared.demand().restore(risk, applied.gap_s, now.mono);
+    }
     tracing::info!(
         run = %applied.run,
         gap_s = applied.gap_s,
@@ -352,9 +362,33 @@ mod tests {
         // A receiving router re-anchors the age to its own clock.
         let t1 = t0 + Duration::from_secs(100);
         let mut other = Demand::default();
-        other.restore(&snap, t1);
+        other.restore(&snap, 0.0, t1);
         let again = other.snapshot(t1 + Duration::from_secs(1)).expect("risk");
         assert!((again.age_s - 4.0).abs() < 1e-9, "{}", again.age_s);
         assert_eq!(again.events["first_token_timeout"], 2);
+    }
+
+    /// Found by ha_e2e: a standby retained a document 10 ms after the event and took over 2 s
+    /// later; the new primary reported the risk as 10 ms old. The write→apply gap counts once.
+    #[test]
+    fn restored_demand_risk_keeps_ageing_through_the_gap() {
+        let t1 = Instant::now() + Duration::from_secs(1000);
+        let carried = DemandRisk {
+            kind: "first_token_timeout".into(),
+            age_s: 0.01,
+            events: BTreeMap::from([("first_token_timeout".to_string(), 1)]),
+        };
+        let mut d = Demand::default();
+        d.restore(&carried, 2.0, t1);
+        let snap = d.snapshot(t1 + Duration::from_millis(500)).expect("risk");
+        assert!((snap.age_s - 2.51).abs() < 1e-9, "{}", snap.age_s);
+        assert_eq!(snap.events["first_token_timeout"], 1);
+        // A writer clock ahead of ours (negative gap) or a nonsense gap adds nothing.
+        for gap in [-5.0, f64::NAN, f64::INFINITY] {
+            let mut d = Demand::default();
+            d.restore(&carried, gap, t1);
+            let snap = d.snapshot(t1).expect("risk");
+            assert!((snap.age_s - 0.01).abs() < 1e-9, "{gap}: {}", snap.age_s);
+        }
     }
 }
