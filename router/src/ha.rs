@@ -331,3 +331,73 @@ async fn take_over(
     crate::handoff::mark_dirty(shared);
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::journal::Journal;
+    use narwhal_shared::{Clock, ManualClock};
+
+    fn shared(dir: &std::path::Path, clock: Arc<ManualClock>) -> Arc<Shared> {
+        let text = serde_json::json!({
+            "schema": "narwhal.fleet", "schema_version": 2, "model": "m", "backend": "vllm",
+            "engines": [{"iid": "p0", "url": "http://127.0.0.1:1", "role": "prefill"},
+                        {"iid": "d0", "url": "http://127.0.0.1:2"}],
+            "slo": {"ttft_s": 1.0, "tpot_s": 0.1},
+            "recovery": {"state_path": dir.join("state.json")},
+            "lease": {"backend": "file", "path": dir.join("lease.json"), "ttl_s": 2,
+                      "renew_interval_s": 0.5, "safety_margin_s": 0.5}
+        })
+        .to_string();
+        let cfg = Config::from_json_str(&text, &|_| None).expect("fleet");
+        let n = cfg.engines.len();
+        let lease = Arc::new(
+            crate::lease::LeaseDriver::from_config(&cfg.lease, "standby", clock.clone())
+                .expect("file lease"),
+        );
+        Shared::new(
+            Arc::new(cfg),
+            clock,
+            Journal::disabled("1-deadbeef"),
+            4,
+            crate::lifecycle::driver::Agents::none(n),
+            lease,
+        )
+    }
+
+    /// Found by ha_e2e: `/ready` answered 200 as soon as the lease was claimed, before the
+    /// identity check through the agents, and before the takeover gap was recorded. While the
+    /// check runs the router controls the fleet but is not ready; afterwards it is ready and
+    /// the gap (since the last good poll) is in the metric.
+    #[tokio::test]
+    async fn takeover_is_ready_only_after_the_identity_check_and_records_the_gap() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = Arc::new(ManualClock::new(Instant::now(), 1.0e9));
+        let sh = shared(dir.path(), clock.clone());
+        assert_eq!(sh.lease.claim().await.ok(), Some(1));
+        set_role(&sh, true, false, IDENTITY_PENDING);
+        let (ready, control_ready, reason) = sh.readiness();
+        assert!(!ready);
+        assert!(
+            control_ready,
+            "the identity check needs control of the fleet"
+        );
+        assert_eq!(reason, IDENTITY_PENDING);
+        assert_eq!(sh.lease.release().await.ok(), Some(true));
+        set_role(&sh, false, true, "");
+
+        let last_good = clock.now();
+        clock.advance(Duration::from_millis(2500));
+        assert!(take_over(&sh, None, Some(last_good)).await.is_ok());
+        let (ready, _, reason) = sh.readiness();
+        assert!(ready, "{reason}");
+        assert_eq!(sh.ha().epoch, 2, "the released epoch 1 is followed by 2");
+        let m = sh.render_metrics();
+        assert!(
+            m.lines()
+                .any(|l| l == "narwhal_standby_takeover_gap_seconds 2.5"),
+            "{m}"
+        );
+    }
+}
