@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use narwhal_shared::handoff::{Handoff, HandoffError, write_state_file};
+use narwhal_shared::handoff::{Handoff, HandoffError, Loaded, load_state_file, write_state_file};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
@@ -77,7 +77,12 @@ fn keep(shared: Arc<Shared>, standby: Option<StandbyOptions>, stop: Cancellation
             let LeaseEvent::Fenced { epoch, loss } = ev;
             tracing::error!(epoch, reason = %loss, "fenced: no new placements, lifecycle actions refused");
             fence(&shared, &loss);
-            tokio::spawn(standby_loop(shared.clone(), standby.clone(), stop.clone()));
+            tokio::spawn(standby_loop_after(
+                shared.clone(),
+                standby.clone(),
+                stop.clone(),
+                Some(epoch),
+            ));
         }
     };
     shared.lease.clone().spawn_renew(stop, on_change);
@@ -168,12 +173,24 @@ fn client(shared: &Shared) -> Result<reqwest::Client, String> {
 }
 
 /// The warm standby (reference-notes 2.9, with DESIGN.md 9.6: never stops for good). Without
-/// a primary URL (a fenced primary started without `--standby-of`) it only retries the lease
-/// and, once it holds it again, resumes from its own state file.
+/// a primary URL (a fenced primary started without `--standby-of`) it only retries the lease,
+/// and takes the fleet back only while its own state is still the fleet's newest (see
+/// [`own_state`]).
 pub(crate) async fn standby_loop(
     shared: Arc<Shared>,
     opts: Option<StandbyOptions>,
     stop: CancellationToken,
+) {
+    standby_loop_after(shared, opts, stop, None).await;
+}
+
+/// [`standby_loop`] for a router that last controlled the fleet at epoch `held` (a fenced
+/// primary: its memory is the state of that epoch); `None` for one that never did.
+async fn standby_loop_after(
+    shared: Arc<Shared>,
+    opts: Option<StandbyOptions>,
+    stop: CancellationToken,
+    held: Option<u64>,
 ) {
     {
         let mut ha = shared.ha.lock().unwrap_or_else(|p| p.into_inner());
@@ -227,7 +244,22 @@ pub(crate) async fn standby_loop(
                 continue;
             }
         }
-        match take_over(&shared, retained.as_deref(), last_good).await {
+        let source = match (&opts, retained.as_deref()) {
+            (Some(_), Some(h)) => Source::Retained(h),
+            (Some(_), None) => continue, // unreachable: a fresh handoff was required above
+            (None, _) => match own_state(&shared, held).await {
+                Own::Current(epoch) => match held {
+                    Some(_) => Source::Memory { epoch },
+                    None => Source::OwnFile { epoch },
+                },
+                Own::Held => continue,
+                Own::Refused(why) => {
+                    set_role(&shared, false, true, &why);
+                    continue;
+                }
+            },
+        };
+        match take_over(&shared, source, last_good).await {
             Ok(()) => {
                 keep(shared.clone(), opts.clone(), stop.clone());
                 return;
@@ -248,6 +280,70 @@ enum Takeover {
     Failed(String),
 }
 
+/// What a takeover applies.
+enum Source<'a> {
+    /// The primary's document a warm standby retained (its epoch must be the claimed one − 1).
+    Retained(&'a Handoff),
+    /// This router's own state file, for a router that never controlled the fleet in this
+    /// process; written under `epoch` (0: no file).
+    OwnFile { epoch: u64 },
+    /// This process's memory: a fenced primary that controlled the fleet at `epoch`.
+    Memory { epoch: u64 },
+}
+
+/// Whether a router without a peer to copy from may try to take the fleet back.
+enum Own {
+    /// Nobody held the lease since `epoch`, the epoch of this router's state.
+    Current(u64),
+    /// Another router holds a live lease: nothing to do (the reason shown stays).
+    Held,
+    /// Another router controlled the fleet after this router's state was written, or the
+    /// lease is unreadable: the reason, for `/ready`.
+    Refused(String),
+}
+
+/// The reason a router with outdated state stays out (found by ha_e2e: a fenced primary took
+/// the fleet back after the new primary died, with its pre-takeover counters and without the
+/// new primary's drain of an engine, which then got traffic again).
+fn stale_state(own: u64, newer: u64) -> String {
+    format!(
+        "stale state: another router controlled the fleet at epoch {newer} after this router's \
+         epoch {own}; restart this router with --standby-of the current primary, or with \
+         --resume from the newest state file"
+    )
+}
+
+/// The state a router without a peer holds is the fleet's newest only if no other router held
+/// the lease since: the lease record's epoch (which survives expiry and release) must not
+/// exceed the epoch of that state, `held` or else the own state file's (0 without one).
+async fn own_state(shared: &Shared, held: Option<u64>) -> Own {
+    let own = match held {
+        Some(e) => e,
+        None => {
+            let path = std::path::PathBuf::from(&shared.cfg.recovery.state_path);
+            match tokio::task::spawn_blocking(move || load_state_file(&path)).await {
+                Ok(Loaded::Valid(h)) => h.epoch,
+                _ => 0,
+            }
+        }
+    };
+    judge_own(own, shared.lease.read_record().await, shared.wall())
+}
+
+/// The pure part of [`own_state`]: `record` as read from the lease store at `now_wall`.
+fn judge_own(
+    own: u64,
+    record: Result<Option<crate::lease::LeaseRecord>, crate::lease::LeaseError>,
+    now_wall: f64,
+) -> Own {
+    match record {
+        Ok(Some(r)) if r.live(now_wall) && r.epoch > own => Own::Held,
+        Ok(Some(r)) if r.epoch > own => Own::Refused(stale_state(own, r.epoch)),
+        Ok(_) => Own::Current(own),
+        Err(e) => Own::Refused(format!("lease unavailable: {e}")),
+    }
+}
+
 /// Why `/ready` is 503 between the claim and the end of the identity check (reference-notes
 /// 1.3 item 6): the router controls the fleet but serves nothing until every engine's identity
 /// was re-checked through its agent (reference-notes 1.2 `identities_ready`, 2.9).
@@ -258,7 +354,7 @@ pub(crate) const IDENTITY_PENDING: &str = "engine identity validation pending";
 /// then clears the readiness hold, so `/ready` 200 means the takeover is complete.
 async fn take_over(
     shared: &Arc<Shared>,
-    retained: Option<&Handoff>,
+    source: Source<'_>,
     last_good: Option<Instant>,
 ) -> Result<(), Takeover> {
     let epoch = match shared.lease.claim().await {
@@ -270,8 +366,8 @@ async fn take_over(
         let _ = shared.lease.release().await;
         Err(Takeover::Failed(why))
     };
-    match retained {
-        Some(h) => {
+    match source {
+        Source::Retained(h) => {
             if h.epoch + 1 != epoch && h.epoch != 0 {
                 return release(format!(
                     "handoff epoch {} cannot precede claimed epoch {epoch}",
@@ -283,12 +379,19 @@ async fn take_over(
                 return release(format!("handoff rejected: {why}")).await;
             }
         }
-        None => {
-            // A fenced primary without a peer: its own state file is the best it has.
+        // Another router claimed in between the check and our claim.
+        Source::OwnFile { epoch: own } | Source::Memory { epoch: own } if own + 1 != epoch => {
+            return release(stale_state(own, epoch - 1)).await;
+        }
+        Source::OwnFile { .. } => {
+            // Never controlled the fleet in this process: its own state file is the best it
+            // has (it was not applied if `--resume` was not given).
             if let Some(reason) = crate::handoff::resume(shared) {
                 return release(reason).await;
             }
         }
+        // A fenced primary's memory is that epoch's state, fresher than its file.
+        Source::Memory { .. } => {}
     }
     if shared.lease.control(shared.clock.now()) != Control::Active {
         return release("lease expired while applying handoff".into()).await;
@@ -389,7 +492,8 @@ mod tests {
 
         let last_good = clock.now();
         clock.advance(Duration::from_millis(2500));
-        assert!(take_over(&sh, None, Some(last_good)).await.is_ok());
+        let source = Source::OwnFile { epoch: 1 };
+        assert!(take_over(&sh, source, Some(last_good)).await.is_ok());
         let (ready, _, reason) = sh.readiness();
         assert!(ready, "{reason}");
         assert_eq!(sh.ha().epoch, 2, "the released epoch 1 is followed by 2");
@@ -399,5 +503,68 @@ mod tests {
                 .any(|l| l == "narwhal_standby_takeover_gap_seconds 2.5"),
             "{m}"
         );
+    }
+
+    fn record(epoch: u64, expires_at: f64) -> crate::lease::LeaseRecord {
+        crate::lease::LeaseRecord {
+            epoch,
+            expires_at,
+            holder: "other:0".into(),
+            schema: crate::lease::LEASE_SCHEMA.into(),
+            schema_version: 1,
+            updated_at: expires_at - 2.0,
+        }
+    }
+
+    /// Found by ha_e2e: a fenced primary without `--standby-of` took the fleet back with its
+    /// pre-takeover state once the router that replaced it died. It may only when nobody held
+    /// the lease after its own epoch.
+    #[test]
+    fn a_router_without_a_peer_takes_back_only_its_own_latest_epoch() {
+        let now = 1000.0;
+        // Its own lease lapsed, nobody else claimed: it may claim epoch 8.
+        assert!(matches!(
+            judge_own(7, Ok(Some(record(7, now - 1.0))), now),
+            Own::Current(7)
+        ));
+        // No record at all (fresh fleet, nothing written yet).
+        assert!(matches!(judge_own(0, Ok(None), now), Own::Current(0)));
+        // Another router holds a live lease: wait, keeping the fence reason.
+        assert!(matches!(
+            judge_own(7, Ok(Some(record(8, now + 1.0))), now),
+            Own::Held
+        ));
+        // Another router held epoch 8 and is gone: this state is stale.
+        let Own::Refused(why) = judge_own(7, Ok(Some(record(8, now - 1.0))), now) else {
+            panic!("stale state must be refused");
+        };
+        assert!(why.starts_with("stale state:"), "{why}");
+        assert!(why.contains("epoch 8 after this router's epoch 7"), "{why}");
+        let Own::Refused(why) =
+            judge_own(7, Err(crate::lease::LeaseError::Config("test".into())), now)
+        else {
+            panic!("an unreadable lease refuses");
+        };
+        assert!(why.starts_with("lease unavailable:"), "{why}");
+    }
+
+    /// The claim races another router: the epoch claimed is not the next one after ours.
+    #[tokio::test]
+    async fn a_claim_after_someone_else_held_the_fleet_is_released() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = Arc::new(ManualClock::new(Instant::now(), 1.0e9));
+        let sh = shared(dir.path(), clock.clone());
+        assert_eq!(sh.lease.claim().await.ok(), Some(1));
+        assert_eq!(sh.lease.release().await.ok(), Some(true));
+        // We last held epoch 0 (never), the store is at 1: claiming gives 2.
+        let Err(Takeover::Failed(why)) = take_over(&sh, Source::Memory { epoch: 0 }, None).await
+        else {
+            panic!("must refuse");
+        };
+        assert!(why.starts_with("stale state:"), "{why}");
+        let rec = sh.lease.read_record().await.expect("read").expect("record");
+        assert_eq!(rec.epoch, 2);
+        assert!(!rec.live(sh.wall()), "released: {rec:?}");
+        assert!(!sh.ha().controls_fleet);
     }
 }
