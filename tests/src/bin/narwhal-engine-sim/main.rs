@@ -38,7 +38,10 @@ use server::{Dialect, Mode, Settings, Sim};
 #[command(
     name = "narwhal-engine-sim",
     version,
-    about = "vLLM / SGLang engine simulator"
+    about = "vLLM / SGLang engine simulator",
+    // A later flag overrides an earlier one (`--model a ... --model b`), so a restart can
+    // change what the engine serves (tests/src/fleet.rs `SimHandle::restart`).
+    args_override_self = true
 )]
 struct Cli {
     /// HTTP listen address.
