@@ -379,8 +379,12 @@ async fn take_over(
                 return release(format!("handoff rejected: {why}")).await;
             }
         }
-        // Another router claimed in between the check and our claim.
-        Source::OwnFile { epoch: own } | Source::Memory { epoch: own } if own + 1 != epoch => {
+        // Another router claimed in between the check and our claim. Getting our own epoch
+        // back (our record was still live: a renewal failed transiently) is no change of
+        // holder: the claim keeps the epoch only for this process's own holder token.
+        Source::OwnFile { epoch: own } | Source::Memory { epoch: own }
+            if own + 1 != epoch && !(own > 0 && own == epoch) =>
+        {
             return release(stale_state(own, epoch - 1)).await;
         }
         Source::OwnFile { .. } => {
@@ -546,6 +550,24 @@ mod tests {
             panic!("an unreadable lease refuses");
         };
         assert!(why.starts_with("lease unavailable:"), "{why}");
+    }
+
+    /// A fenced primary whose renewal failed while its record was still live reclaims its own
+    /// epoch: that is no change of holder, so it takes the fleet back.
+    #[tokio::test]
+    async fn a_fenced_primary_reclaims_its_own_live_epoch() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = Arc::new(ManualClock::new(Instant::now(), 1.0e9));
+        let sh = shared(dir.path(), clock.clone());
+        assert_eq!(sh.lease.claim().await.ok(), Some(1));
+        assert!(matches!(own_state(&sh, Some(1)).await, Own::Current(1)));
+        assert!(
+            take_over(&sh, Source::Memory { epoch: 1 }, None)
+                .await
+                .is_ok()
+        );
+        assert_eq!(sh.ha().epoch, 1);
+        assert!(sh.readiness().0);
     }
 
     /// The claim races another router: the epoch claimed is not the next one after ours.
