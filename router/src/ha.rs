@@ -491,6 +491,8 @@ mod tests {
             "the identity check needs control of the fleet"
         );
         assert_eq!(reason, IDENTITY_PENDING);
+        // Not fenced: it holds the lease (reference-notes 1.4 order gives `degraded`).
+        assert_eq!(sh.health_doc()["status"], "degraded");
         assert_eq!(sh.lease.release().await.ok(), Some(true));
         set_role(&sh, false, true, "");
 

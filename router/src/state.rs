@@ -412,7 +412,10 @@ impl Shared {
         let ha = self.ha();
         let status = if ready {
             "ok"
-        } else if !ha.failover_blocked.is_empty() || (!ha.standby && !ha.controls_fleet) {
+        } else if (!ha.failover_blocked.is_empty()
+            && ha.failover_blocked != crate::ha::IDENTITY_PENDING)
+            || (!ha.standby && !ha.controls_fleet)
+        {
             "fenced"
         } else if !ha.lifecycle_blocked.is_empty() {
             "maintenance"
