@@ -245,7 +245,22 @@ async fn standby_loop_after(
             }
         }
         let source = match (&opts, retained.as_deref()) {
-            (Some(_), Some(h)) => Source::Retained(h),
+            // Checked before claiming: a copy older than the lease is never applied, and a
+            // claim that would be released at once is not made (no epoch churn while retrying).
+            (Some(_), Some(h)) => {
+                match judge_own(h.epoch, shared.lease.read_record().await, shared.wall()) {
+                    Own::Current(_) => Source::Retained(h),
+                    Own::Held => continue,
+                    Own::Newer { own, newer } => {
+                        set_role(&shared, false, true, &stale_handoff(own, newer + 1));
+                        continue;
+                    }
+                    Own::Unavailable(why) => {
+                        set_role(&shared, false, true, &why);
+                        continue;
+                    }
+                }
+            }
             (Some(_), None) => continue, // unreachable: a fresh handoff was required above
             (None, _) => match own_state(&shared, held).await {
                 Own::Current(epoch) => match held {
@@ -253,7 +268,11 @@ async fn standby_loop_after(
                     None => Source::OwnFile { epoch },
                 },
                 Own::Held => continue,
-                Own::Refused(why) => {
+                Own::Newer { own, newer } => {
+                    set_role(&shared, false, true, &stale_state(own, newer));
+                    continue;
+                }
+                Own::Unavailable(why) => {
                     set_role(&shared, false, true, &why);
                     continue;
                 }
@@ -291,15 +310,28 @@ enum Source<'a> {
     Memory { epoch: u64 },
 }
 
-/// Whether a router without a peer to copy from may try to take the fleet back.
+/// Whether state of a given epoch (a retained handoff, or a router's own) may be applied by
+/// claiming the lease now.
 enum Own {
-    /// Nobody held the lease since `epoch`, the epoch of this router's state.
+    /// Nobody held the lease after `epoch`, the epoch of the state.
     Current(u64),
     /// Another router holds a live lease: nothing to do (the reason shown stays).
     Held,
-    /// Another router controlled the fleet after this router's state was written, or the
-    /// lease is unreadable: the reason, for `/ready`.
-    Refused(String),
+    /// Another router held epoch `newer` after the state's epoch `own`: the state is stale.
+    Newer {
+        /// The state's epoch.
+        own: u64,
+        /// The lease record's epoch.
+        newer: u64,
+    },
+    /// The lease record is unreadable: the reason, for `/ready`.
+    Unavailable(String),
+}
+
+/// The reference's reason for a retained handoff older than the lease (reference-notes 2.9):
+/// the document's epoch `doc` and the epoch a claim would get, `claim`.
+fn stale_handoff(doc: u64, claim: u64) -> String {
+    format!("handoff epoch {doc} cannot precede claimed epoch {claim}")
 }
 
 /// The reason a router with outdated state stays out (found by ha_e2e: a fenced primary took
@@ -338,9 +370,12 @@ fn judge_own(
 ) -> Own {
     match record {
         Ok(Some(r)) if r.live(now_wall) && r.epoch > own => Own::Held,
-        Ok(Some(r)) if r.epoch > own => Own::Refused(stale_state(own, r.epoch)),
+        Ok(Some(r)) if r.epoch > own => Own::Newer {
+            own,
+            newer: r.epoch,
+        },
         Ok(_) => Own::Current(own),
-        Err(e) => Own::Refused(format!("lease unavailable: {e}")),
+        Err(e) => Own::Unavailable(format!("lease unavailable: {e}")),
     }
 }
 
@@ -369,11 +404,7 @@ async fn take_over(
     match source {
         Source::Retained(h) => {
             if h.epoch + 1 != epoch && h.epoch != 0 {
-                return release(format!(
-                    "handoff epoch {} cannot precede claimed epoch {epoch}",
-                    h.epoch
-                ))
-                .await;
+                return release(stale_handoff(h.epoch, epoch)).await;
             }
             if let Err(why) = crate::handoff::apply(shared, h) {
                 return release(format!("handoff rejected: {why}")).await;
@@ -541,12 +572,18 @@ mod tests {
             Own::Held
         ));
         // Another router held epoch 8 and is gone: this state is stale.
-        let Own::Refused(why) = judge_own(7, Ok(Some(record(8, now - 1.0))), now) else {
-            panic!("stale state must be refused");
-        };
+        assert!(matches!(
+            judge_own(7, Ok(Some(record(8, now - 1.0))), now),
+            Own::Newer { own: 7, newer: 8 }
+        ));
+        let why = stale_state(7, 8);
         assert!(why.starts_with("stale state:"), "{why}");
         assert!(why.contains("epoch 8 after this router's epoch 7"), "{why}");
-        let Own::Refused(why) =
+        assert_eq!(
+            stale_handoff(7, 9),
+            "handoff epoch 7 cannot precede claimed epoch 9"
+        );
+        let Own::Unavailable(why) =
             judge_own(7, Err(crate::lease::LeaseError::Config("test".into())), now)
         else {
             panic!("an unreadable lease refuses");

@@ -874,6 +874,60 @@ async fn primary_fenced_by_a_stalled_etcd_returns_when_etcd_does() {
     assert_eq!(r.status(), 200);
 }
 
+/// Reference-notes 12 item 7b: the primary dies, a third router held the lease at epoch N+1
+/// and vanished too. The standby's copy (epoch N) is not the fleet's newest state: it must not
+/// apply it, must say why, and (as it keeps retrying, DESIGN.md 9.6) must not churn the epoch
+/// by claiming and releasing over and over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_refuses_a_handoff_older_than_the_lease_and_does_not_churn_the_epoch() {
+    let ha = Ha::start(Backend::File, false, &[], json!({})).await;
+    let mut p = ha.primary("primary").await;
+    let s = ha.standby("standby", &p.control, &[]);
+    let pha = ha.ha(&p).await;
+    let (epoch, holder) = (epoch_of(&pha), holder_of(&pha));
+    ha.wait_retained("standby", epoch, &holder, |_| true).await;
+    p.proc.kill();
+    // A third router claims epoch N+1 (written as the file backend does: temp file, rename).
+    let path = PathBuf::from(ha.lease["path"].as_str().expect("lease path"));
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("wall clock")
+        .as_secs_f64();
+    let third = json!({"epoch": epoch + 1, "expires_at": now + 0.5, "holder": "third:0",
+                       "schema": "narwhal.router-lease", "schema_version": 1, "updated_at": now});
+    let tmp = path.with_extension("third.tmp");
+    std::fs::write(&tmp, format!("{third}\n")).expect("write lease");
+    std::fs::rename(&tmp, &path).expect("rename lease");
+    let why = wait_until(takeover_bound() + Duration::from_secs(3), || async {
+        let (_, ready) = ha.get(format!("{}/ready", s.control)).await;
+        let r = ready["reason"].as_str().unwrap_or_default().to_string();
+        r.contains("cannot precede").then_some(r)
+    })
+    .await;
+    let (_, ready) = ha.get(format!("{}/ready", s.control)).await;
+    assert!(
+        why.is_some(),
+        "no refusal: {ready}\n{}",
+        s.proc.stderr_tail(20)
+    );
+    eprintln!(
+        "[ha_e2e] File: stale handoff refused: {}",
+        why.unwrap_or_default()
+    );
+    let first = ha.lease_file().expect("lease record");
+    // Several more takeover attempts' worth of time.
+    let churn = wait_until(Duration::from_secs(2), || async {
+        let rec = ha.lease_file()?;
+        (rec["epoch"] != first["epoch"] || ha.controls(&s).await.as_deref() == Some("active"))
+            .then_some(rec)
+    })
+    .await;
+    assert_eq!(churn, None, "the epoch moved on from {first}");
+    assert!(first["epoch"].as_u64() <= Some(epoch + 2), "{first}");
+    let (status, _) = ha.get(format!("{}/ready", s.control)).await;
+    assert_eq!(status, 503);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The primary's HTTP is unreachable while it keeps renewing: no takeover
 
