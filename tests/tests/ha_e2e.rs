@@ -9,7 +9,13 @@
 //!   lifecycle actions, the agents refuse its epoch, and at no sampled moment (about 20 Hz) do
 //!   both routers report `controls_fleet: active`;
 //! - a standby that cannot reach the primary over HTTP while the primary keeps renewing its
-//!   lease never takes over;
+//!   lease never takes over, and once its copy is too old it does not claim even after the
+//!   primary died (reference-notes 12 item 7a);
+//! - a retained handoff older than the lease (a third router held epoch N+1) is refused without
+//!   claiming, so retrying never churns the epoch (item 7b; file backend);
+//! - a fenced primary never takes the fleet back with stale state after the router that
+//!   replaced it died (file backend);
+//! - a primary fenced by a stalled etcd returns by itself when etcd answers again (etcd);
 //! - a `demand_risk` event survives a takeover with its age re-anchored (file backend: the
 //!   re-anchoring does not depend on the backend);
 //! - the takeover gap (primary killed → standby `/ready` 200), median of 3 runs per backend,
@@ -1040,6 +1046,24 @@ async fn unreachable_primary_keeps_its_lease(backend: Backend) {
         .await
         .expect("completion");
     assert_eq!(r.status(), 200);
+    // Reference-notes 12 item 7a: the primary now dies; the standby's copy is older than
+    // --standby-max-handoff-age, so it does not claim even after the lease lapsed.
+    let mut p = p;
+    p.proc.kill();
+    let t_kill = Instant::now();
+    let claimed = wait_until(
+        Duration::from_secs_f64(TTL_S + f64::from(TAKEOVER_AFTER) * PROBE_S + 0.5),
+        || async { (ha.controls(&s).await.as_deref() == Some("active")).then_some(()) },
+    )
+    .await;
+    assert_eq!(claimed, None, "took over with a stale copy");
+    assert!(t_kill.elapsed().as_secs_f64() > TTL_S);
+    let sha = ha.ha(&s).await;
+    assert_eq!(sha["blocked"], "no fresh handoff", "{sha}");
+    if let Some(rec) = ha.lease_file() {
+        assert_eq!(rec["holder"], holder.as_str(), "not claimed: {rec}");
+        assert_eq!(rec["epoch"], epoch, "{rec}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
