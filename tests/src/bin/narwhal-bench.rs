@@ -160,6 +160,11 @@ async fn main() -> std::process::ExitCode {
         &EngineSpec::new("direct", "decode").args(&sim_args),
         "vllm",
     );
+    let solo = start_sim(
+        dir.path(),
+        &EngineSpec::new("solo", "decode").args(&sim_args),
+        "vllm",
+    );
     let p = start_sim(
         dir.path(),
         &EngineSpec::new("p0", "prefill").args(&sim_args),
@@ -170,10 +175,10 @@ async fn main() -> std::process::ExitCode {
         &EngineSpec::new("d0", "decode").args(&sim_args),
         &args.dialect,
     );
-    let (direct, p, d) = match (direct, p, d) {
-        (Ok(a), Ok(b), Ok(c)) => (a, b, c),
-        (a, b, c) => {
-            for e in [a.err(), b.err(), c.err()].into_iter().flatten() {
+    let (direct, solo, p, d) = match (direct, solo, p, d) {
+        (Ok(a), Ok(s), Ok(b), Ok(c)) => (a, s, b, c),
+        (a, s, b, c) => {
+            for e in [a.err(), s.err(), b.err(), c.err()].into_iter().flatten() {
                 eprintln!("narwhal-bench: {e}");
             }
             return std::process::ExitCode::FAILURE;
@@ -190,6 +195,23 @@ async fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
+    // The same router in front of one engine: the aggregated path, one upstream request per
+    // client request, which isolates the router's own relay overhead from the P/D legs.
+    let solo_fleet = FleetSpec::for_sims("vllm", std::slice::from_ref(&solo)).with(json!({
+        "serving": {"max_connections": 4096}
+    }));
+    let router_agg = match start_router(
+        dir.path(),
+        "router-agg",
+        &solo_fleet,
+        &["--log-level", "warn"],
+    ) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("narwhal-bench: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
     println!(
         "narwhal-bench: concurrency {} requests {} tokens {} stream {} dialect {} (router P/D: 1 prefill + 1 decode; direct: 1 aggregated engine)",
         args.concurrency, args.requests, args.tokens, args.stream, args.dialect
@@ -198,6 +220,7 @@ async fn main() -> std::process::ExitCode {
     let warm = (args.requests / 10).max(args.concurrency);
     drive("warm", &direct.url, &args, warm).await;
     drive("warm", &router.data, &args, warm).await;
+    drive("warm", &router_agg.data, &args, warm).await;
     println!(
         "{:<8} {:>10} {:>10} {:>10} {:>12} {:>7}",
         "target", "req/s", "p50 ms", "p99 ms", "ttfb p50 ms", "errors"
@@ -206,19 +229,26 @@ async fn main() -> std::process::ExitCode {
     print(&a);
     let b = drive("router", &router.data, &args, args.requests).await;
     print(&b);
-    // A second direct run brackets the router run, so drift on a shared machine shows.
+    let g = drive("agg", &router_agg.data, &args, args.requests).await;
+    print(&g);
+    // A second direct run brackets the router runs, so drift on a shared machine shows.
     let c = drive("direct", &direct.url, &args, args.requests).await;
     print(&c);
     let base_rps = (a.rps + c.rps) / 2.0;
     let base_p50 = (a.p50 + c.p50) / 2.0;
     let base_p99 = (a.p99 + c.p99) / 2.0;
-    println!(
-        "ratio router/direct: throughput {:.2}x, p50 latency {:.2}x, p99 latency {:.2}x",
-        b.rps / base_rps,
-        b.p50 / base_p50,
-        b.p99 / base_p99
-    );
-    if a.errors + b.errors + c.errors > 0 {
+    for (name, r) in [
+        ("router (P/D, 2 legs + KV transfer)", &b),
+        ("router (aggregated, 1 leg)", &g),
+    ] {
+        println!(
+            "ratio {name} / direct: throughput {:.2}x, p50 latency {:.2}x, p99 latency {:.2}x",
+            r.rps / base_rps,
+            r.p50 / base_p50,
+            r.p99 / base_p99
+        );
+    }
+    if a.errors + b.errors + c.errors + g.errors > 0 {
         return std::process::ExitCode::FAILURE;
     }
     std::process::ExitCode::SUCCESS
