@@ -454,10 +454,8 @@ mod tests {
     fn sampling_width_over_one_is_400_like_the_reference() {
         let (st, body) = check(r#"{"prompt":"x","n":2}"#).unwrap_err().response();
         assert_eq!(st, StatusCode::BAD_REQUEST);
-        let want: Value = serde_json::from_str(include_str!(
-            "../testdata/reference-error-400-n.json"
-        ))
-        .unwrap();
+        let want: Value =
+            serde_json::from_str(include_str!("../testdata/reference-error-400-n.json")).unwrap();
         assert_eq!(body, want["body"]);
         assert!(check(r#"{"prompt":"x","best_of":3}"#).is_err());
         assert!(check(r#"{"prompt":"x","n":1}"#).is_ok());
