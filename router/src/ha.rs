@@ -11,6 +11,7 @@
 //! Every failure on the way leaves the router a standby that tries again (DESIGN.md 9.6).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use narwhal_shared::handoff::{Handoff, HandoffError, Loaded, load_state_file, write_state_file};
@@ -70,22 +71,79 @@ pub(crate) async fn start_primary(
 
 /// Renews the lease; a lost lease fences the router at once, then it goes back to standby.
 fn keep(shared: Arc<Shared>, standby: Option<StandbyOptions>, stop: CancellationToken) {
+    let phase = Arc::new(AtomicU8::new(COMMITTED));
+    keep_from(shared, standby, stop, phase);
+}
+
+/// [`Renewal`] phases: a takeover still in progress, a router in control, and a takeover
+/// whose lease was lost before it finished.
+const PENDING: u8 = 0;
+const COMMITTED: u8 = 1;
+const LOST_WHILE_PENDING: u8 = 2;
+
+/// The renew loop of a takeover in progress (found by ha_e2e: the lease was not renewed
+/// while the takeover re-checked identities, so on a loaded machine a check longer than
+/// `ttl_s − safety_margin_s` lost the lease every time and the standby never took over).
+struct Renewal {
+    /// Stops the renew loop silently (a failed takeover releases the lease itself).
+    stop: CancellationToken,
+    /// [`PENDING`] until the takeover commits ([`COMMITTED`]); a loss while pending only
+    /// fences ([`LOST_WHILE_PENDING`]): the standby loop that runs the takeover carries on.
+    phase: Arc<AtomicU8>,
+}
+
+impl Renewal {
+    /// Marks the takeover done; `false` if the lease was lost before (nobody else will start
+    /// the standby loop then: the caller must fail the takeover and keep looping).
+    fn commit(&self) -> bool {
+        self.phase
+            .compare_exchange(PENDING, COMMITTED, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
+}
+
+/// Starts the renew loop. A loss fences the router at once; once `phase` is [`COMMITTED`] it
+/// also starts the standby loop (before that, the takeover in progress notices and goes on).
+fn keep_from(
+    shared: Arc<Shared>,
+    standby: Option<StandbyOptions>,
+    stop: CancellationToken,
+    phase: Arc<AtomicU8>,
+) -> Renewal {
+    let renew_stop = stop.child_token();
     let on_change = {
         let shared = shared.clone();
-        let stop = stop.clone();
+        let phase = phase.clone();
         move |ev: LeaseEvent| {
             let LeaseEvent::Fenced { epoch, loss } = ev;
             tracing::error!(epoch, reason = %loss, "fenced: no new placements, lifecycle actions refused");
             fence(&shared, &loss);
-            tokio::spawn(standby_loop_after(
-                shared.clone(),
-                standby.clone(),
-                stop.clone(),
-                Some(epoch),
-            ));
+            let pending = phase
+                .compare_exchange(
+                    PENDING,
+                    LOST_WHILE_PENDING,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                )
+                .is_ok();
+            if !pending {
+                tokio::spawn(standby_loop_after(
+                    shared.clone(),
+                    standby.clone(),
+                    stop.clone(),
+                    Some(epoch),
+                ));
+            }
         }
     };
-    shared.lease.clone().spawn_renew(stop, on_change);
+    shared
+        .lease
+        .clone()
+        .spawn_renew(renew_stop.clone(), on_change);
+    Renewal {
+        stop: renew_stop,
+        phase,
+    }
 }
 
 /// Fences the router: it no longer controls the fleet (`/health` `fenced`, `/ready` 503 with
@@ -278,11 +336,9 @@ async fn standby_loop_after(
                 }
             },
         };
-        match take_over(&shared, source, last_good).await {
-            Ok(()) => {
-                keep(shared.clone(), opts.clone(), stop.clone());
-                return;
-            }
+        match take_over(&shared, source, last_good, &opts, &stop).await {
+            // The renew loop already runs (started at the claim).
+            Ok(()) => return,
             Err(Takeover::HeldByAnother) => {}
             Err(Takeover::Failed(why)) => {
                 tracing::warn!(%why, "takeover failed; staying a standby and retrying");
@@ -387,17 +443,29 @@ pub(crate) const IDENTITY_PENDING: &str = "engine identity validation pending";
 /// Claims the lease, applies `retained` (or the own state file), re-checks identities, then
 /// records the takeover gap (monotonic time since `last_good`, the last good poll) and only
 /// then clears the readiness hold, so `/ready` 200 means the takeover is complete.
+/// The lease is renewed from the claim on (`opts` and `stop` are for the renew loop, which
+/// starts the standby loop again if the lease is lost after the takeover).
 async fn take_over(
     shared: &Arc<Shared>,
     source: Source<'_>,
     last_good: Option<Instant>,
+    opts: &Option<StandbyOptions>,
+    stop: &CancellationToken,
 ) -> Result<(), Takeover> {
     let epoch = match shared.lease.claim().await {
         Ok(e) => e,
         Err(LeaseLoss::HeldByAnother) => return Err(Takeover::HeldByAnother),
         Err(e) => return Err(Takeover::Failed(e.to_string())),
     };
+    let renewal = keep_from(
+        shared.clone(),
+        opts.clone(),
+        stop.clone(),
+        Arc::new(AtomicU8::new(PENDING)),
+    );
+    let renewing = renewal.stop.clone();
     let release = |why: String| async move {
+        renewing.cancel();
         let _ = shared.lease.release().await;
         Err(Takeover::Failed(why))
     };
@@ -449,6 +517,9 @@ async fn take_over(
     if !shared.ha().controls_fleet {
         // An agent answered stale_epoch: a newer router exists; `fence` set the reason.
         return release("fenced by an agent during identity validation".into()).await;
+    }
+    if !renewal.commit() {
+        return release("lease lost during the takeover".into()).await;
     }
     let gap = last_good.map(|t| shared.clock.now().saturating_duration_since(t));
     tracing::info!(
@@ -530,7 +601,12 @@ mod tests {
         let last_good = clock.now();
         clock.advance(Duration::from_millis(2500));
         let source = Source::OwnFile { epoch: 1 };
-        assert!(take_over(&sh, source, Some(last_good)).await.is_ok());
+        let stop = CancellationToken::new();
+        assert!(
+            take_over(&sh, source, Some(last_good), &None, &stop)
+                .await
+                .is_ok()
+        );
         let (ready, _, reason) = sh.readiness();
         assert!(ready, "{reason}");
         assert_eq!(sh.ha().epoch, 2, "the released epoch 1 is followed by 2");
@@ -601,9 +677,15 @@ mod tests {
         assert_eq!(sh.lease.claim().await.ok(), Some(1));
         assert!(matches!(own_state(&sh, Some(1)).await, Own::Current(1)));
         assert!(
-            take_over(&sh, Source::Memory { epoch: 1 }, None)
-                .await
-                .is_ok()
+            take_over(
+                &sh,
+                Source::Memory { epoch: 1 },
+                None,
+                &None,
+                &CancellationToken::new()
+            )
+            .await
+            .is_ok()
         );
         assert_eq!(sh.ha().epoch, 1);
         assert!(sh.readiness().0);
@@ -618,7 +700,14 @@ mod tests {
         assert_eq!(sh.lease.claim().await.ok(), Some(1));
         assert_eq!(sh.lease.release().await.ok(), Some(true));
         // We last held epoch 0 (never), the store is at 1: claiming gives 2.
-        let Err(Takeover::Failed(why)) = take_over(&sh, Source::Memory { epoch: 0 }, None).await
+        let Err(Takeover::Failed(why)) = take_over(
+            &sh,
+            Source::Memory { epoch: 0 },
+            None,
+            &None,
+            &CancellationToken::new(),
+        )
+        .await
         else {
             panic!("must refuse");
         };
@@ -627,5 +716,50 @@ mod tests {
         assert_eq!(rec.epoch, 2);
         assert!(!rec.live(sh.wall()), "released: {rec:?}");
         assert!(!sh.ha().controls_fleet);
+    }
+
+    /// Found by ha_e2e: the lease was not renewed during the takeover's identity check. Now
+    /// the renew loop runs from the claim; a loss before the takeover commits only fences
+    /// (the takeover fails and its standby loop goes on), so no second standby loop starts.
+    #[tokio::test]
+    async fn the_lease_is_renewed_during_a_takeover_and_a_loss_then_fails_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = Arc::new(ManualClock::new(Instant::now(), 1.0e9));
+        let sh = shared(dir.path(), clock.clone());
+        assert_eq!(sh.lease.claim().await.ok(), Some(1));
+        set_role(&sh, true, false, IDENTITY_PENDING);
+        let stop = CancellationToken::new();
+        let phase = Arc::new(AtomicU8::new(PENDING));
+        let renewal = keep_from(sh.clone(), None, stop.clone(), phase.clone());
+        // Renewals move expires_at with the (manual) wall clock.
+        clock.advance(Duration::from_millis(400));
+        let renewed = async {
+            for _ in 0..300 {
+                let rec = sh.lease.read_record().await.expect("read").expect("record");
+                if rec.expires_at > 1.0e9 + 2.0 {
+                    return true;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            false
+        };
+        assert!(renewed.await, "renewed while the takeover is pending");
+        // Another holder takes the record: the next renewal fails while still pending.
+        let other = serde_json::json!({"epoch": 2, "expires_at": 1.0e9 + 60.0,
+            "holder": "other:0", "schema": "narwhal.router-lease", "schema_version": 1,
+            "updated_at": 1.0e9});
+        std::fs::write(dir.path().join("lease.json"), format!("{other}\n")).expect("write");
+        let mut lost = false;
+        for _ in 0..300 {
+            if phase.load(Ordering::SeqCst) == LOST_WHILE_PENDING {
+                lost = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(lost, "the loss is recorded as during the takeover");
+        assert!(!sh.ha().controls_fleet, "fenced at once");
+        assert!(!renewal.commit(), "the takeover cannot commit");
+        stop.cancel();
     }
 }
