@@ -25,6 +25,10 @@ pub(crate) struct Demand {
     since: Option<std::time::Instant>,
     kind: String,
     events: BTreeMap<String, u64>,
+    /// The document (`run`, bits of `at`) whose risk was last applied, so applying the same
+    /// document twice (`--resume` at startup, then again when a delayed claim succeeds) does
+    /// not add its counts twice.
+    applied: Option<(String, u64)>,
 }
 
 impl Demand {
@@ -37,6 +41,26 @@ impl Demand {
             self.kind = kind.to_string();
         }
         *self.events.entry(kind.to_string()).or_default() += 1;
+    }
+
+    /// [`Demand::restore`] of the risk carried by the document written by `run` at `at`,
+    /// unless that very document was already applied (found by ha_e2e: a primary restarted
+    /// with `--resume` inside its lease TTL applied its state file at startup and again at its
+    /// claim, doubling the counts). Re-anchoring it again would give the same time anyway.
+    pub(crate) fn restore_once(
+        &mut self,
+        run: &str,
+        at: f64,
+        risk: &DemandRisk,
+        gap_s: f64,
+        now: std::time::Instant,
+    ) {
+        let id = (run.to_string(), at.to_bits());
+        if self.applied.as_ref() == Some(&id) {
+            return;
+        }
+        self.applied = Some(id);
+        self.restore(risk, gap_s, now);
     }
 
     /// The handoff shape: `null` before any event (reference-notes 9).
@@ -262,7 +286,9 @@ pub(crate) fn apply(shared: &Shared, h: &Handoff) -> Result<Applied, String> {
         gap_s: (now.wall - h.at).max(0.0),
     };
     if let Some(risk) = &h.demand_risk {
-        shared.demand().restore(risk, applied.gap_s, now.mono);
+        shared
+            .demand()
+            .restore_once(&h.run, h.at, risk, applied.gap_s, now.mono);
     }
     tracing::info!(
         run = %applied.run,
@@ -366,6 +392,26 @@ mod tests {
         let again = other.snapshot(t1 + Duration::from_secs(1)).expect("risk");
         assert!((again.age_s - 4.0).abs() < 1e-9, "{}", again.age_s);
         assert_eq!(again.events["first_token_timeout"], 2);
+    }
+
+    #[test]
+    fn the_same_document_is_applied_once() {
+        let t1 = Instant::now() + Duration::from_secs(1000);
+        let carried = DemandRisk {
+            kind: "first_token_timeout".into(),
+            age_s: 1.0,
+            events: BTreeMap::from([("first_token_timeout".to_string(), 1)]),
+        };
+        let mut d = Demand::default();
+        d.restore_once("1-aa", 500.0, &carried, 0.5, t1);
+        d.restore_once("1-aa", 500.0, &carried, 2.5, t1 + Duration::from_secs(2));
+        let snap = d.snapshot(t1 + Duration::from_secs(2)).expect("risk");
+        assert_eq!(snap.events["first_token_timeout"], 1, "not doubled");
+        assert!((snap.age_s - 3.5).abs() < 1e-9, "{}", snap.age_s);
+        // Another document (another writer, or a later write) is another apply.
+        d.restore_once("2-bb", 501.0, &carried, 0.0, t1 + Duration::from_secs(2));
+        let snap = d.snapshot(t1 + Duration::from_secs(2)).expect("risk");
+        assert_eq!(snap.events["first_token_timeout"], 2);
     }
 
     /// Found by ha_e2e: a standby retained a document 10 ms after the event and took over 2 s
