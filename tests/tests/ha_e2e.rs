@@ -16,6 +16,8 @@
 //! - a fenced primary never takes the fleet back with stale state after the router that
 //!   replaced it died (file backend);
 //! - a primary fenced by a stalled etcd returns by itself when etcd answers again (etcd);
+//! - a foreign lease record fences the primary within a renew interval and stops its state
+//!   file writes (reference-notes 12 item 8; file backend);
 //! - a `demand_risk` event survives a takeover with its age re-anchored (file backend: the
 //!   re-anchoring does not depend on the backend);
 //! - the takeover gap (primary killed → standby `/ready` 200), median of 3 runs per backend,
@@ -932,6 +934,79 @@ async fn standby_refuses_a_handoff_older_than_the_lease_and_does_not_churn_the_e
     assert!(first["epoch"].as_u64() <= Some(epoch + 2), "{first}");
     let (status, _) = ha.get(format!("{}/ready", s.control)).await;
     assert_eq!(status, 503);
+}
+
+/// Reference-notes 12 item 8: another holder overwrites the lease record while the primary
+/// runs. Within about one renew interval the primary is fenced (`/health` `fenced`, `/ready`
+/// 503 with the reason, completions 503, lifecycle 503), and its state file stops changing:
+/// a fenced router never overwrites the fleet's state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_lease_record_fences_the_primary_and_stops_its_state_writes() {
+    let ha = Ha::start(Backend::File, false, &[], json!({})).await;
+    let p = ha.primary("primary").await;
+    let epoch = epoch_of(&ha.ha(&p).await);
+    let state = ha.state_path("primary");
+    let at = |text: &str| Handoff::parse(text).map(|h| h.at).ok();
+    let first = wait_until(Duration::from_secs(5), || async {
+        at(&std::fs::read_to_string(&state).ok()?)
+    })
+    .await
+    .expect("the primary writes its state file");
+    // While in control it rewrites it periodically (a new `at` each time).
+    wait_until(Duration::from_secs(5), || async {
+        let a = at(&std::fs::read_to_string(&state).ok()?)?;
+        (a > first).then_some(())
+    })
+    .await
+    .expect("the primary rewrites its state file periodically");
+    let path = PathBuf::from(ha.lease["path"].as_str().expect("lease path"));
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("wall clock")
+        .as_secs_f64();
+    let other = json!({"epoch": epoch + 1, "expires_at": now + 60.0, "holder": "other:0",
+                       "schema": "narwhal.router-lease", "schema_version": 1, "updated_at": now});
+    let tmp = path.with_extension("other.tmp");
+    std::fs::write(&tmp, format!("{other}\n")).expect("write lease");
+    std::fs::rename(&tmp, &path).expect("rename lease");
+    let t0 = Instant::now();
+    ha.wait_controls(&p, "fenced", Duration::from_secs(3)).await;
+    let took = t0.elapsed();
+    assert!(took < Duration::from_millis(1500), "fenced after {took:?}");
+    let (_, health) = ha.get(format!("{}/health", p.control)).await;
+    assert_eq!(health["status"], "fenced", "{health}");
+    let (status, ready) = ha.get(format!("{}/ready", p.control)).await;
+    assert_eq!(status, 503, "{ready}");
+    assert_eq!(ready["reason"], "lease held by another router", "{ready}");
+    let r = ha
+        .http
+        .post(format!("{}/v1/completions", p.data))
+        .json(&json!({"model": "tiny-sim", "prompt": "fenced", "max_tokens": 2}))
+        .send()
+        .await
+        .expect("completion");
+    assert_eq!(r.status(), 503);
+    let (status, doc) = ha
+        .post(
+            format!("{}/narwhal/lifecycle/drain", p.control),
+            json!({"engines": ["d0"], "deadline_s": 30}),
+        )
+        .await;
+    assert_eq!(status, 503, "{doc:#}");
+    // The writer runs every controller.monitor_interval_s (0.2 s) while in control: five
+    // periods without a change show it stopped.
+    let frozen = std::fs::read_to_string(&state).expect("state file");
+    let changed = wait_until(Duration::from_secs(1), || async {
+        let now = std::fs::read_to_string(&state).ok()?;
+        (now != frozen).then_some(now)
+    })
+    .await;
+    assert_eq!(changed, None, "a fenced router rewrote the state file");
+    let rec: Value = serde_json::from_slice(&std::fs::read(&path).expect("lease")).expect("json");
+    assert_eq!(
+        rec["holder"], "other:0",
+        "the foreign record is left alone: {rec}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
