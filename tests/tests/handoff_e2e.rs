@@ -32,9 +32,11 @@ fn http() -> reqwest::Client {
 /// p0 (prefill) and d0 (decode), each on its own simulated host with an agent.
 fn fleet() -> Fleet {
     let dir = tempfile::tempdir().expect("tempdir");
-    let certs: DevCerts =
-        make_dev_certs(&dir.path().join("certs"), &["router", "agent-h0", "agent-h1"])
-            .expect("certs");
+    let certs: DevCerts = make_dev_certs(
+        &dir.path().join("certs"),
+        &["router", "agent-h0", "agent-h1"],
+    )
+    .expect("certs");
     let sims = vec![
         start_sim(dir.path(), &EngineSpec::new("p0", "prefill"), "vllm").expect("p0"),
         start_sim(dir.path(), &EngineSpec::new("d0", "decode"), "vllm").expect("d0"),
@@ -78,7 +80,9 @@ async fn serve_some(http: &reqwest::Client, router: &RouterHandle, n: usize) {
     for i in 0..n {
         let r = http
             .post(format!("{}/v1/completions", router.data))
-            .json(&json!({"model": "tiny-sim", "prompt": format!("resume me {i}"), "max_tokens": 3}))
+            .json(
+                &json!({"model": "tiny-sim", "prompt": format!("resume me {i}"), "max_tokens": 3}),
+            )
             .send()
             .await
             .expect("send");
@@ -133,11 +137,14 @@ async fn handoff_validates_round_trips_and_resume_restores_totals_and_holds() {
     }
     assert_eq!(h.counters["served"], 5);
     assert!(h.demand_risk.is_none());
-    assert_eq!(serde_json::to_value(&h).expect("serialise"), live, "round trip");
+    assert_eq!(
+        serde_json::to_value(&h).expect("serialise"),
+        live,
+        "round trip"
+    );
     let saved = state_file_where(f.dir.path(), |h| {
         h.counters["served"] == 5
-            && h
-                .lifecycle
+            && h.lifecycle
                 .records
                 .iter()
                 .any(|r| r.iid == "d0" && r.old_process_start.is_some())
@@ -156,7 +163,10 @@ async fn handoff_validates_round_trips_and_resume_restores_totals_and_holds() {
     assert_eq!(d0["state"], "drained", "the hold survives: {lc}");
     assert_eq!(d0["accepts_new"], false, "{lc}");
     assert_eq!(d0["old_process_start"], json!(old_start), "{lc}");
-    assert_eq!(d0["resident"]["decode"], 0, "resident tracking starts fresh: {lc}");
+    assert_eq!(
+        d0["resident"]["decode"], 0,
+        "resident tracking starts fresh: {lc}"
+    );
     let m = b.metrics(&f.http).await.expect("metrics");
     assert!(
         m.lines()
@@ -218,7 +228,10 @@ async fn resume_refuses_torn_invalid_and_foreign_documents() {
         let st = get(&f.http, format!("{}/narwhal/state", r.control)).await;
         let reason = st["ha"]["resume"]["reason"].as_str().unwrap_or_default();
         assert_eq!(st["ha"]["resume"]["refused"], true, "{name}: {st}");
-        assert!(reason.contains(want), "{name}: reason {reason:?} lacks {want:?}");
+        assert!(
+            reason.contains(want),
+            "{name}: reason {reason:?} lacks {want:?}"
+        );
         assert_eq!(st["served"], 0, "{name}: nothing applied: {st}");
         let aside = f.dir.path().join("state.json.refused");
         assert_eq!(
