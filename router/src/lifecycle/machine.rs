@@ -429,9 +429,11 @@ impl Lifecycle {
         match bound {
             Ok(start) => {
                 rec.old_process_start = Some(start);
-                rec.error.clear();
                 if rec.state == DrainState::Blocked {
+                    // The capture error is resolved; a deadline error (the deadline may pass
+                    // while the agent is asked) stays with its `deadline_exceeded` state.
                     rec.state = DrainState::Draining;
+                    rec.error.clear();
                 }
                 self.emit(
                     now,
@@ -1163,6 +1165,24 @@ mod tests {
         assert!(plan.capture.is_empty());
         assert_eq!(l.record("e0").cloned(), before);
         assert_eq!(l.events().count(), n);
+    }
+
+    #[test]
+    fn deadline_passing_while_the_identity_is_captured_keeps_its_error() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        l.begin(now, &drain(&["e0"], false), &set(&["e0", "e1"]), "")
+            .unwrap();
+        l.refresh(now.after(secs(31)), |_| 1);
+        assert_eq!(l.state("e0"), DrainState::DeadlineExceeded);
+        assert!(l.bind_identity(now.after(secs(32)), "e0", Ok(100.0), false));
+        let r = l.record("e0").unwrap();
+        assert_eq!(r.state, DrainState::DeadlineExceeded);
+        assert_eq!(
+            r.error,
+            "1 resident request(s) remain after the drain deadline"
+        );
+        assert_eq!(r.old_process_start, Some(100.0));
     }
 
     #[test]
