@@ -85,6 +85,14 @@ fn init_logging(args: &Args) -> Result<(), String> {
         "warning" => "warn",
         other => other,
     };
+    // A bare word must be a level; anything else is a tracing filter (`narwhal_router=debug`).
+    const LEVELS: [&str; 6] = ["error", "warn", "info", "debug", "trace", "off"];
+    if !level.contains(['=', ',']) && !LEVELS.contains(&level) {
+        return Err(format!(
+            "--log-level {:?}: expected one of critical, error, warning, info, debug, trace, or a tracing filter",
+            args.log_level
+        ));
+    }
     let filter = tracing_subscriber::EnvFilter::try_new(level)
         .map_err(|e| format!("--log-level {level:?}: {e}"))?;
     let b = tracing_subscriber::fmt()

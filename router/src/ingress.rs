@@ -220,6 +220,18 @@ pub fn validate(
             _ => return Err(shape("vllm_xargs", "an object")),
         }
     }
+    // The OpenAI API requires the input; refusing here keeps a request without one from
+    // reaching an engine (and counts it `invalid`, not `failed/engine_rejected`).
+    let (required, what) = match endpoint {
+        Endpoint::Completions => ("prompt", "a string or an array"),
+        Endpoint::Chat => ("messages", "an array of objects"),
+    };
+    if present(&body, required).is_none() {
+        return Err(IngressError::Shape {
+            message: format!("'{required}' is required ({what})"),
+            param: Some(required.into()),
+        });
+    }
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     if !stream {
         if present(&body, "audio").is_some() {
@@ -401,6 +413,23 @@ mod tests {
             assert_eq!(body["error"]["type"], "invalid_request_error");
             assert_eq!(body["error"]["code"], Value::Null);
         }
+    }
+
+    #[test]
+    fn the_input_is_required_and_named() {
+        let e = check(r#"{"model":"tiny-sim","max_tokens":3}"#).unwrap_err();
+        let (st, body) = e.response();
+        assert_eq!(st, StatusCode::BAD_REQUEST);
+        assert_eq!(body["error"]["param"], "prompt", "{body}");
+        let chat = validate(
+            Endpoint::Chat,
+            br#"{"model":"tiny-sim","prompt":"not for chat"}"#,
+            "tiny-sim",
+            Backend::Vllm,
+            3.8,
+        )
+        .unwrap_err();
+        assert_eq!(chat.response().1["error"]["param"], "messages");
     }
 
     #[test]
