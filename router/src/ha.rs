@@ -440,6 +440,25 @@ fn judge_own(
 /// was re-checked through its agent (reference-notes 1.2 `identities_ready`, 2.9).
 pub(crate) const IDENTITY_PENDING: &str = "engine identity validation pending";
 
+/// Startup of a primary with agents: hold readiness with [`IDENTITY_PENDING`] while every
+/// engine's identity is checked through its agent (in the background, so the listeners are
+/// up meanwhile), then release the hold unless something else replaced it.
+pub(crate) fn hold_until_identities_checked(shared: Arc<Shared>) {
+    {
+        let mut ha = shared.ha.lock().unwrap_or_else(|p| p.into_inner());
+        if ha.failover_blocked.is_empty() {
+            ha.failover_blocked = IDENTITY_PENDING.to_string();
+        }
+    }
+    tokio::spawn(async move {
+        crate::lifecycle::driver::check_identities(&shared).await;
+        let mut ha = shared.ha.lock().unwrap_or_else(|p| p.into_inner());
+        if ha.failover_blocked == IDENTITY_PENDING {
+            ha.failover_blocked.clear();
+        }
+    });
+}
+
 /// Claims the lease, applies `retained` (or the own state file), re-checks identities, then
 /// records the takeover gap (monotonic time since `last_good`, the last good poll) and only
 /// then clears the readiness hold, so `/ready` 200 means the takeover is complete.

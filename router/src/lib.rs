@@ -124,9 +124,12 @@ pub async fn run(
             lifecycle::driver::resume_refused(&shared, &reason);
         }
         ha::start_primary(shared.clone(), None, stop.clone()).await;
-        if shared.ha().controls_fleet {
+        if shared.ha().controls_fleet && (0..shared.cfg.engines.len()).any(|i| shared.agents.has(i))
+        {
             // Catch restarts that happened behind the router's back (reference-notes 4.10).
-            tokio::spawn(lifecycle::driver::check_identities_owned(shared.clone()));
+            // Until every engine's identity was checked through its agent the router answers
+            // `/ready` 503 "engine identity validation pending" (reference-notes 1.2).
+            ha::hold_until_identities_checked(shared.clone());
         }
     }
     let state_writer = tokio::spawn(handoff::writer(shared.clone(), stop.clone()));

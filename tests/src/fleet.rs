@@ -360,6 +360,7 @@ pub fn start_router(
     };
     let data = proc.url_in_first_line(Some("data")).ok_or_else(bad)?;
     let control = proc.url_in_first_line(Some("control")).ok_or_else(bad)?;
+    wait_identity_check(&data);
     Ok(RouterHandle {
         proc,
         data,
@@ -462,4 +463,31 @@ pub fn start_agent(
         public_key: ready["public_key"].as_str().unwrap_or_default().to_string(),
         config,
     })
+}
+
+/// Waits (bounded) until a router with agents has finished its startup identity check: its
+/// `/ready` reason is no longer "engine identity validation pending". Whatever readiness it
+/// then has (ready, standby, held) is the test's to assert.
+fn wait_identity_check(data: &str) {
+    use std::io::{Read, Write};
+    let Some(addr) = data.strip_prefix("http://") else {
+        return;
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while std::time::Instant::now() < deadline {
+        let answer = std::net::TcpStream::connect(addr).and_then(|mut s| {
+            s.set_read_timeout(Some(Duration::from_secs(2)))?;
+            s.write_all(
+                format!("GET /ready HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")
+                    .as_bytes(),
+            )?;
+            let mut text = String::new();
+            s.read_to_string(&mut text)?;
+            Ok(text)
+        });
+        match answer {
+            Ok(text) if !text.contains("engine identity validation pending") => return,
+            _ => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
 }

@@ -105,6 +105,21 @@ async fn state_file_where(dir: &Path, pred: impl Fn(&Handoff) -> bool) -> Handof
 async fn handoff_validates_round_trips_and_resume_restores_totals_and_holds() {
     let f = fleet();
     let mut a = start_router(f.dir.path(), "router-a", &f.spec, &[]).expect("router a");
+    // Ready only after every engine's identity was checked through its agent.
+    let ready = f
+        .http
+        .get(format!("{}/ready", a.data))
+        .send()
+        .await
+        .expect("ready");
+    assert_eq!(ready.status(), 200);
+    let lc = get(&f.http, format!("{}/narwhal/lifecycle", a.control)).await;
+    for iid in ["p0", "d0"] {
+        assert!(
+            lc["process_starts"][iid].is_f64(),
+            "{iid}'s start accepted before ready: {lc}"
+        );
+    }
     serve_some(&f.http, &a, 5).await;
     // Drain d0 (restart required) so the handoff carries a lifecycle hold.
     let (s, doc) = post(

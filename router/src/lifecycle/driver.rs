@@ -838,11 +838,6 @@ fn identity_verdict(
     }
 }
 
-/// [`check_identities`] for `tokio::spawn`.
-pub(crate) async fn check_identities_owned(shared: Arc<Shared>) {
-    check_identities(&shared).await;
-}
-
 /// Lifecycle gauges for `/metrics`: `(iid, state, ready_to_stop)` per engine.
 pub(crate) fn gauges(shared: &Shared) -> Vec<(String, &'static str, bool)> {
     let lc = shared.lifecycle();
