@@ -122,12 +122,21 @@ async fn route(shared: Arc<Shared>, side: Side, req: Request<Incoming>) -> Respo
                     );
                 }
             };
-            let (status, doc) = if path == "/narwhal/lifecycle/drain" {
-                lifecycle::driver::drain(shared.clone(), body).await
+            // The action runs in its own task: a client that gives up (a timeout during a long
+            // validation) must not cancel it half-way and leave records `validating`.
+            let action = if path == "/narwhal/lifecycle/drain" {
+                tokio::spawn(lifecycle::driver::drain(shared.clone(), body))
             } else {
-                lifecycle::driver::readmit(shared.clone(), body).await
+                tokio::spawn(lifecycle::driver::readmit(shared.clone(), body))
             };
-            json_response(status, &doc, &rid)
+            match action.await {
+                Ok((status, doc)) => json_response(status, &doc, &rid),
+                Err(e) => json_response(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    &lifecycle::driver::document(&shared, &format!("lifecycle action failed: {e}")),
+                    &rid,
+                ),
+            }
         }
         (Side::Control, Method::GET, "/narwhal/targets") => {
             json_response(StatusCode::OK, &shared.targets_doc(), &rid)

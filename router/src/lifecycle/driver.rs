@@ -357,6 +357,30 @@ pub(crate) async fn drain(shared: Arc<Shared>, body: Bytes) -> (StatusCode, Valu
     if !shared.ha().controls_fleet {
         return reply(&shared, StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL);
     }
+    // An engine without an agent could be held out but never bound to a process identity, so
+    // it could never be readmitted: refuse the drain instead of wedging it (DESIGN.md 9.2).
+    let mut agentless: Vec<&str> = shared
+        .cfg
+        .engines
+        .iter()
+        .enumerate()
+        .filter(|(i, e)| {
+            (req.engines.contains(&e.iid) || (req.wave && req.engines.is_empty()))
+                && !shared.agents.has(*i)
+        })
+        .map(|(_, e)| e.iid.as_str())
+        .collect();
+    if !agentless.is_empty() {
+        agentless.sort_unstable();
+        return reply(
+            &shared,
+            StatusCode::CONFLICT,
+            &format!(
+                "no agent configured for {} (engines[].agent): process identity cannot be recorded",
+                agentless.join(", ")
+            ),
+        );
+    }
     let _serial = shared.lifecycle_lock.lock().await;
     let plan = {
         let live = live(&shared);
@@ -777,6 +801,23 @@ pub(crate) async fn check_identities(shared: &Arc<Shared>) {
             .map(|(i, e)| (i, e.iid.clone(), lc.process_starts().get(&e.iid).copied()))
             .collect()
     };
+    // Engines left out of the check (held, ejected) still get one fenced call, in the
+    // background, so every agent learns this router's epoch and refuses an older primary's
+    // (DESIGN.md section 3) without delaying readiness.
+    let others: Vec<String> = shared
+        .cfg
+        .engines
+        .iter()
+        .enumerate()
+        .filter(|(i, e)| shared.agents.has(*i) && !candidates.iter().any(|(_, c, _)| *c == e.iid))
+        .map(|(_, e)| e.iid.clone())
+        .collect();
+    if !others.is_empty() {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            futures_util::future::join_all(others.iter().map(|iid| capture(&shared, iid))).await;
+        });
+    }
     let reads =
         futures_util::future::join_all(candidates.iter().map(|(_, iid, _)| capture(shared, iid)))
             .await;

@@ -14,6 +14,9 @@ use serde_json::{Map, Value, json};
 
 pub use crate::config::RestartPolicy;
 
+/// Largest accepted drain deadline, seconds (one year).
+pub const MAX_DEADLINE_S: f64 = 365.0 * 24.0 * 3600.0;
+
 /// How many lifecycle events the document keeps (reference-notes 4.1).
 pub const EVENT_HISTORY: usize = 200;
 
@@ -75,6 +78,9 @@ pub enum LifecycleError {
     /// `deadline_s` not finite or not positive.
     #[error("deadline_s must be positive")]
     BadDeadline,
+    /// `deadline_s` over [`MAX_DEADLINE_S`].
+    #[error("deadline_s must be at most 31536000 (one year)")]
+    DeadlineTooLong,
     /// A wave drain that does not name every engine.
     #[error("a whole-wave drain must name every configured engine")]
     WaveMustNameAll,
@@ -294,6 +300,10 @@ impl Lifecycle {
         }
         if !req.deadline_s.is_finite() || req.deadline_s <= 0.0 {
             return Err(LifecycleError::BadDeadline);
+        }
+        // Bounded (a year) so the monotonic deadline can never overflow.
+        if req.deadline_s > MAX_DEADLINE_S {
+            return Err(LifecycleError::DeadlineTooLong);
         }
         if req.wave {
             if targets != self.all_sorted() {
@@ -895,8 +905,10 @@ impl Lifecycle {
                 r.error = "readmission validation was interrupted by router replacement".into();
             }
             r.deadline = (r.state == DrainState::Draining).then(|| {
-                let left = (r.deadline_at - now.wall).max(0.0);
-                now.mono + Duration::from_secs_f64(left)
+                let left = (r.deadline_at - now.wall).clamp(0.0, MAX_DEADLINE_S);
+                now.mono
+                    .checked_add(Duration::from_secs_f64(left))
+                    .unwrap_or(now.mono)
             });
             records.insert(r.iid.clone(), r);
         }
@@ -1114,7 +1126,15 @@ mod tests {
             "deadline_s must be positive"
         );
         bad.deadline_s = f64::NAN;
-        assert_eq!(err(&mut l, bad, &live), "deadline_s must be positive");
+        assert_eq!(
+            err(&mut l, bad.clone(), &live),
+            "deadline_s must be positive"
+        );
+        bad.deadline_s = 1e300;
+        assert_eq!(
+            err(&mut l, bad, &live),
+            "deadline_s must be at most 31536000 (one year)"
+        );
         assert_eq!(
             err(&mut l, drain(&["e0", "e1"], false), &live),
             "a non-wave drain must name exactly one engine"
