@@ -29,7 +29,12 @@ pub struct SseParser {
     line: Vec<u8>,
     pending_cr: bool,
     data: Option<String>,
+    overflowed: bool,
 }
+
+/// Longest SSE line or event the parser buffers, bytes. An upstream that never ends a line
+/// or an event past this is broken; the stream fails instead of growing router memory.
+pub const MAX_SSE_EVENT_BYTES: usize = 1 << 20;
 
 impl SseParser {
     /// A parser at the start of a stream.
@@ -53,10 +58,21 @@ impl SseParser {
                     self.end_line(&mut out);
                     self.pending_cr = true;
                 }
-                _ => self.line.push(b),
+                _ => {
+                    if self.line.len() >= MAX_SSE_EVENT_BYTES {
+                        self.overflowed = true;
+                        self.line.clear();
+                    }
+                    self.line.push(b)
+                }
             }
         }
         out
+    }
+
+    /// An upstream line or event exceeded [`MAX_SSE_EVENT_BYTES`]; the stream must fail.
+    pub fn overflowed(&self) -> bool {
+        self.overflowed
     }
 
     /// The upstream ended. An event not terminated by a blank line is discarded (SSE rules).
@@ -86,6 +102,10 @@ impl SseParser {
         };
         if field == "data" {
             match &mut self.data {
+                Some(d) if d.len() + value.len() >= MAX_SSE_EVENT_BYTES => {
+                    self.overflowed = true;
+                    self.data = None;
+                }
                 Some(d) => {
                     d.push('\n');
                     d.push_str(value);
@@ -584,6 +604,23 @@ mod tests {
         // A bare CR terminates a line too.
         let ev = p.push(b"data: d\r\r");
         assert_eq!(ev, vec![SseData("d".into())]);
+    }
+
+    #[test]
+    fn an_endless_line_or_event_overflows_instead_of_growing() {
+        let mut p = SseParser::new();
+        let chunk = vec![b'x'; 64 * 1024];
+        for _ in 0..(MAX_SSE_EVENT_BYTES / chunk.len() + 1) {
+            assert!(p.push(&chunk).is_empty());
+        }
+        assert!(p.overflowed());
+        assert!(p.line.len() <= MAX_SSE_EVENT_BYTES);
+        let mut q = SseParser::new();
+        let line = format!("data: {}\n", "y".repeat(64 * 1024));
+        for _ in 0..(MAX_SSE_EVENT_BYTES / line.len() + 2) {
+            q.push(line.as_bytes());
+        }
+        assert!(q.overflowed());
     }
 
     #[test]

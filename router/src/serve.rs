@@ -104,6 +104,8 @@ struct Fail {
 
 enum AttemptsError {
     NoEngine,
+    /// The router lost control of the fleet (lease) before this attempt was placed.
+    NotInControl,
     Leg(Fail),
 }
 
@@ -335,6 +337,20 @@ async fn completion_inner(
                 &rid,
             );
         }
+        Ok(Err(AttemptsError::NotInControl)) => {
+            pending.settle(Settlement::new(
+                Terminal::Rejected,
+                "not_ready",
+                503,
+                "the router lost control of the fleet before placing the request",
+                "standby",
+            ));
+            return with_retry_after(json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &json!({"error": {"message": "Router is not ready", "type": "standby", "code": "standby"}}),
+                &rid,
+            ));
+        }
         Ok(Err(AttemptsError::NoEngine)) => {
             let ty = "no_schedulable_engines";
             pending.settle(Settlement::new(
@@ -501,6 +517,11 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Attem
     let mut n = 0u32;
     loop {
         n += 1;
+        // A fenced router places nothing, not even a retry (reference-notes 3.4): the body
+        // read and earlier attempts may have outlasted the lease.
+        if !shared.ha().controls_fleet {
+            return Err(AttemptsError::NotInControl);
+        }
         let plan = {
             let mut core = shared.core();
             let core = &mut *core;
@@ -663,7 +684,12 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
             })
         }
         Plan::Split { prefill, decode } if !sglang => {
+            // Both engines count as resident from placement on: the decode engine is committed
+            // to this request while its prefill runs, and the producer holds the KV until the
+            // decode has pulled it. A drain of either waits for this request (seed
+            // "Draining engines"; `ready_to_stop` must not turn true under it).
             let seat_p = Resident::new(shared, prefill, Phase::Prefill);
+            let seat = Resident::new(shared, decode, Phase::Decode);
             count_prefill(shared);
             let limit = (now + secs(shared.cfg.serving.prefill_timeout_s)).min(ctx.deadline);
             let t0 = shared.clock.now();
@@ -685,7 +711,6 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                     err,
                     producer: None,
                 })?;
-            drop(seat_p);
             let prefill_s = (shared.clock.now() - t0).as_secs_f64();
             shared.core().stats.upstream_prefill_s += prefill_s;
             shared
@@ -695,7 +720,6 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                 .inc_by(prefill_s);
             shared.observe(prefill, Observation::PrefillOk);
             let decode_at = shared.clock.now();
-            let seat = Resident::new(shared, decode, Phase::Decode);
             count_decode(shared);
             let body = decode_body(&ctx.v.body, (decode != prefill).then_some(&desc), true);
             let first_by = (shared.clock.now() + first_token_limit(shared)).min(ctx.deadline);
@@ -715,7 +739,10 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                     iid: decode,
                     err,
                     producer: Some(prefill),
-                })?;
+                });
+            // The decode has its first token: the KV left the producer.
+            drop(seat_p);
+            let live = live?;
             Ok(Started {
                 live,
                 _seat: seat,
@@ -912,6 +939,18 @@ fn finish_record(shared: &Shared, pending: &mut Pending, started: &Started, cloc
         .inc_by(decode_s);
 }
 
+/// Sends one frame to the client unless it is gone or the request deadline passes first (a
+/// client that stops reading must not hold its seats and the upstream past the deadline).
+async fn send_by(tx: &mpsc::Sender<Bytes>, frame: Bytes, deadline: Instant) -> bool {
+    matches!(
+        tokio::time::timeout_at(deadline.into(), tx.send(frame)).await,
+        Ok(Ok(()))
+    )
+}
+
+/// How long a final frame (`[DONE]` or the error frame) may wait for a slow client.
+const FINAL_FRAME_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Relay the rest of a stream to a streaming client (runs as its own task).
 #[allow(clippy::too_many_arguments)]
 async fn relay_stream(
@@ -926,9 +965,9 @@ async fn relay_stream(
 ) {
     let mut clock = TokenClock::new(first_at, started.live.tokens());
     for c in std::mem::take(&mut started.live.first) {
-        if tx.send(data_frame(&c)).await.is_err() {
+        if !send_by(&tx, data_frame(&c), deadline).await {
             finish_record(&shared, &mut pending, &started, &clock);
-            return; // client gone: `pending` settles cancelled on drop
+            return; // client gone (or too slow): `pending` settles on drop
         }
     }
     let gap = gap(&shared);
@@ -940,7 +979,7 @@ async fn relay_stream(
                 return;
             }
             _ = tokio::time::sleep_until(deadline.into()) => {
-                let _ = tx.send(error_frame("Request deadline expired", "decode", "expired")).await;
+                let _ = tokio::time::timeout(FINAL_FRAME_WAIT, tx.send(error_frame("Request deadline expired", "decode", "expired"))).await;
                 finish_record(&shared, &mut pending, &started, &clock);
                 pending.settle(Settlement::new(Terminal::Expired, "deadline", 200, "request deadline expired after output", "decode"));
                 return;
@@ -951,7 +990,7 @@ async fn relay_stream(
         match step {
             Ok(RelayStep::Output(chunks)) => {
                 for c in chunks {
-                    if tx.send(data_frame(&c)).await.is_err() {
+                    if !send_by(&tx, data_frame(&c), deadline).await {
                         finish_record(&shared, &mut pending, &started, &clock);
                         return;
                     }
@@ -959,7 +998,7 @@ async fn relay_stream(
             }
             Ok(RelayStep::Hold) => {}
             Ok(RelayStep::Done) => {
-                let _ = tx.send(done_frame()).await;
+                let _ = tokio::time::timeout(FINAL_FRAME_WAIT, tx.send(done_frame())).await;
                 shared.observe(decode_iid, Observation::DecodeOk);
                 finish_record(&shared, &mut pending, &started, &clock);
                 pending.settle(Settlement::completed());
@@ -995,9 +1034,11 @@ async fn stream_failed(
     tx: &mpsc::Sender<Bytes>,
     err: LegError,
 ) -> Settlement {
-    let _ = tx
-        .send(error_frame(err.public_message(), "decode", "failed"))
-        .await;
+    let _ = tokio::time::timeout(
+        FINAL_FRAME_WAIT,
+        tx.send(error_frame(err.public_message(), "decode", "failed")),
+    )
+    .await;
     if let Some(class) = err.class(Phase::Decode) {
         shared.observe_leg_failure(started.decode_iid, Phase::Decode, class, started.producer);
     }

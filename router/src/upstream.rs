@@ -342,6 +342,9 @@ impl LiveStream {
                 Some(Ok(f)) => {
                     if let Ok(data) = f.into_data() {
                         self.queue.extend(self.parser.push(&data));
+                        if self.parser.overflowed() {
+                            return Ok(RelayStep::Failed(StreamFailure::ResponseLimit));
+                        }
                     }
                 }
             }
