@@ -485,12 +485,26 @@ async fn take_over(
     let renewing = renewal.stop.clone();
     let release = |why: String| async move {
         renewing.cancel();
+        // Remember the epoch: it was ours and nobody served under it, so it does not make the
+        // retained handoff stale on the next attempt (etcd advances the epoch on every claim).
+        shared
+            .released_epochs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(epoch);
         let _ = shared.lease.release().await;
         Err(Takeover::Failed(why))
     };
     match source {
         Source::Retained(h) => {
-            if h.epoch + 1 != epoch && h.epoch != 0 {
+            let only_ours_between = {
+                let ours = shared
+                    .released_epochs
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                (h.epoch + 1..epoch).all(|e| ours.contains(&e))
+            };
+            if h.epoch != 0 && h.epoch + 1 != epoch && !only_ours_between {
                 return release(stale_handoff(h.epoch, epoch)).await;
             }
             if let Err(why) = crate::handoff::apply(shared, h) {
@@ -684,6 +698,46 @@ mod tests {
             panic!("an unreadable lease refuses");
         };
         assert!(why.starts_with("lease unavailable:"), "{why}");
+    }
+
+    /// Found by ha_e2e (etcd, loaded machine): after one failed takeover attempt every retry
+    /// claimed the next epoch and refused the retained handoff as stale, forever. Epochs this
+    /// router claimed and released itself do not make the handoff stale; anyone else's do.
+    #[tokio::test]
+    async fn own_released_epochs_do_not_make_the_retained_handoff_stale() {
+        for ours in [true, false] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let clock = Arc::new(ManualClock::new(Instant::now(), 1.0e9));
+            let sh = shared(dir.path(), clock.clone());
+            // The primary served under epoch 1; its handoff is retained.
+            assert_eq!(sh.lease.claim().await.ok(), Some(1));
+            let mut h = crate::handoff::snapshot(&sh);
+            h.epoch = 1;
+            assert_eq!(sh.lease.release().await.ok(), Some(true));
+            // Epoch 2: a takeover attempt that failed (ours) or another router (not ours).
+            assert_eq!(sh.lease.claim().await.ok(), Some(2));
+            assert_eq!(sh.lease.release().await.ok(), Some(true));
+            if ours {
+                sh.released_epochs.lock().unwrap().insert(2);
+            }
+            let r = take_over(
+                &sh,
+                Source::Retained(&h),
+                None,
+                &None,
+                &CancellationToken::new(),
+            )
+            .await;
+            if ours {
+                assert!(r.is_ok(), "our own failed attempt is no other holder");
+                assert_eq!(sh.lease.epoch(), 3);
+            } else {
+                let Err(Takeover::Failed(why)) = r else {
+                    panic!("another holder's epoch makes the handoff stale");
+                };
+                assert_eq!(why, "handoff epoch 1 cannot precede claimed epoch 3");
+            }
+        }
     }
 
     /// A fenced primary whose renewal failed while its record was still live reclaims its own

@@ -105,6 +105,8 @@ pub(crate) struct Shared {
     pub(crate) state_dirty: tokio::sync::Notify,
     /// The router lease (backend `none`: always active, epoch 0).
     pub(crate) lease: Arc<crate::lease::LeaseDriver>,
+    /// Epochs this router claimed and released without serving (failed takeovers).
+    pub(crate) released_epochs: Mutex<BTreeSet<u64>>,
 }
 
 impl Shared {
@@ -172,6 +174,7 @@ impl Shared {
             demand: Mutex::new(crate::handoff::Demand::default()),
             state_dirty: tokio::sync::Notify::new(),
             lease,
+            released_epochs: Mutex::new(BTreeSet::new()),
             clock,
             cfg,
         })
