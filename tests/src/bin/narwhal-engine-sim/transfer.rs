@@ -214,9 +214,12 @@ pub(crate) async fn serve(listener: TcpListener, sim: Arc<Sim>) {
             let reply = match serde_json::from_str::<Request>(&line) {
                 // A consumer that goes away while waiting for a room (its decode request was
                 // cancelled) must not consume the room: stop waiting on EOF.
+                // `biased`, EOF first: when the room is published after the consumer left, a
+                // ready EOF must win over handing the room to a dead connection.
                 Ok(req) => tokio::select! {
-                    r = handle(&sim, req) => r,
+                    biased;
                     () = until_eof(stream.get_mut()) => return,
+                    r = handle(&sim, req) => r,
                 },
                 Err(e) => Reply::err(&sim.engine_id, format!("bad side channel request: {e}")),
             };
