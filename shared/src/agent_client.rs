@@ -301,19 +301,15 @@ impl AgentClient {
         fence: &Fence,
         expect_process: Option<&ProcessIdentity>,
     ) -> Result<Verified<AttestationPayload>, AgentClientError> {
-        let nonce = new_nonce();
-        let body = FencedRequest {
-            nonce: nonce.clone(),
-            epoch: fence.epoch,
-            holder: fence.holder.clone(),
-        };
-        let path = format!("/v1/engines/{iid}/attestation");
-        self.signed(
-            &path,
-            &body,
+        self.fenced(
             iid,
-            &nonce,
+            "attestation",
             fence,
+            |nonce| FencedRequest {
+                nonce,
+                epoch: fence.epoch,
+                holder: fence.holder.clone(),
+            },
             expect_process,
             self.timeouts.request_s,
         )
@@ -330,20 +326,16 @@ impl AgentClient {
         fence: &Fence,
         model: &str,
     ) -> Result<Verified<GenerationPayload>, AgentClientError> {
-        let nonce = new_nonce();
-        let body = ModelRequest {
-            nonce: nonce.clone(),
-            epoch: fence.epoch,
-            holder: fence.holder.clone(),
-            model: model.to_string(),
-        };
-        let path = format!("/v1/engines/{iid}/checks/generation");
-        self.signed(
-            &path,
-            &body,
+        self.fenced(
             iid,
-            &nonce,
+            "checks/generation",
             fence,
+            |nonce| ModelRequest {
+                nonce,
+                epoch: fence.epoch,
+                holder: fence.holder.clone(),
+                model: model.to_string(),
+            },
             None,
             self.timeouts.check_s,
         )
@@ -361,21 +353,17 @@ impl AgentClient {
         model: &str,
         check_id: &str,
     ) -> Result<Verified<KvProducePayload>, AgentClientError> {
-        let nonce = new_nonce();
-        let body = KvProduceRequest {
-            nonce: nonce.clone(),
-            epoch: fence.epoch,
-            holder: fence.holder.clone(),
-            model: model.to_string(),
-            check_id: check_id.to_string(),
-        };
-        let path = format!("/v1/engines/{iid}/checks/kv/produce");
-        self.signed(
-            &path,
-            &body,
+        self.fenced(
             iid,
-            &nonce,
+            "checks/kv/produce",
             fence,
+            |nonce| KvProduceRequest {
+                nonce,
+                epoch: fence.epoch,
+                holder: fence.holder.clone(),
+                model: model.to_string(),
+                check_id: check_id.to_string(),
+            },
             None,
             self.timeouts.check_s,
         )
@@ -394,22 +382,18 @@ impl AgentClient {
         check_id: &str,
         kv: Value,
     ) -> Result<Verified<KvConsumePayload>, AgentClientError> {
-        let nonce = new_nonce();
-        let body = KvConsumeRequest {
-            nonce: nonce.clone(),
-            epoch: fence.epoch,
-            holder: fence.holder.clone(),
-            model: model.to_string(),
-            check_id: check_id.to_string(),
-            kv,
-        };
-        let path = format!("/v1/engines/{iid}/checks/kv/consume");
-        self.signed(
-            &path,
-            &body,
+        self.fenced(
             iid,
-            &nonce,
+            "checks/kv/consume",
             fence,
+            |nonce| KvConsumeRequest {
+                nonce,
+                epoch: fence.epoch,
+                holder: fence.holder.clone(),
+                model: model.to_string(),
+                check_id: check_id.to_string(),
+                kv,
+            },
             None,
             self.timeouts.check_s,
         )
@@ -429,22 +413,18 @@ impl AgentClient {
         producer: Option<ProbeProducer>,
         check_id: Option<&str>,
     ) -> Result<Verified<ProbePayload>, AgentClientError> {
-        let nonce = new_nonce();
-        let body = ProbeRequest {
-            nonce: nonce.clone(),
-            epoch: fence.epoch,
-            holder: fence.holder.clone(),
-            model: model.to_string(),
-            producer,
-            check_id: check_id.map(str::to_string),
-        };
-        let path = format!("/v1/engines/{iid}/probe");
-        self.signed(
-            &path,
-            &body,
+        self.fenced(
             iid,
-            &nonce,
+            "probe",
             fence,
+            |nonce| ProbeRequest {
+                nonce,
+                epoch: fence.epoch,
+                holder: fence.holder.clone(),
+                model: model.to_string(),
+                producer,
+                check_id: check_id.map(str::to_string),
+            },
             None,
             self.timeouts.check_s,
         )
@@ -470,27 +450,31 @@ impl AgentClient {
         self.send(path, req, Some(epoch)).await
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn signed<B: Serialize, P: SignedPayload>(
+    /// POSTs the body `make(nonce)` (a fresh nonce) to `/v1/engines/{iid}/{route}` and
+    /// verifies the signed answer: pinned key, schema, agent id, that nonce, `fence`, `iid`,
+    /// freshness, and `expect_process` when given.
+    async fn fenced<B: Serialize, P: SignedPayload>(
         &self,
-        path: &str,
-        body: &B,
         iid: &str,
-        nonce: &str,
+        route: &str,
         fence: &Fence,
+        make: impl FnOnce(String) -> B,
         expect_process: Option<&ProcessIdentity>,
         timeout_s: f64,
     ) -> Result<Verified<P>, AgentClientError> {
+        let nonce = new_nonce();
+        let body = make(nonce.clone());
+        let path = format!("/v1/engines/{iid}/{route}");
         let req = self
             .http
-            .post(format!("{}{}", self.base, path))
+            .post(format!("{}{path}", self.base))
             .timeout(secs(timeout_s))
-            .json(body);
-        let document: SignedDocument = self.send(path, req, Some(fence.epoch)).await?;
+            .json(&body);
+        let document: SignedDocument = self.send(&path, req, Some(fence.epoch)).await?;
         let expected = Expected {
             agent_id: Some(&self.endpoint.agent_id),
             iid,
-            nonce,
+            nonce: &nonce,
             epoch: fence.epoch,
             holder: &fence.holder,
             process: expect_process,
@@ -501,7 +485,7 @@ impl AgentClient {
             .verify::<P>(&document, &expected, now)
             .map_err(|source| AgentClientError::Verify {
                 agent_id: self.endpoint.agent_id.clone(),
-                path: path.to_string(),
+                path,
                 source,
             })?;
         Ok(Verified { payload, document })
