@@ -115,6 +115,20 @@ pub enum AgentClientError {
         /// The agent's highest accepted epoch.
         highest: Option<u64>,
     },
+    /// The agent answered 403 `forbidden`: this side's client certificate lacks the identity
+    /// the call needs (a router's `spiffe://narwhal/router/<id>` URI SAN for fenced calls;
+    /// docs/security.md).
+    #[error("agent {agent_id}: {path}: HTTP 403 forbidden (rule {rule}): {message}")]
+    Forbidden {
+        /// Agent id.
+        agent_id: String,
+        /// Request path.
+        path: String,
+        /// The rule the certificate failed (`router_identity_required`, ...).
+        rule: String,
+        /// Message from the body (names the certificate's identity).
+        message: String,
+    },
     /// Any other non-2xx answer.
     #[error("agent {agent_id}: {path}: HTTP {status}: {code}: {message}")]
     Status {
@@ -515,14 +529,28 @@ impl AgentClient {
         let status = resp.status();
         let bytes = resp.bytes().await.map_err(transport)?;
         if !status.is_success() {
-            let (code, message, highest) = match serde_json::from_slice::<ErrorBody>(&bytes) {
-                Ok(b) => (b.error.code, b.error.message, b.error.highest_epoch),
+            let (code, message, highest, rule) = match serde_json::from_slice::<ErrorBody>(&bytes) {
+                Ok(b) => (
+                    b.error.code,
+                    b.error.message,
+                    b.error.highest_epoch,
+                    b.error.rule,
+                ),
                 Err(_) => (
                     "unknown".to_string(),
                     String::from_utf8_lossy(&bytes).chars().take(200).collect(),
                     None,
+                    None,
                 ),
             };
+            if status.as_u16() == 403 {
+                return Err(AgentClientError::Forbidden {
+                    agent_id: agent_id.clone(),
+                    path: path.to_string(),
+                    rule: rule.unwrap_or_else(|| code.clone()),
+                    message,
+                });
+            }
             if status.as_u16() == 409 && code == "stale_epoch" {
                 return Err(AgentClientError::StaleEpoch {
                     agent_id: agent_id.clone(),

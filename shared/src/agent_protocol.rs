@@ -9,7 +9,9 @@
 //!  POST /v1/engines/{iid}/checks/kv/consume  KvConsumeRequest    ──► SignedDocument(KvConsumePayload)
 //!  POST /v1/engines/{iid}/probe              ProbeRequest        ──► SignedDocument(ProbePayload)
 //!  GET  /health                              ──► {"status":"ok","agent_id":…}
-//!  any error                                 ──► ErrorBody, e.g. 409 {"error":{"code":"stale_epoch",…}}
+//!  GET  /metrics                             ──► Prometheus text
+//!  any error                                 ──► ErrorBody, e.g. 409 {"error":{"code":"stale_epoch",…}},
+//!                                                403 {"error":{"code":"forbidden","rule":…}}
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -138,16 +140,20 @@ pub struct EnginesAnswer {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ErrorDetail {
     /// Machine-readable code: `stale_epoch`, `holder_conflict`, `unknown_engine`,
-    /// `bad_request`, `process_unavailable`, `engine_unavailable`, `internal`.
+    /// `bad_request`, `forbidden`, `process_unavailable`, `engine_unavailable`, `internal`.
     pub code: String,
     /// Human-readable message naming the field and value.
     pub message: String,
     /// For `stale_epoch`/`holder_conflict`: the highest epoch the agent accepted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub highest_epoch: Option<u64>,
+    /// For `forbidden` (403): the access rule the caller's certificate identity failed
+    /// (`router_identity_required`, `fleet_identity_required`; docs/security.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
 }
 
-/// Error answer: `{"error": {"code", "message", "highest_epoch"?}}`.
+/// Error answer: `{"error": {"code", "message", "highest_epoch"?, "rule"?}}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ErrorBody {
     /// The error.

@@ -216,3 +216,149 @@ pub fn client_config_without_cert(ca: &Path) -> Result<ClientConfig, TlsError> {
         .with_root_certificates(roots(ca)?)
         .with_no_client_auth())
 }
+
+/// What a fleet certificate allows its holder to do with an agent (issue 9 section 8;
+/// `docs/security.md`, "Identities").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FleetRole {
+    /// A router (primary or standby): may present an epoch and holder, run attestations,
+    /// checks and probes, and read.
+    Router,
+    /// An operator, supervisor or monitoring system (`narwhalctl`, Prometheus): may read.
+    Operator,
+    /// An agent's own serving certificate: no calls to agents.
+    Agent,
+}
+
+impl FleetRole {
+    /// The path segment of the identity URI: `router`, `operator` or `agent`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FleetRole::Router => "router",
+            FleetRole::Operator => "operator",
+            FleetRole::Agent => "agent",
+        }
+    }
+
+    fn parse(s: &str) -> Option<FleetRole> {
+        match s {
+            "router" => Some(FleetRole::Router),
+            "operator" => Some(FleetRole::Operator),
+            "agent" => Some(FleetRole::Agent),
+            _ => None,
+        }
+    }
+}
+
+/// Scheme and trust domain of fleet identity URIs: `spiffe://narwhal/<role>/<id>`.
+pub const IDENTITY_URI_PREFIX: &str = "spiffe://narwhal/";
+
+/// The identity a fleet certificate carries: one URI SAN `spiffe://narwhal/<role>/<id>`, with
+/// `role` one of `router`, `operator`, `agent` and `id` made of letters, digits, `-`, `_`, `.`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FleetIdentity {
+    /// The role.
+    pub role: FleetRole,
+    /// The member's id (`router-a`, `alice`, `gpu-a`).
+    pub id: String,
+}
+
+impl FleetIdentity {
+    /// `spiffe://narwhal/<role>/<id>`, the URI SAN to issue.
+    pub fn uri(&self) -> String {
+        format!("{IDENTITY_URI_PREFIX}{}/{}", self.role.as_str(), self.id)
+    }
+
+    /// Parses `spiffe://narwhal/<role>/<id>`; None for any other URI.
+    pub fn from_uri(uri: &str) -> Option<FleetIdentity> {
+        let rest = uri.strip_prefix(IDENTITY_URI_PREFIX)?;
+        let (role, id) = rest.split_once('/')?;
+        let role = FleetRole::parse(role)?;
+        let id_ok = !id.is_empty()
+            && id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        id_ok.then(|| FleetIdentity {
+            role,
+            id: id.to_string(),
+        })
+    }
+}
+
+impl std::fmt::Display for FleetIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.uri())
+    }
+}
+
+/// Why a certificate carries no usable fleet identity.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdentityError {
+    /// The DER is not an X.509 certificate.
+    #[error("not an X.509 certificate: {0}")]
+    Unparsable(String),
+    /// No URI SAN of the form `spiffe://narwhal/<role>/<id>`.
+    #[error(
+        "no URI SAN of the form spiffe://narwhal/<router|operator|agent>/<id> (URI SANs: {uris:?})"
+    )]
+    Missing {
+        /// The URI SANs the certificate has.
+        uris: Vec<String>,
+    },
+    /// Several fleet identities with different roles: refused rather than guessed.
+    #[error("more than one fleet role in the URI SANs: {uris:?}")]
+    Ambiguous {
+        /// The identity URIs found.
+        uris: Vec<String>,
+    },
+}
+
+fn parse_cert(der: &[u8]) -> Result<x509_parser::certificate::X509Certificate<'_>, IdentityError> {
+    x509_parser::parse_x509_certificate(der)
+        .map(|(_, c)| c)
+        .map_err(|e| IdentityError::Unparsable(e.to_string()))
+}
+
+/// The fleet identity of a (DER) certificate: its `spiffe://narwhal/<role>/<id>` URI SANs.
+/// Several URIs naming the same role are fine (the first id is kept); two roles are
+/// [`IdentityError::Ambiguous`].
+///
+/// # Errors
+/// [`IdentityError`].
+pub fn fleet_identity(der: &[u8]) -> Result<FleetIdentity, IdentityError> {
+    let cert = parse_cert(der)?;
+    let san = cert
+        .subject_alternative_name()
+        .map_err(|e| IdentityError::Unparsable(e.to_string()))?;
+    let uris: Vec<String> = san
+        .map(|ext| {
+            ext.value
+                .general_names
+                .iter()
+                .filter_map(|n| match n {
+                    x509_parser::extensions::GeneralName::URI(u) => Some((*u).to_string()),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let found: Vec<FleetIdentity> = uris
+        .iter()
+        .filter_map(|u| FleetIdentity::from_uri(u))
+        .collect();
+    match found.first() {
+        None => Err(IdentityError::Missing { uris }),
+        Some(first) if found.iter().all(|f| f.role == first.role) => Ok(first.clone()),
+        Some(_) => Err(IdentityError::Ambiguous {
+            uris: found.iter().map(FleetIdentity::uri).collect(),
+        }),
+    }
+}
+
+/// `notAfter` of a (DER) certificate, Unix seconds.
+///
+/// # Errors
+/// [`IdentityError::Unparsable`].
+pub fn not_after_unix(der: &[u8]) -> Result<i64, IdentityError> {
+    Ok(parse_cert(der)?.validity().not_after.timestamp())
+}

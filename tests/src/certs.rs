@@ -6,19 +6,79 @@
 //!     dir/ca.pem                      self-signed fleet CA (ECDSA P-256), key kept in memory only
 //!     dir/NAME.pem, dir/NAME.key      leaf per name, signed by the CA; key mode 0600
 //! ```
-//! Every leaf has SANs `localhost`, `127.0.0.1` and `NAME`, and both the server-auth and the
-//! client-auth extended key usages, so one file pair works for either side of a connection.
-//! Calling it twice makes two unrelated CAs (tests use that for "a certificate from another
+//! Every leaf has DNS/IP SANs `localhost`, `127.0.0.1` and `NAME`, both the server-auth and the
+//! client-auth extended key usages, and the URI SAN of its fleet identity
+//! (`spiffe://narwhal/<role>/<id>`, docs/security.md "Identities"; issue 9 section 8), which
+//! decides what it may ask an agent. [`make_dev_certs`] infers the role from the name:
+//!
+//! | name | role | identity URI |
+//! |---|---|---|
+//! | `router`, `standby`, `router-*`, `standby-*` | router | `spiffe://narwhal/router/NAME` |
+//! | `ctl`, `operator`, `narwhalctl`, `ctl-*`, `operator-*` | operator | `spiffe://narwhal/operator/NAME` |
+//! | `agent-<id>` | agent | `spiffe://narwhal/agent/<id>` |
+//!
+//! [`make_certs`] takes explicit roles, including [`DevRole::Unrecognised`] (no identity URI).
+//! Calling either twice makes two unrelated CAs (tests use that for "a certificate from another
 //! CA"). For production, `docs/security.md` shows how to issue the same files from a real CA.
 
 use std::io::Write as _;
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 
+use narwhal_shared::tls::{FleetIdentity, FleetRole};
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
+    KeyUsagePurpose, SanType,
 };
+
+/// The identity a dev certificate carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DevRole {
+    /// `spiffe://narwhal/router/NAME`: may fence and run checks.
+    Router,
+    /// `spiffe://narwhal/operator/NAME`: may read agents (and drive the router's control API).
+    Operator,
+    /// `spiffe://narwhal/agent/<id>` for `agent-<id>`: an agent's serving certificate.
+    Agent,
+    /// No identity URI at all (a fleet-CA certificate that agents refuse).
+    Unrecognised,
+}
+
+impl DevRole {
+    /// The role [`make_dev_certs`] gives `name` (table in the module doc); None if none fits.
+    pub fn for_name(name: &str) -> Option<DevRole> {
+        let starts = |p: &str| name.starts_with(p) && name.len() > p.len();
+        if matches!(name, "router" | "standby") || starts("router-") || starts("standby-") {
+            Some(DevRole::Router)
+        } else if matches!(name, "ctl" | "operator" | "narwhalctl")
+            || starts("ctl-")
+            || starts("operator-")
+        {
+            Some(DevRole::Operator)
+        } else if starts("agent-") {
+            Some(DevRole::Agent)
+        } else {
+            None
+        }
+    }
+
+    /// The fleet identity of a certificate `name` with this role (None for `Unrecognised`).
+    pub fn identity(self, name: &str) -> Option<FleetIdentity> {
+        let (role, id) = match self {
+            DevRole::Router => (FleetRole::Router, name),
+            DevRole::Operator => (FleetRole::Operator, name),
+            DevRole::Agent => (
+                FleetRole::Agent,
+                name.strip_prefix("agent-").unwrap_or(name),
+            ),
+            DevRole::Unrecognised => return None,
+        };
+        Some(FleetIdentity {
+            role,
+            id: id.to_string(),
+        })
+    }
+}
 
 /// Why certificates could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +95,15 @@ pub enum CertError {
     /// or a file name.
     #[error("certificate name {name:?} must be letters, digits, '-' and '.' only")]
     Name {
+        /// The offending name.
+        name: String,
+    },
+    /// [`make_dev_certs`] cannot tell the role from the name (see the module doc).
+    #[error(
+        "certificate name {name:?}: no role (router, standby, router-*, standby-*, ctl, operator, \
+         narwhalctl, ctl-*, operator-*, agent-<id>); use make_certs with an explicit role"
+    )]
+    Role {
         /// The offending name.
         name: String,
     },
@@ -97,13 +166,33 @@ fn write(path: &Path, contents: &str, mode: u32) -> Result<(), CertError> {
 }
 
 /// Writes a fresh fleet CA (`ca.pem`) and a certificate and key (`NAME.pem`, `NAME.key`) for
-/// each of `names` into `dir` (created if missing; existing files are replaced).
+/// each of `names` into `dir` (created if missing; existing files are replaced), each with the
+/// identity of the role its name implies ([`DevRole::for_name`]).
 ///
 /// # Errors
-/// [`CertError::Name`] for an unusable name, [`CertError::Rcgen`] if rcgen refuses,
-/// [`CertError::Io`] for a file.
+/// [`CertError::Name`] for an unusable name, [`CertError::Role`] for a name without a role,
+/// [`CertError::Rcgen`] if rcgen refuses, [`CertError::Io`] for a file.
 pub fn make_dev_certs(dir: &Path, names: &[&str]) -> Result<DevCerts, CertError> {
-    for name in names {
+    let specs = names
+        .iter()
+        .map(|n| {
+            DevRole::for_name(n)
+                .map(|r| (*n, r))
+                .ok_or_else(|| CertError::Role {
+                    name: n.to_string(),
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    make_certs(dir, &specs)
+}
+
+/// As [`make_dev_certs`], with each leaf's role given.
+///
+/// # Errors
+/// As [`make_dev_certs`].
+pub fn make_certs(dir: &Path, specs: &[(&str, DevRole)]) -> Result<DevCerts, CertError> {
+    let names: Vec<&str> = specs.iter().map(|(n, _)| *n).collect();
+    for name in &names {
         let ok = !name.is_empty()
             && !name.starts_with(['-', '.'])
             && name
@@ -142,7 +231,7 @@ pub fn make_dev_certs(dir: &Path, names: &[&str]) -> Result<DevCerts, CertError>
     write(&ca_path, &ca_cert.pem(), 0o644)?;
     let issuer = Issuer::new(ca_params, ca_key);
 
-    for name in names {
+    for (name, role) in specs {
         let key = KeyPair::generate().map_err(rc(name))?;
         let mut params = CertificateParams::new(vec![
             "localhost".to_string(),
@@ -150,6 +239,10 @@ pub fn make_dev_certs(dir: &Path, names: &[&str]) -> Result<DevCerts, CertError>
             name.to_string(),
         ])
         .map_err(rc(name))?;
+        if let Some(identity) = role.identity(name) {
+            let uri = identity.uri().try_into().map_err(rc(name))?;
+            params.subject_alt_names.push(SanType::URI(uri));
+        }
         params.distinguished_name.push(DnType::CommonName, *name);
         params
             .distinguished_name
@@ -202,5 +295,43 @@ mod tests {
             make_dev_certs(dir.path(), &["not a dns name!"]),
             Err(CertError::Name { .. })
         ));
+        assert!(matches!(
+            make_dev_certs(dir.path(), &["mystery"]),
+            Err(CertError::Role { .. })
+        ));
+    }
+
+    fn identity_of(certs: &DevCerts, name: &str) -> Result<FleetIdentity, String> {
+        let der = narwhal_shared::tls::load_certs("cert", &certs.cert(name)).unwrap();
+        narwhal_shared::tls::fleet_identity(&der[0]).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn each_leaf_carries_the_identity_of_its_role() {
+        let dir = tempfile::tempdir().unwrap();
+        let certs = make_dev_certs(
+            dir.path(),
+            &[
+                "router", "standby", "ctl", "operator", "agent-h0", "router-b",
+            ],
+        )
+        .unwrap();
+        for (name, uri) in [
+            ("router", "spiffe://narwhal/router/router"),
+            ("standby", "spiffe://narwhal/router/standby"),
+            ("router-b", "spiffe://narwhal/router/router-b"),
+            ("ctl", "spiffe://narwhal/operator/ctl"),
+            ("operator", "spiffe://narwhal/operator/operator"),
+            ("agent-h0", "spiffe://narwhal/agent/h0"),
+        ] {
+            assert_eq!(identity_of(&certs, name).unwrap().uri(), uri, "{name}");
+        }
+        let plain = make_certs(
+            &dir.path().join("plain"),
+            &[("someone", DevRole::Unrecognised)],
+        )
+        .unwrap();
+        let err = identity_of(&plain, "someone").unwrap_err();
+        assert!(err.contains("no URI SAN"), "{err}");
     }
 }

@@ -102,6 +102,14 @@ struct CertsArgs {
     /// Agent ids to issue `agent-<id>` certificates for.
     #[arg(long, value_delimiter = ',', default_value = "host0,host1")]
     agents: Vec<String>,
+    /// Router certificates (identity `spiffe://narwhal/router/<name>`): may fence agents and
+    /// run their checks.
+    #[arg(long, value_delimiter = ',', default_value = "router,standby")]
+    routers: Vec<String>,
+    /// Operator certificates (identity `spiffe://narwhal/operator/<name>`): narwhalctl,
+    /// supervisors, Prometheus; may only read agents.
+    #[arg(long, value_delimiter = ',', default_value = "ctl")]
+    operators: Vec<String>,
 }
 
 #[derive(clap::Args)]
@@ -352,14 +360,30 @@ fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
 }
 
 fn certs(args: CertsArgs) -> ExitCode {
-    let mut names = vec!["router".to_string(), "standby".into(), "ctl".into()];
-    names.extend(args.agents.iter().map(|a| format!("agent-{a}")));
-    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-    match make_dev_certs(&args.out, &refs) {
+    use narwhal_testkit::certs::{DevRole, make_certs};
+    let mut specs: Vec<(String, DevRole)> = Vec::new();
+    specs.extend(args.routers.iter().map(|n| (n.clone(), DevRole::Router)));
+    specs.extend(
+        args.operators
+            .iter()
+            .map(|n| (n.clone(), DevRole::Operator)),
+    );
+    specs.extend(
+        args.agents
+            .iter()
+            .map(|a| (format!("agent-{a}"), DevRole::Agent)),
+    );
+    let refs: Vec<(&str, DevRole)> = specs.iter().map(|(n, r)| (n.as_str(), *r)).collect();
+    match make_certs(&args.out, &refs) {
         Ok(c) => {
             println!("fleet CA: {}", c.ca.display());
-            for n in &names {
-                println!("{n}: {} {}", c.cert(n).display(), c.key(n).display());
+            for (n, role) in &refs {
+                let identity = role.identity(n).map(|i| i.uri()).unwrap_or_default();
+                println!(
+                    "{n}: {} {} {identity}",
+                    c.cert(n).display(),
+                    c.key(n).display()
+                );
             }
             ExitCode::SUCCESS
         }
