@@ -29,8 +29,12 @@ use serde_json::Value;
 
 use crate::config::{Config, EngineConfig};
 use crate::fence::{EpochStore, FenceError};
+use crate::metrics::Metrics;
 use crate::plugin::{EngineCtx, EngineError, EnginePlugin, KvCounters, plugin_for};
-use crate::process::{ProcessError, locate_with_hint};
+use crate::process::{
+    LiveProc, PortRead, ProcessError, ProcessLocator, ReadPath, ResolvedOwner, locate,
+    read_port_identity,
+};
 
 /// Errors a request can end in (mapped to HTTP in `http.rs`).
 #[derive(Debug, thiserror::Error)]
@@ -77,8 +81,9 @@ struct Engine {
     cfg: EngineConfig,
     ctx: EngineCtx,
     plugin: Arc<dyn EnginePlugin>,
-    /// The pid found last time (a hint for the next lookup, never an answer by itself).
-    last_pid: std::sync::Mutex<Option<u32>>,
+    /// The owner of the engine's listening socket found last time, re-checked (never trusted)
+    /// by the next read (issue 11).
+    owner: std::sync::Mutex<Option<ResolvedOwner>>,
 }
 
 /// The agent: configured engines, key, fence and clock.
@@ -88,6 +93,9 @@ pub struct Agent {
     key: SigningKey,
     fence: EpochStore,
     clock: Arc<dyn Clock>,
+    metrics: Metrics,
+    /// `("serving" | "ca", notAfter Unix seconds)` of the loaded TLS certificates.
+    not_after: Vec<(&'static str, i64)>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -182,6 +190,36 @@ fn evidence(
     }
 }
 
+/// notAfter of the serving certificate and of the earliest-expiring CA certificate.
+fn certificate_expiry(
+    tls: &narwhal_shared::TlsFiles,
+) -> Result<Vec<(&'static str, i64)>, crate::Error> {
+    use narwhal_shared::tls::{load_certs, not_after_unix};
+    let mut out = Vec::new();
+    let bad = |field: &'static str, path: &std::path::Path, e: &dyn std::fmt::Display| {
+        crate::Error::Tls(narwhal_shared::TlsError::Verifier {
+            path: path.to_path_buf(),
+            reason: format!("tls.{field}: {e}"),
+        })
+    };
+    let serving = load_certs("cert", &tls.cert)?;
+    if let Some(leaf) = serving.first() {
+        out.push((
+            "serving",
+            not_after_unix(leaf).map_err(|e| bad("cert", &tls.cert, &e))?,
+        ));
+    }
+    let mut ca_min: Option<i64> = None;
+    for c in load_certs("ca", &tls.ca)? {
+        let at = not_after_unix(&c).map_err(|e| bad("ca", &tls.ca, &e))?;
+        ca_min = Some(ca_min.map_or(at, |m| m.min(at)));
+    }
+    if let Some(at) = ca_min {
+        out.push(("ca", at));
+    }
+    Ok(out)
+}
+
 /// 16 random hex digits, to make engine request ids unique per leg.
 fn short_id() -> String {
     format!("{:016x}", rand::random::<u64>())
@@ -211,17 +249,37 @@ impl Agent {
                     clock: clock.clone(),
                 },
                 plugin: plugin_for(cfg.dialect),
-                last_pid: std::sync::Mutex::new(None),
+                owner: std::sync::Mutex::new(None),
                 cfg: cfg.clone(),
             })
             .collect();
         Ok(Agent {
+            metrics: Metrics::new(&config.agent_id),
+            not_after: certificate_expiry(&config.tls)?,
             agent_id: config.agent_id.clone(),
             engines,
             key,
             fence,
             clock,
         })
+    }
+
+    /// The agent's metrics (recorded by the HTTP layer too).
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// The fence as persisted now.
+    pub fn fence_state(&self) -> crate::fence::FenceState {
+        self.fence.current()
+    }
+
+    /// `GET /metrics`: the text exposition, with the fence epoch and certificate expiry as of
+    /// now.
+    pub fn render_metrics(&self) -> String {
+        let now = self.clock.wall().unwrap_or(0.0);
+        self.metrics
+            .render(self.fence.current().epoch, now, &self.not_after)
     }
 
     /// The agent id.
@@ -246,17 +304,32 @@ impl Agent {
     async fn identity(&self, engine: &Engine) -> Result<ProcessIdentity, RequestError> {
         let locator = engine.cfg.locator.clone();
         let iid = engine.cfg.iid.clone();
-        let hint = engine.last_pid.lock().map(|g| *g).unwrap_or(None);
-        match tokio::task::spawn_blocking(move || locate_with_hint(&locator, hint)).await {
-            Ok(Ok(id)) => {
-                if let Ok(mut g) = engine.last_pid.lock() {
-                    *g = Some(id.pid);
-                }
-                Ok(id)
-            }
-            Ok(Err(source)) => Err(RequestError::Process { iid, source }),
-            Err(e) => Err(RequestError::Internal(format!("identity task: {e}"))),
+        let cached = engine.owner.lock().map(|g| *g).unwrap_or(None);
+        let started = std::time::Instant::now();
+        let read = tokio::task::spawn_blocking(move || match locator {
+            ProcessLocator::ListenPort(port) => read_port_identity(&LiveProc, port, cached),
+            other => PortRead {
+                result: locate(&other),
+                path: ReadPath::Direct,
+                mismatch: None,
+                owner: None,
+            },
+        })
+        .await
+        .map_err(|e| RequestError::Internal(format!("identity task: {e}")))?;
+        self.metrics.identity_read(
+            read.path.as_str(),
+            read.result.is_ok(),
+            started.elapsed().as_secs_f64(),
+        );
+        if let Some(m) = &read.mismatch {
+            tracing::info!(engine.iid = %iid, reason = %m, "engine process changed or moved: rescanned");
         }
+        if let Ok(mut g) = engine.owner.lock() {
+            *g = read.owner;
+        }
+        read.result
+            .map_err(|source| RequestError::Process { iid, source })
     }
 
     fn header(

@@ -9,6 +9,10 @@
 //! (`{"epoch": 7, "holder": "router-a"}`), so the fence survives agent restarts. A lower epoch
 //! is `stale_epoch`; the same epoch from a different holder is `holder_conflict` (two routers
 //! can never legitimately hold one epoch).
+//!
+//! A running agent holds an exclusive `flock` on `<state_dir>/agent.lock` ([`StateLock`]), so
+//! a second agent on the same state cannot start and `narwhal-agent fence reset` ([`reset`])
+//! refuses while the agent runs instead of racing its writes.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -90,6 +94,17 @@ pub enum FenceError {
         /// I/O error.
         source: std::io::Error,
     },
+    /// Another process (a running agent, or a reset in progress) holds `<state_dir>/agent.lock`.
+    #[error(
+        "state_dir {path} is in use by a running agent{}; stop it first (systemctl stop narwhal-agent)",
+        .pid.map(|p| format!(" (pid {p})")).unwrap_or_default()
+    )]
+    Locked {
+        /// The lock file.
+        path: PathBuf,
+        /// The pid written into the lock file by its holder, when readable.
+        pid: Option<u32>,
+    },
     /// The state file is not a fence document.
     #[error("state file {path}: {reason}")]
     Corrupt {
@@ -108,6 +123,90 @@ pub struct EpochStore {
 }
 
 const FILE: &str = "fence.json";
+const LOCK: &str = "agent.lock";
+
+/// The exclusive lock a running agent holds on `<state_dir>/agent.lock` for its lifetime
+/// (released by the kernel when the process exits, however it exits).
+#[derive(Debug)]
+pub struct StateLock {
+    _file: nix::fcntl::Flock<std::fs::File>,
+}
+
+impl StateLock {
+    /// Takes the lock without waiting (creating `dir` and the file if needed) and writes this
+    /// process's pid into the file.
+    ///
+    /// # Errors
+    /// [`FenceError::Locked`] when another process holds it; [`FenceError::Io`].
+    pub fn acquire(dir: &Path) -> Result<StateLock, FenceError> {
+        let path = dir.join(LOCK);
+        let io = |source| FenceError::Io {
+            path: path.clone(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(|source| FenceError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(io)?;
+        let mut locked =
+            match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+                Ok(l) => l,
+                Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
+                    let pid = std::fs::read_to_string(&path)
+                        .ok()
+                        .and_then(|t| t.trim().parse().ok());
+                    return Err(FenceError::Locked { path, pid });
+                }
+                Err((_, e)) => return Err(io(std::io::Error::from(e))),
+            };
+        locked.set_len(0).map_err(io)?;
+        locked
+            .write_all(format!("{}\n", std::process::id()).as_bytes())
+            .map_err(io)?;
+        Ok(StateLock { _file: locked })
+    }
+}
+
+/// Reads `<state_dir>/fence.json` without taking the lock (a missing file is epoch 0).
+///
+/// # Errors
+/// [`FenceError::Io`] or [`FenceError::Corrupt`].
+pub fn show(dir: &Path) -> Result<FenceState, FenceError> {
+    let path = dir.join(FILE);
+    match std::fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| FenceError::Corrupt {
+            path,
+            reason: e.to_string(),
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(FenceState::default()),
+        Err(source) => Err(FenceError::Io { path, source }),
+    }
+}
+
+/// Sets the fence of a stopped agent to `to` (issue 14 section 2): takes the state lock (so it
+/// refuses while an agent runs on `dir`), then writes `to` the same way the agent does (temp
+/// file, fsync, rename, fsync of the directory). A corrupt or missing `fence.json` is
+/// replaced. Returns the previous fence (None when the file was unreadable).
+///
+/// # Errors
+/// [`FenceError::Locked`] while the agent runs; [`FenceError::Io`].
+pub fn reset(dir: &Path, to: &FenceState) -> Result<Option<FenceState>, FenceError> {
+    let _lock = StateLock::acquire(dir)?;
+    let before = show(dir).ok();
+    let store = EpochStore {
+        dir: dir.to_path_buf(),
+        state: Mutex::new(to.clone()),
+    };
+    store.persist(to)?;
+    Ok(before)
+}
 
 impl EpochStore {
     /// Opens (creating `dir` if needed) and loads `fence.json` if present.
@@ -251,6 +350,38 @@ mod tests {
             st(6, "router-b")
         );
         assert!(!dir.path().join(".fence.json.tmp").exists());
+    }
+
+    #[test]
+    fn reset_refuses_while_the_state_is_locked_and_writes_the_fence_once_free() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = EpochStore::open(dir.path()).unwrap();
+        s.admit(9, "router-a").unwrap();
+        let running = StateLock::acquire(dir.path()).unwrap();
+        match reset(dir.path(), &FenceState::default()) {
+            Err(FenceError::Locked { pid, .. }) => assert_eq!(pid, Some(std::process::id())),
+            other => panic!("expected Locked, got {other:?}"),
+        }
+        assert!(matches!(
+            StateLock::acquire(dir.path()),
+            Err(FenceError::Locked { .. })
+        ));
+        assert_eq!(show(dir.path()).unwrap(), st(9, "router-a"), "untouched");
+        drop(running);
+        let before = reset(dir.path(), &st(2, "")).unwrap();
+        assert_eq!(before, Some(st(9, "router-a")));
+        let after = EpochStore::open(dir.path()).unwrap();
+        assert_eq!(after.current(), st(2, ""));
+        // An empty holder lets the next router at that epoch (or higher) claim it.
+        after.admit(2, "router-b").unwrap();
+        assert!(matches!(
+            after.admit(1, "router-b"),
+            Err(FenceError::Stale { .. })
+        ));
+        // A corrupt file is replaced.
+        std::fs::write(dir.path().join(FILE), "nope").unwrap();
+        assert_eq!(reset(dir.path(), &st(0, "")).unwrap(), None);
+        assert_eq!(show(dir.path()).unwrap(), st(0, ""));
     }
 
     #[test]

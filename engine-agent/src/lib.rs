@@ -12,10 +12,12 @@
 #![warn(missing_docs, unreachable_pub)]
 
 mod agent;
+mod authz;
 mod config;
 mod fence;
 mod http;
 mod keys;
+mod metrics;
 mod plugin;
 mod process;
 
@@ -24,18 +26,25 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use agent::{Agent, RequestError, engine_http_client};
+pub use authz::{Access, Caller, Forbidden, RULE_FLEET, RULE_ROUTER, authorize};
 pub use config::{CONFIG_SCHEMA, Config, ConfigError, ContractDocument, EngineConfig, Timeouts};
-pub use fence::{Decision, EpochStore, FenceError, FenceState, decide};
+pub use fence::{Decision, EpochStore, FenceError, FenceState, StateLock, decide};
 pub use http::{router, status_of};
 pub use keys::{KeyFileError, keygen, load as load_signing_key};
+pub use metrics::{CHECK_KINDS, Metrics};
 pub use plugin::{
     BoxFuture, Dialect, EngineCtx, EngineError, EnginePlugin, KvCounters, SglangPlugin, VllmPlugin,
     plugin_for,
 };
 pub use process::{
-    ProcessError, ProcessLocator, StatFields, find_pid, locate, locate_with_hint, parse_stat,
-    read_identity,
+    LiveProc, Mismatch, PortRead, ProcView, ProcessError, ProcessLocator, ReadPath, ResolvedOwner,
+    StatFields, find_pid, locate, locate_with_hint, parse_stat, read_identity, read_port_identity,
 };
+
+/// `narwhal-agent fence show|reset` (issue 14 section 2): the fence of a stopped agent.
+pub mod fence_admin {
+    pub use crate::fence::{reset, show};
+}
 
 /// Startup errors; each names the config key at fault.
 #[derive(Debug, thiserror::Error)]

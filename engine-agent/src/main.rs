@@ -9,6 +9,10 @@
 //!   writes a PKCS#8 Ed25519 key (mode 0600), prints "ed25519:<base64>"
 //! narwhal-agent check-config --config PATH
 //!   validates config, key, TLS and state_dir, prints the public key
+//! narwhal-agent fence show  (--state-dir DIR | --config PATH)
+//!   prints the persisted fence {"epoch","holder"}
+//! narwhal-agent fence reset (--state-dir DIR | --config PATH) [--to-epoch N] [--holder NAME]
+//!   rewrites it; exit 1 while an agent runs on that state_dir (its lock), 2 on bad input
 //! ```
 #![forbid(unsafe_code)]
 
@@ -57,6 +61,118 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Show or reset the persisted fence (highest router epoch) of a stopped agent.
+    Fence {
+        #[command(subcommand)]
+        action: FenceAction,
+    },
+}
+
+/// Which state directory: given, or the `state_dir` of a config file.
+#[derive(clap::Args)]
+#[group(required = true, multiple = false)]
+struct StateArgs {
+    /// The agent's state directory (holds fence.json and agent.lock).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Read `state_dir` from this agent config file.
+    #[arg(long)]
+    config: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum FenceAction {
+    /// Print the persisted fence as JSON: {"epoch": N, "holder": "..."}.
+    Show {
+        #[command(flatten)]
+        state: StateArgs,
+    },
+    /// Rewrite the fence so a router with a lower epoch is accepted again. Refused (exit 1)
+    /// while an agent runs on the state directory.
+    Reset {
+        #[command(flatten)]
+        state: StateArgs,
+        /// The epoch to keep (default 0: any router epoch is accepted again).
+        #[arg(long, default_value_t = 0)]
+        to_epoch: u64,
+        /// The holder of that epoch (default none: the first router to present `--to-epoch`
+        /// or higher takes it).
+        #[arg(long, default_value = "")]
+        holder: String,
+    },
+}
+
+fn state_dir(args: StateArgs) -> Result<PathBuf, String> {
+    match (args.state_dir, args.config) {
+        (Some(dir), _) => Ok(dir),
+        (None, Some(config)) => Config::load(&config)
+            .map(|c| c.state_dir)
+            .map_err(|e| e.to_string()),
+        (None, None) => Err("give --state-dir or --config".into()),
+    }
+}
+
+fn fence(action: FenceAction) -> ExitCode {
+    use narwhal_agent::{FenceError, FenceState, fence_admin};
+    match action {
+        FenceAction::Show { state } => {
+            let shown =
+                state_dir(state).and_then(|d| fence_admin::show(&d).map_err(|e| e.to_string()));
+            match shown {
+                Ok(f) => {
+                    println!(
+                        "{}",
+                        serde_json::json!({"epoch": f.epoch, "holder": f.holder})
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("narwhal-agent: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+        FenceAction::Reset {
+            state,
+            to_epoch,
+            holder,
+        } => {
+            let dir = match state_dir(state) {
+                Ok(d) => d,
+                Err(e) => {
+                    eprintln!("narwhal-agent: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let to = FenceState {
+                epoch: to_epoch,
+                holder,
+            };
+            match fence_admin::reset(&dir, &to) {
+                Ok(before) => {
+                    let was = before.map_or_else(
+                        || "unreadable".to_string(),
+                        |b| format!("epoch {} holder {:?}", b.epoch, b.holder),
+                    );
+                    println!(
+                        "fence of {} reset: {was} -> epoch {} holder {:?}",
+                        dir.display(),
+                        to.epoch,
+                        to.holder
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e @ FenceError::Locked { .. }) => {
+                    eprintln!("narwhal-agent: refusing to reset the fence: {e}");
+                    ExitCode::from(1)
+                }
+                Err(e) => {
+                    eprintln!("narwhal-agent: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+    }
 }
 
 fn write_ready(path: &Path, doc: &serde_json::Value) -> std::io::Result<()> {
@@ -105,6 +221,7 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Command::Fence { action } => fence(action),
         Command::Run {
             config,
             listen,
@@ -114,10 +231,15 @@ fn main() -> ExitCode {
 }
 
 fn run(config: &Path, listen: Option<std::net::SocketAddr>, ready_file: Option<&Path>) -> ExitCode {
+    // The state lock is taken before the fence is read and held until the process exits: no
+    // second agent, and no `fence reset`, on this state meanwhile.
     let prepared = Config::load(config)
         .map_err(narwhal_agent::Error::from)
-        .and_then(|c| prepare(&c, Arc::new(SystemClock)).map(|p| (c, p)));
-    let (cfg, prepared) = match prepared {
+        .and_then(|c| {
+            let lock = narwhal_agent::StateLock::acquire(&c.state_dir)?;
+            prepare(&c, Arc::new(SystemClock)).map(|p| (c, p, lock))
+        });
+    let (cfg, prepared, _state_lock) = match prepared {
         Ok(x) => x,
         Err(e) => {
             eprintln!("narwhal-agent: refusing to start: {e}");

@@ -7,6 +7,23 @@
 //!     systemd_unit: `systemctl show --property=MainPID --value UNIT`
 //! ```
 //!
+//! Reading an engine by port once costs a scan of every socket on the host (`/proc/net/tcp` is
+//! O(sockets): about 10-20 ms with 2-3k sockets) plus, on a miss, every process's fds. So the
+//! agent keeps what the scan found per engine ([`ResolvedOwner`]: pid, start ticks, fd, inode)
+//! and the next read only re-checks it ([`read_port_identity`], issue 11):
+//!
+//! ```text
+//!   cached owner ──► /proc/<pid>/fd/<fd> still socket:[inode]? ──► /proc/<pid>/stat start_ticks
+//!        │                     │ no (closed, rebound)                 │ differs (pid reused) /
+//!        │                     ▼                                      ▼ zombie / vanished
+//!        │                full scan ◄─────────────────────────────────┘
+//!        └─ both hold ─► identity (fresh stat, exe, btime, boot_id), path "cached"
+//! ```
+//! The socket check comes before the stat read, so a matching start time proves the same
+//! process held the socket at the check; a scan's answer is confirmed the same way before it
+//! is cached or returned, so neither path can pair one process's identity with another's
+//! socket.
+//!
 //! `/proc/<pid>/stat` is parsed after the **last** `)`, so a command name containing `) `,
 //! spaces or newlines cannot shift fields. A zombie (`Z`), dead (`X`) or vanished process is an
 //! error, never a stale answer. The rest comes from the `procfs` crate (socket tables, fd
@@ -76,6 +93,14 @@ pub enum ProcessError {
         before: u64,
         /// start_ticks on the second read.
         after: u64,
+    },
+    /// The owner of the port changed between finding it and reading it, twice in a row.
+    #[error("the owner of TCP port {port} changed while being read: {reason}")]
+    OwnerChanged {
+        /// The port.
+        port: u16,
+        /// What changed.
+        reason: String,
     },
     /// `/proc/<pid>/stat` did not have the expected shape.
     #[error("/proc/{pid}/stat: {reason}")]
@@ -270,33 +295,43 @@ pub(crate) fn listening_inodes(port: u16) -> Result<Vec<u64>, ProcessError> {
     Ok(inodes)
 }
 
-/// Finds the process owning a socket with one of `inodes`; when several processes share it
-/// (forked workers) the earliest started (then lowest pid) wins, i.e. the parent.
-fn owner_of(port: u16, inodes: &[u64]) -> Result<u32, ProcessError> {
+/// The process owning a socket with one of `inodes` (scanning every process's fds), as a
+/// [`ResolvedOwner`]; when several processes share it (forked workers) the earliest started
+/// (then lowest pid) wins, i.e. the parent.
+fn owner_of(port: u16, inodes: &[u64]) -> Result<ResolvedOwner, ProcessError> {
     let all = procfs::process::all_processes().map_err(|e| proc_err("/proc", e))?;
-    let mut best: Option<(u64, u32)> = None;
+    let mut best: Option<ResolvedOwner> = None;
     for proc_ in all.flatten() {
-        let Ok(fds) = proc_.fd() else { continue };
-        let owns = fds
-            .flatten()
-            .any(|fd| matches!(fd.target, FDTarget::Socket(ino) if inodes.contains(&ino)));
-        if !owns {
-            continue;
-        }
         let pid = proc_.pid as u32;
+        let Some((fd, inode)) = socket_fd_among(pid, inodes) else {
+            continue;
+        };
         let Ok(stat) = read_stat(Path::new("/proc"), pid) else {
             continue;
         };
-        let key = (stat.start_ticks, pid);
-        if best.is_none_or(|b| key < b) {
-            best = Some(key);
+        let found = ResolvedOwner {
+            pid,
+            start_ticks: stat.start_ticks,
+            fd,
+            inode,
+        };
+        if best.is_none_or(|b| (found.start_ticks, found.pid) < (b.start_ticks, b.pid)) {
+            best = Some(found);
         }
     }
-    best.map(|(_, pid)| pid)
-        .ok_or_else(|| ProcessError::NoOwner {
-            port,
-            inodes: inodes.to_vec(),
-        })
+    best.ok_or_else(|| ProcessError::NoOwner {
+        port,
+        inodes: inodes.to_vec(),
+    })
+}
+
+/// The first fd of `pid` that is a socket with one of `inodes`, and that inode.
+fn socket_fd_among(pid: u32, inodes: &[u64]) -> Option<(u32, u64)> {
+    let fds = procfs::process::Process::new(pid as i32).ok()?.fd().ok()?;
+    fds.flatten().find_map(|fd| match fd.target {
+        FDTarget::Socket(ino) if inodes.contains(&ino) => Some((fd.fd as u32, ino)),
+        _ => None,
+    })
 }
 
 /// Resolves a locator to a pid and the listen port to record.
@@ -311,7 +346,7 @@ pub fn find_pid(locator: &ProcessLocator) -> Result<(u32, Option<u16>), ProcessE
             if inodes.is_empty() {
                 return Err(ProcessError::NoListener { port: *port });
             }
-            Ok((owner_of(*port, &inodes)?, Some(*port)))
+            Ok((owner_of(*port, &inodes)?.pid, Some(*port)))
         }
         ProcessLocator::PidFile(path) => {
             let bad = |reason: String| ProcessError::PidFile {
@@ -353,20 +388,11 @@ pub fn find_pid(locator: &ProcessLocator) -> Result<(u32, Option<u16>), ProcessE
     }
 }
 
-fn owns_any(pid: u32, inodes: &[u64]) -> bool {
-    let Ok(proc_) = procfs::process::Process::new(pid as i32) else {
-        return false;
-    };
-    let Ok(fds) = proc_.fd() else {
-        return false;
-    };
-    fds.flatten()
-        .any(|fd| matches!(fd.target, FDTarget::Socket(ino) if inodes.contains(&ino)))
-}
-
 /// As [`locate`], but for a `listen_port` locator first checks whether `hint` (the pid found
-/// last time) still owns the listening socket, which avoids scanning every process's fds. A
-/// hint that no longer owns it falls back to the full scan, so the answer is the same.
+/// last time) still owns the listening socket, which avoids scanning every process's fds (the
+/// socket tables are still read). A hint that no longer owns it falls back to the full scan,
+/// so the answer is the same. Kept for comparison ([`read_port_identity`] is what the agent
+/// uses).
 ///
 /// # Errors
 /// As [`locate`].
@@ -374,17 +400,241 @@ pub fn locate_with_hint(
     locator: &ProcessLocator,
     hint: Option<u32>,
 ) -> Result<ProcessIdentity, ProcessError> {
-    if let (ProcessLocator::ListenPort(port), Some(pid)) = (locator, hint) {
-        let inodes = listening_inodes(*port)?;
-        if inodes.is_empty() {
-            return Err(ProcessError::NoListener { port: *port });
-        }
-        if owns_any(pid, &inodes) {
-            return read_identity(pid, Some(*port));
-        }
-        return read_identity(owner_of(*port, &inodes)?, Some(*port));
+    if let (ProcessLocator::ListenPort(port), Some(_)) = (locator, hint) {
+        let owner = LiveProc.scan(*port, hint)?;
+        return read_identity(owner.pid, Some(*port));
     }
     locate(locator)
+}
+
+/// What a full scan found for a listening port, kept to re-check the next read cheaply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResolvedOwner {
+    /// The owning process.
+    pub pid: u32,
+    /// Its `starttime` (proc(5) field 22), read after its fds were seen holding the socket.
+    pub start_ticks: u64,
+    /// The fd number that held the socket in that process.
+    pub fd: u32,
+    /// The listening socket's inode.
+    pub inode: u64,
+}
+
+/// Which way an identity read went (metric label `path`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadPath {
+    /// The cached owner still held the socket and had the same start time.
+    Cached,
+    /// The socket tables (and, unless the previous pid still owned it, every process's fds)
+    /// were scanned.
+    Scan,
+    /// A pid file or a systemd unit named the pid; nothing to cache.
+    Direct,
+}
+
+impl ReadPath {
+    /// `cached`, `scan` or `direct`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReadPath::Cached => "cached",
+            ReadPath::Scan => "scan",
+            ReadPath::Direct => "direct",
+        }
+    }
+}
+
+/// Why a cached owner could not be reused (logged; each kind forces a full scan).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Mismatch {
+    /// `/proc/<pid>/fd/<fd>` no longer is the listening socket (closed, rebound, or the pid is
+    /// gone).
+    SocketGone {
+        /// The cached pid.
+        pid: u32,
+        /// The cached socket inode.
+        inode: u64,
+    },
+    /// The pid holds the socket but is another process now, or the start time moved.
+    Restarted {
+        /// The pid.
+        pid: u32,
+        /// Cached start ticks.
+        before: u64,
+        /// Start ticks now.
+        after: u64,
+    },
+    /// The process could not be read (vanished, zombie, exiting).
+    Unreadable(ProcessError),
+}
+
+impl std::fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Mismatch::SocketGone { pid, inode } => {
+                write!(f, "pid {pid} no longer holds socket inode {inode}")
+            }
+            Mismatch::Restarted { pid, before, after } => {
+                write!(f, "pid {pid} start_ticks {before} became {after}")
+            }
+            Mismatch::Unreadable(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+/// The `/proc` reads [`read_port_identity`] needs; [`LiveProc`] is the real one, tests fake it.
+pub trait ProcView {
+    /// The socket inode `/proc/<pid>/fd/<fd>` points to, if it is a socket (None when the fd
+    /// or the process is gone or not a socket).
+    fn socket_inode(&self, pid: u32, fd: u32) -> Option<u64>;
+    /// A fresh identity of `pid` ([`read_identity`]).
+    fn identity(&self, pid: u32, port: u16) -> Result<ProcessIdentity, ProcessError>;
+    /// The full scan: listening inodes of `port`, then their owner (`hint` first).
+    fn scan(&self, port: u16, hint: Option<u32>) -> Result<ResolvedOwner, ProcessError>;
+}
+
+/// `/proc` of the agent's pid and network namespace.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LiveProc;
+
+impl ProcView for LiveProc {
+    fn socket_inode(&self, pid: u32, fd: u32) -> Option<u64> {
+        let link = std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).ok()?;
+        let text = link.to_str()?;
+        text.strip_prefix("socket:[")?
+            .strip_suffix(']')?
+            .parse()
+            .ok()
+    }
+
+    fn identity(&self, pid: u32, port: u16) -> Result<ProcessIdentity, ProcessError> {
+        read_identity(pid, Some(port))
+    }
+
+    fn scan(&self, port: u16, hint: Option<u32>) -> Result<ResolvedOwner, ProcessError> {
+        let inodes = listening_inodes(port)?;
+        if inodes.is_empty() {
+            return Err(ProcessError::NoListener { port });
+        }
+        if let Some(pid) = hint
+            && let Some((fd, inode)) = socket_fd_among(pid, &inodes)
+            && let Ok(stat) = read_stat(Path::new("/proc"), pid)
+        {
+            return Ok(ResolvedOwner {
+                pid,
+                start_ticks: stat.start_ticks,
+                fd,
+                inode,
+            });
+        }
+        owner_of(port, &inodes)
+    }
+}
+
+/// Re-checks `owner`: its fd still holds the socket (read first), then a fresh identity with
+/// the same start ticks. Passing proves that process held the socket at the fd read.
+fn confirm(
+    view: &impl ProcView,
+    port: u16,
+    owner: &ResolvedOwner,
+) -> Result<ProcessIdentity, Mismatch> {
+    if view.socket_inode(owner.pid, owner.fd) != Some(owner.inode) {
+        return Err(Mismatch::SocketGone {
+            pid: owner.pid,
+            inode: owner.inode,
+        });
+    }
+    match view.identity(owner.pid, port) {
+        Ok(id) if id.start_ticks == owner.start_ticks => Ok(id),
+        Ok(id) => Err(Mismatch::Restarted {
+            pid: owner.pid,
+            before: owner.start_ticks,
+            after: id.start_ticks,
+        }),
+        Err(e) => Err(Mismatch::Unreadable(e)),
+    }
+}
+
+/// What one [`read_port_identity`] did.
+#[derive(Debug)]
+pub struct PortRead {
+    /// The identity, or why there is none.
+    pub result: Result<ProcessIdentity, ProcessError>,
+    /// Cached or scan.
+    pub path: ReadPath,
+    /// Why the cached owner was not reused (None on a hit or with nothing cached).
+    pub mismatch: Option<Mismatch>,
+    /// What to cache for the next read (None after an error).
+    pub owner: Option<ResolvedOwner>,
+}
+
+/// Reads the identity of the process listening on `port`, re-checking `cached` (the owner the
+/// last read found) before scanning (issue 11; DESIGN.md section 4).
+///
+/// A cached owner is used only if its fd still holds the same socket inode and its pid still
+/// has the same start ticks; anything else (socket closed or replaced, pid reused, zombie,
+/// vanished) forces the full scan, whose answer is confirmed the same way (one rescan if the
+/// owner changed in between). So a restarted engine is never reported with the old identity.
+///
+/// Blocking: call from `spawn_blocking`.
+pub fn read_port_identity(
+    view: &impl ProcView,
+    port: u16,
+    cached: Option<ResolvedOwner>,
+) -> PortRead {
+    let mut mismatch = None;
+    if let Some(owner) = cached {
+        match confirm(view, port, &owner) {
+            Ok(id) => {
+                return PortRead {
+                    result: Ok(id),
+                    path: ReadPath::Cached,
+                    mismatch: None,
+                    owner: Some(owner),
+                };
+            }
+            Err(m) => mismatch = Some(m),
+        }
+    }
+    let hint = cached.map(|o| o.pid);
+    let mut last = None;
+    for _ in 0..2 {
+        let found = match view.scan(port, hint) {
+            Ok(o) => o,
+            Err(e) => {
+                return PortRead {
+                    result: Err(e),
+                    path: ReadPath::Scan,
+                    mismatch,
+                    owner: None,
+                };
+            }
+        };
+        match confirm(view, port, &found) {
+            Ok(id) => {
+                return PortRead {
+                    result: Ok(id),
+                    path: ReadPath::Scan,
+                    mismatch,
+                    owner: Some(found),
+                };
+            }
+            Err(m) => last = Some(m),
+        }
+    }
+    let error = match last {
+        // The owner the scan found is dying (zombie, exiting, vanished): say so.
+        Some(Mismatch::Unreadable(e)) => e,
+        other => ProcessError::OwnerChanged {
+            port,
+            reason: other.map_or_else(String::new, |m| m.to_string()),
+        },
+    };
+    PortRead {
+        result: Err(error),
+        path: ReadPath::Scan,
+        mismatch,
+        owner: None,
+    }
 }
 
 /// Finds and reads the engine's identity now (blocking: call from `spawn_blocking`).
@@ -575,5 +825,309 @@ mod tests {
             locate(&ProcessLocator::PidFile(bad)),
             Err(ProcessError::PidFile { .. })
         ));
+    }
+
+    // ---- the cached owner (issue 11): a fake /proc for every mismatch kind ----
+
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+
+    /// A scripted `/proc`: processes (pid -> start_ticks, or an error), their socket fds, and
+    /// the answers of successive scans. Counts scans so a test can see which path ran.
+    #[derive(Default)]
+    struct FakeProc {
+        procs: HashMap<u32, Result<u64, ProcessError>>,
+        fds: HashMap<(u32, u32), u64>,
+        scans: RefCell<Vec<Result<ResolvedOwner, ProcessError>>>,
+        scanned: RefCell<usize>,
+    }
+
+    impl FakeProc {
+        fn process(mut self, pid: u32, start: u64, fd: u32, inode: u64) -> Self {
+            self.procs.insert(pid, Ok(start));
+            self.fds.insert((pid, fd), inode);
+            self
+        }
+        fn scan_finds(self, r: Result<ResolvedOwner, ProcessError>) -> Self {
+            self.scans.borrow_mut().push(r);
+            self
+        }
+        fn scans(&self) -> usize {
+            *self.scanned.borrow()
+        }
+    }
+
+    impl ProcView for FakeProc {
+        fn socket_inode(&self, pid: u32, fd: u32) -> Option<u64> {
+            self.fds.get(&(pid, fd)).copied()
+        }
+        fn identity(&self, pid: u32, port: u16) -> Result<ProcessIdentity, ProcessError> {
+            let start = self
+                .procs
+                .get(&pid)
+                .cloned()
+                .unwrap_or(Err(ProcessError::Vanished { pid }))?;
+            Ok(ProcessIdentity {
+                pid,
+                boot_id: "boot".into(),
+                start_ticks: start,
+                clk_tck: 100,
+                btime: 1,
+                process_start_time_seconds: ProcessIdentity::start_time_seconds(1, start, 100),
+                exe: "/bin/engine".into(),
+                listen_port: Some(port),
+            })
+        }
+        fn scan(&self, port: u16, _hint: Option<u32>) -> Result<ResolvedOwner, ProcessError> {
+            *self.scanned.borrow_mut() += 1;
+            let mut scans = self.scans.borrow_mut();
+            if scans.is_empty() {
+                return Err(ProcessError::NoListener { port });
+            }
+            scans.remove(0)
+        }
+    }
+
+    fn owner(pid: u32, start_ticks: u64, fd: u32, inode: u64) -> ResolvedOwner {
+        ResolvedOwner {
+            pid,
+            start_ticks,
+            fd,
+            inode,
+        }
+    }
+
+    #[test]
+    fn a_confirmed_cached_owner_is_answered_without_a_scan() {
+        let view = FakeProc::default().process(10, 500, 7, 9001);
+        let read = read_port_identity(&view, 8000, Some(owner(10, 500, 7, 9001)));
+        assert_eq!(read.path, ReadPath::Cached);
+        assert_eq!(read.mismatch, None);
+        assert_eq!(read.result.unwrap().start_ticks, 500);
+        assert_eq!(read.owner, Some(owner(10, 500, 7, 9001)));
+        assert_eq!(view.scans(), 0);
+    }
+
+    #[test]
+    fn nothing_cached_scans_and_caches_the_confirmed_owner() {
+        let view = FakeProc::default()
+            .process(10, 500, 7, 9001)
+            .scan_finds(Ok(owner(10, 500, 7, 9001)));
+        let read = read_port_identity(&view, 8000, None);
+        assert_eq!(read.path, ReadPath::Scan);
+        assert_eq!(read.result.unwrap().pid, 10);
+        assert_eq!(read.owner, Some(owner(10, 500, 7, 9001)));
+        assert_eq!(view.scans(), 1);
+    }
+
+    #[test]
+    fn a_restarted_engine_under_a_new_pid_is_found_by_the_scan() {
+        // The old process (pid 10) is gone; pid 11 listens now.
+        let view = FakeProc::default()
+            .process(11, 900, 5, 9002)
+            .scan_finds(Ok(owner(11, 900, 5, 9002)));
+        let read = read_port_identity(&view, 8000, Some(owner(10, 500, 7, 9001)));
+        assert_eq!(read.path, ReadPath::Scan);
+        assert_eq!(
+            read.mismatch,
+            Some(Mismatch::SocketGone {
+                pid: 10,
+                inode: 9001
+            })
+        );
+        let id = read.result.unwrap();
+        assert_eq!((id.pid, id.start_ticks), (11, 900));
+        assert_eq!(read.owner, Some(owner(11, 900, 5, 9002)));
+    }
+
+    #[test]
+    fn a_reused_pid_with_another_start_time_is_never_the_old_identity() {
+        // Same pid, same fd number and inode number (as unlikely as it gets), new start time:
+        // the start time alone must force the scan, and the answer is the new process.
+        let view = FakeProc::default()
+            .process(10, 777, 7, 9001)
+            .scan_finds(Ok(owner(10, 777, 7, 9001)));
+        let read = read_port_identity(&view, 8000, Some(owner(10, 500, 7, 9001)));
+        assert_eq!(
+            read.mismatch,
+            Some(Mismatch::Restarted {
+                pid: 10,
+                before: 500,
+                after: 777
+            })
+        );
+        assert_eq!(read.path, ReadPath::Scan);
+        assert_eq!(read.result.unwrap().start_ticks, 777);
+        assert_eq!(read.owner.unwrap().start_ticks, 777);
+    }
+
+    #[test]
+    fn a_process_that_stopped_listening_is_an_error_not_its_old_identity() {
+        // Pid 10 is alive with the same start time, but its fd 7 is something else now, and
+        // nobody listens on the port.
+        let mut view = FakeProc::default().process(10, 500, 7, 4444);
+        view.scans.borrow_mut().clear();
+        let read = read_port_identity(&view, 8000, Some(owner(10, 500, 7, 9001)));
+        assert!(matches!(read.mismatch, Some(Mismatch::SocketGone { .. })));
+        assert_eq!(read.result, Err(ProcessError::NoListener { port: 8000 }));
+        assert_eq!(read.owner, None, "the cache is dropped");
+        view.fds.clear();
+        let read = read_port_identity(&view, 8000, Some(owner(10, 500, 7, 9001)));
+        assert_eq!(read.result, Err(ProcessError::NoListener { port: 8000 }));
+    }
+
+    #[test]
+    fn a_zombie_or_vanished_owner_is_an_error() {
+        // The cached owner still "holds" the fd in our fake but reads as a zombie; the scan
+        // finds it again (it has not released the socket yet), and it is still a zombie.
+        let zombie = Err(ProcessError::NotRunning {
+            pid: 10,
+            state: 'Z',
+        });
+        let mut view = FakeProc::default()
+            .process(10, 500, 7, 9001)
+            .scan_finds(Ok(owner(10, 500, 7, 9001)))
+            .scan_finds(Ok(owner(10, 500, 7, 9001)));
+        view.procs.insert(10, zombie.clone());
+        let read = read_port_identity(&view, 8000, Some(owner(10, 500, 7, 9001)));
+        assert_eq!(
+            read.mismatch,
+            Some(Mismatch::Unreadable(ProcessError::NotRunning {
+                pid: 10,
+                state: 'Z'
+            }))
+        );
+        assert_eq!(read.result.map(|_| ()), zombie.map(|_: u64| ()));
+        assert_eq!(read.owner, None);
+        // Vanished: no process, no fds; the scan finds no listener.
+        let view = FakeProc::default();
+        let read = read_port_identity(&view, 8000, Some(owner(10, 500, 7, 9001)));
+        assert_eq!(read.result, Err(ProcessError::NoListener { port: 8000 }));
+    }
+
+    #[test]
+    fn an_owner_that_changes_between_scan_and_read_is_rescanned_once_then_an_error() {
+        // First scan names pid 10 with start 500, but pid 10 is now start 600 (it died and the
+        // pid was reused between the scan and the read); the second scan names pid 12.
+        let view = FakeProc::default()
+            .process(10, 600, 7, 9001)
+            .process(12, 800, 3, 9003)
+            .scan_finds(Ok(owner(10, 500, 7, 9001)))
+            .scan_finds(Ok(owner(12, 800, 3, 9003)));
+        let read = read_port_identity(&view, 8000, None);
+        assert_eq!(read.result.unwrap().pid, 12);
+        assert_eq!(view.scans(), 2);
+        // Twice unstable: an error naming the port, nothing cached.
+        let view = FakeProc::default()
+            .process(10, 600, 7, 9001)
+            .scan_finds(Ok(owner(10, 500, 7, 9001)))
+            .scan_finds(Ok(owner(10, 501, 7, 9001)));
+        let read = read_port_identity(&view, 8000, None);
+        assert!(
+            matches!(
+                read.result,
+                Err(ProcessError::OwnerChanged { port: 8000, .. })
+            ),
+            "{:?}",
+            read.result
+        );
+        assert_eq!(read.owner, None);
+    }
+
+    // ---- the same rules against the real /proc ----
+
+    /// Lets `fd` survive exec so a child inherits it (std sets close-on-exec on sockets).
+    fn inheritable(fd: std::os::fd::BorrowedFd<'_>) {
+        use nix::fcntl::{F_GETFD, F_SETFD, FdFlag, fcntl};
+        let flags = FdFlag::from_bits_truncate(fcntl(fd, F_GETFD).unwrap());
+        fcntl(fd, F_SETFD(flags - FdFlag::FD_CLOEXEC)).unwrap();
+    }
+
+    #[test]
+    fn live_a_closed_listener_is_never_answered_from_the_cache() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let first = read_port_identity(&LiveProc, port, None);
+        assert_eq!(first.path, ReadPath::Scan);
+        assert_eq!(first.result.as_ref().unwrap().pid, std::process::id());
+        let cached = first.owner.expect("an owner to cache");
+        let again = read_port_identity(&LiveProc, port, Some(cached));
+        assert_eq!(again.path, ReadPath::Cached);
+        assert!(
+            again
+                .result
+                .unwrap()
+                .same_process(first.result.as_ref().unwrap())
+        );
+        // Same process, still alive, same start time, but it closed the socket.
+        drop(listener);
+        let after = read_port_identity(&LiveProc, port, Some(cached));
+        assert_eq!(after.path, ReadPath::Scan);
+        assert!(matches!(after.mismatch, Some(Mismatch::SocketGone { .. })));
+        assert_eq!(after.result, Err(ProcessError::NoListener { port }));
+    }
+
+    #[test]
+    fn live_the_port_handed_to_a_new_process_is_read_as_that_process_then_its_zombie_is_not() {
+        use std::os::fd::AsFd as _;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let mine = read_port_identity(&LiveProc, port, None);
+        let cached = mine.owner.expect("owner");
+        assert_eq!(cached.pid, std::process::id());
+        // A "restarted engine": a new process holding the same listening socket.
+        inheritable(listener.as_fd());
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("spawn sleep");
+        drop(listener);
+        let child_pid = child.id();
+        // Poll: the child holds the inherited socket from exec on.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let moved = loop {
+            let r = read_port_identity(&LiveProc, port, Some(cached));
+            if r.result.as_ref().map(|i| i.pid) == Ok(child_pid) {
+                break r;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "child never seen: {r:?}"
+            );
+            std::thread::yield_now();
+        };
+        assert_eq!(moved.path, ReadPath::Scan);
+        assert!(matches!(moved.mismatch, Some(Mismatch::SocketGone { .. })));
+        let child_owner = moved.owner.expect("child cached");
+        assert_eq!(
+            read_port_identity(&LiveProc, port, Some(child_owner)).path,
+            ReadPath::Cached
+        );
+        // The child dies and is not reaped: a zombie holds no fds, so nothing listens.
+        child.kill().unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let gone = loop {
+            let r = read_port_identity(&LiveProc, port, Some(child_owner));
+            if r.result.is_err() {
+                break r;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "still answered: {r:?}"
+            );
+            std::thread::yield_now();
+        };
+        assert!(
+            matches!(
+                gone.result,
+                Err(ProcessError::NoListener { .. })
+                    | Err(ProcessError::NotRunning { .. })
+                    | Err(ProcessError::Exiting { .. })
+            ),
+            "{:?}",
+            gone.result
+        );
+        assert_eq!(gone.owner, None);
+        child.wait().unwrap();
     }
 }

@@ -16,6 +16,7 @@ use narwhal_shared::{
 };
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    SanType,
 };
 use serde_json::{Value, json};
 
@@ -39,6 +40,13 @@ fn certs(dir: &Path) -> (TlsFiles, TlsFiles) {
     for name in ["agent-t", "router"] {
         let key = KeyPair::generate().unwrap();
         let mut p = CertificateParams::new(vec![name.to_string(), "127.0.0.1".into()]).unwrap();
+        // Fenced calls need a router identity (docs/security.md, "Identities").
+        let role = if name == "router" { "router" } else { "agent" };
+        p.subject_alt_names.push(SanType::URI(
+            format!("spiffe://narwhal/{role}/{name}")
+                .try_into()
+                .unwrap(),
+        ));
         p.extended_key_usages = vec![
             ExtendedKeyUsagePurpose::ServerAuth,
             ExtendedKeyUsagePurpose::ClientAuth,

@@ -1,0 +1,452 @@
+//! Who may call an agent (issue 9 section 8), the agent's `/metrics` and fence reset (issue 14
+//! sections 2 and 5), and the cached engine identity across a restart (issue 11), against the
+//! real `narwhal-agent` and `narwhal-serve` binaries over mutual TLS on loopback.
+//!
+//! Identities are URI SANs `spiffe://narwhal/<role>/<id>` (docs/security.md, "Identities"):
+//! only a router may present an epoch or run checks; an operator may read; a fleet-CA
+//! certificate with no recognised identity may do nothing.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use narwhal_testkit::certs::{DevCerts, DevRole, make_certs};
+use narwhal_testkit::{
+    AgentHandle, EngineSpec, FleetSpec, bin_path, start_agent, start_router, start_sim, wait_until,
+};
+use serde_json::{Value, json};
+
+fn certs(dir: &Path) -> DevCerts {
+    make_certs(
+        &dir.join("certs"),
+        &[
+            ("router", DevRole::Router),
+            ("ctl", DevRole::Operator),
+            ("agent-h0", DevRole::Agent),
+            ("agent-h1", DevRole::Agent),
+            ("someone", DevRole::Unrecognised),
+        ],
+    )
+    .expect("certs")
+}
+
+/// An HTTPS client presenting `name`'s certificate.
+fn client_as(certs: &DevCerts, name: &str) -> reqwest::Client {
+    let tls = certs
+        .tls_files(name)
+        .client_config()
+        .expect("client TLS config");
+    narwhal_testkit::http_client()
+        .use_preconfigured_tls(tls)
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("client")
+}
+
+async fn get(c: &reqwest::Client, url: String) -> (u16, String) {
+    let r = c.get(&url).send().await.expect("GET");
+    let status = r.status().as_u16();
+    (status, r.text().await.expect("body"))
+}
+
+async fn post(c: &reqwest::Client, url: String, body: Value) -> (u16, Value) {
+    let r = c.post(&url).json(&body).send().await.expect("POST");
+    let status = r.status().as_u16();
+    let text = r.text().await.expect("body");
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+fn fence_file(agent: &AgentHandle) -> Value {
+    let dir = agent
+        .config
+        .with_file_name(format!("agent-{}-state", agent.agent_id));
+    serde_json::from_slice(&std::fs::read(dir.join("fence.json")).expect("fence.json"))
+        .expect("fence JSON")
+}
+
+fn state_dir(agent: &AgentHandle) -> PathBuf {
+    agent
+        .config
+        .with_file_name(format!("agent-{}-state", agent.agent_id))
+}
+
+/// The value of the sample whose line starts with `prefix` (name and labels).
+fn sample(metrics: &str, prefix: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// The five fenced routes of engine `iid`, with bodies carrying `epoch`.
+fn fenced_calls(base: &str, iid: &str, epoch: u64) -> Vec<(String, Value)> {
+    let f = json!({"nonce": "authz-e2e", "epoch": epoch, "holder": "not-a-router"});
+    let with = |extra: Value| {
+        let mut b = f.clone();
+        if let (Value::Object(b), Value::Object(e)) = (&mut b, extra) {
+            b.extend(e);
+        }
+        b
+    };
+    vec![
+        (format!("{base}/v1/engines/{iid}/attestation"), f.clone()),
+        (
+            format!("{base}/v1/engines/{iid}/checks/generation"),
+            with(json!({"model": "tiny-sim"})),
+        ),
+        (
+            format!("{base}/v1/engines/{iid}/checks/kv/produce"),
+            with(json!({"model": "tiny-sim", "check_id": "c1"})),
+        ),
+        (
+            format!("{base}/v1/engines/{iid}/checks/kv/consume"),
+            with(json!({"model": "tiny-sim", "check_id": "c1", "kv": {}})),
+        ),
+        (
+            format!("{base}/v1/engines/{iid}/probe"),
+            with(json!({"model": "tiny-sim"})),
+        ),
+    ]
+}
+
+/// Issue 9 section 8: an operator certificate presenting a higher epoch is refused 403 on every
+/// fenced route, the agent's fence does not move, and the router keeps controlling the fleet
+/// (a drain, which goes through the agent, still succeeds). A router certificate is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_certificate_cannot_fence_the_routers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let certs = certs(dir.path());
+    let sims = vec![
+        start_sim(dir.path(), &EngineSpec::new("p0", "prefill"), "vllm").expect("p0"),
+        start_sim(dir.path(), &EngineSpec::new("d0", "decode"), "vllm").expect("d0"),
+    ];
+    let a0 = start_agent(dir.path(), &certs, "h0", &[&sims[0]]).expect("agent h0");
+    let a1 = start_agent(dir.path(), &certs, "h1", &[&sims[1]]).expect("agent h1");
+    let spec = FleetSpec::for_sims("vllm", &sims)
+        .tls(&certs, "router")
+        .agent("p0", &a0)
+        .agent("d0", &a1)
+        .with(
+            json!({"lease": {"backend": "file", "path": dir.path().join("router.lease"),
+                               "ttl_s": 10, "renew_interval_s": 1, "safety_margin_s": 1}}),
+        );
+    // The router presents its router certificate to the agents (fleet `tls.cert`); its startup
+    // identity check is fenced, so the agents know its epoch and holder once it is up.
+    let router =
+        start_router(dir.path(), "router", &spec, &["--router-id", "router-a"]).expect("router");
+    let before = fence_file(&a0);
+    assert!(
+        before["holder"]
+            .as_str()
+            .is_some_and(|h| h.starts_with("router-a")),
+        "{before}"
+    );
+    let router_epoch = before["epoch"].as_u64().expect("epoch");
+    assert!(router_epoch >= 1, "{before}");
+
+    let operator = client_as(&certs, "ctl");
+    for (url, body) in fenced_calls(&a0.url, "p0", router_epoch + 100) {
+        let (status, answer) = post(&operator, url.clone(), body).await;
+        assert_eq!(status, 403, "{url}: {answer}");
+        assert_eq!(answer["error"]["code"], "forbidden", "{answer}");
+        assert_eq!(
+            answer["error"]["rule"], "router_identity_required",
+            "{answer}"
+        );
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("spiffe://narwhal/operator/ctl"),
+            "names the caller: {message}"
+        );
+    }
+    assert_eq!(fence_file(&a0), before, "the operator moved the fence");
+    // The operator may read: its own view of the fence says the same.
+    let (status, metrics) = get(&operator, format!("{}/metrics", a0.url)).await;
+    assert_eq!(status, 200, "{metrics}");
+    assert_eq!(
+        sample(&metrics, "narwhal_agent_fence_epoch "),
+        Some(router_epoch as f64),
+        "{metrics}"
+    );
+    assert_eq!(
+        sample(
+            &metrics,
+            "narwhal_agent_forbidden_total{rule=\"router_identity_required\",role=\"operator\"}"
+        ),
+        Some(5.0),
+        "{metrics}"
+    );
+
+    // The router is not fenced: it is ready and a drain (an agent call with its epoch) works.
+    let http = client_as(&certs, "router");
+    let (status, ready) = get(&http, format!("{}/ready", router.control)).await;
+    assert_eq!(status, 200, "{ready}");
+    let (status, drained) = post(
+        &http,
+        format!("{}/narwhal/lifecycle/drain", router.control),
+        json!({"engines": ["p0"], "deadline_s": 30}),
+    )
+    .await;
+    assert_eq!(status, 200, "drain after the operator's attempt: {drained}");
+    assert_eq!(fence_file(&a0), before);
+
+    // Control: the same call with the router's certificate and a higher epoch is accepted and
+    // raises the fence (on the other agent, so this router's own agent stays untouched above).
+    let (status, att) = post(
+        &http,
+        format!("{}/v1/engines/d0/attestation", a1.url),
+        json!({"nonce": "authz-e2e-router", "epoch": router_epoch + 100, "holder": "router-z"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{att}");
+    assert_eq!(att["payload"]["epoch"], router_epoch + 100, "{att}");
+    assert_eq!(fence_file(&a1)["epoch"], router_epoch + 100);
+}
+
+/// Reads take a router or operator identity; a fleet-CA certificate with no recognised identity
+/// (or an agent's own certificate) is refused everything, with the rule named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_need_a_router_or_operator_identity_and_unrecognised_certificates_get_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let certs = certs(dir.path());
+    let sim = start_sim(dir.path(), &EngineSpec::new("p0", "prefill"), "vllm").expect("p0");
+    let agent = start_agent(dir.path(), &certs, "h0", &[&sim]).expect("agent");
+    let reads = [
+        format!("{}/health", agent.url),
+        format!("{}/v1/engines", agent.url),
+        format!("{}/v1/engines/p0/process", agent.url),
+        format!("{}/metrics", agent.url),
+    ];
+    for who in ["router", "ctl"] {
+        let c = client_as(&certs, who);
+        for url in &reads {
+            let (status, body) = get(&c, url.clone()).await;
+            assert_eq!(status, 200, "{who} {url}: {body}");
+        }
+    }
+    for who in ["someone", "agent-h1"] {
+        let c = client_as(&certs, who);
+        for url in &reads {
+            let (status, body) = get(&c, url.clone()).await;
+            assert_eq!(status, 403, "{who} {url}: {body}");
+            let body: Value = serde_json::from_str(&body).expect("JSON error");
+            assert_eq!(body["error"]["rule"], "fleet_identity_required", "{body}");
+        }
+        for (url, body) in fenced_calls(&agent.url, "p0", 1) {
+            let (status, answer) = post(&c, url.clone(), body).await;
+            assert_eq!(status, 403, "{who} {url}: {answer}");
+            assert_eq!(answer["error"]["rule"], "router_identity_required");
+        }
+    }
+    // Nothing above touched the fence; the router's first call raises it.
+    assert!(!state_dir(&agent).join("fence.json").exists());
+    let router = client_as(&certs, "router");
+    let (status, att) = post(
+        &router,
+        format!("{}/v1/engines/p0/attestation", agent.url),
+        json!({"nonce": "n1", "epoch": 1, "holder": "router"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{att}");
+    let (_, metrics) = get(&router, format!("{}/metrics", agent.url)).await;
+    for (prefix, want) in [
+        (
+            "narwhal_agent_forbidden_total{rule=\"fleet_identity_required\",role=\"none\"}",
+            4.0,
+        ),
+        (
+            "narwhal_agent_forbidden_total{rule=\"router_identity_required\",role=\"agent\"}",
+            5.0,
+        ),
+        (
+            "narwhal_agent_checks_total{kind=\"attestation\",outcome=\"ok\"}",
+            1.0,
+        ),
+        (
+            "narwhal_agent_checks_total{kind=\"attestation\",outcome=\"forbidden\"}",
+            2.0,
+        ),
+        ("narwhal_agent_fence_epoch ", 1.0),
+    ] {
+        assert_eq!(sample(&metrics, prefix), Some(want), "{prefix}\n{metrics}");
+    }
+    let serving = sample(
+        &metrics,
+        "narwhal_agent_certificate_expiry_seconds{cert=\"serving\"}",
+    )
+    .expect("serving cert expiry");
+    assert!(serving > 86_400.0, "{serving}");
+    assert!(
+        sample(
+            &metrics,
+            "narwhal_agent_certificate_expiry_seconds{cert=\"ca\"}"
+        )
+        .is_some()
+    );
+    assert!(
+        metrics.contains("narwhal_agent_build_info{version=\""),
+        "{metrics}"
+    );
+}
+
+/// Issue 11: after the first read the agent re-checks the cached process instead of scanning;
+/// a restarted engine on the same port is read as the new process, never the old identity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_engine_is_never_answered_from_the_identity_cache() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let certs = certs(dir.path());
+    let mut sim = start_sim(dir.path(), &EngineSpec::new("p0", "prefill"), "vllm").expect("p0");
+    let agent = start_agent(dir.path(), &certs, "h0", &[&sim]).expect("agent");
+    let c = client_as(&certs, "router");
+    let process = format!("{}/v1/engines/p0/process", agent.url);
+    let read = |c: reqwest::Client, url: String| async move {
+        let (status, body) = get(&c, url).await;
+        (
+            status,
+            serde_json::from_str::<Value>(&body).unwrap_or(Value::Null),
+        )
+    };
+    let (status, first) = read(c.clone(), process.clone()).await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["pid"], sim.proc.pid());
+    for _ in 0..3 {
+        let (status, again) = read(c.clone(), process.clone()).await;
+        assert_eq!((status, &again), (200, &first));
+    }
+    let (_, metrics) = get(&c, format!("{}/metrics", agent.url)).await;
+    assert_eq!(
+        sample(
+            &metrics,
+            "narwhal_agent_identity_reads_total{path=\"scan\",outcome=\"ok\"}"
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        sample(
+            &metrics,
+            "narwhal_agent_identity_reads_total{path=\"cached\",outcome=\"ok\"}"
+        ),
+        Some(3.0),
+        "{metrics}"
+    );
+
+    let old_pid = sim.proc.pid();
+    sim.restart(&[]).expect("restart p0 on its port");
+    assert_ne!(sim.proc.pid(), old_pid);
+    // Every answer from now on names the new process (the old one is gone); poll until the
+    // new one listens.
+    let new = wait_until(Duration::from_secs(20), || {
+        let (c, process) = (c.clone(), process.clone());
+        async move {
+            let (status, body) = read(c, process).await;
+            if status == 200 {
+                assert_ne!(body["pid"], old_pid, "old identity after restart: {body}");
+                return Some(body);
+            }
+            None
+        }
+    })
+    .await
+    .expect("the restarted engine is read");
+    assert_eq!(new["pid"], sim.proc.pid());
+    assert_ne!(new["start_ticks"], Value::Null);
+    let (_, metrics) = get(&c, format!("{}/metrics", agent.url)).await;
+    assert!(
+        sample(
+            &metrics,
+            "narwhal_agent_identity_reads_total{path=\"scan\",outcome=\"ok\"}"
+        ) >= Some(2.0),
+        "{metrics}"
+    );
+}
+
+/// Issue 14 section 2: `narwhal-agent fence reset` refuses while the agent runs (it holds the
+/// state lock) and rewrites the fence once it stopped; a second agent on the same state
+/// directory refuses to start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fence_is_reset_only_while_the_agent_is_stopped() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let certs = certs(dir.path());
+    let sim = start_sim(dir.path(), &EngineSpec::new("p0", "prefill"), "vllm").expect("p0");
+    let mut agent = start_agent(dir.path(), &certs, "h0", &[&sim]).expect("agent");
+    let router = client_as(&certs, "router");
+    let (status, att) = post(
+        &router,
+        format!("{}/v1/engines/p0/attestation", agent.url),
+        json!({"nonce": "n1", "epoch": 9, "holder": "router-a"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{att}");
+    let fence = |args: &[&str]| {
+        let out = Command::new(bin_path("narwhal-agent"))
+            .arg("fence")
+            .args(args)
+            .arg("--config")
+            .arg(&agent.config)
+            .output()
+            .expect("narwhal-agent fence");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, out, _) = fence(&["show"]);
+    assert_eq!(code, Some(0));
+    assert_eq!(
+        serde_json::from_str::<Value>(&out).expect("JSON"),
+        json!({"epoch": 9, "holder": "router-a"})
+    );
+    let (code, _, err) = fence(&["reset"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("running agent"), "{err}");
+    assert!(
+        err.contains(&agent.proc.pid().to_string()),
+        "names the pid: {err}"
+    );
+    assert_eq!(
+        fence_file(&agent),
+        json!({"epoch": 9, "holder": "router-a"})
+    );
+    // A second agent on the same state refuses to start (exit 2), naming the lock.
+    let second = Command::new(bin_path("narwhal-agent"))
+        .args(["run", "--config"])
+        .arg(&agent.config)
+        .args(["--listen", "127.0.0.1:0"])
+        .output()
+        .expect("second agent");
+    assert_eq!(second.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&second.stderr).contains("in use by a running agent"),
+        "{}",
+        String::from_utf8_lossy(&second.stderr)
+    );
+
+    agent.proc.kill();
+    let (code, out, err) = fence(&["reset", "--to-epoch", "2"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("epoch 9") && out.contains("epoch 2"), "{out}");
+    assert_eq!(fence_file(&agent), json!({"epoch": 2, "holder": ""}));
+    // The restarted agent accepts a router at epoch 2 again, and refuses 1.
+    let agent = start_agent(dir.path(), &certs, "h0", &[&sim]).expect("agent again");
+    let (status, att) = post(
+        &router,
+        format!("{}/v1/engines/p0/attestation", agent.url),
+        json!({"nonce": "n2", "epoch": 2, "holder": "router-b"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{att}");
+    let (status, stale) = post(
+        &router,
+        format!("{}/v1/engines/p0/attestation", agent.url),
+        json!({"nonce": "n3", "epoch": 1, "holder": "router-b"}),
+    )
+    .await;
+    assert_eq!(status, 409, "{stale}");
+    assert_eq!(stale["error"]["code"], "stale_epoch");
+}
