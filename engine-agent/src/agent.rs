@@ -202,13 +202,8 @@ fn certificate_expiry(
             reason: format!("tls.{field}: {e}"),
         })
     };
-    let serving = load_certs("cert", &tls.cert)?;
-    if let Some(leaf) = serving.first() {
-        out.push((
-            "serving",
-            not_after_unix(leaf).map_err(|e| bad("cert", &tls.cert, &e))?,
-        ));
-    }
+    // CA first, then the certificate: the order server_config reads them in, so a missing
+    // file is reported the same way.
     let mut ca_min: Option<i64> = None;
     for c in load_certs("ca", &tls.ca)? {
         let at = not_after_unix(&c).map_err(|e| bad("ca", &tls.ca, &e))?;
@@ -216,6 +211,13 @@ fn certificate_expiry(
     }
     if let Some(at) = ca_min {
         out.push(("ca", at));
+    }
+    let serving = load_certs("cert", &tls.cert)?;
+    if let Some(leaf) = serving.first() {
+        out.push((
+            "serving",
+            not_after_unix(leaf).map_err(|e| bad("cert", &tls.cert, &e))?,
+        ));
     }
     Ok(out)
 }
@@ -368,22 +370,27 @@ impl Agent {
         Ok(())
     }
 
-    /// `GET /v1/engines`.
+    /// `GET /v1/engines`. The engines' identities are read concurrently.
     pub async fn engines(&self) -> EnginesAnswer {
-        let mut engines = Vec::with_capacity(self.engines.len());
-        for e in &self.engines {
-            let (process, error) = match self.identity(e).await {
-                Ok(p) => (Some(p), None),
-                Err(err) => (None, Some(err.to_string())),
-            };
-            engines.push(EngineEntry {
-                iid: e.cfg.iid.clone(),
-                url: e.cfg.url.clone(),
-                dialect: e.cfg.dialect.as_str().to_string(),
-                process,
-                error,
-            });
-        }
+        let reads = futures_util::future::join_all(self.engines.iter().map(|e| self.identity(e)));
+        let engines = self
+            .engines
+            .iter()
+            .zip(reads.await)
+            .map(|(e, read)| {
+                let (process, error) = match read {
+                    Ok(p) => (Some(p), None),
+                    Err(err) => (None, Some(err.to_string())),
+                };
+                EngineEntry {
+                    iid: e.cfg.iid.clone(),
+                    url: e.cfg.url.clone(),
+                    dialect: e.cfg.dialect.as_str().to_string(),
+                    process,
+                    error,
+                }
+            })
+            .collect();
         EnginesAnswer {
             agent_id: self.agent_id.clone(),
             engines,
