@@ -165,6 +165,21 @@ fn write(path: &Path, contents: &str, mode: u32) -> Result<(), CertError> {
     f.sync_all().map_err(io)
 }
 
+/// A name must be a DNS label sequence (it becomes a SAN and a file name) and not `ca`.
+fn check_name(name: &str) -> Result<(), CertError> {
+    let ok = !name.is_empty()
+        && !name.starts_with(['-', '.'])
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
+    if !ok || name == "ca" {
+        return Err(CertError::Name {
+            name: name.to_string(),
+        });
+    }
+    Ok(())
+}
+
 /// Writes a fresh fleet CA (`ca.pem`) and a certificate and key (`NAME.pem`, `NAME.key`) for
 /// each of `names` into `dir` (created if missing; existing files are replaced), each with the
 /// identity of the role its name implies ([`DevRole::for_name`]).
@@ -173,6 +188,7 @@ fn write(path: &Path, contents: &str, mode: u32) -> Result<(), CertError> {
 /// [`CertError::Name`] for an unusable name, [`CertError::Role`] for a name without a role,
 /// [`CertError::Rcgen`] if rcgen refuses, [`CertError::Io`] for a file.
 pub fn make_dev_certs(dir: &Path, names: &[&str]) -> Result<DevCerts, CertError> {
+    names.iter().try_for_each(|n| check_name(n))?;
     let specs = names
         .iter()
         .map(|n| {
@@ -192,18 +208,7 @@ pub fn make_dev_certs(dir: &Path, names: &[&str]) -> Result<DevCerts, CertError>
 /// As [`make_dev_certs`].
 pub fn make_certs(dir: &Path, specs: &[(&str, DevRole)]) -> Result<DevCerts, CertError> {
     let names: Vec<&str> = specs.iter().map(|(n, _)| *n).collect();
-    for name in &names {
-        let ok = !name.is_empty()
-            && !name.starts_with(['-', '.'])
-            && name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
-        if !ok || *name == "ca" {
-            return Err(CertError::Name {
-                name: name.to_string(),
-            });
-        }
-    }
+    names.iter().try_for_each(|n| check_name(n))?;
     std::fs::create_dir_all(dir).map_err(|source| CertError::Io {
         path: dir.to_path_buf(),
         source,
