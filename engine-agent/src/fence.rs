@@ -198,6 +198,16 @@ pub fn show(dir: &Path) -> Result<FenceState, FenceError> {
 /// # Errors
 /// [`FenceError::Locked`] while the agent runs; [`FenceError::Io`].
 pub fn reset(dir: &Path, to: &FenceState) -> Result<Option<FenceState>, FenceError> {
+    // A mistyped directory is an error, not a new empty state the agent never reads.
+    if !dir.is_dir() {
+        return Err(FenceError::Io {
+            path: dir.to_path_buf(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "no such state directory (give the agent's state_dir, or --config)",
+            ),
+        });
+    }
     let _lock = StateLock::acquire(dir)?;
     let before = show(dir).ok();
     let store = EpochStore {
@@ -382,6 +392,13 @@ mod tests {
         std::fs::write(dir.path().join(FILE), "nope").unwrap();
         assert_eq!(reset(dir.path(), &st(0, "")).unwrap(), None);
         assert_eq!(show(dir.path()).unwrap(), st(0, ""));
+        // A directory that does not exist is not created.
+        let typo = dir.path().join("no-such-state");
+        assert!(matches!(
+            reset(&typo, &st(0, "")),
+            Err(FenceError::Io { .. })
+        ));
+        assert!(!typo.exists());
     }
 
     #[test]
