@@ -273,12 +273,8 @@ async fn a_wrong_ca_or_a_missing_client_certificate_is_refused_with_a_clear_erro
 }
 
 #[tokio::test]
-async fn with_etcd_auth_a_user_claims_and_renews_a_wrong_password_is_refused_naming_auth() {
+async fn with_etcd_auth_a_user_claims_and_renews_and_a_wrong_password_is_refused_naming_auth() {
     let etcd = EtcdServer::start(plain()).await;
-    let mut root = etcd.gateway();
-    root.enable_auth("rootpw", "narwhal", "s3cret", "/narwhal/")
-        .await;
-    let key = "/narwhal/auth/router-lease";
     let right = password_file(&etcd, "narwhal.pw", "s3cret");
     let access = |file: &PathBuf| EtcdAccess {
         tls: None,
@@ -288,6 +284,25 @@ async fn with_etcd_auth_a_user_claims_and_renews_a_wrong_password_is_refused_nam
         }),
     };
     let t0 = SystemClock.now();
+
+    // lease.auth against an etcd whose RBAC is still off: calls go without a token. Then RBAC
+    // is turned on while the router holds the lease: its next renewal authenticates.
+    let early = store_with(&etcd, "/narwhal/early/router-lease", &access(&right));
+    let mut e = Lease::new("e:1".into(), timing(2000, 500, 500));
+    let Claim::Write(re) = early.claim(&e, 1000.0).await.unwrap() else {
+        panic!("the free lease")
+    };
+    e.granted(re.epoch, t0);
+    let mut root = etcd.gateway();
+    root.enable_auth("rootpw", "narwhal", "s3cret", "/narwhal/")
+        .await;
+    assert_eq!(
+        early.renew(&e, 1001.0).await.unwrap().unwrap().expires_at,
+        1003.0
+    );
+    assert!(early.release(&e, 1001.5).await.unwrap());
+
+    let key = "/narwhal/auth/router-lease";
     let mut a = Lease::new("a:1".into(), timing(2000, 500, 500));
 
     // Wrong password: refused at authentication, naming the user and the password file.
