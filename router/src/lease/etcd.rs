@@ -735,9 +735,15 @@ fn parse_answer(status: reqwest::StatusCode, bytes: &[u8]) -> Result<Value, (i64
         let text = String::from_utf8_lossy(bytes);
         let text = text.trim();
         let shown: String = text.chars().take(200).collect();
+        let hint = if status == reqwest::StatusCode::NOT_FOUND {
+            " (etcd's JSON gateway is not served there: it needs etcd >= 3.4 with the gRPC \
+             gateway on, enable-grpc-gateway in etcd's config file)"
+        } else {
+            ""
+        };
         return Err((
             0,
-            format!("HTTP {status} with a body that is not etcd's JSON: {shown:?}"),
+            format!("HTTP {status} with a body that is not etcd's JSON: {shown:?}{hint}"),
         ));
     };
     match v.get("error") {
@@ -952,6 +958,12 @@ mod tests {
             "{msg}"
         );
         assert!(msg.contains("HTTPS server"), "{msg}");
+        let (_, msg) =
+            parse_answer(reqwest::StatusCode::NOT_FOUND, b"404 page not found\n").unwrap_err();
+        assert!(
+            msg.contains("etcd's JSON gateway is not served there"),
+            "{msg}"
+        );
     }
 
     #[test]
