@@ -255,7 +255,44 @@ pub enum LeaseBackend {
     Etcd,
 }
 
-/// `lease` section (ours, DESIGN.md section 7). Parsed now; the lease issue uses it.
+/// `lease.tls`: how the etcd backend checks etcd's certificate, and the client certificate it
+/// presents when etcd requires one (`--client-cert-auth`). PEM paths, as written (relative
+/// paths resolve against the router's working directory, like the top-level `tls`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// `lease.tls.ca`: the CA certificate(s) etcd's serving certificate must chain to, then
+    /// the only roots trusted; `None`: the system's trust store (as etcdctl without
+    /// `--cacert`).
+    pub ca: Option<PathBuf>,
+    /// `lease.tls.cert`: client certificate chain (leaf first); given together with `key`.
+    pub cert: Option<PathBuf>,
+    /// `lease.tls.key`: the client certificate's private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: Option<PathBuf>,
+}
+
+/// `lease.auth`: an etcd user (etcd RBAC, `etcdctl auth enable`). The password is read from
+/// `password_file` (one line; a trailing newline is dropped), never from the fleet file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdAuth {
+    /// `lease.auth.user`: the etcd user name (non-empty).
+    pub user: String,
+    /// `lease.auth.password_file`: file holding the user's password; re-read at each
+    /// (re-)authentication, so a rotated password is picked up without a restart.
+    pub password_file: PathBuf,
+}
+
+/// How the etcd backend reaches etcd: TLS and authentication (`lease.tls`, `lease.auth`;
+/// both optional, used only by `backend = "etcd"`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EtcdAccess {
+    /// `lease.tls`; `None`: `http://` endpoints, or `https://` ones verified against the
+    /// system's trust store with no client certificate.
+    pub tls: Option<EtcdTls>,
+    /// `lease.auth`; `None`: no etcd user (etcd without RBAC, or client-certificate only).
+    pub auth: Option<EtcdAuth>,
+}
+
+/// `lease` section (ours, DESIGN.md section 7; docs/ha.md).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LeaseSection {
     /// Backend (default `none`).
@@ -272,6 +309,8 @@ pub struct LeaseSection {
     pub renew_interval_s: f64,
     /// Safety margin, seconds (default 1).
     pub safety_margin_s: f64,
+    /// etcd TLS and authentication (`lease.tls`, `lease.auth`; empty by default).
+    pub etcd: EtcdAccess,
 }
 
 /// PEM file paths for a TLS identity (`tls`, `control.tls`).
@@ -1522,6 +1561,8 @@ impl Checker<'_> {
                 "ttl_s",
                 "renew_interval_s",
                 "safety_margin_s",
+                "tls",
+                "auth",
             ],
         );
         let backend = match self.choice(&o, "backend", "none", &["none", "file", "etcd"]) {
@@ -1544,6 +1585,18 @@ impl Checker<'_> {
                 None => self.ty("lease.endpoints".into(), ev, "an array of strings"),
             }
         }
+        let etcd = self.etcd_access(&o, backend);
+        if backend == LeaseBackend::Etcd {
+            for (i, e) in endpoints.iter().enumerate() {
+                if let Some(rule) = etcd_endpoint_rule(e, etcd.tls.is_some()) {
+                    self.rule(
+                        format!("lease.endpoints[{i}]"),
+                        &Value::from(e.as_str()),
+                        rule,
+                    );
+                }
+            }
+        }
         let l = LeaseSection {
             backend,
             path,
@@ -1552,6 +1605,7 @@ impl Checker<'_> {
             ttl_s: self.num(&o, "ttl_s", 5.0, positive),
             renew_interval_s: self.num(&o, "renew_interval_s", 1.0, positive),
             safety_margin_s: self.num(&o, "safety_margin_s", 1.0, non_negative),
+            etcd,
         };
         if backend == LeaseBackend::File && l.path.is_empty() {
             self.issues.push(ConfigIssue::Missing {
@@ -1572,6 +1626,91 @@ impl Checker<'_> {
             );
         }
         l
+    }
+
+    /// `lease.tls` and `lease.auth` (docs/ha.md, "etcd TLS and authentication").
+    fn etcd_access(&mut self, lease: &Obj<'_>, backend: LeaseBackend) -> EtcdAccess {
+        for k in ["tls", "auth"] {
+            if lease.get(k).is_some() && backend != LeaseBackend::Etcd {
+                self.issues.push(ConfigIssue::Rule {
+                    path: lease.p(k),
+                    // `auth` may hold a misplaced password: never echoed.
+                    value: "{…}".into(),
+                    rule: "only used by lease.backend = \"etcd\"".into(),
+                });
+            }
+        }
+        let path = |c: &mut Self, o: &Obj<'_>, k: &str, required: bool| match o.get(k) {
+            Some(Value::String(s)) if !s.is_empty() => Some(PathBuf::from(s)),
+            Some(v) => {
+                c.ty(o.p(k), v, "a non-empty path string");
+                None
+            }
+            None => {
+                if required {
+                    c.issues.push(ConfigIssue::Missing { path: o.p(k) });
+                }
+                None
+            }
+        };
+        let t = self.obj("lease.tls", lease.get("tls"), &["ca", "cert", "key"]);
+        let tls = t.map.map(|_| {
+            let ca = path(self, &t, "ca", false);
+            let cert = path(self, &t, "cert", false);
+            let key = path(self, &t, "key", false);
+            match (&cert, &key) {
+                (Some(_), None) if t.get("key").is_none() => {
+                    self.issues.push(ConfigIssue::Rule {
+                        path: t.p("key"),
+                        value: "(absent)".into(),
+                        rule: "required with lease.tls.cert (the client certificate's key)".into(),
+                    });
+                }
+                (None, Some(_)) if t.get("cert").is_none() => {
+                    self.issues.push(ConfigIssue::Rule {
+                        path: t.p("cert"),
+                        value: "(absent)".into(),
+                        rule: "required with lease.tls.key (the client certificate)".into(),
+                    });
+                }
+                _ => {}
+            }
+            EtcdTls { ca, cert, key }
+        });
+        let a = self.obj(
+            "lease.auth",
+            lease.get("auth"),
+            &["user", "password_file", "password"],
+        );
+        if a.get("password").is_some() {
+            // Never echo the value: it is a secret.
+            self.issues.push(ConfigIssue::Rule {
+                path: a.p("password"),
+                value: "(not shown)".into(),
+                rule: "a password is never written in the fleet file: put it in a file only \
+                       the router can read and name that file in lease.auth.password_file"
+                    .into(),
+            });
+        }
+        let auth = a.map.map(|_| {
+            let user = match a.get("user") {
+                Some(Value::String(s)) if !s.is_empty() => s.clone(),
+                Some(v) => {
+                    self.ty(a.p("user"), v, "a non-empty string");
+                    String::new()
+                }
+                None => {
+                    self.issues.push(ConfigIssue::Missing { path: a.p("user") });
+                    String::new()
+                }
+            };
+            let password_file = path(self, &a, "password_file", true).unwrap_or_default();
+            EtcdAuth {
+                user,
+                password_file,
+            }
+        });
+        EtcdAccess { tls, auth }
     }
 
     fn tls(&mut self, path: &str, v: Option<&Value>) -> Option<TlsFiles> {
@@ -1603,6 +1742,26 @@ enum Kind {
     Int,
     BoolOrNull,
     Str,
+}
+
+/// Why an etcd endpoint cannot be used, if it cannot. Usable: `https://HOST:PORT`,
+/// `http://HOST:PORT` when `lease.tls` is not set, or a bare `HOST:PORT` (`https` when
+/// `lease.tls` is set, else `http`).
+pub fn etcd_endpoint_rule(endpoint: &str, tls: bool) -> Option<&'static str> {
+    let rest = match endpoint.split_once("://") {
+        Some(("https", rest)) => rest,
+        Some(("http", _)) if tls => {
+            return Some("a plain http:// endpoint while lease.tls is set: use https://");
+        }
+        Some(("http", rest)) => rest,
+        Some(_) => return Some("must be http://HOST:PORT, https://HOST:PORT or HOST:PORT"),
+        None => endpoint,
+    };
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.is_empty() || rest.contains(['/', '?', '#', '@', ' ']) {
+        return Some("must be http://HOST:PORT, https://HOST:PORT or HOST:PORT (no path)");
+    }
+    None
 }
 
 fn positive(x: f64) -> Option<&'static str> {
@@ -1851,6 +2010,80 @@ mod tests {
             m,
             vec![
                 "lease.ttl_s = 1.0: must exceed renew_interval_s + safety_margin_s (2)".to_string()
+            ]
+        );
+    }
+
+    #[test]
+    fn lease_etcd_tls_and_auth_parse_into_the_section() {
+        let mut v = base();
+        v["lease"] = serde_json::json!({"backend": "etcd",
+            "endpoints": ["etcd-a:2379", "https://etcd-b:2379"],
+            "tls": {"ca": "/etc/narwhal/etcd-ca.pem", "cert": "/etc/narwhal/etcd.pem",
+                    "key": "/etc/narwhal/etcd.key"},
+            "auth": {"user": "narwhal", "password_file": "/etc/narwhal/etcd.password"}});
+        let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+        assert_eq!(
+            c.lease.etcd,
+            EtcdAccess {
+                tls: Some(EtcdTls {
+                    ca: Some("/etc/narwhal/etcd-ca.pem".into()),
+                    cert: Some("/etc/narwhal/etcd.pem".into()),
+                    key: Some("/etc/narwhal/etcd.key".into()),
+                }),
+                auth: Some(EtcdAuth {
+                    user: "narwhal".into(),
+                    password_file: "/etc/narwhal/etcd.password".into(),
+                }),
+            }
+        );
+        // Both are optional: https:// alone is verified against the system's trust store.
+        v["lease"] = serde_json::json!({"backend": "etcd", "endpoints": ["https://e:2379"]});
+        let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+        assert_eq!(c.lease.etcd, EtcdAccess::default());
+    }
+
+    #[test]
+    fn lease_etcd_tls_and_auth_errors_name_the_key_and_never_show_a_password() {
+        let mut v = base();
+        v["lease"] = serde_json::json!({"backend": "etcd",
+            "endpoints": ["http://etcd-a:2379", "etcd://b", "https://c:1/v3"],
+            "tls": {"cert": "/c.pem", "cacert": "/ca.pem"},
+            "auth": {"password": "hunter2", "password_file": ""}});
+        let m = messages(v.clone());
+        assert!(!m.iter().any(|x| x.contains("hunter2")), "{m:?}");
+        for want in [
+            "lease.tls.cacert: unknown key",
+            "lease.tls.key = (absent): required with lease.tls.cert (the client certificate's key)",
+            "lease.auth.password = (not shown): a password is never written in the fleet file: \
+             put it in a file only the router can read and name that file in \
+             lease.auth.password_file",
+            "lease.auth.user: required key is missing",
+            "lease.auth.password_file must be a non-empty path string, got \"\"",
+            "lease.endpoints[0] = \"http://etcd-a:2379\": a plain http:// endpoint while \
+             lease.tls is set: use https://",
+            "lease.endpoints[1] = \"etcd://b\": must be http://HOST:PORT, https://HOST:PORT or \
+             HOST:PORT",
+            "lease.endpoints[2] = \"https://c:1/v3\": must be http://HOST:PORT, \
+             https://HOST:PORT or HOST:PORT (no path)",
+        ] {
+            assert!(m.contains(&want.to_string()), "missing {want:?} in {m:#?}");
+        }
+        assert_eq!(m.len(), 8, "{m:#?}");
+
+        // Only the etcd backend reads them.
+        v["lease"] = serde_json::json!({"backend": "file", "path": "/tmp/l",
+            "tls": {"ca": "/ca.pem"}, "auth": {"user": "u", "password": "hunter2"}});
+        let m = messages(v);
+        assert_eq!(
+            m,
+            vec![
+                "lease.tls = {…}: only used by lease.backend = \"etcd\"",
+                "lease.auth = {…}: only used by lease.backend = \"etcd\"",
+                "lease.auth.password = (not shown): a password is never written in the fleet \
+                 file: put it in a file only the router can read and name that file in \
+                 lease.auth.password_file",
+                "lease.auth.password_file: required key is missing",
             ]
         );
     }

@@ -62,7 +62,7 @@ pub enum LeaseError {
     /// An etcd call failed or timed out.
     #[error("etcd {op} on {endpoints}: {message}")]
     Etcd {
-        /// The operation (`get`, `txn`, `grant`, `keep-alive`, `revoke`).
+        /// The operation (`get`, `txn`, `grant`, `keep-alive`, `revoke`, `authenticate`).
         op: &'static str,
         /// The configured endpoints, comma-separated.
         endpoints: String,
@@ -135,7 +135,7 @@ pub trait LeaseStore: Send + Sync + 'static {
 pub enum AnyStore {
     /// `lease.backend = "file"`.
     File(FileLease),
-    /// `lease.backend = "etcd"` (boxed: the etcd client is large).
+    /// `lease.backend = "etcd"` (boxed: keeps the enum small).
     Etcd(Box<EtcdLease>),
 }
 

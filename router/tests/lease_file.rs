@@ -51,6 +51,7 @@ fn section(path: &std::path::Path) -> LeaseSection {
         ttl_s: 1.0,
         renew_interval_s: 0.2,
         safety_margin_s: 0.2,
+        etcd: Default::default(),
     }
 }
 

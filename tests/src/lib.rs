@@ -6,6 +6,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod certs;
+pub mod etcd;
 mod fleet;
 mod proc;
 

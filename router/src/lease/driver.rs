@@ -92,14 +92,15 @@ impl LeaseDriver<AnyStore> {
     /// [`holder_token`]`(router_id)`:
     /// - `none`: no store; always [`Control::Active`], epoch 0, holder `""`;
     /// - `file`: [`FileLease`] at `lease.path`, flock wait bounded by `renew_interval_s`;
-    /// - `etcd`: [`EtcdLease`] on `lease.endpoints` / `lease.key`, each etcd call bounded by
+    /// - `etcd`: [`EtcdLease`] on `lease.endpoints` / `lease.key` with `lease.tls` /
+    ///   `lease.auth` ([`EtcdLease::with_access`]), each etcd call bounded by
     ///   `renew_interval_s` (at least 0.25 s).
     ///
     /// Nothing is claimed yet; call [`LeaseDriver::claim`].
     ///
     /// # Errors
-    /// [`LeaseError::Config`] for timings that break `ttl > renew + margin` or an unusable
-    /// etcd key / endpoint list.
+    /// [`LeaseError::Config`] for timings that break `ttl > renew + margin`, an unusable
+    /// etcd key / endpoint list, or an unreadable `lease.tls` / `lease.auth` file.
     pub fn from_config(
         section: &LeaseSection,
         router_id: &str,
@@ -118,11 +119,12 @@ impl LeaseDriver<AnyStore> {
             LeaseBackend::File => {
                 AnyStore::File(FileLease::new(&section.path).with_lock_timeout(op_timeout))
             }
-            LeaseBackend::Etcd => AnyStore::Etcd(Box::new(EtcdLease::new(
+            LeaseBackend::Etcd => AnyStore::Etcd(Box::new(EtcdLease::with_access(
                 section.endpoints.clone(),
                 section.key.clone(),
                 timing.ttl,
                 op_timeout,
+                &section.etcd,
             )?)),
         };
         timing.validate().map_err(LeaseError::Config)?;
@@ -458,6 +460,7 @@ mod tests {
             ttl_s: 5.0,
             renew_interval_s: 1.0,
             safety_margin_s: 1.0,
+            etcd: Default::default(),
         };
         let d = LeaseDriver::from_config(&section, "r1", Arc::new(SystemClock)).unwrap();
         let now = SystemClock.now();
@@ -480,6 +483,7 @@ mod tests {
             ttl_s: 2.0,
             renew_interval_s: 1.0,
             safety_margin_s: 1.0,
+            etcd: Default::default(),
         };
         let err = LeaseDriver::from_config(&section, "r1", Arc::new(SystemClock)).unwrap_err();
         assert_eq!(

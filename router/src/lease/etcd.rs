@@ -16,30 +16,66 @@
 //! Renew = one keep-alive on the etcd lease, then a compare-and-swap rewrite of the record
 //! with a fresh `expires_at` after checking it still holds our holder and epoch. Release =
 //! revoke the etcd lease (the record key goes with it; the epoch key stays).
+//!
+//! # Transport: etcd's JSON gateway
+//!
+//! The calls go to etcd's own gRPC-JSON gateway, served by every etcd ≥ 3.4 on its client port
+//! (`POST /v3/kv/range`, `/v3/kv/txn`, `/v3/lease/grant`, `/v3/lease/keepalive`,
+//! `/v3/lease/revoke`, `/v3/auth/authenticate`; etcd's `api_grpc_gateway` guide), over the
+//! reqwest + rustls client the router already uses, rather than gRPC through `etcd-client`:
+//!
+//! - **build**: no protobuf code generation, so no `protoc` on the build machine (issue 10,
+//!   section 4), and tonic, prost and their build scripts leave the dependency tree;
+//! - **fencing fidelity**: the gateway is a translation layer inside the etcd process, in front
+//!   of the same KV, Lease and Auth services; the compare-and-swap transactions, lease TTLs and
+//!   revision guards are evaluated by the same server code as for a gRPC client;
+//! - **TLS**: the project's rustls and ring, with only `lease.tls.ca` trusted (no system roots)
+//!   and an optional client certificate for etcd's `--client-cert-auth`;
+//! - **auth**: user and password (`/v3/auth/authenticate`; the token goes in the
+//!   `Authorization` header, which the gateway passes on as gRPC metadata). etcd's gateway
+//!   does **not** map a client certificate's Common Name to an etcd user (etcd's gateway guide
+//!   says so): a client certificate authenticates the connection (`--client-cert-auth`), and an
+//!   etcd with RBAC enabled needs `lease.auth`.
+//!
+//! Every JSON field is proto3's canonical JSON: `int64` values travel as decimal strings, bytes
+//! as base64, and fields at their default value (0, false, empty) are omitted.
 
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, KeyValue, LeaseKeepAliveStream, LeaseKeeper,
-    PutOptions, Txn, TxnOp, TxnOpResponse,
-};
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as B64;
+use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
 use super::{
     Claim, Lease, LeaseError, LeaseLoss, LeaseRecord, LeaseStore, parse_record, render_record,
 };
+use crate::config::{EtcdAccess, EtcdAuth, EtcdTls, etcd_endpoint_rule};
 
 /// How many times a claim re-reads and retries after losing a compare-and-swap race.
 const CLAIM_ATTEMPTS: usize = 3;
 
-/// The etcd backend: endpoints (`http://host:port`), the record key, the lease TTL and a
-/// per-call timeout. Connects lazily; the gRPC channel reconnects by itself.
+/// gRPC status `UNAVAILABLE` (no leader, member stopping): try the next endpoint.
+const GRPC_UNAVAILABLE: i64 = 14;
+/// gRPC status `UNAUTHENTICATED` (expired or unknown token).
+const GRPC_UNAUTHENTICATED: i64 = 16;
+
+/// The etcd backend: endpoints (`http://host:port` or `https://host:port`), the record key,
+/// the lease TTL, a per-call timeout, and optionally TLS and an etcd user
+/// ([`EtcdAccess`]). Stateless HTTP: each call tries the endpoints in order, starting with the
+/// last one that answered.
 pub struct EtcdLease {
+    /// Base URLs, `scheme://host:port` without a trailing slash.
     endpoints: Vec<String>,
     key: String,
     epoch_key: String,
     ttl_s: i64,
     op_timeout: Duration,
+    http: reqwest::Client,
+    tls: Option<EtcdTls>,
+    auth: Option<EtcdAuth>,
     state: Mutex<State>,
 }
 
@@ -50,20 +86,22 @@ impl std::fmt::Debug for EtcdLease {
             .field("key", &self.key)
             .field("ttl_s", &self.ttl_s)
             .field("op_timeout", &self.op_timeout)
+            .field("tls", &self.tls)
+            .field("user", &self.auth.as_ref().map(|a| &a.user))
             .finish_non_exhaustive()
     }
 }
 
 #[derive(Default)]
 struct State {
-    client: Option<Client>,
-    held: Option<Held>,
-}
-
-/// The etcd lease this router attached its record to.
-struct Held {
-    id: i64,
-    keep_alive: Option<(LeaseKeeper, LeaseKeepAliveStream)>,
+    /// The etcd lease id this router attached its record to.
+    held: Option<i64>,
+    /// The auth token from `/v3/auth/authenticate` (only with `lease.auth`).
+    token: Option<String>,
+    /// etcd answered "authentication is not enabled": send no token.
+    auth_off: bool,
+    /// Index of the endpoint that answered last.
+    preferred: usize,
 }
 
 /// What one consistent read of both keys saw.
@@ -72,34 +110,71 @@ struct Snapshot {
     epoch: Option<(u64, i64)>,
 }
 
+/// One call's failure before it is turned into a [`LeaseError`].
+enum Failure {
+    /// No endpoint answered (connection, TLS, timeout); one line per endpoint tried.
+    Transport(String),
+    /// etcd answered with an error: gRPC status code and etcd's message.
+    Server { code: i64, message: String },
+}
+
+fn config_err(msg: impl Into<String>) -> LeaseError {
+    LeaseError::Config(msg.into())
+}
+
 impl EtcdLease {
-    /// A store on `endpoints` under `key`, granting etcd leases of `ceil(ttl)` seconds (at
-    /// least 1) and giving every etcd call `op_timeout`.
+    /// A store on plain-HTTP `endpoints` under `key`, granting etcd leases of `ceil(ttl)`
+    /// seconds (at least 1) and giving every etcd call `op_timeout`: [`EtcdLease::with_access`]
+    /// with no TLS and no etcd user.
     ///
     /// # Errors
-    /// [`LeaseError::Config`] for no endpoints or an empty key.
+    /// As [`EtcdLease::with_access`].
     pub fn new(
         endpoints: Vec<String>,
         key: impl Into<String>,
         ttl: Duration,
         op_timeout: Duration,
     ) -> Result<Self, LeaseError> {
+        Self::with_access(endpoints, key, ttl, op_timeout, &EtcdAccess::default())
+    }
+
+    /// A store on `endpoints` under `key`, reaching etcd with `access`: TLS (`lease.tls`:
+    /// trusted CA, optional client certificate) and an etcd user (`lease.auth`). Leases are
+    /// granted for `ceil(ttl)` seconds (at least 1); every etcd call gets `op_timeout`. Reads
+    /// every file now, so a missing or unreadable one stops the router at startup; the
+    /// password file is read again at each (re-)authentication.
+    ///
+    /// # Errors
+    /// [`LeaseError::Config`] naming the key: `lease.endpoints` (empty), `lease.endpoints[i]`
+    /// (not `http://HOST:PORT`, `https://HOST:PORT` or `HOST:PORT`, or a scheme that does not
+    /// match `lease.tls`), `lease.key` (empty), `lease.tls.ca` / `lease.tls.cert` /
+    /// `lease.tls.key` (unreadable, no PEM item, key not matching the certificate),
+    /// `lease.auth.user` (empty), `lease.auth.password_file` (unreadable or empty).
+    pub fn with_access(
+        endpoints: Vec<String>,
+        key: impl Into<String>,
+        ttl: Duration,
+        op_timeout: Duration,
+        access: &EtcdAccess,
+    ) -> Result<Self, LeaseError> {
         let key = key.into();
         if endpoints.is_empty() {
-            return Err(LeaseError::Config(
-                "lease.endpoints: must not be empty".into(),
-            ));
+            return Err(config_err("lease.endpoints: must not be empty"));
         }
         if key.is_empty() {
-            return Err(LeaseError::Config("lease.key: must not be empty".into()));
+            return Err(config_err("lease.key: must not be empty"));
         }
         let ttl_s = (ttl.as_secs_f64().ceil() as i64).max(1);
+        let (endpoints, http) = prepare(&endpoints, access, op_timeout)?;
         Ok(EtcdLease {
             epoch_key: format!("{key}/epoch"),
             endpoints,
             key,
             ttl_s,
             op_timeout,
+            http,
+            tls: access.tls.clone(),
+            auth: access.auth.clone(),
             state: Mutex::new(State::default()),
         })
     }
@@ -119,6 +194,11 @@ impl EtcdLease {
         self.ttl_s
     }
 
+    /// The base URLs called, in order (`scheme://host:port`).
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+
     fn err(&self, op: &'static str, message: impl ToString) -> LeaseError {
         LeaseError::Etcd {
             op,
@@ -127,15 +207,54 @@ impl EtcdLease {
         }
     }
 
-    /// Runs one etcd call with the per-call timeout.
-    async fn call<T>(
+    /// One gateway call `POST <endpoint><path>` with `body`, bounded by the per-call timeout:
+    /// authenticates first when `lease.auth` is set and no token is held, and once more when
+    /// etcd refuses the token (expired, or the auth store changed, e.g. a new password).
+    async fn rpc(
         &self,
+        st: &mut State,
         op: &'static str,
-        fut: impl Future<Output = Result<T, etcd_client::Error>>,
-    ) -> Result<T, LeaseError> {
-        match tokio::time::timeout(self.op_timeout, fut).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(self.err(op, e)),
+        path: &str,
+        body: &Value,
+    ) -> Result<Value, LeaseError> {
+        let work = async {
+            let mut fresh_token = false;
+            loop {
+                if self.auth.is_some() && st.token.is_none() && !st.auth_off {
+                    self.authenticate(st).await?;
+                    fresh_token = true;
+                }
+                let token = st.token.clone();
+                match self.post(st, path, body, token.as_deref()).await {
+                    Ok(v) => return Ok(v),
+                    Err(Failure::Server { code, message })
+                        if self.auth.is_some() && token_refused(code, &message) =>
+                    {
+                        st.token = None;
+                        st.auth_off = false;
+                        if fresh_token {
+                            return Err(self.err(op, message));
+                        }
+                    }
+                    Err(Failure::Server { message, .. })
+                        if self.auth.is_none() && auth_required(&message) =>
+                    {
+                        return Err(self.err(
+                            op,
+                            format!(
+                                "{message}: etcd has authentication enabled; set lease.auth \
+                                 (user and password_file)"
+                            ),
+                        ));
+                    }
+                    Err(Failure::Server { message, .. } | Failure::Transport(message)) => {
+                        return Err(self.err(op, message));
+                    }
+                }
+            }
+        };
+        match tokio::time::timeout(self.op_timeout, work).await {
+            Ok(r) => r,
             Err(_) => Err(self.err(
                 op,
                 format!("timed out after {} s", self.op_timeout.as_secs_f64()),
@@ -143,40 +262,194 @@ impl EtcdLease {
         }
     }
 
-    async fn client(&self, st: &mut State) -> Result<Client, LeaseError> {
-        if let Some(c) = &st.client {
-            return Ok(c.clone());
+    /// `POST /v3/auth/authenticate` with `lease.auth`; keeps the token in `st`.
+    async fn authenticate(&self, st: &mut State) -> Result<(), LeaseError> {
+        let Some(auth) = &self.auth else {
+            return Ok(());
+        };
+        let password = read_password(&auth.password_file)?;
+        let body = json!({"name": auth.user, "password": password});
+        match self.post(st, "/v3/auth/authenticate", &body, None).await {
+            Ok(v) => match v.get("token").and_then(Value::as_str) {
+                Some(t) if !t.is_empty() => {
+                    st.token = Some(t.to_string());
+                    Ok(())
+                }
+                _ => Err(self.err("authenticate", format!("no token in etcd's answer {v}"))),
+            },
+            Err(Failure::Server { message, .. }) if message.contains("not enabled") => {
+                // etcd without RBAC: nothing to present. Said once, then calls go tokenless.
+                tracing::warn!(
+                    user = %auth.user,
+                    "lease.auth is set but etcd has authentication disabled; calling without a token"
+                );
+                st.auth_off = true;
+                Ok(())
+            }
+            Err(Failure::Server { message, .. }) if message.contains("authentication failed") => {
+                Err(self.err(
+                    "authenticate",
+                    format!(
+                        "etcd refused user {:?}: {message} (check lease.auth.user and the \
+                         password in lease.auth.password_file {})",
+                        auth.user,
+                        auth.password_file.display()
+                    ),
+                ))
+            }
+            Err(Failure::Server { message, .. }) => Err(self.err(
+                "authenticate",
+                format!("authenticating user {:?}: {message}", auth.user),
+            )),
+            Err(Failure::Transport(message)) => Err(self.err("authenticate", message)),
         }
-        let opts = ConnectOptions::new()
-            .with_connect_timeout(self.op_timeout)
-            .with_timeout(self.op_timeout);
-        let c = self
-            .call("connect", Client::connect(&self.endpoints, Some(opts)))
-            .await?;
-        st.client = Some(c.clone());
-        Ok(c)
     }
 
-    fn parse_kv(&self, kv: &KeyValue) -> Result<(LeaseRecord, i64), LeaseError> {
-        Ok((parse_record(kv.value(), &self.key)?, kv.mod_revision()))
+    /// Tries each endpoint once, from the last one that answered. Transport failures and
+    /// `UNAVAILABLE` move on to the next endpoint; any other etcd error is final.
+    async fn post(
+        &self,
+        st: &mut State,
+        path: &str,
+        body: &Value,
+        token: Option<&str>,
+    ) -> Result<Value, Failure> {
+        let n = self.endpoints.len();
+        let mut failures = Vec::new();
+        let mut last_server = None;
+        for i in 0..n {
+            let idx = (st.preferred + i) % n;
+            let base = &self.endpoints[idx];
+            let mut req = self.http.post(format!("{base}{path}")).json(body);
+            if let Some(t) = token {
+                req = req.header(http::header::AUTHORIZATION, t);
+            }
+            let answer = match req.send().await {
+                Ok(resp) => {
+                    let status = resp.status();
+                    resp.bytes().await.map(|b| (status, b))
+                }
+                Err(e) => Err(e),
+            };
+            let (status, bytes) = match answer {
+                Ok(a) => a,
+                Err(e) => {
+                    failures.push((base.clone(), self.describe_transport(&e)));
+                    continue;
+                }
+            };
+            match parse_answer(status, &bytes) {
+                Ok(v) => {
+                    st.preferred = idx;
+                    return Ok(v);
+                }
+                Err((code, message)) if code == GRPC_UNAVAILABLE => {
+                    failures.push((base.clone(), message.clone()));
+                    last_server = Some(Failure::Server { code, message });
+                }
+                Err((code, message)) => {
+                    return Err(Failure::Server {
+                        code,
+                        message: explain(message),
+                    });
+                }
+            }
+        }
+        if failures.len() == 1
+            && let Some(server) = last_server
+        {
+            return Err(server);
+        }
+        Err(Failure::Transport(if n == 1 {
+            failures.pop().map(|(_, m)| m).unwrap_or_default()
+        } else {
+            failures
+                .iter()
+                .map(|(base, m)| format!("{base}: {m}"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        }))
+    }
+
+    /// A transport error with its causes, and what to check when TLS refused the connection.
+    fn describe_transport(&self, e: &reqwest::Error) -> String {
+        let mut parts: Vec<String> = Vec::new();
+        let mut tls_problem: Option<String> = None;
+        let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+        while let Some(err) = cur {
+            let text = err.to_string();
+            if !parts.iter().any(|p| p.contains(&text)) {
+                parts.push(text);
+            }
+            if let Some(r) = find_rustls(err) {
+                tls_problem = Some(self.tls_hint(r));
+            }
+            cur = err.source();
+        }
+        if e.is_timeout() {
+            parts.push("timed out".into());
+        }
+        let chain = parts.join(": ");
+        match tls_problem {
+            Some(hint) => format!("TLS handshake failed: {hint} ({chain})"),
+            None => chain,
+        }
+    }
+
+    fn tls_hint(&self, e: &rustls::Error) -> String {
+        use rustls::AlertDescription as A;
+        let roots = match self.tls.as_ref().and_then(|t| t.ca.as_ref()) {
+            Some(ca) => format!("lease.tls.ca ({})", ca.display()),
+            None => "the system's trust store (lease.tls.ca is not set)".to_string(),
+        };
+        match e {
+            rustls::Error::InvalidCertificate(_) => format!(
+                "etcd's certificate is not trusted: it must chain to {roots} and name the \
+                 endpoint's host"
+            ),
+            rustls::Error::AlertReceived(
+                A::BadCertificate
+                | A::CertificateRequired
+                | A::UnknownCA
+                | A::CertificateUnknown
+                | A::AccessDenied
+                | A::HandshakeFailure,
+            ) => match self.tls.as_ref().and_then(|t| t.cert.as_ref()) {
+                Some(cert) => format!(
+                    "etcd refused our client certificate lease.tls.cert ({}): it must chain to \
+                     etcd's --trusted-ca-file",
+                    cert.display()
+                ),
+                None => "etcd requires a client certificate: set lease.tls.cert and \
+                         lease.tls.key"
+                    .into(),
+            },
+            _ => format!("is the endpoint serving TLS with a certificate from {roots}?"),
+        }
     }
 
     /// Reads both keys in one transaction (one revision).
-    async fn snapshot(&self, client: &mut Client) -> Result<Snapshot, LeaseError> {
-        let txn = Txn::new().and_then(vec![
-            TxnOp::get(self.key.as_str(), None),
-            TxnOp::get(self.epoch_key.as_str(), None),
-        ]);
-        let resp = self.call("txn", client.txn(txn)).await?;
+    async fn snapshot(&self, st: &mut State) -> Result<Snapshot, LeaseError> {
+        let body = json!({"success": [
+            {"request_range": {"key": b64(&self.key)}},
+            {"request_range": {"key": b64(&self.epoch_key)}},
+        ]});
+        let resp = self.rpc(st, "txn", "/v3/kv/txn", &body).await?;
         let mut record = None;
         let mut epoch = None;
-        for (i, r) in resp.op_responses().into_iter().enumerate() {
-            let TxnOpResponse::Get(g) = r else { continue };
-            let Some(kv) = g.kvs().first() else { continue };
+        let responses = resp.get("responses").and_then(Value::as_array);
+        for (i, r) in responses.into_iter().flatten().enumerate() {
+            let Some(kv) = first_kv(r.get("response_range")) else {
+                continue;
+            };
+            let value = self.kv_value(kv)?;
             if i == 0 {
-                record = Some(self.parse_kv(kv)?);
+                record = Some((
+                    parse_record(&value, &self.key)?,
+                    int(kv.get("mod_revision")),
+                ));
             } else {
-                let text = std::str::from_utf8(kv.value()).unwrap_or("");
+                let text = String::from_utf8_lossy(&value);
                 let e = text
                     .trim()
                     .parse::<u64>()
@@ -184,32 +457,75 @@ impl EtcdLease {
                         at: self.epoch_key.clone(),
                         reason: format!("epoch: {text:?} is not a non-negative integer"),
                     })?;
-                epoch = Some((e, kv.mod_revision()));
+                epoch = Some((e, int(kv.get("mod_revision"))));
             }
         }
         Ok(Snapshot { record, epoch })
     }
 
-    async fn get_record(
-        &self,
-        client: &mut Client,
-    ) -> Result<Option<(LeaseRecord, i64)>, LeaseError> {
-        let resp = self
-            .call("get", client.get(self.key.as_str(), None))
-            .await?;
-        resp.kvs().first().map(|kv| self.parse_kv(kv)).transpose()
+    fn kv_value(&self, kv: &Value) -> Result<Vec<u8>, LeaseError> {
+        let text = kv.get("value").and_then(Value::as_str).unwrap_or("");
+        B64.decode(text)
+            .map_err(|e| self.err("range", format!("value is not base64: {e}")))
     }
 
-    /// `mod_revision == rev` when the key was seen, else "absent" (`version == 0`).
-    fn unchanged(key: &str, seen: Option<i64>) -> Compare {
-        match seen {
-            Some(rev) => Compare::mod_revision(key, CompareOp::Equal, rev),
-            None => Compare::version(key, CompareOp::Equal, 0),
+    async fn get_record(&self, st: &mut State) -> Result<Option<(LeaseRecord, i64)>, LeaseError> {
+        let body = json!({"key": b64(&self.key)});
+        let resp = self.rpc(st, "get", "/v3/kv/range", &body).await?;
+        match first_kv(Some(&resp)) {
+            None => Ok(None),
+            Some(kv) => Ok(Some((
+                parse_record(&self.kv_value(kv)?, &self.key)?,
+                int(kv.get("mod_revision")),
+            ))),
         }
     }
 
-    async fn revoke(&self, client: &mut Client, id: i64) -> Result<(), LeaseError> {
-        match self.call("revoke", client.lease_revoke(id)).await {
+    /// `mod_revision == rev` when the key was seen, else "absent" (`version == 0`).
+    fn unchanged(key: &str, seen: Option<i64>) -> Value {
+        match seen {
+            Some(rev) => json!({"key": b64(key), "result": "EQUAL", "target": "MOD",
+                "mod_revision": rev.to_string()}),
+            None => json!({"key": b64(key), "result": "EQUAL", "target": "VERSION",
+                "version": "0"}),
+        }
+    }
+
+    fn put(key: &str, value: &[u8], lease: Option<i64>) -> Value {
+        let mut put = json!({"key": b64(key), "value": B64.encode(value)});
+        if let Some(id) = lease {
+            put["lease"] = Value::String(id.to_string());
+        }
+        json!({"request_put": put})
+    }
+
+    /// One guarded transaction; whether its compares held.
+    async fn txn(
+        &self,
+        st: &mut State,
+        compare: Vec<Value>,
+        puts: Vec<Value>,
+    ) -> Result<bool, LeaseError> {
+        let body = json!({"compare": compare, "success": puts});
+        let resp = self.rpc(st, "txn", "/v3/kv/txn", &body).await?;
+        Ok(resp
+            .get("succeeded")
+            .and_then(Value::as_bool)
+            .unwrap_or(false))
+    }
+
+    async fn grant(&self, st: &mut State) -> Result<i64, LeaseError> {
+        let body = json!({"TTL": self.ttl_s.to_string()});
+        let resp = self.rpc(st, "grant", "/v3/lease/grant", &body).await?;
+        match int(resp.get("ID")) {
+            0 => Err(self.err("grant", format!("no lease ID in etcd's answer {resp}"))),
+            id => Ok(id),
+        }
+    }
+
+    async fn revoke(&self, st: &mut State, id: i64) -> Result<(), LeaseError> {
+        let body = json!({"ID": id.to_string()});
+        match self.rpc(st, "revoke", "/v3/lease/revoke", &body).await {
             Ok(_) => Ok(()),
             // Already expired: nothing to revoke.
             Err(LeaseError::Etcd { message, .. }) if message.contains("not found") => Ok(()),
@@ -218,44 +534,248 @@ impl EtcdLease {
     }
 
     /// One keep-alive round trip; `Ok(false)` when etcd says the lease is gone (TTL ≤ 0).
-    async fn keep_alive(&self, client: &mut Client, held: &mut Held) -> Result<bool, LeaseError> {
-        if held.keep_alive.is_none() {
-            match self
-                .call("keep-alive", client.lease_keep_alive(held.id))
-                .await
-            {
-                Ok(pair) => held.keep_alive = Some(pair),
-                // etcd already expired (or someone revoked) the lease.
-                Err(LeaseError::Etcd { message, .. }) if message.contains("lease not found") => {
-                    return Ok(false);
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        let Some((keeper, stream)) = held.keep_alive.as_mut() else {
-            return Err(self.err("keep-alive", "no stream"));
-        };
-        let sent = self.call("keep-alive", keeper.keep_alive()).await;
-        let answer = match sent {
-            Ok(()) => self.call("keep-alive", stream.message()).await,
-            Err(e) => Err(e),
-        };
-        match answer {
-            Ok(Some(resp)) => Ok(resp.ttl() > 0),
-            Ok(None) => {
-                held.keep_alive = None;
-                Err(self.err("keep-alive", "stream closed by the server"))
-            }
+    async fn keep_alive(&self, st: &mut State, id: i64) -> Result<bool, LeaseError> {
+        let body = json!({"ID": id.to_string()});
+        match self
+            .rpc(st, "keep-alive", "/v3/lease/keepalive", &body)
+            .await
+        {
+            // A streaming call: the gateway wraps each message in `result`.
+            Ok(resp) => Ok(int(resp.get("result").unwrap_or(&resp).get("TTL")) > 0),
             Err(LeaseError::Etcd { message, .. }) if message.contains("lease not found") => {
-                held.keep_alive = None;
                 Ok(false)
             }
-            Err(e) => {
-                held.keep_alive = None;
-                Err(e)
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// The rustls error behind `err`, looking inside I/O errors (tokio-rustls wraps it in an
+/// `io::Error`, which hyper wraps in another; `io::Error::source` skips the wrapped error).
+fn find_rustls<'e>(err: &'e (dyn std::error::Error + 'static)) -> Option<&'e rustls::Error> {
+    if let Some(r) = err.downcast_ref::<rustls::Error>() {
+        return Some(r);
+    }
+    let inner = err.downcast_ref::<std::io::Error>()?.get_ref()?;
+    find_rustls(inner)
+}
+
+/// Checks the endpoints and the access files; the base URLs to call and the HTTP client.
+fn prepare(
+    configured: &[String],
+    access: &EtcdAccess,
+    op_timeout: Duration,
+) -> Result<(Vec<String>, reqwest::Client), LeaseError> {
+    let tls = access.tls.is_some();
+    let endpoints = configured
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            if let Some(rule) = etcd_endpoint_rule(e, tls) {
+                return Err(config_err(format!("lease.endpoints[{i}] = {e:?}: {rule}")));
+            }
+            let e = e.strip_suffix('/').unwrap_or(e);
+            Ok(if e.contains("://") {
+                e.to_string()
+            } else if tls {
+                format!("https://{e}")
+            } else {
+                format!("http://{e}")
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Some(auth) = &access.auth {
+        if auth.user.is_empty() {
+            return Err(config_err("lease.auth.user: must not be empty"));
+        }
+        read_password(&auth.password_file)?;
+    }
+    let system = EtcdTls {
+        ca: None,
+        cert: None,
+        key: None,
+    };
+    let rustls = match &access.tls {
+        Some(t) => tls_config(t)?,
+        // An https:// endpoint without lease.tls: the system's trust store.
+        None if endpoints.iter().any(|e| e.starts_with("https://")) => tls_config(&system)?,
+        None => narwhal_shared::tls::plain_http_client_config()
+            .map_err(|e| config_err(format!("lease: {e}")))?,
+    };
+    // Each endpoint gets its share of the call's time, so one that hangs (a stopped member)
+    // leaves time to try the next one.
+    let per_endpoint = op_timeout / u32::try_from(endpoints.len()).unwrap_or(1).max(1);
+    let http = reqwest::Client::builder()
+        .use_preconfigured_tls(rustls)
+        // etcd is reached directly: proxy environment variables are not used.
+        .no_proxy()
+        .connect_timeout(per_endpoint)
+        .timeout(per_endpoint)
+        .build()
+        .map_err(|e| config_err(format!("lease: building the etcd HTTP client: {e}")))?;
+    Ok((endpoints, http))
+}
+
+/// The rustls client configuration for `lease.tls`: only `ca` trusted, the client
+/// certificate presented when given, ALPN `http/1.1` (etcd's port also speaks gRPC/h2).
+fn tls_config(t: &EtcdTls) -> Result<rustls::ClientConfig, LeaseError> {
+    use narwhal_shared::tls::{load_certs, load_key};
+    let named = |e: narwhal_shared::TlsError| config_err(format!("lease.{e}"));
+    let mut roots = rustls::RootCertStore::empty();
+    match &t.ca {
+        Some(ca) => {
+            for cert in load_certs("ca", ca).map_err(named)? {
+                roots.add(cert).map_err(|e| {
+                    config_err(format!(
+                        "lease.tls.ca: {}: not a usable CA certificate: {e}",
+                        ca.display()
+                    ))
+                })?;
+            }
+        }
+        None => {
+            let found = rustls_native_certs::load_native_certs();
+            let (added, _) = roots.add_parsable_certificates(found.certs);
+            if added == 0 {
+                let why = found.errors.first().map_or_else(
+                    || "it holds no certificate".to_string(),
+                    ToString::to_string,
+                );
+                return Err(config_err(format!(
+                    "lease.tls.ca: not set, and the system's trust store cannot be used ({why}): \
+                     set lease.tls.ca to etcd's CA"
+                )));
             }
         }
     }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| config_err(format!("lease.tls: {e}")))?
+        .with_root_certificates(roots);
+    let mut cfg = match (&t.cert, &t.key) {
+        (Some(cert), Some(key)) => builder
+            .with_client_auth_cert(
+                load_certs("cert", cert).map_err(named)?,
+                load_key("key", key).map_err(named)?,
+            )
+            .map_err(|e| {
+                config_err(format!(
+                    "lease.tls.key: {} does not match lease.tls.cert {}: {e}",
+                    key.display(),
+                    cert.display()
+                ))
+            })?,
+        (None, None) => builder.with_no_client_auth(),
+        (Some(_), None) => return Err(config_err("lease.tls.key: required with lease.tls.cert")),
+        (None, Some(_)) => return Err(config_err("lease.tls.cert: required with lease.tls.key")),
+    };
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(cfg)
+}
+
+/// The password in `path`: the file's text without one trailing newline (`\n` or `\r\n`).
+fn read_password(path: &Path) -> Result<String, LeaseError> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        config_err(format!(
+            "lease.auth.password_file: cannot read {}: {e}",
+            path.display()
+        ))
+    })?;
+    let pw = text
+        .strip_suffix("\r\n")
+        .or_else(|| text.strip_suffix('\n'))
+        .unwrap_or(&text);
+    if pw.is_empty() {
+        return Err(config_err(format!(
+            "lease.auth.password_file: {} is empty",
+            path.display()
+        )));
+    }
+    Ok(pw.to_string())
+}
+
+/// etcd's message, with what to change when it is one an operator cannot act on alone.
+fn explain(message: String) -> String {
+    if message.contains("CommonName of client") {
+        format!(
+            "{message} (etcd with --client-cert-auth and authentication enabled refuses, on its \
+             JSON gateway, a client certificate that carries a Common Name: issue \
+             lease.tls.cert without a CN; the etcd user comes from lease.auth)"
+        )
+    } else {
+        message
+    }
+}
+
+/// etcd no longer accepts our token: expired, unknown, or issued before the auth store
+/// changed (a user, role or password edit).
+fn token_refused(code: i64, message: &str) -> bool {
+    code == GRPC_UNAUTHENTICATED
+        || message.contains("invalid auth token")
+        || message.contains("revision of auth store is old")
+        || message.contains("user name is empty")
+}
+
+/// etcd wants a user (RBAC on) and we sent none.
+fn auth_required(message: &str) -> bool {
+    message.contains("user name is empty") || message.contains("permission denied")
+}
+
+/// A gateway answer: the JSON document, or etcd's gRPC code and message. Errors come as
+/// `{"error": "...", "message": "...", "code": N}` (unary calls) or
+/// `{"error": {"grpc_code": N, "message": "..."}}` (streaming calls).
+fn parse_answer(status: reqwest::StatusCode, bytes: &[u8]) -> Result<Value, (i64, String)> {
+    // A streaming answer is one JSON document per line; one request gives one.
+    let first = bytes
+        .split(|b| *b == b'\n')
+        .find(|l| !l.iter().all(u8::is_ascii_whitespace))
+        .unwrap_or(bytes);
+    let Ok(v) = serde_json::from_slice::<Value>(first) else {
+        let text = String::from_utf8_lossy(bytes);
+        let text = text.trim();
+        let shown: String = text.chars().take(200).collect();
+        let hint = if status == reqwest::StatusCode::NOT_FOUND {
+            " (etcd's JSON gateway is not served there: it needs etcd >= 3.4 with the gRPC \
+             gateway on, enable-grpc-gateway in etcd's config file)"
+        } else {
+            ""
+        };
+        return Err((
+            0,
+            format!("HTTP {status} with a body that is not etcd's JSON: {shown:?}{hint}"),
+        ));
+    };
+    match v.get("error") {
+        Some(Value::String(e)) => {
+            let message = v.get("message").and_then(Value::as_str).unwrap_or(e);
+            Err((int(v.get("code")), message.to_string()))
+        }
+        Some(Value::Object(e)) => {
+            let message = e.get("message").and_then(Value::as_str).unwrap_or("");
+            Err((int(e.get("grpc_code")), message.to_string()))
+        }
+        _ if !status.is_success() => Err((0, format!("HTTP {status}: {v}"))),
+        _ => Ok(v),
+    }
+}
+
+fn b64(s: &str) -> String {
+    B64.encode(s.as_bytes())
+}
+
+/// An `int64` field: proto3 JSON writes it as a decimal string; an absent field is 0.
+fn int(v: Option<&Value>) -> i64 {
+    match v {
+        Some(Value::String(s)) => s.parse().unwrap_or(0),
+        Some(Value::Number(n)) => n.as_i64().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// The first key-value of a range answer (`kvs[0]`), if any.
+fn first_kv(range: Option<&Value>) -> Option<&Value> {
+    range?.get("kvs")?.as_array()?.first()
 }
 
 /// The view the pure core decides on when `<key>` has vanished but `<key>/epoch` remembers
@@ -278,16 +798,15 @@ impl LeaseStore for EtcdLease {
 
     async fn read(&self) -> Result<Option<LeaseRecord>, LeaseError> {
         let mut st = self.state.lock().await;
-        let mut client = self.client(&mut st).await?;
-        Ok(self.get_record(&mut client).await?.map(|(r, _)| r))
+        Ok(self.get_record(&mut st).await?.map(|(r, _)| r))
     }
 
     async fn claim(&self, core: &Lease, now_wall: f64) -> Result<Claim, LeaseError> {
-        let mut st = self.state.lock().await;
-        let mut client = self.client(&mut st).await?;
+        let mut guard = self.state.lock().await;
+        let st = &mut *guard;
         let mut fresh: Option<i64> = None;
         for _ in 0..CLAIM_ATTEMPTS {
-            let snap = self.snapshot(&mut client).await?;
+            let snap = self.snapshot(st).await?;
             let stored_epoch = snap.epoch.map_or(0, |(e, _)| e);
             let view = match &snap.record {
                 Some((r, _)) => Some(r.clone()),
@@ -298,7 +817,7 @@ impl LeaseStore for EtcdLease {
                 Claim::Write(rec) => rec,
                 held @ Claim::HeldBy { .. } => {
                     if let Some(id) = fresh {
-                        let _ = self.revoke(&mut client, id).await;
+                        let _ = self.revoke(st, id).await;
                     }
                     return Ok(held);
                 }
@@ -313,41 +832,35 @@ impl LeaseStore for EtcdLease {
             let id = match fresh {
                 Some(id) => id,
                 None => {
-                    let g = self
-                        .call("grant", client.lease_grant(self.ttl_s, None))
-                        .await?;
-                    fresh = Some(g.id());
-                    g.id()
+                    let id = self.grant(st).await?;
+                    fresh = Some(id);
+                    id
                 }
             };
-            let txn = Txn::new()
-                .when(vec![
-                    Self::unchanged(&self.key, snap.record.as_ref().map(|(_, rev)| *rev)),
-                    Self::unchanged(&self.epoch_key, snap.epoch.map(|(_, rev)| rev)),
-                ])
-                .and_then(vec![
-                    TxnOp::put(
-                        self.key.as_str(),
-                        render_record(&rec),
-                        Some(PutOptions::new().with_lease(id)),
-                    ),
-                    TxnOp::put(self.epoch_key.as_str(), rec.epoch.to_string(), None),
-                ]);
-            let resp = self.call("txn", client.txn(txn)).await?;
-            if resp.succeeded() {
-                let old = st.held.replace(Held {
-                    id,
-                    keep_alive: None,
-                });
-                if let Some(old) = old.filter(|o| o.id != id) {
+            let won = self
+                .txn(
+                    st,
+                    vec![
+                        Self::unchanged(&self.key, snap.record.as_ref().map(|(_, rev)| *rev)),
+                        Self::unchanged(&self.epoch_key, snap.epoch.map(|(_, rev)| rev)),
+                    ],
+                    vec![
+                        Self::put(&self.key, &render_record(&rec), Some(id)),
+                        Self::put(&self.epoch_key, rec.epoch.to_string().as_bytes(), None),
+                    ],
+                )
+                .await?;
+            if won {
+                let old = st.held.replace(id);
+                if let Some(old) = old.filter(|o| *o != id) {
                     // The record now hangs on the new lease; the old one only holds nothing.
-                    let _ = self.revoke(&mut client, old.id).await;
+                    let _ = self.revoke(st, old).await;
                 }
                 return Ok(Claim::Write(rec));
             }
         }
         if let Some(id) = fresh {
-            let _ = self.revoke(&mut client, id).await;
+            let _ = self.revoke(st, id).await;
         }
         Err(self.err(
             "txn",
@@ -363,14 +876,13 @@ impl LeaseStore for EtcdLease {
         let mut core = core.clone();
         let mut guard = self.state.lock().await;
         let st = &mut *guard;
-        let mut client = self.client(st).await?;
-        let Some(held) = st.held.as_mut() else {
+        let Some(id) = st.held else {
             // Never attached a record to an etcd lease: nothing of ours can be there.
             return Ok(core.renew(None, now_wall));
         };
-        let alive = self.keep_alive(&mut client, held).await?;
+        let alive = self.keep_alive(st, id).await?;
         let current = if alive {
-            self.get_record(&mut client).await?
+            self.get_record(st).await?
         } else {
             None
         };
@@ -378,21 +890,19 @@ impl LeaseStore for EtcdLease {
             Ok(rec) => rec,
             Err(loss) => return Ok(Err(loss)),
         };
-        let id = held.id;
         let rev = current.as_ref().map(|(_, rev)| *rev);
-        let txn = Txn::new()
-            .when(vec![Self::unchanged(&self.key, rev)])
-            .and_then(vec![TxnOp::put(
-                self.key.as_str(),
-                render_record(&rec),
-                Some(PutOptions::new().with_lease(id)),
-            )]);
-        let resp = self.call("txn", client.txn(txn)).await?;
-        if resp.succeeded() {
+        let won = self
+            .txn(
+                st,
+                vec![Self::unchanged(&self.key, rev)],
+                vec![Self::put(&self.key, &render_record(&rec), Some(id))],
+            )
+            .await?;
+        if won {
             return Ok(Ok(rec));
         }
         // Someone wrote the key between our read and our write: decide on what is there now.
-        let now = self.get_record(&mut client).await?;
+        let now = self.get_record(st).await?;
         match core.renew(now.as_ref().map(|(r, _)| r), now_wall) {
             Err(loss) => Ok(Err(loss)),
             Ok(_) => Err(self.err("txn", "renewal lost the compare-and-swap")),
@@ -401,17 +911,181 @@ impl LeaseStore for EtcdLease {
 
     async fn release(&self, core: &Lease, now_wall: f64) -> Result<bool, LeaseError> {
         let mut core = core.clone();
-        let mut st = self.state.lock().await;
-        let mut client = self.client(&mut st).await?;
-        let current = self.get_record(&mut client).await?;
+        let mut guard = self.state.lock().await;
+        let st = &mut *guard;
+        let current = self.get_record(st).await?;
         let ours = core
             .release(current.as_ref().map(|(r, _)| r), now_wall)
             .is_some();
-        if let Some(held) = st.held.take() {
+        if let Some(id) = st.held.take() {
             // Revoking deletes only keys attached to *our* etcd lease: a successor's record
             // hangs on its own lease and survives.
-            self.revoke(&mut client, held.id).await?;
+            self.revoke(st, id).await?;
         }
         Ok(ours)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gateway_answers_and_errors_parse() {
+        let ok = reqwest::StatusCode::OK;
+        let v = parse_answer(ok, br#"{"header":{"revision":"7"},"succeeded":true}"#).unwrap();
+        assert_eq!(v["succeeded"], true);
+        // A streaming answer: one document per line.
+        let v = parse_answer(ok, b"{\"result\":{\"ID\":\"5\",\"TTL\":\"3\"}}\n").unwrap();
+        assert_eq!(int(v["result"].get("TTL")), 3);
+        let unary = br#"{"error":"etcdserver: requested lease not found","message":"etcdserver: requested lease not found","code":5}"#;
+        assert_eq!(
+            parse_answer(reqwest::StatusCode::NOT_FOUND, unary).unwrap_err(),
+            (5, "etcdserver: requested lease not found".to_string())
+        );
+        let stream = br#"{"error":{"grpc_code":16,"http_code":401,"message":"etcdserver: invalid auth token","http_status":"Unauthorized"}}"#;
+        assert_eq!(
+            parse_answer(reqwest::StatusCode::OK, stream).unwrap_err(),
+            (16, "etcdserver: invalid auth token".to_string())
+        );
+        let (_, msg) = parse_answer(
+            reqwest::StatusCode::BAD_REQUEST,
+            b"Client sent an HTTP request to an HTTPS server.\n",
+        )
+        .unwrap_err();
+        assert!(
+            msg.contains("HTTP 400 Bad Request with a body that is not etcd's JSON"),
+            "{msg}"
+        );
+        assert!(msg.contains("HTTPS server"), "{msg}");
+        let (_, msg) =
+            parse_answer(reqwest::StatusCode::NOT_FOUND, b"404 page not found\n").unwrap_err();
+        assert!(
+            msg.contains("etcd's JSON gateway is not served there"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn int64_fields_are_strings_or_absent() {
+        assert_eq!(
+            int(Some(&json!("4111120348176656901"))),
+            4111120348176656901
+        );
+        assert_eq!(int(Some(&json!(12))), 12);
+        assert_eq!(int(None), 0);
+        assert_eq!(int(Some(&json!("x"))), 0);
+    }
+
+    #[test]
+    fn endpoints_follow_the_tls_setting_and_bad_ones_name_their_index() {
+        let d = Duration::from_secs(1);
+        let s = EtcdLease::new(
+            vec!["127.0.0.1:2379".into(), "http://h:1/".into()],
+            "/k",
+            d,
+            d,
+        )
+        .unwrap();
+        assert_eq!(s.endpoints(), ["http://127.0.0.1:2379", "http://h:1"]);
+        // https:// without lease.tls is usable (verified against the system's trust store).
+        assert_eq!(etcd_endpoint_rule("https://b:2", false), None);
+        let dir = tempfile::tempdir().unwrap();
+        let certs = narwhal_testkit::etcd::EtcdCerts::make(dir.path());
+        let tls = EtcdAccess {
+            tls: Some(EtcdTls {
+                ca: Some(certs.ca),
+                cert: None,
+                key: None,
+            }),
+            auth: None,
+        };
+        let s = EtcdLease::with_access(vec!["b:2".into(), "https://c:3".into()], "/k", d, d, &tls)
+            .unwrap();
+        assert_eq!(s.endpoints(), ["https://b:2", "https://c:3"]);
+        let err = EtcdLease::with_access(
+            vec!["https://b:2".into(), "http://a:1".into()],
+            "/k",
+            d,
+            d,
+            &tls,
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            err,
+            "lease config: lease.endpoints[1] = \"http://a:1\": a plain http:// endpoint while \
+             lease.tls is set: use https://"
+        );
+        let err = EtcdLease::new(vec!["unix:///run/etcd.sock".into()], "/k", d, d)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("lease.endpoints[0]"), "{err}");
+    }
+
+    #[test]
+    fn access_files_are_read_at_construction_and_errors_name_the_key() {
+        let d = Duration::from_secs(1);
+        let dir = tempfile::tempdir().unwrap();
+        let build = |access: &EtcdAccess| {
+            EtcdLease::with_access(vec!["127.0.0.1:2379".into()], "/k", d, d, access)
+        };
+        let missing = dir.path().join("nope.pem");
+        let access = EtcdAccess {
+            tls: Some(EtcdTls {
+                ca: Some(missing.clone()),
+                cert: None,
+                key: None,
+            }),
+            auth: None,
+        };
+        let err = build(&access).unwrap_err().to_string();
+        assert!(
+            err.starts_with("lease config: lease.tls.ca: cannot read "),
+            "{err}"
+        );
+        let not_pem = dir.path().join("ca.pem");
+        std::fs::write(&not_pem, "hello").unwrap();
+        let access = EtcdAccess {
+            tls: Some(EtcdTls {
+                ca: Some(not_pem),
+                cert: None,
+                key: None,
+            }),
+            auth: None,
+        };
+        let err = build(&access).unwrap_err().to_string();
+        assert!(
+            err.contains("lease.tls.ca: ") && err.contains("holds no CERTIFICATE"),
+            "{err}"
+        );
+
+        let pw = dir.path().join("pw");
+        let auth = |file: &std::path::PathBuf| EtcdAccess {
+            tls: None,
+            auth: Some(EtcdAuth {
+                user: "narwhal".into(),
+                password_file: file.clone(),
+            }),
+        };
+        let err = build(&auth(&pw)).unwrap_err().to_string();
+        assert!(
+            err.contains("lease.auth.password_file: cannot read "),
+            "{err}"
+        );
+        std::fs::write(&pw, "\n").unwrap();
+        let err = build(&auth(&pw)).unwrap_err().to_string();
+        assert!(
+            err.contains("lease.auth.password_file: ") && err.ends_with("is empty"),
+            "{err}"
+        );
+        std::fs::write(&pw, "s3cret\n").unwrap();
+        assert_eq!(read_password(&pw).unwrap(), "s3cret");
+        let s = build(&auth(&pw)).unwrap();
+        let shown = format!("{s:?}");
+        assert!(
+            shown.contains("narwhal") && !shown.contains("s3cret"),
+            "{shown}"
+        );
     }
 }
