@@ -3,10 +3,9 @@
 //!
 //! The `etcd` binary (Debian `etcd-server`; override with `NARWHAL_ETCD_BIN`) is required:
 //! without it these tests FAIL with a message saying so, they never pass silently.
+// Tests measure wall time (deadlines): the clock ban of clippy.toml is for product code.
+#![allow(clippy::disallowed_methods)]
 
-use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,123 +15,25 @@ use narwhal_router::lease::{
     LeaseTiming,
 };
 use narwhal_shared::{Clock, SystemClock};
+use narwhal_testkit::{Etcd, free_port};
 use tokio_util::sync::CancellationToken;
 
-/// A single-member etcd on two free loopback ports, killed on drop.
-struct Etcd {
-    child: Child,
-    endpoint: String,
-    log: PathBuf,
-    _dir: tempfile::TempDir,
+/// A lease store on `etcd` for `key` (one router's view).
+fn store(etcd: &Etcd, key: &str, ttl: Duration) -> EtcdLease {
+    EtcdLease::new(
+        vec![etcd.endpoint.clone()],
+        key,
+        ttl,
+        Duration::from_secs(2),
+    )
+    .unwrap()
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
+/// A plain etcd client, to look at (and tamper with) the keys directly.
+async fn raw(etcd: &Etcd) -> etcd_client::Client {
+    etcd_client::Client::connect([&etcd.endpoint], None)
+        .await
         .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-impl Etcd {
-    async fn start() -> Etcd {
-        let bin = std::env::var("NARWHAL_ETCD_BIN").unwrap_or_else(|_| "etcd".into());
-        if let Err(e) = Command::new(&bin).arg("--version").output() {
-            panic!(
-                "cannot run the etcd binary {bin:?} ({e}): these tests need a real etcd. \
-                 Install Debian's etcd-server (apt-get install -y etcd-server) or set \
-                 NARWHAL_ETCD_BIN to an etcd v3 server binary"
-            );
-        }
-        // Ports are picked by binding :0 and releasing them; a rare collision is retried.
-        for _ in 0..3 {
-            let dir = tempfile::tempdir().unwrap();
-            let (client, peer) = (free_port(), free_port());
-            let endpoint = format!("http://127.0.0.1:{client}");
-            let peer_url = format!("http://127.0.0.1:{peer}");
-            let log = dir.path().join("etcd.log");
-            let out = std::fs::File::create(&log).unwrap();
-            let child = Command::new(&bin)
-                .args(["--name", "narwhal-test"])
-                .arg("--data-dir")
-                .arg(dir.path().join("data"))
-                .args(["--listen-client-urls", &endpoint])
-                .args(["--advertise-client-urls", &endpoint])
-                .args(["--listen-peer-urls", &peer_url])
-                .args(["--initial-advertise-peer-urls", &peer_url])
-                .args(["--initial-cluster", &format!("narwhal-test={peer_url}")])
-                // Short raft timers: lets etcd grant 1 s leases and expire them promptly.
-                .args(["--heartbeat-interval", "10", "--election-timeout", "100"])
-                .stdin(Stdio::null())
-                .stdout(out.try_clone().unwrap())
-                .stderr(out)
-                .spawn()
-                .unwrap_or_else(|e| panic!("spawning {bin}: {e}"));
-            let mut etcd = Etcd {
-                child,
-                endpoint,
-                log,
-                _dir: dir,
-            };
-            if etcd.wait_ready().await {
-                return etcd;
-            }
-        }
-        panic!("etcd did not start on loopback after 3 attempts");
-    }
-
-    /// Polls until etcd answers a read (deadline 15 s); `false` if it exited (port taken).
-    async fn wait_ready(&mut self) -> bool {
-        let t0 = tokio::time::Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                eprintln!("etcd exited with {status}:\n{}", self.log_text());
-                return false;
-            }
-            let opts = etcd_client::ConnectOptions::new()
-                .with_connect_timeout(Duration::from_millis(300))
-                .with_timeout(Duration::from_millis(500));
-            if let Ok(mut c) = etcd_client::Client::connect([&self.endpoint], Some(opts)).await
-                && c.get("/ready-probe", None).await.is_ok()
-            {
-                return true;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(15),
-                "etcd at {} not ready after 15 s:\n{}",
-                self.endpoint,
-                self.log_text()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn store(&self, key: &str, ttl: Duration) -> EtcdLease {
-        EtcdLease::new(
-            vec![self.endpoint.clone()],
-            key,
-            ttl,
-            Duration::from_secs(2),
-        )
-        .unwrap()
-    }
-
-    async fn raw(&self) -> etcd_client::Client {
-        etcd_client::Client::connect([&self.endpoint], None)
-            .await
-            .unwrap()
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn timing(ttl_ms: u64, renew_ms: u64, margin_ms: u64) -> LeaseTiming {
@@ -155,9 +56,9 @@ async fn claim_refuse_takeover_fence_and_release() {
     let etcd = Etcd::start().await;
     let key = "/narwhal/t1/router-lease";
     // Two stores, two clients: two routers.
-    let sa = etcd.store(key, Duration::from_secs(2));
-    let sb = etcd.store(key, Duration::from_secs(2));
-    let mut raw = etcd.raw().await;
+    let sa = store(&etcd, key, Duration::from_secs(2));
+    let sb = store(&etcd, key, Duration::from_secs(2));
+    let mut raw = raw(&etcd).await;
     let t0 = SystemClock.now();
     let mut a = Lease::new("a:1".into(), timing(2000, 500, 500));
     let mut b = Lease::new("b:2".into(), timing(2000, 500, 500));
@@ -232,7 +133,7 @@ async fn concurrent_claims_have_exactly_one_winner() {
     let key = "/narwhal/t6/router-lease";
     let mut tasks = Vec::new();
     for i in 0..6 {
-        let s = etcd.store(key, Duration::from_secs(2));
+        let s = store(&etcd, key, Duration::from_secs(2));
         tasks.push(tokio::spawn(async move {
             let core = Lease::new(format!("r{i}:x"), timing(2000, 500, 500));
             s.claim(&core, 1000.0).await.unwrap()
@@ -246,7 +147,7 @@ async fn concurrent_claims_have_exactly_one_winner() {
     }
     assert_eq!(winners.len(), 1, "{winners:?}");
     assert_eq!(winners[0].epoch, 1);
-    let s = etcd.store(key, Duration::from_secs(2));
+    let s = store(&etcd, key, Duration::from_secs(2));
     assert_eq!(s.read().await.unwrap(), Some(winners.remove(0)));
 }
 
@@ -254,9 +155,9 @@ async fn concurrent_claims_have_exactly_one_winner() {
 async fn a_lapsed_etcd_lease_removes_the_record_and_the_epoch_still_advances() {
     let etcd = Etcd::start().await;
     let key = "/narwhal/t2/router-lease";
-    let sa = etcd.store(key, Duration::from_millis(800));
+    let sa = store(&etcd, key, Duration::from_millis(800));
     assert_eq!(sa.ttl_s(), 1, "TTL is rounded up to whole seconds");
-    let sb = etcd.store(key, Duration::from_millis(800));
+    let sb = store(&etcd, key, Duration::from_millis(800));
     let t0 = SystemClock.now();
     let wall = SystemClock.wall().unwrap();
     let mut a = Lease::new("a:1".into(), timing(800, 200, 200));
@@ -289,11 +190,11 @@ async fn a_lapsed_etcd_lease_removes_the_record_and_the_epoch_still_advances() {
 async fn a_malformed_record_in_etcd_is_an_error_and_is_not_overwritten() {
     let etcd = Etcd::start().await;
     let key = "/narwhal/t3/router-lease";
-    let mut raw = etcd.raw().await;
+    let mut raw = raw(&etcd).await;
     raw.put(key, "{\"epoch\": 1, \"expires", None)
         .await
         .unwrap();
-    let s = etcd.store(key, Duration::from_secs(2));
+    let s = store(&etcd, key, Duration::from_secs(2));
     let err = s.read().await.unwrap_err();
     assert!(
         err.to_string()
@@ -359,7 +260,7 @@ async fn the_driver_keeps_the_lease_past_its_ttl_and_fences_on_a_takeover() {
     assert!(events.lock().unwrap().is_empty());
 
     // Router B, whose wall clock runs 10 s ahead, sees A's record expired and takes over.
-    let sb = etcd.store("/narwhal/t4/router-lease", Duration::from_secs(2));
+    let sb = store(&etcd, "/narwhal/t4/router-lease", Duration::from_secs(2));
     let b = Lease::new("router-b:1".into(), timing(1500, 300, 300));
     let Claim::Write(rb) = sb.claim(&b, clock.wall().unwrap() + 10.0).await.unwrap() else {
         panic!("B's skewed clock must see the record expired")
