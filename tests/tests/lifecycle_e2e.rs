@@ -13,6 +13,7 @@
 //! ports (new pid, newer process start), which is what a supervisor does to a real engine.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use narwhal_testkit::{
     Fleet, RouterHandle, SimHandle, WAIT, bin_path, count as n, metric, narwhalctl,
@@ -1327,4 +1328,55 @@ async fn stalled_engine_is_readmitted_as_the_same_process_after_it_resumes() {
         "d0 ejected: its stream stalled",
     );
     complete_on(&f, &r, "d0 decodes again", &[("d0", "decode")]).await;
+}
+
+/// A readmission probe of the ejected engine that is still in flight when the operator's wave
+/// readmission returns the engine to placement must not start a recovery afterwards: under
+/// `whole_wave` that recovery used to hold the whole fleet in a new restart wave ("engine
+/// recovery requires a managed whole-wave restart") right after the readmission answered 200,
+/// which is how `crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains` timed
+/// out waiting for d0 on a loaded machine. Here every `/health` answer of d0 takes 1 s and the
+/// monitor ticks every 50 ms, so the router's probes of the ejected d0 (one at a time) are in
+/// flight about 95% of the time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_health_probe_answering_after_a_wave_readmission_does_not_hold_the_fleet_again() {
+    let fast_probes = json!({"recovery": {"eject_after": 1},
+                             "controller": {"monitor_interval_s": 0.05}});
+    let (mut f, r) = lab("whole_wave", &[], fast_probes).await;
+    crash_d0(&mut f, &r, "d0 crashed").await;
+    r.journal_event("restart_required", None).await;
+    let (status, doc) = r.lifecycle_post("drain", &json!({"wave": true})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    r.journal_event("wave_ready_to_stop", None).await;
+    f.sim_mut("p0").restart(&[]).expect("restart p0");
+    f.sim_mut("d0").restart(&[]).expect("restart d0");
+    f.sim("d0")
+        .fault(json!({"phase": "health", "action": "hang", "ms": 1000, "count": 1000}))
+        .await;
+    let (status, doc) = r.lifecycle_post("readmit", &json!({"wave": true})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    r.journal_event("wave_readmitted", None).await;
+    // Longer than a probe in flight takes to answer (1 s) and the next monitor tick.
+    let again = wait_until(Duration::from_secs(3), || async {
+        let events = r.lifecycle_events();
+        let done = events
+            .iter()
+            .position(|e| e["action"] == "wave_readmitted")?;
+        events[done..]
+            .iter()
+            .find(|e| e["action"] == "restart_required")
+            .cloned()
+    })
+    .await;
+    assert_eq!(
+        again, None,
+        "the fleet was held again after its readmission"
+    );
+    let doc = r
+        .lifecycle_until("both engines in placement", |d| {
+            d["engines"]["p0"]["accepts_new"] == true && d["engines"]["d0"]["accepts_new"] == true
+        })
+        .await;
+    assert_eq!(doc["wave"]["active"], false, "{doc:#}");
+    r.complete("after the wave").await;
 }
