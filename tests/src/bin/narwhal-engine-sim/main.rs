@@ -43,7 +43,7 @@ use server::{Dialect, Mode, Settings, Sim};
     version,
     about = "vLLM / SGLang engine simulator",
     // A later flag overrides an earlier one (`--model a ... --model b`), so a restart can
-    // change what the engine serves (tests/src/fleet.rs `SimHandle::restart`).
+    // change what the engine serves (tests/src/sim.rs `SimHandle::restart`).
     args_override_self = true
 )]
 struct Cli {
