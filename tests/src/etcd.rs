@@ -281,6 +281,9 @@ pub struct EtcdOptions {
     pub client_cert_auth: bool,
 }
 
+/// A plain single-member etcd (no TLS, no auth): the fleet builder's lease store.
+pub type Etcd = EtcdServer;
+
 /// A single-member etcd on two free loopback ports, killed on drop.
 #[derive(Debug)]
 pub struct EtcdServer {
@@ -293,7 +296,9 @@ pub struct EtcdServer {
     dir: tempfile::TempDir,
 }
 
-fn free_port() -> u16 {
+/// A free loopback port (bound to `:0` and released: a rare collision is possible, and
+/// callers that start a server on it retry).
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())

@@ -1,493 +1,569 @@
-//! Starting simulators and routers, and writing the fleet file that connects them.
+//! The end-to-end world: simulated engines, one agent per simulated host, routers (a single
+//! one, or a primary and a warm standby sharing a lease), dev certificates, all in one
+//! temporary directory, built by one builder:
+//!
+//! ```text
+//!   Fleet::builder()                       vLLM, no engines yet
+//!       .prefill(1).decode(2)              p0, d0, d1 (fleet-file order)
+//!       .agents()                          agent h0 for p0, h1 for d0, h2 for d1 (mutual TLS)
+//!       .fleet(json!({...}))               fleet-file sections merged over the defaults
+//!       .lease(LeaseBackend::Etcd)         a shared lease (etcd started on loopback)
+//!       .standby()                         routers "primary" and "standby" instead of "router"
+//!       .start().await                     everything running; routers ready to be read
+//! ```
+//!
+//! What a test does to the world afterwards (restart an engine, kill a router, start another
+//! one with `--resume`) goes through the [`Fleet`]'s handles.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
+use narwhal_shared::handoff::Handoff;
 use serde_json::{Value, json};
+use tempfile::TempDir;
 
-use crate::certs::DevCerts;
-use crate::proc::{ChildProc, ProcError, bin_path};
+use crate::agent::{AgentHandle, start_agent_with};
+use crate::certs::{DevCerts, make_dev_certs};
+use crate::etcd::Etcd;
+use crate::http::Http;
+use crate::proc::read_json_file;
+use crate::router::{Clients, FleetSpec, RouterHandle, handoff_file_where, launch_router};
+use crate::sim::{EngineSpec, SimHandle, start_sim};
 
-/// How long a child may take to print its first line. Generous: a loaded 2-core CI machine
-/// can be slow to exec a freshly linked debug binary.
-const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// Lease TTL of every HA fleet (seconds); renewal every 0.5 s, safety margin 0.5 s.
+pub const LEASE_TTL_S: f64 = 2.0;
+/// A standby's poll interval (`--standby-probe-interval`, seconds).
+pub const STANDBY_PROBE_S: f64 = 0.25;
+/// Missed polls before a standby tries to take over (`--standby-takeover-after`).
+pub const STANDBY_TAKEOVER_AFTER: u32 = 4;
 
-/// One engine to simulate.
-#[derive(Debug, Clone)]
-pub struct EngineSpec {
-    /// Instance id in the fleet file (`e0`, `p0`, ...).
-    pub iid: String,
-    /// `prefill` or `decode`.
-    pub role: String,
-    /// Extra simulator flags (`--ttft-ms 5`, ...).
-    pub sim_args: Vec<String>,
+/// Where the routers of an HA fleet keep their shared lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseBackend {
+    /// A lease file in the fleet's directory (`router.lease`).
+    File,
+    /// A real etcd started on loopback for the fleet (key `/narwhal/test/lease`).
+    Etcd,
 }
 
-impl EngineSpec {
-    /// An engine with no extra simulator flags.
-    pub fn new(iid: &str, role: &str) -> Self {
-        Self {
-            iid: iid.to_string(),
-            role: role.to_string(),
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Routers {
+    None,
+    One,
+    PrimaryAndStandby,
+}
+
+/// Builds a [`Fleet`]; see the module documentation.
+#[derive(Debug, Clone)]
+pub struct FleetBuilder {
+    dialect: String,
+    engines: Vec<EngineSpec>,
+    sim_args: Vec<String>,
+    agents_per_engine: bool,
+    hosts: Vec<(String, Vec<String>)>,
+    contract: Option<Value>,
+    certs: Vec<String>,
+    overrides: Value,
+    control_tls: bool,
+    lease: Option<LeaseBackend>,
+    routers: Routers,
+}
+
+/// A running end-to-end world; every process is killed when it drops.
+#[derive(Debug)]
+pub struct Fleet {
+    /// The single router (`router`), or the primary (`primary`) of an HA fleet, when the
+    /// builder started one.
+    pub router: Option<RouterHandle>,
+    /// The warm standby (`standby`), with [`FleetBuilder::standby`].
+    pub standby: Option<RouterHandle>,
+    /// The simulated engines, in fleet-file order.
+    pub sims: Vec<SimHandle>,
+    /// The agents, in host order.
+    pub agents: Vec<AgentHandle>,
+    /// The client tests use (presents the `operator` certificate when the fleet has
+    /// certificates).
+    pub http: Http,
+    /// `vllm` or `sglang`.
+    pub dialect: String,
+    clients: Clients,
+    certs: Option<DevCerts>,
+    base: FleetSpec,
+    lease: Option<Value>,
+    control_tls: bool,
+    etcd: Option<Etcd>,
+    dir: TempDir,
+}
+
+impl Fleet {
+    /// A builder: vLLM, no engines, no agents, one router.
+    pub fn builder() -> FleetBuilder {
+        FleetBuilder {
+            dialect: "vllm".into(),
+            engines: Vec::new(),
             sim_args: Vec::new(),
+            agents_per_engine: false,
+            hosts: Vec::new(),
+            contract: None,
+            certs: Vec::new(),
+            overrides: json!({}),
+            control_tls: false,
+            lease: None,
+            routers: Routers::One,
         }
     }
+}
 
-    /// Adds simulator flags.
-    pub fn args(mut self, args: &[&str]) -> Self {
+impl FleetBuilder {
+    /// Engines speak `dialect` (`vllm`, the default, or `sglang`).
+    pub fn dialect(mut self, dialect: &str) -> Self {
+        self.dialect = dialect.to_string();
+        self
+    }
+
+    fn add(mut self, prefix: &str, role: &str, n: usize) -> Self {
+        let have = self.engines.iter().filter(|e| e.role == role).count();
+        for k in have..have + n {
+            self.engines
+                .push(EngineSpec::new(&format!("{prefix}{k}"), role));
+        }
+        self
+    }
+
+    /// `n` more prefill engines, `p0`, `p1`, ...
+    pub fn prefill(self, n: usize) -> Self {
+        self.add("p", "prefill", n)
+    }
+
+    /// `n` more decode engines, `d0`, `d1`, ...
+    pub fn decode(self, n: usize) -> Self {
+        self.add("d", "decode", n)
+    }
+
+    /// One engine with id `iid` and role `role` (`prefill` or `decode`).
+    pub fn engine(mut self, iid: &str, role: &str) -> Self {
+        self.engines.push(EngineSpec::new(iid, role));
+        self
+    }
+
+    /// Simulator flags for every engine (`--tpot-ms 40`, ...).
+    pub fn sim_args(mut self, args: &[&str]) -> Self {
         self.sim_args.extend(args.iter().map(|s| s.to_string()));
         self
     }
-}
 
-/// A running `narwhal-engine-sim`, restartable on the same ports.
-#[derive(Debug)]
-pub struct SimHandle {
-    /// The process (killed on drop).
-    pub proc: ChildProc,
-    /// Base URL, `http://127.0.0.1:PORT`.
-    pub url: String,
-    /// Instance id it plays.
-    pub iid: String,
-    /// `prefill` or `decode`.
-    pub role: String,
-    /// `vllm` or `sglang`.
-    pub dialect: String,
-    /// The OpenAI listener's port.
-    pub port: u16,
-    /// vLLM NIXL side-channel port.
-    pub kv_port: Option<u16>,
-    /// SGLang bootstrap port (prefill-mode servers).
-    pub bootstrap_port: Option<u16>,
-    /// Engine id of the current process (`remote_engine_id`).
-    pub engine_id: String,
-    /// Extra flags it was started with.
-    pub sim_args: Vec<String>,
-    dir: PathBuf,
-}
-
-impl SimHandle {
-    /// `GET /sim/stats` as JSON.
-    pub async fn stats(&self, http: &reqwest::Client) -> reqwest::Result<Value> {
-        http.get(format!("{}/sim/stats", self.url))
-            .send()
-            .await?
-            .error_for_status()?
-            .json()
-            .await
+    /// One agent per engine (`h0` for the first engine, `h1` for the second, ...), each engine
+    /// pinned to its agent in the fleet file; routers talk to them over mutual TLS.
+    pub fn agents(mut self) -> Self {
+        self.agents_per_engine = true;
+        self
     }
 
-    /// `POST /sim/faults` with one fault object or a list.
-    pub async fn fault(&self, http: &reqwest::Client, fault: Value) -> reqwest::Result<()> {
-        http.post(format!("{}/sim/faults", self.url))
-            .json(&fault)
-            .send()
-            .await?
-            .error_for_status()?;
-        Ok(())
+    /// An agent `id` serving `iids` (several engines on one simulated host). Hosts start in
+    /// the order they are named.
+    pub fn host(mut self, id: &str, iids: &[&str]) -> Self {
+        self.hosts
+            .push((id.to_string(), iids.iter().map(|s| s.to_string()).collect()));
+        self
     }
 
-    /// Stops the process (SIGKILL) and starts a new one on the same ports with the same flags
-    /// plus `extra` (later flags win, e.g. `--model other`): a restarted engine, new pid,
-    /// new process start, new engine id.
+    /// Every agent attests this host contract document (`engines[].contract_document`).
+    pub fn contract_document(mut self, doc: Value) -> Self {
+        self.contract = Some(doc);
+        self
+    }
+
+    /// More dev certificates (from the fleet CA) for the test's own use (`ctl`, ...).
+    pub fn certs(mut self, names: &[&str]) -> Self {
+        self.certs.extend(names.iter().map(|s| s.to_string()));
+        self
+    }
+
+    /// Fleet-file sections merged over the defaults, key by key.
+    pub fn fleet(mut self, section: Value) -> Self {
+        crate::router::merge(&mut self.overrides, section);
+        self
+    }
+
+    /// `recovery.engine_restart_policy` (`individual` or `whole_wave`).
+    pub fn restart_policy(self, policy: &str) -> Self {
+        self.fleet(json!({"recovery": {"engine_restart_policy": policy}}))
+    }
+
+    /// Mutual TLS on every router's control listener (`control.tls`, the router's own
+    /// certificate); the fleet's client presents `operator`.
+    pub fn control_tls(mut self) -> Self {
+        self.control_tls = true;
+        self
+    }
+
+    /// A lease shared by every router ([`LEASE_TTL_S`]); each router keeps its own state file
+    /// (`<label>.state.json`) and runs with `--router-id <label>`. The builder's router is then
+    /// a primary labelled `primary`, started once it controls the fleet.
+    pub fn lease(mut self, backend: LeaseBackend) -> Self {
+        self.lease = Some(backend);
+        self
+    }
+
+    /// No router: the test starts its own ([`Fleet::start_router`], [`Fleet::primary`]).
+    pub fn no_router(mut self) -> Self {
+        self.routers = Routers::None;
+        self
+    }
+
+    /// A warm standby (`standby`) of the primary, polling every [`STANDBY_PROBE_S`].
     ///
-    /// # Errors
-    /// [`ProcError`] when the new process does not start.
-    pub fn restart(&mut self, extra: &[&str]) -> Result<(), ProcError> {
-        self.proc.kill();
-        let mut args = self.sim_args.clone();
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let spec = EngineSpec {
-            iid: self.iid.clone(),
-            role: self.role.clone(),
-            sim_args: args,
-        };
-        let fresh = spawn_sim(
-            &self.dir,
-            &spec,
-            &self.dialect,
-            Some((self.port, self.kv_port, self.bootstrap_port)),
-        )?;
-        let keep_args = std::mem::take(&mut self.sim_args);
-        *self = fresh;
-        self.sim_args = keep_args;
-        Ok(())
+    /// # Panics
+    /// In [`FleetBuilder::start`], without a [`FleetBuilder::lease`].
+    pub fn standby(mut self) -> Self {
+        self.routers = Routers::PrimaryAndStandby;
+        self
     }
-}
 
-/// Starts one simulator for `spec` speaking `dialect` (`vllm` or `sglang`), logging to `dir`.
-///
-/// SGLang engines are launched in the disaggregation mode of their role, as real SGLang
-/// servers are; vLLM engines take their role per request.
-///
-/// # Errors
-/// [`ProcError`] when the simulator does not start.
-pub fn start_sim(dir: &Path, spec: &EngineSpec, dialect: &str) -> Result<SimHandle, ProcError> {
-    spawn_sim(dir, spec, dialect, None)
-}
-
-fn spawn_sim(
-    dir: &Path,
-    spec: &EngineSpec,
-    dialect: &str,
-    ports: Option<(u16, Option<u16>, Option<u16>)>,
-) -> Result<SimHandle, ProcError> {
-    let ready = dir.join(format!("sim-{}.ready.json", spec.iid));
-    let _ = std::fs::remove_file(&ready);
-    let mut cmd = Command::new(bin_path("narwhal-engine-sim"));
-    cmd.args(["--dialect", dialect, "--model", "tiny-sim"]);
-    match ports {
-        Some((port, kv, boot)) => {
-            cmd.args(["--listen", &format!("127.0.0.1:{port}")]);
-            if let Some(k) = kv {
-                cmd.args(["--kv-listen", &format!("127.0.0.1:{k}")]);
-            }
-            if let Some(b) = boot {
-                cmd.args(["--bootstrap-port", &b.to_string()]);
-            }
+    fn host_plan(&self) -> Vec<(String, Vec<String>)> {
+        let mut hosts = self.hosts.clone();
+        if self.agents_per_engine {
+            hosts.extend(
+                self.engines
+                    .iter()
+                    .enumerate()
+                    .map(|(i, e)| (format!("h{i}"), vec![e.iid.clone()])),
+            );
         }
-        None => {
-            cmd.args(["--listen", "127.0.0.1:0"]);
-        }
-    }
-    if dialect == "sglang" {
-        cmd.args(["--disaggregation-mode", &spec.role]);
-    }
-    cmd.arg("--ready-file").arg(&ready);
-    cmd.args(&spec.sim_args);
-    let proc = ChildProc::spawn(cmd, &format!("sim-{}", spec.iid), dir, START_TIMEOUT)?;
-    let url = proc
-        .url_in_first_line(None)
-        .ok_or_else(|| ProcError::BadLine {
-            bin: "narwhal-engine-sim".into(),
-            line: proc.first_line.clone(),
-        })?;
-    let doc: Value = std::fs::read(&ready)
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default();
-    let port = url
-        .rsplit(':')
-        .next()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(0);
-    let as_port = |v: &Value| v.as_u64().and_then(|p| u16::try_from(p).ok());
-    Ok(SimHandle {
-        proc,
-        url,
-        iid: spec.iid.clone(),
-        role: spec.role.clone(),
-        dialect: dialect.to_string(),
-        port,
-        kv_port: as_port(&doc["kv_port"]),
-        bootstrap_port: as_port(&doc["bootstrap_port"]),
-        engine_id: doc["engine_id"].as_str().unwrap_or_default().to_string(),
-        sim_args: spec.sim_args.clone(),
-        dir: dir.to_path_buf(),
-    })
-}
-
-/// The fleet file a router is started with.
-#[derive(Debug, Clone)]
-pub struct FleetSpec {
-    /// Served model name.
-    pub model: String,
-    /// `vllm` or `sglang`.
-    pub backend: String,
-    /// `(iid, url, role)` per engine.
-    pub engines: Vec<(String, String, String)>,
-    /// Sections merged over the defaults (`serving`, `engine`, `recovery`, ...), key by key.
-    pub overrides: Value,
-    /// `engines[].agent` per engine id.
-    pub agents: std::collections::BTreeMap<String, Value>,
-}
-
-impl FleetSpec {
-    /// A fleet over running simulators.
-    pub fn for_sims(backend: &str, sims: &[SimHandle]) -> Self {
-        Self {
-            model: "tiny-sim".into(),
-            backend: backend.into(),
-            engines: sims
-                .iter()
-                .map(|s| (s.iid.clone(), s.url.clone(), s.role.clone()))
-                .collect(),
-            overrides: json!({}),
-            agents: std::collections::BTreeMap::new(),
-        }
+        hosts
     }
 
-    /// Pins engine `iid` to `agent` (its URL, certificate name and signing key).
-    pub fn agent(mut self, iid: &str, agent: &AgentHandle) -> Self {
-        self.agents.insert(
-            iid.to_string(),
-            json!({
-                "url": agent.url,
-                "server_name": agent.server_name,
-                "public_key": agent.public_key,
-                "agent_id": agent.agent_id,
-            }),
+    /// Starts everything: certificates, simulators, agents, etcd, then the routers.
+    ///
+    /// # Panics
+    /// When any process does not start (the message names it and carries its log tail).
+    pub async fn start(self) -> Fleet {
+        assert!(
+            self.routers != Routers::PrimaryAndStandby || self.lease.is_some(),
+            "a standby needs a lease: FleetBuilder::lease"
         );
-        self
-    }
-
-    /// Router-to-agent mutual TLS with the dev certificate `name` (`router`, `standby`).
-    pub fn tls(self, certs: &DevCerts, name: &str) -> Self {
-        self.with(
-            json!({"tls": {"ca": certs.ca, "cert": certs.cert(name), "key": certs.key(name)}}),
-        )
-    }
-
-    /// Merges `section` into the overrides (one level deep: `{"serving": {...}}`).
-    pub fn with(mut self, section: Value) -> Self {
-        merge(&mut self.overrides, section);
-        self
-    }
-
-    /// The fleet document, schema `narwhal.fleet` version 2.
-    pub fn to_json(&self, state_dir: &Path) -> Value {
-        let mut doc = json!({
-            "schema": "narwhal.fleet",
-            "schema_version": 2,
-            "model": self.model,
-            "backend": self.backend,
-            "engines": self.engines.iter().map(|(iid, url, role)| {
-                let mut e = json!({"iid": iid, "url": url, "role": role});
-                if let Some(a) = self.agents.get(iid) {
-                    e["agent"] = a.clone();
-                }
-                e
-            }).collect::<Vec<_>>(),
-            "slo": {"ttft_s": 2.0, "tpot_s": 0.05},
-            "engine": {"first_token_timeout_s": 10.0, "decode_read_timeout_s": 10.0},
-            "controller": {"monitor_interval_s": 0.2},
-            "recovery": {"state_path": state_dir.join("state.json"), "readmit_every": 1},
+        let dir = tempfile::tempdir().expect("tempdir");
+        let hosts = self.host_plan();
+        let wants_certs =
+            !hosts.is_empty() || !self.certs.is_empty() || self.control_tls || self.lease.is_some();
+        let certs = wants_certs.then(|| {
+            let mut names: Vec<String> = vec!["router".into(), "standby".into(), "operator".into()];
+            names.extend(self.certs.iter().cloned());
+            names.extend(hosts.iter().map(|(h, _)| format!("agent-{h}")));
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            make_dev_certs(&dir.path().join("certs"), &names).expect("dev certificates")
         });
-        merge(&mut doc, self.overrides.clone());
-        doc
-    }
-}
-
-fn merge(into: &mut Value, from: Value) {
-    match (into, from) {
-        (Value::Object(a), Value::Object(b)) => {
-            for (k, v) in b {
-                match a.get_mut(&k) {
-                    Some(slot) if slot.is_object() && v.is_object() => merge(slot, v),
-                    _ => {
-                        a.insert(k, v);
-                    }
+        let clients = match &certs {
+            Some(c) => Clients::identity(c, "operator"),
+            None => Clients::plain(),
+        };
+        let args: Vec<&str> = self.sim_args.iter().map(String::as_str).collect();
+        let sims: Vec<SimHandle> = self
+            .engines
+            .iter()
+            .map(|spec| {
+                start_sim(dir.path(), &spec.clone().args(&args), &self.dialect)
+                    .unwrap_or_else(|e| panic!("simulator {}: {e}", spec.iid))
+            })
+            .collect();
+        let contract = self.contract.as_ref().map(|doc| {
+            let path = dir.path().join("engine-attestation.json");
+            std::fs::write(&path, doc.to_string()).expect("contract document");
+            path
+        });
+        let mut agents = Vec::new();
+        let mut base = FleetSpec::for_sims(&self.dialect, &sims).with(self.overrides.clone());
+        for (host, iids) in &hosts {
+            let mine: Vec<&SimHandle> = iids
+                .iter()
+                .map(|iid| {
+                    sims.iter()
+                        .find(|s| &s.iid == iid)
+                        .unwrap_or_else(|| panic!("host {host}: no engine {iid}"))
+                })
+                .collect();
+            let certs = certs.as_ref().expect("certificates");
+            let a = start_agent_with(dir.path(), certs, host, &mine, contract.as_deref())
+                .unwrap_or_else(|e| panic!("agent {host}: {e}"));
+            for iid in iids {
+                base = base.agent(iid, &a);
+            }
+            agents.push(a);
+        }
+        let (lease, etcd) = match self.lease {
+            None => (None, None),
+            Some(LeaseBackend::File) => (
+                Some(json!({"backend": "file", "path": dir.path().join("router.lease")})),
+                None,
+            ),
+            Some(LeaseBackend::Etcd) => {
+                let etcd = Etcd::start(crate::etcd::EtcdOptions::default()).await;
+                let l = json!({"backend": "etcd", "endpoints": [etcd.endpoint],
+                               "key": "/narwhal/test/lease"});
+                (Some(l), Some(etcd))
+            }
+        };
+        let lease = lease.map(|mut l| {
+            crate::router::merge(
+                &mut l,
+                json!({"ttl_s": LEASE_TTL_S, "renew_interval_s": 0.5, "safety_margin_s": 0.5}),
+            );
+            l
+        });
+        let mut fleet = Fleet {
+            router: None,
+            standby: None,
+            sims,
+            agents,
+            http: clients.http.clone(),
+            dialect: self.dialect.clone(),
+            clients,
+            certs,
+            base,
+            lease,
+            control_tls: self.control_tls,
+            etcd,
+            dir,
+        };
+        match (self.routers, fleet.lease.is_some()) {
+            (Routers::None, _) => {}
+            (Routers::One, false) => {
+                let r = fleet.start_router("router", &[]);
+                if !fleet.agents.is_empty() {
+                    // The startup identity check (reference-notes 4.10) accepts every process
+                    // in one step; tests start from there, so it never races what they do.
+                    let iids: Vec<String> = fleet.sims.iter().map(|s| s.iid.clone()).collect();
+                    r.lifecycle_until("process identities accepted at startup", |d| {
+                        iids.iter().all(|i| d["process_starts"][i].is_number())
+                    })
+                    .await;
                 }
+                fleet.router = Some(r);
+            }
+            (Routers::One, true) => fleet.router = Some(fleet.primary("primary").await),
+            (Routers::PrimaryAndStandby, _) => {
+                let p = fleet.primary("primary").await;
+                fleet.standby = Some(fleet.standby_of("standby", &p.control, &[]));
+                fleet.router = Some(p);
             }
         }
-        (slot, v) => *slot = v,
+        fleet
     }
 }
 
-/// A running `narwhal-serve`.
-#[derive(Debug)]
-pub struct RouterHandle {
-    /// The process (killed on drop).
-    pub proc: ChildProc,
-    /// Data listener base URL (`/v1/...`).
-    pub data: String,
-    /// Control listener base URL (`/narwhal/...`, `/metrics`).
-    pub control: String,
-    /// Request journal path.
-    pub journal: PathBuf,
-    /// Fleet file path.
-    pub fleet: PathBuf,
-}
-
-impl RouterHandle {
-    /// Journal rows parsed as JSON (header included).
-    pub fn journal_rows(&self) -> Vec<Value> {
-        std::fs::read_to_string(&self.journal)
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .collect()
+impl Fleet {
+    /// The fleet's directory (logs, fleet files, journals, state files).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
     }
 
-    /// `GET <control>/narwhal/state`.
-    pub async fn state(&self, http: &reqwest::Client) -> reqwest::Result<Value> {
-        http.get(format!("{}/narwhal/state", self.control))
-            .send()
-            .await?
-            .json()
-            .await
+    /// The dev certificates.
+    ///
+    /// # Panics
+    /// For a fleet without certificates (no agents, no TLS, no lease).
+    pub fn certs(&self) -> &DevCerts {
+        self.certs.as_ref().expect("this fleet has no certificates")
     }
 
-    /// `GET <control>/metrics` as text.
-    pub async fn metrics(&self, http: &reqwest::Client) -> reqwest::Result<String> {
-        http.get(format!("{}/metrics", self.control))
-            .send()
-            .await?
-            .text()
-            .await
+    /// The builder's router (`router`, or the primary).
+    ///
+    /// # Panics
+    /// When the builder started none ([`FleetBuilder::no_router`]).
+    pub fn router(&self) -> &RouterHandle {
+        self.router.as_ref().expect("the builder started no router")
     }
-}
 
-/// Writes `fleet` into `dir` and starts `narwhal-serve` on loopback ports with `extra_args`.
-///
-/// # Errors
-/// [`ProcError`] when the router does not start (its stderr tail is in the error).
-pub fn start_router(
-    dir: &Path,
-    label: &str,
-    fleet: &FleetSpec,
-    extra_args: &[&str],
-) -> Result<RouterHandle, ProcError> {
-    let fleet_path = dir.join(format!("{label}.fleet.json"));
-    let journal = dir.join(format!("{label}.journal.jsonl"));
-    let doc = serde_json::to_string_pretty(&fleet.to_json(dir)).expect("fleet JSON serialises");
-    std::fs::write(&fleet_path, doc).map_err(|source| ProcError::Spawn {
-        bin: fleet_path.display().to_string(),
-        source,
-    })?;
-    let mut cmd = Command::new(bin_path("narwhal-serve"));
-    cmd.arg("--fleet")
-        .arg(&fleet_path)
-        .args(["--listen", "127.0.0.1:0", "--control-listen", "127.0.0.1:0"])
-        .arg("--journal")
-        .arg(&journal)
-        .args(extra_args);
-    let proc = ChildProc::spawn(cmd, label, dir, START_TIMEOUT)?;
-    let bad = || ProcError::BadLine {
-        bin: "narwhal-serve".into(),
-        line: proc.first_line.clone(),
-    };
-    let data = proc.url_in_first_line(Some("data")).ok_or_else(bad)?;
-    let control = proc.url_in_first_line(Some("control")).ok_or_else(bad)?;
-    wait_identity_check(&data);
-    Ok(RouterHandle {
-        proc,
-        data,
-        control,
-        journal,
-        fleet: fleet_path,
-    })
-}
+    /// [`Fleet::router`], mutable (to kill or signal it).
+    ///
+    /// # Panics
+    /// When the builder started none.
+    pub fn router_mut(&mut self) -> &mut RouterHandle {
+        self.router.as_mut().expect("the builder started no router")
+    }
 
-/// A running `narwhal-agent` serving some simulated engines.
-#[derive(Debug)]
-pub struct AgentHandle {
-    /// The process (killed on drop).
-    pub proc: ChildProc,
-    /// `https://127.0.0.1:PORT`.
-    pub url: String,
-    /// The agent's id.
-    pub agent_id: String,
-    /// Name in its certificate (`agent-<id>`), the router's `server_name`.
-    pub server_name: String,
-    /// `ed25519:<base64>` signing key to pin in the fleet file.
-    pub public_key: String,
-    /// Its config file.
-    pub config: PathBuf,
-}
+    /// The builder's standby.
+    ///
+    /// # Panics
+    /// Without [`FleetBuilder::standby`].
+    pub fn standby(&self) -> &RouterHandle {
+        self.standby
+            .as_ref()
+            .expect("the builder started no standby")
+    }
 
-/// Starts `narwhal-agent` with id `agent_id` for `engines`, using the dev certificate
-/// `agent-<agent_id>` from `certs` and a fresh signing key (made with `narwhal-agent keygen`).
-///
-/// # Errors
-/// [`ProcError`] when keygen or the agent fails.
-pub fn start_agent(
-    dir: &Path,
-    certs: &DevCerts,
-    agent_id: &str,
-    engines: &[&SimHandle],
-) -> Result<AgentHandle, ProcError> {
-    let name = format!("agent-{agent_id}");
-    let key = dir.join(format!("{name}.ed25519.pk8"));
-    if !key.exists() {
-        let out = Command::new(bin_path("narwhal-agent"))
-            .args(["keygen", "--out"])
-            .arg(&key)
-            .output()
-            .map_err(|source| ProcError::Spawn {
-                bin: "narwhal-agent keygen".into(),
-                source,
-            })?;
-        if !out.status.success() {
-            return Err(ProcError::Exited {
-                bin: "narwhal-agent keygen".into(),
-                status: out.status.to_string(),
-                stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-            });
+    /// The simulator of engine `iid`.
+    ///
+    /// # Panics
+    /// When there is none.
+    pub fn sim(&self, iid: &str) -> &SimHandle {
+        &self.sims[position(&self.sims, |s| s.iid == iid, "engine", iid)]
+    }
+
+    /// [`Fleet::sim`], mutable (to restart it).
+    ///
+    /// # Panics
+    /// When there is none.
+    pub fn sim_mut(&mut self, iid: &str) -> &mut SimHandle {
+        let i = position(&self.sims, |s| s.iid == iid, "engine", iid);
+        &mut self.sims[i]
+    }
+
+    /// The agent with id `id`.
+    ///
+    /// # Panics
+    /// When there is none.
+    pub fn agent(&self, id: &str) -> &AgentHandle {
+        &self.agents[position(&self.agents, |a| a.agent_id == id, "agent", id)]
+    }
+
+    /// [`Fleet::agent`], mutable (to restart it).
+    ///
+    /// # Panics
+    /// When there is none.
+    pub fn agent_mut(&mut self, id: &str) -> &mut AgentHandle {
+        let i = position(&self.agents, |a| a.agent_id == id, "agent", id);
+        &mut self.agents[i]
+    }
+
+    /// The state file of router `label`: `<label>.state.json` with a lease, else the one
+    /// `state.json` every router of the fleet shares (so `--resume` finds it).
+    pub fn state_path(&self, label: &str) -> PathBuf {
+        match self.lease {
+            Some(_) => self.dir().join(format!("{label}.state.json")),
+            None => self.dir().join("state.json"),
         }
     }
-    let engines: Vec<Value> = engines
-        .iter()
-        .map(|s| {
-            json!({"iid": s.iid, "url": s.url, "dialect": s.dialect,
-                   "process": {"listen_port": s.port}})
+
+    /// The fleet file of router `label` whose agent identity is the certificate `cert`
+    /// (`router`, `standby`): the engines and their agents, the builder's sections, and with a
+    /// lease its own state file and the shared lease.
+    pub fn spec(&self, label: &str, cert: &str) -> FleetSpec {
+        let mut spec = self.base.clone();
+        if !self.agents.is_empty() {
+            spec = spec.tls(self.certs(), cert);
+        }
+        if self.control_tls {
+            spec = spec.control_tls(self.certs(), cert);
+        }
+        if let Some(lease) = &self.lease {
+            spec = spec.with(json!({
+                "lease": lease,
+                "recovery": {"state_path": self.state_path(label)},
+            }));
+        }
+        spec
+    }
+
+    /// Starts router `label` (agent identity `router`) with `args`; its handle reads with the
+    /// fleet's client.
+    ///
+    /// # Panics
+    /// When it does not start.
+    pub fn start_router(&self, label: &str, args: &[&str]) -> RouterHandle {
+        self.launch(label, "router", args)
+    }
+
+    fn launch(&self, label: &str, cert: &str, args: &[&str]) -> RouterHandle {
+        let doc = self.spec(label, cert).to_json(self.dir());
+        launch_router(self.dir(), label, &doc, args, self.clients.clone())
+            .unwrap_or_else(|e| panic!("router {label}: {e}"))
+    }
+
+    /// Starts a primary (`--router-id <label>`, plus `args`) and waits (10 s) until it
+    /// controls the fleet.
+    ///
+    /// # Panics
+    /// When it does not start or never controls the fleet.
+    pub async fn primary_with(&self, label: &str, args: &[&str]) -> RouterHandle {
+        let mut all = vec!["--router-id", label];
+        all.extend_from_slice(args);
+        let r = self.launch(label, "router", &all);
+        r.wait_controls("active", Duration::from_secs(10)).await;
+        r
+    }
+
+    /// [`Fleet::primary_with`] without extra flags.
+    pub async fn primary(&self, label: &str) -> RouterHandle {
+        self.primary_with(label, &[]).await
+    }
+
+    /// Starts a warm standby `label` (agent identity `standby`) of the router whose control
+    /// listener is `primary_control`, polling every [`STANDBY_PROBE_S`] and trying to take over
+    /// after [`STANDBY_TAKEOVER_AFTER`] misses, with `extra` flags.
+    ///
+    /// # Panics
+    /// When it does not start.
+    pub fn standby_of(&self, label: &str, primary_control: &str, extra: &[&str]) -> RouterHandle {
+        let probe = STANDBY_PROBE_S.to_string();
+        let after = STANDBY_TAKEOVER_AFTER.to_string();
+        let mut args = vec![
+            "--router-id",
+            label,
+            "--standby-of",
+            primary_control,
+            "--standby-probe-interval",
+            &probe,
+            "--standby-takeover-after",
+            &after,
+        ];
+        args.extend_from_slice(extra);
+        self.launch(label, "standby", &args)
+    }
+
+    /// Waits (10 s) until router `label` has persisted a handoff of `epoch` and `holder` that
+    /// satisfies `pred` (a standby's retained copy).
+    ///
+    /// # Panics
+    /// When it does not.
+    pub async fn wait_retained(
+        &self,
+        label: &str,
+        epoch: u64,
+        holder: &str,
+        pred: impl Fn(&Handoff) -> bool,
+    ) -> Handoff {
+        let path = self.state_path(label);
+        handoff_file_where(&path, Duration::from_secs(10), |h| {
+            h.epoch == epoch && h.holder == holder && pred(h)
         })
-        .collect();
-    let doc = json!({
-        "schema": "narwhal.agent-config", "schema_version": 1, "agent_id": agent_id,
-        "listen": "127.0.0.1:0",
-        "tls": {"ca": certs.ca, "cert": certs.cert(&name), "key": certs.key(&name)},
-        "signing_key": key, "state_dir": dir.join(format!("{name}-state")),
-        "timeouts": {"engine_s": 5, "generation_s": 20},
-        "engines": engines,
-    });
-    let config = dir.join(format!("{name}.json"));
-    std::fs::write(&config, format!("{doc:#}\n")).map_err(|source| ProcError::Spawn {
-        bin: config.display().to_string(),
-        source,
-    })?;
-    let ready = dir.join(format!("{name}.ready.json"));
-    let _ = std::fs::remove_file(&ready);
-    let mut cmd = Command::new(bin_path("narwhal-agent"));
-    cmd.args(["run", "--config"])
-        .arg(&config)
-        .arg("--ready-file")
-        .arg(&ready);
-    let proc = ChildProc::spawn(cmd, &name, dir, START_TIMEOUT)?;
-    let url = proc
-        .url_in_first_line(None)
-        .ok_or_else(|| ProcError::BadLine {
-            bin: "narwhal-agent".into(),
-            line: proc.first_line.clone(),
-        })?;
-    let ready: Value = std::fs::read(&ready)
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default();
-    Ok(AgentHandle {
-        proc,
-        url,
-        agent_id: agent_id.to_string(),
-        server_name: name,
-        public_key: ready["public_key"].as_str().unwrap_or_default().to_string(),
-        config,
-    })
+        .await
+    }
+
+    /// The lease file's path (`None` without a file lease).
+    pub fn lease_path(&self) -> Option<PathBuf> {
+        self.lease.as_ref()?["path"].as_str().map(PathBuf::from)
+    }
+
+    /// The file lease's record (`None` for etcd, no lease, or no file yet).
+    pub fn lease_file(&self) -> Option<Value> {
+        let v = read_json_file(&self.lease_path()?);
+        (!v.is_null()).then_some(v)
+    }
+
+    /// Writes a lease record as another router would (temporary file, then rename).
+    ///
+    /// # Panics
+    /// Without a file lease, or when the file cannot be written.
+    pub fn write_lease_file(&self, record: &Value) {
+        let path = self.lease_path().expect("a file lease");
+        let tmp = path.with_extension("foreign.tmp");
+        std::fs::write(&tmp, format!("{record}\n")).expect("write lease");
+        std::fs::rename(&tmp, &path).expect("rename lease");
+    }
+
+    /// The fleet's etcd.
+    ///
+    /// # Panics
+    /// Without an etcd lease.
+    pub fn etcd(&self) -> &Etcd {
+        self.etcd.as_ref().expect("this fleet has no etcd")
+    }
 }
 
-/// Waits (bounded) until a router with agents has finished its startup identity check: its
-/// `/ready` reason is no longer "engine identity validation pending". Whatever readiness it
-/// then has (ready, standby, held) is the test's to assert.
-fn wait_identity_check(data: &str) {
-    use std::io::{Read, Write};
-    let Some(addr) = data.strip_prefix("http://") else {
-        return;
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while std::time::Instant::now() < deadline {
-        let answer = std::net::TcpStream::connect(addr).and_then(|mut s| {
-            s.set_read_timeout(Some(Duration::from_secs(2)))?;
-            s.write_all(
-                format!("GET /ready HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")
-                    .as_bytes(),
-            )?;
-            let mut text = String::new();
-            s.read_to_string(&mut text)?;
-            Ok(text)
-        });
-        match answer {
-            Ok(text) if !text.contains("engine identity validation pending") => return,
-            _ => std::thread::sleep(Duration::from_millis(20)),
-        }
-    }
+/// Where in `items` the one `is` picks is; panics naming the `kind` and `name` looked for.
+fn position<T>(items: &[T], is: impl Fn(&T) -> bool, kind: &str, name: &str) -> usize {
+    items
+        .iter()
+        .position(is)
+        .unwrap_or_else(|| panic!("no {kind} {name} in this fleet"))
 }

@@ -1,25 +1,64 @@
-//! Test kit for Narwhal: starts the real binaries (engine simulators, routers, agents) as child
-//! processes on loopback, reads the address each one prints on its first stdout line, and kills
-//! them on drop. Used by the end-to-end tests in `tests/tests/`, by `narwhal-dev` and by
-//! `narwhal-bench` (DESIGN.md section 8).
+//! Test kit for Narwhal: starts the real binaries (engine simulators, routers, agents, etcd) as
+//! child processes on loopback, reads the address each one prints on its first stdout line,
+//! and kills them on drop. Used by the end-to-end tests in `tests/tests/` and
+//! `router/tests/`, by `narwhal-dev` and by `narwhal-bench` (DESIGN.md section 8).
+//!
+//! ```text
+//!   Fleet::builder()...start()   the world of an end-to-end test (fleet.rs)
+//!     SimHandle                  one narwhal-engine-sim; its /sim/* hooks via admin_url()
+//!     AgentHandle                one narwhal-agent (a simulated GPU host)
+//!     RouterHandle               one narwhal-serve, with document helpers (state, lifecycle,
+//!                                handoff, ready, metrics, journal events)
+//!     Etcd                       a real etcd for the lease backend
+//!   Http / Reply                 JSON, SSE and metrics reading (http.rs)
+//!   wait_until / eventually      the one way tests wait: poll with a deadline (proc.rs)
+//!   FakeEngine                   an in-process fake engine for router tests (fake.rs)
+//!   raw                          HTTP/1 on a TcpStream, for framing tests
+//!   Proxy, Sampler               network cuts, 20 Hz sampling during HA faults
+//! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
+// Tests and their harness measure wall time (deadlines, takeover gaps): the clock ban of
+// clippy.toml is for product code.
+#![allow(clippy::disallowed_methods)]
 
+mod agent;
 pub mod certs;
 pub mod etcd;
+mod fake;
 mod fleet;
+mod http;
 mod proc;
+mod proxy;
+pub mod raw;
+mod router;
+mod sampler;
+mod sim;
 
+use std::time::Duration;
+
+pub use agent::{AgentHandle, keygen, start_agent, start_agent_with};
+pub use etcd::{Etcd, free_port};
+pub use fake::{FakeEngine, Seen, fake_descriptor};
 pub use fleet::{
-    AgentHandle, EngineSpec, FleetSpec, RouterHandle, SimHandle, start_agent, start_router,
-    start_sim,
+    Fleet, FleetBuilder, LEASE_TTL_S, LeaseBackend, STANDBY_PROBE_S, STANDBY_TAKEOVER_AFTER,
 };
-pub use proc::{ChildProc, ProcError, bin_path, wait_until};
+pub use http::{
+    Http, Reply, answer_text, count, http_client, metric, openai_request, sse_data, sse_text,
+    strings,
+};
+pub use proc::{
+    ChildProc, ProcError, START_TIMEOUT, bin_path, eventually, poll_blocking, read_json_file,
+    wait_until,
+};
+pub use proxy::Proxy;
+pub use router::{
+    Clients, FleetSpec, LiveStream, RouterHandle, RouterProbe, handoff_file_where, launch_router,
+    merge, narwhalctl, start_router,
+};
+pub use sampler::{Sample, Sampler};
+pub use sim::{EngineSpec, SimHandle, start_sim};
 
-/// An HTTP client for loopback traffic: no proxies (CI machines may set `HTTP_PROXY`), and
-/// rustls's ring provider installed first (our reqwest build carries no default provider).
-pub fn http_client() -> reqwest::ClientBuilder {
-    // Installing twice is harmless: the second call returns Err, which is ignored.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    reqwest::Client::builder().no_proxy()
-}
+/// Upper bound for a condition an end-to-end test polls for when nothing tighter is asserted
+/// (a journal event, a lifecycle state): generous, for a loaded 2-core machine.
+pub const WAIT: Duration = Duration::from_secs(20);

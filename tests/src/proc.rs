@@ -6,6 +6,10 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+/// How long a child may take to print its first line. Generous: a loaded 2-core CI machine
+/// can be slow to exec a freshly linked debug binary.
+pub const START_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Why a child process could not be started or did not announce itself.
 #[derive(Debug, thiserror::Error)]
 pub enum ProcError {
@@ -215,4 +219,48 @@ where
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// [`wait_until`] that panics naming `what` when `deadline` passes.
+pub async fn eventually<T, F, Fut>(what: &str, deadline: Duration, f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    match wait_until(deadline, f).await {
+        Some(v) => v,
+        None => panic!("timed out after {deadline:?} waiting for {what}"),
+    }
+}
+
+/// Polls `f` every 20 ms on this thread until it returns true or `within` passes; then
+/// returns `f()` once more. For synchronous tests.
+pub fn poll_blocking(within: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    f()
+}
+
+/// Writes `text` to `path` (a config or fleet file for a child process).
+///
+/// # Errors
+/// [`ProcError::Spawn`] naming the file.
+pub(crate) fn write_file(path: &Path, text: &str) -> Result<(), ProcError> {
+    std::fs::write(path, text).map_err(|source| ProcError::Spawn {
+        bin: path.display().to_string(),
+        source,
+    })
+}
+
+/// A JSON file (a `--ready-file` document), `Value::Null` when missing or not JSON.
+pub fn read_json_file(path: &Path) -> serde_json::Value {
+    std::fs::read(path)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default()
 }

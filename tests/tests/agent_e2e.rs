@@ -5,25 +5,22 @@
 //! The agent binary is found with `bin_path("narwhal-agent")`; `cargo test --workspace`
 //! builds it (for a single-package run: `cargo build -p narwhal-agent` first).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use narwhal_shared::agent_protocol::FencedRequest;
-use narwhal_shared::attestation::{Expected, new_nonce};
+use narwhal_shared::agent_client::Verified;
+use narwhal_shared::agent_protocol::{FencedRequest, ProbeProducer};
+use narwhal_shared::attestation::{
+    Expected, KvConsumePayload, KvProducePayload, ProbePayload, new_nonce,
+};
 use narwhal_shared::tls::client_config_without_cert;
 use narwhal_shared::{
     AgentClient, AgentClientError, AgentEndpoint, AgentTimeouts, AttestationPayload, Clock, Fence,
     PublicKey, SystemClock, Verifier, VerifyError,
 };
-use narwhal_testkit::certs::{DevCerts, make_dev_certs};
-use narwhal_testkit::{ChildProc, bin_path, wait_until};
+use narwhal_testkit::certs::make_dev_certs;
+use narwhal_testkit::{Fleet, keygen, wait_until};
 use serde_json::{Value, json};
-use tempfile::TempDir;
-
-const START: Duration = Duration::from_secs(30);
-const SIM: &str = env!("CARGO_BIN_EXE_narwhal-engine-sim");
 
 fn fence(epoch: u64) -> Fence {
     Fence {
@@ -41,146 +38,36 @@ fn plain_http() -> reqwest::Client {
         .expect("http client")
 }
 
-/// A running simulator; `restart` brings a new process up on the same port.
-struct Sim {
-    proc: ChildProc,
-    url: String,
-    port: u16,
-    dialect: String,
-    mode: Option<String>,
-    dir: PathBuf,
-    label: String,
+/// Simulators and agents, no router: `hosts` names each agent (`a`, `b`) and its engines.
+async fn world(dialect: &str, engines: &[(&str, &str)], hosts: &[(&str, &[&str])]) -> Fleet {
+    let mut b = Fleet::builder().dialect(dialect).no_router();
+    for (iid, role) in engines {
+        b = b.engine(iid, role);
+    }
+    for (id, iids) in hosts {
+        b = b.host(id, iids);
+    }
+    b.start().await
 }
 
-impl Sim {
-    fn start(dir: &Path, label: &str, dialect: &str, mode: Option<&str>, port: u16) -> Sim {
-        let mut cmd = Command::new(SIM);
-        cmd.args([
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--dialect",
-            dialect,
-            "--model",
-            "tiny-sim",
-        ]);
-        if let Some(m) = mode {
-            cmd.args(["--disaggregation-mode", m]);
-        }
-        let proc = ChildProc::spawn(cmd, label, dir, START).expect("simulator starts");
-        let url = proc
-            .url_in_first_line(None)
-            .expect("simulator prints its URL");
-        let port = url
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.parse().ok())
-            .expect("port in URL");
-        Sim {
-            proc,
-            url,
-            port,
-            dialect: dialect.into(),
-            mode: mode.map(str::to_string),
-            dir: dir.to_path_buf(),
-            label: label.into(),
-        }
-    }
-
-    fn restart(&mut self) {
-        self.proc.kill();
-        let next = Sim::start(
-            &self.dir,
-            &format!("{}-2", self.label),
-            &self.dialect,
-            self.mode.as_deref(),
-            self.port,
-        );
-        *self = next;
-    }
-
-    async fn stats(&self) -> Value {
-        plain_http()
-            .get(format!("{}/sim/stats", self.url))
-            .send()
-            .await
-            .expect("stats")
-            .json()
-            .await
-            .expect("stats json")
-    }
+/// One vLLM engine `e0` behind agent `a`.
+async fn one_engine() -> Fleet {
+    world("vllm", &[("e0", "decode")], &[("a", &["e0"])]).await
 }
 
-/// A running agent and a verified mTLS client for it.
+/// `p0` behind agent `a` and `d0` behind agent `b`.
+async fn two_hosts(dialect: &str) -> Fleet {
+    let engines = [("p0", "prefill"), ("d0", "decode")];
+    world(dialect, &engines, &[("a", &["p0"]), ("b", &["d0"])]).await
+}
+
+/// A running agent's signing key and a verified mTLS client for it, as the router builds one.
 struct Agent {
-    proc: ChildProc,
-    url: String,
-    id: String,
     public_key: PublicKey,
-    config: PathBuf,
     client: AgentClient,
 }
 
-fn keygen(path: &Path) -> PublicKey {
-    let out = Command::new(bin_path("narwhal-agent"))
-        .args(["keygen", "--out"])
-        .arg(path)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "run {:?} (build it: cargo build -p narwhal-agent): {e}",
-                bin_path("narwhal-agent")
-            )
-        });
-    assert!(
-        out.status.success(),
-        "keygen: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PublicKey::parse(String::from_utf8_lossy(&out.stdout).trim())
-        .expect("keygen prints ed25519:<base64>")
-}
-
-fn write_agent_config(dir: &Path, certs: &DevCerts, id: &str, engines: &[(&str, &Sim)]) -> PathBuf {
-    write_agent_config_with(dir, certs, id, engines, None)
-}
-
-fn write_agent_config_with(
-    dir: &Path,
-    certs: &DevCerts,
-    id: &str,
-    engines: &[(&str, &Sim)],
-    contract_document: Option<&Path>,
-) -> PathBuf {
-    let name = format!("agent-{id}");
-    let key = dir.join(format!("{name}.ed25519.pk8"));
-    if !key.exists() {
-        keygen(&key);
-    }
-    let engines: Vec<Value> = engines
-        .iter()
-        .map(|(iid, sim)| {
-            let mut e = json!({"iid": iid, "url": sim.url, "dialect": sim.dialect,
-                   "process": {"listen_port": sim.port}});
-            if let Some(doc) = contract_document {
-                e["contract_document"] = json!(doc);
-            }
-            e
-        })
-        .collect();
-    let doc = json!({
-        "schema": "narwhal.agent-config", "schema_version": 1, "agent_id": id,
-        "listen": "127.0.0.1:0",
-        "tls": {"ca": certs.ca, "cert": certs.cert(&name), "key": certs.key(&name)},
-        "signing_key": key, "state_dir": dir.join(format!("{name}-state")),
-        "timeouts": {"engine_s": 5, "generation_s": 20},
-        "engines": engines,
-    });
-    let path = dir.join(format!("{name}.json"));
-    std::fs::write(&path, serde_json::to_vec_pretty(&doc).expect("json")).expect("write config");
-    path
-}
-
-fn client_for(certs: &DevCerts, id: &str, url: &str, public_key: PublicKey) -> AgentClient {
+fn client_for(f: &Fleet, id: &str, url: &str, public_key: PublicKey) -> AgentClient {
     AgentClient::new(
         AgentEndpoint {
             agent_id: id.into(),
@@ -188,89 +75,103 @@ fn client_for(certs: &DevCerts, id: &str, url: &str, public_key: PublicKey) -> A
             server_name: format!("agent-{id}"),
             public_key,
         },
-        &certs.tls_files("router"),
+        &f.certs().tls_files("router"),
         AgentTimeouts::default(),
         Arc::new(SystemClock),
     )
     .expect("agent client")
 }
 
-impl Agent {
-    fn start(dir: &Path, certs: &DevCerts, id: &str, config: PathBuf) -> Agent {
-        let ready = dir.join(format!("agent-{id}.ready.json"));
-        let _ = std::fs::remove_file(&ready);
-        let mut cmd = Command::new(bin_path("narwhal-agent"));
-        cmd.args(["run", "--config"])
-            .arg(&config)
-            .arg("--ready-file")
-            .arg(&ready);
-        let proc = ChildProc::spawn(cmd, &format!("agent-{id}"), dir, START).expect("agent starts");
-        assert!(
-            proc.first_line
-                .starts_with("narwhal-agent listening on https://127.0.0.1:"),
-            "first line {:?}",
-            proc.first_line
-        );
-        let url = proc.url_in_first_line(None).expect("agent URL");
-        let ready: Value = serde_json::from_slice(&std::fs::read(&ready).expect("ready file"))
-            .expect("ready json");
-        assert_eq!(ready["url"], url.as_str());
-        assert_eq!(ready["pid"], proc.pid());
-        assert_eq!(ready["agent_id"], id);
-        let public_key =
-            PublicKey::parse(ready["public_key"].as_str().expect("public_key")).expect("key");
-        let client = client_for(certs, id, &url, public_key);
-        Agent {
-            proc,
-            url,
-            id: id.into(),
-            public_key,
-            config,
-            client,
-        }
+/// Agent `id` as started (or restarted): what it announced (first line, ready file) is
+/// checked, and the router's client for it is built.
+fn agent(f: &Fleet, id: &str) -> Agent {
+    let a = f.agent(id);
+    assert!(
+        a.proc
+            .first_line
+            .starts_with("narwhal-agent listening on https://127.0.0.1:"),
+        "first line {:?}",
+        a.proc.first_line
+    );
+    assert_eq!(a.ready["url"], a.url.as_str());
+    assert_eq!(a.ready["pid"], a.proc.pid());
+    assert_eq!(a.ready["agent_id"], id);
+    let public_key =
+        PublicKey::parse(a.ready["public_key"].as_str().expect("public_key")).expect("key");
+    Agent {
+        public_key,
+        client: client_for(f, id, &a.url, public_key),
     }
-}
-
-struct World {
-    dir: TempDir,
-    certs: DevCerts,
-}
-
-fn world() -> World {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let certs = make_dev_certs(
-        &dir.path().join("certs"),
-        &["router", "standby", "ctl", "agent-a", "agent-b"],
-    )
-    .expect("dev certs");
-    World { dir, certs }
 }
 
 fn now() -> f64 {
     SystemClock.wall().expect("wall clock")
 }
 
+/// `kv_produce` on `p0` through agent `a` under check id `id` (signed, whatever the result).
+async fn produce(a: &Agent, id: &str) -> Verified<KvProducePayload> {
+    a.client
+        .kv_produce("p0", &fence(1), "tiny-sim", id)
+        .await
+        .expect("produce")
+}
+
+/// `kv_consume` of `kv` on `d0` through agent `b` under check id `id` (signed, whatever the
+/// result).
+async fn consume(b: &Agent, id: &str, kv: Value) -> Verified<KvConsumePayload> {
+    b.client
+        .kv_consume("d0", &fence(1), "tiny-sim", id, kv)
+        .await
+        .expect("consume")
+}
+
+/// A probe of `d0` through agent `b`, fed by a KV handle (descriptor or rendezvous) that agent
+/// `a` produced on `p0` under check id `id`: it passes, with a transfer.
+async fn probe_fed_from_p0(a: &Agent, b: &Agent, id: &str) {
+    let fresh = produce(a, id).await;
+    let kv = fresh.payload.kv.clone().expect("kv");
+    let probe = b
+        .client
+        .probe(
+            "d0",
+            &fence(1),
+            "tiny-sim",
+            Some(ProbeProducer::Kv(kv)),
+            Some(id),
+        )
+        .await
+        .expect("probe");
+    assert!(probe.payload.ok, "{:?}", probe.payload);
+    assert_eq!(probe.payload.transfer.transferred, Some(true));
+}
+
+/// A probe of `d0` through `agent` from the local producer `producer`.
+async fn probe_from(
+    agent: &Agent,
+    producer: &str,
+) -> Result<Verified<ProbePayload>, AgentClientError> {
+    let from = ProbeProducer::Iid(producer.into());
+    agent
+        .client
+        .probe("d0", &fence(1), "tiny-sim", Some(from), None)
+        .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attestation_for_a_running_simulator_verifies() {
-    let w = world();
-    let sim = Sim::start(w.dir.path(), "sim-e0", "vllm", None, 0);
-    let contract_doc = w.dir.path().join("engine-attestation.json");
-    std::fs::write(
-        &contract_doc,
-        json!({"schema": "narwhal.attestation", "schema_version": 1,
-               "contract": {"engine_version": "sim", "connector": "NixlConnector", "kv_heads": 8},
-               "launch": {"args": ["--model", "tiny-sim"]}})
-        .to_string(),
-    )
-    .expect("contract document");
-    let cfg = write_agent_config_with(
-        w.dir.path(),
-        &w.certs,
-        "a",
-        &[("e0", &sim)],
-        Some(&contract_doc),
-    );
-    let agent = Agent::start(w.dir.path(), &w.certs, "a", cfg);
+    let f = Fleet::builder()
+        .engine("e0", "decode")
+        .host("a", &["e0"])
+        .contract_document(
+            json!({"schema": "narwhal.attestation", "schema_version": 1,
+                   "contract": {"engine_version": "sim", "connector": "NixlConnector", "kv_heads": 8},
+                   "launch": {"args": ["--model", "tiny-sim"]}}),
+        )
+        .no_router()
+        .start()
+        .await;
+    let sim = f.sim("e0");
+    let agent = agent(&f, "a");
 
     let health = agent.client.health().await.expect("health");
     assert_eq!(health["agent_id"], "a");
@@ -372,13 +273,12 @@ async fn an_attestation_for_a_running_simulator_verifies() {
         .expect("signed failure");
     assert!(!bad.payload.result.ok);
     assert!(bad.payload.result.error.is_some());
-    let _ = &agent.url;
-    let _ = &agent.config;
 
     // SIGTERM (systemd stop) ends the agent cleanly.
-    let mut agent = agent;
-    agent.proc.signal(nix::sys::signal::Signal::SIGTERM);
-    assert_eq!(agent.proc.wait_exit(Duration::from_secs(10)), Some(0));
+    let mut f = f;
+    let a = f.agent_mut("a");
+    a.proc.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(a.proc.wait_exit(Duration::from_secs(10)), Some(0));
 }
 
 trait Pid {
@@ -392,10 +292,8 @@ impl Pid for AttestationPayload {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarting_the_simulator_changes_the_identity_and_the_old_attestation_no_longer_matches() {
-    let w = world();
-    let mut sim = Sim::start(w.dir.path(), "sim-e0", "vllm", None, 0);
-    let cfg = write_agent_config(w.dir.path(), &w.certs, "a", &[("e0", &sim)]);
-    let agent = Agent::start(w.dir.path(), &w.certs, "a", cfg);
+    let mut f = one_engine().await;
+    let agent = agent(&f, "a");
     let before = agent
         .client
         .attestation("e0", &fence(1), None)
@@ -409,8 +307,9 @@ async fn restarting_the_simulator_changes_the_identity_and_the_old_attestation_n
         .await
         .expect("same process");
 
-    let old_pid = sim.proc.pid();
-    sim.restart();
+    let old_pid = f.sim("e0").proc.pid();
+    f.sim_mut("e0").restart(&[]).expect("restart e0");
+    let sim = f.sim("e0");
     assert_ne!(sim.proc.pid(), old_pid);
     match agent.client.attestation("e0", &fence(1), Some(&old)).await {
         Err(AgentClientError::Verify {
@@ -438,10 +337,8 @@ async fn restarting_the_simulator_changes_the_identity_and_the_old_attestation_n
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tampered_wrong_key_replayed_stale_and_lower_epoch_answers_are_each_rejected() {
-    let w = world();
-    let sim = Sim::start(w.dir.path(), "sim-e0", "vllm", None, 0);
-    let cfg = write_agent_config(w.dir.path(), &w.certs, "a", &[("e0", &sim)]);
-    let agent = Agent::start(w.dir.path(), &w.certs, "a", cfg.clone());
+    let mut f = one_engine().await;
+    let agent = agent(&f, "a");
 
     let nonce = new_nonce();
     let req = FencedRequest {
@@ -474,7 +371,8 @@ async fn tampered_wrong_key_replayed_stale_and_lower_epoch_answers_are_each_reje
         VerifyError::BadSignature
     );
     // Wrong key: a verifier pinned to another agent's key.
-    let other_key = keygen(&w.dir.path().join("other.pk8"));
+    let other_key = PublicKey::parse(&keygen(&f.dir().join("other.pk8")).expect("keygen"))
+        .expect("keygen prints ed25519:<base64>");
     let wrong = Verifier::new(other_key, 30.0);
     assert!(matches!(
         wrong.verify::<AttestationPayload>(&doc, &expected, t),
@@ -521,9 +419,8 @@ async fn tampered_wrong_key_replayed_stale_and_lower_epoch_answers_are_each_reje
         }) => {}
         other => panic!("expected stale_epoch, got {other:?}"),
     }
-    let Agent { mut proc, .. } = agent;
-    proc.kill();
-    let agent = Agent::start(w.dir.path(), &w.certs, "a", cfg);
+    f.agent_mut("a").restart(None).expect("agent a restarts");
+    let agent = self::agent(&f, "a");
     match agent
         .client
         .generation_check("e0", &fence(4), "tiny-sim")
@@ -561,14 +458,13 @@ async fn tampered_wrong_key_replayed_stale_and_lower_epoch_answers_are_each_reje
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_from_another_ca_or_without_a_certificate_are_refused_at_the_tls_layer() {
-    let w = world();
-    let other = make_dev_certs(&w.dir.path().join("other-ca"), &["router"]).expect("other CA");
-    let sim = Sim::start(w.dir.path(), "sim-e0", "vllm", None, 0);
-    let cfg = write_agent_config(w.dir.path(), &w.certs, "a", &[("e0", &sim)]);
-    let agent = Agent::start(w.dir.path(), &w.certs, "a", cfg);
+    let f = one_engine().await;
+    let other = make_dev_certs(&f.dir().join("other-ca"), &["router"]).expect("other CA");
+    let agent = agent(&f, "a");
+    let url = f.agent("a").url.clone();
     let endpoint = AgentEndpoint {
         agent_id: "a".into(),
-        url: agent.url.clone(),
+        url: url.clone(),
         server_name: "agent-a".into(),
         public_key: agent.public_key,
     };
@@ -576,7 +472,7 @@ async fn clients_from_another_ca_or_without_a_certificate_are_refused_at_the_tls
 
     // Foreign CA: trusts our CA for the server, presents a certificate from another CA.
     let foreign = narwhal_shared::TlsFiles {
-        ca: w.certs.ca.clone(),
+        ca: f.certs().ca.clone(),
         cert: other.cert("router"),
         key: other.key("router"),
     };
@@ -594,7 +490,7 @@ async fn clients_from_another_ca_or_without_a_certificate_are_refused_at_the_tls
     // No client certificate at all.
     let none = AgentClient::with_tls_config(
         endpoint.clone(),
-        client_config_without_cert(&w.certs.ca).expect("cfg"),
+        client_config_without_cert(&f.certs().ca).expect("cfg"),
         AgentTimeouts::default(),
         clock.clone(),
     )
@@ -604,7 +500,7 @@ async fn clients_from_another_ca_or_without_a_certificate_are_refused_at_the_tls
         Err(AgentClientError::Transport { .. })
     ));
     // The agent logged both as refused handshakes (not as HTTP errors).
-    let log = agent.proc.stderr_log.clone();
+    let log = f.agent("a").proc.stderr_log.clone();
     let refused = wait_until(Duration::from_secs(10), || {
         let log = log.clone();
         async move {
@@ -616,7 +512,7 @@ async fn clients_from_another_ca_or_without_a_certificate_are_refused_at_the_tls
     assert!(
         refused.is_some(),
         "agent log:\n{}",
-        agent.proc.stderr_tail(20)
+        f.agent("a").proc.stderr_tail(20)
     );
     // The router checks the agent's name: agent-a's certificate is not valid for agent-b.
     let misnamed = AgentClient::new(
@@ -624,7 +520,7 @@ async fn clients_from_another_ca_or_without_a_certificate_are_refused_at_the_tls
             server_name: "agent-b".into(),
             ..endpoint
         },
-        &w.certs.tls_files("router"),
+        &f.certs().tls_files("router"),
         AgentTimeouts::default(),
         clock,
     )
@@ -635,7 +531,7 @@ async fn clients_from_another_ca_or_without_a_certificate_are_refused_at_the_tls
     ));
     // Plain HTTP to the agent port gets no HTTP answer.
     let plain = plain_http()
-        .get(agent.url.replace("https://", "http://") + "/health")
+        .get(url.replace("https://", "http://") + "/health")
         .send()
         .await;
     assert!(plain.is_err() || !plain.expect("response").status().is_success());
@@ -646,20 +542,11 @@ async fn clients_from_another_ca_or_without_a_certificate_are_refused_at_the_tls
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vllm_kv_check_between_two_simulators_through_two_agents_passes_and_fails_after_a_producer_restart()
  {
-    let w = world();
-    let mut p = Sim::start(w.dir.path(), "sim-p0", "vllm", None, 0);
-    let d = Sim::start(w.dir.path(), "sim-d0", "vllm", None, 0);
-    let cfg_a = write_agent_config(w.dir.path(), &w.certs, "a", &[("p0", &p)]);
-    let cfg_b = write_agent_config(w.dir.path(), &w.certs, "b", &[("d0", &d)]);
-    let a = Agent::start(w.dir.path(), &w.certs, "a", cfg_a);
-    let b = Agent::start(w.dir.path(), &w.certs, "b", cfg_b);
+    let mut f = two_hosts("vllm").await;
+    let (a, b) = (agent(&f, "a"), agent(&f, "b"));
 
-    let before = d.stats().await;
-    let produced = a
-        .client
-        .kv_produce("p0", &fence(1), "tiny-sim", "chk-1")
-        .await
-        .expect("produce");
+    let before = f.sim("d0").stats().await;
+    let produced = produce(&a, "chk-1").await;
     assert!(produced.payload.result.ok, "{:?}", produced.payload.result);
     let kv = produced.payload.kv.clone().expect("descriptor");
     assert_eq!(kv["do_remote_prefill"], true);
@@ -668,11 +555,7 @@ async fn a_vllm_kv_check_between_two_simulators_through_two_agents_passes_and_fa
             .as_str()
             .is_some_and(|s| !s.is_empty())
     );
-    let consumed = b
-        .client
-        .kv_consume("d0", &fence(1), "tiny-sim", "chk-1", kv)
-        .await
-        .expect("consume");
+    let consumed = consume(&b, "chk-1", kv).await;
     let r = &consumed.payload;
     assert!(r.result.ok, "{:?}", r.result);
     assert!(r.result.tokens >= 1);
@@ -684,23 +567,15 @@ async fn a_vllm_kv_check_between_two_simulators_through_two_agents_passes_and_fa
         "{:?}",
         r.transfer
     );
-    let after = d.stats().await;
+    let after = f.sim("d0").stats().await;
     assert!(after["kv"]["consumed"].as_i64() > before["kv"]["consumed"].as_i64());
     assert_eq!(after["kv"]["recomputed"], before["kv"]["recomputed"]);
 
     // Producer restarts between the two halves: the consumer half fails, signed.
-    let produced = a
-        .client
-        .kv_produce("p0", &fence(1), "tiny-sim", "chk-2")
-        .await
-        .expect("produce");
+    let produced = produce(&a, "chk-2").await;
     let kv = produced.payload.kv.clone().expect("descriptor");
-    p.restart();
-    let consumed = b
-        .client
-        .kv_consume("d0", &fence(1), "tiny-sim", "chk-2", kv)
-        .await
-        .expect("signed consume result");
+    f.sim_mut("p0").restart(&[]).expect("restart p0");
+    let consumed = consume(&b, "chk-2", kv).await;
     assert!(!consumed.payload.result.ok, "{:?}", consumed.payload.result);
     assert!(consumed.payload.result.error.is_some());
     assert_ne!(consumed.payload.transfer.transferred, Some(true));
@@ -718,26 +593,7 @@ async fn a_vllm_kv_check_between_two_simulators_through_two_agents_passes_and_fa
     ));
 
     // A probe of the consumer from a handed-in producer handle, and a standalone probe.
-    let fresh = a
-        .client
-        .kv_produce("p0", &fence(1), "tiny-sim", "chk-3")
-        .await
-        .expect("produce");
-    let probe = b
-        .client
-        .probe(
-            "d0",
-            &fence(1),
-            "tiny-sim",
-            Some(narwhal_shared::agent_protocol::ProbeProducer::Kv(
-                fresh.payload.kv.clone().expect("kv"),
-            )),
-            Some("chk-3"),
-        )
-        .await
-        .expect("probe");
-    assert!(probe.payload.ok, "{:?}", probe.payload);
-    assert_eq!(probe.payload.transfer.transferred, Some(true));
+    probe_fed_from_p0(&a, &b, "chk-3").await;
     let alone = b
         .client
         .probe("d0", &fence(1), "tiny-sim", None, None)
@@ -745,26 +601,12 @@ async fn a_vllm_kv_check_between_two_simulators_through_two_agents_passes_and_fa
         .expect("standalone probe");
     assert!(alone.payload.ok, "{:?}", alone.payload);
     assert_eq!(alone.payload.mode, "standalone");
-    let _ = (&a.id, &b.id);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_sglang_kv_check_through_two_agents_uses_the_bootstrap_rendezvous() {
-    let w = world();
-    let p = Sim::start(w.dir.path(), "sim-p0", "sglang", Some("prefill"), 0);
-    let d = Sim::start(w.dir.path(), "sim-d0", "sglang", Some("decode"), 0);
-    let a = Agent::start(
-        w.dir.path(),
-        &w.certs,
-        "a",
-        write_agent_config(w.dir.path(), &w.certs, "a", &[("p0", &p)]),
-    );
-    let b = Agent::start(
-        w.dir.path(),
-        &w.certs,
-        "b",
-        write_agent_config(w.dir.path(), &w.certs, "b", &[("d0", &d)]),
-    );
+    let f = two_hosts("sglang").await;
+    let (a, b) = (agent(&f, "a"), agent(&f, "b"));
 
     let att = a
         .client
@@ -773,30 +615,22 @@ async fn an_sglang_kv_check_through_two_agents_uses_the_bootstrap_rendezvous() {
         .expect("attestation");
     assert_eq!(att.payload.engine.dialect, "sglang");
     assert!(att.payload.engine.bootstrap_port.is_some());
-    let before = d.stats().await;
-    let produced = a
-        .client
-        .kv_produce("p0", &fence(1), "tiny-sim", "s-1")
-        .await
-        .expect("produce");
+    let before = f.sim("d0").stats().await;
+    let produced = produce(&a, "s-1").await;
     assert!(produced.payload.result.ok, "{:?}", produced.payload.result);
     let kv = produced.payload.kv.clone().expect("rendezvous");
     assert_eq!(
         kv["bootstrap_port"].as_u64(),
         att.payload.engine.bootstrap_port.map(u64::from)
     );
-    let consumed = b
-        .client
-        .kv_consume("d0", &fence(1), "tiny-sim", "s-1", kv)
-        .await
-        .expect("consume");
+    let consumed = consume(&b, "s-1", kv).await;
     assert!(consumed.payload.result.ok, "{:?}", consumed.payload.result);
     assert_eq!(consumed.payload.transfer.transferred, Some(true));
     assert_eq!(
         consumed.payload.transfer.engine_phase.as_deref(),
         Some("decode")
     );
-    let after = d.stats().await;
+    let after = f.sim("d0").stats().await;
     assert!(after["kv"]["consumed"].as_i64() > before["kv"]["consumed"].as_i64());
     assert_eq!(after["kv"]["recomputed"], before["kv"]["recomputed"]);
 
@@ -809,26 +643,7 @@ async fn an_sglang_kv_check_through_two_agents_uses_the_bootstrap_rendezvous() {
     assert!(alone.payload.ok, "{:?}", alone.payload);
     assert!(alone.payload.produce.is_none());
     // A probe of the decoder fed by the prefill engine's rendezvous, produced by agent a.
-    let fresh = a
-        .client
-        .kv_produce("p0", &fence(1), "tiny-sim", "s-2")
-        .await
-        .expect("produce");
-    let fed = b
-        .client
-        .probe(
-            "d0",
-            &fence(1),
-            "tiny-sim",
-            Some(narwhal_shared::agent_protocol::ProbeProducer::Kv(
-                fresh.payload.kv.clone().expect("kv"),
-            )),
-            Some("s-2"),
-        )
-        .await
-        .expect("probe");
-    assert!(fed.payload.ok, "{:?}", fed.payload);
-    assert_eq!(fed.payload.transfer.transferred, Some(true));
+    probe_fed_from_p0(&a, &b, "s-2").await;
 }
 
 fn vm_rss_kib(pid: u32) -> u64 {
@@ -843,14 +658,11 @@ fn vm_rss_kib(pid: u32) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_resident_memory_with_eight_engines_is_small() {
-    let w = world();
-    let sims: Vec<Sim> = (0..8)
-        .map(|i| Sim::start(w.dir.path(), &format!("sim-e{i}"), "vllm", None, 0))
-        .collect();
     let iids: Vec<String> = (0..8).map(|i| format!("e{i}")).collect();
-    let engines: Vec<(&str, &Sim)> = iids.iter().map(String::as_str).zip(sims.iter()).collect();
-    let cfg = write_agent_config(w.dir.path(), &w.certs, "a", &engines);
-    let agent = Agent::start(w.dir.path(), &w.certs, "a", cfg);
+    let engines: Vec<(&str, &str)> = iids.iter().map(|i| (i.as_str(), "decode")).collect();
+    let names: Vec<&str> = iids.iter().map(String::as_str).collect();
+    let f = world("vllm", &engines, &[("a", &names)]).await;
+    let agent = agent(&f, "a");
     let listed = agent.client.engines().await.expect("engines");
     assert_eq!(listed.engines.len(), 8);
     assert!(
@@ -864,7 +676,7 @@ async fn idle_resident_memory_with_eight_engines_is_small() {
             .await
             .expect("attestation");
     }
-    let rss = vm_rss_kib(agent.proc.pid());
+    let rss = vm_rss_kib(f.agent("a").proc.pid());
     println!(
         "narwhal-agent idle VmRSS with 8 engines: {rss} KiB ({:.1} MiB)",
         rss as f64 / 1024.0
@@ -875,45 +687,19 @@ async fn idle_resident_memory_with_eight_engines_is_small() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_probe_of_a_suspect_can_decode_from_a_named_local_producer() {
-    let w = world();
-    let p = Sim::start(w.dir.path(), "sim-p0", "vllm", None, 0);
-    let d = Sim::start(w.dir.path(), "sim-d0", "vllm", None, 0);
-    let cfg = write_agent_config(w.dir.path(), &w.certs, "a", &[("p0", &p), ("d0", &d)]);
-    let agent = Agent::start(w.dir.path(), &w.certs, "a", cfg);
-    let before = d.stats().await;
-    let probe = agent
-        .client
-        .probe(
-            "d0",
-            &fence(1),
-            "tiny-sim",
-            Some(narwhal_shared::agent_protocol::ProbeProducer::Iid(
-                "p0".into(),
-            )),
-            None,
-        )
-        .await
-        .expect("probe");
+    let engines = [("p0", "prefill"), ("d0", "decode")];
+    let f = world("vllm", &engines, &[("a", &["p0", "d0"])]).await;
+    let agent = agent(&f, "a");
+    let before = f.sim("d0").stats().await;
+    let probe = probe_from(&agent, "p0").await.expect("probe");
     assert!(probe.payload.ok, "{:?}", probe.payload);
     assert_eq!(probe.payload.mode, "from_producer");
     assert!(probe.payload.produce.as_ref().is_some_and(|l| l.ok));
     assert_eq!(probe.payload.transfer.transferred, Some(true));
-    let after = d.stats().await;
+    let after = f.sim("d0").stats().await;
     assert!(after["kv"]["consumed"].as_i64() > before["kv"]["consumed"].as_i64());
     // An unknown producer is a 404 naming it.
-    match agent
-        .client
-        .probe(
-            "d0",
-            &fence(1),
-            "tiny-sim",
-            Some(narwhal_shared::agent_protocol::ProbeProducer::Iid(
-                "zz".into(),
-            )),
-            None,
-        )
-        .await
-    {
+    match probe_from(&agent, "zz").await {
         Err(AgentClientError::Status {
             status: 404,
             message,

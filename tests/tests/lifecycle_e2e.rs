@@ -13,366 +13,118 @@
 //! ports (new pid, newer process start), which is what a supervisor does to a real engine.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
-use narwhal_testkit::certs::{DevCerts, make_dev_certs};
 use narwhal_testkit::{
-    AgentHandle, ChildProc, EngineSpec, FleetSpec, RouterHandle, SimHandle, bin_path, start_agent,
-    start_router, start_sim, wait_until,
+    Fleet, RouterHandle, SimHandle, WAIT, bin_path, count as n, metric, narwhalctl,
+    strings as strs, wait_until,
 };
 use serde_json::{Value, json};
-use tempfile::TempDir;
-
-/// Upper bound for any condition a test polls for.
-const WAIT: Duration = Duration::from_secs(20);
-
-/// A two-engine fleet with one agent per engine host and a router in front.
-struct Lab {
-    router: RouterHandle,
-    p0: SimHandle,
-    d0: SimHandle,
-    /// Agent of `p0`.
-    a0: AgentHandle,
-    /// Agent of `d0`.
-    a1: AgentHandle,
-    http: reqwest::Client,
-    _certs: DevCerts,
-    dir: TempDir,
-}
-
-fn http() -> reqwest::Client {
-    narwhal_testkit::http_client()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .expect("HTTP client")
-}
 
 /// Starts the fleet under restart `policy` (`individual` or `whole_wave`), with extra
-/// simulator flags and fleet-file overrides.
-async fn lab(policy: &str, sim_args: &[&str], overrides: Value) -> Lab {
+/// simulator flags and fleet-file overrides. The router is returned apart from the fleet, so a
+/// test can restart engines while it holds the router.
+async fn lab(policy: &str, sim_args: &[&str], overrides: Value) -> (Fleet, RouterHandle) {
     lab_with("vllm", policy, sim_args, overrides).await
 }
 
 /// [`lab`] with engines of `dialect` (`vllm` or `sglang`).
-async fn lab_with(dialect: &str, policy: &str, sim_args: &[&str], overrides: Value) -> Lab {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let certs = make_dev_certs(
-        &dir.path().join("certs"),
-        &["router", "agent-h0", "agent-h1"],
-    )
-    .expect("dev certificates");
-    let p0 = start_sim(
-        dir.path(),
-        &EngineSpec::new("p0", "prefill").args(sim_args),
-        dialect,
-    )
-    .expect("p0 simulator");
-    let d0 = start_sim(
-        dir.path(),
-        &EngineSpec::new("d0", "decode").args(sim_args),
-        dialect,
-    )
-    .expect("d0 simulator");
-    let a0 = start_agent(dir.path(), &certs, "h0", &[&p0]).expect("agent h0");
-    let a1 = start_agent(dir.path(), &certs, "h1", &[&d0]).expect("agent h1");
-    let sims = [p0, d0];
-    let spec = FleetSpec::for_sims(dialect, &sims)
-        .tls(&certs, "router")
-        .agent("p0", &a0)
-        .agent("d0", &a1)
-        .with(json!({"recovery": {"engine_restart_policy": policy}}))
-        .with(overrides);
-    let router = start_router(dir.path(), "router", &spec, &[]).expect("router");
-    let [p0, d0] = sims;
-    let lab = Lab {
-        router,
-        p0,
-        d0,
-        a0,
-        a1,
-        http: http(),
-        _certs: certs,
-        dir,
-    };
-    // The router's startup identity check (reference-notes 4.10) accepts both processes in one
-    // step; tests start from there, so it never races what they do to engines and agents.
-    lab.doc_until("process identities accepted at startup", |d| {
-        d["process_starts"]["p0"].is_number() && d["process_starts"]["d0"].is_number()
-    })
-    .await;
-    lab
-}
-
-impl Lab {
-    /// `GET /narwhal/lifecycle` (status must be 200).
-    async fn doc(&self) -> Value {
-        let r = self
-            .http
-            .get(format!("{}/narwhal/lifecycle", self.router.control))
-            .send()
-            .await
-            .expect("GET lifecycle");
-        assert_eq!(r.status(), 200);
-        r.json().await.expect("lifecycle JSON")
-    }
-
-    /// `POST /narwhal/lifecycle/<action>` with a raw body; `(status, document)`.
-    async fn post_raw(&self, action: &str, body: &str) -> (u16, Value) {
-        let r = self
-            .http
-            .post(format!(
-                "{}/narwhal/lifecycle/{action}",
-                self.router.control
-            ))
-            .header("content-type", "application/json")
-            .body(body.to_string())
-            .send()
-            .await
-            .expect("POST lifecycle");
-        let status = r.status().as_u16();
-        let doc: Value = r.json().await.expect("every lifecycle reply is JSON");
-        assert_eq!(
-            doc["schema"], "narwhal.lifecycle",
-            "every reply is the full document: {doc}"
-        );
-        (status, doc)
-    }
-
-    async fn post(&self, action: &str, body: Value) -> (u16, Value) {
-        self.post_raw(action, &body.to_string()).await
-    }
-
-    /// `GET /ready` on the control listener: `(status, body)`.
-    async fn ready(&self) -> (u16, Value) {
-        let r = self
-            .http
-            .get(format!("{}/ready", self.router.control))
-            .send()
-            .await
-            .expect("GET /ready");
-        let s = r.status().as_u16();
-        (s, r.json().await.unwrap_or_default())
-    }
-
-    /// Lifecycle events in the journal, oldest first.
-    fn events(&self) -> Vec<Value> {
-        self.router
-            .journal_rows()
-            .into_iter()
-            .filter(|r| r["event"] == "engine_lifecycle")
-            .collect()
-    }
-
-    fn has_event(&self, action: &str, iid: Option<&str>) -> bool {
-        self.events()
-            .iter()
-            .any(|e| e["action"] == action && iid.is_none_or(|i| e["iid"] == i))
-    }
-
-    /// Waits for a journal event, reading only the journal file (never the router).
-    async fn journal_event(&self, action: &str, iid: Option<&str>) -> Value {
-        let found = wait_until(WAIT, || async {
-            self.events()
-                .into_iter()
-                .find(|e| e["action"] == action && iid.is_none_or(|i| e["iid"] == i))
-        })
+async fn lab_with(
+    dialect: &str,
+    policy: &str,
+    sim_args: &[&str],
+    overrides: Value,
+) -> (Fleet, RouterHandle) {
+    let mut f = Fleet::builder()
+        .dialect(dialect)
+        .prefill(1)
+        .decode(1)
+        .agents()
+        .sim_args(sim_args)
+        .restart_policy(policy)
+        .fleet(overrides)
+        .start()
         .await;
-        found.unwrap_or_else(|| {
-            panic!(
-                "no {action} {iid:?} event in the journal; events: {:#?}",
-                self.events()
-            )
-        })
-    }
+    let router = f.router.take().expect("router");
+    (f, router)
+}
 
-    /// Polls the document until `ok(doc)`.
-    async fn doc_until(&self, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
-        let got = wait_until(WAIT, || async {
-            let d = self.doc().await;
-            ok(&d).then_some(d)
-        })
+/// Requests engine `iid` received in `phase` (`prefill`, `decode`, `aggregated`).
+async fn requests(f: &Fleet, iid: &str, phase: &str) -> u64 {
+    n(&f.sim(iid).stats().await["requests"][phase])
+}
+
+/// The engine's process start, as the simulator reports it.
+async fn started_at(f: &Fleet, iid: &str) -> f64 {
+    f.sim(iid).stats().await["started_at"]
+        .as_f64()
+        .expect("started_at")
+}
+
+/// One completion whose answer does not matter, not even a transport error: it trips the
+/// breaker on a dead or stalled decode engine (the request itself may still be served by a
+/// retry on p0).
+async fn trip_breaker(router: &RouterHandle, prompt: &str) {
+    let _ = router
+        .http
+        .client()
+        .post(format!("{}/v1/completions", router.data))
+        .json(&json!({"model": "tiny-sim", "prompt": prompt, "max_tokens": 2}))
+        .send()
         .await;
-        match got {
-            Some(d) => d,
-            None => panic!("timed out waiting for {what}: {:#}", self.doc().await),
-        }
-    }
+}
 
-    /// One non-streaming completion through the router; asserts 200 with tokens.
-    async fn complete(&self, prompt: &str) {
-        let r = self
-            .http
-            .post(format!("{}/v1/completions", self.router.data))
-            .json(&json!({"model": "tiny-sim", "prompt": prompt, "max_tokens": 4}))
-            .send()
-            .await
-            .expect("completion");
-        let status = r.status();
-        let body: Value = r.json().await.unwrap_or_default();
-        assert_eq!(status, 200, "completion {prompt:?}: {body}");
+/// `POST /narwhal/lifecycle/drain` of engine `iid` (no deadline).
+async fn drain(r: &RouterHandle, iid: &str) -> (u16, Value) {
+    r.lifecycle_post("drain", &json!({"engines": [iid]})).await
+}
+
+/// `POST /narwhal/lifecycle/readmit` of engine `iid`.
+async fn readmit(r: &RouterHandle, iid: &str) -> (u16, Value) {
+    r.lifecycle_post("readmit", &json!({"engines": [iid]}))
+        .await
+}
+
+/// One completion through the router reaches every `(iid, phase)` of `legs`: each engine's
+/// request counter for that phase grows.
+async fn complete_on(f: &Fleet, r: &RouterHandle, prompt: &str, legs: &[(&str, &str)]) {
+    let mut before = Vec::new();
+    for (iid, phase) in legs {
+        before.push(requests(f, iid, phase).await);
+    }
+    r.complete(prompt).await;
+    for ((iid, phase), b) in legs.iter().zip(before) {
+        let now = requests(f, iid, phase).await;
         assert!(
-            body["usage"]["completion_tokens"].as_u64().unwrap_or(0) > 0,
-            "{body}"
+            now > b,
+            "{prompt:?} did not reach {iid} ({phase}): {b} -> {now}"
         );
     }
-
-    async fn stats(&self, sim: &SimHandle) -> Value {
-        sim.stats(&self.http).await.expect("sim stats")
-    }
-
-    async fn metrics(&self) -> String {
-        self.router.metrics(&self.http).await.expect("metrics")
-    }
-
-    /// Restarts an agent on its port; with `key`, signing with that key file instead
-    /// (made with `narwhal-agent keygen` if missing).
-    fn restart_agent(&mut self, which: usize, key: Option<&Path>) {
-        let dir = self.dir.path().to_path_buf();
-        let a = if which == 0 {
-            &mut self.a0
-        } else {
-            &mut self.a1
-        };
-        restart_agent(&dir, a, key);
-    }
 }
 
-/// Kills `a` and starts `narwhal-agent` again on the same port with the same configuration,
-/// or with the signing key `key`.
-fn restart_agent(dir: &Path, a: &mut AgentHandle, key: Option<&Path>) {
-    a.proc.kill();
-    let mut cfg: Value =
-        serde_json::from_slice(&std::fs::read(&a.config).expect("agent config")).expect("JSON");
-    let port = a.url.rsplit(':').next().expect("port in agent URL");
-    cfg["listen"] = json!(format!("127.0.0.1:{port}"));
-    if let Some(key) = key {
-        if !key.exists() {
-            let out = Command::new(bin_path("narwhal-agent"))
-                .args(["keygen", "--out"])
-                .arg(key)
-                .output()
-                .expect("narwhal-agent keygen");
-            assert!(out.status.success(), "keygen: {out:?}");
-        }
-        cfg["signing_key"] = json!(key);
-    }
-    std::fs::write(&a.config, format!("{cfg:#}\n")).expect("write agent config");
-    let ready = dir.join(format!("{}.ready.json", a.server_name));
-    let _ = std::fs::remove_file(&ready);
-    let mut cmd = Command::new(bin_path("narwhal-agent"));
-    cmd.args(["run", "--config"])
-        .arg(&a.config)
-        .arg("--ready-file")
-        .arg(&ready);
-    a.proc = ChildProc::spawn(cmd, &a.server_name, dir, Duration::from_secs(30))
-        .expect("agent restarts on its port");
-    let doc: Value = serde_json::from_slice(&std::fs::read(&ready).expect("agent ready file"))
-        .expect("ready JSON");
-    a.public_key = doc["public_key"].as_str().unwrap_or_default().to_string();
+/// The metrics page `m` counts sample `name` with `labels` at least once (`why` says what that
+/// shows).
+fn assert_counted(m: &str, name: &str, labels: &[&str], why: &str) {
+    assert!(
+        metric(m, name, labels).is_some_and(|v| v >= 1.0),
+        "{why}: {name}{labels:?}: {m}"
+    );
 }
 
-/// Kills `sim` and starts a new simulator process on its listen (and KV) port serving
-/// `model`; for a SGLang prefill engine, `bootstrap` picks the bootstrap port (`Some(0)`: a new
-/// ephemeral one), else it keeps its port.
-///
-/// `SimHandle::restart(&["--model", ..])` cannot do this: the test kit always passes
-/// `--model tiny-sim` (and the bootstrap port), and the simulator refuses a repeated flag
-/// (reported with issue 4's tests), so the process is started here.
-fn respawn(dir: &Path, sim: &mut SimHandle, model: &str, bootstrap: Option<u16>) {
-    sim.proc.kill();
-    let mut cmd = Command::new(bin_path("narwhal-engine-sim"));
-    cmd.args(["--dialect", &sim.dialect, "--model", model])
-        .args(["--listen", &format!("127.0.0.1:{}", sim.port)])
-        .args(&sim.sim_args);
-    if let Some(k) = sim.kv_port {
-        cmd.args(["--kv-listen", &format!("127.0.0.1:{k}")]);
-    }
-    if sim.dialect == "sglang" {
-        cmd.args(["--disaggregation-mode", &sim.role]);
-        if let Some(b) = bootstrap.or(sim.bootstrap_port) {
-            cmd.args(["--bootstrap-port", &b.to_string()]);
-        }
-    }
-    let ready = dir.join(format!("respawn-{}.ready.json", sim.iid));
-    let _ = std::fs::remove_file(&ready);
-    cmd.arg("--ready-file").arg(&ready);
-    sim.proc = ChildProc::spawn(
-        cmd,
-        &format!("respawn-{}", sim.iid),
-        dir,
-        Duration::from_secs(30),
-    )
-    .expect("simulator respawned");
-    let doc: Value =
-        serde_json::from_slice(&std::fs::read(&ready).expect("ready file")).expect("ready JSON");
-    sim.bootstrap_port = doc["bootstrap_port"]
-        .as_u64()
-        .and_then(|p| u16::try_from(p).ok());
+/// Warms the fleet up, kills d0's simulator and sends a completion that trips the breaker on
+/// it (connection refused).
+async fn crash_d0(f: &mut Fleet, r: &RouterHandle, prompt: &str) {
+    r.complete("warm up").await;
+    f.sim_mut("d0").proc.kill();
+    trip_breaker(r, prompt).await;
 }
 
-/// A streaming completion read chunk by chunk.
-struct Stream {
-    resp: reqwest::Response,
-    text: String,
-}
-
-impl Stream {
-    /// Starts a stream through the router and waits for its first token chunk (so its decode
-    /// leg is resident on the decode engine).
-    async fn start(lab: &Lab, prompt: &str, max_tokens: u32) -> Stream {
-        let resp = lab
-            .http
-            .post(format!("{}/v1/completions", lab.router.data))
-            .json(
-                &json!({"model": "tiny-sim", "prompt": prompt, "max_tokens": max_tokens,
-                          "stream": true}),
-            )
-            .send()
-            .await
-            .expect("stream request");
-        assert_eq!(resp.status(), 200, "stream {prompt:?}");
-        let mut s = Stream {
-            resp,
-            text: String::new(),
-        };
-        while !s.text.contains("\"text\"") {
-            let c = s
-                .resp
-                .chunk()
-                .await
-                .expect("stream chunk")
-                .expect("stream ended before its first token");
-            s.text.push_str(&String::from_utf8_lossy(&c));
-        }
-        s
-    }
-
-    /// Reads to the end; asserts a clean finish (`[DONE]`, no error frame).
-    async fn finish(mut self) -> String {
-        while let Some(c) = self.resp.chunk().await.expect("stream chunk") {
-            self.text.push_str(&String::from_utf8_lossy(&c));
-        }
-        assert!(
-            self.text.trim_end().ends_with("data: [DONE]"),
-            "stream did not finish cleanly: {}",
-            self.text
-        );
-        assert!(!self.text.contains("\"error\""), "{}", self.text);
-        self.text
-    }
-}
-
-fn n(v: &Value) -> u64 {
-    v.as_u64()
-        .unwrap_or_else(|| panic!("expected a count, got {v}"))
-}
-
-fn strs(v: &Value) -> Vec<String> {
-    v.as_array()
-        .unwrap_or_else(|| panic!("expected a list, got {v}"))
+/// The lifecycle actions of engine `iid` in the journal, oldest first.
+fn actions_of(r: &RouterHandle, iid: &str) -> Vec<String> {
+    r.lifecycle_events()
         .iter()
-        .map(|s| s.as_str().unwrap_or_default().to_string())
+        .filter(|e| e["iid"] == iid)
+        .map(|e| e["action"].as_str().unwrap_or_default().to_string())
         .collect()
 }
 
@@ -393,11 +145,25 @@ fn assert_checks(checks: &[String], expected: &[&str]) {
     }
 }
 
-/// A metric sample line with all of `parts` in it, and its value.
-fn metric(text: &str, name: &str, parts: &[&str]) -> Option<f64> {
-    text.lines()
-        .filter(|l| l.starts_with(name) && parts.iter().all(|p| l.contains(p)))
-        .find_map(|l| l.rsplit(' ').next().and_then(|v| v.parse().ok()))
+/// The checks of a passing individual readmission of a vLLM engine, in the seed's order:
+/// `identity` is `new process identity` after a restart, `process identity` for a recovery;
+/// `fabric` names the KV transfer with the peer (`fabric consume from p0` for d0, `fabric
+/// produce to d0` for p0).
+fn vllm_checks(identity: &'static str, fabric: &'static str) -> [&'static str; 7] {
+    [
+        "health",
+        "attestation",
+        "model",
+        identity,
+        "generation",
+        fabric,
+        "final health",
+    ]
+}
+
+/// [`vllm_checks`] of `d0`.
+fn decode_checks(identity: &'static str) -> [&'static str; 7] {
+    vllm_checks(identity, "fabric consume from p0")
 }
 
 /// Issue 4, first bullet: a drain with two streams in flight. Both streams complete; the
@@ -406,16 +172,16 @@ fn metric(text: &str, name: &str, parts: &[&str]) -> Option<f64> {
 /// `ready_to_stop`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop() {
-    let lab = lab("individual", &["--tpot-ms", "40"], json!({})).await;
+    let (f, r) = lab("individual", &["--tpot-ms", "40"], json!({})).await;
     // Two streams of ~1.2 s each, decoding on d0.
-    let s1 = Stream::start(&lab, "first stream in flight", 30).await;
-    let s2 = Stream::start(&lab, "second stream in flight", 30).await;
-    lab.doc_until("two streams resident on d0", |d| {
+    let s1 = r.open_stream("first stream in flight", 30).await;
+    let s2 = r.open_stream("second stream in flight", 30).await;
+    r.lifecycle_until("two streams resident on d0", |d| {
         d["engines"]["d0"]["resident"]["decode"] == 2
     })
     .await;
-    let (status, doc) = lab
-        .post("drain", json!({"engines": ["d0"], "deadline_s": 30}))
+    let (status, doc) = r
+        .lifecycle_post("drain", &json!({"engines": ["d0"], "deadline_s": 30}))
         .await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["error"], "");
@@ -426,54 +192,49 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
     assert_eq!(e["ready_to_stop"], false);
     assert_eq!(e["resident"]["decode"], 2);
     assert_eq!(e["restart_required"], true);
-    let d0_start = lab.stats(&lab.d0).await["started_at"].as_f64().unwrap();
+    let d0_start = started_at(&f, "d0").await;
     let old = e["old_process_start"].as_f64().expect("identity recorded");
     assert!((old - d0_start).abs() < 0.05, "old {old} vs sim {d0_start}");
     assert_eq!(doc["engines"]["p0"]["state"], "active");
     assert_eq!(doc["wave"]["active"], false);
     assert_eq!(
-        lab.ready().await.0,
+        r.ready().await.0,
         200,
         "an individual drain keeps the router ready"
     );
     // Not readmittable while work is resident.
-    let (status, doc) = lab.post("readmit", json!({"engines": ["d0"]})).await;
+    let (status, doc) = readmit(&r, "d0").await;
     assert_eq!(status, 409);
     assert_eq!(doc["error"], "d0 is draining, expected drained");
     // New work avoids d0 (it is served on p0) while the streams continue.
-    let d0_before = n(&lab.stats(&lab.d0).await["requests"]["decode"]);
-    lab.complete("placed elsewhere during the drain").await;
+    let d0_before = requests(&f, "d0", "decode").await;
+    r.complete("placed elsewhere during the drain").await;
     assert_eq!(
-        n(&lab.stats(&lab.d0).await["requests"]["decode"]),
+        requests(&f, "d0", "decode").await,
         d0_before,
         "a draining engine receives no new work"
     );
     assert!(
-        !lab.has_event("drain_complete", Some("d0")),
+        !r.has_event("drain_complete", Some("d0")),
         "no drain_complete while streams are resident: {:#?}",
-        lab.events()
+        r.lifecycle_events()
     );
     let t1 = s1.finish().await;
     assert!(
-        !lab.has_event("drain_complete", Some("d0"))
-            || lab.doc().await["engines"]["d0"]["resident"]["decode"] == 0,
+        !r.has_event("drain_complete", Some("d0"))
+            || r.lifecycle().await["engines"]["d0"]["resident"]["decode"] == 0,
         "drain_complete only after the last stream"
     );
     let t2 = s2.finish().await;
     assert!(t1.matches("\"text\"").count() >= 30 && t2.matches("\"text\"").count() >= 30);
     // Nobody reads the document from here until the journal shows the drain complete.
-    lab.journal_event("drain_complete", Some("d0")).await;
-    let order: Vec<String> = lab
-        .events()
-        .iter()
-        .filter(|e| e["iid"] == "d0")
-        .map(|e| e["action"].as_str().unwrap_or_default().to_string())
-        .collect();
+    r.journal_event("drain_complete", Some("d0")).await;
+    let order = actions_of(&r, "d0");
     assert_eq!(
         order,
         ["drain_started", "process_recorded", "drain_complete"]
     );
-    let doc = lab.doc().await;
+    let doc = r.lifecycle().await;
     let e = &doc["engines"]["d0"];
     assert_eq!(e["state"], "drained", "{doc:#}");
     assert_eq!(e["ready_to_stop"], true);
@@ -484,7 +245,7 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
         doc["wave"]["ready_to_stop"], false,
         "no wave (DESIGN.md 9.3)"
     );
-    let m = lab.metrics().await;
+    let m = r.metrics().await;
     assert_eq!(
         metric(&m, "narwhal_engine_ready_to_stop", &["iid=\"d0\""]),
         Some(1.0),
@@ -516,15 +277,15 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
 /// restart it passes every check in the seed's order, and traffic reaches the engine again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_again() {
-    let mut lab = lab("individual", &[], json!({})).await;
-    let (status, doc) = lab.post("drain", json!({"engines": ["d0"]})).await;
+    let (mut f, r) = lab("individual", &[], json!({})).await;
+    let (status, doc) = drain(&r, "d0").await;
     assert_eq!(status, 200, "{doc:#}");
-    lab.journal_event("drain_complete", Some("d0")).await;
+    r.journal_event("drain_complete", Some("d0")).await;
     let old = doc["engines"]["d0"]["old_process_start"]
         .as_f64()
         .expect("identity recorded");
 
-    let (status, doc) = lab.post("readmit", json!({"engines": ["d0"]})).await;
+    let (status, doc) = readmit(&r, "d0").await;
     assert_eq!(status, 409, "{doc:#}");
     assert_eq!(doc["error"], "readmission validation failed");
     let e = &doc["engines"]["d0"];
@@ -532,28 +293,17 @@ async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_a
     assert_eq!(e["error"], "engine process did not restart after drain");
     assert_checks(&strs(&e["checks"]), &["health", "attestation", "model"]);
     assert_eq!(e["accepts_new"], false, "a blocked engine stays out");
-    lab.journal_event("validation_failed", Some("d0")).await;
+    r.journal_event("validation_failed", Some("d0")).await;
 
-    lab.d0.restart(&[]).expect("restart d0");
-    let new_start = lab.stats(&lab.d0).await["started_at"].as_f64().unwrap();
-    let (status, doc) = lab.post("readmit", json!({"engines": ["d0"]})).await;
+    f.sim_mut("d0").restart(&[]).expect("restart d0");
+    let new_start = started_at(&f, "d0").await;
+    let (status, doc) = readmit(&r, "d0").await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["error"], "");
     let e = &doc["engines"]["d0"];
     assert_eq!(e["state"], "active");
     assert_eq!(e["error"], "");
-    assert_checks(
-        &strs(&e["checks"]),
-        &[
-            "health",
-            "attestation",
-            "model",
-            "new process identity",
-            "generation",
-            "fabric consume from p0",
-            "final health",
-        ],
-    );
+    assert_checks(&strs(&e["checks"]), &decode_checks("new process identity"));
     let (o, nw) = (
         e["old_process_start"].as_f64().unwrap(),
         e["new_process_start"].as_f64().unwrap(),
@@ -563,18 +313,18 @@ async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_a
     assert!((nw - new_start).abs() < 0.05, "{nw} vs sim {new_start}");
     assert_eq!(doc["process_starts"]["d0"].as_f64(), Some(nw));
     assert_eq!(e["accepts_new"], true);
-    lab.journal_event("readmitted", Some("d0")).await;
+    r.journal_event("readmitted", Some("d0")).await;
 
     // Back in placement: P/D traffic decodes on d0 again.
-    let before = n(&lab.stats(&lab.d0).await["requests"]["decode"]);
+    let before = requests(&f, "d0", "decode").await;
     for i in 0..3 {
-        lab.complete(&format!("after readmission {i}")).await;
+        r.complete(&format!("after readmission {i}")).await;
     }
     assert!(
-        n(&lab.stats(&lab.d0).await["requests"]["decode"]) >= before + 3,
+        requests(&f, "d0", "decode").await >= before + 3,
         "traffic reaches the readmitted engine"
     );
-    let m = lab.metrics().await;
+    let m = r.metrics().await;
     for result in ["failed", "passed"] {
         assert_eq!(
             metric(
@@ -604,29 +354,21 @@ async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_a
 /// blocked engine keeps its recorded identity, so each retry is a plain readmit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
-    let mut lab = lab("individual", &[], json!({})).await;
-    let (status, doc) = lab.post("drain", json!({"engines": ["p0"]})).await;
+    let (mut f, r) = lab("individual", &[], json!({})).await;
+    let (status, doc) = drain(&r, "p0").await;
     assert_eq!(status, 200, "{doc:#}");
-    lab.journal_event("drain_complete", Some("p0")).await;
-    lab.p0.restart(&[]).expect("restart p0");
+    r.journal_event("drain_complete", Some("p0")).await;
+    f.sim_mut("p0").restart(&[]).expect("restart p0");
 
-    async fn refused(lab: &Lab, what: &str) -> (String, Vec<String>) {
-        let (status, doc) = lab.post("readmit", json!({"engines": ["p0"]})).await;
+    async fn refused(f: &Fleet, r: &RouterHandle, what: &str) -> (String, Vec<String>) {
+        let (status, doc) = readmit(r, "p0").await;
         if status != 409 {
-            let faults: Value = lab
-                .http
-                .get(format!("{}/sim/faults", lab.p0.url))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            let recent = lab.stats(&lab.p0).await["recent"].clone();
+            let faults = f.sim("p0").faults().await;
+            let recent = f.sim("p0").stats().await["recent"].clone();
             panic!(
                 "{what}: {status} {}; p0 faults {faults}; p0 recent {recent:#}; router log {}",
                 doc["error"],
-                lab.router.proc.stderr_tail(60)
+                r.proc.stderr_tail(60)
             );
         }
         assert_eq!(doc["error"], "readmission validation failed", "{what}");
@@ -638,121 +380,81 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
             strs(&e["checks"]),
         )
     }
+    // The checks of p0's passing readmission, in order; each failure stops after a prefix.
+    let all = vllm_checks("new process identity", "fabric produce to d0");
 
     // 1. health
-    lab.p0
-        .fault(
-            &lab.http,
-            json!({"phase": "health", "action": "status", "status": 503}),
-        )
-        .await
-        .unwrap();
-    let (err, checks) = refused(&lab, "health").await;
+    f.sim("p0")
+        .fault(json!({"phase": "health", "action": "status", "status": 503}))
+        .await;
+    let (err, checks) = refused(&f, &r, "health").await;
     assert!(err.starts_with("health did not answer 200"), "{err}");
     assert!(checks.is_empty(), "{checks:?}");
 
     // 2. attestation: the agent now signs with a key the router does not pin.
-    let rogue = lab.dir.path().join("rogue.ed25519.pk8");
-    let pinned = lab.a0.public_key.clone();
-    lab.restart_agent(0, Some(&rogue));
-    assert_ne!(lab.a0.public_key, pinned);
-    let (err, checks) = refused(&lab, "attestation").await;
+    let rogue = f.dir().join("rogue.ed25519.pk8");
+    let pinned = f.agent("h0").public_key.clone();
+    f.agent_mut("h0")
+        .restart(Some(&rogue))
+        .expect("agent h0 restarts");
+    assert_ne!(f.agent("h0").public_key, pinned);
+    let (err, checks) = refused(&f, &r, "attestation").await;
     assert!(err.starts_with("attestation: "), "{err}");
     assert_eq!(checks, ["health"]);
-    let original = lab.dir.path().join("agent-h0.ed25519.pk8");
-    lab.restart_agent(0, Some(&original));
-    assert_eq!(lab.a0.public_key, pinned);
+    let original = f.dir().join("agent-h0.ed25519.pk8");
+    f.agent_mut("h0")
+        .restart(Some(&original))
+        .expect("agent h0 restarts");
+    assert_eq!(f.agent("h0").public_key, pinned);
 
     // 3. model
-    respawn(lab.dir.path(), &mut lab.p0, "other-model", None);
-    let (err, checks) = refused(&lab, "model").await;
+    f.sim_mut("p0")
+        .restart(&["--model", "other-model"])
+        .expect("p0 serves another model");
+    let (err, checks) = refused(&f, &r, "model").await;
     assert_eq!(err, r#"serves ["other-model"], expected tiny-sim"#);
-    assert_checks(&checks, &["health", "attestation"]);
-    lab.p0.restart(&[]).expect("restart p0");
+    assert_checks(&checks, &all[..2]);
+    f.sim_mut("p0").restart(&[]).expect("restart p0");
 
     // 4. direct generation
-    lab.p0
-        .fault(
-            &lab.http,
-            json!({"phase": "aggregated", "action": "status", "status": 500}),
-        )
-        .await
-        .unwrap();
-    let (err, checks) = refused(&lab, "generation").await;
+    f.sim("p0")
+        .fault(json!({"phase": "aggregated", "action": "status", "status": 500}))
+        .await;
+    let (err, checks) = refused(&f, &r, "generation").await;
     assert!(err.starts_with("generation failed: "), "{err}");
-    assert_checks(
-        &checks,
-        &["health", "attestation", "model", "new process identity"],
-    );
+    assert_checks(&checks, &all[..4]);
 
     // 5. role-compatible KV transfer: the producer hands over no KV.
-    lab.p0
-        .fault(&lab.http, json!({"phase": "prefill", "action": "omit_kv"}))
-        .await
-        .unwrap();
-    let (err, checks) = refused(&lab, "kv").await;
+    f.sim("p0")
+        .fault(json!({"phase": "prefill", "action": "omit_kv"}))
+        .await;
+    let (err, checks) = refused(&f, &r, "kv").await;
     assert!(err.starts_with("fabric p0->d0: "), "{err}");
-    assert_checks(
-        &checks,
-        &[
-            "health",
-            "attestation",
-            "model",
-            "new process identity",
-            "generation",
-        ],
-    );
+    assert_checks(&checks, &all[..5]);
     // The peer is reported by name but holds no record and stays in service.
-    let doc = lab.doc().await;
+    let doc = r.lifecycle().await;
     assert_eq!(doc["engines"]["d0"]["state"], "active");
     assert_eq!(doc["engines"]["d0"]["accepts_new"], true);
 
     // 6. final health: the first /health of the readmission passes, the second fails.
-    lab.p0
-        .fault(
-            &lab.http,
-            json!({"phase": "health", "action": "status", "status": 503, "skip": 1}),
-        )
-        .await
-        .unwrap();
-    let (err, checks) = refused(&lab, "final health").await;
+    f.sim("p0")
+        .fault(json!({"phase": "health", "action": "status", "status": 503, "skip": 1}))
+        .await;
+    let (err, checks) = refused(&f, &r, "final health").await;
     assert_eq!(err, "final health failed after fabric validation");
-    assert_checks(
-        &checks,
-        &[
-            "health",
-            "attestation",
-            "model",
-            "new process identity",
-            "generation",
-            "fabric produce to d0",
-        ],
-    );
+    assert_checks(&checks, &all[..6]);
 
     // Nothing wrong any more: readmitted.
-    let (status, doc) = lab.post("readmit", json!({"engines": ["p0"]})).await;
+    let (status, doc) = readmit(&r, "p0").await;
     assert_eq!(status, 200, "{doc:#}");
-    assert_checks(
-        &strs(&doc["engines"]["p0"]["checks"]),
-        &[
-            "health",
-            "attestation",
-            "model",
-            "new process identity",
-            "generation",
-            "fabric produce to d0",
-            "final health",
-        ],
-    );
-    let failed = lab
-        .events()
+    assert_checks(&strs(&doc["engines"]["p0"]["checks"]), &all);
+    let failed = r
+        .lifecycle_events()
         .iter()
         .filter(|e| e["action"] == "validation_failed" && e["iid"] == "p0")
         .count();
     assert_eq!(failed, 6, "one validation_failed event per failing check");
-    let before = n(&lab.stats(&lab.p0).await["requests"]["prefill"]);
-    lab.complete("p0 prefills again").await;
-    assert!(n(&lab.stats(&lab.p0).await["requests"]["prefill"]) > before);
+    complete_on(&f, &r, "p0 prefills again", &[("p0", "prefill")]).await;
 }
 
 /// Issue 4, fourth bullet: a whole wave under `whole_wave`. `/ready` is 503 during the wave;
@@ -760,19 +462,19 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
 /// blocks the whole wave naming that engine, and passes once it is restarted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whole_wave_drain_and_readmission() {
-    let mut lab = lab("whole_wave", &["--tpot-ms", "40"], json!({})).await;
-    let (status, doc) = lab.post("drain", json!({"engines": ["p0"]})).await;
+    let (mut f, r) = lab("whole_wave", &["--tpot-ms", "40"], json!({})).await;
+    let (status, doc) = drain(&r, "p0").await;
     assert_eq!(status, 409);
     assert_eq!(
         doc["error"],
         "engine_restart_policy requires a whole-wave drain"
     );
     assert_eq!(doc["engine_restart_policy"], "whole_wave");
-    assert_eq!(lab.ready().await.0, 200);
+    assert_eq!(r.ready().await.0, 200);
 
-    let stream = Stream::start(&lab, "resident through the wave drain", 25).await;
-    let (status, doc) = lab
-        .post("drain", json!({"wave": true, "deadline_s": 30}))
+    let stream = r.open_stream("resident through the wave drain", 25).await;
+    let (status, doc) = r
+        .lifecycle_post("drain", &json!({"wave": true, "deadline_s": 30}))
         .await;
     assert_eq!(status, 200, "{doc:#}");
     let wave_id = doc["wave"]["id"].as_str().unwrap().to_string();
@@ -784,30 +486,29 @@ async fn whole_wave_drain_and_readmission() {
     assert_eq!(doc["wave"]["readiness_withdrawn"], true);
     assert_eq!(doc["wave"]["ready_to_stop"], false);
     assert_eq!(doc["router"]["ready"], false);
-    let (status, ready) = lab.ready().await;
-    assert_eq!(status, 503, "{ready}");
+    let ready = r.not_ready().await;
     assert_eq!(
         ready["reason"],
         format!("whole-wave drain {wave_id}"),
         "{ready}"
     );
     // p0 has nothing resident: drained, but not ready_to_stop until the whole wave is.
-    let doc = lab
-        .doc_until("p0 drained", |d| d["engines"]["p0"]["state"] == "drained")
+    let doc = r
+        .lifecycle_until("p0 drained", |d| d["engines"]["p0"]["state"] == "drained")
         .await;
     assert_eq!(doc["engines"]["p0"]["ready_to_stop"], false, "{doc:#}");
     assert_eq!(doc["engines"]["d0"]["state"], "draining");
     assert_eq!(doc["wave"]["ready_to_stop"], false);
-    assert!(!lab.has_event("wave_ready_to_stop", None));
+    assert!(!r.has_event("wave_ready_to_stop", None));
     // Readmission shapes during a wave.
-    let (status, doc) = lab.post("readmit", json!({"engines": ["p0"]})).await;
+    let (status, doc) = readmit(&r, "p0").await;
     assert_eq!(status, 409);
     assert_eq!(
         doc["error"],
         "an active whole wave must be validated and readmitted as one engine set"
     );
-    let (status, doc) = lab
-        .post("readmit", json!({"engines": ["p0"], "wave": true}))
+    let (status, doc) = r
+        .lifecycle_post("readmit", &json!({"engines": ["p0"], "wave": true}))
         .await;
     assert_eq!(status, 409);
     assert_eq!(
@@ -816,20 +517,20 @@ async fn whole_wave_drain_and_readmission() {
     );
 
     stream.finish().await;
-    let ev = lab.journal_event("wave_ready_to_stop", None).await;
+    let ev = r.journal_event("wave_ready_to_stop", None).await;
     assert_eq!(ev["wave_id"], wave_id.as_str());
     assert_eq!(strs(&ev["engines"]), ["d0", "p0"]);
-    let doc = lab.doc().await;
+    let doc = r.lifecycle().await;
     assert_eq!(doc["wave"]["ready_to_stop"], true, "{doc:#}");
     for iid in ["p0", "d0"] {
         assert_eq!(doc["engines"][iid]["ready_to_stop"], true, "{iid}");
         assert_eq!(doc["engines"][iid]["wave_id"], wave_id.as_str());
     }
-    assert_eq!(lab.ready().await.0, 503);
+    assert_eq!(r.ready().await.0, 503);
 
     // Only p0 is restarted: the wave is refused, naming d0.
-    lab.p0.restart(&[]).expect("restart p0");
-    let (status, doc) = lab.post("readmit", json!({"wave": true})).await;
+    f.sim_mut("p0").restart(&[]).expect("restart p0");
+    let (status, doc) = r.lifecycle_post("readmit", &json!({"wave": true})).await;
     assert_eq!(status, 409, "{doc:#}");
     assert_eq!(doc["error"], "readmission validation failed");
     assert_eq!(
@@ -844,10 +545,10 @@ async fn whole_wave_drain_and_readmission() {
         assert_eq!(doc["engines"][iid]["state"], "blocked", "{iid}");
     }
     assert_eq!(doc["wave"]["active"], true, "the wave stays active");
-    assert_eq!(lab.ready().await.0, 503);
+    assert_eq!(r.ready().await.0, 503);
 
-    lab.d0.restart(&[]).expect("restart d0");
-    let (status, doc) = lab.post("readmit", json!({"wave": true})).await;
+    f.sim_mut("d0").restart(&[]).expect("restart d0");
+    let (status, doc) = r.lifecycle_post("readmit", &json!({"wave": true})).await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["wave"]["active"], false);
     assert_eq!(doc["wave"]["id"], "");
@@ -866,16 +567,11 @@ async fn whole_wave_drain_and_readmission() {
             "{iid}: {checks:?}"
         );
     }
-    let ev = lab.journal_event("wave_readmitted", None).await;
+    let ev = r.journal_event("wave_readmitted", None).await;
     assert_eq!(ev["wave_id"], wave_id.as_str());
-    assert_eq!(lab.ready().await.0, 200);
-    let (p_before, d_before) = (
-        n(&lab.stats(&lab.p0).await["requests"]["prefill"]),
-        n(&lab.stats(&lab.d0).await["requests"]["decode"]),
-    );
-    lab.complete("after the wave").await;
-    assert!(n(&lab.stats(&lab.p0).await["requests"]["prefill"]) > p_before);
-    assert!(n(&lab.stats(&lab.d0).await["requests"]["decode"]) > d_before);
+    assert_eq!(r.ready().await.0, 200);
+    let legs = [("p0", "prefill"), ("d0", "decode")];
+    complete_on(&f, &r, "after the wave", &legs).await;
 }
 
 /// Issue 4, fifth bullet: an engine the breaker ejected (connection refused) that answers
@@ -884,19 +580,10 @@ async fn whole_wave_drain_and_readmission() {
 /// (reference-notes 4.3 rule 6).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requirement() {
-    let mut lab = lab("individual", &[], json!({"recovery": {"eject_after": 1}})).await;
-    lab.complete("warm up").await;
-    lab.d0.proc.kill();
-    // Connection refused on d0's decode legs: the breaker ejects it (requests may still be
-    // served by a retry on p0).
-    let _ = lab
-        .http
-        .post(format!("{}/v1/completions", lab.router.data))
-        .json(&json!({"model": "tiny-sim", "prompt": "d0 is gone", "max_tokens": 2}))
-        .send()
-        .await;
-    let doc = lab
-        .doc_until("d0 out of placement", |d| {
+    let (mut f, r) = lab("individual", &[], json!({"recovery": {"eject_after": 1}})).await;
+    crash_d0(&mut f, &r, "d0 is gone").await;
+    let doc = r
+        .lifecycle_until("d0 out of placement", |d| {
             d["engines"]["d0"]["accepts_new"] == false
         })
         .await;
@@ -904,7 +591,7 @@ async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requ
         doc["engines"]["d0"]["state"], "active",
         "ejection is not a lifecycle hold"
     );
-    let (status, doc) = lab.post("drain", json!({"engines": ["p0"]})).await;
+    let (status, doc) = drain(&r, "p0").await;
     assert_eq!(status, 409, "{doc:#}");
     assert_eq!(
         doc["error"],
@@ -913,14 +600,14 @@ async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requ
     assert_eq!(doc["engines"]["p0"]["state"], "active", "nothing changed");
 
     // The engine answers again (same port): recovery validation readmits it.
-    lab.d0.restart(&[]).expect("d0 back");
-    lab.journal_event("recovery_validation_started", Some("d0"))
+    f.sim_mut("d0").restart(&[]).expect("d0 back");
+    r.journal_event("recovery_validation_started", Some("d0"))
         .await;
-    let ev = lab.journal_event("readmitted", Some("d0")).await;
-    let start = lab.stats(&lab.d0).await["started_at"].as_f64().unwrap();
+    let ev = r.journal_event("readmitted", Some("d0")).await;
+    let start = started_at(&f, "d0").await;
     assert!((ev["process_start"].as_f64().unwrap() - start).abs() < 0.05);
-    let doc = lab
-        .doc_until("d0 back in placement", |d| {
+    let doc = r
+        .lifecycle_until("d0 back in placement", |d| {
             d["engines"]["d0"]["accepts_new"] == true
         })
         .await;
@@ -928,19 +615,8 @@ async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requ
     assert_eq!(e["state"], "active", "{doc:#}");
     assert_eq!(e["restart_required"], false);
     assert_eq!(e["error"], "");
-    assert_checks(
-        &strs(&e["checks"]),
-        &[
-            "health",
-            "attestation",
-            "model",
-            "process identity",
-            "generation",
-            "fabric consume from p0",
-            "final health",
-        ],
-    );
-    let m = lab.metrics().await;
+    assert_checks(&strs(&e["checks"]), &decode_checks("process identity"));
+    let m = r.metrics().await;
     assert_eq!(
         metric(
             &m,
@@ -950,18 +626,13 @@ async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requ
         Some(1.0),
         "{m}"
     );
-    assert!(
-        metric(
-            &m,
-            "narwhal_engine_readmissions_total",
-            &["iid=\"d0\"", "evidence=\"lifecycle\""]
-        )
-        .is_some_and(|v| v >= 1.0),
-        "the un-ejection counts as a lifecycle readmission: {m}"
+    assert_counted(
+        &m,
+        "narwhal_engine_readmissions_total",
+        &["iid=\"d0\"", "evidence=\"lifecycle\""],
+        "the un-ejection counts as a lifecycle readmission",
     );
-    let before = n(&lab.stats(&lab.d0).await["requests"]["decode"]);
-    lab.complete("d0 decodes again").await;
-    assert!(n(&lab.stats(&lab.d0).await["requests"]["decode"]) > before);
+    complete_on(&f, &r, "d0 decodes again", &[("d0", "decode")]).await;
 }
 
 /// Issue 4, sixth bullet: the exact 409 shapes of reference-notes 4.3 and 1.10 that still
@@ -969,11 +640,11 @@ async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requ
 /// malformed bodies. Every reply is the full document with the message in `error`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lifecycle_refusals_have_the_reference_shapes() {
-    let lab = lab("individual", &[], json!({})).await;
+    let (_f, r) = lab("individual", &[], json!({})).await;
     let conflict = |body: Value, msg: &'static str| {
-        let lab = &lab;
+        let r = &r;
         async move {
-            let (status, doc) = lab.post("drain", body.clone()).await;
+            let (status, doc) = r.lifecycle_post("drain", &body).await;
             assert_eq!(status, 409, "drain {body}: {doc:#}");
             assert_eq!(doc["error"], msg, "drain {body}");
         }
@@ -1000,7 +671,7 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
         "a whole-wave drain must name every configured engine",
     )
     .await;
-    let doc = lab.doc().await;
+    let doc = r.lifecycle().await;
     assert!(
         doc["engines"]
             .as_object()
@@ -1009,7 +680,7 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
             .all(|e| e["state"] == "active" && e["accepts_new"] == true),
         "refusals change nothing: {doc:#}"
     );
-    assert!(lab.events().is_empty());
+    assert!(r.lifecycle_events().is_empty());
 
     for (body, msg) in [
         (json!({"engines": ["d0"]}), "d0 is active, expected drained"),
@@ -1023,17 +694,17 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
         ),
         (json!({"engines": ["zz"]}), "unknown engine(s): zz"),
     ] {
-        let (status, doc) = lab.post("readmit", body.clone()).await;
+        let (status, doc) = r.lifecycle_post("readmit", &body).await;
         assert_eq!(status, 409, "readmit {body}: {doc:#}");
         assert_eq!(doc["error"], msg, "readmit {body}");
     }
 
-    let (status, first) = lab.post("drain", json!({"engines": ["p0"]})).await;
+    let (status, first) = drain(&r, "p0").await;
     assert_eq!(status, 200, "{first:#}");
-    lab.journal_event("drain_complete", Some("p0")).await;
-    let before = lab.doc().await;
+    r.journal_event("drain_complete", Some("p0")).await;
+    let before = r.lifecycle().await;
     // DESIGN.md 9.5: the same drain again is idempotent.
-    let (status, again) = lab.post("drain", json!({"engines": ["p0"]})).await;
+    let (status, again) = drain(&r, "p0").await;
     assert_eq!(status, 200, "{again:#}");
     assert_eq!(again["error"], "");
     assert_eq!(again["engines"]["p0"], before["engines"]["p0"]);
@@ -1067,7 +738,7 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
         (r#"{"deadline_s": "soon"}"#, "deadline_s must be a number"),
         (r#"{"wave": "yes"}"#, "wave must be true or false"),
     ] {
-        let (status, doc) = lab.post_raw("drain", body).await;
+        let (status, doc) = r.lifecycle_post_raw("drain", body).await;
         assert_eq!(status, 400, "{body}: {doc:#}");
         assert!(
             doc["error"].as_str().unwrap().contains(needle),
@@ -1075,7 +746,9 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
             doc["error"]
         );
     }
-    let (status, doc) = lab.post_raw("readmit", r#"{"deadline_s": 5}"#).await;
+    let (status, doc) = r
+        .lifecycle_post_raw("readmit", r#"{"deadline_s": 5}"#)
+        .await;
     assert_eq!(status, 400, "readmit takes no deadline: {doc:#}");
 }
 
@@ -1085,9 +758,9 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
 /// identity and completes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_with_agent_down_is_503_holds_the_engine_and_the_retry_succeeds() {
-    let mut lab = lab("individual", &[], json!({"agent": {"timeout_s": 2}})).await;
-    lab.a0.proc.kill();
-    let (status, doc) = lab.post("drain", json!({"engines": ["p0"]})).await;
+    let (mut f, r) = lab("individual", &[], json!({"agent": {"timeout_s": 2}})).await;
+    f.agent_mut("h0").proc.kill();
+    let (status, doc) = drain(&r, "p0").await;
     assert_eq!(status, 503, "{doc:#}");
     let err = doc["error"].as_str().unwrap();
     assert!(
@@ -1105,40 +778,33 @@ async fn drain_with_agent_down_is_503_holds_the_engine_and_the_retry_succeeds() 
             .unwrap()
             .starts_with("process identity unreadable")
     );
-    lab.journal_event("drain_blocked", Some("p0")).await;
+    r.journal_event("drain_blocked", Some("p0")).await;
 
-    let before = n(&lab.stats(&lab.p0).await["requests"]["prefill"])
-        + n(&lab.stats(&lab.p0).await["requests"]["aggregated"]);
-    lab.complete("p0 is held out").await;
-    let after = n(&lab.stats(&lab.p0).await["requests"]["prefill"])
-        + n(&lab.stats(&lab.p0).await["requests"]["aggregated"]);
+    let before = requests(&f, "p0", "prefill").await + requests(&f, "p0", "aggregated").await;
+    r.complete("p0 is held out").await;
+    let after = requests(&f, "p0", "prefill").await + requests(&f, "p0", "aggregated").await;
     assert_eq!(after, before, "a blocked engine receives no traffic");
 
-    let (status, doc) = lab.post("readmit", json!({"engines": ["p0"]})).await;
+    let (status, doc) = readmit(&r, "p0").await;
     assert_eq!(status, 409);
     assert_eq!(
         doc["error"],
         "p0 has no recorded pre-restart process identity"
     );
 
-    lab.restart_agent(0, None);
-    let (status, doc) = lab.post("drain", json!({"engines": ["p0"]})).await;
+    f.agent_mut("h0").restart(None).expect("agent h0 restarts");
+    let (status, doc) = drain(&r, "p0").await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["error"], "");
-    let start = lab.stats(&lab.p0).await["started_at"].as_f64().unwrap();
+    let start = started_at(&f, "p0").await;
     let old = doc["engines"]["p0"]["old_process_start"].as_f64().unwrap();
     assert!((old - start).abs() < 0.05);
-    lab.journal_event("drain_complete", Some("p0")).await;
-    let doc = lab.doc().await;
+    r.journal_event("drain_complete", Some("p0")).await;
+    let doc = r.lifecycle().await;
     assert_eq!(doc["engines"]["p0"]["state"], "drained");
     assert_eq!(doc["engines"]["p0"]["error"], "");
     assert_eq!(doc["engines"]["p0"]["ready_to_stop"], true);
-    let actions: Vec<String> = lab
-        .events()
-        .iter()
-        .filter(|e| e["iid"] == "p0")
-        .map(|e| e["action"].as_str().unwrap().to_string())
-        .collect();
+    let actions = actions_of(&r, "p0");
     assert_eq!(
         actions,
         [
@@ -1216,12 +882,25 @@ done
     path
 }
 
-fn ctl(control: &str, args: &[&str]) -> std::process::Output {
-    Command::new(bin_path("narwhalctl"))
-        .args(["--router", control])
-        .args(args)
-        .output()
-        .expect("run narwhalctl")
+/// `narwhalctl wave-restart [--rolling] --restart-cmd <cmd> --timeout-s 30`, run off the
+/// async runtime; it must succeed.
+async fn wave_restart(control: &str, cmd: &str, rolling: bool) -> std::process::Output {
+    let mut args = vec!["wave-restart".to_string()];
+    if rolling {
+        args.push("--rolling".into());
+    }
+    args.extend(["--restart-cmd", cmd, "--timeout-s", "30"].map(String::from));
+    let control = control.to_string();
+    let out = tokio::task::spawn_blocking(move || narwhalctl(&control, &args))
+        .await
+        .expect("narwhalctl task");
+    assert!(
+        out.status.success(),
+        "{}: {out:?}\n{}",
+        if rolling { "rolling" } else { "wave-restart" },
+        String::from_utf8_lossy(&out.stdout)
+    );
+    out
 }
 
 /// `narwhalctl wave-restart` drives a whole-wave restart and then a rolling one through a
@@ -1230,87 +909,47 @@ fn ctl(control: &str, args: &[&str]) -> std::process::Output {
 /// 1 for a refused action, 3 for an unreachable router.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn narwhalctl_wave_restart_and_rolling_restart() {
-    let lab = lab("individual", &[], json!({})).await;
-    let script = restart_script(lab.dir.path(), &[&lab.p0, &lab.d0]);
-    let _reap = PidFiles(vec![
-        lab.dir.path().join("p0.pid"),
-        lab.dir.path().join("d0.pid"),
-    ]);
-    let pid = |iid: &str| std::fs::read_to_string(lab.dir.path().join(format!("{iid}.pid")));
+    let (f, r) = lab("individual", &[], json!({})).await;
+    let script = restart_script(f.dir(), &[f.sim("p0"), f.sim("d0")]);
+    let _reap = PidFiles(vec![f.dir().join("p0.pid"), f.dir().join("d0.pid")]);
+    let pid = |iid: &str| std::fs::read_to_string(f.dir().join(format!("{iid}.pid")));
     let cmd = format!("sh {} {{iid}}", script.display());
-    let control = lab.router.control.clone();
+    let control = r.control.clone();
 
     let pids0 = (pid("p0").unwrap(), pid("d0").unwrap());
-    let out = tokio::task::spawn_blocking({
-        let (control, cmd) = (control.clone(), cmd.clone());
-        move || {
-            ctl(
-                &control,
-                &["wave-restart", "--restart-cmd", &cmd, "--timeout-s", "30"],
-            )
-        }
-    })
-    .await
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "wave-restart: {out:?}\n{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    wave_restart(&control, &cmd, false).await;
     let pids1 = (pid("p0").unwrap(), pid("d0").unwrap());
     assert!(
         pids1.0 != pids0.0 && pids1.1 != pids0.1,
         "both engines restarted"
     );
-    let doc = lab.doc().await;
+    let doc = r.lifecycle().await;
     assert_eq!(doc["wave"]["active"], false, "{doc:#}");
     for iid in ["p0", "d0"] {
         let e = &doc["engines"][iid];
         assert_eq!(e["state"], "active", "{iid}: {doc:#}");
         assert!(e["new_process_start"].as_f64() > e["old_process_start"].as_f64());
     }
-    assert!(lab.has_event("wave_readmitted", None));
-    lab.complete("after the wave restart").await;
+    assert!(r.has_event("wave_readmitted", None));
+    r.complete("after the wave restart").await;
 
-    let out = tokio::task::spawn_blocking({
-        let (control, cmd) = (control.clone(), cmd.clone());
-        move || {
-            ctl(
-                &control,
-                &[
-                    "wave-restart",
-                    "--rolling",
-                    "--restart-cmd",
-                    &cmd,
-                    "--timeout-s",
-                    "30",
-                ],
-            )
-        }
-    })
-    .await
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "rolling: {out:?}\n{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    wave_restart(&control, &cmd, true).await;
     let pids2 = (pid("p0").unwrap(), pid("d0").unwrap());
     assert!(pids2.0 != pids1.0 && pids2.1 != pids1.1);
-    let doc = lab.doc().await;
+    let doc = r.lifecycle().await;
     for iid in ["p0", "d0"] {
         let e = &doc["engines"][iid];
         assert_eq!(e["state"], "active", "{iid}: {doc:#}");
         assert_eq!(e["wave_id"], "", "{iid}: rolling restarts are individual");
         assert!(strs(&e["checks"]).contains(&"new process identity".to_string()));
     }
-    lab.complete("after the rolling restart").await;
+    r.complete("after the rolling restart").await;
 
-    let out = ctl(&control, &["readmit", "p0"]);
+    let out = narwhalctl(&control, &["readmit", "p0"]);
     assert_eq!(out.status.code(), Some(1), "refused: {out:?}");
-    let out = ctl(&control, &["status"]);
+    let out = narwhalctl(&control, &["status"]);
     assert_eq!(out.status.code(), Some(0), "{out:?}");
-    let out = ctl("http://127.0.0.1:1", &["status"]);
+    let out = narwhalctl("http://127.0.0.1:1", &["status"]);
     assert_eq!(out.status.code(), Some(3), "unreachable: {out:?}");
 }
 
@@ -1320,18 +959,16 @@ async fn narwhalctl_wave_restart_and_rolling_restart() {
 /// error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
-    let lab = lab("individual", &["--tpot-ms", "40"], json!({})).await;
-    let s = Stream::start(&lab, "outlives the drain deadline", 30).await;
-    let (status, doc) = lab
-        .post("drain", json!({"engines": ["d0"], "deadline_s": 0.2}))
+    let (_f, r) = lab("individual", &["--tpot-ms", "40"], json!({})).await;
+    let s = r.open_stream("outlives the drain deadline", 30).await;
+    let (status, doc) = r
+        .lifecycle_post("drain", &json!({"engines": ["d0"], "deadline_s": 0.2}))
         .await;
     assert_eq!(status, 200, "{doc:#}");
-    let ev = lab
-        .journal_event("drain_deadline_exceeded", Some("d0"))
-        .await;
+    let ev = r.journal_event("drain_deadline_exceeded", Some("d0")).await;
     assert_eq!(ev["resident"], 1, "{ev}");
-    assert!(!lab.has_event("drain_complete", Some("d0")));
-    let doc = lab.doc().await;
+    assert!(!r.has_event("drain_complete", Some("d0")));
+    let doc = r.lifecycle().await;
     let e = &doc["engines"]["d0"];
     assert_eq!(e["state"], "deadline_exceeded", "{doc:#}");
     assert_eq!(
@@ -1339,7 +976,7 @@ async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
         "1 resident request(s) remain after the drain deadline"
     );
     assert_eq!(e["ready_to_stop"], false);
-    let (status, doc) = lab.post("readmit", json!({"engines": ["d0"]})).await;
+    let (status, doc) = readmit(&r, "d0").await;
     assert_eq!(status, 409);
     assert_eq!(doc["error"], "d0 is deadline_exceeded, expected drained");
     let text = s.finish().await;
@@ -1347,8 +984,8 @@ async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
         text.matches("\"text\"").count() >= 30,
         "the stream ran to its end"
     );
-    lab.journal_event("drain_complete", Some("d0")).await;
-    let doc = lab.doc().await;
+    r.journal_event("drain_complete", Some("d0")).await;
+    let doc = r.lifecycle().await;
     let e = &doc["engines"]["d0"];
     assert_eq!(e["state"], "drained", "{doc:#}");
     assert_eq!(e["error"], "", "no stale deadline error");
@@ -1361,25 +998,17 @@ async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
 /// every engine restarts the wave readmission returns the fleet to service.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes() {
-    let mut lab = lab("whole_wave", &[], json!({"recovery": {"eject_after": 1}})).await;
-    lab.complete("warm up").await;
-    lab.d0.proc.kill();
-    let _ = lab
-        .http
-        .post(format!("{}/v1/completions", lab.router.data))
-        .json(&json!({"model": "tiny-sim", "prompt": "d0 is gone", "max_tokens": 2}))
-        .send()
-        .await;
-    let ev = lab.journal_event("restart_required", None).await;
+    let (mut f, r) = lab("whole_wave", &[], json!({"recovery": {"eject_after": 1}})).await;
+    crash_d0(&mut f, &r, "d0 is gone").await;
+    let ev = r.journal_event("restart_required", None).await;
     assert_eq!(ev["reason"], "engine d0 was excluded", "{ev}");
     let wave_id = ev["wave_id"].as_str().unwrap().to_string();
-    let (status, ready) = lab.ready().await;
-    assert_eq!(status, 503);
+    let ready = r.not_ready().await;
     assert_eq!(
         ready["reason"],
         "whole-wave restart required: engine d0 was excluded"
     );
-    let doc = lab.doc().await;
+    let doc = r.lifecycle().await;
     assert_eq!(doc["wave"]["id"], wave_id.as_str(), "{doc:#}");
     for iid in ["p0", "d0"] {
         let e = &doc["engines"][iid];
@@ -1389,37 +1018,35 @@ async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes
         assert_eq!(e["error"], "engine d0 was excluded", "{iid}");
     }
     // The engine answers again; automatic recovery must not readmit it under whole_wave.
-    lab.d0.restart(&[]).expect("d0 back");
-    let (status, doc) = lab.post("readmit", json!({"wave": true})).await;
+    f.sim_mut("d0").restart(&[]).expect("d0 back");
+    let (status, doc) = r.lifecycle_post("readmit", &json!({"wave": true})).await;
     assert_eq!(status, 409, "{doc:#}");
     assert_eq!(
         doc["error"],
         "d0 has no recorded pre-restart process identity"
     );
     // Drain the wave: identities are captured for the held records (no new wave).
-    let (status, doc) = lab.post("drain", json!({"wave": true})).await;
+    let (status, doc) = r.lifecycle_post("drain", &json!({"wave": true})).await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["wave"]["id"], wave_id.as_str(), "same wave");
-    lab.journal_event("wave_ready_to_stop", None).await;
+    r.journal_event("wave_ready_to_stop", None).await;
     assert!(
-        !lab.has_event("recovery_validation_started", Some("d0")),
+        !r.has_event("recovery_validation_started", Some("d0")),
         "no automatic recovery under whole_wave"
     );
-    lab.p0.restart(&[]).expect("restart p0");
-    lab.d0.restart(&[]).expect("restart d0");
-    let (status, doc) = lab.post("readmit", json!({"wave": true})).await;
+    f.sim_mut("p0").restart(&[]).expect("restart p0");
+    f.sim_mut("d0").restart(&[]).expect("restart d0");
+    let (status, doc) = r.lifecycle_post("readmit", &json!({"wave": true})).await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["wave"]["active"], false);
-    let doc = lab
-        .doc_until("both engines in placement", |d| {
+    let doc = r
+        .lifecycle_until("both engines in placement", |d| {
             d["engines"]["p0"]["accepts_new"] == true && d["engines"]["d0"]["accepts_new"] == true
         })
         .await;
     assert_eq!(doc["router"]["ready"], true, "{doc:#}");
-    assert_eq!(lab.ready().await.0, 200);
-    let before = n(&lab.stats(&lab.d0).await["requests"]["decode"]);
-    lab.complete("after the forced wave").await;
-    assert!(n(&lab.stats(&lab.d0).await["requests"]["decode"]) > before);
+    assert_eq!(r.ready().await.0, 200);
+    complete_on(&f, &r, "after the forced wave", &[("d0", "decode")]).await;
 }
 
 /// A recovery validation that fails (the engine came back serving the wrong model) leaves the
@@ -1427,40 +1054,33 @@ async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes
 /// engine is right it is readmitted automatically.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
-    let mut lab = lab("individual", &[], json!({"recovery": {"eject_after": 1}})).await;
-    lab.complete("warm up").await;
-    lab.d0.proc.kill();
-    let _ = lab
-        .http
-        .post(format!("{}/v1/completions", lab.router.data))
-        .json(&json!({"model": "tiny-sim", "prompt": "d0 is gone", "max_tokens": 2}))
-        .send()
+    let (mut f, r) = lab("individual", &[], json!({"recovery": {"eject_after": 1}})).await;
+    crash_d0(&mut f, &r, "d0 is gone").await;
+    r.lifecycle_until("d0 ejected", |d| d["engines"]["d0"]["accepts_new"] == false)
         .await;
-    lab.doc_until("d0 ejected", |d| d["engines"]["d0"]["accepts_new"] == false)
-        .await;
-    respawn(lab.dir.path(), &mut lab.d0, "other-model", None);
-    let ev = lab.journal_event("validation_failed", Some("d0")).await;
+    f.sim_mut("d0")
+        .restart(&["--model", "other-model"])
+        .expect("d0 serves another model");
+    let ev = r.journal_event("validation_failed", Some("d0")).await;
     assert_eq!(
         ev["error"], r#"serves ["other-model"], expected tiny-sim"#,
         "{ev}"
     );
-    let doc = lab.doc().await;
+    let doc = r.lifecycle().await;
     let e = &doc["engines"]["d0"];
     assert_eq!(e["accepts_new"], false, "{doc:#}");
     assert_eq!(e["restart_required"], false);
     assert!(
-        lab.stats(&lab.d0).await["requests"]["decode"] == 0,
+        f.sim("d0").stats().await["requests"]["decode"] == 0,
         "no traffic reaches an engine that failed validation"
     );
-    lab.d0.restart(&[]).expect("d0 right again");
-    lab.journal_event("readmitted", Some("d0")).await;
-    lab.doc_until("d0 back", |d| {
+    f.sim_mut("d0").restart(&[]).expect("d0 right again");
+    r.journal_event("readmitted", Some("d0")).await;
+    r.lifecycle_until("d0 back", |d| {
         d["engines"]["d0"]["accepts_new"] == true && d["engines"]["d0"]["state"] == "active"
     })
     .await;
-    let before = n(&lab.stats(&lab.d0).await["requests"]["decode"]);
-    lab.complete("d0 decodes again").await;
-    assert!(n(&lab.stats(&lab.d0).await["requests"]["decode"]) > before);
+    complete_on(&f, &r, "d0 decodes again", &[("d0", "decode")]).await;
 }
 
 /// SGLang: readmission has no direct-generation check (the KV rendezvous is the generation
@@ -1468,20 +1088,22 @@ async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
 /// after its readmission answers 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
-    let mut lab = lab_with("sglang", "individual", &[], json!({})).await;
-    lab.complete("warm up").await;
-    let (status, doc) = lab.post("drain", json!({"engines": ["p0"]})).await;
+    let (mut f, r) = lab_with("sglang", "individual", &[], json!({})).await;
+    r.complete("warm up").await;
+    let (status, doc) = drain(&r, "p0").await;
     assert_eq!(status, 200, "{doc:#}");
-    lab.journal_event("drain_complete", Some("p0")).await;
-    let old_port = lab.p0.bootstrap_port;
-    respawn(lab.dir.path(), &mut lab.p0, "tiny-sim", Some(0));
-    assert_ne!(lab.p0.bootstrap_port, old_port, "a new bootstrap port");
-    let rejected_before = lab.stats(&lab.d0).await["kv"]["rejected"].clone();
+    r.journal_event("drain_complete", Some("p0")).await;
+    let old_port = f.sim("p0").bootstrap_port;
+    f.sim_mut("p0")
+        .restart(&["--bootstrap-port", "0"])
+        .expect("p0 back on a new bootstrap port");
+    assert_ne!(f.sim("p0").bootstrap_port, old_port, "a new bootstrap port");
+    let rejected_before = f.sim("d0").stats().await["kv"]["rejected"].clone();
     // Traffic runs through the readmission: the first P/D requests placed on p0 after it is
     // back must already use its new bootstrap port.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let hammer = {
-        let (http, data, stop) = (lab.http.clone(), lab.router.data.clone(), stop.clone());
+        let (http, data, stop) = (r.http.client().clone(), r.data.clone(), stop.clone());
         tokio::spawn(async move {
             let mut bad = Vec::new();
             let mut i = 0;
@@ -1508,22 +1130,17 @@ async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
             (i, bad)
         })
     };
-    let (status, doc) = lab.post("readmit", json!({"engines": ["p0"]})).await;
+    let (status, doc) = readmit(&r, "p0").await;
     assert_eq!(status, 200, "{doc:#}");
-    assert_checks(
-        &strs(&doc["engines"]["p0"]["checks"]),
-        &[
-            "health",
-            "attestation",
-            "model",
-            "new process identity",
-            "fabric produce to d0",
-            "final health",
-        ],
-    );
-    let p_now = n(&lab.stats(&lab.p0).await["requests"]["prefill"]);
+    // SGLang: the vLLM checks without direct generation.
+    let sglang: Vec<&str> = vllm_checks("new process identity", "fabric produce to d0")
+        .into_iter()
+        .filter(|c| *c != "generation")
+        .collect();
+    assert_checks(&strs(&doc["engines"]["p0"]["checks"]), &sglang);
+    let p_now = requests(&f, "p0", "prefill").await;
     wait_until(WAIT, || async {
-        (n(&lab.stats(&lab.p0).await["requests"]["prefill"]) >= p_now + 5).then_some(())
+        (requests(&f, "p0", "prefill").await >= p_now + 5).then_some(())
     })
     .await
     .expect("P/D traffic on p0 after readmission");
@@ -1531,19 +1148,19 @@ async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
     let (sent, bad) = hammer.await.unwrap();
     assert!(bad.is_empty(), "{} of {sent} failed: {bad:?}", bad.len());
     assert_eq!(
-        lab.stats(&lab.d0).await["kv"]["rejected"],
+        f.sim("d0").stats().await["kv"]["rejected"],
         rejected_before,
         "no decode used a stale bootstrap port"
     );
     let (p, d) = (
-        lab.stats(&lab.p0).await["requests"]["prefill"].clone(),
-        lab.stats(&lab.d0).await["kv"].clone(),
+        f.sim("p0").stats().await["requests"]["prefill"].clone(),
+        f.sim("d0").stats().await["kv"].clone(),
     );
     for i in 0..3 {
-        lab.complete(&format!("right after readmission {i}")).await;
+        r.complete(&format!("right after readmission {i}")).await;
     }
-    let d2 = lab.stats(&lab.d0).await["kv"].clone();
-    assert!(n(&lab.stats(&lab.p0).await["requests"]["prefill"]) >= n(&p) + 3);
+    let d2 = f.sim("d0").stats().await["kv"].clone();
+    assert!(requests(&f, "p0", "prefill").await >= n(&p) + 3);
     assert_eq!(d2["rejected"], d["rejected"], "no rendezvous failed: {d2}");
     assert!(n(&d2["consumed"]) >= n(&d["consumed"]) + 3, "{d2}");
 }
@@ -1554,22 +1171,15 @@ async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
 /// while it is down, and the restarted process passes the wave readmission.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() {
-    let mut lab = lab("whole_wave", &[], json!({"recovery": {"eject_after": 1}})).await;
-    let d0_start = lab.stats(&lab.d0).await["started_at"].as_f64().unwrap();
-    lab.doc_until("identities accepted at startup", |d| {
+    let (mut f, r) = lab("whole_wave", &[], json!({"recovery": {"eject_after": 1}})).await;
+    let d0_start = started_at(&f, "d0").await;
+    r.lifecycle_until("identities accepted at startup", |d| {
         d["process_starts"]["d0"].as_f64().is_some() && d["process_starts"]["p0"].as_f64().is_some()
     })
     .await;
-    lab.complete("warm up").await;
-    lab.d0.proc.kill();
-    let _ = lab
-        .http
-        .post(format!("{}/v1/completions", lab.router.data))
-        .json(&json!({"model": "tiny-sim", "prompt": "d0 crashed", "max_tokens": 2}))
-        .send()
-        .await;
-    lab.journal_event("restart_required", None).await;
-    let (status, doc) = lab.post("drain", json!({"wave": true})).await;
+    crash_d0(&mut f, &r, "d0 crashed").await;
+    r.journal_event("restart_required", None).await;
+    let (status, doc) = r.lifecycle_post("drain", &json!({"wave": true})).await;
     assert_eq!(status, 200, "{doc:#}");
     let old = doc["engines"]["d0"]["old_process_start"].as_f64();
     assert_eq!(
@@ -1577,14 +1187,14 @@ async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() 
         Some(d0_start),
         "bound to the verified process: {doc:#}"
     );
-    lab.journal_event("wave_ready_to_stop", None).await;
-    lab.p0.restart(&[]).expect("restart p0");
-    lab.d0.restart(&[]).expect("restart d0");
-    let (status, doc) = lab.post("readmit", json!({"wave": true})).await;
+    r.journal_event("wave_ready_to_stop", None).await;
+    f.sim_mut("p0").restart(&[]).expect("restart p0");
+    f.sim_mut("d0").restart(&[]).expect("restart d0");
+    let (status, doc) = r.lifecycle_post("readmit", &json!({"wave": true})).await;
     assert_eq!(status, 200, "{doc:#}");
-    lab.doc_until("d0 back", |d| d["engines"]["d0"]["accepts_new"] == true)
+    r.lifecycle_until("d0 back", |d| d["engines"]["d0"]["accepts_new"] == true)
         .await;
-    lab.complete("after the crash wave").await;
+    r.complete("after the crash wave").await;
 }
 
 /// DESIGN.md 9.7: a peer whose process changed behind the router's back fails an individual
@@ -1597,19 +1207,19 @@ async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() 
 /// whole-wave restart; this was found here and fixed in `Lifecycle::join_recovery`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
-    let mut lab = lab("individual", &[], json!({})).await;
-    lab.doc_until("identities accepted at startup", |d| {
+    let (mut f, r) = lab("individual", &[], json!({})).await;
+    r.lifecycle_until("identities accepted at startup", |d| {
         d["process_starts"]["d0"].as_f64().is_some()
     })
     .await;
-    let (status, doc) = lab.post("drain", json!({"engines": ["p0"]})).await;
+    let (status, doc) = drain(&r, "p0").await;
     assert_eq!(status, 200, "{doc:#}");
-    lab.journal_event("drain_complete", Some("p0")).await;
-    lab.p0.restart(&[]).expect("restart p0");
-    lab.d0
+    r.journal_event("drain_complete", Some("p0")).await;
+    f.sim_mut("p0").restart(&[]).expect("restart p0");
+    f.sim_mut("d0")
         .restart(&[])
         .expect("d0 restarted without the router knowing");
-    let (status, doc) = lab.post("readmit", json!({"engines": ["p0"]})).await;
+    let (status, doc) = readmit(&r, "p0").await;
     assert_eq!(status, 409, "{doc:#}");
     assert_eq!(
         doc["engines"]["p0"]["error"],
@@ -1618,48 +1228,32 @@ async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
     assert_eq!(doc["engines"]["p0"]["state"], "blocked");
     assert_eq!(doc["engines"]["d0"]["accepts_new"], false, "d0 ejected");
     assert_eq!(doc["engines"]["d0"]["state"], "active", "no record for d0");
-    let m = lab.metrics().await;
-    assert!(
-        metric(
-            &m,
-            "narwhal_engine_ejections_total",
-            &["iid=\"d0\"", "cause=\"process_identity\""]
-        )
-        .is_some_and(|v| v >= 1.0),
-        "{m}"
+    let m = r.metrics().await;
+    assert_counted(
+        &m,
+        "narwhal_engine_ejections_total",
+        &["iid=\"d0\"", "cause=\"process_identity\""],
+        "d0 ejected: its process changed",
     );
-    assert_eq!(lab.ready().await.0, 503, "nothing live");
-    assert!(!lab.has_event("recovery_validation_started", Some("d0")));
-    let (status, doc) = lab.post("readmit", json!({"engines": ["p0"]})).await;
+    assert_eq!(r.ready().await.0, 503, "nothing live");
+    assert!(!r.has_event("recovery_validation_started", Some("d0")));
+    let (status, doc) = readmit(&r, "p0").await;
     assert_eq!(status, 200, "{doc:#}");
     let d0 = &doc["engines"]["d0"];
     assert_eq!(d0["state"], "active", "{doc:#}");
     assert_eq!(d0["restart_required"], false);
-    assert_checks(
-        &strs(&d0["checks"]),
-        &[
-            "health",
-            "attestation",
-            "model",
-            "process identity",
-            "generation",
-            "fabric consume from p0",
-            "final health",
-        ],
-    );
-    let d0_start = lab.stats(&lab.d0).await["started_at"].as_f64().unwrap();
+    assert_checks(&strs(&d0["checks"]), &decode_checks("process identity"));
+    let d0_start = started_at(&f, "d0").await;
     assert_eq!(doc["process_starts"]["d0"].as_f64(), Some(d0_start));
     assert_eq!(doc["engines"]["p0"]["state"], "active");
-    lab.journal_event("recovery_validation_started", Some("d0"))
+    r.journal_event("recovery_validation_started", Some("d0"))
         .await;
-    lab.doc_until("both back", |d| {
+    r.lifecycle_until("both back", |d| {
         d["engines"]["d0"]["accepts_new"] == true && d["engines"]["p0"]["accepts_new"] == true
     })
     .await;
-    assert_eq!(lab.ready().await.0, 200);
-    let before = n(&lab.stats(&lab.d0).await["requests"]["decode"]);
-    lab.complete("both back").await;
-    assert!(n(&lab.stats(&lab.d0).await["requests"]["decode"]) > before);
+    assert_eq!(r.ready().await.0, 200);
+    complete_on(&f, &r, "both back", &[("d0", "decode")]).await;
 }
 
 /// An engine that crashes while draining: its stream fails, it is ejected, its drain completes
@@ -1667,34 +1261,33 @@ async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
 /// leaves the drain alone, and the operator's readmission returns it to placement.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_crashing_while_draining_is_readmitted_by_the_operator() {
-    let mut lab = lab(
+    let (mut f, r) = lab(
         "individual",
         &["--tpot-ms", "40"],
         json!({"recovery": {"eject_after": 1}}),
     )
     .await;
-    let s = Stream::start(&lab, "its decode engine will crash", 30).await;
-    let (status, doc) = lab.post("drain", json!({"engines": ["d0"]})).await;
+    let s = r.open_stream("its decode engine will crash", 30).await;
+    let (status, doc) = drain(&r, "d0").await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["engines"]["d0"]["state"], "draining");
-    lab.d0.proc.kill();
-    let mut resp = s.resp;
-    while let Ok(Some(_)) = resp.chunk().await {}
-    lab.journal_event("drain_complete", Some("d0")).await;
-    let doc = lab.doc().await;
+    f.sim_mut("d0").proc.kill();
+    s.drain().await;
+    r.journal_event("drain_complete", Some("d0")).await;
+    let doc = r.lifecycle().await;
     assert_eq!(doc["engines"]["d0"]["ready_to_stop"], true, "{doc:#}");
-    lab.d0.restart(&[]).expect("supervisor restarts d0");
+    f.sim_mut("d0")
+        .restart(&[])
+        .expect("supervisor restarts d0");
     // Health answers again, but the drain hold stands until the operator readmits.
-    let doc = lab.doc().await;
+    let doc = r.lifecycle().await;
     assert_eq!(doc["engines"]["d0"]["state"], "drained", "{doc:#}");
-    let (status, doc) = lab.post("readmit", json!({"engines": ["d0"]})).await;
+    let (status, doc) = readmit(&r, "d0").await;
     assert_eq!(status, 200, "{doc:#}");
-    assert!(!lab.has_event("recovery_validation_started", Some("d0")));
-    lab.doc_until("d0 back", |d| d["engines"]["d0"]["accepts_new"] == true)
+    assert!(!r.has_event("recovery_validation_started", Some("d0")));
+    r.lifecycle_until("d0 back", |d| d["engines"]["d0"]["accepts_new"] == true)
         .await;
-    let before = n(&lab.stats(&lab.d0).await["requests"]["decode"]);
-    lab.complete("d0 decodes again").await;
-    assert!(n(&lab.stats(&lab.d0).await["requests"]["decode"]) > before);
+    complete_on(&f, &r, "d0 decodes again", &[("d0", "decode")]).await;
 }
 
 /// The seed's "transient breaker ejection": the engine's process stalls (SIGSTOP), its decode
@@ -1704,43 +1297,86 @@ async fn engine_crashing_while_draining_is_readmitted_by_the_operator() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_engine_is_readmitted_as_the_same_process_after_it_resumes() {
     use nix::sys::signal::Signal;
-    let lab = lab(
+    let (f, r) = lab(
         "individual",
         &[],
         json!({"recovery": {"eject_after": 1},
                "engine": {"first_token_timeout_s": 0.3, "health_timeout_s": 0.3}}),
     )
     .await;
-    let accepted = lab.doc().await["process_starts"]["d0"].as_f64().unwrap();
-    lab.d0.proc.signal(Signal::SIGSTOP);
-    let _ = lab
-        .http
-        .post(format!("{}/v1/completions", lab.router.data))
-        .json(&json!({"model": "tiny-sim", "prompt": "d0 stalls", "max_tokens": 2}))
-        .send()
+    let accepted = r.lifecycle().await["process_starts"]["d0"]
+        .as_f64()
+        .unwrap();
+    f.sim("d0").proc.signal(Signal::SIGSTOP);
+    trip_breaker(&r, "d0 stalls").await;
+    r.lifecycle_until("d0 ejected", |d| d["engines"]["d0"]["accepts_new"] == false)
         .await;
-    lab.doc_until("d0 ejected", |d| d["engines"]["d0"]["accepts_new"] == false)
-        .await;
-    lab.d0.proc.signal(Signal::SIGCONT);
-    let ev = lab.journal_event("readmitted", Some("d0")).await;
+    f.sim("d0").proc.signal(Signal::SIGCONT);
+    let ev = r.journal_event("readmitted", Some("d0")).await;
     assert_eq!(ev["process_start"].as_f64(), Some(accepted), "same process");
-    let doc = lab
-        .doc_until("d0 back", |d| d["engines"]["d0"]["accepts_new"] == true)
+    let doc = r
+        .lifecycle_until("d0 back", |d| d["engines"]["d0"]["accepts_new"] == true)
         .await;
     let e = &doc["engines"]["d0"];
     assert_eq!(e["restart_required"], false, "{doc:#}");
     assert!(strs(&e["checks"]).contains(&"process identity".to_string()));
-    let m = lab.metrics().await;
-    assert!(
-        metric(
-            &m,
-            "narwhal_engine_ejections_total",
-            &["iid=\"d0\"", "cause=\"stream\""]
-        )
-        .is_some_and(|v| v >= 1.0),
-        "{m}"
+    let m = r.metrics().await;
+    assert_counted(
+        &m,
+        "narwhal_engine_ejections_total",
+        &["iid=\"d0\"", "cause=\"stream\""],
+        "d0 ejected: its stream stalled",
     );
-    let before = n(&lab.stats(&lab.d0).await["requests"]["decode"]);
-    lab.complete("d0 decodes again").await;
-    assert!(n(&lab.stats(&lab.d0).await["requests"]["decode"]) > before);
+    complete_on(&f, &r, "d0 decodes again", &[("d0", "decode")]).await;
+}
+
+/// A readmission probe of the ejected engine that is still in flight when the operator's wave
+/// readmission returns the engine to placement must not start a recovery afterwards: under
+/// `whole_wave` that recovery used to hold the whole fleet in a new restart wave ("engine
+/// recovery requires a managed whole-wave restart") right after the readmission answered 200,
+/// which is how `crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains` timed
+/// out waiting for d0 on a loaded machine. Here every `/health` answer of d0 takes 1 s and the
+/// monitor ticks every 50 ms, so the router's probes of the ejected d0 (one at a time) are in
+/// flight about 95% of the time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_health_probe_answering_after_a_wave_readmission_does_not_hold_the_fleet_again() {
+    let fast_probes = json!({"recovery": {"eject_after": 1},
+                             "controller": {"monitor_interval_s": 0.05}});
+    let (mut f, r) = lab("whole_wave", &[], fast_probes).await;
+    crash_d0(&mut f, &r, "d0 crashed").await;
+    r.journal_event("restart_required", None).await;
+    let (status, doc) = r.lifecycle_post("drain", &json!({"wave": true})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    r.journal_event("wave_ready_to_stop", None).await;
+    f.sim_mut("p0").restart(&[]).expect("restart p0");
+    f.sim_mut("d0").restart(&[]).expect("restart d0");
+    f.sim("d0")
+        .fault(json!({"phase": "health", "action": "hang", "ms": 1000, "count": 1000}))
+        .await;
+    let (status, doc) = r.lifecycle_post("readmit", &json!({"wave": true})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    r.journal_event("wave_readmitted", None).await;
+    // Longer than a probe in flight takes to answer (1 s) and the next monitor tick.
+    let again = wait_until(Duration::from_secs(3), || async {
+        let events = r.lifecycle_events();
+        let done = events
+            .iter()
+            .position(|e| e["action"] == "wave_readmitted")?;
+        events[done..]
+            .iter()
+            .find(|e| e["action"] == "restart_required")
+            .cloned()
+    })
+    .await;
+    assert_eq!(
+        again, None,
+        "the fleet was held again after its readmission"
+    );
+    let doc = r
+        .lifecycle_until("both engines in placement", |d| {
+            d["engines"]["p0"]["accepts_new"] == true && d["engines"]["d0"]["accepts_new"] == true
+        })
+        .await;
+    assert_eq!(doc["wave"]["active"], false, "{doc:#}");
+    r.complete("after the wave").await;
 }

@@ -3,53 +3,37 @@
 //! a certificate, or with one from another CA, is refused at the TLS layer and narwhalctl says
 //! the router is unavailable (exit 3).
 
-use std::process::Command;
-
-use narwhal_testkit::certs::make_dev_certs;
-use narwhal_testkit::{EngineSpec, FleetSpec, bin_path, start_agent, start_router, start_sim};
-use serde_json::{Value, json};
+use narwhal_testkit::certs::{DevCerts, make_dev_certs};
+use narwhal_testkit::{Fleet, narwhalctl};
+use serde_json::Value;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn narwhalctl_drains_and_readmits_over_mutual_tls_and_strangers_are_refused() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let certs = make_dev_certs(
-        &dir.path().join("certs"),
-        &["router", "ctl", "agent-h0", "agent-h1"],
-    )
-    .expect("certs");
-    let other_ca = make_dev_certs(&dir.path().join("other"), &["ctl"]).expect("foreign CA");
-    let mut sims = vec![
-        start_sim(dir.path(), &EngineSpec::new("p0", "prefill"), "vllm").expect("p0"),
-        start_sim(dir.path(), &EngineSpec::new("d0", "decode"), "vllm").expect("d0"),
-    ];
-    let a0 = start_agent(dir.path(), &certs, "h0", &[&sims[0]]).expect("agent h0");
-    let a1 = start_agent(dir.path(), &certs, "h1", &[&sims[1]]).expect("agent h1");
-    let spec = FleetSpec::for_sims("vllm", &sims)
-        .tls(&certs, "router")
-        .agent("p0", &a0)
-        .agent("d0", &a1)
-        .with(json!({"control": {"tls": {
-            "ca": certs.ca, "cert": certs.cert("router"), "key": certs.key("router")
-        }}}));
-    let router = start_router(dir.path(), "router", &spec, &[]).expect("router");
+    let mut f = Fleet::builder()
+        .prefill(1)
+        .decode(1)
+        .agents()
+        .certs(&["ctl"])
+        .control_tls()
+        .start()
+        .await;
+    let other_ca = make_dev_certs(&f.dir().join("other"), &["ctl"]).expect("foreign CA");
+    let certs = f.certs().clone();
+    let control = f.router().control.clone();
     assert!(
-        router.control.starts_with("https://"),
-        "the control listener announces TLS: {}",
-        router.control
+        control.starts_with("https://"),
+        "the control listener announces TLS: {control}"
     );
-    let ctl = |creds: Option<&narwhal_testkit::certs::DevCerts>, args: &[&str]| {
-        let mut cmd = Command::new(bin_path("narwhalctl"));
-        cmd.args(["--router", &router.control]);
+    let ctl = |creds: Option<&DevCerts>, args: &[&str]| {
+        let mut all: Vec<std::ffi::OsString> = Vec::new();
         if let Some(c) = creds {
-            cmd.arg("--ca")
-                .arg(&certs.ca)
-                .arg("--cert")
-                .arg(c.cert("ctl"))
-                .arg("--key")
-                .arg(c.key("ctl"));
+            all.extend(["--ca".into(), certs.ca.clone().into_os_string()]);
+            all.extend(["--cert".into(), c.cert("ctl").into_os_string()]);
+            all.extend(["--key".into(), c.key("ctl").into_os_string()]);
         }
-        cmd.args(["--request-timeout-s", "20"]).args(args);
-        let out = cmd.output().expect("run narwhalctl");
+        all.extend(["--request-timeout-s", "20"].map(Into::into));
+        all.extend(args.iter().map(Into::into));
+        let out = narwhalctl(&control, &all);
         (
             out.status.code().unwrap_or(-1),
             String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -68,7 +52,7 @@ async fn narwhalctl_drains_and_readmits_over_mutual_tls_and_strangers_are_refuse
     let doc: Value =
         serde_json::from_str(out.lines().last().unwrap_or("")).expect("--json document");
     assert_eq!(doc["engines"]["d0"]["ready_to_stop"], true, "{doc}");
-    sims[1].restart(&[]).expect("restart d0");
+    f.sim_mut("d0").restart(&[]).expect("restart d0");
     let (code, out, err) = ctl(Some(&certs), &["readmit", "d0"]);
     assert_eq!(code, 0, "readmit: {out}{err}");
     assert!(out.contains("d0: checks passed: health"), "{out}");
@@ -81,7 +65,7 @@ async fn narwhalctl_drains_and_readmits_over_mutual_tls_and_strangers_are_refuse
         .build()
         .expect("client");
     let r = anonymous
-        .get(format!("{}/narwhal/lifecycle", router.control))
+        .get(format!("{control}/narwhal/lifecycle"))
         .send()
         .await;
     assert!(

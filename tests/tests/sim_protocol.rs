@@ -1,41 +1,44 @@
 //! End-to-end wire tests of `narwhal-engine-sim` (docs/engine-simulator.md): two simulator
 //! processes on loopback, driven over raw HTTP/1 so that framing (chunks, cuts, drops) is
 //! visible exactly as a router sees it.
+// Tests measure wall time (deadlines, takeover gaps): the clock ban of clippy.toml is for
+// product code.
+#![allow(clippy::disallowed_methods)]
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use narwhal_testkit::raw::{RawResponse as Resp, request, send};
+use narwhal_testkit::{SimHandle, poll_blocking as wait_until};
 use serde_json::{Value, json};
+use tempfile::TempDir;
 
-/// A running simulator, killed on drop.
+/// A running simulator (killed on drop) and its address for raw HTTP/1.
 struct Sim {
-    child: Child,
+    handle: SimHandle,
     /// `127.0.0.1:PORT`.
     addr: String,
+    _dir: TempDir,
 }
 
 impl Sim {
+    /// Starts `narwhal-engine-sim` with exactly `args` (its defaults otherwise).
     fn start(args: &[&str]) -> Sim {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_narwhal-engine-sim"))
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn narwhal-engine-sim");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let mut line = String::new();
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .expect("read the first stdout line");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let handle = SimHandle::start_raw(dir.path(), "sim", args).expect("narwhal-engine-sim");
+        let line = &handle.proc.first_line;
         let addr = line
             .trim()
             .strip_prefix("narwhal-engine-sim listening on http://")
             .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
             .to_string();
-        Sim { child, addr }
+        Sim {
+            handle,
+            addr,
+            _dir: dir,
+        }
     }
 
     fn get(&self, path: &str) -> Resp {
@@ -46,168 +49,76 @@ impl Sim {
         request(&self.addr, "POST", path, &[], &body.to_string())
     }
 
+    /// `POST /v1/completions`.
+    fn complete(&self, body: &Value) -> Resp {
+        self.post("/v1/completions", body)
+    }
+
+    /// `METHOD <admin_url><tail>`: the test hooks (`/sim/*`), wherever they are served.
+    fn admin(&self, method: &str, tail: &str, body: &str) -> Resp {
+        let url = self.handle.admin_url();
+        let rest = url.strip_prefix("http://").expect("http admin URL");
+        let (addr, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        request(addr, method, &format!("/{prefix}{tail}"), &[], body)
+    }
+
     fn stats(&self) -> Value {
-        self.get("/sim/stats").json()
+        self.admin("GET", "/stats", "").json()
+    }
+
+    fn faults(&self) -> Value {
+        self.admin("GET", "/faults", "").json()
     }
 
     fn fault(&self, f: Value) {
-        let r = self.post("/sim/faults", &f);
+        let r = self.admin("POST", "/faults", &f.to_string());
         assert_eq!(r.status, 200, "fault refused: {}", r.text());
     }
-}
 
-impl Drop for Sim {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    /// Whether `/sim/stats` reaches `want` at the JSON pointer `at` within `within`.
+    fn stat_reaches(&self, at: &str, want: u64, within: Duration) -> bool {
+        wait_until(within, || {
+            self.stats().pointer(at).and_then(Value::as_u64) == Some(want)
+        })
+    }
+
+    /// The last of `/sim/stats` `recent` requests.
+    fn last_recent(&self) -> Value {
+        self.stats()["recent"]
+            .as_array()
+            .and_then(|r| r.last())
+            .expect("a recent request")
+            .clone()
     }
 }
 
-/// A raw HTTP/1 response.
-#[derive(Debug)]
-struct Resp {
-    /// 0 when the connection closed without a response head.
-    status: u16,
-    body: Vec<u8>,
-    /// Sizes of the chunks of a chunked body.
-    chunks: Vec<usize>,
-    /// The body ended properly (terminating chunk or full content-length).
-    complete: bool,
-}
-
-impl Resp {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).into_owned()
-    }
-
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
-    }
-
-    /// SSE `data:` payloads in order.
-    fn events(&self) -> Vec<String> {
-        self.text()
-            .split("\n\n")
-            .filter_map(|f| f.strip_prefix("data: "))
-            .map(str::to_string)
-            .collect()
-    }
-
-    /// Concatenated token text of an SSE completion/chat stream.
-    fn stream_text(&self) -> String {
-        let mut out = String::new();
-        for e in self.events() {
-            if e == "[DONE]" {
-                continue;
-            }
-            let v: Value = serde_json::from_str(&e).expect("frame JSON");
-            if let Some(c) = v["choices"].get(0) {
-                if let Some(t) = c["text"].as_str() {
-                    out.push_str(t);
-                }
-                if let Some(t) = c["delta"]["content"].as_str() {
-                    out.push_str(t);
-                }
-            }
-        }
-        out
-    }
-}
-
-fn request(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Resp {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
-        body.len()
-    );
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    req.push_str(body);
-    s.write_all(req.as_bytes()).expect("write request");
-    let mut raw = Vec::new();
-    let mut buf = [0u8; 16384];
-    loop {
-        match s.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => raw.extend_from_slice(&buf[..n]),
-        }
-    }
-    parse_response(&raw)
-}
-
-fn parse_response(raw: &[u8]) -> Resp {
-    let Some(split) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
-        return Resp {
-            status: 0,
-            body: raw.to_vec(),
-            chunks: vec![],
-            complete: false,
-        };
+/// An SGLang prefill-mode and decode-mode simulator (each with its extra flags) and the
+/// prefill's bootstrap port.
+fn sglang_pair(prefill: &[&str], decode: &[&str]) -> (Sim, Sim, u64) {
+    let with = |mode: &str, extra: &[&str]| {
+        let mut args = vec!["--dialect", "sglang", "--disaggregation-mode"];
+        args.push(if mode == "p" { "prefill" } else { "decode" });
+        args.extend_from_slice(extra);
+        Sim::start(&args)
     };
-    let head = String::from_utf8_lossy(&raw[..split]).to_lowercase();
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .expect("status code");
-    let rest = &raw[split + 4..];
-    if head.contains("transfer-encoding: chunked") {
-        let mut body = Vec::new();
-        let mut chunks = Vec::new();
-        let mut i = 0;
-        let mut complete = false;
-        while let Some(nl) = rest[i..].windows(2).position(|w| w == b"\r\n") {
-            let size_str = String::from_utf8_lossy(&rest[i..i + nl]).to_string();
-            let Ok(size) = usize::from_str_radix(size_str.trim(), 16) else {
-                break;
-            };
-            i += nl + 2;
-            if size == 0 {
-                complete = true;
-                break;
-            }
-            if i + size > rest.len() {
-                body.extend_from_slice(&rest[i..]);
-                break;
-            }
-            body.extend_from_slice(&rest[i..i + size]);
-            chunks.push(size);
-            i += size + 2;
-        }
-        Resp {
-            status,
-            body,
-            chunks,
-            complete,
-        }
-    } else {
-        let cl = head
-            .lines()
-            .find_map(|l| l.strip_prefix("content-length:"))
-            .and_then(|v| v.trim().parse::<usize>().ok());
-        Resp {
-            status,
-            complete: cl.is_none_or(|n| n == rest.len()),
-            body: rest.to_vec(),
-            chunks: vec![],
-        }
-    }
+    let (p, d) = (with("p", prefill), with("d", decode));
+    let bport = bootstrap_port(&p);
+    (p, d, bport)
 }
 
-/// Polls `f` until it returns true or `within` passes.
-fn wait_until(within: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + within;
-    while Instant::now() < deadline {
-        if f() {
-            return true;
-        }
-        thread::sleep(Duration::from_millis(20));
-    }
-    f()
+/// A prefill of `room` on `p` that a fault answers with `status`.
+fn failing_prefill(p: &Sim, bport: u64, room: u64, status: u16) {
+    p.fault(json!({"phase": "prefill", "action": "status", "status": status}));
+    let body = in_room(json!({"prompt": PROMPT, "max_tokens": 1}), bport, room);
+    assert_eq!(p.complete(&body).status, status);
+}
+
+/// `body` with the SGLang rendezvous of `room` on the bootstrap server at `bport`.
+fn in_room(mut body: Value, bport: u64, room: u64) -> Value {
+    body["bootstrap_host"] = json!("127.0.0.1");
+    body["bootstrap_port"] = json!(bport);
+    body["bootstrap_room"] = json!(room);
+    body
 }
 
 const PROMPT: &str = "the quick brown fox jumps over the lazy dog again and again";
@@ -217,10 +128,7 @@ fn vllm_descriptor_decode_equals_aggregated_and_is_consumed_once() {
     let p = Sim::start(&["--engine-id", "prod-1"]);
     let d = Sim::start(&["--engine-id", "dec-1"]);
     // Aggregated reference on the decode engine.
-    let agg = d.post(
-        "/v1/completions",
-        &json!({"model": "tiny-sim", "prompt": PROMPT, "max_tokens": 6}),
-    );
+    let agg = d.complete(&json!({"model": "tiny-sim", "prompt": PROMPT, "max_tokens": 6}));
     assert_eq!(agg.status, 200);
     let agg_text = agg.json()["choices"][0]["text"]
         .as_str()
@@ -301,7 +209,7 @@ fn vllm_descriptor_decode_equals_aggregated_and_is_consumed_once() {
     assert_eq!(dr["tokens"], 6);
 
     // A second decode with the same descriptor: blocks were freed on the first read.
-    let again = d.post("/v1/completions", &dec_body);
+    let again = d.complete(&dec_body);
     assert_eq!(again.status, 200, "stream already started");
     let ev = again.events();
     assert_eq!(ev.len(), 2, "{ev:?}");
@@ -317,34 +225,24 @@ fn vllm_descriptor_decode_equals_aggregated_and_is_consumed_once() {
 
     // A descriptor naming another engine id (the producer restarted): non-streaming -> 500.
     let pre2 = p
-        .post(
-            "/v1/completions",
-            &json!({"prompt": PROMPT, "max_tokens": 1,
-                    "kv_transfer_params": {"do_remote_decode": true}}),
-        )
+        .complete(&json!({"prompt": PROMPT, "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": true}}))
         .json();
     let mut kv2 = pre2["kv_transfer_params"].clone();
     kv2["remote_engine_id"] = json!("prod-0-before-restart");
-    let wrong = d.post(
-        "/v1/completions",
-        &json!({"prompt": PROMPT, "max_tokens": 6, "kv_transfer_params": kv2}),
-    );
+    let wrong = d.complete(&json!({"prompt": PROMPT, "max_tokens": 6, "kv_transfer_params": kv2}));
     assert_eq!(wrong.status, 500);
     assert!(wrong.text().contains("does not match"), "{}", wrong.text());
 
     // A descriptor for another prompt: hash mismatch.
     let pre3 = p
-        .post(
-            "/v1/completions",
+        .complete(
             &json!({"prompt": "something else entirely", "max_tokens": 1,
                     "kv_transfer_params": {"do_remote_decode": true}}),
         )
         .json();
-    let other = d.post(
-        "/v1/completions",
-        &json!({"prompt": PROMPT, "max_tokens": 6,
-                "kv_transfer_params": pre3["kv_transfer_params"]}),
-    );
+    let other = d.complete(&json!({"prompt": PROMPT, "max_tokens": 6,
+                "kv_transfer_params": pre3["kv_transfer_params"]}));
     assert_eq!(other.status, 500);
     assert!(
         other.text().contains("different prompt"),
@@ -355,10 +253,8 @@ fn vllm_descriptor_decode_equals_aggregated_and_is_consumed_once() {
     // Unreachable producer.
     let mut kv4 = kv.clone();
     kv4["remote_port"] = json!(1);
-    let unreachable = d.post(
-        "/v1/completions",
-        &json!({"prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": kv4}),
-    );
+    let unreachable =
+        d.complete(&json!({"prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": kv4}));
     assert_eq!(unreachable.status, 500);
     assert!(unreachable.text().contains("unreachable"));
 
@@ -372,21 +268,12 @@ fn vllm_blocks_expire_after_the_lease() {
     let p = Sim::start(&["--kv-lease-s", "0.3"]);
     let d = Sim::start(&[]);
     let pre = p
-        .post(
-            "/v1/completions",
-            &json!({"prompt": PROMPT, "max_tokens": 1,
-                    "kv_transfer_params": {"do_remote_decode": true}}),
-        )
+        .complete(&json!({"prompt": PROMPT, "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": true}}))
         .json();
-    assert!(wait_until(
-        Duration::from_secs(3),
-        || p.stats()["kv"]["expired"] == 1
-    ));
-    let late = d.post(
-        "/v1/completions",
-        &json!({"prompt": PROMPT, "max_tokens": 2,
-                "kv_transfer_params": pre["kv_transfer_params"]}),
-    );
+    assert!(p.stat_reaches("/kv/expired", 1, Duration::from_secs(3)));
+    let late = d.complete(&json!({"prompt": PROMPT, "max_tokens": 2,
+                "kv_transfer_params": pre["kv_transfer_params"]}));
     assert_eq!(late.status, 500);
     assert_eq!(p.stats()["kv"]["served"], 0);
 }
@@ -402,35 +289,25 @@ fn bootstrap_port(p: &Sim) -> u64 {
 
 #[test]
 fn sglang_bootstrap_prefill_and_decode_in_both_orders() {
-    let p = Sim::start(&[
-        "--dialect",
-        "sglang",
-        "--disaggregation-mode",
-        "prefill",
-        "--engine-id",
-        "sg-p",
-    ]);
-    let d = Sim::start(&["--dialect", "sglang", "--disaggregation-mode", "decode"]);
-    let bport = bootstrap_port(&p);
-    let agg = d.post(
-        "/v1/completions",
-        &json!({"prompt": PROMPT, "max_tokens": 5, "stream": true}),
-    );
+    let (p, d, bport) = sglang_pair(&["--engine-id", "sg-p"], &[]);
+    let agg = d.complete(&json!({"prompt": PROMPT, "max_tokens": 5, "stream": true}));
     assert_eq!(agg.status, 200);
     let agg_text = agg.stream_text();
     assert_eq!(agg_text.split_whitespace().count(), 5);
 
     for (room, decode_first) in [(1001u64, true), (1002u64, false)] {
-        let rv = json!({"bootstrap_host": "127.0.0.1", "bootstrap_port": bport,
-                        "bootstrap_room": room});
-        let mut pre_body = json!({"prompt": PROMPT, "max_tokens": 1, "stream": false,
-                                  "rid": format!("room{room}-prefill")});
-        let mut dec_body = json!({"prompt": PROMPT, "max_tokens": 5, "stream": true,
-                                  "return_token_ids": true, "rid": format!("room{room}-decode")});
-        for (k, v) in rv.as_object().unwrap() {
-            pre_body[k] = v.clone();
-            dec_body[k] = v.clone();
-        }
+        let pre_body = in_room(
+            json!({"prompt": PROMPT, "max_tokens": 1, "stream": false,
+                   "rid": format!("room{room}-prefill")}),
+            bport,
+            room,
+        );
+        let dec_body = in_room(
+            json!({"prompt": PROMPT, "max_tokens": 5, "stream": true,
+                   "return_token_ids": true, "rid": format!("room{room}-decode")}),
+            bport,
+            room,
+        );
         let d_addr = d.addr.clone();
         let p_addr = p.addr.clone();
         let (dec, pre) = if decode_first {
@@ -444,9 +321,7 @@ fn sglang_bootstrap_prefill_and_decode_in_both_orders() {
                 )
             });
             // Let the decode reach the bootstrap server first.
-            assert!(wait_until(Duration::from_secs(2), || {
-                d.stats()["in_flight"] == 1
-            }));
+            assert!(d.stat_reaches("/in_flight", 1, Duration::from_secs(2)));
             let pre = request(
                 &p_addr,
                 "POST",
@@ -476,12 +351,7 @@ fn sglang_bootstrap_prefill_and_decode_in_both_orders() {
         assert_eq!(pre.json()["usage"]["completion_tokens"], 1);
         assert_eq!(dec.status, 200);
         assert_eq!(dec.stream_text(), agg_text, "room {room}");
-        let last = d.stats()["recent"]
-            .as_array()
-            .unwrap()
-            .last()
-            .unwrap()
-            .clone();
+        let last = d.last_recent();
         assert_eq!(last["request_id"], format!("room{room}-decode"));
         assert_eq!(last["room"], room);
         assert_eq!(last["kv_peer"], "sg-p");
@@ -496,29 +366,20 @@ fn sglang_bootstrap_prefill_and_decode_in_both_orders() {
     assert_eq!(ds["requests"]["decode"], 2);
 
     // A prefill-mode server refuses requests without the rendezvous.
-    let bad = p.post("/v1/completions", &json!({"prompt": PROMPT}));
+    let bad = p.complete(&json!({"prompt": PROMPT}));
     assert_eq!(bad.status, 400);
     // The room is consumed once: a second decode of room 1002 waits and fails.
 }
 
 #[test]
 fn sglang_decode_fails_within_the_bound_when_the_room_never_appears() {
-    let p = Sim::start(&["--dialect", "sglang", "--disaggregation-mode", "prefill"]);
-    let d = Sim::start(&[
-        "--dialect",
-        "sglang",
-        "--disaggregation-mode",
-        "decode",
-        "--kv-lease-s",
-        "1",
-    ]);
-    let bport = bootstrap_port(&p);
+    let (p, d, bport) = sglang_pair(&[], &["--kv-lease-s", "1"]);
     let t0 = Instant::now();
-    let r = d.post(
-        "/v1/completions",
-        &json!({"prompt": PROMPT, "max_tokens": 3, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": bport, "bootstrap_room": 77}),
-    );
+    let r = d.complete(&in_room(
+        json!({"prompt": PROMPT, "max_tokens": 3}),
+        bport,
+        77,
+    ));
     let took = t0.elapsed();
     assert_eq!(r.status, 500, "{}", r.text());
     assert!(r.text().contains("not published"), "{}", r.text());
@@ -526,19 +387,13 @@ fn sglang_decode_fails_within_the_bound_when_the_room_never_appears() {
     assert!(took < Duration::from_secs(4), "waited {took:?}");
 
     // A prefill failure is reported to the waiting decode at once.
-    p.fault(json!({"phase": "prefill", "action": "status", "status": 503}));
-    let pre = p.post(
-        "/v1/completions",
-        &json!({"prompt": PROMPT, "max_tokens": 1, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": bport, "bootstrap_room": 78}),
-    );
-    assert_eq!(pre.status, 503);
+    failing_prefill(&p, bport, 78, 503);
     let t0 = Instant::now();
-    let r = d.post(
-        "/v1/completions",
-        &json!({"prompt": PROMPT, "max_tokens": 3, "stream": true,
-                "bootstrap_host": "127.0.0.1", "bootstrap_port": bport, "bootstrap_room": 78}),
-    );
+    let r = d.complete(&in_room(
+        json!({"prompt": PROMPT, "max_tokens": 3, "stream": true}),
+        bport,
+        78,
+    ));
     assert!(t0.elapsed() < Duration::from_millis(800));
     let ev = r.events();
     assert!(
@@ -548,29 +403,15 @@ fn sglang_decode_fails_within_the_bound_when_the_room_never_appears() {
     assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
 
     // A 4xx prefill (refused before the scheduler) publishes nothing: the decode waits the bound.
-    p.fault(json!({"phase": "prefill", "action": "status", "status": 400}));
-    let pre = p.post(
-        "/v1/completions",
-        &json!({"prompt": PROMPT, "max_tokens": 1, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": bport, "bootstrap_room": 80}),
-    );
-    assert_eq!(pre.status, 400);
+    failing_prefill(&p, bport, 80, 400);
     let t0 = Instant::now();
-    let r = d.post(
-        "/v1/completions",
-        &json!({"prompt": PROMPT, "bootstrap_host": "127.0.0.1", "bootstrap_port": bport,
-                "bootstrap_room": 80}),
-    );
+    let r = d.complete(&in_room(json!({"prompt": PROMPT}), bport, 80));
     assert_eq!(r.status, 500);
     assert!(r.text().contains("not published"), "{}", r.text());
     assert!(t0.elapsed() >= Duration::from_millis(900));
 
     // Unreachable bootstrap server.
-    let r = d.post(
-        "/v1/completions",
-        &json!({"prompt": PROMPT, "bootstrap_host": "127.0.0.1", "bootstrap_port": 1,
-                "bootstrap_room": 79}),
-    );
+    let r = d.complete(&in_room(json!({"prompt": PROMPT}), 1, 79));
     assert_eq!(r.status, 500);
     assert_eq!(d.stats()["kv"]["rejected"], 4);
 }
@@ -584,35 +425,22 @@ fn faults_status_omit_kv_cut_fragment_drop_and_health() {
         json!({"phase": "aggregated", "action": "status", "status": 503,
                    "body": {"error": {"message": "overloaded"}}}),
     );
-    assert_eq!(
-        s.get("/sim/faults").json()["faults"]
-            .as_array()
-            .unwrap()
-            .len(),
-        1
-    );
-    let r = s.post("/v1/completions", &body);
+    assert_eq!(s.faults()["faults"].as_array().unwrap().len(), 1);
+    let r = s.complete(&body);
     assert_eq!(r.status, 503);
     assert_eq!(r.json()["error"]["message"], "overloaded");
-    assert_eq!(s.get("/sim/faults").json()["faults"], json!([]));
-    assert_eq!(
-        s.post("/v1/completions", &body).status,
-        200,
-        "count 1 by default"
-    );
+    assert_eq!(s.faults()["faults"], json!([]));
+    assert_eq!(s.complete(&body).status, 200, "count 1 by default");
 
     s.fault(json!({"phase": "prefill", "action": "omit_kv"}));
-    let r = s.post(
-        "/v1/completions",
-        &json!({"prompt": PROMPT, "max_tokens": 1,
-                "kv_transfer_params": {"do_remote_decode": true}}),
-    );
+    let r = s.complete(&json!({"prompt": PROMPT, "max_tokens": 1,
+                "kv_transfer_params": {"do_remote_decode": true}}));
     assert_eq!(r.status, 200);
     assert!(r.json().get("kv_transfer_params").is_none());
     assert_eq!(s.stats()["kv"]["issued"], 0);
 
     s.fault(json!({"phase": "any", "action": "cut", "after_tokens": 2}));
-    let r = s.post("/v1/completions", &body);
+    let r = s.complete(&body);
     assert_eq!(r.status, 200);
     assert!(!r.complete, "no terminating chunk after a cut");
     let ev = r.events();
@@ -620,7 +448,7 @@ fn faults_status_omit_kv_cut_fragment_drop_and_health() {
     assert!(!r.text().contains("[DONE]") && !r.text().contains("\"error\""));
 
     s.fault(json!({"phase": "aggregated", "action": "fragment", "bytes": 7}));
-    let r = s.post("/v1/completions", &body);
+    let r = s.complete(&body);
     assert!(r.complete);
     assert!(r.chunks.len() > 10, "{:?}", r.chunks);
     assert!(r.chunks.iter().all(|c| *c <= 7), "{:?}", r.chunks);
@@ -628,7 +456,7 @@ fn faults_status_omit_kv_cut_fragment_drop_and_health() {
     assert_eq!(r.events().last().map(String::as_str), Some("[DONE]"));
 
     s.fault(json!({"phase": "aggregated", "action": "drop"}));
-    let r = s.post("/v1/completions", &body);
+    let r = s.complete(&body);
     assert_eq!(r.status, 0, "no response at all");
     assert!(r.body.is_empty());
 
@@ -637,15 +465,13 @@ fn faults_status_omit_kv_cut_fragment_drop_and_health() {
     assert_eq!(s.get("/health").status, 200);
 
     s.fault(json!({"phase": "decode", "action": "hang", "ms": 10, "count": 3}));
-    assert_eq!(s.get("/sim/faults").json()["faults"][0]["count"], 3);
-    assert_eq!(
-        request(&s.addr, "DELETE", "/sim/faults", &[], "").status,
-        200
-    );
-    assert_eq!(s.get("/sim/faults").json()["faults"], json!([]));
-    let bad = s.post(
-        "/sim/faults",
-        &json!({"phase": "decode", "action": "explode"}),
+    assert_eq!(s.faults()["faults"][0]["count"], 3);
+    assert_eq!(s.admin("DELETE", "/faults", "").status, 200);
+    assert_eq!(s.faults()["faults"], json!([]));
+    let bad = s.admin(
+        "POST",
+        "/faults",
+        &json!({"phase": "decode", "action": "explode"}).to_string(),
     );
     assert_eq!(bad.status, 400);
 
@@ -666,24 +492,18 @@ fn faults_status_omit_kv_cut_fragment_drop_and_health() {
 fn client_disconnects_are_counted_as_cancelled() {
     let s = Sim::start(&["--ttft-ms", "3000"]);
     // Disconnect during the time-to-first-token wait.
-    let mut c = TcpStream::connect(&s.addr).unwrap();
     let body = json!({"prompt": PROMPT, "max_tokens": 4}).to_string();
-    write!(
-        c,
-        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\nx-request-id: gone-1\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    assert!(wait_until(
-        Duration::from_secs(2),
-        || s.stats()["in_flight"] == 1
-    ));
+    let c = send(
+        &s.addr,
+        "POST",
+        "/v1/completions",
+        &[("x-request-id", "gone-1")],
+        &body,
+    );
+    assert!(s.stat_reaches("/in_flight", 1, Duration::from_secs(2)));
     let t0 = Instant::now();
     drop(c);
-    assert!(wait_until(
-        Duration::from_secs(1),
-        || s.stats()["cancelled"] == 1
-    ));
+    assert!(s.stat_reaches("/cancelled", 1, Duration::from_secs(1)));
     assert!(
         t0.elapsed() < Duration::from_millis(500),
         "{:?}",
@@ -697,22 +517,13 @@ fn client_disconnects_are_counted_as_cancelled() {
 
     // Disconnect mid-stream.
     let s = Sim::start(&["--tpot-ms", "200"]);
-    let mut c = TcpStream::connect(&s.addr).unwrap();
     let body = json!({"prompt": PROMPT, "max_tokens": 50, "stream": true}).to_string();
-    write!(
-        c,
-        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
+    let mut c = send(&s.addr, "POST", "/v1/completions", &[], &body);
     let mut buf = [0u8; 4096];
     let n = c.read(&mut buf).unwrap();
     assert!(String::from_utf8_lossy(&buf[..n]).contains("200 OK"));
     drop(c);
-    assert!(wait_until(
-        Duration::from_secs(2),
-        || s.stats()["cancelled"] == 1
-    ));
+    assert!(s.stat_reaches("/cancelled", 1, Duration::from_secs(2)));
     assert_eq!(s.stats()["in_flight"], 0);
 }
 
@@ -732,9 +543,9 @@ fn validation_metrics_and_ready_file() {
     assert_eq!(doc["url"], format!("http://{}", s.addr));
     assert!(doc["kv_port"].as_u64().unwrap() > 0);
     assert_eq!(doc["bootstrap_port"], Value::Null);
-    assert_eq!(doc["pid"], s.child.id());
+    assert_eq!(doc["pid"], s.handle.proc.pid());
 
-    let r = s.post("/v1/completions", &json!({"model": "nope", "prompt": "a"}));
+    let r = s.complete(&json!({"model": "nope", "prompt": "a"}));
     assert_eq!(r.status, 404);
     assert_eq!(
         r.json()["error"]["message"],
@@ -743,7 +554,7 @@ fn validation_metrics_and_ready_file() {
     let r = request(&s.addr, "POST", "/v1/completions", &[], "{not json");
     assert_eq!(r.status, 400);
     let long = vec!["w"; 40].join(" ");
-    let r = s.post("/v1/completions", &json!({"prompt": long}));
+    let r = s.complete(&json!({"prompt": long}));
     assert_eq!(r.status, 400);
     assert!(r.text().contains("maximum context length is 32"));
     let r = s.post(
@@ -774,64 +585,34 @@ fn validation_metrics_and_ready_file() {
     assert_eq!(t["count"], 3);
     assert_eq!(t["max_model_len"], 32);
     assert_eq!(s.stats()["requests"]["aggregated"], 4);
-    assert_eq!(
-        request(&s.addr, "POST", "/sim/stats/reset", &[], "").status,
-        200
-    );
+    assert_eq!(s.admin("POST", "/stats/reset", "").status, 200);
     assert_eq!(s.stats()["requests"]["aggregated"], 0);
 }
 
 #[test]
 fn cancelled_sglang_decode_does_not_consume_its_room() {
-    let p = Sim::start(&[
-        "--dialect",
-        "sglang",
-        "--disaggregation-mode",
-        "prefill",
-        "--kv-lease-s",
-        "0.5",
-    ]);
-    let d = Sim::start(&["--dialect", "sglang", "--disaggregation-mode", "decode"]);
-    let bport = bootstrap_port(&p);
-    let mut c = TcpStream::connect(&d.addr).unwrap();
-    let body = json!({"prompt": PROMPT, "max_tokens": 3, "stream": true, "rid": "gone-decode",
-                      "bootstrap_host": "127.0.0.1", "bootstrap_port": bport,
-                      "bootstrap_room": 500})
-    .to_string();
-    write!(
-        c,
-        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
+    let (p, d, bport) = sglang_pair(&["--kv-lease-s", "0.5"], &[]);
+    let body = in_room(
+        json!({"prompt": PROMPT, "max_tokens": 3, "stream": true, "rid": "gone-decode"}),
+        bport,
+        500,
     )
-    .unwrap();
-    assert!(wait_until(
-        Duration::from_secs(2),
-        || d.stats()["in_flight"] == 1
-    ));
+    .to_string();
+    let c = send(&d.addr, "POST", "/v1/completions", &[], &body);
+    assert!(d.stat_reaches("/in_flight", 1, Duration::from_secs(2)));
     drop(c);
-    assert!(wait_until(
-        Duration::from_secs(1),
-        || d.stats()["cancelled"] == 1
-    ));
-    let last = d.stats()["recent"]
-        .as_array()
-        .unwrap()
-        .last()
-        .unwrap()
-        .clone();
+    assert!(d.stat_reaches("/cancelled", 1, Duration::from_secs(1)));
+    let last = d.last_recent();
     assert_eq!(last["request_id"], "gone-decode");
     assert_eq!(last["room"], 500);
     // The prefill publishes after the decode went away: nobody takes the room, it expires.
-    let pre = p.post(
-        "/v1/completions",
-        &json!({"prompt": PROMPT, "max_tokens": 1, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": bport, "bootstrap_room": 500}),
-    );
-    assert_eq!(pre.status, 200);
-    assert!(wait_until(
-        Duration::from_secs(3),
-        || p.stats()["kv"]["expired"] == 1
+    let pre = p.complete(&in_room(
+        json!({"prompt": PROMPT, "max_tokens": 1}),
+        bport,
+        500,
     ));
+    assert_eq!(pre.status, 200);
+    assert!(p.stat_reaches("/kv/expired", 1, Duration::from_secs(3)));
     assert_eq!(p.stats()["kv"]["served"], 0);
 }
 
@@ -873,11 +654,8 @@ fn max_running_tpot_and_streamed_prefill() {
             &json!({"prompt": PROMPT, "max_tokens": 5, "stream": true}).to_string(),
         )
     });
-    assert!(wait_until(
-        Duration::from_secs(2),
-        || s.stats()["in_flight"] == 1
-    ));
-    let busy = s.post("/v1/completions", &json!({"prompt": PROMPT}));
+    assert!(s.stat_reaches("/in_flight", 1, Duration::from_secs(2)));
+    let busy = s.complete(&json!({"prompt": PROMPT}));
     assert_eq!(busy.status, 429, "{}", busy.text());
     let t0 = Instant::now();
     let first = first.join().unwrap();

@@ -5,59 +5,34 @@
 
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use narwhal_testkit::certs::make_dev_certs;
-use narwhal_testkit::{EngineSpec, FleetSpec, start_agent, start_router, start_sim, wait_until};
+use narwhal_testkit::{Fleet, eventually};
 use serde_json::{Value, json};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_decode_streams_make_a_suspect_verified_from_its_producer() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let certs = make_dev_certs(
-        &dir.path().join("certs"),
-        &["router", "agent-h0", "agent-h1"],
-    )
-    .expect("certs");
-    let sims = vec![
-        start_sim(dir.path(), &EngineSpec::new("p0", "prefill"), "vllm").expect("p0"),
-        start_sim(dir.path(), &EngineSpec::new("d0", "decode"), "vllm").expect("d0"),
-        start_sim(dir.path(), &EngineSpec::new("d1", "decode"), "vllm").expect("d1"),
-    ];
-    let a0 = start_agent(dir.path(), &certs, "h0", &[&sims[0], &sims[2]]).expect("agent h0");
-    let a1 = start_agent(dir.path(), &certs, "h1", &[&sims[1]]).expect("agent h1");
-    let spec = FleetSpec::for_sims("vllm", &sims)
-        .tls(&certs, "router")
-        .agent("p0", &a0)
-        .agent("d1", &a0)
-        .agent("d0", &a1)
-        .with(json!({"recovery": {"eject_after": 2}}));
-    let router = start_router(dir.path(), "router", &spec, &[]).expect("router");
-    let http = narwhal_testkit::http_client()
-        .timeout(Duration::from_secs(30))
-        .build()
-        .expect("client");
+    let f = Fleet::builder()
+        .prefill(1)
+        .decode(2)
+        .host("h0", &["p0", "d1"])
+        .host("h1", &["d0"])
+        .fleet(json!({"recovery": {"eject_after": 2}}))
+        .start()
+        .await;
+    let router = f.router();
     // d0's next two decode streams die after two tokens.
-    sims[1]
-        .fault(
-            &http,
-            json!({"phase": "decode", "action": "cut", "after_tokens": 2, "count": 2}),
-        )
-        .await
-        .expect("fault");
+    f.sim("d0")
+        .fault(json!({"phase": "decode", "action": "cut", "after_tokens": 2, "count": 2}))
+        .await;
     let mut cut = 0;
     for i in 0..40 {
-        let r = http
-            .post(format!("{}/v1/completions", router.data))
-            .json(&json!({"model": "tiny-sim", "prompt": format!("suspect {i}"), "max_tokens": 6, "stream": true}))
-            .send()
+        let body = json!({"model": "tiny-sim", "prompt": format!("suspect {i}"),
+                          "max_tokens": 6, "stream": true});
+        if router
+            .post_data_partial("/v1/completions", &body)
             .await
-            .expect("send");
-        let mut body = Vec::new();
-        let mut s = r.bytes_stream();
-        while let Some(Ok(c)) = s.next().await {
-            body.extend_from_slice(&c);
-        }
-        if String::from_utf8_lossy(&body).contains("\"error\"") {
+            .text()
+            .contains("\"error\"")
+        {
             cut += 1;
         }
         if cut == 2 {
@@ -66,24 +41,20 @@ async fn failing_decode_streams_make_a_suspect_verified_from_its_producer() {
     }
     assert_eq!(cut, 2, "two streams placed on d0 were cut");
     // While suspect and ejected, the producer that fed the failing decodes is recorded.
-    let st: Value = router.state(&http).await.expect("state");
+    let st = router.state().await;
     assert_eq!(st["inference_sources"], json!({"d0": ["p0"]}), "{st}");
     // d0 answers health again: validation (with the p0 -> d0 verification) readmits it.
-    let lc = wait_until(Duration::from_secs(20), || async {
-        let lc: Value = http
-            .get(format!("{}/narwhal/lifecycle", router.control))
-            .send()
-            .await
-            .ok()?
-            .json()
-            .await
-            .ok()?;
-        let d0 = &lc["engines"]["d0"];
-        (d0["state"] == "active" && d0["checks"].as_array().is_some_and(|c| !c.is_empty()))
-            .then_some(lc)
-    })
-    .await
-    .expect("d0 validated and readmitted");
+    let lc = eventually(
+        "d0 validated and readmitted",
+        Duration::from_secs(20),
+        || async {
+            let lc = router.lifecycle().await;
+            let d0 = &lc["engines"]["d0"];
+            (d0["state"] == "active" && d0["checks"].as_array().is_some_and(|c| !c.is_empty()))
+                .then_some(lc)
+        },
+    )
+    .await;
     let d0 = &lc["engines"]["d0"];
     assert_eq!(d0["restart_required"], false, "{lc}");
     let checks: Vec<&str> = d0["checks"]
@@ -107,14 +78,14 @@ async fn failing_decode_streams_make_a_suspect_verified_from_its_producer() {
         at("verification from p0") < at("final health"),
         "{checks:?}"
     );
-    let st: Value = router.state(&http).await.expect("state");
+    let st = router.state().await;
     assert_eq!(st["ejected"], json!([]), "{st}");
     assert_eq!(
         st["inference_sources"],
         json!({}),
         "cleared on readmission: {st}"
     );
-    let m = router.metrics(&http).await.expect("metrics");
+    let m = router.metrics().await;
     assert!(
         m.contains("narwhal_engine_readmissions_total{iid=\"d0\",evidence=\"lifecycle\"} 1"),
         "{m}"

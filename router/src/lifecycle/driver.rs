@@ -715,6 +715,13 @@ pub(crate) async fn recover(shared: Arc<Shared>, i: usize) -> bool {
     let Ok(_serial) = shared.lifecycle_lock.try_lock() else {
         return false; // another lifecycle action runs; the next probe retries
     };
+    // A probe sent while the engine was ejected can answer after a readmission (which holds
+    // the serial lock) returned it to placement: there is nothing left to recover, and under
+    // `whole_wave` starting a recovery would hold the whole fleet again (found by
+    // tests/tests/lifecycle_e2e.rs under load).
+    if !shared.core().breaker.is_ejected(i) {
+        return true;
+    }
     let iid = shared.cfg.engines[i].iid.clone();
     let started = {
         let mut lc = shared.lifecycle();
@@ -738,6 +745,10 @@ pub(crate) fn enforce_whole_wave(shared: &Shared) {
     {
         return;
     }
+    // The lifecycle lock is taken first and held while the exclusions are read (the order
+    // `finish` uses): a readmission that un-ejects an engine and ends its wave in between
+    // would otherwise be followed by a new wave for an ejection that no longer exists.
+    let mut lc = shared.lifecycle();
     let ejected: Vec<String> = {
         let core = shared.core();
         shared
@@ -750,7 +761,6 @@ pub(crate) fn enforce_whole_wave(shared: &Shared) {
             .collect()
     };
     let Some(first) = ejected.first() else { return };
-    let mut lc = shared.lifecycle();
     if !lc.wave_id().is_empty() {
         return;
     }

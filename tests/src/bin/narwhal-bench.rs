@@ -7,6 +7,9 @@
 //! Absolute numbers on shared machines are not stable; the ratios are the result.
 //! It asserts nothing about time: it is a benchmark, not a test (DESIGN.md section 8).
 #![forbid(unsafe_code)]
+// A test tool that measures wall time (latencies, deadlines): the clock ban of clippy.toml is
+// for product code.
+#![allow(clippy::disallowed_methods)]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -8,6 +8,9 @@
 //!   prints a table of outcomes and the simulators' KV statistics, and exits non-zero if any
 //!   request failed or any decode recomputed its prefill instead of receiving KV.
 #![forbid(unsafe_code)]
+// A test tool that measures wall time (latencies, deadlines): the clock ban of clippy.toml is
+// for product code.
+#![allow(clippy::disallowed_methods)]
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -533,18 +536,7 @@ async fn send(http: &reqwest::Client, data: &str, i: usize) -> Outcome {
         _ => "chat+sse",
     };
     let prompt = format!("demo request {i}: tell me about disaggregated serving");
-    let (path, body) = if kind == "chat" {
-        (
-            "/v1/chat/completions",
-            json!({"model": "tiny-sim", "stream": stream, "max_tokens": 8,
-                   "messages": [{"role": "user", "content": prompt}]}),
-        )
-    } else {
-        (
-            "/v1/completions",
-            json!({"model": "tiny-sim", "stream": stream, "max_tokens": 8, "prompt": prompt}),
-        )
-    };
+    let (path, body) = narwhal_testkit::openai_request(kind == "chat", stream, &prompt, 8);
     let t0 = Instant::now();
     let resp = match http.post(format!("{data}{path}")).json(&body).send().await {
         Ok(r) => r,
@@ -663,7 +655,7 @@ async fn demo(args: DemoArgs) -> ExitCode {
             let engines: Vec<(String, String, String)> = f
                 .sims
                 .iter()
-                .map(|s| (s.iid.clone(), s.role.clone(), s.url.clone()))
+                .map(|s| (s.iid.clone(), s.role.clone(), s.admin_url()))
                 .collect();
             (
                 f.router.data.clone(),
@@ -704,9 +696,9 @@ async fn demo(args: DemoArgs) -> ExitCode {
         );
         let mut consumed = 0;
         let mut recomputed = 0;
-        for (iid, role, url) in &engines {
+        for (iid, role, admin) in &engines {
             let stats = async {
-                http.get(format!("{url}/sim/stats"))
+                http.get(format!("{admin}/stats"))
                     .send()
                     .await?
                     .json::<Value>()

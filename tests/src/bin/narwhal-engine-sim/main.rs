@@ -11,6 +11,9 @@
 //! The full contract (flags, phases, fault API, stats fields) is in docs/engine-simulator.md.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
+// A test tool that measures wall time (latencies, deadlines): the clock ban of clippy.toml is
+// for product code.
+#![allow(clippy::disallowed_methods)]
 
 mod body;
 mod faults;
@@ -40,7 +43,7 @@ use server::{Dialect, Mode, Settings, Sim};
     version,
     about = "vLLM / SGLang engine simulator",
     // A later flag overrides an earlier one (`--model a ... --model b`), so a restart can
-    // change what the engine serves (tests/src/fleet.rs `SimHandle::restart`).
+    // change what the engine serves (tests/src/sim.rs `SimHandle::restart`).
     args_override_self = true
 )]
 struct Cli {

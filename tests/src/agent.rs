@@ -1,0 +1,187 @@
+//! Starting `narwhal-agent` processes (one per simulated GPU host) with dev certificates.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::{Value, json};
+
+use crate::certs::DevCerts;
+use crate::proc::{ChildProc, ProcError, START_TIMEOUT, bin_path, read_json_file, write_file};
+use crate::sim::SimHandle;
+
+/// A running `narwhal-agent` serving some simulated engines.
+#[derive(Debug)]
+pub struct AgentHandle {
+    /// The process (killed on drop).
+    pub proc: ChildProc,
+    /// `https://127.0.0.1:PORT`.
+    pub url: String,
+    /// The agent's id.
+    pub agent_id: String,
+    /// Name in its certificate (`agent-<id>`), the router's `server_name`.
+    pub server_name: String,
+    /// `ed25519:<base64>` signing key to pin in the fleet file.
+    pub public_key: String,
+    /// Its config file.
+    pub config: PathBuf,
+    /// Its `--ready-file` document (`url`, `pid`, `agent_id`, `public_key`).
+    pub ready: Value,
+    dir: PathBuf,
+}
+
+/// Runs `narwhal-agent keygen --out path` and returns the public key it prints
+/// (`ed25519:<base64>`).
+///
+/// # Errors
+/// [`ProcError`] when the binary cannot run or fails.
+pub fn keygen(path: &Path) -> Result<String, ProcError> {
+    let bin = "narwhal-agent keygen";
+    let out = Command::new(bin_path("narwhal-agent"))
+        .args(["keygen", "--out"])
+        .arg(path)
+        .output()
+        .map_err(|source| ProcError::Spawn {
+            bin: format!("{} (build it: cargo build -p narwhal-agent)", bin),
+            source,
+        })?;
+    if !out.status.success() {
+        return Err(ProcError::Exited {
+            bin: bin.into(),
+            status: out.status.to_string(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// Starts `narwhal-agent` with id `agent_id` for `engines`, using the dev certificate
+/// `agent-<agent_id>` from `certs` and a signing key made with `narwhal-agent keygen` (kept in
+/// `dir` and reused by a later agent of the same id).
+///
+/// # Errors
+/// [`ProcError`] when keygen or the agent fails.
+pub fn start_agent(
+    dir: &Path,
+    certs: &DevCerts,
+    agent_id: &str,
+    engines: &[&SimHandle],
+) -> Result<AgentHandle, ProcError> {
+    start_agent_with(dir, certs, agent_id, engines, None)
+}
+
+/// [`start_agent`] where every engine's config also names a host contract document
+/// (`engines[].contract_document`, attested with its launch digest).
+///
+/// # Errors
+/// [`ProcError`] when keygen or the agent fails.
+pub fn start_agent_with(
+    dir: &Path,
+    certs: &DevCerts,
+    agent_id: &str,
+    engines: &[&SimHandle],
+    contract_document: Option<&Path>,
+) -> Result<AgentHandle, ProcError> {
+    let name = format!("agent-{agent_id}");
+    let key = dir.join(format!("{name}.ed25519.pk8"));
+    if !key.exists() {
+        keygen(&key)?;
+    }
+    let engines: Vec<Value> = engines
+        .iter()
+        .map(|s| {
+            let mut e = json!({"iid": s.iid, "url": s.url, "dialect": s.dialect,
+                               "process": {"listen_port": s.port}});
+            if let Some(doc) = contract_document {
+                e["contract_document"] = json!(doc);
+            }
+            e
+        })
+        .collect();
+    let doc = json!({
+        "schema": "narwhal.agent-config", "schema_version": 1, "agent_id": agent_id,
+        "listen": "127.0.0.1:0",
+        "tls": {"ca": certs.ca, "cert": certs.cert(&name), "key": certs.key(&name)},
+        "signing_key": key, "state_dir": dir.join(format!("{name}-state")),
+        "timeouts": {"engine_s": 5, "generation_s": 20},
+        "engines": engines,
+    });
+    let config = dir.join(format!("{name}.json"));
+    write_config(&config, &doc)?;
+    let mut agent = AgentHandle {
+        proc: spawn_agent(dir, &name, &config)?.0,
+        url: String::new(),
+        agent_id: agent_id.to_string(),
+        server_name: name,
+        public_key: String::new(),
+        config,
+        ready: Value::Null,
+        dir: dir.to_path_buf(),
+    };
+    agent.read_ready()?;
+    Ok(agent)
+}
+
+fn write_config(path: &Path, doc: &Value) -> Result<(), ProcError> {
+    write_file(path, &format!("{doc:#}\n"))
+}
+
+fn ready_path(dir: &Path, name: &str) -> PathBuf {
+    dir.join(format!("{name}.ready.json"))
+}
+
+fn spawn_agent(dir: &Path, name: &str, config: &Path) -> Result<(ChildProc, PathBuf), ProcError> {
+    let ready = ready_path(dir, name);
+    let _ = std::fs::remove_file(&ready);
+    let mut cmd = Command::new(bin_path("narwhal-agent"));
+    cmd.args(["run", "--config"])
+        .arg(config)
+        .arg("--ready-file")
+        .arg(&ready);
+    Ok((ChildProc::spawn(cmd, name, dir, START_TIMEOUT)?, ready))
+}
+
+impl AgentHandle {
+    fn read_ready(&mut self) -> Result<(), ProcError> {
+        self.url = self
+            .proc
+            .url_in_first_line(None)
+            .ok_or_else(|| ProcError::BadLine {
+                bin: "narwhal-agent".into(),
+                line: self.proc.first_line.clone(),
+            })?;
+        let path = ready_path(&self.dir, &self.server_name);
+        self.ready = read_json_file(&path);
+        self.public_key = match self.ready["public_key"].as_str() {
+            Some(k) => k.to_string(),
+            None => {
+                return Err(ProcError::BadLine {
+                    bin: "narwhal-agent".into(),
+                    line: format!("ready file {} without public_key", path.display()),
+                });
+            }
+        };
+        Ok(())
+    }
+
+    /// Kills the agent and starts it again on the same port with the same configuration; with
+    /// `key`, signing with that key file instead (made with `narwhal-agent keygen` if missing).
+    /// [`AgentHandle::public_key`] is the key it signs with afterwards.
+    ///
+    /// # Errors
+    /// [`ProcError`] when keygen or the new process fails.
+    pub fn restart(&mut self, key: Option<&Path>) -> Result<(), ProcError> {
+        self.proc.kill();
+        let mut cfg = read_json_file(&self.config);
+        let port = self.url.rsplit(':').next().unwrap_or("0").to_string();
+        cfg["listen"] = json!(format!("127.0.0.1:{port}"));
+        if let Some(key) = key {
+            if !key.exists() {
+                keygen(key)?;
+            }
+            cfg["signing_key"] = json!(key);
+        }
+        write_config(&self.config, &cfg)?;
+        self.proc = spawn_agent(&self.dir, &self.server_name, &self.config)?.0;
+        self.read_ready()
+    }
+}

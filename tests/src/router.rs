@@ -1,0 +1,622 @@
+//! The fleet file, starting `narwhal-serve`, and reading its documents (`/narwhal/state`,
+//! `/narwhal/lifecycle`, `/narwhal/handoff`, `/ready`, `/health`, `/metrics`, the journal).
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::agent::AgentHandle;
+use crate::certs::DevCerts;
+use crate::http::{Http, Reply};
+use crate::proc::{
+    ChildProc, ProcError, START_TIMEOUT, bin_path, eventually, read_json_file, write_file,
+};
+use crate::sim::SimHandle;
+use crate::{WAIT, wait_until};
+
+/// The fleet file a router is started with.
+#[derive(Debug, Clone)]
+pub struct FleetSpec {
+    /// Served model name.
+    pub model: String,
+    /// `vllm` or `sglang`.
+    pub backend: String,
+    /// `(iid, url, role)` per engine.
+    pub engines: Vec<(String, String, String)>,
+    /// Sections merged over the defaults (`serving`, `engine`, `recovery`, ...), key by key.
+    pub overrides: Value,
+    /// `engines[].agent` per engine id.
+    pub agents: std::collections::BTreeMap<String, Value>,
+}
+
+impl FleetSpec {
+    /// A fleet over running simulators.
+    pub fn for_sims(backend: &str, sims: &[SimHandle]) -> Self {
+        Self {
+            model: "tiny-sim".into(),
+            backend: backend.into(),
+            engines: sims
+                .iter()
+                .map(|s| (s.iid.clone(), s.url.clone(), s.role.clone()))
+                .collect(),
+            overrides: json!({}),
+            agents: std::collections::BTreeMap::new(),
+        }
+    }
+
+    /// Pins engine `iid` to `agent` (its URL, certificate name and signing key).
+    pub fn agent(mut self, iid: &str, agent: &AgentHandle) -> Self {
+        self.agents.insert(
+            iid.to_string(),
+            json!({
+                "url": agent.url,
+                "server_name": agent.server_name,
+                "public_key": agent.public_key,
+                "agent_id": agent.agent_id,
+            }),
+        );
+        self
+    }
+
+    /// Router-to-agent mutual TLS with the dev certificate `name` (`router`, `standby`).
+    pub fn tls(self, certs: &DevCerts, name: &str) -> Self {
+        self.with(json!({"tls": tls_section(certs, name)}))
+    }
+
+    /// Mutual TLS on the control listener (`control.tls`) with the dev certificate `name`.
+    pub fn control_tls(self, certs: &DevCerts, name: &str) -> Self {
+        self.with(json!({"control": {"tls": tls_section(certs, name)}}))
+    }
+
+    /// Merges `section` into the overrides (objects key by key, at every depth).
+    pub fn with(mut self, section: Value) -> Self {
+        merge(&mut self.overrides, section);
+        self
+    }
+
+    /// The fleet document, schema `narwhal.fleet` version 2.
+    pub fn to_json(&self, state_dir: &Path) -> Value {
+        let mut doc = json!({
+            "schema": "narwhal.fleet",
+            "schema_version": 2,
+            "model": self.model,
+            "backend": self.backend,
+            "engines": self.engines.iter().map(|(iid, url, role)| {
+                let mut e = json!({"iid": iid, "url": url, "role": role});
+                if let Some(a) = self.agents.get(iid) {
+                    e["agent"] = a.clone();
+                }
+                e
+            }).collect::<Vec<_>>(),
+            "slo": {"ttft_s": 2.0, "tpot_s": 0.05},
+            "engine": {"first_token_timeout_s": 10.0, "decode_read_timeout_s": 10.0},
+            "controller": {"monitor_interval_s": 0.2},
+            "recovery": {"state_path": state_dir.join("state.json"), "readmit_every": 1},
+        });
+        merge(&mut doc, self.overrides.clone());
+        doc
+    }
+}
+
+fn tls_section(certs: &DevCerts, name: &str) -> Value {
+    json!({"ca": certs.ca, "cert": certs.cert(name), "key": certs.key(name)})
+}
+
+/// Merges `from` into `into`: objects key by key at every depth, anything else replaced.
+pub fn merge(into: &mut Value, from: Value) {
+    match (into, from) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, v) in b {
+                match a.get_mut(&k) {
+                    Some(slot) if slot.is_object() && v.is_object() => merge(slot, v),
+                    _ => {
+                        a.insert(k, v);
+                    }
+                }
+            }
+        }
+        (slot, v) => *slot = v,
+    }
+}
+
+/// A running `narwhal-serve`, with the clients its document helpers use.
+#[derive(Debug)]
+pub struct RouterHandle {
+    /// The process (killed on drop).
+    pub proc: ChildProc,
+    /// Data listener base URL (`/v1/...`).
+    pub data: String,
+    /// Control listener base URL (`/narwhal/...`, `/metrics`).
+    pub control: String,
+    /// Request journal path.
+    pub journal: PathBuf,
+    /// Fleet file path.
+    pub fleet: PathBuf,
+    /// Its `--ready-file` document (`data`, `control`, `pid`, `run`).
+    pub ready_doc: Value,
+    /// The client of the document helpers (the fleet's operator identity, if any).
+    pub http: Http,
+    /// A client with short timeouts, for sampling a router that may be stopped.
+    pub fast: Http,
+    // Declared last: dropped after the process is killed.
+    _tmp: Option<tempfile::TempDir>,
+}
+
+/// Writes `fleet` into `dir` and starts `narwhal-serve` on loopback ports with `extra_args`.
+///
+/// # Errors
+/// [`ProcError`] when the router does not start (its stderr tail is in the error).
+pub fn start_router(
+    dir: &Path,
+    label: &str,
+    fleet: &FleetSpec,
+    extra_args: &[&str],
+) -> Result<RouterHandle, ProcError> {
+    launch_router(
+        dir,
+        label,
+        &fleet.to_json(dir),
+        extra_args,
+        Clients::plain(),
+    )
+}
+
+/// The two clients a [`RouterHandle`] reads documents with.
+#[derive(Debug, Clone)]
+pub struct Clients {
+    /// Ordinary requests (60 s).
+    pub http: Http,
+    /// Sampling (150 ms).
+    pub fast: Http,
+}
+
+impl Clients {
+    /// Plain clients (no client certificate).
+    pub fn plain() -> Clients {
+        Clients {
+            http: Http::new(Duration::from_secs(60)),
+            fast: Http::new(Duration::from_millis(150)),
+        }
+    }
+
+    /// Clients presenting the dev certificate `name` and trusting the fleet CA.
+    pub fn identity(certs: &DevCerts, name: &str) -> Clients {
+        Clients {
+            http: Http::with_identity(certs, name, Duration::from_secs(60)),
+            fast: Http::with_identity(certs, name, Duration::from_millis(150)),
+        }
+    }
+}
+
+/// Writes the fleet document `doc` into `dir` as `<label>.fleet.json` and starts
+/// `narwhal-serve` on loopback ports (`--journal <label>.journal.jsonl`, `--ready-file
+/// <label>.ready.json`, then `extra_args`), logging to `<label>.stderr.log`. Returns once the
+/// router answered its listening line and finished its startup identity check.
+///
+/// # Errors
+/// [`ProcError`] when the router does not start (its stderr tail is in the error).
+pub fn launch_router(
+    dir: &Path,
+    label: &str,
+    doc: &Value,
+    extra_args: &[&str],
+    clients: Clients,
+) -> Result<RouterHandle, ProcError> {
+    let fleet_path = dir.join(format!("{label}.fleet.json"));
+    let journal = dir.join(format!("{label}.journal.jsonl"));
+    let ready = dir.join(format!("{label}.ready.json"));
+    let _ = std::fs::remove_file(&ready);
+    let text = serde_json::to_string_pretty(doc).expect("fleet JSON serialises");
+    write_file(&fleet_path, &text)?;
+    let mut cmd = Command::new(bin_path("narwhal-serve"));
+    cmd.arg("--fleet")
+        .arg(&fleet_path)
+        .args(["--listen", "127.0.0.1:0", "--control-listen", "127.0.0.1:0"])
+        .arg("--journal")
+        .arg(&journal)
+        .arg("--ready-file")
+        .arg(&ready)
+        .args(extra_args);
+    let proc = ChildProc::spawn(cmd, label, dir, START_TIMEOUT)?;
+    let bad = || ProcError::BadLine {
+        bin: "narwhal-serve".into(),
+        line: proc.first_line.clone(),
+    };
+    let data = proc.url_in_first_line(Some("data")).ok_or_else(bad)?;
+    let control = proc.url_in_first_line(Some("control")).ok_or_else(bad)?;
+    wait_identity_check(&data);
+    Ok(RouterHandle {
+        proc,
+        data,
+        control,
+        journal,
+        fleet: fleet_path,
+        ready_doc: read_json_file(&ready),
+        http: clients.http,
+        fast: clients.fast,
+        _tmp: None,
+    })
+}
+
+impl RouterHandle {
+    /// A router over the fleet document `doc` in a temporary directory of its own (removed
+    /// when the handle drops), with plain clients.
+    ///
+    /// # Panics
+    /// When the router does not start.
+    pub fn standalone(doc: &Value, extra_args: &[&str]) -> RouterHandle {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let mut r = launch_router(tmp.path(), "router", doc, extra_args, Clients::plain())
+            .unwrap_or_else(|e| panic!("router: {e}"));
+        r._tmp = Some(tmp);
+        r
+    }
+
+    /// `GET <control><path>`.
+    pub async fn get(&self, path: &str) -> Reply {
+        self.http.get(format!("{}{path}", self.control)).await
+    }
+
+    /// `GET <data><path>`.
+    pub async fn get_data(&self, path: &str) -> Reply {
+        self.http.get(format!("{}{path}", self.data)).await
+    }
+
+    /// `POST <data><path>` with a JSON body (`/v1/completions`, `/v1/chat/completions`).
+    pub async fn post_data(&self, path: &str, body: &Value) -> Reply {
+        self.http.post(format!("{}{path}", self.data), body).await
+    }
+
+    /// [`RouterHandle::post_data`] keeping whatever body arrived before it ended or broke off.
+    pub async fn post_data_partial(&self, path: &str, body: &Value) -> Reply {
+        self.http
+            .post_partial(format!("{}{path}", self.data), body)
+            .await
+    }
+
+    /// A non-streaming completion of `prompt` (model `tiny-sim`), whatever its answer.
+    pub async fn completion(&self, prompt: &str, max_tokens: u32) -> Reply {
+        let body = json!({"model": "tiny-sim", "prompt": prompt, "max_tokens": max_tokens});
+        self.post_data("/v1/completions", &body).await
+    }
+
+    /// A non-streaming completion of 4 tokens that must answer 200 with tokens.
+    pub async fn complete(&self, prompt: &str) {
+        let r = self.completion(prompt, 4).await;
+        let body = r.json_or_null();
+        assert_eq!(r.status, 200, "completion {prompt:?}: {body}");
+        assert!(
+            body["usage"]["completion_tokens"].as_u64().unwrap_or(0) > 0,
+            "{body}"
+        );
+    }
+
+    /// `GET /narwhal/state`.
+    pub async fn state(&self) -> Value {
+        self.get("/narwhal/state").await.json()
+    }
+
+    /// The `ha` section of `/narwhal/state`.
+    pub async fn ha(&self) -> Value {
+        self.state().await["ha"].clone()
+    }
+
+    /// `GET /narwhal/handoff`.
+    pub async fn handoff(&self) -> Value {
+        self.get("/narwhal/handoff").await.json()
+    }
+
+    /// `GET /metrics` as text.
+    pub async fn metrics(&self) -> String {
+        self.get("/metrics").await.text()
+    }
+
+    /// `GET /ready` on the control listener: `(status, body)`.
+    pub async fn ready(&self) -> (u16, Value) {
+        self.get("/ready").await.status_json()
+    }
+
+    /// `GET /ready` on the control listener, which must answer 503; its body (`reason`,
+    /// `control_ready`, ...).
+    pub async fn not_ready(&self) -> Value {
+        let (status, body) = self.ready().await;
+        assert_eq!(status, 503, "{}: {body}", self.proc.label);
+        body
+    }
+
+    /// `GET /health` on the control listener: `(status, body)`.
+    pub async fn health(&self) -> (u16, Value) {
+        self.get("/health").await.status_json()
+    }
+
+    /// `GET /narwhal/lifecycle`, which must answer 200.
+    pub async fn lifecycle(&self) -> Value {
+        let r = self.get("/narwhal/lifecycle").await;
+        assert_eq!(r.status, 200, "{}: {}", r.what, r.text());
+        r.json()
+    }
+
+    /// Polls `/narwhal/lifecycle` until `ok(doc)` (for at most [`WAIT`]).
+    ///
+    /// # Panics
+    /// When it never holds; the message shows the last document.
+    pub async fn lifecycle_until(&self, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+        let got = wait_until(WAIT, || async {
+            let d = self.lifecycle().await;
+            ok(&d).then_some(d)
+        })
+        .await;
+        match got {
+            Some(d) => d,
+            None => panic!("timed out waiting for {what}: {:#}", self.lifecycle().await),
+        }
+    }
+
+    /// `POST /narwhal/lifecycle/<action>` with `body`: `(status, document)`. Every reply must
+    /// be the full lifecycle document (seed "Lifecycle API").
+    pub async fn lifecycle_post(&self, action: &str, body: &Value) -> (u16, Value) {
+        self.lifecycle_post_raw(action, &body.to_string()).await
+    }
+
+    /// [`RouterHandle::lifecycle_post`] with a raw body (for malformed-body tests).
+    pub async fn lifecycle_post_raw(&self, action: &str, body: &str) -> (u16, Value) {
+        let url = format!("{}/narwhal/lifecycle/{action}", self.control);
+        let r = self.http.post_raw(url, body).await;
+        let doc = r.json();
+        assert_eq!(
+            doc["schema"], "narwhal.lifecycle",
+            "every reply is the full document: {doc}"
+        );
+        (r.status.as_u16(), doc)
+    }
+
+    /// Journal rows parsed as JSON (header included).
+    pub fn journal_rows(&self) -> Vec<Value> {
+        std::fs::read_to_string(&self.journal)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    /// Lifecycle events in the journal (`event: engine_lifecycle`), oldest first.
+    pub fn lifecycle_events(&self) -> Vec<Value> {
+        self.journal_rows()
+            .into_iter()
+            .filter(|r| r["event"] == "engine_lifecycle")
+            .collect()
+    }
+
+    /// Whether the journal holds lifecycle event `action` (of engine `iid`, if given).
+    pub fn has_event(&self, action: &str, iid: Option<&str>) -> bool {
+        self.lifecycle_events()
+            .iter()
+            .any(|e| e["action"] == action && iid.is_none_or(|i| e["iid"] == i))
+    }
+
+    /// Waits (at most [`WAIT`]) for lifecycle event `action` (of engine `iid`, if given),
+    /// reading only the journal file, never the router.
+    ///
+    /// # Panics
+    /// When it never appears; the message lists the events.
+    pub async fn journal_event(&self, action: &str, iid: Option<&str>) -> Value {
+        let found = wait_until(WAIT, || async {
+            self.lifecycle_events()
+                .into_iter()
+                .find(|e| e["action"] == action && iid.is_none_or(|i| e["iid"] == i))
+        })
+        .await;
+        found.unwrap_or_else(|| {
+            panic!(
+                "no {action} {iid:?} event in the journal; events: {:#?}",
+                self.lifecycle_events()
+            )
+        })
+    }
+
+    /// A cheap handle for sampling this router from another task.
+    pub fn probe(&self) -> RouterProbe {
+        RouterProbe {
+            control: self.control.clone(),
+            fast: self.fast.clone(),
+        }
+    }
+
+    /// `router.controls_fleet` of `/narwhal/lifecycle` ([`RouterProbe::controls`]).
+    pub async fn controls(&self) -> Option<String> {
+        self.probe().controls().await
+    }
+
+    /// Waits until [`RouterHandle::controls`] is `want`.
+    ///
+    /// # Panics
+    /// When it is not within `within`; the message has the last answer and the log tail.
+    pub async fn wait_controls(&self, want: &str, within: Duration) {
+        let got = wait_until(within, || async {
+            (self.controls().await.as_deref() == Some(want)).then_some(())
+        })
+        .await;
+        assert!(
+            got.is_some(),
+            "{} never reported controls_fleet {want:?} within {within:?}; last: {:?}\n{}",
+            self.proc.label,
+            self.controls().await,
+            self.proc.stderr_tail(20)
+        );
+    }
+
+    /// Polls `/ready` (control listener) until 200, for at most `within`; the time since
+    /// `since` when it was.
+    pub async fn wait_ready(&self, since: Instant, within: Duration) -> Option<Duration> {
+        let probe = self.probe();
+        wait_until(within, || async {
+            probe.ready_ok().await.then(|| since.elapsed())
+        })
+        .await
+    }
+}
+
+/// A streaming completion through a router, read chunk by chunk.
+#[derive(Debug)]
+pub struct LiveStream {
+    /// The response being read.
+    pub resp: reqwest::Response,
+    /// Everything read so far.
+    pub text: String,
+}
+
+impl LiveStream {
+    /// Reads to the end; asserts a clean finish (`data: [DONE]` last, no error frame).
+    pub async fn finish(mut self) -> String {
+        while let Some(c) = self.resp.chunk().await.expect("stream chunk") {
+            self.text.push_str(&String::from_utf8_lossy(&c));
+        }
+        assert!(
+            self.text.trim_end().ends_with("data: [DONE]"),
+            "stream did not finish cleanly: {}",
+            self.text
+        );
+        assert!(!self.text.contains("\"error\""), "{}", self.text);
+        self.text
+    }
+
+    /// Reads until the stream ends or breaks off, whatever the ending.
+    pub async fn drain(mut self) -> String {
+        while let Ok(Some(c)) = self.resp.chunk().await {
+            self.text.push_str(&String::from_utf8_lossy(&c));
+        }
+        self.text
+    }
+}
+
+impl RouterHandle {
+    /// Starts a streaming completion of `max_tokens` tokens and waits for its first token
+    /// chunk (so its decode leg is resident on the decode engine).
+    ///
+    /// # Panics
+    /// When the answer is not 200 or the stream ends before a token.
+    pub async fn open_stream(&self, prompt: &str, max_tokens: u32) -> LiveStream {
+        let resp = self
+            .http
+            .client()
+            .post(format!("{}/v1/completions", self.data))
+            .json(
+                &json!({"model": "tiny-sim", "prompt": prompt, "max_tokens": max_tokens,
+                          "stream": true}),
+            )
+            .send()
+            .await
+            .expect("stream request");
+        assert_eq!(resp.status(), 200, "stream {prompt:?}");
+        let mut s = LiveStream {
+            resp,
+            text: String::new(),
+        };
+        while !s.text.contains("\"text\"") {
+            let c = s
+                .resp
+                .chunk()
+                .await
+                .expect("stream chunk")
+                .expect("stream ended before its first token");
+            s.text.push_str(&String::from_utf8_lossy(&c));
+        }
+        s
+    }
+}
+
+/// A router's control listener and a short-timeout client: cloneable, for samplers.
+#[derive(Debug, Clone)]
+pub struct RouterProbe {
+    /// Control listener base URL.
+    pub control: String,
+    /// Short-timeout client.
+    pub fast: Http,
+}
+
+impl RouterProbe {
+    /// `router.controls_fleet` of `/narwhal/lifecycle` (`active`, `standby`, `fenced`), or
+    /// `None` when the router does not answer within the short timeout.
+    pub async fn controls(&self) -> Option<String> {
+        let r = self
+            .fast
+            .try_get(format!("{}/narwhal/lifecycle", self.control))
+            .await?;
+        let v: Value = serde_json::from_slice(&r.body).ok()?;
+        v["router"]["controls_fleet"].as_str().map(str::to_string)
+    }
+
+    /// Whether `/ready` answers 200 within the short timeout.
+    pub async fn ready_ok(&self) -> bool {
+        self.fast
+            .try_get(format!("{}/ready", self.control))
+            .await
+            .is_some_and(|r| r.status == 200)
+    }
+}
+
+/// Runs `narwhalctl --router <router> <args>` to completion.
+///
+/// # Panics
+/// When the binary cannot be run.
+pub fn narwhalctl<S: AsRef<OsStr>>(router: &str, args: &[S]) -> std::process::Output {
+    Command::new(bin_path("narwhalctl"))
+        .args(["--router", router])
+        .args(args)
+        .output()
+        .expect("run narwhalctl")
+}
+
+/// Waits (at most 20 s) until a router with agents has finished its startup identity check:
+/// its `/ready` reason is no longer "engine identity validation pending". Whatever readiness
+/// it then has (ready, standby, held) is the test's to assert.
+fn wait_identity_check(data: &str) {
+    use std::io::{Read, Write};
+    let Some(addr) = data.strip_prefix("http://") else {
+        return;
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        let answer = std::net::TcpStream::connect(addr).and_then(|mut s| {
+            s.set_read_timeout(Some(Duration::from_secs(2)))?;
+            s.write_all(
+                format!("GET /ready HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")
+                    .as_bytes(),
+            )?;
+            let mut text = String::new();
+            s.read_to_string(&mut text)?;
+            Ok(text)
+        });
+        match answer {
+            Ok(text) if !text.contains("engine identity validation pending") => return,
+            _ => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+/// Waits (at most `within`) until a handoff document at `path` parses and satisfies `pred`.
+///
+/// # Panics
+/// When it does not.
+pub async fn handoff_file_where(
+    path: &Path,
+    within: Duration,
+    pred: impl Fn(&narwhal_shared::handoff::Handoff) -> bool,
+) -> narwhal_shared::handoff::Handoff {
+    eventually(
+        &format!(
+            "the state file {} to reach the expected content",
+            path.display()
+        ),
+        within,
+        || async {
+            let text = std::fs::read_to_string(path).ok()?;
+            let h = narwhal_shared::handoff::Handoff::parse(&text).ok()?;
+            pred(&h).then_some(h)
+        },
+    )
+    .await
+}

@@ -1,0 +1,261 @@
+//! Starting `narwhal-engine-sim` processes and reaching their test hooks.
+//!
+//! Every use of the simulator's test hooks (`/sim/stats`, `/sim/faults`, ...) goes through
+//! [`SimHandle::admin_url`]: when the hooks move to their own listener, that method is the one
+//! place to change (docs/engine-simulator.md).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::http::Http;
+use crate::proc::{ChildProc, ProcError, START_TIMEOUT, bin_path, read_json_file};
+
+/// One engine to simulate.
+#[derive(Debug, Clone)]
+pub struct EngineSpec {
+    /// Instance id in the fleet file (`e0`, `p0`, ...).
+    pub iid: String,
+    /// `prefill` or `decode`.
+    pub role: String,
+    /// Extra simulator flags (`--ttft-ms 5`, ...).
+    pub sim_args: Vec<String>,
+}
+
+impl EngineSpec {
+    /// An engine with no extra simulator flags.
+    pub fn new(iid: &str, role: &str) -> Self {
+        Self {
+            iid: iid.to_string(),
+            role: role.to_string(),
+            sim_args: Vec::new(),
+        }
+    }
+
+    /// Adds simulator flags.
+    pub fn args(mut self, args: &[&str]) -> Self {
+        self.sim_args.extend(args.iter().map(|s| s.to_string()));
+        self
+    }
+}
+
+/// A running `narwhal-engine-sim`, restartable on the same ports.
+#[derive(Debug)]
+pub struct SimHandle {
+    /// The process (killed on drop).
+    pub proc: ChildProc,
+    /// Base URL of the OpenAI listener, `http://127.0.0.1:PORT`.
+    pub url: String,
+    /// Instance id it plays (for a [`SimHandle::start_raw`] simulator: its label).
+    pub iid: String,
+    /// `prefill` or `decode` (`""` for a raw simulator).
+    pub role: String,
+    /// `vllm` or `sglang`.
+    pub dialect: String,
+    /// The OpenAI listener's port.
+    pub port: u16,
+    /// vLLM NIXL side-channel port.
+    pub kv_port: Option<u16>,
+    /// SGLang bootstrap port (prefill-mode servers).
+    pub bootstrap_port: Option<u16>,
+    /// Engine id of the current process (`remote_engine_id`).
+    pub engine_id: String,
+    /// Extra flags it was started with.
+    pub sim_args: Vec<String>,
+    /// Its `--ready-file` document (`url`, `pid`, `engine_id`, `kv_port`, `bootstrap_port`).
+    pub ready: Value,
+    dir: PathBuf,
+    http: Http,
+}
+
+impl SimHandle {
+    /// Base URL of the test hooks: `<admin_url>/stats`, `<admin_url>/faults`,
+    /// `<admin_url>/stats/reset`. The only place that knows where they are served (today under
+    /// `/sim` on the OpenAI listener).
+    pub fn admin_url(&self) -> String {
+        format!("{}/sim", self.url)
+    }
+
+    /// `GET /sim/stats` (counters, `recent` requests, `in_flight`, `started_at`).
+    ///
+    /// # Panics
+    /// When the simulator does not answer 200 with JSON.
+    pub async fn stats(&self) -> Value {
+        let r = self.http.get(format!("{}/stats", self.admin_url())).await;
+        assert_eq!(r.status, 200, "{}: {}", r.what, r.text());
+        r.json()
+    }
+
+    /// `POST /sim/faults` with one fault object or a list (docs/engine-simulator.md, "Faults").
+    ///
+    /// # Panics
+    /// When the simulator refuses it.
+    pub async fn fault(&self, fault: Value) {
+        let r = self
+            .http
+            .post(format!("{}/faults", self.admin_url()), &fault)
+            .await;
+        assert_eq!(r.status, 200, "fault {fault} refused: {}", r.text());
+    }
+
+    /// `GET /sim/faults`: the faults still queued.
+    pub async fn faults(&self) -> Value {
+        self.http
+            .get(format!("{}/faults", self.admin_url()))
+            .await
+            .json()
+    }
+
+    /// `DELETE /sim/faults`.
+    ///
+    /// # Panics
+    /// When the simulator does not answer 200.
+    pub async fn clear_faults(&self) {
+        let r = self
+            .http
+            .delete(format!("{}/faults", self.admin_url()))
+            .await;
+        assert_eq!(r.status, 200, "{}: {}", r.what, r.text());
+    }
+
+    /// Stops the process (SIGKILL) and starts a new one on the same ports with the same flags
+    /// plus `extra` (later flags win, e.g. `--model other`, `--bootstrap-port 0` for a new
+    /// ephemeral bootstrap port): a restarted engine, new pid, new process start, new engine
+    /// id. The flags it keeps for the next restart are the original ones, without `extra`.
+    ///
+    /// # Errors
+    /// [`ProcError`] when the new process does not start.
+    pub fn restart(&mut self, extra: &[&str]) -> Result<(), ProcError> {
+        self.proc.kill();
+        let mut args = self.sim_args.clone();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let spec = EngineSpec {
+            iid: self.iid.clone(),
+            role: self.role.clone(),
+            sim_args: args,
+        };
+        let fresh = spawn_sim(
+            &self.dir,
+            &spec,
+            &self.dialect,
+            Some((self.port, self.kv_port, self.bootstrap_port)),
+        )?;
+        let keep_args = std::mem::take(&mut self.sim_args);
+        *self = fresh;
+        self.sim_args = keep_args;
+        Ok(())
+    }
+
+    /// Starts a simulator with exactly `args` (no `--dialect`, `--model` or `--listen` added:
+    /// the simulator's defaults apply), for tests of the simulator itself. A `--ready-file`
+    /// in `dir` is added unless `args` name one. `label` names its log and is its `iid`.
+    ///
+    /// # Errors
+    /// [`ProcError`] when the simulator does not start.
+    pub fn start_raw(dir: &Path, label: &str, args: &[&str]) -> Result<SimHandle, ProcError> {
+        let mut cmd = Command::new(bin_path("narwhal-engine-sim"));
+        let ready = match args.iter().position(|a| *a == "--ready-file") {
+            Some(i) => PathBuf::from(args.get(i + 1).copied().unwrap_or_default()),
+            None => {
+                let path = dir.join(format!("{label}.ready.json"));
+                cmd.arg("--ready-file").arg(&path);
+                path
+            }
+        };
+        let _ = std::fs::remove_file(&ready);
+        cmd.args(args);
+        let dialect = args
+            .iter()
+            .position(|a| *a == "--dialect")
+            .and_then(|i| args.get(i + 1))
+            .unwrap_or(&"vllm");
+        let spec = EngineSpec::new(label, "").args(args);
+        finish_spawn(cmd, dir, &spec, dialect, &ready, label)
+    }
+}
+
+/// Starts one simulator for `spec` speaking `dialect` (`vllm` or `sglang`) and serving the
+/// model `tiny-sim`, logging to `dir`.
+///
+/// SGLang engines are launched in the disaggregation mode of their role, as real SGLang
+/// servers are; vLLM engines take their role per request.
+///
+/// # Errors
+/// [`ProcError`] when the simulator does not start.
+pub fn start_sim(dir: &Path, spec: &EngineSpec, dialect: &str) -> Result<SimHandle, ProcError> {
+    spawn_sim(dir, spec, dialect, None)
+}
+
+fn spawn_sim(
+    dir: &Path,
+    spec: &EngineSpec,
+    dialect: &str,
+    ports: Option<(u16, Option<u16>, Option<u16>)>,
+) -> Result<SimHandle, ProcError> {
+    let ready = dir.join(format!("sim-{}.ready.json", spec.iid));
+    let _ = std::fs::remove_file(&ready);
+    let mut cmd = Command::new(bin_path("narwhal-engine-sim"));
+    cmd.args(["--dialect", dialect, "--model", "tiny-sim"]);
+    match ports {
+        Some((port, kv, boot)) => {
+            cmd.args(["--listen", &format!("127.0.0.1:{port}")]);
+            if let Some(k) = kv {
+                cmd.args(["--kv-listen", &format!("127.0.0.1:{k}")]);
+            }
+            if let Some(b) = boot {
+                cmd.args(["--bootstrap-port", &b.to_string()]);
+            }
+        }
+        None => {
+            cmd.args(["--listen", "127.0.0.1:0"]);
+        }
+    }
+    if dialect == "sglang" {
+        cmd.args(["--disaggregation-mode", &spec.role]);
+    }
+    cmd.arg("--ready-file").arg(&ready);
+    cmd.args(&spec.sim_args);
+    let label = format!("sim-{}", spec.iid);
+    finish_spawn(cmd, dir, spec, dialect, &ready, &label)
+}
+
+fn finish_spawn(
+    cmd: Command,
+    dir: &Path,
+    spec: &EngineSpec,
+    dialect: &str,
+    ready: &Path,
+    label: &str,
+) -> Result<SimHandle, ProcError> {
+    let proc = ChildProc::spawn(cmd, label, dir, START_TIMEOUT)?;
+    let url = proc
+        .url_in_first_line(None)
+        .ok_or_else(|| ProcError::BadLine {
+            bin: "narwhal-engine-sim".into(),
+            line: proc.first_line.clone(),
+        })?;
+    let doc = read_json_file(ready);
+    let port = url
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    let as_port = |v: &Value| v.as_u64().and_then(|p| u16::try_from(p).ok());
+    Ok(SimHandle {
+        proc,
+        url,
+        iid: spec.iid.clone(),
+        role: spec.role.clone(),
+        dialect: dialect.to_string(),
+        port,
+        kv_port: as_port(&doc["kv_port"]),
+        bootstrap_port: as_port(&doc["bootstrap_port"]),
+        engine_id: doc["engine_id"].as_str().unwrap_or_default().to_string(),
+        sim_args: spec.sim_args.clone(),
+        ready: doc,
+        dir: dir.to_path_buf(),
+        http: Http::new(Duration::from_secs(30)),
+    })
+}
