@@ -645,9 +645,7 @@ impl Ctl {
         Ok(())
     }
 
-    /// Prints, per target, the checks that passed and what failed. Never prints an empty
-    /// "checks passed:" list: when nothing passed it says what stopped the readmission
-    /// (`router_error`: the router's answer when it was not a success).
+    /// Prints, per target, the checks that passed and what failed ([`check_lines`]).
     fn show_checks(
         &self,
         doc: &Value,
@@ -657,29 +655,8 @@ impl Ctl {
         if self.json {
             return Ok(());
         }
-        for iid in targets {
-            let e = &doc["engines"][iid];
-            let checks: Vec<&str> = e["checks"]
-                .as_array()
-                .map(|a| a.iter().filter_map(Value::as_str).collect())
-                .unwrap_or_default();
-            let engine_error = e["error"].as_str().filter(|s| !s.is_empty());
-            match (checks.is_empty(), router_error) {
-                (false, None) => out(&format!("{iid}: checks passed: {}", checks.join(", ")))?,
-                (false, Some(_)) => out(&format!(
-                    "{iid}: checks passed before it stopped: {}",
-                    checks.join(", ")
-                ))?,
-                (true, Some(_)) => out(&format!("{iid}: no check passed"))?,
-                (true, None) => out(&format!(
-                    "{iid}: readmitted (the router reported no checks)"
-                ))?,
-            }
-            if let Some(err) = engine_error {
-                out(&format!("{iid}: FAILED: {err}"))?;
-            } else if let Some(r) = router_error {
-                out(&format!("{iid}: FAILED: {r}"))?;
-            }
+        for line in check_lines(doc, targets, router_error) {
+            out(&line)?;
         }
         Ok(())
     }
@@ -798,6 +775,37 @@ impl Ctl {
             Err(e) => Err(e),
         }
     }
+}
+
+/// Per target, the checks that passed and what failed. Never an empty "checks passed:" list:
+/// when nothing passed it says what stopped the readmission. `router_error` is the router's
+/// answer when it was not a success (a 409 `readmission validation failed`, a 503 `this router
+/// does not control the fleet` or `router control was fenced during validation`).
+fn check_lines(doc: &Value, targets: &[String], router_error: Option<&str>) -> Vec<String> {
+    let mut lines = Vec::new();
+    for iid in targets {
+        let e = &doc["engines"][iid];
+        let checks: Vec<&str> = e["checks"]
+            .as_array()
+            .map(|a| a.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        let engine_error = e["error"].as_str().filter(|s| !s.is_empty());
+        lines.push(match (checks.is_empty(), router_error) {
+            (false, None) => format!("{iid}: checks passed: {}", checks.join(", ")),
+            (false, Some(_)) => format!(
+                "{iid}: checks passed before it stopped: {}",
+                checks.join(", ")
+            ),
+            (true, Some(_)) => format!("{iid}: no check passed"),
+            (true, None) => format!("{iid}: readmitted (the router reported no checks)"),
+        });
+        if let Some(err) = engine_error {
+            lines.push(format!("{iid}: FAILED: {err}"));
+        } else if let Some(r) = router_error {
+            lines.push(format!("{iid}: FAILED: {r}"));
+        }
+    }
+    lines
 }
 
 /// The router's error message in a lifecycle document (`error` is a string there) or an
@@ -1485,6 +1493,55 @@ mod tests {
             progress_line(&doc),
             "e0 draining (1 prefill, 2 decode resident), e2 drained"
         );
+    }
+
+    #[test]
+    fn check_lines_never_print_an_empty_list_and_name_what_stopped_the_readmission() {
+        let t = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        // 503 before any check: the router is not in control.
+        let doc = json!({"engines": {"p0": {"checks": [], "error": ""}}});
+        assert_eq!(
+            check_lines(
+                &doc,
+                &t(&["p0"]),
+                Some("this router does not control the fleet")
+            ),
+            t(&[
+                "p0: no check passed",
+                "p0: FAILED: this router does not control the fleet"
+            ])
+        );
+        // Fenced during validation: what passed before, and why it stopped.
+        let doc = json!({"engines": {"d0": {"checks": ["health", "attestation k"], "error": ""}}});
+        assert_eq!(
+            check_lines(
+                &doc,
+                &t(&["d0"]),
+                Some("router control was fenced during validation")
+            ),
+            t(&[
+                "d0: checks passed before it stopped: health, attestation k",
+                "d0: FAILED: router control was fenced during validation"
+            ])
+        );
+        // A failed check: the engine's own error wins over the router's summary.
+        let doc = json!({"engines": {"d0": {"checks": ["health"], "error": "generation: 500"}}});
+        assert_eq!(
+            check_lines(&doc, &t(&["d0"]), Some("readmission validation failed")),
+            t(&[
+                "d0: checks passed before it stopped: health",
+                "d0: FAILED: generation: 500"
+            ])
+        );
+        // Success.
+        let doc = json!({"engines": {"d0": {"checks": ["health", "final health"], "error": ""}}});
+        assert_eq!(
+            check_lines(&doc, &t(&["d0"]), None),
+            t(&["d0: checks passed: health, final health"])
+        );
+        // An engine the document does not know.
+        let lines = check_lines(&json!({}), &t(&["x"]), Some("HTTP 503"));
+        assert_eq!(lines, t(&["x: no check passed", "x: FAILED: HTTP 503"]));
     }
 
     #[test]
