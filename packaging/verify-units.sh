@@ -18,10 +18,17 @@ cargo build -q --workspace --bins
 bindir="${CARGO_TARGET_DIR:-$PWD/target}/debug"
 case "$bindir" in /*) ;; *) bindir="$PWD/$bindir" ;; esac
 tmp=$(mktemp -d)
-pids=()
+# Routers are started inside $(...) subshells: their pids go to a file, not a variable.
 cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  local p left
+  for p in $(cat "$tmp/pids" 2>/dev/null); do kill "$p" 2>/dev/null || true; done
+  for _ in $(seq 1 100); do
+    left=0
+    for p in $(cat "$tmp/pids" 2>/dev/null); do kill -0 "$p" 2>/dev/null && left=1; done
+    [ "$left" = 0 ] && break
+    sleep 0.1
+  done
+  for p in $(cat "$tmp/pids" 2>/dev/null); do kill -9 "$p" 2>/dev/null || true; done
   rm -rf "$tmp"
 }
 trap cleanup EXIT
@@ -125,8 +132,9 @@ http_get() { # host port path -> status line and body on stdout
 start_router() {
   local args=() a
   while IFS= read -r a; do args+=("$a"); done < "$1"
+  : > "$tmp/$2.out"
   "${args[@]}" > "$tmp/$2.out" 2> "$tmp/$2.err" &
-  pids+=("$!")
+  echo "$!" >> "$tmp/pids"
   for _ in $(seq 1 300); do
     if grep -q '^narwhal-serve listening' "$tmp/$2.out"; then
       sed -n 's/.* control=\([^ ]*\).*/\1/p' "$tmp/$2.out"
@@ -193,6 +201,6 @@ done
   || fail "narwhal-serve@primary does not control the fleet"
 [ "$(state_field 127.0.0.1 "$sport" standby)" = '"standby":true' ] \
   || fail "narwhal-serve@standby is not a standby"
-grep -q '"holder":"router-a:' "$tmp/var/router.lease.json" \
+grep -q "\"holder\":\"router-a:" "$tmp/var/router.lease.json" \
   || fail "the lease holder is not NARWHAL_ROUTER_ID=router-a"
 echo "narwhal-serve@.service: primary (router-a, lease holder) and standby (router-b) start from env/serve-*.env"
