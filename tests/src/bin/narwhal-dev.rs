@@ -7,10 +7,17 @@
 //!   mix of streaming and non-streaming chat and completion requests through the router,
 //!   prints a table of outcomes and the simulators' KV statistics, and exits non-zero if any
 //!   request failed or any decode recomputed its prefill instead of receiving KV.
+//!
+//! `up` and `demo` run as two processes (see `session.rs`): the one started by the user
+//! supervises a fleet process in its own process group, so a `kill -9` of either leaves no
+//! engine, agent or router behind, and a second session in a busy `--dir` is refused.
 #![forbid(unsafe_code)]
 // A test tool that measures wall time (latencies, deadlines): the clock ban of clippy.toml is
 // for product code.
 #![allow(clippy::disallowed_methods)]
+
+#[path = "narwhal-dev/session.rs"]
+mod session;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -74,6 +81,7 @@ struct UpArgs {
     #[arg(long, default_value = "runs/dev")]
     dir: PathBuf,
     /// Write a JSON document naming every started process here (default DIR/fleet.ready.json).
+    /// `narwhal-dev restart --dir DIR` finds the session through DIR/narwhal-dev.json either way.
     #[arg(long)]
     ready_file: Option<PathBuf>,
     /// Extra flags for every simulator, e.g. `--sim-arg=--tpot-ms --sim-arg=5`.
@@ -139,6 +147,8 @@ struct Fleet {
     dialect: String,
     /// `http://127.0.0.1:PORT` of this process's restart endpoint, once serving.
     dev_control: String,
+    /// The lock on `dir`, held for the fleet's lifetime (dropped last, after every child).
+    _lock: session::DirLock,
 }
 
 impl Drop for Fleet {
@@ -149,8 +159,8 @@ impl Drop for Fleet {
 
 impl Fleet {
     fn start(args: &UpArgs) -> Result<Self, String> {
-        std::fs::create_dir_all(&args.dir)
-            .map_err(|e| format!("create {}: {e}", args.dir.display()))?;
+        // Before anything is written into the directory: a running session keeps it.
+        let lock = session::DirLock::acquire(&args.dir)?;
         let dir = args
             .dir
             .canonicalize()
@@ -232,6 +242,7 @@ impl Fleet {
             certs: certs_dir,
             dialect: args.dialect.clone(),
             dev_control: String::new(),
+            _lock: lock,
         })
     }
 
@@ -243,6 +254,7 @@ impl Fleet {
             "dialect": self.dialect,
             "certs": self.certs,
             "dev_control": self.dev_control,
+            "dev_pid": std::process::id(),
             "router": {
                 "data": self.router.data,
                 "control": self.router.control,
@@ -346,13 +358,19 @@ async fn bring_up(args: &UpArgs) -> Result<(SharedFleet, PathBuf), String> {
     let url = dev_control(fleet.clone(), ready.clone())
         .await
         .map_err(|e| format!("dev control listener: {e}"))?;
-    let doc = {
+    let (doc, dir) = {
         let mut f = fleet.lock().unwrap_or_else(|p| p.into_inner());
-        f.dev_control = url;
-        f.ready_doc()
+        f.dev_control = url.clone();
+        (f.ready_doc(), f.dir.clone())
     };
     write_atomically(&ready, &format!("{doc:#}\n"))
         .map_err(|e| format!("write {}: {e}", ready.display()))?;
+    let session_path = dir.join(session::SESSION_FILE);
+    write_atomically(
+        &session_path,
+        &format!("{:#}\n", session::session_doc(&dir, &url, &ready)),
+    )
+    .map_err(|e| format!("write {}: {e}", session_path.display()))?;
     Ok((fleet, ready))
 }
 
@@ -398,27 +416,12 @@ fn certs(args: CertsArgs) -> ExitCode {
 }
 
 async fn restart(args: RestartArgs) -> ExitCode {
-    let ready = args.dir.join("fleet.ready.json");
-    let doc: Value = match std::fs::read(&ready)
-        .map_err(|e| e.to_string())
-        .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
-    {
-        Ok(d) => d,
+    let control = match session::dev_control_of(&args.dir) {
+        Ok(c) => c,
         Err(e) => {
-            eprintln!(
-                "narwhal-dev restart: cannot read {} (is `narwhal-dev up --dir {}` running?): {e}",
-                ready.display(),
-                args.dir.display()
-            );
+            eprintln!("narwhal-dev restart: {e}");
             return ExitCode::FAILURE;
         }
-    };
-    let Some(control) = doc["dev_control"].as_str().filter(|s| !s.is_empty()) else {
-        eprintln!(
-            "narwhal-dev restart: {} names no dev_control endpoint",
-            ready.display()
-        );
-        return ExitCode::FAILURE;
     };
     let http = narwhal_testkit::http_client()
         .timeout(Duration::from_secs(60))
@@ -441,13 +444,31 @@ async fn restart(args: RestartArgs) -> ExitCode {
             }
         }
         Err(e) => {
-            eprintln!("narwhal-dev restart: {control}: {e}");
+            let hint = if session::DirLock::is_held(&args.dir) {
+                String::new()
+            } else {
+                format!(
+                    " (no `narwhal-dev up --dir {}` is running any more)",
+                    args.dir.display()
+                )
+            };
+            eprintln!("narwhal-dev restart: {control}: {e}{hint}");
             ExitCode::FAILURE
         }
     }
 }
 
 async fn up(args: UpArgs) -> ExitCode {
+    // Registered before anything starts: a SIGTERM during start-up (Ctrl-C forwarded by the
+    // supervisor, or its death) is kept and stops the fleet once it is up, instead of killing
+    // this process with its children half-started.
+    let stop = match StopSignals::install() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("narwhal-dev up: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let (fleet, ready) = match bring_up(&args).await {
         Ok(x) => x,
         Err(e) => {
@@ -496,18 +517,37 @@ async fn up(args: UpArgs) -> ExitCode {
         );
         println!("Ctrl-C stops the fleet.");
     }
-    wait_for_signal().await;
+    stop.wait().await;
     println!("narwhal-dev up: stopping");
     drop(fleet);
     ExitCode::SUCCESS
 }
 
-async fn wait_for_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+/// SIGINT, SIGTERM and SIGHUP, registered at once so none is lost while the fleet starts.
+struct StopSignals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn install() -> Result<Self, String> {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mk = |k: SignalKind| signal(k).map_err(|e| format!("install signal handler: {e}"));
+        Ok(StopSignals {
+            int: mk(SignalKind::interrupt())?,
+            term: mk(SignalKind::terminate())?,
+            hup: mk(SignalKind::hangup())?,
+        })
+    }
+
+    /// Resolves at the first of the three (also one that arrived since `install`).
+    async fn wait(mut self) {
+        tokio::select! {
+            _ = self.int.recv() => {}
+            _ = self.term.recv() => {}
+            _ = self.hup.recv() => {}
+        }
     }
 }
 
@@ -873,12 +913,53 @@ async fn demo(args: DemoArgs) -> ExitCode {
     }
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = Cli::parse();
+    if matches!(cli.cmd, Cmd::Up(_) | Cmd::Demo(_)) {
+        match std::env::var(session::SUPERVISOR_ENV) {
+            // The process the user started: supervise a fleet process running these arguments.
+            Err(_) => return session::supervise(),
+            Ok(sup) => {
+                if let Err(e) = session::bind_to_supervisor(&sup) {
+                    eprintln!("narwhal-dev: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+    }
+    match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt.block_on(run(cli)),
+        Err(e) => {
+            eprintln!("narwhal-dev: tokio runtime: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> ExitCode {
     match cli.cmd {
         Cmd::Up(a) => up(a).await,
-        Cmd::Demo(a) => demo(a).await,
+        Cmd::Demo(a) => {
+            let stop = match StopSignals::install() {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("narwhal-dev demo: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            // Interrupted: dropping the demo drops its fleets, which stop their children.
+            tokio::select! {
+                code = demo(a) => code,
+                () = stop.wait() => {
+                    eprintln!("narwhal-dev demo: interrupted");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Cmd::Certs(a) => certs(a),
         Cmd::Restart(a) => restart(a).await,
     }
