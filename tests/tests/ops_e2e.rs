@@ -887,8 +887,7 @@ async fn monitoring_files_use_exported_metric_names_or_list_them_as_missing() {
         &[],
     )
     .expect("router");
-    let http = narwhal_testkit::http_client().build().expect("client");
-    let text = router.metrics(&http).await.expect("/metrics");
+    let text = router.metrics().await;
     let mut live = std::collections::BTreeSet::new();
     for line in text.lines() {
         if let Some(rest) = line.strip_prefix("# TYPE ") {
