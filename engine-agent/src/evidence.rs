@@ -22,7 +22,7 @@ use narwhal_shared::{LegResult, TransferEvidence, TransferVerdict};
 /// Longest the agent re-reads `/metrics` after a successful decode leg, waiting for the
 /// engine's counters to move (vLLM records connector stats from the scheduler's step output,
 /// SGLang from its scheduler process; both normally before the stream ends).
-pub const EVIDENCE_SETTLE: Duration = Duration::from_secs(1);
+pub(crate) const EVIDENCE_SETTLE: Duration = Duration::from_secs(1);
 
 /// Pause between two reads while settling.
 pub(crate) const EVIDENCE_POLL: Duration = Duration::from_millis(50);
@@ -285,22 +285,22 @@ fn parse_labels(s: &str) -> Option<(Vec<(String, String)>, &str)> {
 
 /// The verdict on one transfer and what it rests on.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Judgement {
+pub(crate) struct Judgement {
     /// The verdict.
-    pub verdict: TransferVerdict,
+    pub(crate) verdict: TransferVerdict,
     /// Completed-transfer counter increase, when both readings had it.
-    pub consumed_delta: Option<i64>,
+    pub(crate) consumed_delta: Option<i64>,
     /// Failure counters' increase, when both readings had them.
-    pub failed_delta: Option<i64>,
+    pub(crate) failed_delta: Option<i64>,
     /// Which counters were read (`none` when none).
-    pub source: &'static str,
+    pub(crate) source: &'static str,
     /// Why, naming the counter or what was missing.
-    pub detail: String,
+    pub(crate) detail: String,
 }
 
 impl Judgement {
     /// The signed `transfer` object of this judgement.
-    pub fn evidence(&self) -> TransferEvidence {
+    pub(crate) fn evidence(&self) -> TransferEvidence {
         TransferEvidence {
             source: self.source.to_string(),
             consumed_delta: self.consumed_delta,
@@ -320,7 +320,7 @@ impl Judgement {
 
 /// The `transfer` object when no transfer was attempted (a standalone probe's local decode, or
 /// a leg that never ran): no verdict.
-pub fn no_transfer(why: &str) -> TransferEvidence {
+pub(crate) fn no_transfer(why: &str) -> TransferEvidence {
     TransferEvidence {
         source: "none".into(),
         consumed_delta: None,
@@ -346,7 +346,7 @@ fn delta(after: Option<f64>, before: Option<f64>) -> Option<i64> {
 /// 3. Both readings publish failure counters and they rose → `refuted`.
 /// 4. Both readings publish the completed-transfer counter and it rose → `confirmed`.
 /// 5. Otherwise (no counters, or none moved) → `inferred`: the decode succeeded with the handle.
-pub fn judge(
+pub(crate) fn judge(
     leg: &LegResult,
     before: Option<&TransferCounters>,
     after: Option<&TransferCounters>,

@@ -29,10 +29,7 @@ use std::time::Duration;
 pub use agent::{Agent, RequestError, engine_http_client};
 pub use authz::{Access, Caller, Forbidden, RULE_FLEET, RULE_ROUTER, authorize};
 pub use config::{CONFIG_SCHEMA, Config, ConfigError, ContractDocument, EngineConfig, Timeouts};
-pub use evidence::{
-    EVIDENCE_SETTLE, Judgement, SGLANG_DISAGGREGATION, Series, TransferCounters, TransferMetrics,
-    VLLM_NIXL, judge, no_transfer,
-};
+pub use evidence::{SGLANG_DISAGGREGATION, Series, TransferCounters, TransferMetrics, VLLM_NIXL};
 pub use fence::{Decision, EpochStore, FenceError, FenceState, StateLock, decide};
 pub use http::{router, status_of};
 pub use keys::{KeyFileError, keygen, load as load_signing_key};
