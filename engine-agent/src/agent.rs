@@ -22,15 +22,16 @@ use narwhal_shared::attestation::{
 use narwhal_shared::{
     AttestationPayload, Clock, GenerationPayload, Header, KvConsumePayload, KvProducePayload,
     LegResult, ProbePayload, ProcessIdentity, PublicKey, SignedDocument, SigningKey,
-    TransferEvidence,
+    TransferEvidence, TransferVerdict,
 };
 use serde::Serialize;
 use serde_json::Value;
 
 use crate::config::{Config, EngineConfig};
+use crate::evidence::{EVIDENCE_POLL, EVIDENCE_SETTLE, TransferCounters, judge, no_transfer};
 use crate::fence::{EpochStore, FenceError};
 use crate::metrics::Metrics;
-use crate::plugin::{EngineCtx, EngineError, EnginePlugin, KvCounters, plugin_for};
+use crate::plugin::{EngineCtx, EngineError, EnginePlugin, plugin_for};
 use crate::process::{
     LiveProc, PortRead, ProcessError, ProcessLocator, ReadPath, ResolvedOwner, locate,
     read_port_identity,
@@ -153,41 +154,17 @@ fn taint(mut leg: LegResult, problem: Option<String>) -> LegResult {
     leg
 }
 
-/// Transfer evidence from counters read around the decode leg. When the engine recorded the
-/// leg itself (by request id) that record decides — `decode` with outcome `ok` is a transfer,
-/// anything else is not — so concurrent traffic cannot fake or hide one; otherwise the counter
-/// deltas decide (consumed rose, recomputed did not).
-fn evidence(
-    before: Option<KvCounters>,
-    after: Option<KvCounters>,
-    leg_ok: bool,
-) -> TransferEvidence {
-    match (before, after) {
-        (Some(b), Some(a)) => {
-            let consumed = a.consumed - b.consumed;
-            let recomputed = a.recomputed - b.recomputed;
-            let transferred = match (&a.request_phase, &a.request_outcome) {
-                (Some(phase), outcome) => {
-                    leg_ok && phase == "decode" && outcome.as_deref() == Some("ok")
-                }
-                (None, _) => leg_ok && consumed >= 1 && recomputed == 0,
-            };
-            TransferEvidence {
-                source: "sim_stats".into(),
-                consumed_delta: Some(consumed),
-                recomputed_delta: Some(recomputed),
-                engine_phase: a.request_phase,
-                transferred: Some(transferred),
-            }
-        }
-        _ => TransferEvidence {
-            source: "none".into(),
-            consumed_delta: None,
-            recomputed_delta: None,
-            engine_phase: None,
-            transferred: None,
-        },
+/// Fails a leg whose transfer was refuted although the decode itself succeeded (a failure
+/// counter rose, or the consumer cannot receive KV), naming why.
+fn refute(mut leg: LegResult, transfer: &TransferEvidence) -> LegResult {
+    if transfer.verdict == Some(TransferVerdict::Refuted) && leg.ok {
+        leg.ok = false;
+        leg.error = Some(format!(
+            "KV transfer refuted: {}",
+            transfer.detail.as_deref().unwrap_or("no reason given")
+        ));
     }
+    leg
 }
 
 /// notAfter of the serving certificate and of the earliest-expiring CA certificate.
@@ -528,6 +505,8 @@ impl Agent {
         sign(&self.key, &payload)
     }
 
+    /// The decode leg on `e` with `kv` (`None`: a local decode) and the transfer evidence read
+    /// from the engine's own surfaces around it (crate::evidence).
     async fn consume_with_evidence(
         &self,
         e: &Engine,
@@ -536,22 +515,47 @@ impl Agent {
         kv: Option<&Value>,
     ) -> (LegResult, TransferEvidence) {
         let request_id = format!("narwhal-check-{check_id}-{}-decode", short_id());
-        let c0 = e.plugin.counters(&e.ctx, None).await;
+        let before = match kv {
+            Some(_) => e.plugin.transfer_counters(&e.ctx).await,
+            None => None,
+        };
         let leg = e
             .plugin
             .consume(&e.ctx, model, check_id, kv, &request_id)
             .await;
-        let c1 = if c0.is_some() {
-            e.plugin.counters(&e.ctx, Some(&request_id)).await
-        } else {
-            None
-        };
-        let ev = if kv.is_some() {
-            evidence(c0, c1, leg.ok)
-        } else {
-            evidence(None, None, leg.ok)
-        };
-        (leg, ev)
+        if kv.is_none() {
+            return (leg, no_transfer("local decode: no KV transfer attempted"));
+        }
+        let after = self.settled_counters(e, before.as_ref(), leg.ok).await;
+        let j = judge(&leg, before.as_ref(), after.as_ref(), EVIDENCE_SETTLE);
+        tracing::info!(verdict = %j.verdict, source = j.source, detail = %j.detail,
+            "kv transfer evidence");
+        let transfer = j.evidence();
+        (refute(leg, &transfer), transfer)
+    }
+
+    /// Reads the engine's transfer counters after a decode leg. After a successful leg with a
+    /// baseline that publishes counters, re-reads every [`EVIDENCE_POLL`] until one moves or
+    /// [`EVIDENCE_SETTLE`] passes (the engine may record a transfer shortly after the stream).
+    async fn settled_counters(
+        &self,
+        e: &Engine,
+        before: Option<&TransferCounters>,
+        leg_ok: bool,
+    ) -> Option<TransferCounters> {
+        let started = self.clock.now();
+        loop {
+            let now = e.plugin.transfer_counters(&e.ctx).await;
+            let waiting = leg_ok
+                && matches!((before, &now), (Some(b), Some(a))
+                    if b.published() && a.published() && !a.moved_since(b)
+                        && a.cannot_receive.is_none());
+            let elapsed = self.clock.now().duration_since(started);
+            if !waiting || elapsed >= EVIDENCE_SETTLE {
+                return now;
+            }
+            tokio::time::sleep(EVIDENCE_POLL.min(EVIDENCE_SETTLE - elapsed)).await;
+        }
     }
 
     /// `POST /v1/engines/{iid}/checks/kv/consume`.
@@ -578,16 +582,8 @@ impl Agent {
             .consume_with_evidence(e, &req.model, &req.check_id, Some(&req.kv))
             .await;
         let after = self.identity(e).await;
-        let mut result = taint(leg, changed_during(&before, &after));
-        if transfer.transferred == Some(false) && result.ok {
-            result.ok = false;
-            result.error = Some(format!(
-                "decode succeeded but the engine shows no KV transfer (consumed +{}, recomputed +{})",
-                transfer.consumed_delta.unwrap_or(0),
-                transfer.recomputed_delta.unwrap_or(0)
-            ));
-        }
-        tracing::info!(ok = result.ok, tokens = result.tokens, transferred = ?transfer.transferred,
+        let result = taint(leg, changed_during(&before, &after));
+        tracing::info!(ok = result.ok, tokens = result.tokens, verdict = ?transfer.verdict,
             error = ?result.error, "kv consume");
         let payload = KvConsumePayload {
             header: self.header(
@@ -654,7 +650,7 @@ impl Agent {
         let (consume, transfer) = if !produce_ok || (needs_kv && kv.is_none()) {
             (
                 crate::plugin::failed(0.0, "not run: the producer leg failed".into()),
-                evidence(None, None, false),
+                no_transfer("the decode did not run: the producer leg failed"),
             )
         } else {
             self.consume_with_evidence(e, &req.model, &check_id, kv.as_ref())
@@ -662,7 +658,7 @@ impl Agent {
         };
         let after = self.identity(e).await;
         let consume = taint(consume, changed_during(&before, &after));
-        let ok = produce_ok && consume.ok && transfer.transferred != Some(false);
+        let ok = produce_ok && consume.ok && transfer.verdict.is_none_or(TransferVerdict::accepted);
         tracing::info!(ok, mode, error = ?consume.error, "probe");
         let payload = ProbePayload {
             header: self.header(
@@ -681,49 +677,5 @@ impl Agent {
             ok,
         };
         sign(&self.key, &payload)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn evidence_requires_a_consumed_transfer_and_no_recompute() {
-        let c = |consumed, recomputed| {
-            Some(KvCounters {
-                consumed,
-                recomputed,
-                request_phase: None,
-                request_outcome: None,
-            })
-        };
-        assert_eq!(evidence(c(1, 0), c(2, 0), true).transferred, Some(true));
-        assert_eq!(evidence(c(1, 0), c(2, 1), true).transferred, Some(false));
-        assert_eq!(evidence(c(1, 0), c(1, 0), true).transferred, Some(false));
-        assert_eq!(evidence(c(1, 0), c(2, 0), false).transferred, Some(false));
-        assert_eq!(evidence(None, c(2, 0), true).transferred, None);
-        assert_eq!(evidence(None, None, true).source, "none");
-    }
-
-    #[test]
-    fn the_engine_record_of_the_leg_beats_counters_moved_by_other_traffic() {
-        let c = |consumed, recomputed, phase: Option<&str>| {
-            Some(KvCounters {
-                consumed,
-                recomputed,
-                request_phase: phase.map(str::to_string),
-                request_outcome: Some("ok".into()),
-            })
-        };
-        // Another request consumed KV meanwhile, ours was recomputed: not a transfer.
-        let ev = evidence(c(1, 0, None), c(2, 1, Some("aggregated")), true);
-        assert_eq!(ev.transferred, Some(false));
-        assert_eq!(ev.engine_phase.as_deref(), Some("aggregated"));
-        // Ours was a real decode even though another request recomputed meanwhile.
-        assert_eq!(
-            evidence(c(1, 0, None), c(2, 1, Some("decode")), true).transferred,
-            Some(true)
-        );
     }
 }

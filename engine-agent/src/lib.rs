@@ -14,6 +14,7 @@
 mod agent;
 mod authz;
 mod config;
+mod evidence;
 mod fence;
 mod http;
 mod keys;
@@ -28,13 +29,13 @@ use std::time::Duration;
 pub use agent::{Agent, RequestError, engine_http_client};
 pub use authz::{Access, Caller, Forbidden, RULE_FLEET, RULE_ROUTER, authorize};
 pub use config::{CONFIG_SCHEMA, Config, ConfigError, ContractDocument, EngineConfig, Timeouts};
+pub use evidence::{SGLANG_DISAGGREGATION, Series, TransferCounters, TransferMetrics, VLLM_NIXL};
 pub use fence::{Decision, EpochStore, FenceError, FenceState, StateLock, decide};
 pub use http::{router, status_of};
 pub use keys::{KeyFileError, keygen, load as load_signing_key};
 pub use metrics::{CHECK_KINDS, Metrics};
 pub use plugin::{
-    BoxFuture, Dialect, EngineCtx, EngineError, EnginePlugin, KvCounters, SglangPlugin, VllmPlugin,
-    plugin_for,
+    BoxFuture, Dialect, EngineCtx, EngineError, EnginePlugin, SglangPlugin, VllmPlugin, plugin_for,
 };
 pub use process::{
     LiveProc, Mismatch, PortRead, ProcView, ProcessError, ProcessLocator, ReadPath, ResolvedOwner,

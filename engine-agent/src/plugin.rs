@@ -6,7 +6,7 @@
 //!  (generic)  │ generate()  one non-streaming completion              │    to the engine
 //!             │ produce()   prefill leg → KV descriptor / rendezvous  │
 //!             │ consume()   decode leg with a descriptor / rendezvous │
-//!             │ counters()  transfer evidence (simulator /sim/stats)  │
+//!             │ transfer_counters()  KV-transfer counters (/metrics)  │
 //!             └─────── VllmPlugin (NIXL descriptors) | SglangPlugin (bootstrap rendezvous)
 //! ```
 //!
@@ -20,6 +20,8 @@ use std::time::Duration;
 
 use narwhal_shared::{Clock, EngineFacts, LegResult};
 use serde_json::{Value, json};
+
+use crate::evidence::{TransferCounters, TransferMetrics};
 
 mod sglang;
 mod sse;
@@ -88,7 +90,7 @@ pub struct EngineCtx {
     pub http: reqwest::Client,
     /// Engine base URL, no trailing slash.
     pub base: String,
-    /// Limit for reads (version, models, stats).
+    /// Limit for reads (version, models, metrics).
     pub read_timeout: Duration,
     /// Limit for one generation or KV leg.
     pub leg_timeout: Duration,
@@ -104,20 +106,6 @@ impl std::fmt::Debug for EngineCtx {
             .field("base", &self.base)
             .finish()
     }
-}
-
-/// KV counters of an engine (the simulator's `/sim/stats` `kv.consumed`, `kv.recomputed`),
-/// and how it recorded one request (`recent[]` entry with that `request_id`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KvCounters {
-    /// Transfers this engine consumed as a decoder.
-    pub consumed: i64,
-    /// Prompts this engine recomputed instead of receiving KV.
-    pub recomputed: i64,
-    /// `phase` of the asked-for request (`decode`, `aggregated`, `prefill`), if recorded.
-    pub request_phase: Option<String>,
-    /// `outcome` of the asked-for request (`ok`, `error`, ...), if recorded.
-    pub request_outcome: Option<String>,
 }
 
 /// What is specific to one engine kind.
@@ -196,34 +184,24 @@ pub trait EnginePlugin: Send + Sync {
         true
     }
 
-    /// Transfer counters and the record of `request_id`, when the engine publishes them (the
-    /// simulator's `/sim/stats`); `None` otherwise.
-    fn counters<'a>(
+    /// The Prometheus families this engine kind publishes about KV transfers into it
+    /// (crate::evidence, where each name's source is recorded).
+    fn transfer_metrics(&self) -> TransferMetrics;
+
+    /// The engine's KV-transfer counters now, from its own `GET /metrics`; `None` when the page
+    /// cannot be read (a reading without the families is `Some` with `None` counters).
+    fn transfer_counters<'a>(
         &'a self,
         ctx: &'a EngineCtx,
-        request_id: Option<&'a str>,
-    ) -> BoxFuture<'a, Option<KvCounters>> {
+    ) -> BoxFuture<'a, Option<TransferCounters>> {
         Box::pin(async move {
-            let v = get_json(ctx, "/sim/stats").await.ok()?;
-            let record = request_id.and_then(|rid| {
-                v.get("recent")?
-                    .as_array()?
-                    .iter()
-                    .rev()
-                    .find(|r| r.get("request_id").and_then(Value::as_str) == Some(rid))
-            });
-            let field = |k: &str| {
-                record
-                    .and_then(|r| r.get(k))
-                    .and_then(Value::as_str)
-                    .map(str::to_string)
-            };
-            Some(KvCounters {
-                consumed: v.pointer("/kv/consumed")?.as_i64()?,
-                recomputed: v.pointer("/kv/recomputed")?.as_i64()?,
-                request_phase: field("phase"),
-                request_outcome: field("outcome"),
-            })
+            match get_text(ctx, "/metrics").await {
+                Ok(page) => Some(TransferCounters::from_page(self.transfer_metrics(), &page)),
+                Err(e) => {
+                    tracing::debug!(error = %e, "engine metrics unreadable: no transfer counters");
+                    None
+                }
+            }
         })
     }
 }
@@ -270,6 +248,27 @@ pub(crate) async fn get_json(ctx: &EngineCtx, path: &str) -> Result<Value, Engin
         .await
         .map_err(|e| transport(path, e))?;
     read_json(path, resp).await
+}
+
+/// `GET path` as text (a Prometheus page), bounded by `read_timeout`.
+pub(crate) async fn get_text(ctx: &EngineCtx, path: &str) -> Result<String, EngineError> {
+    let resp = ctx
+        .http
+        .get(format!("{}{}", ctx.base, path))
+        .timeout(ctx.read_timeout)
+        .send()
+        .await
+        .map_err(|e| transport(path, e))?;
+    let status = resp.status();
+    let text = resp.text().await.map_err(|e| transport(path, e))?;
+    if !status.is_success() {
+        return Err(EngineError::Status {
+            path: path.to_string(),
+            status: status.as_u16(),
+            body: text.chars().take(200).collect(),
+        });
+    }
+    Ok(text)
 }
 
 pub(crate) async fn post_json(

@@ -80,6 +80,51 @@ pub struct KvConsumeRequest {
     pub kv: Value,
 }
 
+/// What the consuming engine's own surfaces say about one KV transfer (issue 10 section 1),
+/// carried as `transfer.verdict` in signed KV-consume and probe answers.
+///
+/// | Verdict | When the agent gives it |
+/// |---|---|
+/// | `confirmed` | the engine's completed-transfer counter rose across the decode leg and no failure counter did (vLLM: `vllm:nixl_xfer_time_seconds_count`; SGLang: `sglang:per_stage_req_latency_seconds_count{stage="decode_transferred"}`) |
+/// | `inferred` | no counter moved or the engine publishes none, but the decode with the descriptor / rendezvous succeeded and produced tokens (vLLM fails such a request under its default `kv_load_failure_policy: "fail"`; SGLang aborts a failed transfer) |
+/// | `refuted` | a failure counter rose (vLLM `vllm:nixl_num_failed_transfers_total`; SGLang `sglang:num_transfer_failed_reqs_total`, `sglang:num_bootstrap_failed_reqs_total`), the decode failed, or the consumer cannot receive KV (an SGLang server not in `decode` mode serves the prompt recomputed) |
+///
+/// A check passes on `confirmed` and `inferred` and fails on `refuted`
+/// ([`TransferVerdict::accepted`]). Serialised lower-case; an unknown value from a newer agent
+/// does not deserialise, so an older router refuses the answer as malformed rather than guess.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransferVerdict {
+    /// A counter of the consuming engine moved as this transfer should move it.
+    Confirmed,
+    /// No counter evidence either way; the decode with the handle succeeded with tokens.
+    Inferred,
+    /// A failure counter moved, the decode failed, or the consumer recomputed.
+    Refuted,
+}
+
+impl TransferVerdict {
+    /// Whether a check may pass on this verdict: `confirmed` and `inferred` yes, `refuted` no.
+    pub fn accepted(self) -> bool {
+        !matches!(self, TransferVerdict::Refuted)
+    }
+
+    /// `confirmed`, `inferred` or `refuted` (the wire spelling).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransferVerdict::Confirmed => "confirmed",
+            TransferVerdict::Inferred => "inferred",
+            TransferVerdict::Refuted => "refuted",
+        }
+    }
+}
+
+impl std::fmt::Display for TransferVerdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Where a probe's KV comes from when it is not produced on the suspect itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "snake_case")]

@@ -139,22 +139,68 @@ pub struct KvProducePayload {
     pub kv: Option<Value>,
 }
 
-/// Evidence that a consumer really received KV rather than recomputing the prompt.
+/// Evidence that a consumer really received KV rather than recomputing the prompt, read by the
+/// agent from the consuming engine's own surfaces (its Prometheus `/metrics` and, for SGLang,
+/// `/server_info`) around the decode leg (docs/agent.md, "Transfer evidence").
+///
+/// Wire compatibility (issue 10 section 1). `verdict`, `failed_delta` and `detail` were added
+/// without a `schema_version` bump: each is optional with a default, and a router built before
+/// them ignores them (payloads are not `deny_unknown_fields`; the signature covers the payload
+/// as sent). The legacy `transferred` keeps its meaning — `true` only for `confirmed`, `false`
+/// for `refuted`, `null` when only the decode outcome is known — so an older router stays as
+/// strict as it was (it refuses `inferred`), never laxer. A router reads the verdict through
+/// [`TransferEvidence::judged`], which also derives one from an older agent's `transferred`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TransferEvidence {
-    /// Where the counters came from: `sim_stats` (the simulator's `/sim/stats`) or `none`.
+    /// Where the counters came from: `vllm_nixl_metrics` (vLLM's `/metrics`, NIXL connector
+    /// families), `sglang_disaggregation_metrics` (SGLang's `/metrics`), or `none` (the engine
+    /// published none, or no transfer was attempted). Agents before issue 10 also sent
+    /// `sim_stats`.
     pub source: String,
-    /// Increase of the consumer's "KV consumed" counter across the decode leg.
+    /// Increase of the consumer's completed-transfer counter across the decode leg (`null`
+    /// when the engine publishes none).
     pub consumed_delta: Option<i64>,
-    /// Increase of the consumer's "prompt recomputed" counter across the decode leg.
+    /// Legacy: increase of a "prompt recomputed" counter. No engine publishes one per transfer,
+    /// so agents since issue 10 send `null`; a recompute shows as `failed_delta` or a failed
+    /// decode.
     pub recomputed_delta: Option<i64>,
-    /// How the consuming engine recorded this very request (matched by request id), when it
-    /// publishes per-request records: `decode` (KV received) or `aggregated` (recomputed).
+    /// Legacy: how the consuming engine recorded this very request, from the simulator's
+    /// per-request records; `null` since issue 10 (real engines publish no such record).
     #[serde(default)]
     pub engine_phase: Option<String>,
-    /// `true`: transferred; `false`: recomputed or nothing consumed; `null`: the engine
-    /// publishes no evidence, only the decode outcome is known.
+    /// Legacy two-valued form of `verdict`: `true` = confirmed, `false` = refuted, `null` =
+    /// inferred (or no transfer attempted).
     pub transferred: Option<bool>,
+    /// The three-valued verdict (`confirmed`, `inferred`, `refuted`); `null` when no transfer
+    /// was attempted (a standalone probe) or from an agent older than issue 10.
+    #[serde(default)]
+    pub verdict: Option<crate::agent_protocol::TransferVerdict>,
+    /// Increase of the consumer's failed-transfer counters across the decode leg (`null` when
+    /// the engine publishes none).
+    #[serde(default)]
+    pub failed_delta: Option<i64>,
+    /// Why the verdict is what it is, naming the counter that moved or what was missing.
+    #[serde(default)]
+    pub detail: Option<String>,
+}
+
+impl TransferEvidence {
+    /// The verdict to act on for a transfer whose decode leg was `leg`: `verdict` when the
+    /// agent sent one; from an agent older than issue 10, derived from `transferred` (`true` →
+    /// confirmed, `false` → refuted, `null` → inferred when `leg` succeeded with at least one
+    /// token, else refuted).
+    pub fn judged(&self, leg: &LegResult) -> crate::agent_protocol::TransferVerdict {
+        use crate::agent_protocol::TransferVerdict as V;
+        if let Some(v) = self.verdict {
+            return v;
+        }
+        match self.transferred {
+            Some(true) => V::Confirmed,
+            Some(false) => V::Refuted,
+            None if leg.ok && leg.tokens > 0 => V::Inferred,
+            None => V::Refuted,
+        }
+    }
 }
 
 /// Schema `narwhal.agent-kv-consume`: the consumer half of a KV-transfer check.
@@ -189,7 +235,7 @@ pub struct ProbePayload {
     pub consume: LegResult,
     /// Transfer evidence from the suspect.
     pub transfer: TransferEvidence,
-    /// Overall verdict: both legs ok and evidence not negative.
+    /// Overall verdict: both legs ok and the transfer (when one was attempted) not `refuted`.
     pub ok: bool,
 }
 

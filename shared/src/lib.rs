@@ -24,6 +24,7 @@ pub mod tls;
 pub use agent_client::{
     AgentClient, AgentClientError, AgentEndpoint, AgentTimeouts, Fence, Verified,
 };
+pub use agent_protocol::TransferVerdict;
 pub use attestation::{
     AttestationPayload, EngineFacts, Expected, GenerationPayload, Header, KvConsumePayload,
     KvProducePayload, LegResult, ProbePayload, SignedPayload, TransferEvidence, Verifier,

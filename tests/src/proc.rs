@@ -47,6 +47,18 @@ pub enum ProcError {
         /// The line it printed.
         line: String,
     },
+    /// The ready file lacks a field the kit needs.
+    #[error("{bin}: ready file {path} has no {field:?}: {doc}")]
+    ReadyFile {
+        /// Path of the binary.
+        bin: String,
+        /// The ready file.
+        path: PathBuf,
+        /// The missing field.
+        field: &'static str,
+        /// What the file held.
+        doc: String,
+    },
 }
 
 /// Path of a workspace binary built by cargo, e.g. `bin_path("narwhal-serve")`.

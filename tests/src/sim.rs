@@ -1,8 +1,9 @@
 //! Starting `narwhal-engine-sim` processes and reaching their test hooks.
 //!
 //! Every use of the simulator's test hooks (`/sim/stats`, `/sim/faults`, ...) goes through
-//! [`SimHandle::admin_url`]: when the hooks move to their own listener, that method is the one
-//! place to change (docs/engine-simulator.md).
+//! [`SimHandle::admin_url`]: they are served on the simulator's own admin listener
+//! (`--admin-listen`, reported as `admin` in its ready file), never on the engine port, which
+//! answers 404 for `/sim/*` as a real engine does (docs/engine-simulator.md, "Test hooks").
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -60,11 +61,14 @@ pub struct SimHandle {
     pub kv_port: Option<u16>,
     /// SGLang bootstrap port (prefill-mode servers).
     pub bootstrap_port: Option<u16>,
+    /// Base URL of the admin listener (test hooks), `http://127.0.0.1:PORT`.
+    pub admin: String,
     /// Engine id of the current process (`remote_engine_id`).
     pub engine_id: String,
     /// Extra flags it was started with.
     pub sim_args: Vec<String>,
-    /// Its `--ready-file` document (`url`, `pid`, `engine_id`, `kv_port`, `bootstrap_port`).
+    /// Its `--ready-file` document (`url`, `admin`, `pid`, `engine_id`, `kv_port`,
+    /// `bootstrap_port`).
     pub ready: Value,
     dir: PathBuf,
     http: Http,
@@ -72,10 +76,15 @@ pub struct SimHandle {
 
 impl SimHandle {
     /// Base URL of the test hooks: `<admin_url>/stats`, `<admin_url>/faults`,
-    /// `<admin_url>/stats/reset`. The only place that knows where they are served (today under
-    /// `/sim` on the OpenAI listener).
+    /// `<admin_url>/stats/reset`. The only place that knows where they are served: under `/sim`
+    /// on the simulator's admin listener.
     pub fn admin_url(&self) -> String {
-        format!("{}/sim", self.url)
+        format!("{}/sim", self.admin)
+    }
+
+    /// The admin listener's port.
+    fn admin_port(&self) -> Option<u16> {
+        self.admin.rsplit(':').next().and_then(|p| p.parse().ok())
     }
 
     /// `GET /sim/stats` (counters, `recent` requests, `in_flight`, `started_at`).
@@ -140,7 +149,12 @@ impl SimHandle {
             &self.dir,
             &spec,
             &self.dialect,
-            Some((self.port, self.kv_port, self.bootstrap_port)),
+            Some(Ports {
+                listen: self.port,
+                admin: self.admin_port(),
+                kv: self.kv_port,
+                bootstrap: self.bootstrap_port,
+            }),
         )?;
         let keep_args = std::mem::take(&mut self.sim_args);
         *self = fresh;
@@ -149,8 +163,9 @@ impl SimHandle {
     }
 
     /// Starts a simulator with exactly `args` (no `--dialect`, `--model` or `--listen` added:
-    /// the simulator's defaults apply), for tests of the simulator itself. A `--ready-file`
-    /// in `dir` is added unless `args` name one. `label` names its log and is its `iid`.
+    /// the simulator's defaults apply, including an ephemeral admin listener), for tests of the
+    /// simulator itself. A `--ready-file` in `dir` is added unless `args` name one. `label`
+    /// names its log and is its `iid`.
     ///
     /// # Errors
     /// [`ProcError`] when the simulator does not start.
@@ -188,28 +203,38 @@ pub fn start_sim(dir: &Path, spec: &EngineSpec, dialect: &str) -> Result<SimHand
     spawn_sim(dir, spec, dialect, None)
 }
 
+/// The ports a restarted simulator keeps.
+struct Ports {
+    listen: u16,
+    admin: Option<u16>,
+    kv: Option<u16>,
+    bootstrap: Option<u16>,
+}
+
 fn spawn_sim(
     dir: &Path,
     spec: &EngineSpec,
     dialect: &str,
-    ports: Option<(u16, Option<u16>, Option<u16>)>,
+    ports: Option<Ports>,
 ) -> Result<SimHandle, ProcError> {
     let ready = dir.join(format!("sim-{}.ready.json", spec.iid));
     let _ = std::fs::remove_file(&ready);
     let mut cmd = Command::new(bin_path("narwhal-engine-sim"));
     cmd.args(["--dialect", dialect, "--model", "tiny-sim"]);
     match ports {
-        Some((port, kv, boot)) => {
-            cmd.args(["--listen", &format!("127.0.0.1:{port}")]);
-            if let Some(k) = kv {
+        Some(p) => {
+            cmd.args(["--listen", &format!("127.0.0.1:{}", p.listen)]);
+            let admin = p.admin.unwrap_or(0);
+            cmd.args(["--admin-listen", &format!("127.0.0.1:{admin}")]);
+            if let Some(k) = p.kv {
                 cmd.args(["--kv-listen", &format!("127.0.0.1:{k}")]);
             }
-            if let Some(b) = boot {
+            if let Some(b) = p.bootstrap {
                 cmd.args(["--bootstrap-port", &b.to_string()]);
             }
         }
         None => {
-            cmd.args(["--listen", "127.0.0.1:0"]);
+            cmd.args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"]);
         }
     }
     if dialect == "sglang" {
@@ -243,6 +268,15 @@ fn finish_spawn(
         .and_then(|p| p.parse().ok())
         .unwrap_or(0);
     let as_port = |v: &Value| v.as_u64().and_then(|p| u16::try_from(p).ok());
+    let admin = doc["admin"]
+        .as_str()
+        .ok_or_else(|| ProcError::ReadyFile {
+            bin: "narwhal-engine-sim".into(),
+            path: ready.to_path_buf(),
+            field: "admin",
+            doc: doc.to_string(),
+        })?
+        .to_string();
     Ok(SimHandle {
         proc,
         url,
@@ -252,6 +286,7 @@ fn finish_spawn(
         port,
         kv_port: as_port(&doc["kv_port"]),
         bootstrap_port: as_port(&doc["bootstrap_port"]),
+        admin,
         engine_id: doc["engine_id"].as_str().unwrap_or_default().to_string(),
         sim_args: spec.sim_args.clone(),
         ready: doc,

@@ -16,7 +16,7 @@ use narwhal_shared::attestation::{
 use narwhal_shared::tls::client_config_without_cert;
 use narwhal_shared::{
     AgentClient, AgentClientError, AgentEndpoint, AgentTimeouts, AttestationPayload, Clock, Fence,
-    PublicKey, SystemClock, Verifier, VerifyError,
+    PublicKey, SystemClock, TransferVerdict, Verifier, VerifyError,
 };
 use narwhal_testkit::certs::make_dev_certs;
 use narwhal_testkit::{Fleet, keygen, wait_until};
@@ -143,6 +143,24 @@ async fn probe_fed_from_p0(a: &Agent, b: &Agent, id: &str) {
         .expect("probe");
     assert!(probe.payload.ok, "{:?}", probe.payload);
     assert_eq!(probe.payload.transfer.transferred, Some(true));
+}
+
+/// The consumer's own record (`/sim/stats` `recent`) of the agent's decode leg of check
+/// `check_id`: a `decode`-phase request (KV received, not recomputed) that ended `ok`.
+fn assert_decoded_with_kv(stats: &Value, check_id: &str) {
+    let prefix = format!("narwhal-check-{check_id}-");
+    let leg = stats["recent"]
+        .as_array()
+        .and_then(|r| {
+            r.iter().rev().find(|e| {
+                e["request_id"]
+                    .as_str()
+                    .is_some_and(|id| id.starts_with(&prefix) && id.ends_with("-decode"))
+            })
+        })
+        .unwrap_or_else(|| panic!("no decode leg of {check_id} in {stats:#}"));
+    assert_eq!(leg["phase"], "decode", "{leg}");
+    assert_eq!(leg["outcome"], "ok", "{leg}");
 }
 
 /// A probe of `d0` through `agent` from the local producer `producer`.
@@ -559,15 +577,11 @@ async fn a_vllm_kv_check_between_two_simulators_through_two_agents_passes_and_fa
     let r = &consumed.payload;
     assert!(r.result.ok, "{:?}", r.result);
     assert!(r.result.tokens >= 1);
-    assert_eq!(r.transfer.source, "sim_stats");
+    assert_eq!(r.transfer.source, "vllm_nixl_metrics");
     assert_eq!(r.transfer.transferred, Some(true), "{:?}", r.transfer);
-    assert_eq!(
-        r.transfer.engine_phase.as_deref(),
-        Some("decode"),
-        "{:?}",
-        r.transfer
-    );
+    assert_eq!(r.transfer.verdict, Some(TransferVerdict::Confirmed));
     let after = f.sim("d0").stats().await;
+    assert_decoded_with_kv(&after, "chk-1");
     assert!(after["kv"]["consumed"].as_i64() > before["kv"]["consumed"].as_i64());
     assert_eq!(after["kv"]["recomputed"], before["kv"]["recomputed"]);
 
@@ -627,10 +641,11 @@ async fn an_sglang_kv_check_through_two_agents_uses_the_bootstrap_rendezvous() {
     assert!(consumed.payload.result.ok, "{:?}", consumed.payload.result);
     assert_eq!(consumed.payload.transfer.transferred, Some(true));
     assert_eq!(
-        consumed.payload.transfer.engine_phase.as_deref(),
-        Some("decode")
+        consumed.payload.transfer.verdict,
+        Some(TransferVerdict::Confirmed)
     );
     let after = f.sim("d0").stats().await;
+    assert_decoded_with_kv(&after, "s-1");
     assert!(after["kv"]["consumed"].as_i64() > before["kv"]["consumed"].as_i64());
     assert_eq!(after["kv"]["recomputed"], before["kv"]["recomputed"]);
 

@@ -6,7 +6,11 @@
 //! rendezvous fields) in the background, because SGLang's prefill waits for the decode side to
 //! join the room. It answers with the rendezvous `{"bootstrap_host", "bootstrap_port",
 //! "bootstrap_room"}` unless the prefill fails within [`EARLY_FAILURE_WINDOW`]. Consumer: a
-//! streamed completion with the rendezvous fields.
+//! streamed completion with the rendezvous fields. Transfer evidence: the disaggregation families
+//! of `/metrics` ([`crate::evidence::SGLANG_DISAGGREGATION`]), and the consumer's
+//! `/server_info` `disaggregation_mode`: only a `decode`-mode server joins a rendezvous (a `null`-
+//! mode server ignores the bootstrap fields and recomputes the prompt, a `prefill`-mode one
+//! cannot decode from a peer).
 
 use std::time::Duration;
 
@@ -15,8 +19,9 @@ use serde_json::{Value, json};
 
 use super::{
     BoxFuture, Dialect, EngineCtx, EngineError, EnginePlugin, check_prompt, failed, get_json,
-    post_json, served_models, stream_tokens,
+    get_text, post_json, served_models, stream_tokens,
 };
+use crate::evidence::{SGLANG_DISAGGREGATION, TransferCounters, TransferMetrics};
 
 /// How long the producer waits for an early prefill failure before answering.
 pub(crate) const EARLY_FAILURE_WINDOW: Duration = Duration::from_millis(250);
@@ -43,6 +48,19 @@ pub(crate) fn rendezvous(kv: &Value) -> Result<(String, u64, u64), String> {
         .filter(|r| *r < (1 << 63))
         .ok_or("kv.bootstrap_room missing or not a 63-bit integer")?;
     Ok((host.to_string(), port, room))
+}
+
+/// Why a server in disaggregation `mode` (`/server_info`) cannot receive KV through a
+/// rendezvous; `None` for `decode` or an unknown mode (not published: no claim either way).
+pub(crate) fn cannot_receive(mode: Option<&str>) -> Option<String> {
+    match mode {
+        None | Some("decode") => None,
+        Some(m) => Some(format!(
+            "the consumer's /server_info says disaggregation_mode {m:?}: only a decode-mode \
+             SGLang server receives KV through a bootstrap rendezvous (it served the prompt \
+             without the transfer)"
+        )),
+    }
 }
 
 impl EnginePlugin for SglangPlugin {
@@ -79,6 +97,42 @@ impl EnginePlugin for SglangPlugin {
 
     fn standalone_prefill(&self) -> bool {
         false
+    }
+
+    fn transfer_metrics(&self) -> TransferMetrics {
+        SGLANG_DISAGGREGATION
+    }
+
+    fn transfer_counters<'a>(
+        &'a self,
+        ctx: &'a EngineCtx,
+    ) -> BoxFuture<'a, Option<TransferCounters>> {
+        Box::pin(async move {
+            let mode = match get_json(ctx, "/server_info").await {
+                Ok(info) => info
+                    .get("disaggregation_mode")
+                    .and_then(Value::as_str)
+                    .map(str::to_string),
+                Err(e) => {
+                    tracing::debug!(error = %e, "server_info unreadable: mode not checked");
+                    None
+                }
+            };
+            let mut counters = match get_text(ctx, "/metrics").await {
+                Ok(page) => TransferCounters::from_page(SGLANG_DISAGGREGATION, &page),
+                Err(e) => {
+                    tracing::debug!(error = %e, "engine metrics unreadable: no transfer counters");
+                    TransferCounters {
+                        metrics: SGLANG_DISAGGREGATION,
+                        transfers: None,
+                        failures: None,
+                        cannot_receive: None,
+                    }
+                }
+            };
+            counters.cannot_receive = cannot_receive(mode.as_deref());
+            Some(counters)
+        })
     }
 
     fn produce<'a>(
@@ -167,6 +221,15 @@ impl EnginePlugin for SglangPlugin {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_decode_mode_server_can_receive() {
+        assert_eq!(cannot_receive(Some("decode")), None);
+        assert_eq!(cannot_receive(None), None);
+        let why = cannot_receive(Some("null")).expect("null mode cannot receive");
+        assert!(why.contains("disaggregation_mode \"null\""), "{why}");
+        assert!(cannot_receive(Some("prefill")).is_some());
+    }
 
     #[test]
     fn rendezvous_fields_are_checked() {

@@ -4,7 +4,10 @@
 //! `max_tokens: 1`, `stream: false`; the descriptor is `choices[0].kv_transfer_params`, else
 //! the top-level `kv_transfer_params`, and must carry a non-empty `remote_engine_id` and a
 //! `remote_block_ids` list. Consumer: a streamed completion with that descriptor as its
-//! `kv_transfer_params`; a failed fetch shows up as an HTTP error or an in-stream error frame.
+//! `kv_transfer_params`; a failed fetch shows up as an HTTP error or an in-stream error frame
+//! (vLLM's default `kv_load_failure_policy: "fail"`), or only in `vllm:nixl_num_failed_transfers`
+//! (policy `"recompute"`). Transfer evidence: the NIXL connector families of `/metrics`
+//! ([`crate::evidence::VLLM_NIXL`]).
 
 use narwhal_shared::{EngineFacts, LegResult};
 use serde_json::{Value, json};
@@ -13,6 +16,7 @@ use super::{
     BoxFuture, Dialect, EngineCtx, EngineError, EnginePlugin, check_prompt, failed, get_json,
     post_json, served_models, stream_tokens,
 };
+use crate::evidence::{TransferMetrics, VLLM_NIXL};
 
 /// The vLLM plugin (stateless).
 #[derive(Debug, Clone, Copy, Default)]
@@ -51,6 +55,10 @@ pub(crate) fn descriptor(resp: &Value) -> Result<Value, String> {
 impl EnginePlugin for VllmPlugin {
     fn dialect(&self) -> Dialect {
         Dialect::Vllm
+    }
+
+    fn transfer_metrics(&self) -> TransferMetrics {
+        VLLM_NIXL
     }
 
     fn facts<'a>(&'a self, ctx: &'a EngineCtx) -> BoxFuture<'a, Result<EngineFacts, EngineError>> {

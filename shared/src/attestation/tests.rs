@@ -252,3 +252,114 @@ fn the_host_contract_must_describe_the_live_engine_version() {
         other => panic!("expected engine_version mismatch, got {other:?}"),
     }
 }
+
+mod transfer_evidence {
+    //! Issue 10 section 1: the three-valued verdict on the wire, across router/agent versions.
+    use super::*;
+    use crate::agent_protocol::TransferVerdict;
+
+    fn leg(ok: bool, tokens: u64) -> LegResult {
+        LegResult {
+            ok,
+            tokens,
+            latency_s: 0.1,
+            error: (!ok).then(|| "decode failed".to_string()),
+        }
+    }
+
+    /// What an agent before issue 10 sent (no `verdict`, `failed_delta`, `detail`).
+    fn legacy(transferred: Value) -> Value {
+        json!({"source": "sim_stats", "consumed_delta": 1, "recomputed_delta": 0,
+               "engine_phase": "decode", "transferred": transferred})
+    }
+
+    #[test]
+    fn an_older_agents_answer_still_parses_and_is_judged_from_transferred() {
+        let cases = [
+            (json!(true), leg(true, 2), TransferVerdict::Confirmed),
+            (json!(false), leg(true, 2), TransferVerdict::Refuted),
+            (Value::Null, leg(true, 2), TransferVerdict::Inferred),
+            (Value::Null, leg(true, 0), TransferVerdict::Refuted),
+            (Value::Null, leg(false, 0), TransferVerdict::Refuted),
+        ];
+        for (transferred, l, want) in cases {
+            let ev: TransferEvidence =
+                serde_json::from_value(legacy(transferred.clone())).expect("legacy shape");
+            assert_eq!(ev.verdict, None);
+            assert_eq!(ev.judged(&l), want, "transferred {transferred} leg {l:?}");
+        }
+    }
+
+    #[test]
+    fn the_verdict_is_lower_case_and_wins_over_the_legacy_field() {
+        let ev = TransferEvidence {
+            source: "vllm_nixl_metrics".into(),
+            consumed_delta: Some(0),
+            recomputed_delta: None,
+            engine_phase: None,
+            transferred: None,
+            verdict: Some(TransferVerdict::Inferred),
+            failed_delta: Some(0),
+            detail: Some("no counter moved".into()),
+        };
+        let v = serde_json::to_value(&ev).unwrap();
+        assert_eq!(v["verdict"], "inferred");
+        assert_eq!(ev.judged(&leg(true, 2)), TransferVerdict::Inferred);
+        for (s, want) in [
+            ("confirmed", TransferVerdict::Confirmed),
+            ("inferred", TransferVerdict::Inferred),
+            ("refuted", TransferVerdict::Refuted),
+        ] {
+            let got: TransferVerdict = serde_json::from_value(json!(s)).unwrap();
+            assert_eq!(got, want);
+            assert_eq!(got.as_str(), s);
+        }
+        assert!(TransferVerdict::Confirmed.accepted() && TransferVerdict::Inferred.accepted());
+        assert!(!TransferVerdict::Refuted.accepted());
+        // A value this build does not know is an error, never silently accepted.
+        assert!(serde_json::from_value::<TransferVerdict>(json!("partial")).is_err());
+    }
+
+    #[test]
+    fn a_router_built_before_the_verdict_reads_a_new_answer_as_strictly_as_before() {
+        // The fields an older router's struct has; serde ignores the rest.
+        #[derive(Deserialize)]
+        struct OldEvidence {
+            source: String,
+            consumed_delta: Option<i64>,
+            recomputed_delta: Option<i64>,
+            transferred: Option<bool>,
+        }
+        let old_router_accepts = |e: &OldEvidence| {
+            e.transferred.unwrap_or(false)
+                || (e.consumed_delta.unwrap_or(0) >= 1 && e.recomputed_delta.unwrap_or(0) == 0)
+        };
+        let new = |verdict, transferred, consumed: Option<i64>| TransferEvidence {
+            source: "vllm_nixl_metrics".into(),
+            consumed_delta: consumed,
+            recomputed_delta: None,
+            engine_phase: None,
+            transferred,
+            verdict: Some(verdict),
+            failed_delta: Some(0),
+            detail: None,
+        };
+        let parse = |e: &TransferEvidence| -> OldEvidence {
+            serde_json::from_value(serde_json::to_value(e).unwrap()).unwrap()
+        };
+        let confirmed = parse(&new(TransferVerdict::Confirmed, Some(true), Some(1)));
+        assert_eq!(confirmed.source, "vllm_nixl_metrics");
+        assert!(old_router_accepts(&confirmed));
+        // Inferred is refused by an old router, as every real engine's answer was before.
+        assert!(!old_router_accepts(&parse(&new(
+            TransferVerdict::Inferred,
+            None,
+            Some(0)
+        ))));
+        assert!(!old_router_accepts(&parse(&new(
+            TransferVerdict::Refuted,
+            Some(false),
+            Some(0)
+        ))));
+    }
+}

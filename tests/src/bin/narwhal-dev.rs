@@ -266,7 +266,8 @@ impl Fleet {
                 "data": r.data, "control": r.control, "pid": r.proc.pid(), "fleet": r.fleet,
             })),
             "engines": self.sims.iter().zip(&self.host_of).map(|(s, h)| json!({
-                "iid": s.iid, "role": s.role, "url": s.url, "pid": s.proc.pid(), "agent": h,
+                "iid": s.iid, "role": s.role, "url": s.url, "admin": s.admin, "pid": s.proc.pid(),
+                "agent": h,
             })).collect::<Vec<_>>(),
             "agents": self.agents.iter().map(|a| json!({
                 "id": a.agent_id, "url": a.url, "pid": a.proc.pid(), "public_key": a.public_key,
@@ -729,7 +730,7 @@ async fn demo(args: DemoArgs) -> ExitCode {
             all_ok = false;
             println!("FAILED {} status {}: {}", o.shape, o.status, o.note);
         }
-        println!("engine KV statistics (from each simulator's /sim/stats):");
+        println!("engine KV statistics (from each simulator's /sim/stats, on its admin listener):");
         println!(
             "{:<5} {:<8} {:>8} {:>7} {:>7} {:>9} {:>9} {:>11}",
             "iid", "role", "requests", "issued", "served", "consumed", "rejected", "recomputed"

@@ -54,7 +54,7 @@ pub(crate) struct FaultSpec {
     /// at all, not a later one. The listing shows the skips remaining.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub(crate) skip: u32,
-    /// `status`, `hang`, `cut`, `drop`, `omit_kv` or `fragment`.
+    /// `status`, `hang`, `cut`, `drop`, `omit_kv`, `fragment` or `fail_transfer`.
     pub(crate) action: String,
     /// For `status`: the HTTP status to answer (100..=599).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -71,6 +71,11 @@ pub(crate) struct FaultSpec {
     /// For `fragment`: size in bytes of each separately flushed body write (at least 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) bytes: Option<usize>,
+    /// For `fail_transfer`: what the decode does after the failed transfer, as vLLM's
+    /// `kv_load_failure_policy`: `fail` (default; the request fails) or `recompute` (the prompt
+    /// is recomputed and the request succeeds; vLLM only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) policy: Option<String>,
 }
 
 fn one() -> u32 {
@@ -111,6 +116,13 @@ pub(crate) enum Action {
         /// Bytes per write.
         bytes: usize,
     },
+    /// The decode's KV transfer fails (counted as a failed transfer in `kv.rejected` and the
+    /// engine's failure metric); then the request fails, or with `recompute` is served from a
+    /// local prefill.
+    FailTransfer {
+        /// vLLM `kv_load_failure_policy: "recompute"`.
+        recompute: bool,
+    },
 }
 
 impl Action {
@@ -123,6 +135,7 @@ impl Action {
             Action::Drop => "drop",
             Action::OmitKv => "omit_kv",
             Action::Fragment { .. } => "fragment",
+            Action::FailTransfer { .. } => "fail_transfer",
         }
     }
 }
@@ -134,7 +147,10 @@ pub(crate) enum FaultError {
     #[error("invalid fault JSON: {0}")]
     Json(#[from] serde_json::Error),
     /// Unknown `action`.
-    #[error("fault action {0:?} is not one of status, hang, cut, drop, omit_kv, fragment")]
+    #[error(
+        "fault action {0:?} is not one of status, hang, cut, drop, omit_kv, fragment, \
+         fail_transfer"
+    )]
     UnknownAction(String),
     /// A required field is missing for this action.
     #[error("fault action {action:?} requires field {field:?}")]
@@ -219,12 +235,31 @@ pub(crate) fn validate(spec: &FaultSpec) -> Result<Action, FaultError> {
             }
             Action::Fragment { bytes }
         }
+        "fail_transfer" => match spec.policy.as_deref() {
+            None | Some("fail") => Action::FailTransfer { recompute: false },
+            Some("recompute") => Action::FailTransfer { recompute: true },
+            Some(other) => {
+                return Err(FaultError::Range {
+                    field: "policy",
+                    value: format!("{other:?}"),
+                    expected: "\"fail\" or \"recompute\"",
+                });
+            }
+        },
         other => return Err(FaultError::UnknownAction(other.to_string())),
     };
-    let phase_ok = match spec.phase {
-        Phase::Health => matches!(action, Action::Status { .. } | Action::Hang { .. }),
-        Phase::Decode | Phase::Aggregated => !matches!(action, Action::OmitKv),
-        Phase::Prefill | Phase::Any => true,
+    if spec.policy.is_some() && !matches!(action, Action::FailTransfer { .. }) {
+        return Err(FaultError::Range {
+            field: "policy",
+            value: format!("{:?}", spec.policy),
+            expected: "only with action fail_transfer",
+        });
+    }
+    let phase_ok = match (spec.phase, &action) {
+        (_, Action::FailTransfer { .. }) => spec.phase == Phase::Decode,
+        (Phase::Health, a) => matches!(a, Action::Status { .. } | Action::Hang { .. }),
+        (Phase::Decode | Phase::Aggregated, a) => !matches!(a, Action::OmitKv),
+        (Phase::Prefill | Phase::Any, _) => true,
     };
     if !phase_ok {
         return Err(FaultError::PhaseAction {
@@ -354,6 +389,12 @@ mod tests {
         assert!(err(r#"{"phase":"decode","action":"drop","count":0}"#).contains("count"));
         assert!(err(r#"{"phase":"nope","action":"drop"}"#).contains("invalid fault JSON"));
         assert!(err(r#"{"phase":"decode","action":"drop","extra":1}"#).contains("extra"));
+        assert!(err(r#"{"phase":"any","action":"fail_transfer"}"#).contains("fail_transfer"));
+        assert!(
+            err(r#"{"phase":"decode","action":"fail_transfer","policy":"retry"}"#)
+                .contains("policy")
+        );
+        assert!(err(r#"{"phase":"decode","action":"drop","policy":"fail"}"#).contains("policy"));
         // One bad fault in a list refuses the whole list.
         assert!(parse_faults(br#"[{"phase":"decode","action":"drop"},{"phase":"x"}]"#).is_err());
     }
@@ -391,6 +432,21 @@ mod tests {
             })
         );
         assert!(q.is_empty());
+    }
+
+    #[test]
+    fn fail_transfer_defaults_to_fail_and_takes_recompute() {
+        let mut q = q(r#"[{"phase":"decode","action":"fail_transfer"},
+                         {"phase":"decode","action":"fail_transfer","policy":"recompute"}]"#);
+        assert_eq!(q.take(Phase::Prefill), None);
+        assert_eq!(
+            q.take(Phase::Decode),
+            Some(Action::FailTransfer { recompute: false })
+        );
+        assert_eq!(
+            q.take(Phase::Decode),
+            Some(Action::FailTransfer { recompute: true })
+        );
     }
 
     #[test]

@@ -1,11 +1,13 @@
 //! `narwhal-engine-sim`: an engine simulator speaking the vLLM and SGLang wire protocols,
 //! including vLLM's NIXL descriptor handoff and SGLang's bootstrap rendezvous, with fault
-//! injection (`/sim/faults`) and counters (`/sim/stats`) for tests (DESIGN.md sections 1 and 8).
+//! injection (`/sim/faults`) and counters (`/sim/stats`) for tests (DESIGN.md sections 1 and 8)
+//! on a separate admin listener that only tests use.
 //!
 //! ```text
-//!  CLI ──► Settings ──► bind --listen, --kv-listen (vLLM), --bootstrap-port (SGLang prefill)
-//!      ──► print "narwhal-engine-sim listening on http://HOST:PORT", write --ready-file
-//!      ──► serve HTTP + side channel + lease sweeper on a small multi-thread runtime
+//!  CLI ──► Settings ──► bind --listen, --admin-listen, --kv-listen (vLLM),
+//!                       --bootstrap-port (SGLang prefill)
+//!      ──► write --ready-file {url, admin, ...}, print "narwhal-engine-sim listening on http://HOST:PORT"
+//!      ──► serve engine HTTP + admin HTTP + side channel + lease sweeper on a small runtime
 //! ```
 //!
 //! The full contract (flags, phases, fault API, stats fields) is in docs/engine-simulator.md.
@@ -34,7 +36,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use tokio::net::TcpListener;
 
-use server::{Dialect, Mode, Settings, Sim};
+use server::{Dialect, Mode, Settings, Sim, Surface};
 
 /// Command line (docs/engine-simulator.md, "Flags").
 #[derive(Debug, Parser)]
@@ -47,9 +49,16 @@ use server::{Dialect, Mode, Settings, Sim};
     args_override_self = true
 )]
 struct Cli {
-    /// HTTP listen address.
+    /// HTTP listen address (the engine's surface).
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: SocketAddr,
+    /// Admin listen address: the test hooks `/sim/faults`, `/sim/stats` (never on `--listen`).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    admin_listen: SocketAddr,
+    /// Leave the engine's KV-transfer families out of `/metrics` (an engine or version that
+    /// publishes none, e.g. vLLM before 0.11.1 or SGLang without `--enable-metrics`).
+    #[arg(long)]
+    no_kv_metrics: bool,
     /// Served model name.
     #[arg(long, default_value = "tiny-sim")]
     model: String,
@@ -92,7 +101,7 @@ struct Cli {
     /// Context length in tokens (prompt + max_tokens).
     #[arg(long, default_value_t = 4096)]
     max_model_len: u64,
-    /// Write `{"url","pid","engine_id","kv_port","bootstrap_port"}` here once serving.
+    /// Write `{"url","admin","pid","engine_id","kv_port","bootstrap_port"}` here once serving.
     #[arg(long)]
     ready_file: Option<PathBuf>,
     /// Runtime worker threads.
@@ -178,9 +187,12 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
         mode: cli.disaggregation_mode,
         max_running: cli.max_running,
         max_model_len: cli.max_model_len,
+        kv_metrics: !cli.no_kv_metrics,
     };
     let http = bind("--listen", cli.listen).await?;
     let http_addr = local(&http, cli.listen);
+    let admin = bind("--admin-listen", cli.admin_listen).await?;
+    let admin_url = format!("http://{}", local(&admin, cli.admin_listen));
     let kv = match cli.dialect {
         Dialect::Vllm => Some(bind("--kv-listen", cli.kv_listen).await?),
         Dialect::Sglang => None,
@@ -217,10 +229,12 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
             sweeper.expire(Instant::now());
         }
     });
-    let server = tokio::spawn(server::serve_http(http, sim.clone()));
+    tokio::spawn(server::serve_http(admin, sim.clone(), Surface::Admin));
+    let server = tokio::spawn(server::serve_http(http, sim.clone(), Surface::Engine));
     if let Some(path) = &cli.ready_file {
         let doc = serde_json::json!({
             "url": url,
+            "admin": admin_url,
             "pid": std::process::id(),
             "engine_id": sim.engine_id,
             "kv_port": kv_addr.map(|a| a.port()),
@@ -237,7 +251,7 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
         let _ = writeln!(out, "narwhal-engine-sim listening on {url}");
         let _ = out.flush();
     }
-    tracing::info!(url = %url, engine.id = %sim.engine_id, "serving");
+    tracing::info!(url = %url, admin = %admin_url, engine.id = %sim.engine_id, "serving");
     let _ = server.await;
     Ok(())
 }

@@ -7,8 +7,12 @@
 //!        prefill:    compute (ttft + per-token) ─► issue blocks / publish room ─► 1 answer
 //!        decode:     side channel read / room pull ─► hash check ─► kv_transfer delay ─► tokens
 //!        aggregated: compute ─► tokens (kv.recomputed where decode-capable)
-//!    /health /v1/models /tokenize /version /metrics /server_info /get_model_info /sim/*
+//!    /health /v1/models /tokenize /version /metrics /server_info /get_model_info
+//!  admin listener (--admin-listen, tests only) ─► /sim/faults /sim/stats /sim/stats/reset
 //! ```
+//!
+//! The engine listener serves only what the impersonated engine serves (`/sim/*` is a 404
+//! there, as on a real engine), so product code cannot come to depend on a test hook.
 //!
 //! The rules come from docs/engine-simulator.md (the simulator's contract) and
 //! spec/reference-notes.md sections 7.1 to 7.3 (what the router sends and expects).
@@ -124,6 +128,18 @@ pub(crate) struct Settings {
     pub(crate) max_running: u64,
     /// `--max-model-len` in tokens.
     pub(crate) max_model_len: u64,
+    /// `/metrics` carries the engine's KV-transfer families (off with `--no-kv-metrics`, an
+    /// engine or version that publishes none).
+    pub(crate) kv_metrics: bool,
+}
+
+/// Which listener a connection arrived on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Surface {
+    /// `--listen`: the engine's own HTTP surface.
+    Engine,
+    /// `--admin-listen`: the test hooks.
+    Admin,
 }
 
 /// SGLang rooms plus the decode requests waiting for them.
@@ -261,8 +277,8 @@ impl Sim {
     }
 }
 
-/// Serves HTTP/1 on `listener` until the process exits.
-pub(crate) async fn serve_http(listener: TcpListener, sim: Arc<Sim>) {
+/// Serves HTTP/1 on `listener` (the engine's or the admin `surface`) until the process exits.
+pub(crate) async fn serve_http(listener: TcpListener, sim: Arc<Sim>, surface: Surface) {
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(x) => x,
@@ -280,7 +296,12 @@ pub(crate) async fn serve_http(listener: TcpListener, sim: Arc<Sim>) {
             let svc = service_fn(move |req| {
                 let sim = sim.clone();
                 let kill = k2.clone();
-                async move { Ok::<_, Infallible>(route(sim, kill, req).await) }
+                async move {
+                    Ok::<_, Infallible>(match surface {
+                        Surface::Engine => route(sim, kill, req).await,
+                        Surface::Admin => route_admin(sim, req).await,
+                    })
+                }
             });
             let conn = http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -365,6 +386,25 @@ async fn route(
             &json!({"model_path": sim.cfg.model, "tokenizer_path": sim.cfg.model,
                     "is_generation": true}),
         ),
+        (
+            "/v1/completions"
+            | "/v1/chat/completions"
+            | "/health"
+            | "/v1/models"
+            | "/tokenize"
+            | "/metrics",
+            _,
+        ) => detail(405, "Method Not Allowed"),
+        _ => detail(404, "Not Found"),
+    }
+}
+
+/// The admin listener: fault injection and statistics (docs/engine-simulator.md, "Test
+/// hooks"). Nothing else is served here.
+async fn route_admin(sim: Arc<Sim>, req: Request<Incoming>) -> Response<SimBody> {
+    let path = req.uri().path().to_string();
+    let m = req.method().clone();
+    match (path.as_str(), &m) {
         ("/sim/faults", &Method::GET) => {
             let list = lock(&sim.faults).list();
             json_response(200, &json!({ "faults": list }))
@@ -373,6 +413,19 @@ async fn route(
             Err(e) => api_error(&e),
             Ok(b) => match parse_faults(&b) {
                 Err(e) => json_response(400, &json!({"error": e.to_string()})),
+                Ok(fs)
+                    if sim.cfg.dialect == Dialect::Sglang
+                        && fs
+                            .iter()
+                            .any(|(_, a)| *a == Action::FailTransfer { recompute: true }) =>
+                {
+                    json_response(
+                        400,
+                        &json!({"error": "fault field \"policy\" = \"recompute\" is vLLM's \
+                            kv_load_failure_policy; SGLang aborts a failed transfer (use \
+                            \"fail\")"}),
+                    )
+                }
                 Ok(fs) => {
                     let n = fs.len();
                     let mut q = lock(&sim.faults);
@@ -402,18 +455,7 @@ async fn route(
             sim.stats.reset();
             json_response(200, &json!({ "reset": true }))
         }
-        (
-            "/v1/completions"
-            | "/v1/chat/completions"
-            | "/health"
-            | "/v1/models"
-            | "/tokenize"
-            | "/metrics"
-            | "/sim/faults"
-            | "/sim/stats"
-            | "/sim/stats/reset",
-            _,
-        ) => detail(405, "Method Not Allowed"),
+        ("/sim/faults" | "/sim/stats" | "/sim/stats/reset", _) => detail(405, "Method Not Allowed"),
         _ => detail(404, "Not Found"),
     }
 }
@@ -545,6 +587,9 @@ fn metrics(sim: &Sim) -> Response<SimBody> {
         "# HELP {p}:{success_name} Count of successfully processed requests.\n\
          # TYPE {p}:{success_name} counter\n{success_line}"
     );
+    if sim.cfg.kv_metrics {
+        kv_metrics(sim, &model, &mut out);
+    }
     let _ = write!(
         out,
         "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n\
@@ -553,6 +598,74 @@ fn metrics(sim: &Sim) -> Response<SimBody> {
         sim.started_at
     );
     text_response(200, "text/plain; version=0.0.4; charset=utf-8", out)
+}
+
+/// The engine's own KV-transfer families, counted per transfer this simulator really did as the
+/// consumer (names and meaning from the engines' source; engine-agent/src/evidence.rs records
+/// where each comes from):
+/// - vLLM (NIXL connector, per engine, labels `engine`, `model_name`, children created at
+///   start): `vllm:nixl_xfer_time_seconds` (histogram, one observation per completed read) and
+///   `vllm:nixl_num_failed_transfers_total` (reads attempted that failed).
+/// - SGLang (labelled series appear at their first increment, as prometheus_client's do):
+///   `sglang:per_stage_req_latency_seconds{stage="decode_transferred"}` (histogram, one
+///   observation per decode whose KV arrived), `sglang:num_transfer_failed_reqs_total`,
+///   `sglang:num_bootstrap_failed_reqs_total` (bootstrap server unreachable).
+fn kv_metrics(sim: &Sim, model: &str, out: &mut String) {
+    use std::fmt::Write as _;
+    let s = &sim.stats;
+    let failed = s.prom_transfer_failures.load(Relaxed);
+    match sim.cfg.dialect {
+        Dialect::Vllm => {
+            let labels = format!("engine=\"0\",model_name=\"{model}\"");
+            out.push_str(
+                "# HELP vllm:nixl_xfer_time_seconds Histogram of transfer duration for NIXL KV \
+                 Cache transfers.\n# TYPE vllm:nixl_xfer_time_seconds histogram\n",
+            );
+            s.prom_transfers
+                .render(out, "vllm:nixl_xfer_time_seconds", &labels);
+            let _ = write!(
+                out,
+                "# HELP vllm:nixl_num_failed_transfers Number of failed NIXL KV Cache \
+                 transfers.\n# TYPE vllm:nixl_num_failed_transfers counter\n\
+                 vllm:nixl_num_failed_transfers_total{{{labels}}} {failed}\n"
+            );
+        }
+        Dialect::Sglang => {
+            let labels = format!("engine_type=\"unified\",model_name=\"{model}\"");
+            out.push_str(
+                "# HELP sglang:per_stage_req_latency_seconds The latency of each stage of \
+                 requests.\n# TYPE sglang:per_stage_req_latency_seconds histogram\n",
+            );
+            if s.prom_transfers.count() > 0 {
+                s.prom_transfers.render(
+                    out,
+                    "sglang:per_stage_req_latency_seconds",
+                    &format!("{labels},stage=\"decode_transferred\""),
+                );
+            }
+            let bootstrap = s.prom_bootstrap_failures.load(Relaxed);
+            for (name, help, n) in [
+                (
+                    "sglang:num_bootstrap_failed_reqs",
+                    "The number of bootstrap failed requests.",
+                    bootstrap,
+                ),
+                (
+                    "sglang:num_transfer_failed_reqs",
+                    "The number of transfer failed requests.",
+                    failed,
+                ),
+            ] {
+                let _ = write!(
+                    out,
+                    "# HELP {name}_total {help}\n# TYPE {name}_total counter\n"
+                );
+                if n > 0 {
+                    let _ = writeln!(out, "{name}_total{{{labels}}} {n}");
+                }
+            }
+        }
+    }
 }
 
 /// Answers a request that failed inside serving: an SSE error frame on a 200 stream when the
@@ -707,6 +820,7 @@ async fn completion(
     let mut fragment = None;
     let mut cut = None;
     let mut omit_kv = false;
+    let mut fail_transfer = None;
     if let Some(f) = &fault {
         tracker.mark_fault();
         let sglang_room = match (phase, &parsed.bootstrap) {
@@ -741,6 +855,7 @@ async fn completion(
             }
             Action::OmitKv => omit_kv = true,
             Action::Fragment { bytes } => fragment = Some(*bytes),
+            Action::FailTransfer { recompute } => fail_transfer = Some(*recompute),
         }
     }
     let prompt_hash = tokenizer::prompt_hash(&parsed.prompt);
@@ -806,20 +921,29 @@ async fn completion(
                 _ => unreachable_phase(),
             };
             tracker.set_kv(Some(d.engine_id.clone()), None, Some(d.block_ids.clone()));
+            let peer = format!("engine {}", d.engine_id);
+            if let Some(recompute) = fail_transfer {
+                let cause = FailedTransfer::Transfer;
+                return injected_transfer_failure(sim, tracker, answer, recompute, cause, &peer)
+                    .await;
+            }
             let req = transfer::Request::ReadBlocks {
                 engine_id: d.engine_id.clone(),
                 block_ids: d.block_ids.clone(),
                 consumer: sim.url.clone(),
             };
+            let started = Instant::now();
             let res = transfer::call(&d.host, d.port, &req, READ_TIMEOUT).await;
             match check_transfer(res, prompt_hash) {
                 Ok(_) => {
                     sim.stats.kv_consumed.fetch_add(1, Relaxed);
                     sleep(sim.cfg.kv_transfer).await;
+                    sim.stats.prom_transfers.observe(started.elapsed());
                     respond(sim, tracker, answer)
                 }
-                Err(msg) => {
+                Err((msg, _)) => {
                     sim.stats.kv_rejected.fetch_add(1, Relaxed);
+                    sim.stats.prom_transfer_failures.fetch_add(1, Relaxed);
                     let e = ApiError::internal(format!(
                         "KV transfer for request {rid} from engine {} failed: {msg}",
                         d.engine_id
@@ -848,12 +972,19 @@ async fn completion(
                 unreachable_phase()
             };
             sleep(sim.cfg.ttft).await;
+            if let Some(recompute) = fail_transfer {
+                let peer = format!("bootstrap room {}", b.room);
+                let cause = FailedTransfer::Transfer;
+                return injected_transfer_failure(sim, tracker, answer, recompute, cause, &peer)
+                    .await;
+            }
             let wait = ROOM_WAIT_MAX.min(sim.cfg.kv_lease);
             let req = transfer::Request::PullRoom {
                 room: b.room,
                 wait_ms: wait.as_millis() as u64,
                 consumer: sim.url.clone(),
             };
+            let started = Instant::now();
             let res = transfer::call(&b.host, b.port, &req, wait + Duration::from_secs(2)).await;
             if let Ok(r) = &res {
                 tracker.set_kv(Some(r.engine_id.clone()), None, None);
@@ -862,10 +993,16 @@ async fn completion(
                 Ok(_) => {
                     sim.stats.kv_consumed.fetch_add(1, Relaxed);
                     sleep(sim.cfg.kv_transfer).await;
+                    sim.stats.prom_transfers.observe(started.elapsed());
                     respond(sim, tracker, answer)
                 }
-                Err(msg) => {
+                Err((msg, cause)) => {
                     sim.stats.kv_rejected.fetch_add(1, Relaxed);
+                    match cause {
+                        FailedTransfer::Bootstrap => &sim.stats.prom_bootstrap_failures,
+                        FailedTransfer::Transfer => &sim.stats.prom_transfer_failures,
+                    }
+                    .fetch_add(1, Relaxed);
                     let e = ApiError::internal(format!(
                         "KV transfer for rid {rid} (bootstrap room {}) failed: {msg}",
                         b.room
@@ -900,20 +1037,73 @@ async fn sleep(d: Duration) {
     }
 }
 
+/// Which engine failure counter a failed consumer transfer moves (SGLang tells a rendezvous that
+/// never reached the bootstrap server from a transfer that failed; vLLM counts both as failed
+/// NIXL transfers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FailedTransfer {
+    /// The producer's bootstrap server / side channel could not be reached.
+    Bootstrap,
+    /// Anything after that: refused, expired, wrong prompt, broken channel.
+    Transfer,
+}
+
 /// Checks a side-channel reply against this request's prompt.
 fn check_transfer(
     res: Result<transfer::Reply, TransferError>,
     prompt_hash: u64,
-) -> Result<transfer::Reply, String> {
-    let r = res.map_err(|e| e.to_string())?;
+) -> Result<transfer::Reply, (String, FailedTransfer)> {
+    let r = res.map_err(|e| {
+        let cause = match e {
+            TransferError::Unreachable { .. } => FailedTransfer::Bootstrap,
+            _ => FailedTransfer::Transfer,
+        };
+        (e.to_string(), cause)
+    })?;
     if r.prompt_hash != prompt_hash {
-        return Err(format!(
-            "the transferred KV belongs to a different prompt (producer request {}, prompt hash \
-             {:016x}, this request {:016x})",
-            r.request_id, r.prompt_hash, prompt_hash
+        return Err((
+            format!(
+                "the transferred KV belongs to a different prompt (producer request {}, prompt \
+                 hash {:016x}, this request {:016x})",
+                r.request_id, r.prompt_hash, prompt_hash
+            ),
+            FailedTransfer::Transfer,
         ));
     }
     Ok(r)
+}
+
+/// A decode whose transfer a `fail_transfer` fault failed: counted as a failed transfer
+/// (`kv.rejected` and the engine's failure metric), then failed like a real failed transfer, or
+/// with `recompute` (vLLM `kv_load_failure_policy: "recompute"`) served from a local prefill
+/// (`kv.recomputed`).
+async fn injected_transfer_failure(
+    sim: &Sim,
+    mut tracker: Tracker,
+    answer: Answer<'_>,
+    recompute: bool,
+    cause: FailedTransfer,
+    peer: &str,
+) -> Response<SimBody> {
+    sim.stats.kv_rejected.fetch_add(1, Relaxed);
+    match cause {
+        FailedTransfer::Bootstrap => &sim.stats.prom_bootstrap_failures,
+        FailedTransfer::Transfer => &sim.stats.prom_transfer_failures,
+    }
+    .fetch_add(1, Relaxed);
+    if recompute {
+        sim.stats.kv_recomputed.fetch_add(1, Relaxed);
+        let p = answer.parsed;
+        sleep(sim.cfg.prefill_per_token * p.prompt.len() as u32).await;
+        return respond(sim, tracker, answer);
+    }
+    let e = ApiError::internal(format!(
+        "KV transfer for request {} from {peer} failed: injected transfer failure (fault \
+         fail_transfer)",
+        tracker.request_id()
+    ));
+    let stream = answer.parsed.stream;
+    fail(&mut tracker, stream, &e)
 }
 
 /// Closes the connection without a response ("drop" fault, or "cut" on a non-streaming request).

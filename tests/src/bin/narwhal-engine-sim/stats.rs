@@ -46,7 +46,6 @@ pub(crate) struct Recent {
 }
 
 /// All counters of one simulator process.
-#[derive(Default)]
 pub(crate) struct Stats {
     /// Requests that arrived as prefill.
     pub(crate) req_prefill: AtomicU64,
@@ -76,8 +75,80 @@ pub(crate) struct Stats {
     pub(crate) prom_generation_tokens: AtomicU64,
     /// Prometheus `request_success_total` (monotonic).
     pub(crate) prom_success: AtomicU64,
+    /// KV transfers completed as consumer, with their durations: vLLM
+    /// `vllm:nixl_xfer_time_seconds`, SGLang `sglang:per_stage_req_latency_seconds{stage=
+    /// "decode_transferred"}` (monotonic, not reset by `/sim/stats/reset`).
+    pub(crate) prom_transfers: Histogram,
+    /// Consumer transfers that were attempted and failed: vLLM
+    /// `vllm:nixl_num_failed_transfers_total`, SGLang `sglang:num_transfer_failed_reqs_total`.
+    pub(crate) prom_transfer_failures: AtomicU64,
+    /// SGLang decodes whose bootstrap server could not be reached:
+    /// `sglang:num_bootstrap_failed_reqs_total`.
+    pub(crate) prom_bootstrap_failures: AtomicU64,
     recent: Mutex<VecDeque<Recent>>,
 }
+
+/// A Prometheus histogram of durations (seconds) over fixed bucket bounds, lock-free.
+pub(crate) struct Histogram {
+    bounds: &'static [f64],
+    buckets: Vec<AtomicU64>,
+    count: AtomicU64,
+    sum_us: AtomicU64,
+}
+
+impl Histogram {
+    /// A histogram with upper bounds `bounds` (ascending; `+Inf` is implied).
+    pub(crate) fn new(bounds: &'static [f64]) -> Self {
+        Histogram {
+            bounds,
+            buckets: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            count: AtomicU64::new(0),
+            sum_us: AtomicU64::new(0),
+        }
+    }
+
+    /// Records one observation of `d`.
+    pub(crate) fn observe(&self, d: std::time::Duration) {
+        let secs = d.as_secs_f64();
+        for (b, c) in self.bounds.iter().zip(&self.buckets) {
+            if secs <= *b {
+                c.fetch_add(1, Relaxed);
+            }
+        }
+        self.sum_us
+            .fetch_add(u64::try_from(d.as_micros()).unwrap_or(u64::MAX), Relaxed);
+        self.count.fetch_add(1, Relaxed);
+    }
+
+    /// Observations so far.
+    pub(crate) fn count(&self) -> u64 {
+        self.count.load(Relaxed)
+    }
+
+    /// The `_bucket`, `_count` and `_sum` sample lines of `name` with the label pairs `labels`
+    /// (`k="v"` joined by commas, without braces).
+    pub(crate) fn render(&self, out: &mut String, name: &str, labels: &str) {
+        use std::fmt::Write as _;
+        let sep = if labels.is_empty() { "" } else { "," };
+        for (b, c) in self.bounds.iter().zip(&self.buckets) {
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{{labels}{sep}le=\"{b}\"}} {}",
+                c.load(Relaxed)
+            );
+        }
+        let n = self.count();
+        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {n}");
+        let _ = writeln!(out, "{name}_count{{{labels}}} {n}");
+        let sum = self.sum_us.load(Relaxed) as f64 / 1e6;
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
+    }
+}
+
+/// vLLM's `vllm:nixl_xfer_time_seconds` bucket bounds (seconds).
+pub(crate) const NIXL_XFER_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0,
+];
 
 /// Per-phase request counts of `/sim/stats`.
 #[derive(Serialize)]
@@ -111,6 +182,31 @@ pub(crate) struct StatsDoc<'a> {
     cancelled: u64,
     in_flight: i64,
     recent: Vec<Recent>,
+}
+
+impl Default for Stats {
+    fn default() -> Self {
+        Stats {
+            req_prefill: AtomicU64::new(0),
+            req_decode: AtomicU64::new(0),
+            req_aggregated: AtomicU64::new(0),
+            kv_issued: AtomicU64::new(0),
+            kv_served: AtomicU64::new(0),
+            kv_consumed: AtomicU64::new(0),
+            kv_rejected: AtomicU64::new(0),
+            kv_recomputed: AtomicU64::new(0),
+            kv_expired: AtomicU64::new(0),
+            cancelled: AtomicU64::new(0),
+            in_flight: AtomicI64::new(0),
+            prom_prompt_tokens: AtomicU64::new(0),
+            prom_generation_tokens: AtomicU64::new(0),
+            prom_success: AtomicU64::new(0),
+            prom_transfers: Histogram::new(NIXL_XFER_BUCKETS),
+            prom_transfer_failures: AtomicU64::new(0),
+            prom_bootstrap_failures: AtomicU64::new(0),
+            recent: Mutex::new(VecDeque::new()),
+        }
+    }
 }
 
 impl Stats {
@@ -371,6 +467,31 @@ mod tests {
         let doc = stats.doc("e", "vllm", "m", 1.0);
         assert_eq!(doc.cancelled, 0);
         assert!(doc.recent.is_empty());
+    }
+
+    #[test]
+    fn histogram_buckets_are_cumulative_and_count_every_observation() {
+        let h = Histogram::new(NIXL_XFER_BUCKETS);
+        h.observe(std::time::Duration::from_millis(3));
+        h.observe(std::time::Duration::from_millis(60));
+        h.observe(std::time::Duration::from_secs(9));
+        let mut out = String::new();
+        h.render(&mut out, "x", "engine=\"0\"");
+        assert!(
+            out.contains("x_bucket{engine=\"0\",le=\"0.005\"} 1\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("x_bucket{engine=\"0\",le=\"0.075\"} 2\n"),
+            "{out}"
+        );
+        assert!(out.contains("x_bucket{engine=\"0\",le=\"5\"} 2\n"), "{out}");
+        assert!(
+            out.contains("x_bucket{engine=\"0\",le=\"+Inf\"} 3\n"),
+            "{out}"
+        );
+        assert!(out.contains("x_count{engine=\"0\"} 3\n"), "{out}");
+        assert!(out.contains("x_sum{engine=\"0\"} 9.063\n"), "{out}");
     }
 
     #[test]
