@@ -52,9 +52,13 @@ struct Cli {
     /// HTTP listen address (the engine's surface).
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: SocketAddr,
-    /// Admin listen address: the test hooks `/sim/faults`, `/sim/stats` (never on `--listen`).
-    #[arg(long, default_value = "127.0.0.1:0")]
-    admin_listen: SocketAddr,
+    /// Admin listen address: the test hooks `/sim/faults`, `/sim/stats`. Given, the hooks are
+    /// served only there and the engine port answers them 404 as a real engine does (the test
+    /// kit, `narwhal-dev` and `narwhal-bench` always pass it). Left out, an admin listener is
+    /// still bound on `127.0.0.1:0`, and the hooks are also answered on the engine port for
+    /// older scripts (`../shared/cases`), with a warning on stderr.
+    #[arg(long)]
+    admin_listen: Option<SocketAddr>,
     /// Leave the engine's KV-transfer families out of `/metrics` (an engine or version that
     /// publishes none, e.g. vLLM before 0.11.1 or SGLang without `--enable-metrics`).
     #[arg(long)]
@@ -191,8 +195,20 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
     };
     let http = bind("--listen", cli.listen).await?;
     let http_addr = local(&http, cli.listen);
-    let admin = bind("--admin-listen", cli.admin_listen).await?;
-    let admin_url = format!("http://{}", local(&admin, cli.admin_listen));
+    let admin_addr = cli
+        .admin_listen
+        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+    let admin = bind("--admin-listen", admin_addr).await?;
+    let admin_url = format!("http://{}", local(&admin, admin_addr));
+    let engine_surface = if cli.admin_listen.is_some() {
+        Surface::Engine
+    } else {
+        eprintln!(
+            "narwhal-engine-sim: no --admin-listen: the test hooks /sim/* are also served on the \
+             engine port (legacy); pass --admin-listen to serve them only on {admin_url}"
+        );
+        Surface::EngineWithHooks
+    };
     let kv = match cli.dialect {
         Dialect::Vllm => Some(bind("--kv-listen", cli.kv_listen).await?),
         Dialect::Sglang => None,
@@ -230,7 +246,7 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
         }
     });
     tokio::spawn(server::serve_http(admin, sim.clone(), Surface::Admin));
-    let server = tokio::spawn(server::serve_http(http, sim.clone(), Surface::Engine));
+    let server = tokio::spawn(server::serve_http(http, sim.clone(), engine_surface));
     if let Some(path) = &cli.ready_file {
         let doc = serde_json::json!({
             "url": url,

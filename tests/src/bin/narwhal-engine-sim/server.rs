@@ -140,6 +140,9 @@ pub(crate) enum Surface {
     Engine,
     /// `--admin-listen`: the test hooks.
     Admin,
+    /// The engine's surface plus the test hooks: only when the simulator was started without
+    /// `--admin-listen`, for scripts written before the admin listener existed.
+    EngineWithHooks,
 }
 
 /// SGLang rooms plus the decode requests waiting for them.
@@ -300,6 +303,10 @@ pub(crate) async fn serve_http(listener: TcpListener, sim: Arc<Sim>, surface: Su
                     Ok::<_, Infallible>(match surface {
                         Surface::Engine => route(sim, kill, req).await,
                         Surface::Admin => route_admin(sim, req).await,
+                        Surface::EngineWithHooks if req.uri().path().starts_with("/sim/") => {
+                            route_admin(sim, req).await
+                        }
+                        Surface::EngineWithHooks => route(sim, kill, req).await,
                     })
                 }
             });
