@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the cached Python virtualenv of the end-to-end tests that drive real
+# third-party software: the official `openai` SDK (tests/tests/sdk_e2e.rs) and llama.cpp's OpenAI
+# server from llama-cpp-python (tests/tests/llamacpp_e2e.rs). Prints the venv's path as the last
+# line on stdout; progress goes to stderr.
+#
+#   tests/python/ensure-venv.sh           build if missing (minutes: llama.cpp compiles from source)
+#   tests/python/ensure-venv.sh --find    print the path if it is built, else exit 3 (no build)
+#
+# Where: ${NARWHAL_VENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/narwhal}/venv-<key>, outside the
+# clone, so fresh clones on the same machine share it. <key> hashes everything that decides the
+# venv's content: both requirement files, the llama.cpp build flags below, this script's recipe
+# version and the interpreter (version, machine, path). Change any of them and a new venv is built.
+#
+# Guarantees:
+# - Idempotent: a published venv is reused as it is (checked to still start and import).
+# - Atomic: the venv is built in `.build-<key>.<random>` and published by renaming a symlink
+#   `venv-<key>` onto it, only after every package installed, `pip check` passed and the test
+#   imports worked. An interrupted build never publishes; its leftovers are removed by the next
+#   build of the same key. (A symlink, not a moved directory: a venv records its own path.)
+# - Parallel-safe: builds are serialised by `flock` on `<cache>/build.lock`; a waiter rechecks
+#   after taking the lock and reuses what the first builder published.
+# - The compiled llama-cpp-python wheel is cached on its own (`wheels-<wheel key>`, keyed by the
+#   llama pin, build backend, flags and interpreter only), so a venv rebuilt for another reason
+#   (say an `openai` bump) takes seconds, not a llama.cpp compile.
+#
+# llama.cpp is compiled CPU-only and portable: no BLAS, no OpenMP, no -march=native, and no
+# instruction set beyond x86-64-v2 (SSE4.2), so a cached venv keeps working when CI lands on
+# another x86_64 machine. The test model is tiny; speed does not matter.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+recipe=1 # bump when this script's build steps change in a way the key would not see
+python="${NARWHAL_PYTHON:-python3}"
+cache="${NARWHAL_VENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/narwhal}"
+mode="${1:-build}"
+case "$mode" in build | --build) mode=build ;; --find) mode=find ;; *)
+  echo "usage: $0 [--find]" >&2
+  exit 2
+  ;;
+esac
+
+llama_cmake_args=(
+  -DGGML_NATIVE=OFF -DGGML_AVX=OFF -DGGML_AVX2=OFF -DGGML_AVX512=OFF -DGGML_FMA=OFF
+  -DGGML_F16C=OFF -DGGML_BMI2=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=OFF -DGGML_CUDA=OFF
+  -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF
+  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+)
+
+log() { echo "ensure-venv: $*" >&2; }
+
+command -v "$python" >/dev/null 2>&1 || {
+  log "error: no Python interpreter '$python' (set NARWHAL_PYTHON)"
+  exit 1
+}
+interp="$("$python" -c 'import os, platform, sys; print(sys.implementation.name, platform.python_version(), platform.machine(), os.path.realpath(sys.executable))')"
+llama_pin="$(grep -E '^llama-cpp-python' "$here/requirements.txt")"
+llama_spec="$(sed -E 's/\[[^]]*\]//' <<<"$llama_pin")" # llama-cpp-python==X, without extras
+# What decides the llama-cpp-python wheel, and what decides the whole venv.
+wheel_key="$(printf '%s\n' "recipe=$recipe" "$interp" "$llama_pin" "${llama_cmake_args[*]}" \
+  | cat - "$here/requirements-build.txt" | sha256sum | cut -c1-16)"
+key="$(printf '%s\n' "recipe=$recipe" "$interp" "${llama_cmake_args[*]}" \
+  | cat - "$here/requirements-build.txt" "$here/requirements.txt" | sha256sum | cut -c1-16)"
+venv="$cache/venv-$key"
+
+# A published venv: the symlink resolves, the completion marker is there, and the interpreter it
+# points at still starts (a removed base Python breaks a venv).
+usable() {
+  [ -f "$venv/.narwhal-venv-complete" ] && "$venv/bin/python" -c 'import openai, llama_cpp.server.app, gguf, numpy' >/dev/null 2>&1
+}
+
+if usable; then
+  echo "$venv"
+  exit 0
+fi
+if [ "$mode" = find ]; then
+  log "no built venv at $venv (run tests/python/ensure-venv.sh to build it)"
+  exit 3
+fi
+
+mkdir -p "$cache"
+exec 9>"$cache/build.lock"
+log "taking the build lock $cache/build.lock"
+flock -w 5400 9 || {
+  log "error: could not take $cache/build.lock within 90 minutes"
+  exit 1
+}
+if usable; then # another process built it while we waited
+  echo "$venv"
+  exit 0
+fi
+
+# Under the lock nothing else builds: a build dir no published venv points at, and a temporary
+# wheel dir, are leftovers of an interrupted build.
+for d in "$cache"/.build-* "$cache"/.wheels-*.tmp.*; do
+  [ -e "$d" ] || continue
+  keep=0
+  for link in "$cache"/venv-*; do
+    [ -L "$link" ] && [ "$(readlink "$link")" = "$(basename "$d")" ] && keep=1
+  done
+  [ "$keep" = 1 ] || rm -rf "$d"
+done
+previous="$(readlink "$venv" 2>/dev/null || true)"
+
+start=$(date +%s)
+build="$(mktemp -d "$cache/.build-$key.XXXXXX")"
+chmod 755 "$build" # mktemp makes it private; the venv is for any user of the cache
+build_log="$build/build.log"
+fail() {
+  log "error: $1; the last lines of $build_log:"
+  tail -n 40 "$build_log" >&2 || true
+  exit 1
+}
+log "building $venv (log: $build_log)"
+"$python" -m venv "$build" >>"$build_log" 2>&1 || fail "python -m venv failed"
+pip=("$build/bin/python" -m pip --disable-pip-version-check --no-input)
+"${pip[@]}" install --no-deps -r "$here/requirements-build.txt" >>"$build_log" 2>&1 \
+  || fail "installing the build backend failed"
+
+wheels="$cache/wheels-$wheel_key"
+if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+  log "compiling llama.cpp (llama-cpp-python wheel; several minutes on 2 cores)"
+  tmp_wheels="$(mktemp -d "$cache/.wheels-$wheel_key.tmp.XXXXXX")"
+  chmod 755 "$tmp_wheels"
+  CMAKE_ARGS="${llama_cmake_args[*]}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    "${pip[@]}" wheel --no-deps --no-build-isolation --no-cache-dir -w "$tmp_wheels" \
+    "$llama_spec" >>"$build_log" 2>&1 \
+    || fail "building the llama-cpp-python wheel failed"
+  rm -rf "$wheels"
+  mv -T "$tmp_wheels" "$wheels"
+  log "llama-cpp-python wheel built in $(($(date +%s) - start)) s"
+fi
+
+"${pip[@]}" install --no-deps --find-links "$wheels" --only-binary llama-cpp-python \
+  -r "$here/requirements.txt" >>"$build_log" 2>&1 || fail "installing requirements.txt failed"
+"${pip[@]}" check >>"$build_log" 2>&1 || fail "pip check found inconsistent pins"
+"$build/bin/python" -c 'import openai, llama_cpp.server.app, gguf, numpy' >>"$build_log" 2>&1 \
+  || fail "the installed packages do not import"
+printf '%s\n' "$interp" "${llama_cmake_args[*]}" >"$build/.narwhal-venv-complete"
+
+# Publish: rename a fresh symlink over the name (atomic on one filesystem).
+ln -sfn "$(basename "$build")" "$venv.tmp.$$"
+mv -Tf "$venv.tmp.$$" "$venv"
+if [ -n "$previous" ]; then rm -rf "${cache:?}/$(basename "$previous")"; fi
+log "venv ready in $(($(date +%s) - start)) s"
+echo "$venv"

@@ -1,0 +1,193 @@
+//! The Python side of the end-to-end tests that use third-party software: the cached virtualenv
+//! built by `tests/python/ensure-venv.sh` (official `openai` SDK, llama-cpp-python's server,
+//! `gguf`), and `tests/python/sdk_driver.py`, which sends requests through the SDK and reports
+//! what the SDK saw as JSON.
+//!
+//! Skip discipline: without a built venv a test prints a loud `SKIPPED` line on the real stderr
+//! and returns, unless `NARWHAL_REQUIRE_VENV=1` or `CI` is set (as `.ci/run` runs), where a
+//! missing venv fails the test: CI never passes by skipping.
+//!
+//! Shared by `sdk_e2e.rs` and `llamacpp_e2e.rs` through `#[path]`; each uses a part of it.
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::io::AsyncWriteExt;
+
+/// `tests/python/` of this checkout.
+pub fn python_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("python")
+}
+
+/// Whether a missing venv must fail the test (`NARWHAL_REQUIRE_VENV=1`, or `CI` set to anything
+/// but `false`/`0`/empty).
+fn venv_required() -> bool {
+    let set = |k: &str| {
+        std::env::var(k)
+            .map(|v| !v.is_empty() && v != "0" && v != "false")
+            .unwrap_or(false)
+    };
+    set("NARWHAL_REQUIRE_VENV") || set("CI")
+}
+
+/// The venv's interpreter, or `None` (after a loud message) when the venv is not built and not
+/// required.
+///
+/// Lookup: `$NARWHAL_PY_VENV` when set (it must hold `bin/python`), else
+/// `tests/python/ensure-venv.sh --find` (the cache path for the current requirement pins;
+/// never builds).
+///
+/// # Panics
+/// When `NARWHAL_PY_VENV` names no venv, or the venv is missing and required.
+pub fn python(test: &str) -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("NARWHAL_PY_VENV").filter(|d| !d.is_empty()) {
+        let py = Path::new(&dir).join("bin/python");
+        assert!(
+            py.exists(),
+            "NARWHAL_PY_VENV={} has no bin/python",
+            Path::new(&dir).display()
+        );
+        return Some(py);
+    }
+    let out = std::process::Command::new("bash")
+        .arg(python_dir().join("ensure-venv.sh"))
+        .arg("--find")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run tests/python/ensure-venv.sh --find");
+    if out.status.success() {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let dir = stdout.lines().last().unwrap_or_default().trim().to_string();
+        return Some(Path::new(&dir).join("bin/python"));
+    }
+    let why = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    assert!(
+        !venv_required(),
+        "{test}: the Python test venv is required here (NARWHAL_REQUIRE_VENV=1 or CI) but is not \
+         built: {why}. Build it with tests/python/ensure-venv.sh (.ci/run does)."
+    );
+    // Straight to the process's stderr: libtest captures eprintln! of passing tests.
+    let _ = writeln!(
+        std::io::stderr(),
+        "\n*** SKIPPED {test}: no Python test venv ({why}). Build it with \
+         tests/python/ensure-venv.sh; in CI this is a failure. ***\n"
+    );
+    None
+}
+
+/// A `tokio` command with proxies removed: the tests talk to loopback only, and CI machines may
+/// set `HTTP_PROXY`.
+pub fn command(program: &Path) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(program);
+    for k in [
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+    ] {
+        cmd.env_remove(k);
+    }
+    cmd.env("NO_PROXY", "127.0.0.1,localhost")
+        .env("PYTHONUNBUFFERED", "1")
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .kill_on_drop(true);
+    cmd
+}
+
+/// Runs `calls` (a JSON array, see `sdk_driver.py`) through the official SDK against the
+/// OpenAI base URL `base` (`http://HOST:PORT`, `/v1` is appended) and returns one result per
+/// call. Each result has `ok`; on success `text`, `finish_reason`, `usage`, `schema_errors` and
+/// the dumped `response` or `chunks`; on failure `class`, `mro`, `status_code`, `message`, `body`.
+///
+/// # Panics
+/// When the driver does not finish within `timeout` or does not print the results.
+pub async fn sdk(python: &Path, base: &str, calls: &Value, timeout: Duration) -> Vec<Value> {
+    let mut child = command(python)
+        .arg(python_dir().join("sdk_driver.py"))
+        .args(["--base-url", &format!("{base}/v1")])
+        .args(["--timeout", &timeout.as_secs_f64().to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start sdk_driver.py");
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    stdin
+        .write_all(calls.to_string().as_bytes())
+        .await
+        .expect("write calls");
+    drop(stdin);
+    let n = calls.as_array().map_or(1, Vec::len) as u32;
+    let out = tokio::time::timeout(
+        timeout * n + Duration::from_secs(30),
+        child.wait_with_output(),
+    )
+    .await
+    .expect("sdk_driver.py finished in time")
+    .expect("sdk_driver.py ran");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let results: Vec<Value> = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| {
+        panic!(
+            "sdk_driver.py printed no results ({e}; status {}); stderr:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    assert_eq!(
+        results.len(),
+        n as usize,
+        "one result per call: {results:?}"
+    );
+    results
+}
+
+/// The single result of a one-call [`sdk`] run.
+pub async fn sdk1(python: &Path, base: &str, call: Value, timeout: Duration) -> Value {
+    sdk(python, base, &Value::Array(vec![call]), timeout)
+        .await
+        .remove(0)
+}
+
+/// Asserts a call succeeded and its answer validates against the SDK's own types; returns it.
+#[track_caller]
+pub fn ok(result: &Value, what: &str) -> Value {
+    assert_eq!(
+        result["ok"], true,
+        "{what}: expected a successful answer, the SDK raised {}",
+        result
+    );
+    assert_eq!(
+        result["schema_errors"],
+        Value::Array(vec![]),
+        "{what}: the answer does not validate against the SDK's types: {result}"
+    );
+    result.clone()
+}
+
+/// Asserts a call failed with the SDK exception `class` (which must be an `APIStatusError`) and
+/// HTTP `status`, and returns its message.
+#[track_caller]
+pub fn api_error(result: &Value, class: &str, status: u16, what: &str) -> String {
+    assert_eq!(
+        result["ok"], false,
+        "{what}: expected {class} ({status}), got a successful answer: {result}"
+    );
+    assert_eq!(
+        result["class"], class,
+        "{what}: expected the SDK to raise {class}: {result}"
+    );
+    assert!(
+        result["mro"]
+            .as_array()
+            .is_some_and(|m| m.iter().any(|c| c == "APIStatusError")),
+        "{what}: {class} should be an APIStatusError: {result}"
+    );
+    assert_eq!(result["status_code"], status, "{what}: {result}");
+    result["message"].as_str().unwrap_or_default().to_string()
+}
