@@ -162,15 +162,41 @@ impl SimHandle {
         Ok(())
     }
 
-    /// Starts a simulator with exactly `args` (no `--dialect`, `--model` or `--listen` added:
-    /// the simulator's defaults apply, including an ephemeral admin listener), for tests of the
-    /// simulator itself. A `--ready-file` in `dir` is added unless `args` name one. `label`
-    /// names its log and is its `iid`.
+    /// Starts a simulator with `args` (no `--dialect`, `--model` or `--listen` added: the
+    /// simulator's defaults apply), for tests of the simulator itself. `--admin-listen
+    /// 127.0.0.1:0` goes first (an `--admin-listen` in `args` overrides it), so the hooks are
+    /// never on the engine port; a `--ready-file` in `dir` is added unless `args` name one.
+    /// `label` names its log and is its `iid`.
     ///
     /// # Errors
     /// [`ProcError`] when the simulator does not start.
     pub fn start_raw(dir: &Path, label: &str, args: &[&str]) -> Result<SimHandle, ProcError> {
+        Self::spawn_raw(dir, label, args, true)
+    }
+
+    /// [`SimHandle::start_raw`] without `--admin-listen`: the simulator's compatibility mode
+    /// for older scripts, where the hooks are also answered on the engine port.
+    ///
+    /// # Errors
+    /// [`ProcError`] when the simulator does not start.
+    pub fn start_raw_legacy(
+        dir: &Path,
+        label: &str,
+        args: &[&str],
+    ) -> Result<SimHandle, ProcError> {
+        Self::spawn_raw(dir, label, args, false)
+    }
+
+    fn spawn_raw(
+        dir: &Path,
+        label: &str,
+        args: &[&str],
+        admin_listen: bool,
+    ) -> Result<SimHandle, ProcError> {
         let mut cmd = Command::new(bin_path("narwhal-engine-sim"));
+        if admin_listen {
+            cmd.args(["--admin-listen", "127.0.0.1:0"]);
+        }
         let ready = match args.iter().position(|a| *a == "--ready-file") {
             Some(i) => PathBuf::from(args.get(i + 1).copied().unwrap_or_default()),
             None => {

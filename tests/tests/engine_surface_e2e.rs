@@ -34,6 +34,26 @@ fn http() -> Http {
     Http::new(std::time::Duration::from_secs(10))
 }
 
+/// A simulator started without `--admin-listen` (scripts older than the admin listener, such as
+/// `../shared/cases`) still answers the hooks on its engine port, so their fault injection keeps
+/// working; everything in this project passes `--admin-listen` (`SimHandle`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_admin_listen_the_hooks_are_also_on_the_engine_port_for_older_scripts() {
+    let http = http();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = SimHandle::start_raw_legacy(dir.path(), "sim", &[]).expect("narwhal-engine-sim");
+    let fault = json!({"phase": "decode", "action": "drop"});
+    assert_eq!(
+        http.post(format!("{}/sim/faults", s.url), &fault)
+            .await
+            .status,
+        200
+    );
+    assert_eq!(s.faults().await["faults"].as_array().map(Vec::len), Some(1));
+    assert_eq!(http.get(format!("{}/sim/stats", s.url)).await.status, 200);
+    assert_eq!(http.get(format!("{}/v1/models", s.url)).await.status, 200);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_test_hooks_are_served_only_on_the_admin_listener() {
     let http = http();
