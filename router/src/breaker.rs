@@ -352,9 +352,13 @@ impl Breaker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use narwhal_shared::{Clock as _, SystemClock};
 
     fn b() -> (Breaker, Instant) {
-        (Breaker::new(2, 3, Duration::from_secs(10)), Instant::now())
+        (
+            Breaker::new(2, 3, Duration::from_secs(10)),
+            SystemClock.now(),
+        )
     }
 
     const CONN: Observation = Observation::LegFailed(FailureClass::Connection);
@@ -481,7 +485,7 @@ mod tests {
         #[test]
         fn no_ejection_without_a_full_streak(seq in proptest::collection::vec(0usize..6, 0..40)) {
             let mut br = Breaker::new(1, 1000, Duration::from_secs(1));
-            let t0 = Instant::now();
+            let t0 = SystemClock.now();
             for c in seq {
                 let tr = br.observe(0, Observation::LegFailed(FailureClass::ALL[c]), t0);
                 proptest::prop_assert!(tr.is_empty());

@@ -579,7 +579,7 @@ mod tests {
     use super::*;
     use crate::config::Config;
     use crate::journal::Journal;
-    use narwhal_shared::{Clock, ManualClock};
+    use narwhal_shared::{Clock, ManualClock, SystemClock};
 
     fn shared(dir: &std::path::Path, clock: Arc<ManualClock>) -> Arc<Shared> {
         let text = serde_json::json!({
@@ -615,7 +615,7 @@ mod tests {
     #[tokio::test]
     async fn takeover_is_ready_only_after_the_identity_check_and_records_the_gap() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let clock = Arc::new(ManualClock::new(Instant::now(), 1.0e9));
+        let clock = Arc::new(ManualClock::new(SystemClock.now(), 1.0e9));
         let sh = shared(dir.path(), clock.clone());
         assert_eq!(sh.lease.claim().await.ok(), Some(1));
         set_role(&sh, true, false, IDENTITY_PENDING);
@@ -707,7 +707,7 @@ mod tests {
     async fn own_released_epochs_do_not_make_the_retained_handoff_stale() {
         for ours in [true, false] {
             let dir = tempfile::tempdir().expect("tempdir");
-            let clock = Arc::new(ManualClock::new(Instant::now(), 1.0e9));
+            let clock = Arc::new(ManualClock::new(SystemClock.now(), 1.0e9));
             let sh = shared(dir.path(), clock.clone());
             // The primary served under epoch 1; its handoff is retained.
             assert_eq!(sh.lease.claim().await.ok(), Some(1));
@@ -745,7 +745,7 @@ mod tests {
     #[tokio::test]
     async fn a_fenced_primary_reclaims_its_own_live_epoch() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let clock = Arc::new(ManualClock::new(Instant::now(), 1.0e9));
+        let clock = Arc::new(ManualClock::new(SystemClock.now(), 1.0e9));
         let sh = shared(dir.path(), clock.clone());
         assert_eq!(sh.lease.claim().await.ok(), Some(1));
         assert!(matches!(own_state(&sh, Some(1)).await, Own::Current(1)));
@@ -768,7 +768,7 @@ mod tests {
     #[tokio::test]
     async fn a_claim_after_someone_else_held_the_fleet_is_released() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let clock = Arc::new(ManualClock::new(Instant::now(), 1.0e9));
+        let clock = Arc::new(ManualClock::new(SystemClock.now(), 1.0e9));
         let sh = shared(dir.path(), clock.clone());
         assert_eq!(sh.lease.claim().await.ok(), Some(1));
         assert_eq!(sh.lease.release().await.ok(), Some(true));
@@ -797,7 +797,7 @@ mod tests {
     #[tokio::test]
     async fn the_lease_is_renewed_during_a_takeover_and_a_loss_then_fails_it() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let clock = Arc::new(ManualClock::new(Instant::now(), 1.0e9));
+        let clock = Arc::new(ManualClock::new(SystemClock.now(), 1.0e9));
         let sh = shared(dir.path(), clock.clone());
         assert_eq!(sh.lease.claim().await.ok(), Some(1));
         set_role(&sh, true, false, IDENTITY_PENDING);

@@ -372,11 +372,11 @@ pub(crate) fn mark_dirty(shared: &Shared) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Instant;
+    use narwhal_shared::{Clock as _, SystemClock};
 
     #[test]
     fn demand_risk_is_null_until_an_event_and_reanchors_on_restore() {
-        let t0 = Instant::now();
+        let t0 = SystemClock.now();
         let mut d = Demand::default();
         assert!(d.snapshot(t0).is_none());
         d.record("first_token_timeout", t0);
@@ -396,7 +396,7 @@ mod tests {
 
     #[test]
     fn the_same_document_is_applied_once() {
-        let t1 = Instant::now() + Duration::from_secs(1000);
+        let t1 = SystemClock.now() + Duration::from_secs(1000);
         let carried = DemandRisk {
             kind: "first_token_timeout".into(),
             age_s: 1.0,
@@ -418,7 +418,7 @@ mod tests {
     /// later; the new primary reported the risk as 10 ms old. The write→apply gap counts once.
     #[test]
     fn restored_demand_risk_keeps_ageing_through_the_gap() {
-        let t1 = Instant::now() + Duration::from_secs(1000);
+        let t1 = SystemClock.now() + Duration::from_secs(1000);
         let carried = DemandRisk {
             kind: "first_token_timeout".into(),
             age_s: 0.01,

@@ -841,8 +841,8 @@ mod tests {
     use super::*;
     use crate::breaker::{FailureClass, Observation};
     use crate::outcome::Pending;
-    use narwhal_shared::ManualClock;
-    use std::time::{Duration, Instant};
+    use narwhal_shared::{ManualClock, SystemClock};
+    use std::time::Duration;
 
     fn shared(clock: Arc<ManualClock>) -> Arc<Shared> {
         let text = serde_json::json!({
@@ -872,7 +872,7 @@ mod tests {
 
     #[test]
     fn abandoned_request_is_cancelled_before_the_deadline_and_expired_after() {
-        let clock = Arc::new(ManualClock::new(Instant::now(), 1000.0));
+        let clock = Arc::new(ManualClock::new(SystemClock.now(), 1000.0));
         let sh = shared(clock.clone());
         let rec = |rid: &str| RequestRecord {
             rid: rid.into(),
@@ -891,7 +891,7 @@ mod tests {
 
     #[test]
     fn readiness_follows_live_engines() {
-        let clock = Arc::new(ManualClock::new(Instant::now(), 1000.0));
+        let clock = Arc::new(ManualClock::new(SystemClock.now(), 1000.0));
         let sh = shared(clock);
         assert_eq!(sh.ready_doc().1["status"], "ready");
         sh.observe(0, Observation::LegFailed(FailureClass::Connection));
@@ -914,7 +914,7 @@ mod tests {
 
     #[test]
     fn targets_strip_userinfo_and_keep_the_path() {
-        let clock = Arc::new(ManualClock::new(Instant::now(), 1000.0));
+        let clock = Arc::new(ManualClock::new(SystemClock.now(), 1000.0));
         let sh = shared(clock);
         let t = sh.targets_doc();
         assert_eq!(t[0]["targets"], serde_json::json!(["127.0.0.1:1"]));

@@ -521,14 +521,9 @@ pub fn write_state_file(path: &Path, doc: &Handoff) -> Result<(), PersistError> 
 
 fn rand_suffix() -> u32 {
     // Uniqueness within one process and directory is all that is needed: the pid is in the
-    // name too. Hash the time and a counter rather than pulling in an RNG here.
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    let t = std::time::SystemTime::UNIX_EPOCH
-        .elapsed()
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    t ^ N.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9e37_79b9)
+    // name too. A random v4 UUID's first 32 bits (uuid is already a dependency).
+    let (head, ..) = uuid::Uuid::new_v4().as_fields();
+    head
 }
 
 /// What a state file held.

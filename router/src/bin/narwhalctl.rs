@@ -12,9 +12,10 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use narwhal_shared::{Clock as _, SystemClock};
 use serde_json::{Value, json};
 
 #[derive(Parser)]
@@ -267,7 +268,8 @@ impl Ctl {
         timeout: Duration,
         done: impl Fn(&Value) -> bool,
     ) -> Result<Value, Failure> {
-        let deadline = Instant::now() + timeout;
+        let clock = SystemClock;
+        let deadline = clock.now() + timeout;
         let mut last = String::new();
         loop {
             let doc = self.lifecycle().await?;
@@ -279,7 +281,7 @@ impl Ctl {
                 println!("waiting for {what}: {progress}");
                 last = progress;
             }
-            if Instant::now() >= deadline {
+            if clock.now() >= deadline {
                 return Err(Failure::Unavailable(format!(
                     "timed out after {:.0} s waiting for {what}",
                     timeout.as_secs_f64()

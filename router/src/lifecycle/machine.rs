@@ -989,10 +989,11 @@ impl Lifecycle {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use narwhal_shared::{Clock as _, SystemClock};
 
     fn t0() -> Now {
         Now {
-            mono: Instant::now(),
+            mono: SystemClock.now(),
             wall: 1_800_000_000.0,
         }
     }
