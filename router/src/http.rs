@@ -31,7 +31,8 @@ use crate::config::{Backend, Role, secs};
 use crate::ingress::Endpoint;
 use crate::lifecycle;
 use crate::metrics::labels;
-use crate::serve::{Body, completion, json_response, refresh_bootstrap_port};
+use crate::response::{Body, json_response};
+use crate::serve::{completion, refresh_bootstrap_port};
 use crate::state::Shared;
 
 /// Largest lifecycle request body accepted, bytes.

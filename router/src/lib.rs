@@ -18,6 +18,7 @@
 pub mod breaker;
 mod cli;
 pub mod config;
+mod failure;
 mod ha;
 mod handoff;
 mod http;
@@ -29,6 +30,8 @@ mod metrics;
 pub mod outcome;
 pub mod placement;
 pub mod relay;
+mod response;
+pub mod retry;
 mod serve;
 mod state;
 mod upstream;

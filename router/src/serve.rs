@@ -21,20 +21,23 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode};
-use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use http_body_util::BodyExt;
 use hyper::body::{Frame, Incoming};
 use rand::Rng;
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tracing::Instrument;
 
 use crate::breaker::Observation;
 use crate::config::{Backend, secs};
+use crate::failure::{Expiry, RequestFailure};
 use crate::ingress::{self, Endpoint, Validated};
 use crate::metrics::labels;
-use crate::outcome::{Pending, RequestRecord, SettleSink, Settlement, Terminal};
+use crate::outcome::{Pending, RequestRecord, SettleSink, Settlement};
 use crate::placement::{self, Phase, Plan};
-use crate::relay::{Aggregator, RelayOptions, RelayStep, data_frame, done_frame, error_frame};
+use crate::relay::{Aggregator, RelayOptions, RelayStep, data_frame, done_frame};
+use crate::response::{Body, json_response};
+use crate::retry::{self, Decision, RetryPolicy, Stop};
 use crate::state::{Queued, Resident, Retained, Shared};
 use crate::upstream::{
     LegError, LiveStream, Rendezvous, decode_body, sglang_bodies, url_host, vllm_prefill_body,
@@ -42,30 +45,6 @@ use crate::upstream::{
 
 /// How long a failed SGLang decode waits for its concurrent prefill's verdict.
 const PREFILL_VERDICT_WAIT: Duration = Duration::from_secs(1);
-
-/// Response body type for every route.
-pub(crate) type Body = BoxBody<Bytes, Infallible>;
-
-/// A full JSON response with `x-request-id`.
-pub(crate) fn json_response(status: StatusCode, v: &Value, rid: &str) -> Response<Body> {
-    let mut r = Response::new(Full::new(Bytes::from(v.to_string())).boxed());
-    *r.status_mut() = status;
-    let h = r.headers_mut();
-    h.insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    if let Ok(v) = HeaderValue::from_str(rid) {
-        h.insert("x-request-id", v);
-    }
-    r
-}
-
-fn with_retry_after(mut r: Response<Body>) -> Response<Body> {
-    r.headers_mut()
-        .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
-    r
-}
 
 /// Body fed by a channel: the relay task sends SSE frames; dropping the body (client gone)
 /// closes the channel, which the task notices.
@@ -100,13 +79,6 @@ struct Fail {
     err: LegError,
     /// The attempt's producer when the decode leg failed (excluded from the retry too).
     producer: Option<usize>,
-}
-
-enum AttemptsError {
-    NoEngine,
-    /// The router lost control of the fleet (lease) before this attempt was placed.
-    NotInControl,
-    Leg(Fail),
 }
 
 /// An attempt that reached its first token.
@@ -163,84 +135,35 @@ async fn completion_inner(
             ..Default::default()
         },
     );
-    let err_body = |message: &str, ty: &str| json!({"error": {"message": message, "type": ty}});
+    let fail = |pending: Pending, failure: RequestFailure| {
+        pending.settle(failure.settlement());
+        failure.response(&rid)
+    };
 
     let Some(retained) = Retained::try_new(&shared) else {
-        pending.settle(Settlement::new(
-            Terminal::Rejected,
-            "inflight_limit",
-            429,
-            "router in-flight limit reached",
-            "server_overloaded_error",
-        ));
-        return with_retry_after(json_response(
-            StatusCode::TOO_MANY_REQUESTS,
-            &err_body("router in-flight limit reached", "server_overloaded_error"),
-            &rid,
-        ));
+        return fail(pending, RequestFailure::InflightLimit);
     };
 
     let (ready, control_ready, reason) = shared.readiness();
     if !ready {
-        let ha = shared.ha();
-        let ty = if control_ready && ha.lifecycle_blocked.is_empty() && shared.live_count() == 0 {
-            ("No engines are available", "backend_unavailable")
-        } else {
-            ("Router is not ready", "standby")
-        };
-        pending.settle(Settlement::new(
-            Terminal::Rejected,
-            "not_ready",
-            503,
-            format!("not ready: {reason}"),
-            ty.1,
-        ));
-        return with_retry_after(json_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            &json!({"error": {"message": ty.0, "type": ty.1, "code": ty.1}}),
-            &rid,
-        ));
+        let no_engines =
+            control_ready && shared.ha().lifecycle_blocked.is_empty() && shared.live_count() == 0;
+        return fail(pending, RequestFailure::NotReady { reason, no_engines });
     }
 
     let limit = shared.cfg.serving.max_request_bytes;
     let read = tokio::time::timeout_at(deadline.into(), read_body(req.into_body(), limit)).await;
-    let Ok(read) = read else {
-        // A client that cannot deliver its body within the request deadline.
-        pending.settle(Settlement::new(
-            Terminal::Expired,
-            "deadline",
-            504,
-            "request body not received before the deadline",
-            "request_expired",
-        ));
-        return json_response(
-            StatusCode::GATEWAY_TIMEOUT,
-            &err_body("original request deadline expired", "request_expired"),
-            &rid,
-        );
-    };
     let bytes = match read {
-        Ok(b) => b,
-        Err(ReadError::TooLarge) => {
+        // A client that cannot deliver its body within the request deadline.
+        Err(_) => return fail(pending, RequestFailure::Expired(Expiry::BodyRead)),
+        Ok(Ok(b)) => b,
+        Ok(Err(ReadError::TooLarge)) => {
             let e = ingress::IngressError::TooLarge { limit };
-            let (st, body) = e.response();
-            pending.settle(Settlement::new(
-                Terminal::Invalid,
-                "",
-                st.as_u16(),
-                e.to_string(),
-                "request_too_large",
-            ));
-            return json_response(st, &body, &rid);
+            return fail(pending, RequestFailure::Invalid(e));
         }
-        Err(ReadError::Client(detail)) => {
+        Ok(Err(ReadError::Client(detail))) => {
             tracing::debug!(%detail, "client body read failed");
-            pending.settle(Settlement::cancelled());
-            return json_response(
-                StatusCode::BAD_REQUEST,
-                &err_body("request body read failed", "invalid_request_error"),
-                &rid,
-            );
+            return fail(pending, RequestFailure::BodyUnreadable);
         }
     };
     let v = match ingress::validate(
@@ -251,21 +174,7 @@ async fn completion_inner(
         shared.cfg.engine.chars_per_token,
     ) {
         Ok(v) => v,
-        Err(e) => {
-            let (st, body) = e.response();
-            let ty = body["error"]["type"]
-                .as_str()
-                .unwrap_or("invalid_request_error")
-                .to_string();
-            pending.settle(Settlement::new(
-                Terminal::Invalid,
-                "",
-                st.as_u16(),
-                e.to_string(),
-                &ty,
-            ));
-            return json_response(st, &body, &rid);
-        }
+        Err(e) => return fail(pending, RequestFailure::Invalid(e)),
     };
     pending.record().stream = v.stream;
     pending.record().input_len = Some(v.input_len);
@@ -274,20 +183,7 @@ async fn completion_inner(
     let permit: OwnedSemaphorePermit = if shared.cfg.serving.queue_capacity == 0 {
         match shared.seats.clone().try_acquire_owned() {
             Ok(p) => p,
-            Err(_) => {
-                pending.settle(Settlement::new(
-                    Terminal::Rejected,
-                    "inflight_limit",
-                    429,
-                    "router in-flight limit reached",
-                    "server_overloaded_error",
-                ));
-                return with_retry_after(json_response(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    &err_body("router in-flight limit reached", "server_overloaded_error"),
-                    &rid,
-                ));
-            }
+            Err(_) => return fail(pending, RequestFailure::InflightLimit),
         }
     } else {
         let queue_by = arrived + secs(shared.cfg.serving.queue_timeout_s);
@@ -299,17 +195,11 @@ async fn completion_inner(
         match acquired {
             Ok(Ok(p)) => p,
             _ => {
-                let (reason, ty, msg) = if by == deadline {
-                    (
-                        "deadline",
-                        "request_expired",
-                        "original request deadline expired",
-                    )
-                } else {
-                    ("queue_timeout", "queue_expired", "queue deadline expired")
-                };
-                pending.settle(Settlement::new(Terminal::Expired, reason, 504, msg, ty));
-                return json_response(StatusCode::GATEWAY_TIMEOUT, &err_body(msg, ty), &rid);
+                let deadline_first = by == deadline;
+                return fail(
+                    pending,
+                    RequestFailure::Expired(Expiry::Queue { deadline_first }),
+                );
             }
         }
     };
@@ -323,70 +213,18 @@ async fn completion_inner(
     };
     let outcome = tokio::time::timeout_at(deadline.into(), attempts(&ctx, &mut pending)).await;
     let started = match outcome {
-        Err(_) => {
-            pending.settle(Settlement::new(
-                Terminal::Expired,
-                "deadline",
-                504,
-                "request deadline expired before output",
-                "request_expired",
-            ));
-            return json_response(
-                StatusCode::GATEWAY_TIMEOUT,
-                &err_body("original request deadline expired", "request_expired"),
-                &rid,
-            );
-        }
-        Ok(Err(AttemptsError::NotInControl)) => {
-            pending.settle(Settlement::new(
-                Terminal::Rejected,
-                "not_ready",
-                503,
-                "the router lost control of the fleet before placing the request",
-                "standby",
-            ));
-            return with_retry_after(json_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &json!({"error": {"message": "Router is not ready", "type": "standby", "code": "standby"}}),
-                &rid,
-            ));
-        }
-        Ok(Err(AttemptsError::NoEngine)) => {
-            let ty = "no_schedulable_engines";
-            pending.settle(Settlement::new(
-                Terminal::Failed,
-                "no_engine",
-                503,
-                "no schedulable engine for this attempt",
-                ty,
-            ));
-            return with_retry_after(json_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &json!({"error": {"message": "Engine capacity is unavailable", "type": ty, "code": ty}}),
-                &rid,
-            ));
-        }
-        Ok(Err(AttemptsError::Leg(f)))
-            if f.err.client_fault().is_none() && shared.clock.now() >= deadline =>
+        Err(_) => return fail(pending, RequestFailure::Expired(Expiry::BeforeOutput)),
+        Ok(Err(RequestFailure::Leg { err, .. }))
+            if err.client_fault().is_none() && shared.clock.now() >= deadline =>
         {
             // A leg limit that coincides with the request deadline is the deadline.
-            pending.settle(Settlement::new(
-                Terminal::Expired,
-                "deadline",
-                504,
-                format!(
-                    "request deadline expired before output ({})",
-                    f.err.detail()
-                ),
-                "request_expired",
-            ));
-            return json_response(
-                StatusCode::GATEWAY_TIMEOUT,
-                &err_body("original request deadline expired", "request_expired"),
-                &rid,
+            let detail = err.detail();
+            return fail(
+                pending,
+                RequestFailure::Expired(Expiry::LegAtDeadline { detail }),
             );
         }
-        Ok(Err(AttemptsError::Leg(f))) => return failure_response(pending, &f, &rid),
+        Ok(Err(failure)) => return fail(pending, failure),
         Ok(Ok(s)) => s,
     };
     let first_token_at = shared.clock.now();
@@ -401,16 +239,33 @@ async fn completion_inner(
         let task_shared = shared.clone();
         let span = tracing::Span::current();
         tokio::spawn(
-            relay_stream(
-                task_shared,
-                started,
-                pending,
-                tx,
-                deadline,
-                first_token_at,
-                retained,
-                permit,
-            )
+            async move {
+                let _held = (retained, permit);
+                let mut client = Stream(tx);
+                let end = relay(
+                    &task_shared,
+                    started,
+                    &mut pending,
+                    &mut client,
+                    deadline,
+                    first_token_at,
+                )
+                .await;
+                match end {
+                    Relayed::Done { .. } => {
+                        client.finish(done_frame()).await;
+                        pending.settle(Settlement::completed());
+                    }
+                    // Client gone (or too slow): `pending` settles on drop.
+                    Relayed::ClientGone => {}
+                    Relayed::Failed(failure) => {
+                        if let Some(frame) = failure.stream_frame() {
+                            client.finish(frame).await;
+                        }
+                        pending.settle(failure.settlement());
+                    }
+                }
+            }
             .instrument(span),
         );
         let mut r = Response::new(BodyExt::boxed(ChannelBody(rx)));
@@ -428,27 +283,31 @@ async fn completion_inner(
         }
         r
     } else {
-        let r = collect(
+        let mut agg = Aggregator::new(endpoint == Endpoint::Chat);
+        let end = relay(
             &shared,
             started,
             &mut pending,
+            &mut agg,
             deadline,
             first_token_at,
-            endpoint,
-            v.input_len,
         )
         .await;
         drop(permit);
         drop(retained);
-        match r {
-            Ok(body) => {
+        match end {
+            Relayed::Done {
+                prompt_tokens,
+                tokens,
+            } => {
                 pending.settle(Settlement::completed());
-                json_response(StatusCode::OK, &body, &rid)
+                let prompt = prompt_tokens.unwrap_or(v.input_len);
+                json_response(StatusCode::OK, &agg.finish(prompt, tokens), &rid)
             }
-            Err((settlement, status, body)) => {
-                pending.settle(settlement);
-                json_response(status, &body, &rid)
-            }
+            Relayed::Failed(failure) => fail(pending, failure),
+            // An `Aggregator` takes every chunk and never reports its client gone (hyper drops
+            // this future instead, and `pending` settles on drop).
+            Relayed::ClientGone => unreachable!("a non-streaming relay has no client to lose"),
         }
     }
 }
@@ -476,43 +335,10 @@ async fn read_body(mut body: Incoming, limit: u64) -> Result<Bytes, ReadError> {
     Ok(Bytes::from(buf))
 }
 
-/// Answer a failed request before output and settle it.
-fn failure_response(pending: Pending, f: &Fail, rid: &str) -> Response<Body> {
-    if let Some((status, message, param)) = f.err.client_fault() {
-        let st = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
-        pending.settle(Settlement::new(
-            Terminal::Failed,
-            "engine_rejected",
-            st.as_u16(),
-            f.err.detail(),
-            "invalid_request_error",
-        ));
-        return json_response(
-            st,
-            &json!({"error": {"message": message, "type": "invalid_request_error", "param": param, "code": null}}),
-            rid,
-        );
-    }
-    let phase = f.phase.as_str();
-    let status = f.err.http_status();
-    pending.settle(Settlement::new(
-        Terminal::Failed,
-        f.err.reason(),
-        status,
-        format!("{phase}: {}", f.err.detail()),
-        phase,
-    ));
-    json_response(
-        StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
-        &json!({"error": {"message": f.err.public_message(), "type": phase, "code": phase}}),
-        rid,
-    )
-}
-
 /// Run attempts until one reaches its first token (reference-notes 7.5).
-async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, AttemptsError> {
+async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, RequestFailure> {
     let shared = ctx.shared;
-    let max = shared.cfg.serving.max_attempts;
+    let policy = RetryPolicy::from_serving(&shared.cfg.serving);
     let mut avoid: BTreeSet<usize> = BTreeSet::new();
     let mut n = 0u32;
     loop {
@@ -520,7 +346,7 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Attem
         // A fenced router places nothing, not even a retry (reference-notes 3.4): the body
         // read and earlier attempts may have outlasted the lease.
         if !shared.ha().controls_fleet {
-            return Err(AttemptsError::NotInControl);
+            return Err(RequestFailure::NotInControl);
         }
         let plan = {
             let mut core = shared.core();
@@ -532,7 +358,7 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Attem
             placement::plan_with(&core.slots, &avoid, aggregate, &mut core.rng)
         };
         let Some(plan) = plan else {
-            return Err(AttemptsError::NoEngine);
+            return Err(RequestFailure::NoEngine);
         };
         {
             let rec = pending.record();
@@ -588,38 +414,35 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Attem
             .inc();
         let engine = shared.cfg.engines[f.iid].iid.clone();
         tracing::warn!(engine.id = %engine, phase = f.phase.as_str(), error = %f.err.detail(), attempt = n, "attempt failed");
-        pending.record().attempt_failures.push(json!({
+        pending.record().attempt_failures.push(serde_json::json!({
             "attempt": n, "phase": f.phase.as_str(), "iid": engine, "reason": f.err.reason(), "error": f.err.detail(),
         }));
-        if !f.err.transient() || n >= max {
-            return Err(AttemptsError::Leg(f));
-        }
         // Backoff and the router-wide retry budget.
-        let backoff = {
-            let base = shared.cfg.serving.retry_base_s * 2f64.powi(n as i32 - 1);
-            let cap = shared.cfg.serving.retry_cap_s.min(base);
-            let mut core = shared.core();
-            let u: f64 = core.rng.random();
-            secs(u * cap)
-        };
-        if shared.clock.now() + backoff >= ctx.deadline {
-            return Err(AttemptsError::Leg(f));
-        }
-        {
-            let mut core = shared.core();
-            if core.retry_credits >= 1.0 {
-                core.retry_credits -= 1.0;
-                core.stats.retry_credits_spent += 1;
-                core.stats.retry_attempts += 1;
-                shared.metrics.retry_credits_spent.inc();
-                shared.metrics.retry_attempts.inc();
-            } else {
-                core.stats.retry_denied += 1;
-                shared.metrics.retry_denied.inc();
-                drop(core);
-                return Err(AttemptsError::Leg(f));
+        let u: f64 = rand::rng().random();
+        let decision = retry::decide(
+            &policy,
+            n,
+            f.err.transient(),
+            u,
+            shared.clock.now(),
+            ctx.deadline,
+            &shared.retry_budget,
+        );
+        let backoff = match decision {
+            Decision::Retry(backoff) => {
+                shared.count_retry();
+                backoff
             }
-        }
+            Decision::Stop(why) => {
+                if why == Stop::BudgetDenied {
+                    shared.count_retry_denied();
+                }
+                return Err(RequestFailure::Leg {
+                    phase: f.phase,
+                    err: f.err,
+                });
+            }
+        };
         avoid.insert(f.iid);
         if let Some(p) = f.producer {
             avoid.insert(p);
@@ -939,188 +762,133 @@ fn finish_record(shared: &Shared, pending: &mut Pending, started: &Started, cloc
         .inc_by(decode_s);
 }
 
-/// Sends one frame to the client unless it is gone or the request deadline passes first (a
-/// client that stops reading must not hold its seats and the upstream past the deadline).
-async fn send_by(tx: &mpsc::Sender<Bytes>, frame: Bytes, deadline: Instant) -> bool {
-    matches!(
-        tokio::time::timeout_at(deadline.into(), tx.send(frame)).await,
-        Ok(Ok(()))
-    )
+/// Where relayed chunks go: a streaming client's channel, or the [`Aggregator`] that builds a
+/// non-streaming client's one response object.
+trait Sink {
+    /// Delivers one chunk; `false` when the client is gone or too slow (it has until
+    /// `deadline` to take it).
+    fn deliver(&mut self, chunk: &Value, deadline: Instant) -> impl Future<Output = bool> + Send;
+    /// Resolves when the client went away (never for a non-streaming client, whose handler
+    /// future hyper drops instead).
+    fn gone(&self) -> impl Future<Output = ()> + Send;
+}
+
+/// A streaming client: SSE frames over the response body's channel.
+struct Stream(mpsc::Sender<Bytes>);
+
+impl Sink for Stream {
+    async fn deliver(&mut self, chunk: &Value, deadline: Instant) -> bool {
+        // A client that stops reading must not hold its seats and the upstream past the
+        // deadline.
+        matches!(
+            tokio::time::timeout_at(deadline.into(), self.0.send(data_frame(chunk))).await,
+            Ok(Ok(()))
+        )
+    }
+
+    async fn gone(&self) {
+        self.0.closed().await;
+    }
+}
+
+impl Stream {
+    /// Sends a final frame (`[DONE]` or the error frame), waiting at most
+    /// [`FINAL_FRAME_WAIT`] for a slow client.
+    async fn finish(&self, frame: Bytes) {
+        let _ = tokio::time::timeout(FINAL_FRAME_WAIT, self.0.send(frame)).await;
+    }
+}
+
+impl Sink for Aggregator {
+    async fn deliver(&mut self, chunk: &Value, _deadline: Instant) -> bool {
+        self.push(chunk);
+        true
+    }
+
+    async fn gone(&self) {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// How a relay ended.
+enum Relayed {
+    /// `[DONE]` after output: the engine's prompt token count, if it gave one, and the
+    /// tokens counted.
+    Done {
+        prompt_tokens: Option<u64>,
+        tokens: u64,
+    },
+    /// The client went away (or stopped reading): `pending` settles on drop.
+    ClientGone,
+    /// The deadline passed or the stream failed after the first token.
+    Failed(RequestFailure),
 }
 
 /// How long a final frame (`[DONE]` or the error frame) may wait for a slow client.
-const FINAL_FRAME_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+const FINAL_FRAME_WAIT: Duration = Duration::from_secs(1);
 
-/// Relay the rest of a stream to a streaming client (runs as its own task).
-#[allow(clippy::too_many_arguments)]
-async fn relay_stream(
-    shared: Arc<Shared>,
+/// Relays the rest of a started decode stream into `sink` until `[DONE]`, a failure, the
+/// request deadline or the client's departure (reference-notes 7.3), feeding the breaker and
+/// the request record on the way. The one relay loop of both client kinds.
+async fn relay(
+    shared: &Shared,
     mut started: Started,
-    mut pending: Pending,
-    tx: mpsc::Sender<Bytes>,
+    pending: &mut Pending,
+    sink: &mut impl Sink,
     deadline: Instant,
     first_at: Instant,
-    _retained: Retained,
-    _permit: OwnedSemaphorePermit,
-) {
+) -> Relayed {
+    let streaming = pending.record_ref().stream;
     let mut clock = TokenClock::new(first_at, started.live.tokens());
-    for c in std::mem::take(&mut started.live.first) {
-        if !send_by(&tx, data_frame(&c), deadline).await {
-            finish_record(&shared, &mut pending, &started, &clock);
-            return; // client gone (or too slow): `pending` settles on drop
+    let end = 'relay: {
+        for c in std::mem::take(&mut started.live.first) {
+            if !sink.deliver(&c, deadline).await {
+                break 'relay Relayed::ClientGone;
+            }
         }
-    }
-    let gap = gap(&shared);
-    let decode_iid = started.decode_iid;
-    loop {
-        let step = tokio::select! {
-            _ = tx.closed() => {
-                finish_record(&shared, &mut pending, &started, &clock);
-                return;
-            }
-            _ = tokio::time::sleep_until(deadline.into()) => {
-                let _ = tokio::time::timeout(FINAL_FRAME_WAIT, tx.send(error_frame("Request deadline expired", "decode", "expired"))).await;
-                finish_record(&shared, &mut pending, &started, &clock);
-                pending.settle(Settlement::new(Terminal::Expired, "deadline", 200, "request deadline expired after output", "decode"));
-                return;
-            }
-            s = started.live.next(gap) => s,
-        };
-        clock.update(shared.clock.now(), started.live.tokens());
-        match step {
-            Ok(RelayStep::Output(chunks)) => {
-                for c in chunks {
-                    if !send_by(&tx, data_frame(&c), deadline).await {
-                        finish_record(&shared, &mut pending, &started, &clock);
-                        return;
+        let gap = gap(shared);
+        loop {
+            let step = tokio::select! {
+                () = sink.gone() => break 'relay Relayed::ClientGone,
+                _ = tokio::time::sleep_until(deadline.into()) => {
+                    let expiry = if streaming { Expiry::AfterOutput } else { Expiry::Collecting };
+                    break 'relay Relayed::Failed(RequestFailure::Expired(expiry));
+                }
+                s = started.live.next(gap) => s,
+            };
+            clock.update(shared.clock.now(), started.live.tokens());
+            let err = match step {
+                Ok(RelayStep::Output(chunks)) => {
+                    for c in &chunks {
+                        if !sink.deliver(c, deadline).await {
+                            break 'relay Relayed::ClientGone;
+                        }
                     }
+                    continue;
                 }
-            }
-            Ok(RelayStep::Hold) => {}
-            Ok(RelayStep::Done) => {
-                let _ = tokio::time::timeout(FINAL_FRAME_WAIT, tx.send(done_frame())).await;
-                shared.observe(decode_iid, Observation::DecodeOk);
-                finish_record(&shared, &mut pending, &started, &clock);
-                pending.settle(Settlement::completed());
-                return;
-            }
-            Ok(RelayStep::Failed(f)) => {
-                let s = stream_failed(
-                    &shared,
-                    &mut pending,
-                    &started,
-                    &clock,
-                    &tx,
-                    LegError::Stream(f),
-                )
-                .await;
-                pending.settle(s);
-                return;
-            }
-            Err(e) => {
-                let s = stream_failed(&shared, &mut pending, &started, &clock, &tx, e).await;
-                pending.settle(s);
-                return;
-            }
-        }
-    }
-}
-
-async fn stream_failed(
-    shared: &Shared,
-    pending: &mut Pending,
-    started: &Started,
-    clock: &TokenClock,
-    tx: &mpsc::Sender<Bytes>,
-    err: LegError,
-) -> Settlement {
-    let _ = tokio::time::timeout(
-        FINAL_FRAME_WAIT,
-        tx.send(error_frame(err.public_message(), "decode", "failed")),
-    )
-    .await;
-    if let Some(class) = err.class(Phase::Decode) {
-        shared.observe_leg_failure(started.decode_iid, Phase::Decode, class, started.producer);
-    }
-    tracing::warn!(error = %err.detail(), "decode stream failed after output");
-    finish_record(shared, pending, started, clock);
-    Settlement::new(
-        Terminal::Failed,
-        err.reason(),
-        200,
-        format!("decode: {}", err.detail()),
-        "decode",
-    )
-}
-
-/// Collect a stream into one response object for a non-streaming client.
-async fn collect(
-    shared: &Shared,
-    mut started: Started,
-    pending: &mut Pending,
-    deadline: Instant,
-    first_at: Instant,
-    endpoint: Endpoint,
-    input_len: u64,
-) -> Result<Value, (Settlement, StatusCode, Value)> {
-    let mut agg = Aggregator::new(endpoint == Endpoint::Chat);
-    let mut clock = TokenClock::new(first_at, started.live.tokens());
-    for c in std::mem::take(&mut started.live.first) {
-        agg.push(&c);
-    }
-    let gap = gap(shared);
-    loop {
-        let step = tokio::select! {
-            _ = tokio::time::sleep_until(deadline.into()) => {
-                finish_record(shared, pending, &started, &clock);
-                return Err((
-                    Settlement::new(Terminal::Expired, "deadline", 504, "request deadline expired while collecting", "request_expired"),
-                    StatusCode::GATEWAY_TIMEOUT,
-                    json!({"error": {"message": "original request deadline expired", "type": "request_expired"}}),
-                ));
-            }
-            s = started.live.next(gap) => s,
-        };
-        clock.update(shared.clock.now(), started.live.tokens());
-        pending.record().output_len = started.live.tokens();
-        let err = match step {
-            Ok(RelayStep::Output(chunks)) => {
-                for c in &chunks {
-                    agg.push(c);
+                Ok(RelayStep::Hold) => continue,
+                Ok(RelayStep::Done) => {
+                    shared.observe(started.decode_iid, Observation::DecodeOk);
+                    break 'relay Relayed::Done {
+                        prompt_tokens: started.live.prompt_tokens(),
+                        tokens: started.live.tokens(),
+                    };
                 }
-                continue;
+                Ok(RelayStep::Failed(f)) => LegError::Stream(f),
+                Err(e) => e,
+            };
+            if let Some(class) = err.class(Phase::Decode) {
+                shared.observe_leg_failure(
+                    started.decode_iid,
+                    Phase::Decode,
+                    class,
+                    started.producer,
+                );
             }
-            Ok(RelayStep::Hold) => continue,
-            Ok(RelayStep::Done) => {
-                shared.observe(started.decode_iid, Observation::DecodeOk);
-                finish_record(shared, pending, &started, &clock);
-                let prompt = started.live.prompt_tokens().unwrap_or(input_len);
-                return Ok(agg.finish(prompt, started.live.tokens()));
-            }
-            Ok(RelayStep::Failed(f)) => LegError::Stream(f),
-            Err(e) => e,
-        };
-        if let Some(class) = err.class(Phase::Decode) {
-            shared.observe_leg_failure(started.decode_iid, Phase::Decode, class, started.producer);
+            tracing::warn!(error = %err.detail(), "decode stream failed after output");
+            break 'relay Relayed::Failed(RequestFailure::Decode { err, streaming });
         }
-        finish_record(shared, pending, &started, &clock);
-        let status = err.http_status();
-        let msg = match err {
-            LegError::Stream(crate::relay::StreamFailure::ResponseLimit) => {
-                "Response exceeds the configured limit"
-            }
-            _ => "Invalid non-streaming upstream response",
-        };
-        return Err((
-            Settlement::new(
-                Terminal::Failed,
-                err.reason(),
-                status,
-                format!("decode: {}", err.detail()),
-                "decode",
-            ),
-            StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
-            json!({"error": {"message": msg, "type": "decode", "code": "decode"}}),
-        ));
-    }
+    };
+    finish_record(shared, pending, &started, &clock);
+    end
 }

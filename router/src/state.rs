@@ -50,7 +50,6 @@ pub(crate) struct Core {
     pub(crate) slots: Vec<EngineSlot>,
     pub(crate) breaker: Breaker,
     pub(crate) rng: StdRng,
-    pub(crate) retry_credits: f64,
     pub(crate) stats: ServingStats,
     pub(crate) bootstrap_ports: Vec<Option<u16>>,
     pub(crate) unserved: u64,
@@ -105,6 +104,8 @@ pub(crate) struct Shared {
     pub(crate) state_dirty: tokio::sync::Notify,
     /// The router lease (backend `none`: always active, epoch 0).
     pub(crate) lease: Arc<crate::lease::LeaseDriver>,
+    /// The router-wide retry budget (`serving.retry_budget`).
+    pub(crate) retry_budget: crate::retry::RetryBudget,
     /// Epochs this router claimed and released without serving (failed takeovers).
     pub(crate) released_epochs: Mutex<BTreeSet<u64>>,
 }
@@ -141,7 +142,6 @@ impl Shared {
                 slots,
                 breaker: Breaker::new(n, cfg.recovery.eject_after, probe_interval),
                 rng: StdRng::from_os_rng(),
-                retry_credits: cfg.serving.retry_budget as f64,
                 stats: ServingStats::default(),
                 bootstrap_ports: vec![None; n],
                 sources: vec![BTreeSet::new(); n],
@@ -175,6 +175,10 @@ impl Shared {
             state_dirty: tokio::sync::Notify::new(),
             lease,
             released_epochs: Mutex::new(BTreeSet::new()),
+            retry_budget: crate::retry::RetryBudget::new(
+                cfg.serving.retry_budget,
+                cfg.serving.retry_replenish,
+            ),
             clock,
             cfg,
         })
@@ -315,6 +319,21 @@ impl Shared {
         self.observe(iid, crate::breaker::Observation::LegFailed(class));
     }
 
+    /// A retry was granted: one budget credit spent (reference-notes 7.5).
+    pub(crate) fn count_retry(&self) {
+        let mut core = self.core();
+        core.stats.retry_credits_spent += 1;
+        core.stats.retry_attempts += 1;
+        self.metrics.retry_credits_spent.inc();
+        self.metrics.retry_attempts.inc();
+    }
+
+    /// A retry was denied by the empty budget.
+    pub(crate) fn count_retry_denied(&self) {
+        self.core().stats.retry_denied += 1;
+        self.metrics.retry_denied.inc();
+    }
+
     /// Feed one breaker observation and apply its transitions.
     pub(crate) fn observe(&self, iid: usize, obs: crate::breaker::Observation) {
         let now = self.clock.now();
@@ -351,7 +370,7 @@ impl Shared {
         );
         m.journal_dropped.set(self.journal.dropped() as i64);
         let core = self.core();
-        m.retry_credits.set(core.retry_credits);
+        m.retry_credits.set(self.retry_budget.credits());
         let mut ejected = 0;
         let mut pool = [0i64; 2];
         for (i, s) in core.slots.iter().enumerate() {
@@ -544,7 +563,7 @@ impl Shared {
             .iter()
             .map(|((phase, reason), n)| json!({"phase": phase, "reason": reason, "count": n}))
             .collect();
-        let retry_credits = core.retry_credits;
+        let retry_credits = self.retry_budget.credits();
         let unserved = core.unserved;
         drop(core);
         let mut pinned: Vec<&str> = self
@@ -658,9 +677,7 @@ impl SettleSink for Shared {
                 if record.attempts > 1 {
                     m.served_after_retry.inc();
                 }
-                let mut core = self.core();
-                core.retry_credits = (core.retry_credits + self.cfg.serving.retry_replenish)
-                    .min(self.cfg.serving.retry_budget as f64);
+                self.retry_budget.replenish();
             }
             Terminal::Failed => {
                 m.failed
