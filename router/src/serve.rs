@@ -28,17 +28,18 @@ use serde_json::Value;
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tracing::Instrument;
 
+use crate::bootstrap;
 use crate::breaker::Observation;
 use crate::config::{Backend, secs};
 use crate::failure::{Expiry, RequestFailure};
+use crate::fleet::Resident;
 use crate::ingress::{self, Endpoint, Validated};
-use crate::metrics::labels;
 use crate::outcome::{Pending, RequestRecord, SettleSink, Settlement};
+use crate::parts::Parts;
 use crate::placement::{self, Phase, Plan};
 use crate::relay::{Aggregator, RelayOptions, RelayStep, data_frame, done_frame};
 use crate::response::{Body, json_response};
 use crate::retry::{self, Decision, RetryPolicy, Stop};
-use crate::state::{Queued, Resident, Retained, Shared};
 use crate::upstream::{
     LegError, LiveStream, Rendezvous, decode_body, sglang_bodies, url_host, vllm_prefill_body,
 };
@@ -95,7 +96,7 @@ struct Started {
 
 /// What every step of one request needs.
 struct Ctx<'a> {
-    shared: &'a Arc<Shared>,
+    parts: &'a Arc<Parts>,
     endpoint: Endpoint,
     v: &'a Validated,
     rid: &'a str,
@@ -104,34 +105,33 @@ struct Ctx<'a> {
 
 /// Serve one completion POST. Never fails: every outcome is a response and one settlement.
 pub(crate) async fn completion(
-    shared: Arc<Shared>,
+    parts: Arc<Parts>,
     endpoint: Endpoint,
     req: http::Request<Incoming>,
 ) -> Response<Body> {
     let rid = uuid::Uuid::new_v4().to_string();
-    let span = tracing::info_span!("request", id = %rid, route = endpoint.path(), model = %shared.cfg.model);
-    completion_inner(shared, endpoint, req, rid)
+    let span = tracing::info_span!("request", id = %rid, route = endpoint.path(), model = %parts.cfg.model);
+    completion_inner(parts, endpoint, req, rid)
         .instrument(span)
         .await
 }
 
 async fn completion_inner(
-    shared: Arc<Shared>,
+    parts: Arc<Parts>,
     endpoint: Endpoint,
     req: http::Request<Incoming>,
     rid: String,
 ) -> Response<Body> {
-    let arrived = shared.clock.now();
-    let deadline = arrived + secs(shared.cfg.serving.request_timeout_s);
-    shared.tally().offered += 1;
-    shared.metrics.offered.inc();
-    let sink: Arc<dyn SettleSink> = shared.clone();
+    let arrived = parts.clock.now();
+    let deadline = arrived + secs(parts.cfg.serving.request_timeout_s);
+    parts.accounting.offered();
+    let sink: Arc<dyn SettleSink> = parts.accounting.clone();
     let mut pending = Pending::new(
         sink,
         RequestRecord {
             rid: rid.clone(),
             endpoint: endpoint.path().to_string(),
-            arrived: shared.wall(),
+            arrived: parts.wall(),
             ..Default::default()
         },
     );
@@ -140,18 +140,20 @@ async fn completion_inner(
         failure.response(&rid)
     };
 
-    let Some(retained) = Retained::try_new(&shared) else {
+    let Some(retained) = parts.admission.try_retain() else {
         return fail(pending, RequestFailure::InflightLimit);
     };
 
-    let (ready, control_ready, reason) = shared.readiness();
-    if !ready {
-        let no_engines =
-            control_ready && shared.ha().lifecycle_blocked.is_empty() && shared.live_count() == 0;
+    let readiness = parts.gate.readiness();
+    if !readiness.ready {
+        let no_engines = readiness.control_ready
+            && parts.gate.lifecycle_hold().is_none()
+            && parts.fleet.live_count() == 0;
+        let reason = readiness.reason;
         return fail(pending, RequestFailure::NotReady { reason, no_engines });
     }
 
-    let limit = shared.cfg.serving.max_request_bytes;
+    let limit = parts.cfg.serving.max_request_bytes;
     let read = tokio::time::timeout_at(deadline.into(), read_body(req.into_body(), limit)).await;
     let bytes = match read {
         // A client that cannot deliver its body within the request deadline.
@@ -169,9 +171,9 @@ async fn completion_inner(
     let v = match ingress::validate(
         endpoint,
         &bytes,
-        &shared.cfg.model,
-        shared.cfg.backend,
-        shared.cfg.engine.chars_per_token,
+        &parts.cfg.model,
+        parts.cfg.backend,
+        parts.cfg.engine.chars_per_token,
     ) {
         Ok(v) => v,
         Err(e) => return fail(pending, RequestFailure::Invalid(e)),
@@ -180,17 +182,18 @@ async fn completion_inner(
     pending.record().input_len = Some(v.input_len);
 
     // Admission seat (FIFO queue bounded by queue_timeout_s when queue_capacity > 0).
-    let permit: OwnedSemaphorePermit = if shared.cfg.serving.queue_capacity == 0 {
-        match shared.seats.clone().try_acquire_owned() {
+    let permit: OwnedSemaphorePermit = if parts.cfg.serving.queue_capacity == 0 {
+        match parts.admission.seats().clone().try_acquire_owned() {
             Ok(p) => p,
             Err(_) => return fail(pending, RequestFailure::InflightLimit),
         }
     } else {
-        let queue_by = arrived + secs(shared.cfg.serving.queue_timeout_s);
+        let queue_by = arrived + secs(parts.cfg.serving.queue_timeout_s);
         let by = queue_by.min(deadline);
-        let waiting = Queued::new(&shared);
+        let waiting = parts.admission.queued();
         let acquired =
-            tokio::time::timeout_at(by.into(), shared.seats.clone().acquire_owned()).await;
+            tokio::time::timeout_at(by.into(), parts.admission.seats().clone().acquire_owned())
+                .await;
         drop(waiting);
         match acquired {
             Ok(Ok(p)) => p,
@@ -205,7 +208,7 @@ async fn completion_inner(
     };
 
     let ctx = Ctx {
-        shared: &shared,
+        parts: &parts,
         endpoint,
         v: &v,
         rid: &rid,
@@ -215,7 +218,7 @@ async fn completion_inner(
     let started = match outcome {
         Err(_) => return fail(pending, RequestFailure::Expired(Expiry::BeforeOutput)),
         Ok(Err(RequestFailure::Leg { err, .. }))
-            if err.client_fault().is_none() && shared.clock.now() >= deadline =>
+            if err.client_fault().is_none() && parts.clock.now() >= deadline =>
         {
             // A leg limit that coincides with the request deadline is the deadline.
             let detail = err.detail();
@@ -227,23 +230,23 @@ async fn completion_inner(
         Ok(Err(failure)) => return fail(pending, failure),
         Ok(Ok(s)) => s,
     };
-    let first_token_at = shared.clock.now();
+    let first_token_at = parts.clock.now();
     {
         let rec = pending.record();
         rec.ttft_s = Some((first_token_at - arrived).as_secs_f64());
         rec.output_started = v.stream;
-        rec.decode_iid = Some(shared.cfg.engines[started.decode_iid].iid.clone());
+        rec.decode_iid = Some(parts.cfg.engines[started.decode_iid].iid.clone());
     }
     if v.stream {
         let (tx, rx) = mpsc::channel::<Bytes>(64);
-        let task_shared = shared.clone();
+        let task_parts = parts.clone();
         let span = tracing::Span::current();
         tokio::spawn(
             async move {
                 let _held = (retained, permit);
                 let mut client = Stream(tx);
                 let end = relay(
-                    &task_shared,
+                    &task_parts,
                     started,
                     &mut pending,
                     &mut client,
@@ -285,7 +288,7 @@ async fn completion_inner(
     } else {
         let mut agg = Aggregator::new(endpoint == Endpoint::Chat);
         let end = relay(
-            &shared,
+            &parts,
             started,
             &mut pending,
             &mut agg,
@@ -337,33 +340,29 @@ async fn read_body(mut body: Incoming, limit: u64) -> Result<Bytes, ReadError> {
 
 /// Run attempts until one reaches its first token (reference-notes 7.5).
 async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, RequestFailure> {
-    let shared = ctx.shared;
-    let policy = RetryPolicy::from_serving(&shared.cfg.serving);
+    let parts = ctx.parts;
+    let policy = RetryPolicy::from_serving(&parts.cfg.serving);
     let mut avoid: BTreeSet<usize> = BTreeSet::new();
     let mut n = 0u32;
     loop {
         n += 1;
         // A fenced router places nothing, not even a retry (reference-notes 3.4): the body
         // read and earlier attempts may have outlasted the lease.
-        if !shared.ha().controls_fleet {
+        if !parts.ha.controls_fleet() {
             return Err(RequestFailure::NotInControl);
         }
-        let plan = {
-            let mut core = shared.core();
-            let core = &mut *core;
-            let aggregate = match shared.cfg.backend {
-                Backend::Vllm => placement::Aggregate::AnyRole,
-                Backend::Sglang => placement::Aggregate::DecodeOnly,
-            };
-            placement::plan_with(&core.slots, &avoid, aggregate, &mut core.rng)
+        let aggregate = match parts.cfg.backend {
+            Backend::Vllm => placement::Aggregate::AnyRole,
+            Backend::Sglang => placement::Aggregate::DecodeOnly,
         };
+        let plan = parts.fleet.place(&avoid, aggregate);
         let Some(plan) = plan else {
             return Err(RequestFailure::NoEngine);
         };
         {
             let rec = pending.record();
             rec.attempts = n;
-            let name = |i: usize| Some(shared.cfg.engines[i].iid.clone());
+            let name = |i: usize| Some(parts.cfg.engines[i].iid.clone());
             match plan {
                 Plan::Split { prefill, decode } => {
                     rec.prefill_iid = name(prefill);
@@ -387,32 +386,20 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Reque
         };
         // Breaker and accounting for the failed leg.
         match f.err.class(f.phase) {
-            Some(class) => shared.observe_leg_failure(f.iid, f.phase, class, producer),
-            None => shared.observe(f.iid, Observation::ClientFault),
+            Some(class) => parts
+                .fleet
+                .observe_leg_failure(f.iid, f.phase, class, producer),
+            None => parts.fleet.observe(f.iid, Observation::ClientFault),
         }
         if f.phase == Phase::Decode && matches!(f.err, LegError::FirstTokenTimeout) {
             // A consolidation-risk event (reference-notes 9), carried in the handoff.
-            shared
-                .demand()
-                .record("first_token_timeout", shared.clock.now());
+            parts
+                .demand
+                .lock()
+                .record("first_token_timeout", parts.clock.now());
         }
-        {
-            let mut core = shared.core();
-            *core
-                .stats
-                .attempt_failures
-                .entry((f.phase.as_str().to_string(), f.err.reason().to_string()))
-                .or_default() += 1;
-        }
-        shared
-            .metrics
-            .attempt_failures
-            .get_or_create(&labels(&[
-                ("phase", f.phase.as_str()),
-                ("reason", f.err.reason()),
-            ]))
-            .inc();
-        let engine = shared.cfg.engines[f.iid].iid.clone();
+        parts.accounting.attempt_failed(f.phase, f.err.reason());
+        let engine = parts.cfg.engines[f.iid].iid.clone();
         tracing::warn!(engine.id = %engine, phase = f.phase.as_str(), error = %f.err.detail(), attempt = n, "attempt failed");
         pending.record().attempt_failures.push(serde_json::json!({
             "attempt": n, "phase": f.phase.as_str(), "iid": engine, "reason": f.err.reason(), "error": f.err.detail(),
@@ -424,18 +411,18 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Reque
             n,
             f.err.transient(),
             u,
-            shared.clock.now(),
+            parts.clock.now(),
             ctx.deadline,
-            &shared.retry_budget,
+            parts.accounting.budget(),
         );
         let backoff = match decision {
             Decision::Retry(backoff) => {
-                shared.count_retry();
+                parts.accounting.retry_granted();
                 backoff
             }
             Decision::Stop(why) => {
                 if why == Stop::BudgetDenied {
-                    shared.count_retry_denied();
+                    parts.accounting.retry_denied();
                 }
                 return Err(RequestFailure::Leg {
                     phase: f.phase,
@@ -455,32 +442,32 @@ fn relay_options(ctx: &Ctx<'_>) -> RelayOptions {
     RelayOptions {
         return_token_ids: ctx.v.return_token_ids,
         include_usage: ctx.v.stream && ctx.v.include_usage,
-        count_content_chunks: ctx.shared.cfg.backend == Backend::Sglang
+        count_content_chunks: ctx.parts.cfg.backend == Backend::Sglang
             && ctx.endpoint == Endpoint::Chat,
-        max_response_bytes: ctx.shared.cfg.serving.max_response_bytes,
+        max_response_bytes: ctx.parts.cfg.serving.max_response_bytes,
         collect: !ctx.v.stream,
     }
 }
 
 async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail> {
-    let shared = ctx.shared;
+    let parts = ctx.parts;
     let path = ctx.endpoint.path();
-    let url = |i: usize| format!("{}{}", shared.cfg.engines[i].url, path);
+    let url = |i: usize| format!("{}{}", parts.cfg.engines[i].url, path);
     let base = format!("{}-a{n}", ctx.rid);
     let opts = relay_options(ctx);
-    let now = shared.clock.now();
-    let sglang = shared.cfg.backend == Backend::Sglang;
+    let now = parts.clock.now();
+    let sglang = parts.cfg.backend == Backend::Sglang;
     let chat = ctx.endpoint == Endpoint::Chat;
     match plan {
         Plan::Aggregated { engine } => {
-            let seat = Resident::new(shared, engine, Phase::Decode);
+            let seat = parts.fleet.resident(engine, Phase::Decode);
             let mut body = decode_body(&ctx.v.body, None, !(sglang && chat));
             if sglang {
                 body["rid"] = Value::String(format!("{base}-decode"));
             }
-            count_decode(shared);
-            let first_by = (now + first_token_limit(shared)).min(ctx.deadline);
-            let live = shared
+            parts.accounting.decode_dispatched();
+            let first_by = (now + first_token_limit(parts)).min(ctx.deadline);
+            let live = parts
                 .upstream
                 .decode(
                     &url(engine),
@@ -489,7 +476,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                     opts,
                     first_by,
                 )
-                .instrument(tracing::info_span!("decode", engine = %shared.cfg.engines[engine].iid))
+                .instrument(tracing::info_span!("decode", engine = %parts.cfg.engines[engine].iid))
                 .await
                 .map_err(|err| Fail {
                     phase: Phase::Decode,
@@ -511,12 +498,12 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
             // to this request while its prefill runs, and the producer holds the KV until the
             // decode has pulled it. A drain of either waits for this request (seed
             // "Draining engines"; `ready_to_stop` must not turn true under it).
-            let seat_p = Resident::new(shared, prefill, Phase::Prefill);
-            let seat = Resident::new(shared, decode, Phase::Decode);
-            count_prefill(shared);
-            let limit = (now + secs(shared.cfg.serving.prefill_timeout_s)).min(ctx.deadline);
-            let t0 = shared.clock.now();
-            let desc = shared
+            let seat_p = parts.fleet.resident(prefill, Phase::Prefill);
+            let seat = parts.fleet.resident(decode, Phase::Decode);
+            parts.accounting.prefill_dispatched();
+            let limit = (now + secs(parts.cfg.serving.prefill_timeout_s)).min(ctx.deadline);
+            let t0 = parts.clock.now();
+            let desc = parts
                 .upstream
                 .vllm_prefill(
                     &url(prefill),
@@ -525,7 +512,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                     limit,
                 )
                 .instrument(
-                    tracing::info_span!("prefill", engine = %shared.cfg.engines[prefill].iid),
+                    tracing::info_span!("prefill", engine = %parts.cfg.engines[prefill].iid),
                 )
                 .await
                 .map_err(|err| Fail {
@@ -534,19 +521,15 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                     err,
                     producer: None,
                 })?;
-            let prefill_s = (shared.clock.now() - t0).as_secs_f64();
-            shared.core().stats.upstream_prefill_s += prefill_s;
-            shared
-                .metrics
-                .upstream_seconds
-                .get_or_create(&labels(&[("phase", "prefill")]))
-                .inc_by(prefill_s);
-            shared.observe(prefill, Observation::PrefillOk);
-            let decode_at = shared.clock.now();
-            count_decode(shared);
+            parts
+                .accounting
+                .prefill_time((parts.clock.now() - t0).as_secs_f64());
+            parts.fleet.observe(prefill, Observation::PrefillOk);
+            let decode_at = parts.clock.now();
+            parts.accounting.decode_dispatched();
             let body = decode_body(&ctx.v.body, (decode != prefill).then_some(&desc), true);
-            let first_by = (shared.clock.now() + first_token_limit(shared)).min(ctx.deadline);
-            let live = shared
+            let first_by = (parts.clock.now() + first_token_limit(parts)).min(ctx.deadline);
+            let live = parts
                 .upstream
                 .decode(
                     &url(decode),
@@ -555,7 +538,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                     opts,
                     first_by,
                 )
-                .instrument(tracing::info_span!("decode", engine = %shared.cfg.engines[decode].iid))
+                .instrument(tracing::info_span!("decode", engine = %parts.cfg.engines[decode].iid))
                 .await
                 .map_err(|err| Fail {
                     phase: Phase::Decode,
@@ -577,59 +560,52 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
         }
         Plan::Split { prefill, decode } => {
             // SGLang: reserve both before either leg starts (reference-notes 7.2 step 1).
-            let seat_p = Resident::new(shared, prefill, Phase::Prefill);
-            let seat_d = Resident::new(shared, decode, Phase::Decode);
+            let seat_p = parts.fleet.resident(prefill, Phase::Prefill);
+            let seat_d = parts.fleet.resident(decode, Phase::Decode);
             let fail_p = |err| Fail {
                 phase: Phase::Prefill,
                 iid: prefill,
                 err,
                 producer: None,
             };
-            let port = bootstrap_port(shared, prefill)
+            let port = bootstrap::port(&parts.cfg, &parts.fleet, &parts.upstream, prefill)
                 .await
-                .map_err(|e| fail_p(LegError::KvHandoff(e)))?;
-            let host = url_host(&shared.cfg.engines[prefill].url).ok_or_else(|| {
+                .map_err(|e| fail_p(LegError::KvHandoff(e.to_string())))?;
+            let host = url_host(&parts.cfg.engines[prefill].url).ok_or_else(|| {
                 fail_p(LegError::KvHandoff("prefill engine URL has no host".into()))
             })?;
-            let room: u64 = shared.core().rng.random::<u64>() >> 1;
+            let room: u64 = rand::rng().random::<u64>() >> 1;
             let rv = Rendezvous { host, port, room };
             let (pbody, dbody) = sglang_bodies(&ctx.v.body, &rv, &base, chat);
-            let up = shared.upstream.clone();
+            let up = parts.upstream.clone();
             let purl = url(prefill);
-            let limit = (now + secs(shared.cfg.serving.prefill_timeout_s)).min(ctx.deadline);
-            let task_shared = shared.clone();
-            count_prefill(shared);
-            count_decode(shared);
-            let pspan = tracing::info_span!("prefill", engine = %shared.cfg.engines[prefill].iid);
+            let limit = (now + secs(parts.cfg.serving.prefill_timeout_s)).min(ctx.deadline);
+            let task_parts = parts.clone();
+            parts.accounting.prefill_dispatched();
+            parts.accounting.decode_dispatched();
+            let pspan = tracing::info_span!("prefill", engine = %parts.cfg.engines[prefill].iid);
             let mut ptask = AbortOnDrop(tokio::spawn(
                 async move {
                     let _seat = seat_p;
-                    let t0 = task_shared.clock.now();
+                    let t0 = task_parts.clock.now();
                     let r = up.sglang_prefill(&purl, &pbody, limit).await;
                     if r.is_ok() {
-                        let prefill_s = (task_shared.clock.now() - t0).as_secs_f64();
-                        task_shared.core().stats.upstream_prefill_s += prefill_s;
-                        task_shared
-                            .metrics
-                            .upstream_seconds
-                            .get_or_create(&labels(&[("phase", "prefill")]))
-                            .inc_by(prefill_s);
-                        task_shared.observe(prefill, Observation::PrefillOk);
+                        let prefill_s = (task_parts.clock.now() - t0).as_secs_f64();
+                        task_parts.accounting.prefill_time(prefill_s);
+                        task_parts.fleet.observe(prefill, Observation::PrefillOk);
                     }
                     r
                 }
                 .instrument(pspan),
             ));
             let first_by =
-                (now + first_token_limit(shared).min(Duration::from_secs(30))).min(ctx.deadline);
+                (now + first_token_limit(parts).min(Duration::from_secs(30))).min(ctx.deadline);
             let durl = url(decode);
             let drid = format!("{base}-decode");
-            let dfut = shared
+            let dfut = parts
                 .upstream
                 .decode(&durl, &drid, &dbody, opts, first_by)
-                .instrument(
-                    tracing::info_span!("decode", engine = %shared.cfg.engines[decode].iid),
-                );
+                .instrument(tracing::info_span!("decode", engine = %parts.cfg.engines[decode].iid));
             tokio::pin!(dfut);
             let mut prefill_done = false;
             loop {
@@ -666,53 +642,12 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
     }
 }
 
-fn first_token_limit(shared: &Shared) -> Duration {
-    shared.cfg.first_token_timeout()
+fn first_token_limit(parts: &Parts) -> Duration {
+    parts.cfg.first_token_timeout()
 }
 
-fn count_prefill(shared: &Shared) {
-    shared.core().stats.prefill_attempts += 1;
-    shared.metrics.prefill_attempts.inc();
-}
-
-fn count_decode(shared: &Shared) {
-    shared.core().stats.decode_attempts += 1;
-    shared.metrics.decode_attempts.inc();
-}
-
-/// The SGLang bootstrap port of a prefill engine: cached, else `GET <engine>/server_info`.
-pub(crate) async fn bootstrap_port(shared: &Shared, iid: usize) -> Result<u16, String> {
-    if let Some(p) = shared.core().bootstrap_ports[iid] {
-        return Ok(p);
-    }
-    refresh_bootstrap_port(shared, iid).await
-}
-
-/// Fetch and cache `disaggregation_bootstrap_port` from `/server_info`.
-pub(crate) async fn refresh_bootstrap_port(shared: &Shared, iid: usize) -> Result<u16, String> {
-    let url = format!("{}/server_info", shared.cfg.engines[iid].url);
-    let (status, body) = shared
-        .upstream
-        .get(&url, secs(shared.cfg.engine.health_timeout_s))
-        .await?;
-    if status != StatusCode::OK {
-        return Err(format!("{url} answered {status}"));
-    }
-    let v: Value = serde_json::from_slice(&body).map_err(|e| format!("{url}: not JSON: {e}"))?;
-    let port = v
-        .get("disaggregation_bootstrap_port")
-        .and_then(|p| {
-            p.as_u64()
-                .or_else(|| p.as_str().and_then(|s| s.parse().ok()))
-        })
-        .and_then(|p| u16::try_from(p).ok())
-        .ok_or_else(|| format!("{url}: no disaggregation_bootstrap_port"))?;
-    shared.core().bootstrap_ports[iid] = Some(port);
-    Ok(port)
-}
-
-fn gap(shared: &Shared) -> Option<Duration> {
-    let g = shared.cfg.engine.decode_read_timeout_s;
+fn gap(parts: &Parts) -> Option<Duration> {
+    let g = parts.cfg.engine.decode_read_timeout_s;
     (g > 0.0).then(|| secs(g))
 }
 
@@ -744,22 +679,13 @@ impl TokenClock {
     }
 }
 
-fn finish_record(shared: &Shared, pending: &mut Pending, started: &Started, clock: &TokenClock) {
+fn finish_record(parts: &Parts, pending: &mut Pending, started: &Started, clock: &TokenClock) {
     let live = &started.live;
     let rec = pending.record();
     rec.output_len = live.tokens();
     rec.tpot_s = clock.tpot();
-    let decode_s = (shared.clock.now() - started.decode_at).as_secs_f64();
-    let mut core = shared.core();
-    core.stats.decode_tokens_observed += live.tokens();
-    core.stats.upstream_decode_s += decode_s;
-    drop(core);
-    shared.metrics.decode_tokens_observed.inc_by(live.tokens());
-    shared
-        .metrics
-        .upstream_seconds
-        .get_or_create(&labels(&[("phase", "decode")]))
-        .inc_by(decode_s);
+    let decode_s = (parts.clock.now() - started.decode_at).as_secs_f64();
+    parts.accounting.decode_finished(decode_s, live.tokens());
 }
 
 /// Where relayed chunks go: a streaming client's channel, or the [`Aggregator`] that builds a
@@ -831,7 +757,7 @@ const FINAL_FRAME_WAIT: Duration = Duration::from_secs(1);
 /// request deadline or the client's departure (reference-notes 7.3), feeding the breaker and
 /// the request record on the way. The one relay loop of both client kinds.
 async fn relay(
-    shared: &Shared,
+    parts: &Parts,
     mut started: Started,
     pending: &mut Pending,
     sink: &mut impl Sink,
@@ -846,7 +772,7 @@ async fn relay(
                 break 'relay Relayed::ClientGone;
             }
         }
-        let gap = gap(shared);
+        let gap = gap(parts);
         loop {
             let step = tokio::select! {
                 () = sink.gone() => break 'relay Relayed::ClientGone,
@@ -856,7 +782,7 @@ async fn relay(
                 }
                 s = started.live.next(gap) => s,
             };
-            clock.update(shared.clock.now(), started.live.tokens());
+            clock.update(parts.clock.now(), started.live.tokens());
             let err = match step {
                 Ok(RelayStep::Output(chunks)) => {
                     for c in &chunks {
@@ -868,7 +794,9 @@ async fn relay(
                 }
                 Ok(RelayStep::Hold) => continue,
                 Ok(RelayStep::Done) => {
-                    shared.observe(started.decode_iid, Observation::DecodeOk);
+                    parts
+                        .fleet
+                        .observe(started.decode_iid, Observation::DecodeOk);
                     break 'relay Relayed::Done {
                         prompt_tokens: started.live.prompt_tokens(),
                         tokens: started.live.tokens(),
@@ -878,7 +806,7 @@ async fn relay(
                 Err(e) => e,
             };
             if let Some(class) = err.class(Phase::Decode) {
-                shared.observe_leg_failure(
+                parts.fleet.observe_leg_failure(
                     started.decode_iid,
                     Phase::Decode,
                     class,
@@ -889,6 +817,6 @@ async fn relay(
             break 'relay Relayed::Failed(RequestFailure::Decode { err, streaming });
         }
     };
-    finish_record(shared, pending, &started, &clock);
+    finish_record(parts, pending, &started, &clock);
     end
 }

@@ -8,7 +8,6 @@
 //! engine's `/health` and the agents' signed answers), so every rule is unit-tested with a fake.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::future::Future;
 
 use super::machine::EngineOutcome;
 pub use crate::config::Role;
@@ -34,29 +33,152 @@ pub struct Attested {
     pub fingerprint: String,
 }
 
-/// The I/O validation needs. Each call returns a one-line error naming what failed.
+/// How a KV transfer is known to have happened (or not), from the consumer's evidence
+/// (reference-notes 4.8 step 5; issue 10).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvEvidence {
+    /// The consuming engine recorded this transfer: its per-request record says the KV was
+    /// received, or its counters moved (at least one consumed, none recomputed).
+    Confirmed,
+    /// The engine publishes no record: the decode succeeded with the handle, so a transfer
+    /// is inferred, not seen. "No record" is never "failed".
+    Inferred,
+    /// The engine recorded a recompute or nothing consumed.
+    Refuted,
+}
+
+impl KvEvidence {
+    /// Reads the consumer's evidence. Counters that confirm win over a per-request record
+    /// that says otherwise (as before the enum).
+    pub fn of(t: &narwhal_shared::TransferEvidence) -> KvEvidence {
+        let counters_confirm =
+            t.consumed_delta.unwrap_or(0) >= 1 && t.recomputed_delta.unwrap_or(0) == 0;
+        let recorded =
+            t.transferred.is_some() || t.consumed_delta.is_some() || t.recomputed_delta.is_some();
+        if t.transferred == Some(true) || counters_confirm {
+            KvEvidence::Confirmed
+        } else if recorded {
+            KvEvidence::Refuted
+        } else {
+            KvEvidence::Inferred
+        }
+    }
+
+    /// Whether the fabric check accepts this evidence today: only `Confirmed`. An inferred
+    /// transfer is refused as it always was here; issue 10 ("real engines") flips this once
+    /// the agents read the engines' own transfer counters, as `docs/agent.md` describes.
+    pub fn accepted(self) -> bool {
+        self == KvEvidence::Confirmed
+    }
+}
+
+/// Why one check could not pass. Each names what failed; validation prefixes the check.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CheckError {
+    /// The engine id is not in the fleet file.
+    #[error("{iid} is not configured")]
+    Unconfigured {
+        /// The engine id.
+        iid: String,
+    },
+    /// The engine has no `engines[].agent`.
+    #[error("no agent configured for this engine (engines[].agent)")]
+    NoAgent,
+    /// `GET <engine>/health` answered another status.
+    #[error("HTTP {status}")]
+    HealthStatus {
+        /// The status.
+        status: u16,
+    },
+    /// The engine did not answer (connect error, timeout): the client's message.
+    #[error("{0}")]
+    Unreachable(String),
+    /// The agent call failed (transport, refusal, a signature or freshness failure): the
+    /// agent client's message.
+    #[error("{detail}")]
+    Agent {
+        /// The agent client's error, rendered.
+        detail: String,
+    },
+    /// The process identity could not be read through the agent.
+    #[error("process identity unreadable: {0}")]
+    IdentityUnreadable(Box<CheckError>),
+    /// The direct generation failed or produced nothing.
+    #[error("{}", .error.as_deref().unwrap_or("no tokens generated"))]
+    Generation {
+        /// The engine's error, if it gave one.
+        error: Option<String>,
+    },
+    /// The producer half of a KV check failed.
+    #[error("{}", .error.as_deref().unwrap_or("prefill failed"))]
+    Produce {
+        /// The engine's error, if it gave one.
+        error: Option<String>,
+    },
+    /// The producer answered without a KV descriptor or rendezvous.
+    #[error("the producer returned no KV descriptor or rendezvous")]
+    NoKvHandle,
+    /// The consumer half of a KV check failed.
+    #[error("{}", .error.as_deref().unwrap_or("decode failed"))]
+    Consume {
+        /// The engine's error, if it gave one.
+        error: Option<String>,
+    },
+    /// The consumer decoded nothing after the transfer.
+    #[error("no tokens decoded after the transfer")]
+    NoTokensDecoded,
+    /// The transfer evidence is not accepted ([`KvEvidence::accepted`]).
+    #[error("{}", transfer_message(*.evidence, .origin))]
+    Transfer {
+        /// What the consumer's evidence says.
+        evidence: KvEvidence,
+        /// Where the agent read it (`sim_stats`, `none`, ...).
+        origin: String,
+    },
+    /// A verification probe failed.
+    #[error("{}", .error.clone().unwrap_or_else(|| format!("probe failed ({})", .origin)))]
+    Probe {
+        /// The failing leg's error, if any.
+        error: Option<String>,
+        /// Where the agent read the transfer evidence.
+        origin: String,
+    },
+}
+
+fn transfer_message(evidence: KvEvidence, source: &str) -> String {
+    match evidence {
+        KvEvidence::Inferred => format!(
+            "no KV transfer record ({source}): a transfer inferred from the decode is not accepted"
+        ),
+        KvEvidence::Refuted | KvEvidence::Confirmed => {
+            format!("no KV transfer observed ({source}): the consumer recomputed the prefill")
+        }
+    }
+}
+
+/// The I/O validation needs. Each call returns a [`CheckError`] naming what failed.
 pub trait Checks {
     /// `GET <engine>/health` from the router answers 200.
-    fn health(&self, iid: &str) -> impl Future<Output = Result<(), String>> + Send;
+    fn health(&self, iid: &str) -> impl Future<Output = Result<(), CheckError>> + Send;
     /// A signed attestation through the engine's agent, verified (key, nonce, epoch, iid,
     /// freshness, contract).
-    fn attest(&self, iid: &str) -> impl Future<Output = Result<Attested, String>> + Send;
+    fn attest(&self, iid: &str) -> impl Future<Output = Result<Attested, CheckError>> + Send;
     /// A signed direct-generation check (≥ 1 token); returns the identity it ran against.
-    fn generation(&self, iid: &str) -> impl Future<Output = Result<Identity, String>> + Send;
+    fn generation(&self, iid: &str) -> impl Future<Output = Result<Identity, CheckError>> + Send;
     /// The producer half of a KV check; returns the KV handle (descriptor or rendezvous) and
     /// the identity it ran against.
     fn kv_produce(
         &self,
         iid: &str,
         check_id: &str,
-    ) -> impl Future<Output = Result<(serde_json::Value, Identity), String>> + Send;
+    ) -> impl Future<Output = Result<(serde_json::Value, Identity), CheckError>> + Send;
     /// The consumer half: decodes from `kv`; must prove the transfer happened (no recompute).
     fn kv_consume(
         &self,
         iid: &str,
         check_id: &str,
         kv: serde_json::Value,
-    ) -> impl Future<Output = Result<Identity, String>> + Send;
+    ) -> impl Future<Output = Result<Identity, CheckError>> + Send;
     /// Verification probe of a suspect: decode from `kv` produced elsewhere, or with `None` a
     /// local probe (both legs on the suspect); returns the identity it ran against.
     fn probe(
@@ -64,7 +186,7 @@ pub trait Checks {
         iid: &str,
         check_id: &str,
         kv: Option<serde_json::Value>,
-    ) -> impl Future<Output = Result<Identity, String>> + Send;
+    ) -> impl Future<Output = Result<Identity, CheckError>> + Send;
 }
 
 /// What to validate.
@@ -94,10 +216,24 @@ pub struct Plan {
     pub verify_sources: BTreeMap<String, Vec<String>>,
 }
 
-/// The fabric pairs `(producer, consumer)` and extra participants for a plan, or the failure
-/// every target gets when no pair exists (reference-notes 4.8 step 2, with roles bound: our
-/// router never switches roles).
-pub fn fabric_pairs(plan: &Plan) -> Result<Vec<(String, String)>, String> {
+/// Why no fabric pair could be formed (every target fails with it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FabricError {
+    /// A target is not in the plan's roles.
+    #[error("{0} is not a configured engine")]
+    Unconfigured(String),
+    /// No live engine (nor co-target) of the opposite role to pair with.
+    #[error("fabric validation requires a peer in the opposite role")]
+    NoPeer,
+}
+
+/// The fabric pairs `(producer, consumer)` for a plan, or the failure every target gets when
+/// no pair exists (reference-notes 4.8 step 2, with roles bound: our router never switches
+/// roles).
+///
+/// # Errors
+/// [`FabricError`].
+pub fn fabric_pairs(plan: &Plan) -> Result<Vec<(String, String)>, FabricError> {
     let producers: Vec<&String> = plan
         .roles
         .iter()
@@ -132,10 +268,10 @@ pub fn fabric_pairs(plan: &Plan) -> Result<Vec<(String, String)>, String> {
         let peer_role = match role {
             Some(Role::Prefill) => Role::Decode,
             Some(Role::Decode) => Role::Prefill,
-            None => return Err(format!("{t} is not a configured engine")),
+            None => return Err(FabricError::Unconfigured(t.clone())),
         };
         // A live peer first; else another target of the same validation (an ejected peer the
-        // driver added as a co-target, see `driver::join_ejected_peer`).
+        // driver added as a co-target: `Lifecycle::join_recovery`).
         let opposite = |i: &String, r: &Role| *r == peer_role && i != t;
         let peer = plan
             .roles
@@ -148,7 +284,7 @@ pub fn fabric_pairs(plan: &Plan) -> Result<Vec<(String, String)>, String> {
             })
             .map(|(i, _)| i.clone());
         let Some(peer) = peer else {
-            return Err("fabric validation requires a peer in the opposite role".to_string());
+            return Err(FabricError::NoPeer);
         };
         let pair = if peer_role == Role::Decode {
             (t.clone(), peer)
@@ -205,7 +341,7 @@ pub async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str) -> Rep
         Ok(p) => p,
         Err(e) => {
             for t in &plan.targets {
-                report.fail(t, e.clone());
+                report.fail(t, e.to_string());
             }
             return report;
         }
@@ -355,7 +491,7 @@ pub async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str) -> Rep
                         .map_err(|e| format!("produce on {producer}: {e}"))?;
                     Some(kv)
                 };
-                let pid = checks.probe(t, &id, kv).await?;
+                let pid = checks.probe(t, &id, kv).await.map_err(|e| e.to_string())?;
                 if pid.key != attested[t].identity.key {
                     return Err(format!("{t} process changed during validation"));
                 }
@@ -445,17 +581,19 @@ mod tests {
             self.fail.insert(iid.into(), step);
             self
         }
-        fn step(&self, iid: &str, step: &str) -> Result<Identity, String> {
+        fn step(&self, iid: &str, step: &str) -> Result<Identity, CheckError> {
             self.calls.lock().unwrap().push(format!("{step} {iid}"));
             if self.fail.get(iid) == Some(&step) {
-                return Err(format!("{step} broken"));
+                return Err(CheckError::Agent {
+                    detail: format!("{step} broken"),
+                });
             }
             Ok(self.ids.lock().unwrap()[iid].clone())
         }
     }
 
     impl Checks for Fake {
-        async fn health(&self, iid: &str) -> Result<(), String> {
+        async fn health(&self, iid: &str) -> Result<(), CheckError> {
             let n = self
                 .calls
                 .lock()
@@ -464,11 +602,11 @@ mod tests {
                 .filter(|c| *c == &format!("health {iid}"))
                 .count();
             if n >= 1 && self.fail.get(iid) == Some(&"final health") {
-                return Err("503".into());
+                return Err(CheckError::HealthStatus { status: 503 });
             }
             self.step(iid, "health").map(|_| ())
         }
-        async fn attest(&self, iid: &str) -> Result<Attested, String> {
+        async fn attest(&self, iid: &str) -> Result<Attested, CheckError> {
             let id = self.step(iid, "attest")?;
             let n = self
                 .calls
@@ -495,14 +633,14 @@ mod tests {
                 fingerprint: "fp".into(),
             })
         }
-        async fn generation(&self, iid: &str) -> Result<Identity, String> {
+        async fn generation(&self, iid: &str) -> Result<Identity, CheckError> {
             self.step(iid, "generation")
         }
         async fn kv_produce(
             &self,
             iid: &str,
             _: &str,
-        ) -> Result<(serde_json::Value, Identity), String> {
+        ) -> Result<(serde_json::Value, Identity), CheckError> {
             self.step(iid, "produce")
                 .map(|i| (serde_json::json!({"from": iid}), i))
         }
@@ -511,7 +649,7 @@ mod tests {
             iid: &str,
             _: &str,
             kv: serde_json::Value,
-        ) -> Result<Identity, String> {
+        ) -> Result<Identity, CheckError> {
             assert!(kv["from"].is_string());
             self.step(iid, "consume")
         }
@@ -520,7 +658,7 @@ mod tests {
             iid: &str,
             _: &str,
             kv: Option<serde_json::Value>,
-        ) -> Result<Identity, String> {
+        ) -> Result<Identity, CheckError> {
             let step = if kv.is_some() {
                 "probe-from"
             } else {
@@ -619,7 +757,7 @@ mod tests {
         assert_eq!(r.engines["d0"].process_start, Some(30.0));
         p.targets = vec!["p0".into()];
         assert_eq!(
-            fabric_pairs(&p).unwrap_err(),
+            fabric_pairs(&p).unwrap_err().to_string(),
             "fabric validation requires a peer in the opposite role",
             "without the co-target there is no peer"
         );
@@ -800,6 +938,88 @@ mod tests {
         assert_eq!(
             pairs,
             [("p0", "d0"), ("p1", "d1"), ("p0", "d2")].map(|(a, b)| (a.to_string(), b.to_string()))
+        );
+    }
+
+    fn evidence(
+        transferred: Option<bool>,
+        consumed: Option<i64>,
+        recomputed: Option<i64>,
+    ) -> narwhal_shared::TransferEvidence {
+        narwhal_shared::TransferEvidence {
+            source: "test".into(),
+            consumed_delta: consumed,
+            recomputed_delta: recomputed,
+            engine_phase: None,
+            transferred,
+        }
+    }
+
+    /// "No record" is its own case, never read as a failed transfer (issue 8); today only a
+    /// confirmed transfer passes the fabric check (issue 10 decides on inferred ones).
+    #[test]
+    fn transfer_evidence_is_three_valued() {
+        let of = |t, c, r| KvEvidence::of(&evidence(t, c, r));
+        assert_eq!(of(Some(true), None, None), KvEvidence::Confirmed);
+        assert_eq!(of(None, Some(1), Some(0)), KvEvidence::Confirmed);
+        assert_eq!(
+            of(Some(false), Some(2), Some(0)),
+            KvEvidence::Confirmed,
+            "counters that confirm win"
+        );
+        assert_eq!(of(Some(false), None, None), KvEvidence::Refuted);
+        assert_eq!(of(None, Some(1), Some(1)), KvEvidence::Refuted);
+        assert_eq!(of(None, Some(0), Some(0)), KvEvidence::Refuted);
+        assert_eq!(of(None, None, None), KvEvidence::Inferred);
+        assert!(KvEvidence::Confirmed.accepted());
+        assert!(!KvEvidence::Refuted.accepted());
+        assert!(!KvEvidence::Inferred.accepted());
+        let inferred = CheckError::Transfer {
+            evidence: KvEvidence::Inferred,
+            origin: "none".into(),
+        }
+        .to_string();
+        assert!(!inferred.contains("recomputed"), "{inferred}");
+        let refuted = CheckError::Transfer {
+            evidence: KvEvidence::Refuted,
+            origin: "sim_stats".into(),
+        };
+        assert_eq!(
+            refuted.to_string(),
+            "no KV transfer observed (sim_stats): the consumer recomputed the prefill"
+        );
+    }
+
+    /// Check errors keep the one-line messages operators and tests read.
+    #[test]
+    fn check_errors_name_what_failed() {
+        let unreadable = CheckError::IdentityUnreadable(Box::new(CheckError::NoAgent));
+        assert_eq!(
+            unreadable.to_string(),
+            "process identity unreadable: no agent configured for this engine (engines[].agent)"
+        );
+        assert_eq!(
+            CheckError::HealthStatus { status: 503 }.to_string(),
+            "HTTP 503"
+        );
+        assert_eq!(
+            CheckError::Generation { error: None }.to_string(),
+            "no tokens generated"
+        );
+        assert_eq!(
+            CheckError::Consume {
+                error: Some("bad handle".into())
+            }
+            .to_string(),
+            "bad handle"
+        );
+        assert_eq!(
+            CheckError::Probe {
+                error: None,
+                origin: "sim_stats".into()
+            }
+            .to_string(),
+            "probe failed (sim_stats)"
         );
     }
 }
