@@ -21,6 +21,7 @@ use narwhal_shared::handoff::{
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Role;
+use crate::lifecycle::machine::RestoreError;
 use crate::parts::Parts;
 use crate::placement::Exclusion;
 
@@ -136,8 +137,8 @@ pub(crate) enum ApplyError {
         role: String,
     },
     /// The lifecycle part cannot be restored (naming the record).
-    #[error("{0}")]
-    Lifecycle(String),
+    #[error(transparent)]
+    Lifecycle(#[from] RestoreError),
 }
 
 /// The typed roles of the fleet's unpinned engines that `h` carries, by engine index.
@@ -179,10 +180,7 @@ pub(crate) fn apply(parts: &Parts, h: &Handoff) -> Result<Applied, ApplyError> {
     .map_err(ApplyError::ForeignFleet)?;
     let roles = carried_roles(parts, h)?;
     // Lifecycle first: it is the only step that can still refuse.
-    parts
-        .lifecycle
-        .restore(&h.lifecycle)
-        .map_err(ApplyError::Lifecycle)?;
+    parts.lifecycle.restore(&h.lifecycle)?;
     let index = |iid: &String| parts.fleet.index(iid);
     let ejected: BTreeSet<usize> = h.ejected.iter().filter_map(index).collect();
     let suspects: BTreeMap<usize, BTreeSet<String>> = h
@@ -273,5 +271,55 @@ pub(crate) async fn writer(parts: Arc<Parts>, stop: CancellationToken) {
             _ = tokio::time::sleep(period) => {}
         }
         persist(&parts).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use narwhal_shared::{Clock as _, ManualClock, SystemClock};
+
+    fn parts() -> Arc<Parts> {
+        let clock = Arc::new(ManualClock::new(SystemClock.now(), 1000.0));
+        crate::parts::for_test(
+            serde_json::json!({
+                "schema": "narwhal.fleet", "schema_version": 2, "model": "m", "backend": "vllm",
+                "engines": [{"iid": "p0", "url": "http://127.0.0.1:1", "role": "prefill"},
+                            {"iid": "d0", "url": "http://127.0.0.1:2"},
+                            {"iid": "d1", "url": "http://127.0.0.1:3", "pin": true}],
+                "slo": {"ttft_s": 1.0, "tpot_s": 0.1}
+            }),
+            clock,
+            "test",
+        )
+    }
+
+    /// Roles are typed when applied: anything but `prefill` or `decode` is refused naming the
+    /// field (it used to become `decode` silently), and a pinned engine keeps its role.
+    #[test]
+    fn an_unknown_role_is_refused_naming_the_field() {
+        let p = parts();
+        let mut h = snapshot(&p);
+        h.roles.insert("p0".into(), "both".into());
+        let e = carried_roles(&p, &h).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "roles.p0: must be \"prefill\" or \"decode\", got \"both\""
+        );
+        let e = apply(&p, &h).unwrap_err().to_string();
+        assert!(e.contains("roles.p0"), "{e}");
+        h.roles.insert("p0".into(), "decode".into());
+        h.roles.insert("d1".into(), "prefill".into());
+        assert_eq!(
+            carried_roles(&p, &h).unwrap(),
+            BTreeMap::from([(0, Role::Decode), (1, Role::Decode)]),
+            "d1 is pinned"
+        );
+        apply(&p, &h).expect("applies");
+        let roles = snapshot(&p).roles;
+        assert_eq!(
+            (roles["p0"].as_str(), roles["d1"].as_str()),
+            ("decode", "decode")
+        );
     }
 }

@@ -13,11 +13,12 @@
 //!  every machine change ──► executor::commit (holds → fleet, readiness hold, journal)
 //! ```
 //!
-//! `machine` and `validation` are pure (clock and I/O passed in); `request` parses bodies;
+//! `machine`, `events` and `validation` are pure (clock and I/O passed in); `request` parses bodies;
 //! `agents` is the agent registry; `checks` implements the checks through the agents;
 //! `identity` reads process identities and runs the startup/takeover identity check;
 //! `executor` owns the machine and applies its decisions; `driver` runs the actions.
 
+pub mod events;
 pub mod machine;
 pub mod validation;
 
@@ -28,9 +29,10 @@ pub(crate) mod executor;
 pub(crate) mod identity;
 pub(crate) mod request;
 
+pub use events::{EventKind, LifecycleEvent};
 pub use machine::{
-    DrainPlan, DrainRecord, DrainRequest, DrainState, EngineOutcome, EngineView, Lifecycle,
-    LifecycleError, Now,
+    DrainPlan, DrainRecord, DrainRequest, DrainState, EngineOutcome, EngineView, Hold, Lifecycle,
+    LifecycleError, Now, Record, RestoreError,
 };
 pub use validation::{
     Attested, CheckError, Checks, FabricError, Identity, KvEvidence, Plan, Report, fabric_pairs,

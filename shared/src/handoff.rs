@@ -14,8 +14,6 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use std::time::Instant;
-
 /// `schema` of the handoff document.
 pub const HANDOFF_SCHEMA: &str = "narwhal.handoff";
 /// The one `schema_version` this release reads and writes.
@@ -82,8 +80,8 @@ impl DrainState {
     }
 }
 
-/// One engine's lifecycle record (reference-notes 4.1). Times are wall-clock Unix seconds;
-/// the drain deadline is also kept on the monotonic clock for evaluation (DESIGN.md 9.8).
+/// One engine's lifecycle record (reference-notes 4.1). Times are wall-clock Unix seconds; a
+/// reader re-anchors the drain deadline to its own monotonic clock (DESIGN.md 9.8).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DrainRecord {
     /// Engine id.
@@ -94,9 +92,6 @@ pub struct DrainRecord {
     pub requested_at: f64,
     /// Drain deadline (wall seconds); equals `requested_at` for holds without a drain.
     pub deadline_at: f64,
-    /// Monotonic drain deadline; `None` for holds without a drain or restored records.
-    #[serde(skip)]
-    pub deadline: Option<Instant>,
     /// Readmission requires a process start newer than `old_process_start`.
     pub restart_required: bool,
     /// `wave-<12 hex>` or `""`.

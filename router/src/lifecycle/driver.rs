@@ -30,7 +30,7 @@ use super::agents::Agents;
 use super::checks::AgentChecks;
 use super::executor::Executor;
 use super::identity::{IdentityReader, check_identities};
-use super::machine::{EngineView, Lifecycle, RestartPolicy};
+use super::machine::{EngineView, Lifecycle, RestartPolicy, RestoreError};
 use super::request::{parse_drain, parse_readmit};
 use super::validation::{Plan, Report, validate};
 use crate::breaker::EjectCause;
@@ -199,11 +199,11 @@ impl LifecycleDriver {
     /// Restores a handoff's lifecycle part and applies its holds (reference-notes 4.13).
     ///
     /// # Errors
-    /// A reason naming the offending record; nothing changes then.
+    /// [`RestoreError`] naming the offending record; nothing changes then.
     pub(crate) fn restore(
         &self,
         state: &narwhal_shared::handoff::LifecycleState,
-    ) -> Result<(), String> {
+    ) -> Result<(), RestoreError> {
         let now = self.exec.now();
         let mut lc = self.exec.lock();
         let mut restored = lc.clone();
@@ -273,7 +273,7 @@ impl LifecycleDriver {
             let t = self.exec.now();
             for (iid, r) in plan.capture.iter().zip(captured) {
                 let err = r.as_ref().err().map(ToString::to_string);
-                if !lc.bind_identity(t, iid, r.map_err(|e| e.to_string()), ejected.contains(iid)) {
+                if !lc.bind_identity(t, iid, r, ejected.contains(iid)) {
                     failures.push(format!("{iid}: {}", err.unwrap_or_default()));
                 }
             }
@@ -352,7 +352,7 @@ impl LifecycleDriver {
             .map(|t| {
                 let old = lc
                     .record(t)
-                    .filter(|r| r.restart_required)
+                    .filter(|r| r.restart_required())
                     .and_then(|r| r.old_process_start);
                 (t.clone(), old)
             })

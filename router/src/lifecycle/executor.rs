@@ -85,12 +85,12 @@ impl Executor {
         }
         for ev in events {
             tracing::info!(
-                action = ev["action"].as_str().unwrap_or(""),
-                engine.id = ev["iid"].as_str().unwrap_or(""),
-                wave = ev["wave_id"].as_str().unwrap_or(""),
+                action = ev.action(),
+                engine.id = ev.iid().unwrap_or(""),
+                wave = ev.wave_id(),
                 "lifecycle event"
             );
-            self.journal.emit(ev);
+            self.journal.emit(ev.to_json());
         }
     }
 

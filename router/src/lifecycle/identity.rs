@@ -10,9 +10,8 @@
 
 use std::sync::Arc;
 
-use serde_json::json;
-
 use super::agents::{Agents, agent_error};
+use super::events::{EventKind, LifecycleEvent};
 use super::executor::Executor;
 use super::machine::DrainState;
 use super::validation::CheckError;
@@ -113,11 +112,16 @@ pub(crate) async fn check_identities(exec: &Executor, reader: &IdentityReader) {
             IdentityVerdict::Accept(start) => lc.accept_process_start(&iid, start),
             IdentityVerdict::Exclude(reason) => {
                 tracing::warn!(engine.id = %iid, %reason, ?previous, "engine excluded by the identity check");
-                exec.journal().emit(json!({
-                    "event": "engine_lifecycle", "action": "process_excluded", "at": t.wall,
-                    "iid": iid, "reason": reason, "previous_process_start": previous,
-                    "observed_process_start": r.ok(),
-                }));
+                let event = LifecycleEvent {
+                    at: t.wall,
+                    kind: EventKind::ProcessExcluded {
+                        iid: iid.clone(),
+                        reason,
+                        previous_process_start: previous,
+                        observed_process_start: r.ok(),
+                    },
+                };
+                exec.journal().emit(event.to_json());
                 fleet.eject(i, EjectCause::ProcessIdentity);
             }
         }
