@@ -6,12 +6,14 @@
 //!  monitor tick ──due_probes(now)──► [(iid, ProbeKind)]   (driver GETs /health, feeds back)
 //! ```
 //!
-//! Pure: `now` is passed in, nothing here sleeps or does IO. First version of the verdicts:
+//! Pure: `now` is passed in, nothing here sleeps or does IO. The verdicts:
 //! at `recovery.eject_after` consecutive failures of one class, `connection`,
 //! `inference_status`, `kv_handoff` and `stream` eject the engine at once (cause = class name);
 //! `timeout` and `overload` request a health probe, which ejects (cause `health_probe`) if it
 //! fails. Client-fault answers (engine 4xx other than 408/429) never count. An ejected engine is
-//! probed every `probe_interval`; a 200 readmits it (evidence `health`) and clears its streaks.
+//! probed every `probe_interval`; a 200 readmits it (evidence `health`) and clears its streaks
+//! (an engine with an agent returns through lifecycle validation instead:
+//! [`Observation::Verified`]).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

@@ -220,7 +220,7 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
     let standby = args
         .standby_of
         .as_ref()
-        .map(|primary| crate::StandbyOptions {
+        .map(|primary| crate::ha::StandbyOptions {
             primary: primary.trim_end_matches('/').to_string(),
             probe_interval: std::time::Duration::from_secs_f64(
                 args.standby_probe_interval.max(0.01),

@@ -69,7 +69,8 @@ impl Role {
     }
 }
 
-/// Agent endpoint of one engine host (DESIGN.md section 4). Parsed now, used by the agent client.
+/// Agent endpoint of one engine host (DESIGN.md section 4); the agent registry
+/// (`lifecycle::agents`) builds one mutual-TLS client per distinct endpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineAgent {
     /// `https://host:port` of the host's narwhal-agent.
@@ -264,7 +265,8 @@ pub enum LeaseBackend {
     Etcd,
 }
 
-/// `lease` section (ours, DESIGN.md section 7). Parsed now; the lease issue uses it.
+/// `lease` section (ours, DESIGN.md section 7); `LeaseDriver::from_config` builds the lease
+/// from it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LeaseSection {
     /// Backend (default `none`).

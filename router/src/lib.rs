@@ -1,17 +1,77 @@
 //! Narwhal router (`narwhal-serve`): placement, P/D serving for vLLM and SGLang, streaming
-//! relay, breaker, outcome accounting, metrics, state and journal (DESIGN.md sections 3, 5, 6).
+//! relay, breaker, outcome accounting, metrics, engine lifecycle, HA (lease, handoff, warm
+//! standby), state and journal (DESIGN.md sections 3, 5, 6, 7, 9).
 //!
 //! ```text
-//!  clients ──► data listener ──► ingress ──► placement ──► prefill leg ─┐
-//!                                   │                       decode leg ◄┘ (vLLM: descriptor,
-//!                                   ▼                          │         SGLang: rendezvous)
-//!                               outcome (one settle) ◄── relay ◄┘
-//!                                   ├─► metrics  ├─► journal  └─► /narwhal/state
-//!  monitor task ──► breaker probes (GET /health) ──► readmission
+//!  clients ──► data listener ──► ingress ──► admission ──► placement ──► prefill leg ─┐
+//!                                   │                                    decode leg ◄┘ (vLLM:
+//!                                   ▼                                       │  descriptor, SGLang:
+//!                      accounting (one settle) ◄── relay ◄──────────────────┘  rendezvous)
+//!                                   ├─► metrics  ├─► journal  └─► /narwhal/state, handoff
+//!  monitor task ──► breaker probes (GET /health) ──► readmission (lifecycle validation)
 //! ```
 //!
-//! Pure cores (`placement`, `relay`, `breaker`, `ingress`, `outcome`, `config`) take `now` and
-//! RNGs as arguments; the drivers (`serve`, `http`, `upstream`, `state`) do the IO.
+//! # Design note: module map, ownership, events, locks
+//!
+//! Modules depend on each other in one direction, from the bottom layer up; a lower layer
+//! never names an upper one. `layering.rs` (a unit test) fails the build's tests when an
+//! import cycle appears among the top-level modules or among the files of one module.
+//!
+//! | layer | modules | what they are |
+//! |---|---|---|
+//! | 0 pure cores | `config`, `placement`, `breaker`, `relay`, `ingress`, `outcome`, `retry`, `demand`, `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO |
+//! | 0 leaves | `journal`, `metrics`, `response` | the journal writer, Prometheus families, JSON responses |
+//! | 1 engine client | `upstream`, `failure` | legs to engines and how they fail; `RequestFailure`, the one map to status, body and settlement |
+//! | 1 parts | `fleet`, `accounting`, `admission`, `phase` | own their data behind narrow handles (below) |
+//! | 2 | `readiness`, `bootstrap` | the readiness gate over `phase` + `fleet`; SGLang bootstrap ports (`fleet` cache + `upstream`) |
+//! | 3 | `lifecycle` (`request`, `agents`, `checks`, `identity`, `executor`, `driver`) | drains, waves, readmission through the agents |
+//! | 4 | `parts` | `Parts`, a bundle of handles to every part, built once; owns nothing itself |
+//! | 5 | `serve`, `documents`, `handoff`, `monitor` | the request pipeline; `/ready`, `/health`, `/narwhal/state`, `/metrics`; the handoff; breaker probes |
+//! | 6 | `ha` (`primary`, `standby`), `http` | the lease loop and the warm standby; the listeners and routes |
+//! | 7 | `app`, `cli`, this root | wiring (`run`) and the command line |
+//!
+//! Upper modules keep their own pure cores: `lifecycle::{machine, events, validation, check}`
+//! (drains, waves, readmission rules) and `ha::machine` (the standby's decisions) take `now`
+//! and results as arguments and return what to do.
+//!
+//! **Ownership.** Each part owns its state; nothing else holds a lock on it:
+//! - `Fleet`: engine slots (role, exclusions, resident counts), the breaker and the
+//!   application of its transitions (exclusions, metrics, journal), suspect producers, SGLang
+//!   bootstrap ports; the live count is an atomic. One mutex, taken only inside `fleet.rs`.
+//! - `Accounting`: the outcome tally (the single source `/narwhal/state`, `/metrics` and the
+//!   handoff read), attempt/retry/upstream counters (atomics), the retry budget (a lock-free
+//!   cell); it is the `SettleSink` every request settles into exactly once.
+//! - `Admission`: retained-request limit, seats, queue (atomics and a semaphore).
+//! - `Ha` (`phase.rs`): the `HaPhase` (active, validating identities, shadowing, blocked,
+//!   fenced) on a `tokio::sync::watch` channel, with the lease's local validity. `/ready`,
+//!   `/health`, `controls_fleet` and the metrics derive from it through pure functions.
+//! - `LifecycleDriver`: the pure lifecycle machine (behind its `Executor`), the agents, and
+//!   the one-action-at-a-time lock.
+//! - `Gate` (`readiness.rs`): a mirror of the lifecycle's readiness hold, read with the HA
+//!   phase and the live count on every request without the lifecycle's lock.
+//! - `DemandRisk`: the newest consolidation-risk event (handoff `demand_risk`).
+//!
+//! **Events, not imports.** Lower layers tell upper ones what happened through channels:
+//! the fleet notifies `resident_changed` (the lifecycle's timer re-evaluates drains) and
+//! `dirty` (the state-file writer persists); the lease driver reports a lost renewal to
+//! `ha::primary`, whose `Renewal::lost` tells the `ha` supervisor to run the standby; the
+//! lifecycle machine emits typed `LifecycleEvent`s that its executor journals; the HA phase
+//! is published on its watch channel.
+//!
+//! **Locks.** No lock is held across a call into a higher layer, and the order is the layer
+//! order: the lifecycle machine's mutex may be held while the fleet is asked or told
+//! something (the executor applying holds), never the reverse (the fleet calls nothing
+//! above it). Every other lock is private to one part and held for a few field updates.
+//! The request path takes the fleet lock for placement and residency and the tally lock at
+//! settlement; counters, the budget, admission, readiness and the HA phase are atomics or a
+//! watch read.
+//!
+//! **Where later work lands.** Breaker and ejection policy: `breaker` (pure) and
+//! `Fleet::apply`. A role controller: a new part beside `fleet`, fed by `accounting`/`serve`
+//! bookkeeping, changing roles through `Fleet` and holds through the lifecycle. Epoch-bound
+//! work: subscribe to the HA phase and stop when its epoch ends. Hot-path locks: placement
+//! state and the tally are each behind one part's handle, replaceable without touching
+//! callers.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
@@ -31,6 +91,8 @@ mod handoff;
 mod http;
 pub mod ingress;
 pub mod journal;
+#[cfg(test)]
+mod layering;
 pub mod lease;
 pub mod lifecycle;
 mod metrics;

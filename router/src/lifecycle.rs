@@ -18,6 +18,7 @@
 //! `identity` reads process identities and runs the startup/takeover identity check;
 //! `executor` owns the machine and applies its decisions; `driver` runs the actions.
 
+pub mod check;
 pub mod events;
 pub mod machine;
 pub mod validation;
@@ -29,12 +30,12 @@ pub(crate) mod executor;
 pub(crate) mod identity;
 pub(crate) mod request;
 
+pub use check::{CheckError, KvEvidence};
 pub use events::{EventKind, LifecycleEvent};
 pub use machine::{
     DrainPlan, DrainRecord, DrainRequest, DrainState, EngineOutcome, EngineView, Hold, Lifecycle,
     LifecycleError, Now, Record, RestoreError,
 };
 pub use validation::{
-    Attested, CheckError, Checks, FabricError, Identity, KvEvidence, Plan, Report, fabric_pairs,
-    validate,
+    Attested, Checks, FabricError, Identity, Plan, Report, fabric_pairs, validate,
 };

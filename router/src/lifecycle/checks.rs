@@ -9,7 +9,8 @@ use narwhal_shared::{AgentClient, Fence, ProcessIdentity};
 use serde_json::Value;
 
 use super::agents::{Agents, agent_error};
-use super::validation::{Attested, CheckError, Checks, Identity, KvEvidence};
+use super::check::{CheckError, KvEvidence};
+use super::validation::{Attested, Checks, Identity};
 use crate::config::{Config, secs};
 use crate::phase::Ha;
 use crate::upstream::Upstream;

@@ -11,10 +11,10 @@
 use std::sync::Arc;
 
 use super::agents::{Agents, agent_error};
+use super::check::CheckError;
 use super::events::{EventKind, LifecycleEvent};
 use super::executor::Executor;
 use super::machine::DrainState;
-use super::validation::CheckError;
 use crate::breaker::EjectCause;
 use crate::fleet::Fleet;
 use crate::phase::Ha;

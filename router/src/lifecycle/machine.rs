@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
 
+use super::check::CheckError;
 use super::events::{EventKind, LifecycleEvent};
-use super::validation::CheckError;
 pub use crate::config::RestartPolicy;
 
 /// Largest accepted drain deadline, seconds (one year).
@@ -1411,7 +1411,7 @@ mod tests {
     #[test]
     fn startup_identity_binds_a_crashed_engine_in_a_forced_wave() {
         // Found by tests/tests/lifecycle_e2e.rs: without the starts accepted at startup
-        // (driver::check_identities), a crashed engine's forced-wave drain stayed 503 until it
+        // (identity::check_identities), a crashed engine's forced-wave drain stayed 503 until it
         // was restarted, and then needed a second restart.
         let now = t0();
         let mut l = lc(&["e0", "e1"], RestartPolicy::WholeWave);
