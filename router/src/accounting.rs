@@ -287,24 +287,15 @@ impl SettleSink for Accounting {
                 }
                 self.budget.replenish();
             }
-            Terminal::Failed => {
-                m.failed
-                    .get_or_create(&labels(&[("reason", reason_or(&s))]))
-                    .inc();
-            }
-            Terminal::Refused => {
-                m.refused
-                    .get_or_create(&labels(&[("cause", reason_or(&s))]))
-                    .inc();
-            }
-            Terminal::Rejected => {
-                m.rejected
-                    .get_or_create(&labels(&[("reason", reason_or(&s))]))
-                    .inc();
-            }
-            Terminal::Expired => {
-                m.expired
-                    .get_or_create(&labels(&[("reason", reason_or(&s))]))
+            Terminal::Failed | Terminal::Refused | Terminal::Rejected | Terminal::Expired => {
+                let (family, label) = match s.terminal {
+                    Terminal::Failed => (&m.failed, "reason"),
+                    Terminal::Refused => (&m.refused, "cause"),
+                    Terminal::Rejected => (&m.rejected, "reason"),
+                    _ => (&m.expired, "reason"),
+                };
+                family
+                    .get_or_create(&labels(&[(label, reason_or(&s))]))
                     .inc();
             }
             Terminal::Cancelled => {

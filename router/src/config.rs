@@ -265,8 +265,7 @@ pub enum LeaseBackend {
     Etcd,
 }
 
-/// `lease` section (ours, DESIGN.md section 7); `LeaseDriver::from_config` builds the lease
-/// from it.
+/// `lease` section (ours, DESIGN.md section 7). Parsed now; the lease issue uses it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LeaseSection {
     /// Backend (default `none`).

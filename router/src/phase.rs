@@ -409,16 +409,14 @@ mod tests {
 
     fn handle() -> Ha {
         let clock: Arc<dyn Clock> = Arc::new(narwhal_shared::SystemClock);
-        let none = crate::config::LeaseSection {
-            backend: crate::config::LeaseBackend::None,
-            path: String::new(),
-            endpoints: Vec::new(),
-            key: String::new(),
-            ttl_s: 5.0,
-            renew_interval_s: 1.0,
-            safety_margin_s: 1.0,
-        };
-        let lease = crate::lease::LeaseDriver::from_config(&none, "test", clock.clone())
+        let fleet = serde_json::json!({
+            "schema": "narwhal.fleet", "schema_version": 2, "model": "m", "backend": "vllm",
+            "engines": [{"iid": "d0", "url": "http://127.0.0.1:2"}],
+            "slo": {"ttft_s": 1.0, "tpot_s": 0.1}
+        });
+        let cfg = crate::config::Config::from_json_str(&fleet.to_string(), &|_| None)
+            .expect("fleet without a lease section");
+        let lease = crate::lease::LeaseDriver::from_config(&cfg.lease, "test", clock.clone())
             .expect("lease none");
         Ha::new(Arc::new(lease), clock, HaPhase::Active)
     }

@@ -417,20 +417,52 @@ mod tests {
     use std::collections::VecDeque;
     use std::sync::Mutex;
 
-    fn parts(dir: &std::path::Path, clock: Arc<ManualClock>) -> Arc<Parts> {
-        crate::parts::for_test(
-            serde_json::json!({
-                "schema": "narwhal.fleet", "schema_version": 2, "model": "m", "backend": "vllm",
-                "engines": [{"iid": "p0", "url": "http://127.0.0.1:1", "role": "prefill"},
-                            {"iid": "d0", "url": "http://127.0.0.1:2"}],
-                "slo": {"ttft_s": 1.0, "tpot_s": 0.1},
-                "recovery": {"state_path": dir.join("state.json")},
-                "lease": {"backend": "file", "path": dir.join("lease.json"), "ttl_s": 2,
-                          "renew_interval_s": 0.5, "safety_margin_s": 0.5}
-            }),
-            clock,
-            "standby",
-        )
+    /// A router with a file lease in a temporary directory, on a manual clock; its stop
+    /// token is cancelled on drop.
+    struct World {
+        dir: tempfile::TempDir,
+        clock: Arc<ManualClock>,
+        sh: Arc<Parts>,
+        stop: CancellationToken,
+    }
+
+    impl World {
+        fn new() -> World {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let clock = Arc::new(ManualClock::new(SystemClock.now(), 1.0e9));
+            let sh = crate::parts::for_test(
+                serde_json::json!({
+                    "schema": "narwhal.fleet", "schema_version": 2, "model": "m",
+                    "backend": "vllm",
+                    "engines": [{"iid": "p0", "url": "http://127.0.0.1:1", "role": "prefill"},
+                                {"iid": "d0", "url": "http://127.0.0.1:2"}],
+                    "slo": {"ttft_s": 1.0, "tpot_s": 0.1},
+                    "recovery": {"state_path": dir.path().join("state.json")},
+                    "lease": {"backend": "file", "path": dir.path().join("lease.json"),
+                              "ttl_s": 2, "renew_interval_s": 0.5, "safety_margin_s": 0.5}
+                }),
+                clock.clone(),
+                "standby",
+            );
+            World {
+                dir,
+                clock,
+                sh,
+                stop: CancellationToken::new(),
+            }
+        }
+
+        /// The standby's real effects on this router (no primary to poll).
+        fn io(&self) -> Live<'_> {
+            let http = client(&self.sh.cfg).expect("client");
+            Live::new(&self.sh, http, None, &self.stop)
+        }
+    }
+
+    impl Drop for World {
+        fn drop(&mut self) {
+            self.stop.cancel();
+        }
     }
 
     fn settings(primary: bool) -> Settings {
@@ -454,9 +486,8 @@ mod tests {
     /// the gap (since the last good poll) is in the metric.
     #[tokio::test]
     async fn takeover_is_ready_only_after_the_identity_check_and_records_the_gap() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let clock = Arc::new(ManualClock::new(SystemClock.now(), 1.0e9));
-        let sh = parts(dir.path(), clock.clone());
+        let w = World::new();
+        let (sh, clock) = (&w.sh, &w.clock);
         assert_eq!(sh.ha.lease().claim().await.ok(), Some(1));
         sh.ha.publish(HaPhase::ValidatingIdentities);
         let r = sh.gate.readiness();
@@ -467,15 +498,14 @@ mod tests {
         );
         assert_eq!(r.reason, IDENTITY_PENDING);
         // Not fenced: it holds the lease (reference-notes 1.4 order gives `degraded`).
-        assert_eq!(crate::documents::health(&sh)["status"], "degraded");
+        assert_eq!(crate::documents::health(sh)["status"], "degraded");
         assert_eq!(sh.ha.lease().release().await.ok(), Some(true));
         sh.ha.publish(HaPhase::Shadowing);
 
         let mut m = Standby::new(settings(false), None);
         m.polled(clock.now(), 1.0e9, Poll::Good(doc(0, 1.0e9)));
         clock.advance(Duration::from_millis(2500));
-        let stop = CancellationToken::new();
-        let mut io = Live::new(&sh, client(&sh.cfg).expect("client"), None, &stop);
+        let mut io = w.io();
         let source = Source::OwnFile { epoch: 1 };
         assert_eq!(
             steps(&mut io, &mut m, Step::Claim(source)).await,
@@ -488,13 +518,12 @@ mod tests {
             2,
             "the released epoch 1 is followed by 2"
         );
-        let m = crate::documents::metrics(&sh);
+        let m = crate::documents::metrics(sh);
         assert!(
             m.lines()
                 .any(|l| l == "narwhal_standby_takeover_gap_seconds 2.5"),
             "{m}"
         );
-        stop.cancel();
     }
 
     /// Found by ha_e2e (etcd, loaded machine): after one failed takeover attempt every retry
@@ -503,12 +532,11 @@ mod tests {
     #[tokio::test]
     async fn own_released_epochs_do_not_make_the_retained_handoff_stale() {
         for ours in [true, false] {
-            let dir = tempfile::tempdir().expect("tempdir");
-            let clock = Arc::new(ManualClock::new(SystemClock.now(), 1.0e9));
-            let sh = parts(dir.path(), clock.clone());
+            let w = World::new();
+            let (sh, clock) = (&w.sh, &w.clock);
             // The primary served under epoch 1; its handoff is retained.
             assert_eq!(sh.ha.lease().claim().await.ok(), Some(1));
-            let mut h = crate::handoff::snapshot(&sh);
+            let mut h = crate::handoff::snapshot(sh);
             h.epoch = 1;
             assert_eq!(sh.ha.lease().release().await.ok(), Some(true));
             // Epoch 2: a takeover attempt that failed (ours) or another router (not ours).
@@ -519,8 +547,7 @@ mod tests {
             if ours {
                 m.gave_back(2);
             }
-            let stop = CancellationToken::new();
-            let mut io = Live::new(&sh, client(&sh.cfg).expect("client"), None, &stop);
+            let mut io = w.io();
             let ended = steps(&mut io, &mut m, Step::Claim(Source::Retained)).await;
             if ours {
                 assert_eq!(
@@ -532,11 +559,10 @@ mod tests {
             } else {
                 assert_eq!(ended, Ended::Tick, "another holder's epoch makes it stale");
                 assert_eq!(
-                    blocked_reason(&sh),
+                    blocked_reason(sh),
                     "handoff epoch 1 cannot precede claimed epoch 3"
                 );
             }
-            stop.cancel();
         }
     }
 
@@ -544,41 +570,36 @@ mod tests {
     /// epoch: that is no change of holder, so it takes the fleet back.
     #[tokio::test]
     async fn a_fenced_primary_reclaims_its_own_live_epoch() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let clock = Arc::new(ManualClock::new(SystemClock.now(), 1.0e9));
-        let sh = parts(dir.path(), clock.clone());
+        let w = World::new();
+        let sh = &w.sh;
         assert_eq!(sh.ha.lease().claim().await.ok(), Some(1));
         sh.ha.fence(&LeaseLoss::Lapsed);
         let mut m = Standby::new(settings(false), Some(1));
-        let stop = CancellationToken::new();
-        let mut io = Live::new(&sh, client(&sh.cfg).expect("client"), None, &stop);
+        let mut io = w.io();
         let first = m.tick();
         assert_eq!(first, Step::ReadOwnState);
         assert_eq!(steps(&mut io, &mut m, first).await, Ended::TookOver);
         assert_eq!(sh.ha.view().status.epoch, 1);
         assert!(sh.gate.readiness().ready);
-        stop.cancel();
     }
 
     /// The claim races another router: the epoch claimed is not the next one after ours.
     #[tokio::test]
     async fn a_claim_after_someone_else_held_the_fleet_is_released() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let clock = Arc::new(ManualClock::new(SystemClock.now(), 1.0e9));
-        let sh = parts(dir.path(), clock.clone());
+        let w = World::new();
+        let sh = &w.sh;
         assert_eq!(sh.ha.lease().claim().await.ok(), Some(1));
         assert_eq!(sh.ha.lease().release().await.ok(), Some(true));
         sh.ha.publish(HaPhase::Shadowing);
         // We last held epoch 0 (never), the store is at 1: claiming gives 2.
         let mut m = Standby::new(settings(false), Some(0));
-        let stop = CancellationToken::new();
-        let mut io = Live::new(&sh, client(&sh.cfg).expect("client"), None, &stop);
+        let mut io = w.io();
         let source = Source::Memory { epoch: 0 };
         assert_eq!(
             steps(&mut io, &mut m, Step::Claim(source)).await,
             Ended::Tick
         );
-        let why = blocked_reason(&sh);
+        let why = blocked_reason(sh);
         assert!(why.starts_with("stale state:"), "{why}");
         let rec = sh
             .ha
@@ -590,7 +611,6 @@ mod tests {
         assert_eq!(rec.epoch, 2);
         assert!(!rec.live(sh.wall()), "released: {rec:?}");
         assert!(!sh.ha.controls_fleet());
-        stop.cancel();
     }
 
     /// Found by ha_e2e: the lease was not renewed during the takeover's identity check. Now
@@ -598,13 +618,11 @@ mod tests {
     /// (the takeover fails and its standby loop goes on), so no second standby loop starts.
     #[tokio::test]
     async fn the_lease_is_renewed_during_a_takeover_and_a_loss_then_fails_it() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let clock = Arc::new(ManualClock::new(SystemClock.now(), 1.0e9));
-        let sh = parts(dir.path(), clock.clone());
+        let w = World::new();
+        let (sh, clock) = (&w.sh, &w.clock);
         assert_eq!(sh.ha.lease().claim().await.ok(), Some(1));
         sh.ha.publish(HaPhase::ValidatingIdentities);
-        let stop = CancellationToken::new();
-        let mut renewal = primary::renew(&sh, true, &stop);
+        let mut renewal = primary::renew(sh, true, &w.stop);
         // Renewals move expires_at with the (manual) wall clock.
         clock.advance(Duration::from_millis(400));
         let renewed = async {
@@ -628,7 +646,7 @@ mod tests {
         let other = serde_json::json!({"epoch": 2, "expires_at": 1.0e9 + 60.0,
             "holder": "other:0", "schema": "narwhal.router-lease", "schema_version": 1,
             "updated_at": 1.0e9});
-        std::fs::write(dir.path().join("lease.json"), format!("{other}\n")).expect("write");
+        std::fs::write(w.dir.path().join("lease.json"), format!("{other}\n")).expect("write");
         let mut lost = false;
         for _ in 0..300 {
             if renewal.lost_while_pending() {
@@ -645,7 +663,6 @@ mod tests {
             reported.is_err(),
             "a loss while pending is not reported as a lost control"
         );
-        stop.cancel();
     }
 
     /// A fake world for the driver: scripted polls, a lapsed lease at epoch 4, a claim of

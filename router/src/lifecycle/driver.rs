@@ -31,7 +31,7 @@ use super::checks::AgentChecks;
 use super::executor::Executor;
 use super::identity::{IdentityReader, check_identities};
 use super::machine::{EngineView, Lifecycle, RestartPolicy, RestoreError};
-use super::request::{parse_drain, parse_readmit};
+use super::request::{RequestError, parse_drain, parse_readmit};
 use super::validation::{Plan, Report, validate};
 use crate::breaker::EjectCause;
 use crate::config::{Backend, Config, Role};
@@ -213,16 +213,23 @@ impl LifecycleDriver {
         Ok(())
     }
 
+    /// A parsed action, or its refusal: 400 for a bad body, 503 when this router does not
+    /// control the fleet.
+    fn accept<T>(&self, parsed: Result<T, RequestError>) -> Result<T, Reply> {
+        let req = parsed.map_err(|e| self.reply(StatusCode::BAD_REQUEST, &e.to_string()))?;
+        if !self.ha().controls_fleet() {
+            return Err(self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL));
+        }
+        Ok(req)
+    }
+
     /// `POST /narwhal/lifecycle/drain` (seed "Draining engines"; reference-notes 1.10,
     /// 4.3–4.4).
     pub(crate) async fn drain(&self, body: Bytes) -> Reply {
-        let req = match parse_drain(&body) {
+        let req = match self.accept(parse_drain(&body)) {
             Ok(r) => r,
-            Err(e) => return self.reply(StatusCode::BAD_REQUEST, &e.to_string()),
+            Err(reply) => return reply,
         };
-        if !self.ha().controls_fleet() {
-            return self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL);
-        }
         // An engine without an agent could be held out but never bound to a process identity,
         // so it could never be readmitted: refuse the drain instead of wedging it
         // (DESIGN.md 9.2).
@@ -296,13 +303,10 @@ impl LifecycleDriver {
     /// `POST /narwhal/lifecycle/readmit` (seed "Readmitting engines"; reference-notes 1.10,
     /// 4.7–4.8).
     pub(crate) async fn readmit(&self, body: Bytes) -> Reply {
-        let req = match parse_readmit(&body) {
+        let req = match self.accept(parse_readmit(&body)) {
             Ok(r) => r,
-            Err(e) => return self.reply(StatusCode::BAD_REQUEST, &e.to_string()),
+            Err(reply) => return reply,
         };
-        if !self.ha().controls_fleet() {
-            return self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL);
-        }
         let _serial = self.serial.lock().await;
         let targets = {
             let counts = self.fleet().resident_counts();
