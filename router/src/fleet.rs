@@ -163,6 +163,11 @@ impl Fleet {
             .collect()
     }
 
+    /// Whether the breaker has engine `iid` ejected.
+    pub(crate) fn is_ejected(&self, iid: usize) -> bool {
+        self.lock().breaker.is_ejected(iid)
+    }
+
     /// Names of the engines eligible for placement.
     pub(crate) fn live_names(&self) -> BTreeSet<String> {
         self.names_where(EngineSlot::is_live)

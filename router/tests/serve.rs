@@ -4,8 +4,6 @@
 //! The fake engines speak just enough of the vLLM / SGLang protocols to check what the router
 //! sends them (bodies, headers, descriptors, rendezvous) and to see cancellations (a dropped
 //! connection drops the handler or the response stream, which flips a flag).
-// Test code: it times real processes on purpose (the clock ban in clippy.toml is for product code).
-#![allow(clippy::disallowed_methods)]
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;

@@ -483,6 +483,13 @@ impl LifecycleDriver {
         let Ok(_serial) = self.serial.try_lock() else {
             return false; // another lifecycle action runs; the next probe retries
         };
+        // A probe sent while the engine was ejected can answer after a readmission (which
+        // holds the serial lock) returned it to placement: there is nothing left to recover,
+        // and under `whole_wave` starting a recovery would hold the whole fleet again (found
+        // by tests/tests/lifecycle_e2e.rs under load; main dfdfeaa, carried over here).
+        if !self.fleet().is_ejected(i) {
+            return true;
+        }
         let iid = self.cfg.engines[i].iid.clone();
         let started = {
             let mut lc = self.exec.lock();
@@ -506,6 +513,11 @@ impl LifecycleDriver {
         {
             return;
         }
+        // The machine's lock is taken first and held while the exclusions are read (the
+        // order `finish` uses): a readmission that un-ejects an engine and ends its wave in
+        // between would otherwise be followed by a new wave for an ejection that no longer
+        // exists (main dfdfeaa).
+        let mut lc = self.exec.lock();
         let fleet = self.fleet();
         let first = fleet.read(|state| {
             fleet
@@ -516,7 +528,6 @@ impl LifecycleDriver {
                 .map(|(iid, _)| iid.clone())
         });
         let Some(first) = first else { return };
-        let mut lc = self.exec.lock();
         if !lc.wave_id().is_empty() {
             return;
         }
