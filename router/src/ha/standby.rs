@@ -452,6 +452,12 @@ mod tests {
             }
         }
 
+        /// The lease record in the store now.
+        async fn record(&self) -> LeaseRecord {
+            let rec = self.sh.ha.lease().read_record().await.expect("read");
+            rec.expect("a lease record")
+        }
+
         /// The standby's real effects on this router (no primary to poll).
         fn io(&self) -> Live<'_> {
             let http = client(&self.sh.cfg).expect("client");
@@ -601,13 +607,7 @@ mod tests {
         );
         let why = blocked_reason(sh);
         assert!(why.starts_with("stale state:"), "{why}");
-        let rec = sh
-            .ha
-            .lease()
-            .read_record()
-            .await
-            .expect("read")
-            .expect("record");
+        let rec = w.record().await;
         assert_eq!(rec.epoch, 2);
         assert!(!rec.live(sh.wall()), "released: {rec:?}");
         assert!(!sh.ha.controls_fleet());
@@ -627,14 +627,7 @@ mod tests {
         clock.advance(Duration::from_millis(400));
         let renewed = async {
             for _ in 0..300 {
-                let rec = sh
-                    .ha
-                    .lease()
-                    .read_record()
-                    .await
-                    .expect("read")
-                    .expect("record");
-                if rec.expires_at > 1.0e9 + 2.0 {
+                if w.record().await.expires_at > 1.0e9 + 2.0 {
                     return true;
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
