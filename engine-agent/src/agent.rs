@@ -284,7 +284,7 @@ impl Agent {
         let locator = engine.cfg.locator.clone();
         let iid = engine.cfg.iid.clone();
         let cached = engine.owner.lock().map(|g| *g).unwrap_or(None);
-        let started = std::time::Instant::now();
+        let started = self.clock.now();
         let read = tokio::task::spawn_blocking(move || match locator {
             ProcessLocator::ListenPort(port) => read_port_identity(&LiveProc, port, cached),
             other => PortRead {
@@ -299,7 +299,7 @@ impl Agent {
         self.metrics.identity_read(
             read.path.as_str(),
             read.result.is_ok(),
-            started.elapsed().as_secs_f64(),
+            (self.clock.now() - started).as_secs_f64(),
         );
         if let Some(m) = &read.mismatch {
             tracing::info!(engine.iid = %iid, reason = %m, "engine process changed or moved: rescanned");

@@ -6,12 +6,14 @@
 //!  monitor tick ──due_probes(now)──► [(iid, ProbeKind)]   (driver GETs /health, feeds back)
 //! ```
 //!
-//! Pure: `now` is passed in, nothing here sleeps or does IO. First version of the verdicts:
+//! Pure: `now` is passed in, nothing here sleeps or does IO. The verdicts:
 //! at `recovery.eject_after` consecutive failures of one class, `connection`,
 //! `inference_status`, `kv_handoff` and `stream` eject the engine at once (cause = class name);
 //! `timeout` and `overload` request a health probe, which ejects (cause `health_probe`) if it
 //! fails. Client-fault answers (engine 4xx other than 408/429) never count. An ejected engine is
-//! probed every `probe_interval`; a 200 readmits it (evidence `health`) and clears its streaks.
+//! probed every `probe_interval`; a 200 readmits it (evidence `health`) and clears its streaks
+//! (an engine with an agent returns through lifecycle validation instead:
+//! [`Observation::Verified`]).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -352,9 +354,13 @@ impl Breaker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use narwhal_shared::{Clock as _, SystemClock};
 
     fn b() -> (Breaker, Instant) {
-        (Breaker::new(2, 3, Duration::from_secs(10)), Instant::now())
+        (
+            Breaker::new(2, 3, Duration::from_secs(10)),
+            SystemClock.now(),
+        )
     }
 
     const CONN: Observation = Observation::LegFailed(FailureClass::Connection);
@@ -481,7 +487,7 @@ mod tests {
         #[test]
         fn no_ejection_without_a_full_streak(seq in proptest::collection::vec(0usize..6, 0..40)) {
             let mut br = Breaker::new(1, 1000, Duration::from_secs(1));
-            let t0 = Instant::now();
+            let t0 = SystemClock.now();
             for c in seq {
                 let tr = br.observe(0, Observation::LegFailed(FailureClass::ALL[c]), t0);
                 proptest::prop_assert!(tr.is_empty());

@@ -1,5 +1,5 @@
 //! `narwhal-serve` command line (reference-notes 8.2; task brief): parse, load the fleet, bind,
-//! announce, then [`crate::run`].
+//! announce, then [`crate::app::run`].
 //!
 //! ```text
 //!  args ──clap──► Args ──Config::load──► Config (exit 2 on any problem, all listed)
@@ -16,9 +16,9 @@ use clap::{Parser, ValueEnum};
 use narwhal_shared::{Clock, SystemClock};
 use tokio::net::TcpListener;
 
+use crate::app::{Listeners, RunOptions};
 use crate::config::Config;
 use crate::journal::{Journal, run_id};
-use crate::{Listeners, RunOptions};
 
 /// Log output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -220,7 +220,7 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
     let standby = args
         .standby_of
         .as_ref()
-        .map(|primary| crate::StandbyOptions {
+        .map(|primary| crate::ha::StandbyOptions {
             primary: primary.trim_end_matches('/').to_string(),
             probe_interval: std::time::Duration::from_secs_f64(
                 args.standby_probe_interval.max(0.01),
@@ -256,7 +256,7 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
         let _ = out.flush();
     }
     tracing::info!(data = %data_url, control = %control_url, run = %run, engines = cfg.engines.len(), backend = %cfg.backend, "narwhal-serve started");
-    let result = crate::run(
+    let result = crate::app::run(
         cfg,
         Listeners { data, control },
         RunOptions {

@@ -58,9 +58,19 @@ impl Role {
             Role::Decode => "decode",
         }
     }
+
+    /// The role named `name` (`"prefill"` or `"decode"`), `None` for anything else.
+    pub fn parse(name: &str) -> Option<Role> {
+        match name {
+            "prefill" => Some(Role::Prefill),
+            "decode" => Some(Role::Decode),
+            _ => None,
+        }
+    }
 }
 
-/// Agent endpoint of one engine host (DESIGN.md section 4). Parsed now, used by the agent client.
+/// Agent endpoint of one engine host (DESIGN.md section 4); the agent registry
+/// (`lifecycle::agents`) builds one mutual-TLS client per distinct endpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineAgent {
     /// `https://host:port` of the host's narwhal-agent.

@@ -1,10 +1,11 @@
-//! The two HTTP listeners (DESIGN.md section 3) on hyper's HTTP/1 server, and the monitor task.
+//! The two HTTP listeners (DESIGN.md section 3) on hyper's HTTP/1 server, and their routes.
 //!
 //! ```text
 //!  data listener:    POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 //!                    GET /health, GET /ready
-//!  control listener: GET /narwhal/state, /narwhal/targets, /metrics, /health, /ready
-//!  monitor task:     every controller.monitor_interval_s: breaker probes (GET /health)
+//!  control listener: GET /narwhal/state, /narwhal/handoff, /narwhal/lifecycle,
+//!                    /narwhal/targets, /metrics, /health, /ready;
+//!                    POST /narwhal/lifecycle/drain, /narwhal/lifecycle/readmit
 //! ```
 //!
 //! hyper is used directly (not axum) so that a client disconnect drops the service future,
@@ -24,15 +25,12 @@ use hyper_util::server::graceful::GracefulShutdown;
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
-use crate::breaker::{Observation, ProbeKind};
-use crate::config::{Backend, Role, secs};
+use crate::documents;
 use crate::ingress::Endpoint;
-use crate::lifecycle;
-use crate::metrics::labels;
-use crate::serve::{Body, completion, json_response, refresh_bootstrap_port};
-use crate::state::Shared;
+use crate::parts::Parts;
+use crate::response::{Body, json_response};
+use crate::serve::completion;
 
 /// Largest lifecycle request body accepted, bytes.
 const CONTROL_BODY_LIMIT: usize = 64 * 1024;
@@ -55,23 +53,25 @@ pub(crate) enum Side {
     Control,
 }
 
-async fn route(shared: Arc<Shared>, side: Side, req: Request<Incoming>) -> Response<Body> {
+async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Response<Body> {
     let rid = uuid::Uuid::new_v4().to_string();
     let path = req.uri().path().to_string();
     let method = req.method().clone();
     match (side, method, path.as_str()) {
         (Side::Data, Method::POST, "/v1/completions") => {
-            completion(shared, Endpoint::Completions, req).await
+            completion(parts, Endpoint::Completions, req).await
         }
         (Side::Data, Method::POST, "/v1/chat/completions") => {
-            completion(shared, Endpoint::Chat, req).await
+            completion(parts, Endpoint::Chat, req).await
         }
         (Side::Data, Method::GET, "/v1/models") => {
-            json_response(StatusCode::OK, &shared.models_doc(), &rid)
+            json_response(StatusCode::OK, &documents::models(&parts.cfg), &rid)
         }
-        (_, Method::GET, "/health") => json_response(StatusCode::OK, &shared.health_doc(), &rid),
+        (_, Method::GET, "/health") => {
+            json_response(StatusCode::OK, &documents::health(&parts), &rid)
+        }
         (_, Method::GET, "/ready") => {
-            let (ready, body) = shared.ready_doc();
+            let (ready, body) = documents::ready(&parts);
             let mut r = json_response(
                 if ready {
                     StatusCode::OK
@@ -90,10 +90,10 @@ async fn route(shared: Arc<Shared>, side: Side, req: Request<Incoming>) -> Respo
             r
         }
         (Side::Control, Method::GET, "/narwhal/state") => {
-            json_response(StatusCode::OK, &shared.state_doc(), &rid)
+            json_response(StatusCode::OK, &documents::state(&parts), &rid)
         }
         (Side::Control, Method::GET, "/narwhal/handoff") => {
-            match serde_json::to_value(crate::handoff::snapshot(&shared)) {
+            match serde_json::to_value(crate::handoff::snapshot(&parts)) {
                 Ok(v) => json_response(StatusCode::OK, &v, &rid),
                 Err(e) => json_response(
                     StatusCode::INTERNAL_SERVER_ERROR,
@@ -102,11 +102,9 @@ async fn route(shared: Arc<Shared>, side: Side, req: Request<Incoming>) -> Respo
                 ),
             }
         }
-        (Side::Control, Method::GET, "/narwhal/lifecycle") => json_response(
-            StatusCode::OK,
-            &lifecycle::driver::document(&shared, ""),
-            &rid,
-        ),
+        (Side::Control, Method::GET, "/narwhal/lifecycle") => {
+            json_response(StatusCode::OK, &parts.lifecycle.document(""), &rid)
+        }
         (
             Side::Control,
             Method::POST,
@@ -117,32 +115,35 @@ async fn route(shared: Arc<Shared>, side: Side, req: Request<Incoming>) -> Respo
                 Err(e) => {
                     return json_response(
                         StatusCode::BAD_REQUEST,
-                        &lifecycle::driver::document(&shared, &e),
+                        &parts.lifecycle.document(&e),
                         &rid,
                     );
                 }
             };
             // The action runs in its own task: a client that gives up (a timeout during a long
             // validation) must not cancel it half-way and leave records `validating`.
+            let lifecycle = parts.lifecycle.clone();
             let action = if path == "/narwhal/lifecycle/drain" {
-                tokio::spawn(lifecycle::driver::drain(shared.clone(), body))
+                tokio::spawn(async move { lifecycle.drain(body).await })
             } else {
-                tokio::spawn(lifecycle::driver::readmit(shared.clone(), body))
+                tokio::spawn(async move { lifecycle.readmit(body).await })
             };
             match action.await {
                 Ok((status, doc)) => json_response(status, &doc, &rid),
                 Err(e) => json_response(
                     StatusCode::INTERNAL_SERVER_ERROR,
-                    &lifecycle::driver::document(&shared, &format!("lifecycle action failed: {e}")),
+                    &parts
+                        .lifecycle
+                        .document(&format!("lifecycle action failed: {e}")),
                     &rid,
                 ),
             }
         }
         (Side::Control, Method::GET, "/narwhal/targets") => {
-            json_response(StatusCode::OK, &shared.targets_doc(), &rid)
+            json_response(StatusCode::OK, &documents::targets(&parts.cfg), &rid)
         }
         (Side::Control, Method::GET, "/metrics") => {
-            let text = shared.render_metrics();
+            let text = documents::metrics(&parts);
             let mut r = Response::new(Full::new(bytes::Bytes::from(text)).boxed());
             r.headers_mut().insert(
                 http::header::CONTENT_TYPE,
@@ -193,13 +194,13 @@ async fn route(shared: Arc<Shared>, side: Side, req: Request<Incoming>) -> Respo
 /// Accept loop for one listener until `stop`, then wait up to `grace` for open connections.
 pub(crate) async fn serve(
     listener: TcpListener,
-    shared: Arc<Shared>,
+    parts: Arc<Parts>,
     side: Side,
     stop: CancellationToken,
     grace: Duration,
 ) {
     let graceful = GracefulShutdown::new();
-    let tls = match (side, &shared.cfg.control_tls) {
+    let tls = match (side, &parts.cfg.control_tls) {
         (Side::Control, Some(files)) => {
             let files = narwhal_shared::TlsFiles {
                 ca: files.ca.clone(),
@@ -231,10 +232,10 @@ pub(crate) async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let svc = {
-            let shared = shared.clone();
+            let parts = parts.clone();
             service_fn(move |req| {
-                let shared = shared.clone();
-                async move { Ok::<_, Infallible>(route(shared, side, req).await) }
+                let parts = parts.clone();
+                async move { Ok::<_, Infallible>(route(parts, side, req).await) }
             })
         };
         let builder = {
@@ -290,90 +291,5 @@ pub(crate) async fn serve(
             grace_s = grace.as_secs_f64(),
             "connections still open after the graceful timeout"
         );
-    }
-}
-
-/// Monitor: every `controller.monitor_interval_s`, run due breaker probes (reference-notes 6.4).
-pub(crate) async fn monitor(shared: Arc<Shared>, stop: CancellationToken) {
-    let period = secs(shared.cfg.controller.monitor_interval_s);
-    let mut tick = tokio::time::interval(period);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        lifecycle::driver::enforce_whole_wave(&shared);
-        let due = {
-            let now = shared.clock.now();
-            shared.core().breaker.due_probes(now)
-        };
-        for (iid, kind) in due {
-            let shared = shared.clone();
-            let span = tracing::info_span!("probe", engine = %shared.cfg.engines[iid].iid);
-            tokio::spawn(
-                async move {
-                    let url = format!("{}/health", shared.cfg.engines[iid].url);
-                    let res = shared
-                        .upstream
-                        .get(&url, secs(shared.cfg.engine.health_timeout_s))
-                        .await;
-                    let ok = matches!(res, Ok((StatusCode::OK, _)));
-                    let kind_label = match kind {
-                        ProbeKind::Readmission => "readmission",
-                        ProbeKind::Verification => "health",
-                    };
-                    shared
-                        .metrics
-                        .probes
-                        .get_or_create(&labels(&[
-                            ("iid", &shared.cfg.engines[iid].iid),
-                            ("kind", kind_label),
-                            ("outcome", if ok { "passed" } else { "failed" }),
-                        ]))
-                        .inc();
-                    if ok
-                        && shared.cfg.backend == Backend::Sglang
-                        && shared.cfg.engines[iid].role == Role::Prefill
-                        && let Err(e) = refresh_bootstrap_port(&shared, iid).await
-                    {
-                        tracing::warn!(error = %e, "bootstrap port refresh failed");
-                    }
-                    tracing::debug!(ok, "probe finished");
-                    if ok && kind == ProbeKind::Readmission && shared.agents.has(iid) {
-                        // An engine with an agent comes back only through validation of its
-                        // running process (issue 4: transient breaker ejection), not on a
-                        // bare health answer.
-                        if !lifecycle::driver::recover(shared.clone(), iid).await {
-                            shared.core().breaker.probe_inconclusive(iid);
-                        }
-                        return;
-                    }
-                    shared.observe(
-                        iid,
-                        if ok {
-                            Observation::HealthOk
-                        } else {
-                            Observation::HealthFailed
-                        },
-                    );
-                }
-                .instrument(span),
-            );
-        }
-    }
-}
-
-/// SGLang: learn every prefill engine's bootstrap port at startup (best effort).
-pub(crate) async fn warm_bootstrap_ports(shared: Arc<Shared>) {
-    if shared.cfg.backend != Backend::Sglang {
-        return;
-    }
-    for (iid, e) in shared.cfg.engines.iter().enumerate() {
-        if e.role == Role::Prefill
-            && let Err(err) = refresh_bootstrap_port(&shared, iid).await
-        {
-            tracing::warn!(engine.id = %e.iid, error = %err, "bootstrap port unknown at startup; will retry per request");
-        }
     }
 }

@@ -93,13 +93,22 @@ pub enum IngressError {
 }
 
 impl IngressError {
+    /// The error `type` of the body (reference-notes 1.9): `request_too_large` for an
+    /// oversized body, `invalid_request_error` for everything else.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            IngressError::TooLarge { .. } => "request_too_large",
+            _ => "invalid_request_error",
+        }
+    }
+
     /// HTTP status and JSON body (reference-notes 1.9).
     pub fn response(&self) -> (StatusCode, Value) {
         let message = self.to_string();
         match self {
             IngressError::TooLarge { .. } => (
                 StatusCode::PAYLOAD_TOO_LARGE,
-                json!({"error": {"message": message, "type": "request_too_large"}}),
+                json!({"error": {"message": message, "type": self.error_type()}}),
             ),
             IngressError::InvalidJson => (
                 StatusCode::BAD_REQUEST,

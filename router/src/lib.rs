@@ -1,170 +1,115 @@
 //! Narwhal router (`narwhal-serve`): placement, P/D serving for vLLM and SGLang, streaming
-//! relay, breaker, outcome accounting, metrics, state and journal (DESIGN.md sections 3, 5, 6).
+//! relay, breaker, outcome accounting, metrics, engine lifecycle, HA (lease, handoff, warm
+//! standby), state and journal (DESIGN.md sections 3, 5, 6, 7, 9).
 //!
 //! ```text
-//!  clients ──► data listener ──► ingress ──► placement ──► prefill leg ─┐
-//!                                   │                       decode leg ◄┘ (vLLM: descriptor,
-//!                                   ▼                          │         SGLang: rendezvous)
-//!                               outcome (one settle) ◄── relay ◄┘
-//!                                   ├─► metrics  ├─► journal  └─► /narwhal/state
-//!  monitor task ──► breaker probes (GET /health) ──► readmission
+//!  clients ──► data listener ──► ingress ──► admission ──► placement ──► prefill leg ─┐
+//!                                   │                                    decode leg ◄┘ (vLLM:
+//!                                   ▼                                       │  descriptor, SGLang:
+//!                      accounting (one settle) ◄── relay ◄──────────────────┘  rendezvous)
+//!                                   ├─► metrics  ├─► journal  └─► /narwhal/state, handoff
+//!  monitor task ──► breaker probes (GET /health) ──► readmission (lifecycle validation)
 //! ```
 //!
-//! Pure cores (`placement`, `relay`, `breaker`, `ingress`, `outcome`, `config`) take `now` and
-//! RNGs as arguments; the drivers (`serve`, `http`, `upstream`, `state`) do the IO.
+//! # Design note: module map, ownership, events, locks
+//!
+//! Modules depend on each other in one direction, from the bottom layer up; a lower layer
+//! never names an upper one. `layering.rs` (a unit test) fails the build's tests when an
+//! import cycle appears among the top-level modules or among the files of one module.
+//!
+//! | layer | modules | what they are |
+//! |---|---|---|
+//! | 0 pure cores | `config`, `placement`, `breaker`, `relay`, `ingress`, `outcome`, `retry`, `demand`, `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO |
+//! | 0 leaves | `journal`, `metrics`, `response` | the journal writer, Prometheus families, JSON responses |
+//! | 1 engine client | `upstream`, `failure` | legs to engines and how they fail; `RequestFailure`, the one map to status, body and settlement |
+//! | 1 parts | `fleet`, `accounting`, `admission`, `phase` | own their data behind narrow handles (below) |
+//! | 2 | `readiness`, `bootstrap` | the readiness gate over `phase` + `fleet`; SGLang bootstrap ports (`fleet` cache + `upstream`) |
+//! | 3 | `lifecycle` (`request`, `agents`, `checks`, `identity`, `executor`, `driver`) | drains, waves, readmission through the agents |
+//! | 4 | `parts` | `Parts`, a bundle of handles to every part, built once; owns nothing itself |
+//! | 5 | `serve`, `documents`, `handoff`, `monitor` | the request pipeline; `/ready`, `/health`, `/narwhal/state`, `/metrics`; the handoff; breaker probes |
+//! | 6 | `ha` (`primary`, `standby`), `http` | the lease loop and the warm standby; the listeners and routes |
+//! | 7 | `app`, `cli`, this root | wiring (`run`) and the command line |
+//!
+//! Upper modules keep their own pure cores: `lifecycle::{machine, events, validation, check}`
+//! (drains, waves, readmission rules) and `ha::machine` (the standby's decisions) take `now`
+//! and results as arguments and return what to do.
+//!
+//! **Ownership.** Each part owns its state; nothing else holds a lock on it:
+//! - `Fleet`: engine slots (role, exclusions, resident counts), the breaker and the
+//!   application of its transitions (exclusions, metrics, journal), suspect producers, SGLang
+//!   bootstrap ports; the live count is an atomic. One mutex, taken only inside `fleet.rs`.
+//! - `Accounting`: the outcome tally (the single source `/narwhal/state`, `/metrics` and the
+//!   handoff read), attempt/retry/upstream counters (atomics), the retry budget (a lock-free
+//!   cell); it is the `SettleSink` every request settles into exactly once.
+//! - `Admission`: retained-request limit, seats, queue (atomics and a semaphore).
+//! - `Ha` (`phase.rs`): the `HaPhase` (active, validating identities, shadowing, blocked,
+//!   fenced) on a `tokio::sync::watch` channel, with the lease's local validity. `/ready`,
+//!   `/health`, `controls_fleet` and the metrics derive from it through pure functions.
+//! - `LifecycleDriver`: the pure lifecycle machine (behind its `Executor`), the agents, and
+//!   the one-action-at-a-time lock.
+//! - `Gate` (`readiness.rs`): a mirror of the lifecycle's readiness hold, read with the HA
+//!   phase and the live count on every request without the lifecycle's lock.
+//! - `DemandRisk`: the newest consolidation-risk event (handoff `demand_risk`).
+//!
+//! **Events, not imports.** Lower layers tell upper ones what happened through channels:
+//! the fleet notifies `resident_changed` (the lifecycle's timer re-evaluates drains) and
+//! `dirty` (the state-file writer persists); the lease driver reports a lost renewal to
+//! `ha::primary`, whose `Renewal::lost` tells the `ha` supervisor to run the standby; the
+//! lifecycle machine emits typed `LifecycleEvent`s that its executor journals; the HA phase
+//! is published on its watch channel.
+//!
+//! **Locks.** No lock is held across a call into a higher layer, and the order is the layer
+//! order: the lifecycle machine's mutex may be held while the fleet is asked or told
+//! something (the executor applying holds), never the reverse (the fleet calls nothing
+//! above it). Every other lock is private to one part and held for a few field updates.
+//! The request path takes the fleet lock for placement and residency and the tally lock at
+//! settlement; counters, the budget, admission, readiness and the HA phase are atomics or a
+//! watch read.
+//!
+//! **Where later work lands.** Breaker and ejection policy: `breaker` (pure) and
+//! `Fleet::apply`. A role controller: a new part beside `fleet`, fed by `accounting`/`serve`
+//! bookkeeping, changing roles through `Fleet` and holds through the lifecycle. Epoch-bound
+//! work: subscribe to the HA phase and stop when its epoch ends. Hot-path locks: placement
+//! state and the tally are each behind one part's handle, replaceable without touching
+//! callers.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+mod accounting;
+mod admission;
+mod app;
+mod bootstrap;
 pub mod breaker;
 mod cli;
 pub mod config;
+mod demand;
+mod documents;
+mod failure;
+mod fleet;
 mod ha;
 mod handoff;
 mod http;
 pub mod ingress;
 pub mod journal;
+#[cfg(test)]
+mod layering;
 pub mod lease;
 pub mod lifecycle;
 mod metrics;
+mod monitor;
 pub mod outcome;
+mod parts;
+mod phase;
 pub mod placement;
+mod readiness;
 pub mod relay;
+mod response;
+pub mod retry;
 mod serve;
-mod state;
 mod upstream;
 
-use std::future::Future;
-use std::sync::Arc;
-use std::time::Duration;
-
+pub use app::{Error, Listeners, RunOptions, run};
 pub use cli::main_from_args;
 pub use config::{Backend, Config, ConfigError, ConfigIssue, Role};
 pub use ha::StandbyOptions;
 pub use journal::Journal;
-
-/// The two bound listeners (DESIGN.md section 3).
-#[derive(Debug)]
-pub struct Listeners {
-    /// OpenAI routes, `/health`, `/ready`.
-    pub data: tokio::net::TcpListener,
-    /// `/narwhal/*`, `/metrics`, `/health`, `/ready`.
-    pub control: tokio::net::TcpListener,
-}
-
-/// Runtime options from the command line.
-#[derive(Debug)]
-pub struct RunOptions {
-    /// The opened request journal (its run id names this process).
-    pub journal: Journal,
-    /// Admission seats (`--max-concurrent`, default `serving.max_connections`).
-    pub max_concurrent: usize,
-    /// `--resume`: apply the state file's handoff at startup.
-    pub resume: bool,
-    /// `--standby-of`: start as a warm standby of this primary.
-    pub standby: Option<StandbyOptions>,
-    /// `--router-id`: prefix of the lease holder token.
-    pub router_id: String,
-}
-
-/// Errors that end [`run`].
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// The fleet file is invalid.
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// The journal could not be opened.
-    #[error(transparent)]
-    Journal(#[from] journal::JournalError),
-    /// An agent client could not be built (TLS files, public key); names the key.
-    #[error("{0}")]
-    Agents(String),
-    /// The lease backend could not be set up (timings, etcd endpoints); names the key.
-    #[error("{0}")]
-    Lease(String),
-}
-
-/// Serve until `shutdown` resolves, then stop accepting, let open requests finish for up to
-/// `serving.graceful_timeout_s`, and return.
-///
-/// # Errors
-/// None today once listeners are bound; the signature leaves room for lease and state-file
-/// startup failures.
-pub async fn run(
-    config: Config,
-    listeners: Listeners,
-    opts: RunOptions,
-    shutdown: impl Future<Output = ()>,
-) -> Result<(), Error> {
-    let clock: Arc<dyn narwhal_shared::Clock> = Arc::new(narwhal_shared::SystemClock);
-    let grace = Duration::from_secs(config.serving.graceful_timeout_s);
-    let agents =
-        lifecycle::driver::Agents::from_config(&config, clock.clone()).map_err(Error::Agents)?;
-    let lease = lease::LeaseDriver::from_config(&config.lease, &opts.router_id, clock.clone())
-        .map_err(|e| Error::Lease(e.to_string()))?;
-    let shared = state::Shared::new(
-        Arc::new(config),
-        clock,
-        opts.journal,
-        opts.max_concurrent.max(1),
-        agents,
-        Arc::new(lease),
-    );
-    let stop = tokio_util::sync::CancellationToken::new();
-    if let Some(standby) = &opts.standby {
-        // A warm standby serves nothing until it takes over (reference-notes 2.9).
-        tokio::spawn(ha::standby_loop(
-            shared.clone(),
-            Some(standby.clone()),
-            stop.clone(),
-        ));
-    } else {
-        if (opts.resume || shared.cfg.recovery.resume)
-            && let Some(reason) = handoff::resume(&shared)
-        {
-            lifecycle::driver::resume_refused(&shared, &reason);
-        }
-        ha::start_primary(shared.clone(), None, stop.clone()).await;
-        if shared.ha().controls_fleet && (0..shared.cfg.engines.len()).any(|i| shared.agents.has(i))
-        {
-            // Catch restarts that happened behind the router's back (reference-notes 4.10).
-            // Until every engine's identity was checked through its agent the router answers
-            // `/ready` 503 "engine identity validation pending" (reference-notes 1.2).
-            ha::hold_until_identities_checked(shared.clone());
-        }
-    }
-    let state_writer = tokio::spawn(handoff::writer(shared.clone(), stop.clone()));
-    let monitor = tokio::spawn(http::monitor(shared.clone(), stop.clone()));
-    let lifecycle_timer = tokio::spawn(lifecycle::driver::timer(shared.clone(), stop.clone()));
-    tokio::spawn(http::warm_bootstrap_ports(shared.clone()));
-    let data = tokio::spawn(http::serve(
-        listeners.data,
-        shared.clone(),
-        http::Side::Data,
-        stop.clone(),
-        grace,
-    ));
-    let control = tokio::spawn(http::serve(
-        listeners.control,
-        shared.clone(),
-        http::Side::Control,
-        stop.clone(),
-        grace,
-    ));
-    shutdown.await;
-    let was_controlling = shared.ha().controls_fleet;
-    stop.cancel();
-    let _ = data.await;
-    let _ = control.await;
-    let _ = monitor.await;
-    let _ = lifecycle_timer.await;
-    let _ = state_writer.await;
-    if was_controlling {
-        match shared.lease.release().await {
-            Ok(true) => tracing::info!("lease released"),
-            Ok(false) => {}
-            Err(e) => tracing::warn!(error = %e, "lease release failed; it lapses at expiry"),
-        }
-    }
-    tracing::info!("narwhal-serve stopped");
-    Ok(())
-}

@@ -4,22 +4,38 @@
 //! health), each run through the engines' agents and each signed.
 //!
 //! ```text
-//!  POST drain ──► machine::begin (held out of placement) ──► agents: attestation (identity)
-//!                    ──► machine::bind_identity ──► refresh on resident change and on a timer
-//!  POST readmit ──► machine::mark_validating ──► validation::validate (agents, signed)
-//!                    ──► machine::readmitted | machine::validation_failed
+//!  POST drain ──request──► driver ──► machine::begin (held out of placement) ──► identity:
+//!                    agents' attestation ──► machine::bind_identity ──► refresh on resident
+//!                    change and on a timer
+//!  POST readmit ──request──► driver ──► machine::mark_validating ──► validation::validate
+//!                    (checks: agents, signed) ──► machine::readmitted | validation_failed
 //!  breaker ejection + health OK ──► recovery validation (no restart required)
+//!  every machine change ──► executor::commit (holds → fleet, readiness hold, journal)
 //! ```
 //!
-//! `machine` and `validation` are pure (clock and I/O passed in); `driver` does the I/O.
+//! `machine`, `events` and `validation` are pure (clock and I/O passed in); `request` parses bodies;
+//! `agents` is the agent registry; `checks` implements the checks through the agents;
+//! `identity` reads process identities and runs the startup/takeover identity check;
+//! `executor` owns the machine and applies its decisions; `driver` runs the actions.
 
+pub mod check;
+pub mod events;
 pub mod machine;
 pub mod validation;
 
+pub(crate) mod agents;
+pub(crate) mod checks;
 pub(crate) mod driver;
+pub(crate) mod executor;
+pub(crate) mod identity;
+pub(crate) mod request;
 
+pub use check::{CheckError, KvEvidence};
+pub use events::{EventKind, LifecycleEvent};
 pub use machine::{
-    DrainPlan, DrainRecord, DrainRequest, DrainState, EngineOutcome, EngineView, Lifecycle,
-    LifecycleError, Now,
+    DrainPlan, DrainRecord, DrainRequest, DrainState, EngineOutcome, EngineView, Hold, Lifecycle,
+    LifecycleError, Now, Record, RestoreError,
 };
-pub use validation::{Attested, Checks, Identity, Plan, Report, fabric_pairs, validate};
+pub use validation::{
+    Attested, Checks, FabricError, Identity, Plan, Report, fabric_pairs, validate,
+};

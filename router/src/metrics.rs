@@ -430,7 +430,6 @@ impl Metrics {
         Metrics { registry: r, ..m }
     }
 
-    /// Observe a first-token latency, seconds.
     /// Starts the outcome counters at a restored handoff's totals (`--resume`, takeover), so
     /// `/metrics` continues from the previous router's counts as `/narwhal/state` does.
     pub(crate) fn restore_totals(
@@ -461,6 +460,7 @@ impl Metrics {
         }
     }
 
+    /// Observe a first-token latency, seconds.
     pub(crate) fn observe_ttft(&self, s: f64) {
         self.ttft
             .get_or_create(&labels(&[("slo", &self.slo_label_ttft)]))

@@ -23,7 +23,7 @@ use crate::config::Role;
 pub enum Exclusion {
     /// The breaker ejected it; the monitor probes it for readmission.
     Ejected,
-    /// A lifecycle drain holds it out (set by the lifecycle issue).
+    /// A lifecycle hold (drain, wave, validation) keeps it out (`Fleet::set_held`).
     Draining,
 }
 

@@ -131,7 +131,8 @@ pub struct RelayOptions {
     pub collect: bool,
 }
 
-/// Why a decode stream failed (maps to breaker class and failed reason in `outcome`).
+/// Why a decode stream failed (`upstream::LegError` maps it to a breaker class and a failed
+/// reason).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StreamFailure {
     /// An in-stream `{"error": {...}}` frame; status from `error.code` if 400–599 else 500.

@@ -21,51 +21,31 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode};
-use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use http_body_util::BodyExt;
 use hyper::body::{Frame, Incoming};
 use rand::Rng;
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tracing::Instrument;
 
+use crate::bootstrap;
 use crate::breaker::Observation;
 use crate::config::{Backend, secs};
+use crate::failure::{Expiry, RequestFailure};
+use crate::fleet::Resident;
 use crate::ingress::{self, Endpoint, Validated};
-use crate::metrics::labels;
-use crate::outcome::{Pending, RequestRecord, SettleSink, Settlement, Terminal};
+use crate::outcome::{Pending, RequestRecord, SettleSink, Settlement};
+use crate::parts::Parts;
 use crate::placement::{self, Phase, Plan};
-use crate::relay::{Aggregator, RelayOptions, RelayStep, data_frame, done_frame, error_frame};
-use crate::state::{Queued, Resident, Retained, Shared};
+use crate::relay::{Aggregator, RelayOptions, RelayStep, data_frame, done_frame};
+use crate::response::{Body, json_response};
+use crate::retry::{self, Decision, RetryPolicy, Stop};
 use crate::upstream::{
     LegError, LiveStream, Rendezvous, decode_body, sglang_bodies, url_host, vllm_prefill_body,
 };
 
 /// How long a failed SGLang decode waits for its concurrent prefill's verdict.
 const PREFILL_VERDICT_WAIT: Duration = Duration::from_secs(1);
-
-/// Response body type for every route.
-pub(crate) type Body = BoxBody<Bytes, Infallible>;
-
-/// A full JSON response with `x-request-id`.
-pub(crate) fn json_response(status: StatusCode, v: &Value, rid: &str) -> Response<Body> {
-    let mut r = Response::new(Full::new(Bytes::from(v.to_string())).boxed());
-    *r.status_mut() = status;
-    let h = r.headers_mut();
-    h.insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    if let Ok(v) = HeaderValue::from_str(rid) {
-        h.insert("x-request-id", v);
-    }
-    r
-}
-
-fn with_retry_after(mut r: Response<Body>) -> Response<Body> {
-    r.headers_mut()
-        .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
-    r
-}
 
 /// Body fed by a channel: the relay task sends SSE frames; dropping the body (client gone)
 /// closes the channel, which the task notices.
@@ -102,13 +82,6 @@ struct Fail {
     producer: Option<usize>,
 }
 
-enum AttemptsError {
-    NoEngine,
-    /// The router lost control of the fleet (lease) before this attempt was placed.
-    NotInControl,
-    Leg(Fail),
-}
-
 /// An attempt that reached its first token.
 struct Started {
     live: LiveStream,
@@ -123,7 +96,7 @@ struct Started {
 
 /// What every step of one request needs.
 struct Ctx<'a> {
-    shared: &'a Arc<Shared>,
+    parts: &'a Arc<Parts>,
     endpoint: Endpoint,
     v: &'a Validated,
     rid: &'a str,
@@ -132,190 +105,110 @@ struct Ctx<'a> {
 
 /// Serve one completion POST. Never fails: every outcome is a response and one settlement.
 pub(crate) async fn completion(
-    shared: Arc<Shared>,
+    parts: Arc<Parts>,
     endpoint: Endpoint,
     req: http::Request<Incoming>,
 ) -> Response<Body> {
     let rid = uuid::Uuid::new_v4().to_string();
-    let span = tracing::info_span!("request", id = %rid, route = endpoint.path(), model = %shared.cfg.model);
-    completion_inner(shared, endpoint, req, rid)
+    let span = tracing::info_span!("request", id = %rid, route = endpoint.path(), model = %parts.cfg.model);
+    completion_inner(parts, endpoint, req, rid)
         .instrument(span)
         .await
 }
 
 async fn completion_inner(
-    shared: Arc<Shared>,
+    parts: Arc<Parts>,
     endpoint: Endpoint,
     req: http::Request<Incoming>,
     rid: String,
 ) -> Response<Body> {
-    let arrived = shared.clock.now();
-    let deadline = arrived + secs(shared.cfg.serving.request_timeout_s);
-    shared.tally().offered += 1;
-    shared.metrics.offered.inc();
-    let sink: Arc<dyn SettleSink> = shared.clone();
+    let arrived = parts.clock.now();
+    let deadline = arrived + secs(parts.cfg.serving.request_timeout_s);
+    parts.accounting.offered();
+    let sink: Arc<dyn SettleSink> = parts.accounting.clone();
     let mut pending = Pending::new(
         sink,
         RequestRecord {
             rid: rid.clone(),
             endpoint: endpoint.path().to_string(),
-            arrived: shared.wall(),
+            arrived: parts.wall(),
             ..Default::default()
         },
     );
-    let err_body = |message: &str, ty: &str| json!({"error": {"message": message, "type": ty}});
-
-    let Some(retained) = Retained::try_new(&shared) else {
-        pending.settle(Settlement::new(
-            Terminal::Rejected,
-            "inflight_limit",
-            429,
-            "router in-flight limit reached",
-            "server_overloaded_error",
-        ));
-        return with_retry_after(json_response(
-            StatusCode::TOO_MANY_REQUESTS,
-            &err_body("router in-flight limit reached", "server_overloaded_error"),
-            &rid,
-        ));
+    let fail = |pending: Pending, failure: RequestFailure| {
+        pending.settle(failure.settlement());
+        failure.response(&rid)
     };
 
-    let (ready, control_ready, reason) = shared.readiness();
-    if !ready {
-        let ha = shared.ha();
-        let ty = if control_ready && ha.lifecycle_blocked.is_empty() && shared.live_count() == 0 {
-            ("No engines are available", "backend_unavailable")
-        } else {
-            ("Router is not ready", "standby")
-        };
-        pending.settle(Settlement::new(
-            Terminal::Rejected,
-            "not_ready",
-            503,
-            format!("not ready: {reason}"),
-            ty.1,
-        ));
-        return with_retry_after(json_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            &json!({"error": {"message": ty.0, "type": ty.1, "code": ty.1}}),
-            &rid,
-        ));
+    let Some(retained) = parts.admission.try_retain() else {
+        return fail(pending, RequestFailure::InflightLimit);
+    };
+
+    let readiness = parts.gate.readiness();
+    if !readiness.ready {
+        let no_engines = readiness.control_ready
+            && parts.gate.lifecycle_hold().is_none()
+            && parts.fleet.live_count() == 0;
+        let reason = readiness.reason;
+        return fail(pending, RequestFailure::NotReady { reason, no_engines });
     }
 
-    let limit = shared.cfg.serving.max_request_bytes;
+    let limit = parts.cfg.serving.max_request_bytes;
     let read = tokio::time::timeout_at(deadline.into(), read_body(req.into_body(), limit)).await;
-    let Ok(read) = read else {
-        // A client that cannot deliver its body within the request deadline.
-        pending.settle(Settlement::new(
-            Terminal::Expired,
-            "deadline",
-            504,
-            "request body not received before the deadline",
-            "request_expired",
-        ));
-        return json_response(
-            StatusCode::GATEWAY_TIMEOUT,
-            &err_body("original request deadline expired", "request_expired"),
-            &rid,
-        );
-    };
     let bytes = match read {
-        Ok(b) => b,
-        Err(ReadError::TooLarge) => {
+        // A client that cannot deliver its body within the request deadline.
+        Err(_) => return fail(pending, RequestFailure::Expired(Expiry::BodyRead)),
+        Ok(Ok(b)) => b,
+        Ok(Err(ReadError::TooLarge)) => {
             let e = ingress::IngressError::TooLarge { limit };
-            let (st, body) = e.response();
-            pending.settle(Settlement::new(
-                Terminal::Invalid,
-                "",
-                st.as_u16(),
-                e.to_string(),
-                "request_too_large",
-            ));
-            return json_response(st, &body, &rid);
+            return fail(pending, RequestFailure::Invalid(e));
         }
-        Err(ReadError::Client(detail)) => {
+        Ok(Err(ReadError::Client(detail))) => {
             tracing::debug!(%detail, "client body read failed");
-            pending.settle(Settlement::cancelled());
-            return json_response(
-                StatusCode::BAD_REQUEST,
-                &err_body("request body read failed", "invalid_request_error"),
-                &rid,
-            );
+            return fail(pending, RequestFailure::BodyUnreadable);
         }
     };
     let v = match ingress::validate(
         endpoint,
         &bytes,
-        &shared.cfg.model,
-        shared.cfg.backend,
-        shared.cfg.engine.chars_per_token,
+        &parts.cfg.model,
+        parts.cfg.backend,
+        parts.cfg.engine.chars_per_token,
     ) {
         Ok(v) => v,
-        Err(e) => {
-            let (st, body) = e.response();
-            let ty = body["error"]["type"]
-                .as_str()
-                .unwrap_or("invalid_request_error")
-                .to_string();
-            pending.settle(Settlement::new(
-                Terminal::Invalid,
-                "",
-                st.as_u16(),
-                e.to_string(),
-                &ty,
-            ));
-            return json_response(st, &body, &rid);
-        }
+        Err(e) => return fail(pending, RequestFailure::Invalid(e)),
     };
     pending.record().stream = v.stream;
     pending.record().input_len = Some(v.input_len);
 
     // Admission seat (FIFO queue bounded by queue_timeout_s when queue_capacity > 0).
-    let permit: OwnedSemaphorePermit = if shared.cfg.serving.queue_capacity == 0 {
-        match shared.seats.clone().try_acquire_owned() {
+    let permit: OwnedSemaphorePermit = if parts.cfg.serving.queue_capacity == 0 {
+        match parts.admission.seats().clone().try_acquire_owned() {
             Ok(p) => p,
-            Err(_) => {
-                pending.settle(Settlement::new(
-                    Terminal::Rejected,
-                    "inflight_limit",
-                    429,
-                    "router in-flight limit reached",
-                    "server_overloaded_error",
-                ));
-                return with_retry_after(json_response(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    &err_body("router in-flight limit reached", "server_overloaded_error"),
-                    &rid,
-                ));
-            }
+            Err(_) => return fail(pending, RequestFailure::InflightLimit),
         }
     } else {
-        let queue_by = arrived + secs(shared.cfg.serving.queue_timeout_s);
+        let queue_by = arrived + secs(parts.cfg.serving.queue_timeout_s);
         let by = queue_by.min(deadline);
-        let waiting = Queued::new(&shared);
+        let waiting = parts.admission.queued();
         let acquired =
-            tokio::time::timeout_at(by.into(), shared.seats.clone().acquire_owned()).await;
+            tokio::time::timeout_at(by.into(), parts.admission.seats().clone().acquire_owned())
+                .await;
         drop(waiting);
         match acquired {
             Ok(Ok(p)) => p,
             _ => {
-                let (reason, ty, msg) = if by == deadline {
-                    (
-                        "deadline",
-                        "request_expired",
-                        "original request deadline expired",
-                    )
-                } else {
-                    ("queue_timeout", "queue_expired", "queue deadline expired")
-                };
-                pending.settle(Settlement::new(Terminal::Expired, reason, 504, msg, ty));
-                return json_response(StatusCode::GATEWAY_TIMEOUT, &err_body(msg, ty), &rid);
+                let deadline_first = by == deadline;
+                return fail(
+                    pending,
+                    RequestFailure::Expired(Expiry::Queue { deadline_first }),
+                );
             }
         }
     };
 
     let ctx = Ctx {
-        shared: &shared,
+        parts: &parts,
         endpoint,
         v: &v,
         rid: &rid,
@@ -323,94 +216,59 @@ async fn completion_inner(
     };
     let outcome = tokio::time::timeout_at(deadline.into(), attempts(&ctx, &mut pending)).await;
     let started = match outcome {
-        Err(_) => {
-            pending.settle(Settlement::new(
-                Terminal::Expired,
-                "deadline",
-                504,
-                "request deadline expired before output",
-                "request_expired",
-            ));
-            return json_response(
-                StatusCode::GATEWAY_TIMEOUT,
-                &err_body("original request deadline expired", "request_expired"),
-                &rid,
-            );
-        }
-        Ok(Err(AttemptsError::NotInControl)) => {
-            pending.settle(Settlement::new(
-                Terminal::Rejected,
-                "not_ready",
-                503,
-                "the router lost control of the fleet before placing the request",
-                "standby",
-            ));
-            return with_retry_after(json_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &json!({"error": {"message": "Router is not ready", "type": "standby", "code": "standby"}}),
-                &rid,
-            ));
-        }
-        Ok(Err(AttemptsError::NoEngine)) => {
-            let ty = "no_schedulable_engines";
-            pending.settle(Settlement::new(
-                Terminal::Failed,
-                "no_engine",
-                503,
-                "no schedulable engine for this attempt",
-                ty,
-            ));
-            return with_retry_after(json_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &json!({"error": {"message": "Engine capacity is unavailable", "type": ty, "code": ty}}),
-                &rid,
-            ));
-        }
-        Ok(Err(AttemptsError::Leg(f)))
-            if f.err.client_fault().is_none() && shared.clock.now() >= deadline =>
+        Err(_) => return fail(pending, RequestFailure::Expired(Expiry::BeforeOutput)),
+        Ok(Err(RequestFailure::Leg { err, .. }))
+            if err.client_fault().is_none() && parts.clock.now() >= deadline =>
         {
             // A leg limit that coincides with the request deadline is the deadline.
-            pending.settle(Settlement::new(
-                Terminal::Expired,
-                "deadline",
-                504,
-                format!(
-                    "request deadline expired before output ({})",
-                    f.err.detail()
-                ),
-                "request_expired",
-            ));
-            return json_response(
-                StatusCode::GATEWAY_TIMEOUT,
-                &err_body("original request deadline expired", "request_expired"),
-                &rid,
+            let detail = err.detail();
+            return fail(
+                pending,
+                RequestFailure::Expired(Expiry::LegAtDeadline { detail }),
             );
         }
-        Ok(Err(AttemptsError::Leg(f))) => return failure_response(pending, &f, &rid),
+        Ok(Err(failure)) => return fail(pending, failure),
         Ok(Ok(s)) => s,
     };
-    let first_token_at = shared.clock.now();
+    let first_token_at = parts.clock.now();
     {
         let rec = pending.record();
         rec.ttft_s = Some((first_token_at - arrived).as_secs_f64());
         rec.output_started = v.stream;
-        rec.decode_iid = Some(shared.cfg.engines[started.decode_iid].iid.clone());
+        rec.decode_iid = Some(parts.cfg.engines[started.decode_iid].iid.clone());
     }
     if v.stream {
         let (tx, rx) = mpsc::channel::<Bytes>(64);
-        let task_shared = shared.clone();
+        let task_parts = parts.clone();
         let span = tracing::Span::current();
         tokio::spawn(
-            relay_stream(
-                task_shared,
-                started,
-                pending,
-                tx,
-                deadline,
-                first_token_at,
-                retained,
-                permit,
-            )
+            async move {
+                let _held = (retained, permit);
+                let mut client = Stream(tx);
+                let end = relay(
+                    &task_parts,
+                    started,
+                    &mut pending,
+                    &mut client,
+                    deadline,
+                    first_token_at,
+                )
+                .await;
+                match end {
+                    Relayed::Done { .. } => {
+                        client.finish(done_frame()).await;
+                        pending.settle(Settlement::completed());
+                    }
+                    // Client gone (or too slow): `pending` settles on drop.
+                    Relayed::ClientGone => {}
+                    Relayed::Failed(failure) => {
+                        if let Some(frame) = failure.stream_frame() {
+                            client.finish(frame).await;
+                        }
+                        pending.settle(failure.settlement());
+                    }
+                }
+            }
             .instrument(span),
         );
         let mut r = Response::new(BodyExt::boxed(ChannelBody(rx)));
@@ -428,27 +286,31 @@ async fn completion_inner(
         }
         r
     } else {
-        let r = collect(
-            &shared,
+        let mut agg = Aggregator::new(endpoint == Endpoint::Chat);
+        let end = relay(
+            &parts,
             started,
             &mut pending,
+            &mut agg,
             deadline,
             first_token_at,
-            endpoint,
-            v.input_len,
         )
         .await;
         drop(permit);
         drop(retained);
-        match r {
-            Ok(body) => {
+        match end {
+            Relayed::Done {
+                prompt_tokens,
+                tokens,
+            } => {
                 pending.settle(Settlement::completed());
-                json_response(StatusCode::OK, &body, &rid)
+                let prompt = prompt_tokens.unwrap_or(v.input_len);
+                json_response(StatusCode::OK, &agg.finish(prompt, tokens), &rid)
             }
-            Err((settlement, status, body)) => {
-                pending.settle(settlement);
-                json_response(status, &body, &rid)
-            }
+            Relayed::Failed(failure) => fail(pending, failure),
+            // An `Aggregator` takes every chunk and never reports its client gone (hyper drops
+            // this future instead, and `pending` settles on drop).
+            Relayed::ClientGone => unreachable!("a non-streaming relay has no client to lose"),
         }
     }
 }
@@ -476,68 +338,31 @@ async fn read_body(mut body: Incoming, limit: u64) -> Result<Bytes, ReadError> {
     Ok(Bytes::from(buf))
 }
 
-/// Answer a failed request before output and settle it.
-fn failure_response(pending: Pending, f: &Fail, rid: &str) -> Response<Body> {
-    if let Some((status, message, param)) = f.err.client_fault() {
-        let st = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
-        pending.settle(Settlement::new(
-            Terminal::Failed,
-            "engine_rejected",
-            st.as_u16(),
-            f.err.detail(),
-            "invalid_request_error",
-        ));
-        return json_response(
-            st,
-            &json!({"error": {"message": message, "type": "invalid_request_error", "param": param, "code": null}}),
-            rid,
-        );
-    }
-    let phase = f.phase.as_str();
-    let status = f.err.http_status();
-    pending.settle(Settlement::new(
-        Terminal::Failed,
-        f.err.reason(),
-        status,
-        format!("{phase}: {}", f.err.detail()),
-        phase,
-    ));
-    json_response(
-        StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
-        &json!({"error": {"message": f.err.public_message(), "type": phase, "code": phase}}),
-        rid,
-    )
-}
-
 /// Run attempts until one reaches its first token (reference-notes 7.5).
-async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, AttemptsError> {
-    let shared = ctx.shared;
-    let max = shared.cfg.serving.max_attempts;
+async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, RequestFailure> {
+    let parts = ctx.parts;
+    let policy = RetryPolicy::from_serving(&parts.cfg.serving);
     let mut avoid: BTreeSet<usize> = BTreeSet::new();
     let mut n = 0u32;
     loop {
         n += 1;
         // A fenced router places nothing, not even a retry (reference-notes 3.4): the body
         // read and earlier attempts may have outlasted the lease.
-        if !shared.ha().controls_fleet {
-            return Err(AttemptsError::NotInControl);
+        if !parts.ha.controls_fleet() {
+            return Err(RequestFailure::NotInControl);
         }
-        let plan = {
-            let mut core = shared.core();
-            let core = &mut *core;
-            let aggregate = match shared.cfg.backend {
-                Backend::Vllm => placement::Aggregate::AnyRole,
-                Backend::Sglang => placement::Aggregate::DecodeOnly,
-            };
-            placement::plan_with(&core.slots, &avoid, aggregate, &mut core.rng)
+        let aggregate = match parts.cfg.backend {
+            Backend::Vllm => placement::Aggregate::AnyRole,
+            Backend::Sglang => placement::Aggregate::DecodeOnly,
         };
+        let plan = parts.fleet.place(&avoid, aggregate);
         let Some(plan) = plan else {
-            return Err(AttemptsError::NoEngine);
+            return Err(RequestFailure::NoEngine);
         };
         {
             let rec = pending.record();
             rec.attempts = n;
-            let name = |i: usize| Some(shared.cfg.engines[i].iid.clone());
+            let name = |i: usize| Some(parts.cfg.engines[i].iid.clone());
             match plan {
                 Plan::Split { prefill, decode } => {
                     rec.prefill_iid = name(prefill);
@@ -561,65 +386,50 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Attem
         };
         // Breaker and accounting for the failed leg.
         match f.err.class(f.phase) {
-            Some(class) => shared.observe_leg_failure(f.iid, f.phase, class, producer),
-            None => shared.observe(f.iid, Observation::ClientFault),
+            Some(class) => parts
+                .fleet
+                .observe_leg_failure(f.iid, f.phase, class, producer),
+            None => parts.fleet.observe(f.iid, Observation::ClientFault),
         }
         if f.phase == Phase::Decode && matches!(f.err, LegError::FirstTokenTimeout) {
             // A consolidation-risk event (reference-notes 9), carried in the handoff.
-            shared
-                .demand()
-                .record("first_token_timeout", shared.clock.now());
+            parts
+                .demand
+                .lock()
+                .record("first_token_timeout", parts.clock.now());
         }
-        {
-            let mut core = shared.core();
-            *core
-                .stats
-                .attempt_failures
-                .entry((f.phase.as_str().to_string(), f.err.reason().to_string()))
-                .or_default() += 1;
-        }
-        shared
-            .metrics
-            .attempt_failures
-            .get_or_create(&labels(&[
-                ("phase", f.phase.as_str()),
-                ("reason", f.err.reason()),
-            ]))
-            .inc();
-        let engine = shared.cfg.engines[f.iid].iid.clone();
+        parts.accounting.attempt_failed(f.phase, f.err.reason());
+        let engine = parts.cfg.engines[f.iid].iid.clone();
         tracing::warn!(engine.id = %engine, phase = f.phase.as_str(), error = %f.err.detail(), attempt = n, "attempt failed");
-        pending.record().attempt_failures.push(json!({
+        pending.record().attempt_failures.push(serde_json::json!({
             "attempt": n, "phase": f.phase.as_str(), "iid": engine, "reason": f.err.reason(), "error": f.err.detail(),
         }));
-        if !f.err.transient() || n >= max {
-            return Err(AttemptsError::Leg(f));
-        }
         // Backoff and the router-wide retry budget.
-        let backoff = {
-            let base = shared.cfg.serving.retry_base_s * 2f64.powi(n as i32 - 1);
-            let cap = shared.cfg.serving.retry_cap_s.min(base);
-            let mut core = shared.core();
-            let u: f64 = core.rng.random();
-            secs(u * cap)
-        };
-        if shared.clock.now() + backoff >= ctx.deadline {
-            return Err(AttemptsError::Leg(f));
-        }
-        {
-            let mut core = shared.core();
-            if core.retry_credits >= 1.0 {
-                core.retry_credits -= 1.0;
-                core.stats.retry_credits_spent += 1;
-                core.stats.retry_attempts += 1;
-                shared.metrics.retry_credits_spent.inc();
-                shared.metrics.retry_attempts.inc();
-            } else {
-                core.stats.retry_denied += 1;
-                shared.metrics.retry_denied.inc();
-                drop(core);
-                return Err(AttemptsError::Leg(f));
+        let u: f64 = rand::rng().random();
+        let decision = retry::decide(
+            &policy,
+            n,
+            f.err.transient(),
+            u,
+            parts.clock.now(),
+            ctx.deadline,
+            parts.accounting.budget(),
+        );
+        let backoff = match decision {
+            Decision::Retry(backoff) => {
+                parts.accounting.retry_granted();
+                backoff
             }
-        }
+            Decision::Stop(why) => {
+                if why == Stop::BudgetDenied {
+                    parts.accounting.retry_denied();
+                }
+                return Err(RequestFailure::Leg {
+                    phase: f.phase,
+                    err: f.err,
+                });
+            }
+        };
         avoid.insert(f.iid);
         if let Some(p) = f.producer {
             avoid.insert(p);
@@ -632,32 +442,32 @@ fn relay_options(ctx: &Ctx<'_>) -> RelayOptions {
     RelayOptions {
         return_token_ids: ctx.v.return_token_ids,
         include_usage: ctx.v.stream && ctx.v.include_usage,
-        count_content_chunks: ctx.shared.cfg.backend == Backend::Sglang
+        count_content_chunks: ctx.parts.cfg.backend == Backend::Sglang
             && ctx.endpoint == Endpoint::Chat,
-        max_response_bytes: ctx.shared.cfg.serving.max_response_bytes,
+        max_response_bytes: ctx.parts.cfg.serving.max_response_bytes,
         collect: !ctx.v.stream,
     }
 }
 
 async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail> {
-    let shared = ctx.shared;
+    let parts = ctx.parts;
     let path = ctx.endpoint.path();
-    let url = |i: usize| format!("{}{}", shared.cfg.engines[i].url, path);
+    let url = |i: usize| format!("{}{}", parts.cfg.engines[i].url, path);
     let base = format!("{}-a{n}", ctx.rid);
     let opts = relay_options(ctx);
-    let now = shared.clock.now();
-    let sglang = shared.cfg.backend == Backend::Sglang;
+    let now = parts.clock.now();
+    let sglang = parts.cfg.backend == Backend::Sglang;
     let chat = ctx.endpoint == Endpoint::Chat;
     match plan {
         Plan::Aggregated { engine } => {
-            let seat = Resident::new(shared, engine, Phase::Decode);
+            let seat = parts.fleet.resident(engine, Phase::Decode);
             let mut body = decode_body(&ctx.v.body, None, !(sglang && chat));
             if sglang {
                 body["rid"] = Value::String(format!("{base}-decode"));
             }
-            count_decode(shared);
-            let first_by = (now + first_token_limit(shared)).min(ctx.deadline);
-            let live = shared
+            parts.accounting.decode_dispatched();
+            let first_by = (now + first_token_limit(parts)).min(ctx.deadline);
+            let live = parts
                 .upstream
                 .decode(
                     &url(engine),
@@ -666,7 +476,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                     opts,
                     first_by,
                 )
-                .instrument(tracing::info_span!("decode", engine = %shared.cfg.engines[engine].iid))
+                .instrument(tracing::info_span!("decode", engine = %parts.cfg.engines[engine].iid))
                 .await
                 .map_err(|err| Fail {
                     phase: Phase::Decode,
@@ -688,12 +498,12 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
             // to this request while its prefill runs, and the producer holds the KV until the
             // decode has pulled it. A drain of either waits for this request (seed
             // "Draining engines"; `ready_to_stop` must not turn true under it).
-            let seat_p = Resident::new(shared, prefill, Phase::Prefill);
-            let seat = Resident::new(shared, decode, Phase::Decode);
-            count_prefill(shared);
-            let limit = (now + secs(shared.cfg.serving.prefill_timeout_s)).min(ctx.deadline);
-            let t0 = shared.clock.now();
-            let desc = shared
+            let seat_p = parts.fleet.resident(prefill, Phase::Prefill);
+            let seat = parts.fleet.resident(decode, Phase::Decode);
+            parts.accounting.prefill_dispatched();
+            let limit = (now + secs(parts.cfg.serving.prefill_timeout_s)).min(ctx.deadline);
+            let t0 = parts.clock.now();
+            let desc = parts
                 .upstream
                 .vllm_prefill(
                     &url(prefill),
@@ -702,7 +512,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                     limit,
                 )
                 .instrument(
-                    tracing::info_span!("prefill", engine = %shared.cfg.engines[prefill].iid),
+                    tracing::info_span!("prefill", engine = %parts.cfg.engines[prefill].iid),
                 )
                 .await
                 .map_err(|err| Fail {
@@ -711,19 +521,15 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                     err,
                     producer: None,
                 })?;
-            let prefill_s = (shared.clock.now() - t0).as_secs_f64();
-            shared.core().stats.upstream_prefill_s += prefill_s;
-            shared
-                .metrics
-                .upstream_seconds
-                .get_or_create(&labels(&[("phase", "prefill")]))
-                .inc_by(prefill_s);
-            shared.observe(prefill, Observation::PrefillOk);
-            let decode_at = shared.clock.now();
-            count_decode(shared);
+            parts
+                .accounting
+                .prefill_time((parts.clock.now() - t0).as_secs_f64());
+            parts.fleet.observe(prefill, Observation::PrefillOk);
+            let decode_at = parts.clock.now();
+            parts.accounting.decode_dispatched();
             let body = decode_body(&ctx.v.body, (decode != prefill).then_some(&desc), true);
-            let first_by = (shared.clock.now() + first_token_limit(shared)).min(ctx.deadline);
-            let live = shared
+            let first_by = (parts.clock.now() + first_token_limit(parts)).min(ctx.deadline);
+            let live = parts
                 .upstream
                 .decode(
                     &url(decode),
@@ -732,7 +538,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                     opts,
                     first_by,
                 )
-                .instrument(tracing::info_span!("decode", engine = %shared.cfg.engines[decode].iid))
+                .instrument(tracing::info_span!("decode", engine = %parts.cfg.engines[decode].iid))
                 .await
                 .map_err(|err| Fail {
                     phase: Phase::Decode,
@@ -754,59 +560,52 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
         }
         Plan::Split { prefill, decode } => {
             // SGLang: reserve both before either leg starts (reference-notes 7.2 step 1).
-            let seat_p = Resident::new(shared, prefill, Phase::Prefill);
-            let seat_d = Resident::new(shared, decode, Phase::Decode);
+            let seat_p = parts.fleet.resident(prefill, Phase::Prefill);
+            let seat_d = parts.fleet.resident(decode, Phase::Decode);
             let fail_p = |err| Fail {
                 phase: Phase::Prefill,
                 iid: prefill,
                 err,
                 producer: None,
             };
-            let port = bootstrap_port(shared, prefill)
+            let port = bootstrap::port(&parts.cfg, &parts.fleet, &parts.upstream, prefill)
                 .await
-                .map_err(|e| fail_p(LegError::KvHandoff(e)))?;
-            let host = url_host(&shared.cfg.engines[prefill].url).ok_or_else(|| {
+                .map_err(|e| fail_p(LegError::KvHandoff(e.to_string())))?;
+            let host = url_host(&parts.cfg.engines[prefill].url).ok_or_else(|| {
                 fail_p(LegError::KvHandoff("prefill engine URL has no host".into()))
             })?;
-            let room: u64 = shared.core().rng.random::<u64>() >> 1;
+            let room: u64 = rand::rng().random::<u64>() >> 1;
             let rv = Rendezvous { host, port, room };
             let (pbody, dbody) = sglang_bodies(&ctx.v.body, &rv, &base, chat);
-            let up = shared.upstream.clone();
+            let up = parts.upstream.clone();
             let purl = url(prefill);
-            let limit = (now + secs(shared.cfg.serving.prefill_timeout_s)).min(ctx.deadline);
-            let task_shared = shared.clone();
-            count_prefill(shared);
-            count_decode(shared);
-            let pspan = tracing::info_span!("prefill", engine = %shared.cfg.engines[prefill].iid);
+            let limit = (now + secs(parts.cfg.serving.prefill_timeout_s)).min(ctx.deadline);
+            let task_parts = parts.clone();
+            parts.accounting.prefill_dispatched();
+            parts.accounting.decode_dispatched();
+            let pspan = tracing::info_span!("prefill", engine = %parts.cfg.engines[prefill].iid);
             let mut ptask = AbortOnDrop(tokio::spawn(
                 async move {
                     let _seat = seat_p;
-                    let t0 = task_shared.clock.now();
+                    let t0 = task_parts.clock.now();
                     let r = up.sglang_prefill(&purl, &pbody, limit).await;
                     if r.is_ok() {
-                        let prefill_s = (task_shared.clock.now() - t0).as_secs_f64();
-                        task_shared.core().stats.upstream_prefill_s += prefill_s;
-                        task_shared
-                            .metrics
-                            .upstream_seconds
-                            .get_or_create(&labels(&[("phase", "prefill")]))
-                            .inc_by(prefill_s);
-                        task_shared.observe(prefill, Observation::PrefillOk);
+                        let prefill_s = (task_parts.clock.now() - t0).as_secs_f64();
+                        task_parts.accounting.prefill_time(prefill_s);
+                        task_parts.fleet.observe(prefill, Observation::PrefillOk);
                     }
                     r
                 }
                 .instrument(pspan),
             ));
             let first_by =
-                (now + first_token_limit(shared).min(Duration::from_secs(30))).min(ctx.deadline);
+                (now + first_token_limit(parts).min(Duration::from_secs(30))).min(ctx.deadline);
             let durl = url(decode);
             let drid = format!("{base}-decode");
-            let dfut = shared
+            let dfut = parts
                 .upstream
                 .decode(&durl, &drid, &dbody, opts, first_by)
-                .instrument(
-                    tracing::info_span!("decode", engine = %shared.cfg.engines[decode].iid),
-                );
+                .instrument(tracing::info_span!("decode", engine = %parts.cfg.engines[decode].iid));
             tokio::pin!(dfut);
             let mut prefill_done = false;
             loop {
@@ -843,53 +642,12 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
     }
 }
 
-fn first_token_limit(shared: &Shared) -> Duration {
-    shared.cfg.first_token_timeout()
+fn first_token_limit(parts: &Parts) -> Duration {
+    parts.cfg.first_token_timeout()
 }
 
-fn count_prefill(shared: &Shared) {
-    shared.core().stats.prefill_attempts += 1;
-    shared.metrics.prefill_attempts.inc();
-}
-
-fn count_decode(shared: &Shared) {
-    shared.core().stats.decode_attempts += 1;
-    shared.metrics.decode_attempts.inc();
-}
-
-/// The SGLang bootstrap port of a prefill engine: cached, else `GET <engine>/server_info`.
-pub(crate) async fn bootstrap_port(shared: &Shared, iid: usize) -> Result<u16, String> {
-    if let Some(p) = shared.core().bootstrap_ports[iid] {
-        return Ok(p);
-    }
-    refresh_bootstrap_port(shared, iid).await
-}
-
-/// Fetch and cache `disaggregation_bootstrap_port` from `/server_info`.
-pub(crate) async fn refresh_bootstrap_port(shared: &Shared, iid: usize) -> Result<u16, String> {
-    let url = format!("{}/server_info", shared.cfg.engines[iid].url);
-    let (status, body) = shared
-        .upstream
-        .get(&url, secs(shared.cfg.engine.health_timeout_s))
-        .await?;
-    if status != StatusCode::OK {
-        return Err(format!("{url} answered {status}"));
-    }
-    let v: Value = serde_json::from_slice(&body).map_err(|e| format!("{url}: not JSON: {e}"))?;
-    let port = v
-        .get("disaggregation_bootstrap_port")
-        .and_then(|p| {
-            p.as_u64()
-                .or_else(|| p.as_str().and_then(|s| s.parse().ok()))
-        })
-        .and_then(|p| u16::try_from(p).ok())
-        .ok_or_else(|| format!("{url}: no disaggregation_bootstrap_port"))?;
-    shared.core().bootstrap_ports[iid] = Some(port);
-    Ok(port)
-}
-
-fn gap(shared: &Shared) -> Option<Duration> {
-    let g = shared.cfg.engine.decode_read_timeout_s;
+fn gap(parts: &Parts) -> Option<Duration> {
+    let g = parts.cfg.engine.decode_read_timeout_s;
     (g > 0.0).then(|| secs(g))
 }
 
@@ -921,206 +679,144 @@ impl TokenClock {
     }
 }
 
-fn finish_record(shared: &Shared, pending: &mut Pending, started: &Started, clock: &TokenClock) {
+fn finish_record(parts: &Parts, pending: &mut Pending, started: &Started, clock: &TokenClock) {
     let live = &started.live;
     let rec = pending.record();
     rec.output_len = live.tokens();
     rec.tpot_s = clock.tpot();
-    let decode_s = (shared.clock.now() - started.decode_at).as_secs_f64();
-    let mut core = shared.core();
-    core.stats.decode_tokens_observed += live.tokens();
-    core.stats.upstream_decode_s += decode_s;
-    drop(core);
-    shared.metrics.decode_tokens_observed.inc_by(live.tokens());
-    shared
-        .metrics
-        .upstream_seconds
-        .get_or_create(&labels(&[("phase", "decode")]))
-        .inc_by(decode_s);
+    let decode_s = (parts.clock.now() - started.decode_at).as_secs_f64();
+    parts.accounting.decode_finished(decode_s, live.tokens());
 }
 
-/// Sends one frame to the client unless it is gone or the request deadline passes first (a
-/// client that stops reading must not hold its seats and the upstream past the deadline).
-async fn send_by(tx: &mpsc::Sender<Bytes>, frame: Bytes, deadline: Instant) -> bool {
-    matches!(
-        tokio::time::timeout_at(deadline.into(), tx.send(frame)).await,
-        Ok(Ok(()))
-    )
+/// Where relayed chunks go: a streaming client's channel, or the [`Aggregator`] that builds a
+/// non-streaming client's one response object.
+trait Sink {
+    /// Delivers one chunk; `false` when the client is gone or too slow (it has until
+    /// `deadline` to take it).
+    fn deliver(&mut self, chunk: &Value, deadline: Instant) -> impl Future<Output = bool> + Send;
+    /// Resolves when the client went away (never for a non-streaming client, whose handler
+    /// future hyper drops instead).
+    fn gone(&self) -> impl Future<Output = ()> + Send;
+}
+
+/// A streaming client: SSE frames over the response body's channel.
+struct Stream(mpsc::Sender<Bytes>);
+
+impl Sink for Stream {
+    async fn deliver(&mut self, chunk: &Value, deadline: Instant) -> bool {
+        // A client that stops reading must not hold its seats and the upstream past the
+        // deadline.
+        matches!(
+            tokio::time::timeout_at(deadline.into(), self.0.send(data_frame(chunk))).await,
+            Ok(Ok(()))
+        )
+    }
+
+    async fn gone(&self) {
+        self.0.closed().await;
+    }
+}
+
+impl Stream {
+    /// Sends a final frame (`[DONE]` or the error frame), waiting at most
+    /// [`FINAL_FRAME_WAIT`] for a slow client.
+    async fn finish(&self, frame: Bytes) {
+        let _ = tokio::time::timeout(FINAL_FRAME_WAIT, self.0.send(frame)).await;
+    }
+}
+
+impl Sink for Aggregator {
+    async fn deliver(&mut self, chunk: &Value, _deadline: Instant) -> bool {
+        self.push(chunk);
+        true
+    }
+
+    async fn gone(&self) {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// How a relay ended.
+enum Relayed {
+    /// `[DONE]` after output: the engine's prompt token count, if it gave one, and the
+    /// tokens counted.
+    Done {
+        prompt_tokens: Option<u64>,
+        tokens: u64,
+    },
+    /// The client went away (or stopped reading): `pending` settles on drop.
+    ClientGone,
+    /// The deadline passed or the stream failed after the first token.
+    Failed(RequestFailure),
 }
 
 /// How long a final frame (`[DONE]` or the error frame) may wait for a slow client.
-const FINAL_FRAME_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+const FINAL_FRAME_WAIT: Duration = Duration::from_secs(1);
 
-/// Relay the rest of a stream to a streaming client (runs as its own task).
-#[allow(clippy::too_many_arguments)]
-async fn relay_stream(
-    shared: Arc<Shared>,
+/// Relays the rest of a started decode stream into `sink` until `[DONE]`, a failure, the
+/// request deadline or the client's departure (reference-notes 7.3), feeding the breaker and
+/// the request record on the way. The one relay loop of both client kinds.
+async fn relay(
+    parts: &Parts,
     mut started: Started,
-    mut pending: Pending,
-    tx: mpsc::Sender<Bytes>,
+    pending: &mut Pending,
+    sink: &mut impl Sink,
     deadline: Instant,
     first_at: Instant,
-    _retained: Retained,
-    _permit: OwnedSemaphorePermit,
-) {
+) -> Relayed {
+    let streaming = pending.record_ref().stream;
     let mut clock = TokenClock::new(first_at, started.live.tokens());
-    for c in std::mem::take(&mut started.live.first) {
-        if !send_by(&tx, data_frame(&c), deadline).await {
-            finish_record(&shared, &mut pending, &started, &clock);
-            return; // client gone (or too slow): `pending` settles on drop
+    let end = 'relay: {
+        for c in std::mem::take(&mut started.live.first) {
+            if !sink.deliver(&c, deadline).await {
+                break 'relay Relayed::ClientGone;
+            }
         }
-    }
-    let gap = gap(&shared);
-    let decode_iid = started.decode_iid;
-    loop {
-        let step = tokio::select! {
-            _ = tx.closed() => {
-                finish_record(&shared, &mut pending, &started, &clock);
-                return;
-            }
-            _ = tokio::time::sleep_until(deadline.into()) => {
-                let _ = tokio::time::timeout(FINAL_FRAME_WAIT, tx.send(error_frame("Request deadline expired", "decode", "expired"))).await;
-                finish_record(&shared, &mut pending, &started, &clock);
-                pending.settle(Settlement::new(Terminal::Expired, "deadline", 200, "request deadline expired after output", "decode"));
-                return;
-            }
-            s = started.live.next(gap) => s,
-        };
-        clock.update(shared.clock.now(), started.live.tokens());
-        match step {
-            Ok(RelayStep::Output(chunks)) => {
-                for c in chunks {
-                    if !send_by(&tx, data_frame(&c), deadline).await {
-                        finish_record(&shared, &mut pending, &started, &clock);
-                        return;
+        let gap = gap(parts);
+        loop {
+            let step = tokio::select! {
+                () = sink.gone() => break 'relay Relayed::ClientGone,
+                _ = tokio::time::sleep_until(deadline.into()) => {
+                    let expiry = if streaming { Expiry::AfterOutput } else { Expiry::Collecting };
+                    break 'relay Relayed::Failed(RequestFailure::Expired(expiry));
+                }
+                s = started.live.next(gap) => s,
+            };
+            clock.update(parts.clock.now(), started.live.tokens());
+            let err = match step {
+                Ok(RelayStep::Output(chunks)) => {
+                    for c in &chunks {
+                        if !sink.deliver(c, deadline).await {
+                            break 'relay Relayed::ClientGone;
+                        }
                     }
+                    continue;
                 }
-            }
-            Ok(RelayStep::Hold) => {}
-            Ok(RelayStep::Done) => {
-                let _ = tokio::time::timeout(FINAL_FRAME_WAIT, tx.send(done_frame())).await;
-                shared.observe(decode_iid, Observation::DecodeOk);
-                finish_record(&shared, &mut pending, &started, &clock);
-                pending.settle(Settlement::completed());
-                return;
-            }
-            Ok(RelayStep::Failed(f)) => {
-                let s = stream_failed(
-                    &shared,
-                    &mut pending,
-                    &started,
-                    &clock,
-                    &tx,
-                    LegError::Stream(f),
-                )
-                .await;
-                pending.settle(s);
-                return;
-            }
-            Err(e) => {
-                let s = stream_failed(&shared, &mut pending, &started, &clock, &tx, e).await;
-                pending.settle(s);
-                return;
-            }
-        }
-    }
-}
-
-async fn stream_failed(
-    shared: &Shared,
-    pending: &mut Pending,
-    started: &Started,
-    clock: &TokenClock,
-    tx: &mpsc::Sender<Bytes>,
-    err: LegError,
-) -> Settlement {
-    let _ = tokio::time::timeout(
-        FINAL_FRAME_WAIT,
-        tx.send(error_frame(err.public_message(), "decode", "failed")),
-    )
-    .await;
-    if let Some(class) = err.class(Phase::Decode) {
-        shared.observe_leg_failure(started.decode_iid, Phase::Decode, class, started.producer);
-    }
-    tracing::warn!(error = %err.detail(), "decode stream failed after output");
-    finish_record(shared, pending, started, clock);
-    Settlement::new(
-        Terminal::Failed,
-        err.reason(),
-        200,
-        format!("decode: {}", err.detail()),
-        "decode",
-    )
-}
-
-/// Collect a stream into one response object for a non-streaming client.
-async fn collect(
-    shared: &Shared,
-    mut started: Started,
-    pending: &mut Pending,
-    deadline: Instant,
-    first_at: Instant,
-    endpoint: Endpoint,
-    input_len: u64,
-) -> Result<Value, (Settlement, StatusCode, Value)> {
-    let mut agg = Aggregator::new(endpoint == Endpoint::Chat);
-    let mut clock = TokenClock::new(first_at, started.live.tokens());
-    for c in std::mem::take(&mut started.live.first) {
-        agg.push(&c);
-    }
-    let gap = gap(shared);
-    loop {
-        let step = tokio::select! {
-            _ = tokio::time::sleep_until(deadline.into()) => {
-                finish_record(shared, pending, &started, &clock);
-                return Err((
-                    Settlement::new(Terminal::Expired, "deadline", 504, "request deadline expired while collecting", "request_expired"),
-                    StatusCode::GATEWAY_TIMEOUT,
-                    json!({"error": {"message": "original request deadline expired", "type": "request_expired"}}),
-                ));
-            }
-            s = started.live.next(gap) => s,
-        };
-        clock.update(shared.clock.now(), started.live.tokens());
-        pending.record().output_len = started.live.tokens();
-        let err = match step {
-            Ok(RelayStep::Output(chunks)) => {
-                for c in &chunks {
-                    agg.push(c);
+                Ok(RelayStep::Hold) => continue,
+                Ok(RelayStep::Done) => {
+                    parts
+                        .fleet
+                        .observe(started.decode_iid, Observation::DecodeOk);
+                    break 'relay Relayed::Done {
+                        prompt_tokens: started.live.prompt_tokens(),
+                        tokens: started.live.tokens(),
+                    };
                 }
-                continue;
+                Ok(RelayStep::Failed(f)) => LegError::Stream(f),
+                Err(e) => e,
+            };
+            if let Some(class) = err.class(Phase::Decode) {
+                parts.fleet.observe_leg_failure(
+                    started.decode_iid,
+                    Phase::Decode,
+                    class,
+                    started.producer,
+                );
             }
-            Ok(RelayStep::Hold) => continue,
-            Ok(RelayStep::Done) => {
-                shared.observe(started.decode_iid, Observation::DecodeOk);
-                finish_record(shared, pending, &started, &clock);
-                let prompt = started.live.prompt_tokens().unwrap_or(input_len);
-                return Ok(agg.finish(prompt, started.live.tokens()));
-            }
-            Ok(RelayStep::Failed(f)) => LegError::Stream(f),
-            Err(e) => e,
-        };
-        if let Some(class) = err.class(Phase::Decode) {
-            shared.observe_leg_failure(started.decode_iid, Phase::Decode, class, started.producer);
+            tracing::warn!(error = %err.detail(), "decode stream failed after output");
+            break 'relay Relayed::Failed(RequestFailure::Decode { err, streaming });
         }
-        finish_record(shared, pending, &started, &clock);
-        let status = err.http_status();
-        let msg = match err {
-            LegError::Stream(crate::relay::StreamFailure::ResponseLimit) => {
-                "Response exceeds the configured limit"
-            }
-            _ => "Invalid non-streaming upstream response",
-        };
-        return Err((
-            Settlement::new(
-                Terminal::Failed,
-                err.reason(),
-                status,
-                format!("decode: {}", err.detail()),
-                "decode",
-            ),
-            StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
-            json!({"error": {"message": msg, "type": "decode", "code": "decode"}}),
-        ));
-    }
+    };
+    finish_record(parts, pending, &started, &clock);
+    end
 }

@@ -87,7 +87,7 @@ mod tests {
 
     #[test]
     fn manual_clock_advances_both_readings_together() {
-        let t0 = Instant::now();
+        let t0 = SystemClock.now();
         let c = ManualClock::new(t0, 1000.0);
         c.advance(Duration::from_millis(1500));
         assert_eq!(c.now(), t0 + Duration::from_millis(1500));

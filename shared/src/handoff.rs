@@ -14,8 +14,6 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use std::time::Instant;
-
 /// `schema` of the handoff document.
 pub const HANDOFF_SCHEMA: &str = "narwhal.handoff";
 /// The one `schema_version` this release reads and writes.
@@ -82,8 +80,8 @@ impl DrainState {
     }
 }
 
-/// One engine's lifecycle record (reference-notes 4.1). Times are wall-clock Unix seconds;
-/// the drain deadline is also kept on the monotonic clock for evaluation (DESIGN.md 9.8).
+/// One engine's lifecycle record (reference-notes 4.1). Times are wall-clock Unix seconds; a
+/// reader re-anchors the drain deadline to its own monotonic clock (DESIGN.md 9.8).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DrainRecord {
     /// Engine id.
@@ -94,9 +92,6 @@ pub struct DrainRecord {
     pub requested_at: f64,
     /// Drain deadline (wall seconds); equals `requested_at` for holds without a drain.
     pub deadline_at: f64,
-    /// Monotonic drain deadline; `None` for holds without a drain or restored records.
-    #[serde(skip)]
-    pub deadline: Option<Instant>,
     /// Readmission requires a process start newer than `old_process_start`.
     pub restart_required: bool,
     /// `wave-<12 hex>` or `""`.
@@ -521,14 +516,9 @@ pub fn write_state_file(path: &Path, doc: &Handoff) -> Result<(), PersistError> 
 
 fn rand_suffix() -> u32 {
     // Uniqueness within one process and directory is all that is needed: the pid is in the
-    // name too. Hash the time and a counter rather than pulling in an RNG here.
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    let t = std::time::SystemTime::UNIX_EPOCH
-        .elapsed()
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    t ^ N.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9e37_79b9)
+    // name too. A random v4 UUID's first 32 bits (uuid is already a dependency).
+    let (head, ..) = uuid::Uuid::new_v4().as_fields();
+    head
 }
 
 /// What a state file held.

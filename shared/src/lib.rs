@@ -1,6 +1,7 @@
 //! Types and mechanisms shared by the Narwhal router (`narwhal-serve`), the engine agent
-//! (`narwhal-agent`) and the test kit: clocks, and (as the agent and HA issues land) the
-//! versioned schemas, canonical JSON, Ed25519 signing and rustls configuration builders.
+//! (`narwhal-agent`) and the test kit: clocks, the versioned schemas (handoff, agent
+//! protocol, attestations), canonical JSON, Ed25519 signing, the agent client and rustls
+//! configuration builders.
 //!
 //! Everything here is pure or near-pure so both sides of a protocol use one implementation
 //! (DESIGN.md section 2).

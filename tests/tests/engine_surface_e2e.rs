@@ -568,7 +568,6 @@ async fn drain_and_readmission_pass_on_confirmed_evidence_with_the_hooks_off_the
 /// Fails until the router accepts it: `router/src/lifecycle/driver.rs` `kv_consume` still
 /// requires `transfer.transferred == Some(true)` (`t.transferred.unwrap_or(false)`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs router: accept Inferred transfer evidence (issue 10 §1)"]
 async fn drain_and_readmission_pass_on_inferred_evidence_when_engines_publish_no_counters() {
     for dialect in ["vllm", "sglang"] {
         let (mut f, r) = lab(dialect, &["--no-kv-metrics"]).await;

@@ -17,9 +17,10 @@
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use narwhal_shared::{Clock as _, SystemClock};
 use serde_json::{Value, json};
 
 #[derive(Parser)]
@@ -668,7 +669,8 @@ impl Ctl {
         timeout: Duration,
         done: impl Fn(&Value) -> bool,
     ) -> Result<Value, Failure> {
-        let deadline = Instant::now() + timeout;
+        let clock = SystemClock;
+        let deadline = clock.now() + timeout;
         let mut last = String::new();
         loop {
             let doc = self.lifecycle().await?;
@@ -687,7 +689,7 @@ impl Ctl {
                     doc["router"]["controls_fleet"].as_str().unwrap_or("?")
                 )));
             }
-            if Instant::now() >= deadline {
+            if clock.now() >= deadline {
                 return Err(Failure::Unavailable(format!(
                     "timed out after {:.0} s waiting for {what} ({progress})",
                     timeout.as_secs_f64()
@@ -1076,7 +1078,7 @@ impl Ctl {
             // stdout carries exactly one JSON document: the command's output goes to stderr.
             cmd.stdout(std::process::Stdio::from(std::io::stderr()));
         }
-        let t0 = Instant::now();
+        let t0 = SystemClock.now();
         let child = cmd.spawn();
         let mut child = child.map_err(|e| {
             Failure::Refused(format!(
@@ -1089,7 +1091,7 @@ impl Ctl {
             }
             Err(_) => {
                 let _ = child.kill().await;
-                rep.engine(iid).restart_s = Some(t0.elapsed().as_secs_f64());
+                rep.engine(iid).restart_s = Some((SystemClock.now() - t0).as_secs_f64());
                 return Err(Failure::Refused(format!(
                     "{iid}: restart command {line:?} did not finish within {:.0} s (--restart-timeout-s); killed",
                     o.restart_timeout.as_secs_f64()
@@ -1097,7 +1099,7 @@ impl Ctl {
             }
         };
         let r = rep.engine(iid);
-        r.restart_s = Some(t0.elapsed().as_secs_f64());
+        r.restart_s = Some((SystemClock.now() - t0).as_secs_f64());
         r.restart_exit = status.code();
         if !status.success() {
             return Err(Failure::Refused(format!(

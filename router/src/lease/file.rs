@@ -244,6 +244,7 @@ impl LeaseStore for FileLease {
 mod tests {
     use super::*;
     use crate::lease::{Control, LeaseTiming};
+    use narwhal_shared::{Clock as _, SystemClock};
 
     fn timing() -> LeaseTiming {
         LeaseTiming {
@@ -272,7 +273,7 @@ mod tests {
     #[tokio::test]
     async fn claim_refuse_takeover_fence_and_release() {
         let (_dir, store) = setup();
-        let t0 = std::time::Instant::now();
+        let t0 = SystemClock.now();
         assert_eq!(store.read().await.unwrap(), None, "absent file is no lease");
 
         // A claims epoch 1.
@@ -399,7 +400,7 @@ mod tests {
     #[tokio::test]
     async fn a_renewal_of_a_lapsed_or_vanished_record_is_refused() {
         let (_dir, store) = setup();
-        let t0 = std::time::Instant::now();
+        let t0 = SystemClock.now();
         let mut a = Lease::new("a:1".into(), timing());
         let Claim::Write(rec) = store.claim(&a, 100.0).await.unwrap() else {
             panic!()

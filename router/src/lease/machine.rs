@@ -301,6 +301,7 @@ impl Lease {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use narwhal_shared::{Clock as _, SystemClock};
 
     fn timing() -> LeaseTiming {
         LeaseTiming {
@@ -323,7 +324,7 @@ mod tests {
 
     #[test]
     fn first_claim_is_epoch_one_and_valid_until_ttl_minus_margin() {
-        let t0 = Instant::now();
+        let t0 = SystemClock.now();
         let mut a = Lease::new("a:1".into(), timing());
         assert_eq!(a.control(t0), Control::Standby);
         let Claim::Write(rec) = a.claim(None, 100.0) else {
@@ -368,7 +369,7 @@ mod tests {
 
     #[test]
     fn renewal_fences_on_another_holder_or_a_lapsed_record() {
-        let t0 = Instant::now();
+        let t0 = SystemClock.now();
         let mut a = Lease::new("a:1".into(), timing());
         a.granted(1, t0);
         let ours = LeaseRecord::new(1, "a:1", 100.0, Duration::from_secs(2));
@@ -395,7 +396,7 @@ mod tests {
 
     #[test]
     fn release_expires_only_our_own_record() {
-        let t0 = Instant::now();
+        let t0 = SystemClock.now();
         let mut a = Lease::new("a:1".into(), timing());
         a.granted(1, t0);
         let ours = LeaseRecord::new(1, "a:1", 100.0, Duration::from_secs(2));

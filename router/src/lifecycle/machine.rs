@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
 
+use super::check::CheckError;
+use super::events::{EventKind, LifecycleEvent};
 pub use crate::config::RestartPolicy;
 
 /// Largest accepted drain deadline, seconds (one year).
@@ -40,6 +42,162 @@ impl Now {
 }
 
 pub use narwhal_shared::handoff::{DrainRecord, DrainState};
+
+/// What a record holds (or held) its engine for, and so what readmits it: the combinations of
+/// the wire record's `restart_required`, `wave_id` and drain deadline that can occur. Kept
+/// after readmission (the document still shows `restart_required`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Hold {
+    /// A drain of one engine (`restart_required`, no wave): readmission needs a restarted
+    /// process. `deadline` is the monotonic drain deadline (`None` for a restored record
+    /// that was no longer draining).
+    Drain {
+        /// Monotonic drain deadline.
+        deadline: Option<Instant>,
+    },
+    /// A member of the active whole wave (a wave drain, or a restart-required wave):
+    /// readmitted only with the whole wave, after a restart. `deadline` as for `Drain`
+    /// (`None` for a restart-required wave, which never drained).
+    Wave {
+        /// Monotonic drain deadline.
+        deadline: Option<Instant>,
+    },
+    /// A breaker-ejected engine validated without a restart (reference-notes 4.9): no
+    /// restart required, never in a wave, never draining.
+    Recovery,
+}
+
+impl Hold {
+    /// Readmission requires a process start newer than the recorded one.
+    pub fn restart_required(self) -> bool {
+        !matches!(self, Hold::Recovery)
+    }
+
+    /// A member of the active wave.
+    pub fn in_wave(self) -> bool {
+        matches!(self, Hold::Wave { .. })
+    }
+
+    /// The monotonic drain deadline, if the hold has one.
+    pub fn deadline(self) -> Option<Instant> {
+        match self {
+            Hold::Drain { deadline } | Hold::Wave { deadline } => deadline,
+            Hold::Recovery => None,
+        }
+    }
+
+    /// The same hold outside the wave (the wave was readmitted).
+    fn leave_wave(self) -> Hold {
+        match self {
+            Hold::Wave { deadline } => Hold::Drain { deadline },
+            other => other,
+        }
+    }
+}
+
+/// One engine's lifecycle record as the machine keeps it (reference-notes 4.1); the wire form
+/// is [`DrainRecord`]. Times are wall-clock Unix seconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    /// Engine id.
+    pub iid: String,
+    /// Current state.
+    pub state: DrainState,
+    /// What the engine is (or was) held for.
+    pub hold: Hold,
+    /// When the hold started.
+    pub requested_at: f64,
+    /// Drain deadline; equals `requested_at` for holds without a drain.
+    pub deadline_at: f64,
+    /// Process start (Unix seconds) of the process the supervisor may stop.
+    pub old_process_start: Option<f64>,
+    /// Process start accepted at readmission.
+    pub new_process_start: Option<f64>,
+    /// Last error, `""` when none.
+    pub error: String,
+    /// Checks passed in the last validation, in the order they ran.
+    pub checks: Vec<String>,
+}
+
+impl Record {
+    /// A fresh hold of `iid` from `now` in `state`, bound to `old_process_start`.
+    fn new(
+        iid: &str,
+        now: Now,
+        state: DrainState,
+        hold: Hold,
+        deadline_at: f64,
+        old_process_start: Option<f64>,
+        error: &str,
+    ) -> Record {
+        Record {
+            iid: iid.to_string(),
+            state,
+            hold,
+            requested_at: now.wall,
+            deadline_at,
+            old_process_start,
+            new_process_start: None,
+            error: error.to_string(),
+            checks: Vec::new(),
+        }
+    }
+
+    /// Readmission requires a process start newer than `old_process_start`.
+    pub fn restart_required(&self) -> bool {
+        self.hold.restart_required()
+    }
+
+    /// A member of the active wave.
+    pub fn in_wave(&self) -> bool {
+        self.hold.in_wave()
+    }
+
+    /// The wire form; `wave_id` is the active wave's id.
+    fn to_wire(&self, wave_id: &str) -> DrainRecord {
+        DrainRecord {
+            iid: self.iid.clone(),
+            state: self.state,
+            requested_at: self.requested_at,
+            deadline_at: self.deadline_at,
+            restart_required: self.restart_required(),
+            wave_id: if self.in_wave() {
+                wave_id.to_string()
+            } else {
+                String::new()
+            },
+            old_process_start: self.old_process_start,
+            new_process_start: self.new_process_start,
+            error: self.error.clone(),
+            checks: self.checks.clone(),
+        }
+    }
+
+    /// The machine's form of a carried record with its re-anchored `deadline`: a record in
+    /// the wave is a wave member; outside it, `restart_required` tells a drain from a
+    /// recovery. (A carried wave member without `restart_required`, which this router never
+    /// writes, comes back restart-required.)
+    fn from_wire(r: &DrainRecord, deadline: Option<Instant>) -> Record {
+        let hold = if !r.wave_id.is_empty() {
+            Hold::Wave { deadline }
+        } else if r.restart_required {
+            Hold::Drain { deadline }
+        } else {
+            Hold::Recovery
+        };
+        Record {
+            iid: r.iid.clone(),
+            state: r.state,
+            hold,
+            requested_at: r.requested_at,
+            deadline_at: r.deadline_at,
+            old_process_start: r.old_process_start,
+            new_process_start: r.new_process_start,
+            error: r.error.clone(),
+            checks: r.checks.clone(),
+        }
+    }
+}
 
 /// A drain request (`POST /narwhal/lifecycle/drain`).
 #[derive(Debug, Clone, PartialEq)]
@@ -115,6 +273,22 @@ pub enum LifecycleError {
     NoPreRestartIdentity(String),
 }
 
+/// Why a handoff's lifecycle part cannot be restored (nothing changes then).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RestoreError {
+    /// The writer ran another `engine_restart_policy`.
+    #[error("handoff engine restart policy mismatch")]
+    PolicyMismatch,
+    /// A record names an engine this fleet does not have.
+    #[error("lifecycle.records[{index}].iid: {iid:?} is not a configured engine")]
+    UnknownEngine {
+        /// The record's index.
+        index: usize,
+        /// Its engine id.
+        iid: String,
+    },
+}
+
 /// Result of one engine's validation, as the readmission plan reports it.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct EngineOutcome {
@@ -142,13 +316,26 @@ pub struct EngineView {
 pub struct Lifecycle {
     engines: Vec<String>,
     policy: RestartPolicy,
-    records: BTreeMap<String, DrainRecord>,
+    records: BTreeMap<String, Record>,
     wave_id: String,
     wave_ready_emitted: bool,
     blocked_reason: String,
     process_starts: BTreeMap<String, f64>,
+    /// The event history as the document shows it (restored histories are kept verbatim:
+    /// another router, or the reference, wrote them).
     events: VecDeque<Value>,
-    pending: Vec<Value>,
+    /// Events since the last [`Lifecycle::take_events`], for the journal.
+    pending: Vec<LifecycleEvent>,
+}
+
+/// The record's wave id: the active wave's for a member, `""` otherwise.
+fn wave_str<'a>(rec: &Record, active: &'a str) -> &'a str {
+    if rec.in_wave() { active } else { "" }
+}
+
+/// [`wave_str`], owned, for an event.
+fn wave_of(rec: &Record, active: &str) -> String {
+    wave_str(rec, active).to_string()
 }
 
 impl Lifecycle {
@@ -180,7 +367,7 @@ impl Lifecycle {
     }
 
     /// An engine's record, if it has one.
-    pub fn record(&self, iid: &str) -> Option<&DrainRecord> {
+    pub fn record(&self, iid: &str) -> Option<&Record> {
         self.records.get(iid)
     }
 
@@ -219,7 +406,7 @@ impl Lifecycle {
     }
 
     /// Events emitted since the last call, for the journal.
-    pub fn take_events(&mut self) -> Vec<Value> {
+    pub fn take_events(&mut self) -> Vec<LifecycleEvent> {
         std::mem::take(&mut self.pending)
     }
 
@@ -229,21 +416,14 @@ impl Lifecycle {
         self.records
             .values()
             .filter(|r| r.state == DrainState::Draining)
-            .filter_map(|r| r.deadline)
+            .filter_map(|r| r.hold.deadline())
             .min()
     }
 
-    fn emit(&mut self, now: Now, action: &str, fields: Value) {
-        let mut ev = Map::new();
-        ev.insert("event".into(), "engine_lifecycle".into());
-        ev.insert("action".into(), action.into());
-        ev.insert("at".into(), json!(now.wall));
-        if let Value::Object(f) = fields {
-            ev.extend(f);
-        }
-        let ev = Value::Object(ev);
-        self.pending.push(ev.clone());
-        self.events.push_back(ev);
+    fn emit(&mut self, now: Now, kind: EventKind) {
+        let ev = LifecycleEvent { at: now.wall, kind };
+        self.events.push_back(ev.to_json());
+        self.pending.push(ev);
         while self.events.len() > EVENT_HISTORY {
             self.events.pop_front();
         }
@@ -364,28 +544,26 @@ impl Lifecycle {
             let kept = self
                 .records
                 .get(iid)
-                .filter(|r| r.restart_required && r.state != DrainState::Active)
+                .filter(|r| r.restart_required() && r.state != DrainState::Active)
                 .and_then(|r| r.old_process_start);
-            self.records.insert(
-                iid.clone(),
-                DrainRecord {
-                    iid: iid.clone(),
-                    state: DrainState::Draining,
-                    requested_at: now.wall,
-                    deadline_at: now.wall + req.deadline_s,
+            let hold = if req.wave {
+                Hold::Wave {
                     deadline: Some(deadline),
-                    restart_required: true,
-                    wave_id: wave_id.clone(),
-                    old_process_start: kept,
-                    new_process_start: None,
-                    error: String::new(),
-                    checks: Vec::new(),
-                },
-            );
+                }
+            } else {
+                Hold::Drain {
+                    deadline: Some(deadline),
+                }
+            };
+            let deadline_at = now.wall + req.deadline_s;
+            let rec = Record::new(iid, now, DrainState::Draining, hold, deadline_at, kept, "");
+            self.records.insert(iid.clone(), rec);
             self.emit(
                 now,
-                "drain_started",
-                json!({"iid": iid, "wave_id": wave_id}),
+                EventKind::DrainStarted {
+                    iid: iid.clone(),
+                    wave_id: wave_id.clone(),
+                },
             );
         }
         if req.wave {
@@ -394,8 +572,10 @@ impl Lifecycle {
             self.blocked_reason = format!("whole-wave drain {wave_id}");
             self.emit(
                 now,
-                "wave_started",
-                json!({"engines": targets, "wave_id": wave_id}),
+                EventKind::WaveStarted {
+                    engines: targets.clone(),
+                    wave_id,
+                },
             );
         }
         let capture = targets
@@ -421,19 +601,19 @@ impl Lifecycle {
         &mut self,
         now: Now,
         iid: &str,
-        captured: Result<f64, String>,
+        captured: Result<f64, CheckError>,
         ejected: bool,
     ) -> bool {
         let fallback = self.process_starts.get(iid).copied();
         let Some(rec) = self.records.get_mut(iid) else {
             return false;
         };
-        let wave_id = rec.wave_id.clone();
+        let wave_id = wave_of(rec, &self.wave_id);
         let bound = match captured {
             Ok(start) => Ok(start),
             Err(e) => match fallback {
                 Some(start) if ejected => Ok(start),
-                _ => Err(e),
+                _ => Err(e.to_string()),
             },
         };
         match bound {
@@ -447,8 +627,11 @@ impl Lifecycle {
                 }
                 self.emit(
                     now,
-                    "process_recorded",
-                    json!({"iid": iid, "process_start": start, "wave_id": wave_id}),
+                    EventKind::ProcessRecorded {
+                        iid: iid.to_string(),
+                        process_start: start,
+                        wave_id,
+                    },
                 );
                 true
             }
@@ -462,8 +645,11 @@ impl Lifecycle {
                 rec.error = error.clone();
                 self.emit(
                     now,
-                    "drain_blocked",
-                    json!({"iid": iid, "error": error, "wave_id": wave_id}),
+                    EventKind::DrainBlocked {
+                        iid: iid.to_string(),
+                        error,
+                        wave_id,
+                    },
                 );
                 false
             }
@@ -484,28 +670,27 @@ impl Lifecycle {
                 continue;
             }
             let n = resident(&iid);
-            let wave_id = rec.wave_id.clone();
+            let wave_id = wave_of(rec, &self.wave_id);
             if n == 0 && rec.old_process_start.is_some() {
                 let rec = self.records.get_mut(&iid).expect("iid from keys");
                 rec.state = DrainState::Drained;
                 // Unlike the reference (reference-notes 11.18), a drained record does not keep
                 // the stale deadline error.
                 rec.error.clear();
-                self.emit(
-                    now,
-                    "drain_complete",
-                    json!({"iid": iid, "wave_id": wave_id}),
-                );
+                self.emit(now, EventKind::DrainComplete { iid, wave_id });
             } else if rec.state == DrainState::Draining
-                && rec.deadline.is_some_and(|d| now.mono > d)
+                && rec.hold.deadline().is_some_and(|d| now.mono > d)
             {
                 let rec = self.records.get_mut(&iid).expect("iid from keys");
                 rec.state = DrainState::DeadlineExceeded;
                 rec.error = format!("{n} resident request(s) remain after the drain deadline");
                 self.emit(
                     now,
-                    "drain_deadline_exceeded",
-                    json!({"iid": iid, "resident": n, "wave_id": wave_id}),
+                    EventKind::DrainDeadlineExceeded {
+                        iid,
+                        resident: n,
+                        wave_id,
+                    },
                 );
             }
         }
@@ -513,18 +698,14 @@ impl Lifecycle {
             self.wave_ready_emitted = true;
             let engines = self.wave_members();
             let wave_id = self.wave_id.clone();
-            self.emit(
-                now,
-                "wave_ready_to_stop",
-                json!({"engines": engines, "wave_id": wave_id}),
-            );
+            self.emit(now, EventKind::WaveReadyToStop { engines, wave_id });
         }
     }
 
     fn wave_members(&self) -> Vec<String> {
         self.records
             .values()
-            .filter(|r| !self.wave_id.is_empty() && r.wave_id == self.wave_id)
+            .filter(|r| !self.wave_id.is_empty() && r.in_wave())
             .map(|r| r.iid.clone())
             .collect()
     }
@@ -544,7 +725,7 @@ impl Lifecycle {
         self.records.get(iid).is_some_and(|r| {
             r.old_process_start.is_some()
                 && r.state == DrainState::Drained
-                && (r.wave_id.is_empty() || self.wave_ready_to_stop())
+                && (!r.in_wave() || self.wave_ready_to_stop())
         })
     }
 
@@ -593,7 +774,7 @@ impl Lifecycle {
                 });
             }
             if let Some(r) = rec
-                && r.restart_required
+                && r.restart_required()
                 && r.old_process_start.is_none()
             {
                 return Err(LifecycleError::NoPreRestartIdentity(iid.clone()));
@@ -604,11 +785,13 @@ impl Lifecycle {
             rec.state = DrainState::Validating;
             rec.error.clear();
             rec.checks.clear();
-            let wave_id = rec.wave_id.clone();
+            let wave_id = wave_of(rec, &self.wave_id);
             self.emit(
                 now,
-                "validation_started",
-                json!({"iid": iid, "wave_id": wave_id}),
+                EventKind::ValidationStarted {
+                    iid: iid.clone(),
+                    wave_id,
+                },
             );
         }
         Ok(targets)
@@ -639,7 +822,7 @@ impl Lifecycle {
                     .filter(|f| **f != iid)
                     .map(|f| format!("{f} ({})", outcome[f].failures.join("; ")))
                     .collect();
-                if rec.wave_id.is_empty() {
+                if !rec.in_wave() {
                     format!("peer failed validation: {}", others.join(", "))
                 } else {
                     format!(
@@ -650,11 +833,14 @@ impl Lifecycle {
             } else {
                 own.failures.join("; ")
             };
-            let (error, wave_id) = (rec.error.clone(), rec.wave_id.clone());
+            let (error, wave_id) = (rec.error.clone(), wave_of(rec, &self.wave_id));
             self.emit(
                 now,
-                "validation_failed",
-                json!({"iid": iid, "error": error, "wave_id": wave_id}),
+                EventKind::ValidationFailed {
+                    iid,
+                    error,
+                    wave_id,
+                },
             );
         }
     }
@@ -698,15 +884,18 @@ impl Lifecycle {
             rec.new_process_start = o.process_start;
             rec.checks = o.checks.clone();
             rec.error.clear();
-            let wave_id = rec.wave_id.clone();
+            let wave_id = wave_of(rec, &self.wave_id);
             if let Some(start) = o.process_start {
                 self.process_starts.insert(iid.clone(), start);
             }
             back.push(iid.clone());
             self.emit(
                 now,
-                "readmitted",
-                json!({"iid": iid, "process_start": o.process_start, "wave_id": wave_id}),
+                EventKind::Readmitted {
+                    iid: iid.clone(),
+                    process_start: o.process_start,
+                    wave_id,
+                },
             );
         }
         if !self.wave_id.is_empty() {
@@ -719,13 +908,15 @@ impl Lifecycle {
                 self.blocked_reason.clear();
                 for i in &members {
                     if let Some(r) = self.records.get_mut(i) {
-                        r.wave_id.clear();
+                        r.hold = r.hold.leave_wave();
                     }
                 }
                 self.emit(
                     now,
-                    "wave_readmitted",
-                    json!({"engines": members, "wave_id": wave_id}),
+                    EventKind::WaveReadmitted {
+                        engines: members,
+                        wave_id,
+                    },
                 );
             }
         }
@@ -753,32 +944,12 @@ impl Lifecycle {
         // recovery, nor a retry of itself on the next probe; any other hold does.
         let busy = self.records.values().any(|r| {
             r.state != DrainState::Active
-                && !(r.state == DrainState::Blocked && !r.restart_required && r.wave_id.is_empty())
+                && !(r.state == DrainState::Blocked && r.hold == Hold::Recovery)
         });
         if busy {
             return false;
         }
-        self.records.insert(
-            iid.to_string(),
-            DrainRecord {
-                iid: iid.to_string(),
-                state: DrainState::Validating,
-                requested_at: now.wall,
-                deadline_at: now.wall,
-                deadline: None,
-                restart_required: false,
-                wave_id: String::new(),
-                old_process_start: self.process_starts.get(iid).copied(),
-                new_process_start: None,
-                error: String::new(),
-                checks: Vec::new(),
-            },
-        );
-        self.emit(
-            now,
-            "recovery_validation_started",
-            json!({"iid": iid, "wave_id": ""}),
-        );
+        self.start_recovery(now, iid);
         true
     }
 
@@ -799,33 +970,35 @@ impl Lifecycle {
         }
         let free = self.records.get(iid).is_none_or(|r| {
             r.state == DrainState::Active
-                || (r.state == DrainState::Blocked && !r.restart_required && r.wave_id.is_empty())
+                || (r.state == DrainState::Blocked && r.hold == Hold::Recovery)
         });
         if !free {
             return false;
         }
-        self.records.insert(
-            iid.to_string(),
-            DrainRecord {
-                iid: iid.to_string(),
-                state: DrainState::Validating,
-                requested_at: now.wall,
-                deadline_at: now.wall,
-                deadline: None,
-                restart_required: false,
-                wave_id: String::new(),
-                old_process_start: self.process_starts.get(iid).copied(),
-                new_process_start: None,
-                error: String::new(),
-                checks: Vec::new(),
-            },
+        self.start_recovery(now, iid);
+        true
+    }
+
+    /// Starts a no-restart validation of `iid` (a breaker-ejected engine), bound to its last
+    /// accepted process start.
+    fn start_recovery(&mut self, now: Now, iid: &str) {
+        let old = self.process_starts.get(iid).copied();
+        let rec = Record::new(
+            iid,
+            now,
+            DrainState::Validating,
+            Hold::Recovery,
+            now.wall,
+            old,
+            "",
         );
+        self.records.insert(iid.to_string(), rec);
         self.emit(
             now,
-            "recovery_validation_started",
-            json!({"iid": iid, "wave_id": ""}),
+            EventKind::RecoveryValidationStarted {
+                iid: iid.to_string(),
+            },
         );
-        true
     }
 
     /// Holds every engine in a new restart-required wave (reference-notes 4.9). A no-op while
@@ -836,30 +1009,19 @@ impl Lifecycle {
         }
         let wave_id = new_wave_id.to_string();
         for iid in self.engines.clone() {
-            self.records.insert(
-                iid.clone(),
-                DrainRecord {
-                    iid,
-                    state: DrainState::Blocked,
-                    requested_at: now.wall,
-                    deadline_at: now.wall,
-                    deadline: None,
-                    restart_required: true,
-                    wave_id: wave_id.clone(),
-                    old_process_start: None,
-                    new_process_start: None,
-                    error: reason.to_string(),
-                    checks: Vec::new(),
-                },
-            );
+            let hold = Hold::Wave { deadline: None };
+            let rec = Record::new(&iid, now, DrainState::Blocked, hold, now.wall, None, reason);
+            self.records.insert(iid, rec);
         }
         self.wave_id = wave_id.clone();
         self.wave_ready_emitted = false;
         self.blocked_reason = format!("whole-wave restart required: {reason}");
         self.emit(
             now,
-            "restart_required",
-            json!({"wave_id": wave_id, "reason": reason}),
+            EventKind::RestartRequired {
+                wave_id,
+                reason: reason.to_string(),
+            },
         );
     }
 
@@ -868,7 +1030,11 @@ impl Lifecycle {
     pub fn export(&self) -> narwhal_shared::handoff::LifecycleState {
         narwhal_shared::handoff::LifecycleState {
             wave_id: self.wave_id.clone(),
-            records: self.records.values().cloned().collect(),
+            records: self
+                .records
+                .values()
+                .map(|r| r.to_wire(&self.wave_id))
+                .collect(),
             events: self.events.iter().cloned().collect(),
             engine_restart_policy: self.policy.as_str().to_string(),
             process_starts: self.process_starts.clone(),
@@ -882,34 +1048,34 @@ impl Lifecycle {
     /// (not journaled again). The handoff was validated already (engines, wave membership).
     ///
     /// # Errors
-    /// A reason naming the offending record; nothing changes then.
+    /// [`RestoreError`] naming the offending record; nothing changes then.
     pub fn restore(
         &mut self,
         now: Now,
         state: &narwhal_shared::handoff::LifecycleState,
-    ) -> Result<(), String> {
+    ) -> Result<(), RestoreError> {
         if state.engine_restart_policy != self.policy.as_str() {
-            return Err("handoff engine restart policy mismatch".into());
+            return Err(RestoreError::PolicyMismatch);
         }
         let mut records = BTreeMap::new();
-        for (i, r) in state.records.iter().enumerate() {
+        for (index, r) in state.records.iter().enumerate() {
             if !self.engines.contains(&r.iid) {
-                return Err(format!(
-                    "lifecycle.records[{i}].iid: {:?} is not a configured engine",
-                    r.iid
-                ));
+                return Err(RestoreError::UnknownEngine {
+                    index,
+                    iid: r.iid.clone(),
+                });
             }
-            let mut r = r.clone();
-            if r.state == DrainState::Validating {
-                r.state = DrainState::Blocked;
-                r.error = "readmission validation was interrupted by router replacement".into();
-            }
-            r.deadline = (r.state == DrainState::Draining).then(|| {
+            let deadline = (r.state == DrainState::Draining).then(|| {
                 let left = (r.deadline_at - now.wall).clamp(0.0, MAX_DEADLINE_S);
                 now.mono
                     .checked_add(Duration::from_secs_f64(left))
                     .unwrap_or(now.mono)
             });
+            let mut r = Record::from_wire(r, deadline);
+            if r.state == DrainState::Validating {
+                r.state = DrainState::Blocked;
+                r.error = "readmission validation was interrupted by router replacement".into();
+            }
             records.insert(r.iid.clone(), r);
         }
         self.records = records;
@@ -958,8 +1124,8 @@ impl Lifecycle {
                     "ready_to_stop": self.ready_to_stop(&iid),
                     "resident": {"prefill": v.resident_prefill, "decode": v.resident_decode},
                     "deadline_at": rec.map(|r| r.deadline_at),
-                    "restart_required": rec.is_some_and(|r| r.restart_required),
-                    "wave_id": rec.map_or("", |r| r.wave_id.as_str()),
+                    "restart_required": rec.is_some_and(Record::restart_required),
+                    "wave_id": rec.map_or("", |r| wave_str(r, &self.wave_id)),
                     "old_process_start": rec.and_then(|r| r.old_process_start),
                     "new_process_start": rec.and_then(|r| r.new_process_start),
                     "checks": rec.map_or(&[][..], |r| r.checks.as_slice()),
@@ -989,11 +1155,18 @@ impl Lifecycle {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use narwhal_shared::{Clock as _, SystemClock};
 
     fn t0() -> Now {
         Now {
-            mono: Instant::now(),
+            mono: SystemClock.now(),
             wall: 1_800_000_000.0,
+        }
+    }
+
+    fn agent_err(detail: &str) -> CheckError {
+        CheckError::Agent {
+            detail: detail.into(),
         }
     }
 
@@ -1211,7 +1384,7 @@ mod tests {
         let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
         l.begin(now, &drain(&["e0"], false), &set(&["e0", "e1"]), "")
             .unwrap();
-        assert!(!l.bind_identity(now, "e0", Err("e0: agent unreachable".into()), false));
+        assert!(!l.bind_identity(now, "e0", Err(agent_err("e0: agent unreachable")), false));
         assert_eq!(l.state("e0"), DrainState::Blocked);
         assert_eq!(l.held(), set(&["e0"]), "stays out of placement");
         let plan = l
@@ -1231,14 +1404,14 @@ mod tests {
         l.accept_process_start("e0", 90.0);
         l.begin(now, &drain(&["e0"], false), &set(&["e1", "e0"]), "")
             .unwrap();
-        assert!(l.bind_identity(now, "e0", Err("connection refused".into()), true));
+        assert!(l.bind_identity(now, "e0", Err(agent_err("connection refused")), true));
         assert_eq!(l.record("e0").unwrap().old_process_start, Some(90.0));
     }
 
     #[test]
     fn startup_identity_binds_a_crashed_engine_in_a_forced_wave() {
         // Found by tests/tests/lifecycle_e2e.rs: without the starts accepted at startup
-        // (driver::check_identities), a crashed engine's forced-wave drain stayed 503 until it
+        // (identity::check_identities), a crashed engine's forced-wave drain stayed 503 until it
         // was restarted, and then needed a second restart.
         let now = t0();
         let mut l = lc(&["e0", "e1"], RestartPolicy::WholeWave);
@@ -1250,7 +1423,7 @@ mod tests {
             .unwrap();
         assert_eq!(plan.capture.len(), 2, "identity retry of the forced wave");
         assert!(l.bind_identity(now, "e0", Ok(90.0), false));
-        assert!(l.bind_identity(now, "e1", Err("agent: engine not running".into()), true));
+        assert!(l.bind_identity(now, "e1", Err(agent_err("agent: engine not running")), true));
         assert_eq!(l.record("e1").unwrap().old_process_start, Some(91.0));
         l.refresh(now, |_| 0);
         assert!(l.wave_ready_to_stop());
@@ -1273,7 +1446,7 @@ mod tests {
         assert!(!l.join_recovery(now, "zz"));
         let r = l.record("d0").unwrap();
         assert_eq!(
-            (r.state, r.restart_required, r.old_process_start),
+            (r.state, r.restart_required(), r.old_process_start),
             (DrainState::Validating, false, Some(50.0))
         );
         // A failure blocks both; the next readmission takes the failed recovery along again.
@@ -1336,7 +1509,7 @@ mod tests {
         let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
         l.begin(now, &drain(&["e0"], false), &set(&["e0", "e1"]), "")
             .unwrap();
-        l.bind_identity(now, "e0", Err("unreadable".into()), false);
+        l.bind_identity(now, "e0", Err(agent_err("unreadable")), false);
         let ids = vec!["e0".to_string()];
         assert_eq!(
             l.mark_validating(now, &ids, false, |_| 0)
@@ -1465,7 +1638,7 @@ mod tests {
         assert_eq!(l.wave_id(), "");
         assert_eq!(l.blocked_reason(), "");
         assert!(l.held().is_empty());
-        assert_eq!(l.record("e0").unwrap().wave_id, "");
+        assert!(!l.record("e0").unwrap().in_wave(), "wave_id cleared");
         assert!(actions(&l).contains(&"wave_readmitted".to_string()));
     }
 
@@ -1509,7 +1682,7 @@ mod tests {
         assert!(l.start_recovery_validation(now, "e1", "wave-r"));
         let r = l.record("e1").unwrap();
         assert_eq!(
-            (r.state, r.restart_required),
+            (r.state, r.restart_required()),
             (DrainState::Validating, false)
         );
         assert!(
@@ -1616,7 +1789,7 @@ mod tests {
         assert_eq!(r.next_deadline(), Some(later.mono + secs(20)));
         let mut other = lc(&["e0", "e1"], RestartPolicy::Individual);
         assert_eq!(
-            other.restore(later, &state).unwrap_err(),
+            other.restore(later, &state).unwrap_err().to_string(),
             "handoff engine restart policy mismatch"
         );
     }
@@ -1640,5 +1813,54 @@ mod tests {
         assert_eq!(l.events().count(), EVENT_HISTORY);
         assert_eq!(l.take_events().len(), 150 * 5);
         assert!(l.take_events().is_empty());
+    }
+
+    /// The hold survives the wire form: a wave member, a drain and a recovery each come back
+    /// as themselves (and a readmitted wave's members as drains, restart still required).
+    #[test]
+    fn holds_round_trip_through_the_handoff() {
+        let now = t0();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        drained(&mut l, now, "e0");
+        let mut rec = lc(&["e0", "e1"], RestartPolicy::Individual);
+        rec.accept_process_start("e1", 50.0);
+        assert!(rec.start_recovery_validation(now, "e1", "wave-r"));
+        for (machine, iid, restart_required) in [(&l, "e0", true), (&rec, "e1", false)] {
+            let state = machine.export();
+            let wire = state.records.iter().find(|r| r.iid == iid).unwrap();
+            assert_eq!(
+                (wire.restart_required, wire.wave_id.as_str()),
+                (restart_required, "")
+            );
+            let mut r = lc(&["e0", "e1"], RestartPolicy::Individual);
+            r.restore(now, &state).unwrap();
+            let back = r.record(iid).unwrap();
+            assert_eq!(back.restart_required(), restart_required);
+            assert!(!back.in_wave());
+        }
+        let mut r = lc(&["e0", "e1"], RestartPolicy::Individual);
+        r.restore(now, &rec.export()).unwrap();
+        assert_eq!(r.record("e1").unwrap().hold, Hold::Recovery);
+        assert_eq!(
+            r.record("e1").unwrap().state,
+            DrainState::Blocked,
+            "interrupted"
+        );
+        let mut w = lc(&["e0", "e1"], RestartPolicy::WholeWave);
+        w.require_restart_wave(now, "r", false, "wave-w");
+        let state = w.export();
+        assert!(
+            state
+                .records
+                .iter()
+                .all(|r| r.wave_id == "wave-w" && r.restart_required)
+        );
+        let mut back = lc(&["e0", "e1"], RestartPolicy::WholeWave);
+        back.restore(now, &state).unwrap();
+        assert_eq!(
+            back.record("e0").unwrap().hold,
+            Hold::Wave { deadline: None }
+        );
+        assert_eq!(back.export(), state, "the wire form round-trips");
     }
 }

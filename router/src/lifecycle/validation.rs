@@ -8,8 +8,8 @@
 //! engine's `/health` and the agents' signed answers), so every rule is unit-tested with a fake.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::future::Future;
 
+use super::check::CheckError;
 use super::machine::EngineOutcome;
 pub use crate::config::Role;
 
@@ -34,29 +34,29 @@ pub struct Attested {
     pub fingerprint: String,
 }
 
-/// The I/O validation needs. Each call returns a one-line error naming what failed.
+/// The I/O validation needs. Each call returns a [`CheckError`] naming what failed.
 pub trait Checks {
     /// `GET <engine>/health` from the router answers 200.
-    fn health(&self, iid: &str) -> impl Future<Output = Result<(), String>> + Send;
+    fn health(&self, iid: &str) -> impl Future<Output = Result<(), CheckError>> + Send;
     /// A signed attestation through the engine's agent, verified (key, nonce, epoch, iid,
     /// freshness, contract).
-    fn attest(&self, iid: &str) -> impl Future<Output = Result<Attested, String>> + Send;
+    fn attest(&self, iid: &str) -> impl Future<Output = Result<Attested, CheckError>> + Send;
     /// A signed direct-generation check (≥ 1 token); returns the identity it ran against.
-    fn generation(&self, iid: &str) -> impl Future<Output = Result<Identity, String>> + Send;
+    fn generation(&self, iid: &str) -> impl Future<Output = Result<Identity, CheckError>> + Send;
     /// The producer half of a KV check; returns the KV handle (descriptor or rendezvous) and
     /// the identity it ran against.
     fn kv_produce(
         &self,
         iid: &str,
         check_id: &str,
-    ) -> impl Future<Output = Result<(serde_json::Value, Identity), String>> + Send;
+    ) -> impl Future<Output = Result<(serde_json::Value, Identity), CheckError>> + Send;
     /// The consumer half: decodes from `kv`; must prove the transfer happened (no recompute).
     fn kv_consume(
         &self,
         iid: &str,
         check_id: &str,
         kv: serde_json::Value,
-    ) -> impl Future<Output = Result<Identity, String>> + Send;
+    ) -> impl Future<Output = Result<Identity, CheckError>> + Send;
     /// Verification probe of a suspect: decode from `kv` produced elsewhere, or with `None` a
     /// local probe (both legs on the suspect); returns the identity it ran against.
     fn probe(
@@ -64,7 +64,7 @@ pub trait Checks {
         iid: &str,
         check_id: &str,
         kv: Option<serde_json::Value>,
-    ) -> impl Future<Output = Result<Identity, String>> + Send;
+    ) -> impl Future<Output = Result<Identity, CheckError>> + Send;
 }
 
 /// What to validate.
@@ -94,10 +94,24 @@ pub struct Plan {
     pub verify_sources: BTreeMap<String, Vec<String>>,
 }
 
-/// The fabric pairs `(producer, consumer)` and extra participants for a plan, or the failure
-/// every target gets when no pair exists (reference-notes 4.8 step 2, with roles bound: our
-/// router never switches roles).
-pub fn fabric_pairs(plan: &Plan) -> Result<Vec<(String, String)>, String> {
+/// Why no fabric pair could be formed (every target fails with it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FabricError {
+    /// A target is not in the plan's roles.
+    #[error("{0} is not a configured engine")]
+    Unconfigured(String),
+    /// No live engine (nor co-target) of the opposite role to pair with.
+    #[error("fabric validation requires a peer in the opposite role")]
+    NoPeer,
+}
+
+/// The fabric pairs `(producer, consumer)` for a plan, or the failure every target gets when
+/// no pair exists (reference-notes 4.8 step 2, with roles bound: our router never switches
+/// roles).
+///
+/// # Errors
+/// [`FabricError`].
+pub fn fabric_pairs(plan: &Plan) -> Result<Vec<(String, String)>, FabricError> {
     let producers: Vec<&String> = plan
         .roles
         .iter()
@@ -132,10 +146,10 @@ pub fn fabric_pairs(plan: &Plan) -> Result<Vec<(String, String)>, String> {
         let peer_role = match role {
             Some(Role::Prefill) => Role::Decode,
             Some(Role::Decode) => Role::Prefill,
-            None => return Err(format!("{t} is not a configured engine")),
+            None => return Err(FabricError::Unconfigured(t.clone())),
         };
         // A live peer first; else another target of the same validation (an ejected peer the
-        // driver added as a co-target, see `driver::join_ejected_peer`).
+        // driver added as a co-target: `Lifecycle::join_recovery`).
         let opposite = |i: &String, r: &Role| *r == peer_role && i != t;
         let peer = plan
             .roles
@@ -148,7 +162,7 @@ pub fn fabric_pairs(plan: &Plan) -> Result<Vec<(String, String)>, String> {
             })
             .map(|(i, _)| i.clone());
         let Some(peer) = peer else {
-            return Err("fabric validation requires a peer in the opposite role".to_string());
+            return Err(FabricError::NoPeer);
         };
         let pair = if peer_role == Role::Decode {
             (t.clone(), peer)
@@ -205,7 +219,7 @@ pub async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str) -> Rep
         Ok(p) => p,
         Err(e) => {
             for t in &plan.targets {
-                report.fail(t, e.clone());
+                report.fail(t, e.to_string());
             }
             return report;
         }
@@ -355,7 +369,7 @@ pub async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str) -> Rep
                         .map_err(|e| format!("produce on {producer}: {e}"))?;
                     Some(kv)
                 };
-                let pid = checks.probe(t, &id, kv).await?;
+                let pid = checks.probe(t, &id, kv).await.map_err(|e| e.to_string())?;
                 if pid.key != attested[t].identity.key {
                     return Err(format!("{t} process changed during validation"));
                 }
@@ -445,17 +459,19 @@ mod tests {
             self.fail.insert(iid.into(), step);
             self
         }
-        fn step(&self, iid: &str, step: &str) -> Result<Identity, String> {
+        fn step(&self, iid: &str, step: &str) -> Result<Identity, CheckError> {
             self.calls.lock().unwrap().push(format!("{step} {iid}"));
             if self.fail.get(iid) == Some(&step) {
-                return Err(format!("{step} broken"));
+                return Err(CheckError::Agent {
+                    detail: format!("{step} broken"),
+                });
             }
             Ok(self.ids.lock().unwrap()[iid].clone())
         }
     }
 
     impl Checks for Fake {
-        async fn health(&self, iid: &str) -> Result<(), String> {
+        async fn health(&self, iid: &str) -> Result<(), CheckError> {
             let n = self
                 .calls
                 .lock()
@@ -464,11 +480,11 @@ mod tests {
                 .filter(|c| *c == &format!("health {iid}"))
                 .count();
             if n >= 1 && self.fail.get(iid) == Some(&"final health") {
-                return Err("503".into());
+                return Err(CheckError::HealthStatus { status: 503 });
             }
             self.step(iid, "health").map(|_| ())
         }
-        async fn attest(&self, iid: &str) -> Result<Attested, String> {
+        async fn attest(&self, iid: &str) -> Result<Attested, CheckError> {
             let id = self.step(iid, "attest")?;
             let n = self
                 .calls
@@ -495,14 +511,14 @@ mod tests {
                 fingerprint: "fp".into(),
             })
         }
-        async fn generation(&self, iid: &str) -> Result<Identity, String> {
+        async fn generation(&self, iid: &str) -> Result<Identity, CheckError> {
             self.step(iid, "generation")
         }
         async fn kv_produce(
             &self,
             iid: &str,
             _: &str,
-        ) -> Result<(serde_json::Value, Identity), String> {
+        ) -> Result<(serde_json::Value, Identity), CheckError> {
             self.step(iid, "produce")
                 .map(|i| (serde_json::json!({"from": iid}), i))
         }
@@ -511,7 +527,7 @@ mod tests {
             iid: &str,
             _: &str,
             kv: serde_json::Value,
-        ) -> Result<Identity, String> {
+        ) -> Result<Identity, CheckError> {
             assert!(kv["from"].is_string());
             self.step(iid, "consume")
         }
@@ -520,7 +536,7 @@ mod tests {
             iid: &str,
             _: &str,
             kv: Option<serde_json::Value>,
-        ) -> Result<Identity, String> {
+        ) -> Result<Identity, CheckError> {
             let step = if kv.is_some() {
                 "probe-from"
             } else {
@@ -619,7 +635,7 @@ mod tests {
         assert_eq!(r.engines["d0"].process_start, Some(30.0));
         p.targets = vec!["p0".into()];
         assert_eq!(
-            fabric_pairs(&p).unwrap_err(),
+            fabric_pairs(&p).unwrap_err().to_string(),
             "fabric validation requires a peer in the opposite role",
             "without the co-target there is no peer"
         );

@@ -1,0 +1,562 @@
+//! Every way a completion request can fail, and the one place that maps a failure to what the
+//! client sees (status, JSON body, `Retry-After`, or the SSE error frame after output) and to
+//! what is counted (the [`Settlement`]: terminal, reason, journal error) (reference-notes 1.9,
+//! 7.7a; STYLE.md section 4: one map, recording who failed).
+//!
+//! ```text
+//!  serve ──RequestFailure──► settlement() ──► accounting (counters, metrics, journal row)
+//!                        └─► response(rid) (before output) | stream_frame() (after output)
+//! ```
+//!
+//! Pure: no IO, no clock.
+
+use bytes::Bytes;
+use http::{Response, StatusCode};
+use serde_json::{Value, json};
+
+use crate::ingress::IngressError;
+use crate::outcome::{Settlement, Terminal};
+use crate::placement::Phase;
+use crate::relay::{StreamFailure, error_frame};
+use crate::response::{Body, json_response, with_retry_after};
+use crate::upstream::LegError;
+
+/// Where a request ran out of time (each says so in the journal; the client sees 504
+/// `request_expired`, or the `expired` error frame once output started).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Expiry {
+    /// The client did not deliver its body before the request deadline.
+    BodyRead,
+    /// No admission seat before `serving.queue_timeout_s` (`deadline_first`: the request
+    /// deadline came first).
+    Queue {
+        /// The request deadline, not the queue timeout, ended the wait.
+        deadline_first: bool,
+    },
+    /// No first token before the request deadline.
+    BeforeOutput,
+    /// A leg's own limit that coincided with the request deadline; `detail` is the leg's error.
+    LegAtDeadline {
+        /// The leg error's detail.
+        detail: String,
+    },
+    /// A non-streaming response was still being collected at the deadline.
+    Collecting,
+    /// The deadline passed after output started (streaming).
+    AfterOutput,
+}
+
+/// Why a completion request did not complete.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum RequestFailure {
+    /// `max_concurrent + queue_capacity` requests are retained, or no seat is free and there
+    /// is no queue: 429 `server_overloaded_error`.
+    InflightLimit,
+    /// The router is not ready (reference-notes 1.3): 503; `no_engines` when it controls the
+    /// fleet and only engines are missing (`backend_unavailable`), else `standby`. `reason` is
+    /// the `/ready` reason, for the journal.
+    NotReady {
+        /// The `/ready` reason.
+        reason: String,
+        /// Controls the fleet, nothing held, no live engine.
+        no_engines: bool,
+    },
+    /// The body could not be read from the client (it went away): settles `cancelled`.
+    BodyUnreadable,
+    /// Ingress refused the body (400, 404, 413).
+    Invalid(IngressError),
+    /// The request ran out of time.
+    Expired(Expiry),
+    /// The router lost control of the fleet (lease) before placing an attempt: 503 `standby`.
+    NotInControl,
+    /// No schedulable engine for an attempt: 503 `no_schedulable_engines`.
+    NoEngine,
+    /// The last attempt's leg failed before output (after any retries): the engine's 4xx for
+    /// a client fault, else 502 (504 for a timeout) typed with the leg's phase.
+    Leg {
+        /// The failed leg.
+        phase: Phase,
+        /// How it failed.
+        err: LegError,
+    },
+    /// The decode stream failed after the first token: a non-streaming client gets 502 / 504,
+    /// a streaming one (200 already sent) the `failed` error frame.
+    Decode {
+        /// How it failed.
+        err: LegError,
+        /// The client is streaming (output already reached it).
+        streaming: bool,
+    },
+}
+
+/// `{"error": {"message", "type"}}`.
+fn error_body(message: &str, ty: &str) -> Value {
+    json!({"error": {"message": message, "type": ty}})
+}
+
+/// `{"error": {"message", "type", "code"}}` with `code` = `type`.
+fn coded_body(message: &str, ty: &str) -> Value {
+    json!({"error": {"message": message, "type": ty, "code": ty}})
+}
+
+const EXPIRED_MESSAGE: &str = "original request deadline expired";
+
+impl RequestFailure {
+    /// The settlement counted for this failure (terminal, reason label, status, journal
+    /// error, error type).
+    pub(crate) fn settlement(&self) -> Settlement {
+        let status = self.status().as_u16();
+        match self {
+            RequestFailure::InflightLimit => Settlement::new(
+                Terminal::Rejected,
+                "inflight_limit",
+                status,
+                "router in-flight limit reached",
+                "server_overloaded_error",
+            ),
+            RequestFailure::NotReady { reason, .. } => Settlement::new(
+                Terminal::Rejected,
+                "not_ready",
+                status,
+                format!("not ready: {reason}"),
+                self.not_ready_type(),
+            ),
+            RequestFailure::BodyUnreadable => Settlement::cancelled(),
+            RequestFailure::Invalid(e) => {
+                Settlement::new(Terminal::Invalid, "", status, e.to_string(), e.error_type())
+            }
+            RequestFailure::Expired(expiry) => {
+                let (reason, error) = match expiry {
+                    Expiry::BodyRead => (
+                        "deadline",
+                        "request body not received before the deadline".to_string(),
+                    ),
+                    Expiry::Queue {
+                        deadline_first: true,
+                    } => ("deadline", EXPIRED_MESSAGE.to_string()),
+                    Expiry::Queue {
+                        deadline_first: false,
+                    } => ("queue_timeout", "queue deadline expired".to_string()),
+                    Expiry::BeforeOutput => (
+                        "deadline",
+                        "request deadline expired before output".to_string(),
+                    ),
+                    Expiry::LegAtDeadline { detail } => (
+                        "deadline",
+                        format!("request deadline expired before output ({detail})"),
+                    ),
+                    Expiry::Collecting => (
+                        "deadline",
+                        "request deadline expired while collecting".to_string(),
+                    ),
+                    Expiry::AfterOutput => (
+                        "deadline",
+                        "request deadline expired after output".to_string(),
+                    ),
+                };
+                let ty = match expiry {
+                    Expiry::Queue {
+                        deadline_first: false,
+                    } => "queue_expired",
+                    Expiry::AfterOutput => "decode",
+                    _ => "request_expired",
+                };
+                Settlement::new(Terminal::Expired, reason, status, error, ty)
+            }
+            RequestFailure::NotInControl => Settlement::new(
+                Terminal::Rejected,
+                "not_ready",
+                status,
+                "the router lost control of the fleet before placing the request",
+                "standby",
+            ),
+            RequestFailure::NoEngine => Settlement::new(
+                Terminal::Failed,
+                "no_engine",
+                status,
+                "no schedulable engine for this attempt",
+                "no_schedulable_engines",
+            ),
+            RequestFailure::Leg { phase, err } => match err.client_fault() {
+                Some(_) => Settlement::new(
+                    Terminal::Failed,
+                    "engine_rejected",
+                    status,
+                    err.detail(),
+                    "invalid_request_error",
+                ),
+                None => Settlement::new(
+                    Terminal::Failed,
+                    err.reason(),
+                    status,
+                    format!("{}: {}", phase.as_str(), err.detail()),
+                    phase.as_str(),
+                ),
+            },
+            RequestFailure::Decode { err, .. } => Settlement::new(
+                Terminal::Failed,
+                err.reason(),
+                status,
+                format!("decode: {}", err.detail()),
+                "decode",
+            ),
+        }
+    }
+
+    fn not_ready_type(&self) -> &'static str {
+        match self {
+            RequestFailure::NotReady {
+                no_engines: true, ..
+            } => "backend_unavailable",
+            _ => "standby",
+        }
+    }
+
+    /// The HTTP status: the one answered before output, 200 once output started.
+    pub(crate) fn status(&self) -> StatusCode {
+        match self {
+            RequestFailure::InflightLimit => StatusCode::TOO_MANY_REQUESTS,
+            RequestFailure::NotReady { .. }
+            | RequestFailure::NotInControl
+            | RequestFailure::NoEngine => StatusCode::SERVICE_UNAVAILABLE,
+            RequestFailure::BodyUnreadable => StatusCode::BAD_REQUEST,
+            RequestFailure::Invalid(e) => e.response().0,
+            RequestFailure::Expired(Expiry::AfterOutput)
+            | RequestFailure::Decode {
+                streaming: true, ..
+            } => StatusCode::OK,
+            RequestFailure::Expired(_) => StatusCode::GATEWAY_TIMEOUT,
+            RequestFailure::Leg { err, .. } => match err.client_fault() {
+                Some((status, ..)) => {
+                    StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST)
+                }
+                None => StatusCode::from_u16(err.http_status()).unwrap_or(StatusCode::BAD_GATEWAY),
+            },
+            RequestFailure::Decode { err, .. } => {
+                StatusCode::from_u16(err.http_status()).unwrap_or(StatusCode::BAD_GATEWAY)
+            }
+        }
+    }
+
+    /// The JSON error body answered before output (reference-notes 1.9). After output there
+    /// is no body: see [`RequestFailure::stream_frame`].
+    pub(crate) fn body(&self) -> Value {
+        match self {
+            RequestFailure::InflightLimit => {
+                error_body("router in-flight limit reached", "server_overloaded_error")
+            }
+            RequestFailure::NotReady { .. } => {
+                let message = match self.not_ready_type() {
+                    "backend_unavailable" => "No engines are available",
+                    _ => "Router is not ready",
+                };
+                coded_body(message, self.not_ready_type())
+            }
+            RequestFailure::BodyUnreadable => {
+                error_body("request body read failed", "invalid_request_error")
+            }
+            RequestFailure::Invalid(e) => e.response().1,
+            RequestFailure::Expired(Expiry::Queue {
+                deadline_first: false,
+            }) => error_body("queue deadline expired", "queue_expired"),
+            RequestFailure::Expired(_) => error_body(EXPIRED_MESSAGE, "request_expired"),
+            RequestFailure::NotInControl => coded_body("Router is not ready", "standby"),
+            RequestFailure::NoEngine => {
+                coded_body("Engine capacity is unavailable", "no_schedulable_engines")
+            }
+            RequestFailure::Leg { phase, err } => match err.client_fault() {
+                Some((_, message, param)) => json!({"error": {
+                    "message": message, "type": "invalid_request_error", "param": param, "code": null,
+                }}),
+                None => coded_body(err.public_message(), phase.as_str()),
+            },
+            RequestFailure::Decode { err, .. } => {
+                let message = match err {
+                    LegError::Stream(StreamFailure::ResponseLimit) => {
+                        "Response exceeds the configured limit"
+                    }
+                    _ => "Invalid non-streaming upstream response",
+                };
+                coded_body(message, "decode")
+            }
+        }
+    }
+
+    /// Whether the answer carries `Retry-After: 1` (overload and readiness refusals).
+    pub(crate) fn retry_after(&self) -> bool {
+        matches!(
+            self,
+            RequestFailure::InflightLimit
+                | RequestFailure::NotReady { .. }
+                | RequestFailure::NotInControl
+                | RequestFailure::NoEngine
+        )
+    }
+
+    /// The full answer before output, with `x-request-id: rid`.
+    pub(crate) fn response(&self, rid: &str) -> Response<Body> {
+        let r = json_response(self.status(), &self.body(), rid);
+        if self.retry_after() {
+            with_retry_after(r)
+        } else {
+            r
+        }
+    }
+
+    /// The single final SSE frame once output started (reference-notes 1.9): `expired` for
+    /// the deadline, `failed` with the public message for a failed stream; `None` before
+    /// output.
+    pub(crate) fn stream_frame(&self) -> Option<Bytes> {
+        match self {
+            RequestFailure::Expired(Expiry::AfterOutput) => {
+                Some(error_frame("Request deadline expired", "decode", "expired"))
+            }
+            RequestFailure::Decode {
+                err,
+                streaming: true,
+            } => Some(error_frame(err.public_message(), "decode", "failed")),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn leg(status: u16, message: &str) -> LegError {
+        LegError::Status {
+            status,
+            message: message.into(),
+            param: Value::Null,
+        }
+    }
+
+    /// Every failure before output: status, body type, Retry-After, and what is counted
+    /// (reference-notes 1.9 and 7.7a).
+    #[test]
+    fn each_failure_maps_to_one_status_body_and_settlement() {
+        let cases: Vec<(RequestFailure, u16, &str, bool, Terminal, &str)> = vec![
+            (
+                RequestFailure::InflightLimit,
+                429,
+                "server_overloaded_error",
+                true,
+                Terminal::Rejected,
+                "inflight_limit",
+            ),
+            (
+                RequestFailure::NotReady {
+                    reason: "no available engines".into(),
+                    no_engines: true,
+                },
+                503,
+                "backend_unavailable",
+                true,
+                Terminal::Rejected,
+                "not_ready",
+            ),
+            (
+                RequestFailure::NotReady {
+                    reason: "shadowing".into(),
+                    no_engines: false,
+                },
+                503,
+                "standby",
+                true,
+                Terminal::Rejected,
+                "not_ready",
+            ),
+            (
+                RequestFailure::Invalid(IngressError::TooLarge { limit: 10 }),
+                413,
+                "request_too_large",
+                false,
+                Terminal::Invalid,
+                "",
+            ),
+            (
+                RequestFailure::Invalid(IngressError::InvalidJson),
+                400,
+                "invalid_request_error",
+                false,
+                Terminal::Invalid,
+                "",
+            ),
+            (
+                RequestFailure::Expired(Expiry::BodyRead),
+                504,
+                "request_expired",
+                false,
+                Terminal::Expired,
+                "deadline",
+            ),
+            (
+                RequestFailure::Expired(Expiry::Queue {
+                    deadline_first: false,
+                }),
+                504,
+                "queue_expired",
+                false,
+                Terminal::Expired,
+                "queue_timeout",
+            ),
+            (
+                RequestFailure::Expired(Expiry::Queue {
+                    deadline_first: true,
+                }),
+                504,
+                "request_expired",
+                false,
+                Terminal::Expired,
+                "deadline",
+            ),
+            (
+                RequestFailure::NotInControl,
+                503,
+                "standby",
+                true,
+                Terminal::Rejected,
+                "not_ready",
+            ),
+            (
+                RequestFailure::NoEngine,
+                503,
+                "no_schedulable_engines",
+                true,
+                Terminal::Failed,
+                "no_engine",
+            ),
+            (
+                RequestFailure::Leg {
+                    phase: Phase::Prefill,
+                    err: leg(503, "busy"),
+                },
+                502,
+                "prefill",
+                false,
+                Terminal::Failed,
+                "engine_error",
+            ),
+            (
+                RequestFailure::Leg {
+                    phase: Phase::Decode,
+                    err: LegError::FirstTokenTimeout,
+                },
+                504,
+                "decode",
+                false,
+                Terminal::Failed,
+                "engine_timeout",
+            ),
+            (
+                RequestFailure::Leg {
+                    phase: Phase::Prefill,
+                    err: leg(400, "prompt too long"),
+                },
+                400,
+                "invalid_request_error",
+                false,
+                Terminal::Failed,
+                "engine_rejected",
+            ),
+            (
+                RequestFailure::Decode {
+                    err: LegError::Stream(StreamFailure::ResponseLimit),
+                    streaming: false,
+                },
+                502,
+                "decode",
+                false,
+                Terminal::Failed,
+                "response_limit",
+            ),
+        ];
+        for (f, status, ty, retry_after, terminal, reason) in cases {
+            let r = f.response("rid-1");
+            assert_eq!(r.status().as_u16(), status, "{f:?}");
+            assert_eq!(f.body()["error"]["type"], ty, "{f:?}");
+            assert_eq!(
+                r.headers().contains_key(http::header::RETRY_AFTER),
+                retry_after,
+                "{f:?}"
+            );
+            assert_eq!(r.headers()["x-request-id"], "rid-1");
+            let s = f.settlement();
+            assert_eq!((s.terminal, s.reason.as_str()), (terminal, reason), "{f:?}");
+            assert_eq!(s.status, Some(status), "{f:?}");
+            assert!(f.stream_frame().is_none(), "{f:?}");
+        }
+    }
+
+    #[test]
+    fn client_faults_carry_the_engine_message_and_param() {
+        let f = RequestFailure::Leg {
+            phase: Phase::Decode,
+            err: LegError::Status {
+                status: 500,
+                message: "prompt is too long for the context length".into(),
+                param: json!("prompt"),
+            },
+        };
+        assert_eq!(f.status(), StatusCode::BAD_REQUEST);
+        let b = f.body();
+        assert_eq!(
+            b["error"]["message"],
+            "prompt is too long for the context length"
+        );
+        assert_eq!(b["error"]["param"], "prompt");
+        assert_eq!(b["error"]["code"], Value::Null);
+        assert_eq!(
+            f.settlement().error_type.as_deref(),
+            Some("invalid_request_error")
+        );
+    }
+
+    #[test]
+    fn engine_details_reach_the_journal_never_the_client() {
+        let f = RequestFailure::Leg {
+            phase: Phase::Prefill,
+            err: LegError::Connect("connect 10.0.0.7:8000: refused".into()),
+        };
+        assert_eq!(f.body()["error"]["message"], "Upstream request failed");
+        assert_eq!(
+            f.settlement().error.as_deref(),
+            Some("prefill: connect 10.0.0.7:8000: refused")
+        );
+    }
+
+    #[test]
+    fn after_output_the_answer_is_one_error_frame_and_status_200() {
+        let expired = RequestFailure::Expired(Expiry::AfterOutput);
+        let s = expired.settlement();
+        assert_eq!((s.terminal, s.status), (Terminal::Expired, Some(200)));
+        assert_eq!(s.error_type.as_deref(), Some("decode"));
+        let frame = expired.stream_frame().expect("frame");
+        assert!(
+            std::str::from_utf8(&frame)
+                .unwrap()
+                .contains("\"code\":\"expired\""),
+        );
+        let failed = RequestFailure::Decode {
+            err: LegError::ReadTimeout,
+            streaming: true,
+        };
+        let s = failed.settlement();
+        assert_eq!(
+            (s.terminal, s.reason.as_str(), s.status),
+            (Terminal::Failed, "engine_timeout", Some(200))
+        );
+        let frame = failed.stream_frame().expect("frame");
+        let text = std::str::from_utf8(&frame).unwrap();
+        assert!(text.contains("\"code\":\"failed\"") && text.contains("Upstream request failed"));
+    }
+
+    #[test]
+    fn an_unreadable_body_settles_cancelled_with_a_400() {
+        let f = RequestFailure::BodyUnreadable;
+        assert_eq!(f.settlement().terminal, Terminal::Cancelled);
+        assert_eq!(f.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(f.body()["error"]["message"], "request body read failed");
+    }
+}

@@ -1,0 +1,769 @@
+//! The warm standby's driver (reference-notes 2.9, with DESIGN.md 9.6: it never stops for
+//! good): every interval it asks the pure [`Standby`] machine what to do and performs it —
+//! poll the primary, persist the retained handoff, read the lease, claim, apply, re-check
+//! identities, commit or give the lease back.
+//!
+//! ```text
+//!  interval ──► Standby::tick ──► Step ──StandbyIo──► result ──► Standby::<event> ──► Step ...
+//!                                 (Live: HTTP to the primary, lease store, handoff, agents)
+//! ```
+//!
+//! Without a primary URL (a fenced primary started without `--standby-of`) it only retries
+//! the lease, and takes the fleet back only while its own state is still the fleet's newest.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use narwhal_shared::handoff::{Handoff, HandoffError, Loaded, load_state_file, write_state_file};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use super::StandbyOptions;
+use super::machine::{Poll, Settings, Source, Standby, Step};
+use super::primary::{self, Renewal};
+use crate::config::Config;
+use crate::lease::{Control, LeaseLoss, LeaseRecord};
+use crate::parts::Parts;
+use crate::phase::HaPhase;
+
+/// What the standby's steps do to the world (implemented by [`Live`]; tests fake it).
+pub(crate) trait StandbyIo {
+    /// Monotonic now.
+    fn now(&self) -> Instant;
+    /// Wall-clock Unix seconds now.
+    fn wall(&self) -> f64;
+    /// Publishes the HA phase.
+    fn publish(&self, phase: HaPhase);
+    /// Polls the primary (its `/ready`, `/narwhal/handoff` and the lease record).
+    fn poll(&self) -> impl Future<Output = Poll> + Send;
+    /// Writes the retained handoff to the state file (best effort).
+    fn persist(&self, h: &Handoff) -> impl Future<Output = ()> + Send;
+    /// Reads the lease record.
+    fn read_record(&self) -> impl Future<Output = Result<Option<LeaseRecord>, String>> + Send;
+    /// The epoch of this router's own state file, 0 without a valid one.
+    fn own_file_epoch(&self) -> impl Future<Output = u64> + Send;
+    /// Claims the lease and, on success, starts renewing it (pending).
+    fn claim(&mut self) -> impl Future<Output = Result<u64, LeaseLoss>> + Send;
+    /// Applies `source` (`retained` is the retained handoff).
+    fn apply(
+        &self,
+        source: Source,
+        retained: Option<&Handoff>,
+    ) -> impl Future<Output = Result<(), String>> + Send;
+    /// The lease is locally valid now.
+    fn lease_active(&self) -> bool;
+    /// Re-checks every engine's identity through its agent.
+    fn check_identities(&self) -> impl Future<Output = ()> + Send;
+    /// The router controls the fleet now (not fenced meanwhile).
+    fn controls(&self) -> bool;
+    /// Commits the pending renewal.
+    fn commit(&mut self) -> bool;
+    /// Stops the renewal and releases the lease.
+    fn give_back(&mut self) -> impl Future<Output = ()> + Send;
+    /// The takeover completed after `gap` since the last good poll.
+    fn took_over(&mut self, gap: Option<Duration>);
+}
+
+/// How a run of steps ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ended {
+    /// The tick's work is done; wait for the next interval.
+    Tick,
+    /// The takeover completed.
+    TookOver,
+}
+
+/// Performs `step` and every step it leads to.
+pub(crate) async fn steps(io: &mut impl StandbyIo, m: &mut Standby, mut step: Step) -> Ended {
+    let mut claimed = 0;
+    loop {
+        step = match step {
+            Step::Wait => return Ended::Tick,
+            Step::Poll => {
+                let poll = io.poll().await;
+                if let Poll::Miss(why) = &poll {
+                    tracing::debug!(%why, "standby poll missed");
+                }
+                m.polled(io.now(), io.wall(), poll)
+            }
+            Step::Retain => {
+                if let Some(h) = m.retained() {
+                    io.persist(h).await;
+                }
+                io.publish(HaPhase::Shadowing);
+                return Ended::Tick;
+            }
+            Step::Publish(phase) => {
+                io.publish(phase);
+                return Ended::Tick;
+            }
+            Step::ReadLease { own } => {
+                let record = io.read_record().await;
+                m.lease_read(own, record, io.wall())
+            }
+            Step::ReadOwnState => {
+                let own = match m.held() {
+                    Some(epoch) => epoch,
+                    None => io.own_file_epoch().await,
+                };
+                let record = io.read_record().await;
+                m.lease_read(own, record, io.wall())
+            }
+            Step::Claim(source) => {
+                let claim = io.claim().await;
+                match &claim {
+                    Ok(epoch) => claimed = *epoch,
+                    Err(LeaseLoss::HeldByAnother) => {}
+                    Err(e) => {
+                        tracing::warn!(why = %e, "takeover failed; staying a standby and retrying");
+                    }
+                }
+                m.claimed(source, claim)
+            }
+            Step::Apply(source) => {
+                let result = io.apply(source, m.retained()).await;
+                m.applied(claimed, result, io.lease_active())
+            }
+            Step::ValidateIdentities => {
+                io.publish(HaPhase::ValidatingIdentities);
+                // The agents learn the new epoch from this first fenced call and refuse the
+                // old primary's.
+                io.check_identities().await;
+                m.identities_checked(claimed, io.lease_active(), io.controls())
+            }
+            Step::Commit => {
+                let ok = io.commit();
+                m.committed(claimed, io.now(), ok)
+            }
+            Step::GiveBack { why, announce, .. } => {
+                let blocked = || HaPhase::Blocked {
+                    reason: why.clone(),
+                };
+                if announce {
+                    io.publish(blocked());
+                }
+                io.give_back().await;
+                tracing::warn!(%why, "takeover failed; staying a standby and retrying");
+                io.publish(blocked());
+                return Ended::Tick;
+            }
+            Step::TookOver { gap } => {
+                io.took_over(gap);
+                return Ended::TookOver;
+            }
+        }
+    }
+}
+
+/// Ticks every `interval` until the takeover completes (`true`) or `stop` (`false`).
+pub(crate) async fn drive(
+    io: &mut impl StandbyIo,
+    m: &mut Standby,
+    interval: Duration,
+    stop: &CancellationToken,
+) -> bool {
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return false,
+            () = tokio::time::sleep(interval) => {}
+        }
+        let first = m.tick();
+        if steps(io, m, first).await == Ended::TookOver {
+            return true;
+        }
+    }
+}
+
+/// Runs the standby until it takes over (returning the committed renewal) or `stop`.
+/// `held` is the epoch this router last controlled (a fenced primary), `None` if it never
+/// did; `opts` names the primary to follow, if any.
+pub(crate) async fn run(
+    parts: &Arc<Parts>,
+    opts: Option<&StandbyOptions>,
+    held: Option<u64>,
+    stop: &CancellationToken,
+) -> Option<Renewal> {
+    parts.ha.enter_standby();
+    let interval = opts.map_or(parts.ha.lease().timing().renew_interval, |o| {
+        o.probe_interval
+    });
+    let http = match client(&parts.cfg) {
+        Ok(c) => c,
+        Err(e) => {
+            parts.ha.publish(HaPhase::Blocked {
+                reason: format!("standby client: {e}"),
+            });
+            return None;
+        }
+    };
+    let settings = Settings {
+        primary: opts.is_some(),
+        takeover_after: opts.map_or(1, |o| o.takeover_after),
+        max_handoff_age_s: opts.map_or(0.0, |o| o.max_handoff_age_s),
+    };
+    let mut machine = Standby::new(settings, held);
+    let mut io = Live::new(parts, http, opts.map(|o| o.primary.clone()), stop);
+    if drive(&mut io, &mut machine, interval, stop).await {
+        io.renewal.take()
+    } else {
+        None
+    }
+}
+
+/// The standby's real effects.
+pub(crate) struct Live<'a> {
+    parts: &'a Arc<Parts>,
+    http: reqwest::Client,
+    primary: Option<String>,
+    stop: &'a CancellationToken,
+    /// The renewal started at the last successful claim.
+    pub(crate) renewal: Option<Renewal>,
+}
+
+impl<'a> Live<'a> {
+    /// Effects on `parts`, polling `primary` (if any) with `http`.
+    pub(crate) fn new(
+        parts: &'a Arc<Parts>,
+        http: reqwest::Client,
+        primary: Option<String>,
+        stop: &'a CancellationToken,
+    ) -> Live<'a> {
+        Live {
+            parts,
+            http,
+            primary,
+            stop,
+            renewal: None,
+        }
+    }
+}
+
+impl StandbyIo for Live<'_> {
+    fn now(&self) -> Instant {
+        self.parts.clock.now()
+    }
+
+    fn wall(&self) -> f64 {
+        self.parts.wall()
+    }
+
+    fn publish(&self, phase: HaPhase) {
+        self.parts.ha.publish(phase);
+    }
+
+    async fn poll(&self) -> Poll {
+        match &self.primary {
+            Some(primary) => poll(self.parts, &self.http, primary).await,
+            None => Poll::Miss("no primary to poll".into()),
+        }
+    }
+
+    async fn persist(&self, h: &Handoff) {
+        let path = std::path::PathBuf::from(&self.parts.cfg.recovery.state_path);
+        let copy = h.clone();
+        let _ = tokio::task::spawn_blocking(move || write_state_file(&path, &copy)).await;
+    }
+
+    async fn read_record(&self) -> Result<Option<LeaseRecord>, String> {
+        self.parts
+            .ha
+            .lease()
+            .read_record()
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    async fn own_file_epoch(&self) -> u64 {
+        let path = std::path::PathBuf::from(&self.parts.cfg.recovery.state_path);
+        match tokio::task::spawn_blocking(move || load_state_file(&path)).await {
+            Ok(Loaded::Valid(h)) => h.epoch,
+            _ => 0,
+        }
+    }
+
+    async fn claim(&mut self) -> Result<u64, LeaseLoss> {
+        let epoch = self.parts.ha.lease().claim().await?;
+        self.renewal = Some(primary::renew(self.parts, true, self.stop));
+        Ok(epoch)
+    }
+
+    async fn apply(&self, source: Source, retained: Option<&Handoff>) -> Result<(), String> {
+        match (source, retained) {
+            (Source::Retained, Some(h)) => crate::handoff::apply(self.parts, h)
+                .map(|_| ())
+                .map_err(|e| format!("handoff rejected: {e}")),
+            (Source::Retained, None) => Err("no fresh handoff".into()),
+            // Never controlled the fleet in this process: its own state file is the best it
+            // has (it was not applied if `--resume` was not given).
+            (Source::OwnFile { .. }, _) => match crate::handoff::resume(self.parts) {
+                Some(reason) => Err(reason),
+                None => Ok(()),
+            },
+            // A fenced primary's memory is that epoch's state, fresher than its file.
+            (Source::Memory { .. }, _) => Ok(()),
+        }
+    }
+
+    fn lease_active(&self) -> bool {
+        self.parts.ha.lease().control(self.parts.clock.now()) == Control::Active
+    }
+
+    async fn check_identities(&self) {
+        self.parts.lifecycle.check_identities().await;
+    }
+
+    fn controls(&self) -> bool {
+        self.parts.ha.controls_fleet()
+    }
+
+    fn commit(&mut self) -> bool {
+        self.renewal.as_ref().is_some_and(Renewal::commit)
+    }
+
+    async fn give_back(&mut self) {
+        if let Some(r) = self.renewal.take() {
+            r.stop();
+        }
+        let _ = self.parts.ha.lease().release().await;
+    }
+
+    fn took_over(&mut self, gap: Option<Duration>) {
+        tracing::info!(
+            epoch = self.parts.ha.lease().epoch(),
+            gap_s = gap.map(|g| g.as_secs_f64()),
+            "took over the fleet"
+        );
+        if let Some(g) = gap {
+            self.parts.metrics.takeover_gap.set(g.as_secs_f64());
+        }
+        // Clear only our own hold: a stale-epoch answer during the check may have fenced us.
+        self.parts.ha.end_identity_check();
+        self.parts.dirty.notify_one();
+    }
+}
+
+/// One poll of the primary: `/ready` must show control (a 503 with `control_ready`, e.g. a
+/// whole-wave drain, is a healthy primary), `/narwhal/handoff` must validate, and its epoch
+/// and holder must match the live lease record.
+async fn poll(parts: &Parts, http: &reqwest::Client, primary: &str) -> Poll {
+    let ready = match http.get(format!("{primary}/ready")).send().await {
+        Ok(r) => {
+            let ok = r.status().is_success();
+            let body: Value = r.json().await.unwrap_or_default();
+            ok || body["control_ready"] == true
+        }
+        Err(e) => return Poll::Miss(format!("/ready: {e}")),
+    };
+    if !ready {
+        return Poll::Miss("primary does not control the fleet".into());
+    }
+    let doc = match http.get(format!("{primary}/narwhal/handoff")).send().await {
+        Ok(r) if r.status().is_success() => match r.json::<Value>().await {
+            Ok(v) => v,
+            Err(e) => return Poll::Miss(format!("/narwhal/handoff: {e}")),
+        },
+        Ok(r) => return Poll::Miss(format!("/narwhal/handoff: HTTP {}", r.status())),
+        Err(e) => return Poll::Miss(format!("/narwhal/handoff: {e}")),
+    };
+    let h = match Handoff::from_value(doc) {
+        Ok(h) => h,
+        Err(e @ HandoffError::ContractVersion { .. }) => {
+            // The reference stops here for good (reference-notes 11.8); we keep polling.
+            return Poll::Miss(format!("primary speaks another handoff contract: {e}"));
+        }
+        Err(e) => return Poll::Miss(format!("invalid handoff: {e}")),
+    };
+    let record = match parts.ha.lease().read_record().await {
+        Ok(Some(r)) => r,
+        Ok(None) => return Poll::Miss("no lease record".into()),
+        Err(e) => return Poll::Miss(format!("lease unreadable: {e}")),
+    };
+    let now = parts.wall();
+    if record.holder != h.holder || record.epoch != h.epoch || !record.live(now) {
+        return Poll::Miss(format!(
+            "handoff epoch {} / holder {:?} does not match the live lease (epoch {}, holder {:?})",
+            h.epoch, h.holder, record.epoch, record.holder
+        ));
+    }
+    Poll::Good(Box::new(h))
+}
+
+/// The HTTP client for the primary's control listener (its `control.tls` when set).
+fn client(cfg: &Config) -> Result<reqwest::Client, String> {
+    let timeout = Duration::from_millis(800);
+    let mut b = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(timeout)
+        .connect_timeout(timeout);
+    if let Some(tls) = &cfg.control_tls {
+        let files = narwhal_shared::TlsFiles {
+            ca: tls.ca.clone(),
+            cert: tls.cert.clone(),
+            key: tls.key.clone(),
+        };
+        b = b.use_preconfigured_tls(files.client_config().map_err(|e| e.to_string())?);
+    } else {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+    b.build().map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ha::machine::tests::doc;
+    use crate::phase::IDENTITY_PENDING;
+    use narwhal_shared::{Clock as _, ManualClock, SystemClock};
+    use std::collections::VecDeque;
+    use std::sync::Mutex;
+
+    /// A router with a file lease in a temporary directory, on a manual clock; its stop
+    /// token is cancelled on drop.
+    struct World {
+        dir: tempfile::TempDir,
+        clock: Arc<ManualClock>,
+        sh: Arc<Parts>,
+        stop: CancellationToken,
+    }
+
+    impl World {
+        fn new() -> World {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let clock = Arc::new(ManualClock::new(SystemClock.now(), 1.0e9));
+            let sh = crate::parts::for_test(
+                serde_json::json!({
+                    "schema": "narwhal.fleet", "schema_version": 2, "model": "m",
+                    "backend": "vllm",
+                    "engines": [{"iid": "p0", "url": "http://127.0.0.1:1", "role": "prefill"},
+                                {"iid": "d0", "url": "http://127.0.0.1:2"}],
+                    "slo": {"ttft_s": 1.0, "tpot_s": 0.1},
+                    "recovery": {"state_path": dir.path().join("state.json")},
+                    "lease": {"backend": "file", "path": dir.path().join("lease.json"),
+                              "ttl_s": 2, "renew_interval_s": 0.5, "safety_margin_s": 0.5}
+                }),
+                clock.clone(),
+                "standby",
+            );
+            World {
+                dir,
+                clock,
+                sh,
+                stop: CancellationToken::new(),
+            }
+        }
+
+        /// The lease record in the store now.
+        async fn record(&self) -> LeaseRecord {
+            let rec = self.sh.ha.lease().read_record().await.expect("read");
+            rec.expect("a lease record")
+        }
+
+        /// The standby's real effects on this router (no primary to poll).
+        fn io(&self) -> Live<'_> {
+            let http = client(&self.sh.cfg).expect("client");
+            Live::new(&self.sh, http, None, &self.stop)
+        }
+    }
+
+    impl Drop for World {
+        fn drop(&mut self) {
+            self.stop.cancel();
+        }
+    }
+
+    fn settings(primary: bool) -> Settings {
+        Settings {
+            primary,
+            takeover_after: 4,
+            max_handoff_age_s: 30.0,
+        }
+    }
+
+    fn blocked_reason(p: &Parts) -> String {
+        match p.ha.phase() {
+            HaPhase::Blocked { reason } => reason,
+            other => panic!("not blocked: {other:?}"),
+        }
+    }
+
+    /// Found by ha_e2e: `/ready` answered 200 as soon as the lease was claimed, before the
+    /// identity check through the agents, and before the takeover gap was recorded. While the
+    /// check runs the router controls the fleet but is not ready; afterwards it is ready and
+    /// the gap (since the last good poll) is in the metric.
+    #[tokio::test]
+    async fn takeover_is_ready_only_after_the_identity_check_and_records_the_gap() {
+        let w = World::new();
+        let (sh, clock) = (&w.sh, &w.clock);
+        assert_eq!(sh.ha.lease().claim().await.ok(), Some(1));
+        sh.ha.publish(HaPhase::ValidatingIdentities);
+        let r = sh.gate.readiness();
+        assert!(!r.ready);
+        assert!(
+            r.control_ready,
+            "the identity check needs control of the fleet"
+        );
+        assert_eq!(r.reason, IDENTITY_PENDING);
+        // Not fenced: it holds the lease (reference-notes 1.4 order gives `degraded`).
+        assert_eq!(crate::documents::health(sh)["status"], "degraded");
+        assert_eq!(sh.ha.lease().release().await.ok(), Some(true));
+        sh.ha.publish(HaPhase::Shadowing);
+
+        let mut m = Standby::new(settings(false), None);
+        m.polled(clock.now(), 1.0e9, Poll::Good(doc(0, 1.0e9)));
+        clock.advance(Duration::from_millis(2500));
+        let mut io = w.io();
+        let source = Source::OwnFile { epoch: 1 };
+        assert_eq!(
+            steps(&mut io, &mut m, Step::Claim(source)).await,
+            Ended::TookOver
+        );
+        let r = sh.gate.readiness();
+        assert!(r.ready, "{}", r.reason);
+        assert_eq!(
+            sh.ha.view().status.epoch,
+            2,
+            "the released epoch 1 is followed by 2"
+        );
+        let m = crate::documents::metrics(sh);
+        assert!(
+            m.lines()
+                .any(|l| l == "narwhal_standby_takeover_gap_seconds 2.5"),
+            "{m}"
+        );
+    }
+
+    /// Found by ha_e2e (etcd, loaded machine): after one failed takeover attempt every retry
+    /// claimed the next epoch and refused the retained handoff as stale, forever. Epochs this
+    /// router claimed and gave back itself do not make the handoff stale; anyone else's do.
+    #[tokio::test]
+    async fn own_released_epochs_do_not_make_the_retained_handoff_stale() {
+        for ours in [true, false] {
+            let w = World::new();
+            let (sh, clock) = (&w.sh, &w.clock);
+            // The primary served under epoch 1; its handoff is retained.
+            assert_eq!(sh.ha.lease().claim().await.ok(), Some(1));
+            let mut h = crate::handoff::snapshot(sh);
+            h.epoch = 1;
+            assert_eq!(sh.ha.lease().release().await.ok(), Some(true));
+            // Epoch 2: a takeover attempt that failed (ours) or another router (not ours).
+            assert_eq!(sh.ha.lease().claim().await.ok(), Some(2));
+            assert_eq!(sh.ha.lease().release().await.ok(), Some(true));
+            let mut m = Standby::new(settings(true), None);
+            m.polled(clock.now(), 1.0e9, Poll::Good(Box::new(h)));
+            if ours {
+                m.gave_back(2);
+            }
+            let mut io = w.io();
+            let ended = steps(&mut io, &mut m, Step::Claim(Source::Retained)).await;
+            if ours {
+                assert_eq!(
+                    ended,
+                    Ended::TookOver,
+                    "our own failed attempt is no other holder"
+                );
+                assert_eq!(sh.ha.lease().epoch(), 3);
+            } else {
+                assert_eq!(ended, Ended::Tick, "another holder's epoch makes it stale");
+                assert_eq!(
+                    blocked_reason(sh),
+                    "handoff epoch 1 cannot precede claimed epoch 3"
+                );
+            }
+        }
+    }
+
+    /// A fenced primary whose renewal failed while its record was still live reclaims its own
+    /// epoch: that is no change of holder, so it takes the fleet back.
+    #[tokio::test]
+    async fn a_fenced_primary_reclaims_its_own_live_epoch() {
+        let w = World::new();
+        let sh = &w.sh;
+        assert_eq!(sh.ha.lease().claim().await.ok(), Some(1));
+        sh.ha.fence(&LeaseLoss::Lapsed);
+        let mut m = Standby::new(settings(false), Some(1));
+        let mut io = w.io();
+        let first = m.tick();
+        assert_eq!(first, Step::ReadOwnState);
+        assert_eq!(steps(&mut io, &mut m, first).await, Ended::TookOver);
+        assert_eq!(sh.ha.view().status.epoch, 1);
+        assert!(sh.gate.readiness().ready);
+    }
+
+    /// The claim races another router: the epoch claimed is not the next one after ours.
+    #[tokio::test]
+    async fn a_claim_after_someone_else_held_the_fleet_is_released() {
+        let w = World::new();
+        let sh = &w.sh;
+        assert_eq!(sh.ha.lease().claim().await.ok(), Some(1));
+        assert_eq!(sh.ha.lease().release().await.ok(), Some(true));
+        sh.ha.publish(HaPhase::Shadowing);
+        // We last held epoch 0 (never), the store is at 1: claiming gives 2.
+        let mut m = Standby::new(settings(false), Some(0));
+        let mut io = w.io();
+        let source = Source::Memory { epoch: 0 };
+        assert_eq!(
+            steps(&mut io, &mut m, Step::Claim(source)).await,
+            Ended::Tick
+        );
+        let why = blocked_reason(sh);
+        assert!(why.starts_with("stale state:"), "{why}");
+        let rec = w.record().await;
+        assert_eq!(rec.epoch, 2);
+        assert!(!rec.live(sh.wall()), "released: {rec:?}");
+        assert!(!sh.ha.controls_fleet());
+    }
+
+    /// Found by ha_e2e: the lease was not renewed during the takeover's identity check. Now
+    /// the renew loop runs from the claim; a loss before the takeover commits only fences
+    /// (the takeover fails and its standby loop goes on), so no second standby loop starts.
+    #[tokio::test]
+    async fn the_lease_is_renewed_during_a_takeover_and_a_loss_then_fails_it() {
+        let w = World::new();
+        let (sh, clock) = (&w.sh, &w.clock);
+        assert_eq!(sh.ha.lease().claim().await.ok(), Some(1));
+        sh.ha.publish(HaPhase::ValidatingIdentities);
+        let mut renewal = primary::renew(sh, true, &w.stop);
+        // Renewals move expires_at with the (manual) wall clock.
+        clock.advance(Duration::from_millis(400));
+        let renewed = async {
+            for _ in 0..300 {
+                if w.record().await.expires_at > 1.0e9 + 2.0 {
+                    return true;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            false
+        };
+        assert!(renewed.await, "renewed while the takeover is pending");
+        // Another holder takes the record: the next renewal fails while still pending.
+        let other = serde_json::json!({"epoch": 2, "expires_at": 1.0e9 + 60.0,
+            "holder": "other:0", "schema": "narwhal.router-lease", "schema_version": 1,
+            "updated_at": 1.0e9});
+        std::fs::write(w.dir.path().join("lease.json"), format!("{other}\n")).expect("write");
+        let mut lost = false;
+        for _ in 0..300 {
+            if renewal.lost_while_pending() {
+                lost = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(lost, "the loss is recorded as during the takeover");
+        assert!(!sh.ha.controls_fleet(), "fenced at once");
+        assert!(!renewal.commit(), "the takeover cannot commit");
+        let reported = tokio::time::timeout(Duration::from_millis(50), renewal.lost()).await;
+        assert!(
+            reported.is_err(),
+            "a loss while pending is not reported as a lost control"
+        );
+    }
+
+    /// A fake world for the driver: scripted polls, a lapsed lease at epoch 4, a claim of
+    /// epoch 5, an identity check that takes 100 ms; everything it is asked is recorded.
+    struct Fake {
+        t0: tokio::time::Instant,
+        polls: Mutex<VecDeque<Poll>>,
+        published: Mutex<Vec<HaPhase>>,
+        claimed_at: Option<Duration>,
+        gap: Option<Duration>,
+    }
+
+    impl Fake {
+        fn elapsed(&self) -> Duration {
+            tokio::time::Instant::now() - self.t0
+        }
+    }
+
+    impl StandbyIo for Fake {
+        fn now(&self) -> Instant {
+            tokio::time::Instant::now().into_std()
+        }
+        fn wall(&self) -> f64 {
+            1000.0 + self.elapsed().as_secs_f64()
+        }
+        fn publish(&self, phase: HaPhase) {
+            self.published.lock().unwrap().push(phase);
+        }
+        async fn poll(&self) -> Poll {
+            let next = self.polls.lock().unwrap().pop_front();
+            next.unwrap_or_else(|| Poll::Miss("connection refused".into()))
+        }
+        async fn persist(&self, _: &Handoff) {}
+        async fn read_record(&self) -> Result<Option<LeaseRecord>, String> {
+            Ok(Some(LeaseRecord {
+                epoch: 4,
+                expires_at: 1000.2,
+                holder: "primary:0".into(),
+                schema: crate::lease::LEASE_SCHEMA.into(),
+                schema_version: 1,
+                updated_at: 998.2,
+            }))
+        }
+        async fn own_file_epoch(&self) -> u64 {
+            0
+        }
+        async fn claim(&mut self) -> Result<u64, LeaseLoss> {
+            self.claimed_at = Some(self.elapsed());
+            Ok(5)
+        }
+        async fn apply(&self, source: Source, retained: Option<&Handoff>) -> Result<(), String> {
+            assert_eq!(source, Source::Retained);
+            assert_eq!(retained.map(|h| h.epoch), Some(4));
+            Ok(())
+        }
+        fn lease_active(&self) -> bool {
+            true
+        }
+        async fn check_identities(&self) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        fn controls(&self) -> bool {
+            true
+        }
+        fn commit(&mut self) -> bool {
+            true
+        }
+        async fn give_back(&mut self) {
+            panic!("nothing fails in this scenario");
+        }
+        fn took_over(&mut self, gap: Option<Duration>) {
+            self.gap = gap;
+        }
+    }
+
+    /// The driver on tokio's paused clock: two good polls 250 ms apart, then the primary is
+    /// gone; the fourth consecutive miss (at 1.5 s) claims, and the gap since the last good
+    /// poll (0.5 s) runs to the commit after the 100 ms identity check: 1.1 s.
+    #[tokio::test(start_paused = true)]
+    async fn the_standby_claims_on_the_fourth_missed_poll_on_paused_time() {
+        let mut fake = Fake {
+            t0: tokio::time::Instant::now(),
+            polls: Mutex::new(VecDeque::from([
+                Poll::Good(doc(4, 1000.25)),
+                Poll::Good(doc(4, 1000.5)),
+            ])),
+            published: Mutex::new(Vec::new()),
+            claimed_at: None,
+            gap: None,
+        };
+        let mut m = Standby::new(settings(true), None);
+        let stop = CancellationToken::new();
+        let took_over = drive(&mut fake, &mut m, Duration::from_millis(250), &stop).await;
+        assert!(took_over);
+        assert_eq!(fake.claimed_at, Some(Duration::from_millis(1500)));
+        assert_eq!(fake.gap, Some(Duration::from_millis(1100)));
+        assert_eq!(
+            *fake.published.lock().unwrap(),
+            [
+                HaPhase::Shadowing,
+                HaPhase::Shadowing,
+                HaPhase::ValidatingIdentities
+            ]
+        );
+        // Stopped before the first interval ends: nothing happens.
+        let stop = CancellationToken::new();
+        stop.cancel();
+        let mut m = Standby::new(settings(true), None);
+        assert!(!drive(&mut fake, &mut m, Duration::from_millis(250), &stop).await);
+    }
+}

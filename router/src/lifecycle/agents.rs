@@ -1,0 +1,103 @@
+//! The agent registry: one mutual-TLS client per distinct engine agent, indexed by engine
+//! (DESIGN.md section 4), and what an agent's error means for this router's control.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use narwhal_shared::{AgentClient, AgentClientError, AgentEndpoint, AgentTimeouts, Clock};
+
+use crate::config::Config;
+use crate::lease::LeaseLoss;
+use crate::phase::Ha;
+
+/// The mTLS clients of the engines' agents, one per distinct agent, indexed by engine.
+pub(crate) struct Agents {
+    per_engine: Vec<Option<Arc<AgentClient>>>,
+}
+
+impl Agents {
+    /// No agents (fleets without `engines[].agent`, and unit tests).
+    #[cfg(test)]
+    pub(crate) fn none(engines: usize) -> Agents {
+        Agents {
+            per_engine: vec![None; engines],
+        }
+    }
+
+    /// Builds one client per distinct agent of the fleet file (engines on one host share it).
+    ///
+    /// # Errors
+    /// A message naming the offending key (`engines[0].agent.public_key`, `tls.cert`, ...).
+    pub(crate) fn from_config(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Agents, String> {
+        let mut per_engine = Vec::with_capacity(cfg.engines.len());
+        let mut built: BTreeMap<(String, String), Arc<AgentClient>> = BTreeMap::new();
+        let timeouts = AgentTimeouts {
+            connect_s: cfg.agent.timeout_s.min(5.0),
+            request_s: cfg.agent.timeout_s,
+            check_s: cfg.agent.timeout_s.max(30.0),
+            max_skew_s: cfg.agent.max_skew_s,
+        };
+        for (i, e) in cfg.engines.iter().enumerate() {
+            let Some(a) = &e.agent else {
+                per_engine.push(None);
+                continue;
+            };
+            let key = (a.url.clone(), a.server_name.clone());
+            if let Some(c) = built.get(&key) {
+                per_engine.push(Some(c.clone()));
+                continue;
+            }
+            let tls = cfg.tls.as_ref().ok_or_else(|| {
+                "tls: required by engines[].agent (mutual TLS to the agents)".to_string()
+            })?;
+            let public_key = narwhal_shared::PublicKey::parse(&a.public_key)
+                .map_err(|err| format!("engines[{i}].agent.public_key: {err}"))?;
+            let endpoint = AgentEndpoint {
+                agent_id: a.agent_id.clone(),
+                url: a.url.clone(),
+                server_name: a.server_name.clone(),
+                public_key,
+            };
+            let files = narwhal_shared::TlsFiles {
+                ca: tls.ca.clone(),
+                cert: tls.cert.clone(),
+                key: tls.key.clone(),
+            };
+            let client = AgentClient::new(endpoint, &files, timeouts, clock.clone())
+                .map_err(|err| format!("engines[{i}].agent: {err}"))?;
+            let client = Arc::new(client);
+            built.insert(key, client.clone());
+            per_engine.push(Some(client));
+        }
+        Ok(Agents { per_engine })
+    }
+
+    /// The agent of engine `i`, if it has one.
+    pub(crate) fn get(&self, i: usize) -> Option<&Arc<AgentClient>> {
+        self.per_engine.get(i).and_then(Option::as_ref)
+    }
+
+    /// True when engine `i` has an agent.
+    pub(crate) fn has(&self, i: usize) -> bool {
+        self.get(i).is_some()
+    }
+
+    /// True when every engine has an agent.
+    pub(crate) fn all(&self) -> bool {
+        self.per_engine.iter().all(Option::is_some)
+    }
+
+    /// True when some engine has an agent.
+    pub(crate) fn any(&self) -> bool {
+        self.per_engine.iter().any(Option::is_some)
+    }
+}
+
+/// An agent's error as one line. An agent that saw a newer epoch proves another router took
+/// over: this one fences itself at once (DESIGN.md section 3, fencing reaches the hosts).
+pub(crate) fn agent_error(ha: &Ha, e: AgentClientError) -> String {
+    if matches!(e, AgentClientError::StaleEpoch { .. }) {
+        ha.fence(&LeaseLoss::HeldByAnother);
+    }
+    e.to_string()
+}

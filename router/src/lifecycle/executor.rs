@@ -1,0 +1,105 @@
+//! The lifecycle executor: owns the pure [`Lifecycle`] machine and applies what it decided
+//! (DESIGN.md 9.2–9.4).
+//!
+//! ```text
+//!  driver / identity check ──lock(), a machine call, commit()──► Executor
+//!     commit: held engines ──► Fleet::set_held (out of placement, `draining`)
+//!             readiness hold ──► Gate::set_lifecycle_hold (`whole-wave drain <id>`, ...)
+//!             new events ──► journal + log, and `dirty` (the state-file writer persists)
+//! ```
+//!
+//! Lock order is the module order: the machine's lock is held while the fleet is asked or
+//! told something; the fleet never calls back up, so it can never wait for this lock.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use narwhal_shared::Clock;
+use tokio::sync::Notify;
+
+use super::machine::{Lifecycle, Now};
+use crate::fleet::Fleet;
+use crate::journal::Journal;
+use crate::readiness::Gate;
+
+/// The executor (see the module doc).
+pub(crate) struct Executor {
+    machine: Mutex<Lifecycle>,
+    fleet: Arc<Fleet>,
+    gate: Arc<Gate>,
+    journal: Journal,
+    dirty: Arc<Notify>,
+    clock: Arc<dyn Clock>,
+}
+
+impl Executor {
+    /// An executor of `machine` over the fleet and the readiness gate.
+    pub(crate) fn new(
+        machine: Lifecycle,
+        fleet: Arc<Fleet>,
+        gate: Arc<Gate>,
+        journal: Journal,
+        dirty: Arc<Notify>,
+        clock: Arc<dyn Clock>,
+    ) -> Executor {
+        Executor {
+            machine: Mutex::new(machine),
+            fleet,
+            gate,
+            journal,
+            dirty,
+            clock,
+        }
+    }
+
+    /// The machine, locked. Call [`Executor::commit`] before releasing it after a change.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Lifecycle> {
+        self.machine.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Both clocks, read once for one operation.
+    pub(crate) fn now(&self) -> Now {
+        Now {
+            mono: self.clock.now(),
+            wall: self.clock.wall().unwrap_or(0.0),
+        }
+    }
+
+    /// The fleet the holds apply to.
+    pub(crate) fn fleet(&self) -> &Arc<Fleet> {
+        &self.fleet
+    }
+
+    /// The request journal.
+    pub(crate) fn journal(&self) -> &Journal {
+        &self.journal
+    }
+
+    /// Applies the machine's holds to placement and readiness, journals its new events, and
+    /// asks for the state file to be written. Called with the machine locked.
+    pub(crate) fn commit(&self, lc: &mut Lifecycle) {
+        self.fleet.set_held(&lc.held());
+        self.gate.set_lifecycle_hold(lc.blocked_reason());
+        let events = lc.take_events();
+        if !events.is_empty() {
+            self.dirty.notify_one();
+        }
+        for ev in events {
+            tracing::info!(
+                action = ev.action(),
+                engine.id = ev.iid().unwrap_or(""),
+                wave = ev.wave_id(),
+                "lifecycle event"
+            );
+            self.journal.emit(ev.to_json());
+        }
+    }
+
+    /// Re-evaluates drain progress now (DESIGN.md 9.4): on a resident change of a held
+    /// engine and at a drain deadline.
+    pub(crate) fn refresh(&self) {
+        let mut lc = self.lock();
+        let counts = self.fleet.resident_counts();
+        lc.refresh(self.now(), |iid| counts.get(iid).copied().unwrap_or(0));
+        self.commit(&mut lc);
+    }
+}

@@ -1,0 +1,464 @@
+//! The router's HA phase: whether it controls the fleet and, when not, why (seed "HA
+//! handoff"; reference-notes 1.2–1.4, 2.9, 3.4; DESIGN.md 9.1 and 9.6).
+//!
+//! ```text
+//!  primary lease loop / standby ──transitions──► Ha (watch::Sender<HaStatus>) ──► subscribers
+//!                                                  │  + lease local validity (LeaseDriver)
+//!                                                  ▼
+//!           readiness() / health() / controls_label(): /ready, /health, /narwhal/lifecycle,
+//!           /narwhal/state.ha, narwhal_router_ready, placement (controls_fleet)
+//! ```
+//!
+//! One [`HaPhase`] value replaces the flags (`controls_fleet`, `standby`, a blocked string) the
+//! documents used to combine; the documents and the request path derive everything from it,
+//! from the lease's local validity, from the lifecycle's readiness hold and from the live
+//! engine count, through the pure functions here.
+
+use std::sync::{Arc, OnceLock};
+
+use narwhal_shared::{Clock, Fence};
+use tokio::sync::watch;
+
+use crate::lease::{Control, LeaseDriver, LeaseLoss};
+
+/// Why `/ready` is 503 between a claim and the end of the identity check (reference-notes 1.3
+/// item 6): the router controls the fleet but serves nothing until every engine's identity
+/// was re-checked through its agent (reference-notes 1.2 `identities_ready`, 2.9).
+pub(crate) const IDENTITY_PENDING: &str = "engine identity validation pending";
+
+/// Where the router stands in HA (DESIGN.md 9.1, 9.6).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum HaPhase {
+    /// Controls the fleet and serves (a held lease, or lease backend `none`).
+    Active,
+    /// Holds the lease and controls the fleet, but engine identities are being re-checked
+    /// through the agents (startup with agents, or a takeover): not ready,
+    /// [`IDENTITY_PENDING`].
+    ValidatingIdentities,
+    /// A warm standby following a healthy primary (`/ready` reason `shadowing`).
+    Shadowing,
+    /// A standby (or a fenced primary waiting to come back) that cannot take over now:
+    /// `reason` is shown in `/ready` (`no fresh handoff`, a stale handoff, the lease
+    /// unavailable, a failed takeover, a lease refused at startup).
+    Blocked {
+        /// The `/ready` reason.
+        reason: String,
+    },
+    /// Lost control (a failed renewal, or an agent that saw a newer epoch) and not yet
+    /// waiting as a standby.
+    Fenced {
+        /// The `/ready` reason (the [`LeaseLoss`] text).
+        reason: String,
+    },
+}
+
+impl HaPhase {
+    /// The phase holds control of the fleet (subject to the lease's local validity).
+    pub(crate) fn holds_control(&self) -> bool {
+        matches!(self, HaPhase::Active | HaPhase::ValidatingIdentities)
+    }
+
+    /// The standby loop runs (`/narwhal/state.ha.standby`).
+    pub(crate) fn standby(&self) -> bool {
+        matches!(self, HaPhase::Shadowing | HaPhase::Blocked { .. })
+    }
+
+    /// Why the phase itself withdraws readiness (`/narwhal/state.ha.blocked`), `""` when it
+    /// does not.
+    pub(crate) fn blocked(&self) -> &str {
+        match self {
+            HaPhase::ValidatingIdentities => IDENTITY_PENDING,
+            HaPhase::Blocked { reason } | HaPhase::Fenced { reason } => reason,
+            HaPhase::Active | HaPhase::Shadowing => "",
+        }
+    }
+}
+
+/// The published HA state: the phase and the lease epoch and holder token last published
+/// with it (`/ready`, `/narwhal/state.ha`, the handoff, agent calls).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct HaStatus {
+    /// The phase.
+    pub(crate) phase: HaPhase,
+    /// The lease epoch held when the phase was published; 0 without one.
+    pub(crate) epoch: u64,
+    /// This process's holder token; `""` for lease backend `none` or before the first claim.
+    pub(crate) holder: String,
+}
+
+/// Readiness as `/ready` reports it (reference-notes 1.3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Readiness {
+    /// `/ready` answers 200.
+    pub(crate) ready: bool,
+    /// `control_ready`: the router controls the fleet.
+    pub(crate) control_ready: bool,
+    /// Why not ready, in the reference's order; `""` when ready.
+    pub(crate) reason: String,
+}
+
+/// Readiness from the phase, `controls` (the phase holds control and the lease is locally
+/// valid), the lifecycle's readiness hold (`whole-wave drain <id>`, ...) and the live engine
+/// count. Reasons in order: the phase's own, the lifecycle hold, `shadowing`, `lease
+/// expired`, `no available engines`.
+pub(crate) fn readiness(
+    phase: &HaPhase,
+    controls: bool,
+    hold: Option<&str>,
+    live: usize,
+) -> Readiness {
+    let reason = match (phase.blocked(), hold) {
+        (blocked, _) if !blocked.is_empty() => blocked.to_string(),
+        (_, Some(hold)) => hold.to_string(),
+        _ if *phase == HaPhase::Shadowing => "shadowing".into(),
+        _ if !controls => "lease expired".into(),
+        _ if live == 0 => "no available engines".into(),
+        _ => String::new(),
+    };
+    Readiness {
+        ready: reason.is_empty(),
+        control_ready: controls,
+        reason,
+    }
+}
+
+/// `/health` `status` (reference-notes 1.4 order): `ok` when ready; `fenced` for a phase
+/// blocked by anything but the identity check, or a router that lost control outside the
+/// standby loop; `maintenance` under a lifecycle hold; `standby`; else `degraded`.
+pub(crate) fn health(
+    phase: &HaPhase,
+    controls: bool,
+    hold: Option<&str>,
+    ready: bool,
+) -> &'static str {
+    let blocked = phase.blocked();
+    if ready {
+        "ok"
+    } else if (!blocked.is_empty() && blocked != IDENTITY_PENDING)
+        || (!phase.standby() && !controls)
+    {
+        "fenced"
+    } else if hold.is_some() {
+        "maintenance"
+    } else if phase.standby() {
+        "standby"
+    } else {
+        "degraded"
+    }
+}
+
+/// `router.controls_fleet` of the lifecycle document (DESIGN.md 9.1): `active`, `standby`
+/// (shadowing a healthy primary) or `fenced`.
+pub(crate) fn controls_label(phase: &HaPhase, controls: bool) -> &'static str {
+    if controls {
+        "active"
+    } else if *phase == HaPhase::Shadowing {
+        "standby"
+    } else {
+        "fenced"
+    }
+}
+
+/// The HA handle: owns the published [`HaStatus`] (a watch channel: anyone may subscribe) and
+/// reads the lease's local validity, so a lapsed lease stops control at once even before the
+/// renew loop notices (reference-notes 3.4).
+pub(crate) struct Ha {
+    status: watch::Sender<HaStatus>,
+    lease: Arc<LeaseDriver>,
+    clock: Arc<dyn Clock>,
+    resume_refused: OnceLock<String>,
+}
+
+/// One consistent reading of the HA state for a document.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct HaView {
+    /// The published status.
+    pub(crate) status: HaStatus,
+    /// The phase holds control and the lease is locally valid now.
+    pub(crate) controls: bool,
+}
+
+impl Ha {
+    /// A handle starting in `phase` (epoch 0, no holder yet) over `lease`.
+    pub(crate) fn new(lease: Arc<LeaseDriver>, clock: Arc<dyn Clock>, phase: HaPhase) -> Ha {
+        let (status, _) = watch::channel(HaStatus {
+            phase,
+            epoch: 0,
+            holder: String::new(),
+        });
+        Ha {
+            status,
+            lease,
+            clock,
+            resume_refused: OnceLock::new(),
+        }
+    }
+
+    /// The router lease.
+    pub(crate) fn lease(&self) -> &Arc<LeaseDriver> {
+        &self.lease
+    }
+
+    /// A receiver of every published change.
+    #[cfg(test)]
+    pub(crate) fn subscribe(&self) -> watch::Receiver<HaStatus> {
+        self.status.subscribe()
+    }
+
+    /// Whether the phase holds control and the lease is locally valid now.
+    pub(crate) fn controls_fleet(&self) -> bool {
+        self.status.borrow().phase.holds_control() && self.lease_active()
+    }
+
+    fn lease_active(&self) -> bool {
+        self.lease.control(self.clock.now()) == Control::Active
+    }
+
+    /// Runs `f` over the phase and control now, without copying the status (the request
+    /// path).
+    pub(crate) fn with_phase<R>(&self, f: impl FnOnce(&HaPhase, bool) -> R) -> R {
+        let status = self.status.borrow();
+        let controls = status.phase.holds_control() && self.lease_active();
+        f(&status.phase, controls)
+    }
+
+    /// The published status and control now.
+    pub(crate) fn view(&self) -> HaView {
+        let status = self.status.borrow().clone();
+        let controls = status.phase.holds_control() && self.lease_active();
+        HaView { status, controls }
+    }
+
+    /// The phase now.
+    #[cfg(test)]
+    pub(crate) fn phase(&self) -> HaPhase {
+        self.status.borrow().phase.clone()
+    }
+
+    /// The epoch and holder agent calls carry (agents refuse an epoch older than the newest
+    /// they saw).
+    pub(crate) fn fence_token(&self) -> Fence {
+        let s = self.status.borrow();
+        Fence {
+            epoch: s.epoch,
+            holder: s.holder.clone(),
+        }
+    }
+
+    /// Publishes `phase` with the lease's current epoch and holder token.
+    pub(crate) fn publish(&self, phase: HaPhase) {
+        let (epoch, holder) = (self.lease.epoch(), self.lease.holder());
+        self.status.send_modify(|s| {
+            *s = HaStatus {
+                phase,
+                epoch,
+                holder,
+            };
+        });
+    }
+
+    /// Fences the router: it no longer controls the fleet (`/health` `fenced`, `/ready` 503
+    /// with the reason, lifecycle actions 503, no new placements). A standby stays a standby
+    /// with the reason; epoch and holder stay as published.
+    pub(crate) fn fence(&self, loss: &LeaseLoss) {
+        let reason = match loss {
+            LeaseLoss::HeldByAnother => "lease held by another router".to_string(),
+            LeaseLoss::Lapsed => "lease renewal failed".to_string(),
+            LeaseLoss::Unavailable(e) => format!("lease unavailable: {e}"),
+        };
+        self.status.send_modify(|s| {
+            s.phase = if s.phase.standby() {
+                HaPhase::Blocked { reason }
+            } else {
+                HaPhase::Fenced { reason }
+            };
+        });
+    }
+
+    /// The standby loop starts: a fenced router keeps its reason as a blocked standby, any
+    /// other phase becomes `Shadowing`.
+    pub(crate) fn enter_standby(&self) {
+        self.status.send_modify(|s| {
+            s.phase = match std::mem::replace(&mut s.phase, HaPhase::Shadowing) {
+                HaPhase::Fenced { reason } | HaPhase::Blocked { reason } => {
+                    HaPhase::Blocked { reason }
+                }
+                HaPhase::Active | HaPhase::ValidatingIdentities | HaPhase::Shadowing => {
+                    HaPhase::Shadowing
+                }
+            };
+        });
+    }
+
+    /// An active router starts its identity check ([`IDENTITY_PENDING`]); any other phase
+    /// is left as it is.
+    pub(crate) fn begin_identity_check(&self) {
+        self.status.send_if_modified(|s| {
+            let starts = s.phase == HaPhase::Active;
+            if starts {
+                s.phase = HaPhase::ValidatingIdentities;
+            }
+            starts
+        });
+    }
+
+    /// The identity check finished: a router still validating becomes `Active` (one fenced
+    /// meanwhile keeps its reason).
+    pub(crate) fn end_identity_check(&self) {
+        self.status.send_if_modified(|s| {
+            let ends = s.phase == HaPhase::ValidatingIdentities;
+            if ends {
+                s.phase = HaPhase::Active;
+            }
+            ends
+        });
+    }
+
+    /// Records why `--resume` refused the state file (`/narwhal/state.ha.resume`).
+    pub(crate) fn set_resume_refused(&self, reason: &str) {
+        let _ = self.resume_refused.set(reason.to_string());
+    }
+
+    /// Why `--resume` refused the state file, if it did.
+    pub(crate) fn resume_refused(&self) -> Option<&str> {
+        self.resume_refused.get().map(String::as_str)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blocked(reason: &str) -> HaPhase {
+        HaPhase::Blocked {
+            reason: reason.into(),
+        }
+    }
+
+    fn fenced(reason: &str) -> HaPhase {
+        HaPhase::Fenced {
+            reason: reason.into(),
+        }
+    }
+
+    /// `/ready` reasons in the reference's order (reference-notes 1.3), and `control_ready`
+    /// following control, not readiness.
+    #[test]
+    fn readiness_reasons_follow_the_reference_order() {
+        let r = |p: &HaPhase, controls, hold, live| readiness(p, controls, hold, live);
+        assert_eq!(r(&HaPhase::Active, true, None, 1).reason, "");
+        assert!(r(&HaPhase::Active, true, None, 1).ready);
+        assert_eq!(
+            r(&HaPhase::Active, true, None, 0).reason,
+            "no available engines"
+        );
+        assert!(r(&HaPhase::Active, true, None, 0).control_ready);
+        assert_eq!(r(&HaPhase::Active, false, None, 1).reason, "lease expired");
+        assert_eq!(r(&HaPhase::Shadowing, false, None, 1).reason, "shadowing");
+        let wave = Some("whole-wave drain wave-1");
+        assert_eq!(
+            r(&HaPhase::Shadowing, false, wave, 1).reason,
+            "whole-wave drain wave-1",
+            "a lifecycle hold comes before shadowing"
+        );
+        let v = r(&HaPhase::ValidatingIdentities, true, wave, 1);
+        assert_eq!(
+            (v.ready, v.control_ready, v.reason.as_str()),
+            (false, true, IDENTITY_PENDING)
+        );
+        assert_eq!(
+            r(&fenced("lease renewal failed"), false, wave, 1).reason,
+            "lease renewal failed"
+        );
+        assert_eq!(
+            r(&blocked("no fresh handoff"), false, None, 1).reason,
+            "no fresh handoff"
+        );
+    }
+
+    /// `/health` status per phase (reference-notes 1.4): an identity check is `degraded`, not
+    /// `fenced`; a blocked standby is `fenced`; a shadowing one `standby`.
+    #[test]
+    fn health_follows_the_phase() {
+        let h = |p: &HaPhase, controls, hold: Option<&str>| {
+            let ready = readiness(p, controls, hold, 1).ready;
+            health(p, controls, hold, ready)
+        };
+        assert_eq!(h(&HaPhase::Active, true, None), "ok");
+        assert_eq!(h(&HaPhase::ValidatingIdentities, true, None), "degraded");
+        assert_eq!(h(&HaPhase::ValidatingIdentities, false, None), "fenced");
+        assert_eq!(h(&HaPhase::Active, false, None), "fenced", "lease lapsed");
+        assert_eq!(
+            h(&HaPhase::Active, true, Some("whole-wave drain w")),
+            "maintenance"
+        );
+        assert_eq!(h(&HaPhase::Shadowing, false, None), "standby");
+        assert_eq!(h(&blocked("no fresh handoff"), false, None), "fenced");
+        assert_eq!(
+            h(&fenced("lease held by another router"), false, None),
+            "fenced"
+        );
+        assert_eq!(
+            controls_label(&HaPhase::ValidatingIdentities, true),
+            "active"
+        );
+        assert_eq!(controls_label(&HaPhase::Shadowing, false), "standby");
+        assert_eq!(controls_label(&blocked("x"), false), "fenced");
+        assert_eq!(controls_label(&HaPhase::Active, false), "fenced");
+    }
+
+    fn handle() -> Ha {
+        let clock: Arc<dyn Clock> = Arc::new(narwhal_shared::SystemClock);
+        let fleet = serde_json::json!({
+            "schema": "narwhal.fleet", "schema_version": 2, "model": "m", "backend": "vllm",
+            "engines": [{"iid": "d0", "url": "http://127.0.0.1:2"}],
+            "slo": {"ttft_s": 1.0, "tpot_s": 0.1}
+        });
+        let cfg = crate::config::Config::from_json_str(&fleet.to_string(), &|_| None)
+            .expect("fleet without a lease section");
+        let lease = crate::lease::LeaseDriver::from_config(&cfg.lease, "test", clock.clone())
+            .expect("lease none");
+        Ha::new(Arc::new(lease), clock, HaPhase::Active)
+    }
+
+    /// The transitions the lease loop and the standby make, as subscribers see them.
+    #[test]
+    fn transitions_are_published_on_the_watch_channel() {
+        let ha = handle();
+        let mut rx = ha.subscribe();
+        assert!(ha.controls_fleet(), "backend none: always locally valid");
+        ha.begin_identity_check();
+        assert!(rx.has_changed().unwrap());
+        assert_eq!(rx.borrow_and_update().phase, HaPhase::ValidatingIdentities);
+        assert!(ha.controls_fleet(), "the check needs control");
+        ha.fence(&LeaseLoss::Lapsed);
+        assert_eq!(ha.phase(), fenced("lease renewal failed"));
+        assert!(!ha.controls_fleet());
+        ha.end_identity_check();
+        assert_eq!(
+            ha.phase(),
+            fenced("lease renewal failed"),
+            "a fence during the check is kept"
+        );
+        ha.enter_standby();
+        assert_eq!(ha.phase(), blocked("lease renewal failed"));
+        ha.fence(&LeaseLoss::Unavailable("etcd down".into()));
+        assert_eq!(
+            ha.phase(),
+            blocked("lease unavailable: etcd down"),
+            "a standby stays a standby"
+        );
+        ha.publish(HaPhase::Shadowing);
+        ha.begin_identity_check();
+        assert_eq!(
+            ha.phase(),
+            HaPhase::Shadowing,
+            "only an active router checks"
+        );
+        ha.publish(HaPhase::Active);
+        ha.enter_standby();
+        assert_eq!(ha.phase(), HaPhase::Shadowing);
+        let s = rx.borrow_and_update().clone();
+        assert_eq!((s.epoch, s.holder.as_str()), (0, ""));
+    }
+}

@@ -1,0 +1,33 @@
+//! HTTP response helpers shared by every route: the body type and JSON answers.
+
+use std::convert::Infallible;
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode};
+use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use serde_json::Value;
+
+/// Response body type for every route.
+pub(crate) type Body = BoxBody<Bytes, Infallible>;
+
+/// A full JSON response with `x-request-id: rid`.
+pub(crate) fn json_response(status: StatusCode, v: &Value, rid: &str) -> Response<Body> {
+    let mut r = Response::new(Full::new(Bytes::from(v.to_string())).boxed());
+    *r.status_mut() = status;
+    let h = r.headers_mut();
+    h.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if let Ok(v) = HeaderValue::from_str(rid) {
+        h.insert("x-request-id", v);
+    }
+    r
+}
+
+/// Adds `Retry-After: 1` (a 429 or 503 the client may retry shortly).
+pub(crate) fn with_retry_after(mut r: Response<Body>) -> Response<Body> {
+    r.headers_mut()
+        .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+    r
+}
