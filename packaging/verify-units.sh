@@ -184,7 +184,7 @@ case "$control" in http://0.0.0.0:*) ;; *) fail "single router control listener 
 port=${control##*:}
 http_get 127.0.0.1 "$port" /narwhal/state | grep -q '"schema":"narwhal.state"' \
   || fail "single router: /narwhal/state not served on 127.0.0.1:$port"
-echo "narwhal-serve.service: ExecStart + env/narwhal-serve.env start a router (control $control)"
+echo "narwhal-serve.service: ExecStartPre (check-config) and ExecStart + env/narwhal-serve.env start a router (control $control)"
 
 # Primary and standby (narwhal-serve@.service), one file lease.
 lease="{\"backend\": \"file\", \"path\": \"$tmp/var/router.lease.json\", \"ttl_s\": 2.0, \"renew_interval_s\": 0.5, \"safety_margin_s\": 0.5}"
@@ -217,4 +217,4 @@ done
   || fail "narwhal-serve@standby is not a standby"
 grep -q "\"holder\":\"router-a:" "$tmp/var/router.lease.json" \
   || fail "the lease holder is not NARWHAL_ROUTER_ID=router-a"
-echo "narwhal-serve@.service: primary (router-a, lease holder) and standby (router-b) start from env/serve-*.env"
+echo "narwhal-serve@.service: check-config passes and primary (router-a, lease holder) and standby (router-b) start from env/serve-*.env"
