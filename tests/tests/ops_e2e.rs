@@ -962,7 +962,11 @@ async fn monitoring_files_use_the_metric_names_router_and_agents_export() {
     assert!(left > 0.0 && left <= 1.5, "ttl − margin bounds it: {left}");
     for cert in ["tls.cert", "tls.ca", "control.tls.cert", "control.tls.ca"] {
         let label = format!("cert=\"{cert}\"");
-        let days = metric(&text, "narwhal_router_certificate_expiry_seconds", &[&label]) / 86400.0;
+        let days = metric(
+            &text,
+            "narwhal_router_certificate_expiry_seconds",
+            &[&label],
+        ) / 86400.0;
         assert!(days > 1.0, "{cert}: {days} days");
     }
     assert!(
