@@ -16,6 +16,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
+pub(crate) mod schema;
+
 /// Which engine kind serves the fleet; decides the P/D protocol (reference-notes 7.1, 7.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -496,6 +498,7 @@ impl Config {
         let mut c = Checker {
             issues: Vec::new(),
             env,
+            objects: Vec::new(),
         };
         let cfg = c.fleet(&value);
         match cfg {
@@ -548,6 +551,8 @@ const TOP_KEYS: &[&str] = &[
 struct Checker<'e> {
     issues: Vec<ConfigIssue>,
     env: &'e dyn Fn(&str) -> Option<String>,
+    /// Every object checked, with the keys it accepts (`schema::accepted_keys`).
+    objects: Vec<(String, Vec<String>)>,
 }
 
 fn show(v: &Value) -> String {
@@ -601,6 +606,10 @@ impl Checker<'_> {
 
     /// Check `v` is an object with only `known` keys (plus `_comments`).
     fn obj<'v>(&mut self, path: &str, v: Option<&'v Value>, known: &[&str]) -> Obj<'v> {
+        self.objects.push((
+            path.to_string(),
+            known.iter().map(|k| (*k).to_string()).collect(),
+        ));
         let map = match v {
             None | Some(Value::Null) => None,
             Some(Value::Object(m)) => {

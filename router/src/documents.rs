@@ -27,10 +27,21 @@ pub(crate) fn ready(parts: &Parts) -> (bool, Value) {
             "status": if r.ready { "ready" } else { "not_ready" },
             "control_ready": r.control_ready,
             "epoch": view.ha.status.epoch,
-            "holder": view.ha.status.holder,
+            "holder": shown_holder(&view.ha.status),
             "reason": r.reason,
         }),
     )
+}
+
+/// The lease holder token `/ready`, `/narwhal/state.ha` and `narwhal_router_lease_info` show:
+/// this process's token only while it holds an epoch (reference-notes 1.3: `""` without a
+/// lease and on a standby that has not taken over); a standby's own future token is not shown.
+fn shown_holder(status: &crate::phase::HaStatus) -> &str {
+    if status.epoch == 0 {
+        ""
+    } else {
+        &status.holder
+    }
 }
 
 /// `/health` (reference-notes 1.4).
@@ -194,7 +205,7 @@ pub(crate) fn state(parts: &Parts) -> Value {
             "ready": ready,
             "standby": ha.phase.standby(),
             "epoch": ha.epoch,
-            "holder": ha.holder,
+            "holder": shown_holder(ha),
             "blocked": ha.phase.blocked(),
             "controls_fleet": gate.ha.controls,
             "resume": {"refused": resume.is_some(), "reason": resume.unwrap_or("")},
@@ -275,6 +286,7 @@ pub(crate) fn metrics(parts: &Parts) -> String {
         }
     }
     m.router_lease_epoch.set(view.ha.status.epoch as i64);
+    ops_gauges(parts, &view);
     let adm = parts.admission.stats();
     m.http_retained.set(adm.retained as i64);
     m.http_retained_high_water
@@ -327,6 +339,95 @@ pub(crate) fn metrics(parts: &Parts) -> String {
     m.render()
 }
 
+/// Refreshes the operator gauges ([`crate::metrics::OpsMetrics`]): control, the lease view and
+/// timing, and certificate expiry (issue 14 section 5; docs/monitoring.md).
+fn ops_gauges(parts: &Parts, view: &crate::readiness::GateView) {
+    let ops = &parts.metrics.ops;
+    ops.controls_fleet.set(i64::from(view.ha.controls));
+    let lease = parts.ha.lease();
+    if lease.enabled() {
+        ops.lease_info.clear();
+        ops.lease_info
+            .get_or_create(&labels(&[
+                ("state", view.controls_label()),
+                ("holder", shown_holder(&view.ha.status)),
+            ]))
+            .set(1);
+        let left = lease.valid_until().map_or(0.0, |until| {
+            until
+                .saturating_duration_since(parts.clock.now())
+                .as_secs_f64()
+        });
+        ops.lease_expires_in.get_or_create(&Vec::new()).set(left);
+        let timing = lease.timing();
+        ops.lease_ttl
+            .get_or_create(&Vec::new())
+            .set(timing.ttl.as_secs_f64());
+        ops.lease_renew_interval
+            .get_or_create(&Vec::new())
+            .set(timing.renew_interval.as_secs_f64());
+    }
+    let not_after = ops
+        .not_after
+        .get_or_init(|| certificate_not_after(&parts.cfg));
+    let now = parts.wall();
+    for (cert, at) in not_after {
+        ops.certificate_expiry
+            .get_or_create(&labels(&[("cert", cert)]))
+            .set(*at as f64 - now);
+    }
+}
+
+/// `notAfter` (Unix seconds) of every certificate the fleet file names, by key: `X.cert` (the
+/// leaf) and `X.ca` (the earliest-expiring certificate of the bundle) for `X` in `tls`,
+/// `control.tls`, `lease.tls`. A file that cannot be read or parsed is skipped: the router
+/// checked every one before it started (`cli::preflight`), so only a file changed since then
+/// is missing here, and the log says so.
+fn certificate_not_after(cfg: &Config) -> Vec<(String, i64)> {
+    use narwhal_shared::tls::{load_certs, not_after_unix};
+    let mut files: Vec<(String, std::path::PathBuf)> = Vec::new();
+    for (key, t) in [("tls", &cfg.tls), ("control.tls", &cfg.control_tls)] {
+        if let Some(t) = t {
+            files.push((format!("{key}.cert"), t.cert.clone()));
+            files.push((format!("{key}.ca"), t.ca.clone()));
+        }
+    }
+    if let Some(t) = &cfg.lease.etcd.tls {
+        if let Some(c) = &t.cert {
+            files.push(("lease.tls.cert".into(), c.clone()));
+        }
+        if let Some(c) = &t.ca {
+            files.push(("lease.tls.ca".into(), c.clone()));
+        }
+    }
+    let mut out = Vec::new();
+    for (key, path) in files {
+        let read = load_certs("cert", &path).map_err(|e| e.to_string());
+        let ats: Result<Vec<i64>, String> = read.and_then(|certs| {
+            let certs = if key.ends_with(".cert") {
+                &certs[..certs.len().min(1)]
+            } else {
+                &certs[..]
+            };
+            certs
+                .iter()
+                .map(|c| not_after_unix(c).map_err(|e| e.to_string()))
+                .collect()
+        });
+        match ats {
+            Ok(ats) => {
+                if let Some(at) = ats.into_iter().min() {
+                    out.push((key, at));
+                }
+            }
+            Err(e) => {
+                tracing::warn!(cert = %key, path = %path.display(), error = %e, "certificate expiry not exported")
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -372,6 +473,29 @@ mod tests {
             m.contains("narwhal_engine_ejections_total{iid=\"d0\",cause=\"stream\"} 1"),
             "{m}"
         );
+    }
+
+    /// Issue 14 section 5: control is exported apart from readiness, and without a lease no
+    /// lease gauge has a sample (nothing can expire, so no lease alert can fire).
+    #[test]
+    fn control_is_exported_and_lease_gauges_need_a_lease() {
+        let p = parts();
+        p.fleet
+            .observe(0, Observation::LegFailed(FailureClass::Connection));
+        p.fleet
+            .observe(1, Observation::LegFailed(FailureClass::Stream));
+        let m = metrics(&p);
+        assert!(m.contains("narwhal_router_ready 0"), "{m}");
+        assert!(m.contains("narwhal_router_controls_fleet 1"), "{m}");
+        for family in [
+            "narwhal_router_lease_expires_in_seconds ",
+            "narwhal_router_lease_ttl_seconds ",
+            "narwhal_router_lease_info{",
+            "narwhal_router_certificate_expiry_seconds{",
+        ] {
+            assert!(!m.contains(family), "{family} has a sample: {m}");
+        }
+        assert_eq!(ready(&p).1["holder"], "", "no lease, no holder");
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //!                    GET /health, GET /ready
 //!  control listener: GET /narwhal/state, /narwhal/handoff, /narwhal/lifecycle,
 //!                    /narwhal/targets, /metrics, /health, /ready;
-//!                    POST /narwhal/lifecycle/drain, /narwhal/lifecycle/readmit
+//!                    POST /narwhal/lifecycle/drain, /narwhal/lifecycle/readmit,
+//!                    /narwhal/lifecycle/cancel-drain (ours)
 //! ```
 //!
 //! hyper is used directly (not axum) so that a client disconnect drops the service future,
@@ -108,7 +109,9 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
         (
             Side::Control,
             Method::POST,
-            "/narwhal/lifecycle/drain" | "/narwhal/lifecycle/readmit",
+            "/narwhal/lifecycle/drain"
+            | "/narwhal/lifecycle/readmit"
+            | "/narwhal/lifecycle/cancel-drain",
         ) => {
             let body = match read_control_body(req).await {
                 Ok(b) => b,
@@ -123,10 +126,14 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
             // The action runs in its own task: a client that gives up (a timeout during a long
             // validation) must not cancel it half-way and leave records `validating`.
             let lifecycle = parts.lifecycle.clone();
-            let action = if path == "/narwhal/lifecycle/drain" {
-                tokio::spawn(async move { lifecycle.drain(body).await })
-            } else {
-                tokio::spawn(async move { lifecycle.readmit(body).await })
+            let action = match path.as_str() {
+                "/narwhal/lifecycle/drain" => {
+                    tokio::spawn(async move { lifecycle.drain(body).await })
+                }
+                "/narwhal/lifecycle/cancel-drain" => {
+                    tokio::spawn(async move { lifecycle.cancel_drain(body).await })
+                }
+                _ => tokio::spawn(async move { lifecycle.readmit(body).await }),
             };
             match action.await {
                 Ok((status, doc)) => json_response(status, &doc, &rid),
@@ -166,6 +173,7 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
                     "/narwhal/lifecycle",
                     "/narwhal/lifecycle/drain",
                     "/narwhal/lifecycle/readmit",
+                    "/narwhal/lifecycle/cancel-drain",
                     "/narwhal/state",
                     "/narwhal/targets",
                     "/metrics",

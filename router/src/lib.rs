@@ -19,7 +19,7 @@
 //!
 //! | layer | modules | what they are |
 //! |---|---|---|
-//! | 0 pure cores | `config`, `placement`, `breaker`, `relay`, `ingress`, `outcome`, `retry`, `demand`, `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO |
+//! | 0 pure cores | `config` (and `config::schema`, the accepted keys read from its validator), `placement`, `breaker`, `relay`, `ingress`, `outcome`, `retry`, `demand`, `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO |
 //! | 0 leaves | `journal`, `metrics`, `response` | the journal writer, Prometheus families, JSON responses |
 //! | 1 engine client | `upstream`, `failure` | legs to engines and how they fail; `RequestFailure`, the one map to status, body and settlement |
 //! | 1 parts | `fleet`, `accounting`, `admission`, `phase` | own their data behind narrow handles (below) |

@@ -275,6 +275,19 @@ impl Ha {
         });
     }
 
+    /// Fences the router like [`Ha::fence`] with a reason that is not a lease loss: an agent
+    /// that accepted a newer router epoch (`lifecycle::agents::stale_epoch_reason`), so
+    /// `/ready`, `/narwhal/state.ha.blocked` and `narwhalctl status` name the cause.
+    pub(crate) fn fence_because(&self, reason: String) {
+        self.status.send_modify(|s| {
+            s.phase = if s.phase.standby() {
+                HaPhase::Blocked { reason }
+            } else {
+                HaPhase::Fenced { reason }
+            };
+        });
+    }
+
     /// The standby loop starts: a fenced router keeps its reason as a blocked standby, any
     /// other phase becomes `Shadowing`.
     pub(crate) fn enter_standby(&self) {

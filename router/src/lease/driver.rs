@@ -184,6 +184,14 @@ impl<S: LeaseStore> LeaseDriver<S> {
         self.core().epoch().unwrap_or(0)
     }
 
+    /// The monotonic instant this router's local lease validity ends (`ttl − margin` after
+    /// the start of the last good claim or renewal); `None` when it holds no lease or for
+    /// backend `none` (the `narwhal_router_lease_expires_in_seconds` gauge).
+    pub fn valid_until(&self) -> Option<Instant> {
+        self.store.as_ref()?;
+        self.core().valid_until()
+    }
+
     /// Whether this router controls the fleet at monotonic `now`.
     pub fn control(&self, now: Instant) -> Control {
         if self.store.is_none() {

@@ -297,7 +297,36 @@ impl LifecycleDriver {
             failures.sort();
             return self.reply(StatusCode::SERVICE_UNAVAILABLE, &failures.join("; "));
         }
-        self.reply(StatusCode::OK, "")
+        let mut reply = self.reply(StatusCode::OK, "");
+        if !req.wave {
+            self.add_drain_warnings(&plan.targets, &mut reply.1);
+        }
+        reply
+    }
+
+    /// Adds `warnings` to a drain's 200 document: a drained engine that was its role's only
+    /// live engine leaves the fleet serving aggregated (or, for SGLang without a decode
+    /// engine, not at all) until one returns (issue 14 section 4; [`sole_engine_warning`]).
+    fn add_drain_warnings(&self, targets: &[String], doc: &mut Value) {
+        let fleet = self.fleet();
+        let warnings: Vec<String> = fleet.read(|state| {
+            targets
+                .iter()
+                .filter_map(|iid| {
+                    let i = fleet.index(iid)?;
+                    let role = state.slots()[i].role;
+                    let others = state
+                        .slots()
+                        .iter()
+                        .enumerate()
+                        .any(|(j, s)| j != i && s.role == role && s.is_live());
+                    sole_engine_warning(self.cfg.backend, role, iid, others)
+                })
+                .collect()
+        });
+        if let Some(m) = doc.as_object_mut() {
+            m.insert("warnings".into(), Value::from(warnings));
+        }
     }
 
     /// `POST /narwhal/lifecycle/readmit` (seed "Readmitting engines"; reference-notes 1.10,
@@ -337,6 +366,93 @@ impl LifecycleDriver {
         };
         let report = self.run_validation(&targets, req.wave).await;
         self.finish(&targets, report, "operator").await
+    }
+
+    /// `POST /narwhal/lifecycle/cancel-drain` (ours, issue 14 section 4; docs/deviations.md):
+    /// an engine drained by mistake returns to service without a restart. Body
+    /// `{"engines": ["e0"]}`. The engine must be held by an individual drain that recorded its
+    /// process; it is validated through the readmission checks with no restart required
+    /// (`process identity` instead of `new process identity`) and must still be that process.
+    /// 200: back in placement (`drain_cancelled` event); 409: a rule, or the checks failed (the
+    /// engine stays `blocked`, restart-required: a restart and the seed's readmission, or
+    /// another cancel, bring it back); 503: not in control.
+    pub(crate) async fn cancel_drain(&self, body: Bytes) -> Reply {
+        let req = match self.accept(parse_readmit(&body)) {
+            Ok(r) => r,
+            Err(reply) => return reply,
+        };
+        let _serial = self.serial.lock().await;
+        let (iid, recorded) = {
+            let mut lc = self.exec.lock();
+            match lc.begin_cancel_drain(self.exec.now(), &req.engines, req.wave) {
+                Ok(x) => {
+                    self.exec.commit(&mut lc);
+                    x
+                }
+                Err(e) => {
+                    drop(lc);
+                    return self.reply(StatusCode::CONFLICT, &e.to_string());
+                }
+            }
+        };
+        let targets = vec![iid.clone()];
+        let mut plan = self.plan(&targets, false);
+        plan.restart_after.insert(iid.clone(), None);
+        let mut report = self.run_plan(&plan).await;
+        let record_metric = |result: &str| {
+            self.metrics
+                .lifecycle_validations
+                .get_or_create(&labels(&[
+                    ("iid", &iid),
+                    ("kind", "cancel_drain"),
+                    ("result", result),
+                ]))
+                .inc();
+        };
+        for peer in &report.changed_peers {
+            if let Some(i) = self.fleet().index(peer) {
+                self.fleet().eject(i, EjectCause::ProcessIdentity);
+            }
+        }
+        // The cancel is for the process the drain recorded; a restarted one is readmitted.
+        let validated = report.engines.get(&iid).and_then(|o| o.process_start);
+        if report.passed() && validated != Some(recorded) {
+            let found = validated.map_or_else(|| "unknown".to_string(), |s| format!("{s:.3}"));
+            report.engines.entry(iid.clone()).or_default().failures.push(format!(
+                "engine process restarted since the drain (process start {found}, recorded {recorded:.3}): readmit it instead"
+            ));
+        }
+        let t = self.exec.now();
+        if !self.ha().controls_fleet() {
+            let mut lc = self.exec.lock();
+            lc.abort_validation(t, "router control was fenced during validation");
+            self.exec.commit(&mut lc);
+            drop(lc);
+            record_metric("fenced");
+            return self.reply(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "router control was fenced during validation",
+            );
+        }
+        let mut lc = self.exec.lock();
+        if report.passed() {
+            let outcome = report.engines.get(&iid).cloned().unwrap_or_default();
+            if lc.drain_cancelled(t, &iid, &outcome)
+                && let Some(i) = self.fleet().index(&iid)
+            {
+                self.fleet().verified(i);
+            }
+            self.exec.commit(&mut lc);
+            drop(lc);
+            record_metric("passed");
+            self.reply(StatusCode::OK, "")
+        } else {
+            lc.validation_failed(t, &report.engines);
+            self.exec.commit(&mut lc);
+            drop(lc);
+            record_metric("failed");
+            self.reply(StatusCode::CONFLICT, "drain cancel validation failed")
+        }
     }
 
     /// Every configured engine with its configured role, config order.
@@ -387,7 +503,11 @@ impl LifecycleDriver {
     }
 
     async fn run_validation(&self, targets: &[String], wave: bool) -> Report {
-        let plan = self.plan(targets, wave);
+        self.run_plan(&self.plan(targets, wave)).await
+    }
+
+    /// Runs the checks of `plan` through the agents, under this router's fence token.
+    async fn run_plan(&self, plan: &Plan) -> Report {
         let checks = AgentChecks {
             cfg: &self.cfg,
             agents: self.agents(),
@@ -396,7 +516,7 @@ impl LifecycleDriver {
             fence: self.ha().fence_token(),
         };
         let check_id = uuid::Uuid::new_v4().simple().to_string();
-        validate(&plan, &checks, &check_id).await
+        validate(plan, &checks, &check_id).await
     }
 
     /// Applies a validation report: readmit on success, block every candidate on failure,
@@ -589,6 +709,36 @@ fn co_target(
     others.into_iter().find(|i| ejected.contains(*i)).cloned()
 }
 
+/// What draining `iid`, of role `role`, does to serving when no other engine of that role is
+/// live (`others_live` false): placement then serves every request aggregated, as one leg
+/// without KV transfer (reference-notes 6.7; docs/http-api.md "Serving"): on the decode
+/// engines when the prefill pool is empty; on the prefill engines when a vLLM decode pool is
+/// empty; and not at all (503 `no_schedulable_engines`) when an SGLang decode pool is empty,
+/// since SGLang serves aggregated only on decode engines. `None` while another engine of the
+/// role is live.
+fn sole_engine_warning(
+    backend: Backend,
+    role: Role,
+    iid: &str,
+    others_live: bool,
+) -> Option<String> {
+    if others_live {
+        return None;
+    }
+    let r = role.as_str();
+    Some(match (backend, role) {
+        (_, Role::Prefill) => format!(
+            "{iid} was the only live {r} engine: until a {r} engine returns, requests are served aggregated on the decode engines (one leg, no prefill/decode split)"
+        ),
+        (Backend::Vllm, Role::Decode) => format!(
+            "{iid} was the only live {r} engine: until a {r} engine returns, requests are served aggregated on the prefill engines (one leg, no prefill/decode split)"
+        ),
+        (Backend::Sglang, Role::Decode) => format!(
+            "{iid} was the only live {r} engine: until a {r} engine returns, every request is answered 503 no_schedulable_engines (SGLang serves aggregated only on decode engines)"
+        ),
+    })
+}
+
 /// The engines (indexes) among `targets` whose SGLang bootstrap port must be learnt again
 /// before they take traffic: prefill engines of an SGLang fleet (a restarted prefill server
 /// may serve its bootstrap rendezvous on a new port). Empty for vLLM.
@@ -640,6 +790,21 @@ mod tests {
             ("e1".to_string(), Role::Decode),
         ];
         assert_eq!(co_target(&aggregated, "e0", &set(&[]), &set(&["e1"])), None);
+    }
+
+    #[test]
+    fn draining_a_roles_only_live_engine_says_how_traffic_is_served() {
+        assert_eq!(
+            sole_engine_warning(Backend::Vllm, Role::Prefill, "p0", true),
+            None
+        );
+        let w = sole_engine_warning(Backend::Vllm, Role::Prefill, "p0", false).unwrap();
+        assert!(w.starts_with("p0 was the only live prefill engine"), "{w}");
+        assert!(w.contains("aggregated on the decode engines"), "{w}");
+        let w = sole_engine_warning(Backend::Vllm, Role::Decode, "d0", false).unwrap();
+        assert!(w.contains("aggregated on the prefill engines"), "{w}");
+        let w = sole_engine_warning(Backend::Sglang, Role::Decode, "d0", false).unwrap();
+        assert!(w.contains("503 no_schedulable_engines"), "{w}");
     }
 
     #[test]
