@@ -153,6 +153,13 @@ pub struct Serving {
     pub max_request_bytes: u64,
     /// Response limit: pre-output buffer and non-streaming reassembly (default 16777216).
     pub max_response_bytes: u64,
+    /// Time a client has to deliver its whole request body, seconds (default 30, > 0; the
+    /// request deadline still bounds it): a client that stalls mid-body gets 408 instead of
+    /// holding a slot for `request_timeout_s` (issue 9 section 7).
+    pub body_read_timeout_s: f64,
+    /// Prompts one completions request may batch (`prompt` a list), 1–4096 (default 64): a
+    /// batch is fanned out to one request per prompt; more is refused 400 naming `prompt`.
+    pub max_batch_prompts: usize,
 }
 
 /// `engine` section (reference-notes 8.1). Times in seconds.
@@ -1246,6 +1253,8 @@ impl Checker<'_> {
                 "retry_replenish",
                 "max_request_bytes",
                 "max_response_bytes",
+                "body_read_timeout_s",
+                "max_batch_prompts",
             ],
         );
         let admission = match self.choice(&o, "admission", "open", &["predictive", "open"]) {
@@ -1270,6 +1279,8 @@ impl Checker<'_> {
             }),
             max_request_bytes: self.int(&o, "max_request_bytes", 4_194_304, 1, u64::MAX),
             max_response_bytes: self.int(&o, "max_response_bytes", 16_777_216, 1, u64::MAX),
+            body_read_timeout_s: self.num(&o, "body_read_timeout_s", 30.0, positive),
+            max_batch_prompts: self.int(&o, "max_batch_prompts", 64, 1, 4096) as usize,
         };
         if s.prefill_timeout_s > s.request_timeout_s {
             self.rule(
