@@ -301,11 +301,13 @@ impl RequestFailure {
             RequestFailure::NoEngine => {
                 coded_body("Engine capacity is unavailable", "no_schedulable_engines")
             }
-            RequestFailure::Leg { phase, err } => match err.client_fault() {
-                Some((_, message, param)) => json!({"error": {
+            RequestFailure::Leg { phase, err } => match (err.engine_error(), err.client_fault()) {
+                // The engine's own refusal, as it wrote it (issue 10 section 2).
+                (Some(error), Some(_)) => json!({ "error": error }),
+                (None, Some((_, message, param))) => json!({"error": {
                     "message": message, "type": "invalid_request_error", "param": param, "code": null,
                 }}),
-                None => coded_body(err.public_message(), phase.as_str()),
+                (_, None) => coded_body(err.public_message(), phase.as_str()),
             },
             RequestFailure::Decode { err, .. } => {
                 let message = match err {
@@ -586,6 +588,30 @@ mod tests {
         assert_eq!(
             f.settlement().error_type.as_deref(),
             Some("invalid_request_error")
+        );
+    }
+
+    /// An engine's refusal with its own error object reaches the client as the engine wrote
+    /// it, with the engine's status (issue 10 section 2: llama.cpp's context-length 400 keeps
+    /// its `code`), and is counted `failed/engine_rejected`.
+    #[test]
+    fn an_engine_refusal_is_relayed_as_the_engine_wrote_it() {
+        let error = json!({"message": "This model's maximum context length is 256 tokens",
+                           "type": "invalid_request_error", "param": "messages",
+                           "code": "context_length_exceeded"});
+        let f = RequestFailure::Leg {
+            phase: Phase::Decode,
+            err: LegError::Refused {
+                status: 400,
+                error: error.clone(),
+            },
+        };
+        assert_eq!(f.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(f.body(), json!({ "error": error }));
+        let s = f.settlement();
+        assert_eq!(
+            (s.terminal, s.reason.as_str()),
+            (Terminal::Failed, "engine_rejected")
         );
     }
 

@@ -448,11 +448,27 @@ pub fn error_frame(message: &str, phase: &str, code: &str) -> Bytes {
 }
 
 /// The `usage` object an answer carries: the engine's own `usage` when it gave one (verbatim,
-/// with any details it added), else the router's estimate — `prompt_tokens` from its sizing,
-/// `completion_tokens` from the tokens it counted — marked `"estimated": true`.
+/// with any details it added; a missing `total_tokens` is filled in, a missing
+/// `prompt_tokens` estimated and marked), else the router's estimate — `prompt_tokens` from
+/// its sizing, `completion_tokens` from the tokens it counted — marked `"estimated": true`.
 pub fn usage_value(engine: Option<&Value>, prompt_estimate: u64, counted: u64) -> Value {
     match engine.filter(|u| u.get("completion_tokens").is_some_and(Value::is_u64)) {
-        Some(u) => u.clone(),
+        Some(u) => {
+            let mut u = u.clone();
+            let c = u["completion_tokens"].as_u64().unwrap_or(0);
+            let p = match u.get("prompt_tokens").and_then(Value::as_u64) {
+                Some(p) => p,
+                None => {
+                    u["prompt_tokens"] = prompt_estimate.into();
+                    u["estimated"] = true.into();
+                    prompt_estimate
+                }
+            };
+            if !u.get("total_tokens").is_some_and(Value::is_u64) {
+                u["total_tokens"] = (p + c).into();
+            }
+            u
+        }
         None => json!({
             "prompt_tokens": prompt_estimate,
             "completion_tokens": counted,
@@ -1125,6 +1141,18 @@ mod tests {
             usage_value(Some(&json!({"prompt_tokens": 2})), 3, 7)["estimated"],
             true,
             "a usage without completion_tokens is no count"
+        );
+        assert_eq!(
+            usage_value(
+                Some(&json!({"prompt_tokens": 2, "completion_tokens": 5})),
+                3,
+                7
+            ),
+            json!({"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7})
+        );
+        assert_eq!(
+            usage_value(Some(&json!({"completion_tokens": 5})), 3, 7),
+            json!({"completion_tokens": 5, "prompt_tokens": 3, "estimated": true, "total_tokens": 8})
         );
         let sum = sum_usages([&engine, &usage_value(None, 3, 7)]);
         assert_eq!(

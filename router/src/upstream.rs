@@ -399,7 +399,11 @@ fn status_error(status: StatusCode, bytes: &[u8]) -> LegError {
                 .map(str::to_string)
         })
         .filter(|m| !m.trim().is_empty())
-        .unwrap_or_else(|| String::from_utf8_lossy(&bytes[..bytes.len().min(512)]).into_owned());
+        .unwrap_or_else(|| match &parsed {
+            // A JSON error without words: nothing of it reads as a message.
+            Some(_) => String::new(),
+            None => String::from_utf8_lossy(&bytes[..bytes.len().min(512)]).into_owned(),
+        });
     let message = if message.trim().is_empty() {
         format!(
             "the engine answered {} {} without a message",
@@ -415,12 +419,31 @@ fn status_error(status: StatusCode, bytes: &[u8]) -> LegError {
         .and_then(|e| e.get("param"))
         .cloned()
         .unwrap_or(Value::Null);
-    LegError::Status {
+    let refusal = LegError::Status {
         status: status.as_u16(),
         message,
         param,
+    };
+    // A client fault whose error object has its words and a string `code` (OpenAI's
+    // `context_length_exceeded`, ...) keeps them (issue 10 section 2: the engine's status and
+    // message): OpenAI's shape, the engine's message, param and code.
+    let code = err
+        .and_then(|e| e.get("code"))
+        .filter(|c| c.is_string())
+        .cloned();
+    let fault = refusal.client_fault().map(|(status, ..)| status);
+    match (refusal, fault, code) {
+        (LegError::Status { message, param, .. }, Some(status), Some(code)) => LegError::Refused {
+            status,
+            error: serde_json::json!({"message": message, "type": "invalid_request_error",
+                                      "param": param, "code": code}),
+        },
+        (refusal, ..) => refusal,
     }
 }
+
+/// `null`, for a refusal without a `param`.
+static NO_PARAM: Value = Value::Null;
 
 /// Validate and return the vLLM descriptor verbatim (reference-notes 7.1 step 3):
 /// `choices[0].kv_transfer_params`, else top-level `kv_transfer_params`; a non-empty object with
@@ -543,6 +566,15 @@ pub(crate) enum LegError {
         /// The engine's `param` (or null).
         param: Value,
     },
+    /// The engine refused the request as the client's fault (a 4xx other than 408/429, or a
+    /// 500 naming the context length) and named the error with a string `code`: the client
+    /// gets OpenAI's error shape with the engine's message, `param` and `code`.
+    Refused {
+        /// HTTP status (a context-length 500 is 400).
+        status: u16,
+        /// `{"message", "type": "invalid_request_error", "param", "code"}`, the engine's words.
+        error: Value,
+    },
     /// A 200 prefill without a usable KV descriptor / rendezvous.
     KvHandoff(String),
     /// A non-JSON or malformed answer.
@@ -562,10 +594,18 @@ impl LegError {
                 status,
                 message,
                 param,
-            } => (*status, message, param),
+            } => (*status, message.as_str(), param),
             LegError::Stream(StreamFailure::UpstreamError { status, message }) => {
-                (*status, message, &Value::Null)
+                (*status, message.as_str(), &NO_PARAM)
             }
+            LegError::Refused { status, error } => (
+                *status,
+                error
+                    .get("message")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default(),
+                error.get("param").unwrap_or(&NO_PARAM),
+            ),
             _ => return None,
         };
         if (400..500).contains(&status) && status != 408 && status != 429 {
@@ -591,7 +631,7 @@ impl LegError {
             LegError::Status {
                 status: 408 | 429, ..
             } => FailureClass::Overload,
-            LegError::Status { .. } => FailureClass::InferenceStatus,
+            LegError::Status { .. } | LegError::Refused { .. } => FailureClass::InferenceStatus,
             LegError::KvHandoff(_) => FailureClass::KvHandoff,
             LegError::InvalidResponse(_) => FailureClass::InferenceStatus,
             LegError::Stream(StreamFailure::UpstreamError { .. }) => FailureClass::InferenceStatus,
@@ -618,7 +658,9 @@ impl LegError {
             LegError::Status {
                 status: 408 | 429, ..
             } => "engine_overloaded",
-            LegError::Status { .. } | LegError::KvHandoff(_) => "engine_error",
+            LegError::Status { .. } | LegError::Refused { .. } | LegError::KvHandoff(_) => {
+                "engine_error"
+            }
             LegError::Stream(StreamFailure::UpstreamError { .. }) => "engine_error",
             LegError::Stream(StreamFailure::ResponseLimit) => "response_limit",
             LegError::InvalidResponse(_) | LegError::Stream(_) => "invalid_response",
@@ -637,7 +679,9 @@ impl LegError {
             | LegError::FirstTokenTimeout
             | LegError::ReadTimeout
             | LegError::Cut(_) => true,
-            LegError::Status { status, .. } => matches!(status, 408 | 429 | 500 | 502 | 503 | 504),
+            LegError::Status { status, .. } | LegError::Refused { status, .. } => {
+                matches!(status, 408 | 429 | 500 | 502 | 503 | 504)
+            }
             LegError::Stream(StreamFailure::UpstreamError { status, .. }) => {
                 matches!(status, 408 | 429 | 500 | 502 | 503 | 504)
             }
@@ -653,6 +697,15 @@ impl LegError {
         match self {
             LegError::Timeout(_) | LegError::FirstTokenTimeout | LegError::ReadTimeout => 504,
             _ => 502,
+        }
+    }
+
+    /// The engine's own error object, when it refused the request as the client's fault and
+    /// said why ([`LegError::Refused`]): the client gets it as it is.
+    pub(crate) fn engine_error(&self) -> Option<&Value> {
+        match self {
+            LegError::Refused { error, .. } => Some(error),
+            _ => None,
         }
     }
 
@@ -683,6 +736,13 @@ impl LegError {
             LegError::Status {
                 status, message, ..
             } => format!("engine answered {status}: {message}"),
+            LegError::Refused { status, error } => format!(
+                "engine answered {status}: {}",
+                error
+                    .get("message")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+            ),
             LegError::Stream(f) => f.detail(),
         }
     }
@@ -945,17 +1005,51 @@ mod tests {
         );
         let e = status_error(
             StatusCode::BAD_REQUEST,
-            br#"{"error": {"message": "This model's maximum context length is 256 tokens", "code": "context_length_exceeded"}}"#,
+            br#"{"error": {"message": "This model's maximum context length is 256 tokens", "param": "messages", "code": "context_length_exceeded"}}"#,
         );
         assert_eq!(
-            e.client_fault().map(|(s, m, _)| (s, m.to_string())),
+            e.client_fault()
+                .map(|(s, m, p)| (s, m.to_string(), p.clone())),
             Some((
                 400,
-                "This model's maximum context length is 256 tokens".to_string()
+                "This model's maximum context length is 256 tokens".to_string(),
+                json!("messages")
             ))
         );
+        assert_eq!(
+            e.engine_error(),
+            Some(
+                &json!({"message": "This model's maximum context length is 256 tokens",
+                         "type": "invalid_request_error", "param": "messages",
+                         "code": "context_length_exceeded"})
+            ),
+            "the engine's words, param and code, in OpenAI's shape"
+        );
+        // vLLM's shape (`type: BadRequestError`, `code: 400`): the reference's body.
+        let v = status_error(
+            StatusCode::BAD_REQUEST,
+            br#"{"error": {"message": "too long", "type": "BadRequestError", "param": null, "code": 400}}"#,
+        );
+        assert!(v.engine_error().is_none());
+        assert_eq!(v.client_fault().map(|c| c.0), Some(400));
+        assert_eq!(e.class(Phase::Decode), None);
+        assert!(!e.transient());
+        // A 503 is no refusal: no error object is kept for the client.
+        let busy = status_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            br#"{"error": {"message": "busy"}}"#,
+        );
+        assert!(busy.engine_error().is_none() && busy.client_fault().is_none());
         let e = status_error(StatusCode::BAD_REQUEST, br#"{"error": {"message": ""}}"#);
-        assert!(!e.detail().ends_with(": "), "{}", e.detail());
+        assert_eq!(
+            e.detail(),
+            "engine answered 400: the engine answered 400 Bad Request without a message"
+        );
+        let e = status_error(StatusCode::BAD_REQUEST, b"bad request id");
+        assert_eq!(
+            e.client_fault().map(|c| c.1.to_string()),
+            Some("bad request id".into())
+        );
         // An in-stream error before output is judged like a status.
         let s = LegError::Stream(StreamFailure::UpstreamError {
             status: 500,
