@@ -879,6 +879,21 @@ mod tests {
         assert!(p.push(b"\n\n").is_empty());
     }
 
+    /// Where to cut a stream of `len` bytes: at every byte (`one_byte`), else at `cuts`
+    /// (modulo the length); sorted, with both ends.
+    fn split_points(len: usize, cuts: Vec<usize>, one_byte: bool) -> Vec<usize> {
+        let mut points: Vec<usize> = if one_byte {
+            (0..=len).collect()
+        } else {
+            cuts.into_iter().map(|c| c % (len + 1)).collect()
+        };
+        points.push(0);
+        points.push(len);
+        points.sort_unstable();
+        points.dedup();
+        points
+    }
+
     proptest! {
         /// Any split of the upstream bytes (incl. 1-byte fragments and \r\n) yields the same
         /// events as the whole stream at once.
@@ -890,16 +905,7 @@ mod tests {
         ) {
             let (text, payloads) = stream_text(if crlf { "\r\n" } else { "\n" });
             let bytes = text.as_bytes();
-            let mut points: Vec<usize> = if one_byte {
-                (0..=bytes.len()).collect()
-            } else {
-                let mut p: Vec<usize> = cuts.into_iter().map(|c| c % (bytes.len() + 1)).collect();
-                p.push(0);
-                p.push(bytes.len());
-                p
-            };
-            points.sort_unstable();
-            points.dedup();
+            let points = split_points(bytes.len(), cuts, one_byte);
             let mut parser = SseParser::new();
             let mut got = Vec::new();
             for w in points.windows(2) {
@@ -927,16 +933,7 @@ mod tests {
             }
             text.push_str("data: [DONE]\n\n");
             let bytes = text.as_bytes();
-            let mut points: Vec<usize> = if one_byte {
-                (0..=bytes.len()).collect()
-            } else {
-                let mut p: Vec<usize> = cuts.into_iter().map(|c| c % (bytes.len() + 1)).collect();
-                p.push(0);
-                p.push(bytes.len());
-                p
-            };
-            points.sort_unstable();
-            points.dedup();
+            let points = split_points(bytes.len(), cuts, one_byte);
             let mut parser = SseParser::new();
             let mut state = StreamState::new(opts());
             let mut got = String::new();

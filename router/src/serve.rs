@@ -99,6 +99,17 @@ struct Fail {
     producer: Option<usize>,
 }
 
+/// Maps a leg's error to the attempt's failure of `phase` on engine `iid` (`producer`: the
+/// attempt's producer, when its decode leg failed).
+fn leg_failed(phase: Phase, iid: usize, producer: Option<usize>) -> impl FnOnce(LegError) -> Fail {
+    move |err| Fail {
+        phase,
+        iid,
+        err,
+        producer,
+    }
+}
+
 /// What a started attempt produced. One per prompt, moved, never stored in bulk: boxing the
 /// stream would only add an allocation per request.
 #[allow(clippy::large_enum_variant)]
@@ -125,6 +136,28 @@ struct Started {
     producer: Option<usize>,
     /// When the serving leg was dispatched (for `upstream_seconds.decode`).
     decode_at: Instant,
+}
+
+impl Started {
+    /// An answer served by `engine` alone, without a producer: an aggregated leg
+    /// (`decode_ok`), or a prefill that finished the generation.
+    fn single(
+        out: Output,
+        seat: Option<Resident>,
+        engine: usize,
+        decode_ok: bool,
+        at: Instant,
+    ) -> Started {
+        Started {
+            out,
+            _seat: seat,
+            _prefill_task: None,
+            served_by: engine,
+            decode_ok,
+            producer: None,
+            decode_at: at,
+        }
+    }
 }
 
 /// One prompt of a request: the request itself, or prompt `k` of a fanned-out batch.
@@ -651,72 +684,46 @@ async fn run_attempt(
     let sglang = parts.cfg.backend == Backend::Sglang;
     let chat = ctx.endpoint == Endpoint::Chat;
     match plan {
-        Plan::Aggregated { engine } if !ctx.v.stream => {
-            // A non-streaming client's request goes to the engine non-streaming: the answer,
-            // its usage and its errors are the engine's (issue 10 section 2).
-            let seat = parts.fleet.resident(engine, Phase::Decode);
-            let leg = new_leg(ctx, sub, n, "whole", engine, log);
-            let mut body = whole_body(&sub.body);
-            if sglang {
-                body["rid"] = Value::String(leg.id.clone());
-            }
-            parts.accounting.decode_dispatched();
-            let answer = parts
-                .upstream
-                .whole(
-                    &url(engine),
-                    &leg,
-                    &body,
-                    ctx.deadline,
-                    parts.cfg.serving.max_response_bytes,
-                )
-                .instrument(tracing::info_span!("whole", engine = %parts.cfg.engines[engine].iid))
-                .await
-                .map_err(|err| Fail {
-                    phase: Phase::Decode,
-                    iid: engine,
-                    err,
-                    producer: None,
-                })?;
-            Ok(Started {
-                out: Output::Whole(answer),
-                _seat: Some(seat),
-                _prefill_task: None,
-                served_by: engine,
-                decode_ok: true,
-                producer: None,
-                decode_at: now,
-            })
-        }
         Plan::Aggregated { engine } => {
+            // A non-streaming client's request goes to the engine non-streaming (a whole leg):
+            // the answer, its usage and its errors are the engine's (issue 10 section 2).
+            let whole = !ctx.v.stream;
             let seat = parts.fleet.resident(engine, Phase::Decode);
-            let leg = new_leg(ctx, sub, n, "decode", engine, log);
-            let mut body = decode_body(&sub.body, None, !(sglang && chat));
+            let leg = new_leg(
+                ctx,
+                sub,
+                n,
+                if whole { "whole" } else { "decode" },
+                engine,
+                log,
+            );
+            let mut body = if whole {
+                whole_body(&sub.body)
+            } else {
+                decode_body(&sub.body, None, !(sglang && chat))
+            };
             if sglang {
                 body["rid"] = Value::String(leg.id.clone());
             }
             parts.accounting.decode_dispatched();
-            let first_by = (now + first_token_limit(parts)).min(ctx.deadline);
-            let live = parts
-                .upstream
-                .decode(&url(engine), &leg, &body, opts, first_by)
-                .instrument(tracing::info_span!("decode", engine = %parts.cfg.engines[engine].iid))
-                .await
-                .map_err(|err| Fail {
-                    phase: Phase::Decode,
-                    iid: engine,
-                    err,
-                    producer: None,
-                })?;
-            Ok(Started {
-                out: Output::Live(live),
-                _seat: Some(seat),
-                _prefill_task: None,
-                served_by: engine,
-                decode_ok: true,
-                producer: None,
-                decode_at: now,
-            })
+            let span =
+                tracing::info_span!("decode", engine = %parts.cfg.engines[engine].iid, whole);
+            let failed = leg_failed(Phase::Decode, engine, None);
+            let engine_url = url(engine);
+            let out = if whole {
+                let limit = parts.cfg.serving.max_response_bytes;
+                let answer = parts
+                    .upstream
+                    .whole(&engine_url, &leg, &body, ctx.deadline, limit);
+                Output::Whole(answer.instrument(span).await.map_err(failed)?)
+            } else {
+                let first_by = (now + first_token_limit(parts)).min(ctx.deadline);
+                let live = parts
+                    .upstream
+                    .decode(&engine_url, &leg, &body, opts, first_by);
+                Output::Live(live.instrument(span).await.map_err(failed)?)
+            };
+            Ok(Started::single(out, Some(seat), engine, true, now))
         }
         Plan::Split { prefill, decode } if !sglang => {
             // Both engines count as resident from placement on: the decode engine is committed
@@ -742,12 +749,7 @@ async fn run_attempt(
                     tracing::info_span!("prefill", engine = %parts.cfg.engines[prefill].iid),
                 )
                 .await
-                .map_err(|err| Fail {
-                    phase: Phase::Prefill,
-                    iid: prefill,
-                    err,
-                    producer: None,
-                })?;
+                .map_err(leg_failed(Phase::Prefill, prefill, None))?;
             parts
                 .accounting
                 .prefill_time((parts.clock.now() - t0).as_secs_f64());
@@ -758,15 +760,13 @@ async fn run_attempt(
                     // The generation ended in the prefill (EOS or a stop string): that answer
                     // is the request's, and no decode leg runs (issue 9 section 6).
                     AttemptLog::lock(log).decode_iid = None;
-                    return Ok(Started {
-                        out: Output::Whole(answer),
-                        _seat: None,
-                        _prefill_task: None,
-                        served_by: prefill,
-                        decode_ok: false,
-                        producer: None,
-                        decode_at: t0,
-                    });
+                    return Ok(Started::single(
+                        Output::Whole(answer),
+                        None,
+                        prefill,
+                        false,
+                        t0,
+                    ));
                 }
             };
             let decode_at = parts.clock.now();
@@ -779,12 +779,7 @@ async fn run_attempt(
                 .decode(&url(decode), &dleg, &body, opts, first_by)
                 .instrument(tracing::info_span!("decode", engine = %parts.cfg.engines[decode].iid))
                 .await
-                .map_err(|err| Fail {
-                    phase: Phase::Decode,
-                    iid: decode,
-                    err,
-                    producer: Some(prefill),
-                });
+                .map_err(leg_failed(Phase::Decode, decode, Some(prefill)));
             // The decode has its first token: the KV left the producer.
             drop(seat_p);
             let live = live?;
@@ -802,12 +797,7 @@ async fn run_attempt(
             // SGLang: reserve both before either leg starts (reference-notes 7.2 step 1).
             let seat_p = parts.fleet.resident(prefill, Phase::Prefill);
             let seat_d = parts.fleet.resident(decode, Phase::Decode);
-            let fail_p = |err| Fail {
-                phase: Phase::Prefill,
-                iid: prefill,
-                err,
-                producer: None,
-            };
+            let fail_p = |err| leg_failed(Phase::Prefill, prefill, None)(err);
             let port = bootstrap::port(&parts.cfg, &parts.fleet, &parts.upstream, prefill)
                 .await
                 .map_err(|e| fail_p(LegError::KvHandoff(e.to_string())))?;

@@ -7,7 +7,7 @@
 //! - a client that stalls mid-body is answered 408 after `serving.body_read_timeout_s`, not
 //!   held for `serving.request_timeout_s`.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
@@ -24,24 +24,12 @@ fn addr(url: &str) -> &str {
     url.trim_start_matches("http://")
 }
 
-/// Reads one response head and body from a keep-alive connection until the server closes it
-/// (or `within` passes); returns the parsed response and its raw head.
+/// Reads one response from a keep-alive connection until the server closes it (or a read
+/// waits `within`); the parsed response and its lowercased head.
 fn read_to_close(s: &mut TcpStream, within: Duration) -> (RawResponse, String) {
-    s.set_read_timeout(Some(within)).expect("read timeout");
-    let mut raw = Vec::new();
-    let mut buf = [0u8; 16384];
-    loop {
-        match s.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => raw.extend_from_slice(&buf[..n]),
-        }
-    }
-    let head_end = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .unwrap_or(raw.len());
-    let head = String::from_utf8_lossy(&raw[..head_end]).to_lowercase();
-    (raw::parse_response(&raw), head)
+    let resp = raw::parse_response(&raw::read_to_end(s, within));
+    let head = resp.head.clone();
+    (resp, head)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,7 +14,9 @@
 //! - Engine errors keep the engine's status and words, never an empty message.
 //! - `GET /v1/models/{model}` answers as OpenAI's does.
 
-use narwhal_testkit::{FakeEngine, RouterHandle, WAIT, eventually, router_over_fakes, sse_data};
+use narwhal_testkit::{
+    FakeEngine, Reply, RouterHandle, WAIT, eventually, router_over_fakes, sse_data,
+};
 use serde_json::{Value, json};
 
 /// A vLLM prefill/decode pair of fakes and a router over them.
@@ -39,6 +41,17 @@ fn chunks(body: &str) -> Vec<Value> {
         .filter(|d| *d != "[DONE]")
         .map(|d| serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}")))
         .collect()
+}
+
+/// The chunks of a streamed answer that must be a 200 ending with `data: [DONE]`.
+fn done_chunks(a: &Reply) -> Vec<Value> {
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert!(
+        a.text().trim_end().ends_with("data: [DONE]"),
+        "{}",
+        a.text()
+    );
+    chunks(&a.text())
 }
 
 /// Concatenated text per choice index of streamed completion chunks.
@@ -122,13 +135,7 @@ async fn a_prompt_batch_is_fanned_out_one_descriptor_per_prompt() {
     let body = json!({"model": "tiny-sim", "prompt": prompts, "max_tokens": 3, "stream": true,
                       "stream_options": {"include_usage": true}});
     let a = r.post_data("/v1/completions", &body).await;
-    assert_eq!(a.status, 200, "{}", a.text());
-    assert!(
-        a.text().trim_end().ends_with("data: [DONE]"),
-        "{}",
-        a.text()
-    );
-    let cs = chunks(&a.text());
+    let cs = done_chunks(&a);
     let texts = texts_by_index(&cs);
     assert_eq!(texts.len(), 3, "{}", a.text());
     for (k, prompt) in prompts.iter().enumerate() {
@@ -256,13 +263,7 @@ async fn a_prefill_that_finished_the_generation_is_the_answer() {
                     "max_tokens": 8, "stream": true, "stream_options": {"include_usage": true}}),
         )
         .await;
-    assert_eq!(a.status, 200, "{}", a.text());
-    assert!(
-        a.text().trim_end().ends_with("data: [DONE]"),
-        "{}",
-        a.text()
-    );
-    let cs = chunks(&a.text());
+    let cs = done_chunks(&a);
     assert_eq!(cs[0]["object"], "chat.completion.chunk");
     assert_eq!(cs[0]["choices"][0]["finish_reason"], "stop");
     assert_eq!(cs.last().unwrap()["usage"]["completion_tokens"], 1);
@@ -296,12 +297,7 @@ async fn an_engine_without_token_ids_is_served_and_counted() {
         ),
     ] {
         let a = r.post_data(path, &body).await;
-        assert_eq!(a.status, 200, "{path}: {}", a.text());
-        assert!(
-            a.text().trim_end().ends_with("data: [DONE]"),
-            "{}",
-            a.text()
-        );
+        done_chunks(&a);
         rids.push(a.header("x-request-id").to_string());
     }
     for rid in &rids {
