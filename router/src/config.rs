@@ -1918,6 +1918,35 @@ mod tests {
         );
     }
 
+    /// The request-path keys of issue 9 sections 6 and 7: defaults, and range errors naming
+    /// the dotted path.
+    #[test]
+    fn body_read_timeout_and_batch_limit_are_validated() {
+        let c = Config::from_json_str(&base().to_string(), &no_env).unwrap();
+        assert_eq!(c.serving.body_read_timeout_s, 30.0);
+        assert_eq!(c.serving.max_batch_prompts, 64);
+        let mut v = base();
+        v["serving"] = serde_json::json!({"body_read_timeout_s": 0, "max_batch_prompts": 0});
+        let m = messages(v);
+        assert!(
+            m.contains(&"serving.body_read_timeout_s = 0: must be > 0".to_string()),
+            "{m:?}"
+        );
+        assert!(
+            m.iter()
+                .any(|s| s
+                    .starts_with("serving.max_batch_prompts = 0: must be an integer in 1..=4096")),
+            "{m:?}"
+        );
+        let mut v = base();
+        v["serving"] = serde_json::json!({"body_read_timeout_s": 2.5, "max_batch_prompts": 8});
+        let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+        assert_eq!(
+            (c.serving.body_read_timeout_s, c.serving.max_batch_prompts),
+            (2.5, 8)
+        );
+    }
+
     #[test]
     fn float_for_integer_is_refused() {
         let mut v = base();
