@@ -247,6 +247,18 @@ impl StreamState {
         self.usage
     }
 
+    /// The engine's usage as an object, when its stream carried one only inside content
+    /// chunks (no usage-only chunk): its counts, for [`usage_value`].
+    pub fn engine_usage_value(&self) -> Option<Value> {
+        let c = self.usage.completion_tokens?;
+        let mut u = Map::new();
+        if let Some(p) = self.usage.prompt_tokens {
+            u.insert("prompt_tokens".into(), p.into());
+        }
+        u.insert("completion_tokens".into(), c.into());
+        Some(Value::Object(u))
+    }
+
     /// `usage.prompt_tokens` reported by the engine, if any.
     pub fn prompt_tokens(&self) -> Option<u64> {
         self.usage.prompt_tokens
@@ -1009,6 +1021,16 @@ mod tests {
             s.output_tokens(),
             4,
             "the engine's count is the better evidence"
+        );
+        // Usage inside a content chunk only (no usage-only chunk) is the engine's too.
+        let mut s = StreamState::new(opts());
+        let c = json!({"choices": [{"index": 0, "text": "x", "finish_reason": "stop"}],
+                       "usage": {"prompt_tokens": 5, "completion_tokens": 1}});
+        assert!(matches!(s.on_data(&c.to_string()), RelayStep::Output(_)));
+        assert_eq!(s.take_usage_chunk(), None);
+        assert_eq!(
+            usage_value(s.engine_usage_value().as_ref(), 3, 1),
+            json!({"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6})
         );
     }
 

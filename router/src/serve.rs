@@ -1184,7 +1184,7 @@ async fn stream_one(
             .await;
             let engine_chunk = live.take_usage_chunk();
             let usage = usage_value(
-                engine_chunk.as_ref().and_then(|c| c.get("usage")),
+                live.engine_usage(engine_chunk.as_ref()).as_ref(),
                 estimate,
                 live.tokens(),
             );
@@ -1331,7 +1331,7 @@ async fn collect_one(
                 Relayed::Done => {
                     let engine_chunk = live.take_usage_chunk();
                     let usage = usage_value(
-                        engine_chunk.as_ref().and_then(|c| c.get("usage")),
+                        live.engine_usage(engine_chunk.as_ref()).as_ref(),
                         estimate,
                         live.tokens(),
                     );

@@ -503,6 +503,15 @@ impl LiveStream {
         self.state.take_usage_chunk()
     }
 
+    /// The engine's usage: its usage-only chunk's `usage` when given (see
+    /// [`LiveStream::take_usage_chunk`]), else the counts a content chunk carried.
+    pub(crate) fn engine_usage(&self, usage_chunk: Option<&Value>) -> Option<Value> {
+        usage_chunk
+            .and_then(|c| c.get("usage"))
+            .cloned()
+            .or_else(|| self.state.engine_usage_value())
+    }
+
     /// Read until the relay has something to say (`Output`, `Done` or `Failed`); `gap` bounds
     /// the wait for each upstream read (`engine.decode_read_timeout_s`).
     pub(crate) async fn next(&mut self, gap: Option<Duration>) -> Result<RelayStep, LegError> {
