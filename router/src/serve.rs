@@ -516,8 +516,11 @@ async fn start_all(
 }
 
 /// The plan an attempt runs. A request for prompt logprobs is never split (issue 9
-/// section 6): only the engine that prefills the prompt can compute them, and a vLLM decode
-/// engine given a KV descriptor with `prompt_logprobs` (or `echo` with logprobs) fails. vLLM
+/// section 6): only the engine that prefills the prompt can compute them (vLLM marks such a
+/// request `skip_reading_prefix_cache` in `SamplingParams`, so it recomputes the whole prompt
+/// instead of reading cached KV), and a vLLM decode engine given a KV descriptor with
+/// `prompt_logprobs` (or `echo` with logprobs, which `to_sampling_params` turns into prompt
+/// logprobs) fails. vLLM
 /// serves it unsplit on the planned decode engine (every vLLM engine is `kv_both`); an SGLang
 /// decode server cannot run a request alone, so SGLang refuses it with a 400 naming the
 /// field.
