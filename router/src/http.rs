@@ -119,11 +119,14 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
             let body = match read_control_body(req).await {
                 Ok(b) => b,
                 Err(e) => {
-                    return json_response(
-                        StatusCode::BAD_REQUEST,
-                        &parts.lifecycle.document(&e),
-                        &rid,
+                    // The body may be unread: the connection cannot carry another request.
+                    let mut r =
+                        json_response(StatusCode::BAD_REQUEST, &parts.lifecycle.document(&e), &rid);
+                    r.headers_mut().insert(
+                        http::header::CONNECTION,
+                        http::HeaderValue::from_static("close"),
                     );
+                    return r;
                 }
             };
             // The action runs in its own task: a client that gives up (a timeout during a long
