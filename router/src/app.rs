@@ -58,8 +58,9 @@ pub enum Error {
     Lease(String),
 }
 
-/// Serve until `shutdown` resolves, then stop accepting, let open requests finish for up to
-/// `serving.graceful_timeout_s`, and return.
+/// Serve until `shutdown` resolves, then shut down gracefully ([`drain_requests`]): the
+/// listeners stay open while admitted requests finish, for up to
+/// `serving.graceful_timeout_s`; then the listeners close and `run` returns.
 ///
 /// # Errors
 /// [`Error::Agents`] or [`Error::Lease`] when the agent clients or the lease backend cannot
@@ -120,17 +121,18 @@ pub async fn run(
         parts.clone(),
         Side::Data,
         stop.clone(),
-        grace,
+        CLOSE_WAIT,
     ));
     let control = tokio::spawn(http::serve(
         listeners.control,
         parts.clone(),
         Side::Control,
         stop.clone(),
-        grace,
+        CLOSE_WAIT,
     ));
     shutdown.await;
     let was_controlling = parts.ha.controls_fleet();
+    drain_requests(&parts, grace).await;
     stop.cancel();
     let _ = data.await;
     let _ = control.await;
@@ -146,4 +148,52 @@ pub async fn run(
     }
     tracing::info!("narwhal-serve stopped");
     Ok(())
+}
+
+/// How long the listeners' connections get to finish writing once every request ended (the
+/// last frames to a slow client, idle keep-alive connections closing).
+const CLOSE_WAIT: Duration = Duration::from_secs(2);
+
+/// How long requests ended by the budget get to write their error frame and settle.
+const END_WAIT: Duration = Duration::from_secs(3);
+
+/// How often the drain looks at the in-flight count.
+const DRAIN_POLL: Duration = Duration::from_millis(20);
+
+/// Graceful shutdown of the request path (issue 9 section 5; kserve, Envoy and Kubernetes
+/// drain the same way): readiness is withdrawn at once (`/ready` 503 `shutting down`, new
+/// completions 503 with `Retry-After`, `/health` 200 `stopping`) while both listeners stay
+/// open, so load balancers and clients back off instead of meeting refused connections;
+/// admitted requests run on until none is left or `grace` (`serving.graceful_timeout_s`) ran
+/// out; then every request still running is ended — a stream with the documented error frame
+/// (`code: failed`), settled `failed/shutdown`, never as a client cancel — and given
+/// [`END_WAIT`] to settle.
+async fn drain_requests(parts: &Parts, grace: Duration) {
+    parts.gate.begin_shutdown();
+    let inflight = || parts.admission.stats().retained;
+    tracing::info!(
+        grace_s = grace.as_secs_f64(),
+        inflight = inflight(),
+        "shutting down: readiness withdrawn, admitted requests run on"
+    );
+    let idle = || async {
+        while inflight() > 0 {
+            tokio::time::sleep(DRAIN_POLL).await;
+        }
+    };
+    if tokio::time::timeout(grace, idle()).await.is_ok() {
+        return;
+    }
+    tracing::warn!(
+        grace_s = grace.as_secs_f64(),
+        inflight = inflight(),
+        "serving.graceful_timeout_s ran out: ending the requests still running"
+    );
+    parts.gate.end_requests();
+    if tokio::time::timeout(END_WAIT, idle()).await.is_err() {
+        tracing::warn!(
+            inflight = inflight(),
+            "requests still running after they were told to end"
+        );
+    }
 }

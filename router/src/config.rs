@@ -155,6 +155,13 @@ pub struct Serving {
     pub max_request_bytes: u64,
     /// Response limit: pre-output buffer and non-streaming reassembly (default 16777216).
     pub max_response_bytes: u64,
+    /// Time a client has to deliver its whole request body, seconds (default 30, > 0; the
+    /// request deadline still bounds it): a client that stalls mid-body gets 408 instead of
+    /// holding a slot for `request_timeout_s` (issue 9 section 7).
+    pub body_read_timeout_s: f64,
+    /// Prompts one completions request may batch (`prompt` a list), 1–4096 (default 64): a
+    /// batch is fanned out to one request per prompt; more is refused 400 naming `prompt`.
+    pub max_batch_prompts: usize,
 }
 
 /// `engine` section (reference-notes 8.1). Times in seconds.
@@ -1255,6 +1262,8 @@ impl Checker<'_> {
                 "retry_replenish",
                 "max_request_bytes",
                 "max_response_bytes",
+                "body_read_timeout_s",
+                "max_batch_prompts",
             ],
         );
         let admission = match self.choice(&o, "admission", "open", &["predictive", "open"]) {
@@ -1279,6 +1288,8 @@ impl Checker<'_> {
             }),
             max_request_bytes: self.int(&o, "max_request_bytes", 4_194_304, 1, u64::MAX),
             max_response_bytes: self.int(&o, "max_response_bytes", 16_777_216, 1, u64::MAX),
+            body_read_timeout_s: self.num(&o, "body_read_timeout_s", 30.0, positive),
+            max_batch_prompts: self.int(&o, "max_batch_prompts", 64, 1, 4096) as usize,
         };
         if s.prefill_timeout_s > s.request_timeout_s {
             self.rule(
@@ -1913,6 +1924,35 @@ mod tests {
         assert!(
             m.contains(&"engines[0].role = \"both\": must be one of prefill, decode".to_string()),
             "{m:?}"
+        );
+    }
+
+    /// The request-path keys of issue 9 sections 6 and 7: defaults, and range errors naming
+    /// the dotted path.
+    #[test]
+    fn body_read_timeout_and_batch_limit_are_validated() {
+        let c = Config::from_json_str(&base().to_string(), &no_env).unwrap();
+        assert_eq!(c.serving.body_read_timeout_s, 30.0);
+        assert_eq!(c.serving.max_batch_prompts, 64);
+        let mut v = base();
+        v["serving"] = serde_json::json!({"body_read_timeout_s": 0, "max_batch_prompts": 0});
+        let m = messages(v);
+        assert!(
+            m.contains(&"serving.body_read_timeout_s = 0: must be > 0".to_string()),
+            "{m:?}"
+        );
+        assert!(
+            m.iter()
+                .any(|s| s
+                    .starts_with("serving.max_batch_prompts = 0: must be an integer in 1..=4096")),
+            "{m:?}"
+        );
+        let mut v = base();
+        v["serving"] = serde_json::json!({"body_read_timeout_s": 2.5, "max_batch_prompts": 8});
+        let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+        assert_eq!(
+            (c.serving.body_read_timeout_s, c.serving.max_batch_prompts),
+            (2.5, 8)
         );
     }
 

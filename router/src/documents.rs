@@ -54,9 +54,16 @@ pub(crate) fn health(parts: &Parts) -> Value {
     })
 }
 
-/// `/v1/models` (reference-notes 1.5).
-pub(crate) fn models(cfg: &Config) -> Value {
-    json!({"object": "list", "data": [{"id": cfg.model, "object": "model", "owned_by": "narwhal"}]})
+/// `/v1/models` (reference-notes 1.5), each model with OpenAI's `created` (Unix seconds; the
+/// answer's time, as vLLM gives it).
+pub(crate) fn models(cfg: &Config, created: u64) -> Value {
+    json!({"object": "list", "data": [model_card(cfg, created)]})
+}
+
+/// One model as OpenAI's `GET /v1/models/{model}` answers it: `id`, `object: "model"`,
+/// `created`, `owned_by`.
+pub(crate) fn model_card(cfg: &Config, created: u64) -> Value {
+    json!({"id": cfg.model, "object": "model", "created": created, "owned_by": "narwhal"})
 }
 
 /// `/narwhal/targets` (reference-notes 1.6): one Prometheus target group per engine, without

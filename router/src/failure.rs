@@ -87,7 +87,25 @@ pub(crate) enum RequestFailure {
         /// The client is streaming (output already reached it).
         streaming: bool,
     },
+    /// The client did not deliver its body within `serving.body_read_timeout_s` (a client
+    /// that stalls mid-body): 408 `request_timeout`, counted `invalid` (the client's fault;
+    /// no engine was called).
+    BodyTimeout {
+        /// `serving.body_read_timeout_s`.
+        limit_s: f64,
+    },
+    /// The router stopped (SIGTERM) and `serving.graceful_timeout_s` ran out while this
+    /// request was still running: before output 503 `standby` with `Retry-After` (another
+    /// router can serve it), after output the `failed` error frame; counted
+    /// `failed/shutdown`, never as a client cancel (issue 9 section 5).
+    ShutDown {
+        /// Output already reached a streaming client.
+        streaming: bool,
+    },
 }
+
+/// The public message of a request cut by the graceful-shutdown budget.
+const SHUTDOWN_MESSAGE: &str = "Router is shutting down";
 
 /// `{"error": {"message", "type"}}`.
 fn error_body(message: &str, ty: &str) -> Value {
@@ -200,6 +218,22 @@ impl RequestFailure {
                 format!("decode: {}", err.detail()),
                 "decode",
             ),
+            RequestFailure::BodyTimeout { limit_s } => Settlement::new(
+                Terminal::Invalid,
+                "",
+                status,
+                format!(
+                    "request body not received within serving.body_read_timeout_s ({limit_s} s)"
+                ),
+                "invalid_request_error",
+            ),
+            RequestFailure::ShutDown { streaming } => Settlement::new(
+                Terminal::Failed,
+                "shutdown",
+                status,
+                "serving.graceful_timeout_s ran out after SIGTERM",
+                if *streaming { "decode" } else { "standby" },
+            ),
         }
     }
 
@@ -235,6 +269,9 @@ impl RequestFailure {
             RequestFailure::Decode { err, .. } => {
                 StatusCode::from_u16(err.http_status()).unwrap_or(StatusCode::BAD_GATEWAY)
             }
+            RequestFailure::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            RequestFailure::ShutDown { streaming: true } => StatusCode::OK,
+            RequestFailure::ShutDown { streaming: false } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -264,11 +301,13 @@ impl RequestFailure {
             RequestFailure::NoEngine => {
                 coded_body("Engine capacity is unavailable", "no_schedulable_engines")
             }
-            RequestFailure::Leg { phase, err } => match err.client_fault() {
-                Some((_, message, param)) => json!({"error": {
+            RequestFailure::Leg { phase, err } => match (err.engine_error(), err.client_fault()) {
+                // The engine's own refusal, as it wrote it (issue 10 section 2).
+                (Some(error), Some(_)) => json!({ "error": error }),
+                (None, Some((_, message, param))) => json!({"error": {
                     "message": message, "type": "invalid_request_error", "param": param, "code": null,
                 }}),
-                None => coded_body(err.public_message(), phase.as_str()),
+                (_, None) => coded_body(err.public_message(), phase.as_str()),
             },
             RequestFailure::Decode { err, .. } => {
                 let message = match err {
@@ -279,6 +318,11 @@ impl RequestFailure {
                 };
                 coded_body(message, "decode")
             }
+            RequestFailure::BodyTimeout { limit_s } => json!({"error": {
+                "message": format!("request body not received within serving.body_read_timeout_s ({limit_s} s)"),
+                "type": "invalid_request_error", "param": null, "code": "request_timeout",
+            }}),
+            RequestFailure::ShutDown { .. } => coded_body(SHUTDOWN_MESSAGE, "standby"),
         }
     }
 
@@ -290,6 +334,7 @@ impl RequestFailure {
                 | RequestFailure::NotReady { .. }
                 | RequestFailure::NotInControl
                 | RequestFailure::NoEngine
+                | RequestFailure::ShutDown { streaming: false }
         )
     }
 
@@ -315,6 +360,9 @@ impl RequestFailure {
                 err,
                 streaming: true,
             } => Some(error_frame(err.public_message(), "decode", "failed")),
+            RequestFailure::ShutDown { streaming: true } => {
+                Some(error_frame(SHUTDOWN_MESSAGE, "decode", "failed"))
+            }
             _ => None,
         }
     }
@@ -471,6 +519,36 @@ mod tests {
                 Terminal::Failed,
                 "response_limit",
             ),
+            (
+                RequestFailure::BodyTimeout { limit_s: 30.0 },
+                408,
+                "invalid_request_error",
+                false,
+                Terminal::Invalid,
+                "",
+            ),
+            (
+                RequestFailure::ShutDown { streaming: false },
+                503,
+                "standby",
+                true,
+                Terminal::Failed,
+                "shutdown",
+            ),
+            (
+                RequestFailure::Leg {
+                    phase: Phase::Decode,
+                    err: LegError::Stream(StreamFailure::UpstreamError {
+                        status: 400,
+                        message: "prompt is too long".into(),
+                    }),
+                },
+                400,
+                "invalid_request_error",
+                false,
+                Terminal::Failed,
+                "engine_rejected",
+            ),
         ];
         for (f, status, ty, retry_after, terminal, reason) in cases {
             let r = f.response("rid-1");
@@ -513,6 +591,30 @@ mod tests {
         );
     }
 
+    /// An engine's refusal with its own error object reaches the client as the engine wrote
+    /// it, with the engine's status (issue 10 section 2: llama.cpp's context-length 400 keeps
+    /// its `code`), and is counted `failed/engine_rejected`.
+    #[test]
+    fn an_engine_refusal_is_relayed_as_the_engine_wrote_it() {
+        let error = json!({"message": "This model's maximum context length is 256 tokens",
+                           "type": "invalid_request_error", "param": "messages",
+                           "code": "context_length_exceeded"});
+        let f = RequestFailure::Leg {
+            phase: Phase::Decode,
+            err: LegError::Refused {
+                status: 400,
+                error: error.clone(),
+            },
+        };
+        assert_eq!(f.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(f.body(), json!({ "error": error }));
+        let s = f.settlement();
+        assert_eq!(
+            (s.terminal, s.reason.as_str()),
+            (Terminal::Failed, "engine_rejected")
+        );
+    }
+
     #[test]
     fn engine_details_reach_the_journal_never_the_client() {
         let f = RequestFailure::Leg {
@@ -550,6 +652,23 @@ mod tests {
         let frame = failed.stream_frame().expect("frame");
         let text = std::str::from_utf8(&frame).unwrap();
         assert!(text.contains("\"code\":\"failed\"") && text.contains("Upstream request failed"));
+    }
+
+    /// Graceful shutdown (issue 9 section 5): a stream still running when the budget runs
+    /// out ends with the documented error frame and is settled failed, not cancelled.
+    #[test]
+    fn a_stream_cut_by_the_shutdown_budget_ends_with_an_error_frame_and_fails() {
+        let f = RequestFailure::ShutDown { streaming: true };
+        let s = f.settlement();
+        assert_eq!(
+            (s.terminal, s.reason.as_str(), s.status),
+            (Terminal::Failed, "shutdown", Some(200))
+        );
+        let frame = f.stream_frame().expect("frame");
+        assert_eq!(
+            &frame[..],
+            b"data: {\"error\":{\"message\":\"Router is shutting down\",\"type\":\"decode\",\"code\":\"failed\"}}\n\n"
+        );
     }
 
     #[test]

@@ -19,7 +19,7 @@
 //!
 //! | layer | modules | what they are |
 //! |---|---|---|
-//! | 0 pure cores | `config` (and `config::schema`, the accepted keys read from its validator), `placement`, `breaker`, `relay`, `ingress`, `outcome`, `retry`, `demand`, `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO |
+//! | 0 pure cores | `config` (and `config::schema`, the accepted keys read from its validator), `placement`, `breaker`, `relay`, `ingress`, `outcome`, `retry`, `demand`, `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO (`relay`: SSE parsing, token evidence, usage, whole-answer and batch merging) |
 //! | 0 leaves | `journal`, `metrics`, `response` | the journal writer, Prometheus families, JSON responses |
 //! | 1 engine client | `upstream`, `failure` | legs to engines and how they fail; `RequestFailure`, the one map to status, body and settlement |
 //! | 1 parts | `fleet`, `accounting`, `admission`, `phase` | own their data behind narrow handles (below) |
@@ -48,7 +48,11 @@
 //! - `LifecycleDriver`: the pure lifecycle machine (behind its `Executor`), the agents, and
 //!   the one-action-at-a-time lock.
 //! - `Gate` (`readiness.rs`): a mirror of the lifecycle's readiness hold, read with the HA
-//!   phase and the live count on every request without the lifecycle's lock.
+//!   phase and the live count on every request without the lifecycle's lock; and the graceful
+//!   shutdown: an atomic "stopping" flag (`/ready` 503 `shutting down`) and the cancellation
+//!   token that ends the requests still running when `serving.graceful_timeout_s` ran out.
+//!   Shutdown is not an HA phase: the router keeps its lease and control until the last
+//!   request ended, and the lease loop keeps publishing its phase meanwhile.
 //! - `DemandRisk`: the newest consolidation-risk event (handoff `demand_risk`).
 //!
 //! **Events, not imports.** Lower layers tell upper ones what happened through channels:
@@ -56,7 +60,9 @@
 //! `dirty` (the state-file writer persists); the lease driver reports a lost renewal to
 //! `ha::primary`, whose `Renewal::lost` tells the `ha` supervisor to run the standby; the
 //! lifecycle machine emits typed `LifecycleEvent`s that its executor journals; the HA phase
-//! is published on its watch channel.
+//! is published on its watch channel; `app::run` drains on SIGTERM through the gate
+//! (`begin_shutdown`, then `end_requests` at the budget), which the request path reads (the
+//! readiness check, and a `select!` arm of the attempts and of the relay).
 //!
 //! **Locks.** No lock is held across a call into a higher layer, and the order is the layer
 //! order: the lifecycle machine's mutex may be held while the fleet is asked or told

@@ -61,6 +61,7 @@ pub const FAILED_REASONS: &[&str] = &[
     "invalid_response",
     "response_limit",
     "internal",
+    "shutdown",
 ];
 /// Known `rejected` reasons.
 pub const REJECTED_REASONS: &[&str] = &["inflight_limit", "saturated", "not_ready"];
@@ -161,8 +162,12 @@ pub struct RequestRecord {
     pub decode_iid: Option<String>,
     /// Whether output (the first token) reached the client.
     pub output_started: bool,
-    /// Failures of earlier attempts (`{phase, iid, reason, error}`).
+    /// Failures of earlier attempts (`{attempt, phase, iid, reason, error, prompt}`).
     pub attempt_failures: Vec<Value>,
+    /// Every leg dispatched, in order: `{attempt, leg, iid, request_id, prompt}` — the
+    /// `x-request-id` (a UUID4) the engine saw for it, and the prompt's index in a batch
+    /// (`null` otherwise).
+    pub legs: Vec<Value>,
 }
 
 impl RequestRecord {
@@ -178,6 +183,7 @@ impl RequestRecord {
             "duration_s": self.duration_s,
             "attempts": self.attempts,
             "attempt_failures": self.attempt_failures,
+            "legs": self.legs,
             "prefill_iid": self.prefill_iid,
             "decode_iid": self.decode_iid,
             "status": s.status,

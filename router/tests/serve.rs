@@ -223,7 +223,15 @@ async fn good_fleet_announces_and_serves_the_documents() {
         health,
         json!({"status": "ok", "instances": 2, "available_instances": 2})
     );
-    let models = s.get_data("/v1/models").await.json_or_null();
+    let mut models = s.get_data("/v1/models").await.json_or_null();
+    assert!(
+        models["data"][0]["created"].is_u64(),
+        "OpenAI's model object has `created`: {models}"
+    );
+    models["data"][0]
+        .as_object_mut()
+        .expect("a model object")
+        .remove("created");
     assert_eq!(
         models,
         json!({"object": "list", "data": [{"id": "tiny-sim", "object": "model", "owned_by": "narwhal"}]})
@@ -342,20 +350,27 @@ async fn vllm_two_stage_carries_the_descriptor_verbatim() {
         v["usage"],
         json!({"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10})
     );
-    {
+    // Each leg has its own plain UUID request id (issue 10 section 2: the form every engine
+    // accepts), recorded in the journal row's `legs`.
+    let (prid, drid) = {
         let ps = p.seen();
         let (prid, pbody) = &ps.prefill[0];
-        assert_eq!(prid.as_deref(), Some(format!("{rid}-a1-prefill").as_str()));
+        let prid = prid.clone().expect("prefill x-request-id");
+        assert!(uuid_like(&prid) && prid != rid, "{prid}");
         assert_eq!(pbody["max_tokens"], 1);
         assert_eq!(pbody["stream"], false);
         assert_eq!(
             pbody["kv_transfer_params"],
             json!({"do_remote_decode": true})
         );
-        assert!(pbody.get("min_tokens").is_none());
+        assert_eq!(
+            pbody["min_tokens"], 1,
+            "the prefill may not end early (client min_tokens)"
+        );
         let ds = d.seen();
         let (drid, dbody) = &ds.decode[0];
-        assert_eq!(drid.as_deref(), Some(format!("{rid}-a1-decode").as_str()));
+        let drid = drid.clone().expect("decode x-request-id");
+        assert!(uuid_like(&drid) && drid != rid && drid != prid, "{drid}");
         assert_eq!(
             dbody["kv_transfer_params"],
             fake_descriptor(),
@@ -365,7 +380,8 @@ async fn vllm_two_stage_carries_the_descriptor_verbatim() {
         assert_eq!(dbody["return_token_ids"], true);
         assert_eq!(dbody["stream_options"]["include_usage"], true);
         assert_eq!(dbody["min_tokens"], 1);
-    }
+        (prid, drid)
+    };
     // Streaming chat: token ids and the usage chunk stripped (client asked for neither).
     let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                       "stream": true});
@@ -397,6 +413,14 @@ async fn vllm_two_stage_carries_the_descriptor_verbatim() {
     assert_eq!(row["decode_iid"], "d0");
     assert_eq!(row["output_len"], 3);
     assert_eq!(row["stream"], false);
+    assert_eq!(
+        row["legs"],
+        json!([
+            {"attempt": 1, "leg": "prefill", "iid": "p0", "request_id": prid, "prompt": null},
+            {"attempt": 1, "leg": "decode", "iid": "d0", "request_id": drid, "prompt": null},
+        ]),
+        "{row}"
+    );
     assert_eq!(row["run"], s.ready_doc["run"]);
 }
 
@@ -466,8 +490,12 @@ async fn sglang_prefill_failure_cancels_the_waiting_decode() {
     assert_eq!(pb["bootstrap_host"], "127.0.0.1");
     assert_eq!(pb["bootstrap_room"], db["bootstrap_room"]);
     assert!(pb["bootstrap_room"].as_u64().unwrap() < (1u64 << 63));
-    assert!(pb["rid"].as_str().unwrap().ends_with("-a1-prefill"));
-    assert!(db["rid"].as_str().unwrap().ends_with("-a1-decode"));
+    // Each SGLang leg's `rid` is its own UUID (issue 10 section 2).
+    let (prid, drid) = (pb["rid"].as_str().unwrap(), db["rid"].as_str().unwrap());
+    assert!(
+        uuid_like(prid) && uuid_like(drid) && prid != drid,
+        "{prid} {drid}"
+    );
     assert_eq!(pb["max_tokens"], 1);
     assert_eq!(db["stream"], true);
 }
@@ -577,14 +605,30 @@ async fn transient_decode_failure_is_retried_once() {
     let r = complete(&s, json!({"prompt": "x", "max_tokens": 2})).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text());
     let rid = r.header("x-request-id").to_string();
-    {
+    let second = {
         let ds = d.seen();
         assert_eq!(ds.decode.len(), 2);
-        assert_eq!(
-            ds.decode[1].0.as_deref(),
-            Some(format!("{rid}-a2-decode").as_str())
+        let ids: Vec<String> = ds.decode.iter().filter_map(|(id, _)| id.clone()).collect();
+        assert!(
+            ids.len() == 2 && ids.iter().all(|i| uuid_like(i)) && ids[0] != ids[1],
+            "one UUID per leg: {ids:?}"
         );
-    }
+        ids[1].clone()
+    };
+    // The journal names the retry's leg by its attempt.
+    eventually("the request's journal row", || async {
+        s.journal_rows().iter().any(|r| {
+            r["rid"] == json!(rid)
+                && r["legs"].as_array().is_some_and(|legs| {
+                    legs.iter().any(|l| {
+                        l["attempt"] == 2
+                            && l["leg"] == "decode"
+                            && l["request_id"] == json!(second)
+                    })
+                })
+        })
+    })
+    .await;
     let st = s.state().await;
     assert_eq!(st["serving"]["retry_attempts"], 1);
     assert_eq!(st["serving"]["served_after_retry"], 1);

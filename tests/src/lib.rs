@@ -39,7 +39,7 @@ use std::time::Duration;
 
 pub use agent::{AgentHandle, keygen, start_agent, start_agent_with};
 pub use etcd::{Etcd, free_port};
-pub use fake::{FakeEngine, Seen, fake_descriptor};
+pub use fake::{FakeEngine, Seen, fake_descriptor, router_over_fakes};
 pub use fleet::{
     Fleet, FleetBuilder, LEASE_TTL_S, LeaseBackend, STANDBY_PROBE_S, STANDBY_TAKEOVER_AFTER,
 };

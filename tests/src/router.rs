@@ -255,6 +255,19 @@ impl RouterHandle {
         r
     }
 
+    /// A router over `fleet` in a temporary directory of its own (removed when the handle
+    /// drops), with plain clients.
+    ///
+    /// # Panics
+    /// When the router does not start.
+    pub fn over(fleet: &FleetSpec, extra_args: &[&str]) -> RouterHandle {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let mut r = start_router(tmp.path(), "router", fleet, extra_args)
+            .unwrap_or_else(|e| panic!("router: {e}"));
+        r._tmp = Some(tmp);
+        r
+    }
+
     /// `GET <control><path>`.
     pub async fn get(&self, path: &str) -> Reply {
         self.http.get(format!("{}{path}", self.control)).await

@@ -31,7 +31,7 @@ use super::checks::AgentChecks;
 use super::executor::Executor;
 use super::identity::{IdentityReader, check_identities};
 use super::machine::{EngineView, Lifecycle, RestartPolicy, RestoreError};
-use super::request::{RequestError, parse_drain, parse_readmit};
+use super::request::{RequestError, parse_drain, parse_readmit, refusal_status};
 use super::validation::{Plan, Report, validate};
 use crate::breaker::EjectCause;
 use crate::config::{Backend, Config, Role};
@@ -263,7 +263,7 @@ impl LifecycleDriver {
                 }
                 Err(e) => {
                     drop(lc);
-                    return self.reply(StatusCode::CONFLICT, &e.to_string());
+                    return self.reply(refusal_status(&e), &e.to_string());
                 }
             }
         };
@@ -360,7 +360,7 @@ impl LifecycleDriver {
                 }
                 Err(e) => {
                     drop(lc);
-                    return self.reply(StatusCode::CONFLICT, &e.to_string());
+                    return self.reply(refusal_status(&e), &e.to_string());
                 }
             }
         };

@@ -208,6 +208,10 @@ pub struct DrainRequest {
     pub wave: bool,
     /// Seconds until the drain is reported `deadline_exceeded` (default 300).
     pub deadline_s: f64,
+    /// The request named `deadline_s` itself: a repeat of an accepted drain that names
+    /// another deadline is refused ([`LifecycleError::DeadlineConflict`]); one that names
+    /// none repeats it as it is.
+    pub deadline_given: bool,
 }
 
 /// What the driver must do after an accepted drain.
@@ -239,6 +243,18 @@ pub enum LifecycleError {
     /// `deadline_s` over [`MAX_DEADLINE_S`].
     #[error("deadline_s must be at most 31536000 (one year)")]
     DeadlineTooLong,
+    /// A repeated drain names another `deadline_s` than the accepted one: refused rather
+    /// than silently keeping the old deadline (issue 9 section 7); repeat it without
+    /// `deadline_s` or with the same value.
+    #[error(
+        "a drain of {iid} is already active with deadline_s {deadline_s}; repeat it without deadline_s or with the same value"
+    )]
+    DeadlineConflict {
+        /// The engine whose drain is active.
+        iid: String,
+        /// Its accepted deadline, seconds.
+        deadline_s: f64,
+    },
     /// A wave drain that does not name every engine.
     #[error("a whole-wave drain must name every configured engine")]
     WaveMustNameAll,
@@ -525,6 +541,20 @@ impl Lifecycle {
             let wave_active = !self.wave_id.is_empty();
             let promotion = req.wave && !wave_active && live.is_empty();
             let same_set = targets == held && req.wave == wave_active;
+            if same_set && req.deadline_given {
+                let other = held.iter().map(|i| &self.records[i]).find(|r| {
+                    matches!(
+                        r.state,
+                        DrainState::Draining | DrainState::Drained | DrainState::DeadlineExceeded
+                    ) && ((r.deadline_at - r.requested_at) - req.deadline_s).abs() > 1e-3
+                });
+                if let Some(r) = other {
+                    return Err(LifecycleError::DeadlineConflict {
+                        iid: r.iid.clone(),
+                        deadline_s: r.deadline_at - r.requested_at,
+                    });
+                }
+            }
             if promotion {
                 // Proceed below as a new wave over everything.
             } else if same_set
@@ -1302,6 +1332,7 @@ mod tests {
             engines: ids.iter().map(|s| s.to_string()).collect(),
             wave,
             deadline_s: 30.0,
+            deadline_given: true,
         }
     }
 
@@ -1473,6 +1504,20 @@ mod tests {
         assert!(plan.capture.is_empty());
         assert_eq!(l.record("e0").cloned(), before);
         assert_eq!(l.events().count(), n);
+        // Another deadline is refused (issue 9 section 7); none named is a repeat.
+        let mut other = drain(&["e0"], false);
+        other.deadline_s = 60.0;
+        let e = l.begin(now, &other, &set(&["e1"]), "").unwrap_err();
+        assert_eq!(
+            e,
+            LifecycleError::DeadlineConflict {
+                iid: "e0".into(),
+                deadline_s: 30.0
+            }
+        );
+        other.deadline_given = false;
+        assert!(l.begin(now, &other, &set(&["e1"]), "").unwrap().repeated);
+        assert_eq!(l.record("e0").cloned(), before, "refusals change nothing");
     }
 
     #[test]
