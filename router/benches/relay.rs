@@ -11,7 +11,7 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use narwhal_router::relay::{RelayOptions, RelayStep, SseParser, StreamState, data_frame};
+use narwhal_router::relay::{RelayOptions, RelayStep, SseParser, StreamState};
 use narwhal_shared::{Clock, SystemClock};
 
 /// A vLLM `/v1/completions` stream as the router's decode leg gets it: `return_token_ids`
@@ -69,25 +69,18 @@ fn chat_stream(tokens: usize) -> Vec<u8> {
 /// bytes produced.
 fn relay_once(stream: &[u8], read: usize) -> (usize, usize) {
     let mut parser = SseParser::new();
-    let mut state = StreamState::new(RelayOptions {
-        return_token_ids: false,
-        max_response_bytes: 1 << 24,
-        collect: false,
-    });
+    let mut state = StreamState::new(RelayOptions::new(1 << 24, false));
     let (mut frames, mut bytes) = (0, 0);
     for piece in stream.chunks(read) {
-        for ev in parser.push(piece) {
+        parser.feed(piece, |payload| {
             frames += 1;
-            match state.on_data(&ev.0) {
-                RelayStep::Output(chunks) => {
-                    for c in chunks {
-                        bytes += data_frame(&c).len();
-                    }
-                }
+            match state.on_data(payload) {
+                RelayStep::Output => bytes += state.take_output().len(),
                 RelayStep::Hold | RelayStep::Done => {}
                 RelayStep::Failed(f) => panic!("relay failed: {f:?}"),
             }
-        }
+            true
+        });
     }
     assert_eq!(state.tokens(), 16);
     (frames, bytes)
