@@ -1,16 +1,19 @@
-//! SGLang bootstrap ports (reference-notes 7.2 step 2): a prefill engine's
-//! `disaggregation_bootstrap_port`, learned from `GET <engine>/server_info` and cached in the
-//! fleet; the decode leg's rendezvous names it.
+//! What the router reads from an engine's own routes: SGLang bootstrap ports (reference-notes
+//! 7.2 step 2: a prefill engine's `disaggregation_bootstrap_port`, learned from
+//! `GET <engine>/server_info` and cached in the fleet; the decode leg's rendezvous names it),
+//! and the process facts the breaker compares to notice a new process (module `facts`).
 //!
 //! ```text
 //!  serve (attempt) ──port()──► cached? ──no──► refresh(): GET /server_info ──► Fleet cache
-//!  monitor (probe ok), lifecycle (before readmission), startup ──refresh()──┘
+//!  lifecycle (before readmission) ──refresh()──┘
+//!  monitor (gate, readmission, liveness sweep) ──read_facts()──► Facts ──► Fleet::learn
 //! ```
 
 use http::StatusCode;
 use serde_json::Value;
 
-use crate::config::{Config, secs};
+use crate::config::{Backend, Config, secs};
+use crate::facts::{self, Facts};
 use crate::fleet::Fleet;
 use crate::upstream::Upstream;
 
@@ -83,14 +86,95 @@ pub(crate) async fn refresh(
         url: url.clone(),
         reason: e.to_string(),
     })?;
-    let port = v
-        .get("disaggregation_bootstrap_port")
-        .and_then(|p| {
-            p.as_u64()
-                .or_else(|| p.as_str().and_then(|s| s.parse().ok()))
-        })
-        .and_then(|p| u16::try_from(p).ok())
-        .ok_or(BootstrapError::NoPort { url })?;
+    let port = facts::parse_bootstrap_port(&v).ok_or(BootstrapError::NoPort { url })?;
     fleet.set_bootstrap_port(iid, port);
     Ok(port)
+}
+
+/// Reads engine `iid`'s process facts from its own routes, each bounded by
+/// `engine.health_timeout_s` (a route that fails leaves its fact unknown): vLLM `/metrics`
+/// `process_start_time_seconds`; SGLang `/server_info` `disaggregation_bootstrap_port`; and
+/// every engine's `/v1/models` ids.
+pub(crate) async fn read_facts(cfg: &Config, upstream: &Upstream, iid: usize) -> Facts {
+    let base = &cfg.engines[iid].url;
+    let timeout = secs(cfg.engine.health_timeout_s);
+    let get = |path: &'static str| {
+        let url = format!("{base}{path}");
+        async move {
+            match upstream.probe_get(&url, timeout).await {
+                Ok((StatusCode::OK, body)) => Some(body),
+                _ => None,
+            }
+        }
+    };
+    let json = |b: Option<bytes::Bytes>| b.and_then(|b| serde_json::from_slice::<Value>(&b).ok());
+    let models = get("/v1/models");
+    let mut out = Facts::default();
+    match cfg.backend {
+        Backend::Vllm => {
+            let (metrics, models) = futures_util::join!(get("/metrics"), models);
+            out.process_start =
+                metrics.and_then(|b| facts::parse_process_start(&String::from_utf8_lossy(&b)));
+            out.models = json(models).as_ref().and_then(facts::parse_models);
+        }
+        Backend::Sglang => {
+            let (info, models) = futures_util::join!(get("/server_info"), models);
+            out.bootstrap_port = json(info).as_ref().and_then(facts::parse_bootstrap_port);
+            out.models = json(models).as_ref().and_then(facts::parse_models);
+        }
+    }
+    out
+}
+
+/// An SGLang decode leg failed while its rendezvous named prefill `p`'s cached bootstrap
+/// port: is it the decode's failure (issue 9 section 1: charged to the engine that caused
+/// it)? Reads `p`'s `/server_info` now: another port than the cached one (or none cached any
+/// more) means `p` is a new process ([`Fleet::learn`] ejects it, `process_identity`) and the
+/// decode is not charged; `p` unreachable is charged to `p` (`connection`); the same port, or
+/// an answer without one, leaves it to the decode (returns `true`).
+pub(crate) async fn blame_rendezvous(
+    cfg: &Config,
+    fleet: &Fleet,
+    upstream: &Upstream,
+    p: usize,
+) -> bool {
+    let used = fleet.bootstrap_port(p);
+    let url = format!("{}/server_info", cfg.engines[p].url);
+    let now = match upstream
+        .probe_get(&url, secs(cfg.engine.health_timeout_s))
+        .await
+    {
+        Err(_) => {
+            fleet.observe_leg_failure(
+                p,
+                crate::placement::Phase::Prefill,
+                crate::breaker::FailureClass::Connection,
+                None,
+            );
+            return false;
+        }
+        Ok((StatusCode::OK, body)) => serde_json::from_slice::<Value>(&body)
+            .ok()
+            .as_ref()
+            .and_then(facts::parse_bootstrap_port),
+        Ok(_) => None,
+    };
+    match (used, now) {
+        (Some(a), Some(b)) if a == b => true,
+        (_, Some(b)) => {
+            fleet.learn(
+                p,
+                Facts {
+                    bootstrap_port: Some(b),
+                    ..Facts::default()
+                },
+            );
+            if used.is_none() {
+                // The cache was dropped with the old process meanwhile: relearned.
+                fleet.set_bootstrap_port(p, b);
+            }
+            false
+        }
+        (_, None) => true,
+    }
 }

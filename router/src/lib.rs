@@ -84,6 +84,7 @@ mod cli;
 pub mod config;
 mod demand;
 mod documents;
+mod facts;
 mod failure;
 mod fleet;
 mod ha;

@@ -379,16 +379,15 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Reque
             Plan::Aggregated { .. } => None,
         };
         let attempt_span = tracing::debug_span!("attempt", n);
+        let producer_process = producer.map(|p| parts.fleet.incarnation(p));
         let result = run_attempt(ctx, n, plan).instrument(attempt_span).await;
         let f = match result {
             Ok(s) => return Ok(s),
             Err(f) => f,
         };
-        // Breaker and accounting for the failed leg.
+        // Breaker and accounting for the failed leg, charged to the engine that caused it.
         match f.err.class(f.phase) {
-            Some(class) => parts
-                .fleet
-                .observe_leg_failure(f.iid, f.phase, class, producer),
+            Some(class) => charge(parts, &f, class, producer, producer_process),
             None => parts.fleet.observe(f.iid, Observation::ClientFault),
         }
         if f.phase == Phase::Decode && matches!(f.err, LegError::FirstTokenTimeout) {
@@ -435,6 +434,41 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Reque
             avoid.insert(p);
         }
         tokio::time::sleep(backoff).await;
+    }
+}
+
+/// Charges a failed leg to the engine that caused it (issue 9 section 1): a decode that failed
+/// after its producer's process changed (a restart seen meanwhile) is the old producer's
+/// failure, not the decode's; an SGLang decode whose rendezvous failed is checked against the
+/// producer's bootstrap port first (`bootstrap::blame_rendezvous`), off the request path.
+fn charge(
+    parts: &Arc<Parts>,
+    f: &Fail,
+    class: crate::breaker::FailureClass,
+    producer: Option<usize>,
+    producer_process: Option<u64>,
+) {
+    let decode_with_producer = (f.phase == Phase::Decode)
+        .then_some(producer.zip(producer_process))
+        .flatten();
+    match decode_with_producer {
+        Some((p, process)) if parts.fleet.incarnation(p) != process => {
+            tracing::info!(producer = %parts.cfg.engines[p].iid, "decode failure charged to the producer's previous process, not to the decode");
+        }
+        Some((p, _)) if parts.cfg.backend == Backend::Sglang => {
+            let parts = parts.clone();
+            let decode = f.iid;
+            tokio::spawn(async move {
+                if bootstrap::blame_rendezvous(&parts.cfg, &parts.fleet, &parts.upstream, p).await {
+                    parts
+                        .fleet
+                        .observe_leg_failure(decode, Phase::Decode, class, Some(p));
+                }
+            });
+        }
+        _ => parts
+            .fleet
+            .observe_leg_failure(f.iid, f.phase, class, producer),
     }
 }
 
@@ -525,6 +559,9 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                 .accounting
                 .prefill_time((parts.clock.now() - t0).as_secs_f64());
             parts.fleet.observe(prefill, Observation::PrefillOk);
+            if let Some(id) = desc.get("remote_engine_id").and_then(Value::as_str) {
+                parts.fleet.note_engine_id(prefill, id);
+            }
             let decode_at = parts.clock.now();
             parts.accounting.decode_dispatched();
             let body = decode_body(&ctx.v.body, (decode != prefill).then_some(&desc), true);

@@ -484,7 +484,9 @@ async fn health(sim: &Sim) -> Response<SimBody> {
 
 fn models(sim: &Sim) -> Response<SimBody> {
     let owner = sim.cfg.dialect.as_str();
-    let created = sim.started_at as u64;
+    // vLLM's and SGLang's ModelCard default `created` to the time of the request, so it says
+    // nothing about the process (the router must not read one from it).
+    let created = unix_now() as u64;
     json_response(
         200,
         &json!({"object": "list", "data": [{
@@ -597,13 +599,18 @@ fn metrics(sim: &Sim) -> Response<SimBody> {
     if sim.cfg.kv_metrics {
         kv_metrics(sim, &model, &mut out);
     }
-    let _ = write!(
-        out,
-        "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n\
-         # TYPE process_start_time_seconds gauge\n\
-         process_start_time_seconds {}\n",
-        sim.started_at
-    );
+    // vLLM (one API server) serves prometheus_client's default registry, whose process
+    // collector publishes the start time; SGLang serves the multiprocess registry, which has
+    // no process families.
+    if sim.cfg.dialect == Dialect::Vllm {
+        let _ = write!(
+            out,
+            "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n\
+             # TYPE process_start_time_seconds gauge\n\
+             process_start_time_seconds {}\n",
+            sim.started_at
+        );
+    }
     text_response(200, "text/plain; version=0.0.4; charset=utf-8", out)
 }
 
@@ -813,6 +820,7 @@ async fn completion(
     if phase == Phase::Aggregated
         && sim.cfg.dialect == Dialect::Sglang
         && sim.cfg.mode != Mode::Null
+        && !parsed.fake_bootstrap
         && (parsed.bootstrap_partial || sim.cfg.mode == Mode::Prefill)
     {
         let e = ApiError::bad_request(format!(
