@@ -126,19 +126,25 @@ pub(crate) async fn read_facts(cfg: &Config, upstream: &Upstream, iid: usize) ->
     out
 }
 
-/// An SGLang decode leg failed while its rendezvous named prefill `p`'s cached bootstrap
-/// port: is it the decode's failure (issue 9 section 1: charged to the engine that caused
-/// it)? Reads `p`'s `/server_info` now: another port than the cached one (or none cached any
-/// more) means `p` is a new process ([`Fleet::learn`] ejects it, `process_identity`) and the
-/// decode is not charged; `p` unreachable is charged to `p` (`connection`); the same port, or
-/// an answer without one, leaves it to the decode (returns `true`).
+/// An SGLang decode leg failed while its rendezvous named prefill `p`'s bootstrap port `used`
+/// (the cached port when the leg failed; `process` = `p`'s incarnation when the attempt
+/// started): is it the decode's failure (issue 9 section 1: charged to the engine that caused
+/// it)? Not if `p` became a new process meanwhile. Else reads `p`'s `/server_info` now:
+/// another port than `used` means `p` is a new process ([`Fleet::learn`] ejects it,
+/// `process_identity`) and the decode is not charged; `p` unreachable is charged to `p`
+/// (`connection`); the same port, or an answer without one, leaves it to the decode (returns
+/// `true`).
 pub(crate) async fn blame_rendezvous(
     cfg: &Config,
     fleet: &Fleet,
     upstream: &Upstream,
     p: usize,
+    used: Option<u16>,
+    process: u64,
 ) -> bool {
-    let used = fleet.bootstrap_port(p);
+    if fleet.incarnation(p) != process {
+        return false;
+    }
     let url = format!("{}/server_info", cfg.engines[p].url);
     let now = match upstream
         .probe_get(&url, secs(cfg.engine.health_timeout_s))
@@ -162,16 +168,15 @@ pub(crate) async fn blame_rendezvous(
     match (used, now) {
         (Some(a), Some(b)) if a == b => true,
         (_, Some(b)) => {
-            fleet.learn(
-                p,
-                Facts {
-                    bootstrap_port: Some(b),
-                    ..Facts::default()
-                },
-            );
-            if used.is_none() {
-                // The cache was dropped with the old process meanwhile: relearned.
-                fleet.set_bootstrap_port(p, b);
+            if fleet.incarnation(p) == process {
+                // Ejects `p` when its cached port (if any) differs; else refreshes it.
+                fleet.learn(
+                    p,
+                    Facts {
+                        bootstrap_port: Some(b),
+                        ..Facts::default()
+                    },
+                );
             }
             false
         }

@@ -455,11 +455,13 @@ fn charge(
         Some((p, process)) if parts.fleet.incarnation(p) != process => {
             tracing::info!(producer = %parts.cfg.engines[p].iid, "decode failure charged to the producer's previous process, not to the decode");
         }
-        Some((p, _)) if parts.cfg.backend == Backend::Sglang => {
+        Some((p, process)) if parts.cfg.backend == Backend::Sglang => {
             let parts = parts.clone();
             let decode = f.iid;
+            let used = parts.fleet.bootstrap_port(p);
             tokio::spawn(async move {
-                if bootstrap::blame_rendezvous(&parts.cfg, &parts.fleet, &parts.upstream, p).await {
+                let (cfg, fleet, up) = (&parts.cfg, &parts.fleet, &parts.upstream);
+                if bootstrap::blame_rendezvous(cfg, fleet, up, p, used, process).await {
                     parts
                         .fleet
                         .observe_leg_failure(decode, Phase::Decode, class, Some(p));

@@ -208,11 +208,11 @@ impl Lab {
     /// (docs/configuration.md, `engines[].role`; placement falls back to aggregated serving when
     /// no prefill engine exists).
     ///
-    /// No `health_path` is set: the fleet schema has none yet (issue 10 section 2 adds it, with
-    /// `/v1/models` for engines that lack `/health`). If it is not chosen automatically, the
-    /// readmission tests set `engines[].health_path = "/v1/models"` here when un-ignored.
+    /// llama.cpp has no `GET /health` (404): every engine's `health_path` is `/v1/models`,
+    /// which it answers (docs/configuration.md, `engines[].health_path`); without it the
+    /// router's health gate would never place it.
     fn router(&self, engines: &[(&str, &LlamaServer)]) -> RouterHandle {
-        let spec = FleetSpec {
+        let mut spec = FleetSpec {
             model: MODEL.into(),
             backend: "vllm".into(),
             engines: engines
@@ -221,7 +221,11 @@ impl Lab {
                 .collect(),
             overrides: json!({}),
             agents: Default::default(),
+            engine_keys: Default::default(),
         };
+        for (iid, _) in engines {
+            spec = spec.engine_with(iid, json!({"health_path": "/v1/models"}));
+        }
         start_router(self.dir.path(), "router", &spec, &[]).expect("router")
     }
 

@@ -243,6 +243,18 @@ impl Sim {
         a
     }
 
+    /// Queues faults given as the body of `POST /sim/faults` (`--faults` at startup).
+    ///
+    /// # Errors
+    /// The parser's message.
+    pub(crate) fn arm(&self, body: &[u8]) -> Result<(), String> {
+        let fs = parse_faults(body).map_err(|e| e.to_string())?;
+        let mut q = lock(&self.faults);
+        q.push(fs);
+        self.faults_armed.store(!q.is_empty(), Relaxed);
+        Ok(())
+    }
+
     /// Phase of a parsed request (docs/engine-simulator.md, "Phases").
     fn phase_of(&self, p: &Parsed) -> Phase {
         match self.cfg.dialect {
