@@ -717,17 +717,19 @@ impl Breaker {
     }
 
     /// Probes the monitor should run now (module doc): every engine awaiting health, every
-    /// serving engine without a probe out, every ejected engine whose next probe is due.
-    /// Engines the lifecycle holds (draining, validating) are left to it.
+    /// serving engine without a probe out, every ejected engine whose next probe is due. The
+    /// health of engines the lifecycle holds (draining, validating) is left to it (a planned
+    /// restart is not an absence); an ejected engine is probed even when held, so a failed
+    /// recovery validation is retried (docs/deviations.md).
     pub fn due_probes(&mut self, now: Instant, slots: &[EngineSlot]) -> Vec<Ticket> {
         let mut out = Vec::new();
         for (iid, e) in self.engines.iter_mut().enumerate() {
-            if slots.get(iid).is_some_and(held) {
-                continue;
-            }
+            let held = slots.get(iid).is_some_and(held);
             let kind = match e.status {
-                Status::AwaitingHealth if e.outstanding < MAX_GATE_PROBES => ProbeKind::Gate,
-                Status::Serving if e.outstanding == 0 => ProbeKind::Liveness,
+                Status::AwaitingHealth if !held && e.outstanding < MAX_GATE_PROBES => {
+                    ProbeKind::Gate
+                }
+                Status::Serving if !held && e.outstanding == 0 => ProbeKind::Liveness,
                 Status::Ejected { next_probe, .. } if e.outstanding == 0 && now >= next_probe => {
                     ProbeKind::Readmission
                 }

@@ -1861,6 +1861,47 @@ mod tests {
         assert_eq!(c.backend, Backend::Vllm);
     }
 
+    /// The engine-health keys (issue 9 sections 2–4, issue 10 section 2): defaults, and a bad
+    /// value named by its dotted path.
+    #[test]
+    fn health_keys_have_defaults_and_name_their_path() {
+        let c = Config::from_json_str(&base().to_string(), &no_env).unwrap();
+        assert_eq!(c.engines[0].health_path, "/health");
+        assert_eq!(c.recovery.max_ejection_percent, 50);
+        assert_eq!(c.recovery.max_readmit_interval_s, 300.0);
+        assert_eq!(c.recovery.liveness_misses, 2);
+        let mut v = base();
+        v["engines"][1]["health_path"] = "/v1/models".into();
+        let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+        assert_eq!(c.engines[1].health_path, "/v1/models");
+        let mut v = base();
+        v["engines"][0]["health_path"] = "health".into();
+        v["engines"][1]["health_path"] = "/health?full=1".into();
+        v["recovery"] = serde_json::json!({"max_ejection_percent": 0,
+                                          "max_readmit_interval_s": -1});
+        let m = messages(v);
+        assert!(
+            m.iter()
+                .any(|x| x.starts_with("engines[0].health_path = \"health\": must be a path")),
+            "{m:?}"
+        );
+        assert!(
+            m.iter().any(|x| x.starts_with("engines[1].health_path = ")),
+            "{m:?}"
+        );
+        assert!(
+            m.contains(
+                &"recovery.max_ejection_percent = 0: must be an integer in 1..=100".to_string()
+            ),
+            "{m:?}"
+        );
+        assert!(
+            m.contains(&"recovery.max_readmit_interval_s = -1: must be > 0".to_string()),
+            "{m:?}"
+        );
+        assert_eq!(m.len(), 4, "{m:?}");
+    }
+
     #[test]
     fn example_fleet_file_parses() {
         let text = include_str!("../testdata/reference-fleet.example.json");

@@ -78,6 +78,12 @@ fn count(parts: &Parts, iid: usize, kind: &str, outcome: &str) {
 /// One breaker probe (module doc).
 async fn probe(parts: Arc<Parts>, ticket: Ticket, sweep: bool) {
     let iid = ticket.iid;
+    if ticket.kind == ProbeKind::Readmission && !parts.ha.controls_fleet() {
+        // A standby or fenced router readmits nothing (the handoff it applies on takeover
+        // carries the primary's ejections); it spares the engines its generation probes.
+        parts.fleet.probe_result(ticket, ProbeResult::Inconclusive);
+        return;
+    }
     let answer = health(&parts, iid).await;
     count(&parts, iid, ticket.kind.as_str(), answer.label());
     tracing::debug!(?answer, "health probe answered");

@@ -29,7 +29,13 @@ async fn send(router: &RouterHandle, n: usize, tag: &str) -> (Vec<u16>, Duration
     let mut slowest = Duration::ZERO;
     for i in 0..n {
         let t0 = Instant::now();
-        codes.push(router.completion(&format!("{tag} {i}"), 4).await.status.as_u16());
+        codes.push(
+            router
+                .completion(&format!("{tag} {i}"), 4)
+                .await
+                .status
+                .as_u16(),
+        );
         slowest = slowest.max(t0.elapsed());
     }
     (codes, slowest)

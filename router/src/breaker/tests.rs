@@ -465,13 +465,18 @@ fn a_changed_identity_ejects_and_forgets() {
     );
 }
 
-/// Engines the lifecycle holds are its business: no probes.
+/// The health of engines the lifecycle holds is its business (a planned restart is not an
+/// absence): no liveness probes; an ejected engine is still probed for readmission (a failed
+/// recovery validation is retried).
 #[test]
-fn held_engines_are_not_probed() {
-    let (mut b, mut s, t0) = serving(&[P, D], policy());
+fn held_engines_get_no_liveness_probe_but_ejected_ones_are_retried() {
+    let (mut b, mut s, t0) = serving(&[P, D, D], policy());
     s[1].excluded.insert(Exclusion::Draining);
     let ts = b.due_probes(t0, &s);
-    assert_eq!(ts.iter().map(|t| t.iid).collect::<Vec<_>>(), vec![0]);
+    assert_eq!(ts.iter().map(|t| t.iid).collect::<Vec<_>>(), vec![0, 2]);
+    b.eject_now(1, EjectCause::ProcessIdentity, t0);
+    let t = due(&mut b, t0, &s, 1);
+    assert_eq!(t.kind, ProbeKind::Readmission);
 }
 
 /// A probe result for a state the engine has left is ignored.
