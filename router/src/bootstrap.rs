@@ -126,15 +126,15 @@ pub(crate) async fn read_facts(cfg: &Config, upstream: &Upstream, iid: usize) ->
     out
 }
 
-/// An SGLang decode leg failed while its rendezvous named prefill `p`'s bootstrap port `used`
-/// (the cached port when the leg failed; `process` = `p`'s incarnation when the attempt
-/// started): is it the decode's failure (issue 9 section 1: charged to the engine that caused
-/// it)? Not if `p` became a new process meanwhile. Else reads `p`'s `/server_info` now:
-/// another port than `used` means `p` is a new process ([`Fleet::learn`] ejects it,
-/// `process_identity`) and the decode is not charged; `p` unreachable is charged to `p`
-/// (`connection`); the same port, or an answer without one, leaves it to the decode (returns
-/// `true`).
-pub(crate) async fn blame_rendezvous(
+/// A decode leg failed after prefill `p` produced its KV (`used`: `p`'s bootstrap port when
+/// the leg failed, SGLang; `process`: `p`'s incarnation when the attempt started): is it the
+/// decode's failure (issue 9 section 1: charged to the engine that caused it)? Not if `p`
+/// became a new process meanwhile, or is found to be one now: SGLang, `p`'s `/server_info`
+/// names another bootstrap port than `used`; vLLM, `p`'s process facts changed
+/// ([`Fleet::learn`] ejects it, `process_identity`). Not either if `p` cannot be reached: that
+/// is charged to `p` (`connection`). Otherwise (same process, or no way to tell) it is the
+/// decode's: returns `true`.
+pub(crate) async fn blame_producer(
     cfg: &Config,
     fleet: &Fleet,
     upstream: &Upstream,
@@ -145,20 +145,30 @@ pub(crate) async fn blame_rendezvous(
     if fleet.incarnation(p) != process {
         return false;
     }
+    let unreachable = || {
+        fleet.observe_leg_failure(
+            p,
+            crate::placement::Phase::Prefill,
+            crate::breaker::FailureClass::Connection,
+            None,
+        );
+        false
+    };
+    let timeout = secs(cfg.engine.health_timeout_s);
+    if cfg.backend == Backend::Vllm {
+        let url = format!("{}{}", cfg.engines[p].url, cfg.engines[p].health_path);
+        return match upstream.probe_get(&url, timeout).await {
+            Err(crate::upstream::ProbeError::Unreachable(_)) => unreachable(),
+            Err(crate::upstream::ProbeError::TimedOut(_)) => true,
+            Ok(_) => {
+                let reading = read_facts(cfg, upstream, p).await;
+                fleet.incarnation(p) != process || fleet.learn(p, reading).is_none()
+            }
+        };
+    }
     let url = format!("{}/server_info", cfg.engines[p].url);
-    let now = match upstream
-        .probe_get(&url, secs(cfg.engine.health_timeout_s))
-        .await
-    {
-        Err(_) => {
-            fleet.observe_leg_failure(
-                p,
-                crate::placement::Phase::Prefill,
-                crate::breaker::FailureClass::Connection,
-                None,
-            );
-            return false;
-        }
+    let now = match upstream.probe_get(&url, timeout).await {
+        Err(_) => return unreachable(),
         Ok((StatusCode::OK, body)) => serde_json::from_slice::<Value>(&body)
             .ok()
             .as_ref()

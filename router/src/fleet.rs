@@ -463,6 +463,10 @@ impl Fleet {
                     state.engine_ids[iid].clear();
                     state.identity_requested[iid] = false;
                     state.suspects[iid].clear();
+                    // Paths from its old process are no reason to suspect anyone now.
+                    for s in &mut state.suspects {
+                        s.remove(&self.names[iid]);
+                    }
                 }
             }
         }
@@ -576,7 +580,7 @@ mod tests {
         assert_eq!(f.learn(0, port(8998)), None);
         assert_eq!(f.learn(0, Facts::default()), None, "nothing known differs");
         f.observe_leg_failure(1, Phase::Decode, FailureClass::Stream, Some(0));
-        f.lock().suspects[0].insert("d0".into());
+        f.lock().suspects[0].insert("d1".into());
         assert_eq!(
             f.learn(0, port(9000)).as_deref(),
             Some("bootstrap port 8998 -> 9000")
@@ -584,7 +588,10 @@ mod tests {
         assert!(f.is_ejected(0));
         assert_eq!(f.incarnation(0), 1);
         assert_eq!(f.bootstrap_port(0), Some(9000));
-        f.read(|s| assert!(s.suspects()[0].is_empty()));
+        f.read(|s| {
+            assert!(s.suspects()[0].is_empty(), "its own suspects");
+            assert!(s.suspects()[1].is_empty(), "d0 suspected the old p0's path");
+        });
     }
 
     /// A vLLM engine id the process has not shown before asks for a fresh reading (the

@@ -439,8 +439,10 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Reque
 
 /// Charges a failed leg to the engine that caused it (issue 9 section 1): a decode that failed
 /// after its producer's process changed (a restart seen meanwhile) is the old producer's
-/// failure, not the decode's; an SGLang decode whose rendezvous failed is checked against the
-/// producer's bootstrap port first (`bootstrap::blame_rendezvous`), off the request path.
+/// failure, not the decode's; a decode that failed in a way a lost transfer explains
+/// (`inference_status`, `stream`) is checked against its producer first
+/// (`bootstrap::blame_producer`: another SGLang bootstrap port, other process facts, or an
+/// unreachable producer), off the request path.
 fn charge(
     parts: &Arc<Parts>,
     f: &Fail,
@@ -448,6 +450,7 @@ fn charge(
     producer: Option<usize>,
     producer_process: Option<u64>,
 ) {
+    use crate::breaker::FailureClass as C;
     let decode_with_producer = (f.phase == Phase::Decode)
         .then_some(producer.zip(producer_process))
         .flatten();
@@ -455,16 +458,14 @@ fn charge(
         Some((p, process)) if parts.fleet.incarnation(p) != process => {
             tracing::info!(producer = %parts.cfg.engines[p].iid, "decode failure charged to the producer's previous process, not to the decode");
         }
-        Some((p, process)) if parts.cfg.backend == Backend::Sglang => {
+        Some((p, process)) if matches!(class, C::InferenceStatus | C::Stream) => {
             let parts = parts.clone();
             let decode = f.iid;
             let used = parts.fleet.bootstrap_port(p);
             tokio::spawn(async move {
                 let (cfg, fleet, up) = (&parts.cfg, &parts.fleet, &parts.upstream);
-                if bootstrap::blame_rendezvous(cfg, fleet, up, p, used, process).await {
-                    parts
-                        .fleet
-                        .observe_leg_failure(decode, Phase::Decode, class, Some(p));
+                if bootstrap::blame_producer(cfg, fleet, up, p, used, process).await {
+                    fleet.observe_leg_failure(decode, Phase::Decode, class, Some(p));
                 }
             });
         }

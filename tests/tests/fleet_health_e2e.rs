@@ -417,3 +417,62 @@ async fn a_failed_rendezvous_with_a_restarted_prefill_is_the_prefills() {
         assert_eq!(st["breaker"]["failures"][d]["inference_status"], 0, "{st}");
     }
 }
+
+/// Identity (issue 9 section 1), vLLM: a prefill restarted in place between its prefill leg
+/// and the decode (the descriptor names the old process) is a new engine: the decode's failure
+/// is the prefill's (ejected, `process_identity`), never the healthy decode's, although the
+/// router saw no outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_failing_because_its_producer_restarted_is_the_producers() {
+    let mut f = Fleet::builder()
+        .prefill(1)
+        .decode(2)
+        // One monitor tick at startup, none during the test: only the failed decode can tell.
+        .fleet(json!({"controller": {"monitor_interval_s": 30},
+                      "recovery": {"eject_after": 1, "liveness_every": 0}}))
+        .start()
+        .await;
+    for d in ["d0", "d1"] {
+        f.sim(d)
+            .fault(json!({"phase": "decode", "action": "hang", "ms": 1500, "count": 1}))
+            .await;
+    }
+    let prefills = |v: Value| v["requests"]["prefill"].as_u64().unwrap_or(0);
+    let before = prefills(f.sim("p0").stats().await);
+    let (http, data) = (f.router().http.clone(), f.router().data.clone());
+    let request = tokio::spawn(async move {
+        let body = json!({"model": "tiny-sim", "prompt": "in flight", "max_tokens": 4});
+        http.post(format!("{data}/v1/completions"), &body)
+            .await
+            .status
+    });
+    eventually("the prefill leg ran", Duration::from_secs(10), || async {
+        (prefills(f.sim("p0").stats().await) > before).then_some(())
+    })
+    .await;
+    f.sim_mut("p0").restart(&[]).expect("p0 restarts in place");
+    let _ = request.await;
+    let router = f.router();
+    let st = eventually(
+        "p0 ejected as a new process",
+        Duration::from_secs(20),
+        || async {
+            let st = router.state().await;
+            (st["ejected"] == json!(["p0"])).then_some(st)
+        },
+    )
+    .await;
+    let changed = journal_events(router, "engine_identity_changed", "p0");
+    assert!(
+        changed[0]["reason"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("process start")),
+        "{changed:?}"
+    );
+    for d in ["d0", "d1"] {
+        assert!(
+            journal_events(router, "engine_ejected", d).is_empty(),
+            "{d} charged for the prefill's restart: {st}"
+        );
+    }
+}
