@@ -126,14 +126,15 @@ pub(crate) async fn read_facts(cfg: &Config, upstream: &Upstream, iid: usize) ->
     out
 }
 
-/// A decode leg failed after prefill `p` produced its KV (`used`: `p`'s bootstrap port when
-/// the leg failed, SGLang; `process`: `p`'s incarnation when the attempt started): is it the
-/// decode's failure (issue 9 section 1: charged to the engine that caused it)? Not if `p`
-/// became a new process meanwhile, or is found to be one now: SGLang, `p`'s `/server_info`
-/// names another bootstrap port than `used`; vLLM, `p`'s process facts changed
+/// A decode leg failed at `failed_at` after prefill `p` produced its KV (`used`: `p`'s
+/// bootstrap port when the leg failed, SGLang; `process`: `p`'s incarnation when the attempt
+/// started): is it the decode's failure (issue 9 section 1: charged to the engine that caused
+/// it)? Not if `p` became a new process meanwhile, or is found to be one now: SGLang, `p`'s
+/// `/server_info` names another bootstrap port than `used`; vLLM, `p`'s process facts changed
 /// ([`Fleet::learn`] ejects it, `process_identity`). Not either if `p` cannot be reached: that
 /// is charged to `p` (`connection`). Otherwise (same process, or no way to tell) it is the
-/// decode's: returns `true`.
+/// decode's: returns `true`. The checks of one producer run one at a time, and a reading that
+/// started after this failure answers for it, so a burst of failures reads `p` once.
 pub(crate) async fn blame_producer(
     cfg: &Config,
     fleet: &Fleet,
@@ -141,10 +142,17 @@ pub(crate) async fn blame_producer(
     p: usize,
     used: Option<u16>,
     process: u64,
+    failed_at: std::time::Instant,
 ) -> bool {
+    let _turn = fleet.blame_turn(p).await;
     if fleet.incarnation(p) != process {
         return false;
     }
+    let same_port = cfg.backend == Backend::Vllm || used == fleet.bootstrap_port(p);
+    if same_port && fleet.confirmed_since(p, failed_at) {
+        return true;
+    }
+    let started = fleet.now();
     let unreachable = || {
         fleet.observe_leg_failure(
             p,
@@ -162,7 +170,11 @@ pub(crate) async fn blame_producer(
             Err(crate::upstream::ProbeError::TimedOut(_)) => true,
             Ok(_) => {
                 let reading = read_facts(cfg, upstream, p).await;
-                fleet.incarnation(p) != process || fleet.learn(p, reading).is_none()
+                if fleet.incarnation(p) != process || fleet.learn(p, reading).is_some() {
+                    return false;
+                }
+                fleet.confirm(p, started);
+                true
             }
         };
     }
@@ -176,7 +188,10 @@ pub(crate) async fn blame_producer(
         Ok(_) => None,
     };
     match (used, now) {
-        (Some(a), Some(b)) if a == b => true,
+        (Some(a), Some(b)) if a == b => {
+            fleet.confirm(p, started);
+            true
+        }
         (_, Some(b)) => {
             if fleet.incarnation(p) == process {
                 // Ejects `p` when its cached port (if any) differs; else refreshes it.

@@ -49,6 +49,9 @@ pub(crate) struct FleetState {
     /// A fresh reading of the engine's facts was asked for (a new engine id, a failed
     /// rendezvous); the monitor reads them with its next liveness probe.
     identity_requested: Vec<bool>,
+    /// When the latest reading that confirmed the engine's facts (for a failed decode's
+    /// blame) started.
+    confirmed: Vec<Option<Instant>>,
 }
 
 impl FleetState {
@@ -76,6 +79,7 @@ pub(crate) struct Fleet {
     held: AtomicBool,
     resident_changed: Notify,
     settled: Notify,
+    blame: Vec<tokio::sync::Mutex<()>>,
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
     journal: Journal,
@@ -123,11 +127,13 @@ impl Fleet {
                 facts: vec![Facts::default(); n],
                 engine_ids: vec![BTreeSet::new(); n],
                 identity_requested: vec![false; n],
+                confirmed: vec![None; n],
             }),
             live: AtomicUsize::new(0),
             held: AtomicBool::new(false),
             resident_changed: Notify::new(),
             settled: Notify::new(),
+            blame: (0..n).map(|_| tokio::sync::Mutex::new(())).collect(),
             clock,
             metrics,
             journal,
@@ -312,6 +318,31 @@ impl Fleet {
         Some(reason)
     }
 
+    /// Serialises the blame checks of producer `iid` (`bootstrap::blame_producer`), so a burst
+    /// of failed decodes reads its facts once.
+    pub(crate) async fn blame_turn(&self, iid: usize) -> tokio::sync::MutexGuard<'_, ()> {
+        self.blame[iid].lock().await
+    }
+
+    /// A reading that started at `started` confirmed `iid`'s facts.
+    pub(crate) fn confirm(&self, iid: usize, started: Instant) {
+        let mut state = self.lock();
+        if state.confirmed[iid].is_none_or(|t| t < started) {
+            state.confirmed[iid] = Some(started);
+        }
+    }
+
+    /// Whether a reading that started at or after `since` confirmed `iid`'s facts: a decode
+    /// that failed at `since` is then charged without reading them again.
+    pub(crate) fn confirmed_since(&self, iid: usize, since: Instant) -> bool {
+        self.lock().confirmed[iid].is_some_and(|t| t >= since)
+    }
+
+    /// The monotonic clock's now (for the blame checks' timestamps).
+    pub(crate) fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
     /// A prefill answer of `iid` named vLLM engine id `id`: an id this process has not shown
     /// before asks for a fresh reading of its facts (module `facts`).
     pub(crate) fn note_engine_id(&self, iid: usize, id: &str) {
@@ -460,6 +491,7 @@ impl Fleet {
                 }
                 Transition::NewProcess { iid } => {
                     state.facts[iid] = Facts::default();
+                    state.confirmed[iid] = None;
                     state.engine_ids[iid].clear();
                     state.identity_requested[iid] = false;
                     state.suspects[iid].clear();
@@ -592,6 +624,21 @@ mod tests {
             assert!(s.suspects()[0].is_empty(), "its own suspects");
             assert!(s.suspects()[1].is_empty(), "d0 suspected the old p0's path");
         });
+    }
+
+    /// A reading that started after a decode failed answers for that failure (one reading
+    /// per burst); one that started before does not; a new process forgets them.
+    #[test]
+    fn a_confirmation_answers_for_failures_before_its_reading_started() {
+        let f = fleet();
+        f.admit_all();
+        let t0 = f.now();
+        assert!(!f.confirmed_since(0, t0));
+        f.confirm(0, t0);
+        assert!(f.confirmed_since(0, t0));
+        assert!(!f.confirmed_since(0, t0 + std::time::Duration::from_millis(1)));
+        f.eject(0, EjectCause::ProcessIdentity);
+        assert!(!f.confirmed_since(0, t0));
     }
 
     /// A vLLM engine id the process has not shown before asks for a fresh reading (the

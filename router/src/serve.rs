@@ -462,9 +462,10 @@ fn charge(
             let parts = parts.clone();
             let decode = f.iid;
             let used = parts.fleet.bootstrap_port(p);
+            let at = parts.clock.now();
             tokio::spawn(async move {
                 let (cfg, fleet, up) = (&parts.cfg, &parts.fleet, &parts.upstream);
-                if bootstrap::blame_producer(cfg, fleet, up, p, used, process).await {
+                if bootstrap::blame_producer(cfg, fleet, up, p, used, process, at).await {
                     fleet.observe_leg_failure(decode, Phase::Decode, class, Some(p));
                 }
             });
