@@ -343,6 +343,17 @@ impl Fleet {
         self.clock.now()
     }
 
+    /// Forgets every engine's facts (cached bootstrap ports included), to be learned afresh
+    /// as the new baseline: a router that (re)gains control of the fleet may hold facts from
+    /// before restarts another router drove through its lifecycle.
+    pub(crate) fn relearn_all(&self) {
+        let mut state = self.lock();
+        let n = self.names.len();
+        state.facts = vec![Facts::default(); n];
+        state.engine_ids = vec![BTreeSet::new(); n];
+        state.confirmed = vec![None; n];
+    }
+
     /// A prefill answer of `iid` named vLLM engine id `id`: an id this process has not shown
     /// before asks for a fresh reading of its facts (module `facts`).
     pub(crate) fn note_engine_id(&self, iid: usize, id: &str) {

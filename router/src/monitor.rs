@@ -11,6 +11,8 @@
 //!                                              └─ else generation probe (1 token)
 //!       ──► Fleet::probe_result(ticket, result)
 //!  startup ──► Fleet::wait_settled (every gate answered, or health timeout + one interval)
+//!  not controlling the fleet (standby, fenced): gate probes only; on (re)gaining control
+//!  every engine's facts are learned afresh (Fleet::relearn_all)
 //! ```
 
 use std::sync::Arc;
@@ -40,11 +42,18 @@ pub(crate) async fn monitor(parts: Arc<Parts>, stop: tokio_util::sync::Cancellat
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let every = u64::from(parts.cfg.recovery.liveness_every);
     let mut n: u64 = 0;
+    let mut was_controlling = false;
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
+        let controlling = parts.ha.controls_fleet();
+        if controlling && !was_controlling {
+            // What was learned before may predate restarts another router drove.
+            parts.fleet.relearn_all();
+        }
+        was_controlling = controlling;
         parts.lifecycle.enforce_whole_wave();
         let sweep = every > 0 && n.is_multiple_of(every);
         n += 1;
@@ -78,9 +87,11 @@ fn count(parts: &Parts, iid: usize, kind: &str, outcome: &str) {
 /// One breaker probe (module doc).
 async fn probe(parts: Arc<Parts>, ticket: Ticket, sweep: bool) {
     let iid = ticket.iid;
-    if ticket.kind == ProbeKind::Readmission && !parts.ha.controls_fleet() {
-        // A standby or fenced router readmits nothing (the handoff it applies on takeover
-        // carries the primary's ejections); it spares the engines its generation probes.
+    let controlling = parts.ha.controls_fleet();
+    if ticket.kind != ProbeKind::Gate && !controlling {
+        // A standby or fenced router judges nothing but its health gate: the primary drives
+        // the planned restarts (held there, not here), and the handoff applied on takeover
+        // carries its ejections; no generation probes from here either.
         parts.fleet.probe_result(ticket, ProbeResult::Inconclusive);
         return;
     }
@@ -94,11 +105,12 @@ async fn probe(parts: Arc<Parts>, ticket: Ticket, sweep: bool) {
     }
     match ticket.kind {
         ProbeKind::Gate => {
-            // Learn the process before it takes traffic (an SGLang prefill's bootstrap port).
-            fleet.learn(
-                iid,
-                bootstrap::read_facts(&parts.cfg, &parts.upstream, iid).await,
-            );
+            // Learn the process before it takes traffic (an SGLang prefill's bootstrap port);
+            // a router that does not control the fleet learns once it does.
+            if controlling {
+                let reading = bootstrap::read_facts(&parts.cfg, &parts.upstream, iid).await;
+                fleet.learn(iid, reading);
+            }
             fleet.probe_result(ticket, ProbeResult::Health(answer));
         }
         ProbeKind::Liveness => {

@@ -477,3 +477,58 @@ async fn a_decode_failing_because_its_producer_restarted_is_the_producers() {
         );
     }
 }
+
+/// A standby judges nothing but its health gate (issue 9 section 1 with HA): a restart the
+/// primary drives through its lifecycle (drain, restart, readmit) changes the engine's process
+/// behind the standby's back, which must not make the standby eject it; after a takeover it
+/// learns every engine afresh and serves at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_does_not_eject_engines_the_primary_restarted() {
+    let mut f = Fleet::builder()
+        .prefill(1)
+        .decode(1)
+        .agents()
+        .lease(narwhal_testkit::LeaseBackend::File)
+        // Re-read process facts on every tick, so a standby that compared them would see
+        // the restart at once.
+        .fleet(json!({"recovery": {"liveness_every": 1}}))
+        .standby()
+        .start()
+        .await;
+    let (status, doc) = f
+        .router()
+        .lifecycle_post("drain", &json!({"engines": ["d0"]}))
+        .await;
+    assert_eq!(status, 200, "{doc}");
+    f.router().journal_event("drain_complete", Some("d0")).await;
+    f.sim_mut("d0").restart(&[]).expect("d0 restarts");
+    let (status, doc) = f
+        .router()
+        .lifecycle_post("readmit", &json!({"engines": ["d0"]}))
+        .await;
+    assert_eq!(status, 200, "{doc}");
+    // Let the standby tick over the new process for a while (a rule about something that
+    // must not happen: nothing to poll for).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let standby = f.standby.take().expect("standby");
+    assert!(
+        journal_events(&standby, "engine_ejected", "d0").is_empty(),
+        "the standby ejected d0: {:?}",
+        standby.journal_rows()
+    );
+    f.router_mut().proc.kill();
+    standby
+        .wait_controls("active", Duration::from_secs(15))
+        .await;
+    let ready = eventually("the new primary ready", Duration::from_secs(10), || async {
+        (standby.ready().await.0 == 200).then_some(())
+    });
+    ready.await;
+    let (codes, _) = send(&standby, 8, "after takeover").await;
+    assert_eq!(codes, vec![200; 8]);
+    assert!(
+        journal_events(&standby, "engine_ejected", "d0").is_empty(),
+        "{:?}",
+        standby.journal_rows()
+    );
+}
