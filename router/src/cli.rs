@@ -4,8 +4,9 @@
 //! ```text
 //!  args ──clap──► Args ──Config::load──► Config (exit 2 on any problem, all listed)
 //!       ──bind data + control──► (exit 1: "narwhal-serve: bind <addr>: <error>")
-//!       ──ready file {data, control, pid, run} (atomic, written first)
-//!       ──stdout: "narwhal-serve listening data=http://H:P control=http://H:P" ──► run(...)
+//!       ──► run(...): once every engine's health gate was answered (app::run):
+//!             ready file {data, control, pid, run} (atomic), then
+//!             stdout: "narwhal-serve listening data=http://H:P control=http://H:P"
 //! ```
 
 use std::io::Write;
@@ -433,21 +434,24 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
             .unwrap_or_else(|_| "narwhal".into());
         format!("{host}:{}", control_addr.port())
     });
-    if let Some(path) = &args.ready_file {
-        let doc = serde_json::json!({"data": data_url, "control": control_url, "pid": std::process::id(), "run": run});
-        if let Err(e) = write_atomic(path, &doc) {
-            eprintln!("narwhal-serve: ready file {}: {e}", path.display());
-            return ExitCode::from(1);
+    // Written once the router has looked at its engines (app::run calls it after the
+    // startup health round).
+    let ready_file = args.ready_file.clone();
+    let (data_url2, control_url2, run2) = (data_url.clone(), control_url.clone(), run.clone());
+    let announce = move || -> Result<(), String> {
+        let (data_url, control_url, run) = (data_url2, control_url2, run2);
+        if let Some(path) = &ready_file {
+            let doc = serde_json::json!({"data": data_url, "control": control_url, "pid": std::process::id(), "run": run});
+            write_atomic(path, &doc).map_err(|e| format!("ready file {}: {e}", path.display()))?;
         }
-    }
-    {
         let mut out = std::io::stdout().lock();
         let _ = writeln!(
             out,
             "narwhal-serve listening data={data_url} control={control_url}"
         );
         let _ = out.flush();
-    }
+        Ok(())
+    };
     tracing::info!(data = %data_url, control = %control_url, run = %run, engines = cfg.engines.len(), backend = %cfg.backend, "narwhal-serve started");
     let result = crate::app::run(
         cfg,
@@ -458,6 +462,7 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
             resume: args.resume,
             standby,
             router_id,
+            announce: Some(Box::new(announce)),
         },
         shutdown,
     )

@@ -8,7 +8,8 @@
 //!                                   ▼                                       │  descriptor, SGLang:
 //!                      accounting (one settle) ◄── relay ◄──────────────────┘  rendezvous)
 //!                                   ├─► metrics  ├─► journal  └─► /narwhal/state, handoff
-//!  monitor task ──► breaker probes (GET /health) ──► readmission (lifecycle validation)
+//!  monitor task ──► health gate, liveness, readmission probes (GET health_path, process facts)
+//!                 ──► readmission: agent validation (lifecycle) or a generation probe
 //! ```
 //!
 //! # Design note: module map, ownership, events, locks
@@ -19,14 +20,14 @@
 //!
 //! | layer | modules | what they are |
 //! |---|---|---|
-//! | 0 pure cores | `config` (and `config::schema`, the accepted keys read from its validator), `placement`, `breaker`, `relay`, `ingress`, `outcome`, `retry`, `demand`, `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO (`relay`: SSE parsing, token evidence, usage, whole-answer and batch merging) |
+//! | 0 pure cores | `config` (and `config::schema`, the accepted keys read from its validator), `placement`, `breaker`, `facts`, `relay`, `ingress`, `outcome`, `retry`, `demand`, `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO (`facts`: an engine process's facts and when two readings name different processes; `relay`: SSE parsing, token evidence, usage, whole-answer and batch merging) |
 //! | 0 leaves | `journal`, `metrics`, `response` | the journal writer, Prometheus families, JSON responses |
 //! | 1 engine client | `upstream`, `failure` | legs to engines and how they fail; `RequestFailure`, the one map to status, body and settlement |
 //! | 1 parts | `fleet`, `accounting`, `admission`, `phase` | own their data behind narrow handles (below) |
-//! | 2 | `readiness`, `bootstrap` | the readiness gate over `phase` + `fleet`; SGLang bootstrap ports (`fleet` cache + `upstream`) |
+//! | 2 | `readiness`, `bootstrap` | the readiness gate over `phase` + `fleet`; what is read from an engine's own routes: SGLang bootstrap ports, process facts, whose fault a failed rendezvous is (`fleet` + `upstream`) |
 //! | 3 | `lifecycle` (`request`, `agents`, `checks`, `identity`, `executor`, `driver`) | drains, waves, readmission through the agents |
 //! | 4 | `parts` | `Parts`, a bundle of handles to every part, built once; owns nothing itself |
-//! | 5 | `serve`, `documents`, `handoff`, `monitor` | the request pipeline; `/ready`, `/health`, `/narwhal/state`, `/metrics`; the handoff; breaker probes |
+//! | 5 | `serve`, `documents`, `handoff`, `monitor` | the request pipeline; `/ready`, `/health`, `/narwhal/state`, `/metrics`; the handoff; breaker probes and the startup health wait |
 //! | 6 | `ha` (`primary`, `standby`), `http` | the lease loop and the warm standby; the listeners and routes |
 //! | 7 | `app`, `cli`, this root | wiring (`run`) and the command line |
 //!
@@ -36,8 +37,10 @@
 //!
 //! **Ownership.** Each part owns its state; nothing else holds a lock on it:
 //! - `Fleet`: engine slots (role, exclusions, resident counts), the breaker and the
-//!   application of its transitions (exclusions, metrics, journal), suspect producers, SGLang
-//!   bootstrap ports; the live count is an atomic. One mutex, taken only inside `fleet.rs`.
+//!   application of its transitions (exclusions, metrics, journal), suspect producers, the
+//!   facts of each engine's current process (SGLang bootstrap port included); the live count
+//!   is an atomic. One mutex, taken only inside `fleet.rs`; the startup wait listens on its
+//!   `settled` notification.
 //! - `Accounting`: the outcome tally (the single source `/narwhal/state`, `/metrics` and the
 //!   handoff read), attempt/retry/upstream counters (atomics), the retry budget (a lock-free
 //!   cell); it is the `SettleSink` every request settles into exactly once.
@@ -90,6 +93,7 @@ mod cli;
 pub mod config;
 mod demand;
 mod documents;
+mod facts;
 mod failure;
 mod fleet;
 mod ha;
