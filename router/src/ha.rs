@@ -3,15 +3,19 @@
 //! DESIGN.md sections 7 and 9.6).
 //!
 //! ```text
-//!  supervise: Active(renewal) ──renewal.lost()──► Standby{held: epoch}
-//!             Standby ──standby::run: poll, retain, claim, apply, re-check──► Active(renewal)
+//!  supervise: Active(renewal) ──renewal.lost() | the phase leaves control──► Standby{held: epoch}
+//!             Standby ──standby::run: observe, follow, claim, apply, re-check──► Active(renewal)
 //!  primary:   claim at startup ──► Active | Blocked(reason) ──► Standby{held: none}
 //! ```
 //! Every failure on the way leaves the router a standby that tries again (DESIGN.md 9.6).
+//! Whatever ends control (a lost renewal, an agent that saw a newer epoch, a refused handoff
+//! publish) ends the renewal with it: a router that is not active never renews (issue 13).
 //! `primary` is the lease loop, `standby` the standby's driver over the pure `machine`; the
 //! phase they publish lives in `crate::phase`.
 
 mod machine;
+#[cfg(test)]
+mod model;
 mod primary;
 mod standby;
 
@@ -20,6 +24,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::lease::LeaseLoss;
 use crate::parts::Parts;
 use primary::Renewal;
 
@@ -80,10 +85,21 @@ async fn supervise(
 ) {
     loop {
         next = match next {
-            Next::Active(mut renewal) => tokio::select! {
-                () = stop.cancelled() => return,
-                epoch = renewal.lost() => Next::Standby { held: Some(epoch) },
-            },
+            Next::Active(mut renewal) => {
+                let mut status = parts.ha.subscribe();
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    epoch = renewal.lost() => Next::Standby { held: Some(epoch) },
+                    left = status.wait_for(|s| !s.phase.holds_control()) => {
+                        let epoch = left.map(|s| s.epoch).unwrap_or_else(|_| parts.ha.lease().epoch());
+                        // Control ended outside the renew loop: stop renewing now.
+                        renewal.stop();
+                        parts.ha.lease().relinquish(epoch, LeaseLoss::HeldByAnother);
+                        tracing::warn!(epoch, "control ended; renewal stopped, returning as a standby");
+                        Next::Standby { held: Some(epoch) }
+                    }
+                }
+            }
             Next::Standby { held } => {
                 match standby::run(&parts, opts.as_ref(), held, &stop).await {
                     Some(renewal) => Next::Active(renewal),

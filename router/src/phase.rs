@@ -14,10 +14,11 @@
 //! from the lease's local validity, from the lifecycle's readiness hold and from the live
 //! engine count, through the pure functions here.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use narwhal_shared::{Clock, Fence};
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 use crate::lease::{Control, LeaseDriver, LeaseLoss};
 
@@ -84,6 +85,66 @@ pub(crate) struct HaStatus {
     pub(crate) epoch: u64,
     /// This process's holder token; `""` for lease backend `none` or before the first claim.
     pub(crate) holder: String,
+    /// Another router seen holding a live lease (a standby's or a fenced router's view, from
+    /// the lease record), `None` when unknown or when this router controls the fleet.
+    pub(crate) controller: Option<Controller>,
+}
+
+/// The router that controls the fleet, as a standby saw it in the lease record
+/// (`router.controller` of the lifecycle document).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Controller {
+    /// Its lease holder token.
+    pub(crate) holder: String,
+    /// Its lease epoch.
+    pub(crate) epoch: u64,
+}
+
+/// Whether work started under epoch `scope` may still act (issue 13: a task carries its epoch
+/// and never runs under a later one): the phase holds control, the lease is locally valid,
+/// and the epoch held now is the task's. Pure; [`Ha::live`] applies it.
+pub(crate) fn work_may_run(scope: u64, phase_holds: bool, lease_valid: bool, held: u64) -> bool {
+    phase_holds && lease_valid && held == scope
+}
+
+/// Whether an agent's `stale_epoch` answer to a call made under epoch `call` fences this
+/// router, which holds epoch `held` (issue 13): only a call of the epoch held now proves that a
+/// newer router exists; a late answer to a call of an epoch that already ended says nothing
+/// about the current one (found by the fault campaign: such answers fenced a router that had
+/// just claimed the next epoch, while its renewals went on).
+pub(crate) fn stale_answer_fences(call: u64, phase_holds: bool, held: u64) -> bool {
+    phase_holds && call == held
+}
+
+/// Work bound to one epoch of control (issue 13): lifecycle actions, validation, the identity
+/// check. It carries the epoch its agent calls are fenced with, and is cancelled when control
+/// under that epoch ends (a fence, a lapse, the standby loop starting); it never becomes valid
+/// again, so the work never runs under a later epoch.
+#[derive(Debug, Clone)]
+pub(crate) struct EpochScope {
+    epoch: u64,
+    holder: String,
+    token: CancellationToken,
+}
+
+impl EpochScope {
+    /// The epoch the work runs under.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The fence token its agent calls carry (this epoch, never a later one).
+    pub(crate) fn fence(&self) -> Fence {
+        Fence {
+            epoch: self.epoch,
+            holder: self.holder.clone(),
+        }
+    }
+
+    /// Resolves when control under this epoch ended.
+    pub(crate) async fn ended(&self) {
+        self.token.cancelled().await;
+    }
 }
 
 /// Readiness as `/ready` reports it (reference-notes 1.3).
@@ -167,6 +228,10 @@ pub(crate) struct Ha {
     lease: Arc<LeaseDriver>,
     clock: Arc<dyn Clock>,
     resume_refused: OnceLock<String>,
+    /// The scope of the epoch controlled now, created on first use ([`Ha::scope`]).
+    scope: Mutex<Option<EpochScope>>,
+    /// Serialises handoff publishes; holds the content key of the last one that succeeded.
+    published: tokio::sync::Mutex<Option<String>>,
 }
 
 /// One consistent reading of the HA state for a document.
@@ -185,12 +250,15 @@ impl Ha {
             phase,
             epoch: 0,
             holder: String::new(),
+            controller: None,
         });
         Ha {
             status,
             lease,
             clock,
             resume_refused: OnceLock::new(),
+            scope: Mutex::new(None),
+            published: tokio::sync::Mutex::new(None),
         }
     }
 
@@ -199,10 +267,93 @@ impl Ha {
         &self.lease
     }
 
-    /// A receiver of every published change.
-    #[cfg(test)]
+    /// The handoff publisher's slot (`crate::handoff::publish`): taken for the whole of one
+    /// publish, it holds the content key of the last document published successfully.
+    pub(crate) fn published(&self) -> &tokio::sync::Mutex<Option<String>> {
+        &self.published
+    }
+
+    /// A receiver of every published change: the phase, the epoch and holder, the known
+    /// controller. Parts that decide for the fleet (the HA supervisor, a role controller)
+    /// watch it and stop deciding when the phase no longer holds control; work they start
+    /// runs under an [`EpochScope`] ([`Ha::scope`]).
     pub(crate) fn subscribe(&self) -> watch::Receiver<HaStatus> {
         self.status.subscribe()
+    }
+
+    /// The scope of the epoch this router controls the fleet under now, `None` when it does
+    /// not control it. Work started with it stops when that epoch ends ([`EpochScope::ended`],
+    /// [`Ha::live`]).
+    pub(crate) fn scope(&self) -> Option<EpochScope> {
+        let (holds, epoch, holder) = {
+            let s = self.status.borrow();
+            (s.phase.holds_control(), s.epoch, s.holder.clone())
+        };
+        let held = self.lease.epoch();
+        let mut slot = self.scope.lock().unwrap_or_else(|p| p.into_inner());
+        if !work_may_run(held, holds, self.lease_active(), held) || epoch != held {
+            if let Some(old) = slot.take() {
+                old.token.cancel();
+            }
+            return None;
+        }
+        match slot.as_ref() {
+            Some(sc) if sc.epoch == held && !sc.token.is_cancelled() => Some(sc.clone()),
+            _ => {
+                if let Some(old) = slot.take() {
+                    old.token.cancel();
+                }
+                let sc = EpochScope {
+                    epoch: held,
+                    holder,
+                    token: CancellationToken::new(),
+                };
+                *slot = Some(sc.clone());
+                Some(sc)
+            }
+        }
+    }
+
+    /// Whether work of `scope` may act now ([`work_may_run`]); when not, the scope is ended
+    /// for everyone waiting on it.
+    pub(crate) fn live(&self, scope: &EpochScope) -> bool {
+        let holds = self.status.borrow().phase.holds_control();
+        let ok = !scope.token.is_cancelled()
+            && work_may_run(scope.epoch, holds, self.lease_active(), self.lease.epoch());
+        if !ok {
+            scope.token.cancel();
+        }
+        ok
+    }
+
+    /// Ends the current scope (control under its epoch is over).
+    fn end_scope(&self) {
+        if let Some(old) = self.scope.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            old.token.cancel();
+        }
+    }
+
+    /// An agent answered `stale_epoch` to a call made under epoch `call`: when that is the
+    /// epoch held now ([`stale_answer_fences`]) a newer router exists, so this one is fenced
+    /// and gives up the lease locally (the renew loop stops). Returns whether it fenced.
+    pub(crate) fn stale_answer(&self, call: u64) -> bool {
+        let holds = self.status.borrow().phase.holds_control();
+        if !stale_answer_fences(call, holds, self.lease.epoch()) {
+            return false;
+        }
+        self.lease.relinquish(call, LeaseLoss::HeldByAnother);
+        self.fence(&LeaseLoss::HeldByAnother);
+        true
+    }
+
+    /// Records the router seen controlling the fleet (a standby's view of the lease record);
+    /// `None` when unknown.
+    pub(crate) fn set_controller(&self, controller: Option<Controller>) {
+        self.status.send_if_modified(|s| {
+            let changed = s.controller != controller;
+            s.controller = controller;
+            changed
+        });
     }
 
     /// Whether the phase holds control and the lease is locally valid now.
@@ -235,26 +386,24 @@ impl Ha {
         self.status.borrow().phase.clone()
     }
 
-    /// The epoch and holder agent calls carry (agents refuse an epoch older than the newest
-    /// they saw).
-    pub(crate) fn fence_token(&self) -> Fence {
-        let s = self.status.borrow();
-        Fence {
-            epoch: s.epoch,
-            holder: s.holder.clone(),
-        }
-    }
-
-    /// Publishes `phase` with the lease's current epoch and holder token.
+    /// Publishes `phase` with the lease's current epoch and holder token. A phase that holds
+    /// control clears the known controller (it is this router); one that does not ends the
+    /// current [`EpochScope`].
     pub(crate) fn publish(&self, phase: HaPhase) {
         let (epoch, holder) = (self.lease.epoch(), self.lease.holder());
+        let holds = phase.holds_control();
         self.status.send_modify(|s| {
+            let controller = if holds { None } else { s.controller.take() };
             *s = HaStatus {
                 phase,
                 epoch,
                 holder,
+                controller,
             };
         });
+        if !holds {
+            self.end_scope();
+        }
     }
 
     /// Fences the router: it no longer controls the fleet (`/health` `fenced`, `/ready` 503
@@ -273,6 +422,7 @@ impl Ha {
                 HaPhase::Fenced { reason }
             };
         });
+        self.end_scope();
     }
 
     /// The standby loop starts: a fenced router keeps its reason as a blocked standby, any
@@ -288,6 +438,7 @@ impl Ha {
                 }
             };
         });
+        self.end_scope();
     }
 
     /// An active router starts its identity check ([`IDENTITY_PENDING`]); any other phase

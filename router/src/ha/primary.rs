@@ -120,6 +120,10 @@ pub(crate) async fn claim_at_startup(
     match lease.claim().await {
         Ok(epoch) => {
             tracing::info!(epoch, holder = %lease.holder(), "lease claimed; this router controls the fleet");
+            // Published under the new epoch before anything is decided under it (issue 13).
+            if let Err(e) = crate::handoff::publish(parts, true).await {
+                tracing::warn!(error = %e, "handoff not published at startup; the writer retries");
+            }
             parts.ha.publish(HaPhase::Active);
             Ok(renew(parts, false, stop))
         }

@@ -13,7 +13,11 @@
 //! ```
 //!
 //! One lifecycle action runs at a time (`serial`, held across the agent calls); the pure
-//! machine is only touched through the [`Executor`].
+//! machine is only touched through the [`Executor`]. Every action runs under the
+//! [`EpochScope`] of the epoch it was accepted in (issue 13): its agent calls carry that epoch,
+//! it stops when control under it ends, and it never acts under a later one. A router that
+//! does not control the fleet shows no actionable lifecycle state (no `ready_to_stop`) and
+//! names the router that does, when known.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -38,7 +42,7 @@ use crate::config::{Backend, Config, Role};
 use crate::fleet::Fleet;
 use crate::journal::Journal;
 use crate::metrics::{Metrics, labels};
-use crate::phase::Ha;
+use crate::phase::{EpochScope, Ha};
 use crate::placement::Exclusion;
 use crate::readiness::Gate;
 use crate::upstream::Upstream;
@@ -95,6 +99,7 @@ impl LifecycleDriver {
                 h.journal,
                 h.dirty,
                 h.clock,
+                h.ha.clone(),
             ),
             reader: IdentityReader {
                 agents: Arc::new(agents),
@@ -169,25 +174,37 @@ impl LifecycleDriver {
                 })
                 .collect()
         });
-        lc.document(
+        let mut doc = lc.document(
             gate.controls_label(),
             gate.readiness.ready,
             |iid| views.get(iid).copied().unwrap_or_default(),
             error,
-        )
+        );
+        drop(lc);
+        not_in_control(
+            &mut doc,
+            gate.ha.controls,
+            gate.ha.status.controller.as_ref(),
+        );
+        doc
     }
 
     fn reply(&self, status: StatusCode, error: &str) -> Reply {
         (status, self.document(error))
     }
 
-    /// Lifecycle gauges for `/metrics`: `(iid, state, ready_to_stop)` per engine.
+    /// Lifecycle gauges for `/metrics`: `(iid, state, ready_to_stop)` per engine
+    /// (`ready_to_stop` only from the router that controls the fleet).
     pub(crate) fn gauges(&self) -> Vec<(String, &'static str, bool)> {
+        let controls = self.ha().controls_fleet();
         let lc = self.exec.lock();
         self.fleet()
             .names()
             .iter()
-            .map(|iid| (iid.clone(), lc.state(iid).as_str(), lc.ready_to_stop(iid)))
+            .map(|iid| {
+                let stop = controls && lc.ready_to_stop(iid);
+                (iid.clone(), lc.state(iid).as_str(), stop)
+            })
             .collect()
     }
 
@@ -213,20 +230,20 @@ impl LifecycleDriver {
         Ok(())
     }
 
-    /// A parsed action, or its refusal: 400 for a bad body, 503 when this router does not
-    /// control the fleet.
-    fn accept<T>(&self, parsed: Result<T, RequestError>) -> Result<T, Reply> {
+    /// A parsed action and the epoch scope it runs under, or its refusal: 400 for a bad
+    /// body, 503 when this router does not control the fleet.
+    fn accept<T>(&self, parsed: Result<T, RequestError>) -> Result<(T, EpochScope), Reply> {
         let req = parsed.map_err(|e| self.reply(StatusCode::BAD_REQUEST, &e.to_string()))?;
-        if !self.ha().controls_fleet() {
-            return Err(self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL));
+        match self.ha().scope() {
+            Some(scope) => Ok((req, scope)),
+            None => Err(self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL)),
         }
-        Ok(req)
     }
 
     /// `POST /narwhal/lifecycle/drain` (seed "Draining engines"; reference-notes 1.10,
     /// 4.3–4.4).
     pub(crate) async fn drain(&self, body: Bytes) -> Reply {
-        let req = match self.accept(parse_drain(&body)) {
+        let (req, scope) = match self.accept(parse_drain(&body)) {
             Ok(r) => r,
             Err(reply) => return reply,
         };
@@ -253,6 +270,9 @@ impl LifecycleDriver {
             return self.reply(StatusCode::CONFLICT, &error);
         }
         let _serial = self.serial.lock().await;
+        if !self.ha().live(&scope) {
+            return self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL);
+        }
         let plan = {
             let live = self.fleet().live_names();
             let mut lc = self.exec.lock();
@@ -269,9 +289,21 @@ impl LifecycleDriver {
         };
         self.wake.notify_one();
         // Every target is out of placement now; record identities (DESIGN.md section 4).
-        let captured =
-            futures_util::future::join_all(plan.capture.iter().map(|iid| self.reader.capture(iid)))
-                .await;
+        let captured = futures_util::future::join_all(
+            plan.capture
+                .iter()
+                .map(|iid| self.reader.capture(iid, &scope)),
+        );
+        let captured = tokio::select! {
+            c = captured => c,
+            () = scope.ended() => Vec::new(),
+        };
+        if !self.ha().live(&scope) {
+            return self.reply(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "router control was fenced during drain",
+            );
+        }
         let mut failures = Vec::new();
         {
             let ejected = self.fleet().ejected_names();
@@ -287,7 +319,7 @@ impl LifecycleDriver {
             lc.refresh(t, |iid| counts.get(iid).copied().unwrap_or(0));
             self.exec.commit(&mut lc);
         }
-        if !self.ha().controls_fleet() {
+        if !self.ha().live(&scope) {
             return self.reply(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "router control was fenced during drain",
@@ -303,11 +335,14 @@ impl LifecycleDriver {
     /// `POST /narwhal/lifecycle/readmit` (seed "Readmitting engines"; reference-notes 1.10,
     /// 4.7–4.8).
     pub(crate) async fn readmit(&self, body: Bytes) -> Reply {
-        let req = match self.accept(parse_readmit(&body)) {
+        let (req, scope) = match self.accept(parse_readmit(&body)) {
             Ok(r) => r,
             Err(reply) => return reply,
         };
         let _serial = self.serial.lock().await;
+        if !self.ha().live(&scope) {
+            return self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL);
+        }
         let targets = {
             let counts = self.fleet().resident_counts();
             let mut lc = self.exec.lock();
@@ -335,8 +370,8 @@ impl LifecycleDriver {
                 }
             }
         };
-        let report = self.run_validation(&targets, req.wave).await;
-        self.finish(&targets, report, "operator").await
+        let report = self.run_validation(&targets, req.wave, &scope).await;
+        self.finish(&targets, report, "operator", &scope).await
     }
 
     /// Every configured engine with its configured role, config order.
@@ -386,17 +421,28 @@ impl LifecycleDriver {
         }
     }
 
-    async fn run_validation(&self, targets: &[String], wave: bool) -> Report {
+    /// Runs the checks under `scope`; `None` when control under its epoch ended first (the
+    /// checks in flight are dropped, and none starts afterwards).
+    async fn run_validation(
+        &self,
+        targets: &[String],
+        wave: bool,
+        scope: &EpochScope,
+    ) -> Option<Report> {
         let plan = self.plan(targets, wave);
         let checks = AgentChecks {
             cfg: &self.cfg,
             agents: self.agents(),
             ha: self.ha(),
             upstream: &self.upstream,
-            fence: self.ha().fence_token(),
+            scope,
+            fence: scope.fence(),
         };
         let check_id = uuid::Uuid::new_v4().simple().to_string();
-        validate(&plan, &checks, &check_id).await
+        tokio::select! {
+            report = validate(&plan, &checks, &check_id) => Some(report),
+            () = scope.ended() => None,
+        }
     }
 
     /// Applies a validation report: readmit on success, block every candidate on failure,
@@ -407,7 +453,42 @@ impl LifecycleDriver {
     /// stale port (found by tests/tests/lifecycle_e2e.rs: refreshing after the release let
     /// the first requests' decodes fail their rendezvous). A failed refresh is logged;
     /// requests refresh the port on demand.
-    async fn finish(&self, targets: &[String], report: Report, kind: &'static str) -> Reply {
+    async fn finish(
+        &self,
+        targets: &[String],
+        report: Option<Report>,
+        kind: &'static str,
+        scope: &EpochScope,
+    ) -> Reply {
+        let record_metric = |result: &str| {
+            for iid in targets {
+                self.metrics
+                    .lifecycle_validations
+                    .get_or_create(&labels(&[("iid", iid), ("kind", kind), ("result", result)]))
+                    .inc();
+            }
+        };
+        let report = match report {
+            Some(r) if self.ha().live(scope) => r,
+            // Control under the validation's epoch ended: nothing of it is applied (no
+            // readmission, no ejection); the records stay held (`blocked`, in this router's
+            // memory only: its events are not written, and a successor restores `validating`
+            // records as blocked).
+            _ => {
+                let mut lc = self.exec.lock();
+                lc.abort_validation(
+                    self.exec.now(),
+                    "router control was fenced during validation",
+                );
+                self.exec.commit(&mut lc);
+                drop(lc);
+                record_metric("fenced");
+                return self.reply(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "router control was fenced during validation",
+                );
+            }
+        };
         if report.passed() {
             for i in bootstrap_refresh(self.cfg.backend, &self.roles(), targets) {
                 if let Err(e) =
@@ -430,15 +511,7 @@ impl LifecycleDriver {
                     .get(iid)
                     .is_some_and(|o| o.process_start.is_some())
             });
-        let record_metric = |result: &str| {
-            for iid in targets {
-                self.metrics
-                    .lifecycle_validations
-                    .get_or_create(&labels(&[("iid", iid), ("kind", kind), ("result", result)]))
-                    .inc();
-            }
-        };
-        if !self.ha().controls_fleet() {
+        if !self.ha().live(scope) {
             let mut lc = self.exec.lock();
             lc.abort_validation(t, "router control was fenced during validation");
             self.exec.commit(&mut lc);
@@ -490,6 +563,9 @@ impl LifecycleDriver {
         if !self.fleet().is_ejected(i) {
             return true;
         }
+        let Some(scope) = self.ha().scope() else {
+            return false; // only the router that controls the fleet recovers engines
+        };
         let iid = self.cfg.engines[i].iid.clone();
         let started = {
             let mut lc = self.exec.lock();
@@ -501,8 +577,8 @@ impl LifecycleDriver {
             return false;
         }
         let targets = vec![iid];
-        let report = self.run_validation(&targets, false).await;
-        let (status, _) = self.finish(&targets, report, "recovery").await;
+        let report = self.run_validation(&targets, false, &scope).await;
+        let (status, _) = self.finish(&targets, report, "recovery", &scope).await;
         status == StatusCode::OK
     }
 
@@ -558,7 +634,37 @@ impl LifecycleDriver {
     /// Checks every engine's process identity through its agent (reference-notes 4.10): at
     /// startup and after a takeover ([`check_identities`]).
     pub(crate) async fn check_identities(&self) {
-        check_identities(&self.exec, &self.reader).await;
+        let Some(scope) = self.ha().scope() else {
+            return; // control ended before the check began: nothing to check for
+        };
+        check_identities(&self.exec, &self.reader, &scope).await;
+    }
+}
+
+/// The lifecycle document of a router that does not control the fleet (issue 13): nothing in
+/// it is actionable (every `ready_to_stop` false, engine and wave), and `router.controller`
+/// names the router that controls the fleet when this one saw its lease record (`null`
+/// otherwise; the router itself when it controls).
+fn not_in_control(doc: &mut Value, controls: bool, controller: Option<&crate::phase::Controller>) {
+    let named = match controller {
+        Some(c) if !controls => serde_json::json!({"holder": c.holder, "epoch": c.epoch}),
+        _ => Value::Null,
+    };
+    if let Some(router) = doc.get_mut("router").and_then(Value::as_object_mut) {
+        router.insert("controller".into(), named);
+    }
+    if controls {
+        return;
+    }
+    if let Some(wave) = doc.get_mut("wave").and_then(Value::as_object_mut) {
+        wave.insert("ready_to_stop".into(), Value::Bool(false));
+    }
+    if let Some(engines) = doc.get_mut("engines").and_then(Value::as_object_mut) {
+        for e in engines.values_mut() {
+            if let Some(e) = e.as_object_mut() {
+                e.insert("ready_to_stop".into(), Value::Bool(false));
+            }
+        }
     }
 }
 

@@ -5,7 +5,8 @@
 //!  driver / identity check ──lock(), a machine call, commit()──► Executor
 //!     commit: held engines ──► Fleet::set_held (out of placement, `draining`)
 //!             readiness hold ──► Gate::set_lifecycle_hold (`whole-wave drain <id>`, ...)
-//!             new events ──► journal + log, and `dirty` (the state-file writer persists)
+//!             new events ──► journal + log, and `dirty` (the state-file writer persists),
+//!                            only while this router controls the fleet (issue 13)
 //! ```
 //!
 //! Lock order is the module order: the machine's lock is held while the fleet is asked or
@@ -19,6 +20,7 @@ use tokio::sync::Notify;
 use super::machine::{Lifecycle, Now};
 use crate::fleet::Fleet;
 use crate::journal::Journal;
+use crate::phase::Ha;
 use crate::readiness::Gate;
 
 /// The executor (see the module doc).
@@ -29,10 +31,12 @@ pub(crate) struct Executor {
     journal: Journal,
     dirty: Arc<Notify>,
     clock: Arc<dyn Clock>,
+    ha: Arc<Ha>,
 }
 
 impl Executor {
-    /// An executor of `machine` over the fleet and the readiness gate.
+    /// An executor of `machine` over the fleet and the readiness gate; `ha` says whether this
+    /// router controls the fleet (only then are events journaled).
     pub(crate) fn new(
         machine: Lifecycle,
         fleet: Arc<Fleet>,
@@ -40,6 +44,7 @@ impl Executor {
         journal: Journal,
         dirty: Arc<Notify>,
         clock: Arc<dyn Clock>,
+        ha: Arc<Ha>,
     ) -> Executor {
         Executor {
             machine: Mutex::new(machine),
@@ -48,6 +53,7 @@ impl Executor {
             journal,
             dirty,
             clock,
+            ha,
         }
     }
 
@@ -75,14 +81,25 @@ impl Executor {
     }
 
     /// Applies the machine's holds to placement and readiness, journals its new events, and
-    /// asks for the state file to be written. Called with the machine locked.
+    /// asks for the handoff to be published. Called with the machine locked. A router that
+    /// does not control the fleet writes no lifecycle events (issue 13: a fenced router wrote
+    /// drain-complete events 6 ms after it logged its fence); its holds still apply to its own
+    /// placement (a takeover restores them before it controls).
     pub(crate) fn commit(&self, lc: &mut Lifecycle) {
         self.fleet.set_held(&lc.held());
         self.gate.set_lifecycle_hold(lc.blocked_reason());
         let events = lc.take_events();
-        if !events.is_empty() {
-            self.dirty.notify_one();
+        if events.is_empty() {
+            return;
         }
+        if !self.ha.controls_fleet() {
+            tracing::info!(
+                dropped = events.len(),
+                "lifecycle events not written: this router does not control the fleet"
+            );
+            return;
+        }
+        self.dirty.notify_one();
         for ev in events {
             tracing::info!(
                 action = ev.action(),
@@ -97,6 +114,9 @@ impl Executor {
     /// Re-evaluates drain progress now (DESIGN.md 9.4): on a resident change of a held
     /// engine and at a drain deadline.
     pub(crate) fn refresh(&self) {
+        if !self.ha.controls_fleet() {
+            return; // drain progress is the controlling router's to decide
+        }
         let mut lc = self.lock();
         let counts = self.fleet.resident_counts();
         lc.refresh(self.now(), |iid| counts.get(iid).copied().unwrap_or(0));
