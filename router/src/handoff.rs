@@ -538,4 +538,101 @@ mod tests {
             ("decode", "decode")
         );
     }
+
+    /// A router in control of a 2 s file lease (epoch 1) in `dir`.
+    async fn in_control(dir: &std::path::Path) -> (Arc<Parts>, Arc<ManualClock>) {
+        let (parts, clock) = crate::phase::tests::leased(dir);
+        assert_eq!(parts.ha.lease().claim().await, Ok(1));
+        parts.ha.publish(crate::phase::HaPhase::Active);
+        (parts, clock)
+    }
+
+    fn served(parts: &Parts, n: u64) {
+        let mut h = snapshot(parts);
+        h.counters.insert("served".into(), n);
+        parts.accounting.restore(&h);
+    }
+
+    /// Issue 13: the controlling router publishes its handoff beside the lease record (and to
+    /// its state file) whenever it changed; nothing is written when nothing changed, or by a
+    /// router that does not control the fleet; a refused publish fences.
+    #[tokio::test]
+    async fn the_handoff_is_published_beside_the_lease_while_in_control() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (parts, _clock) = in_control(dir.path()).await;
+        served(&parts, 3);
+        assert_eq!(publish(&parts, false).await, Ok(true));
+        let (rec, doc) = read_published(&parts).await.expect("store");
+        let doc = doc.expect("published");
+        assert_eq!((doc.epoch, rec.map(|r| r.epoch)), (1, Some(1)));
+        assert_eq!(doc.holder, parts.ha.lease().holder());
+        assert_eq!(doc.counters["served"], 3);
+        let file = load_state_file(&dir.path().join("state.json"));
+        assert!(matches!(file, Loaded::Valid(h) if h.counters["served"] == 3));
+        assert_eq!(
+            publish(&parts, false).await,
+            Ok(false),
+            "unchanged: nothing written"
+        );
+        served(&parts, 4);
+        assert_eq!(publish(&parts, false).await, Ok(true));
+        // Another router's record: the publish is refused and the router fenced.
+        let other = serde_json::json!({"epoch": 2, "expires_at": 1.0e9 + 60.0,
+            "holder": "other:0", "schema": "narwhal.router-lease", "schema_version": 1,
+            "updated_at": 1.0e9});
+        std::fs::write(dir.path().join("lease.json"), format!("{other}\n")).expect("write");
+        served(&parts, 5);
+        assert_eq!(
+            publish(&parts, false).await,
+            Err(PublishError::Lease(LeaseLoss::HeldByAnother))
+        );
+        assert!(!parts.ha.controls_fleet());
+        let (_, doc) = read_published(&parts).await.expect("store");
+        assert_eq!(
+            doc.expect("kept").counters["served"],
+            4,
+            "the store kept the last one"
+        );
+        assert_eq!(
+            publish(&parts, false).await,
+            Err(PublishError::NotInControl)
+        );
+    }
+
+    /// Issue 13: a lifecycle action is answered 200 only once published; when the change
+    /// cannot be made durable the answer is a 503 that says so. A document showing totals is
+    /// published before it is answered, and refused (503) when it cannot be while the router
+    /// still claims control.
+    #[tokio::test]
+    async fn acknowledgements_and_totals_wait_for_the_publish() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (parts, _clock) = in_control(dir.path()).await;
+        served(&parts, 7);
+        let (status, doc) = durable_document(&parts, crate::documents::state).await;
+        assert_eq!((status, &doc["served"]), (StatusCode::OK, &json!(7)));
+        let (_, stored) = read_published(&parts).await.expect("store");
+        assert_eq!(stored.expect("published").counters["served"], 7);
+        served(&parts, 8);
+        let (status, _) = acknowledge(&parts, StatusCode::OK, json!({})).await;
+        assert_eq!(status, StatusCode::OK);
+        let (_, stored) = read_published(&parts).await.expect("store");
+        assert_eq!(stored.expect("published").counters["served"], 8);
+        let (status, _) = acknowledge(&parts, StatusCode::CONFLICT, json!({"x": 1})).await;
+        assert_eq!(status, StatusCode::CONFLICT, "refusals pass as they are");
+        // The record becomes another router's: nothing more is acknowledged.
+        let other = serde_json::json!({"epoch": 2, "expires_at": 1.0e9 + 60.0,
+            "holder": "other:0", "schema": "narwhal.router-lease", "schema_version": 1,
+            "updated_at": 1.0e9});
+        std::fs::write(dir.path().join("lease.json"), format!("{other}\n")).expect("write");
+        served(&parts, 9);
+        let (status, doc) = acknowledge(&parts, StatusCode::OK, json!({})).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        let error = doc["error"].as_str().unwrap_or_default();
+        assert!(error.starts_with("not acknowledged: "), "{error}");
+        assert!(error.contains("lease held by another router"), "{error}");
+        // The fenced router shows its totals as a router that does not control the fleet.
+        let (status, doc) = durable_document(&parts, crate::documents::state).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(doc["ha"]["controls_fleet"], false, "{doc}");
+    }
 }

@@ -477,7 +477,7 @@ impl Ha {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn blocked(reason: &str) -> HaPhase {
@@ -611,5 +611,142 @@ mod tests {
         assert_eq!(ha.phase(), HaPhase::Shadowing);
         let s = rx.borrow_and_update().clone();
         assert_eq!((s.epoch, s.holder.as_str()), (0, ""));
+    }
+
+    /// A router with a 2 s file lease in `dir`, on a manual clock, starting as a standby.
+    pub(crate) fn leased(
+        dir: &std::path::Path,
+    ) -> (
+        std::sync::Arc<crate::parts::Parts>,
+        std::sync::Arc<narwhal_shared::ManualClock>,
+    ) {
+        use narwhal_shared::Clock as _;
+        let clock = Arc::new(narwhal_shared::ManualClock::new(
+            narwhal_shared::SystemClock.now(),
+            1.0e9,
+        ));
+        let parts = crate::parts::for_test(
+            serde_json::json!({
+                "schema": "narwhal.fleet", "schema_version": 2, "model": "m",
+                "backend": "vllm",
+                "engines": [{"iid": "p0", "url": "http://127.0.0.1:1", "role": "prefill"},
+                            {"iid": "d0", "url": "http://127.0.0.1:2"}],
+                "slo": {"ttft_s": 1.0, "tpot_s": 0.1},
+                "recovery": {"state_path": dir.join("state.json")},
+                "lease": {"backend": "file", "path": dir.join("lease.json"),
+                          "ttl_s": 2, "renew_interval_s": 0.5, "safety_margin_s": 0.5}
+            }),
+            clock.clone(),
+            "router",
+        );
+        parts.ha.publish(HaPhase::Shadowing);
+        (parts, clock)
+    }
+
+    /// Issue 13: work carries the epoch it started in and ends with it: a fence, a lapse of
+    /// the lease, or the standby loop ends its scope for good, and a later tenure (even of the
+    /// same epoch, a reclaimed own lease) never revives it.
+    #[tokio::test]
+    async fn an_epoch_scope_ends_with_its_epoch_and_never_revives() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (parts, clock) = leased(dir.path());
+        let ha = &parts.ha;
+        assert!(ha.scope().is_none(), "a standby has no scope");
+        assert_eq!(ha.lease().claim().await, Ok(1));
+        ha.publish(HaPhase::Active);
+        let first = ha.scope().expect("controls under epoch 1");
+        assert_eq!(first.epoch(), 1);
+        assert_eq!(first.fence().epoch, 1);
+        assert!(ha.live(&first));
+        let again = ha.scope().expect("the same tenure");
+        ha.fence(&LeaseLoss::Lapsed);
+        assert!(first.token.is_cancelled(), "ended with the fence");
+        assert!(again.token.is_cancelled(), "one scope per tenure");
+        assert!(!ha.live(&first));
+        assert!(ha.scope().is_none());
+        // The same epoch reclaimed (its own live record): a new tenure, the old work stays dead.
+        assert_eq!(ha.lease().claim().await, Ok(1));
+        ha.publish(HaPhase::Active);
+        let second = ha.scope().expect("controls again");
+        assert!(!second.token.is_cancelled(), "a new tenure");
+        assert!(!ha.live(&first), "never revived");
+        assert!(ha.live(&second));
+        // A lapse of local validity (no renewal for ttl - margin) ends it as well.
+        clock.advance(std::time::Duration::from_millis(1500));
+        assert!(!ha.live(&second));
+        assert!(second.token.is_cancelled());
+        tokio::time::timeout(std::time::Duration::from_millis(100), second.ended())
+            .await
+            .expect("ended() resolves");
+        // The standby loop ends a scope too.
+        clock.advance(std::time::Duration::from_secs(5));
+        assert_eq!(ha.lease().claim().await, Ok(2));
+        ha.publish(HaPhase::Active);
+        let third = ha.scope().expect("epoch 2");
+        ha.enter_standby();
+        assert!(!ha.live(&third));
+    }
+
+    /// Issue 13: only a `stale_epoch` answer to a call of the epoch held now fences; a late
+    /// answer to a call of an earlier epoch (work of a tenure that ended) does not. The fence
+    /// also gives the lease up locally, so the renew loop stops.
+    #[tokio::test]
+    async fn only_a_stale_answer_for_the_epoch_held_fences() {
+        assert!(stale_answer_fences(3, true, 3));
+        assert!(
+            !stale_answer_fences(2, true, 3),
+            "a call of an earlier epoch"
+        );
+        assert!(!stale_answer_fences(3, false, 3), "not in control anyway");
+        assert!(work_may_run(3, true, true, 3));
+        assert!(!work_may_run(2, true, true, 3), "never under a later epoch");
+        assert!(!work_may_run(3, true, false, 3), "lease lapsed");
+        assert!(
+            !work_may_run(3, false, true, 3),
+            "phase does not hold control"
+        );
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (parts, _clock) = leased(dir.path());
+        let ha = &parts.ha;
+        assert_eq!(ha.lease().claim().await, Ok(1));
+        assert_eq!(ha.lease().release().await.ok(), Some(true));
+        assert_eq!(ha.lease().claim().await, Ok(2));
+        ha.publish(HaPhase::Active);
+        assert!(!ha.stale_answer(1), "epoch 1's late answer");
+        assert!(ha.controls_fleet());
+        assert_eq!(ha.lease().epoch(), 2);
+        assert!(ha.stale_answer(2));
+        assert!(!ha.controls_fleet());
+        assert_eq!(ha.phase(), fenced("lease held by another router"));
+        assert_eq!(
+            ha.lease().epoch(),
+            0,
+            "the lease is given up: no more renewals"
+        );
+        assert_eq!(ha.lease().renew().await, Err(LeaseLoss::HeldByAnother));
+    }
+
+    /// A standby names the router it saw controlling; taking control clears it.
+    #[test]
+    fn the_controller_seen_is_published_until_this_router_controls() {
+        let ha = handle();
+        let mut rx = ha.subscribe();
+        ha.publish(HaPhase::Shadowing);
+        let c = Controller {
+            holder: "primary:1".into(),
+            epoch: 4,
+        };
+        ha.set_controller(Some(c.clone()));
+        assert!(rx.has_changed().unwrap());
+        assert_eq!(rx.borrow_and_update().controller, Some(c.clone()));
+        ha.set_controller(Some(c));
+        assert!(!rx.has_changed().unwrap(), "unchanged: nothing sent");
+        ha.publish(HaPhase::Shadowing);
+        assert!(
+            ha.view().status.controller.is_some(),
+            "kept while a standby"
+        );
+        ha.publish(HaPhase::Active);
+        assert_eq!(ha.view().status.controller, None);
     }
 }

@@ -366,7 +366,6 @@ pub async fn run(scenario: Scenario) -> Outcome {
         Some(h) => Some(h.await.unwrap_or(None)),
         None => None,
     };
-    let mut acked = acked;
     if interrupted == Some(Some(200)) {
         let engines = if when.wave() { all.clone() } else { p1.clone() };
         acked.insert(0, Acked::Active(engines));

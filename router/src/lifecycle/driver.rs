@@ -119,6 +119,12 @@ impl LifecycleDriver {
         self.exec.fleet()
     }
 
+    /// The executor (tests drive the machine through it).
+    #[cfg(test)]
+    pub(crate) fn executor(&self) -> &Executor {
+        &self.exec
+    }
+
     fn ha(&self) -> &Ha {
         &self.reader.ha
     }
@@ -767,5 +773,94 @@ mod tests {
             Vec::<usize>::new(),
             "vLLM has no rendezvous"
         );
+    }
+
+    /// Issue 13: a router that does not control the fleet shows nothing actionable (no
+    /// `ready_to_stop`, engine or wave) and names the controller it saw; the controlling one
+    /// keeps its document as it is, with `controller` null.
+    #[test]
+    fn a_router_out_of_control_shows_nothing_actionable_and_names_the_controller() {
+        let doc = || {
+            serde_json::json!({
+                "router": {"controls_fleet": "fenced", "ready": false},
+                "wave": {"id": "wave-1", "ready_to_stop": true},
+                "engines": {"p0": {"state": "drained", "ready_to_stop": true},
+                            "d0": {"state": "active", "ready_to_stop": false}},
+            })
+        };
+        let c = crate::phase::Controller {
+            holder: "standby:9".into(),
+            epoch: 4,
+        };
+        let mut d = doc();
+        not_in_control(&mut d, false, Some(&c));
+        assert_eq!(d["wave"]["ready_to_stop"], false);
+        assert_eq!(d["engines"]["p0"]["ready_to_stop"], false);
+        assert_eq!(
+            d["engines"]["p0"]["state"], "drained",
+            "the record is still shown"
+        );
+        assert_eq!(
+            d["router"]["controller"],
+            serde_json::json!({"holder": "standby:9", "epoch": 4})
+        );
+        let mut d = doc();
+        not_in_control(&mut d, false, None);
+        assert_eq!(d["router"]["controller"], Value::Null, "unknown");
+        assert_eq!(d["engines"]["p0"]["ready_to_stop"], false);
+        let mut d = doc();
+        not_in_control(&mut d, true, Some(&c));
+        assert_eq!(
+            d["engines"]["p0"]["ready_to_stop"], true,
+            "in control: unchanged"
+        );
+        assert_eq!(d["wave"]["ready_to_stop"], true);
+        assert_eq!(d["router"]["controller"], Value::Null);
+    }
+
+    /// Issue 13: a fenced router's lifecycle document and gauges say nothing may be stopped,
+    /// and its lifecycle actions are refused.
+    #[tokio::test]
+    async fn a_fenced_router_never_reports_ready_to_stop() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (parts, _clock) = crate::phase::tests::leased(dir.path());
+        assert_eq!(parts.ha.lease().claim().await, Ok(1));
+        parts.ha.publish(crate::phase::HaPhase::Active);
+        // p0 drained with a recorded identity (as a drain with an agent leaves it).
+        {
+            let mut lc = parts.lifecycle.exec.lock();
+            let req = super::super::machine::DrainRequest {
+                engines: vec!["p0".into()],
+                wave: false,
+                deadline_s: 30.0,
+            };
+            let now = parts.lifecycle.exec.now();
+            let live = parts.fleet.live_names();
+            lc.begin(now, &req, &live, "wave-x").expect("drain");
+            assert!(lc.bind_identity(now, "p0", Ok(1.0e9 - 5.0), false));
+            lc.refresh(now, |_| 0);
+            parts.lifecycle.exec.commit(&mut lc);
+        }
+        let d = parts.lifecycle.document("");
+        assert_eq!(d["engines"]["p0"]["ready_to_stop"], true, "{d:#}");
+        assert!(
+            parts
+                .lifecycle
+                .gauges()
+                .iter()
+                .any(|(i, _, stop)| i == "p0" && *stop)
+        );
+        parts.ha.fence(&crate::lease::LeaseLoss::HeldByAnother);
+        let d = parts.lifecycle.document("");
+        assert_eq!(d["router"]["controls_fleet"], "fenced");
+        assert_eq!(d["engines"]["p0"]["ready_to_stop"], false, "{d:#}");
+        assert_eq!(d["engines"]["p0"]["state"], "drained");
+        assert!(parts.lifecycle.gauges().iter().all(|(_, _, stop)| !stop));
+        let (status, d) = parts
+            .lifecycle
+            .drain(Bytes::from_static(br#"{"engines": ["d0"]}"#))
+            .await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(d["error"], NOT_IN_CONTROL);
     }
 }

@@ -123,3 +123,89 @@ impl Executor {
         self.commit(&mut lc);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use narwhal_shared::{Clock as _, ManualClock, SystemClock};
+
+    use crate::config::Config;
+    use crate::journal::Journal;
+    use crate::lease::{LeaseDriver, LeaseLoss};
+    use crate::lifecycle::agents::Agents;
+    use crate::lifecycle::machine::DrainRequest;
+    use crate::parts::Parts;
+    use crate::phase::HaPhase;
+
+    /// Issue 13: a router that does not control the fleet writes no lifecycle events (the
+    /// campaign saw a fenced router write drain-complete events 6 ms after its fence), while
+    /// its holds still apply to its own placement.
+    #[tokio::test]
+    async fn a_router_that_does_not_control_the_fleet_writes_no_lifecycle_events() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fleet = serde_json::json!({
+            "schema": "narwhal.fleet", "schema_version": 2, "model": "m", "backend": "vllm",
+            "engines": [{"iid": "p0", "url": "http://127.0.0.1:1", "role": "prefill"},
+                        {"iid": "d0", "url": "http://127.0.0.1:2"}],
+            "slo": {"ttft_s": 1.0, "tpot_s": 0.1}
+        });
+        let cfg = Config::from_json_str(&fleet.to_string(), &|_| None).expect("fleet");
+        let clock = Arc::new(ManualClock::new(SystemClock.now(), 1.0e9));
+        let path = dir.path().join("journal.jsonl");
+        let (journal, writer) = Journal::open(&path, "1-ab").expect("journal");
+        let lease = LeaseDriver::from_config(&cfg.lease, "t", clock.clone()).expect("lease");
+        let parts = Parts::new(
+            Arc::new(cfg),
+            clock,
+            journal,
+            4,
+            Agents::none(2),
+            Arc::new(lease),
+            HaPhase::Active,
+        );
+        // In control: p0's drain starts and its process is recorded (journaled).
+        let exec = parts.lifecycle.executor();
+        {
+            let mut lc = exec.lock();
+            let req = DrainRequest {
+                engines: vec!["p0".into()],
+                wave: false,
+                deadline_s: 30.0,
+            };
+            let now = exec.now();
+            lc.begin(now, &req, &parts.fleet.live_names(), "wave-x")
+                .expect("drain");
+            assert!(lc.bind_identity(now, "p0", Ok(1.0e9 - 5.0), false));
+            exec.commit(&mut lc);
+        }
+        // Fenced: the drain completes in its memory, but nothing is written; the timer's
+        // refresh does not even run.
+        parts.ha.fence(&LeaseLoss::HeldByAnother);
+        exec.refresh();
+        assert_eq!(
+            exec.lock().state("p0"),
+            crate::lifecycle::DrainState::Draining,
+            "drain progress is the controlling router's to decide"
+        );
+        {
+            let mut lc = exec.lock();
+            lc.refresh(exec.now(), |_| 0);
+            assert_eq!(lc.state("p0"), crate::lifecycle::DrainState::Drained);
+            exec.commit(&mut lc);
+        }
+        assert!(
+            !parts.fleet.live_names().contains("p0"),
+            "the hold applies to this router's own placement"
+        );
+        drop(parts);
+        writer.await.expect("journal writer");
+        let text = std::fs::read_to_string(&path).expect("journal");
+        assert!(text.contains("\"drain_started\""), "{text}");
+        assert!(text.contains("\"process_recorded\""), "{text}");
+        assert!(
+            !text.contains("\"drain_complete\""),
+            "a fenced router wrote a lifecycle event:\n{text}"
+        );
+    }
+}
