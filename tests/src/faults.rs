@@ -77,6 +77,10 @@ pub enum Fault {
     Kill,
     /// `SIGSTOP`, then `SIGCONT` after this long.
     Pause(Duration),
+    /// `SIGSTOP` of the primary for the first duration and, at the same moment, of the
+    /// standby for the second (a standby slower to notice than the primary is to come back:
+    /// the campaign's fleet without a controller, issue 13 section 2).
+    PauseBoth(Duration, Duration),
 }
 
 /// One run: when, what, and how long after the trigger (the 200, or the readmission
@@ -96,26 +100,35 @@ impl fmt::Display for Scenario {
         let fault = match self.fault {
             Fault::Kill => "kill -9".to_string(),
             Fault::Pause(d) => format!("SIGSTOP {:.2} s", d.as_secs_f64()),
+            Fault::PauseBoth(p, s) => format!(
+                "SIGSTOP {:.2} s (standby {:.2} s)",
+                p.as_secs_f64(),
+                s.as_secs_f64()
+            ),
         };
         write!(f, "{fault} {:?} +{} ms", self.when, self.delay.as_millis())
     }
 }
 
 impl Scenario {
-    /// A random scenario of timing `when`: kill or pause (2-6 s, or just past the TTL during
-    /// a validation), landing 0-150 ms after an acknowledgement or 50-600 ms into a
-    /// validation.
+    /// A random scenario of timing `when`: kill or pause (2-6 s; during a validation just
+    /// past the TTL, sometimes with the standby stopped 0.5-1.5 s longer), landing 0-150 ms
+    /// after an acknowledgement or 50-900 ms into a validation.
     pub fn random(when: Timing, rng: &mut impl Rng) -> Scenario {
         let ttl = Duration::from_secs_f64(LEASE_TTL_S);
         let fault = match rng.random_range(0..3) {
             0 => Fault::Kill,
+            1 if when.during() => {
+                let p = ttl + Duration::from_millis(rng.random_range(10..300));
+                Fault::PauseBoth(p, p + Duration::from_millis(rng.random_range(500..1500)))
+            }
             _ if when.during() => {
                 Fault::Pause(ttl + Duration::from_millis(rng.random_range(10..300)))
             }
             _ => Fault::Pause(Duration::from_millis(rng.random_range(2000..6000))),
         };
         let delay = if when.during() {
-            Duration::from_millis(rng.random_range(50..600))
+            Duration::from_millis(rng.random_range(50..900))
         } else {
             Duration::from_millis(rng.random_range(0..150))
         };
@@ -261,14 +274,16 @@ fn post_in_background(
 }
 
 /// A fresh fleet for `when`: 2 prefill, 2 decode, one agent each, a file lease, a standby;
-/// engines answer after 100 ms (validation takes long enough to be hit), and wave scenarios
-/// run under `whole_wave`.
+/// engines answer after 100 ms, 300 ms when a validation is to be hit (it then lasts over a
+/// second, as on a real fleet, so it outlives a router coming back), and wave scenarios run
+/// under `whole_wave`.
 async fn fleet(when: Timing) -> Fleet {
+    let ttft = if when.during() { "300" } else { "100" };
     let mut b = Fleet::builder()
         .prefill(2)
         .decode(2)
         .agents()
-        .sim_args(&["--ttft-ms", "100"])
+        .sim_args(&["--ttft-ms", ttft])
         .lease(LeaseBackend::File)
         .standby();
     if when.wave() {
@@ -359,6 +374,16 @@ pub async fn run(scenario: Scenario) -> Outcome {
             p.proc.signal(Signal::SIGSTOP);
             tokio::time::sleep(d).await; // the fault itself, not a synchronisation
             p.proc.signal(Signal::SIGCONT);
+            t0.elapsed()
+        }
+        Fault::PauseBoth(dp, ds) => {
+            p.proc.signal(Signal::SIGSTOP);
+            s.proc.signal(Signal::SIGSTOP);
+            tokio::time::sleep(dp.min(ds)).await; // the fault itself
+            let (first, second) = if dp <= ds { (&p, &s) } else { (&s, &p) };
+            first.proc.signal(Signal::SIGCONT);
+            tokio::time::sleep(dp.max(ds) - dp.min(ds)).await;
+            second.proc.signal(Signal::SIGCONT);
             t0.elapsed()
         }
     };
@@ -525,6 +550,7 @@ pub fn summary(outcomes: &[Outcome]) -> String {
         let kind = match o.scenario.fault {
             Fault::Kill => "kill",
             Fault::Pause(_) => "pause",
+            Fault::PauseBoth(..) => "pause both",
         };
         let e = by
             .entry(format!("{:?} {kind}", o.scenario.when))

@@ -6,7 +6,8 @@
 //! backwards, no `ready_to_stop` from a router that does not control the fleet.
 //!
 //! - named scenarios: `kill -9` and `SIGSTOP` right after an acknowledged drain, a `SIGSTOP`
-//!   just past the TTL during readmission validation, `kill -9` during a wave's readmission;
+//!   just past the TTL during readmission validation (alone, and with a standby stopped
+//!   longer, so the primary reclaims the lease itself), `kill -9` during a wave's readmission;
 //! - `fault_campaign`: randomized runs over every timing (`NARWHAL_FAULT_RUNS`, default 20;
 //!   `NARWHAL_FAULT_SEED` replays a campaign, its seed is printed; `NARWHAL_FAULT_PARALLEL`
 //!   fleets at a time, default 2). `narwhal-faults --runs N` runs the same by hand.
@@ -76,6 +77,19 @@ async fn pause_right_after_an_acknowledged_drain() {
 async fn pause_just_past_the_ttl_during_readmission_validation() {
     let pause = ttl() + Duration::from_millis(20);
     scenario(Timing::DuringValidation, Fault::Pause(pause), 250).await;
+}
+
+/// The campaign's fleet without a controller (issue 13, section 2), staged: the primary is
+/// stopped just past the TTL during validation and the standby is stopped a second longer,
+/// so the primary comes back first and claims the next epoch itself. Its interrupted
+/// validation must not go on under the old epoch (agents answering `stale_epoch`, the router
+/// fencing itself while its renewals went on, the standby waiting on a lease nobody acted
+/// under).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_past_the_ttl_during_validation_with_a_slower_standby() {
+    let pause = ttl() + Duration::from_millis(20);
+    let fault = Fault::PauseBoth(pause, pause + Duration::from_secs(1));
+    scenario(Timing::DuringValidation, fault, 250).await;
 }
 
 /// `kill -9` while a whole wave's readmission is being validated.
