@@ -51,12 +51,13 @@ enum Next {
 
 /// Startup of a primary: claim the lease (backend `none`: nothing to claim, always active)
 /// and keep it; on failure the router serves nothing and retries as a standby
-/// (DESIGN.md 9.6). The claim completes before this returns.
-pub(crate) async fn start_primary(parts: &Arc<Parts>, stop: &CancellationToken) {
+/// (DESIGN.md 9.6). The claim completes before this returns. `resume`: `--resume` was
+/// asked (a newer handoff published beside the lease record is then applied).
+pub(crate) async fn start_primary(parts: &Arc<Parts>, stop: &CancellationToken, resume: bool) {
     if !parts.ha.lease().enabled() {
         return;
     }
-    let next = match primary::claim_at_startup(parts, stop).await {
+    let next = match primary::claim_at_startup(parts, stop, resume).await {
         Ok(renewal) => Next::Active(renewal),
         Err(()) => Next::Standby { held: None },
     };
