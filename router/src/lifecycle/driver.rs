@@ -138,6 +138,17 @@ impl LifecycleDriver {
     /// resident count changes, and re-evaluates drain progress (DESIGN.md 9.4).
     pub(crate) async fn run_timer(&self, stop: CancellationToken) {
         loop {
+            if !self.ha().controls_fleet() {
+                // Drain progress is the controlling router's to decide (issue 13): wait for a
+                // change of HA phase (or a second, for a lapse the phase did not show yet).
+                let mut phase = self.ha().subscribe();
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = phase.changed() => {}
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+                continue;
+            }
             let next = self.exec.lock().next_deadline();
             let wait = async {
                 match next {
@@ -505,11 +516,6 @@ impl LifecycleDriver {
             }
         }
         let t = self.exec.now();
-        for peer in &report.changed_peers {
-            if let Some(i) = self.fleet().index(peer) {
-                self.fleet().eject(i, EjectCause::ProcessIdentity);
-            }
-        }
         let passed = report.passed()
             && targets.iter().all(|iid| {
                 report
@@ -517,7 +523,17 @@ impl LifecycleDriver {
                     .get(iid)
                     .is_some_and(|o| o.process_start.is_some())
             });
-        if !self.ha().live(scope) {
+        // Nothing of the report is applied once control under its epoch ended (not even the
+        // peers' ejections).
+        let live = self.ha().live(scope);
+        if live {
+            for peer in &report.changed_peers {
+                if let Some(i) = self.fleet().index(peer) {
+                    self.fleet().eject(i, EjectCause::ProcessIdentity);
+                }
+            }
+        }
+        if !live {
             let mut lc = self.exec.lock();
             lc.abort_validation(t, "router control was fenced during validation");
             self.exec.commit(&mut lc);
