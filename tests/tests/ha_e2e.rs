@@ -347,8 +347,10 @@ async fn sigstop_then_sigcont(backend: LeaseBackend) {
         assert_eq!(body["error"]["code"], "stale_epoch", "{body}");
         assert_eq!(body["error"]["highest_epoch"], new_epoch, "{body}");
     }
-    // Keep sampling while the old primary waits as a standby: it must not win.
-    let changed = wait_until(Duration::from_secs(1), || async {
+    // Keep sampling while the old primary waits as a standby: it must not win. (Two seconds:
+    // the takeover no longer waits for missed polls, so the run is shorter than it was, and
+    // the samples stopped on the paused primary's timeouts still have to add up to ~20 Hz.)
+    let changed = wait_until(Duration::from_secs(2), || async {
         let (old, new) = tokio::join!(p.controls(), s.controls());
         (old.as_deref() != Some("standby") || new.as_deref() != Some("active"))
             .then_some((old, new))
