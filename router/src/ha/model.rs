@@ -585,10 +585,9 @@ impl World {
         }
         if self.routers[i].pending_ack.is_none() && self.rng.chance(2) {
             // A lifecycle action, applied in memory now, answered once published.
-            let r = &mut self.routers[i];
-            r.acked += 1;
             let due = t + 1 + self.rng.below(30);
             let r = &mut self.routers[i];
+            r.acked += 1;
             r.pending_ack = Some((r.acked, due));
             if self.acks == Acks::Immediate {
                 self.acked_max = self.acked_max.max(self.routers[i].acked);

@@ -9,8 +9,11 @@
 //! ```
 #![forbid(unsafe_code)]
 
+use std::process::ExitCode;
+
 use clap::Parser;
 use rand::Rng;
+use tokio::signal::unix::{SignalKind, signal};
 
 /// Command line.
 #[derive(Debug, Parser)]
@@ -31,17 +34,34 @@ struct Cli {
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
+async fn main() -> ExitCode {
     let cli = Cli::parse();
     let seed = cli.seed.unwrap_or_else(|| rand::rng().random());
     eprintln!(
         "narwhal-faults: {} runs, seed {seed}, {} at a time",
         cli.runs, cli.parallel
     );
-    let outcomes = narwhal_testkit::faults::campaign(cli.runs, seed, cli.parallel).await;
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        eprintln!("narwhal-faults: cannot handle SIGTERM");
+        return ExitCode::FAILURE;
+    };
+    // Interrupted: returning drops the runtime, every run with it, and so every fleet's
+    // processes (the kit kills them on drop).
+    let outcomes = tokio::select! {
+        o = narwhal_testkit::faults::campaign(cli.runs, seed, cli.parallel) => o,
+        _ = tokio::signal::ctrl_c() => {
+            eprintln!("narwhal-faults: interrupted; stopping the fleets");
+            return ExitCode::from(130);
+        }
+        _ = term.recv() => {
+            eprintln!("narwhal-faults: terminated; stopping the fleets");
+            return ExitCode::from(143);
+        }
+    };
     let summary = narwhal_testkit::faults::summary(&outcomes);
     println!("seed {seed}: {summary}");
     if outcomes.iter().any(|o| !o.violations.is_empty()) {
-        std::process::exit(1);
+        return ExitCode::FAILURE;
     }
+    ExitCode::SUCCESS
 }
