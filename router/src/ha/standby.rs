@@ -238,6 +238,9 @@ pub(crate) struct Live<'a> {
     stop: &'a CancellationToken,
     /// The renewal started at the last successful claim.
     pub(crate) renewal: Option<Renewal>,
+    /// Epoch and `at` of the copy last written to the state file (an unchanged copy is not
+    /// written again: the controller publishes only when its state changed).
+    persisted: std::sync::Mutex<Option<(u64, f64)>>,
 }
 
 impl<'a> Live<'a> {
@@ -254,6 +257,7 @@ impl<'a> Live<'a> {
             primary,
             stop,
             renewal: None,
+            persisted: std::sync::Mutex::new(None),
         }
     }
 }
@@ -289,6 +293,14 @@ impl StandbyIo for Live<'_> {
     }
 
     async fn persist(&self, h: &Handoff) {
+        let id = Some((h.epoch, h.at));
+        {
+            let mut last = self.persisted.lock().unwrap_or_else(|p| p.into_inner());
+            if *last == id {
+                return;
+            }
+            *last = id;
+        }
         let path = std::path::PathBuf::from(&self.parts.cfg.recovery.state_path);
         let copy = h.clone();
         let _ = tokio::task::spawn_blocking(move || write_state_file(&path, &copy)).await;
