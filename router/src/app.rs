@@ -116,12 +116,11 @@ pub async fn run(
     if let Some(standby) = opts.standby {
         ha::start_standby(&parts, standby, &stop);
     } else {
-        if (opts.resume || parts.cfg.recovery.resume)
-            && let Some(reason) = handoff::resume(&parts)
-        {
+        let resume = opts.resume || parts.cfg.recovery.resume;
+        if resume && let Some(reason) = handoff::resume(&parts) {
             parts.lifecycle.resume_refused(&reason);
         }
-        ha::start_primary(&parts, &stop).await;
+        ha::start_primary(&parts, &stop, resume).await;
         if parts.ha.controls_fleet() && parts.lifecycle.agents().any() {
             // Catch restarts that happened behind the router's back (reference-notes 4.10).
             // Until every engine's identity was checked through its agent the router answers

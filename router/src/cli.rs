@@ -93,10 +93,13 @@ struct Args {
     /// Seconds between standby polls of the primary.
     #[arg(long, default_value_t = 0.25)]
     standby_probe_interval: f64,
-    /// Missed polls before the standby tries to take over (it still needs the lease to lapse).
+    /// Missed polls of a primary that publishes no handoff beside its lease record (a
+    /// reference primary) before the standby reports `no fresh handoff`. The takeover itself
+    /// starts when the lease record lapses (docs/ha.md, "Takeover time").
     #[arg(long, default_value_t = 4)]
     standby_takeover_after: u32,
-    /// A retained handoff older than this many seconds is not applied at takeover.
+    /// A handoff polled over HTTP older than this many seconds is not applied at takeover (the
+    /// handoff published beside the lease record is always the newest and is applied).
     #[arg(long, default_value_t = 30.0)]
     standby_max_handoff_age: f64,
     /// Prefix of this router's lease holder token (default: host name and control port).

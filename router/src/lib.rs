@@ -46,8 +46,10 @@
 //!   cell); it is the `SettleSink` every request settles into exactly once.
 //! - `Admission`: retained-request limit, seats, queue (atomics and a semaphore).
 //! - `Ha` (`phase.rs`): the `HaPhase` (active, validating identities, shadowing, blocked,
-//!   fenced) on a `tokio::sync::watch` channel, with the lease's local validity. `/ready`,
-//!   `/health`, `controls_fleet` and the metrics derive from it through pure functions.
+//!   fenced) on a `tokio::sync::watch` channel, with the lease's local validity, the
+//!   controller a standby saw, the current `EpochScope`, and the handoff publisher's slot.
+//!   `/ready`, `/health`, `controls_fleet` and the metrics derive from it through pure
+//!   functions.
 //! - `LifecycleDriver`: the pure lifecycle machine (behind its `Executor`), the agents, and
 //!   the one-action-at-a-time lock.
 //! - `Gate` (`readiness.rs`): a mirror of the lifecycle's readiness hold, read with the HA
@@ -62,8 +64,11 @@
 //! the fleet notifies `resident_changed` (the lifecycle's timer re-evaluates drains) and
 //! `dirty` (the state-file writer persists); the lease driver reports a lost renewal to
 //! `ha::primary`, whose `Renewal::lost` tells the `ha` supervisor to run the standby; the
-//! lifecycle machine emits typed `LifecycleEvent`s that its executor journals; the HA phase
-//! is published on its watch channel; `app::run` drains on SIGTERM through the gate
+//! lifecycle machine emits typed `LifecycleEvent`s that its executor journals (only while
+//! the router controls the fleet); the HA phase is published on its watch channel; the
+//! handoff is published beside the lease record (`handoff::publish`) on `dirty`, after every
+//! renewal (`LeaseDriver::renewed`), before a lifecycle action is acknowledged and before
+//! totals are shown (issue 13); `app::run` drains on SIGTERM through the gate
 //! (`begin_shutdown`, then `end_requests` at the budget), which the request path reads (the
 //! readiness check, and a `select!` arm of the attempts and of the relay).
 //!
@@ -78,7 +83,10 @@
 //! **Where later work lands.** Breaker and ejection policy: `breaker` (pure) and
 //! `Fleet::apply`. A role controller: a new part beside `fleet`, fed by `accounting`/`serve`
 //! bookkeeping, changing roles through `Fleet` and holds through the lifecycle. Epoch-bound
-//! work: subscribe to the HA phase and stop when its epoch ends. Hot-path locks: placement
+//! work: take `Ha::scope()` when it starts (its agent calls carry `EpochScope::fence()`),
+//! check `Ha::live` before each effect and stop on `EpochScope::ended()`; a part that decides
+//! for the fleet (a role controller) watches `Ha::subscribe()` and decides nothing unless the
+//! phase holds control (issue 13). Hot-path locks: placement
 //! state and the tally are each behind one part's handle, replaceable without touching
 //! callers.
 #![forbid(unsafe_code)]

@@ -578,6 +578,19 @@ impl RouterProbe {
         v["router"]["controls_fleet"].as_str().map(str::to_string)
     }
 
+    /// `/narwhal/state`, or `None` when the router does not answer 200 within the short
+    /// timeout.
+    pub async fn state(&self) -> Option<Value> {
+        let r = self
+            .fast
+            .try_get(format!("{}/narwhal/state", self.control))
+            .await?;
+        if r.status != 200 {
+            return None;
+        }
+        serde_json::from_slice(&r.body).ok()
+    }
+
     /// Whether `/ready` answers 200 within the short timeout.
     pub async fn ready_ok(&self) -> bool {
         self.fast
