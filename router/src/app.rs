@@ -27,7 +27,6 @@ pub struct Listeners {
 }
 
 /// Runtime options from the command line.
-#[derive(Debug)]
 pub struct RunOptions {
     /// The opened request journal (its run id names this process).
     pub journal: Journal,
@@ -39,6 +38,24 @@ pub struct RunOptions {
     pub standby: Option<StandbyOptions>,
     /// `--router-id`: prefix of the lease holder token.
     pub router_id: String,
+    /// Called once the listeners serve and every engine's health gate was answered (or the
+    /// startup wait ran out, `monitor::startup`): the command line writes its ready file and
+    /// prints its listening line here, so nothing that waits for them sees a router that has
+    /// not looked at its engines yet (issue 9 section 4). An error stops the router.
+    pub announce: Option<Box<dyn FnOnce() -> Result<(), String> + Send>>,
+}
+
+impl std::fmt::Debug for RunOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunOptions")
+            .field("journal", &self.journal)
+            .field("max_concurrent", &self.max_concurrent)
+            .field("resume", &self.resume)
+            .field("standby", &self.standby)
+            .field("router_id", &self.router_id)
+            .field("announce", &self.announce.is_some())
+            .finish()
+    }
 }
 
 /// Errors that end [`run`].
@@ -56,6 +73,9 @@ pub enum Error {
     /// The lease backend could not be set up (timings, etcd endpoints); names the key.
     #[error("{0}")]
     Lease(String),
+    /// The startup announcement failed (the ready file could not be written).
+    #[error("{0}")]
+    Announce(String),
 }
 
 /// Serve until `shutdown` resolves, then shut down gracefully ([`drain_requests`]): the
@@ -71,6 +91,7 @@ pub async fn run(
     opts: RunOptions,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), Error> {
+    let mut shutdown = std::pin::pin!(shutdown);
     let clock: Arc<dyn narwhal_shared::Clock> = Arc::new(narwhal_shared::SystemClock);
     let grace = Duration::from_secs(config.serving.graceful_timeout_s);
     let agents = Agents::from_config(&config, clock.clone()).map_err(Error::Agents)?;
@@ -95,12 +116,11 @@ pub async fn run(
     if let Some(standby) = opts.standby {
         ha::start_standby(&parts, standby, &stop);
     } else {
-        if (opts.resume || parts.cfg.recovery.resume)
-            && let Some(reason) = handoff::resume(&parts)
-        {
+        let resume = opts.resume || parts.cfg.recovery.resume;
+        if resume && let Some(reason) = handoff::resume(&parts) {
             parts.lifecycle.resume_refused(&reason);
         }
-        ha::start_primary(&parts, &stop).await;
+        ha::start_primary(&parts, &stop, resume).await;
         if parts.ha.controls_fleet() && parts.lifecycle.agents().any() {
             // Catch restarts that happened behind the router's back (reference-notes 4.10).
             // Until every engine's identity was checked through its agent the router answers
@@ -115,7 +135,6 @@ pub async fn run(
         let stop = stop.clone();
         tokio::spawn(async move { parts.lifecycle.run_timer(stop).await })
     };
-    tokio::spawn(monitor::warm_bootstrap_ports(parts.clone()));
     let data = tokio::spawn(http::serve(
         listeners.data,
         parts.clone(),
@@ -130,7 +149,18 @@ pub async fn run(
         stop.clone(),
         CLOSE_WAIT,
     ));
-    shutdown.await;
+    // Announce once every engine's health gate was answered (a shutdown meanwhile wins).
+    let mut stopped = false;
+    let announced = tokio::select! {
+        () = monitor::startup(&parts) => opts.announce.map_or(Ok(()), |f| f()),
+        () = &mut shutdown => {
+            stopped = true;
+            Ok(())
+        }
+    };
+    if announced.is_ok() && !stopped {
+        shutdown.await;
+    }
     let was_controlling = parts.ha.controls_fleet();
     drain_requests(&parts, grace).await;
     stop.cancel();
@@ -147,7 +177,7 @@ pub async fn run(
         }
     }
     tracing::info!("narwhal-serve stopped");
-    Ok(())
+    announced.map_err(Error::Announce)
 }
 
 /// How long the listeners' connections get to finish writing once every request ended (the

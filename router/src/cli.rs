@@ -4,8 +4,9 @@
 //! ```text
 //!  args ──clap──► Args ──Config::load──► Config (exit 2 on any problem, all listed)
 //!       ──bind data + control──► (exit 1: "narwhal-serve: bind <addr>: <error>")
-//!       ──ready file {data, control, pid, run} (atomic, written first)
-//!       ──stdout: "narwhal-serve listening data=http://H:P control=http://H:P" ──► run(...)
+//!       ──► run(...): once every engine's health gate was answered (app::run):
+//!             ready file {data, control, pid, run} (atomic), then
+//!             stdout: "narwhal-serve listening data=http://H:P control=http://H:P"
 //! ```
 
 use std::io::Write;
@@ -92,10 +93,13 @@ struct Args {
     /// Seconds between standby polls of the primary.
     #[arg(long, default_value_t = 0.25)]
     standby_probe_interval: f64,
-    /// Missed polls before the standby tries to take over (it still needs the lease to lapse).
+    /// Missed polls of a primary that publishes no handoff beside its lease record (a
+    /// reference primary) before the standby reports `no fresh handoff`. The takeover itself
+    /// starts when the lease record lapses (docs/ha.md, "Takeover time").
     #[arg(long, default_value_t = 4)]
     standby_takeover_after: u32,
-    /// A retained handoff older than this many seconds is not applied at takeover.
+    /// A handoff polled over HTTP older than this many seconds is not applied at takeover (the
+    /// handoff published beside the lease record is always the newest and is applied).
     #[arg(long, default_value_t = 30.0)]
     standby_max_handoff_age: f64,
     /// Prefix of this router's lease holder token (default: host name and control port).
@@ -433,21 +437,24 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
             .unwrap_or_else(|_| "narwhal".into());
         format!("{host}:{}", control_addr.port())
     });
-    if let Some(path) = &args.ready_file {
-        let doc = serde_json::json!({"data": data_url, "control": control_url, "pid": std::process::id(), "run": run});
-        if let Err(e) = write_atomic(path, &doc) {
-            eprintln!("narwhal-serve: ready file {}: {e}", path.display());
-            return ExitCode::from(1);
+    // Written once the router has looked at its engines (app::run calls it after the
+    // startup health round).
+    let ready_file = args.ready_file.clone();
+    let (data_url2, control_url2, run2) = (data_url.clone(), control_url.clone(), run.clone());
+    let announce = move || -> Result<(), String> {
+        let (data_url, control_url, run) = (data_url2, control_url2, run2);
+        if let Some(path) = &ready_file {
+            let doc = serde_json::json!({"data": data_url, "control": control_url, "pid": std::process::id(), "run": run});
+            write_atomic(path, &doc).map_err(|e| format!("ready file {}: {e}", path.display()))?;
         }
-    }
-    {
         let mut out = std::io::stdout().lock();
         let _ = writeln!(
             out,
             "narwhal-serve listening data={data_url} control={control_url}"
         );
         let _ = out.flush();
-    }
+        Ok(())
+    };
     tracing::info!(data = %data_url, control = %control_url, run = %run, engines = cfg.engines.len(), backend = %cfg.backend, "narwhal-serve started");
     let result = crate::app::run(
         cfg,
@@ -458,6 +465,7 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
             resume: args.resume,
             standby,
             router_id,
+            announce: Some(Box::new(announce)),
         },
         shutdown,
     )

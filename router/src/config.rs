@@ -101,6 +101,10 @@ pub struct EngineConfig {
     pub attestation_url: String,
     /// Optional agent endpoint.
     pub agent: Option<EngineAgent>,
+    /// `engines[].health_path`: the path the health gate and the breaker's probes GET
+    /// (default `/health`; `/v1/models` for engines without `/health`, e.g. llama.cpp).
+    /// Starts with `/`, no query.
+    pub health_path: String,
 }
 
 /// `slo` section: latency budgets in seconds (both required, > 0).
@@ -223,12 +227,22 @@ impl RestartPolicy {
 pub struct Recovery {
     /// Consecutive failures of one class that trip the breaker (default 3).
     pub eject_after: u32,
-    /// Probe an ejected engine every `readmit_every × controller.monitor_interval_s` (default 10).
+    /// First hold of an engine ejected for failures, in monitor intervals: its first
+    /// readmission probe comes `readmit_every × controller.monitor_interval_s` after the
+    /// ejection (default 10); the hold doubles on every repeat up to `max_readmit_interval_s`.
     pub readmit_every: u32,
-    /// Liveness sweep period in monitor intervals (default 10, 0 disables; accepted, unused).
+    /// Every `liveness_every` monitor intervals the liveness probe also re-reads the engine's
+    /// process facts (process start, models, SGLang bootstrap port) (default 10, 0: only on
+    /// demand).
     pub liveness_every: u32,
-    /// Liveness misses before ejection (default 2; accepted, unused).
+    /// Consecutive liveness probe timeouts that eject an engine (default 2).
     pub liveness_misses: u32,
+    /// Longest hold of an engine ejected for failures, seconds (default 300; ≥ the first
+    /// hold).
+    pub max_readmit_interval_s: f64,
+    /// At most this share of a role's engines is ejected for failures at a time (percent,
+    /// 1..=100, default 50; at least one engine, never the role's last live one).
+    pub max_ejection_percent: u32,
     /// Restart policy.
     pub engine_restart_policy: RestartPolicy,
     /// Timed quarantine after a failed leg (default 0 = disabled; accepted, unused).
@@ -992,6 +1006,7 @@ impl Checker<'_> {
                     "attestation_url",
                     "shared_device",
                     "agent",
+                    "health_path",
                 ],
             );
             if o.map.is_none() {
@@ -1118,6 +1133,14 @@ impl Checker<'_> {
                     seen.push((iid.clone(), i));
                 }
             }
+            let health_path = self.string(&o, "health_path", "/health");
+            if !health_path.starts_with('/') || health_path.contains(['?', '#', ' ']) {
+                self.rule(
+                    o.p("health_path"),
+                    &Value::String(health_path.clone()),
+                    "must be a path starting with / (no query, e.g. \"/health\" or \"/v1/models\")",
+                );
+            }
             out.push(EngineConfig {
                 iid,
                 url,
@@ -1125,6 +1148,7 @@ impl Checker<'_> {
                 pin,
                 attestation_url,
                 agent,
+                health_path,
             });
         }
         out
@@ -1403,6 +1427,8 @@ impl Checker<'_> {
                 "state_path",
                 "resume",
                 "health",
+                "max_readmit_interval_s",
+                "max_ejection_percent",
             ],
         );
         let policy = match self.choice(
@@ -1423,6 +1449,8 @@ impl Checker<'_> {
             failure_quarantine_s: self.num(&o, "failure_quarantine_s", 0.0, non_negative),
             state_path: self.string(&o, "state_path", "runs/state.json"),
             resume: self.boolean(&o, "resume", false),
+            max_readmit_interval_s: self.num(&o, "max_readmit_interval_s", 300.0, positive),
+            max_ejection_percent: self.int(&o, "max_ejection_percent", 50, 1, 100) as u32,
         };
         if policy == RestartPolicy::WholeWave && r.liveness_every == 0 {
             self.rule(
@@ -1851,6 +1879,47 @@ mod tests {
         assert_eq!(c.controller.monitor_interval_s, 1.0);
         assert_eq!(c.lease.backend, LeaseBackend::None);
         assert_eq!(c.backend, Backend::Vllm);
+    }
+
+    /// The engine-health keys (issue 9 sections 2–4, issue 10 section 2): defaults, and a bad
+    /// value named by its dotted path.
+    #[test]
+    fn health_keys_have_defaults_and_name_their_path() {
+        let c = Config::from_json_str(&base().to_string(), &no_env).unwrap();
+        assert_eq!(c.engines[0].health_path, "/health");
+        assert_eq!(c.recovery.max_ejection_percent, 50);
+        assert_eq!(c.recovery.max_readmit_interval_s, 300.0);
+        assert_eq!(c.recovery.liveness_misses, 2);
+        let mut v = base();
+        v["engines"][1]["health_path"] = "/v1/models".into();
+        let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+        assert_eq!(c.engines[1].health_path, "/v1/models");
+        let mut v = base();
+        v["engines"][0]["health_path"] = "health".into();
+        v["engines"][1]["health_path"] = "/health?full=1".into();
+        v["recovery"] = serde_json::json!({"max_ejection_percent": 0,
+                                          "max_readmit_interval_s": -1});
+        let m = messages(v);
+        assert!(
+            m.iter()
+                .any(|x| x.starts_with("engines[0].health_path = \"health\": must be a path")),
+            "{m:?}"
+        );
+        assert!(
+            m.iter().any(|x| x.starts_with("engines[1].health_path = ")),
+            "{m:?}"
+        );
+        assert!(
+            m.contains(
+                &"recovery.max_ejection_percent = 0: must be an integer in 1..=100".to_string()
+            ),
+            "{m:?}"
+        );
+        assert!(
+            m.contains(&"recovery.max_readmit_interval_s = -1: must be > 0".to_string()),
+            "{m:?}"
+        );
+        assert_eq!(m.len(), 4, "{m:?}");
     }
 
     #[test]

@@ -120,6 +120,11 @@ pub(crate) fn state(parts: &Parts) -> Value {
             v.sort_unstable();
             v
         };
+        let mut degraded: Vec<&str> = (0..names.len())
+            .filter(|i| fleet.breaker().is_degraded(*i))
+            .map(|i| names[i])
+            .collect();
+        degraded.sort_unstable();
         let mut inference_sources = serde_json::Map::new();
         let mut inference_holds = Vec::new();
         for (i, set) in fleet.suspects().iter().enumerate() {
@@ -147,7 +152,10 @@ pub(crate) fn state(parts: &Parts) -> Value {
                         Value::from(fleet.breaker().streak(i, *c)),
                     )
                 })
-                .chain(std::iter::once(("liveness".to_string(), Value::from(0))))
+                .chain(std::iter::once((
+                    "liveness".to_string(),
+                    Value::from(fleet.breaker().misses(i)),
+                )))
                 .collect();
             failures.insert(names[i].into(), Value::Object(streaks));
         }
@@ -161,11 +169,13 @@ pub(crate) fn state(parts: &Parts) -> Value {
             .breaker()
             .readmissions()
             .iter()
-            .map(|(i, n)| json!({"iid": names[*i], "evidence": "health", "count": n}))
+            .map(|((i, evidence), n)| json!({"iid": names[*i], "evidence": evidence, "count": n}))
             .collect();
         json!({
             "ejected": sorted_by(&|s| s.excluded.contains(&Exclusion::Ejected)),
             "draining": sorted_by(&|s| s.excluded.contains(&Exclusion::Draining)),
+            "awaiting_health": sorted_by(&|s| s.excluded.contains(&Exclusion::AwaitingHealth)),
+            "degraded": degraded,
             "prefill": sorted_by(&|s| s.role == Role::Prefill),
             "decode": sorted_by(&|s| s.role == Role::Decode),
             "inference_sources": inference_sources,
@@ -191,7 +201,7 @@ pub(crate) fn state(parts: &Parts) -> Value {
     pinned.sort_unstable();
     let adm = parts.admission.stats();
     let resume = parts.ha.resume_refused();
-    json!({
+    let mut doc = json!({
         "schema": "narwhal.state",
         "schema_version": 1,
         "journal_run": parts.journal.run(),
@@ -274,7 +284,11 @@ pub(crate) fn state(parts: &Parts) -> Value {
         },
         "unserved": parts.accounting.unserved(),
         "journal_dropped": parts.journal.dropped(),
-    })
+    });
+    // The health gate and the ejection bound (issue 9 section 4, issue 10 section 2).
+    doc["awaiting_health"] = fleet["awaiting_health"].clone();
+    doc["degraded"] = fleet["degraded"].clone();
+    doc
 }
 
 /// Refreshes the scrape-time gauges and renders `/metrics` (reference-notes 10).
@@ -317,6 +331,12 @@ pub(crate) fn metrics(parts: &Parts) -> String {
             m.engine_draining
                 .get_or_create(&labels(&[("iid", iid)]))
                 .set(i64::from(s.excluded.contains(&Exclusion::Draining)));
+            m.engine_degraded
+                .get_or_create(&labels(&[("iid", iid)]))
+                .set(i64::from(fleet.breaker().is_degraded(i)));
+            m.engine_awaiting_health
+                .get_or_create(&labels(&[("iid", iid)]))
+                .set(i64::from(s.excluded.contains(&Exclusion::AwaitingHealth)));
             for role in [Role::Prefill, Role::Decode] {
                 m.instance_role
                     .get_or_create(&labels(&[("iid", iid), ("role", role.as_str())]))
@@ -438,7 +458,7 @@ fn certificate_not_after(cfg: &Config) -> Vec<(String, i64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::breaker::Observation;
+    use crate::breaker::{EjectCause, Observation};
     use narwhal_shared::{Clock as _, ManualClock, SystemClock};
     use std::sync::Arc;
 
@@ -458,16 +478,22 @@ mod tests {
         )
     }
 
+    /// Readiness follows the live engines; the last engine of a role failing stays in placement flagged degraded
+    /// (issue 10 section 2); an absent one is ejected.
     #[test]
     fn readiness_follows_live_engines() {
         let p = parts();
         assert_eq!(ready(&p).1["status"], "ready");
-        p.fleet
-            .observe(0, Observation::LegFailed(FailureClass::Connection));
+        assert_eq!(state(&p)["awaiting_health"], json!([]));
+        p.fleet.eject(0, EjectCause::ProcessIdentity);
         assert_eq!(health(&p)["available_instances"], 1);
         assert_eq!(state(&p)["ejected"], json!(["p0"]));
         p.fleet
             .observe(1, Observation::LegFailed(FailureClass::Stream));
+        assert_eq!(state(&p)["degraded"], json!(["d0"]));
+        assert_eq!(state(&p)["breaker"]["failures"]["d0"]["stream"], 1);
+        assert!(metrics(&p).contains("narwhal_engine_degraded{iid=\"d0\"} 1"));
+        p.fleet.eject(1, EjectCause::HealthProbe);
         let (ready, doc) = ready(&p);
         assert!(!ready);
         assert_eq!(doc["reason"], "no available engines");
@@ -477,7 +503,7 @@ mod tests {
         assert!(m.contains("narwhal_router_ready 0"), "{m}");
         assert!(m.contains("narwhal_ejected{iid=\"d0\"} 1"), "{m}");
         assert!(
-            m.contains("narwhal_engine_ejections_total{iid=\"d0\",cause=\"stream\"} 1"),
+            m.contains("narwhal_engine_ejections_total{iid=\"d0\",cause=\"health_probe\"} 1"),
             "{m}"
         );
     }
@@ -487,10 +513,9 @@ mod tests {
     #[test]
     fn control_is_exported_and_lease_gauges_need_a_lease() {
         let p = parts();
-        p.fleet
-            .observe(0, Observation::LegFailed(FailureClass::Connection));
-        p.fleet
-            .observe(1, Observation::LegFailed(FailureClass::Stream));
+        // Both engines gone (absent engines are ejected outside the failure bound).
+        p.fleet.eject(0, EjectCause::ProcessIdentity);
+        p.fleet.eject(1, EjectCause::HealthProbe);
         let m = metrics(&p);
         assert!(m.contains("narwhal_router_ready 0"), "{m}");
         assert!(m.contains("narwhal_router_controls_fleet 1"), "{m}");

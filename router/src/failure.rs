@@ -107,6 +107,22 @@ pub(crate) enum RequestFailure {
 /// The public message of a request cut by the graceful-shutdown budget.
 const SHUTDOWN_MESSAGE: &str = "Router is shutting down";
 
+/// The status a busy engine's answer (408, 429, 503: issue 9 section 2) becomes for the client
+/// once the retries are spent: 429 for a 429, else 503, both with `Retry-After`; `None` for any
+/// other failure.
+fn busy(err: &LegError) -> Option<u16> {
+    let status = match err {
+        LegError::Status { status, .. } => *status,
+        LegError::Stream(StreamFailure::UpstreamError { status, .. }) => *status,
+        _ => return None,
+    };
+    match status {
+        429 => Some(429),
+        408 | 503 => Some(503),
+        _ => None,
+    }
+}
+
 /// `{"error": {"message", "type"}}`.
 fn error_body(message: &str, ty: &str) -> Value {
     json!({"error": {"message": message, "type": ty}})
@@ -260,6 +276,9 @@ impl RequestFailure {
                 streaming: true, ..
             } => StatusCode::OK,
             RequestFailure::Expired(_) => StatusCode::GATEWAY_TIMEOUT,
+            RequestFailure::Leg { err, .. } if busy(err).is_some() => busy(err)
+                .and_then(|s| StatusCode::from_u16(s).ok())
+                .unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
             RequestFailure::Leg { err, .. } => match err.client_fault() {
                 Some((status, ..)) => {
                     StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST)
@@ -301,6 +320,10 @@ impl RequestFailure {
             RequestFailure::NoEngine => {
                 coded_body("Engine capacity is unavailable", "no_schedulable_engines")
             }
+            RequestFailure::Leg { err, .. } if busy(err).is_some() => coded_body(
+                "Every engine able to serve this request is busy; retry after the Retry-After delay",
+                "server_overloaded_error",
+            ),
             RequestFailure::Leg { phase, err } => match (err.engine_error(), err.client_fault()) {
                 // The engine's own refusal, as it wrote it (issue 10 section 2).
                 (Some(error), Some(_)) => json!({ "error": error }),
@@ -326,7 +349,8 @@ impl RequestFailure {
         }
     }
 
-    /// Whether the answer carries `Retry-After: 1` (overload and readiness refusals).
+    /// Whether the answer carries `Retry-After: 1` (overload and readiness refusals, and an
+    /// engine's busy answer after the retries).
     pub(crate) fn retry_after(&self) -> bool {
         matches!(
             self,
@@ -335,7 +359,7 @@ impl RequestFailure {
                 | RequestFailure::NotInControl
                 | RequestFailure::NoEngine
                 | RequestFailure::ShutDown { streaming: false }
-        )
+        ) || matches!(self, RequestFailure::Leg { err, .. } if busy(err).is_some())
     }
 
     /// The full answer before output, with `x-request-id: rid`.
@@ -478,13 +502,37 @@ mod tests {
             (
                 RequestFailure::Leg {
                     phase: Phase::Prefill,
-                    err: leg(503, "busy"),
+                    err: leg(500, "CUDA error"),
                 },
                 502,
                 "prefill",
                 false,
                 Terminal::Failed,
                 "engine_error",
+            ),
+            // Overload is not failure (issue 9 section 2): a busy engine's 503 or 429 reaches
+            // the client as a back-off answer, not a 502.
+            (
+                RequestFailure::Leg {
+                    phase: Phase::Prefill,
+                    err: leg(503, "busy"),
+                },
+                503,
+                "server_overloaded_error",
+                true,
+                Terminal::Failed,
+                "engine_overloaded",
+            ),
+            (
+                RequestFailure::Leg {
+                    phase: Phase::Decode,
+                    err: leg(429, "too many requests"),
+                },
+                429,
+                "server_overloaded_error",
+                true,
+                Terminal::Failed,
+                "engine_overloaded",
             ),
             (
                 RequestFailure::Leg {

@@ -97,17 +97,19 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
             r
         }
         (Side::Control, Method::GET, "/narwhal/state") => {
-            json_response(StatusCode::OK, &documents::state(&parts), &rid)
+            // Totals shown are durable first (issue 13; handoff::durable_document).
+            let (status, doc) = crate::handoff::durable_document(&parts, documents::state).await;
+            json_response(status, &doc, &rid)
         }
         (Side::Control, Method::GET, "/narwhal/handoff") => {
-            match serde_json::to_value(crate::handoff::snapshot(&parts)) {
-                Ok(v) => json_response(StatusCode::OK, &v, &rid),
-                Err(e) => json_response(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    &json!({"error": {"message": format!("handoff: {e}"), "type": "internal"}}),
-                    &rid,
-                ),
-            }
+            let render = |p: &Parts| match serde_json::to_value(crate::handoff::snapshot(p)) {
+                Ok(v) => v,
+                Err(e) => {
+                    json!({"error": {"message": format!("handoff: {e}"), "type": "internal"}})
+                }
+            };
+            let (status, doc) = crate::handoff::durable_document(&parts, render).await;
+            json_response(status, &doc, &rid)
         }
         (Side::Control, Method::GET, "/narwhal/lifecycle") => {
             json_response(StatusCode::OK, &parts.lifecycle.document(""), &rid)
@@ -145,7 +147,11 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
                 _ => tokio::spawn(async move { lifecycle.readmit(body).await }),
             };
             match action.await {
-                Ok((status, doc)) => json_response(status, &doc, &rid),
+                Ok((status, doc)) => {
+                    // Acknowledged only once durable where a successor reads (issue 13).
+                    let (status, doc) = crate::handoff::acknowledge(&parts, status, doc).await;
+                    json_response(status, &doc, &rid)
+                }
                 Err(e) => json_response(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     &parts
@@ -160,6 +166,7 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
         }
         (Side::Control, Method::GET, "/metrics") => {
             let text = documents::metrics(&parts);
+            crate::handoff::publish_for_read(&parts).await;
             let mut r = Response::new(Full::new(bytes::Bytes::from(text)).boxed());
             r.headers_mut().insert(
                 http::header::CONTENT_TYPE,

@@ -105,6 +105,10 @@ pub(crate) struct Metrics {
     pub(crate) readmissions: Family<Labels, Counter>,
     pub(crate) breaker_streak: Family<Labels, Gauge>,
     pub(crate) probes: Family<Labels, Counter>,
+    /// 1 while the ejection bound keeps a failing engine in placement (issue 10 section 2).
+    pub(crate) engine_degraded: Family<Labels, Gauge>,
+    /// 1 while an engine waits for its first health 200 (issue 9 section 4).
+    pub(crate) engine_awaiting_health: Family<Labels, Gauge>,
     pub(crate) ttft: HistFamily,
     pub(crate) tpot: HistFamily,
     pub(crate) journal_dropped: Gauge,
@@ -345,6 +349,16 @@ impl Metrics {
             probes: reg!(
                 "narwhal_engine_probes",
                 "Breaker probes by engine, kind and outcome",
+                Family::default()
+            ),
+            engine_degraded: reg!(
+                "narwhal_engine_degraded",
+                "1 while the ejection bound keeps a failing engine in placement",
+                Family::default()
+            ),
+            engine_awaiting_health: reg!(
+                "narwhal_engine_awaiting_health",
+                "1 while an engine waits for its first health answer 200",
                 Family::default()
             ),
             ttft: reg!(

@@ -9,7 +9,7 @@
 //! ```
 //!
 //! Pure: no clock, no IO, the RNG is passed in. An engine is *live* when its exclusion set is
-//! empty (reasons `ejected`, `draining`, ... — reference-notes 6.1); health and admission stay
+//! empty (reasons `ejected`, `draining`, `awaiting_health` — reference-notes 6.1); health and admission stay
 //! separate as in linkerd's p2c pool.
 
 use std::collections::BTreeSet;
@@ -25,6 +25,9 @@ pub enum Exclusion {
     Ejected,
     /// A lifecycle hold (drain, wave, validation) keeps it out (`Fleet::set_held`).
     Draining,
+    /// Its health path has not answered 200 since the router started watching it (the
+    /// health gate, issue 9 section 4).
+    AwaitingHealth,
 }
 
 impl Exclusion {
@@ -33,6 +36,7 @@ impl Exclusion {
         match self {
             Exclusion::Ejected => "ejected",
             Exclusion::Draining => "draining",
+            Exclusion::AwaitingHealth => "awaiting_health",
         }
     }
 }

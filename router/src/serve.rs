@@ -584,6 +584,7 @@ async fn attempts(
             Plan::Aggregated { .. } => None,
         };
         let attempt_span = tracing::debug_span!("attempt", n);
+        let producer_process = producer.map(|p| parts.fleet.incarnation(p));
         let result = run_attempt(ctx, sub, n, plan, log)
             .instrument(attempt_span)
             .await;
@@ -591,11 +592,9 @@ async fn attempts(
             Ok(s) => return Ok(s),
             Err(f) => f,
         };
-        // Breaker and accounting for the failed leg.
+        // Breaker and accounting for the failed leg, charged to the engine that caused it.
         match f.err.class(f.phase) {
-            Some(class) => parts
-                .fleet
-                .observe_leg_failure(f.iid, f.phase, class, producer),
+            Some(class) => charge(parts, &f, class, producer, producer_process),
             None => parts.fleet.observe(f.iid, Observation::ClientFault),
         }
         if f.phase == Phase::Decode && matches!(f.err, LegError::FirstTokenTimeout) {
@@ -643,6 +642,45 @@ async fn attempts(
             avoid.insert(p);
         }
         tokio::time::sleep(backoff).await;
+    }
+}
+
+/// Charges a failed leg to the engine that caused it (issue 9 section 1): a decode that failed
+/// after its producer's process changed (a restart seen meanwhile) is the old producer's
+/// failure, not the decode's; a decode that failed in a way a lost transfer explains
+/// (`inference_status`, `stream`) is checked against its producer first
+/// (`bootstrap::blame_producer`: another SGLang bootstrap port, other process facts, or an
+/// unreachable producer), off the request path.
+fn charge(
+    parts: &Arc<Parts>,
+    f: &Fail,
+    class: crate::breaker::FailureClass,
+    producer: Option<usize>,
+    producer_process: Option<u64>,
+) {
+    use crate::breaker::FailureClass as C;
+    let decode_with_producer = (f.phase == Phase::Decode)
+        .then_some(producer.zip(producer_process))
+        .flatten();
+    match decode_with_producer {
+        Some((p, process)) if parts.fleet.incarnation(p) != process => {
+            tracing::info!(producer = %parts.cfg.engines[p].iid, "decode failure charged to the producer's previous process, not to the decode");
+        }
+        Some((p, process)) if matches!(class, C::InferenceStatus | C::Stream) => {
+            let parts = parts.clone();
+            let decode = f.iid;
+            let used = parts.fleet.bootstrap_port(p);
+            let at = parts.clock.now();
+            tokio::spawn(async move {
+                let (cfg, fleet, up) = (&parts.cfg, &parts.fleet, &parts.upstream);
+                if bootstrap::blame_producer(cfg, fleet, up, p, used, process, at).await {
+                    fleet.observe_leg_failure(decode, Phase::Decode, class, Some(p));
+                }
+            });
+        }
+        _ => parts
+            .fleet
+            .observe_leg_failure(f.iid, f.phase, class, producer),
     }
 }
 
@@ -780,6 +818,9 @@ async fn run_attempt(
                     ));
                 }
             };
+            if let Some(id) = desc.get("remote_engine_id").and_then(Value::as_str) {
+                parts.fleet.note_engine_id(prefill, id);
+            }
             let decode_at = parts.clock.now();
             parts.accounting.decode_dispatched();
             let body = decode_body(&sub.body, (decode != prefill).then_some(&desc), true);

@@ -196,6 +196,43 @@ impl Upstream {
             .map_err(|_| format!("timed out after {:.3}s", timeout.as_secs_f64()))?
     }
 
+    /// A breaker probe: GET `url` with the engine credentials, bounded by `timeout`; the
+    /// answer's status and (bounded) body, or how it failed: [`ProbeError::TimedOut`] for
+    /// the timeout or a connect timeout (maybe busy), [`ProbeError::Unreachable`] for
+    /// anything else (refused, reset: nothing is listening).
+    pub(crate) async fn probe_get(
+        &self,
+        url: &str,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), ProbeError> {
+        let mut b = Request::builder().method(Method::GET).uri(url);
+        if let Some(k) = &self.api_key {
+            b = b.header(http::header::AUTHORIZATION, format!("Bearer {k}"));
+        }
+        let req = b
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| ProbeError::Unreachable(format!("bad engine URL {url}: {e}")))?;
+        let fut = async {
+            let resp = self.client.request(req).await.map_err(|e| {
+                let timed_out = e.is_connect() && is_timeout(&e);
+                let detail = error_chain(&e);
+                if timed_out {
+                    ProbeError::TimedOut(detail)
+                } else {
+                    ProbeError::Unreachable(detail)
+                }
+            })?;
+            let status = resp.status();
+            let body = read_bounded(resp.into_body(), PROBE_BODY_LIMIT)
+                .await
+                .map_err(|e| ProbeError::Unreachable(e.to_string()))?;
+            Ok((status, body))
+        };
+        tokio::time::timeout(timeout, fut).await.map_err(|_| {
+            ProbeError::TimedOut(format!("no answer within {:.3}s", timeout.as_secs_f64()))
+        })?
+    }
+
     /// vLLM prefill leg: POST and extract the KV descriptor (reference-notes 7.1 steps 2–3).
     /// A prefill that answers without a descriptor because its one sampled token already
     /// ended the generation is [`Prefilled::Finished`] (see [`prefill_finished`];
@@ -334,6 +371,36 @@ impl Upstream {
             Err(_) => Err(LegError::FirstTokenTimeout),
         }
     }
+}
+
+/// Probe answers (`/health`, `/metrics`, `/v1/models`, `/server_info`) are capped at this many
+/// bytes.
+const PROBE_BODY_LIMIT: usize = 4 * 1024 * 1024;
+
+/// How a [`Upstream::probe_get`] failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum ProbeError {
+    /// No answer in time (or the connection could not be set up in time).
+    #[error("timed out: {0}")]
+    TimedOut(String),
+    /// No connection or a broken one.
+    #[error("unreachable: {0}")]
+    Unreachable(String),
+}
+
+/// Whether an error's source chain holds an I/O timeout.
+fn is_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(inner) = src {
+        if inner
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        src = inner.source();
+    }
+    false
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {
@@ -690,9 +757,15 @@ impl LegError {
             LegError::FirstTokenTimeout | LegError::ReadTimeout | LegError::Cut(_) => {
                 FailureClass::Stream
             }
+            // 408/429/503: the engine says it is busy (issue 9 section 2), not failed.
             LegError::Status {
-                status: 408 | 429, ..
-            } => FailureClass::Overload,
+                status: 408 | 429 | 503,
+                ..
+            }
+            | LegError::Stream(StreamFailure::UpstreamError {
+                status: 408 | 429 | 503,
+                ..
+            }) => FailureClass::Overload,
             LegError::Status { .. } | LegError::Refused { .. } => FailureClass::InferenceStatus,
             LegError::KvHandoff(_) => FailureClass::KvHandoff,
             LegError::InvalidResponse(_) => FailureClass::InferenceStatus,
@@ -718,7 +791,8 @@ impl LegError {
                 "engine_timeout"
             }
             LegError::Status {
-                status: 408 | 429, ..
+                status: 408 | 429 | 503,
+                ..
             } => "engine_overloaded",
             LegError::Status { .. } | LegError::Refused { .. } | LegError::KvHandoff(_) => {
                 "engine_error"
@@ -1164,6 +1238,13 @@ mod tests {
             param: Value::Null,
         };
         assert!(s.transient());
+        assert_eq!(s.class(Phase::Decode), Some(FailureClass::Overload));
+        assert_eq!(s.reason(), "engine_overloaded");
+        let s = LegError::Status {
+            status: 500,
+            message: "CUDA error".into(),
+            param: Value::Null,
+        };
         assert_eq!(s.class(Phase::Decode), Some(FailureClass::InferenceStatus));
         let o = LegError::Status {
             status: 429,

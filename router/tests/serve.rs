@@ -196,11 +196,14 @@ fn bind_failure_exits_1_naming_the_address() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn good_fleet_announces_and_serves_the_documents() {
+    // e0 answers its health; e1 does not exist (its URL only exercises the targets
+    // document), so it is never placed: the health gate (issue 9 section 4).
+    let e0 = FakeEngine::new(0, 1).spawn().await;
     let s = start(
         &fleet(
             "vllm",
             vec![
-                json!({"iid": "e0", "url": "http://127.0.0.1:18100/", "role": "prefill"}),
+                json!({"iid": "e0", "url": format!("{e0}/"), "role": "prefill"}),
                 json!({"iid": "e1", "url": "http://user:pw@127.0.0.1:18101/v1x"}),
             ],
         ),
@@ -221,7 +224,7 @@ async fn good_fleet_announces_and_serves_the_documents() {
     let (_, health) = s.health().await;
     assert_eq!(
         health,
-        json!({"status": "ok", "instances": 2, "available_instances": 2})
+        json!({"status": "ok", "instances": 2, "available_instances": 1})
     );
     let mut models = s.get_data("/v1/models").await.json_or_null();
     assert!(
@@ -247,6 +250,7 @@ async fn good_fleet_announces_and_serves_the_documents() {
     assert_eq!(st["schema"], "narwhal.state");
     assert_eq!(st["journal_run"], json!(run));
     assert_eq!(st["pools"], json!({"prefill": ["e0"], "decode": ["e1"]}));
+    assert_eq!(st["awaiting_health"], json!(["e1"]));
     assert_eq!(st["outcome_reasons"]["failed"]["no_engine"], 0);
     // Control routes never on the data listener, completions never on control.
     assert_eq!(
@@ -524,7 +528,11 @@ async fn sglang_chat_streams_and_counts_content_chunks() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dead_decode_engine_is_ejected_then_readmitted_and_serving_falls_back() {
+/// A decode engine that does not answer is never placed (the health gate, issue 9 section 4):
+/// serving falls back to aggregated on p0 at once (the old router first failed requests on it
+/// until the breaker ejected it); brought up on its port, it is admitted on its first health
+/// 200 and serves P/D again. No ejection: it never was in placement.
+async fn dead_decode_engine_is_never_placed_and_serving_falls_back_until_it_answers() {
     let p = FakeEngine::new(0, 2);
     let pu = p.spawn().await;
     // A port with nothing listening.
@@ -539,31 +547,26 @@ async fn dead_decode_engine_is_ejected_then_readmitted_and_serving_falls_back() 
         ),
         &[],
     );
-    // eject_after = 2, max_attempts = 2: the first request fails twice on d0 and trips it.
-    let r = complete(&s, json!({"prompt": "x", "max_tokens": 2})).await;
-    assert_eq!(r.status, StatusCode::BAD_GATEWAY);
-    eventually("d0 ejected", || async {
-        s.state().await["ejected"] == json!(["d0"])
-    })
-    .await;
+    assert_eq!(s.state().await["awaiting_health"], json!(["d0"]));
     // With no live decode engine, serving falls back to aggregated on p0.
     let r = complete(&s, json!({"prompt": "x", "max_tokens": 2})).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text());
     assert!(p.seen().decode[0].1.get("kv_transfer_params").is_none());
-    // Bring d0 back on the same port: the monitor's /health probe readmits it.
-    FakeEngine::new(0, 2).spawn_at(dead_addr).await;
-    eventually("d0 readmitted", || async {
-        s.state().await["ejected"] == json!([])
+    // Bring d0 up on its port: its first health 200 admits it.
+    let d = FakeEngine::new(0, 2);
+    d.spawn_at(dead_addr).await;
+    eventually("d0 admitted", || async {
+        s.state().await["awaiting_health"] == json!([])
     })
     .await;
+    let r = complete(&s, json!({"prompt": "x", "max_tokens": 2})).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(d.seen().decode.len(), 1, "P/D again: d0 decodes");
+    assert!(d.seen().decode[0].1.get("kv_transfer_params").is_some());
     let text = s.metrics().await;
-    assert!(
-        text.contains("narwhal_engine_ejections_total{iid=\"d0\",cause=\"connection\"} 1"),
-        "{text}"
-    );
+    assert!(!text.contains("narwhal_engine_ejections_total{"), "{text}");
     let journal = std::fs::read_to_string(&s.journal).unwrap();
-    assert!(journal.contains("\"event\":\"engine_ejected\""));
-    assert!(journal.contains("\"event\":\"engine_readmitted\""));
+    assert!(journal.contains("\"event\":\"engine_admitted\",\"iid\":\"d0\""));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -574,11 +577,8 @@ async fn no_live_engine_answers_503_backend_unavailable() {
     );
     fl["recovery"]["readmit_every"] = json!(100000);
     let s = start(&fl, &[]);
-    let _ = complete(&s, json!({"prompt": "x"})).await;
-    eventually("d0 ejected", || async {
-        s.state().await["ejected"] == json!(["d0"])
-    })
-    .await;
+    // d0 never answered its health: it is not placed (the health gate, issue 9 section 4).
+    assert_eq!(s.state().await["awaiting_health"], json!(["d0"]));
     let r = complete(&s, json!({"prompt": "x"})).await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(r.headers["retry-after"], "1");

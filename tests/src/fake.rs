@@ -373,6 +373,7 @@ pub async fn router_over_fakes(
         engines: spec,
         overrides: json!({"serving": {"retry_base_s": 0.01, "retry_cap_s": 0.02}}),
         agents: Default::default(),
+        engine_keys: Default::default(),
     }
     .with(overrides);
     RouterHandle::over(&fleet, &["--log-level", "warn"])

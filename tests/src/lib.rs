@@ -15,6 +15,7 @@
 //!   FakeEngine                   an in-process fake engine for router tests (fake.rs)
 //!   raw                          HTTP/1 on a TcpStream, for framing tests
 //!   Proxy, Sampler               network cuts, 20 Hz sampling during HA faults
+//!   faults                       the HA fault campaign: scenarios, one run, judged (issue 13)
 //! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
@@ -26,6 +27,7 @@ mod agent;
 pub mod certs;
 pub mod etcd;
 mod fake;
+pub mod faults;
 mod fleet;
 mod http;
 mod proc;

@@ -30,6 +30,8 @@ pub struct FleetSpec {
     pub overrides: Value,
     /// `engines[].agent` per engine id.
     pub agents: std::collections::BTreeMap<String, Value>,
+    /// More `engines[]` keys per engine id (`health_path`, ...), merged into its entry.
+    pub engine_keys: std::collections::BTreeMap<String, Value>,
 }
 
 impl FleetSpec {
@@ -44,7 +46,18 @@ impl FleetSpec {
                 .collect(),
             overrides: json!({}),
             agents: std::collections::BTreeMap::new(),
+            engine_keys: std::collections::BTreeMap::new(),
         }
+    }
+
+    /// Merges `keys` (an object, e.g. `{"health_path": "/v1/models"}`) into engine `iid`'s
+    /// `engines[]` entry.
+    pub fn engine_with(mut self, iid: &str, keys: Value) -> Self {
+        merge(
+            self.engine_keys.entry(iid.to_string()).or_insert(json!({})),
+            keys,
+        );
+        self
     }
 
     /// Pins engine `iid` to `agent` (its URL, certificate name and signing key).
@@ -88,6 +101,9 @@ impl FleetSpec {
                 let mut e = json!({"iid": iid, "url": url, "role": role});
                 if let Some(a) = self.agents.get(iid) {
                     e["agent"] = a.clone();
+                }
+                if let Some(k) = self.engine_keys.get(iid) {
+                    merge(&mut e, k.clone());
                 }
                 e
             }).collect::<Vec<_>>(),
@@ -560,6 +576,19 @@ impl RouterProbe {
             .await?;
         let v: Value = serde_json::from_slice(&r.body).ok()?;
         v["router"]["controls_fleet"].as_str().map(str::to_string)
+    }
+
+    /// `/narwhal/state`, or `None` when the router does not answer 200 within the short
+    /// timeout.
+    pub async fn state(&self) -> Option<Value> {
+        let r = self
+            .fast
+            .try_get(format!("{}/narwhal/state", self.control))
+            .await?;
+        if r.status != 200 {
+            return None;
+        }
+        serde_json::from_slice(&r.body).ok()
     }
 
     /// Whether `/ready` answers 200 within the short timeout.

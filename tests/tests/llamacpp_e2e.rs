@@ -7,15 +7,18 @@
 //! Each behaviour is its own test. The yardstick is the engine itself: the same request sent
 //! straight to llama.cpp (greedy sampling, so deterministic) gives the text, finish reason, usage
 //! and error the router must relay. `engine_alone_*` checks the yardstick (it needs no router
-//! fix). The restart and readmission tests stay `#[ignore]`d until the router probes an engine
-//! without `GET /health` on its `health_path` (issue 10 section 2, the engine-health part).
+//! fix). The restart and readmission tests rely on the engine's `health_path` (`/v1/models`):
+//! llama.cpp has no `GET /health`.
 //!
 //! Facts about the engine used here, from llama-cpp-python 0.3.x's source (`llama_cpp/server/`):
 //! no `GET /health` route (404; `GET /v1/models` answers 200); `x-request-id` is read by
 //! starlette-context's `RequestIdPlugin`, which answers 400 to anything but a UUID; a prompt over
 //! the context is `400 {"error": {"message": "This model's maximum context length is N tokens…",
 //! "code": "context_length_exceeded"}}` for a non-streaming request (a streaming one fails inside
-//! the stream); streams carry no `usage` and `stream_options` is ignored.
+//! the stream); streams carry no `usage` and `stream_options` is ignored; with its default
+//! `interrupt_requests=True` a stream is cut short (a bare `[DONE]`, no finish chunk) whenever
+//! another request waits for the model lock, which `GET /v1/models` takes, so every engine here
+//! runs with `--interrupt_requests false` (an operator probing `/v1/models` must do the same).
 //!
 //! Needs the Python test venv, built on demand by `tests/python/ensure-venv.sh` (see
 //! `pysdk/mod.rs`).
@@ -97,6 +100,11 @@ impl LlamaServer {
             .args(["--port", &self.port.to_string()])
             .args(["--n_ctx", &CTX.to_string(), "--n_threads", "1"])
             .args(["--n_threads_batch", "1"])
+            // llama-cpp-python ends an in-flight stream (a bare `[DONE]`, no finish chunk) as
+            // soon as any other request waits for the model lock, and `GET /v1/models` (our
+            // `health_path`) takes that lock: the default `interrupt_requests=True` truncates
+            // answers whenever a probe lands mid-stream (`server/app.py`, `get_event_publisher`).
+            .args(["--interrupt_requests", "false"])
             .env_remove("HTTP_PROXY")
             .env_remove("http_proxy")
             .env("PYTHONUNBUFFERED", "1")
@@ -208,11 +216,11 @@ impl Lab {
     /// (docs/configuration.md, `engines[].role`; placement falls back to aggregated serving when
     /// no prefill engine exists).
     ///
-    /// No `health_path` is set: the fleet schema has none yet (issue 10 section 2 adds it, with
-    /// `/v1/models` for engines that lack `/health`). If it is not chosen automatically, the
-    /// readmission tests set `engines[].health_path = "/v1/models"` here when un-ignored.
+    /// llama.cpp has no `GET /health` (404): every engine's `health_path` is `/v1/models`,
+    /// which it answers (docs/configuration.md, `engines[].health_path`); without it the
+    /// router's health gate would never place it.
     fn router(&self, engines: &[(&str, &LlamaServer)]) -> RouterHandle {
-        let spec = FleetSpec {
+        let mut spec = FleetSpec {
             model: MODEL.into(),
             backend: "vllm".into(),
             engines: engines
@@ -221,7 +229,11 @@ impl Lab {
                 .collect(),
             overrides: json!({}),
             agents: Default::default(),
+            engine_keys: Default::default(),
         };
+        for (iid, _) in engines {
+            spec = spec.engine_with(iid, json!({"health_path": "/v1/models"}));
+        }
         start_router(self.dir.path(), "router", &spec, &[]).expect("router")
     }
 
@@ -584,11 +596,6 @@ async fn over_long_prompt_is_the_engines_400() {
 /// an operator (llama.cpp has no `/health`: the probe must use what the engine has), and serves
 /// again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the engine-health part of issue 10 section 2 (another branch): a \
-            per-engine health_path and readmission of an agentless engine through a generation \
-            probe (llama.cpp answers 404 to the /health probe, so an ejected llama.cpp engine never \
-            returns); the request path this test also needs (plain-UUID leg ids, tokens from \
-            content) is done"]
 async fn killed_engine_is_ejected_then_readmitted() {
     let Some(lab) = Lab::new("killed_engine_is_ejected_then_readmitted") else {
         return;
@@ -675,9 +682,6 @@ async fn killed_engine_is_ejected_then_readmitted() {
 /// within a minute with no operator action (whether the router ejected it and readmitted it,
 /// or kept it in placement as the last live engine).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the engine-health part of issue 10 section 2 (another branch): a \
-            per-engine health_path, or never ejecting a role's last live engine (today: ejected, \
-            /health answers 404, 503 forever); the request path this test also needs is done"]
 async fn only_engine_killed_then_restarted_serves_again() {
     let Some(lab) = Lab::new("only_engine_killed_then_restarted_serves_again") else {
         return;

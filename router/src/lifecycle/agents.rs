@@ -7,7 +7,7 @@ use std::sync::Arc;
 use narwhal_shared::{AgentClient, AgentClientError, AgentEndpoint, AgentTimeouts, Clock};
 
 use crate::config::Config;
-use crate::phase::Ha;
+use crate::phase::{EpochScope, Ha};
 
 /// The mTLS clients of the engines' agents, one per distinct agent, indexed by engine.
 pub(crate) struct Agents {
@@ -92,15 +92,19 @@ impl Agents {
     }
 }
 
-/// An agent's error as one line. An agent that saw a newer epoch proves another router took
-/// over: this one fences itself at once (DESIGN.md section 3, fencing reaches the hosts), with
-/// the cause as its `/ready` reason ([`stale_epoch_reason`]).
-pub(crate) fn agent_error(ha: &Ha, e: AgentClientError) -> String {
+/// An agent's error to a call made under epoch `epoch`, as one line. An agent that saw a
+/// newer epoch than the one held now proves another router took over: this one fences itself
+/// at once and stops renewing (DESIGN.md section 3, fencing reaches the hosts), with the cause
+/// as its `/ready` reason ([`stale_epoch_reason`]). A late `stale_epoch` answer to a call of an
+/// epoch that already ended fences nothing (issue 13: such answers fenced a router that had
+/// just claimed the next epoch).
+pub(crate) fn agent_error(ha: &Ha, epoch: u64, e: AgentClientError) -> String {
     if let AgentClientError::StaleEpoch {
         agent_id,
         sent,
         highest,
     } = &e
+        && ha.stale_answer(epoch)
     {
         ha.fence_because(stale_epoch_reason(
             agent_id,
@@ -110,6 +114,19 @@ pub(crate) fn agent_error(ha: &Ha, e: AgentClientError) -> String {
         ));
     }
     e.to_string()
+}
+
+/// Why work of `scope` may not call an agent now, if it may not: control under its epoch
+/// ended (a fence, a lapse, the standby loop). Checked before every agent call of lifecycle
+/// work, so work started under one epoch never reaches an agent after that epoch ended, nor
+/// under a later one (issue 13).
+pub(crate) fn ended(ha: &Ha, scope: &EpochScope) -> Option<String> {
+    (!ha.live(scope)).then(|| {
+        format!(
+            "router control under epoch {} ended; the work started under it stopped",
+            scope.epoch()
+        )
+    })
 }
 
 /// The `/ready` reason of a router fenced by an agent's `409 stale_epoch` (issue 14 section

@@ -658,6 +658,7 @@ fn fleet(backend: &str, sims: &[&SimHandle]) -> FleetSpec {
             .collect(),
         overrides: json!({}),
         agents: BTreeMap::new(),
+        engine_keys: BTreeMap::new(),
     }
     .with(json!({"serving": {"max_connections": 4096}}))
 }
