@@ -967,6 +967,61 @@ pub fn answer_chunks(answer: &Value, chat: bool) -> Vec<Value> {
         .collect()
 }
 
+/// A whole answer from an engine that streamed a leg the router asked for non-streaming
+/// (`"stream": false` answered with `text/event-stream` anyway): the SSE body `bytes` read in
+/// full, assembled into one OpenAI answer as [`Aggregator`] assembles a relayed stream (text
+/// or message content concatenated per choice, `finish_reason`, logprobs, tool calls), for a
+/// chat (`chat.completion`) or completions (`text_completion`) client. `usage` is the
+/// engine's (its usage-only chunk, or counts its content chunks carried); an engine that sent
+/// none gets `{"completion_tokens": <tokens counted by the relay's rules>}`, which
+/// [`usage_value`] completes with an estimated prompt.
+///
+/// # Errors
+/// What a streamed leg fails with: an in-stream error frame, a frame that is not JSON,
+/// `[DONE]` before any output, or a body that ended without `[DONE]`.
+pub fn assemble_sse(bytes: &[u8], chat: bool) -> Result<Value, StreamFailure> {
+    // The body is bounded by the caller: the relay's own limits do not apply again.
+    let mut state = StreamState::new(RelayOptions::new(u64::MAX, false));
+    let mut agg = Aggregator::new(chat);
+    let mut end: Option<Result<(), StreamFailure>> = None;
+    let mut parser = SseParser::new();
+    parser.feed(bytes, |payload| match state.on_data(payload) {
+        RelayStep::Hold => true,
+        RelayStep::Output => {
+            agg.push_frames(&state.take_output());
+            true
+        }
+        RelayStep::Done => {
+            end = Some(Ok(()));
+            false
+        }
+        RelayStep::Failed(f) => {
+            end = Some(Err(f));
+            false
+        }
+    });
+    if parser.overflowed() {
+        return Err(StreamFailure::ResponseLimit);
+    }
+    match end {
+        Some(Ok(())) => {}
+        Some(Err(f)) => return Err(f),
+        None => {
+            return Err(match state.on_end() {
+                RelayStep::Failed(f) => f,
+                _ => StreamFailure::EndedWithoutDone,
+            });
+        }
+    }
+    let usage = match state.take_usage_chunk().as_deref().and_then(chunk_usage) {
+        Some(u) => u,
+        None => state
+            .engine_usage_value()
+            .unwrap_or_else(|| json!({"completion_tokens": state.tokens()})),
+    };
+    Ok(agg.finish(usage))
+}
+
 /// One choice being reassembled.
 #[derive(Debug)]
 struct ChoiceAcc {
@@ -1699,6 +1754,96 @@ mod tests {
             "{\"a\":1}"
         );
         assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+    }
+
+    /// A leg asked for non-streaming but answered as SSE is assembled into one answer: text
+    /// concatenated, finish reason, the engine's usage or the tokens counted; failures as a
+    /// streamed leg's.
+    #[test]
+    fn streamed_whole_answers_are_assembled() {
+        let sse = |frames: &[Value], done: bool| {
+            let mut s: String = frames
+                .iter()
+                .map(|f| format!("data: {f}\r\n\r\n"))
+                .collect();
+            if done {
+                s.push_str("data: [DONE]\n\n");
+            }
+            s
+        };
+        let c = |t: &str, fr: Value| {
+            json!({"id": "cmpl-1", "object": "text_completion", "created": 5, "model": "m",
+                                              "choices": [{"index": 0, "text": t, "finish_reason": fr, "token_ids": [7]}]})
+        };
+        let usage = json!({"id": "cmpl-1", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}});
+        let v = assemble_sse(
+            sse(
+                &[c(" a", Value::Null), c(" b", json!("length")), usage],
+                true,
+            )
+            .as_bytes(),
+            false,
+        )
+        .unwrap();
+        assert_eq!(v["object"], "text_completion");
+        assert_eq!(
+            (v["id"].clone(), v["model"].clone()),
+            (json!("cmpl-1"), json!("m"))
+        );
+        assert_eq!(v["choices"][0]["text"], " a b");
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+        assert_eq!(v["usage"]["prompt_tokens"], 4);
+        assert_eq!(v["usage"]["completion_tokens"], 2);
+        // No usage from the engine: the tokens counted (two token_ids), for usage_value.
+        let v = assemble_sse(
+            sse(&[c(" a", Value::Null), c(" b", json!("stop"))], true).as_bytes(),
+            false,
+        )
+        .unwrap();
+        assert_eq!(v["usage"], json!({"completion_tokens": 2}));
+        assert_eq!(usage_value(v.get("usage"), 9, 0)["estimated"], true);
+        // Chat deltas become one message.
+        let d = |delta: Value, fr: Value| json!({"id": "c", "choices": [{"index": 0, "delta": delta, "finish_reason": fr}]});
+        let v = assemble_sse(
+            sse(
+                &[
+                    d(json!({"role": "assistant", "content": ""}), Value::Null),
+                    d(json!({"content": "x"}), Value::Null),
+                    d(json!({"content": "y"}), json!("stop")),
+                ],
+                true,
+            )
+            .as_bytes(),
+            true,
+        )
+        .unwrap();
+        assert_eq!(v["object"], "chat.completion");
+        assert_eq!(
+            v["choices"][0]["message"],
+            json!({"role": "assistant", "content": "xy"})
+        );
+        assert_eq!(v["usage"]["completion_tokens"], 2);
+        // Failures are a streamed leg's.
+        let err = json!({"error": {"message": "boom", "code": 400}});
+        assert_eq!(
+            assemble_sse(sse(&[c(" a", Value::Null), err], true).as_bytes(), false),
+            Err(StreamFailure::UpstreamError {
+                status: 400,
+                message: "boom".into()
+            })
+        );
+        assert_eq!(
+            assemble_sse(sse(&[c(" a", Value::Null)], false).as_bytes(), false),
+            Err(StreamFailure::EndedWithoutDone)
+        );
+        assert_eq!(
+            assemble_sse(sse(&[], true).as_bytes(), false),
+            Err(StreamFailure::DoneBeforeToken)
+        );
+        assert!(matches!(
+            assemble_sse(b"data: nope\n\n", false),
+            Err(StreamFailure::InvalidFrame(_))
+        ));
     }
 
     /// An engine that serves a batch interleaves its choices by `index`: each becomes its own

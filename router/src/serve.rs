@@ -761,9 +761,10 @@ async fn run_attempt(
             let engine_url = url(engine);
             let out = if whole {
                 let limit = parts.cfg.serving.max_response_bytes;
-                let answer = parts
-                    .upstream
-                    .whole(&engine_url, &leg, &body, ctx.deadline, limit);
+                let answer =
+                    parts
+                        .upstream
+                        .whole(&engine_url, &leg, &body, ctx.deadline, limit, chat);
                 Output::Whole(answer.instrument(span).await.map_err(failed)?)
             } else {
                 let first_by = (now + first_token_limit(parts)).min(ctx.deadline);

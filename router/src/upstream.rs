@@ -28,8 +28,8 @@ use crate::breaker::FailureClass;
 use crate::config::{Config, secs};
 use crate::placement::Phase;
 use crate::relay::{
-    Head, RelayOptions, RelayStep, SseParser, StreamFailure, StreamState, chunk_usage,
-    upstream_error,
+    Head, RelayOptions, RelayStep, SseParser, StreamFailure, StreamState, assemble_sse,
+    chunk_usage, upstream_error,
 };
 
 /// Error answers read from an engine are capped at this many bytes.
@@ -246,7 +246,7 @@ impl Upstream {
         client_max_tokens: Option<u64>,
     ) -> Result<Prefilled, LegError> {
         let answer = self
-            .json_leg(url, leg, body, limit, PREFILL_ANSWER_LIMIT)
+            .json_leg(url, leg, body, limit, PREFILL_ANSWER_LIMIT, None)
             .await?;
         match extract_descriptor(&answer) {
             Ok(d) => Ok(Prefilled::Descriptor(d)),
@@ -265,14 +265,16 @@ impl Upstream {
         body: &Value,
         limit: Instant,
     ) -> Result<(), LegError> {
-        self.json_leg(url, leg, body, limit, PREFILL_ANSWER_LIMIT)
+        self.json_leg(url, leg, body, limit, PREFILL_ANSWER_LIMIT, None)
             .await
             .map(|_| ())
     }
 
     /// A whole (non-streaming) leg: a non-streaming client's request on an aggregated
     /// engine, answered as the engine answers it (its usage, its errors). Bounded by `limit`
-    /// (the request deadline) and `max_bytes` (`serving.max_response_bytes`).
+    /// (the request deadline) and `max_bytes` (`serving.max_response_bytes`). An engine that
+    /// streams the answer anyway (`text/event-stream` to `"stream": false`) has it assembled
+    /// into one answer for a chat (`chat`) or completions client ([`assemble_sse`]).
     pub(crate) async fn whole(
         &self,
         url: &str,
@@ -280,11 +282,15 @@ impl Upstream {
         body: &Value,
         limit: Instant,
         max_bytes: u64,
+        chat: bool,
     ) -> Result<Value, LegError> {
         let max = usize::try_from(max_bytes).unwrap_or(usize::MAX);
-        self.json_leg(url, leg, body, limit, max).await
+        self.json_leg(url, leg, body, limit, max, Some(chat)).await
     }
 
+    /// POSTs a non-streaming leg and reads its JSON answer. `sse_chat`: a streamed answer is
+    /// assembled (for a chat client when `Some(true)`); `None` (prefill legs) refuses it as
+    /// not JSON.
     async fn json_leg(
         &self,
         url: &str,
@@ -292,6 +298,7 @@ impl Upstream {
         body: &Value,
         limit: Instant,
         max_bytes: usize,
+        sse_chat: Option<bool>,
     ) -> Result<Value, LegError> {
         let fut = async {
             let resp = self.post(url, leg, body).await?;
@@ -302,6 +309,15 @@ impl Upstream {
                     .unwrap_or_default();
                 return Err(status_error(status, &bytes));
             }
+            let streamed = resp
+                .headers()
+                .get(http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| {
+                    v.trim_start()
+                        .to_ascii_lowercase()
+                        .starts_with("text/event-stream")
+                });
             let bytes = match read_bounded(resp.into_body(), max_bytes).await {
                 Ok(b) => b,
                 Err(ReadFailure::TooLarge) => {
@@ -311,8 +327,11 @@ impl Upstream {
                     return Err(LegError::Cut(format!("reading the answer: {e}")));
                 }
             };
-            let answer = serde_json::from_slice::<Value>(&bytes)
-                .map_err(|e| LegError::InvalidResponse(format!("answer is not JSON: {e}")))?;
+            let answer = match sse_chat {
+                Some(chat) if streamed => assemble_sse(&bytes, chat).map_err(LegError::Stream)?,
+                _ => serde_json::from_slice::<Value>(&bytes)
+                    .map_err(|e| LegError::InvalidResponse(format!("answer is not JSON: {e}")))?,
+            };
             if let Some(err) = answer.get("error").filter(|e| !e.is_null()) {
                 return Err(LegError::Stream(upstream_error(err)));
             }
