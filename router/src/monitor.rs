@@ -205,11 +205,7 @@ async fn generation(parts: &Parts, iid: usize) -> Result<(), String> {
         body["bootstrap_host"] = json!(FAKE_BOOTSTRAP_HOST);
         body["bootstrap_room"] = json!(0);
     }
-    let opts = RelayOptions {
-        return_token_ids: false,
-        max_response_bytes: cfg.serving.max_response_bytes,
-        collect: false,
-    };
+    let opts = RelayOptions::new(cfg.serving.max_response_bytes, false);
     let limit: Duration = secs(
         cfg.engine
             .first_token_timeout_s
