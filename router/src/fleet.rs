@@ -477,6 +477,7 @@ impl Fleet {
                     slot.excluded.remove(&Exclusion::AwaitingHealth);
                     let name = &self.names[iid];
                     self.metrics
+                        .engines
                         .ejections
                         .get_or_create(&labels(&[("iid", name), ("cause", cause.as_str())]))
                         .inc();
@@ -489,6 +490,7 @@ impl Fleet {
                     slot.excluded.remove(&Exclusion::AwaitingHealth);
                     let name = &self.names[iid];
                     self.metrics
+                        .engines
                         .readmissions
                         .get_or_create(&labels(&[("iid", name), ("evidence", evidence)]))
                         .inc();

@@ -75,6 +75,7 @@ pub(crate) async fn startup(parts: &Parts) {
 fn count(parts: &Parts, iid: usize, kind: &str, outcome: &str) {
     parts
         .metrics
+        .engines
         .probes
         .get_or_create(&labels(&[
             ("iid", &parts.cfg.engines[iid].iid),
