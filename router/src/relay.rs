@@ -1034,6 +1034,11 @@ struct ChoiceAcc {
     finish_reason: Value,
     stop_reason: Option<Value>,
     logprobs: Option<Value>,
+    /// The choice's `token_ids`, concatenated over its chunks (present only when the relay
+    /// kept them: the client set `return_token_ids`).
+    token_ids: Option<Vec<Value>>,
+    /// The choice's `prompt_token_ids` (vLLM completions), as first seen.
+    prompt_token_ids: Option<Value>,
 }
 
 impl ChoiceAcc {
@@ -1048,6 +1053,8 @@ impl ChoiceAcc {
             finish_reason: Value::Null,
             stop_reason: None,
             logprobs: None,
+            token_ids: None,
+            prompt_token_ids: None,
         }
     }
 }
@@ -1060,6 +1067,8 @@ pub struct Aggregator {
     id: Option<Value>,
     created: Option<Value>,
     model: Option<Value>,
+    /// Top-level `prompt_token_ids` (vLLM chat), as first seen.
+    prompt_token_ids: Option<Value>,
     choices: Vec<ChoiceAcc>,
 }
 
@@ -1095,6 +1104,12 @@ impl Aggregator {
                 *slot = chunk.get(k).cloned();
             }
         }
+        if self.prompt_token_ids.is_none() {
+            self.prompt_token_ids = chunk
+                .get("prompt_token_ids")
+                .filter(|v| !v.is_null())
+                .cloned();
+        }
         let Some(choices) = chunk.get("choices").and_then(Value::as_array) else {
             return;
         };
@@ -1124,18 +1139,33 @@ impl Aggregator {
             .into_iter()
             .map(|c| finish_choice(c, chat))
             .collect();
-        json!({
+        let mut answer = json!({
             "id": self.id.unwrap_or(Value::Null),
             "created": self.created.unwrap_or(Value::Null),
             "model": self.model.unwrap_or(Value::Null),
             "object": if chat { "chat.completion" } else { "text_completion" },
             "choices": choices,
             "usage": usage,
-        })
+        });
+        if let (Some(ids), Some(o)) = (self.prompt_token_ids, answer.as_object_mut()) {
+            o.insert("prompt_token_ids".into(), ids);
+        }
+        answer
     }
 }
 
 fn merge_choice(acc: &mut ChoiceAcc, choice: &Value, chat: bool) {
+    if let Some(ids) = choice.get("token_ids").and_then(Value::as_array) {
+        acc.token_ids
+            .get_or_insert_with(Vec::new)
+            .extend(ids.iter().cloned());
+    }
+    if acc.prompt_token_ids.is_none() {
+        acc.prompt_token_ids = choice
+            .get("prompt_token_ids")
+            .filter(|v| !v.is_null())
+            .cloned();
+    }
     if let Some(fr) = choice.get("finish_reason").filter(|f| !f.is_null()) {
         acc.finish_reason = fr.clone();
     }
@@ -1257,6 +1287,12 @@ fn finish_choice(c: ChoiceAcc, chat: bool) -> Value {
     if let Some(lp) = c.logprobs {
         choice.insert("logprobs".into(), lp);
     }
+    if let Some(ids) = c.token_ids {
+        choice.insert("token_ids".into(), ids.into());
+    }
+    if let Some(ids) = c.prompt_token_ids {
+        choice.insert("prompt_token_ids".into(), ids);
+    }
     Value::Object(choice)
 }
 
@@ -1267,6 +1303,42 @@ mod tests {
 
     fn opts() -> RelayOptions {
         RelayOptions::new(1 << 20, false)
+    }
+
+    /// A non-streaming client that set `return_token_ids` gets, in the assembled answer, the
+    /// `token_ids` of every chunk (concatenated per choice) and the `prompt_token_ids`, as
+    /// vLLM's own non-streaming answer carries them (`token_ids` per choice; completions'
+    /// `prompt_token_ids` per choice, chat's at the top). They were dropped before.
+    #[test]
+    fn assembled_answers_keep_the_token_ids_the_relay_kept() {
+        let mut a = Aggregator::new(false);
+        a.push(
+            &json!({"id": "c", "choices": [{"index": 0, "text": "a", "token_ids": [5],
+                        "prompt_token_ids": [1, 2]}]}),
+        );
+        a.push(
+            &json!({"choices": [{"index": 0, "text": "b", "token_ids": [6, 7],
+                        "finish_reason": "length"}]}),
+        );
+        let out = a.finish(json!(null));
+        assert_eq!(out["choices"][0]["token_ids"], json!([5, 6, 7]), "{out}");
+        assert_eq!(
+            out["choices"][0]["prompt_token_ids"],
+            json!([1, 2]),
+            "{out}"
+        );
+        let mut a = Aggregator::new(true);
+        a.push(&json!({"prompt_token_ids": [3], "choices": [{"index": 0,
+                        "delta": {"role": "assistant", "content": "x"}, "token_ids": [9]}]}));
+        let out = a.finish(json!(null));
+        assert_eq!(out["prompt_token_ids"], json!([3]), "{out}");
+        assert_eq!(out["choices"][0]["token_ids"], json!([9]), "{out}");
+        // Frames the relay stripped (the client did not ask) assemble without them.
+        let mut a = Aggregator::new(false);
+        a.push(&json!({"choices": [{"index": 0, "text": "a"}]}));
+        let out = a.finish(json!(null));
+        assert!(out["choices"][0].get("token_ids").is_none(), "{out}");
+        assert!(out.get("prompt_token_ids").is_none(), "{out}");
     }
 
     /// Feeds one payload; on `Output`, the frames it released, as JSON values.
