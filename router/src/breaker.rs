@@ -95,6 +95,8 @@ pub enum EjectCause {
     ProcessIdentity,
     /// Ejected by the router whose handoff this router applied (`--resume`, takeover).
     Restored,
+    /// An engine-side role switch failed (controller-notes 9.2).
+    RoleSwitch,
 }
 
 impl EjectCause {
@@ -105,6 +107,7 @@ impl EjectCause {
             EjectCause::HealthProbe => "health_probe",
             EjectCause::ProcessIdentity => "process_identity",
             EjectCause::Restored => "handoff",
+            EjectCause::RoleSwitch => "role_switch",
         }
     }
 }

@@ -1,13 +1,20 @@
-//! Demand risk: the newest consolidation-risk event the handoff carries as `demand_risk`
-//! (reference-notes 9; controller-notes section 8), with per-kind counts.
+//! Demand: the arrival windows and the demand model the role controller prices
+//! (`window`, `model`; controller-notes 3.2–4.1), and the newest consolidation-risk event the
+//! handoff carries as `demand_risk` (reference-notes 9; controller-notes section 8), with
+//! per-kind counts.
 //!
 //! ```text
 //!  serve: a decode leg missed its first-token deadline ──record("first_token_timeout", now)──►
+//!  controller: a move to decode ──record("p_to_d_recovery", now)──►
 //!  handoff snapshot ◄──snapshot(now)── Demand ◄──restore_once(doc, gap)── handoff apply
+//!  controller evidence gate ◄──risk()── Demand
 //! ```
 //!
 //! [`Demand`] is pure (the monotonic `now` is passed in); [`DemandRisk`] is the router's shared
 //! handle to it.
+
+pub(crate) mod model;
+pub(crate) mod window;
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
@@ -29,8 +36,8 @@ pub(crate) struct Demand {
 
 impl Demand {
     /// Records an event of `kind` at `now`: `first_token_timeout` (a decode leg missed its
-    /// first-token deadline) or `p_to_d_recovery` (a prefill→decode role move; this router
-    /// never moves roles, so only a restored handoff carries that kind).
+    /// first-token deadline) or `p_to_d_recovery` (a prefill→decode role move: a reactive
+    /// move to decode or a decode-floor restoration).
     pub(crate) fn record(&mut self, kind: &str, now: Instant) {
         if self.since.is_none_or(|s| now >= s) {
             self.since = Some(now);
@@ -57,6 +64,23 @@ impl Demand {
         }
         self.applied = Some(id);
         self.restore(risk, gap_s, now);
+    }
+
+    /// The newest event: its kind and monotonic time (`None` before any event).
+    pub(crate) fn risk(&self) -> Option<(&str, Instant)> {
+        self.since.map(|s| (self.kind.as_str(), s))
+    }
+
+    /// Events seen per kind (both kinds present, 0 until seen).
+    pub(crate) fn events(&self) -> BTreeMap<String, u64> {
+        let mut e: BTreeMap<String, u64> = ["first_token_timeout", "p_to_d_recovery"]
+            .iter()
+            .map(|k| ((*k).to_string(), 0))
+            .collect();
+        for (k, n) in &self.events {
+            *e.entry(k.clone()).or_default() += n;
+        }
+        e
     }
 
     /// The handoff shape: `null` before any event (reference-notes 9).

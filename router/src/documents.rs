@@ -173,7 +173,7 @@ pub(crate) fn state(parts: &Parts) -> Value {
     pinned.sort_unstable();
     let adm = parts.admission.stats();
     let resume = parts.ha.resume_refused();
-    json!({
+    let mut doc = json!({
         "schema": "narwhal.state",
         "schema_version": 1,
         "journal_run": parts.journal.run(),
@@ -187,9 +187,7 @@ pub(crate) fn state(parts: &Parts) -> Value {
         "invalid_requests": tally.invalid_requests,
         "rejected": tally.rejected,
         "refused": tally.refused,
-        "controller": "reactive",
         "token_accounting": "token_ids",
-        "monitoring": {"degraded": false, "reason": null, "core_consecutive": 0, "core_failures": 0},
         "ha": {
             "ready": ready,
             "standby": ha.phase.standby(),
@@ -205,8 +203,7 @@ pub(crate) fn state(parts: &Parts) -> Value {
             "queued": adm.queued,
             "queue_capacity": cfg.serving.queue_capacity,
             "queue_high_water": adm.queue_high_water,
-            "waiting_prefill": 0,
-            "waiting_decode": 0,
+            "waiting_prefill": parts.controller.waiting_prefill().unwrap_or(adm.queued),
             "limit": adm.limit,
             "loop_lag_s": 0.0,
             "sizing_delay_s": 0.0,
@@ -214,7 +211,7 @@ pub(crate) fn state(parts: &Parts) -> Value {
             "rejected": tally.rejected,
             "refused": tally.refused,
             "engine_auth": if cfg.engine.engine_api_key.is_some() { "bearer" } else { "boundary" },
-            "mode": "open",
+            "mode": cfg.serving.admission.as_str(),
             "margin": cfg.serving.admission_margin,
         },
         "outcome_reasons": tally.reasons_json(),
@@ -256,7 +253,12 @@ pub(crate) fn state(parts: &Parts) -> Value {
         },
         "unserved": parts.accounting.unserved(),
         "journal_dropped": parts.journal.dropped(),
-    })
+    });
+    // The role controller's fields (controller-notes 13), live, or absent when it is off.
+    if let Some(m) = doc.as_object_mut() {
+        m.extend(parts.controller.state());
+    }
+    doc
 }
 
 /// Refreshes the scrape-time gauges and renders `/metrics` (reference-notes 10).
@@ -324,7 +326,9 @@ pub(crate) fn metrics(parts: &Parts) -> String {
             .get_or_create(&labels(&[("role", "decode")]))
             .set(pool[1]);
     });
-    m.render()
+    let mut text = m.render();
+    text.push_str(&parts.controller.metrics(parts.accounting.unserved()));
+    text
 }
 
 #[cfg(test)]

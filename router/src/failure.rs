@@ -14,11 +14,12 @@ use bytes::Bytes;
 use http::{Response, StatusCode};
 use serde_json::{Value, json};
 
+use crate::admission::Refusal;
 use crate::ingress::IngressError;
 use crate::outcome::{Settlement, Terminal};
 use crate::placement::Phase;
 use crate::relay::{StreamFailure, error_frame};
-use crate::response::{Body, json_response, with_retry_after};
+use crate::response::{Body, json_response, with_retry_after, with_retry_after_s};
 use crate::upstream::LegError;
 
 /// Where a request ran out of time (each says so in the journal; the client sees 504
@@ -71,6 +72,9 @@ pub(crate) enum RequestFailure {
     NotInControl,
     /// No schedulable engine for an attempt: 503 `no_schedulable_engines`.
     NoEngine,
+    /// Predictive admission refused the request (controller-notes 10.6): 429
+    /// `server_overloaded_error`, `Retry-After` per cause, counted `refused/<cause>`.
+    Refused(Refusal),
     /// The last attempt's leg failed before output (after any retries): the engine's 4xx for
     /// a client fault, else 502 (504 for a timeout) typed with the leg's phase.
     Leg {
@@ -177,6 +181,13 @@ impl RequestFailure {
                 "no schedulable engine for this attempt",
                 "no_schedulable_engines",
             ),
+            RequestFailure::Refused(r) => Settlement::new(
+                Terminal::Refused,
+                r.cause,
+                status,
+                format!("refused: {}", r.cause),
+                "server_overloaded_error",
+            ),
             RequestFailure::Leg { phase, err } => match err.client_fault() {
                 Some(_) => Settlement::new(
                     Terminal::Failed,
@@ -215,7 +226,9 @@ impl RequestFailure {
     /// The HTTP status: the one answered before output, 200 once output started.
     pub(crate) fn status(&self) -> StatusCode {
         match self {
-            RequestFailure::InflightLimit => StatusCode::TOO_MANY_REQUESTS,
+            RequestFailure::InflightLimit | RequestFailure::Refused(_) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             RequestFailure::NotReady { .. }
             | RequestFailure::NotInControl
             | RequestFailure::NoEngine => StatusCode::SERVICE_UNAVAILABLE,
@@ -264,6 +277,7 @@ impl RequestFailure {
             RequestFailure::NoEngine => {
                 coded_body("Engine capacity is unavailable", "no_schedulable_engines")
             }
+            RequestFailure::Refused(r) => error_body(&r.message, "server_overloaded_error"),
             RequestFailure::Leg { phase, err } => match err.client_fault() {
                 Some((_, message, param)) => json!({"error": {
                     "message": message, "type": "invalid_request_error", "param": param, "code": null,
@@ -282,24 +296,31 @@ impl RequestFailure {
         }
     }
 
-    /// Whether the answer carries `Retry-After: 1` (overload and readiness refusals).
+    /// Whether the answer carries `Retry-After` (overload and readiness refusals: 1 s; a
+    /// predictive refusal: its own, or none for `prompt`).
     pub(crate) fn retry_after(&self) -> bool {
-        matches!(
-            self,
+        self.retry_after_s().is_some()
+    }
+
+    /// The `Retry-After` seconds, if the answer carries one.
+    pub(crate) fn retry_after_s(&self) -> Option<u64> {
+        match self {
             RequestFailure::InflightLimit
-                | RequestFailure::NotReady { .. }
-                | RequestFailure::NotInControl
-                | RequestFailure::NoEngine
-        )
+            | RequestFailure::NotReady { .. }
+            | RequestFailure::NotInControl
+            | RequestFailure::NoEngine => Some(1),
+            RequestFailure::Refused(r) => r.retry_after,
+            _ => None,
+        }
     }
 
     /// The full answer before output, with `x-request-id: rid`.
     pub(crate) fn response(&self, rid: &str) -> Response<Body> {
         let r = json_response(self.status(), &self.body(), rid);
-        if self.retry_after() {
-            with_retry_after(r)
-        } else {
-            r
+        match self.retry_after_s() {
+            Some(1) => with_retry_after(r),
+            Some(n) => with_retry_after_s(r, n),
+            None => r,
         }
     }
 

@@ -39,6 +39,9 @@ pub(crate) struct FleetState {
     suspects: Vec<BTreeSet<String>>,
     /// SGLang prefill engines' `disaggregation_bootstrap_port`, learned from `/server_info`.
     bootstrap_ports: Vec<Option<u16>>,
+    /// Engines new placements avoid while another of their role is available (a donor held
+    /// for an engine-side role switch; controller-notes 9.2).
+    avoided: BTreeSet<usize>,
 }
 
 impl FleetState {
@@ -95,6 +98,7 @@ impl Fleet {
                 breaker: Breaker::new(n, cfg.recovery.eject_after, probe_interval),
                 suspects: vec![BTreeSet::new(); n],
                 bootstrap_ports: vec![None; n],
+                avoided: BTreeSet::new(),
             }),
             live: AtomicUsize::new(n),
             held: AtomicBool::new(false),
@@ -134,7 +138,43 @@ impl Fleet {
     /// `avoid`; `None` when no engine can serve.
     pub(crate) fn place(&self, avoid: &BTreeSet<usize>, aggregate: Aggregate) -> Option<Plan> {
         let state = self.lock();
-        placement::plan_with(&state.slots, avoid, aggregate, &mut rand::rng())
+        if state.avoided.is_empty() {
+            return placement::plan_with(&state.slots, avoid, aggregate, &mut rand::rng());
+        }
+        let avoid: BTreeSet<usize> = avoid.union(&state.avoided).copied().collect();
+        placement::plan_with(&state.slots, &avoid, aggregate, &mut rand::rng())
+    }
+
+    /// The router role of engine `iid`.
+    pub(crate) fn role(&self, iid: usize) -> Role {
+        self.lock().slots[iid].role
+    }
+
+    /// Gives engine `iid` router role `role` (a role flip; the role controller decides).
+    /// Residents stay where they are; new placements follow the new role.
+    pub(crate) fn set_role(&self, iid: usize, role: Role) {
+        let mut state = self.lock();
+        if state.slots[iid].role != role {
+            state.slots[iid].role = role;
+            self.dirty.notify_one();
+        }
+    }
+
+    /// Takes engine `iid` out of placement while its role changes (`switching`), or returns
+    /// it.
+    pub(crate) fn set_switching(&self, iid: usize, switching: bool) {
+        let mut state = self.lock();
+        if switching {
+            state.slots[iid].excluded.insert(Exclusion::Switching);
+        } else {
+            state.slots[iid].excluded.remove(&Exclusion::Switching);
+        }
+        self.recount(&state);
+    }
+
+    /// The engines new placements avoid while others of their role are available.
+    pub(crate) fn set_avoided(&self, avoided: BTreeSet<usize>) {
+        self.lock().avoided = avoided;
     }
 
     /// Counts a request resident on `iid` in `phase` until the guard drops.

@@ -64,7 +64,7 @@ async fn probe(parts: Arc<Parts>, iid: usize, kind: ProbeKind) {
         .inc();
     if ok
         && parts.cfg.backend == Backend::Sglang
-        && engine.role == Role::Prefill
+        && parts.fleet.role(iid) == Role::Prefill
         && let Err(e) = bootstrap::refresh(&parts.cfg, &parts.fleet, &parts.upstream, iid).await
     {
         tracing::warn!(error = %e, "bootstrap port refresh failed");
@@ -94,7 +94,7 @@ pub(crate) async fn warm_bootstrap_ports(parts: Arc<Parts>) {
         return;
     }
     for (iid, e) in parts.cfg.engines.iter().enumerate() {
-        if e.role == Role::Prefill
+        if parts.fleet.role(iid) == Role::Prefill
             && let Err(err) =
                 bootstrap::refresh(&parts.cfg, &parts.fleet, &parts.upstream, iid).await
         {

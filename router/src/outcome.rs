@@ -163,12 +163,15 @@ pub struct RequestRecord {
     pub output_started: bool,
     /// Failures of earlier attempts (`{phase, iid, reason, error}`).
     pub attempt_failures: Vec<Value>,
+    /// The latest TTFT price (controller-notes 11.2 `admission_price`), null when never
+    /// priced.
+    pub admission_price: Option<Value>,
 }
 
 impl RequestRecord {
     /// The journal row (without `schema`, `schema_version`, `run`, which the journal adds).
     pub fn row(&self, s: &Settlement) -> Value {
-        json!({
+        let mut row = json!({
             "rid": self.rid,
             "arrived": self.arrived,
             "input_len": self.input_len,
@@ -187,7 +190,13 @@ impl RequestRecord {
             "terminal": s.terminal.as_str(),
             "stream": self.stream,
             "endpoint": self.endpoint,
-        })
+            "admission_price": self.admission_price,
+        });
+        if s.terminal == Terminal::Refused {
+            row["refused"] = json!(true);
+            row["refused_cause"] = json!(s.reason);
+        }
+        row
     }
 }
 

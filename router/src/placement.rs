@@ -25,6 +25,9 @@ pub enum Exclusion {
     Ejected,
     /// A lifecycle hold (drain, wave, validation) keeps it out (`Fleet::set_held`).
     Draining,
+    /// Its role is changing: an engine-side switch or the role check runs
+    /// (controller-notes 9.2 `switching`).
+    Switching,
 }
 
 impl Exclusion {
@@ -33,6 +36,7 @@ impl Exclusion {
         match self {
             Exclusion::Ejected => "ejected",
             Exclusion::Draining => "draining",
+            Exclusion::Switching => "switching",
         }
     }
 }

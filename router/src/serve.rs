@@ -31,6 +31,7 @@ use tracing::Instrument;
 use crate::bootstrap;
 use crate::breaker::Observation;
 use crate::config::{Backend, secs};
+use crate::controller::Track;
 use crate::failure::{Expiry, RequestFailure};
 use crate::fleet::Resident;
 use crate::ingress::{self, Endpoint, Validated};
@@ -92,6 +93,8 @@ struct Started {
     producer: Option<usize>,
     /// When the decode leg was dispatched (for `upstream_seconds.decode`).
     decode_at: Instant,
+    /// The role controller's bookkeeping of this request (token gaps).
+    track: Track,
 }
 
 /// What every step of one request needs.
@@ -101,6 +104,8 @@ struct Ctx<'a> {
     v: &'a Validated,
     rid: &'a str,
     deadline: Instant,
+    /// The role controller's bookkeeping of this request.
+    track: &'a Track,
 }
 
 /// Serve one completion POST. Never fails: every outcome is a response and one settlement.
@@ -135,7 +140,11 @@ async fn completion_inner(
             ..Default::default()
         },
     );
+    let track = parts.controller.track(&rid);
     let fail = |pending: Pending, failure: RequestFailure| {
+        if matches!(failure, RequestFailure::Invalid(_)) {
+            track.invalid();
+        }
         pending.settle(failure.settlement());
         failure.response(&rid)
     };
@@ -179,31 +188,20 @@ async fn completion_inner(
         Err(e) => return fail(pending, RequestFailure::Invalid(e)),
     };
     pending.record().stream = v.stream;
-    pending.record().input_len = Some(v.input_len);
+    let input_len = parts.controller.size(&track, &v).await;
+    pending.record().input_len = Some(input_len);
 
-    // Admission seat (FIFO queue bounded by queue_timeout_s when queue_capacity > 0).
-    let permit: OwnedSemaphorePermit = if parts.cfg.serving.queue_capacity == 0 {
-        match parts.admission.seats().clone().try_acquire_owned() {
-            Ok(p) => p,
-            Err(_) => return fail(pending, RequestFailure::InflightLimit),
-        }
-    } else {
-        let queue_by = arrived + secs(parts.cfg.serving.queue_timeout_s);
-        let by = queue_by.min(deadline);
-        let waiting = parts.admission.queued();
-        let acquired =
-            tokio::time::timeout_at(by.into(), parts.admission.seats().clone().acquire_owned())
-                .await;
-        drop(waiting);
-        match acquired {
-            Ok(Ok(p)) => p,
-            _ => {
-                let deadline_first = by == deadline;
-                return fail(
-                    pending,
-                    RequestFailure::Expired(Expiry::Queue { deadline_first }),
-                );
-            }
+    // Admission seat (FIFO queue bounded by queue_timeout_s when queue_capacity > 0; queued
+    // requests are re-priced under predictive admission: controller-notes 10.1).
+    let permit: OwnedSemaphorePermit = match parts
+        .controller
+        .seat(&parts.admission, &track, deadline)
+        .await
+    {
+        Ok(p) => p,
+        Err(failure) => {
+            refused_attempt(&parts, &mut pending, &failure, 1);
+            return fail(pending, failure);
         }
     };
 
@@ -213,6 +211,7 @@ async fn completion_inner(
         v: &v,
         rid: &rid,
         deadline,
+        track: &track,
     };
     let outcome = tokio::time::timeout_at(deadline.into(), attempts(&ctx, &mut pending)).await;
     let started = match outcome {
@@ -243,7 +242,7 @@ async fn completion_inner(
         let span = tracing::Span::current();
         tokio::spawn(
             async move {
-                let _held = (retained, permit);
+                let _held = (retained, permit, track);
                 let mut client = Stream(tx);
                 let end = relay(
                     &task_parts,
@@ -257,6 +256,7 @@ async fn completion_inner(
                 match end {
                     Relayed::Done { .. } => {
                         client.finish(done_frame()).await;
+                        _held.2.completed();
                         pending.settle(Settlement::completed());
                     }
                     // Client gone (or too slow): `pending` settles on drop.
@@ -303,6 +303,7 @@ async fn completion_inner(
                 prompt_tokens,
                 tokens,
             } => {
+                track.completed();
                 pending.settle(Settlement::completed());
                 let prompt = prompt_tokens.unwrap_or(v.input_len);
                 json_response(StatusCode::OK, &agg.finish(prompt, tokens), &rid)
@@ -359,6 +360,20 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Reque
         let Some(plan) = plan else {
             return Err(RequestFailure::NoEngine);
         };
+        // The TTFT price at placement (controller-notes 10.4): journalled, and under
+        // predictive admission a first attempt over budget is refused undispatched.
+        match parts
+            .controller
+            .admit(ctx.track, plan, n, || parts.accounting.unserved_placement())
+        {
+            Ok(price) => pending.record().admission_price = price,
+            Err(refusal) => {
+                pending.record().admission_price = Some(refusal.price.json());
+                let failure = RequestFailure::Refused(refusal);
+                refused_attempt(parts, pending, &failure, n);
+                return Err(failure);
+            }
+        }
         {
             let rec = pending.record();
             rec.attempts = n;
@@ -384,6 +399,7 @@ async fn attempts(ctx: &Ctx<'_>, pending: &mut Pending) -> Result<Started, Reque
             Ok(s) => return Ok(s),
             Err(f) => f,
         };
+        ctx.track.attempt_ended();
         // Breaker and accounting for the failed leg.
         match f.err.class(f.phase) {
             Some(class) => parts
@@ -461,6 +477,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
     match plan {
         Plan::Aggregated { engine } => {
             let seat = parts.fleet.resident(engine, Phase::Decode);
+            ctx.track.dispatched(engine, Phase::Decode);
             let mut body = decode_body(&ctx.v.body, None, !(sglang && chat));
             if sglang {
                 body["rid"] = Value::String(format!("{base}-decode"));
@@ -484,6 +501,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                     err,
                     producer: None,
                 })?;
+            ctx.track.first_token();
             Ok(Started {
                 live,
                 _seat: seat,
@@ -491,6 +509,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                 decode_iid: engine,
                 producer: None,
                 decode_at: now,
+                track: ctx.track.clone(),
             })
         }
         Plan::Split { prefill, decode } if !sglang => {
@@ -500,6 +519,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
             // "Draining engines"; `ready_to_stop` must not turn true under it).
             let seat_p = parts.fleet.resident(prefill, Phase::Prefill);
             let seat = parts.fleet.resident(decode, Phase::Decode);
+            ctx.track.dispatched(prefill, Phase::Prefill);
             parts.accounting.prefill_dispatched();
             let limit = (now + secs(parts.cfg.serving.prefill_timeout_s)).min(ctx.deadline);
             let t0 = parts.clock.now();
@@ -526,6 +546,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                 .prefill_time((parts.clock.now() - t0).as_secs_f64());
             parts.fleet.observe(prefill, Observation::PrefillOk);
             let decode_at = parts.clock.now();
+            ctx.track.dispatched(decode, Phase::Decode);
             parts.accounting.decode_dispatched();
             let body = decode_body(&ctx.v.body, (decode != prefill).then_some(&desc), true);
             let first_by = (parts.clock.now() + first_token_limit(parts)).min(ctx.deadline);
@@ -549,6 +570,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
             // The decode has its first token: the KV left the producer.
             drop(seat_p);
             let live = live?;
+            ctx.track.first_token();
             Ok(Started {
                 live,
                 _seat: seat,
@@ -556,6 +578,7 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                 decode_iid: decode,
                 producer: Some(prefill),
                 decode_at,
+                track: ctx.track.clone(),
             })
         }
         Plan::Split { prefill, decode } => {
@@ -581,6 +604,8 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
             let purl = url(prefill);
             let limit = (now + secs(parts.cfg.serving.prefill_timeout_s)).min(ctx.deadline);
             let task_parts = parts.clone();
+            ctx.track.dispatched(prefill, Phase::Prefill);
+            ctx.track.dispatched(decode, Phase::Decode);
             parts.accounting.prefill_dispatched();
             parts.accounting.decode_dispatched();
             let pspan = tracing::info_span!("prefill", engine = %parts.cfg.engines[prefill].iid);
@@ -620,7 +645,10 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                     }
                     d = &mut dfut => {
                         return match d {
-                            Ok(live) => Ok(Started { live, _seat: seat_d, _prefill_task: Some(ptask), decode_iid: decode, producer: Some(prefill), decode_at: now }),
+                            Ok(live) => {
+                                ctx.track.first_token();
+                                Ok(Started { live, _seat: seat_d, _prefill_task: Some(ptask), decode_iid: decode, producer: Some(prefill), decode_at: now, track: ctx.track.clone() })
+                            }
                             Err(err) => {
                                 // A failed prefill usually fails the waiting decode too, and the
                                 // two answers race: give the prefill a moment so its error (often
@@ -639,6 +667,17 @@ async fn run_attempt(ctx: &Ctx<'_>, n: u32, plan: Plan) -> Result<Started, Fail>
                 }
             }
         }
+    }
+}
+
+/// A predictive refusal counts one failed, undispatched attempt (controller-notes 10.7).
+fn refused_attempt(parts: &Parts, pending: &mut Pending, failure: &RequestFailure, attempt: u32) {
+    if let RequestFailure::Refused(r) = failure {
+        parts.accounting.attempt_failed(Phase::Prefill, r.cause);
+        pending.record().attempt_failures.push(serde_json::json!({
+            "attempt": attempt, "phase": "prefill", "iid": null, "reason": r.cause,
+            "error": r.message, "transient": false, "retry_reason": "not_dispatched",
+        }));
     }
 }
 
@@ -766,6 +805,7 @@ async fn relay(
 ) -> Relayed {
     let streaming = pending.record_ref().stream;
     let mut clock = TokenClock::new(first_at, started.live.tokens());
+    started.track.tokens(started.live.tokens());
     let end = 'relay: {
         for c in std::mem::take(&mut started.live.first) {
             if !sink.deliver(&c, deadline).await {
@@ -783,6 +823,7 @@ async fn relay(
                 s = started.live.next(gap) => s,
             };
             clock.update(parts.clock.now(), started.live.tokens());
+            started.track.tokens(started.live.tokens());
             let err = match step {
                 Ok(RelayStep::Output(chunks)) => {
                     for c in &chunks {

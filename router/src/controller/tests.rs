@@ -1,0 +1,1 @@
+//! Pure-core tests of the controller (filled below).
