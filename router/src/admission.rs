@@ -152,7 +152,7 @@ pub(crate) struct Price {
 
 fn round6(x: f64) -> Value {
     if x.is_finite() {
-        json!((x * 1e6).round() / 1e6)
+        json!((x * 1e6).round() / 1e6 + 0.0)
     } else {
         Value::Null
     }

@@ -68,6 +68,8 @@ pub(crate) struct Fleet {
     live: AtomicUsize,
     held: AtomicBool,
     resident_changed: Notify,
+    /// Wakes the role controller when an exclusion changed (its prefill-floor edges).
+    availability: Notify,
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
     journal: Journal,
@@ -103,6 +105,7 @@ impl Fleet {
             live: AtomicUsize::new(n),
             held: AtomicBool::new(false),
             resident_changed: Notify::new(),
+            availability: Notify::new(),
             clock,
             metrics,
             journal,
@@ -333,7 +336,14 @@ impl Fleet {
 
     fn recount(&self, state: &FleetState) {
         let live = state.slots.iter().filter(|s| s.is_live()).count();
-        self.live.store(live, Ordering::Release);
+        if self.live.swap(live, Ordering::AcqRel) != live {
+            self.availability.notify_one();
+        }
+    }
+
+    /// Resolves after the live engine count changed (the role controller's floor edges).
+    pub(crate) async fn availability_changed(&self) {
+        self.availability.notified().await;
     }
 
     /// Applies breaker transitions: exclusion set, metrics, journal events, logs; an

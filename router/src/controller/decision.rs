@@ -138,7 +138,7 @@ pub(crate) fn round(x: f64, places: i32) -> Value {
         return Value::Null;
     }
     let f = 10f64.powi(places);
-    json!((x * f).round() / f)
+    json!((x * f).round() / f + 0.0)
 }
 
 /// Decision details in insertion order.

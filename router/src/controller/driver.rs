@@ -36,6 +36,17 @@ const SWITCH_RETRY: Duration = Duration::from_millis(200);
 /// The client timeout of one switch call.
 const SWITCH_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// What woke the driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// The monitor interval.
+    Scheduled,
+    /// The urgency latch.
+    Urgent,
+    /// An exclusion changed.
+    Availability,
+}
+
 /// Every configured engine as the fleet has it now.
 pub(super) fn engines_view(cfg: &Config, fleet: &Fleet) -> Vec<Engine> {
     fleet.read(|state| {
@@ -75,15 +86,16 @@ impl Controller {
         let mut tick = tokio::time::interval(secs(self.h.cfg.controller.monitor_interval_s));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
-            let scheduled = tokio::select! {
+            let kind = tokio::select! {
                 () = stop.cancelled() => return,
-                _ = tick.tick() => true,
-                () = self.wake.notified() => false,
+                _ = tick.tick() => Pass::Scheduled,
+                () = self.wake.notified() => Pass::Urgent,
+                () = self.h.fleet.availability_changed() => Pass::Availability,
             };
-            self.run_pass(scheduled).await;
+            self.run_pass(kind).await;
             // A cascade of urgent moves (S11): the latch re-armed by an urgent move.
             while self.lock().latched() && self.may_decide() && !stop.is_cancelled() {
-                self.run_pass(false).await;
+                self.run_pass(Pass::Urgent).await;
                 if !self.lock().latched() {
                     break;
                 }
@@ -95,7 +107,7 @@ impl Controller {
     /// One pass (scheduled) or urgent evaluation, inside the failure ledger: a panic in
     /// the pure core is a `monitoring_stage_failure` of stage `controller` and the loop
     /// continues (controller-notes 11.1).
-    async fn run_pass(self: &Arc<Self>, scheduled: bool) {
+    async fn run_pass(self: &Arc<Self>, kind: Pass) {
         let now = self.now();
         let engines = engines_view(&self.h.cfg, &self.h.fleet);
         let (risk, events) = {
@@ -110,10 +122,10 @@ impl Controller {
                 m.interrupt();
                 return Vec::new();
             }
-            if scheduled {
-                m.pass(now)
-            } else {
-                m.urgent(now)
+            match kind {
+                Pass::Scheduled => m.pass(now),
+                Pass::Urgent => m.urgent(now),
+                Pass::Availability => m.availability(now),
             }
         }));
         match result {

@@ -196,6 +196,14 @@ impl Machine {
         out
     }
 
+    /// An availability change (an ejection, a hold): only the prefill floor's edges are
+    /// re-evaluated (controller-notes 7.6: on every availability change).
+    pub(crate) fn availability(&mut self, now: Now) -> Vec<Command> {
+        let mut out = Vec::new();
+        self.refresh_floor(now, &mut out);
+        out
+    }
+
     /// Whether the urgency latch is armed (the driver runs [`Machine::urgent`]).
     pub(crate) fn latched(&self) -> bool {
         self.latch.is_some()
