@@ -32,6 +32,9 @@ pub(crate) struct Demand {
     /// document twice (`--resume` at startup, then again when a delayed claim succeeds) does
     /// not add its counts twice.
     applied: Option<(String, u64)>,
+    /// The last carried risk this router re-anchored: its kind, the age it was given here
+    /// (seconds) and when.
+    restored: Option<(String, f64, Instant)>,
 }
 
 impl Demand {
@@ -69,6 +72,14 @@ impl Demand {
     /// The newest event: its kind and monotonic time (`None` before any event).
     pub(crate) fn risk(&self) -> Option<(&str, Instant)> {
         self.since.map(|s| (self.kind.as_str(), s))
+    }
+
+    /// The last carried risk re-anchored here (`--resume`, a standby's takeover): its kind,
+    /// the age it was given on this router's clock (seconds), and when it was applied.
+    pub(crate) fn restored(&self) -> Option<(&str, f64, Instant)> {
+        self.restored
+            .as_ref()
+            .map(|(k, a, at)| (k.as_str(), *a, *at))
     }
 
     /// Events seen per kind (both kinds present, 0 until seen).
@@ -114,6 +125,7 @@ impl Demand {
             .ok()
             .and_then(|a| now.checked_sub(a))
             .unwrap_or(now);
+        self.restored = Some((risk.kind.clone(), age, now));
         if self.since.is_none_or(|s| since >= s) {
             self.since = Some(since);
             self.kind = risk.kind.clone();

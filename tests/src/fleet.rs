@@ -64,6 +64,7 @@ pub struct FleetBuilder {
     contract: Option<Value>,
     certs: Vec<String>,
     overrides: Value,
+    pins: Vec<String>,
     control_tls: bool,
     lease: Option<LeaseBackend>,
     routers: Routers,
@@ -107,6 +108,7 @@ impl Fleet {
             contract: None,
             certs: Vec::new(),
             overrides: json!({}),
+            pins: Vec::new(),
             control_tls: false,
             lease: None,
             routers: Routers::One,
@@ -182,6 +184,13 @@ impl FleetBuilder {
     /// Fleet-file sections merged over the defaults, key by key.
     pub fn fleet(mut self, section: Value) -> Self {
         crate::router::merge(&mut self.overrides, section);
+        self
+    }
+
+    /// Pins engines `iids` in the fleet file (`engines[].pin`: the role controller never
+    /// moves them).
+    pub fn pin(mut self, iids: &[&str]) -> Self {
+        self.pins.extend(iids.iter().map(|s| s.to_string()));
         self
     }
 
@@ -273,6 +282,9 @@ impl FleetBuilder {
         });
         let mut agents = Vec::new();
         let mut base = FleetSpec::for_sims(&self.dialect, &sims).with(self.overrides.clone());
+        for iid in &self.pins {
+            base = base.pin(iid);
+        }
         for (host, iids) in &hosts {
             let mine: Vec<&SimHandle> = iids
                 .iter()

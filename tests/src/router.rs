@@ -30,6 +30,8 @@ pub struct FleetSpec {
     pub overrides: Value,
     /// `engines[].agent` per engine id.
     pub agents: std::collections::BTreeMap<String, Value>,
+    /// Engines with `pin: true` (never moved by the role controller).
+    pub pins: std::collections::BTreeSet<String>,
 }
 
 impl FleetSpec {
@@ -44,7 +46,14 @@ impl FleetSpec {
                 .collect(),
             overrides: json!({}),
             agents: std::collections::BTreeMap::new(),
+            pins: std::collections::BTreeSet::new(),
         }
+    }
+
+    /// Pins engine `iid` (`engines[].pin`).
+    pub fn pin(mut self, iid: &str) -> Self {
+        self.pins.insert(iid.to_string());
+        self
     }
 
     /// Pins engine `iid` to `agent` (its URL, certificate name and signing key).
@@ -88,6 +97,9 @@ impl FleetSpec {
                 let mut e = json!({"iid": iid, "url": url, "role": role});
                 if let Some(a) = self.agents.get(iid) {
                     e["agent"] = a.clone();
+                }
+                if self.pins.contains(iid) {
+                    e["pin"] = json!(true);
                 }
                 e
             }).collect::<Vec<_>>(),

@@ -221,6 +221,7 @@ impl Lab {
                 .collect(),
             overrides: json!({}),
             agents: Default::default(),
+            pins: Default::default(),
         };
         start_router(self.dir.path(), "router", &spec, &[]).expect("router")
     }

@@ -13,11 +13,26 @@ use std::fmt::Write as _;
 use serde_json::{Map, Value, json};
 
 use super::Controller;
-use super::decision::{Outcome, round};
+use super::decision::round;
 use super::evidence::{Evidence, Gate};
 use super::machine::Machine;
 use super::roles::SEEDED;
 use crate::config::Role;
+
+impl Controller {
+    /// The machine with the fleet and the newest risk as they are now (a report may come
+    /// between passes).
+    fn current(&self) -> std::sync::MutexGuard<'_, Machine> {
+        let engines = super::driver::engines_view(&self.h.cfg, &self.h.fleet);
+        let (risk, events) = {
+            let d = self.h.demand.lock();
+            (d.risk().map(|(k, at)| (k.to_string(), at)), d.events())
+        };
+        let mut m = self.lock();
+        m.observe(engines, risk, events);
+        m
+    }
+}
 
 /// A fresh evidence capture against the last window demand (or a fresh one).
 fn evidence(m: &Machine, now: std::time::Instant) -> Evidence {
@@ -44,12 +59,12 @@ impl Controller {
         }
         out.insert("controller".into(), json!("reactive"));
         let now = self.h.clock.now();
-        let wall = self.h.clock.wall().unwrap_or(0.0);
-        // The fleet as it is now: roles, exclusions.
-        let engines = super::driver::engines_view(&self.h.cfg, &self.h.fleet);
         let ledger = self.ledger();
-        let mut m = self.lock();
-        m.core.engines = engines;
+        let restored = self.h.demand.lock().restored().map(|(kind, age, at)| {
+            json!({"kind": kind, "age_s": round(age, 6),
+                   "applied_s_ago": round(now.saturating_duration_since(at).as_secs_f64(), 3)})
+        });
+        let m = self.current();
         let r = &m.core.roles;
         let decisions: Map<String, Value> = m
             .decisions
@@ -125,7 +140,8 @@ impl Controller {
                    "long_decode_engines": round(ev.long_decode, 6),
                    "trend_ratio": ev.trend_ratio.map(|t| round(t, 6)),
                    "envelope_decode_engines": round(ev.envelope_decode, 6),
-                   "blocked_gate": ev.gate.as_str()}),
+                   "blocked_gate": ev.gate.as_str(),
+                   "restored": restored}),
         );
         let refused: Vec<Value> = r
             .refusals()
@@ -153,7 +169,6 @@ impl Controller {
                            "last_at": ledger.last_at}},
             }),
         );
-        let _ = wall;
         out
     }
 
@@ -205,10 +220,8 @@ impl Controller {
             return w.0;
         }
         let now = self.h.clock.now();
-        let engines = super::driver::engines_view(&self.h.cfg, &self.h.fleet);
         let ledger = self.ledger();
-        let mut m = self.lock();
-        m.core.engines = engines;
+        let m = self.current();
         let limit = u64::from(self.h.cfg.controller.monitor_failure_limit);
         w.family(
             "narwhal_monitoring_degraded",
@@ -544,7 +557,6 @@ impl Controller {
                 }
             }
         }
-        let _ = Outcome::Held;
     }
 }
 
