@@ -65,6 +65,7 @@ pub struct FleetBuilder {
     certs: Vec<String>,
     overrides: Value,
     pins: Vec<String>,
+    router_args: Vec<String>,
     control_tls: bool,
     lease: Option<LeaseBackend>,
     routers: Routers,
@@ -109,6 +110,7 @@ impl Fleet {
             certs: Vec::new(),
             overrides: json!({}),
             pins: Vec::new(),
+            router_args: Vec::new(),
             control_tls: false,
             lease: None,
             routers: Routers::One,
@@ -191,6 +193,12 @@ impl FleetBuilder {
     /// moves them).
     pub fn pin(mut self, iids: &[&str]) -> Self {
         self.pins.extend(iids.iter().map(|s| s.to_string()));
+        self
+    }
+
+    /// Extra `narwhal-serve` flags for the builder's single router (`--max-concurrent 1`).
+    pub fn router_args(mut self, args: &[&str]) -> Self {
+        self.router_args.extend(args.iter().map(|s| s.to_string()));
         self
     }
 
@@ -340,7 +348,8 @@ impl FleetBuilder {
         match (self.routers, fleet.lease.is_some()) {
             (Routers::None, _) => {}
             (Routers::One, false) => {
-                let r = fleet.start_router("router", &[]);
+                let args: Vec<&str> = self.router_args.iter().map(String::as_str).collect();
+                let r = fleet.start_router("router", &args);
                 if !fleet.agents.is_empty() {
                     // The startup identity check (reference-notes 4.10) accepts every process
                     // in one step; tests start from there, so it never races what they do.

@@ -811,3 +811,731 @@ async fn s9_no_adjacent_split_and_too_little_demand_hold() {
         "{ds:#?}"
     );
 }
+
+/// Posts `n` requests of `input`-token prompts at once; their join handles answer
+/// `(status, x-request-id)`.
+fn burst(
+    r: &narwhal_testkit::RouterHandle,
+    n: usize,
+    input: usize,
+) -> Vec<tokio::task::JoinHandle<(u16, String)>> {
+    (0..n)
+        .map(|_| {
+            let (client, url) = (
+                r.http.client().clone(),
+                format!("{}/v1/completions", r.data),
+            );
+            tokio::spawn(async move {
+                let body =
+                    json!({"model": "tiny-sim", "prompt": token_prompt(input), "max_tokens": 2});
+                match client.post(url).json(&body).send().await {
+                    Ok(resp) => {
+                        let rid = resp
+                            .headers()
+                            .get("x-request-id")
+                            .and_then(|v| v.to_str().ok())
+                            .unwrap_or("")
+                            .to_string();
+                        (resp.status().as_u16(), rid)
+                    }
+                    Err(_) => (0, String::new()),
+                }
+            })
+        })
+        .collect()
+}
+
+/// S10: unknown outputs hold the controller until observed prefill pressure opens the
+/// recovery path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s10_incomplete_demand_moves_on_observed_prefill_pressure() {
+    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .sim_args(&["--tpot-ms", "50"])
+        .start()
+        .await;
+    let r = fleet.router();
+    // No max_tokens and no completion ever (the clients leave first): outputs stay unknown.
+    let load = Load::start_with(
+        r,
+        Shape::new(2.0, 500, None),
+        Some(Duration::from_millis(300)),
+    );
+    let d = r
+        .decision_where("held on incomplete demand", DECIDE, |d| {
+            is(
+                d,
+                "held",
+                "incomplete demand requires observed phase pressure and fleet profiles",
+            )
+        })
+        .await;
+    assert_eq!(d["demand_complete"], false);
+    // Seven 1000-token prefills held on e0: about 3.5 TTFT budgets of resident work.
+    fleet
+        .sim("e0")
+        .fault(json!({"phase": "prefill", "action": "hang", "ms": 60000, "count": 7}))
+        .await;
+    let held = burst(r, 7, 1000);
+    let moved = r
+        .decision_where("the recovery move", Duration::from_secs(60), |d| {
+            d["result"] == "applied"
+        })
+        .await;
+    assert_eq!(
+        moved["decision_basis"], "prefill_pressure_recovery",
+        "{moved:#}"
+    );
+    let ratio = moved["recovery_prefill_ratio"].as_f64().unwrap_or(0.0);
+    assert!((3.0..4.5).contains(&ratio), "about 3.5: {ratio}");
+    let waits: Vec<u64> = r
+        .decisions()
+        .iter()
+        .filter(|d| {
+            d["reason"] == "waiting for sustained demand"
+                && d["decision_basis"] == "prefill_pressure_recovery"
+        })
+        .filter_map(|d| d["confirmations"].as_u64())
+        .collect();
+    assert!(waits.ends_with(&[1, 2]), "{waits:?}");
+    load.stop().await;
+    for h in held {
+        h.abort();
+    }
+}
+
+/// S11: a queue that breaches the TTFT budget triggers urgent moves within milliseconds,
+/// once the evidence window is closed; before that they are held on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s11_urgent_recovery_cascades_once_the_window_closed() {
+    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .sim_args(&["--tpot-ms", "20"])
+        .fleet(json!({"serving": {"queue_capacity": 16, "queue_timeout_s": 30}}))
+        .router_args(&["--max-concurrent", "1"])
+        .start()
+        .await;
+    let r = fleet.router();
+    // Early: the seat is held and six long prompts queue before the window closes.
+    let (stream, _) = r.hold_stream(10, 60).await;
+    let early = burst(r, 6, 1000);
+    let d = r
+        .decision_where("an urgent hold on the evidence gate", DECIDE, |d| {
+            d["eligibility_rule"] == "projected_ttft_recovery"
+        })
+        .await;
+    assert_eq!(d["reason"], "demand evidence is still collecting", "{d:#}");
+    assert!(stream.finish().await);
+    for h in early {
+        assert_eq!(h.await.expect("joined").0, 200);
+    }
+    // Light traffic closes the window.
+    let load = Load::start(r, Shape::new(1.0, 100, Some(2)));
+    r.state_where("a closed evidence window", |s| {
+        s["demand_evidence"]["closed"] == true
+    })
+    .await;
+    load.stop().await;
+    let (stream, _) = r.hold_stream(10, 150).await;
+    let queued = burst(r, 6, 1000);
+    let first = r
+        .decision_where("an urgent move", DECIDE, |d| {
+            d["result"] == "applied" && d["eligibility_rule"] == "projected_ttft_recovery"
+        })
+        .await;
+    assert_eq!(first["required_confirmations"], 1);
+    let projected = first["projected_ttft_s"].as_f64().unwrap_or(0.0);
+    let candidate = first["candidate_projected_ttft_s"]
+        .as_f64()
+        .unwrap_or(f64::INFINITY);
+    assert!(projected > 2.0 && candidate < projected, "{first:#}");
+    r.decision_where("the cascade to 3P1D", DECIDE, |d| {
+        d["result"] == "applied" && d["prefill"] == 3
+    })
+    .await;
+    assert_eq!(
+        pools(&r.state().await, "prefill").len(),
+        3,
+        "3P1D (the donors carry the least decode)"
+    );
+    r.decision_where("no strict improvement left", DECIDE, |d| {
+        is(
+            d,
+            "held",
+            "projected TTFT recovery requires a strict prefill improvement",
+        )
+    })
+    .await;
+    assert!(stream.finish().await);
+    let mut rids = Vec::new();
+    for h in queued {
+        let (status, rid) = h.await.expect("joined");
+        assert_eq!(status, 200);
+        rids.push(rid);
+    }
+    let trigger = first["trigger_rid"].as_str().unwrap_or("").to_string();
+    assert!(
+        rids.contains(&trigger),
+        "the trigger is a queued request: {trigger} in {rids:?}"
+    );
+}
+
+/// S13: an SGLang donor with a resident stream is held out of new placements until idle,
+/// then switched through the engine's role-switch route.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s13_sglang_donor_is_held_until_idle_then_switched() {
+    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .dialect("sglang")
+        .sim_args(&["--enable-pd-role-switch", "--tpot-ms", "20"])
+        .start()
+        .await;
+    let r = fleet.router();
+    let mut streams: Vec<(narwhal_testkit::HeldStream, String)> = Vec::new();
+    while ["e1", "e2", "e3"]
+        .iter()
+        .any(|i| !streams.iter().any(|(_, x)| x == i))
+    {
+        streams.push(r.hold_stream(10, 3000).await);
+        assert!(streams.len() < 15);
+    }
+    let load = Load::start(r, L1);
+    let hold = r
+        .decision_where("a switch hold", DECIDE, |d| is(d, "blocked", "holding "))
+        .await;
+    let reason = hold["reason"].as_str().unwrap_or("").to_string();
+    assert!(
+        reason.ends_with(" out of new placements until it is idle for an engine-side role switch"),
+        "{reason}"
+    );
+    let donor = reason.split(' ').nth(1).unwrap_or("").to_string();
+    let decodes = |v: &Value| v["requests"]["decode"].as_u64().unwrap_or(0);
+    let before = decodes(&fleet.sim(&donor).stats().await);
+    let others: u64 = {
+        let mut n = 0;
+        for i in ["e1", "e2", "e3"].iter().filter(|i| **i != donor) {
+            n += decodes(&fleet.sim(i).stats().await);
+        }
+        n
+    };
+    narwhal_testkit::eventually("traffic on the other decode engines", DECIDE, || async {
+        let mut n = 0;
+        for i in ["e1", "e2", "e3"].iter().filter(|i| **i != donor) {
+            n += decodes(&fleet.sim(i).stats().await);
+        }
+        (n >= others + 5).then_some(())
+    })
+    .await;
+    assert_eq!(
+        decodes(&fleet.sim(&donor).stats().await),
+        before,
+        "new decode legs avoid {donor}"
+    );
+    // The donor's stream ends: it is idle, and the next evaluation switches it.
+    let (mine, rest): (Vec<_>, Vec<_>) = streams.into_iter().partition(|(_, x)| *x == donor);
+    drop(mine);
+    let applied = r
+        .decision_where("the switch", DECIDE, |d| d["result"] == "applied")
+        .await;
+    assert!(applied["at"].as_f64() > hold["at"].as_f64());
+    let sim = fleet.sim(&donor);
+    narwhal_testkit::eventually("the engine switched", DECIDE, || async {
+        (sim.stats().await["role_switches"] == 1).then_some(())
+    })
+    .await;
+    let info = fleet
+        .http
+        .get(format!("{}/server_info", sim.url))
+        .await
+        .json();
+    assert_eq!(info["internal_states"][0]["disaggregation_mode"], "prefill");
+    let s = r.state().await;
+    assert!(pools(&s, "prefill").contains(&donor));
+    narwhal_testkit::eventually("the switched engine serves prefill", DECIDE, || async {
+        (sim.stats().await["requests"]["prefill"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0)
+        .then_some(())
+    })
+    .await;
+    load.stop().await;
+    drop(rest);
+}
+
+/// S13 (failure): an engine that refuses the switch is ejected with cause `role_switch`,
+/// its router role staying at the new target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s13_a_refused_sglang_switch_ejects_the_engine() {
+    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .dialect("sglang")
+        .sim_args(&["--enable-pd-role-switch"])
+        .fleet(json!({"recovery": {"readmit_every": 1000}}))
+        .start()
+        .await;
+    for iid in ["e1", "e2", "e3"] {
+        fleet
+            .sim(iid)
+            .fault(json!({"phase": "role_switch", "action": "status", "status": 400,
+                          "body": {"success": false, "message": "rebuild failed; instance unhealthy, restart required: test"}}))
+            .await;
+    }
+    let r = fleet.router();
+    let load = Load::start(r, L1);
+    let applied = r
+        .decision_where("the flip", DECIDE, |d| d["result"] == "applied")
+        .await;
+    let ejected = narwhal_testkit::eventually("a role_switch ejection", DECIDE, || async {
+        r.events("engine_ejected")
+            .into_iter()
+            .find(|e| e["cause"] == "role_switch")
+    })
+    .await;
+    load.stop().await;
+    let iid = ejected["iid"].as_str().unwrap_or("").to_string();
+    let s = r.state().await;
+    assert!(
+        pools(&s, "prefill").contains(&iid),
+        "the role stays at the target: {}",
+        s["pools"]
+    );
+    assert!(
+        s["ejected"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|x| x == iid.as_str()))
+    );
+    let failed = r.events("role_switch_failed");
+    assert!(
+        failed[0]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("engine refused the switch to prefill"),
+        "{failed:?}"
+    );
+    let m = r.metrics().await;
+    let l = format!("iid=\"{iid}\"");
+    assert_eq!(
+        metric(
+            &m,
+            "narwhal_engine_ejections_total",
+            &[&l, "cause=\"role_switch\""]
+        ),
+        Some(1.0)
+    );
+    let _ = applied;
+}
+
+/// S14: a rising decode demand blocks consolidation: first the projected decode pressure,
+/// then the trend gate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s14_rising_decode_demand_blocks_consolidation() {
+    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .start()
+        .await;
+    let r = fleet.router();
+    let l1 = Load::start(r, L1);
+    r.decision_where("the evidence hold", DECIDE, |d| {
+        is(d, "held", "demand evidence is still collecting")
+    })
+    .await;
+    let heavy = Load::start(r, Shape::new(3.0, 100, Some(3000)));
+    r.decision_where("decode pressure blocks", DECIDE, |d| {
+        is(d, "held", "projected decode pressure blocks consolidation")
+    })
+    .await;
+    let trend = r
+        .decision_where("the trend gate", DECIDE, |d| {
+            is(d, "held", "rising decode demand blocks consolidation")
+        })
+        .await;
+    assert_eq!(trend["evidence_blocked_gate"], "trend");
+    assert!(
+        trend["evidence_trend_ratio"].as_f64().unwrap_or(0.0) > 1.25,
+        "{trend:#}"
+    );
+    l1.stop().await;
+    heavy.stop().await;
+    assert!(
+        r.decisions().iter().all(|d| d["result"] != "applied"),
+        "no consolidation"
+    );
+}
+
+/// S15: flip bookkeeping: in-flight residents, `drained_s` once they finish, reversals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_flip_bookkeeping_tracks_residents_and_reversals() {
+    let mut fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .sim_args(&["--tpot-ms", "10"])
+        .pin(&["e0"])
+        .fleet(json!({"recovery": {"eject_after": 1}}))
+        .start()
+        .await;
+    let mut streams = Vec::new();
+    let mut per: std::collections::BTreeMap<String, u64> = std::collections::BTreeMap::new();
+    {
+        let r = fleet.router();
+        for _ in 0..5 {
+            let (s, iid) = r.hold_stream(1500, 3000).await;
+            *per.entry(iid.clone()).or_default() += 1;
+            streams.push((s, iid));
+        }
+    }
+    let load = {
+        let r = fleet.router();
+        Load::start(r, L1)
+    };
+    let r = fleet.router();
+    r.decision_where("the first move", DECIDE, |d| d["result"] == "applied")
+        .await;
+    let s = r.state().await;
+    let flip = s["flips"][0].clone();
+    let donor = flip["iid"].as_str().unwrap_or("").to_string();
+    let carried = per.get(&donor).copied().unwrap_or(0);
+    let lightest = ["e1", "e2", "e3"]
+        .iter()
+        .map(|i| per.get(*i).copied().unwrap_or(0))
+        .min();
+    assert_eq!(
+        Some(carried),
+        lightest,
+        "the lightest decode donor: {per:?}; {}",
+        s["resident_work"]
+    );
+    // Its streams, plus any L1 request decoding there at that moment.
+    let inflight = flip["decode_inflight"].as_u64().unwrap_or(0);
+    assert!((carried..=carried + 2).contains(&inflight), "{flip}");
+    assert_eq!(flip["drained_s"], Value::Null);
+    let m = r.metrics().await;
+    assert_eq!(
+        metric(&m, "narwhal_flip_inflight_total", &["phase=\"decode\""]),
+        Some(inflight as f64)
+    );
+    // The donor's streams complete normally on the engine now labelled prefill.
+    let (mine, rest): (Vec<_>, Vec<_>) = streams.into_iter().partition(|(_, x)| *x == donor);
+    for (s, _) in mine {
+        assert!(s.finish().await, "completed with [DONE]");
+    }
+    let drained = r
+        .state_where("drained_s set", |s| s["flips"][0]["drained_s"].is_number())
+        .await;
+    assert!(drained["flips"][0]["drained_s"].as_f64().unwrap_or(0.0) > 0.0);
+    load.stop().await;
+    drop(rest);
+    // The decode engines go: the decode floor moves a flipped engine back (e0 is pinned).
+    let decode_now = pools(&r.state().await, "decode");
+    for iid in decode_now {
+        kill_and_eject(&mut fleet, &iid).await;
+    }
+    let r = fleet.router();
+    r.decision_where("the decode floor", DECIDE, |d| {
+        d["by"] == "decode_floor" && d["result"] == "applied"
+    })
+    .await;
+    let m = r.metrics().await;
+    assert_eq!(metric(&m, "narwhal_flip_reversals_total", &[]), Some(1.0));
+}
+
+/// Issue 12 section 3: a handoff written after a first-token timeout carries `demand_risk`;
+/// the standby that takes over re-anchors it and blocks consolidation until a new window
+/// closes. Neither the standby before its takeover nor the dead primary decides anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_the_demand_risk_and_gathers_new_evidence() {
+    let mut fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .fleet(json!({"engine": {"first_token_timeout_s": 1.0}}))
+        .lease(narwhal_testkit::LeaseBackend::File)
+        .standby()
+        .start()
+        .await;
+    let load = Load::start(fleet.router(), L1);
+    fleet
+        .sim("e2")
+        .fault(json!({"phase": "decode", "action": "hang", "ms": 3000}))
+        .await;
+    let p = fleet.router();
+    let handoff = narwhal_testkit::eventually("the risk in the handoff", DECIDE, || async {
+        let h = p.handoff().await;
+        (h["demand_risk"]["kind"] == "first_token_timeout").then_some(h)
+    })
+    .await;
+    let (epoch, holder) = (
+        handoff["epoch"].as_u64().unwrap_or(0),
+        handoff["holder"].as_str().unwrap_or("").to_string(),
+    );
+    fleet
+        .wait_retained("standby", epoch, &holder, |h| h.demand_risk.is_some())
+        .await;
+    let s = fleet.standby();
+    assert!(s.decisions().is_empty(), "a standby decides nothing");
+    assert!(
+        p.decisions().iter().all(|d| d["result"] != "applied"),
+        "the primary was still inside the window"
+    );
+    load.stop().await;
+    fleet.router_mut().proc.kill();
+    let s = fleet.standby.take().expect("standby");
+    s.wait_controls("active", Duration::from_secs(20)).await;
+    let st = s.state().await;
+    let ev = &st["demand_evidence"];
+    assert_eq!(ev["risk_kind"], "first_token_timeout", "{ev:#}");
+    assert_eq!(
+        ev["restored"]["kind"], "first_token_timeout",
+        "it reports the re-anchored risk"
+    );
+    assert!(
+        ev["restored"]["age_s"].as_f64().unwrap_or(0.0)
+            >= handoff["demand_risk"]["age_s"].as_f64().unwrap_or(9.0)
+    );
+    assert_eq!(ev["blocked_gate"], "risk");
+    assert_eq!(
+        ev["risk_events"]["first_token_timeout"], 1,
+        "the carried count"
+    );
+    let took_over = st["control"]["last_decision"]["at"].as_f64();
+    // New evidence, on the standby now in control.
+    let load = Load::start(&s, L1);
+    let held = s
+        .decision_where("held on the carried risk", DECIDE, |d| {
+            is(d, "held", "first token timeout")
+        })
+        .await;
+    assert_eq!(held["evidence_blocked_gate"], "risk");
+    let moved = s
+        .decision_where(
+            "the consolidation after a new window",
+            Duration::from_secs(60),
+            |d| d["result"] == "applied",
+        )
+        .await;
+    assert!(
+        moved["evidence_span_s"].as_f64().unwrap_or(0.0) >= 12.0,
+        "{moved:#}"
+    );
+    let first_new = s
+        .decisions()
+        .first()
+        .and_then(|d| d["at"].as_f64())
+        .unwrap_or(0.0);
+    assert!(
+        moved["at"].as_f64().unwrap_or(0.0) - first_new >= 11.0,
+        "a full window of new arrivals"
+    );
+    let _ = took_over;
+    load.stop().await;
+}
+
+/// Ours (issue 12 section 2): before an engine serves in its new role its agent runs the
+/// readmission checks in that role; a flip whose KV-transfer check fails is reversed and the
+/// engine held, visible in `/narwhal/lifecycle`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flip_is_checked_in_the_new_role_and_reversed_when_the_check_fails() {
+    for failing in [false, true] {
+        let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+            .agents()
+            .start()
+            .await;
+        if failing {
+            // e1's first prefill ever is the agent's KV check in its new role: no KV.
+            fleet
+                .sim("e1")
+                .fault(json!({"phase": "prefill", "action": "omit_kv", "count": 100}))
+                .await;
+        }
+        let r = fleet.router();
+        let load = Load::start(r, L1);
+        let applied = r
+            .decision_where("the flip of e1", DECIDE, |d| d["result"] == "applied")
+            .await;
+        assert_eq!(applied["by"], "reactive");
+        if !failing {
+            let ok = narwhal_testkit::eventually("the role check passed", DECIDE, || async {
+                r.events("role_check_passed").into_iter().next()
+            })
+            .await;
+            assert_eq!(
+                (ok["iid"].as_str(), ok["role"].as_str()),
+                (Some("e1"), Some("prefill"))
+            );
+            let checks: Vec<String> = ok["checks"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|c| c.as_str().map(String::from))
+                .collect();
+            // The KV-transfer check ran with e1 as a producer: its new role.
+            assert!(
+                checks.iter().any(|c| c.starts_with("fabric produce to ")),
+                "{checks:?}"
+            );
+            let lc = r
+                .lifecycle_until("e1 active after its role check", |d| {
+                    d["engines"]["e1"]["state"] == "active"
+                })
+                .await;
+            assert!(
+                lc["engines"]["e1"]["accepts_new"]
+                    .as_bool()
+                    .unwrap_or(false)
+            );
+            assert!(pools(&r.state().await, "prefill").contains(&"e1".to_string()));
+            load.stop().await;
+            continue;
+        }
+        let failed = narwhal_testkit::eventually("the role check failed", DECIDE, || async {
+            r.events("role_check_failed").into_iter().next()
+        })
+        .await;
+        assert_eq!(failed["iid"], "e1");
+        let undo = r
+            .decision_where("the reversal", DECIDE, |d| d["by"] == "role_check")
+            .await;
+        assert_eq!(undo["result"], "blocked");
+        assert!(
+            undo["reason"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with("role check of e1 failed"),
+            "{undo:#}"
+        );
+        let lc = r
+            .lifecycle_until("e1 held after a failed role check", |d| {
+                d["engines"]["e1"]["state"] == "blocked"
+            })
+            .await;
+        assert!(
+            !lc["engines"]["e1"]["error"]
+                .as_str()
+                .unwrap_or("")
+                .is_empty(),
+            "{lc:#}"
+        );
+        assert_eq!(lc["engines"]["e1"]["accepts_new"], false);
+        let s = r.state().await;
+        assert!(
+            pools(&s, "decode").contains(&"e1".to_string()),
+            "the flip was reversed: {}",
+            s["pools"]
+        );
+        assert_eq!(s["control"]["flips"]["role_check:decode"], 1);
+        load.stop().await;
+    }
+}
+
+/// Issue 12 section 4: a queued client that leaves is never dispatched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_client_that_leaves_is_never_dispatched() {
+    let fleet = controller_fleet(&["prefill", "decode"])
+        .sim_args(&["--tpot-ms", "20"])
+        .fleet(json!({"serving": {"queue_capacity": 4, "queue_timeout_s": 30}}))
+        .router_args(&["--max-concurrent", "1"])
+        .start()
+        .await;
+    let r = fleet.router();
+    let (stream, _) = r.hold_stream(10, 100).await;
+    let count = |v: &Value| {
+        v["requests"]["prefill"].as_u64().unwrap_or(0)
+            + v["requests"]["decode"].as_u64().unwrap_or(0)
+            + v["requests"]["aggregated"].as_u64().unwrap_or(0)
+    };
+    let before = count(&fleet.sim("e0").stats().await) + count(&fleet.sim("e1").stats().await);
+    let client = r.http.client().clone();
+    let url = format!("{}/v1/completions", r.data);
+    let gone = tokio::spawn(async move {
+        let body = json!({"model": "tiny-sim", "prompt": token_prompt(50), "max_tokens": 4});
+        tokio::time::timeout(
+            Duration::from_millis(700),
+            client.post(url).json(&body).send(),
+        )
+        .await
+        .is_err()
+    });
+    r.state_where("one request queued", |s| {
+        s["admission"]["queued"] == 1 && s["admission"]["waiting_prefill"] == 1
+    })
+    .await;
+    assert!(
+        gone.await.expect("joined"),
+        "the client gave up while queued"
+    );
+    r.state_where("the queue empty again", |s| {
+        s["admission"]["queued"] == 0 && s["admission"]["waiting_prefill"] == 0
+    })
+    .await;
+    assert!(stream.finish().await);
+    r.state_where("the leaver settled cancelled", |s| s["cancelled"] == 1)
+        .await;
+    let after = count(&fleet.sim("e0").stats().await) + count(&fleet.sim("e1").stats().await);
+    assert_eq!(after, before, "no leg of the leaver reached an engine");
+}
+
+/// The simulator's SGLang role-switch route refuses as SGLang does: the flag, the role name,
+/// a busy engine; answers the same role at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_simulated_sglang_role_switch_route_follows_sglang() {
+    let fleet = narwhal_testkit::Fleet::builder()
+        .dialect("sglang")
+        .engine("p0", "prefill")
+        .no_router()
+        .start()
+        .await;
+    let url = format!("{}/pd_role_switch", fleet.sim("p0").url);
+    let r = fleet.http.post(&url, &json!({"new_role": "decode"})).await;
+    assert_eq!(r.status.as_u16(), 400);
+    assert_eq!(
+        r.json()["message"],
+        "--enable-pd-role-switch is not set on this instance"
+    );
+    drop(fleet);
+    let fleet = narwhal_testkit::Fleet::builder()
+        .dialect("sglang")
+        .engine("p0", "prefill")
+        .sim_args(&["--enable-pd-role-switch"])
+        .no_router()
+        .start()
+        .await;
+    let sim = fleet.sim("p0");
+    let url = format!("{}/pd_role_switch", sim.url);
+    let info = || async {
+        fleet
+            .http
+            .get(format!("{}/server_info", sim.url))
+            .await
+            .json()
+    };
+    assert_eq!(
+        info().await["internal_states"][0]["disaggregation_mode"],
+        "prefill"
+    );
+    let bad = fleet.http.post(&url, &json!({"new_role": "both"})).await;
+    assert_eq!(
+        (
+            bad.status.as_u16(),
+            bad.json()["message"].as_str().map(String::from)
+        ),
+        (400, Some("invalid new_role=\"both\"".into()))
+    );
+    let same = fleet
+        .http
+        .post(&url, &json!({"new_role": "prefill"}))
+        .await
+        .json();
+    assert_eq!(
+        (same["success"].as_bool(), same["message"].as_str()),
+        (Some(true), Some("already in target role"))
+    );
+    let ok = fleet.http.post(&url, &json!({"new_role": "decode"})).await;
+    assert_eq!(ok.status.as_u16(), 200);
+    assert_eq!(
+        ok.json(),
+        json!({"success": true, "message": "ok", "old_role": "prefill", "new_role": "decode"})
+    );
+    let st = info().await;
+    assert_eq!(st["internal_states"][0]["disaggregation_mode"], "decode");
+    assert_eq!(
+        st["disaggregation_mode"], "prefill",
+        "the server argument keeps the launch role"
+    );
+    assert!(
+        st["internal_states"][0]["decode_cuda_graph_memory_gb"]
+            .as_f64()
+            .unwrap_or(0.0)
+            > 0.0
+    );
+    assert_eq!(sim.stats().await["role_switches"], 1);
+}

@@ -149,6 +149,16 @@ impl Controller {
             .collect();
         out.insert("flips_refused".into(), Value::Array(refused));
         out.insert("flips".into(), r.history_json(&m.core.names));
+        let work: Map<String, Value> = (0..m.core.names.len())
+            .map(|i| {
+                let l = m.core.book.load(i);
+                (
+                    m.core.names[i].clone(),
+                    json!({"prefill_s": round(l.prefill_s, 6), "decode_tokens": l.decode_tokens}),
+                )
+            })
+            .collect();
+        out.insert("resident_work".into(), Value::Object(work));
         let changing: Vec<&str> = self
             .changing()
             .into_iter()

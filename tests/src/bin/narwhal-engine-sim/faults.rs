@@ -27,6 +27,7 @@ pub(crate) enum Phase {
     Health,
     /// Only in faults: SGLang's `POST /pd_role_switch` (`status` answers with the given
     /// body, e.g. `{"success": false, "message": ...}`; `hang` delays the switch).
+    #[serde(rename = "role_switch")]
     RoleSwitch,
 }
 
