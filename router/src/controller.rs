@@ -49,7 +49,7 @@ use crate::phase::Ha;
 use crate::readiness::Gate;
 use crate::upstream::Upstream;
 
-pub(crate) use intake::{Refusal, Track};
+pub(crate) use intake::Track;
 use machine::Machine;
 
 /// What the controller is built over.
@@ -115,11 +115,6 @@ impl Controller {
         }
     }
 
-    /// Whether the controller runs (every engine has a profile).
-    pub(crate) fn enabled(&self) -> bool {
-        self.enabled
-    }
-
     fn lock(&self) -> MutexGuard<'_, Machine> {
         self.machine.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -130,10 +125,5 @@ impl Controller {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
-    }
-
-    /// The validated fleet file.
-    pub(crate) fn cfg(&self) -> &Config {
-        &self.h.cfg
     }
 }

@@ -296,13 +296,8 @@ impl RequestFailure {
         }
     }
 
-    /// Whether the answer carries `Retry-After` (overload and readiness refusals: 1 s; a
-    /// predictive refusal: its own, or none for `prompt`).
-    pub(crate) fn retry_after(&self) -> bool {
-        self.retry_after_s().is_some()
-    }
-
-    /// The `Retry-After` seconds, if the answer carries one.
+    /// The `Retry-After` seconds, if the answer carries one (overload and readiness refusals:
+    /// 1 s; a predictive refusal: its own, none for `prompt`).
     pub(crate) fn retry_after_s(&self) -> Option<u64> {
         match self {
             RequestFailure::InflightLimit
@@ -494,6 +489,7 @@ mod tests {
             ),
         ];
         for (f, status, ty, retry_after, terminal, reason) in cases {
+            assert_eq!(f.retry_after_s().is_some(), retry_after, "{f:?}");
             let r = f.response("rid-1");
             assert_eq!(r.status().as_u16(), status, "{f:?}");
             assert_eq!(f.body()["error"]["type"], ty, "{f:?}");
@@ -579,5 +575,44 @@ mod tests {
         assert_eq!(f.settlement().terminal, Terminal::Cancelled);
         assert_eq!(f.status(), StatusCode::BAD_REQUEST);
         assert_eq!(f.body()["error"]["message"], "request body read failed");
+    }
+
+    /// A predictive refusal (controller-notes 10.6): 429 `server_overloaded_error` without
+    /// `code`, its own `Retry-After`, counted `refused/<cause>`.
+    #[test]
+    fn a_predictive_refusal_answers_429_with_its_retry_after() {
+        use crate::admission::{Price, judge};
+        let price = Price {
+            attempt: 1,
+            backlog_s: 3.03,
+            own_prefill_s: 0.11,
+            elapsed_s: 0.0,
+            handoff_s: 0.0,
+            price_s: 3.03 + 0.11,
+        };
+        let f = RequestFailure::Refused(judge(&price, 2.0, 0.11, false).expect("refused"));
+        let r = f.response("rid-1");
+        assert_eq!(r.status().as_u16(), 429);
+        assert_eq!(r.headers()[http::header::RETRY_AFTER], "2");
+        assert_eq!(f.body()["error"]["type"], "server_overloaded_error");
+        assert!(f.body()["error"].get("code").is_none());
+        let s = f.settlement();
+        assert_eq!(
+            (s.terminal, s.reason.as_str()),
+            (Terminal::Refused, "queue")
+        );
+        assert_eq!(s.error.as_deref(), Some("refused: queue"));
+        let own = Price {
+            backlog_s: 0.0,
+            own_prefill_s: 3.01,
+            price_s: 3.01,
+            ..price
+        };
+        let f = RequestFailure::Refused(judge(&own, 2.0, 3.01, false).expect("refused"));
+        assert!(
+            !f.response("rid-2")
+                .headers()
+                .contains_key(http::header::RETRY_AFTER)
+        );
     }
 }

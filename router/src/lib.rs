@@ -9,6 +9,8 @@
 //!                      accounting (one settle) ◄── relay ◄──────────────────┘  rendezvous)
 //!                                   ├─► metrics  ├─► journal  └─► /narwhal/state, handoff
 //!  monitor task ──► breaker probes (GET /health) ──► readmission (lifecycle validation)
+//!  controller task ◄── Track (request-path bookkeeping) ──► role flips (Fleet), role checks
+//!                                                           and holds (lifecycle)
 //! ```
 //!
 //! # Design note: module map, ownership, events, locks
@@ -19,12 +21,13 @@
 //!
 //! | layer | modules | what they are |
 //! |---|---|---|
-//! | 0 pure cores | `config`, `placement`, `breaker`, `relay`, `ingress`, `outcome`, `retry`, `demand`, `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO |
+//! | 0 pure cores | `config`, `profile`, `placement`, `breaker`, `relay`, `ingress`, `outcome`, `retry`, `demand` (risk, windows, model), `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO |
 //! | 0 leaves | `journal`, `metrics`, `response` | the journal writer, Prometheus families, JSON responses |
 //! | 1 engine client | `upstream`, `failure` | legs to engines and how they fail; `RequestFailure`, the one map to status, body and settlement |
 //! | 1 parts | `fleet`, `accounting`, `admission`, `phase` | own their data behind narrow handles (below) |
 //! | 2 | `readiness`, `bootstrap` | the readiness gate over `phase` + `fleet`; SGLang bootstrap ports (`fleet` cache + `upstream`) |
 //! | 3 | `lifecycle` (`request`, `agents`, `checks`, `identity`, `executor`, `driver`) | drains, waves, readmission through the agents |
+//! | 3 | `controller` (pure: `book`, `stage`, `scoring`, `evidence`, `roles`, `policy`, `machine`, `decision`; `driver`, `intake`, `report`) | the demand-driven role controller and predictive admission's request-path side; over `fleet`, `lifecycle`, `demand`, `admission` |
 //! | 4 | `parts` | `Parts`, a bundle of handles to every part, built once; owns nothing itself |
 //! | 5 | `serve`, `documents`, `handoff`, `monitor` | the request pipeline; `/ready`, `/health`, `/narwhal/state`, `/metrics`; the handoff; breaker probes |
 //! | 6 | `ha` (`primary`, `standby`), `http` | the lease loop and the warm standby; the listeners and routes |
@@ -50,10 +53,19 @@
 //! - `Gate` (`readiness.rs`): a mirror of the lifecycle's readiness hold, read with the HA
 //!   phase and the live count on every request without the lifecycle's lock.
 //! - `DemandRisk`: the newest consolidation-risk event (handoff `demand_risk`).
+//! - `Controller`: the controller machine (bookkeeping, demand windows, role changes,
+//!   decisions) behind one mutex taken only inside `controller/`; the request path feeds it
+//!   through `Track` (one short lock per event), its driver task runs a pass every
+//!   `monitor_interval_s` (or at once when the urgency latch or an availability change wakes
+//!   it) and applies the machine's commands: `Fleet::set_role`, `Fleet::set_switching`,
+//!   `Fleet::set_avoided`, `LifecycleDriver::role_check`, `DemandRisk::record`, the journal.
+//!   It never holds its lock across a call into the fleet or the lifecycle. A standby,
+//!   fenced or lifecycle-held router decides nothing (`Machine::interrupt`).
 //!
 //! **Events, not imports.** Lower layers tell upper ones what happened through channels:
-//! the fleet notifies `resident_changed` (the lifecycle's timer re-evaluates drains) and
-//! `dirty` (the state-file writer persists); the lease driver reports a lost renewal to
+//! the fleet notifies `resident_changed` (the lifecycle's timer re-evaluates drains),
+//! `availability_changed` (the controller's floor edges) and `dirty` (the state-file writer
+//! persists); the lease driver reports a lost renewal to
 //! `ha::primary`, whose `Renewal::lost` tells the `ha` supervisor to run the standby; the
 //! lifecycle machine emits typed `LifecycleEvent`s that its executor journals; the HA phase
 //! is published on its watch channel.
@@ -67,8 +79,8 @@
 //! watch read.
 //!
 //! **Where later work lands.** Breaker and ejection policy: `breaker` (pure) and
-//! `Fleet::apply`. A role controller: a new part beside `fleet`, fed by `accounting`/`serve`
-//! bookkeeping, changing roles through `Fleet` and holds through the lifecycle. Epoch-bound
+//! `Fleet::apply`. The role controller is `controller` (above); predictive admission's pure
+//! price is in `admission`, its waiting and placement hooks in `controller::intake`. Epoch-bound
 //! work: subscribe to the HA phase and stop when its epoch ends. Hot-path locks: placement
 //! state and the tally are each behind one part's handle, replaceable without touching
 //! callers.

@@ -148,28 +148,29 @@ impl Profile {
     }
 }
 
+/// The fixture of controller-notes section 14.
+#[cfg(test)]
+pub(crate) fn fixture() -> Profile {
+    Profile {
+        ttft_a: 0.0,
+        ttft_b: 0.001,
+        ttft_c: 0.01,
+        prefill_min_tokens: 0,
+        ttft_split: 0.0,
+        tpot_slope: 1e-6,
+        tpot_request_slope: 0.0,
+        tpot_intercept: 0.01,
+        decode_min_requests: 1,
+        decode_max_requests: 64,
+        decode_min_kv_tokens: 16,
+        decode_max_kv_tokens: 200_000,
+        kv_capacity_tokens: Some(200_000),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The fixture of controller-notes section 14.
-    pub(crate) fn fixture() -> Profile {
-        Profile {
-            ttft_a: 0.0,
-            ttft_b: 0.001,
-            ttft_c: 0.01,
-            prefill_min_tokens: 0,
-            ttft_split: 0.0,
-            tpot_slope: 1e-6,
-            tpot_request_slope: 0.0,
-            tpot_intercept: 0.01,
-            decode_min_requests: 1,
-            decode_max_requests: 64,
-            decode_min_kv_tokens: 16,
-            decode_max_kv_tokens: 200_000,
-            kv_capacity_tokens: Some(200_000),
-        }
-    }
 
     #[test]
     fn prefill_of_1000_tokens_costs_about_a_second() {
@@ -221,6 +222,3 @@ mod tests {
         assert_eq!(p.decode_request_limit(5000.0), 40);
     }
 }
-
-#[cfg(test)]
-pub(crate) use tests::fixture;

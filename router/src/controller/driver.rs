@@ -11,7 +11,6 @@
 //!                       └─ failure ─► eject(role_switch)      success ─► role check as above
 //! ```
 
-use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
@@ -324,12 +323,4 @@ impl Controller {
             .copied()
             .collect()
     }
-}
-
-/// The refusal counts of every cause, for reports that must list all of them.
-pub(super) fn zero_causes() -> BTreeMap<&'static str, u64> {
-    crate::outcome::REFUSED_REASONS
-        .iter()
-        .map(|c| (*c, 0))
-        .collect()
 }

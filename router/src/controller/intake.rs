@@ -24,7 +24,7 @@ use crate::failure::{Expiry, RequestFailure};
 use crate::ingress::Validated;
 use crate::placement::{Phase, Plan};
 
-pub(crate) use crate::admission::Refusal;
+use crate::admission::Refusal;
 
 /// The longest `/tokenize` backoff (controller-notes 10.2).
 const TOKENIZE_BACKOFF_CAP: Duration = Duration::from_secs(30);

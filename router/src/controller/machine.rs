@@ -176,7 +176,7 @@ impl Machine {
     /// One scheduled monitoring pass (controller-notes 2.2, the controller's stages).
     pub(crate) fn pass(&mut self, now: Now) -> Vec<Command> {
         let mut out = Vec::new();
-        self.run_controller(now, false, true, &mut out);
+        self.run_controller(now, true, &mut out);
         self.core.roles.settle_drains(now.mono, &self.core.book);
         let interval = now
             .mono
@@ -191,7 +191,7 @@ impl Machine {
     /// An urgent evaluation (a latched TTFT breach; controller-notes 2.4).
     pub(crate) fn urgent(&mut self, now: Now) -> Vec<Command> {
         let mut out = Vec::new();
-        self.run_controller(now, true, false, &mut out);
+        self.run_controller(now, false, &mut out);
         self.refresh_floor(now, &mut out);
         out
     }
@@ -216,7 +216,7 @@ impl Machine {
     }
 
     /// `run_controller` (controller-notes 2.3).
-    fn run_controller(&mut self, now: Now, urgent: bool, scheduled: bool, out: &mut Vec<Command>) {
+    fn run_controller(&mut self, now: Now, scheduled: bool, out: &mut Vec<Command>) {
         let below = self.core.live(Role::Decode) < self.core.p.min_decode;
         if below {
             self.restore_decode_floor(now, out);
@@ -225,7 +225,7 @@ impl Machine {
             self.sample_residency(now.mono);
         }
         if !below {
-            self.step(now, urgent, scheduled, out);
+            self.step(now, scheduled, out);
         }
     }
 
@@ -367,31 +367,31 @@ impl Machine {
     }
 
     /// `ReactivePolicy.step` with the controller's latch (controller-notes 2.4–2.5).
-    fn step(&mut self, now: Now, urgent: bool, scheduled: bool, out: &mut Vec<Command>) {
+    fn step(&mut self, now: Now, scheduled: bool, out: &mut Vec<Command>) {
         if self.restore_prefill_floor(now, out) {
             self.last_step = now.mono;
             return;
         }
         self.observe_panic(now.mono);
         let mut recovery = None;
-        if urgent || self.latch.is_some() {
-            if let Some(latch) = self.latch.take()
-                && let Some((worst, rid)) = self.core.project_worst(now.mono, &[])
-                && worst > self.core.p.ttft_s
-            {
-                recovery = Some(Recovery {
-                    trigger_rid: rid,
-                    projected_s: worst,
-                    waiting: self.core.book.waiting().len(),
-                    initial_s: latch.initial_s,
-                    signals: latch.signals,
-                    event_to_evaluation_s: now
-                        .mono
-                        .saturating_duration_since(latch.signalled_at)
-                        .as_secs_f64(),
-                });
-            }
+        // The latch is consumed by any call when armed (controller-notes 2.4).
+        if let Some(latch) = self.latch.take()
+            && let Some((worst, rid)) = self.core.project_worst(now.mono, &[])
+            && worst > self.core.p.ttft_s
+        {
+            recovery = Some(Recovery {
+                trigger_rid: rid,
+                projected_s: worst,
+                waiting: self.core.book.waiting().len(),
+                initial_s: latch.initial_s,
+                signals: latch.signals,
+                event_to_evaluation_s: now
+                    .mono
+                    .saturating_duration_since(latch.signalled_at)
+                    .as_secs_f64(),
+            });
         }
+
         let due = now
             .mono
             .saturating_duration_since(self.last_step)

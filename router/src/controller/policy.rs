@@ -87,7 +87,6 @@ struct Row {
     /// A decode→prefill move (p > P).
     up: bool,
     score: Score,
-    source_ratio: f64,
     improvement: f64,
     capacity_safe: bool,
     floors_safe: bool,
@@ -690,7 +689,6 @@ impl Policy {
             p: i.c,
             up: to_prefill,
             score: sc,
-            source_ratio,
             improvement,
             capacity_safe,
             floors_safe: i.floors_safe,

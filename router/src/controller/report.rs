@@ -182,19 +182,6 @@ impl Controller {
         out
     }
 
-    /// `narwhalctl status`'s line for engine `iid`'s role and the last decision: the
-    /// newest decision's `by`, `result`, `reason` (`None` before any).
-    pub(crate) fn last_decision_brief(&self) -> Option<(String, String, String)> {
-        let m = self.lock();
-        m.last_decision.as_ref().map(|d| {
-            (
-                d.by.as_str().to_string(),
-                d.result.as_str().to_string(),
-                d.reason.clone(),
-            )
-        })
-    }
-
     /// The controller's and admission's Prometheus families (controller-notes 12), text
     /// exposition 0.0.4; `unserved` is the accounting's count.
     pub(crate) fn metrics(&self, unserved: u64) -> String {

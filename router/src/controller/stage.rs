@@ -22,8 +22,6 @@ pub(crate) struct Params {
     pub(crate) ttft_s: f64,
     /// `slo.tpot_s`.
     pub(crate) tpot_s: f64,
-    /// `controller.monitor_interval_s`.
-    pub(crate) interval_s: f64,
     /// `reactive.step_s`.
     pub(crate) step_s: f64,
     /// `reactive.window_s`.
@@ -64,7 +62,6 @@ impl Params {
         Params {
             ttft_s: cfg.slo.ttft_s,
             tpot_s: cfg.slo.tpot_s,
-            interval_s: c.monitor_interval_s,
             step_s: r.step_s,
             window_s: r.window_s,
             confirmations: r.confirmations.max(c.thresholds.sustained_intervals),

@@ -259,13 +259,6 @@ impl World {
     }
 }
 
-/// The first decision whose reason starts with `reason`.
-fn first<'a>(ds: &[&'a Value], reason: &str) -> Option<&'a Value> {
-    ds.iter()
-        .copied()
-        .find(|d| d["reason"].as_str().is_some_and(|r| r.starts_with(reason)))
-}
-
 fn applied(ds: &[&Value]) -> Vec<(f64, String)> {
     ds.iter()
         .filter(|d| d["result"] == "applied")

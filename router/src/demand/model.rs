@@ -37,11 +37,11 @@ pub(crate) struct Demand {
     pub(crate) decode_engines: f64,
     /// Every arrival was priced (outputs known, shapes within the profiles).
     pub(crate) complete: bool,
-    /// Arrivals (sized, unsized and bodies being read) over `window_s`.
+    /// Arrivals (sized and unsized) over `window_s`.
     pub(crate) arrivals: u64,
     /// Sized arrivals over the horizon.
     pub(crate) parsed: u64,
-    /// Arrivals settled before sizing over the horizon, plus bodies being read.
+    /// Arrivals settled before sizing over the horizon.
     pub(crate) unsized_offers: u64,
     /// Completions with token accounting retained.
     pub(crate) output_observations: u64,
@@ -105,8 +105,6 @@ pub(crate) struct DemandModel {
     /// Residency samples in milli-engines.
     residency: Window<u64>,
     learned: Learned,
-    /// Request bodies being read now.
-    pending: u64,
 }
 
 impl DemandModel {
@@ -129,7 +127,6 @@ impl DemandModel {
             observed: Window::new(started, bucket, 4.0 * window_s),
             residency: Window::new(started, bucket, window_s),
             learned: Learned::default(),
-            pending: 0,
         }
     }
 
@@ -143,11 +140,6 @@ impl DemandModel {
     /// A request settled before sizing (ingress 429/503, an unread body), `invalid` aside.
     pub(crate) fn settled_unsized(&mut self, now: Instant) {
         self.unsized_w.observe(now, (), 1);
-    }
-
-    /// Bodies being read now.
-    pub(crate) fn set_pending(&mut self, n: u64) {
-        self.pending = n;
     }
 
     /// A completion with token accounting: `delivered` output tokens.
@@ -234,8 +226,8 @@ impl DemandModel {
         let span = horizon_s.min(elapsed.max(self.step_s)).max(1e-9);
         let since = self.since(now, horizon_s);
         let parsed = self.arrivals.count_since(since);
-        let unsized_n = self.unsized_w.count_since(since) + self.pending;
-        let mut complete = !inp.profiles.is_empty() && !(parsed == 0 && unsized_n > 0);
+        let unsized_n = self.unsized_w.count_since(since);
+        let mut complete = !(inp.profiles.is_empty() || (parsed == 0 && unsized_n > 0));
         let n = inp.profiles.len().max(1) as f64;
         let mut prefill = 0.0;
         for (k, c) in self.arrivals.rows(since) {
@@ -291,8 +283,7 @@ impl DemandModel {
             decode_engines: residency.max(decode * scale),
             complete,
             arrivals: self.arrivals.count_since(window_since)
-                + self.unsized_w.count_since(window_since)
-                + self.pending,
+                + self.unsized_w.count_since(window_since),
             parsed,
             unsized_offers: unsized_n,
             output_observations: self.observed.observations(),
@@ -334,11 +325,11 @@ impl DemandModel {
     /// `demand_history` for `/narwhal/state` and the metrics: one entry per window.
     pub(crate) fn history(&self) -> Vec<(&'static str, WindowStats)> {
         vec![
-            ("unsized", WindowStats::of(&self.unsized_w, self.pending)),
-            ("arrivals", WindowStats::of(&self.arrivals, 0)),
-            ("expected_decode", WindowStats::of(&self.expected, 0)),
-            ("observed_decode", WindowStats::of(&self.observed, 0)),
-            ("residency", WindowStats::of(&self.residency, 0)),
+            ("unsized", WindowStats::of(&self.unsized_w)),
+            ("arrivals", WindowStats::of(&self.arrivals)),
+            ("expected_decode", WindowStats::of(&self.expected)),
+            ("observed_decode", WindowStats::of(&self.observed)),
+            ("residency", WindowStats::of(&self.residency)),
         ]
     }
 }
@@ -354,20 +345,20 @@ pub(crate) struct WindowStats {
     pub(crate) cell_limit: usize,
     /// Cohorts held.
     pub(crate) cells: usize,
-    /// Observations held (plus bodies being read, for `unsized`).
+    /// Observations held.
     pub(crate) observations: u64,
     /// Observations that landed in overflow cohorts.
     pub(crate) overflow_observations: u64,
 }
 
 impl WindowStats {
-    fn of<K: Ord + Clone>(w: &Window<K>, extra: u64) -> WindowStats {
+    fn of<K: Ord + Clone>(w: &Window<K>) -> WindowStats {
         WindowStats {
             bucket_s: w.bucket_s(),
             retained_s: w.retention_s(),
             cell_limit: w.cell_limit(),
             cells: w.cells(),
-            observations: w.observations() + extra,
+            observations: w.observations(),
             overflow_observations: w.overflow_observations(),
         }
     }

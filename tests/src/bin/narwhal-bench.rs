@@ -6,6 +6,10 @@
 //! second, p50 and p99 latency and time to first byte for each, with router/direct ratios.
 //! Absolute numbers on shared machines are not stable; the ratios are the result.
 //! It asserts nothing about time: it is a benchmark, not a test (DESIGN.md section 8).
+//!
+//! Subcommands in their own modules: `narwhal-bench profile` (an engine's profile for the
+//! fleet file) and `narwhal-bench shifting` (fixed split vs role controller under shifting
+//! demand).
 #![forbid(unsafe_code)]
 // A test tool that measures wall time (latencies, deadlines): the clock ban of clippy.toml is
 // for product code.
@@ -17,6 +21,11 @@ use std::time::Instant;
 
 use clap::Parser;
 use futures_util::StreamExt;
+
+#[path = "narwhal-bench/profile.rs"]
+mod profile;
+#[path = "narwhal-bench/shifting.rs"]
+mod shifting;
 use narwhal_testkit::{EngineSpec, FleetSpec, start_router, start_sim};
 use serde_json::json;
 
@@ -151,6 +160,12 @@ fn print(r: &Run) {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> std::process::ExitCode {
+    let argv: Vec<String> = std::env::args().collect();
+    match argv.get(1).map(String::as_str) {
+        Some("profile") => return profile::main(argv[1..].to_vec()).await,
+        Some("shifting") => return shifting::main(argv[1..].to_vec()).await,
+        _ => {}
+    }
     let args = Args::parse();
     let dir = tempfile::Builder::new()
         .prefix("narwhal-bench-")

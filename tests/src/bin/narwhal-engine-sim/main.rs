@@ -84,6 +84,14 @@ struct Cli {
     /// Delay between streamed tokens (milliseconds).
     #[arg(long, default_value_t = 0)]
     tpot_ms: u64,
+    /// Each streamed token's delay grows by this per other request running on the engine
+    /// (microseconds): a decode batch's cost, so TPOT degrades with load.
+    #[arg(long, default_value_t = 0)]
+    tpot_per_running_us: u64,
+    /// Prefills computed at once (0 = unlimited); the rest queue FIFO, as on one
+    /// accelerator, so prefill capacity is finite.
+    #[arg(long, default_value_t = 0)]
+    prefill_slots: usize,
     /// Consumer-side delay of a successful KV transfer (milliseconds).
     #[arg(long, default_value_t = 0)]
     kv_transfer_ms: u64,
@@ -198,6 +206,8 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
         max_model_len: cli.max_model_len,
         kv_metrics: !cli.no_kv_metrics,
         role_switch: cli.enable_pd_role_switch,
+        prefill_slots: cli.prefill_slots,
+        tpot_per_running: Duration::from_micros(cli.tpot_per_running_us),
     };
     let http = bind("--listen", cli.listen).await?;
     let http_addr = local(&http, cli.listen);

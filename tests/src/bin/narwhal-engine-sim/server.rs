@@ -134,6 +134,12 @@ pub(crate) struct Settings {
     /// `--enable-pd-role-switch` (SGLang): `POST /pd_role_switch` may change the
     /// disaggregation mode at runtime.
     pub(crate) role_switch: bool,
+    /// `--prefill-slots` (0 = unlimited): prefills computed at once; the rest wait FIFO, as
+    /// on one accelerator.
+    pub(crate) prefill_slots: usize,
+    /// `--tpot-per-running-us`: each token gap grows by this per request running on the
+    /// engine (a decode batch's cost).
+    pub(crate) tpot_per_running: Duration,
 }
 
 /// Which listener a connection arrived on.
@@ -176,6 +182,8 @@ pub(crate) struct Sim {
     faults_armed: AtomicBool,
     /// The scheduler's live disaggregation mode (SGLang; `cfg.mode` is the launch mode).
     mode: Mutex<Mode>,
+    /// `--prefill-slots` permits (`None` = unlimited).
+    prefill_gate: Option<Arc<tokio::sync::Semaphore>>,
     /// A failed role switch left the instance unhealthy (SGLang: restart required).
     switch_unhealthy: AtomicBool,
     blocks: Mutex<BlockStore>,
@@ -205,6 +213,8 @@ impl Sim {
         started_at: f64,
     ) -> Self {
         let mode = cfg.mode;
+        let prefill_gate = (cfg.prefill_slots > 0)
+            .then(|| Arc::new(tokio::sync::Semaphore::new(cfg.prefill_slots)));
         Sim {
             engine_id: cfg.engine_id.clone(),
             blocks: Mutex::new(BlockStore::new(cfg.kv_lease)),
@@ -221,10 +231,20 @@ impl Sim {
             faults: Mutex::new(FaultQueue::default()),
             faults_armed: AtomicBool::new(false),
             mode: Mutex::new(mode),
+            prefill_gate,
             switch_unhealthy: AtomicBool::new(false),
             id_prefix: rand::random::<u64>(),
             id_counter: AtomicU64::new(0),
         }
+    }
+
+    /// Runs `compute` of prefill work, queued FIFO behind `--prefill-slots` prefills.
+    pub(crate) async fn prefill(&self, compute: Duration) {
+        let _slot = match &self.prefill_gate {
+            Some(g) => g.clone().acquire_owned().await.ok(),
+            None => None,
+        };
+        sleep(compute).await;
     }
 
     /// The live disaggregation mode (SGLang).
@@ -825,6 +845,7 @@ fn respond(sim: &Sim, mut tracker: Tracker, a: Answer<'_>) -> Response<SimBody> 
             role_chunk: p.kind == Kind::Chat,
             include_usage: p.include_usage,
             tpot: sim.cfg.tpot,
+            tpot_per_running: sim.cfg.tpot_per_running,
             cut_after: a.cut.map(u64::from),
             fragment: a.fragment,
             final_extra,
@@ -995,7 +1016,7 @@ async fn completion(
     };
     match (sim.cfg.dialect, phase) {
         (Dialect::Vllm, Phase::Prefill) => {
-            sleep(compute).await;
+            sim.prefill(compute).await;
             if !omit_kv {
                 let block_ids = sim.blocks_lock().issue(Instant::now(), payload());
                 sim.stats.kv_issued.fetch_add(1, Relaxed);
@@ -1065,7 +1086,7 @@ async fn completion(
             let Some(b) = &parsed.bootstrap else {
                 unreachable_phase()
             };
-            sleep(compute).await;
+            sim.prefill(compute).await;
             if !omit_kv {
                 if let Err(e) = sim.publish_room(b.room, RoomState::Ready(payload())) {
                     let e = ApiError::bad_request(e.to_string());
@@ -1121,7 +1142,7 @@ async fn completion(
             }
         }
         (_, _) => {
-            sleep(compute).await;
+            sim.prefill(compute).await;
             let decode_capable = match sim.cfg.dialect {
                 Dialect::Vllm => true,
                 Dialect::Sglang => sim.mode() == Mode::Decode,
