@@ -41,6 +41,8 @@ pub(crate) struct Req {
     pub(crate) delivered: u64,
     /// When the prefill leg started on `prefill_on`.
     prefill_at: Option<Instant>,
+    /// The profile price of its prefill on `prefill_on`, seconds.
+    prefill_price: f64,
 }
 
 /// One engine's decode timing over the current interval and the last published one.
@@ -77,6 +79,8 @@ pub(crate) struct Waiting {
 #[derive(Debug, Clone)]
 pub(crate) struct Book {
     reqs: BTreeMap<u64, Req>,
+    /// Per-engine aggregates of `reqs`, kept as the requests move (O(1) reads per token).
+    loads: Vec<Load>,
     waiting: BTreeMap<u64, Waiting>,
     timing: Vec<Timing>,
     profiles: Vec<Option<Profile>>,
@@ -113,6 +117,7 @@ impl Book {
             })
             .collect();
         Book {
+            loads: vec![Load::default(); profiles.len()],
             reqs: BTreeMap::new(),
             waiting: BTreeMap::new(),
             timing,
@@ -140,8 +145,42 @@ impl Book {
                 last_token: None,
                 delivered: 0,
                 prefill_at: None,
+                prefill_price: 0.0,
             },
         );
+    }
+
+    /// Takes request `id` off its prefill engine's aggregate.
+    fn leave_prefill(&mut self, id: u64) {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        if let Some(p) = r.prefill_on.take() {
+            let l = &mut self.loads[p];
+            l.prefill = l.prefill.saturating_sub(1);
+            l.prefill_s = (l.prefill_s - r.prefill_price).max(0.0);
+            if l.prefill == 0 {
+                l.prefill_s = 0.0;
+            }
+        }
+    }
+
+    /// Takes request `id` off its decode engine's aggregate.
+    fn leave_decode(&mut self, id: u64) {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        if let Some(d) = r.decode_on.take() {
+            let l = &mut self.loads[d];
+            l.decode = l.decode.saturating_sub(1);
+            l.decode_tokens = (l.decode_tokens - (r.input + r.delivered) as f64).max(0.0);
+            if r.last_token.is_some() {
+                l.streaming = l.streaming.saturating_sub(1);
+            }
+            if l.decode == 0 {
+                l.decode_tokens = 0.0;
+            }
+        }
     }
 
     /// The request is sized.
@@ -200,17 +239,35 @@ impl Book {
         if phase == Phase::Prefill {
             self.settle_area(iid, now);
         }
-        let Some(r) = self.reqs.get_mut(&id) else {
+        if !self.reqs.contains_key(&id) {
             return;
-        };
+        }
         match phase {
             Phase::Prefill => {
+                self.leave_prefill(id);
+                let price = self
+                    .profiles
+                    .get(iid)
+                    .and_then(Option::as_ref)
+                    .map_or(0.0, |p| p.prefill_time(self.reqs[&id].input));
+                let r = self.reqs.get_mut(&id).expect("present above");
                 r.prefill_on = Some(iid);
                 r.prefill_at = Some(now);
+                r.prefill_price = price;
+                self.loads[iid].prefill += 1;
+                self.loads[iid].prefill_s += price;
             }
             Phase::Decode => {
+                self.leave_decode(id);
+                let r = self.reqs.get_mut(&id).expect("present above");
                 r.decode_on = Some(iid);
                 r.decode_at = Some(now);
+                let l = &mut self.loads[iid];
+                l.decode += 1;
+                l.decode_tokens += (r.input + r.delivered) as f64;
+                if r.last_token.is_some() {
+                    l.streaming += 1;
+                }
             }
         }
     }
@@ -222,9 +279,15 @@ impl Book {
         if let Some(p) = r.prefill_on {
             self.settle_area(p, now);
         }
+        self.leave_prefill(id);
         let r = self.reqs.get_mut(&id).expect("present above");
-        r.prefill_on = None;
+        let first = r.last_token.is_none();
         r.last_token = Some(now);
+        if let Some(d) = r.decode_on
+            && first
+        {
+            self.loads[d].streaming += 1;
+        }
         if let (Some(d), Some(at)) = (r.decode_on, r.decode_at)
             && let Some(t) = self.timing.get_mut(d)
         {
@@ -268,6 +331,7 @@ impl Book {
         }
         r.delivered = total;
         r.last_token = Some(now);
+        self.loads[d].decode_tokens += k as f64;
     }
 
     /// A failed attempt's legs ended: the request is resident nowhere.
@@ -275,11 +339,12 @@ impl Book {
         if let Some(p) = self.reqs.get(&id).and_then(|r| r.prefill_on) {
             self.settle_area(p, now);
         }
+        self.leave_prefill(id);
+        self.leave_decode(id);
         if let Some(r) = self.reqs.get_mut(&id) {
-            r.prefill_on = None;
-            r.decode_on = None;
             r.decode_at = None;
             r.last_token = None;
+            r.delivered = 0;
         }
     }
 
@@ -288,28 +353,15 @@ impl Book {
         if let Some(p) = self.reqs.get(&id).and_then(|r| r.prefill_on) {
             self.settle_area(p, now);
         }
+        self.leave_prefill(id);
+        self.leave_decode(id);
         self.waiting.remove(&id);
         self.reqs.remove(&id)
     }
 
     /// What engine `iid` carries now.
     pub(crate) fn load(&self, iid: usize) -> Load {
-        let profile = self.profiles.get(iid).and_then(Option::as_ref);
-        let mut l = Load::default();
-        for r in self.reqs.values() {
-            if r.prefill_on == Some(iid) {
-                l.prefill += 1;
-                l.prefill_s += profile.map_or(0.0, |p| p.prefill_time(r.input));
-            }
-            if r.decode_on == Some(iid) {
-                l.decode += 1;
-                l.decode_tokens += (r.input + r.delivered) as f64;
-                if r.last_token.is_some() {
-                    l.streaming += 1;
-                }
-            }
-        }
-        l
+        self.loads.get(iid).cloned().unwrap_or_default()
     }
 
     /// Router-local ids of the requests resident on `iid` in `phase`.
@@ -524,5 +576,70 @@ mod tests {
         assert_eq!(w, ["r1", "r2"]);
         b.unwait(1);
         assert_eq!(b.waiting().len(), 1);
+    }
+
+    /// The per-engine aggregates stay equal to a recount of the requests through any order
+    /// of legs, retries and endings (they are kept incrementally for the per-token path).
+    #[test]
+    fn aggregates_match_a_recount_through_any_sequence() {
+        use rand::{Rng, SeedableRng};
+        let t0 = SystemClock.now();
+        let mut b = Book::new(vec![Some(fixture()); 3], 0.1, &reactive());
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let mut live: Vec<u64> = Vec::new();
+        for step in 0..3000u64 {
+            let now = t0 + ms(step);
+            match rng.random_range(0..7) {
+                0 => {
+                    b.arrive(step, "r", now);
+                    b.sized(step, rng.random_range(1..4000), 16);
+                    live.push(step);
+                }
+                k if !live.is_empty() => {
+                    let id = live[rng.random_range(0..live.len())];
+                    let e = rng.random_range(0..3);
+                    match k {
+                        1 => b.dispatched(id, e, Phase::Prefill, now),
+                        2 => b.dispatched(id, e, Phase::Decode, now),
+                        3 => b.first_token(id, now),
+                        4 => {
+                            let d = b.req(id).map_or(0, |r| r.delivered);
+                            b.tokens(id, d + rng.random_range(1..5), now);
+                        }
+                        5 => b.attempt_ended(id, now),
+                        _ => {
+                            b.finished(id, now);
+                            live.retain(|x| *x != id);
+                        }
+                    }
+                }
+                _ => {}
+            }
+            for e in 0..3 {
+                let mut want = Load::default();
+                for r in b.reqs.values() {
+                    if r.prefill_on == Some(e) {
+                        want.prefill += 1;
+                        want.prefill_s += fixture().prefill_time(r.input);
+                    }
+                    if r.decode_on == Some(e) {
+                        want.decode += 1;
+                        want.decode_tokens += (r.input + r.delivered) as f64;
+                        want.streaming += u32::from(r.last_token.is_some());
+                    }
+                }
+                let got = b.load(e);
+                assert_eq!(
+                    (got.prefill, got.decode, got.streaming),
+                    (want.prefill, want.decode, want.streaming),
+                    "step {step}"
+                );
+                assert!((got.prefill_s - want.prefill_s).abs() < 1e-6, "step {step}");
+                assert!(
+                    (got.decode_tokens - want.decode_tokens).abs() < 1e-6,
+                    "step {step}"
+                );
+            }
+        }
     }
 }
