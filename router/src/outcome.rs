@@ -166,6 +166,9 @@ pub struct RequestRecord {
     /// The latest TTFT price (controller-notes 11.2 `admission_price`), null when never
     /// priced.
     pub admission_price: Option<Value>,
+    /// Seconds waited for an admission seat, once the request reached the seat (0.0 for an
+    /// immediate one; controller-notes 11.2 `queue_waits.admission`).
+    pub admission_wait_s: Option<f64>,
 }
 
 impl RequestRecord {
@@ -191,6 +194,9 @@ impl RequestRecord {
             "stream": self.stream,
             "endpoint": self.endpoint,
             "admission_price": self.admission_price,
+            "input_sized": self.input_len.is_some(),
+            "queue_wait_s": self.admission_wait_s,
+            "queue_waits": {"admission": self.admission_wait_s, "prefill": null, "decode": null},
         });
         if s.terminal == Terminal::Refused {
             row["refused"] = json!(true);

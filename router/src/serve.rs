@@ -198,7 +198,10 @@ async fn completion_inner(
         .seat(&parts.admission, &track, deadline)
         .await
     {
-        Ok(p) => p,
+        Ok((p, waited)) => {
+            pending.record().admission_wait_s = Some(waited);
+            p
+        }
         Err(failure) => {
             refused_attempt(&parts, &mut pending, &failure, 1);
             return fail(pending, failure);

@@ -123,6 +123,21 @@ async fn s1_prefill_pressure_consolidates_one_engine_at_a_time() {
         Some(2.0)
     );
     assert_eq!(metric(&m, "narwhal_flips_refused_total", &[]), Some(0.0));
+    // narwhalctl status: each engine's role, the last decision and its reason.
+    let control = r.control.clone();
+    let out =
+        tokio::task::spawn_blocking(move || narwhal_testkit::narwhalctl(&control, &["status"]))
+            .await
+            .expect("joined");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.contains("roles: e0=prefill e1=prefill e2=prefill e3=decode"),
+        "{text}"
+    );
+    assert!(
+        text.contains("controller: reactive  last decision: reactive "),
+        "{text}"
+    );
 }
 
 /// S12: predictive refusals price the queue and the prompt; open mode serves both.
@@ -971,6 +986,20 @@ async fn s11_urgent_recovery_cascades_once_the_window_closed() {
         rids.contains(&trigger),
         "the trigger is a queued request: {trigger} in {rids:?}"
     );
+    // Their journal rows carry the admission wait (controller-notes 11.2).
+    let rows = r.journal_rows();
+    let waited: Vec<f64> = rows
+        .iter()
+        .filter(|x| rids.iter().any(|id| x["rid"] == id.as_str()))
+        .filter_map(|x| x["queue_waits"]["admission"].as_f64())
+        .collect();
+    assert_eq!(waited.len(), 6, "{rows:?}");
+    assert!(waited.iter().all(|w| *w > 0.0), "{waited:?}");
+    assert!(
+        rows.iter()
+            .filter(|x| x["rid"].is_string())
+            .all(|x| x["input_sized"] == true)
+    );
 }
 
 /// S13: an SGLang donor with a resident stream is held out of new placements until idle,
@@ -1589,4 +1618,85 @@ async fn the_profiling_tool_recovers_the_simulators_costs() {
         "profiles": {"default": p}});
     let r = narwhal_testkit::RouterHandle::standalone(&doc, &[]);
     assert_eq!(r.state().await["controller"], "reactive");
+}
+
+/// Issue 12 section 4: predictive admission sizes a text prompt with an engine's
+/// `/tokenize`; an engine without it (or failing) leaves the characters / `chars_per_token`
+/// estimate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn predictive_sizing_uses_tokenize_and_falls_back_to_characters() {
+    let prompt = "sizing: a few words, numbers 12345 67890 and punctuation!!! to count";
+    let estimate = (prompt.chars().count() as f64 / 3.8).ceil() as u64;
+    let fleet = controller_fleet(&["prefill", "decode"])
+        .fleet(json!({"serving": {"admission": "predictive"}}))
+        .start()
+        .await;
+    let r = fleet.router();
+    let counted = fleet
+        .http
+        .post(
+            format!("{}/tokenize", fleet.sim("e0").url),
+            &json!({"model": "tiny-sim", "prompt": prompt}),
+        )
+        .await
+        .json()["count"]
+        .as_u64()
+        .expect("the engine counts");
+    assert_ne!(
+        counted, estimate,
+        "the test needs a prompt the two sizings disagree on"
+    );
+    let a = r
+        .post_data(
+            "/v1/completions",
+            &json!({"model": "tiny-sim", "prompt": prompt, "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(a.status.as_u16(), 200);
+    let row = narwhal_testkit::eventually("the journal row", DECIDE, || async {
+        r.journal_rows()
+            .into_iter()
+            .find(|x| x["terminal"] == "completed")
+    })
+    .await;
+    assert_eq!(
+        row["input_len"].as_u64(),
+        Some(counted),
+        "sized by /tokenize"
+    );
+    drop(fleet);
+
+    // Engines without /tokenize: the character estimate.
+    let (p, d) = (
+        narwhal_testkit::FakeEngine::new(0, 2),
+        narwhal_testkit::FakeEngine::new(0, 2),
+    );
+    let (pu, du) = (p.spawn().await, d.spawn().await);
+    let mut sections = narwhal_testkit::fast_controller_sections();
+    narwhal_testkit::merge(
+        &mut sections,
+        json!({"serving": {"admission": "predictive"}}),
+    );
+    let mut doc = json!({"schema": "narwhal.fleet", "schema_version": 2, "model": "tiny-sim",
+        "engines": [{"iid": "p0", "url": pu, "role": "prefill"}, {"iid": "d0", "url": du}]});
+    narwhal_testkit::merge(&mut doc, sections);
+    let r = narwhal_testkit::RouterHandle::standalone(&doc, &[]);
+    let a = r
+        .post_data(
+            "/v1/completions",
+            &json!({"model": "tiny-sim", "prompt": prompt, "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(a.status.as_u16(), 200, "{}", a.text());
+    let row = narwhal_testkit::eventually("the journal row", DECIDE, || async {
+        r.journal_rows()
+            .into_iter()
+            .find(|x| x["terminal"] == "completed")
+    })
+    .await;
+    assert_eq!(
+        row["input_len"].as_u64(),
+        Some(estimate),
+        "the fallback estimate"
+    );
 }

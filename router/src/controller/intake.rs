@@ -245,6 +245,8 @@ impl Controller {
     /// elapsed time alone would break its budget, and refused (429) before it takes a seat.
     /// A client that leaves while queued drops this future: it is never dispatched.
     ///
+    /// Returns the seat and the seconds waited for it.
+    ///
     /// # Errors
     /// [`RequestFailure::InflightLimit`] (no seat, no queue), [`RequestFailure::Expired`]
     /// (queue timeout or deadline), [`RequestFailure::Refused`] (priced out while queued).
@@ -253,18 +255,20 @@ impl Controller {
         adm: &Arc<Admission>,
         track: &Track,
         deadline: Instant,
-    ) -> Result<OwnedSemaphorePermit, RequestFailure> {
+    ) -> Result<(OwnedSemaphorePermit, f64), RequestFailure> {
         let serving = &self.h.cfg.serving;
         if serving.queue_capacity == 0 {
             return adm
                 .seats()
                 .clone()
                 .try_acquire_owned()
+                .map(|p| (p, 0.0))
                 .map_err(|_| RequestFailure::InflightLimit);
         }
         if let Ok(p) = adm.seats().clone().try_acquire_owned() {
-            return Ok(p);
+            return Ok((p, 0.0));
         }
+        let asked = self.h.clock.now();
         let by = (track.arrived() + secs(serving.queue_timeout_s)).min(deadline);
         let _queued = adm.queued();
         let _waiting = self.wait(track);
@@ -276,7 +280,10 @@ impl Controller {
             let recheck = refuse_at.unwrap_or(by).min(by);
             tokio::select! {
                 acquired = &mut acquire => {
-                    return acquired.map_err(|_| RequestFailure::InflightLimit);
+                    let waited = self.h.clock.now().saturating_duration_since(asked).as_secs_f64();
+                    return acquired
+                        .map(|p| (p, waited))
+                        .map_err(|_| RequestFailure::InflightLimit);
                 }
                 () = tokio::time::sleep_until(recheck.into()) => {
                     if self.h.clock.now() >= by {

@@ -1110,4 +1110,13 @@ fn a_settled_fleet_follows_a_departure_of_the_short_view() {
         moved[0].0 <= 140.0,
         "within two steps of the shift: {moved:?}"
     );
+    // While the departure leads, the move back toward prefill is held (reason 2).
+    w.run(150.0, 1.25, 100, 1500);
+    assert!(
+        w.decisions()
+            .iter()
+            .any(|d| d["reason"] == "departure toward decode holds the reverse move"),
+        "{:#?}",
+        w.decisions().last()
+    );
 }
