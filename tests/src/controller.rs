@@ -211,6 +211,37 @@ impl RouterHandle {
         })
     }
 
+    /// Sends `shape` until a decision satisfying `pred` comes (at most `within`), then stops
+    /// the load; returns the decision.
+    ///
+    /// # Panics
+    /// When none comes.
+    pub async fn decision_under_load(
+        &self,
+        shape: Shape,
+        what: &str,
+        within: Duration,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let load = Load::start(self, shape);
+        let d = self.decision_where(what, within, pred).await;
+        load.stop().await;
+        d
+    }
+
+    /// Waits (at most `within`) until the journal holds `n` decisions; returns them.
+    ///
+    /// # Panics
+    /// When it does not.
+    pub async fn decisions_at_least(&self, n: usize, within: Duration) -> Vec<Value> {
+        let found = wait_until(within, || async {
+            let d = self.decisions();
+            (d.len() >= n).then_some(d)
+        })
+        .await;
+        found.unwrap_or_else(|| panic!("fewer than {n} decisions within {within:?}"))
+    }
+
     /// Waits (at most [`WAIT`]) until `/narwhal/state` satisfies `pred`; returns it.
     ///
     /// # Panics
@@ -276,15 +307,7 @@ impl RouterHandle {
             resp,
             text: String::new(),
         };
-        while !s.text.contains("\"text\"") {
-            let c = s
-                .resp
-                .chunk()
-                .await
-                .expect("stream chunk")
-                .expect("stream ended before its first token");
-            s.text.push_str(&String::from_utf8_lossy(&c));
-        }
+        s.text = crate::router::read_to_first_token(&mut s.resp).await;
         let iid = wait_until(WAIT, || async {
             let now = decode_residents(&self.state().await);
             now.iter()

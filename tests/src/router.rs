@@ -527,17 +527,26 @@ impl RouterHandle {
             resp,
             text: String::new(),
         };
-        while !s.text.contains("\"text\"") {
-            let c = s
-                .resp
-                .chunk()
-                .await
-                .expect("stream chunk")
-                .expect("stream ended before its first token");
-            s.text.push_str(&String::from_utf8_lossy(&c));
-        }
+        s.text = read_to_first_token(&mut s.resp).await;
         s
     }
+}
+
+/// Reads an SSE completion until its first token chunk; returns the text read.
+///
+/// # Panics
+/// When the stream breaks or ends before a token.
+pub(crate) async fn read_to_first_token(resp: &mut reqwest::Response) -> String {
+    let mut text = String::new();
+    while !text.contains("\"text\"") {
+        let c = resp
+            .chunk()
+            .await
+            .expect("stream chunk")
+            .expect("stream ended before its first token");
+        text.push_str(&String::from_utf8_lossy(&c));
+    }
+    text
 }
 
 /// A router's control listener and a short-timeout client: cloneable, for samplers.
