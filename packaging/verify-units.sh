@@ -6,7 +6,8 @@
 #   2. the hardening block of narwhal-serve.service and narwhal-serve@.service is identical;
 #   3. sysusers.d and tmpfiles.d applied to a scratch root create the users and directories
 #      with the owners and modes the units expect;
-#   4. the ExecStart lines of narwhal-serve.service and narwhal-serve@.service, expanded with
+#   4. the ExecStartPre (`narwhal-serve check-config`) and ExecStart lines of narwhal-serve.service
+#      and narwhal-serve@.service, expanded with
 #      the shipped env files as systemd would (Environment= defaults, then EnvironmentFile=,
 #      `${VAR}` one word, `$VAR` split), start real routers: a single router with --resume, and
 #      a primary and a warm standby sharing a file lease; the control listener binds every
@@ -95,7 +96,7 @@ echo "sysusers.d/tmpfiles.d: users narwhal, narwhal-agent, narwhal-engine; state
 # Expands unit $1 (instance $2, env file $3) the way systemd does and prints one argument per
 # line. Port numbers in the env file are replaced by $4 (data) and $5 (control) first.
 expand_exec() {
-  local unit=$1 inst=$2 envfile=$3 data=$4 control=$5
+  local unit=$1 inst=$2 envfile=$3 data=$4 control=$5 key=${6:-ExecStart}
   (
     set -euo pipefail
     while IFS= read -r line; do
@@ -109,8 +110,8 @@ expand_exec() {
     . "$tmp/env.$inst"
     set +a
     local exec
-    exec=$(grep '^ExecStart=' "$unit")
-    exec=${exec#ExecStart=}
+    exec=$(grep "^$key=" "$unit")
+    exec=${exec#"$key="}
     exec=${exec//%i/$inst}
     exec=${exec/#\/usr\/bin\//$bindir/}
     eval "set -- $exec"
@@ -167,12 +168,23 @@ sed -e "s#^NARWHAL_FLEET=.*#NARWHAL_FLEET=$tmp/fleet-single.json#" \
     packaging/env/narwhal-serve.env > "$tmp/single.env"
 expand_exec packaging/systemd/narwhal-serve.service "" "$tmp/single.env" "$(free_port)" "$(free_port)" > "$tmp/single.args"
 grep -qx -- '--resume' "$tmp/single.args" || fail "NARWHAL_SERVE_ARGS was not split into flags"
+# ExecStartPre: check-config with the same flags accepts what the run will use.
+check_pre() { # unit inst envfile label
+  expand_exec "$1" "$2" "$3" 1 2 ExecStartPre > "$tmp/$4.pre"
+  local args=() a
+  while IFS= read -r a; do args+=("$a"); done < "$tmp/$4.pre"
+  [ "${args[1]}" = check-config ] || fail "$1: ExecStartPre is not narwhal-serve check-config"
+  "${args[@]}" > "$tmp/$4.pre.out" 2> "$tmp/$4.pre.err" \
+    || { cat "$tmp/$4.pre.err" >&2; fail "$1 ($4): ExecStartPre check-config failed"; }
+  grep -q ' ok: ' "$tmp/$4.pre.out" || fail "$1 ($4): check-config printed no summary"
+}
+check_pre packaging/systemd/narwhal-serve.service "" "$tmp/single.env" single
 control=$(start_router "$tmp/single.args" single)
 case "$control" in http://0.0.0.0:*) ;; *) fail "single router control listener $control is not on every address" ;; esac
 port=${control##*:}
 http_get 127.0.0.1 "$port" /narwhal/state | grep -q '"schema":"narwhal.state"' \
   || fail "single router: /narwhal/state not served on 127.0.0.1:$port"
-echo "narwhal-serve.service: ExecStart + env/narwhal-serve.env start a router (control $control)"
+echo "narwhal-serve.service: ExecStartPre (check-config) and ExecStart + env/narwhal-serve.env start a router (control $control)"
 
 # Primary and standby (narwhal-serve@.service), one file lease.
 lease="{\"backend\": \"file\", \"path\": \"$tmp/var/router.lease.json\", \"ttl_s\": 2.0, \"renew_interval_s\": 0.5, \"safety_margin_s\": 0.5}"
@@ -183,11 +195,13 @@ for inst in primary standby; do
       -e "\$a NARWHAL_JOURNAL=$tmp/var/journal-$inst.jsonl" \
       "packaging/env/serve-$inst.env" > "$tmp/$inst.env"
 done
+check_pre packaging/systemd/narwhal-serve@.service primary "$tmp/primary.env" primary
 expand_exec packaging/systemd/narwhal-serve@.service primary "$tmp/primary.env" "$(free_port)" "$(free_port)" > "$tmp/primary.args"
 pcontrol=$(start_router "$tmp/primary.args" primary)
 pport=${pcontrol##*:}
 # The standby's --standby-of names the primary's control listener.
 sed -i "s#https://router-a.internal:8001#http://127.0.0.1:$pport#" "$tmp/standby.env"
+check_pre packaging/systemd/narwhal-serve@.service standby "$tmp/standby.env" standby
 expand_exec packaging/systemd/narwhal-serve@.service standby "$tmp/standby.env" "$(free_port)" "$(free_port)" > "$tmp/standby.args"
 grep -qx -- '--standby-of' "$tmp/standby.args" || fail "serve-standby.env did not make a standby"
 scontrol=$(start_router "$tmp/standby.args" standby)
@@ -203,4 +217,4 @@ done
   || fail "narwhal-serve@standby is not a standby"
 grep -q "\"holder\":\"router-a:" "$tmp/var/router.lease.json" \
   || fail "the lease holder is not NARWHAL_ROUTER_ID=router-a"
-echo "narwhal-serve@.service: primary (router-a, lease holder) and standby (router-b) start from env/serve-*.env"
+echo "narwhal-serve@.service: check-config passes and primary (router-a, lease holder) and standby (router-b) start from env/serve-*.env"

@@ -27,7 +27,6 @@ pub struct Listeners {
 }
 
 /// Runtime options from the command line.
-#[derive(Debug)]
 pub struct RunOptions {
     /// The opened request journal (its run id names this process).
     pub journal: Journal,
@@ -39,6 +38,24 @@ pub struct RunOptions {
     pub standby: Option<StandbyOptions>,
     /// `--router-id`: prefix of the lease holder token.
     pub router_id: String,
+    /// Called once the listeners serve and every engine's health gate was answered (or the
+    /// startup wait ran out, `monitor::startup`): the command line writes its ready file and
+    /// prints its listening line here, so nothing that waits for them sees a router that has
+    /// not looked at its engines yet (issue 9 section 4). An error stops the router.
+    pub announce: Option<Box<dyn FnOnce() -> Result<(), String> + Send>>,
+}
+
+impl std::fmt::Debug for RunOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunOptions")
+            .field("journal", &self.journal)
+            .field("max_concurrent", &self.max_concurrent)
+            .field("resume", &self.resume)
+            .field("standby", &self.standby)
+            .field("router_id", &self.router_id)
+            .field("announce", &self.announce.is_some())
+            .finish()
+    }
 }
 
 /// Errors that end [`run`].
@@ -56,10 +73,14 @@ pub enum Error {
     /// The lease backend could not be set up (timings, etcd endpoints); names the key.
     #[error("{0}")]
     Lease(String),
+    /// The startup announcement failed (the ready file could not be written).
+    #[error("{0}")]
+    Announce(String),
 }
 
-/// Serve until `shutdown` resolves, then stop accepting, let open requests finish for up to
-/// `serving.graceful_timeout_s`, and return.
+/// Serve until `shutdown` resolves, then shut down gracefully ([`drain_requests`]): the
+/// listeners stay open while admitted requests finish, for up to
+/// `serving.graceful_timeout_s`; then the listeners close and `run` returns.
 ///
 /// # Errors
 /// [`Error::Agents`] or [`Error::Lease`] when the agent clients or the lease backend cannot
@@ -70,6 +91,7 @@ pub async fn run(
     opts: RunOptions,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), Error> {
+    let mut shutdown = std::pin::pin!(shutdown);
     let clock: Arc<dyn narwhal_shared::Clock> = Arc::new(narwhal_shared::SystemClock);
     let grace = Duration::from_secs(config.serving.graceful_timeout_s);
     let agents = Agents::from_config(&config, clock.clone()).map_err(Error::Agents)?;
@@ -94,12 +116,11 @@ pub async fn run(
     if let Some(standby) = opts.standby {
         ha::start_standby(&parts, standby, &stop);
     } else {
-        if (opts.resume || parts.cfg.recovery.resume)
-            && let Some(reason) = handoff::resume(&parts)
-        {
+        let resume = opts.resume || parts.cfg.recovery.resume;
+        if resume && let Some(reason) = handoff::resume(&parts) {
             parts.lifecycle.resume_refused(&reason);
         }
-        ha::start_primary(&parts, &stop).await;
+        ha::start_primary(&parts, &stop, resume).await;
         if parts.ha.controls_fleet() && parts.lifecycle.agents().any() {
             // Catch restarts that happened behind the router's back (reference-notes 4.10).
             // Until every engine's identity was checked through its agent the router answers
@@ -115,23 +136,34 @@ pub async fn run(
         let stop = stop.clone();
         tokio::spawn(async move { parts.lifecycle.run_timer(stop).await })
     };
-    tokio::spawn(monitor::warm_bootstrap_ports(parts.clone()));
     let data = tokio::spawn(http::serve(
         listeners.data,
         parts.clone(),
         Side::Data,
         stop.clone(),
-        grace,
+        CLOSE_WAIT,
     ));
     let control = tokio::spawn(http::serve(
         listeners.control,
         parts.clone(),
         Side::Control,
         stop.clone(),
-        grace,
+        CLOSE_WAIT,
     ));
-    shutdown.await;
+    // Announce once every engine's health gate was answered (a shutdown meanwhile wins).
+    let mut stopped = false;
+    let announced = tokio::select! {
+        () = monitor::startup(&parts) => opts.announce.map_or(Ok(()), |f| f()),
+        () = &mut shutdown => {
+            stopped = true;
+            Ok(())
+        }
+    };
+    if announced.is_ok() && !stopped {
+        shutdown.await;
+    }
     let was_controlling = parts.ha.controls_fleet();
+    drain_requests(&parts, grace).await;
     stop.cancel();
     let _ = data.await;
     let _ = control.await;
@@ -147,5 +179,53 @@ pub async fn run(
         }
     }
     tracing::info!("narwhal-serve stopped");
-    Ok(())
+    announced.map_err(Error::Announce)
+}
+
+/// How long the listeners' connections get to finish writing once every request ended (the
+/// last frames to a slow client, idle keep-alive connections closing).
+const CLOSE_WAIT: Duration = Duration::from_secs(2);
+
+/// How long requests ended by the budget get to write their error frame and settle.
+const END_WAIT: Duration = Duration::from_secs(3);
+
+/// How often the drain looks at the in-flight count.
+const DRAIN_POLL: Duration = Duration::from_millis(20);
+
+/// Graceful shutdown of the request path (issue 9 section 5; kserve, Envoy and Kubernetes
+/// drain the same way): readiness is withdrawn at once (`/ready` 503 `shutting down`, new
+/// completions 503 with `Retry-After`, `/health` 200 `stopping`) while both listeners stay
+/// open, so load balancers and clients back off instead of meeting refused connections;
+/// admitted requests run on until none is left or `grace` (`serving.graceful_timeout_s`) ran
+/// out; then every request still running is ended — a stream with the documented error frame
+/// (`code: failed`), settled `failed/shutdown`, never as a client cancel — and given
+/// [`END_WAIT`] to settle.
+async fn drain_requests(parts: &Parts, grace: Duration) {
+    parts.gate.begin_shutdown();
+    let inflight = || parts.admission.stats().retained;
+    tracing::info!(
+        grace_s = grace.as_secs_f64(),
+        inflight = inflight(),
+        "shutting down: readiness withdrawn, admitted requests run on"
+    );
+    let idle = || async {
+        while inflight() > 0 {
+            tokio::time::sleep(DRAIN_POLL).await;
+        }
+    };
+    if tokio::time::timeout(grace, idle()).await.is_ok() {
+        return;
+    }
+    tracing::warn!(
+        grace_s = grace.as_secs_f64(),
+        inflight = inflight(),
+        "serving.graceful_timeout_s ran out: ending the requests still running"
+    );
+    parts.gate.end_requests();
+    if tokio::time::timeout(END_WAIT, idle()).await.is_err() {
+        tracing::warn!(
+            inflight = inflight(),
+            "requests still running after they were told to end"
+        );
+    }
 }

@@ -1,16 +1,19 @@
-//! SGLang bootstrap ports (reference-notes 7.2 step 2): a prefill engine's
-//! `disaggregation_bootstrap_port`, learned from `GET <engine>/server_info` and cached in the
-//! fleet; the decode leg's rendezvous names it.
+//! What the router reads from an engine's own routes: SGLang bootstrap ports (reference-notes
+//! 7.2 step 2: a prefill engine's `disaggregation_bootstrap_port`, learned from
+//! `GET <engine>/server_info` and cached in the fleet; the decode leg's rendezvous names it),
+//! and the process facts the breaker compares to notice a new process (module `facts`).
 //!
 //! ```text
 //!  serve (attempt) ──port()──► cached? ──no──► refresh(): GET /server_info ──► Fleet cache
-//!  monitor (probe ok), lifecycle (before readmission), startup ──refresh()──┘
+//!  lifecycle (before readmission) ──refresh()──┘
+//!  monitor (gate, readmission, liveness sweep) ──read_facts()──► Facts ──► Fleet::learn
 //! ```
 
 use http::StatusCode;
 use serde_json::Value;
 
-use crate::config::{Config, secs};
+use crate::config::{Backend, Config, secs};
+use crate::facts::{self, Facts};
 use crate::fleet::Fleet;
 use crate::upstream::Upstream;
 
@@ -83,14 +86,125 @@ pub(crate) async fn refresh(
         url: url.clone(),
         reason: e.to_string(),
     })?;
-    let port = v
-        .get("disaggregation_bootstrap_port")
-        .and_then(|p| {
-            p.as_u64()
-                .or_else(|| p.as_str().and_then(|s| s.parse().ok()))
-        })
-        .and_then(|p| u16::try_from(p).ok())
-        .ok_or(BootstrapError::NoPort { url })?;
+    let port = facts::parse_bootstrap_port(&v).ok_or(BootstrapError::NoPort { url })?;
     fleet.set_bootstrap_port(iid, port);
     Ok(port)
+}
+
+/// Reads engine `iid`'s process facts from its own routes, each bounded by
+/// `engine.health_timeout_s` (a route that fails leaves its fact unknown): vLLM `/metrics`
+/// `process_start_time_seconds`; SGLang `/server_info` `disaggregation_bootstrap_port`; and
+/// every engine's `/v1/models` ids.
+pub(crate) async fn read_facts(cfg: &Config, upstream: &Upstream, iid: usize) -> Facts {
+    let base = &cfg.engines[iid].url;
+    let timeout = secs(cfg.engine.health_timeout_s);
+    let get = |path: &'static str| {
+        let url = format!("{base}{path}");
+        async move {
+            match upstream.probe_get(&url, timeout).await {
+                Ok((StatusCode::OK, body)) => Some(body),
+                _ => None,
+            }
+        }
+    };
+    let json = |b: Option<bytes::Bytes>| b.and_then(|b| serde_json::from_slice::<Value>(&b).ok());
+    let models = get("/v1/models");
+    let mut out = Facts::default();
+    match cfg.backend {
+        Backend::Vllm => {
+            let (metrics, models) = futures_util::join!(get("/metrics"), models);
+            out.process_start =
+                metrics.and_then(|b| facts::parse_process_start(&String::from_utf8_lossy(&b)));
+            out.models = json(models).as_ref().and_then(facts::parse_models);
+        }
+        Backend::Sglang => {
+            let (info, models) = futures_util::join!(get("/server_info"), models);
+            out.bootstrap_port = json(info).as_ref().and_then(facts::parse_bootstrap_port);
+            out.models = json(models).as_ref().and_then(facts::parse_models);
+        }
+    }
+    out
+}
+
+/// A decode leg failed at `failed_at` after prefill `p` produced its KV (`used`: `p`'s
+/// bootstrap port when the leg failed, SGLang; `process`: `p`'s incarnation when the attempt
+/// started): is it the decode's failure (issue 9 section 1: charged to the engine that caused
+/// it)? Not if `p` became a new process meanwhile, or is found to be one now: SGLang, `p`'s
+/// `/server_info` names another bootstrap port than `used`; vLLM, `p`'s process facts changed
+/// ([`Fleet::learn`] ejects it, `process_identity`). Not either if `p` cannot be reached: that
+/// is charged to `p` (`connection`). Otherwise (same process, or no way to tell) it is the
+/// decode's: returns `true`. The checks of one producer run one at a time, and a reading that
+/// started after this failure answers for it, so a burst of failures reads `p` once.
+pub(crate) async fn blame_producer(
+    cfg: &Config,
+    fleet: &Fleet,
+    upstream: &Upstream,
+    p: usize,
+    used: Option<u16>,
+    process: u64,
+    failed_at: std::time::Instant,
+) -> bool {
+    let _turn = fleet.blame_turn(p).await;
+    if fleet.incarnation(p) != process {
+        return false;
+    }
+    let same_port = cfg.backend == Backend::Vllm || used == fleet.bootstrap_port(p);
+    if same_port && fleet.confirmed_since(p, failed_at) {
+        return true;
+    }
+    let started = fleet.now();
+    let unreachable = || {
+        fleet.observe_leg_failure(
+            p,
+            crate::placement::Phase::Prefill,
+            crate::breaker::FailureClass::Connection,
+            None,
+        );
+        false
+    };
+    let timeout = secs(cfg.engine.health_timeout_s);
+    if cfg.backend == Backend::Vllm {
+        let url = format!("{}{}", cfg.engines[p].url, cfg.engines[p].health_path);
+        return match upstream.probe_get(&url, timeout).await {
+            Err(crate::upstream::ProbeError::Unreachable(_)) => unreachable(),
+            Err(crate::upstream::ProbeError::TimedOut(_)) => true,
+            Ok(_) => {
+                let reading = read_facts(cfg, upstream, p).await;
+                if fleet.incarnation(p) != process || fleet.learn(p, reading).is_some() {
+                    return false;
+                }
+                fleet.confirm(p, started);
+                true
+            }
+        };
+    }
+    let url = format!("{}/server_info", cfg.engines[p].url);
+    let now = match upstream.probe_get(&url, timeout).await {
+        Err(_) => return unreachable(),
+        Ok((StatusCode::OK, body)) => serde_json::from_slice::<Value>(&body)
+            .ok()
+            .as_ref()
+            .and_then(facts::parse_bootstrap_port),
+        Ok(_) => None,
+    };
+    match (used, now) {
+        (Some(a), Some(b)) if a == b => {
+            fleet.confirm(p, started);
+            true
+        }
+        (_, Some(b)) => {
+            if fleet.incarnation(p) == process {
+                // Ejects `p` when its cached port (if any) differs; else refreshes it.
+                fleet.learn(
+                    p,
+                    Facts {
+                        bootstrap_port: Some(b),
+                        ..Facts::default()
+                    },
+                );
+            }
+            false
+        }
+        (_, None) => true,
+    }
 }

@@ -1,22 +1,64 @@
-//! Per-engine breaker: failure classes, streaks, ejection and readmission probes
-//! (reference-notes 6.2–6.4; DESIGN.md section 5).
+//! Per-engine health and breaker: the health gate, failure streaks, bounded ejection and
+//! readmission (reference-notes 6.2–6.6; DESIGN.md section 5; issue 9 sections 1–4, issue 10
+//! section 2).
 //!
 //! ```text
-//!  leg outcome / health answer ──observe(iid, Observation, now)──► Vec<Transition>
-//!  monitor tick ──due_probes(now)──► [(iid, ProbeKind)]   (driver GETs /health, feeds back)
+//!  leg outcome ─────────────observe(iid, Observation, now, slots)──► Vec<Transition>
+//!  probe result (ticket) ───┘                                           │ applied by Fleet:
+//!  monitor tick ──due_probes(now, slots)──► [Ticket]                    │ exclusions, metrics,
+//!      driver: GET health_path (+ identity, + generation probe) ──► observe(Probe{..})  journal
 //! ```
 //!
-//! Pure: `now` is passed in, nothing here sleeps or does IO. The verdicts:
-//! at `recovery.eject_after` consecutive failures of one class, `connection`,
-//! `inference_status`, `kv_handoff` and `stream` eject the engine at once (cause = class name);
-//! `timeout` and `overload` request a health probe, which ejects (cause `health_probe`) if it
-//! fails. Client-fault answers (engine 4xx other than 408/429) never count. An ejected engine is
-//! probed every `probe_interval`; a 200 readmits it (evidence `health`) and clears its streaks
-//! (an engine with an agent returns through lifecycle validation instead:
-//! [`Observation::Verified`]).
+//! Pure: `now` is passed in, nothing here sleeps or does IO. `slots` (the fleet's placement
+//! slots) tells the ejection bound each engine's role and whether the lifecycle holds it.
+//!
+//! # The rules
+//!
+//! Each engine is in one of three states:
+//! - **awaiting health** (at startup): out of placement until its health path answers 200
+//!   ([`Transition::Admitted`]). Probed every monitor tick, even while an earlier probe is
+//!   still out, so one slow answer does not hold a healthy engine back.
+//! - **serving**: in placement. Probed every tick (one probe at a time, liveness).
+//! - **ejected**: out of placement until it is readmitted.
+//!
+//! Failures and their verdicts:
+//! - A failed leg adds one to its class's streak; a successful leg resets every streak that
+//!   leg exercises ([`Observation::PrefillOk`], [`Observation::DecodeOk`]). At
+//!   `recovery.eject_after` consecutive failures of one class the engine is ejected (cause =
+//!   the class), **if the ejection bound allows it**.
+//! - An engine that says it is busy (429, 503, 408: [`FailureClass::Overload`]) is not charged:
+//!   the streak is neither raised nor used to eject.
+//! - A liveness probe that times out is a miss; `recovery.liveness_misses` consecutive misses
+//!   eject (cause `liveness`), if the bound allows it. One slow probe changes nothing.
+//! - A probe answered with another status, or that cannot connect, means the engine is not
+//!   there: ejected at once (cause `health_probe`), unbounded; so is an engine whose process
+//!   changed ([`Observation::IdentityChanged`], cause `process_identity`). Both are *absences*:
+//!   whatever answers next is a new process ([`Transition::NewProcess`]: nothing learned from
+//!   the old one is kept).
+//!
+//! The ejection bound (one policy for overload and the panic threshold, docs/deviations.md):
+//! an ejection for failures (a class streak or liveness misses) is admitted only while the
+//! engine's role keeps another live engine *and* the role's failure ejections stay within
+//! `max(1, ⌊role size × recovery.max_ejection_percent / 100⌋)` (Envoy's
+//! `max_ejection_percent`, and its panic threshold for the last engine). A refused ejection
+//! leaves the engine in placement flagged *degraded* ([`Breaker::is_degraded`]) until a
+//! success resets its streak; the next failure tries again. Absences are not bounded: an
+//! engine that is not there cannot serve, and keeping it only turns a 503 into a 502.
+//!
+//! Readmission of an ejected engine (one path with or without an agent): its health path must
+//! answer 200, then the driver either validates it through its agent (lifecycle, evidence
+//! `lifecycle`, [`Observation::Verified`]) or runs a generation probe (evidence `generation`).
+//! An absent engine is probed every tick (a restart should be back quickly). An engine ejected
+//! for failures waits a hold that doubles on every repeat and every failed readmission, from
+//! `readmit_every × monitor_interval_s` up to `recovery.max_readmit_interval_s` (Envoy's
+//! `base_ejection_time`/`max_ejection_time`); each base interval of service since the last
+//! readmission forgives one repeat. An absent engine that answers health but fails its
+//! generation probe becomes a failure ejection (cause `inference_probe`).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
+
+use crate::placement::{EngineSlot, Exclusion};
 
 /// Leg failure classes (reference-notes 6.2), in the order `/narwhal/state` lists them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -25,7 +67,7 @@ pub enum FailureClass {
     Connection,
     /// A timeout other than a decode read timeout.
     Timeout,
-    /// HTTP 408 or 429 from the engine.
+    /// The engine said it is busy: HTTP 408, 429 or 503. Never charged as a failure.
     Overload,
     /// Any other engine error status (including in-stream error frames).
     InferenceStatus,
@@ -64,34 +106,119 @@ impl FailureClass {
     }
 }
 
+/// How one `GET <engine><health_path>` ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HealthAnswer {
+    /// 200.
+    Ok,
+    /// Another status (a loading engine's 503, a dead vLLM engine's 500, a 404 when the
+    /// engine has no such route).
+    Unhealthy(u16),
+    /// No connection (refused, reset, unreachable): nothing is listening.
+    Unreachable,
+    /// No answer within `engine.health_timeout_s` (or the connect timeout): maybe busy.
+    TimedOut,
+}
+
+impl HealthAnswer {
+    /// Metric outcome label: `passed`, `failed` or `timeout`.
+    pub fn label(self) -> &'static str {
+        match self {
+            HealthAnswer::Ok => "passed",
+            HealthAnswer::Unhealthy(_) | HealthAnswer::Unreachable => "failed",
+            HealthAnswer::TimedOut => "timeout",
+        }
+    }
+}
+
+/// What a due probe is for (the state the engine was in when it was handed out).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ProbeKind {
+    /// Health gate of an engine awaiting its first 200.
+    Gate,
+    /// Liveness of a serving engine.
+    Liveness,
+    /// Readmission of an ejected engine: health, then validation or a generation probe.
+    Readmission,
+}
+
+impl ProbeKind {
+    /// Metric `kind` label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProbeKind::Gate => "gate",
+            ProbeKind::Liveness => "liveness",
+            ProbeKind::Readmission => "readmission",
+        }
+    }
+}
+
+/// One probe handed to the driver; its result comes back in [`Observation::Probe`]. A result
+/// whose engine changed state since the ticket was issued is ignored (stale).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ticket {
+    /// Engine index.
+    pub iid: usize,
+    /// Per-engine sequence number.
+    pub seq: u64,
+    /// What it is for.
+    pub kind: ProbeKind,
+}
+
+/// How a probe ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeResult {
+    /// The health answer (gate and liveness probes; a readmission probe whose health step
+    /// did not answer 200).
+    Health(HealthAnswer),
+    /// Readmission: health answered 200 and the generation probe passed or failed.
+    Generation {
+        /// A token-bearing chunk arrived.
+        passed: bool,
+    },
+    /// Nothing concluded (agent validation busy, or it already decided).
+    Inconclusive,
+}
+
 /// What the driver observed about one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Observation {
     /// A leg on the engine failed with this class.
     LegFailed(FailureClass),
-    /// The engine answered a leg with a client-fault 4xx: transport evidence only.
+    /// The engine answered a leg with a client-fault 4xx: it is there and reasoning.
     ClientFault,
-    /// A prefill leg succeeded (clears `connection`, `inference_status`, `kv_handoff`).
+    /// A prefill leg succeeded.
     PrefillOk,
-    /// A decode leg succeeded (clears `connection`, `inference_status`, `stream`).
+    /// A decode leg succeeded.
     DecodeOk,
-    /// `/health` answered 200.
-    HealthOk,
-    /// `/health` failed (non-200, connect error, timeout).
-    HealthFailed,
-    /// Readmission validation passed through the agents (lifecycle or recovery evidence):
-    /// clears `connection`, `inference_status`, `kv_handoff`, `stream` and un-ejects.
+    /// A probe ended.
+    Probe {
+        /// The ticket from [`Breaker::due_probes`].
+        ticket: Ticket,
+        /// Its result.
+        result: ProbeResult,
+    },
+    /// Validation through the agents passed (lifecycle readmission or recovery): the engine
+    /// is readmitted (evidence `lifecycle`) or admitted, and what was learned about its
+    /// previous process is dropped.
     Verified,
+    /// A probe, an agent or a failed rendezvous saw a different process behind the engine's
+    /// URL (process start, served models, SGLang bootstrap port).
+    IdentityChanged,
 }
 
 /// Why an engine was ejected (`narwhal_engine_ejections_total{cause}`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum EjectCause {
-    /// Streak of a class that ejects directly.
+    /// A class streak reached `recovery.eject_after`.
     Class(FailureClass),
-    /// A health probe requested by a timeout/overload streak failed.
+    /// `recovery.liveness_misses` consecutive liveness probes timed out.
+    Liveness,
+    /// A probe was answered with another status than 200, or could not connect.
     HealthProbe,
-    /// The engine's process changed behind the router's back (found during validation).
+    /// An absent engine answered health again but its generation probe failed.
+    InferenceProbe,
+    /// The engine's process changed behind the router's back.
     ProcessIdentity,
     /// Ejected by the router whose handoff this router applied (`--resume`, takeover).
     Restored,
@@ -100,21 +227,39 @@ pub enum EjectCause {
 }
 
 impl EjectCause {
-    /// Label value: the class name or `health_probe`.
+    /// Label value: the class name, `liveness`, `health_probe`, `inference_probe`,
+    /// `process_identity` or `handoff`.
     pub fn as_str(self) -> &'static str {
         match self {
             EjectCause::Class(c) => c.as_str(),
+            EjectCause::Liveness => "liveness",
             EjectCause::HealthProbe => "health_probe",
+            EjectCause::InferenceProbe => "inference_probe",
             EjectCause::ProcessIdentity => "process_identity",
             EjectCause::Restored => "handoff",
             EjectCause::RoleSwitch => "role_switch",
         }
+    }
+
+    /// An ejection for failures, which the bound limits (class streaks, liveness misses).
+    pub fn bounded(self) -> bool {
+        matches!(self, EjectCause::Class(_) | EjectCause::Liveness)
+    }
+
+    /// The engine is not there (or is another process): probed every tick, no backoff.
+    pub fn absence(self) -> bool {
+        matches!(self, EjectCause::HealthProbe | EjectCause::ProcessIdentity)
     }
 }
 
 /// A state change the driver must apply (exclusion set, metrics, journal event).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transition {
+    /// The engine's health path answered 200: it enters placement (health gate).
+    Admitted {
+        /// Engine index.
+        iid: usize,
+    },
     /// Put the engine out of placement.
     Ejected {
         /// Engine index.
@@ -122,64 +267,167 @@ pub enum Transition {
         /// Cause label.
         cause: EjectCause,
     },
-    /// Probe the engine's `/health` soon (timeout/overload streak).
-    ProbeRequested {
-        /// Engine index.
-        iid: usize,
-    },
     /// Return the engine to placement.
     Readmitted {
         /// Engine index.
         iid: usize,
-        /// `health` (a probe answered) or `lifecycle` (validation passed).
+        /// `generation` (probe) or `lifecycle` (agent validation).
         evidence: &'static str,
+    },
+    /// The bound kept a failing engine in placement (flagged degraded).
+    Degraded {
+        /// Engine index.
+        iid: usize,
+        /// The ejection that was refused.
+        cause: EjectCause,
+    },
+    /// A new process: forget what was learned from the old one (bootstrap port, process
+    /// facts, suspect producers).
+    NewProcess {
+        /// Engine index.
+        iid: usize,
     },
 }
 
-/// What a due probe is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProbeKind {
-    /// Readmission probe of an ejected engine.
-    Readmission,
-    /// Verification probe after a timeout/overload streak.
-    Verification,
+/// The breaker's settings (fleet file `recovery` and `controller` sections).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Policy {
+    /// `recovery.eject_after`: consecutive failures of one class that eject.
+    pub eject_after: u32,
+    /// `recovery.liveness_misses`: consecutive liveness timeouts that eject.
+    pub liveness_misses: u32,
+    /// First hold of a failure ejection: `readmit_every × monitor_interval_s`.
+    pub readmit_base: Duration,
+    /// Longest hold: `recovery.max_readmit_interval_s`.
+    pub readmit_cap: Duration,
+    /// `recovery.max_ejection_percent` (1..=100).
+    pub max_ejection_percent: u32,
 }
 
-#[derive(Debug, Clone, Default)]
-struct EngineState {
-    streaks: [u32; 6],
-    ejected_at: Option<Instant>,
-    last_probe: Option<Instant>,
-    probe_pending: bool,
-    probe_in_flight: bool,
+/// Gate probes of one engine allowed out at once.
+const MAX_GATE_PROBES: u32 = 8;
+
+/// The public view of one engine's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// No health 200 yet.
+    AwaitingHealth,
+    /// In placement.
+    Serving,
+    /// Out of placement since `at`, for `cause`; next readmission probe at `next_probe`.
+    Ejected {
+        /// Why.
+        cause: EjectCause,
+        /// When.
+        at: Instant,
+        /// Current hold (zero for an absence).
+        hold: Duration,
+        /// When the next readmission probe is due.
+        next_probe: Instant,
+    },
 }
+
+#[derive(Debug, Clone)]
+struct EngineState {
+    status: Status,
+    streaks: [u32; 6],
+    misses: u32,
+    strikes: u32,
+    serving_since: Option<Instant>,
+    incarnation: u64,
+    next_seq: u64,
+    valid_from: u64,
+    outstanding: u32,
+    answered: bool,
+}
+
+impl EngineState {
+    fn new() -> Self {
+        EngineState {
+            status: Status::AwaitingHealth,
+            streaks: [0; 6],
+            misses: 0,
+            strikes: 0,
+            serving_since: None,
+            incarnation: 0,
+            next_seq: 0,
+            valid_from: 0,
+            outstanding: 0,
+            answered: false,
+        }
+    }
+
+    fn clear(&mut self, classes: &[FailureClass]) {
+        for c in classes {
+            self.streaks[c.idx()] = 0;
+        }
+    }
+
+    /// Every probe handed out so far is stale from now on.
+    fn invalidate(&mut self) {
+        self.valid_from = self.next_seq;
+    }
+}
+
+const PREFILL_CLEARS: [FailureClass; 5] = [
+    FailureClass::Connection,
+    FailureClass::Timeout,
+    FailureClass::Overload,
+    FailureClass::InferenceStatus,
+    FailureClass::KvHandoff,
+];
+const DECODE_CLEARS: [FailureClass; 5] = [
+    FailureClass::Connection,
+    FailureClass::Timeout,
+    FailureClass::Overload,
+    FailureClass::InferenceStatus,
+    FailureClass::Stream,
+];
 
 /// Breaker for every engine of the fleet (indexed like the fleet config).
 #[derive(Debug, Clone)]
 pub struct Breaker {
-    eject_after: u32,
-    probe_interval: Duration,
+    policy: Policy,
     engines: Vec<EngineState>,
     ejections: BTreeMap<(usize, EjectCause), u64>,
-    readmissions: BTreeMap<usize, u64>,
+    readmissions: BTreeMap<(usize, &'static str), u64>,
 }
 
 impl Breaker {
-    /// A breaker for `engines` engines; `eject_after` = `recovery.eject_after`,
-    /// `probe_interval` = `readmit_every × controller.monitor_interval_s`.
-    pub fn new(engines: usize, eject_after: u32, probe_interval: Duration) -> Self {
+    /// A breaker for `engines` engines, every one awaiting its first health 200.
+    pub fn new(engines: usize, policy: Policy) -> Self {
+        let policy = Policy {
+            eject_after: policy.eject_after.max(1),
+            liveness_misses: policy.liveness_misses.max(1),
+            readmit_cap: policy.readmit_cap.max(policy.readmit_base),
+            max_ejection_percent: policy.max_ejection_percent.clamp(1, 100),
+            ..policy
+        };
         Breaker {
-            eject_after: eject_after.max(1),
-            probe_interval,
-            engines: vec![EngineState::default(); engines],
+            policy,
+            engines: vec![EngineState::new(); engines],
             ejections: BTreeMap::new(),
             readmissions: BTreeMap::new(),
         }
     }
 
+    /// The engine's state.
+    pub fn status(&self, iid: usize) -> Status {
+        self.engines[iid].status
+    }
+
     /// Is the engine ejected?
     pub fn is_ejected(&self, iid: usize) -> bool {
-        self.engines[iid].ejected_at.is_some()
+        matches!(self.engines[iid].status, Status::Ejected { .. })
+    }
+
+    /// Serving while a streak (or the liveness misses) is at its ejection threshold: the
+    /// bound kept it in placement.
+    pub fn is_degraded(&self, iid: usize) -> bool {
+        let e = &self.engines[iid];
+        e.status == Status::Serving
+            && (e.streaks.iter().any(|s| *s >= self.policy.eject_after)
+                || e.misses >= self.policy.liveness_misses)
     }
 
     /// Current consecutive-failure count of `class` on the engine.
@@ -187,315 +435,334 @@ impl Breaker {
         self.engines[iid].streaks[class.idx()]
     }
 
+    /// Consecutive liveness probes that timed out.
+    pub fn misses(&self, iid: usize) -> u32 {
+        self.engines[iid].misses
+    }
+
+    /// How many processes the engine has had since the router started (bumped by every
+    /// [`Transition::NewProcess`]).
+    pub fn incarnation(&self, iid: usize) -> u64 {
+        self.engines[iid].incarnation
+    }
+
+    /// Whether a gate probe of this engine was answered (any answer but a timeout) or it
+    /// left the gate: the router's startup waits for every engine to be settled.
+    pub fn settled(&self, iid: usize) -> bool {
+        let e = &self.engines[iid];
+        e.status != Status::AwaitingHealth || e.answered
+    }
+
     /// Ejections so far by (engine, cause).
     pub fn ejections(&self) -> &BTreeMap<(usize, EjectCause), u64> {
         &self.ejections
     }
 
-    /// Readmissions so far by engine.
-    pub fn readmissions(&self) -> &BTreeMap<usize, u64> {
+    /// Readmissions so far by (engine, evidence).
+    pub fn readmissions(&self) -> &BTreeMap<(usize, &'static str), u64> {
         &self.readmissions
     }
 
     /// Feed one observation; returns the transitions it caused.
-    pub fn observe(&mut self, iid: usize, obs: Observation, now: Instant) -> Vec<Transition> {
-        let eject_after = self.eject_after;
+    pub fn observe(
+        &mut self,
+        iid: usize,
+        obs: Observation,
+        now: Instant,
+        slots: &[EngineSlot],
+    ) -> Vec<Transition> {
         let mut out = Vec::new();
-        let e = &mut self.engines[iid];
-        let clear = |e: &mut EngineState, classes: &[FailureClass]| {
-            for c in classes {
-                e.streaks[c.idx()] = 0;
-            }
-        };
         match obs {
-            Observation::LegFailed(class) => {
-                if e.ejected_at.is_some() {
-                    return out;
-                }
-                e.streaks[class.idx()] += 1;
-                if e.streaks[class.idx()] >= eject_after {
-                    match class {
-                        FailureClass::Timeout | FailureClass::Overload => {
-                            if !e.probe_pending {
-                                e.probe_pending = true;
-                                out.push(Transition::ProbeRequested { iid });
-                            }
-                        }
-                        _ => {
-                            self.eject(iid, EjectCause::Class(class), now, &mut out);
-                        }
-                    }
-                }
-            }
+            Observation::LegFailed(class) => self.leg_failed(iid, class, now, slots, &mut out),
             Observation::ClientFault => {
-                clear(
-                    e,
-                    &[FailureClass::Connection, FailureClass::InferenceStatus],
-                );
+                self.engines[iid].clear(&[FailureClass::Connection, FailureClass::InferenceStatus]);
             }
-            Observation::PrefillOk => clear(
-                e,
-                &[
+            Observation::PrefillOk => self.engines[iid].clear(&PREFILL_CLEARS),
+            Observation::DecodeOk => self.engines[iid].clear(&DECODE_CLEARS),
+            Observation::Probe { ticket, result } => {
+                self.probe_result(ticket, result, now, slots, &mut out);
+            }
+            Observation::Verified => {
+                self.engines[iid].clear(&[
                     FailureClass::Connection,
                     FailureClass::InferenceStatus,
                     FailureClass::KvHandoff,
-                ],
-            ),
-            Observation::DecodeOk => clear(
-                e,
-                &[
-                    FailureClass::Connection,
-                    FailureClass::InferenceStatus,
                     FailureClass::Stream,
-                ],
-            ),
-            Observation::HealthOk => {
-                e.probe_in_flight = false;
-                clear(
-                    e,
-                    &[
-                        FailureClass::Connection,
-                        FailureClass::Timeout,
-                        FailureClass::Overload,
-                    ],
-                );
-                e.probe_pending = false;
-                if e.ejected_at.is_some() {
-                    e.ejected_at = None;
-                    e.streaks = [0; 6];
-                    *self.readmissions.entry(iid).or_default() += 1;
-                    out.push(Transition::Readmitted {
-                        iid,
-                        evidence: "health",
-                    });
+                ]);
+                match self.engines[iid].status {
+                    Status::Ejected { .. } => self.readmit(iid, "lifecycle", now, &mut out),
+                    Status::AwaitingHealth => {
+                        self.serve(iid, now);
+                        out.push(Transition::Admitted { iid });
+                    }
+                    Status::Serving => {}
                 }
+                self.new_process(iid, &mut out);
             }
-            Observation::Verified => {
-                e.probe_in_flight = false;
-                e.probe_pending = false;
-                clear(
-                    e,
-                    &[
-                        FailureClass::Connection,
-                        FailureClass::InferenceStatus,
-                        FailureClass::KvHandoff,
-                        FailureClass::Stream,
-                    ],
-                );
-                if e.ejected_at.is_some() {
-                    e.ejected_at = None;
-                    *self.readmissions.entry(iid).or_default() += 1;
-                    out.push(Transition::Readmitted {
-                        iid,
-                        evidence: "lifecycle",
-                    });
-                }
-            }
-            Observation::HealthFailed => {
-                e.probe_in_flight = false;
-                if e.ejected_at.is_none() && e.probe_pending {
-                    e.probe_pending = false;
-                    self.eject(iid, EjectCause::HealthProbe, now, &mut out);
-                }
-            }
+            Observation::IdentityChanged => match self.engines[iid].status {
+                Status::Ejected { .. } => self.new_process(iid, &mut out),
+                _ => self.eject(iid, EjectCause::ProcessIdentity, now, &mut out),
+            },
         }
         out
+    }
+
+    fn leg_failed(
+        &mut self,
+        iid: usize,
+        class: FailureClass,
+        now: Instant,
+        slots: &[EngineSlot],
+        out: &mut Vec<Transition>,
+    ) {
+        let e = &mut self.engines[iid];
+        if e.status != Status::Serving {
+            return;
+        }
+        if class == FailureClass::Overload {
+            // It answered: the connection is fine; busy is not a failure.
+            e.clear(&[FailureClass::Connection]);
+            return;
+        }
+        e.streaks[class.idx()] += 1;
+        let streak = e.streaks[class.idx()];
+        if streak >= self.policy.eject_after {
+            self.bounded_eject(iid, EjectCause::Class(class), streak, now, slots, out);
+        }
+    }
+
+    /// Ejects for failures if the bound allows it, else flags the engine degraded (once per
+    /// streak, when it first reaches the threshold).
+    fn bounded_eject(
+        &mut self,
+        iid: usize,
+        cause: EjectCause,
+        count: u32,
+        now: Instant,
+        slots: &[EngineSlot],
+        out: &mut Vec<Transition>,
+    ) {
+        if self.may_eject(iid, slots) {
+            self.eject(iid, cause, now, out);
+        } else {
+            let threshold = match cause {
+                EjectCause::Liveness => self.policy.liveness_misses,
+                _ => self.policy.eject_after,
+            };
+            if count == threshold {
+                out.push(Transition::Degraded { iid, cause });
+            }
+        }
+    }
+
+    /// The ejection bound (module doc).
+    pub fn may_eject(&self, iid: usize, slots: &[EngineSlot]) -> bool {
+        let Some(role) = slots.get(iid).map(|s| s.role) else {
+            return false;
+        };
+        let members: Vec<usize> = (0..self.engines.len().min(slots.len()))
+            .filter(|j| slots[*j].role == role)
+            .collect();
+        let live_others = members
+            .iter()
+            .filter(|j| {
+                **j != iid && self.engines[**j].status == Status::Serving && !held(&slots[**j])
+            })
+            .count();
+        if live_others == 0 {
+            return false;
+        }
+        let failed = members
+            .iter()
+            .filter(|j| {
+                matches!(self.engines[**j].status, Status::Ejected { cause, .. } if cause.bounded())
+            })
+            .count();
+        let cap = (members.len() * self.policy.max_ejection_percent as usize / 100).max(1);
+        failed < cap
+    }
+
+    fn probe_result(
+        &mut self,
+        ticket: Ticket,
+        result: ProbeResult,
+        now: Instant,
+        slots: &[EngineSlot],
+        out: &mut Vec<Transition>,
+    ) {
+        let iid = ticket.iid;
+        let e = &mut self.engines[iid];
+        e.outstanding = e.outstanding.saturating_sub(1);
+        if ticket.seq < e.valid_from {
+            return; // the engine changed state since this probe left
+        }
+        match (e.status, ticket.kind, result) {
+            (Status::AwaitingHealth, ProbeKind::Gate, ProbeResult::Health(a)) => {
+                if a != HealthAnswer::TimedOut {
+                    e.answered = true;
+                }
+                if a == HealthAnswer::Ok {
+                    self.serve(iid, now);
+                    out.push(Transition::Admitted { iid });
+                }
+            }
+            (Status::Serving, ProbeKind::Liveness, ProbeResult::Health(a)) => match a {
+                HealthAnswer::Ok => {
+                    e.misses = 0;
+                    e.clear(&[FailureClass::Connection, FailureClass::Timeout]);
+                }
+                HealthAnswer::TimedOut => {
+                    e.misses += 1;
+                    let misses = e.misses;
+                    if misses >= self.policy.liveness_misses {
+                        self.bounded_eject(iid, EjectCause::Liveness, misses, now, slots, out);
+                    }
+                }
+                HealthAnswer::Unhealthy(_) | HealthAnswer::Unreachable => {
+                    self.eject(iid, EjectCause::HealthProbe, now, out);
+                }
+            },
+            (
+                Status::Ejected {
+                    cause, at, hold, ..
+                },
+                ProbeKind::Readmission,
+                result,
+            ) => {
+                let again = |hold: Duration, next_probe: Instant| Status::Ejected {
+                    cause,
+                    at,
+                    hold,
+                    next_probe,
+                };
+                match result {
+                    ProbeResult::Generation { passed: true } => {
+                        self.readmit(iid, "generation", now, out);
+                    }
+                    ProbeResult::Generation { passed: false } if cause.absence() => {
+                        // It is back but cannot generate: a failure ejection from now on.
+                        self.eject(iid, EjectCause::InferenceProbe, now, out);
+                    }
+                    ProbeResult::Generation { passed: false } | ProbeResult::Health(_)
+                        if !cause.absence() =>
+                    {
+                        let hold = (hold * 2).min(self.policy.readmit_cap);
+                        e.status = again(hold, now + hold);
+                    }
+                    // An absent engine still away, or nothing concluded: next tick.
+                    _ => e.status = again(hold, now),
+                }
+            }
+            _ => {} // a result for a state the engine has left
+        }
+    }
+
+    fn serve(&mut self, iid: usize, now: Instant) {
+        let e = &mut self.engines[iid];
+        e.status = Status::Serving;
+        e.streaks = [0; 6];
+        e.misses = 0;
+        e.serving_since = Some(now);
+        e.invalidate();
+    }
+
+    fn readmit(
+        &mut self,
+        iid: usize,
+        evidence: &'static str,
+        now: Instant,
+        out: &mut Vec<Transition>,
+    ) {
+        self.serve(iid, now);
+        *self.readmissions.entry((iid, evidence)).or_default() += 1;
+        out.push(Transition::Readmitted { iid, evidence });
+    }
+
+    fn new_process(&mut self, iid: usize, out: &mut Vec<Transition>) {
+        let e = &mut self.engines[iid];
+        e.incarnation += 1;
+        e.streaks = [0; 6];
+        e.misses = 0;
+        out.push(Transition::NewProcess { iid });
     }
 
     fn eject(&mut self, iid: usize, cause: EjectCause, now: Instant, out: &mut Vec<Transition>) {
+        let base = self.policy.readmit_base;
+        let cap = self.policy.readmit_cap;
         let e = &mut self.engines[iid];
-        e.ejected_at = Some(now);
-        // First readmission probe one interval after ejection.
-        e.last_probe = Some(now);
-        e.probe_pending = false;
+        let hold = if cause.absence() {
+            Duration::ZERO
+        } else if cause == EjectCause::Restored {
+            base
+        } else {
+            // Each base interval of service since the last readmission forgives one repeat.
+            let served = e.serving_since.map_or(0, |t| {
+                let s = now.saturating_duration_since(t).as_secs_f64();
+                (s / base.as_secs_f64().max(1e-9)) as u32
+            });
+            e.strikes = e.strikes.saturating_sub(served) + 1;
+            let factor = 2u32.saturating_pow(e.strikes - 1);
+            base.saturating_mul(factor).min(cap)
+        };
+        e.status = Status::Ejected {
+            cause,
+            at: now,
+            hold,
+            next_probe: now + hold,
+        };
+        e.serving_since = None;
+        e.invalidate();
         *self.ejections.entry((iid, cause)).or_default() += 1;
         out.push(Transition::Ejected { iid, cause });
+        if cause.absence() {
+            self.new_process(iid, out);
+        }
     }
 
-    /// Probes the monitor should run now: ejected engines whose last probe is at least one
-    /// interval old, and pending verification probes. Marks them in flight; the driver must feed
-    /// back `HealthOk`/`HealthFailed` for each.
-    pub fn due_probes(&mut self, now: Instant) -> Vec<(usize, ProbeKind)> {
+    /// Probes the monitor should run now (module doc): every engine awaiting health, every
+    /// serving engine without a probe out, every ejected engine whose next probe is due. The
+    /// health of engines the lifecycle holds (draining, validating) is left to it (a planned
+    /// restart is not an absence); an ejected engine is probed even when held, so a failed
+    /// recovery validation is retried (docs/deviations.md).
+    pub fn due_probes(&mut self, now: Instant, slots: &[EngineSlot]) -> Vec<Ticket> {
         let mut out = Vec::new();
         for (iid, e) in self.engines.iter_mut().enumerate() {
-            if e.probe_in_flight {
-                continue;
-            }
-            if e.ejected_at.is_some() {
-                let due = e
-                    .last_probe
-                    .is_none_or(|t| now.saturating_duration_since(t) >= self.probe_interval);
-                if due {
-                    e.last_probe = Some(now);
-                    e.probe_in_flight = true;
-                    out.push((iid, ProbeKind::Readmission));
+            let held = slots.get(iid).is_some_and(held);
+            let kind = match e.status {
+                Status::AwaitingHealth if !held && e.outstanding < MAX_GATE_PROBES => {
+                    ProbeKind::Gate
                 }
-            } else if e.probe_pending {
-                e.probe_in_flight = true;
-                out.push((iid, ProbeKind::Verification));
-            }
+                Status::Serving if !held && e.outstanding == 0 => ProbeKind::Liveness,
+                Status::Ejected { next_probe, .. } if e.outstanding == 0 && now >= next_probe => {
+                    ProbeKind::Readmission
+                }
+                _ => continue,
+            };
+            let seq = e.next_seq;
+            e.next_seq += 1;
+            e.outstanding += 1;
+            out.push(Ticket { iid, seq, kind });
         }
         out
     }
 
-    /// Ejects the engine now for `cause` unless it already is (validation found its process
-    /// changed).
+    /// Ejects the engine now for an unbounded `cause` (process identity changed, a restored
+    /// handoff) unless it already is ejected.
     pub fn eject_now(&mut self, iid: usize, cause: EjectCause, now: Instant) -> Vec<Transition> {
         let mut out = Vec::new();
-        if self.engines[iid].ejected_at.is_none() {
+        if !self.is_ejected(iid) {
             self.eject(iid, cause, now, &mut out);
         }
         out
     }
+}
 
-    /// Forget an in-flight mark without a verdict (the probe was inconclusive).
-    pub fn probe_inconclusive(&mut self, iid: usize) {
-        self.engines[iid].probe_in_flight = false;
-    }
+/// The lifecycle (or anything else but the breaker) holds the engine out of placement.
+fn held(slot: &EngineSlot) -> bool {
+    slot.excluded
+        .iter()
+        .any(|x| !matches!(x, Exclusion::Ejected | Exclusion::AwaitingHealth))
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use narwhal_shared::{Clock as _, SystemClock};
-
-    fn b() -> (Breaker, Instant) {
-        (
-            Breaker::new(2, 3, Duration::from_secs(10)),
-            SystemClock.now(),
-        )
-    }
-
-    const CONN: Observation = Observation::LegFailed(FailureClass::Connection);
-
-    #[test]
-    fn connection_streak_ejects_at_threshold() {
-        let (mut br, t0) = b();
-        assert!(br.observe(0, CONN, t0).is_empty());
-        assert!(br.observe(0, CONN, t0).is_empty());
-        assert_eq!(
-            br.observe(0, CONN, t0),
-            vec![Transition::Ejected {
-                iid: 0,
-                cause: EjectCause::Class(FailureClass::Connection)
-            }]
-        );
-        assert!(br.is_ejected(0));
-        assert!(!br.is_ejected(1));
-        // Further failures of an ejected engine change nothing.
-        assert!(br.observe(0, CONN, t0).is_empty());
-        assert_eq!(
-            br.ejections()
-                .get(&(0, EjectCause::Class(FailureClass::Connection))),
-            Some(&1)
-        );
-    }
-
-    #[test]
-    fn success_evidence_breaks_the_streak() {
-        let (mut br, t0) = b();
-        br.observe(0, CONN, t0);
-        br.observe(0, CONN, t0);
-        br.observe(0, Observation::PrefillOk, t0);
-        assert_eq!(br.streak(0, FailureClass::Connection), 0);
-        assert!(br.observe(0, CONN, t0).is_empty());
-        assert!(!br.is_ejected(0));
-    }
-
-    #[test]
-    fn decode_success_does_not_clear_kv_handoff() {
-        let (mut br, t0) = b();
-        let kv = Observation::LegFailed(FailureClass::KvHandoff);
-        br.observe(0, kv, t0);
-        br.observe(0, kv, t0);
-        br.observe(0, Observation::DecodeOk, t0);
-        assert_eq!(br.streak(0, FailureClass::KvHandoff), 2);
-        assert_eq!(br.observe(0, kv, t0).len(), 1);
-    }
-
-    #[test]
-    fn client_faults_never_count() {
-        let (mut br, t0) = b();
-        for _ in 0..10 {
-            assert!(br.observe(0, Observation::ClientFault, t0).is_empty());
-        }
-        assert!(!br.is_ejected(0));
-    }
-
-    #[test]
-    fn timeout_streak_requests_a_probe_that_ejects_on_failure() {
-        let (mut br, t0) = b();
-        let to = Observation::LegFailed(FailureClass::Timeout);
-        br.observe(1, to, t0);
-        br.observe(1, to, t0);
-        assert_eq!(
-            br.observe(1, to, t0),
-            vec![Transition::ProbeRequested { iid: 1 }]
-        );
-        assert!(!br.is_ejected(1));
-        assert_eq!(br.due_probes(t0), vec![(1, ProbeKind::Verification)]);
-        // In flight: not handed out twice.
-        assert!(br.due_probes(t0).is_empty());
-        assert_eq!(
-            br.observe(1, Observation::HealthFailed, t0),
-            vec![Transition::Ejected {
-                iid: 1,
-                cause: EjectCause::HealthProbe
-            }]
-        );
-    }
-
-    #[test]
-    fn overload_probe_that_passes_clears_the_streak() {
-        let (mut br, t0) = b();
-        let ov = Observation::LegFailed(FailureClass::Overload);
-        for _ in 0..3 {
-            br.observe(0, ov, t0);
-        }
-        assert_eq!(br.due_probes(t0), vec![(0, ProbeKind::Verification)]);
-        assert!(br.observe(0, Observation::HealthOk, t0).is_empty());
-        assert_eq!(br.streak(0, FailureClass::Overload), 0);
-        assert!(br.due_probes(t0).is_empty());
-    }
-
-    #[test]
-    fn ejected_engine_is_probed_every_interval_and_readmitted_on_200() {
-        let (mut br, t0) = b();
-        for _ in 0..3 {
-            br.observe(0, Observation::LegFailed(FailureClass::Stream), t0);
-        }
-        assert!(br.is_ejected(0));
-        assert!(br.due_probes(t0 + Duration::from_secs(9)).is_empty());
-        let t1 = t0 + Duration::from_secs(10);
-        assert_eq!(br.due_probes(t1), vec![(0, ProbeKind::Readmission)]);
-        assert!(br.observe(0, Observation::HealthFailed, t1).is_empty());
-        assert!(br.is_ejected(0));
-        assert!(br.due_probes(t1 + Duration::from_secs(5)).is_empty());
-        let t2 = t1 + Duration::from_secs(10);
-        assert_eq!(br.due_probes(t2), vec![(0, ProbeKind::Readmission)]);
-        assert_eq!(
-            br.observe(0, Observation::HealthOk, t2),
-            vec![Transition::Readmitted {
-                iid: 0,
-                evidence: "health"
-            }]
-        );
-        assert!(!br.is_ejected(0));
-        assert_eq!(br.streak(0, FailureClass::Stream), 0);
-        assert_eq!(br.readmissions().get(&0), Some(&1));
-    }
-
-    proptest::proptest! {
-        /// Below the threshold nothing is ejected, whatever the interleaving of classes.
-        #[test]
-        fn no_ejection_without_a_full_streak(seq in proptest::collection::vec(0usize..6, 0..40)) {
-            let mut br = Breaker::new(1, 1000, Duration::from_secs(1));
-            let t0 = SystemClock.now();
-            for c in seq {
-                let tr = br.observe(0, Observation::LegFailed(FailureClass::ALL[c]), t0);
-                proptest::prop_assert!(tr.is_empty());
-            }
-            proptest::prop_assert!(!br.is_ejected(0));
-        }
-    }
-}
+mod tests;

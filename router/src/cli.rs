@@ -4,15 +4,16 @@
 //! ```text
 //!  args ──clap──► Args ──Config::load──► Config (exit 2 on any problem, all listed)
 //!       ──bind data + control──► (exit 1: "narwhal-serve: bind <addr>: <error>")
-//!       ──ready file {data, control, pid, run} (atomic, written first)
-//!       ──stdout: "narwhal-serve listening data=http://H:P control=http://H:P" ──► run(...)
+//!       ──► run(...): once every engine's health gate was answered (app::run):
+//!             ready file {data, control, pid, run} (atomic), then
+//!             stdout: "narwhal-serve listening data=http://H:P control=http://H:P"
 //! ```
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use clap::{Parser, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum};
 use narwhal_shared::{Clock, SystemClock};
 use tokio::net::TcpListener;
 
@@ -30,12 +31,36 @@ enum LogFormat {
 }
 
 /// Narwhal router: disaggregated prefill/decode serving for vLLM and SGLang fleets.
+///
+/// Without a subcommand it runs the router; `check-config` checks what a run would use, with
+/// the same flags, and exits; `config-keys` prints every fleet-file key.
 #[derive(Debug, Parser)]
-#[command(name = "narwhal-serve", version, about)]
+#[command(name = "narwhal-serve", version, about, subcommand_negates_reqs = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    args: Args,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Check everything a run with these flags reads before it serves (fleet file, flags, TLS
+    /// files, agent keys, lease settings and files, writable state, journal and lease
+    /// directories) without binding or writing anything; exit 0 (one summary line on stdout)
+    /// or 2 (every problem on stderr). Takes the same flags as a run.
+    CheckConfig(Box<Args>),
+    /// Print every fleet-file key this binary accepts, one dotted key per line
+    /// (`engines[].agent.url`); docs/configuration.md documents each.
+    ConfigKeys,
+}
+
+/// The flags of a run (and of `check-config`).
+#[derive(Debug, Clone, clap::Args)]
 struct Args {
     /// Fleet file (schema narwhal.fleet version 2).
-    #[arg(long, env = "NARWHAL_FLEET")]
-    fleet: PathBuf,
+    #[arg(long, env = "NARWHAL_FLEET", required = true)]
+    fleet: Option<PathBuf>,
     /// Data listener address (OpenAI routes). Port 0 picks a free port.
     #[arg(long, default_value = "127.0.0.1:8000")]
     listen: String,
@@ -68,15 +93,25 @@ struct Args {
     /// Seconds between standby polls of the primary.
     #[arg(long, default_value_t = 0.25)]
     standby_probe_interval: f64,
-    /// Missed polls before the standby tries to take over (it still needs the lease to lapse).
+    /// Missed polls of a primary that publishes no handoff beside its lease record (a
+    /// reference primary) before the standby reports `no fresh handoff`. The takeover itself
+    /// starts when the lease record lapses (docs/ha.md, "Takeover time").
     #[arg(long, default_value_t = 4)]
     standby_takeover_after: u32,
-    /// A retained handoff older than this many seconds is not applied at takeover.
+    /// A handoff polled over HTTP older than this many seconds is not applied at takeover (the
+    /// handoff published beside the lease record is always the newest and is applied).
     #[arg(long, default_value_t = 30.0)]
     standby_max_handoff_age: f64,
     /// Prefix of this router's lease holder token (default: host name and control port).
     #[arg(long)]
     router_id: Option<String>,
+}
+
+impl Args {
+    /// The fleet file (clap requires it for a run and for `check-config`).
+    fn fleet(&self) -> &Path {
+        self.fleet.as_deref().unwrap_or(Path::new(""))
+    }
 }
 
 fn init_logging(args: &Args) -> Result<(), String> {
@@ -126,29 +161,208 @@ fn write_atomic(path: &Path, value: &serde_json::Value) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
+/// What [`preflight`] found: the loaded configuration and the admission seats.
+struct Checked {
+    cfg: Config,
+    max_concurrent: usize,
+}
+
+/// Everything a run reads before it serves, checked before anything is bound or printed
+/// (issue 14 section 2): the fleet file, the flags that depend on it, and every file it names
+/// (`tls`, `control.tls`, the agents' pinned keys, `lease.tls`, `lease.auth.password_file`),
+/// by building the same TLS configurations, agent clients and lease backend the run builds.
+///
+/// # Errors
+/// Every problem found, one per line, each naming its key or flag (exit status 2).
+fn preflight(args: &Args) -> Result<Checked, String> {
+    let cfg = Config::load(args.fleet()).map_err(|e| e.to_string())?;
+    let mut problems = Vec::new();
+    let max = cfg.serving.max_connections;
+    let max_concurrent = args.max_concurrent.unwrap_or(max);
+    if max_concurrent < 1 || max_concurrent > max {
+        problems.push(format!(
+            "--max-concurrent {max_concurrent} must be in 1..={max} (serving.max_connections)"
+        ));
+    }
+    if args.standby_of.is_some() && cfg.lease.backend == crate::config::LeaseBackend::None {
+        problems.push(
+            "--standby-of needs a lease: set lease.backend to file or etcd in the fleet file"
+                .to_string(),
+        );
+    }
+    // The router presents `tls` to the agents; the control listener serves with
+    // `control.tls` (a standby also presents it to its primary).
+    for (prefix, files, serves) in [("", &cfg.tls, false), ("control.", &cfg.control_tls, true)] {
+        let Some(t) = files else { continue };
+        let files = narwhal_shared::TlsFiles {
+            ca: t.ca.clone(),
+            cert: t.cert.clone(),
+            key: t.key.clone(),
+        };
+        let built = if serves {
+            files.server_config().map(drop)
+        } else {
+            files.client_config().map(drop)
+        };
+        if let Err(e) = built {
+            problems.push(format!("{prefix}{e}"));
+        }
+    }
+    let clock: std::sync::Arc<dyn Clock> = std::sync::Arc::new(SystemClock);
+    if problems.is_empty()
+        && let Err(e) = crate::lifecycle::agents::Agents::from_config(&cfg, clock.clone())
+    {
+        problems.push(e);
+    }
+    let router_id = args.router_id.as_deref().unwrap_or("check-config");
+    if let Err(e) = crate::lease::LeaseDriver::from_config(&cfg.lease, router_id, clock) {
+        problems.push(format!("lease config: {e}"));
+    }
+    if problems.is_empty() {
+        Ok(Checked {
+            cfg,
+            max_concurrent: max_concurrent as usize,
+        })
+    } else {
+        Err(problems.join("\n"))
+    }
+}
+
+/// The directory `path` is written in, for the writability probe: its parent, or `.`.
+fn dir_of(path: &Path) -> &Path {
+    path.parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
+/// Whether the process can create files in `dir` (or, when it does not exist yet, in its
+/// nearest existing ancestor, where the router would create it), found by creating and
+/// removing a probe file: permissions, read-only mounts and systemd's `ProtectSystem=` all
+/// show up here the way they would for the run.
+fn writable(dir: &Path) -> Result<(), String> {
+    let mut d = dir.to_path_buf();
+    while !d.exists() {
+        match d.parent() {
+            Some(p) if !p.as_os_str().is_empty() => d = p.to_path_buf(),
+            _ => {
+                d = PathBuf::from(".");
+                break;
+            }
+        }
+    }
+    let probe = d.join(format!(".narwhal-check-config.{}", std::process::id()));
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+    {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => Err(format!("cannot create files in {}: {e}", d.display())),
+    }
+}
+
+/// `narwhal-serve check-config`: [`preflight`] plus the directories a run writes in (the
+/// journal, `recovery.state_path`, a `file` lease's directory). Prints one summary line and
+/// returns 0, or prints every problem on stderr and returns 2; binds and writes nothing.
+fn check_config(args: &Args) -> ExitCode {
+    let checked = preflight(args);
+    let mut problems: Vec<String> = match &checked {
+        Ok(_) => Vec::new(),
+        Err(e) => e.lines().map(str::to_string).collect(),
+    };
+    if let Ok(c) = &checked {
+        let mut dirs = vec![
+            ("--journal", dir_of(&args.journal).to_path_buf()),
+            (
+                "recovery.state_path",
+                dir_of(Path::new(&c.cfg.recovery.state_path)).to_path_buf(),
+            ),
+        ];
+        if c.cfg.lease.backend == crate::config::LeaseBackend::File {
+            dirs.push((
+                "lease.path",
+                dir_of(Path::new(&c.cfg.lease.path)).to_path_buf(),
+            ));
+        }
+        for (what, dir) in dirs {
+            if let Err(e) = writable(&dir) {
+                problems.push(format!(
+                    "{what}: {e} (under systemd, a directory outside /var/lib/narwhal needs ReadWritePaths=: docs/operate.md)"
+                ));
+            }
+        }
+    }
+    match checked {
+        Ok(c) if problems.is_empty() => {
+            let agents = c.cfg.engines.iter().filter(|e| e.agent.is_some()).count();
+            println!(
+                "narwhal-serve: {} ok: {} engine(s), {} with an agent, backend {}, lease {}, control.tls {}, {} admission seat(s){}",
+                args.fleet().display(),
+                c.cfg.engines.len(),
+                agents,
+                c.cfg.backend,
+                match c.cfg.lease.backend {
+                    crate::config::LeaseBackend::None => "none",
+                    crate::config::LeaseBackend::File => "file",
+                    crate::config::LeaseBackend::Etcd => "etcd",
+                },
+                if c.cfg.control_tls.is_some() {
+                    "on"
+                } else {
+                    "off"
+                },
+                c.max_concurrent,
+                if args.standby_of.is_some() {
+                    ", standby"
+                } else {
+                    ""
+                }
+            );
+            ExitCode::SUCCESS
+        }
+        _ => {
+            for p in problems {
+                eprintln!("narwhal-serve: {p}");
+            }
+            ExitCode::from(2)
+        }
+    }
+}
+
 /// Entry point of the `narwhal-serve` binary. Exit codes: 0 clean shutdown, 1 bind/startup
-/// failure, 2 usage or fleet configuration errors.
+/// failure, 2 usage or fleet configuration errors, or a file the fleet file names (TLS,
+/// keys, lease) that cannot be used: all found before anything is bound or printed on stdout.
 pub fn main_from_args() -> ExitCode {
-    let args = Args::parse();
+    let cli = Cli::parse();
+    let args = match cli.command {
+        Some(Command::CheckConfig(args)) => return check_config(&args),
+        Some(Command::ConfigKeys) => {
+            let mut out = std::io::stdout().lock();
+            for k in crate::config::schema::accepted_keys() {
+                if writeln!(out, "{k}").is_err() {
+                    break;
+                }
+            }
+            return ExitCode::SUCCESS;
+        }
+        None => cli.args,
+    };
     if let Err(e) = init_logging(&args) {
         eprintln!("narwhal-serve: {e}");
         return ExitCode::from(2);
     }
-    let cfg = match Config::load(&args.fleet) {
+    let checked = match preflight(&args) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("narwhal-serve: {e}");
+            for line in e.lines() {
+                eprintln!("narwhal-serve: {line}");
+            }
             return ExitCode::from(2);
         }
     };
-    let max = cfg.serving.max_connections;
-    let max_concurrent = args.max_concurrent.unwrap_or(max);
-    if max_concurrent < 1 || max_concurrent > max {
-        eprintln!(
-            "narwhal-serve: --max-concurrent {max_concurrent} must be in 1..={max} (serving.max_connections)"
-        );
-        return ExitCode::from(2);
-    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -159,7 +373,7 @@ pub fn main_from_args() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let code = rt.block_on(async_main(args, cfg, max_concurrent as usize));
+    let code = rt.block_on(async_main(args, checked.cfg, checked.max_concurrent));
     rt.shutdown_timeout(std::time::Duration::from_secs(2));
     code
 }
@@ -200,17 +414,6 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
             return ExitCode::from(1);
         }
     };
-    if let Some(t) = &cfg.control_tls {
-        let files = narwhal_shared::TlsFiles {
-            ca: t.ca.clone(),
-            cert: t.cert.clone(),
-            key: t.key.clone(),
-        };
-        if let Err(e) = files.server_config() {
-            eprintln!("narwhal-serve: control.{e}");
-            return ExitCode::from(2);
-        }
-    }
     let data_url = format!("http://{data_addr}");
     let control_scheme = if cfg.control_tls.is_some() {
         "https"
@@ -229,33 +432,30 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
             takeover_after: args.standby_takeover_after.max(1),
             max_handoff_age_s: args.standby_max_handoff_age,
         });
-    if standby.is_some() && cfg.lease.backend == crate::config::LeaseBackend::None {
-        eprintln!(
-            "narwhal-serve: --standby-of needs a lease: set lease.backend to file or etcd in the fleet file"
-        );
-        return ExitCode::from(2);
-    }
     let router_id = args.router_id.clone().unwrap_or_else(|| {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_string())
             .unwrap_or_else(|_| "narwhal".into());
         format!("{host}:{}", control_addr.port())
     });
-    if let Some(path) = &args.ready_file {
-        let doc = serde_json::json!({"data": data_url, "control": control_url, "pid": std::process::id(), "run": run});
-        if let Err(e) = write_atomic(path, &doc) {
-            eprintln!("narwhal-serve: ready file {}: {e}", path.display());
-            return ExitCode::from(1);
+    // Written once the router has looked at its engines (app::run calls it after the
+    // startup health round).
+    let ready_file = args.ready_file.clone();
+    let (data_url2, control_url2, run2) = (data_url.clone(), control_url.clone(), run.clone());
+    let announce = move || -> Result<(), String> {
+        let (data_url, control_url, run) = (data_url2, control_url2, run2);
+        if let Some(path) = &ready_file {
+            let doc = serde_json::json!({"data": data_url, "control": control_url, "pid": std::process::id(), "run": run});
+            write_atomic(path, &doc).map_err(|e| format!("ready file {}: {e}", path.display()))?;
         }
-    }
-    {
         let mut out = std::io::stdout().lock();
         let _ = writeln!(
             out,
             "narwhal-serve listening data={data_url} control={control_url}"
         );
         let _ = out.flush();
-    }
+        Ok(())
+    };
     tracing::info!(data = %data_url, control = %control_url, run = %run, engines = cfg.engines.len(), backend = %cfg.backend, "narwhal-serve started");
     let result = crate::app::run(
         cfg,
@@ -266,6 +466,7 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
             resume: args.resume,
             standby,
             router_id,
+            announce: Some(Box::new(announce)),
         },
         shutdown,
     )
@@ -291,4 +492,117 @@ fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
             _ = int.recv() => tracing::info!("SIGINT: shutting down"),
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use clap::CommandFactory;
+
+    use super::*;
+    use crate::config::schema::docs;
+
+    /// Flags (`--fleet`) and subcommands (`check-config`) of a clap command, without clap's
+    /// own `--help` / `--version` / `help`.
+    fn clap_surface(cmd: &clap::Command) -> (BTreeSet<String>, BTreeSet<String>) {
+        let flags = cmd
+            .get_arguments()
+            .filter_map(|a| a.get_long())
+            .filter(|l| !matches!(*l, "help" | "version"))
+            .map(|l| format!("--{l}"))
+            .collect();
+        let subs = cmd
+            .get_subcommands()
+            .map(|s| s.get_name().to_string())
+            .filter(|n| n != "help")
+            .collect();
+        (flags, subs)
+    }
+
+    /// Issue 14 section 1: the command-line table of docs/configuration.md names exactly the
+    /// flags and subcommands `narwhal-serve` has. Fails naming each one and what to do.
+    #[test]
+    fn configuration_md_documents_exactly_the_command_line() {
+        let text = docs::read("configuration.md");
+        let section = docs::section(&text, "configuration.md", "serve-cli");
+        let (mut doc_flags, mut doc_subs) = (BTreeSet::new(), BTreeSet::new());
+        for (_, first, _) in docs::rows(section) {
+            for span in docs::code_spans(&first) {
+                let mut words = span.split_whitespace().peekable();
+                if words.peek() == Some(&"narwhal-serve") {
+                    words.next();
+                    if let Some(w) = words.next().filter(|w| !w.starts_with(['[', '-'])) {
+                        doc_subs.insert(w.to_string());
+                    }
+                }
+                doc_flags.extend(words.filter(|w| w.starts_with("--")).map(str::to_string));
+            }
+        }
+        let cli = Cli::command();
+        let (flags, subs) = clap_surface(&cli);
+        let mut problems = Vec::new();
+        for f in flags.difference(&doc_flags) {
+            problems.push(format!(
+                "narwhal-serve has flag {f} but docs/configuration.md does not describe it: add a row `| \\`{f} VALUE\\` | default | what |` to the table between the serve-cli markers"
+            ));
+        }
+        for f in doc_flags.difference(&flags) {
+            problems.push(format!(
+                "docs/configuration.md describes flag {f} but narwhal-serve has no such flag: fix or remove its row (serve-cli table)"
+            ));
+        }
+        for s in subs.difference(&doc_subs) {
+            problems.push(format!(
+                "narwhal-serve has subcommand `{s}` but docs/configuration.md does not describe it: add a row `| \\`narwhal-serve {s} ...\\` | | what |` to the serve-cli table"
+            ));
+        }
+        for s in doc_subs.difference(&subs) {
+            problems.push(format!(
+                "docs/configuration.md describes subcommand `{s}` but narwhal-serve has none: fix or remove its row (serve-cli table)"
+            ));
+        }
+        // Every subcommand's flags are run flags (check-config takes the same ones).
+        for sub in cli.get_subcommands() {
+            let (sub_flags, _) = clap_surface(sub);
+            for f in sub_flags.difference(&flags) {
+                problems.push(format!(
+                    "narwhal-serve {} has flag {f}, which a run does not have: document it in the serve-cli table",
+                    sub.get_name()
+                ));
+            }
+        }
+        assert!(problems.is_empty(), "\n{}\n", problems.join("\n"));
+    }
+
+    #[test]
+    fn check_config_takes_the_run_flags_and_needs_no_fleet_flag_at_the_top() {
+        let c = Cli::try_parse_from(["narwhal-serve", "check-config", "--fleet", "f.json"])
+            .expect("check-config parses");
+        match c.command {
+            Some(Command::CheckConfig(a)) => assert_eq!(a.fleet(), Path::new("f.json")),
+            other => panic!("{other:?}"),
+        }
+        let c = Cli::try_parse_from(["narwhal-serve", "config-keys"]).expect("config-keys");
+        assert!(matches!(c.command, Some(Command::ConfigKeys)));
+        assert!(
+            Cli::try_parse_from(["narwhal-serve", "check-config"]).is_err()
+                || std::env::var_os("NARWHAL_FLEET").is_some(),
+            "check-config without --fleet is a usage error"
+        );
+    }
+
+    #[test]
+    fn writable_finds_the_nearest_existing_directory_and_names_a_read_only_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        assert_eq!(writable(&dir.path().join("not/yet/there")), Ok(()));
+        // /proc takes no new files, even from root: the probe names the directory it tried.
+        let e = writable(Path::new("/proc/narwhal-check/lease")).expect_err("/proc");
+        assert!(e.starts_with("cannot create files in /proc:"), "{e}");
+        assert_eq!(
+            std::fs::read_dir(dir.path()).expect("ls").count(),
+            0,
+            "no probe file left behind"
+        );
+    }
 }

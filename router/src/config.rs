@@ -18,6 +18,8 @@ use serde_json::{Map, Value};
 
 pub use crate::profile::Profile;
 
+pub(crate) mod schema;
+
 /// Which engine kind serves the fleet; decides the P/D protocol (reference-notes 7.1, 7.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -101,6 +103,10 @@ pub struct EngineConfig {
     pub attestation_url: String,
     /// Optional agent endpoint.
     pub agent: Option<EngineAgent>,
+    /// `engines[].health_path`: the path the health gate and the breaker's probes GET
+    /// (default `/health`; `/v1/models` for engines without `/health`, e.g. llama.cpp).
+    /// Starts with `/`, no query.
+    pub health_path: String,
 }
 
 /// `slo` section: latency budgets in seconds (both required, > 0).
@@ -165,6 +171,13 @@ pub struct Serving {
     pub max_request_bytes: u64,
     /// Response limit: pre-output buffer and non-streaming reassembly (default 16777216).
     pub max_response_bytes: u64,
+    /// Time a client has to deliver its whole request body, seconds (default 30, > 0; the
+    /// request deadline still bounds it): a client that stalls mid-body gets 408 instead of
+    /// holding a slot for `request_timeout_s` (issue 9 section 7).
+    pub body_read_timeout_s: f64,
+    /// Prompts one completions request may batch (`prompt` a list), 1–4096 (default 64): a
+    /// batch is fanned out to one request per prompt; more is refused 400 naming `prompt`.
+    pub max_batch_prompts: usize,
 }
 
 /// `engine` section (reference-notes 8.1). Times in seconds.
@@ -226,12 +239,22 @@ impl RestartPolicy {
 pub struct Recovery {
     /// Consecutive failures of one class that trip the breaker (default 3).
     pub eject_after: u32,
-    /// Probe an ejected engine every `readmit_every × controller.monitor_interval_s` (default 10).
+    /// First hold of an engine ejected for failures, in monitor intervals: its first
+    /// readmission probe comes `readmit_every × controller.monitor_interval_s` after the
+    /// ejection (default 10); the hold doubles on every repeat up to `max_readmit_interval_s`.
     pub readmit_every: u32,
-    /// Liveness sweep period in monitor intervals (default 10, 0 disables; accepted, unused).
+    /// Every `liveness_every` monitor intervals the liveness probe also re-reads the engine's
+    /// process facts (process start, models, SGLang bootstrap port) (default 10, 0: only on
+    /// demand).
     pub liveness_every: u32,
-    /// Liveness misses before ejection (default 2; accepted, unused).
+    /// Consecutive liveness probe timeouts that eject an engine (default 2).
     pub liveness_misses: u32,
+    /// Longest hold of an engine ejected for failures, seconds (default 300; ≥ the first
+    /// hold).
+    pub max_readmit_interval_s: f64,
+    /// At most this share of a role's engines is ejected for failures at a time (percent,
+    /// 1..=100, default 50; at least one engine, never the role's last live one).
+    pub max_ejection_percent: u32,
     /// Restart policy.
     pub engine_restart_policy: RestartPolicy,
     /// Timed quarantine after a failed leg (default 0 = disabled; accepted, unused).
@@ -573,6 +596,7 @@ impl Config {
         let mut c = Checker {
             issues: Vec::new(),
             env,
+            objects: Vec::new(),
         };
         let cfg = c.fleet(&value);
         match cfg {
@@ -625,6 +649,8 @@ const TOP_KEYS: &[&str] = &[
 struct Checker<'e> {
     issues: Vec<ConfigIssue>,
     env: &'e dyn Fn(&str) -> Option<String>,
+    /// Every object checked, with the keys it accepts (`schema::accepted_keys`).
+    objects: Vec<(String, Vec<String>)>,
 }
 
 fn show(v: &Value) -> String {
@@ -678,6 +704,10 @@ impl Checker<'_> {
 
     /// Check `v` is an object with only `known` keys (plus `_comments`).
     fn obj<'v>(&mut self, path: &str, v: Option<&'v Value>, known: &[&str]) -> Obj<'v> {
+        self.objects.push((
+            path.to_string(),
+            known.iter().map(|k| (*k).to_string()).collect(),
+        ));
         let map = match v {
             None | Some(Value::Null) => None,
             Some(Value::Object(m)) => {
@@ -1106,6 +1136,7 @@ impl Checker<'_> {
                     "attestation_url",
                     "shared_device",
                     "agent",
+                    "health_path",
                 ],
             );
             if o.map.is_none() {
@@ -1232,6 +1263,14 @@ impl Checker<'_> {
                     seen.push((iid.clone(), i));
                 }
             }
+            let health_path = self.string(&o, "health_path", "/health");
+            if !health_path.starts_with('/') || health_path.contains(['?', '#', ' ']) {
+                self.rule(
+                    o.p("health_path"),
+                    &Value::String(health_path.clone()),
+                    "must be a path starting with / (no query, e.g. \"/health\" or \"/v1/models\")",
+                );
+            }
             out.push(EngineConfig {
                 iid,
                 url,
@@ -1239,6 +1278,7 @@ impl Checker<'_> {
                 pin,
                 attestation_url,
                 agent,
+                health_path,
             });
         }
         out
@@ -1408,6 +1448,8 @@ impl Checker<'_> {
                 "retry_replenish",
                 "max_request_bytes",
                 "max_response_bytes",
+                "body_read_timeout_s",
+                "max_batch_prompts",
             ],
         );
         let admission = match self.choice(&o, "admission", "open", &["predictive", "open"]) {
@@ -1432,6 +1474,8 @@ impl Checker<'_> {
             }),
             max_request_bytes: self.int(&o, "max_request_bytes", 4_194_304, 1, u64::MAX),
             max_response_bytes: self.int(&o, "max_response_bytes", 16_777_216, 1, u64::MAX),
+            body_read_timeout_s: self.num(&o, "body_read_timeout_s", 30.0, positive),
+            max_batch_prompts: self.int(&o, "max_batch_prompts", 64, 1, 4096) as usize,
         };
         if s.prefill_timeout_s > s.request_timeout_s {
             self.rule(
@@ -1545,6 +1589,8 @@ impl Checker<'_> {
                 "state_path",
                 "resume",
                 "health",
+                "max_readmit_interval_s",
+                "max_ejection_percent",
             ],
         );
         let policy = match self.choice(
@@ -1565,6 +1611,8 @@ impl Checker<'_> {
             failure_quarantine_s: self.num(&o, "failure_quarantine_s", 0.0, non_negative),
             state_path: self.string(&o, "state_path", "runs/state.json"),
             resume: self.boolean(&o, "resume", false),
+            max_readmit_interval_s: self.num(&o, "max_readmit_interval_s", 300.0, positive),
+            max_ejection_percent: self.int(&o, "max_ejection_percent", 50, 1, 100) as u32,
         };
         if policy == RestartPolicy::WholeWave && r.liveness_every == 0 {
             self.rule(
@@ -2095,6 +2143,47 @@ mod tests {
         assert_eq!(c.backend, Backend::Vllm);
     }
 
+    /// The engine-health keys (issue 9 sections 2–4, issue 10 section 2): defaults, and a bad
+    /// value named by its dotted path.
+    #[test]
+    fn health_keys_have_defaults_and_name_their_path() {
+        let c = Config::from_json_str(&base().to_string(), &no_env).unwrap();
+        assert_eq!(c.engines[0].health_path, "/health");
+        assert_eq!(c.recovery.max_ejection_percent, 50);
+        assert_eq!(c.recovery.max_readmit_interval_s, 300.0);
+        assert_eq!(c.recovery.liveness_misses, 2);
+        let mut v = base();
+        v["engines"][1]["health_path"] = "/v1/models".into();
+        let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+        assert_eq!(c.engines[1].health_path, "/v1/models");
+        let mut v = base();
+        v["engines"][0]["health_path"] = "health".into();
+        v["engines"][1]["health_path"] = "/health?full=1".into();
+        v["recovery"] = serde_json::json!({"max_ejection_percent": 0,
+                                          "max_readmit_interval_s": -1});
+        let m = messages(v);
+        assert!(
+            m.iter()
+                .any(|x| x.starts_with("engines[0].health_path = \"health\": must be a path")),
+            "{m:?}"
+        );
+        assert!(
+            m.iter().any(|x| x.starts_with("engines[1].health_path = ")),
+            "{m:?}"
+        );
+        assert!(
+            m.contains(
+                &"recovery.max_ejection_percent = 0: must be an integer in 1..=100".to_string()
+            ),
+            "{m:?}"
+        );
+        assert!(
+            m.contains(&"recovery.max_readmit_interval_s = -1: must be > 0".to_string()),
+            "{m:?}"
+        );
+        assert_eq!(m.len(), 4, "{m:?}");
+    }
+
     #[test]
     fn example_fleet_file_parses() {
         let text = include_str!("../testdata/reference-fleet.example.json");
@@ -2166,6 +2255,35 @@ mod tests {
         assert!(
             m.contains(&"engines[0].role = \"both\": must be one of prefill, decode".to_string()),
             "{m:?}"
+        );
+    }
+
+    /// The request-path keys of issue 9 sections 6 and 7: defaults, and range errors naming
+    /// the dotted path.
+    #[test]
+    fn body_read_timeout_and_batch_limit_are_validated() {
+        let c = Config::from_json_str(&base().to_string(), &no_env).unwrap();
+        assert_eq!(c.serving.body_read_timeout_s, 30.0);
+        assert_eq!(c.serving.max_batch_prompts, 64);
+        let mut v = base();
+        v["serving"] = serde_json::json!({"body_read_timeout_s": 0, "max_batch_prompts": 0});
+        let m = messages(v);
+        assert!(
+            m.contains(&"serving.body_read_timeout_s = 0: must be > 0".to_string()),
+            "{m:?}"
+        );
+        assert!(
+            m.iter()
+                .any(|s| s
+                    .starts_with("serving.max_batch_prompts = 0: must be an integer in 1..=4096")),
+            "{m:?}"
+        );
+        let mut v = base();
+        v["serving"] = serde_json::json!({"body_read_timeout_s": 2.5, "max_batch_prompts": 8});
+        let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+        assert_eq!(
+            (c.serving.body_read_timeout_s, c.serving.max_batch_prompts),
+            (2.5, 8)
         );
     }
 

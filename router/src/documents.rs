@@ -27,10 +27,21 @@ pub(crate) fn ready(parts: &Parts) -> (bool, Value) {
             "status": if r.ready { "ready" } else { "not_ready" },
             "control_ready": r.control_ready,
             "epoch": view.ha.status.epoch,
-            "holder": view.ha.status.holder,
+            "holder": shown_holder(&view.ha.status),
             "reason": r.reason,
         }),
     )
+}
+
+/// The lease holder token `/ready`, `/narwhal/state.ha` and `narwhal_router_lease_info` show:
+/// this process's token only while it holds an epoch (reference-notes 1.3: `""` without a
+/// lease and on a standby that has not taken over); a standby's own future token is not shown.
+fn shown_holder(status: &crate::phase::HaStatus) -> &str {
+    if status.epoch == 0 {
+        ""
+    } else {
+        &status.holder
+    }
 }
 
 /// `/health` (reference-notes 1.4).
@@ -43,9 +54,16 @@ pub(crate) fn health(parts: &Parts) -> Value {
     })
 }
 
-/// `/v1/models` (reference-notes 1.5).
-pub(crate) fn models(cfg: &Config) -> Value {
-    json!({"object": "list", "data": [{"id": cfg.model, "object": "model", "owned_by": "narwhal"}]})
+/// `/v1/models` (reference-notes 1.5), each model with OpenAI's `created` (Unix seconds; the
+/// answer's time, as vLLM gives it).
+pub(crate) fn models(cfg: &Config, created: u64) -> Value {
+    json!({"object": "list", "data": [model_card(cfg, created)]})
+}
+
+/// One model as OpenAI's `GET /v1/models/{model}` answers it: `id`, `object: "model"`,
+/// `created`, `owned_by`.
+pub(crate) fn model_card(cfg: &Config, created: u64) -> Value {
+    json!({"id": cfg.model, "object": "model", "created": created, "owned_by": "narwhal"})
 }
 
 /// `/narwhal/targets` (reference-notes 1.6): one Prometheus target group per engine, without
@@ -102,6 +120,11 @@ pub(crate) fn state(parts: &Parts) -> Value {
             v.sort_unstable();
             v
         };
+        let mut degraded: Vec<&str> = (0..names.len())
+            .filter(|i| fleet.breaker().is_degraded(*i))
+            .map(|i| names[i])
+            .collect();
+        degraded.sort_unstable();
         let mut inference_sources = serde_json::Map::new();
         let mut inference_holds = Vec::new();
         for (i, set) in fleet.suspects().iter().enumerate() {
@@ -129,7 +152,10 @@ pub(crate) fn state(parts: &Parts) -> Value {
                         Value::from(fleet.breaker().streak(i, *c)),
                     )
                 })
-                .chain(std::iter::once(("liveness".to_string(), Value::from(0))))
+                .chain(std::iter::once((
+                    "liveness".to_string(),
+                    Value::from(fleet.breaker().misses(i)),
+                )))
                 .collect();
             failures.insert(names[i].into(), Value::Object(streaks));
         }
@@ -143,11 +169,13 @@ pub(crate) fn state(parts: &Parts) -> Value {
             .breaker()
             .readmissions()
             .iter()
-            .map(|(i, n)| json!({"iid": names[*i], "evidence": "health", "count": n}))
+            .map(|((i, evidence), n)| json!({"iid": names[*i], "evidence": evidence, "count": n}))
             .collect();
         json!({
             "ejected": sorted_by(&|s| s.excluded.contains(&Exclusion::Ejected)),
             "draining": sorted_by(&|s| s.excluded.contains(&Exclusion::Draining)),
+            "awaiting_health": sorted_by(&|s| s.excluded.contains(&Exclusion::AwaitingHealth)),
+            "degraded": degraded,
             "prefill": sorted_by(&|s| s.role == Role::Prefill),
             "decode": sorted_by(&|s| s.role == Role::Decode),
             "inference_sources": inference_sources,
@@ -192,7 +220,7 @@ pub(crate) fn state(parts: &Parts) -> Value {
             "ready": ready,
             "standby": ha.phase.standby(),
             "epoch": ha.epoch,
-            "holder": ha.holder,
+            "holder": shown_holder(ha),
             "blocked": ha.phase.blocked(),
             "controls_fleet": gate.ha.controls,
             "resume": {"refused": resume.is_some(), "reason": resume.unwrap_or("")},
@@ -254,6 +282,9 @@ pub(crate) fn state(parts: &Parts) -> Value {
         "unserved": parts.accounting.unserved(),
         "journal_dropped": parts.journal.dropped(),
     });
+    // The health gate and the ejection bound (issue 9 section 4, issue 10 section 2).
+    doc["awaiting_health"] = fleet["awaiting_health"].clone();
+    doc["degraded"] = fleet["degraded"].clone();
     // The role controller's fields (controller-notes 13), live, or absent when it is off.
     if let Some(m) = doc.as_object_mut() {
         m.extend(parts.controller.state());
@@ -277,6 +308,7 @@ pub(crate) fn metrics(parts: &Parts) -> String {
         }
     }
     m.router_lease_epoch.set(view.ha.status.epoch as i64);
+    ops_gauges(parts, &view);
     let adm = parts.admission.stats();
     m.http_retained.set(adm.retained as i64);
     m.http_retained_high_water
@@ -300,6 +332,12 @@ pub(crate) fn metrics(parts: &Parts) -> String {
             m.engine_draining
                 .get_or_create(&labels(&[("iid", iid)]))
                 .set(i64::from(s.excluded.contains(&Exclusion::Draining)));
+            m.engine_degraded
+                .get_or_create(&labels(&[("iid", iid)]))
+                .set(i64::from(fleet.breaker().is_degraded(i)));
+            m.engine_awaiting_health
+                .get_or_create(&labels(&[("iid", iid)]))
+                .set(i64::from(s.excluded.contains(&Exclusion::AwaitingHealth)));
             for role in [Role::Prefill, Role::Decode] {
                 m.instance_role
                     .get_or_create(&labels(&[("iid", iid), ("role", role.as_str())]))
@@ -331,10 +369,99 @@ pub(crate) fn metrics(parts: &Parts) -> String {
     text
 }
 
+/// Refreshes the operator gauges ([`crate::metrics::OpsMetrics`]): control, the lease view and
+/// timing, and certificate expiry (issue 14 section 5; docs/monitoring.md).
+fn ops_gauges(parts: &Parts, view: &crate::readiness::GateView) {
+    let ops = &parts.metrics.ops;
+    ops.controls_fleet.set(i64::from(view.ha.controls));
+    let lease = parts.ha.lease();
+    if lease.enabled() {
+        ops.lease_info.clear();
+        ops.lease_info
+            .get_or_create(&labels(&[
+                ("state", view.controls_label()),
+                ("holder", shown_holder(&view.ha.status)),
+            ]))
+            .set(1);
+        let left = lease.valid_until().map_or(0.0, |until| {
+            until
+                .saturating_duration_since(parts.clock.now())
+                .as_secs_f64()
+        });
+        ops.lease_expires_in.get_or_create(&Vec::new()).set(left);
+        let timing = lease.timing();
+        ops.lease_ttl
+            .get_or_create(&Vec::new())
+            .set(timing.ttl.as_secs_f64());
+        ops.lease_renew_interval
+            .get_or_create(&Vec::new())
+            .set(timing.renew_interval.as_secs_f64());
+    }
+    let not_after = ops
+        .not_after
+        .get_or_init(|| certificate_not_after(&parts.cfg));
+    let now = parts.wall();
+    for (cert, at) in not_after {
+        ops.certificate_expiry
+            .get_or_create(&labels(&[("cert", cert)]))
+            .set(*at as f64 - now);
+    }
+}
+
+/// `notAfter` (Unix seconds) of every certificate the fleet file names, by key: `X.cert` (the
+/// leaf) and `X.ca` (the earliest-expiring certificate of the bundle) for `X` in `tls`,
+/// `control.tls`, `lease.tls`. A file that cannot be read or parsed is skipped: the router
+/// checked every one before it started (`cli::preflight`), so only a file changed since then
+/// is missing here, and the log says so.
+fn certificate_not_after(cfg: &Config) -> Vec<(String, i64)> {
+    use narwhal_shared::tls::{load_certs, not_after_unix};
+    let mut files: Vec<(String, std::path::PathBuf)> = Vec::new();
+    for (key, t) in [("tls", &cfg.tls), ("control.tls", &cfg.control_tls)] {
+        if let Some(t) = t {
+            files.push((format!("{key}.cert"), t.cert.clone()));
+            files.push((format!("{key}.ca"), t.ca.clone()));
+        }
+    }
+    if let Some(t) = &cfg.lease.etcd.tls {
+        if let Some(c) = &t.cert {
+            files.push(("lease.tls.cert".into(), c.clone()));
+        }
+        if let Some(c) = &t.ca {
+            files.push(("lease.tls.ca".into(), c.clone()));
+        }
+    }
+    let mut out = Vec::new();
+    for (key, path) in files {
+        let read = load_certs("cert", &path).map_err(|e| e.to_string());
+        let ats: Result<Vec<i64>, String> = read.and_then(|certs| {
+            let certs = if key.ends_with(".cert") {
+                &certs[..certs.len().min(1)]
+            } else {
+                &certs[..]
+            };
+            certs
+                .iter()
+                .map(|c| not_after_unix(c).map_err(|e| e.to_string()))
+                .collect()
+        });
+        match ats {
+            Ok(ats) => {
+                if let Some(at) = ats.into_iter().min() {
+                    out.push((key, at));
+                }
+            }
+            Err(e) => {
+                tracing::warn!(cert = %key, path = %path.display(), error = %e, "certificate expiry not exported")
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::breaker::Observation;
+    use crate::breaker::{EjectCause, Observation};
     use narwhal_shared::{Clock as _, ManualClock, SystemClock};
     use std::sync::Arc;
 
@@ -354,16 +481,22 @@ mod tests {
         )
     }
 
+    /// Readiness follows the live engines; the last engine of a role failing stays in placement flagged degraded
+    /// (issue 10 section 2); an absent one is ejected.
     #[test]
     fn readiness_follows_live_engines() {
         let p = parts();
         assert_eq!(ready(&p).1["status"], "ready");
-        p.fleet
-            .observe(0, Observation::LegFailed(FailureClass::Connection));
+        assert_eq!(state(&p)["awaiting_health"], json!([]));
+        p.fleet.eject(0, EjectCause::ProcessIdentity);
         assert_eq!(health(&p)["available_instances"], 1);
         assert_eq!(state(&p)["ejected"], json!(["p0"]));
         p.fleet
             .observe(1, Observation::LegFailed(FailureClass::Stream));
+        assert_eq!(state(&p)["degraded"], json!(["d0"]));
+        assert_eq!(state(&p)["breaker"]["failures"]["d0"]["stream"], 1);
+        assert!(metrics(&p).contains("narwhal_engine_degraded{iid=\"d0\"} 1"));
+        p.fleet.eject(1, EjectCause::HealthProbe);
         let (ready, doc) = ready(&p);
         assert!(!ready);
         assert_eq!(doc["reason"], "no available engines");
@@ -373,7 +506,7 @@ mod tests {
         assert!(m.contains("narwhal_router_ready 0"), "{m}");
         assert!(m.contains("narwhal_ejected{iid=\"d0\"} 1"), "{m}");
         assert!(
-            m.contains("narwhal_engine_ejections_total{iid=\"d0\",cause=\"stream\"} 1"),
+            m.contains("narwhal_engine_ejections_total{iid=\"d0\",cause=\"health_probe\"} 1"),
             "{m}"
         );
     }
@@ -442,6 +575,28 @@ mod tests {
             !m.contains("narwhal_controller_last_decision{"),
             "no decision yet"
         );
+    }
+
+    /// Issue 14 section 5: control is exported apart from readiness, and without a lease no
+    /// lease gauge has a sample (nothing can expire, so no lease alert can fire).
+    #[test]
+    fn control_is_exported_and_lease_gauges_need_a_lease() {
+        let p = parts();
+        // Both engines gone (absent engines are ejected outside the failure bound).
+        p.fleet.eject(0, EjectCause::ProcessIdentity);
+        p.fleet.eject(1, EjectCause::HealthProbe);
+        let m = metrics(&p);
+        assert!(m.contains("narwhal_router_ready 0"), "{m}");
+        assert!(m.contains("narwhal_router_controls_fleet 1"), "{m}");
+        for family in [
+            "narwhal_router_lease_expires_in_seconds ",
+            "narwhal_router_lease_ttl_seconds ",
+            "narwhal_router_lease_info{",
+            "narwhal_router_certificate_expiry_seconds{",
+        ] {
+            assert!(!m.contains(family), "{family} has a sample: {m}");
+        }
+        assert_eq!(ready(&p).1["holder"], "", "no lease, no holder");
     }
 
     #[test]

@@ -91,6 +91,40 @@ pub(crate) enum RequestFailure {
         /// The client is streaming (output already reached it).
         streaming: bool,
     },
+    /// The client did not deliver its body within `serving.body_read_timeout_s` (a client
+    /// that stalls mid-body): 408 `request_timeout`, counted `invalid` (the client's fault;
+    /// no engine was called).
+    BodyTimeout {
+        /// `serving.body_read_timeout_s`.
+        limit_s: f64,
+    },
+    /// The router stopped (SIGTERM) and `serving.graceful_timeout_s` ran out while this
+    /// request was still running: before output 503 `standby` with `Retry-After` (another
+    /// router can serve it), after output the `failed` error frame; counted
+    /// `failed/shutdown`, never as a client cancel (issue 9 section 5).
+    ShutDown {
+        /// Output already reached a streaming client.
+        streaming: bool,
+    },
+}
+
+/// The public message of a request cut by the graceful-shutdown budget.
+const SHUTDOWN_MESSAGE: &str = "Router is shutting down";
+
+/// The status a busy engine's answer (408, 429, 503: issue 9 section 2) becomes for the client
+/// once the retries are spent: 429 for a 429, else 503, both with `Retry-After`; `None` for any
+/// other failure.
+fn busy(err: &LegError) -> Option<u16> {
+    let status = match err {
+        LegError::Status { status, .. } => *status,
+        LegError::Stream(StreamFailure::UpstreamError { status, .. }) => *status,
+        _ => return None,
+    };
+    match status {
+        429 => Some(429),
+        408 | 503 => Some(503),
+        _ => None,
+    }
 }
 
 /// `{"error": {"message", "type"}}`.
@@ -211,6 +245,22 @@ impl RequestFailure {
                 format!("decode: {}", err.detail()),
                 "decode",
             ),
+            RequestFailure::BodyTimeout { limit_s } => Settlement::new(
+                Terminal::Invalid,
+                "",
+                status,
+                format!(
+                    "request body not received within serving.body_read_timeout_s ({limit_s} s)"
+                ),
+                "invalid_request_error",
+            ),
+            RequestFailure::ShutDown { streaming } => Settlement::new(
+                Terminal::Failed,
+                "shutdown",
+                status,
+                "serving.graceful_timeout_s ran out after SIGTERM",
+                if *streaming { "decode" } else { "standby" },
+            ),
         }
     }
 
@@ -239,6 +289,9 @@ impl RequestFailure {
                 streaming: true, ..
             } => StatusCode::OK,
             RequestFailure::Expired(_) => StatusCode::GATEWAY_TIMEOUT,
+            RequestFailure::Leg { err, .. } if busy(err).is_some() => busy(err)
+                .and_then(|s| StatusCode::from_u16(s).ok())
+                .unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
             RequestFailure::Leg { err, .. } => match err.client_fault() {
                 Some((status, ..)) => {
                     StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST)
@@ -248,6 +301,9 @@ impl RequestFailure {
             RequestFailure::Decode { err, .. } => {
                 StatusCode::from_u16(err.http_status()).unwrap_or(StatusCode::BAD_GATEWAY)
             }
+            RequestFailure::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            RequestFailure::ShutDown { streaming: true } => StatusCode::OK,
+            RequestFailure::ShutDown { streaming: false } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -278,11 +334,17 @@ impl RequestFailure {
                 coded_body("Engine capacity is unavailable", "no_schedulable_engines")
             }
             RequestFailure::Refused(r) => error_body(&r.message, "server_overloaded_error"),
-            RequestFailure::Leg { phase, err } => match err.client_fault() {
-                Some((_, message, param)) => json!({"error": {
+            RequestFailure::Leg { err, .. } if busy(err).is_some() => coded_body(
+                "Every engine able to serve this request is busy; retry after the Retry-After delay",
+                "server_overloaded_error",
+            ),
+            RequestFailure::Leg { phase, err } => match (err.engine_error(), err.client_fault()) {
+                // The engine's own refusal, as it wrote it (issue 10 section 2).
+                (Some(error), Some(_)) => json!({ "error": error }),
+                (None, Some((_, message, param))) => json!({"error": {
                     "message": message, "type": "invalid_request_error", "param": param, "code": null,
                 }}),
-                None => coded_body(err.public_message(), phase.as_str()),
+                (_, None) => coded_body(err.public_message(), phase.as_str()),
             },
             RequestFailure::Decode { err, .. } => {
                 let message = match err {
@@ -293,17 +355,25 @@ impl RequestFailure {
                 };
                 coded_body(message, "decode")
             }
+            RequestFailure::BodyTimeout { limit_s } => json!({"error": {
+                "message": format!("request body not received within serving.body_read_timeout_s ({limit_s} s)"),
+                "type": "invalid_request_error", "param": null, "code": "request_timeout",
+            }}),
+            RequestFailure::ShutDown { .. } => coded_body(SHUTDOWN_MESSAGE, "standby"),
         }
     }
 
-    /// The `Retry-After` seconds, if the answer carries one (overload and readiness refusals:
-    /// 1 s; a predictive refusal: its own, none for `prompt`).
+    /// The `Retry-After` seconds, if the answer carries one (overload and readiness refusals,
+    /// a shutdown before output and an engine's busy answer after the retries: 1 s; a
+    /// predictive refusal: its own, none for `prompt`).
     pub(crate) fn retry_after_s(&self) -> Option<u64> {
         match self {
             RequestFailure::InflightLimit
             | RequestFailure::NotReady { .. }
             | RequestFailure::NotInControl
-            | RequestFailure::NoEngine => Some(1),
+            | RequestFailure::NoEngine
+            | RequestFailure::ShutDown { streaming: false } => Some(1),
+            RequestFailure::Leg { err, .. } if busy(err).is_some() => Some(1),
             RequestFailure::Refused(r) => r.retry_after,
             _ => None,
         }
@@ -331,6 +401,9 @@ impl RequestFailure {
                 err,
                 streaming: true,
             } => Some(error_frame(err.public_message(), "decode", "failed")),
+            RequestFailure::ShutDown { streaming: true } => {
+                Some(error_frame(SHUTDOWN_MESSAGE, "decode", "failed"))
+            }
             _ => None,
         }
     }
@@ -446,13 +519,37 @@ mod tests {
             (
                 RequestFailure::Leg {
                     phase: Phase::Prefill,
-                    err: leg(503, "busy"),
+                    err: leg(500, "CUDA error"),
                 },
                 502,
                 "prefill",
                 false,
                 Terminal::Failed,
                 "engine_error",
+            ),
+            // Overload is not failure (issue 9 section 2): a busy engine's 503 or 429 reaches
+            // the client as a back-off answer, not a 502.
+            (
+                RequestFailure::Leg {
+                    phase: Phase::Prefill,
+                    err: leg(503, "busy"),
+                },
+                503,
+                "server_overloaded_error",
+                true,
+                Terminal::Failed,
+                "engine_overloaded",
+            ),
+            (
+                RequestFailure::Leg {
+                    phase: Phase::Decode,
+                    err: leg(429, "too many requests"),
+                },
+                429,
+                "server_overloaded_error",
+                true,
+                Terminal::Failed,
+                "engine_overloaded",
             ),
             (
                 RequestFailure::Leg {
@@ -486,6 +583,36 @@ mod tests {
                 false,
                 Terminal::Failed,
                 "response_limit",
+            ),
+            (
+                RequestFailure::BodyTimeout { limit_s: 30.0 },
+                408,
+                "invalid_request_error",
+                false,
+                Terminal::Invalid,
+                "",
+            ),
+            (
+                RequestFailure::ShutDown { streaming: false },
+                503,
+                "standby",
+                true,
+                Terminal::Failed,
+                "shutdown",
+            ),
+            (
+                RequestFailure::Leg {
+                    phase: Phase::Decode,
+                    err: LegError::Stream(StreamFailure::UpstreamError {
+                        status: 400,
+                        message: "prompt is too long".into(),
+                    }),
+                },
+                400,
+                "invalid_request_error",
+                false,
+                Terminal::Failed,
+                "engine_rejected",
             ),
         ];
         for (f, status, ty, retry_after, terminal, reason) in cases {
@@ -530,6 +657,30 @@ mod tests {
         );
     }
 
+    /// An engine's refusal with its own error object reaches the client as the engine wrote
+    /// it, with the engine's status (issue 10 section 2: llama.cpp's context-length 400 keeps
+    /// its `code`), and is counted `failed/engine_rejected`.
+    #[test]
+    fn an_engine_refusal_is_relayed_as_the_engine_wrote_it() {
+        let error = json!({"message": "This model's maximum context length is 256 tokens",
+                           "type": "invalid_request_error", "param": "messages",
+                           "code": "context_length_exceeded"});
+        let f = RequestFailure::Leg {
+            phase: Phase::Decode,
+            err: LegError::Refused {
+                status: 400,
+                error: error.clone(),
+            },
+        };
+        assert_eq!(f.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(f.body(), json!({ "error": error }));
+        let s = f.settlement();
+        assert_eq!(
+            (s.terminal, s.reason.as_str()),
+            (Terminal::Failed, "engine_rejected")
+        );
+    }
+
     #[test]
     fn engine_details_reach_the_journal_never_the_client() {
         let f = RequestFailure::Leg {
@@ -567,6 +718,23 @@ mod tests {
         let frame = failed.stream_frame().expect("frame");
         let text = std::str::from_utf8(&frame).unwrap();
         assert!(text.contains("\"code\":\"failed\"") && text.contains("Upstream request failed"));
+    }
+
+    /// Graceful shutdown (issue 9 section 5): a stream still running when the budget runs
+    /// out ends with the documented error frame and is settled failed, not cancelled.
+    #[test]
+    fn a_stream_cut_by_the_shutdown_budget_ends_with_an_error_frame_and_fails() {
+        let f = RequestFailure::ShutDown { streaming: true };
+        let s = f.settlement();
+        assert_eq!(
+            (s.terminal, s.reason.as_str(), s.status),
+            (Terminal::Failed, "shutdown", Some(200))
+        );
+        let frame = f.stream_frame().expect("frame");
+        assert_eq!(
+            &frame[..],
+            b"data: {\"error\":{\"message\":\"Router is shutting down\",\"type\":\"decode\",\"code\":\"failed\"}}\n\n"
+        );
     }
 
     #[test]

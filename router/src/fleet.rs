@@ -18,13 +18,17 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use narwhal_shared::Clock;
 use serde_json::json;
 use tokio::sync::Notify;
 
-use crate::breaker::{Breaker, EjectCause, FailureClass, Observation, ProbeKind, Transition};
+use crate::breaker::{
+    Breaker, EjectCause, FailureClass, Observation, Policy, ProbeResult, Ticket, Transition,
+};
 use crate::config::{Config, Role, secs};
+use crate::facts::Facts;
 use crate::journal::Journal;
 use crate::metrics::{Metrics, labels};
 use crate::placement::{self, Aggregate, EngineSlot, Exclusion, Phase, Plan};
@@ -37,8 +41,17 @@ pub(crate) struct FleetState {
     /// a decode without a producer); verification reruns those paths (handoff
     /// `inference_sources`). Cleared when validation readmits the engine.
     suspects: Vec<BTreeSet<String>>,
-    /// SGLang prefill engines' `disaggregation_bootstrap_port`, learned from `/server_info`.
-    bootstrap_ports: Vec<Option<u16>>,
+    /// What was learned from each engine's current process (process start, models, SGLang
+    /// bootstrap port); dropped with the process ([`Transition::NewProcess`]).
+    facts: Vec<Facts>,
+    /// vLLM `remote_engine_id`s seen in this process's prefill answers.
+    engine_ids: Vec<BTreeSet<String>>,
+    /// A fresh reading of the engine's facts was asked for (a new engine id, a failed
+    /// rendezvous); the monitor reads them with its next liveness probe.
+    identity_requested: Vec<bool>,
+    /// When the latest reading that confirmed the engine's facts (for a failed decode's
+    /// blame) started.
+    confirmed: Vec<Option<Instant>>,
     /// Engines new placements avoid while another of their role is available (a donor held
     /// for an engine-side role switch; controller-notes 9.2).
     avoided: BTreeSet<usize>,
@@ -50,7 +63,7 @@ impl FleetState {
         &self.slots
     }
 
-    /// The breaker (streaks, ejection and readmission counts).
+    /// The breaker (state, streaks, ejection and readmission counts).
     pub(crate) fn breaker(&self) -> &Breaker {
         &self.breaker
     }
@@ -68,6 +81,8 @@ pub(crate) struct Fleet {
     live: AtomicUsize,
     held: AtomicBool,
     resident_changed: Notify,
+    settled: Notify,
+    blame: Vec<tokio::sync::Mutex<()>>,
     /// Wakes the role controller when an exclusion changed (its prefill-floor edges).
     availability: Notify,
     clock: Arc<dyn Clock>,
@@ -76,9 +91,22 @@ pub(crate) struct Fleet {
     dirty: Arc<Notify>,
 }
 
+/// The breaker settings of a fleet file (`recovery`, `controller.monitor_interval_s`).
+pub(crate) fn policy(cfg: &Config) -> Policy {
+    Policy {
+        eject_after: cfg.recovery.eject_after,
+        liveness_misses: cfg.recovery.liveness_misses,
+        readmit_base: secs(
+            cfg.controller.monitor_interval_s * f64::from(cfg.recovery.readmit_every),
+        ),
+        readmit_cap: secs(cfg.recovery.max_readmit_interval_s),
+        max_ejection_percent: cfg.recovery.max_ejection_percent,
+    }
+}
+
 impl Fleet {
-    /// Every configured engine live, in its configured role; the breaker ejects at
-    /// `recovery.eject_after` and probes every `monitor_interval_s × readmit_every`.
+    /// Every configured engine in its configured role, awaiting its first health answer
+    /// (the health gate); the breaker's policy from the fleet file ([`policy`]).
     pub(crate) fn new(
         cfg: &Config,
         clock: Arc<dyn Clock>,
@@ -87,24 +115,31 @@ impl Fleet {
         dirty: Arc<Notify>,
     ) -> Fleet {
         let n = cfg.engines.len();
-        let probe_interval =
-            secs(cfg.controller.monitor_interval_s * f64::from(cfg.recovery.readmit_every));
         Fleet {
             names: cfg.engines.iter().map(|e| e.iid.clone()).collect(),
             state: Mutex::new(FleetState {
                 slots: cfg
                     .engines
                     .iter()
-                    .map(|e| EngineSlot::new(e.role))
+                    .map(|e| {
+                        let mut s = EngineSlot::new(e.role);
+                        s.excluded.insert(Exclusion::AwaitingHealth);
+                        s
+                    })
                     .collect(),
-                breaker: Breaker::new(n, cfg.recovery.eject_after, probe_interval),
+                breaker: Breaker::new(n, policy(cfg)),
                 suspects: vec![BTreeSet::new(); n],
-                bootstrap_ports: vec![None; n],
+                facts: vec![Facts::default(); n],
+                engine_ids: vec![BTreeSet::new(); n],
+                identity_requested: vec![false; n],
+                confirmed: vec![None; n],
                 avoided: BTreeSet::new(),
             }),
-            live: AtomicUsize::new(n),
+            live: AtomicUsize::new(0),
             held: AtomicBool::new(false),
             resident_changed: Notify::new(),
+            settled: Notify::new(),
+            blame: (0..n).map(|_| tokio::sync::Mutex::new(())).collect(),
             availability: Notify::new(),
             clock,
             metrics,
@@ -146,11 +181,6 @@ impl Fleet {
         }
         let avoid: BTreeSet<usize> = avoid.union(&state.avoided).copied().collect();
         placement::plan_with(&state.slots, &avoid, aggregate, &mut rand::rng())
-    }
-
-    /// The router role of engine `iid`.
-    pub(crate) fn role(&self, iid: usize) -> Role {
-        self.lock().slots[iid].role
     }
 
     /// Gives engine `iid` router role `role` (a role flip; the role controller decides).
@@ -249,8 +279,13 @@ impl Fleet {
     pub(crate) fn observe(&self, iid: usize, obs: Observation) {
         let now = self.clock.now();
         let mut state = self.lock();
-        let tr = state.breaker.observe(iid, obs, now);
-        self.apply(&mut state, &tr);
+        self.observe_locked(&mut state, iid, obs, now);
+    }
+
+    fn observe_locked(&self, state: &mut FleetState, iid: usize, obs: Observation, now: Instant) {
+        let FleetState { slots, breaker, .. } = state;
+        let tr = breaker.observe(iid, obs, now, slots);
+        self.apply(state, &tr);
     }
 
     /// A leg failed with `class`: stream-class failures of a decode leg also record the
@@ -284,20 +319,138 @@ impl Fleet {
         let now = self.clock.now();
         let mut state = self.lock();
         state.suspects[iid].clear();
-        let tr = state.breaker.observe(iid, Observation::Verified, now);
-        self.apply(&mut state, &tr);
+        // The lifecycle read the bootstrap port of the validated process just before.
+        let port = state.facts[iid].bootstrap_port;
+        self.observe_locked(&mut state, iid, Observation::Verified, now);
+        state.facts[iid].bootstrap_port = port;
     }
 
-    /// Breaker probes due now (reference-notes 6.4).
-    pub(crate) fn due_probes(&self) -> Vec<(usize, ProbeKind)> {
+    /// A probe, an agent or a failed rendezvous saw another process behind `iid`'s URL
+    /// (`reason` says what changed): a new engine, out of placement until re-validated.
+    pub(crate) fn identity_changed(&self, iid: usize, reason: &str) {
         let now = self.clock.now();
-        self.lock().breaker.due_probes(now)
+        let wall = self.clock.wall().unwrap_or(0.0);
+        tracing::warn!(engine.id = %self.names[iid], %reason, "engine identity changed");
+        self.journal.emit(json!({"event": "engine_identity_changed", "iid": self.names[iid], "reason": reason, "at": wall}));
+        let mut state = self.lock();
+        self.observe_locked(&mut state, iid, Observation::IdentityChanged, now);
     }
 
-    /// A readmission probe ended without a verdict (validation could not start); the next
-    /// probe retries.
-    pub(crate) fn probe_inconclusive(&self, iid: usize) {
-        self.lock().breaker.probe_inconclusive(iid);
+    /// Records a reading of `iid`'s facts: when a fact known before differs, the engine is
+    /// a new process ([`Fleet::identity_changed`]) and the reading becomes its facts; else
+    /// the reading refreshes them. Returns the reason of a change.
+    pub(crate) fn learn(&self, iid: usize, reading: Facts) -> Option<String> {
+        let reason = {
+            let mut state = self.lock();
+            state.identity_requested[iid] = false;
+            match state.facts[iid].differs(&reading) {
+                None => {
+                    state.facts[iid].merge(reading);
+                    return None;
+                }
+                Some(reason) => reason,
+            }
+        };
+        self.identity_changed(iid, &reason);
+        self.lock().facts[iid] = reading;
+        Some(reason)
+    }
+
+    /// Serialises the blame checks of producer `iid` (`bootstrap::blame_producer`), so a burst
+    /// of failed decodes reads its facts once.
+    pub(crate) async fn blame_turn(&self, iid: usize) -> tokio::sync::MutexGuard<'_, ()> {
+        self.blame[iid].lock().await
+    }
+
+    /// A reading that started at `started` confirmed `iid`'s facts.
+    pub(crate) fn confirm(&self, iid: usize, started: Instant) {
+        let mut state = self.lock();
+        if state.confirmed[iid].is_none_or(|t| t < started) {
+            state.confirmed[iid] = Some(started);
+        }
+    }
+
+    /// Whether a reading that started at or after `since` confirmed `iid`'s facts: a decode
+    /// that failed at `since` is then charged without reading them again.
+    pub(crate) fn confirmed_since(&self, iid: usize, since: Instant) -> bool {
+        self.lock().confirmed[iid].is_some_and(|t| t >= since)
+    }
+
+    /// The monotonic clock's now (for the blame checks' timestamps).
+    pub(crate) fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    /// Forgets every engine's facts (cached bootstrap ports included), to be learned afresh
+    /// as the new baseline: a router that (re)gains control of the fleet may hold facts from
+    /// before restarts another router drove through its lifecycle.
+    pub(crate) fn relearn_all(&self) {
+        let mut state = self.lock();
+        let n = self.names.len();
+        state.facts = vec![Facts::default(); n];
+        state.engine_ids = vec![BTreeSet::new(); n];
+        state.confirmed = vec![None; n];
+    }
+
+    /// A prefill answer of `iid` named vLLM engine id `id`: an id this process has not shown
+    /// before asks for a fresh reading of its facts (module `facts`).
+    pub(crate) fn note_engine_id(&self, iid: usize, id: &str) {
+        let mut state = self.lock();
+        let ids = &mut state.engine_ids[iid];
+        if ids.contains(id) {
+            return;
+        }
+        let known = !ids.is_empty();
+        ids.insert(id.to_string());
+        if known {
+            state.identity_requested[iid] = true;
+        }
+    }
+
+    /// Whether a fresh reading of `iid`'s facts was asked for.
+    pub(crate) fn identity_requested(&self, iid: usize) -> bool {
+        self.lock().identity_requested[iid]
+    }
+
+    /// How many processes `iid` has had (a decode that fails after its producer's process
+    /// changed is charged to that old process, not to the decode).
+    pub(crate) fn incarnation(&self, iid: usize) -> u64 {
+        self.lock().breaker.incarnation(iid)
+    }
+
+    /// Breaker probes due now (reference-notes 6.4; module `breaker`).
+    pub(crate) fn due_probes(&self) -> Vec<Ticket> {
+        let now = self.clock.now();
+        let mut state = self.lock();
+        let FleetState { slots, breaker, .. } = &mut *state;
+        breaker.due_probes(now, slots)
+    }
+
+    /// A probe ended.
+    pub(crate) fn probe_result(&self, ticket: Ticket, result: ProbeResult) {
+        self.observe(ticket.iid, Observation::Probe { ticket, result });
+        self.settled.notify_waiters();
+    }
+
+    /// Waits until every engine is settled (out of the health gate, or its gate probe was
+    /// answered) or `deadline` passes: the router announces itself after this at startup.
+    pub(crate) async fn wait_settled(&self, deadline: Instant) {
+        loop {
+            let notified = self.settled.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let all = {
+                let state = self.lock();
+                (0..self.names.len()).all(|i| state.breaker.settled(i))
+            };
+            if all {
+                return;
+            }
+            tokio::select! {
+                () = &mut notified => {}
+                () = tokio::time::sleep_until(deadline.into()) => return,
+            }
+        }
     }
 
     /// Applies a restored handoff's fleet part (reference-notes 2.7): roles of unpinned
@@ -326,12 +479,12 @@ impl Fleet {
 
     /// The cached SGLang bootstrap port of prefill engine `iid`.
     pub(crate) fn bootstrap_port(&self, iid: usize) -> Option<u16> {
-        self.lock().bootstrap_ports[iid]
+        self.lock().facts[iid].bootstrap_port
     }
 
     /// Caches the SGLang bootstrap port of prefill engine `iid`.
     pub(crate) fn set_bootstrap_port(&self, iid: usize, port: u16) {
-        self.lock().bootstrap_ports[iid] = Some(port);
+        self.lock().facts[iid].bootstrap_port = Some(port);
     }
 
     fn recount(&self, state: &FleetState) {
@@ -346,20 +499,27 @@ impl Fleet {
         self.availability.notified().await;
     }
 
-    /// Applies breaker transitions: exclusion set, metrics, journal events, logs; an
-    /// ejection or readmission marks the state dirty for the state-file writer.
+    /// Applies breaker transitions: exclusion set, metrics, journal events, logs; a change of
+    /// placement or of what was learned marks the state dirty for the state-file writer.
     fn apply(&self, state: &mut FleetState, transitions: &[Transition]) {
-        if transitions
-            .iter()
-            .any(|t| !matches!(t, Transition::ProbeRequested { .. }))
-        {
-            self.dirty.notify_one();
+        if transitions.is_empty() {
+            return;
         }
+        self.dirty.notify_one();
         let wall = self.clock.wall().unwrap_or(0.0);
         for t in transitions {
             match *t {
+                Transition::Admitted { iid } => {
+                    state.slots[iid].excluded.remove(&Exclusion::AwaitingHealth);
+                    tracing::info!(engine.id = %self.names[iid], "engine admitted: health answered 200");
+                    self.journal.emit(
+                        json!({"event": "engine_admitted", "iid": self.names[iid], "at": wall}),
+                    );
+                }
                 Transition::Ejected { iid, cause } => {
-                    state.slots[iid].excluded.insert(Exclusion::Ejected);
+                    let slot = &mut state.slots[iid];
+                    slot.excluded.insert(Exclusion::Ejected);
+                    slot.excluded.remove(&Exclusion::AwaitingHealth);
                     let name = &self.names[iid];
                     self.metrics
                         .ejections
@@ -369,7 +529,9 @@ impl Fleet {
                     self.journal.emit(json!({"event": "engine_ejected", "iid": name, "cause": cause.as_str(), "at": wall}));
                 }
                 Transition::Readmitted { iid, evidence } => {
-                    state.slots[iid].excluded.remove(&Exclusion::Ejected);
+                    let slot = &mut state.slots[iid];
+                    slot.excluded.remove(&Exclusion::Ejected);
+                    slot.excluded.remove(&Exclusion::AwaitingHealth);
                     let name = &self.names[iid];
                     self.metrics
                         .readmissions
@@ -378,12 +540,35 @@ impl Fleet {
                     tracing::info!(engine.id = %name, evidence, "engine readmitted");
                     self.journal.emit(json!({"event": "engine_readmitted", "iid": name, "evidence": evidence, "at": wall}));
                 }
-                Transition::ProbeRequested { iid } => {
-                    tracing::info!(engine.id = %self.names[iid], "health verification requested");
+                Transition::Degraded { iid, cause } => {
+                    let name = &self.names[iid];
+                    tracing::warn!(engine.id = %name, cause = cause.as_str(), "engine kept in placement, degraded: ejecting it would exceed the ejection bound of its role");
+                    self.journal.emit(json!({"event": "engine_degraded", "iid": name, "cause": cause.as_str(), "at": wall}));
+                }
+                Transition::NewProcess { iid } => {
+                    state.facts[iid] = Facts::default();
+                    state.confirmed[iid] = None;
+                    state.engine_ids[iid].clear();
+                    state.identity_requested[iid] = false;
+                    state.suspects[iid].clear();
+                    // Paths from its old process are no reason to suspect anyone now.
+                    for s in &mut state.suspects {
+                        s.remove(&self.names[iid]);
+                    }
                 }
             }
         }
         self.recount(state);
+    }
+}
+
+#[cfg(test)]
+impl Fleet {
+    /// Every engine awaiting health passes its gate probe (unit tests).
+    pub(crate) fn admit_all(&self) {
+        for t in self.due_probes() {
+            self.probe_result(t, ProbeResult::Health(crate::breaker::HealthAnswer::Ok));
+        }
     }
 }
 
@@ -419,6 +604,7 @@ impl Drop for Resident {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::breaker::HealthAnswer;
     use narwhal_shared::ManualClock;
 
     fn fleet() -> Arc<Fleet> {
@@ -445,12 +631,19 @@ mod tests {
         ))
     }
 
-    /// The live count read without the lock follows every exclusion change.
+    /// The live count read without the lock follows the health gate, every exclusion
+    /// change and every hold.
     #[test]
     fn the_live_count_follows_ejections_and_holds() {
         let f = fleet();
+        assert_eq!(
+            f.live_count(),
+            0,
+            "nothing is placed before its health answered"
+        );
+        f.admit_all();
         assert_eq!(f.live_count(), 2);
-        f.observe(0, Observation::LegFailed(FailureClass::Connection));
+        f.eject(0, EjectCause::ProcessIdentity);
         assert_eq!(f.live_count(), 1);
         assert_eq!(f.ejected_names(), BTreeSet::from(["p0".to_string()]));
         f.set_held(&BTreeSet::from(["d0".to_string()]));
@@ -459,6 +652,89 @@ mod tests {
         f.verified(0);
         assert_eq!(f.live_count(), 2);
         assert_eq!(f.live_names().len(), 2);
+    }
+
+    /// Identity (issue 9 section 1): a reading whose known facts differ makes the engine a
+    /// new engine: ejected (`process_identity`), its suspects and old facts dropped, the
+    /// reading kept as the new process's facts.
+    #[test]
+    fn a_changed_fact_makes_a_new_engine_and_forgets_the_old_one() {
+        let f = fleet();
+        f.admit_all();
+        let port = |p| Facts {
+            bootstrap_port: Some(p),
+            ..Facts::default()
+        };
+        assert_eq!(f.learn(0, port(8998)), None);
+        assert_eq!(f.learn(0, Facts::default()), None, "nothing known differs");
+        f.observe_leg_failure(1, Phase::Decode, FailureClass::Stream, Some(0));
+        f.lock().suspects[0].insert("d1".into());
+        assert_eq!(
+            f.learn(0, port(9000)).as_deref(),
+            Some("bootstrap port 8998 -> 9000")
+        );
+        assert!(f.is_ejected(0));
+        assert_eq!(f.incarnation(0), 1);
+        assert_eq!(f.bootstrap_port(0), Some(9000));
+        f.read(|s| {
+            assert!(s.suspects()[0].is_empty(), "its own suspects");
+            assert!(s.suspects()[1].is_empty(), "d0 suspected the old p0's path");
+        });
+    }
+
+    /// A reading that started after a decode failed answers for that failure (one reading
+    /// per burst); one that started before does not; a new process forgets them.
+    #[test]
+    fn a_confirmation_answers_for_failures_before_its_reading_started() {
+        let f = fleet();
+        f.admit_all();
+        let t0 = f.now();
+        assert!(!f.confirmed_since(0, t0));
+        f.confirm(0, t0);
+        assert!(f.confirmed_since(0, t0));
+        assert!(!f.confirmed_since(0, t0 + std::time::Duration::from_millis(1)));
+        f.eject(0, EjectCause::ProcessIdentity);
+        assert!(!f.confirmed_since(0, t0));
+    }
+
+    /// A vLLM engine id the process has not shown before asks for a fresh reading (the
+    /// first one is simply recorded).
+    #[test]
+    fn a_new_engine_id_asks_for_a_fresh_reading() {
+        let f = fleet();
+        f.note_engine_id(0, "gen-A");
+        assert!(!f.identity_requested(0));
+        f.note_engine_id(0, "gen-A");
+        assert!(!f.identity_requested(0));
+        f.note_engine_id(0, "gen-B");
+        assert!(f.identity_requested(0));
+        assert_eq!(f.learn(0, Facts::default()), None);
+        assert!(!f.identity_requested(0));
+    }
+
+    /// The startup wait ends once every engine's gate probe was answered (a 503 counts),
+    /// or at its deadline.
+    #[tokio::test(start_paused = true)]
+    async fn startup_waits_until_every_engine_is_settled() {
+        let f = fleet();
+        let now = f.clock.now();
+        let ts = f.due_probes();
+        f.probe_result(ts[0], ProbeResult::Health(HealthAnswer::Unhealthy(503)));
+        let waiter = {
+            let f = f.clone();
+            tokio::spawn(async move {
+                f.wait_settled(now + std::time::Duration::from_secs(3600))
+                    .await
+            })
+        };
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        f.probe_result(ts[1], ProbeResult::Health(HealthAnswer::Ok));
+        tokio::time::timeout(std::time::Duration::from_secs(1), waiter)
+            .await
+            .expect("settled")
+            .expect("task");
+        assert_eq!(f.live_count(), 1);
     }
 
     /// Resident guards count both phases, and a change while an engine is held wakes the

@@ -3,15 +3,19 @@
 //! DESIGN.md sections 7 and 9.6).
 //!
 //! ```text
-//!  supervise: Active(renewal) ──renewal.lost()──► Standby{held: epoch}
-//!             Standby ──standby::run: poll, retain, claim, apply, re-check──► Active(renewal)
+//!  supervise: Active(renewal) ──renewal.lost() | the phase leaves control──► Standby{held: epoch}
+//!             Standby ──standby::run: observe, follow, claim, apply, re-check──► Active(renewal)
 //!  primary:   claim at startup ──► Active | Blocked(reason) ──► Standby{held: none}
 //! ```
 //! Every failure on the way leaves the router a standby that tries again (DESIGN.md 9.6).
+//! Whatever ends control (a lost renewal, an agent that saw a newer epoch, a refused handoff
+//! publish) ends the renewal with it: a router that is not active never renews (issue 13).
 //! `primary` is the lease loop, `standby` the standby's driver over the pure `machine`; the
 //! phase they publish lives in `crate::phase`.
 
 mod machine;
+#[cfg(test)]
+mod model;
 mod primary;
 mod standby;
 
@@ -20,6 +24,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::lease::LeaseLoss;
 use crate::parts::Parts;
 use primary::Renewal;
 
@@ -46,12 +51,13 @@ enum Next {
 
 /// Startup of a primary: claim the lease (backend `none`: nothing to claim, always active)
 /// and keep it; on failure the router serves nothing and retries as a standby
-/// (DESIGN.md 9.6). The claim completes before this returns.
-pub(crate) async fn start_primary(parts: &Arc<Parts>, stop: &CancellationToken) {
+/// (DESIGN.md 9.6). The claim completes before this returns. `resume`: `--resume` was
+/// asked (a newer handoff published beside the lease record is then applied).
+pub(crate) async fn start_primary(parts: &Arc<Parts>, stop: &CancellationToken, resume: bool) {
     if !parts.ha.lease().enabled() {
         return;
     }
-    let next = match primary::claim_at_startup(parts, stop).await {
+    let next = match primary::claim_at_startup(parts, stop, resume).await {
         Ok(renewal) => Next::Active(renewal),
         Err(()) => Next::Standby { held: None },
     };
@@ -80,10 +86,21 @@ async fn supervise(
 ) {
     loop {
         next = match next {
-            Next::Active(mut renewal) => tokio::select! {
-                () = stop.cancelled() => return,
-                epoch = renewal.lost() => Next::Standby { held: Some(epoch) },
-            },
+            Next::Active(mut renewal) => {
+                let mut status = parts.ha.subscribe();
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    epoch = renewal.lost() => Next::Standby { held: Some(epoch) },
+                    left = status.wait_for(|s| !s.phase.holds_control()) => {
+                        let epoch = left.map(|s| s.epoch).unwrap_or_else(|_| parts.ha.lease().epoch());
+                        // Control ended outside the renew loop: stop renewing now.
+                        renewal.stop();
+                        parts.ha.lease().relinquish(epoch, LeaseLoss::HeldByAnother);
+                        tracing::warn!(epoch, "control ended; renewal stopped, returning as a standby");
+                        Next::Standby { held: Some(epoch) }
+                    }
+                }
+            }
             Next::Standby { held } => {
                 match standby::run(&parts, opts.as_ref(), held, &stop).await {
                     Some(renewal) => Next::Active(renewal),

@@ -9,18 +9,39 @@
 //!
 //! The document's schema and validation live in `narwhal_shared::handoff`, shared by every
 //! reader and writer; this module only maps it to and from the router's parts.
+//!
+//! # Publishing (issue 13)
+//!
+//! ```text
+//!  lifecycle change (dirty) ─┐
+//!  lease renewal (renewed) ──┼─► publish(): snapshot ──► state file  (recovery.state_path)
+//!  timer ────────────────────┤              └─────────► lease store (<lease>.handoff, <key>/handoff),
+//!  acknowledge(drain|readmit)┤                          only while the lease record is ours
+//!  GET state/handoff/metrics ┘
+//! ```
+//!
+//! The controlling router publishes its handoff beside the lease record, guarded by the
+//! record (`LeaseStore::publish`), whenever it changed: on every lifecycle change, every lease
+//! renewal, before acknowledging a lifecycle action ([`acknowledge`]: an action is answered
+//! 200 only once published) and before answering a document that shows its totals
+//! ([`durable_document`]: a client never sees a total a successor would not restore). A
+//! router that takes over reads the newest published document from the store
+//! (`ha::standby`), so nothing acknowledged or shown is lost.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::StatusCode;
 use narwhal_shared::handoff::{
     COUNTERS, Handoff, HandoffError, Loaded, REASON_TERMINALS, load_state_file, write_state_file,
 };
+use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Role;
+use crate::lease::{Control, LeaseLoss};
 use crate::lifecycle::machine::RestoreError;
 use crate::parts::Parts;
 use crate::placement::Exclusion;
@@ -236,42 +257,237 @@ pub(crate) fn resume(parts: &Parts) -> Option<String> {
     Some(format!("handoff rejected: {reason}"))
 }
 
-/// Writes the state file now (validate, temp file, fsync, rename, fsync directory).
-pub(crate) async fn persist(parts: &Parts) {
-    if !parts.ha.controls_fleet() {
-        return; // a standby or fenced router never overwrites the fleet's state
-    }
-    let doc = snapshot(parts);
+/// Writes `doc` to the state file now (validate, temp file, fsync, rename, fsync directory).
+async fn write_state(parts: &Parts, doc: Handoff) -> Result<(), String> {
     let path = PathBuf::from(&parts.cfg.recovery.state_path);
     let res = tokio::task::spawn_blocking(move || write_state_file(&path, &doc)).await;
     match res {
         Ok(Ok(())) => {
             parts.metrics.state_writes.inc();
+            Ok(())
         }
         Ok(Err(e)) => {
             parts.metrics.state_write_failures.inc();
             tracing::warn!(error = %e, "state file write failed; the previous file is intact");
+            Err(format!("state file: {e}"))
         }
-        Err(e) => tracing::warn!(error = %e, "state file writer panicked"),
+        Err(e) => {
+            tracing::warn!(error = %e, "state file writer panicked");
+            Err(format!("state file: {e}"))
+        }
     }
 }
 
-/// Writes the state file when the lifecycle or ejections change (woken through
-/// [`Parts::dirty`]) and at least every `controller.monitor_interval_s`.
+/// Why a publish did not happen.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub(crate) enum PublishError {
+    /// This router does not control the fleet (nothing of its state is the fleet's).
+    #[error("this router does not control the fleet")]
+    NotInControl,
+    /// The lease store refused or failed the write; the router was fenced unless the lease
+    /// had only lapsed locally.
+    #[error("{0}")]
+    Lease(LeaseLoss),
+    /// The state file could not be written (lease backend `none`, where it is the only
+    /// durable copy).
+    #[error("{0}")]
+    StateFile(String),
+}
+
+/// What decides whether a document changed since the last publish: everything but the write
+/// time and the demand risk's age (both move with the clock alone).
+fn content_key(doc: &Handoff) -> String {
+    let mut d = doc.clone();
+    d.at = 0.0;
+    if let Some(r) = d.demand_risk.as_mut() {
+        r.age_s = 0.0;
+    }
+    serde_json::to_string(&d).unwrap_or_default()
+}
+
+/// Publishes the handoff (issue 13): the live snapshot under the epoch held now, to the
+/// state file and, with a lease backend, beside the lease record in its store (only while the
+/// record is ours: `LeaseDriver::publish`). Skipped when nothing changed since the last
+/// successful publish. `takeover`: the router claimed the lease and applied the state it
+/// takes over but does not serve yet (its phase does not hold control); otherwise the router
+/// must control the fleet.
+///
+/// With a lease backend, success means a successor will read this state (the state file is
+/// best effort: its failure is logged and counted); with backend `none` the state file is
+/// the durable copy and must be written.
+///
+/// Returns whether a document was written (`false`: unchanged since the last publish).
+///
+/// # Errors
+/// [`PublishError`]; a store verdict (record not ours) or error also fences the router.
+pub(crate) async fn publish(parts: &Parts, takeover: bool) -> Result<bool, PublishError> {
+    let mut last = parts.ha.published().lock().await;
+    let lease = parts.ha.lease();
+    let controls = if takeover {
+        lease.control(parts.clock.now()) == Control::Active
+    } else {
+        parts.ha.controls_fleet()
+    };
+    if !controls {
+        return Err(PublishError::NotInControl);
+    }
+    let mut doc = snapshot(parts);
+    if lease.enabled() {
+        // The lease is authoritative: during a takeover the published phase still shows the
+        // epoch before the claim.
+        doc.epoch = lease.epoch();
+        doc.holder = lease.holder();
+    }
+    let key = content_key(&doc);
+    if last.as_deref() == Some(key.as_str()) {
+        return Ok(false);
+    }
+    if !lease.enabled() {
+        write_state(parts, doc)
+            .await
+            .map_err(PublishError::StateFile)?;
+        *last = Some(key);
+        return Ok(true);
+    }
+    let bytes = match serde_json::to_vec(&doc) {
+        Ok(b) => b,
+        Err(e) => return Err(PublishError::StateFile(format!("serialise: {e}"))),
+    };
+    let (_, stored) = tokio::join!(write_state(parts, doc), lease.publish(bytes));
+    match stored {
+        Ok(_) => {
+            *last = Some(key);
+            Ok(true)
+        }
+        Err(loss) => {
+            if lease.control(parts.clock.now()) != Control::Active {
+                // The store refused (the record is another router's) or failed: the driver
+                // fenced the lease; the phase follows, and the supervisor moves to standby.
+                parts.ha.fence(&loss);
+            }
+            tracing::warn!(reason = %loss, "handoff not published");
+            Err(PublishError::Lease(loss))
+        }
+    }
+}
+
+/// Answers a lifecycle action (drain, readmit) only once its result is durable where a
+/// successor reads it (issue 13): a 200 is kept after a successful [`publish`], and becomes a
+/// 503 naming why otherwise (the change stays in this router's memory, unacknowledged; the
+/// operator repeats the request). Other statuses pass unchanged.
+pub(crate) async fn acknowledge(
+    parts: &Parts,
+    status: StatusCode,
+    doc: Value,
+) -> (StatusCode, Value) {
+    if status != StatusCode::OK {
+        return (status, doc);
+    }
+    match publish(parts, false).await {
+        Ok(_) => (status, doc),
+        Err(e) => {
+            let why = format!(
+                "not acknowledged: the lifecycle change could not be made durable ({e}); repeat \
+                 the request"
+            );
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                parts.lifecycle.document(&why),
+            )
+        }
+    }
+}
+
+/// A document that shows this router's totals (`/narwhal/state`, `/narwhal/handoff`),
+/// rendered and then made durable (issue 13: totals never go backwards at a takeover for a
+/// client reading the router that controls the fleet). The snapshot published is taken after
+/// rendering, so it holds at least every total the document shows. When the publish fails
+/// the document is rendered again; if the router still claims control then, the answer is a
+/// 503 naming why instead of totals a successor might not restore.
+pub(crate) async fn durable_document(
+    parts: &Parts,
+    render: impl Fn(&Parts) -> Value,
+) -> (StatusCode, Value) {
+    let doc = render(parts);
+    if !parts.ha.controls_fleet() {
+        return (StatusCode::OK, doc);
+    }
+    match publish(parts, false).await {
+        Ok(_) => (StatusCode::OK, doc),
+        Err(e) => {
+            if !parts.ha.controls_fleet() {
+                return (StatusCode::OK, render(parts));
+            }
+            let message = format!("totals could not be made durable: {e}");
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({"error": {"message": message, "type": "unavailable"}}),
+            )
+        }
+    }
+}
+
+/// `/metrics` publishes too (best effort: a scrape never fails for it).
+pub(crate) async fn publish_for_read(parts: &Parts) {
+    if parts.ha.controls_fleet() {
+        let _ = publish(parts, false).await;
+    }
+}
+
+/// One turn of the writer: publish what changed; when nothing did, still rewrite the state
+/// file (a fresh `at`, as before publishing existed). Only while controlling the fleet.
+async fn write_turn(parts: &Parts) {
+    if let Ok(false) = publish(parts, false).await
+        && parts.ha.controls_fleet()
+    {
+        let _ = write_state(parts, snapshot(parts)).await;
+    }
+}
+
+/// Publishes the handoff when the lifecycle or ejections change (woken through
+/// [`Parts::dirty`]), after every lease renewal, and at least every
+/// `controller.monitor_interval_s`; once more at shutdown. A router that does not control
+/// the fleet writes nothing (it never overwrites the fleet's state).
 pub(crate) async fn writer(parts: Arc<Parts>, stop: CancellationToken) {
     let period =
         crate::config::secs(parts.cfg.controller.monitor_interval_s).max(Duration::from_millis(50));
     loop {
         tokio::select! {
             _ = stop.cancelled() => {
-                persist(&parts).await;
+                write_turn(&parts).await;
                 return;
             }
             _ = parts.dirty.notified() => {}
+            () = parts.ha.lease().renewed() => {}
             _ = tokio::time::sleep(period) => {}
         }
-        persist(&parts).await;
+        write_turn(&parts).await;
     }
+}
+
+/// The newest handoff published in the lease store, with the lease record read with it
+/// (`None` for either when absent; a published document that does not parse is reported,
+/// never applied).
+///
+/// # Errors
+/// The store's error, or the document's.
+pub(crate) async fn read_published(
+    parts: &Parts,
+) -> Result<(Option<crate::lease::LeaseRecord>, Option<Handoff>), String> {
+    let (record, bytes) = parts
+        .ha
+        .lease()
+        .read_all()
+        .await
+        .map_err(|e| e.to_string())?;
+    let doc = match bytes {
+        None => None,
+        Some(b) => {
+            let text = String::from_utf8_lossy(&b);
+            Some(Handoff::parse(&text).map_err(|e| format!("published handoff: {e}"))?)
+        }
+    };
+    Ok((record, doc))
 }
 
 #[cfg(test)]
@@ -321,5 +537,102 @@ mod tests {
             (roles["p0"].as_str(), roles["d1"].as_str()),
             ("decode", "decode")
         );
+    }
+
+    /// A router in control of a 2 s file lease (epoch 1) in `dir`.
+    async fn in_control(dir: &std::path::Path) -> (Arc<Parts>, Arc<ManualClock>) {
+        let (parts, clock) = crate::phase::tests::leased(dir);
+        assert_eq!(parts.ha.lease().claim().await, Ok(1));
+        parts.ha.publish(crate::phase::HaPhase::Active);
+        (parts, clock)
+    }
+
+    fn served(parts: &Parts, n: u64) {
+        let mut h = snapshot(parts);
+        h.counters.insert("served".into(), n);
+        parts.accounting.restore(&h);
+    }
+
+    /// Issue 13: the controlling router publishes its handoff beside the lease record (and to
+    /// its state file) whenever it changed; nothing is written when nothing changed, or by a
+    /// router that does not control the fleet; a refused publish fences.
+    #[tokio::test]
+    async fn the_handoff_is_published_beside_the_lease_while_in_control() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (parts, _clock) = in_control(dir.path()).await;
+        served(&parts, 3);
+        assert_eq!(publish(&parts, false).await, Ok(true));
+        let (rec, doc) = read_published(&parts).await.expect("store");
+        let doc = doc.expect("published");
+        assert_eq!((doc.epoch, rec.map(|r| r.epoch)), (1, Some(1)));
+        assert_eq!(doc.holder, parts.ha.lease().holder());
+        assert_eq!(doc.counters["served"], 3);
+        let file = load_state_file(&dir.path().join("state.json"));
+        assert!(matches!(file, Loaded::Valid(h) if h.counters["served"] == 3));
+        assert_eq!(
+            publish(&parts, false).await,
+            Ok(false),
+            "unchanged: nothing written"
+        );
+        served(&parts, 4);
+        assert_eq!(publish(&parts, false).await, Ok(true));
+        // Another router's record: the publish is refused and the router fenced.
+        let other = serde_json::json!({"epoch": 2, "expires_at": 1.0e9 + 60.0,
+            "holder": "other:0", "schema": "narwhal.router-lease", "schema_version": 1,
+            "updated_at": 1.0e9});
+        std::fs::write(dir.path().join("lease.json"), format!("{other}\n")).expect("write");
+        served(&parts, 5);
+        assert_eq!(
+            publish(&parts, false).await,
+            Err(PublishError::Lease(LeaseLoss::HeldByAnother))
+        );
+        assert!(!parts.ha.controls_fleet());
+        let (_, doc) = read_published(&parts).await.expect("store");
+        assert_eq!(
+            doc.expect("kept").counters["served"],
+            4,
+            "the store kept the last one"
+        );
+        assert_eq!(
+            publish(&parts, false).await,
+            Err(PublishError::NotInControl)
+        );
+    }
+
+    /// Issue 13: a lifecycle action is answered 200 only once published; when the change
+    /// cannot be made durable the answer is a 503 that says so. A document showing totals is
+    /// published before it is answered, and refused (503) when it cannot be while the router
+    /// still claims control.
+    #[tokio::test]
+    async fn acknowledgements_and_totals_wait_for_the_publish() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (parts, _clock) = in_control(dir.path()).await;
+        served(&parts, 7);
+        let (status, doc) = durable_document(&parts, crate::documents::state).await;
+        assert_eq!((status, &doc["served"]), (StatusCode::OK, &json!(7)));
+        let (_, stored) = read_published(&parts).await.expect("store");
+        assert_eq!(stored.expect("published").counters["served"], 7);
+        served(&parts, 8);
+        let (status, _) = acknowledge(&parts, StatusCode::OK, json!({})).await;
+        assert_eq!(status, StatusCode::OK);
+        let (_, stored) = read_published(&parts).await.expect("store");
+        assert_eq!(stored.expect("published").counters["served"], 8);
+        let (status, _) = acknowledge(&parts, StatusCode::CONFLICT, json!({"x": 1})).await;
+        assert_eq!(status, StatusCode::CONFLICT, "refusals pass as they are");
+        // The record becomes another router's: nothing more is acknowledged.
+        let other = serde_json::json!({"epoch": 2, "expires_at": 1.0e9 + 60.0,
+            "holder": "other:0", "schema": "narwhal.router-lease", "schema_version": 1,
+            "updated_at": 1.0e9});
+        std::fs::write(dir.path().join("lease.json"), format!("{other}\n")).expect("write");
+        served(&parts, 9);
+        let (status, doc) = acknowledge(&parts, StatusCode::OK, json!({})).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        let error = doc["error"].as_str().unwrap_or_default();
+        assert!(error.starts_with("not acknowledged: "), "{error}");
+        assert!(error.contains("lease held by another router"), "{error}");
+        // The fenced router shows its totals as a router that does not control the fleet.
+        let (status, doc) = durable_document(&parts, crate::documents::state).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(doc["ha"]["controls_fleet"], false, "{doc}");
     }
 }

@@ -2,10 +2,11 @@
 //!
 //! ```text
 //!  data listener:    POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-//!                    GET /health, GET /ready
+//!                    GET /v1/models/{model}, GET /health, GET /ready
 //!  control listener: GET /narwhal/state, /narwhal/handoff, /narwhal/lifecycle,
 //!                    /narwhal/targets, /metrics, /health, /ready;
-//!                    POST /narwhal/lifecycle/drain, /narwhal/lifecycle/readmit
+//!                    POST /narwhal/lifecycle/drain, /narwhal/lifecycle/readmit,
+//!                    /narwhal/lifecycle/cancel-drain (ours)
 //! ```
 //!
 //! hyper is used directly (not axum) so that a client disconnect drops the service future,
@@ -65,8 +66,14 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
             completion(parts, Endpoint::Chat, req).await
         }
         (Side::Data, Method::GET, "/v1/models") => {
-            json_response(StatusCode::OK, &documents::models(&parts.cfg), &rid)
+            let created = parts.wall() as u64;
+            json_response(
+                StatusCode::OK,
+                &documents::models(&parts.cfg, created),
+                &rid,
+            )
         }
+        (Side::Data, Method::GET, p) if p.starts_with(MODELS_PREFIX) => model(&parts, p, &rid),
         (_, Method::GET, "/health") => {
             json_response(StatusCode::OK, &documents::health(&parts), &rid)
         }
@@ -90,17 +97,19 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
             r
         }
         (Side::Control, Method::GET, "/narwhal/state") => {
-            json_response(StatusCode::OK, &documents::state(&parts), &rid)
+            // Totals shown are durable first (issue 13; handoff::durable_document).
+            let (status, doc) = crate::handoff::durable_document(&parts, documents::state).await;
+            json_response(status, &doc, &rid)
         }
         (Side::Control, Method::GET, "/narwhal/handoff") => {
-            match serde_json::to_value(crate::handoff::snapshot(&parts)) {
-                Ok(v) => json_response(StatusCode::OK, &v, &rid),
-                Err(e) => json_response(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    &json!({"error": {"message": format!("handoff: {e}"), "type": "internal"}}),
-                    &rid,
-                ),
-            }
+            let render = |p: &Parts| match serde_json::to_value(crate::handoff::snapshot(p)) {
+                Ok(v) => v,
+                Err(e) => {
+                    json!({"error": {"message": format!("handoff: {e}"), "type": "internal"}})
+                }
+            };
+            let (status, doc) = crate::handoff::durable_document(&parts, render).await;
+            json_response(status, &doc, &rid)
         }
         (Side::Control, Method::GET, "/narwhal/lifecycle") => {
             json_response(StatusCode::OK, &parts.lifecycle.document(""), &rid)
@@ -108,28 +117,41 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
         (
             Side::Control,
             Method::POST,
-            "/narwhal/lifecycle/drain" | "/narwhal/lifecycle/readmit",
+            "/narwhal/lifecycle/drain"
+            | "/narwhal/lifecycle/readmit"
+            | "/narwhal/lifecycle/cancel-drain",
         ) => {
             let body = match read_control_body(req).await {
                 Ok(b) => b,
                 Err(e) => {
-                    return json_response(
-                        StatusCode::BAD_REQUEST,
-                        &parts.lifecycle.document(&e),
-                        &rid,
+                    // The body may be unread: the connection cannot carry another request.
+                    let mut r =
+                        json_response(StatusCode::BAD_REQUEST, &parts.lifecycle.document(&e), &rid);
+                    r.headers_mut().insert(
+                        http::header::CONNECTION,
+                        http::HeaderValue::from_static("close"),
                     );
+                    return r;
                 }
             };
             // The action runs in its own task: a client that gives up (a timeout during a long
             // validation) must not cancel it half-way and leave records `validating`.
             let lifecycle = parts.lifecycle.clone();
-            let action = if path == "/narwhal/lifecycle/drain" {
-                tokio::spawn(async move { lifecycle.drain(body).await })
-            } else {
-                tokio::spawn(async move { lifecycle.readmit(body).await })
+            let action = match path.as_str() {
+                "/narwhal/lifecycle/drain" => {
+                    tokio::spawn(async move { lifecycle.drain(body).await })
+                }
+                "/narwhal/lifecycle/cancel-drain" => {
+                    tokio::spawn(async move { lifecycle.cancel_drain(body).await })
+                }
+                _ => tokio::spawn(async move { lifecycle.readmit(body).await }),
             };
             match action.await {
-                Ok((status, doc)) => json_response(status, &doc, &rid),
+                Ok((status, doc)) => {
+                    // Acknowledged only once durable where a successor reads (issue 13).
+                    let (status, doc) = crate::handoff::acknowledge(&parts, status, doc).await;
+                    json_response(status, &doc, &rid)
+                }
                 Err(e) => json_response(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     &parts
@@ -144,6 +166,7 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
         }
         (Side::Control, Method::GET, "/metrics") => {
             let text = documents::metrics(&parts);
+            crate::handoff::publish_for_read(&parts).await;
             let mut r = Response::new(Full::new(bytes::Bytes::from(text)).boxed());
             r.headers_mut().insert(
                 http::header::CONTENT_TYPE,
@@ -151,47 +174,89 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
             );
             r
         }
-        (side, m, p) => {
-            let known = match side {
-                Side::Data => [
-                    "/v1/completions",
-                    "/v1/chat/completions",
-                    "/v1/models",
-                    "/health",
-                    "/ready",
-                ]
-                .contains(&p),
-                Side::Control => [
-                    "/narwhal/handoff",
-                    "/narwhal/lifecycle",
-                    "/narwhal/lifecycle/drain",
-                    "/narwhal/lifecycle/readmit",
-                    "/narwhal/state",
-                    "/narwhal/targets",
-                    "/metrics",
-                    "/health",
-                    "/ready",
-                ]
-                .contains(&p),
-            };
-            if known {
-                json_response(
+        (side, m, p) => match allowed(side, p) {
+            Some(allow) => {
+                let mut r = json_response(
                     StatusCode::METHOD_NOT_ALLOWED,
-                    &json!({"error": {"message": format!("method {m} not allowed on {p}"), "type": "invalid_request_error"}}),
+                    &json!({"error": {"message": format!("method {m} not allowed on {p} (allowed: {allow})"), "type": "invalid_request_error"}}),
                     &rid,
-                )
-            } else {
-                json_response(
-                    StatusCode::NOT_FOUND,
-                    &json!({"error": {"message": format!("no route {p} on this listener"), "type": "not_found"}}),
-                    &rid,
-                )
+                );
+                r.headers_mut()
+                    .insert(http::header::ALLOW, http::HeaderValue::from_static(allow));
+                r
             }
-        }
+            None => json_response(
+                StatusCode::NOT_FOUND,
+                &json!({"error": {"message": format!("no route {p} on this listener"), "type": "not_found"}}),
+                &rid,
+            ),
+        },
     }
 }
 
-/// Accept loop for one listener until `stop`, then wait up to `grace` for open connections.
+/// `GET /v1/models/` + model id.
+const MODELS_PREFIX: &str = "/v1/models/";
+
+/// `GET /v1/models/{model}` as OpenAI answers it: the model object for the served model, else
+/// 404 `model_not_found` naming the id (the id is percent-decoded and may contain `/`).
+fn model(parts: &Parts, path: &str, rid: &str) -> Response<Body> {
+    let raw = &path[MODELS_PREFIX.len()..];
+    let id = percent_encoding::percent_decode_str(raw).decode_utf8_lossy();
+    if id == parts.cfg.model {
+        let created = parts.wall() as u64;
+        return json_response(
+            StatusCode::OK,
+            &documents::model_card(&parts.cfg, created),
+            rid,
+        );
+    }
+    json_response(
+        StatusCode::NOT_FOUND,
+        &json!({"error": {
+            "message": format!("The model '{id}' does not exist"),
+            "type": "invalid_request_error", "param": "model", "code": "model_not_found",
+        }}),
+        rid,
+    )
+}
+
+/// The methods a known route takes (the `Allow` header of a 405, RFC 9110 section 15.5.6),
+/// `None` for a path this listener does not serve.
+fn allowed(side: Side, path: &str) -> Option<&'static str> {
+    let post = match side {
+        Side::Data => ["/v1/completions", "/v1/chat/completions"].contains(&path),
+        Side::Control => [
+            "/narwhal/lifecycle/drain",
+            "/narwhal/lifecycle/readmit",
+            "/narwhal/lifecycle/cancel-drain",
+        ]
+        .contains(&path),
+    };
+    let get = match side {
+        Side::Data => {
+            ["/v1/models", "/health", "/ready"].contains(&path) || path.starts_with(MODELS_PREFIX)
+        }
+        Side::Control => [
+            "/narwhal/handoff",
+            "/narwhal/lifecycle",
+            "/narwhal/state",
+            "/narwhal/targets",
+            "/metrics",
+            "/health",
+            "/ready",
+        ]
+        .contains(&path),
+    };
+    match (post, get) {
+        (true, _) => Some("POST"),
+        (false, true) => Some("GET"),
+        (false, false) => None,
+    }
+}
+
+/// Accept loop for one listener until `stop`, then wait up to `grace` for open connections
+/// (by then `app::run` has drained the requests: this is for their last bytes and idle
+/// keep-alive connections).
 pub(crate) async fn serve(
     listener: TcpListener,
     parts: Arc<Parts>,

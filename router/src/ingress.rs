@@ -46,6 +46,17 @@ pub struct Validated {
     pub include_usage: bool,
     /// Estimated input tokens (token-id prompt length, else characters / chars_per_token, ≥ 1).
     pub input_len: u64,
+    /// Prompts in a completions batch (`prompt` a list of two or more strings or token-id
+    /// lists); 1 for a single prompt. A batch is served as one request per prompt (see
+    /// [`batch_prompts`]).
+    pub prompt_count: usize,
+    /// The field that asks for prompt logprobs, which only the engine that prefills the
+    /// prompt can compute: `prompt_logprobs`, or `echo` with `logprobs` (completions) or
+    /// `top_logprobs` (chat), which vLLM turns into prompt logprobs (its
+    /// `to_sampling_params`). `None` when the request asks for none.
+    pub prompt_logprobs: Option<&'static str>,
+    /// The client's generation limit (`max_tokens`, else `max_completion_tokens`), tokens.
+    pub max_tokens: Option<u64>,
 }
 
 /// Why ingress refused a request. Each maps to one status and error body (1.9).
@@ -81,6 +92,26 @@ pub enum IngressError {
         asked: String,
         /// The configured model.
         served: String,
+    },
+    /// A prompt batch over `serving.max_batch_prompts` → 400 naming `prompt`.
+    #[error(
+        "'prompt' holds {count} prompts; this router serves at most {limit} per request (serving.max_batch_prompts)"
+    )]
+    TooManyPrompts {
+        /// Prompts in the batch.
+        count: usize,
+        /// `serving.max_batch_prompts`.
+        limit: usize,
+    },
+    /// A request whose `field` cannot cross this split (SGLang: prompt logprobs are computed
+    /// where the prompt is prefilled, and a decode server cannot run a request alone) → 400
+    /// naming the field.
+    #[error(
+        "'{field}' asks for prompt logprobs, which cannot be served across this fleet's prefill/decode split; send the request without it"
+    )]
+    Unsplittable {
+        /// `prompt_logprobs` or `echo`.
+        field: &'static str,
     },
     /// `n` or `best_of` > 1 → 400 (reference-examples/error-400-n.json).
     #[error(
@@ -129,6 +160,14 @@ impl IngressError {
             IngressError::SamplingWidth { .. } => (
                 StatusCode::BAD_REQUEST,
                 json!({"error": {"message": message, "type": "invalid_request_error"}}),
+            ),
+            IngressError::TooManyPrompts { .. } => (
+                StatusCode::BAD_REQUEST,
+                json!({"error": {"message": message, "type": "invalid_request_error", "param": "prompt", "code": null}}),
+            ),
+            IngressError::Unsplittable { field } => (
+                StatusCode::BAD_REQUEST,
+                json!({"error": {"message": message, "type": "invalid_request_error", "param": field, "code": null}}),
             ),
         }
     }
@@ -308,13 +347,82 @@ pub fn validate(
         .and_then(Value::as_bool)
         .unwrap_or(false);
     let input_len = size_input(&body, chars_per_token);
+    let prompt_count = match endpoint {
+        Endpoint::Completions => batch_of(&body).map_or(1, <[Value]>::len),
+        Endpoint::Chat => 1,
+    };
+    let prompt_logprobs = asks_prompt_logprobs(endpoint, &body);
+    let max_tokens = ["max_tokens", "max_completion_tokens"]
+        .iter()
+        .find_map(|k| body.get(*k).and_then(Value::as_u64));
     Ok(Validated {
         body,
         stream,
         return_token_ids,
         include_usage,
         input_len,
+        prompt_count,
+        prompt_logprobs,
+        max_tokens,
     })
+}
+
+/// The prompts of a completions batch: `prompt` a list of two or more entries, each a string
+/// or a token-id list (a list of integers alone is one tokenized prompt).
+fn batch_of(body: &Map<String, Value>) -> Option<&[Value]> {
+    match body.get("prompt") {
+        Some(Value::Array(a)) if a.len() > 1 && a.iter().all(|p| p.is_string() || p.is_array()) => {
+            Some(a)
+        }
+        _ => None,
+    }
+}
+
+/// The prompts of a batched request, in order (`None` for a single prompt). Each is served
+/// as its own request (its own prefill, descriptor and decode) and answered as choice `k`
+/// of one response (issue 9 section 6).
+pub fn batch_prompts(v: &Validated) -> Option<&[Value]> {
+    if v.prompt_count > 1 {
+        batch_of(&v.body)
+    } else {
+        None
+    }
+}
+
+/// Refuses a batch over `limit` prompts (`serving.max_batch_prompts`).
+///
+/// # Errors
+/// [`IngressError::TooManyPrompts`].
+pub fn check_batch(v: &Validated, limit: usize) -> Result<(), IngressError> {
+    if v.prompt_count > limit {
+        return Err(IngressError::TooManyPrompts {
+            count: v.prompt_count,
+            limit,
+        });
+    }
+    Ok(())
+}
+
+/// Which field asks for prompt logprobs (see [`Validated::prompt_logprobs`]).
+fn asks_prompt_logprobs(endpoint: Endpoint, body: &Map<String, Value>) -> Option<&'static str> {
+    let set = |k: &str| body.get(k).is_some_and(|v| !v.is_null());
+    if set("prompt_logprobs") {
+        return Some("prompt_logprobs");
+    }
+    let echo = body.get("echo").is_some_and(truthy);
+    let logprobs = match endpoint {
+        Endpoint::Completions => set("logprobs"),
+        Endpoint::Chat => set("top_logprobs"),
+    };
+    (echo && logprobs).then_some("echo")
+}
+
+/// Estimated tokens of one prompt (a string or a token-id list), as [`Validated::input_len`]
+/// sizes a whole request.
+pub fn size_prompt(prompt: &Value, chars_per_token: f64) -> u64 {
+    let mut m = Map::new();
+    m.insert("prompt".into(), prompt.clone());
+    size_input(&m, chars_per_token)
 }
 
 fn truthy(v: &Value) -> bool {
@@ -497,6 +605,64 @@ mod tests {
         assert_eq!(body, want["body"]);
         assert!(check(r#"{"prompt":"x","best_of":3}"#).is_err());
         assert!(check(r#"{"prompt":"x","n":1}"#).is_ok());
+    }
+
+    /// Batches are recognised (strings or token-id lists, two or more), limited, and
+    /// prompt-logprob requests are named by the field that asks (issue 9 section 6).
+    #[test]
+    fn batches_and_prompt_logprobs_are_recognised() {
+        let v = check(r#"{"prompt":["a","b","c"]}"#).unwrap();
+        assert_eq!(v.prompt_count, 3);
+        assert_eq!(batch_prompts(&v).unwrap().len(), 3);
+        let v = check(r#"{"prompt":[[1,2],[3,4]]}"#).unwrap();
+        assert_eq!(v.prompt_count, 2);
+        for single in [
+            r#"{"prompt":[1,2,3]}"#,
+            r#"{"prompt":["a"]}"#,
+            r#"{"prompt":"a"}"#,
+        ] {
+            let v = check(single).unwrap();
+            assert_eq!(v.prompt_count, 1, "{single}");
+            assert!(batch_prompts(&v).is_none());
+        }
+        let v = check(r#"{"prompt":["a","b","c"]}"#).unwrap();
+        let (st, body) = check_batch(&v, 2).unwrap_err().response();
+        assert_eq!(st, StatusCode::BAD_REQUEST);
+        assert_eq!(body["error"]["param"], "prompt");
+        assert!(check_batch(&v, 3).is_ok());
+        let asks = |b: &str| check(b).unwrap().prompt_logprobs;
+        assert_eq!(
+            asks(r#"{"prompt":"a","prompt_logprobs":1}"#),
+            Some("prompt_logprobs")
+        );
+        assert_eq!(
+            asks(r#"{"prompt":"a","echo":true,"logprobs":1}"#),
+            Some("echo")
+        );
+        assert_eq!(asks(r#"{"prompt":"a","echo":true}"#), None);
+        assert_eq!(
+            asks(r#"{"prompt":"a","logprobs":1,"prompt_logprobs":null}"#),
+            None
+        );
+        let chat = |b: &str| {
+            validate(Endpoint::Chat, b.as_bytes(), "tiny-sim", Backend::Vllm, 3.8)
+                .unwrap()
+                .prompt_logprobs
+        };
+        assert_eq!(
+            chat(r#"{"messages":[],"echo":true,"logprobs":true,"top_logprobs":2}"#),
+            Some("echo")
+        );
+        assert_eq!(chat(r#"{"messages":[],"echo":true,"logprobs":true}"#), None);
+        let (st, body) = IngressError::Unsplittable { field: "echo" }.response();
+        assert_eq!(st, StatusCode::BAD_REQUEST);
+        assert_eq!(body["error"]["param"], "echo");
+        assert_eq!(
+            check(r#"{"prompt":"a","max_completion_tokens":1}"#)
+                .unwrap()
+                .max_tokens,
+            Some(1)
+        );
     }
 
     #[test]

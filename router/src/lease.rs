@@ -6,6 +6,7 @@
 //!     │  owns the pure core `machine::Lease`           ├─ FileLease  flock(<path>.lock) + atomic fsynced record
 //!     │  claim / renew loop / release                  └─ EtcdLease  etcd v3 lease + txn on <key>, <key>/epoch
 //!     └─► control(now): Active | Standby | Fenced; LeaseEvent::Fenced to the router on a lost renewal
+//!  publish(handoff) ──► beside the record (<path>.handoff, <key>/handoff), only while it is ours
 //! ```
 //!
 //! The store does the read-decide-write atomically (under the flock, or as an etcd
@@ -117,6 +118,31 @@ pub trait LeaseStore: Send + Sync + 'static {
         now_wall: f64,
     ) -> impl Future<Output = Result<Result<LeaseRecord, LeaseLoss>, LeaseError>> + Send;
 
+    /// Publishes `doc` (the holder's handoff document, JSON bytes) beside the record, only if
+    /// [`Lease::may_publish`] allows it against the current record, atomically with that
+    /// check (under the flock, or guarded by the record's etcd `mod_revision`). The inner
+    /// `Err` is the core's verdict (not ours, lapsed); nothing was written then. A successor
+    /// that claims after this returns finds `doc` ([`LeaseStore::read_all`]); one published
+    /// later can never land (issue 13).
+    ///
+    /// # Errors
+    /// The outer [`LeaseError`] when the store could not be read or written.
+    fn publish(
+        &self,
+        core: &Lease,
+        now_wall: f64,
+        doc: Vec<u8>,
+    ) -> impl Future<Output = Result<Result<(), LeaseLoss>, LeaseError>> + Send;
+
+    /// The record and the last published handoff document, read together (one lock, or one
+    /// etcd revision): `None` for either when absent.
+    ///
+    /// # Errors
+    /// [`LeaseError`]: I/O, lock, etcd, or a malformed record.
+    fn read_all(
+        &self,
+    ) -> impl Future<Output = Result<(Option<LeaseRecord>, Option<Vec<u8>>), LeaseError>> + Send;
+
     /// Releases at shutdown ([`Lease::release`]): expires the record if it is still ours.
     /// Returns whether it was ours.
     ///
@@ -176,6 +202,25 @@ impl LeaseStore for AnyStore {
         match self {
             AnyStore::File(s) => s.release(core, now_wall).await,
             AnyStore::Etcd(s) => s.release(core, now_wall).await,
+        }
+    }
+
+    async fn publish(
+        &self,
+        core: &Lease,
+        now_wall: f64,
+        doc: Vec<u8>,
+    ) -> Result<Result<(), LeaseLoss>, LeaseError> {
+        match self {
+            AnyStore::File(s) => s.publish(core, now_wall, doc).await,
+            AnyStore::Etcd(s) => s.publish(core, now_wall, doc).await,
+        }
+    }
+
+    async fn read_all(&self) -> Result<(Option<LeaseRecord>, Option<Vec<u8>>), LeaseError> {
+        match self {
+            AnyStore::File(s) => s.read_all().await,
+            AnyStore::Etcd(s) => s.read_all().await,
         }
     }
 }

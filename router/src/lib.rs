@@ -8,7 +8,8 @@
 //!                                   ▼                                       │  descriptor, SGLang:
 //!                      accounting (one settle) ◄── relay ◄──────────────────┘  rendezvous)
 //!                                   ├─► metrics  ├─► journal  └─► /narwhal/state, handoff
-//!  monitor task ──► breaker probes (GET /health) ──► readmission (lifecycle validation)
+//!  monitor task ──► health gate, liveness, readmission probes (GET health_path, process facts)
+//!                 ──► readmission: agent validation (lifecycle) or a generation probe
 //!  controller task ◄── Track (request-path bookkeeping) ──► role flips (Fleet), role checks
 //!                                                           and holds (lifecycle)
 //! ```
@@ -21,15 +22,15 @@
 //!
 //! | layer | modules | what they are |
 //! |---|---|---|
-//! | 0 pure cores | `config`, `profile`, `placement`, `breaker`, `relay`, `ingress`, `outcome`, `retry`, `demand` (risk, windows, model), `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO |
+//! | 0 pure cores | `config` (and `config::schema`, the accepted keys read from its validator), `profile`, `placement`, `breaker`, `facts`, `relay`, `ingress`, `outcome`, `retry`, `demand` (risk, windows, model), `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO (`facts`: an engine process's facts and when two readings name different processes; `relay`: SSE parsing, token evidence, usage, whole-answer and batch merging) |
 //! | 0 leaves | `journal`, `metrics`, `response` | the journal writer, Prometheus families, JSON responses |
 //! | 1 engine client | `upstream`, `failure` | legs to engines and how they fail; `RequestFailure`, the one map to status, body and settlement |
 //! | 1 parts | `fleet`, `accounting`, `admission`, `phase` | own their data behind narrow handles (below) |
-//! | 2 | `readiness`, `bootstrap` | the readiness gate over `phase` + `fleet`; SGLang bootstrap ports (`fleet` cache + `upstream`) |
+//! | 2 | `readiness`, `bootstrap` | the readiness gate over `phase` + `fleet`; what is read from an engine's own routes: SGLang bootstrap ports, process facts, whose fault a failed rendezvous is (`fleet` + `upstream`) |
 //! | 3 | `lifecycle` (`request`, `agents`, `checks`, `identity`, `executor`, `driver`) | drains, waves, readmission through the agents |
 //! | 3 | `controller` (pure: `book`, `stage`, `scoring`, `evidence`, `roles`, `policy`, `machine`, `decision`; `driver`, `intake`, `report`) | the demand-driven role controller and predictive admission's request-path side; over `fleet`, `lifecycle`, `demand`, `admission` |
 //! | 4 | `parts` | `Parts`, a bundle of handles to every part, built once; owns nothing itself |
-//! | 5 | `serve`, `documents`, `handoff`, `monitor` | the request pipeline; `/ready`, `/health`, `/narwhal/state`, `/metrics`; the handoff; breaker probes |
+//! | 5 | `serve`, `documents`, `handoff`, `monitor` | the request pipeline; `/ready`, `/health`, `/narwhal/state`, `/metrics`; the handoff; breaker probes and the startup health wait |
 //! | 6 | `ha` (`primary`, `standby`), `http` | the lease loop and the warm standby; the listeners and routes |
 //! | 7 | `app`, `cli`, this root | wiring (`run`) and the command line |
 //!
@@ -39,19 +40,27 @@
 //!
 //! **Ownership.** Each part owns its state; nothing else holds a lock on it:
 //! - `Fleet`: engine slots (role, exclusions, resident counts), the breaker and the
-//!   application of its transitions (exclusions, metrics, journal), suspect producers, SGLang
-//!   bootstrap ports; the live count is an atomic. One mutex, taken only inside `fleet.rs`.
+//!   application of its transitions (exclusions, metrics, journal), suspect producers, the
+//!   facts of each engine's current process (SGLang bootstrap port included); the live count
+//!   is an atomic. One mutex, taken only inside `fleet.rs`; the startup wait listens on its
+//!   `settled` notification.
 //! - `Accounting`: the outcome tally (the single source `/narwhal/state`, `/metrics` and the
 //!   handoff read), attempt/retry/upstream counters (atomics), the retry budget (a lock-free
 //!   cell); it is the `SettleSink` every request settles into exactly once.
 //! - `Admission`: retained-request limit, seats, queue (atomics and a semaphore).
 //! - `Ha` (`phase.rs`): the `HaPhase` (active, validating identities, shadowing, blocked,
-//!   fenced) on a `tokio::sync::watch` channel, with the lease's local validity. `/ready`,
-//!   `/health`, `controls_fleet` and the metrics derive from it through pure functions.
+//!   fenced) on a `tokio::sync::watch` channel, with the lease's local validity, the
+//!   controller a standby saw, the current `EpochScope`, and the handoff publisher's slot.
+//!   `/ready`, `/health`, `controls_fleet` and the metrics derive from it through pure
+//!   functions.
 //! - `LifecycleDriver`: the pure lifecycle machine (behind its `Executor`), the agents, and
 //!   the one-action-at-a-time lock.
 //! - `Gate` (`readiness.rs`): a mirror of the lifecycle's readiness hold, read with the HA
-//!   phase and the live count on every request without the lifecycle's lock.
+//!   phase and the live count on every request without the lifecycle's lock; and the graceful
+//!   shutdown: an atomic "stopping" flag (`/ready` 503 `shutting down`) and the cancellation
+//!   token that ends the requests still running when `serving.graceful_timeout_s` ran out.
+//!   Shutdown is not an HA phase: the router keeps its lease and control until the last
+//!   request ended, and the lease loop keeps publishing its phase meanwhile.
 //! - `DemandRisk`: the newest consolidation-risk event (handoff `demand_risk`).
 //! - `Controller`: the controller machine (bookkeeping, demand windows, role changes,
 //!   decisions) behind one mutex taken only inside `controller/`; the request path feeds it
@@ -67,8 +76,13 @@
 //! `availability_changed` (the controller's floor edges) and `dirty` (the state-file writer
 //! persists); the lease driver reports a lost renewal to
 //! `ha::primary`, whose `Renewal::lost` tells the `ha` supervisor to run the standby; the
-//! lifecycle machine emits typed `LifecycleEvent`s that its executor journals; the HA phase
-//! is published on its watch channel.
+//! lifecycle machine emits typed `LifecycleEvent`s that its executor journals (only while
+//! the router controls the fleet); the HA phase is published on its watch channel; the
+//! handoff is published beside the lease record (`handoff::publish`) on `dirty`, after every
+//! renewal (`LeaseDriver::renewed`), before a lifecycle action is acknowledged and before
+//! totals are shown (issue 13); `app::run` drains on SIGTERM through the gate
+//! (`begin_shutdown`, then `end_requests` at the budget), which the request path reads (the
+//! readiness check, and a `select!` arm of the attempts and of the relay).
 //!
 //! **Locks.** No lock is held across a call into a higher layer, and the order is the layer
 //! order: the lifecycle machine's mutex may be held while the fleet is asked or told
@@ -81,7 +95,10 @@
 //! **Where later work lands.** Breaker and ejection policy: `breaker` (pure) and
 //! `Fleet::apply`. The role controller is `controller` (above); predictive admission's pure
 //! price is in `admission`, its waiting and placement hooks in `controller::intake`. Epoch-bound
-//! work: subscribe to the HA phase and stop when its epoch ends. Hot-path locks: placement
+//! work: take `Ha::scope()` when it starts (its agent calls carry `EpochScope::fence()`),
+//! check `Ha::live` before each effect and stop on `EpochScope::ended()`; a part that decides
+//! for the fleet (a role controller) watches `Ha::subscribe()` and decides nothing unless the
+//! phase holds control (issue 13). Hot-path locks: placement
 //! state and the tally are each behind one part's handle, replaceable without touching
 //! callers.
 #![forbid(unsafe_code)]
@@ -97,6 +114,7 @@ pub mod config;
 mod controller;
 mod demand;
 mod documents;
+mod facts;
 mod failure;
 mod fleet;
 mod ha;

@@ -105,6 +105,10 @@ pub(crate) struct Metrics {
     pub(crate) readmissions: Family<Labels, Counter>,
     pub(crate) breaker_streak: Family<Labels, Gauge>,
     pub(crate) probes: Family<Labels, Counter>,
+    /// 1 while the ejection bound keeps a failing engine in placement (issue 10 section 2).
+    pub(crate) engine_degraded: Family<Labels, Gauge>,
+    /// 1 while an engine waits for its first health 200 (issue 9 section 4).
+    pub(crate) engine_awaiting_health: Family<Labels, Gauge>,
     pub(crate) ttft: HistFamily,
     pub(crate) tpot: HistFamily,
     pub(crate) journal_dropped: Gauge,
@@ -113,6 +117,8 @@ pub(crate) struct Metrics {
     pub(crate) state_write_failures: Counter,
     pub(crate) slo_label_ttft: String,
     pub(crate) slo_label_tpot: String,
+    /// Control, lease and certificate gauges for operators (issue 14 section 5).
+    pub(crate) ops: OpsMetrics,
 }
 
 impl Metrics {
@@ -345,6 +351,16 @@ impl Metrics {
                 "Breaker probes by engine, kind and outcome",
                 Family::default()
             ),
+            engine_degraded: reg!(
+                "narwhal_engine_degraded",
+                "1 while the ejection bound keeps a failing engine in placement",
+                Family::default()
+            ),
+            engine_awaiting_health: reg!(
+                "narwhal_engine_awaiting_health",
+                "1 while an engine waits for its first health answer 200",
+                Family::default()
+            ),
             ttft: reg!(
                 "narwhal_ttft_seconds",
                 "Router arrival to first token",
@@ -377,6 +393,7 @@ impl Metrics {
             ),
             slo_label_ttft: fmt_g(ttft_s),
             slo_label_tpot: fmt_g(tpot_s),
+            ops: OpsMetrics::register(&mut r),
             registry: Registry::default(),
         };
         // The admission, monitoring and controller families are rendered live by
@@ -460,6 +477,82 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);
         to_prometheus_text(&out)
+    }
+}
+
+/// The gauges an operator alerts on (issue 14 section 5; docs/monitoring.md): whether this
+/// router controls the fleet, its lease (state, holder, validity left, configured timing) and
+/// its certificates' expiry. Refreshed at scrape time (`documents::metrics`). The lease
+/// families have no sample with `lease.backend` `none` (nothing expires), the certificate
+/// family one per configured certificate.
+pub(crate) struct OpsMetrics {
+    /// `narwhal_router_controls_fleet`: 1 while this router controls the fleet (lifecycle
+    /// `router.controls_fleet` = `active`; always 1 with lease backend `none` unless an agent
+    /// fenced it), else 0. Unlike `narwhal_router_ready` it stays 1 during a whole-wave drain.
+    pub(crate) controls_fleet: Gauge,
+    /// `narwhal_router_lease_info{state, holder}`: 1 for this router's view; `state` =
+    /// `active` | `standby` | `fenced`, `holder` = the holder token it holds (`""` when none).
+    pub(crate) lease_info: Family<Labels, Gauge>,
+    /// `narwhal_router_lease_expires_in_seconds`: seconds until this router's local lease
+    /// validity ends (`ttl_s − safety_margin_s` after the last good renewal); 0 when it holds
+    /// no lease.
+    pub(crate) lease_expires_in: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// `narwhal_router_lease_ttl_seconds`: `lease.ttl_s`.
+    pub(crate) lease_ttl: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// `narwhal_router_lease_renew_interval_seconds`: `lease.renew_interval_s`.
+    pub(crate) lease_renew_interval: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// `narwhal_router_certificate_expiry_seconds{cert}`: seconds until `notAfter` of each
+    /// certificate the router loaded (`tls.cert`, `tls.ca`, `control.tls.cert`,
+    /// `control.tls.ca`, `lease.tls.cert`, `lease.tls.ca`; a CA bundle counts its
+    /// earliest-expiring certificate); negative once expired.
+    pub(crate) certificate_expiry: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// `(cert label, notAfter Unix seconds)`, read once from the files at the first scrape.
+    pub(crate) not_after: std::sync::OnceLock<Vec<(String, i64)>>,
+}
+
+impl OpsMetrics {
+    /// Registers the families in `r`.
+    fn register(r: &mut Registry) -> OpsMetrics {
+        let m = OpsMetrics {
+            controls_fleet: Gauge::default(),
+            lease_info: Family::default(),
+            lease_expires_in: Family::default(),
+            lease_ttl: Family::default(),
+            lease_renew_interval: Family::default(),
+            certificate_expiry: Family::default(),
+            not_after: std::sync::OnceLock::new(),
+        };
+        r.register(
+            "narwhal_router_controls_fleet",
+            "1 while this router controls the fleet (lease held and not fenced; lease backend none: unless an agent fenced it), else 0; stays 1 during a whole-wave drain",
+            m.controls_fleet.clone(),
+        );
+        r.register(
+            "narwhal_router_lease_info",
+            "This router's lease view, value 1: state (active, standby, fenced) and the holder token it holds (empty when none)",
+            m.lease_info.clone(),
+        );
+        r.register(
+            "narwhal_router_lease_expires_in_seconds",
+            "Seconds until this router's local lease validity ends (ttl_s minus safety_margin_s after the last renewal); 0 when it holds no lease; no sample with lease backend none",
+            m.lease_expires_in.clone(),
+        );
+        r.register(
+            "narwhal_router_lease_ttl_seconds",
+            "lease.ttl_s of the fleet file; no sample with lease backend none",
+            m.lease_ttl.clone(),
+        );
+        r.register(
+            "narwhal_router_lease_renew_interval_seconds",
+            "lease.renew_interval_s of the fleet file; no sample with lease backend none",
+            m.lease_renew_interval.clone(),
+        );
+        r.register(
+            "narwhal_router_certificate_expiry_seconds",
+            "Seconds until notAfter of each certificate the router loaded, by fleet-file key (tls.cert, tls.ca, control.tls.cert, control.tls.ca, lease.tls.cert, lease.tls.ca; a CA bundle: its earliest); negative once expired",
+            m.certificate_expiry.clone(),
+        );
+        m
     }
 }
 

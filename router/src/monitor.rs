@@ -1,104 +1,226 @@
 //! The monitor task: every `controller.monitor_interval_s`, whole-wave enforcement and the
-//! breaker's due probes (`GET <engine>/health`; reference-notes 6.4, 4.9), and at startup
-//! the SGLang bootstrap ports.
+//! breaker's due probes (reference-notes 6.3, 6.4, 6.6, 4.9; issue 9 sections 1–4), and the
+//! startup wait for the health gate.
 //!
 //! ```text
 //!  tick ──► Lifecycle::enforce_whole_wave
-//!       ──► Fleet::due_probes ──► GET /health ──► probe metric
-//!              ok + SGLang prefill ──► bootstrap::refresh
-//!              readmission probe ok + agent ──► Lifecycle::recover (validation)
-//!              otherwise ──► Fleet::observe(HealthOk | HealthFailed)
+//!       ──► Fleet::due_probes ──► per ticket, GET <engine><health_path>:
+//!             gate:        200 ──► read facts ──► Fleet::learn ──► admitted
+//!             liveness:    200 + sweep or asked ──► read facts ──► Fleet::learn (a new process?)
+//!             readmission: 200 ──► read facts ──► agent? Lifecycle::recover (validation)
+//!                                              └─ else generation probe (1 token)
+//!       ──► Fleet::probe_result(ticket, result)
+//!  startup ──► Fleet::wait_settled (every gate answered, or health timeout + one interval)
+//!  not controlling the fleet (standby, fenced): gate probes only; on (re)gaining control
+//!  every engine's facts are learned afresh (Fleet::relearn_all)
 //! ```
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::StatusCode;
-use tokio_util::sync::CancellationToken;
+use serde_json::json;
 use tracing::Instrument;
 
 use crate::bootstrap;
-use crate::breaker::{Observation, ProbeKind};
-use crate::config::{Backend, Role, secs};
+use crate::breaker::{HealthAnswer, ProbeKind, ProbeResult, Ticket};
+use crate::config::{Backend, secs};
 use crate::metrics::labels;
 use crate::parts::Parts;
+use crate::relay::RelayOptions;
+use crate::upstream::{LegId, ProbeError};
+
+/// SGLang's placeholder rendezvous host: a request naming it runs locally on a prefill- or
+/// decode-mode server without a peer (SGLang's own `/health` generation uses it:
+/// `sglang/srt/disaggregation/utils.py`, `FAKE_BOOTSTRAP_HOST`).
+pub(crate) const FAKE_BOOTSTRAP_HOST: &str = "2.2.2.2";
 
 /// Runs the monitor until `stop`.
-pub(crate) async fn monitor(parts: Arc<Parts>, stop: CancellationToken) {
+pub(crate) async fn monitor(parts: Arc<Parts>, stop: tokio_util::sync::CancellationToken) {
     let period = secs(parts.cfg.controller.monitor_interval_s);
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let every = u64::from(parts.cfg.recovery.liveness_every);
+    let mut n: u64 = 0;
+    let mut was_controlling = false;
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
+        let controlling = parts.ha.controls_fleet();
+        if controlling && !was_controlling {
+            // What was learned before may predate restarts another router drove.
+            parts.fleet.relearn_all();
+        }
+        was_controlling = controlling;
         parts.lifecycle.enforce_whole_wave();
-        for (iid, kind) in parts.fleet.due_probes() {
-            let span = tracing::info_span!("probe", engine = %parts.cfg.engines[iid].iid);
-            tokio::spawn(probe(parts.clone(), iid, kind).instrument(span));
+        let sweep = every > 0 && n.is_multiple_of(every);
+        n += 1;
+        for ticket in parts.fleet.due_probes() {
+            let span = tracing::debug_span!("probe", engine = %parts.cfg.engines[ticket.iid].iid, kind = ticket.kind.as_str());
+            tokio::spawn(probe(parts.clone(), ticket, sweep).instrument(span));
         }
     }
 }
 
-/// One breaker probe of engine `iid`.
-async fn probe(parts: Arc<Parts>, iid: usize, kind: ProbeKind) {
-    let engine = &parts.cfg.engines[iid];
-    let url = format!("{}/health", engine.url);
-    let res = parts
-        .upstream
-        .get(&url, secs(parts.cfg.engine.health_timeout_s))
-        .await;
-    let ok = matches!(res, Ok((StatusCode::OK, _)));
-    let kind_label = match kind {
-        ProbeKind::Readmission => "readmission",
-        ProbeKind::Verification => "health",
-    };
+/// At startup: waits until every engine's health gate was answered (200 or not), at most
+/// `engine.health_timeout_s` plus one monitor interval (an engine whose first probe hangs
+/// gets a second one on the next tick).
+pub(crate) async fn startup(parts: &Parts) {
+    let budget = secs(parts.cfg.engine.health_timeout_s + parts.cfg.controller.monitor_interval_s);
+    parts.fleet.wait_settled(parts.clock.now() + budget).await;
+}
+
+fn count(parts: &Parts, iid: usize, kind: &str, outcome: &str) {
     parts
         .metrics
         .probes
         .get_or_create(&labels(&[
-            ("iid", &engine.iid),
-            ("kind", kind_label),
-            ("outcome", if ok { "passed" } else { "failed" }),
+            ("iid", &parts.cfg.engines[iid].iid),
+            ("kind", kind),
+            ("outcome", outcome),
         ]))
         .inc();
-    if ok
-        && parts.cfg.backend == Backend::Sglang
-        && parts.fleet.role(iid) == Role::Prefill
-        && let Err(e) = bootstrap::refresh(&parts.cfg, &parts.fleet, &parts.upstream, iid).await
-    {
-        tracing::warn!(error = %e, "bootstrap port refresh failed");
-    }
-    tracing::debug!(ok, "probe finished");
-    if ok && kind == ProbeKind::Readmission && parts.lifecycle.agents().has(iid) {
-        // An engine with an agent comes back only through validation of its running process
-        // (transient breaker ejection), not on a bare health answer.
-        if !parts.lifecycle.recover(iid).await {
-            parts.fleet.probe_inconclusive(iid);
-        }
-        return;
-    }
-    parts.fleet.observe(
-        iid,
-        if ok {
-            Observation::HealthOk
-        } else {
-            Observation::HealthFailed
-        },
-    );
 }
 
-/// SGLang: learn every prefill engine's bootstrap port at startup (best effort).
-pub(crate) async fn warm_bootstrap_ports(parts: Arc<Parts>) {
-    if parts.cfg.backend != Backend::Sglang {
+/// One breaker probe (module doc).
+async fn probe(parts: Arc<Parts>, ticket: Ticket, sweep: bool) {
+    let iid = ticket.iid;
+    let controlling = parts.ha.controls_fleet();
+    if ticket.kind != ProbeKind::Gate && !controlling {
+        // A standby or fenced router judges nothing but its health gate: the primary drives
+        // the planned restarts (held there, not here), and the handoff applied on takeover
+        // carries its ejections; no generation probes from here either.
+        parts.fleet.probe_result(ticket, ProbeResult::Inconclusive);
         return;
     }
-    for (iid, e) in parts.cfg.engines.iter().enumerate() {
-        if parts.fleet.role(iid) == Role::Prefill
-            && let Err(err) =
-                bootstrap::refresh(&parts.cfg, &parts.fleet, &parts.upstream, iid).await
-        {
-            tracing::warn!(engine.id = %e.iid, error = %err, "bootstrap port unknown at startup; will retry per request");
+    let answer = health(&parts, iid).await;
+    count(&parts, iid, ticket.kind.as_str(), answer.label());
+    tracing::debug!(?answer, "health probe answered");
+    let fleet = &parts.fleet;
+    if answer != HealthAnswer::Ok {
+        fleet.probe_result(ticket, ProbeResult::Health(answer));
+        return;
+    }
+    match ticket.kind {
+        ProbeKind::Gate => {
+            // Learn the process before it takes traffic (an SGLang prefill's bootstrap port);
+            // a router that does not control the fleet learns once it does.
+            if controlling {
+                let reading = bootstrap::read_facts(&parts.cfg, &parts.upstream, iid).await;
+                fleet.learn(iid, reading);
+            }
+            fleet.probe_result(ticket, ProbeResult::Health(answer));
+        }
+        ProbeKind::Liveness => {
+            if (sweep || fleet.identity_requested(iid))
+                && fleet
+                    .learn(
+                        iid,
+                        bootstrap::read_facts(&parts.cfg, &parts.upstream, iid).await,
+                    )
+                    .is_some()
+            {
+                // A new process: ejected (process_identity); this ticket is stale now.
+                fleet.probe_result(ticket, ProbeResult::Inconclusive);
+                return;
+            }
+            fleet.probe_result(ticket, ProbeResult::Health(answer));
+        }
+        ProbeKind::Readmission => {
+            fleet.learn(
+                iid,
+                bootstrap::read_facts(&parts.cfg, &parts.upstream, iid).await,
+            );
+            if parts.lifecycle.agents().has(iid) {
+                // Through its agent, with the checks of a readmission (reference-notes 6.4
+                // step 8); the lifecycle readmits it (evidence `lifecycle`).
+                let back = parts.lifecycle.recover(iid).await;
+                count(
+                    &parts,
+                    iid,
+                    "validation",
+                    if back { "passed" } else { "failed" },
+                );
+                fleet.probe_result(ticket, ProbeResult::Inconclusive);
+                return;
+            }
+            let generated = generation(&parts, iid).await;
+            if let Err(e) = &generated {
+                tracing::info!(error = %e, "generation probe failed");
+            }
+            let passed = generated.is_ok();
+            count(
+                &parts,
+                iid,
+                "generation",
+                if passed { "passed" } else { "failed" },
+            );
+            parts.journal.emit(
+                json!({"event": "engine_probe", "iid": parts.cfg.engines[iid].iid,
+                "kind": "generation", "outcome": if passed { "passed" } else { "failed" },
+                "error": generated.err(), "at": parts.wall()}),
+            );
+            fleet.probe_result(ticket, ProbeResult::Generation { passed });
         }
     }
+}
+
+/// `GET <engine><health_path>` within `engine.health_timeout_s`.
+async fn health(parts: &Parts, iid: usize) -> HealthAnswer {
+    let e = &parts.cfg.engines[iid];
+    let url = format!("{}{}", e.url, e.health_path);
+    match parts
+        .upstream
+        .probe_get(&url, secs(parts.cfg.engine.health_timeout_s))
+        .await
+    {
+        Ok((StatusCode::OK, _)) => HealthAnswer::Ok,
+        Ok((status, _)) => HealthAnswer::Unhealthy(status.as_u16()),
+        Err(ProbeError::TimedOut(_)) => HealthAnswer::TimedOut,
+        Err(ProbeError::Unreachable(_)) => HealthAnswer::Unreachable,
+    }
+}
+
+/// The generation probe the breaker readmits an engine without an agent with (reference-notes
+/// 6.3, "standalone probe"): a streamed one-token completion of the fleet's model straight to
+/// the engine, with a plain UUID request id; it passes when a token-bearing chunk arrives
+/// within `max(engine.first_token_timeout_s, engine.health_timeout_s)`. On SGLang the request
+/// names [`FAKE_BOOTSTRAP_HOST`], so a prefill- or decode-mode server runs it alone.
+///
+/// # Errors
+/// The failed leg's detail.
+async fn generation(parts: &Parts, iid: usize) -> Result<(), String> {
+    let cfg = &parts.cfg;
+    let url = format!("{}/v1/completions", cfg.engines[iid].url);
+    let mut body = json!({
+        "model": cfg.model,
+        "prompt": format!("{} breaker verification", uuid::Uuid::new_v4().simple()),
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "stream": true,
+    });
+    if cfg.backend == Backend::Sglang {
+        body["bootstrap_host"] = json!(FAKE_BOOTSTRAP_HOST);
+        body["bootstrap_room"] = json!(0);
+    }
+    let opts = RelayOptions {
+        return_token_ids: false,
+        max_response_bytes: cfg.serving.max_response_bytes,
+        collect: false,
+    };
+    let limit: Duration = secs(
+        cfg.engine
+            .first_token_timeout_s
+            .max(cfg.engine.health_timeout_s),
+    );
+    // A leg id every engine accepts (a plain UUID per leg, issue 10 section 2).
+    let leg = LegId::new(&uuid::Uuid::new_v4().to_string(), None, 1, "probe");
+    parts
+        .upstream
+        .decode(&url, &leg, &body, opts, parts.clock.now() + limit)
+        .await
+        .map(drop)
+        .map_err(|e| e.detail())
 }

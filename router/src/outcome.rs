@@ -61,6 +61,7 @@ pub const FAILED_REASONS: &[&str] = &[
     "invalid_response",
     "response_limit",
     "internal",
+    "shutdown",
 ];
 /// Known `rejected` reasons.
 pub const REJECTED_REASONS: &[&str] = &["inflight_limit", "saturated", "not_ready"];
@@ -161,7 +162,7 @@ pub struct RequestRecord {
     pub decode_iid: Option<String>,
     /// Whether output (the first token) reached the client.
     pub output_started: bool,
-    /// Failures of earlier attempts (`{phase, iid, reason, error}`).
+    /// Failures of earlier attempts (`{attempt, phase, iid, reason, error, prompt}`).
     pub attempt_failures: Vec<Value>,
     /// The latest TTFT price (controller-notes 11.2 `admission_price`), null when never
     /// priced.
@@ -169,6 +170,10 @@ pub struct RequestRecord {
     /// Seconds waited for an admission seat, once the request reached the seat (0.0 for an
     /// immediate one; controller-notes 11.2 `queue_waits.admission`).
     pub admission_wait_s: Option<f64>,
+    /// Every leg dispatched, in order: `{attempt, leg, iid, request_id, prompt}` — the
+    /// `x-request-id` (a UUID4) the engine saw for it, and the prompt's index in a batch
+    /// (`null` otherwise).
+    pub legs: Vec<Value>,
 }
 
 impl RequestRecord {
@@ -184,6 +189,7 @@ impl RequestRecord {
             "duration_s": self.duration_s,
             "attempts": self.attempts,
             "attempt_failures": self.attempt_failures,
+            "legs": self.legs,
             "prefill_iid": self.prefill_iid,
             "decode_iid": self.decode_iid,
             "status": s.status,

@@ -136,7 +136,8 @@ impl Parts {
 }
 
 /// Parts over a fleet file given as JSON, a manual clock, no agents and the lease the file
-/// configures (holder prefix `router_id`), starting `Active`.
+/// configures (holder prefix `router_id`), starting `Active`, every engine past its health
+/// gate.
 #[cfg(test)]
 pub(crate) fn for_test(
     fleet: serde_json::Value,
@@ -146,7 +147,7 @@ pub(crate) fn for_test(
     let cfg = Config::from_json_str(&fleet.to_string(), &|_| None).expect("fleet file");
     let n = cfg.engines.len();
     let lease = LeaseDriver::from_config(&cfg.lease, router_id, clock.clone()).expect("lease");
-    Parts::new(
+    let parts = Parts::new(
         Arc::new(cfg),
         clock,
         Journal::disabled("1-deadbeef"),
@@ -154,5 +155,7 @@ pub(crate) fn for_test(
         Agents::none(n),
         Arc::new(lease),
         HaPhase::Active,
-    )
+    );
+    parts.fleet.admit_all();
+    parts
 }

@@ -14,10 +14,11 @@
 //! from the lease's local validity, from the lifecycle's readiness hold and from the live
 //! engine count, through the pure functions here.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use narwhal_shared::{Clock, Fence};
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 use crate::lease::{Control, LeaseDriver, LeaseLoss};
 
@@ -84,6 +85,66 @@ pub(crate) struct HaStatus {
     pub(crate) epoch: u64,
     /// This process's holder token; `""` for lease backend `none` or before the first claim.
     pub(crate) holder: String,
+    /// Another router seen holding a live lease (a standby's or a fenced router's view, from
+    /// the lease record), `None` when unknown or when this router controls the fleet.
+    pub(crate) controller: Option<Controller>,
+}
+
+/// The router that controls the fleet, as a standby saw it in the lease record
+/// (`router.controller` of the lifecycle document).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Controller {
+    /// Its lease holder token.
+    pub(crate) holder: String,
+    /// Its lease epoch.
+    pub(crate) epoch: u64,
+}
+
+/// Whether work started under epoch `scope` may still act (issue 13: a task carries its epoch
+/// and never runs under a later one): the phase holds control, the lease is locally valid,
+/// and the epoch held now is the task's. Pure; [`Ha::live`] applies it.
+pub(crate) fn work_may_run(scope: u64, phase_holds: bool, lease_valid: bool, held: u64) -> bool {
+    phase_holds && lease_valid && held == scope
+}
+
+/// Whether an agent's `stale_epoch` answer to a call made under epoch `call` fences this
+/// router, which holds epoch `held` (issue 13): only a call of the epoch held now proves that a
+/// newer router exists; a late answer to a call of an epoch that already ended says nothing
+/// about the current one (found by the fault campaign: such answers fenced a router that had
+/// just claimed the next epoch, while its renewals went on).
+pub(crate) fn stale_answer_fences(call: u64, phase_holds: bool, held: u64) -> bool {
+    phase_holds && call == held
+}
+
+/// Work bound to one epoch of control (issue 13): lifecycle actions, validation, the identity
+/// check. It carries the epoch its agent calls are fenced with, and is cancelled when control
+/// under that epoch ends (a fence, a lapse, the standby loop starting); it never becomes valid
+/// again, so the work never runs under a later epoch.
+#[derive(Debug, Clone)]
+pub(crate) struct EpochScope {
+    epoch: u64,
+    holder: String,
+    token: CancellationToken,
+}
+
+impl EpochScope {
+    /// The epoch the work runs under.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The fence token its agent calls carry (this epoch, never a later one).
+    pub(crate) fn fence(&self) -> Fence {
+        Fence {
+            epoch: self.epoch,
+            holder: self.holder.clone(),
+        }
+    }
+
+    /// Resolves when control under this epoch ended.
+    pub(crate) async fn ended(&self) {
+        self.token.cancelled().await;
+    }
 }
 
 /// Readiness as `/ready` reports it (reference-notes 1.3).
@@ -167,6 +228,10 @@ pub(crate) struct Ha {
     lease: Arc<LeaseDriver>,
     clock: Arc<dyn Clock>,
     resume_refused: OnceLock<String>,
+    /// The scope of the epoch controlled now, created on first use ([`Ha::scope`]).
+    scope: Mutex<Option<EpochScope>>,
+    /// Serialises handoff publishes; holds the content key of the last one that succeeded.
+    published: tokio::sync::Mutex<Option<String>>,
 }
 
 /// One consistent reading of the HA state for a document.
@@ -185,12 +250,15 @@ impl Ha {
             phase,
             epoch: 0,
             holder: String::new(),
+            controller: None,
         });
         Ha {
             status,
             lease,
             clock,
             resume_refused: OnceLock::new(),
+            scope: Mutex::new(None),
+            published: tokio::sync::Mutex::new(None),
         }
     }
 
@@ -199,10 +267,93 @@ impl Ha {
         &self.lease
     }
 
-    /// A receiver of every published change.
-    #[cfg(test)]
+    /// The handoff publisher's slot (`crate::handoff::publish`): taken for the whole of one
+    /// publish, it holds the content key of the last document published successfully.
+    pub(crate) fn published(&self) -> &tokio::sync::Mutex<Option<String>> {
+        &self.published
+    }
+
+    /// A receiver of every published change: the phase, the epoch and holder, the known
+    /// controller. Parts that decide for the fleet (the HA supervisor, a role controller)
+    /// watch it and stop deciding when the phase no longer holds control; work they start
+    /// runs under an [`EpochScope`] ([`Ha::scope`]).
     pub(crate) fn subscribe(&self) -> watch::Receiver<HaStatus> {
         self.status.subscribe()
+    }
+
+    /// The scope of the epoch this router controls the fleet under now, `None` when it does
+    /// not control it. Work started with it stops when that epoch ends ([`EpochScope::ended`],
+    /// [`Ha::live`]).
+    pub(crate) fn scope(&self) -> Option<EpochScope> {
+        let (holds, epoch, holder) = {
+            let s = self.status.borrow();
+            (s.phase.holds_control(), s.epoch, s.holder.clone())
+        };
+        let held = self.lease.epoch();
+        let mut slot = self.scope.lock().unwrap_or_else(|p| p.into_inner());
+        if !work_may_run(held, holds, self.lease_active(), held) || epoch != held {
+            if let Some(old) = slot.take() {
+                old.token.cancel();
+            }
+            return None;
+        }
+        match slot.as_ref() {
+            Some(sc) if sc.epoch == held && !sc.token.is_cancelled() => Some(sc.clone()),
+            _ => {
+                if let Some(old) = slot.take() {
+                    old.token.cancel();
+                }
+                let sc = EpochScope {
+                    epoch: held,
+                    holder,
+                    token: CancellationToken::new(),
+                };
+                *slot = Some(sc.clone());
+                Some(sc)
+            }
+        }
+    }
+
+    /// Whether work of `scope` may act now ([`work_may_run`]); when not, the scope is ended
+    /// for everyone waiting on it.
+    pub(crate) fn live(&self, scope: &EpochScope) -> bool {
+        let holds = self.status.borrow().phase.holds_control();
+        let ok = !scope.token.is_cancelled()
+            && work_may_run(scope.epoch, holds, self.lease_active(), self.lease.epoch());
+        if !ok {
+            scope.token.cancel();
+        }
+        ok
+    }
+
+    /// Ends the current scope (control under its epoch is over).
+    fn end_scope(&self) {
+        if let Some(old) = self.scope.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            old.token.cancel();
+        }
+    }
+
+    /// An agent answered `stale_epoch` to a call made under epoch `call`: when that is the
+    /// epoch held now ([`stale_answer_fences`]) a newer router exists, so this one is fenced
+    /// and gives up the lease locally (the renew loop stops). Returns whether it fenced.
+    pub(crate) fn stale_answer(&self, call: u64) -> bool {
+        let holds = self.status.borrow().phase.holds_control();
+        if !stale_answer_fences(call, holds, self.lease.epoch()) {
+            return false;
+        }
+        self.lease.relinquish(call, LeaseLoss::HeldByAnother);
+        self.fence(&LeaseLoss::HeldByAnother);
+        true
+    }
+
+    /// Records the router seen controlling the fleet (a standby's view of the lease record);
+    /// `None` when unknown.
+    pub(crate) fn set_controller(&self, controller: Option<Controller>) {
+        self.status.send_if_modified(|s| {
+            let changed = s.controller != controller;
+            s.controller = controller;
+            changed
+        });
     }
 
     /// Whether the phase holds control and the lease is locally valid now.
@@ -235,26 +386,24 @@ impl Ha {
         self.status.borrow().phase.clone()
     }
 
-    /// The epoch and holder agent calls carry (agents refuse an epoch older than the newest
-    /// they saw).
-    pub(crate) fn fence_token(&self) -> Fence {
-        let s = self.status.borrow();
-        Fence {
-            epoch: s.epoch,
-            holder: s.holder.clone(),
-        }
-    }
-
-    /// Publishes `phase` with the lease's current epoch and holder token.
+    /// Publishes `phase` with the lease's current epoch and holder token. A phase that holds
+    /// control clears the known controller (it is this router); one that does not ends the
+    /// current [`EpochScope`].
     pub(crate) fn publish(&self, phase: HaPhase) {
         let (epoch, holder) = (self.lease.epoch(), self.lease.holder());
+        let holds = phase.holds_control();
         self.status.send_modify(|s| {
+            let controller = if holds { None } else { s.controller.take() };
             *s = HaStatus {
                 phase,
                 epoch,
                 holder,
+                controller,
             };
         });
+        if !holds {
+            self.end_scope();
+        }
     }
 
     /// Fences the router: it no longer controls the fleet (`/health` `fenced`, `/ready` 503
@@ -266,6 +415,20 @@ impl Ha {
             LeaseLoss::Lapsed => "lease renewal failed".to_string(),
             LeaseLoss::Unavailable(e) => format!("lease unavailable: {e}"),
         };
+        self.status.send_modify(|s| {
+            s.phase = if s.phase.standby() {
+                HaPhase::Blocked { reason }
+            } else {
+                HaPhase::Fenced { reason }
+            };
+        });
+        self.end_scope();
+    }
+
+    /// Fences the router like [`Ha::fence`] with a reason that is not a lease loss: an agent
+    /// that accepted a newer router epoch (`lifecycle::agents::stale_epoch_reason`), so
+    /// `/ready`, `/narwhal/state.ha.blocked` and `narwhalctl status` name the cause.
+    pub(crate) fn fence_because(&self, reason: String) {
         self.status.send_modify(|s| {
             s.phase = if s.phase.standby() {
                 HaPhase::Blocked { reason }
@@ -288,6 +451,7 @@ impl Ha {
                 }
             };
         });
+        self.end_scope();
     }
 
     /// An active router starts its identity check ([`IDENTITY_PENDING`]); any other phase
@@ -326,7 +490,7 @@ impl Ha {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn blocked(reason: &str) -> HaPhase {
@@ -460,5 +624,142 @@ mod tests {
         assert_eq!(ha.phase(), HaPhase::Shadowing);
         let s = rx.borrow_and_update().clone();
         assert_eq!((s.epoch, s.holder.as_str()), (0, ""));
+    }
+
+    /// A router with a 2 s file lease in `dir`, on a manual clock, starting as a standby.
+    pub(crate) fn leased(
+        dir: &std::path::Path,
+    ) -> (
+        std::sync::Arc<crate::parts::Parts>,
+        std::sync::Arc<narwhal_shared::ManualClock>,
+    ) {
+        use narwhal_shared::Clock as _;
+        let clock = Arc::new(narwhal_shared::ManualClock::new(
+            narwhal_shared::SystemClock.now(),
+            1.0e9,
+        ));
+        let parts = crate::parts::for_test(
+            serde_json::json!({
+                "schema": "narwhal.fleet", "schema_version": 2, "model": "m",
+                "backend": "vllm",
+                "engines": [{"iid": "p0", "url": "http://127.0.0.1:1", "role": "prefill"},
+                            {"iid": "d0", "url": "http://127.0.0.1:2"}],
+                "slo": {"ttft_s": 1.0, "tpot_s": 0.1},
+                "recovery": {"state_path": dir.join("state.json")},
+                "lease": {"backend": "file", "path": dir.join("lease.json"),
+                          "ttl_s": 2, "renew_interval_s": 0.5, "safety_margin_s": 0.5}
+            }),
+            clock.clone(),
+            "router",
+        );
+        parts.ha.publish(HaPhase::Shadowing);
+        (parts, clock)
+    }
+
+    /// Issue 13: work carries the epoch it started in and ends with it: a fence, a lapse of
+    /// the lease, or the standby loop ends its scope for good, and a later tenure (even of the
+    /// same epoch, a reclaimed own lease) never revives it.
+    #[tokio::test]
+    async fn an_epoch_scope_ends_with_its_epoch_and_never_revives() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (parts, clock) = leased(dir.path());
+        let ha = &parts.ha;
+        assert!(ha.scope().is_none(), "a standby has no scope");
+        assert_eq!(ha.lease().claim().await, Ok(1));
+        ha.publish(HaPhase::Active);
+        let first = ha.scope().expect("controls under epoch 1");
+        assert_eq!(first.epoch(), 1);
+        assert_eq!(first.fence().epoch, 1);
+        assert!(ha.live(&first));
+        let again = ha.scope().expect("the same tenure");
+        ha.fence(&LeaseLoss::Lapsed);
+        assert!(first.token.is_cancelled(), "ended with the fence");
+        assert!(again.token.is_cancelled(), "one scope per tenure");
+        assert!(!ha.live(&first));
+        assert!(ha.scope().is_none());
+        // The same epoch reclaimed (its own live record): a new tenure, the old work stays dead.
+        assert_eq!(ha.lease().claim().await, Ok(1));
+        ha.publish(HaPhase::Active);
+        let second = ha.scope().expect("controls again");
+        assert!(!second.token.is_cancelled(), "a new tenure");
+        assert!(!ha.live(&first), "never revived");
+        assert!(ha.live(&second));
+        // A lapse of local validity (no renewal for ttl - margin) ends it as well.
+        clock.advance(std::time::Duration::from_millis(1500));
+        assert!(!ha.live(&second));
+        assert!(second.token.is_cancelled());
+        tokio::time::timeout(std::time::Duration::from_millis(100), second.ended())
+            .await
+            .expect("ended() resolves");
+        // The standby loop ends a scope too.
+        clock.advance(std::time::Duration::from_secs(5));
+        assert_eq!(ha.lease().claim().await, Ok(2));
+        ha.publish(HaPhase::Active);
+        let third = ha.scope().expect("epoch 2");
+        ha.enter_standby();
+        assert!(!ha.live(&third));
+    }
+
+    /// Issue 13: only a `stale_epoch` answer to a call of the epoch held now fences; a late
+    /// answer to a call of an earlier epoch (work of a tenure that ended) does not. The fence
+    /// also gives the lease up locally, so the renew loop stops.
+    #[tokio::test]
+    async fn only_a_stale_answer_for_the_epoch_held_fences() {
+        assert!(stale_answer_fences(3, true, 3));
+        assert!(
+            !stale_answer_fences(2, true, 3),
+            "a call of an earlier epoch"
+        );
+        assert!(!stale_answer_fences(3, false, 3), "not in control anyway");
+        assert!(work_may_run(3, true, true, 3));
+        assert!(!work_may_run(2, true, true, 3), "never under a later epoch");
+        assert!(!work_may_run(3, true, false, 3), "lease lapsed");
+        assert!(
+            !work_may_run(3, false, true, 3),
+            "phase does not hold control"
+        );
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (parts, _clock) = leased(dir.path());
+        let ha = &parts.ha;
+        assert_eq!(ha.lease().claim().await, Ok(1));
+        assert_eq!(ha.lease().release().await.ok(), Some(true));
+        assert_eq!(ha.lease().claim().await, Ok(2));
+        ha.publish(HaPhase::Active);
+        assert!(!ha.stale_answer(1), "epoch 1's late answer");
+        assert!(ha.controls_fleet());
+        assert_eq!(ha.lease().epoch(), 2);
+        assert!(ha.stale_answer(2));
+        assert!(!ha.controls_fleet());
+        assert_eq!(ha.phase(), fenced("lease held by another router"));
+        assert_eq!(
+            ha.lease().epoch(),
+            0,
+            "the lease is given up: no more renewals"
+        );
+        assert_eq!(ha.lease().renew().await, Err(LeaseLoss::HeldByAnother));
+    }
+
+    /// A standby names the router it saw controlling; taking control clears it.
+    #[test]
+    fn the_controller_seen_is_published_until_this_router_controls() {
+        let ha = handle();
+        let mut rx = ha.subscribe();
+        ha.publish(HaPhase::Shadowing);
+        let c = Controller {
+            holder: "primary:1".into(),
+            epoch: 4,
+        };
+        ha.set_controller(Some(c.clone()));
+        assert!(rx.has_changed().unwrap());
+        assert_eq!(rx.borrow_and_update().controller, Some(c.clone()));
+        ha.set_controller(Some(c));
+        assert!(!rx.has_changed().unwrap(), "unchanged: nothing sent");
+        ha.publish(HaPhase::Shadowing);
+        assert!(
+            ha.view().status.controller.is_some(),
+            "kept while a standby"
+        );
+        ha.publish(HaPhase::Active);
+        assert_eq!(ha.view().status.controller, None);
     }
 }

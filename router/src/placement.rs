@@ -9,7 +9,7 @@
 //! ```
 //!
 //! Pure: no clock, no IO, the RNG is passed in. An engine is *live* when its exclusion set is
-//! empty (reasons `ejected`, `draining`, ... — reference-notes 6.1); health and admission stay
+//! empty (reasons `ejected`, `draining`, `awaiting_health` — reference-notes 6.1); health and admission stay
 //! separate as in linkerd's p2c pool.
 
 use std::collections::BTreeSet;
@@ -28,6 +28,9 @@ pub enum Exclusion {
     /// Its role is changing: an engine-side switch or the role check runs
     /// (controller-notes 9.2 `switching`).
     Switching,
+    /// Its health path has not answered 200 since the router started watching it (the
+    /// health gate, issue 9 section 4).
+    AwaitingHealth,
 }
 
 impl Exclusion {
@@ -37,6 +40,7 @@ impl Exclusion {
             Exclusion::Ejected => "ejected",
             Exclusion::Draining => "draining",
             Exclusion::Switching => "switching",
+            Exclusion::AwaitingHealth => "awaiting_health",
         }
     }
 }

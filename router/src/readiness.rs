@@ -10,9 +10,18 @@
 //!
 //! The lifecycle hold is mirrored here (an atomic flag and the reason) so the request path
 //! never takes the lifecycle's lock.
+//!
+//! The gate also carries the process's graceful shutdown (issue 9 section 5): after SIGTERM
+//! `/ready` answers 503 `shutting down` and new completions 503 with `Retry-After`, while the
+//! listeners stay open and admitted requests run on; when `serving.graceful_timeout_s` runs
+//! out, [`Gate::end_requests`] tells every request still running to end (the error frame, a
+//! failed settlement). Shutdown is not an HA phase: the router keeps its lease and control
+//! of the fleet until the last request ended, and the lease loop keeps publishing its phase.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+
+use tokio_util::sync::CancellationToken;
 
 use crate::fleet::Fleet;
 use crate::phase::{self, Ha, HaView, Readiness};
@@ -23,7 +32,12 @@ pub(crate) struct Gate {
     fleet: Arc<Fleet>,
     hold: Mutex<String>,
     held: AtomicBool,
+    stopping: AtomicBool,
+    end: CancellationToken,
 }
+
+/// The `/ready` reason after SIGTERM.
+pub(crate) const SHUTTING_DOWN: &str = "shutting down";
 
 /// One consistent reading for a document.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,11 +50,16 @@ pub(crate) struct GateView {
     pub(crate) live: usize,
     /// Readiness derived from the above.
     pub(crate) readiness: Readiness,
+    /// The router is shutting down (SIGTERM received).
+    pub(crate) stopping: bool,
 }
 
 impl GateView {
-    /// `/health` `status` (reference-notes 1.4).
+    /// `/health` `status` (reference-notes 1.4), `stopping` during a graceful shutdown.
     pub(crate) fn health(&self) -> &'static str {
+        if self.stopping {
+            return "stopping";
+        }
         phase::health(
             &self.ha.status.phase,
             self.ha.controls,
@@ -63,7 +82,30 @@ impl Gate {
             fleet,
             hold: Mutex::new(String::new()),
             held: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
+            end: CancellationToken::new(),
         }
+    }
+
+    /// SIGTERM: from now on `/ready` is 503 [`SHUTTING_DOWN`] and new completions are
+    /// refused 503 with `Retry-After`; admitted requests run on.
+    pub(crate) fn begin_shutdown(&self) {
+        self.stopping.store(true, Ordering::Release);
+    }
+
+    /// Whether a graceful shutdown began.
+    pub(crate) fn shutting_down(&self) -> bool {
+        self.stopping.load(Ordering::Acquire)
+    }
+
+    /// `serving.graceful_timeout_s` ran out: every request still running ends now.
+    pub(crate) fn end_requests(&self) {
+        self.end.cancel();
+    }
+
+    /// Resolves when [`Gate::end_requests`] was called (at once if it was already).
+    pub(crate) async fn requests_ended(&self) {
+        self.end.cancelled().await;
     }
 
     /// Mirrors the lifecycle's readiness hold (`whole-wave drain <id>`, ...; `""` for none).
@@ -88,8 +130,23 @@ impl Gate {
     pub(crate) fn readiness(&self) -> Readiness {
         let hold = self.lifecycle_hold();
         let live = self.fleet.live_count();
-        self.ha
-            .with_phase(|phase, controls| phase::readiness(phase, controls, hold.as_deref(), live))
+        let r = self
+            .ha
+            .with_phase(|phase, controls| phase::readiness(phase, controls, hold.as_deref(), live));
+        self.unless_stopping(r)
+    }
+
+    /// A shutdown withdraws readiness before any other reason.
+    fn unless_stopping(&self, r: Readiness) -> Readiness {
+        if self.shutting_down() {
+            Readiness {
+                ready: false,
+                control_ready: r.control_ready,
+                reason: SHUTTING_DOWN.to_string(),
+            }
+        } else {
+            r
+        }
     }
 
     /// Everything a document shows, read once.
@@ -97,12 +154,60 @@ impl Gate {
         let ha = self.ha.view();
         let hold = self.lifecycle_hold();
         let live = self.fleet.live_count();
-        let readiness = phase::readiness(&ha.status.phase, ha.controls, hold.as_deref(), live);
+        let readiness = self.unless_stopping(phase::readiness(
+            &ha.status.phase,
+            ha.controls,
+            hold.as_deref(),
+            live,
+        ));
         GateView {
             ha,
             hold,
             live,
             readiness,
+            stopping: self.shutting_down(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// After SIGTERM `/ready` is 503 `shutting down` ahead of any other reason, `/health`
+    /// says `stopping`, and control is kept (admitted requests still place their retries).
+    #[tokio::test]
+    async fn a_shutdown_withdraws_readiness_first_and_keeps_control() {
+        let clock = Arc::new(narwhal_shared::ManualClock::new(
+            narwhal_shared::Clock::now(&narwhal_shared::SystemClock),
+            1.0e9,
+        ));
+        let parts = crate::parts::for_test(
+            serde_json::json!({
+                "schema": "narwhal.fleet", "schema_version": 2, "model": "m", "backend": "vllm",
+                "engines": [{"iid": "d0", "url": "http://127.0.0.1:2"}],
+                "slo": {"ttft_s": 1.0, "tpot_s": 0.1}
+            }),
+            clock,
+            "test",
+        );
+        let gate = &parts.gate;
+        assert!(gate.readiness().ready);
+        gate.begin_shutdown();
+        let r = gate.readiness();
+        assert_eq!(
+            (r.ready, r.control_ready, r.reason.as_str()),
+            (false, true, SHUTTING_DOWN)
+        );
+        gate.set_lifecycle_hold("whole-wave drain w");
+        let v = gate.view();
+        assert_eq!(v.readiness.reason, SHUTTING_DOWN);
+        assert_eq!(v.health(), "stopping");
+        assert!(parts.ha.controls_fleet());
+        let ended =
+            tokio::time::timeout(std::time::Duration::from_millis(20), gate.requests_ended());
+        assert!(ended.await.is_err(), "not ended before the budget");
+        gate.end_requests();
+        gate.requests_ended().await;
     }
 }

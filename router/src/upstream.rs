@@ -2,9 +2,11 @@
 //! is classified (reference-notes 6.2, 7.1–7.3).
 //!
 //! ```text
-//!  leg body ──POST <engine><path>──► engine
+//!  leg body ──POST <engine><path>──► engine          x-request-id: a fresh UUID per leg
 //!     prefill: JSON answer ──► KV descriptor (vLLM) / () (SGLang)      or LegError
+//!              (vLLM: no descriptor because the generation already ended ──► Finished answer)
 //!     decode:  SSE ──► LiveStream (held until the first token)          or LegError
+//!     whole:   JSON answer (a non-streaming client on an aggregated engine) or LegError
 //!  LegError ──class()──► breaker   ──reason()──► failed{reason}   ──transient()──► retry?
 //! ```
 //!
@@ -25,10 +27,96 @@ use serde_json::{Map, Value};
 use crate::breaker::FailureClass;
 use crate::config::{Config, secs};
 use crate::placement::Phase;
-use crate::relay::{RelayOptions, RelayStep, SseData, SseParser, StreamFailure, StreamState};
+use crate::relay::{
+    RelayOptions, RelayStep, SseData, SseParser, StreamFailure, StreamState, upstream_error,
+};
 
 /// Error answers read from an engine are capped at this many bytes.
 const ERROR_BODY_LIMIT: usize = 64 * 1024;
+
+/// Prefill answers (one token) are capped at this many bytes.
+const PREFILL_ANSWER_LIMIT: usize = 16 * 1024 * 1024;
+
+/// Router header on every leg: the client-facing request id (`x-request-id` of the answer).
+pub(crate) const REQUEST_HEADER: &str = "x-narwhal-request-id";
+
+/// Router header on every leg: which leg of which attempt (`a1-prefill`, `a2-decode`,
+/// `a1-whole`; `p3-a1-decode` for prompt 3 of a fanned-out batch).
+pub(crate) const LEG_HEADER: &str = "x-narwhal-leg";
+
+/// How one leg is named to its engine: `x-request-id` is a fresh UUID4 (the one form every
+/// engine accepts: llama.cpp's server refuses anything else with a bare 400, SGLang takes it
+/// as its `rid`), and the router's own headers carry the request and the leg (issue 10
+/// section 2; the reference sends `<rid>-a<n>-<leg>`, docs/deviations.md).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LegId {
+    /// The leg's request id: a UUID4, unique per leg.
+    pub(crate) id: String,
+    /// The router request id the client sees.
+    pub(crate) rid: String,
+    /// `[p<k>-]a<attempt>-<leg>`.
+    pub(crate) label: String,
+}
+
+impl LegId {
+    /// A new id for leg `leg` (`prefill`, `decode`, `whole`) of attempt `attempt` of request
+    /// `rid` (`prompt`: the prompt's index in a fanned-out batch).
+    pub(crate) fn new(rid: &str, prompt: Option<usize>, attempt: u32, leg: &str) -> LegId {
+        let label = match prompt {
+            Some(k) => format!("p{k}-a{attempt}-{leg}"),
+            None => format!("a{attempt}-{leg}"),
+        };
+        LegId {
+            id: uuid::Uuid::new_v4().to_string(),
+            rid: rid.to_string(),
+            label,
+        }
+    }
+
+    /// The limit that bounds this leg, for a timeout's message.
+    fn limit_name(&self) -> &'static str {
+        if self.label.ends_with("-prefill") {
+            "prefill leg exceeded serving.prefill_timeout_s"
+        } else {
+            "whole leg exceeded serving.request_timeout_s"
+        }
+    }
+}
+
+/// What a vLLM prefill leg produced.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Prefilled {
+    /// The KV descriptor for the decode leg.
+    Descriptor(Value),
+    /// The generation already ended in the prefill: its answer is the request's answer.
+    Finished(Value),
+}
+
+/// Whether a prefill answer without a descriptor is a finished generation: every choice has
+/// a finish reason other than `abort`, and `length` only when the client itself asked for
+/// one token. vLLM's NIXL connector returns `kv_transfer_params` only for a request that
+/// stopped on its length cap (`request_finished`: `RequestStatus.FINISHED_LENGTH_CAPPED`);
+/// one whose sampled token was EOS or completed a stop string has nothing to hand off
+/// (issue 9 section 6).
+pub(crate) fn prefill_finished(answer: &Value, client_max_tokens: Option<u64>) -> bool {
+    let absent = |v: Option<&Value>| v.is_none_or(Value::is_null);
+    if !absent(answer.get("kv_transfer_params"))
+        || !absent(answer.pointer("/choices/0/kv_transfer_params"))
+    {
+        return false;
+    }
+    let Some(choices) = answer.get("choices").and_then(Value::as_array) else {
+        return false;
+    };
+    !choices.is_empty()
+        && choices
+            .iter()
+            .all(|c| match c.get("finish_reason").and_then(Value::as_str) {
+                Some("length") => client_max_tokens == Some(1),
+                Some("abort") | None => false,
+                Some(_) => true,
+            })
+}
 
 /// Pooled HTTP/1 client for engines.
 #[derive(Clone)]
@@ -54,14 +142,16 @@ impl Upstream {
     async fn post(
         &self,
         url: &str,
-        rid_header: &str,
+        leg: &LegId,
         body: &Value,
     ) -> Result<hyper::Response<Incoming>, LegError> {
         let mut b = Request::builder()
             .method(Method::POST)
             .uri(url)
             .header(http::header::CONTENT_TYPE, "application/json")
-            .header("x-request-id", rid_header);
+            .header("x-request-id", leg.id.as_str())
+            .header(REQUEST_HEADER, leg.rid.as_str())
+            .header(LEG_HEADER, leg.label.as_str());
         if let Some(k) = &self.api_key {
             b = b.header(http::header::AUTHORIZATION, format!("Bearer {k}"));
         }
@@ -115,7 +205,11 @@ impl Upstream {
     ) -> Result<(StatusCode, Bytes), String> {
         let fut = async {
             let resp = self
-                .post(url, "narwhal-control", body)
+                .post(
+                    url,
+                    &LegId::new("narwhal-control", None, 0, "control"),
+                    body,
+                )
                 .await
                 .map_err(|e| e.detail())?;
             let status = resp.status();
@@ -129,57 +223,136 @@ impl Upstream {
             .map_err(|_| format!("timed out after {:.3}s", timeout.as_secs_f64()))?
     }
 
+    /// A breaker probe: GET `url` with the engine credentials, bounded by `timeout`; the
+    /// answer's status and (bounded) body, or how it failed: [`ProbeError::TimedOut`] for
+    /// the timeout or a connect timeout (maybe busy), [`ProbeError::Unreachable`] for
+    /// anything else (refused, reset: nothing is listening).
+    pub(crate) async fn probe_get(
+        &self,
+        url: &str,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), ProbeError> {
+        let mut b = Request::builder().method(Method::GET).uri(url);
+        if let Some(k) = &self.api_key {
+            b = b.header(http::header::AUTHORIZATION, format!("Bearer {k}"));
+        }
+        let req = b
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| ProbeError::Unreachable(format!("bad engine URL {url}: {e}")))?;
+        let fut = async {
+            let resp = self.client.request(req).await.map_err(|e| {
+                let timed_out = e.is_connect() && is_timeout(&e);
+                let detail = error_chain(&e);
+                if timed_out {
+                    ProbeError::TimedOut(detail)
+                } else {
+                    ProbeError::Unreachable(detail)
+                }
+            })?;
+            let status = resp.status();
+            let body = read_bounded(resp.into_body(), PROBE_BODY_LIMIT)
+                .await
+                .map_err(|e| ProbeError::Unreachable(e.to_string()))?;
+            Ok((status, body))
+        };
+        tokio::time::timeout(timeout, fut).await.map_err(|_| {
+            ProbeError::TimedOut(format!("no answer within {:.3}s", timeout.as_secs_f64()))
+        })?
+    }
+
     /// vLLM prefill leg: POST and extract the KV descriptor (reference-notes 7.1 steps 2–3).
+    /// A prefill that answers without a descriptor because its one sampled token already
+    /// ended the generation is [`Prefilled::Finished`] (see [`prefill_finished`];
+    /// `client_max_tokens` is the client's own limit).
     pub(crate) async fn vllm_prefill(
         &self,
         url: &str,
-        rid_header: &str,
+        leg: &LegId,
         body: &Value,
         limit: Instant,
-    ) -> Result<Value, LegError> {
-        let answer = self.json_leg(url, rid_header, body, limit).await?;
-        extract_descriptor(&answer).map_err(LegError::KvHandoff)
+        client_max_tokens: Option<u64>,
+    ) -> Result<Prefilled, LegError> {
+        let answer = self
+            .json_leg(url, leg, body, limit, PREFILL_ANSWER_LIMIT)
+            .await?;
+        match extract_descriptor(&answer) {
+            Ok(d) => Ok(Prefilled::Descriptor(d)),
+            Err(_) if prefill_finished(&answer, client_max_tokens) => {
+                Ok(Prefilled::Finished(answer))
+            }
+            Err(e) => Err(LegError::KvHandoff(e)),
+        }
     }
 
     /// SGLang prefill leg: POST and wait for a 200 (reference-notes 7.2 step 3).
     pub(crate) async fn sglang_prefill(
         &self,
         url: &str,
+        leg: &LegId,
         body: &Value,
         limit: Instant,
     ) -> Result<(), LegError> {
-        let rid = body
-            .get("rid")
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_string();
-        self.json_leg(url, &rid, body, limit).await.map(|_| ())
+        self.json_leg(url, leg, body, limit, PREFILL_ANSWER_LIMIT)
+            .await
+            .map(|_| ())
+    }
+
+    /// A whole (non-streaming) leg: a non-streaming client's request on an aggregated
+    /// engine, answered as the engine answers it (its usage, its errors). Bounded by `limit`
+    /// (the request deadline) and `max_bytes` (`serving.max_response_bytes`).
+    pub(crate) async fn whole(
+        &self,
+        url: &str,
+        leg: &LegId,
+        body: &Value,
+        limit: Instant,
+        max_bytes: u64,
+    ) -> Result<Value, LegError> {
+        let max = usize::try_from(max_bytes).unwrap_or(usize::MAX);
+        self.json_leg(url, leg, body, limit, max).await
     }
 
     async fn json_leg(
         &self,
         url: &str,
-        rid_header: &str,
+        leg: &LegId,
         body: &Value,
         limit: Instant,
+        max_bytes: usize,
     ) -> Result<Value, LegError> {
         let fut = async {
-            let resp = self.post(url, rid_header, body).await?;
+            let resp = self.post(url, leg, body).await?;
             let status = resp.status();
-            let bytes = read_bounded(resp.into_body(), 16 * 1024 * 1024)
-                .await
-                .map_err(|e| LegError::Connect(format!("reading prefill answer: {e}")))?;
             if status != StatusCode::OK {
+                let bytes = read_bounded(resp.into_body(), ERROR_BODY_LIMIT)
+                    .await
+                    .unwrap_or_default();
                 return Err(status_error(status, &bytes));
             }
-            serde_json::from_slice::<Value>(&bytes)
-                .map_err(|e| LegError::InvalidResponse(format!("prefill answer is not JSON: {e}")))
+            let bytes = match read_bounded(resp.into_body(), max_bytes).await {
+                Ok(b) => b,
+                Err(ReadFailure::TooLarge) => {
+                    return Err(LegError::Stream(StreamFailure::ResponseLimit));
+                }
+                Err(ReadFailure::Body(e)) => {
+                    return Err(LegError::Cut(format!("reading the answer: {e}")));
+                }
+            };
+            let answer = serde_json::from_slice::<Value>(&bytes)
+                .map_err(|e| LegError::InvalidResponse(format!("answer is not JSON: {e}")))?;
+            if let Some(err) = answer.get("error").filter(|e| !e.is_null()) {
+                return Err(LegError::Stream(upstream_error(err)));
+            }
+            if !answer.get("choices").is_some_and(Value::is_array) {
+                return Err(LegError::InvalidResponse(
+                    "answer has no choices array".into(),
+                ));
+            }
+            Ok(answer)
         };
         match tokio::time::timeout_at(limit.into(), fut).await {
             Ok(r) => r,
-            Err(_) => Err(LegError::Timeout(
-                "prefill leg exceeded serving.prefill_timeout_s",
-            )),
+            Err(_) => Err(LegError::Timeout(leg.limit_name())),
         }
     }
 
@@ -187,13 +360,13 @@ impl Upstream {
     pub(crate) async fn decode(
         &self,
         url: &str,
-        rid_header: &str,
+        leg: &LegId,
         body: &Value,
         opts: RelayOptions,
         first_token_by: Instant,
     ) -> Result<LiveStream, LegError> {
         let fut = async {
-            let resp = self.post(url, rid_header, body).await?;
+            let resp = self.post(url, leg, body).await?;
             let status = resp.status();
             if status != StatusCode::OK {
                 let bytes = read_bounded(resp.into_body(), ERROR_BODY_LIMIT)
@@ -226,6 +399,36 @@ impl Upstream {
     }
 }
 
+/// Probe answers (`/health`, `/metrics`, `/v1/models`, `/server_info`) are capped at this many
+/// bytes.
+const PROBE_BODY_LIMIT: usize = 4 * 1024 * 1024;
+
+/// How a [`Upstream::probe_get`] failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum ProbeError {
+    /// No answer in time (or the connection could not be set up in time).
+    #[error("timed out: {0}")]
+    TimedOut(String),
+    /// No connection or a broken one.
+    #[error("unreachable: {0}")]
+    Unreachable(String),
+}
+
+/// Whether an error's source chain holds an I/O timeout.
+fn is_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(inner) = src {
+        if inner
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        src = inner.source();
+    }
+    false
+}
+
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut src = e.source();
@@ -237,13 +440,31 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-async fn read_bounded(mut body: Incoming, limit: usize) -> Result<Bytes, String> {
+/// Why a bounded read stopped.
+#[derive(Debug)]
+enum ReadFailure {
+    /// Over the limit.
+    TooLarge,
+    /// The body failed (cut, protocol error).
+    Body(String),
+}
+
+impl std::fmt::Display for ReadFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReadFailure::TooLarge => f.write_str("answer over the size limit"),
+            ReadFailure::Body(e) => f.write_str(e),
+        }
+    }
+}
+
+async fn read_bounded(mut body: Incoming, limit: usize) -> Result<Bytes, ReadFailure> {
     let mut buf = Vec::new();
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| error_chain(&e))?;
+        let frame = frame.map_err(|e| ReadFailure::Body(error_chain(&e)))?;
         if let Ok(data) = frame.into_data() {
             if buf.len() + data.len() > limit {
-                return Err(format!("answer exceeds {limit} bytes"));
+                return Err(ReadFailure::TooLarge);
             }
             buf.extend_from_slice(&data);
         }
@@ -251,6 +472,8 @@ async fn read_bounded(mut body: Incoming, limit: usize) -> Result<Bytes, String>
     Ok(Bytes::from(buf))
 }
 
+/// An engine's error answer: its status, and its message (`error.message`, `message`,
+/// `detail`, else the body text), never empty: a bare status gets a sentence naming it.
 fn status_error(status: StatusCode, bytes: &[u8]) -> LegError {
     let parsed: Option<Value> = serde_json::from_slice(bytes).ok();
     let err = parsed.as_ref().and_then(|v| v.get("error"));
@@ -270,17 +493,52 @@ fn status_error(status: StatusCode, bytes: &[u8]) -> LegError {
                 .and_then(Value::as_str)
                 .map(str::to_string)
         })
-        .unwrap_or_else(|| String::from_utf8_lossy(&bytes[..bytes.len().min(512)]).into_owned());
+        .filter(|m| !m.trim().is_empty())
+        .unwrap_or_else(|| match &parsed {
+            // A JSON error without words: nothing of it reads as a message.
+            Some(_) => String::new(),
+            None => String::from_utf8_lossy(&bytes[..bytes.len().min(512)]).into_owned(),
+        });
+    let message = if message.trim().is_empty() {
+        format!(
+            "the engine answered {} {} without a message",
+            status.as_u16(),
+            status.canonical_reason().unwrap_or("")
+        )
+        .trim_end()
+        .to_string()
+    } else {
+        message
+    };
     let param = err
         .and_then(|e| e.get("param"))
         .cloned()
         .unwrap_or(Value::Null);
-    LegError::Status {
+    let refusal = LegError::Status {
         status: status.as_u16(),
         message,
         param,
+    };
+    // A client fault whose error object has its words and a string `code` (OpenAI's
+    // `context_length_exceeded`, ...) keeps them (issue 10 section 2: the engine's status and
+    // message): OpenAI's shape, the engine's message, param and code.
+    let code = err
+        .and_then(|e| e.get("code"))
+        .filter(|c| c.is_string())
+        .cloned();
+    let fault = refusal.client_fault().map(|(status, ..)| status);
+    match (refusal, fault, code) {
+        (LegError::Status { message, param, .. }, Some(status), Some(code)) => LegError::Refused {
+            status,
+            error: serde_json::json!({"message": message, "type": "invalid_request_error",
+                                      "param": param, "code": code}),
+        },
+        (refusal, ..) => refusal,
     }
 }
+
+/// `null`, for a refusal without a `param`.
+static NO_PARAM: Value = Value::Null;
 
 /// Validate and return the vLLM descriptor verbatim (reference-notes 7.1 step 3):
 /// `choices[0].kv_transfer_params`, else top-level `kv_transfer_params`; a non-empty object with
@@ -330,9 +588,23 @@ impl LiveStream {
         self.state.tokens()
     }
 
-    /// Engine-reported prompt tokens.
-    pub(crate) fn prompt_tokens(&self) -> Option<u64> {
-        self.state.prompt_tokens()
+    /// Generated tokens: the engine's `usage.completion_tokens`, else the tokens counted.
+    pub(crate) fn output_tokens(&self) -> u64 {
+        self.state.output_tokens()
+    }
+
+    /// The engine's usage-only chunk, held back from the relayed stream.
+    pub(crate) fn take_usage_chunk(&mut self) -> Option<Value> {
+        self.state.take_usage_chunk()
+    }
+
+    /// The engine's usage: its usage-only chunk's `usage` when given (see
+    /// [`LiveStream::take_usage_chunk`]), else the counts a content chunk carried.
+    pub(crate) fn engine_usage(&self, usage_chunk: Option<&Value>) -> Option<Value> {
+        usage_chunk
+            .and_then(|c| c.get("usage"))
+            .cloned()
+            .or_else(|| self.state.engine_usage_value())
     }
 
     /// Read until the relay has something to say (`Output`, `Done` or `Failed`); `gap` bounds
@@ -398,6 +670,15 @@ pub(crate) enum LegError {
         /// The engine's `param` (or null).
         param: Value,
     },
+    /// The engine refused the request as the client's fault (a 4xx other than 408/429, or a
+    /// 500 naming the context length) and named the error with a string `code`: the client
+    /// gets OpenAI's error shape with the engine's message, `param` and `code`.
+    Refused {
+        /// HTTP status (a context-length 500 is 400).
+        status: u16,
+        /// `{"message", "type": "invalid_request_error", "param", "code"}`, the engine's words.
+        error: Value,
+    },
     /// A 200 prefill without a usable KV descriptor / rendezvous.
     KvHandoff(String),
     /// A non-JSON or malformed answer.
@@ -408,23 +689,35 @@ pub(crate) enum LegError {
 
 impl LegError {
     /// The engine status if it's a client fault (4xx other than 408/429, or a 500 that says the
-    /// prompt is too long): relay it as 400-class `invalid_request_error`, no retry, no breaker.
+    /// prompt is too long): relay it as 400-class `invalid_request_error` with the engine's
+    /// message, no retry, no breaker. An in-stream error before any output (llama.cpp reports
+    /// an over-long streamed prompt inside its stream) is judged the same way.
     pub(crate) fn client_fault(&self) -> Option<(u16, &str, &Value)> {
-        match self {
+        let (status, message, param) = match self {
             LegError::Status {
                 status,
                 message,
                 param,
-            } => {
-                if (400..500).contains(status) && *status != 408 && *status != 429 {
-                    Some((*status, message, param))
-                } else if *status == 500 && mentions_context_length(message) {
-                    Some((400, message, param))
-                } else {
-                    None
-                }
+            } => (*status, message.as_str(), param),
+            LegError::Stream(StreamFailure::UpstreamError { status, message }) => {
+                (*status, message.as_str(), &NO_PARAM)
             }
-            _ => None,
+            LegError::Refused { status, error } => (
+                *status,
+                error
+                    .get("message")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default(),
+                error.get("param").unwrap_or(&NO_PARAM),
+            ),
+            _ => return None,
+        };
+        if (400..500).contains(&status) && status != 408 && status != 429 {
+            Some((status, message, param))
+        } else if status == 500 && mentions_context_length(message) {
+            Some((400, message, param))
+        } else {
+            None
         }
     }
 
@@ -439,10 +732,16 @@ impl LegError {
             LegError::FirstTokenTimeout | LegError::ReadTimeout | LegError::Cut(_) => {
                 FailureClass::Stream
             }
+            // 408/429/503: the engine says it is busy (issue 9 section 2), not failed.
             LegError::Status {
-                status: 408 | 429, ..
-            } => FailureClass::Overload,
-            LegError::Status { .. } => FailureClass::InferenceStatus,
+                status: 408 | 429 | 503,
+                ..
+            }
+            | LegError::Stream(StreamFailure::UpstreamError {
+                status: 408 | 429 | 503,
+                ..
+            }) => FailureClass::Overload,
+            LegError::Status { .. } | LegError::Refused { .. } => FailureClass::InferenceStatus,
             LegError::KvHandoff(_) => FailureClass::KvHandoff,
             LegError::InvalidResponse(_) => FailureClass::InferenceStatus,
             LegError::Stream(StreamFailure::UpstreamError { .. }) => FailureClass::InferenceStatus,
@@ -467,9 +766,12 @@ impl LegError {
                 "engine_timeout"
             }
             LegError::Status {
-                status: 408 | 429, ..
+                status: 408 | 429 | 503,
+                ..
             } => "engine_overloaded",
-            LegError::Status { .. } | LegError::KvHandoff(_) => "engine_error",
+            LegError::Status { .. } | LegError::Refused { .. } | LegError::KvHandoff(_) => {
+                "engine_error"
+            }
             LegError::Stream(StreamFailure::UpstreamError { .. }) => "engine_error",
             LegError::Stream(StreamFailure::ResponseLimit) => "response_limit",
             LegError::InvalidResponse(_) | LegError::Stream(_) => "invalid_response",
@@ -488,7 +790,9 @@ impl LegError {
             | LegError::FirstTokenTimeout
             | LegError::ReadTimeout
             | LegError::Cut(_) => true,
-            LegError::Status { status, .. } => matches!(status, 408 | 429 | 500 | 502 | 503 | 504),
+            LegError::Status { status, .. } | LegError::Refused { status, .. } => {
+                matches!(status, 408 | 429 | 500 | 502 | 503 | 504)
+            }
             LegError::Stream(StreamFailure::UpstreamError { status, .. }) => {
                 matches!(status, 408 | 429 | 500 | 502 | 503 | 504)
             }
@@ -504,6 +808,15 @@ impl LegError {
         match self {
             LegError::Timeout(_) | LegError::FirstTokenTimeout | LegError::ReadTimeout => 504,
             _ => 502,
+        }
+    }
+
+    /// The engine's own error object, when it refused the request as the client's fault and
+    /// said why ([`LegError::Refused`]): the client gets it as it is.
+    pub(crate) fn engine_error(&self) -> Option<&Value> {
+        match self {
+            LegError::Refused { error, .. } => Some(error),
+            _ => None,
         }
     }
 
@@ -534,6 +847,13 @@ impl LegError {
             LegError::Status {
                 status, message, ..
             } => format!("engine answered {status}: {message}"),
+            LegError::Refused { status, error } => format!(
+                "engine answered {status}: {}",
+                error
+                    .get("message")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+            ),
             LegError::Stream(f) => f.detail(),
         }
     }
@@ -548,9 +868,16 @@ fn mentions_context_length(msg: &str) -> bool {
         || (m.contains("exceeds") && m.contains("length"))
 }
 
-/// Body of a vLLM prefill leg (reference-notes 7.1 step 2).
+/// Body of a vLLM prefill leg (reference-notes 7.1 step 2). A client `min_tokens` ≥ 1 becomes
+/// `min_tokens: 1` (not removed, as the reference does): the prefill's one token may then
+/// not be EOS or end a stop string, so the prefill cannot end a generation the client asked
+/// to run longer.
 pub(crate) fn vllm_prefill_body(client: &Map<String, Value>) -> Value {
     let mut b = client.clone();
+    let min_one = b
+        .get("min_tokens")
+        .and_then(Value::as_u64)
+        .is_some_and(|m| m >= 1);
     for k in [
         "stream_options",
         "min_tokens",
@@ -562,11 +889,25 @@ pub(crate) fn vllm_prefill_body(client: &Map<String, Value>) -> Value {
         b.remove(k);
     }
     b.insert("max_tokens".into(), 1.into());
+    if min_one {
+        b.insert("min_tokens".into(), 1.into());
+    }
     b.insert("stream".into(), false.into());
     b.insert(
         "kv_transfer_params".into(),
         serde_json::json!({"do_remote_decode": true}),
     );
+    Value::Object(b)
+}
+
+/// Body of a whole leg (a non-streaming client on an aggregated engine): the client body as
+/// sent, `stream: false`, without `stream_options` (vLLM refuses them on a non-streaming
+/// request) and without any KV parameters.
+pub(crate) fn whole_body(client: &Map<String, Value>) -> Value {
+    let mut b = client.clone();
+    b.remove("kv_transfer_params");
+    b.remove("stream_options");
+    b.insert("stream".into(), false.into());
     Value::Object(b)
 }
 
@@ -604,11 +945,13 @@ pub(crate) struct Rendezvous {
     pub(crate) room: u64,
 }
 
-/// Bodies of the two SGLang legs (reference-notes 7.2 steps 3–4).
+/// Bodies of the two SGLang legs (reference-notes 7.2 steps 3–4); each leg's `rid` is its
+/// leg id (a UUID4).
 pub(crate) fn sglang_bodies(
     client: &Map<String, Value>,
     rv: &Rendezvous,
-    rid_base: &str,
+    prefill: &LegId,
+    decode: &LegId,
     chat: bool,
 ) -> (Value, Value) {
     let mut p = client.clone();
@@ -623,13 +966,13 @@ pub(crate) fn sglang_bodies(
     }
     p.insert("max_tokens".into(), 1.into());
     p.insert("stream".into(), false.into());
-    let rdv = |m: &mut Map<String, Value>, suffix: &str| {
+    let rdv = |m: &mut Map<String, Value>, leg: &LegId| {
         m.insert("bootstrap_host".into(), rv.host.clone().into());
         m.insert("bootstrap_port".into(), rv.port.into());
         m.insert("bootstrap_room".into(), rv.room.into());
-        m.insert("rid".into(), format!("{rid_base}-{suffix}").into());
+        m.insert("rid".into(), leg.id.clone().into());
     };
-    rdv(&mut p, "prefill");
+    rdv(&mut p, prefill);
     let mut d = client.clone();
     if let Some(mct) = d.remove("max_completion_tokens")
         && !d.contains_key("max_tokens")
@@ -639,7 +982,7 @@ pub(crate) fn sglang_bodies(
     let Value::Object(mut d) = decode_body(&d, None, !chat) else {
         unreachable!("decode_body returns an object")
     };
-    rdv(&mut d, "decode");
+    rdv(&mut d, decode);
     (Value::Object(p), Value::Object(d))
 }
 
@@ -691,13 +1034,11 @@ mod tests {
         assert_eq!(p["max_tokens"], 1);
         assert_eq!(p["stream"], false);
         assert_eq!(p["kv_transfer_params"], json!({"do_remote_decode": true}));
-        for k in [
-            "stream_options",
-            "min_tokens",
-            "n",
-            "best_of",
-            "max_completion_tokens",
-        ] {
+        assert_eq!(
+            p["min_tokens"], 1,
+            "the prefill may not end the generation early"
+        );
+        for k in ["stream_options", "n", "best_of", "max_completion_tokens"] {
             assert!(p.get(k).is_none(), "{k}");
         }
         let d = decode_body(&client, Some(&json!({"remote_engine_id": "e"})), true);
@@ -710,15 +1051,144 @@ mod tests {
             port: 8998,
             room: 42,
         };
-        let (p, d) = sglang_bodies(&client, &rv, "rid-a1", false);
-        assert_eq!(p["rid"], "rid-a1-prefill");
-        assert_eq!(d["rid"], "rid-a1-decode");
+        let (pl, dl) = (
+            LegId::new("rid", None, 1, "prefill"),
+            LegId::new("rid", None, 1, "decode"),
+        );
+        let (p, d) = sglang_bodies(&client, &rv, &pl, &dl, false);
+        assert_eq!(p["rid"], pl.id.as_str());
+        assert_eq!(d["rid"], dl.id.as_str());
+        assert!(uuid::Uuid::parse_str(&pl.id).is_ok() && pl.id != dl.id);
         assert_eq!(p["bootstrap_room"], 42);
         assert_eq!(d["bootstrap_port"], 8998);
         assert_eq!(d["max_tokens"], 9);
         assert_eq!(d["return_token_ids"], true);
-        let (_, d) = sglang_bodies(&client, &rv, "rid-a1", true);
+        let (_, d) = sglang_bodies(&client, &rv, &pl, &dl, true);
         assert!(d.get("return_token_ids").is_none());
+    }
+
+    /// A prefill without a descriptor is a finished answer only when its generation ended
+    /// (EOS, a stop string; `length` only for a one-token request): vLLM's NIXL connector
+    /// hands off only length-capped prefills (issue 9 section 6).
+    #[test]
+    fn a_prefill_that_ended_the_generation_is_a_finished_answer() {
+        let answer = |fr: Value, kv: Value| {
+            json!({"choices": [{"index": 0, "text": "", "finish_reason": fr}],
+                   "kv_transfer_params": kv})
+        };
+        assert!(prefill_finished(
+            &answer(json!("stop"), Value::Null),
+            Some(8)
+        ));
+        assert!(prefill_finished(&answer(json!("stop"), Value::Null), None));
+        assert!(!prefill_finished(
+            &answer(json!("length"), Value::Null),
+            Some(8)
+        ));
+        assert!(prefill_finished(
+            &answer(json!("length"), Value::Null),
+            Some(1)
+        ));
+        assert!(!prefill_finished(
+            &answer(json!("abort"), Value::Null),
+            Some(8)
+        ));
+        assert!(!prefill_finished(
+            &answer(Value::Null, Value::Null),
+            Some(8)
+        ));
+        assert!(!prefill_finished(
+            &answer(json!("stop"), json!({"remote_engine_id": "e"})),
+            Some(8)
+        ));
+        assert!(!prefill_finished(&json!({"choices": []}), Some(8)));
+    }
+
+    #[test]
+    fn engine_errors_keep_their_status_and_never_lose_their_message() {
+        let e = status_error(StatusCode::BAD_REQUEST, b"");
+        assert_eq!(
+            e.client_fault().map(|(s, m, _)| (s, m.to_string())),
+            Some((
+                400,
+                "the engine answered 400 Bad Request without a message".to_string()
+            ))
+        );
+        let e = status_error(
+            StatusCode::BAD_REQUEST,
+            br#"{"error": {"message": "This model's maximum context length is 256 tokens", "param": "messages", "code": "context_length_exceeded"}}"#,
+        );
+        assert_eq!(
+            e.client_fault()
+                .map(|(s, m, p)| (s, m.to_string(), p.clone())),
+            Some((
+                400,
+                "This model's maximum context length is 256 tokens".to_string(),
+                json!("messages")
+            ))
+        );
+        assert_eq!(
+            e.engine_error(),
+            Some(
+                &json!({"message": "This model's maximum context length is 256 tokens",
+                         "type": "invalid_request_error", "param": "messages",
+                         "code": "context_length_exceeded"})
+            ),
+            "the engine's words, param and code, in OpenAI's shape"
+        );
+        // vLLM's shape (`type: BadRequestError`, `code: 400`): the reference's body.
+        let v = status_error(
+            StatusCode::BAD_REQUEST,
+            br#"{"error": {"message": "too long", "type": "BadRequestError", "param": null, "code": 400}}"#,
+        );
+        assert!(v.engine_error().is_none());
+        assert_eq!(v.client_fault().map(|c| c.0), Some(400));
+        assert_eq!(e.class(Phase::Decode), None);
+        assert!(!e.transient());
+        // A 503 is no refusal: no error object is kept for the client.
+        let busy = status_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            br#"{"error": {"message": "busy"}}"#,
+        );
+        assert!(busy.engine_error().is_none() && busy.client_fault().is_none());
+        let e = status_error(StatusCode::BAD_REQUEST, br#"{"error": {"message": ""}}"#);
+        assert_eq!(
+            e.detail(),
+            "engine answered 400: the engine answered 400 Bad Request without a message"
+        );
+        let e = status_error(StatusCode::BAD_REQUEST, b"bad request id");
+        assert_eq!(
+            e.client_fault().map(|c| c.1.to_string()),
+            Some("bad request id".into())
+        );
+        // An in-stream error before output is judged like a status.
+        let s = LegError::Stream(StreamFailure::UpstreamError {
+            status: 500,
+            message: "Requested tokens (300) exceed context window of 256".into(),
+        });
+        assert_eq!(s.client_fault().map(|c| c.0), Some(400));
+        assert_eq!(s.class(Phase::Decode), None);
+        let s = LegError::Stream(StreamFailure::UpstreamError {
+            status: 500,
+            message: "CUDA error".into(),
+        });
+        assert!(s.client_fault().is_none());
+    }
+
+    #[test]
+    fn whole_leg_body_and_leg_ids() {
+        let client: Map<String, Value> = serde_json::from_value(json!({
+            "model": "m", "prompt": "p", "stream": false, "stream_options": {"include_usage": true}
+        }))
+        .unwrap();
+        let w = whole_body(&client);
+        assert_eq!(w["stream"], false);
+        assert!(w.get("stream_options").is_none());
+        assert!(w.get("return_token_ids").is_none());
+        let a = LegId::new("r", Some(3), 2, "decode");
+        assert_eq!(a.label, "p3-a2-decode");
+        assert!(uuid::Uuid::parse_str(&a.id).is_ok());
+        assert_ne!(a.id, LegId::new("r", Some(3), 2, "decode").id);
     }
 
     #[test]
@@ -743,6 +1213,13 @@ mod tests {
             param: Value::Null,
         };
         assert!(s.transient());
+        assert_eq!(s.class(Phase::Decode), Some(FailureClass::Overload));
+        assert_eq!(s.reason(), "engine_overloaded");
+        let s = LegError::Status {
+            status: 500,
+            message: "CUDA error".into(),
+            param: Value::Null,
+        };
         assert_eq!(s.class(Phase::Decode), Some(FailureClass::InferenceStatus));
         let o = LegError::Status {
             status: 429,

@@ -415,26 +415,8 @@ async fn over_tls_with_auth_the_driver_claims_renews_and_is_fenced_by_a_takeover
     assert!(section.etcd.tls.is_some() && section.etcd.auth.is_some());
     let a = Arc::new(LeaseDriver::from_config(&section, "router-a", clock.clone()).unwrap());
     assert_eq!(a.claim().await, Ok(1));
-    let events = Arc::new(Mutex::new(Vec::new()));
-    let ev = events.clone();
-    let stop = CancellationToken::new();
-    let task = a.clone().spawn_renew(stop.clone(), move |e| {
-        ev.lock().unwrap().push(e);
-    });
     // Renewals over TLS with a token carry the record past its 1.5 s expiry.
-    let first = a.read_record().await.unwrap().unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(8);
-    loop {
-        let now = a.read_record().await.unwrap().expect("kept alive");
-        assert_eq!((now.epoch, &now.holder), (1, &first.holder));
-        if now.expires_at > first.expires_at + 2.0 {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "record not renewed");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(a.control(clock.now()), Control::Active);
-    assert!(events.lock().unwrap().is_empty());
+    let renewing = Renewing::start(&a, &clock, 2.0).await;
 
     // Router B (same access), wall clock 10 s ahead, takes over; A is fenced at its next renewal.
     let sb = store_with(&etcd, key, &section.etcd);
@@ -443,26 +425,66 @@ async fn over_tls_with_auth_the_driver_claims_renews_and_is_fenced_by_a_takeover
         panic!("B's skewed clock must see the record expired")
     };
     assert_eq!(rb.epoch, 2);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
-    while events.lock().unwrap().is_empty() {
-        assert!(tokio::time::Instant::now() < deadline, "A never fenced");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(
-        events.lock().unwrap().clone(),
-        vec![LeaseEvent::Fenced {
-            epoch: 1,
-            loss: LeaseLoss::HeldByAnother
-        }]
-    );
+    renewing.fenced_by_another().await;
     assert_eq!(a.status(clock.now()).control, Control::Fenced);
-    tokio::time::timeout(Duration::from_secs(2), task)
-        .await
-        .expect("the loop exits after fencing")
-        .unwrap();
-    stop.cancel();
     assert!(!a.release().await.unwrap());
     assert_eq!(a.read_record().await.unwrap(), Some(rb));
+}
+
+/// A driver's renew loop, started on a claimed epoch-1 lease, with the events it reported.
+struct Renewing {
+    events: Arc<Mutex<Vec<LeaseEvent>>>,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Renewing {
+    /// Starts `a`'s renew loop and waits (deadline 8 s) until renewals have carried the record
+    /// `gain_s` seconds past its first expiry, under the same epoch and holder, with no event.
+    async fn start(a: &Arc<LeaseDriver>, clock: &Arc<dyn Clock>, gain_s: f64) -> Renewing {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let ev = events.clone();
+        let stop = CancellationToken::new();
+        let task = a.clone().spawn_renew(stop.clone(), move |e| {
+            ev.lock().unwrap().push(e);
+        });
+        let first = a.read_record().await.unwrap().unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(8);
+        loop {
+            let now = a.read_record().await.unwrap().expect("kept alive");
+            assert_eq!((now.epoch, &now.holder), (1, &first.holder));
+            if now.expires_at > first.expires_at + gain_s {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "record not renewed");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(a.control(clock.now()), Control::Active);
+        assert!(events.lock().unwrap().is_empty());
+        Renewing { events, stop, task }
+    }
+
+    /// Waits (deadline 3 s) for the loop to report exactly one fence of epoch 1 because another
+    /// router holds the lease, and to exit within 2 s of it.
+    async fn fenced_by_another(self) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+        while self.events.lock().unwrap().is_empty() {
+            assert!(tokio::time::Instant::now() < deadline, "A never fenced");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            self.events.lock().unwrap().clone(),
+            vec![LeaseEvent::Fenced {
+                epoch: 1,
+                loss: LeaseLoss::HeldByAnother
+            }]
+        );
+        tokio::time::timeout(Duration::from_secs(2), self.task)
+            .await
+            .expect("the loop exits after fencing")
+            .unwrap();
+        self.stop.cancel();
+    }
 }
 
 /// The `lease` section of a minimal fleet file, through the real loader.
@@ -587,26 +609,8 @@ async fn the_driver_keeps_the_lease_past_its_ttl_and_fences_on_a_takeover() {
     assert_eq!(a.control(clock.now()), Control::Standby);
     assert_eq!(a.claim().await, Ok(1));
     assert!(a.holder().starts_with("router-a:"));
-    let events = Arc::new(Mutex::new(Vec::new()));
-    let ev = events.clone();
-    let stop = CancellationToken::new();
-    let task = a.clone().spawn_renew(stop.clone(), move |e| {
-        ev.lock().unwrap().push(e);
-    });
     // Renewals carry the record well past the 2 s etcd lease and its 1.5 s expiry.
-    let first = a.read_record().await.unwrap().unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(8);
-    loop {
-        let now = a.read_record().await.unwrap().expect("kept alive");
-        assert_eq!((now.epoch, &now.holder), (1, &first.holder));
-        if now.expires_at > first.expires_at + 2.5 {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "record not renewed");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(a.control(clock.now()), Control::Active);
-    assert!(events.lock().unwrap().is_empty());
+    let renewing = Renewing::start(&a, &clock, 2.5).await;
 
     // Router B, whose wall clock runs 10 s ahead, sees A's record expired and takes over.
     let sb = store(&etcd, "/narwhal/t4/router-lease", Duration::from_secs(2));
@@ -616,26 +620,10 @@ async fn the_driver_keeps_the_lease_past_its_ttl_and_fences_on_a_takeover() {
     };
     assert_eq!(rb.epoch, 2);
     // A's renew loop fences A at its next renewal.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
-    while events.lock().unwrap().is_empty() {
-        assert!(tokio::time::Instant::now() < deadline, "A never fenced");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(
-        events.lock().unwrap().clone(),
-        vec![LeaseEvent::Fenced {
-            epoch: 1,
-            loss: LeaseLoss::HeldByAnother
-        }]
-    );
+    renewing.fenced_by_another().await;
     let st = a.status(clock.now());
     assert_eq!((st.control, st.epoch), (Control::Fenced, 0));
     assert_eq!(st.reason.as_deref(), Some("lease held by another router"));
-    tokio::time::timeout(Duration::from_secs(2), task)
-        .await
-        .expect("the loop exits after fencing")
-        .unwrap();
-    stop.cancel();
     // The record is B's and untouched by A's release.
     assert!(!a.release().await.unwrap());
     assert_eq!(a.read_record().await.unwrap(), Some(rb));

@@ -196,11 +196,14 @@ fn bind_failure_exits_1_naming_the_address() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn good_fleet_announces_and_serves_the_documents() {
+    // e0 answers its health; e1 does not exist (its URL only exercises the targets
+    // document), so it is never placed: the health gate (issue 9 section 4).
+    let e0 = FakeEngine::new(0, 1).spawn().await;
     let s = start(
         &fleet(
             "vllm",
             vec![
-                json!({"iid": "e0", "url": "http://127.0.0.1:18100/", "role": "prefill"}),
+                json!({"iid": "e0", "url": format!("{e0}/"), "role": "prefill"}),
                 json!({"iid": "e1", "url": "http://user:pw@127.0.0.1:18101/v1x"}),
             ],
         ),
@@ -221,9 +224,17 @@ async fn good_fleet_announces_and_serves_the_documents() {
     let (_, health) = s.health().await;
     assert_eq!(
         health,
-        json!({"status": "ok", "instances": 2, "available_instances": 2})
+        json!({"status": "ok", "instances": 2, "available_instances": 1})
     );
-    let models = s.get_data("/v1/models").await.json_or_null();
+    let mut models = s.get_data("/v1/models").await.json_or_null();
+    assert!(
+        models["data"][0]["created"].is_u64(),
+        "OpenAI's model object has `created`: {models}"
+    );
+    models["data"][0]
+        .as_object_mut()
+        .expect("a model object")
+        .remove("created");
     assert_eq!(
         models,
         json!({"object": "list", "data": [{"id": "tiny-sim", "object": "model", "owned_by": "narwhal"}]})
@@ -239,6 +250,7 @@ async fn good_fleet_announces_and_serves_the_documents() {
     assert_eq!(st["schema"], "narwhal.state");
     assert_eq!(st["journal_run"], json!(run));
     assert_eq!(st["pools"], json!({"prefill": ["e0"], "decode": ["e1"]}));
+    assert_eq!(st["awaiting_health"], json!(["e1"]));
     assert_eq!(st["outcome_reasons"]["failed"]["no_engine"], 0);
     // Control routes never on the data listener, completions never on control.
     assert_eq!(
@@ -342,20 +354,27 @@ async fn vllm_two_stage_carries_the_descriptor_verbatim() {
         v["usage"],
         json!({"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10})
     );
-    {
+    // Each leg has its own plain UUID request id (issue 10 section 2: the form every engine
+    // accepts), recorded in the journal row's `legs`.
+    let (prid, drid) = {
         let ps = p.seen();
         let (prid, pbody) = &ps.prefill[0];
-        assert_eq!(prid.as_deref(), Some(format!("{rid}-a1-prefill").as_str()));
+        let prid = prid.clone().expect("prefill x-request-id");
+        assert!(uuid_like(&prid) && prid != rid, "{prid}");
         assert_eq!(pbody["max_tokens"], 1);
         assert_eq!(pbody["stream"], false);
         assert_eq!(
             pbody["kv_transfer_params"],
             json!({"do_remote_decode": true})
         );
-        assert!(pbody.get("min_tokens").is_none());
+        assert_eq!(
+            pbody["min_tokens"], 1,
+            "the prefill may not end early (client min_tokens)"
+        );
         let ds = d.seen();
         let (drid, dbody) = &ds.decode[0];
-        assert_eq!(drid.as_deref(), Some(format!("{rid}-a1-decode").as_str()));
+        let drid = drid.clone().expect("decode x-request-id");
+        assert!(uuid_like(&drid) && drid != rid && drid != prid, "{drid}");
         assert_eq!(
             dbody["kv_transfer_params"],
             fake_descriptor(),
@@ -365,7 +384,8 @@ async fn vllm_two_stage_carries_the_descriptor_verbatim() {
         assert_eq!(dbody["return_token_ids"], true);
         assert_eq!(dbody["stream_options"]["include_usage"], true);
         assert_eq!(dbody["min_tokens"], 1);
-    }
+        (prid, drid)
+    };
     // Streaming chat: token ids and the usage chunk stripped (client asked for neither).
     let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                       "stream": true});
@@ -397,6 +417,14 @@ async fn vllm_two_stage_carries_the_descriptor_verbatim() {
     assert_eq!(row["decode_iid"], "d0");
     assert_eq!(row["output_len"], 3);
     assert_eq!(row["stream"], false);
+    assert_eq!(
+        row["legs"],
+        json!([
+            {"attempt": 1, "leg": "prefill", "iid": "p0", "request_id": prid, "prompt": null},
+            {"attempt": 1, "leg": "decode", "iid": "d0", "request_id": drid, "prompt": null},
+        ]),
+        "{row}"
+    );
     assert_eq!(row["run"], s.ready_doc["run"]);
 }
 
@@ -466,8 +494,12 @@ async fn sglang_prefill_failure_cancels_the_waiting_decode() {
     assert_eq!(pb["bootstrap_host"], "127.0.0.1");
     assert_eq!(pb["bootstrap_room"], db["bootstrap_room"]);
     assert!(pb["bootstrap_room"].as_u64().unwrap() < (1u64 << 63));
-    assert!(pb["rid"].as_str().unwrap().ends_with("-a1-prefill"));
-    assert!(db["rid"].as_str().unwrap().ends_with("-a1-decode"));
+    // Each SGLang leg's `rid` is its own UUID (issue 10 section 2).
+    let (prid, drid) = (pb["rid"].as_str().unwrap(), db["rid"].as_str().unwrap());
+    assert!(
+        uuid_like(prid) && uuid_like(drid) && prid != drid,
+        "{prid} {drid}"
+    );
     assert_eq!(pb["max_tokens"], 1);
     assert_eq!(db["stream"], true);
 }
@@ -496,7 +528,11 @@ async fn sglang_chat_streams_and_counts_content_chunks() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dead_decode_engine_is_ejected_then_readmitted_and_serving_falls_back() {
+/// A decode engine that does not answer is never placed (the health gate, issue 9 section 4):
+/// serving falls back to aggregated on p0 at once (the old router first failed requests on it
+/// until the breaker ejected it); brought up on its port, it is admitted on its first health
+/// 200 and serves P/D again. No ejection: it never was in placement.
+async fn dead_decode_engine_is_never_placed_and_serving_falls_back_until_it_answers() {
     let p = FakeEngine::new(0, 2);
     let pu = p.spawn().await;
     // A port with nothing listening.
@@ -511,31 +547,26 @@ async fn dead_decode_engine_is_ejected_then_readmitted_and_serving_falls_back() 
         ),
         &[],
     );
-    // eject_after = 2, max_attempts = 2: the first request fails twice on d0 and trips it.
-    let r = complete(&s, json!({"prompt": "x", "max_tokens": 2})).await;
-    assert_eq!(r.status, StatusCode::BAD_GATEWAY);
-    eventually("d0 ejected", || async {
-        s.state().await["ejected"] == json!(["d0"])
-    })
-    .await;
+    assert_eq!(s.state().await["awaiting_health"], json!(["d0"]));
     // With no live decode engine, serving falls back to aggregated on p0.
     let r = complete(&s, json!({"prompt": "x", "max_tokens": 2})).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text());
     assert!(p.seen().decode[0].1.get("kv_transfer_params").is_none());
-    // Bring d0 back on the same port: the monitor's /health probe readmits it.
-    FakeEngine::new(0, 2).spawn_at(dead_addr).await;
-    eventually("d0 readmitted", || async {
-        s.state().await["ejected"] == json!([])
+    // Bring d0 up on its port: its first health 200 admits it.
+    let d = FakeEngine::new(0, 2);
+    d.spawn_at(dead_addr).await;
+    eventually("d0 admitted", || async {
+        s.state().await["awaiting_health"] == json!([])
     })
     .await;
+    let r = complete(&s, json!({"prompt": "x", "max_tokens": 2})).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(d.seen().decode.len(), 1, "P/D again: d0 decodes");
+    assert!(d.seen().decode[0].1.get("kv_transfer_params").is_some());
     let text = s.metrics().await;
-    assert!(
-        text.contains("narwhal_engine_ejections_total{iid=\"d0\",cause=\"connection\"} 1"),
-        "{text}"
-    );
+    assert!(!text.contains("narwhal_engine_ejections_total{"), "{text}");
     let journal = std::fs::read_to_string(&s.journal).unwrap();
-    assert!(journal.contains("\"event\":\"engine_ejected\""));
-    assert!(journal.contains("\"event\":\"engine_readmitted\""));
+    assert!(journal.contains("\"event\":\"engine_admitted\",\"iid\":\"d0\""));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -546,11 +577,8 @@ async fn no_live_engine_answers_503_backend_unavailable() {
     );
     fl["recovery"]["readmit_every"] = json!(100000);
     let s = start(&fl, &[]);
-    let _ = complete(&s, json!({"prompt": "x"})).await;
-    eventually("d0 ejected", || async {
-        s.state().await["ejected"] == json!(["d0"])
-    })
-    .await;
+    // d0 never answered its health: it is not placed (the health gate, issue 9 section 4).
+    assert_eq!(s.state().await["awaiting_health"], json!(["d0"]));
     let r = complete(&s, json!({"prompt": "x"})).await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(r.headers["retry-after"], "1");
@@ -577,14 +605,30 @@ async fn transient_decode_failure_is_retried_once() {
     let r = complete(&s, json!({"prompt": "x", "max_tokens": 2})).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text());
     let rid = r.header("x-request-id").to_string();
-    {
+    let second = {
         let ds = d.seen();
         assert_eq!(ds.decode.len(), 2);
-        assert_eq!(
-            ds.decode[1].0.as_deref(),
-            Some(format!("{rid}-a2-decode").as_str())
+        let ids: Vec<String> = ds.decode.iter().filter_map(|(id, _)| id.clone()).collect();
+        assert!(
+            ids.len() == 2 && ids.iter().all(|i| uuid_like(i)) && ids[0] != ids[1],
+            "one UUID per leg: {ids:?}"
         );
-    }
+        ids[1].clone()
+    };
+    // The journal names the retry's leg by its attempt.
+    eventually("the request's journal row", || async {
+        s.journal_rows().iter().any(|r| {
+            r["rid"] == json!(rid)
+                && r["legs"].as_array().is_some_and(|legs| {
+                    legs.iter().any(|l| {
+                        l["attempt"] == 2
+                            && l["leg"] == "decode"
+                            && l["request_id"] == json!(second)
+                    })
+                })
+        })
+    })
+    .await;
     let st = s.state().await;
     assert_eq!(st["serving"]["retry_attempts"], 1);
     assert_eq!(st["serving"]["served_after_retry"], 1);

@@ -19,6 +19,8 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use serde_json::{Value, json};
 
+use crate::router::{FleetSpec, RouterHandle};
+
 /// What a fake engine received.
 #[derive(Debug, Default)]
 pub struct Seen {
@@ -41,6 +43,11 @@ pub struct FakeEngine {
     bootstrap_port: u16,
     decode_fail_first: Arc<Mutex<usize>>,
     prefill_delay: Duration,
+    prefill_finish: Option<&'static str>,
+    token_ids: bool,
+    decode_error: Option<(u16, &'static str)>,
+    tag_prompt: bool,
+    usage: bool,
 }
 
 /// The vLLM descriptor every fake prefill answers with (`kv_transfer_params`), including a
@@ -64,7 +71,46 @@ impl FakeEngine {
             bootstrap_port: 8998,
             decode_fail_first: Arc::new(Mutex::new(0)),
             prefill_delay: Duration::from_millis(30),
+            prefill_finish: None,
+            token_ids: true,
+            decode_error: None,
+            tag_prompt: false,
+            usage: true,
         }
+    }
+
+    /// Never reports `usage` (streams carry no usage chunk, whole answers no `usage`), as
+    /// llama.cpp's server streams.
+    pub fn without_usage(mut self) -> FakeEngine {
+        self.usage = false;
+        self
+    }
+
+    /// Prefills answer 200 with an empty text, this `finish_reason` and no
+    /// `kv_transfer_params`: the generation ended on the prefill's one token (vLLM's NIXL
+    /// connector hands off only length-capped prefills).
+    pub fn prefill_finishes(mut self, finish_reason: &'static str) -> FakeEngine {
+        self.prefill_finish = Some(finish_reason);
+        self
+    }
+
+    /// Never sends `token_ids`, whatever the request asks (llama.cpp, TGI, older vLLM).
+    pub fn without_token_ids(mut self) -> FakeEngine {
+        self.token_ids = false;
+        self
+    }
+
+    /// Decode and whole legs answer `status` with `{"error": {"message": message}}`.
+    pub fn decode_error(mut self, status: u16, message: &'static str) -> FakeEngine {
+        self.decode_error = Some((status, message));
+        self
+    }
+
+    /// Each generated token's text starts with the request's prompt (` <prompt>:t<i>`), so a
+    /// test can tell which prompt an answer belongs to.
+    pub fn tag_prompt(mut self) -> FakeEngine {
+        self.tag_prompt = true;
+        self
     }
 
     /// Prefills answer `status` with a context-length error body instead (400 by the engine's
@@ -184,6 +230,18 @@ async fn completions(State(f): State<FakeEngine>, headers: HeaderMap, body: Byte
                                         "code": f.prefill_status}});
             return (status, axum::Json(body)).into_response();
         }
+        if let Some(reason) = f.prefill_finish {
+            return axum::Json(
+                json!({"id": "cmpl-p", "object": "text_completion", "created": 1,
+                                      "model": "tiny-sim",
+                                      "choices": [{"index": 0, "text": "", "finish_reason": reason,
+                                                   "stop_reason": null, "logprobs": null}],
+                                      "usage": {"prompt_tokens": 7, "completion_tokens": 1,
+                                                "total_tokens": 8},
+                                      "kv_transfer_params": null}),
+            )
+            .into_response();
+        }
         return axum::Json(json!({"id": "cmpl-p", "object": "text_completion",
                                   "choices": [{"index": 0, "text": "z"}],
                                   "kv_transfer_params": fake_descriptor()}))
@@ -202,56 +260,122 @@ async fn completions(State(f): State<FakeEngine>, headers: HeaderMap, body: Byte
             return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
         }
     }
+    if let Some((status, message)) = f.decode_error {
+        guard.done = true;
+        let status = StatusCode::from_u16(status).expect("status code");
+        let body = json!({"error": {"message": message, "type": "BadRequestError", "param": null,
+                                    "code": status.as_u16()}});
+        return (status, axum::Json(body)).into_response();
+    }
     tokio::time::sleep(f.decode_head_delay).await;
     let chat = v.get("messages").is_some();
-    let with_ids = v["return_token_ids"] == json!(true);
-    let (n, tpot) = (f.tokens, f.tpot);
-    let stream = futures_util::stream::unfold((0usize, guard), move |(i, mut guard)| async move {
-        if i > n + 1 {
-            return None;
+    let with_ids = f.token_ids && v["return_token_ids"] == json!(true);
+    let (n, tpot, usage) = (f.tokens, f.tpot, f.usage);
+    let tag = match (&v["prompt"], f.tag_prompt) {
+        (Value::String(p), true) => format!("{p}:"),
+        (p, true) if !p.is_null() => format!("{p}:"),
+        _ => String::new(),
+    };
+    if v["stream"] != json!(true) {
+        // A whole (non-streaming) answer, after the time its tokens take.
+        tokio::time::sleep(tpot * n as u32).await;
+        guard.done = true;
+        let text: String = (0..n).map(|i| format!(" {tag}t{i}")).collect();
+        let choice = if chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": text},
+                   "finish_reason": "length"})
+        } else {
+            json!({"index": 0, "text": text, "finish_reason": "length"})
+        };
+        let mut answer = json!({"id": "c", "object": if chat { "chat.completion" } else { "text_completion" },
+                                "created": 1, "model": "tiny-sim", "choices": [choice],
+                                "usage": {"prompt_tokens": 7, "completion_tokens": n,
+                                          "total_tokens": 7 + n}});
+        if with_ids {
+            answer["choices"][0]["token_ids"] = json!((0..n).map(|i| 101 + i).collect::<Vec<_>>());
         }
-        if i == n + 1 {
-            guard.done = true;
+        if !f.usage {
+            answer.as_object_mut().expect("object").remove("usage");
         }
-        if i > 0 && i <= n {
-            tokio::time::sleep(tpot).await;
-        }
-        let frame = if i == 0 {
-            let mut c = json!({"id": "c", "object": "chunk", "created": 1, "model": "tiny-sim",
+        return axum::Json(answer).into_response();
+    }
+    let stream = futures_util::stream::unfold((0usize, guard), move |(i, mut guard)| {
+        let tag = tag.clone();
+        async move {
+            if i > n + 1 {
+                return None;
+            }
+            if i == n + 1 {
+                guard.done = true;
+            }
+            if i > 0 && i <= n {
+                tokio::time::sleep(tpot).await;
+            }
+            let frame = if i == 0 {
+                let mut c = json!({"id": "c", "object": "chunk", "created": 1, "model": "tiny-sim",
                                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                             "finish_reason": null}]});
-            if !chat {
-                c["choices"][0] = json!({"index": 0, "text": "", "finish_reason": null});
-            }
-            if with_ids {
-                c["choices"][0]["token_ids"] = json!([]);
-            }
-            format!("data: {c}\n\n")
-        } else if i <= n {
-            let text = format!(" t{}", i - 1);
-            let finish = if i == n { json!("length") } else { Value::Null };
-            let choice = if chat {
-                json!({"index": 0, "delta": {"content": text}, "finish_reason": finish})
-            } else {
-                json!({"index": 0, "text": text, "finish_reason": finish})
-            };
-            let mut c = json!({"id": "c", "created": 1, "model": "tiny-sim", "choices": [choice]});
-            if with_ids {
-                c["choices"][0]["token_ids"] = json!([100 + i]);
-            }
-            format!("data: {c}\n\n")
-        } else {
-            let usage = json!({"id": "c", "choices": [],
+                if !chat {
+                    c["choices"][0] = json!({"index": 0, "text": "", "finish_reason": null});
+                }
+                if with_ids {
+                    c["choices"][0]["token_ids"] = json!([]);
+                }
+                format!("data: {c}\n\n")
+            } else if i <= n {
+                let text = format!(" {tag}t{}", i - 1);
+                let finish = if i == n { json!("length") } else { Value::Null };
+                let choice = if chat {
+                    json!({"index": 0, "delta": {"content": text}, "finish_reason": finish})
+                } else {
+                    json!({"index": 0, "text": text, "finish_reason": finish})
+                };
+                let mut c =
+                    json!({"id": "c", "created": 1, "model": "tiny-sim", "choices": [choice]});
+                if with_ids {
+                    c["choices"][0]["token_ids"] = json!([100 + i]);
+                }
+                format!("data: {c}\n\n")
+            } else if usage {
+                let usage = json!({"id": "c", "choices": [],
                                "usage": {"prompt_tokens": 7, "completion_tokens": n}});
-            format!("data: {usage}\n\ndata: [DONE]\n\n")
-        };
-        Some((
-            Ok::<_, std::convert::Infallible>(Bytes::from(frame)),
-            (i + 1, guard),
-        ))
+                format!("data: {usage}\n\ndata: [DONE]\n\n")
+            } else {
+                "data: [DONE]\n\n".to_string()
+            };
+            Some((
+                Ok::<_, std::convert::Infallible>(Bytes::from(frame)),
+                (i + 1, guard),
+            ))
+        }
     });
     Response::builder()
         .header("content-type", "text/event-stream")
         .body(Body::from_stream(stream))
         .expect("SSE response")
+}
+
+/// A router (`narwhal-serve --log-level warn`) over fake engines given as `(iid, engine,
+/// role)`, each serving on a free port, in a temporary directory of its own: retries back off
+/// 10–20 ms, and `overrides` are merged into the fleet file.
+pub async fn router_over_fakes(
+    backend: &str,
+    engines: &[(&str, &FakeEngine, &str)],
+    overrides: Value,
+) -> RouterHandle {
+    let mut spec = Vec::new();
+    for (iid, engine, role) in engines {
+        spec.push((iid.to_string(), engine.spawn().await, role.to_string()));
+    }
+    let fleet = FleetSpec {
+        model: "tiny-sim".into(),
+        backend: backend.into(),
+        engines: spec,
+        overrides: json!({"serving": {"retry_base_s": 0.01, "retry_cap_s": 0.02}}),
+        agents: Default::default(),
+        engine_keys: Default::default(),
+        pins: Default::default(),
+    }
+    .with(overrides);
+    RouterHandle::over(&fleet, &["--log-level", "warn"])
 }

@@ -17,6 +17,7 @@
 //!   Proxy, Sampler               network cuts, 20 Hz sampling during HA faults
 //!   controller_fleet, Load       role-controller worlds (fixture profile, fast timings) and
 //!                                paced load (controller.rs)
+//!   faults                       the HA fault campaign: scenarios, one run, judged (issue 13)
 //! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
@@ -29,6 +30,7 @@ pub mod certs;
 mod controller;
 pub mod etcd;
 mod fake;
+pub mod faults;
 mod fleet;
 mod http;
 mod proc;
@@ -46,7 +48,7 @@ pub use controller::{
     fixture_profile, token_prompt,
 };
 pub use etcd::{Etcd, free_port};
-pub use fake::{FakeEngine, Seen, fake_descriptor};
+pub use fake::{FakeEngine, Seen, fake_descriptor, router_over_fakes};
 pub use fleet::{
     Fleet, FleetBuilder, LEASE_TTL_S, LeaseBackend, STANDBY_PROBE_S, STANDBY_TAKEOVER_AFTER,
 };

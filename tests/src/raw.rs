@@ -21,6 +21,8 @@ pub struct RawResponse {
     pub chunks: Vec<usize>,
     /// The body ended properly (terminating chunk or full content-length).
     pub complete: bool,
+    /// The status line and headers, lowercased (`""` without a head).
+    pub head: String,
 }
 
 impl RawResponse {
@@ -89,8 +91,13 @@ pub fn request(
     ];
     all.extend_from_slice(headers);
     let mut s = send(addr, method, path, &all, body);
-    s.set_read_timeout(Some(Duration::from_secs(20)))
-        .expect("read timeout");
+    parse_response(&read_to_end(&mut s, Duration::from_secs(20)))
+}
+
+/// Reads from `s` until the peer closes the connection (or a read waits `within`); every
+/// byte read.
+pub fn read_to_end(s: &mut TcpStream, within: Duration) -> Vec<u8> {
+    s.set_read_timeout(Some(within)).expect("read timeout");
     let mut raw = Vec::new();
     let mut buf = [0u8; 16384];
     loop {
@@ -99,7 +106,7 @@ pub fn request(
             Ok(n) => raw.extend_from_slice(&buf[..n]),
         }
     }
-    parse_response(&raw)
+    raw
 }
 
 /// Reads from `s` (10 s read timeout) until the bytes so far contain `needle`; returns them.
@@ -131,6 +138,7 @@ pub fn parse_response(raw: &[u8]) -> RawResponse {
             body: raw.to_vec(),
             chunks: vec![],
             complete: false,
+            head: String::new(),
         };
     };
     let head = String::from_utf8_lossy(&raw[..split]).to_lowercase();
@@ -168,6 +176,7 @@ pub fn parse_response(raw: &[u8]) -> RawResponse {
             body,
             chunks,
             complete,
+            head,
         }
     } else {
         let cl = head
@@ -179,6 +188,7 @@ pub fn parse_response(raw: &[u8]) -> RawResponse {
             complete: cl.is_none_or(|n| n == rest.len()),
             body: rest.to_vec(),
             chunks: vec![],
+            head,
         }
     }
 }

@@ -32,6 +32,8 @@ pub struct FleetSpec {
     pub agents: std::collections::BTreeMap<String, Value>,
     /// Engines with `pin: true` (never moved by the role controller).
     pub pins: std::collections::BTreeSet<String>,
+    /// More `engines[]` keys per engine id (`health_path`, ...), merged into its entry.
+    pub engine_keys: std::collections::BTreeMap<String, Value>,
 }
 
 impl FleetSpec {
@@ -47,12 +49,23 @@ impl FleetSpec {
             overrides: json!({}),
             agents: std::collections::BTreeMap::new(),
             pins: std::collections::BTreeSet::new(),
+            engine_keys: std::collections::BTreeMap::new(),
         }
     }
 
     /// Pins engine `iid` (`engines[].pin`).
     pub fn pin(mut self, iid: &str) -> Self {
         self.pins.insert(iid.to_string());
+        self
+    }
+
+    /// Merges `keys` (an object, e.g. `{"health_path": "/v1/models"}`) into engine `iid`'s
+    /// `engines[]` entry.
+    pub fn engine_with(mut self, iid: &str, keys: Value) -> Self {
+        merge(
+            self.engine_keys.entry(iid.to_string()).or_insert(json!({})),
+            keys,
+        );
         self
     }
 
@@ -100,6 +113,9 @@ impl FleetSpec {
                 }
                 if self.pins.contains(iid) {
                     e["pin"] = json!(true);
+                }
+                if let Some(k) = self.engine_keys.get(iid) {
+                    merge(&mut e, k.clone());
                 }
                 e
             }).collect::<Vec<_>>(),
@@ -262,6 +278,19 @@ impl RouterHandle {
     pub fn standalone(doc: &Value, extra_args: &[&str]) -> RouterHandle {
         let tmp = tempfile::tempdir().expect("tempdir");
         let mut r = launch_router(tmp.path(), "router", doc, extra_args, Clients::plain())
+            .unwrap_or_else(|e| panic!("router: {e}"));
+        r._tmp = Some(tmp);
+        r
+    }
+
+    /// A router over `fleet` in a temporary directory of its own (removed when the handle
+    /// drops), with plain clients.
+    ///
+    /// # Panics
+    /// When the router does not start.
+    pub fn over(fleet: &FleetSpec, extra_args: &[&str]) -> RouterHandle {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let mut r = start_router(tmp.path(), "router", fleet, extra_args)
             .unwrap_or_else(|e| panic!("router: {e}"));
         r._tmp = Some(tmp);
         r
@@ -568,6 +597,19 @@ impl RouterProbe {
             .await?;
         let v: Value = serde_json::from_slice(&r.body).ok()?;
         v["router"]["controls_fleet"].as_str().map(str::to_string)
+    }
+
+    /// `/narwhal/state`, or `None` when the router does not answer 200 within the short
+    /// timeout.
+    pub async fn state(&self) -> Option<Value> {
+        let r = self
+            .fast
+            .try_get(format!("{}/narwhal/state", self.control))
+            .await?;
+        if r.status != 200 {
+            return None;
+        }
+        serde_json::from_slice(&r.body).ok()
     }
 
     /// Whether `/ready` answers 200 within the short timeout.

@@ -7,18 +7,21 @@
 //! Each behaviour is its own test. The yardstick is the engine itself: the same request sent
 //! straight to llama.cpp (greedy sampling, so deterministic) gives the text, finish reason, usage
 //! and error the router must relay. `engine_alone_*` checks the yardstick (it needs no router
-//! fix); the router tests that fail today are `#[ignore]`d naming the issue 10 section 2 fix
-//! they wait for.
+//! fix). The restart and readmission tests rely on the engine's `health_path` (`/v1/models`):
+//! llama.cpp has no `GET /health`.
 //!
 //! Facts about the engine used here, from llama-cpp-python 0.3.x's source (`llama_cpp/server/`):
 //! no `GET /health` route (404; `GET /v1/models` answers 200); `x-request-id` is read by
 //! starlette-context's `RequestIdPlugin`, which answers 400 to anything but a UUID; a prompt over
 //! the context is `400 {"error": {"message": "This model's maximum context length is N tokens…",
 //! "code": "context_length_exceeded"}}` for a non-streaming request (a streaming one fails inside
-//! the stream); streams carry no `usage` and `stream_options` is ignored.
+//! the stream); streams carry no `usage` and `stream_options` is ignored; with its default
+//! `interrupt_requests=True` a stream is cut short (a bare `[DONE]`, no finish chunk) whenever
+//! another request waits for the model lock, which `GET /v1/models` takes, so every engine here
+//! runs with `--interrupt_requests false` (an operator probing `/v1/models` must do the same).
 //!
-//! Needs the Python test venv (`tests/python/ensure-venv.sh`); see `pysdk/mod.rs` for the skip
-//! rule (never a skip in CI).
+//! Needs the Python test venv, built on demand by `tests/python/ensure-venv.sh` (see
+//! `pysdk/mod.rs`).
 
 #[path = "pysdk/mod.rs"]
 mod pysdk;
@@ -97,6 +100,11 @@ impl LlamaServer {
             .args(["--port", &self.port.to_string()])
             .args(["--n_ctx", &CTX.to_string(), "--n_threads", "1"])
             .args(["--n_threads_batch", "1"])
+            // llama-cpp-python ends an in-flight stream (a bare `[DONE]`, no finish chunk) as
+            // soon as any other request waits for the model lock, and `GET /v1/models` (our
+            // `health_path`) takes that lock: the default `interrupt_requests=True` truncates
+            // answers whenever a probe lands mid-stream (`server/app.py`, `get_event_publisher`).
+            .args(["--interrupt_requests", "false"])
             .env_remove("HTTP_PROXY")
             .env_remove("http_proxy")
             .env("PYTHONUNBUFFERED", "1")
@@ -208,11 +216,11 @@ impl Lab {
     /// (docs/configuration.md, `engines[].role`; placement falls back to aggregated serving when
     /// no prefill engine exists).
     ///
-    /// No `health_path` is set: the fleet schema has none yet (issue 10 section 2 adds it, with
-    /// `/v1/models` for engines that lack `/health`). If it is not chosen automatically, the
-    /// readmission tests set `engines[].health_path = "/v1/models"` here when un-ignored.
+    /// llama.cpp has no `GET /health` (404): every engine's `health_path` is `/v1/models`,
+    /// which it answers (docs/configuration.md, `engines[].health_path`); without it the
+    /// router's health gate would never place it.
     fn router(&self, engines: &[(&str, &LlamaServer)]) -> RouterHandle {
-        let spec = FleetSpec {
+        let mut spec = FleetSpec {
             model: MODEL.into(),
             backend: "vllm".into(),
             engines: engines
@@ -222,7 +230,11 @@ impl Lab {
             overrides: json!({}),
             agents: Default::default(),
             pins: Default::default(),
+            engine_keys: Default::default(),
         };
+        for (iid, _) in engines {
+            spec = spec.engine_with(iid, json!({"health_path": "/v1/models"}));
+        }
         start_router(self.dir.path(), "router", &spec, &[]).expect("router")
     }
 
@@ -358,10 +370,6 @@ async fn engine_alone_serves_the_sdk() {
 /// Non-streaming chat and completions through the router: 200 with the engine's own answer
 /// (greedy, so the same text and finish reason the engine gives when asked directly).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs issue 10 section 2 router fixes: one plain-UUID \
-            x-request-id per leg (today llama.cpp answers 400 to `<uuid>-a1-decode`, relayed with \
-            an empty message), then tokens counted from content-bearing chunks or the request \
-            sent non-streaming (without the header: 502, `[DONE] before any token`)"]
 async fn non_streaming_answers_are_the_engines() {
     let Some(lab) = Lab::new("non_streaming_answers_are_the_engines") else {
         return;
@@ -387,10 +395,6 @@ async fn non_streaming_answers_are_the_engines() {
 /// `token_ids`): no "[DONE] before any token", no ejection, journal rows `completed` with
 /// `output_len` = `MAX_TOKENS`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs issue 10 section 2 router fixes: one plain-UUID \
-            x-request-id per leg (today: 400 with an empty message), then tokens counted from \
-            content-bearing chunks (without the header: 502, `[DONE] before any token`, and the \
-            engine ejected after three)"]
 async fn streaming_answers_are_the_engines() {
     let Some(lab) = Lab::new("streaming_answers_are_the_engines") else {
         return;
@@ -446,10 +450,6 @@ async fn streaming_answers_are_the_engines() {
 /// asking `stream_options.include_usage` gets a usage chunk whose `completion_tokens` are the
 /// tokens streamed (llama.cpp streams carry no usage of their own).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs issue 10 section 2 router fixes: one plain-UUID x-request-id \
-            per leg (today: 400 with an empty message), tokens counted from content-bearing \
-            chunks (else 502 `[DONE] before any token`), and a non-streaming client's request \
-            sent non-streaming so usage is the engine's (today the router's estimate)"]
 async fn usage_is_the_engines() {
     let Some(lab) = Lab::new("usage_is_the_engines") else {
         return;
@@ -509,9 +509,6 @@ async fn usage_is_the_engines() {
 /// `finish_reason: "stop"` as the engine gives directly, streaming and not. The stop string is
 /// a word from the middle of the unstopped greedy answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs issue 10 section 2 router fixes: one plain-UUID \
-            x-request-id per leg (today: 400 with an empty message), then tokens counted from \
-            content-bearing chunks (without the header: 502, `[DONE] before any token`)"]
 async fn stop_sequences_end_the_answer() {
     let Some(lab) = Lab::new("stop_sequences_end_the_answer") else {
         return;
@@ -562,10 +559,6 @@ async fn stop_sequences_end_the_answer() {
 /// SDK's `BadRequestError`) with the engine's message, not a 502; the engine is not ejected and
 /// serves the next request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs issue 10 section 2 router fixes: one plain-UUID \
-            x-request-id per leg (today: 400 with an empty message), and a non-streaming request \
-            sent non-streaming to an aggregated engine (without the header: streamed, llama.cpp \
-            fails inside the stream, `stream ended without [DONE]`, 502, counted toward ejection)"]
 async fn over_long_prompt_is_the_engines_400() {
     let Some(lab) = Lab::new("over_long_prompt_is_the_engines_400") else {
         return;
@@ -604,10 +597,6 @@ async fn over_long_prompt_is_the_engines_400() {
 /// an operator (llama.cpp has no `/health`: the probe must use what the engine has), and serves
 /// again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs issue 10 section 2 router fixes: one \
-            plain-UUID x-request-id per leg and tokens counted from content-bearing chunks (the \
-            warm-up fails today), and a per-engine health_path (llama.cpp answers 404 to the \
-            /health readmission probe, so an ejected llama.cpp engine never returns)"]
 async fn killed_engine_is_ejected_then_readmitted() {
     let Some(lab) = Lab::new("killed_engine_is_ejected_then_readmitted") else {
         return;
@@ -694,10 +683,6 @@ async fn killed_engine_is_ejected_then_readmitted() {
 /// within a minute with no operator action (whether the router ejected it and readmitted it,
 /// or kept it in placement as the last live engine).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs issue 10 section 2 router fixes: \
-            one plain-UUID x-request-id per leg and tokens counted from content-bearing chunks \
-            (the warm-up fails today), and a per-engine health_path or never ejecting a role's \
-            last live engine (today: ejected, /health answers 404, 503 forever)"]
 async fn only_engine_killed_then_restarted_serves_again() {
     let Some(lab) = Lab::new("only_engine_killed_then_restarted_serves_again") else {
         return;

@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use narwhal_testkit::{
-    Fleet, answer_text, count as n, eventually, metric, openai_request, sse_text, wait_until,
+    Fleet, WAIT, answer_text, count as n, eventually, metric, openai_request, sse_text, wait_until,
 };
 use serde_json::{Value, json};
 
@@ -105,23 +105,43 @@ async fn pd_round_trip(dialect: &str) {
     assert_eq!(n(&d["kv"]["consumed"]), 4, "decode stats {d}");
     assert_eq!(n(&d["kv"]["recomputed"]), 0, "decode recomputed: {d}");
     assert_eq!(n(&d["kv"]["rejected"]), 0, "decode stats {d}");
-    // Each client request id maps to exactly one prefill and one decode leg on the engines.
+    // Each client request maps to exactly one prefill and one decode leg on the engines: the
+    // journal row names each leg's request id (a plain UUID per leg, issue 10 section 2).
+    let rows = eventually("every request's journal row", WAIT, || async {
+        let rows = router.journal_rows();
+        rids.iter()
+            .all(|rid| rows.iter().any(|r| r["rid"] == rid.as_str()))
+            .then_some(rows)
+    })
+    .await;
     for rid in &rids {
-        let legs = |s: &Value, phase: &str| {
+        let row = rows
+            .iter()
+            .find(|r| r["rid"] == rid.as_str())
+            .unwrap_or_else(|| panic!("journal row for {rid}: {rows:?}"));
+        let leg_id = |leg: &str| {
+            let ids: Vec<&str> = row["legs"]
+                .as_array()
+                .expect("legs")
+                .iter()
+                .filter(|l| l["leg"] == leg)
+                .filter_map(|l| l["request_id"].as_str())
+                .collect();
+            assert_eq!(ids.len(), 1, "one {leg} leg for {rid}: {row}");
+            ids[0].to_string()
+        };
+        let legs = |s: &Value, phase: &str, id: &str| {
             s["recent"]
                 .as_array()
                 .expect("recent")
                 .iter()
-                .filter(|r| {
-                    r["request_id"]
-                        .as_str()
-                        .is_some_and(|id| id.starts_with(rid.as_str()))
-                        && r["phase"] == phase
-                })
+                .filter(|r| r["request_id"] == id && r["phase"] == phase)
                 .count()
         };
-        assert_eq!(legs(&p, "prefill"), 1, "prefill legs for {rid}: {p}");
-        assert_eq!(legs(&d, "decode"), 1, "decode legs for {rid}: {d}");
+        let (pid, did) = (leg_id("prefill"), leg_id("decode"));
+        assert!(pid != did && pid != *rid, "{row}");
+        assert_eq!(legs(&p, "prefill", &pid), 1, "prefill legs for {rid}: {p}");
+        assert_eq!(legs(&d, "decode", &did), 1, "decode legs for {rid}: {d}");
     }
     // Same text as an aggregated run of the same prompt on the decode engine.
     for (chat, prompt, text) in &texts {

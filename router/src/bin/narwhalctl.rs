@@ -1,5 +1,6 @@
 //! `narwhalctl`: the operator and supervisor CLI over a router's control API
-//! (`/narwhal/lifecycle`, `/narwhal/lifecycle/drain`, `/narwhal/lifecycle/readmit`).
+//! (`/narwhal/lifecycle`, `/narwhal/lifecycle/drain`, `/narwhal/lifecycle/readmit`,
+//! `/narwhal/lifecycle/cancel-drain`).
 //!
 //! `wave-restart` is the reference external supervisor (reference-notes 4.6, seed "Whole-wave
 //! restart policy"): drain, wait for `ready_to_stop`, run the operator's restart command per
@@ -89,6 +90,13 @@ enum Cmd {
         /// Readmit the active wave as one set.
         #[arg(long)]
         wave: bool,
+    },
+    /// Cancel the drain of one engine that was not restarted: the router validates the same
+    /// process through the readmission checks (no restart required) and returns it to
+    /// service. Narwhal's own action (docs/deviations.md); `readmit` still requires a restart.
+    CancelDrain {
+        /// Engine whose drain to cancel.
+        iid: String,
     },
     /// Drain the fleet, restart each engine with a command, readmit, report every check.
     ///
@@ -513,11 +521,19 @@ impl Ctl {
                 None,
             ));
         }
-        let msg = format!(
+        let mut msg = format!(
             "{path}: HTTP {}: {}",
             status.as_u16(),
             error_text(&doc).unwrap_or("(no error message)")
         );
+        if status.as_u16() == 503 {
+            // "does not control the fleet" alone does not say why: /ready does.
+            if let Ok((_, ready)) = self.get("/ready").await
+                && let Some(reason) = ready["reason"].as_str().filter(|r| !r.is_empty())
+            {
+                msg.push_str(&format!(" (router not ready: {reason})"));
+            }
+        }
         let f = if status.as_u16() == 503 || status.is_server_error() {
             Failure::Unavailable(msg)
         } else {
@@ -723,10 +739,21 @@ impl Ctl {
             None => json!({"wave": true, "deadline_s": deadline_s}),
         };
         let doc = self.post("/narwhal/lifecycle/drain", body).await?;
+        let warnings = doc["warnings"].clone();
+        if !self.json {
+            for w in warnings.as_array().into_iter().flatten() {
+                out(&format!("warning: {}", w.as_str().unwrap_or_default()))
+                    .map_err(|f| (f, None))?;
+            }
+        }
         if !wait {
             return Ok(doc);
         }
-        self.wait_stop(iid, timeout).await.map_err(|f| (f, None))
+        let mut last = self.wait_stop(iid, timeout).await.map_err(|f| (f, None))?;
+        if warnings.is_array() {
+            last["warnings"] = warnings;
+        }
+        Ok(last)
     }
 
     async fn wait_stop(&self, iid: Option<&str>, timeout: Duration) -> Result<Value, Failure> {
@@ -753,7 +780,26 @@ impl Ctl {
             Some(i) => json!({"engines": [i]}),
             None => json!({"wave": true}),
         };
-        match self.post("/narwhal/lifecycle/readmit", body).await {
+        self.validating_post("/narwhal/lifecycle/readmit", body, iid)
+            .await
+    }
+
+    /// POSTs a drain cancel of `iid` and prints its checks, as [`Ctl::readmit`] does.
+    async fn cancel_drain(&self, iid: &str) -> Result<Value, (Failure, Option<Value>)> {
+        let body = json!({"engines": [iid]});
+        self.validating_post("/narwhal/lifecycle/cancel-drain", body, Some(iid))
+            .await
+    }
+
+    /// POSTs an action that validates engines (readmit, cancel-drain) and prints each
+    /// target's checks (never an empty list).
+    async fn validating_post(
+        &self,
+        path: &str,
+        body: Value,
+        iid: Option<&str>,
+    ) -> Result<Value, (Failure, Option<Value>)> {
+        match self.post(path, body).await {
             Ok(doc) => {
                 let targets = targets_of(&doc, iid);
                 self.show_checks(&doc, &targets, None)
@@ -1418,6 +1464,26 @@ async fn run(cli: &Cli) -> Result<(), Failure> {
                         } else {
                             ctl.show(&d, &serde_json::Map::new(), &Value::Null)?;
                         }
+                    }
+                    Err(f)
+                }
+            }
+        }
+        Cmd::CancelDrain { iid } => {
+            ctl.lifecycle().await?;
+            match ctl.cancel_drain(iid).await {
+                Ok(doc) => {
+                    if ctl.json {
+                        out(&doc.to_string())
+                    } else {
+                        out(&format!("{iid}: drain cancelled, back in service"))
+                    }
+                }
+                Err((f, doc)) => {
+                    if ctl.json
+                        && let Some(d) = doc
+                    {
+                        out(&d.to_string())?;
                     }
                     Err(f)
                 }

@@ -25,6 +25,7 @@ use super::{Controller, Ledger};
 use crate::breaker::EjectCause;
 use crate::config::{Backend, Config, Role, secs};
 use crate::fleet::Fleet;
+use crate::phase::EpochScope;
 use crate::placement::Exclusion;
 
 /// How long an engine-side switch keeps retrying while the engine answers `not idle`
@@ -71,10 +72,14 @@ impl Controller {
         }
     }
 
-    /// Whether this router may decide: it controls the fleet and no whole-wave hold blocks
-    /// it (controller-notes 2.1).
-    fn may_decide(&self) -> bool {
-        self.h.ha.controls_fleet() && self.h.gate.lifecycle_hold().is_none()
+    /// The epoch scope this router decides under: `Some` when it controls the fleet (its HA
+    /// phase holds control under a live lease, issue 13) and no whole-wave hold blocks it
+    /// (controller-notes 2.1); `None` for a standby or fenced router, which decides nothing.
+    fn may_decide(&self) -> Option<EpochScope> {
+        self.h
+            .ha
+            .scope()
+            .filter(|_| self.h.gate.lifecycle_hold().is_none())
     }
 
     /// Runs the pass loop until `stop` (nothing when the controller is off).
@@ -93,7 +98,7 @@ impl Controller {
             };
             self.run_pass(kind).await;
             // A cascade of urgent moves (S11): the latch re-armed by an urgent move.
-            while self.lock().latched() && self.may_decide() && !stop.is_cancelled() {
+            while self.lock().latched() && self.may_decide().is_some() && !stop.is_cancelled() {
                 self.run_pass(Pass::Urgent).await;
                 if !self.lock().latched() {
                     break;
@@ -113,7 +118,8 @@ impl Controller {
             let d = self.h.demand.lock();
             (d.risk().map(|(k, at)| (k.to_string(), at)), d.events())
         };
-        let decide = self.may_decide();
+        let scope = self.may_decide();
+        let decide = scope.is_some();
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
             let mut m = self.lock();
             m.observe(engines, risk, events);
@@ -130,7 +136,9 @@ impl Controller {
         match result {
             Ok(commands) => {
                 self.ledger_ok();
-                self.apply(commands, now);
+                if let Some(scope) = scope {
+                    self.apply(commands, now, &scope);
+                }
             }
             Err(panic) => {
                 let class = panic
@@ -168,17 +176,25 @@ impl Controller {
     }
 
     /// Applies the machine's commands.
-    fn apply(self: &Arc<Self>, commands: Vec<Command>, now: Now) {
+    /// Applies the commands of a pass decided under `scope`; none when control under that
+    /// epoch ended meanwhile (the machine forgets the pass's pending work, as for a standby).
+    fn apply(self: &Arc<Self>, commands: Vec<Command>, now: Now, scope: &EpochScope) {
+        if !self.h.ha.live(scope) {
+            self.lock().interrupt();
+            return;
+        }
         for c in commands {
             match c {
                 Command::Journal(v) => self.h.journal.emit(v),
                 Command::Risk(kind) => self.h.demand.lock().record(kind, now.mono),
-                Command::SetRole { iid, to } => self.set_role(iid, to),
+                Command::SetRole { iid, to } => self.set_role(iid, to, scope.clone()),
             }
         }
     }
 
-    fn set_role(self: &Arc<Self>, iid: usize, to: Role) {
+    /// Moves engine `iid` to router role `to`; the engine-side switch and the role check run
+    /// under `scope` and stop (without ejecting anything) when control under it ends.
+    fn set_role(self: &Arc<Self>, iid: usize, to: Role, scope: EpochScope) {
         let name = &self.h.cfg.engines[iid].iid;
         tracing::info!(engine.id = %name, to = to.as_str(), "role flip");
         self.h.fleet.set_role(iid, to);
@@ -196,12 +212,19 @@ impl Controller {
         let me = self.clone();
         tokio::spawn(async move {
             let switched = if engine_side {
-                me.engine_switch(iid, to).await
+                tokio::select! {
+                    r = me.engine_switch(iid, to) => Some(r),
+                    () = scope.ended() => None,
+                }
             } else {
-                Ok(())
+                Some(Ok(()))
             };
+            let switched = switched.filter(|_| me.h.ha.live(&scope));
             match switched {
-                Err(why) => {
+                None => {
+                    tracing::info!(engine.id = %me.h.cfg.engines[iid].iid, "router control ended during a role change; the engine-side outcome is left to the router in control");
+                }
+                Some(Err(why)) => {
                     tracing::warn!(engine.id = %me.h.cfg.engines[iid].iid, error = %why, "engine-side role switch failed");
                     me.h.journal.emit(
                         json!({"event": "role_switch_failed", "iid": me.h.cfg.engines[iid].iid,
@@ -209,7 +232,7 @@ impl Controller {
                     );
                     me.h.fleet.eject(iid, EjectCause::RoleSwitch);
                 }
-                Ok(()) => {
+                Some(Ok(())) => {
                     if engine_side && to == Role::Prefill {
                         let _ =
                             crate::bootstrap::refresh(&me.h.cfg, &me.h.fleet, &me.h.upstream, iid)

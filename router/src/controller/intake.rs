@@ -11,7 +11,7 @@
 //! ```
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -36,6 +36,8 @@ struct Inner {
     sized: AtomicBool,
     invalid: AtomicBool,
     completed: AtomicBool,
+    /// Output tokens wanted per prompt (`max_tokens`; 0 when unset), once sized.
+    wanted: AtomicU64,
 }
 
 /// One request's bookkeeping handle: cheap to clone; when the last clone drops the request
@@ -123,12 +125,44 @@ impl Track {
         self.with(|m, id, now| m.core.book.attempt_ended(id, now));
     }
 
-    fn sized(&self, input: u64, wanted: u64) {
+    /// Sized: `input` prompt tokens and `wanted` output tokens per prompt for `prompts`
+    /// prompts (a batch's demand is all of its prompts').
+    fn sized(&self, input: u64, wanted: u64, prompts: u64) {
         self.0.sized.store(true, Ordering::Relaxed);
+        self.0.wanted.store(wanted, Ordering::Relaxed);
         self.with(|m, id, now| {
-            m.core.book.sized(id, input, wanted);
-            m.core.demand.arrival(now, input, wanted);
+            m.core.book.sized(id, input, wanted * prompts);
+            m.core.demand.arrival(now, input, wanted * prompts);
         });
+    }
+
+    /// One prompt of this (batch) request, `input` prompt tokens, tracked on its own from
+    /// here: its legs, tokens and completion. Its demand arrived with the request (not again).
+    pub(crate) fn prompt(&self, input: u64) -> Track {
+        let t = &self.0;
+        let ctl = t.ctl.clone();
+        let id = ctl.next_id.fetch_add(1, Ordering::Relaxed);
+        let wanted = t.wanted.load(Ordering::Relaxed);
+        if ctl.enabled {
+            let mut m = ctl.lock();
+            let rid = m
+                .core
+                .book
+                .req(t.id)
+                .map(|r| r.rid.clone())
+                .unwrap_or_default();
+            m.core.book.arrive(id, &rid, t.arrived);
+            m.core.book.sized(id, input, wanted);
+        }
+        Track(Arc::new(Inner {
+            ctl,
+            id,
+            arrived: t.arrived,
+            sized: AtomicBool::new(true),
+            invalid: AtomicBool::new(false),
+            completed: AtomicBool::new(false),
+            wanted: AtomicU64::new(wanted),
+        }))
     }
 }
 
@@ -158,6 +192,7 @@ impl Controller {
             sized: AtomicBool::new(false),
             invalid: AtomicBool::new(false),
             completed: AtomicBool::new(false),
+            wanted: AtomicU64::new(0),
         }))
     }
 
@@ -177,7 +212,8 @@ impl Controller {
         {
             input = n.max(1);
         }
-        track.sized(input, wanted(v));
+        let prompts = crate::ingress::batch_prompts(v).map_or(1, |p| p.len() as u64);
+        track.sized(input, wanted(v), prompts);
         input
     }
 

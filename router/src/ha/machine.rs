@@ -1,16 +1,28 @@
-//! The standby's decisions, sans IO (seed "HA handoff"; reference-notes 2.9; DESIGN.md 9.6):
-//! poll the primary, retain its handoff, decide to claim, check what was claimed against what
-//! is retained, apply it, re-check identities, and give the lease back when anything fails.
+//! The standby's decisions, sans IO (seed "HA handoff"; reference-notes 2.9; DESIGN.md 9.6;
+//! issue 13): watch the lease store, follow the router that controls the fleet, take over as
+//! soon as its lease lapsed, apply the newest state, re-check identities, and give the lease
+//! back when anything fails.
 //!
 //! ```text
-//!  tick ──► Poll ──polled(Good)──► Retain                       (shadowing)
-//!                └─polled(Miss) × takeover_after, fresh copy ──► ReadLease
-//!       ──► ReadOwnState (no primary: a fenced primary retrying) ──► ReadLease
-//!  ReadLease ──lease_read──► Claim(source) | Publish(Blocked(why)) | Wait (someone holds it)
+//!  tick ──► Observe (lease record + the handoff published beside it)
+//!    record live, another holder ──► Retain(its published copy)          (shadowing, names it)
+//!                                 └─ no published copy ──► Poll the primary (reference primary)
+//!    record ours, live ───────────► Claim(Memory)                        (a fenced router's own epoch)
+//!    record expired / absent ─────► Claim(Memory | Stored | Retained | OwnFile) | Publish(Blocked(why))
 //!  Claim ──claimed(epoch)──► Apply(source) | GiveBack(stale)
-//!  Apply ──applied──► ValidateIdentities ──identities_checked──► Commit ──committed──► TookOver
+//!  Apply (and publish under the new epoch) ──applied──► ValidateIdentities
+//!        ──identities_checked──► Commit ──committed──► TookOver
 //!                 └─ any failure ──► GiveBack(why)    (the epoch is remembered as ours)
 //! ```
+//!
+//! The lease decides, not the poll count: a takeover starts at the first observation of a
+//! lapsed record (the driver wakes at the record's `expires_at`), so a primary that stopped
+//! answering (`SIGSTOP`) is replaced as fast as one that died (`kill -9`); the reference waited
+//! for N missed polls, each as long as the poll timeout when the primary is stopped. The state
+//! applied is the newest the fleet had: the last controller's published handoff (issue 13:
+//! every acknowledged lifecycle action and every total shown is in it), this router's own
+//! memory when nobody held the lease after it, or (a reference primary that publishes
+//! nothing) the copy polled over HTTP.
 //!
 //! Pure: `now` (monotonic) and `wall` (Unix seconds) are passed in; the driver
 //! (`ha::standby`) performs each [`Step`] and feeds the result back.
@@ -21,18 +33,22 @@ use std::time::{Duration, Instant};
 use narwhal_shared::handoff::Handoff;
 
 use crate::lease::{LeaseLoss, LeaseRecord};
-use crate::phase::HaPhase;
+use crate::phase::{Controller, HaPhase};
 
 /// What the standby follows and when it gives up on the primary.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Settings {
-    /// A primary is polled (`--standby-of`); without one the router only retries the lease
-    /// with its own state (a fenced primary started without `--standby-of`).
+    /// A primary is polled over HTTP (`--standby-of`) when the lease store holds no copy of
+    /// its state; without one the router follows the store only (a fenced primary started
+    /// without `--standby-of`).
     pub(crate) primary: bool,
-    /// Consecutive missed polls before a takeover is attempted.
+    /// Consecutive missed polls before a standby without a fresh copy says so
+    /// (`no fresh handoff`).
     pub(crate) takeover_after: u32,
-    /// A retained handoff older than this (by its `at`, wall clock) is not applied.
+    /// A copy polled over HTTP older than this (by its `at`, wall clock) is not applied.
     pub(crate) max_handoff_age_s: f64,
+    /// This process's lease holder token.
+    pub(crate) holder: String,
 }
 
 /// What one poll of the primary found.
@@ -44,11 +60,17 @@ pub(crate) enum Poll {
     Miss(String),
 }
 
+/// What one read of the lease store found: the record and the handoff published beside it.
+pub(crate) type Observation = Result<(Option<LeaseRecord>, Option<Box<Handoff>>), String>;
+
 /// The state a takeover applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Source {
-    /// The primary's document the standby retained (its epoch must be the claimed one − 1,
-    /// or separated from it only by epochs this router claimed and gave back).
+    /// The handoff the last controller published beside the lease record (its epoch is the
+    /// record's, or separated from the claim only by epochs this router gave back).
+    Stored,
+    /// The primary's document polled over HTTP (a primary that publishes nothing); its epoch
+    /// must be the claimed one − 1, or separated only by epochs this router gave back.
     Retained,
     /// This router's own state file, for a router that never controlled the fleet in this
     /// process; written under `epoch` (0: no file).
@@ -56,7 +78,8 @@ pub(crate) enum Source {
         /// The file's epoch.
         epoch: u64,
     },
-    /// This process's memory: a fenced primary that controlled the fleet at `epoch`.
+    /// This process's memory: a fenced router that controlled the fleet at `epoch`, and
+    /// nobody held the lease after it.
     Memory {
         /// The epoch it controlled.
         epoch: u64,
@@ -68,26 +91,24 @@ pub(crate) enum Source {
 pub(crate) enum Step {
     /// Nothing more this tick.
     Wait,
-    /// Poll the primary's `/ready` and `/narwhal/handoff` and the lease record; feed
-    /// [`Standby::polled`].
+    /// Read the lease record and the handoff published beside it (and, for a router without
+    /// a primary that never controlled the fleet, its own state file's epoch); feed
+    /// [`Standby::observed`].
+    Observe,
+    /// Poll the primary's `/ready` and `/narwhal/handoff`; feed [`Standby::polled`].
     Poll,
-    /// A good poll: persist the retained document ([`Standby::retained`]) to the state file
-    /// and publish `Shadowing`.
-    Retain,
+    /// A current copy of the controller's state is retained ([`Standby::retained`]): persist
+    /// it to the state file and publish `Shadowing`, naming the controller.
+    Retain(Controller),
+    /// Another router holds a live lease but no copy of its state is at hand: publish
+    /// `Shadowing` naming it (a standby, not a fenced router).
+    Follow(Controller),
     /// Publish this phase (a blocked standby with its reason); end of the tick.
     Publish(HaPhase),
-    /// Read the lease record and feed [`Standby::lease_read`] with `own`, the epoch of the
-    /// state a claim would apply.
-    ReadLease {
-        /// The state's epoch.
-        own: u64,
-    },
-    /// Find the own state's epoch (the fenced epoch held in memory, else the state file's;
-    /// 0 without one), then read the lease record as for [`Step::ReadLease`].
-    ReadOwnState,
     /// Claim the lease (starting its renewal) and feed [`Standby::claimed`].
     Claim(Source),
-    /// Apply `source` under the claimed epoch, then feed [`Standby::applied`].
+    /// Apply `source` under the claimed epoch and publish it beside the new record, then feed
+    /// [`Standby::applied`].
     Apply(Source),
     /// Publish `ValidatingIdentities`, re-check every engine's identity through its agent,
     /// then feed [`Standby::identities_checked`].
@@ -106,9 +127,9 @@ pub(crate) enum Step {
         /// Show the reason before releasing (the lease lapsed during the identity check).
         announce: bool,
     },
-    /// The takeover completed: record `gap` (since the last good poll), publish `Active`.
+    /// The takeover completed: record `gap` (since the last current copy), publish `Active`.
     TookOver {
-        /// Monotonic time since the last good poll, if any.
+        /// Monotonic time since the last current copy was retained, if any.
         gap: Option<Duration>,
     },
 }
@@ -121,7 +142,9 @@ pub(crate) fn stale_handoff(doc: u64, claim: u64) -> String {
 
 /// The reason a router with outdated state stays out (found by ha_e2e: a fenced primary took
 /// the fleet back after the new primary died, with its pre-takeover counters and without the
-/// new primary's drain of an engine, which then got traffic again).
+/// new primary's drain of an engine, which then got traffic again). Since issue 13 it only
+/// applies when the router that held the lease after it published nothing (a reference
+/// router): otherwise its published state is taken over.
 pub(crate) fn stale_state(own: u64, newer: u64) -> String {
     format!(
         "stale state: another router controlled the fleet at epoch {newer} after this router's \
@@ -130,40 +153,25 @@ pub(crate) fn stale_state(own: u64, newer: u64) -> String {
     )
 }
 
-/// Whether state of epoch `own` may be applied by claiming the lease now.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Own {
-    /// Nobody held the lease after `own`.
-    Current(u64),
-    /// Another router holds a live lease: nothing to do (the reason shown stays).
-    Held,
-    /// Another router held epoch `newer` after the state's epoch `own`: the state is stale.
-    Newer {
-        /// The state's epoch.
-        own: u64,
-        /// The lease record's epoch.
-        newer: u64,
-    },
-    /// The lease record is unreadable: the reason, for `/ready`.
-    Unavailable(String),
+/// How long the standby waits before its next tick: the poll `interval`, or less when the
+/// controller's lease record lapses sooner (`lapses_at`, wall seconds, read at `wall`; plus
+/// 5 ms so the lapse is seen), so a takeover starts as soon as the lease allows rather than up
+/// to one interval later.
+pub(crate) fn next_wait(interval: Duration, lapses_at: Option<f64>, wall: f64) -> Duration {
+    let Some(at) = lapses_at else {
+        return interval;
+    };
+    let until = Duration::try_from_secs_f64((at - wall).max(0.0) + 0.005).unwrap_or(interval);
+    interval.min(until)
 }
 
-/// Judges the lease `record` read at `now_wall` against state of epoch `own`: the record's
-/// epoch (which survives expiry and release) must not exceed it.
-pub(crate) fn judge_own(
-    own: u64,
-    record: Result<Option<LeaseRecord>, String>,
-    now_wall: f64,
-) -> Own {
-    match record {
-        Ok(Some(r)) if r.live(now_wall) && r.epoch > own => Own::Held,
-        Ok(Some(r)) if r.epoch > own => Own::Newer {
-            own,
-            newer: r.epoch,
-        },
-        Ok(_) => Own::Current(own),
-        Err(e) => Own::Unavailable(format!("lease unavailable: {e}")),
-    }
+/// [`next_wait`] in whole milliseconds, rounded up (the fault model's clock).
+#[cfg(test)]
+pub(crate) fn next_wait_ms(interval_ms: u64, lapses_at: Option<f64>, wall: f64) -> u64 {
+    let d = next_wait(Duration::from_millis(interval_ms), lapses_at, wall);
+    u64::try_from(d.as_micros().div_ceil(1000))
+        .unwrap_or(interval_ms)
+        .max(1)
 }
 
 /// The standby machine (see the module doc).
@@ -172,7 +180,12 @@ pub(crate) struct Standby {
     settings: Settings,
     /// The epoch this router last controlled (a fenced primary), `None` if it never did.
     held: Option<u64>,
+    /// The newest current copy of the controller's state (published or polled).
     retained: Option<Box<Handoff>>,
+    /// The handoff last read from the lease store (a takeover applies it).
+    stored: Option<Box<Handoff>>,
+    /// The lease record last read.
+    record: Option<LeaseRecord>,
     misses: u32,
     last_good: Option<Instant>,
     /// Epochs this router claimed and gave back without serving (failed takeovers).
@@ -186,20 +199,43 @@ impl Standby {
             settings,
             held,
             retained: None,
+            stored: None,
+            record: None,
             misses: 0,
             last_good: None,
             given_back: BTreeSet::new(),
         }
     }
 
-    /// The retained handoff, if any.
+    /// The retained copy of the controller's state, if any.
     pub(crate) fn retained(&self) -> Option<&Handoff> {
         self.retained.as_deref()
     }
 
+    /// The handoff last read from the lease store, if any.
+    pub(crate) fn stored(&self) -> Option<&Handoff> {
+        self.stored.as_deref()
+    }
+
     /// The epoch this router last controlled, if it did.
+    #[cfg(test)]
     pub(crate) fn held(&self) -> Option<u64> {
         self.held
+    }
+
+    /// When the lease record last read lapses (wall seconds), if it is another router's: the
+    /// driver wakes then to take over without waiting for a poll interval.
+    pub(crate) fn lapses_at(&self) -> Option<f64> {
+        self.record
+            .as_ref()
+            .filter(|r| r.holder != self.settings.holder)
+            .map(|r| r.expires_at)
+    }
+
+    /// Whether the router needs its own state file's epoch for [`Standby::observed`]: it
+    /// follows no primary and never controlled the fleet in this process.
+    pub(crate) fn wants_own_file(&self) -> bool {
+        !self.settings.primary && self.held.is_none()
     }
 
     /// Epochs claimed and given back by this router.
@@ -215,71 +251,159 @@ impl Standby {
         self.given_back.insert(epoch);
     }
 
-    /// One poll interval passed.
+    /// One poll interval passed (or the observed record's expiry came).
     pub(crate) fn tick(&self) -> Step {
-        if self.settings.primary {
-            Step::Poll
-        } else {
-            Step::ReadOwnState
+        Step::Observe
+    }
+
+    /// `doc` (epoch `doc`) may be applied under the epoch a claim would get after `record`
+    /// epoch `last`: nobody but this router held the lease after the document was written.
+    fn chain_holds(&self, doc: u64, last: u64) -> bool {
+        doc >= last || (doc + 1..=last).all(|e| self.given_back.contains(&e))
+    }
+
+    fn retain(&mut self, now: Instant, h: Box<Handoff>) {
+        self.misses = 0;
+        self.last_good = Some(now);
+        self.retained = Some(h);
+    }
+
+    /// What the lease store held at `now` / `now_wall`; `own_file` is this router's own
+    /// state file's epoch when [`Standby::wants_own_file`] (0 without a valid file).
+    pub(crate) fn observed(
+        &mut self,
+        now: Instant,
+        now_wall: f64,
+        seen: Observation,
+        own_file: Option<u64>,
+    ) -> Step {
+        let (record, stored) = match seen {
+            Ok(x) => x,
+            Err(e) => {
+                return Step::Publish(HaPhase::Blocked {
+                    reason: format!("lease unavailable: {e}"),
+                });
+            }
+        };
+        self.record = record.clone();
+        self.stored = stored;
+        match record {
+            Some(r) if r.live(now_wall) && r.holder != self.settings.holder => {
+                let controller = Controller {
+                    holder: r.holder.clone(),
+                    epoch: r.epoch,
+                };
+                let current = self
+                    .stored
+                    .as_ref()
+                    .filter(|h| h.epoch == r.epoch && h.holder == r.holder)
+                    .cloned();
+                match current {
+                    Some(h) => {
+                        self.retain(now, h);
+                        Step::Retain(controller)
+                    }
+                    None if self.settings.primary => Step::Poll,
+                    None => Step::Follow(controller),
+                }
+            }
+            // Our own record, still live: a fenced router whose renewal failed while the
+            // record held (a store hiccup). Getting its own epoch back is no change of holder.
+            Some(r) if r.live(now_wall) => match self.held {
+                Some(e) if e == r.epoch => Step::Claim(Source::Memory { epoch: e }),
+                _ => Step::Wait,
+            },
+            lapsed => self.candidate(now_wall, lapsed.as_ref(), own_file),
         }
     }
 
-    /// The poll's result at `now` / `now_wall`.
+    /// The lease lapsed (or never existed): which state to take over with, or why not.
+    fn candidate(
+        &mut self,
+        now_wall: f64,
+        record: Option<&LeaseRecord>,
+        own_file: Option<u64>,
+    ) -> Step {
+        let last = record.map_or(0, |r| r.epoch);
+        if let Some(e) = self.held
+            && e == last
+        {
+            return Step::Claim(Source::Memory { epoch: e });
+        }
+        if let Some(h) = &self.stored
+            && h.epoch > 0
+            && self.chain_holds(h.epoch, last)
+        {
+            return Step::Claim(Source::Stored);
+        }
+        if self.settings.primary {
+            let newest = self
+                .stored
+                .iter()
+                .chain(self.retained.iter())
+                .map(|h| h.epoch)
+                .max();
+            return match &self.retained {
+                Some(h) if now_wall - h.at > self.settings.max_handoff_age_s => {
+                    self.blocked("no fresh handoff")
+                }
+                Some(h) if self.chain_holds(h.epoch, last) => Step::Claim(Source::Retained),
+                _ => match newest {
+                    Some(doc) => Step::Publish(HaPhase::Blocked {
+                        reason: stale_handoff(doc, last + 1),
+                    }),
+                    None => self.blocked("no fresh handoff"),
+                },
+            };
+        }
+        let own = match (self.held, own_file) {
+            (Some(e), _) => e,
+            (None, Some(e)) => e,
+            (None, None) => 0,
+        };
+        if self.held.is_none() && self.chain_holds(own, last) {
+            return Step::Claim(Source::OwnFile { epoch: own });
+        }
+        Step::Publish(HaPhase::Blocked {
+            reason: stale_state(own, last),
+        })
+    }
+
+    fn blocked(&self, reason: &str) -> Step {
+        Step::Publish(HaPhase::Blocked {
+            reason: reason.into(),
+        })
+    }
+
+    /// The HTTP poll's result at `now` / `now_wall` (the record is live and another
+    /// router's, and it published nothing beside it).
     pub(crate) fn polled(&mut self, now: Instant, now_wall: f64, poll: Poll) -> Step {
         match poll {
             Poll::Good(h) => {
-                self.misses = 0;
-                self.last_good = Some(now);
-                self.retained = Some(h);
-                Step::Retain
+                let controller = Controller {
+                    holder: h.holder.clone(),
+                    epoch: h.epoch,
+                };
+                self.retain(now, h);
+                Step::Retain(controller)
             }
             Poll::Miss(_) => {
-                self.misses += 1;
-                if self.misses < self.settings.takeover_after {
+                self.misses = self.misses.saturating_add(1);
+                let fresh = self
+                    .retained
+                    .as_ref()
+                    .is_some_and(|h| now_wall - h.at <= self.settings.max_handoff_age_s);
+                if self.misses < self.settings.takeover_after || fresh {
                     return Step::Wait;
                 }
-                match &self.retained {
-                    Some(h) if now_wall - h.at <= self.settings.max_handoff_age_s => {
-                        Step::ReadLease { own: h.epoch }
-                    }
-                    _ => Step::Publish(HaPhase::Blocked {
-                        reason: "no fresh handoff".into(),
-                    }),
-                }
+                self.blocked("no fresh handoff")
             }
-        }
-    }
-
-    /// The lease record, read at `now_wall`, judged against state of epoch `own`. Checked
-    /// before claiming: a copy older than the lease is never applied, and a claim that would
-    /// be given back at once is not made (no epoch churn while retrying).
-    pub(crate) fn lease_read(
-        &mut self,
-        own: u64,
-        record: Result<Option<LeaseRecord>, String>,
-        now_wall: f64,
-    ) -> Step {
-        let blocked = |reason| Step::Publish(HaPhase::Blocked { reason });
-        match judge_own(own, record, now_wall) {
-            Own::Current(epoch) => Step::Claim(if self.settings.primary {
-                Source::Retained
-            } else if self.held.is_some() {
-                Source::Memory { epoch }
-            } else {
-                Source::OwnFile { epoch }
-            }),
-            Own::Held => Step::Wait,
-            Own::Newer { own, newer } if self.settings.primary => {
-                blocked(stale_handoff(own, newer + 1))
-            }
-            Own::Newer { own, newer } => blocked(stale_state(own, newer)),
-            Own::Unavailable(why) => blocked(why),
         }
     }
 
     fn give_back(&mut self, epoch: u64, why: String, announce: bool) -> Step {
         // Remember the epoch: it was ours and nobody served under it, so it does not make
-        // the retained handoff stale on the next attempt (etcd advances the epoch on every
+        // the state to apply stale on the next attempt (etcd advances the epoch on every
         // claim).
         self.given_back.insert(epoch);
         Step::GiveBack {
@@ -293,7 +417,7 @@ impl Standby {
     pub(crate) fn claimed(&mut self, source: Source, claim: Result<u64, LeaseLoss>) -> Step {
         let epoch = match claim {
             Ok(e) => e,
-            // The primary's lease is still valid: never take over then.
+            // Another router's lease is live: never take over then.
             Err(LeaseLoss::HeldByAnother) => return Step::Wait,
             Err(e) => {
                 return Step::Publish(HaPhase::Blocked {
@@ -301,32 +425,31 @@ impl Standby {
                 });
             }
         };
-        match source {
-            Source::Retained => {
-                let Some(doc) = self.retained.as_ref().map(|h| h.epoch) else {
-                    return self.give_back(epoch, "no fresh handoff".into(), false);
-                };
-                let only_ours_between = (doc + 1..epoch).all(|e| self.given_back.contains(&e));
-                if doc != 0 && doc + 1 != epoch && !only_ours_between {
-                    return self.give_back(epoch, stale_handoff(doc, epoch), false);
-                }
-            }
+        let doc = match source {
+            Source::Stored => self.stored.as_ref().map(|h| h.epoch),
+            Source::Retained => self.retained.as_ref().map(|h| h.epoch),
             // Another router claimed in between the check and our claim. Getting our own
             // epoch back (our record was still live: a renewal failed transiently) is no
             // change of holder: the claim keeps the epoch only for this process's own holder
             // token.
-            Source::OwnFile { epoch: own } | Source::Memory { epoch: own }
-                if own + 1 != epoch && !(own > 0 && own == epoch) =>
-            {
-                return self.give_back(epoch, stale_state(own, epoch - 1), false);
+            Source::OwnFile { epoch: own } | Source::Memory { epoch: own } => {
+                if own + 1 != epoch && !(own > 0 && own == epoch) {
+                    return self.give_back(epoch, stale_state(own, epoch - 1), false);
+                }
+                return Step::Apply(source);
             }
-            Source::OwnFile { .. } | Source::Memory { .. } => {}
+        };
+        let Some(doc) = doc else {
+            return self.give_back(epoch, "no fresh handoff".into(), false);
+        };
+        if doc != 0 && !self.chain_holds(doc, epoch - 1) {
+            return self.give_back(epoch, stale_handoff(doc, epoch), false);
         }
         Step::Apply(source)
     }
 
-    /// Applying the source under `epoch` finished (`Err`: the reason it was refused);
-    /// `lease_active` is the lease's local validity now.
+    /// Applying the source under `epoch` (and publishing it there) finished (`Err`: the
+    /// reason it was refused); `lease_active` is the lease's local validity now.
     pub(crate) fn applied(
         &mut self,
         epoch: u64,
@@ -385,15 +508,22 @@ pub(crate) mod tests {
     use narwhal_shared::{Clock as _, SystemClock};
     use std::collections::BTreeMap;
 
-    fn settings(primary: bool) -> Settings {
+    pub(crate) const ME: &str = "me:0";
+
+    pub(crate) fn settings(primary: bool) -> Settings {
         Settings {
             primary,
             takeover_after: 3,
             max_handoff_age_s: 30.0,
+            holder: ME.into(),
         }
     }
 
     pub(crate) fn doc(epoch: u64, at: f64) -> Box<Handoff> {
+        doc_of(epoch, "primary:0", at)
+    }
+
+    pub(crate) fn doc_of(epoch: u64, holder: &str, at: f64) -> Box<Handoff> {
         Box::new(Handoff {
             schema: narwhal_shared::handoff::HANDOFF_SCHEMA.into(),
             schema_version: narwhal_shared::handoff::HANDOFF_VERSION,
@@ -401,7 +531,7 @@ pub(crate) mod tests {
             run: "1-aa".into(),
             model: "m".into(),
             epoch,
-            holder: "primary:0".into(),
+            holder: holder.into(),
             engines: vec!["d0".into()],
             roles: BTreeMap::from([("d0".into(), "decode".into())]),
             ejected: vec![],
@@ -419,53 +549,83 @@ pub(crate) mod tests {
         })
     }
 
-    fn record(epoch: u64, expires_at: f64) -> LeaseRecord {
+    pub(crate) fn record_of(epoch: u64, holder: &str, expires_at: f64) -> LeaseRecord {
         LeaseRecord {
             epoch,
             expires_at,
-            holder: "other:0".into(),
+            holder: holder.into(),
             schema: crate::lease::LEASE_SCHEMA.into(),
             schema_version: 1,
             updated_at: expires_at - 2.0,
         }
     }
 
+    fn record(epoch: u64, expires_at: f64) -> LeaseRecord {
+        record_of(epoch, "primary:0", expires_at)
+    }
+
+    fn seen(rec: Option<LeaseRecord>, stored: Option<Box<Handoff>>) -> Observation {
+        Ok((rec, stored))
+    }
+
     fn miss() -> Poll {
         Poll::Miss("connection refused".into())
     }
 
-    /// A warm standby, step by step: it shadows while the primary answers, claims only
-    /// after `takeover_after` misses with a fresh copy and a lapsed lease, applies the copy,
-    /// re-checks identities, commits, and reports the gap since the last good poll.
+    fn controller(epoch: u64) -> Controller {
+        Controller {
+            holder: "primary:0".into(),
+            epoch,
+        }
+    }
+
+    /// A warm standby, step by step: it follows the primary through the handoff the primary
+    /// publishes beside its lease record, takes over at the first observation of a lapsed
+    /// record (no missed polls needed), applies the published copy, re-checks identities,
+    /// commits, and reports the gap since the last current copy.
     #[test]
-    fn a_warm_standby_takes_over_after_consecutive_misses() {
+    fn a_standby_follows_the_store_and_takes_over_when_the_record_lapses() {
         let t0 = SystemClock.now();
         let mut s = Standby::new(settings(true), None);
-        assert_eq!(s.tick(), Step::Poll);
+        assert_eq!(s.tick(), Step::Observe);
+        let live = Some(record(4, 1002.0));
         assert_eq!(
-            s.polled(t0, 1000.0, Poll::Good(doc(4, 1000.0))),
-            Step::Retain
+            s.observed(t0, 1000.0, seen(live.clone(), Some(doc(4, 999.9))), None),
+            Step::Retain(controller(4))
         );
         assert_eq!(s.retained().map(|h| h.epoch), Some(4));
-        assert_eq!(s.polled(t0, 1000.5, miss()), Step::Wait);
-        assert_eq!(s.polled(t0, 1000.75, miss()), Step::Wait);
         assert_eq!(
-            s.polled(t0, 1001.0, miss()),
-            Step::ReadLease { own: 4 },
-            "the third consecutive miss"
+            s.lapses_at(),
+            Some(1002.0),
+            "the driver wakes at the expiry"
+        );
+        // A copy of another epoch or holder than the record's is not current: poll.
+        assert_eq!(
+            s.observed(t0, 1000.1, seen(live.clone(), Some(doc(3, 999.0))), None),
+            Step::Poll
+        );
+        let later = t0 + Duration::from_millis(2500);
+        assert_eq!(
+            s.observed(
+                later,
+                1002.0,
+                seen(Some(record(4, 1002.0)), Some(doc(4, 1001.5))),
+                None
+            ),
+            Step::Claim(Source::Stored),
+            "lapsed exactly at expires_at"
         );
         assert_eq!(
-            s.lease_read(4, Ok(Some(record(4, 1002.0))), 1001.0),
-            Step::Claim(Source::Retained),
-            "our primary's own record is not someone newer"
+            s.stored().map(|h| h.at),
+            Some(1001.5),
+            "the newest published copy"
         );
         assert_eq!(
-            s.claimed(Source::Retained, Ok(5)),
-            Step::Apply(Source::Retained)
+            s.claimed(Source::Stored, Ok(5)),
+            Step::Apply(Source::Stored)
         );
         assert_eq!(s.applied(5, Ok(()), true), Step::ValidateIdentities);
         assert_eq!(s.identities_checked(5, true, true), Step::Commit);
-        let later = t0 + Duration::from_millis(2500);
         assert_eq!(
             s.committed(5, later, true),
             Step::TookOver {
@@ -475,11 +635,15 @@ pub(crate) mod tests {
         assert_eq!(s.held(), Some(5));
     }
 
-    /// A good poll resets the miss count; a stale copy is never claimed.
+    /// A primary that publishes nothing (the Python reference) is polled over HTTP: misses
+    /// while its lease is live never take over; `no fresh handoff` is said after N misses
+    /// without a fresh copy; a lapsed lease is taken over with the polled copy.
     #[test]
-    fn misses_must_be_consecutive_and_the_copy_fresh() {
+    fn a_primary_that_publishes_nothing_is_polled() {
         let t0 = SystemClock.now();
         let mut s = Standby::new(settings(true), None);
+        let live = || seen(Some(record(4, 1002.0)), None);
+        assert_eq!(s.observed(t0, 1000.0, live(), None), Step::Poll);
         assert_eq!(s.polled(t0, 1000.0, miss()), Step::Wait);
         assert_eq!(s.polled(t0, 1000.0, miss()), Step::Wait);
         assert_eq!(
@@ -487,14 +651,19 @@ pub(crate) mod tests {
             Step::Publish(HaPhase::Blocked {
                 reason: "no fresh handoff".into()
             }),
-            "nothing retained"
+            "nothing retained after 3 misses"
         );
         assert_eq!(
-            s.polled(t0, 1000.0, Poll::Good(doc(1, 1000.0))),
-            Step::Retain
+            s.polled(t0, 1000.0, Poll::Good(doc(4, 1000.0))),
+            Step::Retain(controller(4))
         );
-        assert_eq!(s.polled(t0, 1000.0, miss()), Step::Wait, "count restarted");
-        assert_eq!(s.polled(t0, 1000.0, miss()), Step::Wait);
+        for _ in 0..5 {
+            assert_eq!(
+                s.polled(t0, 1000.5, miss()),
+                Step::Wait,
+                "a fresh copy is kept"
+            );
+        }
         assert_eq!(
             s.polled(t0, 1031.0, miss()),
             Step::Publish(HaPhase::Blocked {
@@ -502,55 +671,158 @@ pub(crate) mod tests {
             }),
             "31 s old"
         );
+        assert_eq!(
+            s.observed(t0, 1031.0, seen(Some(record(4, 1002.0)), None), None),
+            Step::Publish(HaPhase::Blocked {
+                reason: "no fresh handoff".into()
+            }),
+            "a stale polled copy is never applied"
+        );
+        let mut s = Standby::new(settings(true), None);
+        s.polled(t0, 1000.0, Poll::Good(doc(4, 1000.0)));
+        assert_eq!(
+            s.observed(t0, 1003.0, seen(Some(record(4, 1002.0)), None), None),
+            Step::Claim(Source::Retained)
+        );
+        assert_eq!(
+            s.claimed(Source::Retained, Ok(5)),
+            Step::Apply(Source::Retained)
+        );
     }
 
-    /// The lease decides: a live holder means wait, a newer epoch means the copy is stale,
-    /// an unreadable store is shown.
+    /// The lease decides: a live record of another holder means follow; a newer epoch than
+    /// every copy at hand means the copy is stale; an unreadable store is shown.
     #[test]
     fn the_lease_record_gates_the_claim() {
+        let t0 = SystemClock.now();
         let mut s = Standby::new(settings(true), None);
+        s.polled(t0, 1000.0, Poll::Good(doc(4, 1000.0)));
         assert_eq!(
-            s.lease_read(4, Ok(Some(record(5, 1002.0))), 1001.0),
-            Step::Wait
-        );
-        assert_eq!(
-            s.lease_read(4, Ok(Some(record(5, 1000.0))), 1001.0),
+            s.observed(t0, 1001.0, seen(Some(record(5, 1000.5)), None), None),
             Step::Publish(HaPhase::Blocked {
                 reason: stale_handoff(4, 6)
-            })
+            }),
+            "a third router held epoch 5 and published nothing"
         );
         assert_eq!(
-            s.lease_read(4, Err("etcd get timed out".into()), 1001.0),
+            s.observed(t0, 1001.0, Err("etcd get timed out".into()), None),
             Step::Publish(HaPhase::Blocked {
                 reason: "lease unavailable: etcd get timed out".into()
             })
         );
+        let mut fresh = Standby::new(settings(true), None);
         assert_eq!(
-            s.lease_read(0, Ok(None), 1001.0),
-            Step::Claim(Source::Retained),
-            "no record at all"
+            fresh.observed(t0, 1001.0, seen(None, None), None),
+            Step::Publish(HaPhase::Blocked {
+                reason: "no fresh handoff".into()
+            }),
+            "no primary ever ran: nothing to take over"
         );
     }
 
-    /// Found by ha_e2e: a fenced primary without `--standby-of` took the fleet back with its
-    /// pre-takeover state once the router that replaced it died. It may only when nobody held
-    /// the lease after its own epoch.
+    /// Issue 13: a fenced primary that sees another router's live lease is a standby that
+    /// names the controller (it follows the published copy, or just the record); when that
+    /// router dies it takes the fleet over with the newer router's published state, never
+    /// its own stale memory.
+    #[test]
+    fn a_fenced_router_follows_the_new_controller_and_takes_over_its_state() {
+        let t0 = SystemClock.now();
+        let mut s = Standby::new(settings(false), Some(7));
+        let newer = || record_of(8, "new:1", 1002.0);
+        assert_eq!(
+            s.observed(t0, 1000.0, seen(Some(newer()), None), None),
+            Step::Follow(Controller {
+                holder: "new:1".into(),
+                epoch: 8
+            }),
+            "no copy yet, still a standby"
+        );
+        assert_eq!(
+            s.observed(
+                t0,
+                1000.0,
+                seen(Some(newer()), Some(doc_of(8, "new:1", 999.0))),
+                None
+            ),
+            Step::Retain(Controller {
+                holder: "new:1".into(),
+                epoch: 8
+            })
+        );
+        assert_eq!(
+            s.observed(
+                t0,
+                1003.0,
+                seen(Some(newer()), Some(doc_of(8, "new:1", 1001.0))),
+                None
+            ),
+            Step::Claim(Source::Stored)
+        );
+        assert_eq!(
+            s.claimed(Source::Stored, Ok(9)),
+            Step::Apply(Source::Stored)
+        );
+        // The newer router published nothing (a reference router): its state is unknown.
+        let mut s = Standby::new(settings(false), Some(7));
+        assert_eq!(
+            s.observed(
+                t0,
+                1003.0,
+                seen(Some(newer()), Some(doc_of(7, ME, 990.0))),
+                None
+            ),
+            Step::Publish(HaPhase::Blocked {
+                reason: stale_state(7, 8)
+            })
+        );
+    }
+
+    /// A fenced router whose own lease lapsed with nobody after it takes the fleet back
+    /// from memory; its own live record (a transient renewal failure) keeps its epoch; a
+    /// router that never controlled takes its own state file only when it is current.
     #[test]
     fn a_router_without_a_peer_takes_back_only_its_own_latest_epoch() {
+        let t0 = SystemClock.now();
         let now = 1000.0;
-        // Its own lease lapsed, nobody else claimed: it may claim epoch 8.
+        let mut fenced = Standby::new(settings(false), Some(7));
+        assert!(!fenced.wants_own_file());
         assert_eq!(
-            judge_own(7, Ok(Some(record(7, now - 1.0))), now),
-            Own::Current(7)
+            fenced.observed(
+                t0,
+                now,
+                seen(
+                    Some(record_of(7, ME, now - 1.0)),
+                    Some(doc_of(7, ME, 990.0))
+                ),
+                None
+            ),
+            Step::Claim(Source::Memory { epoch: 7 }),
+            "memory is newer than its own published copy"
         );
-        // No record at all (fresh fleet, nothing written yet).
-        assert_eq!(judge_own(0, Ok(None), now), Own::Current(0));
-        // Another router holds a live lease: wait, keeping the fence reason.
-        assert_eq!(judge_own(7, Ok(Some(record(8, now + 1.0))), now), Own::Held);
-        // Another router held epoch 8 and is gone: this state is stale.
         assert_eq!(
-            judge_own(7, Ok(Some(record(8, now - 1.0))), now),
-            Own::Newer { own: 7, newer: 8 }
+            fenced.observed(t0, now, seen(Some(record_of(7, ME, now + 1.0)), None), None),
+            Step::Claim(Source::Memory { epoch: 7 }),
+            "its own live record"
+        );
+        assert_eq!(
+            fenced.claimed(Source::Memory { epoch: 7 }, Ok(7)),
+            Step::Apply(Source::Memory { epoch: 7 })
+        );
+        let mut fresh = Standby::new(settings(false), None);
+        assert!(fresh.wants_own_file());
+        assert_eq!(
+            fresh.observed(t0, now, seen(None, None), Some(0)),
+            Step::Claim(Source::OwnFile { epoch: 0 })
+        );
+        assert_eq!(
+            fresh.observed(t0, now, seen(Some(record(7, now - 1.0)), None), Some(7)),
+            Step::Claim(Source::OwnFile { epoch: 7 })
+        );
+        assert_eq!(
+            fresh.observed(t0, now, seen(Some(record(8, now - 1.0)), None), Some(7)),
+            Step::Publish(HaPhase::Blocked {
+                reason: stale_state(7, 8)
+            })
         );
         let why = stale_state(7, 8);
         assert!(why.starts_with("stale state:"), "{why}");
@@ -558,28 +830,6 @@ pub(crate) mod tests {
         assert_eq!(
             stale_handoff(7, 9),
             "handoff epoch 7 cannot precede claimed epoch 9"
-        );
-        let Own::Unavailable(why) = judge_own(7, Err("lease config: test".into()), now) else {
-            panic!("an unreadable lease refuses");
-        };
-        assert!(why.starts_with("lease unavailable:"), "{why}");
-        // The machine: a fenced primary claims from memory, a fresh one from its file.
-        let mut fenced = Standby::new(settings(false), Some(7));
-        assert_eq!(fenced.tick(), Step::ReadOwnState);
-        assert_eq!(
-            fenced.lease_read(7, Ok(Some(record(7, now - 1.0))), now),
-            Step::Claim(Source::Memory { epoch: 7 })
-        );
-        let mut fresh = Standby::new(settings(false), None);
-        assert_eq!(
-            fresh.lease_read(0, Ok(None), now),
-            Step::Claim(Source::OwnFile { epoch: 0 })
-        );
-        assert_eq!(
-            fresh.lease_read(7, Ok(Some(record(8, now - 1.0))), now),
-            Step::Publish(HaPhase::Blocked {
-                reason: stale_state(7, 8)
-            })
         );
     }
 
@@ -612,9 +862,7 @@ pub(crate) mod tests {
         }
     }
 
-    /// A fenced primary whose renewal failed while its record was still live gets its own
-    /// epoch back: no change of holder. Claiming after someone else held the fleet is
-    /// given back.
+    /// A claim must follow the state it applies; a refused claim waits; a store error shows.
     #[test]
     fn a_claim_must_follow_the_state_it_applies() {
         let mut s = Standby::new(settings(false), Some(1));
@@ -643,6 +891,19 @@ pub(crate) mod tests {
                 reason: "lease unavailable: io".into()
             })
         );
+        // Another router claimed (and maybe published) between our read and our claim.
+        let t0 = SystemClock.now();
+        let mut s = Standby::new(settings(true), None);
+        s.observed(
+            t0,
+            1003.0,
+            seen(Some(record(4, 1002.0)), Some(doc(4, 1001.0))),
+            None,
+        );
+        let Step::GiveBack { why, .. } = s.claimed(Source::Stored, Ok(6)) else {
+            panic!("epoch 5 was someone else's");
+        };
+        assert_eq!(why, stale_handoff(4, 6));
     }
 
     /// Every failure after the claim gives the epoch back with its reason; only a lapsed

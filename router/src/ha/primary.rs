@@ -111,15 +111,26 @@ pub(crate) fn renew(parts: &Arc<Parts>, pending: bool, stop: &CancellationToken)
 }
 
 /// Startup of a primary with a lease backend: claims the lease and keeps it (`Ok`), or
-/// publishes why not (`Err`: the router then waits as a standby, DESIGN.md 9.6).
+/// publishes why not (`Err`: the router then waits as a standby, DESIGN.md 9.6). With
+/// `resume`, a handoff published beside the lease record by a router that controlled the
+/// fleet after this router's state file was written is applied over it (issue 13: whoever
+/// takes over reads the newest state).
 pub(crate) async fn claim_at_startup(
     parts: &Arc<Parts>,
     stop: &CancellationToken,
+    resume: bool,
 ) -> Result<Renewal, ()> {
     let lease = parts.ha.lease();
     match lease.claim().await {
         Ok(epoch) => {
             tracing::info!(epoch, holder = %lease.holder(), "lease claimed; this router controls the fleet");
+            if resume {
+                resume_newer_published(parts, epoch).await;
+            }
+            // Published under the new epoch before anything is decided under it (issue 13).
+            if let Err(e) = crate::handoff::publish(parts, true).await {
+                tracing::warn!(error = %e, "handoff not published at startup; the writer retries");
+            }
             parts.ha.publish(HaPhase::Active);
             Ok(renew(parts, false, stop))
         }
@@ -133,6 +144,35 @@ pub(crate) async fn claim_at_startup(
     }
 }
 
+/// `--resume` after a claim of `epoch`: the handoff published by the last controller (epoch
+/// `epoch − 1`) replaces the state file's when it is newer than the file.
+async fn resume_newer_published(parts: &Arc<Parts>, epoch: u64) {
+    let path = std::path::PathBuf::from(&parts.cfg.recovery.state_path);
+    let file_epoch =
+        match tokio::task::spawn_blocking(move || narwhal_shared::handoff::load_state_file(&path))
+            .await
+        {
+            Ok(narwhal_shared::handoff::Loaded::Valid(h)) => h.epoch,
+            _ => 0,
+        };
+    let doc = match crate::handoff::read_published(parts).await {
+        Ok((_, Some(doc))) if doc.epoch + 1 == epoch && doc.epoch > file_epoch => doc,
+        Ok(_) => return,
+        Err(e) => {
+            tracing::warn!(error = %e, "published handoff unreadable at startup; resuming from the state file");
+            return;
+        }
+    };
+    match crate::handoff::apply(parts, &doc) {
+        Ok(_) => tracing::info!(
+            published = doc.epoch,
+            file = file_epoch,
+            "resumed from the handoff published beside the lease (newer than the state file)"
+        ),
+        Err(e) => tracing::warn!(error = %e, "published handoff refused at startup"),
+    }
+}
+
 /// Startup of a primary with agents: hold readiness (`ValidatingIdentities`) while every
 /// engine's identity is checked through its agent (in the background, so the listeners are
 /// up meanwhile), then release the hold unless something else replaced it
@@ -143,4 +183,42 @@ pub(crate) fn hold_until_identities_checked(parts: Arc<Parts>) {
         parts.lifecycle.check_identities().await;
         parts.ha.end_identity_check();
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 13: a primary restarted with `--resume` after another router controlled the
+    /// fleet takes that router's published handoff (newer than its own state file); without
+    /// `--resume` it starts fresh, as the reference does.
+    #[tokio::test]
+    async fn resume_takes_a_newer_published_handoff_over_the_state_file() {
+        for resume in [true, false] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let (parts, _clock) = crate::phase::tests::leased(dir.path());
+            // Another router held epoch 1, published served 9, and is gone (record expired).
+            let mut h = crate::handoff::snapshot(&parts);
+            h.epoch = 1;
+            h.holder = "other:0".into();
+            h.counters.insert("served".into(), 9);
+            let lease = dir.path().join("lease.json");
+            let other = serde_json::json!({"epoch": 1, "expires_at": 1.0e9 - 1.0,
+                "holder": "other:0", "schema": "narwhal.router-lease", "schema_version": 1,
+                "updated_at": 1.0e9 - 3.0});
+            std::fs::write(&lease, format!("{other}\n")).expect("record");
+            let published = serde_json::to_vec(&h).expect("json");
+            std::fs::write(dir.path().join("lease.json.handoff"), published).expect("handoff");
+            let stop = CancellationToken::new();
+            let renewal = claim_at_startup(&parts, &stop, resume).await;
+            assert!(renewal.is_ok());
+            assert_eq!(parts.ha.lease().epoch(), 2);
+            let served = parts.accounting.tally().served;
+            assert_eq!(served, if resume { 9 } else { 0 }, "resume {resume}");
+            let (_, doc) = crate::handoff::read_published(&parts).await.expect("store");
+            let doc = doc.expect("published under epoch 2 at once");
+            assert_eq!((doc.epoch, doc.counters["served"]), (2, served));
+            stop.cancel();
+        }
+    }
 }

@@ -1,15 +1,17 @@
 //! The warm standby's driver (reference-notes 2.9, with DESIGN.md 9.6: it never stops for
-//! good): every interval it asks the pure [`Standby`] machine what to do and performs it —
-//! poll the primary, persist the retained handoff, read the lease, claim, apply, re-check
-//! identities, commit or give the lease back.
+//! good; issue 13): every interval, and at the moment the controller's lease record lapses,
+//! it asks the pure [`Standby`] machine what to do and performs it — read the lease store,
+//! follow the controller's published handoff (or poll a primary that publishes none),
+//! persist the retained copy, claim, apply and publish, re-check identities, commit or give
+//! the lease back.
 //!
 //! ```text
-//!  interval ──► Standby::tick ──► Step ──StandbyIo──► result ──► Standby::<event> ──► Step ...
-//!                                 (Live: HTTP to the primary, lease store, handoff, agents)
+//!  min(interval, until expires_at) ──► Standby::tick ──► Step ──StandbyIo──► result
+//!        ──► Standby::<event> ──► Step ...   (Live: lease store, HTTP to the primary, handoff, agents)
 //! ```
 //!
-//! Without a primary URL (a fenced primary started without `--standby-of`) it only retries
-//! the lease, and takes the fleet back only while its own state is still the fleet's newest.
+//! Without a primary URL (a fenced primary started without `--standby-of`) it follows the
+//! store only.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,12 +21,12 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use super::StandbyOptions;
-use super::machine::{Poll, Settings, Source, Standby, Step};
+use super::machine::{Observation, Poll, Settings, Source, Standby, Step, next_wait};
 use super::primary::{self, Renewal};
 use crate::config::Config;
-use crate::lease::{Control, LeaseLoss, LeaseRecord};
+use crate::lease::{Control, LeaseLoss};
 use crate::parts::Parts;
-use crate::phase::HaPhase;
+use crate::phase::{Controller, HaPhase};
 
 /// What the standby's steps do to the world (implemented by [`Live`]; tests fake it).
 pub(crate) trait StandbyIo {
@@ -34,21 +36,24 @@ pub(crate) trait StandbyIo {
     fn wall(&self) -> f64;
     /// Publishes the HA phase.
     fn publish(&self, phase: HaPhase);
+    /// Records the router seen controlling the fleet.
+    fn follow(&self, controller: Option<Controller>);
+    /// Reads the lease record and the handoff published beside it.
+    fn observe(&self) -> impl Future<Output = Observation> + Send;
     /// Polls the primary (its `/ready`, `/narwhal/handoff` and the lease record).
     fn poll(&self) -> impl Future<Output = Poll> + Send;
     /// Writes the retained handoff to the state file (best effort).
     fn persist(&self, h: &Handoff) -> impl Future<Output = ()> + Send;
-    /// Reads the lease record.
-    fn read_record(&self) -> impl Future<Output = Result<Option<LeaseRecord>, String>> + Send;
     /// The epoch of this router's own state file, 0 without a valid one.
     fn own_file_epoch(&self) -> impl Future<Output = u64> + Send;
     /// Claims the lease and, on success, starts renewing it (pending).
     fn claim(&mut self) -> impl Future<Output = Result<u64, LeaseLoss>> + Send;
-    /// Applies `source` (`retained` is the retained handoff).
+    /// Applies `source` (`doc` is the stored or retained handoff it names) and publishes the
+    /// result beside the new lease record.
     fn apply(
         &self,
         source: Source,
-        retained: Option<&Handoff>,
+        doc: Option<&Handoff>,
     ) -> impl Future<Output = Result<(), String>> + Send;
     /// The lease is locally valid now.
     fn lease_active(&self) -> bool;
@@ -60,7 +65,7 @@ pub(crate) trait StandbyIo {
     fn commit(&mut self) -> bool;
     /// Stops the renewal and releases the lease.
     fn give_back(&mut self) -> impl Future<Output = ()> + Send;
-    /// The takeover completed after `gap` since the last good poll.
+    /// The takeover completed after `gap` since the last current copy.
     fn took_over(&mut self, gap: Option<Duration>);
 }
 
@@ -79,6 +84,15 @@ pub(crate) async fn steps(io: &mut impl StandbyIo, m: &mut Standby, mut step: St
     loop {
         step = match step {
             Step::Wait => return Ended::Tick,
+            Step::Observe => {
+                let seen = io.observe().await;
+                let own = if m.wants_own_file() {
+                    Some(io.own_file_epoch().await)
+                } else {
+                    None
+                };
+                m.observed(io.now(), io.wall(), seen, own)
+            }
             Step::Poll => {
                 let poll = io.poll().await;
                 if let Poll::Miss(why) = &poll {
@@ -86,28 +100,23 @@ pub(crate) async fn steps(io: &mut impl StandbyIo, m: &mut Standby, mut step: St
                 }
                 m.polled(io.now(), io.wall(), poll)
             }
-            Step::Retain => {
+            Step::Retain(controller) => {
                 if let Some(h) = m.retained() {
                     io.persist(h).await;
                 }
+                io.follow(Some(controller));
+                io.publish(HaPhase::Shadowing);
+                return Ended::Tick;
+            }
+            Step::Follow(controller) => {
+                io.follow(Some(controller));
                 io.publish(HaPhase::Shadowing);
                 return Ended::Tick;
             }
             Step::Publish(phase) => {
+                io.follow(None);
                 io.publish(phase);
                 return Ended::Tick;
-            }
-            Step::ReadLease { own } => {
-                let record = io.read_record().await;
-                m.lease_read(own, record, io.wall())
-            }
-            Step::ReadOwnState => {
-                let own = match m.held() {
-                    Some(epoch) => epoch,
-                    None => io.own_file_epoch().await,
-                };
-                let record = io.read_record().await;
-                m.lease_read(own, record, io.wall())
             }
             Step::Claim(source) => {
                 let claim = io.claim().await;
@@ -121,10 +130,16 @@ pub(crate) async fn steps(io: &mut impl StandbyIo, m: &mut Standby, mut step: St
                 m.claimed(source, claim)
             }
             Step::Apply(source) => {
-                let result = io.apply(source, m.retained()).await;
+                let doc = match source {
+                    Source::Stored => m.stored(),
+                    Source::Retained => m.retained(),
+                    Source::OwnFile { .. } | Source::Memory { .. } => None,
+                };
+                let result = io.apply(source, doc).await;
                 m.applied(claimed, result, io.lease_active())
             }
             Step::ValidateIdentities => {
+                io.follow(None);
                 io.publish(HaPhase::ValidatingIdentities);
                 // The agents learn the new epoch from this first fenced call and refuse the
                 // old primary's.
@@ -155,7 +170,7 @@ pub(crate) async fn steps(io: &mut impl StandbyIo, m: &mut Standby, mut step: St
     }
 }
 
-/// Ticks every `interval` until the takeover completes (`true`) or `stop` (`false`).
+/// Ticks until the takeover completes (`true`) or `stop` (`false`).
 pub(crate) async fn drive(
     io: &mut impl StandbyIo,
     m: &mut Standby,
@@ -163,9 +178,10 @@ pub(crate) async fn drive(
     stop: &CancellationToken,
 ) -> bool {
     loop {
+        let wait = next_wait(interval, m.lapses_at(), io.wall());
         tokio::select! {
             () = stop.cancelled() => return false,
-            () = tokio::time::sleep(interval) => {}
+            () = tokio::time::sleep(wait) => {}
         }
         let first = m.tick();
         if steps(io, m, first).await == Ended::TookOver {
@@ -187,7 +203,7 @@ pub(crate) async fn run(
     let interval = opts.map_or(parts.ha.lease().timing().renew_interval, |o| {
         o.probe_interval
     });
-    let http = match client(&parts.cfg) {
+    let http = match client(&parts.cfg, interval) {
         Ok(c) => c,
         Err(e) => {
             parts.ha.publish(HaPhase::Blocked {
@@ -200,10 +216,14 @@ pub(crate) async fn run(
         primary: opts.is_some(),
         takeover_after: opts.map_or(1, |o| o.takeover_after),
         max_handoff_age_s: opts.map_or(0.0, |o| o.max_handoff_age_s),
+        holder: parts.ha.lease().holder(),
     };
     let mut machine = Standby::new(settings, held);
     let mut io = Live::new(parts, http, opts.map(|o| o.primary.clone()), stop);
-    if drive(&mut io, &mut machine, interval, stop).await {
+    // The first look at the store is immediate: a fenced router names its successor at once.
+    if steps(&mut io, &mut machine, Step::Observe).await == Ended::TookOver
+        || drive(&mut io, &mut machine, interval, stop).await
+    {
         io.renewal.take()
     } else {
         None
@@ -218,6 +238,9 @@ pub(crate) struct Live<'a> {
     stop: &'a CancellationToken,
     /// The renewal started at the last successful claim.
     pub(crate) renewal: Option<Renewal>,
+    /// Epoch and `at` of the copy last written to the state file (an unchanged copy is not
+    /// written again: the controller publishes only when its state changed).
+    persisted: std::sync::Mutex<Option<(u64, f64)>>,
 }
 
 impl<'a> Live<'a> {
@@ -234,6 +257,7 @@ impl<'a> Live<'a> {
             primary,
             stop,
             renewal: None,
+            persisted: std::sync::Mutex::new(None),
         }
     }
 }
@@ -251,6 +275,16 @@ impl StandbyIo for Live<'_> {
         self.parts.ha.publish(phase);
     }
 
+    fn follow(&self, controller: Option<Controller>) {
+        self.parts.ha.set_controller(controller);
+    }
+
+    async fn observe(&self) -> Observation {
+        crate::handoff::read_published(self.parts)
+            .await
+            .map(|(record, doc)| (record, doc.map(Box::new)))
+    }
+
     async fn poll(&self) -> Poll {
         match &self.primary {
             Some(primary) => poll(self.parts, &self.http, primary).await,
@@ -259,18 +293,17 @@ impl StandbyIo for Live<'_> {
     }
 
     async fn persist(&self, h: &Handoff) {
+        let id = Some((h.epoch, h.at));
+        {
+            let mut last = self.persisted.lock().unwrap_or_else(|p| p.into_inner());
+            if *last == id {
+                return;
+            }
+            *last = id;
+        }
         let path = std::path::PathBuf::from(&self.parts.cfg.recovery.state_path);
         let copy = h.clone();
         let _ = tokio::task::spawn_blocking(move || write_state_file(&path, &copy)).await;
-    }
-
-    async fn read_record(&self) -> Result<Option<LeaseRecord>, String> {
-        self.parts
-            .ha
-            .lease()
-            .read_record()
-            .await
-            .map_err(|e| e.to_string())
     }
 
     async fn own_file_epoch(&self) -> u64 {
@@ -287,21 +320,28 @@ impl StandbyIo for Live<'_> {
         Ok(epoch)
     }
 
-    async fn apply(&self, source: Source, retained: Option<&Handoff>) -> Result<(), String> {
-        match (source, retained) {
-            (Source::Retained, Some(h)) => crate::handoff::apply(self.parts, h)
+    async fn apply(&self, source: Source, doc: Option<&Handoff>) -> Result<(), String> {
+        match (source, doc) {
+            (Source::Stored | Source::Retained, Some(h)) => crate::handoff::apply(self.parts, h)
                 .map(|_| ())
-                .map_err(|e| format!("handoff rejected: {e}")),
-            (Source::Retained, None) => Err("no fresh handoff".into()),
+                .map_err(|e| format!("handoff rejected: {e}"))?,
+            (Source::Stored | Source::Retained, None) => return Err("no fresh handoff".into()),
             // Never controlled the fleet in this process: its own state file is the best it
             // has (it was not applied if `--resume` was not given).
-            (Source::OwnFile { .. }, _) => match crate::handoff::resume(self.parts) {
-                Some(reason) => Err(reason),
-                None => Ok(()),
-            },
+            (Source::OwnFile { .. }, _) => {
+                if let Some(reason) = crate::handoff::resume(self.parts) {
+                    return Err(reason);
+                }
+            }
             // A fenced primary's memory is that epoch's state, fresher than its file.
-            (Source::Memory { .. }, _) => Ok(()),
+            (Source::Memory { .. }, _) => {}
         }
+        // Published under the new epoch before anything else happens under it: the store's
+        // document is always the newest state of the record's epoch (issue 13).
+        crate::handoff::publish(self.parts, true)
+            .await
+            .map(|_| ())
+            .map_err(|e| format!("handoff not published under the new epoch: {e}"))
     }
 
     fn lease_active(&self) -> bool {
@@ -388,9 +428,11 @@ async fn poll(parts: &Parts, http: &reqwest::Client, primary: &str) -> Poll {
     Poll::Good(Box::new(h))
 }
 
-/// The HTTP client for the primary's control listener (its `control.tls` when set).
-fn client(cfg: &Config) -> Result<reqwest::Client, String> {
-    let timeout = Duration::from_millis(800);
+/// The HTTP client for the primary's control listener (its `control.tls` when set). Its
+/// timeout follows the poll interval (twice it, within 0.25–0.8 s): a stopped primary must
+/// not hold the standby's loop for long (the lease record decides the takeover anyway).
+fn client(cfg: &Config, interval: Duration) -> Result<reqwest::Client, String> {
+    let timeout = (interval * 2).clamp(Duration::from_millis(250), Duration::from_millis(800));
     let mut b = reqwest::Client::builder()
         .no_proxy()
         .timeout(timeout)
@@ -411,10 +453,10 @@ fn client(cfg: &Config) -> Result<reqwest::Client, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ha::machine::tests::doc;
+    use crate::ha::machine::tests::{doc, record_of};
+    use crate::lease::LeaseRecord;
     use crate::phase::IDENTITY_PENDING;
     use narwhal_shared::{Clock as _, ManualClock, SystemClock};
-    use std::collections::VecDeque;
     use std::sync::Mutex;
 
     /// A router with a file lease in a temporary directory, on a manual clock; its stop
@@ -460,22 +502,23 @@ mod tests {
 
         /// The standby's real effects on this router (no primary to poll).
         fn io(&self) -> Live<'_> {
-            let http = client(&self.sh.cfg).expect("client");
+            let http = client(&self.sh.cfg, Duration::from_millis(250)).expect("client");
             Live::new(&self.sh, http, None, &self.stop)
+        }
+
+        fn settings(&self, primary: bool) -> Settings {
+            Settings {
+                primary,
+                takeover_after: 4,
+                max_handoff_age_s: 30.0,
+                holder: self.sh.ha.lease().holder(),
+            }
         }
     }
 
     impl Drop for World {
         fn drop(&mut self) {
             self.stop.cancel();
-        }
-    }
-
-    fn settings(primary: bool) -> Settings {
-        Settings {
-            primary,
-            takeover_after: 4,
-            max_handoff_age_s: 30.0,
         }
     }
 
@@ -489,7 +532,7 @@ mod tests {
     /// Found by ha_e2e: `/ready` answered 200 as soon as the lease was claimed, before the
     /// identity check through the agents, and before the takeover gap was recorded. While the
     /// check runs the router controls the fleet but is not ready; afterwards it is ready and
-    /// the gap (since the last good poll) is in the metric.
+    /// the gap (since the last current copy) is in the metric.
     #[tokio::test]
     async fn takeover_is_ready_only_after_the_identity_check_and_records_the_gap() {
         let w = World::new();
@@ -508,13 +551,15 @@ mod tests {
         assert_eq!(sh.ha.lease().release().await.ok(), Some(true));
         sh.ha.publish(HaPhase::Shadowing);
 
-        let mut m = Standby::new(settings(false), None);
-        m.polled(clock.now(), 1.0e9, Poll::Good(doc(0, 1.0e9)));
+        let mut m = Standby::new(w.settings(false), None);
+        let live = Some(record_of(1, "other:0", 1.0e9 + 1.0));
+        let copy = crate::ha::machine::tests::doc_of(1, "other:0", 1.0e9);
+        let step = m.observed(clock.now(), 1.0e9, Ok((live, Some(copy))), None);
+        assert!(matches!(step, Step::Retain(_)), "{step:?}");
         clock.advance(Duration::from_millis(2500));
         let mut io = w.io();
-        let source = Source::OwnFile { epoch: 1 };
         assert_eq!(
-            steps(&mut io, &mut m, Step::Claim(source)).await,
+            steps(&mut io, &mut m, Step::Claim(Source::OwnFile { epoch: 1 })).await,
             Ended::TookOver
         );
         let r = sh.gate.readiness();
@@ -524,6 +569,10 @@ mod tests {
             2,
             "the released epoch 1 is followed by 2"
         );
+        let (rec, published) = crate::handoff::read_published(sh).await.expect("store");
+        let published = published.expect("published under the new epoch before serving");
+        assert_eq!((published.epoch, rec.map(|r| r.epoch)), (2, Some(2)));
+        assert_eq!(published.holder, sh.ha.lease().holder());
         let m = crate::documents::metrics(sh);
         assert!(
             m.lines()
@@ -532,43 +581,45 @@ mod tests {
         );
     }
 
-    /// Found by ha_e2e (etcd, loaded machine): after one failed takeover attempt every retry
-    /// claimed the next epoch and refused the retained handoff as stale, forever. Epochs this
-    /// router claimed and gave back itself do not make the handoff stale; anyone else's do.
+    /// Issue 13: the standby takes over from the handoff the primary published beside its
+    /// lease record, the newest one; an epoch claimed by another router between the
+    /// published copy and the claim makes it stale, one this router gave back does not.
     #[tokio::test]
-    async fn own_released_epochs_do_not_make_the_retained_handoff_stale() {
+    async fn a_takeover_applies_the_newest_published_handoff() {
         for ours in [true, false] {
             let w = World::new();
             let (sh, clock) = (&w.sh, &w.clock);
-            // The primary served under epoch 1; its handoff is retained.
+            // The primary served under epoch 1 and published its state (served 7).
             assert_eq!(sh.ha.lease().claim().await.ok(), Some(1));
             let mut h = crate::handoff::snapshot(sh);
             h.epoch = 1;
+            h.holder = sh.ha.lease().holder();
+            h.counters.insert("served".into(), 7);
+            let bytes = serde_json::to_vec(&h).expect("json");
+            assert_eq!(sh.ha.lease().publish(bytes).await, Ok(1));
             assert_eq!(sh.ha.lease().release().await.ok(), Some(true));
             // Epoch 2: a takeover attempt that failed (ours) or another router (not ours).
             assert_eq!(sh.ha.lease().claim().await.ok(), Some(2));
             assert_eq!(sh.ha.lease().release().await.ok(), Some(true));
-            let mut m = Standby::new(settings(true), None);
-            m.polled(clock.now(), 1.0e9, Poll::Good(Box::new(h)));
+            let mut m = Standby::new(w.settings(true), None);
             if ours {
                 m.gave_back(2);
             }
             let mut io = w.io();
-            let ended = steps(&mut io, &mut m, Step::Claim(Source::Retained)).await;
+            let ended = steps(&mut io, &mut m, Step::Observe).await;
             if ours {
-                assert_eq!(
-                    ended,
-                    Ended::TookOver,
-                    "our own failed attempt is no other holder"
-                );
+                assert_eq!(ended, Ended::TookOver, "{:?}", sh.ha.phase());
                 assert_eq!(sh.ha.lease().epoch(), 3);
+                assert_eq!(sh.accounting.tally().served, 7, "the published totals");
             } else {
-                assert_eq!(ended, Ended::Tick, "another holder's epoch makes it stale");
+                assert_eq!(ended, Ended::Tick);
                 assert_eq!(
                     blocked_reason(sh),
                     "handoff epoch 1 cannot precede claimed epoch 3"
                 );
+                assert_eq!(sh.ha.lease().epoch(), 0, "nothing claimed");
             }
+            let _ = clock;
         }
     }
 
@@ -580,10 +631,10 @@ mod tests {
         let sh = &w.sh;
         assert_eq!(sh.ha.lease().claim().await.ok(), Some(1));
         sh.ha.fence(&LeaseLoss::Lapsed);
-        let mut m = Standby::new(settings(false), Some(1));
+        let mut m = Standby::new(w.settings(false), Some(1));
         let mut io = w.io();
         let first = m.tick();
-        assert_eq!(first, Step::ReadOwnState);
+        assert_eq!(first, Step::Observe);
         assert_eq!(steps(&mut io, &mut m, first).await, Ended::TookOver);
         assert_eq!(sh.ha.view().status.epoch, 1);
         assert!(sh.gate.readiness().ready);
@@ -598,7 +649,7 @@ mod tests {
         assert_eq!(sh.ha.lease().release().await.ok(), Some(true));
         sh.ha.publish(HaPhase::Shadowing);
         // We last held epoch 0 (never), the store is at 1: claiming gives 2.
-        let mut m = Standby::new(settings(false), Some(0));
+        let mut m = Standby::new(w.settings(false), Some(0));
         let mut io = w.io();
         let source = Source::Memory { epoch: 0 };
         assert_eq!(
@@ -658,13 +709,30 @@ mod tests {
         );
     }
 
-    /// A fake world for the driver: scripted polls, a lapsed lease at epoch 4, a claim of
-    /// epoch 5, an identity check that takes 100 ms; everything it is asked is recorded.
+    /// The wait before the next look at the store: the interval, or the time left until the
+    /// controller's record lapses (plus 5 ms) when that is sooner.
+    #[test]
+    fn the_standby_wakes_when_the_record_lapses() {
+        let i = Duration::from_millis(250);
+        assert_eq!(next_wait(i, None, 1000.0), i);
+        assert_eq!(next_wait(i, Some(1002.0), 1000.0), i);
+        let w = next_wait(i, Some(1000.1), 1000.0);
+        assert!(
+            w > Duration::from_millis(104) && w < Duration::from_millis(106),
+            "{w:?}"
+        );
+        assert_eq!(next_wait(i, Some(999.0), 1000.0), Duration::from_millis(5));
+    }
+
+    /// A fake world for the driver: a primary at epoch 4 whose record (renewed up to wall
+    /// 1000.9) lapses, published copies, a claim of epoch 5, an identity check that takes
+    /// 100 ms; everything it is asked is recorded.
     struct Fake {
         t0: tokio::time::Instant,
-        polls: Mutex<VecDeque<Poll>>,
         published: Mutex<Vec<HaPhase>>,
+        followed: Mutex<Vec<Option<Controller>>>,
         claimed_at: Option<Duration>,
+        applied_at: Option<f64>,
         gap: Option<Duration>,
     }
 
@@ -684,21 +752,18 @@ mod tests {
         fn publish(&self, phase: HaPhase) {
             self.published.lock().unwrap().push(phase);
         }
+        fn follow(&self, controller: Option<Controller>) {
+            self.followed.lock().unwrap().push(controller);
+        }
+        async fn observe(&self) -> Observation {
+            let wall = self.wall();
+            let rec = record_of(4, "primary:0", 1000.9);
+            Ok((Some(rec), Some(doc(4, wall.min(1000.9)))))
+        }
         async fn poll(&self) -> Poll {
-            let next = self.polls.lock().unwrap().pop_front();
-            next.unwrap_or_else(|| Poll::Miss("connection refused".into()))
+            panic!("a primary that publishes is never polled over HTTP");
         }
         async fn persist(&self, _: &Handoff) {}
-        async fn read_record(&self) -> Result<Option<LeaseRecord>, String> {
-            Ok(Some(LeaseRecord {
-                epoch: 4,
-                expires_at: 1000.2,
-                holder: "primary:0".into(),
-                schema: crate::lease::LEASE_SCHEMA.into(),
-                schema_version: 1,
-                updated_at: 998.2,
-            }))
-        }
         async fn own_file_epoch(&self) -> u64 {
             0
         }
@@ -706,9 +771,11 @@ mod tests {
             self.claimed_at = Some(self.elapsed());
             Ok(5)
         }
-        async fn apply(&self, source: Source, retained: Option<&Handoff>) -> Result<(), String> {
-            assert_eq!(source, Source::Retained);
-            assert_eq!(retained.map(|h| h.epoch), Some(4));
+        async fn apply(&self, source: Source, doc: Option<&Handoff>) -> Result<(), String> {
+            assert_eq!(source, Source::Stored);
+            assert_eq!(doc.map(|h| h.epoch), Some(4));
+            let at = doc.map(|h| h.at);
+            assert!(at.is_some_and(|a| a > 1000.85), "the newest copy: {at:?}");
             Ok(())
         }
         fn lease_active(&self) -> bool {
@@ -728,42 +795,65 @@ mod tests {
         }
         fn took_over(&mut self, gap: Option<Duration>) {
             self.gap = gap;
+            self.applied_at = Some(self.wall());
         }
     }
 
-    /// The driver on tokio's paused clock: two good polls 250 ms apart, then the primary is
-    /// gone; the fourth consecutive miss (at 1.5 s) claims, and the gap since the last good
-    /// poll (0.5 s) runs to the commit after the 100 ms identity check: 1.1 s.
+    /// The driver on tokio's paused clock: it follows the published copy every 250 ms, wakes
+    /// at the record's expiry (0.905 s, not the next 250 ms tick) and claims there, without
+    /// waiting for missed polls; the gap since the last current copy (0.75 s) runs to the
+    /// commit after the 100 ms identity check.
     #[tokio::test(start_paused = true)]
-    async fn the_standby_claims_on_the_fourth_missed_poll_on_paused_time() {
+    async fn the_standby_claims_when_the_record_lapses_on_paused_time() {
         let mut fake = Fake {
             t0: tokio::time::Instant::now(),
-            polls: Mutex::new(VecDeque::from([
-                Poll::Good(doc(4, 1000.25)),
-                Poll::Good(doc(4, 1000.5)),
-            ])),
             published: Mutex::new(Vec::new()),
+            followed: Mutex::new(Vec::new()),
             claimed_at: None,
+            applied_at: None,
             gap: None,
         };
-        let mut m = Standby::new(settings(true), None);
+        let w = World::new();
+        let mut m = Standby::new(w.settings(true), None);
         let stop = CancellationToken::new();
         let took_over = drive(&mut fake, &mut m, Duration::from_millis(250), &stop).await;
         assert!(took_over);
-        assert_eq!(fake.claimed_at, Some(Duration::from_millis(1500)));
-        assert_eq!(fake.gap, Some(Duration::from_millis(1100)));
+        let claimed = fake.claimed_at.expect("claimed");
+        assert!(
+            claimed >= Duration::from_millis(900) && claimed <= Duration::from_millis(910),
+            "{claimed:?}"
+        );
+        let gap = fake.gap.expect("gap");
+        assert!(
+            gap >= Duration::from_millis(250) && gap <= Duration::from_millis(260),
+            "{gap:?}"
+        );
+        let primary = Controller {
+            holder: "primary:0".into(),
+            epoch: 4,
+        };
         assert_eq!(
             *fake.published.lock().unwrap(),
             [
                 HaPhase::Shadowing,
                 HaPhase::Shadowing,
+                HaPhase::Shadowing,
                 HaPhase::ValidatingIdentities
+            ]
+        );
+        assert_eq!(
+            *fake.followed.lock().unwrap(),
+            [
+                Some(primary.clone()),
+                Some(primary.clone()),
+                Some(primary),
+                None
             ]
         );
         // Stopped before the first interval ends: nothing happens.
         let stop = CancellationToken::new();
         stop.cancel();
-        let mut m = Standby::new(settings(true), None);
+        let mut m = Standby::new(w.settings(true), None);
         assert!(!drive(&mut fake, &mut m, Duration::from_millis(250), &stop).await);
     }
 }

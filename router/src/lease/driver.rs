@@ -66,10 +66,12 @@ pub struct LeaseStatus {
 pub struct LeaseDriver<S: LeaseStore = AnyStore> {
     store: Option<S>,
     core: Mutex<Lease>,
-    /// Serialises claim, renew and release so decisions apply to the core in order.
+    /// Serialises claim, renew, publish and release so decisions apply to the core in order.
     op: tokio::sync::Mutex<()>,
     clock: Arc<dyn Clock>,
     timing: LeaseTiming,
+    /// Notified after every successful renewal (the handoff publisher follows renewals).
+    renewed: tokio::sync::Notify,
 }
 
 impl<S: LeaseStore> std::fmt::Debug for LeaseDriver<S> {
@@ -151,6 +153,7 @@ impl<S: LeaseStore> LeaseDriver<S> {
             op: tokio::sync::Mutex::new(()),
             clock,
             timing,
+            renewed: tokio::sync::Notify::new(),
         }
     }
 
@@ -182,6 +185,14 @@ impl<S: LeaseStore> LeaseDriver<S> {
     /// Agent calls carry it; agents refuse an epoch older than the newest they saw.
     pub fn epoch(&self) -> u64 {
         self.core().epoch().unwrap_or(0)
+    }
+
+    /// The monotonic instant this router's local lease validity ends (`ttl − margin` after
+    /// the start of the last good claim or renewal); `None` when it holds no lease or for
+    /// backend `none` (the `narwhal_router_lease_expires_in_seconds` gauge).
+    pub fn valid_until(&self) -> Option<Instant> {
+        self.store.as_ref()?;
+        self.core().valid_until()
     }
 
     /// Whether this router controls the fleet at monotonic `now`.
@@ -311,9 +322,75 @@ impl<S: LeaseStore> LeaseDriver<S> {
                     expires_at = rec.expires_at,
                     "lease renewed"
                 );
+                self.renewed.notify_one();
                 Ok(rec.epoch)
             }
             Err(loss) => Err(self.fence(epoch, loss)),
+        }
+    }
+
+    /// Resolves after the next successful renewal.
+    pub async fn renewed(&self) {
+        self.renewed.notified().await;
+    }
+
+    /// Publishes `doc` (the handoff document, JSON bytes) beside the record under the epoch
+    /// held now, only while the router holds the lease locally and the record is still ours
+    /// ([`LeaseStore::publish`]). Returns the epoch it was published under. Backend `none`:
+    /// `Ok(0)`, nothing written.
+    ///
+    /// # Errors
+    /// The [`LeaseLoss`]: nothing held or local validity over (nothing is fenced then: a lapse
+    /// is the renew loop's to report), or the store's verdict or error (the router is fenced at
+    /// once, as for a failed renewal: the record is no longer ours, or the store could not
+    /// confirm it before local validity ended).
+    pub async fn publish(&self, doc: Vec<u8>) -> Result<u64, LeaseLoss> {
+        let Some(store) = &self.store else {
+            return Ok(0);
+        };
+        let _op = self.op.lock().await;
+        let core = self.core().clone();
+        let (Some(epoch), Some(until)) = (core.epoch(), core.valid_until()) else {
+            return Err(core.loss().cloned().unwrap_or(LeaseLoss::Lapsed));
+        };
+        let (started, wall) = self.readings()?;
+        if started >= until {
+            return Err(LeaseLoss::Lapsed);
+        }
+        let outcome =
+            match tokio::time::timeout(until - started, store.publish(&core, wall, doc)).await {
+                Ok(Ok(Ok(()))) => Ok(epoch),
+                Ok(Ok(Err(loss))) => Err(loss),
+                Ok(Err(e)) => Err(e.into()),
+                Err(_) => Err(LeaseLoss::Unavailable(format!(
+                    "{} did not answer a publish before local validity ended",
+                    store.describe()
+                ))),
+            };
+        outcome.map_err(|loss| self.fence(epoch, loss))
+    }
+
+    /// The record and the last published handoff document in the store now. Backend
+    /// `none`: `(None, None)`.
+    ///
+    /// # Errors
+    /// [`LeaseError`] from the store.
+    pub async fn read_all(&self) -> Result<(Option<LeaseRecord>, Option<Vec<u8>>), LeaseError> {
+        match &self.store {
+            Some(s) => s.read_all().await,
+            None => Ok((None, None)),
+        }
+    }
+
+    /// Stops controlling under `epoch` now, for a reason learnt outside the lease loop (an
+    /// agent that saw a newer epoch): local validity ends and the renew loop stops at its next
+    /// turn without writing. Nothing happens when `epoch` is no longer the one held.
+    pub fn relinquish(&self, epoch: u64, loss: LeaseLoss) {
+        let mut core = self.core();
+        if core.epoch() == Some(epoch) {
+            core.fence(loss.clone());
+            drop(core);
+            tracing::warn!(epoch, reason = %loss, "router fenced: lease given up");
         }
     }
 

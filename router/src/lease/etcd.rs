@@ -6,7 +6,10 @@
 //!   to an etcd v3 lease of TTL `ceil(ttl_s)` (at least 1 s) so it vanishes when the holder
 //!   stops keeping it alive;
 //! - `<key>/epoch`: the last epoch granted, decimal, with no etcd lease, so the epoch still
-//!   advances after `<key>` vanished.
+//!   advances after `<key>` vanished;
+//! - `<key>/handoff`: the holder's published handoff document, with no etcd lease (it must
+//!   outlive its writer), written only by a transaction guarded by the record's
+//!   `mod_revision` after the record was checked to be the writer's (issue 13).
 //!
 //! Every write is one transaction that compares the `mod_revision` of both keys (or their
 //! absence, `version == 0`) with what was read, so two routers can never both win. A record
@@ -71,6 +74,7 @@ pub struct EtcdLease {
     endpoints: Vec<String>,
     key: String,
     epoch_key: String,
+    handoff_key: String,
     ttl_s: i64,
     op_timeout: Duration,
     http: reqwest::Client,
@@ -168,6 +172,7 @@ impl EtcdLease {
         let (endpoints, http) = prepare(&endpoints, access, op_timeout)?;
         Ok(EtcdLease {
             epoch_key: format!("{key}/epoch"),
+            handoff_key: format!("{key}/handoff"),
             endpoints,
             key,
             ttl_s,
@@ -187,6 +192,11 @@ impl EtcdLease {
     /// The epoch key (`<key>/epoch`).
     pub fn epoch_key(&self) -> &str {
         &self.epoch_key
+    }
+
+    /// The published handoff's key (`<key>/handoff`).
+    pub fn handoff_key(&self) -> &str {
+        &self.handoff_key
     }
 
     /// The etcd lease TTL granted, whole seconds.
@@ -907,6 +917,62 @@ impl LeaseStore for EtcdLease {
             Err(loss) => Ok(Err(loss)),
             Ok(_) => Err(self.err("txn", "renewal lost the compare-and-swap")),
         }
+    }
+
+    async fn publish(
+        &self,
+        core: &Lease,
+        now_wall: f64,
+        doc: Vec<u8>,
+    ) -> Result<Result<(), LeaseLoss>, LeaseError> {
+        let mut guard = self.state.lock().await;
+        let st = &mut *guard;
+        let current = self.get_record(st).await?;
+        if let Err(loss) = core.may_publish(current.as_ref().map(|(r, _)| r), now_wall) {
+            return Ok(Err(loss));
+        }
+        let rev = current.as_ref().map(|(_, rev)| *rev);
+        let won = self
+            .txn(
+                st,
+                vec![Self::unchanged(&self.key, rev)],
+                vec![Self::put(&self.handoff_key, &doc, None)],
+            )
+            .await?;
+        if won {
+            return Ok(Ok(()));
+        }
+        // The record changed between the check and the write: decide on what is there now.
+        let now = self.get_record(st).await?;
+        match core.may_publish(now.as_ref().map(|(r, _)| r), now_wall) {
+            Err(loss) => Ok(Err(loss)),
+            Ok(_) => Err(self.err("txn", "publish lost the compare-and-swap")),
+        }
+    }
+
+    async fn read_all(&self) -> Result<(Option<LeaseRecord>, Option<Vec<u8>>), LeaseError> {
+        let mut guard = self.state.lock().await;
+        let st = &mut *guard;
+        let body = json!({"success": [
+            {"request_range": {"key": b64(&self.key)}},
+            {"request_range": {"key": b64(&self.handoff_key)}},
+        ]});
+        let resp = self.rpc(st, "txn", "/v3/kv/txn", &body).await?;
+        let mut record = None;
+        let mut doc = None;
+        let responses = resp.get("responses").and_then(Value::as_array);
+        for (i, r) in responses.into_iter().flatten().enumerate() {
+            let Some(kv) = first_kv(r.get("response_range")) else {
+                continue;
+            };
+            let value = self.kv_value(kv)?;
+            if i == 0 {
+                record = Some(parse_record(&value, &self.key)?);
+            } else {
+                doc = Some(value);
+            }
+        }
+        Ok((record, doc))
     }
 
     async fn release(&self, core: &Lease, now_wall: f64) -> Result<bool, LeaseError> {

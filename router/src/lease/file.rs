@@ -24,19 +24,25 @@ pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 pub struct FileLease {
     path: PathBuf,
     lock_path: PathBuf,
+    handoff_path: PathBuf,
     lock_timeout: Duration,
 }
 
 impl FileLease {
     /// A lease stored at `path`, locked through `<path>.lock` (the suffix is appended to the
-    /// full file name, as the reference does). Nothing is opened yet.
+    /// full file name, as the reference does), with the holder's published handoff at
+    /// `<path>.handoff`. Nothing is opened yet.
     pub fn new(path: impl Into<PathBuf>) -> Self {
         let path = path.into();
-        let mut lock = path.clone().into_os_string();
-        lock.push(".lock");
+        let suffixed = |suffix: &str| {
+            let mut p = path.clone().into_os_string();
+            p.push(suffix);
+            PathBuf::from(p)
+        };
         FileLease {
+            lock_path: suffixed(".lock"),
+            handoff_path: suffixed(".handoff"),
             path,
-            lock_path: PathBuf::from(lock),
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
         }
     }
@@ -57,6 +63,11 @@ impl FileLease {
     /// The lock file (`<path>.lock`).
     pub fn lock_path(&self) -> &Path {
         &self.lock_path
+    }
+
+    /// The published handoff (`<path>.handoff`).
+    pub fn handoff_path(&self) -> &Path {
+        &self.handoff_path
     }
 
     /// Runs `f` under the exclusive flock, on the blocking pool.
@@ -136,17 +147,34 @@ impl FileLease {
         }
     }
 
+    /// Reads the published handoff; the caller holds the lock. Absent file = `None`.
+    fn read_handoff_unlocked(&self) -> Result<Option<Vec<u8>>, LeaseError> {
+        match std::fs::read(&self.handoff_path) {
+            Ok(bytes) => Ok(Some(bytes)),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(LeaseError::Io {
+                step: "read",
+                path: self.handoff_path.display().to_string(),
+                source: e,
+            }),
+        }
+    }
+
     /// Writes `rec` to a temp sibling `.<name>.<pid>.<hex>.tmp`, fsyncs it, renames it over
     /// the record and fsyncs the directory; the caller holds the lock. On failure the old
     /// record is untouched and the temp file removed.
     fn write_unlocked(&self, rec: &LeaseRecord) -> Result<(), LeaseError> {
-        let dir = self
-            .path
+        self.replace_unlocked(&self.path, &render_record(rec))
+    }
+
+    /// Replaces `target` (the record or the handoff beside it) with `bytes` durably: temp
+    /// sibling, fsync, rename, fsync of the directory; the caller holds the lock.
+    fn replace_unlocked(&self, target: &Path, bytes: &[u8]) -> Result<(), LeaseError> {
+        let dir = target
             .parent()
             .filter(|d| !d.as_os_str().is_empty())
             .unwrap_or(Path::new("."));
-        let name = self
-            .path
+        let name = target
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "router-lease".into());
@@ -161,11 +189,10 @@ impl FileLease {
         };
         let result = (|| {
             let mut f = File::create(&tmp).map_err(io("create", &tmp))?;
-            f.write_all(&render_record(rec))
-                .map_err(io("write", &tmp))?;
+            f.write_all(bytes).map_err(io("write", &tmp))?;
             f.sync_all().map_err(io("fsync", &tmp))?;
             drop(f);
-            std::fs::rename(&tmp, &self.path).map_err(io("rename", &self.path))?;
+            std::fs::rename(&tmp, target).map_err(io("rename", target))?;
             File::open(dir)
                 .and_then(|d| d.sync_all())
                 .map_err(io("fsync directory", dir))
@@ -237,6 +264,28 @@ impl LeaseStore for FileLease {
             }
         })
         .await
+    }
+
+    async fn publish(
+        &self,
+        core: &Lease,
+        now_wall: f64,
+        doc: Vec<u8>,
+    ) -> Result<Result<(), LeaseLoss>, LeaseError> {
+        let core = core.clone();
+        self.locked(move |me| {
+            let current = me.read_unlocked()?;
+            match core.may_publish(current.as_ref(), now_wall) {
+                Ok(_) => me.replace_unlocked(&me.handoff_path, &doc).map(Ok),
+                Err(loss) => Ok(Err(loss)),
+            }
+        })
+        .await
+    }
+
+    async fn read_all(&self) -> Result<(Option<LeaseRecord>, Option<Vec<u8>>), LeaseError> {
+        self.locked(|me| Ok((me.read_unlocked()?, me.read_handoff_unlocked()?)))
+            .await
     }
 }
 
@@ -345,6 +394,62 @@ mod tests {
             .filter(|n| n.ends_with(".tmp"))
             .collect();
         assert!(leftovers.is_empty(), "temp files left: {leftovers:?}");
+    }
+
+    /// Issue 13: only the live holder publishes its handoff beside the record; a successor's
+    /// claim makes every later publish of the old holder fail, and the successor reads what
+    /// was published before its claim.
+    #[tokio::test]
+    async fn only_the_live_holder_publishes_and_a_successor_reads_it() {
+        let (_dir, store) = setup();
+        let t0 = SystemClock.now();
+        assert_eq!(store.read_all().await.unwrap(), (None, None));
+        let mut a = Lease::new("a:1".into(), timing());
+        assert_eq!(
+            store.publish(&a, 100.0, b"{}".to_vec()).await.unwrap(),
+            Err(LeaseLoss::Lapsed),
+            "nothing owned: nothing published"
+        );
+        let Claim::Write(rec) = store.claim(&a, 100.0).await.unwrap() else {
+            panic!()
+        };
+        a.granted(rec.epoch, t0);
+        assert_eq!(
+            store.publish(&a, 100.5, b"doc-1".to_vec()).await.unwrap(),
+            Ok(())
+        );
+        assert_eq!(
+            store.read_all().await.unwrap(),
+            (Some(rec.clone()), Some(b"doc-1".to_vec()))
+        );
+        // B takes over after expiry; A's late publish is refused and changes nothing.
+        let mut b = Lease::new("b:2".into(), timing());
+        let Claim::Write(rb) = store.claim(&b, 103.0).await.unwrap() else {
+            panic!()
+        };
+        b.granted(rb.epoch, t0);
+        assert_eq!(
+            store.publish(&a, 103.1, b"late".to_vec()).await.unwrap(),
+            Err(LeaseLoss::HeldByAnother)
+        );
+        let (r, doc) = store.read_all().await.unwrap();
+        assert_eq!((r, doc.as_deref()), (Some(rb), Some(&b"doc-1"[..])));
+        assert_eq!(
+            store.publish(&b, 103.2, b"doc-2".to_vec()).await.unwrap(),
+            Ok(())
+        );
+        assert_eq!(
+            std::fs::read(store.handoff_path()).unwrap(),
+            b"doc-2",
+            "{}",
+            store.handoff_path().display()
+        );
+        assert!(
+            store
+                .handoff_path()
+                .to_string_lossy()
+                .ends_with("narwhal.router-lease.handoff")
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

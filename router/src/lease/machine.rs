@@ -278,6 +278,31 @@ impl Lease {
         ))
     }
 
+    /// Decides whether this router may publish its handoff next to `current` (read under the
+    /// backend's lock) at `now_wall`: the record must be ours at our epoch and unexpired, as
+    /// for a renewal, so a document published under epoch E is always the newest state of E
+    /// and can never land after a successor's claim (issue 13: an acknowledged lifecycle
+    /// action is durable where the successor reads). Nothing is fenced here: the driver does.
+    ///
+    /// # Errors
+    /// The [`LeaseLoss`]: nothing owned or a lapsed record ([`LeaseLoss::Lapsed`]), another
+    /// holder or epoch ([`LeaseLoss::HeldByAnother`]).
+    pub fn may_publish(
+        &self,
+        current: Option<&LeaseRecord>,
+        now_wall: f64,
+    ) -> Result<u64, LeaseLoss> {
+        let Some((epoch, _)) = self.owned else {
+            return Err(self.fenced.clone().unwrap_or(LeaseLoss::Lapsed));
+        };
+        match current {
+            None => Err(LeaseLoss::Lapsed),
+            Some(r) if r.holder != self.holder || r.epoch != epoch => Err(LeaseLoss::HeldByAnother),
+            Some(r) if !r.live(now_wall) => Err(LeaseLoss::Lapsed),
+            Some(_) => Ok(epoch),
+        }
+    }
+
     /// Gives up control now (failed renewal, backend error past validity).
     pub fn fence(&mut self, why: LeaseLoss) {
         self.owned = None;
@@ -392,6 +417,46 @@ mod tests {
         c.granted(4, t0);
         let old = LeaseRecord::new(4, "c:3", 90.0, Duration::from_secs(2));
         assert_eq!(c.renew(Some(&old), 101.0), Err(LeaseLoss::Lapsed));
+    }
+
+    #[test]
+    fn only_the_live_holder_may_publish() {
+        let t0 = SystemClock.now();
+        let mut a = Lease::new("a:1".into(), timing());
+        let ours = LeaseRecord::new(1, "a:1", 100.0, Duration::from_secs(2));
+        assert_eq!(
+            a.may_publish(Some(&ours), 100.5),
+            Err(LeaseLoss::Lapsed),
+            "nothing owned"
+        );
+        a.granted(1, t0);
+        assert_eq!(a.may_publish(Some(&ours), 100.5), Ok(1));
+        assert_eq!(
+            a.may_publish(Some(&ours), 102.0),
+            Err(LeaseLoss::Lapsed),
+            "expired"
+        );
+        assert_eq!(
+            a.may_publish(None, 100.5),
+            Err(LeaseLoss::Lapsed),
+            "vanished"
+        );
+        let theirs = LeaseRecord::new(2, "b:2", 100.0, Duration::from_secs(2));
+        assert_eq!(
+            a.may_publish(Some(&theirs), 100.5),
+            Err(LeaseLoss::HeldByAnother)
+        );
+        let old_epoch = LeaseRecord::new(2, "a:1", 100.0, Duration::from_secs(2));
+        assert_eq!(
+            a.may_publish(Some(&old_epoch), 100.5),
+            Err(LeaseLoss::HeldByAnother)
+        );
+        a.fence(LeaseLoss::HeldByAnother);
+        assert_eq!(
+            a.may_publish(Some(&ours), 100.5),
+            Err(LeaseLoss::HeldByAnother),
+            "fenced"
+        );
     }
 
     #[test]

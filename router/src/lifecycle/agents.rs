@@ -7,8 +7,7 @@ use std::sync::Arc;
 use narwhal_shared::{AgentClient, AgentClientError, AgentEndpoint, AgentTimeouts, Clock};
 
 use crate::config::Config;
-use crate::lease::LeaseLoss;
-use crate::phase::Ha;
+use crate::phase::{EpochScope, Ha};
 
 /// The mTLS clients of the engines' agents, one per distinct agent, indexed by engine.
 pub(crate) struct Agents {
@@ -93,11 +92,86 @@ impl Agents {
     }
 }
 
-/// An agent's error as one line. An agent that saw a newer epoch proves another router took
-/// over: this one fences itself at once (DESIGN.md section 3, fencing reaches the hosts).
-pub(crate) fn agent_error(ha: &Ha, e: AgentClientError) -> String {
-    if matches!(e, AgentClientError::StaleEpoch { .. }) {
-        ha.fence(&LeaseLoss::HeldByAnother);
+/// An agent's error to a call made under epoch `epoch`, as one line. An agent that saw a
+/// newer epoch than the one held now proves another router took over: this one fences itself
+/// at once and stops renewing (DESIGN.md section 3, fencing reaches the hosts), with the cause
+/// as its `/ready` reason ([`stale_epoch_reason`]). A late `stale_epoch` answer to a call of an
+/// epoch that already ended fences nothing (issue 13: such answers fenced a router that had
+/// just claimed the next epoch).
+pub(crate) fn agent_error(ha: &Ha, epoch: u64, e: AgentClientError) -> String {
+    if let AgentClientError::StaleEpoch {
+        agent_id,
+        sent,
+        highest,
+    } = &e
+        && ha.stale_answer(epoch)
+    {
+        ha.fence_because(stale_epoch_reason(
+            agent_id,
+            *sent,
+            *highest,
+            ha.lease().enabled(),
+        ));
     }
     e.to_string()
+}
+
+/// Why work of `scope` may not call an agent now, if it may not: control under its epoch
+/// ended (a fence, a lapse, the standby loop). Checked before every agent call of lifecycle
+/// work, so work started under one epoch never reaches an agent after that epoch ended, nor
+/// under a later one (issue 13).
+pub(crate) fn ended(ha: &Ha, scope: &EpochScope) -> Option<String> {
+    (!ha.live(scope)).then(|| {
+        format!(
+            "router control under epoch {} ended; the work started under it stopped",
+            scope.epoch()
+        )
+    })
+}
+
+/// The `/ready` reason of a router fenced by an agent's `409 stale_epoch` (issue 14 section
+/// 2): which agent, the epoch it accepted, the one this router presented, and what to do.
+/// Without a lease (`lease.backend` `none`, epoch 0) the usual cause is an agent that served
+/// an HA pair before: its fence is reset with `narwhal-agent fence reset` (docs/operate.md).
+pub(crate) fn stale_epoch_reason(
+    agent_id: &str,
+    sent: u64,
+    highest: Option<u64>,
+    lease: bool,
+) -> String {
+    let accepted = highest.map_or_else(|| "a newer epoch".to_string(), |h| format!("epoch {h}"));
+    if lease {
+        format!(
+            "fenced by agent {agent_id}: it accepted router {accepted}, newer than this router's epoch {sent}: another router took over"
+        )
+    } else {
+        format!(
+            "fenced by agent {agent_id}: it accepted router {accepted} and this router, with lease.backend none, presents epoch {sent}; if no other router controls the fleet, reset the agents' fence (narwhal-agent fence reset, docs/operate.md) and restart this router"
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stale_epoch_reason_names_the_agent_the_epochs_and_the_remedy() {
+        let none = stale_epoch_reason("gpu-a", 0, Some(3), false);
+        for part in [
+            "agent gpu-a",
+            "epoch 3",
+            "epoch 0",
+            "lease.backend none",
+            "fence reset",
+        ] {
+            assert!(none.contains(part), "{part}: {none}");
+        }
+        let leased = stale_epoch_reason("gpu-b", 4, None, true);
+        assert!(
+            leased.contains("agent gpu-b") && leased.contains("a newer epoch"),
+            "{leased}"
+        );
+        assert!(leased.contains("another router took over"), "{leased}");
+    }
 }

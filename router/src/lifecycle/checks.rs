@@ -8,20 +8,22 @@ use http::StatusCode;
 use narwhal_shared::{AgentClient, Fence, ProcessIdentity};
 use serde_json::Value;
 
-use super::agents::{Agents, agent_error};
+use super::agents::{Agents, agent_error, ended};
 use super::check::CheckError;
 use super::validation::{Attested, Checks, Identity};
 use crate::config::{Config, secs};
-use crate::phase::Ha;
+use crate::phase::{EpochScope, Ha};
 use crate::upstream::Upstream;
 
 /// [`Checks`] through the router's engine client (health) and the agents (everything signed),
-/// all under one fence token (epoch and holder) read when the validation began.
+/// all under the epoch the validation began in (its [`EpochScope`]): every check first makes
+/// sure control under that epoch has not ended (issue 13).
 pub(crate) struct AgentChecks<'a> {
     pub(crate) cfg: &'a Config,
     pub(crate) agents: &'a Agents,
     pub(crate) ha: &'a Ha,
     pub(crate) upstream: &'a Upstream,
+    pub(crate) scope: &'a EpochScope,
     pub(crate) fence: Fence,
 }
 
@@ -35,6 +37,9 @@ pub(crate) fn identity(p: &ProcessIdentity) -> Identity {
 
 impl AgentChecks<'_> {
     fn index(&self, iid: &str) -> Result<usize, CheckError> {
+        if let Some(detail) = ended(self.ha, self.scope) {
+            return Err(CheckError::Agent { detail });
+        }
         self.cfg
             .engines
             .iter()
@@ -51,7 +56,7 @@ impl AgentChecks<'_> {
 
     fn agent_failed(&self, e: narwhal_shared::AgentClientError) -> CheckError {
         CheckError::Agent {
-            detail: agent_error(self.ha, e),
+            detail: agent_error(self.ha, self.fence.epoch, e),
         }
     }
 }

@@ -13,7 +13,11 @@
 //! ```
 //!
 //! One lifecycle action runs at a time (`serial`, held across the agent calls); the pure
-//! machine is only touched through the [`Executor`].
+//! machine is only touched through the [`Executor`]. Every action runs under the
+//! [`EpochScope`] of the epoch it was accepted in (issue 13): its agent calls carry that epoch,
+//! it stops when control under it ends, and it never acts under a later one. A router that
+//! does not control the fleet shows no actionable lifecycle state (no `ready_to_stop`) and
+//! names the router that does, when known.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -31,14 +35,14 @@ use super::checks::AgentChecks;
 use super::executor::Executor;
 use super::identity::{IdentityReader, check_identities};
 use super::machine::{EngineView, Lifecycle, RestartPolicy, RestoreError};
-use super::request::{RequestError, parse_drain, parse_readmit};
+use super::request::{RequestError, parse_drain, parse_readmit, refusal_status};
 use super::validation::{Plan, Report, validate};
 use crate::breaker::EjectCause;
 use crate::config::{Backend, Config, Role};
 use crate::fleet::Fleet;
 use crate::journal::Journal;
 use crate::metrics::{Metrics, labels};
-use crate::phase::Ha;
+use crate::phase::{EpochScope, Ha};
 use crate::placement::Exclusion;
 use crate::readiness::Gate;
 use crate::upstream::Upstream;
@@ -95,6 +99,7 @@ impl LifecycleDriver {
                 h.journal,
                 h.dirty,
                 h.clock,
+                h.ha.clone(),
             ),
             reader: IdentityReader {
                 agents: Arc::new(agents),
@@ -114,6 +119,12 @@ impl LifecycleDriver {
         self.exec.fleet()
     }
 
+    /// The executor (tests drive the machine through it).
+    #[cfg(test)]
+    pub(crate) fn executor(&self) -> &Executor {
+        &self.exec
+    }
+
     fn ha(&self) -> &Ha {
         &self.reader.ha
     }
@@ -127,6 +138,17 @@ impl LifecycleDriver {
     /// resident count changes, and re-evaluates drain progress (DESIGN.md 9.4).
     pub(crate) async fn run_timer(&self, stop: CancellationToken) {
         loop {
+            if !self.ha().controls_fleet() {
+                // Drain progress is the controlling router's to decide (issue 13): wait for a
+                // change of HA phase (or a second, for a lapse the phase did not show yet).
+                let mut phase = self.ha().subscribe();
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = phase.changed() => {}
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+                continue;
+            }
             let next = self.exec.lock().next_deadline();
             let wait = async {
                 match next {
@@ -169,25 +191,37 @@ impl LifecycleDriver {
                 })
                 .collect()
         });
-        lc.document(
+        let mut doc = lc.document(
             gate.controls_label(),
             gate.readiness.ready,
             |iid| views.get(iid).copied().unwrap_or_default(),
             error,
-        )
+        );
+        drop(lc);
+        not_in_control(
+            &mut doc,
+            gate.ha.controls,
+            gate.ha.status.controller.as_ref(),
+        );
+        doc
     }
 
     fn reply(&self, status: StatusCode, error: &str) -> Reply {
         (status, self.document(error))
     }
 
-    /// Lifecycle gauges for `/metrics`: `(iid, state, ready_to_stop)` per engine.
+    /// Lifecycle gauges for `/metrics`: `(iid, state, ready_to_stop)` per engine
+    /// (`ready_to_stop` only from the router that controls the fleet).
     pub(crate) fn gauges(&self) -> Vec<(String, &'static str, bool)> {
+        let controls = self.ha().controls_fleet();
         let lc = self.exec.lock();
         self.fleet()
             .names()
             .iter()
-            .map(|iid| (iid.clone(), lc.state(iid).as_str(), lc.ready_to_stop(iid)))
+            .map(|iid| {
+                let stop = controls && lc.ready_to_stop(iid);
+                (iid.clone(), lc.state(iid).as_str(), stop)
+            })
             .collect()
     }
 
@@ -213,20 +247,20 @@ impl LifecycleDriver {
         Ok(())
     }
 
-    /// A parsed action, or its refusal: 400 for a bad body, 503 when this router does not
-    /// control the fleet.
-    fn accept<T>(&self, parsed: Result<T, RequestError>) -> Result<T, Reply> {
+    /// A parsed action and the epoch scope it runs under, or its refusal: 400 for a bad
+    /// body, 503 when this router does not control the fleet.
+    fn accept<T>(&self, parsed: Result<T, RequestError>) -> Result<(T, EpochScope), Reply> {
         let req = parsed.map_err(|e| self.reply(StatusCode::BAD_REQUEST, &e.to_string()))?;
-        if !self.ha().controls_fleet() {
-            return Err(self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL));
+        match self.ha().scope() {
+            Some(scope) => Ok((req, scope)),
+            None => Err(self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL)),
         }
-        Ok(req)
     }
 
     /// `POST /narwhal/lifecycle/drain` (seed "Draining engines"; reference-notes 1.10,
     /// 4.3–4.4).
     pub(crate) async fn drain(&self, body: Bytes) -> Reply {
-        let req = match self.accept(parse_drain(&body)) {
+        let (req, scope) = match self.accept(parse_drain(&body)) {
             Ok(r) => r,
             Err(reply) => return reply,
         };
@@ -253,6 +287,9 @@ impl LifecycleDriver {
             return self.reply(StatusCode::CONFLICT, &error);
         }
         let _serial = self.serial.lock().await;
+        if !self.ha().live(&scope) {
+            return self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL);
+        }
         let plan = {
             let live = self.fleet().live_names();
             let mut lc = self.exec.lock();
@@ -263,15 +300,27 @@ impl LifecycleDriver {
                 }
                 Err(e) => {
                     drop(lc);
-                    return self.reply(StatusCode::CONFLICT, &e.to_string());
+                    return self.reply(refusal_status(&e), &e.to_string());
                 }
             }
         };
         self.wake.notify_one();
         // Every target is out of placement now; record identities (DESIGN.md section 4).
-        let captured =
-            futures_util::future::join_all(plan.capture.iter().map(|iid| self.reader.capture(iid)))
-                .await;
+        let captured = futures_util::future::join_all(
+            plan.capture
+                .iter()
+                .map(|iid| self.reader.capture(iid, &scope)),
+        );
+        let captured = tokio::select! {
+            c = captured => c,
+            () = scope.ended() => Vec::new(),
+        };
+        if !self.ha().live(&scope) {
+            return self.reply(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "router control was fenced during drain",
+            );
+        }
         let mut failures = Vec::new();
         {
             let ejected = self.fleet().ejected_names();
@@ -287,7 +336,7 @@ impl LifecycleDriver {
             lc.refresh(t, |iid| counts.get(iid).copied().unwrap_or(0));
             self.exec.commit(&mut lc);
         }
-        if !self.ha().controls_fleet() {
+        if !self.ha().live(&scope) {
             return self.reply(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "router control was fenced during drain",
@@ -297,17 +346,49 @@ impl LifecycleDriver {
             failures.sort();
             return self.reply(StatusCode::SERVICE_UNAVAILABLE, &failures.join("; "));
         }
-        self.reply(StatusCode::OK, "")
+        let mut reply = self.reply(StatusCode::OK, "");
+        if !req.wave {
+            self.add_drain_warnings(&plan.targets, &mut reply.1);
+        }
+        reply
+    }
+
+    /// Adds `warnings` to a drain's 200 document: a drained engine that was its role's only
+    /// live engine leaves the fleet serving aggregated (or, for SGLang without a decode
+    /// engine, not at all) until one returns (issue 14 section 4; [`sole_engine_warning`]).
+    fn add_drain_warnings(&self, targets: &[String], doc: &mut Value) {
+        let fleet = self.fleet();
+        let warnings: Vec<String> = fleet.read(|state| {
+            targets
+                .iter()
+                .filter_map(|iid| {
+                    let i = fleet.index(iid)?;
+                    let role = state.slots()[i].role;
+                    let others = state
+                        .slots()
+                        .iter()
+                        .enumerate()
+                        .any(|(j, s)| j != i && s.role == role && s.is_live());
+                    sole_engine_warning(self.cfg.backend, role, iid, others)
+                })
+                .collect()
+        });
+        if let Some(m) = doc.as_object_mut() {
+            m.insert("warnings".into(), Value::from(warnings));
+        }
     }
 
     /// `POST /narwhal/lifecycle/readmit` (seed "Readmitting engines"; reference-notes 1.10,
     /// 4.7–4.8).
     pub(crate) async fn readmit(&self, body: Bytes) -> Reply {
-        let req = match self.accept(parse_readmit(&body)) {
+        let (req, scope) = match self.accept(parse_readmit(&body)) {
             Ok(r) => r,
             Err(reply) => return reply,
         };
         let _serial = self.serial.lock().await;
+        if !self.ha().live(&scope) {
+            return self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL);
+        }
         let targets = {
             let counts = self.fleet().resident_counts();
             let mut lc = self.exec.lock();
@@ -331,12 +412,118 @@ impl LifecycleDriver {
                 }
                 Err(e) => {
                     drop(lc);
+                    return self.reply(refusal_status(&e), &e.to_string());
+                }
+            }
+        };
+        let report = self.run_validation(&targets, req.wave, &scope).await;
+        self.finish(&targets, report, "operator", &scope).await
+    }
+
+    /// `POST /narwhal/lifecycle/cancel-drain` (ours, issue 14 section 4; docs/deviations.md):
+    /// an engine drained by mistake returns to service without a restart. Body
+    /// `{"engines": ["e0"]}`. The engine must be held by an individual drain that recorded its
+    /// process; it is validated through the readmission checks with no restart required
+    /// (`process identity` instead of `new process identity`) and must still be that process.
+    /// 200: back in placement (`drain_cancelled` event); 409: a rule, or the checks failed (the
+    /// engine stays `blocked`, restart-required: a restart and the seed's readmission, or
+    /// another cancel, bring it back); 503: not in control.
+    pub(crate) async fn cancel_drain(&self, body: Bytes) -> Reply {
+        let (req, scope) = match self.accept(parse_readmit(&body)) {
+            Ok(r) => r,
+            Err(reply) => return reply,
+        };
+        let _serial = self.serial.lock().await;
+        if !self.ha().live(&scope) {
+            return self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL);
+        }
+        let (iid, recorded) = {
+            let mut lc = self.exec.lock();
+            match lc.begin_cancel_drain(self.exec.now(), &req.engines, req.wave) {
+                Ok(x) => {
+                    self.exec.commit(&mut lc);
+                    x
+                }
+                Err(e) => {
+                    drop(lc);
                     return self.reply(StatusCode::CONFLICT, &e.to_string());
                 }
             }
         };
-        let report = self.run_validation(&targets, req.wave).await;
-        self.finish(&targets, report, "operator").await
+        let targets = vec![iid.clone()];
+        let mut plan = self.plan(&targets, false);
+        plan.restart_after.insert(iid.clone(), None);
+        let report = self.run_plan(&plan, &scope).await;
+        let record_metric = |result: &str| {
+            self.metrics
+                .lifecycle_validations
+                .get_or_create(&labels(&[
+                    ("iid", &iid),
+                    ("kind", "cancel_drain"),
+                    ("result", result),
+                ]))
+                .inc();
+        };
+        // Control under the action's epoch ended: nothing of the report is applied.
+        let mut report = match report {
+            Some(r) if self.ha().live(&scope) => r,
+            _ => {
+                let t = self.exec.now();
+                let mut lc = self.exec.lock();
+                lc.abort_validation(t, "router control was fenced during validation");
+                self.exec.commit(&mut lc);
+                drop(lc);
+                record_metric("fenced");
+                return self.reply(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "router control was fenced during validation",
+                );
+            }
+        };
+        for peer in &report.changed_peers {
+            if let Some(i) = self.fleet().index(peer) {
+                self.fleet().eject(i, EjectCause::ProcessIdentity);
+            }
+        }
+        // The cancel is for the process the drain recorded; a restarted one is readmitted.
+        let validated = report.engines.get(&iid).and_then(|o| o.process_start);
+        if report.passed() && validated != Some(recorded) {
+            let found = validated.map_or_else(|| "unknown".to_string(), |s| format!("{s:.3}"));
+            report.engines.entry(iid.clone()).or_default().failures.push(format!(
+                "engine process restarted since the drain (process start {found}, recorded {recorded:.3}): readmit it instead"
+            ));
+        }
+        let t = self.exec.now();
+        if !self.ha().live(&scope) {
+            let mut lc = self.exec.lock();
+            lc.abort_validation(t, "router control was fenced during validation");
+            self.exec.commit(&mut lc);
+            drop(lc);
+            record_metric("fenced");
+            return self.reply(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "router control was fenced during validation",
+            );
+        }
+        let mut lc = self.exec.lock();
+        if report.passed() {
+            let outcome = report.engines.get(&iid).cloned().unwrap_or_default();
+            if lc.drain_cancelled(t, &iid, &outcome)
+                && let Some(i) = self.fleet().index(&iid)
+            {
+                self.fleet().verified(i);
+            }
+            self.exec.commit(&mut lc);
+            drop(lc);
+            record_metric("passed");
+            self.reply(StatusCode::OK, "")
+        } else {
+            lc.validation_failed(t, &report.engines);
+            self.exec.commit(&mut lc);
+            drop(lc);
+            record_metric("failed");
+            self.reply(StatusCode::CONFLICT, "drain cancel validation failed")
+        }
     }
 
     /// Every configured engine with its current router role (the role controller may have
@@ -360,9 +547,10 @@ impl LifecycleDriver {
     /// Returns the checks passed, or the error.
     pub(crate) async fn role_check(&self, i: usize) -> Result<Vec<String>, String> {
         let _serial = self.serial.lock().await;
-        if !self.ha().controls_fleet() {
+        // Only the router that controls the fleet checks, under its epoch's scope.
+        let Some(scope) = self.ha().scope() else {
             return Err(NOT_IN_CONTROL.into());
-        }
+        };
         let iid = self.cfg.engines[i].iid.clone();
         let started = {
             let mut lc = self.exec.lock();
@@ -374,8 +562,8 @@ impl LifecycleDriver {
             return Err(format!("a lifecycle action holds {iid}"));
         }
         let targets = vec![iid.clone()];
-        let report = self.run_validation(&targets, false).await;
-        let (status, doc) = self.finish(&targets, report, "role_check").await;
+        let report = self.run_validation(&targets, false, &scope).await;
+        let (status, doc) = self.finish(&targets, report, "role_check", &scope).await;
         let record = self.exec.lock().record(&iid).cloned();
         match (status, record) {
             (StatusCode::OK, Some(r)) => Ok(r.checks),
@@ -425,17 +613,33 @@ impl LifecycleDriver {
         }
     }
 
-    async fn run_validation(&self, targets: &[String], wave: bool) -> Report {
-        let plan = self.plan(targets, wave);
+    /// Runs the checks under `scope`; `None` when control under its epoch ended first (the
+    /// checks in flight are dropped, and none starts afterwards).
+    async fn run_validation(
+        &self,
+        targets: &[String],
+        wave: bool,
+        scope: &EpochScope,
+    ) -> Option<Report> {
+        self.run_plan(&self.plan(targets, wave), scope).await
+    }
+
+    /// Runs the checks of `plan` through the agents under `scope` (its fence token); `None`
+    /// when control under its epoch ended first.
+    async fn run_plan(&self, plan: &Plan, scope: &EpochScope) -> Option<Report> {
         let checks = AgentChecks {
             cfg: &self.cfg,
             agents: self.agents(),
             ha: self.ha(),
             upstream: &self.upstream,
-            fence: self.ha().fence_token(),
+            scope,
+            fence: scope.fence(),
         };
         let check_id = uuid::Uuid::new_v4().simple().to_string();
-        validate(&plan, &checks, &check_id).await
+        tokio::select! {
+            report = validate(plan, &checks, &check_id) => Some(report),
+            () = scope.ended() => None,
+        }
     }
 
     /// Applies a validation report: readmit on success, block every candidate on failure,
@@ -446,7 +650,42 @@ impl LifecycleDriver {
     /// stale port (found by tests/tests/lifecycle_e2e.rs: refreshing after the release let
     /// the first requests' decodes fail their rendezvous). A failed refresh is logged;
     /// requests refresh the port on demand.
-    async fn finish(&self, targets: &[String], report: Report, kind: &'static str) -> Reply {
+    async fn finish(
+        &self,
+        targets: &[String],
+        report: Option<Report>,
+        kind: &'static str,
+        scope: &EpochScope,
+    ) -> Reply {
+        let record_metric = |result: &str| {
+            for iid in targets {
+                self.metrics
+                    .lifecycle_validations
+                    .get_or_create(&labels(&[("iid", iid), ("kind", kind), ("result", result)]))
+                    .inc();
+            }
+        };
+        let report = match report {
+            Some(r) if self.ha().live(scope) => r,
+            // Control under the validation's epoch ended: nothing of it is applied (no
+            // readmission, no ejection); the records stay held (`blocked`, in this router's
+            // memory only: its events are not written, and a successor restores `validating`
+            // records as blocked).
+            _ => {
+                let mut lc = self.exec.lock();
+                lc.abort_validation(
+                    self.exec.now(),
+                    "router control was fenced during validation",
+                );
+                self.exec.commit(&mut lc);
+                drop(lc);
+                record_metric("fenced");
+                return self.reply(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "router control was fenced during validation",
+                );
+            }
+        };
         if report.passed() {
             for i in bootstrap_refresh(self.cfg.backend, &self.roles(), targets) {
                 if let Err(e) =
@@ -457,11 +696,6 @@ impl LifecycleDriver {
             }
         }
         let t = self.exec.now();
-        for peer in &report.changed_peers {
-            if let Some(i) = self.fleet().index(peer) {
-                self.fleet().eject(i, EjectCause::ProcessIdentity);
-            }
-        }
         let passed = report.passed()
             && targets.iter().all(|iid| {
                 report
@@ -469,15 +703,17 @@ impl LifecycleDriver {
                     .get(iid)
                     .is_some_and(|o| o.process_start.is_some())
             });
-        let record_metric = |result: &str| {
-            for iid in targets {
-                self.metrics
-                    .lifecycle_validations
-                    .get_or_create(&labels(&[("iid", iid), ("kind", kind), ("result", result)]))
-                    .inc();
+        // Nothing of the report is applied once control under its epoch ended (not even the
+        // peers' ejections).
+        let live = self.ha().live(scope);
+        if live {
+            for peer in &report.changed_peers {
+                if let Some(i) = self.fleet().index(peer) {
+                    self.fleet().eject(i, EjectCause::ProcessIdentity);
+                }
             }
-        };
-        if !self.ha().controls_fleet() {
+        }
+        if !live {
             let mut lc = self.exec.lock();
             lc.abort_validation(t, "router control was fenced during validation");
             self.exec.commit(&mut lc);
@@ -529,6 +765,9 @@ impl LifecycleDriver {
         if !self.fleet().is_ejected(i) {
             return true;
         }
+        let Some(scope) = self.ha().scope() else {
+            return false; // only the router that controls the fleet recovers engines
+        };
         let iid = self.cfg.engines[i].iid.clone();
         let started = {
             let mut lc = self.exec.lock();
@@ -540,8 +779,8 @@ impl LifecycleDriver {
             return false;
         }
         let targets = vec![iid];
-        let report = self.run_validation(&targets, false).await;
-        let (status, _) = self.finish(&targets, report, "recovery").await;
+        let report = self.run_validation(&targets, false, &scope).await;
+        let (status, _) = self.finish(&targets, report, "recovery", &scope).await;
         status == StatusCode::OK
     }
 
@@ -597,7 +836,37 @@ impl LifecycleDriver {
     /// Checks every engine's process identity through its agent (reference-notes 4.10): at
     /// startup and after a takeover ([`check_identities`]).
     pub(crate) async fn check_identities(&self) {
-        check_identities(&self.exec, &self.reader).await;
+        let Some(scope) = self.ha().scope() else {
+            return; // control ended before the check began: nothing to check for
+        };
+        check_identities(&self.exec, &self.reader, &scope).await;
+    }
+}
+
+/// The lifecycle document of a router that does not control the fleet (issue 13): nothing in
+/// it is actionable (every `ready_to_stop` false, engine and wave), and `router.controller`
+/// names the router that controls the fleet when this one saw its lease record (`null`
+/// otherwise; the router itself when it controls).
+fn not_in_control(doc: &mut Value, controls: bool, controller: Option<&crate::phase::Controller>) {
+    let named = match controller {
+        Some(c) if !controls => serde_json::json!({"holder": c.holder, "epoch": c.epoch}),
+        _ => Value::Null,
+    };
+    if let Some(router) = doc.get_mut("router").and_then(Value::as_object_mut) {
+        router.insert("controller".into(), named);
+    }
+    if controls {
+        return;
+    }
+    if let Some(wave) = doc.get_mut("wave").and_then(Value::as_object_mut) {
+        wave.insert("ready_to_stop".into(), Value::Bool(false));
+    }
+    if let Some(engines) = doc.get_mut("engines").and_then(Value::as_object_mut) {
+        for e in engines.values_mut() {
+            if let Some(e) = e.as_object_mut() {
+                e.insert("ready_to_stop".into(), Value::Bool(false));
+            }
+        }
     }
 }
 
@@ -626,6 +895,36 @@ fn co_target(
         return None;
     }
     others.into_iter().find(|i| ejected.contains(*i)).cloned()
+}
+
+/// What draining `iid`, of role `role`, does to serving when no other engine of that role is
+/// live (`others_live` false): placement then serves every request aggregated, as one leg
+/// without KV transfer (reference-notes 6.7; docs/http-api.md "Serving"): on the decode
+/// engines when the prefill pool is empty; on the prefill engines when a vLLM decode pool is
+/// empty; and not at all (503 `no_schedulable_engines`) when an SGLang decode pool is empty,
+/// since SGLang serves aggregated only on decode engines. `None` while another engine of the
+/// role is live.
+fn sole_engine_warning(
+    backend: Backend,
+    role: Role,
+    iid: &str,
+    others_live: bool,
+) -> Option<String> {
+    if others_live {
+        return None;
+    }
+    let r = role.as_str();
+    Some(match (backend, role) {
+        (_, Role::Prefill) => format!(
+            "{iid} was the only live {r} engine: until a {r} engine returns, requests are served aggregated on the decode engines (one leg, no prefill/decode split)"
+        ),
+        (Backend::Vllm, Role::Decode) => format!(
+            "{iid} was the only live {r} engine: until a {r} engine returns, requests are served aggregated on the prefill engines (one leg, no prefill/decode split)"
+        ),
+        (Backend::Sglang, Role::Decode) => format!(
+            "{iid} was the only live {r} engine: until a {r} engine returns, every request is answered 503 no_schedulable_engines (SGLang serves aggregated only on decode engines)"
+        ),
+    })
 }
 
 /// The engines (indexes) among `targets` whose SGLang bootstrap port must be learnt again
@@ -682,6 +981,21 @@ mod tests {
     }
 
     #[test]
+    fn draining_a_roles_only_live_engine_says_how_traffic_is_served() {
+        assert_eq!(
+            sole_engine_warning(Backend::Vllm, Role::Prefill, "p0", true),
+            None
+        );
+        let w = sole_engine_warning(Backend::Vllm, Role::Prefill, "p0", false).unwrap();
+        assert!(w.starts_with("p0 was the only live prefill engine"), "{w}");
+        assert!(w.contains("aggregated on the decode engines"), "{w}");
+        let w = sole_engine_warning(Backend::Vllm, Role::Decode, "d0", false).unwrap();
+        assert!(w.contains("aggregated on the prefill engines"), "{w}");
+        let w = sole_engine_warning(Backend::Sglang, Role::Decode, "d0", false).unwrap();
+        assert!(w.contains("503 no_schedulable_engines"), "{w}");
+    }
+
+    #[test]
     fn sglang_prefill_targets_refresh_their_bootstrap_port_before_release() {
         let engines = vec![
             ("p0".to_string(), Role::Prefill),
@@ -700,5 +1014,95 @@ mod tests {
             Vec::<usize>::new(),
             "vLLM has no rendezvous"
         );
+    }
+
+    /// Issue 13: a router that does not control the fleet shows nothing actionable (no
+    /// `ready_to_stop`, engine or wave) and names the controller it saw; the controlling one
+    /// keeps its document as it is, with `controller` null.
+    #[test]
+    fn a_router_out_of_control_shows_nothing_actionable_and_names_the_controller() {
+        let doc = || {
+            serde_json::json!({
+                "router": {"controls_fleet": "fenced", "ready": false},
+                "wave": {"id": "wave-1", "ready_to_stop": true},
+                "engines": {"p0": {"state": "drained", "ready_to_stop": true},
+                            "d0": {"state": "active", "ready_to_stop": false}},
+            })
+        };
+        let c = crate::phase::Controller {
+            holder: "standby:9".into(),
+            epoch: 4,
+        };
+        let mut d = doc();
+        not_in_control(&mut d, false, Some(&c));
+        assert_eq!(d["wave"]["ready_to_stop"], false);
+        assert_eq!(d["engines"]["p0"]["ready_to_stop"], false);
+        assert_eq!(
+            d["engines"]["p0"]["state"], "drained",
+            "the record is still shown"
+        );
+        assert_eq!(
+            d["router"]["controller"],
+            serde_json::json!({"holder": "standby:9", "epoch": 4})
+        );
+        let mut d = doc();
+        not_in_control(&mut d, false, None);
+        assert_eq!(d["router"]["controller"], Value::Null, "unknown");
+        assert_eq!(d["engines"]["p0"]["ready_to_stop"], false);
+        let mut d = doc();
+        not_in_control(&mut d, true, Some(&c));
+        assert_eq!(
+            d["engines"]["p0"]["ready_to_stop"], true,
+            "in control: unchanged"
+        );
+        assert_eq!(d["wave"]["ready_to_stop"], true);
+        assert_eq!(d["router"]["controller"], Value::Null);
+    }
+
+    /// Issue 13: a fenced router's lifecycle document and gauges say nothing may be stopped,
+    /// and its lifecycle actions are refused.
+    #[tokio::test]
+    async fn a_fenced_router_never_reports_ready_to_stop() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (parts, _clock) = crate::phase::tests::leased(dir.path());
+        assert_eq!(parts.ha.lease().claim().await, Ok(1));
+        parts.ha.publish(crate::phase::HaPhase::Active);
+        // p0 drained with a recorded identity (as a drain with an agent leaves it).
+        {
+            let mut lc = parts.lifecycle.exec.lock();
+            let req = super::super::machine::DrainRequest {
+                engines: vec!["p0".into()],
+                wave: false,
+                deadline_s: 30.0,
+                deadline_given: true,
+            };
+            let now = parts.lifecycle.exec.now();
+            let live = parts.fleet.live_names();
+            lc.begin(now, &req, &live, "wave-x").expect("drain");
+            assert!(lc.bind_identity(now, "p0", Ok(1.0e9 - 5.0), false));
+            lc.refresh(now, |_| 0);
+            parts.lifecycle.exec.commit(&mut lc);
+        }
+        let d = parts.lifecycle.document("");
+        assert_eq!(d["engines"]["p0"]["ready_to_stop"], true, "{d:#}");
+        assert!(
+            parts
+                .lifecycle
+                .gauges()
+                .iter()
+                .any(|(i, _, stop)| i == "p0" && *stop)
+        );
+        parts.ha.fence(&crate::lease::LeaseLoss::HeldByAnother);
+        let d = parts.lifecycle.document("");
+        assert_eq!(d["router"]["controls_fleet"], "fenced");
+        assert_eq!(d["engines"]["p0"]["ready_to_stop"], false, "{d:#}");
+        assert_eq!(d["engines"]["p0"]["state"], "drained");
+        assert!(parts.lifecycle.gauges().iter().all(|(_, _, stop)| !stop));
+        let (status, d) = parts
+            .lifecycle
+            .drain(Bytes::from_static(br#"{"engines": ["d0"]}"#))
+            .await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(d["error"], NOT_IN_CONTROL);
     }
 }

@@ -101,6 +101,20 @@ pub enum EventKind {
         /// The engine.
         iid: String,
     },
+    /// A cancel of an individual drain began: the drained process is validated without a
+    /// restart (`drain_cancel_started`; ours, issue 14 section 4).
+    DrainCancelStarted {
+        /// The engine.
+        iid: String,
+    },
+    /// The drain was cancelled: the same process passed the checks and is back in service
+    /// (`drain_cancelled`; ours).
+    DrainCancelled {
+        /// The engine.
+        iid: String,
+        /// The validated process start (the one the drain recorded).
+        process_start: Option<f64>,
+    },
     /// Every engine is held in a restart-required wave (`restart_required`).
     RestartRequired {
         /// The new wave.
@@ -149,6 +163,8 @@ impl LifecycleEvent {
             EventKind::RecoveryValidationStarted { .. } => "recovery_validation_started",
             EventKind::RestartRequired { .. } => "restart_required",
             EventKind::ProcessExcluded { .. } => "process_excluded",
+            EventKind::DrainCancelStarted { .. } => "drain_cancel_started",
+            EventKind::DrainCancelled { .. } => "drain_cancelled",
         }
     }
 
@@ -164,7 +180,9 @@ impl LifecycleEvent {
             | EventKind::ValidationFailed { iid, .. }
             | EventKind::Readmitted { iid, .. }
             | EventKind::RecoveryValidationStarted { iid }
-            | EventKind::ProcessExcluded { iid, .. } => Some(iid),
+            | EventKind::ProcessExcluded { iid, .. }
+            | EventKind::DrainCancelStarted { iid }
+            | EventKind::DrainCancelled { iid, .. } => Some(iid),
             EventKind::WaveStarted { .. }
             | EventKind::WaveReadyToStop { .. }
             | EventKind::WaveReadmitted { .. }
@@ -187,7 +205,10 @@ impl LifecycleEvent {
             | EventKind::Readmitted { wave_id, .. }
             | EventKind::WaveReadmitted { wave_id, .. }
             | EventKind::RestartRequired { wave_id, .. } => wave_id,
-            EventKind::RecoveryValidationStarted { .. } | EventKind::ProcessExcluded { .. } => "",
+            EventKind::RecoveryValidationStarted { .. }
+            | EventKind::ProcessExcluded { .. }
+            | EventKind::DrainCancelStarted { .. }
+            | EventKind::DrainCancelled { .. } => "",
         }
     }
 
@@ -230,7 +251,13 @@ impl LifecycleEvent {
                 resident,
                 wave_id,
             } => json!({"iid": iid, "resident": resident, "wave_id": wave_id}),
-            EventKind::RecoveryValidationStarted { iid } => json!({"iid": iid, "wave_id": ""}),
+            EventKind::RecoveryValidationStarted { iid }
+            | EventKind::DrainCancelStarted { iid } => {
+                json!({"iid": iid, "wave_id": ""})
+            }
+            EventKind::DrainCancelled { iid, process_start } => {
+                json!({"iid": iid, "process_start": process_start, "wave_id": ""})
+            }
             EventKind::RestartRequired { wave_id, reason } => {
                 json!({"wave_id": wave_id, "reason": reason})
             }

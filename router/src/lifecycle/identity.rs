@@ -10,14 +10,14 @@
 
 use std::sync::Arc;
 
-use super::agents::{Agents, agent_error};
+use super::agents::{Agents, agent_error, ended};
 use super::check::CheckError;
 use super::events::{EventKind, LifecycleEvent};
 use super::executor::Executor;
 use super::machine::DrainState;
 use crate::breaker::EjectCause;
 use crate::fleet::Fleet;
-use crate::phase::Ha;
+use crate::phase::{EpochScope, Ha};
 use crate::placement::Exclusion;
 
 /// Reads process identities through the agents (cheap to clone: handles only).
@@ -30,12 +30,13 @@ pub(crate) struct IdentityReader {
 
 impl IdentityReader {
     /// Reads the engine's process start (Unix seconds) through its agent, as a signed,
-    /// verified attestation under the current fence token.
+    /// verified attestation fenced with `scope`'s epoch (never a later one: issue 13).
     ///
     /// # Errors
-    /// [`CheckError::Unconfigured`], or [`CheckError::IdentityUnreadable`] (no agent, or the
-    /// agent call failed; a stale-epoch answer also fences this router).
-    pub(crate) async fn capture(&self, iid: &str) -> Result<f64, CheckError> {
+    /// [`CheckError::Unconfigured`], or [`CheckError::IdentityUnreadable`] (no agent, control
+    /// under the scope's epoch ended, or the agent call failed; a stale-epoch answer to a call
+    /// of the epoch held now also fences this router).
+    pub(crate) async fn capture(&self, iid: &str, scope: &EpochScope) -> Result<f64, CheckError> {
         let i = self
             .fleet
             .index(iid)
@@ -47,12 +48,15 @@ impl IdentityReader {
             .agents
             .get(i)
             .ok_or_else(|| unreadable(CheckError::NoAgent))?;
+        if let Some(detail) = ended(&self.ha, scope) {
+            return Err(unreadable(CheckError::Agent { detail }));
+        }
         let v = agent
-            .attestation(iid, &self.ha.fence_token(), None)
+            .attestation(iid, &scope.fence(), None)
             .await
             .map_err(|e| {
                 unreadable(CheckError::Agent {
-                    detail: agent_error(&self.ha, e),
+                    detail: agent_error(&self.ha, scope.epoch(), e),
                 })
             })?;
         Ok(v.payload.header.process.process_start_time_seconds)
@@ -63,8 +67,9 @@ impl IdentityReader {
 /// startup and after a takeover. An engine whose process start differs from the one last
 /// accepted restarted behind the router's back: it is ejected (cause `process_identity`) and
 /// comes back only through validation. Engines held by the lifecycle are left alone. The
-/// first fenced agent call also teaches each agent this router's epoch.
-pub(crate) async fn check_identities(exec: &Executor, reader: &IdentityReader) {
+/// first fenced agent call also teaches each agent this router's epoch. The check runs under
+/// `scope` (the epoch it started in): when control under it ends, nothing is applied.
+pub(crate) async fn check_identities(exec: &Executor, reader: &IdentityReader, scope: &EpochScope) {
     let fleet = exec.fleet();
     let candidates: Vec<(usize, String, Option<f64>)> = {
         let lc = exec.lock();
@@ -95,13 +100,29 @@ pub(crate) async fn check_identities(exec: &Executor, reader: &IdentityReader) {
         .collect();
     if !others.is_empty() {
         let reader = reader.clone();
+        let scope = scope.clone();
         tokio::spawn(async move {
-            futures_util::future::join_all(others.iter().map(|iid| reader.capture(iid))).await;
+            let calls = futures_util::future::join_all(
+                others.iter().map(|iid| reader.capture(iid, &scope)),
+            );
+            tokio::select! {
+                _ = calls => {}
+                () = scope.ended() => {}
+            }
         });
     }
-    let reads =
-        futures_util::future::join_all(candidates.iter().map(|(_, iid, _)| reader.capture(iid)))
-            .await;
+    let calls = futures_util::future::join_all(
+        candidates
+            .iter()
+            .map(|(_, iid, _)| reader.capture(iid, scope)),
+    );
+    let reads = tokio::select! {
+        r = calls => r,
+        () = scope.ended() => return,
+    };
+    if !reader.ha.live(scope) {
+        return;
+    }
     let t = exec.now();
     let mut lc = exec.lock();
     for ((i, iid, before), r) in candidates.into_iter().zip(reads) {

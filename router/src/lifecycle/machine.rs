@@ -208,6 +208,10 @@ pub struct DrainRequest {
     pub wave: bool,
     /// Seconds until the drain is reported `deadline_exceeded` (default 300).
     pub deadline_s: f64,
+    /// The request named `deadline_s` itself: a repeat of an accepted drain that names
+    /// another deadline is refused ([`LifecycleError::DeadlineConflict`]); one that names
+    /// none repeats it as it is.
+    pub deadline_given: bool,
 }
 
 /// What the driver must do after an accepted drain.
@@ -239,6 +243,18 @@ pub enum LifecycleError {
     /// `deadline_s` over [`MAX_DEADLINE_S`].
     #[error("deadline_s must be at most 31536000 (one year)")]
     DeadlineTooLong,
+    /// A repeated drain names another `deadline_s` than the accepted one: refused rather
+    /// than silently keeping the old deadline (issue 9 section 7); repeat it without
+    /// `deadline_s` or with the same value.
+    #[error(
+        "a drain of {iid} is already active with deadline_s {deadline_s}; repeat it without deadline_s or with the same value"
+    )]
+    DeadlineConflict {
+        /// The engine whose drain is active.
+        iid: String,
+        /// Its accepted deadline, seconds.
+        deadline_s: f64,
+    },
     /// A wave drain that does not name every engine.
     #[error("a whole-wave drain must name every configured engine")]
     WaveMustNameAll,
@@ -271,6 +287,34 @@ pub enum LifecycleError {
     /// A planned restart without a recorded pre-restart identity.
     #[error("{0} has no recorded pre-restart process identity")]
     NoPreRestartIdentity(String),
+    /// A cancel-drain of zero or several engines, or with `wave` (ours, issue 14 section 4).
+    #[error(
+        "cancel-drain must name exactly one engine (a whole wave is readmitted as one set after a restart)"
+    )]
+    CancelExactlyOne,
+    /// A cancel-drain of an engine no drain holds.
+    #[error(
+        "{iid} is {state}: only a draining, drained, deadline_exceeded or blocked drain can be cancelled"
+    )]
+    CancelNotHeld {
+        /// The engine.
+        iid: String,
+        /// Its state's name.
+        state: &'static str,
+    },
+    /// A cancel-drain of a member of the active whole wave.
+    #[error(
+        "{0} is held by the active whole wave: a wave is readmitted as one set after a restart (readmit with wave: true)"
+    )]
+    CancelInWave(String),
+    /// A cancel-drain of an engine held by a failed breaker recovery, not a drain.
+    #[error("{0} is held by a breaker recovery, not a drain: it returns through its recovery")]
+    CancelNotADrain(String),
+    /// A cancel-drain of a drain that never recorded the process it holds.
+    #[error(
+        "{0} has no recorded process identity (the drain could not record one): repeat the drain once its agent answers, or restart it and readmit"
+    )]
+    CancelNoIdentity(String),
 }
 
 /// Why a handoff's lifecycle part cannot be restored (nothing changes then).
@@ -497,6 +541,20 @@ impl Lifecycle {
             let wave_active = !self.wave_id.is_empty();
             let promotion = req.wave && !wave_active && live.is_empty();
             let same_set = targets == held && req.wave == wave_active;
+            if same_set && req.deadline_given {
+                let other = held.iter().map(|i| &self.records[i]).find(|r| {
+                    matches!(
+                        r.state,
+                        DrainState::Draining | DrainState::Drained | DrainState::DeadlineExceeded
+                    ) && ((r.deadline_at - r.requested_at) - req.deadline_s).abs() > 1e-3
+                });
+                if let Some(r) = other {
+                    return Err(LifecycleError::DeadlineConflict {
+                        iid: r.iid.clone(),
+                        deadline_s: r.deadline_at - r.requested_at,
+                    });
+                }
+            }
             if promotion {
                 // Proceed below as a new wave over everything.
             } else if same_set
@@ -1001,6 +1059,93 @@ impl Lifecycle {
         );
     }
 
+    /// Starts cancelling an individual drain (ours, issue 14 section 4; not in the reference,
+    /// docs/deviations.md): the engine named in `engines` goes `validating`, to return to
+    /// service without a restart once the readmission checks pass on the very process its
+    /// drain recorded. The seed's readmission (which requires a newer process) is unchanged.
+    /// Returns the engine and that process start (Unix seconds).
+    ///
+    /// # Errors
+    /// A [`LifecycleError`] (HTTP 409); nothing changes.
+    pub fn begin_cancel_drain(
+        &mut self,
+        now: Now,
+        engines: &[String],
+        wave: bool,
+    ) -> Result<(String, f64), LifecycleError> {
+        let mut targets = engines.to_vec();
+        targets.sort();
+        targets.dedup();
+        if wave || targets.len() != 1 {
+            return Err(LifecycleError::CancelExactlyOne);
+        }
+        let unknown = self.unknown(&targets);
+        if !unknown.is_empty() {
+            return Err(LifecycleError::UnknownEngines(unknown));
+        }
+        let iid = targets.remove(0);
+        let Some(rec) = self.records.get(&iid) else {
+            return Err(LifecycleError::CancelNotHeld {
+                iid,
+                state: DrainState::Active.as_str(),
+            });
+        };
+        if !matches!(
+            rec.state,
+            DrainState::Draining
+                | DrainState::Drained
+                | DrainState::DeadlineExceeded
+                | DrainState::Blocked
+        ) {
+            return Err(LifecycleError::CancelNotHeld {
+                iid,
+                state: rec.state.as_str(),
+            });
+        }
+        if rec.in_wave() {
+            return Err(LifecycleError::CancelInWave(iid));
+        }
+        if rec.hold == Hold::Recovery {
+            return Err(LifecycleError::CancelNotADrain(iid));
+        }
+        let Some(start) = rec.old_process_start else {
+            return Err(LifecycleError::CancelNoIdentity(iid));
+        };
+        let rec = self.records.get_mut(&iid).expect("checked above");
+        rec.state = DrainState::Validating;
+        rec.error.clear();
+        rec.checks.clear();
+        self.emit(now, EventKind::DrainCancelStarted { iid: iid.clone() });
+        Ok((iid, start))
+    }
+
+    /// A cancel's checks passed on the process the drain recorded: the engine is `active`
+    /// again, its validated start accepted, with its own event (`drain_cancelled`). Returns
+    /// whether the record was cancelling (`validating`).
+    pub fn drain_cancelled(&mut self, now: Now, iid: &str, outcome: &EngineOutcome) -> bool {
+        let Some(rec) = self.records.get_mut(iid) else {
+            return false;
+        };
+        if rec.state != DrainState::Validating {
+            return false;
+        }
+        rec.state = DrainState::Active;
+        rec.new_process_start = outcome.process_start;
+        rec.checks = outcome.checks.clone();
+        rec.error.clear();
+        if let Some(start) = outcome.process_start {
+            self.process_starts.insert(iid.to_string(), start);
+        }
+        self.emit(
+            now,
+            EventKind::DrainCancelled {
+                iid: iid.to_string(),
+                process_start: outcome.process_start,
+            },
+        );
+        true
+    }
+
     /// Holds every engine in a new restart-required wave (reference-notes 4.9). A no-op while
     /// a wave is active unless `reset`.
     pub fn require_restart_wave(&mut self, now: Now, reason: &str, reset: bool, new_wave_id: &str) {
@@ -1187,6 +1332,7 @@ mod tests {
             engines: ids.iter().map(|s| s.to_string()).collect(),
             wave,
             deadline_s: 30.0,
+            deadline_given: true,
         }
     }
 
@@ -1358,6 +1504,20 @@ mod tests {
         assert!(plan.capture.is_empty());
         assert_eq!(l.record("e0").cloned(), before);
         assert_eq!(l.events().count(), n);
+        // Another deadline is refused (issue 9 section 7); none named is a repeat.
+        let mut other = drain(&["e0"], false);
+        other.deadline_s = 60.0;
+        let e = l.begin(now, &other, &set(&["e1"]), "").unwrap_err();
+        assert_eq!(
+            e,
+            LifecycleError::DeadlineConflict {
+                iid: "e0".into(),
+                deadline_s: 30.0
+            }
+        );
+        other.deadline_given = false;
+        assert!(l.begin(now, &other, &set(&["e1"]), "").unwrap().repeated);
+        assert_eq!(l.record("e0").cloned(), before, "refusals change nothing");
     }
 
     #[test]
@@ -1862,5 +2022,83 @@ mod tests {
             Hold::Wave { deadline: None }
         );
         assert_eq!(back.export(), state, "the wire form round-trips");
+    }
+
+    /// Issue 14 section 4: a drain cancelled without a restart validates the recorded process
+    /// and returns it with its own events; the refusals name their rule; a wave, a recovery
+    /// and a drain without an identity cannot be cancelled.
+    #[test]
+    fn a_drain_is_cancelled_on_the_same_process_with_its_own_events() {
+        let now = t0();
+        let one = |ids: &[&str]| ids.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        let err = |l: &mut Lifecycle, ids: &[&str], wave: bool| {
+            l.begin_cancel_drain(now, &one(ids), wave)
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err(&mut l, &["e0"], false).starts_with("e0 is active: "));
+        assert!(
+            err(&mut l, &["e0", "e1"], false).starts_with("cancel-drain must name exactly one")
+        );
+        assert!(err(&mut l, &[], true).starts_with("cancel-drain must name exactly one"));
+        assert_eq!(err(&mut l, &["x"], false), "unknown engine(s): x");
+        // Still draining (resident work), not yet drained: a cancel is allowed.
+        l.begin(now, &drain(&["e0"], false), &set(&["e0", "e1"]), "")
+            .unwrap();
+        assert!(l.bind_identity(now, "e0", Ok(100.0), false));
+        l.refresh(now, |_| 2);
+        assert_eq!(l.state("e0"), DrainState::Draining);
+        assert_eq!(
+            l.begin_cancel_drain(now, &one(&["e0"]), false).unwrap(),
+            ("e0".to_string(), 100.0)
+        );
+        assert_eq!(l.state("e0"), DrainState::Validating);
+        assert!(l.held().contains("e0"), "out of placement while validated");
+        assert!(l.drain_cancelled(now, "e0", &ok(100.0)));
+        assert_eq!(l.state("e0"), DrainState::Active);
+        assert!(l.held().is_empty());
+        assert_eq!(l.process_starts()["e0"], 100.0);
+        let acts = actions(&l);
+        assert_eq!(
+            acts[acts.len() - 2..],
+            ["drain_cancel_started", "drain_cancelled"],
+            "{acts:?}"
+        );
+        assert!(!acts.contains(&"readmitted".to_string()), "{acts:?}");
+        let last = l.take_events().pop().expect("event");
+        assert_eq!(
+            last.to_json()["process_start"],
+            100.0,
+            "{:?}",
+            last.to_json()
+        );
+        assert!(!l.drain_cancelled(now, "e0", &ok(100.0)), "only once");
+        // A failed cancel blocks like a failed readmission; the seed's readmission still
+        // requires a restart afterwards, and a second cancel may be tried.
+        drained(&mut l, now, "e1");
+        l.begin_cancel_drain(now, &one(&["e1"]), false).unwrap();
+        l.validation_failed(
+            now,
+            &BTreeMap::from([("e1".to_string(), fail("generation failed"))]),
+        );
+        assert_eq!(l.state("e1"), DrainState::Blocked);
+        assert!(l.record("e1").unwrap().restart_required());
+        assert!(l.begin_cancel_drain(now, &one(&["e1"]), false).is_ok());
+        // A drain whose identity was never recorded cannot be cancelled.
+        let mut l = lc(&["e0", "e1"], RestartPolicy::Individual);
+        l.begin(now, &drain(&["e0"], false), &set(&["e0", "e1"]), "")
+            .unwrap();
+        l.bind_identity(now, "e0", Err(agent_err("agent down")), false);
+        assert!(err(&mut l, &["e0"], false).starts_with("e0 has no recorded process identity"));
+        // Wave members and breaker recoveries are not drains one can cancel.
+        let mut w = lc(&["e0", "e1"], RestartPolicy::WholeWave);
+        w.require_restart_wave(now, "r", false, "wave-w");
+        assert!(err(&mut w, &["e0"], false).starts_with("e0 is held by the active whole wave"));
+        let mut r = lc(&["e0", "e1"], RestartPolicy::Individual);
+        r.accept_process_start("e0", 50.0);
+        assert!(r.start_recovery_validation(now, "e0", "w"));
+        r.validation_failed(now, &BTreeMap::from([("e0".to_string(), fail("x"))]));
+        assert!(err(&mut r, &["e0"], false).starts_with("e0 is held by a breaker recovery"));
     }
 }

@@ -1,11 +1,13 @@
 //! Lifecycle request bodies (`POST /narwhal/lifecycle/drain`, `.../readmit`; seed "Lifecycle
 //! API"): strict parsing, every error naming the field (answered 400 with the lifecycle
-//! document).
+//! document), and the status each refusal of the lifecycle machine answers with
+//! ([`refusal_status`]: 404 for an unknown engine, 409 for a conflict).
 
 use bytes::Bytes;
+use http::StatusCode;
 use serde_json::{Map, Value};
 
-use super::machine::DrainRequest;
+use super::machine::{DrainRequest, LifecycleError, MAX_DEADLINE_S};
 
 /// Default drain deadline, seconds (seed "Draining engines").
 const DEFAULT_DEADLINE_S: f64 = 300.0;
@@ -36,6 +38,20 @@ pub(crate) enum RequestError {
     /// `deadline_s` is not a number.
     #[error("deadline_s must be a number of seconds")]
     Deadline,
+    /// `deadline_s` is a number out of range: not positive, or over a year.
+    #[error("deadline_s must be > 0 and at most 31536000 seconds (one year), got {0}")]
+    DeadlineRange(f64),
+}
+
+/// The HTTP status of a lifecycle action the machine refused: 404 when it names an engine
+/// the fleet file does not have, 400 for a deadline out of range, 409 for every conflict
+/// with the current lifecycle state (a drain repeated with another deadline included).
+pub(crate) fn refusal_status(e: &LifecycleError) -> StatusCode {
+    match e {
+        LifecycleError::UnknownEngines(_) => StatusCode::NOT_FOUND,
+        LifecycleError::BadDeadline | LifecycleError::DeadlineTooLong => StatusCode::BAD_REQUEST,
+        _ => StatusCode::CONFLICT,
+    }
 }
 
 /// A readmission request.
@@ -86,20 +102,28 @@ fn wave(m: &Map<String, Value>) -> Result<bool, RequestError> {
 }
 
 /// Parses a drain body: `{"engines": [...], "wave": bool, "deadline_s": seconds}`, every key
-/// optional (an empty body is `{}`; `deadline_s` defaults to 300).
+/// optional (an empty body is `{}`; `deadline_s` defaults to 300 and must be in (0, one
+/// year]).
 ///
 /// # Errors
 /// [`RequestError`] naming the field.
 pub(crate) fn parse_drain(body: &Bytes) -> Result<DrainRequest, RequestError> {
     let m = object(body, &["engines", "wave", "deadline_s"])?;
-    let deadline_s = match m.get("deadline_s") {
-        None | Some(Value::Null) => DEFAULT_DEADLINE_S,
-        Some(v) => v.as_f64().ok_or(RequestError::Deadline)?,
+    let (deadline_s, deadline_given) = match m.get("deadline_s") {
+        None | Some(Value::Null) => (DEFAULT_DEADLINE_S, false),
+        Some(v) => {
+            let d = v.as_f64().ok_or(RequestError::Deadline)?;
+            if !(d.is_finite() && d > 0.0 && d <= MAX_DEADLINE_S) {
+                return Err(RequestError::DeadlineRange(d));
+            }
+            (d, true)
+        }
     };
     Ok(DrainRequest {
         engines: engines(&m)?,
         wave: wave(&m)?,
         deadline_s,
+        deadline_given,
     })
 }
 
@@ -130,8 +154,10 @@ mod tests {
             (r.engines.len(), r.wave, r.deadline_s),
             (0, false, DEFAULT_DEADLINE_S)
         );
+        assert!(!r.deadline_given);
         let r = parse_drain(&body(r#"{"engines":["p0"],"deadline_s":5,"wave":null}"#)).unwrap();
         assert_eq!((r.engines, r.deadline_s), (vec!["p0".to_string()], 5.0));
+        assert!(r.deadline_given);
         let r = parse_readmit(&body(r#"{"wave":true}"#)).unwrap();
         assert!(r.wave && r.engines.is_empty());
     }
@@ -158,11 +184,28 @@ mod tests {
                 r#"{"deadline_s":"soon"}"#,
                 "deadline_s must be a number of seconds",
             ),
+            (
+                r#"{"deadline_s":-1}"#,
+                "deadline_s must be > 0 and at most 31536000 seconds (one year), got -1",
+            ),
+            (r#"{"deadline_s":0}"#, "deadline_s must be > 0"),
+            (r#"{"deadline_s":1e300}"#, "deadline_s must be > 0"),
         ];
         for (text, want) in cases {
             let e = parse_drain(&body(text)).unwrap_err().to_string();
             assert!(e.starts_with(want), "{text}: {e}");
         }
+        assert_eq!(
+            refusal_status(&LifecycleError::UnknownEngines(vec!["zz".into()])),
+            StatusCode::NOT_FOUND
+        );
+        assert_eq!(
+            refusal_status(&LifecycleError::DeadlineConflict {
+                iid: "p0".into(),
+                deadline_s: 60.0
+            }),
+            StatusCode::CONFLICT
+        );
         let e = parse_readmit(&body(r#"{"deadline_s":1}"#)).unwrap_err();
         assert_eq!(
             e.to_string(),

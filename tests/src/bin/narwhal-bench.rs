@@ -1,273 +1,704 @@
-//! `narwhal-bench`: router overhead against direct-to-engine traffic, measured in one run.
+//! `narwhal-bench`: our router against direct traffic and against peer routers, in one run.
 //!
-//! Starts one aggregated simulator (the direct baseline) and a router in front of one prefill
-//! and one decode simulator (vLLM NIXL or SGLang bootstrap P/D), drives the same load through
-//! both (concurrency C, N requests, streaming or not, T output tokens), and prints requests per
-//! second, p50 and p99 latency and time to first byte for each, with router/direct ratios.
-//! Absolute numbers on shared machines are not stable; the ratios are the result.
-//! It asserts nothing about time: it is a benchmark, not a test (DESIGN.md section 8).
+//! It starts the simulators once (one aggregated vLLM engine; one prefill and one decode engine
+//! of `--dialect`), our router twice (P/D over the prefill/decode pair; aggregated over the lone
+//! engine) and every `--peer NAME=COMMAND` (a P/D or aggregated peer, by the engine
+//! placeholders its command names: `peer.rs`), checks that every target answers the same text
+//! as the engine itself, then measures them interleaved over `--rounds` rounds (the order
+//! rotates each round), streaming and not:
+//!
+//! - `--compare` (the default): `--concurrency` clients, `--requests` per window: requests per
+//!   second, p50/p99 latency, time to first byte, p50 added over direct, router CPU per request
+//!   (user + system time of the router's process tree over the window, from `/proc/<pid>/stat`,
+//!   divided by the completed requests), RSS and peak RSS (`VmRSS`, `VmHWM`), the throughput
+//!   ratio to direct and to each peer (medians of per-round ratios), and for P/D targets what
+//!   the engines counted (every decode leg must consume its transferred KV).
+//! - `--latency`: the same at concurrency 1 (`--latency-requests` per window), where the column
+//!   to read is the p50 added over direct.
+//!
+//! When the machine has two CPUs or more (`--pin auto`), the routers run on the last one and
+//! the simulators and the load generator on the others, so a router's throughput is what one
+//! core of it gives. Output: a table per section on stdout, and with `--json PATH` a JSON
+//! document (`-`: to stdout, the tables then go to stderr). Exits 1 when a request failed or a
+//! P/D target did not transfer KV; 2 on bad arguments. Absolute numbers on a shared machine are
+//! not stable; the ratios are the result. It asserts nothing about time (DESIGN.md section 8);
+//! docs/benchmarks.md tells how to run it against vllm-router.
 //!
 //! Subcommands in their own modules: `narwhal-bench profile` (an engine's profile for the
 //! fleet file) and `narwhal-bench shifting` (fixed split vs role controller under shifting
 //! demand).
 #![forbid(unsafe_code)]
-// A test tool that measures wall time (latencies, deadlines): the clock ban of clippy.toml is
-// for product code.
+// A benchmark measures wall time: the clock ban of clippy.toml is for product code.
 #![allow(clippy::disallowed_methods)]
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Instant;
+// The modules live in `narwhal-bench/` beside this file (a crate root resolves `mod` in its own
+// directory, hence the paths).
+#[path = "narwhal-bench/load.rs"]
+mod load;
+#[path = "narwhal-bench/peer.rs"]
+mod peer;
+#[path = "narwhal-bench/procs.rs"]
+mod procs;
+#[path = "narwhal-bench/report.rs"]
+mod report;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use clap::Parser;
-use futures_util::StreamExt;
-
 #[path = "narwhal-bench/profile.rs"]
 mod profile;
 #[path = "narwhal-bench/shifting.rs"]
 mod shifting;
-use narwhal_testkit::{EngineSpec, FleetSpec, start_router, start_sim};
-use serde_json::json;
+use narwhal_testkit::{
+    EngineSpec, FleetSpec, RouterHandle, SimHandle, free_port, start_router, start_sim,
+};
+use serde_json::{Value, json};
 
-#[derive(Parser)]
+use crate::load::Shot;
+use crate::peer::{Kind, PeerProc, PeerSpec};
+use crate::report::{EngineCounts, Section, TargetRun, Window};
+
+/// The model every simulator serves and every request names.
+const MODEL: &str = "tiny-sim";
+
+#[derive(Parser, Debug)]
 #[command(
     name = "narwhal-bench",
     version,
-    about = "Router overhead vs direct-to-engine, as ratios"
+    about = "Our router against direct traffic and peer routers: throughput, latency, CPU and memory, as ratios"
 )]
 struct Args {
-    /// Concurrent clients.
+    /// Throughput comparison at --concurrency (the default when neither mode is given).
+    #[arg(long)]
+    compare: bool,
+    /// Latency comparison at concurrency 1: p50 added over direct.
+    #[arg(long)]
+    latency: bool,
+    /// Concurrent clients of the throughput comparison.
     #[arg(long, default_value_t = 64)]
     concurrency: usize,
-    /// Requests per measured run.
+    /// Requests per measured window of the throughput comparison.
     #[arg(long, default_value_t = 4000)]
     requests: usize,
+    /// Requests per measured window of the latency comparison.
+    #[arg(long, default_value_t = 1000)]
+    latency_requests: usize,
+    /// Warm-up requests per target before a section's first round (default: a tenth of the
+    /// window, at least the concurrency).
+    #[arg(long)]
+    warmup: Option<usize>,
     /// Output tokens per request (`max_tokens`).
     #[arg(long, default_value_t = 16)]
     tokens: u32,
-    /// Stream responses (SSE); `--stream false` for non-streaming.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    stream: bool,
-    /// Engine dialect.
+    /// Streamed requests (`true`), JSON answers (`false`), or a section of each (`both`).
+    #[arg(long, default_value = "both", value_parser = ["true", "false", "both"])]
+    stream: String,
+    /// Measured rounds; each round measures every target once, in a rotating order.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Dialect of the P/D engine pair (the aggregated engine is always vLLM).
     #[arg(long, default_value = "vllm", value_parser = ["vllm", "sglang"])]
     dialect: String,
     /// Worker threads of each simulator.
     #[arg(long, default_value_t = 1)]
     sim_threads: usize,
+    /// A peer router, `NAME=COMMAND` with placeholders ({port}, {prefill_url}, {decode_url},
+    /// {engine_url}, ...: docs/benchmarks.md). Repeatable.
+    #[arg(long = "peer", value_name = "NAME=COMMAND")]
+    peers: Vec<String>,
+    /// `auto`: routers on the last CPU, simulators and load generator on the others (when
+    /// there are two or more); `off`: no pinning.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "off"])]
+    pin: String,
+    /// Seconds a target (a peer above all) may take to answer its first request.
+    #[arg(long, default_value_t = 120.0)]
+    start_timeout: f64,
+    /// Seconds a request may take before it counts as failed.
+    #[arg(long, default_value_t = 30.0)]
+    request_timeout: f64,
+    /// Also write the results as JSON to this file (`-`: stdout; the tables go to stderr).
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
-/// Latency figures of one run, in seconds.
-struct Run {
-    label: String,
-    rps: f64,
-    p50: f64,
-    p99: f64,
-    ttfb_p50: f64,
-    errors: usize,
+/// Where the routers and the rest run.
+#[derive(Debug, Clone)]
+struct Pinning {
+    router: BTreeSet<usize>,
+    load: BTreeSet<usize>,
 }
 
-fn pct(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[i]
+/// One thing the load is sent to.
+struct Target {
+    name: String,
+    kind: Kind,
+    peer: bool,
+    addr: SocketAddr,
+    /// The router's process (none for direct).
+    pid: Option<u32>,
+    /// The peer's rendered command.
+    command: Option<String>,
 }
 
-async fn drive(label: &str, url: &str, args: &Args, n: usize) -> Run {
-    let http = narwhal_testkit::http_client()
-        .pool_max_idle_per_host(args.concurrency)
-        .build()
-        .expect("HTTP client");
-    let next = Arc::new(AtomicUsize::new(0));
-    let t0 = Instant::now();
-    let mut tasks = Vec::new();
-    for _ in 0..args.concurrency {
-        let http = http.clone();
-        let next = next.clone();
-        let url = format!("{url}/v1/completions");
-        let (stream, tokens) = (args.stream, args.tokens);
-        tasks.push(tokio::spawn(async move {
-            let mut lat = Vec::new();
-            let mut ttfb = Vec::new();
-            let mut errors = 0usize;
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= n {
-                    break;
-                }
-                let body = json!({"model": "tiny-sim", "prompt": format!("bench prompt number {i} with a few words"),
-                                  "max_tokens": tokens, "stream": stream});
-                let start = Instant::now();
-                let ok = match http.post(&url).json(&body).send().await {
-                    Ok(r) if r.status().is_success() => {
-                        let mut s = r.bytes_stream();
-                        let mut first = true;
-                        let mut ok = true;
-                        while let Some(c) = s.next().await {
-                            if first {
-                                ttfb.push(start.elapsed().as_secs_f64());
-                                first = false;
-                            }
-                            if c.is_err() {
-                                ok = false;
-                            }
-                        }
-                        ok
-                    }
-                    _ => false,
-                };
-                if ok {
-                    lat.push(start.elapsed().as_secs_f64());
-                } else {
-                    errors += 1;
-                }
-            }
-            (lat, ttfb, errors)
-        }));
-    }
-    let (mut lat, mut ttfb, mut errors) = (Vec::new(), Vec::new(), 0);
-    for t in tasks {
-        let (l, f, e) = t.await.expect("load task");
-        lat.extend(l);
-        ttfb.extend(f);
-        errors += e;
-    }
-    let wall = t0.elapsed().as_secs_f64();
-    lat.sort_by(f64::total_cmp);
-    ttfb.sort_by(f64::total_cmp);
-    Run {
-        label: label.to_string(),
-        rps: lat.len() as f64 / wall,
-        p50: pct(&lat, 0.5),
-        p99: pct(&lat, 0.99),
-        ttfb_p50: pct(&ttfb, 0.5),
-        errors,
-    }
+fn addr_of(url: &str) -> Result<SocketAddr, String> {
+    url.trim_start_matches("http://")
+        .trim_end_matches('/')
+        .parse()
+        .map_err(|e| format!("{url}: not http://IP:PORT ({e})"))
 }
 
-fn print(r: &Run) {
-    println!(
-        "{:<8} {:>10.0} {:>10.2} {:>10.2} {:>12.2} {:>7}",
-        r.label,
-        r.rps,
-        r.p50 * 1e3,
-        r.p99 * 1e3,
-        r.ttfb_p50 * 1e3,
-        r.errors
-    );
-}
-
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() -> std::process::ExitCode {
+fn main() -> ExitCode {
     let argv: Vec<String> = std::env::args().collect();
-    match argv.get(1).map(String::as_str) {
-        Some("profile") => return profile::main(argv[1..].to_vec()).await,
-        Some("shifting") => return shifting::main(argv[1..].to_vec()).await,
-        _ => {}
+    if let Some(code) = subcommand(&argv) {
+        return code;
     }
     let args = Args::parse();
+    let mut bad = Vec::new();
+    for (name, v) in [
+        ("--concurrency", args.concurrency),
+        ("--requests", args.requests),
+        ("--latency-requests", args.latency_requests),
+        ("--rounds", args.rounds),
+        ("--sim-threads", args.sim_threads),
+    ] {
+        if v == 0 {
+            bad.push(format!("{name} must be at least 1"));
+        }
+    }
+    if args.tokens == 0 {
+        bad.push("--tokens must be at least 1".into());
+    }
+    for (name, v) in [
+        ("--start-timeout", args.start_timeout),
+        ("--request-timeout", args.request_timeout),
+    ] {
+        if !(v.is_finite() && v > 0.0) {
+            bad.push(format!("{name} must be a positive number of seconds"));
+        }
+    }
+    let mut peers = Vec::new();
+    for spec in &args.peers {
+        match PeerSpec::parse(spec) {
+            Ok(p) if peers.iter().any(|q: &PeerSpec| q.name == p.name) => {
+                bad.push(format!("--peer {}: the name is given twice", p.name));
+            }
+            Ok(p) => peers.push(p),
+            Err(e) => bad.push(e),
+        }
+    }
+    if !bad.is_empty() {
+        for b in bad {
+            eprintln!("narwhal-bench: {b}");
+        }
+        return ExitCode::from(2);
+    }
+
+    // Pin this process (and so the simulators it starts) before any thread exists.
+    let cpus = procs::own_cpus();
+    let pinning = match args.pin.as_str() {
+        "auto" => match cpus.iter().next_back().copied() {
+            Some(last) if cpus.len() >= 2 => {
+                let router: BTreeSet<usize> = [last].into();
+                let load: BTreeSet<usize> = cpus.iter().copied().filter(|c| *c != last).collect();
+                match procs::set_affinity(std::process::id() as i32, &load, true) {
+                    Ok(()) => Some(Pinning { router, load }),
+                    Err(e) => {
+                        eprintln!("narwhal-bench: not pinning: {e}");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        },
+        _ => None,
+    };
+    let rt = match &pinning {
+        Some(p) if p.load.len() == 1 => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
+        _ => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build(),
+    };
+    let rt = match rt {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("narwhal-bench: tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(&args, &peers, cpus.len(), pinning)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("narwhal-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The simulators every target is served by.
+struct Engines {
+    agg: SimHandle,
+    prefill: SimHandle,
+    decode: SimHandle,
+}
+
+impl Engines {
+    /// `/sim/stats` of the engines behind a target of `kind`, in order.
+    async fn stats(&self, kind: Kind) -> Vec<Value> {
+        match kind {
+            Kind::Pd => vec![self.prefill.stats().await, self.decode.stats().await],
+            Kind::Agg | Kind::Direct => vec![self.agg.stats().await],
+        }
+    }
+}
+
+/// What the engines of a `kind` target counted between two [`Engines::stats`] readings.
+fn engine_counts(kind: Kind, before: &[Value], after: &[Value]) -> EngineCounts {
+    let d = |i: usize, path: [&str; 2]| {
+        let get = |v: &[Value]| {
+            v.get(i)
+                .map_or(0, |v| v[path[0]][path[1]].as_u64().unwrap_or(0))
+        };
+        get(after).saturating_sub(get(before))
+    };
+    let sum = |path: [&str; 2]| (0..after.len()).map(|i| d(i, path)).sum::<u64>();
+    match kind {
+        Kind::Pd => EngineCounts {
+            prefill: d(0, ["requests", "prefill"]),
+            decode: d(1, ["requests", "decode"]),
+            aggregated: sum(["requests", "aggregated"]),
+            issued: d(0, ["kv", "issued"]),
+            consumed: d(1, ["kv", "consumed"]),
+            recomputed: sum(["kv", "recomputed"]),
+            rejected: sum(["kv", "rejected"]),
+        },
+        Kind::Agg | Kind::Direct => EngineCounts {
+            aggregated: sum(["requests", "aggregated"]),
+            recomputed: sum(["kv", "recomputed"]),
+            rejected: sum(["kv", "rejected"]),
+            ..Default::default()
+        },
+    }
+}
+
+/// Where the human tables go: stdout, or stderr when the JSON goes to stdout.
+fn say(json_to_stdout: bool, text: &str) {
+    if json_to_stdout {
+        eprint!("{text}");
+    } else {
+        print!("{text}");
+        let _ = std::io::stdout().flush();
+    }
+}
+
+/// `narwhal-bench profile ...` and `narwhal-bench shifting ...` (their own modules) on a
+/// two-worker runtime; `None` for anything else (the comparison).
+fn subcommand(argv: &[String]) -> Option<ExitCode> {
+    let which = argv.get(1).map(String::as_str)?;
+    if !matches!(which, "profile" | "shifting") {
+        return None;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build();
+    let rt = match rt {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("narwhal-bench: cannot start the runtime: {e}");
+            return Some(ExitCode::FAILURE);
+        }
+    };
+    let rest = argv[1..].to_vec();
+    Some(rt.block_on(async move {
+        match which {
+            "profile" => profile::main(rest).await,
+            _ => shifting::main(rest).await,
+        }
+    }))
+}
+
+/// Starts everything, measures, prints; `Ok(false)` when a request failed or a P/D target did
+/// not transfer KV. `cpus`: how many CPUs this process could use before pinning.
+async fn run(
+    args: &Args,
+    peers: &[PeerSpec],
+    cpus: usize,
+    pinning: Option<Pinning>,
+) -> Result<bool, String> {
+    let json_stdout = args.json.as_deref() == Some(std::path::Path::new("-"));
+    let loadavg_start = procs::loadavg();
+    let started = Instant::now();
     let dir = tempfile::Builder::new()
         .prefix("narwhal-bench-")
         .tempdir()
-        .expect("temporary directory");
+        .map_err(|e| format!("temporary directory: {e}"))?;
+    let router_cpus = pinning.as_ref().map(|p| &p.router);
+
+    // The engines, on this process's CPUs.
     let threads = args.sim_threads.to_string();
     let sim_args = ["--threads", threads.as_str()];
-    let direct = start_sim(
-        dir.path(),
-        &EngineSpec::new("direct", "decode").args(&sim_args),
-        "vllm",
-    );
-    let solo = start_sim(
-        dir.path(),
-        &EngineSpec::new("solo", "decode").args(&sim_args),
-        "vllm",
-    );
-    let p = start_sim(
-        dir.path(),
-        &EngineSpec::new("p0", "prefill").args(&sim_args),
-        &args.dialect,
-    );
-    let d = start_sim(
-        dir.path(),
-        &EngineSpec::new("d0", "decode").args(&sim_args),
-        &args.dialect,
-    );
-    let (direct, solo, p, d) = match (direct, solo, p, d) {
-        (Ok(a), Ok(s), Ok(b), Ok(c)) => (a, s, b, c),
-        (a, s, b, c) => {
-            for e in [a.err(), s.err(), b.err(), c.err()].into_iter().flatten() {
-                eprintln!("narwhal-bench: {e}");
-            }
-            return std::process::ExitCode::FAILURE;
-        }
+    let start = |iid: &str, role: &str, dialect: &str| {
+        start_sim(
+            dir.path(),
+            &EngineSpec::new(iid, role).args(&sim_args),
+            dialect,
+        )
+        .map_err(|e| format!("simulator {iid}: {e}"))
     };
-    let sims = [p, d];
-    let fleet = FleetSpec::for_sims(&args.dialect, &sims).with(json!({
-        "serving": {"max_connections": 4096}
-    }));
-    let router = match start_router(dir.path(), "router", &fleet, &["--log-level", "warn"]) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("narwhal-bench: {e}");
-            return std::process::ExitCode::FAILURE;
-        }
+    let engines = Engines {
+        agg: start("e0", "decode", "vllm")?,
+        prefill: start("p0", "prefill", &args.dialect)?,
+        decode: start("d0", "decode", &args.dialect)?,
     };
-    // The same router in front of one engine: the aggregated path, one upstream request per
-    // client request, which isolates the router's own relay overhead from the P/D legs.
-    let solo_fleet = FleetSpec::for_sims("vllm", std::slice::from_ref(&solo)).with(json!({
-        "serving": {"max_connections": 4096}
-    }));
-    let router_agg = match start_router(
-        dir.path(),
-        "router-agg",
-        &solo_fleet,
-        &["--log-level", "warn"],
-    ) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("narwhal-bench: {e}");
-            return std::process::ExitCode::FAILURE;
-        }
+
+    // Our router twice, on the router CPUs.
+    let pd_fleet = fleet(&args.dialect, &[&engines.prefill, &engines.decode]);
+    let agg_fleet = fleet("vllm", &[&engines.agg]);
+    let launch = |label: &str, fleet: &FleetSpec| {
+        procs::on_cpus(router_cpus, || {
+            start_router(dir.path(), label, fleet, &["--log-level", "warn"])
+        })?
+        .map_err(|e| format!("router {label}: {e}"))
     };
-    println!(
-        "narwhal-bench: concurrency {} requests {} tokens {} stream {} dialect {} (router P/D: 1 prefill + 1 decode; direct: 1 aggregated engine)",
-        args.concurrency, args.requests, args.tokens, args.stream, args.dialect
-    );
-    // Warm both paths (connection pools, allocator) before measuring.
-    let warm = (args.requests / 10).max(args.concurrency);
-    drive("warm", &direct.url, &args, warm).await;
-    drive("warm", &router.data, &args, warm).await;
-    drive("warm", &router_agg.data, &args, warm).await;
-    println!(
-        "{:<8} {:>10} {:>10} {:>10} {:>12} {:>7}",
-        "target", "req/s", "p50 ms", "p99 ms", "ttfb p50 ms", "errors"
-    );
-    let a = drive("direct", &direct.url, &args, args.requests).await;
-    print(&a);
-    let b = drive("router", &router.data, &args, args.requests).await;
-    print(&b);
-    let g = drive("agg", &router_agg.data, &args, args.requests).await;
-    print(&g);
-    // A second direct run brackets the router runs, so drift on a shared machine shows.
-    let c = drive("direct", &direct.url, &args, args.requests).await;
-    print(&c);
-    let base_rps = (a.rps + c.rps) / 2.0;
-    let base_p50 = (a.p50 + c.p50) / 2.0;
-    let base_p99 = (a.p99 + c.p99) / 2.0;
-    for (name, r) in [
-        ("router (P/D, 2 legs + KV transfer)", &b),
-        ("router (aggregated, 1 leg)", &g),
-    ] {
-        println!(
-            "ratio {name} / direct: throughput {:.2}x, p50 latency {:.2}x, p99 latency {:.2}x",
-            r.rps / base_rps,
-            r.p50 / base_p50,
-            r.p99 / base_p99
+    let ours_pd: RouterHandle = launch("ours-pd", &pd_fleet)?;
+    let ours_agg: RouterHandle = launch("ours-agg", &agg_fleet)?;
+
+    let mut targets = vec![
+        Target {
+            name: "direct".into(),
+            kind: Kind::Direct,
+            peer: false,
+            addr: addr_of(&engines.agg.url)?,
+            pid: None,
+            command: None,
+        },
+        Target {
+            name: "ours-pd".into(),
+            kind: Kind::Pd,
+            peer: false,
+            addr: addr_of(&ours_pd.data)?,
+            pid: Some(ours_pd.proc.pid()),
+            command: None,
+        },
+        Target {
+            name: "ours-agg".into(),
+            kind: Kind::Agg,
+            peer: false,
+            addr: addr_of(&ours_agg.data)?,
+            pid: Some(ours_agg.proc.pid()),
+            command: None,
+        },
+    ];
+
+    // The peers, on the router CPUs.
+    let bin_dir = narwhal_testkit::bin_path("narwhal-serve")
+        .parent()
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    let mut peer_procs = Vec::new();
+    for p in peers {
+        let port = free_port();
+        let pdir = dir.path().join(format!("peer-{}", p.name));
+        std::fs::create_dir_all(&pdir).map_err(|e| format!("{}: {e}", pdir.display()))?;
+        let mut values: BTreeMap<&str, String> = BTreeMap::new();
+        values.insert("port", port.to_string());
+        values.insert("aux_port", free_port().to_string());
+        values.insert("host", "127.0.0.1".into());
+        values.insert("model", MODEL.into());
+        values.insert("dir", pdir.display().to_string());
+        values.insert("bin_dir", bin_dir.clone());
+        values.insert("prefill_url", engines.prefill.url.clone());
+        values.insert("prefill_urls", engines.prefill.url.clone());
+        values.insert("decode_url", engines.decode.url.clone());
+        values.insert("decode_urls", engines.decode.url.clone());
+        values.insert(
+            "bootstrap_port",
+            engines
+                .prefill
+                .bootstrap_port
+                .map_or_else(|| "none".into(), |b| b.to_string()),
         );
+        values.insert("engine_url", engines.agg.url.clone());
+        values.insert("engine_urls", engines.agg.url.clone());
+        let command = p.render(&values)?;
+        let proc = procs::on_cpus(router_cpus, || {
+            PeerProc::spawn(&p.name, &command, dir.path())
+        })??;
+        targets.push(Target {
+            name: p.name.clone(),
+            kind: p.kind,
+            peer: true,
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            pid: Some(proc.pid),
+            command: Some(command),
+        });
+        peer_procs.push((p.name.clone(), proc));
     }
-    if a.errors + b.errors + c.errors + g.errors > 0 {
-        return std::process::ExitCode::FAILURE;
+
+    // Every target answers, and answers what the engine itself answers.
+    let timeout = Duration::from_secs_f64(args.request_timeout);
+    let probe = |stream: bool| load::body(MODEL, usize::MAX, args.tokens, stream);
+    let deadline = Instant::now() + Duration::from_secs_f64(args.start_timeout);
+    for t in &targets {
+        loop {
+            if let Some((_, proc)) = peer_procs.iter_mut().find(|(n, _)| *n == t.name)
+                && let Some(status) = proc.exited()
+            {
+                return Err(format!(
+                    "peer {} exited ({status}) before answering; {}",
+                    t.name,
+                    proc.log_tail(20)
+                ));
+            }
+            match load::once(t.addr, probe(false), timeout).await {
+                Ok((200, body)) if load::answer_text(false, &body).is_ok() => break,
+                outcome if Instant::now() >= deadline => {
+                    let tail = peer_procs
+                        .iter()
+                        .find(|(n, _)| *n == t.name)
+                        .map(|(_, p)| p.log_tail(20))
+                        .unwrap_or_default();
+                    return Err(format!(
+                        "{} did not answer a completion within {} s (last: {}); {tail}",
+                        t.name,
+                        args.start_timeout,
+                        match outcome {
+                            Ok((s, b)) => format!("{s} {}", String::from_utf8_lossy(&b)),
+                            Err(e) => e,
+                        }
+                    ));
+                }
+                _ => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
     }
-    std::process::ExitCode::SUCCESS
+    let mut reference = BTreeMap::new();
+    for t in &targets {
+        for stream in [false, true] {
+            let (status, body) = load::once(t.addr, probe(stream), timeout)
+                .await
+                .map_err(|e| format!("{} probe: {e}", t.name))?;
+            let text = if status == 200 {
+                load::answer_text(stream, &body)
+            } else {
+                Err(format!("status {status}"))
+            };
+            let text = text.map_err(|e| {
+                format!(
+                    "{} probe (stream {stream}): {e}: {}",
+                    t.name,
+                    String::from_utf8_lossy(&body[..body.len().min(500)])
+                )
+            })?;
+            match reference.get(&stream) {
+                None => {
+                    reference.insert(stream, text);
+                }
+                Some(want) if *want == text => {}
+                Some(want) => {
+                    return Err(format!(
+                        "{} (stream {stream}) answered {text:?}, the engine itself {want:?}",
+                        t.name
+                    ));
+                }
+            }
+        }
+    }
+
+    // Header.
+    let mut head = format!(
+        "narwhal-bench: {} CPUs, {}; load average at start {:.2} {:.2} {:.2}\n",
+        cpus,
+        match &pinning {
+            Some(p) => format!(
+                "routers pinned to CPU {}, simulators and load generator to CPU {}",
+                procs::cpu_list(&p.router),
+                procs::cpu_list(&p.load)
+            ),
+            None => "no pinning".into(),
+        },
+        loadavg_start[0],
+        loadavg_start[1],
+        loadavg_start[2],
+    );
+    head.push_str(&format!(
+        "engines: aggregated vllm {} (direct, ours-agg and aggregated peers); P/D {} prefill {} + decode {}\n",
+        engines.agg.url, args.dialect, engines.prefill.url, engines.decode.url
+    ));
+    let mut target_json = Vec::new();
+    for t in &targets {
+        let cpus = t.pid.map(|p| procs::cpu_list(&procs::tree_cpus(p)));
+        head.push_str(&format!(
+            "  {}: {} at http://{}{}{}\n",
+            t.name,
+            t.kind.as_str(),
+            t.addr,
+            t.pid
+                .map(|p| format!(" pid {p} on CPU {}", cpus.clone().unwrap_or_default()))
+                .unwrap_or_default(),
+            t.command
+                .as_ref()
+                .map(|c| format!("\n      {c}"))
+                .unwrap_or_default()
+        ));
+        target_json.push(json!({
+            "name": t.name, "kind": t.kind.as_str(), "peer": t.peer,
+            "url": format!("http://{}", t.addr), "pid": t.pid, "cpus": cpus,
+            "command": t.command,
+        }));
+    }
+    say(json_stdout, &head);
+
+    // The sections.
+    let streams: Vec<bool> = match args.stream.as_str() {
+        "true" => vec![true],
+        "false" => vec![false],
+        _ => vec![true, false],
+    };
+    let throughput = args.compare || !args.latency;
+    let mut plan = Vec::new();
+    for &stream in &streams {
+        if throughput {
+            plan.push(("throughput", stream, args.concurrency, args.requests));
+        }
+        if args.latency {
+            plan.push(("latency", stream, 1, args.latency_requests));
+        }
+    }
+    let clk = procs::clock_ticks();
+    let mut next_prompt = 0usize;
+    let mut sections = Vec::new();
+    for (mode, stream, concurrency, requests) in plan {
+        let shot = Shot {
+            concurrency,
+            requests,
+            tokens: args.tokens,
+            stream,
+            timeout,
+        };
+        let warm = Shot {
+            requests: args
+                .warmup
+                .unwrap_or_else(|| (requests / 10).max(concurrency)),
+            ..shot.clone()
+        };
+        for t in &targets {
+            if warm.requests > 0 {
+                load::drive(t.addr, MODEL, &warm, next_prompt).await;
+                next_prompt += warm.requests;
+            }
+        }
+        let mut runs: Vec<TargetRun> = targets
+            .iter()
+            .map(|t| TargetRun {
+                name: t.name.clone(),
+                kind: t.kind,
+                peer: t.peer,
+                windows: Vec::new(),
+            })
+            .collect();
+        for round in 0..args.rounds {
+            for k in 0..targets.len() {
+                let i = (k + round) % targets.len();
+                let t = &targets[i];
+                let stats_before = engines.stats(t.kind).await;
+                let cpu_before = t.pid.map(procs::tree_ticks);
+                let sample = load::drive(t.addr, MODEL, &shot, next_prompt).await;
+                let cpu_after = t.pid.map(procs::tree_ticks);
+                next_prompt += requests;
+                let rss = t.pid.map(procs::tree_memory_kib);
+                let stats_after = engines.stats(t.kind).await;
+                let cpu_s = match (&cpu_before, &cpu_after) {
+                    (Some(b), Some(a)) => Some(procs::ticks_between(b, a) as f64 / clk),
+                    _ => None,
+                };
+                runs[i].windows.push(Window::new(
+                    round,
+                    &sample,
+                    cpu_s,
+                    rss,
+                    engine_counts(t.kind, &stats_before, &stats_after),
+                    procs::loadavg(),
+                ));
+            }
+        }
+        let section = Section {
+            mode,
+            stream,
+            concurrency,
+            requests,
+            tokens: args.tokens,
+            targets: runs,
+        };
+        say(json_stdout, &section.table());
+        sections.push(section);
+    }
+    let loadavg_end = procs::loadavg();
+    say(
+        json_stdout,
+        &format!(
+            "{}\nload average at end {:.2} {:.2} {:.2}; {:.0} s\n",
+            report::goals(&sections),
+            loadavg_end[0],
+            loadavg_end[1],
+            loadavg_end[2],
+            started.elapsed().as_secs_f64()
+        ),
+    );
+    let problems: usize = sections.iter().map(Section::problems).sum();
+    if let Some(path) = &args.json {
+        let doc = json!({
+            "schema": "narwhal.bench.compare",
+            "version": 1,
+            "config": {
+                "concurrency": args.concurrency, "requests": args.requests,
+                "latency_requests": args.latency_requests, "tokens": args.tokens,
+                "rounds": args.rounds, "dialect": args.dialect, "sim_threads": args.sim_threads,
+                "stream": args.stream,
+            },
+            "pinning": pinning.as_ref().map(|p| json!({
+                "router_cpus": procs::cpu_list(&p.router), "load_cpus": procs::cpu_list(&p.load),
+            })),
+            "clock_ticks_per_s": clk,
+            "loadavg": {"start": loadavg_start, "end": loadavg_end},
+            "targets": target_json,
+            "sections": sections.iter().map(Section::to_json).collect::<Vec<_>>(),
+            "problems": problems,
+        });
+        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+        if json_stdout {
+            println!("{text}");
+        } else {
+            std::fs::write(path, text + "\n").map_err(|e| format!("{}: {e}", path.display()))?;
+        }
+    }
+    drop(peer_procs);
+    Ok(problems == 0)
+}
+
+/// The fleet file of our router over `sims` (as [`FleetSpec::for_sims`], which needs owned
+/// handles), with room for every benchmark connection.
+fn fleet(backend: &str, sims: &[&SimHandle]) -> FleetSpec {
+    FleetSpec {
+        model: MODEL.into(),
+        backend: backend.into(),
+        engines: sims
+            .iter()
+            .map(|s| (s.iid.clone(), s.url.clone(), s.role.clone()))
+            .collect(),
+        overrides: json!({}),
+        agents: BTreeMap::new(),
+        engine_keys: BTreeMap::new(),
+        pins: Default::default(),
+    }
+    .with(json!({"serving": {"max_connections": 4096}}))
 }

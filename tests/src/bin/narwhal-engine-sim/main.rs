@@ -124,6 +124,11 @@ struct Cli {
     /// Runtime worker threads.
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Faults armed before the engine port serves (the body of `POST /sim/faults`): an engine
+    /// that comes up still loading, e.g. `[{"phase":"health","action":"status","status":503,
+    /// "count":1000}]`.
+    #[arg(long)]
+    faults: Option<String>,
 }
 
 /// Startup failures, each naming the flag or resource.
@@ -141,6 +146,8 @@ enum StartError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error("--faults: {0}")]
+    Faults(String),
     #[error("cannot write --ready-file {path}: {source}")]
     ReadyFile {
         path: PathBuf,
@@ -248,6 +255,9 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
         bootstrap_addr,
         process_start_time(),
     ));
+    if let Some(text) = &cli.faults {
+        sim.arm(text.as_bytes()).map_err(StartError::Faults)?;
+    }
     if let Some(l) = kv {
         tokio::spawn(transfer::serve(l, sim.clone()));
     }

@@ -110,6 +110,10 @@ pub(crate) struct Bootstrap {
     pub(crate) room: u64,
 }
 
+/// SGLang's placeholder rendezvous host (`FAKE_BOOTSTRAP_HOST`): a request naming it runs
+/// locally on a prefill- or decode-mode server, without a peer.
+pub(crate) const FAKE_BOOTSTRAP_HOST: &str = "2.2.2.2";
+
 /// A validated completion or chat request.
 #[derive(Debug, Clone)]
 pub(crate) struct Parsed {
@@ -131,6 +135,8 @@ pub(crate) struct Parsed {
     pub(crate) bootstrap: Option<Bootstrap>,
     /// `true` when some but not all bootstrap fields are present.
     pub(crate) bootstrap_partial: bool,
+    /// `bootstrap_host` is SGLang's placeholder [`FAKE_BOOTSTRAP_HOST`]: served alone.
+    pub(crate) fake_bootstrap: bool,
     /// SGLang body `rid`.
     pub(crate) rid: Option<String>,
 }
@@ -254,6 +260,9 @@ pub(crate) fn parse_request(kind: Kind, bytes: &[u8], limits: &Limits) -> Result
         )));
     }
     let kv = kv_params(body.kv_transfer_params.as_ref());
+    // SGLang's placeholder host: the request runs alone on a P/D server (its own health
+    // generation and warm-up use it: sglang/srt/disaggregation/utils.py FAKE_BOOTSTRAP_HOST).
+    let fake_bootstrap = body.bootstrap_host.as_deref() == Some(FAKE_BOOTSTRAP_HOST);
     let present = [
         body.bootstrap_host.is_some(),
         body.bootstrap_port.is_some(),
@@ -264,6 +273,7 @@ pub(crate) fn parse_request(kind: Kind, bytes: &[u8], limits: &Limits) -> Result
         body.bootstrap_port,
         body.bootstrap_room,
     ) {
+        _ if fake_bootstrap => None,
         (Some(host), Some(port), Some(room)) => Some(Bootstrap { host, port, room }),
         _ => None,
     };
@@ -275,7 +285,8 @@ pub(crate) fn parse_request(kind: Kind, bytes: &[u8], limits: &Limits) -> Result
         include_usage,
         return_token_ids: body.return_token_ids.unwrap_or(false),
         kv,
-        bootstrap_partial: bootstrap.is_none() && present.iter().any(|x| *x),
+        bootstrap_partial: bootstrap.is_none() && !fake_bootstrap && present.iter().any(|x| *x),
+        fake_bootstrap,
         bootstrap,
         rid: body.rid,
     })
@@ -747,6 +758,14 @@ mod tests {
         assert_eq!(p.rid.as_deref(), Some("r1"));
         let p = parse(Kind::Completion, r#"{"prompt":"a","bootstrap_room":7}"#).unwrap();
         assert!(p.bootstrap.is_none() && p.bootstrap_partial);
+        // SGLang's placeholder host (as its /health sends it: host and room, no port) asks
+        // for a local run, not a rendezvous.
+        let p = parse(
+            Kind::Completion,
+            r#"{"prompt":"a","bootstrap_host":"2.2.2.2","bootstrap_room":0}"#,
+        )
+        .unwrap();
+        assert!(p.fake_bootstrap && p.bootstrap.is_none() && !p.bootstrap_partial);
     }
 
     #[test]

@@ -278,6 +278,18 @@ impl Sim {
         a
     }
 
+    /// Queues faults given as the body of `POST /sim/faults` (`--faults` at startup).
+    ///
+    /// # Errors
+    /// The parser's message.
+    pub(crate) fn arm(&self, body: &[u8]) -> Result<(), String> {
+        let fs = parse_faults(body).map_err(|e| e.to_string())?;
+        let mut q = lock(&self.faults);
+        q.push(fs);
+        self.faults_armed.store(!q.is_empty(), Relaxed);
+        Ok(())
+    }
+
     /// Phase of a parsed request (docs/engine-simulator.md, "Phases").
     fn phase_of(&self, p: &Parsed) -> Phase {
         match self.cfg.dialect {
@@ -520,7 +532,9 @@ async fn health(sim: &Sim) -> Response<SimBody> {
 
 fn models(sim: &Sim) -> Response<SimBody> {
     let owner = sim.cfg.dialect.as_str();
-    let created = sim.started_at as u64;
+    // vLLM's and SGLang's ModelCard default `created` to the time of the request, so it says
+    // nothing about the process (the router must not read one from it).
+    let created = unix_now() as u64;
     json_response(
         200,
         &json!({"object": "list", "data": [{
@@ -719,13 +733,18 @@ fn metrics(sim: &Sim) -> Response<SimBody> {
     if sim.cfg.kv_metrics {
         kv_metrics(sim, &model, &mut out);
     }
-    let _ = write!(
-        out,
-        "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n\
-         # TYPE process_start_time_seconds gauge\n\
-         process_start_time_seconds {}\n",
-        sim.started_at
-    );
+    // vLLM (one API server) serves prometheus_client's default registry, whose process
+    // collector publishes the start time; SGLang serves the multiprocess registry, which has
+    // no process families.
+    if sim.cfg.dialect == Dialect::Vllm {
+        let _ = write!(
+            out,
+            "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n\
+             # TYPE process_start_time_seconds gauge\n\
+             process_start_time_seconds {}\n",
+            sim.started_at
+        );
+    }
     text_response(200, "text/plain; version=0.0.4; charset=utf-8", out)
 }
 
@@ -936,6 +955,7 @@ async fn completion(
     if phase == Phase::Aggregated
         && sim.cfg.dialect == Dialect::Sglang
         && sim.mode() != Mode::Null
+        && !parsed.fake_bootstrap
         && (parsed.bootstrap_partial || sim.mode() == Mode::Prefill)
     {
         let e = ApiError::bad_request(format!(

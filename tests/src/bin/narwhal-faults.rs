@@ -1,0 +1,67 @@
+//! `narwhal-faults`: the HA fault campaign of issue 13 by hand. Each run starts a fresh
+//! fleet (2 prefill, 2 decode, agents, a 2 s file lease, a primary and a warm standby), hits
+//! the primary with `kill -9` or `SIGSTOP` right after an acknowledged drain or readmission,
+//! during validation, or during a wave, and judges it (`narwhal_testkit::faults`). Prints
+//! every run and a summary; exits 1 when a run broke a rule.
+//!
+//! ```sh
+//! cargo build --workspace --bins && ./target/debug/narwhal-faults --runs 100
+//! ```
+#![forbid(unsafe_code)]
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use rand::Rng;
+use tokio::signal::unix::{SignalKind, signal};
+
+/// Command line.
+#[derive(Debug, Parser)]
+#[command(
+    version,
+    about = "Run the HA fault campaign (issue 13) on fresh local fleets"
+)]
+struct Cli {
+    /// How many runs.
+    #[arg(long, default_value_t = 20)]
+    runs: usize,
+    /// Seed of the scenarios (default: random, printed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Fleets at a time.
+    #[arg(long, default_value_t = 2)]
+    parallel: usize,
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let seed = cli.seed.unwrap_or_else(|| rand::rng().random());
+    eprintln!(
+        "narwhal-faults: {} runs, seed {seed}, {} at a time",
+        cli.runs, cli.parallel
+    );
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        eprintln!("narwhal-faults: cannot handle SIGTERM");
+        return ExitCode::FAILURE;
+    };
+    // Interrupted: returning drops the runtime, every run with it, and so every fleet's
+    // processes (the kit kills them on drop).
+    let outcomes = tokio::select! {
+        o = narwhal_testkit::faults::campaign(cli.runs, seed, cli.parallel) => o,
+        _ = tokio::signal::ctrl_c() => {
+            eprintln!("narwhal-faults: interrupted; stopping the fleets");
+            return ExitCode::from(130);
+        }
+        _ = term.recv() => {
+            eprintln!("narwhal-faults: terminated; stopping the fleets");
+            return ExitCode::from(143);
+        }
+    };
+    let summary = narwhal_testkit::faults::summary(&outcomes);
+    println!("seed {seed}: {summary}");
+    if outcomes.iter().any(|o| !o.violations.is_empty()) {
+        return ExitCode::FAILURE;
+    }
+    ExitCode::SUCCESS
+}

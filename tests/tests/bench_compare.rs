@@ -1,0 +1,326 @@
+//! The mechanics of `narwhal-bench`'s comparison mode (docs/benchmarks.md): it starts the
+//! simulators, our two routers and peer routers given as commands, measures them interleaved,
+//! and reports a table and a JSON document with the right shape; a P/D peer that does not
+//! transfer KV is caught. The "peers" here are our own router launched through
+//! `tests/bench/narwhal-serve-peer.sh`, so the test needs nothing outside the workspace.
+//! Structure only: no assertion here is about how fast anything is.
+// Tests measure wall time (deadlines): the clock ban of clippy.toml is for product code.
+#![allow(clippy::disallowed_methods)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Runs `narwhal-bench` with `args`, killing it after `within`.
+fn bench(args: &[String], within: Duration) -> Output {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_narwhal-bench"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).expect("stdout file"))
+        .stderr(std::fs::File::create(&err).expect("stderr file"))
+        .spawn()
+        .expect("start narwhal-bench");
+    let deadline = Instant::now() + within;
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait narwhal-bench") {
+            break s;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "narwhal-bench did not finish within {within:?}; stdout:\n{}\nstderr:\n{}",
+                std::fs::read_to_string(&out).unwrap_or_default(),
+                std::fs::read_to_string(&err).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    Output {
+        status,
+        stdout: std::fs::read(&out).unwrap_or_default(),
+        stderr: std::fs::read(&err).unwrap_or_default(),
+    }
+}
+
+/// `narwhal-serve-peer.sh` with the engine flags `engines` (placeholders included).
+fn self_peer(name: &str, engines: &str) -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/narwhal-serve-peer.sh");
+    format!(
+        "{name}=sh {} --bin {{bin_dir}}/narwhal-serve --port {{port}} --dir {{dir}} {engines}",
+        script.display()
+    )
+}
+
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+fn read_json(path: &PathBuf) -> Value {
+    let text = std::fs::read_to_string(path).expect("the --json file");
+    serde_json::from_str(&text).expect("the --json file is JSON")
+}
+
+const TARGETS: [(&str, &str); 5] = [
+    ("direct", "direct"),
+    ("ours-pd", "pd"),
+    ("ours-agg", "agg"),
+    ("self-pd", "pd"),
+    ("self-agg", "agg"),
+];
+
+/// `--compare --latency` with a P/D and an aggregated peer: four sections (throughput and
+/// latency, streaming and not), every target in each with every request completed, P/D
+/// targets transferring KV for each request, the ratio columns and comparison lines present,
+/// and the routers on the CPUs the pinning names.
+#[test]
+fn comparison_runs_peers_and_reports_every_target() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("bench.json");
+    let mut args = strings(&[
+        "--compare",
+        "--latency",
+        "--requests",
+        "200",
+        "--latency-requests",
+        "20",
+        "--rounds",
+        "1",
+        "--concurrency",
+        "8",
+        "--json",
+    ]);
+    args.push(json.display().to_string());
+    args.push("--peer".into());
+    args.push(self_peer(
+        "self-pd",
+        "--prefill {prefill_url} --decode {decode_url}",
+    ));
+    args.push("--peer".into());
+    args.push(self_peer("self-agg", "--engine {engine_url}"));
+    let out = bench(&args, Duration::from_secs(300));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "narwhal-bench failed ({}); stdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
+    );
+
+    // The human tables.
+    for head in [
+        "== throughput · streaming · concurrency 8",
+        "== throughput · non-streaming · concurrency 8",
+        "== latency · streaming · concurrency 1",
+        "== latency · non-streaming · concurrency 1",
+    ] {
+        assert_eq!(stdout.matches(head).count(), 1, "{head:?} in:\n{stdout}");
+    }
+    let header_lines: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("target "))
+        .collect();
+    assert_eq!(header_lines.len(), 4, "{stdout}");
+    for h in &header_lines {
+        for col in [
+            "req/s",
+            "p50 ms",
+            "p99 ms",
+            "cpu ms",
+            "RSS MB",
+            "xdirect",
+            "/self-pd",
+            "/self-agg",
+        ] {
+            assert!(h.contains(col), "column {col:?} missing from {h:?}");
+        }
+    }
+    for (name, kind) in TARGETS {
+        let rows = stdout
+            .lines()
+            .filter(|l| {
+                let mut w = l.split_whitespace();
+                w.next() == Some(name) && w.next() == Some(kind)
+            })
+            .count();
+        assert_eq!(rows, 4, "{name} rows in:\n{stdout}");
+    }
+    assert_eq!(stdout.matches("ours-pd vs self-pd: throughput").count(), 4);
+    assert_eq!(
+        stdout.matches("ours-agg vs self-agg: throughput").count(),
+        4
+    );
+    assert!(!stdout.contains("NOT P/D"), "{stdout}");
+
+    // The JSON document.
+    let doc = read_json(&json);
+    assert_eq!(doc["schema"], "narwhal.bench.compare");
+    assert_eq!(doc["version"], 1);
+    assert_eq!(doc["problems"], 0);
+    let router_cpus = doc["pinning"]["router_cpus"].as_str().map(str::to_string);
+    let targets = doc["targets"].as_array().expect("targets");
+    assert_eq!(targets.len(), TARGETS.len());
+    for (t, (name, kind)) in targets.iter().zip(TARGETS) {
+        assert_eq!(
+            (t["name"].as_str(), t["kind"].as_str()),
+            (Some(name), Some(kind))
+        );
+        if name == "direct" {
+            assert!(t["pid"].is_null());
+        } else {
+            assert!(t["pid"].as_u64().is_some(), "{t}");
+            if let Some(cpus) = &router_cpus {
+                // Pinned: every thread of every router runs only on the router CPU.
+                assert_eq!(t["cpus"].as_str(), Some(cpus.as_str()), "{t}");
+            }
+        }
+        assert_eq!(t["peer"], name.starts_with("self-"), "{t}");
+        assert_eq!(t["command"].is_string(), name.starts_with("self-"), "{t}");
+    }
+    let sections = doc["sections"].as_array().expect("sections");
+    let shapes: Vec<(&str, bool, u64, u64)> = sections
+        .iter()
+        .map(|s| {
+            (
+                s["mode"].as_str().unwrap_or_default(),
+                s["stream"].as_bool().unwrap_or_default(),
+                s["concurrency"].as_u64().unwrap_or_default(),
+                s["requests"].as_u64().unwrap_or_default(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        shapes,
+        [
+            ("throughput", true, 8, 200),
+            ("latency", true, 1, 20),
+            ("throughput", false, 8, 200),
+            ("latency", false, 1, 20),
+        ]
+    );
+    for s in sections {
+        let requests = s["requests"].as_u64().expect("requests");
+        let rows = s["targets"].as_array().expect("section targets");
+        assert_eq!(rows.len(), TARGETS.len());
+        for (t, (name, kind)) in rows.iter().zip(TARGETS) {
+            assert_eq!(t["name"], name);
+            assert_eq!(t["completed"], requests, "{name}: {t}");
+            assert_eq!(t["errors"], 0, "{name}: {t}");
+            assert_eq!(t["windows"].as_array().map(Vec::len), Some(1));
+            for field in ["rps", "p50_ms", "p99_ms", "ttfb_p50_ms", "ratio_to_direct"] {
+                let v = t[field].as_f64().unwrap_or(f64::NAN);
+                assert!(v.is_finite() && v > 0.0, "{name}.{field} = {}", t[field]);
+            }
+            let ratios = t["ratio_to_peers"].as_object().expect("ratio_to_peers");
+            assert_eq!(
+                ratios.keys().map(String::as_str).collect::<Vec<_>>(),
+                ["self-pd", "self-agg"]
+            );
+            if t["peer"] == true {
+                // A target against itself, round by round.
+                assert_eq!(ratios[name].as_f64(), Some(1.0), "{name}: {t}");
+            }
+            if name == "direct" {
+                assert!(t["cpu_ms_per_request"].is_null() && t["rss_mib"].is_null());
+                assert_eq!(t["ratio_to_direct"].as_f64(), Some(1.0));
+            } else {
+                let cpu = t["cpu_ms_per_request"].as_f64().expect("cpu per request");
+                assert!(cpu.is_finite() && cpu >= 0.0, "{name}: {t}");
+                let (rss, peak) = (
+                    t["rss_mib"].as_f64().expect("rss"),
+                    t["peak_rss_mib"].as_f64().expect("peak"),
+                );
+                assert!(rss > 0.0 && peak >= rss, "{name}: {t}");
+            }
+            let e = &t["engines"];
+            if kind == "pd" {
+                // Each completed request: one prefill leg, one decode leg fed by its KV.
+                for k in ["prefill", "decode", "issued", "consumed"] {
+                    assert_eq!(e[k], requests, "{name} engines.{k}: {e}");
+                }
+                for k in ["aggregated", "recomputed", "rejected"] {
+                    assert_eq!(e[k], 0, "{name} engines.{k}: {e}");
+                }
+                assert!(t["pd_problem"].is_null());
+            } else {
+                assert_eq!(e["aggregated"], requests, "{name} engines: {e}");
+            }
+        }
+    }
+}
+
+/// A peer that names the P/D engines but serves every request from the decode engine alone
+/// (our router over that one engine) is caught: its P/D line says NOT P/D, the JSON names the
+/// problem, and the run exits 1.
+#[test]
+fn pd_peer_that_does_not_transfer_kv_fails_the_run() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("bench.json");
+    let mut args = strings(&[
+        "--requests",
+        "40",
+        "--rounds",
+        "1",
+        "--concurrency",
+        "4",
+        "--stream",
+        "true",
+        "--json",
+    ]);
+    args.push(json.display().to_string());
+    args.push("--peer".into());
+    args.push(self_peer("fake-pd", "--engine {decode_url}"));
+    let out = bench(&args, Duration::from_secs(180));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "stdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("fake-pd engines:"))
+        .unwrap_or_else(|| panic!("no fake-pd engines line in:\n{stdout}"));
+    assert!(
+        line.contains("NOT P/D") && line.contains("recomputed"),
+        "{line}"
+    );
+    let doc = read_json(&json);
+    assert_eq!(doc["problems"], 1, "{doc}");
+    let rows = doc["sections"][0]["targets"].as_array().expect("targets");
+    let row = |n: &str| rows.iter().find(|t| t["name"] == n).expect(n);
+    assert!(row("fake-pd")["pd_problem"].is_string());
+    assert!(row("ours-pd")["pd_problem"].is_null());
+    assert_eq!(row("fake-pd")["errors"], 0);
+}
+
+/// Bad peer specs are refused before anything starts, naming the peer and the fault.
+#[test]
+fn bad_peer_specs_are_refused() {
+    for (spec, says) in [
+        ("noname", "expected NAME=COMMAND"),
+        ("p=router --port {port}", "names no engines"),
+        ("p=router {engine_url} {prefill_url}", "both"),
+        ("p=router {engine_url} {prot}", "unknown placeholder {prot}"),
+        ("ours-pd=router {engine_url}", "built-in"),
+    ] {
+        let out = bench(
+            &["--peer".to_string(), spec.to_string()],
+            Duration::from_secs(30),
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{spec}: {stderr}");
+        assert!(stderr.contains(says), "{spec}: {stderr}");
+    }
+    let out = bench(
+        &strings(&["--peer", "a=r {engine_url}", "--peer", "a=r {engine_url}"]),
+        Duration::from_secs(30),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--peer a: the name is given twice"));
+}

@@ -1,0 +1,534 @@
+//! End-to-end tests of the engines' health and the breaker (issue 9 sections 1–4, issue 10
+//! section 2): the health gate, busy engines, one slow probe, readmission through a
+//! generation probe with backoff, the ejection bound, `engines[].health_path`, and a process
+//! restarted in place. Each test names the rule it enforces; each failed before the fix.
+
+use std::time::{Duration, Instant};
+
+use narwhal_testkit::{Fleet, RouterHandle, SimHandle, eventually, metric};
+use serde_json::{Value, json};
+
+/// Faults of an engine that is still loading: `/health` 503 and completions that hang.
+fn loading() -> Value {
+    json!([{"phase": "health", "action": "status", "status": 503, "count": 100000},
+           {"phase": "any", "action": "hang", "ms": 60000, "count": 100000}])
+}
+
+/// Requests a simulator received in every phase.
+async fn requests(sim: &SimHandle) -> u64 {
+    let r = sim.stats().await["requests"].clone();
+    ["prefill", "decode", "aggregated"]
+        .iter()
+        .map(|k| r[k].as_u64().unwrap_or(0))
+        .sum()
+}
+
+/// `n` completions one after another; the status of each and the slowest time.
+async fn send(router: &RouterHandle, n: usize, tag: &str) -> (Vec<u16>, Duration) {
+    let mut codes = Vec::new();
+    let mut slowest = Duration::ZERO;
+    for i in 0..n {
+        let t0 = Instant::now();
+        codes.push(
+            router
+                .completion(&format!("{tag} {i}"), 4)
+                .await
+                .status
+                .as_u16(),
+        );
+        slowest = slowest.max(t0.elapsed());
+    }
+    (codes, slowest)
+}
+
+fn journal_events(router: &RouterHandle, event: &str, iid: &str) -> Vec<Value> {
+    router
+        .journal_rows()
+        .into_iter()
+        .filter(|r| r["event"] == event && r["iid"] == iid)
+        .collect()
+}
+
+fn strs(v: &Value) -> Vec<String> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| s.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Health gate (issue 9 section 4, at startup): engines whose `/health` answers 503 while
+/// their completions hang are never given a request; clients are served by the ready ones at
+/// once; the loading engines are listed in `awaiting_health` and enter placement when their
+/// health answers 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loading_engine_is_never_placed_until_its_health_answers_200() {
+    let mut f = Fleet::builder()
+        .prefill(2)
+        .decode(2)
+        .no_router()
+        .start()
+        .await;
+    for e in ["p1", "d1"] {
+        f.sim(e).fault(loading()).await;
+    }
+    let router = f.start_router("router", &[]);
+    let (codes, slowest) = send(&router, 8, "gate").await;
+    assert_eq!(codes, vec![200; 8]);
+    assert!(
+        slowest < Duration::from_secs(2),
+        "a client waited {slowest:?}"
+    );
+    assert_eq!(requests(f.sim("p1")).await + requests(f.sim("d1")).await, 0);
+    let st = router.state().await;
+    assert_eq!(strs(&st["awaiting_health"]), ["d1", "p1"], "{st}");
+    assert_eq!(router.ready().await.0, 200);
+    // p1 finishes loading: admitted, and it takes traffic.
+    f.sim_mut("p1").clear_faults().await;
+    eventually("p1 admitted", Duration::from_secs(20), || async {
+        (strs(&router.state().await["awaiting_health"]) == ["d1"]).then_some(())
+    })
+    .await;
+    assert_eq!(journal_events(&router, "engine_admitted", "p1").len(), 1);
+    let (codes, _) = send(&router, 8, "after").await;
+    assert_eq!(codes, vec![200; 8]);
+    assert!(requests(f.sim("p1")).await > 0, "p1 serves once admitted");
+    assert_eq!(requests(f.sim("d1")).await, 0);
+}
+
+/// Health gate after an outage (issue 9 sections 1 and 4): an engine restarted in place that
+/// comes back still loading is out of placement (its health answered 503: absent, a new
+/// process) until its health answers 200 and a generation probe passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_back_from_an_outage_waits_for_its_health_again() {
+    let mut f = Fleet::builder().prefill(1).decode(2).start().await;
+    let faults = loading().to_string();
+    f.sim_mut("d1")
+        .restart(&["--faults", &faults])
+        .expect("d1 restarts loading");
+    let router = f.router();
+    eventually("d1 out of placement", Duration::from_secs(20), || async {
+        strs(&router.state().await["ejected"])
+            .contains(&"d1".to_string())
+            .then_some(())
+    })
+    .await;
+    let (codes, slowest) = send(router, 10, "outage").await;
+    assert_eq!(codes, vec![200; 10]);
+    assert!(
+        slowest < Duration::from_secs(2),
+        "a client waited {slowest:?}"
+    );
+    assert_eq!(
+        requests(f.sim("d1")).await,
+        0,
+        "nothing placed on a loading d1"
+    );
+    let ejected = journal_events(router, "engine_ejected", "d1");
+    assert!(
+        ejected.iter().all(|e| e["cause"] == "health_probe"),
+        "{ejected:?}"
+    );
+    f.sim_mut("d1").clear_faults().await;
+    let router = f.router();
+    eventually("d1 readmitted", Duration::from_secs(20), || async {
+        (!journal_events(router, "engine_readmitted", "d1").is_empty()).then_some(())
+    })
+    .await;
+    let back = &journal_events(router, "engine_readmitted", "d1")[0];
+    assert_eq!(back["evidence"], "generation", "{back}");
+}
+
+/// Overload is not failure (issue 9 section 2): while every prefill engine answers 503 (then
+/// 429), nothing is ejected and clients get 503 (429) with `Retry-After`, never a 502; as soon
+/// as the engines serve again, so does the router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_engines_are_not_failed_and_clients_get_retry_after() {
+    let f = Fleet::builder()
+        .prefill(2)
+        .decode(2)
+        .fleet(json!({"recovery": {"eject_after": 1}}))
+        .start()
+        .await;
+    let router = f.router();
+    for status in [503u16, 429] {
+        for p in ["p0", "p1"] {
+            f.sim(p)
+                .fault(
+                    json!({"phase": "prefill", "action": "status", "status": status,
+                              "count": 100000, "body": {"object": "error",
+                              "message": "server busy", "type": "ServiceUnavailableError",
+                              "code": status}}),
+                )
+                .await;
+        }
+        for i in 0..6 {
+            let r = router.completion(&format!("busy {status} {i}"), 4).await;
+            assert_eq!(r.status, status, "{}", r.text());
+            assert_eq!(r.header("retry-after"), "1");
+            assert_eq!(r.json()["error"]["type"], "server_overloaded_error");
+        }
+        let st = router.state().await;
+        assert_eq!(st["ejected"], json!([]), "{st}");
+        assert_eq!(st["breaker"]["ejections"], json!([]), "{st}");
+        for p in ["p0", "p1"] {
+            f.sim(p).clear_faults().await;
+        }
+        let (codes, _) = send(router, 6, "served again").await;
+        assert_eq!(codes, vec![200; 6]);
+    }
+}
+
+/// Breaker hygiene (issue 9 section 3): an engine serving everything whose `/health` times out
+/// once in three probes, and that answers an occasional 429, stays admitted and the router
+/// stays ready throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_slow_health_probe_neither_ejects_nor_unreadies() {
+    let f = Fleet::builder()
+        .engine("e0", "decode")
+        .fleet(json!({"engine": {"health_timeout_s": 0.3}}))
+        .start()
+        .await;
+    let e0 = f.sim("e0");
+    let slow = json!({"phase": "health", "action": "hang", "ms": 1000, "count": 1, "skip": 2});
+    e0.fault(Value::Array(vec![slow; 6])).await;
+    let busy = json!({"phase": "any", "action": "status", "status": 429, "count": 1, "skip": 3});
+    e0.fault(Value::Array(vec![busy; 3])).await;
+    let router = f.router();
+    let started = Instant::now();
+    let mut not_ready = 0;
+    let mut i = 0;
+    while started.elapsed() < Duration::from_secs(5) {
+        if router.ready().await.0 != 200 {
+            not_ready += 1;
+        }
+        if i < 16 {
+            let r = router.completion(&format!("slow probe {i}"), 4).await;
+            assert_eq!(r.status, 200, "{}", r.text());
+            i += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(not_ready, 0, "/ready answered 503 {not_ready} times");
+    let st = router.state().await;
+    assert_eq!(st["breaker"]["ejections"], json!([]), "{st}");
+    let m = router.metrics().await;
+    let timeouts = metric(
+        &m,
+        "narwhal_engine_probes_total",
+        &["iid=\"e0\"", "kind=\"liveness\"", "outcome=\"timeout\""],
+    );
+    assert!(timeouts.unwrap_or(0.0) >= 1.0, "slow probes happened: {m}");
+}
+
+/// Readmission (issue 9 section 3, issue 10 section 2): without agents, an engine whose
+/// completions all fail while its `/health` answers 200 is ejected once and stays out
+/// (generation probes fail, at growing intervals); clients are served by its healthy peer;
+/// once it generates again it is readmitted (evidence `generation`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_cannot_generate_stays_out_with_a_growing_hold() {
+    let f = Fleet::builder()
+        .prefill(1)
+        .decode(2)
+        // Holds of 0.4 s, 0.8 s, 1.6 s (the monitor ticks every 0.2 s).
+        .fleet(json!({"recovery": {"readmit_every": 2, "max_readmit_interval_s": 3.2}}))
+        .start()
+        .await;
+    let router = f.router();
+    f.sim("d0")
+        .fault(
+            json!({"phase": "any", "action": "status", "status": 500, "count": 1000000,
+                      "body": {"error": {"message": "CUDA error: an illegal memory access"}}}),
+        )
+        .await;
+    let (codes, _) = send(router, 40, "flap").await;
+    let failed = codes.iter().filter(|c| **c != 200).count();
+    assert!(
+        failed <= 3,
+        "{failed} of 40 failed with a healthy peer: {codes:?}"
+    );
+    eventually(
+        "three generation probes",
+        Duration::from_secs(20),
+        || async { (journal_events(router, "engine_probe", "d0").len() >= 3).then_some(()) },
+    )
+    .await;
+    assert_eq!(journal_events(router, "engine_ejected", "d0").len(), 1);
+    assert!(journal_events(router, "engine_readmitted", "d0").is_empty());
+    let probes = journal_events(router, "engine_probe", "d0");
+    assert!(
+        probes.iter().all(|p| p["outcome"] == "failed"),
+        "{probes:?}"
+    );
+    let at: Vec<f64> = probes.iter().filter_map(|p| p["at"].as_f64()).collect();
+    let first_gap = at[1] - at[0];
+    let second_gap = at[2] - at[1];
+    // After each failed probe the hold doubles: never sooner than 0.8 s, then 1.6 s (probes
+    // start on a monitor tick, so a gap can be a tick longer).
+    assert!(
+        first_gap > 0.7 && second_gap > 1.5 && second_gap > first_gap * 1.3,
+        "the hold grows: gaps {first_gap:.2}s then {second_gap:.2}s"
+    );
+    f.sim("d0").clear_faults().await;
+    eventually("d0 readmitted", Duration::from_secs(20), || async {
+        journal_events(router, "engine_readmitted", "d0")
+            .first()
+            .cloned()
+    })
+    .await;
+    let back = &journal_events(router, "engine_readmitted", "d0")[0];
+    assert_eq!(back["evidence"], "generation", "{back}");
+}
+
+/// The panic threshold (issue 10 section 2): a role's last live engine is never ejected for
+/// inference errors; it stays in placement flagged degraded, its failures visible in
+/// `/narwhal/state` and `/metrics`, and serves again as soon as it can.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_engine_of_a_role_stays_in_placement_degraded() {
+    let f = Fleet::builder().prefill(1).decode(1).start().await;
+    let router = f.router();
+    f.sim("d0")
+        .fault(
+            json!({"phase": "any", "action": "status", "status": 500, "count": 8,
+                      "body": {"error": {"message": "CUDA error"}}}),
+        )
+        .await;
+    for i in 0..4 {
+        let r = router.completion(&format!("panic {i}"), 4).await;
+        assert_eq!(r.status, 502, "{}", r.text());
+    }
+    // Decode failures are charged once the producer is known to be the same process: all
+    // eight attempts (two per request).
+    let st = eventually("d0's failures charged", Duration::from_secs(10), || async {
+        let st = router.state().await;
+        (st["breaker"]["failures"]["d0"]["inference_status"] == 8).then_some(st)
+    })
+    .await;
+    assert_eq!(st["ejected"], json!([]), "{st}");
+    assert_eq!(st["degraded"], json!(["d0"]), "{st}");
+    let m = router.metrics().await;
+    assert_eq!(
+        metric(&m, "narwhal_engine_degraded", &["iid=\"d0\""]),
+        Some(1.0),
+        "{m}"
+    );
+    f.sim("d0").clear_faults().await;
+    router.complete("recovered").await;
+    assert_eq!(router.state().await["degraded"], json!([]));
+}
+
+/// `engines[].health_path` (issue 10 section 2): an engine without `/health` (it answers 404,
+/// as llama.cpp does) is placed when its health path is `/v1/models`, and never with the
+/// default; and it returns through the same generation probe after a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_without_health_is_probed_on_its_health_path() {
+    let mut f = Fleet::builder()
+        .engine("e0", "decode")
+        .engine("e1", "decode")
+        .no_router()
+        .start()
+        .await;
+    let no_health = json!({"phase": "health", "action": "status", "status": 404,
+                           "count": 1000000});
+    for e in ["e0", "e1"] {
+        f.sim(e).fault(no_health.clone()).await;
+    }
+    let plain = f.start_router("plain", &[]);
+    let r = plain.completion("no health", 4).await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(strs(&plain.state().await["awaiting_health"]), ["e0", "e1"]);
+    drop(plain);
+    let spec = f
+        .spec("models", "router")
+        .engine_with("e0", json!({"health_path": "/v1/models"}))
+        .engine_with("e1", json!({"health_path": "/v1/models"}));
+    let router = narwhal_testkit::start_router(f.dir(), "models", &spec, &[]).expect("router");
+    router.complete("models path").await;
+    assert_eq!(router.state().await["awaiting_health"], json!([]));
+    // e1 killed and restarted (still without /health): out, then back through its health
+    // path and a generation probe.
+    let faults = no_health.to_string();
+    f.sim_mut("e1").proc.kill();
+    eventually("e1 ejected", Duration::from_secs(20), || async {
+        strs(&router.state().await["ejected"])
+            .contains(&"e1".to_string())
+            .then_some(())
+    })
+    .await;
+    f.sim_mut("e1")
+        .restart(&["--faults", &faults])
+        .expect("e1 restarts");
+    eventually("e1 readmitted", Duration::from_secs(20), || async {
+        (router.state().await["ejected"] == json!([])).then_some(())
+    })
+    .await;
+    let back = &journal_events(&router, "engine_readmitted", "e1")[0];
+    assert_eq!(back["evidence"], "generation", "{back}");
+}
+
+/// Identity (issue 9 section 1): an SGLang prefill restarted in place on a new bootstrap port
+/// while the router saw no outage is a new engine, found by the failed rendezvous: the
+/// failure is charged to the prefill (ejected, `process_identity`), never to the healthy
+/// decode engines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_rendezvous_with_a_restarted_prefill_is_the_prefills() {
+    let mut f = Fleet::builder()
+        .dialect("sglang")
+        .prefill(1)
+        .decode(2)
+        // One monitor tick at startup, none during the test: only the rendezvous can tell.
+        .fleet(json!({"controller": {"monitor_interval_s": 30},
+                      "recovery": {"eject_after": 1, "liveness_every": 0}}))
+        .start()
+        .await;
+    let router = f.router();
+    router.complete("before").await;
+    f.sim_mut("p0")
+        .restart(&["--bootstrap-port", "0"])
+        .expect("p0 restarts on another bootstrap port");
+    let router = f.router();
+    for i in 0..3 {
+        let _ = router.completion(&format!("after {i}"), 4).await;
+    }
+    let st = eventually(
+        "p0 ejected as a new process",
+        Duration::from_secs(20),
+        || async {
+            let st = router.state().await;
+            (st["ejected"] == json!(["p0"])).then_some(st)
+        },
+    )
+    .await;
+    let ejected = journal_events(router, "engine_ejected", "p0");
+    assert_eq!(ejected[0]["cause"], "process_identity", "{ejected:?}");
+    let changed = journal_events(router, "engine_identity_changed", "p0");
+    assert!(
+        changed[0]["reason"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("bootstrap port")),
+        "{changed:?}"
+    );
+    for d in ["d0", "d1"] {
+        assert!(
+            journal_events(router, "engine_ejected", d).is_empty(),
+            "{d} charged for the prefill's restart: {st}"
+        );
+        assert_eq!(st["breaker"]["failures"][d]["inference_status"], 0, "{st}");
+    }
+}
+
+/// Identity (issue 9 section 1), vLLM: a prefill restarted in place between its prefill leg
+/// and the decode (the descriptor names the old process) is a new engine: the decode's failure
+/// is the prefill's (ejected, `process_identity`), never the healthy decode's, although the
+/// router saw no outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_failing_because_its_producer_restarted_is_the_producers() {
+    let mut f = Fleet::builder()
+        .prefill(1)
+        .decode(2)
+        // One monitor tick at startup, none during the test: only the failed decode can tell.
+        .fleet(json!({"controller": {"monitor_interval_s": 30},
+                      "recovery": {"eject_after": 1, "liveness_every": 0}}))
+        .start()
+        .await;
+    for d in ["d0", "d1"] {
+        f.sim(d)
+            .fault(json!({"phase": "decode", "action": "hang", "ms": 4000, "count": 1}))
+            .await;
+    }
+    let prefills = |v: Value| v["requests"]["prefill"].as_u64().unwrap_or(0);
+    let before = prefills(f.sim("p0").stats().await);
+    let (http, data) = (f.router().http.clone(), f.router().data.clone());
+    let request = tokio::spawn(async move {
+        let body = json!({"model": "tiny-sim", "prompt": "in flight", "max_tokens": 4});
+        http.post(format!("{data}/v1/completions"), &body)
+            .await
+            .status
+    });
+    eventually("the prefill leg ran", Duration::from_secs(10), || async {
+        (prefills(f.sim("p0").stats().await) > before).then_some(())
+    })
+    .await;
+    f.sim_mut("p0").restart(&[]).expect("p0 restarts in place");
+    let _ = request.await;
+    let router = f.router();
+    let st = eventually(
+        "p0 ejected as a new process",
+        Duration::from_secs(20),
+        || async {
+            let st = router.state().await;
+            (st["ejected"] == json!(["p0"])).then_some(st)
+        },
+    )
+    .await;
+    let changed = journal_events(router, "engine_identity_changed", "p0");
+    assert!(
+        changed[0]["reason"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("process start")),
+        "{changed:?}"
+    );
+    for d in ["d0", "d1"] {
+        assert!(
+            journal_events(router, "engine_ejected", d).is_empty(),
+            "{d} charged for the prefill's restart: {st}"
+        );
+    }
+}
+
+/// A standby judges nothing but its health gate (issue 9 section 1 with HA): a restart the
+/// primary drives through its lifecycle (drain, restart, readmit) changes the engine's process
+/// behind the standby's back, which must not make the standby eject it; after a takeover it
+/// learns every engine afresh and serves at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_does_not_eject_engines_the_primary_restarted() {
+    let mut f = Fleet::builder()
+        .prefill(1)
+        .decode(1)
+        .agents()
+        .lease(narwhal_testkit::LeaseBackend::File)
+        // Re-read process facts on every tick, so a standby that compared them would see
+        // the restart at once.
+        .fleet(json!({"recovery": {"liveness_every": 1}}))
+        .standby()
+        .start()
+        .await;
+    let (status, doc) = f
+        .router()
+        .lifecycle_post("drain", &json!({"engines": ["d0"]}))
+        .await;
+    assert_eq!(status, 200, "{doc}");
+    f.router().journal_event("drain_complete", Some("d0")).await;
+    f.sim_mut("d0").restart(&[]).expect("d0 restarts");
+    let (status, doc) = f
+        .router()
+        .lifecycle_post("readmit", &json!({"engines": ["d0"]}))
+        .await;
+    assert_eq!(status, 200, "{doc}");
+    // Let the standby tick over the new process for a while (a rule about something that
+    // must not happen: nothing to poll for).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let standby = f.standby.take().expect("standby");
+    assert!(
+        journal_events(&standby, "engine_ejected", "d0").is_empty(),
+        "the standby ejected d0: {:?}",
+        standby.journal_rows()
+    );
+    f.router_mut().proc.kill();
+    standby
+        .wait_controls("active", Duration::from_secs(15))
+        .await;
+    let ready = eventually("the new primary ready", Duration::from_secs(10), || async {
+        (standby.ready().await.0 == 200).then_some(())
+    });
+    ready.await;
+    let (codes, _) = send(&standby, 8, "after takeover").await;
+    assert_eq!(codes, vec![200; 8]);
+    assert!(
+        journal_events(&standby, "engine_ejected", "d0").is_empty(),
+        "{:?}",
+        standby.journal_rows()
+    );
+}

@@ -1,0 +1,418 @@
+//! The request path against engines that are not the simulator's shape (issue 9 section 6,
+//! issue 10 section 2), end to end: a real `narwhal-serve` over in-process fake engines
+//! (`FakeEngine`), which record every leg the router sends.
+//!
+//! - A request the P/D split cannot serve exactly is fanned out (a prompt batch: one prefill,
+//!   one descriptor and one decode per prompt, answered as one choice per prompt), served
+//!   unsplit (prompt logprobs, vLLM) or refused 400 naming the field (prompt logprobs,
+//!   SGLang) — never garbled.
+//! - A prefill that already finished the generation (EOS or a stop string: no descriptor) is
+//!   the answer, and nobody is charged for it.
+//! - Engines without `token_ids` or `usage` are served and counted; usage is the engine's,
+//!   marked `estimated` only when the engine gave none; a non-streaming client's request goes
+//!   to an aggregated engine non-streaming.
+//! - Engine errors keep the engine's status and words, never an empty message.
+//! - `GET /v1/models/{model}` answers as OpenAI's does.
+
+use narwhal_testkit::{
+    FakeEngine, Reply, RouterHandle, WAIT, eventually, router_over_fakes, sse_data,
+};
+use serde_json::{Value, json};
+
+/// A vLLM prefill/decode pair of fakes and a router over them.
+async fn pd(backend: &str, p: &FakeEngine, d: &FakeEngine) -> RouterHandle {
+    router_over_fakes(
+        backend,
+        &[("p0", p, "prefill"), ("d0", d, "decode")],
+        json!({}),
+    )
+    .await
+}
+
+/// One aggregated engine (role `decode`, no prefill engine) and a router over it.
+async fn aggregated(e: &FakeEngine) -> RouterHandle {
+    router_over_fakes("vllm", &[("e0", e, "decode")], json!({})).await
+}
+
+/// The parsed data chunks of an SSE body, `[DONE]` left out.
+fn chunks(body: &str) -> Vec<Value> {
+    sse_data(body)
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}")))
+        .collect()
+}
+
+/// The chunks of a streamed answer that must be a 200 ending with `data: [DONE]`.
+fn done_chunks(a: &Reply) -> Vec<Value> {
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert!(
+        a.text().trim_end().ends_with("data: [DONE]"),
+        "{}",
+        a.text()
+    );
+    chunks(&a.text())
+}
+
+/// Concatenated text per choice index of streamed completion chunks.
+fn texts_by_index(chunks: &[Value]) -> std::collections::BTreeMap<u64, String> {
+    let mut out = std::collections::BTreeMap::new();
+    for c in chunks {
+        for ch in c["choices"].as_array().into_iter().flatten() {
+            let i = ch["index"].as_u64().expect("choice index");
+            let t = ch["text"].as_str().unwrap_or_default();
+            out.entry(i).or_insert_with(String::new).push_str(t);
+        }
+    }
+    out
+}
+
+/// The request's journal row (waits for it).
+async fn journal_row(r: &RouterHandle, rid: &str) -> Value {
+    eventually("the request's journal row", WAIT, || async {
+        r.journal_rows().into_iter().find(|row| row["rid"] == rid)
+    })
+    .await
+}
+
+/// Issue 9 section 6: `prompt: [a, b, c]` (and a list of token-id lists) on a P/D fleet is
+/// served as one request per prompt — each its own prefill leg with a single prompt, its own
+/// descriptor and decode leg — and answered with one choice per prompt, choice `k` carrying
+/// prompt `k`'s answer, streaming or not, with the prompts' usage summed. Before: one prefill
+/// leg for the whole batch, one shared descriptor, one merged choice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_batch_is_fanned_out_one_descriptor_per_prompt() {
+    let (p, d) = (FakeEngine::new(0, 3), FakeEngine::new(0, 3).tag_prompt());
+    let r = pd("vllm", &p, &d).await;
+    let prompts = ["alpha one", "beta two", "gamma three"];
+    let body = json!({"model": "tiny-sim", "prompt": prompts, "max_tokens": 3});
+    let a = r.post_data("/v1/completions", &body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let v = a.json();
+    let choices = v["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 3, "{v}");
+    for (k, prompt) in prompts.iter().enumerate() {
+        assert_eq!(choices[k]["index"], k, "{v}");
+        assert_eq!(
+            choices[k]["text"],
+            format!(" {prompt}:t0 {prompt}:t1 {prompt}:t2"),
+            "choice {k} is prompt {k}'s answer: {v}"
+        );
+    }
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": 21, "completion_tokens": 9, "total_tokens": 30}),
+        "the prompts' usages summed: {v}"
+    );
+    {
+        let (ps, ds) = (p.seen(), d.seen());
+        let mut pre: Vec<&str> = ps
+            .prefill
+            .iter()
+            .map(|(_, b)| b["prompt"].as_str().expect("one prompt per prefill leg"))
+            .collect();
+        pre.sort_unstable();
+        assert_eq!(pre, prompts, "one prefill leg per prompt");
+        assert_eq!(ds.decode.len(), 3, "one decode leg per prompt");
+        for (_, b) in &ds.decode {
+            assert!(b["prompt"].is_string(), "{b}");
+            assert!(b["kv_transfer_params"].is_object(), "own descriptor: {b}");
+        }
+        let ids: std::collections::BTreeSet<_> = ps
+            .prefill
+            .iter()
+            .chain(ds.decode.iter())
+            .filter_map(|(id, _)| id.clone())
+            .collect();
+        assert_eq!(ids.len(), 6, "one request id per leg");
+    }
+    let row = journal_row(&r, a.header("x-request-id")).await;
+    assert_eq!(row["terminal"], "completed", "{row}");
+    assert_eq!(row["output_len"], 9, "{row}");
+    assert_eq!(row["legs"].as_array().map(Vec::len), Some(6), "{row}");
+
+    // Streaming, with usage: each index carries its own prompt's text; one usage chunk.
+    let body = json!({"model": "tiny-sim", "prompt": prompts, "max_tokens": 3, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let a = r.post_data("/v1/completions", &body).await;
+    let cs = done_chunks(&a);
+    let texts = texts_by_index(&cs);
+    assert_eq!(texts.len(), 3, "{}", a.text());
+    for (k, prompt) in prompts.iter().enumerate() {
+        assert_eq!(
+            texts[&(k as u64)],
+            format!(" {prompt}:t0 {prompt}:t1 {prompt}:t2"),
+            "{}",
+            a.text()
+        );
+    }
+    let usages: Vec<&Value> = cs.iter().filter(|c| c.get("usage").is_some()).collect();
+    assert_eq!(usages.len(), 1, "one usage chunk: {}", a.text());
+    assert_eq!(usages[0]["usage"]["completion_tokens"], 9);
+    assert_eq!(usages[0]["choices"], json!([]));
+
+    // A list of token-id lists is a batch too; a list of integers is one prompt.
+    let a = r
+        .post_data(
+            "/v1/completions",
+            &json!({"model": "tiny-sim", "prompt": [[11, 12, 13], [21, 22, 23]], "max_tokens": 3}),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(a.json()["choices"].as_array().map(Vec::len), Some(2));
+    let a = r
+        .post_data(
+            "/v1/completions",
+            &json!({"model": "tiny-sim", "prompt": [11, 12, 13], "max_tokens": 3}),
+        )
+        .await;
+    assert_eq!(a.json()["choices"].as_array().map(Vec::len), Some(1));
+    // Over serving.max_batch_prompts (64): refused, naming the field.
+    let many: Vec<String> = (0..65).map(|i| format!("p{i}")).collect();
+    let a = r
+        .post_data(
+            "/v1/completions",
+            &json!({"model": "tiny-sim", "prompt": many, "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(a.status, 400, "{}", a.text());
+    assert_eq!(a.json()["error"]["param"], "prompt");
+}
+
+/// Issue 9 section 6: prompt logprobs (`prompt_logprobs`, or `echo` with `logprobs`) are
+/// computed where the prompt is prefilled; a vLLM decode engine given them with a KV
+/// descriptor fails. vLLM: served unsplit on the decode engine (no prefill leg, no
+/// descriptor, the fields kept); SGLang: 400 naming the field. Before: split, the decode leg
+/// carried both the fields and the descriptor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_logprobs_never_reach_a_decode_leg_with_a_descriptor() {
+    let (p, d) = (FakeEngine::new(0, 3), FakeEngine::new(0, 3));
+    let r = pd("vllm", &p, &d).await;
+    for (extra, field) in [
+        (json!({"prompt_logprobs": 1}), "prompt_logprobs"),
+        (json!({"echo": true, "logprobs": 1}), "echo"),
+    ] {
+        for stream in [false, true] {
+            let mut body = json!({"model": "tiny-sim", "prompt": "score this", "max_tokens": 3,
+                                  "stream": stream});
+            narwhal_testkit::merge(&mut body, extra.clone());
+            let a = r.post_data("/v1/completions", &body).await;
+            assert_eq!(a.status, 200, "{body}: {}", a.text());
+            let ds = d.seen();
+            let (_, leg) = ds.decode.last().expect("a decode leg");
+            assert!(leg.get("kv_transfer_params").is_none(), "unsplit: {leg}");
+            assert_eq!(
+                leg[field], body[field],
+                "the field reaches the engine: {leg}"
+            );
+        }
+    }
+    assert!(p.seen().prefill.is_empty(), "no prefill leg for them");
+    assert!(
+        d.seen()
+            .decode
+            .iter()
+            .all(|(_, b)| b.get("kv_transfer_params").is_none())
+    );
+
+    let (sp, sd) = (FakeEngine::new(0, 3), FakeEngine::new(0, 3));
+    let s = pd("sglang", &sp, &sd).await;
+    for (extra, field) in [
+        (json!({"prompt_logprobs": 1}), "prompt_logprobs"),
+        (json!({"echo": true, "logprobs": 1}), "echo"),
+    ] {
+        let mut body = json!({"model": "tiny-sim", "prompt": "score this", "max_tokens": 3});
+        narwhal_testkit::merge(&mut body, extra);
+        let a = s.post_data("/v1/completions", &body).await;
+        assert_eq!(a.status, 400, "{body}: {}", a.text());
+        assert_eq!(a.json()["error"]["param"], field, "{}", a.text());
+    }
+    assert!(sp.seen().prefill.is_empty() && sd.seen().decode.is_empty());
+    assert_eq!(s.state().await["ejected"], json!([]));
+}
+
+/// Issue 9 section 6: a vLLM prefill whose one token ended the generation (`finish_reason:
+/// "stop"`, no `kv_transfer_params`: the NIXL connector hands off only length-capped
+/// prefills) is a finished answer: 200 with that choice and its usage, streaming or not, no
+/// decode leg, no breaker charge, nothing ejected. Before: 502 `prefill`, and the prefill
+/// engine ejected after three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_that_finished_the_generation_is_the_answer() {
+    let (p, d) = (
+        FakeEngine::new(0, 3).prefill_finishes("stop"),
+        FakeEngine::new(0, 3),
+    );
+    let r = pd("vllm", &p, &d).await;
+    for _ in 0..4 {
+        let a = r.completion("say nothing", 8).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        let v = a.json();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        assert_eq!(v["choices"][0]["text"], "", "{v}");
+        assert_eq!(
+            v["usage"],
+            json!({"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}),
+            "the prefill engine's usage: {v}"
+        );
+        assert!(v.get("kv_transfer_params").is_none(), "{v}");
+    }
+    let a = r
+        .post_data(
+            "/v1/chat/completions",
+            &json!({"model": "tiny-sim", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 8, "stream": true, "stream_options": {"include_usage": true}}),
+        )
+        .await;
+    let cs = done_chunks(&a);
+    assert_eq!(cs[0]["object"], "chat.completion.chunk");
+    assert_eq!(cs[0]["choices"][0]["finish_reason"], "stop");
+    assert_eq!(cs.last().unwrap()["usage"]["completion_tokens"], 1);
+    assert!(d.seen().decode.is_empty(), "no decode leg");
+    let st = r.state().await;
+    assert_eq!(st["ejected"], json!([]), "{st}");
+    assert_eq!(
+        (st["served"].clone(), st["failed"].clone()),
+        (json!(5), json!(0))
+    );
+}
+
+/// Issue 10 section 2: an engine that sends no `token_ids` (llama.cpp, TGI, older vLLM) is
+/// served, streaming or not, and its tokens are counted from the content it streamed; a
+/// non-streaming client's request reaches it non-streaming, and the answer's usage is the
+/// engine's. Nothing is ejected. Before: `[DONE] before any token`, 502, the engine ejected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_without_token_ids_is_served_and_counted() {
+    let e = FakeEngine::new(0, 4).without_token_ids();
+    let r = aggregated(&e).await;
+    let mut rids = Vec::new();
+    for (path, body) in [
+        (
+            "/v1/completions",
+            json!({"model": "tiny-sim", "prompt": "hello", "max_tokens": 4, "stream": true}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "tiny-sim", "messages": [{"role": "user", "content": "hi"}],
+                   "max_tokens": 4, "stream": true}),
+        ),
+    ] {
+        let a = r.post_data(path, &body).await;
+        done_chunks(&a);
+        rids.push(a.header("x-request-id").to_string());
+    }
+    for rid in &rids {
+        let row = journal_row(&r, rid).await;
+        assert_eq!(row["terminal"], "completed", "{row}");
+        assert_eq!(row["output_len"], 4, "tokens counted: {row}");
+    }
+    for path in ["/v1/completions", "/v1/chat/completions"] {
+        let body = if path.contains("chat") {
+            json!({"model": "tiny-sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        } else {
+            json!({"model": "tiny-sim", "prompt": "hello", "max_tokens": 4})
+        };
+        let a = r.post_data(path, &body).await;
+        assert_eq!(a.status, 200, "{path}: {}", a.text());
+        let v = a.json();
+        assert_eq!(
+            v["usage"],
+            json!({"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}),
+            "the engine's usage: {v}"
+        );
+        let seen = e.seen();
+        let (_, leg) = seen.decode.last().expect("a leg");
+        assert_eq!(leg["stream"], false, "sent non-streaming: {leg}");
+        assert!(leg.get("stream_options").is_none(), "{leg}");
+    }
+    assert_eq!(r.state().await["ejected"], json!([]));
+}
+
+/// Issue 10 section 2: usage is the engine's in every answer, and marked `estimated` only
+/// when the engine gave none: a streaming client asking `include_usage` of an engine that
+/// streams no usage gets a usage chunk with the tokens streamed, marked; one whose engine
+/// sends usage gets the engine's chunk unmarked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_is_the_engines_or_marked_estimated() {
+    let body = json!({"model": "tiny-sim", "prompt": "hello", "max_tokens": 5, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let silent = FakeEngine::new(0, 5).without_token_ids().without_usage();
+    let r = aggregated(&silent).await;
+    let a = r.post_data("/v1/completions", &body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let cs = chunks(&a.text());
+    let u = &cs.last().expect("chunks")["usage"];
+    assert_eq!(u["completion_tokens"], 5, "{}", a.text());
+    assert_eq!(u["estimated"], true, "{}", a.text());
+    assert_eq!(
+        u["total_tokens"].as_u64(),
+        Some(u["prompt_tokens"].as_u64().unwrap() + 5)
+    );
+    let a = r.completion("hello", 5).await;
+    assert_eq!(a.json()["usage"]["estimated"], true, "{}", a.text());
+
+    let talking = FakeEngine::new(0, 5);
+    let r = aggregated(&talking).await;
+    let a = r.post_data("/v1/completions", &body).await;
+    let cs = chunks(&a.text());
+    let u = &cs.last().expect("chunks")["usage"];
+    assert_eq!(u["prompt_tokens"], 7, "{}", a.text());
+    assert!(u.get("estimated").is_none(), "{}", a.text());
+    assert!(
+        cs.iter()
+            .all(|c| c["choices"][0].get("token_ids").is_none()),
+        "token ids stripped (not asked for)"
+    );
+}
+
+/// Issue 10 section 2: an engine's error keeps its status and its words (a context-length
+/// 400 stays a 400 with the engine's message, streaming or not), and an engine error without
+/// a message is never relayed with an empty one. Client faults eject nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_errors_keep_their_status_and_words() {
+    const CTX: &str =
+        "This model's maximum context length is 16 tokens. However, you requested 99 tokens.";
+    let e = FakeEngine::new(0, 3).decode_error(400, CTX);
+    let r = aggregated(&e).await;
+    for stream in [false, true] {
+        let a = r
+            .post_data(
+                "/v1/completions",
+                &json!({"model": "tiny-sim", "prompt": "long", "max_tokens": 3, "stream": stream}),
+            )
+            .await;
+        assert_eq!(a.status, 400, "stream={stream}: {}", a.text());
+        assert_eq!(a.json()["error"]["message"], CTX, "stream={stream}");
+    }
+    let bare = FakeEngine::new(0, 3).decode_error(422, "");
+    let r2 = aggregated(&bare).await;
+    let a = r2.completion("x", 3).await;
+    assert_eq!(a.status, 422, "{}", a.text());
+    assert_eq!(
+        a.json()["error"]["message"],
+        "the engine answered 422 Unprocessable Entity without a message"
+    );
+    assert_eq!(r.state().await["ejected"], json!([]));
+    assert_eq!(r2.state().await["ejected"], json!([]));
+}
+
+/// Issue 10 section 2: `GET /v1/models/{model}` answers as OpenAI's does: the model object
+/// (`id`, `object`, `created`, `owned_by`) for the served model, a 404 `model_not_found`
+/// naming any other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_retrieve_answers_as_openai() {
+    let e = FakeEngine::new(0, 1);
+    let r = aggregated(&e).await;
+    let a = r.get_data("/v1/models/tiny-sim").await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let m = a.json();
+    assert_eq!(m["id"], "tiny-sim");
+    assert_eq!(m["object"], "model");
+    assert!(m["created"].is_u64() && m["owned_by"].is_string(), "{m}");
+    let a = r.get_data("/v1/models/org%2Fother").await;
+    assert_eq!(a.status, 404, "{}", a.text());
+    let err = &a.json()["error"];
+    assert_eq!(err["code"], "model_not_found");
+    assert_eq!(err["message"], "The model 'org/other' does not exist");
+    let list = r.get_data("/v1/models").await.json();
+    assert!(list["data"][0]["created"].is_u64(), "{list}");
+}
