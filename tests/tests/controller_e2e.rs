@@ -1619,6 +1619,24 @@ async fn the_profiling_tool_recovers_the_simulators_costs() {
     assert_eq!(r.state().await["controller"], "reactive");
 }
 
+/// Completes one request of `prompt` through `r`; its journal row's `input_len`.
+async fn sized_input(r: &narwhal_testkit::RouterHandle, prompt: &str) -> Option<u64> {
+    let a = r
+        .post_data(
+            "/v1/completions",
+            &json!({"model": "tiny-sim", "prompt": prompt, "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(a.status.as_u16(), 200, "{}", a.text());
+    let row = narwhal_testkit::eventually("the journal row", DECIDE, || async {
+        r.journal_rows()
+            .into_iter()
+            .find(|x| x["terminal"] == "completed")
+    })
+    .await;
+    row["input_len"].as_u64()
+}
+
 /// Issue 12 section 4: predictive admission sizes a text prompt with an engine's
 /// `/tokenize`; an engine without it (or failing) leaves the characters / `chars_per_token`
 /// estimate.
@@ -1645,21 +1663,8 @@ async fn predictive_sizing_uses_tokenize_and_falls_back_to_characters() {
         counted, estimate,
         "the test needs a prompt the two sizings disagree on"
     );
-    let a = r
-        .post_data(
-            "/v1/completions",
-            &json!({"model": "tiny-sim", "prompt": prompt, "max_tokens": 2}),
-        )
-        .await;
-    assert_eq!(a.status.as_u16(), 200);
-    let row = narwhal_testkit::eventually("the journal row", DECIDE, || async {
-        r.journal_rows()
-            .into_iter()
-            .find(|x| x["terminal"] == "completed")
-    })
-    .await;
     assert_eq!(
-        row["input_len"].as_u64(),
+        sized_input(r, prompt).await,
         Some(counted),
         "sized by /tokenize"
     );
@@ -1680,21 +1685,8 @@ async fn predictive_sizing_uses_tokenize_and_falls_back_to_characters() {
         "engines": [{"iid": "p0", "url": pu, "role": "prefill"}, {"iid": "d0", "url": du}]});
     narwhal_testkit::merge(&mut doc, sections);
     let r = narwhal_testkit::RouterHandle::standalone(&doc, &[]);
-    let a = r
-        .post_data(
-            "/v1/completions",
-            &json!({"model": "tiny-sim", "prompt": prompt, "max_tokens": 2}),
-        )
-        .await;
-    assert_eq!(a.status.as_u16(), 200, "{}", a.text());
-    let row = narwhal_testkit::eventually("the journal row", DECIDE, || async {
-        r.journal_rows()
-            .into_iter()
-            .find(|x| x["terminal"] == "completed")
-    })
-    .await;
     assert_eq!(
-        row["input_len"].as_u64(),
+        sized_input(&r, prompt).await,
         Some(estimate),
         "the fallback estimate"
     );

@@ -87,6 +87,15 @@ impl Controller {
         if !self.enabled {
             return;
         }
+        // The health gate's first round (issue 9 section 4): an engine whose health path has
+        // not answered yet is not missing, so no floor is judged before every engine answered
+        // once (or the startup budget of `monitor::startup` ran out).
+        let cfg = &self.h.cfg;
+        let budget = secs(cfg.engine.health_timeout_s + cfg.controller.monitor_interval_s);
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = self.h.fleet.wait_settled(self.h.clock.now() + budget) => {}
+        }
         let mut tick = tokio::time::interval(secs(self.h.cfg.controller.monitor_interval_s));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
@@ -239,7 +248,7 @@ impl Controller {
                                 .await;
                     }
                     if agent {
-                        me.role_check(iid, to).await;
+                        me.role_check(iid, to, &scope).await;
                     }
                 }
             }
@@ -255,9 +264,16 @@ impl Controller {
     /// readmission checks run against it in that role (the KV-transfer check pairs it with
     /// a live engine of the other role). A failure undoes the flip and leaves the engine
     /// held by the lifecycle (blocked, with the error), visible in `/narwhal/lifecycle`.
-    async fn role_check(self: &Arc<Self>, iid: usize, to: Role) {
+    /// Runs under `scope`: a check that ends after control under it ended reverses nothing
+    /// (the router in control now owns the engine's role).
+    async fn role_check(self: &Arc<Self>, iid: usize, to: Role, scope: &EpochScope) {
         let name = self.h.cfg.engines[iid].iid.clone();
-        match self.h.lifecycle.role_check(iid).await {
+        let result = self.h.lifecycle.role_check(iid).await;
+        if !self.h.ha.live(scope) {
+            tracing::info!(engine.id = %name, "router control ended during a role check; nothing reversed");
+            return;
+        }
+        match result {
             Ok(checks) => {
                 self.h.journal.emit(json!({"event": "role_check_passed", "iid": name,
                                            "role": to.as_str(), "checks": checks, "at": self.now().wall}));
