@@ -1691,3 +1691,51 @@ async fn predictive_sizing_uses_tokenize_and_falls_back_to_characters() {
         "the fallback estimate"
     );
 }
+
+/// Issue 12 with main's batch fan-out: each prompt of a batch is tracked on its own (its
+/// decode work shows on its engine while it streams), and every prompt's bookkeeping ends with
+/// the request: once the batches completed, no engine carries resident work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_prompts_are_tracked_and_released() {
+    let fleet = controller_fleet(&["prefill", "decode"])
+        .sim_args(&["--tpot-ms", "20"])
+        .start()
+        .await;
+    let r = fleet.router();
+    let decode_work = |s: &Value| s["resident_work"]["e1"]["decode_tokens"].as_f64();
+    // A streamed batch of three prompts, held open after its first token.
+    let mut held = r
+        .http
+        .client()
+        .post(format!("{}/v1/completions", r.data))
+        .json(&json!({"model": "tiny-sim", "prompt": [token_prompt(8), token_prompt(9), token_prompt(10)],
+                      "max_tokens": 200, "stream": true}))
+        .send()
+        .await
+        .expect("batch stream");
+    assert_eq!(held.status(), 200);
+    held.chunk().await.expect("a first chunk");
+    let during = r
+        .state_where("the batch's decode work on e1", |s| {
+            decode_work(s).is_some_and(|t| t > 0.0)
+        })
+        .await;
+    drop(held);
+    let a = r
+        .post_data(
+            "/v1/completions",
+            &json!({"model": "tiny-sim", "prompt": ["one", "two", "three"], "max_tokens": 4}),
+        )
+        .await;
+    assert_eq!(a.status.as_u16(), 200, "{}", a.text());
+    let after = r
+        .state_where("no resident work left", |s| {
+            s["resident_work"].as_object().is_some_and(|w| {
+                w.values()
+                    .all(|e| e["prefill_s"] == 0.0 && e["decode_tokens"] == 0.0)
+            })
+        })
+        .await;
+    assert!(decode_work(&during) > Some(0.0), "{during:#}");
+    assert_eq!(after["resident"]["e1"]["decode"], 0, "{after:#}");
+}
