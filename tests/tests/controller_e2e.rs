@@ -1587,7 +1587,7 @@ async fn the_profiling_tool_recovers_the_simulators_costs() {
     let url = fleet.sim("e0").url.clone();
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new(narwhal_testkit::bin_path("narwhal-bench"))
-            .args(["profile", "--engine", &url, "--reps", "2"])
+            .args(["profile", "--engine", &url, "--reps", "3"])
             .output()
             .expect("narwhal-bench runs")
     })

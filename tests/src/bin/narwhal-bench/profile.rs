@@ -5,7 +5,7 @@
 //!
 //! ```text
 //!  prefill: streaming requests with max_tokens 1 at several prompt lengths L, one at a time
-//!           median time to the first token ─► least squares a·L² + b·L + c (a ≥ 0)
+//!           fastest time to the first token ─► least squares a·L² + b·L + c (a ≥ 0)
 //!  decode:  B concurrent streams of P-token prompts, N tokens each: mean token gap at
 //!           T = B·(P + N/2) resident tokens ─► least squares slope·T + request_slope·B + c
 //!  ─► {"ttft_a","ttft_b","ttft_c","tpot_slope","tpot_request_slope","tpot_intercept",
@@ -38,7 +38,8 @@ pub(crate) struct ProfileArgs {
     /// Prompt lengths of the prefill fit (tokens, comma-separated).
     #[arg(long, default_value = "128,512,1024,2048", value_delimiter = ',')]
     pub(crate) prefill_lengths: Vec<usize>,
-    /// Timed requests per prompt length (the median counts).
+    /// Timed requests per prompt length (the fastest counts: interference on a shared machine
+    /// only ever adds time).
     #[arg(long, default_value_t = 3)]
     pub(crate) reps: usize,
     /// `batch x prompt` points of the decode fit (comma-separated `BxP`).
@@ -153,11 +154,6 @@ fn fit_nonnegative(rows: &[([f64; 3], f64)]) -> [f64; 3] {
     least_squares(rows, use_cols).unwrap_or([0.0; 3])
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Measures the profile of the engine at `a.engine` (see the module doc).
 ///
 /// # Errors
@@ -177,7 +173,8 @@ pub(crate) async fn measure(a: &ProfileArgs) -> Result<Value, String> {
             t.push(first);
         }
         let x = l as f64;
-        prefill_rows.push(([x * x, x, 1.0], median(t)));
+        let fastest = t.into_iter().fold(f64::INFINITY, f64::min);
+        prefill_rows.push(([x * x, x, 1.0], fastest));
     }
     let [ttft_a, ttft_b, ttft_c] = fit_nonnegative(&prefill_rows);
     let mut decode_rows = Vec::new();
