@@ -7,6 +7,9 @@
 # (NARWHAL_BIN_DIR), then for four engines: times POST /narwhal/lifecycle/drain, waits for
 # ready_to_stop, restarts the engine (`narwhal-dev restart`), and times the synchronous
 # POST /narwhal/lifecycle/readmit. Prints "LABEL iid drain: CODE SECONDS readmit: CODE SECONDS".
+# Then a wave of all 16: POST drain {"wave": true}, wait for the wave's ready_to_stop, restart
+# every engine (the engines' own time, not timed), and time the synchronous POST readmit
+# {"wave": true}. Prints "LABEL wave drain: CODE SECONDS readmit: CODE SECONDS".
 # To compare agents, put an older narwhal-agent in a directory with links to the other
 # binaries. Load the host with sockets first to see the scan cost, e.g.
 #   (sleep 600 | target/release/examples/identity_bench hold 2000) &
@@ -34,3 +37,13 @@ for iid in p0 d1 p2 d3; do
   R=$(post /narwhal/lifecycle/readmit "{\"engines\":[\"$iid\"]}")
   echo "$LABEL $iid drain: $D  readmit: $R"
 done
+D=$(post /narwhal/lifecycle/drain '{"wave":true,"deadline_s":30}')
+for _ in $(seq 1 400); do
+  [ "$(curl -s "$C/narwhal/lifecycle" | jq -r '.wave.ready_to_stop')" = true ] && break
+  sleep 0.05
+done
+for iid in p0 p1 p2 p3 p4 p5 p6 p7 d0 d1 d2 d3 d4 d5 d6 d7; do
+  NARWHAL_BIN_DIR=$BIN "$BIN/narwhal-dev" restart "$iid" --dir "$DIR" > /dev/null 2>&1
+done
+R=$(post /narwhal/lifecycle/readmit '{"wave":true}')
+echo "$LABEL wave drain: $D  readmit: $R  ($(jq -c '.engines // . | length' "$DIR/last.json" 2>/dev/null) in answer)"

@@ -103,7 +103,7 @@ impl Accounting {
         journal: Journal,
     ) -> Accounting {
         let budget = RetryBudget::new(cfg.serving.retry_budget, cfg.serving.retry_replenish);
-        metrics.retry_credits.set(budget.credits());
+        metrics.retries.retry_credits.set(budget.credits());
         Accounting {
             tally: Mutex::new(Tally::default()),
             attempts: Attempts::default(),
@@ -149,19 +149,19 @@ impl Accounting {
     /// A completion POST arrived (`offered`).
     pub(crate) fn offered(&self) {
         self.lock().offered += 1;
-        self.metrics.offered.inc();
+        self.metrics.intake.offered.inc();
     }
 
     /// A prefill leg was dispatched.
     pub(crate) fn prefill_dispatched(&self) {
         self.attempts.prefill.fetch_add(1, Ordering::Relaxed);
-        self.metrics.prefill_attempts.inc();
+        self.metrics.legs.prefill_attempts.inc();
     }
 
     /// A decode leg was dispatched.
     pub(crate) fn decode_dispatched(&self) {
         self.attempts.decode.fetch_add(1, Ordering::Relaxed);
-        self.metrics.decode_attempts.inc();
+        self.metrics.legs.decode_attempts.inc();
     }
 
     /// An attempt failed in `phase` with failed-reason `reason`.
@@ -174,6 +174,7 @@ impl Accounting {
             .entry((phase.as_str(), reason))
             .or_default() += 1;
         self.metrics
+            .legs
             .attempt_failures
             .get_or_create(&labels(&[("phase", phase.as_str()), ("reason", reason)]))
             .inc();
@@ -183,20 +184,21 @@ impl Accounting {
     pub(crate) fn retry_granted(&self) {
         self.attempts.credits_spent.fetch_add(1, Ordering::Relaxed);
         self.attempts.retries.fetch_add(1, Ordering::Relaxed);
-        self.metrics.retry_credits_spent.inc();
-        self.metrics.retry_attempts.inc();
+        self.metrics.retries.retry_credits_spent.inc();
+        self.metrics.retries.retry_attempts.inc();
     }
 
     /// A retry was denied by the empty budget.
     pub(crate) fn retry_denied(&self) {
         self.attempts.denied.fetch_add(1, Ordering::Relaxed);
-        self.metrics.retry_denied.inc();
+        self.metrics.retries.retry_denied.inc();
     }
 
     /// A prefill leg answered after `s` seconds.
     pub(crate) fn prefill_time(&self, s: f64) {
         self.upstream.prefill_s.add(s);
         self.metrics
+            .legs
             .upstream_seconds
             .get_or_create(&labels(&[("phase", "prefill")]))
             .inc_by(s);
@@ -208,8 +210,9 @@ impl Accounting {
             .decode_tokens
             .fetch_add(tokens, Ordering::Relaxed);
         self.upstream.decode_s.add(s);
-        self.metrics.decode_tokens_observed.inc_by(tokens);
+        self.metrics.legs.decode_tokens_observed.inc_by(tokens);
         self.metrics
+            .legs
             .upstream_seconds
             .get_or_create(&labels(&[("phase", "decode")]))
             .inc_by(s);
@@ -280,35 +283,35 @@ impl SettleSink for Accounting {
         self.lock().apply(&s, slo_met, sized, record.attempts > 1);
         let m = &self.metrics;
         if !sized {
-            m.unsized_offered.inc();
+            m.intake.unsized_offered.inc();
         }
         match s.terminal {
             Terminal::Completed => {
-                m.served.inc();
+                m.settled.served.inc();
                 if slo_met {
-                    m.slo_met.inc();
+                    m.settled.slo_met.inc();
                 }
                 if record.attempts > 1 {
-                    m.served_after_retry.inc();
+                    m.retries.served_after_retry.inc();
                 }
                 self.budget.replenish();
             }
             Terminal::Failed | Terminal::Refused | Terminal::Rejected | Terminal::Expired => {
                 let (family, label) = match s.terminal {
-                    Terminal::Failed => (&m.failed, "reason"),
-                    Terminal::Refused => (&m.refused, "cause"),
-                    Terminal::Rejected => (&m.rejected, "reason"),
-                    _ => (&m.expired, "reason"),
+                    Terminal::Failed => (&m.settled.failed, "reason"),
+                    Terminal::Refused => (&m.intake.refused, "cause"),
+                    Terminal::Rejected => (&m.intake.rejected, "reason"),
+                    _ => (&m.settled.expired, "reason"),
                 };
                 family
                     .get_or_create(&labels(&[(label, reason_or(&s))]))
                     .inc();
             }
             Terminal::Cancelled => {
-                m.cancelled.inc();
+                m.settled.cancelled.inc();
             }
             Terminal::Invalid => {
-                m.invalid_requests.inc();
+                m.intake.invalid_requests.inc();
             }
         }
         if let Some(t) = record.ttft_s {

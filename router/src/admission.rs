@@ -53,8 +53,14 @@ impl Admission {
     /// `max_concurrent` seats (at least one) and room for `serving.queue_capacity` waiting.
     pub(crate) fn new(cfg: &Config, max_concurrent: usize, metrics: &Metrics) -> Admission {
         let retained_limit = max_concurrent + cfg.serving.queue_capacity as usize;
-        metrics.http_retained_limit.set(retained_limit as i64);
-        metrics.admission_inflight_limit.set(max_concurrent as i64);
+        metrics
+            .capacity
+            .http_retained_limit
+            .set(retained_limit as i64);
+        metrics
+            .capacity
+            .admission_inflight_limit
+            .set(max_concurrent as i64);
         Admission {
             seats: Arc::new(Semaphore::new(max_concurrent)),
             max_concurrent,

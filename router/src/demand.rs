@@ -35,6 +35,10 @@ pub(crate) struct Demand {
     /// The last carried risk this router re-anchored: its kind, the age it was given here
     /// (seconds) and when.
     restored: Option<(String, f64, Instant)>,
+    /// Counts per kind carried by the newest document applied (replaced, never summed, by a
+    /// later one: each document already holds what its writer carried); `events` holds only
+    /// the events this process recorded itself.
+    carried: BTreeMap<String, u64>,
 }
 
 impl Demand {
@@ -82,16 +86,26 @@ impl Demand {
             .map(|(k, a, at)| (k.as_str(), *a, *at))
     }
 
-    /// Events seen per kind (both kinds present, 0 until seen).
+    /// Events seen per kind, this process's and the newest applied document's (both kinds
+    /// present, 0 until seen).
     pub(crate) fn events(&self) -> BTreeMap<String, u64> {
         let mut e: BTreeMap<String, u64> = ["first_token_timeout", "p_to_d_recovery"]
             .iter()
             .map(|k| ((*k).to_string(), 0))
             .collect();
-        for (k, n) in &self.events {
-            *e.entry(k.clone()).or_default() += n;
+        for (k, n) in self.counts() {
+            *e.entry(k).or_default() += n;
         }
         e
+    }
+
+    /// Counts per kind: this process's own events plus those of the newest applied document.
+    fn counts(&self) -> BTreeMap<String, u64> {
+        let mut c = self.carried.clone();
+        for (k, n) in &self.events {
+            *c.entry(k.clone()).or_default() += n;
+        }
+        c
     }
 
     /// The handoff shape: `null` before any event (reference-notes 9).
@@ -100,12 +114,7 @@ impl Demand {
         Some(Carried {
             kind: self.kind.clone(),
             age_s: now.saturating_duration_since(since).as_secs_f64(),
-            events: self
-                .events
-                .iter()
-                .filter(|(_, n)| **n > 0)
-                .map(|(k, n)| (k.clone(), *n))
-                .collect(),
+            events: self.counts().into_iter().filter(|(_, n)| *n > 0).collect(),
         })
     }
 
@@ -113,7 +122,11 @@ impl Demand {
     /// (seconds between the document's write, its `at`, and this apply, wall clock, clamped at
     /// 0) is added once, so the event keeps ageing through a takeover or a restart instead of
     /// looking `gap_s` younger (reference-notes 11.14: the reference drops the gap), and the
-    /// counts are added to ours (reference-notes 9).
+    /// counts are added to this process's own (reference-notes 9). The counts of an earlier
+    /// applied document are replaced, not added to: found by ha_e2e under load, a primary
+    /// restarted with `--resume` applied its state file at startup and, at its delayed claim,
+    /// the newer handoff its predecessor had published, whose counts already held the state
+    /// file's, and reported them doubled.
     pub(crate) fn restore(&mut self, risk: &Carried, gap_s: f64, now: Instant) {
         let age = risk.age_s.max(0.0)
             + if gap_s.is_finite() {
@@ -130,9 +143,7 @@ impl Demand {
             self.since = Some(since);
             self.kind = risk.kind.clone();
         }
-        for (k, n) in &risk.events {
-            *self.events.entry(k.clone()).or_default() += n;
-        }
+        self.carried = risk.events.clone();
     }
 }
 
@@ -187,10 +198,22 @@ mod tests {
         let snap = d.snapshot(t1 + Duration::from_secs(2)).expect("risk");
         assert_eq!(snap.events["first_token_timeout"], 1, "not doubled");
         assert!((snap.age_s - 3.5).abs() < 1e-9, "{}", snap.age_s);
-        // Another document (another writer, or a later write) is another apply.
-        d.restore_once("2-bb", 501.0, &carried, 0.0, t1 + Duration::from_secs(2));
+        // A later document of the predecessor holds the earlier one's counts: it replaces
+        // them, and this process's own events are added once.
+        d.record("first_token_timeout", t1 + Duration::from_secs(2));
+        let later = Carried {
+            events: BTreeMap::from([("first_token_timeout".to_string(), 3)]),
+            ..carried.clone()
+        };
+        d.restore_once("1-aa", 501.0, &later, 0.0, t1 + Duration::from_secs(2));
         let snap = d.snapshot(t1 + Duration::from_secs(2)).expect("risk");
-        assert_eq!(snap.events["first_token_timeout"], 2);
+        assert_eq!(snap.events["first_token_timeout"], 4, "3 carried + 1 own");
+        d.restore_once("1-aa", 502.0, &later, 0.0, t1 + Duration::from_secs(3));
+        let snap = d.snapshot(t1 + Duration::from_secs(3)).expect("risk");
+        assert_eq!(
+            snap.events["first_token_timeout"], 4,
+            "not doubled by a newer write"
+        );
     }
 
     /// Found by ha_e2e: a standby retained a document 10 ms after the event and took over 2 s

@@ -296,28 +296,39 @@ pub(crate) fn state(parts: &Parts) -> Value {
 pub(crate) fn metrics(parts: &Parts) -> String {
     let m = &parts.metrics;
     let view = parts.gate.view();
-    m.router_ready.set(i64::from(view.readiness.ready));
+    m.durability
+        .router_ready
+        .set(i64::from(view.readiness.ready));
     for (iid, state, ready_to_stop) in parts.lifecycle.gauges() {
-        m.engine_ready_to_stop
+        m.roles
+            .engine_ready_to_stop
             .get_or_create(&labels(&[("iid", &iid)]))
             .set(i64::from(ready_to_stop));
         for st in DrainState::ALL {
-            m.engine_lifecycle_state
+            m.roles
+                .engine_lifecycle_state
                 .get_or_create(&labels(&[("iid", &iid), ("state", st.as_str())]))
                 .set(i64::from(st.as_str() == state));
         }
     }
-    m.router_lease_epoch.set(view.ha.status.epoch as i64);
+    m.durability
+        .router_lease_epoch
+        .set(view.ha.status.epoch as i64);
     ops_gauges(parts, &view);
     let adm = parts.admission.stats();
-    m.http_retained.set(adm.retained as i64);
-    m.http_retained_high_water
+    m.capacity.http_retained.set(adm.retained as i64);
+    m.capacity
+        .http_retained_high_water
         .set(adm.retained_high_water as i64);
-    m.queued.set(adm.queued as i64);
-    m.queue_high_water.set(adm.queue_high_water as i64);
-    m.admission_inflight.set(adm.inflight as i64);
-    m.journal_dropped.set(parts.journal.dropped() as i64);
-    m.retry_credits.set(parts.accounting.budget().credits());
+    m.capacity.queued.set(adm.queued as i64);
+    m.capacity.queue_high_water.set(adm.queue_high_water as i64);
+    m.capacity.admission_inflight.set(adm.inflight as i64);
+    m.durability
+        .journal_dropped
+        .set(parts.journal.dropped() as i64);
+    m.retries
+        .retry_credits
+        .set(parts.accounting.budget().credits());
     let names = parts.fleet.names();
     parts.fleet.read(|fleet| {
         let mut ejected = 0;
@@ -326,41 +337,51 @@ pub(crate) fn metrics(parts: &Parts) -> String {
             let iid = names[i].as_str();
             let is_ej = s.excluded.contains(&Exclusion::Ejected);
             ejected += i64::from(is_ej);
-            m.ejected
+            m.engines
+                .ejected
                 .get_or_create(&labels(&[("iid", iid)]))
                 .set(i64::from(is_ej));
-            m.engine_draining
+            m.roles
+                .engine_draining
                 .get_or_create(&labels(&[("iid", iid)]))
                 .set(i64::from(s.excluded.contains(&Exclusion::Draining)));
-            m.engine_degraded
+            m.engines
+                .engine_degraded
                 .get_or_create(&labels(&[("iid", iid)]))
                 .set(i64::from(fleet.breaker().is_degraded(i)));
-            m.engine_awaiting_health
+            m.engines
+                .engine_awaiting_health
                 .get_or_create(&labels(&[("iid", iid)]))
                 .set(i64::from(s.excluded.contains(&Exclusion::AwaitingHealth)));
             for role in [Role::Prefill, Role::Decode] {
-                m.instance_role
+                m.roles
+                    .instance_role
                     .get_or_create(&labels(&[("iid", iid), ("role", role.as_str())]))
                     .set(i64::from(s.role == role));
             }
             pool[usize::from(s.role == Role::Decode)] += 1;
-            m.resident
+            m.roles
+                .resident
                 .get_or_create(&labels(&[("iid", iid), ("phase", "prefill")]))
                 .set(i64::from(s.resident_prefill));
-            m.resident
+            m.roles
+                .resident
                 .get_or_create(&labels(&[("iid", iid), ("phase", "decode")]))
                 .set(i64::from(s.resident_decode));
             for c in FailureClass::ALL {
-                m.breaker_streak
+                m.engines
+                    .breaker_streak
                     .get_or_create(&labels(&[("iid", iid), ("class", c.as_str())]))
                     .set(i64::from(fleet.breaker().streak(i, c)));
             }
         }
-        m.ejected_instances.set(ejected);
-        m.pool_instances
+        m.engines.ejected_instances.set(ejected);
+        m.roles
+            .pool_instances
             .get_or_create(&labels(&[("role", "prefill")]))
             .set(pool[0]);
-        m.pool_instances
+        m.roles
+            .pool_instances
             .get_or_create(&labels(&[("role", "decode")]))
             .set(pool[1]);
     });

@@ -522,6 +522,7 @@ impl Fleet {
                     slot.excluded.remove(&Exclusion::AwaitingHealth);
                     let name = &self.names[iid];
                     self.metrics
+                        .engines
                         .ejections
                         .get_or_create(&labels(&[("iid", name), ("cause", cause.as_str())]))
                         .inc();
@@ -534,6 +535,7 @@ impl Fleet {
                     slot.excluded.remove(&Exclusion::AwaitingHealth);
                     let name = &self.names[iid];
                     self.metrics
+                        .engines
                         .readmissions
                         .get_or_create(&labels(&[("iid", name), ("evidence", evidence)]))
                         .inc();

@@ -44,6 +44,7 @@ use crate::config::Role;
 use crate::lease::{Control, LeaseLoss};
 use crate::lifecycle::machine::RestoreError;
 use crate::parts::Parts;
+use crate::phase::EpochScope;
 use crate::placement::Exclusion;
 
 /// The live handoff document (reference-notes 2.2).
@@ -263,11 +264,11 @@ async fn write_state(parts: &Parts, doc: Handoff) -> Result<(), String> {
     let res = tokio::task::spawn_blocking(move || write_state_file(&path, &doc)).await;
     match res {
         Ok(Ok(())) => {
-            parts.metrics.state_writes.inc();
+            parts.metrics.durability.state_writes.inc();
             Ok(())
         }
         Ok(Err(e)) => {
-            parts.metrics.state_write_failures.inc();
+            parts.metrics.durability.state_write_failures.inc();
             tracing::warn!(error = %e, "state file write failed; the previous file is intact");
             Err(format!("state file: {e}"))
         }
@@ -375,16 +376,33 @@ pub(crate) async fn publish(parts: &Parts, takeover: bool) -> Result<bool, Publi
 /// successor reads it (issue 13): a 200 is kept after a successful [`publish`], and becomes a
 /// 503 naming why otherwise (the change stays in this router's memory, unacknowledged; the
 /// operator repeats the request). Other statuses pass unchanged.
+///
+/// `scope` is the epoch scope the action ran under (taken before it started): a publish made
+/// after that scope ended (the router was paused past its lease, lost control and claimed it
+/// again, applying a state that may not hold the change) acknowledges nothing. Found by the
+/// `ha::model` property.
 pub(crate) async fn acknowledge(
     parts: &Parts,
     status: StatusCode,
     doc: Value,
+    scope: Option<&EpochScope>,
 ) -> (StatusCode, Value) {
     if status != StatusCode::OK {
         return (status, doc);
     }
     match publish(parts, false).await {
-        Ok(_) => (status, doc),
+        Ok(_) if scope.is_none_or(|s| parts.ha.live(s)) => (status, doc),
+        Ok(_) => {
+            let epoch = scope.map_or(0, EpochScope::epoch);
+            let why = format!(
+                "not acknowledged: control under epoch {epoch}, which made the change, ended \
+                 before it was durable; repeat the request"
+            );
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                parts.lifecycle.document(&why),
+            )
+        }
         Err(e) => {
             let why = format!(
                 "not acknowledged: the lifecycle change could not be made durable ({e}); repeat \
@@ -599,6 +617,32 @@ mod tests {
         );
     }
 
+    /// Found by the `ha::model` property: an action made under one epoch is not acknowledged
+    /// by a publish made after that epoch ended (a pause past the TTL, then the same router
+    /// claiming the fleet again under a new epoch), since the state it then holds may not
+    /// hold the change; an action of the new epoch is.
+    #[tokio::test]
+    async fn an_action_is_not_acknowledged_once_its_epoch_ended() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (parts, clock) = in_control(dir.path()).await;
+        let scope = parts.ha.scope().expect("in control");
+        parts.ha.fence(&LeaseLoss::Lapsed);
+        clock.advance(Duration::from_secs(60));
+        assert_eq!(parts.ha.lease().claim().await, Ok(2));
+        parts.ha.publish(crate::phase::HaPhase::Active);
+        let (status, doc) = acknowledge(&parts, StatusCode::OK, json!({}), Some(&scope)).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{doc}");
+        let error = doc["error"].as_str().unwrap_or_default();
+        assert!(
+            error.starts_with("not acknowledged: control under epoch 1"),
+            "{error}"
+        );
+        let now = parts.ha.scope().expect("in control again");
+        assert_eq!(now.epoch(), 2);
+        let (status, _) = acknowledge(&parts, StatusCode::OK, json!({}), Some(&now)).await;
+        assert_eq!(status, StatusCode::OK);
+    }
+
     /// Issue 13: a lifecycle action is answered 200 only once published; when the change
     /// cannot be made durable the answer is a 503 that says so. A document showing totals is
     /// published before it is answered, and refused (503) when it cannot be while the router
@@ -613,11 +657,12 @@ mod tests {
         let (_, stored) = read_published(&parts).await.expect("store");
         assert_eq!(stored.expect("published").counters["served"], 7);
         served(&parts, 8);
-        let (status, _) = acknowledge(&parts, StatusCode::OK, json!({})).await;
+        let scope = parts.ha.scope().expect("in control");
+        let (status, _) = acknowledge(&parts, StatusCode::OK, json!({}), Some(&scope)).await;
         assert_eq!(status, StatusCode::OK);
         let (_, stored) = read_published(&parts).await.expect("store");
         assert_eq!(stored.expect("published").counters["served"], 8);
-        let (status, _) = acknowledge(&parts, StatusCode::CONFLICT, json!({"x": 1})).await;
+        let (status, _) = acknowledge(&parts, StatusCode::CONFLICT, json!({"x": 1}), None).await;
         assert_eq!(status, StatusCode::CONFLICT, "refusals pass as they are");
         // The record becomes another router's: nothing more is acknowledged.
         let other = serde_json::json!({"epoch": 2, "expires_at": 1.0e9 + 60.0,
@@ -625,7 +670,7 @@ mod tests {
             "updated_at": 1.0e9});
         std::fs::write(dir.path().join("lease.json"), format!("{other}\n")).expect("write");
         served(&parts, 9);
-        let (status, doc) = acknowledge(&parts, StatusCode::OK, json!({})).await;
+        let (status, doc) = acknowledge(&parts, StatusCode::OK, json!({}), Some(&scope)).await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
         let error = doc["error"].as_str().unwrap_or_default();
         assert!(error.starts_with("not acknowledged: "), "{error}");

@@ -137,6 +137,8 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
             // The action runs in its own task: a client that gives up (a timeout during a long
             // validation) must not cancel it half-way and leave records `validating`.
             let lifecycle = parts.lifecycle.clone();
+            // The epoch scope the action runs under: its acknowledgement needs it still live.
+            let scope = parts.ha.scope();
             let action = match path.as_str() {
                 "/narwhal/lifecycle/drain" => {
                     tokio::spawn(async move { lifecycle.drain(body).await })
@@ -149,7 +151,8 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
             match action.await {
                 Ok((status, doc)) => {
                     // Acknowledged only once durable where a successor reads (issue 13).
-                    let (status, doc) = crate::handoff::acknowledge(&parts, status, doc).await;
+                    let (status, doc) =
+                        crate::handoff::acknowledge(&parts, status, doc, scope.as_ref()).await;
                     json_response(status, &doc, &rid)
                 }
                 Err(e) => json_response(

@@ -495,9 +495,139 @@ fn the_router_modules_form_no_cycle() {
     }
 }
 
+/// Most fields of shared mutable state one struct may hold (issue 8: "no struct in the router
+/// with more than about 8 fields of shared mutable state"; a struct of owned handles is fine).
+const MAX_SHARED_STATE_FIELDS: usize = 8;
+
+/// Type words that make a field shared mutable state: locks, atomics, cells, watch senders and
+/// Prometheus metric handles (each an `Arc` over atomics; `HistFamily` is `metrics.rs`'s alias).
+const SHARED_STATE_TYPES: [&str; 12] = [
+    "Mutex",
+    "RwLock",
+    "AtomicU64",
+    "AtomicUsize",
+    "AtomicBool",
+    "AtomicU32",
+    "Cell",
+    "Family",
+    "HistFamily",
+    "Counter",
+    "Gauge",
+    "Histogram",
+];
+
+/// Per struct (`module::Name`), its fields whose type names one of [`SHARED_STATE_TYPES`] as a
+/// whole word, in order. Reads braced `struct` bodies of the stripped source; test modules
+/// count too.
+fn shared_state_fields(sources: &BTreeMap<String, String>) -> BTreeMap<String, Vec<String>> {
+    let mut out = BTreeMap::new();
+    for (module, text) in sources {
+        let text = strip(text);
+        let mut rest = text.as_str();
+        while let Some(i) = rest.find("struct ") {
+            let before = rest[..i].chars().next_back();
+            rest = &rest[i + "struct ".len()..];
+            if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+                continue;
+            }
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            let Some(open) = rest.find(['{', ';', '(']) else {
+                break;
+            };
+            if rest.as_bytes()[open] != b'{' {
+                continue;
+            }
+            let mut depth = 0usize;
+            let mut end = open;
+            for (k, c) in rest[open..].char_indices() {
+                match c {
+                    '{' => depth += 1,
+                    '}' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            end = open + k;
+                            break;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            let body = &rest[open + 1..end];
+            let mut fields = Vec::new();
+            // Fields are split at top-level commas (generic arguments nest in `<>`).
+            let (mut angle, mut start) = (0i32, 0);
+            let bytes = body.as_bytes();
+            for k in 0..=bytes.len() {
+                let c = bytes.get(k).copied().unwrap_or(b',');
+                match c {
+                    b'<' | b'(' | b'[' => angle += 1,
+                    b'>' | b')' | b']' => angle -= 1,
+                    b',' if angle == 0 => {
+                        let field = body[start..k.min(body.len())].trim();
+                        start = k + 1;
+                        let Some((fname, ty)) = field.split_once(':') else {
+                            continue;
+                        };
+                        let words = ty
+                            .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+                            .collect::<Vec<_>>();
+                        if words.iter().any(|w| SHARED_STATE_TYPES.contains(w)) {
+                            let fname = fname.split_whitespace().last().unwrap_or("");
+                            fields.push(fname.to_string());
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            out.insert(format!("{module}::{name}"), fields);
+            rest = &rest[end..];
+        }
+    }
+    out
+}
+
+#[test]
+fn no_router_struct_holds_more_than_eight_pieces_of_shared_mutable_state() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let found = shared_state_fields(&read_tree(&src));
+    let metrics = found
+        .get("metrics::Legs")
+        .expect("the checker sees metrics::Legs");
+    assert!(metrics.contains(&"ttft".to_string()), "{metrics:?}");
+    let over: Vec<String> = found
+        .iter()
+        .filter(|(_, f)| f.len() > MAX_SHARED_STATE_FIELDS)
+        .map(|(s, f)| format!("{s}: {} fields ({})", f.len(), f.join(", ")))
+        .collect();
+    assert!(
+        over.is_empty(),
+        "structs holding more than {MAX_SHARED_STATE_FIELDS} fields of shared mutable state \
+         (split them into parts that own their data, issue 8):\n{}",
+        over.join("\n")
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shared_state_fields_are_counted_per_struct() {
+        let src = BTreeMap::from([(
+            "m".to_string(),
+            "pub(crate) struct A {\n    a: Mutex<u8>,\n    b: Family<Labels, Gauge>,\n    \
+             c: BTreeMap<String, u8>,\n    /// a Counter in a comment\n    d: u8,\n}\n\
+             struct B(u8);\nstruct C;\nstruct D { e: Arc<AtomicU64> }\n"
+                .to_string(),
+        )]);
+        let f = shared_state_fields(&src);
+        assert_eq!(f["m::A"], ["a", "b"]);
+        assert_eq!(f["m::D"], ["e"]);
+        assert!(!f.contains_key("m::B") && !f.contains_key("m::C"), "{f:?}");
+    }
 
     fn tree(files: &[(&str, &str)]) -> BTreeMap<String, String> {
         files

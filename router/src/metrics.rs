@@ -60,45 +60,84 @@ fn buckets(slo: f64) -> Vec<f64> {
         .collect()
 }
 
-/// Every metric family the router exports.
+/// Every metric family the router exports, in groups that each own their families (issue 8:
+/// no struct holds more than about eight pieces of shared mutable state). Registration order,
+/// hence the `/metrics` order, is the order of [`Metrics::new`], not of these groups.
 pub(crate) struct Metrics {
     registry: Registry,
-    pub(crate) served: Counter,
-    pub(crate) slo_met: Counter,
+    /// What ingress saw (reference-notes 10, contract/traffic): requests offered, sized or not, and those refused, rejected or invalid before any placement.
+    pub(crate) intake: Intake,
+    /// How requests ended (reference-notes 10): served, met both SLOs, expired, failed, cancelled.
+    pub(crate) settled: Settled,
+    /// The legs sent to engines: attempts per phase, decode tokens seen, attempt failures, upstream seconds, and the TTFT/TPOT histograms.
+    pub(crate) legs: Legs,
+    /// Retries and the retry budget (reference-notes 10; `retry.rs`).
+    pub(crate) retries: Retries,
+    /// Admission and the HTTP front door: in-flight requests, the queue and retained connections, with their limits and high-water marks.
+    pub(crate) capacity: Capacity,
+    /// Fleet health per engine: ejections and readmissions, breaker streaks, probes, degraded engines and engines awaiting their first health 200.
+    pub(crate) engines: EngineHealth,
+    /// Lifecycle and roles per engine: drain state, ready_to_stop, lifecycle state, validations, role, pool sizes and resident requests.
+    pub(crate) roles: Roles,
+    /// This router's readiness, lease epoch and what it persists: journal drops, state-file writes and failures, the last takeover gap.
+    pub(crate) durability: Durability,
+    pub(crate) slo_label_ttft: String,
+    pub(crate) slo_label_tpot: String,
+    /// Control, lease and certificate gauges for operators (issue 14 section 5).
+    pub(crate) ops: OpsMetrics,
+}
+
+/// What ingress saw (reference-notes 10, contract/traffic): requests offered, sized or not, and those refused, rejected or invalid before any placement.
+pub(crate) struct Intake {
     pub(crate) offered: Counter,
     pub(crate) unsized_offered: Counter,
+    pub(crate) invalid_requests: Counter,
+    pub(crate) refused: Family<Labels, Counter>,
+    pub(crate) rejected: Family<Labels, Counter>,
+}
+
+/// How requests ended (reference-notes 10): served, met both SLOs, expired, failed, cancelled.
+pub(crate) struct Settled {
+    pub(crate) served: Counter,
+    pub(crate) slo_met: Counter,
     pub(crate) expired: Family<Labels, Counter>,
+    pub(crate) failed: Family<Labels, Counter>,
+    pub(crate) cancelled: Counter,
+}
+
+/// The legs sent to engines: attempts per phase, decode tokens seen, attempt failures, upstream seconds, and the TTFT/TPOT histograms.
+pub(crate) struct Legs {
     pub(crate) prefill_attempts: Counter,
     pub(crate) decode_attempts: Counter,
+    pub(crate) decode_tokens_observed: Counter,
+    pub(crate) attempt_failures: Family<Labels, Counter>,
+    pub(crate) upstream_seconds: Family<Labels, Counter<f64, AtomicU64>>,
+    pub(crate) ttft: HistFamily,
+    pub(crate) tpot: HistFamily,
+}
+
+/// Retries and the retry budget (reference-notes 10; `retry.rs`).
+pub(crate) struct Retries {
     pub(crate) retry_attempts: Counter,
     pub(crate) retry_credits_spent: Counter,
     pub(crate) retry_denied: Counter,
     pub(crate) served_after_retry: Counter,
-    pub(crate) decode_tokens_observed: Counter,
-    pub(crate) attempt_failures: Family<Labels, Counter>,
+    pub(crate) retry_credits: Gauge<f64, AtomicU64>,
+}
+
+/// Admission and the HTTP front door: in-flight requests, the queue and retained connections, with their limits and high-water marks.
+pub(crate) struct Capacity {
     pub(crate) http_retained: Gauge,
     pub(crate) http_retained_limit: Gauge,
     pub(crate) http_retained_high_water: Gauge,
-    pub(crate) retry_credits: Gauge<f64, AtomicU64>,
     pub(crate) admission_inflight: Gauge,
     pub(crate) admission_inflight_limit: Gauge,
     pub(crate) queued: Gauge,
     pub(crate) queue_high_water: Gauge,
-    pub(crate) upstream_seconds: Family<Labels, Counter<f64, AtomicU64>>,
-    pub(crate) router_ready: Gauge,
-    pub(crate) router_lease_epoch: Gauge,
-    pub(crate) engine_draining: Family<Labels, Gauge>,
-    pub(crate) engine_ready_to_stop: Family<Labels, Gauge>,
-    pub(crate) engine_lifecycle_state: Family<Labels, Gauge>,
-    pub(crate) lifecycle_validations: Family<Labels, Counter>,
-    pub(crate) instance_role: Family<Labels, Gauge>,
-    pub(crate) pool_instances: Family<Labels, Gauge>,
-    pub(crate) resident: Family<Labels, Gauge>,
-    pub(crate) refused: Family<Labels, Counter>,
-    pub(crate) rejected: Family<Labels, Counter>,
-    pub(crate) invalid_requests: Counter,
-    pub(crate) failed: Family<Labels, Counter>,
-    pub(crate) cancelled: Counter,
+}
+
+/// Fleet health per engine: ejections and readmissions, breaker streaks, probes, degraded engines and engines awaiting their first health 200.
+pub(crate) struct EngineHealth {
     pub(crate) ejected_instances: Gauge,
     pub(crate) ejected: Family<Labels, Gauge>,
     pub(crate) ejections: Family<Labels, Counter>,
@@ -109,16 +148,27 @@ pub(crate) struct Metrics {
     pub(crate) engine_degraded: Family<Labels, Gauge>,
     /// 1 while an engine waits for its first health 200 (issue 9 section 4).
     pub(crate) engine_awaiting_health: Family<Labels, Gauge>,
-    pub(crate) ttft: HistFamily,
-    pub(crate) tpot: HistFamily,
+}
+
+/// Lifecycle and roles per engine: drain state, ready_to_stop, lifecycle state, validations, role, pool sizes and resident requests.
+pub(crate) struct Roles {
+    pub(crate) engine_draining: Family<Labels, Gauge>,
+    pub(crate) engine_ready_to_stop: Family<Labels, Gauge>,
+    pub(crate) engine_lifecycle_state: Family<Labels, Gauge>,
+    pub(crate) lifecycle_validations: Family<Labels, Counter>,
+    pub(crate) instance_role: Family<Labels, Gauge>,
+    pub(crate) pool_instances: Family<Labels, Gauge>,
+    pub(crate) resident: Family<Labels, Gauge>,
+}
+
+/// This router's readiness, lease epoch and what it persists: journal drops, state-file writes and failures, the last takeover gap.
+pub(crate) struct Durability {
+    pub(crate) router_ready: Gauge,
+    pub(crate) router_lease_epoch: Gauge,
     pub(crate) journal_dropped: Gauge,
     pub(crate) state_writes: Counter,
-    pub(crate) takeover_gap: Gauge<f64, AtomicU64>,
     pub(crate) state_write_failures: Counter,
-    pub(crate) slo_label_ttft: String,
-    pub(crate) slo_label_tpot: String,
-    /// Control, lease and certificate gauges for operators (issue 14 section 5).
-    pub(crate) ops: OpsMetrics,
+    pub(crate) takeover_gap: Gauge<f64, AtomicU64>,
 }
 
 impl Metrics {
@@ -140,261 +190,330 @@ impl Metrics {
         contract
             .get_or_create(&labels(&[("contract", "metrics"), ("version", "2")]))
             .set(1);
+        let served = reg!(
+            "narwhal_served",
+            "Requests completed without error",
+            Counter::default()
+        );
+        let slo_met = reg!(
+            "narwhal_slo_met",
+            "Completed requests that met both the TTFT and TPOT SLOs",
+            Counter::default()
+        );
+        let offered = reg!(
+            "narwhal_offered",
+            "Completion requests seen by ingress",
+            Counter::default()
+        );
+        let unsized_offered = reg!(
+            "narwhal_unsized_offered",
+            "Requests that settled before sizing",
+            Counter::default()
+        );
+        let expired = reg!(
+            "narwhal_expired",
+            "Original requests terminated by their admission or total deadline, by reason",
+            Family::default()
+        );
+        let prefill_attempts = reg!(
+            "narwhal_prefill_attempts",
+            "Prefill legs dispatched",
+            Counter::default()
+        );
+        let decode_attempts = reg!(
+            "narwhal_decode_attempts",
+            "Decode legs dispatched",
+            Counter::default()
+        );
+        let retry_attempts = reg!(
+            "narwhal_retry_attempts",
+            "Attempts after the first",
+            Counter::default()
+        );
+        let retry_credits_spent = reg!(
+            "narwhal_retry_credits_spent",
+            "Retry budget credits spent",
+            Counter::default()
+        );
+        let retry_denied = reg!(
+            "narwhal_retry_denied",
+            "Retries denied by the retry budget",
+            Counter::default()
+        );
+        let served_after_retry = reg!(
+            "narwhal_served_after_retry",
+            "Requests completed by an attempt after the first",
+            Counter::default()
+        );
+        let decode_tokens_observed = reg!(
+            "narwhal_decode_tokens_observed",
+            "Output tokens counted from decode streams",
+            Counter::default()
+        );
+        let attempt_failures = reg!(
+            "narwhal_attempt_failures",
+            "Failed attempts by request phase and failure reason",
+            Family::default()
+        );
+        let http_retained = reg!(
+            "narwhal_http_retained",
+            "Completion requests currently retained",
+            Gauge::default()
+        );
+        let http_retained_limit = reg!(
+            "narwhal_http_retained_limit",
+            "Retained request limit (max_concurrent + queue_capacity)",
+            Gauge::default()
+        );
+        let http_retained_high_water = reg!(
+            "narwhal_http_retained_high_water",
+            "Highest retained request count",
+            Gauge::default()
+        );
+        let retry_credits = reg!(
+            "narwhal_retry_credits",
+            "Retry budget credits available",
+            Gauge::default()
+        );
+        let admission_inflight = reg!(
+            "narwhal_admission_inflight",
+            "Admission seats in use",
+            Gauge::default()
+        );
+        let queued = reg!(
+            "narwhal_queued",
+            "Requests waiting for an admission seat",
+            Gauge::default()
+        );
+        let queue_high_water = reg!(
+            "narwhal_queue_high_water",
+            "Most requests ever waiting for an admission seat",
+            Gauge::default()
+        );
+        let admission_inflight_limit = reg!(
+            "narwhal_admission_inflight_limit",
+            "Admission seats",
+            Gauge::default()
+        );
+        let upstream_seconds = reg!(
+            "narwhal_upstream_seconds",
+            "Seconds spent in upstream legs, by phase",
+            Family::default()
+        );
+        let router_ready = reg!(
+            "narwhal_router_ready",
+            "1 while this router may admit new traffic",
+            Gauge::default()
+        );
+        let router_lease_epoch = reg!(
+            "narwhal_router_lease_epoch",
+            "Router lease epoch (0 without a lease)",
+            Gauge::default()
+        );
+        let engine_draining = reg!(
+            "narwhal_engine_draining",
+            "1 while the engine is held out by a drain",
+            Family::default()
+        );
+        let engine_ready_to_stop = reg!(
+            "narwhal_engine_ready_to_stop",
+            "1 while an external supervisor may stop the engine's process",
+            Family::default()
+        );
+        let engine_lifecycle_state = reg!(
+            "narwhal_engine_lifecycle_state",
+            "1 for the engine's current lifecycle state",
+            Family::default()
+        );
+        let lifecycle_validations = reg!(
+            "narwhal_lifecycle_validations",
+            "Readmission validations by engine, kind (operator, recovery) and result",
+            Family::default()
+        );
+        let instance_role = reg!(
+            "narwhal_instance_role",
+            "Current pool assignment for each engine (1 = assigned this role)",
+            Family::default()
+        );
+        let pool_instances = reg!(
+            "narwhal_pool_instances",
+            "Engines assigned to each pool",
+            Family::default()
+        );
+        let resident = reg!(
+            "narwhal_resident_requests",
+            "Requests resident on each instance",
+            Family::default()
+        );
+        let refused = reg!(
+            "narwhal_refused",
+            "Requests refused by predictive admission, by cause",
+            Family::default()
+        );
+        let rejected = reg!(
+            "narwhal_rejected",
+            "Requests refused with HTTP 429 for capacity or HTTP 503 for router readiness, by reason",
+            Family::default()
+        );
+        let invalid_requests = reg!(
+            "narwhal_invalid_requests",
+            "Requests refused as invalid before dispatch",
+            Counter::default()
+        );
+        let failed = reg!(
+            "narwhal_failed",
+            "Requests that ended in an error, by reason",
+            Family::default()
+        );
+        let cancelled = reg!(
+            "narwhal_cancelled",
+            "Requests abandoned by their client before completion",
+            Counter::default()
+        );
+        let ejected_instances = reg!(
+            "narwhal_ejected_instances",
+            "Instances the breaker currently holds out of scheduling and both loads",
+            Gauge::default()
+        );
+        let ejected = reg!(
+            "narwhal_ejected",
+            "1 while this instance is ejected",
+            Family::default()
+        );
+        let ejections = reg!(
+            "narwhal_engine_ejections",
+            "Engine ejections since router start, by cause",
+            Family::default()
+        );
+        let readmissions = reg!(
+            "narwhal_engine_readmissions",
+            "Engines returned to placement, by evidence",
+            Family::default()
+        );
+        let breaker_streak = reg!(
+            "narwhal_engine_breaker_streak",
+            "Consecutive leg failures per engine and class",
+            Family::default()
+        );
+        let probes = reg!(
+            "narwhal_engine_probes",
+            "Breaker probes by engine, kind and outcome",
+            Family::default()
+        );
+        let engine_degraded = reg!(
+            "narwhal_engine_degraded",
+            "1 while the ejection bound keeps a failing engine in placement",
+            Family::default()
+        );
+        let engine_awaiting_health = reg!(
+            "narwhal_engine_awaiting_health",
+            "1 while an engine waits for its first health answer 200",
+            Family::default()
+        );
+        let ttft = reg!(
+            "narwhal_ttft_seconds",
+            "Router arrival to first token",
+            HistFamily::new_with_constructor(HistCtor(buckets(ttft_s)))
+        );
+        let tpot = reg!(
+            "narwhal_tpot_seconds",
+            "Mean time per output token after the first",
+            HistFamily::new_with_constructor(HistCtor(buckets(tpot_s)))
+        );
+        let journal_dropped = reg!(
+            "narwhal_journal_dropped_rows",
+            "Journal rows dropped because the writer fell behind",
+            Gauge::default()
+        );
+        let takeover_gap = reg!(
+            "narwhal_standby_takeover_gap_seconds",
+            "Seconds from the standby's last good poll of the primary to serving as primary",
+            Gauge::default()
+        );
+        let state_writes = reg!(
+            "narwhal_state_writes",
+            "Handoff documents written to recovery.state_path",
+            Counter::default()
+        );
+        let state_write_failures = reg!(
+            "narwhal_state_write_failures",
+            "State file writes that failed (the previous file stays intact)",
+            Counter::default()
+        );
+        let slo_label_ttft = fmt_g(ttft_s);
+        let slo_label_tpot = fmt_g(tpot_s);
+        let ops = OpsMetrics::register(&mut r);
         let m = Metrics {
-            served: reg!(
-                "narwhal_served",
-                "Requests completed without error",
-                Counter::default()
-            ),
-            slo_met: reg!(
-                "narwhal_slo_met",
-                "Completed requests that met both the TTFT and TPOT SLOs",
-                Counter::default()
-            ),
-            offered: reg!(
-                "narwhal_offered",
-                "Completion requests seen by ingress",
-                Counter::default()
-            ),
-            unsized_offered: reg!(
-                "narwhal_unsized_offered",
-                "Requests that settled before sizing",
-                Counter::default()
-            ),
-            expired: reg!(
-                "narwhal_expired",
-                "Original requests terminated by their admission or total deadline, by reason",
-                Family::default()
-            ),
-            prefill_attempts: reg!(
-                "narwhal_prefill_attempts",
-                "Prefill legs dispatched",
-                Counter::default()
-            ),
-            decode_attempts: reg!(
-                "narwhal_decode_attempts",
-                "Decode legs dispatched",
-                Counter::default()
-            ),
-            retry_attempts: reg!(
-                "narwhal_retry_attempts",
-                "Attempts after the first",
-                Counter::default()
-            ),
-            retry_credits_spent: reg!(
-                "narwhal_retry_credits_spent",
-                "Retry budget credits spent",
-                Counter::default()
-            ),
-            retry_denied: reg!(
-                "narwhal_retry_denied",
-                "Retries denied by the retry budget",
-                Counter::default()
-            ),
-            served_after_retry: reg!(
-                "narwhal_served_after_retry",
-                "Requests completed by an attempt after the first",
-                Counter::default()
-            ),
-            decode_tokens_observed: reg!(
-                "narwhal_decode_tokens_observed",
-                "Output tokens counted from decode streams",
-                Counter::default()
-            ),
-            attempt_failures: reg!(
-                "narwhal_attempt_failures",
-                "Failed attempts by request phase and failure reason",
-                Family::default()
-            ),
-            http_retained: reg!(
-                "narwhal_http_retained",
-                "Completion requests currently retained",
-                Gauge::default()
-            ),
-            http_retained_limit: reg!(
-                "narwhal_http_retained_limit",
-                "Retained request limit (max_concurrent + queue_capacity)",
-                Gauge::default()
-            ),
-            http_retained_high_water: reg!(
-                "narwhal_http_retained_high_water",
-                "Highest retained request count",
-                Gauge::default()
-            ),
-            retry_credits: reg!(
-                "narwhal_retry_credits",
-                "Retry budget credits available",
-                Gauge::default()
-            ),
-            admission_inflight: reg!(
-                "narwhal_admission_inflight",
-                "Admission seats in use",
-                Gauge::default()
-            ),
-            queued: reg!(
-                "narwhal_queued",
-                "Requests waiting for an admission seat",
-                Gauge::default()
-            ),
-            queue_high_water: reg!(
-                "narwhal_queue_high_water",
-                "Most requests ever waiting for an admission seat",
-                Gauge::default()
-            ),
-            admission_inflight_limit: reg!(
-                "narwhal_admission_inflight_limit",
-                "Admission seats",
-                Gauge::default()
-            ),
-            upstream_seconds: reg!(
-                "narwhal_upstream_seconds",
-                "Seconds spent in upstream legs, by phase",
-                Family::default()
-            ),
-            router_ready: reg!(
-                "narwhal_router_ready",
-                "1 while this router may admit new traffic",
-                Gauge::default()
-            ),
-            router_lease_epoch: reg!(
-                "narwhal_router_lease_epoch",
-                "Router lease epoch (0 without a lease)",
-                Gauge::default()
-            ),
-            engine_draining: reg!(
-                "narwhal_engine_draining",
-                "1 while the engine is held out by a drain",
-                Family::default()
-            ),
-            engine_ready_to_stop: reg!(
-                "narwhal_engine_ready_to_stop",
-                "1 while an external supervisor may stop the engine's process",
-                Family::default()
-            ),
-            engine_lifecycle_state: reg!(
-                "narwhal_engine_lifecycle_state",
-                "1 for the engine's current lifecycle state",
-                Family::default()
-            ),
-            lifecycle_validations: reg!(
-                "narwhal_lifecycle_validations",
-                "Readmission validations by engine, kind (operator, recovery) and result",
-                Family::default()
-            ),
-            instance_role: reg!(
-                "narwhal_instance_role",
-                "Current pool assignment for each engine (1 = assigned this role)",
-                Family::default()
-            ),
-            pool_instances: reg!(
-                "narwhal_pool_instances",
-                "Engines assigned to each pool",
-                Family::default()
-            ),
-            resident: reg!(
-                "narwhal_resident_requests",
-                "Requests resident on each instance",
-                Family::default()
-            ),
-            refused: reg!(
-                "narwhal_refused",
-                "Requests refused by predictive admission, by cause",
-                Family::default()
-            ),
-            rejected: reg!(
-                "narwhal_rejected",
-                "Requests refused with HTTP 429 for capacity or HTTP 503 for router readiness, by reason",
-                Family::default()
-            ),
-            invalid_requests: reg!(
-                "narwhal_invalid_requests",
-                "Requests refused as invalid before dispatch",
-                Counter::default()
-            ),
-            failed: reg!(
-                "narwhal_failed",
-                "Requests that ended in an error, by reason",
-                Family::default()
-            ),
-            cancelled: reg!(
-                "narwhal_cancelled",
-                "Requests abandoned by their client before completion",
-                Counter::default()
-            ),
-            ejected_instances: reg!(
-                "narwhal_ejected_instances",
-                "Instances the breaker currently holds out of scheduling and both loads",
-                Gauge::default()
-            ),
-            ejected: reg!(
-                "narwhal_ejected",
-                "1 while this instance is ejected",
-                Family::default()
-            ),
-            ejections: reg!(
-                "narwhal_engine_ejections",
-                "Engine ejections since router start, by cause",
-                Family::default()
-            ),
-            readmissions: reg!(
-                "narwhal_engine_readmissions",
-                "Engines returned to placement, by evidence",
-                Family::default()
-            ),
-            breaker_streak: reg!(
-                "narwhal_engine_breaker_streak",
-                "Consecutive leg failures per engine and class",
-                Family::default()
-            ),
-            probes: reg!(
-                "narwhal_engine_probes",
-                "Breaker probes by engine, kind and outcome",
-                Family::default()
-            ),
-            engine_degraded: reg!(
-                "narwhal_engine_degraded",
-                "1 while the ejection bound keeps a failing engine in placement",
-                Family::default()
-            ),
-            engine_awaiting_health: reg!(
-                "narwhal_engine_awaiting_health",
-                "1 while an engine waits for its first health answer 200",
-                Family::default()
-            ),
-            ttft: reg!(
-                "narwhal_ttft_seconds",
-                "Router arrival to first token",
-                HistFamily::new_with_constructor(HistCtor(buckets(ttft_s)))
-            ),
-            tpot: reg!(
-                "narwhal_tpot_seconds",
-                "Mean time per output token after the first",
-                HistFamily::new_with_constructor(HistCtor(buckets(tpot_s)))
-            ),
-            journal_dropped: reg!(
-                "narwhal_journal_dropped_rows",
-                "Journal rows dropped because the writer fell behind",
-                Gauge::default()
-            ),
-            takeover_gap: reg!(
-                "narwhal_standby_takeover_gap_seconds",
-                "Seconds from the standby's last good poll of the primary to serving as primary",
-                Gauge::default()
-            ),
-            state_writes: reg!(
-                "narwhal_state_writes",
-                "Handoff documents written to recovery.state_path",
-                Counter::default()
-            ),
-            state_write_failures: reg!(
-                "narwhal_state_write_failures",
-                "State file writes that failed (the previous file stays intact)",
-                Counter::default()
-            ),
-            slo_label_ttft: fmt_g(ttft_s),
-            slo_label_tpot: fmt_g(tpot_s),
-            ops: OpsMetrics::register(&mut r),
             registry: Registry::default(),
+            intake: Intake {
+                offered,
+                unsized_offered,
+                invalid_requests,
+                refused,
+                rejected,
+            },
+            settled: Settled {
+                served,
+                slo_met,
+                expired,
+                failed,
+                cancelled,
+            },
+            legs: Legs {
+                prefill_attempts,
+                decode_attempts,
+                decode_tokens_observed,
+                attempt_failures,
+                upstream_seconds,
+                ttft,
+                tpot,
+            },
+            retries: Retries {
+                retry_attempts,
+                retry_credits_spent,
+                retry_denied,
+                served_after_retry,
+                retry_credits,
+            },
+            capacity: Capacity {
+                http_retained,
+                http_retained_limit,
+                http_retained_high_water,
+                admission_inflight,
+                admission_inflight_limit,
+                queued,
+                queue_high_water,
+            },
+            engines: EngineHealth {
+                ejected_instances,
+                ejected,
+                ejections,
+                readmissions,
+                breaker_streak,
+                probes,
+                engine_degraded,
+                engine_awaiting_health,
+            },
+            roles: Roles {
+                engine_draining,
+                engine_ready_to_stop,
+                engine_lifecycle_state,
+                lifecycle_validations,
+                instance_role,
+                pool_instances,
+                resident,
+            },
+            durability: Durability {
+                router_ready,
+                router_lease_epoch,
+                journal_dropped,
+                state_writes,
+                state_write_failures,
+                takeover_gap,
+            },
+            slo_label_ttft,
+            slo_label_tpot,
+            ops,
         };
         // The admission, monitoring and controller families are rendered live by
         // `controller::report` (controller-notes 12).
@@ -408,22 +527,31 @@ impl Metrics {
         slo.get_or_create(&labels(&[("metric", "tpot"), ("slo", &m.slo_label_tpot)]))
             .set(tpot_s);
         for r in FAILED_REASONS {
-            let _ = m.failed.get_or_create(&labels(&[("reason", r)]));
+            let _ = m.settled.failed.get_or_create(&labels(&[("reason", r)]));
         }
         for r in REJECTED_REASONS {
-            let _ = m.rejected.get_or_create(&labels(&[("reason", r)]));
+            let _ = m.intake.rejected.get_or_create(&labels(&[("reason", r)]));
         }
         for r in EXPIRED_REASONS {
-            let _ = m.expired.get_or_create(&labels(&[("reason", r)]));
+            let _ = m.settled.expired.get_or_create(&labels(&[("reason", r)]));
         }
         for r in REFUSED_REASONS {
-            let _ = m.refused.get_or_create(&labels(&[("cause", r)]));
+            let _ = m.intake.refused.get_or_create(&labels(&[("cause", r)]));
         }
         for p in ["prefill", "decode"] {
-            let _ = m.upstream_seconds.get_or_create(&labels(&[("phase", p)]));
+            let _ = m
+                .legs
+                .upstream_seconds
+                .get_or_create(&labels(&[("phase", p)]));
         }
-        let _ = m.ttft.get_or_create(&labels(&[("slo", &m.slo_label_ttft)]));
-        let _ = m.tpot.get_or_create(&labels(&[("slo", &m.slo_label_tpot)]));
+        let _ = m
+            .legs
+            .ttft
+            .get_or_create(&labels(&[("slo", &m.slo_label_ttft)]));
+        let _ = m
+            .legs
+            .tpot
+            .get_or_create(&labels(&[("slo", &m.slo_label_tpot)]));
         Metrics { registry: r, ..m }
     }
 
@@ -435,17 +563,17 @@ impl Metrics {
         h: &narwhal_shared::handoff::Handoff,
     ) {
         let c = |k: &str| h.counters.get(k).copied().unwrap_or(0);
-        self.served.inc_by(c("served"));
-        self.slo_met.inc_by(c("slo_met"));
-        self.offered.inc_by(c("offered"));
-        self.unsized_offered.inc_by(c("unsized_offered"));
-        self.cancelled.inc_by(c("cancelled"));
-        self.invalid_requests.inc_by(c("invalid_requests"));
+        self.settled.served.inc_by(c("served"));
+        self.settled.slo_met.inc_by(c("slo_met"));
+        self.intake.offered.inc_by(c("offered"));
+        self.intake.unsized_offered.inc_by(c("unsized_offered"));
+        self.settled.cancelled.inc_by(c("cancelled"));
+        self.intake.invalid_requests.inc_by(c("invalid_requests"));
         for (terminal, family, label) in [
-            ("failed", &self.failed, "reason"),
-            ("rejected", &self.rejected, "reason"),
-            ("expired", &self.expired, "reason"),
-            ("refused", &self.refused, "cause"),
+            ("failed", &self.settled.failed, "reason"),
+            ("rejected", &self.intake.rejected, "reason"),
+            ("expired", &self.settled.expired, "reason"),
+            ("refused", &self.intake.refused, "cause"),
         ] {
             if let Some(reasons) = t.reasons.get(terminal) {
                 for (reason, n) in reasons {
@@ -459,14 +587,16 @@ impl Metrics {
 
     /// Observe a first-token latency, seconds.
     pub(crate) fn observe_ttft(&self, s: f64) {
-        self.ttft
+        self.legs
+            .ttft
             .get_or_create(&labels(&[("slo", &self.slo_label_ttft)]))
             .observe(s);
     }
 
     /// Observe a time per output token, seconds.
     pub(crate) fn observe_tpot(&self, s: f64) {
-        self.tpot
+        self.legs
+            .tpot
             .get_or_create(&labels(&[("slo", &self.slo_label_tpot)]))
             .observe(s);
     }
@@ -613,7 +743,7 @@ mod tests {
     #[test]
     fn render_has_reference_names_and_seeded_reasons() {
         let m = Metrics::new(2.0, 0.1);
-        m.served.inc();
+        m.settled.served.inc();
         let t = m.render();
         for want in [
             "narwhal_served_total 1",

@@ -75,6 +75,7 @@ pub(crate) async fn startup(parts: &Parts) {
 fn count(parts: &Parts, iid: usize, kind: &str, outcome: &str) {
     parts
         .metrics
+        .engines
         .probes
         .get_or_create(&labels(&[
             ("iid", &parts.cfg.engines[iid].iid),
@@ -205,11 +206,7 @@ async fn generation(parts: &Parts, iid: usize) -> Result<(), String> {
         body["bootstrap_host"] = json!(FAKE_BOOTSTRAP_HOST);
         body["bootstrap_room"] = json!(0);
     }
-    let opts = RelayOptions {
-        return_token_ids: false,
-        max_response_bytes: cfg.serving.max_response_bytes,
-        collect: false,
-    };
+    let opts = RelayOptions::new(cfg.serving.max_response_bytes, false);
     let limit: Duration = secs(
         cfg.engine
             .first_token_timeout_s

@@ -52,7 +52,7 @@ use crate::outcome::{Pending, RequestRecord, SettleSink, Settlement};
 use crate::parts::Parts;
 use crate::placement::{self, Phase, Plan};
 use crate::relay::{
-    Aggregator, RelayOptions, RelayStep, answer_chunks, data_frame, done_frame, reindex,
+    Aggregator, Head, RelayOptions, RelayStep, answer_chunks, data_frame, done_frame, reindex,
     sanitize_answer, sum_usages, usage_value,
 };
 use crate::response::{Body, json_response};
@@ -424,7 +424,7 @@ async fn completion_inner(
                 match end.relayed {
                     Relayed::Done => {
                         if let Some(chunk) = end.usage_chunk {
-                            finish_frame(&tx, data_frame(&chunk)).await;
+                            finish_frame(&tx, chunk).await;
                         }
                         finish_frame(&tx, done_frame()).await;
                         pending.settle(Settlement::completed());
@@ -724,11 +724,19 @@ fn charge(
     }
 }
 
-fn relay_options(ctx: &Ctx<'_>) -> RelayOptions {
+fn relay_options(ctx: &Ctx<'_>, sub: &Sub<'_>) -> RelayOptions {
     RelayOptions {
         return_token_ids: ctx.v.return_token_ids,
         max_response_bytes: ctx.parts.cfg.serving.max_response_bytes,
         collect: !ctx.v.stream,
+        // A streaming client gets prompt k's choices as choice k from the relay itself; a
+        // non-streaming batch is merged (and reindexed) once every answer is whole.
+        index_base: if ctx.v.stream {
+            sub.k.map(|k| k as u64)
+        } else {
+            None
+        },
+        capture_head: ctx.v.stream && ctx.v.include_usage,
     }
 }
 
@@ -761,7 +769,7 @@ async fn run_attempt(
     let parts = ctx.parts;
     let path = ctx.endpoint.path();
     let url = |i: usize| format!("{}{}", parts.cfg.engines[i].url, path);
-    let opts = relay_options(ctx);
+    let opts = relay_options(ctx, sub);
     let now = parts.clock.now();
     let sglang = parts.cfg.backend == Backend::Sglang;
     let chat = ctx.endpoint == Endpoint::Chat;
@@ -795,9 +803,10 @@ async fn run_attempt(
             let engine_url = url(engine);
             let out = if whole {
                 let limit = parts.cfg.serving.max_response_bytes;
-                let answer = parts
-                    .upstream
-                    .whole(&engine_url, &leg, &body, ctx.deadline, limit);
+                let answer =
+                    parts
+                        .upstream
+                        .whole(&engine_url, &leg, &body, ctx.deadline, limit, chat);
                 let answer = answer.instrument(span).await.map_err(failed)?;
                 track.first_token();
                 Output::Whole(answer)
@@ -1056,21 +1065,22 @@ fn finish_record(pending: &mut Pending, stats: &[SubStats]) {
 /// Where relayed chunks go: a streaming client's channel, or the [`Aggregator`] that builds a
 /// non-streaming client's one response object.
 trait Sink {
-    /// Delivers one chunk; `false` when the client is gone or too slow (it has until
-    /// `deadline` to take it).
-    fn deliver(&mut self, chunk: Value, deadline: Instant) -> impl Future<Output = bool> + Send;
+    /// Delivers relayed SSE frames; `false` when the client is gone or too slow (it has
+    /// until `deadline` to take them).
+    fn deliver(&mut self, frames: Bytes, deadline: Instant) -> impl Future<Output = bool> + Send;
     /// Resolves when the client went away (never for a non-streaming client, whose handler
     /// future hyper drops instead).
     fn gone(&self) -> impl Future<Output = ()> + Send;
 }
 
-/// A streaming client: SSE frames over the response body's channel. `base` shifts choice
-/// indexes for prompt `base` of a fanned-out batch; `head` keeps the first chunk's `id`,
-/// `created` and `model` for a usage chunk the router writes itself.
+/// A streaming client: SSE frames over the response body's channel. For a whole answer
+/// (a prefill that finished the generation), `base` shifts choice indexes for prompt `base`
+/// of a fanned-out batch and `head` keeps its `id`, `created` and `model` for a usage chunk
+/// the router writes itself (a live stream's relay does both itself).
 struct Stream {
     tx: mpsc::Sender<Bytes>,
     base: Option<u64>,
-    head: Option<Value>,
+    head: Option<Head>,
 }
 
 impl Stream {
@@ -1083,20 +1093,29 @@ impl Stream {
     }
 }
 
+impl Stream {
+    /// Delivers a whole answer as the SSE chunks of a stream ([`answer_chunks`]).
+    async fn deliver_whole(&mut self, answer: &Value, chat: bool, deadline: Instant) -> bool {
+        let mut frames = Vec::new();
+        for mut chunk in answer_chunks(answer, chat) {
+            if let Some(base) = self.base {
+                reindex(&mut chunk, base);
+            }
+            if self.head.is_none() {
+                self.head = Some(Head::of(&chunk));
+            }
+            frames.extend_from_slice(&data_frame(&chunk));
+        }
+        self.deliver(Bytes::from(frames), deadline).await
+    }
+}
+
 impl Sink for Stream {
-    async fn deliver(&mut self, mut chunk: Value, deadline: Instant) -> bool {
-        if let Some(base) = self.base {
-            reindex(&mut chunk, base);
-        }
-        if self.head.is_none() {
-            self.head = Some(
-                json!({"id": chunk.get("id"), "created": chunk.get("created"), "model": chunk.get("model")}),
-            );
-        }
+    async fn deliver(&mut self, frames: Bytes, deadline: Instant) -> bool {
         // A client that stops reading must not hold its seats and the upstream past the
         // deadline.
         matches!(
-            tokio::time::timeout_at(deadline.into(), self.tx.send(data_frame(&chunk))).await,
+            tokio::time::timeout_at(deadline.into(), self.tx.send(frames)).await,
             Ok(Ok(()))
         )
     }
@@ -1113,8 +1132,8 @@ async fn finish_frame(tx: &mpsc::Sender<Bytes>, frame: Bytes) {
 }
 
 impl Sink for Aggregator {
-    async fn deliver(&mut self, chunk: Value, _deadline: Instant) -> bool {
-        self.push(&chunk);
+    async fn deliver(&mut self, frames: Bytes, _deadline: Instant) -> bool {
+        self.push_frames(&frames);
         true
     }
 
@@ -1178,10 +1197,9 @@ async fn relay(
     let mut clock = TokenClock::new(first_at, live.tokens());
     served.track.tokens(live.tokens());
     let end = 'relay: {
-        for c in std::mem::take(&mut live.first) {
-            if !sink.deliver(c, deadline).await {
-                break 'relay Relayed::ClientGone;
-            }
+        let first = std::mem::take(&mut live.first);
+        if !first.is_empty() && !sink.deliver(first, deadline).await {
+            break 'relay Relayed::ClientGone;
         }
         let gap = gap(parts);
         loop {
@@ -1199,11 +1217,9 @@ async fn relay(
             clock.update(parts.clock.now(), live.tokens());
             served.track.tokens(live.tokens());
             let err = match step {
-                Ok(RelayStep::Output(chunks)) => {
-                    for c in chunks {
-                        if !sink.deliver(c, deadline).await {
-                            break 'relay Relayed::ClientGone;
-                        }
+                Ok(RelayStep::Output) => {
+                    if !sink.deliver(live.take_output(), deadline).await {
+                        break 'relay Relayed::ClientGone;
                     }
                     continue;
                 }
@@ -1272,10 +1288,10 @@ struct StreamOne {
     stats: SubStats,
     /// This prompt's usage (the engine's, or estimated).
     usage: Value,
-    /// The engine's usage-only chunk, when it sent one.
-    engine_chunk: Option<Value>,
+    /// The engine's usage-only chunk (its JSON), when it sent one.
+    engine_chunk: Option<Bytes>,
     /// `id`, `created`, `model` of the first chunk sent.
-    head: Option<Value>,
+    head: Option<Head>,
 }
 
 async fn stream_one(
@@ -1292,13 +1308,11 @@ async fn stream_one(
         Output::Whole(mut answer) => {
             let tokens = finish_whole(&mut answer, a, estimate);
             served.track.tokens(tokens);
-            let mut relayed = Relayed::Done;
-            for chunk in answer_chunks(&answer, a.chat) {
-                if !sink.deliver(chunk, deadline).await {
-                    relayed = Relayed::ClientGone;
-                    break;
-                }
-            }
+            let relayed = if sink.deliver_whole(&answer, a.chat, deadline).await {
+                Relayed::Done
+            } else {
+                Relayed::ClientGone
+            };
             if matches!(relayed, Relayed::Done) && served.decode_ok {
                 parts.fleet.observe(served.served_by, Observation::DecodeOk);
             }
@@ -1316,11 +1330,16 @@ async fn stream_one(
             )
             .await;
             let engine_chunk = live.take_usage_chunk();
-            let usage = usage_value(
-                live.engine_usage(engine_chunk.as_ref()).as_ref(),
-                estimate,
-                live.tokens(),
-            );
+            // Only a client that asked for usage gets one (the engine's, or the router's).
+            let usage = if a.include_usage {
+                usage_value(
+                    live.engine_usage(engine_chunk.as_deref()).as_ref(),
+                    estimate,
+                    live.tokens(),
+                )
+            } else {
+                Value::Null
+            };
             StreamOne {
                 relayed,
                 stats: SubStats {
@@ -1329,7 +1348,7 @@ async fn stream_one(
                 },
                 usage,
                 engine_chunk,
-                head: sink.head.take(),
+                head: sink.head.take().or_else(|| live.head().cloned()),
             }
         }
     };
@@ -1345,18 +1364,38 @@ async fn stream_one(
 /// How a streaming answer ended.
 struct StreamEnd {
     relayed: Relayed,
-    /// The usage chunk to send before `[DONE]` (only when the client asked for usage).
-    usage_chunk: Option<Value>,
+    /// The usage chunk's frame to send before `[DONE]` (only when the client asked for
+    /// usage).
+    usage_chunk: Option<Bytes>,
     stats: Vec<SubStats>,
 }
 
-/// A usage-only chunk the router writes (an engine that sent none, or a fanned-out batch).
-fn usage_chunk(head: Option<Value>, usage: Value, chat: bool) -> Value {
-    let head = head.unwrap_or_default();
-    json!({
-        "id": head.get("id"), "object": if chat { "chat.completion.chunk" } else { "text_completion" },
-        "created": head.get("created"), "model": head.get("model"), "choices": [], "usage": usage,
-    })
+/// The frame of a usage-only chunk the router writes (an engine that sent none, or a
+/// fanned-out batch): the first chunk's `id`, `created` and `model` as the engine wrote them.
+fn usage_chunk(head: Option<Head>, usage: &Value, chat: bool) -> Bytes {
+    let head = head.unwrap_or(Head {
+        id: "null".into(),
+        created: "null".into(),
+        model: "null".into(),
+    });
+    let object = if chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    Bytes::from(format!(
+        "data: {{\"id\":{},\"object\":\"{object}\",\"created\":{},\"model\":{},\"choices\":[],\"usage\":{usage}}}\n\n",
+        head.id, head.created, head.model
+    ))
+}
+
+/// The SSE frame of an engine's own chunk (its JSON as it wrote it).
+fn engine_frame(chunk: &[u8]) -> Bytes {
+    let mut f = Vec::with_capacity(chunk.len() + 8);
+    f.extend_from_slice(b"data: ");
+    f.extend_from_slice(chunk);
+    f.extend_from_slice(b"\n\n");
+    Bytes::from(f)
 }
 
 /// Streams every prompt's answer to the client (one prompt: its own stream; a batch: the
@@ -1382,8 +1421,10 @@ async fn stream_all(
         )
         .await;
         let usage_chunk = (matches!(one.relayed, Relayed::Done) && a.include_usage).then(|| {
-            one.engine_chunk
-                .unwrap_or_else(|| usage_chunk(one.head, one.usage, a.chat))
+            match one.engine_chunk {
+                Some(chunk) => engine_frame(&chunk),
+                None => usage_chunk(one.head, &one.usage, a.chat),
+            }
         });
         return StreamEnd {
             relayed: one.relayed,
@@ -1421,7 +1462,7 @@ async fn stream_all(
     let done: Vec<StreamOne> = done.into_iter().flatten().collect();
     let usage_chunk = a.include_usage.then(|| {
         let usage = sum_usages(done.iter().map(|o| &o.usage));
-        usage_chunk(done[0].head.clone(), usage, a.chat)
+        usage_chunk(done[0].head.clone(), &usage, a.chat)
     });
     StreamEnd {
         relayed: Relayed::Done,
@@ -1468,7 +1509,7 @@ async fn collect_one(
                 Relayed::Done => {
                     let engine_chunk = live.take_usage_chunk();
                     let usage = usage_value(
-                        live.engine_usage(engine_chunk.as_ref()).as_ref(),
+                        live.engine_usage(engine_chunk.as_deref()).as_ref(),
                         estimate,
                         live.tokens(),
                     );

@@ -28,7 +28,8 @@ use crate::breaker::FailureClass;
 use crate::config::{Config, secs};
 use crate::placement::Phase;
 use crate::relay::{
-    RelayOptions, RelayStep, SseData, SseParser, StreamFailure, StreamState, upstream_error,
+    Head, RelayOptions, RelayStep, SseParser, StreamFailure, StreamState, assemble_sse,
+    chunk_usage, upstream_error,
 };
 
 /// Error answers read from an engine are capped at this many bytes.
@@ -273,7 +274,7 @@ impl Upstream {
         client_max_tokens: Option<u64>,
     ) -> Result<Prefilled, LegError> {
         let answer = self
-            .json_leg(url, leg, body, limit, PREFILL_ANSWER_LIMIT)
+            .json_leg(url, leg, body, limit, PREFILL_ANSWER_LIMIT, None)
             .await?;
         match extract_descriptor(&answer) {
             Ok(d) => Ok(Prefilled::Descriptor(d)),
@@ -292,14 +293,16 @@ impl Upstream {
         body: &Value,
         limit: Instant,
     ) -> Result<(), LegError> {
-        self.json_leg(url, leg, body, limit, PREFILL_ANSWER_LIMIT)
+        self.json_leg(url, leg, body, limit, PREFILL_ANSWER_LIMIT, None)
             .await
             .map(|_| ())
     }
 
     /// A whole (non-streaming) leg: a non-streaming client's request on an aggregated
     /// engine, answered as the engine answers it (its usage, its errors). Bounded by `limit`
-    /// (the request deadline) and `max_bytes` (`serving.max_response_bytes`).
+    /// (the request deadline) and `max_bytes` (`serving.max_response_bytes`). An engine that
+    /// streams the answer anyway (`text/event-stream` to `"stream": false`) has it assembled
+    /// into one answer for a chat (`chat`) or completions client ([`assemble_sse`]).
     pub(crate) async fn whole(
         &self,
         url: &str,
@@ -307,11 +310,15 @@ impl Upstream {
         body: &Value,
         limit: Instant,
         max_bytes: u64,
+        chat: bool,
     ) -> Result<Value, LegError> {
         let max = usize::try_from(max_bytes).unwrap_or(usize::MAX);
-        self.json_leg(url, leg, body, limit, max).await
+        self.json_leg(url, leg, body, limit, max, Some(chat)).await
     }
 
+    /// POSTs a non-streaming leg and reads its JSON answer. `sse_chat`: a streamed answer is
+    /// assembled (for a chat client when `Some(true)`); `None` (prefill legs) refuses it as
+    /// not JSON.
     async fn json_leg(
         &self,
         url: &str,
@@ -319,6 +326,7 @@ impl Upstream {
         body: &Value,
         limit: Instant,
         max_bytes: usize,
+        sse_chat: Option<bool>,
     ) -> Result<Value, LegError> {
         let fut = async {
             let resp = self.post(url, leg, body).await?;
@@ -329,6 +337,15 @@ impl Upstream {
                     .unwrap_or_default();
                 return Err(status_error(status, &bytes));
             }
+            let streamed = resp
+                .headers()
+                .get(http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| {
+                    v.trim_start()
+                        .to_ascii_lowercase()
+                        .starts_with("text/event-stream")
+                });
             let bytes = match read_bounded(resp.into_body(), max_bytes).await {
                 Ok(b) => b,
                 Err(ReadFailure::TooLarge) => {
@@ -338,8 +355,11 @@ impl Upstream {
                     return Err(LegError::Cut(format!("reading the answer: {e}")));
                 }
             };
-            let answer = serde_json::from_slice::<Value>(&bytes)
-                .map_err(|e| LegError::InvalidResponse(format!("answer is not JSON: {e}")))?;
+            let answer = match sse_chat {
+                Some(chat) if streamed => assemble_sse(&bytes, chat).map_err(LegError::Stream)?,
+                _ => serde_json::from_slice::<Value>(&bytes)
+                    .map_err(|e| LegError::InvalidResponse(format!("answer is not JSON: {e}")))?,
+            };
             if let Some(err) = answer.get("error").filter(|e| !e.is_null()) {
                 return Err(LegError::Stream(upstream_error(err)));
             }
@@ -378,13 +398,14 @@ impl Upstream {
                 body: resp.into_body(),
                 parser: SseParser::new(),
                 state: StreamState::new(opts),
-                queue: std::collections::VecDeque::new(),
-                first: Vec::new(),
+                rest: Bytes::new(),
+                pending: None,
+                first: Bytes::new(),
                 ended: false,
             };
             match live.next(None).await? {
-                RelayStep::Output(chunks) => {
-                    live.first = chunks;
+                RelayStep::Output => {
+                    live.first = live.state.take_output();
                     Ok(live)
                 }
                 RelayStep::Done => Err(LegError::Stream(StreamFailure::DoneBeforeToken)),
@@ -576,9 +597,13 @@ pub(crate) struct LiveStream {
     body: Incoming,
     parser: SseParser,
     state: StreamState,
-    queue: std::collections::VecDeque<SseData>,
-    /// Chunks to send first (held chunks + the first token chunk).
-    pub(crate) first: Vec<Value>,
+    /// Upstream bytes read but not parsed yet (the parser stops at the first output).
+    rest: Bytes,
+    /// The end of the stream (`Done` or `Failed`), seen while frames before it still wait
+    /// to be sent.
+    pending: Option<RelayStep>,
+    /// SSE frames to send first (held chunks and the first token's), `data: <json>\n\n`.
+    pub(crate) first: Bytes,
     ended: bool,
 }
 
@@ -593,29 +618,45 @@ impl LiveStream {
         self.state.output_tokens()
     }
 
-    /// The engine's usage-only chunk, held back from the relayed stream.
-    pub(crate) fn take_usage_chunk(&mut self) -> Option<Value> {
+    /// The engine's usage-only chunk (its JSON), held back from the relayed stream.
+    pub(crate) fn take_usage_chunk(&mut self) -> Option<Bytes> {
         self.state.take_usage_chunk()
+    }
+
+    /// The first relayed chunk's `id`, `created` and `model`
+    /// ([`RelayOptions::capture_head`]).
+    pub(crate) fn head(&self) -> Option<&Head> {
+        self.state.head()
+    }
+
+    /// The frames relayed by the last [`LiveStream::next`] that returned `Output`.
+    pub(crate) fn take_output(&mut self) -> Bytes {
+        self.state.take_output()
     }
 
     /// The engine's usage: its usage-only chunk's `usage` when given (see
     /// [`LiveStream::take_usage_chunk`]), else the counts a content chunk carried.
-    pub(crate) fn engine_usage(&self, usage_chunk: Option<&Value>) -> Option<Value> {
+    pub(crate) fn engine_usage(&self, usage_chunk: Option<&[u8]>) -> Option<Value> {
         usage_chunk
-            .and_then(|c| c.get("usage"))
-            .cloned()
+            .and_then(chunk_usage)
             .or_else(|| self.state.engine_usage_value())
     }
 
     /// Read until the relay has something to say (`Output`, `Done` or `Failed`); `gap` bounds
-    /// the wait for each upstream read (`engine.decode_read_timeout_s`).
+    /// the wait for each upstream read (`engine.decode_read_timeout_s`). One `Output` carries
+    /// every frame of one upstream read (the first stops at the first token, so the clock of
+    /// the first output is the first token's).
     pub(crate) async fn next(&mut self, gap: Option<Duration>) -> Result<RelayStep, LegError> {
         loop {
-            while let Some(ev) = self.queue.pop_front() {
-                match self.state.on_data(&ev.0) {
-                    RelayStep::Hold => continue,
-                    step => return Ok(step),
+            if let Some(step) = self.pending.take() {
+                return Ok(step);
+            }
+            if !self.rest.is_empty() {
+                let rest = std::mem::take(&mut self.rest);
+                if let Some(step) = self.feed(rest) {
+                    return Ok(step);
                 }
+                continue;
             }
             if self.ended {
                 return Ok(self.state.on_end());
@@ -636,14 +677,45 @@ impl LiveStream {
                     return Err(LegError::Cut(error_chain(&e)));
                 }
                 Some(Ok(f)) => {
-                    if let Ok(data) = f.into_data() {
-                        self.queue.extend(self.parser.push(&data));
-                        if self.parser.overflowed() {
-                            return Ok(RelayStep::Failed(StreamFailure::ResponseLimit));
-                        }
+                    if let Ok(data) = f.into_data()
+                        && let Some(step) = self.feed(data)
+                    {
+                        return Ok(step);
                     }
                 }
             }
+        }
+    }
+
+    /// Parses upstream bytes; `Some` when the relay has something to say.
+    fn feed(&mut self, data: Bytes) -> Option<RelayStep> {
+        let state = &mut self.state;
+        let was_started = state.started();
+        let mut end: Option<RelayStep> = None;
+        let used = self
+            .parser
+            .feed(&data, |payload| match state.on_data(payload) {
+                RelayStep::Hold | RelayStep::Output => was_started || !state.started(),
+                step => {
+                    end = Some(step);
+                    false
+                }
+            });
+        if end.is_none() {
+            if self.parser.overflowed() {
+                end = Some(RelayStep::Failed(StreamFailure::ResponseLimit));
+            } else if used < data.len() {
+                self.rest = data.slice(used..);
+            }
+        }
+        match (end, self.state.has_output()) {
+            (Some(step), true) => {
+                self.pending = Some(step);
+                Some(RelayStep::Output)
+            }
+            (Some(step), false) => Some(step),
+            (None, true) => Some(RelayStep::Output),
+            (None, false) => None,
         }
     }
 }

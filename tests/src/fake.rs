@@ -48,6 +48,7 @@ pub struct FakeEngine {
     decode_error: Option<(u16, &'static str)>,
     tag_prompt: bool,
     usage: bool,
+    always_streams: bool,
 }
 
 /// The vLLM descriptor every fake prefill answers with (`kv_transfer_params`), including a
@@ -76,6 +77,7 @@ impl FakeEngine {
             decode_error: None,
             tag_prompt: false,
             usage: true,
+            always_streams: false,
         }
     }
 
@@ -91,6 +93,13 @@ impl FakeEngine {
     /// connector hands off only length-capped prefills).
     pub fn prefill_finishes(mut self, finish_reason: &'static str) -> FakeEngine {
         self.prefill_finish = Some(finish_reason);
+        self
+    }
+
+    /// Answers every decode or whole leg as an SSE stream (`text/event-stream`), even one
+    /// that asked `"stream": false` (engines seen in the field do).
+    pub fn always_streams(mut self) -> FakeEngine {
+        self.always_streams = true;
         self
     }
 
@@ -276,7 +285,7 @@ async fn completions(State(f): State<FakeEngine>, headers: HeaderMap, body: Byte
         (p, true) if !p.is_null() => format!("{p}:"),
         _ => String::new(),
     };
-    if v["stream"] != json!(true) {
+    if v["stream"] != json!(true) && !f.always_streams {
         // A whole (non-streaming) answer, after the time its tokens take.
         tokio::time::sleep(tpot * n as u32).await;
         guard.done = true;

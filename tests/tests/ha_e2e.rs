@@ -256,12 +256,19 @@ per_backend!(
 /// `controls_fleet` of the old and the new primary at one moment.
 type Pair = (Option<String>, Option<String>);
 
-/// Samples both routers' `controls_fleet` at about 20 Hz.
+/// Samples both routers' `controls_fleet` at about 20 Hz: the old router first, then the
+/// new one, so a pair's new answer is never older than its old answer. (Asked concurrently,
+/// a request held by the paused old router was answered "standby" after its SIGCONT and
+/// paired with the new router's "standby" of before its takeover, under load: a pair that
+/// never existed at any one instant.)
 fn sampler(p: &RouterHandle, s: &RouterHandle) -> Sampler<Pair> {
     let (old, new) = (p.probe(), s.probe());
     Sampler::start(Duration::from_millis(50), move || {
         let (old, new) = (old.clone(), new.clone());
-        async move { tokio::join!(old.controls(), new.controls()) }
+        async move {
+            let o = old.controls().await;
+            (o, new.controls().await)
+        }
     })
 }
 

@@ -115,8 +115,9 @@ struct Router {
     /// The epoch of the last control that committed (the supervisor's `held`).
     controlled: u64,
     next_read: u64,
-    /// An action applied in memory, answered when its publish completes (value, due time).
-    pending_ack: Option<(u64, u64)>,
+    /// An action applied in memory, answered when its publish completes: value, due time,
+    /// and the (epoch, tenure) scope it was applied under.
+    pending_ack: Option<(u64, u64, (u64, u64))>,
     next_write: u64,
 }
 
@@ -563,11 +564,17 @@ impl World {
             let _ = self.publish(i, false);
         }
         // An action's publish completes (an fsync later): now it is answered 200.
-        if let Some((value, due)) = self.routers[i].pending_ack
+        // Only under the scope it was applied in (`handoff::acknowledge`): found by this
+        // property, an action applied before a pause past the TTL was answered 200 after the
+        // router had re-claimed the fleet with a state that did not hold it.
+        if let Some((value, due, (epoch, tenure))) = self.routers[i].pending_ack
             && due <= t
         {
             self.routers[i].pending_ack = None;
-            if self.publish(i, false).is_ok() && self.acks == Acks::Durable {
+            if self.publish(i, false).is_ok()
+                && self.live(i, epoch, tenure)
+                && self.acks == Acks::Durable
+            {
                 self.acked_max = self.acked_max.max(value);
             }
         }
@@ -583,12 +590,15 @@ impl World {
                 next: t,
             });
         }
-        if self.routers[i].pending_ack.is_none() && self.rng.chance(2) {
+        if self.routers[i].pending_ack.is_none()
+            && self.rng.chance(2)
+            && let Some(scope) = self.scope(i)
+        {
             // A lifecycle action, applied in memory now, answered once published.
             let due = t + 1 + self.rng.below(30);
             let r = &mut self.routers[i];
             r.acked += 1;
-            r.pending_ack = Some((r.acked, due));
+            r.pending_ack = Some((r.acked, due, scope));
             if self.acks == Acks::Immediate {
                 self.acked_max = self.acked_max.max(self.routers[i].acked);
             }

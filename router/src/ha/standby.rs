@@ -374,7 +374,11 @@ impl StandbyIo for Live<'_> {
             "took over the fleet"
         );
         if let Some(g) = gap {
-            self.parts.metrics.takeover_gap.set(g.as_secs_f64());
+            self.parts
+                .metrics
+                .durability
+                .takeover_gap
+                .set(g.as_secs_f64());
         }
         // Clear only our own hold: a stale-epoch answer during the check may have fenced us.
         self.parts.ha.end_identity_check();

@@ -456,6 +456,7 @@ impl LifecycleDriver {
         let report = self.run_plan(&plan, &scope).await;
         let record_metric = |result: &str| {
             self.metrics
+                .roles
                 .lifecycle_validations
                 .get_or_create(&labels(&[
                     ("iid", &iid),
@@ -660,6 +661,7 @@ impl LifecycleDriver {
         let record_metric = |result: &str| {
             for iid in targets {
                 self.metrics
+                    .roles
                     .lifecycle_validations
                     .get_or_create(&labels(&[("iid", iid), ("kind", kind), ("result", result)]))
                     .inc();
