@@ -85,8 +85,8 @@ pub(crate) struct Accounting {
     attempts: Attempts,
     upstream: Upstream,
     budget: RetryBudget,
-    /// Requests refused by predictive admission before sizing (`unserved`); never counted
-    /// by this router yet, carried through handoffs.
+    /// Placements whose cheapest engine missed its own SLO (`unserved`, controller-notes
+    /// 10.7), carried through handoffs.
     unserved: AtomicU64,
     cfg: Arc<Config>,
     clock: Arc<dyn Clock>,
@@ -138,6 +138,12 @@ impl Accounting {
     /// `unserved` (carried through handoffs).
     pub(crate) fn unserved(&self) -> u64 {
         self.unserved.load(Ordering::Relaxed)
+    }
+
+    /// A placement whose cheapest engine misses its own SLO, served or refused
+    /// (controller-notes 10.7 `unserved`).
+    pub(crate) fn unserved_placement(&self) {
+        self.unserved.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A completion POST arrived (`offered`).

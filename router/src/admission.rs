@@ -1,15 +1,19 @@
-//! Admission in `open` mode (reference-notes 1.8 stages 1 and 7, 7.6): the retained-request
-//! limit (`max_concurrent + queue_capacity`), the admission seats and the FIFO queue for them,
-//! with their high-water marks. Lock-free: atomics and a semaphore.
+//! Admission (reference-notes 1.8 stages 1 and 7, 7.6; controller-notes section 10): the
+//! retained-request limit (`max_concurrent + queue_capacity`), the admission seats and the
+//! FIFO queue for them, with their high-water marks (lock-free: atomics and a semaphore); and
+//! the predictive TTFT price and its refusals (pure), which the role controller's intake
+//! applies at the queue and at placement.
 //!
 //! ```text
 //!  request ──try_retain()──► Retained guard (429 when full) ──seat (semaphore)──► attempts
 //!                                  └─ waiting for a seat: Queued guard (queue depth)
+//!  Price { backlog, own prefill, elapsed, handoff } ──judge(budget)──► None | Refusal (429)
 //! ```
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
 use crate::config::Config;
@@ -130,5 +134,165 @@ pub(crate) struct Retained(Arc<Admission>);
 impl Drop for Retained {
     fn drop(&mut self) {
         self.0.retained.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A TTFT price of one placement (controller-notes 10.4): `price = backlog + own prefill +
+/// elapsed + handoff`, seconds; `price_s` is ∞ when the placement cannot be priced (an
+/// aggregated placement on an engine serving decode work).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Price {
+    /// The attempt priced (1 for the first).
+    pub(crate) attempt: u32,
+    /// Resident prefill seconds ahead on the chosen engine.
+    pub(crate) backlog_s: f64,
+    /// This prompt's own prefill on it.
+    pub(crate) own_prefill_s: f64,
+    /// Seconds since arrival.
+    pub(crate) elapsed_s: f64,
+    /// The fleet's mean handoff delay.
+    pub(crate) handoff_s: f64,
+    /// The price.
+    pub(crate) price_s: f64,
+}
+
+fn round6(x: f64) -> Value {
+    if x.is_finite() {
+        json!((x * 1e6).round() / 1e6 + 0.0)
+    } else {
+        Value::Null
+    }
+}
+
+impl Price {
+    /// The journal's `admission_price` (`price_s` null when ∞).
+    pub(crate) fn json(&self) -> Value {
+        json!({"attempt": self.attempt, "backlog_s": round6(self.backlog_s),
+               "own_prefill_s": round6(self.own_prefill_s), "elapsed_s": round6(self.elapsed_s),
+               "handoff_s": round6(self.handoff_s), "price_s": round6(self.price_s)})
+    }
+}
+
+/// A predictive refusal (controller-notes 10.6): always 429 `server_overloaded_error`.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Refusal {
+    /// `queue`, `prompt`, `aggregate_unpriced`, or `decode`'s causes.
+    pub(crate) cause: &'static str,
+    /// The client message.
+    pub(crate) message: String,
+    /// `Retry-After` seconds, if any.
+    pub(crate) retry_after: Option<u64>,
+    /// The price that refused it.
+    pub(crate) price: Price,
+}
+
+/// The caveat when no prefill engine is live (controller-notes 10.6).
+const AGGREGATE_CAVEAT: &str =
+    ". Aggregate mode uses the prefill curve only on an engine with no resident decode";
+
+/// Judges `price` against `budget_s` (`ttft·(1 + admission_margin)`): `None` when it fits;
+/// else the refusal with its cause: `aggregate_unpriced` when unpriceable, `prompt` when the
+/// cheapest own prefill alone (`cheapest_own_s`) exceeds the budget, else `queue`
+/// (controller-notes 10.4, 10.6). `aggregate` = no prefill engine is live.
+pub(crate) fn judge(
+    price: &Price,
+    budget_s: f64,
+    cheapest_own_s: f64,
+    aggregate: bool,
+) -> Option<Refusal> {
+    if price.price_s <= budget_s {
+        return None;
+    }
+    let caveat = if aggregate { AGGREGATE_CAVEAT } else { "" };
+    let (cause, message, retry_after) = if !price.price_s.is_finite() {
+        (
+            "aggregate_unpriced",
+            "every live engine is serving decode work; aggregate prefill pricing requires an \
+             engine with zero resident decode work; retry after decode work drains"
+                .to_string(),
+            Some(1),
+        )
+    } else if cheapest_own_s > budget_s {
+        (
+            "prompt",
+            format!(
+                "this prompt's own prefill prices TTFT at {cheapest_own_s:.2}s against the \
+                 {budget_s:.2}s budget; no queue drains that, so shorten the prompt or raise \
+                 the TTFT budget{caveat}"
+            ),
+            None,
+        )
+    } else {
+        let wait = (price.price_s - price.elapsed_s - budget_s).ceil().max(1.0) as u64;
+        (
+            "queue",
+            format!(
+                "cheapest placement prices TTFT at {:.2}s against the {budget_s:.2}s budget; \
+                 retry as the priced queue drains{caveat}",
+                price.price_s
+            ),
+            Some(wait),
+        )
+    };
+    Some(Refusal {
+        cause,
+        message,
+        retry_after,
+        price: price.clone(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn price(backlog: f64, own: f64) -> Price {
+        Price {
+            attempt: 1,
+            backlog_s: backlog,
+            own_prefill_s: own,
+            elapsed_s: 0.0,
+            handoff_s: 0.0,
+            price_s: backlog + own,
+        }
+    }
+
+    /// controller-notes S12: three 1000-token prefills ahead (3.03 s) and a 100-token prompt
+    /// (0.11 s) price 3.14 s against 2 s: `queue`, `Retry-After: 2`.
+    #[test]
+    fn a_backlog_refuses_with_the_queue_cause_and_a_retry_after() {
+        let r = judge(&price(3.03, 0.11), 2.0, 0.11, false).expect("refused");
+        assert_eq!(r.cause, "queue");
+        assert_eq!(r.retry_after, Some(2));
+        assert_eq!(
+            r.message,
+            "cheapest placement prices TTFT at 3.14s against the 2.00s budget; retry as the \
+             priced queue drains"
+        );
+        let priced = r.price.json()["price_s"].as_f64().unwrap_or(0.0);
+        assert!((priced - (3.03 + 0.11)).abs() < 1e-9, "{priced}");
+    }
+
+    /// A prompt whose own prefill breaks the budget: `prompt`, no `Retry-After`.
+    #[test]
+    fn a_prompt_too_long_for_the_budget_has_no_retry_after() {
+        let r = judge(&price(0.0, 3.01), 2.0, 3.01, false).expect("refused");
+        assert_eq!((r.cause, r.retry_after), ("prompt", None));
+        assert!(
+            r.message
+                .starts_with("this prompt's own prefill prices TTFT at 3.01s")
+        );
+        let r = judge(&price(0.0, 3.01), 2.0, 3.01, true).expect("refused");
+        assert!(r.message.ends_with("on an engine with no resident decode"));
+    }
+
+    #[test]
+    fn an_unpriceable_placement_and_a_fitting_one() {
+        let mut p = price(0.0, 0.1);
+        assert!(judge(&p, 2.0, 0.1, false).is_none());
+        p.price_s = f64::INFINITY;
+        let r = judge(&p, 2.0, 0.1, true).expect("refused");
+        assert_eq!((r.cause, r.retry_after), ("aggregate_unpriced", Some(1)));
+        assert_eq!(r.price.json()["price_s"], Value::Null);
     }
 }

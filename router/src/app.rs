@@ -130,6 +130,7 @@ pub async fn run(
     }
     let state_writer = tokio::spawn(handoff::writer(parts.clone(), stop.clone()));
     let monitor = tokio::spawn(monitor::monitor(parts.clone(), stop.clone()));
+    let controller = tokio::spawn(parts.controller.clone().run(stop.clone()));
     let lifecycle_timer = {
         let parts = parts.clone();
         let stop = stop.clone();
@@ -167,6 +168,7 @@ pub async fn run(
     let _ = data.await;
     let _ = control.await;
     let _ = monitor.await;
+    let _ = controller.await;
     let _ = lifecycle_timer.await;
     let _ = state_writer.await;
     if was_controlling {

@@ -222,6 +222,8 @@ pub enum EjectCause {
     ProcessIdentity,
     /// Ejected by the router whose handoff this router applied (`--resume`, takeover).
     Restored,
+    /// An engine-side role switch failed (controller-notes 9.2).
+    RoleSwitch,
 }
 
 impl EjectCause {
@@ -235,6 +237,7 @@ impl EjectCause {
             EjectCause::InferenceProbe => "inference_probe",
             EjectCause::ProcessIdentity => "process_identity",
             EjectCause::Restored => "handoff",
+            EjectCause::RoleSwitch => "role_switch",
         }
     }
 

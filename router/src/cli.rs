@@ -406,7 +406,8 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
         }
     };
     let run = run_id(SystemClock.wall().unwrap_or(0.0));
-    let (journal, _writer) = match Journal::open(&args.journal, &run) {
+    let admission = (cfg.serving.admission.as_str(), cfg.serving.admission_margin);
+    let (journal, _writer) = match Journal::open(&args.journal, &run, admission) {
         Ok(j) => j,
         Err(e) => {
             eprintln!("narwhal-serve: {e}");

@@ -16,6 +16,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
+pub use crate::profile::Profile;
+
 pub(crate) mod schema;
 
 /// Which engine kind serves the fleet; decides the P/D protocol (reference-notes 7.1, 7.2).
@@ -116,14 +118,24 @@ pub struct Slo {
     pub tpot_s: f64,
 }
 
-/// `serving.admission`: predictive pricing is not implemented here; both values admit openly
-/// (docs/configuration.md).
+/// `serving.admission` (reference-notes 7.6; controller-notes section 10). Default `open`
+/// here (the reference defaults to `predictive`, which needs profiles).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AdmissionMode {
-    /// Refuse over-budget requests (accepted, runs as `open` in this version).
+    /// Price each request's TTFT from the profiles and refuse (429) what cannot make it.
     Predictive,
-    /// Never refuse on price.
+    /// Price and journal, never refuse.
     Open,
+}
+
+impl AdmissionMode {
+    /// `"predictive"` or `"open"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AdmissionMode::Predictive => "predictive",
+            AdmissionMode::Open => "open",
+        }
+    }
 }
 
 /// `serving` section (reference-notes 8.1). Times in seconds, sizes in bytes.
@@ -253,19 +265,81 @@ pub struct Recovery {
     pub resume: bool,
 }
 
-/// `controller` section: only what this version uses is kept; the rest is validated.
+/// `controller` section (reference-notes 8.1; controller-notes section 6 says where each key
+/// acts). Times in seconds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Controller {
     /// Monitoring pass period, seconds (default 1.0, > 0).
     pub monitor_interval_s: f64,
-    /// Failed passes before monitoring is degraded (default 5).
+    /// Consecutive failed controller passes before monitoring is degraded (default 5).
     pub monitor_failure_limit: u32,
-    /// Advisory controller (default false).
+    /// Advisory controller: every guard runs, roles never change (default false).
     pub advisory: bool,
-    /// Minimum prefill engines (default 1).
+    /// Minimum live prefill engines (default 1).
     pub min_prefill: u32,
-    /// Minimum decode engines (default 1).
+    /// Minimum live decode engines (default 1).
     pub min_decode: u32,
+    /// Role flips kept in the history (default 1000, ≥ 1).
+    pub flip_history: u64,
+    /// `controller.thresholds`.
+    pub thresholds: Thresholds,
+    /// `controller.reactive`.
+    pub reactive: Reactive,
+}
+
+/// `controller.thresholds` (reference-notes 8.1; controller-notes section 6).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Thresholds {
+    /// `expand` E (default 1.0, > 0): the pressure ratio that calls for more engines.
+    pub expand: f64,
+    /// `shrink` S (default 0.5, ≥ 0, < expand): the ratio below which a pool may give one up.
+    pub shrink: f64,
+    /// `cooldown_s` (default 10): between prefill→decode flips, and from router start.
+    pub cooldown_s: f64,
+    /// `sustained_intervals` (default 3, ≥ 1): confirmations of a non-urgent move.
+    pub sustained_intervals: u64,
+    /// `dwell_s` (default 0 = off): a flipped engine is no donor for this long.
+    pub dwell_s: f64,
+    /// `panic_ratio` (default 0 = off, else ≥ 1): decode load that bypasses the cooldown.
+    pub panic_ratio: f64,
+    /// `flip_resident_guard` (default 0 = off): the most decode residents a decode→prefill
+    /// donor may carry.
+    pub flip_resident_guard: u64,
+}
+
+/// `controller.reactive` (reference-notes 8.1; controller-notes sections 4, 5 and 8).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reactive {
+    /// `window_s` (default 120): demand horizon and retention.
+    pub window_s: f64,
+    /// `evidence_span_s` (default 60, ≤ max span): arrival evidence a consolidation needs.
+    pub evidence_span_s: f64,
+    /// `evidence_max_span_s` (default 120, ≤ window): the evidence horizon.
+    pub evidence_max_span_s: f64,
+    /// `evidence_min_arrivals` (default 10).
+    pub evidence_min_arrivals: u64,
+    /// `demand_rise_tolerance` τ (default 0.25): trend gate, balanced and shifted tests.
+    pub demand_rise_tolerance: f64,
+    /// `confirmations` (default 2, ≥ 1).
+    pub confirmations: u64,
+    /// `utilization` u (default 0.8, in (0, 1]): divides demand in both ratios.
+    pub utilization: f64,
+    /// `min_arrivals` (default 10): arrivals a decision needs in the window.
+    pub min_arrivals: u64,
+    /// `demand_floor` (default 0.5): engine-equivalents of demand a decision needs.
+    pub demand_floor: f64,
+    /// `movement_margin` m (default 0.05, in [0, 1)): the objective gain a move needs.
+    pub movement_margin: f64,
+    /// `step_s` (default 5): evaluation period.
+    pub step_s: f64,
+    /// `decode_correction_min` (default 0.5).
+    pub decode_correction_min: f64,
+    /// `decode_correction_max` (default 2.0).
+    pub decode_correction_max: f64,
+    /// `decode_correction_alpha` (default 0.2, in (0, 1]).
+    pub decode_correction_alpha: f64,
+    /// `decode_correction_min_samples` (default 8, ≥ 1).
+    pub decode_correction_min_samples: u64,
 }
 
 /// `agent` section (ours): router-to-agent call limits.
@@ -366,6 +440,9 @@ pub struct Config {
     pub backend: Backend,
     /// Engines in file order (iids unique, at least one).
     pub engines: Vec<EngineConfig>,
+    /// Engine profiles in engine order (`profiles.default`, `profiles.engines.<iid>`); empty
+    /// when the file gives none, and then the role controller is off.
+    pub profiles: Vec<Profile>,
     /// Latency budgets.
     pub slo: Slo,
     /// Controller settings.
@@ -881,7 +958,7 @@ impl Checker<'_> {
         let serving = self.serving(top.get("serving"));
         let engine = self.engine(top.get("engine"), &serving, engines.len());
         let recovery = self.recovery(top.get("recovery"));
-        self.profiles(top.get("profiles"));
+        let (default_profile, engine_profiles) = self.profiles(top.get("profiles"));
         self.hardware(top.get("hardware"));
         let engine_contract = self.contract(top.get("engine_contract"));
         let agent_obj = self.obj("agent", top.get("agent"), &["timeout_s", "max_skew_s"]);
@@ -968,9 +1045,19 @@ impl Checker<'_> {
                         .into(),
             });
         }
+        let profiles = self.resolve_profiles(&engines, default_profile, engine_profiles);
+        if serving.admission == AdmissionMode::Predictive && profiles.is_empty() && n > 0 {
+            self.rule(
+                "serving.admission".into(),
+                &Value::from("predictive"),
+                "predictive admission prices every request with the engine profiles: \
+                 set profiles.default or profiles.engines.<iid>",
+            );
+        }
         Some(Config {
             model,
             backend,
+            profiles,
             engines,
             slo,
             controller,
@@ -983,6 +1070,49 @@ impl Checker<'_> {
             control_tls,
             engine_contract,
         })
+    }
+
+    /// One profile per engine in config order, or none at all (controller-notes 3.4: every
+    /// price goes through a profile, so a partial set is an error naming the engines left
+    /// out); a profile for an unknown engine is an error too.
+    fn resolve_profiles(
+        &mut self,
+        engines: &[EngineConfig],
+        default: Option<Profile>,
+        named: Vec<(String, Profile)>,
+    ) -> Vec<Profile> {
+        for (iid, _) in &named {
+            if !engines.iter().any(|e| &e.iid == iid) {
+                self.rule(
+                    format!("profiles.engines.{iid}"),
+                    &Value::from(iid.as_str()),
+                    "names no configured engine",
+                );
+            }
+        }
+        if default.is_none() && named.is_empty() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let mut missing = Vec::new();
+        for e in engines {
+            match named.iter().find(|(i, _)| *i == e.iid).map(|(_, p)| p) {
+                Some(p) => out.push(p.clone()),
+                None => match &default {
+                    Some(d) => out.push(d.clone()),
+                    None => missing.push(e.iid.clone()),
+                },
+            }
+        }
+        if !missing.is_empty() {
+            self.rule(
+                "profiles.engines".into(),
+                &Value::from(missing.join(", ")),
+                "these engines have no profile (give every engine one, or set profiles.default)",
+            );
+            return Vec::new();
+        }
+        out
     }
 
     fn engines(&mut self, v: Option<&Value>) -> Vec<EngineConfig> {
@@ -1169,15 +1299,13 @@ impl Checker<'_> {
                 "reactive",
             ],
         );
-        let c = Controller {
-            monitor_interval_s: self.num(&o, "monitor_interval_s", 1.0, positive),
-            monitor_failure_limit: self.int(&o, "monitor_failure_limit", 5, 1, u32::MAX as u64)
-                as u32,
-            advisory: self.boolean(&o, "advisory", false),
-            min_prefill: self.int(&o, "min_prefill", 1, 1, u32::MAX as u64) as u32,
-            min_decode: self.int(&o, "min_decode", 1, 1, u32::MAX as u64) as u32,
-        };
-        self.int(&o, "flip_history", 1000, 1, u64::MAX);
+        let monitor_interval_s = self.num(&o, "monitor_interval_s", 1.0, positive);
+        let monitor_failure_limit =
+            self.int(&o, "monitor_failure_limit", 5, 1, u32::MAX as u64) as u32;
+        let advisory = self.boolean(&o, "advisory", false);
+        let min_prefill = self.int(&o, "min_prefill", 1, 1, u32::MAX as u64) as u32;
+        let min_decode = self.int(&o, "min_decode", 1, 1, u32::MAX as u64) as u32;
+        let flip_history = self.int(&o, "flip_history", 1000, 1, u64::MAX);
         let th = self.obj(
             "controller.thresholds",
             o.get("thresholds"),
@@ -1200,13 +1328,17 @@ impl Checker<'_> {
                 format!("must be < thresholds.expand ({expand})"),
             );
         }
-        self.num(&th, "cooldown_s", 10.0, non_negative);
-        self.int(&th, "sustained_intervals", 3, 1, u64::MAX);
-        self.num(&th, "dwell_s", 0.0, non_negative);
-        self.num(&th, "panic_ratio", 0.0, |x| {
-            (x != 0.0 && x < 1.0).then_some("must be 0 or ≥ 1")
-        });
-        self.num(&th, "flip_resident_guard", 0.0, non_negative);
+        let thresholds = Thresholds {
+            expand,
+            shrink,
+            cooldown_s: self.num(&th, "cooldown_s", 10.0, non_negative),
+            sustained_intervals: self.int(&th, "sustained_intervals", 3, 1, u64::MAX),
+            dwell_s: self.num(&th, "dwell_s", 0.0, non_negative),
+            panic_ratio: self.num(&th, "panic_ratio", 0.0, |x| {
+                (x != 0.0 && x < 1.0).then_some("must be 0 or ≥ 1")
+            }),
+            flip_resident_guard: self.int(&th, "flip_resident_guard", 0, 0, u64::MAX),
+        };
         let re = self.obj(
             "controller.reactive",
             o.get("reactive"),
@@ -1245,25 +1377,55 @@ impl Checker<'_> {
                 format!("must be ≤ window_s ({window})"),
             );
         }
-        self.int(&re, "evidence_min_arrivals", 10, 0, u64::MAX);
-        self.num(&re, "demand_rise_tolerance", 0.25, non_negative);
-        self.int(&re, "confirmations", 2, 1, u64::MAX);
-        self.num(&re, "utilization", 0.8, |x| {
-            (x <= 0.0 || x > 1.0).then_some("must be in (0, 1]")
-        });
-        self.int(&re, "min_arrivals", 10, 0, u64::MAX);
-        self.num(&re, "demand_floor", 0.5, non_negative);
-        self.num(&re, "movement_margin", 0.05, |x| {
-            (!(0.0..1.0).contains(&x)).then_some("must be in [0, 1)")
-        });
-        self.num(&re, "step_s", 5.0, positive);
-        self.num(&re, "decode_correction_min", 0.5, positive);
-        self.num(&re, "decode_correction_max", 2.0, positive);
-        self.num(&re, "decode_correction_alpha", 0.2, |x| {
-            (x <= 0.0 || x > 1.0).then_some("must be in (0, 1]")
-        });
-        self.int(&re, "decode_correction_min_samples", 8, 1, u64::MAX);
-        c
+        let reactive = Reactive {
+            window_s: window,
+            evidence_span_s: span,
+            evidence_max_span_s: max_span,
+            evidence_min_arrivals: self.int(&re, "evidence_min_arrivals", 10, 0, u64::MAX),
+            demand_rise_tolerance: self.num(&re, "demand_rise_tolerance", 0.25, non_negative),
+            confirmations: self.int(&re, "confirmations", 2, 1, u64::MAX),
+            utilization: self.num(&re, "utilization", 0.8, |x| {
+                (x <= 0.0 || x > 1.0).then_some("must be in (0, 1]")
+            }),
+            min_arrivals: self.int(&re, "min_arrivals", 10, 0, u64::MAX),
+            demand_floor: self.num(&re, "demand_floor", 0.5, non_negative),
+            movement_margin: self.num(&re, "movement_margin", 0.05, |x| {
+                (!(0.0..1.0).contains(&x)).then_some("must be in [0, 1)")
+            }),
+            step_s: self.num(&re, "step_s", 5.0, positive),
+            decode_correction_min: self.num(&re, "decode_correction_min", 0.5, positive),
+            decode_correction_max: self.num(&re, "decode_correction_max", 2.0, positive),
+            decode_correction_alpha: self.num(&re, "decode_correction_alpha", 0.2, |x| {
+                (x <= 0.0 || x > 1.0).then_some("must be in (0, 1]")
+            }),
+            decode_correction_min_samples: self.int(
+                &re,
+                "decode_correction_min_samples",
+                8,
+                1,
+                u64::MAX,
+            ),
+        };
+        if reactive.decode_correction_max < reactive.decode_correction_min {
+            self.rule(
+                re.p("decode_correction_max"),
+                &Value::from(reactive.decode_correction_max),
+                format!(
+                    "must be ≥ decode_correction_min ({})",
+                    reactive.decode_correction_min
+                ),
+            );
+        }
+        Controller {
+            monitor_interval_s,
+            monitor_failure_limit,
+            advisory,
+            min_prefill,
+            min_decode,
+            flip_history,
+            thresholds,
+            reactive,
+        }
     }
 
     fn serving(&mut self, v: Option<&Value>) -> Serving {
@@ -1493,11 +1655,20 @@ impl Checker<'_> {
         r
     }
 
-    fn profiles(&mut self, v: Option<&Value>) {
+    /// `profiles`: `default` (every engine without its own) and `engines.<iid>`, each the
+    /// profile shape of [`Profile`]; `path` and the fit limits are accepted for reference
+    /// files and unused. Returns `(default, per engine)`.
+    fn profiles(&mut self, v: Option<&Value>) -> (Option<Profile>, Vec<(String, Profile)>) {
         let o = self.obj(
             "profiles",
             v,
-            &["path", "max_decode_fit_mape", "max_decode_cv_mape"],
+            &[
+                "path",
+                "max_decode_fit_mape",
+                "max_decode_cv_mape",
+                "default",
+                "engines",
+            ],
         );
         self.passive(
             &o,
@@ -1507,6 +1678,97 @@ impl Checker<'_> {
                 ("max_decode_cv_mape", Kind::NonNegNum),
             ],
         );
+        let default = o
+            .get("default")
+            .and_then(|d| self.profile(&o.p("default"), d));
+        let mut engines = Vec::new();
+        match o.get("engines") {
+            None => {}
+            Some(Value::Object(m)) => {
+                for (iid, p) in m {
+                    if iid.starts_with('_') {
+                        continue;
+                    }
+                    if let Some(p) = self.profile(&format!("{}.{iid}", o.p("engines")), p) {
+                        engines.push((iid.clone(), p));
+                    }
+                }
+            }
+            Some(other) => self.ty(o.p("engines"), other, "an object of iid → profile"),
+        }
+        (default, engines)
+    }
+
+    /// One profile object at `path` (controller-notes 3.4).
+    fn profile(&mut self, path: &str, v: &Value) -> Option<Profile> {
+        const KEYS: &[&str] = &[
+            "ttft_a",
+            "ttft_b",
+            "ttft_c",
+            "prefill_min_tokens",
+            "ttft_split",
+            "tpot_slope",
+            "tpot_request_slope",
+            "tpot_intercept",
+            "decode_min_requests",
+            "decode_max_requests",
+            "decode_min_kv_tokens",
+            "decode_max_kv_tokens",
+            "kv_capacity_tokens",
+        ];
+        let o = self.obj(path, Some(v), KEYS);
+        o.map?;
+        let before = self.issues.len();
+        for k in [
+            "ttft_a",
+            "ttft_b",
+            "ttft_c",
+            "tpot_slope",
+            "tpot_intercept",
+            "decode_max_requests",
+            "decode_max_kv_tokens",
+        ] {
+            if o.get(k).is_none() {
+                self.issues.push(ConfigIssue::Missing { path: o.p(k) });
+            }
+        }
+        let p = Profile {
+            ttft_a: self.num(&o, "ttft_a", 0.0, non_negative),
+            ttft_b: self.num(&o, "ttft_b", 0.0, non_negative),
+            ttft_c: self.num(&o, "ttft_c", 0.0, |x| {
+                (!x.is_finite()).then_some("must be a finite number")
+            }),
+            prefill_min_tokens: self.int(&o, "prefill_min_tokens", 0, 0, u64::MAX),
+            ttft_split: self.num(&o, "ttft_split", 0.0, non_negative),
+            tpot_slope: self.num(&o, "tpot_slope", 0.0, non_negative),
+            tpot_request_slope: self.num(&o, "tpot_request_slope", 0.0, non_negative),
+            tpot_intercept: self.num(&o, "tpot_intercept", 0.0, non_negative),
+            decode_min_requests: self.int(&o, "decode_min_requests", 1, 1, u64::MAX),
+            decode_max_requests: self.int(&o, "decode_max_requests", 1, 1, u64::MAX),
+            decode_min_kv_tokens: self.int(&o, "decode_min_kv_tokens", 0, 0, u64::MAX),
+            decode_max_kv_tokens: self.int(&o, "decode_max_kv_tokens", 1, 1, u64::MAX),
+            kv_capacity_tokens: o
+                .get("kv_capacity_tokens")
+                .map(|_| self.int(&o, "kv_capacity_tokens", 1, 1, u64::MAX)),
+        };
+        if p.decode_max_requests < p.decode_min_requests {
+            self.rule(
+                o.p("decode_max_requests"),
+                &Value::from(p.decode_max_requests),
+                format!("must be ≥ decode_min_requests ({})", p.decode_min_requests),
+            );
+        }
+        if p.decode_max_kv_tokens < p.decode_min_kv_tokens {
+            self.rule(
+                o.p("decode_max_kv_tokens"),
+                &Value::from(p.decode_max_kv_tokens),
+                format!(
+                    "must be ≥ decode_min_kv_tokens ({})",
+                    p.decode_min_kv_tokens
+                ),
+            );
+        }
+        (self.issues.len() == before).then_some(p)
     }
 
     fn hardware(&mut self, v: Option<&Value>) {

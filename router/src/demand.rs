@@ -1,13 +1,20 @@
-//! Demand risk: the newest consolidation-risk event the handoff carries as `demand_risk`
-//! (reference-notes 9; controller-notes section 8), with per-kind counts.
+//! Demand: the arrival windows and the demand model the role controller prices
+//! (`window`, `model`; controller-notes 3.2–4.1), and the newest consolidation-risk event the
+//! handoff carries as `demand_risk` (reference-notes 9; controller-notes section 8), with
+//! per-kind counts.
 //!
 //! ```text
 //!  serve: a decode leg missed its first-token deadline ──record("first_token_timeout", now)──►
+//!  controller: a move to decode ──record("p_to_d_recovery", now)──►
 //!  handoff snapshot ◄──snapshot(now)── Demand ◄──restore_once(doc, gap)── handoff apply
+//!  controller evidence gate ◄──risk()── Demand
 //! ```
 //!
 //! [`Demand`] is pure (the monotonic `now` is passed in); [`DemandRisk`] is the router's shared
 //! handle to it.
+
+pub(crate) mod model;
+pub(crate) mod window;
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
@@ -25,6 +32,9 @@ pub(crate) struct Demand {
     /// document twice (`--resume` at startup, then again when a delayed claim succeeds) does
     /// not add its counts twice.
     applied: Option<(String, u64)>,
+    /// The last carried risk this router re-anchored: its kind, the age it was given here
+    /// (seconds) and when.
+    restored: Option<(String, f64, Instant)>,
     /// Counts per kind carried by the newest document applied (replaced, never summed, by a
     /// later one: each document already holds what its writer carried); `events` holds only
     /// the events this process recorded itself.
@@ -33,8 +43,8 @@ pub(crate) struct Demand {
 
 impl Demand {
     /// Records an event of `kind` at `now`: `first_token_timeout` (a decode leg missed its
-    /// first-token deadline) or `p_to_d_recovery` (a prefill→decode role move; this router
-    /// never moves roles, so only a restored handoff carries that kind).
+    /// first-token deadline) or `p_to_d_recovery` (a prefill→decode role move: a reactive
+    /// move to decode or a decode-floor restoration).
     pub(crate) fn record(&mut self, kind: &str, now: Instant) {
         if self.since.is_none_or(|s| now >= s) {
             self.since = Some(now);
@@ -61,6 +71,32 @@ impl Demand {
         }
         self.applied = Some(id);
         self.restore(risk, gap_s, now);
+    }
+
+    /// The newest event: its kind and monotonic time (`None` before any event).
+    pub(crate) fn risk(&self) -> Option<(&str, Instant)> {
+        self.since.map(|s| (self.kind.as_str(), s))
+    }
+
+    /// The last carried risk re-anchored here (`--resume`, a standby's takeover): its kind,
+    /// the age it was given on this router's clock (seconds), and when it was applied.
+    pub(crate) fn restored(&self) -> Option<(&str, f64, Instant)> {
+        self.restored
+            .as_ref()
+            .map(|(k, a, at)| (k.as_str(), *a, *at))
+    }
+
+    /// Events seen per kind, this process's and the newest applied document's (both kinds
+    /// present, 0 until seen).
+    pub(crate) fn events(&self) -> BTreeMap<String, u64> {
+        let mut e: BTreeMap<String, u64> = ["first_token_timeout", "p_to_d_recovery"]
+            .iter()
+            .map(|k| ((*k).to_string(), 0))
+            .collect();
+        for (k, n) in self.counts() {
+            *e.entry(k).or_default() += n;
+        }
+        e
     }
 
     /// Counts per kind: this process's own events plus those of the newest applied document.
@@ -102,6 +138,7 @@ impl Demand {
             .ok()
             .and_then(|a| now.checked_sub(a))
             .unwrap_or(now);
+        self.restored = Some((risk.kind.clone(), age, now));
         if self.since.is_none_or(|s| since >= s) {
             self.since = Some(since);
             self.kind = risk.kind.clone();

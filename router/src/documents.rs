@@ -215,9 +215,7 @@ pub(crate) fn state(parts: &Parts) -> Value {
         "invalid_requests": tally.invalid_requests,
         "rejected": tally.rejected,
         "refused": tally.refused,
-        "controller": "reactive",
         "token_accounting": "token_ids",
-        "monitoring": {"degraded": false, "reason": null, "core_consecutive": 0, "core_failures": 0},
         "ha": {
             "ready": ready,
             "standby": ha.phase.standby(),
@@ -233,8 +231,7 @@ pub(crate) fn state(parts: &Parts) -> Value {
             "queued": adm.queued,
             "queue_capacity": cfg.serving.queue_capacity,
             "queue_high_water": adm.queue_high_water,
-            "waiting_prefill": 0,
-            "waiting_decode": 0,
+            "waiting_prefill": parts.controller.waiting_prefill().unwrap_or(adm.queued),
             "limit": adm.limit,
             "loop_lag_s": 0.0,
             "sizing_delay_s": 0.0,
@@ -242,7 +239,7 @@ pub(crate) fn state(parts: &Parts) -> Value {
             "rejected": tally.rejected,
             "refused": tally.refused,
             "engine_auth": if cfg.engine.engine_api_key.is_some() { "bearer" } else { "boundary" },
-            "mode": "open",
+            "mode": cfg.serving.admission.as_str(),
             "margin": cfg.serving.admission_margin,
         },
         "outcome_reasons": tally.reasons_json(),
@@ -288,6 +285,10 @@ pub(crate) fn state(parts: &Parts) -> Value {
     // The health gate and the ejection bound (issue 9 section 4, issue 10 section 2).
     doc["awaiting_health"] = fleet["awaiting_health"].clone();
     doc["degraded"] = fleet["degraded"].clone();
+    // The role controller's fields (controller-notes 13), live, or absent when it is off.
+    if let Some(m) = doc.as_object_mut() {
+        m.extend(parts.controller.state());
+    }
     doc
 }
 
@@ -384,7 +385,9 @@ pub(crate) fn metrics(parts: &Parts) -> String {
             .get_or_create(&labels(&[("role", "decode")]))
             .set(pool[1]);
     });
-    m.render()
+    let mut text = m.render();
+    text.push_str(&parts.controller.metrics(parts.accounting.unserved()));
+    text
 }
 
 /// Refreshes the operator gauges ([`crate::metrics::OpsMetrics`]): control, the lease view and
@@ -526,6 +529,72 @@ mod tests {
         assert!(
             m.contains("narwhal_engine_ejections_total{iid=\"d0\",cause=\"health_probe\"} 1"),
             "{m}"
+        );
+    }
+
+    /// Issue 12: every controller field is live or absent, never a constant that looks live.
+    #[test]
+    fn controller_fields_are_live_or_absent() {
+        let off = state(&parts());
+        assert_eq!(
+            off["controller"], "off",
+            "no profiles: the controller is off"
+        );
+        for k in ["control", "monitoring", "demand_evidence", "flips", "load"] {
+            assert!(
+                off.get(k).is_none(),
+                "{k} is absent with the controller off"
+            );
+        }
+        assert!(
+            off["admission"].get("waiting_decode").is_none(),
+            "no decode queue exists"
+        );
+        assert_eq!(off["admission"]["waiting_prefill"], 0);
+        assert_eq!(off["admission"]["mode"], "open");
+        let clock = Arc::new(ManualClock::new(SystemClock.now(), 1000.0));
+        let p = crate::parts::for_test(
+            json!({
+                "schema": "narwhal.fleet", "schema_version": 2, "model": "m", "backend": "vllm",
+                "engines": [{"iid": "p0", "url": "http://127.0.0.1:1", "role": "prefill"},
+                            {"iid": "d0", "url": "http://127.0.0.1:2"}],
+                "slo": {"ttft_s": 1.0, "tpot_s": 0.1},
+                "serving": {"admission": "predictive"},
+                "profiles": {"default": {"ttft_a": 0, "ttft_b": 0.001, "ttft_c": 0.01,
+                    "tpot_slope": 1e-6, "tpot_intercept": 0.01, "decode_max_requests": 64,
+                    "decode_max_kv_tokens": 200000}}
+            }),
+            clock,
+            "test",
+        );
+        let on = state(&p);
+        assert_eq!(on["controller"], "reactive");
+        assert_eq!(
+            on["control"]["last_decision"],
+            Value::Null,
+            "null until the first decision"
+        );
+        assert_eq!(
+            on["control"]["flips"]["reactive:prefill"], 0,
+            "the seeded series"
+        );
+        assert_eq!(on["monitoring"]["stages"]["controller"]["failures"], 0);
+        assert_eq!(on["demand_evidence"]["blocked_gate"], "evidence");
+        assert_eq!(on["admission"]["mode"], "predictive");
+        assert_eq!(on["decode_floor"]["live_decode"], 1);
+        let m = metrics(&p);
+        for want in [
+            "narwhal_admission_info{mode=\"predictive\"} 1",
+            "narwhal_unserved_total 0",
+            "narwhal_flips_total{to=\"prefill\",by=\"reactive\"} 0",
+            "narwhal_demand_evidence_refused{gate=\"evidence\"} 1",
+            "# TYPE narwhal_controller_last_decision gauge",
+        ] {
+            assert!(m.contains(want), "missing {want}");
+        }
+        assert!(
+            !m.contains("narwhal_controller_last_decision{"),
+            "no decision yet"
         );
     }
 

@@ -14,11 +14,12 @@ use bytes::Bytes;
 use http::{Response, StatusCode};
 use serde_json::{Value, json};
 
+use crate::admission::Refusal;
 use crate::ingress::IngressError;
 use crate::outcome::{Settlement, Terminal};
 use crate::placement::Phase;
 use crate::relay::{StreamFailure, error_frame};
-use crate::response::{Body, json_response, with_retry_after};
+use crate::response::{Body, json_response, with_retry_after, with_retry_after_s};
 use crate::upstream::LegError;
 
 /// Where a request ran out of time (each says so in the journal; the client sees 504
@@ -71,6 +72,9 @@ pub(crate) enum RequestFailure {
     NotInControl,
     /// No schedulable engine for an attempt: 503 `no_schedulable_engines`.
     NoEngine,
+    /// Predictive admission refused the request (controller-notes 10.6): 429
+    /// `server_overloaded_error`, `Retry-After` per cause, counted `refused/<cause>`.
+    Refused(Refusal),
     /// The last attempt's leg failed before output (after any retries): the engine's 4xx for
     /// a client fault, else 502 (504 for a timeout) typed with the leg's phase.
     Leg {
@@ -211,6 +215,13 @@ impl RequestFailure {
                 "no schedulable engine for this attempt",
                 "no_schedulable_engines",
             ),
+            RequestFailure::Refused(r) => Settlement::new(
+                Terminal::Refused,
+                r.cause,
+                status,
+                format!("refused: {}", r.cause),
+                "server_overloaded_error",
+            ),
             RequestFailure::Leg { phase, err } => match err.client_fault() {
                 Some(_) => Settlement::new(
                     Terminal::Failed,
@@ -265,7 +276,9 @@ impl RequestFailure {
     /// The HTTP status: the one answered before output, 200 once output started.
     pub(crate) fn status(&self) -> StatusCode {
         match self {
-            RequestFailure::InflightLimit => StatusCode::TOO_MANY_REQUESTS,
+            RequestFailure::InflightLimit | RequestFailure::Refused(_) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             RequestFailure::NotReady { .. }
             | RequestFailure::NotInControl
             | RequestFailure::NoEngine => StatusCode::SERVICE_UNAVAILABLE,
@@ -320,6 +333,7 @@ impl RequestFailure {
             RequestFailure::NoEngine => {
                 coded_body("Engine capacity is unavailable", "no_schedulable_engines")
             }
+            RequestFailure::Refused(r) => error_body(&r.message, "server_overloaded_error"),
             RequestFailure::Leg { err, .. } if busy(err).is_some() => coded_body(
                 "Every engine able to serve this request is busy; retry after the Retry-After delay",
                 "server_overloaded_error",
@@ -349,26 +363,29 @@ impl RequestFailure {
         }
     }
 
-    /// Whether the answer carries `Retry-After: 1` (overload and readiness refusals, and an
-    /// engine's busy answer after the retries).
-    pub(crate) fn retry_after(&self) -> bool {
-        matches!(
-            self,
+    /// The `Retry-After` seconds, if the answer carries one (overload and readiness refusals,
+    /// a shutdown before output and an engine's busy answer after the retries: 1 s; a
+    /// predictive refusal: its own, none for `prompt`).
+    pub(crate) fn retry_after_s(&self) -> Option<u64> {
+        match self {
             RequestFailure::InflightLimit
-                | RequestFailure::NotReady { .. }
-                | RequestFailure::NotInControl
-                | RequestFailure::NoEngine
-                | RequestFailure::ShutDown { streaming: false }
-        ) || matches!(self, RequestFailure::Leg { err, .. } if busy(err).is_some())
+            | RequestFailure::NotReady { .. }
+            | RequestFailure::NotInControl
+            | RequestFailure::NoEngine
+            | RequestFailure::ShutDown { streaming: false } => Some(1),
+            RequestFailure::Leg { err, .. } if busy(err).is_some() => Some(1),
+            RequestFailure::Refused(r) => r.retry_after,
+            _ => None,
+        }
     }
 
     /// The full answer before output, with `x-request-id: rid`.
     pub(crate) fn response(&self, rid: &str) -> Response<Body> {
         let r = json_response(self.status(), &self.body(), rid);
-        if self.retry_after() {
-            with_retry_after(r)
-        } else {
-            r
+        match self.retry_after_s() {
+            Some(1) => with_retry_after(r),
+            Some(n) => with_retry_after_s(r, n),
+            None => r,
         }
     }
 
@@ -599,6 +616,7 @@ mod tests {
             ),
         ];
         for (f, status, ty, retry_after, terminal, reason) in cases {
+            assert_eq!(f.retry_after_s().is_some(), retry_after, "{f:?}");
             let r = f.response("rid-1");
             assert_eq!(r.status().as_u16(), status, "{f:?}");
             assert_eq!(f.body()["error"]["type"], ty, "{f:?}");
@@ -725,5 +743,44 @@ mod tests {
         assert_eq!(f.settlement().terminal, Terminal::Cancelled);
         assert_eq!(f.status(), StatusCode::BAD_REQUEST);
         assert_eq!(f.body()["error"]["message"], "request body read failed");
+    }
+
+    /// A predictive refusal (controller-notes 10.6): 429 `server_overloaded_error` without
+    /// `code`, its own `Retry-After`, counted `refused/<cause>`.
+    #[test]
+    fn a_predictive_refusal_answers_429_with_its_retry_after() {
+        use crate::admission::{Price, judge};
+        let price = Price {
+            attempt: 1,
+            backlog_s: 3.03,
+            own_prefill_s: 0.11,
+            elapsed_s: 0.0,
+            handoff_s: 0.0,
+            price_s: 3.03 + 0.11,
+        };
+        let f = RequestFailure::Refused(judge(&price, 2.0, 0.11, false).expect("refused"));
+        let r = f.response("rid-1");
+        assert_eq!(r.status().as_u16(), 429);
+        assert_eq!(r.headers()[http::header::RETRY_AFTER], "2");
+        assert_eq!(f.body()["error"]["type"], "server_overloaded_error");
+        assert!(f.body()["error"].get("code").is_none());
+        let s = f.settlement();
+        assert_eq!(
+            (s.terminal, s.reason.as_str()),
+            (Terminal::Refused, "queue")
+        );
+        assert_eq!(s.error.as_deref(), Some("refused: queue"));
+        let own = Price {
+            backlog_s: 0.0,
+            own_prefill_s: 3.01,
+            price_s: 3.01,
+            ..price
+        };
+        let f = RequestFailure::Refused(judge(&own, 2.0, 3.01, false).expect("refused"));
+        assert!(
+            !f.response("rid-2")
+                .headers()
+                .contains_key(http::header::RETRY_AFTER)
+        );
     }
 }

@@ -52,6 +52,9 @@ pub(crate) struct FleetState {
     /// When the latest reading that confirmed the engine's facts (for a failed decode's
     /// blame) started.
     confirmed: Vec<Option<Instant>>,
+    /// Engines new placements avoid while another of their role is available (a donor held
+    /// for an engine-side role switch; controller-notes 9.2).
+    avoided: BTreeSet<usize>,
 }
 
 impl FleetState {
@@ -80,6 +83,8 @@ pub(crate) struct Fleet {
     resident_changed: Notify,
     settled: Notify,
     blame: Vec<tokio::sync::Mutex<()>>,
+    /// Wakes the role controller when an exclusion changed (its prefill-floor edges).
+    availability: Notify,
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
     journal: Journal,
@@ -128,12 +133,14 @@ impl Fleet {
                 engine_ids: vec![BTreeSet::new(); n],
                 identity_requested: vec![false; n],
                 confirmed: vec![None; n],
+                avoided: BTreeSet::new(),
             }),
             live: AtomicUsize::new(0),
             held: AtomicBool::new(false),
             resident_changed: Notify::new(),
             settled: Notify::new(),
             blame: (0..n).map(|_| tokio::sync::Mutex::new(())).collect(),
+            availability: Notify::new(),
             clock,
             metrics,
             journal,
@@ -169,7 +176,38 @@ impl Fleet {
     /// `avoid`; `None` when no engine can serve.
     pub(crate) fn place(&self, avoid: &BTreeSet<usize>, aggregate: Aggregate) -> Option<Plan> {
         let state = self.lock();
-        placement::plan_with(&state.slots, avoid, aggregate, &mut rand::rng())
+        if state.avoided.is_empty() {
+            return placement::plan_with(&state.slots, avoid, aggregate, &mut rand::rng());
+        }
+        let avoid: BTreeSet<usize> = avoid.union(&state.avoided).copied().collect();
+        placement::plan_with(&state.slots, &avoid, aggregate, &mut rand::rng())
+    }
+
+    /// Gives engine `iid` router role `role` (a role flip; the role controller decides).
+    /// Residents stay where they are; new placements follow the new role.
+    pub(crate) fn set_role(&self, iid: usize, role: Role) {
+        let mut state = self.lock();
+        if state.slots[iid].role != role {
+            state.slots[iid].role = role;
+            self.dirty.notify_one();
+        }
+    }
+
+    /// Takes engine `iid` out of placement while its role changes (`switching`), or returns
+    /// it.
+    pub(crate) fn set_switching(&self, iid: usize, switching: bool) {
+        let mut state = self.lock();
+        if switching {
+            state.slots[iid].excluded.insert(Exclusion::Switching);
+        } else {
+            state.slots[iid].excluded.remove(&Exclusion::Switching);
+        }
+        self.recount(&state);
+    }
+
+    /// The engines new placements avoid while others of their role are available.
+    pub(crate) fn set_avoided(&self, avoided: BTreeSet<usize>) {
+        self.lock().avoided = avoided;
     }
 
     /// Counts a request resident on `iid` in `phase` until the guard drops.
@@ -451,7 +489,14 @@ impl Fleet {
 
     fn recount(&self, state: &FleetState) {
         let live = state.slots.iter().filter(|s| s.is_live()).count();
-        self.live.store(live, Ordering::Release);
+        if self.live.swap(live, Ordering::AcqRel) != live {
+            self.availability.notify_one();
+        }
+    }
+
+    /// Resolves after the live engine count changed (the role controller's floor edges).
+    pub(crate) async fn availability_changed(&self) {
+        self.availability.notified().await;
     }
 
     /// Applies breaker transitions: exclusion set, metrics, journal events, logs; a change of

@@ -38,8 +38,9 @@ pub fn run_id(wall_s: f64) -> String {
     format!("{}-{}", wall_s as u64, &hex[..8])
 }
 
-/// The header row (DESIGN.md 9.8: it carries the run id, unlike the reference).
-pub fn header(run: &str) -> Value {
+/// The header row (DESIGN.md 9.8: it carries the run id, unlike the reference) with the
+/// admission in force (`serving.admission`, `serving.admission_margin`).
+pub fn header(run: &str, admission: &str, margin: f64) -> Value {
     let git = env!("NARWHAL_GIT_DESCRIBE");
     json!({"meta": {
         "schema": SCHEMA,
@@ -49,7 +50,7 @@ pub fn header(run: &str) -> Value {
         "version": env!("CARGO_PKG_VERSION"),
         "git": if git.is_empty() { Value::Null } else { Value::String(git.to_string()) },
         "token_accounting": "token_ids",
-        "admission": {"mode": "open", "margin": 0.0},
+        "admission": {"mode": admission, "margin": margin},
     }})
 }
 
@@ -70,6 +71,7 @@ impl Journal {
     pub fn open(
         path: &Path,
         run: &str,
+        admission: (&str, f64),
     ) -> Result<(Journal, tokio::task::JoinHandle<()>), JournalError> {
         let err = |source| JournalError {
             path: path.to_path_buf(),
@@ -84,7 +86,7 @@ impl Journal {
             .open(path)
             .map_err(err)?;
         let mut w = std::io::BufWriter::new(file);
-        writeln!(w, "{}", header(run)).map_err(err)?;
+        writeln!(w, "{}", header(run, admission.0, admission.1)).map_err(err)?;
         w.flush().map_err(err)?;
         let (tx, mut rx) = mpsc::channel::<Value>(JOURNAL_CAPACITY);
         let task = tokio::task::spawn_blocking(move || {
@@ -167,7 +169,7 @@ mod tests {
     async fn header_then_rows_with_run() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("sub/journal.jsonl");
-        let (mut j, task) = Journal::open(&path, "1-abcdef01").unwrap();
+        let (mut j, task) = Journal::open(&path, "1-abcdef01", ("open", 0.0)).unwrap();
         j.emit(json!({"rid": "r1", "terminal": "completed"}));
         j.close();
         task.await.unwrap();

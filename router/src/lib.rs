@@ -10,6 +10,8 @@
 //!                                   ├─► metrics  ├─► journal  └─► /narwhal/state, handoff
 //!  monitor task ──► health gate, liveness, readmission probes (GET health_path, process facts)
 //!                 ──► readmission: agent validation (lifecycle) or a generation probe
+//!  controller task ◄── Track (request-path bookkeeping) ──► role flips (Fleet), role checks
+//!                                                           and holds (lifecycle)
 //! ```
 //!
 //! # Design note: module map, ownership, events, locks
@@ -20,12 +22,13 @@
 //!
 //! | layer | modules | what they are |
 //! |---|---|---|
-//! | 0 pure cores | `config` (and `config::schema`, the accepted keys read from its validator), `placement`, `breaker`, `facts`, `relay`, `rawjson`, `ingress`, `outcome`, `retry`, `demand`, `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO (`facts`: an engine process's facts and when two readings name different processes; `relay`: SSE parsing, token evidence, usage, whole-answer and batch merging; `rawjson`: the byte-level JSON scanner the relay finds its few members with) |
+//! | 0 pure cores | `config` (and `config::schema`, the accepted keys read from its validator), `profile`, `placement`, `breaker`, `facts`, `relay`, `rawjson`, `ingress`, `outcome`, `retry`, `demand` (risk, windows, model), `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO (`facts`: an engine process's facts and when two readings name different processes; `relay`: SSE parsing, token evidence, usage, whole-answer and batch merging; `rawjson`: the byte-level JSON scanner the relay finds its few members with) |
 //! | 0 leaves | `journal`, `metrics`, `response` | the journal writer, Prometheus families, JSON responses |
 //! | 1 engine client | `upstream`, `failure` | legs to engines and how they fail; `RequestFailure`, the one map to status, body and settlement |
 //! | 1 parts | `fleet`, `accounting`, `admission`, `phase` | own their data behind narrow handles (below) |
 //! | 2 | `readiness`, `bootstrap` | the readiness gate over `phase` + `fleet`; what is read from an engine's own routes: SGLang bootstrap ports, process facts, whose fault a failed rendezvous is (`fleet` + `upstream`) |
 //! | 3 | `lifecycle` (`request`, `agents`, `checks`, `identity`, `executor`, `driver`) | drains, waves, readmission through the agents |
+//! | 3 | `controller` (pure: `book`, `stage`, `scoring`, `evidence`, `roles`, `policy`, `machine`, `decision`; `driver`, `intake`, `report`) | the demand-driven role controller and predictive admission's request-path side; over `fleet`, `lifecycle`, `demand`, `admission` |
 //! | 4 | `parts` | `Parts`, a bundle of handles to every part, built once; owns nothing itself |
 //! | 5 | `serve`, `documents`, `handoff`, `monitor` | the request pipeline; `/ready`, `/health`, `/narwhal/state`, `/metrics`; the handoff; breaker probes and the startup health wait |
 //! | 6 | `ha` (`primary`, `standby`), `http` | the lease loop and the warm standby; the listeners and routes |
@@ -59,10 +62,19 @@
 //!   Shutdown is not an HA phase: the router keeps its lease and control until the last
 //!   request ended, and the lease loop keeps publishing its phase meanwhile.
 //! - `DemandRisk`: the newest consolidation-risk event (handoff `demand_risk`).
+//! - `Controller`: the controller machine (bookkeeping, demand windows, role changes,
+//!   decisions) behind one mutex taken only inside `controller/`; the request path feeds it
+//!   through `Track` (one short lock per event), its driver task runs a pass every
+//!   `monitor_interval_s` (or at once when the urgency latch or an availability change wakes
+//!   it) and applies the machine's commands: `Fleet::set_role`, `Fleet::set_switching`,
+//!   `Fleet::set_avoided`, `LifecycleDriver::role_check`, `DemandRisk::record`, the journal.
+//!   It never holds its lock across a call into the fleet or the lifecycle. A standby,
+//!   fenced or lifecycle-held router decides nothing (`Machine::interrupt`).
 //!
 //! **Events, not imports.** Lower layers tell upper ones what happened through channels:
-//! the fleet notifies `resident_changed` (the lifecycle's timer re-evaluates drains) and
-//! `dirty` (the state-file writer persists); the lease driver reports a lost renewal to
+//! the fleet notifies `resident_changed` (the lifecycle's timer re-evaluates drains),
+//! `availability_changed` (the controller's floor edges) and `dirty` (the state-file writer
+//! persists); the lease driver reports a lost renewal to
 //! `ha::primary`, whose `Renewal::lost` tells the `ha` supervisor to run the standby; the
 //! lifecycle machine emits typed `LifecycleEvent`s that its executor journals (only while
 //! the router controls the fleet); the HA phase is published on its watch channel; the
@@ -81,8 +93,8 @@
 //! watch read.
 //!
 //! **Where later work lands.** Breaker and ejection policy: `breaker` (pure) and
-//! `Fleet::apply`. A role controller: a new part beside `fleet`, fed by `accounting`/`serve`
-//! bookkeeping, changing roles through `Fleet` and holds through the lifecycle. Epoch-bound
+//! `Fleet::apply`. The role controller is `controller` (above); predictive admission's pure
+//! price is in `admission`, its waiting and placement hooks in `controller::intake`. Epoch-bound
 //! work: take `Ha::scope()` when it starts (its agent calls carry `EpochScope::fence()`),
 //! check `Ha::live` before each effect and stop on `EpochScope::ended()`; a part that decides
 //! for the fleet (a role controller) watches `Ha::subscribe()` and decides nothing unless the
@@ -99,6 +111,7 @@ mod bootstrap;
 pub mod breaker;
 mod cli;
 pub mod config;
+mod controller;
 mod demand;
 mod documents;
 mod facts;
@@ -119,6 +132,7 @@ pub mod outcome;
 mod parts;
 mod phase;
 pub mod placement;
+mod profile;
 mod rawjson;
 mod readiness;
 pub mod relay;

@@ -515,28 +515,8 @@ impl Metrics {
             slo_label_tpot,
             ops,
         };
-        let info: Family<Labels, Gauge> = reg!(
-            "narwhal_admission_info",
-            "Admission mode in force (1 = this mode)",
-            Family::default()
-        );
-        info.get_or_create(&labels(&[("mode", "open")])).set(1);
-        let _margin: Gauge<f64, AtomicU64> = reg!(
-            "narwhal_admission_margin",
-            "Predictive admission margin (unused in open mode)",
-            Gauge::default()
-        );
-        let _degraded: Gauge = reg!(
-            "narwhal_monitoring_degraded",
-            "1 while monitoring is degraded (never in this version)",
-            Gauge::default()
-        );
-        // Placement is not priced yet, so nothing is ever unserved; exported for the contract.
-        let _unserved: Counter = reg!(
-            "narwhal_unserved",
-            "Phase placements over the SLO budget",
-            Counter::default()
-        );
+        // The admission, monitoring and controller families are rendered live by
+        // `controller::report` (controller-notes 12).
         let slo: Family<Labels, Gauge<f64, AtomicU64>> = reg!(
             "narwhal_slo_seconds",
             "Configured service-level latency budget in seconds",
@@ -772,7 +752,6 @@ mod tests {
             "narwhal_expired_total{reason=\"handoff\"} 0",
             "narwhal_cancelled_total 0",
             "narwhal_invalid_requests_total 0",
-            "narwhal_unserved_total 0",
             "narwhal_offered_total 0",
             "# TYPE narwhal_ttft_seconds histogram",
             "# TYPE narwhal_served_total counter",

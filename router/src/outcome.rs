@@ -164,6 +164,12 @@ pub struct RequestRecord {
     pub output_started: bool,
     /// Failures of earlier attempts (`{attempt, phase, iid, reason, error, prompt}`).
     pub attempt_failures: Vec<Value>,
+    /// The latest TTFT price (controller-notes 11.2 `admission_price`), null when never
+    /// priced.
+    pub admission_price: Option<Value>,
+    /// Seconds waited for an admission seat, once the request reached the seat (0.0 for an
+    /// immediate one; controller-notes 11.2 `queue_waits.admission`).
+    pub admission_wait_s: Option<f64>,
     /// Every leg dispatched, in order: `{attempt, leg, iid, request_id, prompt}` — the
     /// `x-request-id` (a UUID4) the engine saw for it, and the prompt's index in a batch
     /// (`null` otherwise).
@@ -173,7 +179,7 @@ pub struct RequestRecord {
 impl RequestRecord {
     /// The journal row (without `schema`, `schema_version`, `run`, which the journal adds).
     pub fn row(&self, s: &Settlement) -> Value {
-        json!({
+        let mut row = json!({
             "rid": self.rid,
             "arrived": self.arrived,
             "input_len": self.input_len,
@@ -193,7 +199,16 @@ impl RequestRecord {
             "terminal": s.terminal.as_str(),
             "stream": self.stream,
             "endpoint": self.endpoint,
-        })
+            "admission_price": self.admission_price,
+            "input_sized": self.input_len.is_some(),
+            "queue_wait_s": self.admission_wait_s,
+            "queue_waits": {"admission": self.admission_wait_s, "prefill": null, "decode": null},
+        });
+        if s.terminal == Terminal::Refused {
+            row["refused"] = json!(true);
+            row["refused_cause"] = json!(s.reason);
+        }
+        row
     }
 }
 

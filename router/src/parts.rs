@@ -10,6 +10,7 @@ use tokio::sync::Notify;
 use crate::accounting::Accounting;
 use crate::admission::Admission;
 use crate::config::Config;
+use crate::controller::{self, Controller};
 use crate::demand::DemandRisk;
 use crate::fleet::Fleet;
 use crate::journal::Journal;
@@ -47,6 +48,8 @@ pub(crate) struct Parts {
     pub(crate) lifecycle: Arc<LifecycleDriver>,
     /// The newest consolidation-risk event.
     pub(crate) demand: Arc<DemandRisk>,
+    /// The role controller and predictive admission.
+    pub(crate) controller: Arc<Controller>,
     /// Wakes the state-file writer after a lifecycle or ejection change.
     pub(crate) dirty: Arc<Notify>,
 }
@@ -96,6 +99,18 @@ impl Parts {
             journal.clone(),
         ));
         let admission = Arc::new(Admission::new(&cfg, max_concurrent.max(1), &metrics));
+        let demand = Arc::new(DemandRisk::default());
+        let controller = Arc::new(Controller::new(controller::Handles {
+            cfg: cfg.clone(),
+            clock: clock.clone(),
+            fleet: fleet.clone(),
+            lifecycle: lifecycle.clone(),
+            ha: ha.clone(),
+            gate: gate.clone(),
+            upstream: upstream.clone(),
+            journal: journal.clone(),
+            demand: demand.clone(),
+        }));
         Arc::new(Parts {
             cfg,
             clock,
@@ -108,7 +123,8 @@ impl Parts {
             ha,
             gate,
             lifecycle,
-            demand: Arc::new(DemandRisk::default()),
+            demand,
+            controller,
             dirty,
         })
     }

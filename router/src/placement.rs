@@ -25,6 +25,9 @@ pub enum Exclusion {
     Ejected,
     /// A lifecycle hold (drain, wave, validation) keeps it out (`Fleet::set_held`).
     Draining,
+    /// Its role is changing: an engine-side switch or the role check runs
+    /// (controller-notes 9.2 `switching`).
+    Switching,
     /// Its health path has not answered 200 since the router started watching it (the
     /// health gate, issue 9 section 4).
     AwaitingHealth,
@@ -36,6 +39,7 @@ impl Exclusion {
         match self {
             Exclusion::Ejected => "ejected",
             Exclusion::Draining => "draining",
+            Exclusion::Switching => "switching",
             Exclusion::AwaitingHealth => "awaiting_health",
         }
     }

@@ -31,3 +31,10 @@ pub(crate) fn with_retry_after(mut r: Response<Body>) -> Response<Body> {
         .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
     r
 }
+
+/// Adds `Retry-After: n` (a predictive refusal: the seconds until the priced queue drains).
+pub(crate) fn with_retry_after_s(mut r: Response<Body>, n: u64) -> Response<Body> {
+    r.headers_mut()
+        .insert(http::header::RETRY_AFTER, HeaderValue::from(n));
+    r
+}

@@ -44,6 +44,7 @@ use tracing::Instrument;
 use crate::bootstrap;
 use crate::breaker::Observation;
 use crate::config::{Backend, secs};
+use crate::controller::Track;
 use crate::failure::{Expiry, RequestFailure};
 use crate::fleet::Resident;
 use crate::ingress::{self, Endpoint, IngressError, Validated};
@@ -136,6 +137,8 @@ struct Started {
     producer: Option<usize>,
     /// When the serving leg was dispatched (for `upstream_seconds.decode`).
     decode_at: Instant,
+    /// The role controller's bookkeeping of this request (token gaps).
+    track: Track,
 }
 
 impl Started {
@@ -147,6 +150,7 @@ impl Started {
         engine: usize,
         decode_ok: bool,
         at: Instant,
+        track: Track,
     ) -> Started {
         Started {
             out,
@@ -156,6 +160,7 @@ impl Started {
             decode_ok,
             producer: None,
             decode_at: at,
+            track,
         }
     }
 }
@@ -188,6 +193,8 @@ struct AttemptLog {
     decode_iid: Option<String>,
     failures: Vec<Value>,
     legs: Vec<Value>,
+    /// The latest TTFT price at placement (controller-notes 11.2 `admission_price`).
+    admission_price: Option<Value>,
 }
 
 impl AttemptLog {
@@ -201,6 +208,7 @@ impl AttemptLog {
         rec.decode_iid = self.decode_iid;
         rec.attempt_failures = self.failures;
         rec.legs = self.legs;
+        rec.admission_price = self.admission_price;
     }
 }
 
@@ -255,7 +263,11 @@ async fn completion_inner(
             ..Default::default()
         },
     );
+    let track = parts.controller.track(&rid);
     let fail = |pending: Pending, failure: RequestFailure| {
+        if matches!(failure, RequestFailure::Invalid(_)) {
+            track.invalid();
+        }
         pending.settle(failure.settlement());
         failure.response(&rid)
     };
@@ -314,35 +326,38 @@ async fn completion_inner(
         Err(e) => return fail(pending, RequestFailure::Invalid(e)),
     };
     pending.record().stream = v.stream;
-    pending.record().input_len = Some(v.input_len);
+    let input_len = parts.controller.size(&track, &v).await;
+    pending.record().input_len = Some(input_len);
 
-    // Admission seat (FIFO queue bounded by queue_timeout_s when queue_capacity > 0).
-    let permit: OwnedSemaphorePermit = if parts.cfg.serving.queue_capacity == 0 {
-        match parts.admission.seats().clone().try_acquire_owned() {
-            Ok(p) => p,
-            Err(_) => return fail(pending, RequestFailure::InflightLimit),
+    // Admission seat (FIFO queue bounded by queue_timeout_s when queue_capacity > 0; queued
+    // requests are re-priced under predictive admission: controller-notes 10.1).
+    let permit: OwnedSemaphorePermit = match parts
+        .controller
+        .seat(&parts.admission, &track, deadline)
+        .await
+    {
+        Ok((p, waited)) => {
+            pending.record().admission_wait_s = Some(waited);
+            p
         }
-    } else {
-        let queue_by = arrived + secs(parts.cfg.serving.queue_timeout_s);
-        let by = queue_by.min(deadline);
-        let waiting = parts.admission.queued();
-        let acquired =
-            tokio::time::timeout_at(by.into(), parts.admission.seats().clone().acquire_owned())
-                .await;
-        drop(waiting);
-        match acquired {
-            Ok(Ok(p)) => p,
-            _ => {
-                let deadline_first = by == deadline;
-                return fail(
-                    pending,
-                    RequestFailure::Expired(Expiry::Queue { deadline_first }),
-                );
-            }
+        Err(failure) => {
+            refused_attempt(
+                &parts,
+                &mut pending.record().attempt_failures,
+                &failure,
+                1,
+                None,
+            );
+            return fail(pending, failure);
         }
     };
 
     let subs = subs_of(&v, parts.cfg.engine.chars_per_token);
+    // The controller's bookkeeping per prompt: the request's own, or one per batch prompt.
+    let tracks: Vec<Track> = match subs.as_slice() {
+        [one] if one.k.is_none() => vec![track.clone()],
+        _ => subs.iter().map(|s| track.prompt(s.input_len)).collect(),
+    };
     let answering = Answering {
         chat: endpoint == Endpoint::Chat,
         include_usage: v.include_usage,
@@ -359,7 +374,7 @@ async fn completion_inner(
     };
     let log = Mutex::new(AttemptLog::default());
     let outcome = tokio::select! {
-        o = tokio::time::timeout_at(deadline.into(), start_all(&ctx, &subs, &log)) => Some(o),
+        o = tokio::time::timeout_at(deadline.into(), start_all(&ctx, &subs, &tracks, &log)) => Some(o),
         () = parts.gate.requests_ended() => None,
     };
     std::mem::take(&mut *AttemptLog::lock(&log)).into_record(pending.record());
@@ -382,6 +397,7 @@ async fn completion_inner(
         Ok(Ok(s)) => s,
     };
     drop(subs);
+    drop(tracks);
     let first_token_at = parts.clock.now();
     {
         let rec = pending.record();
@@ -394,7 +410,7 @@ async fn completion_inner(
         let span = tracing::Span::current();
         tokio::spawn(
             async move {
-                let _held = (retained, permit);
+                let _held = (retained, permit, track);
                 let end = stream_all(
                     &task_parts,
                     started,
@@ -507,12 +523,17 @@ async fn read_body(mut body: Incoming, limit: u64) -> Result<Bytes, ReadError> {
 async fn start_all(
     ctx: &Ctx<'_>,
     subs: &[Sub<'_>],
+    tracks: &[Track],
     log: &Mutex<AttemptLog>,
 ) -> Result<Vec<Started>, RequestFailure> {
-    if let [one] = subs {
-        return attempts(ctx, one, log).await.map(|s| vec![s]);
+    if let ([one], [track]) = (subs, tracks) {
+        return attempts(ctx, one, track, log).await.map(|s| vec![s]);
     }
-    futures_util::future::try_join_all(subs.iter().map(|s| attempts(ctx, s, log))).await
+    let each = subs
+        .iter()
+        .zip(tracks)
+        .map(|(s, t)| attempts(ctx, s, t, log));
+    futures_util::future::try_join_all(each).await
 }
 
 /// The plan an attempt runs. A request for prompt logprobs is never split (issue 9
@@ -542,6 +563,7 @@ fn shape_plan(plan: Plan, v: &Validated, backend: Backend) -> Result<Plan, Reque
 async fn attempts(
     ctx: &Ctx<'_>,
     sub: &Sub<'_>,
+    track: &Track,
     log: &Mutex<AttemptLog>,
 ) -> Result<Started, RequestFailure> {
     let parts = ctx.parts;
@@ -564,6 +586,23 @@ async fn attempts(
             return Err(RequestFailure::NoEngine);
         };
         let plan = shape_plan(plan, ctx.v, parts.cfg.backend)?;
+        // The TTFT price at placement (controller-notes 10.4): journalled, and under
+        // predictive admission a first attempt over budget is refused undispatched.
+        match parts
+            .controller
+            .admit(track, plan, n, || parts.accounting.unserved_placement())
+        {
+            Ok(price) => AttemptLog::lock(log).admission_price = price,
+            Err(refusal) => {
+                let failure = RequestFailure::Refused(refusal);
+                let mut log = AttemptLog::lock(log);
+                if let RequestFailure::Refused(r) = &failure {
+                    log.admission_price = Some(r.price.json());
+                }
+                refused_attempt(parts, &mut log.failures, &failure, n, sub.k);
+                return Err(failure);
+            }
+        }
         {
             let mut log = AttemptLog::lock(log);
             log.attempts = log.attempts.max(n);
@@ -585,13 +624,14 @@ async fn attempts(
         };
         let attempt_span = tracing::debug_span!("attempt", n);
         let producer_process = producer.map(|p| parts.fleet.incarnation(p));
-        let result = run_attempt(ctx, sub, n, plan, log)
+        let result = run_attempt(ctx, sub, track, n, plan, log)
             .instrument(attempt_span)
             .await;
         let f = match result {
             Ok(s) => return Ok(s),
             Err(f) => f,
         };
+        track.attempt_ended();
         // Breaker and accounting for the failed leg, charged to the engine that caused it.
         match f.err.class(f.phase) {
             Some(class) => charge(parts, &f, class, producer, producer_process),
@@ -721,6 +761,7 @@ fn new_leg(
 async fn run_attempt(
     ctx: &Ctx<'_>,
     sub: &Sub<'_>,
+    track: &Track,
     n: u32,
     plan: Plan,
     log: &Mutex<AttemptLog>,
@@ -746,6 +787,7 @@ async fn run_attempt(
                 engine,
                 log,
             );
+            track.dispatched(engine, Phase::Decode);
             let mut body = if whole {
                 whole_body(&sub.body)
             } else {
@@ -765,15 +807,26 @@ async fn run_attempt(
                     parts
                         .upstream
                         .whole(&engine_url, &leg, &body, ctx.deadline, limit, chat);
-                Output::Whole(answer.instrument(span).await.map_err(failed)?)
+                let answer = answer.instrument(span).await.map_err(failed)?;
+                track.first_token();
+                Output::Whole(answer)
             } else {
                 let first_by = (now + first_token_limit(parts)).min(ctx.deadline);
                 let live = parts
                     .upstream
                     .decode(&engine_url, &leg, &body, opts, first_by);
-                Output::Live(live.instrument(span).await.map_err(failed)?)
+                let live = live.instrument(span).await.map_err(failed)?;
+                track.first_token();
+                Output::Live(live)
             };
-            Ok(Started::single(out, Some(seat), engine, true, now))
+            Ok(Started::single(
+                out,
+                Some(seat),
+                engine,
+                true,
+                now,
+                track.clone(),
+            ))
         }
         Plan::Split { prefill, decode } if !sglang => {
             // Both engines count as resident from placement on: the decode engine is committed
@@ -782,6 +835,7 @@ async fn run_attempt(
             // "Draining engines"; `ready_to_stop` must not turn true under it).
             let seat_p = parts.fleet.resident(prefill, Phase::Prefill);
             let seat = parts.fleet.resident(decode, Phase::Decode);
+            track.dispatched(prefill, Phase::Prefill);
             parts.accounting.prefill_dispatched();
             let limit = (now + secs(parts.cfg.serving.prefill_timeout_s)).min(ctx.deadline);
             let t0 = parts.clock.now();
@@ -810,12 +864,14 @@ async fn run_attempt(
                     // The generation ended in the prefill (EOS or a stop string): that answer
                     // is the request's, and no decode leg runs (issue 9 section 6).
                     AttemptLog::lock(log).decode_iid = None;
+                    track.first_token();
                     return Ok(Started::single(
                         Output::Whole(answer),
                         None,
                         prefill,
                         false,
                         t0,
+                        track.clone(),
                     ));
                 }
             };
@@ -823,6 +879,7 @@ async fn run_attempt(
                 parts.fleet.note_engine_id(prefill, id);
             }
             let decode_at = parts.clock.now();
+            track.dispatched(decode, Phase::Decode);
             parts.accounting.decode_dispatched();
             let body = decode_body(&sub.body, (decode != prefill).then_some(&desc), true);
             let first_by = (parts.clock.now() + first_token_limit(parts)).min(ctx.deadline);
@@ -836,6 +893,7 @@ async fn run_attempt(
             // The decode has its first token: the KV left the producer.
             drop(seat_p);
             let live = live?;
+            track.first_token();
             Ok(Started {
                 out: Output::Live(live),
                 _seat: Some(seat),
@@ -844,6 +902,7 @@ async fn run_attempt(
                 decode_ok: true,
                 producer: Some(prefill),
                 decode_at,
+                track: track.clone(),
             })
         }
         Plan::Split { prefill, decode } => {
@@ -866,6 +925,8 @@ async fn run_attempt(
             let purl = url(prefill);
             let limit = (now + secs(parts.cfg.serving.prefill_timeout_s)).min(ctx.deadline);
             let task_parts = parts.clone();
+            track.dispatched(prefill, Phase::Prefill);
+            track.dispatched(decode, Phase::Decode);
             parts.accounting.prefill_dispatched();
             parts.accounting.decode_dispatched();
             let pspan = tracing::info_span!("prefill", engine = %parts.cfg.engines[prefill].iid);
@@ -904,7 +965,10 @@ async fn run_attempt(
                     }
                     d = &mut dfut => {
                         return match d {
-                            Ok(live) => Ok(Started { out: Output::Live(live), _seat: Some(seat_d), _prefill_task: Some(ptask), served_by: decode, decode_ok: true, producer: Some(prefill), decode_at: now }),
+                            Ok(live) => {
+                                track.first_token();
+                                Ok(Started { out: Output::Live(live), _seat: Some(seat_d), _prefill_task: Some(ptask), served_by: decode, decode_ok: true, producer: Some(prefill), decode_at: now, track: track.clone() })
+                            }
                             Err(err) => {
                                 // A failed prefill usually fails the waiting decode too, and the
                                 // two answers race: give the prefill a moment so its error (often
@@ -923,6 +987,25 @@ async fn run_attempt(
                 }
             }
         }
+    }
+}
+
+/// A predictive refusal counts one failed, undispatched attempt (controller-notes 10.7),
+/// recorded in `failures` (the journal's `attempt_failures`; `prompt`: its index in a batch).
+fn refused_attempt(
+    parts: &Parts,
+    failures: &mut Vec<Value>,
+    failure: &RequestFailure,
+    attempt: u32,
+    prompt: Option<usize>,
+) {
+    if let RequestFailure::Refused(r) = failure {
+        parts.accounting.attempt_failed(Phase::Prefill, r.cause);
+        failures.push(json!({
+            "attempt": attempt, "phase": "prefill", "iid": null, "reason": r.cause,
+            "error": r.message, "transient": false, "retry_reason": "not_dispatched",
+            "prompt": prompt,
+        }));
     }
 }
 
@@ -1079,6 +1162,8 @@ struct Served {
     decode_ok: bool,
     producer: Option<usize>,
     decode_at: Instant,
+    /// The role controller's bookkeeping of this prompt (token gaps, completion).
+    track: Track,
 }
 
 /// Splits a started answer into its output, what the relay needs to know, and the guards
@@ -1089,6 +1174,7 @@ fn split(s: Started) -> (Output, Served, Guards) {
         decode_ok: s.decode_ok,
         producer: s.producer,
         decode_at: s.decode_at,
+        track: s.track,
     };
     (s.out, served, (s._seat, s._prefill_task))
 }
@@ -1109,6 +1195,7 @@ async fn relay(
     streaming: bool,
 ) -> (Relayed, TokenClock) {
     let mut clock = TokenClock::new(first_at, live.tokens());
+    served.track.tokens(live.tokens());
     let end = 'relay: {
         let first = std::mem::take(&mut live.first);
         if !first.is_empty() && !sink.deliver(first, deadline).await {
@@ -1128,6 +1215,7 @@ async fn relay(
                 s = live.next(gap) => s,
             };
             clock.update(parts.clock.now(), live.tokens());
+            served.track.tokens(live.tokens());
             let err = match step {
                 Ok(RelayStep::Output) => {
                     if !sink.deliver(live.take_output(), deadline).await {
@@ -1219,6 +1307,7 @@ async fn stream_one(
     let one = match out {
         Output::Whole(mut answer) => {
             let tokens = finish_whole(&mut answer, a, estimate);
+            served.track.tokens(tokens);
             let relayed = if sink.deliver_whole(&answer, a.chat, deadline).await {
                 Relayed::Done
             } else {
@@ -1263,6 +1352,9 @@ async fn stream_one(
             }
         }
     };
+    if matches!(one.relayed, Relayed::Done) {
+        served.track.completed();
+    }
     let decode_s = (parts.clock.now() - served.decode_at).as_secs_f64();
     parts.accounting.decode_finished(decode_s, one.stats.tokens);
     drop(guards);
@@ -1397,6 +1489,7 @@ async fn collect_one(
     let (answer, stats) = match out {
         Output::Whole(mut answer) => {
             let tokens = finish_whole(&mut answer, a, estimate);
+            served.track.tokens(tokens);
             if served.decode_ok {
                 parts.fleet.observe(served.served_by, Observation::DecodeOk);
             }
@@ -1430,6 +1523,9 @@ async fn collect_one(
             (answer, stats)
         }
     };
+    if answer.is_ok() {
+        served.track.completed();
+    }
     let decode_s = (parts.clock.now() - served.decode_at).as_secs_f64();
     parts.accounting.decode_finished(decode_s, stats.tokens);
     drop(guards);

@@ -196,6 +196,34 @@ impl Upstream {
             .map_err(|_| format!("timed out after {:.3}s", timeout.as_secs_f64()))?
     }
 
+    /// POST `body` as JSON to `url`, returning status and (bounded) body. Used for control
+    /// calls: `/tokenize`, SGLang's `/pd_role_switch`.
+    pub(crate) async fn post_json(
+        &self,
+        url: &str,
+        body: &Value,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), String> {
+        let fut = async {
+            let resp = self
+                .post(
+                    url,
+                    &LegId::new("narwhal-control", None, 0, "control"),
+                    body,
+                )
+                .await
+                .map_err(|e| e.detail())?;
+            let status = resp.status();
+            let body = read_bounded(resp.into_body(), ERROR_BODY_LIMIT)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok((status, body))
+        };
+        tokio::time::timeout(timeout, fut)
+            .await
+            .map_err(|_| format!("timed out after {:.3}s", timeout.as_secs_f64()))?
+    }
+
     /// A breaker probe: GET `url` with the engine credentials, bounded by `timeout`; the
     /// answer's status and (bounded) body, or how it failed: [`ProbeError::TimedOut`] for
     /// the timeout or a connect timeout (maybe busy), [`ProbeError::Unreachable`] for

@@ -383,6 +383,7 @@ pub async fn router_over_fakes(
         overrides: json!({"serving": {"retry_base_s": 0.01, "retry_cap_s": 0.02}}),
         agents: Default::default(),
         engine_keys: Default::default(),
+        pins: Default::default(),
     }
     .with(overrides);
     RouterHandle::over(&fleet, &["--log-level", "warn"])

@@ -64,6 +64,8 @@ pub struct FleetBuilder {
     contract: Option<Value>,
     certs: Vec<String>,
     overrides: Value,
+    pins: Vec<String>,
+    router_args: Vec<String>,
     control_tls: bool,
     lease: Option<LeaseBackend>,
     routers: Routers,
@@ -107,6 +109,8 @@ impl Fleet {
             contract: None,
             certs: Vec::new(),
             overrides: json!({}),
+            pins: Vec::new(),
+            router_args: Vec::new(),
             control_tls: false,
             lease: None,
             routers: Routers::One,
@@ -182,6 +186,19 @@ impl FleetBuilder {
     /// Fleet-file sections merged over the defaults, key by key.
     pub fn fleet(mut self, section: Value) -> Self {
         crate::router::merge(&mut self.overrides, section);
+        self
+    }
+
+    /// Pins engines `iids` in the fleet file (`engines[].pin`: the role controller never
+    /// moves them).
+    pub fn pin(mut self, iids: &[&str]) -> Self {
+        self.pins.extend(iids.iter().map(|s| s.to_string()));
+        self
+    }
+
+    /// Extra `narwhal-serve` flags for the builder's single router (`--max-concurrent 1`).
+    pub fn router_args(mut self, args: &[&str]) -> Self {
+        self.router_args.extend(args.iter().map(|s| s.to_string()));
         self
     }
 
@@ -273,6 +290,9 @@ impl FleetBuilder {
         });
         let mut agents = Vec::new();
         let mut base = FleetSpec::for_sims(&self.dialect, &sims).with(self.overrides.clone());
+        for iid in &self.pins {
+            base = base.pin(iid);
+        }
         for (host, iids) in &hosts {
             let mine: Vec<&SimHandle> = iids
                 .iter()
@@ -328,7 +348,8 @@ impl FleetBuilder {
         match (self.routers, fleet.lease.is_some()) {
             (Routers::None, _) => {}
             (Routers::One, false) => {
-                let r = fleet.start_router("router", &[]);
+                let args: Vec<&str> = self.router_args.iter().map(String::as_str).collect();
+                let r = fleet.start_router("router", &args);
                 if !fleet.agents.is_empty() {
                     // The startup identity check (reference-notes 4.10) accepts every process
                     // in one step; tests start from there, so it never races what they do.

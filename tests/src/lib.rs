@@ -15,6 +15,8 @@
 //!   FakeEngine                   an in-process fake engine for router tests (fake.rs)
 //!   raw                          HTTP/1 on a TcpStream, for framing tests
 //!   Proxy, Sampler               network cuts, 20 Hz sampling during HA faults
+//!   controller_fleet, Load       role-controller worlds (fixture profile, fast timings) and
+//!                                paced load (controller.rs)
 //!   faults                       the HA fault campaign: scenarios, one run, judged (issue 13)
 //! ```
 #![forbid(unsafe_code)]
@@ -25,6 +27,7 @@
 
 mod agent;
 pub mod certs;
+mod controller;
 pub mod etcd;
 mod fake;
 pub mod faults;
@@ -40,6 +43,10 @@ mod sim;
 use std::time::Duration;
 
 pub use agent::{AgentHandle, keygen, start_agent, start_agent_with};
+pub use controller::{
+    HeldStream, Load, LoadStats, Shape, controller_fleet, fast_controller_sections,
+    fixture_profile, token_prompt,
+};
 pub use etcd::{Etcd, free_port};
 pub use fake::{FakeEngine, Seen, fake_descriptor, router_over_fakes};
 pub use fleet::{

@@ -30,6 +30,8 @@ pub struct FleetSpec {
     pub overrides: Value,
     /// `engines[].agent` per engine id.
     pub agents: std::collections::BTreeMap<String, Value>,
+    /// Engines with `pin: true` (never moved by the role controller).
+    pub pins: std::collections::BTreeSet<String>,
     /// More `engines[]` keys per engine id (`health_path`, ...), merged into its entry.
     pub engine_keys: std::collections::BTreeMap<String, Value>,
 }
@@ -46,8 +48,15 @@ impl FleetSpec {
                 .collect(),
             overrides: json!({}),
             agents: std::collections::BTreeMap::new(),
+            pins: std::collections::BTreeSet::new(),
             engine_keys: std::collections::BTreeMap::new(),
         }
+    }
+
+    /// Pins engine `iid` (`engines[].pin`).
+    pub fn pin(mut self, iid: &str) -> Self {
+        self.pins.insert(iid.to_string());
+        self
     }
 
     /// Merges `keys` (an object, e.g. `{"health_path": "/v1/models"}`) into engine `iid`'s
@@ -101,6 +110,9 @@ impl FleetSpec {
                 let mut e = json!({"iid": iid, "url": url, "role": role});
                 if let Some(a) = self.agents.get(iid) {
                     e["agent"] = a.clone();
+                }
+                if self.pins.contains(iid) {
+                    e["pin"] = json!(true);
                 }
                 if let Some(k) = self.engine_keys.get(iid) {
                     merge(&mut e, k.clone());
@@ -544,17 +556,26 @@ impl RouterHandle {
             resp,
             text: String::new(),
         };
-        while !s.text.contains("\"text\"") {
-            let c = s
-                .resp
-                .chunk()
-                .await
-                .expect("stream chunk")
-                .expect("stream ended before its first token");
-            s.text.push_str(&String::from_utf8_lossy(&c));
-        }
+        s.text = read_to_first_token(&mut s.resp).await;
         s
     }
+}
+
+/// Reads an SSE completion until its first token chunk; returns the text read.
+///
+/// # Panics
+/// When the stream breaks or ends before a token.
+pub(crate) async fn read_to_first_token(resp: &mut reqwest::Response) -> String {
+    let mut text = String::new();
+    while !text.contains("\"text\"") {
+        let c = resp
+            .chunk()
+            .await
+            .expect("stream chunk")
+            .expect("stream ended before its first token");
+        text.push_str(&String::from_utf8_lossy(&c));
+    }
+    text
 }
 
 /// A router's control listener and a short-timeout client: cloneable, for samplers.

@@ -229,6 +229,7 @@ impl Lab {
                 .collect(),
             overrides: json!({}),
             agents: Default::default(),
+            pins: Default::default(),
             engine_keys: Default::default(),
         };
         for (iid, _) in engines {

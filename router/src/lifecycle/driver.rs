@@ -527,13 +527,53 @@ impl LifecycleDriver {
         }
     }
 
-    /// Every configured engine with its configured role, config order.
+    /// Every configured engine with its current router role (the role controller may have
+    /// moved it from the configured one), config order.
     fn roles(&self) -> Vec<(String, Role)> {
-        self.cfg
-            .engines
-            .iter()
-            .map(|e| (e.iid.clone(), e.role))
-            .collect()
+        let fleet = self.fleet();
+        fleet.read(|state| {
+            fleet
+                .names()
+                .iter()
+                .zip(state.slots())
+                .map(|(iid, s)| (iid.clone(), s.role))
+                .collect()
+        })
+    }
+
+    /// The role check of a flipped engine (ours, issue 12): the readmission checks, without
+    /// a restart, against engine `i` in its new router role, so the KV-transfer check pairs
+    /// it with a live engine of the other role. The engine is held (a recovery record,
+    /// `validating`) while they run; a failure leaves it held, `blocked` with the error.
+    /// Returns the checks passed, or the error.
+    pub(crate) async fn role_check(&self, i: usize) -> Result<Vec<String>, String> {
+        let _serial = self.serial.lock().await;
+        // Only the router that controls the fleet checks, under its epoch's scope.
+        let Some(scope) = self.ha().scope() else {
+            return Err(NOT_IN_CONTROL.into());
+        };
+        let iid = self.cfg.engines[i].iid.clone();
+        let started = {
+            let mut lc = self.exec.lock();
+            let ok = lc.join_recovery(self.exec.now(), &iid);
+            self.exec.commit(&mut lc);
+            ok
+        };
+        if !started {
+            return Err(format!("a lifecycle action holds {iid}"));
+        }
+        let targets = vec![iid.clone()];
+        let report = self.run_validation(&targets, false, &scope).await;
+        let (status, doc) = self.finish(&targets, report, "role_check", &scope).await;
+        let record = self.exec.lock().record(&iid).cloned();
+        match (status, record) {
+            (StatusCode::OK, Some(r)) => Ok(r.checks),
+            (_, Some(r)) if !r.error.is_empty() => Err(r.error),
+            _ => Err(doc["error"]
+                .as_str()
+                .unwrap_or("role check failed")
+                .to_string()),
+        }
     }
 
     /// Builds the validation plan for `targets` from the records and the live fleet.

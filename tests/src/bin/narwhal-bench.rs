@@ -23,6 +23,10 @@
 //! P/D target did not transfer KV; 2 on bad arguments. Absolute numbers on a shared machine are
 //! not stable; the ratios are the result. It asserts nothing about time (DESIGN.md section 8);
 //! docs/benchmarks.md tells how to run it against vllm-router.
+//!
+//! Subcommands in their own modules: `narwhal-bench profile` (an engine's profile for the
+//! fleet file) and `narwhal-bench shifting` (fixed split vs role controller under shifting
+//! demand).
 #![forbid(unsafe_code)]
 // A benchmark measures wall time: the clock ban of clippy.toml is for product code.
 #![allow(clippy::disallowed_methods)]
@@ -46,6 +50,10 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+#[path = "narwhal-bench/profile.rs"]
+mod profile;
+#[path = "narwhal-bench/shifting.rs"]
+mod shifting;
 use narwhal_testkit::{
     EngineSpec, FleetSpec, RouterHandle, SimHandle, free_port, start_router, start_sim,
 };
@@ -145,6 +153,10 @@ fn addr_of(url: &str) -> Result<SocketAddr, String> {
 }
 
 fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().collect();
+    if let Some(code) = subcommand(&argv) {
+        return code;
+    }
     let args = Args::parse();
     let mut bad = Vec::new();
     for (name, v) in [
@@ -285,6 +297,33 @@ fn say(json_to_stdout: bool, text: &str) {
         print!("{text}");
         let _ = std::io::stdout().flush();
     }
+}
+
+/// `narwhal-bench profile ...` and `narwhal-bench shifting ...` (their own modules) on a
+/// two-worker runtime; `None` for anything else (the comparison).
+fn subcommand(argv: &[String]) -> Option<ExitCode> {
+    let which = argv.get(1).map(String::as_str)?;
+    if !matches!(which, "profile" | "shifting") {
+        return None;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build();
+    let rt = match rt {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("narwhal-bench: cannot start the runtime: {e}");
+            return Some(ExitCode::FAILURE);
+        }
+    };
+    let rest = argv[1..].to_vec();
+    Some(rt.block_on(async move {
+        match which {
+            "profile" => profile::main(rest).await,
+            _ => shifting::main(rest).await,
+        }
+    }))
 }
 
 /// Starts everything, measures, prints; `Ok(false)` when a request failed or a P/D target did
@@ -659,6 +698,7 @@ fn fleet(backend: &str, sims: &[&SimHandle]) -> FleetSpec {
         overrides: json!({}),
         agents: BTreeMap::new(),
         engine_keys: BTreeMap::new(),
+        pins: Default::default(),
     }
     .with(json!({"serving": {"max_connections": 4096}}))
 }

@@ -50,6 +50,8 @@ pub(crate) struct StreamPlan {
     pub(crate) include_usage: bool,
     /// Delay between tokens.
     pub(crate) tpot: Duration,
+    /// Added to each delay per request running on the engine (`--tpot-per-running-us`).
+    pub(crate) tpot_per_running: Duration,
     /// Cut fault: abort after this many token chunks.
     pub(crate) cut_after: Option<u64>,
     /// Fragment fault: bytes per write.
@@ -115,9 +117,16 @@ impl TokenStream {
             }
             Stage::Tokens => {
                 if self.next > 0 && !self.plan.tpot.is_zero() {
+                    let running = self
+                        .stats
+                        .in_flight
+                        .load(std::sync::atomic::Ordering::Relaxed);
+                    let gap = self.plan.tpot
+                        + self.plan.tpot_per_running
+                            * u32::try_from(running.max(1) - 1).unwrap_or(0);
                     let sleep = self
                         .sleep
-                        .get_or_insert_with(|| Box::pin(tokio::time::sleep(self.plan.tpot)));
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep(gap)));
                     if sleep.as_mut().poll(cx).is_pending() {
                         return Poll::Pending;
                     }
@@ -346,6 +355,7 @@ mod tests {
             role_chunk: kind == Kind::Chat,
             include_usage: true,
             tpot: Duration::ZERO,
+            tpot_per_running: Duration::ZERO,
             cut_after: None,
             fragment: None,
             final_extra: String::new(),

@@ -25,6 +25,10 @@ pub(crate) enum Phase {
     Any,
     /// Only in faults: `GET /health`.
     Health,
+    /// Only in faults: SGLang's `POST /pd_role_switch` (`status` answers with the given
+    /// body, e.g. `{"success": false, "message": ...}`; `hang` delays the switch).
+    #[serde(rename = "role_switch")]
+    RoleSwitch,
 }
 
 impl Phase {
@@ -36,6 +40,7 @@ impl Phase {
             Phase::Aggregated => "aggregated",
             Phase::Any => "any",
             Phase::Health => "health",
+            Phase::RoleSwitch => "role_switch",
         }
     }
 }
@@ -208,7 +213,7 @@ pub(crate) fn validate(spec: &FaultSpec) -> Result<Action, FaultError> {
             }
         }
         "hang" => {
-            if spec.ms.is_none() && spec.phase != Phase::Health {
+            if spec.ms.is_none() && !matches!(spec.phase, Phase::Health | Phase::RoleSwitch) {
                 return Err(FaultError::Missing {
                     action: "hang",
                     field: "ms",
@@ -257,7 +262,9 @@ pub(crate) fn validate(spec: &FaultSpec) -> Result<Action, FaultError> {
     }
     let phase_ok = match (spec.phase, &action) {
         (_, Action::FailTransfer { .. }) => spec.phase == Phase::Decode,
-        (Phase::Health, a) => matches!(a, Action::Status { .. } | Action::Hang { .. }),
+        (Phase::Health | Phase::RoleSwitch, a) => {
+            matches!(a, Action::Status { .. } | Action::Hang { .. })
+        }
         (Phase::Decode | Phase::Aggregated, a) => !matches!(a, Action::OmitKv),
         (Phase::Prefill | Phase::Any, _) => true,
     };
@@ -315,7 +322,8 @@ impl FaultQueue {
     /// `aggregated` or `health`).
     pub(crate) fn take(&mut self, phase: Phase) -> Option<Action> {
         let idx = self.items.iter().position(|(s, _)| {
-            s.phase == phase || (s.phase == Phase::Any && phase != Phase::Health)
+            s.phase == phase
+                || (s.phase == Phase::Any && !matches!(phase, Phase::Health | Phase::RoleSwitch))
         })?;
         let (spec, action) = &mut self.items[idx];
         if spec.skip > 0 {

@@ -84,6 +84,14 @@ struct Cli {
     /// Delay between streamed tokens (milliseconds).
     #[arg(long, default_value_t = 0)]
     tpot_ms: u64,
+    /// Each streamed token's delay grows by this per other request running on the engine
+    /// (microseconds): a decode batch's cost, so TPOT degrades with load.
+    #[arg(long, default_value_t = 0)]
+    tpot_per_running_us: u64,
+    /// Prefills computed at once (0 = unlimited); the rest queue FIFO, as on one
+    /// accelerator, so prefill capacity is finite.
+    #[arg(long, default_value_t = 0)]
+    prefill_slots: usize,
     /// Consumer-side delay of a successful KV transfer (milliseconds).
     #[arg(long, default_value_t = 0)]
     kv_transfer_ms: u64,
@@ -99,6 +107,11 @@ struct Cli {
     /// SGLang disaggregation mode.
     #[arg(long, value_enum, default_value = "null")]
     disaggregation_mode: Mode,
+    /// SGLang: allow `POST /pd_role_switch` to change the disaggregation mode at runtime
+    /// (SGLang's `--enable-pd-role-switch`). The bootstrap server then runs in either mode, so
+    /// a switch to prefill finds it.
+    #[arg(long)]
+    enable_pd_role_switch: bool,
     /// Concurrent completion requests before answering 429 (0 = unlimited).
     #[arg(long, default_value_t = 0)]
     max_running: u64,
@@ -199,6 +212,9 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
         max_running: cli.max_running,
         max_model_len: cli.max_model_len,
         kv_metrics: !cli.no_kv_metrics,
+        role_switch: cli.enable_pd_role_switch,
+        prefill_slots: cli.prefill_slots,
+        tpot_per_running: Duration::from_micros(cli.tpot_per_running_us),
     };
     let http = bind("--listen", cli.listen).await?;
     let http_addr = local(&http, cli.listen);
@@ -221,7 +237,9 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
         Dialect::Sglang => None,
     };
     let bootstrap = match (cli.dialect, cli.disaggregation_mode) {
-        (Dialect::Sglang, Mode::Prefill) => {
+        (Dialect::Sglang, Mode::Prefill) | (Dialect::Sglang, Mode::Decode)
+            if cli.disaggregation_mode == Mode::Prefill || cli.enable_pd_role_switch =>
+        {
             let addr = SocketAddr::new(cli.listen.ip(), cli.bootstrap_port);
             Some(bind("--bootstrap-port", addr).await?)
         }

@@ -131,6 +131,15 @@ pub(crate) struct Settings {
     /// `/metrics` carries the engine's KV-transfer families (off with `--no-kv-metrics`, an
     /// engine or version that publishes none).
     pub(crate) kv_metrics: bool,
+    /// `--enable-pd-role-switch` (SGLang): `POST /pd_role_switch` may change the
+    /// disaggregation mode at runtime.
+    pub(crate) role_switch: bool,
+    /// `--prefill-slots` (0 = unlimited): prefills computed at once; the rest wait FIFO, as
+    /// on one accelerator.
+    pub(crate) prefill_slots: usize,
+    /// `--tpot-per-running-us`: each token gap grows by this per request running on the
+    /// engine (a decode batch's cost).
+    pub(crate) tpot_per_running: Duration,
 }
 
 /// Which listener a connection arrived on.
@@ -171,6 +180,12 @@ pub(crate) struct Sim {
     pub(crate) started_at: f64,
     faults: Mutex<FaultQueue>,
     faults_armed: AtomicBool,
+    /// The scheduler's live disaggregation mode (SGLang; `cfg.mode` is the launch mode).
+    mode: Mutex<Mode>,
+    /// `--prefill-slots` permits (`None` = unlimited).
+    prefill_gate: Option<Arc<tokio::sync::Semaphore>>,
+    /// A failed role switch left the instance unhealthy (SGLang: restart required).
+    switch_unhealthy: AtomicBool,
     blocks: Mutex<BlockStore>,
     rooms: Mutex<Rooms>,
     id_prefix: u64,
@@ -197,6 +212,9 @@ impl Sim {
         bootstrap_addr: Option<SocketAddr>,
         started_at: f64,
     ) -> Self {
+        let mode = cfg.mode;
+        let prefill_gate = (cfg.prefill_slots > 0)
+            .then(|| Arc::new(tokio::sync::Semaphore::new(cfg.prefill_slots)));
         Sim {
             engine_id: cfg.engine_id.clone(),
             blocks: Mutex::new(BlockStore::new(cfg.kv_lease)),
@@ -212,9 +230,26 @@ impl Sim {
             started_at,
             faults: Mutex::new(FaultQueue::default()),
             faults_armed: AtomicBool::new(false),
+            mode: Mutex::new(mode),
+            prefill_gate,
+            switch_unhealthy: AtomicBool::new(false),
             id_prefix: rand::random::<u64>(),
             id_counter: AtomicU64::new(0),
         }
+    }
+
+    /// Runs `compute` of prefill work, queued FIFO behind `--prefill-slots` prefills.
+    pub(crate) async fn prefill(&self, compute: Duration) {
+        let _slot = match &self.prefill_gate {
+            Some(g) => g.clone().acquire_owned().await.ok(),
+            None => None,
+        };
+        sleep(compute).await;
+    }
+
+    /// The live disaggregation mode (SGLang).
+    pub(crate) fn mode(&self) -> Mode {
+        *lock(&self.mode)
     }
 
     /// The vLLM producer block store (short critical sections only).
@@ -263,7 +298,7 @@ impl Sim {
                 KvParams::RemotePrefill(_) | KvParams::BadRemotePrefill(_) => Phase::Decode,
                 KvParams::None => Phase::Aggregated,
             },
-            Dialect::Sglang => match (self.cfg.mode, &p.bootstrap) {
+            Dialect::Sglang => match (self.mode(), &p.bootstrap) {
                 (Mode::Prefill, Some(_)) => Phase::Prefill,
                 (Mode::Decode, Some(_)) => Phase::Decode,
                 _ => Phase::Aggregated,
@@ -400,6 +435,7 @@ async fn route(
         ("/version", &Method::GET) if vllm => json_response(200, &json!({"version": VLLM_VERSION})),
         ("/metrics", &Method::GET) => metrics(&sim),
         ("/server_info" | "/get_server_info", &Method::GET) if !vllm => server_info(&sim),
+        ("/pd_role_switch", &Method::POST) if !vllm => pd_role_switch(&sim, req).await,
         ("/get_model_info", &Method::GET) if !vllm => json_response(
             200,
             &json!({"model_path": sim.cfg.model, "tokenizer_path": sim.cfg.model,
@@ -549,10 +585,96 @@ fn server_info(sim: &Sim) -> Response<SimBody> {
             "disaggregation_mode": sim.cfg.mode.as_str(),
             "disaggregation_bootstrap_port": sim.bootstrap_addr.map(|a| a.port()),
             "disaggregation_transfer_backend": "mooncake",
+            "enable_pd_role_switch": sim.cfg.role_switch,
             "random_seed": sim.cfg.seed,
             "version": SGLANG_VERSION,
+            // The scheduler's live state: its role can differ from the launch argument above
+            // after a runtime switch.
+            "internal_states": [scheduler_state(sim)],
         }),
     )
+}
+
+/// One scheduler's `internal_states` entry (SGLang with the role switch: the live
+/// `disaggregation_mode`, the decode CUDA-graph batch sizes and memory a router feeds back
+/// into a switch to decode).
+fn scheduler_state(sim: &Sim) -> Value {
+    let mode = sim.mode();
+    let decode = mode == Mode::Decode;
+    json!({
+        "disaggregation_mode": mode.as_str(),
+        "decode_cuda_graph_bs": if decode { json!([1, 2, 4, 8]) } else { json!([]) },
+        "decode_cuda_graph_memory_gb": if decode { 0.5 } else { 0.0 },
+        "last_gen_throughput": 0.0,
+    })
+}
+
+/// SGLang `POST /pd_role_switch {"new_role", "decode_cuda_graph_bs"?,
+/// "decode_cuda_graph_memory_gb"?}` (`Scheduler.handle_pd_role_switch`): the preconditions in
+/// SGLang's order (the flag, a previous failed switch, the role name, PD mode), then the same
+/// role (success, "already in target role"), then idleness; a switch answers 200
+/// `{"success": true, "message": "ok", "old_role", "new_role"}`, a refusal 400 with
+/// `success: false` and the reason. A `role_switch` fault answers its status and body instead
+/// (a failed rebuild also leaves the instance unhealthy).
+async fn pd_role_switch(sim: &Sim, req: Request<Incoming>) -> Response<SimBody> {
+    let old = sim.mode();
+    let body = match read_body(req.into_body()).await {
+        Ok(b) => b,
+        Err(e) => return api_error(&e),
+    };
+    let asked: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let new_role = asked["new_role"].as_str().unwrap_or("").to_lowercase();
+    let answer = |status: u16, success: bool, message: &str| {
+        json_response(
+            status,
+            &json!({"success": success, "message": message, "old_role": old.as_str(),
+                    "new_role": new_role}),
+        )
+    };
+    let reject = if !sim.cfg.role_switch {
+        Some("--enable-pd-role-switch is not set on this instance".to_string())
+    } else if sim.switch_unhealthy.load(Relaxed) {
+        Some("instance is unhealthy after a failed role switch; restart required".into())
+    } else if !matches!(new_role.as_str(), "prefill" | "decode") {
+        Some(format!("invalid new_role={new_role:?}"))
+    } else if old == Mode::Null {
+        Some("instance is not running in PD disaggregation mode".into())
+    } else {
+        None
+    };
+    if let Some(msg) = reject {
+        return answer(400, false, &msg);
+    }
+    if new_role == old.as_str() {
+        return answer(200, true, "already in target role");
+    }
+    if sim.stats.in_flight.load(Relaxed) > 0 {
+        return answer(
+            400,
+            false,
+            "instance is not idle; drain all requests before switching",
+        );
+    }
+    match sim.take_fault(Phase::RoleSwitch) {
+        Some(Action::Status { status, body }) => {
+            sim.switch_unhealthy.store(true, Relaxed);
+            let body = body.unwrap_or_else(|| {
+                json!({"success": false, "old_role": old.as_str(), "new_role": new_role,
+                       "message": "rebuild failed; instance unhealthy, restart required: injected fault"})
+            });
+            return json_response(status, &body);
+        }
+        Some(Action::Hang { ms }) => sleep(Duration::from_millis(ms.unwrap_or(0))).await,
+        _ => {}
+    }
+    let new = if new_role == "prefill" {
+        Mode::Prefill
+    } else {
+        Mode::Decode
+    };
+    *lock(&sim.mode) = new;
+    sim.stats.role_switches.fetch_add(1, Relaxed);
+    answer(200, true, "ok")
 }
 
 fn metrics(sim: &Sim) -> Response<SimBody> {
@@ -742,6 +864,7 @@ fn respond(sim: &Sim, mut tracker: Tracker, a: Answer<'_>) -> Response<SimBody> 
             role_chunk: p.kind == Kind::Chat,
             include_usage: p.include_usage,
             tpot: sim.cfg.tpot,
+            tpot_per_running: sim.cfg.tpot_per_running,
             cut_after: a.cut.map(u64::from),
             fragment: a.fragment,
             final_extra,
@@ -831,14 +954,14 @@ async fn completion(
     // SGLang P/D servers need the whole rendezvous (checked before faults are consumed).
     if phase == Phase::Aggregated
         && sim.cfg.dialect == Dialect::Sglang
-        && sim.cfg.mode != Mode::Null
+        && sim.mode() != Mode::Null
         && !parsed.fake_bootstrap
-        && (parsed.bootstrap_partial || sim.cfg.mode == Mode::Prefill)
+        && (parsed.bootstrap_partial || sim.mode() == Mode::Prefill)
     {
         let e = ApiError::bad_request(format!(
             "a {}-mode server requires bootstrap_host, bootstrap_port and \
              bootstrap_room",
-            sim.cfg.mode.as_str()
+            sim.mode().as_str()
         ));
         tracker.finish(Outcome::Error, 400, 0);
         return api_error(&e);
@@ -913,7 +1036,7 @@ async fn completion(
     };
     match (sim.cfg.dialect, phase) {
         (Dialect::Vllm, Phase::Prefill) => {
-            sleep(compute).await;
+            sim.prefill(compute).await;
             if !omit_kv {
                 let block_ids = sim.blocks_lock().issue(Instant::now(), payload());
                 sim.stats.kv_issued.fetch_add(1, Relaxed);
@@ -983,7 +1106,7 @@ async fn completion(
             let Some(b) = &parsed.bootstrap else {
                 unreachable_phase()
             };
-            sleep(compute).await;
+            sim.prefill(compute).await;
             if !omit_kv {
                 if let Err(e) = sim.publish_room(b.room, RoomState::Ready(payload())) {
                     let e = ApiError::bad_request(e.to_string());
@@ -1039,10 +1162,10 @@ async fn completion(
             }
         }
         (_, _) => {
-            sleep(compute).await;
+            sim.prefill(compute).await;
             let decode_capable = match sim.cfg.dialect {
                 Dialect::Vllm => true,
-                Dialect::Sglang => sim.cfg.mode == Mode::Decode,
+                Dialect::Sglang => sim.mode() == Mode::Decode,
             };
             if decode_capable {
                 sim.stats.kv_recomputed.fetch_add(1, Relaxed);

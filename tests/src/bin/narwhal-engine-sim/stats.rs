@@ -63,6 +63,8 @@ pub(crate) struct Stats {
     pub(crate) kv_rejected: AtomicU64,
     /// Decode-capable requests served without transferred KV.
     pub(crate) kv_recomputed: AtomicU64,
+    /// Successful SGLang `/pd_role_switch` calls that changed the mode.
+    pub(crate) role_switches: AtomicU64,
     /// Producer KV freed unread after the lease.
     pub(crate) kv_expired: AtomicU64,
     /// Requests whose client went away before they finished.
@@ -181,6 +183,7 @@ pub(crate) struct StatsDoc<'a> {
     kv: Kv,
     cancelled: u64,
     in_flight: i64,
+    role_switches: u64,
     recent: Vec<Recent>,
 }
 
@@ -195,6 +198,7 @@ impl Default for Stats {
             kv_consumed: AtomicU64::new(0),
             kv_rejected: AtomicU64::new(0),
             kv_recomputed: AtomicU64::new(0),
+            role_switches: AtomicU64::new(0),
             kv_expired: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
             in_flight: AtomicI64::new(0),
@@ -291,6 +295,7 @@ impl Stats {
             },
             cancelled: l(&self.cancelled),
             in_flight: self.in_flight.load(Relaxed),
+            role_switches: l(&self.role_switches),
             recent: self.recent_lock().iter().cloned().collect(),
         }
     }

@@ -1,0 +1,684 @@
+//! What the controller reports: its `/narwhal/state` fields (controller-notes 13) and its
+//! Prometheus families (controller-notes 12), both read from the machine under its lock.
+//! Every field is live; with the controller off (no profiles) only `controller: "off"` and
+//! the admission families are reported, the rest is absent (docs/http-api.md).
+//!
+//! ```text
+//!  Controller (machine, ledger) ──state(now)──► {controller, control, load, thresholds, ...}
+//!                               ──metrics(now, unserved)──► text exposition 0.0.4
+//! ```
+
+use std::fmt::Write as _;
+
+use serde_json::{Map, Value, json};
+
+use super::Controller;
+use super::decision::round;
+use super::evidence::{Evidence, Gate};
+use super::machine::Machine;
+use super::roles::SEEDED;
+use crate::config::Role;
+
+impl Controller {
+    /// The machine with the fleet and the newest risk as they are now (a report may come
+    /// between passes).
+    fn current(&self) -> std::sync::MutexGuard<'_, Machine> {
+        let engines = super::driver::engines_view(&self.h.cfg, &self.h.fleet);
+        let (risk, events) = {
+            let d = self.h.demand.lock();
+            (d.risk().map(|(k, at)| (k.to_string(), at)), d.events())
+        };
+        let mut m = self.lock();
+        m.observe(engines, risk, events);
+        m
+    }
+}
+
+/// A fresh evidence capture against the last window demand (or a fresh one).
+fn evidence(m: &Machine, now: std::time::Instant) -> Evidence {
+    let window = m
+        .core
+        .last_demand
+        .clone()
+        .unwrap_or_else(|| m.core.price(now, m.core.p.window_s, m.core.p.window_s));
+    m.core.evidence(now, &window)
+}
+
+fn pool_loads(m: &Machine, now: std::time::Instant) -> (f64, f64) {
+    let s = m.core.snapshot(now);
+    (s.prefill_pressure, s.decode_pressure)
+}
+
+impl Controller {
+    /// The controller's `/narwhal/state` fields (controller-notes 13).
+    pub(crate) fn state(&self) -> Map<String, Value> {
+        let mut out = Map::new();
+        if !self.enabled {
+            out.insert("controller".into(), json!("off"));
+            return out;
+        }
+        out.insert("controller".into(), json!("reactive"));
+        let now = self.h.clock.now();
+        let ledger = self.ledger();
+        let restored = self.h.demand.lock().restored().map(|(kind, age, at)| {
+            json!({"kind": kind, "age_s": round(age, 6),
+                   "applied_s_ago": round(now.saturating_duration_since(at).as_secs_f64(), 3)})
+        });
+        let m = self.current();
+        let r = &m.core.roles;
+        let decisions: Map<String, Value> = m
+            .decisions
+            .iter()
+            .map(|((by, res), n)| (format!("{}:{}", by.as_str(), res.as_str()), json!(n)))
+            .collect();
+        let flips: Map<String, Value> =
+            r.flips.iter().map(|(k, n)| (k.clone(), json!(n))).collect();
+        out.insert(
+            "control".into(),
+            json!({
+                "advisory": r.settings().advisory,
+                "last_decision": m.last_decision.as_ref().map_or(Value::Null, |d| d.padded()),
+                "decisions": decisions,
+                "flips": flips,
+                "flip_reversals": r.reversals,
+                "flips_refused": r.refused_total,
+                "flip_inflight": {"prefill": r.inflight.0, "decode": r.inflight.1},
+            }),
+        );
+        let (lp, ld) = pool_loads(&m, now);
+        out.insert(
+            "load".into(),
+            json!({"prefill": round(lp, 4), "decode": round(ld, 4)}),
+        );
+        let th = &self.h.cfg.controller.thresholds;
+        out.insert(
+            "thresholds".into(),
+            json!({"expand": th.expand, "shrink": th.shrink, "cooldown_s": th.cooldown_s,
+                   "sustained_intervals": th.sustained_intervals, "dwell_s": th.dwell_s,
+                   "panic_ratio": th.panic_ratio}),
+        );
+        out.insert("panic_bypasses".into(), json!(m.panic_bypasses));
+        let f = &m.floor;
+        out.insert(
+            "below_floor".into(),
+            json!({"active": f.active(), "live_prefill": m.core.live(Role::Prefill),
+                   "since": f.since.map(|(_, w)| w), "breaches": f.breaches,
+                   "cumulative_s": round(f.cumulative(now), 4)}),
+        );
+        let live_decode = m.core.live(Role::Decode);
+        out.insert(
+            "decode_floor".into(),
+            json!({"min_decode": m.core.p.min_decode, "live_decode": live_decode,
+                   "below_floor": live_decode < m.core.p.min_decode,
+                   "restoration_moves": r.restoration_moves}),
+        );
+        let history: Map<String, Value> = m
+            .core
+            .demand
+            .history()
+            .into_iter()
+            .map(|(name, w)| {
+                (
+                    name.to_string(),
+                    json!({"bucket_s": w.bucket_s, "retained_s": w.retained_s,
+                           "cell_limit": w.cell_limit, "cells": w.cells,
+                           "observations": w.observations,
+                           "overflow_observations": w.overflow_observations}),
+                )
+            })
+            .collect();
+        out.insert("demand_history".into(), Value::Object(history));
+        let ev = evidence(&m, now);
+        out.insert(
+            "demand_evidence".into(),
+            json!({"span_s": round(ev.span_s, 6), "arrivals": ev.arrivals,
+                   "required_span_s": ev.required_span_s, "required_arrivals": ev.required_arrivals,
+                   "max_span_s": ev.max_span_s, "closed": ev.closed, "risk_kind": ev.risk_kind,
+                   "risk_age_s": ev.risk_age_s.map(|a| round(a, 6)),
+                   "risk_events": ev.risk_events,
+                   "short_decode_engines": round(ev.short_decode, 6),
+                   "long_decode_engines": round(ev.long_decode, 6),
+                   "trend_ratio": ev.trend_ratio.map(|t| round(t, 6)),
+                   "envelope_decode_engines": round(ev.envelope_decode, 6),
+                   "blocked_gate": ev.gate.as_str(),
+                   "restored": restored}),
+        );
+        let refused: Vec<Value> = r
+            .refusals()
+            .map(|x| json!({"at": x.at, "to": x.to.as_str(), "why": x.why}))
+            .collect();
+        out.insert("flips_refused".into(), Value::Array(refused));
+        out.insert("flips".into(), r.history_json(&m.core.names));
+        let work: Map<String, Value> = (0..m.core.names.len())
+            .map(|i| {
+                let l = m.core.book.load(i);
+                (
+                    m.core.names[i].clone(),
+                    json!({"prefill_s": round(l.prefill_s, 6), "decode_tokens": l.decode_tokens}),
+                )
+            })
+            .collect();
+        out.insert("resident_work".into(), Value::Object(work));
+        let changing: Vec<&str> = self
+            .changing()
+            .into_iter()
+            .map(|i| m.core.names[i].as_str())
+            .collect();
+        out.insert("switching".into(), json!(changing));
+        let limit = u64::from(self.h.cfg.controller.monitor_failure_limit);
+        out.insert(
+            "monitoring".into(),
+            json!({
+                "degraded": ledger.consecutive >= limit,
+                "reason": (ledger.consecutive >= limit).then(|| format!(
+                    "controller stage failed {} times in a row", ledger.consecutive)),
+                "core_consecutive": ledger.consecutive,
+                "core_failures": ledger.failures,
+                "stages": {"controller": {"failures": ledger.failures,
+                           "consecutive": ledger.consecutive, "last_class": ledger.last_class,
+                           "last_at": ledger.last_at}},
+            }),
+        );
+        out
+    }
+
+    /// The controller's and admission's Prometheus families (controller-notes 12), text
+    /// exposition 0.0.4; `unserved` is the accounting's count.
+    pub(crate) fn metrics(&self, unserved: u64) -> String {
+        let mut w = Writer::default();
+        let serving = &self.h.cfg.serving;
+        w.family(
+            "narwhal_admission_info",
+            "gauge",
+            "Admission mode set by serving.admission",
+        );
+        w.sample(
+            "narwhal_admission_info",
+            &[("mode", serving.admission.as_str())],
+            "1",
+        );
+        w.family(
+            "narwhal_admission_margin",
+            "gauge",
+            "Fraction serving.admission_margin adds to the TTFT budget",
+        );
+        w.sample(
+            "narwhal_admission_margin",
+            &[],
+            &f(serving.admission_margin),
+        );
+        w.family(
+            "narwhal_unserved_total",
+            "counter",
+            "Phase placements whose cheapest engine missed its own SLO",
+        );
+        w.sample("narwhal_unserved_total", &[], &unserved.to_string());
+        if !self.enabled {
+            return w.0;
+        }
+        let now = self.h.clock.now();
+        let ledger = self.ledger();
+        let m = self.current();
+        let limit = u64::from(self.h.cfg.controller.monitor_failure_limit);
+        w.family(
+            "narwhal_monitoring_degraded",
+            "gauge",
+            "1 while the controller stage failed monitor_failure_limit passes in a row",
+        );
+        w.sample(
+            "narwhal_monitoring_degraded",
+            &[],
+            if ledger.consecutive >= limit {
+                "1"
+            } else {
+                "0"
+            },
+        );
+        w.family(
+            "narwhal_monitoring_stage_failures_total",
+            "counter",
+            "Failed monitoring passes by stage",
+        );
+        w.sample(
+            "narwhal_monitoring_stage_failures_total",
+            &[("stage", "controller")],
+            &ledger.failures.to_string(),
+        );
+        w.family(
+            "narwhal_monitoring_stage_consecutive_failures",
+            "gauge",
+            "Consecutive failed monitoring passes by stage",
+        );
+        w.sample(
+            "narwhal_monitoring_stage_consecutive_failures",
+            &[("stage", "controller")],
+            &ledger.consecutive.to_string(),
+        );
+        let r = &m.core.roles;
+        w.family(
+            "narwhal_flips_total",
+            "counter",
+            "Role changes by target pool and caller",
+        );
+        let mut seeded: Vec<(String, String)> = SEEDED
+            .iter()
+            .map(|(b, t)| (b.as_str().to_string(), t.as_str().to_string()))
+            .collect();
+        for k in r.flips.keys() {
+            if let Some((b, t)) = k.split_once(':')
+                && !seeded.iter().any(|(sb, st)| sb == b && st == t)
+            {
+                seeded.push((b.to_string(), t.to_string()));
+            }
+        }
+        for (b, t) in &seeded {
+            let n = r.flips.get(&format!("{b}:{t}")).copied().unwrap_or(0);
+            w.sample(
+                "narwhal_flips_total",
+                &[("to", t), ("by", b)],
+                &n.to_string(),
+            );
+        }
+        w.family(
+            "narwhal_flip_reversals_total",
+            "counter",
+            "Role changes that put an instance back where it came from",
+        );
+        w.sample(
+            "narwhal_flip_reversals_total",
+            &[],
+            &r.reversals.to_string(),
+        );
+        w.family(
+            "narwhal_flips_refused_total",
+            "counter",
+            "Role-change attempts declined by timing, availability, pins, floors, or advisory mode",
+        );
+        w.sample(
+            "narwhal_flips_refused_total",
+            &[],
+            &r.refused_total.to_string(),
+        );
+        w.family(
+            "narwhal_flip_inflight_total",
+            "counter",
+            "Requests resident on an instance at the moment it was flipped",
+        );
+        w.sample(
+            "narwhal_flip_inflight_total",
+            &[("phase", "prefill")],
+            &r.inflight.0.to_string(),
+        );
+        w.sample(
+            "narwhal_flip_inflight_total",
+            &[("phase", "decode")],
+            &r.inflight.1.to_string(),
+        );
+        w.family(
+            "narwhal_controller_advisory",
+            "gauge",
+            "1 while controller decisions are recorded without changing roles",
+        );
+        w.sample(
+            "narwhal_controller_advisory",
+            &[],
+            if r.settings().advisory { "1.0" } else { "0.0" },
+        );
+        w.family(
+            "narwhal_controller_decisions_total",
+            "counter",
+            "Controller decisions by caller and result",
+        );
+        for ((by, res), n) in &m.decisions {
+            w.sample(
+                "narwhal_controller_decisions_total",
+                &[("by", by.as_str()), ("result", res.as_str())],
+                &f(*n as f64),
+            );
+        }
+        self.decision_gauges(&mut w, &m);
+        let live_decode = m.core.live(Role::Decode);
+        w.family(
+            "narwhal_decode_floor",
+            "gauge",
+            "Configured minimum live decode engines",
+        );
+        w.sample("narwhal_decode_floor", &[], &f(m.core.p.min_decode as f64));
+        w.family(
+            "narwhal_decode_below_floor",
+            "gauge",
+            "1 while live decode engines are below min_decode",
+        );
+        w.sample(
+            "narwhal_decode_below_floor",
+            &[],
+            &f(f64::from(u8::from(live_decode < m.core.p.min_decode))),
+        );
+        w.family(
+            "narwhal_decode_floor_restorations_total",
+            "counter",
+            "Prefill engines moved to decode to restore min_decode",
+        );
+        w.sample(
+            "narwhal_decode_floor_restorations_total",
+            &[],
+            &f(r.restoration_moves as f64),
+        );
+        w.family(
+            "narwhal_prefill_below_floor",
+            "gauge",
+            "1 while the live prefill pool is below min_prefill",
+        );
+        w.sample(
+            "narwhal_prefill_below_floor",
+            &[],
+            if m.floor.active() { "1" } else { "0" },
+        );
+        w.family(
+            "narwhal_prefill_below_floor_events_total",
+            "counter",
+            "Prefill floor breaches",
+        );
+        w.sample(
+            "narwhal_prefill_below_floor_events_total",
+            &[],
+            &m.floor.breaches.to_string(),
+        );
+        w.family(
+            "narwhal_prefill_below_floor_seconds_total",
+            "counter",
+            "Seconds spent below the prefill floor",
+        );
+        w.sample(
+            "narwhal_prefill_below_floor_seconds_total",
+            &[],
+            &f(((m.floor.cumulative(now)) * 1e4).round() / 1e4),
+        );
+        let ev = evidence(&m, now);
+        evidence_families(&mut w, &ev);
+        let hist = m.core.demand.history();
+        for (family, help, pick) in [
+            (
+                "narwhal_demand_history_cells",
+                "Retained demand history cohorts",
+                0,
+            ),
+            (
+                "narwhal_demand_history_cell_limit",
+                "Maximum retained demand history cohorts",
+                1,
+            ),
+            (
+                "narwhal_demand_history_observations",
+                "Original observations counted in demand history",
+                2,
+            ),
+            (
+                "narwhal_demand_history_overflow_observations",
+                "Observations coalesced after shape cardinality overflow",
+                3,
+            ),
+        ] {
+            w.family(family, "gauge", help);
+            for (name, s) in &hist {
+                let v = match pick {
+                    0 => s.cells as u64,
+                    1 => s.cell_limit as u64,
+                    2 => s.observations,
+                    _ => s.overflow_observations,
+                };
+                w.sample(family, &[("window", name)], &v.to_string());
+            }
+        }
+        let (lp, ld) = pool_loads(&m, now);
+        w.family(
+            "narwhal_pool_load",
+            "gauge",
+            "Pool load as a ratio against its own SLO target",
+        );
+        w.sample("narwhal_pool_load", &[("role", "decode")], &f4(ld));
+        w.sample("narwhal_pool_load", &[("role", "prefill")], &f4(lp));
+        w.0
+    }
+
+    fn decision_gauges(&self, w: &mut Writer, m: &Machine) {
+        let families = [
+            (
+                "narwhal_controller_proposed_engines",
+                "Engine count in the most recent controller decision",
+            ),
+            (
+                "narwhal_controller_last_decision",
+                "1 for the most recent controller decision and its result",
+            ),
+            (
+                "narwhal_controller_projected_slo_ratio",
+                "Projected SLO ratio after the most recent proposal",
+            ),
+            (
+                "narwhal_controller_phase_work_engines",
+                "Measured phase work in engine equivalents",
+            ),
+            (
+                "narwhal_controller_objective",
+                "Candidate pressure and improvement over the current split",
+            ),
+            (
+                "narwhal_controller_decode_tokens_per_engine",
+                "Projected decode tokens per engine and profiled SLO capacity",
+            ),
+            (
+                "narwhal_controller_decode_requests_per_engine",
+                "Projected active decode requests per engine",
+            ),
+            (
+                "narwhal_controller_decode_model",
+                "Live decode correction and measured-domain coverage",
+            ),
+        ];
+        let d = m.last_decision.as_ref();
+        let num = |k: &str| d.and_then(|d| d.details.get(k)).and_then(Value::as_f64);
+        for (name, help) in families {
+            w.family(name, "gauge", help);
+            let Some(d) = d else { continue };
+            match name {
+                "narwhal_controller_proposed_engines" => {
+                    w.sample(name, &[("role", "prefill")], &f(d.prefill as f64));
+                    w.sample(name, &[("role", "decode")], &f(d.decode as f64));
+                }
+                "narwhal_controller_last_decision" => w.sample(
+                    name,
+                    &[
+                        ("by", d.by.as_str()),
+                        ("reason", &d.reason),
+                        ("result", d.result.as_str()),
+                    ],
+                    "1.0",
+                ),
+                "narwhal_controller_projected_slo_ratio" => {
+                    if let (Some(t), Some(p)) =
+                        (num("projected_ttft_ratio"), num("projected_tpot_ratio"))
+                    {
+                        w.sample(name, &[("phase", "prefill")], &f(t));
+                        w.sample(name, &[("phase", "decode")], &f(p));
+                    }
+                }
+                "narwhal_controller_phase_work_engines" => {
+                    for (phase, k) in [("prefill", "prefill_work"), ("decode", "decode_work")] {
+                        if let Some(x) = num(k) {
+                            w.sample(name, &[("phase", phase)], &f(x));
+                        }
+                    }
+                }
+                "narwhal_controller_objective" => {
+                    for (v, k) in [
+                        ("candidate", "objective"),
+                        ("improvement", "objective_delta"),
+                    ] {
+                        if let Some(x) = num(k) {
+                            w.sample(name, &[("value", v)], &f(x));
+                        }
+                    }
+                }
+                "narwhal_controller_decode_tokens_per_engine" => {
+                    for (v, k) in [
+                        ("projected", "decode_tokens_per_engine"),
+                        ("slo_capacity", "decode_slo_capacity_tokens"),
+                        ("kv_capacity", "decode_kv_capacity_tokens"),
+                    ] {
+                        if let Some(x) = num(k) {
+                            w.sample(name, &[("value", v)], &f(x));
+                        }
+                    }
+                }
+                "narwhal_controller_decode_requests_per_engine" => {
+                    if let Some(x) = num("decode_requests_per_engine") {
+                        w.sample(name, &[], &f(x));
+                    }
+                }
+                _ => {
+                    if let Some(x) = num("decode_correction") {
+                        w.sample(name, &[("value", "correction")], &f(x));
+                    }
+                    if let Some(c) = d
+                        .details
+                        .get("decode_profile_covered")
+                        .and_then(Value::as_bool)
+                    {
+                        w.sample(
+                            name,
+                            &[("value", "profile_covered")],
+                            if c { "1.0" } else { "0.0" },
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn evidence_families(w: &mut Writer, ev: &Evidence) {
+    for (name, help, v) in [
+        (
+            "narwhal_demand_evidence_span_seconds",
+            "Elapsed span of arrival evidence retained for decode consolidation",
+            f(ev.span_s),
+        ),
+        (
+            "narwhal_demand_evidence_arrivals",
+            "Arrival samples retained for decode consolidation",
+            ev.arrivals.to_string(),
+        ),
+        (
+            "narwhal_demand_evidence_closed",
+            "1 while the consolidation evidence window has closed",
+            u8::from(ev.closed).to_string(),
+        ),
+        (
+            "narwhal_demand_evidence_risk_age_seconds",
+            "Age of the newest decode risk event (0 while none is recorded)",
+            f(ev.risk_age_s.unwrap_or(0.0)),
+        ),
+        (
+            "narwhal_demand_evidence_short_decode_engines",
+            "Short-horizon decode demand estimate behind the rising-demand gate",
+            f(ev.short_decode),
+        ),
+        (
+            "narwhal_demand_evidence_envelope_decode_engines",
+            "Conservative decode demand envelope priced into consolidation candidates",
+            f(ev.envelope_decode),
+        ),
+    ] {
+        w.family(name, "gauge", help);
+        w.sample(name, &[], &v);
+    }
+    w.family(
+        "narwhal_demand_evidence_trend_ratio",
+        "gauge",
+        "Short over long decode demand behind the rising-demand gate",
+    );
+    if let Some(t) = ev.trend_ratio {
+        w.sample("narwhal_demand_evidence_trend_ratio", &[], &f(t));
+    }
+    w.family(
+        "narwhal_demand_evidence_refused",
+        "gauge",
+        "1 on the gate currently refusing decode consolidation (risk, evidence, or trend)",
+    );
+    for (gate, label) in [
+        (Gate::Risk, "risk"),
+        (Gate::Evidence, "evidence"),
+        (Gate::Trend, "trend"),
+    ] {
+        w.sample(
+            "narwhal_demand_evidence_refused",
+            &[("gate", label)],
+            if ev.gate == gate { "1" } else { "0" },
+        );
+    }
+    w.family(
+        "narwhal_demand_evidence_risk_events_total",
+        "counter",
+        "Decode risk events that re-armed the consolidation evidence window, by kind",
+    );
+    for (kind, n) in &ev.risk_events {
+        if *n > 0 {
+            w.sample(
+                "narwhal_demand_evidence_risk_events_total",
+                &[("kind", kind)],
+                &n.to_string(),
+            );
+        }
+    }
+}
+
+/// A float as Python's `str()` prints it (`3.0`, `0.6375`), `NaN`/`+Inf` as Prometheus.
+fn f(x: f64) -> String {
+    if x.is_nan() {
+        "NaN".into()
+    } else if x.is_infinite() {
+        if x > 0.0 {
+            "+Inf".into()
+        } else {
+            "-Inf".into()
+        }
+    } else if x.fract() == 0.0 && x.abs() < 1e16 {
+        format!("{x:.1}")
+    } else {
+        format!("{x}")
+    }
+}
+
+fn f4(x: f64) -> String {
+    f((x * 1e4).round() / 1e4)
+}
+
+/// Prometheus text exposition 0.0.4.
+#[derive(Default)]
+struct Writer(String);
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+impl Writer {
+    fn family(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.0, "# HELP {name} {help}");
+        let _ = writeln!(self.0, "# TYPE {name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: &str) {
+        if labels.is_empty() {
+            let _ = writeln!(self.0, "{name} {value}");
+        } else {
+            let l: Vec<String> = labels
+                .iter()
+                .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
+                .collect();
+            let _ = writeln!(self.0, "{name}{{{}}} {value}", l.join(","));
+        }
+    }
+}

@@ -1,0 +1,1741 @@
+//! The role controller and predictive admission end to end (issue 12): the conformance
+//! scenarios of controller-notes section 14 against simulated engines, with the fast variant
+//! of the timings (step 1 s, pass 0.25 s, window 24 s, evidence 12/24 s, cooldown 2 s;
+//! `narwhal_testkit::controller_fleet`). Each asserts the decisions, flips and refusals the
+//! section gives.
+#![allow(clippy::disallowed_methods)] // tests measure wall time
+
+use std::time::Duration;
+
+use narwhal_testkit::{Load, Shape, controller_fleet, metric, token_prompt};
+use serde_json::{Value, json};
+
+/// L1 of section 14: 2 req/s of 500-token prompts with `max_tokens` 50.
+const L1: Shape = Shape {
+    rate: 2.0,
+    input: 500,
+    max_tokens: Some(50),
+};
+
+/// L2: 3 req/s of 100-token prompts with `max_tokens` 4000.
+const L2: Shape = Shape {
+    rate: 3.0,
+    input: 100,
+    max_tokens: Some(4000),
+};
+
+/// How long a scenario waits for a decision it expects (the fast timings are 12–20 s, on a
+/// loaded 2-core machine).
+const DECIDE: Duration = Duration::from_secs(40);
+
+fn pools(state: &Value, role: &str) -> Vec<String> {
+    state["pools"][role]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn is(d: &Value, result: &str, reason: &str) -> bool {
+    d["result"] == result && d["reason"].as_str().is_some_and(|r| r.starts_with(reason))
+}
+
+/// S1: prefill pressure consolidates one engine at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s1_prefill_pressure_consolidates_one_engine_at_a_time() {
+    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .start()
+        .await;
+    let r = fleet.router();
+    let load = Load::start(r, L1);
+    let held = r
+        .decision_where("held on the evidence gate", DECIDE, |d| {
+            is(d, "held", "demand evidence is still collecting")
+        })
+        .await;
+    assert_eq!(
+        (held["prefill"].as_u64(), held["decode"].as_u64()),
+        (Some(2), Some(2)),
+        "{held:#}"
+    );
+    assert_eq!(held["evidence_blocked_gate"], "evidence");
+    let work = held["prefill_work"].as_f64().unwrap_or(0.0);
+    assert!(
+        (0.8..1.25).contains(&work),
+        "about 1.02 engines of prefill: {held:#}"
+    );
+    let first = r
+        .decision_where("the first move", DECIDE, |d| d["result"] == "applied")
+        .await;
+    assert_eq!(first["by"], "reactive");
+    assert_eq!(first["eligibility_rule"], "source_shrink");
+    assert_eq!(first["required_confirmations"], 1);
+    assert!(
+        first["evidence_span_s"].as_f64().unwrap_or(0.0) >= 12.0,
+        "{first:#}"
+    );
+    let s = r.state().await;
+    assert_eq!(pools(&s, "prefill"), ["e0", "e1"], "e1 in config order");
+    let second = r
+        .decision_where("the second move", DECIDE, |d| {
+            d["result"] == "applied" && d["at"] != first["at"]
+        })
+        .await;
+    let confirmations: Vec<(Option<u64>, Option<u64>)> = r
+        .decisions()
+        .iter()
+        .filter(|d| d["reason"] == "waiting for sustained demand")
+        .map(|d| {
+            (
+                d["confirmations"].as_u64(),
+                d["required_confirmations"].as_u64(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        confirmations,
+        [(Some(1), Some(3)), (Some(2), Some(3))],
+        "{second:#}"
+    );
+    r.decision_where("steady hold", DECIDE, |d| {
+        is(
+            d,
+            "held",
+            "projected improvement is below the movement margin",
+        ) && d["eligibility_rule"] == "steady_demand"
+    })
+    .await;
+    load.stop().await;
+    let s = r.state().await;
+    assert_eq!(pools(&s, "prefill"), ["e0", "e1", "e2"]);
+    assert_eq!(s["control"]["flips"]["reactive:prefill"], 2);
+    assert_eq!(s["control"]["flips_refused"], 0);
+    let m = r.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "narwhal_flips_total",
+            &["to=\"prefill\"", "by=\"reactive\""]
+        ),
+        Some(2.0)
+    );
+    assert_eq!(metric(&m, "narwhal_flips_refused_total", &[]), Some(0.0));
+    // narwhalctl status: each engine's role, the last decision and its reason.
+    let control = r.control.clone();
+    let out =
+        tokio::task::spawn_blocking(move || narwhal_testkit::narwhalctl(&control, &["status"]))
+            .await
+            .expect("joined");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.contains("roles: e0=prefill e1=prefill e2=prefill e3=decode"),
+        "{text}"
+    );
+    assert!(
+        text.contains("controller: reactive  last decision: reactive "),
+        "{text}"
+    );
+}
+
+/// S12: predictive refusals price the queue and the prompt; open mode serves both.
+///
+/// The reference injected the three resident prefills; a router admitting predictively never
+/// lets a 3.03 s backlog build against a 2 s budget (the second of them would price 2.02 s),
+/// so here `admission_margin` 0.55 (budget 3.10 s) admits the backlog, and the section's
+/// 100-token request then prices 3.14 s against 3.10 s (`Retry-After: 1`), a 3200-token one
+/// 3.21 s of its own. `admission::tests` holds the section's exact numbers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s12_predictive_admission_refuses_what_cannot_make_its_ttft() {
+    for mode in ["predictive", "open"] {
+        let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+            .fleet(json!({"serving": {"admission": mode, "admission_margin": 0.55}}))
+            .start()
+            .await;
+        let r = fleet.router();
+        // Three 1000-token prefills held on e0: a 3.03 s backlog.
+        fleet
+            .sim("e0")
+            .fault(json!({"phase": "prefill", "action": "hang", "ms": 15000, "count": 3}))
+            .await;
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            let (client, url) = (
+                r.http.client().clone(),
+                format!("{}/v1/completions", r.data),
+            );
+            held.push(tokio::spawn(async move {
+                let body =
+                    json!({"model": "tiny-sim", "prompt": token_prompt(1000), "max_tokens": 4});
+                client
+                    .post(url)
+                    .json(&body)
+                    .send()
+                    .await
+                    .map(|x| x.status().as_u16())
+            }));
+        }
+        r.state_where("three prefills resident on e0", |s| {
+            s["resident"]["e0"]["prefill"] == 3
+        })
+        .await;
+        let small = json!({"model": "tiny-sim", "prompt": token_prompt(100), "max_tokens": 4});
+        let big = json!({"model": "tiny-sim", "prompt": token_prompt(3200), "max_tokens": 4});
+        let a = r.post_data("/v1/completions", &small).await;
+        let b = r.post_data("/v1/completions", &big).await;
+        let s = r.state().await;
+        if mode == "open" {
+            assert_eq!(
+                (a.status.as_u16(), b.status.as_u16()),
+                (200, 200),
+                "open mode serves both"
+            );
+            let rows: Vec<Value> = r
+                .journal_rows()
+                .into_iter()
+                .filter(|x| x["terminal"] == "completed")
+                .collect();
+            assert!(
+                rows.iter()
+                    .all(|x| x["admission_price"]["price_s"].as_f64().unwrap_or(0.0) > 2.0),
+                "{rows:#?}"
+            );
+            // The 2nd and 3rd backlog prefills (2.02 s, 3.03 s) and both requests placed over
+            // the 2 s TTFT (controller-notes 10.7).
+            assert_eq!(s["unserved"], 4);
+            continue;
+        }
+        assert_eq!(a.status, 429);
+        assert_eq!(a.header("retry-after"), "1");
+        assert_eq!(
+            a.json()["error"],
+            json!({"message": "cheapest placement prices TTFT at 3.14s against the 3.10s budget; retry as the priced queue drains",
+                   "type": "server_overloaded_error"})
+        );
+        assert_eq!(b.status, 429);
+        assert_eq!(
+            b.header("retry-after"),
+            "",
+            "a prompt too long has no retry"
+        );
+        assert!(
+            b.json()["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with(
+                    "this prompt's own prefill prices TTFT at 3.21s against the 3.10s budget"
+                )
+        );
+        let refused: Vec<Value> = r
+            .journal_rows()
+            .into_iter()
+            .filter(|x| x["terminal"] == "refused")
+            .collect();
+        assert_eq!(refused.len(), 2);
+        let q = &refused[0];
+        assert_eq!(
+            (
+                q["reason"].as_str(),
+                q["refused_cause"].as_str(),
+                q["refused"].as_bool()
+            ),
+            (Some("queue"), Some("queue"), Some(true))
+        );
+        assert_eq!(q["status"], 429);
+        assert_eq!(q["error_type"], "server_overloaded_error");
+        let price = &q["admission_price"];
+        assert_eq!(
+            (
+                price["attempt"].as_u64(),
+                price["backlog_s"].as_f64(),
+                price["own_prefill_s"].as_f64()
+            ),
+            (Some(1), Some(3.03), Some(0.11))
+        );
+        assert!(
+            (price["price_s"].as_f64().unwrap_or(0.0) - (3.03 + 0.11)).abs() < 0.01,
+            "{price}"
+        );
+        assert_eq!(q["attempt_failures"].as_array().map(Vec::len), Some(1));
+        assert_eq!(q["attempt_failures"][0]["retry_reason"], "not_dispatched");
+        assert_eq!(refused[1]["refused_cause"], "prompt");
+        // unserved: the 2nd and 3rd backlog placements and both refused ones.
+        assert_eq!(
+            (s["refused"].as_u64(), s["unserved"].as_u64()),
+            (Some(2), Some(4))
+        );
+        assert_eq!(s["admission"]["mode"], "predictive");
+        let m = r.metrics().await;
+        assert_eq!(
+            metric(&m, "narwhal_refused_total", &["cause=\"queue\""]),
+            Some(1.0)
+        );
+        assert_eq!(
+            metric(&m, "narwhal_refused_total", &["cause=\"prompt\""]),
+            Some(1.0)
+        );
+        assert_eq!(metric(&m, "narwhal_unserved_total", &[]), Some(4.0));
+        assert_eq!(
+            metric(&m, "narwhal_admission_info", &["mode=\"predictive\""]),
+            Some(1.0)
+        );
+        assert_eq!(
+            metric(
+                &m,
+                "narwhal_attempt_failures_total",
+                &["phase=\"prefill\"", "reason=\"queue\""]
+            ),
+            Some(1.0)
+        );
+        for h in held {
+            h.abort();
+        }
+    }
+}
+
+/// Kills simulator `iid` and sends requests until the breaker ejects it (`eject_after` 1).
+async fn kill_and_eject(fleet: &mut narwhal_testkit::Fleet, iid: &str) {
+    fleet.sim_mut(iid).proc.kill();
+    let r = fleet.router();
+    let mut answers = Vec::new();
+    for _ in 0..200 {
+        let s = r.state().await;
+        if s["ejected"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|x| x == iid))
+        {
+            return;
+        }
+        let body = json!({"model": "tiny-sim", "prompt": token_prompt(10), "max_tokens": 2});
+        let a = r.post_data("/v1/completions", &body).await;
+        answers.push(format!("{} {}", a.status, a.text()));
+    }
+    let tail: Vec<&String> = answers.iter().rev().take(5).collect();
+    let s = r.state().await;
+    panic!(
+        "{iid} never ejected; last answers: {tail:#?}; pools {} resident {} ejected {}",
+        s["pools"], s["resident"], s["ejected"]
+    );
+}
+
+/// S2: moves to decode wait for the cooldown (counted from router start); then the fresh
+/// p→d risk holds consolidation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s2_moves_to_decode_wait_for_the_cooldown() {
+    let fleet = controller_fleet(&["prefill", "prefill", "prefill", "decode"])
+        .fleet(json!({"controller": {"thresholds": {"cooldown_s": 6}}}))
+        .start()
+        .await;
+    let r = fleet.router();
+    let load = Load::start(r, L2);
+    let blocked = r
+        .decision_where("blocked by the cooldown", DECIDE, |d| {
+            is(d, "blocked", "decode cooldown has not elapsed")
+        })
+        .await;
+    let first = r
+        .decision_where("e0 to decode", DECIDE, |d| d["result"] == "applied")
+        .await;
+    assert!(first["at"].as_f64() > blocked["at"].as_f64());
+    assert_eq!(pools(&r.state().await, "decode"), ["e0", "e3"]);
+    r.decision_where("blocked again after the move", DECIDE, |d| {
+        is(d, "blocked", "decode cooldown has not elapsed")
+            && d["at"].as_f64() > first["at"].as_f64()
+    })
+    .await;
+    let second = r
+        .decision_where("e1 to decode", DECIDE, |d| {
+            d["result"] == "applied" && d["at"] != first["at"]
+        })
+        .await;
+    let gap = second["at"].as_f64().unwrap_or(0.0) - first["at"].as_f64().unwrap_or(0.0);
+    assert!(
+        gap >= 5.9,
+        "the cooldown counts from the last move to decode: {gap}"
+    );
+    let risk = r
+        .decision_where("held on the p→d risk", DECIDE, |d| {
+            is(d, "held", "p to d recovery")
+        })
+        .await;
+    assert_eq!(risk["evidence_blocked_gate"], "risk", "{risk:#}");
+    assert!(
+        risk["reason"]
+            .as_str()
+            .unwrap_or("")
+            .ends_with("s ago: re-collecting one evidence window")
+    );
+    load.stop().await;
+    let s = r.state().await;
+    assert_eq!(pools(&s, "prefill"), ["e2"], "no third move");
+    assert_eq!(s["demand_evidence"]["risk_events"]["p_to_d_recovery"], 2);
+    let refused = s["flips_refused"].as_array().cloned().unwrap_or_default();
+    assert!(
+        !refused.is_empty() && refused.iter().all(|x| x["to"] == "decode"),
+        "{refused:?}"
+    );
+}
+
+/// S3: a first-token timeout re-arms the evidence window; the handoff carries the risk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_a_first_token_timeout_rearms_the_evidence_window() {
+    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .fleet(json!({"engine": {"first_token_timeout_s": 1.0}}))
+        .start()
+        .await;
+    let r = fleet.router();
+    let load = Load::start(r, L1);
+    r.decision_where("an early evidence hold", DECIDE, |d| {
+        is(d, "held", "demand evidence is still collecting")
+    })
+    .await;
+    // One decode leg misses its first-token deadline (its retry lands elsewhere).
+    fleet
+        .sim("e2")
+        .fault(json!({"phase": "decode", "action": "hang", "ms": 3000}))
+        .await;
+    let s = r
+        .state_where("a first-token timeout risk", |s| {
+            s["demand_evidence"]["risk_kind"] == "first_token_timeout"
+        })
+        .await;
+    let risk_wall = s["control"]["last_decision"]["at"].as_f64().unwrap_or(0.0)
+        - s["demand_evidence"]["risk_age_s"].as_f64().unwrap_or(0.0);
+    let held = r
+        .decision_where("held on the timeout risk", DECIDE, |d| {
+            is(d, "held", "first token timeout")
+        })
+        .await;
+    assert_eq!(held["evidence_blocked_gate"], "risk");
+    assert!(
+        held["reason"]
+            .as_str()
+            .unwrap_or("")
+            .ends_with(" s ago: re-collecting one evidence window"),
+        "{held:#}"
+    );
+    let m = r.metrics().await;
+    assert_eq!(
+        metric(&m, "narwhal_demand_evidence_refused", &["gate=\"risk\""]),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "narwhal_demand_evidence_risk_events_total",
+            &["kind=\"first_token_timeout\""]
+        ),
+        Some(1.0)
+    );
+    let handoff = r.handoff().await;
+    assert_eq!(
+        handoff["demand_risk"]["kind"], "first_token_timeout",
+        "{handoff:#}"
+    );
+    let moved = r
+        .decision_where(
+            "the move after a new window",
+            Duration::from_secs(60),
+            |d| d["result"] == "applied",
+        )
+        .await;
+    let after = moved["at"].as_f64().unwrap_or(0.0) - risk_wall;
+    assert!(
+        after >= 11.5,
+        "the move comes a full evidence span after the event: {after}"
+    );
+    assert!(
+        moved["evidence_span_s"].as_f64().unwrap_or(0.0) >= 12.0,
+        "{moved:#}"
+    );
+    load.stop().await;
+}
+
+/// S4: the decode floor is restored from the lightest prefill engine; then the last
+/// prefill engine is kept, every pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_the_decode_floor_is_restored_then_the_last_prefill_engine_kept() {
+    let mut fleet = controller_fleet(&["prefill", "prefill", "decode", "decode"])
+        .fleet(json!({"controller": {"min_decode": 2}, "recovery": {"eject_after": 1}}))
+        .start()
+        .await;
+    // Three prefills held on the two prefill engines: p2c spreads them 2/1, and the floor
+    // restoration must take the engine holding less resident prefill.
+    for iid in ["e0", "e1"] {
+        fleet
+            .sim(iid)
+            .fault(json!({"phase": "prefill", "action": "hang", "ms": 60000, "count": 3}))
+            .await;
+    }
+    let mut held = Vec::new();
+    let resident = {
+        let r = fleet.router();
+        for _ in 0..3 {
+            let (client, url) = (
+                r.http.client().clone(),
+                format!("{}/v1/completions", r.data),
+            );
+            held.push(tokio::spawn(async move {
+                let body =
+                    json!({"model": "tiny-sim", "prompt": token_prompt(200), "max_tokens": 2});
+                let _ = client.post(url).json(&body).send().await;
+            }));
+        }
+        let s = r
+            .state_where("three resident prefills", |s| {
+                let n = |i: &str| s["resident"][i]["prefill"].as_u64().unwrap_or(0);
+                n("e0") + n("e1") == 3
+            })
+            .await;
+        s["resident"].clone()
+    };
+    for iid in ["e0", "e1"] {
+        fleet.sim(iid).clear_faults().await;
+    }
+    let lighter = if resident["e0"]["prefill"].as_u64() < resident["e1"]["prefill"].as_u64() {
+        "e0"
+    } else {
+        "e1"
+    };
+    // The held requests reserved decode engines too; placement avoids the busier one, so
+    // the decode engine killed first is the less reserved (the scenario's "e2").
+    let res = |i: &str| resident[i]["decode"].as_u64().unwrap_or(0);
+    let (first, second) = if res("e2") <= res("e3") {
+        ("e2", "e3")
+    } else {
+        ("e3", "e2")
+    };
+    kill_and_eject(&mut fleet, first).await;
+    let r = fleet.router();
+    let d = r
+        .decision_where("the decode floor restored", DECIDE, |d| {
+            d["by"] == "decode_floor" && d["result"] == "applied"
+        })
+        .await;
+    assert_eq!(d["reason"], "restore min_decode");
+    assert_eq!(
+        (d["prefill"].as_u64(), d["decode"].as_u64()),
+        (Some(1), Some(3))
+    );
+    assert!(
+        d.get("objective").is_none(),
+        "floor flips carry no details: {d:#}"
+    );
+    let ev = r.events("decode_floor_restored");
+    assert_eq!(
+        ev[0]["iid"], lighter,
+        "the engine holding less resident prefill: {resident}"
+    );
+    assert_eq!(
+        (ev[0]["live_decode"].as_u64(), ev[0]["min_decode"].as_u64()),
+        (Some(2), Some(2))
+    );
+    let s = r.state().await;
+    assert_eq!(s["decode_floor"]["restoration_moves"], 1);
+    assert_eq!(s["demand_evidence"]["risk_kind"], "p_to_d_recovery");
+    // The held requests go, so traffic reaches the second decode engine to be killed.
+    for h in held.drain(..) {
+        h.abort();
+    }
+    r.state_where("no resident prefill", |s| {
+        ["e0", "e1"]
+            .iter()
+            .all(|i| s["resident"][*i]["prefill"] == 0)
+    })
+    .await;
+    kill_and_eject(&mut fleet, second).await;
+    let r = fleet.router();
+    let last = r
+        .decision_where("the last prefill engine kept", DECIDE, |d| {
+            d["by"] == "decode_floor"
+                && is(d, "blocked", "prefill floor keeps the last live engine")
+        })
+        .await;
+    assert_eq!(
+        (last["prefill"].as_u64(), last["decode"].as_u64()),
+        (Some(0), Some(4))
+    );
+    let count = |r: &narwhal_testkit::RouterHandle| {
+        r.decisions()
+            .iter()
+            .filter(|d| d["reason"] == "prefill floor keeps the last live engine")
+            .count()
+    };
+    let n = count(r);
+    narwhal_testkit::eventually("a refusal every pass", Duration::from_secs(10), || async {
+        (count(r) >= n + 3).then_some(())
+    })
+    .await;
+    let since = last["at"].as_f64().unwrap_or(0.0);
+    assert!(
+        r.decisions()
+            .iter()
+            .all(|d| d["by"] != "reactive" || d["at"].as_f64().unwrap_or(0.0) < since),
+        "no reactive step while below the decode floor"
+    );
+    assert_eq!(
+        metric(&r.metrics().await, "narwhal_decode_below_floor", &[]),
+        Some(1.0)
+    );
+}
+
+/// S5: the prefill floor is recovered at once, without cooldown, dwell, evidence or risk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_the_prefill_floor_is_recovered_at_once() {
+    let mut fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .fleet(
+            json!({"recovery": {"eject_after": 1}, "controller": {"thresholds": {"dwell_s": 100}}}),
+        )
+        .start()
+        .await;
+    kill_and_eject(&mut fleet, "e0").await;
+    let r = fleet.router();
+    let d = r
+        .decision_where("floor recovery", DECIDE, |d| d["by"] == "floor_recovery")
+        .await;
+    assert_eq!(
+        (d["result"].as_str(), d["reason"].as_str()),
+        (Some("applied"), Some("restore min_prefill"))
+    );
+    assert_eq!(
+        (d["prefill"].as_u64(), d["decode"].as_u64()),
+        (Some(2), Some(2)),
+        "counts include the ejected e0"
+    );
+    let below = r.events("below_floor");
+    assert_eq!(below.len(), 1);
+    assert_eq!(
+        (
+            below[0]["live_prefill"].as_u64(),
+            below[0]["min_prefill"].as_u64()
+        ),
+        (Some(0), Some(1))
+    );
+    assert_eq!(below[0]["ejected"], json!(["e0"]));
+    assert_eq!(below[0]["quarantined"], json!([]));
+    let rec = r.events("below_floor_recovered");
+    assert_eq!(rec.len(), 1);
+    assert!(
+        rec[0]["duration_s"].as_f64().unwrap_or(9.0) < 2.0,
+        "{:?}",
+        rec[0]
+    );
+    let s = r.state().await;
+    assert_eq!(pools(&s, "prefill"), ["e0", "e1"]);
+    assert_eq!(s["below_floor"]["breaches"], 1);
+    assert_eq!(
+        s["demand_evidence"]["risk_kind"],
+        Value::Null,
+        "no risk event"
+    );
+}
+
+/// S6: no donor: the fleet-health hold; vLLM serves prefill on decode engines meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s6_without_a_donor_the_fleet_health_hold_applies() {
+    let mut fleet = controller_fleet(&["prefill", "decode", "decode"])
+        .fleet(json!({"controller": {"min_decode": 2}, "recovery": {"eject_after": 1}}))
+        .start()
+        .await;
+    kill_and_eject(&mut fleet, "e0").await;
+    let r = fleet.router();
+    let load = Load::start(r, L1);
+    let d = r
+        .decision_where("the health hold", DECIDE, |d| {
+            is(d, "held", "fleet health is changing")
+        })
+        .await;
+    assert_eq!(
+        (d["prefill"].as_u64(), d["decode"].as_u64()),
+        (Some(1), Some(2))
+    );
+    let stats = load.stop().await;
+    assert!(
+        stats.ok.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "completions still succeed"
+    );
+    let s = r.state().await;
+    assert_eq!(r.events("below_floor").len(), 1);
+    assert_eq!(s["control"]["flips_refused"], 0);
+    assert_eq!(pools(&s, "prefill"), ["e0"]);
+    let served_aggregated = fleet.sim("e1").stats().await["requests"]["aggregated"]
+        .as_u64()
+        .unwrap_or(0)
+        + fleet.sim("e2").stats().await["requests"]["aggregated"]
+            .as_u64()
+            .unwrap_or(0);
+    assert!(served_aggregated > 0, "prefill legs ran on e1/e2");
+}
+
+/// S7: advisory mode runs every guard and never moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s7_advisory_mode_decides_without_moving() {
+    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .fleet(json!({"controller": {"advisory": true}}))
+        .start()
+        .await;
+    let r = fleet.router();
+    let load = Load::start(r, L1);
+    let first = r
+        .decision_where("an advisory decision", DECIDE, |d| {
+            d["result"] == "advisory"
+        })
+        .await;
+    assert_eq!(first["reason"], "post-move objective improved");
+    let second = r
+        .decision_where("a second advisory decision", DECIDE, |d| {
+            d["result"] == "advisory" && d["at"] != first["at"]
+        })
+        .await;
+    assert_eq!(second["reason"], first["reason"]);
+    load.stop().await;
+    let s = r.state().await;
+    assert_eq!(pools(&s, "prefill"), ["e0"], "roles never change");
+    assert!(
+        s["flips_refused"]
+            .as_array()
+            .is_some_and(|a| a.iter().all(|x| x["why"] == "advisory mode"))
+    );
+    let m = r.metrics().await;
+    assert_eq!(metric(&m, "narwhal_controller_advisory", &[]), Some(1.0));
+    assert!(
+        metric(
+            &m,
+            "narwhal_controller_decisions_total",
+            &["result=\"advisory\""]
+        )
+        .unwrap_or(0.0)
+            >= 2.0
+    );
+    for (to, by) in [
+        ("prefill", "reactive"),
+        ("decode", "reactive"),
+        ("decode", "decode_floor"),
+        ("prefill", "floor_recovery"),
+    ] {
+        let to_l = format!("to=\"{to}\"");
+        let by_l = format!("by=\"{by}\"");
+        assert_eq!(
+            metric(&m, "narwhal_flips_total", &[&to_l, &by_l]),
+            Some(0.0)
+        );
+    }
+}
+
+/// S8: pinned decode engines, and the decode-resident guard, refuse the donor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s8_pins_and_the_resident_guard_refuse_the_donor() {
+    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .pin(&["e1", "e2", "e3"])
+        .start()
+        .await;
+    fleet
+        .router()
+        .decision_under_load(L1, "blocked by pins", DECIDE, |d| {
+            is(
+                d,
+                "blocked",
+                "pins or nominated engine exclude every source candidate",
+            )
+        })
+        .await;
+    drop(fleet);
+
+    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .sim_args(&["--tpot-ms", "10"])
+        .fleet(json!({"controller": {"thresholds": {"flip_resident_guard": 2}}}))
+        .start()
+        .await;
+    let r = fleet.router();
+    let mut streams = Vec::new();
+    let mut per: std::collections::BTreeMap<String, u64> = std::collections::BTreeMap::new();
+    while ["e1", "e2", "e3"]
+        .iter()
+        .any(|i| per.get(*i).copied().unwrap_or(0) < 3)
+    {
+        let (s, iid) = r.hold_stream(20, 4000).await;
+        *per.entry(iid).or_default() += 1;
+        streams.push(s);
+        assert!(streams.len() < 20, "p2c spreads streams: {per:?}");
+    }
+    let lightest = per.values().min().copied().unwrap_or(0);
+    let d = r
+        .decision_under_load(L1, "blocked by the resident guard", DECIDE, |d| {
+            is(d, "blocked", "lightest decode donor carries")
+        })
+        .await;
+    assert!(
+        d["reason"]
+            .as_str()
+            .unwrap_or("")
+            .ends_with("residents, above flip_resident_guard 2"),
+        "{d:#}"
+    );
+    assert!(lightest >= 3);
+}
+
+/// S9: no adjacent split (1P1D); demand below the floor (1P3D at 1 req/s of 200 tokens).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s9_no_adjacent_split_and_too_little_demand_hold() {
+    let fleet = controller_fleet(&["prefill", "decode"]).start().await;
+    let r = fleet.router();
+    let load = Load::start(r, L1);
+    // A dozen evaluations after the window closed (one per step): all held on the margin.
+    let first = r
+        .decision_where("held on the margin", DECIDE, |d| {
+            is(
+                d,
+                "held",
+                "projected improvement is below the movement margin",
+            )
+        })
+        .await;
+    let before = r.decisions().len();
+    let ds = r.decisions_at_least(before + 12, DECIDE).await;
+    load.stop().await;
+    let after: Vec<&Value> = ds
+        .iter()
+        .filter(|d| d["at"].as_f64() >= first["at"].as_f64())
+        .collect();
+    assert!(
+        after
+            .iter()
+            .all(|d| d["reason"] == "projected improvement is below the movement margin"),
+        "{after:#?}"
+    );
+    drop(fleet);
+    // 1P3D at 1 req/s of 200-token prompts: less than demand_floor engines of demand.
+    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .start()
+        .await;
+    let r = fleet.router();
+    let load = Load::start(r, Shape::new(1.0, 200, Some(50)));
+    let ds = r.decisions_at_least(16, Duration::from_secs(40)).await;
+    load.stop().await;
+    assert!(
+        ds.iter()
+            .all(|d| d["reason"] == "insufficient demand history"),
+        "{ds:#?}"
+    );
+}
+
+/// Posts `n` requests of `input`-token prompts at once; their join handles answer
+/// `(status, x-request-id)`.
+fn burst(
+    r: &narwhal_testkit::RouterHandle,
+    n: usize,
+    input: usize,
+) -> Vec<tokio::task::JoinHandle<(u16, String)>> {
+    (0..n)
+        .map(|_| {
+            let (client, url) = (
+                r.http.client().clone(),
+                format!("{}/v1/completions", r.data),
+            );
+            tokio::spawn(async move {
+                let body =
+                    json!({"model": "tiny-sim", "prompt": token_prompt(input), "max_tokens": 2});
+                match client.post(url).json(&body).send().await {
+                    Ok(resp) => {
+                        let rid = resp
+                            .headers()
+                            .get("x-request-id")
+                            .and_then(|v| v.to_str().ok())
+                            .unwrap_or("")
+                            .to_string();
+                        (resp.status().as_u16(), rid)
+                    }
+                    Err(_) => (0, String::new()),
+                }
+            })
+        })
+        .collect()
+}
+
+/// S10: unknown outputs hold the controller until observed prefill pressure opens the
+/// recovery path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s10_incomplete_demand_moves_on_observed_prefill_pressure() {
+    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .sim_args(&["--tpot-ms", "50"])
+        .start()
+        .await;
+    let r = fleet.router();
+    // No max_tokens and no completion ever (the clients leave first): outputs stay unknown.
+    let load = Load::start_with(
+        r,
+        Shape::new(2.0, 500, None),
+        Some(Duration::from_millis(300)),
+    );
+    let d = r
+        .decision_where("held on incomplete demand", DECIDE, |d| {
+            is(
+                d,
+                "held",
+                "incomplete demand requires observed phase pressure and fleet profiles",
+            )
+        })
+        .await;
+    assert_eq!(d["demand_complete"], false);
+    // Seven 1000-token prefills held on e0: about 3.5 TTFT budgets of resident work.
+    fleet
+        .sim("e0")
+        .fault(json!({"phase": "prefill", "action": "hang", "ms": 60000, "count": 7}))
+        .await;
+    let held = burst(r, 7, 1000);
+    let moved = r
+        .decision_where("the recovery move", Duration::from_secs(60), |d| {
+            d["result"] == "applied"
+        })
+        .await;
+    assert_eq!(
+        moved["decision_basis"], "prefill_pressure_recovery",
+        "{moved:#}"
+    );
+    let ratio = moved["recovery_prefill_ratio"].as_f64().unwrap_or(0.0);
+    assert!((3.0..4.5).contains(&ratio), "about 3.5: {ratio}");
+    let waits: Vec<u64> = r
+        .decisions()
+        .iter()
+        .filter(|d| {
+            d["reason"] == "waiting for sustained demand"
+                && d["decision_basis"] == "prefill_pressure_recovery"
+        })
+        .filter_map(|d| d["confirmations"].as_u64())
+        .collect();
+    assert!(waits.ends_with(&[1, 2]), "{waits:?}");
+    load.stop().await;
+    for h in held {
+        h.abort();
+    }
+}
+
+/// S11: a queue that breaches the TTFT budget triggers urgent moves within milliseconds,
+/// once the evidence window is closed; before that they are held on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s11_urgent_recovery_cascades_once_the_window_closed() {
+    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .sim_args(&["--tpot-ms", "20"])
+        .fleet(json!({"serving": {"queue_capacity": 16, "queue_timeout_s": 30}}))
+        .router_args(&["--max-concurrent", "1"])
+        .start()
+        .await;
+    let r = fleet.router();
+    // Early: the seat is held and six long prompts queue before the window closes.
+    let (stream, _) = r.hold_stream(10, 60).await;
+    let early = burst(r, 6, 1000);
+    let d = r
+        .decision_where("an urgent hold on the evidence gate", DECIDE, |d| {
+            d["eligibility_rule"] == "projected_ttft_recovery"
+        })
+        .await;
+    assert_eq!(d["reason"], "demand evidence is still collecting", "{d:#}");
+    assert!(stream.finish().await);
+    for h in early {
+        assert_eq!(h.await.expect("joined").0, 200);
+    }
+    // Light traffic closes the window.
+    let load = Load::start(r, Shape::new(1.0, 100, Some(2)));
+    r.state_where("a closed evidence window", |s| {
+        s["demand_evidence"]["closed"] == true
+    })
+    .await;
+    load.stop().await;
+    let (stream, _) = r.hold_stream(10, 150).await;
+    let queued = burst(r, 6, 1000);
+    let first = r
+        .decision_where("an urgent move", DECIDE, |d| {
+            d["result"] == "applied" && d["eligibility_rule"] == "projected_ttft_recovery"
+        })
+        .await;
+    assert_eq!(first["required_confirmations"], 1);
+    let projected = first["projected_ttft_s"].as_f64().unwrap_or(0.0);
+    let candidate = first["candidate_projected_ttft_s"]
+        .as_f64()
+        .unwrap_or(f64::INFINITY);
+    assert!(projected > 2.0 && candidate < projected, "{first:#}");
+    r.decision_where("the cascade to 3P1D", DECIDE, |d| {
+        d["result"] == "applied" && d["prefill"] == 3
+    })
+    .await;
+    assert_eq!(
+        pools(&r.state().await, "prefill").len(),
+        3,
+        "3P1D (the donors carry the least decode)"
+    );
+    r.decision_where("no strict improvement left", DECIDE, |d| {
+        is(
+            d,
+            "held",
+            "projected TTFT recovery requires a strict prefill improvement",
+        )
+    })
+    .await;
+    assert!(stream.finish().await);
+    let mut rids = Vec::new();
+    for h in queued {
+        let (status, rid) = h.await.expect("joined");
+        assert_eq!(status, 200);
+        rids.push(rid);
+    }
+    let trigger = first["trigger_rid"].as_str().unwrap_or("").to_string();
+    assert!(
+        rids.contains(&trigger),
+        "the trigger is a queued request: {trigger} in {rids:?}"
+    );
+    // Their journal rows carry the admission wait (controller-notes 11.2).
+    let rows = r.journal_rows();
+    let waited: Vec<f64> = rows
+        .iter()
+        .filter(|x| rids.iter().any(|id| x["rid"] == id.as_str()))
+        .filter_map(|x| x["queue_waits"]["admission"].as_f64())
+        .collect();
+    assert_eq!(waited.len(), 6, "{rows:?}");
+    assert!(waited.iter().all(|w| *w > 0.0), "{waited:?}");
+    assert!(
+        rows.iter()
+            .filter(|x| x["rid"].is_string())
+            .all(|x| x["input_sized"] == true)
+    );
+}
+
+/// S13: an SGLang donor with a resident stream is held out of new placements until idle,
+/// then switched through the engine's role-switch route.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s13_sglang_donor_is_held_until_idle_then_switched() {
+    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .dialect("sglang")
+        .sim_args(&["--enable-pd-role-switch", "--tpot-ms", "20"])
+        .start()
+        .await;
+    let r = fleet.router();
+    let mut streams: Vec<(narwhal_testkit::HeldStream, String)> = Vec::new();
+    while ["e1", "e2", "e3"]
+        .iter()
+        .any(|i| !streams.iter().any(|(_, x)| x == i))
+    {
+        streams.push(r.hold_stream(10, 3000).await);
+        assert!(streams.len() < 15);
+    }
+    let load = Load::start(r, L1);
+    let hold = r
+        .decision_where("a switch hold", DECIDE, |d| is(d, "blocked", "holding "))
+        .await;
+    let reason = hold["reason"].as_str().unwrap_or("").to_string();
+    assert!(
+        reason.ends_with(" out of new placements until it is idle for an engine-side role switch"),
+        "{reason}"
+    );
+    let donor = reason.split(' ').nth(1).unwrap_or("").to_string();
+    let decodes = |v: &Value| v["requests"]["decode"].as_u64().unwrap_or(0);
+    let before = decodes(&fleet.sim(&donor).stats().await);
+    let others: u64 = {
+        let mut n = 0;
+        for i in ["e1", "e2", "e3"].iter().filter(|i| **i != donor) {
+            n += decodes(&fleet.sim(i).stats().await);
+        }
+        n
+    };
+    narwhal_testkit::eventually("traffic on the other decode engines", DECIDE, || async {
+        let mut n = 0;
+        for i in ["e1", "e2", "e3"].iter().filter(|i| **i != donor) {
+            n += decodes(&fleet.sim(i).stats().await);
+        }
+        (n >= others + 5).then_some(())
+    })
+    .await;
+    assert_eq!(
+        decodes(&fleet.sim(&donor).stats().await),
+        before,
+        "new decode legs avoid {donor}"
+    );
+    // The donor's stream ends: it is idle, and the next evaluation switches it.
+    let (mine, rest): (Vec<_>, Vec<_>) = streams.into_iter().partition(|(_, x)| *x == donor);
+    drop(mine);
+    let applied = r
+        .decision_where("the switch", DECIDE, |d| d["result"] == "applied")
+        .await;
+    assert!(applied["at"].as_f64() > hold["at"].as_f64());
+    let sim = fleet.sim(&donor);
+    narwhal_testkit::eventually("the engine switched", DECIDE, || async {
+        (sim.stats().await["role_switches"] == 1).then_some(())
+    })
+    .await;
+    let info = fleet
+        .http
+        .get(format!("{}/server_info", sim.url))
+        .await
+        .json();
+    assert_eq!(info["internal_states"][0]["disaggregation_mode"], "prefill");
+    let s = r.state().await;
+    assert!(pools(&s, "prefill").contains(&donor));
+    narwhal_testkit::eventually("the switched engine serves prefill", DECIDE, || async {
+        (sim.stats().await["requests"]["prefill"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0)
+        .then_some(())
+    })
+    .await;
+    load.stop().await;
+    drop(rest);
+}
+
+/// S13 (failure): an engine that refuses the switch is ejected with cause `role_switch`,
+/// its router role staying at the new target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s13_a_refused_sglang_switch_ejects_the_engine() {
+    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .dialect("sglang")
+        .sim_args(&["--enable-pd-role-switch"])
+        .fleet(json!({"recovery": {"readmit_every": 1000}}))
+        .start()
+        .await;
+    for iid in ["e1", "e2", "e3"] {
+        fleet
+            .sim(iid)
+            .fault(json!({"phase": "role_switch", "action": "status", "status": 400,
+                          "body": {"success": false, "message": "rebuild failed; instance unhealthy, restart required: test"}}))
+            .await;
+    }
+    let r = fleet.router();
+    let load = Load::start(r, L1);
+    let applied = r
+        .decision_where("the flip", DECIDE, |d| d["result"] == "applied")
+        .await;
+    let ejected = narwhal_testkit::eventually("a role_switch ejection", DECIDE, || async {
+        r.events("engine_ejected")
+            .into_iter()
+            .find(|e| e["cause"] == "role_switch")
+    })
+    .await;
+    load.stop().await;
+    let iid = ejected["iid"].as_str().unwrap_or("").to_string();
+    let s = r.state().await;
+    assert!(
+        pools(&s, "prefill").contains(&iid),
+        "the role stays at the target: {}",
+        s["pools"]
+    );
+    assert!(
+        s["ejected"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|x| x == iid.as_str()))
+    );
+    let failed = r.events("role_switch_failed");
+    assert!(
+        failed[0]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("engine refused the switch to prefill"),
+        "{failed:?}"
+    );
+    let m = r.metrics().await;
+    let l = format!("iid=\"{iid}\"");
+    assert_eq!(
+        metric(
+            &m,
+            "narwhal_engine_ejections_total",
+            &[&l, "cause=\"role_switch\""]
+        ),
+        Some(1.0)
+    );
+    let _ = applied;
+}
+
+/// S14: a rising decode demand blocks consolidation: first the projected decode pressure,
+/// then the trend gate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s14_rising_decode_demand_blocks_consolidation() {
+    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .start()
+        .await;
+    let r = fleet.router();
+    let l1 = Load::start(r, L1);
+    r.decision_where("the evidence hold", DECIDE, |d| {
+        is(d, "held", "demand evidence is still collecting")
+    })
+    .await;
+    let heavy = Load::start(r, Shape::new(3.0, 100, Some(3000)));
+    r.decision_where("decode pressure blocks", DECIDE, |d| {
+        is(d, "held", "projected decode pressure blocks consolidation")
+    })
+    .await;
+    let trend = r
+        .decision_where("the trend gate", DECIDE, |d| {
+            is(d, "held", "rising decode demand blocks consolidation")
+        })
+        .await;
+    assert_eq!(trend["evidence_blocked_gate"], "trend");
+    assert!(
+        trend["evidence_trend_ratio"].as_f64().unwrap_or(0.0) > 1.25,
+        "{trend:#}"
+    );
+    l1.stop().await;
+    heavy.stop().await;
+    assert!(
+        r.decisions().iter().all(|d| d["result"] != "applied"),
+        "no consolidation"
+    );
+}
+
+/// S15: flip bookkeeping: in-flight residents, `drained_s` once they finish, reversals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_flip_bookkeeping_tracks_residents_and_reversals() {
+    let mut fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .sim_args(&["--tpot-ms", "10"])
+        .pin(&["e0"])
+        .fleet(json!({"recovery": {"eject_after": 1}}))
+        .start()
+        .await;
+    let mut streams = Vec::new();
+    let mut per: std::collections::BTreeMap<String, u64> = std::collections::BTreeMap::new();
+    {
+        let r = fleet.router();
+        for _ in 0..5 {
+            let (s, iid) = r.hold_stream(1500, 3000).await;
+            *per.entry(iid.clone()).or_default() += 1;
+            streams.push((s, iid));
+        }
+    }
+    let load = {
+        let r = fleet.router();
+        Load::start(r, L1)
+    };
+    let r = fleet.router();
+    r.decision_where("the first move", DECIDE, |d| d["result"] == "applied")
+        .await;
+    let s = r.state().await;
+    let flip = s["flips"][0].clone();
+    let donor = flip["iid"].as_str().unwrap_or("").to_string();
+    let carried = per.get(&donor).copied().unwrap_or(0);
+    let lightest = ["e1", "e2", "e3"]
+        .iter()
+        .map(|i| per.get(*i).copied().unwrap_or(0))
+        .min();
+    assert_eq!(
+        Some(carried),
+        lightest,
+        "the lightest decode donor: {per:?}; {}",
+        s["resident_work"]
+    );
+    // Its streams, plus any L1 request decoding there at that moment.
+    let inflight = flip["decode_inflight"].as_u64().unwrap_or(0);
+    assert!((carried..=carried + 2).contains(&inflight), "{flip}");
+    assert_eq!(flip["drained_s"], Value::Null);
+    let m = r.metrics().await;
+    assert_eq!(
+        metric(&m, "narwhal_flip_inflight_total", &["phase=\"decode\""]),
+        Some(inflight as f64)
+    );
+    // The donor's streams complete normally on the engine now labelled prefill.
+    let (mine, rest): (Vec<_>, Vec<_>) = streams.into_iter().partition(|(_, x)| *x == donor);
+    for (s, _) in mine {
+        assert!(s.finish().await, "completed with [DONE]");
+    }
+    let drained = r
+        .state_where("drained_s set", |s| s["flips"][0]["drained_s"].is_number())
+        .await;
+    assert!(drained["flips"][0]["drained_s"].as_f64().unwrap_or(0.0) > 0.0);
+    load.stop().await;
+    drop(rest);
+    // The decode engines go: the decode floor moves a flipped engine back (e0 is pinned).
+    let decode_now = pools(&r.state().await, "decode");
+    for iid in decode_now {
+        kill_and_eject(&mut fleet, &iid).await;
+    }
+    let r = fleet.router();
+    r.decision_where("the decode floor", DECIDE, |d| {
+        d["by"] == "decode_floor" && d["result"] == "applied"
+    })
+    .await;
+    let m = r.metrics().await;
+    assert_eq!(metric(&m, "narwhal_flip_reversals_total", &[]), Some(1.0));
+}
+
+/// Issue 12 section 3: a handoff written after a first-token timeout carries `demand_risk`;
+/// the standby that takes over re-anchors it and blocks consolidation until a new window
+/// closes. Neither the standby before its takeover nor the dead primary decides anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_the_demand_risk_and_gathers_new_evidence() {
+    let mut fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        .fleet(json!({"engine": {"first_token_timeout_s": 1.0}}))
+        .lease(narwhal_testkit::LeaseBackend::File)
+        .standby()
+        .start()
+        .await;
+    let load = Load::start(fleet.router(), L1);
+    fleet
+        .sim("e2")
+        .fault(json!({"phase": "decode", "action": "hang", "ms": 3000}))
+        .await;
+    let p = fleet.router();
+    let handoff = narwhal_testkit::eventually("the risk in the handoff", DECIDE, || async {
+        let h = p.handoff().await;
+        (h["demand_risk"]["kind"] == "first_token_timeout").then_some(h)
+    })
+    .await;
+    let (epoch, holder) = (
+        handoff["epoch"].as_u64().unwrap_or(0),
+        handoff["holder"].as_str().unwrap_or("").to_string(),
+    );
+    fleet
+        .wait_retained("standby", epoch, &holder, |h| h.demand_risk.is_some())
+        .await;
+    let s = fleet.standby();
+    assert!(s.decisions().is_empty(), "a standby decides nothing");
+    assert!(
+        p.decisions().iter().all(|d| d["result"] != "applied"),
+        "the primary was still inside the window"
+    );
+    load.stop().await;
+    fleet.router_mut().proc.kill();
+    let s = fleet.standby.take().expect("standby");
+    s.wait_controls("active", Duration::from_secs(20)).await;
+    let st = s.state().await;
+    let ev = &st["demand_evidence"];
+    assert_eq!(ev["risk_kind"], "first_token_timeout", "{ev:#}");
+    assert_eq!(
+        ev["restored"]["kind"], "first_token_timeout",
+        "it reports the re-anchored risk"
+    );
+    assert!(
+        ev["restored"]["age_s"].as_f64().unwrap_or(0.0)
+            >= handoff["demand_risk"]["age_s"].as_f64().unwrap_or(9.0)
+    );
+    assert_eq!(ev["blocked_gate"], "risk");
+    assert_eq!(
+        ev["risk_events"]["first_token_timeout"], 1,
+        "the carried count"
+    );
+    let took_over = st["control"]["last_decision"]["at"].as_f64();
+    // New evidence, on the standby now in control.
+    let load = Load::start(&s, L1);
+    let held = s
+        .decision_where("held on the carried risk", DECIDE, |d| {
+            is(d, "held", "first token timeout")
+        })
+        .await;
+    assert_eq!(held["evidence_blocked_gate"], "risk");
+    let moved = s
+        .decision_where(
+            "the consolidation after a new window",
+            Duration::from_secs(60),
+            |d| d["result"] == "applied",
+        )
+        .await;
+    assert!(
+        moved["evidence_span_s"].as_f64().unwrap_or(0.0) >= 12.0,
+        "{moved:#}"
+    );
+    let first_new = s
+        .decisions()
+        .first()
+        .and_then(|d| d["at"].as_f64())
+        .unwrap_or(0.0);
+    assert!(
+        moved["at"].as_f64().unwrap_or(0.0) - first_new >= 11.0,
+        "a full window of new arrivals"
+    );
+    let _ = took_over;
+    load.stop().await;
+}
+
+/// Ours (issue 12 section 2): before an engine serves in its new role its agent runs the
+/// readmission checks in that role; a flip whose KV-transfer check fails is reversed and the
+/// engine held, visible in `/narwhal/lifecycle`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flip_is_checked_in_the_new_role_and_reversed_when_the_check_fails() {
+    for failing in [false, true] {
+        let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+            .agents()
+            .start()
+            .await;
+        if failing {
+            // e1's first prefill ever is the agent's KV check in its new role: no KV.
+            fleet
+                .sim("e1")
+                .fault(json!({"phase": "prefill", "action": "omit_kv", "count": 100}))
+                .await;
+        }
+        let r = fleet.router();
+        let load = Load::start(r, L1);
+        let applied = r
+            .decision_where("the flip of e1", DECIDE, |d| d["result"] == "applied")
+            .await;
+        assert_eq!(applied["by"], "reactive");
+        if !failing {
+            let ok = narwhal_testkit::eventually("the role check passed", DECIDE, || async {
+                r.events("role_check_passed").into_iter().next()
+            })
+            .await;
+            assert_eq!(
+                (ok["iid"].as_str(), ok["role"].as_str()),
+                (Some("e1"), Some("prefill"))
+            );
+            let checks: Vec<String> = ok["checks"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|c| c.as_str().map(String::from))
+                .collect();
+            // The KV-transfer check ran with e1 as a producer: its new role.
+            assert!(
+                checks.iter().any(|c| c.starts_with("fabric produce to ")),
+                "{checks:?}"
+            );
+            let lc = r
+                .lifecycle_until("e1 active after its role check", |d| {
+                    d["engines"]["e1"]["state"] == "active"
+                })
+                .await;
+            assert!(
+                lc["engines"]["e1"]["accepts_new"]
+                    .as_bool()
+                    .unwrap_or(false)
+            );
+            assert!(pools(&r.state().await, "prefill").contains(&"e1".to_string()));
+            load.stop().await;
+            continue;
+        }
+        let failed = narwhal_testkit::eventually("the role check failed", DECIDE, || async {
+            r.events("role_check_failed").into_iter().next()
+        })
+        .await;
+        assert_eq!(failed["iid"], "e1");
+        let undo = r
+            .decision_where("the reversal", DECIDE, |d| d["by"] == "role_check")
+            .await;
+        assert_eq!(undo["result"], "blocked");
+        assert!(
+            undo["reason"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with("role check of e1 failed"),
+            "{undo:#}"
+        );
+        let lc = r
+            .lifecycle_until("e1 held after a failed role check", |d| {
+                d["engines"]["e1"]["state"] == "blocked"
+            })
+            .await;
+        assert!(
+            !lc["engines"]["e1"]["error"]
+                .as_str()
+                .unwrap_or("")
+                .is_empty(),
+            "{lc:#}"
+        );
+        assert_eq!(lc["engines"]["e1"]["accepts_new"], false);
+        let s = r.state().await;
+        assert!(
+            pools(&s, "decode").contains(&"e1".to_string()),
+            "the flip was reversed: {}",
+            s["pools"]
+        );
+        assert_eq!(s["control"]["flips"]["role_check:decode"], 1);
+        load.stop().await;
+    }
+}
+
+/// Issue 12 section 4: a queued client that leaves is never dispatched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_client_that_leaves_is_never_dispatched() {
+    let fleet = controller_fleet(&["prefill", "decode"])
+        .sim_args(&["--tpot-ms", "20"])
+        .fleet(json!({"serving": {"queue_capacity": 4, "queue_timeout_s": 30}}))
+        .router_args(&["--max-concurrent", "1"])
+        .start()
+        .await;
+    let r = fleet.router();
+    let (stream, _) = r.hold_stream(10, 100).await;
+    let count = |v: &Value| {
+        v["requests"]["prefill"].as_u64().unwrap_or(0)
+            + v["requests"]["decode"].as_u64().unwrap_or(0)
+            + v["requests"]["aggregated"].as_u64().unwrap_or(0)
+    };
+    let before = count(&fleet.sim("e0").stats().await) + count(&fleet.sim("e1").stats().await);
+    let client = r.http.client().clone();
+    let url = format!("{}/v1/completions", r.data);
+    let gone = tokio::spawn(async move {
+        let body = json!({"model": "tiny-sim", "prompt": token_prompt(50), "max_tokens": 4});
+        tokio::time::timeout(
+            Duration::from_millis(700),
+            client.post(url).json(&body).send(),
+        )
+        .await
+        .is_err()
+    });
+    r.state_where("one request queued", |s| {
+        s["admission"]["queued"] == 1 && s["admission"]["waiting_prefill"] == 1
+    })
+    .await;
+    assert!(
+        gone.await.expect("joined"),
+        "the client gave up while queued"
+    );
+    r.state_where("the queue empty again", |s| {
+        s["admission"]["queued"] == 0 && s["admission"]["waiting_prefill"] == 0
+    })
+    .await;
+    assert!(stream.finish().await);
+    r.state_where("the leaver settled cancelled", |s| s["cancelled"] == 1)
+        .await;
+    let after = count(&fleet.sim("e0").stats().await) + count(&fleet.sim("e1").stats().await);
+    assert_eq!(after, before, "no leg of the leaver reached an engine");
+}
+
+/// The simulator's SGLang role-switch route refuses as SGLang does: the flag, the role name,
+/// a busy engine; answers the same role at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_simulated_sglang_role_switch_route_follows_sglang() {
+    let fleet = narwhal_testkit::Fleet::builder()
+        .dialect("sglang")
+        .engine("p0", "prefill")
+        .no_router()
+        .start()
+        .await;
+    let url = format!("{}/pd_role_switch", fleet.sim("p0").url);
+    let r = fleet.http.post(&url, &json!({"new_role": "decode"})).await;
+    assert_eq!(r.status.as_u16(), 400);
+    assert_eq!(
+        r.json()["message"],
+        "--enable-pd-role-switch is not set on this instance"
+    );
+    drop(fleet);
+    let fleet = narwhal_testkit::Fleet::builder()
+        .dialect("sglang")
+        .engine("p0", "prefill")
+        .sim_args(&["--enable-pd-role-switch"])
+        .no_router()
+        .start()
+        .await;
+    let sim = fleet.sim("p0");
+    let url = format!("{}/pd_role_switch", sim.url);
+    let info = || async {
+        fleet
+            .http
+            .get(format!("{}/server_info", sim.url))
+            .await
+            .json()
+    };
+    assert_eq!(
+        info().await["internal_states"][0]["disaggregation_mode"],
+        "prefill"
+    );
+    let bad = fleet.http.post(&url, &json!({"new_role": "both"})).await;
+    assert_eq!(
+        (
+            bad.status.as_u16(),
+            bad.json()["message"].as_str().map(String::from)
+        ),
+        (400, Some("invalid new_role=\"both\"".into()))
+    );
+    let same = fleet
+        .http
+        .post(&url, &json!({"new_role": "prefill"}))
+        .await
+        .json();
+    assert_eq!(
+        (same["success"].as_bool(), same["message"].as_str()),
+        (Some(true), Some("already in target role"))
+    );
+    let ok = fleet.http.post(&url, &json!({"new_role": "decode"})).await;
+    assert_eq!(ok.status.as_u16(), 200);
+    assert_eq!(
+        ok.json(),
+        json!({"success": true, "message": "ok", "old_role": "prefill", "new_role": "decode"})
+    );
+    let st = info().await;
+    assert_eq!(st["internal_states"][0]["disaggregation_mode"], "decode");
+    assert_eq!(
+        st["disaggregation_mode"], "prefill",
+        "the server argument keeps the launch role"
+    );
+    assert!(
+        st["internal_states"][0]["decode_cuda_graph_memory_gb"]
+            .as_f64()
+            .unwrap_or(0.0)
+            > 0.0
+    );
+    assert_eq!(sim.stats().await["role_switches"], 1);
+}
+
+/// Issue 12 section 1: `narwhal-bench profile` measures an engine's profile in the fleet
+/// file's shape; the simulator's per-token costs are the known truths.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_profiling_tool_recovers_the_simulators_costs() {
+    let fleet = narwhal_testkit::Fleet::builder()
+        .engine("e0", "decode")
+        .sim_args(&[
+            "--prefill-us-per-token",
+            "400",
+            "--ttft-ms",
+            "30",
+            "--tpot-ms",
+            "15",
+            "--tpot-per-running-us",
+            "800",
+            "--max-model-len",
+            "8192",
+        ])
+        .no_router()
+        .start()
+        .await;
+    let url = fleet.sim("e0").url.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(narwhal_testkit::bin_path("narwhal-bench"))
+            .args(["profile", "--engine", &url, "--reps", "3"])
+            .output()
+            .expect("narwhal-bench runs")
+    })
+    .await
+    .expect("joined");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let p: Value = serde_json::from_slice(&out.stdout).expect("a JSON profile");
+    let near = |k: &str, want: f64, tol: f64| {
+        let got = p[k].as_f64().unwrap_or(f64::NAN);
+        assert!(
+            (got - want).abs() <= tol,
+            "{k}: {got} vs {want} ± {tol} in {p:#}"
+        );
+    };
+    near("ttft_b", 0.0004, 0.00006);
+    near("ttft_c", 0.030, 0.015);
+    near("tpot_intercept", 0.015, 0.004);
+    near("tpot_request_slope", 0.0008, 0.0003);
+    near("ttft_a", 0.0, 1e-7);
+    // A router takes it as it is: its controller runs on it.
+    let doc = json!({"schema": "narwhal.fleet", "schema_version": 2, "model": "tiny-sim",
+        "engines": [{"iid": "e0", "url": fleet.sim("e0").url}], "slo": {"ttft_s": 1, "tpot_s": 0.1},
+        "profiles": {"default": p}});
+    let r = narwhal_testkit::RouterHandle::standalone(&doc, &[]);
+    assert_eq!(r.state().await["controller"], "reactive");
+}
+
+/// Completes one request of `prompt` through `r`; its journal row's `input_len`.
+async fn sized_input(r: &narwhal_testkit::RouterHandle, prompt: &str) -> Option<u64> {
+    let a = r
+        .post_data(
+            "/v1/completions",
+            &json!({"model": "tiny-sim", "prompt": prompt, "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(a.status.as_u16(), 200, "{}", a.text());
+    let row = narwhal_testkit::eventually("the journal row", DECIDE, || async {
+        r.journal_rows()
+            .into_iter()
+            .find(|x| x["terminal"] == "completed")
+    })
+    .await;
+    row["input_len"].as_u64()
+}
+
+/// Issue 12 section 4: predictive admission sizes a text prompt with an engine's
+/// `/tokenize`; an engine without it (or failing) leaves the characters / `chars_per_token`
+/// estimate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn predictive_sizing_uses_tokenize_and_falls_back_to_characters() {
+    let prompt = "sizing: a few words, numbers 12345 67890 and punctuation!!! to count";
+    let estimate = (prompt.chars().count() as f64 / 3.8).ceil() as u64;
+    let fleet = controller_fleet(&["prefill", "decode"])
+        .fleet(json!({"serving": {"admission": "predictive"}}))
+        .start()
+        .await;
+    let r = fleet.router();
+    let counted = fleet
+        .http
+        .post(
+            format!("{}/tokenize", fleet.sim("e0").url),
+            &json!({"model": "tiny-sim", "prompt": prompt}),
+        )
+        .await
+        .json()["count"]
+        .as_u64()
+        .expect("the engine counts");
+    assert_ne!(
+        counted, estimate,
+        "the test needs a prompt the two sizings disagree on"
+    );
+    assert_eq!(
+        sized_input(r, prompt).await,
+        Some(counted),
+        "sized by /tokenize"
+    );
+    drop(fleet);
+
+    // Engines without /tokenize: the character estimate.
+    let (p, d) = (
+        narwhal_testkit::FakeEngine::new(0, 2),
+        narwhal_testkit::FakeEngine::new(0, 2),
+    );
+    let (pu, du) = (p.spawn().await, d.spawn().await);
+    let mut sections = narwhal_testkit::fast_controller_sections();
+    narwhal_testkit::merge(
+        &mut sections,
+        json!({"serving": {"admission": "predictive"}}),
+    );
+    let mut doc = json!({"schema": "narwhal.fleet", "schema_version": 2, "model": "tiny-sim",
+        "engines": [{"iid": "p0", "url": pu, "role": "prefill"}, {"iid": "d0", "url": du}]});
+    narwhal_testkit::merge(&mut doc, sections);
+    let r = narwhal_testkit::RouterHandle::standalone(&doc, &[]);
+    assert_eq!(
+        sized_input(&r, prompt).await,
+        Some(estimate),
+        "the fallback estimate"
+    );
+}
+
+/// Issue 12 with main's batch fan-out: each prompt of a batch is tracked on its own (its
+/// decode work shows on its engine while it streams), and every prompt's bookkeeping ends with
+/// the request: once the batches completed, no engine carries resident work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_prompts_are_tracked_and_released() {
+    let fleet = controller_fleet(&["prefill", "decode"])
+        .sim_args(&["--tpot-ms", "20"])
+        .start()
+        .await;
+    let r = fleet.router();
+    let decode_work = |s: &Value| s["resident_work"]["e1"]["decode_tokens"].as_f64();
+    // A streamed batch of three prompts, held open after its first token.
+    let mut held = r
+        .http
+        .client()
+        .post(format!("{}/v1/completions", r.data))
+        .json(&json!({"model": "tiny-sim", "prompt": [token_prompt(8), token_prompt(9), token_prompt(10)],
+                      "max_tokens": 200, "stream": true}))
+        .send()
+        .await
+        .expect("batch stream");
+    assert_eq!(held.status(), 200);
+    held.chunk().await.expect("a first chunk");
+    let during = r
+        .state_where("the batch's decode work on e1", |s| {
+            decode_work(s).is_some_and(|t| t > 0.0)
+        })
+        .await;
+    drop(held);
+    let a = r
+        .post_data(
+            "/v1/completions",
+            &json!({"model": "tiny-sim", "prompt": ["one", "two", "three"], "max_tokens": 4}),
+        )
+        .await;
+    assert_eq!(a.status.as_u16(), 200, "{}", a.text());
+    let after = r
+        .state_where("no resident work left", |s| {
+            s["resident_work"].as_object().is_some_and(|w| {
+                w.values()
+                    .all(|e| e["prefill_s"] == 0.0 && e["decode_tokens"] == 0.0)
+            })
+        })
+        .await;
+    assert!(decode_work(&during) > Some(0.0), "{during:#}");
+    assert_eq!(after["resident"]["e1"]["decode"], 0, "{after:#}");
+}
