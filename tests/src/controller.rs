@@ -168,6 +168,21 @@ impl RouterHandle {
             .collect()
     }
 
+    /// Waits (at most [`WAIT`]) until the journal holds `n` rows of `event`; returns them all.
+    /// An event written after the decision a test waited for (a floor restored once the flip
+    /// applied) may still be in the journal writer's buffer when the decision is read.
+    ///
+    /// # Panics
+    /// When fewer come.
+    pub async fn events_at_least(&self, event: &str, n: usize) -> Vec<Value> {
+        let found = wait_until(WAIT, || async {
+            let e = self.events(event);
+            (e.len() >= n).then_some(e)
+        })
+        .await;
+        found.unwrap_or_else(|| panic!("fewer than {n} {event} events within {WAIT:?}"))
+    }
+
     /// The controller's decisions (journal `controller_decision`), oldest first.
     pub fn decisions(&self) -> Vec<Value> {
         self.events("controller_decision")

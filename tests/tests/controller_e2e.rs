@@ -523,7 +523,7 @@ async fn s4_the_decode_floor_is_restored_then_the_last_prefill_engine_kept() {
         d.get("objective").is_none(),
         "floor flips carry no details: {d:#}"
     );
-    let ev = r.events("decode_floor_restored");
+    let ev = r.events_at_least("decode_floor_restored", 1).await;
     assert_eq!(
         ev[0]["iid"], lighter,
         "the engine holding less resident prefill: {resident}"
@@ -604,7 +604,7 @@ async fn s5_the_prefill_floor_is_recovered_at_once() {
         (Some(2), Some(2)),
         "counts include the ejected e0"
     );
-    let below = r.events("below_floor");
+    let below = r.events_at_least("below_floor", 1).await;
     assert_eq!(below.len(), 1);
     assert_eq!(
         (
@@ -615,7 +615,7 @@ async fn s5_the_prefill_floor_is_recovered_at_once() {
     );
     assert_eq!(below[0]["ejected"], json!(["e0"]));
     assert_eq!(below[0]["quarantined"], json!([]));
-    let rec = r.events("below_floor_recovered");
+    let rec = r.events_at_least("below_floor_recovered", 1).await;
     assert_eq!(rec.len(), 1);
     assert!(
         rec[0]["duration_s"].as_f64().unwrap_or(9.0) < 2.0,
@@ -1124,7 +1124,7 @@ async fn s13_a_refused_sglang_switch_ejects_the_engine() {
             .as_array()
             .is_some_and(|a| a.iter().any(|x| x == iid.as_str()))
     );
-    let failed = r.events("role_switch_failed");
+    let failed = r.events_at_least("role_switch_failed", 1).await;
     assert!(
         failed[0]["error"]
             .as_str()
