@@ -145,17 +145,28 @@ impl SimHandle {
             role: self.role.clone(),
             sim_args: args,
         };
-        let fresh = spawn_sim(
-            &self.dir,
-            &spec,
-            &self.dialect,
-            Some(Ports {
-                listen: self.port,
-                admin: self.admin_port(),
-                kv: self.kv_port,
-                bootstrap: self.bootstrap_port,
-            }),
-        )?;
+        let ports = Ports {
+            listen: self.port,
+            admin: self.admin_port(),
+            kv: self.kv_port,
+            bootstrap: self.bootstrap_port,
+        };
+        // The same ports again, as a supervisor restarts an engine in place. While it was down
+        // another process on this busy machine may have used one as a client connection's
+        // ephemeral port (seen in a loaded run: "cannot bind --kv-listen ... Address already
+        // in use"): such a holder is transient, so try again until a deadline.
+        let deadline = std::time::Instant::now() + crate::WAIT;
+        let fresh = loop {
+            match spawn_sim(&self.dir, &spec, &self.dialect, Some(ports.clone())) {
+                Err(e)
+                    if format!("{e:?}").contains("Address already in use")
+                        && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                other => break other?,
+            }
+        };
         let keep_args = std::mem::take(&mut self.sim_args);
         *self = fresh;
         self.sim_args = keep_args;
@@ -230,6 +241,7 @@ pub fn start_sim(dir: &Path, spec: &EngineSpec, dialect: &str) -> Result<SimHand
 }
 
 /// The ports a restarted simulator keeps.
+#[derive(Clone)]
 struct Ports {
     listen: u16,
     admin: Option<u16>,

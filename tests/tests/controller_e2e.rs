@@ -985,13 +985,21 @@ async fn s11_urgent_recovery_cascades_once_the_window_closed() {
         rids.contains(&trigger),
         "the trigger is a queued request: {trigger} in {rids:?}"
     );
-    // Their journal rows carry the admission wait (controller-notes 11.2).
-    let rows = r.journal_rows();
-    let waited: Vec<f64> = rows
-        .iter()
-        .filter(|x| rids.iter().any(|id| x["rid"] == id.as_str()))
-        .filter_map(|x| x["queue_waits"]["admission"].as_f64())
-        .collect();
+    // Their journal rows carry the admission wait (controller-notes 11.2). A row is written
+    // once its request settled, which may be just after its client got the answer.
+    let queued_rows = |rows: &[Value]| -> Vec<f64> {
+        rows.iter()
+            .filter(|x| rids.iter().any(|id| x["rid"] == id.as_str()))
+            .filter_map(|x| x["queue_waits"]["admission"].as_f64())
+            .collect()
+    };
+    let rows = narwhal_testkit::wait_until(narwhal_testkit::WAIT, || async {
+        let rows = r.journal_rows();
+        (queued_rows(&rows).len() >= 6).then_some(rows)
+    })
+    .await
+    .unwrap_or_else(|| r.journal_rows());
+    let waited = queued_rows(&rows);
     assert_eq!(waited.len(), 6, "{rows:?}");
     assert!(waited.iter().all(|w| *w > 0.0), "{waited:?}");
     assert!(
