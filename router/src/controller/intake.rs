@@ -434,7 +434,7 @@ impl Controller {
             return Ok(None);
         }
         let now = self.h.clock.now();
-        let m = self.lock();
+        let mut m = self.lock();
         let input = m.core.book.req(track.0.id).map_or(0, |r| r.input);
         let engines = super::driver::engines_view(&self.h.cfg, &self.h.fleet);
         let (chosen, aggregated) = match plan {
@@ -463,14 +463,27 @@ impl Controller {
             price_s: placement + elapsed + handoff,
         };
         let cheapest_own = m.core.cheapest_prefill(input).unwrap_or(own);
+        let refused = if attempt == 1 && self.h.cfg.serving.admission == AdmissionMode::Predictive {
+            admission::judge(&price, self.budget_s(), cheapest_own, no_prefill)
+        } else {
+            None
+        };
+        // An admitted prefill joins its engine's backlog now, under the same lock as its
+        // price, so a request priced a moment later sees it (the dispatch that follows
+        // records it again, idempotently). Found by controller_e2e S12 on a loaded machine:
+        // concurrent arrivals were all priced against the same backlog and over-admitted.
+        if refused.is_none()
+            && let Plan::Split { prefill, .. } = plan
+        {
+            m.core
+                .book
+                .dispatched(track.0.id, prefill, Phase::Prefill, now);
+        }
         drop(m);
         if placement > self.h.cfg.slo.ttft_s {
             unserved();
         }
-        if attempt == 1
-            && self.h.cfg.serving.admission == AdmissionMode::Predictive
-            && let Some(r) = admission::judge(&price, self.budget_s(), cheapest_own, no_prefill)
-        {
+        if let Some(r) = refused {
             return Err(r);
         }
         Ok(Some(price.json()))
