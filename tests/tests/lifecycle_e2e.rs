@@ -1261,6 +1261,22 @@ async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
         .restart(&[])
         .expect("d0 restarted without the router knowing");
     let (status, doc) = readmit(&r, "p0").await;
+    if status == 200 {
+        // On a loaded machine the monitor can see d0's restart first (its health path down
+        // for a moment: an absent engine is a new engine) and re-validate it, through its
+        // agent, before p0's readmission arrives; then nothing is behind the router's back,
+        // and the rule holds if d0 was validated as its new process (seen in a loaded run).
+        let d0 = &doc["engines"]["d0"];
+        assert_ne!(d0["old_process_start"], d0["new_process_start"], "{doc:#}");
+        assert!(
+            d0["checks"]
+                .as_array()
+                .is_some_and(|c| c.iter().any(|x| x == "process identity")),
+            "d0 passed only as its new, validated process: {doc:#}"
+        );
+        eprintln!("[lifecycle_e2e] the monitor re-validated d0 before p0's readmission");
+        return;
+    }
     assert_eq!(status, 409, "{doc:#}");
     assert_eq!(
         doc["engines"]["p0"]["error"],
