@@ -462,14 +462,7 @@ impl World {
                     m.committed(r.claimed, self.mono(), ok)
                 }
                 Step::GiveBack { .. } => {
-                    let wall = self.wall();
-                    let r = &mut self.routers[i];
-                    r.renewing = false;
-                    if let Some(rec) = r.lease.release(self.record.as_ref(), wall) {
-                        self.record = Some(rec);
-                    }
-                    r.mode = Mode::Standby;
-                    r.scope_open = false;
+                    self.give_back(i);
                     break;
                 }
                 Step::TookOver { .. } => {
@@ -484,6 +477,18 @@ impl World {
         let r = &mut self.routers[i];
         r.standby_next = self.t + next;
         r.machine = Some(m);
+    }
+
+    /// `Step::GiveBack`: the renewal stops, the lease is released, the router is a standby.
+    fn give_back(&mut self, i: usize) {
+        let wall = self.wall();
+        let r = &mut self.routers[i];
+        r.renewing = false;
+        if let Some(rec) = r.lease.release(self.record.as_ref(), wall) {
+            self.record = Some(rec);
+        }
+        r.mode = Mode::Standby;
+        r.scope_open = false;
     }
 
     /// The end of a takeover's identity check: fenced agent calls under the claimed epoch,
@@ -509,15 +514,8 @@ impl World {
                 r.controlled = epoch;
             }
             Step::GiveBack { .. } => {
-                let wall = self.wall();
-                let r = &mut self.routers[i];
-                r.renewing = false;
-                if let Some(rec) = r.lease.release(self.record.as_ref(), wall) {
-                    self.record = Some(rec);
-                }
-                r.mode = Mode::Standby;
-                r.scope_open = false;
-                r.standby_next = self.t + PROBE_MS;
+                self.give_back(i);
+                self.routers[i].standby_next = self.t + PROBE_MS;
             }
             other => unreachable!("{other:?}"),
         }
