@@ -288,24 +288,14 @@ impl EpochStore {
 
     fn persist(&self, state: &FenceState) -> Result<(), FenceError> {
         let final_path = self.dir.join(FILE);
-        let tmp = self.dir.join(format!(".{FILE}.tmp"));
-        let io = |path: &Path| {
-            let path = path.to_path_buf();
-            move |source| FenceError::Io { path, source }
-        };
         let bytes = serde_json::to_vec(state).map_err(|e| FenceError::Corrupt {
             path: final_path.clone(),
             reason: e.to_string(),
         })?;
-        {
-            let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
-            f.write_all(&bytes).map_err(io(&tmp))?;
-            f.sync_all().map_err(io(&tmp))?;
-        }
-        std::fs::rename(&tmp, &final_path).map_err(io(&final_path))?;
-        std::fs::File::open(&self.dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io(&self.dir))?;
+        narwhal_shared::write_atomic(&final_path, &bytes).map_err(|e| FenceError::Io {
+            path: e.path,
+            source: e.source,
+        })?;
         Ok(())
     }
 }

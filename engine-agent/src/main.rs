@@ -175,14 +175,11 @@ fn fence(action: FenceAction) -> ExitCode {
     }
 }
 
-fn write_ready(path: &Path, doc: &serde_json::Value) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(doc.to_string().as_bytes())?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, path)
+fn write_ready(
+    path: &Path,
+    doc: &serde_json::Value,
+) -> Result<(), narwhal_shared::AtomicWriteError> {
+    narwhal_shared::write_atomic(path, doc.to_string().as_bytes())
 }
 
 fn main() -> ExitCode {

@@ -141,24 +141,19 @@ fn init_logging(args: &Args) -> Result<(), String> {
     r.map_err(|e| format!("logging: {e}"))
 }
 
-/// Write `value` to `path` atomically (temp file in the same directory, then rename).
-fn write_atomic(path: &Path, value: &serde_json::Value) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(
-        ".{}.{}.tmp",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("ready"),
-        std::process::id()
-    ));
-    {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(value.to_string().as_bytes())?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, path)
+/// Writes `value` to `path` through the one atomic write ([`narwhal_shared::write_atomic`]),
+/// creating the directory first.
+fn write_atomic(
+    path: &Path,
+    value: &serde_json::Value,
+) -> Result<(), narwhal_shared::AtomicWriteError> {
+    let dir = narwhal_shared::atomic::parent_dir(path);
+    std::fs::create_dir_all(dir).map_err(|source| narwhal_shared::AtomicWriteError {
+        step: "create",
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    narwhal_shared::write_atomic(path, value.to_string().as_bytes())
 }
 
 /// What [`preflight`] found: the loaded configuration and the admission seats.

@@ -8,7 +8,6 @@
 //! written, applied or retained, and the error names the field.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -470,55 +469,23 @@ pub enum PersistError {
 /// [`PersistError`].
 pub fn write_state_file(path: &Path, doc: &Handoff) -> Result<(), PersistError> {
     doc.validate()?;
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let io = |step, p: &Path| {
-        let p = p.to_path_buf();
-        move |source| PersistError::Io {
-            step,
-            path: p,
-            source,
-        }
-    };
-    std::fs::create_dir_all(dir).map_err(io("create", dir))?;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "state.json".into());
-    let tmp = dir.join(format!(
-        ".{name}.{}.{:08x}.tmp",
-        std::process::id(),
-        rand_suffix()
-    ));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp).map_err(io("create", &tmp))?;
-        let mut text = serde_json::to_vec(doc).map_err(|e| PersistError::Io {
-            step: "serialise",
-            path: tmp.clone(),
-            source: std::io::Error::other(e),
-        })?;
-        text.push(b'\n');
-        f.write_all(&text).map_err(io("write", &tmp))?;
-        f.sync_all().map_err(io("fsync", &tmp))?;
-        drop(f);
-        std::fs::rename(&tmp, path).map_err(io("rename", path))?;
-        std::fs::File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io("fsync directory", dir))
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
-}
-
-fn rand_suffix() -> u32 {
-    // Uniqueness within one process and directory is all that is needed: the pid is in the
-    // name too. A random v4 UUID's first 32 bits (uuid is already a dependency).
-    let (head, ..) = uuid::Uuid::new_v4().as_fields();
-    head
+    let dir = crate::atomic::parent_dir(path);
+    std::fs::create_dir_all(dir).map_err(|source| PersistError::Io {
+        step: "create",
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut text = serde_json::to_vec(doc).map_err(|e| PersistError::Io {
+        step: "serialise",
+        path: path.to_path_buf(),
+        source: std::io::Error::other(e),
+    })?;
+    text.push(b'\n');
+    crate::atomic::write_atomic(path, &text).map_err(|e| PersistError::Io {
+        step: e.step,
+        path: e.path,
+        source: e.source,
+    })
 }
 
 /// What a state file held.

@@ -15,6 +15,7 @@ pub use clock::{Clock, ClockError, ManualClock, SystemClock};
 // Agent protocol (issue #3): canonical JSON, keys, signed answers, verifier, mTLS, client.
 pub mod agent_client;
 pub mod agent_protocol;
+pub mod atomic;
 pub mod attestation;
 mod canonical;
 pub mod handoff;
@@ -26,6 +27,7 @@ pub use agent_client::{
     AgentClient, AgentClientError, AgentEndpoint, AgentTimeouts, Fence, Verified,
 };
 pub use agent_protocol::TransferVerdict;
+pub use atomic::{AtomicWriteError, write_atomic};
 pub use attestation::{
     AttestationPayload, EngineFacts, Expected, GenerationPayload, Header, KvConsumePayload,
     KvProducePayload, LegResult, ProbePayload, SignedPayload, TransferEvidence, Verifier,

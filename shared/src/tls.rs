@@ -168,53 +168,85 @@ impl TlsFiles {
     /// # Errors
     /// Any [`TlsError`], naming the file.
     pub fn client_config(&self) -> Result<ClientConfig, TlsError> {
-        let cfg = ClientConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(|source| TlsError::Rustls {
-                context: "protocol versions",
-                source,
-            })?
-            .with_root_certificates(roots(&self.ca)?)
-            .with_client_auth_cert(load_certs("cert", &self.cert)?, load_key("key", &self.key)?)
-            .map_err(|source| TlsError::Rustls {
-                context: "client certificate and key",
-                source,
-            })?;
-        Ok(cfg)
+        build_client_config(
+            ServerTrust::Ca(&self.ca),
+            Some(ClientCert {
+                cert: &self.cert,
+                key: &self.key,
+            }),
+            &[],
+        )
     }
 }
 
+/// Which servers a client configuration trusts.
+#[derive(Debug)]
+pub enum ServerTrust<'a> {
+    /// None: for reqwest clients that only speak plain `http://` (engines on loopback; reqwest
+    /// is built without a process-wide crypto provider, so it needs a configuration anyway),
+    /// and for probes whose evidence is a certificate that fails to verify.
+    Nobody,
+    /// Only the CA certificate(s) in this PEM file (the fleet CA, etcd's CA).
+    Ca(&'a Path),
+    /// These roots (the system's trust store, loaded by the caller).
+    Roots(RootCertStore),
+}
+
+/// The certificate a client presents (mutual TLS).
+#[derive(Debug, Clone, Copy)]
+pub struct ClientCert<'a> {
+    /// Certificate chain, PEM (leaf first).
+    pub cert: &'a Path,
+    /// Private key, PEM.
+    pub key: &'a Path,
+}
+
+/// The one rustls client-configuration builder of the workspace (router to agents and to etcd,
+/// `narwhalctl`, the agent's and the router's plain-HTTP engine clients, the test kit): the
+/// ring provider, rustls' safe default protocol versions, `trust` as the roots, `identity`
+/// presented when given, and `alpn` as the ALPN protocols (empty: none offered).
+///
+/// # Errors
+/// [`TlsError::Read`] / [`TlsError::Empty`] naming the file (`ca`, `cert`, `key`);
+/// [`TlsError::Rustls`] with context `adding the fleet CA` (an unusable CA certificate) or
+/// `client certificate and key` (a key that does not match its certificate).
+pub fn build_client_config(
+    trust: ServerTrust<'_>,
+    identity: Option<ClientCert<'_>>,
+    alpn: &[&[u8]],
+) -> Result<ClientConfig, TlsError> {
+    let roots = match trust {
+        ServerTrust::Nobody => RootCertStore::empty(),
+        ServerTrust::Ca(ca) => roots(ca)?,
+        ServerTrust::Roots(r) => r,
+    };
+    let builder = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|source| TlsError::Rustls {
+            context: "protocol versions",
+            source,
+        })?
+        .with_root_certificates(roots);
+    let mut cfg = match identity {
+        Some(id) => builder
+            .with_client_auth_cert(load_certs("cert", id.cert)?, load_key("key", id.key)?)
+            .map_err(|source| TlsError::Rustls {
+                context: "client certificate and key",
+                source,
+            })?,
+        None => builder.with_no_client_auth(),
+    };
+    cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(cfg)
+}
+
 /// A client configuration that trusts no server and presents no certificate: for reqwest
-/// clients that only speak plain `http://` (engines on loopback), since reqwest is built
-/// without a process-wide crypto provider.
+/// clients that only speak plain `http://` (see [`ServerTrust::Nobody`]).
 ///
 /// # Errors
 /// [`TlsError::Rustls`] if the ring provider refuses the default protocol versions.
 pub fn plain_http_client_config() -> Result<ClientConfig, TlsError> {
-    Ok(ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .map_err(|source| TlsError::Rustls {
-            context: "protocol versions",
-            source,
-        })?
-        .with_root_certificates(RootCertStore::empty())
-        .with_no_client_auth())
-}
-
-/// A client configuration that trusts `ca` but presents no client certificate (used to show
-/// that the agent refuses such clients).
-///
-/// # Errors
-/// Any [`TlsError`], naming the CA file.
-pub fn client_config_without_cert(ca: &Path) -> Result<ClientConfig, TlsError> {
-    Ok(ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .map_err(|source| TlsError::Rustls {
-            context: "protocol versions",
-            source,
-        })?
-        .with_root_certificates(roots(ca)?)
-        .with_no_client_auth())
+    build_client_config(ServerTrust::Nobody, None, &[])
 }
 
 /// What a fleet certificate allows its holder to do with an agent (issue 9 section 8;

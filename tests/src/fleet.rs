@@ -567,9 +567,7 @@ impl Fleet {
     /// Without a file lease, or when the file cannot be written.
     pub fn write_lease_file(&self, record: &Value) {
         let path = self.lease_path().expect("a file lease");
-        let tmp = path.with_extension("foreign.tmp");
-        std::fs::write(&tmp, format!("{record}\n")).expect("write lease");
-        std::fs::rename(&tmp, &path).expect("rename lease");
+        narwhal_shared::write_atomic(&path, format!("{record}\n").as_bytes()).expect("write lease");
     }
 
     /// The fleet's etcd.

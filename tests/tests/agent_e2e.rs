@@ -13,7 +13,7 @@ use narwhal_shared::agent_protocol::{FencedRequest, ProbeProducer};
 use narwhal_shared::attestation::{
     Expected, KvConsumePayload, KvProducePayload, ProbePayload, new_nonce,
 };
-use narwhal_shared::tls::client_config_without_cert;
+use narwhal_shared::tls::{ServerTrust, build_client_config};
 use narwhal_shared::{
     AgentClient, AgentClientError, AgentEndpoint, AgentTimeouts, AttestationPayload, Clock, Fence,
     PublicKey, SystemClock, TransferVerdict, Verifier, VerifyError,
@@ -508,7 +508,7 @@ async fn clients_from_another_ca_or_without_a_certificate_are_refused_at_the_tls
     // No client certificate at all.
     let none = AgentClient::with_tls_config(
         endpoint.clone(),
-        client_config_without_cert(&f.certs().ca).expect("cfg"),
+        build_client_config(ServerTrust::Ca(&f.certs().ca), None, &[]).expect("cfg"),
         AgentTimeouts::default(),
         clock.clone(),
     )

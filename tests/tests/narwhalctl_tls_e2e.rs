@@ -60,7 +60,12 @@ async fn narwhalctl_drains_and_readmits_over_mutual_tls_and_strangers_are_refuse
     let anonymous = reqwest::Client::builder()
         .no_proxy()
         .use_preconfigured_tls(
-            narwhal_shared::tls::client_config_without_cert(&certs.ca).expect("client config"),
+            narwhal_shared::tls::build_client_config(
+                narwhal_shared::tls::ServerTrust::Ca(&certs.ca),
+                None,
+                &[],
+            )
+            .expect("client config"),
         )
         .build()
         .expect("client");

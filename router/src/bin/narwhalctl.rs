@@ -294,7 +294,11 @@ impl Ctl {
                     key: key.clone(),
                 }
                 .client_config(),
-                _ => narwhal_shared::tls::client_config_without_cert(ca),
+                _ => narwhal_shared::tls::build_client_config(
+                    narwhal_shared::tls::ServerTrust::Ca(ca),
+                    None,
+                    &[],
+                ),
             }
             .map_err(|e| Failure::Usage(e.to_string()))?;
             b = b.use_preconfigured_tls(cfg);

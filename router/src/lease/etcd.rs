@@ -44,7 +44,6 @@
 //! as base64, and fields at their default value (0, false, empty) are omitted.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -629,21 +628,12 @@ fn prepare(
 /// The rustls client configuration for `lease.tls`: only `ca` trusted, the client
 /// certificate presented when given, ALPN `http/1.1` (etcd's port also speaks gRPC/h2).
 fn tls_config(t: &EtcdTls) -> Result<rustls::ClientConfig, LeaseError> {
-    use narwhal_shared::tls::{load_certs, load_key};
-    let named = |e: narwhal_shared::TlsError| config_err(format!("lease.{e}"));
-    let mut roots = rustls::RootCertStore::empty();
-    match &t.ca {
-        Some(ca) => {
-            for cert in load_certs("ca", ca).map_err(named)? {
-                roots.add(cert).map_err(|e| {
-                    config_err(format!(
-                        "lease.tls.ca: {}: not a usable CA certificate: {e}",
-                        ca.display()
-                    ))
-                })?;
-            }
-        }
+    use narwhal_shared::TlsError;
+    use narwhal_shared::tls::{ClientCert, ServerTrust, build_client_config};
+    let trust = match &t.ca {
+        Some(ca) => ServerTrust::Ca(ca),
         None => {
+            let mut roots = rustls::RootCertStore::empty();
             let found = rustls_native_certs::load_native_certs();
             let (added, _) = roots.add_parsable_certificates(found.certs);
             if added == 0 {
@@ -656,32 +646,33 @@ fn tls_config(t: &EtcdTls) -> Result<rustls::ClientConfig, LeaseError> {
                      set lease.tls.ca to etcd's CA"
                 )));
             }
+            ServerTrust::Roots(roots)
         }
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| config_err(format!("lease.tls: {e}")))?
-        .with_root_certificates(roots);
-    let mut cfg = match (&t.cert, &t.key) {
-        (Some(cert), Some(key)) => builder
-            .with_client_auth_cert(
-                load_certs("cert", cert).map_err(named)?,
-                load_key("key", key).map_err(named)?,
-            )
-            .map_err(|e| {
-                config_err(format!(
-                    "lease.tls.key: {} does not match lease.tls.cert {}: {e}",
-                    key.display(),
-                    cert.display()
-                ))
-            })?,
-        (None, None) => builder.with_no_client_auth(),
+    };
+    let identity = match (&t.cert, &t.key) {
+        (Some(cert), Some(key)) => Some(ClientCert { cert, key }),
+        (None, None) => None,
         (Some(_), None) => return Err(config_err("lease.tls.key: required with lease.tls.cert")),
         (None, Some(_)) => return Err(config_err("lease.tls.cert: required with lease.tls.key")),
     };
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(cfg)
+    build_client_config(trust, identity, &[b"http/1.1"]).map_err(|e| match e {
+        TlsError::Rustls {
+            context: "adding the fleet CA",
+            source,
+        } => config_err(format!(
+            "lease.tls.ca: {}: not a usable CA certificate: {source}",
+            t.ca.as_deref().unwrap_or(Path::new("")).display()
+        )),
+        TlsError::Rustls {
+            context: "client certificate and key",
+            source,
+        } => config_err(format!(
+            "lease.tls.key: {} does not match lease.tls.cert {}: {source}",
+            t.key.as_deref().unwrap_or(Path::new("")).display(),
+            t.cert.as_deref().unwrap_or(Path::new("")).display()
+        )),
+        other => config_err(format!("lease.{other}")),
+    })
 }
 
 /// The password in `path`: the file's text without one trailing newline (`\n` or `\r\n`).

@@ -8,7 +8,7 @@
 //! router forever. Blocking file I/O runs in [`tokio::task::spawn_blocking`].
 
 use std::fs::{File, OpenOptions, TryLockError};
-use std::io::{ErrorKind, Write};
+use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -170,37 +170,11 @@ impl FileLease {
     /// Replaces `target` (the record or the handoff beside it) with `bytes` durably: temp
     /// sibling, fsync, rename, fsync of the directory; the caller holds the lock.
     fn replace_unlocked(&self, target: &Path, bytes: &[u8]) -> Result<(), LeaseError> {
-        let dir = target
-            .parent()
-            .filter(|d| !d.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        let name = target
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "router-lease".into());
-        let tmp = dir.join(format!(
-            ".{name}.{}.{:016x}.tmp",
-            std::process::id(),
-            rand::random::<u64>()
-        ));
-        let io = |step, p: &Path| {
-            let path = p.display().to_string();
-            move |source| LeaseError::Io { step, path, source }
-        };
-        let result = (|| {
-            let mut f = File::create(&tmp).map_err(io("create", &tmp))?;
-            f.write_all(bytes).map_err(io("write", &tmp))?;
-            f.sync_all().map_err(io("fsync", &tmp))?;
-            drop(f);
-            std::fs::rename(&tmp, target).map_err(io("rename", target))?;
-            File::open(dir)
-                .and_then(|d| d.sync_all())
-                .map_err(io("fsync directory", dir))
-        })();
-        if result.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        result
+        narwhal_shared::write_atomic(target, bytes).map_err(|e| LeaseError::Io {
+            step: e.step,
+            path: e.path.display().to_string(),
+            source: e.source,
+        })
     }
 
     /// Writes `rec` under the lock without any decision: for tests and tools that need to

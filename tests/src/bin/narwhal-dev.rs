@@ -375,10 +375,8 @@ async fn bring_up(args: &UpArgs) -> Result<(SharedFleet, PathBuf), String> {
     Ok((fleet, ready))
 }
 
-fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, path)
+fn write_atomically(path: &Path, text: &str) -> Result<(), narwhal_shared::AtomicWriteError> {
+    narwhal_shared::write_atomic(path, text.as_bytes())
 }
 
 fn certs(args: CertsArgs) -> ExitCode {
