@@ -1,4 +1,4 @@
-//! What the router reads from an engine's own routes: SGLang bootstrap ports (reference-notes
+//! What the router reads from an engine's own routes: SGLang bootstrap ports (behaviour.md
 //! 7.2 step 2: a prefill engine's `disaggregation_bootstrap_port`, learned from
 //! `GET <engine>/server_info` and cached in the fleet; the decode leg's rendezvous names it),
 //! and the process facts the breaker compares to notice a new process (module `facts`).

@@ -1,4 +1,4 @@
-//! `narwhal-serve` command line (reference-notes 8.2; task brief): parse, load the fleet, bind,
+//! `narwhal-serve` command line (behaviour.md 8.2; task brief): parse, load the fleet, bind,
 //! announce, then [`crate::app::run`].
 //!
 //! ```text

@@ -1,6 +1,6 @@
 //! Every way a completion request can fail, and the one place that maps a failure to what the
 //! client sees (status, JSON body, `Retry-After`, or the SSE error frame after output) and to
-//! what is counted (the [`Settlement`]: terminal, reason, journal error) (reference-notes 1.9,
+//! what is counted (the [`Settlement`]: terminal, reason, journal error) (behaviour.md 1.9,
 //! 7.7a; STYLE.md section 4: one map, recording who failed).
 //!
 //! ```text
@@ -53,7 +53,7 @@ pub(crate) enum RequestFailure {
     /// `max_concurrent + queue_capacity` requests are retained, or no seat is free and there
     /// is no queue: 429 `server_overloaded_error`.
     InflightLimit,
-    /// The router is not ready (reference-notes 1.3): 503; `no_engines` when it controls the
+    /// The router is not ready (behaviour.md 1.3): 503; `no_engines` when it controls the
     /// fleet and only engines are missing (`backend_unavailable`), else `standby`. `reason` is
     /// the `/ready` reason, for the journal.
     NotReady {
@@ -72,7 +72,7 @@ pub(crate) enum RequestFailure {
     NotInControl,
     /// No schedulable engine for an attempt: 503 `no_schedulable_engines`.
     NoEngine,
-    /// Predictive admission refused the request (controller-notes 10.6): 429
+    /// Predictive admission refused the request (controller.md 10.6): 429
     /// `server_overloaded_error`, `Retry-After` per cause, counted `refused/<cause>`.
     Refused(Refusal),
     /// The last attempt's leg failed before output (after any retries): the engine's 4xx for
@@ -307,7 +307,7 @@ impl RequestFailure {
         }
     }
 
-    /// The JSON error body answered before output (reference-notes 1.9). After output there
+    /// The JSON error body answered before output (behaviour.md 1.9). After output there
     /// is no body: see [`RequestFailure::stream_frame`].
     pub(crate) fn body(&self) -> Value {
         match self {
@@ -389,7 +389,7 @@ impl RequestFailure {
         }
     }
 
-    /// The single final SSE frame once output started (reference-notes 1.9): `expired` for
+    /// The single final SSE frame once output started (behaviour.md 1.9): `expired` for
     /// the deadline, `failed` with the public message for a failed stream; `None` before
     /// output.
     pub(crate) fn stream_frame(&self) -> Option<Bytes> {
@@ -422,7 +422,7 @@ mod tests {
     }
 
     /// Every failure before output: status, body type, Retry-After, and what is counted
-    /// (reference-notes 1.9 and 7.7a).
+    /// (behaviour.md 1.9 and 7.7a).
     #[test]
     fn each_failure_maps_to_one_status_body_and_settlement() {
         let cases: Vec<(RequestFailure, u16, &str, bool, Terminal, &str)> = vec![
@@ -745,7 +745,7 @@ mod tests {
         assert_eq!(f.body()["error"]["message"], "request body read failed");
     }
 
-    /// A predictive refusal (controller-notes 10.6): 429 `server_overloaded_error` without
+    /// A predictive refusal (controller.md 10.6): 429 `server_overloaded_error` without
     /// `code`, its own `Retry-After`, counted `refused/<cause>`.
     #[test]
     fn a_predictive_refusal_answers_429_with_its_retry_after() {

@@ -1,6 +1,6 @@
 //! The HA handoff on the router side: the live snapshot (`GET /narwhal/handoff`), the state
 //! file writer (`recovery.state_path`), and applying a document (`--resume`, standby takeover)
-//! (seed "HA handoff"; reference-notes 2.2, 2.5, 2.7, 2.8; DESIGN.md sections 7 and 9).
+//! (seed "HA handoff"; behaviour.md 2.2, 2.5, 2.7, 2.8; architecture.md sections 7 and 9).
 //!
 //! ```text
 //!  Fleet + Accounting + Lifecycle + Demand + Ha ──snapshot()──► Handoff ──► GET, state file
@@ -47,7 +47,7 @@ use crate::parts::Parts;
 use crate::phase::EpochScope;
 use crate::placement::Exclusion;
 
-/// The live handoff document (reference-notes 2.2).
+/// The live handoff document (behaviour.md 2.2).
 pub(crate) fn snapshot(parts: &Parts) -> Handoff {
     let ha = parts.ha.view().status;
     let lifecycle = parts.lifecycle.export();
@@ -184,7 +184,7 @@ fn carried_roles(parts: &Parts, h: &Handoff) -> Result<BTreeMap<usize, Role>, Ap
     Ok(roles)
 }
 
-/// Applies a validated handoff to this router (reference-notes 2.7, with the model compared
+/// Applies a validated handoff to this router (behaviour.md 2.7, with the model compared
 /// too). Process-local state (histograms, breaker streaks, attempt accounting, resident
 /// tracking) starts fresh, as the seed lists.
 ///
@@ -233,7 +233,7 @@ pub(crate) fn apply(parts: &Parts, h: &Handoff) -> Result<Applied, ApplyError> {
     Ok(applied)
 }
 
-/// `--resume` at startup (reference-notes 2.8, tightened): a valid document for this fleet
+/// `--resume` at startup (behaviour.md 2.8, tightened): a valid document for this fleet
 /// is applied; a missing file starts fresh; a torn, invalid or foreign file is moved aside to
 /// `<state_path>.refused` (so the next write cannot destroy the evidence) and reported.
 /// Returns the refusal reason, if any.

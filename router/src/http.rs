@@ -1,4 +1,4 @@
-//! The two HTTP listeners (DESIGN.md section 3) on hyper's HTTP/1 server, and their routes.
+//! The two HTTP listeners (architecture.md section 3) on hyper's HTTP/1 server, and their routes.
 //!
 //! ```text
 //!  data listener:    POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
@@ -10,7 +10,7 @@
 //! ```
 //!
 //! hyper is used directly (not axum) so that a client disconnect drops the service future,
-//! which is what cancels the upstream legs (reference-notes 7.7).
+//! which is what cancels the upstream legs (behaviour.md 7.7).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -322,7 +322,7 @@ pub(crate) async fn serve(
             }
             Some(acceptor) => {
                 // Mutual TLS: only clients whose certificate chains to the fleet CA (standby
-                // routers, narwhalctl, supervisors) get past the handshake (DESIGN.md 3).
+                // routers, narwhalctl, supervisors) get past the handshake (architecture.md 3).
                 let acceptor = acceptor.clone();
                 let watcher = graceful.watcher();
                 tokio::spawn(async move {

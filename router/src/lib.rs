@@ -1,6 +1,6 @@
 //! Narwhal router (`narwhal-serve`): placement, P/D serving for vLLM and SGLang, streaming
 //! relay, breaker, outcome accounting, metrics, engine lifecycle, HA (lease, handoff, warm
-//! standby), state and journal (DESIGN.md sections 3, 5, 6, 7, 9).
+//! standby), state and journal (architecture.md sections 3, 5, 6, 7, 9).
 //!
 //! ```text
 //!  clients ──► data listener ──► ingress ──► admission ──► placement ──► prefill leg ─┐

@@ -1,4 +1,4 @@
-//! Prometheus metrics (reference-notes 10) via prometheus-client.
+//! Prometheus metrics (behaviour.md 10) via prometheus-client.
 //!
 //! ```text
 //!  settle / attempts / breaker transitions ──inc──► counters, histograms
@@ -41,7 +41,7 @@ pub(crate) fn labels(pairs: &[(&str, &str)]) -> Labels {
         .collect()
 }
 
-/// Bucket edges = SLO × these factors, rounded to 6 decimals (reference-notes 10).
+/// Bucket edges = SLO × these factors, rounded to 6 decimals (behaviour.md 10).
 const BUCKET_FACTORS: [f64; 11] = [0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0, 1.5, 3.0, 10.0];
 
 /// `%g`-like formatting of an SLO for the `slo` label (`2.0` → `"2"`, `0.05` → `"0.05"`).
@@ -65,13 +65,13 @@ fn buckets(slo: f64) -> Vec<f64> {
 /// hence the `/metrics` order, is the order of [`Metrics::new`], not of these groups.
 pub(crate) struct Metrics {
     registry: Registry,
-    /// What ingress saw (reference-notes 10, contract/traffic): requests offered, sized or not, and those refused, rejected or invalid before any placement.
+    /// What ingress saw (behaviour.md 10, contract/traffic): requests offered, sized or not, and those refused, rejected or invalid before any placement.
     pub(crate) intake: Intake,
-    /// How requests ended (reference-notes 10): served, met both SLOs, expired, failed, cancelled.
+    /// How requests ended (behaviour.md 10): served, met both SLOs, expired, failed, cancelled.
     pub(crate) settled: Settled,
     /// The legs sent to engines: attempts per phase, decode tokens seen, attempt failures, upstream seconds, and the TTFT/TPOT histograms.
     pub(crate) legs: Legs,
-    /// Retries and the retry budget (reference-notes 10; `retry.rs`).
+    /// Retries and the retry budget (behaviour.md 10; `retry.rs`).
     pub(crate) retries: Retries,
     /// Admission and the HTTP front door: in-flight requests, the queue and retained connections, with their limits and high-water marks.
     pub(crate) capacity: Capacity,
@@ -87,7 +87,7 @@ pub(crate) struct Metrics {
     pub(crate) ops: OpsMetrics,
 }
 
-/// What ingress saw (reference-notes 10, contract/traffic): requests offered, sized or not, and those refused, rejected or invalid before any placement.
+/// What ingress saw (behaviour.md 10, contract/traffic): requests offered, sized or not, and those refused, rejected or invalid before any placement.
 pub(crate) struct Intake {
     pub(crate) offered: Counter,
     pub(crate) unsized_offered: Counter,
@@ -96,7 +96,7 @@ pub(crate) struct Intake {
     pub(crate) rejected: Family<Labels, Counter>,
 }
 
-/// How requests ended (reference-notes 10): served, met both SLOs, expired, failed, cancelled.
+/// How requests ended (behaviour.md 10): served, met both SLOs, expired, failed, cancelled.
 pub(crate) struct Settled {
     pub(crate) served: Counter,
     pub(crate) slo_met: Counter,
@@ -116,7 +116,7 @@ pub(crate) struct Legs {
     pub(crate) tpot: HistFamily,
 }
 
-/// Retries and the retry budget (reference-notes 10; `retry.rs`).
+/// Retries and the retry budget (behaviour.md 10; `retry.rs`).
 pub(crate) struct Retries {
     pub(crate) retry_attempts: Counter,
     pub(crate) retry_credits_spent: Counter,
@@ -516,7 +516,7 @@ impl Metrics {
             ops,
         };
         // The admission, monitoring and controller families are rendered live by
-        // `controller::report` (controller-notes 12).
+        // `controller::report` (controller.md 12).
         let slo: Family<Labels, Gauge<f64, AtomicU64>> = reg!(
             "narwhal_slo_seconds",
             "Configured service-level latency budget in seconds",
@@ -723,7 +723,7 @@ fn to_prometheus_text(open_metrics: &str) -> String {
     out
 }
 
-/// Content type of [`Metrics::render`] (reference-notes 1.1).
+/// Content type of [`Metrics::render`] (behaviour.md 1.1).
 pub(crate) const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 #[cfg(test)]

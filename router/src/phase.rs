@@ -1,5 +1,5 @@
 //! The router's HA phase: whether it controls the fleet and, when not, why (seed "HA
-//! handoff"; reference-notes 1.2–1.4, 2.9, 3.4; DESIGN.md 9.1 and 9.6).
+//! handoff"; behaviour.md 1.2–1.4, 2.9, 3.4; architecture.md 9.1 and 9.6).
 //!
 //! ```text
 //!  primary lease loop / standby ──transitions──► Ha (watch::Sender<HaStatus>) ──► subscribers
@@ -22,12 +22,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::lease::{Control, LeaseDriver, LeaseLoss};
 
-/// Why `/ready` is 503 between a claim and the end of the identity check (reference-notes 1.3
+/// Why `/ready` is 503 between a claim and the end of the identity check (behaviour.md 1.3
 /// item 6): the router controls the fleet but serves nothing until every engine's identity
-/// was re-checked through its agent (reference-notes 1.2 `identities_ready`, 2.9).
+/// was re-checked through its agent (behaviour.md 1.2 `identities_ready`, 2.9).
 pub(crate) const IDENTITY_PENDING: &str = "engine identity validation pending";
 
-/// Where the router stands in HA (DESIGN.md 9.1, 9.6).
+/// Where the router stands in HA (architecture.md 9.1, 9.6).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum HaPhase {
     /// Controls the fleet and serves (a held lease, or lease backend `none`).
@@ -147,7 +147,7 @@ impl EpochScope {
     }
 }
 
-/// Readiness as `/ready` reports it (reference-notes 1.3).
+/// Readiness as `/ready` reports it (behaviour.md 1.3).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Readiness {
     /// `/ready` answers 200.
@@ -183,7 +183,7 @@ pub(crate) fn readiness(
     }
 }
 
-/// `/health` `status` (reference-notes 1.4 order): `ok` when ready; `fenced` for a phase
+/// `/health` `status` (behaviour.md 1.4 order): `ok` when ready; `fenced` for a phase
 /// blocked by anything but the identity check, or a router that lost control outside the
 /// standby loop; `maintenance` under a lifecycle hold; `standby`; else `degraded`.
 pub(crate) fn health(
@@ -208,7 +208,7 @@ pub(crate) fn health(
     }
 }
 
-/// `router.controls_fleet` of the lifecycle document (DESIGN.md 9.1): `active`, `standby`
+/// `router.controls_fleet` of the lifecycle document (architecture.md 9.1): `active`, `standby`
 /// (shadowing a healthy primary) or `fenced`.
 pub(crate) fn controls_label(phase: &HaPhase, controls: bool) -> &'static str {
     if controls {
@@ -222,7 +222,7 @@ pub(crate) fn controls_label(phase: &HaPhase, controls: bool) -> &'static str {
 
 /// The HA handle: owns the published [`HaStatus`] (a watch channel: anyone may subscribe) and
 /// reads the lease's local validity, so a lapsed lease stops control at once even before the
-/// renew loop notices (reference-notes 3.4).
+/// renew loop notices (behaviour.md 3.4).
 pub(crate) struct Ha {
     status: watch::Sender<HaStatus>,
     lease: Arc<LeaseDriver>,
@@ -505,7 +505,7 @@ pub(crate) mod tests {
         }
     }
 
-    /// `/ready` reasons in the reference's order (reference-notes 1.3), and `control_ready`
+    /// `/ready` reasons in the reference's order (behaviour.md 1.3), and `control_ready`
     /// following control, not readiness.
     #[test]
     fn readiness_reasons_follow_the_reference_order() {
@@ -540,7 +540,7 @@ pub(crate) mod tests {
         );
     }
 
-    /// `/health` status per phase (reference-notes 1.4): an identity check is `degraded`, not
+    /// `/health` status per phase (behaviour.md 1.4): an identity check is `degraded`, not
     /// `fenced`; a blocked standby is `fenced`; a shadowing one `standby`.
     #[test]
     fn health_follows_the_phase() {

@@ -1,4 +1,4 @@
-//! Streaming relay, sans-IO (reference-notes 7.3; DESIGN.md section 5), byte level (issue 11).
+//! Streaming relay, sans-IO (behaviour.md 7.3; architecture.md section 5), byte level (issue 11).
 //!
 //! ```text
 //!  upstream body bytes ──SseParser::feed──► data payloads ──StreamState::on_data──► RelayStep
@@ -29,7 +29,7 @@ use serde_json::{Map, Value, json};
 
 use crate::rawjson::{Cursor, Edit, Keep, Member, Repl, ScanError, apply, decode_key};
 
-/// Data frames held before the first token (reference-notes 7.3).
+/// Data frames held before the first token (behaviour.md 7.3).
 pub const MAX_HELD_FRAMES: usize = 64;
 
 /// One dispatched SSE event's `data` payload (multi-line data joined by `\n`), as text.
@@ -824,7 +824,7 @@ pub fn done_frame() -> Bytes {
     Bytes::from_static(b"data: [DONE]\n\n")
 }
 
-/// The single final frame after output started (reference-notes 1.9):
+/// The single final frame after output started (behaviour.md 1.9):
 /// `data: {"error":{"message":<public>,"type":<phase>,"code":"failed"|"expired"}}`, no `[DONE]`.
 pub fn error_frame(message: &str, phase: &str, code: &str) -> Bytes {
     data_frame(&json!({"error": {"message": message, "type": phase, "code": code}}))
@@ -1059,7 +1059,7 @@ impl ChoiceAcc {
     }
 }
 
-/// Reassembles streamed chunks into one non-streaming response object (reference-notes 7.3),
+/// Reassembles streamed chunks into one non-streaming response object (behaviour.md 7.3),
 /// one choice per streamed `index`.
 #[derive(Debug, Default)]
 pub struct Aggregator {

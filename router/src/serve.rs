@@ -1,4 +1,4 @@
-//! The completion pipeline (reference-notes 1.8, 7.1–7.7a): ingress → seat → attempts
+//! The completion pipeline (behaviour.md 1.8, 7.1–7.7a): ingress → seat → attempts
 //! (placement, prefill leg, decode leg until the first token, retries) → relay → settle.
 //!
 //! ```text
@@ -193,7 +193,7 @@ struct AttemptLog {
     decode_iid: Option<String>,
     failures: Vec<Value>,
     legs: Vec<Value>,
-    /// The latest TTFT price at placement (controller-notes 11.2 `admission_price`).
+    /// The latest TTFT price at placement (controller.md 11.2 `admission_price`).
     admission_price: Option<Value>,
 }
 
@@ -330,7 +330,7 @@ async fn completion_inner(
     pending.record().input_len = Some(input_len);
 
     // Admission seat (FIFO queue bounded by queue_timeout_s when queue_capacity > 0; queued
-    // requests are re-priced under predictive admission: controller-notes 10.1).
+    // requests are re-priced under predictive admission: controller.md 10.1).
     let permit: OwnedSemaphorePermit = match parts
         .controller
         .seat(&parts.admission, &track, deadline)
@@ -559,7 +559,7 @@ fn shape_plan(plan: Plan, v: &Validated, backend: Backend) -> Result<Plan, Reque
     }
 }
 
-/// Run attempts until one reaches its first output (reference-notes 7.5).
+/// Run attempts until one reaches its first output (behaviour.md 7.5).
 async fn attempts(
     ctx: &Ctx<'_>,
     sub: &Sub<'_>,
@@ -572,7 +572,7 @@ async fn attempts(
     let mut n = 0u32;
     loop {
         n += 1;
-        // A fenced router places nothing, not even a retry (reference-notes 3.4): the body
+        // A fenced router places nothing, not even a retry (behaviour.md 3.4): the body
         // read and earlier attempts may have outlasted the lease.
         if !parts.ha.controls_fleet() {
             return Err(RequestFailure::NotInControl);
@@ -586,7 +586,7 @@ async fn attempts(
             return Err(RequestFailure::NoEngine);
         };
         let plan = shape_plan(plan, ctx.v, parts.cfg.backend)?;
-        // The TTFT price at placement (controller-notes 10.4): journalled, and under
+        // The TTFT price at placement (controller.md 10.4): journalled, and under
         // predictive admission a first attempt over budget is refused undispatched.
         match parts
             .controller
@@ -638,7 +638,7 @@ async fn attempts(
             None => parts.fleet.observe(f.iid, Observation::ClientFault),
         }
         if f.phase == Phase::Decode && matches!(f.err, LegError::FirstTokenTimeout) {
-            // A consolidation-risk event (reference-notes 9), carried in the handoff.
+            // A consolidation-risk event (behaviour.md 9), carried in the handoff.
             parts
                 .demand
                 .lock()
@@ -906,7 +906,7 @@ async fn run_attempt(
             })
         }
         Plan::Split { prefill, decode } => {
-            // SGLang: reserve both before either leg starts (reference-notes 7.2 step 1).
+            // SGLang: reserve both before either leg starts (behaviour.md 7.2 step 1).
             let seat_p = parts.fleet.resident(prefill, Phase::Prefill);
             let seat_d = parts.fleet.resident(decode, Phase::Decode);
             let fail_p = |err| leg_failed(Phase::Prefill, prefill, None)(err);
@@ -973,7 +973,7 @@ async fn run_attempt(
                                 // A failed prefill usually fails the waiting decode too, and the
                                 // two answers race: give the prefill a moment so its error (often
                                 // the client's fault, e.g. 400 context length) is the one reported
-                                // (reference-notes 7.2 step 4).
+                                // (behaviour.md 7.2 step 4).
                                 if !prefill_done
                                     && let Ok(Ok(Err(perr))) =
                                         tokio::time::timeout(PREFILL_VERDICT_WAIT, &mut ptask.0).await
@@ -990,7 +990,7 @@ async fn run_attempt(
     }
 }
 
-/// A predictive refusal counts one failed, undispatched attempt (controller-notes 10.7),
+/// A predictive refusal counts one failed, undispatched attempt (controller.md 10.7),
 /// recorded in `failures` (the journal's `attempt_failures`; `prompt`: its index in a batch).
 fn refused_attempt(
     parts: &Parts,
@@ -1183,7 +1183,7 @@ fn split(s: Started) -> (Output, Served, Guards) {
 type Guards = (Option<Resident>, Option<AbortOnDrop>);
 
 /// Relays the rest of a started decode stream into `sink` until `[DONE]`, a failure, the
-/// request deadline, the shutdown budget or the client's departure (reference-notes 7.3),
+/// request deadline, the shutdown budget or the client's departure (behaviour.md 7.3),
 /// feeding the breaker on the way. The one relay loop of both client kinds.
 async fn relay(
     parts: &Parts,

@@ -2,7 +2,7 @@
 //! (`/narwhal/lifecycle`, `/narwhal/lifecycle/drain`, `/narwhal/lifecycle/readmit`,
 //! `/narwhal/lifecycle/cancel-drain`).
 //!
-//! `wave-restart` is the reference external supervisor (reference-notes 4.6, seed "Whole-wave
+//! `wave-restart` is the reference external supervisor (behaviour.md 4.6, seed "Whole-wave
 //! restart policy"): drain, wait for `ready_to_stop`, run the operator's restart command per
 //! engine, readmit, and print each engine's validation checks. `--rolling` restarts one engine
 //! at a time under the `individual` policy, so the fleet keeps serving throughout. A wave that

@@ -1,5 +1,5 @@
 //! Breaker core, transition by transition (issue 9 sections 2–4, issue 10 section 2;
-//! reference-notes 6.2–6.4). Each test names the rule it enforces.
+//! behaviour.md 6.2–6.4). Each test names the rule it enforces.
 
 use super::*;
 use crate::config::Role;

@@ -1,6 +1,6 @@
 //! The controller's driver: the pass loop (every `controller.monitor_interval_s`, or at once
 //! when the urgency latch is armed), and the application of the machine's commands: role
-//! labels through the fleet, the SGLang engine-side switch (controller-notes 9.2), the role
+//! labels through the fleet, the SGLang engine-side switch (controller.md 9.2), the role
 //! check through the lifecycle (ours), risk events, journal events.
 //!
 //! ```text
@@ -29,7 +29,7 @@ use crate::phase::EpochScope;
 use crate::placement::Exclusion;
 
 /// How long an engine-side switch keeps retrying while the engine answers `not idle`
-/// (controller-notes 9.2).
+/// (controller.md 9.2).
 const SWITCH_IDLE_WAIT: Duration = Duration::from_secs(10);
 /// Between those retries.
 const SWITCH_RETRY: Duration = Duration::from_millis(200);
@@ -74,7 +74,7 @@ impl Controller {
 
     /// The epoch scope this router decides under: `Some` when it controls the fleet (its HA
     /// phase holds control under a live lease, issue 13) and no whole-wave hold blocks it
-    /// (controller-notes 2.1); `None` for a standby or fenced router, which decides nothing.
+    /// (controller.md 2.1); `None` for a standby or fenced router, which decides nothing.
     fn may_decide(&self) -> Option<EpochScope> {
         self.h
             .ha
@@ -119,7 +119,7 @@ impl Controller {
 
     /// One pass (scheduled) or urgent evaluation, inside the failure ledger: a panic in
     /// the pure core is a `monitoring_stage_failure` of stage `controller` and the loop
-    /// continues (controller-notes 11.1).
+    /// continues (controller.md 11.1).
     async fn run_pass(self: &Arc<Self>, kind: Pass) {
         let now = self.now();
         let engines = engines_view(&self.h.cfg, &self.h.fleet);
@@ -295,7 +295,7 @@ impl Controller {
         }
     }
 
-    /// The SGLang role switch (controller-notes 9.2): `GET /server_info`; nothing to do when
+    /// The SGLang role switch (controller.md 9.2): `GET /server_info`; nothing to do when
     /// `internal_states[0].disaggregation_mode` is already `to`; else `POST /pd_role_switch
     /// {"new_role"}` (with `decode_cuda_graph_memory_gb` from `server_info` for decode),
     /// retried every 0.2 s for up to 10 s while the engine answers `not idle`. Shapes from

@@ -1,4 +1,4 @@
-//! The standby's decisions, sans IO (seed "HA handoff"; reference-notes 2.9; DESIGN.md 9.6;
+//! The standby's decisions, sans IO (seed "HA handoff"; behaviour.md 2.9; architecture.md 9.6;
 //! issue 13): watch the lease store, follow the router that controls the fleet, take over as
 //! soon as its lease lapsed, apply the newest state, re-check identities, and give the lease
 //! back when anything fails.
@@ -134,7 +134,7 @@ pub(crate) enum Step {
     },
 }
 
-/// The reference's reason for a retained handoff older than the lease (reference-notes 2.9):
+/// The reference's reason for a retained handoff older than the lease (behaviour.md 2.9):
 /// the document's epoch `doc` and the epoch a claim would get, `claim`.
 pub(crate) fn stale_handoff(doc: u64, claim: u64) -> String {
     format!("handoff epoch {doc} cannot precede claimed epoch {claim}")

@@ -1,4 +1,4 @@
-//! etcd lease backend (`lease.backend = "etcd"`; DESIGN.md section 7), for routers on
+//! etcd lease backend (`lease.backend = "etcd"`; architecture.md section 7), for routers on
 //! different hosts.
 //!
 //! Two keys:

@@ -1,6 +1,6 @@
 //! File lease backend: an exclusive `flock` on `<path>.lock` around every read-decide-write,
-//! and the `narwhal.router-lease` record replaced atomically and durably (reference-notes 3.2
-//! and 3.3; DESIGN.md 9.9 adds the fsyncs the reference lacks, 11.16).
+//! and the `narwhal.router-lease` record replaced atomically and durably (behaviour.md 3.2
+//! and 3.3; architecture.md 9.9 adds the fsyncs the reference lacks, 11.16).
 //!
 //! The lock is `flock(LOCK_EX)` (std's [`std::fs::File::try_lock`]), so a Python reference
 //! router on the same file interoperates. It is taken non-blocking and retried for up to

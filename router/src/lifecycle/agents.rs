@@ -1,5 +1,5 @@
 //! The agent registry: one mutual-TLS client per distinct engine agent, indexed by engine
-//! (DESIGN.md section 4), and what an agent's error means for this router's control.
+//! (architecture.md section 4), and what an agent's error means for this router's control.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -94,7 +94,7 @@ impl Agents {
 
 /// An agent's error to a call made under epoch `epoch`, as one line. An agent that saw a
 /// newer epoch than the one held now proves another router took over: this one fences itself
-/// at once and stops renewing (DESIGN.md section 3, fencing reaches the hosts), with the cause
+/// at once and stops renewing (architecture.md section 3, fencing reaches the hosts), with the cause
 /// as its `/ready` reason ([`stale_epoch_reason`]). A late `stale_epoch` answer to a call of an
 /// epoch that already ended fences nothing (issue 13: such answers fenced a router that had
 /// just claimed the next epoch).

@@ -1,4 +1,4 @@
-//! What one readmission check can find (seed "Readmitting engines"; reference-notes 4.8):
+//! What one readmission check can find (seed "Readmitting engines"; behaviour.md 4.8):
 //! the typed failure of a check, and the three-valued evidence of a KV transfer.
 
 /// How a KV transfer is known to have happened (or not), as the consuming engine's agent

@@ -1,6 +1,6 @@
 //! The readmission checks as the router runs them: `/health` through the engine client,
 //! everything else through the engine's agent, signed and verified (seed "Readmitting
-//! engines"; DESIGN.md section 4 and 9.7). [`validation`](super::validation) sequences them.
+//! engines"; architecture.md section 4 and 9.7). [`validation`](super::validation) sequences them.
 
 use std::sync::Arc;
 

@@ -1,7 +1,7 @@
 //! The lifecycle driver: the HTTP actions (`GET /narwhal/lifecycle`, `POST .../drain`,
 //! `POST .../readmit`), readmission validation through the agents, the drain-deadline and
 //! resident-change timer, and recovery of breaker-ejected engines (seed "Lifecycle API";
-//! DESIGN.md 9.2–9.7).
+//! architecture.md 9.2–9.7).
 //!
 //! ```text
 //!  POST drain ──request::parse_drain──► machine.begin ──commit──► capture identities
@@ -135,7 +135,7 @@ impl LifecycleDriver {
     }
 
     /// Wakes at the next drain deadline, when a drain starts, and when a held engine's
-    /// resident count changes, and re-evaluates drain progress (DESIGN.md 9.4).
+    /// resident count changes, and re-evaluates drain progress (architecture.md 9.4).
     pub(crate) async fn run_timer(&self, stop: CancellationToken) {
         loop {
             if !self.ha().controls_fleet() {
@@ -225,12 +225,12 @@ impl LifecycleDriver {
             .collect()
     }
 
-    /// The durable part for the handoff (reference-notes 2.1 `lifecycle`).
+    /// The durable part for the handoff (behaviour.md 2.1 `lifecycle`).
     pub(crate) fn export(&self) -> narwhal_shared::handoff::LifecycleState {
         self.exec.lock().export()
     }
 
-    /// Restores a handoff's lifecycle part and applies its holds (reference-notes 4.13).
+    /// Restores a handoff's lifecycle part and applies its holds (behaviour.md 4.13).
     ///
     /// # Errors
     /// [`RestoreError`] naming the offending record; nothing changes then.
@@ -257,7 +257,7 @@ impl LifecycleDriver {
         }
     }
 
-    /// `POST /narwhal/lifecycle/drain` (seed "Draining engines"; reference-notes 1.10,
+    /// `POST /narwhal/lifecycle/drain` (seed "Draining engines"; behaviour.md 1.10,
     /// 4.3–4.4).
     pub(crate) async fn drain(&self, body: Bytes) -> Reply {
         let (req, scope) = match self.accept(parse_drain(&body)) {
@@ -266,7 +266,7 @@ impl LifecycleDriver {
         };
         // An engine without an agent could be held out but never bound to a process identity,
         // so it could never be readmitted: refuse the drain instead of wedging it
-        // (DESIGN.md 9.2).
+        // (architecture.md 9.2).
         let mut agentless: Vec<&str> = self
             .cfg
             .engines
@@ -305,7 +305,7 @@ impl LifecycleDriver {
             }
         };
         self.wake.notify_one();
-        // Every target is out of placement now; record identities (DESIGN.md section 4).
+        // Every target is out of placement now; record identities (architecture.md section 4).
         let captured = futures_util::future::join_all(
             plan.capture
                 .iter()
@@ -378,7 +378,7 @@ impl LifecycleDriver {
         }
     }
 
-    /// `POST /narwhal/lifecycle/readmit` (seed "Readmitting engines"; reference-notes 1.10,
+    /// `POST /narwhal/lifecycle/readmit` (seed "Readmitting engines"; behaviour.md 1.10,
     /// 4.7–4.8).
     pub(crate) async fn readmit(&self, body: Bytes) -> Reply {
         let (req, scope) = match self.accept(parse_readmit(&body)) {
@@ -644,7 +644,7 @@ impl LifecycleDriver {
     }
 
     /// Applies a validation report: readmit on success, block every candidate on failure,
-    /// eject peers whose process changed (reference-notes 4.7; DESIGN.md 9.7).
+    /// eject peers whose process changed (behaviour.md 4.7; architecture.md 9.7).
     ///
     /// Before a passing SGLang prefill engine returns to placement, its bootstrap port is
     /// read again (`/server_info`) while it is still held, so no request is placed with a
@@ -754,7 +754,7 @@ impl LifecycleDriver {
 
     /// Recovery of a breaker-ejected engine whose health probe passed: validate the running
     /// process through the same checks (no restart required) and readmit it; under
-    /// `whole_wave` an ejection instead requires a whole-wave restart (reference-notes 4.9).
+    /// `whole_wave` an ejection instead requires a whole-wave restart (behaviour.md 4.9).
     /// Returns whether the engine is back in placement.
     pub(crate) async fn recover(&self, i: usize) -> bool {
         let Ok(_serial) = self.serial.try_lock() else {
@@ -786,7 +786,7 @@ impl LifecycleDriver {
         status == StatusCode::OK
     }
 
-    /// Under `whole_wave`, an ejection requires a whole-wave restart (reference-notes 4.9).
+    /// Under `whole_wave`, an ejection requires a whole-wave restart (behaviour.md 4.9).
     pub(crate) fn enforce_whole_wave(&self) {
         if self.cfg.recovery.engine_restart_policy != RestartPolicy::WholeWave
             || !self.ha().controls_fleet()
@@ -822,7 +822,7 @@ impl LifecycleDriver {
 
     /// `--resume` refused the state file. With an agent on every engine the fleet's
     /// processes can be re-verified, so (as the reference does with a contract,
-    /// reference-notes 2.8) every engine is held in a restart-required wave: the operator
+    /// behaviour.md 2.8) every engine is held in a restart-required wave: the operator
     /// drains the wave, restarts, readmits. Without agents the router serves with fresh state
     /// and reports the reason in `/narwhal/state.ha.resume`.
     pub(crate) fn resume_refused(&self, reason: &str) {
@@ -835,7 +835,7 @@ impl LifecycleDriver {
         self.exec.commit(&mut lc);
     }
 
-    /// Checks every engine's process identity through its agent (reference-notes 4.10): at
+    /// Checks every engine's process identity through its agent (behaviour.md 4.10): at
     /// startup and after a takeover ([`check_identities`]).
     pub(crate) async fn check_identities(&self) {
         let Some(scope) = self.ha().scope() else {
@@ -901,7 +901,7 @@ fn co_target(
 
 /// What draining `iid`, of role `role`, does to serving when no other engine of that role is
 /// live (`others_live` false): placement then serves every request aggregated, as one leg
-/// without KV transfer (reference-notes 6.7; docs/http-api.md "Serving"): on the decode
+/// without KV transfer (behaviour.md 6.7; docs/http-api.md "Serving"): on the decode
 /// engines when the prefill pool is empty; on the prefill engines when a vLLM decode pool is
 /// empty; and not at all (503 `no_schedulable_engines`) when an SGLang decode pool is empty,
 /// since SGLang serves aggregated only on decode engines. `None` while another engine of the

@@ -1,5 +1,5 @@
 //! The lifecycle executor: owns the pure [`Lifecycle`] machine and applies what it decided
-//! (DESIGN.md 9.2–9.4).
+//! (architecture.md 9.2–9.4).
 //!
 //! ```text
 //!  driver / identity check ──lock(), a machine call, commit()──► Executor
@@ -111,7 +111,7 @@ impl Executor {
         }
     }
 
-    /// Re-evaluates drain progress now (DESIGN.md 9.4): on a resident change of a held
+    /// Re-evaluates drain progress now (architecture.md 9.4): on a resident change of a held
     /// engine and at a drain deadline.
     pub(crate) fn refresh(&self) {
         if !self.ha.controls_fleet() {

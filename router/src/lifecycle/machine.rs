@@ -1,6 +1,6 @@
 //! The engine lifecycle core: drain records, whole-fleet waves, `ready_to_stop`, and the
-//! readmission bookkeeping around validation (seed "Lifecycle API", reference-notes 4.1–4.7,
-//! 4.9, 4.11, 4.12; departures in DESIGN.md section 9).
+//! readmission bookkeeping around validation (seed "Lifecycle API", behaviour.md 4.1–4.7,
+//! 4.9, 4.11, 4.12; departures in architecture.md section 9).
 //!
 //! Pure: it never reads a clock, sleeps or touches the network. The driver passes [`Now`] and
 //! the resident request counts, performs the process-identity captures and the validation checks
@@ -19,7 +19,7 @@ pub use crate::config::RestartPolicy;
 /// Largest accepted drain deadline, seconds (one year).
 pub const MAX_DEADLINE_S: f64 = 365.0 * 24.0 * 3600.0;
 
-/// How many lifecycle events the document keeps (reference-notes 4.1).
+/// How many lifecycle events the document keeps (behaviour.md 4.1).
 pub const EVENT_HISTORY: usize = 200;
 
 /// A reading of both clocks, taken once by the driver per operation.
@@ -62,7 +62,7 @@ pub enum Hold {
         /// Monotonic drain deadline.
         deadline: Option<Instant>,
     },
-    /// A breaker-ejected engine validated without a restart (reference-notes 4.9): no
+    /// A breaker-ejected engine validated without a restart (behaviour.md 4.9): no
     /// restart required, never in a wave, never draining.
     Recovery,
 }
@@ -95,7 +95,7 @@ impl Hold {
     }
 }
 
-/// One engine's lifecycle record as the machine keeps it (reference-notes 4.1); the wire form
+/// One engine's lifecycle record as the machine keeps it (behaviour.md 4.1); the wire form
 /// is [`DrainRecord`]. Times are wall-clock Unix seconds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Record {
@@ -222,12 +222,12 @@ pub struct DrainPlan {
     /// Targets whose process identity must be captured (through their agents) and bound
     /// with [`Lifecycle::bind_identity`].
     pub capture: Vec<String>,
-    /// True when the request repeated an accepted drain: nothing changed (DESIGN.md 9.5).
+    /// True when the request repeated an accepted drain: nothing changed (architecture.md 9.5).
     pub repeated: bool,
 }
 
 /// A rejected lifecycle action: each maps to HTTP 409 with the message as the document's
-/// `error` (reference-notes 4.3, 4.7, 1.10; the wording is the reference's, byte for byte,
+/// `error` (behaviour.md 4.3, 4.7, 1.10; the wording is the reference's, byte for byte,
 /// because supervisors match on it).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum LifecycleError {
@@ -490,8 +490,8 @@ impl Lifecycle {
         v
     }
 
-    /// Starts a drain (reference-notes 4.3, rules checked in that order), with
-    /// DESIGN.md 9.5: repeating an accepted drain is not an error.
+    /// Starts a drain (behaviour.md 4.3, rules checked in that order), with
+    /// architecture.md 9.5: repeating an accepted drain is not an error.
     ///
     /// `live` is the set of engines currently eligible for placement; `new_wave_id` names the
     /// wave if one starts. Every target leaves placement (is [`Lifecycle::held`]) on return,
@@ -648,7 +648,7 @@ impl Lifecycle {
         })
     }
 
-    /// Binds a captured process identity to a drain (reference-notes 4.4).
+    /// Binds a captured process identity to a drain (behaviour.md 4.4).
     ///
     /// `captured` is the process start (Unix seconds) read through the engine's agent, or the
     /// capture error. A failed capture of an engine the breaker has `ejected` falls back to the
@@ -714,8 +714,8 @@ impl Lifecycle {
         }
     }
 
-    /// Evaluates drain progress (reference-notes 4.5), eagerly: the driver calls it whenever a
-    /// resident count changes and at [`Lifecycle::next_deadline`] (DESIGN.md 9.4). Each
+    /// Evaluates drain progress (behaviour.md 4.5), eagerly: the driver calls it whenever a
+    /// resident count changes and at [`Lifecycle::next_deadline`] (architecture.md 9.4). Each
     /// transition emits its event once. `resident(iid)` is the engine's prefill + decode count.
     pub fn refresh(&mut self, now: Now, resident: impl Fn(&str) -> u32) {
         let ids: Vec<String> = self.records.keys().cloned().collect();
@@ -732,7 +732,7 @@ impl Lifecycle {
             if n == 0 && rec.old_process_start.is_some() {
                 let rec = self.records.get_mut(&iid).expect("iid from keys");
                 rec.state = DrainState::Drained;
-                // Unlike the reference (reference-notes 11.18), a drained record does not keep
+                // Unlike the reference (behaviour.md 11.18), a drained record does not keep
                 // the stale deadline error.
                 rec.error.clear();
                 self.emit(now, EventKind::DrainComplete { iid, wave_id });
@@ -769,7 +769,7 @@ impl Lifecycle {
     }
 
     /// Every member of the active wave is drained. False when no wave is active
-    /// (DESIGN.md 9.3; the reference compares non-wave records, reference-notes 11.4).
+    /// (architecture.md 9.3; the reference compares non-wave records, behaviour.md 11.4).
     pub fn wave_ready_to_stop(&self) -> bool {
         let members = self.wave_members();
         !members.is_empty()
@@ -778,7 +778,7 @@ impl Lifecycle {
                 .all(|i| self.records[i].state == DrainState::Drained)
     }
 
-    /// The external supervisor may stop this engine's process now (reference-notes 4.6).
+    /// The external supervisor may stop this engine's process now (behaviour.md 4.6).
     pub fn ready_to_stop(&self, iid: &str) -> bool {
         self.records.get(iid).is_some_and(|r| {
             r.old_process_start.is_some()
@@ -788,7 +788,7 @@ impl Lifecycle {
     }
 
     /// Accepts a readmission request and moves its targets to `validating`
-    /// (reference-notes 1.10 and 4.7). Returns the sorted targets.
+    /// (behaviour.md 1.10 and 4.7). Returns the sorted targets.
     ///
     /// # Errors
     /// A [`LifecycleError`] (HTTP 409); nothing changes.
@@ -856,7 +856,7 @@ impl Lifecycle {
     }
 
     /// Validation failed: every `validating` record goes `blocked` with its own failures, or,
-    /// when it had none, the names of the engines that failed (DESIGN.md 9.7).
+    /// when it had none, the names of the engines that failed (architecture.md 9.7).
     pub fn validation_failed(&mut self, now: Now, outcome: &BTreeMap<String, EngineOutcome>) {
         let failed: Vec<String> = outcome
             .iter()
@@ -923,7 +923,7 @@ impl Lifecycle {
     }
 
     /// Every target passed: records go `active` with their validated process start and
-    /// checks, and a finished wave releases router readiness (reference-notes 4.7). Returns the
+    /// checks, and a finished wave releases router readiness (behaviour.md 4.7). Returns the
     /// engines to return to placement.
     pub fn readmitted(
         &mut self,
@@ -982,7 +982,7 @@ impl Lifecycle {
     }
 
     /// Starts validation of an engine the breaker ejected, without a restart
-    /// (reference-notes 4.9, issue 4 "transient breaker ejection"). Returns `false` when it
+    /// (behaviour.md 4.9, issue 4 "transient breaker ejection"). Returns `false` when it
     /// must not start now: another lifecycle action holds an engine, or under `whole_wave`
     /// (which instead requires a restart wave, see [`Lifecycle::require_restart_wave`]).
     pub fn start_recovery_validation(&mut self, now: Now, iid: &str, new_wave_id: &str) -> bool {
@@ -1012,7 +1012,7 @@ impl Lifecycle {
     }
 
     /// Adds a breaker-ejected engine to a running individual readmission as a co-target
-    /// validated without a restart requirement, like a recovery (reference-notes 4.9), when it
+    /// validated without a restart requirement, like a recovery (behaviour.md 4.9), when it
     /// is the target's only possible fabric peer. Without this, a one-prefill, one-decode fleet
     /// whose peer was ejected while the target was held could never return to service: the
     /// peer's recovery waits for the target's hold to end, and the target's readmission needs
@@ -1146,7 +1146,7 @@ impl Lifecycle {
         true
     }
 
-    /// Holds every engine in a new restart-required wave (reference-notes 4.9). A no-op while
+    /// Holds every engine in a new restart-required wave (behaviour.md 4.9). A no-op while
     /// a wave is active unless `reset`.
     pub fn require_restart_wave(&mut self, now: Now, reason: &str, reset: bool, new_wave_id: &str) {
         if !self.wave_id.is_empty() && !reset {
@@ -1170,7 +1170,7 @@ impl Lifecycle {
         );
     }
 
-    /// The durable part for the handoff (reference-notes 2.1 `lifecycle`): records sorted by
+    /// The durable part for the handoff (behaviour.md 2.1 `lifecycle`): records sorted by
     /// engine id, the last events, the policy and the accepted process starts.
     pub fn export(&self) -> narwhal_shared::handoff::LifecycleState {
         narwhal_shared::handoff::LifecycleState {
@@ -1186,7 +1186,7 @@ impl Lifecycle {
         }
     }
 
-    /// Restores a handoff's lifecycle part (reference-notes 4.13): records and process starts
+    /// Restores a handoff's lifecycle part (behaviour.md 4.13): records and process starts
     /// are replaced, a record that was `validating` comes back `blocked` (its validation died
     /// with the old router), a wave withdraws readiness again, drain deadlines are re-anchored
     /// to this process's monotonic clock from the time they had left, and events are kept
@@ -1245,8 +1245,8 @@ impl Lifecycle {
     }
 
     /// The lifecycle document, schema `narwhal.lifecycle` version 1 (seed "Lifecycle API",
-    /// reference-notes 4.11; `router.controls_fleet` is `"active"`, `"standby"` or `"fenced"`,
-    /// DESIGN.md 9.1). `view(iid)` gives resident counts and placement eligibility; `error` is
+    /// behaviour.md 4.11; `router.controls_fleet` is `"active"`, `"standby"` or `"fenced"`,
+    /// architecture.md 9.1). `view(iid)` gives resident counts and placement eligibility; `error` is
     /// the rejected action's message, `""` on success.
     pub fn document(
         &self,
