@@ -1027,8 +1027,8 @@ impl Checker<'_> {
                 ),
             );
         }
-        // architecture.md 9.2: process identity comes from the agents, so whole-wave restarts need an
-        // agent on every engine rather than an engine_contract.
+        // architecture.md 9.2: process identity comes from the agents, so whole-wave restarts need
+        // an agent on every engine rather than an engine_contract.
         if recovery.engine_restart_policy == RestartPolicy::WholeWave
             && engines.iter().any(|e| e.agent.is_none())
         {

@@ -1,6 +1,6 @@
 //! High availability: the primary's lease loop and the warm standby, supervised as one task
-//! that moves the router between them (seed "HA handoff"; behaviour.md 2.9, 3.4;
-//! architecture.md sections 7 and 9.6).
+//! that moves the router between them (handoff-and-lifecycle.md, "HA handoff"; behaviour.md
+//! 2.9, 3.4; architecture.md sections 7 and 9.6).
 //!
 //! ```text
 //!  supervise: Active(renewal) ──renewal.lost() | the phase leaves control──► Standby{held: epoch}
@@ -9,7 +9,8 @@
 //! ```
 //! Every failure on the way leaves the router a standby that tries again (architecture.md 9.6).
 //! Whatever ends control (a lost renewal, an agent that saw a newer epoch, a refused handoff
-//! publish) ends the renewal with it: a router that is not active never renews (issue 13).
+//! publish) ends the renewal with it: a router that is not active never renews
+//! (ha-and-fencing.md).
 //! `primary` is the lease loop, `standby` the standby's driver over the pure `machine`; the
 //! phase they publish lives in `crate::phase`.
 

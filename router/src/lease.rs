@@ -123,7 +123,7 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// check (under the flock, or guarded by the record's etcd `mod_revision`). The inner
     /// `Err` is the core's verdict (not ours, lapsed); nothing was written then. A successor
     /// that claims after this returns finds `doc` ([`LeaseStore::read_all`]); one published
-    /// later can never land (issue 13).
+    /// later can never land (ha-and-fencing.md).
     ///
     /// # Errors
     /// The outer [`LeaseError`] when the store could not be read or written.

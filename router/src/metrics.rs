@@ -65,7 +65,8 @@ fn buckets(slo: f64) -> Vec<f64> {
 /// hence the `/metrics` order, is the order of [`Metrics::new`], not of these groups.
 pub(crate) struct Metrics {
     registry: Registry,
-    /// What ingress saw (behaviour.md 10, contract/traffic): requests offered, sized or not, and those refused, rejected or invalid before any placement.
+    /// What ingress saw (behaviour.md 10, contract/traffic): requests offered, sized or not, and
+    /// those refused, rejected or invalid before any placement.
     pub(crate) intake: Intake,
     /// How requests ended (behaviour.md 10): served, met both SLOs, expired, failed, cancelled.
     pub(crate) settled: Settled,
@@ -87,7 +88,8 @@ pub(crate) struct Metrics {
     pub(crate) ops: OpsMetrics,
 }
 
-/// What ingress saw (behaviour.md 10, contract/traffic): requests offered, sized or not, and those refused, rejected or invalid before any placement.
+/// What ingress saw (behaviour.md 10, contract/traffic): requests offered, sized or not, and those
+/// refused, rejected or invalid before any placement.
 pub(crate) struct Intake {
     pub(crate) offered: Counter,
     pub(crate) unsized_offered: Counter,

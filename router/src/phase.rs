@@ -1,5 +1,6 @@
-//! The router's HA phase: whether it controls the fleet and, when not, why (seed "HA
-//! handoff"; behaviour.md 1.2–1.4, 2.9, 3.4; architecture.md 9.1 and 9.6).
+//! The router's HA phase: whether it controls the fleet and, when not, why
+//! (handoff-and-lifecycle.md, "HA handoff"; behaviour.md 1.2–1.4, 2.9, 3.4;
+//! architecture.md 9.1 and 9.6).
 //!
 //! ```text
 //!  primary lease loop / standby ──transitions──► Ha (watch::Sender<HaStatus>) ──► subscribers
@@ -100,26 +101,26 @@ pub(crate) struct Controller {
     pub(crate) epoch: u64,
 }
 
-/// Whether work started under epoch `scope` may still act (issue 13: a task carries its epoch
-/// and never runs under a later one): the phase holds control, the lease is locally valid,
-/// and the epoch held now is the task's. Pure; [`Ha::live`] applies it.
+/// Whether work started under epoch `scope` may still act (ha-and-fencing.md: a task carries
+/// its epoch and never runs under a later one): the phase holds control, the lease is locally
+/// valid, and the epoch held now is the task's. Pure; [`Ha::live`] applies it.
 pub(crate) fn work_may_run(scope: u64, phase_holds: bool, lease_valid: bool, held: u64) -> bool {
     phase_holds && lease_valid && held == scope
 }
 
 /// Whether an agent's `stale_epoch` answer to a call made under epoch `call` fences this
-/// router, which holds epoch `held` (issue 13): only a call of the epoch held now proves that a
-/// newer router exists; a late answer to a call of an epoch that already ended says nothing
+/// router, which holds epoch `held` (ha-and-fencing.md): only a call of the epoch held now proves
+/// that a newer router exists; a late answer to a call of an epoch that already ended says nothing
 /// about the current one (found by the fault campaign: such answers fenced a router that had
 /// just claimed the next epoch, while its renewals went on).
 pub(crate) fn stale_answer_fences(call: u64, phase_holds: bool, held: u64) -> bool {
     phase_holds && call == held
 }
 
-/// Work bound to one epoch of control (issue 13): lifecycle actions, validation, the identity
-/// check. It carries the epoch its agent calls are fenced with, and is cancelled when control
-/// under that epoch ends (a fence, a lapse, the standby loop starting); it never becomes valid
-/// again, so the work never runs under a later epoch.
+/// Work bound to one epoch of control (ha-and-fencing.md, EpochScope): lifecycle actions,
+/// validation, the identity check. It carries the epoch its agent calls are fenced with, and is
+/// cancelled when control under that epoch ends (a fence, a lapse, the standby loop starting); it
+/// never becomes valid again, so the work never runs under a later epoch.
 #[derive(Debug, Clone)]
 pub(crate) struct EpochScope {
     epoch: u64,
@@ -656,8 +657,8 @@ pub(crate) mod tests {
         (parts, clock)
     }
 
-    /// Issue 13: work carries the epoch it started in and ends with it: a fence, a lapse of
-    /// the lease, or the standby loop ends its scope for good, and a later tenure (even of the
+    /// ha-and-fencing.md: work carries the epoch it started in and ends with it: a fence, a lapse
+    /// of the lease, or the standby loop ends its scope for good, and a later tenure (even of the
     /// same epoch, a reclaimed own lease) never revives it.
     #[tokio::test]
     async fn an_epoch_scope_ends_with_its_epoch_and_never_revives() {
@@ -700,8 +701,8 @@ pub(crate) mod tests {
         assert!(!ha.live(&third));
     }
 
-    /// Issue 13: only a `stale_epoch` answer to a call of the epoch held now fences; a late
-    /// answer to a call of an earlier epoch (work of a tenure that ended) does not. The fence
+    /// ha-and-fencing.md: only a `stale_epoch` answer to a call of the epoch held now fences; a
+    /// late answer to a call of an earlier epoch (work of a tenure that ended) does not. The fence
     /// also gives the lease up locally, so the renew loop stops.
     #[tokio::test]
     async fn only_a_stale_answer_for_the_epoch_held_fences() {

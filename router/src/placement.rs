@@ -9,8 +9,8 @@
 //! ```
 //!
 //! Pure: no clock, no IO, the RNG is passed in. An engine is *live* when its exclusion set is
-//! empty (reasons `ejected`, `draining`, `awaiting_health` — behaviour.md 6.1); health and admission stay
-//! separate as in linkerd's p2c pool.
+//! empty (reasons `ejected`, `draining`, `awaiting_health` — behaviour.md 6.1); health and
+//! admission stay separate as in linkerd's p2c pool.
 
 use std::collections::BTreeSet;
 

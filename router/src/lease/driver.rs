@@ -2,7 +2,7 @@
 //! ahead of expiry, fences at once on a lost renewal, releases at shutdown
 //! (behaviour.md 3.3 and 3.4; architecture.md section 7 and departure 9.6).
 //!
-//! Clock discipline (STYLE.md section 3): before each write the driver reads the monotonic
+//! Clock discipline: before each write the driver reads the monotonic
 //! `started` instant and the wall time; validity runs from `started`, so a slow write only
 //! shortens it. The router asks [`LeaseDriver::control`] on every decision that needs
 //! control (placement, lifecycle POSTs, agent calls); it turns `Fenced` as soon as local

@@ -396,9 +396,9 @@ mod tests {
         assert!(leftovers.is_empty(), "temp files left: {leftovers:?}");
     }
 
-    /// Issue 13: only the live holder publishes its handoff beside the record; a successor's
-    /// claim makes every later publish of the old holder fail, and the successor reads what
-    /// was published before its claim.
+    /// ha-and-fencing.md: only the live holder publishes its handoff beside the record; a
+    /// successor's claim makes every later publish of the old holder fail, and the successor reads
+    /// what was published before its claim.
     #[tokio::test]
     async fn only_the_live_holder_publishes_and_a_successor_reads_it() {
         let (_dir, store) = setup();

@@ -1,5 +1,5 @@
 //! The router lease core: who controls the fleet, under which epoch, until when
-//! (seed "HA handoff"; behaviour.md 3; architecture.md section 7).
+//! (handoff-and-lifecycle.md, "HA handoff"; behaviour.md 3; architecture.md section 7).
 //!
 //! Pure: the backends (file, etcd) read and write [`LeaseRecord`]s; this core decides what to
 //! write and whether the router still holds a valid lease. Validity runs from the monotonic
@@ -281,7 +281,7 @@ impl Lease {
     /// Decides whether this router may publish its handoff next to `current` (read under the
     /// backend's lock) at `now_wall`: the record must be ours at our epoch and unexpired, as
     /// for a renewal, so a document published under epoch E is always the newest state of E
-    /// and can never land after a successor's claim (issue 13: an acknowledged lifecycle
+    /// and can never land after a successor's claim (ha-and-fencing.md: an acknowledged lifecycle
     /// action is durable where the successor reads). Nothing is fenced here: the driver does.
     ///
     /// # Errors

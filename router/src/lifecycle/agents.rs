@@ -94,9 +94,9 @@ impl Agents {
 
 /// An agent's error to a call made under epoch `epoch`, as one line. An agent that saw a
 /// newer epoch than the one held now proves another router took over: this one fences itself
-/// at once and stops renewing (architecture.md section 3, fencing reaches the hosts), with the cause
-/// as its `/ready` reason ([`stale_epoch_reason`]). A late `stale_epoch` answer to a call of an
-/// epoch that already ended fences nothing (issue 13: such answers fenced a router that had
+/// at once and stops renewing (architecture.md section 3, fencing reaches the hosts), with the
+/// cause as its `/ready` reason ([`stale_epoch_reason`]). A late `stale_epoch` answer to a call of
+/// an epoch that already ended fences nothing (issue 13: such answers fenced a router that had
 /// just claimed the next epoch).
 pub(crate) fn agent_error(ha: &Ha, epoch: u64, e: AgentClientError) -> String {
     if let AgentClientError::StaleEpoch {

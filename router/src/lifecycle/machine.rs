@@ -1246,8 +1246,8 @@ impl Lifecycle {
 
     /// The lifecycle document, schema `narwhal.lifecycle` version 1 (seed "Lifecycle API",
     /// behaviour.md 4.11; `router.controls_fleet` is `"active"`, `"standby"` or `"fenced"`,
-    /// architecture.md 9.1). `view(iid)` gives resident counts and placement eligibility; `error` is
-    /// the rejected action's message, `""` on success.
+    /// architecture.md 9.1). `view(iid)` gives resident counts and placement eligibility; `error`
+    /// is the rejected action's message, `""` on success.
     pub fn document(
         &self,
         controls_fleet: &str,
