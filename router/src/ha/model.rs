@@ -1,7 +1,7 @@
 //! A property test over the HA machine (ha-and-fencing.md; docs/ha.md, "Failover without
-//! loss"): two routers sharing one lease store and the fleet's agents, run through random interleavings of lease renewals, lease
-//! reads, standby ticks, lifecycle work calling agents, client reads, acknowledged actions,
-//! pauses (`SIGSTOP`) and kills, on a simulated clock.
+//! loss"): two routers sharing one lease store and the fleet's agents, run through random
+//! interleavings of lease renewals, lease reads, standby ticks, lifecycle work calling agents,
+//! client reads, acknowledged actions, pauses (`SIGSTOP`) and kills, on a simulated clock.
 //!
 //! The routers are built from the product's own pure parts: the lease core
 //! ([`Lease`]: claim, renew, publish guard, validity), the standby machine ([`Standby`]:
