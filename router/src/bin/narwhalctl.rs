@@ -2,11 +2,11 @@
 //! (`/narwhal/lifecycle`, `/narwhal/lifecycle/drain`, `/narwhal/lifecycle/readmit`,
 //! `/narwhal/lifecycle/cancel-drain`).
 //!
-//! `wave-restart` is the reference external supervisor (behaviour.md 4.6, seed "Whole-wave
-//! restart policy"): drain, wait for `ready_to_stop`, run the operator's restart command per
-//! engine, readmit, and print each engine's validation checks. `--rolling` restarts one engine
-//! at a time under the `individual` policy, so the fleet keeps serving throughout. A wave that
-//! stops half-way prints the exact command that continues it (`--resume --engines ...`).
+//! `wave-restart` is the reference external supervisor (behaviour.md 4.6; handoff-and-lifecycle.md,
+//! "Whole-wave restart policy"): drain, wait for `ready_to_stop`, run the operator's restart
+//! command per engine, readmit, and print each engine's validation checks. `--rolling` restarts one
+//! engine at a time under the `individual` policy, so the fleet keeps serving throughout. A wave
+//! that stops half-way prints the exact command that continues it (`--resume --engines ...`).
 //!
 //! Exit codes: 0 success; 1 the router refused or a check failed (409, validation, restart
 //! command); 2 usage (including a `--router` that is not a control listener); 3 the router was

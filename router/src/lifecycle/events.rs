@@ -102,7 +102,7 @@ pub enum EventKind {
         iid: String,
     },
     /// A cancel of an individual drain began: the drained process is validated without a
-    /// restart (`drain_cancel_started`; ours, issue 14 section 4).
+    /// restart (`drain_cancel_started`; ours, docs/deviations.md).
     DrainCancelStarted {
         /// The engine.
         iid: String,

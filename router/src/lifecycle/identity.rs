@@ -30,7 +30,7 @@ pub(crate) struct IdentityReader {
 
 impl IdentityReader {
     /// Reads the engine's process start (Unix seconds) through its agent, as a signed,
-    /// verified attestation fenced with `scope`'s epoch (never a later one: issue 13).
+    /// verified attestation fenced with `scope`'s epoch (never a later one: ha-and-fencing.md).
     ///
     /// # Errors
     /// [`CheckError::Unconfigured`], or [`CheckError::IdentityUnreadable`] (no agent, control

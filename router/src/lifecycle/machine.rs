@@ -1,6 +1,6 @@
 //! The engine lifecycle core: drain records, whole-fleet waves, `ready_to_stop`, and the
-//! readmission bookkeeping around validation (seed "Lifecycle API", behaviour.md 4.1–4.7,
-//! 4.9, 4.11, 4.12; departures in architecture.md section 9).
+//! readmission bookkeeping around validation (handoff-and-lifecycle.md, "Lifecycle API",
+//! behaviour.md 4.1–4.7, 4.9, 4.11, 4.12; departures in architecture.md section 9).
 //!
 //! Pure: it never reads a clock, sleeps or touches the network. The driver passes [`Now`] and
 //! the resident request counts, performs the process-identity captures and the validation checks
@@ -244,7 +244,7 @@ pub enum LifecycleError {
     #[error("deadline_s must be at most 31536000 (one year)")]
     DeadlineTooLong,
     /// A repeated drain names another `deadline_s` than the accepted one: refused rather
-    /// than silently keeping the old deadline (issue 9 section 7); repeat it without
+    /// than silently keeping the old deadline; repeat it without
     /// `deadline_s` or with the same value.
     #[error(
         "a drain of {iid} is already active with deadline_s {deadline_s}; repeat it without deadline_s or with the same value"
@@ -287,7 +287,7 @@ pub enum LifecycleError {
     /// A planned restart without a recorded pre-restart identity.
     #[error("{0} has no recorded pre-restart process identity")]
     NoPreRestartIdentity(String),
-    /// A cancel-drain of zero or several engines, or with `wave` (ours, issue 14 section 4).
+    /// A cancel-drain of zero or several engines, or with `wave` (ours; docs/deviations.md).
     #[error(
         "cancel-drain must name exactly one engine (a whole wave is readmitted as one set after a restart)"
     )]
@@ -982,7 +982,8 @@ impl Lifecycle {
     }
 
     /// Starts validation of an engine the breaker ejected, without a restart
-    /// (behaviour.md 4.9, issue 4 "transient breaker ejection"). Returns `false` when it
+    /// (behaviour.md 4.9; handoff-and-lifecycle.md, "Readmitting engines": "transient breaker
+    /// ejection"). Returns `false` when it
     /// must not start now: another lifecycle action holds an engine, or under `whole_wave`
     /// (which instead requires a restart wave, see [`Lifecycle::require_restart_wave`]).
     pub fn start_recovery_validation(&mut self, now: Now, iid: &str, new_wave_id: &str) -> bool {
@@ -1059,10 +1060,11 @@ impl Lifecycle {
         );
     }
 
-    /// Starts cancelling an individual drain (ours, issue 14 section 4; not in the reference,
+    /// Starts cancelling an individual drain (ours; not in the reference,
     /// docs/deviations.md): the engine named in `engines` goes `validating`, to return to
     /// service without a restart once the readmission checks pass on the very process its
-    /// drain recorded. The seed's readmission (which requires a newer process) is unchanged.
+    /// drain recorded. The readmission of handoff-and-lifecycle.md (which requires a newer process)
+    /// is unchanged.
     /// Returns the engine and that process start (Unix seconds).
     ///
     /// # Errors
@@ -1244,10 +1246,10 @@ impl Lifecycle {
         Ok(())
     }
 
-    /// The lifecycle document, schema `narwhal.lifecycle` version 1 (seed "Lifecycle API",
-    /// behaviour.md 4.11; `router.controls_fleet` is `"active"`, `"standby"` or `"fenced"`,
-    /// architecture.md 9.1). `view(iid)` gives resident counts and placement eligibility; `error`
-    /// is the rejected action's message, `""` on success.
+    /// The lifecycle document, schema `narwhal.lifecycle` version 1 (handoff-and-lifecycle.md,
+    /// "Lifecycle API", behaviour.md 4.11; `router.controls_fleet` is `"active"`, `"standby"` or
+    /// `"fenced"`, architecture.md 9.1). `view(iid)` gives resident counts and placement
+    /// eligibility; `error` is the rejected action's message, `""` on success.
     pub fn document(
         &self,
         controls_fleet: &str,
@@ -1504,7 +1506,7 @@ mod tests {
         assert!(plan.capture.is_empty());
         assert_eq!(l.record("e0").cloned(), before);
         assert_eq!(l.events().count(), n);
-        // Another deadline is refused (issue 9 section 7); none named is a repeat.
+        // Another deadline is refused; none named is a repeat.
         let mut other = drain(&["e0"], false);
         other.deadline_s = 60.0;
         let e = l.begin(now, &other, &set(&["e1"]), "").unwrap_err();
@@ -2024,9 +2026,9 @@ mod tests {
         assert_eq!(back.export(), state, "the wire form round-trips");
     }
 
-    /// Issue 14 section 4: a drain cancelled without a restart validates the recorded process
-    /// and returns it with its own events; the refusals name their rule; a wave, a recovery
-    /// and a drain without an identity cannot be cancelled.
+    /// Cancel-drain (docs/deviations.md): a drain cancelled without a restart validates the
+    /// recorded process and returns it with its own events; the refusals name their rule; a wave, a
+    /// recovery and a drain without an identity cannot be cancelled.
     #[test]
     fn a_drain_is_cancelled_on_the_same_process_with_its_own_events() {
         let now = t0();
@@ -2074,7 +2076,7 @@ mod tests {
             last.to_json()
         );
         assert!(!l.drain_cancelled(now, "e0", &ok(100.0)), "only once");
-        // A failed cancel blocks like a failed readmission; the seed's readmission still
+        // A failed cancel blocks like a failed readmission; a readmission still
         // requires a restart afterwards, and a second cancel may be tried.
         drained(&mut l, now, "e1");
         l.begin_cancel_drain(now, &one(&["e1"]), false).unwrap();

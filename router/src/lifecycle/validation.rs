@@ -1,7 +1,7 @@
-//! Readmission validation: the six checks of the seed ("Readmitting engines"), in order —
-//! health, process-bound attestation, configured model, direct generation, role-compatible KV
-//! transfer, final health — run over every participant (the targets and the peers they
-//! exchange KV with), with the process identity re-checked between steps
+//! Readmission validation: the six checks of handoff-and-lifecycle.md ("Readmitting engines"),
+//! in order — health, process-bound attestation, configured model, direct generation,
+//! role-compatible KV transfer, final health — run over every participant (the targets and the
+//! peers they exchange KV with), with the process identity re-checked between steps
 //! (behaviour.md 4.8; architecture.md 9.2 and 9.7).
 //!
 //! The sequencing is here; the I/O is behind [`Checks`] (the router implements it with the
@@ -208,8 +208,8 @@ impl Report {
     }
 }
 
-/// Runs the checks of `plan` in the seed's order and reports every participant's outcome.
-/// Targets that pass carry the validated process start in `process_start`.
+/// Runs the checks of `plan` in handoff-and-lifecycle.md's order and reports every participant's
+/// outcome. Targets that pass carry the validated process start in `process_start`.
 pub async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str) -> Report {
     let mut report = Report::default();
     for t in &plan.targets {
