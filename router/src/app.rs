@@ -1,6 +1,6 @@
 //! Wiring: builds the parts, starts the tasks (HA, state-file writer, monitor, lifecycle
-//! timer, listeners), and stops them in order (architecture.md section 3; STYLE.md section 1:
-//! `run(config, listeners, shutdown)`).
+//! timer, listeners), and stops them in order (architecture.md section 3), all behind one
+//! entry point, `run(config, listeners, shutdown)`.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -41,7 +41,7 @@ pub struct RunOptions {
     /// Called once the listeners serve and every engine's health gate was answered (or the
     /// startup wait ran out, `monitor::startup`): the command line writes its ready file and
     /// prints its listening line here, so nothing that waits for them sees a router that has
-    /// not looked at its engines yet (issue 9 section 4). An error stops the router.
+    /// not looked at its engines yet (the health gate). An error stops the router.
     pub announce: Option<Box<dyn FnOnce() -> Result<(), String> + Send>>,
 }
 
@@ -192,7 +192,7 @@ const END_WAIT: Duration = Duration::from_secs(3);
 /// How often the drain looks at the in-flight count.
 const DRAIN_POLL: Duration = Duration::from_millis(20);
 
-/// Graceful shutdown of the request path (issue 9 section 5; kserve, Envoy and Kubernetes
+/// Graceful shutdown of the request path (docs/http-api.md; kserve, Envoy and Kubernetes
 /// drain the same way): readiness is withdrawn at once (`/ready` 503 `shutting down`, new
 /// completions 503 with `Retry-After`, `/health` 200 `stopping`) while both listeners stay
 /// open, so load balancers and clients back off instead of meeting refused connections;

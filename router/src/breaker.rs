@@ -1,6 +1,6 @@
 //! Per-engine health and breaker: the health gate, failure streaks, bounded ejection and
-//! readmission (behaviour.md 6.2–6.6; architecture.md section 5; issue 9 sections 1–4, issue 10
-//! section 2).
+//! readmission (behaviour.md 6.2–6.6; architecture.md section 5; docs/deviations.md, "Engine
+//! health and the breaker").
 //!
 //! ```text
 //!  leg outcome ─────────────observe(iid, Observation, now, slots)──► Vec<Transition>

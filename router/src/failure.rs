@@ -1,7 +1,7 @@
 //! Every way a completion request can fail, and the one place that maps a failure to what the
 //! client sees (status, JSON body, `Retry-After`, or the SSE error frame after output) and to
 //! what is counted (the [`Settlement`]: terminal, reason, journal error) (behaviour.md 1.9,
-//! 7.7a; STYLE.md section 4: one map, recording who failed).
+//! 7.7a): one map, recording who failed.
 //!
 //! ```text
 //!  serve ──RequestFailure──► settlement() ──► accounting (counters, metrics, journal row)
@@ -101,7 +101,7 @@ pub(crate) enum RequestFailure {
     /// The router stopped (SIGTERM) and `serving.graceful_timeout_s` ran out while this
     /// request was still running: before output 503 `standby` with `Retry-After` (another
     /// router can serve it), after output the `failed` error frame; counted
-    /// `failed/shutdown`, never as a client cancel (issue 9 section 5).
+    /// `failed/shutdown`, never as a client cancel (docs/http-api.md, graceful shutdown).
     ShutDown {
         /// Output already reached a streaming client.
         streaming: bool,
@@ -111,7 +111,7 @@ pub(crate) enum RequestFailure {
 /// The public message of a request cut by the graceful-shutdown budget.
 const SHUTDOWN_MESSAGE: &str = "Router is shutting down";
 
-/// The status a busy engine's answer (408, 429, 503: issue 9 section 2) becomes for the client
+/// The status a busy engine's answer (408, 429, 503: overload, not failure) becomes for the client
 /// once the retries are spent: 429 for a 429, else 503, both with `Retry-After`; `None` for any
 /// other failure.
 fn busy(err: &LegError) -> Option<u16> {
@@ -339,7 +339,7 @@ impl RequestFailure {
                 "server_overloaded_error",
             ),
             RequestFailure::Leg { phase, err } => match (err.engine_error(), err.client_fault()) {
-                // The engine's own refusal, as it wrote it (issue 10 section 2).
+                // The engine's own refusal, as it wrote it (docs/deviations.md).
                 (Some(error), Some(_)) => json!({ "error": error }),
                 (None, Some((_, message, param))) => json!({"error": {
                     "message": message, "type": "invalid_request_error", "param": param, "code": null,
@@ -527,7 +527,7 @@ mod tests {
                 Terminal::Failed,
                 "engine_error",
             ),
-            // Overload is not failure (issue 9 section 2): a busy engine's 503 or 429 reaches
+            // Overload is not failure: a busy engine's 503 or 429 reaches
             // the client as a back-off answer, not a 502.
             (
                 RequestFailure::Leg {
@@ -658,7 +658,7 @@ mod tests {
     }
 
     /// An engine's refusal with its own error object reaches the client as the engine wrote
-    /// it, with the engine's status (issue 10 section 2: llama.cpp's context-length 400 keeps
+    /// it, with the engine's status (llama.cpp's context-length 400 keeps
     /// its `code`), and is counted `failed/engine_rejected`.
     #[test]
     fn an_engine_refusal_is_relayed_as_the_engine_wrote_it() {
@@ -720,7 +720,7 @@ mod tests {
         assert!(text.contains("\"code\":\"failed\"") && text.contains("Upstream request failed"));
     }
 
-    /// Graceful shutdown (issue 9 section 5): a stream still running when the budget runs
+    /// Graceful shutdown (docs/http-api.md): a stream still running when the budget runs
     /// out ends with the documented error frame and is settled failed, not cancelled.
     #[test]
     fn a_stream_cut_by_the_shutdown_budget_ends_with_an_error_frame_and_fails() {

@@ -656,8 +656,8 @@ mod tests {
         assert_eq!(f.live_names().len(), 2);
     }
 
-    /// Identity (issue 9 section 1): a reading whose known facts differ makes the engine a
-    /// new engine: ejected (`process_identity`), its suspects and old facts dropped, the
+    /// Identity (an engine restarted in place): a reading whose known facts differ makes the engine
+    /// a new engine: ejected (`process_identity`), its suspects and old facts dropped, the
     /// reading kept as the new process's facts.
     #[test]
     fn a_changed_fact_makes_a_new_engine_and_forgets_the_old_one() {

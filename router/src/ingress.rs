@@ -380,7 +380,7 @@ fn batch_of(body: &Map<String, Value>) -> Option<&[Value]> {
 
 /// The prompts of a batched request, in order (`None` for a single prompt). Each is served
 /// as its own request (its own prefill, descriptor and decode) and answered as choice `k`
-/// of one response (issue 9 section 6).
+/// of one response (docs/http-api.md, request shapes the split cannot serve as one request).
 pub fn batch_prompts(v: &Validated) -> Option<&[Value]> {
     if v.prompt_count > 1 {
         batch_of(&v.body)
@@ -608,7 +608,7 @@ mod tests {
     }
 
     /// Batches are recognised (strings or token-id lists, two or more), limited, and
-    /// prompt-logprob requests are named by the field that asks (issue 9 section 6).
+    /// prompt-logprob requests are named by the field that asks (docs/http-api.md).
     #[test]
     fn batches_and_prompt_logprobs_are_recognised() {
         let v = check(r#"{"prompt":["a","b","c"]}"#).unwrap();

@@ -1,5 +1,5 @@
 //! The monitor task: every `controller.monitor_interval_s`, whole-wave enforcement and the
-//! breaker's due probes (behaviour.md 6.3, 6.4, 6.6, 4.9; issue 9 sections 1–4), and the
+//! breaker's due probes (behaviour.md 6.3, 6.4, 6.6, 4.9; docs/deviations.md), and the
 //! startup wait for the health gate.
 //!
 //! ```text
@@ -212,7 +212,7 @@ async fn generation(parts: &Parts, iid: usize) -> Result<(), String> {
             .first_token_timeout_s
             .max(cfg.engine.health_timeout_s),
     );
-    // A leg id every engine accepts (a plain UUID per leg, issue 10 section 2).
+    // A leg id every engine accepts (a plain UUID per leg, docs/deviations.md).
     let leg = LegId::new(&uuid::Uuid::new_v4().to_string(), None, 1, "probe");
     parts
         .upstream

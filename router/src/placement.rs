@@ -29,7 +29,7 @@ pub enum Exclusion {
     /// (controller.md 9.2 `switching`).
     Switching,
     /// Its health path has not answered 200 since the router started watching it (the
-    /// health gate, issue 9 section 4).
+    /// health gate).
     AwaitingHealth,
 }
 
@@ -288,7 +288,7 @@ mod tests {
     #[test]
     fn decode_avoids_the_producer_unless_it_is_the_only_candidate() {
         // Roles are exclusive, so the producer is never a decode candidate here; the rule
-        // matters once roles move (lifecycle issue). Check the decode is always another engine.
+        // matters once roles move (role flips). Check the decode is always another engine.
         let slots = fleet(&[P, D, D]);
         let mut rng = StdRng::seed_from_u64(9);
         for _ in 0..50 {

@@ -11,7 +11,7 @@
 //! The lifecycle hold is mirrored here (an atomic flag and the reason) so the request path
 //! never takes the lifecycle's lock.
 //!
-//! The gate also carries the process's graceful shutdown (issue 9 section 5): after SIGTERM
+//! The gate also carries the process's graceful shutdown (docs/http-api.md): after SIGTERM
 //! `/ready` answers 503 `shutting down` and new completions 503 with `Retry-After`, while the
 //! listeners stay open and admitted requests run on; when `serving.graceful_timeout_s` runs
 //! out, [`Gate::end_requests`] tells every request still running to end (the error frame, a

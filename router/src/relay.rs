@@ -1,4 +1,5 @@
-//! Streaming relay, sans-IO (behaviour.md 7.3; architecture.md section 5), byte level (issue 11).
+//! Streaming relay, sans-IO (behaviour.md 7.3; architecture.md section 5), byte level
+//! (docs/benchmarks.md).
 //!
 //! ```text
 //!  upstream body bytes ──SseParser::feed──► data payloads ──StreamState::on_data──► RelayStep
@@ -1671,7 +1672,7 @@ mod tests {
 
     /// Engines without `token_ids` (llama.cpp, TGI, older vLLM, SGLang chat): every
     /// content-bearing delta counts, whatever kind of content it carries, so a stream that
-    /// carried content is never "empty" (issue 10 section 2).
+    /// carried content is never "empty".
     #[test]
     fn content_bearing_chunks_count_without_token_ids() {
         let role =
@@ -1919,7 +1920,7 @@ mod tests {
     }
 
     /// An engine that serves a batch interleaves its choices by `index`: each becomes its own
-    /// choice, in index order, never one merged text (issue 9 section 6).
+    /// choice, in index order, never one merged text (docs/http-api.md).
     #[test]
     fn aggregator_keeps_interleaved_choices_apart() {
         let mut a = Aggregator::new(false);

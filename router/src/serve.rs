@@ -13,7 +13,7 @@
 //!    ─ first output ─► streaming: 200 SSE, relay task        non-streaming: collect, one object
 //! ```
 //!
-//! Request shapes the split cannot serve exactly are never garbled (issue 9 section 6): a
+//! Request shapes the split cannot serve exactly are never garbled (docs/http-api.md): a
 //! batch of prompts is fanned out (each prompt its own prefill, descriptor and decode,
 //! answered as choice `k`); a request for prompt logprobs is served unsplit on the decode
 //! engine (vLLM, where every engine is `kv_both`) or refused 400 naming the field (SGLang).
@@ -237,7 +237,7 @@ pub(crate) async fn completion(
 
 /// Marks an answer sent before the request body was read to its end: the connection cannot
 /// carry another request (its unread body would be read as one), so the client is told to
-/// open a new one instead of finding it closed (issue 9 section 7).
+/// open a new one instead of finding it closed.
 fn closing(mut r: Response<Body>) -> Response<Body> {
     r.headers_mut()
         .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
@@ -536,8 +536,8 @@ async fn start_all(
     futures_util::future::try_join_all(each).await
 }
 
-/// The plan an attempt runs. A request for prompt logprobs is never split (issue 9
-/// section 6): only the engine that prefills the prompt can compute them (vLLM marks such a
+/// The plan an attempt runs. A request for prompt logprobs is never split (docs/http-api.md):
+/// only the engine that prefills the prompt can compute them (vLLM marks such a
 /// request `skip_reading_prefix_cache` in `SamplingParams`, so it recomputes the whole prompt
 /// instead of reading cached KV), and a vLLM decode engine given a KV descriptor with
 /// `prompt_logprobs` (or `echo` with logprobs, which `to_sampling_params` turns into prompt
@@ -685,7 +685,7 @@ async fn attempts(
     }
 }
 
-/// Charges a failed leg to the engine that caused it (issue 9 section 1): a decode that failed
+/// Charges a failed leg to the engine that caused it: a decode that failed
 /// after its producer's process changed (a restart seen meanwhile) is the old producer's
 /// failure, not the decode's; a decode that failed in a way a lost transfer explains
 /// (`inference_status`, `stream`) is checked against its producer first
@@ -776,7 +776,7 @@ async fn run_attempt(
     match plan {
         Plan::Aggregated { engine } => {
             // A non-streaming client's request goes to the engine non-streaming (a whole leg):
-            // the answer, its usage and its errors are the engine's (issue 10 section 2).
+            // the answer, its usage and its errors are the engine's (docs/deviations.md).
             let whole = !ctx.v.stream;
             let seat = parts.fleet.resident(engine, Phase::Decode);
             let leg = new_leg(
@@ -831,8 +831,9 @@ async fn run_attempt(
         Plan::Split { prefill, decode } if !sglang => {
             // Both engines count as resident from placement on: the decode engine is committed
             // to this request while its prefill runs, and the producer holds the KV until the
-            // decode has pulled it. A drain of either waits for this request (seed
-            // "Draining engines"; `ready_to_stop` must not turn true under it).
+            // decode has pulled it. A drain of either waits for this request
+            // (handoff-and-lifecycle.md, "Draining engines"; `ready_to_stop` must not turn true
+            // under it).
             let seat_p = parts.fleet.resident(prefill, Phase::Prefill);
             let seat = parts.fleet.resident(decode, Phase::Decode);
             track.dispatched(prefill, Phase::Prefill);
@@ -862,7 +863,7 @@ async fn run_attempt(
                 Prefilled::Descriptor(d) => d,
                 Prefilled::Finished(answer) => {
                     // The generation ended in the prefill (EOS or a stop string): that answer
-                    // is the request's, and no decode leg runs (issue 9 section 6).
+                    // is the request's, and no decode leg runs (docs/http-api.md).
                     AttemptLog::lock(log).decode_iid = None;
                     track.first_token();
                     return Ok(Started::single(
@@ -1615,7 +1616,7 @@ mod tests {
 
     /// Prompt logprobs never cross a split: vLLM serves the request unsplit on the planned
     /// decode engine, SGLang refuses it naming the field; other requests keep their plan
-    /// (issue 9 section 6).
+    /// (docs/http-api.md).
     #[test]
     fn prompt_logprob_requests_are_served_unsplit_or_refused() {
         let split = Plan::Split {

@@ -47,8 +47,8 @@ pub(crate) const LEG_HEADER: &str = "x-narwhal-leg";
 
 /// How one leg is named to its engine: `x-request-id` is a fresh UUID4 (the one form every
 /// engine accepts: llama.cpp's server refuses anything else with a bare 400, SGLang takes it
-/// as its `rid`), and the router's own headers carry the request and the leg (issue 10
-/// section 2; the reference sends `<rid>-a<n>-<leg>`, docs/deviations.md).
+/// as its `rid`), and the router's own headers carry the request and the leg (the
+/// reference sends `<rid>-a<n>-<leg>`, docs/deviations.md).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct LegId {
     /// The leg's request id: a UUID4, unique per leg.
@@ -98,7 +98,7 @@ pub(crate) enum Prefilled {
 /// one token. vLLM's NIXL connector returns `kv_transfer_params` only for a request that
 /// stopped on its length cap (`request_finished`: `RequestStatus.FINISHED_LENGTH_CAPPED`);
 /// one whose sampled token was EOS or completed a stop string has nothing to hand off
-/// (issue 9 section 6).
+/// (docs/http-api.md).
 pub(crate) fn prefill_finished(answer: &Value, client_max_tokens: Option<u64>) -> bool {
     let absent = |v: Option<&Value>| v.is_none_or(Value::is_null);
     if !absent(answer.get("kv_transfer_params"))
@@ -541,7 +541,7 @@ fn status_error(status: StatusCode, bytes: &[u8]) -> LegError {
         param,
     };
     // A client fault whose error object has its words and a string `code` (OpenAI's
-    // `context_length_exceeded`, ...) keeps them (issue 10 section 2: the engine's status and
+    // `context_length_exceeded`, ...) keeps them (the engine's status and
     // message): OpenAI's shape, the engine's message, param and code.
     let code = err
         .and_then(|e| e.get("code"))
@@ -804,7 +804,7 @@ impl LegError {
             LegError::FirstTokenTimeout | LegError::ReadTimeout | LegError::Cut(_) => {
                 FailureClass::Stream
             }
-            // 408/429/503: the engine says it is busy (issue 9 section 2), not failed.
+            // 408/429/503: the engine says it is busy (overload), not failed.
             LegError::Status {
                 status: 408 | 429 | 503,
                 ..
@@ -1141,7 +1141,7 @@ mod tests {
 
     /// A prefill without a descriptor is a finished answer only when its generation ended
     /// (EOS, a stop string; `length` only for a one-token request): vLLM's NIXL connector
-    /// hands off only length-capped prefills (issue 9 section 6).
+    /// hands off only length-capped prefills (docs/engine-protocols.md).
     #[test]
     fn a_prefill_that_ended_the_generation_is_a_finished_answer() {
         let answer = |fr: Value, kv: Value| {
