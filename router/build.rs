@@ -1,5 +1,5 @@
 //! Records the git commit of the build for the request-journal header
-//! (reference-notes 7.8: package and git provenance).
+//! (behaviour.md 7.8: package and git provenance).
 use std::process::Command;
 
 fn main() {
