@@ -173,7 +173,7 @@ pub struct Serving {
     pub max_response_bytes: u64,
     /// Time a client has to deliver its whole request body, seconds (default 30, > 0; the
     /// request deadline still bounds it): a client that stalls mid-body gets 408 instead of
-    /// holding a slot for `request_timeout_s` (issue 9 section 7).
+    /// holding a slot for `request_timeout_s`.
     pub body_read_timeout_s: f64,
     /// Prompts one completions request may batch (`prompt` a list), 1–4096 (default 64): a
     /// batch is fanned out to one request per prompt; more is refused 400 naming `prompt`.
@@ -2143,7 +2143,7 @@ mod tests {
         assert_eq!(c.backend, Backend::Vllm);
     }
 
-    /// The engine-health keys (issue 9 sections 2–4, issue 10 section 2): defaults, and a bad
+    /// The engine-health keys (docs/configuration.md): defaults, and a bad
     /// value named by its dotted path.
     #[test]
     fn health_keys_have_defaults_and_name_their_path() {
@@ -2258,8 +2258,8 @@ mod tests {
         );
     }
 
-    /// The request-path keys of issue 9 sections 6 and 7: defaults, and range errors naming
-    /// the dotted path.
+    /// The request-path keys `serving.body_read_timeout_s` and `serving.max_batch_prompts`:
+    /// defaults, and range errors naming the dotted path.
     #[test]
     fn body_read_timeout_and_batch_limit_are_validated() {
         let c = Config::from_json_str(&base().to_string(), &no_env).unwrap();

@@ -1,4 +1,4 @@
-//! The demand-driven role controller and predictive admission (controller.md; issue 12):
+//! The demand-driven role controller and predictive admission (controller.md):
 //! a part of its own beside `fleet`, fed by the request path's bookkeeping through
 //! [`Track`], changing roles through [`Fleet`] and holding engines through the lifecycle.
 //!

@@ -282,7 +282,7 @@ pub(crate) fn state(parts: &Parts) -> Value {
         "unserved": parts.accounting.unserved(),
         "journal_dropped": parts.journal.dropped(),
     });
-    // The health gate and the ejection bound (issue 9 section 4, issue 10 section 2).
+    // The health gate and the ejection bound (docs/deviations.md).
     doc["awaiting_health"] = fleet["awaiting_health"].clone();
     doc["degraded"] = fleet["degraded"].clone();
     // The role controller's fields (controller.md 13), live, or absent when it is off.
@@ -391,7 +391,7 @@ pub(crate) fn metrics(parts: &Parts) -> String {
 }
 
 /// Refreshes the operator gauges ([`crate::metrics::OpsMetrics`]): control, the lease view and
-/// timing, and certificate expiry (issue 14 section 5; docs/monitoring.md).
+/// timing, and certificate expiry (docs/monitoring.md).
 fn ops_gauges(parts: &Parts, view: &crate::readiness::GateView) {
     let ops = &parts.metrics.ops;
     ops.controls_fleet.set(i64::from(view.ha.controls));
@@ -503,7 +503,7 @@ mod tests {
     }
 
     /// Readiness follows the live engines; the last engine of a role failing stays in placement flagged degraded
-    /// (issue 10 section 2); an absent one is ejected.
+    /// (docs/deviations.md); an absent one is ejected.
     #[test]
     fn readiness_follows_live_engines() {
         let p = parts();
@@ -532,7 +532,8 @@ mod tests {
         );
     }
 
-    /// Issue 12: every controller field is live or absent, never a constant that looks live.
+    /// controller.md 13: every controller field is live or absent, never a constant that looks
+    /// live.
     #[test]
     fn controller_fields_are_live_or_absent() {
         let off = state(&parts());
@@ -598,7 +599,7 @@ mod tests {
         );
     }
 
-    /// Issue 14 section 5: control is exported apart from readiness, and without a lease no
+    /// docs/monitoring.md: control is exported apart from readiness, and without a lease no
     /// lease gauge has a sample (nothing can expire, so no lease alert can fire).
     #[test]
     fn control_is_exported_and_lease_gauges_need_a_lease() {

@@ -97,7 +97,7 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
             r
         }
         (Side::Control, Method::GET, "/narwhal/state") => {
-            // Totals shown are durable first (issue 13; handoff::durable_document).
+            // Totals shown are durable first (ha-and-fencing.md; handoff::durable_document).
             let (status, doc) = crate::handoff::durable_document(&parts, documents::state).await;
             json_response(status, &doc, &rid)
         }
@@ -150,7 +150,7 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
             };
             match action.await {
                 Ok((status, doc)) => {
-                    // Acknowledged only once durable where a successor reads (issue 13).
+                    // Acknowledged only once durable where a successor reads (ha-and-fencing.md).
                     let (status, doc) =
                         crate::handoff::acknowledge(&parts, status, doc, scope.as_ref()).await;
                     json_response(status, &doc, &rid)

@@ -113,7 +113,7 @@ pub enum IngressError {
         /// `prompt_logprobs` or `echo`.
         field: &'static str,
     },
-    /// `n` or `best_of` > 1 → 400 (reference-examples/error-400-n.json).
+    /// `n` or `best_of` > 1 → 400 (router/testdata/reference-error-400-n.json).
     #[error(
         "{field} > 1 cannot be served across a split: the prefill leg runs with max_tokens=1 and the two legs would disagree on sampling width"
     )]
@@ -180,7 +180,7 @@ fn shape(param: &str, what: &str) -> IngressError {
     }
 }
 
-/// Fields Narwhal sets on the legs; refused in both dialects (task brief; behaviour.md 1.8).
+/// Fields Narwhal sets on the legs; refused in both dialects (docs/http-api.md; behaviour.md 1.8).
 const RESERVED_TOP: &[&str] = &[
     "kv_transfer_params",
     "rid",

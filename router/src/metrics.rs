@@ -60,9 +60,10 @@ fn buckets(slo: f64) -> Vec<f64> {
         .collect()
 }
 
-/// Every metric family the router exports, in groups that each own their families (issue 8:
-/// no struct holds more than about eight pieces of shared mutable state). Registration order,
-/// hence the `/metrics` order, is the order of [`Metrics::new`], not of these groups.
+/// Every metric family the router exports, in groups that each own their families (the
+/// design note in lib.rs: no struct holds more than about eight pieces of shared mutable state).
+/// Registration order, hence the `/metrics` order, is the order of [`Metrics::new`], not of these
+/// groups.
 pub(crate) struct Metrics {
     registry: Registry,
     /// What ingress saw (behaviour.md 10, contract/traffic): requests offered, sized or not, and
@@ -84,7 +85,7 @@ pub(crate) struct Metrics {
     pub(crate) durability: Durability,
     pub(crate) slo_label_ttft: String,
     pub(crate) slo_label_tpot: String,
-    /// Control, lease and certificate gauges for operators (issue 14 section 5).
+    /// Control, lease and certificate gauges for operators (docs/monitoring.md).
     pub(crate) ops: OpsMetrics,
 }
 
@@ -146,9 +147,9 @@ pub(crate) struct EngineHealth {
     pub(crate) readmissions: Family<Labels, Counter>,
     pub(crate) breaker_streak: Family<Labels, Gauge>,
     pub(crate) probes: Family<Labels, Counter>,
-    /// 1 while the ejection bound keeps a failing engine in placement (issue 10 section 2).
+    /// 1 while the ejection bound keeps a failing engine in placement.
     pub(crate) engine_degraded: Family<Labels, Gauge>,
-    /// 1 while an engine waits for its first health 200 (issue 9 section 4).
+    /// 1 while an engine waits for its first health 200 (the health gate).
     pub(crate) engine_awaiting_health: Family<Labels, Gauge>,
 }
 
@@ -612,7 +613,7 @@ impl Metrics {
     }
 }
 
-/// The gauges an operator alerts on (issue 14 section 5; docs/monitoring.md): whether this
+/// The gauges an operator alerts on (docs/monitoring.md): whether this
 /// router controls the fleet, its lease (state, holder, validity left, configured timing) and
 /// its certificates' expiry. Refreshed at scrape time (`documents::metrics`). The lease
 /// families have no sample with `lease.backend` `none` (nothing expires), the certificate

@@ -1670,7 +1670,7 @@ fn controller_status(state: &Value) -> Value {
 }
 
 /// The status lines of the role controller: each engine's role, then the controller's mode
-/// and its last decision with the reason (issue 12 "Observable").
+/// and its last decision with the reason (docs/operate.md, "The role controller").
 fn controller_lines(state: &Value, control: &Value) -> Vec<String> {
     let mut lines = Vec::new();
     let roles = roles(state);

@@ -73,7 +73,7 @@ impl Controller {
     }
 
     /// The epoch scope this router decides under: `Some` when it controls the fleet (its HA
-    /// phase holds control under a live lease, issue 13) and no whole-wave hold blocks it
+    /// phase holds control under a live lease, ha-and-fencing.md) and no whole-wave hold blocks it
     /// (controller.md 2.1); `None` for a standby or fenced router, which decides nothing.
     fn may_decide(&self) -> Option<EpochScope> {
         self.h
@@ -87,7 +87,7 @@ impl Controller {
         if !self.enabled {
             return;
         }
-        // The health gate's first round (issue 9 section 4): an engine whose health path has
+        // The health gate's first round: an engine whose health path has
         // not answered yet is not missing, so no floor is judged before every engine answered
         // once (or the startup budget of `monitor::startup` ran out).
         let cfg = &self.h.cfg;
@@ -260,7 +260,7 @@ impl Controller {
         });
     }
 
-    /// Our fifth-check rule (issue 12): before the engine serves in its new role, the
+    /// Our fifth-check rule (docs/deviations.md): before the engine serves in its new role, the
     /// readmission checks run against it in that role (the KV-transfer check pairs it with
     /// a live engine of the other role). A failure undoes the flip and leaves the engine
     /// held by the lifecycle (blocked, with the error), visible in `/narwhal/lifecycle`.

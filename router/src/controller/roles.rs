@@ -151,7 +151,7 @@ pub(crate) struct Refusal {
 const REFUSALS_KEPT: usize = 20;
 
 /// The role-change bookkeeping (see the module doc). Process-local: a new process starts
-/// fresh (the seed's list).
+/// fresh (as handoff-and-lifecycle.md lists).
 #[derive(Debug, Clone)]
 pub(crate) struct RoleChanges {
     settings: Settings,
