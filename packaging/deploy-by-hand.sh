@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# deploy-by-hand.sh: the deployment of docs/deploy.md, by hand, on one machine (issue 14, "What
-# this issue must show"). Run by .ci/run; takes about a minute once the binaries are built.
+# deploy-by-hand.sh: the deployment of docs/deploy.md, by hand, on one machine. Run by .ci/run;
+# takes about a minute once the binaries are built.
 #
 # It runs the documentation, not a copy of it: every block between
 # `<!-- BEGIN deploy:NAME -->` and `<!-- END deploy:NAME -->` in docs/security.md and

@@ -1,4 +1,4 @@
-//! Identity-read latency with many sockets on the host (issue 11, agent part).
+//! Identity-read latency with many sockets on the host (docs/agent.md).
 //!
 //! ```text
 //! cargo run --release -p narwhal-agent --example identity_bench -- [EXTRA_SOCKETS] [READS]

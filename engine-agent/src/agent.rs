@@ -1,4 +1,4 @@
-//! The generic sidecar core: engines, identity, fencing, signing (DESIGN.md sections 3, 4).
+//! The generic sidecar core: engines, identity, fencing, signing (architecture.md sections 3, 4).
 //!
 //! ```text
 //!   request ─► fence.admit(epoch, holder) ─► identity before ─► plugin leg(s) ─► identity after
@@ -83,7 +83,7 @@ struct Engine {
     ctx: EngineCtx,
     plugin: Arc<dyn EnginePlugin>,
     /// The owner of the engine's listening socket found last time, re-checked (never trusted)
-    /// by the next read (issue 11).
+    /// by the next read.
     owner: std::sync::Mutex<Option<ResolvedOwner>>,
 }
 
@@ -634,7 +634,7 @@ impl Agent {
             None if e.plugin.standalone_prefill() => {
                 let (leg, _kv) = e.plugin.produce(&e.ctx, &req.model, &check_id).await;
                 // Same engine: the decode reuses its own prefix cache, no descriptor
-                // (reference-notes 7.1 step 6).
+                // (behaviour.md 7.1 step 6).
                 ("standalone", Some(leg), None)
             }
             None => ("standalone", None, None),

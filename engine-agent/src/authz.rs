@@ -1,4 +1,4 @@
-//! Who may call an agent (issue 9 section 8; docs/security.md, "Identities").
+//! Who may call an agent (docs/security.md, "Identities").
 //!
 //! ```text
 //!   TLS handshake (chain to the fleet CA) ─► leaf certificate ─► Caller (URI SAN

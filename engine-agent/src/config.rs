@@ -133,7 +133,7 @@ impl Default for Timeouts {
 }
 
 /// An engine's contract document: the reference's `engine-attestation.json` shape; the agent
-/// uses its `contract` object and, when present, `launch` (reference-notes 5.4, 5.6).
+/// uses its `contract` object and, when present, `launch` (behaviour.md 5.4, 5.6).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ContractDocument {
     /// The contract fields, as written.

@@ -1,4 +1,4 @@
-//! KV-transfer evidence from the engines' own surfaces (issue 10 section 1): which Prometheus
+//! KV-transfer evidence from the engines' own surfaces (docs/agent.md): which Prometheus
 //! series each engine kind publishes about its KV transfers, reading them from `/metrics`, and
 //! the pure rule that turns two readings around a decode leg into a [`TransferVerdict`].
 //!

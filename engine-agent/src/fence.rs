@@ -1,4 +1,4 @@
-//! Epoch fencing (DESIGN.md section 3, "Fencing reaches the hosts").
+//! Epoch fencing (architecture.md section 3, "Fencing reaches the hosts").
 //!
 //! ```text
 //!   POST {epoch, holder} ──► decide(&stored, epoch, holder) ──► Accept | Raise | Stale | HolderConflict
@@ -190,7 +190,7 @@ pub fn show(dir: &Path) -> Result<FenceState, FenceError> {
     }
 }
 
-/// Sets the fence of a stopped agent to `to` (issue 14 section 2): takes the state lock (so it
+/// Sets the fence of a stopped agent to `to` (docs/agent.md): takes the state lock (so it
 /// refuses while an agent runs on `dir`), then writes `to` the same way the agent does (temp
 /// file, fsync, rename, fsync of the directory). A corrupt or missing `fence.json` is
 /// replaced. Returns the previous fence (None when the file was unreadable).

@@ -1,4 +1,4 @@
-//! HTTPS front: axum routes (DESIGN.md section 4 table) served only over mutual TLS.
+//! HTTPS front: axum routes (architecture.md section 4 table) served only over mutual TLS.
 //!
 //! ```text
 //!  TcpListener ─accept─► TLS handshake (client cert must chain to the fleet CA, else the

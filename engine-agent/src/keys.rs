@@ -1,4 +1,4 @@
-//! The agent's Ed25519 signing key file (DESIGN.md section 4, "Keys").
+//! The agent's Ed25519 signing key file (architecture.md section 4, "Keys").
 //!
 //! `keygen` writes a PKCS#8 v2 document (ring `Ed25519KeyPair::generate_pkcs8`) with mode
 //! 0600, created exclusively; loading refuses a file that group or others can read or write.

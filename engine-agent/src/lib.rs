@@ -1,4 +1,4 @@
-//! `narwhal-agent`: the per-host engine agent (DESIGN.md sections 1, 3, 4; issue #3).
+//! `narwhal-agent`: the per-host engine agent (architecture.md sections 1, 3, 4).
 //!
 //! ```text
 //!   router ──mTLS──► http (axum) ──► Agent ──► fence (state_dir/fence.json)
@@ -42,7 +42,7 @@ pub use process::{
     StatFields, find_pid, locate, locate_with_hint, parse_stat, read_identity, read_port_identity,
 };
 
-/// `narwhal-agent fence show|reset` (issue 14 section 2): the fence of a stopped agent.
+/// `narwhal-agent fence show|reset` (docs/agent.md): the fence of a stopped agent.
 pub mod fence_admin {
     pub use crate::fence::{reset, show};
 }

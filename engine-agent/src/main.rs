@@ -1,4 +1,4 @@
-//! `narwhal-agent`: parse, load config, bind, run (STYLE.md section 1).
+//! `narwhal-agent`: parse, load config, bind, run.
 //!
 //! ```text
 //! narwhal-agent run --config PATH [--listen IP:PORT] [--ready-file PATH]

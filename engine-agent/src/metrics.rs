@@ -1,4 +1,4 @@
-//! Prometheus metrics of the agent, `GET /metrics` (issue 14 section 5; docs/agent.md).
+//! Prometheus metrics of the agent, `GET /metrics` (docs/agent.md, docs/monitoring.md).
 //!
 //! ```text
 //!   identity reads (path, outcome, seconds) ─┐

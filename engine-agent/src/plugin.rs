@@ -1,4 +1,4 @@
-//! Engine plugins: what depends on the engine kind (DESIGN.md section 1, "Engine plugins").
+//! Engine plugins: what depends on the engine kind (architecture.md section 1, "Engine plugins").
 //!
 //! ```text
 //!             ┌────────────── EnginePlugin (one trait) ──────────────┐
@@ -36,9 +36,9 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// Engine kind (agent config `engines[].dialect`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Dialect {
-    /// vLLM with the NIXL connector (descriptor handoff, reference-notes 7.1).
+    /// vLLM with the NIXL connector (descriptor handoff, behaviour.md 7.1).
     Vllm,
-    /// SGLang with Mooncake (bootstrap rendezvous, reference-notes 7.2).
+    /// SGLang with Mooncake (bootstrap rendezvous, behaviour.md 7.2).
     Sglang,
 }
 

@@ -1,4 +1,4 @@
-//! Process identity from `/proc` (DESIGN.md section 4; reference-notes 5.3).
+//! Process identity from `/proc` (architecture.md section 4; behaviour.md 5.3).
 //!
 //! ```text
 //!   ProcessLocator ──find_pid()──► pid ──read_identity()──► ProcessIdentity
@@ -10,7 +10,7 @@
 //! Reading an engine by port once costs a scan of every socket on the host (`/proc/net/tcp` is
 //! O(sockets): about 10-20 ms with 2-3k sockets) plus, on a miss, every process's fds. So the
 //! agent keeps what the scan found per engine ([`ResolvedOwner`]: pid, start ticks, fd, inode)
-//! and the next read only re-checks it ([`read_port_identity`], issue 11):
+//! and the next read only re-checks it ([`read_port_identity`]):
 //!
 //! ```text
 //!   cached owner ──► /proc/<pid>/fd/<fd> still socket:[inode]? ──► /proc/<pid>/stat start_ticks
@@ -568,7 +568,7 @@ pub struct PortRead {
 }
 
 /// Reads the identity of the process listening on `port`, re-checking `cached` (the owner the
-/// last read found) before scanning (issue 11; DESIGN.md section 4).
+/// last read found) before scanning (architecture.md section 4).
 ///
 /// A cached owner is used only if its fd still holds the same socket inode and its pid still
 /// has the same start ticks; anything else (socket closed or replaced, pid reused, zombie,
@@ -838,7 +838,7 @@ mod tests {
         ));
     }
 
-    // ---- the cached owner (issue 11): a fake /proc for every mismatch kind ----
+    // ---- the cached owner: a fake /proc for every mismatch kind ----
 
     use std::cell::RefCell;
     use std::collections::HashMap;

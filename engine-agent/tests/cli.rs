@@ -1,5 +1,4 @@
-//! The `narwhal-agent` binary: keygen and refusing to start on bad configuration (issue #3,
-//! "Signed attestations" and "Packaging").
+//! The `narwhal-agent` binary: keygen and refusing to start on bad configuration (docs/agent.md).
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;

@@ -1,6 +1,6 @@
 //! The `narwhal-agent` binary serving over mutual TLS in front of a fake vLLM engine that
 //! runs inside this test process (so the engine's process identity is this process).
-//! DESIGN.md section 4; issue #3.
+//! architecture.md section 4.
 
 use std::io::{BufRead as _, BufReader};
 use std::path::Path;

@@ -1,4 +1,4 @@
-//! Relay micro benchmark (issue 11): SSE frames per second per core through the router's
+//! Relay micro benchmark (docs/benchmarks.md): SSE frames per second per core through the router's
 //! relay alone (upstream bytes in, client SSE bytes out), for a typical vLLM stream.
 //!
 //! Run: `cargo bench -p narwhal-router --bench relay` (release profile). Each case feeds a

@@ -1,5 +1,5 @@
 //! Accounting: the one source of the request counters that `/narwhal/state`, `/metrics` and
-//! the handoff all read (reference-notes 7.7a, 10; DESIGN.md section 5).
+//! the handoff all read (behaviour.md 7.7a, 10; architecture.md section 5).
 //!
 //! ```text
 //!  serve ──offered / attempts / retries / upstream time──► Accounting ──► metrics (same call)
@@ -85,7 +85,7 @@ pub(crate) struct Accounting {
     attempts: Attempts,
     upstream: Upstream,
     budget: RetryBudget,
-    /// Placements whose cheapest engine missed its own SLO (`unserved`, controller-notes
+    /// Placements whose cheapest engine missed its own SLO (`unserved`, controller.md
     /// 10.7), carried through handoffs.
     unserved: AtomicU64,
     cfg: Arc<Config>,
@@ -141,7 +141,7 @@ impl Accounting {
     }
 
     /// A placement whose cheapest engine misses its own SLO, served or refused
-    /// (controller-notes 10.7 `unserved`).
+    /// (controller.md 10.7 `unserved`).
     pub(crate) fn unserved_placement(&self) {
         self.unserved.fetch_add(1, Ordering::Relaxed);
     }
@@ -180,7 +180,7 @@ impl Accounting {
             .inc();
     }
 
-    /// A retry was granted: one budget credit spent (reference-notes 7.5).
+    /// A retry was granted: one budget credit spent (behaviour.md 7.5).
     pub(crate) fn retry_granted(&self) {
         self.attempts.credits_spent.fetch_add(1, Ordering::Relaxed);
         self.attempts.retries.fetch_add(1, Ordering::Relaxed);
@@ -234,7 +234,7 @@ impl Accounting {
         }
     }
 
-    /// Starts the totals at a restored handoff's (`--resume`, takeover; reference-notes 2.7):
+    /// Starts the totals at a restored handoff's (`--resume`, takeover; behaviour.md 2.7):
     /// counters replaced, reasons replaced (a carried total above its reasons' sum counts
     /// the rest as `unclassified`), and `/metrics` continued from them.
     pub(crate) fn restore(&self, h: &Handoff) {

@@ -1,4 +1,4 @@
-//! Admission (reference-notes 1.8 stages 1 and 7, 7.6; controller-notes section 10): the
+//! Admission (behaviour.md 1.8 stages 1 and 7, 7.6; controller.md section 10): the
 //! retained-request limit (`max_concurrent + queue_capacity`), the admission seats and the
 //! FIFO queue for them, with their high-water marks (lock-free: atomics and a semaphore); and
 //! the predictive TTFT price and its refusals (pure), which the role controller's intake
@@ -137,7 +137,7 @@ impl Drop for Retained {
     }
 }
 
-/// A TTFT price of one placement (controller-notes 10.4): `price = backlog + own prefill +
+/// A TTFT price of one placement (controller.md 10.4): `price = backlog + own prefill +
 /// elapsed + handoff`, seconds; `price_s` is ∞ when the placement cannot be priced (an
 /// aggregated placement on an engine serving decode work).
 #[derive(Debug, Clone, PartialEq)]
@@ -173,7 +173,7 @@ impl Price {
     }
 }
 
-/// A predictive refusal (controller-notes 10.6): always 429 `server_overloaded_error`.
+/// A predictive refusal (controller.md 10.6): always 429 `server_overloaded_error`.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Refusal {
     /// `queue`, `prompt`, `aggregate_unpriced`, or `decode`'s causes.
@@ -186,14 +186,14 @@ pub(crate) struct Refusal {
     pub(crate) price: Price,
 }
 
-/// The caveat when no prefill engine is live (controller-notes 10.6).
+/// The caveat when no prefill engine is live (controller.md 10.6).
 const AGGREGATE_CAVEAT: &str =
     ". Aggregate mode uses the prefill curve only on an engine with no resident decode";
 
 /// Judges `price` against `budget_s` (`ttft·(1 + admission_margin)`): `None` when it fits;
 /// else the refusal with its cause: `aggregate_unpriced` when unpriceable, `prompt` when the
 /// cheapest own prefill alone (`cheapest_own_s`) exceeds the budget, else `queue`
-/// (controller-notes 10.4, 10.6). `aggregate` = no prefill engine is live.
+/// (controller.md 10.4, 10.6). `aggregate` = no prefill engine is live.
 pub(crate) fn judge(
     price: &Price,
     budget_s: f64,
@@ -257,7 +257,7 @@ mod tests {
         }
     }
 
-    /// controller-notes S12: three 1000-token prefills ahead (3.03 s) and a 100-token prompt
+    /// controller.md S12: three 1000-token prefills ahead (3.03 s) and a 100-token prompt
     /// (0.11 s) price 3.14 s against 2 s: `queue`, `Retry-After: 2`.
     #[test]
     fn a_backlog_refuses_with_the_queue_cause_and_a_retry_after() {

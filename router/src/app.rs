@@ -1,6 +1,6 @@
 //! Wiring: builds the parts, starts the tasks (HA, state-file writer, monitor, lifecycle
-//! timer, listeners), and stops them in order (DESIGN.md section 3; STYLE.md section 1:
-//! `run(config, listeners, shutdown)`).
+//! timer, listeners), and stops them in order (architecture.md section 3), all behind one
+//! entry point, `run(config, listeners, shutdown)`.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -17,7 +17,7 @@ use crate::monitor;
 use crate::parts::Parts;
 use crate::phase::HaPhase;
 
-/// The two bound listeners (DESIGN.md section 3).
+/// The two bound listeners (architecture.md section 3).
 #[derive(Debug)]
 pub struct Listeners {
     /// OpenAI routes, `/health`, `/ready`.
@@ -41,7 +41,7 @@ pub struct RunOptions {
     /// Called once the listeners serve and every engine's health gate was answered (or the
     /// startup wait ran out, `monitor::startup`): the command line writes its ready file and
     /// prints its listening line here, so nothing that waits for them sees a router that has
-    /// not looked at its engines yet (issue 9 section 4). An error stops the router.
+    /// not looked at its engines yet (the health gate). An error stops the router.
     pub announce: Option<Box<dyn FnOnce() -> Result<(), String> + Send>>,
 }
 
@@ -97,7 +97,7 @@ pub async fn run(
     let agents = Agents::from_config(&config, clock.clone()).map_err(Error::Agents)?;
     let lease = LeaseDriver::from_config(&config.lease, &opts.router_id, clock.clone())
         .map_err(|e| Error::Lease(e.to_string()))?;
-    // A warm standby serves nothing until it takes over (reference-notes 2.9).
+    // A warm standby serves nothing until it takes over (behaviour.md 2.9).
     let phase = if opts.standby.is_some() {
         HaPhase::Shadowing
     } else {
@@ -122,9 +122,9 @@ pub async fn run(
         }
         ha::start_primary(&parts, &stop, resume).await;
         if parts.ha.controls_fleet() && parts.lifecycle.agents().any() {
-            // Catch restarts that happened behind the router's back (reference-notes 4.10).
+            // Catch restarts that happened behind the router's back (behaviour.md 4.10).
             // Until every engine's identity was checked through its agent the router answers
-            // `/ready` 503 "engine identity validation pending" (reference-notes 1.2).
+            // `/ready` 503 "engine identity validation pending" (behaviour.md 1.2).
             ha::hold_until_identities_checked(parts.clone());
         }
     }
@@ -192,7 +192,7 @@ const END_WAIT: Duration = Duration::from_secs(3);
 /// How often the drain looks at the in-flight count.
 const DRAIN_POLL: Duration = Duration::from_millis(20);
 
-/// Graceful shutdown of the request path (issue 9 section 5; kserve, Envoy and Kubernetes
+/// Graceful shutdown of the request path (docs/http-api.md; kserve, Envoy and Kubernetes
 /// drain the same way): readiness is withdrawn at once (`/ready` 503 `shutting down`, new
 /// completions 503 with `Retry-After`, `/health` 200 `stopping`) while both listeners stay
 /// open, so load balancers and clients back off instead of meeting refused connections;

@@ -1,4 +1,4 @@
-//! What the router reads from an engine's own routes: SGLang bootstrap ports (reference-notes
+//! What the router reads from an engine's own routes: SGLang bootstrap ports (behaviour.md
 //! 7.2 step 2: a prefill engine's `disaggregation_bootstrap_port`, learned from
 //! `GET <engine>/server_info` and cached in the fleet; the decode leg's rendezvous names it),
 //! and the process facts the breaker compares to notice a new process (module `facts`).
@@ -128,8 +128,8 @@ pub(crate) async fn read_facts(cfg: &Config, upstream: &Upstream, iid: usize) ->
 
 /// A decode leg failed at `failed_at` after prefill `p` produced its KV (`used`: `p`'s
 /// bootstrap port when the leg failed, SGLang; `process`: `p`'s incarnation when the attempt
-/// started): is it the decode's failure (issue 9 section 1: charged to the engine that caused
-/// it)? Not if `p` became a new process meanwhile, or is found to be one now: SGLang, `p`'s
+/// started): is it the decode's failure (a failure is charged to the engine that
+/// caused it)? Not if `p` became a new process meanwhile, or is found to be one now: SGLang, `p`'s
 /// `/server_info` names another bootstrap port than `used`; vLLM, `p`'s process facts changed
 /// ([`Fleet::learn`] ejects it, `process_identity`). Not either if `p` cannot be reached: that
 /// is charged to `p` (`connection`). Otherwise (same process, or no way to tell) it is the

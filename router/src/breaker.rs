@@ -1,6 +1,6 @@
 //! Per-engine health and breaker: the health gate, failure streaks, bounded ejection and
-//! readmission (reference-notes 6.2–6.6; DESIGN.md section 5; issue 9 sections 1–4, issue 10
-//! section 2).
+//! readmission (behaviour.md 6.2–6.6; architecture.md section 5; docs/deviations.md, "Engine
+//! health and the breaker").
 //!
 //! ```text
 //!  leg outcome ─────────────observe(iid, Observation, now, slots)──► Vec<Transition>
@@ -60,7 +60,7 @@ use std::time::{Duration, Instant};
 
 use crate::placement::{EngineSlot, Exclusion};
 
-/// Leg failure classes (reference-notes 6.2), in the order `/narwhal/state` lists them.
+/// Leg failure classes (behaviour.md 6.2), in the order `/narwhal/state` lists them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum FailureClass {
     /// Connect error or connection reset before an answer.
@@ -222,7 +222,7 @@ pub enum EjectCause {
     ProcessIdentity,
     /// Ejected by the router whose handoff this router applied (`--resume`, takeover).
     Restored,
-    /// An engine-side role switch failed (controller-notes 9.2).
+    /// An engine-side role switch failed (controller.md 9.2).
     RoleSwitch,
 }
 

@@ -1,5 +1,5 @@
-//! `narwhal-serve` command line (reference-notes 8.2; task brief): parse, load the fleet, bind,
-//! announce, then [`crate::app::run`].
+//! `narwhal-serve` command line (behaviour.md 8.2; docs/configuration.md): parse, load the fleet,
+//! bind, announce, then [`crate::app::run`].
 //!
 //! ```text
 //!  args ──clap──► Args ──Config::load──► Config (exit 2 on any problem, all listed)
@@ -163,8 +163,8 @@ struct Checked {
 }
 
 /// Everything a run reads before it serves, checked before anything is bound or printed
-/// (issue 14 section 2): the fleet file, the flags that depend on it, and every file it names
-/// (`tls`, `control.tls`, the agents' pinned keys, `lease.tls`, `lease.auth.password_file`),
+/// (the checks `check-config` runs): the fleet file, the flags that depend on it, and every file it
+/// names (`tls`, `control.tls`, the agents' pinned keys, `lease.tls`, `lease.auth.password_file`),
 /// by building the same TLS configurations, agent clients and lease backend the run builds.
 ///
 /// # Errors
@@ -515,7 +515,7 @@ mod tests {
         (flags, subs)
     }
 
-    /// Issue 14 section 1: the command-line table of docs/configuration.md names exactly the
+    /// The command-line table of docs/configuration.md names exactly the
     /// flags and subcommands `narwhal-serve` has. Fails naming each one and what to do.
     #[test]
     fn configuration_md_documents_exactly_the_command_line() {

@@ -1,4 +1,4 @@
-//! Fleet file: schema `narwhal.fleet` version 2 (DESIGN.md section 6, reference-notes 8.1).
+//! Fleet file: schema `narwhal.fleet` version 2 (architecture.md section 6, behaviour.md 8.1).
 //!
 //! ```text
 //!  fleet.json ──read──► serde_json::Value ──Checker (every key, every rule)──► Config
@@ -20,7 +20,7 @@ pub use crate::profile::Profile;
 
 pub(crate) mod schema;
 
-/// Which engine kind serves the fleet; decides the P/D protocol (reference-notes 7.1, 7.2).
+/// Which engine kind serves the fleet; decides the P/D protocol (behaviour.md 7.1, 7.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
     /// vLLM with the NIXL connector: two-stage prefill then decode, KV descriptor handoff.
@@ -45,7 +45,7 @@ impl fmt::Display for Backend {
     }
 }
 
-/// The pool an engine is assigned to (reference-notes 8.1 `engines[].role`, default decode).
+/// The pool an engine is assigned to (behaviour.md 8.1 `engines[].role`, default decode).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Role {
     /// Runs prefill legs and produces KV.
@@ -73,7 +73,7 @@ impl Role {
     }
 }
 
-/// Agent endpoint of one engine host (DESIGN.md section 4); the agent registry
+/// Agent endpoint of one engine host (architecture.md section 4); the agent registry
 /// (`lifecycle::agents`) builds one mutual-TLS client per distinct endpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineAgent {
@@ -118,7 +118,7 @@ pub struct Slo {
     pub tpot_s: f64,
 }
 
-/// `serving.admission` (reference-notes 7.6; controller-notes section 10). Default `open`
+/// `serving.admission` (behaviour.md 7.6; controller.md section 10). Default `open`
 /// here (the reference defaults to `predictive`, which needs profiles).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AdmissionMode {
@@ -138,7 +138,7 @@ impl AdmissionMode {
     }
 }
 
-/// `serving` section (reference-notes 8.1). Times in seconds, sizes in bytes.
+/// `serving` section (behaviour.md 8.1). Times in seconds, sizes in bytes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Serving {
     /// `admission` (default `open` here; see [`AdmissionMode`]).
@@ -173,14 +173,14 @@ pub struct Serving {
     pub max_response_bytes: u64,
     /// Time a client has to deliver its whole request body, seconds (default 30, > 0; the
     /// request deadline still bounds it): a client that stalls mid-body gets 408 instead of
-    /// holding a slot for `request_timeout_s` (issue 9 section 7).
+    /// holding a slot for `request_timeout_s`.
     pub body_read_timeout_s: f64,
     /// Prompts one completions request may batch (`prompt` a list), 1–4096 (default 64): a
     /// batch is fanned out to one request per prompt; more is refused 400 naming `prompt`.
     pub max_batch_prompts: usize,
 }
 
-/// `engine` section (reference-notes 8.1). Times in seconds.
+/// `engine` section (behaviour.md 8.1). Times in seconds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineSection {
     /// `engine.backend` when given (must agree with top-level `backend`).
@@ -234,7 +234,7 @@ impl RestartPolicy {
     }
 }
 
-/// `recovery` section (reference-notes 8.1, 6.2–6.4).
+/// `recovery` section (behaviour.md 8.1, 6.2–6.4).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Recovery {
     /// Consecutive failures of one class that trip the breaker (default 3).
@@ -265,7 +265,7 @@ pub struct Recovery {
     pub resume: bool,
 }
 
-/// `controller` section (reference-notes 8.1; controller-notes section 6 says where each key
+/// `controller` section (behaviour.md 8.1; controller.md section 6 says where each key
 /// acts). Times in seconds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Controller {
@@ -287,7 +287,7 @@ pub struct Controller {
     pub reactive: Reactive,
 }
 
-/// `controller.thresholds` (reference-notes 8.1; controller-notes section 6).
+/// `controller.thresholds` (behaviour.md 8.1; controller.md section 6).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Thresholds {
     /// `expand` E (default 1.0, > 0): the pressure ratio that calls for more engines.
@@ -307,7 +307,7 @@ pub struct Thresholds {
     pub flip_resident_guard: u64,
 }
 
-/// `controller.reactive` (reference-notes 8.1; controller-notes sections 4, 5 and 8).
+/// `controller.reactive` (behaviour.md 8.1; controller.md sections 4, 5 and 8).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Reactive {
     /// `window_s` (default 120): demand horizon and retention.
@@ -399,7 +399,7 @@ pub struct EtcdAccess {
     pub auth: Option<EtcdAuth>,
 }
 
-/// `lease` section (ours, DESIGN.md section 7; docs/ha.md).
+/// `lease` section (ours, architecture.md section 7; docs/ha.md).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LeaseSection {
     /// Backend (default `none`).
@@ -1027,8 +1027,8 @@ impl Checker<'_> {
                 ),
             );
         }
-        // DESIGN.md 9.2: process identity comes from the agents, so whole-wave restarts need an
-        // agent on every engine rather than an engine_contract.
+        // architecture.md 9.2: process identity comes from the agents, so whole-wave restarts need
+        // an agent on every engine rather than an engine_contract.
         if recovery.engine_restart_policy == RestartPolicy::WholeWave
             && engines.iter().any(|e| e.agent.is_none())
         {
@@ -1072,7 +1072,7 @@ impl Checker<'_> {
         })
     }
 
-    /// One profile per engine in config order, or none at all (controller-notes 3.4: every
+    /// One profile per engine in config order, or none at all (controller.md 3.4: every
     /// price goes through a profile, so a partial set is an error naming the engines left
     /// out); a profile for an unknown engine is an error too.
     fn resolve_profiles(
@@ -1699,7 +1699,7 @@ impl Checker<'_> {
         (default, engines)
     }
 
-    /// One profile object at `path` (controller-notes 3.4).
+    /// One profile object at `path` (controller.md 3.4).
     fn profile(&mut self, path: &str, v: &Value) -> Option<Profile> {
         const KEYS: &[&str] = &[
             "ttft_a",
@@ -2143,7 +2143,7 @@ mod tests {
         assert_eq!(c.backend, Backend::Vllm);
     }
 
-    /// The engine-health keys (issue 9 sections 2–4, issue 10 section 2): defaults, and a bad
+    /// The engine-health keys (docs/configuration.md): defaults, and a bad
     /// value named by its dotted path.
     #[test]
     fn health_keys_have_defaults_and_name_their_path() {
@@ -2258,8 +2258,8 @@ mod tests {
         );
     }
 
-    /// The request-path keys of issue 9 sections 6 and 7: defaults, and range errors naming
-    /// the dotted path.
+    /// The request-path keys `serving.body_read_timeout_s` and `serving.max_batch_prompts`:
+    /// defaults, and range errors naming the dotted path.
     #[test]
     fn body_read_timeout_and_batch_limit_are_validated() {
         let c = Config::from_json_str(&base().to_string(), &no_env).unwrap();

@@ -1,4 +1,4 @@
-//! The demand-driven role controller and predictive admission (controller-notes; issue 12):
+//! The demand-driven role controller and predictive admission (controller.md):
 //! a part of its own beside `fleet`, fed by the request path's bookkeeping through
 //! [`Track`], changing roles through [`Fleet`] and holding engines through the lifecycle.
 //!
@@ -65,8 +65,8 @@ pub(crate) struct Handles {
     pub(crate) demand: Arc<DemandRisk>,
 }
 
-/// The monitoring failure ledger of the controller stage (controller-notes 11.1
-/// `monitoring_stage_failure`; reference-notes 10 monitoring families). Process-local.
+/// The monitoring failure ledger of the controller stage (controller.md 11.1
+/// `monitoring_stage_failure`; behaviour.md 10 monitoring families). Process-local.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct Ledger {
     /// Failed controller passes in total.

@@ -1,6 +1,6 @@
 //! Demand: the arrival windows and the demand model the role controller prices
-//! (`window`, `model`; controller-notes 3.2–4.1), and the newest consolidation-risk event the
-//! handoff carries as `demand_risk` (reference-notes 9; controller-notes section 8), with
+//! (`window`, `model`; controller.md 3.2–4.1), and the newest consolidation-risk event the
+//! handoff carries as `demand_risk` (behaviour.md 9; controller.md section 8), with
 //! per-kind counts.
 //!
 //! ```text
@@ -108,7 +108,7 @@ impl Demand {
         c
     }
 
-    /// The handoff shape: `null` before any event (reference-notes 9).
+    /// The handoff shape: `null` before any event (behaviour.md 9).
     pub(crate) fn snapshot(&self, now: Instant) -> Option<Carried> {
         let since = self.since?;
         Some(Carried {
@@ -121,8 +121,8 @@ impl Demand {
     /// Applies a carried risk: the age is re-anchored to this process's clock, `gap_s`
     /// (seconds between the document's write, its `at`, and this apply, wall clock, clamped at
     /// 0) is added once, so the event keeps ageing through a takeover or a restart instead of
-    /// looking `gap_s` younger (reference-notes 11.14: the reference drops the gap), and the
-    /// counts are added to this process's own (reference-notes 9). The counts of an earlier
+    /// looking `gap_s` younger (behaviour.md 11.14: the reference drops the gap), and the
+    /// counts are added to this process's own (behaviour.md 9). The counts of an earlier
     /// applied document are replaced, not added to: found by ha_e2e under load, a primary
     /// restarted with `--resume` applied its state file at startup and, at its delayed claim,
     /// the newer handoff its predecessor had published, whose counts already held the state

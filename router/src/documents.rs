@@ -1,5 +1,5 @@
 //! The documents the router renders from its parts' snapshots: `/ready`, `/health`,
-//! `/v1/models`, `/narwhal/targets`, `/narwhal/state` and `/metrics` (reference-notes
+//! `/v1/models`, `/narwhal/targets`, `/narwhal/state` and `/metrics` (behaviour.md
 //! 1.3–1.7, 10). The lifecycle document is the lifecycle's own; the handoff is `handoff`'s.
 //!
 //! ```text
@@ -17,7 +17,7 @@ use crate::metrics::labels;
 use crate::parts::Parts;
 use crate::placement::{EngineSlot, Exclusion};
 
-/// `/ready` (reference-notes 1.3): whether ready, and the body.
+/// `/ready` (behaviour.md 1.3): whether ready, and the body.
 pub(crate) fn ready(parts: &Parts) -> (bool, Value) {
     let view = parts.gate.view();
     let r = &view.readiness;
@@ -34,7 +34,7 @@ pub(crate) fn ready(parts: &Parts) -> (bool, Value) {
 }
 
 /// The lease holder token `/ready`, `/narwhal/state.ha` and `narwhal_router_lease_info` show:
-/// this process's token only while it holds an epoch (reference-notes 1.3: `""` without a
+/// this process's token only while it holds an epoch (behaviour.md 1.3: `""` without a
 /// lease and on a standby that has not taken over); a standby's own future token is not shown.
 fn shown_holder(status: &crate::phase::HaStatus) -> &str {
     if status.epoch == 0 {
@@ -44,7 +44,7 @@ fn shown_holder(status: &crate::phase::HaStatus) -> &str {
     }
 }
 
-/// `/health` (reference-notes 1.4).
+/// `/health` (behaviour.md 1.4).
 pub(crate) fn health(parts: &Parts) -> Value {
     let view = parts.gate.view();
     json!({
@@ -54,7 +54,7 @@ pub(crate) fn health(parts: &Parts) -> Value {
     })
 }
 
-/// `/v1/models` (reference-notes 1.5), each model with OpenAI's `created` (Unix seconds; the
+/// `/v1/models` (behaviour.md 1.5), each model with OpenAI's `created` (Unix seconds; the
 /// answer's time, as vLLM gives it).
 pub(crate) fn models(cfg: &Config, created: u64) -> Value {
     json!({"object": "list", "data": [model_card(cfg, created)]})
@@ -66,7 +66,7 @@ pub(crate) fn model_card(cfg: &Config, created: u64) -> Value {
     json!({"id": cfg.model, "object": "model", "created": created, "owned_by": "narwhal"})
 }
 
-/// `/narwhal/targets` (reference-notes 1.6): one Prometheus target group per engine, without
+/// `/narwhal/targets` (behaviour.md 1.6): one Prometheus target group per engine, without
 /// URL credentials.
 pub(crate) fn targets(cfg: &Config) -> Value {
     let groups: Vec<Value> = cfg
@@ -93,11 +93,11 @@ pub(crate) fn targets(cfg: &Config) -> Value {
     Value::Array(groups)
 }
 
-/// `/narwhal/state` (reference-notes 1.7): the starred fields, others stubbed or omitted.
+/// `/narwhal/state` (behaviour.md 1.7): the starred fields, others stubbed or omitted.
 pub(crate) fn state(parts: &Parts) -> Value {
     let gate = parts.gate.view();
     let ready = gate.readiness.ready;
-    // The lifecycle view: the lifecycle document minus its envelope (reference-notes 1.7).
+    // The lifecycle view: the lifecycle document minus its envelope (behaviour.md 1.7).
     let mut lifecycle_view = parts.lifecycle.document("");
     if let Some(m) = lifecycle_view.as_object_mut() {
         for k in ["schema", "schema_version", "error"] {
@@ -282,17 +282,17 @@ pub(crate) fn state(parts: &Parts) -> Value {
         "unserved": parts.accounting.unserved(),
         "journal_dropped": parts.journal.dropped(),
     });
-    // The health gate and the ejection bound (issue 9 section 4, issue 10 section 2).
+    // The health gate and the ejection bound (docs/deviations.md).
     doc["awaiting_health"] = fleet["awaiting_health"].clone();
     doc["degraded"] = fleet["degraded"].clone();
-    // The role controller's fields (controller-notes 13), live, or absent when it is off.
+    // The role controller's fields (controller.md 13), live, or absent when it is off.
     if let Some(m) = doc.as_object_mut() {
         m.extend(parts.controller.state());
     }
     doc
 }
 
-/// Refreshes the scrape-time gauges and renders `/metrics` (reference-notes 10).
+/// Refreshes the scrape-time gauges and renders `/metrics` (behaviour.md 10).
 pub(crate) fn metrics(parts: &Parts) -> String {
     let m = &parts.metrics;
     let view = parts.gate.view();
@@ -391,7 +391,7 @@ pub(crate) fn metrics(parts: &Parts) -> String {
 }
 
 /// Refreshes the operator gauges ([`crate::metrics::OpsMetrics`]): control, the lease view and
-/// timing, and certificate expiry (issue 14 section 5; docs/monitoring.md).
+/// timing, and certificate expiry (docs/monitoring.md).
 fn ops_gauges(parts: &Parts, view: &crate::readiness::GateView) {
     let ops = &parts.metrics.ops;
     ops.controls_fleet.set(i64::from(view.ha.controls));
@@ -503,7 +503,7 @@ mod tests {
     }
 
     /// Readiness follows the live engines; the last engine of a role failing stays in placement flagged degraded
-    /// (issue 10 section 2); an absent one is ejected.
+    /// (docs/deviations.md); an absent one is ejected.
     #[test]
     fn readiness_follows_live_engines() {
         let p = parts();
@@ -532,7 +532,8 @@ mod tests {
         );
     }
 
-    /// Issue 12: every controller field is live or absent, never a constant that looks live.
+    /// controller.md 13: every controller field is live or absent, never a constant that looks
+    /// live.
     #[test]
     fn controller_fields_are_live_or_absent() {
         let off = state(&parts());
@@ -598,7 +599,7 @@ mod tests {
         );
     }
 
-    /// Issue 14 section 5: control is exported apart from readiness, and without a lease no
+    /// docs/monitoring.md: control is exported apart from readiness, and without a lease no
     /// lease gauge has a sample (nothing can expire, so no lease alert can fire).
     #[test]
     fn control_is_exported_and_lease_gauges_need_a_lease() {

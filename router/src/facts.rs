@@ -1,5 +1,5 @@
 //! What the router learns about an engine's process from the engine's own routes, and when
-//! two readings name different processes (issue 9 section 1).
+//! two readings name different processes (an engine restarted in place).
 //!
 //! ```text
 //!  GET /metrics      ──parse_process_start──► process_start   (vLLM: prometheus_client's

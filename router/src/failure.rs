@@ -1,7 +1,7 @@
 //! Every way a completion request can fail, and the one place that maps a failure to what the
 //! client sees (status, JSON body, `Retry-After`, or the SSE error frame after output) and to
-//! what is counted (the [`Settlement`]: terminal, reason, journal error) (reference-notes 1.9,
-//! 7.7a; STYLE.md section 4: one map, recording who failed).
+//! what is counted (the [`Settlement`]: terminal, reason, journal error) (behaviour.md 1.9,
+//! 7.7a): one map, recording who failed.
 //!
 //! ```text
 //!  serve ──RequestFailure──► settlement() ──► accounting (counters, metrics, journal row)
@@ -53,7 +53,7 @@ pub(crate) enum RequestFailure {
     /// `max_concurrent + queue_capacity` requests are retained, or no seat is free and there
     /// is no queue: 429 `server_overloaded_error`.
     InflightLimit,
-    /// The router is not ready (reference-notes 1.3): 503; `no_engines` when it controls the
+    /// The router is not ready (behaviour.md 1.3): 503; `no_engines` when it controls the
     /// fleet and only engines are missing (`backend_unavailable`), else `standby`. `reason` is
     /// the `/ready` reason, for the journal.
     NotReady {
@@ -72,7 +72,7 @@ pub(crate) enum RequestFailure {
     NotInControl,
     /// No schedulable engine for an attempt: 503 `no_schedulable_engines`.
     NoEngine,
-    /// Predictive admission refused the request (controller-notes 10.6): 429
+    /// Predictive admission refused the request (controller.md 10.6): 429
     /// `server_overloaded_error`, `Retry-After` per cause, counted `refused/<cause>`.
     Refused(Refusal),
     /// The last attempt's leg failed before output (after any retries): the engine's 4xx for
@@ -101,7 +101,7 @@ pub(crate) enum RequestFailure {
     /// The router stopped (SIGTERM) and `serving.graceful_timeout_s` ran out while this
     /// request was still running: before output 503 `standby` with `Retry-After` (another
     /// router can serve it), after output the `failed` error frame; counted
-    /// `failed/shutdown`, never as a client cancel (issue 9 section 5).
+    /// `failed/shutdown`, never as a client cancel (docs/http-api.md, graceful shutdown).
     ShutDown {
         /// Output already reached a streaming client.
         streaming: bool,
@@ -111,7 +111,7 @@ pub(crate) enum RequestFailure {
 /// The public message of a request cut by the graceful-shutdown budget.
 const SHUTDOWN_MESSAGE: &str = "Router is shutting down";
 
-/// The status a busy engine's answer (408, 429, 503: issue 9 section 2) becomes for the client
+/// The status a busy engine's answer (408, 429, 503: overload, not failure) becomes for the client
 /// once the retries are spent: 429 for a 429, else 503, both with `Retry-After`; `None` for any
 /// other failure.
 fn busy(err: &LegError) -> Option<u16> {
@@ -307,7 +307,7 @@ impl RequestFailure {
         }
     }
 
-    /// The JSON error body answered before output (reference-notes 1.9). After output there
+    /// The JSON error body answered before output (behaviour.md 1.9). After output there
     /// is no body: see [`RequestFailure::stream_frame`].
     pub(crate) fn body(&self) -> Value {
         match self {
@@ -339,7 +339,7 @@ impl RequestFailure {
                 "server_overloaded_error",
             ),
             RequestFailure::Leg { phase, err } => match (err.engine_error(), err.client_fault()) {
-                // The engine's own refusal, as it wrote it (issue 10 section 2).
+                // The engine's own refusal, as it wrote it (docs/deviations.md).
                 (Some(error), Some(_)) => json!({ "error": error }),
                 (None, Some((_, message, param))) => json!({"error": {
                     "message": message, "type": "invalid_request_error", "param": param, "code": null,
@@ -389,7 +389,7 @@ impl RequestFailure {
         }
     }
 
-    /// The single final SSE frame once output started (reference-notes 1.9): `expired` for
+    /// The single final SSE frame once output started (behaviour.md 1.9): `expired` for
     /// the deadline, `failed` with the public message for a failed stream; `None` before
     /// output.
     pub(crate) fn stream_frame(&self) -> Option<Bytes> {
@@ -422,7 +422,7 @@ mod tests {
     }
 
     /// Every failure before output: status, body type, Retry-After, and what is counted
-    /// (reference-notes 1.9 and 7.7a).
+    /// (behaviour.md 1.9 and 7.7a).
     #[test]
     fn each_failure_maps_to_one_status_body_and_settlement() {
         let cases: Vec<(RequestFailure, u16, &str, bool, Terminal, &str)> = vec![
@@ -527,7 +527,7 @@ mod tests {
                 Terminal::Failed,
                 "engine_error",
             ),
-            // Overload is not failure (issue 9 section 2): a busy engine's 503 or 429 reaches
+            // Overload is not failure: a busy engine's 503 or 429 reaches
             // the client as a back-off answer, not a 502.
             (
                 RequestFailure::Leg {
@@ -658,7 +658,7 @@ mod tests {
     }
 
     /// An engine's refusal with its own error object reaches the client as the engine wrote
-    /// it, with the engine's status (issue 10 section 2: llama.cpp's context-length 400 keeps
+    /// it, with the engine's status (llama.cpp's context-length 400 keeps
     /// its `code`), and is counted `failed/engine_rejected`.
     #[test]
     fn an_engine_refusal_is_relayed_as_the_engine_wrote_it() {
@@ -720,7 +720,7 @@ mod tests {
         assert!(text.contains("\"code\":\"failed\"") && text.contains("Upstream request failed"));
     }
 
-    /// Graceful shutdown (issue 9 section 5): a stream still running when the budget runs
+    /// Graceful shutdown (docs/http-api.md): a stream still running when the budget runs
     /// out ends with the documented error frame and is settled failed, not cancelled.
     #[test]
     fn a_stream_cut_by_the_shutdown_budget_ends_with_an_error_frame_and_fails() {
@@ -745,7 +745,7 @@ mod tests {
         assert_eq!(f.body()["error"]["message"], "request body read failed");
     }
 
-    /// A predictive refusal (controller-notes 10.6): 429 `server_overloaded_error` without
+    /// A predictive refusal (controller.md 10.6): 429 `server_overloaded_error` without
     /// `code`, its own `Retry-After`, counted `refused/<cause>`.
     #[test]
     fn a_predictive_refusal_answers_429_with_its_retry_after() {

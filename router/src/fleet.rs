@@ -1,6 +1,6 @@
 //! The fleet: every engine's placement slot (role, exclusions, resident requests), the
 //! breaker, suspect producers and SGLang bootstrap ports, behind one lock only this module
-//! takes (reference-notes 6.1–6.4, 7.1; DESIGN.md section 5).
+//! takes (behaviour.md 6.1–6.4, 7.1; architecture.md section 5).
 //!
 //! ```text
 //!  serve ──place / Resident guard / observe(leg outcome)──► Fleet ──► breaker transitions
@@ -53,7 +53,7 @@ pub(crate) struct FleetState {
     /// blame) started.
     confirmed: Vec<Option<Instant>>,
     /// Engines new placements avoid while another of their role is available (a donor held
-    /// for an engine-side role switch; controller-notes 9.2).
+    /// for an engine-side role switch; controller.md 9.2).
     avoided: BTreeSet<usize>,
 }
 
@@ -172,7 +172,7 @@ impl Fleet {
         self.live.load(Ordering::Acquire)
     }
 
-    /// Picks the engines of one attempt (reference-notes 7.1 steps 1 and 5), avoiding
+    /// Picks the engines of one attempt (behaviour.md 7.1 steps 1 and 5), avoiding
     /// `avoid`; `None` when no engine can serve.
     pub(crate) fn place(&self, avoid: &BTreeSet<usize>, aggregate: Aggregate) -> Option<Plan> {
         let state = self.lock();
@@ -221,7 +221,7 @@ impl Fleet {
     }
 
     /// Resolves after a resident count changed while some engine is held by the lifecycle
-    /// (eager drain progress, DESIGN.md 9.4).
+    /// (eager drain progress, architecture.md 9.4).
     pub(crate) async fn resident_changed(&self) {
         self.resident_changed.notified().await;
     }
@@ -290,7 +290,7 @@ impl Fleet {
 
     /// A leg failed with `class`: stream-class failures of a decode leg also record the
     /// producer that fed it (`producer`: the prefill engine, `None` when the decode ran
-    /// alone), so verification can rerun that path (reference-notes 6.2, 6.8).
+    /// alone), so verification can rerun that path (behaviour.md 6.2, 6.8).
     pub(crate) fn observe_leg_failure(
         &self,
         iid: usize,
@@ -418,7 +418,7 @@ impl Fleet {
         self.lock().breaker.incarnation(iid)
     }
 
-    /// Breaker probes due now (reference-notes 6.4; module `breaker`).
+    /// Breaker probes due now (behaviour.md 6.4; module `breaker`).
     pub(crate) fn due_probes(&self) -> Vec<Ticket> {
         let now = self.clock.now();
         let mut state = self.lock();
@@ -453,7 +453,7 @@ impl Fleet {
         }
     }
 
-    /// Applies a restored handoff's fleet part (reference-notes 2.7): roles of unpinned
+    /// Applies a restored handoff's fleet part (behaviour.md 2.7): roles of unpinned
     /// engines, ejections (cause `handoff`), suspects.
     pub(crate) fn restore(
         &self,
@@ -596,7 +596,7 @@ pub(crate) struct Resident {
 impl Drop for Resident {
     fn drop(&mut self) {
         bump(&mut self.fleet.lock().slots[self.iid], self.phase, false);
-        // Eager drain progress (DESIGN.md 9.4): only when something is held.
+        // Eager drain progress (architecture.md 9.4): only when something is held.
         if self.fleet.held.load(Ordering::Acquire) {
             self.fleet.resident_changed.notify_one();
         }
@@ -656,8 +656,8 @@ mod tests {
         assert_eq!(f.live_names().len(), 2);
     }
 
-    /// Identity (issue 9 section 1): a reading whose known facts differ makes the engine a
-    /// new engine: ejected (`process_identity`), its suspects and old facts dropped, the
+    /// Identity (an engine restarted in place): a reading whose known facts differ makes the engine
+    /// a new engine: ejected (`process_identity`), its suspects and old facts dropped, the
     /// reading kept as the new process's facts.
     #[test]
     fn a_changed_fact_makes_a_new_engine_and_forgets_the_old_one() {

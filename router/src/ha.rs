@@ -1,15 +1,16 @@
 //! High availability: the primary's lease loop and the warm standby, supervised as one task
-//! that moves the router between them (seed "HA handoff"; reference-notes 2.9, 3.4;
-//! DESIGN.md sections 7 and 9.6).
+//! that moves the router between them (handoff-and-lifecycle.md, "HA handoff"; behaviour.md
+//! 2.9, 3.4; architecture.md sections 7 and 9.6).
 //!
 //! ```text
 //!  supervise: Active(renewal) ──renewal.lost() | the phase leaves control──► Standby{held: epoch}
 //!             Standby ──standby::run: observe, follow, claim, apply, re-check──► Active(renewal)
 //!  primary:   claim at startup ──► Active | Blocked(reason) ──► Standby{held: none}
 //! ```
-//! Every failure on the way leaves the router a standby that tries again (DESIGN.md 9.6).
+//! Every failure on the way leaves the router a standby that tries again (architecture.md 9.6).
 //! Whatever ends control (a lost renewal, an agent that saw a newer epoch, a refused handoff
-//! publish) ends the renewal with it: a router that is not active never renews (issue 13).
+//! publish) ends the renewal with it: a router that is not active never renews
+//! (ha-and-fencing.md).
 //! `primary` is the lease loop, `standby` the standby's driver over the pure `machine`; the
 //! phase they publish lives in `crate::phase`.
 
@@ -28,7 +29,7 @@ use crate::lease::LeaseLoss;
 use crate::parts::Parts;
 use primary::Renewal;
 
-/// Standby settings (`narwhal-serve --standby-of URL ...`; reference-notes 2.9 defaults).
+/// Standby settings (`narwhal-serve --standby-of URL ...`; behaviour.md 2.9 defaults).
 #[derive(Debug, Clone)]
 pub struct StandbyOptions {
     /// The primary's control listener, e.g. `https://10.0.0.5:8001`.
@@ -51,7 +52,7 @@ enum Next {
 
 /// Startup of a primary: claim the lease (backend `none`: nothing to claim, always active)
 /// and keep it; on failure the router serves nothing and retries as a standby
-/// (DESIGN.md 9.6). The claim completes before this returns. `resume`: `--resume` was
+/// (architecture.md 9.6). The claim completes before this returns. `resume`: `--resume` was
 /// asked (a newer handoff published beside the lease record is then applied).
 pub(crate) async fn start_primary(parts: &Arc<Parts>, stop: &CancellationToken, resume: bool) {
     if !parts.ha.lease().enabled() {
@@ -64,7 +65,7 @@ pub(crate) async fn start_primary(parts: &Arc<Parts>, stop: &CancellationToken, 
     tokio::spawn(supervise(parts.clone(), None, stop.clone(), next));
 }
 
-/// Startup of a warm standby of `opts.primary` (reference-notes 2.9): it serves nothing until
+/// Startup of a warm standby of `opts.primary` (behaviour.md 2.9): it serves nothing until
 /// it takes over.
 pub(crate) fn start_standby(parts: &Arc<Parts>, opts: StandbyOptions, stop: &CancellationToken) {
     let next = Next::Standby { held: None };
@@ -72,7 +73,7 @@ pub(crate) fn start_standby(parts: &Arc<Parts>, opts: StandbyOptions, stop: &Can
 }
 
 /// Startup of a primary with agents: readiness waits for the identity check through the
-/// agents (reference-notes 1.2, 4.10).
+/// agents (behaviour.md 1.2, 4.10).
 pub(crate) fn hold_until_identities_checked(parts: Arc<Parts>) {
     primary::hold_until_identities_checked(parts);
 }

@@ -1,6 +1,7 @@
 //! The HA handoff on the router side: the live snapshot (`GET /narwhal/handoff`), the state
 //! file writer (`recovery.state_path`), and applying a document (`--resume`, standby takeover)
-//! (seed "HA handoff"; reference-notes 2.2, 2.5, 2.7, 2.8; DESIGN.md sections 7 and 9).
+//! (handoff-and-lifecycle.md, "HA handoff"; behaviour.md 2.2, 2.5, 2.7, 2.8; architecture.md
+//! sections 7 and 9).
 //!
 //! ```text
 //!  Fleet + Accounting + Lifecycle + Demand + Ha ──snapshot()──► Handoff ──► GET, state file
@@ -10,7 +11,7 @@
 //! The document's schema and validation live in `narwhal_shared::handoff`, shared by every
 //! reader and writer; this module only maps it to and from the router's parts.
 //!
-//! # Publishing (issue 13)
+//! # Publishing (ha-and-fencing.md)
 //!
 //! ```text
 //!  lifecycle change (dirty) ─┐
@@ -47,7 +48,7 @@ use crate::parts::Parts;
 use crate::phase::EpochScope;
 use crate::placement::Exclusion;
 
-/// The live handoff document (reference-notes 2.2).
+/// The live handoff document (behaviour.md 2.2).
 pub(crate) fn snapshot(parts: &Parts) -> Handoff {
     let ha = parts.ha.view().status;
     let lifecycle = parts.lifecycle.export();
@@ -184,9 +185,9 @@ fn carried_roles(parts: &Parts, h: &Handoff) -> Result<BTreeMap<usize, Role>, Ap
     Ok(roles)
 }
 
-/// Applies a validated handoff to this router (reference-notes 2.7, with the model compared
+/// Applies a validated handoff to this router (behaviour.md 2.7, with the model compared
 /// too). Process-local state (histograms, breaker streaks, attempt accounting, resident
-/// tracking) starts fresh, as the seed lists.
+/// tracking) starts fresh, as handoff-and-lifecycle.md lists.
 ///
 /// # Errors
 /// [`ApplyError`] when the document describes another fleet, model or policy, carries an
@@ -233,7 +234,7 @@ pub(crate) fn apply(parts: &Parts, h: &Handoff) -> Result<Applied, ApplyError> {
     Ok(applied)
 }
 
-/// `--resume` at startup (reference-notes 2.8, tightened): a valid document for this fleet
+/// `--resume` at startup (behaviour.md 2.8, tightened): a valid document for this fleet
 /// is applied; a missing file starts fresh; a torn, invalid or foreign file is moved aside to
 /// `<state_path>.refused` (so the next write cannot destroy the evidence) and reported.
 /// Returns the refusal reason, if any.
@@ -306,7 +307,7 @@ fn content_key(doc: &Handoff) -> String {
     serde_json::to_string(&d).unwrap_or_default()
 }
 
-/// Publishes the handoff (issue 13): the live snapshot under the epoch held now, to the
+/// Publishes the handoff (ha-and-fencing.md): the live snapshot under the epoch held now, to the
 /// state file and, with a lease backend, beside the lease record in its store (only while the
 /// record is ours: `LeaseDriver::publish`). Skipped when nothing changed since the last
 /// successful publish. `takeover`: the router claimed the lease and applied the state it
@@ -373,9 +374,9 @@ pub(crate) async fn publish(parts: &Parts, takeover: bool) -> Result<bool, Publi
 }
 
 /// Answers a lifecycle action (drain, readmit) only once its result is durable where a
-/// successor reads it (issue 13): a 200 is kept after a successful [`publish`], and becomes a
-/// 503 naming why otherwise (the change stays in this router's memory, unacknowledged; the
-/// operator repeats the request). Other statuses pass unchanged.
+/// successor reads it (ha-and-fencing.md): a 200 is kept after a successful [`publish`], and
+/// becomes a 503 naming why otherwise (the change stays in this router's memory, unacknowledged;
+/// the operator repeats the request). Other statuses pass unchanged.
 ///
 /// `scope` is the epoch scope the action ran under (taken before it started): a publish made
 /// after that scope ended (the router was paused past its lease, lost control and claimed it
@@ -417,9 +418,9 @@ pub(crate) async fn acknowledge(
 }
 
 /// A document that shows this router's totals (`/narwhal/state`, `/narwhal/handoff`),
-/// rendered and then made durable (issue 13: totals never go backwards at a takeover for a
-/// client reading the router that controls the fleet). The snapshot published is taken after
-/// rendering, so it holds at least every total the document shows. When the publish fails
+/// rendered and then made durable (ha-and-fencing.md: totals never go backwards at a takeover
+/// for a client reading the router that controls the fleet). The snapshot published is taken
+/// after rendering, so it holds at least every total the document shows. When the publish fails
 /// the document is rendered again; if the router still claims control then, the answer is a
 /// 503 naming why instead of totals a successor might not restore.
 pub(crate) async fn durable_document(
@@ -571,8 +572,8 @@ mod tests {
         parts.accounting.restore(&h);
     }
 
-    /// Issue 13: the controlling router publishes its handoff beside the lease record (and to
-    /// its state file) whenever it changed; nothing is written when nothing changed, or by a
+    /// ha-and-fencing.md: the controlling router publishes its handoff beside the lease record (and
+    /// to its state file) whenever it changed; nothing is written when nothing changed, or by a
     /// router that does not control the fleet; a refused publish fences.
     #[tokio::test]
     async fn the_handoff_is_published_beside_the_lease_while_in_control() {
@@ -643,7 +644,7 @@ mod tests {
         assert_eq!(status, StatusCode::OK);
     }
 
-    /// Issue 13: a lifecycle action is answered 200 only once published; when the change
+    /// ha-and-fencing.md: a lifecycle action is answered 200 only once published; when the change
     /// cannot be made durable the answer is a 503 that says so. A document showing totals is
     /// published before it is answered, and refused (503) when it cannot be while the router
     /// still claims control.

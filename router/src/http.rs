@@ -1,4 +1,4 @@
-//! The two HTTP listeners (DESIGN.md section 3) on hyper's HTTP/1 server, and their routes.
+//! The two HTTP listeners (architecture.md section 3) on hyper's HTTP/1 server, and their routes.
 //!
 //! ```text
 //!  data listener:    POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
@@ -10,7 +10,7 @@
 //! ```
 //!
 //! hyper is used directly (not axum) so that a client disconnect drops the service future,
-//! which is what cancels the upstream legs (reference-notes 7.7).
+//! which is what cancels the upstream legs (behaviour.md 7.7).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -97,7 +97,7 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
             r
         }
         (Side::Control, Method::GET, "/narwhal/state") => {
-            // Totals shown are durable first (issue 13; handoff::durable_document).
+            // Totals shown are durable first (ha-and-fencing.md; handoff::durable_document).
             let (status, doc) = crate::handoff::durable_document(&parts, documents::state).await;
             json_response(status, &doc, &rid)
         }
@@ -150,7 +150,7 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
             };
             match action.await {
                 Ok((status, doc)) => {
-                    // Acknowledged only once durable where a successor reads (issue 13).
+                    // Acknowledged only once durable where a successor reads (ha-and-fencing.md).
                     let (status, doc) =
                         crate::handoff::acknowledge(&parts, status, doc, scope.as_ref()).await;
                     json_response(status, &doc, &rid)
@@ -322,7 +322,7 @@ pub(crate) async fn serve(
             }
             Some(acceptor) => {
                 // Mutual TLS: only clients whose certificate chains to the fleet CA (standby
-                // routers, narwhalctl, supervisors) get past the handshake (DESIGN.md 3).
+                // routers, narwhalctl, supervisors) get past the handshake (architecture.md 3).
                 let acceptor = acceptor.clone();
                 let watcher = graceful.watcher();
                 tokio::spawn(async move {

@@ -1,9 +1,9 @@
-//! Ingress rules for the completion routes (reference-notes 1.8 stages 3–6, 1.9).
+//! Ingress rules for the completion routes (behaviour.md 1.8 stages 3–6, 1.9).
 //!
 //! ```text
 //!  body bytes (already bounded by serving.max_request_bytes) ──validate──► Validated
 //!                                                               └────────► IngressError
-//!  IngressError ──body()──► (status, {"error": {...}})   exactly as reference-notes 1.9
+//!  IngressError ──body()──► (status, {"error": {...}})   exactly as behaviour.md 1.9
 //! ```
 //!
 //! Pure: no IO. The size limit is enforced by the driver while reading (Content-Length is not
@@ -113,7 +113,7 @@ pub enum IngressError {
         /// `prompt_logprobs` or `echo`.
         field: &'static str,
     },
-    /// `n` or `best_of` > 1 → 400 (reference-examples/error-400-n.json).
+    /// `n` or `best_of` > 1 → 400 (router/testdata/reference-error-400-n.json).
     #[error(
         "{field} > 1 cannot be served across a split: the prefill leg runs with max_tokens=1 and the two legs would disagree on sampling width"
     )]
@@ -124,7 +124,7 @@ pub enum IngressError {
 }
 
 impl IngressError {
-    /// The error `type` of the body (reference-notes 1.9): `request_too_large` for an
+    /// The error `type` of the body (behaviour.md 1.9): `request_too_large` for an
     /// oversized body, `invalid_request_error` for everything else.
     pub fn error_type(&self) -> &'static str {
         match self {
@@ -133,7 +133,7 @@ impl IngressError {
         }
     }
 
-    /// HTTP status and JSON body (reference-notes 1.9).
+    /// HTTP status and JSON body (behaviour.md 1.9).
     pub fn response(&self) -> (StatusCode, Value) {
         let message = self.to_string();
         match self {
@@ -180,7 +180,7 @@ fn shape(param: &str, what: &str) -> IngressError {
     }
 }
 
-/// Fields Narwhal sets on the legs; refused in both dialects (task brief; reference-notes 1.8).
+/// Fields Narwhal sets on the legs; refused in both dialects (docs/http-api.md; behaviour.md 1.8).
 const RESERVED_TOP: &[&str] = &[
     "kv_transfer_params",
     "rid",
@@ -380,7 +380,7 @@ fn batch_of(body: &Map<String, Value>) -> Option<&[Value]> {
 
 /// The prompts of a batched request, in order (`None` for a single prompt). Each is served
 /// as its own request (its own prefill, descriptor and decode) and answered as choice `k`
-/// of one response (issue 9 section 6).
+/// of one response (docs/http-api.md, request shapes the split cannot serve as one request).
 pub fn batch_prompts(v: &Validated) -> Option<&[Value]> {
     if v.prompt_count > 1 {
         batch_of(&v.body)
@@ -436,7 +436,7 @@ fn truthy(v: &Value) -> bool {
     }
 }
 
-/// Minimal sizing (reference-notes 7.9 fallback): a token-id prompt counts its ids; text counts
+/// Minimal sizing (behaviour.md 7.9 fallback): a token-id prompt counts its ids; text counts
 /// characters / `chars_per_token`, at least 1.
 fn size_input(body: &Map<String, Value>, chars_per_token: f64) -> u64 {
     if let Some(Value::Array(a)) = body.get("prompt")
@@ -608,7 +608,7 @@ mod tests {
     }
 
     /// Batches are recognised (strings or token-id lists, two or more), limited, and
-    /// prompt-logprob requests are named by the field that asks (issue 9 section 6).
+    /// prompt-logprob requests are named by the field that asks (docs/http-api.md).
     #[test]
     fn batches_and_prompt_logprobs_are_recognised() {
         let v = check(r#"{"prompt":["a","b","c"]}"#).unwrap();

@@ -1,5 +1,5 @@
 //! Request journal: JSONL rows written by one task over a bounded channel
-//! (reference-notes 7.8; DESIGN.md sections 5 and 9.8).
+//! (behaviour.md 7.8; architecture.md sections 5 and 9.8).
 //!
 //! ```text
 //!  settle() ──try_send(row)──► [bounded channel] ──writer task──► journal.jsonl (append)
@@ -32,13 +32,13 @@ pub struct JournalError {
     pub source: std::io::Error,
 }
 
-/// A run id `"<unix secs>-<8 hex>"` (reference-notes 7.8), `wall_s` = process start.
+/// A run id `"<unix secs>-<8 hex>"` (behaviour.md 7.8), `wall_s` = process start.
 pub fn run_id(wall_s: f64) -> String {
     let hex = uuid::Uuid::new_v4().simple().to_string();
     format!("{}-{}", wall_s as u64, &hex[..8])
 }
 
-/// The header row (DESIGN.md 9.8: it carries the run id, unlike the reference) with the
+/// The header row (architecture.md 9.8: it carries the run id, unlike the reference) with the
 /// admission in force (`serving.admission`, `serving.admission_margin`).
 pub fn header(run: &str, admission: &str, margin: f64) -> Value {
     let git = env!("NARWHAL_GIT_DESCRIBE");

@@ -1,7 +1,6 @@
-//! The module graph check (issue 8): the router's modules depend on each other in one
-//! direction. It reads every file under `router/src` (binaries aside), collects the module
-//! paths each one names (`use` trees and inline `crate::` / `super::` / `self::` paths, test
-//! modules left out), and fails when
+//! The module graph check: the router's modules depend on each other in one direction. It reads
+//! every file under `router/src` (binaries aside), collects the module paths each one names (`use`
+//! trees and inline `crate::` / `super::` / `self::` paths, test modules left out), and fails when
 //! - the top-level modules (`fleet`, `lifecycle`, `ha`, ..., and the crate root) form a cycle,
 //! - or, inside one top-level module, its files do (edges between a module and its own
 //!   ancestors are structure, not layering: a parent re-exports its children's items).
@@ -495,8 +494,9 @@ fn the_router_modules_form_no_cycle() {
     }
 }
 
-/// Most fields of shared mutable state one struct may hold (issue 8: "no struct in the router
-/// with more than about 8 fields of shared mutable state"; a struct of owned handles is fine).
+/// Most fields of shared mutable state one struct may hold (the design note in lib.rs: no
+/// struct in the router with more than about 8 fields of shared mutable state; a struct of
+/// owned handles is fine).
 const MAX_SHARED_STATE_FIELDS: usize = 8;
 
 /// Type words that make a field shared mutable state: locks, atomics, cells, watch senders and
@@ -605,7 +605,7 @@ fn no_router_struct_holds_more_than_eight_pieces_of_shared_mutable_state() {
     assert!(
         over.is_empty(),
         "structs holding more than {MAX_SHARED_STATE_FIELDS} fields of shared mutable state \
-         (split them into parts that own their data, issue 8):\n{}",
+         (split them into parts that own their data, as the design note in lib.rs says):\n{}",
         over.join("\n")
     );
 }

@@ -1,5 +1,5 @@
 //! The router lease: which router drives the fleet, under which fencing epoch, until when
-//! (DESIGN.md section 7; reference-notes 3; departure 9.9: the file record is fsynced).
+//! (architecture.md section 7; behaviour.md 3; departure 9.9: the file record is fsynced).
 //!
 //! ```text
 //!  LeaseDriver ──(clock: mono `started` before the write, wall `now`)──► LeaseStore
@@ -52,7 +52,7 @@ pub enum LeaseError {
         waited_s: f64,
     },
     /// A stored record (or the etcd epoch key) does not parse or fails the schema rules
-    /// (reference-notes 3.2); names the file or key and the offending field.
+    /// (behaviour.md 3.2); names the file or key and the offending field.
     #[error("lease record {at} is malformed: {reason}")]
     Malformed {
         /// The file path or etcd key.
@@ -123,7 +123,7 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// check (under the flock, or guarded by the record's etcd `mod_revision`). The inner
     /// `Err` is the core's verdict (not ours, lapsed); nothing was written then. A successor
     /// that claims after this returns finds `doc` ([`LeaseStore::read_all`]); one published
-    /// later can never land (issue 13).
+    /// later can never land (ha-and-fencing.md).
     ///
     /// # Errors
     /// The outer [`LeaseError`] when the store could not be read or written.
@@ -225,7 +225,7 @@ impl LeaseStore for AnyStore {
     }
 }
 
-/// Parses a stored record strictly (reference-notes 3.2): a JSON object with exactly the six
+/// Parses a stored record strictly (behaviour.md 3.2): a JSON object with exactly the six
 /// keys, the right types (`epoch` a non-negative integer, not a bool or float), then
 /// [`LeaseRecord::validate`]. `at` names the file or key in the error.
 ///

@@ -1,6 +1,16 @@
 //! Narwhal router (`narwhal-serve`): placement, P/D serving for vLLM and SGLang, streaming
 //! relay, breaker, outcome accounting, metrics, engine lifecycle, HA (lease, handoff, warm
-//! standby), state and journal (DESIGN.md sections 3, 5, 6, 7, 9).
+//! standby), state and journal (architecture.md sections 3, 5, 6, 7, 9).
+//!
+//! The design documents live under `docs/design/`, and comments cite them by file name and
+//! section number: "behaviour.md 4.3" is section 4.3 of `docs/design/behaviour.md` (the
+//! reference's behaviour), "controller.md 9.3" of `docs/design/controller.md` (the role
+//! controller and predictive admission), "architecture.md 9.6" of `docs/design/architecture.md`
+//! (this router's design and its deliberate departures from the reference). Beside them,
+//! `handoff-and-lifecycle.md` (the HA handoff and engine lifecycle contract, cited by heading,
+//! e.g. "Readmitting engines"), `ha-and-fencing.md` (lease, epochs, fencing, the standby) and
+//! `engine-protocols.md` (vLLM and SGLang descriptors, bootstrap, engine routes and metrics).
+//! A full path such as `docs/ha.md` or `docs/http-api.md` names an operator document.
 //!
 //! ```text
 //!  clients ──► data listener ──► ingress ──► admission ──► placement ──► prefill leg ─┐
@@ -80,7 +90,7 @@
 //! the router controls the fleet); the HA phase is published on its watch channel; the
 //! handoff is published beside the lease record (`handoff::publish`) on `dirty`, after every
 //! renewal (`LeaseDriver::renewed`), before a lifecycle action is acknowledged and before
-//! totals are shown (issue 13); `app::run` drains on SIGTERM through the gate
+//! totals are shown (ha-and-fencing.md); `app::run` drains on SIGTERM through the gate
 //! (`begin_shutdown`, then `end_requests` at the budget), which the request path reads (the
 //! readiness check, and a `select!` arm of the attempts and of the relay).
 //!
@@ -98,9 +108,8 @@
 //! work: take `Ha::scope()` when it starts (its agent calls carry `EpochScope::fence()`),
 //! check `Ha::live` before each effect and stop on `EpochScope::ended()`; a part that decides
 //! for the fleet (a role controller) watches `Ha::subscribe()` and decides nothing unless the
-//! phase holds control (issue 13). Hot-path locks: placement
-//! state and the tally are each behind one part's handle, replaceable without touching
-//! callers.
+//! phase holds control (ha-and-fencing.md). Hot-path locks: placement state and the tally are
+//! each behind one part's handle, replaceable without touching callers.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 

@@ -1,7 +1,7 @@
 //! Engine lifecycle: drain of one engine or a whole-fleet wave, `ready_to_stop` for external
-//! supervisors, and readmission through the six checks of the seed (health, process-bound
-//! attestation, configured model, direct generation, role-compatible KV transfer, final
-//! health), each run through the engines' agents and each signed.
+//! supervisors, and readmission through the six checks of handoff-and-lifecycle.md (health,
+//! process-bound attestation, configured model, direct generation, role-compatible KV transfer,
+//! final health), each run through the engines' agents and each signed.
 //!
 //! ```text
 //!  POST drain ──request──► driver ──► machine::begin (held out of placement) ──► identity:

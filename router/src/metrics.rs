@@ -1,4 +1,4 @@
-//! Prometheus metrics (reference-notes 10) via prometheus-client.
+//! Prometheus metrics (behaviour.md 10) via prometheus-client.
 //!
 //! ```text
 //!  settle / attempts / breaker transitions ──inc──► counters, histograms
@@ -41,7 +41,7 @@ pub(crate) fn labels(pairs: &[(&str, &str)]) -> Labels {
         .collect()
 }
 
-/// Bucket edges = SLO × these factors, rounded to 6 decimals (reference-notes 10).
+/// Bucket edges = SLO × these factors, rounded to 6 decimals (behaviour.md 10).
 const BUCKET_FACTORS: [f64; 11] = [0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0, 1.5, 3.0, 10.0];
 
 /// `%g`-like formatting of an SLO for the `slo` label (`2.0` → `"2"`, `0.05` → `"0.05"`).
@@ -60,18 +60,20 @@ fn buckets(slo: f64) -> Vec<f64> {
         .collect()
 }
 
-/// Every metric family the router exports, in groups that each own their families (issue 8:
-/// no struct holds more than about eight pieces of shared mutable state). Registration order,
-/// hence the `/metrics` order, is the order of [`Metrics::new`], not of these groups.
+/// Every metric family the router exports, in groups that each own their families (the
+/// design note in lib.rs: no struct holds more than about eight pieces of shared mutable state).
+/// Registration order, hence the `/metrics` order, is the order of [`Metrics::new`], not of these
+/// groups.
 pub(crate) struct Metrics {
     registry: Registry,
-    /// What ingress saw (reference-notes 10, contract/traffic): requests offered, sized or not, and those refused, rejected or invalid before any placement.
+    /// What ingress saw (behaviour.md 10, contract/traffic): requests offered, sized or not, and
+    /// those refused, rejected or invalid before any placement.
     pub(crate) intake: Intake,
-    /// How requests ended (reference-notes 10): served, met both SLOs, expired, failed, cancelled.
+    /// How requests ended (behaviour.md 10): served, met both SLOs, expired, failed, cancelled.
     pub(crate) settled: Settled,
     /// The legs sent to engines: attempts per phase, decode tokens seen, attempt failures, upstream seconds, and the TTFT/TPOT histograms.
     pub(crate) legs: Legs,
-    /// Retries and the retry budget (reference-notes 10; `retry.rs`).
+    /// Retries and the retry budget (behaviour.md 10; `retry.rs`).
     pub(crate) retries: Retries,
     /// Admission and the HTTP front door: in-flight requests, the queue and retained connections, with their limits and high-water marks.
     pub(crate) capacity: Capacity,
@@ -83,11 +85,12 @@ pub(crate) struct Metrics {
     pub(crate) durability: Durability,
     pub(crate) slo_label_ttft: String,
     pub(crate) slo_label_tpot: String,
-    /// Control, lease and certificate gauges for operators (issue 14 section 5).
+    /// Control, lease and certificate gauges for operators (docs/monitoring.md).
     pub(crate) ops: OpsMetrics,
 }
 
-/// What ingress saw (reference-notes 10, contract/traffic): requests offered, sized or not, and those refused, rejected or invalid before any placement.
+/// What ingress saw (behaviour.md 10, contract/traffic): requests offered, sized or not, and those
+/// refused, rejected or invalid before any placement.
 pub(crate) struct Intake {
     pub(crate) offered: Counter,
     pub(crate) unsized_offered: Counter,
@@ -96,7 +99,7 @@ pub(crate) struct Intake {
     pub(crate) rejected: Family<Labels, Counter>,
 }
 
-/// How requests ended (reference-notes 10): served, met both SLOs, expired, failed, cancelled.
+/// How requests ended (behaviour.md 10): served, met both SLOs, expired, failed, cancelled.
 pub(crate) struct Settled {
     pub(crate) served: Counter,
     pub(crate) slo_met: Counter,
@@ -116,7 +119,7 @@ pub(crate) struct Legs {
     pub(crate) tpot: HistFamily,
 }
 
-/// Retries and the retry budget (reference-notes 10; `retry.rs`).
+/// Retries and the retry budget (behaviour.md 10; `retry.rs`).
 pub(crate) struct Retries {
     pub(crate) retry_attempts: Counter,
     pub(crate) retry_credits_spent: Counter,
@@ -144,9 +147,9 @@ pub(crate) struct EngineHealth {
     pub(crate) readmissions: Family<Labels, Counter>,
     pub(crate) breaker_streak: Family<Labels, Gauge>,
     pub(crate) probes: Family<Labels, Counter>,
-    /// 1 while the ejection bound keeps a failing engine in placement (issue 10 section 2).
+    /// 1 while the ejection bound keeps a failing engine in placement.
     pub(crate) engine_degraded: Family<Labels, Gauge>,
-    /// 1 while an engine waits for its first health 200 (issue 9 section 4).
+    /// 1 while an engine waits for its first health 200 (the health gate).
     pub(crate) engine_awaiting_health: Family<Labels, Gauge>,
 }
 
@@ -516,7 +519,7 @@ impl Metrics {
             ops,
         };
         // The admission, monitoring and controller families are rendered live by
-        // `controller::report` (controller-notes 12).
+        // `controller::report` (controller.md 12).
         let slo: Family<Labels, Gauge<f64, AtomicU64>> = reg!(
             "narwhal_slo_seconds",
             "Configured service-level latency budget in seconds",
@@ -610,7 +613,7 @@ impl Metrics {
     }
 }
 
-/// The gauges an operator alerts on (issue 14 section 5; docs/monitoring.md): whether this
+/// The gauges an operator alerts on (docs/monitoring.md): whether this
 /// router controls the fleet, its lease (state, holder, validity left, configured timing) and
 /// its certificates' expiry. Refreshed at scrape time (`documents::metrics`). The lease
 /// families have no sample with `lease.backend` `none` (nothing expires), the certificate
@@ -723,7 +726,7 @@ fn to_prometheus_text(open_metrics: &str) -> String {
     out
 }
 
-/// Content type of [`Metrics::render`] (reference-notes 1.1).
+/// Content type of [`Metrics::render`] (behaviour.md 1.1).
 pub(crate) const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 #[cfg(test)]

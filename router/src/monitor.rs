@@ -1,5 +1,5 @@
 //! The monitor task: every `controller.monitor_interval_s`, whole-wave enforcement and the
-//! breaker's due probes (reference-notes 6.3, 6.4, 6.6, 4.9; issue 9 sections 1–4), and the
+//! breaker's due probes (behaviour.md 6.3, 6.4, 6.6, 4.9; docs/deviations.md), and the
 //! startup wait for the health gate.
 //!
 //! ```text
@@ -135,7 +135,7 @@ async fn probe(parts: Arc<Parts>, ticket: Ticket, sweep: bool) {
                 bootstrap::read_facts(&parts.cfg, &parts.upstream, iid).await,
             );
             if parts.lifecycle.agents().has(iid) {
-                // Through its agent, with the checks of a readmission (reference-notes 6.4
+                // Through its agent, with the checks of a readmission (behaviour.md 6.4
                 // step 8); the lifecycle readmits it (evidence `lifecycle`).
                 let back = parts.lifecycle.recover(iid).await;
                 count(
@@ -184,7 +184,7 @@ async fn health(parts: &Parts, iid: usize) -> HealthAnswer {
     }
 }
 
-/// The generation probe the breaker readmits an engine without an agent with (reference-notes
+/// The generation probe the breaker readmits an engine without an agent with (behaviour.md
 /// 6.3, "standalone probe"): a streamed one-token completion of the fleet's model straight to
 /// the engine, with a plain UUID request id; it passes when a token-bearing chunk arrives
 /// within `max(engine.first_token_timeout_s, engine.health_timeout_s)`. On SGLang the request
@@ -212,7 +212,7 @@ async fn generation(parts: &Parts, iid: usize) -> Result<(), String> {
             .first_token_timeout_s
             .max(cfg.engine.health_timeout_s),
     );
-    // A leg id every engine accepts (a plain UUID per leg, issue 10 section 2).
+    // A leg id every engine accepts (a plain UUID per leg, docs/deviations.md).
     let leg = LegId::new(&uuid::Uuid::new_v4().to_string(), None, 1, "probe");
     parts
         .upstream

@@ -1,4 +1,4 @@
-//! Terminal outcomes and counters (reference-notes 7.7a; DESIGN.md section 5).
+//! Terminal outcomes and counters (behaviour.md 7.7a; architecture.md section 5).
 //!
 //! ```text
 //!  request pipeline ──Pending::settle(Settlement)──► sink (counters + metrics + journal row)
@@ -133,7 +133,7 @@ impl Settlement {
     }
 }
 
-/// Per-request facts for the journal row (reference-notes 7.8, the fields that apply).
+/// Per-request facts for the journal row (behaviour.md 7.8, the fields that apply).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RequestRecord {
     /// Router request id (UUID4).
@@ -164,11 +164,11 @@ pub struct RequestRecord {
     pub output_started: bool,
     /// Failures of earlier attempts (`{attempt, phase, iid, reason, error, prompt}`).
     pub attempt_failures: Vec<Value>,
-    /// The latest TTFT price (controller-notes 11.2 `admission_price`), null when never
+    /// The latest TTFT price (controller.md 11.2 `admission_price`), null when never
     /// priced.
     pub admission_price: Option<Value>,
     /// Seconds waited for an admission seat, once the request reached the seat (0.0 for an
-    /// immediate one; controller-notes 11.2 `queue_waits.admission`).
+    /// immediate one; controller.md 11.2 `queue_waits.admission`).
     pub admission_wait_s: Option<f64>,
     /// Every leg dispatched, in order: `{attempt, leg, iid, request_id, prompt}` — the
     /// `x-request-id` (a UUID4) the engine saw for it, and the prompt's index in a batch

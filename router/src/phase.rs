@@ -1,5 +1,6 @@
-//! The router's HA phase: whether it controls the fleet and, when not, why (seed "HA
-//! handoff"; reference-notes 1.2–1.4, 2.9, 3.4; DESIGN.md 9.1 and 9.6).
+//! The router's HA phase: whether it controls the fleet and, when not, why
+//! (handoff-and-lifecycle.md, "HA handoff"; behaviour.md 1.2–1.4, 2.9, 3.4;
+//! architecture.md 9.1 and 9.6).
 //!
 //! ```text
 //!  primary lease loop / standby ──transitions──► Ha (watch::Sender<HaStatus>) ──► subscribers
@@ -22,12 +23,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::lease::{Control, LeaseDriver, LeaseLoss};
 
-/// Why `/ready` is 503 between a claim and the end of the identity check (reference-notes 1.3
+/// Why `/ready` is 503 between a claim and the end of the identity check (behaviour.md 1.3
 /// item 6): the router controls the fleet but serves nothing until every engine's identity
-/// was re-checked through its agent (reference-notes 1.2 `identities_ready`, 2.9).
+/// was re-checked through its agent (behaviour.md 1.2 `identities_ready`, 2.9).
 pub(crate) const IDENTITY_PENDING: &str = "engine identity validation pending";
 
-/// Where the router stands in HA (DESIGN.md 9.1, 9.6).
+/// Where the router stands in HA (architecture.md 9.1, 9.6).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum HaPhase {
     /// Controls the fleet and serves (a held lease, or lease backend `none`).
@@ -100,26 +101,26 @@ pub(crate) struct Controller {
     pub(crate) epoch: u64,
 }
 
-/// Whether work started under epoch `scope` may still act (issue 13: a task carries its epoch
-/// and never runs under a later one): the phase holds control, the lease is locally valid,
-/// and the epoch held now is the task's. Pure; [`Ha::live`] applies it.
+/// Whether work started under epoch `scope` may still act (ha-and-fencing.md: a task carries
+/// its epoch and never runs under a later one): the phase holds control, the lease is locally
+/// valid, and the epoch held now is the task's. Pure; [`Ha::live`] applies it.
 pub(crate) fn work_may_run(scope: u64, phase_holds: bool, lease_valid: bool, held: u64) -> bool {
     phase_holds && lease_valid && held == scope
 }
 
 /// Whether an agent's `stale_epoch` answer to a call made under epoch `call` fences this
-/// router, which holds epoch `held` (issue 13): only a call of the epoch held now proves that a
-/// newer router exists; a late answer to a call of an epoch that already ended says nothing
+/// router, which holds epoch `held` (ha-and-fencing.md): only a call of the epoch held now proves
+/// that a newer router exists; a late answer to a call of an epoch that already ended says nothing
 /// about the current one (found by the fault campaign: such answers fenced a router that had
 /// just claimed the next epoch, while its renewals went on).
 pub(crate) fn stale_answer_fences(call: u64, phase_holds: bool, held: u64) -> bool {
     phase_holds && call == held
 }
 
-/// Work bound to one epoch of control (issue 13): lifecycle actions, validation, the identity
-/// check. It carries the epoch its agent calls are fenced with, and is cancelled when control
-/// under that epoch ends (a fence, a lapse, the standby loop starting); it never becomes valid
-/// again, so the work never runs under a later epoch.
+/// Work bound to one epoch of control (ha-and-fencing.md, EpochScope): lifecycle actions,
+/// validation, the identity check. It carries the epoch its agent calls are fenced with, and is
+/// cancelled when control under that epoch ends (a fence, a lapse, the standby loop starting); it
+/// never becomes valid again, so the work never runs under a later epoch.
 #[derive(Debug, Clone)]
 pub(crate) struct EpochScope {
     epoch: u64,
@@ -147,7 +148,7 @@ impl EpochScope {
     }
 }
 
-/// Readiness as `/ready` reports it (reference-notes 1.3).
+/// Readiness as `/ready` reports it (behaviour.md 1.3).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Readiness {
     /// `/ready` answers 200.
@@ -183,7 +184,7 @@ pub(crate) fn readiness(
     }
 }
 
-/// `/health` `status` (reference-notes 1.4 order): `ok` when ready; `fenced` for a phase
+/// `/health` `status` (behaviour.md 1.4 order): `ok` when ready; `fenced` for a phase
 /// blocked by anything but the identity check, or a router that lost control outside the
 /// standby loop; `maintenance` under a lifecycle hold; `standby`; else `degraded`.
 pub(crate) fn health(
@@ -208,7 +209,7 @@ pub(crate) fn health(
     }
 }
 
-/// `router.controls_fleet` of the lifecycle document (DESIGN.md 9.1): `active`, `standby`
+/// `router.controls_fleet` of the lifecycle document (architecture.md 9.1): `active`, `standby`
 /// (shadowing a healthy primary) or `fenced`.
 pub(crate) fn controls_label(phase: &HaPhase, controls: bool) -> &'static str {
     if controls {
@@ -222,7 +223,7 @@ pub(crate) fn controls_label(phase: &HaPhase, controls: bool) -> &'static str {
 
 /// The HA handle: owns the published [`HaStatus`] (a watch channel: anyone may subscribe) and
 /// reads the lease's local validity, so a lapsed lease stops control at once even before the
-/// renew loop notices (reference-notes 3.4).
+/// renew loop notices (behaviour.md 3.4).
 pub(crate) struct Ha {
     status: watch::Sender<HaStatus>,
     lease: Arc<LeaseDriver>,
@@ -505,7 +506,7 @@ pub(crate) mod tests {
         }
     }
 
-    /// `/ready` reasons in the reference's order (reference-notes 1.3), and `control_ready`
+    /// `/ready` reasons in the reference's order (behaviour.md 1.3), and `control_ready`
     /// following control, not readiness.
     #[test]
     fn readiness_reasons_follow_the_reference_order() {
@@ -540,7 +541,7 @@ pub(crate) mod tests {
         );
     }
 
-    /// `/health` status per phase (reference-notes 1.4): an identity check is `degraded`, not
+    /// `/health` status per phase (behaviour.md 1.4): an identity check is `degraded`, not
     /// `fenced`; a blocked standby is `fenced`; a shadowing one `standby`.
     #[test]
     fn health_follows_the_phase() {
@@ -656,8 +657,8 @@ pub(crate) mod tests {
         (parts, clock)
     }
 
-    /// Issue 13: work carries the epoch it started in and ends with it: a fence, a lapse of
-    /// the lease, or the standby loop ends its scope for good, and a later tenure (even of the
+    /// ha-and-fencing.md: work carries the epoch it started in and ends with it: a fence, a lapse
+    /// of the lease, or the standby loop ends its scope for good, and a later tenure (even of the
     /// same epoch, a reclaimed own lease) never revives it.
     #[tokio::test]
     async fn an_epoch_scope_ends_with_its_epoch_and_never_revives() {
@@ -700,8 +701,8 @@ pub(crate) mod tests {
         assert!(!ha.live(&third));
     }
 
-    /// Issue 13: only a `stale_epoch` answer to a call of the epoch held now fences; a late
-    /// answer to a call of an earlier epoch (work of a tenure that ended) does not. The fence
+    /// ha-and-fencing.md: only a `stale_epoch` answer to a call of the epoch held now fences; a
+    /// late answer to a call of an earlier epoch (work of a tenure that ended) does not. The fence
     /// also gives the lease up locally, so the renew loop stops.
     #[tokio::test]
     async fn only_a_stale_answer_for_the_epoch_held_fences() {

@@ -1,5 +1,5 @@
-//! Placement: pick the prefill and decode engines for one attempt (reference-notes 7.1 steps 1
-//! and 5, 7.2 step 1; DESIGN.md section 5).
+//! Placement: pick the prefill and decode engines for one attempt (behaviour.md 7.1 steps 1
+//! and 5, 7.2 step 1; architecture.md section 5).
 //!
 //! ```text
 //!  Snapshot { engines: [role, live, resident{prefill,decode}] } + avoid set + rng
@@ -9,8 +9,8 @@
 //! ```
 //!
 //! Pure: no clock, no IO, the RNG is passed in. An engine is *live* when its exclusion set is
-//! empty (reasons `ejected`, `draining`, `awaiting_health` — reference-notes 6.1); health and admission stay
-//! separate as in linkerd's p2c pool.
+//! empty (reasons `ejected`, `draining`, `awaiting_health` — behaviour.md 6.1); health and
+//! admission stay separate as in linkerd's p2c pool.
 
 use std::collections::BTreeSet;
 
@@ -18,7 +18,7 @@ use rand::Rng;
 
 use crate::config::Role;
 
-/// Why an engine is out of placement (reference-notes 6.1). An engine with no reason is live.
+/// Why an engine is out of placement (behaviour.md 6.1). An engine with no reason is live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Exclusion {
     /// The breaker ejected it; the monitor probes it for readmission.
@@ -26,10 +26,10 @@ pub enum Exclusion {
     /// A lifecycle hold (drain, wave, validation) keeps it out (`Fleet::set_held`).
     Draining,
     /// Its role is changing: an engine-side switch or the role check runs
-    /// (controller-notes 9.2 `switching`).
+    /// (controller.md 9.2 `switching`).
     Switching,
     /// Its health path has not answered 200 since the router started watching it (the
-    /// health gate, issue 9 section 4).
+    /// health gate).
     AwaitingHealth,
 }
 
@@ -119,7 +119,7 @@ pub enum Plan {
         decode: usize,
     },
     /// One leg on one engine without KV parameters, because a role has no live engine
-    /// (reference-notes 6.7 "aggregated" mode).
+    /// (behaviour.md 6.7 "aggregated" mode).
     Aggregated {
         /// The engine index.
         engine: usize,
@@ -177,12 +177,12 @@ pub fn plan<R: Rng + ?Sized>(
 ///
 /// * Split when both roles have a live engine: prefill by p2c over live prefill engines;
 ///   decode by p2c over live decode engines other than the producer, falling back to the
-///   producer only if it is the only decode candidate (reference-notes 7.1 step 5).
-/// * `avoid` (engines that failed earlier attempts of this request, reference-notes 7.5) is
+///   producer only if it is the only decode candidate (behaviour.md 7.1 step 5).
+/// * `avoid` (engines that failed earlier attempts of this request, behaviour.md 7.5) is
 ///   honoured per role while it leaves a candidate; when it would empty a role, that role
 ///   ignores it (retrying on the same engine beats failing a transient error, and keeps the
 ///   request disaggregated).
-/// * Otherwise aggregated (reference-notes 6.7): p2c over live decode-role engines, then, with
+/// * Otherwise aggregated (behaviour.md 6.7): p2c over live decode-role engines, then, with
 ///   [`Aggregate::AnyRole`], over any live engine (avoid honoured the same way).
 /// * `None` when no engine may serve.
 pub fn plan_with<R: Rng + ?Sized>(
@@ -288,7 +288,7 @@ mod tests {
     #[test]
     fn decode_avoids_the_producer_unless_it_is_the_only_candidate() {
         // Roles are exclusive, so the producer is never a decode candidate here; the rule
-        // matters once roles move (lifecycle issue). Check the decode is always another engine.
+        // matters once roles move (role flips). Check the decode is always another engine.
         let slots = fleet(&[P, D, D]);
         let mut rng = StdRng::seed_from_u64(9);
         for _ in 0..50 {

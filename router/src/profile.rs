@@ -1,5 +1,5 @@
 //! Engine profiles: the measured cost curves every controller and admission price goes through
-//! (controller-notes 3.4; the shape the reference's profiler writes, one per engine).
+//! (controller.md 3.4; the shape the reference's profiler writes, one per engine).
 //!
 //! ```text
 //!  fleet file profiles.default / profiles.engines.<iid> ──config──► Profile
@@ -14,7 +14,7 @@
 
 use serde::{Deserialize, Serialize};
 
-/// One engine's profile (controller-notes 3.4, section 14's fixture uses every field).
+/// One engine's profile (controller.md 3.4, section 14's fixture uses every field).
 ///
 /// Prefill: `prefill_time(L) = max(0, ttft_a·x² + ttft_b·x + ttft_c + ttft_split)` with
 /// `x = max(L, prefill_min_tokens)`. Decode: `token_interval(T, R) = max(0, tpot_slope·T +
@@ -71,7 +71,7 @@ impl Profile {
 
     /// Resident tokens one engine can hold with `requests` requests and still step within
     /// `tpot` seconds: 0 when `requests` exceeds the measured batch or the fixed cost alone
-    /// breaks `tpot`; capped at `decode_max_kv_tokens` (controller-notes 3.4).
+    /// breaks `tpot`; capped at `decode_max_kv_tokens` (controller.md 3.4).
     pub fn max_tokens(&self, tpot: f64, requests: f64) -> f64 {
         if requests > self.decode_max_requests as f64 {
             return 0.0;
@@ -117,7 +117,7 @@ impl Profile {
     /// average and produces `out` tokens, with the fleet's decode correction `corr`: the
     /// largest batch `B ≤ decode_request_limit(ctx)` with `token_interval(B·ctx, B)·corr ≤
     /// tpot` gives `B / (out·interval·corr)`; 0 when nothing fits or the shape is outside the
-    /// measured range (controller-notes 3.4).
+    /// measured range (controller.md 3.4).
     pub fn decode_rps(&self, tpot: f64, ctx: f64, out: f64, corr: f64) -> f64 {
         if out <= 0.0 || ctx <= 0.0 || !self.covers_decode(ctx, 1.0) {
             return 0.0;
@@ -148,7 +148,7 @@ impl Profile {
     }
 }
 
-/// The fixture of controller-notes section 14.
+/// The fixture of controller.md section 14.
 #[cfg(test)]
 pub(crate) fn fixture() -> Profile {
     Profile {

@@ -1,6 +1,6 @@
-//! Byte-level JSON scanning for the request path (issue 11): find the few members the router
-//! reads or changes in a request body, an SSE frame or an engine answer, and pass every other
-//! byte through untouched, without building a `serde_json::Value` tree.
+//! Byte-level JSON scanning for the request path (docs/benchmarks.md): find the few members the
+//! router reads or changes in a request body, an SSE frame or an engine answer, and pass every
+//! other byte through untouched, without building a `serde_json::Value` tree.
 //!
 //! ```text
 //!  bytes ──Cursor::object(|cursor, member| ...)──► member spans (key, value), in order

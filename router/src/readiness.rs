@@ -1,6 +1,6 @@
 //! The readiness gate: what `/ready`, `/health`, `router.controls_fleet` and the request path
 //! derive from the HA phase, the lifecycle's readiness hold and the live engine count
-//! (reference-notes 1.2–1.4; DESIGN.md 9.1).
+//! (behaviour.md 1.2–1.4; architecture.md 9.1).
 //!
 //! ```text
 //!  Ha (phase, lease validity) ─┐
@@ -11,7 +11,7 @@
 //! The lifecycle hold is mirrored here (an atomic flag and the reason) so the request path
 //! never takes the lifecycle's lock.
 //!
-//! The gate also carries the process's graceful shutdown (issue 9 section 5): after SIGTERM
+//! The gate also carries the process's graceful shutdown (docs/http-api.md): after SIGTERM
 //! `/ready` answers 503 `shutting down` and new completions 503 with `Retry-After`, while the
 //! listeners stay open and admitted requests run on; when `serving.graceful_timeout_s` runs
 //! out, [`Gate::end_requests`] tells every request still running to end (the error frame, a
@@ -55,7 +55,7 @@ pub(crate) struct GateView {
 }
 
 impl GateView {
-    /// `/health` `status` (reference-notes 1.4), `stopping` during a graceful shutdown.
+    /// `/health` `status` (behaviour.md 1.4), `stopping` during a graceful shutdown.
     pub(crate) fn health(&self) -> &'static str {
         if self.stopping {
             return "stopping";
@@ -68,7 +68,7 @@ impl GateView {
         )
     }
 
-    /// `router.controls_fleet` (DESIGN.md 9.1).
+    /// `router.controls_fleet` (architecture.md 9.1).
     pub(crate) fn controls_label(&self) -> &'static str {
         phase::controls_label(&self.ha.status.phase, self.ha.controls)
     }

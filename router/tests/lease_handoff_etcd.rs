@@ -1,7 +1,7 @@
-//! The handoff published beside the lease record in etcd (issue 13): only the live holder's
-//! publish lands (a transaction guarded by the record it checked), a successor reads the
-//! last one together with the record, and an old holder's publish after the successor's claim
-//! is refused. Against a real etcd on loopback ports (`narwhal_testkit::etcd`; without an
+//! The handoff published beside the lease record in etcd (ha-and-fencing.md): only the live
+//! holder's publish lands (a transaction guarded by the record it checked), a successor reads
+//! the last one together with the record, and an old holder's publish after the successor's
+//! claim is refused. Against a real etcd on loopback ports (`narwhal_testkit::etcd`; without an
 //! etcd binary this test FAILS saying so).
 // Tests measure wall time: the clock ban of clippy.toml is for product code.
 #![allow(clippy::disallowed_methods)]

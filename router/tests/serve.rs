@@ -1,5 +1,5 @@
 //! `narwhal-serve` as a process: CLI contract (exit codes, listening line, ready file) and the
-//! P/D serving path against tiny fake engines on 127.0.0.1:0 (reference-notes 1, 7, 8.2).
+//! P/D serving path against tiny fake engines on 127.0.0.1:0 (behaviour.md 1, 7, 8.2).
 //!
 //! The fake engines (`narwhal_testkit::FakeEngine`) speak just enough of the vLLM / SGLang
 //! protocols to check what the router sends them (bodies, headers, descriptors, rendezvous) and
@@ -197,7 +197,7 @@ fn bind_failure_exits_1_naming_the_address() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn good_fleet_announces_and_serves_the_documents() {
     // e0 answers its health; e1 does not exist (its URL only exercises the targets
-    // document), so it is never placed: the health gate (issue 9 section 4).
+    // document), so it is never placed: the health gate (docs/http-api.md, "Breaker").
     let e0 = FakeEngine::new(0, 1).spawn().await;
     let s = start(
         &fleet(
@@ -354,8 +354,8 @@ async fn vllm_two_stage_carries_the_descriptor_verbatim() {
         v["usage"],
         json!({"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10})
     );
-    // Each leg has its own plain UUID request id (issue 10 section 2: the form every engine
-    // accepts), recorded in the journal row's `legs`.
+    // Each leg has its own plain UUID request id (the form every engine accepts; see
+    // docs/deviations.md), recorded in the journal row's `legs`.
     let (prid, drid) = {
         let ps = p.seen();
         let (prid, pbody) = &ps.prefill[0];
@@ -494,7 +494,7 @@ async fn sglang_prefill_failure_cancels_the_waiting_decode() {
     assert_eq!(pb["bootstrap_host"], "127.0.0.1");
     assert_eq!(pb["bootstrap_room"], db["bootstrap_room"]);
     assert!(pb["bootstrap_room"].as_u64().unwrap() < (1u64 << 63));
-    // Each SGLang leg's `rid` is its own UUID (issue 10 section 2).
+    // Each SGLang leg's `rid` is its own UUID (docs/deviations.md, "One plain UUID per leg").
     let (prid, drid) = (pb["rid"].as_str().unwrap(), db["rid"].as_str().unwrap());
     assert!(
         uuid_like(prid) && uuid_like(drid) && prid != drid,
@@ -528,7 +528,7 @@ async fn sglang_chat_streams_and_counts_content_chunks() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-/// A decode engine that does not answer is never placed (the health gate, issue 9 section 4):
+/// A decode engine that does not answer is never placed (the health gate):
 /// serving falls back to aggregated on p0 at once (the old router first failed requests on it
 /// until the breaker ejected it); brought up on its port, it is admitted on its first health
 /// 200 and serves P/D again. No ejection: it never was in placement.
@@ -577,7 +577,7 @@ async fn no_live_engine_answers_503_backend_unavailable() {
     );
     fl["recovery"]["readmit_every"] = json!(100000);
     let s = start(&fl, &[]);
-    // d0 never answered its health: it is not placed (the health gate, issue 9 section 4).
+    // d0 never answered its health: it is not placed (the health gate).
     assert_eq!(s.state().await["awaiting_health"], json!(["d0"]));
     let r = complete(&s, json!({"prompt": "x"})).await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);

@@ -1,4 +1,4 @@
-//! The router's client for one engine agent (DESIGN.md sections 3 and 4).
+//! The router's client for one engine agent (architecture.md sections 3 and 4).
 //!
 //! ```text
 //!   AgentEndpoint {agent_id, url, server_name, public_key} + TlsFiles + AgentTimeouts

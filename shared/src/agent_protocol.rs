@@ -1,4 +1,4 @@
-//! Request and answer bodies of the agent HTTP API (DESIGN.md section 4 table).
+//! Request and answer bodies of the agent HTTP API (architecture.md section 4 table).
 //!
 //! ```text
 //!  GET  /v1/engines                          ──► EnginesAnswer
@@ -80,7 +80,7 @@ pub struct KvConsumeRequest {
     pub kv: Value,
 }
 
-/// What the consuming engine's own surfaces say about one KV transfer (issue 10 section 1),
+/// What the consuming engine's own surfaces say about one KV transfer (docs/agent.md),
 /// carried as `transfer.verdict` in signed KV-consume and probe answers.
 ///
 /// | Verdict | When the agent gives it |

@@ -1,4 +1,4 @@
-//! Signed agent answers and their verification (DESIGN.md section 4).
+//! Signed agent answers and their verification (architecture.md section 4).
 //!
 //! ```text
 //!  agent:  payload struct ──serde──► Value ──SigningKey::sign──► SignedDocument ──HTTPS──►
@@ -90,7 +90,7 @@ pub struct AttestationPayload {
     pub header: Header,
     /// Version and served models, read from the engine for this answer.
     pub engine: EngineFacts,
-    /// Engine contract fields (reference-notes 5.6) from the host contract document, or `null`
+    /// Engine contract fields (behaviour.md 5.6) from the host contract document, or `null`
     /// when the engine has no contract document configured.
     pub contract: Option<Map<String, Value>>,
     /// Canonical digest of `{"contract", "launch"}` from the contract document, or `null`.
@@ -143,7 +143,7 @@ pub struct KvProducePayload {
 /// agent from the consuming engine's own surfaces (its Prometheus `/metrics` and, for SGLang,
 /// `/server_info`) around the decode leg (docs/agent.md, "Transfer evidence").
 ///
-/// Wire compatibility (issue 10 section 1). `verdict`, `failed_delta` and `detail` were added
+/// Wire compatibility. `verdict`, `failed_delta` and `detail` were added
 /// without a `schema_version` bump: each is optional with a default, and a router built before
 /// them ignores them (payloads are not `deny_unknown_fields`; the signature covers the payload
 /// as sent). The legacy `transferred` keeps its meaning — `true` only for `confirmed`, `false`
@@ -154,25 +154,26 @@ pub struct KvProducePayload {
 pub struct TransferEvidence {
     /// Where the counters came from: `vllm_nixl_metrics` (vLLM's `/metrics`, NIXL connector
     /// families), `sglang_disaggregation_metrics` (SGLang's `/metrics`), or `none` (the engine
-    /// published none, or no transfer was attempted). Agents before issue 10 also sent
-    /// `sim_stats`.
+    /// published none, or no transfer was attempted). Agents that read the simulator's
+    /// `/sim/stats` (before the three-valued verdict) also sent `sim_stats`.
     pub source: String,
     /// Increase of the consumer's completed-transfer counter across the decode leg (`null`
     /// when the engine publishes none).
     pub consumed_delta: Option<i64>,
     /// Legacy: increase of a "prompt recomputed" counter. No engine publishes one per transfer,
-    /// so agents since issue 10 send `null`; a recompute shows as `failed_delta` or a failed
-    /// decode.
+    /// so agents with the three-valued verdict send `null`; a recompute shows as
+    /// `failed_delta` or a failed decode.
     pub recomputed_delta: Option<i64>,
     /// Legacy: how the consuming engine recorded this very request, from the simulator's
-    /// per-request records; `null` since issue 10 (real engines publish no such record).
+    /// per-request records; `null` from agents with the three-valued verdict (real engines
+    /// publish no such record).
     #[serde(default)]
     pub engine_phase: Option<String>,
     /// Legacy two-valued form of `verdict`: `true` = confirmed, `false` = refuted, `null` =
     /// inferred (or no transfer attempted).
     pub transferred: Option<bool>,
     /// The three-valued verdict (`confirmed`, `inferred`, `refuted`); `null` when no transfer
-    /// was attempted (a standalone probe) or from an agent older than issue 10.
+    /// was attempted (a standalone probe) or from an agent older than the verdict.
     #[serde(default)]
     pub verdict: Option<crate::agent_protocol::TransferVerdict>,
     /// Increase of the consumer's failed-transfer counters across the decode leg (`null` when
@@ -186,7 +187,7 @@ pub struct TransferEvidence {
 
 impl TransferEvidence {
     /// The verdict to act on for a transfer whose decode leg was `leg`: `verdict` when the
-    /// agent sent one; from an agent older than issue 10, derived from `transferred` (`true` →
+    /// agent sent one; from an agent older than the verdict, derived from `transferred` (`true` →
     /// confirmed, `false` → refuted, `null` → inferred when `leg` succeeded with at least one
     /// token, else refuted).
     pub fn judged(&self, leg: &LegResult) -> crate::agent_protocol::TransferVerdict {
@@ -377,7 +378,7 @@ pub enum VerifyError {
         /// Found boot id.
         found_boot_id: String,
     },
-    /// A contract field differs from the fleet's declared contract (reference-notes 5.5 rule 7).
+    /// A contract field differs from the fleet's declared contract (behaviour.md 5.5 rule 7).
     #[error("contract.{field} is {observed}, expected {expected}")]
     ContractMismatch {
         /// Contract field name.
@@ -589,7 +590,7 @@ impl Verifier {
 }
 
 /// Compares an attested contract with the fleet's declared contract, field by field
-/// (reference-notes 5.5 rule 7): every declared field must be present and equal.
+/// (behaviour.md 5.5 rule 7): every declared field must be present and equal.
 ///
 /// # Errors
 /// [`VerifyError::ContractMismatch`] for the first differing field (declared order).
@@ -612,7 +613,7 @@ pub fn check_contract(
 
 /// Checks an attestation's contract for the router: the host contract document's
 /// `engine_version` (when it has one) must be the version the live engine reported
-/// (reference-notes 5.7: the reference sidecar refuses to run otherwise), then every declared
+/// (behaviour.md 5.7: the reference sidecar refuses to run otherwise), then every declared
 /// field must match ([`check_contract`]).
 ///
 /// # Errors

@@ -1,4 +1,4 @@
-//! Canonical JSON: the exact bytes an Ed25519 signature covers (DESIGN.md section 4).
+//! Canonical JSON: the exact bytes an Ed25519 signature covers (architecture.md section 4).
 //!
 //! ```text
 //!   serde_json::Value ──► canonical_json() ──► Vec<u8>  (keys sorted by UTF-8 bytes, no whitespace,
@@ -59,7 +59,7 @@ fn write_scalar(value: &Value, out: &mut Vec<u8>) {
 }
 
 /// `"sha256:" + hex(sha256(canonical_json(value)))`, the digest spelling used by attestation
-/// documents (reference-notes 5.4; note the reference also ASCII-escapes, which this does not).
+/// documents (behaviour.md 5.4; note the reference also ASCII-escapes, which this does not).
 pub fn sha256_digest(value: &Value) -> String {
     let digest = ring::digest::digest(&ring::digest::SHA256, &canonical_json(value));
     let mut s = String::with_capacity(7 + 64);

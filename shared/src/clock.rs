@@ -1,6 +1,6 @@
-//! Clocks, injected into every state machine (STYLE.md section 3).
+//! Clocks, injected into every state machine.
 //!
-//! Two readings are kept apart on purpose (DESIGN.md section 9, departure 8): a monotonic
+//! Two readings are kept apart on purpose (architecture.md section 9, departure 8): a monotonic
 //! [`Instant`] for deadlines and timeouts, and wall-clock Unix seconds for anything persisted or
 //! shown to operators (`at`, `issued_at`, `expires_at`). Only drivers read a [`Clock`]; pure
 //! cores take `now` as an argument.

@@ -1,10 +1,10 @@
-//! The HA handoff document, schema `narwhal.handoff` version 1 (seed "HA handoff";
-//! reference-notes 2.1–2.6), its validation, and its atomic persistence to
+//! The HA handoff document, schema `narwhal.handoff` version 1 (handoff-and-lifecycle.md, "HA
+//! handoff"; behaviour.md 2.1–2.6), its validation, and its atomic persistence to
 //! `recovery.state_path`.
 //!
-//! One validator serves every reader and writer (DESIGN.md section 7): the router before it
-//! writes the state file or answers `GET /narwhal/handoff`, `--resume` before it applies, and a
-//! standby before it retains a polled document. A document that fails validation is never
+//! One validator serves every reader and writer (architecture.md section 7): the router before
+//! it writes the state file or answers `GET /narwhal/handoff`, `--resume` before it applies, and
+//! a standby before it retains a polled document. A document that fails validation is never
 //! written, applied or retained, and the error names the field.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -18,8 +18,8 @@ pub const HANDOFF_SCHEMA: &str = "narwhal.handoff";
 /// The one `schema_version` this release reads and writes.
 pub const HANDOFF_VERSION: u32 = 1;
 
-/// The request counters a handoff carries (reference-notes 2.1; the seed's six plus the
-/// reference's five extra totals).
+/// The request counters a handoff carries (behaviour.md 2.1; the six of
+/// handoff-and-lifecycle.md plus the reference's five extra totals).
 pub const COUNTERS: [&str; 11] = [
     "offered",
     "unsized_offered",
@@ -37,7 +37,7 @@ pub const COUNTERS: [&str; 11] = [
 /// Terminals whose reasons are carried in `outcome_reasons`.
 pub const REASON_TERMINALS: [&str; 4] = ["failed", "rejected", "expired", "refused"];
 
-/// Lifecycle state of one engine (reference-notes 4.2). An engine without a record is `Active`.
+/// Lifecycle state of one engine (behaviour.md 4.2). An engine without a record is `Active`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DrainState {
@@ -79,8 +79,8 @@ impl DrainState {
     }
 }
 
-/// One engine's lifecycle record (reference-notes 4.1). Times are wall-clock Unix seconds; a
-/// reader re-anchors the drain deadline to its own monotonic clock (DESIGN.md 9.8).
+/// One engine's lifecycle record (behaviour.md 4.1). Times are wall-clock Unix seconds; a
+/// reader re-anchors the drain deadline to its own monotonic clock (architecture.md 9.8).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DrainRecord {
     /// Engine id.
@@ -105,7 +105,7 @@ pub struct DrainRecord {
     pub checks: Vec<String>,
 }
 
-/// The lifecycle part of a handoff (reference-notes 2.1).
+/// The lifecycle part of a handoff (behaviour.md 2.1).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LifecycleState {
@@ -124,7 +124,7 @@ pub struct LifecycleState {
     pub process_starts: BTreeMap<String, f64>,
 }
 
-/// The latest consolidation-risk event (reference-notes 9).
+/// The latest consolidation-risk event (behaviour.md 9).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DemandRisk {
@@ -138,7 +138,7 @@ pub struct DemandRisk {
     pub events: BTreeMap<String, u64>,
 }
 
-/// The handoff document. Fields serialise in the order of reference-notes 2.1.
+/// The handoff document. Fields serialise in the order of behaviour.md 2.1.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Handoff {
@@ -256,7 +256,7 @@ impl Handoff {
         Handoff::from_value(v)
     }
 
-    /// The semantic rules of reference-notes 2.3, tightened: times finite, engines sorted and
+    /// The semantic rules of behaviour.md 2.3, tightened: times finite, engines sorted and
     /// unique, every id a configured one, roles valid, records consistent with the wave.
     ///
     /// # Errors
@@ -407,7 +407,7 @@ impl Handoff {
         Ok(())
     }
 
-    /// Checks that this document describes the fleet being served (reference-notes 2.7 steps
+    /// Checks that this document describes the fleet being served (behaviour.md 2.7 steps
     /// 2–3, plus the model, which the reference never compares).
     ///
     /// # Errors
@@ -462,8 +462,8 @@ pub enum PersistError {
 }
 
 /// Writes `doc` to `path` atomically and durably: validate, write a sibling temp file,
-/// fsync it, rename it over `path`, fsync the directory (DESIGN.md 9.9). A failure at any step
-/// leaves the previous file as it was and removes the temp file.
+/// fsync it, rename it over `path`, fsync the directory (architecture.md 9.9). A failure at any
+/// step leaves the previous file as it was and removes the temp file.
 ///
 /// # Errors
 /// [`PersistError`].
@@ -500,7 +500,7 @@ pub enum Loaded {
     Refused(String),
 }
 
-/// Reads and validates the state file at `path` (reference-notes 2.6, tightened: a torn or
+/// Reads and validates the state file at `path` (behaviour.md 2.6, tightened: a torn or
 /// invalid file is reported, never applied, never a crash).
 pub fn load_state_file(path: &Path) -> Loaded {
     match std::fs::read_to_string(path) {

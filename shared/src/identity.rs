@@ -1,4 +1,4 @@
-//! The identity of the operating-system process behind an engine (DESIGN.md section 4).
+//! The identity of the operating-system process behind an engine (architecture.md section 4).
 //!
 //! The agent reads it from `/proc`; the router compares it. Equality that matters is
 //! [`ProcessIdentity::same_process`]: `(boot_id, pid, start_ticks)`. A restarted engine, or a

@@ -4,7 +4,7 @@
 //! configuration builders.
 //!
 //! Everything here is pure or near-pure so both sides of a protocol use one implementation
-//! (DESIGN.md section 2).
+//! (architecture.md section 2).
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
@@ -12,7 +12,7 @@ mod clock;
 
 pub use clock::{Clock, ClockError, ManualClock, SystemClock};
 
-// Agent protocol (issue #3): canonical JSON, keys, signed answers, verifier, mTLS, client.
+// Agent protocol: canonical JSON, keys, signed answers, verifier, mTLS, client.
 pub mod agent_client;
 pub mod agent_protocol;
 pub mod atomic;

@@ -1,4 +1,4 @@
-//! Ed25519 keys and signed documents (DESIGN.md section 4, "Signed documents" and "Keys").
+//! Ed25519 keys and signed documents (architecture.md section 4, "Signed documents" and "Keys").
 //!
 //! ```text
 //!   PKCS#8 v2 key file ──► SigningKey::from_pkcs8 ──► sign(payload) ──► SignedDocument

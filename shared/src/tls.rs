@@ -1,4 +1,4 @@
-//! rustls configuration builders for router ⇄ agent mutual TLS (DESIGN.md section 3).
+//! rustls configuration builders for router ⇄ agent mutual TLS (architecture.md section 3).
 //!
 //! ```text
 //!   TlsFiles {ca, cert, key} (PEM paths) ──► server_config() ──► agent listener: client cert
@@ -249,8 +249,8 @@ pub fn plain_http_client_config() -> Result<ClientConfig, TlsError> {
     build_client_config(ServerTrust::Nobody, None, &[])
 }
 
-/// What a fleet certificate allows its holder to do with an agent (issue 9 section 8;
-/// `docs/security.md`, "Identities").
+/// What a fleet certificate allows its holder to do with an agent (`docs/security.md`,
+/// "Identities").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FleetRole {
     /// A router (primary or standby): may present an epoch and holder, run attestations,

@@ -1,5 +1,5 @@
-//! Development certificates for mutual TLS between routers, agents and operators (issue 3;
-//! DESIGN.md section 3).
+//! Development certificates for mutual TLS between routers, agents and operators
+//! (architecture.md section 3).
 //!
 //! ```text
 //!   make_dev_certs(dir, ["router", "standby", "ctl", "agent-gpu-a", ...])
@@ -8,7 +8,7 @@
 //! ```
 //! Every leaf has DNS/IP SANs `localhost`, `127.0.0.1` and `NAME`, both the server-auth and the
 //! client-auth extended key usages, and the URI SAN of its fleet identity
-//! (`spiffe://narwhal/<role>/<id>`, docs/security.md "Identities"; issue 9 section 8), which
+//! (`spiffe://narwhal/<role>/<id>`, docs/security.md "Identities"), which
 //! decides what it may ask an agent. [`make_dev_certs`] infers the role from the name:
 //!
 //! | name | role | identity URI |

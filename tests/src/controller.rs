@@ -1,5 +1,5 @@
 //! Role-controller worlds for end-to-end tests and the bench: engines `e0, e1, ...` with the
-//! given roles, the controller-notes section-14 fixture profile, SLO 2 s / 0.1 s, and the
+//! given roles, the fixture profile of controller.md section 14, SLO 2 s / 0.1 s, and the
 //! fast variant of the timings (step 1 s, pass 0.25 s, window 24 s, evidence 12/24 s,
 //! cooldown 2 s); a paced load generator; the controller's journal events.
 //!

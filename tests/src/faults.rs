@@ -1,4 +1,4 @@
-//! The HA fault campaign (issue 13) as code: one run starts a fresh fleet (2 prefill, 2
+//! The HA fault campaign (docs/testing.md) as code: one run starts a fresh fleet (2 prefill, 2
 //! decode, one agent per engine, a file lease of [`LEASE_TTL_S`], a primary and a warm
 //! standby), keeps traffic flowing, samples both routers at 20 Hz, performs a lifecycle
 //! action, and hits the primary with `kill -9` or a `SIGSTOP` at a chosen point of it. Then
@@ -79,7 +79,7 @@ pub enum Fault {
     Pause(Duration),
     /// `SIGSTOP` of the primary for the first duration and, at the same moment, of the
     /// standby for the second (a standby slower to notice than the primary is to come back:
-    /// the campaign's fleet without a controller, issue 13 section 2).
+    /// the campaign's fleet without a controller).
     PauseBoth(Duration, Duration),
 }
 

@@ -351,7 +351,7 @@ impl FleetBuilder {
                 let args: Vec<&str> = self.router_args.iter().map(String::as_str).collect();
                 let r = fleet.start_router("router", &args);
                 if !fleet.agents.is_empty() {
-                    // The startup identity check (reference-notes 4.10) accepts every process
+                    // The startup identity check (behaviour.md 4.10) accepts every process
                     // in one step; tests start from there, so it never races what they do.
                     let iids: Vec<String> = fleet.sims.iter().map(|s| s.iid.clone()).collect();
                     r.lifecycle_until("process identities accepted at startup", |d| {

@@ -1,7 +1,7 @@
 //! Test kit for Narwhal: starts the real binaries (engine simulators, routers, agents, etcd) as
 //! child processes on loopback, reads the address each one prints on its first stdout line,
 //! and kills them on drop. Used by the end-to-end tests in `tests/tests/` and
-//! `router/tests/`, by `narwhal-dev` and by `narwhal-bench` (DESIGN.md section 8).
+//! `router/tests/`, by `narwhal-dev` and by `narwhal-bench` (architecture.md section 8).
 //!
 //! ```text
 //!   Fleet::builder()...start()   the world of an end-to-end test (fleet.rs)
@@ -17,7 +17,7 @@
 //!   Proxy, Sampler               network cuts, 20 Hz sampling during HA faults
 //!   controller_fleet, Load       role-controller worlds (fixture profile, fast timings) and
 //!                                paced load (controller.rs)
-//!   faults                       the HA fault campaign: scenarios, one run, judged (issue 13)
+//!   faults                       the HA fault campaign: scenarios, one run, judged
 //! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]

@@ -397,7 +397,7 @@ impl RouterHandle {
     }
 
     /// `POST /narwhal/lifecycle/<action>` with `body`: `(status, document)`. Every reply must
-    /// be the full lifecycle document (seed "Lifecycle API").
+    /// be the full lifecycle document (handoff-and-lifecycle.md, "Lifecycle API").
     pub async fn lifecycle_post(&self, action: &str, body: &Value) -> (u16, Value) {
         self.lifecycle_post_raw(action, &body.to_string()).await
     }

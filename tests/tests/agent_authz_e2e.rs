@@ -1,6 +1,6 @@
-//! Who may call an agent (issue 9 section 8), the agent's `/metrics` and fence reset (issue 14
-//! sections 2 and 5), and the cached engine identity across a restart (issue 11), against the
-//! real `narwhal-agent` and `narwhal-serve` binaries over mutual TLS on loopback.
+//! Who may call an agent, the agent's `/metrics` and fence reset (docs/agent.md), and the cached
+//! engine identity across a restart, against the real `narwhal-agent` and `narwhal-serve`
+//! binaries over mutual TLS on loopback.
 //!
 //! Identities are URI SANs `spiffe://narwhal/<role>/<id>` (docs/security.md, "Identities"):
 //! only a router may present an epoch or run checks; an operator may read; a fleet-CA
@@ -113,7 +113,7 @@ fn fenced_calls(base: &str, iid: &str, epoch: u64) -> Vec<(String, Value)> {
     ]
 }
 
-/// Issue 9 section 8: an operator certificate presenting a higher epoch is refused 403 on every
+/// An operator certificate presenting a higher epoch is refused 403 on every
 /// fenced route, the agent's fence does not move, and the router keeps controlling the fleet
 /// (a drain, which goes through the agent, still succeeds). A router certificate is accepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -293,7 +293,7 @@ async fn reads_need_a_router_or_operator_identity_and_unrecognised_certificates_
     );
 }
 
-/// Issue 11: after the first read the agent re-checks the cached process instead of scanning;
+/// After the first read the agent re-checks the cached process instead of scanning;
 /// a restarted engine on the same port is read as the new process, never the old identity.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_engine_is_never_answered_from_the_identity_cache() {
@@ -365,7 +365,7 @@ async fn a_restarted_engine_is_never_answered_from_the_identity_cache() {
     );
 }
 
-/// Issue 14 section 2: `narwhal-agent fence reset` refuses while the agent runs (it holds the
+/// `narwhal-agent fence reset` refuses while the agent runs (it holds the
 /// state lock) and rewrites the fence once it stopped; a second agent on the same state
 /// directory refuses to start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

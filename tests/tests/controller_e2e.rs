@@ -1,6 +1,6 @@
-//! The role controller and predictive admission end to end (issue 12): the conformance
-//! scenarios of controller-notes section 14 against simulated engines, with the fast variant
-//! of the timings (step 1 s, pass 0.25 s, window 24 s, evidence 12/24 s, cooldown 2 s;
+//! The role controller and predictive admission end to end: the conformance scenarios of
+//! controller.md section 14 against simulated engines, with the fast variant of the timings
+//! (step 1 s, pass 0.25 s, window 24 s, evidence 12/24 s, cooldown 2 s;
 //! `narwhal_testkit::controller_fleet`). Each asserts the decisions, flips and refusals the
 //! section gives.
 #![allow(clippy::disallowed_methods)] // tests measure wall time
@@ -203,7 +203,7 @@ async fn s12_predictive_admission_refuses_what_cannot_make_its_ttft() {
                 "{rows:#?}"
             );
             // The 2nd and 3rd backlog prefills (2.02 s, 3.03 s) and both requests placed over
-            // the 2 s TTFT (controller-notes 10.7).
+            // the 2 s TTFT (controller.md 10.7).
             assert_eq!(s["unserved"], 4);
             continue;
         }
@@ -985,7 +985,7 @@ async fn s11_urgent_recovery_cascades_once_the_window_closed() {
         rids.contains(&trigger),
         "the trigger is a queued request: {trigger} in {rids:?}"
     );
-    // Their journal rows carry the admission wait (controller-notes 11.2). A row is written
+    // Their journal rows carry the admission wait (controller.md 11.2). A row is written
     // once its request settled, which may be just after its client got the answer.
     let queued_rows = |rows: &[Value]| -> Vec<f64> {
         rows.iter()
@@ -1263,9 +1263,9 @@ async fn s15_flip_bookkeeping_tracks_residents_and_reversals() {
     assert_eq!(metric(&m, "narwhal_flip_reversals_total", &[]), Some(1.0));
 }
 
-/// Issue 12 section 3: a handoff written after a first-token timeout carries `demand_risk`;
-/// the standby that takes over re-anchors it and blocks consolidation until a new window
-/// closes. Neither the standby before its takeover nor the dead primary decides anything.
+/// A handoff written after a first-token timeout carries `demand_risk`; the standby that takes over
+/// re-anchors it and blocks consolidation until a new window closes. Neither the standby before its
+/// takeover nor the dead primary decides anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_the_demand_risk_and_gathers_new_evidence() {
     let mut fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
@@ -1351,9 +1351,9 @@ async fn a_standby_takes_over_the_demand_risk_and_gathers_new_evidence() {
     load.stop().await;
 }
 
-/// Ours (issue 12 section 2): before an engine serves in its new role its agent runs the
-/// readmission checks in that role; a flip whose KV-transfer check fails is reversed and the
-/// engine held, visible in `/narwhal/lifecycle`.
+/// Ours (docs/deviations.md): before an engine serves in its new role its agent runs the
+/// readmission checks in that role; a flip whose KV-transfer check fails is reversed and the engine
+/// held, visible in `/narwhal/lifecycle`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flip_is_checked_in_the_new_role_and_reversed_when_the_check_fails() {
     for failing in [false, true] {
@@ -1448,7 +1448,7 @@ async fn a_flip_is_checked_in_the_new_role_and_reversed_when_the_check_fails() {
     }
 }
 
-/// Issue 12 section 4: a queued client that leaves is never dispatched.
+/// A queued client that leaves is never dispatched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queued_client_that_leaves_is_never_dispatched() {
     let fleet = controller_fleet(&["prefill", "decode"])
@@ -1571,8 +1571,8 @@ async fn the_simulated_sglang_role_switch_route_follows_sglang() {
     assert_eq!(sim.stats().await["role_switches"], 1);
 }
 
-/// Issue 12 section 1: `narwhal-bench profile` measures an engine's profile in the fleet
-/// file's shape; the simulator's per-token costs are the known truths.
+/// `narwhal-bench profile` measures an engine's profile in the fleet file's shape; the simulator's
+/// per-token costs are the known truths.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_profiling_tool_recovers_the_simulators_costs() {
     let fleet = narwhal_testkit::Fleet::builder()
@@ -1645,9 +1645,8 @@ async fn sized_input(r: &narwhal_testkit::RouterHandle, prompt: &str) -> Option<
     row["input_len"].as_u64()
 }
 
-/// Issue 12 section 4: predictive admission sizes a text prompt with an engine's
-/// `/tokenize`; an engine without it (or failing) leaves the characters / `chars_per_token`
-/// estimate.
+/// Predictive admission sizes a text prompt with an engine's `/tokenize`; an engine without it (or
+/// failing) leaves the characters / `chars_per_token` estimate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn predictive_sizing_uses_tokenize_and_falls_back_to_characters() {
     let prompt = "sizing: a few words, numbers 12345 67890 and punctuation!!! to count";
@@ -1700,9 +1699,9 @@ async fn predictive_sizing_uses_tokenize_and_falls_back_to_characters() {
     );
 }
 
-/// Issue 12 with main's batch fan-out: each prompt of a batch is tracked on its own (its
-/// decode work shows on its engine while it streams), and every prompt's bookkeeping ends with
-/// the request: once the batches completed, no engine carries resident work.
+/// With batch fan-out: each prompt of a batch is tracked on its own (its decode work shows on its
+/// engine while it streams), and every prompt's bookkeeping ends with the request: once the batches
+/// completed, no engine carries resident work.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_prompts_are_tracked_and_released() {
     let fleet = controller_fleet(&["prefill", "decode"])

@@ -1,4 +1,4 @@
-//! Issue 10 section 1: engine surfaces are the engines', not the simulator's.
+//! Engine surfaces are the engines', not the simulator's (docs/engine-simulator.md).
 //!
 //! - The simulator's test hooks (`/sim/*`) live on its admin listener only; its engine port
 //!   answers 404 for them, as a real vLLM or SGLang server does.
@@ -34,9 +34,9 @@ fn http() -> Http {
     Http::new(std::time::Duration::from_secs(10))
 }
 
-/// A simulator started without `--admin-listen` (scripts older than the admin listener, such as
-/// `../shared/cases`) still answers the hooks on its engine port, so their fault injection keeps
-/// working; everything in this project passes `--admin-listen` (`SimHandle`).
+/// A simulator started without `--admin-listen` (scripts older than the admin listener) still
+/// answers the hooks on its engine port, so their fault injection keeps working; everything in
+/// this project passes `--admin-listen` (`SimHandle`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_admin_listen_the_hooks_are_also_on_the_engine_port_for_older_scripts() {
     let http = http();

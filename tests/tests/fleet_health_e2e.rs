@@ -1,7 +1,7 @@
-//! End-to-end tests of the engines' health and the breaker (issue 9 sections 1–4, issue 10
-//! section 2): the health gate, busy engines, one slow probe, readmission through a
-//! generation probe with backoff, the ejection bound, `engines[].health_path`, and a process
-//! restarted in place. Each test names the rule it enforces; each failed before the fix.
+//! End-to-end tests of the engines' health and the breaker (docs/deviations.md, "Engine health and
+//! the breaker"): the health gate, busy engines, one slow probe, readmission through a generation
+//! probe with backoff, the ejection bound, `engines[].health_path`, and a process restarted in
+//! place. Each test names the rule it enforces; each failed before the fix.
 
 use std::time::{Duration, Instant};
 
@@ -59,10 +59,9 @@ fn strs(v: &Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Health gate (issue 9 section 4, at startup): engines whose `/health` answers 503 while
-/// their completions hang are never given a request; clients are served by the ready ones at
-/// once; the loading engines are listed in `awaiting_health` and enter placement when their
-/// health answers 200.
+/// Health gate (at startup): engines whose `/health` answers 503 while their completions hang are
+/// never given a request; clients are served by the ready ones at once; the loading engines are
+/// listed in `awaiting_health` and enter placement when their health answers 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loading_engine_is_never_placed_until_its_health_answers_200() {
     let mut f = Fleet::builder()
@@ -98,9 +97,9 @@ async fn a_loading_engine_is_never_placed_until_its_health_answers_200() {
     assert_eq!(requests(f.sim("d1")).await, 0);
 }
 
-/// Health gate after an outage (issue 9 sections 1 and 4): an engine restarted in place that
-/// comes back still loading is out of placement (its health answered 503: absent, a new
-/// process) until its health answers 200 and a generation probe passes.
+/// Health gate after an outage: an engine restarted in place that comes back still loading is out
+/// of placement (its health answered 503: absent, a new process) until its health answers 200 and a
+/// generation probe passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_back_from_an_outage_waits_for_its_health_again() {
     let mut f = Fleet::builder().prefill(1).decode(2).start().await;
@@ -141,9 +140,9 @@ async fn an_engine_back_from_an_outage_waits_for_its_health_again() {
     assert_eq!(back["evidence"], "generation", "{back}");
 }
 
-/// Overload is not failure (issue 9 section 2): while every prefill engine answers 503 (then
-/// 429), nothing is ejected and clients get 503 (429) with `Retry-After`, never a 502; as soon
-/// as the engines serve again, so does the router.
+/// Overload is not failure: while every prefill engine answers 503 (then 429), nothing is ejected
+/// and clients get 503 (429) with `Retry-After`, never a 502; as soon as the engines serve again,
+/// so does the router.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn busy_engines_are_not_failed_and_clients_get_retry_after() {
     let f = Fleet::builder()
@@ -181,9 +180,8 @@ async fn busy_engines_are_not_failed_and_clients_get_retry_after() {
     }
 }
 
-/// Breaker hygiene (issue 9 section 3): an engine serving everything whose `/health` times out
-/// once in three probes, and that answers an occasional 429, stays admitted and the router
-/// stays ready throughout.
+/// Breaker hygiene: an engine serving everything whose `/health` times out once in three probes,
+/// and that answers an occasional 429, stays admitted and the router stays ready throughout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_slow_health_probe_neither_ejects_nor_unreadies() {
     let f = Fleet::builder()
@@ -223,10 +221,9 @@ async fn one_slow_health_probe_neither_ejects_nor_unreadies() {
     assert!(timeouts.unwrap_or(0.0) >= 1.0, "slow probes happened: {m}");
 }
 
-/// Readmission (issue 9 section 3, issue 10 section 2): without agents, an engine whose
-/// completions all fail while its `/health` answers 200 is ejected once and stays out
-/// (generation probes fail, at growing intervals); clients are served by its healthy peer;
-/// once it generates again it is readmitted (evidence `generation`).
+/// Readmission: without agents, an engine whose completions all fail while its `/health` answers
+/// 200 is ejected once and stays out (generation probes fail, at growing intervals); clients are
+/// served by its healthy peer; once it generates again it is readmitted (evidence `generation`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_that_cannot_generate_stays_out_with_a_growing_hold() {
     let f = Fleet::builder()
@@ -282,9 +279,9 @@ async fn an_engine_that_cannot_generate_stays_out_with_a_growing_hold() {
     assert_eq!(back["evidence"], "generation", "{back}");
 }
 
-/// The panic threshold (issue 10 section 2): a role's last live engine is never ejected for
-/// inference errors; it stays in placement flagged degraded, its failures visible in
-/// `/narwhal/state` and `/metrics`, and serves again as soon as it can.
+/// The panic threshold: a role's last live engine is never ejected for inference errors; it stays
+/// in placement flagged degraded, its failures visible in `/narwhal/state` and `/metrics`, and
+/// serves again as soon as it can.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_last_engine_of_a_role_stays_in_placement_degraded() {
     let f = Fleet::builder().prefill(1).decode(1).start().await;
@@ -319,9 +316,9 @@ async fn the_last_engine_of_a_role_stays_in_placement_degraded() {
     assert_eq!(router.state().await["degraded"], json!([]));
 }
 
-/// `engines[].health_path` (issue 10 section 2): an engine without `/health` (it answers 404,
-/// as llama.cpp does) is placed when its health path is `/v1/models`, and never with the
-/// default; and it returns through the same generation probe after a restart.
+/// `engines[].health_path`: an engine without `/health` (it answers 404, as llama.cpp does) is
+/// placed when its health path is `/v1/models`, and never with the default; and it returns through
+/// the same generation probe after a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_without_health_is_probed_on_its_health_path() {
     let mut f = Fleet::builder()
@@ -368,10 +365,9 @@ async fn an_engine_without_health_is_probed_on_its_health_path() {
     assert_eq!(back["evidence"], "generation", "{back}");
 }
 
-/// Identity (issue 9 section 1): an SGLang prefill restarted in place on a new bootstrap port
-/// while the router saw no outage is a new engine, found by the failed rendezvous: the
-/// failure is charged to the prefill (ejected, `process_identity`), never to the healthy
-/// decode engines.
+/// Identity: an SGLang prefill restarted in place on a new bootstrap port while the router saw no
+/// outage is a new engine, found by the failed rendezvous: the failure is charged to the prefill
+/// (ejected, `process_identity`), never to the healthy decode engines.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_rendezvous_with_a_restarted_prefill_is_the_prefills() {
     let mut f = Fleet::builder()
@@ -419,10 +415,9 @@ async fn a_failed_rendezvous_with_a_restarted_prefill_is_the_prefills() {
     }
 }
 
-/// Identity (issue 9 section 1), vLLM: a prefill restarted in place between its prefill leg
-/// and the decode (the descriptor names the old process) is a new engine: the decode's failure
-/// is the prefill's (ejected, `process_identity`), never the healthy decode's, although the
-/// router saw no outage.
+/// Identity, vLLM: a prefill restarted in place between its prefill leg and the decode (the
+/// descriptor names the old process) is a new engine: the decode's failure is the prefill's
+/// (ejected, `process_identity`), never the healthy decode's, although the router saw no outage.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_failing_because_its_producer_restarted_is_the_producers() {
     let mut f = Fleet::builder()
@@ -478,10 +473,10 @@ async fn a_decode_failing_because_its_producer_restarted_is_the_producers() {
     }
 }
 
-/// A standby judges nothing but its health gate (issue 9 section 1 with HA): a restart the
-/// primary drives through its lifecycle (drain, restart, readmit) changes the engine's process
-/// behind the standby's back, which must not make the standby eject it; after a takeover it
-/// learns every engine afresh and serves at once.
+/// A standby judges nothing but its health gate (with HA): a restart the primary drives through its
+/// lifecycle (drain, restart, readmit) changes the engine's process behind the standby's back,
+/// which must not make the standby eject it; after a takeover it learns every engine afresh and
+/// serves at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_does_not_eject_engines_the_primary_restarted() {
     let mut f = Fleet::builder()

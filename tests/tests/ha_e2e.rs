@@ -1,4 +1,4 @@
-//! End-to-end tests of high availability (issue 5): a primary and a warm standby
+//! End-to-end tests of high availability (docs/ha.md): a primary and a warm standby
 //! (`--standby-of`) sharing one lease (`file` or `etcd` backend), real agents with mutual TLS
 //! and real simulators.
 //!
@@ -6,21 +6,21 @@
 //! - `kill -9` of the primary during a whole-fleet wave: the standby takes over within the
 //!   lease TTL plus N polls, shows the same wave, and readmits it (control listener on mTLS);
 //! - `SIGSTOP` of the primary past its lease, then `SIGCONT`: it fences itself, becomes a
-//!   standby naming the new primary (issue 13), refuses lifecycle actions, the agents refuse
+//!   standby naming the new primary, refuses lifecycle actions, the agents refuse
 //!   its epoch, and at no sampled moment (about 20 Hz) do both routers report
 //!   `controls_fleet: active`;
-//! - a standby that cannot reach the primary over HTTP while the primary keeps renewing its
-//!   lease never takes over; it follows the handoff the primary publishes beside its lease
-//!   record, and takes over from it once the primary died (issue 13: the fleet is never left
-//!   without a controller; the reference, item 7a, stayed out with a stale polled copy);
-//! - a retained handoff older than the lease (a third router held epoch N+1 and published
-//!   nothing) is refused without claiming, so retrying never churns the epoch (item 7b; file
+//! - a standby that cannot reach the primary over HTTP while the primary keeps renewing its lease
+//!   never takes over; it follows the handoff the primary publishes beside its lease record, and
+//!   takes over from it once the primary died (ha-and-fencing.md: the fleet is never left without a
+//!   controller; the reference, behaviour.md 12 item 7a, stayed out with a stale polled copy);
+//! - a retained handoff older than the lease (a third router held epoch N+1 and published nothing)
+//!   is refused without claiming, so retrying never churns the epoch (behaviour.md 12 item 7b; file
 //!   backend);
 //! - a fenced primary takes the fleet back after the router that replaced it died only with
 //!   that router's newest published state, never its own stale one (file backend);
 //! - a primary fenced by a stalled etcd returns by itself when etcd answers again (etcd);
 //! - a foreign lease record fences the primary within a renew interval and stops its state
-//!   file writes (reference-notes 12 item 8; file backend);
+//!   file writes (behaviour.md 12 item 8; file backend);
 //! - a `demand_risk` event survives a takeover with its age re-anchored (file backend: the
 //!   re-anchoring does not depend on the backend);
 //! - the takeover gap (primary killed → standby `/ready` 200), median of 3 runs per backend,
@@ -316,7 +316,7 @@ async fn sigstop_then_sigcont(backend: LeaseBackend) {
     p.proc.signal(Signal::SIGCONT);
 
     // The old primary notices at once: it no longer controls the fleet, and as it sees the
-    // new primary's live lease it is a standby naming it (issue 13); /ready 503, lifecycle 503.
+    // new primary's live lease it is a standby naming it; /ready 503, lifecycle 503.
     p.wait_controls("standby", Duration::from_secs(5)).await;
     let (status, health) = p.health().await;
     assert_eq!(status, 200, "{health}");
@@ -415,10 +415,11 @@ per_backend!(
 
 /// After a takeover, the fenced old primary (started without `--standby-of`) waits as a
 /// standby of the new one. When the new primary dies too, the old one takes the fleet back
-/// (issue 13: a standby always ends up controlling the fleet), but never with its stale state
+/// (a standby always ends up controlling the fleet), but never with its stale state
 /// (counters, lifecycle holds from before the takeover): with the new primary's newest
-/// published state, so the engine it drained stays held and its totals are kept. Before issue
-/// 13 it stayed out for good ("stale state"), leaving the fleet without a controller.
+/// published state, so the engine it drained stays held and its totals are kept. Before the
+/// handoff was published beside the lease it stayed out for good ("stale state"), leaving the
+/// fleet without a controller.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fenced_primary_takes_the_fleet_back_only_with_the_newest_state() {
     let mut f = ha(LeaseBackend::File).standby().start().await;
@@ -474,7 +475,7 @@ async fn fenced_primary_takes_the_fleet_back_only_with_the_newest_state() {
 
 /// A lease store that stops answering fences the primary at once (no standby involved);
 /// when the store answers again, the primary (which still has the fleet's newest state, as
-/// nobody else held the lease) returns by itself instead of staying dead (DESIGN.md 9.6).
+/// nobody else held the lease) returns by itself instead of staying dead (architecture.md 9.6).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn primary_fenced_by_a_stalled_etcd_returns_when_etcd_does() {
     let f = ha(LeaseBackend::Etcd).start().await;
@@ -505,10 +506,10 @@ async fn primary_fenced_by_a_stalled_etcd_returns_when_etcd_does() {
     assert_eq!(p.completion("back", 2).await.status, 200);
 }
 
-/// Reference-notes 12 item 7b: the primary dies, a third router held the lease at epoch N+1
+/// behaviour.md 12 item 7b: the primary dies, a third router held the lease at epoch N+1
 /// and vanished too. The standby's copy (epoch N) is not the fleet's newest state: it must not
-/// apply it, must say why, and (as it keeps retrying, DESIGN.md 9.6) must not churn the epoch
-/// by claiming and releasing over and over.
+/// apply it, must say why, and (as it keeps retrying, architecture.md 9.6) must not churn the
+/// epoch by claiming and releasing over and over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standby_refuses_a_handoff_older_than_the_lease_and_does_not_churn_the_epoch() {
     let mut f = ha(LeaseBackend::File).standby().start().await;
@@ -549,9 +550,9 @@ async fn standby_refuses_a_handoff_older_than_the_lease_and_does_not_churn_the_e
     assert_eq!(s.ready().await.0, 503);
 }
 
-/// Reference-notes 12 item 8: another holder overwrites the lease record while the primary
+/// behaviour.md 12 item 8: another holder overwrites the lease record while the primary
 /// runs. Within about one renew interval the primary is fenced and, as the record names a
-/// live holder, a standby naming it (issue 13; `/health` `standby`, `/ready` 503, completions
+/// live holder, a standby naming it (`/health` `standby`, `/ready` 503, completions
 /// 503, lifecycle 503), and its state file stops changing: a router that does not control the
 /// fleet never overwrites the fleet's state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -567,7 +568,7 @@ async fn a_foreign_lease_record_fences_the_primary_and_stops_its_state_writes() 
     handoff_file_where(&state, Duration::from_secs(5), |h| h.at > first).await;
     f.write_lease_file(&foreign_lease(epoch + 1, "other:0", 60.0));
     let t0 = Instant::now();
-    // Fenced at the next renewal, then a standby of the router whose lease it sees (issue 13).
+    // Fenced at the next renewal, then a standby of the router whose lease it sees.
     p.wait_controls("standby", Duration::from_secs(3)).await;
     let took = t0.elapsed();
     assert!(took < Duration::from_millis(1500), "fenced after {took:?}");
@@ -617,7 +618,7 @@ async fn unreachable_primary_keeps_its_lease(backend: LeaseBackend) {
     let t_cut = Instant::now();
     // Watch for longer than TTL + N polls and than the HTTP copy's maximum age: the standby
     // never claims while the primary renews, and stays a standby that follows the handoff
-    // the primary publishes beside its lease record (issue 13), not a blocked one.
+    // the primary publishes beside its lease record (ha-and-fencing.md), not a blocked one.
     let samples = AtomicUsize::new(0);
     let watched = wait_until(Duration::from_secs(10), || async {
         samples.fetch_add(1, Ordering::Relaxed);
@@ -657,7 +658,7 @@ async fn unreachable_primary_keeps_its_lease(backend: LeaseBackend) {
     assert_eq!(p.completion("still here", 2).await.status, 200);
     let shown = p.state().await["served"].as_u64().expect("served");
     // The primary now dies. Its HTTP copy is older than --standby-max-handoff-age (the
-    // reference stayed out then, reference-notes 12 item 7a); its published handoff is
+    // reference stayed out then, behaviour.md 12 item 7a); its published handoff is
     // current, so the standby takes over with it.
     let mut p = p;
     p.proc.kill();

@@ -1,4 +1,4 @@
-//! HA under faults (issue 13): the fault campaign's scenarios as end-to-end tests, on fresh
+//! HA under faults (docs/testing.md): the fault campaign's scenarios as end-to-end tests, on fresh
 //! fleets (2 prefill, 2 decode, one agent each, a 2 s file lease, a primary and a warm
 //! standby), with traffic flowing and both routers sampled at 20 Hz. Each run asserts (the
 //! kit's `faults` module): no acknowledged action lost, never two active routers, a
@@ -11,7 +11,7 @@
 //! - `fault_campaign`: randomized runs over every timing (`NARWHAL_FAULT_RUNS`, default 20;
 //!   `NARWHAL_FAULT_SEED` replays a campaign, its seed is printed; `NARWHAL_FAULT_PARALLEL`
 //!   fleets at a time, default 2). `narwhal-faults --runs N` runs the same by hand.
-//! - `takeover_gap_sixteen_engines` (ignored): issue 11's takeover-gap measurement.
+//! - `takeover_gap_sixteen_engines` (ignored): the takeover-gap measurement of docs/ha.md.
 // Tests measure wall time (takeover gaps): the clock ban of clippy.toml is for product code.
 #![allow(clippy::disallowed_methods)]
 
@@ -51,9 +51,8 @@ async fn scenario(when: Timing, fault: Fault, delay_ms: u64) {
     assert_passed(&o);
 }
 
-/// Issue 13, section 1: the campaign's lost drain (the primary killed 44-123 ms after
-/// `drain --wait` returned). The standby takes over with p1 still held, and places nothing
-/// on it.
+/// The campaign's lost drain (the primary killed 44-123 ms after `drain --wait` returned).
+/// The standby takes over with p1 still held, and places nothing on it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_right_after_an_acknowledged_drain() {
     scenario(Timing::AfterDrainAck, Fault::Kill, 60).await;
@@ -70,7 +69,7 @@ async fn pause_right_after_an_acknowledged_drain() {
     .await;
 }
 
-/// Issue 13, section 2: a `SIGSTOP` just past the TTL lands during readmission validation.
+/// A `SIGSTOP` just past the TTL lands during readmission validation (ha-and-fencing.md).
 /// The interrupted validation never acts under a later epoch, no router renews a lease it
 /// does not act under, and a controller is back within TTL + 1 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -79,12 +78,11 @@ async fn pause_just_past_the_ttl_during_readmission_validation() {
     scenario(Timing::DuringValidation, Fault::Pause(pause), 250).await;
 }
 
-/// The campaign's fleet without a controller (issue 13, section 2), staged: the primary is
-/// stopped just past the TTL during validation and the standby is stopped a second longer,
-/// so the primary comes back first and claims the next epoch itself. Its interrupted
-/// validation must not go on under the old epoch (agents answering `stale_epoch`, the router
-/// fencing itself while its renewals went on, the standby waiting on a lease nobody acted
-/// under).
+/// The campaign's fleet without a controller, staged: the primary is stopped just past the TTL
+/// during validation and the standby is stopped a second longer, so the primary comes back first
+/// and claims the next epoch itself. Its interrupted validation must not go on under the old epoch
+/// (agents answering `stale_epoch`, the router fencing itself while its renewals went on, the
+/// standby waiting on a lease nobody acted under).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_past_the_ttl_during_validation_with_a_slower_standby() {
     let pause = ttl() + Duration::from_millis(20);
@@ -126,13 +124,13 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// Issue 11's measurement: on a 16-engine fleet (8 prefill, 8 decode, two agents), a 2 s file
-/// lease, five `kill -9` and five `SIGSTOP` of the primary, each at a random point of the
-/// primary's renewal interval; the gap from the fault to the new primary's `/ready` 200,
-/// printed. Ignored: a measurement, run by hand
+/// The takeover-gap measurement (docs/ha.md): on a 16-engine fleet (8 prefill, 8 decode, two
+/// agents), a 2 s file lease, five `kill -9` and five `SIGSTOP` of the primary, each at a random
+/// point of the primary's renewal interval; the gap from the fault to the new primary's `/ready`
+/// 200, printed. Ignored: a measurement, run by hand
 /// (`cargo test -p narwhal-testkit --test ha_faults_e2e -- --ignored --nocapture takeover_gap`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a measurement (issue 11): run by hand with --ignored --nocapture"]
+#[ignore = "a measurement: run by hand with --ignored --nocapture"]
 async fn takeover_gap_sixteen_engines() {
     let iids: Vec<String> = (0..8)
         .flat_map(|k| [format!("p{k}"), format!("d{k}")])

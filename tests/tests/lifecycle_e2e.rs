@@ -1,12 +1,13 @@
-//! End-to-end tests of the engine lifecycle (issue 4): drain, whole-fleet waves, readmission
-//! through the agents, breaker recovery and `narwhalctl`, with real processes: `narwhal-serve`,
-//! one `narwhal-agent` per simulated host (router → agent over mutual TLS, every answer signed)
-//! and `narwhal-engine-sim` engines, all on loopback.
+//! End-to-end tests of the engine lifecycle (handoff-and-lifecycle.md): drain, whole-fleet waves,
+//! readmission through the agents, breaker recovery and `narwhalctl`, with real processes:
+//! `narwhal-serve`, one `narwhal-agent` per simulated host (router → agent over mutual TLS, every
+//! answer signed) and `narwhal-engine-sim` engines, all on loopback.
 //!
 //! What each test proves is asserted three ways where it can be: the lifecycle document (and the
-//! exact `error` strings supervisors match on, seed "Lifecycle API", reference-notes 1.10 and
-//! 4.3–4.8, DESIGN.md 9), the router's journal (events appear without anyone reading the
-//! document, DESIGN.md 9.4), and what the engines themselves received (`/sim/stats`).
+//! exact `error` strings supervisors match on, handoff-and-lifecycle.md "Lifecycle API",
+//! behaviour.md 1.10 and 4.3–4.8, architecture.md 9), the router's journal (events appear without
+//! anyone reading the document, architecture.md 9.4), and what the engines themselves received
+//! (`/sim/stats`).
 //!
 //! The fleet of every test: `p0` (prefill, agent `h0`) and `d0` (decode, agent `h1`), vLLM
 //! dialect. "Restarting" an engine kills its simulator and starts a new process on the same
@@ -139,9 +140,10 @@ fn actions_of(r: &RouterHandle, iid: &str) -> Vec<String> {
         .collect()
 }
 
-/// The checks a passing individual vLLM readmission of `iid` lists, in the seed's order
-/// (health, process-bound attestation, configured model, process identity, direct generation,
-/// role-compatible KV transfer, final health). `attestation` carries a fingerprint.
+/// The checks a passing individual vLLM readmission of `iid` lists, in the order of
+/// handoff-and-lifecycle.md (health, process-bound attestation, configured model, process identity,
+/// direct generation, role-compatible KV transfer, final health). `attestation` carries a
+/// fingerprint.
 fn assert_checks(checks: &[String], expected: &[&str]) {
     assert_eq!(checks.len(), expected.len(), "checks {checks:?}");
     for (c, e) in checks.iter().zip(expected) {
@@ -156,10 +158,10 @@ fn assert_checks(checks: &[String], expected: &[&str]) {
     }
 }
 
-/// The checks of a passing individual readmission of a vLLM engine, in the seed's order:
-/// `identity` is `new process identity` after a restart, `process identity` for a recovery;
-/// `fabric` names the KV transfer with the peer (`fabric consume from p0` for d0, `fabric
-/// produce to d0` for p0).
+/// The checks of a passing individual readmission of a vLLM engine, in the order of
+/// handoff-and-lifecycle.md: `identity` is `new process identity` after a restart, `process
+/// identity` for a recovery; `fabric` names the KV transfer with the peer (`fabric consume from p0`
+/// for d0, `fabric produce to d0` for p0).
 fn vllm_checks(identity: &'static str, fabric: &'static str) -> [&'static str; 7] {
     [
         "health",
@@ -177,10 +179,9 @@ fn decode_checks(identity: &'static str) -> [&'static str; 7] {
     vllm_checks(identity, "fabric consume from p0")
 }
 
-/// Issue 4, first bullet: a drain with two streams in flight. Both streams complete; the
-/// engine is `draining`, not `ready_to_stop`, until they end; then `drain_complete` reaches the
-/// journal with nobody reading the document, and the document shows `drained` and
-/// `ready_to_stop`.
+/// A drain with two streams in flight. Both streams complete; the engine is `draining`, not
+/// `ready_to_stop`, until they end; then `drain_complete` reaches the journal with nobody reading
+/// the document, and the document shows `drained` and `ready_to_stop`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop() {
     let (f, r) = lab("individual", &["--tpot-ms", "40"], json!({})).await;
@@ -254,7 +255,7 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
     assert_eq!(e["error"], "");
     assert_eq!(
         doc["wave"]["ready_to_stop"], false,
-        "no wave (DESIGN.md 9.3)"
+        "no wave (architecture.md 9.3)"
     );
     let m = r.metrics().await;
     assert_eq!(
@@ -284,8 +285,8 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
     );
 }
 
-/// Issue 4, second bullet: readmission without a restart is refused and names why; after a
-/// restart it passes every check in the seed's order, and traffic reaches the engine again.
+/// Readmission without a restart is refused and names why; after a restart it passes every
+/// check in the order of handoff-and-lifecycle.md, and traffic reaches the engine again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_again() {
     let (mut f, r) = lab("individual", &[], json!({})).await;
@@ -351,8 +352,7 @@ async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_a
             "{result}: {m}"
         );
     }
-    // Reference-notes 6.3: only an un-ejection counts a readmission; a drained engine was not
-    // ejected.
+    // behaviour.md 6.3: only an un-ejection counts a readmission; a drained engine was not ejected.
     assert_eq!(
         metric(&m, "narwhal_engine_readmissions_total", &["iid=\"d0\""]),
         None,
@@ -360,9 +360,9 @@ async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_a
     );
 }
 
-/// Issue 4, third bullet: each check failing on its own gives 409 naming that check, with the
-/// earlier checks passed. One engine (`p0`, peer `d0`) goes through every failure in turn; a
-/// blocked engine keeps its recorded identity, so each retry is a plain readmit.
+/// Each check failing on its own gives 409 naming that check, with the earlier checks passed. One
+/// engine (`p0`, peer `d0`) goes through every failure in turn; a blocked engine keeps its recorded
+/// identity, so each retry is a plain readmit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
     let (mut f, r) = lab("individual", &[], json!({})).await;
@@ -468,9 +468,9 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
     complete_on(&f, &r, "p0 prefills again", &[("p0", "prefill")]).await;
 }
 
-/// Issue 4, fourth bullet: a whole wave under `whole_wave`. `/ready` is 503 during the wave;
-/// `wave.ready_to_stop` waits for every member; a wave readmission with one engine not restarted
-/// blocks the whole wave naming that engine, and passes once it is restarted.
+/// A whole wave under `whole_wave`. `/ready` is 503 during the wave; `wave.ready_to_stop` waits for
+/// every member; a wave readmission with one engine not restarted blocks the whole wave naming that
+/// engine, and passes once it is restarted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whole_wave_drain_and_readmission() {
     let (mut f, r) = lab("whole_wave", &["--tpot-ms", "40"], json!({})).await;
@@ -585,10 +585,9 @@ async fn whole_wave_drain_and_readmission() {
     complete_on(&f, &r, "after the wave", &legs).await;
 }
 
-/// Issue 4, fifth bullet: an engine the breaker ejected (connection refused) that answers
-/// `/health` again is validated through the agents and readmitted with
-/// `restart_required: false`. While it is out, draining the only other engine is refused
-/// (reference-notes 4.3 rule 6).
+/// An engine the breaker ejected (connection refused) that answers `/health` again is validated
+/// through the agents and readmitted with `restart_required: false`. While it is out, draining the
+/// only other engine is refused (behaviour.md 4.3 rule 6).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requirement() {
     let (mut f, r) = lab("individual", &[], json!({"recovery": {"eject_after": 1}})).await;
@@ -646,12 +645,11 @@ async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requ
     complete_on(&f, &r, "d0 decodes again", &[("d0", "decode")]).await;
 }
 
-/// Issue 4, sixth bullet: the exact 409 shapes of reference-notes 4.3 and 1.10 that still
-/// apply after DESIGN.md 9 (a repeated identical drain is 200, departure 9.5), plus 400 for
-/// malformed bodies. Every reply is the full document with the message in `error`. Issue 9
-/// section 7 departs from the reference: a `deadline_s` out of range is a bad body (400,
-/// before anything else), an unknown engine id a 404 naming it, and a drain repeated with
-/// another `deadline_s` a 409 (docs/deviations.md).
+/// The exact 409 shapes of behaviour.md 4.3 and 1.10 that still apply after architecture.md 9 (a
+/// repeated identical drain is 200, departure 9.5), plus 400 for malformed bodies. Every reply is
+/// the full document with the message in `error`. Narwhal departs from the reference here: a
+/// `deadline_s` out of range is a bad body (400, before anything else), an unknown engine id a 404
+/// naming it, and a drain repeated with another `deadline_s` a 409 (docs/deviations.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lifecycle_refusals_have_the_reference_shapes() {
     let (_f, r) = lab("individual", &[], json!({})).await;
@@ -733,7 +731,7 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
     assert_eq!(status, 200, "{first:#}");
     r.journal_event("drain_complete", Some("p0")).await;
     let before = r.lifecycle().await;
-    // DESIGN.md 9.5: the same drain again is idempotent.
+    // architecture.md 9.5: the same drain again is idempotent.
     let (status, again) = drain(&r, "p0").await;
     assert_eq!(status, 200, "{again:#}");
     assert_eq!(again["error"], "");
@@ -793,10 +791,9 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
     assert_eq!(status, 400, "readmit takes no deadline: {doc:#}");
 }
 
-/// Issue 4, "plus": a drain whose identity capture fails (agent down) is 503 naming the engine;
-/// the engine stays out of placement (`blocked`, no traffic reaches it); readmission is refused
-/// for want of an identity; the same drain, repeated once the agent is back, records the
-/// identity and completes.
+/// A drain whose identity capture fails (agent down) is 503 naming the engine; the engine stays out
+/// of placement (`blocked`, no traffic reaches it); readmission is refused for want of an identity;
+/// the same drain, repeated once the agent is back, records the identity and completes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_with_agent_down_is_503_holds_the_engine_and_the_retry_succeeds() {
     let (mut f, r) = lab("individual", &[], json!({"agent": {"timeout_s": 2}})).await;
@@ -1034,7 +1031,7 @@ async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
 }
 
 /// Under `whole_wave`, a breaker ejection puts every engine in a restart-required wave
-/// (reference-notes 4.9): `/ready` 503 naming it, every engine `blocked` with no recorded
+/// (behaviour.md 4.9): `/ready` 503 naming it, every engine `blocked` with no recorded
 /// identity (so a readmit is refused), the operator's wave drain captures identities, and after
 /// every engine restarts the wave readmission returns the fleet to service.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1207,7 +1204,7 @@ async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
 }
 
 /// Under `whole_wave`, an engine that crashed (ejected, still down) is bound to the last process
-/// the router verified when the operator drains the forced wave (reference-notes 4.4 binding,
+/// the router verified when the operator drains the forced wave (behaviour.md 4.4 binding,
 /// 4.10 identities accepted at startup), so the supervisor restarts it once: the drain is 200
 /// while it is down, and the restarted process passes the wave readmission.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1238,11 +1235,11 @@ async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() 
     r.complete("after the crash wave").await;
 }
 
-/// DESIGN.md 9.7: a peer whose process changed behind the router's back fails an individual
+/// architecture.md 9.7: a peer whose process changed behind the router's back fails an individual
 /// readmission by name and is ejected (`process_identity`).
 ///
 /// In a one-prefill, one-decode fleet that leaves nothing live: the breaker's recovery of the
-/// peer waits for the target's hold to end (reference-notes 4.9), and the target has no live
+/// peer waits for the target's hold to end (behaviour.md 4.9), and the target has no live
 /// peer. The next readmission of the target takes the ejected peer along as a co-target
 /// validated without a restart requirement, and both return (the reference stays stuck until a
 /// whole-wave restart; this was found here and fixed in `Lifecycle::join_recovery`).
@@ -1347,12 +1344,12 @@ async fn engine_crashing_while_draining_is_readmitted_by_the_operator() {
     complete_on(&f, &r, "d0 decodes again", &[("d0", "decode")]).await;
 }
 
-/// The seed's "transient breaker ejection": the engine's process stalls (SIGSTOP), its decode
-/// leg misses the first-token deadline (class `stream`) and the breaker ejects it; when it resumes
-/// (SIGCONT) the same process is validated through the agents (`process identity`, the start
-/// the router accepted at startup) and readmitted without a restart. A second decode engine
-/// (`d1`) keeps the decode role live: the role's last live engine is never ejected for
-/// failures (issue 10 section 2; docs/deviations.md, "Ejection bound").
+/// The "transient breaker ejection" of handoff-and-lifecycle.md: the engine's process stalls
+/// (SIGSTOP), its decode leg misses the first-token deadline (class `stream`) and the breaker
+/// ejects it; when it resumes (SIGCONT) the same process is validated through the agents (`process
+/// identity`, the start the router accepted at startup) and readmitted without a restart. A second
+/// decode engine (`d1`) keeps the decode role live: the role's last live engine is never ejected
+/// for failures (docs/deviations.md, "Ejection bound").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_engine_is_readmitted_as_the_same_process_after_it_resumes() {
     use nix::sys::signal::Signal;

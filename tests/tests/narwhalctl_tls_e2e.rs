@@ -1,4 +1,4 @@
-//! `narwhalctl` against a control listener with mutual TLS (`control.tls`; DESIGN.md section
+//! `narwhalctl` against a control listener with mutual TLS (`control.tls`; architecture.md section
 //! 3): an operator certificate from the fleet CA gets in, drains and readmits; a client without
 //! a certificate, or with one from another CA, is refused at the TLS layer and narwhalctl says
 //! the router is unavailable (exit 3).

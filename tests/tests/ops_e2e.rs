@@ -1,5 +1,5 @@
-//! Operator tooling end to end: `narwhalctl` against real routers (issue 10 section 5, issue 13
-//! "Also", issue 14 section 2) and `narwhal-dev` session hygiene (issue 9 section 9).
+//! Operator tooling end to end: `narwhalctl` against real routers (docs/operate.md) and
+//! `narwhal-dev` session hygiene.
 //!
 //! Every test starts the real binaries on loopback. The narwhalctl fleet is a `narwhal-dev up`
 //! (agents, mutual TLS, a standby), because `wave-restart` needs a restart command an operator
@@ -434,8 +434,8 @@ async fn narwhalctl_status_shows_an_ejected_engine_as_ejected_with_its_cause() {
         &["--prefill", "1", "--decode", "2", "--hosts", "2"],
     );
     let (data, control, _) = urls(&up);
-    // Two decode engines, so ejecting one never empties the role (issue 10 keeps a role's
-    // last engine in placement).
+    // Two decode engines, so ejecting one never empties the role (the panic threshold keeps a
+    // role's last engine in placement).
     let d1 = up.doc()["engines"]
         .as_array()
         .unwrap()
@@ -478,7 +478,7 @@ async fn narwhalctl_status_shows_an_ejected_engine_as_ejected_with_its_cause() {
         .find(|l| l.starts_with("d1 "))
         .unwrap_or_else(|| panic!("no d1 line: {}", r.stdout));
     // A killed engine is seen by a failed leg (`connection`) or, usually first, by its
-    // liveness probe that cannot connect (`health_probe`, issue 9 section 1).
+    // liveness probe that cannot connect (`health_probe`).
     let causes = ["connection", "health_probe"];
     assert!(
         line.contains(" ejected ")
@@ -929,7 +929,7 @@ fn registered_names(dir: &Path) -> std::collections::BTreeSet<String> {
 /// Every `narwhal_*` name in the Grafana dashboard and the alert rules (and their tests) is one
 /// a live router or a live agent exports (or their sources register), and the operator
 /// families the alerts rely on have samples on a router with a lease, agents and control TLS
-/// (issue 14 section 5: the router's control, lease and certificate gauges; the dashboard's
+/// (docs/monitoring.md: the router's control, lease and certificate gauges; the dashboard's
 /// agent names reconciled with the agent's real `/metrics`). Before, the rules used
 /// fallbacks and assumed agent names listed in `metrics-not-yet-exported.txt`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,6 @@
-//! The request path against engines that are not the simulator's shape (issue 9 section 6,
-//! issue 10 section 2), end to end: a real `narwhal-serve` over in-process fake engines
-//! (`FakeEngine`), which record every leg the router sends.
+//! The request path against engines that are not the simulator's shape (docs/http-api.md,
+//! docs/deviations.md "Serving path"), end to end: a real `narwhal-serve` over in-process fake
+//! engines (`FakeEngine`), which record every leg the router sends.
 //!
 //! - A request the P/D split cannot serve exactly is fanned out (a prompt batch: one prefill,
 //!   one descriptor and one decode per prompt, answered as one choice per prompt), served
@@ -75,11 +75,11 @@ async fn journal_row(r: &RouterHandle, rid: &str) -> Value {
     .await
 }
 
-/// Issue 9 section 6: `prompt: [a, b, c]` (and a list of token-id lists) on a P/D fleet is
-/// served as one request per prompt — each its own prefill leg with a single prompt, its own
-/// descriptor and decode leg — and answered with one choice per prompt, choice `k` carrying
-/// prompt `k`'s answer, streaming or not, with the prompts' usage summed. Before: one prefill
-/// leg for the whole batch, one shared descriptor, one merged choice.
+/// `prompt: [a, b, c]` (and a list of token-id lists) on a P/D fleet is served as one request per
+/// prompt — each its own prefill leg with a single prompt, its own descriptor and decode leg — and
+/// answered with one choice per prompt, choice `k` carrying prompt `k`'s answer, streaming or not,
+/// with the prompts' usage summed. Before: one prefill leg for the whole batch, one shared
+/// descriptor, one merged choice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_batch_is_fanned_out_one_descriptor_per_prompt() {
     let (p, d) = (FakeEngine::new(0, 3), FakeEngine::new(0, 3).tag_prompt());
@@ -179,11 +179,10 @@ async fn a_prompt_batch_is_fanned_out_one_descriptor_per_prompt() {
     assert_eq!(a.json()["error"]["param"], "prompt");
 }
 
-/// Issue 9 section 6: prompt logprobs (`prompt_logprobs`, or `echo` with `logprobs`) are
-/// computed where the prompt is prefilled; a vLLM decode engine given them with a KV
-/// descriptor fails. vLLM: served unsplit on the decode engine (no prefill leg, no
-/// descriptor, the fields kept); SGLang: 400 naming the field. Before: split, the decode leg
-/// carried both the fields and the descriptor.
+/// Prompt logprobs (`prompt_logprobs`, or `echo` with `logprobs`) are computed where the prompt is
+/// prefilled; a vLLM decode engine given them with a KV descriptor fails. vLLM: served unsplit on
+/// the decode engine (no prefill leg, no descriptor, the fields kept); SGLang: 400 naming the
+/// field. Before: split, the decode leg carried both the fields and the descriptor.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_logprobs_never_reach_a_decode_leg_with_a_descriptor() {
     let (p, d) = (FakeEngine::new(0, 3), FakeEngine::new(0, 3));
@@ -231,11 +230,10 @@ async fn prompt_logprobs_never_reach_a_decode_leg_with_a_descriptor() {
     assert_eq!(s.state().await["ejected"], json!([]));
 }
 
-/// Issue 9 section 6: a vLLM prefill whose one token ended the generation (`finish_reason:
-/// "stop"`, no `kv_transfer_params`: the NIXL connector hands off only length-capped
-/// prefills) is a finished answer: 200 with that choice and its usage, streaming or not, no
-/// decode leg, no breaker charge, nothing ejected. Before: 502 `prefill`, and the prefill
-/// engine ejected after three.
+/// A vLLM prefill whose one token ended the generation (`finish_reason: "stop"`, no
+/// `kv_transfer_params`: the NIXL connector hands off only length-capped prefills) is a finished
+/// answer: 200 with that choice and its usage, streaming or not, no decode leg, no breaker charge,
+/// nothing ejected. Before: 502 `prefill`, and the prefill engine ejected after three.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_that_finished_the_generation_is_the_answer() {
     let (p, d) = (
@@ -276,10 +274,10 @@ async fn a_prefill_that_finished_the_generation_is_the_answer() {
     );
 }
 
-/// Issue 10 section 2: an engine that sends no `token_ids` (llama.cpp, TGI, older vLLM) is
-/// served, streaming or not, and its tokens are counted from the content it streamed; a
-/// non-streaming client's request reaches it non-streaming, and the answer's usage is the
-/// engine's. Nothing is ejected. Before: `[DONE] before any token`, 502, the engine ejected.
+/// An engine that sends no `token_ids` (llama.cpp, TGI, older vLLM) is served, streaming or not,
+/// and its tokens are counted from the content it streamed; a non-streaming client's request
+/// reaches it non-streaming, and the answer's usage is the engine's. Nothing is ejected. Before:
+/// `[DONE] before any token`, 502, the engine ejected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_without_token_ids_is_served_and_counted() {
     let e = FakeEngine::new(0, 4).without_token_ids();
@@ -327,10 +325,9 @@ async fn an_engine_without_token_ids_is_served_and_counted() {
     assert_eq!(r.state().await["ejected"], json!([]));
 }
 
-/// Issue 10 section 2: usage is the engine's in every answer, and marked `estimated` only
-/// when the engine gave none: a streaming client asking `include_usage` of an engine that
-/// streams no usage gets a usage chunk with the tokens streamed, marked; one whose engine
-/// sends usage gets the engine's chunk unmarked.
+/// Usage is the engine's in every answer, and marked `estimated` only when the engine gave none: a
+/// streaming client asking `include_usage` of an engine that streams no usage gets a usage chunk
+/// with the tokens streamed, marked; one whose engine sends usage gets the engine's chunk unmarked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_is_the_engines_or_marked_estimated() {
     let body = json!({"model": "tiny-sim", "prompt": "hello", "max_tokens": 5, "stream": true,
@@ -364,9 +361,9 @@ async fn usage_is_the_engines_or_marked_estimated() {
     );
 }
 
-/// Issue 10 section 2: an engine's error keeps its status and its words (a context-length
-/// 400 stays a 400 with the engine's message, streaming or not), and an engine error without
-/// a message is never relayed with an empty one. Client faults eject nothing.
+/// An engine's error keeps its status and its words (a context-length 400 stays a 400 with the
+/// engine's message, streaming or not), and an engine error without a message is never relayed with
+/// an empty one. Client faults eject nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_errors_keep_their_status_and_words() {
     const CTX: &str =
@@ -395,9 +392,8 @@ async fn engine_errors_keep_their_status_and_words() {
     assert_eq!(r2.state().await["ejected"], json!([]));
 }
 
-/// Issue 10 section 2: `GET /v1/models/{model}` answers as OpenAI's does: the model object
-/// (`id`, `object`, `created`, `owned_by`) for the served model, a 404 `model_not_found`
-/// naming any other.
+/// `GET /v1/models/{model}` answers as OpenAI's does: the model object (`id`, `object`, `created`,
+/// `owned_by`) for the served model, a 404 `model_not_found` naming any other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_retrieve_answers_as_openai() {
     let e = FakeEngine::new(0, 1);

@@ -136,7 +136,7 @@ fn vllm_descriptor_decode_equals_aggregated_and_is_consumed_once() {
         .to_string();
     assert_eq!(agg_text.split_whitespace().count(), 6);
 
-    // Prefill leg as the router sends it (reference-notes 7.1 step 2).
+    // Prefill leg as the router sends it (behaviour.md 7.1 step 2).
     let pre = request(
         &p.addr,
         "POST",
@@ -158,7 +158,7 @@ fn vllm_descriptor_decode_equals_aggregated_and_is_consumed_once() {
     assert_eq!(kv["remote_block_ids"].as_array().unwrap().len(), 1);
     assert_eq!(pre["usage"]["completion_tokens"], 1);
 
-    // Decode leg (reference-notes 7.1 step 6).
+    // Decode leg (behaviour.md 7.1 step 6).
     let dec_body = json!({"model": "tiny-sim", "prompt": PROMPT, "max_tokens": 6,
         "stream": true, "return_token_ids": true, "stream_interval": 1,
         "kv_transfer_params": kv});

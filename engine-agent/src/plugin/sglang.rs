@@ -1,5 +1,5 @@
 //! SGLang plugin: `/server_info`, `/v1/models`, Mooncake bootstrap rendezvous
-//! (reference-notes 5.2, 7.2).
+//! (behaviour.md 5.2, 7.2).
 //!
 //! Producer: reads `disaggregation_bootstrap_port` from `/server_info`, picks a random 63-bit
 //! `bootstrap_room`, and starts the prefill request (`max_tokens: 1`, `stream: false`, the

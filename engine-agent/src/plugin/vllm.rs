@@ -1,4 +1,4 @@
-//! vLLM plugin: `/version`, `/v1/models`, NIXL descriptor handoff (reference-notes 5.2, 7.1).
+//! vLLM plugin: `/version`, `/v1/models`, NIXL descriptor handoff (behaviour.md 5.2, 7.1).
 //!
 //! Producer: `POST /v1/completions` with `kv_transfer_params: {"do_remote_decode": true}`,
 //! `max_tokens: 1`, `stream: false`; the descriptor is `choices[0].kv_transfer_params`, else
@@ -22,7 +22,7 @@ use crate::evidence::{TransferMetrics, VLLM_NIXL};
 #[derive(Debug, Clone, Copy, Default)]
 pub struct VllmPlugin;
 
-/// Checks a NIXL descriptor as the router does (reference-notes 7.1 step 3).
+/// Checks a NIXL descriptor as the router does (behaviour.md 7.1 step 3).
 pub(crate) fn descriptor(resp: &Value) -> Result<Value, String> {
     let d = resp
         .pointer("/choices/0/kv_transfer_params")

@@ -2,11 +2,11 @@
 //! (`/narwhal/lifecycle`, `/narwhal/lifecycle/drain`, `/narwhal/lifecycle/readmit`,
 //! `/narwhal/lifecycle/cancel-drain`).
 //!
-//! `wave-restart` is the reference external supervisor (reference-notes 4.6, seed "Whole-wave
-//! restart policy"): drain, wait for `ready_to_stop`, run the operator's restart command per
-//! engine, readmit, and print each engine's validation checks. `--rolling` restarts one engine
-//! at a time under the `individual` policy, so the fleet keeps serving throughout. A wave that
-//! stops half-way prints the exact command that continues it (`--resume --engines ...`).
+//! `wave-restart` is the reference external supervisor (behaviour.md 4.6; handoff-and-lifecycle.md,
+//! "Whole-wave restart policy"): drain, wait for `ready_to_stop`, run the operator's restart
+//! command per engine, readmit, and print each engine's validation checks. `--rolling` restarts one
+//! engine at a time under the `individual` policy, so the fleet keeps serving throughout. A wave
+//! that stops half-way prints the exact command that continues it (`--resume --engines ...`).
 //!
 //! Exit codes: 0 success; 1 the router refused or a check failed (409, validation, restart
 //! command); 2 usage (including a `--router` that is not a control listener); 3 the router was
@@ -1674,7 +1674,7 @@ fn controller_status(state: &Value) -> Value {
 }
 
 /// The status lines of the role controller: each engine's role, then the controller's mode
-/// and its last decision with the reason (issue 12 "Observable").
+/// and its last decision with the reason (docs/operate.md, "The role controller").
 fn controller_lines(state: &Value, control: &Value) -> Vec<String> {
     let mut lines = Vec::new();
     let roles = roles(state);

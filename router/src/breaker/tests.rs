@@ -1,5 +1,5 @@
-//! Breaker core, transition by transition (issue 9 sections 2–4, issue 10 section 2;
-//! reference-notes 6.2–6.4). Each test names the rule it enforces.
+//! Breaker core, transition by transition (behaviour.md 6.2–6.4; docs/deviations.md, "Engine
+//! health and the breaker"). Each test names the rule it enforces.
 
 use super::*;
 use crate::config::Role;
@@ -86,7 +86,7 @@ fn eject_inference(b: &mut Breaker, s: &[EngineSlot], iid: usize, now: Instant) 
     );
 }
 
-/// Health gate (issue 9 section 4): no engine is placed before its health path answered 200;
+/// Health gate: no engine is placed before its health path answered 200;
 /// a 503 (loading) keeps it out, and counts as settled for the startup wait; a timeout does not.
 #[test]
 fn every_engine_awaits_its_first_health_200() {
@@ -143,7 +143,7 @@ fn a_slow_gate_probe_does_not_hold_a_healthy_engine_back() {
     assert_eq!(b.misses(0), 0);
 }
 
-/// Breaker hygiene (issue 9 section 3): a success resets the streak, so scattered failures
+/// Breaker hygiene: a success resets the streak, so scattered failures
 /// between successes never eject.
 #[test]
 fn a_success_resets_the_streak() {
@@ -196,7 +196,7 @@ fn ejection_needs_consecutive_failures() {
     assert_eq!(b.ejections().get(&(1, EjectCause::Class(INF))), Some(&1));
 }
 
-/// Overload is not failure (issue 9 section 2): busy answers never raise a streak or eject,
+/// Overload is not failure: busy answers never raise a streak or eject,
 /// and they reset the connection streak (the engine answered).
 #[test]
 fn busy_answers_are_never_charged() {
@@ -213,7 +213,7 @@ fn busy_answers_are_never_charged() {
     assert_eq!(b.status(0), Status::Serving);
 }
 
-/// One probe timeout neither ejects nor degrades a serving engine (issue 9 section 3);
+/// One probe timeout neither ejects nor degrades a serving engine;
 /// `liveness_misses` consecutive timeouts do.
 #[test]
 fn one_liveness_timeout_changes_nothing() {
@@ -244,7 +244,7 @@ fn one_liveness_timeout_changes_nothing() {
     );
 }
 
-/// Identity (issue 9 section 1): an engine whose probe cannot connect or is answered non-200
+/// Identity: an engine whose probe cannot connect or is answered non-200
 /// is not there: ejected at once, unbounded (even the last engine), as a new process.
 #[test]
 fn an_absent_engine_is_ejected_at_once_as_a_new_process() {
@@ -270,7 +270,7 @@ fn an_absent_engine_is_ejected_at_once_as_a_new_process() {
     );
 }
 
-/// Panic threshold (issue 10 section 2): a role's last live engine is never ejected for
+/// Panic threshold: a role's last live engine is never ejected for
 /// failures; it stays in placement flagged degraded (one transition), and a success clears it.
 #[test]
 fn the_last_live_engine_of_a_role_stays_degraded() {
@@ -298,7 +298,7 @@ fn the_last_live_engine_of_a_role_stays_degraded() {
     assert!(b.is_degraded(0) && !b.is_ejected(0));
 }
 
-/// Bounded ejection (issue 9 section 2): at most `max(1, ⌊n × max_ejection_percent / 100⌋)`
+/// Bounded ejection: at most `max(1, ⌊n × max_ejection_percent / 100⌋)`
 /// engines of a role are out for failures; the rest stay degraded.
 #[test]
 fn ejections_are_bounded_per_role() {
@@ -334,7 +334,7 @@ fn ejections_are_bounded_per_role() {
     assert!(b.is_degraded(1) && !b.is_ejected(1));
 }
 
-/// Readmission (issue 9 section 3): an engine ejected for failed inference is probed after
+/// Readmission: an engine ejected for failed inference is probed after
 /// its hold, and returns only once health answers 200 *and* a generation probe passes; every
 /// failed readmission doubles the hold.
 #[test]
@@ -377,7 +377,7 @@ fn hold(b: &Breaker, iid: usize) -> Duration {
     }
 }
 
-/// Backoff (issue 9 section 3): the ejection time grows on each repeat, capped at
+/// Backoff: the ejection time grows on each repeat, capped at
 /// `max_readmit_interval_s`, and sustained service forgives the repeats.
 #[test]
 fn ejection_time_grows_on_each_repeat_and_sustained_health_resets_it() {
@@ -398,7 +398,7 @@ fn ejection_time_grows_on_each_repeat_and_sustained_health_resets_it() {
     assert_eq!(hold(&b, 1), 10 * S);
 }
 
-/// Identity (issue 9 section 1): an absent engine is probed every tick (no backoff) and
+/// Identity: an absent engine is probed every tick (no backoff) and
 /// returns through the generation probe; if it answers health but cannot generate, it becomes
 /// a failure ejection (`inference_probe`) with a hold.
 #[test]
@@ -432,7 +432,7 @@ fn an_absent_engine_returns_through_the_generation_probe() {
     );
 }
 
-/// Identity (issue 9 section 1): a changed identity makes the engine a new engine: out of
+/// Identity: a changed identity makes the engine a new engine: out of
 /// placement (unbounded) and forgotten; if it already is out, only forgotten.
 #[test]
 fn a_changed_identity_ejects_and_forgets() {
@@ -534,7 +534,7 @@ proptest::proptest! {
     }
 
     /// Whatever happens, a role never has all its engines out for failures, and its failure
-    /// ejections stay within the bound (issue 9 section 2, issue 10 section 2).
+    /// ejections stay within the bound.
     #[test]
     fn the_bound_holds_whatever_happens(
         roles in proptest::collection::vec(proptest::bool::ANY, 1..7),

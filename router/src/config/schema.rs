@@ -1,6 +1,5 @@
 //! The fleet-file keys `narwhal-serve` accepts, read from the validator itself, and the check
-//! that `docs/configuration.md` documents exactly those keys (issue 14 section 1: one truth in
-//! the docs).
+//! that `docs/configuration.md` documents exactly those keys (one truth in the docs).
 //!
 //! ```text
 //!  {} ──Checker::fleet──► objects checked + their known keys ──fill every key with {} ([{}]
@@ -241,7 +240,7 @@ mod tests {
         );
     }
 
-    /// Issue 14 section 1: `docs/configuration.md` documents every fleet-file key the binary
+    /// `docs/configuration.md` documents every fleet-file key the binary
     /// accepts, and no key it refuses. Fails naming the key and where its row goes.
     #[test]
     fn configuration_md_documents_exactly_the_accepted_fleet_keys() {

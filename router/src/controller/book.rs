@@ -1,4 +1,4 @@
-//! The controller's request-path bookkeeping (controller-notes 1 and 3.1): which requests are
+//! The controller's request-path bookkeeping (controller.md 1 and 3.1): which requests are
 //! resident on which engine in which phase, which wait for a seat, the token gaps and
 //! handoff delays each decode engine shows, and the decode correction learnt from them. The
 //! only inputs the controller has: it never polls engines.
@@ -401,14 +401,14 @@ impl Book {
         (n, tokens)
     }
 
-    /// Prefill load of `iid` (controller-notes 3.1): the larger of the resident prefill
+    /// Prefill load of `iid` (controller.md 3.1): the larger of the resident prefill
     /// seconds and last interval's time average, over `ttft`.
     pub(crate) fn prefill_load(&self, iid: usize, ttft: f64) -> f64 {
         let now_s = self.load(iid).prefill_s;
         now_s.max(self.timing[iid].published_prefill) / ttft
     }
 
-    /// Decode load of `iid` (controller-notes 3.1): 0 without decode residents; else the
+    /// Decode load of `iid` (controller.md 3.1): 0 without decode residents; else the
     /// published mean gap (or the longest open gap while the interval has none) above the
     /// profile's floor, over the TPOT budget above it.
     pub(crate) fn decode_load(&self, iid: usize, now: Instant) -> f64 {
@@ -450,10 +450,10 @@ impl Book {
         self.timing[iid].correction
     }
 
-    /// Ends the interval at `now` (controller-notes 2.2 `rollover`): gap means, handoff
+    /// Ends the interval at `now` (controller.md 2.2 `rollover`): gap means, handoff
     /// delays and time-averaged prefill prices are published; each engine's correction moves
     /// by `alpha` toward the clamped mean ratio when the interval was not mixed and had
-    /// enough samples (controller-notes 3.1).
+    /// enough samples (controller.md 3.1).
     pub(crate) fn rollover(&mut self, now: Instant, interval_s: f64) {
         for i in 0..self.timing.len() {
             self.settle_area(i, now);
@@ -546,7 +546,7 @@ mod tests {
     }
 
     /// The correction moves toward the mean measured/profiled ratio once enough unmixed
-    /// samples arrived (controller-notes 3.1).
+    /// samples arrived (controller.md 3.1).
     #[test]
     fn corrections_learn_from_unmixed_intervals() {
         let t0 = SystemClock.now();

@@ -1,4 +1,4 @@
-//! A controller decision (controller-notes 11.1 and 13): who decided (`by`), what came of it
+//! A controller decision (controller.md 11.1 and 13): who decided (`by`), what came of it
 //! (`result`), why (`reason`), the split it describes, and its details in insertion order.
 //!
 //! ```text
@@ -19,7 +19,7 @@ pub(crate) enum By {
     DecodeFloor,
     /// Prefill-floor recovery.
     FloorRecovery,
-    /// The role check that undid a flip (ours: controller-notes has no such caller).
+    /// The role check that undid a flip (ours: controller.md has no such caller).
     RoleCheck,
 }
 
@@ -61,7 +61,7 @@ impl Outcome {
 }
 
 /// Every detail key of a decision, in the order `/narwhal/state` pads them
-/// (controller-notes 13: 74 keys with the 7 head keys).
+/// (controller.md 13: 74 keys with the 7 head keys).
 pub(crate) const DETAIL_KEYS: [&str; 67] = [
     "current_prefill",
     "current_decode",
@@ -199,7 +199,7 @@ pub(crate) struct Decision {
     pub(crate) reason: String,
     /// What came of it.
     pub(crate) result: Outcome,
-    /// The details (controller-notes 11.1).
+    /// The details (controller.md 11.1).
     pub(crate) details: Details,
 }
 
@@ -234,7 +234,7 @@ impl Decision {
     }
 
     /// `/narwhal/state control.last_decision`: every one of the 74 keys, `null` where the
-    /// decision has no value (controller-notes 13).
+    /// decision has no value (controller.md 13).
     pub(crate) fn padded(&self) -> Value {
         let mut m = self.head();
         for k in DETAIL_KEYS {

@@ -1,6 +1,6 @@
 //! The controller's driver: the pass loop (every `controller.monitor_interval_s`, or at once
 //! when the urgency latch is armed), and the application of the machine's commands: role
-//! labels through the fleet, the SGLang engine-side switch (controller-notes 9.2), the role
+//! labels through the fleet, the SGLang engine-side switch (controller.md 9.2), the role
 //! check through the lifecycle (ours), risk events, journal events.
 //!
 //! ```text
@@ -29,7 +29,7 @@ use crate::phase::EpochScope;
 use crate::placement::Exclusion;
 
 /// How long an engine-side switch keeps retrying while the engine answers `not idle`
-/// (controller-notes 9.2).
+/// (controller.md 9.2).
 const SWITCH_IDLE_WAIT: Duration = Duration::from_secs(10);
 /// Between those retries.
 const SWITCH_RETRY: Duration = Duration::from_millis(200);
@@ -73,8 +73,8 @@ impl Controller {
     }
 
     /// The epoch scope this router decides under: `Some` when it controls the fleet (its HA
-    /// phase holds control under a live lease, issue 13) and no whole-wave hold blocks it
-    /// (controller-notes 2.1); `None` for a standby or fenced router, which decides nothing.
+    /// phase holds control under a live lease, ha-and-fencing.md) and no whole-wave hold blocks it
+    /// (controller.md 2.1); `None` for a standby or fenced router, which decides nothing.
     fn may_decide(&self) -> Option<EpochScope> {
         self.h
             .ha
@@ -87,7 +87,7 @@ impl Controller {
         if !self.enabled {
             return;
         }
-        // The health gate's first round (issue 9 section 4): an engine whose health path has
+        // The health gate's first round: an engine whose health path has
         // not answered yet is not missing, so no floor is judged before every engine answered
         // once (or the startup budget of `monitor::startup` ran out).
         let cfg = &self.h.cfg;
@@ -119,7 +119,7 @@ impl Controller {
 
     /// One pass (scheduled) or urgent evaluation, inside the failure ledger: a panic in
     /// the pure core is a `monitoring_stage_failure` of stage `controller` and the loop
-    /// continues (controller-notes 11.1).
+    /// continues (controller.md 11.1).
     async fn run_pass(self: &Arc<Self>, kind: Pass) {
         let now = self.now();
         let engines = engines_view(&self.h.cfg, &self.h.fleet);
@@ -260,7 +260,7 @@ impl Controller {
         });
     }
 
-    /// Our fifth-check rule (issue 12): before the engine serves in its new role, the
+    /// Our fifth-check rule (docs/deviations.md): before the engine serves in its new role, the
     /// readmission checks run against it in that role (the KV-transfer check pairs it with
     /// a live engine of the other role). A failure undoes the flip and leaves the engine
     /// held by the lifecycle (blocked, with the error), visible in `/narwhal/lifecycle`.
@@ -295,7 +295,7 @@ impl Controller {
         }
     }
 
-    /// The SGLang role switch (controller-notes 9.2): `GET /server_info`; nothing to do when
+    /// The SGLang role switch (controller.md 9.2): `GET /server_info`; nothing to do when
     /// `internal_states[0].disaggregation_mode` is already `to`; else `POST /pd_role_switch
     /// {"new_role"}` (with `decode_cuda_graph_memory_gb` from `server_info` for decode),
     /// retried every 0.2 s for up to 10 s while the engine answers `not idle`. Shapes from

@@ -1,4 +1,4 @@
-//! The consolidation evidence gate (controller-notes 8; reference-notes 9): a decode→prefill
+//! The consolidation evidence gate (controller.md 8; behaviour.md 9): a decode→prefill
 //! move needs a closed window of fresh arrival evidence after the newest risk event, and no
 //! rising decode demand.
 //!
@@ -52,7 +52,7 @@ pub(crate) struct Settings {
     pub(crate) tolerance: f64,
 }
 
-/// What the gate saw (controller-notes 13 `demand_evidence`).
+/// What the gate saw (controller.md 13 `demand_evidence`).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Evidence {
     /// Seconds of evidence counted.
@@ -114,7 +114,7 @@ pub(crate) fn cutoff(now: Instant, s: &Settings, risk_since: Option<Instant>) ->
     }
 }
 
-/// Captures the gate at `now` (controller-notes 8).
+/// Captures the gate at `now` (controller.md 8).
 pub(crate) fn capture(now: Instant, s: &Settings, c: Capture<'_>) -> Evidence {
     let (count, oldest) = c.counted;
     let span = oldest.map_or(0.0, |o| now.saturating_duration_since(o).as_secs_f64());
@@ -165,7 +165,7 @@ impl Evidence {
         self.gate == Gate::None
     }
 
-    /// The hold reason of the blocking gate (controller-notes 8), `None` when open.
+    /// The hold reason of the blocking gate (controller.md 8), `None` when open.
     pub(crate) fn reason(&self) -> Option<String> {
         match self.gate {
             Gate::None => None,

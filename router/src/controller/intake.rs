@@ -1,6 +1,6 @@
 //! The request path's side of the controller: the bookkeeping hook ([`Track`]), sizing
 //! through the engines' `/tokenize`, the admission seat with its queue, the urgency latch and
-//! queued refusals, and the TTFT price at placement (controller-notes 1, 2.4, 10).
+//! queued refusals, and the TTFT price at placement (controller.md 1, 2.4, 10).
 //!
 //! ```text
 //!  serve: track(rid) ─► size() ─► seat() ─► [place] ─► admit(plan) ─► legs ─► tokens ─► drop
@@ -26,7 +26,7 @@ use crate::placement::{Phase, Plan};
 
 use crate::admission::Refusal;
 
-/// The longest `/tokenize` backoff (controller-notes 10.2).
+/// The longest `/tokenize` backoff (controller.md 10.2).
 const TOKENIZE_BACKOFF_CAP: Duration = Duration::from_secs(30);
 
 struct Inner {
@@ -167,7 +167,7 @@ impl Track {
 }
 
 /// `max_completion_tokens`, else `max_tokens`, when a positive integer; else 0
-/// (controller-notes 3.2).
+/// (controller.md 3.2).
 fn wanted(v: &Validated) -> u64 {
     ["max_completion_tokens", "max_tokens"]
         .iter()
@@ -196,7 +196,7 @@ impl Controller {
         }))
     }
 
-    /// Sizes the prompt (controller-notes 10.2): a token-id prompt by its length; with
+    /// Sizes the prompt (controller.md 10.2): a token-id prompt by its length; with
     /// predictive admission and `engine.tokenize`, a text prompt through `/tokenize` on the
     /// least-occupied live engine (a failing engine backs off `1 s·2^(k−1)`, at most 30 s);
     /// else the ingress estimate (characters / `chars_per_token`). Records the arrival.
@@ -274,7 +274,7 @@ impl Controller {
         self.h.cfg.slo.ttft_s * (1.0 + self.h.cfg.serving.admission_margin)
     }
 
-    /// The admission seat (reference-notes 7.4; controller-notes 2.4, 10.1): at once when
+    /// The admission seat (behaviour.md 7.4; controller.md 2.4, 10.1): at once when
     /// one is free; with `queue_capacity > 0` the request waits FIFO until
     /// `queue_timeout_s` (or the request deadline), joining the waiting list the urgent
     /// projection reads; under predictive admission it is re-priced on entry and whenever
@@ -332,7 +332,7 @@ impl Controller {
         }
     }
 
-    /// Joins the waiting list and notes the prefill risk (controller-notes 2.4): a projected
+    /// Joins the waiting list and notes the prefill risk (controller.md 2.4): a projected
     /// TTFT breach arms the latch and wakes the driver.
     fn wait(&self, track: &Track) -> Waiting {
         if self.enabled {
@@ -417,7 +417,7 @@ impl Controller {
         ))
     }
 
-    /// Prices attempt `attempt` at placement (controller-notes 10.4, 10.7): the chosen
+    /// Prices attempt `attempt` at placement (controller.md 10.4, 10.7): the chosen
     /// engine's resident prefill plus this prompt's own prefill, plus elapsed time and the
     /// fleet's handoff delay. A placement whose engine alone misses the TTFT counts
     /// `unserved` (through `unserved`). Returns the journal's `admission_price` (`None`

@@ -1,4 +1,4 @@
-//! The controller machine (controller-notes 2): one monitoring pass, one urgent evaluation,
+//! The controller machine (controller.md 2): one monitoring pass, one urgent evaluation,
 //! the decode-floor restoration and prefill-floor recovery, the prefill-urgency latch, the
 //! panic counter, and the record of every decision.
 //!
@@ -49,7 +49,7 @@ pub(crate) enum Command {
     Journal(Value),
 }
 
-/// The prefill-urgency latch (controller-notes 2.4).
+/// The prefill-urgency latch (controller.md 2.4).
 #[derive(Debug, Clone, PartialEq)]
 struct Latch {
     signalled_at: Instant,
@@ -144,7 +144,7 @@ impl Machine {
         self.core.risk_events = events;
     }
 
-    /// A standby, fenced or lifecycle-held router decides nothing (controller-notes 2.1).
+    /// A standby, fenced or lifecycle-held router decides nothing (controller.md 2.1).
     pub(crate) fn interrupt(&mut self) {
         self.policy.interrupt();
     }
@@ -173,7 +173,7 @@ impl Machine {
         *self.core.risk_events.entry(kind.to_string()).or_default() += 1;
     }
 
-    /// One scheduled monitoring pass (controller-notes 2.2, the controller's stages).
+    /// One scheduled monitoring pass (controller.md 2.2, the controller's stages).
     pub(crate) fn pass(&mut self, now: Now) -> Vec<Command> {
         let mut out = Vec::new();
         self.run_controller(now, true, &mut out);
@@ -188,7 +188,7 @@ impl Machine {
         out
     }
 
-    /// An urgent evaluation (a latched TTFT breach; controller-notes 2.4).
+    /// An urgent evaluation (a latched TTFT breach; controller.md 2.4).
     pub(crate) fn urgent(&mut self, now: Now) -> Vec<Command> {
         let mut out = Vec::new();
         self.run_controller(now, false, &mut out);
@@ -197,7 +197,7 @@ impl Machine {
     }
 
     /// An availability change (an ejection, a hold): only the prefill floor's edges are
-    /// re-evaluated (controller-notes 7.6: on every availability change).
+    /// re-evaluated (controller.md 7.6: on every availability change).
     pub(crate) fn availability(&mut self, now: Now) -> Vec<Command> {
         let mut out = Vec::new();
         self.refresh_floor(now, &mut out);
@@ -215,7 +215,7 @@ impl Machine {
         }
     }
 
-    /// `run_controller` (controller-notes 2.3).
+    /// `run_controller` (controller.md 2.3).
     fn run_controller(&mut self, now: Now, scheduled: bool, out: &mut Vec<Command>) {
         let below = self.core.live(Role::Decode) < self.core.p.min_decode;
         if below {
@@ -250,7 +250,7 @@ impl Machine {
         self.core.demand.residency_sample(now, total);
     }
 
-    /// Decode-floor restoration (controller-notes 7.4).
+    /// Decode-floor restoration (controller.md 7.4).
     fn restore_decode_floor(&mut self, now: Now, out: &mut Vec<Command>) {
         let flipped = self.flip(
             now,
@@ -298,7 +298,7 @@ impl Machine {
         core.roles.flip(&mut ctx, req)
     }
 
-    /// Prefill-floor recovery at the start of every step (controller-notes 7.5); whether it
+    /// Prefill-floor recovery at the start of every step (controller.md 7.5); whether it
     /// moved an engine.
     fn restore_prefill_floor(&mut self, now: Now, out: &mut Vec<Command>) -> bool {
         let p = &self.core.p;
@@ -352,7 +352,7 @@ impl Machine {
         p.panic_ratio > 0.0 && self.panic_sustained >= p.sustained
     }
 
-    /// `observe_control_load` (controller-notes 2.5 (2), section 6 `panic_ratio`).
+    /// `observe_control_load` (controller.md 2.5 (2), section 6 `panic_ratio`).
     fn observe_panic(&mut self, now: Instant) {
         let p = &self.core.p;
         if p.panic_ratio <= 0.0 {
@@ -366,7 +366,7 @@ impl Machine {
         }
     }
 
-    /// `ReactivePolicy.step` with the controller's latch (controller-notes 2.4–2.5).
+    /// `ReactivePolicy.step` with the controller's latch (controller.md 2.4–2.5).
     fn step(&mut self, now: Now, scheduled: bool, out: &mut Vec<Command>) {
         if self.restore_prefill_floor(now, out) {
             self.last_step = now.mono;
@@ -374,7 +374,7 @@ impl Machine {
         }
         self.observe_panic(now.mono);
         let mut recovery = None;
-        // The latch is consumed by any call when armed (controller-notes 2.4).
+        // The latch is consumed by any call when armed (controller.md 2.4).
         if let Some(latch) = self.latch.take()
             && let Some((worst, rid)) = self.core.project_worst(now.mono, &[])
             && worst > self.core.p.ttft_s
@@ -449,7 +449,7 @@ impl Machine {
         }
     }
 
-    /// A request about to wait for a seat (controller-notes 2.4): projects the waiting
+    /// A request about to wait for a seat (controller.md 2.4): projects the waiting
     /// requests FIFO over the live prefill engines; a breach of `slo.ttft_s` arms the latch.
     /// Returns whether the latch was armed or renewed (the driver then runs an urgent pass).
     pub(crate) fn note_prefill_risk(&mut self, now: Instant) -> bool {

@@ -1,4 +1,4 @@
-//! The reactive decision (controller-notes 5): the health hold, the demand gates, the
+//! The reactive decision (controller.md 5): the health hold, the demand gates, the
 //! evidence gate, the steady and departure state, the candidate rows and their admission,
 //! the hold reasons in order, and the confirmations; a chosen move goes through the flip
 //! guards.
@@ -22,7 +22,7 @@ use crate::config::Role;
 use crate::demand::model::Demand;
 
 /// An urgent TTFT recovery: the worst waiting request's projection breaches the TTFT budget
-/// (controller-notes 2.4).
+/// (controller.md 2.4).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Recovery {
     /// The worst waiting request's router id.
@@ -58,7 +58,7 @@ pub(crate) enum Effect {
 }
 
 /// A departure: the short view left the window demand while the fleet was settled
-/// (controller-notes 5.6).
+/// (controller.md 5.6).
 #[derive(Debug, Clone, PartialEq)]
 struct Departure {
     /// +1 toward prefill, −1 toward decode.
@@ -80,7 +80,7 @@ pub(crate) struct Policy {
     departure: Option<Departure>,
 }
 
-/// One candidate row (controller-notes 5.7).
+/// One candidate row (controller.md 5.7).
 #[derive(Debug, Clone)]
 struct Row {
     p: usize,
@@ -110,7 +110,7 @@ fn secs_since(now: Instant, t: Instant) -> f64 {
 
 impl Policy {
     /// Clears `settled_since` and `balanced_since` (a standby, fenced or held router;
-    /// controller-notes 2.1).
+    /// controller.md 2.1).
     pub(crate) fn interrupt(&mut self) {
         self.settled_since = None;
         self.unsettled_since = None;
@@ -121,7 +121,7 @@ impl Policy {
         self.proposal = None;
     }
 
-    /// One evaluation at `now` (controller-notes 5.1–5.10), with `recovery` for an urgent
+    /// One evaluation at `now` (controller.md 5.1–5.10), with `recovery` for an urgent
     /// one and `panic` when the cooldown may be bypassed.
     pub(crate) fn evaluate(
         &mut self,
@@ -724,7 +724,7 @@ struct RowInputs<'a> {
 
 /// Whether a departure along `heading` reverses all recent reactive flips: those within
 /// `window_s + evidence_span_s` all went the other way, the latest at least
-/// `evidence_span_s` old (controller-notes 5.6).
+/// `evidence_span_s` old (controller.md 5.6).
 fn reverses_recent(core: &Core, heading: i8, now: Instant, p: &super::stage::Params) -> bool {
     let horizon = p.window_s + p.evidence.span_s;
     let recent: Vec<_> = core
@@ -742,7 +742,7 @@ fn reverses_recent(core: &Core, heading: i8, now: Instant, p: &super::stage::Par
     recent.iter().all(|f| against(f.to)) && secs_since(now, latest.mono) >= p.evidence.span_s
 }
 
-/// The evidence details of a D→P row (controller-notes 11.1, group 2).
+/// The evidence details of a D→P row (controller.md 11.1, group 2).
 fn evidence_details(d: &mut Details, ev: &Evidence) {
     d.num("evidence_span_s", ev.span_s)
         .set("evidence_arrivals", ev.arrivals)
@@ -759,7 +759,7 @@ fn evidence_details(d: &mut Details, ev: &Evidence) {
         .set("evidence_blocked_gate", ev.gate.as_str());
 }
 
-/// The first hold reason that applies to the reported row (controller-notes 5.9).
+/// The first hold reason that applies to the reported row (controller.md 5.9).
 fn hold_reason(
     r: &Row,
     urgent: bool,

@@ -1,5 +1,5 @@
-//! What the controller reports: its `/narwhal/state` fields (controller-notes 13) and its
-//! Prometheus families (controller-notes 12), both read from the machine under its lock.
+//! What the controller reports: its `/narwhal/state` fields (controller.md 13) and its
+//! Prometheus families (controller.md 12), both read from the machine under its lock.
 //! Every field is live; with the controller off (no profiles) only `controller: "off"` and
 //! the admission families are reported, the rest is absent (docs/http-api.md).
 //!
@@ -50,7 +50,7 @@ fn pool_loads(m: &Machine, now: std::time::Instant) -> (f64, f64) {
 }
 
 impl Controller {
-    /// The controller's `/narwhal/state` fields (controller-notes 13).
+    /// The controller's `/narwhal/state` fields (controller.md 13).
     pub(crate) fn state(&self) -> Map<String, Value> {
         let mut out = Map::new();
         if !self.enabled {
@@ -182,7 +182,7 @@ impl Controller {
         out
     }
 
-    /// The controller's and admission's Prometheus families (controller-notes 12), text
+    /// The controller's and admission's Prometheus families (controller.md 12), text
     /// exposition 0.0.4; `unserved` is the accounting's count.
     pub(crate) fn metrics(&self, unserved: u64) -> String {
         let mut w = Writer::default();

@@ -1,4 +1,4 @@
-//! Role changes (controller-notes 7 and 9.3): the flip guards in their order, the donor
+//! Role changes (controller.md 7 and 9.3): the flip guards in their order, the donor
 //! choice, what an applied flip records (counters, reversals, in-flight residents, the
 //! history and its `drained_s`), the engine-side switch holds, and the prefill floor's breach
 //! edges.
@@ -113,7 +113,7 @@ impl Flipped {
     }
 }
 
-/// One applied flip (controller-notes 13 `flips`).
+/// One applied flip (controller.md 13 `flips`).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Flip {
     /// Wall-clock time.
@@ -136,7 +136,7 @@ pub(crate) struct Flip {
     pub(crate) drained_s: Option<f64>,
 }
 
-/// A refused flip (controller-notes 13 `flips_refused`).
+/// A refused flip (controller.md 13 `flips_refused`).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Refusal {
     /// Wall-clock time.
@@ -151,7 +151,7 @@ pub(crate) struct Refusal {
 const REFUSALS_KEPT: usize = 20;
 
 /// The role-change bookkeeping (see the module doc). Process-local: a new process starts
-/// fresh (the seed's list).
+/// fresh (as handoff-and-lifecycle.md lists).
 #[derive(Debug, Clone)]
 pub(crate) struct RoleChanges {
     settings: Settings,
@@ -173,7 +173,7 @@ pub(crate) struct RoleChanges {
     pub(crate) restoration_moves: u64,
 }
 
-/// The `by:to` series every state starts with (controller-notes 12).
+/// The `by:to` series every state starts with (controller.md 12).
 pub(crate) const SEEDED: [(By, Role); 4] = [
     (By::DecodeFloor, Role::Decode),
     (By::FloorRecovery, Role::Prefill),
@@ -267,7 +267,7 @@ impl RoleChanges {
         }
     }
 
-    /// Flip-path decision counts over configured engines (controller-notes 7.1): the
+    /// Flip-path decision counts over configured engines (controller.md 7.1): the
     /// prefill pool ±1 toward the target.
     fn counts(engines: &[Engine], to: Role) -> (usize, usize) {
         let n = engines.len();
@@ -295,7 +295,7 @@ impl RoleChanges {
 
     /// The donor among live, unpinned source engines after the dwell filter: min (0 if it
     /// still holds residents of the target phase else 1, resident work), ties in config
-    /// order (controller-notes 7.2). `Err` is the refusal reason.
+    /// order (controller.md 7.2). `Err` is the refusal reason.
     fn donor(&self, c: &Ctx<'_>, req: &Request) -> Result<Vec<usize>, String> {
         let source = other(req.to);
         let mut live: Vec<usize> = (0..c.engines.len())
@@ -341,7 +341,7 @@ impl RoleChanges {
         Ok(ranked.into_iter().map(|(_, _, i)| i).collect())
     }
 
-    /// Runs the guards of controller-notes 7.1 in order and applies the move when they pass
+    /// Runs the guards of controller.md 7.1 in order and applies the move when they pass
     /// (7.3): counters, reversal, in-flight residents, the role in `c.engines`, holds
     /// cleared, dwell and cooldown clocks, the history entry.
     pub(crate) fn flip(&mut self, c: &mut Ctx<'_>, req: Request) -> Flipped {
@@ -513,7 +513,7 @@ impl RoleChanges {
         }
     }
 
-    /// Sets `drained_s` on flips whose old-role residents are all gone (controller-notes
+    /// Sets `drained_s` on flips whose old-role residents are all gone (controller.md
     /// 9.3; a flip without residents drains at the next pass).
     pub(crate) fn settle_drains(&mut self, now: Instant, book: &Book) {
         for f in self.history.iter_mut().filter(|f| f.drained_s.is_none()) {
@@ -548,7 +548,7 @@ impl RoleChanges {
     }
 }
 
-/// The prefill floor's breach edges (controller-notes 7.6).
+/// The prefill floor's breach edges (controller.md 7.6).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PrefillFloor {
     min_prefill: usize,

@@ -1,4 +1,4 @@
-//! Pricing a split (controller-notes 4.2–4.4): a [`Snapshot`] of the live fleet's loads and
+//! Pricing a split (controller.md 4.2–4.4): a [`Snapshot`] of the live fleet's loads and
 //! the demand, scored for a candidate number of prefill engines; and the FIFO prefill
 //! projection behind the urgent path.
 //!
@@ -11,7 +11,7 @@
 
 use crate::profile::Profile;
 
-/// The live fleet and its load, captured once per evaluation (controller-notes 4.2).
+/// The live fleet and its load, captured once per evaluation (controller.md 4.2).
 #[derive(Debug, Clone)]
 pub(crate) struct Snapshot {
     /// Live engines.
@@ -52,7 +52,7 @@ pub(crate) struct Snapshot {
     pub(crate) utilization: f64,
 }
 
-/// One priced split (controller-notes 4.3). Ratios are ∞ when the split has no engine of a
+/// One priced split (controller.md 4.3). Ratios are ∞ when the split has no engine of a
 /// role; `objective` is the largest.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Score {
@@ -102,7 +102,7 @@ fn mean(profiles: &[Profile], f: impl Fn(&Profile) -> f64) -> f64 {
 
 impl Snapshot {
     /// `max(prefill_pressure, resident_prefill_s/(P·ttft))` when something is queued and
-    /// P > 0, else the prefill pressure (controller-notes 4.2).
+    /// P > 0, else the prefill pressure (controller.md 4.2).
     pub(crate) fn prefill_recovery_ratio(&self) -> f64 {
         if self.queued_prefill_s > 0.0 && self.prefill > 0 {
             self.prefill_pressure
@@ -113,7 +113,7 @@ impl Snapshot {
     }
 
     /// Scores the split with `p` prefill engines against `prefill_work` and `decode_work`
-    /// (engines of demand; the envelope for p > P) (controller-notes 4.3).
+    /// (engines of demand; the envelope for p > P) (controller.md 4.3).
     pub(crate) fn score(&self, p: usize, prefill_work: f64, decode_work: f64) -> Score {
         let d = self.n.saturating_sub(p);
         let u = self.utilization;
@@ -190,7 +190,7 @@ impl Snapshot {
     }
 }
 
-/// The FIFO prefill projection (controller-notes 4.4): every engine starts at its resident
+/// The FIFO prefill projection (controller.md 4.4): every engine starts at its resident
 /// prefill seconds; waiting requests, in arrival order, go to the engine that finishes them
 /// first. Returns each waiting request's projected TTFT (`waited + completion`), in the order
 /// given; empty when there is no engine.
@@ -242,7 +242,7 @@ mod tests {
         }
     }
 
-    /// controller-notes S1: candidate objective 0.6375 against the current 1.275.
+    /// controller.md S1: candidate objective 0.6375 against the current 1.275.
     #[test]
     fn s1_scores_the_current_split_and_its_neighbour() {
         let s = s1();

@@ -15,7 +15,7 @@ use crate::config::{Config, Role};
 use crate::demand::model::{Demand, DemandModel, PriceInputs};
 use crate::profile::Profile;
 
-/// The controller's settings, read once from the fleet file (controller-notes section 6).
+/// The controller's settings, read once from the fleet file (controller.md section 6).
 #[derive(Debug, Clone)]
 pub(crate) struct Params {
     /// `slo.ttft_s`.
@@ -85,7 +85,7 @@ impl Params {
         }
     }
 
-    /// `step_s · max(confirmations, sustained_intervals)`, seconds (controller-notes 5.3).
+    /// `step_s · max(confirmations, sustained_intervals)`, seconds (controller.md 5.3).
     pub(crate) fn confirmation_s(&self) -> f64 {
         self.step_s * self.confirmations as f64
     }
@@ -197,7 +197,7 @@ impl Core {
         pick(Some(Role::Prefill)).or_else(|| pick(None))
     }
 
-    /// The live fleet and its load now (controller-notes 4.2).
+    /// The live fleet and its load now (controller.md 4.2).
     pub(crate) fn snapshot(&self, now: Instant) -> Snapshot {
         let live: Vec<usize> = (0..self.engines.len())
             .filter(|i| self.engines[*i].live)
@@ -272,7 +272,7 @@ impl Core {
     }
 
     /// Captures the evidence gate with `window` as the long-horizon demand
-    /// (controller-notes 8).
+    /// (controller.md 8).
     pub(crate) fn evidence(&self, now: Instant, window: &Demand) -> Evidence {
         let s = &self.p.evidence;
         let since = self.risk.as_ref().map(|(_, at)| *at);
@@ -297,7 +297,7 @@ impl Core {
 
     /// The worst projected TTFT of the waiting requests on the live prefill engines, plus
     /// `extra` engines (donors), with the rid of that request; `None` without waiting
-    /// requests or when a pool engine has no profile (controller-notes 4.4).
+    /// requests or when a pool engine has no profile (controller.md 4.4).
     pub(crate) fn project_worst(&self, now: Instant, extra: &[usize]) -> Option<(f64, String)> {
         let pool: Vec<usize> = (0..self.engines.len())
             .filter(|i| self.engines[*i].live && self.engines[*i].role == Role::Prefill)

@@ -1,4 +1,4 @@
-//! Pure-core tests of the controller: the conformance scenarios of controller-notes 14 run
+//! Pure-core tests of the controller: the conformance scenarios of controller.md 14 run
 //! against the machine with a fake clock (one pass per simulated second, arrivals and
 //! residents injected directly, as the reference's own values were taken), and every gate,
 //! rule and hold reason in its order.
@@ -271,7 +271,7 @@ fn applied(ds: &[&Value]) -> Vec<(f64, String)> {
         .collect()
 }
 
-/// controller-notes S1: prefill pressure consolidates one engine at a time.
+/// controller.md S1: prefill pressure consolidates one engine at a time.
 #[test]
 fn s1_prefill_pressure_consolidates_one_engine_at_a_time() {
     let mut w = World::new(&["prefill", "decode", "decode", "decode"], json!({}));
@@ -336,7 +336,7 @@ fn s1_prefill_pressure_consolidates_one_engine_at_a_time() {
     assert_eq!(w.m.core.roles.refused_total, 0);
 }
 
-/// controller-notes S2: moves to decode wait for the cooldown (from router start), then the
+/// controller.md S2: moves to decode wait for the cooldown (from router start), then the
 /// fresh p→d risk re-arms the evidence window.
 #[test]
 fn s2_moves_to_decode_wait_for_the_cooldown() {
@@ -381,7 +381,7 @@ fn s2_moves_to_decode_wait_for_the_cooldown() {
     assert_eq!(applied(&w.decisions()).len(), 2, "no third move: 0 < p");
 }
 
-/// controller-notes S3: a first-token timeout re-arms the window; the move comes once a
+/// controller.md S3: a first-token timeout re-arms the window; the move comes once a
 /// new window closed after it.
 #[test]
 fn s3_a_first_token_timeout_rearms_the_evidence_window() {
@@ -405,7 +405,7 @@ fn s3_a_first_token_timeout_rearms_the_evidence_window() {
     assert_eq!(applied(&w.decisions()), [(115.0, "reactive".into())]);
 }
 
-/// controller-notes S4: decode-floor restoration, then the last prefill engine is kept.
+/// controller.md S4: decode-floor restoration, then the last prefill engine is kept.
 #[test]
 fn s4_the_decode_floor_is_restored_from_the_lightest_prefill_engine() {
     let mut w = World::new(
@@ -475,7 +475,7 @@ fn s4_the_decode_floor_is_restored_from_the_lightest_prefill_engine() {
     );
 }
 
-/// controller-notes S5: prefill-floor recovery, with the breach edges.
+/// controller.md S5: prefill-floor recovery, with the breach edges.
 #[test]
 fn s5_the_prefill_floor_is_recovered_without_gates() {
     let mut w = World::new(&["prefill", "decode", "decode", "decode"], json!({}));
@@ -513,7 +513,7 @@ fn s5_the_prefill_floor_is_recovered_without_gates() {
     assert!(w.risk.is_none(), "no risk event");
 }
 
-/// controller-notes S6: no donor: the health hold, and no refusal.
+/// controller.md S6: no donor: the health hold, and no refusal.
 #[test]
 fn s6_without_a_donor_the_fleet_health_hold_applies() {
     let mut w = World::new(
@@ -535,7 +535,7 @@ fn s6_without_a_donor_the_fleet_health_hold_applies() {
     assert!(applied(&w.decisions()).is_empty());
 }
 
-/// controller-notes S7: advisory mode runs every guard and changes nothing.
+/// controller.md S7: advisory mode runs every guard and changes nothing.
 #[test]
 fn s7_advisory_mode_decides_without_moving() {
     let mut w = World::new(
@@ -562,7 +562,7 @@ fn s7_advisory_mode_decides_without_moving() {
     );
 }
 
-/// controller-notes S8: pins, and the decode-resident guard.
+/// controller.md S8: pins, and the decode-resident guard.
 #[test]
 fn s8_pins_and_the_resident_guard_refuse_the_donor() {
     let pinned = json!({"engines": []});
@@ -598,7 +598,7 @@ fn s8_pins_and_the_resident_guard_refuse_the_donor() {
     );
 }
 
-/// controller-notes S9: no adjacent split; demand below the floor.
+/// controller.md S9: no adjacent split; demand below the floor.
 #[test]
 fn s9_no_adjacent_split_and_too_little_demand_hold() {
     let mut w = World::new(&["prefill", "decode"], json!({}));
@@ -617,7 +617,7 @@ fn s9_no_adjacent_split_and_too_little_demand_hold() {
     );
 }
 
-/// controller-notes S10: unknown outputs hold until observed prefill pressure opens the
+/// controller.md S10: unknown outputs hold until observed prefill pressure opens the
 /// recovery path.
 #[test]
 fn s10_incomplete_demand_moves_on_observed_pressure() {
@@ -651,7 +651,7 @@ fn s10_incomplete_demand_moves_on_observed_pressure() {
     assert_eq!(waits, [Some(1), Some(2)]);
 }
 
-/// controller-notes S11: an urgent TTFT recovery cascades once the evidence is closed.
+/// controller.md S11: an urgent TTFT recovery cascades once the evidence is closed.
 #[test]
 fn s11_urgent_recovery_cascades() {
     let mut w = World::new(
@@ -698,7 +698,7 @@ fn s11_urgent_recovery_cascades() {
     );
 }
 
-/// controller-notes S14: rising decode demand blocks consolidation.
+/// controller.md S14: rising decode demand blocks consolidation.
 #[test]
 fn s14_rising_decode_demand_blocks_consolidation() {
     let mut w = World::new(&["prefill", "decode", "decode", "decode"], json!({}));
@@ -736,7 +736,7 @@ fn s14_rising_decode_demand_blocks_consolidation() {
     assert!(trend.iter().all(|(_, t)| t.unwrap_or(0.0) > 1.25));
 }
 
-/// controller-notes S15: flip bookkeeping: in-flight residents, drained_s, reversals.
+/// controller.md S15: flip bookkeeping: in-flight residents, drained_s, reversals.
 #[test]
 fn s15_flip_bookkeeping_tracks_residents_and_reversals() {
     let mut w = World::new(&["prefill", "decode", "decode", "decode"], json!({}));
@@ -773,7 +773,7 @@ fn s15_flip_bookkeeping_tracks_residents_and_reversals() {
     assert_eq!(w.m.core.roles.reversals, 1);
 }
 
-/// controller-notes S13 (the machine's part): a busy SGLang donor is held out of new
+/// controller.md S13 (the machine's part): a busy SGLang donor is held out of new
 /// placements until idle, then switched.
 #[test]
 fn s13_a_busy_engine_side_donor_is_held_until_idle() {
@@ -809,7 +809,7 @@ fn s13_a_busy_engine_side_donor_is_held_until_idle() {
     );
 }
 
-/// The flip guards of controller-notes 7.1, in their order: each case breaks two guards and
+/// The flip guards of controller.md 7.1, in their order: each case breaks two guards and
 /// the earlier one is reported.
 #[test]
 fn flip_guards_refuse_in_their_order() {
@@ -935,7 +935,7 @@ fn flip_guards_refuse_in_their_order() {
 }
 
 /// The panic rule bypasses the cooldown once decode load stayed above panic_ratio·E for
-/// sustained_intervals passes with prefill load at most S (controller-notes section 6).
+/// sustained_intervals passes with prefill load at most S (controller.md section 6).
 #[test]
 fn panic_bypasses_the_cooldown_and_is_counted() {
     let mut w = World::new(
@@ -970,7 +970,7 @@ fn panic_bypasses_the_cooldown_and_is_counted() {
     );
 }
 
-/// controller-notes 5.2: the demand gates' reasons in their order.
+/// controller.md 5.2: the demand gates' reasons in their order.
 #[test]
 fn the_demand_gates_hold_with_their_reasons() {
     // Too few arrivals: insufficient demand history.
@@ -997,7 +997,7 @@ fn the_demand_gates_hold_with_their_reasons() {
     );
 }
 
-/// controller-notes 5.9 reasons 1, 6 and 7: the floors, the profile's domain, KV capacity.
+/// controller.md 5.9 reasons 1, 6 and 7: the floors, the profile's domain, KV capacity.
 #[test]
 fn floors_coverage_and_kv_capacity_hold_the_reported_row() {
     // 1: min_decode 3 leaves no room for a second prefill engine.
@@ -1047,7 +1047,7 @@ fn floors_coverage_and_kv_capacity_hold_the_reported_row() {
     );
 }
 
-/// controller-notes 5.9 reason 9 for a move to decode, and rule `steady_demand` once the
+/// controller.md 5.9 reason 9 for a move to decode, and rule `steady_demand` once the
 /// demand held steady for evidence_span_s with the window closed.
 #[test]
 fn a_source_above_shrink_waits_for_steady_demand() {
@@ -1070,7 +1070,7 @@ fn a_source_above_shrink_waits_for_steady_demand() {
     assert_eq!(applied(&w.decisions()).len(), 1, "{:#?}", w.decisions());
 }
 
-/// controller-notes 5.6: a settled fleet whose short view departs from the window demand
+/// controller.md 5.6: a settled fleet whose short view departs from the window demand
 /// follows it at once (rule `settled_departure`, one confirmation), before the window
 /// demand catches up; afterwards the reverse move is held while the departure leads.
 #[test]

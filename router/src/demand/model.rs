@@ -1,4 +1,4 @@
-//! The demand model (controller-notes 3.2–3.3, 4.1): the five windows fed by the request
+//! The demand model (controller.md 3.2–3.3, 4.1): the five windows fed by the request
 //! path and the monitor, the learned output lengths, and the price of the offered load in
 //! engine equivalents (engine-seconds of work per second) for each phase.
 //!
@@ -28,7 +28,7 @@ pub(crate) struct PriceInputs<'a> {
     pub(crate) correction: f64,
 }
 
-/// The offered load over one horizon (controller-notes 4.1).
+/// The offered load over one horizon (controller.md 4.1).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Demand {
     /// Prefill work, engine equivalents.
@@ -51,7 +51,7 @@ pub(crate) struct Demand {
     pub(crate) horizon_s: f64,
 }
 
-/// Learned output lengths (controller-notes 3.3).
+/// Learned output lengths (controller.md 3.3).
 #[derive(Debug, Clone, Default, PartialEq)]
 struct Learned {
     /// (pow2 input bucket, pow2 wanted bucket) → weighted median of delivered/wanted.
@@ -189,7 +189,7 @@ impl DemandModel {
 
     /// The output a request of `input` tokens wanting `wanted` (0 = not given) is expected to
     /// produce: the learned fraction of `wanted`, or `wanted`; without `wanted` the learned
-    /// median for its input size; 0 when unknown (controller-notes 3.3).
+    /// median for its input size; 0 when unknown (controller.md 3.3).
     pub(crate) fn expected_output(&self, input: u64, wanted: u64) -> u64 {
         let ib = pow2_bucket(input);
         if wanted > 0 {
@@ -210,7 +210,7 @@ impl DemandModel {
             .unwrap_or(self.started)
     }
 
-    /// Prices the demand over `horizon_s` seconds (controller-notes 4.1): prefill =
+    /// Prices the demand over `horizon_s` seconds (controller.md 4.1): prefill =
     /// Σ cohorts `prefill_time·count/span` with the mean cold price over the profiles;
     /// decode = Σ `count/(span·decode_rps)` with `decode_rps` at `(in + out/2, out)`; both
     /// scaled by `(parsed + unsized)/parsed`; decode at least the mean residency over
@@ -317,7 +317,7 @@ impl DemandModel {
         self.arrivals.count_since(since)
     }
 
-    /// Conservative arrival evidence after `cutoff` (controller-notes 8).
+    /// Conservative arrival evidence after `cutoff` (controller.md 8).
     pub(crate) fn evidence(&self, cutoff: Instant) -> (u64, Option<Instant>) {
         self.arrivals.evidence(cutoff)
     }
@@ -374,7 +374,7 @@ mod tests {
         Duration::from_secs_f64(x)
     }
 
-    /// L1 of controller-notes section 14 (2 req/s of 500-token prompts, max_tokens 50) is
+    /// L1 of controller.md section 14 (2 req/s of 500-token prompts, max_tokens 50) is
     /// about 1.02 prefill engines and 0.068 decode engines.
     #[test]
     fn l1_prices_one_prefill_engine_of_work() {
@@ -411,7 +411,7 @@ mod tests {
     }
 
     /// Without max_tokens and before three completions the output is unknown: demand is
-    /// incomplete; three completions teach the median (controller-notes 3.3, S10).
+    /// incomplete; three completions teach the median (controller.md 3.3, S10).
     #[test]
     fn outputs_are_learnt_from_three_completions() {
         let t0 = SystemClock.now();

@@ -1,4 +1,4 @@
-//! Bucketed demand windows (controller-notes 3.2): each bucket keeps one cohort per distinct
+//! Bucketed demand windows (controller.md 3.2): each bucket keeps one cohort per distinct
 //! shape (up to `max_shapes`, then one merged overflow cohort), with the count and the first
 //! and last observation of the shape in that bucket.
 //!
@@ -135,7 +135,7 @@ impl<K: Ord + Clone> Window<K> {
         self.rows(since).map(|(_, c)| c.count).sum()
     }
 
-    /// Conservative evidence after `cutoff` (controller-notes 3.2): a cohort wholly after it
+    /// Conservative evidence after `cutoff` (controller.md 3.2): a cohort wholly after it
     /// counts in full, a straddling one counts 1; with the oldest counted observation (the
     /// cohort's first, or its last when it straddles).
     pub(crate) fn evidence(&self, cutoff: Instant) -> (u64, Option<Instant>) {

@@ -1,7 +1,7 @@
-//! The standby's decisions, sans IO (seed "HA handoff"; reference-notes 2.9; DESIGN.md 9.6;
-//! issue 13): watch the lease store, follow the router that controls the fleet, take over as
-//! soon as its lease lapsed, apply the newest state, re-check identities, and give the lease
-//! back when anything fails.
+//! The standby's decisions, sans IO (handoff-and-lifecycle.md, "HA handoff"; behaviour.md 2.9;
+//! architecture.md 9.6; ha-and-fencing.md): watch the lease store, follow the router that controls
+//! the fleet, take over as soon as its lease lapsed, apply the newest state, re-check identities,
+//! and give the lease back when anything fails.
 //!
 //! ```text
 //!  tick ──► Observe (lease record + the handoff published beside it)
@@ -19,7 +19,7 @@
 //! lapsed record (the driver wakes at the record's `expires_at`), so a primary that stopped
 //! answering (`SIGSTOP`) is replaced as fast as one that died (`kill -9`); the reference waited
 //! for N missed polls, each as long as the poll timeout when the primary is stopped. The state
-//! applied is the newest the fleet had: the last controller's published handoff (issue 13:
+//! applied is the newest the fleet had: the last controller's published handoff (ha-and-fencing.md:
 //! every acknowledged lifecycle action and every total shown is in it), this router's own
 //! memory when nobody held the lease after it, or (a reference primary that publishes
 //! nothing) the copy polled over HTTP.
@@ -134,7 +134,7 @@ pub(crate) enum Step {
     },
 }
 
-/// The reference's reason for a retained handoff older than the lease (reference-notes 2.9):
+/// The reference's reason for a retained handoff older than the lease (behaviour.md 2.9):
 /// the document's epoch `doc` and the epoch a claim would get, `claim`.
 pub(crate) fn stale_handoff(doc: u64, claim: u64) -> String {
     format!("handoff epoch {doc} cannot precede claimed epoch {claim}")
@@ -142,9 +142,9 @@ pub(crate) fn stale_handoff(doc: u64, claim: u64) -> String {
 
 /// The reason a router with outdated state stays out (found by ha_e2e: a fenced primary took
 /// the fleet back after the new primary died, with its pre-takeover counters and without the
-/// new primary's drain of an engine, which then got traffic again). Since issue 13 it only
-/// applies when the router that held the lease after it published nothing (a reference
-/// router): otherwise its published state is taken over.
+/// new primary's drain of an engine, which then got traffic again). Since the handoff is
+/// published beside the lease it only applies when the router that held the lease after it
+/// published nothing (a reference router): otherwise its published state is taken over.
 pub(crate) fn stale_state(own: u64, newer: u64) -> String {
     format!(
         "stale state: another router controlled the fleet at epoch {newer} after this router's \
@@ -720,7 +720,7 @@ pub(crate) mod tests {
         );
     }
 
-    /// Issue 13: a fenced primary that sees another router's live lease is a standby that
+    /// ha-and-fencing.md: a fenced primary that sees another router's live lease is a standby that
     /// names the controller (it follows the published copy, or just the record); when that
     /// router dies it takes the fleet over with the newer router's published state, never
     /// its own stale memory.

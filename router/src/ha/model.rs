@@ -1,7 +1,7 @@
-//! A property test over the HA machine (issue 13, section 2): two routers sharing one lease
-//! store and the fleet's agents, run through random interleavings of lease renewals, lease
-//! reads, standby ticks, lifecycle work calling agents, client reads, acknowledged actions,
-//! pauses (`SIGSTOP`) and kills, on a simulated clock.
+//! A property test over the HA machine (ha-and-fencing.md; docs/ha.md, "Failover without
+//! loss"): two routers sharing one lease store and the fleet's agents, run through random
+//! interleavings of lease renewals, lease reads, standby ticks, lifecycle work calling agents,
+//! client reads, acknowledged actions, pauses (`SIGSTOP`) and kills, on a simulated clock.
 //!
 //! The routers are built from the product's own pure parts: the lease core
 //! ([`Lease`]: claim, renew, publish guard, validity), the standby machine ([`Standby`]:
@@ -45,7 +45,7 @@ const CHECK_MAX_MS: u64 = 300;
 /// How long a run goes on after its last fault, ms.
 const SETTLE_MS: u64 = 6000;
 
-/// Which rules bind work to an epoch: the product's, or the ones before issue 13 (a
+/// Which rules bind work to an epoch: the product's, or the ones before epoch scopes (a
 /// `stale_epoch` answer fenced the phase whatever the call's epoch, the renewal went on, and
 /// lifecycle work kept calling agents after the fence).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -642,7 +642,7 @@ impl World {
                 2 => self.work(i),
                 3 => {
                     // `ha::supervise`: control ended; the renewal stops and the standby loop
-                    // starts. Before issue 13 only a lost renewal did that.
+                    // starts. Before epoch scopes only a lost renewal did that.
                     if self.routers[i].mode == Mode::Fenced
                         && (self.rules == Rules::EpochBound || !self.routers[i].renewing)
                     {
@@ -754,7 +754,8 @@ fn fault() -> impl Strategy<Value = Fault> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
-    /// Issue 13, section 2, as a property over random interleavings.
+    /// One controller, nothing acknowledged lost (ha-and-fencing.md), as a property over
+    /// random interleavings.
     #[test]
     fn the_fleet_has_one_controller_and_loses_nothing_under_pauses_and_kills(
         faults in proptest::collection::vec(fault(), 1..5),
@@ -765,10 +766,10 @@ proptest! {
     }
 }
 
-/// The campaign's incident, replayed (issue 13, section 2): the primary is stopped for 2.01 s
+/// The fault campaign's incident, replayed (docs/ha.md): the primary is stopped for 2.01 s
 /// right after a renewal while its lifecycle work runs, and the standby is stopped a little
 /// longer. The primary resumes first, finds its lease lapsed, and claims epoch 2 for itself.
-/// Under the rules before issue 13 its interrupted work went on under epoch 1, got
+/// Under the rules before epoch scopes its interrupted work went on under epoch 1, got
 /// `stale_epoch` once the agents learnt epoch 2, fenced the router, and the renewal went on:
 /// the standby followed a lease nobody acted under, and the fleet had no controller. The
 /// property above must catch that (so it can fail); under the product's rules the same

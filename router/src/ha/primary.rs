@@ -1,5 +1,5 @@
 //! The primary's lease loop: the claim at startup, the renewal (ahead of expiry, from the
-//! claim on) and the fence when a renewal is lost (reference-notes 3.3, 3.4; DESIGN.md 9.6).
+//! claim on) and the fence when a renewal is lost (behaviour.md 3.3, 3.4; architecture.md 9.6).
 //!
 //! ```text
 //!  startup ──claim──► Active ──renew every renew_interval──► ... ──lost──► fence (at once)
@@ -111,9 +111,9 @@ pub(crate) fn renew(parts: &Arc<Parts>, pending: bool, stop: &CancellationToken)
 }
 
 /// Startup of a primary with a lease backend: claims the lease and keeps it (`Ok`), or
-/// publishes why not (`Err`: the router then waits as a standby, DESIGN.md 9.6). With
+/// publishes why not (`Err`: the router then waits as a standby, architecture.md 9.6). With
 /// `resume`, a handoff published beside the lease record by a router that controlled the
-/// fleet after this router's state file was written is applied over it (issue 13: whoever
+/// fleet after this router's state file was written is applied over it (ha-and-fencing.md: whoever
 /// takes over reads the newest state).
 pub(crate) async fn claim_at_startup(
     parts: &Arc<Parts>,
@@ -127,7 +127,8 @@ pub(crate) async fn claim_at_startup(
             if resume {
                 resume_newer_published(parts, epoch).await;
             }
-            // Published under the new epoch before anything is decided under it (issue 13).
+            // Published under the new epoch before anything is decided under it
+            // (ha-and-fencing.md).
             if let Err(e) = crate::handoff::publish(parts, true).await {
                 tracing::warn!(error = %e, "handoff not published at startup; the writer retries");
             }
@@ -176,7 +177,7 @@ async fn resume_newer_published(parts: &Arc<Parts>, epoch: u64) {
 /// Startup of a primary with agents: hold readiness (`ValidatingIdentities`) while every
 /// engine's identity is checked through its agent (in the background, so the listeners are
 /// up meanwhile), then release the hold unless something else replaced it
-/// (reference-notes 1.2, 4.10).
+/// (behaviour.md 1.2, 4.10).
 pub(crate) fn hold_until_identities_checked(parts: Arc<Parts>) {
     parts.ha.begin_identity_check();
     tokio::spawn(async move {
@@ -189,7 +190,7 @@ pub(crate) fn hold_until_identities_checked(parts: Arc<Parts>) {
 mod tests {
     use super::*;
 
-    /// Issue 13: a primary restarted with `--resume` after another router controlled the
+    /// ha-and-fencing.md: a primary restarted with `--resume` after another router controlled the
     /// fleet takes that router's published handoff (newer than its own state file); without
     /// `--resume` it starts fresh, as the reference does.
     #[tokio::test]

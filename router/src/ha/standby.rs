@@ -1,6 +1,6 @@
-//! The warm standby's driver (reference-notes 2.9, with DESIGN.md 9.6: it never stops for
-//! good; issue 13): every interval, and at the moment the controller's lease record lapses,
-//! it asks the pure [`Standby`] machine what to do and performs it — read the lease store,
+//! The warm standby's driver (behaviour.md 2.9, with architecture.md 9.6: it never stops for
+//! good; ha-and-fencing.md): every interval, and at the moment the controller's lease record
+//! lapses, it asks the pure [`Standby`] machine what to do and performs it — read the lease store,
 //! follow the controller's published handoff (or poll a primary that publishes none),
 //! persist the retained copy, claim, apply and publish, re-check identities, commit or give
 //! the lease back.
@@ -337,7 +337,7 @@ impl StandbyIo for Live<'_> {
             (Source::Memory { .. }, _) => {}
         }
         // Published under the new epoch before anything else happens under it: the store's
-        // document is always the newest state of the record's epoch (issue 13).
+        // document is always the newest state of the record's epoch (ha-and-fencing.md).
         crate::handoff::publish(self.parts, true)
             .await
             .map(|_| ())
@@ -412,7 +412,7 @@ async fn poll(parts: &Parts, http: &reqwest::Client, primary: &str) -> Poll {
     let h = match Handoff::from_value(doc) {
         Ok(h) => h,
         Err(e @ HandoffError::ContractVersion { .. }) => {
-            // The reference stops here for good (reference-notes 11.8); we keep polling.
+            // The reference stops here for good (behaviour.md 11.8); we keep polling.
             return Poll::Miss(format!("primary speaks another handoff contract: {e}"));
         }
         Err(e) => return Poll::Miss(format!("invalid handoff: {e}")),
@@ -550,7 +550,7 @@ mod tests {
             "the identity check needs control of the fleet"
         );
         assert_eq!(r.reason, IDENTITY_PENDING);
-        // Not fenced: it holds the lease (reference-notes 1.4 order gives `degraded`).
+        // Not fenced: it holds the lease (behaviour.md 1.4 order gives `degraded`).
         assert_eq!(crate::documents::health(sh)["status"], "degraded");
         assert_eq!(sh.ha.lease().release().await.ok(), Some(true));
         sh.ha.publish(HaPhase::Shadowing);
@@ -585,7 +585,7 @@ mod tests {
         );
     }
 
-    /// Issue 13: the standby takes over from the handoff the primary published beside its
+    /// ha-and-fencing.md: the standby takes over from the handoff the primary published beside its
     /// lease record, the newest one; an epoch claimed by another router between the
     /// published copy and the claim makes it stale, one this router gave back does not.
     #[tokio::test]

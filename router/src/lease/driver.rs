@@ -1,8 +1,8 @@
 //! The lease driver: owns the store, the pure [`Lease`] core and the clock; claims, renews
 //! ahead of expiry, fences at once on a lost renewal, releases at shutdown
-//! (reference-notes 3.3 and 3.4; DESIGN.md section 7 and departure 9.6).
+//! (behaviour.md 3.3 and 3.4; architecture.md section 7 and departure 9.6).
 //!
-//! Clock discipline (STYLE.md section 3): before each write the driver reads the monotonic
+//! Clock discipline: before each write the driver reads the monotonic
 //! `started` instant and the wall time; validity runs from `started`, so a slow write only
 //! shortens it. The router asks [`LeaseDriver::control`] on every decision that needs
 //! control (placement, lifecycle POSTs, agent calls); it turns `Fenced` as soon as local
@@ -28,7 +28,7 @@ use super::{
 use crate::config::{LeaseBackend, LeaseSection};
 
 /// A fresh holder token `<router-id>:<32 lowercase hex>`, unique per process
-/// (reference-notes 3.1).
+/// (behaviour.md 3.1).
 pub fn holder_token(router_id: &str) -> String {
     format!("{router_id}:{:032x}", rand::random::<u128>())
 }

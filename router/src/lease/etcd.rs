@@ -1,4 +1,4 @@
-//! etcd lease backend (`lease.backend = "etcd"`; DESIGN.md section 7), for routers on
+//! etcd lease backend (`lease.backend = "etcd"`; architecture.md section 7), for routers on
 //! different hosts.
 //!
 //! Two keys:
@@ -9,7 +9,7 @@
 //!   advances after `<key>` vanished;
 //! - `<key>/handoff`: the holder's published handoff document, with no etcd lease (it must
 //!   outlive its writer), written only by a transaction guarded by the record's
-//!   `mod_revision` after the record was checked to be the writer's (issue 13).
+//!   `mod_revision` after the record was checked to be the writer's (ha-and-fencing.md).
 //!
 //! Every write is one transaction that compares the `mod_revision` of both keys (or their
 //! absence, `version == 0`) with what was read, so two routers can never both win. A record
@@ -27,8 +27,9 @@
 //! `/v3/lease/revoke`, `/v3/auth/authenticate`; etcd's `api_grpc_gateway` guide), over the
 //! reqwest + rustls client the router already uses, rather than gRPC through `etcd-client`:
 //!
-//! - **build**: no protobuf code generation, so no `protoc` on the build machine (issue 10,
-//!   section 4), and tonic, prost and their build scripts leave the dependency tree;
+//! - **build**: no protobuf code generation, so no `protoc` on the build machine (a fresh
+//!   machine builds with cargo alone), and tonic, prost and their build scripts leave the
+//!   dependency tree;
 //! - **fencing fidelity**: the gateway is a translation layer inside the etcd process, in front
 //!   of the same KV, Lease and Auth services; the compare-and-swap transactions, lease TTLs and
 //!   revision guards are evaluated by the same server code as for a gRPC client;

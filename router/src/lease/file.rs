@@ -1,6 +1,6 @@
 //! File lease backend: an exclusive `flock` on `<path>.lock` around every read-decide-write,
-//! and the `narwhal.router-lease` record replaced atomically and durably (reference-notes 3.2
-//! and 3.3; DESIGN.md 9.9 adds the fsyncs the reference lacks, 11.16).
+//! and the `narwhal.router-lease` record replaced atomically and durably (behaviour.md 3.2
+//! and 3.3; architecture.md 9.9 adds the fsyncs the reference lacks, 11.16).
 //!
 //! The lock is `flock(LOCK_EX)` (std's [`std::fs::File::try_lock`]), so a Python reference
 //! router on the same file interoperates. It is taken non-blocking and retried for up to
@@ -370,9 +370,9 @@ mod tests {
         assert!(leftovers.is_empty(), "temp files left: {leftovers:?}");
     }
 
-    /// Issue 13: only the live holder publishes its handoff beside the record; a successor's
-    /// claim makes every later publish of the old holder fail, and the successor reads what
-    /// was published before its claim.
+    /// ha-and-fencing.md: only the live holder publishes its handoff beside the record; a
+    /// successor's claim makes every later publish of the old holder fail, and the successor reads
+    /// what was published before its claim.
     #[tokio::test]
     async fn only_the_live_holder_publishes_and_a_successor_reads_it() {
         let (_dir, store) = setup();

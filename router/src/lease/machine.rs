@@ -1,5 +1,5 @@
 //! The router lease core: who controls the fleet, under which epoch, until when
-//! (seed "HA handoff"; reference-notes 3; DESIGN.md section 7).
+//! (handoff-and-lifecycle.md, "HA handoff"; behaviour.md 3; architecture.md section 7).
 //!
 //! Pure: the backends (file, etcd) read and write [`LeaseRecord`]s; this core decides what to
 //! write and whether the router still holds a valid lease. Validity runs from the monotonic
@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 pub const LEASE_SCHEMA: &str = "narwhal.router-lease";
 
 /// The lease record a backend stores (schema `narwhal.router-lease` version 1;
-/// reference-notes 3.2). Times are wall-clock Unix seconds.
+/// behaviour.md 3.2). Times are wall-clock Unix seconds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LeaseRecord {
@@ -135,7 +135,7 @@ pub enum LeaseLoss {
     Unavailable(String),
 }
 
-/// Whether this router drives the fleet (`router.controls_fleet`, DESIGN.md 9.1).
+/// Whether this router drives the fleet (`router.controls_fleet`, architecture.md 9.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Control {
     /// Holds a valid lease (or runs without fencing).
@@ -214,7 +214,7 @@ impl Lease {
     }
 
     /// Decides a claim against the `current` record read under the backend's lock
-    /// (reference-notes 3.3): an unexpired record of another holder wins; our own keeps its
+    /// (behaviour.md 3.3): an unexpired record of another holder wins; our own keeps its
     /// epoch; an absent or expired one is taken at epoch + 1.
     pub fn claim(&self, current: Option<&LeaseRecord>, now_wall: f64) -> Claim {
         let epoch = match current {
@@ -281,7 +281,7 @@ impl Lease {
     /// Decides whether this router may publish its handoff next to `current` (read under the
     /// backend's lock) at `now_wall`: the record must be ours at our epoch and unexpired, as
     /// for a renewal, so a document published under epoch E is always the newest state of E
-    /// and can never land after a successor's claim (issue 13: an acknowledged lifecycle
+    /// and can never land after a successor's claim (ha-and-fencing.md: an acknowledged lifecycle
     /// action is durable where the successor reads). Nothing is fenced here: the driver does.
     ///
     /// # Errors

@@ -1,5 +1,5 @@
 //! The agent registry: one mutual-TLS client per distinct engine agent, indexed by engine
-//! (DESIGN.md section 4), and what an agent's error means for this router's control.
+//! (architecture.md section 4), and what an agent's error means for this router's control.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -94,10 +94,10 @@ impl Agents {
 
 /// An agent's error to a call made under epoch `epoch`, as one line. An agent that saw a
 /// newer epoch than the one held now proves another router took over: this one fences itself
-/// at once and stops renewing (DESIGN.md section 3, fencing reaches the hosts), with the cause
-/// as its `/ready` reason ([`stale_epoch_reason`]). A late `stale_epoch` answer to a call of an
-/// epoch that already ended fences nothing (issue 13: such answers fenced a router that had
-/// just claimed the next epoch).
+/// at once and stops renewing (architecture.md section 3, fencing reaches the hosts), with the
+/// cause as its `/ready` reason ([`stale_epoch_reason`]). A late `stale_epoch` answer to a call of
+/// an epoch that already ended fences nothing (ha-and-fencing.md: such answers fenced a router that
+/// had just claimed the next epoch).
 pub(crate) fn agent_error(ha: &Ha, epoch: u64, e: AgentClientError) -> String {
     if let AgentClientError::StaleEpoch {
         agent_id,
@@ -119,7 +119,7 @@ pub(crate) fn agent_error(ha: &Ha, epoch: u64, e: AgentClientError) -> String {
 /// Why work of `scope` may not call an agent now, if it may not: control under its epoch
 /// ended (a fence, a lapse, the standby loop). Checked before every agent call of lifecycle
 /// work, so work started under one epoch never reaches an agent after that epoch ended, nor
-/// under a later one (issue 13).
+/// under a later one (ha-and-fencing.md).
 pub(crate) fn ended(ha: &Ha, scope: &EpochScope) -> Option<String> {
     (!ha.live(scope)).then(|| {
         format!(
@@ -129,10 +129,10 @@ pub(crate) fn ended(ha: &Ha, scope: &EpochScope) -> Option<String> {
     })
 }
 
-/// The `/ready` reason of a router fenced by an agent's `409 stale_epoch` (issue 14 section
-/// 2): which agent, the epoch it accepted, the one this router presented, and what to do.
-/// Without a lease (`lease.backend` `none`, epoch 0) the usual cause is an agent that served
-/// an HA pair before: its fence is reset with `narwhal-agent fence reset` (docs/operate.md).
+/// The `/ready` reason of a router fenced by an agent's `409 stale_epoch`: which agent, the epoch
+/// it accepted, the one this router presented, and what to do. Without a lease (`lease.backend`
+/// `none`, epoch 0) the usual cause is an agent that served an HA pair before: its fence is reset
+/// with `narwhal-agent fence reset` (docs/operate.md).
 pub(crate) fn stale_epoch_reason(
     agent_id: &str,
     sent: u64,

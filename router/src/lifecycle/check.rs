@@ -1,5 +1,5 @@
-//! What one readmission check can find (seed "Readmitting engines"; reference-notes 4.8):
-//! the typed failure of a check, and the three-valued evidence of a KV transfer.
+//! What one readmission check can find (handoff-and-lifecycle.md, "Readmitting engines";
+//! behaviour.md 4.8): the typed failure of a check, and the three-valued evidence of a KV transfer.
 
 /// How a KV transfer is known to have happened (or not), as the consuming engine's agent
 /// judged it from the engine's own counters and the decode leg: `Confirmed` (a transfer counter
@@ -8,7 +8,7 @@
 /// agent (`narwhal_shared::agent_protocol::TransferVerdict`); read through
 /// [`narwhal_shared::TransferEvidence::judged`], which also reads older agents' two-valued
 /// `transferred`. "No record" is never "failed": `Inferred` passes the fabric check
-/// (docs/agent.md, "Transfer evidence"; issue 10 section 1).
+/// (docs/agent.md, "Transfer evidence").
 pub use narwhal_shared::agent_protocol::TransferVerdict as KvEvidence;
 
 /// Why one check could not pass. Each names what failed; validation prefixes the check.
@@ -121,7 +121,7 @@ mod tests {
         }
     }
 
-    /// "No record" is its own case, never read as a failed transfer (issues 8 and 10): an
+    /// "No record" is its own case, never read as a failed transfer (docs/agent.md): an
     /// inferred transfer passes the fabric check, a refuted one does not, and an older agent's
     /// two-valued `transferred` is read the same way.
     #[test]

@@ -1,6 +1,7 @@
 //! The readmission checks as the router runs them: `/health` through the engine client,
-//! everything else through the engine's agent, signed and verified (seed "Readmitting
-//! engines"; DESIGN.md section 4 and 9.7). [`validation`](super::validation) sequences them.
+//! everything else through the engine's agent, signed and verified (handoff-and-lifecycle.md,
+//! "Readmitting engines"; architecture.md section 4 and 9.7). [`validation`](super::validation)
+//! sequences them.
 
 use std::sync::Arc;
 
@@ -17,7 +18,7 @@ use crate::upstream::Upstream;
 
 /// [`Checks`] through the router's engine client (health) and the agents (everything signed),
 /// all under the epoch the validation began in (its [`EpochScope`]): every check first makes
-/// sure control under that epoch has not ended (issue 13).
+/// sure control under that epoch has not ended (ha-and-fencing.md).
 pub(crate) struct AgentChecks<'a> {
     pub(crate) cfg: &'a Config,
     pub(crate) agents: &'a Agents,

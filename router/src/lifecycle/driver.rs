@@ -1,7 +1,7 @@
 //! The lifecycle driver: the HTTP actions (`GET /narwhal/lifecycle`, `POST .../drain`,
 //! `POST .../readmit`), readmission validation through the agents, the drain-deadline and
-//! resident-change timer, and recovery of breaker-ejected engines (seed "Lifecycle API";
-//! DESIGN.md 9.2–9.7).
+//! resident-change timer, and recovery of breaker-ejected engines (handoff-and-lifecycle.md,
+//! "Lifecycle API"; architecture.md 9.2–9.7).
 //!
 //! ```text
 //!  POST drain ──request::parse_drain──► machine.begin ──commit──► capture identities
@@ -14,8 +14,8 @@
 //!
 //! One lifecycle action runs at a time (`serial`, held across the agent calls); the pure
 //! machine is only touched through the [`Executor`]. Every action runs under the
-//! [`EpochScope`] of the epoch it was accepted in (issue 13): its agent calls carry that epoch,
-//! it stops when control under it ends, and it never acts under a later one. A router that
+//! [`EpochScope`] of the epoch it was accepted in (ha-and-fencing.md): its agent calls carry that
+//! epoch, it stops when control under it ends, and it never acts under a later one. A router that
 //! does not control the fleet shows no actionable lifecycle state (no `ready_to_stop`) and
 //! names the router that does, when known.
 
@@ -135,12 +135,12 @@ impl LifecycleDriver {
     }
 
     /// Wakes at the next drain deadline, when a drain starts, and when a held engine's
-    /// resident count changes, and re-evaluates drain progress (DESIGN.md 9.4).
+    /// resident count changes, and re-evaluates drain progress (architecture.md 9.4).
     pub(crate) async fn run_timer(&self, stop: CancellationToken) {
         loop {
             if !self.ha().controls_fleet() {
-                // Drain progress is the controlling router's to decide (issue 13): wait for a
-                // change of HA phase (or a second, for a lapse the phase did not show yet).
+                // Drain progress is the controlling router's to decide (ha-and-fencing.md): wait
+                // for a change of HA phase (or a second, for a lapse the phase did not show yet).
                 let mut phase = self.ha().subscribe();
                 tokio::select! {
                     _ = stop.cancelled() => return,
@@ -170,8 +170,8 @@ impl LifecycleDriver {
         }
     }
 
-    /// The lifecycle document, schema `narwhal.lifecycle` (seed "Lifecycle API"), with
-    /// `error` (`""` on success).
+    /// The lifecycle document, schema `narwhal.lifecycle` (handoff-and-lifecycle.md, "Lifecycle
+    /// API"), with `error` (`""` on success).
     pub(crate) fn document(&self, error: &str) -> Value {
         let gate = self.gate.view();
         let lc = self.exec.lock();
@@ -225,12 +225,12 @@ impl LifecycleDriver {
             .collect()
     }
 
-    /// The durable part for the handoff (reference-notes 2.1 `lifecycle`).
+    /// The durable part for the handoff (behaviour.md 2.1 `lifecycle`).
     pub(crate) fn export(&self) -> narwhal_shared::handoff::LifecycleState {
         self.exec.lock().export()
     }
 
-    /// Restores a handoff's lifecycle part and applies its holds (reference-notes 4.13).
+    /// Restores a handoff's lifecycle part and applies its holds (behaviour.md 4.13).
     ///
     /// # Errors
     /// [`RestoreError`] naming the offending record; nothing changes then.
@@ -257,8 +257,8 @@ impl LifecycleDriver {
         }
     }
 
-    /// `POST /narwhal/lifecycle/drain` (seed "Draining engines"; reference-notes 1.10,
-    /// 4.3–4.4).
+    /// `POST /narwhal/lifecycle/drain` (handoff-and-lifecycle.md, "Draining engines"; behaviour.md
+    /// 1.10, 4.3–4.4).
     pub(crate) async fn drain(&self, body: Bytes) -> Reply {
         let (req, scope) = match self.accept(parse_drain(&body)) {
             Ok(r) => r,
@@ -266,7 +266,7 @@ impl LifecycleDriver {
         };
         // An engine without an agent could be held out but never bound to a process identity,
         // so it could never be readmitted: refuse the drain instead of wedging it
-        // (DESIGN.md 9.2).
+        // (architecture.md 9.2).
         let mut agentless: Vec<&str> = self
             .cfg
             .engines
@@ -305,7 +305,7 @@ impl LifecycleDriver {
             }
         };
         self.wake.notify_one();
-        // Every target is out of placement now; record identities (DESIGN.md section 4).
+        // Every target is out of placement now; record identities (architecture.md section 4).
         let captured = futures_util::future::join_all(
             plan.capture
                 .iter()
@@ -355,7 +355,7 @@ impl LifecycleDriver {
 
     /// Adds `warnings` to a drain's 200 document: a drained engine that was its role's only
     /// live engine leaves the fleet serving aggregated (or, for SGLang without a decode
-    /// engine, not at all) until one returns (issue 14 section 4; [`sole_engine_warning`]).
+    /// engine, not at all) until one returns (docs/operate.md; [`sole_engine_warning`]).
     fn add_drain_warnings(&self, targets: &[String], doc: &mut Value) {
         let fleet = self.fleet();
         let warnings: Vec<String> = fleet.read(|state| {
@@ -378,8 +378,8 @@ impl LifecycleDriver {
         }
     }
 
-    /// `POST /narwhal/lifecycle/readmit` (seed "Readmitting engines"; reference-notes 1.10,
-    /// 4.7–4.8).
+    /// `POST /narwhal/lifecycle/readmit` (handoff-and-lifecycle.md, "Readmitting engines";
+    /// behaviour.md 1.10, 4.7–4.8).
     pub(crate) async fn readmit(&self, body: Bytes) -> Reply {
         let (req, scope) = match self.accept(parse_readmit(&body)) {
             Ok(r) => r,
@@ -420,14 +420,14 @@ impl LifecycleDriver {
         self.finish(&targets, report, "operator", &scope).await
     }
 
-    /// `POST /narwhal/lifecycle/cancel-drain` (ours, issue 14 section 4; docs/deviations.md):
+    /// `POST /narwhal/lifecycle/cancel-drain` (ours; docs/deviations.md):
     /// an engine drained by mistake returns to service without a restart. Body
     /// `{"engines": ["e0"]}`. The engine must be held by an individual drain that recorded its
     /// process; it is validated through the readmission checks with no restart required
     /// (`process identity` instead of `new process identity`) and must still be that process.
     /// 200: back in placement (`drain_cancelled` event); 409: a rule, or the checks failed (the
-    /// engine stays `blocked`, restart-required: a restart and the seed's readmission, or
-    /// another cancel, bring it back); 503: not in control.
+    /// engine stays `blocked`, restart-required: a restart and the readmission of
+    /// handoff-and-lifecycle.md, or another cancel, bring it back); 503: not in control.
     pub(crate) async fn cancel_drain(&self, body: Bytes) -> Reply {
         let (req, scope) = match self.accept(parse_readmit(&body)) {
             Ok(r) => r,
@@ -541,8 +541,8 @@ impl LifecycleDriver {
         })
     }
 
-    /// The role check of a flipped engine (ours, issue 12): the readmission checks, without
-    /// a restart, against engine `i` in its new router role, so the KV-transfer check pairs
+    /// The role check of a flipped engine (ours; docs/deviations.md): the readmission checks,
+    /// without a restart, against engine `i` in its new router role, so the KV-transfer check pairs
     /// it with a live engine of the other role. The engine is held (a recovery record,
     /// `validating`) while they run; a failure leaves it held, `blocked` with the error.
     /// Returns the checks passed, or the error.
@@ -644,7 +644,7 @@ impl LifecycleDriver {
     }
 
     /// Applies a validation report: readmit on success, block every candidate on failure,
-    /// eject peers whose process changed (reference-notes 4.7; DESIGN.md 9.7).
+    /// eject peers whose process changed (behaviour.md 4.7; architecture.md 9.7).
     ///
     /// Before a passing SGLang prefill engine returns to placement, its bootstrap port is
     /// read again (`/server_info`) while it is still held, so no request is placed with a
@@ -754,7 +754,7 @@ impl LifecycleDriver {
 
     /// Recovery of a breaker-ejected engine whose health probe passed: validate the running
     /// process through the same checks (no restart required) and readmit it; under
-    /// `whole_wave` an ejection instead requires a whole-wave restart (reference-notes 4.9).
+    /// `whole_wave` an ejection instead requires a whole-wave restart (behaviour.md 4.9).
     /// Returns whether the engine is back in placement.
     pub(crate) async fn recover(&self, i: usize) -> bool {
         let Ok(_serial) = self.serial.try_lock() else {
@@ -786,7 +786,7 @@ impl LifecycleDriver {
         status == StatusCode::OK
     }
 
-    /// Under `whole_wave`, an ejection requires a whole-wave restart (reference-notes 4.9).
+    /// Under `whole_wave`, an ejection requires a whole-wave restart (behaviour.md 4.9).
     pub(crate) fn enforce_whole_wave(&self) {
         if self.cfg.recovery.engine_restart_policy != RestartPolicy::WholeWave
             || !self.ha().controls_fleet()
@@ -822,7 +822,7 @@ impl LifecycleDriver {
 
     /// `--resume` refused the state file. With an agent on every engine the fleet's
     /// processes can be re-verified, so (as the reference does with a contract,
-    /// reference-notes 2.8) every engine is held in a restart-required wave: the operator
+    /// behaviour.md 2.8) every engine is held in a restart-required wave: the operator
     /// drains the wave, restarts, readmits. Without agents the router serves with fresh state
     /// and reports the reason in `/narwhal/state.ha.resume`.
     pub(crate) fn resume_refused(&self, reason: &str) {
@@ -835,7 +835,7 @@ impl LifecycleDriver {
         self.exec.commit(&mut lc);
     }
 
-    /// Checks every engine's process identity through its agent (reference-notes 4.10): at
+    /// Checks every engine's process identity through its agent (behaviour.md 4.10): at
     /// startup and after a takeover ([`check_identities`]).
     pub(crate) async fn check_identities(&self) {
         let Some(scope) = self.ha().scope() else {
@@ -845,8 +845,8 @@ impl LifecycleDriver {
     }
 }
 
-/// The lifecycle document of a router that does not control the fleet (issue 13): nothing in
-/// it is actionable (every `ready_to_stop` false, engine and wave), and `router.controller`
+/// The lifecycle document of a router that does not control the fleet (ha-and-fencing.md): nothing
+/// in it is actionable (every `ready_to_stop` false, engine and wave), and `router.controller`
 /// names the router that controls the fleet when this one saw its lease record (`null`
 /// otherwise; the router itself when it controls).
 fn not_in_control(doc: &mut Value, controls: bool, controller: Option<&crate::phase::Controller>) {
@@ -901,7 +901,7 @@ fn co_target(
 
 /// What draining `iid`, of role `role`, does to serving when no other engine of that role is
 /// live (`others_live` false): placement then serves every request aggregated, as one leg
-/// without KV transfer (reference-notes 6.7; docs/http-api.md "Serving"): on the decode
+/// without KV transfer (behaviour.md 6.7; docs/http-api.md "Serving"): on the decode
 /// engines when the prefill pool is empty; on the prefill engines when a vLLM decode pool is
 /// empty; and not at all (503 `no_schedulable_engines`) when an SGLang decode pool is empty,
 /// since SGLang serves aggregated only on decode engines. `None` while another engine of the
@@ -1018,7 +1018,7 @@ mod tests {
         );
     }
 
-    /// Issue 13: a router that does not control the fleet shows nothing actionable (no
+    /// ha-and-fencing.md: a router that does not control the fleet shows nothing actionable (no
     /// `ready_to_stop`, engine or wave) and names the controller it saw; the controlling one
     /// keeps its document as it is, with `controller` null.
     #[test]
@@ -1061,8 +1061,8 @@ mod tests {
         assert_eq!(d["router"]["controller"], Value::Null);
     }
 
-    /// Issue 13: a fenced router's lifecycle document and gauges say nothing may be stopped,
-    /// and its lifecycle actions are refused.
+    /// ha-and-fencing.md: a fenced router's lifecycle document and gauges say nothing may be
+    /// stopped, and its lifecycle actions are refused.
     #[tokio::test]
     async fn a_fenced_router_never_reports_ready_to_stop() {
         let dir = tempfile::tempdir().expect("tempdir");

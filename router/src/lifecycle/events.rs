@@ -1,4 +1,4 @@
-//! Lifecycle events (reference-notes 4.1 `events`, 7.8): one typed event per transition of
+//! Lifecycle events (behaviour.md 4.1 `events`, 7.8): one typed event per transition of
 //! the machine, rendered as the journal row and the document entry
 //! `{"event": "engine_lifecycle", "action", "at", <fields>}` with the reference's keys in the
 //! reference's order.
@@ -102,7 +102,7 @@ pub enum EventKind {
         iid: String,
     },
     /// A cancel of an individual drain began: the drained process is validated without a
-    /// restart (`drain_cancel_started`; ours, issue 14 section 4).
+    /// restart (`drain_cancel_started`; ours, docs/deviations.md).
     DrainCancelStarted {
         /// The engine.
         iid: String,

@@ -1,12 +1,12 @@
 //! The lifecycle executor: owns the pure [`Lifecycle`] machine and applies what it decided
-//! (DESIGN.md 9.2–9.4).
+//! (architecture.md 9.2–9.4).
 //!
 //! ```text
 //!  driver / identity check ──lock(), a machine call, commit()──► Executor
 //!     commit: held engines ──► Fleet::set_held (out of placement, `draining`)
 //!             readiness hold ──► Gate::set_lifecycle_hold (`whole-wave drain <id>`, ...)
 //!             new events ──► journal + log, and `dirty` (the state-file writer persists),
-//!                            only while this router controls the fleet (issue 13)
+//!                            only while this router controls the fleet (ha-and-fencing.md)
 //! ```
 //!
 //! Lock order is the module order: the machine's lock is held while the fleet is asked or
@@ -82,9 +82,9 @@ impl Executor {
 
     /// Applies the machine's holds to placement and readiness, journals its new events, and
     /// asks for the handoff to be published. Called with the machine locked. A router that
-    /// does not control the fleet writes no lifecycle events (issue 13: a fenced router wrote
-    /// drain-complete events 6 ms after it logged its fence); its holds still apply to its own
-    /// placement (a takeover restores them before it controls).
+    /// does not control the fleet writes no lifecycle events (ha-and-fencing.md: a fenced router
+    /// wrote drain-complete events 6 ms after it logged its fence); its holds still apply to its
+    /// own placement (a takeover restores them before it controls).
     pub(crate) fn commit(&self, lc: &mut Lifecycle) {
         self.fleet.set_held(&lc.held());
         self.gate.set_lifecycle_hold(lc.blocked_reason());
@@ -111,7 +111,7 @@ impl Executor {
         }
     }
 
-    /// Re-evaluates drain progress now (DESIGN.md 9.4): on a resident change of a held
+    /// Re-evaluates drain progress now (architecture.md 9.4): on a resident change of a held
     /// engine and at a drain deadline.
     pub(crate) fn refresh(&self) {
         if !self.ha.controls_fleet() {
@@ -138,9 +138,9 @@ mod tests {
     use crate::parts::Parts;
     use crate::phase::HaPhase;
 
-    /// Issue 13: a router that does not control the fleet writes no lifecycle events (the
-    /// campaign saw a fenced router write drain-complete events 6 ms after its fence), while
-    /// its holds still apply to its own placement.
+    /// ha-and-fencing.md: a router that does not control the fleet writes no lifecycle events
+    /// (the fault campaign saw a fenced router write drain-complete events 6 ms after its fence),
+    /// while its holds still apply to its own placement.
     #[tokio::test]
     async fn a_router_that_does_not_control_the_fleet_writes_no_lifecycle_events() {
         let dir = tempfile::tempdir().expect("tempdir");

@@ -1,6 +1,6 @@
 //! Process identity through the agents: reading an engine's process start (a signed,
 //! verified attestation) and the identity check at startup and after a takeover
-//! (reference-notes 4.10; DESIGN.md section 4).
+//! (behaviour.md 4.10; architecture.md section 4).
 //!
 //! ```text
 //!  check_identities ──capture(iid) per engine with an agent──► identity_verdict(...)
@@ -30,7 +30,7 @@ pub(crate) struct IdentityReader {
 
 impl IdentityReader {
     /// Reads the engine's process start (Unix seconds) through its agent, as a signed,
-    /// verified attestation fenced with `scope`'s epoch (never a later one: issue 13).
+    /// verified attestation fenced with `scope`'s epoch (never a later one: ha-and-fencing.md).
     ///
     /// # Errors
     /// [`CheckError::Unconfigured`], or [`CheckError::IdentityUnreadable`] (no agent, control
@@ -63,7 +63,7 @@ impl IdentityReader {
     }
 }
 
-/// Checks every engine's process identity through its agent (reference-notes 4.10): at
+/// Checks every engine's process identity through its agent (behaviour.md 4.10): at
 /// startup and after a takeover. An engine whose process start differs from the one last
 /// accepted restarted behind the router's back: it is ejected (cause `process_identity`) and
 /// comes back only through validation. Engines held by the lifecycle are left alone. The
@@ -90,7 +90,7 @@ pub(crate) async fn check_identities(exec: &Executor, reader: &IdentityReader, s
     };
     // Engines left out of the check (held, ejected) still get one fenced call, in the
     // background, so every agent learns this router's epoch and refuses an older primary's
-    // (DESIGN.md section 3) without delaying readiness.
+    // (architecture.md section 3) without delaying readiness.
     let others: Vec<String> = fleet
         .names()
         .iter()
@@ -150,7 +150,7 @@ pub(crate) async fn check_identities(exec: &Executor, reader: &IdentityReader, s
     exec.commit(&mut lc);
 }
 
-/// What the identity check does with one engine's reading (reference-notes 4.10).
+/// What the identity check does with one engine's reading (behaviour.md 4.10).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum IdentityVerdict {
     /// The lifecycle took the engine over while the agent was being asked (a drain began, or a

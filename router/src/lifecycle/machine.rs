@@ -1,6 +1,6 @@
 //! The engine lifecycle core: drain records, whole-fleet waves, `ready_to_stop`, and the
-//! readmission bookkeeping around validation (seed "Lifecycle API", reference-notes 4.1–4.7,
-//! 4.9, 4.11, 4.12; departures in DESIGN.md section 9).
+//! readmission bookkeeping around validation (handoff-and-lifecycle.md, "Lifecycle API",
+//! behaviour.md 4.1–4.7, 4.9, 4.11, 4.12; departures in architecture.md section 9).
 //!
 //! Pure: it never reads a clock, sleeps or touches the network. The driver passes [`Now`] and
 //! the resident request counts, performs the process-identity captures and the validation checks
@@ -19,7 +19,7 @@ pub use crate::config::RestartPolicy;
 /// Largest accepted drain deadline, seconds (one year).
 pub const MAX_DEADLINE_S: f64 = 365.0 * 24.0 * 3600.0;
 
-/// How many lifecycle events the document keeps (reference-notes 4.1).
+/// How many lifecycle events the document keeps (behaviour.md 4.1).
 pub const EVENT_HISTORY: usize = 200;
 
 /// A reading of both clocks, taken once by the driver per operation.
@@ -62,7 +62,7 @@ pub enum Hold {
         /// Monotonic drain deadline.
         deadline: Option<Instant>,
     },
-    /// A breaker-ejected engine validated without a restart (reference-notes 4.9): no
+    /// A breaker-ejected engine validated without a restart (behaviour.md 4.9): no
     /// restart required, never in a wave, never draining.
     Recovery,
 }
@@ -95,7 +95,7 @@ impl Hold {
     }
 }
 
-/// One engine's lifecycle record as the machine keeps it (reference-notes 4.1); the wire form
+/// One engine's lifecycle record as the machine keeps it (behaviour.md 4.1); the wire form
 /// is [`DrainRecord`]. Times are wall-clock Unix seconds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Record {
@@ -222,12 +222,12 @@ pub struct DrainPlan {
     /// Targets whose process identity must be captured (through their agents) and bound
     /// with [`Lifecycle::bind_identity`].
     pub capture: Vec<String>,
-    /// True when the request repeated an accepted drain: nothing changed (DESIGN.md 9.5).
+    /// True when the request repeated an accepted drain: nothing changed (architecture.md 9.5).
     pub repeated: bool,
 }
 
 /// A rejected lifecycle action: each maps to HTTP 409 with the message as the document's
-/// `error` (reference-notes 4.3, 4.7, 1.10; the wording is the reference's, byte for byte,
+/// `error` (behaviour.md 4.3, 4.7, 1.10; the wording is the reference's, byte for byte,
 /// because supervisors match on it).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum LifecycleError {
@@ -244,7 +244,7 @@ pub enum LifecycleError {
     #[error("deadline_s must be at most 31536000 (one year)")]
     DeadlineTooLong,
     /// A repeated drain names another `deadline_s` than the accepted one: refused rather
-    /// than silently keeping the old deadline (issue 9 section 7); repeat it without
+    /// than silently keeping the old deadline; repeat it without
     /// `deadline_s` or with the same value.
     #[error(
         "a drain of {iid} is already active with deadline_s {deadline_s}; repeat it without deadline_s or with the same value"
@@ -287,7 +287,7 @@ pub enum LifecycleError {
     /// A planned restart without a recorded pre-restart identity.
     #[error("{0} has no recorded pre-restart process identity")]
     NoPreRestartIdentity(String),
-    /// A cancel-drain of zero or several engines, or with `wave` (ours, issue 14 section 4).
+    /// A cancel-drain of zero or several engines, or with `wave` (ours; docs/deviations.md).
     #[error(
         "cancel-drain must name exactly one engine (a whole wave is readmitted as one set after a restart)"
     )]
@@ -490,8 +490,8 @@ impl Lifecycle {
         v
     }
 
-    /// Starts a drain (reference-notes 4.3, rules checked in that order), with
-    /// DESIGN.md 9.5: repeating an accepted drain is not an error.
+    /// Starts a drain (behaviour.md 4.3, rules checked in that order), with
+    /// architecture.md 9.5: repeating an accepted drain is not an error.
     ///
     /// `live` is the set of engines currently eligible for placement; `new_wave_id` names the
     /// wave if one starts. Every target leaves placement (is [`Lifecycle::held`]) on return,
@@ -648,7 +648,7 @@ impl Lifecycle {
         })
     }
 
-    /// Binds a captured process identity to a drain (reference-notes 4.4).
+    /// Binds a captured process identity to a drain (behaviour.md 4.4).
     ///
     /// `captured` is the process start (Unix seconds) read through the engine's agent, or the
     /// capture error. A failed capture of an engine the breaker has `ejected` falls back to the
@@ -714,8 +714,8 @@ impl Lifecycle {
         }
     }
 
-    /// Evaluates drain progress (reference-notes 4.5), eagerly: the driver calls it whenever a
-    /// resident count changes and at [`Lifecycle::next_deadline`] (DESIGN.md 9.4). Each
+    /// Evaluates drain progress (behaviour.md 4.5), eagerly: the driver calls it whenever a
+    /// resident count changes and at [`Lifecycle::next_deadline`] (architecture.md 9.4). Each
     /// transition emits its event once. `resident(iid)` is the engine's prefill + decode count.
     pub fn refresh(&mut self, now: Now, resident: impl Fn(&str) -> u32) {
         let ids: Vec<String> = self.records.keys().cloned().collect();
@@ -732,7 +732,7 @@ impl Lifecycle {
             if n == 0 && rec.old_process_start.is_some() {
                 let rec = self.records.get_mut(&iid).expect("iid from keys");
                 rec.state = DrainState::Drained;
-                // Unlike the reference (reference-notes 11.18), a drained record does not keep
+                // Unlike the reference (behaviour.md 11.18), a drained record does not keep
                 // the stale deadline error.
                 rec.error.clear();
                 self.emit(now, EventKind::DrainComplete { iid, wave_id });
@@ -769,7 +769,7 @@ impl Lifecycle {
     }
 
     /// Every member of the active wave is drained. False when no wave is active
-    /// (DESIGN.md 9.3; the reference compares non-wave records, reference-notes 11.4).
+    /// (architecture.md 9.3; the reference compares non-wave records, behaviour.md 11.4).
     pub fn wave_ready_to_stop(&self) -> bool {
         let members = self.wave_members();
         !members.is_empty()
@@ -778,7 +778,7 @@ impl Lifecycle {
                 .all(|i| self.records[i].state == DrainState::Drained)
     }
 
-    /// The external supervisor may stop this engine's process now (reference-notes 4.6).
+    /// The external supervisor may stop this engine's process now (behaviour.md 4.6).
     pub fn ready_to_stop(&self, iid: &str) -> bool {
         self.records.get(iid).is_some_and(|r| {
             r.old_process_start.is_some()
@@ -788,7 +788,7 @@ impl Lifecycle {
     }
 
     /// Accepts a readmission request and moves its targets to `validating`
-    /// (reference-notes 1.10 and 4.7). Returns the sorted targets.
+    /// (behaviour.md 1.10 and 4.7). Returns the sorted targets.
     ///
     /// # Errors
     /// A [`LifecycleError`] (HTTP 409); nothing changes.
@@ -856,7 +856,7 @@ impl Lifecycle {
     }
 
     /// Validation failed: every `validating` record goes `blocked` with its own failures, or,
-    /// when it had none, the names of the engines that failed (DESIGN.md 9.7).
+    /// when it had none, the names of the engines that failed (architecture.md 9.7).
     pub fn validation_failed(&mut self, now: Now, outcome: &BTreeMap<String, EngineOutcome>) {
         let failed: Vec<String> = outcome
             .iter()
@@ -923,7 +923,7 @@ impl Lifecycle {
     }
 
     /// Every target passed: records go `active` with their validated process start and
-    /// checks, and a finished wave releases router readiness (reference-notes 4.7). Returns the
+    /// checks, and a finished wave releases router readiness (behaviour.md 4.7). Returns the
     /// engines to return to placement.
     pub fn readmitted(
         &mut self,
@@ -982,7 +982,8 @@ impl Lifecycle {
     }
 
     /// Starts validation of an engine the breaker ejected, without a restart
-    /// (reference-notes 4.9, issue 4 "transient breaker ejection"). Returns `false` when it
+    /// (behaviour.md 4.9; handoff-and-lifecycle.md, "Readmitting engines": "transient breaker
+    /// ejection"). Returns `false` when it
     /// must not start now: another lifecycle action holds an engine, or under `whole_wave`
     /// (which instead requires a restart wave, see [`Lifecycle::require_restart_wave`]).
     pub fn start_recovery_validation(&mut self, now: Now, iid: &str, new_wave_id: &str) -> bool {
@@ -1012,7 +1013,7 @@ impl Lifecycle {
     }
 
     /// Adds a breaker-ejected engine to a running individual readmission as a co-target
-    /// validated without a restart requirement, like a recovery (reference-notes 4.9), when it
+    /// validated without a restart requirement, like a recovery (behaviour.md 4.9), when it
     /// is the target's only possible fabric peer. Without this, a one-prefill, one-decode fleet
     /// whose peer was ejected while the target was held could never return to service: the
     /// peer's recovery waits for the target's hold to end, and the target's readmission needs
@@ -1059,10 +1060,11 @@ impl Lifecycle {
         );
     }
 
-    /// Starts cancelling an individual drain (ours, issue 14 section 4; not in the reference,
+    /// Starts cancelling an individual drain (ours; not in the reference,
     /// docs/deviations.md): the engine named in `engines` goes `validating`, to return to
     /// service without a restart once the readmission checks pass on the very process its
-    /// drain recorded. The seed's readmission (which requires a newer process) is unchanged.
+    /// drain recorded. The readmission of handoff-and-lifecycle.md (which requires a newer process)
+    /// is unchanged.
     /// Returns the engine and that process start (Unix seconds).
     ///
     /// # Errors
@@ -1146,7 +1148,7 @@ impl Lifecycle {
         true
     }
 
-    /// Holds every engine in a new restart-required wave (reference-notes 4.9). A no-op while
+    /// Holds every engine in a new restart-required wave (behaviour.md 4.9). A no-op while
     /// a wave is active unless `reset`.
     pub fn require_restart_wave(&mut self, now: Now, reason: &str, reset: bool, new_wave_id: &str) {
         if !self.wave_id.is_empty() && !reset {
@@ -1170,7 +1172,7 @@ impl Lifecycle {
         );
     }
 
-    /// The durable part for the handoff (reference-notes 2.1 `lifecycle`): records sorted by
+    /// The durable part for the handoff (behaviour.md 2.1 `lifecycle`): records sorted by
     /// engine id, the last events, the policy and the accepted process starts.
     pub fn export(&self) -> narwhal_shared::handoff::LifecycleState {
         narwhal_shared::handoff::LifecycleState {
@@ -1186,7 +1188,7 @@ impl Lifecycle {
         }
     }
 
-    /// Restores a handoff's lifecycle part (reference-notes 4.13): records and process starts
+    /// Restores a handoff's lifecycle part (behaviour.md 4.13): records and process starts
     /// are replaced, a record that was `validating` comes back `blocked` (its validation died
     /// with the old router), a wave withdraws readiness again, drain deadlines are re-anchored
     /// to this process's monotonic clock from the time they had left, and events are kept
@@ -1244,10 +1246,10 @@ impl Lifecycle {
         Ok(())
     }
 
-    /// The lifecycle document, schema `narwhal.lifecycle` version 1 (seed "Lifecycle API",
-    /// reference-notes 4.11; `router.controls_fleet` is `"active"`, `"standby"` or `"fenced"`,
-    /// DESIGN.md 9.1). `view(iid)` gives resident counts and placement eligibility; `error` is
-    /// the rejected action's message, `""` on success.
+    /// The lifecycle document, schema `narwhal.lifecycle` version 1 (handoff-and-lifecycle.md,
+    /// "Lifecycle API", behaviour.md 4.11; `router.controls_fleet` is `"active"`, `"standby"` or
+    /// `"fenced"`, architecture.md 9.1). `view(iid)` gives resident counts and placement
+    /// eligibility; `error` is the rejected action's message, `""` on success.
     pub fn document(
         &self,
         controls_fleet: &str,
@@ -1504,7 +1506,7 @@ mod tests {
         assert!(plan.capture.is_empty());
         assert_eq!(l.record("e0").cloned(), before);
         assert_eq!(l.events().count(), n);
-        // Another deadline is refused (issue 9 section 7); none named is a repeat.
+        // Another deadline is refused; none named is a repeat.
         let mut other = drain(&["e0"], false);
         other.deadline_s = 60.0;
         let e = l.begin(now, &other, &set(&["e1"]), "").unwrap_err();
@@ -2024,9 +2026,9 @@ mod tests {
         assert_eq!(back.export(), state, "the wire form round-trips");
     }
 
-    /// Issue 14 section 4: a drain cancelled without a restart validates the recorded process
-    /// and returns it with its own events; the refusals name their rule; a wave, a recovery
-    /// and a drain without an identity cannot be cancelled.
+    /// Cancel-drain (docs/deviations.md): a drain cancelled without a restart validates the
+    /// recorded process and returns it with its own events; the refusals name their rule; a wave, a
+    /// recovery and a drain without an identity cannot be cancelled.
     #[test]
     fn a_drain_is_cancelled_on_the_same_process_with_its_own_events() {
         let now = t0();
@@ -2074,7 +2076,7 @@ mod tests {
             last.to_json()
         );
         assert!(!l.drain_cancelled(now, "e0", &ok(100.0)), "only once");
-        // A failed cancel blocks like a failed readmission; the seed's readmission still
+        // A failed cancel blocks like a failed readmission; a readmission still
         // requires a restart afterwards, and a second cancel may be tried.
         drained(&mut l, now, "e1");
         l.begin_cancel_drain(now, &one(&["e1"]), false).unwrap();

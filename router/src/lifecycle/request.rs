@@ -1,7 +1,7 @@
-//! Lifecycle request bodies (`POST /narwhal/lifecycle/drain`, `.../readmit`; seed "Lifecycle
-//! API"): strict parsing, every error naming the field (answered 400 with the lifecycle
-//! document), and the status each refusal of the lifecycle machine answers with
-//! ([`refusal_status`]: 404 for an unknown engine, 409 for a conflict).
+//! Lifecycle request bodies (`POST /narwhal/lifecycle/drain`, `.../readmit`;
+//! handoff-and-lifecycle.md, "Lifecycle API"): strict parsing, every error naming the field
+//! (answered 400 with the lifecycle document), and the status each refusal of the lifecycle machine
+//! answers with ([`refusal_status`]: 404 for an unknown engine, 409 for a conflict).
 
 use bytes::Bytes;
 use http::StatusCode;
@@ -9,7 +9,7 @@ use serde_json::{Map, Value};
 
 use super::machine::{DrainRequest, LifecycleError, MAX_DEADLINE_S};
 
-/// Default drain deadline, seconds (seed "Draining engines").
+/// Default drain deadline, seconds (handoff-and-lifecycle.md, "Draining engines").
 const DEFAULT_DEADLINE_S: f64 = 300.0;
 
 /// Why a lifecycle request body was refused (HTTP 400).

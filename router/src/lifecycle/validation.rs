@@ -1,8 +1,8 @@
-//! Readmission validation: the six checks of the seed ("Readmitting engines"), in order —
-//! health, process-bound attestation, configured model, direct generation, role-compatible KV
-//! transfer, final health — run over every participant (the targets and the peers they
-//! exchange KV with), with the process identity re-checked between steps
-//! (reference-notes 4.8; DESIGN.md 9.2 and 9.7).
+//! Readmission validation: the six checks of handoff-and-lifecycle.md ("Readmitting engines"),
+//! in order — health, process-bound attestation, configured model, direct generation,
+//! role-compatible KV transfer, final health — run over every participant (the targets and the
+//! peers they exchange KV with), with the process identity re-checked between steps
+//! (behaviour.md 4.8; architecture.md 9.2 and 9.7).
 //!
 //! The sequencing is here; the I/O is behind [`Checks`] (the router implements it with the
 //! engine's `/health` and the agents' signed answers), so every rule is unit-tested with a fake.
@@ -14,7 +14,7 @@ use super::machine::EngineOutcome;
 pub use crate::config::Role;
 
 /// The identity a signed answer speaks for: `(boot_id, pid, start_ticks)` plus the process
-/// start in Unix seconds (DESIGN.md section 4).
+/// start in Unix seconds (architecture.md section 4).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Identity {
     /// `(boot_id, pid, start_ticks)` rendered as one comparable key.
@@ -87,10 +87,10 @@ pub struct Plan {
     pub wave: bool,
     /// Run the direct-generation check. False for SGLang, whose disaggregated servers only
     /// generate through a bootstrap rendezvous: there the KV-transfer check is the generation
-    /// evidence (reference-notes 4.8 step 5).
+    /// evidence (behaviour.md 4.8 step 5).
     pub direct_generation: bool,
     /// Suspect targets: the producers whose KV fed their failing decodes (`""` = a local
-    /// probe). Verification reruns each path before the engine returns (reference-notes 6.3).
+    /// probe). Verification reruns each path before the engine returns (behaviour.md 6.3).
     pub verify_sources: BTreeMap<String, Vec<String>>,
 }
 
@@ -106,7 +106,7 @@ pub enum FabricError {
 }
 
 /// The fabric pairs `(producer, consumer)` for a plan, or the failure every target gets when
-/// no pair exists (reference-notes 4.8 step 2, with roles bound: our router never switches
+/// no pair exists (behaviour.md 4.8 step 2, with roles bound: our router never switches
 /// roles).
 ///
 /// # Errors
@@ -208,8 +208,8 @@ impl Report {
     }
 }
 
-/// Runs the checks of `plan` in the seed's order and reports every participant's outcome.
-/// Targets that pass carry the validated process start in `process_start`.
+/// Runs the checks of `plan` in handoff-and-lifecycle.md's order and reports every participant's
+/// outcome. Targets that pass carry the validated process start in `process_start`.
 pub async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str) -> Report {
     let mut report = Report::default();
     for t in &plan.targets {

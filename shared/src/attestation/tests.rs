@@ -1,4 +1,4 @@
-//! Verifier rules, DESIGN.md section 4: one test per way an answer can be refused.
+//! Verifier rules, architecture.md section 4: one test per way an answer can be refused.
 
 use super::*;
 use crate::signing::SigningKey;
@@ -254,7 +254,7 @@ fn the_host_contract_must_describe_the_live_engine_version() {
 }
 
 mod transfer_evidence {
-    //! Issue 10 section 1: the three-valued verdict on the wire, across router/agent versions.
+    //! The three-valued transfer verdict on the wire, across router/agent versions.
     use super::*;
     use crate::agent_protocol::TransferVerdict;
 
@@ -267,7 +267,7 @@ mod transfer_evidence {
         }
     }
 
-    /// What an agent before issue 10 sent (no `verdict`, `failed_delta`, `detail`).
+    /// What an agent before the three-valued verdict sent (no `verdict`, `failed_delta`, `detail`).
     fn legacy(transferred: Value) -> Value {
         json!({"source": "sim_stats", "consumed_delta": 1, "recomputed_delta": 0,
                "engine_phase": "decode", "transferred": transferred})

@@ -21,8 +21,8 @@
 //! core of it gives. Output: a table per section on stdout, and with `--json PATH` a JSON
 //! document (`-`: to stdout, the tables then go to stderr). Exits 1 when a request failed or a
 //! P/D target did not transfer KV; 2 on bad arguments. Absolute numbers on a shared machine are
-//! not stable; the ratios are the result. It asserts nothing about time (DESIGN.md section 8);
-//! docs/benchmarks.md tells how to run it against vllm-router.
+//! not stable; the ratios are the result. It asserts nothing about time (architecture.md section
+//! 8); docs/benchmarks.md tells how to run it against vllm-router.
 //!
 //! Subcommands in their own modules: `narwhal-bench profile` (an engine's profile for the
 //! fleet file) and `narwhal-bench shifting` (fixed split vs role controller under shifting

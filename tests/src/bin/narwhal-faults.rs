@@ -1,4 +1,4 @@
-//! `narwhal-faults`: the HA fault campaign of issue 13 by hand. Each run starts a fresh
+//! `narwhal-faults`: the HA fault campaign (docs/testing.md) by hand. Each run starts a fresh
 //! fleet (2 prefill, 2 decode, agents, a 2 s file lease, a primary and a warm standby), hits
 //! the primary with `kill -9` or `SIGSTOP` right after an acknowledged drain or readmission,
 //! during validation, or during a wave, and judges it (`narwhal_testkit::faults`). Prints
@@ -19,7 +19,7 @@ use tokio::signal::unix::{SignalKind, signal};
 #[derive(Debug, Parser)]
 #[command(
     version,
-    about = "Run the HA fault campaign (issue 13) on fresh local fleets"
+    about = "Run the HA fault campaign (docs/testing.md) on fresh local fleets"
 )]
 struct Cli {
     /// How many runs.

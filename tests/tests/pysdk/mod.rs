@@ -6,8 +6,8 @@
 //! The venv is set up on demand: a test that finds it missing runs
 //! `tests/python/ensure-venv.sh` (which builds under its own `flock`, so concurrent tests and
 //! test binaries wait for one build and reuse it; minutes the first time, as llama.cpp
-//! compiles), so `cargo test --workspace` on a fresh machine needs nothing else (issue 10
-//! section 4). A venv that cannot be built fails the test; it never passes by skipping. The
+//! compiles), so `cargo test --workspace` on a fresh machine needs nothing else
+//! (docs/testing.md). A venv that cannot be built fails the test; it never passes by skipping. The
 //! one way out is explicit: `NARWHAL_SKIP_VENV=1` (never honoured in CI) skips these tests
 //! with a loud line on stderr.
 //!

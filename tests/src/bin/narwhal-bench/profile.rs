@@ -1,5 +1,5 @@
 //! `narwhal-bench profile --engine URL`: measures an engine's profile, the shape the fleet
-//! file takes under `profiles.default` or `profiles.engines.<iid>` (controller-notes 3.4), by
+//! file takes under `profiles.default` or `profiles.engines.<iid>` (controller.md 3.4), by
 //! timing requests against the engine directly (serve it aggregated: vLLM without a KV role
 //! pairing, one engine).
 //!

@@ -476,7 +476,7 @@ impl Section {
     }
 }
 
-/// The issue-11 goals line for our routers in `sections` (streamed CPU per request, RSS,
+/// The performance goals line for our routers in `sections` (streamed CPU per request, RSS,
 /// added p50 at concurrency 1), for the reader's convenience; nothing is asserted.
 pub fn goals(sections: &[Section]) -> String {
     let mut parts = Vec::new();
@@ -515,7 +515,7 @@ pub fn goals(sections: &[Section]) -> String {
     if parts.is_empty() {
         String::new()
     } else {
-        format!("\nissue 11 goals (streamed): {}\n", parts.join("; "))
+        format!("\nperformance goals (streamed): {}\n", parts.join("; "))
     }
 }
 

@@ -13,7 +13,7 @@
 //!
 //! Engines: `--prefill-slots 1` (prefills queue, as on one accelerator),
 //! `--prefill-us-per-token`, `--tpot-ms`, `--tpot-per-running-us` (decode slows as its batch
-//! grows). It asserts nothing: a benchmark (DESIGN.md section 8).
+//! grows). It asserts nothing: a benchmark (architecture.md section 8).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -11,7 +11,7 @@
 //!                     └── narwhal-serve …
 //! ```
 //!
-//! Why two processes (issue 9 section 9: a `kill -9` of `narwhal-dev up` left every child
+//! Why two processes (a `kill -9` of `narwhal-dev up` used to leave every child
 //! running): a process killed by SIGKILL runs no code, so something else must notice. The
 //! fleet process asks the kernel for SIGTERM when its parent dies (`PR_SET_PDEATHSIG`, set in
 //! the fleet process itself through nix's safe wrapper, so no `pre_exec` and no `unsafe`), and

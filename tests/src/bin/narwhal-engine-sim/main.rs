@@ -1,7 +1,7 @@
 //! `narwhal-engine-sim`: an engine simulator speaking the vLLM and SGLang wire protocols,
 //! including vLLM's NIXL descriptor handoff and SGLang's bootstrap rendezvous, with fault
-//! injection (`/sim/faults`) and counters (`/sim/stats`) for tests (DESIGN.md sections 1 and 8)
-//! on a separate admin listener that only tests use.
+//! injection (`/sim/faults`) and counters (`/sim/stats`) for tests (architecture.md sections 1
+//! and 8) on a separate admin listener that only tests use.
 //!
 //! ```text
 //!  CLI ──► Settings ──► bind --listen, --admin-listen, --kv-listen (vLLM),
@@ -56,7 +56,7 @@ struct Cli {
     /// served only there and the engine port answers them 404 as a real engine does (the test
     /// kit, `narwhal-dev` and `narwhal-bench` always pass it). Left out, an admin listener is
     /// still bound on `127.0.0.1:0`, and the hooks are also answered on the engine port for
-    /// older scripts (`../shared/cases`), with a warning on stderr.
+    /// older scripts, with a warning on stderr.
     #[arg(long)]
     admin_listen: Option<SocketAddr>,
     /// Leave the engine's KV-transfer families out of `/metrics` (an engine or version that

@@ -7,7 +7,7 @@
 //!  Parsed + tokens ──ChunkFormat──► `data: {...}\n\n` frames (one token per frame)
 //! ```
 //!
-//! Shapes follow the captured examples in `spec/reference-examples/` and vLLM's OpenAI server
+//! Shapes follow examples captured from the reference's engine traffic and vLLM's OpenAI server
 //! (`kv_transfer_params` at the top level of the response, `token_ids` per streamed choice with
 //! `return_token_ids`, vLLM >= 0.10.2).
 

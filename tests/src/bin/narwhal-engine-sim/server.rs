@@ -15,7 +15,7 @@
 //! there, as on a real engine), so product code cannot come to depend on a test hook.
 //!
 //! The rules come from docs/engine-simulator.md (the simulator's contract) and
-//! spec/reference-notes.md sections 7.1 to 7.3 (what the router sends and expects).
+//! docs/design/behaviour.md sections 7.1 to 7.3 (what the router sends and expects).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
