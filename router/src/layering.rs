@@ -483,7 +483,9 @@ fn the_router_modules_form_no_cycle() {
     assert!(sources.contains_key("lifecycle::driver"));
     let edges = edges(&sources);
     assert!(
-        edges.iter().any(|e| e.from == "serve" && e.to == "fleet"),
+        edges
+            .iter()
+            .any(|e| e.from == "serve::leg" && e.to == "fleet"),
         "the checker sees serve's imports"
     );
     if let Err(cycles) = check(&sources) {

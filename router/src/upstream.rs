@@ -22,7 +22,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use crate::breaker::FailureClass;
 use crate::config::{Config, secs};
@@ -36,7 +36,7 @@ use crate::relay::{
 const ERROR_BODY_LIMIT: usize = 64 * 1024;
 
 /// Prefill answers (one token) are capped at this many bytes.
-const PREFILL_ANSWER_LIMIT: usize = 16 * 1024 * 1024;
+pub(crate) const PREFILL_ANSWER_LIMIT: usize = 16 * 1024 * 1024;
 
 /// Router header on every leg: the client-facing request id (`x-request-id` of the answer).
 pub(crate) const REQUEST_HEADER: &str = "x-narwhal-request-id";
@@ -82,41 +82,6 @@ impl LegId {
             "whole leg exceeded serving.request_timeout_s"
         }
     }
-}
-
-/// What a vLLM prefill leg produced.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Prefilled {
-    /// The KV descriptor for the decode leg.
-    Descriptor(Value),
-    /// The generation already ended in the prefill: its answer is the request's answer.
-    Finished(Value),
-}
-
-/// Whether a prefill answer without a descriptor is a finished generation: every choice has
-/// a finish reason other than `abort`, and `length` only when the client itself asked for
-/// one token. vLLM's NIXL connector returns `kv_transfer_params` only for a request that
-/// stopped on its length cap (`request_finished`: `RequestStatus.FINISHED_LENGTH_CAPPED`);
-/// one whose sampled token was EOS or completed a stop string has nothing to hand off
-/// (docs/http-api.md).
-pub(crate) fn prefill_finished(answer: &Value, client_max_tokens: Option<u64>) -> bool {
-    let absent = |v: Option<&Value>| v.is_none_or(Value::is_null);
-    if !absent(answer.get("kv_transfer_params"))
-        || !absent(answer.pointer("/choices/0/kv_transfer_params"))
-    {
-        return false;
-    }
-    let Some(choices) = answer.get("choices").and_then(Value::as_array) else {
-        return false;
-    };
-    !choices.is_empty()
-        && choices
-            .iter()
-            .all(|c| match c.get("finish_reason").and_then(Value::as_str) {
-                Some("length") => client_max_tokens == Some(1),
-                Some("abort") | None => false,
-                Some(_) => true,
-            })
 }
 
 /// Pooled HTTP/1 client for engines.
@@ -261,43 +226,6 @@ impl Upstream {
         })?
     }
 
-    /// vLLM prefill leg: POST and extract the KV descriptor (behaviour.md 7.1 steps 2–3).
-    /// A prefill that answers without a descriptor because its one sampled token already
-    /// ended the generation is [`Prefilled::Finished`] (see [`prefill_finished`];
-    /// `client_max_tokens` is the client's own limit).
-    pub(crate) async fn vllm_prefill(
-        &self,
-        url: &str,
-        leg: &LegId,
-        body: &Value,
-        limit: Instant,
-        client_max_tokens: Option<u64>,
-    ) -> Result<Prefilled, LegError> {
-        let answer = self
-            .json_leg(url, leg, body, limit, PREFILL_ANSWER_LIMIT, None)
-            .await?;
-        match extract_descriptor(&answer) {
-            Ok(d) => Ok(Prefilled::Descriptor(d)),
-            Err(_) if prefill_finished(&answer, client_max_tokens) => {
-                Ok(Prefilled::Finished(answer))
-            }
-            Err(e) => Err(LegError::KvHandoff(e)),
-        }
-    }
-
-    /// SGLang prefill leg: POST and wait for a 200 (behaviour.md 7.2 step 3).
-    pub(crate) async fn sglang_prefill(
-        &self,
-        url: &str,
-        leg: &LegId,
-        body: &Value,
-        limit: Instant,
-    ) -> Result<(), LegError> {
-        self.json_leg(url, leg, body, limit, PREFILL_ANSWER_LIMIT, None)
-            .await
-            .map(|_| ())
-    }
-
     /// A whole (non-streaming) leg: a non-streaming client's request on an aggregated
     /// engine, answered as the engine answers it (its usage, its errors). Bounded by `limit`
     /// (the request deadline) and `max_bytes` (`serving.max_response_bytes`). An engine that
@@ -319,7 +247,7 @@ impl Upstream {
     /// POSTs a non-streaming leg and reads its JSON answer. `sse_chat`: a streamed answer is
     /// assembled (for a chat client when `Some(true)`); `None` (prefill legs) refuses it as
     /// not JSON.
-    async fn json_leg(
+    pub(crate) async fn json_leg(
         &self,
         url: &str,
         leg: &LegId,
@@ -560,37 +488,6 @@ fn status_error(status: StatusCode, bytes: &[u8]) -> LegError {
 
 /// `null`, for a refusal without a `param`.
 static NO_PARAM: Value = Value::Null;
-
-/// Validate and return the vLLM descriptor verbatim (behaviour.md 7.1 step 3):
-/// `choices[0].kv_transfer_params`, else top-level `kv_transfer_params`; a non-empty object with
-/// a non-empty string `remote_engine_id` and `remote_block_ids` a list of non-negative ints or a
-/// list of such lists.
-pub(crate) fn extract_descriptor(answer: &Value) -> Result<Value, String> {
-    let d = answer
-        .pointer("/choices/0/kv_transfer_params")
-        .filter(|v| !v.is_null())
-        .or_else(|| answer.get("kv_transfer_params").filter(|v| !v.is_null()))
-        .ok_or_else(|| {
-            "no handoff: the prefill answer carries no kv_transfer_params".to_string()
-        })?;
-    let obj = d
-        .as_object()
-        .filter(|o| !o.is_empty())
-        .ok_or_else(|| "no handoff: kv_transfer_params is not a non-empty object".to_string())?;
-    match obj.get("remote_engine_id") {
-        Some(Value::String(s)) if !s.is_empty() => {}
-        _ => return Err("no handoff: remote_engine_id must be a non-empty string".into()),
-    }
-    let ok_ids = |a: &Vec<Value>| a.iter().all(Value::is_u64);
-    let blocks_ok = match obj.get("remote_block_ids") {
-        Some(Value::Array(a)) => ok_ids(a) || a.iter().all(|x| x.as_array().is_some_and(ok_ids)),
-        _ => false,
-    };
-    if !blocks_ok {
-        return Err("no handoff: remote_block_ids must be a list of non-negative integers or a list of such lists".into());
-    }
-    Ok(d.clone())
-}
 
 /// A decode stream that has produced its first token. Dropping it closes the upstream.
 pub(crate) struct LiveStream {
@@ -940,241 +837,10 @@ fn mentions_context_length(msg: &str) -> bool {
         || (m.contains("exceeds") && m.contains("length"))
 }
 
-/// Body of a vLLM prefill leg (behaviour.md 7.1 step 2). A client `min_tokens` ≥ 1 becomes
-/// `min_tokens: 1` (not removed, as the reference does): the prefill's one token may then
-/// not be EOS or end a stop string, so the prefill cannot end a generation the client asked
-/// to run longer.
-pub(crate) fn vllm_prefill_body(client: &Map<String, Value>) -> Value {
-    let mut b = client.clone();
-    let min_one = b
-        .get("min_tokens")
-        .and_then(Value::as_u64)
-        .is_some_and(|m| m >= 1);
-    for k in [
-        "stream_options",
-        "min_tokens",
-        "n",
-        "best_of",
-        "max_completion_tokens",
-        "kv_transfer_params",
-    ] {
-        b.remove(k);
-    }
-    b.insert("max_tokens".into(), 1.into());
-    if min_one {
-        b.insert("min_tokens".into(), 1.into());
-    }
-    b.insert("stream".into(), false.into());
-    b.insert(
-        "kv_transfer_params".into(),
-        serde_json::json!({"do_remote_decode": true}),
-    );
-    Value::Object(b)
-}
-
-/// Body of a whole leg (a non-streaming client on an aggregated engine): the client body as
-/// sent, `stream: false`, without `stream_options` (vLLM refuses them on a non-streaming
-/// request) and without any KV parameters.
-pub(crate) fn whole_body(client: &Map<String, Value>) -> Value {
-    let mut b = client.clone();
-    b.remove("kv_transfer_params");
-    b.remove("stream_options");
-    b.insert("stream".into(), false.into());
-    Value::Object(b)
-}
-
-/// Body of a decode leg (vLLM or aggregated): streaming with usage and token ids, plus the
-/// descriptor when given (behaviour.md 7.1 step 6).
-pub(crate) fn decode_body(
-    client: &Map<String, Value>,
-    descriptor: Option<&Value>,
-    token_ids: bool,
-) -> Value {
-    let mut b = client.clone();
-    b.remove("kv_transfer_params");
-    b.insert("stream".into(), true.into());
-    if token_ids {
-        b.insert("return_token_ids".into(), true.into());
-    }
-    let mut so = b
-        .get("stream_options")
-        .and_then(Value::as_object)
-        .cloned()
-        .unwrap_or_default();
-    so.insert("include_usage".into(), true.into());
-    b.insert("stream_options".into(), Value::Object(so));
-    if let Some(d) = descriptor {
-        b.insert("kv_transfer_params".into(), d.clone());
-    }
-    Value::Object(b)
-}
-
-/// SGLang rendezvous fields.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Rendezvous {
-    pub(crate) host: String,
-    pub(crate) port: u16,
-    pub(crate) room: u64,
-}
-
-/// Bodies of the two SGLang legs (behaviour.md 7.2 steps 3–4); each leg's `rid` is its
-/// leg id (a UUID4).
-pub(crate) fn sglang_bodies(
-    client: &Map<String, Value>,
-    rv: &Rendezvous,
-    prefill: &LegId,
-    decode: &LegId,
-    chat: bool,
-) -> (Value, Value) {
-    let mut p = client.clone();
-    for k in [
-        "stream_options",
-        "min_tokens",
-        "n",
-        "best_of",
-        "max_completion_tokens",
-    ] {
-        p.remove(k);
-    }
-    p.insert("max_tokens".into(), 1.into());
-    p.insert("stream".into(), false.into());
-    let rdv = |m: &mut Map<String, Value>, leg: &LegId| {
-        m.insert("bootstrap_host".into(), rv.host.clone().into());
-        m.insert("bootstrap_port".into(), rv.port.into());
-        m.insert("bootstrap_room".into(), rv.room.into());
-        m.insert("rid".into(), leg.id.clone().into());
-    };
-    rdv(&mut p, prefill);
-    let mut d = client.clone();
-    if let Some(mct) = d.remove("max_completion_tokens")
-        && !d.contains_key("max_tokens")
-    {
-        d.insert("max_tokens".into(), mct);
-    }
-    let Value::Object(mut d) = decode_body(&d, None, !chat) else {
-        unreachable!("decode_body returns an object")
-    };
-    rdv(&mut d, decode);
-    (Value::Object(p), Value::Object(d))
-}
-
-/// Bootstrap host = host of the prefill engine's URL.
-pub(crate) fn url_host(url: &str) -> Option<String> {
-    url.parse::<http::Uri>()
-        .ok()?
-        .host()
-        .map(|h| h.trim_matches(['[', ']']).to_string())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
-
-    #[test]
-    fn descriptor_is_validated_and_carried_verbatim() {
-        let d = json!({"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "e", "remote_block_ids": [1, 2], "remote_host": "h", "remote_port": 5, "remote_request_id": "r", "tp_size": 1});
-        assert_eq!(
-            extract_descriptor(&json!({"kv_transfer_params": d})).unwrap(),
-            d
-        );
-        assert_eq!(
-            extract_descriptor(&json!({"choices": [{"kv_transfer_params": d}]})).unwrap(),
-            d
-        );
-        let hybrid = json!({"remote_engine_id": "e", "remote_block_ids": [[1], [2, 3]]});
-        assert!(extract_descriptor(&json!({"kv_transfer_params": hybrid})).is_ok());
-        for bad in [
-            json!({}),
-            json!({"kv_transfer_params": {}}),
-            json!({"kv_transfer_params": {"remote_engine_id": "", "remote_block_ids": [1]}}),
-            json!({"kv_transfer_params": {"remote_engine_id": "e", "remote_block_ids": [-1]}}),
-            json!({"kv_transfer_params": {"remote_engine_id": "e"}}),
-        ] {
-            assert!(extract_descriptor(&bad).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn leg_bodies() {
-        let client: Map<String, Value> = serde_json::from_value(json!({
-            "model": "m", "prompt": "p", "stream": true, "n": 1, "min_tokens": 2,
-            "max_completion_tokens": 9, "stream_options": {"include_usage": false}
-        }))
-        .unwrap();
-        let p = vllm_prefill_body(&client);
-        assert_eq!(p["max_tokens"], 1);
-        assert_eq!(p["stream"], false);
-        assert_eq!(p["kv_transfer_params"], json!({"do_remote_decode": true}));
-        assert_eq!(
-            p["min_tokens"], 1,
-            "the prefill may not end the generation early"
-        );
-        for k in ["stream_options", "n", "best_of", "max_completion_tokens"] {
-            assert!(p.get(k).is_none(), "{k}");
-        }
-        let d = decode_body(&client, Some(&json!({"remote_engine_id": "e"})), true);
-        assert_eq!(d["stream"], true);
-        assert_eq!(d["return_token_ids"], true);
-        assert_eq!(d["stream_options"]["include_usage"], true);
-        assert_eq!(d["kv_transfer_params"]["remote_engine_id"], "e");
-        let rv = Rendezvous {
-            host: "10.0.0.1".into(),
-            port: 8998,
-            room: 42,
-        };
-        let (pl, dl) = (
-            LegId::new("rid", None, 1, "prefill"),
-            LegId::new("rid", None, 1, "decode"),
-        );
-        let (p, d) = sglang_bodies(&client, &rv, &pl, &dl, false);
-        assert_eq!(p["rid"], pl.id.as_str());
-        assert_eq!(d["rid"], dl.id.as_str());
-        assert!(uuid::Uuid::parse_str(&pl.id).is_ok() && pl.id != dl.id);
-        assert_eq!(p["bootstrap_room"], 42);
-        assert_eq!(d["bootstrap_port"], 8998);
-        assert_eq!(d["max_tokens"], 9);
-        assert_eq!(d["return_token_ids"], true);
-        let (_, d) = sglang_bodies(&client, &rv, &pl, &dl, true);
-        assert!(d.get("return_token_ids").is_none());
-    }
-
-    /// A prefill without a descriptor is a finished answer only when its generation ended
-    /// (EOS, a stop string; `length` only for a one-token request): vLLM's NIXL connector
-    /// hands off only length-capped prefills (docs/engine-protocols.md).
-    #[test]
-    fn a_prefill_that_ended_the_generation_is_a_finished_answer() {
-        let answer = |fr: Value, kv: Value| {
-            json!({"choices": [{"index": 0, "text": "", "finish_reason": fr}],
-                   "kv_transfer_params": kv})
-        };
-        assert!(prefill_finished(
-            &answer(json!("stop"), Value::Null),
-            Some(8)
-        ));
-        assert!(prefill_finished(&answer(json!("stop"), Value::Null), None));
-        assert!(!prefill_finished(
-            &answer(json!("length"), Value::Null),
-            Some(8)
-        ));
-        assert!(prefill_finished(
-            &answer(json!("length"), Value::Null),
-            Some(1)
-        ));
-        assert!(!prefill_finished(
-            &answer(json!("abort"), Value::Null),
-            Some(8)
-        ));
-        assert!(!prefill_finished(
-            &answer(Value::Null, Value::Null),
-            Some(8)
-        ));
-        assert!(!prefill_finished(
-            &answer(json!("stop"), json!({"remote_engine_id": "e"})),
-            Some(8)
-        ));
-        assert!(!prefill_finished(&json!({"choices": []}), Some(8)));
-    }
 
     #[test]
     fn engine_errors_keep_their_status_and_never_lose_their_message() {
@@ -1248,22 +914,6 @@ mod tests {
     }
 
     #[test]
-    fn whole_leg_body_and_leg_ids() {
-        let client: Map<String, Value> = serde_json::from_value(json!({
-            "model": "m", "prompt": "p", "stream": false, "stream_options": {"include_usage": true}
-        }))
-        .unwrap();
-        let w = whole_body(&client);
-        assert_eq!(w["stream"], false);
-        assert!(w.get("stream_options").is_none());
-        assert!(w.get("return_token_ids").is_none());
-        let a = LegId::new("r", Some(3), 2, "decode");
-        assert_eq!(a.label, "p3-a2-decode");
-        assert!(uuid::Uuid::parse_str(&a.id).is_ok());
-        assert_ne!(a.id, LegId::new("r", Some(3), 2, "decode").id);
-    }
-
-    #[test]
     fn classification() {
         let ctx = LegError::Status {
             status: 500,
@@ -1309,6 +959,5 @@ mod tests {
             Some(FailureClass::Connection)
         );
         assert_eq!(LegError::FirstTokenTimeout.http_status(), 504);
-        assert_eq!(url_host("http://127.0.0.1:8000"), Some("127.0.0.1".into()));
     }
 }

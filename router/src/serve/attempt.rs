@@ -1,0 +1,271 @@
+//! One attempt of one prompt: placement, the admission price, the legs of the plan (each leg
+//! protocol in its own module), and the retry loop around attempts (behaviour.md 7.5).
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+
+use rand::Rng;
+use serde_json::{Value, json};
+use tracing::Instrument;
+
+use crate::bootstrap;
+use crate::breaker::Observation;
+use crate::config::Backend;
+use crate::controller::Track;
+use crate::failure::RequestFailure;
+use crate::ingress::{IngressError, Validated};
+use crate::parts::Parts;
+use crate::placement::{self, Phase, Plan};
+use crate::retry::{self, Decision, RetryPolicy, Stop};
+use crate::upstream::LegError;
+
+use super::leg::{AttemptLog, Fail, Started};
+use super::{Ctx, Sub, aggregated, sglang_bootstrap, vllm_nixl};
+
+/// Runs every prompt's attempts until each reached its first output; the first failure ends
+/// them all (dropping the others closes their legs).
+pub(super) async fn start_all(
+    ctx: &Ctx<'_>,
+    subs: &[Sub<'_>],
+    tracks: &[Track],
+    log: &Mutex<AttemptLog>,
+) -> Result<Vec<Started>, RequestFailure> {
+    if let ([one], [track]) = (subs, tracks) {
+        return attempts(ctx, one, track, log).await.map(|s| vec![s]);
+    }
+    let each = subs
+        .iter()
+        .zip(tracks)
+        .map(|(s, t)| attempts(ctx, s, t, log));
+    futures_util::future::try_join_all(each).await
+}
+
+/// The plan an attempt runs. A request for prompt logprobs is never split (docs/http-api.md):
+/// only the engine that prefills the prompt can compute them (vLLM marks such a
+/// request `skip_reading_prefix_cache` in `SamplingParams`, so it recomputes the whole prompt
+/// instead of reading cached KV), and a vLLM decode engine given a KV descriptor with
+/// `prompt_logprobs` (or `echo` with logprobs, which `to_sampling_params` turns into prompt
+/// logprobs) fails. vLLM
+/// serves it unsplit on the planned decode engine (every vLLM engine is `kv_both`); an SGLang
+/// decode server cannot run a request alone, so SGLang refuses it with a 400 naming the
+/// field.
+pub(super) fn shape_plan(
+    plan: Plan,
+    v: &Validated,
+    backend: Backend,
+) -> Result<Plan, RequestFailure> {
+    match (plan, v.prompt_logprobs) {
+        (Plan::Split { decode, .. }, Some(_)) if backend == Backend::Vllm => {
+            Ok(Plan::Aggregated { engine: decode })
+        }
+        (Plan::Split { .. }, Some(field)) => {
+            Err(RequestFailure::Invalid(IngressError::Unsplittable {
+                field,
+            }))
+        }
+        (plan, _) => Ok(plan),
+    }
+}
+
+/// Run attempts until one reaches its first output (behaviour.md 7.5).
+pub(super) async fn attempts(
+    ctx: &Ctx<'_>,
+    sub: &Sub<'_>,
+    track: &Track,
+    log: &Mutex<AttemptLog>,
+) -> Result<Started, RequestFailure> {
+    let parts = ctx.parts;
+    let policy = RetryPolicy::from_serving(&parts.cfg.serving);
+    let mut avoid: BTreeSet<usize> = BTreeSet::new();
+    let mut n = 0u32;
+    loop {
+        n += 1;
+        // A fenced router places nothing, not even a retry (behaviour.md 3.4): the body
+        // read and earlier attempts may have outlasted the lease.
+        if !parts.ha.controls_fleet() {
+            return Err(RequestFailure::NotInControl);
+        }
+        let aggregate = match parts.cfg.backend {
+            Backend::Vllm => placement::Aggregate::AnyRole,
+            Backend::Sglang => placement::Aggregate::DecodeOnly,
+        };
+        let plan = parts.fleet.place(&avoid, aggregate);
+        let Some(plan) = plan else {
+            return Err(RequestFailure::NoEngine);
+        };
+        let plan = shape_plan(plan, ctx.v, parts.cfg.backend)?;
+        // The TTFT price at placement (controller.md 10.4): journalled, and under
+        // predictive admission a first attempt over budget is refused undispatched.
+        match parts
+            .controller
+            .admit(track, plan, n, || parts.accounting.unserved_placement())
+        {
+            Ok(price) => AttemptLog::lock(log).admission_price = price,
+            Err(refusal) => {
+                let failure = RequestFailure::Refused(refusal);
+                let mut log = AttemptLog::lock(log);
+                if let RequestFailure::Refused(r) = &failure {
+                    log.admission_price = Some(r.price.json());
+                }
+                refused_attempt(parts, &mut log.failures, &failure, n, sub.k);
+                return Err(failure);
+            }
+        }
+        {
+            let mut log = AttemptLog::lock(log);
+            log.attempts = log.attempts.max(n);
+            let name = |i: usize| Some(parts.cfg.engines[i].iid.clone());
+            match plan {
+                Plan::Split { prefill, decode } => {
+                    log.prefill_iid = name(prefill);
+                    log.decode_iid = name(decode);
+                }
+                Plan::Aggregated { engine } => {
+                    log.prefill_iid = None;
+                    log.decode_iid = name(engine);
+                }
+            }
+        }
+        let producer = match plan {
+            Plan::Split { prefill, .. } => Some(prefill),
+            Plan::Aggregated { .. } => None,
+        };
+        let attempt_span = tracing::debug_span!("attempt", n);
+        let producer_process = producer.map(|p| parts.fleet.incarnation(p));
+        let result = run_attempt(ctx, sub, track, n, plan, log)
+            .instrument(attempt_span)
+            .await;
+        let f = match result {
+            Ok(s) => return Ok(s),
+            Err(f) => f,
+        };
+        track.attempt_ended();
+        // Breaker and accounting for the failed leg, charged to the engine that caused it.
+        match f.err.class(f.phase) {
+            Some(class) => charge(parts, &f, class, producer, producer_process),
+            None => parts.fleet.observe(f.iid, Observation::ClientFault),
+        }
+        if f.phase == Phase::Decode && matches!(f.err, LegError::FirstTokenTimeout) {
+            // A consolidation-risk event (behaviour.md 9), carried in the handoff.
+            parts
+                .demand
+                .lock()
+                .record("first_token_timeout", parts.clock.now());
+        }
+        parts.accounting.attempt_failed(f.phase, f.err.reason());
+        let engine = parts.cfg.engines[f.iid].iid.clone();
+        tracing::warn!(engine.id = %engine, phase = f.phase.as_str(), error = %f.err.detail(), attempt = n, "attempt failed");
+        AttemptLog::lock(log).failures.push(json!({
+            "attempt": n, "phase": f.phase.as_str(), "iid": engine, "reason": f.err.reason(),
+            "error": f.err.detail(), "prompt": sub.k,
+        }));
+        // Backoff and the router-wide retry budget.
+        let u: f64 = rand::rng().random();
+        let decision = retry::decide(
+            &policy,
+            n,
+            f.err.transient(),
+            u,
+            parts.clock.now(),
+            ctx.deadline,
+            parts.accounting.budget(),
+        );
+        let backoff = match decision {
+            Decision::Retry(backoff) => {
+                parts.accounting.retry_granted();
+                backoff
+            }
+            Decision::Stop(why) => {
+                if why == Stop::BudgetDenied {
+                    parts.accounting.retry_denied();
+                }
+                return Err(RequestFailure::Leg {
+                    phase: f.phase,
+                    err: f.err,
+                });
+            }
+        };
+        avoid.insert(f.iid);
+        if let Some(p) = f.producer {
+            avoid.insert(p);
+        }
+        tokio::time::sleep(backoff).await;
+    }
+}
+
+/// Charges a failed leg to the engine that caused it: a decode that failed
+/// after its producer's process changed (a restart seen meanwhile) is the old producer's
+/// failure, not the decode's; a decode that failed in a way a lost transfer explains
+/// (`inference_status`, `stream`) is checked against its producer first
+/// (`bootstrap::blame_producer`: another SGLang bootstrap port, other process facts, or an
+/// unreachable producer), off the request path.
+pub(super) fn charge(
+    parts: &Arc<Parts>,
+    f: &Fail,
+    class: crate::breaker::FailureClass,
+    producer: Option<usize>,
+    producer_process: Option<u64>,
+) {
+    use crate::breaker::FailureClass as C;
+    let decode_with_producer = (f.phase == Phase::Decode)
+        .then_some(producer.zip(producer_process))
+        .flatten();
+    match decode_with_producer {
+        Some((p, process)) if parts.fleet.incarnation(p) != process => {
+            tracing::info!(producer = %parts.cfg.engines[p].iid, "decode failure charged to the producer's previous process, not to the decode");
+        }
+        Some((p, process)) if matches!(class, C::InferenceStatus | C::Stream) => {
+            let parts = parts.clone();
+            let decode = f.iid;
+            let used = parts.fleet.bootstrap_port(p);
+            let at = parts.clock.now();
+            tokio::spawn(async move {
+                let (cfg, fleet, up) = (&parts.cfg, &parts.fleet, &parts.upstream);
+                if bootstrap::blame_producer(cfg, fleet, up, p, used, process, at).await {
+                    fleet.observe_leg_failure(decode, Phase::Decode, class, Some(p));
+                }
+            });
+        }
+        _ => parts
+            .fleet
+            .observe_leg_failure(f.iid, f.phase, class, producer),
+    }
+}
+
+async fn run_attempt(
+    ctx: &Ctx<'_>,
+    sub: &Sub<'_>,
+    track: &Track,
+    n: u32,
+    plan: Plan,
+    log: &Mutex<AttemptLog>,
+) -> Result<Started, Fail> {
+    match plan {
+        Plan::Aggregated { engine } => aggregated::run(ctx, sub, track, n, engine, log).await,
+        Plan::Split { prefill, decode } => match ctx.parts.cfg.backend {
+            Backend::Vllm => vllm_nixl::run(ctx, sub, track, n, prefill, decode, log).await,
+            Backend::Sglang => {
+                sglang_bootstrap::run(ctx, sub, track, n, prefill, decode, log).await
+            }
+        },
+    }
+}
+
+/// A predictive refusal counts one failed, undispatched attempt (controller.md 10.7),
+/// recorded in `failures` (the journal's `attempt_failures`; `prompt`: its index in a batch).
+pub(super) fn refused_attempt(
+    parts: &Parts,
+    failures: &mut Vec<Value>,
+    failure: &RequestFailure,
+    attempt: u32,
+    prompt: Option<usize>,
+) {
+    if let RequestFailure::Refused(r) = failure {
+        parts.accounting.attempt_failed(Phase::Prefill, r.cause);
+        failures.push(json!({
+            "attempt": attempt, "phase": "prefill", "iid": null, "reason": r.cause,
+            "error": r.message, "transient": false, "retry_reason": "not_dispatched",
+            "prompt": prompt,
+        }));
+    }
+}

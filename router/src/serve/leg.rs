@@ -1,0 +1,172 @@
+//! What one leg of an attempt produces and how it is recorded: the started answer (its
+//! output, seats and engines), a failed leg charged to its engine, the attempt log copied into
+//! the request's journal row, and the leg options every leg protocol shares.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::controller::Track;
+use crate::fleet::Resident;
+use crate::outcome::RequestRecord;
+use crate::parts::Parts;
+use crate::placement::Phase;
+use crate::relay::RelayOptions;
+
+use super::{Ctx, Sub};
+use crate::upstream::{LegError, LegId, LiveStream};
+
+/// A failed attempt leg.
+#[derive(Debug)]
+pub(super) struct Fail {
+    pub(super) phase: Phase,
+    pub(super) iid: usize,
+    pub(super) err: LegError,
+    /// The attempt's producer when the decode leg failed (excluded from the retry too).
+    pub(super) producer: Option<usize>,
+}
+
+/// Maps a leg's error to the attempt's failure of `phase` on engine `iid` (`producer`: the
+/// attempt's producer, when its decode leg failed).
+pub(super) fn leg_failed(
+    phase: Phase,
+    iid: usize,
+    producer: Option<usize>,
+) -> impl FnOnce(LegError) -> Fail {
+    move |err| Fail {
+        phase,
+        iid,
+        err,
+        producer,
+    }
+}
+
+/// What a started attempt produced. One per prompt, moved, never stored in bulk: boxing the
+/// stream would only add an allocation per request.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Output {
+    /// A decode stream that produced its first output.
+    Live(LiveStream),
+    /// A whole answer: a non-streaming client's request on an aggregated engine, or a vLLM
+    /// prefill that already finished the generation (its one token was EOS or ended a stop
+    /// string).
+    Whole(Value),
+}
+
+/// An attempt that reached its first output.
+pub(super) struct Started {
+    pub(super) out: Output,
+    pub(super) _seat: Option<Resident>,
+    pub(super) _prefill_task: Option<AbortOnDrop>,
+    /// The engine whose answer this is.
+    pub(super) served_by: usize,
+    /// The breaker hears `DecodeOk` from `served_by` when the answer completes (not for a
+    /// prefill's finished answer: it heard `PrefillOk`).
+    pub(super) decode_ok: bool,
+    /// The prefill engine whose KV the decode consumes (`None` for an aggregated leg).
+    pub(super) producer: Option<usize>,
+    /// When the serving leg was dispatched (for `upstream_seconds.decode`).
+    pub(super) decode_at: Instant,
+    /// The role controller's bookkeeping of this request (token gaps).
+    pub(super) track: Track,
+}
+
+impl Started {
+    /// An answer served by `engine` alone, without a producer: an aggregated leg
+    /// (`decode_ok`), or a prefill that finished the generation.
+    pub(super) fn single(
+        out: Output,
+        seat: Option<Resident>,
+        engine: usize,
+        decode_ok: bool,
+        at: Instant,
+        track: Track,
+    ) -> Started {
+        Started {
+            out,
+            _seat: seat,
+            _prefill_task: None,
+            served_by: engine,
+            decode_ok,
+            producer: None,
+            decode_at: at,
+            track,
+        }
+    }
+}
+
+/// The attempts of one request (all its prompts), copied into its record: kept outside the
+/// record so a batch's prompts can run their attempts concurrently.
+#[derive(Debug, Default)]
+pub(super) struct AttemptLog {
+    pub(super) attempts: u32,
+    pub(super) prefill_iid: Option<String>,
+    pub(super) decode_iid: Option<String>,
+    pub(super) failures: Vec<Value>,
+    pub(super) legs: Vec<Value>,
+    /// The latest TTFT price at placement (controller.md 11.2 `admission_price`).
+    pub(super) admission_price: Option<Value>,
+}
+
+impl AttemptLog {
+    pub(super) fn lock(log: &Mutex<AttemptLog>) -> std::sync::MutexGuard<'_, AttemptLog> {
+        log.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn into_record(self, rec: &mut RequestRecord) {
+        rec.attempts = self.attempts;
+        rec.prefill_iid = self.prefill_iid;
+        rec.decode_iid = self.decode_iid;
+        rec.attempt_failures = self.failures;
+        rec.legs = self.legs;
+        rec.admission_price = self.admission_price;
+    }
+}
+
+pub(super) fn relay_options(ctx: &Ctx<'_>, sub: &Sub<'_>) -> RelayOptions {
+    RelayOptions {
+        return_token_ids: ctx.v.return_token_ids,
+        max_response_bytes: ctx.parts.cfg.serving.max_response_bytes,
+        collect: !ctx.v.stream,
+        // A streaming client gets prompt k's choices as choice k from the relay itself; a
+        // non-streaming batch is merged (and reindexed) once every answer is whole.
+        index_base: if ctx.v.stream {
+            sub.k.map(|k| k as u64)
+        } else {
+            None
+        },
+        capture_head: ctx.v.stream && ctx.v.include_usage,
+    }
+}
+
+/// A new leg id for leg `leg` of attempt `n` on engine `iid`, recorded in the journal's
+/// `legs`.
+pub(super) fn new_leg(
+    ctx: &Ctx<'_>,
+    sub: &Sub<'_>,
+    n: u32,
+    leg: &str,
+    iid: usize,
+    log: &Mutex<AttemptLog>,
+) -> LegId {
+    let id = LegId::new(ctx.rid, sub.k, n, leg);
+    AttemptLog::lock(log).legs.push(json!({
+        "attempt": n, "leg": leg, "iid": ctx.parts.cfg.engines[iid].iid,
+        "request_id": id.id, "prompt": sub.k,
+    }));
+    id
+}
+
+pub(super) fn first_token_limit(parts: &Parts) -> Duration {
+    parts.cfg.first_token_timeout()
+}
+
+/// Aborts a spawned task when dropped (SGLang prefill leg).
+pub(super) struct AbortOnDrop(pub(super) tokio::task::JoinHandle<Result<(), LegError>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

@@ -1,0 +1,411 @@
+//! The completion pipeline (behaviour.md 1.8, 7.1–7.7a): ingress → seat → attempts
+//! (placement, prefill leg, decode leg until the first token, retries) → relay → settle.
+//!
+//! ```text
+//!  POST /v1/(chat/)completions
+//!    offered+1 ─ retained limit (429) ─ readiness (503) ─ bounded body (413, 408) ─ ingress (400/404)
+//!    ─ admission seat (429/504) ─ attempts under the request deadline (504)
+//!        one sub-request per prompt (a prompt batch is fanned out: its own descriptor each)
+//!        plan ─► vLLM: prefill ─► descriptor ─► decode     SGLang: prefill ∥ decode (rendezvous)
+//!                        └─► finished in the prefill (EOS, stop) ─► that answer
+//!              aggregated: streaming client ─► decode stream; non-streaming ─► whole answer
+//!        failure before output & transient & budget ─► backoff ─► next attempt (avoid failed)
+//!    ─ first output ─► streaming: 200 SSE, relay task        non-streaming: collect, one object
+//! ```
+//!
+//! Request shapes the split cannot serve exactly are never garbled (docs/http-api.md): a
+//! batch of prompts is fanned out (each prompt its own prefill, descriptor and decode,
+//! answered as choice `k`); a request for prompt logprobs is served unsplit on the decode
+//! engine (vLLM, where every engine is `kv_both`) or refused 400 naming the field (SGLang).
+//!
+//! The files, top to bottom (each imports only those below it):
+//! - this module: the front door (readiness, bounded body, ingress, admission seat, then the
+//!   answer: a streaming relay task or one collected object);
+//! - `attempt`: one prompt's attempts (placement, the admission price, the retry loop) and
+//!   the dispatch of a plan to its leg protocol;
+//! - `aggregated`, `vllm_nixl`, `sglang_bootstrap`: one leg protocol each, with the bodies
+//!   of its legs;
+//! - `relay_io`: the relay's IO loop once output started (the pure rules are `crate::relay`);
+//! - `leg`: what a leg produces (a started answer, a failed leg) and the attempt log.
+//!
+//! Cancellation: the handler future owns every leg and the [`Pending`] guard. When hyper drops
+//! it (client gone) the legs' connections close and the guard settles `cancelled`. After the
+//! response starts, the relay task owns them and watches the client channel. A graceful
+//! shutdown whose budget ran out ([`crate::readiness::Gate::end_requests`]) ends every request
+//! still running: before output 503, after output the error frame; settled `failed/shutdown`.
+
+use std::borrow::Cow;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::{Frame, Incoming};
+use serde_json::{Map, Value};
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tracing::Instrument;
+
+use crate::config::secs;
+use crate::controller::Track;
+use crate::failure::{Expiry, RequestFailure};
+use crate::ingress::{self, Endpoint, Validated};
+use crate::outcome::{Pending, RequestRecord, SettleSink, Settlement};
+use crate::parts::Parts;
+use crate::relay::done_frame;
+use crate::response::{Body, json_response};
+
+mod aggregated;
+mod attempt;
+mod leg;
+mod relay_io;
+mod sglang_bootstrap;
+#[cfg(test)]
+mod tests;
+mod vllm_nixl;
+
+use attempt::{refused_attempt, start_all};
+use leg::AttemptLog;
+use relay_io::{Relayed, collect_all, finish_frame, finish_record, stream_all};
+
+/// Body fed by a channel: the relay task sends SSE frames; dropping the body (client gone)
+/// closes the channel, which the task notices.
+struct ChannelBody(mpsc::Receiver<Bytes>);
+
+impl http_body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+/// One prompt of a request: the request itself, or prompt `k` of a fanned-out batch.
+struct Sub<'a> {
+    /// The prompt's index in the batch (`None`: not a batch).
+    k: Option<usize>,
+    /// The body its legs are built from.
+    body: Cow<'a, Map<String, Value>>,
+    /// Its estimated prompt tokens (the usage estimate when the engine gives none).
+    input_len: u64,
+}
+
+/// What every step of one request needs.
+struct Ctx<'a> {
+    parts: &'a Arc<Parts>,
+    endpoint: Endpoint,
+    v: &'a Validated,
+    rid: &'a str,
+    deadline: Instant,
+}
+
+/// How the answer is built once output started.
+struct Answering {
+    chat: bool,
+    include_usage: bool,
+    return_token_ids: bool,
+    chars_per_token: f64,
+    /// Per prompt: the estimated prompt tokens.
+    estimates: Vec<u64>,
+}
+
+/// Serve one completion POST. Never fails: every outcome is a response and one settlement.
+pub(crate) async fn completion(
+    parts: Arc<Parts>,
+    endpoint: Endpoint,
+    req: http::Request<Incoming>,
+) -> Response<Body> {
+    let rid = uuid::Uuid::new_v4().to_string();
+    let span = tracing::info_span!("request", id = %rid, route = endpoint.path(), model = %parts.cfg.model);
+    completion_inner(parts, endpoint, req, rid)
+        .instrument(span)
+        .await
+}
+
+/// Marks an answer sent before the request body was read to its end: the connection cannot
+/// carry another request (its unread body would be read as one), so the client is told to
+/// open a new one instead of finding it closed.
+fn closing(mut r: Response<Body>) -> Response<Body> {
+    r.headers_mut()
+        .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    r
+}
+
+async fn completion_inner(
+    parts: Arc<Parts>,
+    endpoint: Endpoint,
+    req: http::Request<Incoming>,
+    rid: String,
+) -> Response<Body> {
+    let arrived = parts.clock.now();
+    let deadline = arrived + secs(parts.cfg.serving.request_timeout_s);
+    parts.accounting.offered();
+    let sink: Arc<dyn SettleSink> = parts.accounting.clone();
+    let mut pending = Pending::new(
+        sink,
+        RequestRecord {
+            rid: rid.clone(),
+            endpoint: endpoint.path().to_string(),
+            arrived: parts.wall(),
+            ..Default::default()
+        },
+    );
+    let track = parts.controller.track(&rid);
+    let fail = |pending: Pending, failure: RequestFailure| {
+        if matches!(failure, RequestFailure::Invalid(_)) {
+            track.invalid();
+        }
+        pending.settle(failure.settlement());
+        failure.response(&rid)
+    };
+
+    let Some(retained) = parts.admission.try_retain() else {
+        return closing(fail(pending, RequestFailure::InflightLimit));
+    };
+
+    let readiness = parts.gate.readiness();
+    if !readiness.ready {
+        let no_engines = readiness.control_ready
+            && parts.gate.lifecycle_hold().is_none()
+            && parts.fleet.live_count() == 0;
+        let reason = readiness.reason;
+        return closing(fail(
+            pending,
+            RequestFailure::NotReady { reason, no_engines },
+        ));
+    }
+
+    let limit = parts.cfg.serving.max_request_bytes;
+    let body_by = (arrived + secs(parts.cfg.serving.body_read_timeout_s)).min(deadline);
+    let read = tokio::time::timeout_at(body_by.into(), read_body(req.into_body(), limit)).await;
+    let bytes = match read {
+        // A client that cannot deliver its body within the request deadline.
+        Err(_) if body_by == deadline => {
+            return closing(fail(pending, RequestFailure::Expired(Expiry::BodyRead)));
+        }
+        // A client that stalls mid-body: bounded on its own, well before the deadline.
+        Err(_) => {
+            let limit_s = parts.cfg.serving.body_read_timeout_s;
+            return closing(fail(pending, RequestFailure::BodyTimeout { limit_s }));
+        }
+        Ok(Ok(b)) => b,
+        Ok(Err(ReadError::TooLarge)) => {
+            let e = ingress::IngressError::TooLarge { limit };
+            return closing(fail(pending, RequestFailure::Invalid(e)));
+        }
+        Ok(Err(ReadError::Client(detail))) => {
+            tracing::debug!(%detail, "client body read failed");
+            return closing(fail(pending, RequestFailure::BodyUnreadable));
+        }
+    };
+    let v = match ingress::validate(
+        endpoint,
+        &bytes,
+        &parts.cfg.model,
+        parts.cfg.backend,
+        parts.cfg.engine.chars_per_token,
+    )
+    .and_then(|v| {
+        ingress::check_batch(&v, parts.cfg.serving.max_batch_prompts)?;
+        Ok(v)
+    }) {
+        Ok(v) => v,
+        Err(e) => return fail(pending, RequestFailure::Invalid(e)),
+    };
+    pending.record().stream = v.stream;
+    let input_len = parts.controller.size(&track, &v).await;
+    pending.record().input_len = Some(input_len);
+
+    // Admission seat (FIFO queue bounded by queue_timeout_s when queue_capacity > 0; queued
+    // requests are re-priced under predictive admission: controller.md 10.1).
+    let permit: OwnedSemaphorePermit = match parts
+        .controller
+        .seat(&parts.admission, &track, deadline)
+        .await
+    {
+        Ok((p, waited)) => {
+            pending.record().admission_wait_s = Some(waited);
+            p
+        }
+        Err(failure) => {
+            refused_attempt(
+                &parts,
+                &mut pending.record().attempt_failures,
+                &failure,
+                1,
+                None,
+            );
+            return fail(pending, failure);
+        }
+    };
+
+    let subs = subs_of(&v, parts.cfg.engine.chars_per_token);
+    // The controller's bookkeeping per prompt: the request's own, or one per batch prompt.
+    let tracks: Vec<Track> = match subs.as_slice() {
+        [one] if one.k.is_none() => vec![track.clone()],
+        _ => subs.iter().map(|s| track.prompt(s.input_len)).collect(),
+    };
+    let answering = Answering {
+        chat: endpoint == Endpoint::Chat,
+        include_usage: v.include_usage,
+        return_token_ids: v.return_token_ids,
+        chars_per_token: parts.cfg.engine.chars_per_token,
+        estimates: subs.iter().map(|s| s.input_len).collect(),
+    };
+    let ctx = Ctx {
+        parts: &parts,
+        endpoint,
+        v: &v,
+        rid: &rid,
+        deadline,
+    };
+    let log = Mutex::new(AttemptLog::default());
+    let outcome = tokio::select! {
+        o = tokio::time::timeout_at(deadline.into(), start_all(&ctx, &subs, &tracks, &log)) => Some(o),
+        () = parts.gate.requests_ended() => None,
+    };
+    std::mem::take(&mut *AttemptLog::lock(&log)).into_record(pending.record());
+    let Some(outcome) = outcome else {
+        return fail(pending, RequestFailure::ShutDown { streaming: false });
+    };
+    let started = match outcome {
+        Err(_) => return fail(pending, RequestFailure::Expired(Expiry::BeforeOutput)),
+        Ok(Err(RequestFailure::Leg { err, .. }))
+            if err.client_fault().is_none() && parts.clock.now() >= deadline =>
+        {
+            // A leg limit that coincides with the request deadline is the deadline.
+            let detail = err.detail();
+            return fail(
+                pending,
+                RequestFailure::Expired(Expiry::LegAtDeadline { detail }),
+            );
+        }
+        Ok(Err(failure)) => return fail(pending, failure),
+        Ok(Ok(s)) => s,
+    };
+    drop(subs);
+    drop(tracks);
+    let first_token_at = parts.clock.now();
+    {
+        let rec = pending.record();
+        rec.ttft_s = Some((first_token_at - arrived).as_secs_f64());
+        rec.output_started = v.stream;
+    }
+    if v.stream {
+        let (tx, rx) = mpsc::channel::<Bytes>(64);
+        let task_parts = parts.clone();
+        let span = tracing::Span::current();
+        tokio::spawn(
+            async move {
+                let _held = (retained, permit, track);
+                let end = stream_all(
+                    &task_parts,
+                    started,
+                    &tx,
+                    deadline,
+                    first_token_at,
+                    &answering,
+                )
+                .await;
+                finish_record(&mut pending, &end.stats);
+                match end.relayed {
+                    Relayed::Done => {
+                        if let Some(chunk) = end.usage_chunk {
+                            finish_frame(&tx, chunk).await;
+                        }
+                        finish_frame(&tx, done_frame()).await;
+                        pending.settle(Settlement::completed());
+                    }
+                    // Client gone (or too slow): `pending` settles on drop.
+                    Relayed::ClientGone => {}
+                    Relayed::Failed(failure) => {
+                        if let Some(frame) = failure.stream_frame() {
+                            finish_frame(&tx, frame).await;
+                        }
+                        pending.settle(failure.settlement());
+                    }
+                }
+            }
+            .instrument(span),
+        );
+        let mut r = Response::new(BodyExt::boxed(ChannelBody(rx)));
+        let h = r.headers_mut();
+        h.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        h.insert(
+            http::header::CACHE_CONTROL,
+            HeaderValue::from_static("no-cache"),
+        );
+        if let Ok(v) = HeaderValue::from_str(&rid) {
+            h.insert("x-request-id", v);
+        }
+        r
+    } else {
+        let end = collect_all(&parts, started, deadline, first_token_at, &answering).await;
+        drop(permit);
+        drop(retained);
+        finish_record(&mut pending, &end.stats);
+        match end.answer {
+            Ok(answer) => {
+                pending.settle(Settlement::completed());
+                json_response(StatusCode::OK, &answer, &rid)
+            }
+            Err(failure) => fail(pending, failure),
+        }
+    }
+}
+
+/// The request's prompts: one per prompt of a batch (each with `prompt` set to it), else the
+/// request itself.
+fn subs_of(v: &Validated, chars_per_token: f64) -> Vec<Sub<'_>> {
+    match ingress::batch_prompts(v) {
+        Some(prompts) => prompts
+            .iter()
+            .enumerate()
+            .map(|(k, p)| {
+                let mut body = v.body.clone();
+                body.insert("prompt".into(), p.clone());
+                Sub {
+                    k: Some(k),
+                    body: Cow::Owned(body),
+                    input_len: ingress::size_prompt(p, chars_per_token),
+                }
+            })
+            .collect(),
+        None => vec![Sub {
+            k: None,
+            body: Cow::Borrowed(&v.body),
+            input_len: v.input_len,
+        }],
+    }
+}
+
+enum ReadError {
+    TooLarge,
+    Client(String),
+}
+
+async fn read_body(mut body: Incoming, limit: u64) -> Result<Bytes, ReadError> {
+    use http_body::Body as _;
+    if body.size_hint().lower() > limit {
+        return Err(ReadError::TooLarge);
+    }
+    let mut buf: Vec<u8> = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| ReadError::Client(e.to_string()))?;
+        if let Ok(d) = frame.into_data() {
+            if (buf.len() + d.len()) as u64 > limit {
+                return Err(ReadError::TooLarge);
+            }
+            buf.extend_from_slice(&d);
+        }
+    }
+    Ok(Bytes::from(buf))
+}
