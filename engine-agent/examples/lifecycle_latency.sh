@@ -1,5 +1,5 @@
 #!/bin/bash
-# Drain-POST and readmission latency on a 16-engine dev fleet (docs/ha.md).
+# Drain-POST and readmission latency on a 16-engine dev fleet (docs/benchmarks.md).
 #
 #   engine-agent/examples/lifecycle_latency.sh LABEL BIN_DIR [WORK_DIR]
 #

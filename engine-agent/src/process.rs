@@ -567,8 +567,8 @@ pub struct PortRead {
     pub owner: Option<ResolvedOwner>,
 }
 
-/// Reads the identity of the process listening on `port`, re-checking `cached` (the owner the
-/// last read found) before scanning (architecture.md section 4).
+/// Reads the identity of the process listening on `port`, re-checking `cached` (the owner the last
+/// read found) before scanning (architecture.md section 4).
 ///
 /// A cached owner is used only if its fd still holds the same socket inode and its pid still
 /// has the same start ticks; anything else (socket closed or replaced, pid reused, zombie,

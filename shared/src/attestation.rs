@@ -143,13 +143,13 @@ pub struct KvProducePayload {
 /// agent from the consuming engine's own surfaces (its Prometheus `/metrics` and, for SGLang,
 /// `/server_info`) around the decode leg (docs/agent.md, "Transfer evidence").
 ///
-/// Wire compatibility. `verdict`, `failed_delta` and `detail` were added
-/// without a `schema_version` bump: each is optional with a default, and a router built before
-/// them ignores them (payloads are not `deny_unknown_fields`; the signature covers the payload
-/// as sent). The legacy `transferred` keeps its meaning — `true` only for `confirmed`, `false`
-/// for `refuted`, `null` when only the decode outcome is known — so an older router stays as
-/// strict as it was (it refuses `inferred`), never laxer. A router reads the verdict through
-/// [`TransferEvidence::judged`], which also derives one from an older agent's `transferred`.
+/// Wire compatibility. `verdict`, `failed_delta` and `detail` were added without a `schema_version`
+/// bump: each is optional with a default, and a router built before them ignores them (payloads are
+/// not `deny_unknown_fields`; the signature covers the payload as sent). The legacy `transferred`
+/// keeps its meaning — `true` only for `confirmed`, `false` for `refuted`, `null` when only the
+/// decode outcome is known — so an older router stays as strict as it was (it refuses `inferred`),
+/// never laxer. A router reads the verdict through [`TransferEvidence::judged`], which also derives
+/// one from an older agent's `transferred`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TransferEvidence {
     /// Where the counters came from: `vllm_nixl_metrics` (vLLM's `/metrics`, NIXL connector

@@ -1,5 +1,5 @@
-//! A real etcd for tests: the tests start a real etcd on a loopback port, and `cargo test
-//! --workspace` on a fresh machine sets up what it needs (docs/testing.md).
+//! A real etcd for tests: the tests start a real etcd on a loopback port, and
+//! `cargo test --workspace` on a fresh machine sets up what it needs (docs/ha.md, "Tests").
 //!
 //! ```text
 //!   etcd_binary():  $NARWHAL_ETCD_BIN ─► `etcd` on PATH ─► cached pinned etcd ─► fetch it

@@ -113,9 +113,9 @@ fn fenced_calls(base: &str, iid: &str, epoch: u64) -> Vec<(String, Value)> {
     ]
 }
 
-/// An operator certificate presenting a higher epoch is refused 403 on every
-/// fenced route, the agent's fence does not move, and the router keeps controlling the fleet
-/// (a drain, which goes through the agent, still succeeds). A router certificate is accepted.
+/// An operator certificate presenting a higher epoch is refused 403 on every fenced route, the
+/// agent's fence does not move, and the router keeps controlling the fleet (a drain, which goes
+/// through the agent, still succeeds). A router certificate is accepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_certificate_cannot_fence_the_routers() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -293,8 +293,8 @@ async fn reads_need_a_router_or_operator_identity_and_unrecognised_certificates_
     );
 }
 
-/// After the first read the agent re-checks the cached process instead of scanning;
-/// a restarted engine on the same port is read as the new process, never the old identity.
+/// After the first read the agent re-checks the cached process instead of scanning; a restarted
+/// engine on the same port is read as the new process, never the old identity.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_engine_is_never_answered_from_the_identity_cache() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -365,9 +365,8 @@ async fn a_restarted_engine_is_never_answered_from_the_identity_cache() {
     );
 }
 
-/// `narwhal-agent fence reset` refuses while the agent runs (it holds the
-/// state lock) and rewrites the fence once it stopped; a second agent on the same state
-/// directory refuses to start.
+/// `narwhal-agent fence reset` refuses while the agent runs (it holds the state lock) and rewrites
+/// the fence once it stopped; a second agent on the same state directory refuses to start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_fence_is_reset_only_while_the_agent_is_stopped() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -1,4 +1,4 @@
-//! End-to-end tests of the engine agent (issue 3): real `narwhal-agent` processes with real
+//! End-to-end tests of the engine agent (docs/agent.md): real `narwhal-agent` processes with real
 //! rcgen certificates in front of real `narwhal-engine-sim` processes, driven through the
 //! shared `AgentClient` and `Verifier` exactly as the router will drive them.
 //!
@@ -696,7 +696,7 @@ async fn idle_resident_memory_with_eight_engines_is_small() {
         "narwhal-agent idle VmRSS with 8 engines: {rss} KiB ({:.1} MiB)",
         rss as f64 / 1024.0
     );
-    // Target is 15 MiB (issue 3); debug builds carry more, so the gate here is looser.
+    // Target is 15 MiB (a release build); debug builds carry more, so the gate here is looser.
     assert!(rss < 40 * 1024, "VmRSS {rss} KiB");
 }
 

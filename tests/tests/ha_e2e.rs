@@ -5,10 +5,9 @@
 //! Covered, each for both lease backends unless noted:
 //! - `kill -9` of the primary during a whole-fleet wave: the standby takes over within the
 //!   lease TTL plus N polls, shows the same wave, and readmits it (control listener on mTLS);
-//! - `SIGSTOP` of the primary past its lease, then `SIGCONT`: it fences itself, becomes a
-//!   standby naming the new primary, refuses lifecycle actions, the agents refuse
-//!   its epoch, and at no sampled moment (about 20 Hz) do both routers report
-//!   `controls_fleet: active`;
+//! - `SIGSTOP` of the primary past its lease, then `SIGCONT`: it fences itself, becomes a standby
+//!   naming the new primary, refuses lifecycle actions, the agents refuse its epoch, and at no
+//!   sampled moment (about 20 Hz) do both routers report `controls_fleet: active`;
 //! - a standby that cannot reach the primary over HTTP while the primary keeps renewing its lease
 //!   never takes over; it follows the handoff the primary publishes beside its lease record, and
 //!   takes over from it once the primary died (ha-and-fencing.md: the fleet is never left without a
@@ -413,13 +412,12 @@ per_backend!(
     sigstop_past_the_lease_then_sigcont_etcd_lease
 );
 
-/// After a takeover, the fenced old primary (started without `--standby-of`) waits as a
-/// standby of the new one. When the new primary dies too, the old one takes the fleet back
-/// (a standby always ends up controlling the fleet), but never with its stale state
-/// (counters, lifecycle holds from before the takeover): with the new primary's newest
-/// published state, so the engine it drained stays held and its totals are kept. Before the
-/// handoff was published beside the lease it stayed out for good ("stale state"), leaving the
-/// fleet without a controller.
+/// After a takeover, the fenced old primary (started without `--standby-of`) waits as a standby of
+/// the new one. When the new primary dies too, the old one takes the fleet back (a standby always
+/// ends up controlling the fleet), but never with its stale state (counters, lifecycle holds from
+/// before the takeover): with the new primary's newest published state, so the engine it drained
+/// stays held and its totals are kept. Before the handoff was published beside the lease it stayed
+/// out for good ("stale state"), leaving the fleet without a controller.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fenced_primary_takes_the_fleet_back_only_with_the_newest_state() {
     let mut f = ha(LeaseBackend::File).standby().start().await;
@@ -550,11 +548,11 @@ async fn standby_refuses_a_handoff_older_than_the_lease_and_does_not_churn_the_e
     assert_eq!(s.ready().await.0, 503);
 }
 
-/// behaviour.md 12 item 8: another holder overwrites the lease record while the primary
-/// runs. Within about one renew interval the primary is fenced and, as the record names a
-/// live holder, a standby naming it (`/health` `standby`, `/ready` 503, completions
-/// 503, lifecycle 503), and its state file stops changing: a router that does not control the
-/// fleet never overwrites the fleet's state.
+/// behaviour.md 12 item 8: another holder overwrites the lease record while the primary runs.
+/// Within about one renew interval the primary is fenced and, as the record names a live holder, a
+/// standby naming it (`/health` `standby`, `/ready` 503, completions 503, lifecycle 503), and its
+/// state file stops changing: a router that does not control the fleet never overwrites the fleet's
+/// state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_foreign_lease_record_fences_the_primary_and_stops_its_state_writes() {
     let f = ha(LeaseBackend::File).start().await;

@@ -1,5 +1,5 @@
-//! End-to-end tests of the HA handoff document and `--resume` (issue 5): real routers,
-//! agents and simulators with mutual TLS; the router is killed with SIGKILL and a new one
+//! End-to-end tests of the HA handoff document and `--resume` (handoff-and-lifecycle.md): real
+//! routers, agents and simulators with mutual TLS; the router is killed with SIGKILL and a new one
 //! resumes from `recovery.state_path`.
 
 use std::time::Duration;

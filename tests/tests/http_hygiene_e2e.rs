@@ -1,4 +1,4 @@
-//! HTTP hygiene of the data and control listeners (issue 9 section 7), end to end over raw
+//! HTTP hygiene of the data and control listeners (docs/deviations.md), end to end over raw
 //! sockets, where framing and connection handling are visible:
 //! - an answer sent before the request body was read (413, and every early refusal) says
 //!   `Connection: close`, so a keep-alive client opens a new connection instead of writing

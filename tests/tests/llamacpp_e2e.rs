@@ -1,4 +1,4 @@
-//! A real third-party engine behind the router (issue 10 section 3): llama.cpp's OpenAI server
+//! A real third-party engine behind the router (docs/testing.md): llama.cpp's OpenAI server
 //! (llama-cpp-python, `python -m llama_cpp.server`) serving a tiny GGUF this test writes with
 //! the `gguf` package (`tests/python/make_tiny_gguf.py`: llama architecture, random weights,
 //! 256-token context), as the single aggregated engine of a real `narwhal-serve`, driven by the
@@ -343,7 +343,7 @@ async fn engine_alone_serves_the_sdk() {
         );
         assert_eq!(r[i]["body"]["code"], "context_length_exceeded", "{}", r[i]);
     }
-    // What the issue relies on: no /health, /v1/models instead.
+    // What `engines[].health_path` is for: no /health, /v1/models instead.
     let health = http()
         .get(format!("{}/health", engine.url))
         .send()

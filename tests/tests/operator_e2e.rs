@@ -1,4 +1,4 @@
-//! Errors that say what to do, and lifecycle ergonomics (issue 14 sections 2 and 4), with the
+//! Errors that say what to do, and lifecycle ergonomics (docs/operate.md), with the
 //! real binaries on loopback:
 //!
 //! - a file the fleet file names that cannot be used stops `narwhal-serve` before it listens:
@@ -8,7 +8,7 @@
 //!   `lease: none`) names the cause in `/ready`, `/narwhal/state` and `narwhalctl`, and the
 //!   reset documented in docs/operate.md (`narwhal-agent fence reset`) brings it back;
 //! - `cancel-drain` returns an un-restarted engine after the checks, with its own events, and
-//!   refuses a restarted one (which the seed's readmission takes); a drain of a role's only
+//!   refuses a restarted one (which readmission takes); a drain of a role's only
 //!   live engine says how traffic is served meanwhile.
 #![allow(clippy::disallowed_methods)] // tests read the clock for deadlines
 
@@ -41,10 +41,9 @@ fn write_fleet(dir: &Path, name: &str, doc: &Value) -> String {
     p.to_string_lossy().into_owned()
 }
 
-/// Issue 14 section 2: a missing TLS file was found only after the `listening` line and the
-/// ready file (exit 1); the unit's `RestartPreventExitStatus=2` needs exit 2 before anything
-/// is bound or printed. `check-config` reports the same problems, and directories the run
-/// would write in.
+/// A missing TLS file was found only after the `listening` line and the ready file (exit 1); the
+/// unit's `RestartPreventExitStatus=2` needs exit 2 before anything is bound or printed.
+/// `check-config` reports the same problems, and directories the run would write in.
 #[test]
 fn an_unusable_file_stops_the_router_before_it_listens_and_check_config_names_it() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -121,10 +120,10 @@ fn an_unusable_file_stops_the_router_before_it_listens_and_check_config_names_it
     );
 }
 
-/// Issue 14 section 2: agents that accepted an HA router's epoch fence a router started with
-/// `lease: none` (epoch 0). Before: `/ready` said "lease held by another router" (there is no
-/// lease) and narwhalctl only "this router does not control the fleet". Now the cause and the
-/// remedy are named everywhere an operator looks, and the documented reset works.
+/// Agents that accepted an HA router's epoch fence a router started with `lease: none` (epoch 0).
+/// Before: `/ready` said "lease held by another router" (there is no lease) and narwhalctl only
+/// "this router does not control the fleet". Now the cause and the remedy are named everywhere an
+/// operator looks, and the documented reset works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_fenced_by_a_stale_epoch_names_the_agent_and_the_documented_reset_clears_it() {
     let mut f = Fleet::builder()
@@ -203,10 +202,10 @@ async fn a_router_fenced_by_a_stale_epoch_names_the_agent_and_the_documented_res
     assert_eq!(r.completion("after the reset", 2).await.status, 200);
 }
 
-/// Issue 14 section 4: before, an engine drained by mistake could only return through a
-/// restart (a readmission without one leaves it `blocked`). `cancel-drain` validates the same
-/// process and returns it, with its own journal events; a restarted engine is refused (the
-/// seed's readmission is for it). A drain of a role's only live engine warns.
+/// Before, an engine drained by mistake could only return through a restart (a readmission without
+/// one leaves it `blocked`). `cancel-drain` validates the same process and returns it, with its own
+/// journal events; a restarted engine is refused (the readmission of handoff-and-lifecycle.md is
+/// for it). A drain of a role's only live engine warns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     let mut f = Fleet::builder().prefill(2).decode(1).agents().start().await;
@@ -273,7 +272,7 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
         .lifecycle_until("d0 drained", |d| d["engines"]["d0"]["state"] == "drained")
         .await;
 
-    // A restarted engine is not a cancel: refused, and the seed's readmission takes it.
+    // A restarted engine is not a cancel: refused, and readmission takes it.
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     let r = f.router();
     let (status, doc) = r

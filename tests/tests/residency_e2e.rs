@@ -1,6 +1,7 @@
 //! A vLLM request whose prefill is still running already holds its decode engine: draining that
-//! decode engine waits for the request (it is resident from placement on), so `ready_to_stop`
-//! never turns true under a request that is about to decode there (seed "Draining engines").
+//! decode engine waits for the request (it is resident from placement on), so `ready_to_stop` never
+//! turns true under a request that is about to decode there (handoff-and-lifecycle.md, "Draining
+//! engines").
 
 use std::time::Duration;
 

@@ -1,4 +1,4 @@
-//! The official `openai` Python SDK against the simulator fleet (issue 10 section 3): a P/D
+//! The official `openai` Python SDK against the simulator fleet (docs/testing.md): a P/D
 //! fleet (one prefill, one decode simulator) of each dialect behind the real `narwhal-serve`,
 //! driven through `tests/python/sdk_driver.py`. Every request shape a user sends must come back
 //! as something the SDK parses and that validates strictly against the SDK's own types, and

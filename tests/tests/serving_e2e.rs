@@ -1,5 +1,5 @@
-//! End-to-end tests of the serving path (issue 2): the real `narwhal-serve` in front of real
-//! `narwhal-engine-sim` processes on loopback, asserting on what the client saw, on the
+//! End-to-end tests of the serving path (docs/http-api.md): the real `narwhal-serve` in front of
+//! real `narwhal-engine-sim` processes on loopback, asserting on what the client saw, on the
 //! router's own accounting, and on what the engines actually received (`/sim/stats`).
 // Tests measure wall time (deadlines, takeover gaps): the clock ban of clippy.toml is for
 // product code.
@@ -106,7 +106,7 @@ async fn pd_round_trip(dialect: &str) {
     assert_eq!(n(&d["kv"]["recomputed"]), 0, "decode recomputed: {d}");
     assert_eq!(n(&d["kv"]["rejected"]), 0, "decode stats {d}");
     // Each client request maps to exactly one prefill and one decode leg on the engines: the
-    // journal row names each leg's request id (a plain UUID per leg, issue 10 section 2).
+    // journal row names each leg's request id (a plain UUID per leg, docs/deviations.md).
     let rows = eventually("every request's journal row", WAIT, || async {
         let rows = router.journal_rows();
         rids.iter()

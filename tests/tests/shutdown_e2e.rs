@@ -1,4 +1,4 @@
-//! Graceful shutdown of `narwhal-serve` (issue 9 section 5), end to end: SIGTERM with streams
+//! Graceful shutdown of `narwhal-serve` (docs/http-api.md), end to end: SIGTERM with streams
 //! in flight, against the real binary over fake engines.
 //!
 //! On SIGTERM both listeners stay open while admitted requests run: `/ready` answers 503

@@ -1,4 +1,4 @@
-//! A non-streaming client served by an engine that streams anyway (issue 11, a field report):
+//! A non-streaming client served by an engine that streams anyway (a field report):
 //! the router asks the leg `"stream": false`, the engine answers `text/event-stream`, and the
 //! client still gets one OpenAI answer (text concatenated, `finish_reason`, usage), not a 502.
 

@@ -1,7 +1,7 @@
-//! End-to-end test of suspect engines (issue 4): decode streams that fail after output record
-//! the producer that fed them (`inference_sources`); once the ejected engine answers its health
-//! probe, the router validates the running process through the agents, reruns that producer →
-//! suspect path, and only then returns it to placement.
+//! End-to-end test of suspect engines (behaviour.md 6.2, 6.3): decode streams that fail after
+//! output record the producer that fed them (`inference_sources`); once the ejected engine answers
+//! its health probe, the router validates the running process through the agents, reruns that
+//! producer → suspect path, and only then returns it to placement.
 
 use std::time::Duration;
 

@@ -11,15 +11,14 @@
 //!                     └── narwhal-serve …
 //! ```
 //!
-//! Why two processes (a `kill -9` of `narwhal-dev up` used to leave every child
-//! running): a process killed by SIGKILL runs no code, so something else must notice. The
-//! fleet process asks the kernel for SIGTERM when its parent dies (`PR_SET_PDEATHSIG`, set in
-//! the fleet process itself through nix's safe wrapper, so no `pre_exec` and no `unsafe`), and
-//! SIGTERM stops the fleet the same way Ctrl-C does (routers first, gracefully). If the fleet
-//! process itself is killed, the supervisor (a child subreaper, so the orphans become its
-//! children) signals the fleet's process group: SIGTERM, then SIGKILL after
-//! [`GROUP_GRACE`]. The fleet gets its own process group so that signalling it never reaches
-//! the user's shell or script.
+//! Why two processes (a `kill -9` of `narwhal-dev up` used to leave every child running): a process
+//! killed by SIGKILL runs no code, so something else must notice. The fleet process asks the kernel
+//! for SIGTERM when its parent dies (`PR_SET_PDEATHSIG`, set in the fleet process itself through
+//! nix's safe wrapper, so no `pre_exec` and no `unsafe`), and SIGTERM stops the fleet the same way
+//! Ctrl-C does (routers first, gracefully). If the fleet process itself is killed, the supervisor
+//! (a child subreaper, so the orphans become its children) signals the fleet's process group:
+//! SIGTERM, then SIGKILL after [`GROUP_GRACE`]. The fleet gets its own process group so that
+//! signalling it never reaches the user's shell or script.
 //!
 //! The directory lock (`DIR/narwhal-dev.lock`, an advisory `flock` released by the kernel when
 //! its holder dies, however it dies) makes a second `up` in a busy directory fail at once with

@@ -171,7 +171,8 @@ struct Kv {
     expired: u64,
 }
 
-/// The `/sim/stats` document (shape fixed by the task brief; other tests depend on it).
+/// The `/sim/stats` document (shape fixed by docs/engine-simulator.md, "Statistics"; other tests
+/// depend on it).
 #[derive(Serialize)]
 pub(crate) struct StatsDoc<'a> {
     engine_id: &'a str,
