@@ -11,7 +11,7 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use narwhal_router::relay::{RelayOptions, RelayStep, SseParser, StreamState};
+use narwhal_relay::{RelayOptions, RelayStep, SseParser, StreamState};
 use narwhal_shared::{Clock, SystemClock};
 
 /// A vLLM `/v1/completions` stream as the router's decode leg gets it: `return_token_ids`

@@ -18,9 +18,9 @@ use crate::admission::Refusal;
 use crate::ingress::IngressError;
 use crate::outcome::{Settlement, Terminal};
 use crate::placement::Phase;
-use crate::relay::{StreamFailure, error_frame};
 use crate::response::{Body, json_response, with_retry_after, with_retry_after_s};
 use crate::upstream::LegError;
+use narwhal_relay::{StreamFailure, error_frame};
 
 /// Where a request ran out of time (each says so in the journal; the client sees 504
 /// `request_expired`, or the `expired` error frame once output started).

@@ -32,7 +32,7 @@
 //!
 //! | layer | modules | what they are |
 //! |---|---|---|
-//! | 0 pure cores | `config` (and `config::schema`, the accepted keys read from its validator), `profile`, `placement`, `breaker`, `facts`, `relay`, `rawjson`, `ingress`, `outcome`, `retry`, `demand` (risk, windows, model), `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO (`facts`: an engine process's facts and when two readings name different processes; `relay`: SSE parsing, token evidence, usage, whole-answer and batch merging; `rawjson`: the byte-level JSON scanner the relay finds its few members with) |
+//! | 0 pure cores | `config` (and `config::schema`, the accepted keys read from its validator), `profile`, `placement`, `breaker`, `facts`, `ingress`, `outcome`, `retry`, `demand` (risk, windows, model), `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO (`facts`: an engine process's facts and when two readings name different processes). Below them, in crates of their own so Cargo enforces the direction: `narwhal-relay` (router/relay: SSE parsing, token evidence, usage, whole-answer and batch merging, and `rawjson`, the byte-level JSON scanner the relay finds its few members with) |
 //! | 0 leaves | `journal`, `metrics`, `response` | the journal writer, Prometheus families, JSON responses |
 //! | 1 engine client | `upstream`, `failure` | legs to engines and how they fail; `RequestFailure`, the one map to status, body and settlement |
 //! | 1 parts | `fleet`, `accounting`, `admission`, `phase` | own their data behind narrow handles (below) |
@@ -142,9 +142,7 @@ mod parts;
 mod phase;
 pub mod placement;
 mod profile;
-mod rawjson;
 mod readiness;
-pub mod relay;
 mod response;
 pub mod retry;
 mod serve;

@@ -27,8 +27,8 @@ use crate::breaker::{HealthAnswer, ProbeKind, ProbeResult, Ticket};
 use crate::config::{Backend, secs};
 use crate::metrics::labels;
 use crate::parts::Parts;
-use crate::relay::RelayOptions;
 use crate::upstream::{LegId, ProbeError};
+use narwhal_relay::RelayOptions;
 
 /// SGLang's placeholder rendezvous host: a request naming it runs locally on a prefill- or
 /// decode-mode server without a peer (SGLang's own `/health` generation uses it:

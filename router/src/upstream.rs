@@ -27,7 +27,7 @@ use serde_json::Value;
 use crate::breaker::FailureClass;
 use crate::config::{Config, secs};
 use crate::placement::Phase;
-use crate::relay::{
+use narwhal_relay::{
     Head, RelayOptions, RelayStep, SseParser, StreamFailure, StreamState, assemble_sse,
     chunk_usage, upstream_error,
 };

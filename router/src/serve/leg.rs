@@ -12,7 +12,7 @@ use crate::fleet::Resident;
 use crate::outcome::RequestRecord;
 use crate::parts::Parts;
 use crate::placement::Phase;
-use crate::relay::RelayOptions;
+use narwhal_relay::RelayOptions;
 
 use super::{Ctx, Sub};
 use crate::upstream::{LegError, LegId, LiveStream};

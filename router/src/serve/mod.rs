@@ -53,8 +53,8 @@ use crate::failure::{Expiry, RequestFailure};
 use crate::ingress::{self, Endpoint, Validated};
 use crate::outcome::{Pending, RequestRecord, SettleSink, Settlement};
 use crate::parts::Parts;
-use crate::relay::done_frame;
 use crate::response::{Body, json_response};
+use narwhal_relay::done_frame;
 
 mod aggregated;
 mod attempt;

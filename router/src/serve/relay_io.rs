@@ -19,11 +19,11 @@ use crate::fleet::Resident;
 use crate::outcome::Pending;
 use crate::parts::Parts;
 use crate::placement::Phase;
-use crate::relay::{
+use crate::upstream::{LegError, LiveStream};
+use narwhal_relay::{
     Aggregator, Head, RelayStep, answer_chunks, data_frame, reindex, sanitize_answer, sum_usages,
     usage_value,
 };
-use crate::upstream::{LegError, LiveStream};
 
 use super::Answering;
 use super::leg::AbortOnDrop;

@@ -12,8 +12,8 @@ use crate::config::Backend;
 use crate::failure::RequestFailure;
 use crate::ingress::{self, Endpoint, Validated};
 use crate::placement::Plan;
-use crate::relay::usage_value;
 use crate::upstream::LegId;
+use narwhal_relay::usage_value;
 use serde_json::Map;
 
 fn validated(body: &str) -> Validated {

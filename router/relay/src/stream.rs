@@ -1,0 +1,651 @@
+//! One decode stream's relay state, sans IO: each data frame scanned once for token evidence,
+//! `finish_reason`, `usage` and an `error`, output held until the first token (at most
+//! [`MAX_HELD_FRAMES`] frames), the engine's bytes forwarded but for the members the client did
+//! not ask for.
+
+use std::borrow::Cow;
+use std::ops::Range;
+
+use bytes::{Bytes, BytesMut};
+use serde_json::{Map, Value};
+
+use crate::rawjson::{Cursor, Edit, Keep, Member, Repl, ScanError, apply, decode_key};
+
+/// Data frames held before the first token (behaviour.md 7.3).
+pub const MAX_HELD_FRAMES: usize = 64;
+
+/// What the client asked for that changes the relayed frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RelayOptions {
+    /// The client itself set `return_token_ids: true`: keep `token_ids`/`prompt_token_ids`.
+    pub return_token_ids: bool,
+    /// Limit for held bytes before output, and for everything when `collect` is set.
+    pub max_response_bytes: u64,
+    /// The client is not streaming: every chunk counts toward `max_response_bytes`.
+    pub collect: bool,
+    /// Prompt `k` of a fanned-out batch streamed to its client: every choice index is
+    /// shifted by `k` and a chunk's `usage` dropped (the router writes one for the batch).
+    pub index_base: Option<u64>,
+    /// Keep the first chunk's `id`, `created` and `model` ([`StreamState::head`]) for a
+    /// usage chunk the router writes itself.
+    pub capture_head: bool,
+}
+
+impl RelayOptions {
+    /// Options for a client that asked nothing special: `token_ids` stripped, no batch.
+    pub fn new(max_response_bytes: u64, collect: bool) -> Self {
+        RelayOptions {
+            return_token_ids: false,
+            max_response_bytes,
+            collect,
+            index_base: None,
+            capture_head: false,
+        }
+    }
+}
+
+/// Why a decode stream failed (`upstream::LegError` maps it to a breaker class and a failed
+/// reason).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamFailure {
+    /// An in-stream `{"error": {...}}` frame; status from `error.code` if 400–599 else 500.
+    UpstreamError {
+        /// Derived HTTP status.
+        status: u16,
+        /// The engine's message.
+        message: String,
+    },
+    /// The upstream ended without `[DONE]`.
+    EndedWithoutDone,
+    /// `[DONE]` arrived before any output (no token, no content, no finish reason).
+    DoneBeforeToken,
+    /// A data frame was not JSON or carried malformed `token_ids`.
+    InvalidFrame(String),
+    /// Held frames or collected bytes exceeded the limits.
+    ResponseLimit,
+}
+
+impl StreamFailure {
+    /// Detail for logs and the journal.
+    pub fn detail(&self) -> String {
+        match self {
+            StreamFailure::UpstreamError { status, message } => {
+                format!("in-stream error {status}: {message}")
+            }
+            StreamFailure::EndedWithoutDone => "stream ended without [DONE]".into(),
+            StreamFailure::DoneBeforeToken => "[DONE] before any output".into(),
+            StreamFailure::InvalidFrame(d) => format!("invalid stream frame: {d}"),
+            StreamFailure::ResponseLimit => "response exceeds the configured limit".into(),
+        }
+    }
+}
+
+/// Result of feeding one event.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RelayStep {
+    /// Nothing to send yet.
+    Hold,
+    /// Frames are ready ([`StreamState::take_output`]; the first `Output` of a stream
+    /// includes every held frame).
+    Output,
+    /// `[DONE]` after output: the stream completed.
+    Done,
+    /// The leg failed.
+    Failed(StreamFailure),
+}
+
+/// The engine's own counts, from the `usage` objects its stream carried (the last one seen
+/// wins: vLLM's final usage chunk, or `continuous_usage_stats` on every chunk).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineUsage {
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: Option<u64>,
+    /// `usage.completion_tokens`.
+    pub completion_tokens: Option<u64>,
+}
+
+/// The first relayed chunk's `id`, `created` and `model`, as the engine wrote them (raw
+/// JSON; `null` when absent).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Head {
+    /// `id`.
+    pub id: String,
+    /// `created`.
+    pub created: String,
+    /// `model`.
+    pub model: String,
+}
+
+impl Head {
+    /// The head of a chunk given as a `Value`.
+    pub fn of(chunk: &Value) -> Head {
+        let raw = |k: &str| chunk.get(k).unwrap_or(&Value::Null).to_string();
+        Head {
+            id: raw("id"),
+            created: raw("created"),
+            model: raw("model"),
+        }
+    }
+}
+
+/// What one scan of a content frame found (the old `Value` rules, gathered in one pass).
+#[derive(Debug, Default)]
+struct Facts {
+    /// A non-null top-level `error`.
+    error: Option<Range<usize>>,
+    /// A `usage` object: its prompt and completion counts.
+    usage: Option<(Option<u64>, Option<u64>)>,
+    /// Elements of a `choices` array (`None`: no array).
+    choices: Option<usize>,
+    new_tokens: u64,
+    ends_choice: bool,
+    /// The first malformed `token_ids` of a choice.
+    bad_ids: Option<&'static str>,
+    head: [Option<Range<usize>>; 3],
+}
+
+/// What one choice of a frame carried.
+#[derive(Debug, Default)]
+struct ChoiceFacts {
+    /// `token_ids`: its length, or why it is malformed (`None`: absent or null).
+    ids: Option<Result<u64, &'static str>>,
+    text: bool,
+    /// `delta` present: which of its content members carry something (bit per
+    /// [`DELTA_CONTENT`] entry).
+    delta: Option<u8>,
+    finish: bool,
+    has_index: bool,
+    kept: usize,
+}
+
+/// The members of a chat `delta` that carry generated content: `content`,
+/// `reasoning_content`/`reasoning` (reasoning parsers), `tool_calls`, the legacy
+/// `function_call`.
+const DELTA_CONTENT: [&[u8]; 5] = [
+    b"content",
+    b"reasoning_content",
+    b"reasoning",
+    b"tool_calls",
+    b"function_call",
+];
+
+/// A member's key as bytes: its raw text, decoded when it has escapes.
+fn key_of<'b>(c: &Cursor<'b>, m: &Member) -> Cow<'b, [u8]> {
+    if m.escaped {
+        Cow::Owned(decode_key(c.bytes(), m).unwrap_or_default().into_bytes())
+    } else {
+        Cow::Borrowed(&c.bytes()[m.key.clone()])
+    }
+}
+
+/// Per-leg relay state (one per decode attempt).
+///
+/// Token evidence, best first: the engine's `usage.completion_tokens`, then `token_ids`
+/// lengths (vLLM's `return_token_ids`, SGLang completions), then one token per
+/// content-bearing choice delta (text, content, reasoning, tool calls), which every
+/// OpenAI-compatible engine sends. Output starts at the first chunk that carries a token or
+/// content or ends a choice (`finish_reason`): a generation that ended on its first step is an
+/// answer, not an empty stream. Relayed frames are the engine's bytes, minus `token_ids` and
+/// `prompt_token_ids` unless the client asked for them (whitespace line breaks inside a
+/// frame become spaces, so every frame is one `data:` line).
+#[derive(Debug)]
+pub struct StreamState {
+    opts: RelayOptions,
+    /// Frames ready for the client (held ones until output starts).
+    out: BytesMut,
+    held_frames: usize,
+    held_bytes: u64,
+    collected_bytes: u64,
+    started: bool,
+    done: bool,
+    tokens: u64,
+    usage: EngineUsage,
+    usage_chunk: Option<Bytes>,
+    head: Option<Head>,
+    /// Reused between frames.
+    edits: Vec<Edit>,
+}
+
+impl StreamState {
+    /// Fresh state for one decode leg.
+    pub fn new(opts: RelayOptions) -> Self {
+        StreamState {
+            opts,
+            out: BytesMut::new(),
+            held_frames: 0,
+            held_bytes: 0,
+            collected_bytes: 0,
+            started: false,
+            done: false,
+            tokens: 0,
+            usage: EngineUsage::default(),
+            usage_chunk: None,
+            head: None,
+            edits: Vec::new(),
+        }
+    }
+
+    /// Has output (the first token, content or finish reason) started?
+    pub fn started(&self) -> bool {
+        self.started
+    }
+
+    /// Whether output started and frames wait in [`StreamState::take_output`].
+    pub fn has_output(&self) -> bool {
+        self.started && !self.out.is_empty()
+    }
+
+    /// The frames relayed since the last call, as SSE (`data: <json>\n\n` each); empty before
+    /// output started (held frames stay held).
+    pub fn take_output(&mut self) -> Bytes {
+        if !self.started {
+            return Bytes::new();
+        }
+        self.out.split().freeze()
+    }
+
+    /// Tokens counted from the stream's chunks so far (`token_ids` or content-bearing deltas).
+    pub fn tokens(&self) -> u64 {
+        self.tokens
+    }
+
+    /// Generated tokens: the engine's `usage.completion_tokens` when it sent one, else the
+    /// tokens counted.
+    pub fn output_tokens(&self) -> u64 {
+        self.usage.completion_tokens.unwrap_or(self.tokens)
+    }
+
+    /// The engine's usage counts, if its stream carried any.
+    pub fn engine_usage(&self) -> EngineUsage {
+        self.usage
+    }
+
+    /// The engine's usage as an object, when its stream carried one only inside content
+    /// chunks (no usage-only chunk): its counts, for [`usage_value`].
+    pub fn engine_usage_value(&self) -> Option<Value> {
+        let c = self.usage.completion_tokens?;
+        let mut u = Map::new();
+        if let Some(p) = self.usage.prompt_tokens {
+            u.insert("prompt_tokens".into(), p.into());
+        }
+        u.insert("completion_tokens".into(), c.into());
+        Some(Value::Object(u))
+    }
+
+    /// `usage.prompt_tokens` reported by the engine, if any.
+    pub fn prompt_tokens(&self) -> Option<u64> {
+        self.usage.prompt_tokens
+    }
+
+    /// The engine's usage-only chunk (`choices: []`), held back from the relayed stream, as
+    /// the engine wrote it (the JSON payload): the serving layer forwards it, merges it or
+    /// replaces it (see [`usage_value`], [`chunk_usage`]).
+    pub fn take_usage_chunk(&mut self) -> Option<Bytes> {
+        self.usage_chunk.take()
+    }
+
+    /// The first relayed chunk's `id`, `created`, `model` (with
+    /// [`RelayOptions::capture_head`]).
+    pub fn head(&self) -> Option<&Head> {
+        self.head.as_ref()
+    }
+
+    /// Feed one SSE data payload.
+    pub fn on_data(&mut self, payload: &[u8]) -> RelayStep {
+        if self.done {
+            return RelayStep::Hold;
+        }
+        // An engine's invalid UTF-8 is replaced, as a text decoder would.
+        let text: Cow<'_, [u8]> = match std::str::from_utf8(payload) {
+            Ok(_) => Cow::Borrowed(payload),
+            Err(_) => Cow::Owned(String::from_utf8_lossy(payload).into_owned().into_bytes()),
+        };
+        if text.trim_ascii() == b"[DONE]" {
+            if !self.started {
+                return RelayStep::Failed(StreamFailure::DoneBeforeToken);
+            }
+            self.done = true;
+            return RelayStep::Done;
+        }
+        let (facts, edits) = match self.scan(&text) {
+            Ok(f) => f,
+            Err(failure) => return RelayStep::Failed(failure),
+        };
+        if let Some(err) = facts.error {
+            self.edits = edits;
+            let v: Value = serde_json::from_slice(&text[err]).unwrap_or(Value::Null);
+            return RelayStep::Failed(upstream_error(&v));
+        }
+        if let Some((p, c)) = facts.usage {
+            self.usage.prompt_tokens = p.or(self.usage.prompt_tokens);
+            self.usage.completion_tokens = c.or(self.usage.completion_tokens);
+        }
+        if facts.choices.is_none_or(|n| n == 0) {
+            if facts.usage.is_some() {
+                self.usage_chunk = Some(Bytes::copy_from_slice(text.trim_ascii()));
+            }
+            self.edits = edits;
+            return RelayStep::Hold;
+        }
+        if let Some(msg) = facts.bad_ids {
+            self.edits = edits;
+            return RelayStep::Failed(StreamFailure::InvalidFrame(msg.into()));
+        }
+        self.tokens += facts.new_tokens;
+        if self.opts.capture_head && self.head.is_none() {
+            let raw = |r: &Option<Range<usize>>| {
+                r.clone().map_or_else(
+                    || "null".to_string(),
+                    |r| String::from_utf8_lossy(&text[r]).into_owned(),
+                )
+            };
+            self.head = Some(Head {
+                id: raw(&facts.head[0]),
+                created: raw(&facts.head[1]),
+                model: raw(&facts.head[2]),
+            });
+        }
+        let size = self.emit(&text, &edits);
+        self.edits = edits;
+        if self.opts.collect {
+            self.collected_bytes += size;
+            if self.collected_bytes > self.opts.max_response_bytes {
+                return RelayStep::Failed(StreamFailure::ResponseLimit);
+            }
+        }
+        if self.started {
+            return RelayStep::Output;
+        }
+        self.held_bytes += size;
+        self.held_frames += 1;
+        if facts.new_tokens > 0 || facts.ends_choice {
+            self.started = true;
+            return RelayStep::Output;
+        }
+        if self.held_frames > MAX_HELD_FRAMES || self.held_bytes > self.opts.max_response_bytes {
+            return RelayStep::Failed(StreamFailure::ResponseLimit);
+        }
+        RelayStep::Hold
+    }
+
+    /// Writes `data: <text with edits>\n\n` to the output; returns the JSON's length.
+    fn emit(&mut self, text: &[u8], edits: &[Edit]) -> u64 {
+        let lead = text.len() - text.trim_ascii_start().len();
+        let end = lead + text.trim_ascii().len();
+        self.out.extend_from_slice(b"data: ");
+        let start = self.out.len();
+        apply(text, lead..end, edits, &mut self.out);
+        let len = self.out.len() - start;
+        // Line breaks can only be whitespace between tokens of valid JSON: spaces keep the
+        // frame one `data:` line.
+        if memchr::memchr2(b'\n', b'\r', &self.out[start..]).is_some() {
+            for b in &mut self.out[start..] {
+                if matches!(*b, b'\n' | b'\r') {
+                    *b = b' ';
+                }
+            }
+        }
+        self.out.extend_from_slice(b"\n\n");
+        len as u64
+    }
+
+    /// One pass over a content frame: its facts, and the edits the client's options ask for.
+    fn scan(&mut self, text: &[u8]) -> Result<(Facts, Vec<Edit>), StreamFailure> {
+        let invalid =
+            |e: ScanError| StreamFailure::InvalidFrame(format!("data frame is not JSON: {e}"));
+        let mut c = Cursor::new(text, std::mem::take(&mut self.edits));
+        if c.peek() != Some(b'{') {
+            return Err(match c.value().and_then(|_| c.end()) {
+                Ok(()) => StreamFailure::InvalidFrame("data frame is not a JSON object".into()),
+                Err(e) => invalid(e),
+            });
+        }
+        let strip = !self.opts.return_token_ids;
+        let base = self.opts.index_base;
+        let head = self.opts.capture_head && self.head.is_none();
+        let mut f = Facts::default();
+        let walked = c.object(|c, m| {
+            let key = key_of(c, m);
+            match &*key {
+                b"error" => {
+                    f.error = if c.null()? { None } else { Some(c.value()?) };
+                }
+                b"usage" => {
+                    f.usage = if c.peek() == Some(b'{') {
+                        let (mut p, mut n) = (None, None);
+                        c.object(|c, m| {
+                            match &*key_of(c, m) {
+                                b"prompt_tokens" => p = c.uint()?.1,
+                                b"completion_tokens" => n = c.uint()?.1,
+                                _ => {
+                                    c.value()?;
+                                }
+                            }
+                            Ok(Keep::Yes)
+                        })?;
+                        Some((p, n))
+                    } else {
+                        c.value()?;
+                        None
+                    };
+                    if base.is_some() {
+                        return Ok(Keep::Drop);
+                    }
+                }
+                b"choices" => {
+                    if c.peek() != Some(b'[') {
+                        c.value()?;
+                        f.choices = None;
+                        return Ok(Keep::Yes);
+                    }
+                    // A repeated `choices`: the last one is the frame's (serde_json's rule).
+                    f.new_tokens = 0;
+                    f.ends_choice = false;
+                    f.bad_ids = None;
+                    let mut n = 0;
+                    c.array(|c, _| {
+                        n += 1;
+                        if c.peek() != Some(b'{') {
+                            c.value()?;
+                            return Ok(());
+                        }
+                        let ch = scan_choice(c, strip, base)?;
+                        let ids = match ch.ids {
+                            Some(Ok(n)) => n,
+                            Some(Err(msg)) => {
+                                f.bad_ids.get_or_insert(msg);
+                                0
+                            }
+                            None => 0,
+                        };
+                        // A chunk that carried content carried at least one token, whatever its
+                        // ids say.
+                        let content = match ch.delta {
+                            Some(bits) => bits != 0,
+                            None => ch.text,
+                        };
+                        f.new_tokens += if ids == 0 && content { 1 } else { ids };
+                        f.ends_choice |= ch.finish;
+                        Ok(())
+                    })?;
+                    f.choices = Some(n);
+                }
+                b"prompt_token_ids" => {
+                    c.value()?;
+                    if strip {
+                        return Ok(Keep::Drop);
+                    }
+                }
+                k @ (b"id" | b"created" | b"model") if head => {
+                    let slot = match k {
+                        b"id" => 0,
+                        b"created" => 1,
+                        _ => 2,
+                    };
+                    f.head[slot] = Some(c.value()?);
+                }
+                _ => {
+                    c.value()?;
+                }
+            }
+            Ok(Keep::Yes)
+        });
+        if let Err(e) = walked.and_then(|_| c.end()) {
+            self.edits = c.edits;
+            return Err(invalid(e));
+        }
+        Ok((f, c.edits))
+    }
+
+    /// The upstream body ended (cleanly at the transport level).
+    pub fn on_end(&mut self) -> RelayStep {
+        if self.done {
+            RelayStep::Done
+        } else {
+            RelayStep::Failed(StreamFailure::EndedWithoutDone)
+        }
+    }
+}
+
+/// Scans one choice object: its token evidence, and its edits (`token_ids` and
+/// `prompt_token_ids` dropped when `strip`; with `base`, its index shifted, or added when it
+/// has none).
+fn scan_choice(
+    c: &mut Cursor<'_>,
+    strip: bool,
+    base: Option<u64>,
+) -> Result<ChoiceFacts, ScanError> {
+    let mut ch = ChoiceFacts::default();
+    let open = c.pos();
+    let at = c.edits.len();
+    c.object(|c, m| {
+        let key = key_of(c, m);
+        let keep = match &*key {
+            b"token_ids" => {
+                ch.ids = if c.null()? {
+                    None
+                } else if c.peek() == Some(b'[') {
+                    let mut n = 0u64;
+                    let mut ok = true;
+                    c.array(|c, _| {
+                        n += 1;
+                        ok &= c.uint()?.1.is_some();
+                        Ok(())
+                    })?;
+                    Some(if ok {
+                        Ok(n)
+                    } else {
+                        Err("token_ids must be an array of non-negative integers")
+                    })
+                } else {
+                    c.value()?;
+                    Some(Err("token_ids must be an array"))
+                };
+                if strip { Keep::Drop } else { Keep::Yes }
+            }
+            b"prompt_token_ids" => {
+                c.value()?;
+                if strip { Keep::Drop } else { Keep::Yes }
+            }
+            b"finish_reason" => {
+                ch.finish = !c.null()?;
+                if ch.finish {
+                    c.value()?;
+                }
+                Keep::Yes
+            }
+            b"text" => {
+                ch.text = c.nonempty()?;
+                Keep::Yes
+            }
+            b"delta" => {
+                let mut bits = 0u8;
+                if c.peek() == Some(b'{') {
+                    c.object(|c, m| {
+                        let key = key_of(c, m);
+                        match DELTA_CONTENT.iter().position(|k| *k == &*key) {
+                            Some(i) => {
+                                if c.nonempty()? {
+                                    bits |= 1 << i;
+                                } else {
+                                    bits &= !(1 << i);
+                                }
+                            }
+                            None => {
+                                c.value()?;
+                            }
+                        }
+                        Ok(Keep::Yes)
+                    })?;
+                } else {
+                    c.value()?;
+                }
+                ch.delta = Some(bits);
+                Keep::Yes
+            }
+            b"index" if base.is_some() => {
+                let (r, i) = c.uint()?;
+                c.edit(r, Repl::Uint(base.unwrap_or(0) + i.unwrap_or(0)));
+                ch.has_index = true;
+                Keep::Yes
+            }
+            _ => {
+                c.value()?;
+                Keep::Yes
+            }
+        };
+        if keep == Keep::Yes {
+            ch.kept += 1;
+        }
+        Ok(keep)
+    })?;
+    if let Some(b) = base
+        && !ch.has_index
+    {
+        let comma = ch.kept > 0;
+        c.edits.insert(
+            at,
+            Edit {
+                range: open + 1..open + 1,
+                with: Repl::Member {
+                    key: "index",
+                    n: b,
+                    comma,
+                },
+            },
+        );
+    }
+    Ok(ch)
+}
+
+/// The `usage` object of a usage chunk as the engine wrote it ([`StreamState::take_usage_chunk`]).
+pub fn chunk_usage(chunk: &[u8]) -> Option<Value> {
+    let v: Value = serde_json::from_slice(chunk).ok()?;
+    match v {
+        Value::Object(mut m) => m.remove("usage"),
+        _ => None,
+    }
+}
+
+/// An engine's `{"error": {...}}` object (in a stream, or as a 200 answer): status from
+/// `error.code` when it is 400–599, else 500; the message, never empty.
+pub fn upstream_error(err: &Value) -> StreamFailure {
+    let status = err
+        .get("code")
+        .and_then(|c| {
+            c.as_u64()
+                .or_else(|| c.as_str().and_then(|s| s.parse().ok()))
+        })
+        .filter(|c| (400..=599).contains(c))
+        .unwrap_or(500) as u16;
+    let message = err
+        .get("message")
+        .and_then(Value::as_str)
+        .filter(|m| !m.trim().is_empty())
+        .map(str::to_string)
+        .unwrap_or_else(|| match err {
+            Value::String(s) if !s.trim().is_empty() => s.clone(),
+            _ => format!("the engine reported an error without a message: {err}"),
+        });
+    StreamFailure::UpstreamError { status, message }
+}
