@@ -3,6 +3,7 @@
 //! entry point, `run(config, listeners, shutdown)`.
 
 use std::future::Future;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,7 +12,8 @@ use crate::ha::{self, StandbyOptions};
 use crate::handoff;
 use crate::http::{self, Side};
 use crate::journal::{self, Journal};
-use crate::lease::LeaseDriver;
+use crate::lease::{LeaseDriver, LeaseError};
+use crate::lifecycle::AgentsError;
 use crate::lifecycle::agents::Agents;
 use crate::monitor;
 use crate::parts::Parts;
@@ -42,7 +44,20 @@ pub struct RunOptions {
     /// startup wait ran out, `monitor::startup`): the command line writes its ready file and
     /// prints its listening line here, so nothing that waits for them sees a router that has
     /// not looked at its engines yet (the health gate). An error stops the router.
-    pub announce: Option<Box<dyn FnOnce() -> Result<(), String> + Send>>,
+    pub announce: Option<Box<dyn FnOnce() -> Result<(), AnnounceError> + Send>>,
+}
+
+/// Why the startup announcement ([`RunOptions::announce`]) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AnnounceError {
+    /// The ready file could not be written.
+    #[error("ready file {}: {source}", .path.display())]
+    ReadyFile {
+        /// The ready file (`--ready-file`).
+        path: PathBuf,
+        /// The failed step of the atomic write.
+        source: narwhal_shared::AtomicWriteError,
+    },
 }
 
 impl std::fmt::Debug for RunOptions {
@@ -68,14 +83,14 @@ pub enum Error {
     #[error(transparent)]
     Journal(#[from] journal::JournalError),
     /// An agent client could not be built (TLS files, public key); names the key.
-    #[error("{0}")]
-    Agents(String),
+    #[error(transparent)]
+    Agents(#[from] AgentsError),
     /// The lease backend could not be set up (timings, etcd endpoints); names the key.
-    #[error("{0}")]
-    Lease(String),
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
     /// The startup announcement failed (the ready file could not be written).
-    #[error("{0}")]
-    Announce(String),
+    #[error(transparent)]
+    Announce(#[from] AnnounceError),
 }
 
 /// Serve until `shutdown` resolves, then shut down gracefully ([`drain_requests`]): the
@@ -84,7 +99,8 @@ pub enum Error {
 ///
 /// # Errors
 /// [`Error::Agents`] or [`Error::Lease`] when the agent clients or the lease backend cannot
-/// be built; nothing fails once listeners are serving.
+/// be built; [`Error::Announce`] when the announcement failed (the router stops then);
+/// nothing else fails once listeners are serving.
 pub async fn run(
     config: Config,
     listeners: Listeners,
@@ -94,9 +110,8 @@ pub async fn run(
     let mut shutdown = std::pin::pin!(shutdown);
     let clock: Arc<dyn narwhal_shared::Clock> = Arc::new(narwhal_shared::SystemClock);
     let grace = Duration::from_secs(config.serving.graceful_timeout_s);
-    let agents = Agents::from_config(&config, clock.clone()).map_err(Error::Agents)?;
-    let lease = LeaseDriver::from_config(&config.lease, &opts.router_id, clock.clone())
-        .map_err(|e| Error::Lease(e.to_string()))?;
+    let agents = Agents::from_config(&config, clock.clone())?;
+    let lease = LeaseDriver::from_config(&config.lease, &opts.router_id, clock.clone())?;
     // A warm standby serves nothing until it takes over (behaviour.md 2.9).
     let phase = if opts.standby.is_some() {
         HaPhase::Shadowing

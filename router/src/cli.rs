@@ -17,9 +17,11 @@ use clap::{Parser, Subcommand, ValueEnum};
 use narwhal_shared::{Clock, SystemClock};
 use tokio::net::TcpListener;
 
-use crate::app::{Listeners, RunOptions};
-use crate::config::Config;
+use crate::app::{AnnounceError, Listeners, RunOptions};
+use crate::config::{Config, ConfigError};
 use crate::journal::{Journal, run_id};
+use crate::lease::LeaseError;
+use crate::lifecycle::AgentsError;
 
 /// Log output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -114,7 +116,35 @@ impl Args {
     }
 }
 
-fn init_logging(args: &Args) -> Result<(), String> {
+/// Why logging could not be set up ([`init_logging`]; exit status 2).
+#[derive(Debug, thiserror::Error)]
+enum LoggingError {
+    /// `--log-level` is a bare word that is no level.
+    #[error(
+        "--log-level {given:?}: expected one of critical, error, warning, info, debug, trace, or a tracing filter"
+    )]
+    UnknownLevel {
+        /// The flag as given.
+        given: String,
+    },
+    /// `--log-level` (mapped to tracing's names) is no valid tracing filter.
+    #[error("--log-level {level:?}: {source}")]
+    Filter {
+        /// The filter tried (`warn` for `warning`).
+        level: String,
+        /// tracing's reason.
+        source: tracing_subscriber::filter::ParseError,
+    },
+    /// The global subscriber could not be installed.
+    #[error("logging: {0}")]
+    Init(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// Installs the stderr subscriber `--log-format` / `--log-level` ask for.
+///
+/// # Errors
+/// [`LoggingError`] naming the flag, or the subscriber's refusal.
+fn init_logging(args: &Args) -> Result<(), LoggingError> {
     let level = match args.log_level.as_str() {
         "critical" => "error",
         "warning" => "warn",
@@ -123,13 +153,15 @@ fn init_logging(args: &Args) -> Result<(), String> {
     // A bare word must be a level; anything else is a tracing filter (`narwhal_router=debug`).
     const LEVELS: [&str; 6] = ["error", "warn", "info", "debug", "trace", "off"];
     if !level.contains(['=', ',']) && !LEVELS.contains(&level) {
-        return Err(format!(
-            "--log-level {:?}: expected one of critical, error, warning, info, debug, trace, or a tracing filter",
-            args.log_level
-        ));
+        return Err(LoggingError::UnknownLevel {
+            given: args.log_level.clone(),
+        });
     }
-    let filter = tracing_subscriber::EnvFilter::try_new(level)
-        .map_err(|e| format!("--log-level {level:?}: {e}"))?;
+    let filter =
+        tracing_subscriber::EnvFilter::try_new(level).map_err(|source| LoggingError::Filter {
+            level: level.to_string(),
+            source,
+        })?;
     let b = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -138,7 +170,7 @@ fn init_logging(args: &Args) -> Result<(), String> {
         LogFormat::Text => b.try_init(),
         LogFormat::Json => b.json().try_init(),
     };
-    r.map_err(|e| format!("logging: {e}"))
+    r.map_err(LoggingError::Init)
 }
 
 /// Writes `value` to `path` through the one atomic write ([`narwhal_shared::write_atomic`]),
@@ -162,28 +194,77 @@ struct Checked {
     max_concurrent: usize,
 }
 
+/// Why a run cannot start, found by [`preflight`]; shown one problem per line (exit status 2).
+#[derive(Debug, thiserror::Error)]
+enum PreflightError {
+    /// The fleet file cannot be used (every problem it has, one per line).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// What the flags and the files the fleet file names break, in the order checked.
+    #[error("{}", one_per_line(.0))]
+    Problems(Vec<Problem>),
+}
+
+/// One problem [`preflight`] found beyond the fleet file itself, naming its flag or key.
+#[derive(Debug, thiserror::Error)]
+enum Problem {
+    /// `--max-concurrent` (or its default) is outside `1..=serving.max_connections`.
+    #[error("--max-concurrent {given} must be in 1..={max} (serving.max_connections)")]
+    MaxConcurrent {
+        /// The seats asked for.
+        given: u64,
+        /// `serving.max_connections`.
+        max: u64,
+    },
+    /// `--standby-of` with lease backend `none`.
+    #[error("--standby-of needs a lease: set lease.backend to file or etcd in the fleet file")]
+    StandbyWithoutLease,
+    /// The `tls` (`prefix` empty) or `control.tls` (`prefix` `control.`) files cannot be used.
+    #[error("{prefix}{source}")]
+    Tls {
+        /// The section's prefix before `tls.`.
+        prefix: &'static str,
+        /// What is wrong with the files.
+        source: narwhal_shared::TlsError,
+    },
+    /// An agent client cannot be built.
+    #[error(transparent)]
+    Agents(#[from] AgentsError),
+    /// The lease backend cannot be set up.
+    #[error("lease config: {0}")]
+    Lease(#[source] LeaseError),
+}
+
+/// `problems`, one per line.
+fn one_per_line(problems: &[Problem]) -> String {
+    problems
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// Everything a run reads before it serves, checked before anything is bound or printed
 /// (the checks `check-config` runs): the fleet file, the flags that depend on it, and every file it
 /// names (`tls`, `control.tls`, the agents' pinned keys, `lease.tls`, `lease.auth.password_file`),
 /// by building the same TLS configurations, agent clients and lease backend the run builds.
 ///
 /// # Errors
-/// Every problem found, one per line, each naming its key or flag (exit status 2).
-fn preflight(args: &Args) -> Result<Checked, String> {
-    let cfg = Config::load(args.fleet()).map_err(|e| e.to_string())?;
+/// [`PreflightError`]: every problem found, shown one per line, each naming its key or flag
+/// (exit status 2).
+fn preflight(args: &Args) -> Result<Checked, PreflightError> {
+    let cfg = Config::load(args.fleet())?;
     let mut problems = Vec::new();
     let max = cfg.serving.max_connections;
     let max_concurrent = args.max_concurrent.unwrap_or(max);
     if max_concurrent < 1 || max_concurrent > max {
-        problems.push(format!(
-            "--max-concurrent {max_concurrent} must be in 1..={max} (serving.max_connections)"
-        ));
+        problems.push(Problem::MaxConcurrent {
+            given: max_concurrent,
+            max,
+        });
     }
     if args.standby_of.is_some() && cfg.lease.backend == crate::config::LeaseBackend::None {
-        problems.push(
-            "--standby-of needs a lease: set lease.backend to file or etcd in the fleet file"
-                .to_string(),
-        );
+        problems.push(Problem::StandbyWithoutLease);
     }
     // The router presents `tls` to the agents; the control listener serves with
     // `control.tls` (a standby also presents it to its primary).
@@ -199,19 +280,19 @@ fn preflight(args: &Args) -> Result<Checked, String> {
         } else {
             files.client_config().map(drop)
         };
-        if let Err(e) = built {
-            problems.push(format!("{prefix}{e}"));
+        if let Err(source) = built {
+            problems.push(Problem::Tls { prefix, source });
         }
     }
     let clock: std::sync::Arc<dyn Clock> = std::sync::Arc::new(SystemClock);
     if problems.is_empty()
         && let Err(e) = crate::lifecycle::agents::Agents::from_config(&cfg, clock.clone())
     {
-        problems.push(e);
+        problems.push(Problem::Agents(e));
     }
     let router_id = args.router_id.as_deref().unwrap_or("check-config");
     if let Err(e) = crate::lease::LeaseDriver::from_config(&cfg.lease, router_id, clock) {
-        problems.push(format!("lease config: {e}"));
+        problems.push(Problem::Lease(e));
     }
     if problems.is_empty() {
         Ok(Checked {
@@ -219,7 +300,7 @@ fn preflight(args: &Args) -> Result<Checked, String> {
             max_concurrent: max_concurrent as usize,
         })
     } else {
-        Err(problems.join("\n"))
+        Err(PreflightError::Problems(problems))
     }
 }
 
@@ -234,7 +315,10 @@ fn dir_of(path: &Path) -> &Path {
 /// nearest existing ancestor, where the router would create it), found by creating and
 /// removing a probe file: permissions, read-only mounts and systemd's `ProtectSystem=` all
 /// show up here the way they would for the run.
-fn writable(dir: &Path) -> Result<(), String> {
+///
+/// # Errors
+/// [`NotWritable`] naming the directory tried.
+fn writable(dir: &Path) -> Result<(), NotWritable> {
     let mut d = dir.to_path_buf();
     while !d.exists() {
         match d.parent() {
@@ -255,8 +339,18 @@ fn writable(dir: &Path) -> Result<(), String> {
             let _ = std::fs::remove_file(&probe);
             Ok(())
         }
-        Err(e) => Err(format!("cannot create files in {}: {e}", d.display())),
+        Err(source) => Err(NotWritable { dir: d, source }),
     }
+}
+
+/// The probe file of [`writable`] could not be created.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot create files in {}: {source}", .dir.display())]
+struct NotWritable {
+    /// The directory tried (the nearest existing one).
+    dir: PathBuf,
+    /// Why not.
+    source: std::io::Error,
 }
 
 /// `narwhal-serve check-config`: [`preflight`] plus the directories a run writes in (the
@@ -266,7 +360,7 @@ fn check_config(args: &Args) -> ExitCode {
     let checked = preflight(args);
     let mut problems: Vec<String> = match &checked {
         Ok(_) => Vec::new(),
-        Err(e) => e.lines().map(str::to_string).collect(),
+        Err(e) => e.to_string().lines().map(str::to_string).collect(),
     };
     if let Ok(c) = &checked {
         let mut dirs = vec![
@@ -352,7 +446,7 @@ pub fn main_from_args() -> ExitCode {
     let checked = match preflight(&args) {
         Ok(c) => c,
         Err(e) => {
-            for line in e.lines() {
+            for line in e.to_string().lines() {
                 eprintln!("narwhal-serve: {line}");
             }
             return ExitCode::from(2);
@@ -437,11 +531,14 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
     // startup health round).
     let ready_file = args.ready_file.clone();
     let (data_url2, control_url2, run2) = (data_url.clone(), control_url.clone(), run.clone());
-    let announce = move || -> Result<(), String> {
+    let announce = move || -> Result<(), AnnounceError> {
         let (data_url, control_url, run) = (data_url2, control_url2, run2);
         if let Some(path) = &ready_file {
             let doc = serde_json::json!({"data": data_url, "control": control_url, "pid": std::process::id(), "run": run});
-            write_atomic(path, &doc).map_err(|e| format!("ready file {}: {e}", path.display()))?;
+            write_atomic(path, &doc).map_err(|source| AnnounceError::ReadyFile {
+                path: path.clone(),
+                source,
+            })?;
         }
         let mut out = std::io::stdout().lock();
         let _ = writeln!(
@@ -587,12 +684,30 @@ mod tests {
         );
     }
 
+    /// The problems read as the operator docs and the end-to-end tests quote them, one per line.
+    #[test]
+    fn preflight_problems_are_shown_one_per_line() {
+        let e = PreflightError::Problems(vec![
+            Problem::MaxConcurrent { given: 0, max: 64 },
+            Problem::StandbyWithoutLease,
+            Problem::Agents(AgentsError::NoTls),
+        ]);
+        assert_eq!(
+            e.to_string(),
+            "--max-concurrent 0 must be in 1..=64 (serving.max_connections)\n\
+             --standby-of needs a lease: set lease.backend to file or etcd in the fleet file\n\
+             tls: required by engines[].agent (mutual TLS to the agents)"
+        );
+    }
+
     #[test]
     fn writable_finds_the_nearest_existing_directory_and_names_a_read_only_one() {
         let dir = tempfile::tempdir().expect("tempdir");
-        assert_eq!(writable(&dir.path().join("not/yet/there")), Ok(()));
+        writable(&dir.path().join("not/yet/there")).expect("writable");
         // /proc takes no new files, even from root: the probe names the directory it tried.
-        let e = writable(Path::new("/proc/narwhal-check/lease")).expect_err("/proc");
+        let e = writable(Path::new("/proc/narwhal-check/lease"))
+            .expect_err("/proc")
+            .to_string();
         assert!(e.starts_with("cannot create files in /proc:"), "{e}");
         assert_eq!(
             std::fs::read_dir(dir.path()).expect("ls").count(),

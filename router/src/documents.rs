@@ -429,6 +429,17 @@ fn ops_gauges(parts: &Parts, view: &crate::readiness::GateView) {
     }
 }
 
+/// Why a certificate's expiry is not exported ([`certificate_not_after`]).
+#[derive(Debug, thiserror::Error)]
+enum ExpiryError {
+    /// The file cannot be read or holds no certificate.
+    #[error(transparent)]
+    Load(#[from] narwhal_shared::TlsError),
+    /// A certificate in it does not parse.
+    #[error(transparent)]
+    Parse(#[from] narwhal_shared::tls::IdentityError),
+}
+
 /// `notAfter` (Unix seconds) of every certificate the fleet file names, by key: `X.cert` (the
 /// leaf) and `X.ca` (the earliest-expiring certificate of the bundle) for `X` in `tls`,
 /// `control.tls`, `lease.tls`. A file that cannot be read or parsed is skipped: the router
@@ -453,8 +464,8 @@ fn certificate_not_after(cfg: &Config) -> Vec<(String, i64)> {
     }
     let mut out = Vec::new();
     for (key, path) in files {
-        let read = load_certs("cert", &path).map_err(|e| e.to_string());
-        let ats: Result<Vec<i64>, String> = read.and_then(|certs| {
+        let read = load_certs("cert", &path).map_err(ExpiryError::from);
+        let ats: Result<Vec<i64>, ExpiryError> = read.and_then(|certs| {
             let certs = if key.ends_with(".cert") {
                 &certs[..certs.len().min(1)]
             } else {
@@ -462,7 +473,7 @@ fn certificate_not_after(cfg: &Config) -> Vec<(String, i64)> {
             };
             certs
                 .iter()
-                .map(|c| not_after_unix(c).map_err(|e| e.to_string()))
+                .map(|c| not_after_unix(c).map_err(ExpiryError::from))
                 .collect()
         });
         match ats {

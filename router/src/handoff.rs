@@ -36,13 +36,14 @@ use std::time::Duration;
 
 use http::StatusCode;
 use narwhal_shared::handoff::{
-    COUNTERS, Handoff, HandoffError, Loaded, REASON_TERMINALS, load_state_file, write_state_file,
+    COUNTERS, Handoff, HandoffError, Loaded, PersistError, REASON_TERMINALS, load_state_file,
+    write_state_file,
 };
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Role;
-use crate::lease::{Control, LeaseLoss};
+use crate::lease::{Control, LeaseError, LeaseLoss, LeaseRecord};
 use crate::lifecycle::machine::RestoreError;
 use crate::parts::Parts;
 use crate::phase::EpochScope;
@@ -259,8 +260,22 @@ pub(crate) fn resume(parts: &Parts) -> Option<String> {
     Some(format!("handoff rejected: {reason}"))
 }
 
+/// Why the state file was not written ([`write_state`]); the previous file is intact.
+#[derive(Debug, thiserror::Error)]
+enum StateFileError {
+    /// The document failed validation or a file-system step failed.
+    #[error("state file: {0}")]
+    Write(#[source] PersistError),
+    /// The blocking writer task panicked.
+    #[error("state file: {0}")]
+    Writer(#[source] tokio::task::JoinError),
+}
+
 /// Writes `doc` to the state file now (validate, temp file, fsync, rename, fsync directory).
-async fn write_state(parts: &Parts, doc: Handoff) -> Result<(), String> {
+///
+/// # Errors
+/// [`StateFileError`] (logged and counted here too).
+async fn write_state(parts: &Parts, doc: Handoff) -> Result<(), StateFileError> {
     let path = PathBuf::from(&parts.cfg.recovery.state_path);
     let res = tokio::task::spawn_blocking(move || write_state_file(&path, &doc)).await;
     match res {
@@ -271,11 +286,11 @@ async fn write_state(parts: &Parts, doc: Handoff) -> Result<(), String> {
         Ok(Err(e)) => {
             parts.metrics.durability.state_write_failures.inc();
             tracing::warn!(error = %e, "state file write failed; the previous file is intact");
-            Err(format!("state file: {e}"))
+            Err(StateFileError::Write(e))
         }
         Err(e) => {
             tracing::warn!(error = %e, "state file writer panicked");
-            Err(format!("state file: {e}"))
+            Err(StateFileError::Writer(e))
         }
     }
 }
@@ -347,7 +362,7 @@ pub(crate) async fn publish(parts: &Parts, takeover: bool) -> Result<bool, Publi
     if !lease.enabled() {
         write_state(parts, doc)
             .await
-            .map_err(PublishError::StateFile)?;
+            .map_err(|e| PublishError::StateFile(e.to_string()))?;
         *last = Some(key);
         return Ok(true);
     }
@@ -484,26 +499,33 @@ pub(crate) async fn writer(parts: Arc<Parts>, stop: CancellationToken) {
     }
 }
 
+/// Why the lease store's record and published handoff could not be read
+/// ([`read_published`]).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ReadPublishedError {
+    /// The lease store could not be read.
+    #[error(transparent)]
+    Store(#[from] LeaseError),
+    /// The published document does not parse or fails the schema rules (never applied).
+    #[error("published handoff: {0}")]
+    Document(#[source] HandoffError),
+}
+
 /// The newest handoff published in the lease store, with the lease record read with it
 /// (`None` for either when absent; a published document that does not parse is reported,
 /// never applied).
 ///
 /// # Errors
-/// The store's error, or the document's.
+/// [`ReadPublishedError`]: the store's error, or the document's.
 pub(crate) async fn read_published(
     parts: &Parts,
-) -> Result<(Option<crate::lease::LeaseRecord>, Option<Handoff>), String> {
-    let (record, bytes) = parts
-        .ha
-        .lease()
-        .read_all()
-        .await
-        .map_err(|e| e.to_string())?;
+) -> Result<(Option<LeaseRecord>, Option<Handoff>), ReadPublishedError> {
+    let (record, bytes) = parts.ha.lease().read_all().await?;
     let doc = match bytes {
         None => None,
         Some(b) => {
             let text = String::from_utf8_lossy(&b);
-            Some(Handoff::parse(&text).map_err(|e| format!("published handoff: {e}"))?)
+            Some(Handoff::parse(&text).map_err(ReadPublishedError::Document)?)
         }
     };
     Ok((record, doc))

@@ -36,14 +36,21 @@ use crate::serve::completion;
 /// Largest lifecycle request body accepted, bytes.
 const CONTROL_BODY_LIMIT: usize = 64 * 1024;
 
+/// A control POST body that could not be read whole within [`CONTROL_BODY_LIMIT`] (a
+/// transport error, or the limit reached).
+#[derive(Debug, thiserror::Error)]
+#[error("request body unreadable or over {limit} bytes: {0}", limit = CONTROL_BODY_LIMIT)]
+struct BodyError(#[source] Box<dyn std::error::Error + Send + Sync>);
+
 /// Reads a control POST body, bounded by [`CONTROL_BODY_LIMIT`].
-async fn read_control_body(req: Request<Incoming>) -> Result<bytes::Bytes, String> {
+///
+/// # Errors
+/// [`BodyError`] when the body cannot be read or is over the limit.
+async fn read_control_body(req: Request<Incoming>) -> Result<bytes::Bytes, BodyError> {
     let limited = http_body_util::Limited::new(req.into_body(), CONTROL_BODY_LIMIT);
     match limited.collect().await {
         Ok(b) => Ok(b.to_bytes()),
-        Err(e) => Err(format!(
-            "request body unreadable or over {CONTROL_BODY_LIMIT} bytes: {e}"
-        )),
+        Err(e) => Err(BodyError(e)),
     }
 }
 
@@ -125,8 +132,8 @@ async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Respons
                 Ok(b) => b,
                 Err(e) => {
                     // The body may be unread: the connection cannot carry another request.
-                    let mut r =
-                        json_response(StatusCode::BAD_REQUEST, &parts.lifecycle.document(&e), &rid);
+                    let doc = parts.lifecycle.document(&e.to_string());
+                    let mut r = json_response(StatusCode::BAD_REQUEST, &doc, &rid);
                     r.headers_mut().insert(
                         http::header::CONNECTION,
                         http::HeaderValue::from_static("close"),

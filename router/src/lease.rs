@@ -23,7 +23,10 @@ use std::future::Future;
 pub use driver::{LeaseDriver, LeaseEvent, LeaseStatus, holder_token};
 pub use etcd::EtcdLease;
 pub use file::FileLease;
-pub use machine::{Claim, Control, LEASE_SCHEMA, Lease, LeaseLoss, LeaseRecord, LeaseTiming};
+pub use machine::{
+    Claim, Control, LEASE_SCHEMA, Lease, LeaseLoss, LeaseRecord, LeaseTiming, RecordError,
+    TimingError,
+};
 
 /// Why a lease store could not be read or written. Shown to operators as
 /// `lease unavailable: <message>` ([`LeaseLoss::Unavailable`]).
@@ -32,6 +35,10 @@ pub enum LeaseError {
     /// The fleet file's `lease` section cannot drive a lease (timing rule, empty key).
     #[error("lease config: {0}")]
     Config(String),
+    /// The fleet file's lease timings break `ttl > renew_interval + safety_margin` or
+    /// `renew_interval > 0`.
+    #[error("lease config: {0}")]
+    Timing(#[from] TimingError),
     /// A file-system step of the file backend failed.
     #[error("lease file {step} {path}: {source}")]
     Io {
@@ -250,7 +257,7 @@ pub fn parse_record(bytes: &[u8], at: &str) -> Result<LeaseRecord, LeaseError> {
             malformed(format!("{path}: {}", e.inner()))
         }
     })?;
-    rec.validate().map_err(malformed)?;
+    rec.validate().map_err(|e| malformed(e.to_string()))?;
     Ok(rec)
 }
 

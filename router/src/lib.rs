@@ -148,7 +148,7 @@ pub mod retry;
 mod serve;
 mod upstream;
 
-pub use app::{Error, Listeners, RunOptions, run};
+pub use app::{AnnounceError, Error, Listeners, RunOptions, run};
 pub use cli::main_from_args;
 pub use config::{Backend, Config, ConfigError, ConfigIssue, Role};
 pub use ha::StandbyOptions;

@@ -30,6 +30,7 @@ pub(crate) mod executor;
 pub(crate) mod identity;
 pub(crate) mod request;
 
+pub use agents::AgentsError;
 pub use check::{CheckError, KvEvidence};
 pub use events::{EventKind, LifecycleEvent};
 pub use machine::{

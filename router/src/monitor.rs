@@ -27,7 +27,7 @@ use crate::breaker::{HealthAnswer, ProbeKind, ProbeResult, Ticket};
 use crate::config::{Backend, secs};
 use crate::metrics::labels;
 use crate::parts::Parts;
-use crate::upstream::{LegId, ProbeError};
+use crate::upstream::{LegError, LegId, ProbeError};
 use narwhal_relay::RelayOptions;
 
 /// SGLang's placeholder rendezvous host: a request naming it runs locally on a prefill- or
@@ -161,7 +161,7 @@ async fn probe(parts: Arc<Parts>, ticket: Ticket, sweep: bool) {
             parts.journal.emit(
                 json!({"event": "engine_probe", "iid": parts.cfg.engines[iid].iid,
                 "kind": "generation", "outcome": if passed { "passed" } else { "failed" },
-                "error": generated.err(), "at": parts.wall()}),
+                "error": generated.err().map(|e| e.to_string()), "at": parts.wall()}),
             );
             fleet.probe_result(ticket, ProbeResult::Generation { passed });
         }
@@ -191,8 +191,8 @@ async fn health(parts: &Parts, iid: usize) -> HealthAnswer {
 /// names [`FAKE_BOOTSTRAP_HOST`], so a prefill- or decode-mode server runs it alone.
 ///
 /// # Errors
-/// The failed leg's detail.
-async fn generation(parts: &Parts, iid: usize) -> Result<(), String> {
+/// [`GenerationFailed`] with the failed leg.
+async fn generation(parts: &Parts, iid: usize) -> Result<(), GenerationFailed> {
     let cfg = &parts.cfg;
     let url = format!("{}/v1/completions", cfg.engines[iid].url);
     let mut body = json!({
@@ -219,5 +219,10 @@ async fn generation(parts: &Parts, iid: usize) -> Result<(), String> {
         .decode(&url, &leg, &body, opts, parts.clock.now() + limit)
         .await
         .map(drop)
-        .map_err(|e| e.detail())
+        .map_err(GenerationFailed)
 }
+
+/// The generation probe's leg failed; shown as the leg's detail.
+#[derive(Debug, thiserror::Error)]
+#[error("{}", .0.detail())]
+struct GenerationFailed(LegError);

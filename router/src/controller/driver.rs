@@ -36,6 +36,32 @@ const SWITCH_RETRY: Duration = Duration::from_millis(200);
 /// The client timeout of one switch call.
 const SWITCH_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Why an engine-side role switch failed ([`Controller::engine_switch`]); the engine is
+/// ejected then.
+#[derive(Debug, thiserror::Error)]
+enum SwitchError {
+    /// `GET /server_info` got no answer (the upstream client's reason).
+    #[error("GET /server_info: {0}")]
+    ServerInfo(String),
+    /// `GET /server_info` answered another status than 200.
+    #[error("GET /server_info answered {0}")]
+    ServerInfoStatus(StatusCode),
+    /// `/server_info` answered something that is not JSON.
+    #[error("/server_info is not JSON: {0}")]
+    ServerInfoJson(#[source] serde_json::Error),
+    /// `POST /pd_role_switch` got no answer (the upstream client's reason).
+    #[error("POST /pd_role_switch: {0}")]
+    Post(String),
+    /// The engine answered the switch with a failure (after the `not idle` retries).
+    #[error("engine refused the switch to {}: {message}", .to.as_str())]
+    Refused {
+        /// The role asked for.
+        to: Role,
+        /// The engine's `message`, or its whole answer.
+        message: String,
+    },
+}
+
 /// What woke the driver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pass {
@@ -237,7 +263,7 @@ impl Controller {
                     tracing::warn!(engine.id = %me.h.cfg.engines[iid].iid, error = %why, "engine-side role switch failed");
                     me.h.journal.emit(
                         json!({"event": "role_switch_failed", "iid": me.h.cfg.engines[iid].iid,
-                                             "to": to.as_str(), "error": why, "at": me.now().wall}),
+                                             "to": to.as_str(), "error": why.to_string(), "at": me.now().wall}),
                     );
                     me.h.fleet.eject(iid, EjectCause::RoleSwitch);
                 }
@@ -278,7 +304,8 @@ impl Controller {
                 self.h.journal.emit(json!({"event": "role_check_passed", "iid": name,
                                            "role": to.as_str(), "checks": checks, "at": self.now().wall}));
             }
-            Err(why) => {
+            Err(e) => {
+                let why = e.to_string();
                 tracing::warn!(engine.id = %name, error = %why, "role check failed; flip reversed");
                 self.h.journal.emit(json!({"event": "role_check_failed", "iid": name,
                                            "role": to.as_str(), "error": why, "at": self.now().wall}));
@@ -300,19 +327,21 @@ impl Controller {
     /// {"new_role"}` (with `decode_cuda_graph_memory_gb` from `server_info` for decode),
     /// retried every 0.2 s for up to 10 s while the engine answers `not idle`. Shapes from
     /// SGLang's own tests of the route (`test_pd_role_switch.py`, its NPU service test).
-    async fn engine_switch(&self, iid: usize, to: Role) -> Result<(), String> {
+    ///
+    /// # Errors
+    /// [`SwitchError`] naming the call that failed, or the engine's refusal.
+    async fn engine_switch(&self, iid: usize, to: Role) -> Result<(), SwitchError> {
         let base = &self.h.cfg.engines[iid].url;
         let (status, body) = self
             .h
             .upstream
             .get(&format!("{base}/server_info"), SWITCH_TIMEOUT)
             .await
-            .map_err(|e| format!("GET /server_info: {e}"))?;
+            .map_err(SwitchError::ServerInfo)?;
         if status != StatusCode::OK {
-            return Err(format!("GET /server_info answered {status}"));
+            return Err(SwitchError::ServerInfoStatus(status));
         }
-        let info: Value =
-            serde_json::from_slice(&body).map_err(|e| format!("/server_info is not JSON: {e}"))?;
+        let info: Value = serde_json::from_slice(&body).map_err(SwitchError::ServerInfoJson)?;
         let state = &info["internal_states"][0];
         if state["disaggregation_mode"].as_str() == Some(to.as_str()) {
             return Ok(());
@@ -332,7 +361,7 @@ impl Controller {
                 .upstream
                 .post_json(&format!("{base}/pd_role_switch"), &req, SWITCH_TIMEOUT)
                 .await
-                .map_err(|e| format!("POST /pd_role_switch: {e}"))?;
+                .map_err(SwitchError::Post)?;
             let text = String::from_utf8_lossy(&body).to_string();
             let answer: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
             if status == StatusCode::OK && answer["success"] == json!(true) {
@@ -346,10 +375,7 @@ impl Controller {
                 .as_str()
                 .unwrap_or(text.as_str())
                 .to_string();
-            return Err(format!(
-                "engine refused the switch to {}: {message}",
-                to.as_str()
-            ));
+            return Err(SwitchError::Refused { to, message });
         }
     }
 

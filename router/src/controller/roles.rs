@@ -147,6 +147,17 @@ pub(crate) struct Refusal {
     pub(crate) why: String,
 }
 
+/// Why no donor is left for a flip ([`RoleChanges::donor`]); the refusal reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+enum NoDonor {
+    /// Pins, or the nominated engine, exclude every live source engine.
+    #[error("pins or nominated engine exclude every source candidate")]
+    Excluded,
+    /// Every remaining source engine moved less than `dwell_s` ago.
+    #[error("source engine dwell has not elapsed")]
+    Dwell,
+}
+
 /// Refusals kept for `/narwhal/state`.
 const REFUSALS_KEPT: usize = 20;
 
@@ -295,8 +306,11 @@ impl RoleChanges {
 
     /// The donor among live, unpinned source engines after the dwell filter: min (0 if it
     /// still holds residents of the target phase else 1, resident work), ties in config
-    /// order (controller.md 7.2). `Err` is the refusal reason.
-    fn donor(&self, c: &Ctx<'_>, req: &Request) -> Result<Vec<usize>, String> {
+    /// order (controller.md 7.2).
+    ///
+    /// # Errors
+    /// [`NoDonor`]: the refusal reason.
+    fn donor(&self, c: &Ctx<'_>, req: &Request) -> Result<Vec<usize>, NoDonor> {
         let source = other(req.to);
         let mut live: Vec<usize> = (0..c.engines.len())
             .filter(|i| c.engines[*i].role == source && c.engines[*i].live)
@@ -306,7 +320,7 @@ impl RoleChanges {
         }
         let unpinned: Vec<usize> = live.into_iter().filter(|i| !c.engines[*i].pinned).collect();
         if unpinned.is_empty() {
-            return Err("pins or nominated engine exclude every source candidate".into());
+            return Err(NoDonor::Excluded);
         }
         let dwell = self.settings.dwell_s;
         let ready: Vec<usize> = unpinned
@@ -320,7 +334,7 @@ impl RoleChanges {
             })
             .collect();
         if ready.is_empty() {
-            return Err("source engine dwell has not elapsed".into());
+            return Err(NoDonor::Dwell);
         }
         let mut ranked: Vec<(u8, f64, usize)> = ready
             .into_iter()
@@ -383,7 +397,7 @@ impl RoleChanges {
         // 5. The donor.
         let ranked = match self.donor(c, &req) {
             Ok(r) => r,
-            Err(why) => return self.blocked(c, &req, why),
+            Err(why) => return self.blocked(c, &req, why.to_string()),
         };
         let mut iid = ranked[0];
         if s.engine_side {

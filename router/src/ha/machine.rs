@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use narwhal_shared::handoff::Handoff;
 
+use crate::handoff::{ApplyError, PublishError, ReadPublishedError};
 use crate::lease::{LeaseLoss, LeaseRecord};
 use crate::phase::{Controller, HaPhase};
 
@@ -60,8 +61,29 @@ pub(crate) enum Poll {
     Miss(String),
 }
 
-/// What one read of the lease store found: the record and the handoff published beside it.
-pub(crate) type Observation = Result<(Option<LeaseRecord>, Option<Box<Handoff>>), String>;
+/// What one read of the lease store found: the record and the handoff published beside it
+/// (`Err`: shown as `lease unavailable: <error>`).
+pub(crate) type Observation =
+    Result<(Option<LeaseRecord>, Option<Box<Handoff>>), ReadPublishedError>;
+
+/// Why applying the state a takeover takes over (and publishing it under the claimed epoch)
+/// failed, fed to [`Standby::applied`]; its text is the reason the lease is given back with.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub(crate) enum ApplyFailed {
+    /// The stored or retained handoff does not apply to this router's fleet.
+    #[error("handoff rejected: {0}")]
+    Rejected(ApplyError),
+    /// No stored or retained copy was at hand.
+    #[error("no fresh handoff")]
+    NoFreshHandoff,
+    /// This router's own state file was refused (`handoff::resume`'s reason, `handoff
+    /// rejected: ...`).
+    #[error("{0}")]
+    OwnFileRefused(String),
+    /// The applied state could not be published beside the new lease record.
+    #[error("handoff not published under the new epoch: {0}")]
+    NotPublished(PublishError),
+}
 
 /// The state a takeover applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -448,16 +470,16 @@ impl Standby {
         Step::Apply(source)
     }
 
-    /// Applying the source under `epoch` (and publishing it there) finished (`Err`: the
-    /// reason it was refused); `lease_active` is the lease's local validity now.
+    /// Applying the source under `epoch` (and publishing it there) finished (`Err`: why it
+    /// was refused, the reason given back); `lease_active` is the lease's local validity now.
     pub(crate) fn applied(
         &mut self,
         epoch: u64,
-        result: Result<(), String>,
+        result: Result<(), ApplyFailed>,
         lease_active: bool,
     ) -> Step {
         match result {
-            Err(why) => self.give_back(epoch, why, false),
+            Err(why) => self.give_back(epoch, why.to_string(), false),
             Ok(()) if !lease_active => {
                 self.give_back(epoch, "lease expired while applying handoff".into(), false)
             }
@@ -566,6 +588,14 @@ pub(crate) mod tests {
 
     fn seen(rec: Option<LeaseRecord>, stored: Option<Box<Handoff>>) -> Observation {
         Ok((rec, stored))
+    }
+
+    fn etcd_timed_out() -> ReadPublishedError {
+        ReadPublishedError::Store(crate::lease::LeaseError::Etcd {
+            op: "get",
+            endpoints: "127.0.0.1:2379".into(),
+            message: "timed out after 1 s".into(),
+        })
     }
 
     fn miss() -> Poll {
@@ -705,9 +735,9 @@ pub(crate) mod tests {
             "a third router held epoch 5 and published nothing"
         );
         assert_eq!(
-            s.observed(t0, 1001.0, Err("etcd get timed out".into()), None),
+            s.observed(t0, 1001.0, Err(etcd_timed_out()), None),
             Step::Publish(HaPhase::Blocked {
-                reason: "lease unavailable: etcd get timed out".into()
+                reason: "lease unavailable: etcd get on 127.0.0.1:2379: timed out after 1 s".into()
             })
         );
         let mut fresh = Standby::new(settings(true), None);
@@ -917,7 +947,13 @@ pub(crate) mod tests {
             announce,
         };
         assert_eq!(
-            s.applied(5, Err("handoff rejected: model".into()), true),
+            s.applied(
+                5,
+                Err(ApplyFailed::Rejected(ApplyError::ForeignFleet(
+                    "model".into()
+                ))),
+                true
+            ),
             back("handoff rejected: model", false)
         );
         assert_eq!(

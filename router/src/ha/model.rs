@@ -32,7 +32,8 @@ use narwhal_shared::{Clock as _, SystemClock};
 use proptest::prelude::*;
 
 use super::machine::tests::doc_of;
-use super::machine::{Poll, Settings, Source, Standby, Step, next_wait_ms};
+use super::machine::{ApplyFailed, Poll, Settings, Source, Standby, Step, next_wait_ms};
+use crate::handoff::PublishError;
 use crate::lease::{Claim, Lease, LeaseLoss, LeaseRecord, LeaseTiming};
 use crate::phase::{stale_answer_fences, work_may_run};
 
@@ -445,7 +446,10 @@ impl World {
                         }
                         Source::Memory { .. } => {}
                     }
-                    let result = self.publish(i, true).map_err(|e| e.to_string());
+                    // As `Live::apply` reports a publish the store refused.
+                    let result = self
+                        .publish(i, true)
+                        .map_err(|e| ApplyFailed::NotPublished(PublishError::Lease(e)));
                     let valid = self.routers[i].lease.is_valid(self.mono());
                     m.applied(self.routers[i].claimed, result, valid)
                 }

@@ -21,7 +21,7 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use super::StandbyOptions;
-use super::machine::{Observation, Poll, Settings, Source, Standby, Step, next_wait};
+use super::machine::{ApplyFailed, Observation, Poll, Settings, Source, Standby, Step, next_wait};
 use super::primary::{self, Renewal};
 use crate::config::Config;
 use crate::lease::{Control, LeaseLoss};
@@ -49,12 +49,12 @@ pub(crate) trait StandbyIo {
     /// Claims the lease and, on success, starts renewing it (pending).
     fn claim(&mut self) -> impl Future<Output = Result<u64, LeaseLoss>> + Send;
     /// Applies `source` (`doc` is the stored or retained handoff it names) and publishes the
-    /// result beside the new lease record.
+    /// result beside the new lease record; `Err` says why not.
     fn apply(
         &self,
         source: Source,
         doc: Option<&Handoff>,
-    ) -> impl Future<Output = Result<(), String>> + Send;
+    ) -> impl Future<Output = Result<(), ApplyFailed>> + Send;
     /// The lease is locally valid now.
     fn lease_active(&self) -> bool;
     /// Re-checks every engine's identity through its agent.
@@ -320,17 +320,17 @@ impl StandbyIo for Live<'_> {
         Ok(epoch)
     }
 
-    async fn apply(&self, source: Source, doc: Option<&Handoff>) -> Result<(), String> {
+    async fn apply(&self, source: Source, doc: Option<&Handoff>) -> Result<(), ApplyFailed> {
         match (source, doc) {
             (Source::Stored | Source::Retained, Some(h)) => crate::handoff::apply(self.parts, h)
                 .map(|_| ())
-                .map_err(|e| format!("handoff rejected: {e}"))?,
-            (Source::Stored | Source::Retained, None) => return Err("no fresh handoff".into()),
+                .map_err(ApplyFailed::Rejected)?,
+            (Source::Stored | Source::Retained, None) => return Err(ApplyFailed::NoFreshHandoff),
             // Never controlled the fleet in this process: its own state file is the best it
             // has (it was not applied if `--resume` was not given).
             (Source::OwnFile { .. }, _) => {
                 if let Some(reason) = crate::handoff::resume(self.parts) {
-                    return Err(reason);
+                    return Err(ApplyFailed::OwnFileRefused(reason));
                 }
             }
             // A fenced primary's memory is that epoch's state, fresher than its file.
@@ -341,7 +341,7 @@ impl StandbyIo for Live<'_> {
         crate::handoff::publish(self.parts, true)
             .await
             .map(|_| ())
-            .map_err(|e| format!("handoff not published under the new epoch: {e}"))
+            .map_err(ApplyFailed::NotPublished)
     }
 
     fn lease_active(&self) -> bool {
@@ -435,7 +435,10 @@ async fn poll(parts: &Parts, http: &reqwest::Client, primary: &str) -> Poll {
 /// The HTTP client for the primary's control listener (its `control.tls` when set). Its
 /// timeout follows the poll interval (twice it, within 0.25–0.8 s): a stopped primary must
 /// not hold the standby's loop for long (the lease record decides the takeover anyway).
-fn client(cfg: &Config, interval: Duration) -> Result<reqwest::Client, String> {
+///
+/// # Errors
+/// [`ClientError`]: the `control.tls` files, or the client itself.
+fn client(cfg: &Config, interval: Duration) -> Result<reqwest::Client, ClientError> {
     let timeout = (interval * 2).clamp(Duration::from_millis(250), Duration::from_millis(800));
     let mut b = reqwest::Client::builder()
         .no_proxy()
@@ -447,11 +450,22 @@ fn client(cfg: &Config, interval: Duration) -> Result<reqwest::Client, String> {
             cert: tls.cert.clone(),
             key: tls.key.clone(),
         };
-        b = b.use_preconfigured_tls(files.client_config().map_err(|e| e.to_string())?);
+        b = b.use_preconfigured_tls(files.client_config()?);
     } else {
         let _ = rustls::crypto::ring::default_provider().install_default();
     }
-    b.build().map_err(|e| e.to_string())
+    b.build().map_err(ClientError::Build)
+}
+
+/// Why the standby's client for the primary could not be built ([`client`]).
+#[derive(Debug, thiserror::Error)]
+enum ClientError {
+    /// The `control.tls` files cannot be used.
+    #[error(transparent)]
+    Tls(#[from] narwhal_shared::TlsError),
+    /// reqwest refused the configuration.
+    #[error(transparent)]
+    Build(reqwest::Error),
 }
 
 #[cfg(test)]
@@ -775,7 +789,7 @@ mod tests {
             self.claimed_at = Some(self.elapsed());
             Ok(5)
         }
-        async fn apply(&self, source: Source, doc: Option<&Handoff>) -> Result<(), String> {
+        async fn apply(&self, source: Source, doc: Option<&Handoff>) -> Result<(), ApplyFailed> {
             assert_eq!(source, Source::Stored);
             assert_eq!(doc.map(|h| h.epoch), Some(4));
             let at = doc.map(|h| h.at);

@@ -101,8 +101,9 @@ impl LeaseDriver<AnyStore> {
     /// Nothing is claimed yet; call [`LeaseDriver::claim`].
     ///
     /// # Errors
-    /// [`LeaseError::Config`] for timings that break `ttl > renew + margin`, an unusable
-    /// etcd key / endpoint list, or an unreadable `lease.tls` / `lease.auth` file.
+    /// [`LeaseError::Timing`] for timings that break `ttl > renew + margin`;
+    /// [`LeaseError::Config`] for a timing that is not a finite number >= 0, an unusable etcd
+    /// key / endpoint list, or an unreadable `lease.tls` / `lease.auth` file.
     pub fn from_config(
         section: &LeaseSection,
         router_id: &str,
@@ -129,7 +130,7 @@ impl LeaseDriver<AnyStore> {
                 &section.etcd,
             )?)),
         };
-        timing.validate().map_err(LeaseError::Config)?;
+        timing.validate()?;
         Ok(LeaseDriver::new(
             Some(store),
             holder_token(router_id),

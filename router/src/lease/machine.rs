@@ -47,22 +47,22 @@ impl LeaseRecord {
     /// Checks the schema fields and value ranges.
     ///
     /// # Errors
-    /// A message naming the field.
-    pub fn validate(&self) -> Result<(), String> {
+    /// [`RecordError`] naming the first field that breaks its rule.
+    pub fn validate(&self) -> Result<(), RecordError> {
         if self.schema != LEASE_SCHEMA {
-            return Err(format!("schema: must be {LEASE_SCHEMA:?}"));
+            return Err(RecordError::Schema);
         }
         if self.schema_version != 1 {
-            return Err("schema_version: must be 1".into());
+            return Err(RecordError::SchemaVersion);
         }
         if self.epoch == 0 {
-            return Err("epoch: must be >= 1".into());
+            return Err(RecordError::Epoch);
         }
         if self.holder.is_empty() {
-            return Err("holder: must not be empty".into());
+            return Err(RecordError::Holder);
         }
         if !self.expires_at.is_finite() || !self.updated_at.is_finite() {
-            return Err("expires_at/updated_at: must be finite".into());
+            return Err(RecordError::Times);
         }
         Ok(())
     }
@@ -71,6 +71,27 @@ impl LeaseRecord {
     pub fn live(&self, now_wall: f64) -> bool {
         self.expires_at > now_wall
     }
+}
+
+/// Which schema rule a [`LeaseRecord`] breaks ([`LeaseRecord::validate`]); each names the
+/// field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    /// `schema` is not [`LEASE_SCHEMA`].
+    #[error("schema: must be {LEASE_SCHEMA:?}")]
+    Schema,
+    /// `schema_version` is not 1.
+    #[error("schema_version: must be 1")]
+    SchemaVersion,
+    /// `epoch` is 0.
+    #[error("epoch: must be >= 1")]
+    Epoch,
+    /// `holder` is empty.
+    #[error("holder: must not be empty")]
+    Holder,
+    /// `expires_at` or `updated_at` is NaN or infinite.
+    #[error("expires_at/updated_at: must be finite")]
+    Times,
 }
 
 /// Lease timing (fleet `lease` section).
@@ -88,21 +109,38 @@ impl LeaseTiming {
     /// `ttl > renew_interval + safety_margin`, `renew_interval > 0`.
     ///
     /// # Errors
-    /// A message naming the keys, as the config loader reports it.
-    pub fn validate(&self) -> Result<(), String> {
+    /// [`TimingError`] naming the keys, as the config loader reports it.
+    pub fn validate(&self) -> Result<(), TimingError> {
         if self.renew_interval.is_zero() {
-            return Err("lease.renew_interval_s must be > 0".into());
+            return Err(TimingError::ZeroRenewInterval);
         }
         let min = self.renew_interval + self.safety_margin;
         if self.ttl <= min {
-            return Err(format!(
-                "lease.ttl_s ({}) must exceed renew_interval_s + safety_margin_s ({})",
-                self.ttl.as_secs_f64(),
-                min.as_secs_f64()
-            ));
+            return Err(TimingError::TtlTooShort { ttl: self.ttl, min });
         }
         Ok(())
     }
+}
+
+/// Which timing rule a [`LeaseTiming`] breaks ([`LeaseTiming::validate`]); each names the
+/// fleet-file keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum TimingError {
+    /// `renew_interval` is zero.
+    #[error("lease.renew_interval_s must be > 0")]
+    ZeroRenewInterval,
+    /// `ttl` does not exceed `renew_interval + safety_margin`.
+    #[error(
+        "lease.ttl_s ({}) must exceed renew_interval_s + safety_margin_s ({})",
+        .ttl.as_secs_f64(),
+        .min.as_secs_f64()
+    )]
+    TtlTooShort {
+        /// The lease duration.
+        ttl: Duration,
+        /// `renew_interval + safety_margin`.
+        min: Duration,
+    },
 }
 
 /// What a claim attempt decided after reading the current record.
@@ -342,8 +380,25 @@ mod tests {
         assert!(t.validate().is_ok());
         t.ttl = Duration::from_secs(1);
         assert_eq!(
-            t.validate().unwrap_err(),
+            t.validate().unwrap_err().to_string(),
             "lease.ttl_s (1) must exceed renew_interval_s + safety_margin_s (1)"
+        );
+        t.renew_interval = Duration::ZERO;
+        assert_eq!(
+            t.validate().unwrap_err().to_string(),
+            "lease.renew_interval_s must be > 0"
+        );
+    }
+
+    #[test]
+    fn record_rules_name_the_field() {
+        assert_eq!(
+            RecordError::Schema.to_string(),
+            "schema: must be \"narwhal.router-lease\""
+        );
+        assert_eq!(
+            RecordError::Times.to_string(),
+            "expires_at/updated_at: must be finite"
         );
     }
 

@@ -4,10 +4,36 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use narwhal_shared::{AgentClient, AgentClientError, AgentEndpoint, AgentTimeouts, Clock};
+use narwhal_shared::{
+    AgentClient, AgentClientError, AgentEndpoint, AgentTimeouts, Clock, KeyError,
+};
 
 use crate::config::Config;
 use crate::phase::{EpochScope, Ha};
+
+/// Why the agent clients could not be built (`Agents::from_config`); each names the key.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentsError {
+    /// An engine has an agent but the fleet file has no `tls` section.
+    #[error("tls: required by engines[].agent (mutual TLS to the agents)")]
+    NoTls,
+    /// `engines[index].agent.public_key` is not an `ed25519:<base64>` key.
+    #[error("engines[{index}].agent.public_key: {source}")]
+    PublicKey {
+        /// The engine.
+        index: usize,
+        /// What is wrong with the key.
+        source: KeyError,
+    },
+    /// The client of `engines[index].agent` could not be built (TLS files, URL).
+    #[error("engines[{index}].agent: {source}")]
+    Client {
+        /// The engine.
+        index: usize,
+        /// The client's error (boxed: it is large).
+        source: Box<AgentClientError>,
+    },
+}
 
 /// The mTLS clients of the engines' agents, one per distinct agent, indexed by engine.
 pub(crate) struct Agents {
@@ -26,8 +52,9 @@ impl Agents {
     /// Builds one client per distinct agent of the fleet file (engines on one host share it).
     ///
     /// # Errors
-    /// A message naming the offending key (`engines[0].agent.public_key`, `tls.cert`, ...).
-    pub(crate) fn from_config(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Agents, String> {
+    /// [`AgentsError`] naming the offending key (`tls`, `engines[0].agent.public_key`,
+    /// `engines[0].agent: tls.cert ...`).
+    pub(crate) fn from_config(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Agents, AgentsError> {
         let mut per_engine = Vec::with_capacity(cfg.engines.len());
         let mut built: BTreeMap<(String, String), Arc<AgentClient>> = BTreeMap::new();
         let timeouts = AgentTimeouts {
@@ -46,11 +73,9 @@ impl Agents {
                 per_engine.push(Some(c.clone()));
                 continue;
             }
-            let tls = cfg.tls.as_ref().ok_or_else(|| {
-                "tls: required by engines[].agent (mutual TLS to the agents)".to_string()
-            })?;
+            let tls = cfg.tls.as_ref().ok_or(AgentsError::NoTls)?;
             let public_key = narwhal_shared::PublicKey::parse(&a.public_key)
-                .map_err(|err| format!("engines[{i}].agent.public_key: {err}"))?;
+                .map_err(|source| AgentsError::PublicKey { index: i, source })?;
             let endpoint = AgentEndpoint {
                 agent_id: a.agent_id.clone(),
                 url: a.url.clone(),
@@ -62,8 +87,13 @@ impl Agents {
                 cert: tls.cert.clone(),
                 key: tls.key.clone(),
             };
-            let client = AgentClient::new(endpoint, &files, timeouts, clock.clone())
-                .map_err(|err| format!("engines[{i}].agent: {err}"))?;
+            let client =
+                AgentClient::new(endpoint, &files, timeouts, clock.clone()).map_err(|e| {
+                    AgentsError::Client {
+                        index: i,
+                        source: Box::new(e),
+                    }
+                })?;
             let client = Arc::new(client);
             built.insert(key, client.clone());
             per_engine.push(Some(client));

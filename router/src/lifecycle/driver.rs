@@ -49,6 +49,24 @@ use crate::upstream::Upstream;
 
 const NOT_IN_CONTROL: &str = "this router does not control the fleet";
 
+/// Why a flipped engine's role check did not pass ([`LifecycleDriver::role_check`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum RoleCheckError {
+    /// This router does not control the fleet (nothing was checked).
+    #[error("{}", NOT_IN_CONTROL)]
+    NotInControl,
+    /// Another lifecycle action holds the engine (nothing was checked).
+    #[error("a lifecycle action holds {iid}")]
+    Held {
+        /// The engine.
+        iid: String,
+    },
+    /// A check failed, or the check could not finish: the engine's record error, or the
+    /// answer's (`role check failed` when it names none).
+    #[error("{0}")]
+    Failed(String),
+}
+
 /// A lifecycle action's answer: status and the lifecycle document with its `error`.
 pub(crate) type Reply = (StatusCode, Value);
 
@@ -545,12 +563,16 @@ impl LifecycleDriver {
     /// without a restart, against engine `i` in its new router role, so the KV-transfer check pairs
     /// it with a live engine of the other role. The engine is held (a recovery record,
     /// `validating`) while they run; a failure leaves it held, `blocked` with the error.
-    /// Returns the checks passed, or the error.
-    pub(crate) async fn role_check(&self, i: usize) -> Result<Vec<String>, String> {
+    /// Returns the checks passed.
+    ///
+    /// # Errors
+    /// [`RoleCheckError`]: not in control, the engine held by another action, or the failed
+    /// check's error.
+    pub(crate) async fn role_check(&self, i: usize) -> Result<Vec<String>, RoleCheckError> {
         let _serial = self.serial.lock().await;
         // Only the router that controls the fleet checks, under its epoch's scope.
         let Some(scope) = self.ha().scope() else {
-            return Err(NOT_IN_CONTROL.into());
+            return Err(RoleCheckError::NotInControl);
         };
         let iid = self.cfg.engines[i].iid.clone();
         let started = {
@@ -560,7 +582,7 @@ impl LifecycleDriver {
             ok
         };
         if !started {
-            return Err(format!("a lifecycle action holds {iid}"));
+            return Err(RoleCheckError::Held { iid });
         }
         let targets = vec![iid.clone()];
         let report = self.run_validation(&targets, false, &scope).await;
@@ -568,11 +590,13 @@ impl LifecycleDriver {
         let record = self.exec.lock().record(&iid).cloned();
         match (status, record) {
             (StatusCode::OK, Some(r)) => Ok(r.checks),
-            (_, Some(r)) if !r.error.is_empty() => Err(r.error),
-            _ => Err(doc["error"]
-                .as_str()
-                .unwrap_or("role check failed")
-                .to_string()),
+            (_, Some(r)) if !r.error.is_empty() => Err(RoleCheckError::Failed(r.error)),
+            _ => Err(RoleCheckError::Failed(
+                doc["error"]
+                    .as_str()
+                    .unwrap_or("role check failed")
+                    .to_string(),
+            )),
         }
     }
 
