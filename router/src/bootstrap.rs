@@ -78,7 +78,7 @@ pub(crate) async fn refresh(
     let (status, body) = upstream
         .get(&url, secs(cfg.engine.health_timeout_s))
         .await
-        .map_err(BootstrapError::Unreachable)?;
+        .map_err(|e| BootstrapError::Unreachable(e.to_string()))?;
     if status != StatusCode::OK {
         return Err(BootstrapError::Status { url, status });
     }

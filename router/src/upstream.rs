@@ -134,41 +134,47 @@ impl Upstream {
     }
 
     /// GET `url`, returning status and (bounded) body. Used for `/health` and `/server_info`.
+    ///
+    /// # Errors
+    /// [`ControlCallError`]: the request could not be built, sent or read in `timeout`.
     pub(crate) async fn get(
         &self,
         url: &str,
         timeout: Duration,
-    ) -> Result<(StatusCode, Bytes), String> {
+    ) -> Result<(StatusCode, Bytes), ControlCallError> {
         let req = Request::builder()
             .method(Method::GET)
             .uri(url)
             .body(Full::new(Bytes::new()))
-            .map_err(|e| e.to_string())?;
+            .map_err(ControlCallError::Request)?;
         let fut = async {
             let resp = self
                 .client
                 .request(req)
                 .await
-                .map_err(|e| error_chain(&e))?;
+                .map_err(|e| ControlCallError::Connect(error_chain(&e)))?;
             let status = resp.status();
             let body = read_bounded(resp.into_body(), ERROR_BODY_LIMIT)
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(ControlCallError::Body)?;
             Ok((status, body))
         };
         tokio::time::timeout(timeout, fut)
             .await
-            .map_err(|_| format!("timed out after {:.3}s", timeout.as_secs_f64()))?
+            .map_err(|_| ControlCallError::TimedOut(timeout))?
     }
 
     /// POST `body` as JSON to `url`, returning status and (bounded) body. Used for control
     /// calls: `/tokenize`, SGLang's `/pd_role_switch`.
+    ///
+    /// # Errors
+    /// [`ControlCallError`]: the request could not be sent or read in `timeout`.
     pub(crate) async fn post_json(
         &self,
         url: &str,
         body: &Value,
         timeout: Duration,
-    ) -> Result<(StatusCode, Bytes), String> {
+    ) -> Result<(StatusCode, Bytes), ControlCallError> {
         let fut = async {
             let resp = self
                 .post(
@@ -177,16 +183,16 @@ impl Upstream {
                     body,
                 )
                 .await
-                .map_err(|e| e.detail())?;
+                .map_err(|e| ControlCallError::Connect(e.detail()))?;
             let status = resp.status();
             let body = read_bounded(resp.into_body(), ERROR_BODY_LIMIT)
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(ControlCallError::Body)?;
             Ok((status, body))
         };
         tokio::time::timeout(timeout, fut)
             .await
-            .map_err(|_| format!("timed out after {:.3}s", timeout.as_secs_f64()))?
+            .map_err(|_| ControlCallError::TimedOut(timeout))?
     }
 
     /// A breaker probe: GET `url` with the engine credentials, bounded by `timeout`; the
@@ -348,6 +354,23 @@ impl Upstream {
     }
 }
 
+/// Why a control call ([`Upstream::get`], [`Upstream::post_json`]) got no answer.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ControlCallError {
+    /// The URL does not make a request.
+    #[error("{0}")]
+    Request(http::Error),
+    /// The connection or the request failed (the error chain).
+    #[error("{0}")]
+    Connect(String),
+    /// The answer's body could not be read within its bound.
+    #[error("{0}")]
+    Body(ReadFailure),
+    /// No answer within the timeout.
+    #[error("timed out after {:.3}s", .0.as_secs_f64())]
+    TimedOut(Duration),
+}
+
 /// Probe answers (`/health`, `/metrics`, `/v1/models`, `/server_info`) are capped at this many
 /// bytes.
 const PROBE_BODY_LIMIT: usize = 4 * 1024 * 1024;
@@ -391,7 +414,7 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 
 /// Why a bounded read stopped.
 #[derive(Debug)]
-enum ReadFailure {
+pub(crate) enum ReadFailure {
     /// Over the limit.
     TooLarge,
     /// The body failed (cut, protocol error).

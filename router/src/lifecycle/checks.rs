@@ -73,7 +73,7 @@ impl Checks for AgentChecks<'_> {
         {
             Ok((StatusCode::OK, _)) => Ok(()),
             Ok((s, _)) => Err(CheckError::HealthStatus { status: s.as_u16() }),
-            Err(e) => Err(CheckError::Unreachable(e)),
+            Err(e) => Err(CheckError::Unreachable(e.to_string())),
         }
     }
 

@@ -157,21 +157,19 @@ pub(super) fn prefill_finished(answer: &Value, client_max_tokens: Option<u64>) -
 /// `choices[0].kv_transfer_params`, else top-level `kv_transfer_params`; a non-empty object with
 /// a non-empty string `remote_engine_id` and `remote_block_ids` a list of non-negative ints or a
 /// list of such lists.
-pub(super) fn extract_descriptor(answer: &Value) -> Result<Value, String> {
+pub(super) fn extract_descriptor(answer: &Value) -> Result<Value, NoDescriptor> {
     let d = answer
         .pointer("/choices/0/kv_transfer_params")
         .filter(|v| !v.is_null())
         .or_else(|| answer.get("kv_transfer_params").filter(|v| !v.is_null()))
-        .ok_or_else(|| {
-            "no handoff: the prefill answer carries no kv_transfer_params".to_string()
-        })?;
+        .ok_or(NoDescriptor::Absent)?;
     let obj = d
         .as_object()
         .filter(|o| !o.is_empty())
-        .ok_or_else(|| "no handoff: kv_transfer_params is not a non-empty object".to_string())?;
+        .ok_or(NoDescriptor::NotAnObject)?;
     match obj.get("remote_engine_id") {
         Some(Value::String(s)) if !s.is_empty() => {}
-        _ => return Err("no handoff: remote_engine_id must be a non-empty string".into()),
+        _ => return Err(NoDescriptor::EngineId),
     }
     let ok_ids = |a: &Vec<Value>| a.iter().all(Value::is_u64);
     let blocks_ok = match obj.get("remote_block_ids") {
@@ -179,9 +177,29 @@ pub(super) fn extract_descriptor(answer: &Value) -> Result<Value, String> {
         _ => false,
     };
     if !blocks_ok {
-        return Err("no handoff: remote_block_ids must be a list of non-negative integers or a list of such lists".into());
+        return Err(NoDescriptor::BlockIds);
     }
     Ok(d.clone())
+}
+
+/// Why a vLLM prefill answer carries no usable KV descriptor (the answer is then a 502
+/// naming it, never recomputed: docs/design/engine-protocols.md 2.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(super) enum NoDescriptor {
+    /// Neither `choices[0].kv_transfer_params` nor `kv_transfer_params`.
+    #[error("no handoff: the prefill answer carries no kv_transfer_params")]
+    Absent,
+    /// `kv_transfer_params` is empty or not an object.
+    #[error("no handoff: kv_transfer_params is not a non-empty object")]
+    NotAnObject,
+    /// `remote_engine_id` missing, empty or not a string.
+    #[error("no handoff: remote_engine_id must be a non-empty string")]
+    EngineId,
+    /// `remote_block_ids` is not a list of non-negative integers (or of such lists).
+    #[error(
+        "no handoff: remote_block_ids must be a list of non-negative integers or a list of such lists"
+    )]
+    BlockIds,
 }
 
 /// Body of a vLLM prefill leg (behaviour.md 7.1 step 2). A client `min_tokens` ≥ 1 becomes
@@ -237,6 +255,6 @@ pub(super) async fn prefill(
     match extract_descriptor(&answer) {
         Ok(d) => Ok(Prefilled::Descriptor(d)),
         Err(_) if prefill_finished(&answer, client_max_tokens) => Ok(Prefilled::Finished(answer)),
-        Err(e) => Err(LegError::KvHandoff(e)),
+        Err(e) => Err(LegError::KvHandoff(e.to_string())),
     }
 }
