@@ -12,12 +12,12 @@ use crate::ha::{self, StandbyOptions};
 use crate::handoff;
 use crate::http::{self, Side};
 use crate::journal::{self, Journal};
-use crate::lease::{LeaseDriver, LeaseError};
 use crate::lifecycle::AgentsError;
 use crate::lifecycle::agents::Agents;
 use crate::monitor;
 use crate::parts::Parts;
 use crate::phase::HaPhase;
+use narwhal_lease::{LeaseDriver, LeaseError};
 
 /// The two bound listeners (architecture.md section 3).
 #[derive(Debug)]

@@ -20,8 +20,8 @@ use tokio::net::TcpListener;
 use crate::app::{AnnounceError, Listeners, RunOptions};
 use crate::config::{Config, ConfigError};
 use crate::journal::{Journal, run_id};
-use crate::lease::LeaseError;
 use crate::lifecycle::AgentsError;
+use narwhal_lease::LeaseError;
 
 /// Log output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -291,7 +291,7 @@ fn preflight(args: &Args) -> Result<Checked, PreflightError> {
         problems.push(Problem::Agents(e));
     }
     let router_id = args.router_id.as_deref().unwrap_or("check-config");
-    if let Err(e) = crate::lease::LeaseDriver::from_config(&cfg.lease, router_id, clock) {
+    if let Err(e) = narwhal_lease::LeaseDriver::from_config(&cfg.lease, router_id, clock) {
         problems.push(Problem::Lease(e));
     }
     if problems.is_empty() {

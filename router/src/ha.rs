@@ -25,8 +25,8 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::lease::LeaseLoss;
 use crate::parts::Parts;
+use narwhal_lease::LeaseLoss;
 use primary::Renewal;
 
 /// Standby settings (`narwhal-serve --standby-of URL ...`; behaviour.md 2.9 defaults).

@@ -43,11 +43,11 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Role;
-use crate::lease::{Control, LeaseError, LeaseLoss, LeaseRecord};
 use crate::lifecycle::machine::RestoreError;
 use crate::parts::Parts;
 use crate::phase::EpochScope;
 use crate::placement::Exclusion;
+use narwhal_lease::{Control, LeaseError, LeaseLoss, LeaseRecord};
 
 /// The live handoff document (behaviour.md 2.2).
 pub(crate) fn snapshot(parts: &Parts) -> Handoff {

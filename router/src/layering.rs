@@ -668,7 +668,7 @@ mod tests {
                 "use super::Error;\n// use super::machine::X;\nconst S: &str = \"crate::x::y\";\n\
                  #[cfg(test)]\nmod tests {\n    use crate::other::Thing;\n}\n",
             ),
-            ("other", "use crate::lease::driver::Driver;\n"),
+            ("other", "use narwhal_lease::driver::Driver;\n"),
         ]);
         assert_eq!(check(&ok), Ok(()));
         let bad = tree(&[

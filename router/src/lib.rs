@@ -32,7 +32,7 @@
 //!
 //! | layer | modules | what they are |
 //! |---|---|---|
-//! | 0 pure cores | `config` (and `config::schema`, the accepted keys read from its validator), `profile`, `placement`, `breaker`, `facts`, `ingress`, `outcome`, `retry`, `demand` (risk, windows, model), `lease` (its `machine`, the backends and the driver) | rules with `now` and RNGs passed in; no clock, no IO (`facts`: an engine process's facts and when two readings name different processes). Below them, in crates of their own so Cargo enforces the direction: `narwhal-relay` (router/relay: SSE parsing, token evidence, usage, whole-answer and batch merging, and `rawjson`, the byte-level JSON scanner the relay finds its few members with) |
+//! | 0 pure cores | `config` (and `config::schema`, the accepted keys read from its validator), `profile`, `placement`, `breaker`, `facts`, `ingress`, `outcome`, `retry`, `demand` (risk, windows, model) | rules with `now` and RNGs passed in; no clock, no IO (`facts`: an engine process's facts and when two readings name different processes). Below them, in crates of their own so Cargo enforces the direction: `narwhal-lease` (router/lease: the lease `machine`, the file and etcd backends and the renewal driver; re-exported here as `lease`) and `narwhal-relay` (router/relay: SSE parsing, token evidence, usage, whole-answer and batch merging, and `rawjson`, the byte-level JSON scanner the relay finds its few members with) |
 //! | 0 leaves | `journal`, `metrics`, `response` | the journal writer, Prometheus families, JSON responses |
 //! | 1 engine client | `upstream`, `failure` | legs to engines and how they fail; `RequestFailure`, the one map to status, body and settlement |
 //! | 1 parts | `fleet`, `accounting`, `admission`, `phase` | own their data behind narrow handles (below) |
@@ -133,7 +133,7 @@ pub mod ingress;
 pub mod journal;
 #[cfg(test)]
 mod layering;
-pub mod lease;
+pub use narwhal_lease as lease;
 pub mod lifecycle;
 mod metrics;
 mod monitor;

@@ -14,13 +14,13 @@ use crate::controller::{self, Controller};
 use crate::demand::DemandRisk;
 use crate::fleet::Fleet;
 use crate::journal::Journal;
-use crate::lease::LeaseDriver;
 use crate::lifecycle::agents::Agents;
 use crate::lifecycle::driver::{Handles, LifecycleDriver};
 use crate::metrics::Metrics;
 use crate::phase::{Ha, HaPhase};
 use crate::readiness::Gate;
 use crate::upstream::Upstream;
+use narwhal_lease::LeaseDriver;
 
 /// Handles to every part (see the module doc and the design note in `lib.rs`).
 pub(crate) struct Parts {

@@ -21,7 +21,7 @@ use narwhal_shared::{Clock, Fence};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::lease::{Control, LeaseDriver, LeaseLoss};
+use narwhal_lease::{Control, LeaseDriver, LeaseLoss};
 
 /// Why `/ready` is 503 between a claim and the end of the identity check (behaviour.md 1.3
 /// item 6): the router controls the fleet but serves nothing until every engine's identity
@@ -581,7 +581,7 @@ pub(crate) mod tests {
         });
         let cfg = crate::config::Config::from_json_str(&fleet.to_string(), &|_| None)
             .expect("fleet without a lease section");
-        let lease = crate::lease::LeaseDriver::from_config(&cfg.lease, "test", clock.clone())
+        let lease = narwhal_lease::LeaseDriver::from_config(&cfg.lease, "test", clock.clone())
             .expect("lease none");
         Ha::new(Arc::new(lease), clock, HaPhase::Active)
     }

@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 use narwhal_shared::handoff::Handoff;
 
 use crate::handoff::{ApplyError, PublishError, ReadPublishedError};
-use crate::lease::{LeaseLoss, LeaseRecord};
 use crate::phase::{Controller, HaPhase};
+use narwhal_lease::{LeaseLoss, LeaseRecord};
 
 /// What the standby follows and when it gives up on the primary.
 #[derive(Debug, Clone, PartialEq)]
@@ -576,7 +576,7 @@ pub(crate) mod tests {
             epoch,
             expires_at,
             holder: holder.into(),
-            schema: crate::lease::LEASE_SCHEMA.into(),
+            schema: narwhal_lease::LEASE_SCHEMA.into(),
             schema_version: 1,
             updated_at: expires_at - 2.0,
         }
@@ -591,7 +591,7 @@ pub(crate) mod tests {
     }
 
     fn etcd_timed_out() -> ReadPublishedError {
-        ReadPublishedError::Store(crate::lease::LeaseError::Etcd {
+        ReadPublishedError::Store(narwhal_lease::LeaseError::Etcd {
             op: "get",
             endpoints: "127.0.0.1:2379".into(),
             message: "timed out after 1 s".into(),

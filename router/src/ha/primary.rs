@@ -17,9 +17,9 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use crate::lease::LeaseEvent;
 use crate::parts::Parts;
 use crate::phase::HaPhase;
+use narwhal_lease::LeaseEvent;
 
 /// Renewal phases: a takeover still in progress, a router in control, and a takeover
 /// whose lease was lost before it finished.

@@ -24,9 +24,9 @@ use super::StandbyOptions;
 use super::machine::{ApplyFailed, Observation, Poll, Settings, Source, Standby, Step, next_wait};
 use super::primary::{self, Renewal};
 use crate::config::Config;
-use crate::lease::{Control, LeaseLoss};
 use crate::parts::Parts;
 use crate::phase::{Controller, HaPhase};
+use narwhal_lease::{Control, LeaseLoss};
 
 /// What the standby's steps do to the world (implemented by [`Live`]; tests fake it).
 pub(crate) trait StandbyIo {
@@ -472,8 +472,8 @@ enum ClientError {
 mod tests {
     use super::*;
     use crate::ha::machine::tests::{doc, record_of};
-    use crate::lease::LeaseRecord;
     use crate::phase::IDENTITY_PENDING;
+    use narwhal_lease::LeaseRecord;
     use narwhal_shared::{Clock as _, ManualClock, SystemClock};
     use std::sync::Mutex;
 

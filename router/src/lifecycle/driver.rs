@@ -1118,7 +1118,7 @@ mod tests {
                 .iter()
                 .any(|(i, _, stop)| i == "p0" && *stop)
         );
-        parts.ha.fence(&crate::lease::LeaseLoss::HeldByAnother);
+        parts.ha.fence(&narwhal_lease::LeaseLoss::HeldByAnother);
         let d = parts.lifecycle.document("");
         assert_eq!(d["router"]["controls_fleet"], "fenced");
         assert_eq!(d["engines"]["p0"]["ready_to_stop"], false, "{d:#}");

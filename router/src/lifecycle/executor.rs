@@ -132,11 +132,11 @@ mod tests {
 
     use crate::config::Config;
     use crate::journal::Journal;
-    use crate::lease::{LeaseDriver, LeaseLoss};
     use crate::lifecycle::agents::Agents;
     use crate::lifecycle::machine::DrainRequest;
     use crate::parts::Parts;
     use crate::phase::HaPhase;
+    use narwhal_lease::{LeaseDriver, LeaseLoss};
 
     /// ha-and-fencing.md: a router that does not control the fleet writes no lifecycle events
     /// (the fault campaign saw a fenced router write drain-complete events 6 ms after its fence),

@@ -266,7 +266,7 @@ impl LeaseStore for FileLease {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lease::{Control, LeaseTiming};
+    use crate::{Control, LeaseTiming};
     use narwhal_shared::{Clock as _, SystemClock};
 
     fn timing() -> LeaseTiming {
