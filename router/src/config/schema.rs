@@ -257,14 +257,14 @@ mod tests {
                     format!("the table under the heading \"### `{parent}`\" (create it if missing)")
                 };
                 problems.push(format!(
-                    "fleet key `{k}` is accepted by narwhal-serve (router/src/config.rs) but not documented: add a row `| \\`{leaf}\\` | ... |` to {table} in docs/configuration.md, between the fleet-keys markers"
+                    "fleet key `{k}` is accepted by narwhal-serve (router/src/config/check/) but not documented: add a row `| \\`{leaf}\\` | ... |` to {table} in docs/configuration.md, between the fleet-keys markers"
                 ));
             }
         }
         for (k, heading) in &documented {
             if !accepted.contains(k) {
                 problems.push(format!(
-                    "docs/configuration.md documents fleet key `{k}` (under \"{heading}\") but narwhal-serve refuses it as an unknown key: fix or remove the row, or add the key to the validator in router/src/config.rs"
+                    "docs/configuration.md documents fleet key `{k}` (under \"{heading}\") but narwhal-serve refuses it as an unknown key: fix or remove the row, or add the key to the validator in router/src/config/check/"
                 ));
             }
         }

@@ -1,0 +1,377 @@
+//! The `engines`, `engine`, `tls`, `engine_contract` and `hardware` sections: each engine's
+//! url, role, agent and health path, the engine limits, the TLS files and the contract.
+
+use std::path::PathBuf;
+
+use serde_json::Value;
+
+use super::{Checker, Kind, non_negative, positive};
+use crate::config::{
+    Backend, ConfigIssue, EngineAgent, EngineConfig, EngineSection, Role, Serving, TlsFiles,
+};
+
+impl Checker<'_> {
+    pub(super) fn engines(&mut self, v: Option<&Value>) -> Vec<EngineConfig> {
+        let Some(v) = v else { return Vec::new() };
+        let Some(items) = v.as_array() else {
+            self.ty("engines".into(), v, "an array");
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        let mut seen: Vec<(String, usize)> = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let path = format!("engines[{i}]");
+            let o = self.obj(
+                &path,
+                Some(item),
+                &[
+                    "iid",
+                    "url",
+                    "role",
+                    "pin",
+                    "attestation_url",
+                    "shared_device",
+                    "agent",
+                    "health_path",
+                ],
+            );
+            if o.map.is_none() {
+                continue;
+            }
+            let iid = match o.get("iid") {
+                Some(Value::String(s)) if !s.is_empty() => s.clone(),
+                Some(v) => {
+                    self.ty(o.p("iid"), v, "a non-empty string");
+                    String::new()
+                }
+                None => {
+                    self.issues.push(ConfigIssue::Missing { path: o.p("iid") });
+                    String::new()
+                }
+            };
+            let url = match o.get("url") {
+                Some(Value::String(s)) if !s.is_empty() => {
+                    let s = self.env_ref(o.p("url"), s.clone());
+                    if !(s.starts_with("http://")
+                        || s.starts_with("https://")
+                        || s.starts_with("${"))
+                    {
+                        self.rule(
+                            o.p("url"),
+                            &Value::String(s.clone()),
+                            "must be an http:// or https:// URL",
+                        );
+                    }
+                    s.trim_end_matches('/').to_string()
+                }
+                Some(v) => {
+                    self.ty(o.p("url"), v, "a non-empty string");
+                    String::new()
+                }
+                None => {
+                    self.issues.push(ConfigIssue::Missing { path: o.p("url") });
+                    String::new()
+                }
+            };
+            let role = match self.choice(&o, "role", "decode", &["prefill", "decode"]) {
+                "prefill" => Role::Prefill,
+                _ => Role::Decode,
+            };
+            let pin = self.boolean(&o, "pin", false);
+            let raw_att = self.string(&o, "attestation_url", "");
+            let attestation_url = self.env_ref(o.p("attestation_url"), raw_att);
+            let sd = self.obj(
+                &o.p("shared_device"),
+                o.get("shared_device"),
+                &[
+                    "group",
+                    "gpu_uuid",
+                    "device_allowance",
+                    "gpu_memory_utilization",
+                ],
+            );
+            self.passive(
+                &sd,
+                &[
+                    ("group", Kind::Str),
+                    ("gpu_uuid", Kind::Str),
+                    ("device_allowance", Kind::NonNegNum),
+                    ("gpu_memory_utilization", Kind::PosNum),
+                ],
+            );
+            let agent = match o.get("agent") {
+                None => None,
+                Some(av) => {
+                    let a = self.obj(
+                        &o.p("agent"),
+                        Some(av),
+                        &["url", "server_name", "public_key", "agent_id"],
+                    );
+                    if a.map.is_none() {
+                        None
+                    } else {
+                        let req = |c: &mut Self, k: &str| match a.get(k) {
+                            Some(Value::String(s)) if !s.is_empty() => s.clone(),
+                            Some(v) => {
+                                c.ty(a.p(k), v, "a non-empty string");
+                                String::new()
+                            }
+                            None => {
+                                c.issues.push(ConfigIssue::Missing { path: a.p(k) });
+                                String::new()
+                            }
+                        };
+                        let url = req(self, "url");
+                        let server_name = req(self, "server_name");
+                        let public_key = req(self, "public_key");
+                        if !public_key.is_empty() && !public_key.starts_with("ed25519:") {
+                            self.rule(
+                                a.p("public_key"),
+                                &Value::String(public_key.clone()),
+                                "must start with \"ed25519:\"",
+                            );
+                        }
+                        let agent_id = match a.get("agent_id") {
+                            None => server_name.clone(),
+                            Some(Value::String(s)) if !s.is_empty() => s.clone(),
+                            Some(v) => {
+                                self.ty(a.p("agent_id"), v, "a non-empty string");
+                                String::new()
+                            }
+                        };
+                        Some(EngineAgent {
+                            url: url.trim_end_matches('/').to_string(),
+                            server_name,
+                            public_key,
+                            agent_id,
+                        })
+                    }
+                }
+            };
+            if !iid.is_empty() {
+                if let Some((_, first)) = seen.iter().find(|(s, _)| *s == iid) {
+                    self.issues.push(ConfigIssue::DuplicateIid {
+                        iid: iid.clone(),
+                        first: *first,
+                        second: i,
+                    });
+                } else {
+                    seen.push((iid.clone(), i));
+                }
+            }
+            let health_path = self.string(&o, "health_path", "/health");
+            if !health_path.starts_with('/') || health_path.contains(['?', '#', ' ']) {
+                self.rule(
+                    o.p("health_path"),
+                    &Value::String(health_path.clone()),
+                    "must be a path starting with / (no query, e.g. \"/health\" or \"/v1/models\")",
+                );
+            }
+            out.push(EngineConfig {
+                iid,
+                url,
+                role,
+                pin,
+                attestation_url,
+                agent,
+                health_path,
+            });
+        }
+        out
+    }
+
+    pub(super) fn engine(
+        &mut self,
+        v: Option<&Value>,
+        serving: &Serving,
+        _n: usize,
+    ) -> EngineSection {
+        let o = self.obj(
+            "engine",
+            v,
+            &[
+                "backend",
+                "connector",
+                "dialect",
+                "tokenize",
+                "chars_per_token",
+                "tokenize_timeout_s",
+                "engine_api_key_env",
+                "control_connections",
+                "pool_timeout_s",
+                "connect_timeout_s",
+                "health_timeout_s",
+                "decode_read_timeout_s",
+                "first_token_timeout_s",
+                "first_token_calibration_path",
+            ],
+        );
+        let backend = o.get("backend").is_some().then(|| {
+            match self.choice(&o, "backend", "vllm", &["vllm", "sglang"]) {
+                "sglang" => Backend::Sglang,
+                _ => Backend::Vllm,
+            }
+        });
+        let engine_api_key_env = self.string(&o, "engine_api_key_env", "");
+        let engine_api_key = if engine_api_key_env.is_empty() {
+            None
+        } else {
+            let val = (self.env)(&engine_api_key_env).filter(|s| !s.is_empty());
+            if val.is_none() {
+                self.rule(
+                    "engine.engine_api_key_env".into(),
+                    &Value::String(engine_api_key_env.clone()),
+                    "names an environment variable that is unset or empty",
+                );
+            }
+            val
+        };
+        let e = EngineSection {
+            backend,
+            connector: self.string(&o, "connector", ""),
+            dialect: self.string(&o, "dialect", ""),
+            tokenize: self.boolean(&o, "tokenize", true),
+            chars_per_token: self.num(&o, "chars_per_token", 3.8, positive),
+            tokenize_timeout_s: self.num(&o, "tokenize_timeout_s", 2.0, positive),
+            engine_api_key_env,
+            engine_api_key,
+            control_connections: self.int(&o, "control_connections", 0, 0, u64::MAX),
+            pool_timeout_s: self.num(&o, "pool_timeout_s", 5.0, positive),
+            connect_timeout_s: self.num(&o, "connect_timeout_s", 10.0, positive),
+            health_timeout_s: self.num(&o, "health_timeout_s", 5.0, positive),
+            decode_read_timeout_s: self.num(&o, "decode_read_timeout_s", 10.0, non_negative),
+            first_token_timeout_s: self.num(&o, "first_token_timeout_s", 2.5, positive),
+            first_token_calibration_path: self.string(&o, "first_token_calibration_path", ""),
+        };
+        if e.first_token_timeout_s > serving.request_timeout_s {
+            self.rule(
+                "engine.first_token_timeout_s".into(),
+                &Value::from(e.first_token_timeout_s),
+                format!(
+                    "must be ≤ serving.request_timeout_s ({})",
+                    serving.request_timeout_s
+                ),
+            );
+        }
+        e
+    }
+
+    pub(super) fn tls(&mut self, path: &str, v: Option<&Value>) -> Option<TlsFiles> {
+        let o = self.obj(path, v, &["ca", "cert", "key"]);
+        o.map?;
+        let f = |c: &mut Self, k: &str| match o.get(k) {
+            Some(Value::String(s)) if !s.is_empty() => PathBuf::from(s),
+            Some(v) => {
+                c.ty(o.p(k), v, "a non-empty path string");
+                PathBuf::new()
+            }
+            None => {
+                c.issues.push(ConfigIssue::Missing { path: o.p(k) });
+                PathBuf::new()
+            }
+        };
+        Some(TlsFiles {
+            ca: f(self, "ca"),
+            cert: f(self, "cert"),
+            key: f(self, "key"),
+        })
+    }
+
+    pub(super) fn contract(&mut self, v: Option<&Value>) -> Option<Value> {
+        let v = v?;
+        let o = self.obj(
+            "engine_contract",
+            Some(v),
+            &[
+                "engine_version",
+                "image_digest",
+                "transfer_version",
+                "connector_version",
+                "model_architecture",
+                "model_dtype",
+                "kv_heads",
+                "head_size",
+                "hidden_layers",
+                "attention_backend",
+                "kv_cache_dtype",
+                "cross_layers_blocks",
+                "hybrid_kv_cache_manager",
+                "connector",
+                "kv_role",
+                "transfer_mode",
+                "speculative_config",
+                "enforce_handshake_compat",
+            ],
+        );
+        o.map?;
+        self.passive(
+            &o,
+            &[
+                ("engine_version", Kind::Str),
+                ("image_digest", Kind::Str),
+                ("transfer_version", Kind::Str),
+                ("connector_version", Kind::Int),
+                ("model_architecture", Kind::Str),
+                ("model_dtype", Kind::Str),
+                ("kv_heads", Kind::Int),
+                ("head_size", Kind::Int),
+                ("hidden_layers", Kind::Int),
+                ("attention_backend", Kind::Str),
+                ("kv_cache_dtype", Kind::Str),
+                ("cross_layers_blocks", Kind::BoolOrNull),
+                ("hybrid_kv_cache_manager", Kind::BoolOrNull),
+                ("connector", Kind::Str),
+                ("kv_role", Kind::Str),
+                ("transfer_mode", Kind::Str),
+                ("speculative_config", Kind::Str),
+                ("enforce_handshake_compat", Kind::BoolOrNull),
+            ],
+        );
+        for k in ["engine_version", "connector"] {
+            if o.get(k).and_then(Value::as_str).is_none_or(str::is_empty) {
+                self.issues.push(ConfigIssue::Missing { path: o.p(k) });
+            }
+        }
+        if let Some(d) = o.get("image_digest").and_then(Value::as_str)
+            && !d.is_empty()
+            && !(d.len() == 71
+                && d.starts_with("sha256:")
+                && d[7..]
+                    .bytes()
+                    .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()))
+        {
+            self.rule(
+                o.p("image_digest"),
+                &Value::String(d.to_string()),
+                "must be \"\" or sha256:<64 lowercase hex>",
+            );
+        }
+        Some(v.clone())
+    }
+
+    pub(super) fn hardware(&mut self, v: Option<&Value>) {
+        let o = self.obj(
+            "hardware",
+            v,
+            &["accelerator", "accelerators_per_engine", "tensor_parallel"],
+        );
+        if o.map.is_none() {
+            return;
+        }
+        let acc = self.string(&o, "accelerator", "");
+        if acc.is_empty() {
+            self.issues.push(ConfigIssue::Missing {
+                path: o.p("accelerator"),
+            });
+        }
+        let per = self.int(&o, "accelerators_per_engine", 1, 1, u64::MAX);
+        let tp = self.int(&o, "tensor_parallel", 1, 1, u64::MAX);
+        if tp > per {
+            self.rule(
+                o.p("tensor_parallel"),
+                &Value::from(tp),
+                format!("must be ≤ accelerators_per_engine ({per})"),
+            );
+        }
+    }
+}

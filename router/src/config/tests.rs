@@ -1,0 +1,388 @@
+//! Unit tests of the fleet-file validator.
+
+use super::*;
+
+fn no_env(_: &str) -> Option<String> {
+    None
+}
+
+fn base() -> Value {
+    serde_json::json!({
+        "schema": "narwhal.fleet", "schema_version": 2,
+        "_about": "comment",
+        "model": "tiny-sim",
+        "backend": "vllm",
+        "engines": [
+            {"iid": "p0", "url": "http://127.0.0.1:1/", "role": "prefill"},
+            {"iid": "d0", "url": "http://127.0.0.1:2"}
+        ],
+        "slo": {"ttft_s": 2.0, "tpot_s": 0.05}
+    })
+}
+
+fn issues(v: Value) -> Vec<ConfigIssue> {
+    match Config::from_json_str(&v.to_string(), &no_env) {
+        Ok(_) => panic!("expected issues"),
+        Err(ParseError::Invalid(i)) => i,
+        Err(e) => panic!("unexpected {e}"),
+    }
+}
+
+fn messages(v: Value) -> Vec<String> {
+    issues(v).iter().map(ToString::to_string).collect()
+}
+
+#[test]
+fn minimal_fleet_gets_reference_defaults() {
+    let c = Config::from_json_str(&base().to_string(), &no_env).unwrap();
+    assert_eq!(c.engines[0].url, "http://127.0.0.1:1");
+    assert_eq!(c.engines[0].role, Role::Prefill);
+    assert_eq!(c.engines[1].role, Role::Decode);
+    assert_eq!(c.serving.max_connections, 768);
+    assert_eq!(c.serving.max_attempts, 2);
+    assert_eq!(c.serving.max_request_bytes, 4_194_304);
+    assert_eq!(c.engine.first_token_timeout_s, 2.5);
+    assert_eq!(c.engine.decode_read_timeout_s, 10.0);
+    assert_eq!(c.recovery.eject_after, 3);
+    assert_eq!(c.controller.monitor_interval_s, 1.0);
+    assert_eq!(c.lease.backend, LeaseBackend::None);
+    assert_eq!(c.backend, Backend::Vllm);
+}
+
+/// The engine-health keys (docs/configuration.md): defaults, and a bad
+/// value named by its dotted path.
+#[test]
+fn health_keys_have_defaults_and_name_their_path() {
+    let c = Config::from_json_str(&base().to_string(), &no_env).unwrap();
+    assert_eq!(c.engines[0].health_path, "/health");
+    assert_eq!(c.recovery.max_ejection_percent, 50);
+    assert_eq!(c.recovery.max_readmit_interval_s, 300.0);
+    assert_eq!(c.recovery.liveness_misses, 2);
+    let mut v = base();
+    v["engines"][1]["health_path"] = "/v1/models".into();
+    let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+    assert_eq!(c.engines[1].health_path, "/v1/models");
+    let mut v = base();
+    v["engines"][0]["health_path"] = "health".into();
+    v["engines"][1]["health_path"] = "/health?full=1".into();
+    v["recovery"] = serde_json::json!({"max_ejection_percent": 0,
+                                      "max_readmit_interval_s": -1});
+    let m = messages(v);
+    assert!(
+        m.iter()
+            .any(|x| x.starts_with("engines[0].health_path = \"health\": must be a path")),
+        "{m:?}"
+    );
+    assert!(
+        m.iter().any(|x| x.starts_with("engines[1].health_path = ")),
+        "{m:?}"
+    );
+    assert!(
+        m.contains(&"recovery.max_ejection_percent = 0: must be an integer in 1..=100".to_string()),
+        "{m:?}"
+    );
+    assert!(
+        m.contains(&"recovery.max_readmit_interval_s = -1: must be > 0".to_string()),
+        "{m:?}"
+    );
+    assert_eq!(m.len(), 4, "{m:?}");
+}
+
+#[test]
+fn example_fleet_file_parses() {
+    let text = include_str!("../../testdata/reference-fleet.example.json");
+    let c = Config::from_json_str(text, &no_env).unwrap();
+    assert_eq!(c.engines.len(), 4);
+    assert_eq!(c.lease.backend, LeaseBackend::Etcd);
+    assert!(c.control_tls.is_some());
+}
+
+#[test]
+fn unknown_keys_name_their_dotted_path_and_all_are_reported() {
+    let mut v = base();
+    v["engines"][1]["rol"] = "decode".into();
+    v["serving"] = serde_json::json!({"max_atempts": 2, "_note": "ok"});
+    v["bogus"] = 1.into();
+    let m = messages(v);
+    assert!(
+        m.contains(&"engines[1].rol: unknown key".to_string()),
+        "{m:?}"
+    );
+    assert!(
+        m.contains(&"serving.max_atempts: unknown key".to_string()),
+        "{m:?}"
+    );
+    assert!(m.contains(&"bogus: unknown key".to_string()), "{m:?}");
+    assert_eq!(m.len(), 3);
+}
+
+#[test]
+fn type_errors_name_key_and_value() {
+    let mut v = base();
+    v["serving"] = serde_json::json!({"max_attempts": true, "request_timeout_s": "600"});
+    v["engines"][0]["pin"] = "yes".into();
+    let m = messages(v);
+    assert!(
+        m.contains(&"serving.max_attempts must be an integer, got true".to_string()),
+        "{m:?}"
+    );
+    assert!(
+        m.contains(&"serving.request_timeout_s must be a number, got \"600\"".to_string()),
+        "{m:?}"
+    );
+    assert!(
+        m.contains(&"engines[0].pin must be a boolean, got \"yes\"".to_string()),
+        "{m:?}"
+    );
+}
+
+#[test]
+fn range_errors_name_key_value_and_rule() {
+    let mut v = base();
+    v["serving"] = serde_json::json!({"max_attempts": 4, "retry_base_s": 2.0});
+    v["slo"]["ttft_s"] = 0.into();
+    v["engines"][0]["role"] = "both".into();
+    let m = messages(v);
+    assert!(
+        m.contains(&"serving.max_attempts = 4: must be an integer in 1..=3".to_string()),
+        "{m:?}"
+    );
+    assert!(
+        m.contains(&"slo.ttft_s = 0: must be > 0".to_string()),
+        "{m:?}"
+    );
+    assert!(
+        m.iter()
+            .any(|s| s.starts_with("serving.retry_cap_s = 1.0: must be ≥")),
+        "{m:?}"
+    );
+    assert!(
+        m.contains(&"engines[0].role = \"both\": must be one of prefill, decode".to_string()),
+        "{m:?}"
+    );
+}
+
+/// The request-path keys `serving.body_read_timeout_s` and `serving.max_batch_prompts`:
+/// defaults, and range errors naming the dotted path.
+#[test]
+fn body_read_timeout_and_batch_limit_are_validated() {
+    let c = Config::from_json_str(&base().to_string(), &no_env).unwrap();
+    assert_eq!(c.serving.body_read_timeout_s, 30.0);
+    assert_eq!(c.serving.max_batch_prompts, 64);
+    let mut v = base();
+    v["serving"] = serde_json::json!({"body_read_timeout_s": 0, "max_batch_prompts": 0});
+    let m = messages(v);
+    assert!(
+        m.contains(&"serving.body_read_timeout_s = 0: must be > 0".to_string()),
+        "{m:?}"
+    );
+    assert!(
+        m.iter()
+            .any(|s| s
+                .starts_with("serving.max_batch_prompts = 0: must be an integer in 1..=4096")),
+        "{m:?}"
+    );
+    let mut v = base();
+    v["serving"] = serde_json::json!({"body_read_timeout_s": 2.5, "max_batch_prompts": 8});
+    let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+    assert_eq!(
+        (c.serving.body_read_timeout_s, c.serving.max_batch_prompts),
+        (2.5, 8)
+    );
+}
+
+#[test]
+fn float_for_integer_is_refused() {
+    let mut v = base();
+    v["serving"] = serde_json::json!({"max_connections": 5.0});
+    assert_eq!(
+        messages(v),
+        vec!["serving.max_connections must be an integer, got 5.0".to_string()]
+    );
+}
+
+#[test]
+fn duplicate_iid_and_no_engines() {
+    let mut v = base();
+    v["engines"][1]["iid"] = "p0".into();
+    assert_eq!(
+        issues(v),
+        vec![ConfigIssue::DuplicateIid {
+            iid: "p0".into(),
+            first: 0,
+            second: 1
+        }]
+    );
+    let mut v = base();
+    v["engines"] = serde_json::json!([]);
+    assert!(issues(v).contains(&ConfigIssue::NoEngines));
+}
+
+#[test]
+fn missing_required_keys() {
+    let v = serde_json::json!({"schema": "narwhal.fleet", "schema_version": 2});
+    let m = messages(v);
+    for want in [
+        "model: required key is missing",
+        "engines: required key is missing",
+        "slo: required key is missing",
+    ] {
+        assert!(m.contains(&want.to_string()), "{m:?}");
+    }
+}
+
+#[test]
+fn wrong_schema_version() {
+    let mut v = base();
+    v["schema_version"] = 1.into();
+    assert_eq!(
+        messages(v),
+        vec!["schema_version = 1: must be 2".to_string()]
+    );
+}
+
+#[test]
+fn nan_and_infinity_are_not_json() {
+    let text = base().to_string().replace("2.0", "NaN");
+    assert!(matches!(
+        Config::from_json_str(&text, &no_env),
+        Err(ParseError::Json(_))
+    ));
+    let text = base().to_string().replace("2.0", "Infinity");
+    assert!(matches!(
+        Config::from_json_str(&text, &no_env),
+        Err(ParseError::Json(_))
+    ));
+}
+
+#[test]
+fn backend_sources_must_agree() {
+    let mut v = base();
+    v["engine"] = serde_json::json!({"backend": "sglang"});
+    assert_eq!(
+        issues(v),
+        vec![ConfigIssue::BackendMismatch {
+            top: "vllm".into(),
+            engine: "sglang".into()
+        }]
+    );
+    let mut v = base();
+    v.as_object_mut().unwrap().remove("backend");
+    v["engine"] = serde_json::json!({"backend": "sglang"});
+    let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+    assert_eq!(c.backend, Backend::Sglang);
+}
+
+#[test]
+fn env_references_resolve_whole_values_only() {
+    let mut v = base();
+    v["engines"][0]["url"] = "${P0_URL}".into();
+    let env = |k: &str| (k == "P0_URL").then(|| "http://10.0.0.1:9/".to_string());
+    let c = Config::from_json_str(&v.to_string(), &env).unwrap();
+    assert_eq!(c.engines[0].url, "http://10.0.0.1:9");
+    let m = messages(v.clone());
+    assert!(
+        m.iter()
+            .any(|s| s.starts_with("engines[0].url = \"${P0_URL}\": environment variable P0_URL")),
+        "{m:?}"
+    );
+    v["engines"][0]["url"] = "http://${HOST}:9".into();
+    let m = messages(v);
+    assert!(
+        m.iter().any(|s| s.contains("must be the whole value")),
+        "{m:?}"
+    );
+}
+
+#[test]
+fn lease_timing_rule() {
+    let mut v = base();
+    v["lease"] = serde_json::json!({"backend": "file", "path": "/tmp/l", "ttl_s": 1.0});
+    let m = messages(v);
+    assert_eq!(
+        m,
+        vec!["lease.ttl_s = 1.0: must exceed renew_interval_s + safety_margin_s (2)".to_string()]
+    );
+}
+
+#[test]
+fn lease_etcd_tls_and_auth_parse_into_the_section() {
+    let mut v = base();
+    v["lease"] = serde_json::json!({"backend": "etcd",
+        "endpoints": ["etcd-a:2379", "https://etcd-b:2379"],
+        "tls": {"ca": "/etc/narwhal/etcd-ca.pem", "cert": "/etc/narwhal/etcd.pem",
+                "key": "/etc/narwhal/etcd.key"},
+        "auth": {"user": "narwhal", "password_file": "/etc/narwhal/etcd.password"}});
+    let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+    assert_eq!(
+        c.lease.etcd,
+        EtcdAccess {
+            tls: Some(EtcdTls {
+                ca: Some("/etc/narwhal/etcd-ca.pem".into()),
+                cert: Some("/etc/narwhal/etcd.pem".into()),
+                key: Some("/etc/narwhal/etcd.key".into()),
+            }),
+            auth: Some(EtcdAuth {
+                user: "narwhal".into(),
+                password_file: "/etc/narwhal/etcd.password".into(),
+            }),
+        }
+    );
+    // Both are optional: https:// alone is verified against the system's trust store.
+    v["lease"] = serde_json::json!({"backend": "etcd", "endpoints": ["https://e:2379"]});
+    let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+    assert_eq!(c.lease.etcd, EtcdAccess::default());
+}
+
+#[test]
+fn lease_etcd_tls_and_auth_errors_name_the_key_and_never_show_a_password() {
+    let mut v = base();
+    v["lease"] = serde_json::json!({"backend": "etcd",
+        "endpoints": ["http://etcd-a:2379", "etcd://b", "https://c:1/v3"],
+        "tls": {"cert": "/c.pem", "cacert": "/ca.pem"},
+        "auth": {"password": "hunter2", "password_file": ""}});
+    let m = messages(v.clone());
+    assert!(!m.iter().any(|x| x.contains("hunter2")), "{m:?}");
+    for want in [
+        "lease.tls.cacert: unknown key",
+        "lease.tls.key = (absent): required with lease.tls.cert (the client certificate's key)",
+        "lease.auth.password = (not shown): a password is never written in the fleet file: \
+         put it in a file only the router can read and name that file in \
+         lease.auth.password_file",
+        "lease.auth.user: required key is missing",
+        "lease.auth.password_file must be a non-empty path string, got \"\"",
+        "lease.endpoints[0] = \"http://etcd-a:2379\": a plain http:// endpoint while \
+         lease.tls is set: use https://",
+        "lease.endpoints[1] = \"etcd://b\": must be http://HOST:PORT, https://HOST:PORT or \
+         HOST:PORT",
+        "lease.endpoints[2] = \"https://c:1/v3\": must be http://HOST:PORT, \
+         https://HOST:PORT or HOST:PORT (no path)",
+    ] {
+        assert!(m.contains(&want.to_string()), "missing {want:?} in {m:#?}");
+    }
+    assert_eq!(m.len(), 8, "{m:#?}");
+
+    // Only the etcd backend reads them.
+    v["lease"] = serde_json::json!({"backend": "file", "path": "/tmp/l",
+        "tls": {"ca": "/ca.pem"}, "auth": {"user": "u", "password": "hunter2"}});
+    let m = messages(v);
+    assert_eq!(
+        m,
+        vec![
+            "lease.tls = {…}: only used by lease.backend = \"etcd\"",
+            "lease.auth = {…}: only used by lease.backend = \"etcd\"",
+            "lease.auth.password = (not shown): a password is never written in the fleet \
+             file: put it in a file only the router can read and name that file in \
+             lease.auth.password_file",
+            "lease.auth.password_file: required key is missing",
+        ]
+    );
+}
+
+#[test]
+fn comments_are_ignored_everywhere() {
+    let mut v = base();
+    v["engines"][0]["_why"] = "prefill host".into();
+    v["serving"] = serde_json::json!({"_x": {"anything": 1}});
+    assert!(Config::from_json_str(&v.to_string(), &no_env).is_ok());
+}
