@@ -1,0 +1,85 @@
+//! The process that owns a listening TCP port: socket inodes from `/proc/net/tcp{,6}`, then
+//! the process whose fds hold one of them.
+
+use std::path::Path;
+
+use procfs::net::TcpState;
+use procfs::process::FDTarget;
+
+use super::ProcessError;
+use super::stat::{proc_err, read_stat};
+
+/// What a full scan found for a listening port, kept to re-check the next read cheaply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResolvedOwner {
+    /// The owning process.
+    pub pid: u32,
+    /// Its `starttime` (proc(5) field 22), read after its fds were seen holding the socket.
+    pub start_ticks: u64,
+    /// The fd number that held the socket in that process.
+    pub fd: u32,
+    /// The listening socket's inode.
+    pub inode: u64,
+}
+
+/// Inodes of TCP sockets in LISTEN state on `port` (IPv4 and IPv6 tables of the agent's
+/// network namespace).
+///
+/// # Errors
+/// [`ProcessError::Proc`] when neither table can be read.
+pub(super) fn listening_inodes(port: u16) -> Result<Vec<u64>, ProcessError> {
+    let mut inodes = Vec::new();
+    let v4 = procfs::net::tcp();
+    let v6 = procfs::net::tcp6();
+    if let (Err(e), Err(_)) = (&v4, &v6) {
+        return Err(proc_err("/proc/net/tcp", e));
+    }
+    for entry in v4.into_iter().flatten().chain(v6.into_iter().flatten()) {
+        if entry.state == TcpState::Listen && entry.local_address.port() == port && entry.inode != 0
+        {
+            inodes.push(entry.inode);
+        }
+    }
+    inodes.sort_unstable();
+    inodes.dedup();
+    Ok(inodes)
+}
+
+/// The process owning a socket with one of `inodes` (scanning every process's fds), as a
+/// [`ResolvedOwner`]; when several processes share it (forked workers) the earliest started
+/// (then lowest pid) wins, i.e. the parent.
+pub(super) fn owner_of(port: u16, inodes: &[u64]) -> Result<ResolvedOwner, ProcessError> {
+    let all = procfs::process::all_processes().map_err(|e| proc_err("/proc", e))?;
+    let mut best: Option<ResolvedOwner> = None;
+    for proc_ in all.flatten() {
+        let pid = proc_.pid as u32;
+        let Some((fd, inode)) = socket_fd_among(pid, inodes) else {
+            continue;
+        };
+        let Ok(stat) = read_stat(Path::new("/proc"), pid) else {
+            continue;
+        };
+        let found = ResolvedOwner {
+            pid,
+            start_ticks: stat.start_ticks,
+            fd,
+            inode,
+        };
+        if best.is_none_or(|b| (found.start_ticks, found.pid) < (b.start_ticks, b.pid)) {
+            best = Some(found);
+        }
+    }
+    best.ok_or_else(|| ProcessError::NoOwner {
+        port,
+        inodes: inodes.to_vec(),
+    })
+}
+
+/// The first fd of `pid` that is a socket with one of `inodes`, and that inode.
+pub(super) fn socket_fd_among(pid: u32, inodes: &[u64]) -> Option<(u32, u64)> {
+    let fds = procfs::process::Process::new(pid as i32).ok()?.fd().ok()?;
+    fds.flatten().find_map(|fd| match fd.target {
+        FDTarget::Socket(ino) if inodes.contains(&ino) => Some((fd.fd as u32, ino)),
+        _ => None,
+    })
+}

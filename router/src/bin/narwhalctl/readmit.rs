@@ -1,0 +1,109 @@
+//! `narwhalctl readmit`: validate and readmit one engine or the active wave, printing each
+//! engine's checks (the validating POST is shared with `cancel-drain`).
+
+use serde_json::{Value, json};
+
+use crate::client::{Ctl, error_text};
+use crate::failure::Failure;
+use crate::output::out;
+
+impl Ctl {
+    /// POSTs a readmission and prints each target's checks (never an empty list).
+    pub(crate) async fn readmit(
+        &self,
+        iid: Option<&str>,
+    ) -> Result<Value, (Failure, Option<Value>)> {
+        let body = match iid {
+            Some(i) => json!({"engines": [i]}),
+            None => json!({"wave": true}),
+        };
+        self.validating_post("/narwhal/lifecycle/readmit", body, iid)
+            .await
+    }
+
+    /// POSTs an action that validates engines (readmit, cancel-drain) and prints each
+    /// target's checks (never an empty list).
+    pub(crate) async fn validating_post(
+        &self,
+        path: &str,
+        body: Value,
+        iid: Option<&str>,
+    ) -> Result<Value, (Failure, Option<Value>)> {
+        match self.post(path, body).await {
+            Ok(doc) => {
+                let targets = targets_of(&doc, iid);
+                self.show_checks(&doc, &targets, None)
+                    .map_err(|f| (f, None))?;
+                Ok(doc)
+            }
+            Err((f, Some(doc))) => {
+                let targets = targets_of(&doc, iid);
+                let router_error = error_text(&doc)
+                    .map(str::to_string)
+                    .unwrap_or_else(|| f.message().to_string());
+                if let Err(p) = self.show_checks(&doc, &targets, Some(&router_error)) {
+                    return Err((p, None));
+                }
+                let failed: Vec<String> = targets
+                    .iter()
+                    .filter(|i| {
+                        doc["engines"][i.as_str()]["error"]
+                            .as_str()
+                            .is_some_and(|e| !e.is_empty())
+                    })
+                    .cloned()
+                    .collect();
+                let f = match f {
+                    Failure::Refused(m) if !failed.is_empty() => {
+                        Failure::Refused(format!("{m} (failed: {})", failed.join(", ")))
+                    }
+                    other => other,
+                };
+                Err((f, Some(doc)))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// The engines an action applied to: the named one, or the wave's members.
+pub(crate) fn targets_of(doc: &Value, iid: Option<&str>) -> Vec<String> {
+    match iid {
+        Some(i) => vec![i.to_string()],
+        None => doc["engines"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .filter(|(_, e)| {
+                        e["state"] != "active"
+                            || e["checks"].as_array().is_some_and(|c| !c.is_empty())
+                    })
+                    .map(|(k, _)| k.clone())
+                    .collect()
+            })
+            .unwrap_or_default(),
+    }
+}
+
+/// Runs `narwhalctl readmit`: refuses a listener that is not a control listener, readmits,
+/// and prints `readmitted` (or the lifecycle document with `--json`, also on a refusal).
+pub(crate) async fn run(ctl: &Ctl, iid: Option<&str>) -> Result<(), Failure> {
+    ctl.lifecycle().await?;
+    match ctl.readmit(iid).await {
+        Ok(doc) => {
+            if ctl.json {
+                out(&doc.to_string())
+            } else {
+                out("readmitted")
+            }
+        }
+        Err((f, doc)) => {
+            if ctl.json
+                && let Some(d) = doc
+            {
+                out(&d.to_string())?;
+            }
+            Err(f)
+        }
+    }
+}
