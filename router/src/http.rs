@@ -61,9 +61,16 @@ pub(crate) enum Side {
     Control,
 }
 
-async fn route(parts: Arc<Parts>, side: Side, req: Request<Incoming>) -> Response<Body> {
+async fn route(parts: Arc<Parts>, side: Side, mut req: Request<Incoming>) -> Response<Body> {
     let rid = uuid::Uuid::new_v4().to_string();
     let path = req.uri().path().to_string();
+    // HEAD is GET without the content, wherever GET is served (RFC 9110 sections 9.1 and
+    // 9.3.2): load balancers and monitors probe `/ready` and `/health` with it. The route
+    // answers as for GET; hyper, which saw the HEAD, sends the status and headers (the
+    // `content-length` the GET would have) and no body.
+    if req.method() == Method::HEAD && allowed(side, &path).is_some_and(|a| a.starts_with("GET")) {
+        *req.method_mut() = Method::GET;
+    }
     let method = req.method().clone();
     match (side, method, path.as_str()) {
         (Side::Data, Method::POST, "/v1/completions") => {
@@ -230,8 +237,9 @@ fn model(parts: &Parts, path: &str, rid: &str) -> Response<Body> {
     )
 }
 
-/// The methods a known route takes (the `Allow` header of a 405, RFC 9110 section 15.5.6),
-/// `None` for a path this listener does not serve.
+/// The methods a known route takes (the `Allow` header of a 405, RFC 9110 section 15.5.6):
+/// `POST`, or `GET, HEAD` (HEAD wherever GET is served, RFC 9110 section 9.1); `None` for a
+/// path this listener does not serve.
 fn allowed(side: Side, path: &str) -> Option<&'static str> {
     let post = match side {
         Side::Data => ["/v1/completions", "/v1/chat/completions"].contains(&path),
@@ -259,7 +267,7 @@ fn allowed(side: Side, path: &str) -> Option<&'static str> {
     };
     match (post, get) {
         (true, _) => Some("POST"),
-        (false, true) => Some("GET"),
+        (false, true) => Some("GET, HEAD"),
         (false, false) => None,
     }
 }

@@ -449,3 +449,51 @@ async fn the_fence_is_reset_only_while_the_agent_is_stopped() {
     assert_eq!(status, 409, "{stale}");
     assert_eq!(stale["error"]["code"], "stale_epoch");
 }
+
+/// The agent serves HEAD wherever it serves GET (RFC 9110 sections 9.1 and 9.3.2): the same
+/// status and content type, no body; a GET route's 405 lists HEAD in `Allow`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_answers_head_wherever_it_answers_get() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let certs = certs(dir.path());
+    let sim = start_sim(dir.path(), &EngineSpec::new("p0", "prefill"), "vllm").expect("p0");
+    let agent = start_agent(dir.path(), &certs, "h0", &[&sim]).expect("agent");
+    let c = client_as(&certs, "ctl");
+    for path in [
+        "/health",
+        "/v1/engines",
+        "/v1/engines/p0/process",
+        "/metrics",
+    ] {
+        let url = format!("{}{path}", agent.url);
+        let get = c.get(&url).send().await.expect("GET");
+        let head = c.head(&url).send().await.expect("HEAD");
+        assert_eq!(head.status(), get.status(), "HEAD {path}");
+        assert_eq!(
+            head.headers().get("content-type"),
+            get.headers().get("content-type"),
+            "HEAD {path}"
+        );
+        assert!(
+            head.bytes().await.expect("HEAD body").is_empty(),
+            "HEAD {path}"
+        );
+    }
+    // A router may POST (an operator is refused 403 before the method is looked at).
+    let r = client_as(&certs, "router")
+        .post(format!("{}/health", agent.url))
+        .send()
+        .await
+        .expect("POST");
+    assert_eq!(r.status().as_u16(), 405);
+    let allow = r
+        .headers()
+        .get("allow")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_ascii_uppercase();
+    assert!(
+        allow.contains("GET") && allow.contains("HEAD"),
+        "allow: {allow}"
+    );
+}

@@ -3,7 +3,7 @@
 //! - an answer sent before the request body was read (413, and every early refusal) says
 //!   `Connection: close`, so a keep-alive client opens a new connection instead of writing
 //!   its next request into a closed one;
-//! - a 405 names the allowed methods in `Allow`;
+//! - a 405 names the allowed methods in `Allow`, and HEAD is served wherever GET is;
 //! - a client that stalls mid-body is answered 408 after `serving.body_read_timeout_s`, not
 //!   held for `serving.request_timeout_s`.
 
@@ -131,4 +131,80 @@ async fn a_client_that_stalls_mid_body_gets_408_after_the_body_timeout() {
     })
     .await;
     assert_eq!(row["terminal"], "invalid", "{row}");
+}
+
+/// HEAD is served wherever GET is (RFC 9110 sections 9.1 and 9.3.2): on every GET route of
+/// both listeners it answers GET's status, content type and content length, and no body; a
+/// POST route still answers HEAD 405 naming POST, and a GET route's 405 lists HEAD.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn head_answers_what_get_answers_without_a_body() {
+    let r = router(json!({})).await;
+    let (data, control) = (addr(&r.data).to_string(), addr(&r.control).to_string());
+    let answers = tokio::task::spawn_blocking(move || {
+        let routes = [
+            (data.clone(), "/health"),
+            (data.clone(), "/ready"),
+            (data.clone(), "/v1/models"),
+            (data.clone(), "/v1/models/tiny-sim"),
+            (control.clone(), "/health"),
+            (control.clone(), "/ready"),
+            (control.clone(), "/metrics"),
+            (control.clone(), "/narwhal/lifecycle"),
+            (control.clone(), "/narwhal/targets"),
+        ];
+        let mut out = Vec::new();
+        for (a, path) in routes {
+            let mut s = raw::send(&a, "GET", path, &[("connection", "close")], "");
+            let (get, get_head) = read_to_close(&mut s, Duration::from_secs(10));
+            let mut s = raw::send(&a, "HEAD", path, &[("connection", "close")], "");
+            let bytes = raw::read_to_end(&mut s, Duration::from_secs(10));
+            out.push((path, get, get_head, bytes));
+        }
+        let mut s = raw::send(
+            &data,
+            "HEAD",
+            "/v1/completions",
+            &[("connection", "close")],
+            "",
+        );
+        let post_route = read_to_close(&mut s, Duration::from_secs(10));
+        let mut s = raw::send(&data, "POST", "/ready", &[("connection", "close")], "");
+        let get_route = read_to_close(&mut s, Duration::from_secs(10));
+        (out, post_route, get_route)
+    })
+    .await
+    .expect("client thread");
+    let (answers, (post_route, post_head), (get_route, get_head405)) = answers;
+    let header = |head: &str, name: &str| -> Option<String> {
+        head.split("\r\n")
+            .find_map(|l| l.strip_prefix(&format!("{name}: ")).map(str::to_string))
+    };
+    for (path, get, get_head, bytes) in answers {
+        let text = String::from_utf8_lossy(&bytes).to_string();
+        let (head, body) = text.split_once("\r\n\r\n").expect("a response head");
+        let head = head.to_lowercase();
+        let status: u16 = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap();
+        assert_eq!(status, get.status, "HEAD {path}: {head}");
+        assert_eq!(body, "", "HEAD {path} sends no body");
+        for name in ["content-type", "content-length"] {
+            assert_eq!(
+                header(&head, name),
+                header(&get_head, name),
+                "HEAD {path}: {name} as for GET\nHEAD: {head}\nGET: {get_head}"
+            );
+        }
+        assert!(header(&head, "content-length").is_some(), "{path}: {head}");
+    }
+    assert_eq!(post_route.status, 405, "{post_head}");
+    assert_eq!(
+        header(&post_head, "allow").as_deref(),
+        Some("post"),
+        "{post_head}"
+    );
+    assert_eq!(get_route.status, 405, "{get_head405}");
+    assert_eq!(
+        header(&get_head405, "allow").as_deref(),
+        Some("get, head"),
+        "{get_head405}"
+    );
 }
