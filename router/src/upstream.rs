@@ -35,9 +35,6 @@ use narwhal_relay::{
 /// Error answers read from an engine are capped at this many bytes.
 const ERROR_BODY_LIMIT: usize = 64 * 1024;
 
-/// Prefill answers (one token) are capped at this many bytes.
-pub(crate) const PREFILL_ANSWER_LIMIT: usize = 16 * 1024 * 1024;
-
 /// Router header on every leg: the client-facing request id (`x-request-id` of the answer).
 pub(crate) const REQUEST_HEADER: &str = "x-narwhal-request-id";
 
@@ -89,6 +86,9 @@ impl LegId {
 pub(crate) struct Upstream {
     client: Client<HttpConnector, Full<Bytes>>,
     api_key: Option<String>,
+    /// `serving.max_response_bytes`: the bound of a prefill leg's answer, as of every other
+    /// answer and stream the router reads (docs/configuration.md, "Size limits").
+    max_answer_bytes: usize,
 }
 
 impl Upstream {
@@ -102,6 +102,7 @@ impl Upstream {
         Upstream {
             client,
             api_key: cfg.engine.engine_api_key.clone(),
+            max_answer_bytes: usize::try_from(cfg.serving.max_response_bytes).unwrap_or(usize::MAX),
         }
     }
 
@@ -250,6 +251,11 @@ impl Upstream {
         self.json_leg(url, leg, body, limit, max, Some(chat)).await
     }
 
+    /// The bound of a prefill leg's answer, bytes (`serving.max_response_bytes`).
+    pub(crate) fn max_answer_bytes(&self) -> usize {
+        self.max_answer_bytes
+    }
+
     /// POSTs a non-streaming leg and reads its JSON answer. `sse_chat`: a streamed answer is
     /// assembled (for a chat client when `Some(true)`); `None` (prefill legs) refuses it as
     /// not JSON.
@@ -330,7 +336,11 @@ impl Upstream {
             }
             let mut live = LiveStream {
                 body: resp.into_body(),
-                parser: SseParser::new(),
+                // One event may be as large as the response may be: the router itself asks
+                // for the prompt's token ids, which vLLM sends in the first chunk.
+                parser: SseParser::with_limit(
+                    usize::try_from(opts.max_response_bytes).unwrap_or(usize::MAX),
+                ),
                 state: StreamState::new(opts),
                 rest: Bytes::new(),
                 pending: None,

@@ -524,3 +524,52 @@ async fn dead_decode_engine_is_ejected_and_others_keep_serving() {
         "{metrics}"
     );
 }
+
+/// What the router itself asks a decode leg for must fit its own limits: a 240,000-token prompt
+/// on a vLLM P/D fleet makes the decode's first SSE event (every prompt token id, since the
+/// router asks for `return_token_ids`) about 1.4 MB, past the 1 MiB per-event cap the relay
+/// once had; bounded by `serving.max_response_bytes` instead, it is served streamed and not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_prompt_under_pd_fits_the_relays_event_bound() {
+    let f = Fleet::builder()
+        .dialect("vllm")
+        .prefill(1)
+        .decode(1)
+        .sim_args(&["--max-model-len", "1000000"])
+        .fleet(json!({
+            "engine": {"first_token_timeout_s": 30},
+            "serving": {"request_timeout_s": 60, "prefill_timeout_s": 60},
+        }))
+        .start()
+        .await;
+    let prompt: String = (0..240_000)
+        .map(|i| format!("x{i}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    for stream in [true, false] {
+        let body =
+            json!({"model": "tiny-sim", "prompt": prompt, "max_tokens": 4, "stream": stream});
+        let r = f.router().post_data("/v1/completions", &body).await;
+        assert_eq!(
+            r.status,
+            200,
+            "stream={stream}: {}",
+            &r.text()[..r.text().len().min(300)]
+        );
+        if stream {
+            assert!(
+                r.text().trim_end().ends_with("data: [DONE]"),
+                "stream ends with [DONE]"
+            );
+        } else {
+            assert_eq!(
+                r.json()["usage"]["completion_tokens"],
+                4,
+                "{}",
+                r.json()["usage"]
+            );
+        }
+    }
+    let state = f.router().state().await;
+    assert_eq!(state["ejected"], json!([]), "{state}");
+}

@@ -28,7 +28,7 @@ pub fn assemble_sse(bytes: &[u8], chat: bool) -> Result<Value, StreamFailure> {
     let mut state = StreamState::new(RelayOptions::new(u64::MAX, false));
     let mut agg = Aggregator::new(chat);
     let mut end: Option<Result<(), StreamFailure>> = None;
-    let mut parser = SseParser::new();
+    let mut parser = SseParser::with_limit(bytes.len() + 1);
     parser.feed(bytes, |payload| match state.on_data(payload) {
         RelayStep::Hold => true,
         RelayStep::Output => {

@@ -38,7 +38,7 @@ pub use frames::{
     answer_chunks, data_frame, done_frame, error_frame, reindex, sanitize_answer, sum_usages,
     usage_value,
 };
-pub use sse::{SseData, SseParser};
+pub use sse::{DEFAULT_MAX_EVENT_BYTES, SseData, SseParser};
 pub use stream::{
     EngineUsage, Head, MAX_HELD_FRAMES, RelayOptions, RelayStep, StreamFailure, StreamState,
     chunk_usage, upstream_error,

@@ -8,7 +8,7 @@ pub struct SseData(pub String);
 /// blank line dispatches the event; `:` lines are comments; only the `data` field is kept.
 /// Works on bytes: a line is found with `memchr`, and an event's data is handed out as a
 /// slice of a buffer the parser reuses.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SseParser {
     /// The unfinished line carried over from the previous bytes.
     pub(crate) line: Vec<u8>,
@@ -16,16 +16,43 @@ pub struct SseParser {
     data: Vec<u8>,
     has_data: bool,
     overflowed: bool,
+    /// Longest line or event buffered, bytes.
+    max_event_bytes: usize,
 }
 
-/// Longest SSE line or event the parser buffers, bytes. An upstream that never ends a line
-/// or an event past this is broken; the stream fails instead of growing router memory.
-pub(crate) const MAX_SSE_EVENT_BYTES: usize = 1 << 20;
+/// The longest SSE line or event a parser made with [`SseParser::new`] buffers, bytes: the
+/// default of `serving.max_response_bytes` (16 MiB). The router's own parsers take the
+/// configured `serving.max_response_bytes` instead ([`SseParser::with_limit`]): one event can
+/// never be larger than the response it belongs to may be, and it must hold what the router
+/// itself asks a decode leg for (vLLM puts every prompt token id in the first chunk when asked
+/// for `return_token_ids`: about 6-7 bytes a token, so 16 MiB holds a 2-million-token prompt).
+pub const DEFAULT_MAX_EVENT_BYTES: usize = 16 << 20;
+
+impl Default for SseParser {
+    fn default() -> Self {
+        Self::with_limit(DEFAULT_MAX_EVENT_BYTES)
+    }
+}
 
 impl SseParser {
-    /// A parser at the start of a stream.
+    /// A parser at the start of a stream, bounded by [`DEFAULT_MAX_EVENT_BYTES`].
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A parser at the start of a stream that buffers at most `max_event_bytes` of one line or
+    /// event. An upstream that never ends a line or an event past this is broken, or sends more
+    /// than the response may hold: the stream fails ([`SseParser::overflowed`]) instead of
+    /// growing router memory.
+    pub fn with_limit(max_event_bytes: usize) -> Self {
+        SseParser {
+            line: Vec::new(),
+            pending_cr: false,
+            data: Vec::new(),
+            has_data: false,
+            overflowed: false,
+            max_event_bytes,
+        }
     }
 
     /// Feeds the next upstream bytes: `on_event` gets each event's data completed by them, in
@@ -48,7 +75,7 @@ impl SseParser {
             let end = i + k;
             self.pending_cr = bytes[end] == b'\r';
             let go_on = if self.line.is_empty() {
-                if k > MAX_SSE_EVENT_BYTES {
+                if k > self.max_event_bytes {
                     self.overflowed = true;
                     true
                 } else {
@@ -83,7 +110,7 @@ impl SseParser {
 
     /// Keeps part of an unfinished line, dropping it once the line is over the limit.
     fn carry(&mut self, part: &[u8]) {
-        if self.line.len() + part.len() > MAX_SSE_EVENT_BYTES {
+        if self.line.len() + part.len() > self.max_event_bytes {
             self.overflowed = true;
             self.line.clear();
             return;
@@ -91,7 +118,7 @@ impl SseParser {
         self.line.extend_from_slice(part);
     }
 
-    /// An upstream line or event exceeded [`MAX_SSE_EVENT_BYTES`]; the stream must fail.
+    /// An upstream line or event exceeded the parser's limit; the stream must fail.
     pub fn overflowed(&self) -> bool {
         self.overflowed
     }
@@ -128,7 +155,7 @@ impl SseParser {
                 self.data.clear();
                 self.data.extend_from_slice(value);
                 self.has_data = true;
-            } else if self.data.len() + value.len() >= MAX_SSE_EVENT_BYTES {
+            } else if self.data.len() + value.len() >= self.max_event_bytes {
                 self.overflowed = true;
                 self.has_data = false;
                 self.data.clear();

@@ -5,7 +5,6 @@ use serde_json::{Value, json};
 
 use crate::aggregate::*;
 use crate::frames::*;
-use crate::sse::MAX_SSE_EVENT_BYTES;
 use crate::sse::*;
 use crate::stream::*;
 use proptest::prelude::*;
@@ -128,14 +127,15 @@ fn parser_handles_multiline_data_and_comments() {
 
 #[test]
 fn an_endless_line_or_event_overflows_instead_of_growing() {
-    let mut p = SseParser::new();
+    const MAX_SSE_EVENT_BYTES: usize = 1 << 20;
+    let mut p = SseParser::with_limit(MAX_SSE_EVENT_BYTES);
     let chunk = vec![b'x'; 64 * 1024];
     for _ in 0..(MAX_SSE_EVENT_BYTES / chunk.len() + 1) {
         assert!(p.push(&chunk).is_empty());
     }
     assert!(p.overflowed());
     assert!(p.line.len() <= MAX_SSE_EVENT_BYTES);
-    let mut q = SseParser::new();
+    let mut q = SseParser::with_limit(MAX_SSE_EVENT_BYTES);
     let line = format!("data: {}\n", "y".repeat(64 * 1024));
     for _ in 0..(MAX_SSE_EVENT_BYTES / line.len() + 2) {
         q.push(line.as_bytes());

@@ -24,7 +24,7 @@ use super::leg::{
     relay_options,
 };
 use super::{Ctx, Sub};
-use crate::upstream::{PREFILL_ANSWER_LIMIT, Upstream};
+use crate::upstream::Upstream;
 
 /// How long a failed SGLang decode waits for its concurrent prefill's verdict.
 pub(super) const PREFILL_VERDICT_WAIT: Duration = Duration::from_secs(1);
@@ -195,7 +195,7 @@ pub(super) async fn prefill(
     body: &Value,
     limit: Instant,
 ) -> Result<(), LegError> {
-    up.json_leg(url, leg, body, limit, PREFILL_ANSWER_LIMIT, None)
+    up.json_leg(url, leg, body, limit, up.max_answer_bytes(), None)
         .await
         .map(|_| ())
 }

@@ -17,7 +17,7 @@ use crate::ingress::Endpoint;
 use crate::placement::Phase;
 use crate::upstream::{LegError, LegId};
 
-use crate::upstream::{PREFILL_ANSWER_LIMIT, Upstream};
+use crate::upstream::Upstream;
 
 use super::aggregated::decode_body;
 use super::leg::{
@@ -250,7 +250,7 @@ pub(super) async fn prefill(
     client_max_tokens: Option<u64>,
 ) -> Result<Prefilled, LegError> {
     let answer = up
-        .json_leg(url, leg, body, limit, PREFILL_ANSWER_LIMIT, None)
+        .json_leg(url, leg, body, limit, up.max_answer_bytes(), None)
         .await?;
     match extract_descriptor(&answer) {
         Ok(d) => Ok(Prefilled::Descriptor(d)),
