@@ -281,6 +281,7 @@ pub(crate) fn state(parts: &Parts) -> Value {
         },
         "unserved": parts.accounting.unserved(),
         "journal_dropped": parts.journal.dropped(),
+        "journal_writes_failing": parts.journal.writes_failing(),
     });
     // The health gate and the ejection bound (docs/deviations.md).
     doc["awaiting_health"] = fleet["awaiting_health"].clone();

@@ -7,11 +7,17 @@
 //! ```
 //!
 //! The request path never blocks on the journal: a full channel drops the row and counts it.
+//!
+//! Only whole rows reach the file. The writer appends each batch of rows in one write; when it
+//! fails (a full disk, an IO error) whatever part of the batch reached the file is cut off again
+//! (the file is truncated to its length before the write), the batch's rows are dropped and
+//! counted (`journal_dropped`), the failure is logged once and shown in `/narwhal/state`
+//! (`journal_writes_failing`) until a write succeeds, and the next batch starts on a clean line.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -60,6 +66,7 @@ pub struct Journal {
     tx: Option<mpsc::Sender<Value>>,
     run: Arc<str>,
     dropped: Arc<AtomicU64>,
+    failing: Arc<AtomicBool>,
 }
 
 impl Journal {
@@ -85,28 +92,34 @@ impl Journal {
             .append(true)
             .open(path)
             .map_err(err)?;
-        let mut w = std::io::BufWriter::new(file);
-        writeln!(w, "{}", header(run, admission.0, admission.1)).map_err(err)?;
-        w.flush().map_err(err)?;
+        let len = file.metadata().map_err(err)?.len();
+        let dropped = Arc::new(AtomicU64::new(0));
+        let failing = Arc::new(AtomicBool::new(false));
+        let mut w = Writer::new(file, len, dropped.clone(), failing.clone());
+        let mut head = header(run, admission.0, admission.1)
+            .to_string()
+            .into_bytes();
+        head.push(b'\n');
+        w.sink.append(&head).map_err(err)?;
+        w.len += head.len() as u64;
         let (tx, mut rx) = mpsc::channel::<Value>(JOURNAL_CAPACITY);
         let task = tokio::task::spawn_blocking(move || {
+            let mut batch = Vec::new();
             while let Some(row) = rx.blocking_recv() {
-                let mut ok = writeln!(w, "{row}").is_ok();
+                batch.push(row);
                 while let Ok(more) = rx.try_recv() {
-                    ok &= writeln!(w, "{more}").is_ok();
+                    batch.push(more);
                 }
-                ok &= w.flush().is_ok();
-                if !ok {
-                    tracing::warn!("journal write failed");
-                }
+                w.write_batch(&batch);
+                batch.clear();
             }
-            let _ = w.flush();
         });
         Ok((
             Journal {
                 tx: Some(tx),
                 run: run.into(),
-                dropped: Arc::new(AtomicU64::new(0)),
+                dropped,
+                failing,
             },
             task,
         ))
@@ -118,6 +131,7 @@ impl Journal {
             tx: None,
             run: run.into(),
             dropped: Arc::new(AtomicU64::new(0)),
+            failing: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -126,9 +140,15 @@ impl Journal {
         &self.run
     }
 
-    /// Rows dropped because the writer fell behind.
+    /// Rows dropped, whole: because the writer fell behind, or because a write failed (a full
+    /// disk, an IO error).
     pub fn dropped(&self) -> u64 {
         self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// The last write failed: rows are being dropped (and counted) until one succeeds.
+    pub fn writes_failing(&self) -> bool {
+        self.failing.load(Ordering::Relaxed)
     }
 
     /// Queue one row; adds `schema`, `schema_version`, `run` in front. Never blocks.
@@ -149,6 +169,93 @@ impl Journal {
     /// Close the channel so the writer drains and exits.
     pub fn close(&mut self) {
         self.tx = None;
+    }
+}
+
+/// The file a journal appends to: one whole write, and a cut back to an earlier length.
+trait Sink {
+    /// Appends `bytes` (all of them, or an error; some may have reached the file).
+    fn append(&mut self, bytes: &[u8]) -> std::io::Result<()>;
+    /// Truncates the file to `len` bytes.
+    fn cut(&mut self, len: u64) -> std::io::Result<()>;
+}
+
+impl Sink for std::fs::File {
+    fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.write_all(bytes)
+    }
+
+    fn cut(&mut self, len: u64) -> std::io::Result<()> {
+        self.set_len(len)
+    }
+}
+
+/// The writer task's state: the file's length after its last whole row, and the outage.
+struct Writer<S> {
+    sink: S,
+    /// Bytes of whole rows in the file.
+    len: u64,
+    /// A failed write could not be cut off: the file ends in a fragment, and the next write
+    /// starts with a line break so every later row is on a line of its own.
+    torn: bool,
+    /// Rows dropped since writes started failing (`None`: writes succeed).
+    outage: Option<u64>,
+    dropped: Arc<AtomicU64>,
+    failing: Arc<AtomicBool>,
+}
+
+impl<S: Sink> Writer<S> {
+    fn new(sink: S, len: u64, dropped: Arc<AtomicU64>, failing: Arc<AtomicBool>) -> Self {
+        Writer {
+            sink,
+            len,
+            torn: false,
+            outage: None,
+            dropped,
+            failing,
+        }
+    }
+
+    /// Appends `rows` whole, or drops and counts them all.
+    fn write_batch(&mut self, rows: &[Value]) {
+        let mut buf = Vec::with_capacity(rows.len() * 512);
+        if self.torn {
+            buf.push(b'\n');
+        }
+        for row in rows {
+            // A `Value` always serialises.
+            let _ = serde_json::to_writer(&mut buf, row);
+            buf.push(b'\n');
+        }
+        match self.sink.append(&buf) {
+            Ok(()) => {
+                self.len += buf.len() as u64;
+                self.torn = false;
+                if let Some(lost) = self.outage.take() {
+                    self.failing.store(false, Ordering::Relaxed);
+                    tracing::info!(dropped_rows = lost, "journal writes succeed again");
+                }
+            }
+            Err(e) => {
+                self.torn = match self.sink.cut(self.len) {
+                    Ok(()) => false,
+                    Err(cut) => {
+                        tracing::warn!(error = %cut, "journal: a failed write could not be cut off");
+                        true
+                    }
+                };
+                let n = rows.len() as u64;
+                self.dropped.fetch_add(n, Ordering::Relaxed);
+                match &mut self.outage {
+                    Some(lost) => *lost += n,
+                    None => {
+                        self.outage = Some(n);
+                        self.failing.store(true, Ordering::Relaxed);
+                        tracing::warn!(error = %e, "journal write failed: whole rows are dropped and counted (journal_dropped) until a write succeeds");
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -186,5 +293,106 @@ mod tests {
         assert_eq!(lines[1]["schema_version"], 1);
         assert_eq!(lines[1]["rid"], "r1");
         assert_eq!(j.dropped(), 0);
+    }
+
+    /// A file that takes `room` more bytes, then fails a write half-way (ENOSPC); `cut`
+    /// truncates it like `set_len`.
+    struct Disk {
+        bytes: Vec<u8>,
+        room: usize,
+        cut_fails: bool,
+    }
+
+    impl Sink for Disk {
+        fn append(&mut self, b: &[u8]) -> std::io::Result<()> {
+            let fits = b.len().min(self.room);
+            self.bytes.extend_from_slice(&b[..fits]);
+            self.room -= fits;
+            if fits < b.len() {
+                return Err(std::io::Error::from_raw_os_error(28));
+            }
+            Ok(())
+        }
+
+        fn cut(&mut self, len: u64) -> std::io::Result<()> {
+            if self.cut_fails {
+                return Err(std::io::Error::from_raw_os_error(5));
+            }
+            self.bytes.truncate(len as usize);
+            Ok(())
+        }
+    }
+
+    fn rows(from: u64, n: u64) -> Vec<Value> {
+        (from..from + n)
+            .map(|i| json!({"rid": format!("r{i}"), "queue_waits": {"admission": 0.0}}))
+            .collect()
+    }
+
+    fn writer(room: usize, cut_fails: bool) -> Writer<Disk> {
+        let disk = Disk {
+            bytes: Vec::new(),
+            room,
+            cut_fails,
+        };
+        let flags = (
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        Writer::new(disk, 0, flags.0, flags.1)
+    }
+
+    fn lines(w: &Writer<Disk>) -> Vec<String> {
+        String::from_utf8(w.sink.bytes.clone())
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// A full disk mid-row: the fragment is cut off, the rows are dropped and counted, the
+    /// outage is flagged, and once space is back the file goes on with whole rows.
+    #[test]
+    fn a_full_disk_drops_whole_rows_counts_them_and_resumes_on_a_clean_line() {
+        let mut w = writer(300, false);
+        w.write_batch(&rows(0, 2));
+        assert_eq!(lines(&w).len(), 2);
+        w.write_batch(&rows(2, 5));
+        w.write_batch(&rows(7, 3));
+        assert_eq!(w.dropped.load(Ordering::Relaxed), 8);
+        assert!(w.failing.load(Ordering::Relaxed));
+        w.sink.room = 1 << 20;
+        w.write_batch(&rows(10, 2));
+        assert!(!w.failing.load(Ordering::Relaxed));
+        let got = lines(&w);
+        assert_eq!(got.len(), 4, "{got:?}");
+        for l in &got {
+            let v: Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"));
+            assert!(v["rid"].is_string());
+        }
+        let rids: Vec<Value> = got
+            .iter()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap()["rid"].clone())
+            .collect();
+        assert_eq!(rids, vec!["r0", "r1", "r10", "r11"]);
+        assert_eq!(w.dropped.load(Ordering::Relaxed), 8);
+    }
+
+    /// When even the cut fails, the fragment stays but the next row starts a line of its own.
+    #[test]
+    fn a_fragment_that_cannot_be_cut_never_splices_the_next_row() {
+        let mut w = writer(100, true);
+        w.write_batch(&rows(0, 3));
+        assert_eq!(w.dropped.load(Ordering::Relaxed), 3);
+        w.sink.room = 1 << 20;
+        w.write_batch(&rows(3, 1));
+        let got = lines(&w);
+        let last: Value = serde_json::from_str(got.last().unwrap()).unwrap();
+        assert_eq!(last["rid"], "r3");
+        let torn = got
+            .iter()
+            .filter(|l| serde_json::from_str::<Value>(l).is_err())
+            .count();
+        assert_eq!(torn, 1, "one fragment, on a line of its own: {got:?}");
     }
 }
