@@ -237,7 +237,18 @@ pub fn launch_router(
     let journal = dir.join(format!("{label}.journal.jsonl"));
     let ready = dir.join(format!("{label}.ready.json"));
     let _ = std::fs::remove_file(&ready);
-    let text = serde_json::to_string_pretty(doc).expect("fleet JSON serialises");
+    // The state file goes into `dir` too: the default `runs/state.json` is relative to the
+    // test's working directory, the source tree (tests write only under their own temporary
+    // directories).
+    let mut doc = doc.clone();
+    if doc.pointer("/recovery/state_path").is_none() {
+        let state = dir.join(format!("{label}.state.json"));
+        merge(
+            &mut doc,
+            serde_json::json!({"recovery": {"state_path": state.to_string_lossy()}}),
+        );
+    }
+    let text = serde_json::to_string_pretty(&doc).expect("fleet JSON serialises");
     write_file(&fleet_path, &text)?;
     let mut cmd = Command::new(bin_path("narwhal-serve"));
     cmd.arg("--fleet")
