@@ -277,6 +277,18 @@ impl Fleet {
 
     /// Stops the routers gracefully (SIGTERM: open streams finish, the lease is released),
     /// before the engines and agents are killed by their own drops.
+    /// Stops every process of the fleet now (routers first, gracefully), so nothing writes
+    /// into its directory afterwards.
+    fn stop_all(&mut self) {
+        self.stop_routers();
+        for a in &mut self.agents {
+            a.proc.kill();
+        }
+        for s in &mut self.sims {
+            s.proc.kill();
+        }
+    }
+
     fn stop_routers(&mut self) {
         for r in std::iter::once(&mut self.router).chain(self.standby.as_mut()) {
             r.proc.signal(nix::sys::signal::Signal::SIGTERM);
@@ -894,10 +906,19 @@ async fn demo(args: DemoArgs) -> ExitCode {
                 println!("FAILED {} status {}: {}", o.shape, o.status, o.note);
             }
         }
+        // The restart endpoint holds another handle on the fleet: stop its processes here,
+        // before the demo's directory is removed, so no last state write races the removal.
+        fleet.lock().unwrap_or_else(|p| p.into_inner()).stop_all();
         drop(fleet);
     }
     if all_ok {
         println!("\ndemo: every request served");
+        if let Ok(t) = tmp {
+            let path = t.path().to_path_buf();
+            if let Err(e) = t.close() {
+                eprintln!("narwhal-dev demo: removing {}: {e}", path.display());
+            }
+        }
         ExitCode::SUCCESS
     } else {
         println!(
