@@ -48,11 +48,35 @@ llama_cmake_args=(
 )
 
 log() { echo "ensure-venv: $*" >&2; }
-
-command -v "$python" >/dev/null 2>&1 || {
-  log "error: no Python interpreter '$python' (set NARWHAL_PYTHON)"
+# An error: to stderr, and as the last line on stdout, where the test kit reads it to name the
+# cause in its panic.
+die() {
+  log "error: $*"
+  echo "error: $*"
   exit 1
 }
+# run_logged WHAT CMD...: runs CMD with its output appended to the build log, and says every
+# 20 s how long WHAT has taken and what the log's last line is (a compile step, with cmake's
+# percentage), so a long build is never silent.
+run_logged() {
+  local what=$1 pid t0 now last=0 line
+  shift
+  "$@" >>"$build_log" 2>&1 &
+  pid=$!
+  t0=$(date +%s)
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    now=$(($(date +%s) - t0))
+    if [ $((now - last)) -ge 20 ] && kill -0 "$pid" 2>/dev/null; then
+      last=$now
+      line="$(tail -n 1 "$build_log" 2>/dev/null | tr -d '\r' | cut -c1-110)"
+      log "$what: ${now} s so far (log: $build_log): $line"
+    fi
+  done
+  wait "$pid"
+}
+
+command -v "$python" >/dev/null 2>&1 || die "no Python interpreter '$python' on PATH (set NARWHAL_PYTHON)"
 interp="$("$python" -c 'import os, platform, sys; print(sys.implementation.name, platform.python_version(), platform.machine(), os.path.realpath(sys.executable))')"
 llama_pin="$(grep -E '^llama-cpp-python' "$here/requirements.txt")"
 llama_spec="$(sed -E 's/\[[^]]*\]//' <<<"$llama_pin")" # llama-cpp-python==X, without extras
@@ -78,13 +102,21 @@ if [ "$mode" = find ]; then
   exit 3
 fi
 
+# What a build needs, named before anything is built: the venv module, and a C and a C++
+# compiler when the llama-cpp-python wheel is not cached yet (llama.cpp compiles from source).
+"$python" -c 'import venv, ensurepip' >/dev/null 2>&1 \
+  || die "$python has no venv/ensurepip module: install it (Debian: apt-get install python3-venv)"
+if ! ls "$cache/wheels-$wheel_key"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+  command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || command -v clang >/dev/null 2>&1 \
+    || die "no C compiler (cc, gcc or clang) on PATH: llama-cpp-python compiles llama.cpp from source (Debian: apt-get install gcc g++)"
+  command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || command -v clang++ >/dev/null 2>&1 \
+    || die "no C++ compiler (c++, g++ or clang++) on PATH: llama-cpp-python compiles llama.cpp from source (Debian: apt-get install g++)"
+fi
+
 mkdir -p "$cache"
 exec 9>"$cache/build.lock"
 log "taking the build lock $cache/build.lock"
-flock -w 5400 9 || {
-  log "error: could not take $cache/build.lock within 90 minutes"
-  exit 1
-}
+flock -w 5400 9 || die "could not take $cache/build.lock within 90 minutes"
 if usable; then # another process built it while we waited
   echo "$venv"
   exit 0
@@ -107,9 +139,9 @@ build="$(mktemp -d "$cache/.build-$key.XXXXXX")"
 chmod 755 "$build" # mktemp makes it private; the venv is for any user of the cache
 build_log="$build/build.log"
 fail() {
-  log "error: $1; the last lines of $build_log:"
+  log "the last lines of $build_log:"
   tail -n 40 "$build_log" >&2 || true
-  exit 1
+  die "$1 (log: $build_log)"
 }
 log "building $venv (log: $build_log)"
 "$python" -m venv "$build" >>"$build_log" 2>&1 || fail "python -m venv failed"
@@ -119,20 +151,23 @@ pip=("$build/bin/python" -m pip --disable-pip-version-check --no-input)
 
 wheels="$cache/wheels-$wheel_key"
 if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-  log "compiling llama.cpp (llama-cpp-python wheel; several minutes on 2 cores)"
+  log "compiling llama.cpp (the llama-cpp-python wheel; about 6 minutes on 2 cores, once per"
+  log "machine: the wheel is cached in $cache/wheels-$wheel_key)"
   tmp_wheels="$(mktemp -d "$cache/.wheels-$wheel_key.tmp.XXXXXX")"
   chmod 755 "$tmp_wheels"
   CMAKE_ARGS="${llama_cmake_args[*]}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    "${pip[@]}" wheel --no-deps --no-build-isolation --no-cache-dir -w "$tmp_wheels" \
-    "$llama_spec" >>"$build_log" 2>&1 \
+    run_logged "compiling llama.cpp" "${pip[@]}" wheel -v --no-deps --no-build-isolation \
+    --no-cache-dir -w "$tmp_wheels" "$llama_spec" \
     || fail "building the llama-cpp-python wheel failed"
   rm -rf "$wheels"
   mv -T "$tmp_wheels" "$wheels"
   log "llama-cpp-python wheel built in $(($(date +%s) - start)) s"
 fi
 
-"${pip[@]}" install --no-deps --find-links "$wheels" --only-binary llama-cpp-python \
-  -r "$here/requirements.txt" >>"$build_log" 2>&1 || fail "installing requirements.txt failed"
+log "installing the pinned packages (tests/python/requirements.txt)"
+run_logged "installing packages" "${pip[@]}" install --no-deps --find-links "$wheels" \
+  --only-binary llama-cpp-python -r "$here/requirements.txt" \
+  || fail "installing requirements.txt failed"
 "${pip[@]}" check >>"$build_log" 2>&1 || fail "pip check found inconsistent pins"
 "$build/bin/python" -c 'import openai, llama_cpp.server.app, gguf, numpy' >>"$build_log" 2>&1 \
   || fail "the installed packages do not import"

@@ -66,7 +66,8 @@ pub fn python(test: &str) -> Option<PathBuf> {
         Ok(dir) => Some(dir.join("bin/python")),
         Err(why) => panic!(
             "{test}: the Python test venv could not be set up: {why}. \
-             tests/python/ensure-venv.sh builds it (needs python3 with venv and pip, and PyPI)."
+             tests/python/ensure-venv.sh builds it (needs python3 with venv and pip, a C and a \
+             C++ compiler for llama.cpp, and PyPI)."
         ),
     }
 }
@@ -105,7 +106,17 @@ fn ensure_venv() -> Result<PathBuf, String> {
     if built.status.success() {
         Ok(last_line(&built))
     } else {
-        Err(format!("ensure-venv.sh exited with {}", built.status))
+        // The script's last stdout line names the cause (a missing compiler, venv module...).
+        let stdout = String::from_utf8_lossy(&built.stdout);
+        let cause = stdout
+            .lines()
+            .rev()
+            .find(|l| l.starts_with("error: "))
+            .map_or_else(String::new, |l| format!(": {}", &l["error: ".len()..]));
+        Err(format!(
+            "ensure-venv.sh exited with {}{cause}",
+            built.status
+        ))
     }
 }
 
