@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use crate::config::{Config, ConfigError};
 use crate::ha::{self, StandbyOptions};
+use crate::ha_phase::HaPhase;
 use crate::handoff;
 use crate::http::{self, Side};
 use crate::journal::{self, Journal};
@@ -15,7 +16,6 @@ use crate::lease::LeaseDriver;
 use crate::lifecycle::agents::Agents;
 use crate::monitor;
 use crate::parts::Parts;
-use crate::phase::HaPhase;
 
 /// The two bound listeners (architecture.md section 3).
 #[derive(Debug)]

@@ -42,10 +42,10 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Role;
+use crate::ha_phase::EpochScope;
 use crate::lease::{Control, LeaseLoss};
 use crate::lifecycle::machine::RestoreError;
 use crate::parts::Parts;
-use crate::phase::EpochScope;
 use crate::placement::Exclusion;
 
 /// The live handoff document (behaviour.md 2.2).
@@ -560,9 +560,9 @@ mod tests {
 
     /// A router in control of a 2 s file lease (epoch 1) in `dir`.
     async fn in_control(dir: &std::path::Path) -> (Arc<Parts>, Arc<ManualClock>) {
-        let (parts, clock) = crate::phase::tests::leased(dir);
+        let (parts, clock) = crate::ha_phase::tests::leased(dir);
         assert_eq!(parts.ha.lease().claim().await, Ok(1));
-        parts.ha.publish(crate::phase::HaPhase::Active);
+        parts.ha.publish(crate::ha_phase::HaPhase::Active);
         (parts, clock)
     }
 
@@ -630,7 +630,7 @@ mod tests {
         parts.ha.fence(&LeaseLoss::Lapsed);
         clock.advance(Duration::from_secs(60));
         assert_eq!(parts.ha.lease().claim().await, Ok(2));
-        parts.ha.publish(crate::phase::HaPhase::Active);
+        parts.ha.publish(crate::ha_phase::HaPhase::Active);
         let (status, doc) = acknowledge(&parts, StatusCode::OK, json!({}), Some(&scope)).await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{doc}");
         let error = doc["error"].as_str().unwrap_or_default();

@@ -13,12 +13,12 @@ use crate::config::Config;
 use crate::controller::{self, Controller};
 use crate::demand::DemandRisk;
 use crate::fleet::Fleet;
+use crate::ha_phase::{Ha, HaPhase};
 use crate::journal::Journal;
 use crate::lease::LeaseDriver;
 use crate::lifecycle::agents::Agents;
 use crate::lifecycle::driver::{Handles, LifecycleDriver};
 use crate::metrics::Metrics;
-use crate::phase::{Ha, HaPhase};
 use crate::readiness::Gate;
 use crate::upstream::Upstream;
 

@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 
 use narwhal_shared::handoff::Handoff;
 
+use crate::ha_phase::{Controller, HaPhase};
 use crate::lease::{LeaseLoss, LeaseRecord};
-use crate::phase::{Controller, HaPhase};
 
 /// What the standby follows and when it gives up on the primary.
 #[derive(Debug, Clone, PartialEq)]

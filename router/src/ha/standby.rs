@@ -24,9 +24,9 @@ use super::StandbyOptions;
 use super::machine::{Observation, Poll, Settings, Source, Standby, Step, next_wait};
 use super::primary::{self, Renewal};
 use crate::config::Config;
+use crate::ha_phase::{Controller, HaPhase};
 use crate::lease::{Control, LeaseLoss};
 use crate::parts::Parts;
-use crate::phase::{Controller, HaPhase};
 
 /// What the standby's steps do to the world (implemented by [`Live`]; tests fake it).
 pub(crate) trait StandbyIo {
@@ -458,8 +458,8 @@ fn client(cfg: &Config, interval: Duration) -> Result<reqwest::Client, String> {
 mod tests {
     use super::*;
     use crate::ha::machine::tests::{doc, record_of};
+    use crate::ha_phase::IDENTITY_PENDING;
     use crate::lease::LeaseRecord;
-    use crate::phase::IDENTITY_PENDING;
     use narwhal_shared::{Clock as _, ManualClock, SystemClock};
     use std::sync::Mutex;
 

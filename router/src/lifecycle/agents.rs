@@ -7,7 +7,7 @@ use std::sync::Arc;
 use narwhal_shared::{AgentClient, AgentClientError, AgentEndpoint, AgentTimeouts, Clock};
 
 use crate::config::Config;
-use crate::phase::{EpochScope, Ha};
+use crate::ha_phase::{EpochScope, Ha};
 
 /// The mTLS clients of the engines' agents, one per distinct agent, indexed by engine.
 pub(crate) struct Agents {

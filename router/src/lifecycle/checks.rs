@@ -13,7 +13,7 @@ use super::agents::{Agents, agent_error, ended};
 use super::check::CheckError;
 use super::validation::{Attested, Checks, Identity};
 use crate::config::{Config, secs};
-use crate::phase::{EpochScope, Ha};
+use crate::ha_phase::{EpochScope, Ha};
 use crate::upstream::Upstream;
 
 /// [`Checks`] through the router's engine client (health) and the agents (everything signed),

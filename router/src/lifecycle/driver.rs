@@ -40,9 +40,9 @@ use super::validation::{Plan, Report, validate};
 use crate::breaker::EjectCause;
 use crate::config::{Backend, Config, Role};
 use crate::fleet::Fleet;
+use crate::ha_phase::{EpochScope, Ha};
 use crate::journal::Journal;
 use crate::metrics::{Metrics, labels};
-use crate::phase::{EpochScope, Ha};
 use crate::placement::Exclusion;
 use crate::readiness::Gate;
 use crate::upstream::Upstream;
@@ -849,7 +849,11 @@ impl LifecycleDriver {
 /// in it is actionable (every `ready_to_stop` false, engine and wave), and `router.controller`
 /// names the router that controls the fleet when this one saw its lease record (`null`
 /// otherwise; the router itself when it controls).
-fn not_in_control(doc: &mut Value, controls: bool, controller: Option<&crate::phase::Controller>) {
+fn not_in_control(
+    doc: &mut Value,
+    controls: bool,
+    controller: Option<&crate::ha_phase::Controller>,
+) {
     let named = match controller {
         Some(c) if !controls => serde_json::json!({"holder": c.holder, "epoch": c.epoch}),
         _ => Value::Null,
@@ -1031,7 +1035,7 @@ mod tests {
                             "d0": {"state": "active", "ready_to_stop": false}},
             })
         };
-        let c = crate::phase::Controller {
+        let c = crate::ha_phase::Controller {
             holder: "standby:9".into(),
             epoch: 4,
         };
@@ -1066,9 +1070,9 @@ mod tests {
     #[tokio::test]
     async fn a_fenced_router_never_reports_ready_to_stop() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (parts, _clock) = crate::phase::tests::leased(dir.path());
+        let (parts, _clock) = crate::ha_phase::tests::leased(dir.path());
         assert_eq!(parts.ha.lease().claim().await, Ok(1));
-        parts.ha.publish(crate::phase::HaPhase::Active);
+        parts.ha.publish(crate::ha_phase::HaPhase::Active);
         // p0 drained with a recorded identity (as a drain with an agent leaves it).
         {
             let mut lc = parts.lifecycle.exec.lock();

@@ -17,7 +17,7 @@ use super::executor::Executor;
 use super::machine::DrainState;
 use crate::breaker::EjectCause;
 use crate::fleet::Fleet;
-use crate::phase::{EpochScope, Ha};
+use crate::ha_phase::{EpochScope, Ha};
 use crate::placement::Exclusion;
 
 /// Reads process identities through the agents (cheap to clone: handles only).
