@@ -37,14 +37,14 @@
 //! | 1 engine client | `upstream`, `failure` | legs to engines and how they fail; `RequestFailure`, the one map to status, body and settlement |
 //! | 1 parts | `fleet`, `accounting`, `admission`, `ha_phase` | own their data behind narrow handles (below) |
 //! | 2 | `readiness`, `bootstrap` | the readiness gate over `ha_phase` + `fleet`; what is read from an engine's own routes: SGLang bootstrap ports, process facts, whose fault a failed rendezvous is (`fleet` + `upstream`) |
-//! | 3 | `lifecycle` (`request`, `agents`, `checks`, `identity`, `executor`, `driver`) | drains, waves, readmission through the agents |
+//! | 3 | `lifecycle` (`request`, `agents`, `agent_checks`, `identity`, `executor`, `driver`) | drains, waves, readmission through the agents |
 //! | 3 | `controller` (pure: `book`, `stage`, `scoring`, `evidence`, `roles`, `policy`, `machine`, `decision`; `driver`, `intake`, `report`) | the demand-driven role controller and predictive admission's request-path side; over `fleet`, `lifecycle`, `demand`, `admission` |
 //! | 4 | `parts` | `Parts`, a bundle of handles to every part, built once; owns nothing itself |
 //! | 5 | `serve`, `documents`, `handoff`, `monitor` | the request pipeline; `/ready`, `/health`, `/narwhal/state`, `/metrics`; the handoff; breaker probes and the startup health wait |
 //! | 6 | `ha` (`primary`, `standby`), `http` | the lease loop and the warm standby; the listeners and routes |
 //! | 7 | `app`, `cli`, this root | wiring (`run`) and the command line |
 //!
-//! Upper modules keep their own pure cores: `lifecycle::{machine, events, validation, check}`
+//! Upper modules keep their own pure cores: `lifecycle::{machine, events, validation, check_error}`
 //! (drains, waves, readmission rules) and `ha::machine` (the standby's decisions) take `now`
 //! and results as arguments and return what to do.
 //!

@@ -14,23 +14,24 @@
 //! ```
 //!
 //! `machine`, `events` and `validation` are pure (clock and I/O passed in); `request` parses bodies;
-//! `agents` is the agent registry; `checks` implements the checks through the agents;
+//! `agents` is the agent registry; `agent_checks` implements the checks through the agents,
+//! `check_error` is what one check can find;
 //! `identity` reads process identities and runs the startup/takeover identity check;
 //! `executor` owns the machine and applies its decisions; `driver` runs the actions.
 
-pub mod check;
 pub mod events;
 pub mod machine;
 pub mod validation;
 
+pub(crate) mod agent_checks;
 pub(crate) mod agents;
-pub(crate) mod checks;
+pub(crate) mod check_error;
 pub(crate) mod driver;
 pub(crate) mod executor;
 pub(crate) mod identity;
 pub(crate) mod request;
 
-pub use check::{CheckError, KvEvidence};
+pub use check_error::{CheckError, KvEvidence};
 pub use events::{EventKind, LifecycleEvent};
 pub use machine::{
     DrainPlan, DrainRecord, DrainRequest, DrainState, EngineOutcome, EngineView, Hold, Lifecycle,

@@ -30,8 +30,8 @@ use serde_json::Value;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::agent_checks::AgentChecks;
 use super::agents::Agents;
-use super::checks::AgentChecks;
 use super::executor::Executor;
 use super::identity::{IdentityReader, check_identities};
 use super::machine::{EngineView, Lifecycle, RestartPolicy, RestoreError};

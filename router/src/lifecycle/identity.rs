@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use super::agents::{Agents, agent_error, ended};
-use super::check::CheckError;
+use super::check_error::CheckError;
 use super::events::{EventKind, LifecycleEvent};
 use super::executor::Executor;
 use super::machine::DrainState;

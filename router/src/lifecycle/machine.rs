@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
 
-use super::check::CheckError;
+use super::check_error::CheckError;
 use super::events::{EventKind, LifecycleEvent};
 pub use crate::config::RestartPolicy;
 

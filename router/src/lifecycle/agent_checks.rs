@@ -10,7 +10,7 @@ use narwhal_shared::{AgentClient, Fence, ProcessIdentity};
 use serde_json::Value;
 
 use super::agents::{Agents, agent_error, ended};
-use super::check::CheckError;
+use super::check_error::CheckError;
 use super::validation::{Attested, Checks, Identity};
 use crate::config::{Config, secs};
 use crate::ha_phase::{EpochScope, Ha};
