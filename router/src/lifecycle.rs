@@ -23,13 +23,14 @@ pub mod events;
 pub mod machine;
 pub mod validation;
 
+pub(crate) mod action;
 pub(crate) mod agent_checks;
 pub(crate) mod agents;
+pub(crate) mod api;
 pub(crate) mod check_error;
 pub(crate) mod driver;
 pub(crate) mod executor;
 pub(crate) mod identity;
-pub(crate) mod request;
 
 pub use check_error::{CheckError, KvEvidence};
 pub use events::{EventKind, LifecycleEvent};

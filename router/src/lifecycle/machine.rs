@@ -14,7 +14,7 @@
 //! | `machine.rs` | [`Now`], the limits, [`Lifecycle`] and its accessors |
 //! | `record.rs` | [`Record`] and its [`Hold`], the wire form [`DrainRecord`] |
 //! | `refusal.rs` | [`LifecycleError`]: every rule a refused action names |
-//! | `drain.rs` | [`DrainRequest`], [`DrainPlan`], the drain rules, identity binding, drain progress |
+//! | `drain.rs` | [`DrainRequest`], [`DrainPlan`], drain rules, identity binding, progress |
 //! | `wave.rs` | whole waves, `ready_to_stop`, the restart-required wave |
 //! | `readmission.rs` | [`EngineOutcome`], accepting a readmission, failed and passed validations |
 //! | `recovery.rs` | breaker recovery without a restart, alone or beside a readmission |
