@@ -37,7 +37,7 @@
 //! | 1 engine client | `upstream`, `failure` | legs to engines and how they fail; `RequestFailure`, the one map to status, body and settlement |
 //! | 1 parts | `fleet`, `accounting`, `admission`, `ha_phase` | own their data behind narrow handles (below) |
 //! | 2 | `readiness`, `bootstrap` | the readiness gate over `ha_phase` + `fleet`; what is read from an engine's own routes: SGLang bootstrap ports, process facts, whose fault a failed rendezvous is (`fleet` + `upstream`) |
-//! | 3 | `lifecycle` (`request`, `agents`, `agent_checks`, `identity`, `executor`, `driver`) | drains, waves, readmission through the agents |
+//! | 3 | `lifecycle` (`action`, `api`, `agents`, `agent_checks`, `identity`, `executor`, `driver`) | drains, waves, readmission through the agents |
 //! | 3 | `controller` (pure: `book`, `stage`, `scoring`, `evidence`, `roles`, `policy`, `machine`, `decision`; `driver`, `intake`, `report`) | the demand-driven role controller and predictive admission's request-path side; over `fleet`, `lifecycle`, `demand`, `admission` |
 //! | 4 | `parts` | `Parts`, a bundle of handles to every part, built once; owns nothing itself |
 //! | 5 | `serve`, `documents`, `handoff`, `monitor` | the request pipeline; `/ready`, `/health`, `/narwhal/state`, `/metrics`; the handoff; breaker probes and the startup health wait |

@@ -4,20 +4,22 @@
 //! final health), each run through the engines' agents and each signed.
 //!
 //! ```text
-//!  POST drain ──request──► driver ──► machine::begin (held out of placement) ──► identity:
+//!  POST drain ──api──► driver ──► machine::begin (held out of placement) ──► identity:
 //!                    agents' attestation ──► machine::bind_identity ──► refresh on resident
 //!                    change and on a timer
-//!  POST readmit ──request──► driver ──► machine::mark_validating ──► validation::validate
-//!                    (checks: agents, signed) ──► machine::readmitted | validation_failed
+//!  POST readmit ──api──► driver ──► machine::mark_validating ──► validation::validate
+//!                    (agent_checks: signed) ──► machine::readmitted | validation_failed
 //!  breaker ejection + health OK ──► recovery validation (no restart required)
 //!  every machine change ──► executor::commit (holds → fleet, readiness hold, journal)
 //! ```
 //!
-//! `machine`, `events` and `validation` are pure (clock and I/O passed in); `request` parses bodies;
-//! `agents` is the agent registry; `agent_checks` implements the checks through the agents,
-//! `check_error` is what one check can find;
-//! `identity` reads process identities and runs the startup/takeover identity check;
-//! `executor` owns the machine and applies its decisions; `driver` runs the actions.
+//! `machine`, `events` and `validation` are pure (clock and I/O passed in); `check_error` is
+//! what one check can find. `api` is the HTTP edge (bodies, the opening every action shares,
+//! statuses, replies) over `action`'s types (requests, `Outcome`, `ActionError`); `driver`
+//! runs the actions; `agents` is the agent registry and `agent_checks` runs the checks through
+//! it; `identity` reads process identities and runs the startup/takeover identity check;
+//! `executor` owns the machine and applies its decisions. Imports go one way:
+//! `api` → `driver` → (`agent_checks`, `identity`, `executor`) → `machine`, `validation`.
 
 pub mod events;
 pub mod machine;

@@ -154,9 +154,10 @@ impl LifecycleDriver {
 }
 
 /// The ejected engine an individual readmission of `target` must validate alongside it
-/// ([`Lifecycle::join_recovery`]): when no engine of the opposite role is live, the first
-/// ejected one in config order. `None` when a live peer exists (the usual case), for an
-/// aggregated fleet (one role), or when no opposite-role engine is ejected.
+/// ([`Lifecycle::join_recovery`](crate::lifecycle::Lifecycle::join_recovery)): when no engine
+/// of the opposite role is live, the first ejected one in config order. `None` when a live
+/// peer exists (the usual case), for an aggregated fleet (one role), or when no opposite-role
+/// engine is ejected.
 fn co_target(
     roles: &[(String, Role)],
     target: &str,
