@@ -57,10 +57,8 @@ pub(crate) async fn handle(lc: &LifecycleDriver, action: Action, body: &Bytes) -
     match action {
         Action::Drain => {
             let admit = |req: &DrainRequest| lc.check_agents(req);
-            act(lc, parse_drain(body), admit, |req, scope| {
-                lc.drain(req, scope)
-            })
-            .await
+            let run = |req, scope| lc.drain(req, scope);
+            act(lc, parse_drain(body), admit, run).await
         }
         Action::Readmit => {
             let run = |req, scope| lc.readmit(req, scope);
@@ -87,16 +85,7 @@ async fn act<R, Fut>(
 where
     Fut: Future<Output = Result<Outcome, ActionError>>,
 {
-    let accepted = parsed
-        .map_err(ActionError::BadRequest)
-        .and_then(|req| {
-            lc.ha()
-                .scope()
-                .map(|s| (req, s))
-                .ok_or(ActionError::NotInControl)
-        })
-        .and_then(|(req, scope)| admit(&req).map(|()| (req, scope)));
-    let (req, scope) = match accepted {
+    let (req, scope) = match accept(lc, parsed, admit) {
         Ok(x) => x,
         Err(e) => return reply(lc, Err(e)),
     };
@@ -106,6 +95,19 @@ where
     }
     let result = run(req, scope).await;
     reply(lc, result)
+}
+
+/// The parsed request and the epoch scope it runs under, or the first refusal: the body, then
+/// control of the fleet, then `admit`.
+fn accept<R>(
+    lc: &LifecycleDriver,
+    parsed: Result<R, RequestError>,
+    admit: impl FnOnce(&R) -> Result<(), ActionError>,
+) -> Result<(R, EpochScope), ActionError> {
+    let req = parsed.map_err(ActionError::BadRequest)?;
+    let scope = lc.ha().scope().ok_or(ActionError::NotInControl)?;
+    admit(&req)?;
+    Ok((req, scope))
 }
 
 /// The HTTP status of a refusal (docs/http-api.md): 400 a body that does not parse or a
