@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use crate::config::{Config, ConfigError};
 use crate::ha::{self, StandbyOptions};
+use crate::ha_phase::HaPhase;
 use crate::handoff;
 use crate::http::{self, Side};
 use crate::journal::{self, Journal};
@@ -16,7 +17,6 @@ use crate::lifecycle::AgentsError;
 use crate::lifecycle::agents::Agents;
 use crate::monitor;
 use crate::parts::Parts;
-use crate::phase::HaPhase;
 use narwhal_lease::{LeaseDriver, LeaseError};
 
 /// The two bound listeners (architecture.md section 3).

@@ -43,9 +43,9 @@ use tokio::sync::Notify;
 use crate::config::Config;
 use crate::demand::DemandRisk;
 use crate::fleet::Fleet;
+use crate::ha_phase::Ha;
 use crate::journal::Journal;
 use crate::lifecycle::driver::LifecycleDriver;
-use crate::phase::Ha;
 use crate::readiness::Gate;
 use crate::upstream::Upstream;
 

@@ -36,7 +36,7 @@ pub(crate) fn ready(parts: &Parts) -> (bool, Value) {
 /// The lease holder token `/ready`, `/narwhal/state.ha` and `narwhal_router_lease_info` show:
 /// this process's token only while it holds an epoch (behaviour.md 1.3: `""` without a
 /// lease and on a standby that has not taken over); a standby's own future token is not shown.
-fn shown_holder(status: &crate::phase::HaStatus) -> &str {
+fn shown_holder(status: &crate::ha_phase::HaStatus) -> &str {
     if status.epoch == 0 {
         ""
     } else {

@@ -12,7 +12,7 @@
 //! publish) ends the renewal with it: a router that is not active never renews
 //! (ha-and-fencing.md).
 //! `primary` is the lease loop, `standby` the standby's driver over the pure `machine`; the
-//! phase they publish lives in `crate::phase`.
+//! phase they publish lives in `crate::ha_phase`.
 
 mod machine;
 #[cfg(test)]

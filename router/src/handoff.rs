@@ -43,9 +43,9 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Role;
+use crate::ha_phase::EpochScope;
 use crate::lifecycle::machine::RestoreError;
 use crate::parts::Parts;
-use crate::phase::EpochScope;
 use crate::placement::Exclusion;
 use narwhal_lease::{Control, LeaseError, LeaseLoss, LeaseRecord};
 
@@ -582,9 +582,9 @@ mod tests {
 
     /// A router in control of a 2 s file lease (epoch 1) in `dir`.
     async fn in_control(dir: &std::path::Path) -> (Arc<Parts>, Arc<ManualClock>) {
-        let (parts, clock) = crate::phase::tests::leased(dir);
+        let (parts, clock) = crate::ha_phase::tests::leased(dir);
         assert_eq!(parts.ha.lease().claim().await, Ok(1));
-        parts.ha.publish(crate::phase::HaPhase::Active);
+        parts.ha.publish(crate::ha_phase::HaPhase::Active);
         (parts, clock)
     }
 
@@ -652,7 +652,7 @@ mod tests {
         parts.ha.fence(&LeaseLoss::Lapsed);
         clock.advance(Duration::from_secs(60));
         assert_eq!(parts.ha.lease().claim().await, Ok(2));
-        parts.ha.publish(crate::phase::HaPhase::Active);
+        parts.ha.publish(crate::ha_phase::HaPhase::Active);
         let (status, doc) = acknowledge(&parts, StatusCode::OK, json!({}), Some(&scope)).await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{doc}");
         let error = doc["error"].as_str().unwrap_or_default();

@@ -29,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::documents;
 use crate::ingress::Endpoint;
+use crate::lifecycle::api::{self, Action};
 use crate::parts::Parts;
 use crate::response::{Body, json_response};
 use crate::serve::completion;
@@ -154,14 +155,11 @@ async fn route(parts: Arc<Parts>, side: Side, mut req: Request<Incoming>) -> Res
             // The epoch scope the action runs under: its acknowledgement needs it still live.
             let scope = parts.ha.scope();
             let action = match path.as_str() {
-                "/narwhal/lifecycle/drain" => {
-                    tokio::spawn(async move { lifecycle.drain(body).await })
-                }
-                "/narwhal/lifecycle/cancel-drain" => {
-                    tokio::spawn(async move { lifecycle.cancel_drain(body).await })
-                }
-                _ => tokio::spawn(async move { lifecycle.readmit(body).await }),
+                "/narwhal/lifecycle/drain" => Action::Drain,
+                "/narwhal/lifecycle/cancel-drain" => Action::CancelDrain,
+                _ => Action::Readmit,
             };
+            let action = tokio::spawn(async move { api::handle(&lifecycle, action, &body).await });
             match action.await {
                 Ok((status, doc)) => {
                     // Acknowledged only once durable where a successor reads (ha-and-fencing.md).

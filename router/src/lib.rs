@@ -35,16 +35,16 @@
 //! | 0 pure cores | `config` (and `config::schema`, the accepted keys read from its validator), `profile`, `placement`, `breaker`, `facts`, `ingress`, `outcome`, `retry`, `demand` (risk, windows, model) | rules with `now` and RNGs passed in; no clock, no IO (`facts`: an engine process's facts and when two readings name different processes). Below them, in crates of their own so Cargo enforces the direction: `narwhal-lease` (router/lease: the lease `machine`, the file and etcd backends and the renewal driver; re-exported here as `lease`) and `narwhal-relay` (router/relay: SSE parsing, token evidence, usage, whole-answer and batch merging, and `rawjson`, the byte-level JSON scanner the relay finds its few members with) |
 //! | 0 leaves | `journal`, `metrics`, `response` | the journal writer, Prometheus families, JSON responses |
 //! | 1 engine client | `upstream`, `failure` | legs to engines and how they fail; `RequestFailure`, the one map to status, body and settlement |
-//! | 1 parts | `fleet`, `accounting`, `admission`, `phase` | own their data behind narrow handles (below) |
-//! | 2 | `readiness`, `bootstrap` | the readiness gate over `phase` + `fleet`; what is read from an engine's own routes: SGLang bootstrap ports, process facts, whose fault a failed rendezvous is (`fleet` + `upstream`) |
-//! | 3 | `lifecycle` (`request`, `agents`, `checks`, `identity`, `executor`, `driver`) | drains, waves, readmission through the agents |
+//! | 1 parts | `fleet`, `accounting`, `admission`, `ha_phase` | own their data behind narrow handles (below) |
+//! | 2 | `readiness`, `bootstrap` | the readiness gate over `ha_phase` + `fleet`; what is read from an engine's own routes: SGLang bootstrap ports, process facts, whose fault a failed rendezvous is (`fleet` + `upstream`) |
+//! | 3 | `lifecycle` (`action`, `api`, `agents`, `agent_checks`, `identity`, `executor`, `driver`) | drains, waves, readmission through the agents |
 //! | 3 | `controller` (pure: `book`, `stage`, `scoring`, `evidence`, `roles`, `policy`, `machine`, `decision`; `driver`, `intake`, `report`) | the demand-driven role controller and predictive admission's request-path side; over `fleet`, `lifecycle`, `demand`, `admission` |
 //! | 4 | `parts` | `Parts`, a bundle of handles to every part, built once; owns nothing itself |
 //! | 5 | `serve`, `documents`, `handoff`, `monitor` | the request pipeline; `/ready`, `/health`, `/narwhal/state`, `/metrics`; the handoff; breaker probes and the startup health wait |
 //! | 6 | `ha` (`primary`, `standby`), `http` | the lease loop and the warm standby; the listeners and routes |
 //! | 7 | `app`, `cli`, this root | wiring (`run`) and the command line |
 //!
-//! Upper modules keep their own pure cores: `lifecycle::{machine, events, validation, check}`
+//! Upper modules keep their own pure cores: `lifecycle::{machine, events, validation, check_error}`
 //! (drains, waves, readmission rules) and `ha::machine` (the standby's decisions) take `now`
 //! and results as arguments and return what to do.
 //!
@@ -58,7 +58,7 @@
 //!   handoff read), attempt/retry/upstream counters (atomics), the retry budget (a lock-free
 //!   cell); it is the `SettleSink` every request settles into exactly once.
 //! - `Admission`: retained-request limit, seats, queue (atomics and a semaphore).
-//! - `Ha` (`phase.rs`): the `HaPhase` (active, validating identities, shadowing, blocked,
+//! - `Ha` (`ha_phase.rs`): the `HaPhase` (active, validating identities, shadowing, blocked,
 //!   fenced) on a `tokio::sync::watch` channel, with the lease's local validity, the
 //!   controller a standby saw, the current `EpochScope`, and the handoff publisher's slot.
 //!   `/ready`, `/health`, `controls_fleet` and the metrics derive from it through pure
@@ -127,6 +127,7 @@ mod facts;
 mod failure;
 mod fleet;
 mod ha;
+mod ha_phase;
 mod handoff;
 mod http;
 pub mod ingress;
@@ -139,7 +140,6 @@ mod metrics;
 mod monitor;
 pub mod outcome;
 mod parts;
-mod phase;
 pub mod placement;
 mod profile;
 mod readiness;

@@ -4,34 +4,38 @@
 //! final health), each run through the engines' agents and each signed.
 //!
 //! ```text
-//!  POST drain ──request──► driver ──► machine::begin (held out of placement) ──► identity:
+//!  POST drain ──api──► driver ──► machine::begin (held out of placement) ──► identity:
 //!                    agents' attestation ──► machine::bind_identity ──► refresh on resident
 //!                    change and on a timer
-//!  POST readmit ──request──► driver ──► machine::mark_validating ──► validation::validate
-//!                    (checks: agents, signed) ──► machine::readmitted | validation_failed
+//!  POST readmit ──api──► driver ──► machine::mark_validating ──► validation::validate
+//!                    (agent_checks: signed) ──► machine::readmitted | validation_failed
 //!  breaker ejection + health OK ──► recovery validation (no restart required)
 //!  every machine change ──► executor::commit (holds → fleet, readiness hold, journal)
 //! ```
 //!
-//! `machine`, `events` and `validation` are pure (clock and I/O passed in); `request` parses bodies;
-//! `agents` is the agent registry; `checks` implements the checks through the agents;
-//! `identity` reads process identities and runs the startup/takeover identity check;
-//! `executor` owns the machine and applies its decisions; `driver` runs the actions.
+//! `machine`, `events` and `validation` are pure (clock and I/O passed in); `check_error` is
+//! what one check can find. `api` is the HTTP edge (bodies, the opening every action shares,
+//! statuses, replies) over `action`'s types (requests, `Outcome`, `ActionError`); `driver`
+//! runs the actions; `agents` is the agent registry and `agent_checks` runs the checks through
+//! it; `identity` reads process identities and runs the startup/takeover identity check;
+//! `executor` owns the machine and applies its decisions. Imports go one way:
+//! `api` → `driver` → (`agent_checks`, `identity`, `executor`) → `machine`, `validation`.
 
-pub mod check;
 pub mod events;
 pub mod machine;
 pub mod validation;
 
+pub(crate) mod action;
+pub(crate) mod agent_checks;
 pub(crate) mod agents;
-pub(crate) mod checks;
+pub(crate) mod api;
+pub(crate) mod check_error;
 pub(crate) mod driver;
 pub(crate) mod executor;
 pub(crate) mod identity;
-pub(crate) mod request;
 
 pub use agents::AgentsError;
-pub use check::{CheckError, KvEvidence};
+pub use check_error::{CheckError, KvEvidence};
 pub use events::{EventKind, LifecycleEvent};
 pub use machine::{
     DrainPlan, DrainRecord, DrainRequest, DrainState, EngineOutcome, EngineView, Hold, Lifecycle,

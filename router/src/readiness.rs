@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use tokio_util::sync::CancellationToken;
 
 use crate::fleet::Fleet;
-use crate::phase::{self, Ha, HaView, Readiness};
+use crate::ha_phase::{self, Ha, HaView, Readiness};
 
 /// The gate (see the module doc).
 pub(crate) struct Gate {
@@ -60,7 +60,7 @@ impl GateView {
         if self.stopping {
             return "stopping";
         }
-        phase::health(
+        ha_phase::health(
             &self.ha.status.phase,
             self.ha.controls,
             self.hold.as_deref(),
@@ -70,7 +70,7 @@ impl GateView {
 
     /// `router.controls_fleet` (architecture.md 9.1).
     pub(crate) fn controls_label(&self) -> &'static str {
-        phase::controls_label(&self.ha.status.phase, self.ha.controls)
+        ha_phase::controls_label(&self.ha.status.phase, self.ha.controls)
     }
 }
 
@@ -130,9 +130,9 @@ impl Gate {
     pub(crate) fn readiness(&self) -> Readiness {
         let hold = self.lifecycle_hold();
         let live = self.fleet.live_count();
-        let r = self
-            .ha
-            .with_phase(|phase, controls| phase::readiness(phase, controls, hold.as_deref(), live));
+        let r = self.ha.with_phase(|phase, controls| {
+            ha_phase::readiness(phase, controls, hold.as_deref(), live)
+        });
         self.unless_stopping(r)
     }
 
@@ -154,7 +154,7 @@ impl Gate {
         let ha = self.ha.view();
         let hold = self.lifecycle_hold();
         let live = self.fleet.live_count();
-        let readiness = self.unless_stopping(phase::readiness(
+        let readiness = self.unless_stopping(ha_phase::readiness(
             &ha.status.phase,
             ha.controls,
             hold.as_deref(),

@@ -25,7 +25,7 @@ use super::{Controller, Ledger};
 use crate::breaker::EjectCause;
 use crate::config::{Backend, Config, Role, secs};
 use crate::fleet::Fleet;
-use crate::phase::EpochScope;
+use crate::ha_phase::EpochScope;
 use crate::placement::Exclusion;
 use crate::upstream::ControlCallError;
 

@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 
 use narwhal_shared::handoff::Handoff;
 
+use crate::ha_phase::{Controller, HaPhase};
 use crate::handoff::{ApplyError, PublishError, ReadPublishedError};
-use crate::phase::{Controller, HaPhase};
 use narwhal_lease::{LeaseLoss, LeaseRecord};
 
 /// What the standby follows and when it gives up on the primary.

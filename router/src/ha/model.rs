@@ -33,8 +33,8 @@ use proptest::prelude::*;
 
 use super::machine::tests::doc_of;
 use super::machine::{ApplyFailed, Poll, Settings, Source, Standby, Step, next_wait_ms};
+use crate::ha_phase::{stale_answer_fences, work_may_run};
 use crate::handoff::PublishError;
-use crate::phase::{stale_answer_fences, work_may_run};
 use narwhal_lease::{Claim, Lease, LeaseLoss, LeaseRecord, LeaseTiming};
 
 const TTL_MS: u64 = 2000;

@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
+use crate::ha_phase::HaPhase;
 use crate::parts::Parts;
-use crate::phase::HaPhase;
 use narwhal_lease::LeaseEvent;
 
 /// Renewal phases: a takeover still in progress, a router in control, and a takeover
@@ -197,7 +197,7 @@ mod tests {
     async fn resume_takes_a_newer_published_handoff_over_the_state_file() {
         for resume in [true, false] {
             let dir = tempfile::tempdir().expect("tempdir");
-            let (parts, _clock) = crate::phase::tests::leased(dir.path());
+            let (parts, _clock) = crate::ha_phase::tests::leased(dir.path());
             // Another router held epoch 1, published served 9, and is gone (record expired).
             let mut h = crate::handoff::snapshot(&parts);
             h.epoch = 1;

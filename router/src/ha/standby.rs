@@ -24,8 +24,8 @@ use super::StandbyOptions;
 use super::machine::{ApplyFailed, Observation, Poll, Settings, Source, Standby, Step, next_wait};
 use super::primary::{self, Renewal};
 use crate::config::Config;
+use crate::ha_phase::{Controller, HaPhase};
 use crate::parts::Parts;
-use crate::phase::{Controller, HaPhase};
 use narwhal_lease::{Control, LeaseLoss};
 
 /// What the standby's steps do to the world (implemented by [`Live`]; tests fake it).
@@ -472,7 +472,7 @@ enum ClientError {
 mod tests {
     use super::*;
     use crate::ha::machine::tests::{doc, record_of};
-    use crate::phase::IDENTITY_PENDING;
+    use crate::ha_phase::IDENTITY_PENDING;
     use narwhal_lease::LeaseRecord;
     use narwhal_shared::{Clock as _, ManualClock, SystemClock};
     use std::sync::Mutex;

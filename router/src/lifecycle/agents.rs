@@ -9,7 +9,7 @@ use narwhal_shared::{
 };
 
 use crate::config::Config;
-use crate::phase::{EpochScope, Ha};
+use crate::ha_phase::{EpochScope, Ha};
 
 /// Why the agent clients could not be built (`Agents::from_config`); each names the key.
 #[derive(Debug, thiserror::Error)]

@@ -1,12 +1,15 @@
-//! The lifecycle driver: the HTTP actions (`GET /narwhal/lifecycle`, `POST .../drain`,
-//! `POST .../readmit`), readmission validation through the agents, the drain-deadline and
-//! resident-change timer, and recovery of breaker-ejected engines (handoff-and-lifecycle.md,
-//! "Lifecycle API"; architecture.md 9.2–9.7).
+//! The lifecycle part: the pure machine behind its [`Executor`], the agents, and the
+//! one-action-at-a-time lock; the lifecycle document, the drain-deadline and resident-change
+//! timer, recovery of breaker-ejected engines and the role check of a flipped engine
+//! (handoff-and-lifecycle.md, "Lifecycle API"; architecture.md 9.2–9.7). The HTTP actions
+//! are in `drain` and `readmit` (typed requests in, [`Outcome`](super::action::Outcome) or
+//! [`ActionError`](super::action::ActionError) out; `api` parses, locks and answers), and the
+//! checks they run in `validate`.
 //!
 //! ```text
-//!  POST drain ──request::parse_drain──► machine.begin ──commit──► capture identities
+//!  POST drain ──api──► drain: machine.begin ──commit──► capture identities
 //!                                        ──► machine.bind_identity ──► commit
-//!  POST readmit ──request::parse_readmit──► machine.mark_validating ──► validate (checks)
+//!  POST readmit ──api──► readmit: machine.mark_validating ──► validate (checks)
 //!                                        ──► machine.readmitted | validation_failed ──► commit
 //!  monitor: probe ok ──recover(i)──► machine.start_recovery_validation ──► validate ──► ...
 //!  timer: drain deadline | Fleet::resident_changed ──► Executor::refresh
@@ -14,40 +17,37 @@
 //!
 //! One lifecycle action runs at a time (`serial`, held across the agent calls); the pure
 //! machine is only touched through the [`Executor`]. Every action runs under the
-//! [`EpochScope`] of the epoch it was accepted in (ha-and-fencing.md): its agent calls carry that
-//! epoch, it stops when control under it ends, and it never acts under a later one. A router that
-//! does not control the fleet shows no actionable lifecycle state (no `ready_to_stop`) and
-//! names the router that does, when known.
+//! [`EpochScope`](crate::ha_phase::EpochScope) of the epoch it was accepted in
+//! (ha-and-fencing.md): its agent calls carry that epoch, it stops when control under it ends,
+//! and it never acts under a later one. A router that does not control the fleet shows no
+//! actionable lifecycle state (no `ready_to_stop`) and names the router that does, when known.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::StatusCode;
 use narwhal_shared::Clock;
 use serde_json::Value;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::action::NOT_IN_CONTROL;
 use super::agents::Agents;
-use super::checks::AgentChecks;
 use super::executor::Executor;
 use super::identity::{IdentityReader, check_identities};
 use super::machine::{EngineView, Lifecycle, RestartPolicy, RestoreError};
-use super::request::{RequestError, parse_drain, parse_readmit, refusal_status};
-use super::validation::{Plan, Report, validate};
-use crate::breaker::EjectCause;
-use crate::config::{Backend, Config, Role};
+use crate::config::Config;
 use crate::fleet::Fleet;
+use crate::ha_phase::Ha;
 use crate::journal::Journal;
-use crate::metrics::{Metrics, labels};
-use crate::phase::{EpochScope, Ha};
+use crate::metrics::Metrics;
 use crate::placement::Exclusion;
 use crate::readiness::Gate;
 use crate::upstream::Upstream;
 
-const NOT_IN_CONTROL: &str = "this router does not control the fleet";
+mod drain;
+mod readmit;
+mod validate;
 
 /// Why a flipped engine's role check did not pass ([`LifecycleDriver::role_check`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -66,9 +66,6 @@ pub(crate) enum RoleCheckError {
     #[error("{0}")]
     Failed(String),
 }
-
-/// A lifecycle action's answer: status and the lifecycle document with its `error`.
-pub(crate) type Reply = (StatusCode, Value);
 
 /// The lifecycle part (see the module doc).
 pub(crate) struct LifecycleDriver {
@@ -143,8 +140,16 @@ impl LifecycleDriver {
         &self.exec
     }
 
-    fn ha(&self) -> &Ha {
+    /// The HA handle: the epoch scope an action runs under, and whether control under it
+    /// is still live.
+    pub(crate) fn ha(&self) -> &Ha {
         &self.reader.ha
+    }
+
+    /// The one-action-at-a-time lock, held by an action end to end (its agent calls
+    /// included), and by recovery and role checks.
+    pub(crate) fn serial(&self) -> &tokio::sync::Mutex<()> {
+        &self.serial
     }
 
     /// The engines' agents.
@@ -224,10 +229,6 @@ impl LifecycleDriver {
         doc
     }
 
-    fn reply(&self, status: StatusCode, error: &str) -> Reply {
-        (status, self.document(error))
-    }
-
     /// Lifecycle gauges for `/metrics`: `(iid, state, ready_to_stop)` per engine
     /// (`ready_to_stop` only from the router that controls the fleet).
     pub(crate) fn gauges(&self) -> Vec<(String, &'static str, bool)> {
@@ -265,300 +266,6 @@ impl LifecycleDriver {
         Ok(())
     }
 
-    /// A parsed action and the epoch scope it runs under, or its refusal: 400 for a bad
-    /// body, 503 when this router does not control the fleet.
-    fn accept<T>(&self, parsed: Result<T, RequestError>) -> Result<(T, EpochScope), Reply> {
-        let req = parsed.map_err(|e| self.reply(StatusCode::BAD_REQUEST, &e.to_string()))?;
-        match self.ha().scope() {
-            Some(scope) => Ok((req, scope)),
-            None => Err(self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL)),
-        }
-    }
-
-    /// `POST /narwhal/lifecycle/drain` (handoff-and-lifecycle.md, "Draining engines"; behaviour.md
-    /// 1.10, 4.3–4.4).
-    pub(crate) async fn drain(&self, body: Bytes) -> Reply {
-        let (req, scope) = match self.accept(parse_drain(&body)) {
-            Ok(r) => r,
-            Err(reply) => return reply,
-        };
-        // An engine without an agent could be held out but never bound to a process identity,
-        // so it could never be readmitted: refuse the drain instead of wedging it
-        // (architecture.md 9.2).
-        let mut agentless: Vec<&str> = self
-            .cfg
-            .engines
-            .iter()
-            .enumerate()
-            .filter(|(i, e)| {
-                (req.engines.contains(&e.iid) || (req.wave && req.engines.is_empty()))
-                    && !self.agents().has(*i)
-            })
-            .map(|(_, e)| e.iid.as_str())
-            .collect();
-        if !agentless.is_empty() {
-            agentless.sort_unstable();
-            let error = format!(
-                "no agent configured for {} (engines[].agent): process identity cannot be recorded",
-                agentless.join(", ")
-            );
-            return self.reply(StatusCode::CONFLICT, &error);
-        }
-        let _serial = self.serial.lock().await;
-        if !self.ha().live(&scope) {
-            return self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL);
-        }
-        let plan = {
-            let live = self.fleet().live_names();
-            let mut lc = self.exec.lock();
-            match lc.begin(self.exec.now(), &req, &live, &new_wave_id()) {
-                Ok(p) => {
-                    self.exec.commit(&mut lc);
-                    p
-                }
-                Err(e) => {
-                    drop(lc);
-                    return self.reply(refusal_status(&e), &e.to_string());
-                }
-            }
-        };
-        self.wake.notify_one();
-        // Every target is out of placement now; record identities (architecture.md section 4).
-        let captured = futures_util::future::join_all(
-            plan.capture
-                .iter()
-                .map(|iid| self.reader.capture(iid, &scope)),
-        );
-        let captured = tokio::select! {
-            c = captured => c,
-            () = scope.ended() => Vec::new(),
-        };
-        if !self.ha().live(&scope) {
-            return self.reply(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "router control was fenced during drain",
-            );
-        }
-        let mut failures = Vec::new();
-        {
-            let ejected = self.fleet().ejected_names();
-            let counts = self.fleet().resident_counts();
-            let mut lc = self.exec.lock();
-            let t = self.exec.now();
-            for (iid, r) in plan.capture.iter().zip(captured) {
-                let err = r.as_ref().err().map(ToString::to_string);
-                if !lc.bind_identity(t, iid, r, ejected.contains(iid)) {
-                    failures.push(format!("{iid}: {}", err.unwrap_or_default()));
-                }
-            }
-            lc.refresh(t, |iid| counts.get(iid).copied().unwrap_or(0));
-            self.exec.commit(&mut lc);
-        }
-        if !self.ha().live(&scope) {
-            return self.reply(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "router control was fenced during drain",
-            );
-        }
-        if !failures.is_empty() {
-            failures.sort();
-            return self.reply(StatusCode::SERVICE_UNAVAILABLE, &failures.join("; "));
-        }
-        let mut reply = self.reply(StatusCode::OK, "");
-        if !req.wave {
-            self.add_drain_warnings(&plan.targets, &mut reply.1);
-        }
-        reply
-    }
-
-    /// Adds `warnings` to a drain's 200 document: a drained engine that was its role's only
-    /// live engine leaves the fleet serving aggregated (or, for SGLang without a decode
-    /// engine, not at all) until one returns (docs/operate.md; [`sole_engine_warning`]).
-    fn add_drain_warnings(&self, targets: &[String], doc: &mut Value) {
-        let fleet = self.fleet();
-        let warnings: Vec<String> = fleet.read(|state| {
-            targets
-                .iter()
-                .filter_map(|iid| {
-                    let i = fleet.index(iid)?;
-                    let role = state.slots()[i].role;
-                    let others = state
-                        .slots()
-                        .iter()
-                        .enumerate()
-                        .any(|(j, s)| j != i && s.role == role && s.is_live());
-                    sole_engine_warning(self.cfg.backend, role, iid, others)
-                })
-                .collect()
-        });
-        if let Some(m) = doc.as_object_mut() {
-            m.insert("warnings".into(), Value::from(warnings));
-        }
-    }
-
-    /// `POST /narwhal/lifecycle/readmit` (handoff-and-lifecycle.md, "Readmitting engines";
-    /// behaviour.md 1.10, 4.7–4.8).
-    pub(crate) async fn readmit(&self, body: Bytes) -> Reply {
-        let (req, scope) = match self.accept(parse_readmit(&body)) {
-            Ok(r) => r,
-            Err(reply) => return reply,
-        };
-        let _serial = self.serial.lock().await;
-        if !self.ha().live(&scope) {
-            return self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL);
-        }
-        let targets = {
-            let counts = self.fleet().resident_counts();
-            let mut lc = self.exec.lock();
-            let t = self.exec.now();
-            let resident = |iid: &str| counts.get(iid).copied().unwrap_or(0);
-            match lc.mark_validating(t, &req.engines, req.wave, resident) {
-                Ok(mut targets) => {
-                    if !req.wave {
-                        let roles = self.roles();
-                        let live = self.fleet().live_names();
-                        let ejected = self.fleet().ejected_names();
-                        if let Some(peer) = co_target(&roles, &targets[0], &live, &ejected)
-                            && lc.join_recovery(t, &peer)
-                        {
-                            targets.push(peer);
-                            targets.sort();
-                        }
-                    }
-                    self.exec.commit(&mut lc);
-                    targets
-                }
-                Err(e) => {
-                    drop(lc);
-                    return self.reply(refusal_status(&e), &e.to_string());
-                }
-            }
-        };
-        let report = self.run_validation(&targets, req.wave, &scope).await;
-        self.finish(&targets, report, "operator", &scope).await
-    }
-
-    /// `POST /narwhal/lifecycle/cancel-drain` (ours; docs/deviations.md):
-    /// an engine drained by mistake returns to service without a restart. Body
-    /// `{"engines": ["e0"]}`. The engine must be held by an individual drain that recorded its
-    /// process; it is validated through the readmission checks with no restart required
-    /// (`process identity` instead of `new process identity`) and must still be that process.
-    /// 200: back in placement (`drain_cancelled` event); 409: a rule, or the checks failed (the
-    /// engine stays `blocked`, restart-required: a restart and the readmission of
-    /// handoff-and-lifecycle.md, or another cancel, bring it back); 503: not in control.
-    pub(crate) async fn cancel_drain(&self, body: Bytes) -> Reply {
-        let (req, scope) = match self.accept(parse_readmit(&body)) {
-            Ok(r) => r,
-            Err(reply) => return reply,
-        };
-        let _serial = self.serial.lock().await;
-        if !self.ha().live(&scope) {
-            return self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL);
-        }
-        let (iid, recorded) = {
-            let mut lc = self.exec.lock();
-            match lc.begin_cancel_drain(self.exec.now(), &req.engines, req.wave) {
-                Ok(x) => {
-                    self.exec.commit(&mut lc);
-                    x
-                }
-                Err(e) => {
-                    drop(lc);
-                    return self.reply(StatusCode::CONFLICT, &e.to_string());
-                }
-            }
-        };
-        let targets = vec![iid.clone()];
-        let mut plan = self.plan(&targets, false);
-        plan.restart_after.insert(iid.clone(), None);
-        let report = self.run_plan(&plan, &scope).await;
-        let record_metric = |result: &str| {
-            self.metrics
-                .roles
-                .lifecycle_validations
-                .get_or_create(&labels(&[
-                    ("iid", &iid),
-                    ("kind", "cancel_drain"),
-                    ("result", result),
-                ]))
-                .inc();
-        };
-        // Control under the action's epoch ended: nothing of the report is applied.
-        let mut report = match report {
-            Some(r) if self.ha().live(&scope) => r,
-            _ => {
-                let t = self.exec.now();
-                let mut lc = self.exec.lock();
-                lc.abort_validation(t, "router control was fenced during validation");
-                self.exec.commit(&mut lc);
-                drop(lc);
-                record_metric("fenced");
-                return self.reply(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "router control was fenced during validation",
-                );
-            }
-        };
-        for peer in &report.changed_peers {
-            if let Some(i) = self.fleet().index(peer) {
-                self.fleet().eject(i, EjectCause::ProcessIdentity);
-            }
-        }
-        // The cancel is for the process the drain recorded; a restarted one is readmitted.
-        let validated = report.engines.get(&iid).and_then(|o| o.process_start);
-        if report.passed() && validated != Some(recorded) {
-            let found = validated.map_or_else(|| "unknown".to_string(), |s| format!("{s:.3}"));
-            report.engines.entry(iid.clone()).or_default().failures.push(format!(
-                "engine process restarted since the drain (process start {found}, recorded {recorded:.3}): readmit it instead"
-            ));
-        }
-        let t = self.exec.now();
-        if !self.ha().live(&scope) {
-            let mut lc = self.exec.lock();
-            lc.abort_validation(t, "router control was fenced during validation");
-            self.exec.commit(&mut lc);
-            drop(lc);
-            record_metric("fenced");
-            return self.reply(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "router control was fenced during validation",
-            );
-        }
-        let mut lc = self.exec.lock();
-        if report.passed() {
-            let outcome = report.engines.get(&iid).cloned().unwrap_or_default();
-            if lc.drain_cancelled(t, &iid, &outcome)
-                && let Some(i) = self.fleet().index(&iid)
-            {
-                self.fleet().verified(i);
-            }
-            self.exec.commit(&mut lc);
-            drop(lc);
-            record_metric("passed");
-            self.reply(StatusCode::OK, "")
-        } else {
-            lc.validation_failed(t, &report.engines);
-            self.exec.commit(&mut lc);
-            drop(lc);
-            record_metric("failed");
-            self.reply(StatusCode::CONFLICT, "drain cancel validation failed")
-        }
-    }
-
-    /// Every configured engine with its current router role (the role controller may have
-    /// moved it from the configured one), config order.
-    fn roles(&self) -> Vec<(String, Role)> {
-        let fleet = self.fleet();
-        fleet.read(|state| {
-            fleet
-                .names()
-                .iter()
-                .zip(state.slots())
-                .map(|(iid, s)| (iid.clone(), s.role))
-                .collect()
-        })
-    }
-
     /// The role check of a flipped engine (ours; docs/deviations.md): the readmission checks,
     /// without a restart, against engine `i` in its new router role, so the KV-transfer check pairs
     /// it with a live engine of the other role. The engine is held (a recovery record,
@@ -586,193 +293,20 @@ impl LifecycleDriver {
         }
         let targets = vec![iid.clone()];
         let report = self.run_validation(&targets, false, &scope).await;
-        let (status, doc) = self.finish(&targets, report, "role_check", &scope).await;
+        let finished = self.finish(&targets, report, "role_check", &scope).await;
         let record = self.exec.lock().record(&iid).cloned();
-        match (status, record) {
-            (StatusCode::OK, Some(r)) => Ok(r.checks),
+        match (finished, record) {
+            (Ok(_), Some(r)) => Ok(r.checks),
             (_, Some(r)) if !r.error.is_empty() => Err(RoleCheckError::Failed(r.error)),
-            _ => Err(RoleCheckError::Failed(
-                doc["error"]
-                    .as_str()
-                    .unwrap_or("role check failed")
-                    .to_string(),
+            // The answer's `error`: the refusal's message (`role check failed` when it names
+            // none).
+            (finished, _) => Err(RoleCheckError::Failed(
+                finished
+                    .err()
+                    .map(|e| e.to_string())
+                    .filter(|m| !m.is_empty())
+                    .unwrap_or_else(|| "role check failed".to_string()),
             )),
-        }
-    }
-
-    /// Builds the validation plan for `targets` from the records and the live fleet.
-    fn plan(&self, targets: &[String], wave: bool) -> Plan {
-        let lc = self.exec.lock();
-        let restart_after = targets
-            .iter()
-            .map(|t| {
-                let old = lc
-                    .record(t)
-                    .filter(|r| r.restart_required())
-                    .and_then(|r| r.old_process_start);
-                (t.clone(), old)
-            })
-            .collect();
-        let accepted_starts = lc.process_starts().clone();
-        drop(lc);
-        let fleet = self.fleet();
-        let verify_sources = fleet.read(|state| {
-            targets
-                .iter()
-                .filter_map(|t| {
-                    let s = &state.suspects()[fleet.index(t)?];
-                    (!s.is_empty()).then(|| (t.clone(), s.iter().cloned().collect()))
-                })
-                .collect()
-        });
-        Plan {
-            targets: targets.to_vec(),
-            roles: self.roles(),
-            live: fleet.live_names(),
-            restart_after,
-            accepted_starts,
-            model: self.cfg.model.clone(),
-            wave,
-            direct_generation: self.cfg.backend != Backend::Sglang,
-            verify_sources,
-        }
-    }
-
-    /// Runs the checks under `scope`; `None` when control under its epoch ended first (the
-    /// checks in flight are dropped, and none starts afterwards).
-    async fn run_validation(
-        &self,
-        targets: &[String],
-        wave: bool,
-        scope: &EpochScope,
-    ) -> Option<Report> {
-        self.run_plan(&self.plan(targets, wave), scope).await
-    }
-
-    /// Runs the checks of `plan` through the agents under `scope` (its fence token); `None`
-    /// when control under its epoch ended first.
-    async fn run_plan(&self, plan: &Plan, scope: &EpochScope) -> Option<Report> {
-        let checks = AgentChecks {
-            cfg: &self.cfg,
-            agents: self.agents(),
-            ha: self.ha(),
-            upstream: &self.upstream,
-            scope,
-            fence: scope.fence(),
-        };
-        let check_id = uuid::Uuid::new_v4().simple().to_string();
-        tokio::select! {
-            report = validate(plan, &checks, &check_id) => Some(report),
-            () = scope.ended() => None,
-        }
-    }
-
-    /// Applies a validation report: readmit on success, block every candidate on failure,
-    /// eject peers whose process changed (behaviour.md 4.7; architecture.md 9.7).
-    ///
-    /// Before a passing SGLang prefill engine returns to placement, its bootstrap port is
-    /// read again (`/server_info`) while it is still held, so no request is placed with a
-    /// stale port (found by tests/tests/lifecycle_e2e.rs: refreshing after the release let
-    /// the first requests' decodes fail their rendezvous). A failed refresh is logged;
-    /// requests refresh the port on demand.
-    async fn finish(
-        &self,
-        targets: &[String],
-        report: Option<Report>,
-        kind: &'static str,
-        scope: &EpochScope,
-    ) -> Reply {
-        let record_metric = |result: &str| {
-            for iid in targets {
-                self.metrics
-                    .roles
-                    .lifecycle_validations
-                    .get_or_create(&labels(&[("iid", iid), ("kind", kind), ("result", result)]))
-                    .inc();
-            }
-        };
-        let report = match report {
-            Some(r) if self.ha().live(scope) => r,
-            // Control under the validation's epoch ended: nothing of it is applied (no
-            // readmission, no ejection); the records stay held (`blocked`, in this router's
-            // memory only: its events are not written, and a successor restores `validating`
-            // records as blocked).
-            _ => {
-                let mut lc = self.exec.lock();
-                lc.abort_validation(
-                    self.exec.now(),
-                    "router control was fenced during validation",
-                );
-                self.exec.commit(&mut lc);
-                drop(lc);
-                record_metric("fenced");
-                return self.reply(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "router control was fenced during validation",
-                );
-            }
-        };
-        if report.passed() {
-            for i in bootstrap_refresh(self.cfg.backend, &self.roles(), targets) {
-                if let Err(e) =
-                    crate::bootstrap::refresh(&self.cfg, self.fleet(), &self.upstream, i).await
-                {
-                    tracing::warn!(engine.id = %self.cfg.engines[i].iid, error = %e, "bootstrap port refresh before readmission failed");
-                }
-            }
-        }
-        let t = self.exec.now();
-        let passed = report.passed()
-            && targets.iter().all(|iid| {
-                report
-                    .engines
-                    .get(iid)
-                    .is_some_and(|o| o.process_start.is_some())
-            });
-        // Nothing of the report is applied once control under its epoch ended (not even the
-        // peers' ejections).
-        let live = self.ha().live(scope);
-        if live {
-            for peer in &report.changed_peers {
-                if let Some(i) = self.fleet().index(peer) {
-                    self.fleet().eject(i, EjectCause::ProcessIdentity);
-                }
-            }
-        }
-        if !live {
-            let mut lc = self.exec.lock();
-            lc.abort_validation(t, "router control was fenced during validation");
-            self.exec.commit(&mut lc);
-            drop(lc);
-            record_metric("fenced");
-            return self.reply(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "router control was fenced during validation",
-            );
-        }
-        if passed {
-            let outcome: BTreeMap<_, _> = report
-                .engines
-                .into_iter()
-                .filter(|(iid, _)| targets.contains(iid))
-                .collect();
-            let mut lc = self.exec.lock();
-            for iid in lc.readmitted(t, &outcome) {
-                if let Some(i) = self.fleet().index(&iid) {
-                    self.fleet().verified(i);
-                }
-            }
-            self.exec.commit(&mut lc);
-            drop(lc);
-            record_metric("passed");
-            self.reply(StatusCode::OK, "")
-        } else {
-            let mut lc = self.exec.lock();
-            lc.validation_failed(t, &report.engines);
-            self.exec.commit(&mut lc);
-            drop(lc);
-            record_metric("failed");
-            self.reply(StatusCode::CONFLICT, "readmission validation failed")
         }
     }
 
@@ -806,8 +340,9 @@ impl LifecycleDriver {
         }
         let targets = vec![iid];
         let report = self.run_validation(&targets, false, &scope).await;
-        let (status, _) = self.finish(&targets, report, "recovery", &scope).await;
-        status == StatusCode::OK
+        self.finish(&targets, report, "recovery", &scope)
+            .await
+            .is_ok()
     }
 
     /// Under `whole_wave`, an ejection requires a whole-wave restart (behaviour.md 4.9).
@@ -873,7 +408,11 @@ impl LifecycleDriver {
 /// in it is actionable (every `ready_to_stop` false, engine and wave), and `router.controller`
 /// names the router that controls the fleet when this one saw its lease record (`null`
 /// otherwise; the router itself when it controls).
-fn not_in_control(doc: &mut Value, controls: bool, controller: Option<&crate::phase::Controller>) {
+fn not_in_control(
+    doc: &mut Value,
+    controls: bool,
+    controller: Option<&crate::ha_phase::Controller>,
+) {
     let named = match controller {
         Some(c) if !controls => serde_json::json!({"holder": c.holder, "epoch": c.epoch}),
         _ => Value::Null,
@@ -896,151 +435,9 @@ fn not_in_control(doc: &mut Value, controls: bool, controller: Option<&crate::ph
     }
 }
 
-/// The ejected engine an individual readmission of `target` must validate alongside it
-/// ([`Lifecycle::join_recovery`]): when no engine of the opposite role is live, the first
-/// ejected one in config order. `None` when a live peer exists (the usual case), for an
-/// aggregated fleet (one role), or when no opposite-role engine is ejected.
-fn co_target(
-    roles: &[(String, Role)],
-    target: &str,
-    live: &BTreeSet<String>,
-    ejected: &BTreeSet<String>,
-) -> Option<String> {
-    let role = roles.iter().find(|(i, _)| i == target)?.1;
-    let opposite = match role {
-        Role::Prefill => Role::Decode,
-        Role::Decode => Role::Prefill,
-    };
-    let mut others = roles
-        .iter()
-        .filter(|(i, r)| *r == opposite && i != target)
-        .peekable();
-    others.peek()?;
-    let others: Vec<&String> = others.map(|(i, _)| i).collect();
-    if others.iter().any(|i| live.contains(*i)) {
-        return None;
-    }
-    others.into_iter().find(|i| ejected.contains(*i)).cloned()
-}
-
-/// What draining `iid`, of role `role`, does to serving when no other engine of that role is
-/// live (`others_live` false): placement then serves every request aggregated, as one leg
-/// without KV transfer (behaviour.md 6.7; docs/http-api.md "Serving"): on the decode
-/// engines when the prefill pool is empty; on the prefill engines when a vLLM decode pool is
-/// empty; and not at all (503 `no_schedulable_engines`) when an SGLang decode pool is empty,
-/// since SGLang serves aggregated only on decode engines. `None` while another engine of the
-/// role is live.
-fn sole_engine_warning(
-    backend: Backend,
-    role: Role,
-    iid: &str,
-    others_live: bool,
-) -> Option<String> {
-    if others_live {
-        return None;
-    }
-    let r = role.as_str();
-    Some(match (backend, role) {
-        (_, Role::Prefill) => format!(
-            "{iid} was the only live {r} engine: until a {r} engine returns, requests are served aggregated on the decode engines (one leg, no prefill/decode split)"
-        ),
-        (Backend::Vllm, Role::Decode) => format!(
-            "{iid} was the only live {r} engine: until a {r} engine returns, requests are served aggregated on the prefill engines (one leg, no prefill/decode split)"
-        ),
-        (Backend::Sglang, Role::Decode) => format!(
-            "{iid} was the only live {r} engine: until a {r} engine returns, every request is answered 503 no_schedulable_engines (SGLang serves aggregated only on decode engines)"
-        ),
-    })
-}
-
-/// The engines (indexes) among `targets` whose SGLang bootstrap port must be learnt again
-/// before they take traffic: prefill engines of an SGLang fleet (a restarted prefill server
-/// may serve its bootstrap rendezvous on a new port). Empty for vLLM.
-fn bootstrap_refresh(
-    backend: Backend,
-    engines: &[(String, Role)],
-    targets: &[String],
-) -> Vec<usize> {
-    if backend != Backend::Sglang {
-        return Vec::new();
-    }
-    engines
-        .iter()
-        .enumerate()
-        .filter(|(_, (iid, role))| *role == Role::Prefill && targets.contains(iid))
-        .map(|(i, _)| i)
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn an_ejected_peer_is_a_co_target_only_when_no_peer_is_live() {
-        let roles = vec![
-            ("p0".to_string(), Role::Prefill),
-            ("d0".to_string(), Role::Decode),
-            ("d1".to_string(), Role::Decode),
-        ];
-        let set = |ids: &[&str]| ids.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
-        assert_eq!(
-            co_target(&roles, "p0", &set(&["d1"]), &set(&["d0"])),
-            None,
-            "d1 is a live peer"
-        );
-        assert_eq!(
-            co_target(&roles, "p0", &set(&[]), &set(&["d1", "d0"])),
-            Some("d0".to_string()),
-            "first ejected peer in config order"
-        );
-        assert_eq!(
-            co_target(&roles, "d0", &set(&[]), &set(&["d1"])),
-            None,
-            "d1 has the target's own role; p0 is held, not ejected"
-        );
-        let aggregated = vec![
-            ("e0".to_string(), Role::Decode),
-            ("e1".to_string(), Role::Decode),
-        ];
-        assert_eq!(co_target(&aggregated, "e0", &set(&[]), &set(&["e1"])), None);
-    }
-
-    #[test]
-    fn draining_a_roles_only_live_engine_says_how_traffic_is_served() {
-        assert_eq!(
-            sole_engine_warning(Backend::Vllm, Role::Prefill, "p0", true),
-            None
-        );
-        let w = sole_engine_warning(Backend::Vllm, Role::Prefill, "p0", false).unwrap();
-        assert!(w.starts_with("p0 was the only live prefill engine"), "{w}");
-        assert!(w.contains("aggregated on the decode engines"), "{w}");
-        let w = sole_engine_warning(Backend::Vllm, Role::Decode, "d0", false).unwrap();
-        assert!(w.contains("aggregated on the prefill engines"), "{w}");
-        let w = sole_engine_warning(Backend::Sglang, Role::Decode, "d0", false).unwrap();
-        assert!(w.contains("503 no_schedulable_engines"), "{w}");
-    }
-
-    #[test]
-    fn sglang_prefill_targets_refresh_their_bootstrap_port_before_release() {
-        let engines = vec![
-            ("p0".to_string(), Role::Prefill),
-            ("d0".to_string(), Role::Decode),
-            ("p1".to_string(), Role::Prefill),
-        ];
-        let all = ["p0".to_string(), "d0".to_string(), "p1".to_string()];
-        assert_eq!(bootstrap_refresh(Backend::Sglang, &engines, &all), [0, 2]);
-        assert_eq!(
-            bootstrap_refresh(Backend::Sglang, &engines, &["d0".to_string()]),
-            Vec::<usize>::new(),
-            "decode engines have no bootstrap server"
-        );
-        assert_eq!(
-            bootstrap_refresh(Backend::Vllm, &engines, &all),
-            Vec::<usize>::new(),
-            "vLLM has no rendezvous"
-        );
-    }
 
     /// ha-and-fencing.md: a router that does not control the fleet shows nothing actionable (no
     /// `ready_to_stop`, engine or wave) and names the controller it saw; the controlling one
@@ -1055,7 +452,7 @@ mod tests {
                             "d0": {"state": "active", "ready_to_stop": false}},
             })
         };
-        let c = crate::phase::Controller {
+        let c = crate::ha_phase::Controller {
             holder: "standby:9".into(),
             epoch: 4,
         };
@@ -1090,9 +487,9 @@ mod tests {
     #[tokio::test]
     async fn a_fenced_router_never_reports_ready_to_stop() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (parts, _clock) = crate::phase::tests::leased(dir.path());
+        let (parts, _clock) = crate::ha_phase::tests::leased(dir.path());
         assert_eq!(parts.ha.lease().claim().await, Ok(1));
-        parts.ha.publish(crate::phase::HaPhase::Active);
+        parts.ha.publish(crate::ha_phase::HaPhase::Active);
         // p0 drained with a recorded identity (as a drain with an agent leaves it).
         {
             let mut lc = parts.lifecycle.exec.lock();
@@ -1124,11 +521,13 @@ mod tests {
         assert_eq!(d["engines"]["p0"]["ready_to_stop"], false, "{d:#}");
         assert_eq!(d["engines"]["p0"]["state"], "drained");
         assert!(parts.lifecycle.gauges().iter().all(|(_, _, stop)| !stop));
-        let (status, d) = parts
-            .lifecycle
-            .drain(Bytes::from_static(br#"{"engines": ["d0"]}"#))
-            .await;
-        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        let (status, d) = crate::lifecycle::api::handle(
+            &parts.lifecycle,
+            crate::lifecycle::api::Action::Drain,
+            &bytes::Bytes::from_static(br#"{"engines": ["d0"]}"#),
+        )
+        .await;
+        assert_eq!(status, http::StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(d["error"], NOT_IN_CONTROL);
     }
 }

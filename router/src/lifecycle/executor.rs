@@ -19,8 +19,8 @@ use tokio::sync::Notify;
 
 use super::machine::{Lifecycle, Now};
 use crate::fleet::Fleet;
+use crate::ha_phase::Ha;
 use crate::journal::Journal;
-use crate::phase::Ha;
 use crate::readiness::Gate;
 
 /// The executor (see the module doc).
@@ -131,11 +131,11 @@ mod tests {
     use narwhal_shared::{Clock as _, ManualClock, SystemClock};
 
     use crate::config::Config;
+    use crate::ha_phase::HaPhase;
     use crate::journal::Journal;
     use crate::lifecycle::agents::Agents;
     use crate::lifecycle::machine::DrainRequest;
     use crate::parts::Parts;
-    use crate::phase::HaPhase;
     use narwhal_lease::{LeaseDriver, LeaseLoss};
 
     /// ha-and-fencing.md: a router that does not control the fleet writes no lifecycle events

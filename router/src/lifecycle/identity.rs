@@ -11,13 +11,13 @@
 use std::sync::Arc;
 
 use super::agents::{Agents, agent_error, ended};
-use super::check::CheckError;
+use super::check_error::CheckError;
 use super::events::{EventKind, LifecycleEvent};
 use super::executor::Executor;
 use super::machine::DrainState;
 use crate::breaker::EjectCause;
 use crate::fleet::Fleet;
-use crate::phase::{EpochScope, Ha};
+use crate::ha_phase::{EpochScope, Ha};
 use crate::placement::Exclusion;
 
 /// Reads process identities through the agents (cheap to clone: handles only).

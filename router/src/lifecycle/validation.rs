@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::check::CheckError;
+use super::check_error::CheckError;
 use super::machine::EngineOutcome;
 pub use crate::config::Role;
 

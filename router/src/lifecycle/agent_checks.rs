@@ -10,10 +10,10 @@ use narwhal_shared::{AgentClient, Fence, ProcessIdentity};
 use serde_json::Value;
 
 use super::agents::{Agents, agent_error, ended};
-use super::check::CheckError;
+use super::check_error::CheckError;
 use super::validation::{Attested, Checks, Identity};
 use crate::config::{Config, secs};
-use crate::phase::{EpochScope, Ha};
+use crate::ha_phase::{EpochScope, Ha};
 use crate::upstream::Upstream;
 
 /// [`Checks`] through the router's engine client (health) and the agents (everything signed),
