@@ -491,6 +491,9 @@ fn certificate_not_after(cfg: &Config) -> Vec<(String, i64)> {
 }
 
 #[cfg(test)]
+mod golden;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::breaker::{EjectCause, Observation};

@@ -371,6 +371,15 @@ impl LifecycleDriver {
         reply
     }
 
+    /// The 200 answer of an individual drain of `targets`, as `drain` builds it (golden tests,
+    /// `documents::golden`: a drain without agents is refused before it gets there).
+    #[cfg(test)]
+    pub(crate) fn drain_reply_for_test(&self, targets: &[String]) -> Reply {
+        let mut reply = self.reply(StatusCode::OK, "");
+        self.add_drain_warnings(targets, &mut reply.1);
+        reply
+    }
+
     /// Adds `warnings` to a drain's 200 document: a drained engine that was its role's only
     /// live engine leaves the fleet serving aggregated (or, for SGLang without a decode
     /// engine, not at all) until one returns (docs/operate.md; [`sole_engine_warning`]).
