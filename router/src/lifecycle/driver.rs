@@ -26,7 +26,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::StatusCode;
 use narwhal_shared::Clock;
-use serde_json::Value;
+use narwhal_shared::documents::Lifecycle as LifecycleDocument;
+use narwhal_shared::documents::{LifecycleReply, lifecycle::ControllerRef};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -68,7 +69,7 @@ pub(crate) enum RoleCheckError {
 }
 
 /// A lifecycle action's answer: status and the lifecycle document with its `error`.
-pub(crate) type Reply = (StatusCode, Value);
+pub(crate) type Reply = (StatusCode, LifecycleReply);
 
 /// The lifecycle part (see the module doc).
 pub(crate) struct LifecycleDriver {
@@ -190,7 +191,7 @@ impl LifecycleDriver {
 
     /// The lifecycle document, schema `narwhal.lifecycle` (handoff-and-lifecycle.md, "Lifecycle
     /// API"), with `error` (`""` on success).
-    pub(crate) fn document(&self, error: &str) -> Value {
+    pub(crate) fn document(&self, error: &str) -> LifecycleDocument {
         let gate = self.gate.view();
         let lc = self.exec.lock();
         let fleet = self.fleet();
@@ -225,7 +226,7 @@ impl LifecycleDriver {
     }
 
     fn reply(&self, status: StatusCode, error: &str) -> Reply {
-        (status, self.document(error))
+        (status, self.document(error).into())
     }
 
     /// Lifecycle gauges for `/metrics`: `(iid, state, ready_to_stop)` per engine
@@ -267,11 +268,14 @@ impl LifecycleDriver {
 
     /// A parsed action and the epoch scope it runs under, or its refusal: 400 for a bad
     /// body, 503 when this router does not control the fleet.
-    fn accept<T>(&self, parsed: Result<T, RequestError>) -> Result<(T, EpochScope), Reply> {
-        let req = parsed.map_err(|e| self.reply(StatusCode::BAD_REQUEST, &e.to_string()))?;
+    fn accept<T>(&self, parsed: Result<T, RequestError>) -> Result<(T, EpochScope), Box<Reply>> {
+        let req =
+            parsed.map_err(|e| Box::new(self.reply(StatusCode::BAD_REQUEST, &e.to_string())))?;
         match self.ha().scope() {
             Some(scope) => Ok((req, scope)),
-            None => Err(self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL)),
+            None => Err(Box::new(
+                self.reply(StatusCode::SERVICE_UNAVAILABLE, NOT_IN_CONTROL),
+            )),
         }
     }
 
@@ -280,7 +284,7 @@ impl LifecycleDriver {
     pub(crate) async fn drain(&self, body: Bytes) -> Reply {
         let (req, scope) = match self.accept(parse_drain(&body)) {
             Ok(r) => r,
-            Err(reply) => return reply,
+            Err(reply) => return *reply,
         };
         // An engine without an agent could be held out but never bound to a process identity,
         // so it could never be readmitted: refuse the drain instead of wedging it
@@ -383,7 +387,7 @@ impl LifecycleDriver {
     /// Adds `warnings` to a drain's 200 document: a drained engine that was its role's only
     /// live engine leaves the fleet serving aggregated (or, for SGLang without a decode
     /// engine, not at all) until one returns (docs/operate.md; [`sole_engine_warning`]).
-    fn add_drain_warnings(&self, targets: &[String], doc: &mut Value) {
+    fn add_drain_warnings(&self, targets: &[String], doc: &mut LifecycleReply) {
         let fleet = self.fleet();
         let warnings: Vec<String> = fleet.read(|state| {
             targets
@@ -400,9 +404,7 @@ impl LifecycleDriver {
                 })
                 .collect()
         });
-        if let Some(m) = doc.as_object_mut() {
-            m.insert("warnings".into(), Value::from(warnings));
-        }
+        doc.warnings = Some(warnings);
     }
 
     /// `POST /narwhal/lifecycle/readmit` (handoff-and-lifecycle.md, "Readmitting engines";
@@ -410,7 +412,7 @@ impl LifecycleDriver {
     pub(crate) async fn readmit(&self, body: Bytes) -> Reply {
         let (req, scope) = match self.accept(parse_readmit(&body)) {
             Ok(r) => r,
-            Err(reply) => return reply,
+            Err(reply) => return *reply,
         };
         let _serial = self.serial.lock().await;
         if !self.ha().live(&scope) {
@@ -458,7 +460,7 @@ impl LifecycleDriver {
     pub(crate) async fn cancel_drain(&self, body: Bytes) -> Reply {
         let (req, scope) = match self.accept(parse_readmit(&body)) {
             Ok(r) => r,
-            Err(reply) => return reply,
+            Err(reply) => return *reply,
         };
         let _serial = self.serial.lock().await;
         if !self.ha().live(&scope) {
@@ -600,12 +602,11 @@ impl LifecycleDriver {
         match (status, record) {
             (StatusCode::OK, Some(r)) => Ok(r.checks),
             (_, Some(r)) if !r.error.is_empty() => Err(RoleCheckError::Failed(r.error)),
-            _ => Err(RoleCheckError::Failed(
-                doc["error"]
-                    .as_str()
-                    .unwrap_or("role check failed")
-                    .to_string(),
-            )),
+            _ => Err(RoleCheckError::Failed(if doc.document.error.is_empty() {
+                "role check failed".to_string()
+            } else {
+                doc.document.error
+            })),
         }
     }
 
@@ -882,26 +883,24 @@ impl LifecycleDriver {
 /// in it is actionable (every `ready_to_stop` false, engine and wave), and `router.controller`
 /// names the router that controls the fleet when this one saw its lease record (`null`
 /// otherwise; the router itself when it controls).
-fn not_in_control(doc: &mut Value, controls: bool, controller: Option<&crate::phase::Controller>) {
-    let named = match controller {
-        Some(c) if !controls => serde_json::json!({"holder": c.holder, "epoch": c.epoch}),
-        _ => Value::Null,
+fn not_in_control(
+    doc: &mut LifecycleDocument,
+    controls: bool,
+    controller: Option<&crate::phase::Controller>,
+) {
+    doc.router.controller = match controller {
+        Some(c) if !controls => Some(ControllerRef {
+            holder: c.holder.clone(),
+            epoch: c.epoch,
+        }),
+        _ => None,
     };
-    if let Some(router) = doc.get_mut("router").and_then(Value::as_object_mut) {
-        router.insert("controller".into(), named);
-    }
     if controls {
         return;
     }
-    if let Some(wave) = doc.get_mut("wave").and_then(Value::as_object_mut) {
-        wave.insert("ready_to_stop".into(), Value::Bool(false));
-    }
-    if let Some(engines) = doc.get_mut("engines").and_then(Value::as_object_mut) {
-        for e in engines.values_mut() {
-            if let Some(e) = e.as_object_mut() {
-                e.insert("ready_to_stop".into(), Value::Bool(false));
-            }
-        }
+    doc.wave.ready_to_stop = false;
+    for e in doc.engines.values_mut() {
+        e.ready_to_stop = false;
     }
 }
 
@@ -1057,12 +1056,18 @@ mod tests {
     #[test]
     fn a_router_out_of_control_shows_nothing_actionable_and_names_the_controller() {
         let doc = || {
-            serde_json::json!({
-                "router": {"controls_fleet": "fenced", "ready": false},
-                "wave": {"id": "wave-1", "ready_to_stop": true},
-                "engines": {"p0": {"state": "drained", "ready_to_stop": true},
-                            "d0": {"state": "active", "ready_to_stop": false}},
-            })
+            let mut d = LifecycleDocument::default();
+            d.router.controls_fleet = "fenced".into();
+            d.wave.id = "wave-1".into();
+            d.wave.ready_to_stop = true;
+            let p0 = narwhal_shared::documents::lifecycle::Engine {
+                state: super::super::DrainState::Drained,
+                ready_to_stop: true,
+                ..Default::default()
+            };
+            d.engines.insert("p0".into(), p0);
+            d.engines.insert("d0".into(), Default::default());
+            d
         };
         let c = crate::phase::Controller {
             holder: "standby:9".into(),
@@ -1070,28 +1075,29 @@ mod tests {
         };
         let mut d = doc();
         not_in_control(&mut d, false, Some(&c));
-        assert_eq!(d["wave"]["ready_to_stop"], false);
-        assert_eq!(d["engines"]["p0"]["ready_to_stop"], false);
+        assert!(!d.wave.ready_to_stop);
+        assert!(!d.engines["p0"].ready_to_stop);
         assert_eq!(
-            d["engines"]["p0"]["state"], "drained",
+            d.engines["p0"].state,
+            super::super::DrainState::Drained,
             "the record is still shown"
         );
         assert_eq!(
-            d["router"]["controller"],
-            serde_json::json!({"holder": "standby:9", "epoch": 4})
+            d.router.controller,
+            Some(ControllerRef {
+                holder: "standby:9".into(),
+                epoch: 4
+            })
         );
         let mut d = doc();
         not_in_control(&mut d, false, None);
-        assert_eq!(d["router"]["controller"], Value::Null, "unknown");
-        assert_eq!(d["engines"]["p0"]["ready_to_stop"], false);
+        assert_eq!(d.router.controller, None, "unknown");
+        assert!(!d.engines["p0"].ready_to_stop);
         let mut d = doc();
         not_in_control(&mut d, true, Some(&c));
-        assert_eq!(
-            d["engines"]["p0"]["ready_to_stop"], true,
-            "in control: unchanged"
-        );
-        assert_eq!(d["wave"]["ready_to_stop"], true);
-        assert_eq!(d["router"]["controller"], Value::Null);
+        assert!(d.engines["p0"].ready_to_stop, "in control: unchanged");
+        assert!(d.wave.ready_to_stop);
+        assert_eq!(d.router.controller, None);
     }
 
     /// ha-and-fencing.md: a fenced router's lifecycle document and gauges say nothing may be
@@ -1119,7 +1125,7 @@ mod tests {
             parts.lifecycle.exec.commit(&mut lc);
         }
         let d = parts.lifecycle.document("");
-        assert_eq!(d["engines"]["p0"]["ready_to_stop"], true, "{d:#}");
+        assert!(d.engines["p0"].ready_to_stop, "{d:#?}");
         assert!(
             parts
                 .lifecycle
@@ -1129,15 +1135,15 @@ mod tests {
         );
         parts.ha.fence(&narwhal_lease::LeaseLoss::HeldByAnother);
         let d = parts.lifecycle.document("");
-        assert_eq!(d["router"]["controls_fleet"], "fenced");
-        assert_eq!(d["engines"]["p0"]["ready_to_stop"], false, "{d:#}");
-        assert_eq!(d["engines"]["p0"]["state"], "drained");
+        assert_eq!(d.router.controls_fleet, "fenced");
+        assert!(!d.engines["p0"].ready_to_stop, "{d:#?}");
+        assert_eq!(d.engines["p0"].state, super::super::DrainState::Drained);
         assert!(parts.lifecycle.gauges().iter().all(|(_, _, stop)| !stop));
         let (status, d) = parts
             .lifecycle
             .drain(Bytes::from_static(br#"{"engines": ["d0"]}"#))
             .await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(d["error"], NOT_IN_CONTROL);
+        assert_eq!(d.document.error, NOT_IN_CONTROL);
     }
 }
