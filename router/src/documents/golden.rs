@@ -174,6 +174,13 @@ fn ready_and_health() {
     golden("health_not_ready", &super::health(&parts));
 }
 
+/// `/narwhal/targets`: userinfo stripped, the URL path kept.
+#[test]
+fn targets() {
+    let (parts, _clock) = parts_over(fleet());
+    golden("targets", &super::targets(&parts.cfg));
+}
+
 #[test]
 fn state_individual() {
     let (parts, _clock, _resident) = individual();
