@@ -73,9 +73,8 @@ pub(crate) fn model_card(cfg: &Config, created: u64) -> Value {
 
 /// `/narwhal/targets` (behaviour.md 1.6): one Prometheus target group per engine, without
 /// URL credentials.
-pub(crate) fn targets(cfg: &Config) -> Value {
-    let groups: Vec<Value> = cfg
-        .engines
+pub(crate) fn targets(cfg: &Config) -> doc::Targets {
+    cfg.engines
         .iter()
         .map(|e| {
             let (scheme, rest) = e.url.split_once("://").unwrap_or(("http", e.url.as_str()));
@@ -84,18 +83,17 @@ pub(crate) fn targets(cfg: &Config) -> Value {
                 None => (rest, ""),
             };
             let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-            json!({
-                "targets": [host],
-                "labels": {
-                    "iid": e.iid,
-                    "backend": cfg.backend.as_str(),
-                    "__scheme__": scheme,
-                    "__metrics_path__": format!("{}/metrics", path.trim_end_matches('/')),
-                }
-            })
+            doc::TargetGroup {
+                targets: vec![host.to_string()],
+                labels: doc::targets::TargetLabels {
+                    iid: e.iid.clone(),
+                    backend: cfg.backend.as_str().to_string(),
+                    scheme: scheme.to_string(),
+                    metrics_path: format!("{}/metrics", path.trim_end_matches('/')),
+                },
+            }
         })
-        .collect();
-    Value::Array(groups)
+        .collect()
 }
 
 /// `/narwhal/state` (behaviour.md 1.7): the starred fields, others stubbed or omitted.
@@ -716,7 +714,7 @@ mod tests {
     fn targets_strip_userinfo_and_keep_the_path() {
         let p = parts();
         let t = targets(&p.cfg);
-        assert_eq!(t[0]["targets"], json!(["127.0.0.1:1"]));
-        assert_eq!(t[1]["labels"]["iid"], "d0");
+        assert_eq!(t[0].targets, ["127.0.0.1:1"]);
+        assert_eq!(t[1].labels.iid, "d0");
     }
 }

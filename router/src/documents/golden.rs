@@ -329,6 +329,7 @@ fn the_golden_files_parse_back_into_their_types() {
     for name in ["ready", "ready_not_ready"] {
         round_trip::<Ready>(name);
     }
+    round_trip::<narwhal_shared::documents::Targets>("targets");
     for name in ["health", "health_not_ready"] {
         round_trip::<Health>(name);
     }

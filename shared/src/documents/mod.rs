@@ -9,6 +9,7 @@
 //! | `GET /narwhal/lifecycle` | [`Lifecycle`] (`narwhal.lifecycle` v1) | [`lifecycle`] |
 //! | `POST /narwhal/lifecycle/{drain,readmit,cancel-drain}` | [`LifecycleReply`] | [`replies`] |
 //! | `GET /ready`, `GET /health` | [`Ready`], [`Health`] | [`ready`] |
+//! | `GET /narwhal/targets` | [`targets::Targets`] | [`targets`] |
 //! | the role controller's fields and decisions | [`ControllerReport`], [`Decision`] | [`controller`] |
 //!
 //! Serialisation keeps the bytes operators scrape: struct fields come in the order the router
@@ -23,6 +24,7 @@ mod ordered;
 pub mod ready;
 pub mod replies;
 pub mod state;
+pub mod targets;
 
 use serde::{Deserialize, Serialize};
 
@@ -32,6 +34,7 @@ pub use ordered::Ordered;
 pub use ready::{Health, Ready};
 pub use replies::{ErrorReply, LifecycleReply};
 pub use state::{STATE_SCHEMA, STATE_VERSION, State};
+pub use targets::{TargetGroup, Targets};
 
 /// The schema envelope `{schema, schema_version}` of a versioned document: what a reader looks
 /// at before it picks the type to parse a body as (`""` and 0 for a body without one).
