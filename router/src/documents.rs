@@ -1,6 +1,9 @@
 //! The documents the router renders from its parts' snapshots: `/ready`, `/health`,
 //! `/v1/models`, `/narwhal/targets`, `/narwhal/state` and `/metrics` (behaviour.md
 //! 1.3–1.7, 10). The lifecycle document is the lifecycle's own; the handoff is `handoff`'s.
+//! The control-plane documents are the types of `narwhal_shared::documents`, filled in here
+//! (and pinned byte for byte by the golden tests, `documents/golden.rs`); `/v1/models` is
+//! OpenAI's and stays JSON.
 //!
 //! ```text
 //!  Gate (HA phase, lifecycle hold, live) ─┐

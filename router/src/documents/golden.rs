@@ -5,7 +5,9 @@
 //! same commit, on purpose; `NARWHAL_BLESS_GOLDEN=1` rewrites the files from the code.
 //!
 //! The files hold the pretty rendering (`serde_json::to_string_pretty`); each test also checks
-//! the compact bytes the routes send (`response::json_response`) against the same file.
+//! the compact bytes the routes send (`response::json_response`) against the same file, and
+//! every file parses back into its type in `narwhal_shared::documents` unchanged (what
+//! narwhalctl and the test kit read).
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -36,8 +36,8 @@ impl From<Lifecycle> for LifecycleReply {
 }
 
 /// An error body in the OpenAI shape, `{"error": {"message", "type"}}`: `/narwhal/state` and
-/// `/narwhal/handoff` when their totals could not be made durable (behaviour.md 1.7), the
-/// control listener's 404 and 405.
+/// `/narwhal/handoff` when their totals could not be made durable (behaviour.md 1.7), and the
+/// 404 and 405 of either listener.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ErrorReply {
