@@ -1,6 +1,9 @@
 //! The documents the router renders from its parts' snapshots: `/ready`, `/health`,
 //! `/v1/models`, `/narwhal/targets`, `/narwhal/state` and `/metrics` (behaviour.md
 //! 1.3–1.7, 10). The lifecycle document is the lifecycle's own; the handoff is `handoff`'s.
+//! The control-plane documents are the types of `narwhal_shared::documents`, filled in here
+//! (and pinned byte for byte by the golden tests, `documents/golden.rs`); `/v1/models` is
+//! OpenAI's and stays JSON.
 //!
 //! ```text
 //!  Gate (HA phase, lifecycle hold, live) ─┐
@@ -8,6 +11,11 @@
 //!  Accounting, Admission, Lifecycle ──────┘
 //! ```
 
+use std::collections::BTreeMap;
+
+use narwhal_shared::documents::lifecycle::Resident;
+use narwhal_shared::documents::ready::{NOT_READY, READY};
+use narwhal_shared::documents::{self as doc, Ordered, state};
 use serde_json::{Value, json};
 
 use crate::breaker::FailureClass;
@@ -18,18 +26,18 @@ use crate::parts::Parts;
 use crate::placement::{EngineSlot, Exclusion};
 
 /// `/ready` (behaviour.md 1.3): whether ready, and the body.
-pub(crate) fn ready(parts: &Parts) -> (bool, Value) {
+pub(crate) fn ready(parts: &Parts) -> (bool, doc::Ready) {
     let view = parts.gate.view();
     let r = &view.readiness;
     (
         r.ready,
-        json!({
-            "status": if r.ready { "ready" } else { "not_ready" },
-            "control_ready": r.control_ready,
-            "epoch": view.ha.status.epoch,
-            "holder": shown_holder(&view.ha.status),
-            "reason": r.reason,
-        }),
+        doc::Ready {
+            status: if r.ready { READY } else { NOT_READY }.to_string(),
+            control_ready: r.control_ready,
+            epoch: view.ha.status.epoch,
+            holder: shown_holder(&view.ha.status).to_string(),
+            reason: r.reason.clone(),
+        },
     )
 }
 
@@ -45,13 +53,13 @@ fn shown_holder(status: &crate::ha_phase::HaStatus) -> &str {
 }
 
 /// `/health` (behaviour.md 1.4).
-pub(crate) fn health(parts: &Parts) -> Value {
+pub(crate) fn health(parts: &Parts) -> doc::Health {
     let view = parts.gate.view();
-    json!({
-        "status": view.health(),
-        "instances": parts.cfg.engines.len(),
-        "available_instances": view.live,
-    })
+    doc::Health {
+        status: view.health().to_string(),
+        instances: parts.cfg.engines.len() as u64,
+        available_instances: view.live as u64,
+    }
 }
 
 /// `/v1/models` (behaviour.md 1.5), each model with OpenAI's `created` (Unix seconds; the
@@ -68,9 +76,8 @@ pub(crate) fn model_card(cfg: &Config, created: u64) -> Value {
 
 /// `/narwhal/targets` (behaviour.md 1.6): one Prometheus target group per engine, without
 /// URL credentials.
-pub(crate) fn targets(cfg: &Config) -> Value {
-    let groups: Vec<Value> = cfg
-        .engines
+pub(crate) fn targets(cfg: &Config) -> doc::Targets {
+    cfg.engines
         .iter()
         .map(|e| {
             let (scheme, rest) = e.url.split_once("://").unwrap_or(("http", e.url.as_str()));
@@ -79,218 +86,271 @@ pub(crate) fn targets(cfg: &Config) -> Value {
                 None => (rest, ""),
             };
             let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-            json!({
-                "targets": [host],
-                "labels": {
-                    "iid": e.iid,
-                    "backend": cfg.backend.as_str(),
-                    "__scheme__": scheme,
-                    "__metrics_path__": format!("{}/metrics", path.trim_end_matches('/')),
-                }
-            })
+            doc::TargetGroup {
+                targets: vec![host.to_string()],
+                labels: doc::targets::TargetLabels {
+                    iid: e.iid.clone(),
+                    backend: cfg.backend.as_str().to_string(),
+                    scheme: scheme.to_string(),
+                    metrics_path: format!("{}/metrics", path.trim_end_matches('/')),
+                },
+            }
         })
-        .collect();
-    Value::Array(groups)
+        .collect()
 }
 
 /// `/narwhal/state` (behaviour.md 1.7): the starred fields, others stubbed or omitted.
-pub(crate) fn state(parts: &Parts) -> Value {
+pub(crate) fn state(parts: &Parts) -> doc::State {
     let gate = parts.gate.view();
     let ready = gate.readiness.ready;
-    // The lifecycle view: the lifecycle document minus its envelope (behaviour.md 1.7).
-    let mut lifecycle_view = parts.lifecycle.document("");
-    if let Some(m) = lifecycle_view.as_object_mut() {
-        for k in ["schema", "schema_version", "error"] {
-            m.remove(k);
-        }
-    }
     let ha = &gate.ha.status;
     let tally = parts.accounting.tally();
     let cfg = &parts.cfg;
-    let names: Vec<&str> = cfg.engines.iter().map(|e| e.iid.as_str()).collect();
-    let fleet = parts.fleet.read(|fleet| {
-        let sorted_by = |pred: &dyn Fn(&EngineSlot) -> bool| {
-            let mut v: Vec<&str> = fleet
-                .slots()
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| pred(s))
-                .map(|(i, _)| names[i])
-                .collect();
-            v.sort_unstable();
-            v
-        };
-        let mut degraded: Vec<&str> = (0..names.len())
-            .filter(|i| fleet.breaker().is_degraded(*i))
-            .map(|i| names[i])
-            .collect();
-        degraded.sort_unstable();
-        let mut inference_sources = serde_json::Map::new();
-        let mut inference_holds = Vec::new();
-        for (i, set) in fleet.suspects().iter().enumerate() {
-            if !set.is_empty() {
-                let producers: Vec<&String> = set.iter().collect();
-                inference_sources.insert(names[i].into(), json!(producers));
-                inference_holds.push(json!({"iid": names[i], "recorded_producers": producers}));
-            }
-        }
-        let mut resident = serde_json::Map::new();
-        let mut failures = serde_json::Map::new();
-        let mut order: Vec<usize> = (0..names.len()).collect();
-        order.sort_by_key(|i| names[*i]);
-        for i in order {
-            let s = &fleet.slots()[i];
-            resident.insert(
-                names[i].into(),
-                json!({"prefill": s.resident_prefill, "decode": s.resident_decode}),
-            );
-            let streaks: serde_json::Map<String, Value> = FailureClass::ALL
-                .iter()
-                .map(|c| {
-                    (
-                        c.as_str().to_string(),
-                        Value::from(fleet.breaker().streak(i, *c)),
-                    )
-                })
-                .chain(std::iter::once((
-                    "liveness".to_string(),
-                    Value::from(fleet.breaker().misses(i)),
-                )))
-                .collect();
-            failures.insert(names[i].into(), Value::Object(streaks));
-        }
-        let ejections: Vec<Value> = fleet
-            .breaker()
-            .ejections()
-            .iter()
-            .map(|((i, cause), n)| json!({"iid": names[*i], "cause": cause.as_str(), "count": n}))
-            .collect();
-        let readmissions: Vec<Value> = fleet
-            .breaker()
-            .readmissions()
-            .iter()
-            .map(|((i, evidence), n)| json!({"iid": names[*i], "evidence": evidence, "count": n}))
-            .collect();
-        json!({
-            "ejected": sorted_by(&|s| s.excluded.contains(&Exclusion::Ejected)),
-            "draining": sorted_by(&|s| s.excluded.contains(&Exclusion::Draining)),
-            "awaiting_health": sorted_by(&|s| s.excluded.contains(&Exclusion::AwaitingHealth)),
-            "degraded": degraded,
-            "prefill": sorted_by(&|s| s.role == Role::Prefill),
-            "decode": sorted_by(&|s| s.role == Role::Decode),
-            "inference_sources": inference_sources,
-            "inference_holds": inference_holds,
-            "resident": resident,
-            "failures": failures,
-            "ejections": ejections,
-            "readmissions": readmissions,
-        })
-    });
+    let fleet = fleet_view(parts);
     let st = parts.accounting.serving();
-    let attempt_failures: Vec<Value> = st
+    let attempt_failures = st
         .attempt_failures
         .iter()
-        .map(|((phase, reason), n)| json!({"phase": phase, "reason": reason, "count": n}))
+        .map(|((phase, reason), n)| state::AttemptFailure {
+            phase: (*phase).to_string(),
+            reason: (*reason).to_string(),
+            count: *n,
+        })
         .collect();
-    let mut pinned: Vec<&str> = cfg
+    let mut pinned: Vec<String> = cfg
         .engines
         .iter()
         .filter(|e| e.pin)
-        .map(|e| e.iid.as_str())
+        .map(|e| e.iid.clone())
         .collect();
     pinned.sort_unstable();
     let adm = parts.admission.stats();
     let resume = parts.ha.resume_refused();
-    let mut doc = json!({
-        "schema": "narwhal.state",
-        "schema_version": 1,
-        "journal_run": parts.journal.run(),
-        "served": tally.served,
-        "slo_met": tally.slo_met,
-        "offered": tally.offered,
-        "unsized_offered": tally.unsized_offered,
-        "expired": tally.expired,
-        "failed": tally.failed,
-        "cancelled": tally.cancelled,
-        "invalid_requests": tally.invalid_requests,
-        "rejected": tally.rejected,
-        "refused": tally.refused,
-        "token_accounting": "token_ids",
-        "ha": {
-            "ready": ready,
-            "standby": ha.phase.standby(),
-            "epoch": ha.epoch,
-            "holder": shown_holder(ha),
-            "blocked": ha.phase.blocked(),
-            "controls_fleet": gate.ha.controls,
-            "resume": {"refused": resume.is_some(), "reason": resume.unwrap_or("")},
+    doc::State {
+        schema: doc::STATE_SCHEMA.to_string(),
+        schema_version: doc::STATE_VERSION,
+        journal_run: parts.journal.run().to_string(),
+        served: tally.served,
+        slo_met: tally.slo_met,
+        offered: tally.offered,
+        unsized_offered: tally.unsized_offered,
+        expired: tally.expired,
+        failed: tally.failed,
+        cancelled: tally.cancelled,
+        invalid_requests: tally.invalid_requests,
+        rejected: tally.rejected,
+        refused: tally.refused,
+        token_accounting: "token_ids".to_string(),
+        ha: state::Ha {
+            ready,
+            standby: ha.phase.standby(),
+            epoch: ha.epoch,
+            holder: shown_holder(ha).to_string(),
+            blocked: ha.phase.blocked().to_string(),
+            controls_fleet: gate.ha.controls,
+            resume: state::Resume {
+                refused: resume.is_some(),
+                reason: resume.unwrap_or("").to_string(),
+            },
         },
-        "lifecycle": lifecycle_view,
-        "admission": {
-            "inflight": adm.inflight,
-            "queued": adm.queued,
-            "queue_capacity": cfg.serving.queue_capacity,
-            "queue_high_water": adm.queue_high_water,
-            "waiting_prefill": parts.controller.waiting_prefill().unwrap_or(adm.queued),
-            "limit": adm.limit,
-            "loop_lag_s": 0.0,
-            "sizing_delay_s": 0.0,
-            "saturation_threshold_s": 0.25 * cfg.slo.ttft_s,
-            "rejected": tally.rejected,
-            "refused": tally.refused,
-            "engine_auth": if cfg.engine.engine_api_key.is_some() { "bearer" } else { "boundary" },
-            "mode": cfg.serving.admission.as_str(),
-            "margin": cfg.serving.admission_margin,
+        // The lifecycle view: the lifecycle document minus its envelope (behaviour.md 1.7).
+        lifecycle: parts.lifecycle.document("").into_view(),
+        admission: state::Admission {
+            inflight: adm.inflight as u64,
+            queued: adm.queued as u64,
+            queue_capacity: cfg.serving.queue_capacity,
+            queue_high_water: adm.queue_high_water as u64,
+            waiting_prefill: parts.controller.waiting_prefill().unwrap_or(adm.queued) as u64,
+            limit: adm.limit as u64,
+            loop_lag_s: 0.0,
+            sizing_delay_s: 0.0,
+            saturation_threshold_s: 0.25 * cfg.slo.ttft_s,
+            rejected: tally.rejected,
+            refused: tally.refused,
+            engine_auth: if cfg.engine.engine_api_key.is_some() {
+                "bearer"
+            } else {
+                "boundary"
+            }
+            .to_string(),
+            mode: cfg.serving.admission.as_str().to_string(),
+            margin: cfg.serving.admission_margin,
         },
-        "outcome_reasons": tally.reasons_json(),
-        "serving": {
-            "http_retained": adm.retained,
-            "http_retained_limit": adm.retained_limit,
-            "http_retained_high_water": adm.retained_high_water,
-            "prefill_attempts": st.prefill_attempts,
-            "decode_attempts": st.decode_attempts,
-            "retry_attempts": st.retry_attempts,
-            "retry_credits": parts.accounting.budget().credits(),
-            "retry_credits_spent": st.retry_credits_spent,
-            "retry_denied": st.retry_denied,
-            "served_after_retry": tally.served_after_retry,
-            "attempt_failures": attempt_failures,
-            "decode_tokens_observed": st.decode_tokens_observed,
-            "upstream_seconds": {"prefill": st.upstream_prefill_s, "decode": st.upstream_decode_s},
+        outcome_reasons: tally.reasons(),
+        serving: state::Serving {
+            http_retained: adm.retained as u64,
+            http_retained_limit: adm.retained_limit as u64,
+            http_retained_high_water: adm.retained_high_water as u64,
+            prefill_attempts: st.prefill_attempts,
+            decode_attempts: st.decode_attempts,
+            retry_attempts: st.retry_attempts,
+            retry_credits: parts.accounting.budget().credits(),
+            retry_credits_spent: st.retry_credits_spent,
+            retry_denied: st.retry_denied,
+            served_after_retry: tally.served_after_retry,
+            attempt_failures,
+            decode_tokens_observed: st.decode_tokens_observed,
+            upstream_seconds: state::UpstreamSeconds {
+                prefill: st.upstream_prefill_s,
+                decode: st.upstream_decode_s,
+            },
         },
-        "pools": {"prefill": fleet["prefill"], "decode": fleet["decode"]},
-        "slo": {"ttft_s": cfg.slo.ttft_s, "tpot_s": cfg.slo.tpot_s},
-        "first_token_timeout_s": cfg.engine.first_token_timeout_s,
-        "resident": fleet["resident"],
-        "pinned": pinned,
-        "min_prefill": cfg.controller.min_prefill,
-        "min_decode": cfg.controller.min_decode,
-        "ejected": fleet["ejected"],
-        "draining": fleet["draining"],
-        "quarantined": [],
-        "holds": {"timed": [], "inference": fleet["inference_holds"]},
-        "inference_sources": fleet["inference_sources"],
-        "breaker": {
-            "failures": fleet["failures"],
-            "verifying": [],
-            "ejections": fleet["ejections"],
-            "hold_starts": [],
-            "hold_ends": [],
-            "probes": [],
-            "readmissions": fleet["readmissions"],
+        pools: state::Pools {
+            prefill: fleet.prefill,
+            decode: fleet.decode,
         },
-        "unserved": parts.accounting.unserved(),
-        "journal_dropped": parts.journal.dropped(),
-        "journal_writes_failing": parts.journal.writes_failing(),
-    });
-    // The health gate and the ejection bound (docs/deviations.md).
-    doc["awaiting_health"] = fleet["awaiting_health"].clone();
-    doc["degraded"] = fleet["degraded"].clone();
-    // The role controller's fields (controller.md 13), live, or absent when it is off.
-    if let Some(m) = doc.as_object_mut() {
-        m.extend(parts.controller.state());
+        slo: state::Slo {
+            ttft_s: cfg.slo.ttft_s,
+            tpot_s: cfg.slo.tpot_s,
+        },
+        first_token_timeout_s: cfg.engine.first_token_timeout_s,
+        resident: fleet.resident,
+        pinned,
+        min_prefill: u64::from(cfg.controller.min_prefill),
+        min_decode: u64::from(cfg.controller.min_decode),
+        ejected: fleet.ejected,
+        draining: fleet.draining,
+        quarantined: Vec::new(),
+        holds: state::Holds {
+            timed: Vec::new(),
+            inference: fleet.inference_holds,
+        },
+        inference_sources: fleet.inference_sources,
+        breaker: state::Breaker {
+            failures: fleet.failures,
+            verifying: Vec::new(),
+            ejections: fleet.ejections,
+            hold_starts: Vec::new(),
+            hold_ends: Vec::new(),
+            probes: Vec::new(),
+            readmissions: fleet.readmissions,
+        },
+        unserved: parts.accounting.unserved(),
+        journal_dropped: parts.journal.dropped(),
+        journal_writes_failing: parts.journal.writes_failing(),
+        // The health gate and the ejection bound (docs/deviations.md).
+        awaiting_health: fleet.awaiting_health,
+        degraded: fleet.degraded,
+        // The role controller's fields (controller.md 13), live, or absent when it is off.
+        controller: parts.controller.state(),
     }
-    doc
+}
+
+/// What `/narwhal/state` shows of the fleet, read under one lock: engine lists sorted by id,
+/// suspects in config order.
+struct FleetView {
+    ejected: Vec<String>,
+    draining: Vec<String>,
+    awaiting_health: Vec<String>,
+    degraded: Vec<String>,
+    prefill: Vec<String>,
+    decode: Vec<String>,
+    inference_sources: Ordered<Vec<String>>,
+    inference_holds: Vec<state::InferenceHold>,
+    resident: BTreeMap<String, Resident>,
+    failures: BTreeMap<String, state::Streaks>,
+    ejections: Vec<state::Ejection>,
+    readmissions: Vec<state::Readmission>,
+}
+
+/// The field of `streaks` that counts `class` (a new class fails to compile here until the
+/// document has its field).
+fn streak_of(streaks: &mut state::Streaks, class: FailureClass) -> &mut u64 {
+    match class {
+        FailureClass::Connection => &mut streaks.connection,
+        FailureClass::Timeout => &mut streaks.timeout,
+        FailureClass::Overload => &mut streaks.overload,
+        FailureClass::InferenceStatus => &mut streaks.inference_status,
+        FailureClass::KvHandoff => &mut streaks.kv_handoff,
+        FailureClass::Stream => &mut streaks.stream,
+    }
+}
+
+/// The fleet part of `/narwhal/state` ([`FleetView`]).
+fn fleet_view(parts: &Parts) -> FleetView {
+    let names: Vec<&str> = parts.cfg.engines.iter().map(|e| e.iid.as_str()).collect();
+    parts.fleet.read(|fleet| {
+        let sorted_by = |pred: &dyn Fn(&EngineSlot) -> bool| {
+            let mut v: Vec<String> = fleet
+                .slots()
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| pred(s))
+                .map(|(i, _)| names[i].to_string())
+                .collect();
+            v.sort_unstable();
+            v
+        };
+        let mut degraded: Vec<String> = (0..names.len())
+            .filter(|i| fleet.breaker().is_degraded(*i))
+            .map(|i| names[i].to_string())
+            .collect();
+        degraded.sort_unstable();
+        let mut inference_sources = Ordered::new();
+        let mut inference_holds = Vec::new();
+        for (i, set) in fleet.suspects().iter().enumerate() {
+            if !set.is_empty() {
+                let producers: Vec<String> = set.iter().cloned().collect();
+                inference_sources.insert(names[i], producers.clone());
+                inference_holds.push(state::InferenceHold {
+                    iid: names[i].to_string(),
+                    recorded_producers: producers,
+                });
+            }
+        }
+        let breaker = fleet.breaker();
+        let mut resident = BTreeMap::new();
+        let mut failures = BTreeMap::new();
+        for (i, s) in fleet.slots().iter().enumerate() {
+            resident.insert(
+                names[i].to_string(),
+                Resident {
+                    prefill: u64::from(s.resident_prefill),
+                    decode: u64::from(s.resident_decode),
+                },
+            );
+            let mut streaks = state::Streaks {
+                liveness: u64::from(breaker.misses(i)),
+                ..state::Streaks::default()
+            };
+            for c in FailureClass::ALL {
+                *streak_of(&mut streaks, c) = u64::from(breaker.streak(i, c));
+            }
+            failures.insert(names[i].to_string(), streaks);
+        }
+        let ejections = breaker
+            .ejections()
+            .iter()
+            .map(|((i, cause), n)| state::Ejection {
+                iid: names[*i].to_string(),
+                cause: cause.as_str().to_string(),
+                count: *n,
+            })
+            .collect();
+        let readmissions = breaker
+            .readmissions()
+            .iter()
+            .map(|((i, evidence), n)| state::Readmission {
+                iid: names[*i].to_string(),
+                evidence: evidence.to_string(),
+                count: *n,
+            })
+            .collect();
+        FleetView {
+            ejected: sorted_by(&|s| s.excluded.contains(&Exclusion::Ejected)),
+            draining: sorted_by(&|s| s.excluded.contains(&Exclusion::Draining)),
+            awaiting_health: sorted_by(&|s| s.excluded.contains(&Exclusion::AwaitingHealth)),
+            degraded,
+            prefill: sorted_by(&|s| s.role == Role::Prefill),
+            decode: sorted_by(&|s| s.role == Role::Decode),
+            inference_sources,
+            inference_holds,
+            resident,
+            failures,
+            ejections,
+            readmissions,
+        }
+    })
 }
 
 /// Refreshes the scrape-time gauges and renders `/metrics` (behaviour.md 10).
@@ -492,9 +552,30 @@ fn certificate_not_after(cfg: &Config) -> Vec<(String, i64)> {
 }
 
 #[cfg(test)]
+mod golden;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::breaker::{EjectCause, Observation};
+
+    // These tests read the documents as they are sent.
+    fn wire<T: serde::Serialize>(doc: T) -> Value {
+        serde_json::to_value(doc).expect("serialises")
+    }
+
+    fn ready(p: &Parts) -> (bool, Value) {
+        let (ok, doc) = super::ready(p);
+        (ok, wire(doc))
+    }
+
+    fn health(p: &Parts) -> Value {
+        wire(super::health(p))
+    }
+
+    fn state(p: &Parts) -> Value {
+        wire(super::state(p))
+    }
     use narwhal_shared::{Clock as _, ManualClock, SystemClock};
     use std::sync::Arc;
 
@@ -637,7 +718,7 @@ mod tests {
     fn targets_strip_userinfo_and_keep_the_path() {
         let p = parts();
         let t = targets(&p.cfg);
-        assert_eq!(t[0]["targets"], json!(["127.0.0.1:1"]));
-        assert_eq!(t[1]["labels"]["iid"], "d0");
+        assert_eq!(t[0].targets, ["127.0.0.1:1"]);
+        assert_eq!(t[1].labels.iid, "d0");
     }
 }

@@ -35,11 +35,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::StatusCode;
+use narwhal_shared::documents::{ErrorReply, LifecycleReply};
 use narwhal_shared::handoff::{
     COUNTERS, Handoff, HandoffError, Loaded, PersistError, REASON_TERMINALS, load_state_file,
     write_state_file,
 };
-use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Role;
@@ -400,9 +400,9 @@ pub(crate) async fn publish(parts: &Parts, takeover: bool) -> Result<bool, Publi
 pub(crate) async fn acknowledge(
     parts: &Parts,
     status: StatusCode,
-    doc: Value,
+    doc: LifecycleReply,
     scope: Option<&EpochScope>,
-) -> (StatusCode, Value) {
+) -> (StatusCode, LifecycleReply) {
     if status != StatusCode::OK {
         return (status, doc);
     }
@@ -416,7 +416,7 @@ pub(crate) async fn acknowledge(
             );
             (
                 StatusCode::SERVICE_UNAVAILABLE,
-                parts.lifecycle.document(&why),
+                parts.lifecycle.document(&why).into(),
             )
         }
         Err(e) => {
@@ -426,7 +426,7 @@ pub(crate) async fn acknowledge(
             );
             (
                 StatusCode::SERVICE_UNAVAILABLE,
-                parts.lifecycle.document(&why),
+                parts.lifecycle.document(&why).into(),
             )
         }
     }
@@ -436,27 +436,27 @@ pub(crate) async fn acknowledge(
 /// rendered and then made durable (ha-and-fencing.md: totals never go backwards at a takeover
 /// for a client reading the router that controls the fleet). The snapshot published is taken
 /// after rendering, so it holds at least every total the document shows. When the publish fails
-/// the document is rendered again; if the router still claims control then, the answer is a
-/// 503 naming why instead of totals a successor might not restore.
-pub(crate) async fn durable_document(
+/// the document is rendered again; if the router still claims control then, the answer is the
+/// 503 body naming why instead of totals a successor might not restore (behaviour.md 1.7).
+///
+/// # Errors
+/// The 503 body ([`ErrorReply`], type `unavailable`) when the totals could not be made durable.
+pub(crate) async fn durable_document<T>(
     parts: &Parts,
-    render: impl Fn(&Parts) -> Value,
-) -> (StatusCode, Value) {
+    render: impl Fn(&Parts) -> T,
+) -> Result<T, ErrorReply> {
     let doc = render(parts);
     if !parts.ha.controls_fleet() {
-        return (StatusCode::OK, doc);
+        return Ok(doc);
     }
     match publish(parts, false).await {
-        Ok(_) => (StatusCode::OK, doc),
+        Ok(_) => Ok(doc),
         Err(e) => {
             if !parts.ha.controls_fleet() {
-                return (StatusCode::OK, render(parts));
+                return Ok(render(parts));
             }
             let message = format!("totals could not be made durable: {e}");
-            (
-                StatusCode::SERVICE_UNAVAILABLE,
-                json!({"error": {"message": message, "type": "unavailable"}}),
-            )
+            Err(ErrorReply::new(message, "unavailable"))
         }
     }
 }
@@ -588,6 +588,11 @@ mod tests {
         (parts, clock)
     }
 
+    /// A lifecycle action's answer as the driver gives it (its body does not matter here).
+    fn ok() -> LifecycleReply {
+        LifecycleReply::default()
+    }
+
     fn served(parts: &Parts, n: u64) {
         let mut h = snapshot(parts);
         h.counters.insert("served".into(), n);
@@ -653,16 +658,16 @@ mod tests {
         clock.advance(Duration::from_secs(60));
         assert_eq!(parts.ha.lease().claim().await, Ok(2));
         parts.ha.publish(crate::ha_phase::HaPhase::Active);
-        let (status, doc) = acknowledge(&parts, StatusCode::OK, json!({}), Some(&scope)).await;
-        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{doc}");
-        let error = doc["error"].as_str().unwrap_or_default();
+        let (status, doc) = acknowledge(&parts, StatusCode::OK, ok(), Some(&scope)).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{doc:?}");
+        let error = &doc.document.error;
         assert!(
             error.starts_with("not acknowledged: control under epoch 1"),
             "{error}"
         );
         let now = parts.ha.scope().expect("in control again");
         assert_eq!(now.epoch(), 2);
-        let (status, _) = acknowledge(&parts, StatusCode::OK, json!({}), Some(&now)).await;
+        let (status, _) = acknowledge(&parts, StatusCode::OK, ok(), Some(&now)).await;
         assert_eq!(status, StatusCode::OK);
     }
 
@@ -675,17 +680,17 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let (parts, _clock) = in_control(dir.path()).await;
         served(&parts, 7);
-        let (status, doc) = durable_document(&parts, crate::documents::state).await;
-        assert_eq!((status, &doc["served"]), (StatusCode::OK, &json!(7)));
+        let doc = durable_document(&parts, crate::documents::state).await;
+        assert_eq!(doc.map(|d| d.served), Ok(7));
         let (_, stored) = read_published(&parts).await.expect("store");
         assert_eq!(stored.expect("published").counters["served"], 7);
         served(&parts, 8);
         let scope = parts.ha.scope().expect("in control");
-        let (status, _) = acknowledge(&parts, StatusCode::OK, json!({}), Some(&scope)).await;
+        let (status, _) = acknowledge(&parts, StatusCode::OK, ok(), Some(&scope)).await;
         assert_eq!(status, StatusCode::OK);
         let (_, stored) = read_published(&parts).await.expect("store");
         assert_eq!(stored.expect("published").counters["served"], 8);
-        let (status, _) = acknowledge(&parts, StatusCode::CONFLICT, json!({"x": 1}), None).await;
+        let (status, _) = acknowledge(&parts, StatusCode::CONFLICT, ok(), None).await;
         assert_eq!(status, StatusCode::CONFLICT, "refusals pass as they are");
         // The record becomes another router's: nothing more is acknowledged.
         let other = serde_json::json!({"epoch": 2, "expires_at": 1.0e9 + 60.0,
@@ -693,14 +698,15 @@ mod tests {
             "updated_at": 1.0e9});
         std::fs::write(dir.path().join("lease.json"), format!("{other}\n")).expect("write");
         served(&parts, 9);
-        let (status, doc) = acknowledge(&parts, StatusCode::OK, json!({}), Some(&scope)).await;
+        let (status, doc) = acknowledge(&parts, StatusCode::OK, ok(), Some(&scope)).await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-        let error = doc["error"].as_str().unwrap_or_default();
+        let error = &doc.document.error;
         assert!(error.starts_with("not acknowledged: "), "{error}");
         assert!(error.contains("lease held by another router"), "{error}");
         // The fenced router shows its totals as a router that does not control the fleet.
-        let (status, doc) = durable_document(&parts, crate::documents::state).await;
-        assert_eq!(status, StatusCode::OK);
-        assert_eq!(doc["ha"]["controls_fleet"], false, "{doc}");
+        let doc = durable_document(&parts, crate::documents::state)
+            .await
+            .expect("not in control: nothing to make durable");
+        assert!(!doc.ha.controls_fleet, "{doc:?}");
     }
 }

@@ -27,6 +27,8 @@ use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use narwhal_shared::documents::ErrorReply;
+
 use crate::documents;
 use crate::ingress::Endpoint;
 use crate::lifecycle::api::{self, Action};
@@ -113,18 +115,16 @@ async fn route(parts: Arc<Parts>, side: Side, mut req: Request<Incoming>) -> Res
         }
         (Side::Control, Method::GET, "/narwhal/state") => {
             // Totals shown are durable first (ha-and-fencing.md; handoff::durable_document).
-            let (status, doc) = crate::handoff::durable_document(&parts, documents::state).await;
-            json_response(status, &doc, &rid)
+            match crate::handoff::durable_document(&parts, documents::state).await {
+                Ok(doc) => json_response(StatusCode::OK, &doc, &rid),
+                Err(e) => json_response(StatusCode::SERVICE_UNAVAILABLE, &e, &rid),
+            }
         }
         (Side::Control, Method::GET, "/narwhal/handoff") => {
-            let render = |p: &Parts| match serde_json::to_value(crate::handoff::snapshot(p)) {
-                Ok(v) => v,
-                Err(e) => {
-                    json!({"error": {"message": format!("handoff: {e}"), "type": "internal"}})
-                }
-            };
-            let (status, doc) = crate::handoff::durable_document(&parts, render).await;
-            json_response(status, &doc, &rid)
+            match crate::handoff::durable_document(&parts, crate::handoff::snapshot).await {
+                Ok(doc) => json_response(StatusCode::OK, &doc, &rid),
+                Err(e) => json_response(StatusCode::SERVICE_UNAVAILABLE, &e, &rid),
+            }
         }
         (Side::Control, Method::GET, "/narwhal/lifecycle") => {
             json_response(StatusCode::OK, &parts.lifecycle.document(""), &rid)
@@ -193,7 +193,10 @@ async fn route(parts: Arc<Parts>, side: Side, mut req: Request<Incoming>) -> Res
             Some(allow) => {
                 let mut r = json_response(
                     StatusCode::METHOD_NOT_ALLOWED,
-                    &json!({"error": {"message": format!("method {m} not allowed on {p} (allowed: {allow})"), "type": "invalid_request_error"}}),
+                    &ErrorReply::new(
+                        format!("method {m} not allowed on {p} (allowed: {allow})"),
+                        "invalid_request_error",
+                    ),
                     &rid,
                 );
                 r.headers_mut()
@@ -202,7 +205,7 @@ async fn route(parts: Arc<Parts>, side: Side, mut req: Request<Incoming>) -> Res
             }
             None => json_response(
                 StatusCode::NOT_FOUND,
-                &json!({"error": {"message": format!("no route {p} on this listener"), "type": "not_found"}}),
+                &ErrorReply::new(format!("no route {p} on this listener"), "not_found"),
                 &rid,
             ),
         },

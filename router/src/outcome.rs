@@ -12,6 +12,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use narwhal_shared::documents::Ordered;
+use narwhal_shared::documents::state::OutcomeReasons;
 use serde_json::{Value, json};
 
 /// The seven terminal outcomes.
@@ -327,36 +329,28 @@ impl Tally {
         }
     }
 
-    /// `outcome_reasons` for `/narwhal/state`.
-    pub fn reasons_json(&self) -> Value {
-        let mut m = serde_json::Map::new();
-        for t in ["failed", "rejected", "expired", "refused"] {
-            let inner: serde_json::Map<String, Value> = self.reasons[t]
+    /// `outcome_reasons` for `/narwhal/state` (behaviour.md 1.7): per terminal, every known
+    /// reason in its documented order (0 until seen), then the others as seen (sorted).
+    pub fn reasons(&self) -> OutcomeReasons {
+        let of = |t: &str, known: &[&str]| -> Ordered<u64> {
+            let seen = &self.reasons[t];
+            let mut ordered: Ordered<u64> = known
                 .iter()
-                .map(|(k, v)| (k.clone(), Value::from(*v)))
+                .map(|k| (*k, seen.get(*k).copied().unwrap_or(0)))
                 .collect();
-            // Keep known reasons in their documented order, extras after.
-            let known: &[&str] = match t {
-                "failed" => FAILED_REASONS,
-                "rejected" => REJECTED_REASONS,
-                "expired" => EXPIRED_REASONS,
-                _ => REFUSED_REASONS,
-            };
-            let mut ordered = serde_json::Map::new();
-            for k in known {
-                ordered.insert(
-                    (*k).to_string(),
-                    inner.get(*k).cloned().unwrap_or(Value::from(0)),
-                );
-            }
-            for (k, v) in inner {
-                if !ordered.contains_key(&k) {
-                    ordered.insert(k, v);
+            for (k, v) in seen {
+                if !ordered.contains_key(k) {
+                    ordered.insert(k.clone(), *v);
                 }
             }
-            m.insert(t.to_string(), Value::Object(ordered));
+            ordered
+        };
+        OutcomeReasons {
+            failed: of("failed", FAILED_REASONS),
+            rejected: of("rejected", REJECTED_REASONS),
+            expired: of("expired", EXPIRED_REASONS),
+            refused: of("refused", REFUSED_REASONS),
         }
-        Value::Object(m)
     }
 }
 
@@ -493,12 +487,11 @@ mod tests {
         );
         assert_eq!(t.served_after_retry, 1);
         assert_eq!(t.unsized_offered, 1);
-        let j = t.reasons_json();
-        assert_eq!(j["failed"]["engine_error"], 1);
-        assert_eq!(j["failed"]["no_engine"], 0);
-        assert_eq!(j["rejected"]["unclassified"], 1);
-        assert_eq!(j["expired"]["handoff"], 0);
-        let keys: Vec<&String> = j["failed"].as_object().unwrap().keys().collect();
-        assert_eq!(keys[0], "no_engine");
+        let j = t.reasons();
+        assert_eq!(j.failed["engine_error"], 1);
+        assert_eq!(j.failed["no_engine"], 0);
+        assert_eq!(j.rejected["unclassified"], 1);
+        assert_eq!(j.expired["handoff"], 0);
+        assert_eq!(j.failed.keys().next(), Some("no_engine"));
     }
 }

@@ -5,14 +5,28 @@ use std::convert::Infallible;
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode};
 use http_body_util::{BodyExt, Full, combinators::BoxBody};
-use serde_json::Value;
 
 /// Response body type for every route.
 pub(crate) type Body = BoxBody<Bytes, Infallible>;
 
-/// A full JSON response with `x-request-id: rid`.
-pub(crate) fn json_response(status: StatusCode, v: &Value, rid: &str) -> Response<Body> {
-    let mut r = Response::new(Full::new(Bytes::from(v.to_string())).boxed());
+/// A full JSON response with `x-request-id: rid`: `v` in its compact form (a document type of
+/// `narwhal_shared::documents`, or a `Value`). A body that cannot be serialised (none of ours)
+/// becomes a 500 naming why.
+pub(crate) fn json_response<T: serde::Serialize + ?Sized>(
+    status: StatusCode,
+    v: &T,
+    rid: &str,
+) -> Response<Body> {
+    let (status, body) = match serde_json::to_vec(v) {
+        Ok(b) => (status, b),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            serde_json::json!({"error": {"message": format!("response: {e}"), "type": "internal"}})
+                .to_string()
+                .into_bytes(),
+        ),
+    };
+    let mut r = Response::new(Full::new(Bytes::from(body)).boxed());
     *r.status_mut() = status;
     let h = r.headers_mut();
     h.insert(

@@ -108,7 +108,7 @@ async fn hang_up(s: &RouterHandle, sock: std::net::TcpStream, engine: &FakeEngin
     let closed = format!("engine saw the {leg} connection close");
     eventually(&closed, || async { engine.seen().cancelled == 1 }).await;
     eventually("settled cancelled", || async {
-        s.state().await["cancelled"] == 1
+        s.state_json().await["cancelled"] == 1
     })
     .await;
 }
@@ -221,7 +221,8 @@ async fn good_fleet_announces_and_serves_the_documents() {
         ready,
         json!({"status": "ready", "control_ready": true, "epoch": 0, "holder": "", "reason": ""})
     );
-    let (_, health) = s.health().await;
+    // The whole body, as sent.
+    let (_, health) = s.get("/health").await.status_json();
     assert_eq!(
         health,
         json!({"status": "ok", "instances": 2, "available_instances": 1})
@@ -246,7 +247,7 @@ async fn good_fleet_announces_and_serves_the_documents() {
         targets[0]["labels"],
         json!({"iid": "e0", "backend": "vllm", "__scheme__": "http", "__metrics_path__": "/metrics"})
     );
-    let st = s.state().await;
+    let st = s.state_json().await;
     assert_eq!(st["schema"], "narwhal.state");
     assert_eq!(st["journal_run"], json!(run));
     assert_eq!(st["pools"], json!({"prefill": ["e0"], "decode": ["e1"]}));
@@ -321,7 +322,7 @@ async fn ingress_rules_answer_before_any_engine_is_called() {
         (st, b["error"]["type"].clone()),
         (StatusCode::PAYLOAD_TOO_LARGE, json!("request_too_large"))
     );
-    let st = s.state().await;
+    let st = s.state_json().await;
     assert_eq!(st["invalid_requests"], 5);
     assert_eq!(st["offered"], 5);
     let seen = f.seen();
@@ -404,7 +405,10 @@ async fn vllm_two_stage_carries_the_descriptor_verbatim() {
         assert!(c["choices"][0].get("token_ids").is_none());
     }
     // Journal rows and counters.
-    eventually("two served", || async { s.state().await["served"] == 2 }).await;
+    eventually("two served", || async {
+        s.state_json().await["served"] == 2
+    })
+    .await;
     let text = std::fs::read_to_string(&s.journal).unwrap();
     let rows: Vec<Value> = text
         .lines()
@@ -453,7 +457,7 @@ async fn engine_context_length_400_is_relayed_without_retry_or_ejection() {
         "one prefill per request: no retry"
     );
     assert!(d.seen().decode.is_empty());
-    let st = s.state().await;
+    let st = s.state_json().await;
     assert_eq!(st["ejected"], json!([]));
     assert_eq!(st["outcome_reasons"]["failed"]["engine_rejected"], 3);
 }
@@ -468,7 +472,7 @@ async fn client_disconnect_mid_stream_cancels_the_decode_and_settles_cancelled()
     );
     assert!(got.starts_with("HTTP/1.1 200"));
     hang_up(&s, sock, &d, "decode").await;
-    let st = s.state().await;
+    let st = s.state_json().await;
     assert_eq!(st["resident"]["d0"], json!({"prefill": 0, "decode": 0}));
     assert_eq!(st["served"], 0);
 }
@@ -547,7 +551,7 @@ async fn dead_decode_engine_is_never_placed_and_serving_falls_back_until_it_answ
         ),
         &[],
     );
-    assert_eq!(s.state().await["awaiting_health"], json!(["d0"]));
+    assert_eq!(s.state_json().await["awaiting_health"], json!(["d0"]));
     // With no live decode engine, serving falls back to aggregated on p0.
     let r = complete(&s, json!({"prompt": "x", "max_tokens": 2})).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text());
@@ -556,7 +560,7 @@ async fn dead_decode_engine_is_never_placed_and_serving_falls_back_until_it_answ
     let d = FakeEngine::new(0, 2);
     d.spawn_at(dead_addr).await;
     eventually("d0 admitted", || async {
-        s.state().await["awaiting_health"] == json!([])
+        s.state_json().await["awaiting_health"] == json!([])
     })
     .await;
     let r = complete(&s, json!({"prompt": "x", "max_tokens": 2})).await;
@@ -578,7 +582,7 @@ async fn no_live_engine_answers_503_backend_unavailable() {
     fl["recovery"]["readmit_every"] = json!(100000);
     let s = start(&fl, &[]);
     // d0 never answered its health: it is not placed (the health gate).
-    assert_eq!(s.state().await["awaiting_health"], json!(["d0"]));
+    assert_eq!(s.state_json().await["awaiting_health"], json!(["d0"]));
     let r = complete(&s, json!({"prompt": "x"})).await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(r.headers["retry-after"], "1");
@@ -590,7 +594,7 @@ async fn no_live_engine_answers_503_backend_unavailable() {
     assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(ready["reason"], "no available engines");
     assert_eq!(
-        s.state().await["outcome_reasons"]["rejected"]["not_ready"],
+        s.state_json().await["outcome_reasons"]["rejected"]["not_ready"],
         1
     );
 }
@@ -629,7 +633,7 @@ async fn transient_decode_failure_is_retried_once() {
         })
     })
     .await;
-    let st = s.state().await;
+    let st = s.state_json().await;
     assert_eq!(st["serving"]["retry_attempts"], 1);
     assert_eq!(st["serving"]["served_after_retry"], 1);
     assert_eq!(st["served"], 1);
@@ -651,12 +655,12 @@ async fn inflight_limit_answers_429_with_retry_after() {
         json!({"error": {"message": "router in-flight limit reached", "type": "server_overloaded_error"}})
     );
     assert_eq!(
-        s.state().await["outcome_reasons"]["rejected"]["inflight_limit"],
+        s.state_json().await["outcome_reasons"]["rejected"]["inflight_limit"],
         1
     );
     drop(sock);
     eventually("slot released", || async {
-        s.state().await["serving"]["http_retained"] == 0
+        s.state_json().await["serving"]["http_retained"] == 0
     })
     .await;
 }
@@ -680,7 +684,10 @@ async fn deadline_before_output_is_504_request_expired() {
     assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT, "{}", r.text());
     assert_eq!(r.json()["error"]["type"], "request_expired");
     eventually("decode cancelled", || async { d.seen().cancelled == 1 }).await;
-    assert_eq!(s.state().await["outcome_reasons"]["expired"]["deadline"], 1);
+    assert_eq!(
+        s.state_json().await["outcome_reasons"]["expired"]["deadline"],
+        1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -701,7 +708,7 @@ async fn deadline_after_output_ends_the_stream_with_an_expired_frame() {
     );
     assert!(!frames.iter().any(|f| f == "[DONE]"));
     eventually("settled expired", || async {
-        s.state().await["expired"] == 1
+        s.state_json().await["expired"] == 1
     })
     .await;
     eventually("decode cancelled", || async { d.seen().cancelled == 1 }).await;
@@ -736,7 +743,7 @@ async fn sglang_prefill_error_wins_over_a_decode_that_failed_first() {
     assert_eq!(p.seen().prefill.len(), 1, "not retried");
     assert_eq!(d.seen().decode.len(), 1, "not retried");
     assert_eq!(
-        s.state().await["outcome_reasons"]["failed"]["engine_rejected"],
+        s.state_json().await["outcome_reasons"]["failed"]["engine_rejected"],
         1
     );
 }
@@ -755,11 +762,11 @@ async fn non_streaming_client_gone_while_prefill_waits_cancels_the_leg() {
     })
     .await;
     eventually("resident prefill counted", || async {
-        s.state().await["resident"]["p0"]["prefill"] == 1
+        s.state_json().await["resident"]["p0"]["prefill"] == 1
     })
     .await;
     hang_up(&s, sock, &p, "prefill").await;
-    let st = s.state().await;
+    let st = s.state_json().await;
     assert_eq!(st["resident"]["p0"], json!({"prefill": 0, "decode": 0}));
     assert!(d.seen().decode.is_empty());
     let journal = std::fs::read_to_string(&s.journal).unwrap();
@@ -782,7 +789,7 @@ async fn admission_queue_waits_then_expires_and_caps_retained_requests() {
     let (http, url) = (s.http.clone(), format!("{}/v1/completions", s.data));
     let queued = tokio::spawn(async move { http.post(url, &json!({"prompt": "y"})).await });
     eventually("second request retained", || async {
-        s.state().await["serving"]["http_retained"] == 2
+        s.state_json().await["serving"]["http_retained"] == 2
     })
     .await;
     let r = complete(&s, json!({"prompt": "z"})).await;
@@ -793,7 +800,7 @@ async fn admission_queue_waits_then_expires_and_caps_retained_requests() {
         r.json(),
         json!({"error": {"message": "queue deadline expired", "type": "queue_expired"}})
     );
-    let st = s.state().await;
+    let st = s.state_json().await;
     assert_eq!(st["admission"]["queue_high_water"], 1);
     assert_eq!(st["admission"]["queued"], 0);
     assert_eq!(st["outcome_reasons"]["expired"]["queue_timeout"], 1);

@@ -37,11 +37,13 @@ pub const COUNTERS: [&str; 11] = [
 /// Terminals whose reasons are carried in `outcome_reasons`.
 pub const REASON_TERMINALS: [&str; 4] = ["failed", "rejected", "expired", "refused"];
 
-/// Lifecycle state of one engine (behaviour.md 4.2). An engine without a record is `Active`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// Lifecycle state of one engine (behaviour.md 4.2). An engine without a record is `Active`
+/// (the default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DrainState {
     /// In service (no hold).
+    #[default]
     Active,
     /// Out of placement; resident requests are finishing.
     Draining,

@@ -1,7 +1,7 @@
 //! Types and mechanisms shared by the Narwhal router (`narwhal-serve`), the engine agent
-//! (`narwhal-agent`) and the test kit: clocks, the versioned schemas (handoff, agent
-//! protocol, attestations), canonical JSON, Ed25519 signing, the agent client and rustls
-//! configuration builders.
+//! (`narwhal-agent`), `narwhalctl` and the test kit: clocks, the versioned schemas (handoff,
+//! the control-plane documents, agent protocol, attestations), canonical JSON, Ed25519
+//! signing, the agent client and rustls configuration builders.
 //!
 //! Everything here is pure or near-pure so both sides of a protocol use one implementation
 //! (architecture.md section 2).
@@ -18,6 +18,7 @@ pub mod agent_protocol;
 pub mod atomic;
 pub mod attestation;
 mod canonical;
+pub mod documents;
 pub mod handoff;
 mod identity;
 mod signing;

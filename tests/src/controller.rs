@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use narwhal_shared::documents::{DecisionEvent, State};
 use serde_json::{Value, json};
 
 use crate::WAIT;
@@ -209,16 +210,14 @@ impl RouterHandle {
                 .rev()
                 .take(12)
                 .rev()
-                .map(|d| {
+                .map(|row| {
+                    let d = serde_json::from_value::<DecisionEvent>(row.clone())
+                        .unwrap_or_default()
+                        .decision;
+                    let rule = d.details.get("eligibility_rule").unwrap_or(&Value::Null);
                     format!(
-                        "{} {}P/{}D {} {}: {} (rule {})",
-                        d["at"],
-                        d["prefill"],
-                        d["decode"],
-                        d["by"],
-                        d["result"],
-                        d["reason"],
-                        d["eligibility_rule"]
+                        "{} {}P/{}D {} {}: {} (rule {rule})",
+                        d.at, d.prefill, d.decode, d.by, d.result, d.reason
                     )
                 })
                 .collect();
@@ -257,13 +256,13 @@ impl RouterHandle {
         found.unwrap_or_else(|| panic!("fewer than {n} decisions within {within:?}"))
     }
 
-    /// Waits (at most [`WAIT`]) until `/narwhal/state` satisfies `pred`; returns it.
+    /// Waits (at most [`WAIT`]) until `/narwhal/state` (as JSON) satisfies `pred`; returns it.
     ///
     /// # Panics
     /// When it never does.
     pub async fn state_where(&self, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
         let found = wait_until(WAIT, || async {
-            let s = self.state().await;
+            let s = self.state_json().await;
             pred(&s).then_some(s)
         })
         .await;
@@ -288,15 +287,12 @@ impl HeldStream {
     }
 }
 
-fn decode_residents(state: &Value) -> std::collections::BTreeMap<String, u64> {
-    state["resident"]
-        .as_object()
-        .map(|m| {
-            m.iter()
-                .map(|(k, v)| (k.clone(), v["decode"].as_u64().unwrap_or(0)))
-                .collect()
-        })
-        .unwrap_or_default()
+fn decode_residents(state: &State) -> std::collections::BTreeMap<String, u64> {
+    state
+        .resident
+        .iter()
+        .map(|(k, v)| (k.clone(), v.decode))
+        .collect()
 }
 
 impl RouterHandle {

@@ -27,6 +27,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use narwhal_shared::documents::LifecycleReply;
+use narwhal_shared::handoff::DrainState;
 use nix::sys::signal::Signal;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -179,14 +181,11 @@ pub struct Outcome {
 /// Reads `/narwhal/state` of one router for a sample.
 async fn seen(probe: &RouterProbe) -> Option<Seen> {
     let v = probe.state().await?;
-    let lc = &v["lifecycle"];
-    let stop = lc["wave"]["ready_to_stop"] == true
-        || lc["engines"]
-            .as_object()
-            .is_some_and(|m| m.values().any(|e| e["ready_to_stop"] == true));
+    let lc = &v.lifecycle;
+    let stop = lc.wave.ready_to_stop || lc.engines.values().any(|e| e.ready_to_stop);
     Some(Seen {
-        controls: lc["router"]["controls_fleet"].as_str()?.to_string(),
-        served: v["served"].as_u64()?,
+        controls: Some(lc.router.controls_fleet.clone()).filter(|c| !c.is_empty())?,
+        served: v.served,
         ready_to_stop: stop,
     })
 }
@@ -303,10 +302,7 @@ pub async fn run(scenario: Scenario) -> Outcome {
     let mut p = f.router.take().expect("primary");
     let s = f.standby.take().expect("standby");
     let ha = p.ha().await;
-    let (epoch, holder) = (
-        ha["epoch"].as_u64().unwrap_or(0),
-        ha["holder"].as_str().unwrap_or("").to_string(),
-    );
+    let (epoch, holder) = (ha.epoch, ha.holder);
     f.wait_retained("standby", epoch, &holder, |_| true).await;
     let stop = Arc::new(AtomicBool::new(false));
     let load = traffic(&p, &s, stop.clone());
@@ -323,8 +319,8 @@ pub async fn run(scenario: Scenario) -> Outcome {
     let all: Vec<String> = f.sims.iter().map(|x| x.iid.clone()).collect();
     let p1 = vec!["p1".to_string()];
     // Stage the action; `pending` is a readmission the fault will interrupt.
-    let ack = |what: &str, status: u16, doc: &Value| {
-        assert_eq!(status, 200, "{scenario}: {what} before the fault: {doc:#}");
+    let ack = |what: &str, status: u16, doc: &LifecycleReply| {
+        assert_eq!(status, 200, "{scenario}: {what} before the fault: {doc:#?}");
     };
     let mut pending = None;
     if when.wave() {
@@ -334,10 +330,8 @@ pub async fn run(scenario: Scenario) -> Outcome {
         ack("wave drain", st, &doc);
         acked.push(Acked::Held(all.clone()));
         if when == Timing::DuringWaveReadmit {
-            p.lifecycle_until("the wave ready to stop", |d| {
-                d["wave"]["ready_to_stop"] == true
-            })
-            .await;
+            p.lifecycle_until("the wave ready to stop", |d| d.wave.ready_to_stop)
+                .await;
             for sim in &mut f.sims {
                 sim.restart(&[]).expect("restart simulator");
             }
@@ -350,8 +344,11 @@ pub async fn run(scenario: Scenario) -> Outcome {
         ack("drain p1", st, &doc);
         acked.push(Acked::Held(p1.clone()));
         if when != Timing::AfterDrainAck {
-            p.lifecycle_until("p1 drained", |d| d["engines"]["p1"]["state"] == "drained")
-                .await;
+            p.lifecycle_until("p1 drained", |d| {
+                d.engine("p1")
+                    .is_some_and(|e| e.state == DrainState::Drained)
+            })
+            .await;
             f.sim_mut("p1").restart(&[]).expect("restart p1");
             if when == Timing::AfterReadmitAck {
                 let (st, doc) = p.lifecycle_post("readmit", &json!({"engines": p1})).await;
@@ -455,23 +452,20 @@ async fn check_acked(c: &RouterHandle, f: &Fleet, acked: &[Acked], v: &mut Vec<S
             if !seen_iids.insert(iid.clone()) {
                 continue; // a newer acknowledged action decided this engine
             }
-            let e = &lc["engines"][iid];
-            let state = e["state"].as_str().unwrap_or("?");
+            let e = lc.engine(iid).cloned().unwrap_or_default();
+            let state = e.state.as_str();
             if want_held {
                 // Held out of placement (draining, drained, validating, blocked, ...) with its
                 // pre-restart process start recorded, until a validated readmission.
                 held.push(iid.clone());
-                if state == "active"
-                    || e["accepts_new"] != false
-                    || !e["old_process_start"].is_number()
-                {
+                if e.state == DrainState::Active || e.accepts_new || e.old_process_start.is_none() {
                     v.push(format!(
                         "acknowledged drain of {iid} lost: {state}, accepts_new {}, \
-                         old_process_start {}",
-                        e["accepts_new"], e["old_process_start"]
+                         old_process_start {:?}",
+                        e.accepts_new, e.old_process_start
                     ));
                 }
-            } else if state != "active" {
+            } else if e.state != DrainState::Active {
                 v.push(format!("acknowledged readmission of {iid} lost: {state}"));
             }
         }

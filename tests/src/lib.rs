@@ -63,7 +63,7 @@ pub use proc::{
 pub use proxy::Proxy;
 pub use router::{
     Clients, FleetSpec, LiveStream, RouterHandle, RouterProbe, handoff_file_where, launch_router,
-    merge, narwhalctl, start_router,
+    merge, narwhalctl, parse_document, start_router,
 };
 pub use sampler::{Sample, Sampler};
 pub use sim::{EngineSpec, SimHandle, start_sim};

@@ -1,11 +1,18 @@
 //! The fleet file, starting `narwhal-serve`, and reading its documents (`/narwhal/state`,
 //! `/narwhal/lifecycle`, `/narwhal/handoff`, `/ready`, `/health`, `/metrics`, the journal).
+//! The control-plane documents are parsed into their types in `narwhal_shared::documents`
+//! (`state()`, `lifecycle()`, `ready()`, ...); the `*_json` accessors give the same bodies as
+//! JSON for tests that read them by key.
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use narwhal_shared::documents::{
+    Envelope, Health, LIFECYCLE_SCHEMA, Lifecycle, LifecycleReply, Ready, State, state,
+};
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use crate::agent::AgentHandle;
@@ -346,14 +353,23 @@ impl RouterHandle {
         );
     }
 
-    /// `GET /narwhal/state`.
-    pub async fn state(&self) -> Value {
+    /// `GET /narwhal/state`, parsed ([`State`]).
+    ///
+    /// # Panics
+    /// When the body is not a state document.
+    pub async fn state(&self) -> State {
+        let r = self.get("/narwhal/state").await;
+        parse_document(&r.what, &r.text())
+    }
+
+    /// `GET /narwhal/state` as JSON, for what a test reads by key.
+    pub async fn state_json(&self) -> Value {
         self.get("/narwhal/state").await.json()
     }
 
     /// The `ha` section of `/narwhal/state`.
-    pub async fn ha(&self) -> Value {
-        self.state().await["ha"].clone()
+    pub async fn ha(&self) -> state::Ha {
+        self.state().await.ha
     }
 
     /// `GET /narwhal/handoff`.
@@ -367,25 +383,42 @@ impl RouterHandle {
     }
 
     /// `GET /ready` on the control listener: `(status, body)`.
-    pub async fn ready(&self) -> (u16, Value) {
-        self.get("/ready").await.status_json()
+    ///
+    /// # Panics
+    /// When the body is not a `/ready` document.
+    pub async fn ready(&self) -> (u16, Ready) {
+        let r = self.get("/ready").await;
+        (r.status.as_u16(), parse_document(&r.what, &r.text()))
     }
 
     /// `GET /ready` on the control listener, which must answer 503; its body (`reason`,
     /// `control_ready`, ...).
-    pub async fn not_ready(&self) -> Value {
+    pub async fn not_ready(&self) -> Ready {
         let (status, body) = self.ready().await;
-        assert_eq!(status, 503, "{}: {body}", self.proc.label);
+        assert_eq!(status, 503, "{}: {body:?}", self.proc.label);
         body
     }
 
     /// `GET /health` on the control listener: `(status, body)`.
-    pub async fn health(&self) -> (u16, Value) {
-        self.get("/health").await.status_json()
+    ///
+    /// # Panics
+    /// When the body is not a `/health` document.
+    pub async fn health(&self) -> (u16, Health) {
+        let r = self.get("/health").await;
+        (r.status.as_u16(), parse_document(&r.what, &r.text()))
     }
 
-    /// `GET /narwhal/lifecycle`, which must answer 200.
-    pub async fn lifecycle(&self) -> Value {
+    /// `GET /narwhal/lifecycle`, which must answer 200 with the lifecycle document.
+    pub async fn lifecycle(&self) -> Lifecycle {
+        let r = self.get("/narwhal/lifecycle").await;
+        assert_eq!(r.status, 200, "{}: {}", r.what, r.text());
+        let doc: Lifecycle = parse_document(&r.what, &r.text());
+        assert!(doc.is_lifecycle(), "{}: {}", r.what, r.text());
+        doc
+    }
+
+    /// `GET /narwhal/lifecycle` as JSON (it must answer 200), for what a test reads by key.
+    pub async fn lifecycle_json(&self) -> Value {
         let r = self.get("/narwhal/lifecycle").await;
         assert_eq!(r.status, 200, "{}: {}", r.what, r.text());
         r.json()
@@ -395,7 +428,7 @@ impl RouterHandle {
     ///
     /// # Panics
     /// When it never holds; the message shows the last document.
-    pub async fn lifecycle_until(&self, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+    pub async fn lifecycle_until(&self, what: &str, ok: impl Fn(&Lifecycle) -> bool) -> Lifecycle {
         let got = wait_until(WAIT, || async {
             let d = self.lifecycle().await;
             ok(&d).then_some(d)
@@ -403,26 +436,44 @@ impl RouterHandle {
         .await;
         match got {
             Some(d) => d,
-            None => panic!("timed out waiting for {what}: {:#}", self.lifecycle().await),
+            None => panic!(
+                "timed out waiting for {what}: {:#}",
+                self.lifecycle_json().await
+            ),
         }
     }
 
-    /// `POST /narwhal/lifecycle/<action>` with `body`: `(status, document)`. Every reply must
+    /// `POST /narwhal/lifecycle/<action>` with `body`: `(status, reply)`. Every reply must
     /// be the full lifecycle document (handoff-and-lifecycle.md, "Lifecycle API").
-    pub async fn lifecycle_post(&self, action: &str, body: &Value) -> (u16, Value) {
+    pub async fn lifecycle_post(&self, action: &str, body: &Value) -> (u16, LifecycleReply) {
         self.lifecycle_post_raw(action, &body.to_string()).await
     }
 
+    /// [`RouterHandle::lifecycle_post`] as JSON, for what a test reads by key.
+    pub async fn lifecycle_post_json(&self, action: &str, body: &Value) -> (u16, Value) {
+        let (status, text) = self.lifecycle_post_text(action, &body.to_string()).await;
+        let doc: Value = parse_document("lifecycle reply", &text);
+        (status, doc)
+    }
+
     /// [`RouterHandle::lifecycle_post`] with a raw body (for malformed-body tests).
-    pub async fn lifecycle_post_raw(&self, action: &str, body: &str) -> (u16, Value) {
+    pub async fn lifecycle_post_raw(&self, action: &str, body: &str) -> (u16, LifecycleReply) {
+        let (status, text) = self.lifecycle_post_text(action, body).await;
+        (status, parse_document("lifecycle reply", &text))
+    }
+
+    /// POSTs `body` to `/narwhal/lifecycle/<action>`: the status and the reply's text, which
+    /// must be the full lifecycle document.
+    async fn lifecycle_post_text(&self, action: &str, body: &str) -> (u16, String) {
         let url = format!("{}/narwhal/lifecycle/{action}", self.control);
         let r = self.http.post_raw(url, body).await;
-        let doc = r.json();
+        let text = r.text();
+        let envelope: Envelope = parse_document(&r.what, &text);
         assert_eq!(
-            doc["schema"], "narwhal.lifecycle",
-            "every reply is the full document: {doc}"
+            envelope.schema, LIFECYCLE_SCHEMA,
+            "every reply is the full document: {text}"
         );
-        (r.status.as_u16(), doc)
+        (r.status.as_u16(), text)
     }
 
     /// Journal rows parsed as JSON (header included).
@@ -606,13 +657,13 @@ impl RouterProbe {
             .fast
             .try_get(format!("{}/narwhal/lifecycle", self.control))
             .await?;
-        let v: Value = serde_json::from_slice(&r.body).ok()?;
-        v["router"]["controls_fleet"].as_str().map(str::to_string)
+        let doc: Lifecycle = serde_json::from_slice(&r.body).ok()?;
+        Some(doc.router.controls_fleet).filter(|c| !c.is_empty())
     }
 
     /// `/narwhal/state`, or `None` when the router does not answer 200 within the short
     /// timeout.
-    pub async fn state(&self) -> Option<Value> {
+    pub async fn state(&self) -> Option<State> {
         let r = self
             .fast
             .try_get(format!("{}/narwhal/state", self.control))
@@ -630,6 +681,15 @@ impl RouterProbe {
             .await
             .is_some_and(|r| r.status == 200)
     }
+}
+
+/// Parses `text` (the body of `what`) as `T`.
+///
+/// # Panics
+/// When it is not JSON of that shape; the message shows the text.
+pub fn parse_document<T: DeserializeOwned>(what: &str, text: &str) -> T {
+    serde_json::from_str(text)
+        .unwrap_or_else(|e| panic!("{what}: not the expected document ({e}): {text}"))
 }
 
 /// Runs `narwhalctl --router <router> <args>` to completion.

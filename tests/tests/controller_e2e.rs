@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use narwhal_shared::handoff::DrainState;
 use narwhal_testkit::{Load, Shape, controller_fleet, metric, token_prompt};
 use serde_json::{Value, json};
 
@@ -77,7 +78,7 @@ async fn s1_prefill_pressure_consolidates_one_engine_at_a_time() {
         first["evidence_span_s"].as_f64().unwrap_or(0.0) >= 12.0,
         "{first:#}"
     );
-    let s = r.state().await;
+    let s = r.state_json().await;
     assert_eq!(pools(&s, "prefill"), ["e0", "e1"], "e1 in config order");
     let second = r
         .decision_where("the second move", DECIDE, |d| {
@@ -109,7 +110,7 @@ async fn s1_prefill_pressure_consolidates_one_engine_at_a_time() {
     })
     .await;
     load.stop().await;
-    let s = r.state().await;
+    let s = r.state_json().await;
     assert_eq!(pools(&s, "prefill"), ["e0", "e1", "e2"]);
     assert_eq!(s["control"]["flips"]["reactive:prefill"], 2);
     assert_eq!(s["control"]["flips_refused"], 0);
@@ -185,7 +186,7 @@ async fn s12_predictive_admission_refuses_what_cannot_make_its_ttft() {
         let big = json!({"model": "tiny-sim", "prompt": token_prompt(3200), "max_tokens": 4});
         let a = r.post_data("/v1/completions", &small).await;
         let b = r.post_data("/v1/completions", &big).await;
-        let s = r.state().await;
+        let s = r.state_json().await;
         if mode == "open" {
             assert_eq!(
                 (a.status.as_u16(), b.status.as_u16()),
@@ -301,7 +302,7 @@ async fn kill_and_eject(fleet: &mut narwhal_testkit::Fleet, iid: &str) {
     let r = fleet.router();
     let mut answers = Vec::new();
     for _ in 0..200 {
-        let s = r.state().await;
+        let s = r.state_json().await;
         if s["ejected"]
             .as_array()
             .is_some_and(|a| a.iter().any(|x| x == iid))
@@ -313,7 +314,7 @@ async fn kill_and_eject(fleet: &mut narwhal_testkit::Fleet, iid: &str) {
         answers.push(format!("{} {}", a.status, a.text()));
     }
     let tail: Vec<&String> = answers.iter().rev().take(5).collect();
-    let s = r.state().await;
+    let s = r.state_json().await;
     panic!(
         "{iid} never ejected; last answers: {tail:#?}; pools {} resident {} ejected {}",
         s["pools"], s["resident"], s["ejected"]
@@ -339,7 +340,7 @@ async fn s2_moves_to_decode_wait_for_the_cooldown() {
         .decision_where("e0 to decode", DECIDE, |d| d["result"] == "applied")
         .await;
     assert!(first["at"].as_f64() > blocked["at"].as_f64());
-    assert_eq!(pools(&r.state().await, "decode"), ["e0", "e3"]);
+    assert_eq!(pools(&r.state_json().await, "decode"), ["e0", "e3"]);
     r.decision_where("blocked again after the move", DECIDE, |d| {
         is(d, "blocked", "decode cooldown has not elapsed")
             && d["at"].as_f64() > first["at"].as_f64()
@@ -368,7 +369,7 @@ async fn s2_moves_to_decode_wait_for_the_cooldown() {
             .ends_with("s ago: re-collecting one evidence window")
     );
     load.stop().await;
-    let s = r.state().await;
+    let s = r.state_json().await;
     assert_eq!(pools(&s, "prefill"), ["e2"], "no third move");
     assert_eq!(s["demand_evidence"]["risk_events"]["p_to_d_recovery"], 2);
     let refused = s["flips_refused"].as_array().cloned().unwrap_or_default();
@@ -532,7 +533,7 @@ async fn s4_the_decode_floor_is_restored_then_the_last_prefill_engine_kept() {
         (ev[0]["live_decode"].as_u64(), ev[0]["min_decode"].as_u64()),
         (Some(2), Some(2))
     );
-    let s = r.state().await;
+    let s = r.state_json().await;
     assert_eq!(s["decode_floor"]["restoration_moves"], 1);
     assert_eq!(s["demand_evidence"]["risk_kind"], "p_to_d_recovery");
     // The held requests go, so traffic reaches the second decode engine to be killed.
@@ -622,7 +623,7 @@ async fn s5_the_prefill_floor_is_recovered_at_once() {
         "{:?}",
         rec[0]
     );
-    let s = r.state().await;
+    let s = r.state_json().await;
     assert_eq!(pools(&s, "prefill"), ["e0", "e1"]);
     assert_eq!(s["below_floor"]["breaches"], 1);
     assert_eq!(
@@ -656,7 +657,7 @@ async fn s6_without_a_donor_the_fleet_health_hold_applies() {
         stats.ok.load(std::sync::atomic::Ordering::Relaxed) > 0,
         "completions still succeed"
     );
-    let s = r.state().await;
+    let s = r.state_json().await;
     assert_eq!(r.events("below_floor").len(), 1);
     assert_eq!(s["control"]["flips_refused"], 0);
     assert_eq!(pools(&s, "prefill"), ["e0"]);
@@ -691,7 +692,7 @@ async fn s7_advisory_mode_decides_without_moving() {
         .await;
     assert_eq!(second["reason"], first["reason"]);
     load.stop().await;
-    let s = r.state().await;
+    let s = r.state_json().await;
     assert_eq!(pools(&s, "prefill"), ["e0"], "roles never change");
     assert!(
         s["flips_refused"]
@@ -961,7 +962,7 @@ async fn s11_urgent_recovery_cascades_once_the_window_closed() {
     })
     .await;
     assert_eq!(
-        pools(&r.state().await, "prefill").len(),
+        pools(&r.state_json().await, "prefill").len(),
         3,
         "3P1D (the donors carry the least decode)"
     );
@@ -1077,7 +1078,7 @@ async fn s13_sglang_donor_is_held_until_idle_then_switched() {
         .await
         .json();
     assert_eq!(info["internal_states"][0]["disaggregation_mode"], "prefill");
-    let s = r.state().await;
+    let s = r.state_json().await;
     assert!(pools(&s, "prefill").contains(&donor));
     narwhal_testkit::eventually("the switched engine serves prefill", DECIDE, || async {
         (sim.stats().await["requests"]["prefill"]
@@ -1121,7 +1122,7 @@ async fn s13_a_refused_sglang_switch_ejects_the_engine() {
     .await;
     load.stop().await;
     let iid = ejected["iid"].as_str().unwrap_or("").to_string();
-    let s = r.state().await;
+    let s = r.state_json().await;
     assert!(
         pools(&s, "prefill").contains(&iid),
         "the role stays at the target: {}",
@@ -1215,7 +1216,7 @@ async fn s15_flip_bookkeeping_tracks_residents_and_reversals() {
     let r = fleet.router();
     r.decision_where("the first move", DECIDE, |d| d["result"] == "applied")
         .await;
-    let s = r.state().await;
+    let s = r.state_json().await;
     let flip = s["flips"][0].clone();
     let donor = flip["iid"].as_str().unwrap_or("").to_string();
     let carried = per.get(&donor).copied().unwrap_or(0);
@@ -1250,7 +1251,7 @@ async fn s15_flip_bookkeeping_tracks_residents_and_reversals() {
     load.stop().await;
     drop(rest);
     // The decode engines go: the decode floor moves a flipped engine back (e0 is pinned).
-    let decode_now = pools(&r.state().await, "decode");
+    let decode_now = pools(&r.state_json().await, "decode");
     for iid in decode_now {
         kill_and_eject(&mut fleet, &iid).await;
     }
@@ -1302,7 +1303,7 @@ async fn a_standby_takes_over_the_demand_risk_and_gathers_new_evidence() {
     fleet.router_mut().proc.kill();
     let s = fleet.standby.take().expect("standby");
     s.wait_controls("active", Duration::from_secs(20)).await;
-    let st = s.state().await;
+    let st = s.state_json().await;
     let ev = &st["demand_evidence"];
     assert_eq!(ev["risk_kind"], "first_token_timeout", "{ev:#}");
     assert_eq!(
@@ -1396,15 +1397,11 @@ async fn a_flip_is_checked_in_the_new_role_and_reversed_when_the_check_fails() {
             );
             let lc = r
                 .lifecycle_until("e1 active after its role check", |d| {
-                    d["engines"]["e1"]["state"] == "active"
+                    d.engines["e1"].state == DrainState::Active
                 })
                 .await;
-            assert!(
-                lc["engines"]["e1"]["accepts_new"]
-                    .as_bool()
-                    .unwrap_or(false)
-            );
-            assert!(pools(&r.state().await, "prefill").contains(&"e1".to_string()));
+            assert!(lc.engines["e1"].accepts_new);
+            assert!(pools(&r.state_json().await, "prefill").contains(&"e1".to_string()));
             load.stop().await;
             continue;
         }
@@ -1426,18 +1423,12 @@ async fn a_flip_is_checked_in_the_new_role_and_reversed_when_the_check_fails() {
         );
         let lc = r
             .lifecycle_until("e1 held after a failed role check", |d| {
-                d["engines"]["e1"]["state"] == "blocked"
+                d.engines["e1"].state == DrainState::Blocked
             })
             .await;
-        assert!(
-            !lc["engines"]["e1"]["error"]
-                .as_str()
-                .unwrap_or("")
-                .is_empty(),
-            "{lc:#}"
-        );
-        assert_eq!(lc["engines"]["e1"]["accepts_new"], false);
-        let s = r.state().await;
+        assert!(!lc.engines["e1"].error.is_empty(), "{lc:#?}");
+        assert!(!lc.engines["e1"].accepts_new);
+        let s = r.state_json().await;
         assert!(
             pools(&s, "decode").contains(&"e1".to_string()),
             "the flip was reversed: {}",
@@ -1624,7 +1615,7 @@ async fn the_profiling_tool_recovers_the_simulators_costs() {
         "engines": [{"iid": "e0", "url": fleet.sim("e0").url}], "slo": {"ttft_s": 1, "tpot_s": 0.1},
         "profiles": {"default": p}});
     let r = narwhal_testkit::RouterHandle::standalone(&doc, &[]);
-    assert_eq!(r.state().await["controller"], "reactive");
+    assert_eq!(r.state_json().await["controller"], "reactive");
 }
 
 /// Completes one request of `prompt` through `r`; its journal row's `input_len`.

@@ -530,12 +530,14 @@ fn assert_checks(got: &[String], want: &[String], ctx: &str) {
 /// traffic is served again.
 async fn drain_restart_readmit(f: &mut Fleet, r: &RouterHandle, iid: &str) {
     let ctx = format!("{} {iid}", f.dialect);
-    let (status, doc) = r.lifecycle_post("drain", &json!({"engines": [iid]})).await;
+    let (status, doc) = r
+        .lifecycle_post_json("drain", &json!({"engines": [iid]}))
+        .await;
     assert_eq!(status, 200, "{ctx}: {doc:#}");
     r.journal_event("drain_complete", Some(iid)).await;
     f.sim_mut(iid).restart(&[]).expect("restart");
     let (status, doc) = r
-        .lifecycle_post("readmit", &json!({"engines": [iid]}))
+        .lifecycle_post_json("readmit", &json!({"engines": [iid]}))
         .await;
     assert_eq!(
         status,
@@ -585,7 +587,9 @@ async fn drain_and_readmission_pass_on_inferred_evidence_when_engines_publish_no
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refuted_transfer_fails_readmission_naming_the_counter() {
     let (mut f, r) = lab("vllm", &[]).await;
-    let (status, doc) = r.lifecycle_post("drain", &json!({"engines": ["d0"]})).await;
+    let (status, doc) = r
+        .lifecycle_post_json("drain", &json!({"engines": ["d0"]}))
+        .await;
     assert_eq!(status, 200, "{doc:#}");
     r.journal_event("drain_complete", Some("d0")).await;
     f.sim_mut("d0").restart(&[]).expect("restart d0");
@@ -593,7 +597,7 @@ async fn a_refuted_transfer_fails_readmission_naming_the_counter() {
         .fault(json!({"phase": "decode", "action": "fail_transfer", "policy": "recompute"}))
         .await;
     let (status, doc) = r
-        .lifecycle_post("readmit", &json!({"engines": ["d0"]}))
+        .lifecycle_post_json("readmit", &json!({"engines": ["d0"]}))
         .await;
     assert_eq!(status, 409, "{doc:#}");
     let e = &doc["engines"]["d0"];
@@ -608,7 +612,7 @@ async fn a_refuted_transfer_fails_readmission_naming_the_counter() {
     assert_checks(&strings(&e["checks"]), &want[..5], "refuted fabric");
     // Fault spent: the retry passes.
     let (status, doc) = r
-        .lifecycle_post("readmit", &json!({"engines": ["d0"]}))
+        .lifecycle_post_json("readmit", &json!({"engines": ["d0"]}))
         .await;
     assert_eq!(status, 200, "{doc:#}");
     assert_checks(&strings(&doc["engines"]["d0"]["checks"]), &want, "retry");

@@ -81,13 +81,13 @@ async fn a_loading_engine_is_never_placed_until_its_health_answers_200() {
         "a client waited {slowest:?}"
     );
     assert_eq!(requests(f.sim("p1")).await + requests(f.sim("d1")).await, 0);
-    let st = router.state().await;
+    let st = router.state_json().await;
     assert_eq!(strs(&st["awaiting_health"]), ["d1", "p1"], "{st}");
     assert_eq!(router.ready().await.0, 200);
     // p1 finishes loading: admitted, and it takes traffic.
     f.sim_mut("p1").clear_faults().await;
     eventually("p1 admitted", Duration::from_secs(20), || async {
-        (strs(&router.state().await["awaiting_health"]) == ["d1"]).then_some(())
+        (strs(&router.state_json().await["awaiting_health"]) == ["d1"]).then_some(())
     })
     .await;
     assert_eq!(journal_events(&router, "engine_admitted", "p1").len(), 1);
@@ -109,7 +109,7 @@ async fn an_engine_back_from_an_outage_waits_for_its_health_again() {
         .expect("d1 restarts loading");
     let router = f.router();
     eventually("d1 out of placement", Duration::from_secs(20), || async {
-        strs(&router.state().await["ejected"])
+        strs(&router.state_json().await["ejected"])
             .contains(&"d1".to_string())
             .then_some(())
     })
@@ -169,7 +169,7 @@ async fn busy_engines_are_not_failed_and_clients_get_retry_after() {
             assert_eq!(r.header("retry-after"), "1");
             assert_eq!(r.json()["error"]["type"], "server_overloaded_error");
         }
-        let st = router.state().await;
+        let st = router.state_json().await;
         assert_eq!(st["ejected"], json!([]), "{st}");
         assert_eq!(st["breaker"]["ejections"], json!([]), "{st}");
         for p in ["p0", "p1"] {
@@ -210,7 +210,7 @@ async fn one_slow_health_probe_neither_ejects_nor_unreadies() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(not_ready, 0, "/ready answered 503 {not_ready} times");
-    let st = router.state().await;
+    let st = router.state_json().await;
     assert_eq!(st["breaker"]["ejections"], json!([]), "{st}");
     let m = router.metrics().await;
     let timeouts = metric(
@@ -299,7 +299,7 @@ async fn the_last_engine_of_a_role_stays_in_placement_degraded() {
     // Decode failures are charged once the producer is known to be the same process: all
     // eight attempts (two per request).
     let st = eventually("d0's failures charged", Duration::from_secs(10), || async {
-        let st = router.state().await;
+        let st = router.state_json().await;
         (st["breaker"]["failures"]["d0"]["inference_status"] == 8).then_some(st)
     })
     .await;
@@ -313,7 +313,7 @@ async fn the_last_engine_of_a_role_stays_in_placement_degraded() {
     );
     f.sim("d0").clear_faults().await;
     router.complete("recovered").await;
-    assert_eq!(router.state().await["degraded"], json!([]));
+    assert_eq!(router.state_json().await["degraded"], json!([]));
 }
 
 /// `engines[].health_path`: an engine without `/health` (it answers 404, as llama.cpp does) is
@@ -335,7 +335,10 @@ async fn an_engine_without_health_is_probed_on_its_health_path() {
     let plain = f.start_router("plain", &[]);
     let r = plain.completion("no health", 4).await;
     assert_eq!(r.status, 503, "{}", r.text());
-    assert_eq!(strs(&plain.state().await["awaiting_health"]), ["e0", "e1"]);
+    assert_eq!(
+        strs(&plain.state_json().await["awaiting_health"]),
+        ["e0", "e1"]
+    );
     drop(plain);
     let spec = f
         .spec("models", "router")
@@ -343,13 +346,13 @@ async fn an_engine_without_health_is_probed_on_its_health_path() {
         .engine_with("e1", json!({"health_path": "/v1/models"}));
     let router = narwhal_testkit::start_router(f.dir(), "models", &spec, &[]).expect("router");
     router.complete("models path").await;
-    assert_eq!(router.state().await["awaiting_health"], json!([]));
+    assert_eq!(router.state_json().await["awaiting_health"], json!([]));
     // e1 killed and restarted (still without /health): out, then back through its health
     // path and a generation probe.
     let faults = no_health.to_string();
     f.sim_mut("e1").proc.kill();
     eventually("e1 ejected", Duration::from_secs(20), || async {
-        strs(&router.state().await["ejected"])
+        strs(&router.state_json().await["ejected"])
             .contains(&"e1".to_string())
             .then_some(())
     })
@@ -358,7 +361,7 @@ async fn an_engine_without_health_is_probed_on_its_health_path() {
         .restart(&["--faults", &faults])
         .expect("e1 restarts");
     eventually("e1 readmitted", Duration::from_secs(20), || async {
-        (router.state().await["ejected"] == json!([])).then_some(())
+        (router.state_json().await["ejected"] == json!([])).then_some(())
     })
     .await;
     let back = &journal_events(&router, "engine_readmitted", "e1")[0];
@@ -392,7 +395,7 @@ async fn a_failed_rendezvous_with_a_restarted_prefill_is_the_prefills() {
         "p0 ejected as a new process",
         Duration::from_secs(20),
         || async {
-            let st = router.state().await;
+            let st = router.state_json().await;
             (st["ejected"] == json!(["p0"])).then_some(st)
         },
     )
@@ -453,7 +456,7 @@ async fn a_decode_failing_because_its_producer_restarted_is_the_producers() {
         "p0 ejected as a new process",
         Duration::from_secs(20),
         || async {
-            let st = router.state().await;
+            let st = router.state_json().await;
             (st["ejected"] == json!(["p0"])).then_some(st)
         },
     )
@@ -492,14 +495,14 @@ async fn a_standby_does_not_eject_engines_the_primary_restarted() {
         .await;
     let (status, doc) = f
         .router()
-        .lifecycle_post("drain", &json!({"engines": ["d0"]}))
+        .lifecycle_post_json("drain", &json!({"engines": ["d0"]}))
         .await;
     assert_eq!(status, 200, "{doc}");
     f.router().journal_event("drain_complete", Some("d0")).await;
     f.sim_mut("d0").restart(&[]).expect("d0 restarts");
     let (status, doc) = f
         .router()
-        .lifecycle_post("readmit", &json!({"engines": ["d0"]}))
+        .lifecycle_post_json("readmit", &json!({"engines": ["d0"]}))
         .await;
     assert_eq!(status, 200, "{doc}");
     // Let the standby tick over the new process for a while (a rule about something that

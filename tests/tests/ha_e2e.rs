@@ -34,6 +34,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use narwhal_shared::documents::lifecycle::ControllerRef;
+use narwhal_shared::documents::state;
 use narwhal_shared::handoff::DrainState;
 use narwhal_testkit::{
     Fleet, FleetBuilder, Http, LEASE_TTL_S, LeaseBackend, Proxy, RouterHandle, STANDBY_PROBE_S,
@@ -92,12 +94,12 @@ fn pair(f: &mut Fleet) -> (RouterHandle, RouterHandle) {
     (p, s)
 }
 
-fn epoch_of(ha: &Value) -> u64 {
-    ha["epoch"].as_u64().expect("ha.epoch")
+fn epoch_of(ha: &state::Ha) -> u64 {
+    ha.epoch
 }
 
-fn holder_of(ha: &Value) -> String {
-    ha["holder"].as_str().expect("ha.holder").to_string()
+fn holder_of(ha: &state::Ha) -> String {
+    ha.holder.clone()
 }
 
 /// `(epoch, holder)` of router `r`'s lease.
@@ -130,7 +132,7 @@ fn foreign_lease(epoch: u64, holder: &str, valid_s: f64) -> Value {
 /// A fenced router refuses lifecycle actions with 503.
 async fn assert_lifecycle_refused(r: &RouterHandle) {
     let (status, doc) = r
-        .lifecycle_post("drain", &json!({"engines": ["d0"], "deadline_s": 30}))
+        .lifecycle_post_json("drain", &json!({"engines": ["d0"], "deadline_s": 30}))
         .await;
     assert_eq!(status, 503, "{doc:#}");
 }
@@ -148,13 +150,14 @@ async fn kill_during_wave(backend: LeaseBackend) {
     let (mut p, s) = pair(&mut f);
     assert!(p.control.starts_with("https://"), "{}", p.control);
     let (epoch, holder) = lease_of(&p).await;
-    assert!(epoch >= 1, "{}", p.ha().await);
+    assert!(epoch >= 1, "{:?}", p.ha().await);
 
     let (status, doc) = p
         .lifecycle_post("drain", &json!({"wave": true, "deadline_s": 60}))
         .await;
-    assert_eq!(status, 200, "{doc:#}");
-    let wave_id = doc["wave"]["id"].as_str().expect("wave id").to_string();
+    assert_eq!(status, 200, "{doc:#?}");
+    let wave_id = doc.document.wave.id;
+    assert!(!wave_id.is_empty(), "a wave id");
     // Both engines idle: the wave becomes ready to stop; the standby retains that document
     // (polling a primary whose /ready is 503 for the wave but control_ready).
     let retained = f
@@ -177,7 +180,7 @@ async fn kill_during_wave(backend: LeaseBackend) {
         "{old_starts:?}"
     );
     let before = p.lifecycle().await;
-    assert_eq!(before["wave"]["ready_to_stop"], true, "{before:#}");
+    assert!(before.wave.ready_to_stop, "{before:#?}");
     assert_eq!(s.controls().await.as_deref(), Some("standby"));
 
     let t_kill = Instant::now();
@@ -195,51 +198,49 @@ async fn kill_during_wave(backend: LeaseBackend) {
         takeover_bound()
     );
     let sha = s.ha().await;
-    assert_eq!(epoch_of(&sha), epoch + 1, "claimed epoch+1: {sha}");
+    assert_eq!(epoch_of(&sha), epoch + 1, "claimed epoch+1: {sha:?}");
     assert_ne!(holder_of(&sha), holder);
     if let Some(rec) = f.lease_file() {
-        assert_eq!(rec["holder"], sha["holder"], "{rec}");
+        assert_eq!(rec["holder"], sha.holder.as_str(), "{rec}");
         assert_eq!(rec["epoch"], epoch + 1, "{rec}");
     }
 
     // Same wave state on the new primary.
     let after = s.lifecycle().await;
-    assert_eq!(after["router"]["controls_fleet"], "active", "{after:#}");
-    assert_eq!(after["wave"]["id"], wave_id.as_str(), "{after:#}");
-    assert_eq!(after["wave"]["active"], true, "{after:#}");
-    assert_eq!(after["wave"]["ready_to_stop"], true, "{after:#}");
+    assert_eq!(after.router.controls_fleet, "active", "{after:#?}");
+    assert_eq!(after.wave.id, wave_id, "{after:#?}");
+    assert!(after.wave.active, "{after:#?}");
+    assert!(after.wave.ready_to_stop, "{after:#?}");
     for (iid, start) in &old_starts {
-        let e = &after["engines"][iid];
-        assert_eq!(e["state"], "drained", "{iid}: {after:#}");
-        assert_eq!(e["accepts_new"], false, "{iid}");
-        assert_eq!(e["wave_id"], wave_id.as_str(), "{iid}");
-        assert_eq!(e["old_process_start"], json!(start), "{iid}");
+        let e = &after.engines[iid];
+        assert_eq!(e.state, DrainState::Drained, "{iid}: {after:#?}");
+        assert!(!e.accepts_new, "{iid}");
+        assert_eq!(e.wave_id, wave_id, "{iid}");
+        assert_eq!(e.old_process_start, *start, "{iid}");
     }
     let ready = s.not_ready().await;
     assert_eq!(
-        ready["reason"],
+        ready.reason,
         format!("whole-wave drain {wave_id}"),
-        "{ready}"
+        "{ready:?}"
     );
-    assert_eq!(ready["control_ready"], true, "{ready}");
+    assert!(ready.control_ready, "{ready:?}");
 
     // The supervisor restarts the fleet; readmission completes through the new primary.
     for sim in &mut f.sims {
         sim.restart(&[]).expect("restart simulator");
     }
     let (status, doc) = s.lifecycle_post("readmit", &json!({"wave": true})).await;
-    assert_eq!(status, 200, "{doc:#}");
-    assert_eq!(doc["wave"]["active"], false, "{doc:#}");
+    assert_eq!(status, 200, "{doc:#?}");
+    let doc = doc.document;
+    assert!(!doc.wave.active, "{doc:#?}");
     for (iid, start) in &old_starts {
-        let e = &doc["engines"][iid];
-        assert_eq!(e["state"], "active", "{iid}: {doc:#}");
-        assert!(
-            e["new_process_start"].as_f64() > *start,
-            "{iid}: newer start: {doc:#}"
-        );
+        let e = &doc.engines[iid];
+        assert_eq!(e.state, DrainState::Active, "{iid}: {doc:#?}");
+        assert!(e.new_process_start > *start, "{iid}: newer start: {doc:#?}");
     }
     let (status, ready) = s.ready().await;
-    assert_eq!(status, 200, "{ready}");
+    assert_eq!(status, 200, "{ready:?}");
     assert_eq!(s.completion("after the wave", 3).await.status, 200);
 }
 
@@ -311,33 +312,36 @@ async fn sigstop_then_sigcont(backend: LeaseBackend) {
     );
     let sha = s.ha().await;
     let new_epoch = epoch_of(&sha);
-    assert_eq!(new_epoch, epoch + 1, "{sha}");
+    assert_eq!(new_epoch, epoch + 1, "{sha:?}");
     p.proc.signal(Signal::SIGCONT);
 
     // The old primary notices at once: it no longer controls the fleet, and as it sees the
     // new primary's live lease it is a standby naming it; /ready 503, lifecycle 503.
     p.wait_controls("standby", Duration::from_secs(5)).await;
     let (status, health) = p.health().await;
-    assert_eq!(status, 200, "{health}");
-    assert_eq!(health["status"], "standby", "{health}");
+    assert_eq!(status, 200, "{health:?}");
+    assert_eq!(health.status, "standby", "{health:?}");
     let ready = p.not_ready().await;
-    assert_eq!(ready["reason"], "shadowing", "{ready}");
-    assert_eq!(ready["control_ready"], false, "{ready}");
+    assert_eq!(ready.reason, "shadowing", "{ready:?}");
+    assert!(!ready.control_ready, "{ready:?}");
     let (new_holder, old_doc) = (holder_of(&sha), p.lifecycle().await);
     assert_eq!(
-        old_doc["router"]["controller"],
-        json!({"holder": new_holder, "epoch": new_epoch}),
-        "{old_doc:#}"
+        old_doc.router.controller,
+        Some(ControllerRef {
+            holder: new_holder,
+            epoch: new_epoch
+        }),
+        "{old_doc:#?}"
     );
     for (action, body) in [
         ("drain", json!({"engines": ["d0"], "deadline_s": 30})),
         ("readmit", json!({"engines": ["d0"]})),
     ] {
         let (status, doc) = p.lifecycle_post(action, &body).await;
-        assert_eq!(status, 503, "{action}: {doc:#}");
+        assert_eq!(status, 503, "{action}: {doc:#?}");
         assert_eq!(
-            doc["error"], "this router does not control the fleet",
-            "{action}: {doc:#}"
+            doc.document.error, "this router does not control the fleet",
+            "{action}: {doc:#?}"
         );
     }
     assert_eq!(
@@ -435,10 +439,10 @@ async fn fenced_primary_takes_the_fleet_back_only_with_the_newest_state() {
         assert_eq!(s.completion(&format!("new {i}"), 2).await.status, 200);
     }
     let (status, doc) = s
-        .lifecycle_post("drain", &json!({"engines": ["d0"], "deadline_s": 60}))
+        .lifecycle_post_json("drain", &json!({"engines": ["d0"], "deadline_s": 60}))
         .await;
     assert_eq!(status, 200, "{doc:#}");
-    let shown = s.state().await["served"].as_u64().expect("served");
+    let shown = s.state_json().await["served"].as_u64().expect("served");
     assert!(shown >= 2, "{shown}");
     s.proc.kill();
     let t_kill = Instant::now();
@@ -453,8 +457,8 @@ async fn fenced_primary_takes_the_fleet_back_only_with_the_newest_state() {
         )
     });
     eprintln!("[ha_e2e] File: the old primary took the fleet back {retook:?} after the kill");
-    let lc = p.lifecycle().await;
-    let st = p.state().await;
+    let lc = p.lifecycle_json().await;
+    let st = p.state_json().await;
     assert!(
         st["served"].as_u64() >= Some(shown),
         "served {} after the takeover, {shown} shown by the new primary",
@@ -495,7 +499,7 @@ async fn primary_fenced_by_a_stalled_etcd_returns_when_etcd_does() {
     let back = epoch_of(&p.ha().await);
     eprintln!(
         "[ha_e2e] Etcd: fenced by a stalled etcd ({}), back at epoch {back} (was {epoch})",
-        ready["reason"]
+        ready.reason
     );
     assert!(
         back == epoch || back == epoch + 1,
@@ -518,17 +522,14 @@ async fn standby_refuses_a_handoff_older_than_the_lease_and_does_not_churn_the_e
     // A third router claims epoch N+1 (written as the file backend does: temp file, rename).
     f.write_lease_file(&foreign_lease(epoch + 1, "third:0", 0.5));
     let why = wait_until(takeover_bound() + Duration::from_secs(3), || async {
-        let r = s.ready().await.1["reason"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
+        let r = s.ready().await.1.reason;
         r.contains("cannot precede").then_some(r)
     })
     .await;
     let (_, ready) = s.ready().await;
     assert!(
         why.is_some(),
-        "no refusal: {ready}\n{}",
+        "no refusal: {ready:?}\n{}",
         s.proc.stderr_tail(20)
     );
     eprintln!(
@@ -571,11 +572,11 @@ async fn a_foreign_lease_record_fences_the_primary_and_stops_its_state_writes() 
     let took = t0.elapsed();
     assert!(took < Duration::from_millis(1500), "fenced after {took:?}");
     let (_, health) = p.health().await;
-    assert_eq!(health["status"], "standby", "{health}");
+    assert_eq!(health.status, "standby", "{health:?}");
     let ready = p.not_ready().await;
-    assert_eq!(ready["reason"], "shadowing", "{ready}");
-    assert_eq!(ready["control_ready"], false, "{ready}");
-    let lc = p.lifecycle().await;
+    assert_eq!(ready.reason, "shadowing", "{ready:?}");
+    assert!(!ready.control_ready, "{ready:?}");
+    let lc = p.lifecycle_json().await;
     assert_eq!(
         lc["router"]["controller"],
         json!({"holder": "other:0", "epoch": epoch + 1}),
@@ -610,7 +611,7 @@ async fn unreachable_primary_keeps_its_lease(backend: LeaseBackend) {
     let (epoch, holder) = lease_of(&p).await;
     f.wait_retained("standby", epoch, &holder, |_| true).await;
     let (_, ready) = s.ready().await;
-    assert_eq!(ready["reason"], "shadowing", "{ready}");
+    assert_eq!(ready.reason, "shadowing", "{ready:?}");
 
     proxy.cut();
     let t_cut = Instant::now();
@@ -622,11 +623,11 @@ async fn unreachable_primary_keeps_its_lease(backend: LeaseBackend) {
         samples.fetch_add(1, Ordering::Relaxed);
         let sha = s.ha().await;
         let pha = p.ha().await;
-        assert_eq!(sha["controls_fleet"], false, "standby took over: {sha}");
-        assert_eq!(sha["standby"], true, "{sha}");
-        assert_eq!(pha["controls_fleet"], true, "primary lost control: {pha}");
-        assert_eq!(epoch_of(&pha), epoch, "{pha}");
-        assert_eq!(holder_of(&pha), holder, "{pha}");
+        assert!(!sha.controls_fleet, "standby took over: {sha:?}");
+        assert!(sha.standby, "{sha:?}");
+        assert!(pha.controls_fleet, "primary lost control: {pha:?}");
+        assert_eq!(epoch_of(&pha), epoch, "{pha:?}");
+        assert_eq!(holder_of(&pha), holder, "{pha:?}");
         (t_cut.elapsed()
             > Duration::from_secs_f64(TTL_S + f64::from(TAKEOVER_AFTER) * PROBE_S + 4.0))
         .then_some(())
@@ -639,8 +640,8 @@ async fn unreachable_primary_keeps_its_lease(backend: LeaseBackend) {
         samples.load(Ordering::Relaxed)
     );
     let ready = s.not_ready().await;
-    assert_eq!(ready["reason"], "shadowing", "{ready}");
-    let lc = s.lifecycle().await;
+    assert_eq!(ready.reason, "shadowing", "{ready:?}");
+    let lc = s.lifecycle_json().await;
     assert_eq!(lc["router"]["controls_fleet"], "standby", "{lc:#}");
     assert_eq!(
         lc["router"]["controller"],
@@ -654,7 +655,7 @@ async fn unreachable_primary_keeps_its_lease(backend: LeaseBackend) {
     }
     // The primary still serves.
     assert_eq!(p.completion("still here", 2).await.status, 200);
-    let shown = p.state().await["served"].as_u64().expect("served");
+    let shown = p.state_json().await["served"].as_u64().expect("served");
     // The primary now dies. Its HTTP copy is older than --standby-max-handoff-age (the
     // reference stayed out then, behaviour.md 12 item 7a); its published handoff is
     // current, so the standby takes over with it.
@@ -668,8 +669,8 @@ async fn unreachable_primary_keeps_its_lease(backend: LeaseBackend) {
     .unwrap_or_else(|| panic!("no takeover:\n{}", s.proc.stderr_tail(30)));
     eprintln!("[ha_e2e] {backend:?}: took over from the published handoff after {took:?}");
     let sha = s.ha().await;
-    assert_eq!(epoch_of(&sha), epoch + 1, "{sha}");
-    let st = s.state().await;
+    assert_eq!(epoch_of(&sha), epoch + 1, "{sha:?}");
+    let st = s.state_json().await;
     assert!(
         st["served"].as_u64() >= Some(shown),
         "served {} after the takeover, {shown} shown before",
@@ -812,7 +813,7 @@ async fn takeover_gap(backend: LeaseBackend) {
             takeover_bound()
         );
         let sha = s.ha().await;
-        assert_eq!(epoch_of(&sha), epoch + 1, "run {k}: {sha}");
+        assert_eq!(epoch_of(&sha), epoch + 1, "run {k}: {sha:?}");
         let m = s.metrics().await;
         let reported = metric(&m, "narwhal_standby_takeover_gap_seconds", &[])
             .unwrap_or_else(|| panic!("no takeover gap metric:\n{m}"));

@@ -159,8 +159,7 @@ async fn takeover_gap_sixteen_engines() {
             let label = format!("{}-{k}", if sig.is_some() { "stop" } else { "kill" });
             let s = f.standby_of(&label, &current.control, &[]);
             let ha = current.ha().await;
-            let epoch = ha["epoch"].as_u64().expect("epoch");
-            let holder = ha["holder"].as_str().expect("holder").to_string();
+            let (epoch, holder) = (ha.epoch, ha.holder);
             f.wait_retained(&label, epoch, &holder, |_| true).await;
             // A random point of the renewal interval (0.5 s).
             tokio::time::sleep(Duration::from_millis(rand::rng().random_range(0..500))).await;

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use narwhal_shared::handoff::Handoff;
+use narwhal_shared::handoff::{DrainState, Handoff};
 use narwhal_testkit::{Fleet, RouterHandle, handoff_file_where, metric};
 use serde_json::{Value, json};
 
@@ -35,11 +35,11 @@ async fn handoff_validates_round_trips_and_resume_restores_totals_and_holds() {
     let mut a = f.start_router("router-a", &[]);
     // Ready only after every engine's identity was checked through its agent.
     assert_eq!(a.get_data("/ready").await.status, 200);
-    let lc = a.get("/narwhal/lifecycle").await.json();
+    let lc = a.lifecycle().await;
     for iid in ["p0", "d0"] {
         assert!(
-            lc["process_starts"][iid].is_f64(),
-            "{iid}'s start accepted before ready: {lc}"
+            lc.process_starts.contains_key(iid),
+            "{iid}'s start accepted before ready: {lc:#?}"
         );
     }
     serve_some(&a, 5).await;
@@ -47,7 +47,7 @@ async fn handoff_validates_round_trips_and_resume_restores_totals_and_holds() {
     let (s, doc) = a
         .lifecycle_post("drain", &json!({"engines": ["d0"], "deadline_s": 60}))
         .await;
-    assert_eq!(s, 200, "{doc}");
+    assert_eq!(s, 200, "{doc:#?}");
     let live = a.handoff().await;
     let h = Handoff::from_value(live.clone()).expect("the live handoff validates");
     assert_eq!(h.schema, "narwhal.handoff");
@@ -89,17 +89,17 @@ async fn handoff_validates_round_trips_and_resume_restores_totals_and_holds() {
     a.proc.kill();
     let b = f.start_router("router-b", &["--resume"]);
     let st = b.state().await;
-    assert_eq!(st["served"], 5, "totals restored: {st}");
-    assert_eq!(st["offered"], 5, "{st}");
-    assert_eq!(st["ha"]["resume"]["refused"], false, "{st}");
-    let lc = b.get("/narwhal/lifecycle").await.json();
-    let d0 = &lc["engines"]["d0"];
-    assert_eq!(d0["state"], "drained", "the hold survives: {lc}");
-    assert_eq!(d0["accepts_new"], false, "{lc}");
-    assert_eq!(d0["old_process_start"], json!(old_start), "{lc}");
+    assert_eq!(st.served, 5, "totals restored: {st:#?}");
+    assert_eq!(st.offered, 5, "{st:#?}");
+    assert!(!st.ha.resume.refused, "{st:#?}");
+    let lc = b.lifecycle().await;
+    let d0 = &lc.engines["d0"];
+    assert_eq!(d0.state, DrainState::Drained, "the hold survives: {lc:#?}");
+    assert!(!d0.accepts_new, "{lc:#?}");
+    assert_eq!(d0.old_process_start, old_start, "{lc:#?}");
     assert_eq!(
-        d0["resident"]["decode"], 0,
-        "resident tracking starts fresh: {lc}"
+        d0.resident.decode, 0,
+        "resident tracking starts fresh: {lc:#?}"
     );
     let m = b.metrics().await;
     assert_eq!(
@@ -110,13 +110,13 @@ async fn handoff_validates_round_trips_and_resume_restores_totals_and_holds() {
     // The restored hold is a real hold: readmission needs the restart, then succeeds.
     let readmit_d0 = json!({"engines": ["d0"]});
     let (s, doc) = b.lifecycle_post("readmit", &readmit_d0).await;
-    assert_eq!(s, 409, "{doc}");
+    assert_eq!(s, 409, "{doc:#?}");
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     let (s, doc) = b.lifecycle_post("readmit", &readmit_d0).await;
-    assert_eq!(s, 200, "{doc}");
+    assert_eq!(s, 200, "{doc:#?}");
     serve_some(&b, 2).await;
     let st = b.state().await;
-    assert_eq!(st["served"], 7, "{st}");
+    assert_eq!(st.served, 7, "{st:#?}");
 }
 
 /// A torn file, a document with a bad field and a document for another fleet are each refused
@@ -149,13 +149,13 @@ async fn resume_refuses_torn_invalid_and_foreign_documents() {
         std::fs::write(f.state_path(&label), &content).expect("write state file");
         let r = f.start_router(&label, &["--resume"]);
         let st = r.state().await;
-        let reason = st["ha"]["resume"]["reason"].as_str().unwrap_or_default();
-        assert_eq!(st["ha"]["resume"]["refused"], true, "{name}: {st}");
+        let reason = &st.ha.resume.reason;
+        assert!(st.ha.resume.refused, "{name}: {st:#?}");
         assert!(
             reason.contains(want),
             "{name}: reason {reason:?} lacks {want:?}"
         );
-        assert_eq!(st["served"], 0, "{name}: nothing applied: {st}");
+        assert_eq!(st.served, 0, "{name}: nothing applied: {st:#?}");
         let aside = f.dir().join("state.json.refused");
         assert_eq!(
             std::fs::read_to_string(&aside).expect("refused file kept"),
@@ -164,14 +164,18 @@ async fn resume_refuses_torn_invalid_and_foreign_documents() {
         );
         let (status, body) = r.ready().await;
         assert_eq!(status, 503, "{name}");
-        let why = body["reason"].as_str().unwrap_or_default();
         assert!(
-            why.starts_with("whole-wave restart required: handoff rejected:"),
-            "{name}: {body}"
+            body.reason
+                .starts_with("whole-wave restart required: handoff rejected:"),
+            "{name}: {body:?}"
         );
-        let lc = r.get("/narwhal/lifecycle").await.json();
-        assert_eq!(lc["engines"]["p0"]["state"], "blocked", "{name}: {lc}");
-        assert_eq!(lc["wave"]["active"], true, "{name}: {lc}");
+        let lc = r.lifecycle().await;
+        assert_eq!(
+            lc.engines["p0"].state,
+            DrainState::Blocked,
+            "{name}: {lc:#?}"
+        );
+        assert!(lc.wave.active, "{name}: {lc:#?}");
         std::fs::remove_file(&aside).ok();
     }
 }
@@ -191,18 +195,18 @@ async fn interrupted_validation_is_restored_as_blocked() {
     }]);
     std::fs::write(f.state_path("router-b"), doc.to_string()).expect("write");
     let b = f.start_router("router-b", &["--resume"]);
-    let lc = b.get("/narwhal/lifecycle").await.json();
-    let d0 = &lc["engines"]["d0"];
-    assert_eq!(d0["state"], "blocked", "{lc}");
+    let lc = b.lifecycle().await;
+    let d0 = &lc.engines["d0"];
+    assert_eq!(d0.state, DrainState::Blocked, "{lc:#?}");
     assert_eq!(
-        d0["error"],
+        d0.error,
         "readmission validation was interrupted by router replacement"
     );
-    assert_eq!(d0["accepts_new"], false);
+    assert!(!d0.accepts_new);
     // The running d0 started after `old_process_start` (1.0): readmission passes.
     let (s, doc) = b
         .lifecycle_post("readmit", &json!({"engines": ["d0"]}))
         .await;
-    assert_eq!(s, 200, "{doc}");
-    assert_eq!(doc["engines"]["d0"]["state"], "active");
+    assert_eq!(s, 200, "{doc:#?}");
+    assert_eq!(doc.document.engines["d0"].state, DrainState::Active);
 }

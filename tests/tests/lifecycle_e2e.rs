@@ -16,6 +16,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use narwhal_shared::handoff::DrainState;
 use narwhal_testkit::{
     Fleet, RouterHandle, SimHandle, WAIT, bin_path, count as n, metric, narwhalctl,
     strings as strs, wait_until,
@@ -88,12 +89,13 @@ async fn trip_breaker(router: &RouterHandle, prompt: &str) {
 
 /// `POST /narwhal/lifecycle/drain` of engine `iid` (no deadline).
 async fn drain(r: &RouterHandle, iid: &str) -> (u16, Value) {
-    r.lifecycle_post("drain", &json!({"engines": [iid]})).await
+    r.lifecycle_post_json("drain", &json!({"engines": [iid]}))
+        .await
 }
 
 /// `POST /narwhal/lifecycle/readmit` of engine `iid`.
 async fn readmit(r: &RouterHandle, iid: &str) -> (u16, Value) {
-    r.lifecycle_post("readmit", &json!({"engines": [iid]}))
+    r.lifecycle_post_json("readmit", &json!({"engines": [iid]}))
         .await
 }
 
@@ -189,11 +191,11 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
     let s1 = r.open_stream("first stream in flight", 30).await;
     let s2 = r.open_stream("second stream in flight", 30).await;
     r.lifecycle_until("two streams resident on d0", |d| {
-        d["engines"]["d0"]["resident"]["decode"] == 2
+        d.engines["d0"].resident.decode == 2
     })
     .await;
     let (status, doc) = r
-        .lifecycle_post("drain", &json!({"engines": ["d0"], "deadline_s": 30}))
+        .lifecycle_post_json("drain", &json!({"engines": ["d0"], "deadline_s": 30}))
         .await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["error"], "");
@@ -234,7 +236,7 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
     let t1 = s1.finish().await;
     assert!(
         !r.has_event("drain_complete", Some("d0"))
-            || r.lifecycle().await["engines"]["d0"]["resident"]["decode"] == 0,
+            || r.lifecycle_json().await["engines"]["d0"]["resident"]["decode"] == 0,
         "drain_complete only after the last stream"
     );
     let t2 = s2.finish().await;
@@ -246,7 +248,7 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
         order,
         ["drain_started", "process_recorded", "drain_complete"]
     );
-    let doc = r.lifecycle().await;
+    let doc = r.lifecycle_json().await;
     let e = &doc["engines"]["d0"];
     assert_eq!(e["state"], "drained", "{doc:#}");
     assert_eq!(e["ready_to_stop"], true);
@@ -443,7 +445,7 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
     assert!(err.starts_with("fabric p0->d0: "), "{err}");
     assert_checks(&checks, &all[..5]);
     // The peer is reported by name but holds no record and stays in service.
-    let doc = r.lifecycle().await;
+    let doc = r.lifecycle_json().await;
     assert_eq!(doc["engines"]["d0"]["state"], "active");
     assert_eq!(doc["engines"]["d0"]["accepts_new"], true);
 
@@ -485,7 +487,7 @@ async fn whole_wave_drain_and_readmission() {
 
     let stream = r.open_stream("resident through the wave drain", 25).await;
     let (status, doc) = r
-        .lifecycle_post("drain", &json!({"wave": true, "deadline_s": 30}))
+        .lifecycle_post_json("drain", &json!({"wave": true, "deadline_s": 30}))
         .await;
     assert_eq!(status, 200, "{doc:#}");
     let wave_id = doc["wave"]["id"].as_str().unwrap().to_string();
@@ -499,17 +501,19 @@ async fn whole_wave_drain_and_readmission() {
     assert_eq!(doc["router"]["ready"], false);
     let ready = r.not_ready().await;
     assert_eq!(
-        ready["reason"],
+        ready.reason,
         format!("whole-wave drain {wave_id}"),
-        "{ready}"
+        "{ready:?}"
     );
     // p0 has nothing resident: drained, but not ready_to_stop until the whole wave is.
     let doc = r
-        .lifecycle_until("p0 drained", |d| d["engines"]["p0"]["state"] == "drained")
+        .lifecycle_until("p0 drained", |d| {
+            d.engines["p0"].state == DrainState::Drained
+        })
         .await;
-    assert_eq!(doc["engines"]["p0"]["ready_to_stop"], false, "{doc:#}");
-    assert_eq!(doc["engines"]["d0"]["state"], "draining");
-    assert_eq!(doc["wave"]["ready_to_stop"], false);
+    assert!(!doc.engines["p0"].ready_to_stop, "{doc:#?}");
+    assert_eq!(doc.engines["d0"].state, DrainState::Draining);
+    assert!(!doc.wave.ready_to_stop);
     assert!(!r.has_event("wave_ready_to_stop", None));
     // Readmission shapes during a wave.
     let (status, doc) = readmit(&r, "p0").await;
@@ -519,7 +523,7 @@ async fn whole_wave_drain_and_readmission() {
         "an active whole wave must be validated and readmitted as one engine set"
     );
     let (status, doc) = r
-        .lifecycle_post("readmit", &json!({"engines": ["p0"], "wave": true}))
+        .lifecycle_post_json("readmit", &json!({"engines": ["p0"], "wave": true}))
         .await;
     assert_eq!(status, 409);
     assert_eq!(
@@ -531,7 +535,7 @@ async fn whole_wave_drain_and_readmission() {
     let ev = r.journal_event("wave_ready_to_stop", None).await;
     assert_eq!(ev["wave_id"], wave_id.as_str());
     assert_eq!(strs(&ev["engines"]), ["d0", "p0"]);
-    let doc = r.lifecycle().await;
+    let doc = r.lifecycle_json().await;
     assert_eq!(doc["wave"]["ready_to_stop"], true, "{doc:#}");
     for iid in ["p0", "d0"] {
         assert_eq!(doc["engines"][iid]["ready_to_stop"], true, "{iid}");
@@ -541,7 +545,9 @@ async fn whole_wave_drain_and_readmission() {
 
     // Only p0 is restarted: the wave is refused, naming d0.
     f.sim_mut("p0").restart(&[]).expect("restart p0");
-    let (status, doc) = r.lifecycle_post("readmit", &json!({"wave": true})).await;
+    let (status, doc) = r
+        .lifecycle_post_json("readmit", &json!({"wave": true}))
+        .await;
     assert_eq!(status, 409, "{doc:#}");
     assert_eq!(doc["error"], "readmission validation failed");
     assert_eq!(
@@ -559,7 +565,9 @@ async fn whole_wave_drain_and_readmission() {
     assert_eq!(r.ready().await.0, 503);
 
     f.sim_mut("d0").restart(&[]).expect("restart d0");
-    let (status, doc) = r.lifecycle_post("readmit", &json!({"wave": true})).await;
+    let (status, doc) = r
+        .lifecycle_post_json("readmit", &json!({"wave": true}))
+        .await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["wave"]["active"], false);
     assert_eq!(doc["wave"]["id"], "");
@@ -593,12 +601,11 @@ async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requ
     let (mut f, r) = lab("individual", &[], json!({"recovery": {"eject_after": 1}})).await;
     crash_d0(&mut f, &r, "d0 is gone").await;
     let doc = r
-        .lifecycle_until("d0 out of placement", |d| {
-            d["engines"]["d0"]["accepts_new"] == false
-        })
+        .lifecycle_until("d0 out of placement", |d| !d.engines["d0"].accepts_new)
         .await;
     assert_eq!(
-        doc["engines"]["d0"]["state"], "active",
+        doc.engines["d0"].state,
+        DrainState::Active,
         "ejection is not a lifecycle hold"
     );
     let (status, doc) = drain(&r, "p0").await;
@@ -617,15 +624,13 @@ async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requ
     let start = started_at(&f, "d0").await;
     assert!((ev["process_start"].as_f64().unwrap() - start).abs() < 0.05);
     let doc = r
-        .lifecycle_until("d0 back in placement", |d| {
-            d["engines"]["d0"]["accepts_new"] == true
-        })
+        .lifecycle_until("d0 back in placement", |d| d.engines["d0"].accepts_new)
         .await;
-    let e = &doc["engines"]["d0"];
-    assert_eq!(e["state"], "active", "{doc:#}");
-    assert_eq!(e["restart_required"], false);
-    assert_eq!(e["error"], "");
-    assert_checks(&strs(&e["checks"]), &decode_checks("process identity"));
+    let e = &doc.engines["d0"];
+    assert_eq!(e.state, DrainState::Active, "{doc:#?}");
+    assert!(!e.restart_required);
+    assert_eq!(e.error, "");
+    assert_checks(&e.checks, &decode_checks("process identity"));
     let m = r.metrics().await;
     assert_eq!(
         metric(
@@ -656,7 +661,7 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
     let refused = |action: &'static str, body: Value, status: u16, msg: &'static str| {
         let r = &r;
         async move {
-            let (got, doc) = r.lifecycle_post(action, &body).await;
+            let (got, doc) = r.lifecycle_post_json(action, &body).await;
             assert_eq!(got, status, "{action} {body}: {doc:#}");
             assert_eq!(doc["error"], msg, "{action} {body}");
         }
@@ -695,7 +700,7 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
         "a whole-wave drain must name every configured engine",
     )
     .await;
-    let doc = r.lifecycle().await;
+    let doc = r.lifecycle_json().await;
     assert!(
         doc["engines"]
             .as_object()
@@ -730,7 +735,7 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
     let (status, first) = drain(&r, "p0").await;
     assert_eq!(status, 200, "{first:#}");
     r.journal_event("drain_complete", Some("p0")).await;
-    let before = r.lifecycle().await;
+    let before = r.lifecycle_json().await;
     // architecture.md 9.5: the same drain again is idempotent.
     let (status, again) = drain(&r, "p0").await;
     assert_eq!(status, 200, "{again:#}");
@@ -749,7 +754,7 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
     )
     .await;
     let (status, again) = r
-        .lifecycle_post("drain", &json!({"engines": ["p0"], "deadline_s": 300}))
+        .lifecycle_post_json("drain", &json!({"engines": ["p0"], "deadline_s": 300}))
         .await;
     assert_eq!(status, 200, "{again:#}");
     conflict(
@@ -778,17 +783,14 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
         (r#"{"wave": "yes"}"#, "wave must be true or false"),
     ] {
         let (status, doc) = r.lifecycle_post_raw("drain", body).await;
-        assert_eq!(status, 400, "{body}: {doc:#}");
-        assert!(
-            doc["error"].as_str().unwrap().contains(needle),
-            "{body}: {}",
-            doc["error"]
-        );
+        assert_eq!(status, 400, "{body}: {doc:#?}");
+        let error = &doc.document.error;
+        assert!(error.contains(needle), "{body}: {error}");
     }
     let (status, doc) = r
         .lifecycle_post_raw("readmit", r#"{"deadline_s": 5}"#)
         .await;
-    assert_eq!(status, 400, "readmit takes no deadline: {doc:#}");
+    assert_eq!(status, 400, "readmit takes no deadline: {doc:#?}");
 }
 
 /// A drain whose identity capture fails (agent down) is 503 naming the engine; the engine stays out
@@ -838,7 +840,7 @@ async fn drain_with_agent_down_is_503_holds_the_engine_and_the_retry_succeeds() 
     let old = doc["engines"]["p0"]["old_process_start"].as_f64().unwrap();
     assert!((old - start).abs() < 0.05);
     r.journal_event("drain_complete", Some("p0")).await;
-    let doc = r.lifecycle().await;
+    let doc = r.lifecycle_json().await;
     assert_eq!(doc["engines"]["p0"]["state"], "drained");
     assert_eq!(doc["engines"]["p0"]["error"], "");
     assert_eq!(doc["engines"]["p0"]["ready_to_stop"], true);
@@ -961,7 +963,7 @@ async fn narwhalctl_wave_restart_and_rolling_restart() {
         pids1.0 != pids0.0 && pids1.1 != pids0.1,
         "both engines restarted"
     );
-    let doc = r.lifecycle().await;
+    let doc = r.lifecycle_json().await;
     assert_eq!(doc["wave"]["active"], false, "{doc:#}");
     for iid in ["p0", "d0"] {
         let e = &doc["engines"][iid];
@@ -974,7 +976,7 @@ async fn narwhalctl_wave_restart_and_rolling_restart() {
     wave_restart(&control, &cmd, true).await;
     let pids2 = (pid("p0").unwrap(), pid("d0").unwrap());
     assert!(pids2.0 != pids1.0 && pids2.1 != pids1.1);
-    let doc = r.lifecycle().await;
+    let doc = r.lifecycle_json().await;
     for iid in ["p0", "d0"] {
         let e = &doc["engines"][iid];
         assert_eq!(e["state"], "active", "{iid}: {doc:#}");
@@ -1000,13 +1002,13 @@ async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
     let (_f, r) = lab("individual", &["--tpot-ms", "40"], json!({})).await;
     let s = r.open_stream("outlives the drain deadline", 30).await;
     let (status, doc) = r
-        .lifecycle_post("drain", &json!({"engines": ["d0"], "deadline_s": 0.2}))
+        .lifecycle_post_json("drain", &json!({"engines": ["d0"], "deadline_s": 0.2}))
         .await;
     assert_eq!(status, 200, "{doc:#}");
     let ev = r.journal_event("drain_deadline_exceeded", Some("d0")).await;
     assert_eq!(ev["resident"], 1, "{ev}");
     assert!(!r.has_event("drain_complete", Some("d0")));
-    let doc = r.lifecycle().await;
+    let doc = r.lifecycle_json().await;
     let e = &doc["engines"]["d0"];
     assert_eq!(e["state"], "deadline_exceeded", "{doc:#}");
     assert_eq!(
@@ -1023,7 +1025,7 @@ async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
         "the stream ran to its end"
     );
     r.journal_event("drain_complete", Some("d0")).await;
-    let doc = r.lifecycle().await;
+    let doc = r.lifecycle_json().await;
     let e = &doc["engines"]["d0"];
     assert_eq!(e["state"], "drained", "{doc:#}");
     assert_eq!(e["error"], "", "no stale deadline error");
@@ -1043,10 +1045,10 @@ async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes
     let wave_id = ev["wave_id"].as_str().unwrap().to_string();
     let ready = r.not_ready().await;
     assert_eq!(
-        ready["reason"],
+        ready.reason,
         "whole-wave restart required: engine d0 was excluded"
     );
-    let doc = r.lifecycle().await;
+    let doc = r.lifecycle_json().await;
     assert_eq!(doc["wave"]["id"], wave_id.as_str(), "{doc:#}");
     for iid in ["p0", "d0"] {
         let e = &doc["engines"][iid];
@@ -1057,14 +1059,16 @@ async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes
     }
     // The engine answers again; automatic recovery must not readmit it under whole_wave.
     f.sim_mut("d0").restart(&[]).expect("d0 back");
-    let (status, doc) = r.lifecycle_post("readmit", &json!({"wave": true})).await;
+    let (status, doc) = r
+        .lifecycle_post_json("readmit", &json!({"wave": true}))
+        .await;
     assert_eq!(status, 409, "{doc:#}");
     assert_eq!(
         doc["error"],
         "d0 has no recorded pre-restart process identity"
     );
     // Drain the wave: identities are captured for the held records (no new wave).
-    let (status, doc) = r.lifecycle_post("drain", &json!({"wave": true})).await;
+    let (status, doc) = r.lifecycle_post_json("drain", &json!({"wave": true})).await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["wave"]["id"], wave_id.as_str(), "same wave");
     r.journal_event("wave_ready_to_stop", None).await;
@@ -1074,15 +1078,17 @@ async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes
     );
     f.sim_mut("p0").restart(&[]).expect("restart p0");
     f.sim_mut("d0").restart(&[]).expect("restart d0");
-    let (status, doc) = r.lifecycle_post("readmit", &json!({"wave": true})).await;
+    let (status, doc) = r
+        .lifecycle_post_json("readmit", &json!({"wave": true}))
+        .await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["wave"]["active"], false);
     let doc = r
         .lifecycle_until("both engines in placement", |d| {
-            d["engines"]["p0"]["accepts_new"] == true && d["engines"]["d0"]["accepts_new"] == true
+            d.engines["p0"].accepts_new && d.engines["d0"].accepts_new
         })
         .await;
-    assert_eq!(doc["router"]["ready"], true, "{doc:#}");
+    assert!(doc.router.ready, "{doc:#?}");
     assert_eq!(r.ready().await.0, 200);
     complete_on(&f, &r, "after the forced wave", &[("d0", "decode")]).await;
 }
@@ -1094,7 +1100,7 @@ async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes
 async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
     let (mut f, r) = lab("individual", &[], json!({"recovery": {"eject_after": 1}})).await;
     crash_d0(&mut f, &r, "d0 is gone").await;
-    r.lifecycle_until("d0 ejected", |d| d["engines"]["d0"]["accepts_new"] == false)
+    r.lifecycle_until("d0 ejected", |d| !d.engines["d0"].accepts_new)
         .await;
     f.sim_mut("d0")
         .restart(&["--model", "other-model"])
@@ -1104,7 +1110,7 @@ async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
         ev["error"], r#"serves ["other-model"], expected tiny-sim"#,
         "{ev}"
     );
-    let doc = r.lifecycle().await;
+    let doc = r.lifecycle_json().await;
     let e = &doc["engines"]["d0"];
     assert_eq!(e["accepts_new"], false, "{doc:#}");
     assert_eq!(e["restart_required"], false);
@@ -1115,7 +1121,7 @@ async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
     f.sim_mut("d0").restart(&[]).expect("d0 right again");
     r.journal_event("readmitted", Some("d0")).await;
     r.lifecycle_until("d0 back", |d| {
-        d["engines"]["d0"]["accepts_new"] == true && d["engines"]["d0"]["state"] == "active"
+        d.engines["d0"].accepts_new && d.engines["d0"].state == DrainState::Active
     })
     .await;
     complete_on(&f, &r, "d0 decodes again", &[("d0", "decode")]).await;
@@ -1212,12 +1218,12 @@ async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() 
     let (mut f, r) = lab("whole_wave", &[], json!({"recovery": {"eject_after": 1}})).await;
     let d0_start = started_at(&f, "d0").await;
     r.lifecycle_until("identities accepted at startup", |d| {
-        d["process_starts"]["d0"].as_f64().is_some() && d["process_starts"]["p0"].as_f64().is_some()
+        d.process_starts.contains_key("d0") && d.process_starts.contains_key("p0")
     })
     .await;
     crash_d0(&mut f, &r, "d0 crashed").await;
     r.journal_event("restart_required", None).await;
-    let (status, doc) = r.lifecycle_post("drain", &json!({"wave": true})).await;
+    let (status, doc) = r.lifecycle_post_json("drain", &json!({"wave": true})).await;
     assert_eq!(status, 200, "{doc:#}");
     let old = doc["engines"]["d0"]["old_process_start"].as_f64();
     assert_eq!(
@@ -1228,9 +1234,11 @@ async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() 
     r.journal_event("wave_ready_to_stop", None).await;
     f.sim_mut("p0").restart(&[]).expect("restart p0");
     f.sim_mut("d0").restart(&[]).expect("restart d0");
-    let (status, doc) = r.lifecycle_post("readmit", &json!({"wave": true})).await;
+    let (status, doc) = r
+        .lifecycle_post_json("readmit", &json!({"wave": true}))
+        .await;
     assert_eq!(status, 200, "{doc:#}");
-    r.lifecycle_until("d0 back", |d| d["engines"]["d0"]["accepts_new"] == true)
+    r.lifecycle_until("d0 back", |d| d.engines["d0"].accepts_new)
         .await;
     r.complete("after the crash wave").await;
 }
@@ -1247,7 +1255,7 @@ async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() 
 async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
     let (mut f, r) = lab("individual", &[], json!({})).await;
     r.lifecycle_until("identities accepted at startup", |d| {
-        d["process_starts"]["d0"].as_f64().is_some()
+        d.process_starts.contains_key("d0")
     })
     .await;
     let (status, doc) = drain(&r, "p0").await;
@@ -1303,7 +1311,7 @@ async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
     r.journal_event("recovery_validation_started", Some("d0"))
         .await;
     r.lifecycle_until("both back", |d| {
-        d["engines"]["d0"]["accepts_new"] == true && d["engines"]["p0"]["accepts_new"] == true
+        d.engines["d0"].accepts_new && d.engines["p0"].accepts_new
     })
     .await;
     assert_eq!(r.ready().await.0, 200);
@@ -1328,18 +1336,18 @@ async fn engine_crashing_while_draining_is_readmitted_by_the_operator() {
     f.sim_mut("d0").proc.kill();
     s.drain().await;
     r.journal_event("drain_complete", Some("d0")).await;
-    let doc = r.lifecycle().await;
+    let doc = r.lifecycle_json().await;
     assert_eq!(doc["engines"]["d0"]["ready_to_stop"], true, "{doc:#}");
     f.sim_mut("d0")
         .restart(&[])
         .expect("supervisor restarts d0");
     // Health answers again, but the drain hold stands until the operator readmits.
-    let doc = r.lifecycle().await;
+    let doc = r.lifecycle_json().await;
     assert_eq!(doc["engines"]["d0"]["state"], "drained", "{doc:#}");
     let (status, doc) = readmit(&r, "d0").await;
     assert_eq!(status, 200, "{doc:#}");
     assert!(!r.has_event("recovery_validation_started", Some("d0")));
-    r.lifecycle_until("d0 back", |d| d["engines"]["d0"]["accepts_new"] == true)
+    r.lifecycle_until("d0 back", |d| d.engines["d0"].accepts_new)
         .await;
     complete_on(&f, &r, "d0 decodes again", &[("d0", "decode")]).await;
 }
@@ -1362,28 +1370,28 @@ async fn stalled_engine_is_readmitted_as_the_same_process_after_it_resumes() {
                "engine": {"first_token_timeout_s": 0.3, "health_timeout_s": 0.3}}),
     )
     .await;
-    let accepted = r.lifecycle().await["process_starts"]["d0"]
+    let accepted = r.lifecycle_json().await["process_starts"]["d0"]
         .as_f64()
         .unwrap();
     f.sim("d0").proc.signal(Signal::SIGSTOP);
     // Placement picks d0 or d1: send until a request stalled on d0 ejected it.
     for i in 0..20 {
         trip_breaker(&r, &format!("d0 stalls {i}")).await;
-        if r.lifecycle().await["engines"]["d0"]["accepts_new"] == false {
+        if r.lifecycle_json().await["engines"]["d0"]["accepts_new"] == false {
             break;
         }
     }
-    r.lifecycle_until("d0 ejected", |d| d["engines"]["d0"]["accepts_new"] == false)
+    r.lifecycle_until("d0 ejected", |d| !d.engines["d0"].accepts_new)
         .await;
     f.sim("d0").proc.signal(Signal::SIGCONT);
     let ev = r.journal_event("readmitted", Some("d0")).await;
     assert_eq!(ev["process_start"].as_f64(), Some(accepted), "same process");
     let doc = r
-        .lifecycle_until("d0 back", |d| d["engines"]["d0"]["accepts_new"] == true)
+        .lifecycle_until("d0 back", |d| d.engines["d0"].accepts_new)
         .await;
-    let e = &doc["engines"]["d0"];
-    assert_eq!(e["restart_required"], false, "{doc:#}");
-    assert!(strs(&e["checks"]).contains(&"process identity".to_string()));
+    let e = &doc.engines["d0"];
+    assert!(!e.restart_required, "{doc:#?}");
+    assert!(e.checks.contains(&"process identity".to_string()));
     let m = r.metrics().await;
     assert_counted(
         &m,
@@ -1417,7 +1425,7 @@ async fn a_health_probe_answering_after_a_wave_readmission_does_not_hold_the_fle
     let (mut f, r) = lab("whole_wave", &[], fast_probes).await;
     crash_d0(&mut f, &r, "d0 crashed").await;
     r.journal_event("restart_required", None).await;
-    let (status, doc) = r.lifecycle_post("drain", &json!({"wave": true})).await;
+    let (status, doc) = r.lifecycle_post_json("drain", &json!({"wave": true})).await;
     assert_eq!(status, 200, "{doc:#}");
     r.journal_event("wave_ready_to_stop", None).await;
     f.sim_mut("p0").restart(&[]).expect("restart p0");
@@ -1425,7 +1433,9 @@ async fn a_health_probe_answering_after_a_wave_readmission_does_not_hold_the_fle
     f.sim("d0")
         .fault(json!({"phase": "health", "action": "hang", "ms": 1000, "count": 1000}))
         .await;
-    let (status, doc) = r.lifecycle_post("readmit", &json!({"wave": true})).await;
+    let (status, doc) = r
+        .lifecycle_post_json("readmit", &json!({"wave": true}))
+        .await;
     assert_eq!(status, 200, "{doc:#}");
     r.journal_event("wave_readmitted", None).await;
     // Longer than a probe in flight takes to answer (1 s) and the next monitor tick.
@@ -1446,9 +1456,9 @@ async fn a_health_probe_answering_after_a_wave_readmission_does_not_hold_the_fle
     );
     let doc = r
         .lifecycle_until("both engines in placement", |d| {
-            d["engines"]["p0"]["accepts_new"] == true && d["engines"]["d0"]["accepts_new"] == true
+            d.engines["p0"].accepts_new && d.engines["d0"].accepts_new
         })
         .await;
-    assert_eq!(doc["wave"]["active"], false, "{doc:#}");
+    assert!(!doc.wave.active, "{doc:#?}");
     r.complete("after the wave").await;
 }

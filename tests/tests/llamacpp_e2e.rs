@@ -424,7 +424,7 @@ async fn streaming_answers_are_the_engines() {
         assert_eq!(r["text"], d["text"], "stream {i}: routed {r}\ndirect {d}");
         assert_eq!(r["finish_reason"], d["finish_reason"], "stream {i}: {r}");
     }
-    let st = router.state().await;
+    let st = router.state_json().await;
     assert_eq!(ejected(&st), Vec::<String>::new(), "nothing ejected: {st}");
     assert_eq!(st["served"], 4, "{st}");
     let requests = |rows: Vec<Value>| -> Vec<Value> {
@@ -584,7 +584,7 @@ async fn over_long_prompt_is_the_engines_400() {
         )
         .await;
     pysdk::ok(&after[0], "a normal request after the 400s");
-    let st = router.state().await;
+    let st = router.state_json().await;
     assert_eq!(
         ejected(&st),
         Vec::<String>::new(),
@@ -618,7 +618,7 @@ async fn killed_engine_is_ejected_then_readmitted() {
         for (i, r) in burst.iter().enumerate() {
             pysdk::ok(r, &format!("served while e1 is down ({i})"));
         }
-        let st = router.state().await;
+        let st = router.state_json().await;
         if ejected(&st) == ["e1"] {
             break;
         }
@@ -723,7 +723,7 @@ async fn only_engine_killed_then_restarted_serves_again() {
         assert!(
             Instant::now() < deadline,
             "restarted engine not served within 60 s: {r:?}; state: {}",
-            router.state().await
+            router.state_json().await
         );
     }
 }

@@ -15,6 +15,7 @@
 use std::path::Path;
 use std::process::Command;
 
+use narwhal_shared::handoff::DrainState;
 use narwhal_testkit::{
     Clients, EngineSpec, Fleet, FleetSpec, LeaseBackend, WAIT, bin_path, eventually, launch_router,
     metric, narwhalctl, start_sim,
@@ -133,7 +134,7 @@ async fn a_router_fenced_by_a_stale_epoch_names_the_agent_and_the_documented_res
         .lease(LeaseBackend::File)
         .start()
         .await;
-    let epoch = f.router().ha().await["epoch"].as_u64().expect("epoch");
+    let epoch = f.router().ha().await.epoch;
     assert!(epoch >= 1);
     // The HA router checked every identity at startup, presenting its epoch to both agents.
     f.router_mut().proc.kill();
@@ -144,14 +145,10 @@ async fn a_router_fenced_by_a_stale_epoch_names_the_agent_and_the_documented_res
     let r = launch_router(f.dir(), "nolease", &doc, &[], clients.clone()).expect("router");
     let ready = eventually("the router is fenced by the agents", WAIT, || async {
         let (status, ready) = r.ready().await;
-        (status == 503
-            && ready["reason"]
-                .as_str()
-                .is_some_and(|s| s.starts_with("fenced by agent")))
-        .then_some(ready)
+        (status == 503 && ready.reason.starts_with("fenced by agent")).then_some(ready)
     })
     .await;
-    let reason = ready["reason"].as_str().unwrap_or_default().to_string();
+    let reason = ready.reason;
     for part in [
         format!("accepted router epoch {epoch}"),
         "presents epoch 0".into(),
@@ -160,8 +157,8 @@ async fn a_router_fenced_by_a_stale_epoch_names_the_agent_and_the_documented_res
     ] {
         assert!(reason.contains(&part), "{part}: {reason}");
     }
-    assert_eq!(r.ha().await["blocked"], reason.as_str());
-    assert_eq!(r.health().await.1["status"], "fenced");
+    assert_eq!(r.ha().await.blocked, reason);
+    assert_eq!(r.health().await.1.status, "fenced");
     let out = narwhalctl(&r.control, &["status"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -214,10 +211,12 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     let (status, doc) = r
         .lifecycle_post("drain", &json!({"engines": ["p1"], "deadline_s": 30}))
         .await;
-    assert_eq!(status, 200, "{doc:#}");
-    assert_eq!(doc["warnings"], json!([]), "p0 still serves prefill");
-    r.lifecycle_until("p1 drained", |d| d["engines"]["p1"]["state"] == "drained")
-        .await;
+    assert_eq!(status, 200, "{doc:#?}");
+    assert_eq!(doc.warnings, Some(vec![]), "p0 still serves prefill");
+    r.lifecycle_until("p1 drained", |d| {
+        d.engines["p1"].state == DrainState::Drained
+    })
+    .await;
     let out = narwhalctl(&control, &["cancel-drain", "p1"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -233,18 +232,13 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     );
     assert!(stdout.contains("p1: drain cancelled"), "{stdout}");
     let lc = r.lifecycle().await;
-    assert_eq!(lc["engines"]["p1"]["state"], "active", "{lc:#}");
-    assert_eq!(lc["engines"]["p1"]["accepts_new"], true, "{lc:#}");
-    assert_eq!(
-        lc["engines"]["p1"]["new_process_start"],
-        lc["engines"]["p1"]["old_process_start"]
-    );
+    let p1 = &lc.engines["p1"];
+    assert_eq!(p1.state, DrainState::Active, "{lc:#?}");
+    assert!(p1.accepts_new, "{lc:#?}");
+    assert_eq!(p1.new_process_start, p1.old_process_start);
     r.journal_event("drain_cancel_started", Some("p1")).await;
     let ev = r.journal_event("drain_cancelled", Some("p1")).await;
-    assert_eq!(
-        ev["process_start"],
-        lc["engines"]["p1"]["old_process_start"]
-    );
+    assert_eq!(ev["process_start"].as_f64(), p1.old_process_start);
     assert!(!r.has_event("readmitted", Some("p1")), "not a readmission");
     let m = r.metrics().await;
     assert_eq!(
@@ -269,7 +263,9 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     );
     assert_eq!(f.router().completion("aggregated", 2).await.status, 200);
     f.router()
-        .lifecycle_until("d0 drained", |d| d["engines"]["d0"]["state"] == "drained")
+        .lifecycle_until("d0 drained", |d| {
+            d.engines["d0"].state == DrainState::Drained
+        })
         .await;
 
     // A restarted engine is not a cancel: refused, and readmission takes it.
@@ -278,30 +274,25 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     let (status, doc) = r
         .lifecycle_post("cancel-drain", &json!({"engines": ["d0"]}))
         .await;
-    assert_eq!(status, 409, "{doc:#}");
+    assert_eq!(status, 409, "{doc:#?}");
     assert!(
-        doc["engines"]["d0"]["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("engine process restarted since the drain")),
-        "{doc:#}"
+        doc.document.engines["d0"]
+            .error
+            .contains("engine process restarted since the drain"),
+        "{doc:#?}"
     );
     let (status, doc) = r
         .lifecycle_post("readmit", &json!({"engines": ["d0"]}))
         .await;
-    assert_eq!(status, 200, "{doc:#}");
+    assert_eq!(status, 200, "{doc:#?}");
     // Rules: a wave, an active engine.
     let (status, doc) = r
         .lifecycle_post("cancel-drain", &json!({"wave": true}))
         .await;
-    assert_eq!(status, 409, "{doc:#}");
+    assert_eq!(status, 409, "{doc:#?}");
     let (status, doc) = r
         .lifecycle_post("cancel-drain", &json!({"engines": ["p0"]}))
         .await;
-    assert_eq!(status, 409, "{doc:#}");
-    assert!(
-        doc["error"]
-            .as_str()
-            .is_some_and(|e| e.starts_with("p0 is active")),
-        "{doc:#}"
-    );
+    assert_eq!(status, 409, "{doc:#?}");
+    assert!(doc.document.error.starts_with("p0 is active"), "{doc:#?}");
 }

@@ -227,7 +227,7 @@ async fn prompt_logprobs_never_reach_a_decode_leg_with_a_descriptor() {
         assert_eq!(a.json()["error"]["param"], field, "{}", a.text());
     }
     assert!(sp.seen().prefill.is_empty() && sd.seen().decode.is_empty());
-    assert_eq!(s.state().await["ejected"], json!([]));
+    assert_eq!(s.state_json().await["ejected"], json!([]));
 }
 
 /// A vLLM prefill whose one token ended the generation (`finish_reason: "stop"`, no
@@ -266,7 +266,7 @@ async fn a_prefill_that_finished_the_generation_is_the_answer() {
     assert_eq!(cs[0]["choices"][0]["finish_reason"], "stop");
     assert_eq!(cs.last().unwrap()["usage"]["completion_tokens"], 1);
     assert!(d.seen().decode.is_empty(), "no decode leg");
-    let st = r.state().await;
+    let st = r.state_json().await;
     assert_eq!(st["ejected"], json!([]), "{st}");
     assert_eq!(
         (st["served"].clone(), st["failed"].clone()),
@@ -322,7 +322,7 @@ async fn an_engine_without_token_ids_is_served_and_counted() {
         assert_eq!(leg["stream"], false, "sent non-streaming: {leg}");
         assert!(leg.get("stream_options").is_none(), "{leg}");
     }
-    assert_eq!(r.state().await["ejected"], json!([]));
+    assert_eq!(r.state_json().await["ejected"], json!([]));
 }
 
 /// Usage is the engine's in every answer, and marked `estimated` only when the engine gave none: a
@@ -388,8 +388,8 @@ async fn engine_errors_keep_their_status_and_words() {
         a.json()["error"]["message"],
         "the engine answered 422 Unprocessable Entity without a message"
     );
-    assert_eq!(r.state().await["ejected"], json!([]));
-    assert_eq!(r2.state().await["ejected"], json!([]));
+    assert_eq!(r.state_json().await["ejected"], json!([]));
+    assert_eq!(r2.state_json().await["ejected"], json!([]));
 }
 
 /// `GET /v1/models/{model}` answers as OpenAI's does: the model object (`id`, `object`, `created`,

@@ -28,7 +28,7 @@ async fn draining_the_decode_engine_waits_for_a_request_still_in_its_prefill() {
     })
     .await;
     let (_, drain) = router
-        .lifecycle_post("drain", &json!({"engines": ["d0"], "deadline_s": 60}))
+        .lifecycle_post_json("drain", &json!({"engines": ["d0"], "deadline_s": 60}))
         .await;
     let d0 = &drain["engines"]["d0"];
     assert_eq!(d0["state"], "draining", "{drain}");
@@ -40,7 +40,7 @@ async fn draining_the_decode_engine_waits_for_a_request_still_in_its_prefill() {
     let st = f.sim("d0").stats().await;
     assert_eq!(st["kv"]["consumed"], 1, "{st}");
     let drained = narwhal_testkit::wait_until(Duration::from_secs(5), || async {
-        (router.lifecycle().await["engines"]["d0"]["ready_to_stop"] == true).then_some(())
+        (router.lifecycle_json().await["engines"]["d0"]["ready_to_stop"] == true).then_some(())
     })
     .await;
     assert!(drained.is_some(), "d0 drains once the request is done");

@@ -158,7 +158,7 @@ async fn pd_round_trip(dialect: &str) {
         );
     }
     // The router's accounting and its journal agree.
-    let st = router.state().await;
+    let st = router.state_json().await;
     assert_eq!(st["served"], 4, "{st}");
     assert_eq!(st["failed"], 0, "{st}");
     let metrics = router.metrics().await;
@@ -266,7 +266,7 @@ async fn context_length_400_is_the_clients_fault() {
                 "vllm decode must not start: {d}"
             );
         }
-        let st = router.state().await;
+        let st = router.state_json().await;
         assert_eq!(
             st["ejected"],
             json!([]),
@@ -308,7 +308,7 @@ async fn prefill_without_descriptor_fails_instead_of_recomputing() {
         "no silent recompute: {d}"
     );
     assert_eq!(n(&d["kv"]["recomputed"]), 0, "{d}");
-    let st = f.router().state().await;
+    let st = f.router().state_json().await;
     assert_eq!(st["failed"], 1, "{st}");
 }
 
@@ -348,7 +348,7 @@ async fn decode_dying_after_output_ends_stream_with_one_error_frame() {
         "not retried after output: {d}"
     );
     assert_eq!(n(&p["requests"]["prefill"]), 1, "{p}");
-    let st = f.router().state().await;
+    let st = f.router().state_json().await;
     assert_eq!(st["failed"], 1, "{st}");
 }
 
@@ -385,7 +385,7 @@ async fn client_disconnect_cancels_both_legs() {
             "{dialect}: engines did not see the cancellation within 1 s: prefill {p} decode {d}"
         );
         let settled = wait_until(Duration::from_secs(2), || async {
-            let st = f.router().state().await;
+            let st = f.router().state_json().await;
             (st["cancelled"] == 1).then_some(st)
         })
         .await;
@@ -437,7 +437,7 @@ async fn malformed_bodies_are_refused_before_any_engine() {
             "an invalid request reached an engine: {s}"
         );
     }
-    let st = f.router().state().await;
+    let st = f.router().state_json().await;
     assert_eq!(st["invalid_requests"], 6, "{st}");
     assert_eq!(st["offered"], 6, "{st}");
 }
@@ -516,7 +516,7 @@ async fn dead_decode_engine_is_ejected_and_others_keep_serving() {
         let r = router.post_data(path, &b).await;
         assert_eq!(r.status, 200, "request {i} failed although d1 is alive");
     }
-    let st = router.state().await;
+    let st = router.state_json().await;
     assert_eq!(st["ejected"], json!(["d0"]), "{st}");
     let metrics = router.metrics().await;
     assert!(
@@ -571,5 +571,5 @@ async fn a_long_prompt_under_pd_fits_the_relays_event_bound() {
         }
     }
     let state = f.router().state().await;
-    assert_eq!(state["ejected"], json!([]), "{state}");
+    assert!(state.ejected.is_empty(), "{:?}", state.ejected);
 }

@@ -50,15 +50,15 @@ async fn sigterm_keeps_the_listeners_open_and_lets_streams_finish() {
         },
     )
     .await;
-    assert_eq!(ready["reason"], "shutting down", "{ready}");
+    assert_eq!(ready.reason, "shutting down", "{ready:?}");
     let data_ready = r.get_data("/ready").await;
     assert_eq!(data_ready.status, 503, "{}", data_ready.text());
     assert_eq!(data_ready.header("retry-after"), "1");
     let (status, health) = r.health().await;
     assert_eq!(
-        (status, health["status"].as_str()),
-        (200, Some("stopping")),
-        "{health}"
+        (status, health.status.as_str()),
+        (200, "stopping"),
+        "{health:?}"
     );
     let data_health = r.get_data("/health").await;
     assert_eq!(data_health.status, 200);

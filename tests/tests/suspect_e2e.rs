@@ -41,14 +41,14 @@ async fn failing_decode_streams_make_a_suspect_verified_from_its_producer() {
     }
     assert_eq!(cut, 2, "two streams placed on d0 were cut");
     // While suspect and ejected, the producer that fed the failing decodes is recorded.
-    let st = router.state().await;
+    let st = router.state_json().await;
     assert_eq!(st["inference_sources"], json!({"d0": ["p0"]}), "{st}");
     // d0 answers health again: validation (with the p0 -> d0 verification) readmits it.
     let lc = eventually(
         "d0 validated and readmitted",
         Duration::from_secs(20),
         || async {
-            let lc = router.lifecycle().await;
+            let lc = router.lifecycle_json().await;
             let d0 = &lc["engines"]["d0"];
             (d0["state"] == "active" && d0["checks"].as_array().is_some_and(|c| !c.is_empty()))
                 .then_some(lc)
@@ -78,7 +78,7 @@ async fn failing_decode_streams_make_a_suspect_verified_from_its_producer() {
         at("verification from p0") < at("final health"),
         "{checks:?}"
     );
-    let st = router.state().await;
+    let st = router.state_json().await;
     assert_eq!(st["ejected"], json!([]), "{st}");
     assert_eq!(
         st["inference_sources"],

@@ -8,6 +8,7 @@
 //!
 //! Pure. Token fields are rounded to 3 places, the rest to 6; a non-finite number is `null`.
 
+use narwhal_shared::documents::controller as doc;
 use serde_json::{Map, Value, json};
 
 /// Who made a decision.
@@ -134,11 +135,15 @@ pub(crate) const DETAIL_KEYS: [&str; 67] = [
 
 /// `x` rounded to `places`, `null` when not finite.
 pub(crate) fn round(x: f64, places: i32) -> Value {
-    if !x.is_finite() {
-        return Value::Null;
-    }
+    rounded(x, places).map_or(Value::Null, |x| json!(x))
+}
+
+/// `x` rounded to `places` (never `-0.0`), `None` when not finite: the documents' rounded
+/// numbers ([`round`] as JSON).
+pub(crate) fn rounded(x: f64, places: i32) -> Option<f64> {
     let f = 10f64.powi(places);
-    json!((x * f).round() / f + 0.0)
+    let r = (x * f).round() / f + 0.0;
+    r.is_finite().then_some(r)
 }
 
 /// Decision details in insertion order.
@@ -203,53 +208,60 @@ pub(crate) struct Decision {
     pub(crate) details: Details,
 }
 
+/// The keys a decision always carries, before its details (a detail of the same name would
+/// be one key twice: none is one).
+const HEAD_KEYS: [&str; 8] = [
+    "event", "at", "prefill", "decode", "by", "reason", "result", "applied",
+];
+
 impl Decision {
-    /// The journal event `controller_decision`: the head keys, then the present details.
-    pub(crate) fn event(&self) -> Value {
-        let mut m = self.head();
-        m.insert("event".into(), json!("controller_decision"));
-        let mut out = Map::new();
-        out.insert("event".into(), json!("controller_decision"));
-        for (k, v) in m {
-            if k != "event" {
-                out.insert(k, v);
-            }
+    /// The decision as the documents carry it: the head keys, then `details`.
+    fn document(&self, details: Map<String, Value>) -> doc::Decision {
+        doc::Decision {
+            at: self.at,
+            prefill: self.prefill as u64,
+            decode: self.decode as u64,
+            by: self.by.as_str().to_string(),
+            reason: self.reason.clone(),
+            result: self.result.as_str().to_string(),
+            applied: self.result == Outcome::Applied,
+            details,
         }
-        for (k, v) in &self.details.0 {
-            out.insert((*k).to_string(), v.clone());
-        }
-        Value::Object(out)
     }
 
-    fn head(&self) -> Map<String, Value> {
-        let mut m = Map::new();
-        m.insert("at".into(), json!(self.at));
-        m.insert("prefill".into(), json!(self.prefill));
-        m.insert("decode".into(), json!(self.decode));
-        m.insert("by".into(), json!(self.by.as_str()));
-        m.insert("reason".into(), json!(self.reason));
-        m.insert("result".into(), json!(self.result.as_str()));
-        m.insert("applied".into(), json!(self.result == Outcome::Applied));
-        m
+    /// The details present, in insertion order.
+    fn present(&self) -> impl Iterator<Item = (String, Value)> + '_ {
+        self.details
+            .0
+            .iter()
+            .filter(|(k, _)| !HEAD_KEYS.contains(k))
+            .map(|(k, v)| ((*k).to_string(), v.clone()))
+    }
+
+    /// The journal event `controller_decision` ([`doc::DecisionEvent`]): the head keys, then
+    /// the present details.
+    pub(crate) fn event(&self) -> Value {
+        let row = doc::DecisionEvent::from(self.document(self.present().collect()));
+        serde_json::to_value(row).unwrap_or_default()
     }
 
     /// `/narwhal/state control.last_decision`: every one of the 74 keys, `null` where the
     /// decision has no value (controller.md 13).
-    pub(crate) fn padded(&self) -> Value {
-        let mut m = self.head();
-        for k in DETAIL_KEYS {
-            m.insert(
-                k.to_string(),
-                self.details.get(k).cloned().unwrap_or(Value::Null),
-            );
-        }
+    pub(crate) fn padded(&self) -> doc::Decision {
+        let mut details: Map<String, Value> = DETAIL_KEYS
+            .iter()
+            .map(|k| {
+                let v = self.details.get(k).cloned().unwrap_or(Value::Null);
+                ((*k).to_string(), v)
+            })
+            .collect();
         // Details outside the documented set (ours) follow.
-        for (k, v) in &self.details.0 {
-            if !m.contains_key(*k) {
-                m.insert((*k).to_string(), v.clone());
+        for (k, v) in self.present() {
+            if !details.contains_key(&k) {
+                details.insert(k, v);
             }
         }
-        Value::Object(m)
+        self.document(details)
     }
 }
 
@@ -289,7 +301,7 @@ mod tests {
                 "event", "at", "prefill", "decode", "by", "reason", "result", "applied"
             ]
         );
-        let padded = dec.padded();
+        let padded = serde_json::to_value(dec.padded()).expect("serialises");
         assert_eq!(padded.as_object().expect("object").len(), 74);
         assert_eq!(padded["trigger_rid"], Value::Null);
         assert_eq!(padded["applied"], false);

@@ -144,6 +144,12 @@ impl Controller {
         }
     }
 
+    /// One scheduled pass now (golden tests of `/narwhal/state`, `documents::golden`).
+    #[cfg(test)]
+    pub(crate) async fn pass_for_test(self: &Arc<Self>) {
+        self.run_pass(Pass::Scheduled).await;
+    }
+
     /// One pass (scheduled) or urgent evaluation, inside the failure ledger: a panic in
     /// the pure core is a `monitoring_stage_failure` of stage `controller` and the loop
     /// continues (controller.md 11.1).

@@ -10,10 +10,11 @@
 
 use std::fmt::Write as _;
 
-use serde_json::{Map, Value, json};
+use narwhal_shared::documents::controller as doc;
+use serde_json::Value;
 
 use super::Controller;
-use super::decision::round;
+use super::decision::rounded;
 use super::evidence::{Evidence, Gate};
 use super::machine::Machine;
 use super::roles::SEEDED;
@@ -50,136 +51,168 @@ fn pool_loads(m: &Machine, now: std::time::Instant) -> (f64, f64) {
 }
 
 impl Controller {
-    /// The controller's `/narwhal/state` fields (controller.md 13).
-    pub(crate) fn state(&self) -> Map<String, Value> {
-        let mut out = Map::new();
+    /// The controller's `/narwhal/state` fields (controller.md 13): `controller` alone when it
+    /// is off.
+    pub(crate) fn state(&self) -> doc::ControllerReport {
         if !self.enabled {
-            out.insert("controller".into(), json!("off"));
-            return out;
+            return doc::ControllerReport {
+                controller: doc::OFF.to_string(),
+                fields: None,
+            };
         }
-        out.insert("controller".into(), json!("reactive"));
         let now = self.h.clock.now();
         let ledger = self.ledger();
-        let restored = self.h.demand.lock().restored().map(|(kind, age, at)| {
-            json!({"kind": kind, "age_s": round(age, 6),
-                   "applied_s_ago": round(now.saturating_duration_since(at).as_secs_f64(), 3)})
-        });
+        let restored = self
+            .h
+            .demand
+            .lock()
+            .restored()
+            .map(|(kind, age, at)| doc::RestoredRisk {
+                kind: kind.to_string(),
+                age_s: rounded(age, 6),
+                applied_s_ago: rounded(now.saturating_duration_since(at).as_secs_f64(), 3),
+            });
         let m = self.current();
         let r = &m.core.roles;
-        let decisions: Map<String, Value> = m
-            .decisions
-            .iter()
-            .map(|((by, res), n)| (format!("{}:{}", by.as_str(), res.as_str()), json!(n)))
-            .collect();
-        let flips: Map<String, Value> =
-            r.flips.iter().map(|(k, n)| (k.clone(), json!(n))).collect();
-        out.insert(
-            "control".into(),
-            json!({
-                "advisory": r.settings().advisory,
-                "last_decision": m.last_decision.as_ref().map_or(Value::Null, |d| d.padded()),
-                "decisions": decisions,
-                "flips": flips,
-                "flip_reversals": r.reversals,
-                "flips_refused": r.refused_total,
-                "flip_inflight": {"prefill": r.inflight.0, "decode": r.inflight.1},
-            }),
-        );
+        let control = doc::Control {
+            advisory: r.settings().advisory,
+            last_decision: m.last_decision.as_ref().map(|d| d.padded()),
+            decisions: m
+                .decisions
+                .iter()
+                .map(|((by, res), n)| (format!("{}:{}", by.as_str(), res.as_str()), *n))
+                .collect(),
+            flips: r.flips.clone(),
+            flip_reversals: r.reversals,
+            flips_refused: r.refused_total,
+            flip_inflight: doc::FlipInflight {
+                prefill: r.inflight.0,
+                decode: r.inflight.1,
+            },
+        };
         let (lp, ld) = pool_loads(&m, now);
-        out.insert(
-            "load".into(),
-            json!({"prefill": round(lp, 4), "decode": round(ld, 4)}),
-        );
         let th = &self.h.cfg.controller.thresholds;
-        out.insert(
-            "thresholds".into(),
-            json!({"expand": th.expand, "shrink": th.shrink, "cooldown_s": th.cooldown_s,
-                   "sustained_intervals": th.sustained_intervals, "dwell_s": th.dwell_s,
-                   "panic_ratio": th.panic_ratio}),
-        );
-        out.insert("panic_bypasses".into(), json!(m.panic_bypasses));
         let f = &m.floor;
-        out.insert(
-            "below_floor".into(),
-            json!({"active": f.active(), "live_prefill": m.core.live(Role::Prefill),
-                   "since": f.since.map(|(_, w)| w), "breaches": f.breaches,
-                   "cumulative_s": round(f.cumulative(now), 4)}),
-        );
         let live_decode = m.core.live(Role::Decode);
-        out.insert(
-            "decode_floor".into(),
-            json!({"min_decode": m.core.p.min_decode, "live_decode": live_decode,
-                   "below_floor": live_decode < m.core.p.min_decode,
-                   "restoration_moves": r.restoration_moves}),
-        );
-        let history: Map<String, Value> = m
+        let demand_history = m
             .core
             .demand
             .history()
             .into_iter()
             .map(|(name, w)| {
-                (
-                    name.to_string(),
-                    json!({"bucket_s": w.bucket_s, "retained_s": w.retained_s,
-                           "cell_limit": w.cell_limit, "cells": w.cells,
-                           "observations": w.observations,
-                           "overflow_observations": w.overflow_observations}),
-                )
+                let window = doc::DemandWindow {
+                    bucket_s: w.bucket_s,
+                    retained_s: w.retained_s,
+                    cell_limit: w.cell_limit as u64,
+                    cells: w.cells as u64,
+                    observations: w.observations,
+                    overflow_observations: w.overflow_observations,
+                };
+                (name, window)
             })
             .collect();
-        out.insert("demand_history".into(), Value::Object(history));
         let ev = evidence(&m, now);
-        out.insert(
-            "demand_evidence".into(),
-            json!({"span_s": round(ev.span_s, 6), "arrivals": ev.arrivals,
-                   "required_span_s": ev.required_span_s, "required_arrivals": ev.required_arrivals,
-                   "max_span_s": ev.max_span_s, "closed": ev.closed, "risk_kind": ev.risk_kind,
-                   "risk_age_s": ev.risk_age_s.map(|a| round(a, 6)),
-                   "risk_events": ev.risk_events,
-                   "short_decode_engines": round(ev.short_decode, 6),
-                   "long_decode_engines": round(ev.long_decode, 6),
-                   "trend_ratio": ev.trend_ratio.map(|t| round(t, 6)),
-                   "envelope_decode_engines": round(ev.envelope_decode, 6),
-                   "blocked_gate": ev.gate.as_str(),
-                   "restored": restored}),
-        );
-        let refused: Vec<Value> = r
+        let demand_evidence = doc::DemandEvidence {
+            span_s: rounded(ev.span_s, 6),
+            arrivals: ev.arrivals,
+            required_span_s: ev.required_span_s,
+            required_arrivals: ev.required_arrivals,
+            max_span_s: ev.max_span_s,
+            closed: ev.closed,
+            risk_kind: ev.risk_kind.clone(),
+            risk_age_s: ev.risk_age_s.and_then(|a| rounded(a, 6)),
+            risk_events: ev.risk_events.clone(),
+            short_decode_engines: rounded(ev.short_decode, 6),
+            long_decode_engines: rounded(ev.long_decode, 6),
+            trend_ratio: ev.trend_ratio.and_then(|t| rounded(t, 6)),
+            envelope_decode_engines: rounded(ev.envelope_decode, 6),
+            blocked_gate: ev.gate.as_str().to_string(),
+            restored,
+        };
+        let flips_refused = r
             .refusals()
-            .map(|x| json!({"at": x.at, "to": x.to.as_str(), "why": x.why}))
+            .map(|x| doc::FlipRefusal {
+                at: x.at,
+                to: x.to.as_str().to_string(),
+                why: x.why.clone(),
+            })
             .collect();
-        out.insert("flips_refused".into(), Value::Array(refused));
-        out.insert("flips".into(), r.history_json(&m.core.names));
-        let work: Map<String, Value> = (0..m.core.names.len())
+        let resident_work = (0..m.core.names.len())
             .map(|i| {
                 let l = m.core.book.load(i);
-                (
-                    m.core.names[i].clone(),
-                    json!({"prefill_s": round(l.prefill_s, 6), "decode_tokens": l.decode_tokens}),
-                )
+                let work = doc::ResidentWork {
+                    prefill_s: rounded(l.prefill_s, 6),
+                    decode_tokens: l.decode_tokens.is_finite().then_some(l.decode_tokens),
+                };
+                (m.core.names[i].clone(), work)
             })
             .collect();
-        out.insert("resident_work".into(), Value::Object(work));
-        let changing: Vec<&str> = self
+        let switching = self
             .changing()
             .into_iter()
-            .map(|i| m.core.names[i].as_str())
+            .map(|i| m.core.names[i].clone())
             .collect();
-        out.insert("switching".into(), json!(changing));
         let limit = u64::from(self.h.cfg.controller.monitor_failure_limit);
-        out.insert(
-            "monitoring".into(),
-            json!({
-                "degraded": ledger.consecutive >= limit,
-                "reason": (ledger.consecutive >= limit).then(|| format!(
-                    "controller stage failed {} times in a row", ledger.consecutive)),
-                "core_consecutive": ledger.consecutive,
-                "core_failures": ledger.failures,
-                "stages": {"controller": {"failures": ledger.failures,
-                           "consecutive": ledger.consecutive, "last_class": ledger.last_class,
-                           "last_at": ledger.last_at}},
+        let degraded = ledger.consecutive >= limit;
+        let monitoring = doc::Monitoring {
+            degraded,
+            reason: degraded.then(|| {
+                format!(
+                    "controller stage failed {} times in a row",
+                    ledger.consecutive
+                )
             }),
-        );
-        out
+            core_consecutive: ledger.consecutive,
+            core_failures: ledger.failures,
+            stages: doc::Stages {
+                controller: doc::StageLedger {
+                    failures: ledger.failures,
+                    consecutive: ledger.consecutive,
+                    last_class: ledger.last_class.clone(),
+                    last_at: ledger.last_at,
+                },
+            },
+        };
+        let fields = doc::ControllerFields {
+            control,
+            load: doc::PoolLoad {
+                prefill: rounded(lp, 4),
+                decode: rounded(ld, 4),
+            },
+            thresholds: doc::Thresholds {
+                expand: th.expand,
+                shrink: th.shrink,
+                cooldown_s: th.cooldown_s,
+                sustained_intervals: th.sustained_intervals,
+                dwell_s: th.dwell_s,
+                panic_ratio: th.panic_ratio,
+            },
+            panic_bypasses: m.panic_bypasses,
+            below_floor: doc::BelowFloor {
+                active: f.active(),
+                live_prefill: m.core.live(Role::Prefill) as u64,
+                since: f.since.map(|(_, w)| w),
+                breaches: f.breaches,
+                cumulative_s: rounded(f.cumulative(now), 4),
+            },
+            decode_floor: doc::DecodeFloor {
+                min_decode: m.core.p.min_decode as u64,
+                live_decode: live_decode as u64,
+                below_floor: live_decode < m.core.p.min_decode,
+                restoration_moves: r.restoration_moves,
+            },
+            demand_history,
+            demand_evidence,
+            flips_refused,
+            flips: r.history_doc(&m.core.names),
+            resident_work,
+            switching,
+            monitoring,
+        };
+        doc::ControllerReport {
+            controller: doc::REACTIVE.to_string(),
+            fields: Some(fields),
+        }
     }
 
     /// The controller's and admission's Prometheus families (controller.md 12), text

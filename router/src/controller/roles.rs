@@ -547,18 +547,23 @@ impl RoleChanges {
         }
     }
 
-    /// `flips` for `/narwhal/state`.
-    pub(crate) fn history_json(&self, names: &[String]) -> Value {
-        Value::Array(
-            self.history
-                .iter()
-                .map(|f| {
-                    json!({"at": f.at, "iid": names[f.iid], "to": f.to.as_str(), "by": f.by.as_str(),
-                           "prefill_inflight": f.prefill_inflight, "decode_inflight": f.decode_inflight,
-                           "drained_s": f.drained_s})
-                })
-                .collect(),
-        )
+    /// `flips` for `/narwhal/state`, oldest first.
+    pub(crate) fn history_doc(
+        &self,
+        names: &[String],
+    ) -> Vec<narwhal_shared::documents::controller::Flip> {
+        self.history
+            .iter()
+            .map(|f| narwhal_shared::documents::controller::Flip {
+                at: f.at,
+                iid: names[f.iid].clone(),
+                to: f.to.as_str().to_string(),
+                by: f.by.as_str().to_string(),
+                prefill_inflight: u64::from(f.prefill_inflight),
+                decode_inflight: u64::from(f.decode_inflight),
+                drained_s: f.drained_s,
+            })
+            .collect()
     }
 }
 

@@ -565,7 +565,7 @@ mod tests {
         );
         assert_eq!(r.reason, IDENTITY_PENDING);
         // Not fenced: it holds the lease (behaviour.md 1.4 order gives `degraded`).
-        assert_eq!(crate::documents::health(sh)["status"], "degraded");
+        assert_eq!(crate::documents::health(sh).status, "degraded");
         assert_eq!(sh.ha.lease().release().await.ok(), Some(true));
         sh.ha.publish(HaPhase::Shadowing);
 

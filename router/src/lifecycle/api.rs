@@ -23,6 +23,7 @@
 //! - cancel-drain: 200 back in placement; 400 a bad body; 409 a rule (an unknown engine
 //!   included), or the checks failed; 503 not in control, or fenced during the checks.
 
+use narwhal_shared::documents::LifecycleReply;
 use std::future::Future;
 
 use bytes::Bytes;
@@ -38,7 +39,7 @@ use crate::ha_phase::EpochScope;
 const DEFAULT_DEADLINE_S: f64 = 300.0;
 
 /// A lifecycle action's answer: status and the lifecycle document with its `error`.
-pub(crate) type Reply = (StatusCode, Value);
+pub(crate) type Reply = (StatusCode, LifecycleReply);
 
 /// A lifecycle POST route.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,13 +140,11 @@ pub(crate) fn status(e: &ActionError) -> StatusCode {
 fn reply(lc: &LifecycleDriver, result: Result<Outcome, ActionError>) -> Reply {
     match result {
         Ok(outcome) => {
-            let mut doc = lc.document("");
-            if let (Some(warnings), Some(m)) = (outcome.warnings, doc.as_object_mut()) {
-                m.insert("warnings".into(), Value::from(warnings));
-            }
+            let mut doc: LifecycleReply = lc.document("").into();
+            doc.warnings = outcome.warnings;
             (StatusCode::OK, doc)
         }
-        Err(e) => (status(&e), lc.document(&e.to_string())),
+        Err(e) => (status(&e), lc.document(&e.to_string()).into()),
     }
 }
 
@@ -389,8 +388,8 @@ mod tests {
             let lc = parts.lifecycle.clone();
             async move {
                 let (status, doc) = handle(&lc, action, &Bytes::from_static(body.as_bytes())).await;
-                assert_eq!(doc["schema"], "narwhal.lifecycle", "{doc}");
-                let error = doc["error"].as_str().unwrap_or_default().to_string();
+                assert_eq!(doc.document.schema, "narwhal.lifecycle", "{doc:?}");
+                let error = doc.document.error.clone();
                 (status.as_u16(), error)
             }
         };

@@ -27,7 +27,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use narwhal_shared::Clock;
-use serde_json::Value;
+use narwhal_shared::documents::Lifecycle as LifecycleDocument;
+use narwhal_shared::documents::lifecycle::ControllerRef;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -195,7 +196,7 @@ impl LifecycleDriver {
 
     /// The lifecycle document, schema `narwhal.lifecycle` (handoff-and-lifecycle.md, "Lifecycle
     /// API"), with `error` (`""` on success).
-    pub(crate) fn document(&self, error: &str) -> Value {
+    pub(crate) fn document(&self, error: &str) -> LifecycleDocument {
         let gate = self.gate.view();
         let lc = self.exec.lock();
         let fleet = self.fleet();
@@ -409,29 +410,23 @@ impl LifecycleDriver {
 /// names the router that controls the fleet when this one saw its lease record (`null`
 /// otherwise; the router itself when it controls).
 fn not_in_control(
-    doc: &mut Value,
+    doc: &mut LifecycleDocument,
     controls: bool,
     controller: Option<&crate::ha_phase::Controller>,
 ) {
-    let named = match controller {
-        Some(c) if !controls => serde_json::json!({"holder": c.holder, "epoch": c.epoch}),
-        _ => Value::Null,
+    doc.router.controller = match controller {
+        Some(c) if !controls => Some(ControllerRef {
+            holder: c.holder.clone(),
+            epoch: c.epoch,
+        }),
+        _ => None,
     };
-    if let Some(router) = doc.get_mut("router").and_then(Value::as_object_mut) {
-        router.insert("controller".into(), named);
-    }
     if controls {
         return;
     }
-    if let Some(wave) = doc.get_mut("wave").and_then(Value::as_object_mut) {
-        wave.insert("ready_to_stop".into(), Value::Bool(false));
-    }
-    if let Some(engines) = doc.get_mut("engines").and_then(Value::as_object_mut) {
-        for e in engines.values_mut() {
-            if let Some(e) = e.as_object_mut() {
-                e.insert("ready_to_stop".into(), Value::Bool(false));
-            }
-        }
+    doc.wave.ready_to_stop = false;
+    for e in doc.engines.values_mut() {
+        e.ready_to_stop = false;
     }
 }
 
@@ -445,12 +440,18 @@ mod tests {
     #[test]
     fn a_router_out_of_control_shows_nothing_actionable_and_names_the_controller() {
         let doc = || {
-            serde_json::json!({
-                "router": {"controls_fleet": "fenced", "ready": false},
-                "wave": {"id": "wave-1", "ready_to_stop": true},
-                "engines": {"p0": {"state": "drained", "ready_to_stop": true},
-                            "d0": {"state": "active", "ready_to_stop": false}},
-            })
+            let mut d = LifecycleDocument::default();
+            d.router.controls_fleet = "fenced".into();
+            d.wave.id = "wave-1".into();
+            d.wave.ready_to_stop = true;
+            let p0 = narwhal_shared::documents::lifecycle::Engine {
+                state: super::super::DrainState::Drained,
+                ready_to_stop: true,
+                ..Default::default()
+            };
+            d.engines.insert("p0".into(), p0);
+            d.engines.insert("d0".into(), Default::default());
+            d
         };
         let c = crate::ha_phase::Controller {
             holder: "standby:9".into(),
@@ -458,28 +459,29 @@ mod tests {
         };
         let mut d = doc();
         not_in_control(&mut d, false, Some(&c));
-        assert_eq!(d["wave"]["ready_to_stop"], false);
-        assert_eq!(d["engines"]["p0"]["ready_to_stop"], false);
+        assert!(!d.wave.ready_to_stop);
+        assert!(!d.engines["p0"].ready_to_stop);
         assert_eq!(
-            d["engines"]["p0"]["state"], "drained",
+            d.engines["p0"].state,
+            super::super::DrainState::Drained,
             "the record is still shown"
         );
         assert_eq!(
-            d["router"]["controller"],
-            serde_json::json!({"holder": "standby:9", "epoch": 4})
+            d.router.controller,
+            Some(ControllerRef {
+                holder: "standby:9".into(),
+                epoch: 4
+            })
         );
         let mut d = doc();
         not_in_control(&mut d, false, None);
-        assert_eq!(d["router"]["controller"], Value::Null, "unknown");
-        assert_eq!(d["engines"]["p0"]["ready_to_stop"], false);
+        assert_eq!(d.router.controller, None, "unknown");
+        assert!(!d.engines["p0"].ready_to_stop);
         let mut d = doc();
         not_in_control(&mut d, true, Some(&c));
-        assert_eq!(
-            d["engines"]["p0"]["ready_to_stop"], true,
-            "in control: unchanged"
-        );
-        assert_eq!(d["wave"]["ready_to_stop"], true);
-        assert_eq!(d["router"]["controller"], Value::Null);
+        assert!(d.engines["p0"].ready_to_stop, "in control: unchanged");
+        assert!(d.wave.ready_to_stop);
+        assert_eq!(d.router.controller, None);
     }
 
     /// ha-and-fencing.md: a fenced router's lifecycle document and gauges say nothing may be
@@ -507,7 +509,7 @@ mod tests {
             parts.lifecycle.exec.commit(&mut lc);
         }
         let d = parts.lifecycle.document("");
-        assert_eq!(d["engines"]["p0"]["ready_to_stop"], true, "{d:#}");
+        assert!(d.engines["p0"].ready_to_stop, "{d:#?}");
         assert!(
             parts
                 .lifecycle
@@ -517,9 +519,9 @@ mod tests {
         );
         parts.ha.fence(&narwhal_lease::LeaseLoss::HeldByAnother);
         let d = parts.lifecycle.document("");
-        assert_eq!(d["router"]["controls_fleet"], "fenced");
-        assert_eq!(d["engines"]["p0"]["ready_to_stop"], false, "{d:#}");
-        assert_eq!(d["engines"]["p0"]["state"], "drained");
+        assert_eq!(d.router.controls_fleet, "fenced");
+        assert!(!d.engines["p0"].ready_to_stop, "{d:#?}");
+        assert_eq!(d.engines["p0"].state, super::super::DrainState::Drained);
         assert!(parts.lifecycle.gauges().iter().all(|(_, _, stop)| !stop));
         let (status, d) = crate::lifecycle::api::handle(
             &parts.lifecycle,
@@ -528,6 +530,6 @@ mod tests {
         )
         .await;
         assert_eq!(status, http::StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(d["error"], NOT_IN_CONTROL);
+        assert_eq!(d.document.error, NOT_IN_CONTROL);
     }
 }

@@ -1,7 +1,8 @@
 //! `narwhalctl cancel-drain`: return an engine that was drained but not restarted to service,
 //! through the same readmission checks (docs/deviations.md).
 
-use serde_json::{Value, json};
+use narwhal_shared::documents::LifecycleReply;
+use serde_json::json;
 
 use crate::client::Ctl;
 use crate::failure::Failure;
@@ -9,7 +10,10 @@ use crate::output::out;
 
 impl Ctl {
     /// POSTs a drain cancel of `iid` and prints its checks, as [`Ctl::readmit`] does.
-    pub(crate) async fn cancel_drain(&self, iid: &str) -> Result<Value, (Failure, Option<Value>)> {
+    pub(crate) async fn cancel_drain(
+        &self,
+        iid: &str,
+    ) -> Result<LifecycleReply, (Failure, Option<LifecycleReply>)> {
         let body = json!({"engines": [iid]});
         self.validating_post("/narwhal/lifecycle/cancel-drain", body, Some(iid))
             .await
@@ -24,7 +28,7 @@ pub(crate) async fn run(ctl: &Ctl, iid: &str) -> Result<(), Failure> {
     match ctl.cancel_drain(iid).await {
         Ok(doc) => {
             if ctl.json {
-                out(&doc.to_string())
+                out(&serde_json::to_string(&doc).unwrap_or_default())
             } else {
                 out(&format!("{iid}: drain cancelled, back in service"))
             }
@@ -33,7 +37,7 @@ pub(crate) async fn run(ctl: &Ctl, iid: &str) -> Result<(), Failure> {
             if ctl.json
                 && let Some(d) = doc
             {
-                out(&d.to_string())?;
+                out(&serde_json::to_string(&d).unwrap_or_default())?;
             }
             Err(f)
         }

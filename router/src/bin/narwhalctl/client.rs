@@ -5,7 +5,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use narwhal_shared::documents::{ErrorReply, Lifecycle, LifecycleReply, Ordered, Ready, State};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
 
 use crate::cli::Cli;
 use crate::failure::Failure;
@@ -99,8 +101,8 @@ impl Ctl {
         })
     }
 
-    /// GETs `path` and parses JSON; any status is returned with its body.
-    pub(crate) async fn get(&self, path: &str) -> Result<(u16, Value), Failure> {
+    /// GETs `path`: the status and the body text, whatever the status.
+    pub(crate) async fn get_text(&self, path: &str) -> Result<(u16, String), Failure> {
         let url = format!("{}{path}", self.base);
         let r = match self.http.get(&url).send().await {
             Ok(r) => r,
@@ -111,23 +113,37 @@ impl Ctl {
             .text()
             .await
             .map_err(|e| Failure::Unavailable(format!("GET {path} at {}: {e}", self.addr)))?;
-        let doc = serde_json::from_str(&text).unwrap_or(Value::Null);
-        Ok((status, doc))
+        Ok((status, text))
+    }
+
+    /// GETs `path` and parses the body as `T` (`None` when it is not JSON of that shape).
+    pub(crate) async fn get<T: DeserializeOwned>(
+        &self,
+        path: &str,
+    ) -> Result<(u16, Option<T>), Failure> {
+        let (status, text) = self.get_text(path).await?;
+        Ok((status, serde_json::from_str(&text).ok()))
     }
 
     /// The lifecycle document. A listener without `/narwhal/lifecycle` (the data listener,
     /// or something else) is a usage error naming what it is.
-    pub(crate) async fn lifecycle(&self) -> Result<Value, Failure> {
-        let (status, doc) = self.get("/narwhal/lifecycle").await?;
-        if status == 200 && doc["schema"] == "narwhal.lifecycle" {
+    pub(crate) async fn lifecycle(&self) -> Result<Lifecycle, Failure> {
+        let (status, text) = self.get_text("/narwhal/lifecycle").await?;
+        let doc = serde_json::from_str::<Lifecycle>(&text)
+            .ok()
+            .filter(Lifecycle::is_lifecycle);
+        if status == 200
+            && let Some(doc) = doc
+        {
             return Ok(doc);
         }
-        let detail = doc["error"]["message"]
-            .as_str()
-            .or_else(|| doc["error"].as_str())
+        let detail = error_text(&text)
             .map(|m| format!(" ({m})"))
             .unwrap_or_default();
-        let (models, _) = self.get("/v1/models").await.unwrap_or((0, Value::Null));
+        let models = self
+            .get_text("/v1/models")
+            .await
+            .map_or(0, |(status, _)| status);
         let what = if models == 200 {
             "this is narwhal-serve's data listener (it serves /v1/models)".to_string()
         } else {
@@ -145,13 +161,26 @@ impl Ctl {
         )))
     }
 
+    /// `/ready`, when it answers with its body.
+    pub(crate) async fn ready(&self) -> Option<Ready> {
+        self.get::<Ready>("/ready").await.ok()?.1
+    }
+
+    /// `/narwhal/state`, when it answers 200 with it.
+    pub(crate) async fn state(&self) -> Option<State> {
+        match self.get::<State>("/narwhal/state").await {
+            Ok((200, state)) => state,
+            _ => None,
+        }
+    }
+
     /// POSTs a lifecycle action; 2xx gives the document, 409 and 503 name the router's error
     /// and come with the document when the router sent one.
     pub(crate) async fn post(
         &self,
         path: &str,
         body: Value,
-    ) -> Result<Value, (Failure, Option<Value>)> {
+    ) -> Result<LifecycleReply, (Failure, Option<LifecycleReply>)> {
         let url = format!("{}{path}", self.base);
         let r = match self.http.post(&url).json(&body).send().await {
             Ok(r) => r,
@@ -167,22 +196,27 @@ impl Ctl {
                 ));
             }
         };
-        let doc: Value = match serde_json::from_str(&text) {
-            Ok(v) => v,
-            Err(e) => {
-                return Err((
-                    Failure::Unavailable(format!(
-                        "POST {path} at {}: {status}: body is not JSON: {e}",
-                        self.addr
-                    )),
-                    None,
-                ));
-            }
-        };
-        if status.is_success() {
-            return Ok(doc);
+        if let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(&text) {
+            return Err((
+                Failure::Unavailable(format!(
+                    "POST {path} at {}: {status}: body is not JSON: {e}",
+                    self.addr
+                )),
+                None,
+            ));
         }
-        if status.as_u16() == 404 && doc["schema"] != "narwhal.lifecycle" {
+        let parsed = serde_json::from_str::<LifecycleReply>(&text);
+        if status.is_success() {
+            return parsed.map_err(|e| {
+                let f = Failure::Unavailable(format!(
+                    "POST {path} at {}: {status}: not a lifecycle document: {e}",
+                    self.addr
+                ));
+                (f, None)
+            });
+        }
+        let doc = parsed.ok().filter(|d| d.document.is_lifecycle());
+        if status.as_u16() == 404 && doc.is_none() {
             return Err((
                 Failure::Usage(format!(
                     "--router {}: POST {path} answered 404: narwhalctl needs the router's control listener (narwhal-serve --control-listen)",
@@ -194,14 +228,14 @@ impl Ctl {
         let mut msg = format!(
             "{path}: HTTP {}: {}",
             status.as_u16(),
-            error_text(&doc).unwrap_or("(no error message)")
+            error_text(&text).as_deref().unwrap_or("(no error message)")
         );
         if status.as_u16() == 503 {
             // "does not control the fleet" alone does not say why: /ready does.
-            if let Ok((_, ready)) = self.get("/ready").await
-                && let Some(reason) = ready["reason"].as_str().filter(|r| !r.is_empty())
+            if let Some(ready) = self.ready().await
+                && !ready.reason.is_empty()
             {
-                msg.push_str(&format!(" (router not ready: {reason})"));
+                msg.push_str(&format!(" (router not ready: {})", ready.reason));
             }
         }
         let f = if status.as_u16() == 503 || status.is_server_error() {
@@ -209,41 +243,44 @@ impl Ctl {
         } else {
             Failure::Refused(msg)
         };
-        let doc = (doc["schema"] == "narwhal.lifecycle").then_some(doc);
         Err((f, doc))
     }
 
-    /// Ejected engines with their breaker causes, from `/narwhal/state`:
-    /// `{iid: {"causes": {cause: count}}}`. Empty when the state cannot be read.
-    pub(crate) async fn ejected(&self) -> serde_json::Map<String, Value> {
-        let mut map = serde_json::Map::new();
-        let Ok((200, st)) = self.get("/narwhal/state").await else {
-            return map;
+    /// Ejected engines with their breaker causes, from `/narwhal/state`, in its order. Empty
+    /// when the state cannot be read.
+    pub(crate) async fn ejected(&self) -> Ordered<Ejected> {
+        let Some(st) = self.state().await else {
+            return Ordered::new();
         };
-        let ejected: Vec<&str> = st["ejected"]
-            .as_array()
-            .map(|a| a.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
-        for iid in ejected {
-            let mut causes = serde_json::Map::new();
-            for e in st["breaker"]["ejections"].as_array().into_iter().flatten() {
-                if e["iid"] == iid
-                    && let Some(c) = e["cause"].as_str()
-                {
-                    causes.insert(c.to_string(), e["count"].clone());
-                }
-            }
-            map.insert(iid.to_string(), json!({"causes": causes}));
-        }
-        map
+        st.ejected
+            .iter()
+            .map(|iid| {
+                let causes = st
+                    .breaker
+                    .ejections
+                    .iter()
+                    .filter(|e| e.iid == *iid)
+                    .map(|e| (e.cause.clone(), e.count))
+                    .collect();
+                (iid.clone(), Ejected { causes })
+            })
+            .collect()
     }
 }
 
-/// The router's error message in a lifecycle document (`error` is a string there) or an
-/// OpenAI-style body (`error.message`).
-pub(crate) fn error_text(doc: &Value) -> Option<&str> {
-    doc["error"]
-        .as_str()
-        .or_else(|| doc["error"]["message"].as_str())
-        .filter(|s| !s.is_empty())
+/// An ejected engine as `status --json` shows it: `{"causes": {<cause>: <count>}}`.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub(crate) struct Ejected {
+    /// Ejections per breaker cause, in `/narwhal/state`'s order.
+    pub(crate) causes: Ordered<u64>,
+}
+
+/// The router's error message in a body: a lifecycle document's `error` (a string) or an
+/// OpenAI-style body's `error.message`; `None` when empty or absent.
+pub(crate) fn error_text(text: &str) -> Option<String> {
+    let message = match serde_json::from_str::<Lifecycle>(text) {
+        Ok(doc) => doc.error,
+        Err(_) => serde_json::from_str::<ErrorReply>(text).ok()?.error.message,
+    };
+    Some(message).filter(|m| !m.is_empty())
 }

@@ -3,8 +3,9 @@
 
 use std::time::Duration;
 
+use narwhal_shared::documents::{Lifecycle, LifecycleReply, Ordered};
 use narwhal_shared::{Clock as _, SystemClock};
-use serde_json::{Value, json};
+use serde_json::json;
 
 use crate::client::Ctl;
 use crate::failure::Failure;
@@ -16,8 +17,8 @@ impl Ctl {
         &self,
         what: &str,
         timeout: Duration,
-        done: impl Fn(&Value) -> bool,
-    ) -> Result<Value, Failure> {
+        done: impl Fn(&Lifecycle) -> bool,
+    ) -> Result<Lifecycle, Failure> {
         let clock = SystemClock;
         let deadline = clock.now() + timeout;
         let mut last = String::new();
@@ -31,11 +32,12 @@ impl Ctl {
                 out(&format!("waiting for {what}: {progress}"))?;
                 last.clone_from(&progress);
             }
-            if doc["router"]["controls_fleet"] != "active" {
+            let controls = doc.router.controls_fleet.as_str();
+            if controls != "active" {
                 return Err(Failure::Unavailable(format!(
                     "waiting for {what}: the router at {} no longer controls the fleet ({})",
                     self.addr,
-                    doc["router"]["controls_fleet"].as_str().unwrap_or("?")
+                    if controls.is_empty() { "?" } else { controls }
                 )));
             }
             if clock.now() >= deadline {
@@ -55,47 +57,43 @@ impl Ctl {
         deadline_s: f64,
         wait: bool,
         timeout: Duration,
-    ) -> Result<Value, (Failure, Option<Value>)> {
+    ) -> Result<LifecycleReply, (Failure, Option<LifecycleReply>)> {
         let body = match iid {
             Some(i) => json!({"engines": [i], "deadline_s": deadline_s}),
             None => json!({"wave": true, "deadline_s": deadline_s}),
         };
         let doc = self.post("/narwhal/lifecycle/drain", body).await?;
-        let warnings = doc["warnings"].clone();
         if !self.json {
-            for w in warnings.as_array().into_iter().flatten() {
-                out(&format!("warning: {}", w.as_str().unwrap_or_default()))
-                    .map_err(|f| (f, None))?;
+            for w in doc.warnings.iter().flatten() {
+                out(&format!("warning: {w}")).map_err(|f| (f, None))?;
             }
         }
         if !wait {
             return Ok(doc);
         }
-        let mut last = self.wait_stop(iid, timeout).await.map_err(|f| (f, None))?;
-        if warnings.is_array() {
-            last["warnings"] = warnings;
-        }
-        Ok(last)
+        let last = self.wait_stop(iid, timeout).await.map_err(|f| (f, None))?;
+        Ok(LifecycleReply {
+            document: last,
+            warnings: doc.warnings,
+        })
     }
 
     pub(crate) async fn wait_stop(
         &self,
         iid: Option<&str>,
         timeout: Duration,
-    ) -> Result<Value, Failure> {
+    ) -> Result<Lifecycle, Failure> {
         match iid {
             Some(i) => {
                 let i = i.to_string();
                 self.wait(&format!("{i} ready_to_stop"), timeout, move |d| {
-                    d["engines"][&i]["ready_to_stop"] == true
+                    d.engine(&i).is_some_and(|e| e.ready_to_stop)
                 })
                 .await
             }
             None => {
-                self.wait("wave ready_to_stop", timeout, |d| {
-                    d["wave"]["ready_to_stop"] == true
-                })
-                .await
+                self.wait("wave ready_to_stop", timeout, |d| d.wave.ready_to_stop)
+                    .await
             }
         }
     }
@@ -118,17 +116,17 @@ pub(crate) async fn run(
     {
         Ok(doc) => {
             if ctl.json {
-                out(&doc.to_string())
+                out(&serde_json::to_string(&doc).unwrap_or_default())
             } else {
-                ctl.show(&doc, &ctl.ejected().await, &Value::Null)
+                ctl.show(&doc.document, &ctl.ejected().await, None)
             }
         }
         Err((f, doc)) => {
             if let Some(d) = doc {
                 if ctl.json {
-                    out(&d.to_string())?;
+                    out(&serde_json::to_string(&d).unwrap_or_default())?;
                 } else {
-                    ctl.show(&d, &serde_json::Map::new(), &Value::Null)?;
+                    ctl.show(&d.document, &Ordered::new(), None)?;
                 }
             }
             Err(f)

@@ -3,9 +3,10 @@
 
 use std::io::Write as _;
 
-use serde_json::Value;
+use narwhal_shared::documents::{Lifecycle, Ordered, Ready};
+use narwhal_shared::handoff::DrainState;
 
-use crate::client::Ctl;
+use crate::client::{Ctl, Ejected};
 use crate::failure::Failure;
 
 /// Writes one line to stdout; a closed pipe becomes [`Failure::PipeClosed`] instead of a panic.
@@ -20,84 +21,79 @@ pub(crate) fn out(line: &str) -> Result<(), Failure> {
 }
 
 impl Ctl {
+    /// Prints the router line, the wave (when one is active) and the engine table; an engine
+    /// in `ejected` shows as ejected with the breaker's causes.
     pub(crate) fn show(
         &self,
-        doc: &Value,
-        ejected: &serde_json::Map<String, Value>,
-        ready: &Value,
+        doc: &Lifecycle,
+        ejected: &Ordered<Ejected>,
+        ready: Option<&Ready>,
     ) -> Result<(), Failure> {
-        let router = &doc["router"];
-        let wave = &doc["wave"];
+        let router = &doc.router;
+        let wave = &doc.wave;
         let mut line = format!(
             "router: controls_fleet={} ready={}  policy={}",
-            router["controls_fleet"].as_str().unwrap_or("?"),
-            router["ready"],
-            doc["engine_restart_policy"].as_str().unwrap_or("?")
+            or_unknown(&router.controls_fleet),
+            router.ready,
+            or_unknown(&doc.engine_restart_policy)
         );
-        if let Some(reason) = ready["reason"].as_str().filter(|r| !r.is_empty()) {
+        if let Some(reason) = ready.map(|r| r.reason.as_str()).filter(|r| !r.is_empty()) {
             line.push_str(&format!("  not ready: {reason}"));
         }
         out(&line)?;
-        if wave["active"].as_bool().unwrap_or(false) {
+        if wave.active {
             out(&format!(
                 "wave {}: ready_to_stop={} readiness_withdrawn={}",
-                wave["id"].as_str().unwrap_or(""),
-                wave["ready_to_stop"],
-                wave["readiness_withdrawn"]
+                wave.id, wave.ready_to_stop, wave.readiness_withdrawn
             ))?;
         }
         out(&format!(
             "{:<8} {:<18} {:>6} {:>6} {:>9} {:>16} {:>16}  error",
             "engine", "state", "accept", "stop?", "resident", "old start", "new start"
         ))?;
-        if let Some(engines) = doc["engines"].as_object() {
-            for (iid, e) in engines {
-                let res = format!(
-                    "{}p/{}d",
-                    e["resident"]["prefill"].as_u64().unwrap_or(0),
-                    e["resident"]["decode"].as_u64().unwrap_or(0)
-                );
-                let start = |v: &Value| v.as_f64().map_or("-".to_string(), |s| format!("{s:.2}"));
-                let lc_state = e["state"].as_str().unwrap_or("?");
-                let mut note = e["error"].as_str().unwrap_or("").to_string();
-                let state = match ejected.get(iid) {
-                    Some(ej) => {
-                        let causes = ej["causes"]
-                            .as_object()
-                            .map(|c| {
-                                c.iter()
-                                    .map(|(k, n)| format!("{k} x{n}"))
-                                    .collect::<Vec<_>>()
-                                    .join(", ")
-                            })
-                            .filter(|s| !s.is_empty())
-                            .unwrap_or_else(|| "cause unknown".into());
-                        let ej_note = format!("ejected by the breaker: {causes}");
-                        note = if note.is_empty() {
-                            ej_note
-                        } else {
-                            format!("{ej_note}; {note}")
-                        };
-                        if lc_state == "active" {
-                            "ejected".to_string()
-                        } else {
-                            format!("{lc_state}+ejected")
-                        }
+        for (iid, e) in &doc.engines {
+            let res = format!("{}p/{}d", e.resident.prefill, e.resident.decode);
+            let start = |v: Option<f64>| v.map_or("-".to_string(), |s| format!("{s:.2}"));
+            let lc_state = e.state.as_str();
+            let mut note = e.error.clone();
+            let state = match ejected.get(iid) {
+                Some(ej) => {
+                    let causes = ej
+                        .causes
+                        .iter()
+                        .map(|(k, n)| format!("{k} x{n}"))
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    let causes = if causes.is_empty() {
+                        "cause unknown".to_string()
+                    } else {
+                        causes
+                    };
+                    let ej_note = format!("ejected by the breaker: {causes}");
+                    note = if note.is_empty() {
+                        ej_note
+                    } else {
+                        format!("{ej_note}; {note}")
+                    };
+                    if e.state == DrainState::Active {
+                        "ejected".to_string()
+                    } else {
+                        format!("{lc_state}+ejected")
                     }
-                    None => lc_state.to_string(),
-                };
-                out(&format!(
-                    "{:<8} {:<18} {:>6} {:>6} {:>9} {:>16} {:>16}  {}",
-                    iid,
-                    state,
-                    yes(&e["accepts_new"]),
-                    yes(&e["ready_to_stop"]),
-                    res,
-                    start(&e["old_process_start"]),
-                    start(&e["new_process_start"]),
-                    note
-                ))?;
-            }
+                }
+                None => lc_state.to_string(),
+            };
+            out(&format!(
+                "{:<8} {:<18} {:>6} {:>6} {:>9} {:>16} {:>16}  {}",
+                iid,
+                state,
+                yes(e.accepts_new),
+                yes(e.ready_to_stop),
+                res,
+                start(e.old_process_start),
+                start(e.new_process_start),
+                note
+            ))?;
         }
         Ok(())
     }
@@ -105,7 +101,7 @@ impl Ctl {
     /// Prints, per target, the checks that passed and what failed ([`check_lines`]).
     pub(crate) fn show_checks(
         &self,
-        doc: &Value,
+        doc: &Lifecycle,
         targets: &[String],
         router_error: Option<&str>,
     ) -> Result<(), Failure> {
@@ -119,19 +115,23 @@ impl Ctl {
     }
 }
 
+/// `s`, or `?` when the router left it empty.
+fn or_unknown(s: &str) -> &str {
+    if s.is_empty() { "?" } else { s }
+}
+
 /// Per target, the checks that passed and what failed. Never an empty "checks passed:" list:
 /// when nothing passed it says what stopped the readmission. `router_error` is the router's
 /// answer when it was not a success (a 409 `readmission validation failed`, a 503 `this router
 /// does not control the fleet` or `router control was fenced during validation`).
-fn check_lines(doc: &Value, targets: &[String], router_error: Option<&str>) -> Vec<String> {
+fn check_lines(doc: &Lifecycle, targets: &[String], router_error: Option<&str>) -> Vec<String> {
     let mut lines = Vec::new();
     for iid in targets {
-        let e = &doc["engines"][iid];
-        let checks: Vec<&str> = e["checks"]
-            .as_array()
-            .map(|a| a.iter().filter_map(Value::as_str).collect())
+        let e = doc.engine(iid);
+        let checks: Vec<&str> = e
+            .map(|e| e.checks.iter().map(String::as_str).collect())
             .unwrap_or_default();
-        let engine_error = e["error"].as_str().filter(|s| !s.is_empty());
+        let engine_error = e.map(|e| e.error.as_str()).filter(|s| !s.is_empty());
         lines.push(match (checks.is_empty(), router_error) {
             (false, None) => format!("{iid}: checks passed: {}", checks.join(", ")),
             (false, Some(_)) => format!(
@@ -150,28 +150,18 @@ fn check_lines(doc: &Value, targets: &[String], router_error: Option<&str>) -> V
     lines
 }
 
-fn yes(v: &Value) -> &'static str {
-    if v.as_bool().unwrap_or(false) {
-        "yes"
-    } else {
-        "no"
-    }
+fn yes(v: bool) -> &'static str {
+    if v { "yes" } else { "no" }
 }
 
 /// One line summarising every held engine: `e0 draining 2p/0d, e1 drained`.
-pub(crate) fn progress_line(doc: &Value) -> String {
-    let Some(engines) = doc["engines"].as_object() else {
-        return String::new();
-    };
-    engines
+pub(crate) fn progress_line(doc: &Lifecycle) -> String {
+    doc.engines
         .iter()
-        .filter(|(_, e)| e["state"] != "active")
+        .filter(|(_, e)| e.state != DrainState::Active)
         .map(|(iid, e)| {
-            let state = e["state"].as_str().unwrap_or("?");
-            let (p, d) = (
-                e["resident"]["prefill"].as_u64().unwrap_or(0),
-                e["resident"]["decode"].as_u64().unwrap_or(0),
-            );
+            let state = e.state.as_str();
+            let (p, d) = (e.resident.prefill, e.resident.decode);
             if p + d > 0 {
                 format!("{iid} {state} ({p} prefill, {d} decode resident)")
             } else {
@@ -188,13 +178,18 @@ mod tests {
 
     use super::*;
 
+    /// A (partial) lifecycle document, as a reader parses it.
+    fn lifecycle(v: serde_json::Value) -> Lifecycle {
+        serde_json::from_value(v).expect("a lifecycle document")
+    }
+
     #[test]
     fn progress_names_held_engines_with_resident_work() {
-        let doc = json!({"engines": {
+        let doc = lifecycle(json!({"engines": {
             "e0": {"state": "draining", "resident": {"prefill": 1, "decode": 2}},
             "e1": {"state": "active", "resident": {"prefill": 0, "decode": 0}},
             "e2": {"state": "drained", "resident": {"prefill": 0, "decode": 0}},
-        }});
+        }}));
         assert_eq!(
             progress_line(&doc),
             "e0 draining (1 prefill, 2 decode resident), e2 drained"
@@ -205,7 +200,7 @@ mod tests {
     fn check_lines_never_print_an_empty_list_and_name_what_stopped_the_readmission() {
         let t = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         // 503 before any check: the router is not in control.
-        let doc = json!({"engines": {"p0": {"checks": [], "error": ""}}});
+        let doc = lifecycle(json!({"engines": {"p0": {"checks": [], "error": ""}}}));
         assert_eq!(
             check_lines(
                 &doc,
@@ -218,7 +213,9 @@ mod tests {
             ])
         );
         // Fenced during validation: what passed before, and why it stopped.
-        let doc = json!({"engines": {"d0": {"checks": ["health", "attestation k"], "error": ""}}});
+        let doc = lifecycle(
+            json!({"engines": {"d0": {"checks": ["health", "attestation k"], "error": ""}}}),
+        );
         assert_eq!(
             check_lines(
                 &doc,
@@ -231,7 +228,9 @@ mod tests {
             ])
         );
         // A failed check: the engine's own error wins over the router's summary.
-        let doc = json!({"engines": {"d0": {"checks": ["health"], "error": "generation: 500"}}});
+        let doc = lifecycle(
+            json!({"engines": {"d0": {"checks": ["health"], "error": "generation: 500"}}}),
+        );
         assert_eq!(
             check_lines(&doc, &t(&["d0"]), Some("readmission validation failed")),
             t(&[
@@ -240,13 +239,15 @@ mod tests {
             ])
         );
         // Success.
-        let doc = json!({"engines": {"d0": {"checks": ["health", "final health"], "error": ""}}});
+        let doc = lifecycle(
+            json!({"engines": {"d0": {"checks": ["health", "final health"], "error": ""}}}),
+        );
         assert_eq!(
             check_lines(&doc, &t(&["d0"]), None),
             t(&["d0: checks passed: health, final health"])
         );
         // An engine the document does not know.
-        let lines = check_lines(&json!({}), &t(&["x"]), Some("HTTP 503"));
+        let lines = check_lines(&lifecycle(json!({})), &t(&["x"]), Some("HTTP 503"));
         assert_eq!(lines, t(&["x: no check passed", "x: FAILED: HTTP 503"]));
     }
 }

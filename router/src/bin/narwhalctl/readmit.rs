@@ -1,9 +1,11 @@
 //! `narwhalctl readmit`: validate and readmit one engine or the active wave, printing each
 //! engine's checks (the validating POST is shared with `cancel-drain`).
 
+use narwhal_shared::documents::{Lifecycle, LifecycleReply};
+use narwhal_shared::handoff::DrainState;
 use serde_json::{Value, json};
 
-use crate::client::{Ctl, error_text};
+use crate::client::Ctl;
 use crate::failure::Failure;
 use crate::output::out;
 
@@ -12,7 +14,7 @@ impl Ctl {
     pub(crate) async fn readmit(
         &self,
         iid: Option<&str>,
-    ) -> Result<Value, (Failure, Option<Value>)> {
+    ) -> Result<LifecycleReply, (Failure, Option<LifecycleReply>)> {
         let body = match iid {
             Some(i) => json!({"engines": [i]}),
             None => json!({"wave": true}),
@@ -28,29 +30,28 @@ impl Ctl {
         path: &str,
         body: Value,
         iid: Option<&str>,
-    ) -> Result<Value, (Failure, Option<Value>)> {
+    ) -> Result<LifecycleReply, (Failure, Option<LifecycleReply>)> {
         match self.post(path, body).await {
             Ok(doc) => {
-                let targets = targets_of(&doc, iid);
-                self.show_checks(&doc, &targets, None)
+                let targets = targets_of(&doc.document, iid);
+                self.show_checks(&doc.document, &targets, None)
                     .map_err(|f| (f, None))?;
                 Ok(doc)
             }
             Err((f, Some(doc))) => {
-                let targets = targets_of(&doc, iid);
-                let router_error = error_text(&doc)
-                    .map(str::to_string)
-                    .unwrap_or_else(|| f.message().to_string());
-                if let Err(p) = self.show_checks(&doc, &targets, Some(&router_error)) {
+                let lc = &doc.document;
+                let targets = targets_of(lc, iid);
+                let router_error = if lc.error.is_empty() {
+                    f.message().to_string()
+                } else {
+                    lc.error.clone()
+                };
+                if let Err(p) = self.show_checks(lc, &targets, Some(&router_error)) {
                     return Err((p, None));
                 }
                 let failed: Vec<String> = targets
                     .iter()
-                    .filter(|i| {
-                        doc["engines"][i.as_str()]["error"]
-                            .as_str()
-                            .is_some_and(|e| !e.is_empty())
-                    })
+                    .filter(|i| lc.engine(i).is_some_and(|e| !e.error.is_empty()))
                     .cloned()
                     .collect();
                 let f = match f {
@@ -67,21 +68,15 @@ impl Ctl {
 }
 
 /// The engines an action applied to: the named one, or the wave's members.
-pub(crate) fn targets_of(doc: &Value, iid: Option<&str>) -> Vec<String> {
+pub(crate) fn targets_of(doc: &Lifecycle, iid: Option<&str>) -> Vec<String> {
     match iid {
         Some(i) => vec![i.to_string()],
-        None => doc["engines"]
-            .as_object()
-            .map(|m| {
-                m.iter()
-                    .filter(|(_, e)| {
-                        e["state"] != "active"
-                            || e["checks"].as_array().is_some_and(|c| !c.is_empty())
-                    })
-                    .map(|(k, _)| k.clone())
-                    .collect()
-            })
-            .unwrap_or_default(),
+        None => doc
+            .engines
+            .iter()
+            .filter(|(_, e)| e.state != DrainState::Active || !e.checks.is_empty())
+            .map(|(k, _)| k.clone())
+            .collect(),
     }
 }
 
@@ -92,7 +87,7 @@ pub(crate) async fn run(ctl: &Ctl, iid: Option<&str>) -> Result<(), Failure> {
     match ctl.readmit(iid).await {
         Ok(doc) => {
             if ctl.json {
-                out(&doc.to_string())
+                out(&serde_json::to_string(&doc).unwrap_or_default())
             } else {
                 out("readmitted")
             }
@@ -101,7 +96,7 @@ pub(crate) async fn run(ctl: &Ctl, iid: Option<&str>) -> Result<(), Failure> {
             if ctl.json
                 && let Some(d) = doc
             {
-                out(&d.to_string())?;
+                out(&serde_json::to_string(&d).unwrap_or_default())?;
             }
             Err(f)
         }

@@ -126,6 +126,19 @@ impl LifecycleDriver {
                 .collect()
         })
     }
+
+    /// The 200 answer of an individual drain of `targets`, as the drain route builds it
+    /// (golden tests, `documents::golden`: a drain without agents is refused before it gets
+    /// there).
+    #[cfg(test)]
+    pub(crate) fn drain_reply_for_test(
+        &self,
+        targets: &[String],
+    ) -> (http::StatusCode, narwhal_shared::documents::LifecycleReply) {
+        let mut reply: narwhal_shared::documents::LifecycleReply = self.document("").into();
+        reply.warnings = Some(self.drain_warnings(targets));
+        (http::StatusCode::OK, reply)
+    }
 }
 
 /// What draining `iid`, of role `role`, does to serving when no other engine of that role is

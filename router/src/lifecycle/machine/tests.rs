@@ -521,8 +521,8 @@ fn wave_ready_to_stop_is_false_without_a_wave() {
     assert!(l.ready_to_stop("e0"));
     assert!(!l.wave_ready_to_stop());
     let doc = l.document("active", true, |_| EngineView::default(), "");
-    assert_eq!(doc["wave"]["ready_to_stop"], false);
-    assert_eq!(doc["wave"]["active"], false);
+    assert!(!doc.wave.ready_to_stop);
+    assert!(!doc.wave.active);
 }
 
 #[test]
@@ -591,6 +591,8 @@ fn document_shape() {
         },
         "boom",
     );
+    // The shape on the wire.
+    let doc = serde_json::to_value(doc).expect("serialises");
     assert_eq!(doc["schema"], "narwhal.lifecycle");
     assert_eq!(doc["router"]["controls_fleet"], "fenced");
     let keys: Vec<&String> = doc["engines"].as_object().unwrap().keys().collect();

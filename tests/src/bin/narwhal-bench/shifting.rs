@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use futures_util::StreamExt;
+use narwhal_shared::documents::State;
 use narwhal_testkit::{EngineSpec, FleetSpec, RouterHandle, SimHandle, start_router, start_sim};
 use serde_json::{Value, json};
 
@@ -200,9 +201,12 @@ fn router(
     start_router(dir, label, &spec, &["--log-level", "warn"]).map_err(|e| e.to_string())
 }
 
-fn split(state: &Value) -> String {
-    let n = |r: &str| state["pools"][r].as_array().map_or(0, Vec::len);
-    format!("{}P{}D", n("prefill"), n("decode"))
+fn split(state: &State) -> String {
+    format!(
+        "{}P{}D",
+        state.pools.prefill.len(),
+        state.pools.decode.len()
+    )
 }
 
 /// `narwhal-bench shifting ...` (see the module doc).
@@ -340,17 +344,12 @@ async fn run(a: Args) -> Result<(), String> {
             splits[pi]
         );
     }
-    let flips: Vec<String> = st["flips"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|f| {
-            format!(
-                "{}->{}",
-                f["iid"].as_str().unwrap_or("?"),
-                f["to"].as_str().unwrap_or("?")
-            )
-        })
+    let flips: Vec<String> = st
+        .controller
+        .fields
+        .iter()
+        .flat_map(|f| &f.flips)
+        .map(|f| format!("{}->{}", f.iid, f.to))
         .collect();
     println!("controller flips: {}", flips.join(", "));
     Ok(())

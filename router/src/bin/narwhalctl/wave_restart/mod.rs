@@ -9,7 +9,8 @@ mod restart_cmd;
 
 use std::time::Duration;
 
-use serde_json::Value;
+use narwhal_shared::documents::Lifecycle;
+use narwhal_shared::handoff::DrainState;
 
 use self::report::{Resume, WaveReport, next_command};
 use self::restart_cmd::engine_addresses;
@@ -32,23 +33,21 @@ impl Ctl {
     /// Makes `iid` ready to stop for a rolling restart: drain it, or with `--resume` adopt a
     /// drain already in place. Returns false when the engine turned out readmitted already.
     async fn rolling_hold(&self, o: &WaveOpts, iid: &str) -> Result<bool, Failure> {
+        let state_of = |d: &Lifecycle| d.engine(iid).map(|e| e.state);
         let mut doc = self.lifecycle().await?;
         // A readmission in flight (ours, timed out, or another client's): let it finish.
-        if doc["engines"][iid]["state"] == "validating" {
+        if state_of(&doc) == Some(DrainState::Validating) {
             doc = self
                 .wait(&format!("{iid} validation"), o.timeout, |d| {
-                    d["engines"][iid]["state"] != "validating"
+                    state_of(d) != Some(DrainState::Validating)
                 })
                 .await?;
-            if o.resume && doc["engines"][iid]["state"] == "active" {
+            if o.resume && state_of(&doc) == Some(DrainState::Active) {
                 return Ok(false);
             }
         }
-        let state = doc["engines"][iid]["state"]
-            .as_str()
-            .unwrap_or("?")
-            .to_string();
-        match state.as_str() {
+        let state = state_of(&doc).map_or("?", DrainState::as_str);
+        match state {
             "active" => {
                 if !self.json {
                     out(&format!("== {iid}: drain"))?;
@@ -88,10 +87,7 @@ impl Ctl {
         next: &mut Option<Resume>,
     ) -> Result<(), Failure> {
         let doc = self.lifecycle().await?;
-        let all: Vec<String> = doc["engines"]
-            .as_object()
-            .map(|m| m.keys().cloned().collect())
-            .unwrap_or_default();
+        let all: Vec<String> = doc.engines.keys().cloned().collect();
         for e in &o.engines {
             if !all.contains(e) {
                 return Err(Failure::Usage(format!(
@@ -123,7 +119,7 @@ impl Ctl {
                 }
                 let r = self.readmit(Some(iid)).await;
                 let doc = match &r {
-                    Ok(d) | Err((_, Some(d))) => Some(d.clone()),
+                    Ok(d) | Err((_, Some(d))) => Some(d.document.clone()),
                     Err((_, None)) => None,
                 };
                 if let Some(d) = &doc {
@@ -153,11 +149,11 @@ impl Ctl {
         }
         // Whole wave.
         *next = Some(Resume::Engines(chosen.clone()));
-        let wave_active = doc["wave"]["active"] == true;
+        let wave_active = doc.wave.active;
         if wave_active && !o.resume {
             return Err(Failure::Refused(format!(
                 "a wave ({}) is already active: continue it with --resume",
-                doc["wave"]["id"].as_str().unwrap_or("")
+                doc.wave.id
             )));
         }
         if wave_active {
@@ -165,11 +161,10 @@ impl Ctl {
                 out("== wave: already active, waiting until every engine is drained or blocked")?;
             }
             self.wait("wave members drained", o.timeout, |d| {
-                d["engines"].as_object().is_some_and(|m| {
-                    m.values()
-                        .filter(|e| !e["wave_id"].as_str().unwrap_or("").is_empty())
-                        .all(|e| e["state"] == "drained" || e["state"] == "blocked")
-                })
+                d.engines
+                    .values()
+                    .filter(|e| !e.wave_id.is_empty())
+                    .all(|e| matches!(e.state, DrainState::Drained | DrainState::Blocked))
             })
             .await?;
         } else {
@@ -192,7 +187,7 @@ impl Ctl {
         }
         let r = self.readmit(None).await;
         let doc = match &r {
-            Ok(d) | Err((_, Some(d))) => Some(d.clone()),
+            Ok(d) | Err((_, Some(d))) => Some(d.document.clone()),
             Err((_, None)) => None,
         };
         if let Some(d) = &doc {
@@ -234,7 +229,7 @@ impl Ctl {
             engines: Vec::new(),
             error: None,
             next_command: None,
-            lifecycle: Value::Null,
+            lifecycle: None,
         };
         let mut next = None;
         let result = self.wave_steps(o, &mut rep, &mut next).await;
@@ -252,7 +247,7 @@ impl Ctl {
             return result;
         }
         let final_doc = self.lifecycle().await.ok();
-        rep.lifecycle = final_doc.clone().unwrap_or(Value::Null);
+        rep.lifecycle.clone_from(&final_doc);
         rep.ok = result.is_ok();
         if let Err(f) = &result {
             rep.error = Some(f.message().to_string());
@@ -262,7 +257,7 @@ impl Ctl {
             out(&serde_json::to_string(&rep).unwrap_or_default())?;
         } else if let Some(doc) = &final_doc {
             let ejected = self.ejected().await;
-            self.show(doc, &ejected, &Value::Null)?;
+            self.show(doc, &ejected, None)?;
         }
         match result {
             Ok(()) => Ok(()),
@@ -285,9 +280,9 @@ impl Ctl {
 }
 
 /// Whether the router said `iid`'s process did not restart after its drain.
-fn restart_missing(doc: Option<&Value>, iid: &str) -> bool {
-    doc.and_then(|d| d["engines"][iid]["error"].as_str())
-        .is_some_and(|e| e.contains("did not restart"))
+fn restart_missing(doc: Option<&Lifecycle>, iid: &str) -> bool {
+    doc.and_then(|d| d.engine(iid))
+        .is_some_and(|e| e.error.contains("did not restart"))
 }
 
 #[cfg(test)]
@@ -298,8 +293,10 @@ mod tests {
 
     #[test]
     fn restart_missing_reads_the_routers_error() {
-        let doc = json!({"engines": {"e0": {"error": "engine process did not restart after drain"},
-                                     "e1": {"error": "generation failed"}}});
+        let doc: Lifecycle = serde_json::from_value(json!({"engines": {
+            "e0": {"error": "engine process did not restart after drain"},
+            "e1": {"error": "generation failed"}}}))
+        .expect("a lifecycle document");
         assert!(restart_missing(Some(&doc), "e0"));
         assert!(!restart_missing(Some(&doc), "e1"));
         assert!(!restart_missing(None, "e0"));

@@ -1,7 +1,7 @@
 //! What a wave-restart did per engine (the `--json` report) and, when it stopped, the exact
 //! command that continues it.
 
-use serde_json::Value;
+use narwhal_shared::documents::Lifecycle;
 
 /// What happened to one engine during a wave-restart (`--json` report `engines[]`).
 #[derive(Default, serde::Serialize)]
@@ -37,7 +37,7 @@ pub(super) struct WaveReport {
     /// The exact command that continues the wave, `null` on success.
     pub(super) next_command: Option<String>,
     /// The router's lifecycle document at the end (`null` if it could not be read).
-    pub(super) lifecycle: Value,
+    pub(super) lifecycle: Option<Lifecycle>,
 }
 
 /// Where a wave stopped, for the next command.
@@ -62,19 +62,11 @@ impl WaveReport {
         self.engines.last_mut().expect("just pushed")
     }
 
-    pub(super) fn record_checks(&mut self, doc: &Value, targets: &[String]) {
+    pub(super) fn record_checks(&mut self, doc: &Lifecycle, targets: &[String]) {
         for iid in targets {
-            let e = &doc["engines"][iid.as_str()];
-            let checks = e["checks"]
-                .as_array()
-                .map(|a| {
-                    a.iter()
-                        .filter_map(Value::as_str)
-                        .map(str::to_string)
-                        .collect()
-                })
-                .unwrap_or_default();
-            let err = e["error"].as_str().unwrap_or("").to_string();
+            let e = doc.engine(iid);
+            let checks = e.map(|e| e.checks.clone()).unwrap_or_default();
+            let err = e.map(|e| e.error.clone()).unwrap_or_default();
             let r = self.engine(iid);
             r.checks = checks;
             if !err.is_empty() {

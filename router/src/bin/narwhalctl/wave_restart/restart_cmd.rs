@@ -1,6 +1,7 @@
 //! The operator's restart command: run once per engine through `sh -c`, with the engine's
 //! address in its placeholders and environment, under `--restart-timeout-s`.
 
+use narwhal_shared::documents::Targets;
 use narwhal_shared::{Clock as _, SystemClock};
 
 use super::WaveOpts;
@@ -14,15 +15,21 @@ pub(super) async fn engine_addresses(
     ctl: &Ctl,
 ) -> std::collections::BTreeMap<String, (String, String, String)> {
     let mut m = std::collections::BTreeMap::new();
-    let Ok((200, doc)) = ctl.get("/narwhal/targets").await else {
+    let Ok((200, Some(doc))) = ctl.get::<Targets>("/narwhal/targets").await else {
         return m;
     };
-    for g in doc.as_array().into_iter().flatten() {
-        let (Some(iid), Some(target)) = (g["labels"]["iid"].as_str(), g["targets"][0].as_str())
-        else {
+    for g in &doc {
+        let (iid, Some(target)) = (g.labels.iid.as_str(), g.targets.first()) else {
             continue;
         };
-        let scheme = g["labels"]["__scheme__"].as_str().unwrap_or("http");
+        if iid.is_empty() {
+            continue;
+        }
+        let scheme = if g.labels.scheme.is_empty() {
+            "http"
+        } else {
+            g.labels.scheme.as_str()
+        };
         let (host, port) = target.rsplit_once(':').unwrap_or((target, ""));
         m.insert(
             iid.to_string(),
