@@ -11,7 +11,11 @@
 //!                                handoff, ready, metrics, journal events)
 //!     Etcd                       a real etcd for the lease backend
 //!   Http / Reply                 JSON, SSE and metrics reading (http.rs)
-//!   wait_until / eventually      the one way tests wait: poll with a deadline (proc.rs)
+//!   wait_until / eventually      the one way tests wait: poll with a deadline (proc.rs);
+//!   blocking_until               the same for synchronous tests (process.rs)
+//!   run / run_within / ctl       a command's exit code and output; narwhalctl (process.rs)
+//!   DevUp                        a `narwhal-dev up` session (devup.rs)
+//!   drain / readmit / cancel_drain  the lifecycle actions of a RouterHandle (lifecycle.rs)
 //!   FakeEngine                   an in-process fake engine for router tests (fake.rs)
 //!   raw                          HTTP/1 on a TcpStream, for framing tests
 //!   Proxy, Sampler               network cuts, 20 Hz sampling during HA faults
@@ -28,12 +32,15 @@
 mod agent;
 pub mod certs;
 mod controller;
+mod devup;
 pub mod etcd;
 mod fake;
 pub mod faults;
 mod fleet;
 mod http;
+mod lifecycle;
 mod proc;
+mod process;
 mod proxy;
 pub mod raw;
 mod router;
@@ -47,6 +54,7 @@ pub use controller::{
     HeldStream, Load, LoadStats, Shape, controller_fleet, fast_controller_sections,
     fixture_profile, token_prompt,
 };
+pub use devup::{DevUp, UP_TIMEOUT};
 pub use etcd::{Etcd, free_port};
 pub use fake::{FakeEngine, Seen, fake_descriptor, router_over_fakes};
 pub use fleet::{
@@ -59,6 +67,10 @@ pub use http::{
 pub use proc::{
     ChildProc, ProcError, START_TIMEOUT, bin_path, eventually, poll_blocking, read_json_file,
     wait_until,
+};
+pub use process::{
+    CommandOutput, alive, blocking_until, ctl, exit_within, json_values, run, run_within,
+    signal_pid, wait_all_dead,
 };
 pub use proxy::Proxy;
 pub use router::{

@@ -1,0 +1,37 @@
+//! The router's lifecycle actions as [`RouterHandle`] methods: `POST
+//! /narwhal/lifecycle/{drain,readmit,cancel-drain}` with a JSON body (docs/http-api.md; the
+//! lifecycle API of docs/design/handoff-and-lifecycle.md).
+//!
+//! ```text
+//!   router.drain(&json!({"engines": ["d0"], "deadline_s": 30})).await   -> (status, document)
+//!   router.readmit(&json!({"wave": true})).await
+//!   router.cancel_drain(&json!({"engines": ["p1"]})).await
+//! ```
+//!
+//! Each answers `(status, body)`, the body parsed, and (like
+//! [`RouterHandle::lifecycle_post`], which they use) asserts that the body is the full lifecycle
+//! document whatever the status.
+
+use serde_json::Value;
+
+use crate::router::RouterHandle;
+
+impl RouterHandle {
+    /// `POST /narwhal/lifecycle/drain` with `body` (`engines`, `wave`, `deadline_s`):
+    /// `(status, lifecycle document)`.
+    pub async fn drain(&self, body: &Value) -> (u16, Value) {
+        self.lifecycle_post("drain", body).await
+    }
+
+    /// `POST /narwhal/lifecycle/readmit` with `body` (`engines`, `wave`): `(status, lifecycle
+    /// document)`.
+    pub async fn readmit(&self, body: &Value) -> (u16, Value) {
+        self.lifecycle_post("readmit", body).await
+    }
+
+    /// `POST /narwhal/lifecycle/cancel-drain` with `body` (`engines`, `wave`): `(status,
+    /// lifecycle document)`.
+    pub async fn cancel_drain(&self, body: &Value) -> (u16, Value) {
+        self.lifecycle_post("cancel-drain", body).await
+    }
+}
