@@ -328,9 +328,7 @@ pub async fn run(scenario: Scenario) -> Outcome {
     };
     let mut pending = None;
     if when.wave() {
-        let (st, doc) = p
-            .lifecycle_post("drain", &json!({"wave": true, "deadline_s": 60}))
-            .await;
+        let (st, doc) = p.drain(&json!({"wave": true, "deadline_s": 60})).await;
         ack("wave drain", st, &doc);
         acked.push(Acked::Held(all.clone()));
         if when == Timing::DuringWaveReadmit {
@@ -344,9 +342,7 @@ pub async fn run(scenario: Scenario) -> Outcome {
             pending = Some(post_in_background(&p, "readmit", json!({"wave": true})));
         }
     } else {
-        let (st, doc) = p
-            .lifecycle_post("drain", &json!({"engines": p1, "deadline_s": 60}))
-            .await;
+        let (st, doc) = p.drain(&json!({"engines": p1, "deadline_s": 60})).await;
         ack("drain p1", st, &doc);
         acked.push(Acked::Held(p1.clone()));
         if when != Timing::AfterDrainAck {
@@ -354,7 +350,7 @@ pub async fn run(scenario: Scenario) -> Outcome {
                 .await;
             f.sim_mut("p1").restart(&[]).expect("restart p1");
             if when == Timing::AfterReadmitAck {
-                let (st, doc) = p.lifecycle_post("readmit", &json!({"engines": p1})).await;
+                let (st, doc) = p.readmit(&json!({"engines": p1})).await;
                 ack("readmit p1", st, &doc);
                 acked.push(Acked::Active(p1.clone()));
             } else {

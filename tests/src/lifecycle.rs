@@ -6,13 +6,14 @@
 //!   router.drain(&json!({"engines": ["d0"], "deadline_s": 30})).await   -> (status, document)
 //!   router.readmit(&json!({"wave": true})).await
 //!   router.cancel_drain(&json!({"engines": ["p1"]})).await
+//!   router.drain_engine("d0").await / router.readmit_engine("d0").await   {"engines": [iid]}
 //! ```
 //!
 //! Each answers `(status, body)`, the body parsed, and (like
 //! [`RouterHandle::lifecycle_post`], which they use) asserts that the body is the full lifecycle
 //! document whatever the status.
 
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use crate::router::RouterHandle;
 
@@ -33,5 +34,15 @@ impl RouterHandle {
     /// lifecycle document)`.
     pub async fn cancel_drain(&self, body: &Value) -> (u16, Value) {
         self.lifecycle_post("cancel-drain", body).await
+    }
+
+    /// [`RouterHandle::drain`] of engine `iid` alone, no deadline: `{"engines": [iid]}`.
+    pub async fn drain_engine(&self, iid: &str) -> (u16, Value) {
+        self.drain(&json!({"engines": [iid]})).await
+    }
+
+    /// [`RouterHandle::readmit`] of engine `iid` alone: `{"engines": [iid]}`.
+    pub async fn readmit_engine(&self, iid: &str) -> (u16, Value) {
+        self.readmit(&json!({"engines": [iid]})).await
     }
 }

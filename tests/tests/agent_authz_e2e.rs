@@ -185,12 +185,9 @@ async fn an_operator_certificate_cannot_fence_the_routers() {
     let http = client_as(&certs, "router");
     let (status, ready) = get(&http, format!("{}/ready", router.control)).await;
     assert_eq!(status, 200, "{ready}");
-    let (status, drained) = post(
-        &http,
-        format!("{}/narwhal/lifecycle/drain", router.control),
-        json!({"engines": ["p0"], "deadline_s": 30}),
-    )
-    .await;
+    let (status, drained) = router
+        .drain(&json!({"engines": ["p0"], "deadline_s": 30}))
+        .await;
     assert_eq!(status, 200, "drain after the operator's attempt: {drained}");
     assert_eq!(fence_file(&a0), before);
 

@@ -530,13 +530,11 @@ fn assert_checks(got: &[String], want: &[String], ctx: &str) {
 /// traffic is served again.
 async fn drain_restart_readmit(f: &mut Fleet, r: &RouterHandle, iid: &str) {
     let ctx = format!("{} {iid}", f.dialect);
-    let (status, doc) = r.lifecycle_post("drain", &json!({"engines": [iid]})).await;
+    let (status, doc) = r.drain_engine(iid).await;
     assert_eq!(status, 200, "{ctx}: {doc:#}");
     r.journal_event("drain_complete", Some(iid)).await;
     f.sim_mut(iid).restart(&[]).expect("restart");
-    let (status, doc) = r
-        .lifecycle_post("readmit", &json!({"engines": [iid]}))
-        .await;
+    let (status, doc) = r.readmit_engine(iid).await;
     assert_eq!(
         status,
         200,
@@ -585,16 +583,14 @@ async fn drain_and_readmission_pass_on_inferred_evidence_when_engines_publish_no
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refuted_transfer_fails_readmission_naming_the_counter() {
     let (mut f, r) = lab("vllm", &[]).await;
-    let (status, doc) = r.lifecycle_post("drain", &json!({"engines": ["d0"]})).await;
+    let (status, doc) = r.drain_engine("d0").await;
     assert_eq!(status, 200, "{doc:#}");
     r.journal_event("drain_complete", Some("d0")).await;
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     f.sim("d0")
         .fault(json!({"phase": "decode", "action": "fail_transfer", "policy": "recompute"}))
         .await;
-    let (status, doc) = r
-        .lifecycle_post("readmit", &json!({"engines": ["d0"]}))
-        .await;
+    let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 409, "{doc:#}");
     let e = &doc["engines"]["d0"];
     assert_eq!(e["state"], "blocked", "{doc:#}");
@@ -607,9 +603,7 @@ async fn a_refuted_transfer_fails_readmission_naming_the_counter() {
     let want = expected_checks("vllm", "d0");
     assert_checks(&strings(&e["checks"]), &want[..5], "refuted fabric");
     // Fault spent: the retry passes.
-    let (status, doc) = r
-        .lifecycle_post("readmit", &json!({"engines": ["d0"]}))
-        .await;
+    let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 200, "{doc:#}");
     assert_checks(&strings(&doc["engines"]["d0"]["checks"]), &want, "retry");
 }

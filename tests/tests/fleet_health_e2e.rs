@@ -490,17 +490,11 @@ async fn a_standby_does_not_eject_engines_the_primary_restarted() {
         .standby()
         .start()
         .await;
-    let (status, doc) = f
-        .router()
-        .lifecycle_post("drain", &json!({"engines": ["d0"]}))
-        .await;
+    let (status, doc) = f.router().drain_engine("d0").await;
     assert_eq!(status, 200, "{doc}");
     f.router().journal_event("drain_complete", Some("d0")).await;
     f.sim_mut("d0").restart(&[]).expect("d0 restarts");
-    let (status, doc) = f
-        .router()
-        .lifecycle_post("readmit", &json!({"engines": ["d0"]}))
-        .await;
+    let (status, doc) = f.router().readmit_engine("d0").await;
     assert_eq!(status, 200, "{doc}");
     // Let the standby tick over the new process for a while (a rule about something that
     // must not happen: nothing to poll for).

@@ -129,9 +129,7 @@ fn foreign_lease(epoch: u64, holder: &str, valid_s: f64) -> Value {
 
 /// A fenced router refuses lifecycle actions with 503.
 async fn assert_lifecycle_refused(r: &RouterHandle) {
-    let (status, doc) = r
-        .lifecycle_post("drain", &json!({"engines": ["d0"], "deadline_s": 30}))
-        .await;
+    let (status, doc) = r.drain(&json!({"engines": ["d0"], "deadline_s": 30})).await;
     assert_eq!(status, 503, "{doc:#}");
 }
 
@@ -150,9 +148,7 @@ async fn kill_during_wave(backend: LeaseBackend) {
     let (epoch, holder) = lease_of(&p).await;
     assert!(epoch >= 1, "{}", p.ha().await);
 
-    let (status, doc) = p
-        .lifecycle_post("drain", &json!({"wave": true, "deadline_s": 60}))
-        .await;
+    let (status, doc) = p.drain(&json!({"wave": true, "deadline_s": 60})).await;
     assert_eq!(status, 200, "{doc:#}");
     let wave_id = doc["wave"]["id"].as_str().expect("wave id").to_string();
     // Both engines idle: the wave becomes ready to stop; the standby retains that document
@@ -227,7 +223,7 @@ async fn kill_during_wave(backend: LeaseBackend) {
     for sim in &mut f.sims {
         sim.restart(&[]).expect("restart simulator");
     }
-    let (status, doc) = s.lifecycle_post("readmit", &json!({"wave": true})).await;
+    let (status, doc) = s.readmit(&json!({"wave": true})).await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["wave"]["active"], false, "{doc:#}");
     for (iid, start) in &old_starts {
@@ -434,9 +430,7 @@ async fn fenced_primary_takes_the_fleet_back_only_with_the_newest_state() {
     for i in 0..2 {
         assert_eq!(s.completion(&format!("new {i}"), 2).await.status, 200);
     }
-    let (status, doc) = s
-        .lifecycle_post("drain", &json!({"engines": ["d0"], "deadline_s": 60}))
-        .await;
+    let (status, doc) = s.drain(&json!({"engines": ["d0"], "deadline_s": 60})).await;
     assert_eq!(status, 200, "{doc:#}");
     let shown = s.state().await["served"].as_u64().expect("served");
     assert!(shown >= 2, "{shown}");

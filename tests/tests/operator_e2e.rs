@@ -211,9 +211,7 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     let mut f = Fleet::builder().prefill(2).decode(1).agents().start().await;
     let control = f.router().control.clone();
     let r = f.router();
-    let (status, doc) = r
-        .lifecycle_post("drain", &json!({"engines": ["p1"], "deadline_s": 30}))
-        .await;
+    let (status, doc) = r.drain(&json!({"engines": ["p1"], "deadline_s": 30})).await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["warnings"], json!([]), "p0 still serves prefill");
     r.lifecycle_until("p1 drained", |d| d["engines"]["p1"]["state"] == "drained")
@@ -275,9 +273,7 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     // A restarted engine is not a cancel: refused, and readmission takes it.
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     let r = f.router();
-    let (status, doc) = r
-        .lifecycle_post("cancel-drain", &json!({"engines": ["d0"]}))
-        .await;
+    let (status, doc) = r.cancel_drain(&json!({"engines": ["d0"]})).await;
     assert_eq!(status, 409, "{doc:#}");
     assert!(
         doc["engines"]["d0"]["error"]
@@ -285,18 +281,12 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
             .is_some_and(|e| e.contains("engine process restarted since the drain")),
         "{doc:#}"
     );
-    let (status, doc) = r
-        .lifecycle_post("readmit", &json!({"engines": ["d0"]}))
-        .await;
+    let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 200, "{doc:#}");
     // Rules: a wave, an active engine.
-    let (status, doc) = r
-        .lifecycle_post("cancel-drain", &json!({"wave": true}))
-        .await;
+    let (status, doc) = r.cancel_drain(&json!({"wave": true})).await;
     assert_eq!(status, 409, "{doc:#}");
-    let (status, doc) = r
-        .lifecycle_post("cancel-drain", &json!({"engines": ["p0"]}))
-        .await;
+    let (status, doc) = r.cancel_drain(&json!({"engines": ["p0"]})).await;
     assert_eq!(status, 409, "{doc:#}");
     assert!(
         doc["error"]
