@@ -20,7 +20,8 @@
 //!   raw                          HTTP/1 on a TcpStream, for framing tests
 //!   Proxy, Sampler               network cuts, 20 Hz sampling during HA faults
 //!   controller_fleet, Load       role-controller worlds (fixture profile, fast timings) and
-//!                                paced load (controller.rs)
+//!                                paced load (controller.rs); the section-14 loads, decisions
+//!                                by result and reason, bursts (scenario.rs)
 //!   faults                       the HA fault campaign: scenarios, one run, judged
 //! ```
 #![forbid(unsafe_code)]
@@ -45,6 +46,7 @@ mod proxy;
 pub mod raw;
 mod router;
 mod sampler;
+mod scenario;
 mod sim;
 
 use std::time::Duration;
@@ -78,6 +80,7 @@ pub use router::{
     merge, narwhalctl, start_router,
 };
 pub use sampler::{Sample, Sampler};
+pub use scenario::{DECIDE, L1, L2, ONE_P_THREE_D, decided, pools, reason_of};
 pub use sim::{EngineSpec, SimHandle, start_sim};
 
 /// Upper bound for a condition an end-to-end test polls for when nothing tighter is asserted

@@ -7,6 +7,7 @@
 //!   router.readmit(&json!({"wave": true})).await
 //!   router.cancel_drain(&json!({"engines": ["p1"]})).await
 //!   router.drain_engine("d0").await / router.readmit_engine("d0").await   {"engines": [iid]}
+//!   router.engine_state_until("d0", "drained").await    polls GET /narwhal/lifecycle
 //! ```
 //!
 //! Each answers `(status, body)`, the body parsed, and (like
@@ -44,5 +45,17 @@ impl RouterHandle {
     /// [`RouterHandle::readmit`] of engine `iid` alone: `{"engines": [iid]}`.
     pub async fn readmit_engine(&self, iid: &str) -> (u16, Value) {
         self.readmit(&json!({"engines": [iid]})).await
+    }
+
+    /// Polls `/narwhal/lifecycle` (for at most [`crate::WAIT`]) until engine `iid`'s `state` is
+    /// `state` (`active`, `drained`, `blocked`, ...); returns the document.
+    ///
+    /// # Panics
+    /// When it never is; the message shows the last document.
+    pub async fn engine_state_until(&self, iid: &str, state: &str) -> Value {
+        self.lifecycle_until(&format!("{iid} {state}"), |d| {
+            d["engines"][iid]["state"] == state
+        })
+        .await
     }
 }

@@ -489,9 +489,7 @@ async fn whole_wave_drain_and_readmission() {
         "{ready}"
     );
     // p0 has nothing resident: drained, but not ready_to_stop until the whole wave is.
-    let doc = r
-        .lifecycle_until("p0 drained", |d| d["engines"]["p0"]["state"] == "drained")
-        .await;
+    let doc = r.engine_state_until("p0", "drained").await;
     assert_eq!(doc["engines"]["p0"]["ready_to_stop"], false, "{doc:#}");
     assert_eq!(doc["engines"]["d0"]["state"], "draining");
     assert_eq!(doc["wave"]["ready_to_stop"], false);

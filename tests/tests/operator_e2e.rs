@@ -214,8 +214,7 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     let (status, doc) = r.drain(&json!({"engines": ["p1"], "deadline_s": 30})).await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["warnings"], json!([]), "p0 still serves prefill");
-    r.lifecycle_until("p1 drained", |d| d["engines"]["p1"]["state"] == "drained")
-        .await;
+    r.engine_state_until("p1", "drained").await;
     let out = narwhalctl(&control, &["cancel-drain", "p1"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -266,9 +265,7 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
         "{stdout}"
     );
     assert_eq!(f.router().completion("aggregated", 2).await.status, 200);
-    f.router()
-        .lifecycle_until("d0 drained", |d| d["engines"]["d0"]["state"] == "drained")
-        .await;
+    f.router().engine_state_until("d0", "drained").await;
 
     // A restarted engine is not a cancel: refused, and readmission takes it.
     f.sim_mut("d0").restart(&[]).expect("restart d0");
