@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use narwhal_testkit::{FleetSpec, RouterHandle, start_router, wait_until};
+use narwhal_testkit::{FleetSpec, Http, RouterHandle, RouterProbe, start_router, wait_until};
 use serde_json::{Value, json};
 use tempfile::TempDir;
 
@@ -241,6 +241,27 @@ impl Lab {
     async fn sdk(&self, base: &str, calls: Value) -> Vec<Value> {
         pysdk::sdk(&self.python, base, &calls, SDK_TIMEOUT).await
     }
+
+    /// [`Lab::new`] with one engine `e0` and a router over it.
+    async fn routed(test: &str) -> Option<(Lab, LlamaServer, RouterHandle)> {
+        let lab = Lab::new(test)?;
+        let engine = lab.engine("e0").await;
+        let router = lab.router(&[("e0", &engine)]);
+        Some((lab, engine, router))
+    }
+
+    /// `calls` sent straight to `engine` (the yardstick), then through `router`: `(direct,
+    /// routed)` results.
+    async fn both(
+        &self,
+        engine: &LlamaServer,
+        router: &RouterHandle,
+        calls: Value,
+    ) -> (Vec<Value>, Vec<Value>) {
+        let direct = self.sdk(&engine.url, calls.clone()).await;
+        let routed = self.sdk(&router.data, calls).await;
+        (direct, routed)
+    }
 }
 
 /// A greedy request of `api` (`completions` or `chat`) with `extra` params merged in.
@@ -297,6 +318,10 @@ fn ejected(state: &Value) -> Vec<String> {
 /// no `/health`, and once restarted on its port serves the same answer. Guards the test model
 /// and harness, not the router.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    narwhal_skip_venv,
+    ignore = "NARWHAL_SKIP_VENV=1: needs the Python test venv (--ignored runs it)"
+)]
 async fn engine_alone_serves_the_sdk() {
     let Some(lab) = Lab::new("engine_alone_serves_the_sdk") else {
         return;
@@ -370,18 +395,20 @@ async fn engine_alone_serves_the_sdk() {
 /// Non-streaming chat and completions through the router: 200 with the engine's own answer
 /// (greedy, so the same text and finish reason the engine gives when asked directly).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    narwhal_skip_venv,
+    ignore = "NARWHAL_SKIP_VENV=1: needs the Python test venv (--ignored runs it)"
+)]
 async fn non_streaming_answers_are_the_engines() {
-    let Some(lab) = Lab::new("non_streaming_answers_are_the_engines") else {
+    let Some((lab, engine, router)) = Lab::routed("non_streaming_answers_are_the_engines").await
+    else {
         return;
     };
-    let engine = lab.engine("e0").await;
-    let router = lab.router(&[("e0", &engine)]);
     let calls = json!([
         call("completions", "the river and the stone", json!({})),
         call("chat", "the river and the stone", json!({})),
     ]);
-    let direct = lab.sdk(&engine.url, calls.clone()).await;
-    let routed = lab.sdk(&router.data, calls).await;
+    let (direct, routed) = lab.both(&engine, &router, calls).await;
     for (i, api) in ["completions", "chat"].into_iter().enumerate() {
         let d = pysdk::ok(&direct[i], &format!("direct {api}"));
         let r = pysdk::ok(&routed[i], &format!("routed {api}"));
@@ -395,12 +422,14 @@ async fn non_streaming_answers_are_the_engines() {
 /// `token_ids`): no "[DONE] before any token", no ejection, journal rows `completed` with
 /// `output_len` = `MAX_TOKENS`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    narwhal_skip_venv,
+    ignore = "NARWHAL_SKIP_VENV=1: needs the Python test venv (--ignored runs it)"
+)]
 async fn streaming_answers_are_the_engines() {
-    let Some(lab) = Lab::new("streaming_answers_are_the_engines") else {
+    let Some((lab, engine, router)) = Lab::routed("streaming_answers_are_the_engines").await else {
         return;
     };
-    let engine = lab.engine("e0").await;
-    let router = lab.router(&[("e0", &engine)]);
     let calls = json!([
         call(
             "completions",
@@ -415,8 +444,7 @@ async fn streaming_answers_are_the_engines() {
         ),
         call("chat", "north south east west", json!({"stream": true})),
     ]);
-    let direct = lab.sdk(&engine.url, calls.clone()).await;
-    let routed = lab.sdk(&router.data, calls).await;
+    let (direct, routed) = lab.both(&engine, &router, calls).await;
     for i in 0..4 {
         let d = pysdk::ok(&direct[i], &format!("direct stream {i}"));
         let r = pysdk::ok(&routed[i], &format!("routed stream {i}"));
@@ -450,19 +478,20 @@ async fn streaming_answers_are_the_engines() {
 /// asking `stream_options.include_usage` gets a usage chunk whose `completion_tokens` are the
 /// tokens streamed (llama.cpp streams carry no usage of their own).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    narwhal_skip_venv,
+    ignore = "NARWHAL_SKIP_VENV=1: needs the Python test venv (--ignored runs it)"
+)]
 async fn usage_is_the_engines() {
-    let Some(lab) = Lab::new("usage_is_the_engines") else {
+    let Some((lab, engine, router)) = Lab::routed("usage_is_the_engines").await else {
         return;
     };
-    let engine = lab.engine("e0").await;
-    let router = lab.router(&[("e0", &engine)]);
     let prompt = "the quiet river and the bright stone under the early morning light";
     let plain = json!([
         call("completions", prompt, json!({})),
         call("chat", prompt, json!({}))
     ]);
-    let direct = lab.sdk(&engine.url, plain.clone()).await;
-    let routed = lab.sdk(&router.data, plain).await;
+    let (direct, routed) = lab.both(&engine, &router, plain).await;
     for (i, api) in ["completions", "chat"].into_iter().enumerate() {
         let d = pysdk::ok(&direct[i], &format!("direct {api}"));
         let r = pysdk::ok(&routed[i], &format!("routed {api}"));
@@ -509,12 +538,14 @@ async fn usage_is_the_engines() {
 /// `finish_reason: "stop"` as the engine gives directly, streaming and not. The stop string is
 /// a word from the middle of the unstopped greedy answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    narwhal_skip_venv,
+    ignore = "NARWHAL_SKIP_VENV=1: needs the Python test venv (--ignored runs it)"
+)]
 async fn stop_sequences_end_the_answer() {
-    let Some(lab) = Lab::new("stop_sequences_end_the_answer") else {
+    let Some((lab, engine, router)) = Lab::routed("stop_sequences_end_the_answer").await else {
         return;
     };
-    let engine = lab.engine("e0").await;
-    let router = lab.router(&[("e0", &engine)]);
     let prompt = "the river and the stone";
     let free = lab
         .sdk(
@@ -542,8 +573,7 @@ async fn stop_sequences_end_the_answer() {
             call(api, prompt, json!({"stop": [stop.clone()]})),
             call(api, prompt, json!({"stop": [stop.clone()], "stream": true})),
         ]);
-        let direct = lab.sdk(&engine.url, calls.clone()).await;
-        let routed = lab.sdk(&router.data, calls).await;
+        let (direct, routed) = lab.both(&engine, &router, calls).await;
         for j in 0..2 {
             let d = pysdk::ok(&direct[j], &format!("direct {api} stop {j}"));
             assert_eq!(d["finish_reason"], "stop", "{api}: engine stops: {d}");
@@ -559,19 +589,21 @@ async fn stop_sequences_end_the_answer() {
 /// SDK's `BadRequestError`) with the engine's message, not a 502; the engine is not ejected and
 /// serves the next request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    narwhal_skip_venv,
+    ignore = "NARWHAL_SKIP_VENV=1: needs the Python test venv (--ignored runs it)"
+)]
 async fn over_long_prompt_is_the_engines_400() {
-    let Some(lab) = Lab::new("over_long_prompt_is_the_engines_400") else {
+    let Some((lab, engine, router)) = Lab::routed("over_long_prompt_is_the_engines_400").await
+    else {
         return;
     };
-    let engine = lab.engine("e0").await;
-    let router = lab.router(&[("e0", &engine)]);
     let long = over_long_prompt();
     let calls = json!([
         call("completions", &long, json!({})),
         call("chat", &long, json!({}))
     ]);
-    let direct = lab.sdk(&engine.url, calls.clone()).await;
-    let routed = lab.sdk(&router.data, calls).await;
+    let (direct, routed) = lab.both(&engine, &router, calls).await;
     for (i, api) in ["completions", "chat"].into_iter().enumerate() {
         let want = pysdk::api_error(&direct[i], "BadRequestError", 400, &format!("direct {api}"));
         let got = pysdk::api_error(&routed[i], "BadRequestError", 400, &format!("routed {api}"));
@@ -597,6 +629,10 @@ async fn over_long_prompt_is_the_engines_400() {
 /// an operator (llama.cpp has no `/health`: the probe must use what the engine has), and serves
 /// again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    narwhal_skip_venv,
+    ignore = "NARWHAL_SKIP_VENV=1: needs the Python test venv (--ignored runs it)"
+)]
 async fn killed_engine_is_ejected_then_readmitted() {
     let Some(lab) = Lab::new("killed_engine_is_ejected_then_readmitted") else {
         return;
@@ -604,7 +640,6 @@ async fn killed_engine_is_ejected_then_readmitted() {
     let e0 = lab.engine("e0").await;
     let mut e1 = lab.engine("e1").await;
     let router = lab.router(&[("e0", &e0), ("e1", &e1)]);
-    let http = http();
     let warm = lab.sdk(&router.data, shape_calls("the river")).await;
     for (i, r) in warm.iter().enumerate() {
         pysdk::ok(r, &format!("warm-up {i}"));
@@ -629,20 +664,13 @@ async fn killed_engine_is_ejected_then_readmitted() {
     }
 
     e1.restart().await;
-    let readmitted = wait_until(Duration::from_secs(60), || {
-        let http = http.clone();
-        let control = router.control.clone();
-        async move {
-            let st: Value = http
-                .get(format!("{control}/narwhal/state"))
-                .send()
-                .await
-                .ok()?
-                .json()
-                .await
-                .ok()?;
-            ejected(&st).is_empty().then_some(st)
-        }
+    let probe = RouterProbe {
+        control: router.control.clone(),
+        fast: Http::new(Duration::from_secs(30)),
+    };
+    let readmitted = wait_until(Duration::from_secs(60), || async {
+        let st = probe.state().await?;
+        ejected(&st).is_empty().then_some(st)
     })
     .await;
     assert!(
@@ -683,12 +711,16 @@ async fn killed_engine_is_ejected_then_readmitted() {
 /// within a minute with no operator action (whether the router ejected it and readmitted it,
 /// or kept it in placement as the last live engine).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    narwhal_skip_venv,
+    ignore = "NARWHAL_SKIP_VENV=1: needs the Python test venv (--ignored runs it)"
+)]
 async fn only_engine_killed_then_restarted_serves_again() {
-    let Some(lab) = Lab::new("only_engine_killed_then_restarted_serves_again") else {
+    let Some((lab, mut engine, router)) =
+        Lab::routed("only_engine_killed_then_restarted_serves_again").await
+    else {
         return;
     };
-    let mut engine = lab.engine("e0").await;
-    let router = lab.router(&[("e0", &engine)]);
     let warm = lab.sdk(&router.data, shape_calls("the river")).await;
     for (i, r) in warm.iter().enumerate() {
         pysdk::ok(r, &format!("warm-up {i}"));

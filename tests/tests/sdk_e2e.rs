@@ -5,8 +5,8 @@
 //! every error must surface as the SDK's typed exception (`BadRequestError`, `NotFoundError`,
 //! `RateLimitError`, `InternalServerError`, all `APIStatusError`s) with the router's message.
 //!
-//! Needs the Python test venv (`tests/python/ensure-venv.sh`); see `pysdk/mod.rs` for the skip
-//! rule (never a skip in CI).
+//! Needs the Python test venv (`tests/python/ensure-venv.sh`); built with `NARWHAL_SKIP_VENV=1`
+//! every test here is ignored instead (see `pysdk/mod.rs`; never in CI).
 
 #[path = "pysdk/mod.rs"]
 mod pysdk;
@@ -328,6 +328,10 @@ async fn client_errors_are_typed(test: &str, dialect: &str) {
 /// The router's in-flight limit (`--max-concurrent 1`, no queue) answers 429: the SDK raises
 /// `RateLimitError` with the router's message. A slow stream holds the one seat meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    narwhal_skip_venv,
+    ignore = "NARWHAL_SKIP_VENV=1: needs the Python test venv (--ignored runs it)"
+)]
 async fn full_router_is_a_rate_limit_error() {
     let Some(f) = fleet(
         "full_router_is_a_rate_limit_error",
@@ -367,6 +371,10 @@ async fn full_router_is_a_rate_limit_error() {
 /// which the SDK raises as `InternalServerError` (an `APIStatusError` with status 503) carrying
 /// the router's message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    narwhal_skip_venv,
+    ignore = "NARWHAL_SKIP_VENV=1: needs the Python test venv (--ignored runs it)"
+)]
 async fn no_schedulable_engine_is_a_503_error() {
     let test = "no_schedulable_engine_is_a_503_error";
     let Some(py) = pysdk::python(test) else {
@@ -389,53 +397,43 @@ async fn no_schedulable_engine_is_a_503_error() {
     }
 }
 
+/// One test `$name` of dialect module `$dialect`: `super::$body(<its name>, <dialect>, $args)`.
+macro_rules! dialect_test {
+    ($dialect:ident, $name:ident, $body:ident $(, $arg:expr)*) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        #[cfg_attr(
+            narwhal_skip_venv,
+            ignore = "NARWHAL_SKIP_VENV=1: needs the Python test venv (--ignored runs it)"
+        )]
+        async fn $name() {
+            let test = concat!(stringify!($dialect), "::", stringify!($name));
+            super::$body(test, stringify!($dialect) $(, $arg)*).await;
+        }
+    };
+}
+
 macro_rules! dialect_tests {
     ($dialect:ident) => {
         mod $dialect {
-            const DIALECT: &str = stringify!($dialect);
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn completions_every_shape_parses() {
-                super::every_shape_parses(
-                    concat!(stringify!($dialect), "::completions_every_shape_parses"),
-                    DIALECT,
-                    "completions",
-                )
-                .await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn chat_every_shape_parses() {
-                super::every_shape_parses(
-                    concat!(stringify!($dialect), "::chat_every_shape_parses"),
-                    DIALECT,
-                    "chat",
-                )
-                .await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn sampling_options_parse() {
-                super::options_parse(
-                    concat!(stringify!($dialect), "::sampling_options_parse"),
-                    DIALECT,
-                )
-                .await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn tools_parse() {
-                super::tools_parse(concat!(stringify!($dialect), "::tools_parse"), DIALECT).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn client_errors_are_typed_exceptions() {
-                super::client_errors_are_typed(
-                    concat!(stringify!($dialect), "::client_errors_are_typed_exceptions"),
-                    DIALECT,
-                )
-                .await;
-            }
+            dialect_test!(
+                $dialect,
+                completions_every_shape_parses,
+                every_shape_parses,
+                "completions"
+            );
+            dialect_test!(
+                $dialect,
+                chat_every_shape_parses,
+                every_shape_parses,
+                "chat"
+            );
+            dialect_test!($dialect, sampling_options_parse, options_parse);
+            dialect_test!($dialect, tools_parse, tools_parse);
+            dialect_test!(
+                $dialect,
+                client_errors_are_typed_exceptions,
+                client_errors_are_typed
+            );
         }
     };
 }
