@@ -6,10 +6,12 @@
 //! ```text
 //!   Fleet::builder()...start()   the world of an end-to-end test (fleet.rs)
 //!     SimHandle                  one narwhal-engine-sim; its /sim/* hooks via admin_url()
-//!     AgentHandle                one narwhal-agent (a simulated GPU host)
+//!     AgentHandle                one narwhal-agent (a simulated GPU host); attest, fence_file
+//!                                and client_as for calls to its API (agent_calls.rs)
 //!     RouterHandle               one narwhal-serve, with document helpers (state, lifecycle,
 //!                                handoff, ready, metrics, journal events)
 //!     Etcd                       a real etcd for the lease backend
+//!   events_of / wait_ejected     an engine's breaker events, ejection, readmission (breaker.rs)
 //!   Http / Reply                 JSON, SSE and metrics reading (http.rs)
 //!   wait_until / eventually      the one way tests wait: poll with a deadline (proc.rs);
 //!   blocking_until               the same for synchronous tests (process.rs)
@@ -31,6 +33,8 @@
 #![allow(clippy::disallowed_methods)]
 
 mod agent;
+mod agent_calls;
+mod breaker;
 pub mod certs;
 mod controller;
 mod devup;
@@ -52,6 +56,7 @@ mod sim;
 use std::time::Duration;
 
 pub use agent::{AgentHandle, keygen, start_agent, start_agent_with};
+pub use agent_calls::{client_as, get_text, post_json};
 pub use controller::{
     HeldStream, Load, LoadStats, Shape, controller_fleet, fast_controller_sections,
     fixture_profile, token_prompt,

@@ -8,6 +8,7 @@
 //!   router.cancel_drain(&json!({"engines": ["p1"]})).await
 //!   router.drain_engine("d0").await / router.readmit_engine("d0").await   {"engines": [iid]}
 //!   router.engine_state_until("d0", "drained").await    polls GET /narwhal/lifecycle
+//!   router.drain_to_complete("d0").await    drain (200), then its drain_complete event
 //! ```
 //!
 //! Each answers `(status, body)`, the body parsed, and (like
@@ -57,5 +58,17 @@ impl RouterHandle {
             d["engines"][iid]["state"] == state
         })
         .await
+    }
+
+    /// Drains engine `iid` alone, which must answer 200, and waits for its `drain_complete`
+    /// journal event ([`RouterHandle::journal_event`]); the drain's lifecycle document.
+    ///
+    /// # Panics
+    /// When the drain is refused or never completes.
+    pub async fn drain_to_complete(&self, iid: &str) -> Value {
+        let (status, doc) = self.drain_engine(iid).await;
+        assert_eq!(status, 200, "{doc:#}");
+        self.journal_event("drain_complete", Some(iid)).await;
+        doc
     }
 }

@@ -277,9 +277,7 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_again() {
     let (mut f, r) = lab("individual", &[], json!({})).await;
-    let (status, doc) = r.drain_engine("d0").await;
-    assert_eq!(status, 200, "{doc:#}");
-    r.journal_event("drain_complete", Some("d0")).await;
+    let doc = r.drain_to_complete("d0").await;
     let old = doc["engines"]["d0"]["old_process_start"]
         .as_f64()
         .expect("identity recorded");
@@ -353,9 +351,7 @@ async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
     let (mut f, r) = lab("individual", &[], json!({})).await;
-    let (status, doc) = r.drain_engine("p0").await;
-    assert_eq!(status, 200, "{doc:#}");
-    r.journal_event("drain_complete", Some("p0")).await;
+    r.drain_to_complete("p0").await;
     f.sim_mut("p0").restart(&[]).expect("restart p0");
 
     async fn refused(f: &Fleet, r: &RouterHandle, what: &str) -> (String, Vec<String>) {
@@ -708,9 +704,7 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
     )
     .await;
 
-    let (status, first) = r.drain_engine("p0").await;
-    assert_eq!(status, 200, "{first:#}");
-    r.journal_event("drain_complete", Some("p0")).await;
+    r.drain_to_complete("p0").await;
     let before = r.lifecycle().await;
     // architecture.md 9.5: the same drain again is idempotent.
     let (status, again) = r.drain_engine("p0").await;
@@ -1109,9 +1103,7 @@ async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
 async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
     let (mut f, r) = lab_with("sglang", "individual", &[], json!({})).await;
     r.complete("warm up").await;
-    let (status, doc) = r.drain_engine("p0").await;
-    assert_eq!(status, 200, "{doc:#}");
-    r.journal_event("drain_complete", Some("p0")).await;
+    r.drain_to_complete("p0").await;
     let old_port = f.sim("p0").bootstrap_port;
     f.sim_mut("p0")
         .restart(&["--bootstrap-port", "0"])
@@ -1231,9 +1223,7 @@ async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
         d["process_starts"]["d0"].as_f64().is_some()
     })
     .await;
-    let (status, doc) = r.drain_engine("p0").await;
-    assert_eq!(status, 200, "{doc:#}");
-    r.journal_event("drain_complete", Some("p0")).await;
+    r.drain_to_complete("p0").await;
     f.sim_mut("p0").restart(&[]).expect("restart p0");
     f.sim_mut("d0")
         .restart(&[])

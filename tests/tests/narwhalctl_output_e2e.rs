@@ -10,8 +10,28 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use narwhal_testkit::{DevUp, bin_path, ctl, json_values, run, signal_pid};
+use narwhal_testkit::{
+    CommandOutput, DevUp, Http, RouterProbe, bin_path, ctl, json_values, run, signal_pid,
+};
 use serde_json::{Value, json};
+
+/// `narwhalctl --json wave-restart <args> --timeout-s 90` against `control`.
+fn wave_restart(control: &str, args: &[&str]) -> CommandOutput {
+    ctl(
+        control,
+        &[&["--json", "wave-restart"], args, &["--timeout-s", "90"]].concat(),
+    )
+}
+
+/// The one JSON document a `--json` command printed.
+///
+/// # Panics
+/// When stdout is not exactly one JSON document.
+fn one_document(r: &CommandOutput) -> Value {
+    let docs = json_values(&r.stdout);
+    assert_eq!(docs.len(), 1, "one document: {}", r.stdout);
+    docs[0].clone()
+}
 
 #[test]
 fn narwhalctl_refuses_the_data_listener_ends_quietly_on_a_closed_pipe_and_names_a_503() {
@@ -88,22 +108,9 @@ fn narwhalctl_wave_restart_json_is_one_document_and_a_failed_wave_names_the_comm
         "echo restarting {{iid}} at {{host}} port {{port}} \"$NARWHAL_ENGINE_URL\"; {} restart {{iid}} --dir {dir_s}",
         dev.display()
     );
-    let r = ctl(
-        &control,
-        &[
-            "--json",
-            "wave-restart",
-            "--rolling",
-            "--restart-cmd",
-            &restart_cmd,
-            "--timeout-s",
-            "90",
-        ],
-    );
+    let r = wave_restart(&control, &["--rolling", "--restart-cmd", &restart_cmd]);
     assert_eq!(r.code, 0, "rolling wave: {}{}", r.stdout, r.stderr);
-    let docs = json_values(&r.stdout);
-    assert_eq!(docs.len(), 1, "one document: {}", r.stdout);
-    let rep = &docs[0];
+    let rep = &one_document(&r);
     assert_eq!(rep["ok"], true, "{rep}");
     assert_eq!(rep["engines"].as_array().map(Vec::len), Some(3), "{rep}");
     for e in rep["engines"].as_array().unwrap() {
@@ -138,21 +145,9 @@ fn narwhalctl_wave_restart_json_is_one_document_and_a_failed_wave_names_the_comm
         m = marker.display(),
         dev = dev.display()
     );
-    let r = ctl(
-        &control,
-        &[
-            "--json",
-            "wave-restart",
-            "--restart-cmd",
-            &flaky,
-            "--timeout-s",
-            "90",
-        ],
-    );
+    let r = wave_restart(&control, &["--restart-cmd", &flaky]);
     assert_eq!(r.code, 1, "failed wave: {}{}", r.stdout, r.stderr);
-    let docs = json_values(&r.stdout);
-    assert_eq!(docs.len(), 1, "one document: {}", r.stdout);
-    let rep = &docs[0];
+    let rep = &one_document(&r);
     assert_eq!(rep["ok"], false, "{rep}");
     assert!(
         rep["error"]
@@ -216,21 +211,19 @@ async fn narwhalctl_status_shows_an_ejected_engine_as_ejected_with_its_cause() {
     // role's last engine in placement).
     let d1 = up.engine("d1")["pid"].as_i64().expect("d1 pid") as i32;
     signal_pid(d1, nix::sys::signal::Signal::SIGKILL).expect("kill d1");
-    let http = narwhal_testkit::http_client().build().expect("client");
+    let probe = RouterProbe {
+        control: control.clone(),
+        fast: Http::new(Duration::from_secs(30)),
+    };
     let ejected = narwhal_testkit::wait_until(Duration::from_secs(60), || async {
-        let _ = http
+        let _ = probe
+            .fast
+            .client()
             .post(format!("{data}/v1/completions"))
             .json(&json!({"model": "tiny-sim", "prompt": "hello", "max_tokens": 2}))
             .send()
             .await;
-        let st: Value = http
-            .get(format!("{control}/narwhal/state"))
-            .send()
-            .await
-            .ok()?
-            .json()
-            .await
-            .ok()?;
+        let st = probe.state().await?;
         st["ejected"]
             .as_array()
             .is_some_and(|a| a.iter().any(|i| i == "d1"))

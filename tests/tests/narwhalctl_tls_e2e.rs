@@ -160,11 +160,11 @@ async fn narwhalctl_tls_errors_name_tls_the_client_certificate_and_name_mismatch
     let r = ctl(&https, &["status"]);
     assert_eq!(r.code, 3, "{}{}", r.stdout, r.stderr);
     assert!(r.stderr.contains("pass --ca"), "{}", r.stderr);
+    let trust = ["--ca", ca.as_str()];
+    let me = ["--cert", oc.as_str(), "--key", ok.as_str()];
+    let name = ["--server-name", "router-control.internal"];
     // Connecting by an address the certificate does not name.
-    let r = ctl(
-        &https,
-        &["--ca", &ca, "--cert", &oc, "--key", &ok, "status"],
-    );
+    let r = ctl(&https, &[&trust[..], &me, &["status"]].concat());
     assert_eq!(r.code, 3, "{}{}", r.stdout, r.stderr);
     assert!(
         r.stderr.contains("certificate name mismatch")
@@ -174,16 +174,7 @@ async fn narwhalctl_tls_errors_name_tls_the_client_certificate_and_name_mismatch
         r.stderr
     );
     // Right name, no client certificate: names the client certificate.
-    let r = ctl(
-        &https,
-        &[
-            "--ca",
-            &ca,
-            "--server-name",
-            "router-control.internal",
-            "status",
-        ],
-    );
+    let r = ctl(&https, &[&trust[..], &name, &["status"]].concat());
     assert_eq!(r.code, 3, "{}{}", r.stdout, r.stderr);
     assert!(
         r.stderr.contains("requires a client certificate") && r.stderr.contains("--cert"),
@@ -191,20 +182,7 @@ async fn narwhalctl_tls_errors_name_tls_the_client_certificate_and_name_mismatch
         r.stderr
     );
     // Everything right.
-    let r = ctl(
-        &https,
-        &[
-            "--ca",
-            &ca,
-            "--cert",
-            &oc,
-            "--key",
-            &ok,
-            "--server-name",
-            "router-control.internal",
-            "status",
-        ],
-    );
+    let r = ctl(&https, &[&trust[..], &me, &name, &["status"]].concat());
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
     assert!(r.stdout.contains("controls_fleet=active"), "{}", r.stdout);
 }
