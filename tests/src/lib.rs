@@ -14,10 +14,11 @@
 //!   events_of / wait_ejected     an engine's breaker events, ejection, readmission (breaker.rs)
 //!   Http / Reply                 JSON, SSE and metrics reading (http.rs)
 //!   wait_until / eventually      the one way tests wait: poll with a deadline (proc.rs);
-//!   blocking_until               the same for synchronous tests (process.rs)
+//!   blocking_until, poll_blocking  the same for synchronous tests (process.rs, proc.rs)
 //!   run / run_within / ctl       a command's exit code and output; narwhalctl (process.rs)
 //!   DevUp                        a `narwhal-dev up` session (devup.rs)
-//!   drain / readmit / cancel_drain  the lifecycle actions of a RouterHandle (lifecycle.rs)
+//!   router.drain / readmit /     the lifecycle actions, and waits on an engine's lifecycle
+//!     cancel_drain               state (lifecycle.rs)
 //!   FakeEngine                   an in-process fake engine for router tests (fake.rs)
 //!   raw                          HTTP/1 on a TcpStream, for framing tests
 //!   Proxy, Sampler               network cuts, 20 Hz sampling during HA faults
