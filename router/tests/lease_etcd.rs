@@ -20,7 +20,7 @@ use narwhal_router::lease::{
     LeaseTiming,
 };
 use narwhal_shared::{Clock, SystemClock};
-use narwhal_testkit::etcd::{EtcdOptions, EtcdServer, Gateway};
+use narwhal_testkit::etcd::{EtcdOptions, EtcdServer, Gateway, free_port};
 use tokio_util::sync::CancellationToken;
 
 fn store(etcd: &EtcdServer, key: &str, ttl: Duration) -> EtcdLease {
@@ -194,8 +194,15 @@ async fn a_wrong_ca_or_a_missing_client_certificate_is_refused_with_a_clear_erro
     let certs = etcd.certs.clone().unwrap();
     let key = "/narwhal/tls2/router-lease";
     let core = Lease::new("a:1".into(), timing(2000, 500, 500));
-    let claim_err = |access: EtcdAccess| {
-        let s = store_with(&etcd, key, &access);
+    let claim_err = |tls: EtcdTls| {
+        let s = store_with(
+            &etcd,
+            key,
+            &EtcdAccess {
+                tls: Some(tls),
+                auth: None,
+            },
+        );
         let core = core.clone();
         async move { s.claim(&core, 1000.0).await.unwrap_err().to_string() }
     };
@@ -203,11 +210,7 @@ async fn a_wrong_ca_or_a_missing_client_certificate_is_refused_with_a_clear_erro
     // etcd's certificate does not chain to the configured CA.
     let mut tls = tls_access(&etcd);
     tls.ca = Some(certs.other_ca.clone());
-    let err = claim_err(EtcdAccess {
-        tls: Some(tls),
-        auth: None,
-    })
-    .await;
+    let err = claim_err(tls).await;
     assert!(
         err.starts_with(&format!(
             "etcd txn on {}: TLS handshake failed: ",
@@ -227,11 +230,7 @@ async fn a_wrong_ca_or_a_missing_client_certificate_is_refused_with_a_clear_erro
     let mut tls = tls_access(&etcd);
     tls.cert = None;
     tls.key = None;
-    let err = claim_err(EtcdAccess {
-        tls: Some(tls),
-        auth: None,
-    })
-    .await;
+    let err = claim_err(tls).await;
     assert!(
         err.contains("etcd requires a client certificate: set lease.tls.cert and lease.tls.key"),
         "{err}"
@@ -241,11 +240,7 @@ async fn a_wrong_ca_or_a_missing_client_certificate_is_refused_with_a_clear_erro
     let mut tls = tls_access(&etcd);
     tls.cert = Some(certs.other_client_cert.clone());
     tls.key = Some(certs.other_client_key.clone());
-    let err = claim_err(EtcdAccess {
-        tls: Some(tls),
-        auth: None,
-    })
-    .await;
+    let err = claim_err(tls).await;
     assert!(
         err.contains(&format!(
             "etcd refused our client certificate lease.tls.cert ({})",
@@ -632,11 +627,7 @@ async fn the_driver_keeps_the_lease_past_its_ttl_and_fences_on_a_takeover() {
 #[tokio::test]
 async fn an_unreachable_etcd_is_unavailable_within_the_call_timeout() {
     // No etcd needed: a closed loopback port.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let s = EtcdLease::new(
         vec![format!("http://127.0.0.1:{port}")],
         "/narwhal/t5/router-lease",
@@ -662,11 +653,7 @@ async fn an_unreachable_etcd_is_unavailable_within_the_call_timeout() {
 #[tokio::test]
 async fn a_second_endpoint_serves_when_the_first_is_down() {
     let etcd = EtcdServer::start(plain()).await;
-    let dead = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let dead = free_port();
     let s = EtcdLease::new(
         vec![format!("127.0.0.1:{dead}"), etcd.endpoint.clone()],
         "/narwhal/t8/router-lease",

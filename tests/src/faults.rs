@@ -27,7 +27,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use narwhal_shared::documents::LifecycleReply;
 use narwhal_shared::handoff::DrainState;
 use nix::sys::signal::Signal;
 use rand::{Rng, SeedableRng};
@@ -319,14 +318,12 @@ pub async fn run(scenario: Scenario) -> Outcome {
     let all: Vec<String> = f.sims.iter().map(|x| x.iid.clone()).collect();
     let p1 = vec!["p1".to_string()];
     // Stage the action; `pending` is a readmission the fault will interrupt.
-    let ack = |what: &str, status: u16, doc: &LifecycleReply| {
+    let ack = |what: &str, status: u16, doc: &serde_json::Value| {
         assert_eq!(status, 200, "{scenario}: {what} before the fault: {doc:#?}");
     };
     let mut pending = None;
     if when.wave() {
-        let (st, doc) = p
-            .lifecycle_post("drain", &json!({"wave": true, "deadline_s": 60}))
-            .await;
+        let (st, doc) = p.drain(&json!({"wave": true, "deadline_s": 60})).await;
         ack("wave drain", st, &doc);
         acked.push(Acked::Held(all.clone()));
         if when == Timing::DuringWaveReadmit {
@@ -338,9 +335,7 @@ pub async fn run(scenario: Scenario) -> Outcome {
             pending = Some(post_in_background(&p, "readmit", json!({"wave": true})));
         }
     } else {
-        let (st, doc) = p
-            .lifecycle_post("drain", &json!({"engines": p1, "deadline_s": 60}))
-            .await;
+        let (st, doc) = p.drain(&json!({"engines": p1, "deadline_s": 60})).await;
         ack("drain p1", st, &doc);
         acked.push(Acked::Held(p1.clone()));
         if when != Timing::AfterDrainAck {
@@ -351,7 +346,7 @@ pub async fn run(scenario: Scenario) -> Outcome {
             .await;
             f.sim_mut("p1").restart(&[]).expect("restart p1");
             if when == Timing::AfterReadmitAck {
-                let (st, doc) = p.lifecycle_post("readmit", &json!({"engines": p1})).await;
+                let (st, doc) = p.readmit(&json!({"engines": p1})).await;
                 ack("readmit p1", st, &doc);
                 acked.push(Acked::Active(p1.clone()));
             } else {

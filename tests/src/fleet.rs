@@ -116,6 +116,21 @@ impl Fleet {
             routers: Routers::One,
         }
     }
+
+    /// `prefill` + `decode` simulators of `dialect` (`p0..`, `d0..`) and nothing else: no
+    /// agents, no router (a test of the engines' own surface, or one that starts its router).
+    ///
+    /// # Panics
+    /// When a simulator does not start.
+    pub async fn sims_only(dialect: &str, prefill: usize, decode: usize) -> Fleet {
+        Fleet::builder()
+            .dialect(dialect)
+            .prefill(prefill)
+            .decode(decode)
+            .no_router()
+            .start()
+            .await
+    }
 }
 
 impl FleetBuilder {

@@ -6,17 +6,25 @@
 //! ```text
 //!   Fleet::builder()...start()   the world of an end-to-end test (fleet.rs)
 //!     SimHandle                  one narwhal-engine-sim; its /sim/* hooks via admin_url()
-//!     AgentHandle                one narwhal-agent (a simulated GPU host)
+//!     AgentHandle                one narwhal-agent (a simulated GPU host); attest, fence_file
+//!                                and client_as for calls to its API (agent_calls.rs)
 //!     RouterHandle               one narwhal-serve, with document helpers (state, lifecycle,
 //!                                handoff, ready, metrics, journal events)
 //!     Etcd                       a real etcd for the lease backend
+//!   events_of / wait_ejected     an engine's breaker events, ejection, readmission (breaker.rs)
 //!   Http / Reply                 JSON, SSE and metrics reading (http.rs)
-//!   wait_until / eventually      the one way tests wait: poll with a deadline (proc.rs)
+//!   wait_until / eventually      the one way tests wait: poll with a deadline (proc.rs);
+//!   blocking_until, poll_blocking  the same for synchronous tests (process.rs, proc.rs)
+//!   run / run_within / ctl       a command's exit code and output; narwhalctl (process.rs)
+//!   DevUp                        a `narwhal-dev up` session (devup.rs)
+//!   router.drain / readmit /     the lifecycle actions, and waits on an engine's lifecycle
+//!     cancel_drain               state (lifecycle.rs)
 //!   FakeEngine                   an in-process fake engine for router tests (fake.rs)
 //!   raw                          HTTP/1 on a TcpStream, for framing tests
 //!   Proxy, Sampler               network cuts, 20 Hz sampling during HA faults
 //!   controller_fleet, Load       role-controller worlds (fixture profile, fast timings) and
-//!                                paced load (controller.rs)
+//!                                paced load (controller.rs); the section-14 loads, decisions
+//!                                by result and reason, bursts (scenario.rs)
 //!   faults                       the HA fault campaign: scenarios, one run, judged
 //! ```
 #![forbid(unsafe_code)]
@@ -26,27 +34,35 @@
 #![allow(clippy::disallowed_methods)]
 
 mod agent;
+mod agent_calls;
+mod breaker;
 pub mod certs;
 mod controller;
+mod devup;
 pub mod etcd;
 mod fake;
 pub mod faults;
 mod fleet;
 mod http;
+mod lifecycle;
 mod proc;
+mod process;
 mod proxy;
 pub mod raw;
 mod router;
 mod sampler;
+mod scenario;
 mod sim;
 
 use std::time::Duration;
 
 pub use agent::{AgentHandle, keygen, start_agent, start_agent_with};
+pub use agent_calls::{client_as, get_text, post_json};
 pub use controller::{
     HeldStream, Load, LoadStats, Shape, controller_fleet, fast_controller_sections,
     fixture_profile, token_prompt,
 };
+pub use devup::{DevUp, UP_TIMEOUT};
 pub use etcd::{Etcd, free_port};
 pub use fake::{FakeEngine, Seen, fake_descriptor, router_over_fakes};
 pub use fleet::{
@@ -60,12 +76,17 @@ pub use proc::{
     ChildProc, ProcError, START_TIMEOUT, bin_path, eventually, poll_blocking, read_json_file,
     wait_until,
 };
+pub use process::{
+    CommandOutput, alive, blocking_until, ctl, exit_within, json_values, run, run_within,
+    signal_pid, wait_all_dead,
+};
 pub use proxy::Proxy;
 pub use router::{
     Clients, FleetSpec, LiveStream, RouterHandle, RouterProbe, handoff_file_where, launch_router,
     merge, narwhalctl, parse_document, start_router,
 };
 pub use sampler::{Sample, Sampler};
+pub use scenario::{DECIDE, L1, L2, ONE_P_THREE_D, decided, pools, reason_of};
 pub use sim::{EngineSpec, SimHandle, start_sim};
 
 /// Upper bound for a condition an end-to-end test polls for when nothing tighter is asserted

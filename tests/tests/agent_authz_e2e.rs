@@ -6,13 +6,14 @@
 //! only a router may present an epoch or run checks; an operator may read; a fleet-CA
 //! certificate with no recognised identity may do nothing.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use narwhal_testkit::certs::{DevCerts, DevRole, make_certs};
 use narwhal_testkit::{
-    AgentHandle, EngineSpec, FleetSpec, bin_path, start_agent, start_router, start_sim, wait_until,
+    EngineSpec, FleetSpec, bin_path, client_as, get_text as get, post_json as post, start_agent,
+    start_router, start_sim, wait_until,
 };
 use serde_json::{Value, json};
 
@@ -28,49 +29,6 @@ fn certs(dir: &Path) -> DevCerts {
         ],
     )
     .expect("certs")
-}
-
-/// An HTTPS client presenting `name`'s certificate.
-fn client_as(certs: &DevCerts, name: &str) -> reqwest::Client {
-    let tls = certs
-        .tls_files(name)
-        .client_config()
-        .expect("client TLS config");
-    narwhal_testkit::http_client()
-        .use_preconfigured_tls(tls)
-        .timeout(Duration::from_secs(30))
-        .build()
-        .expect("client")
-}
-
-async fn get(c: &reqwest::Client, url: String) -> (u16, String) {
-    let r = c.get(&url).send().await.expect("GET");
-    let status = r.status().as_u16();
-    (status, r.text().await.expect("body"))
-}
-
-async fn post(c: &reqwest::Client, url: String, body: Value) -> (u16, Value) {
-    let r = c.post(&url).json(&body).send().await.expect("POST");
-    let status = r.status().as_u16();
-    let text = r.text().await.expect("body");
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
-}
-
-fn fence_file(agent: &AgentHandle) -> Value {
-    let dir = agent
-        .config
-        .with_file_name(format!("agent-{}-state", agent.agent_id));
-    serde_json::from_slice(&std::fs::read(dir.join("fence.json")).expect("fence.json"))
-        .expect("fence JSON")
-}
-
-fn state_dir(agent: &AgentHandle) -> PathBuf {
-    agent
-        .config
-        .with_file_name(format!("agent-{}-state", agent.agent_id))
 }
 
 /// The value of the sample whose line starts with `prefix` (name and labels).
@@ -138,7 +96,7 @@ async fn an_operator_certificate_cannot_fence_the_routers() {
     // identity check is fenced, so the agents know its epoch and holder once it is up.
     let router =
         start_router(dir.path(), "router", &spec, &["--router-id", "router-a"]).expect("router");
-    let before = fence_file(&a0);
+    let before = a0.fence_file();
     assert!(
         before["holder"]
             .as_str()
@@ -163,7 +121,7 @@ async fn an_operator_certificate_cannot_fence_the_routers() {
             "names the caller: {message}"
         );
     }
-    assert_eq!(fence_file(&a0), before, "the operator moved the fence");
+    assert_eq!(a0.fence_file(), before, "the operator moved the fence");
     // The operator may read: its own view of the fence says the same.
     let (status, metrics) = get(&operator, format!("{}/metrics", a0.url)).await;
     assert_eq!(status, 200, "{metrics}");
@@ -185,26 +143,26 @@ async fn an_operator_certificate_cannot_fence_the_routers() {
     let http = client_as(&certs, "router");
     let (status, ready) = get(&http, format!("{}/ready", router.control)).await;
     assert_eq!(status, 200, "{ready}");
-    let (status, drained) = post(
-        &http,
-        format!("{}/narwhal/lifecycle/drain", router.control),
-        json!({"engines": ["p0"], "deadline_s": 30}),
-    )
-    .await;
+    let (status, drained) = router
+        .drain(&json!({"engines": ["p0"], "deadline_s": 30}))
+        .await;
     assert_eq!(status, 200, "drain after the operator's attempt: {drained}");
-    assert_eq!(fence_file(&a0), before);
+    assert_eq!(a0.fence_file(), before);
 
     // Control: the same call with the router's certificate and a higher epoch is accepted and
     // raises the fence (on the other agent, so this router's own agent stays untouched above).
-    let (status, att) = post(
-        &http,
-        format!("{}/v1/engines/d0/attestation", a1.url),
-        json!({"nonce": "authz-e2e-router", "epoch": router_epoch + 100, "holder": "router-z"}),
-    )
-    .await;
+    let (status, att) = a1
+        .attest(
+            &http,
+            "d0",
+            "authz-e2e-router",
+            router_epoch + 100,
+            "router-z",
+        )
+        .await;
     assert_eq!(status, 200, "{att}");
     assert_eq!(att["payload"]["epoch"], router_epoch + 100, "{att}");
-    assert_eq!(fence_file(&a1)["epoch"], router_epoch + 100);
+    assert_eq!(a1.fence_file()["epoch"], router_epoch + 100);
 }
 
 /// Reads take a router or operator identity; a fleet-CA certificate with no recognised identity
@@ -243,14 +201,9 @@ async fn reads_need_a_router_or_operator_identity_and_unrecognised_certificates_
         }
     }
     // Nothing above touched the fence; the router's first call raises it.
-    assert!(!state_dir(&agent).join("fence.json").exists());
+    assert!(!agent.state_dir().join("fence.json").exists());
     let router = client_as(&certs, "router");
-    let (status, att) = post(
-        &router,
-        format!("{}/v1/engines/p0/attestation", agent.url),
-        json!({"nonce": "n1", "epoch": 1, "holder": "router"}),
-    )
-    .await;
+    let (status, att) = agent.attest(&router, "p0", "n1", 1, "router").await;
     assert_eq!(status, 200, "{att}");
     let (_, metrics) = get(&router, format!("{}/metrics", agent.url)).await;
     for (prefix, want) in [
@@ -374,12 +327,7 @@ async fn the_fence_is_reset_only_while_the_agent_is_stopped() {
     let sim = start_sim(dir.path(), &EngineSpec::new("p0", "prefill"), "vllm").expect("p0");
     let mut agent = start_agent(dir.path(), &certs, "h0", &[&sim]).expect("agent");
     let router = client_as(&certs, "router");
-    let (status, att) = post(
-        &router,
-        format!("{}/v1/engines/p0/attestation", agent.url),
-        json!({"nonce": "n1", "epoch": 9, "holder": "router-a"}),
-    )
-    .await;
+    let (status, att) = agent.attest(&router, "p0", "n1", 9, "router-a").await;
     assert_eq!(status, 200, "{att}");
     let fence = |args: &[&str]| {
         let out = Command::new(bin_path("narwhal-agent"))
@@ -409,7 +357,7 @@ async fn the_fence_is_reset_only_while_the_agent_is_stopped() {
         "names the pid: {err}"
     );
     assert_eq!(
-        fence_file(&agent),
+        agent.fence_file(),
         json!({"epoch": 9, "holder": "router-a"})
     );
     // A second agent on the same state refuses to start (exit 2), naming the lock.
@@ -430,22 +378,12 @@ async fn the_fence_is_reset_only_while_the_agent_is_stopped() {
     let (code, out, err) = fence(&["reset", "--to-epoch", "2"]);
     assert_eq!(code, Some(0), "{err}");
     assert!(out.contains("epoch 9") && out.contains("epoch 2"), "{out}");
-    assert_eq!(fence_file(&agent), json!({"epoch": 2, "holder": ""}));
+    assert_eq!(agent.fence_file(), json!({"epoch": 2, "holder": ""}));
     // The restarted agent accepts a router at epoch 2 again, and refuses 1.
     let agent = start_agent(dir.path(), &certs, "h0", &[&sim]).expect("agent again");
-    let (status, att) = post(
-        &router,
-        format!("{}/v1/engines/p0/attestation", agent.url),
-        json!({"nonce": "n2", "epoch": 2, "holder": "router-b"}),
-    )
-    .await;
+    let (status, att) = agent.attest(&router, "p0", "n2", 2, "router-b").await;
     assert_eq!(status, 200, "{att}");
-    let (status, stale) = post(
-        &router,
-        format!("{}/v1/engines/p0/attestation", agent.url),
-        json!({"nonce": "n3", "epoch": 1, "holder": "router-b"}),
-    )
-    .await;
+    let (status, stale) = agent.attest(&router, "p0", "n3", 1, "router-b").await;
     assert_eq!(status, 409, "{stale}");
     assert_eq!(stale["error"]["code"], "stale_epoch");
 }

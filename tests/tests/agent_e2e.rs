@@ -494,25 +494,23 @@ async fn clients_from_another_ca_or_without_a_certificate_are_refused_at_the_tls
         cert: other.cert("router"),
         key: other.key("router"),
     };
-    let c = AgentClient::with_tls_config(
-        endpoint.clone(),
-        foreign.client_config().expect("cfg"),
-        AgentTimeouts::default(),
-        clock.clone(),
-    )
-    .expect("client");
+    let client_with = |tls| {
+        AgentClient::with_tls_config(
+            endpoint.clone(),
+            tls,
+            AgentTimeouts::default(),
+            clock.clone(),
+        )
+        .expect("client")
+    };
+    let c = client_with(foreign.client_config().expect("cfg"));
     assert!(matches!(
         c.health().await,
         Err(AgentClientError::Transport { .. })
     ));
     // No client certificate at all.
-    let none = AgentClient::with_tls_config(
-        endpoint.clone(),
-        build_client_config(ServerTrust::Ca(&f.certs().ca), None, &[]).expect("cfg"),
-        AgentTimeouts::default(),
-        clock.clone(),
-    )
-    .expect("client");
+    let none =
+        client_with(build_client_config(ServerTrust::Ca(&f.certs().ca), None, &[]).expect("cfg"));
     assert!(matches!(
         none.engines().await,
         Err(AgentClientError::Transport { .. })

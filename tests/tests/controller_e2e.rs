@@ -1,61 +1,30 @@
 //! The role controller and predictive admission end to end: the conformance scenarios of
 //! controller.md section 14 against simulated engines, with the fast variant of the timings
 //! (step 1 s, pass 0.25 s, window 24 s, evidence 12/24 s, cooldown 2 s;
-//! `narwhal_testkit::controller_fleet`). Each asserts the decisions, flips and refusals the
-//! section gives.
+//! `narwhal_testkit::controller_fleet`; the section's loads L1 and L2, [`DECIDE`] and the
+//! decision helpers are the kit's). Each asserts the decisions, flips and refusals the section
+//! gives.
 #![allow(clippy::disallowed_methods)] // tests measure wall time
 
 use std::time::Duration;
 
-use narwhal_shared::handoff::DrainState;
-use narwhal_testkit::{Load, Shape, controller_fleet, metric, token_prompt};
+use narwhal_testkit::{
+    DECIDE, L1, L2, Load, ONE_P_THREE_D, Shape, controller_fleet, decided, metric, pools,
+    reason_of, token_prompt,
+};
 use serde_json::{Value, json};
-
-/// L1 of section 14: 2 req/s of 500-token prompts with `max_tokens` 50.
-const L1: Shape = Shape {
-    rate: 2.0,
-    input: 500,
-    max_tokens: Some(50),
-};
-
-/// L2: 3 req/s of 100-token prompts with `max_tokens` 4000.
-const L2: Shape = Shape {
-    rate: 3.0,
-    input: 100,
-    max_tokens: Some(4000),
-};
-
-/// How long a scenario waits for a decision it expects (the fast timings are 12–20 s, on a
-/// loaded 2-core machine).
-const DECIDE: Duration = Duration::from_secs(40);
-
-fn pools(state: &Value, role: &str) -> Vec<String> {
-    state["pools"][role]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|v| v.as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-fn is(d: &Value, result: &str, reason: &str) -> bool {
-    d["result"] == result && d["reason"].as_str().is_some_and(|r| r.starts_with(reason))
-}
 
 /// S1: prefill pressure consolidates one engine at a time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s1_prefill_pressure_consolidates_one_engine_at_a_time() {
-    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
-        .start()
-        .await;
+    let (fleet, load) = controller_fleet(&ONE_P_THREE_D).start_loaded(L1).await;
     let r = fleet.router();
-    let load = Load::start(r, L1);
     let held = r
-        .decision_where("held on the evidence gate", DECIDE, |d| {
-            is(d, "held", "demand evidence is still collecting")
-        })
+        .decision_is(
+            "held on the evidence gate",
+            "held",
+            "demand evidence is still collecting",
+        )
         .await;
     assert_eq!(
         (held["prefill"].as_u64(), held["decode"].as_u64()),
@@ -68,9 +37,7 @@ async fn s1_prefill_pressure_consolidates_one_engine_at_a_time() {
         (0.8..1.25).contains(&work),
         "about 1.02 engines of prefill: {held:#}"
     );
-    let first = r
-        .decision_where("the first move", DECIDE, |d| d["result"] == "applied")
-        .await;
+    let first = r.applied("the first move", DECIDE).await;
     assert_eq!(first["by"], "reactive");
     assert_eq!(first["eligibility_rule"], "source_shrink");
     assert_eq!(first["required_confirmations"], 1);
@@ -102,7 +69,7 @@ async fn s1_prefill_pressure_consolidates_one_engine_at_a_time() {
         "{second:#}"
     );
     r.decision_where("steady hold", DECIDE, |d| {
-        is(
+        decided(
             d,
             "held",
             "projected improvement is below the movement margin",
@@ -151,7 +118,7 @@ async fn s1_prefill_pressure_consolidates_one_engine_at_a_time() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s12_predictive_admission_refuses_what_cannot_make_its_ttft() {
     for mode in ["predictive", "open"] {
-        let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+        let fleet = controller_fleet(&ONE_P_THREE_D)
             .fleet(json!({"serving": {"admission": mode, "admission_margin": 0.55}}))
             .start()
             .await;
@@ -161,23 +128,7 @@ async fn s12_predictive_admission_refuses_what_cannot_make_its_ttft() {
             .sim("e0")
             .fault(json!({"phase": "prefill", "action": "hang", "ms": 15000, "count": 3}))
             .await;
-        let mut held = Vec::new();
-        for _ in 0..3 {
-            let (client, url) = (
-                r.http.client().clone(),
-                format!("{}/v1/completions", r.data),
-            );
-            held.push(tokio::spawn(async move {
-                let body =
-                    json!({"model": "tiny-sim", "prompt": token_prompt(1000), "max_tokens": 4});
-                client
-                    .post(url)
-                    .json(&body)
-                    .send()
-                    .await
-                    .map(|x| x.status().as_u16())
-            }));
-        }
+        let held = r.burst(3, 1000, 4);
         r.state_where("three prefills resident on e0", |s| {
             s["resident"]["e0"]["prefill"] == 3
         })
@@ -193,11 +144,7 @@ async fn s12_predictive_admission_refuses_what_cannot_make_its_ttft() {
                 (200, 200),
                 "open mode serves both"
             );
-            let rows: Vec<Value> = r
-                .journal_rows()
-                .into_iter()
-                .filter(|x| x["terminal"] == "completed")
-                .collect();
+            let rows = r.settled("completed");
             assert!(
                 rows.iter()
                     .all(|x| x["admission_price"]["price_s"].as_f64().unwrap_or(0.0) > 2.0),
@@ -229,11 +176,7 @@ async fn s12_predictive_admission_refuses_what_cannot_make_its_ttft() {
                     "this prompt's own prefill prices TTFT at 3.21s against the 3.10s budget"
                 )
         );
-        let refused: Vec<Value> = r
-            .journal_rows()
-            .into_iter()
-            .filter(|x| x["terminal"] == "refused")
-            .collect();
+        let refused = r.settled("refused");
         assert_eq!(refused.len(), 2);
         let q = &refused[0];
         assert_eq!(
@@ -296,53 +239,27 @@ async fn s12_predictive_admission_refuses_what_cannot_make_its_ttft() {
     }
 }
 
-/// Kills simulator `iid` and sends requests until the breaker ejects it (`eject_after` 1).
-async fn kill_and_eject(fleet: &mut narwhal_testkit::Fleet, iid: &str) {
-    fleet.sim_mut(iid).proc.kill();
-    let r = fleet.router();
-    let mut answers = Vec::new();
-    for _ in 0..200 {
-        let s = r.state_json().await;
-        if s["ejected"]
-            .as_array()
-            .is_some_and(|a| a.iter().any(|x| x == iid))
-        {
-            return;
-        }
-        let body = json!({"model": "tiny-sim", "prompt": token_prompt(10), "max_tokens": 2});
-        let a = r.post_data("/v1/completions", &body).await;
-        answers.push(format!("{} {}", a.status, a.text()));
-    }
-    let tail: Vec<&String> = answers.iter().rev().take(5).collect();
-    let s = r.state_json().await;
-    panic!(
-        "{iid} never ejected; last answers: {tail:#?}; pools {} resident {} ejected {}",
-        s["pools"], s["resident"], s["ejected"]
-    );
-}
-
 /// S2: moves to decode wait for the cooldown (counted from router start); then the fresh
 /// p→d risk holds consolidation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s2_moves_to_decode_wait_for_the_cooldown() {
-    let fleet = controller_fleet(&["prefill", "prefill", "prefill", "decode"])
+    let (fleet, load) = controller_fleet(&["prefill", "prefill", "prefill", "decode"])
         .fleet(json!({"controller": {"thresholds": {"cooldown_s": 6}}}))
-        .start()
+        .start_loaded(L2)
         .await;
     let r = fleet.router();
-    let load = Load::start(r, L2);
     let blocked = r
-        .decision_where("blocked by the cooldown", DECIDE, |d| {
-            is(d, "blocked", "decode cooldown has not elapsed")
-        })
+        .decision_is(
+            "blocked by the cooldown",
+            "blocked",
+            "decode cooldown has not elapsed",
+        )
         .await;
-    let first = r
-        .decision_where("e0 to decode", DECIDE, |d| d["result"] == "applied")
-        .await;
+    let first = r.applied("e0 to decode", DECIDE).await;
     assert!(first["at"].as_f64() > blocked["at"].as_f64());
     assert_eq!(pools(&r.state_json().await, "decode"), ["e0", "e3"]);
     r.decision_where("blocked again after the move", DECIDE, |d| {
-        is(d, "blocked", "decode cooldown has not elapsed")
+        decided(d, "blocked", "decode cooldown has not elapsed")
             && d["at"].as_f64() > first["at"].as_f64()
     })
     .await;
@@ -357,17 +274,10 @@ async fn s2_moves_to_decode_wait_for_the_cooldown() {
         "the cooldown counts from the last move to decode: {gap}"
     );
     let risk = r
-        .decision_where("held on the p→d risk", DECIDE, |d| {
-            is(d, "held", "p to d recovery")
-        })
+        .decision_is("held on the p→d risk", "held", "p to d recovery")
         .await;
     assert_eq!(risk["evidence_blocked_gate"], "risk", "{risk:#}");
-    assert!(
-        risk["reason"]
-            .as_str()
-            .unwrap_or("")
-            .ends_with("s ago: re-collecting one evidence window")
-    );
+    assert!(reason_of(&risk).ends_with("s ago: re-collecting one evidence window"));
     load.stop().await;
     let s = r.state_json().await;
     assert_eq!(pools(&s, "prefill"), ["e2"], "no third move");
@@ -382,15 +292,16 @@ async fn s2_moves_to_decode_wait_for_the_cooldown() {
 /// S3: a first-token timeout re-arms the evidence window; the handoff carries the risk.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s3_a_first_token_timeout_rearms_the_evidence_window() {
-    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+    let (fleet, load) = controller_fleet(&ONE_P_THREE_D)
         .fleet(json!({"engine": {"first_token_timeout_s": 1.0}}))
-        .start()
+        .start_loaded(L1)
         .await;
     let r = fleet.router();
-    let load = Load::start(r, L1);
-    r.decision_where("an early evidence hold", DECIDE, |d| {
-        is(d, "held", "demand evidence is still collecting")
-    })
+    r.decision_is(
+        "an early evidence hold",
+        "held",
+        "demand evidence is still collecting",
+    )
     .await;
     // One decode leg misses its first-token deadline (its retry lands elsewhere).
     fleet
@@ -405,16 +316,11 @@ async fn s3_a_first_token_timeout_rearms_the_evidence_window() {
     let risk_wall = s["control"]["last_decision"]["at"].as_f64().unwrap_or(0.0)
         - s["demand_evidence"]["risk_age_s"].as_f64().unwrap_or(0.0);
     let held = r
-        .decision_where("held on the timeout risk", DECIDE, |d| {
-            is(d, "held", "first token timeout")
-        })
+        .decision_is("held on the timeout risk", "held", "first token timeout")
         .await;
     assert_eq!(held["evidence_blocked_gate"], "risk");
     assert!(
-        held["reason"]
-            .as_str()
-            .unwrap_or("")
-            .ends_with(" s ago: re-collecting one evidence window"),
+        reason_of(&held).ends_with(" s ago: re-collecting one evidence window"),
         "{held:#}"
     );
     let m = r.metrics().await;
@@ -436,11 +342,7 @@ async fn s3_a_first_token_timeout_rearms_the_evidence_window() {
         "{handoff:#}"
     );
     let moved = r
-        .decision_where(
-            "the move after a new window",
-            Duration::from_secs(60),
-            |d| d["result"] == "applied",
-        )
+        .applied("the move after a new window", Duration::from_secs(60))
         .await;
     let after = moved["at"].as_f64().unwrap_or(0.0) - risk_wall;
     assert!(
@@ -470,20 +372,9 @@ async fn s4_the_decode_floor_is_restored_then_the_last_prefill_engine_kept() {
             .fault(json!({"phase": "prefill", "action": "hang", "ms": 60000, "count": 3}))
             .await;
     }
-    let mut held = Vec::new();
+    let mut held = fleet.router().burst(3, 200, 2);
     let resident = {
         let r = fleet.router();
-        for _ in 0..3 {
-            let (client, url) = (
-                r.http.client().clone(),
-                format!("{}/v1/completions", r.data),
-            );
-            held.push(tokio::spawn(async move {
-                let body =
-                    json!({"model": "tiny-sim", "prompt": token_prompt(200), "max_tokens": 2});
-                let _ = client.post(url).json(&body).send().await;
-            }));
-        }
         let s = r
             .state_where("three resident prefills", |s| {
                 let n = |i: &str| s["resident"][i]["prefill"].as_u64().unwrap_or(0);
@@ -508,7 +399,7 @@ async fn s4_the_decode_floor_is_restored_then_the_last_prefill_engine_kept() {
     } else {
         ("e3", "e2")
     };
-    kill_and_eject(&mut fleet, first).await;
+    fleet.kill_and_eject(first).await;
     let r = fleet.router();
     let d = r
         .decision_where("the decode floor restored", DECIDE, |d| {
@@ -546,12 +437,12 @@ async fn s4_the_decode_floor_is_restored_then_the_last_prefill_engine_kept() {
             .all(|i| s["resident"][*i]["prefill"] == 0)
     })
     .await;
-    kill_and_eject(&mut fleet, second).await;
+    fleet.kill_and_eject(second).await;
     let r = fleet.router();
     let last = r
         .decision_where("the last prefill engine kept", DECIDE, |d| {
             d["by"] == "decode_floor"
-                && is(d, "blocked", "prefill floor keeps the last live engine")
+                && decided(d, "blocked", "prefill floor keeps the last live engine")
         })
         .await;
     assert_eq!(
@@ -585,13 +476,13 @@ async fn s4_the_decode_floor_is_restored_then_the_last_prefill_engine_kept() {
 /// S5: the prefill floor is recovered at once, without cooldown, dwell, evidence or risk.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s5_the_prefill_floor_is_recovered_at_once() {
-    let mut fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+    let mut fleet = controller_fleet(&ONE_P_THREE_D)
         .fleet(
             json!({"recovery": {"eject_after": 1}, "controller": {"thresholds": {"dwell_s": 100}}}),
         )
         .start()
         .await;
-    kill_and_eject(&mut fleet, "e0").await;
+    fleet.kill_and_eject("e0").await;
     let r = fleet.router();
     let d = r
         .decision_where("floor recovery", DECIDE, |d| d["by"] == "floor_recovery")
@@ -640,13 +531,11 @@ async fn s6_without_a_donor_the_fleet_health_hold_applies() {
         .fleet(json!({"controller": {"min_decode": 2}, "recovery": {"eject_after": 1}}))
         .start()
         .await;
-    kill_and_eject(&mut fleet, "e0").await;
+    fleet.kill_and_eject("e0").await;
     let r = fleet.router();
     let load = Load::start(r, L1);
     let d = r
-        .decision_where("the health hold", DECIDE, |d| {
-            is(d, "held", "fleet health is changing")
-        })
+        .decision_is("the health hold", "held", "fleet health is changing")
         .await;
     assert_eq!(
         (d["prefill"].as_u64(), d["decode"].as_u64()),
@@ -673,12 +562,11 @@ async fn s6_without_a_donor_the_fleet_health_hold_applies() {
 /// S7: advisory mode runs every guard and never moves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s7_advisory_mode_decides_without_moving() {
-    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+    let (fleet, load) = controller_fleet(&ONE_P_THREE_D)
         .fleet(json!({"controller": {"advisory": true}}))
-        .start()
+        .start_loaded(L1)
         .await;
     let r = fleet.router();
-    let load = Load::start(r, L1);
     let first = r
         .decision_where("an advisory decision", DECIDE, |d| {
             d["result"] == "advisory"
@@ -728,14 +616,14 @@ async fn s7_advisory_mode_decides_without_moving() {
 /// S8: pinned decode engines, and the decode-resident guard, refuse the donor.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s8_pins_and_the_resident_guard_refuse_the_donor() {
-    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+    let fleet = controller_fleet(&ONE_P_THREE_D)
         .pin(&["e1", "e2", "e3"])
         .start()
         .await;
     fleet
         .router()
         .decision_under_load(L1, "blocked by pins", DECIDE, |d| {
-            is(
+            decided(
                 d,
                 "blocked",
                 "pins or nominated engine exclude every source candidate",
@@ -744,7 +632,7 @@ async fn s8_pins_and_the_resident_guard_refuse_the_donor() {
         .await;
     drop(fleet);
 
-    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+    let fleet = controller_fleet(&ONE_P_THREE_D)
         .sim_args(&["--tpot-ms", "10"])
         .fleet(json!({"controller": {"thresholds": {"flip_resident_guard": 2}}}))
         .start()
@@ -764,14 +652,11 @@ async fn s8_pins_and_the_resident_guard_refuse_the_donor() {
     let lightest = per.values().min().copied().unwrap_or(0);
     let d = r
         .decision_under_load(L1, "blocked by the resident guard", DECIDE, |d| {
-            is(d, "blocked", "lightest decode donor carries")
+            decided(d, "blocked", "lightest decode donor carries")
         })
         .await;
     assert!(
-        d["reason"]
-            .as_str()
-            .unwrap_or("")
-            .ends_with("residents, above flip_resident_guard 2"),
+        reason_of(&d).ends_with("residents, above flip_resident_guard 2"),
         "{d:#}"
     );
     assert!(lightest >= 3);
@@ -780,18 +665,17 @@ async fn s8_pins_and_the_resident_guard_refuse_the_donor() {
 /// S9: no adjacent split (1P1D); demand below the floor (1P3D at 1 req/s of 200 tokens).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s9_no_adjacent_split_and_too_little_demand_hold() {
-    let fleet = controller_fleet(&["prefill", "decode"]).start().await;
+    let (fleet, load) = controller_fleet(&["prefill", "decode"])
+        .start_loaded(L1)
+        .await;
     let r = fleet.router();
-    let load = Load::start(r, L1);
     // A dozen evaluations after the window closed (one per step): all held on the margin.
     let first = r
-        .decision_where("held on the margin", DECIDE, |d| {
-            is(
-                d,
-                "held",
-                "projected improvement is below the movement margin",
-            )
-        })
+        .decision_is(
+            "held on the margin",
+            "held",
+            "projected improvement is below the movement margin",
+        )
         .await;
     let before = r.decisions().len();
     let ds = r.decisions_at_least(before + 12, DECIDE).await;
@@ -808,11 +692,10 @@ async fn s9_no_adjacent_split_and_too_little_demand_hold() {
     );
     drop(fleet);
     // 1P3D at 1 req/s of 200-token prompts: less than demand_floor engines of demand.
-    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
-        .start()
+    let (fleet, load) = controller_fleet(&ONE_P_THREE_D)
+        .start_loaded(Shape::new(1.0, 200, Some(50)))
         .await;
     let r = fleet.router();
-    let load = Load::start(r, Shape::new(1.0, 200, Some(50)));
     let ds = r.decisions_at_least(16, Duration::from_secs(40)).await;
     load.stop().await;
     assert!(
@@ -822,44 +705,11 @@ async fn s9_no_adjacent_split_and_too_little_demand_hold() {
     );
 }
 
-/// Posts `n` requests of `input`-token prompts at once; their join handles answer
-/// `(status, x-request-id)`.
-fn burst(
-    r: &narwhal_testkit::RouterHandle,
-    n: usize,
-    input: usize,
-) -> Vec<tokio::task::JoinHandle<(u16, String)>> {
-    (0..n)
-        .map(|_| {
-            let (client, url) = (
-                r.http.client().clone(),
-                format!("{}/v1/completions", r.data),
-            );
-            tokio::spawn(async move {
-                let body =
-                    json!({"model": "tiny-sim", "prompt": token_prompt(input), "max_tokens": 2});
-                match client.post(url).json(&body).send().await {
-                    Ok(resp) => {
-                        let rid = resp
-                            .headers()
-                            .get("x-request-id")
-                            .and_then(|v| v.to_str().ok())
-                            .unwrap_or("")
-                            .to_string();
-                        (resp.status().as_u16(), rid)
-                    }
-                    Err(_) => (0, String::new()),
-                }
-            })
-        })
-        .collect()
-}
-
 /// S10: unknown outputs hold the controller until observed prefill pressure opens the
 /// recovery path.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s10_incomplete_demand_moves_on_observed_prefill_pressure() {
-    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+    let fleet = controller_fleet(&ONE_P_THREE_D)
         .sim_args(&["--tpot-ms", "50"])
         .start()
         .await;
@@ -871,13 +721,11 @@ async fn s10_incomplete_demand_moves_on_observed_prefill_pressure() {
         Some(Duration::from_millis(300)),
     );
     let d = r
-        .decision_where("held on incomplete demand", DECIDE, |d| {
-            is(
-                d,
-                "held",
-                "incomplete demand requires observed phase pressure and fleet profiles",
-            )
-        })
+        .decision_is(
+            "held on incomplete demand",
+            "held",
+            "incomplete demand requires observed phase pressure and fleet profiles",
+        )
         .await;
     assert_eq!(d["demand_complete"], false);
     // Seven 1000-token prefills held on e0: about 3.5 TTFT budgets of resident work.
@@ -885,11 +733,9 @@ async fn s10_incomplete_demand_moves_on_observed_prefill_pressure() {
         .sim("e0")
         .fault(json!({"phase": "prefill", "action": "hang", "ms": 60000, "count": 7}))
         .await;
-    let held = burst(r, 7, 1000);
+    let held = r.burst(7, 1000, 2);
     let moved = r
-        .decision_where("the recovery move", Duration::from_secs(60), |d| {
-            d["result"] == "applied"
-        })
+        .applied("the recovery move", Duration::from_secs(60))
         .await;
     assert_eq!(
         moved["decision_basis"], "prefill_pressure_recovery",
@@ -917,16 +763,15 @@ async fn s10_incomplete_demand_moves_on_observed_prefill_pressure() {
 /// once the evidence window is closed; before that they are held on it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s11_urgent_recovery_cascades_once_the_window_closed() {
-    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+    let fleet = controller_fleet(&ONE_P_THREE_D)
         .sim_args(&["--tpot-ms", "20"])
-        .fleet(json!({"serving": {"queue_capacity": 16, "queue_timeout_s": 30}}))
-        .router_args(&["--max-concurrent", "1"])
+        .one_seat(16)
         .start()
         .await;
     let r = fleet.router();
     // Early: the seat is held and six long prompts queue before the window closes.
     let (stream, _) = r.hold_stream(10, 60).await;
-    let early = burst(r, 6, 1000);
+    let early = r.burst(6, 1000, 2);
     let d = r
         .decision_where("an urgent hold on the evidence gate", DECIDE, |d| {
             d["eligibility_rule"] == "projected_ttft_recovery"
@@ -945,7 +790,7 @@ async fn s11_urgent_recovery_cascades_once_the_window_closed() {
     .await;
     load.stop().await;
     let (stream, _) = r.hold_stream(10, 150).await;
-    let queued = burst(r, 6, 1000);
+    let queued = r.burst(6, 1000, 2);
     let first = r
         .decision_where("an urgent move", DECIDE, |d| {
             d["result"] == "applied" && d["eligibility_rule"] == "projected_ttft_recovery"
@@ -966,13 +811,11 @@ async fn s11_urgent_recovery_cascades_once_the_window_closed() {
         3,
         "3P1D (the donors carry the least decode)"
     );
-    r.decision_where("no strict improvement left", DECIDE, |d| {
-        is(
-            d,
-            "held",
-            "projected TTFT recovery requires a strict prefill improvement",
-        )
-    })
+    r.decision_is(
+        "no strict improvement left",
+        "held",
+        "projected TTFT recovery requires a strict prefill improvement",
+    )
     .await;
     assert!(stream.finish().await);
     let mut rids = Vec::new();
@@ -1014,7 +857,7 @@ async fn s11_urgent_recovery_cascades_once_the_window_closed() {
 /// then switched through the engine's role-switch route.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s13_sglang_donor_is_held_until_idle_then_switched() {
-    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+    let fleet = controller_fleet(&ONE_P_THREE_D)
         .dialect("sglang")
         .sim_args(&["--enable-pd-role-switch", "--tpot-ms", "20"])
         .start()
@@ -1029,10 +872,8 @@ async fn s13_sglang_donor_is_held_until_idle_then_switched() {
         assert!(streams.len() < 15);
     }
     let load = Load::start(r, L1);
-    let hold = r
-        .decision_where("a switch hold", DECIDE, |d| is(d, "blocked", "holding "))
-        .await;
-    let reason = hold["reason"].as_str().unwrap_or("").to_string();
+    let hold = r.decision_is("a switch hold", "blocked", "holding ").await;
+    let reason = reason_of(&hold).to_string();
     assert!(
         reason.ends_with(" out of new placements until it is idle for an engine-side role switch"),
         "{reason}"
@@ -1063,9 +904,7 @@ async fn s13_sglang_donor_is_held_until_idle_then_switched() {
     // The donor's stream ends: it is idle, and the next evaluation switches it.
     let (mine, rest): (Vec<_>, Vec<_>) = streams.into_iter().partition(|(_, x)| *x == donor);
     drop(mine);
-    let applied = r
-        .decision_where("the switch", DECIDE, |d| d["result"] == "applied")
-        .await;
+    let applied = r.applied("the switch", DECIDE).await;
     assert!(applied["at"].as_f64() > hold["at"].as_f64());
     let sim = fleet.sim(&donor);
     narwhal_testkit::eventually("the engine switched", DECIDE, || async {
@@ -1096,7 +935,7 @@ async fn s13_sglang_donor_is_held_until_idle_then_switched() {
 /// its router role staying at the new target.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s13_a_refused_sglang_switch_ejects_the_engine() {
-    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+    let fleet = controller_fleet(&ONE_P_THREE_D)
         .dialect("sglang")
         .sim_args(&["--enable-pd-role-switch"])
         .fleet(json!({"recovery": {"readmit_every": 1000}}))
@@ -1111,9 +950,7 @@ async fn s13_a_refused_sglang_switch_ejects_the_engine() {
     }
     let r = fleet.router();
     let load = Load::start(r, L1);
-    let applied = r
-        .decision_where("the flip", DECIDE, |d| d["result"] == "applied")
-        .await;
+    let applied = r.applied("the flip", DECIDE).await;
     let ejected = narwhal_testkit::eventually("a role_switch ejection", DECIDE, || async {
         r.events("engine_ejected")
             .into_iter()
@@ -1158,24 +995,27 @@ async fn s13_a_refused_sglang_switch_ejects_the_engine() {
 /// then the trend gate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s14_rising_decode_demand_blocks_consolidation() {
-    let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
-        .start()
-        .await;
+    let (fleet, l1) = controller_fleet(&ONE_P_THREE_D).start_loaded(L1).await;
     let r = fleet.router();
-    let l1 = Load::start(r, L1);
-    r.decision_where("the evidence hold", DECIDE, |d| {
-        is(d, "held", "demand evidence is still collecting")
-    })
+    r.decision_is(
+        "the evidence hold",
+        "held",
+        "demand evidence is still collecting",
+    )
     .await;
     let heavy = Load::start(r, Shape::new(3.0, 100, Some(3000)));
-    r.decision_where("decode pressure blocks", DECIDE, |d| {
-        is(d, "held", "projected decode pressure blocks consolidation")
-    })
+    r.decision_is(
+        "decode pressure blocks",
+        "held",
+        "projected decode pressure blocks consolidation",
+    )
     .await;
     let trend = r
-        .decision_where("the trend gate", DECIDE, |d| {
-            is(d, "held", "rising decode demand blocks consolidation")
-        })
+        .decision_is(
+            "the trend gate",
+            "held",
+            "rising decode demand blocks consolidation",
+        )
         .await;
     assert_eq!(trend["evidence_blocked_gate"], "trend");
     assert!(
@@ -1193,7 +1033,7 @@ async fn s14_rising_decode_demand_blocks_consolidation() {
 /// S15: flip bookkeeping: in-flight residents, `drained_s` once they finish, reversals.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s15_flip_bookkeeping_tracks_residents_and_reversals() {
-    let mut fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+    let mut fleet = controller_fleet(&ONE_P_THREE_D)
         .sim_args(&["--tpot-ms", "10"])
         .pin(&["e0"])
         .fleet(json!({"recovery": {"eject_after": 1}}))
@@ -1214,8 +1054,7 @@ async fn s15_flip_bookkeeping_tracks_residents_and_reversals() {
         Load::start(r, L1)
     };
     let r = fleet.router();
-    r.decision_where("the first move", DECIDE, |d| d["result"] == "applied")
-        .await;
+    r.applied("the first move", DECIDE).await;
     let s = r.state_json().await;
     let flip = s["flips"][0].clone();
     let donor = flip["iid"].as_str().unwrap_or("").to_string();
@@ -1253,7 +1092,7 @@ async fn s15_flip_bookkeeping_tracks_residents_and_reversals() {
     // The decode engines go: the decode floor moves a flipped engine back (e0 is pinned).
     let decode_now = pools(&r.state_json().await, "decode");
     for iid in decode_now {
-        kill_and_eject(&mut fleet, &iid).await;
+        fleet.kill_and_eject(&iid).await;
     }
     let r = fleet.router();
     r.decision_where("the decode floor", DECIDE, |d| {
@@ -1269,7 +1108,7 @@ async fn s15_flip_bookkeeping_tracks_residents_and_reversals() {
 /// takeover nor the dead primary decides anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_the_demand_risk_and_gathers_new_evidence() {
-    let mut fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
+    let mut fleet = controller_fleet(&ONE_P_THREE_D)
         .fleet(json!({"engine": {"first_token_timeout_s": 1.0}}))
         .lease(narwhal_testkit::LeaseBackend::File)
         .standby()
@@ -1323,16 +1162,13 @@ async fn a_standby_takes_over_the_demand_risk_and_gathers_new_evidence() {
     // New evidence, on the standby now in control.
     let load = Load::start(&s, L1);
     let held = s
-        .decision_where("held on the carried risk", DECIDE, |d| {
-            is(d, "held", "first token timeout")
-        })
+        .decision_is("held on the carried risk", "held", "first token timeout")
         .await;
     assert_eq!(held["evidence_blocked_gate"], "risk");
     let moved = s
-        .decision_where(
+        .applied(
             "the consolidation after a new window",
             Duration::from_secs(60),
-            |d| d["result"] == "applied",
         )
         .await;
     assert!(
@@ -1358,10 +1194,7 @@ async fn a_standby_takes_over_the_demand_risk_and_gathers_new_evidence() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flip_is_checked_in_the_new_role_and_reversed_when_the_check_fails() {
     for failing in [false, true] {
-        let fleet = controller_fleet(&["prefill", "decode", "decode", "decode"])
-            .agents()
-            .start()
-            .await;
+        let fleet = controller_fleet(&ONE_P_THREE_D).agents().start().await;
         if failing {
             // e1's first prefill ever is the agent's KV check in its new role: no KV.
             fleet
@@ -1371,9 +1204,7 @@ async fn a_flip_is_checked_in_the_new_role_and_reversed_when_the_check_fails() {
         }
         let r = fleet.router();
         let load = Load::start(r, L1);
-        let applied = r
-            .decision_where("the flip of e1", DECIDE, |d| d["result"] == "applied")
-            .await;
+        let applied = r.applied("the flip of e1", DECIDE).await;
         assert_eq!(applied["by"], "reactive");
         if !failing {
             let ok = narwhal_testkit::eventually("the role check passed", DECIDE, || async {
@@ -1395,12 +1226,12 @@ async fn a_flip_is_checked_in_the_new_role_and_reversed_when_the_check_fails() {
                 checks.iter().any(|c| c.starts_with("fabric produce to ")),
                 "{checks:?}"
             );
-            let lc = r
-                .lifecycle_until("e1 active after its role check", |d| {
-                    d.engines["e1"].state == DrainState::Active
-                })
-                .await;
-            assert!(lc.engines["e1"].accepts_new);
+            let lc = r.engine_state_until("e1", "active").await;
+            assert!(
+                lc["engines"]["e1"]["accepts_new"]
+                    .as_bool()
+                    .unwrap_or(false)
+            );
             assert!(pools(&r.state_json().await, "prefill").contains(&"e1".to_string()));
             load.stop().await;
             continue;
@@ -1415,19 +1246,18 @@ async fn a_flip_is_checked_in_the_new_role_and_reversed_when_the_check_fails() {
             .await;
         assert_eq!(undo["result"], "blocked");
         assert!(
-            undo["reason"]
-                .as_str()
-                .unwrap_or("")
-                .starts_with("role check of e1 failed"),
+            reason_of(&undo).starts_with("role check of e1 failed"),
             "{undo:#}"
         );
-        let lc = r
-            .lifecycle_until("e1 held after a failed role check", |d| {
-                d.engines["e1"].state == DrainState::Blocked
-            })
-            .await;
-        assert!(!lc.engines["e1"].error.is_empty(), "{lc:#?}");
-        assert!(!lc.engines["e1"].accepts_new);
+        let lc = r.engine_state_until("e1", "blocked").await;
+        assert!(
+            !lc["engines"]["e1"]["error"]
+                .as_str()
+                .unwrap_or("")
+                .is_empty(),
+            "{lc:#}"
+        );
+        assert_eq!(lc["engines"]["e1"]["accepts_new"], false);
         let s = r.state_json().await;
         assert!(
             pools(&s, "decode").contains(&"e1".to_string()),
@@ -1444,8 +1274,7 @@ async fn a_flip_is_checked_in_the_new_role_and_reversed_when_the_check_fails() {
 async fn a_queued_client_that_leaves_is_never_dispatched() {
     let fleet = controller_fleet(&["prefill", "decode"])
         .sim_args(&["--tpot-ms", "20"])
-        .fleet(json!({"serving": {"queue_capacity": 4, "queue_timeout_s": 30}}))
-        .router_args(&["--max-concurrent", "1"])
+        .one_seat(4)
         .start()
         .await;
     let r = fleet.router();

@@ -94,12 +94,7 @@ async fn the_test_hooks_are_served_only_on_the_admin_listener() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_listener_keeps_its_port_across_a_restart() {
-    let mut f = Fleet::builder()
-        .prefill(1)
-        .decode(1)
-        .no_router()
-        .start()
-        .await;
+    let mut f = Fleet::sims_only("vllm", 1, 1).await;
     let before = f.sim("d0").admin.clone();
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     assert_eq!(f.sim("d0").admin, before);
@@ -134,12 +129,7 @@ async fn vllm_decode(http: &Http, d: &SimHandle, prompt: &str, kv: &Value) -> u1
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_metrics_count_nixl_transfers_the_simulator_really_did() {
     let http = http();
-    let f = Fleet::builder()
-        .prefill(1)
-        .decode(1)
-        .no_router()
-        .start()
-        .await;
+    let f = Fleet::sims_only("vllm", 1, 1).await;
     let (p, d) = (f.sim("p0"), f.sim("d0"));
     let page = || async { http.get(format!("{}/metrics", d.url)).await.text() };
     let xfers = |m: &str| metric(m, "vllm:nixl_xfer_time_seconds_count", &["engine=\"0\""]);
@@ -184,13 +174,7 @@ async fn vllm_metrics_count_nixl_transfers_the_simulator_really_did() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_metrics_count_decode_transfers_and_failures() {
     let http = http();
-    let f = Fleet::builder()
-        .dialect("sglang")
-        .prefill(1)
-        .decode(1)
-        .no_router()
-        .start()
-        .await;
+    let f = Fleet::sims_only("sglang", 1, 1).await;
     let (p, d) = (f.sim("p0"), f.sim("d0"));
     let page = || async { http.get(format!("{}/metrics", d.url)).await.text() };
     let stage = "stage=\"decode_transferred\"";
@@ -335,6 +319,27 @@ async fn kv_check(f: &Fleet, check_id: &str) -> Verified<KvConsumePayload> {
         .expect("consume answer")
 }
 
+/// The fault of a KV transfer that fails on the decode side (vLLM's default
+/// `kv_load_failure_policy` "fail"; SGLang aborts).
+fn fail_transfer() -> Value {
+    json!({"phase": "decode", "action": "fail_transfer"})
+}
+
+/// With `fault` on `d0` (if any), one KV check ([`kv_check`]) whose transfer is refuted.
+async fn refuted_check(
+    f: &Fleet,
+    fault: Option<Value>,
+    check_id: &str,
+) -> Verified<KvConsumePayload> {
+    if let Some(fault) = fault {
+        f.sim("d0").fault(fault).await;
+    }
+    let c = kv_check(f, check_id).await;
+    let t = &c.payload.transfer;
+    assert_eq!(t.verdict, Some(TransferVerdict::Refuted), "{t:?}");
+    c
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_engines_transfer_counters_the_evidence_is_confirmed() {
     for (dialect, source, counter) in [
@@ -402,12 +407,13 @@ async fn a_failed_transfer_is_refuted_and_fails_the_check_naming_it() {
     // vLLM, kv_load_failure_policy "recompute": the decode itself succeeds; only the NIXL
     // failure counter shows the transfer failed.
     let f = two_hosts("vllm", &[]).await;
-    f.sim("d0")
-        .fault(json!({"phase": "decode", "action": "fail_transfer", "policy": "recompute"}))
-        .await;
-    let c = kv_check(&f, "vllm-recompute").await;
+    let c = refuted_check(
+        &f,
+        Some(json!({"phase": "decode", "action": "fail_transfer", "policy": "recompute"})),
+        "vllm-recompute",
+    )
+    .await;
     let (r, t) = (&c.payload.result, &c.payload.transfer);
-    assert_eq!(t.verdict, Some(TransferVerdict::Refuted), "{t:?}");
     assert_eq!(t.failed_delta, Some(1), "{t:?}");
     assert_eq!(t.transferred, Some(false));
     assert!(!r.ok, "the agent's KV check fails: {r:?}");
@@ -428,12 +434,8 @@ async fn a_failed_transfer_is_refuted_and_fails_the_check_naming_it() {
     );
 
     // Policy "fail" (vLLM's default): the decode fails with the engine's message.
-    f.sim("d0")
-        .fault(json!({"phase": "decode", "action": "fail_transfer"}))
-        .await;
-    let c = kv_check(&f, "vllm-fail").await;
+    let c = refuted_check(&f, Some(fail_transfer()), "vllm-fail").await;
     let (r, t) = (&c.payload.result, &c.payload.transfer);
-    assert_eq!(t.verdict, Some(TransferVerdict::Refuted), "{t:?}");
     assert!(!r.ok);
     assert!(
         r.error
@@ -450,12 +452,8 @@ async fn a_failed_transfer_is_refuted_and_fails_the_check_naming_it() {
 
     // SGLang aborts a failed transfer; its counter names it.
     let f = two_hosts("sglang", &[]).await;
-    f.sim("d0")
-        .fault(json!({"phase": "decode", "action": "fail_transfer"}))
-        .await;
-    let c = kv_check(&f, "sglang-fail").await;
+    let c = refuted_check(&f, Some(fail_transfer()), "sglang-fail").await;
     let (r, t) = (&c.payload.result, &c.payload.transfer);
-    assert_eq!(t.verdict, Some(TransferVerdict::Refuted), "{t:?}");
     assert!(!r.ok);
     assert!(
         t.detail
@@ -473,9 +471,8 @@ async fn an_sglang_consumer_that_is_not_in_decode_mode_is_refuted() {
     f.sim_mut("d0")
         .restart(&["--disaggregation-mode", "null"])
         .expect("restart d0 in null mode");
-    let c = kv_check(&f, "sglang-null").await;
-    let (r, t) = (&c.payload.result, &c.payload.transfer);
-    assert_eq!(t.verdict, Some(TransferVerdict::Refuted), "{t:?}");
+    let c = refuted_check(&f, None, "sglang-null").await;
+    let r = &c.payload.result;
     assert!(!r.ok);
     let err = r.error.as_deref().unwrap_or_default();
     assert!(err.contains("disaggregation_mode \"null\""), "{err}");
@@ -530,15 +527,11 @@ fn assert_checks(got: &[String], want: &[String], ctx: &str) {
 /// traffic is served again.
 async fn drain_restart_readmit(f: &mut Fleet, r: &RouterHandle, iid: &str) {
     let ctx = format!("{} {iid}", f.dialect);
-    let (status, doc) = r
-        .lifecycle_post_json("drain", &json!({"engines": [iid]}))
-        .await;
+    let (status, doc) = r.drain_engine(iid).await;
     assert_eq!(status, 200, "{ctx}: {doc:#}");
     r.journal_event("drain_complete", Some(iid)).await;
     f.sim_mut(iid).restart(&[]).expect("restart");
-    let (status, doc) = r
-        .lifecycle_post_json("readmit", &json!({"engines": [iid]}))
-        .await;
+    let (status, doc) = r.readmit_engine(iid).await;
     assert_eq!(
         status,
         200,
@@ -587,18 +580,12 @@ async fn drain_and_readmission_pass_on_inferred_evidence_when_engines_publish_no
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refuted_transfer_fails_readmission_naming_the_counter() {
     let (mut f, r) = lab("vllm", &[]).await;
-    let (status, doc) = r
-        .lifecycle_post_json("drain", &json!({"engines": ["d0"]}))
-        .await;
-    assert_eq!(status, 200, "{doc:#}");
-    r.journal_event("drain_complete", Some("d0")).await;
+    r.drain_to_complete("d0").await;
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     f.sim("d0")
         .fault(json!({"phase": "decode", "action": "fail_transfer", "policy": "recompute"}))
         .await;
-    let (status, doc) = r
-        .lifecycle_post_json("readmit", &json!({"engines": ["d0"]}))
-        .await;
+    let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 409, "{doc:#}");
     let e = &doc["engines"]["d0"];
     assert_eq!(e["state"], "blocked", "{doc:#}");
@@ -611,9 +598,7 @@ async fn a_refuted_transfer_fails_readmission_naming_the_counter() {
     let want = expected_checks("vllm", "d0");
     assert_checks(&strings(&e["checks"]), &want[..5], "refuted fabric");
     // Fault spent: the retry passes.
-    let (status, doc) = r
-        .lifecycle_post_json("readmit", &json!({"engines": ["d0"]}))
-        .await;
+    let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 200, "{doc:#}");
     assert_checks(&strings(&doc["engines"]["d0"]["checks"]), &want, "retry");
 }

@@ -41,12 +41,41 @@ async fn send(router: &RouterHandle, n: usize, tag: &str) -> (Vec<u16>, Duration
     (codes, slowest)
 }
 
-fn journal_events(router: &RouterHandle, event: &str, iid: &str) -> Vec<Value> {
-    router
-        .journal_rows()
-        .into_iter()
-        .filter(|r| r["event"] == event && r["iid"] == iid)
-        .collect()
+/// A 500 with `message` for `count` requests of any phase: an engine that cannot generate.
+fn failing(count: u64, message: &str) -> Value {
+    json!({"phase": "any", "action": "status", "status": 500, "count": count,
+           "body": {"error": {"message": message}}})
+}
+
+/// One monitor tick at startup and none during the test, ejection at the first failure: only
+/// what a request meets can tell the router an engine changed.
+fn no_monitor() -> Value {
+    json!({"controller": {"monitor_interval_s": 30},
+           "recovery": {"eject_after": 1, "liveness_every": 0}})
+}
+
+/// After `p0` restarted in place: the router ejects it as a new process (its identity change
+/// names `why`) and charges neither decode engine; the state once it did.
+async fn the_restart_is_the_prefills(router: &RouterHandle, why: &str) -> Value {
+    let st = router
+        .state_where("p0 ejected as a new process", |st| {
+            st["ejected"] == json!(["p0"])
+        })
+        .await;
+    let changed = router.events_of("engine_identity_changed", "p0");
+    assert!(
+        changed[0]["reason"]
+            .as_str()
+            .is_some_and(|r| r.starts_with(why)),
+        "{changed:?}"
+    );
+    for d in ["d0", "d1"] {
+        assert!(
+            router.events_of("engine_ejected", d).is_empty(),
+            "{d} charged for the prefill's restart: {st}"
+        );
+    }
+    st
 }
 
 fn strs(v: &Value) -> Vec<String> {
@@ -64,12 +93,7 @@ fn strs(v: &Value) -> Vec<String> {
 /// listed in `awaiting_health` and enter placement when their health answers 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loading_engine_is_never_placed_until_its_health_answers_200() {
-    let mut f = Fleet::builder()
-        .prefill(2)
-        .decode(2)
-        .no_router()
-        .start()
-        .await;
+    let mut f = Fleet::sims_only("vllm", 2, 2).await;
     for e in ["p1", "d1"] {
         f.sim(e).fault(loading()).await;
     }
@@ -90,7 +114,7 @@ async fn a_loading_engine_is_never_placed_until_its_health_answers_200() {
         (strs(&router.state_json().await["awaiting_health"]) == ["d1"]).then_some(())
     })
     .await;
-    assert_eq!(journal_events(&router, "engine_admitted", "p1").len(), 1);
+    assert_eq!(router.events_of("engine_admitted", "p1").len(), 1);
     let (codes, _) = send(&router, 8, "after").await;
     assert_eq!(codes, vec![200; 8]);
     assert!(requests(f.sim("p1")).await > 0, "p1 serves once admitted");
@@ -108,12 +132,7 @@ async fn an_engine_back_from_an_outage_waits_for_its_health_again() {
         .restart(&["--faults", &faults])
         .expect("d1 restarts loading");
     let router = f.router();
-    eventually("d1 out of placement", Duration::from_secs(20), || async {
-        strs(&router.state_json().await["ejected"])
-            .contains(&"d1".to_string())
-            .then_some(())
-    })
-    .await;
+    router.wait_ejected("d1").await;
     let (codes, slowest) = send(router, 10, "outage").await;
     assert_eq!(codes, vec![200; 10]);
     assert!(
@@ -125,18 +144,14 @@ async fn an_engine_back_from_an_outage_waits_for_its_health_again() {
         0,
         "nothing placed on a loading d1"
     );
-    let ejected = journal_events(router, "engine_ejected", "d1");
+    let ejected = router.events_of("engine_ejected", "d1");
     assert!(
         ejected.iter().all(|e| e["cause"] == "health_probe"),
         "{ejected:?}"
     );
     f.sim_mut("d1").clear_faults().await;
     let router = f.router();
-    eventually("d1 readmitted", Duration::from_secs(20), || async {
-        (!journal_events(router, "engine_readmitted", "d1").is_empty()).then_some(())
-    })
-    .await;
-    let back = &journal_events(router, "engine_readmitted", "d1")[0];
+    let back = &router.first_event("engine_readmitted", "d1").await;
     assert_eq!(back["evidence"], "generation", "{back}");
 }
 
@@ -235,10 +250,7 @@ async fn an_engine_that_cannot_generate_stays_out_with_a_growing_hold() {
         .await;
     let router = f.router();
     f.sim("d0")
-        .fault(
-            json!({"phase": "any", "action": "status", "status": 500, "count": 1000000,
-                      "body": {"error": {"message": "CUDA error: an illegal memory access"}}}),
-        )
+        .fault(failing(1000000, "CUDA error: an illegal memory access"))
         .await;
     let (codes, _) = send(router, 40, "flap").await;
     let failed = codes.iter().filter(|c| **c != 200).count();
@@ -249,12 +261,12 @@ async fn an_engine_that_cannot_generate_stays_out_with_a_growing_hold() {
     eventually(
         "three generation probes",
         Duration::from_secs(20),
-        || async { (journal_events(router, "engine_probe", "d0").len() >= 3).then_some(()) },
+        || async { (router.events_of("engine_probe", "d0").len() >= 3).then_some(()) },
     )
     .await;
-    assert_eq!(journal_events(router, "engine_ejected", "d0").len(), 1);
-    assert!(journal_events(router, "engine_readmitted", "d0").is_empty());
-    let probes = journal_events(router, "engine_probe", "d0");
+    assert_eq!(router.events_of("engine_ejected", "d0").len(), 1);
+    assert!(router.events_of("engine_readmitted", "d0").is_empty());
+    let probes = router.events_of("engine_probe", "d0");
     assert!(
         probes.iter().all(|p| p["outcome"] == "failed"),
         "{probes:?}"
@@ -269,13 +281,7 @@ async fn an_engine_that_cannot_generate_stays_out_with_a_growing_hold() {
         "the hold grows: gaps {first_gap:.2}s then {second_gap:.2}s"
     );
     f.sim("d0").clear_faults().await;
-    eventually("d0 readmitted", Duration::from_secs(20), || async {
-        journal_events(router, "engine_readmitted", "d0")
-            .first()
-            .cloned()
-    })
-    .await;
-    let back = &journal_events(router, "engine_readmitted", "d0")[0];
+    let back = &router.first_event("engine_readmitted", "d0").await;
     assert_eq!(back["evidence"], "generation", "{back}");
 }
 
@@ -286,12 +292,7 @@ async fn an_engine_that_cannot_generate_stays_out_with_a_growing_hold() {
 async fn the_last_engine_of_a_role_stays_in_placement_degraded() {
     let f = Fleet::builder().prefill(1).decode(1).start().await;
     let router = f.router();
-    f.sim("d0")
-        .fault(
-            json!({"phase": "any", "action": "status", "status": 500, "count": 8,
-                      "body": {"error": {"message": "CUDA error"}}}),
-        )
-        .await;
+    f.sim("d0").fault(failing(8, "CUDA error")).await;
     for i in 0..4 {
         let r = router.completion(&format!("panic {i}"), 4).await;
         assert_eq!(r.status, 502, "{}", r.text());
@@ -351,20 +352,14 @@ async fn an_engine_without_health_is_probed_on_its_health_path() {
     // path and a generation probe.
     let faults = no_health.to_string();
     f.sim_mut("e1").proc.kill();
-    eventually("e1 ejected", Duration::from_secs(20), || async {
-        strs(&router.state_json().await["ejected"])
-            .contains(&"e1".to_string())
-            .then_some(())
-    })
-    .await;
+    router.wait_ejected("e1").await;
     f.sim_mut("e1")
         .restart(&["--faults", &faults])
         .expect("e1 restarts");
-    eventually("e1 readmitted", Duration::from_secs(20), || async {
-        (router.state_json().await["ejected"] == json!([])).then_some(())
-    })
-    .await;
-    let back = &journal_events(&router, "engine_readmitted", "e1")[0];
+    router
+        .state_where("e1 readmitted", |st| st["ejected"] == json!([]))
+        .await;
+    let back = &router.events_of("engine_readmitted", "e1")[0];
     assert_eq!(back["evidence"], "generation", "{back}");
 }
 
@@ -378,8 +373,7 @@ async fn a_failed_rendezvous_with_a_restarted_prefill_is_the_prefills() {
         .prefill(1)
         .decode(2)
         // One monitor tick at startup, none during the test: only the rendezvous can tell.
-        .fleet(json!({"controller": {"monitor_interval_s": 30},
-                      "recovery": {"eject_after": 1, "liveness_every": 0}}))
+        .fleet(no_monitor())
         .start()
         .await;
     let router = f.router();
@@ -391,29 +385,10 @@ async fn a_failed_rendezvous_with_a_restarted_prefill_is_the_prefills() {
     for i in 0..3 {
         let _ = router.completion(&format!("after {i}"), 4).await;
     }
-    let st = eventually(
-        "p0 ejected as a new process",
-        Duration::from_secs(20),
-        || async {
-            let st = router.state_json().await;
-            (st["ejected"] == json!(["p0"])).then_some(st)
-        },
-    )
-    .await;
-    let ejected = journal_events(router, "engine_ejected", "p0");
+    let st = the_restart_is_the_prefills(router, "bootstrap port").await;
+    let ejected = router.events_of("engine_ejected", "p0");
     assert_eq!(ejected[0]["cause"], "process_identity", "{ejected:?}");
-    let changed = journal_events(router, "engine_identity_changed", "p0");
-    assert!(
-        changed[0]["reason"]
-            .as_str()
-            .is_some_and(|r| r.starts_with("bootstrap port")),
-        "{changed:?}"
-    );
     for d in ["d0", "d1"] {
-        assert!(
-            journal_events(router, "engine_ejected", d).is_empty(),
-            "{d} charged for the prefill's restart: {st}"
-        );
         assert_eq!(st["breaker"]["failures"][d]["inference_status"], 0, "{st}");
     }
 }
@@ -427,8 +402,7 @@ async fn a_decode_failing_because_its_producer_restarted_is_the_producers() {
         .prefill(1)
         .decode(2)
         // One monitor tick at startup, none during the test: only the failed decode can tell.
-        .fleet(json!({"controller": {"monitor_interval_s": 30},
-                      "recovery": {"eject_after": 1, "liveness_every": 0}}))
+        .fleet(no_monitor())
         .start()
         .await;
     for d in ["d0", "d1"] {
@@ -452,28 +426,7 @@ async fn a_decode_failing_because_its_producer_restarted_is_the_producers() {
     f.sim_mut("p0").restart(&[]).expect("p0 restarts in place");
     let _ = request.await;
     let router = f.router();
-    let st = eventually(
-        "p0 ejected as a new process",
-        Duration::from_secs(20),
-        || async {
-            let st = router.state_json().await;
-            (st["ejected"] == json!(["p0"])).then_some(st)
-        },
-    )
-    .await;
-    let changed = journal_events(router, "engine_identity_changed", "p0");
-    assert!(
-        changed[0]["reason"]
-            .as_str()
-            .is_some_and(|r| r.starts_with("process start")),
-        "{changed:?}"
-    );
-    for d in ["d0", "d1"] {
-        assert!(
-            journal_events(router, "engine_ejected", d).is_empty(),
-            "{d} charged for the prefill's restart: {st}"
-        );
-    }
+    the_restart_is_the_prefills(router, "process start").await;
 }
 
 /// A standby judges nothing but its health gate (with HA): a restart the primary drives through its
@@ -493,24 +446,16 @@ async fn a_standby_does_not_eject_engines_the_primary_restarted() {
         .standby()
         .start()
         .await;
-    let (status, doc) = f
-        .router()
-        .lifecycle_post_json("drain", &json!({"engines": ["d0"]}))
-        .await;
-    assert_eq!(status, 200, "{doc}");
-    f.router().journal_event("drain_complete", Some("d0")).await;
+    f.router().drain_to_complete("d0").await;
     f.sim_mut("d0").restart(&[]).expect("d0 restarts");
-    let (status, doc) = f
-        .router()
-        .lifecycle_post_json("readmit", &json!({"engines": ["d0"]}))
-        .await;
+    let (status, doc) = f.router().readmit_engine("d0").await;
     assert_eq!(status, 200, "{doc}");
     // Let the standby tick over the new process for a while (a rule about something that
     // must not happen: nothing to poll for).
     tokio::time::sleep(Duration::from_secs(2)).await;
     let standby = f.standby.take().expect("standby");
     assert!(
-        journal_events(&standby, "engine_ejected", "d0").is_empty(),
+        standby.events_of("engine_ejected", "d0").is_empty(),
         "the standby ejected d0: {:?}",
         standby.journal_rows()
     );
@@ -525,7 +470,7 @@ async fn a_standby_does_not_eject_engines_the_primary_restarted() {
     let (codes, _) = send(&standby, 8, "after takeover").await;
     assert_eq!(codes, vec![200; 8]);
     assert!(
-        journal_events(&standby, "engine_ejected", "d0").is_empty(),
+        standby.events_of("engine_ejected", "d0").is_empty(),
         "{:?}",
         standby.journal_rows()
     );

@@ -131,9 +131,7 @@ fn foreign_lease(epoch: u64, holder: &str, valid_s: f64) -> Value {
 
 /// A fenced router refuses lifecycle actions with 503.
 async fn assert_lifecycle_refused(r: &RouterHandle) {
-    let (status, doc) = r
-        .lifecycle_post_json("drain", &json!({"engines": ["d0"], "deadline_s": 30}))
-        .await;
+    let (status, doc) = r.drain(&json!({"engines": ["d0"], "deadline_s": 30})).await;
     assert_eq!(status, 503, "{doc:#}");
 }
 
@@ -152,12 +150,9 @@ async fn kill_during_wave(backend: LeaseBackend) {
     let (epoch, holder) = lease_of(&p).await;
     assert!(epoch >= 1, "{:?}", p.ha().await);
 
-    let (status, doc) = p
-        .lifecycle_post("drain", &json!({"wave": true, "deadline_s": 60}))
-        .await;
-    assert_eq!(status, 200, "{doc:#?}");
-    let wave_id = doc.document.wave.id;
-    assert!(!wave_id.is_empty(), "a wave id");
+    let (status, doc) = p.drain(&json!({"wave": true, "deadline_s": 60})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    let wave_id = doc["wave"]["id"].as_str().expect("wave id").to_string();
     // Both engines idle: the wave becomes ready to stop; the standby retains that document
     // (polling a primary whose /ready is 503 for the wave but control_ready).
     let retained = f
@@ -438,9 +433,7 @@ async fn fenced_primary_takes_the_fleet_back_only_with_the_newest_state() {
     for i in 0..2 {
         assert_eq!(s.completion(&format!("new {i}"), 2).await.status, 200);
     }
-    let (status, doc) = s
-        .lifecycle_post_json("drain", &json!({"engines": ["d0"], "deadline_s": 60}))
-        .await;
+    let (status, doc) = s.drain(&json!({"engines": ["d0"], "deadline_s": 60})).await;
     assert_eq!(status, 200, "{doc:#}");
     let shown = s.state_json().await["served"].as_u64().expect("served");
     assert!(shown >= 2, "{shown}");

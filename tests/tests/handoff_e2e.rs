@@ -44,10 +44,8 @@ async fn handoff_validates_round_trips_and_resume_restores_totals_and_holds() {
     }
     serve_some(&a, 5).await;
     // Drain d0 (restart required) so the handoff carries a lifecycle hold.
-    let (s, doc) = a
-        .lifecycle_post("drain", &json!({"engines": ["d0"], "deadline_s": 60}))
-        .await;
-    assert_eq!(s, 200, "{doc:#?}");
+    let (s, doc) = a.drain(&json!({"engines": ["d0"], "deadline_s": 60})).await;
+    assert_eq!(s, 200, "{doc}");
     let live = a.handoff().await;
     let h = Handoff::from_value(live.clone()).expect("the live handoff validates");
     assert_eq!(h.schema, "narwhal.handoff");
@@ -109,11 +107,11 @@ async fn handoff_validates_round_trips_and_resume_restores_totals_and_holds() {
     );
     // The restored hold is a real hold: readmission needs the restart, then succeeds.
     let readmit_d0 = json!({"engines": ["d0"]});
-    let (s, doc) = b.lifecycle_post("readmit", &readmit_d0).await;
-    assert_eq!(s, 409, "{doc:#?}");
+    let (s, doc) = b.readmit(&readmit_d0).await;
+    assert_eq!(s, 409, "{doc}");
     f.sim_mut("d0").restart(&[]).expect("restart d0");
-    let (s, doc) = b.lifecycle_post("readmit", &readmit_d0).await;
-    assert_eq!(s, 200, "{doc:#?}");
+    let (s, doc) = b.readmit(&readmit_d0).await;
+    assert_eq!(s, 200, "{doc}");
     serve_some(&b, 2).await;
     let st = b.state().await;
     assert_eq!(st.served, 7, "{st:#?}");
@@ -204,9 +202,7 @@ async fn interrupted_validation_is_restored_as_blocked() {
     );
     assert!(!d0.accepts_new);
     // The running d0 started after `old_process_start` (1.0): readmission passes.
-    let (s, doc) = b
-        .lifecycle_post("readmit", &json!({"engines": ["d0"]}))
-        .await;
-    assert_eq!(s, 200, "{doc:#?}");
-    assert_eq!(doc.document.engines["d0"].state, DrainState::Active);
+    let (s, doc) = b.readmit_engine("d0").await;
+    assert_eq!(s, 200, "{doc}");
+    assert_eq!(doc["engines"]["d0"]["state"], "active");
 }

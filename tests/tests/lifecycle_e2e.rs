@@ -87,18 +87,6 @@ async fn trip_breaker(router: &RouterHandle, prompt: &str) {
         .await;
 }
 
-/// `POST /narwhal/lifecycle/drain` of engine `iid` (no deadline).
-async fn drain(r: &RouterHandle, iid: &str) -> (u16, Value) {
-    r.lifecycle_post_json("drain", &json!({"engines": [iid]}))
-        .await
-}
-
-/// `POST /narwhal/lifecycle/readmit` of engine `iid`.
-async fn readmit(r: &RouterHandle, iid: &str) -> (u16, Value) {
-    r.lifecycle_post_json("readmit", &json!({"engines": [iid]}))
-        .await
-}
-
 /// One completion through the router reaches every `(iid, phase)` of `legs`: each engine's
 /// request counter for that phase grows.
 async fn complete_on(f: &Fleet, r: &RouterHandle, prompt: &str, legs: &[(&str, &str)]) {
@@ -194,9 +182,7 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
         d.engines["d0"].resident.decode == 2
     })
     .await;
-    let (status, doc) = r
-        .lifecycle_post_json("drain", &json!({"engines": ["d0"], "deadline_s": 30}))
-        .await;
+    let (status, doc) = r.drain(&json!({"engines": ["d0"], "deadline_s": 30})).await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["error"], "");
     let e = &doc["engines"]["d0"];
@@ -217,7 +203,7 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
         "an individual drain keeps the router ready"
     );
     // Not readmittable while work is resident.
-    let (status, doc) = readmit(&r, "d0").await;
+    let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 409);
     assert_eq!(doc["error"], "d0 is draining, expected drained");
     // New work avoids d0 (it is served on p0) while the streams continue.
@@ -292,14 +278,12 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_again() {
     let (mut f, r) = lab("individual", &[], json!({})).await;
-    let (status, doc) = drain(&r, "d0").await;
-    assert_eq!(status, 200, "{doc:#}");
-    r.journal_event("drain_complete", Some("d0")).await;
+    let doc = r.drain_to_complete("d0").await;
     let old = doc["engines"]["d0"]["old_process_start"]
         .as_f64()
         .expect("identity recorded");
 
-    let (status, doc) = readmit(&r, "d0").await;
+    let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 409, "{doc:#}");
     assert_eq!(doc["error"], "readmission validation failed");
     let e = &doc["engines"]["d0"];
@@ -311,7 +295,7 @@ async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_a
 
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     let new_start = started_at(&f, "d0").await;
-    let (status, doc) = readmit(&r, "d0").await;
+    let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["error"], "");
     let e = &doc["engines"]["d0"];
@@ -368,13 +352,11 @@ async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
     let (mut f, r) = lab("individual", &[], json!({})).await;
-    let (status, doc) = drain(&r, "p0").await;
-    assert_eq!(status, 200, "{doc:#}");
-    r.journal_event("drain_complete", Some("p0")).await;
+    r.drain_to_complete("p0").await;
     f.sim_mut("p0").restart(&[]).expect("restart p0");
 
     async fn refused(f: &Fleet, r: &RouterHandle, what: &str) -> (String, Vec<String>) {
-        let (status, doc) = readmit(r, "p0").await;
+        let (status, doc) = r.readmit_engine("p0").await;
         if status != 409 {
             let faults = f.sim("p0").faults().await;
             let recent = f.sim("p0").stats().await["recent"].clone();
@@ -458,7 +440,7 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
     assert_checks(&checks, &all[..6]);
 
     // Nothing wrong any more: readmitted.
-    let (status, doc) = readmit(&r, "p0").await;
+    let (status, doc) = r.readmit_engine("p0").await;
     assert_eq!(status, 200, "{doc:#}");
     assert_checks(&strs(&doc["engines"]["p0"]["checks"]), &all);
     let failed = r
@@ -476,7 +458,7 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whole_wave_drain_and_readmission() {
     let (mut f, r) = lab("whole_wave", &["--tpot-ms", "40"], json!({})).await;
-    let (status, doc) = drain(&r, "p0").await;
+    let (status, doc) = r.drain_engine("p0").await;
     assert_eq!(status, 409);
     assert_eq!(
         doc["error"],
@@ -486,9 +468,7 @@ async fn whole_wave_drain_and_readmission() {
     assert_eq!(r.ready().await.0, 200);
 
     let stream = r.open_stream("resident through the wave drain", 25).await;
-    let (status, doc) = r
-        .lifecycle_post_json("drain", &json!({"wave": true, "deadline_s": 30}))
-        .await;
+    let (status, doc) = r.drain(&json!({"wave": true, "deadline_s": 30})).await;
     assert_eq!(status, 200, "{doc:#}");
     let wave_id = doc["wave"]["id"].as_str().unwrap().to_string();
     assert!(
@@ -506,25 +486,19 @@ async fn whole_wave_drain_and_readmission() {
         "{ready:?}"
     );
     // p0 has nothing resident: drained, but not ready_to_stop until the whole wave is.
-    let doc = r
-        .lifecycle_until("p0 drained", |d| {
-            d.engines["p0"].state == DrainState::Drained
-        })
-        .await;
-    assert!(!doc.engines["p0"].ready_to_stop, "{doc:#?}");
-    assert_eq!(doc.engines["d0"].state, DrainState::Draining);
-    assert!(!doc.wave.ready_to_stop);
+    let doc = r.engine_state_until("p0", "drained").await;
+    assert_eq!(doc["engines"]["p0"]["ready_to_stop"], false, "{doc:#}");
+    assert_eq!(doc["engines"]["d0"]["state"], "draining");
+    assert_eq!(doc["wave"]["ready_to_stop"], false);
     assert!(!r.has_event("wave_ready_to_stop", None));
     // Readmission shapes during a wave.
-    let (status, doc) = readmit(&r, "p0").await;
+    let (status, doc) = r.readmit_engine("p0").await;
     assert_eq!(status, 409);
     assert_eq!(
         doc["error"],
         "an active whole wave must be validated and readmitted as one engine set"
     );
-    let (status, doc) = r
-        .lifecycle_post_json("readmit", &json!({"engines": ["p0"], "wave": true}))
-        .await;
+    let (status, doc) = r.readmit(&json!({"engines": ["p0"], "wave": true})).await;
     assert_eq!(status, 409);
     assert_eq!(
         doc["error"],
@@ -545,9 +519,7 @@ async fn whole_wave_drain_and_readmission() {
 
     // Only p0 is restarted: the wave is refused, naming d0.
     f.sim_mut("p0").restart(&[]).expect("restart p0");
-    let (status, doc) = r
-        .lifecycle_post_json("readmit", &json!({"wave": true}))
-        .await;
+    let (status, doc) = r.readmit(&json!({"wave": true})).await;
     assert_eq!(status, 409, "{doc:#}");
     assert_eq!(doc["error"], "readmission validation failed");
     assert_eq!(
@@ -565,9 +537,7 @@ async fn whole_wave_drain_and_readmission() {
     assert_eq!(r.ready().await.0, 503);
 
     f.sim_mut("d0").restart(&[]).expect("restart d0");
-    let (status, doc) = r
-        .lifecycle_post_json("readmit", &json!({"wave": true}))
-        .await;
+    let (status, doc) = r.readmit(&json!({"wave": true})).await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["wave"]["active"], false);
     assert_eq!(doc["wave"]["id"], "");
@@ -608,7 +578,7 @@ async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requ
         DrainState::Active,
         "ejection is not a lifecycle hold"
     );
-    let (status, doc) = drain(&r, "p0").await;
+    let (status, doc) = r.drain_engine("p0").await;
     assert_eq!(status, 409, "{doc:#}");
     assert_eq!(
         doc["error"],
@@ -732,12 +702,10 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
     )
     .await;
 
-    let (status, first) = drain(&r, "p0").await;
-    assert_eq!(status, 200, "{first:#}");
-    r.journal_event("drain_complete", Some("p0")).await;
+    r.drain_to_complete("p0").await;
     let before = r.lifecycle_json().await;
     // architecture.md 9.5: the same drain again is idempotent.
-    let (status, again) = drain(&r, "p0").await;
+    let (status, again) = r.drain_engine("p0").await;
     assert_eq!(status, 200, "{again:#}");
     assert_eq!(again["error"], "");
     assert_eq!(again["engines"]["p0"], before["engines"]["p0"]);
@@ -754,7 +722,7 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
     )
     .await;
     let (status, again) = r
-        .lifecycle_post_json("drain", &json!({"engines": ["p0"], "deadline_s": 300}))
+        .drain(&json!({"engines": ["p0"], "deadline_s": 300}))
         .await;
     assert_eq!(status, 200, "{again:#}");
     conflict(
@@ -800,7 +768,7 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
 async fn drain_with_agent_down_is_503_holds_the_engine_and_the_retry_succeeds() {
     let (mut f, r) = lab("individual", &[], json!({"agent": {"timeout_s": 2}})).await;
     f.agent_mut("h0").proc.kill();
-    let (status, doc) = drain(&r, "p0").await;
+    let (status, doc) = r.drain_engine("p0").await;
     assert_eq!(status, 503, "{doc:#}");
     let err = doc["error"].as_str().unwrap();
     assert!(
@@ -825,7 +793,7 @@ async fn drain_with_agent_down_is_503_holds_the_engine_and_the_retry_succeeds() 
     let after = requests(&f, "p0", "prefill").await + requests(&f, "p0", "aggregated").await;
     assert_eq!(after, before, "a blocked engine receives no traffic");
 
-    let (status, doc) = readmit(&r, "p0").await;
+    let (status, doc) = r.readmit_engine("p0").await;
     assert_eq!(status, 409);
     assert_eq!(
         doc["error"],
@@ -833,7 +801,7 @@ async fn drain_with_agent_down_is_503_holds_the_engine_and_the_retry_succeeds() 
     );
 
     f.agent_mut("h0").restart(None).expect("agent h0 restarts");
-    let (status, doc) = drain(&r, "p0").await;
+    let (status, doc) = r.drain_engine("p0").await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["error"], "");
     let start = started_at(&f, "p0").await;
@@ -1002,7 +970,7 @@ async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
     let (_f, r) = lab("individual", &["--tpot-ms", "40"], json!({})).await;
     let s = r.open_stream("outlives the drain deadline", 30).await;
     let (status, doc) = r
-        .lifecycle_post_json("drain", &json!({"engines": ["d0"], "deadline_s": 0.2}))
+        .drain(&json!({"engines": ["d0"], "deadline_s": 0.2}))
         .await;
     assert_eq!(status, 200, "{doc:#}");
     let ev = r.journal_event("drain_deadline_exceeded", Some("d0")).await;
@@ -1016,7 +984,7 @@ async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
         "1 resident request(s) remain after the drain deadline"
     );
     assert_eq!(e["ready_to_stop"], false);
-    let (status, doc) = readmit(&r, "d0").await;
+    let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 409);
     assert_eq!(doc["error"], "d0 is deadline_exceeded, expected drained");
     let text = s.finish().await;
@@ -1059,16 +1027,14 @@ async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes
     }
     // The engine answers again; automatic recovery must not readmit it under whole_wave.
     f.sim_mut("d0").restart(&[]).expect("d0 back");
-    let (status, doc) = r
-        .lifecycle_post_json("readmit", &json!({"wave": true}))
-        .await;
+    let (status, doc) = r.readmit(&json!({"wave": true})).await;
     assert_eq!(status, 409, "{doc:#}");
     assert_eq!(
         doc["error"],
         "d0 has no recorded pre-restart process identity"
     );
     // Drain the wave: identities are captured for the held records (no new wave).
-    let (status, doc) = r.lifecycle_post_json("drain", &json!({"wave": true})).await;
+    let (status, doc) = r.drain(&json!({"wave": true})).await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["wave"]["id"], wave_id.as_str(), "same wave");
     r.journal_event("wave_ready_to_stop", None).await;
@@ -1078,9 +1044,7 @@ async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes
     );
     f.sim_mut("p0").restart(&[]).expect("restart p0");
     f.sim_mut("d0").restart(&[]).expect("restart d0");
-    let (status, doc) = r
-        .lifecycle_post_json("readmit", &json!({"wave": true}))
-        .await;
+    let (status, doc) = r.readmit(&json!({"wave": true})).await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["wave"]["active"], false);
     let doc = r
@@ -1134,9 +1098,7 @@ async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
 async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
     let (mut f, r) = lab_with("sglang", "individual", &[], json!({})).await;
     r.complete("warm up").await;
-    let (status, doc) = drain(&r, "p0").await;
-    assert_eq!(status, 200, "{doc:#}");
-    r.journal_event("drain_complete", Some("p0")).await;
+    r.drain_to_complete("p0").await;
     let old_port = f.sim("p0").bootstrap_port;
     f.sim_mut("p0")
         .restart(&["--bootstrap-port", "0"])
@@ -1174,7 +1136,7 @@ async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
             (i, bad)
         })
     };
-    let (status, doc) = readmit(&r, "p0").await;
+    let (status, doc) = r.readmit_engine("p0").await;
     assert_eq!(status, 200, "{doc:#}");
     // SGLang: the vLLM checks without direct generation.
     let sglang: Vec<&str> = vllm_checks("new process identity", "fabric produce to d0")
@@ -1223,7 +1185,7 @@ async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() 
     .await;
     crash_d0(&mut f, &r, "d0 crashed").await;
     r.journal_event("restart_required", None).await;
-    let (status, doc) = r.lifecycle_post_json("drain", &json!({"wave": true})).await;
+    let (status, doc) = r.drain(&json!({"wave": true})).await;
     assert_eq!(status, 200, "{doc:#}");
     let old = doc["engines"]["d0"]["old_process_start"].as_f64();
     assert_eq!(
@@ -1234,9 +1196,7 @@ async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() 
     r.journal_event("wave_ready_to_stop", None).await;
     f.sim_mut("p0").restart(&[]).expect("restart p0");
     f.sim_mut("d0").restart(&[]).expect("restart d0");
-    let (status, doc) = r
-        .lifecycle_post_json("readmit", &json!({"wave": true}))
-        .await;
+    let (status, doc) = r.readmit(&json!({"wave": true})).await;
     assert_eq!(status, 200, "{doc:#}");
     r.lifecycle_until("d0 back", |d| d.engines["d0"].accepts_new)
         .await;
@@ -1258,14 +1218,12 @@ async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
         d.process_starts.contains_key("d0")
     })
     .await;
-    let (status, doc) = drain(&r, "p0").await;
-    assert_eq!(status, 200, "{doc:#}");
-    r.journal_event("drain_complete", Some("p0")).await;
+    r.drain_to_complete("p0").await;
     f.sim_mut("p0").restart(&[]).expect("restart p0");
     f.sim_mut("d0")
         .restart(&[])
         .expect("d0 restarted without the router knowing");
-    let (status, doc) = readmit(&r, "p0").await;
+    let (status, doc) = r.readmit_engine("p0").await;
     if status == 200 {
         // On a loaded machine the monitor can see d0's restart first (its health path down
         // for a moment: an absent engine is a new engine) and re-validate it, through its
@@ -1299,7 +1257,7 @@ async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
     );
     assert_eq!(r.ready().await.0, 503, "nothing live");
     assert!(!r.has_event("recovery_validation_started", Some("d0")));
-    let (status, doc) = readmit(&r, "p0").await;
+    let (status, doc) = r.readmit_engine("p0").await;
     assert_eq!(status, 200, "{doc:#}");
     let d0 = &doc["engines"]["d0"];
     assert_eq!(d0["state"], "active", "{doc:#}");
@@ -1330,7 +1288,7 @@ async fn engine_crashing_while_draining_is_readmitted_by_the_operator() {
     )
     .await;
     let s = r.open_stream("its decode engine will crash", 30).await;
-    let (status, doc) = drain(&r, "d0").await;
+    let (status, doc) = r.drain_engine("d0").await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["engines"]["d0"]["state"], "draining");
     f.sim_mut("d0").proc.kill();
@@ -1344,7 +1302,7 @@ async fn engine_crashing_while_draining_is_readmitted_by_the_operator() {
     // Health answers again, but the drain hold stands until the operator readmits.
     let doc = r.lifecycle_json().await;
     assert_eq!(doc["engines"]["d0"]["state"], "drained", "{doc:#}");
-    let (status, doc) = readmit(&r, "d0").await;
+    let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 200, "{doc:#}");
     assert!(!r.has_event("recovery_validation_started", Some("d0")));
     r.lifecycle_until("d0 back", |d| d.engines["d0"].accepts_new)
@@ -1425,7 +1383,7 @@ async fn a_health_probe_answering_after_a_wave_readmission_does_not_hold_the_fle
     let (mut f, r) = lab("whole_wave", &[], fast_probes).await;
     crash_d0(&mut f, &r, "d0 crashed").await;
     r.journal_event("restart_required", None).await;
-    let (status, doc) = r.lifecycle_post_json("drain", &json!({"wave": true})).await;
+    let (status, doc) = r.drain(&json!({"wave": true})).await;
     assert_eq!(status, 200, "{doc:#}");
     r.journal_event("wave_ready_to_stop", None).await;
     f.sim_mut("p0").restart(&[]).expect("restart p0");
@@ -1433,9 +1391,7 @@ async fn a_health_probe_answering_after_a_wave_readmission_does_not_hold_the_fle
     f.sim("d0")
         .fault(json!({"phase": "health", "action": "hang", "ms": 1000, "count": 1000}))
         .await;
-    let (status, doc) = r
-        .lifecycle_post_json("readmit", &json!({"wave": true}))
-        .await;
+    let (status, doc) = r.readmit(&json!({"wave": true})).await;
     assert_eq!(status, 200, "{doc:#}");
     r.journal_event("wave_readmitted", None).await;
     // Longer than a probe in flight takes to answer (1 s) and the next monitor tick.

@@ -20,8 +20,8 @@
 //! another request waits for the model lock, which `GET /v1/models` takes, so every engine here
 //! runs with `--interrupt_requests false` (an operator probing `/v1/models` must do the same).
 //!
-//! Needs the Python test venv, built on demand by `tests/python/ensure-venv.sh` (see
-//! `pysdk/mod.rs`).
+//! Needs the Python test venv, built on demand by `tests/python/ensure-venv.sh`; built with
+//! `NARWHAL_SKIP_VENV=1` every test here is ignored instead (see `pysdk/mod.rs`; never in CI).
 
 #[path = "pysdk/mod.rs"]
 mod pysdk;
@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use narwhal_testkit::{FleetSpec, RouterHandle, start_router, wait_until};
+use narwhal_testkit::{FleetSpec, Http, RouterHandle, RouterProbe, start_router, wait_until};
 use serde_json::{Value, json};
 use tempfile::TempDir;
 
@@ -188,9 +188,10 @@ struct Lab {
 }
 
 impl Lab {
-    /// `None` when the venv is missing and the test may be skipped.
-    fn new(test: &str) -> Option<Lab> {
-        let python = pysdk::python(test)?;
+    /// The tiny model written into a new temporary directory (`test` names the test in
+    /// failures).
+    fn new(test: &str) -> Lab {
+        let python = pysdk::python(test);
         let dir = tempfile::tempdir().expect("tempdir");
         let model = dir.path().join("tiny-llama.gguf");
         let out = Command::new(&python)
@@ -204,7 +205,7 @@ impl Lab {
             "make_tiny_gguf.py failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        Some(Lab { dir, python, model })
+        Lab { dir, python, model }
     }
 
     async fn engine(&self, label: &str) -> LlamaServer {
@@ -240,6 +241,27 @@ impl Lab {
 
     async fn sdk(&self, base: &str, calls: Value) -> Vec<Value> {
         pysdk::sdk(&self.python, base, &calls, SDK_TIMEOUT).await
+    }
+
+    /// [`Lab::new`] with one engine `e0` and a router over it.
+    async fn routed(test: &str) -> (Lab, LlamaServer, RouterHandle) {
+        let lab = Lab::new(test);
+        let engine = lab.engine("e0").await;
+        let router = lab.router(&[("e0", &engine)]);
+        (lab, engine, router)
+    }
+
+    /// `calls` sent straight to `engine` (the yardstick), then through `router`: `(direct,
+    /// routed)` results.
+    async fn both(
+        &self,
+        engine: &LlamaServer,
+        router: &RouterHandle,
+        calls: Value,
+    ) -> (Vec<Value>, Vec<Value>) {
+        let direct = self.sdk(&engine.url, calls.clone()).await;
+        let routed = self.sdk(&router.data, calls).await;
+        (direct, routed)
     }
 }
 
@@ -297,10 +319,9 @@ fn ejected(state: &Value) -> Vec<String> {
 /// no `/health`, and once restarted on its port serves the same answer. Guards the test model
 /// and harness, not the router.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(narwhal_skip_venv, ignore = "NARWHAL_SKIP_VENV=1: no Python venv")]
 async fn engine_alone_serves_the_sdk() {
-    let Some(lab) = Lab::new("engine_alone_serves_the_sdk") else {
-        return;
-    };
+    let lab = Lab::new("engine_alone_serves_the_sdk");
     let mut engine = lab.engine("e0").await;
     let mut calls = shape_calls("the river and the stone");
     let long = over_long_prompt();
@@ -370,18 +391,14 @@ async fn engine_alone_serves_the_sdk() {
 /// Non-streaming chat and completions through the router: 200 with the engine's own answer
 /// (greedy, so the same text and finish reason the engine gives when asked directly).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(narwhal_skip_venv, ignore = "NARWHAL_SKIP_VENV=1: no Python venv")]
 async fn non_streaming_answers_are_the_engines() {
-    let Some(lab) = Lab::new("non_streaming_answers_are_the_engines") else {
-        return;
-    };
-    let engine = lab.engine("e0").await;
-    let router = lab.router(&[("e0", &engine)]);
+    let (lab, engine, router) = Lab::routed("non_streaming_answers_are_the_engines").await;
     let calls = json!([
         call("completions", "the river and the stone", json!({})),
         call("chat", "the river and the stone", json!({})),
     ]);
-    let direct = lab.sdk(&engine.url, calls.clone()).await;
-    let routed = lab.sdk(&router.data, calls).await;
+    let (direct, routed) = lab.both(&engine, &router, calls).await;
     for (i, api) in ["completions", "chat"].into_iter().enumerate() {
         let d = pysdk::ok(&direct[i], &format!("direct {api}"));
         let r = pysdk::ok(&routed[i], &format!("routed {api}"));
@@ -395,12 +412,9 @@ async fn non_streaming_answers_are_the_engines() {
 /// `token_ids`): no "[DONE] before any token", no ejection, journal rows `completed` with
 /// `output_len` = `MAX_TOKENS`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(narwhal_skip_venv, ignore = "NARWHAL_SKIP_VENV=1: no Python venv")]
 async fn streaming_answers_are_the_engines() {
-    let Some(lab) = Lab::new("streaming_answers_are_the_engines") else {
-        return;
-    };
-    let engine = lab.engine("e0").await;
-    let router = lab.router(&[("e0", &engine)]);
+    let (lab, engine, router) = Lab::routed("streaming_answers_are_the_engines").await;
     let calls = json!([
         call(
             "completions",
@@ -415,8 +429,7 @@ async fn streaming_answers_are_the_engines() {
         ),
         call("chat", "north south east west", json!({"stream": true})),
     ]);
-    let direct = lab.sdk(&engine.url, calls.clone()).await;
-    let routed = lab.sdk(&router.data, calls).await;
+    let (direct, routed) = lab.both(&engine, &router, calls).await;
     for i in 0..4 {
         let d = pysdk::ok(&direct[i], &format!("direct stream {i}"));
         let r = pysdk::ok(&routed[i], &format!("routed stream {i}"));
@@ -450,19 +463,15 @@ async fn streaming_answers_are_the_engines() {
 /// asking `stream_options.include_usage` gets a usage chunk whose `completion_tokens` are the
 /// tokens streamed (llama.cpp streams carry no usage of their own).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(narwhal_skip_venv, ignore = "NARWHAL_SKIP_VENV=1: no Python venv")]
 async fn usage_is_the_engines() {
-    let Some(lab) = Lab::new("usage_is_the_engines") else {
-        return;
-    };
-    let engine = lab.engine("e0").await;
-    let router = lab.router(&[("e0", &engine)]);
+    let (lab, engine, router) = Lab::routed("usage_is_the_engines").await;
     let prompt = "the quiet river and the bright stone under the early morning light";
     let plain = json!([
         call("completions", prompt, json!({})),
         call("chat", prompt, json!({}))
     ]);
-    let direct = lab.sdk(&engine.url, plain.clone()).await;
-    let routed = lab.sdk(&router.data, plain).await;
+    let (direct, routed) = lab.both(&engine, &router, plain).await;
     for (i, api) in ["completions", "chat"].into_iter().enumerate() {
         let d = pysdk::ok(&direct[i], &format!("direct {api}"));
         let r = pysdk::ok(&routed[i], &format!("routed {api}"));
@@ -509,12 +518,9 @@ async fn usage_is_the_engines() {
 /// `finish_reason: "stop"` as the engine gives directly, streaming and not. The stop string is
 /// a word from the middle of the unstopped greedy answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(narwhal_skip_venv, ignore = "NARWHAL_SKIP_VENV=1: no Python venv")]
 async fn stop_sequences_end_the_answer() {
-    let Some(lab) = Lab::new("stop_sequences_end_the_answer") else {
-        return;
-    };
-    let engine = lab.engine("e0").await;
-    let router = lab.router(&[("e0", &engine)]);
+    let (lab, engine, router) = Lab::routed("stop_sequences_end_the_answer").await;
     let prompt = "the river and the stone";
     let free = lab
         .sdk(
@@ -542,8 +548,7 @@ async fn stop_sequences_end_the_answer() {
             call(api, prompt, json!({"stop": [stop.clone()]})),
             call(api, prompt, json!({"stop": [stop.clone()], "stream": true})),
         ]);
-        let direct = lab.sdk(&engine.url, calls.clone()).await;
-        let routed = lab.sdk(&router.data, calls).await;
+        let (direct, routed) = lab.both(&engine, &router, calls).await;
         for j in 0..2 {
             let d = pysdk::ok(&direct[j], &format!("direct {api} stop {j}"));
             assert_eq!(d["finish_reason"], "stop", "{api}: engine stops: {d}");
@@ -559,19 +564,15 @@ async fn stop_sequences_end_the_answer() {
 /// SDK's `BadRequestError`) with the engine's message, not a 502; the engine is not ejected and
 /// serves the next request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(narwhal_skip_venv, ignore = "NARWHAL_SKIP_VENV=1: no Python venv")]
 async fn over_long_prompt_is_the_engines_400() {
-    let Some(lab) = Lab::new("over_long_prompt_is_the_engines_400") else {
-        return;
-    };
-    let engine = lab.engine("e0").await;
-    let router = lab.router(&[("e0", &engine)]);
+    let (lab, engine, router) = Lab::routed("over_long_prompt_is_the_engines_400").await;
     let long = over_long_prompt();
     let calls = json!([
         call("completions", &long, json!({})),
         call("chat", &long, json!({}))
     ]);
-    let direct = lab.sdk(&engine.url, calls.clone()).await;
-    let routed = lab.sdk(&router.data, calls).await;
+    let (direct, routed) = lab.both(&engine, &router, calls).await;
     for (i, api) in ["completions", "chat"].into_iter().enumerate() {
         let want = pysdk::api_error(&direct[i], "BadRequestError", 400, &format!("direct {api}"));
         let got = pysdk::api_error(&routed[i], "BadRequestError", 400, &format!("routed {api}"));
@@ -597,14 +598,12 @@ async fn over_long_prompt_is_the_engines_400() {
 /// an operator (llama.cpp has no `/health`: the probe must use what the engine has), and serves
 /// again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(narwhal_skip_venv, ignore = "NARWHAL_SKIP_VENV=1: no Python venv")]
 async fn killed_engine_is_ejected_then_readmitted() {
-    let Some(lab) = Lab::new("killed_engine_is_ejected_then_readmitted") else {
-        return;
-    };
+    let lab = Lab::new("killed_engine_is_ejected_then_readmitted");
     let e0 = lab.engine("e0").await;
     let mut e1 = lab.engine("e1").await;
     let router = lab.router(&[("e0", &e0), ("e1", &e1)]);
-    let http = http();
     let warm = lab.sdk(&router.data, shape_calls("the river")).await;
     for (i, r) in warm.iter().enumerate() {
         pysdk::ok(r, &format!("warm-up {i}"));
@@ -629,20 +628,13 @@ async fn killed_engine_is_ejected_then_readmitted() {
     }
 
     e1.restart().await;
-    let readmitted = wait_until(Duration::from_secs(60), || {
-        let http = http.clone();
-        let control = router.control.clone();
-        async move {
-            let st: Value = http
-                .get(format!("{control}/narwhal/state"))
-                .send()
-                .await
-                .ok()?
-                .json()
-                .await
-                .ok()?;
-            ejected(&st).is_empty().then_some(st)
-        }
+    let probe = RouterProbe {
+        control: router.control.clone(),
+        fast: Http::new(Duration::from_secs(30)),
+    };
+    let readmitted = wait_until(Duration::from_secs(60), || async {
+        let st = probe.state().await?;
+        st.ejected.is_empty().then_some(st)
     })
     .await;
     assert!(
@@ -683,12 +675,10 @@ async fn killed_engine_is_ejected_then_readmitted() {
 /// within a minute with no operator action (whether the router ejected it and readmitted it,
 /// or kept it in placement as the last live engine).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(narwhal_skip_venv, ignore = "NARWHAL_SKIP_VENV=1: no Python venv")]
 async fn only_engine_killed_then_restarted_serves_again() {
-    let Some(lab) = Lab::new("only_engine_killed_then_restarted_serves_again") else {
-        return;
-    };
-    let mut engine = lab.engine("e0").await;
-    let router = lab.router(&[("e0", &engine)]);
+    let (lab, mut engine, router) =
+        Lab::routed("only_engine_killed_then_restarted_serves_again").await;
     let warm = lab.sdk(&router.data, shape_calls("the river")).await;
     for (i, r) in warm.iter().enumerate() {
         pysdk::ok(r, &format!("warm-up {i}"));

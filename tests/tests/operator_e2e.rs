@@ -208,15 +208,10 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     let mut f = Fleet::builder().prefill(2).decode(1).agents().start().await;
     let control = f.router().control.clone();
     let r = f.router();
-    let (status, doc) = r
-        .lifecycle_post("drain", &json!({"engines": ["p1"], "deadline_s": 30}))
-        .await;
-    assert_eq!(status, 200, "{doc:#?}");
-    assert_eq!(doc.warnings, Some(vec![]), "p0 still serves prefill");
-    r.lifecycle_until("p1 drained", |d| {
-        d.engines["p1"].state == DrainState::Drained
-    })
-    .await;
+    let (status, doc) = r.drain(&json!({"engines": ["p1"], "deadline_s": 30})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    assert_eq!(doc["warnings"], json!([]), "p0 still serves prefill");
+    r.engine_state_until("p1", "drained").await;
     let out = narwhalctl(&control, &["cancel-drain", "p1"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -262,37 +257,30 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
         "{stdout}"
     );
     assert_eq!(f.router().completion("aggregated", 2).await.status, 200);
-    f.router()
-        .lifecycle_until("d0 drained", |d| {
-            d.engines["d0"].state == DrainState::Drained
-        })
-        .await;
+    f.router().engine_state_until("d0", "drained").await;
 
     // A restarted engine is not a cancel: refused, and readmission takes it.
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     let r = f.router();
-    let (status, doc) = r
-        .lifecycle_post("cancel-drain", &json!({"engines": ["d0"]}))
-        .await;
-    assert_eq!(status, 409, "{doc:#?}");
+    let (status, doc) = r.cancel_drain(&json!({"engines": ["d0"]})).await;
+    assert_eq!(status, 409, "{doc:#}");
     assert!(
-        doc.document.engines["d0"]
-            .error
-            .contains("engine process restarted since the drain"),
-        "{doc:#?}"
+        doc["engines"]["d0"]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("engine process restarted since the drain")),
+        "{doc:#}"
     );
-    let (status, doc) = r
-        .lifecycle_post("readmit", &json!({"engines": ["d0"]}))
-        .await;
-    assert_eq!(status, 200, "{doc:#?}");
+    let (status, doc) = r.readmit_engine("d0").await;
+    assert_eq!(status, 200, "{doc:#}");
     // Rules: a wave, an active engine.
-    let (status, doc) = r
-        .lifecycle_post("cancel-drain", &json!({"wave": true}))
-        .await;
-    assert_eq!(status, 409, "{doc:#?}");
-    let (status, doc) = r
-        .lifecycle_post("cancel-drain", &json!({"engines": ["p0"]}))
-        .await;
-    assert_eq!(status, 409, "{doc:#?}");
-    assert!(doc.document.error.starts_with("p0 is active"), "{doc:#?}");
+    let (status, doc) = r.cancel_drain(&json!({"wave": true})).await;
+    assert_eq!(status, 409, "{doc:#}");
+    let (status, doc) = r.cancel_drain(&json!({"engines": ["p0"]})).await;
+    assert_eq!(status, 409, "{doc:#}");
+    assert!(
+        doc["error"]
+            .as_str()
+            .is_some_and(|e| e.starts_with("p0 is active")),
+        "{doc:#}"
+    );
 }

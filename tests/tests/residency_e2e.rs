@@ -28,7 +28,7 @@ async fn draining_the_decode_engine_waits_for_a_request_still_in_its_prefill() {
     })
     .await;
     let (_, drain) = router
-        .lifecycle_post_json("drain", &json!({"engines": ["d0"], "deadline_s": 60}))
+        .drain(&json!({"engines": ["d0"], "deadline_s": 60}))
         .await;
     let d0 = &drain["engines"]["d0"];
     assert_eq!(d0["state"], "draining", "{drain}");

@@ -5,8 +5,8 @@
 //! every error must surface as the SDK's typed exception (`BadRequestError`, `NotFoundError`,
 //! `RateLimitError`, `InternalServerError`, all `APIStatusError`s) with the router's message.
 //!
-//! Needs the Python test venv (`tests/python/ensure-venv.sh`); see `pysdk/mod.rs` for the skip
-//! rule (never a skip in CI).
+//! Needs the Python test venv (`tests/python/ensure-venv.sh`); built with `NARWHAL_SKIP_VENV=1`
+//! every test here is ignored instead (see `pysdk/mod.rs`; never in CI).
 
 #[path = "pysdk/mod.rs"]
 mod pysdk;
@@ -47,9 +47,9 @@ impl Fleet {
 }
 
 /// One prefill and one decode simulator of `dialect` behind a router started with
-/// `router_args`; `None` when the venv is missing and may be skipped.
-fn fleet(test: &str, dialect: &str, sim_args: &[&str], router_args: &[&str]) -> Option<Fleet> {
-    let py = pysdk::python(test)?;
+/// `router_args`, and the venv's interpreter (`test` names the test in failures).
+fn fleet(test: &str, dialect: &str, sim_args: &[&str], router_args: &[&str]) -> Fleet {
+    let py = pysdk::python(test);
     let dir = tempfile::tempdir().expect("tempdir");
     let sims = vec![
         start_sim(
@@ -67,12 +67,12 @@ fn fleet(test: &str, dialect: &str, sim_args: &[&str], router_args: &[&str]) -> 
     ];
     let spec = FleetSpec::for_sims(dialect, &sims);
     let router = start_router(dir.path(), "router", &spec, router_args).expect("router");
-    Some(Fleet {
+    Fleet {
         _dir: dir,
         _sims: sims,
         router,
         py,
-    })
+    }
 }
 
 fn usage(r: &Value) -> (u64, u64, u64) {
@@ -95,9 +95,7 @@ const MAX_TOKENS: u64 = 6;
 /// each parses and validates; the three texts are the same (the simulator is deterministic per
 /// prompt); usage is present exactly where it was asked for and counts `MAX_TOKENS`.
 async fn every_shape_parses(test: &str, dialect: &str, api: &str) {
-    let Some(f) = fleet(test, dialect, &[], &[]) else {
-        return;
-    };
+    let f = fleet(test, dialect, &[], &[]);
     let base = if api == "chat" {
         json!({"model": "tiny-sim", "max_tokens": MAX_TOKENS,
                "messages": [{"role": "system", "content": "be brief"},
@@ -205,9 +203,7 @@ async fn every_shape_parses(test: &str, dialect: &str, api: &str) {
 /// simulator ignores sampling options, so only shape is asserted, plus that a `stop` list does
 /// not break the answer (`finish_reason` is `stop` or `length`).
 async fn options_parse(test: &str, dialect: &str) {
-    let Some(f) = fleet(test, dialect, &[], &[]) else {
-        return;
-    };
+    let f = fleet(test, dialect, &[], &[]);
     let msgs = json!([{"role": "user", "content": "hello there"}]);
     let results = f
         .calls(json!([
@@ -247,9 +243,7 @@ async fn options_parse(test: &str, dialect: &str) {
 /// A chat request with `tools` and `tool_choice: "auto"`: accepted and parsed, streaming and not.
 /// The simulator never calls tools, so the answer is plain content.
 async fn tools_parse(test: &str, dialect: &str) {
-    let Some(f) = fleet(test, dialect, &[], &[]) else {
-        return;
-    };
+    let f = fleet(test, dialect, &[], &[]);
     let tools = json!([{"type": "function", "function": {"name": "get_weather",
         "description": "Weather of a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -275,9 +269,7 @@ async fn tools_parse(test: &str, dialect: &str) {
 /// `BadRequestError` explaining that `n` cannot be served. Streaming requests fail the same way
 /// (the status comes before any stream).
 async fn client_errors_are_typed(test: &str, dialect: &str) {
-    let Some(f) = fleet(test, dialect, &[], &[]) else {
-        return;
-    };
+    let f = fleet(test, dialect, &[], &[]);
     let results = f
         .calls(json!([
             {"api": "completions", "params": {"model": "tiny-sim", "prompt": "hi",
@@ -328,15 +320,14 @@ async fn client_errors_are_typed(test: &str, dialect: &str) {
 /// The router's in-flight limit (`--max-concurrent 1`, no queue) answers 429: the SDK raises
 /// `RateLimitError` with the router's message. A slow stream holds the one seat meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(narwhal_skip_venv, ignore = "NARWHAL_SKIP_VENV=1: no Python venv")]
 async fn full_router_is_a_rate_limit_error() {
-    let Some(f) = fleet(
+    let f = fleet(
         "full_router_is_a_rate_limit_error",
         "vllm",
         &["--tpot-ms", "100"],
         &["--max-concurrent", "1"],
-    ) else {
-        return;
-    };
+    );
     let http = narwhal_testkit::http_client()
         .timeout(Duration::from_secs(60))
         .build()
@@ -367,11 +358,10 @@ async fn full_router_is_a_rate_limit_error() {
 /// which the SDK raises as `InternalServerError` (an `APIStatusError` with status 503) carrying
 /// the router's message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(narwhal_skip_venv, ignore = "NARWHAL_SKIP_VENV=1: no Python venv")]
 async fn no_schedulable_engine_is_a_503_error() {
     let test = "no_schedulable_engine_is_a_503_error";
-    let Some(py) = pysdk::python(test) else {
-        return;
-    };
+    let py = pysdk::python(test);
     let dir = tempfile::tempdir().expect("tempdir");
     let sim = start_sim(dir.path(), &EngineSpec::new("p0", "prefill"), "sglang").expect("sim");
     let spec = FleetSpec::for_sims("sglang", std::slice::from_ref(&sim));
@@ -389,53 +379,40 @@ async fn no_schedulable_engine_is_a_503_error() {
     }
 }
 
+/// One test `$name` of dialect module `$dialect`: `super::$body(<its name>, <dialect>, $args)`.
+macro_rules! dialect_test {
+    ($dialect:ident, $name:ident, $body:ident $(, $arg:expr)*) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        #[cfg_attr(narwhal_skip_venv, ignore = "NARWHAL_SKIP_VENV=1: no Python venv")]
+        async fn $name() {
+            let test = concat!(stringify!($dialect), "::", stringify!($name));
+            super::$body(test, stringify!($dialect) $(, $arg)*).await;
+        }
+    };
+}
+
 macro_rules! dialect_tests {
     ($dialect:ident) => {
         mod $dialect {
-            const DIALECT: &str = stringify!($dialect);
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn completions_every_shape_parses() {
-                super::every_shape_parses(
-                    concat!(stringify!($dialect), "::completions_every_shape_parses"),
-                    DIALECT,
-                    "completions",
-                )
-                .await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn chat_every_shape_parses() {
-                super::every_shape_parses(
-                    concat!(stringify!($dialect), "::chat_every_shape_parses"),
-                    DIALECT,
-                    "chat",
-                )
-                .await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn sampling_options_parse() {
-                super::options_parse(
-                    concat!(stringify!($dialect), "::sampling_options_parse"),
-                    DIALECT,
-                )
-                .await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn tools_parse() {
-                super::tools_parse(concat!(stringify!($dialect), "::tools_parse"), DIALECT).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn client_errors_are_typed_exceptions() {
-                super::client_errors_are_typed(
-                    concat!(stringify!($dialect), "::client_errors_are_typed_exceptions"),
-                    DIALECT,
-                )
-                .await;
-            }
+            dialect_test!(
+                $dialect,
+                completions_every_shape_parses,
+                every_shape_parses,
+                "completions"
+            );
+            dialect_test!(
+                $dialect,
+                chat_every_shape_parses,
+                every_shape_parses,
+                "chat"
+            );
+            dialect_test!($dialect, sampling_options_parse, options_parse);
+            dialect_test!($dialect, tools_parse, tools_parse);
+            dialect_test!(
+                $dialect,
+                client_errors_are_typed_exceptions,
+                client_errors_are_typed
+            );
         }
     };
 }

@@ -310,6 +310,9 @@ fn sglang_bootstrap_prefill_and_decode_in_both_orders() {
         );
         let d_addr = d.addr.clone();
         let p_addr = p.addr.clone();
+        let post = |addr: &str, body: &Value| {
+            request(addr, "POST", "/v1/completions", &[], &body.to_string())
+        };
         let (dec, pre) = if decode_first {
             let h = thread::spawn(move || {
                 request(
@@ -322,30 +325,11 @@ fn sglang_bootstrap_prefill_and_decode_in_both_orders() {
             });
             // Let the decode reach the bootstrap server first.
             assert!(d.stat_reaches("/in_flight", 1, Duration::from_secs(2)));
-            let pre = request(
-                &p_addr,
-                "POST",
-                "/v1/completions",
-                &[],
-                &pre_body.to_string(),
-            );
+            let pre = post(&p_addr, &pre_body);
             (h.join().unwrap(), pre)
         } else {
-            let pre = request(
-                &p_addr,
-                "POST",
-                "/v1/completions",
-                &[],
-                &pre_body.to_string(),
-            );
-            let dec = request(
-                &d_addr,
-                "POST",
-                "/v1/completions",
-                &[],
-                &dec_body.to_string(),
-            );
-            (dec, pre)
+            let pre = post(&p_addr, &pre_body);
+            (post(&d_addr, &dec_body), pre)
         };
         assert_eq!(pre.status, 200, "{}", pre.text());
         assert_eq!(pre.json()["usage"]["completion_tokens"], 1);

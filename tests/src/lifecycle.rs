@@ -1,0 +1,78 @@
+//! The router's lifecycle actions as [`RouterHandle`] methods: `POST
+//! /narwhal/lifecycle/{drain,readmit,cancel-drain}` with a JSON body (docs/http-api.md; the
+//! lifecycle API of docs/design/handoff-and-lifecycle.md).
+//!
+//! ```text
+//!   router.drain(&json!({"engines": ["d0"], "deadline_s": 30})).await   -> (status, document)
+//!   router.readmit(&json!({"wave": true})).await
+//!   router.cancel_drain(&json!({"engines": ["p1"]})).await
+//!   router.drain_engine("d0").await / router.readmit_engine("d0").await   {"engines": [iid]}
+//!   router.engine_state_until("d0", "drained").await    polls GET /narwhal/lifecycle
+//!   router.drain_to_complete("d0").await    drain (200), then its drain_complete event
+//! ```
+//!
+//! Each answers `(status, body)`, the body parsed, and (like
+//! [`RouterHandle::lifecycle_post`], which they use) asserts that the body is the full lifecycle
+//! document whatever the status.
+
+use serde_json::{Value, json};
+
+use crate::router::RouterHandle;
+
+impl RouterHandle {
+    /// `POST /narwhal/lifecycle/drain` with `body` (`engines`, `wave`, `deadline_s`):
+    /// `(status, lifecycle document)`.
+    pub async fn drain(&self, body: &Value) -> (u16, Value) {
+        self.lifecycle_post_json("drain", body).await
+    }
+
+    /// `POST /narwhal/lifecycle/readmit` with `body` (`engines`, `wave`): `(status, lifecycle
+    /// document)`.
+    pub async fn readmit(&self, body: &Value) -> (u16, Value) {
+        self.lifecycle_post_json("readmit", body).await
+    }
+
+    /// `POST /narwhal/lifecycle/cancel-drain` with `body` (`engines`, `wave`): `(status,
+    /// lifecycle document)`.
+    pub async fn cancel_drain(&self, body: &Value) -> (u16, Value) {
+        self.lifecycle_post_json("cancel-drain", body).await
+    }
+
+    /// [`RouterHandle::drain`] of engine `iid` alone, no deadline: `{"engines": [iid]}`.
+    pub async fn drain_engine(&self, iid: &str) -> (u16, Value) {
+        self.drain(&json!({"engines": [iid]})).await
+    }
+
+    /// [`RouterHandle::readmit`] of engine `iid` alone: `{"engines": [iid]}`.
+    pub async fn readmit_engine(&self, iid: &str) -> (u16, Value) {
+        self.readmit(&json!({"engines": [iid]})).await
+    }
+
+    /// Polls `/narwhal/lifecycle` (for at most [`crate::WAIT`]) until engine `iid`'s `state` is
+    /// `state` (`active`, `drained`, `blocked`, ...); returns the document.
+    ///
+    /// # Panics
+    /// When it never is; the message shows the last document.
+    pub async fn engine_state_until(&self, iid: &str, state: &str) -> Value {
+        let what = format!("{iid} {state}");
+        let wanted = |d: &narwhal_shared::documents::Lifecycle| {
+            d.engines
+                .get(iid)
+                .is_some_and(|e| e.state.as_str() == state)
+        };
+        self.lifecycle_until(&what, wanted).await;
+        self.lifecycle_json().await
+    }
+
+    /// Drains engine `iid` alone, which must answer 200, and waits for its `drain_complete`
+    /// journal event ([`RouterHandle::journal_event`]); the drain's lifecycle document.
+    ///
+    /// # Panics
+    /// When the drain is refused or never completes.
+    pub async fn drain_to_complete(&self, iid: &str) -> Value {
+        let (status, doc) = self.drain_engine(iid).await;
+        assert_eq!(status, 200, "{doc:#}");
+        self.journal_event("drain_complete", Some(iid)).await;
+        doc
+    }
+}
