@@ -62,7 +62,7 @@ use crate::placement::{EngineSlot, Exclusion};
 
 /// Leg failure classes (behaviour.md 6.2), in the order `/narwhal/state` lists them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum FailureClass {
+pub(crate) enum FailureClass {
     /// Connect error or connection reset before an answer.
     Connection,
     /// A timeout other than a decode read timeout.
@@ -80,7 +80,7 @@ pub enum FailureClass {
 
 impl FailureClass {
     /// All classes, state order.
-    pub const ALL: [FailureClass; 6] = [
+    pub(crate) const ALL: [FailureClass; 6] = [
         FailureClass::Connection,
         FailureClass::Timeout,
         FailureClass::Overload,
@@ -90,7 +90,7 @@ impl FailureClass {
     ];
 
     /// The reference's name.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             FailureClass::Connection => "connection",
             FailureClass::Timeout => "timeout",
@@ -108,7 +108,7 @@ impl FailureClass {
 
 /// How one `GET <engine><health_path>` ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HealthAnswer {
+pub(crate) enum HealthAnswer {
     /// 200.
     Ok,
     /// Another status (a loading engine's 503, a dead vLLM engine's 500, a 404 when the
@@ -122,7 +122,7 @@ pub enum HealthAnswer {
 
 impl HealthAnswer {
     /// Metric outcome label: `passed`, `failed` or `timeout`.
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             HealthAnswer::Ok => "passed",
             HealthAnswer::Unhealthy(_) | HealthAnswer::Unreachable => "failed",
@@ -133,7 +133,7 @@ impl HealthAnswer {
 
 /// What a due probe is for (the state the engine was in when it was handed out).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum ProbeKind {
+pub(crate) enum ProbeKind {
     /// Health gate of an engine awaiting its first 200.
     Gate,
     /// Liveness of a serving engine.
@@ -144,7 +144,7 @@ pub enum ProbeKind {
 
 impl ProbeKind {
     /// Metric `kind` label.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             ProbeKind::Gate => "gate",
             ProbeKind::Liveness => "liveness",
@@ -156,7 +156,7 @@ impl ProbeKind {
 /// One probe handed to the driver; its result comes back in [`Observation::Probe`]. A result
 /// whose engine changed state since the ticket was issued is ignored (stale).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ticket {
+pub(crate) struct Ticket {
     /// Engine index.
     pub iid: usize,
     /// Per-engine sequence number.
@@ -167,7 +167,7 @@ pub struct Ticket {
 
 /// How a probe ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProbeResult {
+pub(crate) enum ProbeResult {
     /// The health answer (gate and liveness probes; a readmission probe whose health step
     /// did not answer 200).
     Health(HealthAnswer),
@@ -182,7 +182,7 @@ pub enum ProbeResult {
 
 /// What the driver observed about one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Observation {
+pub(crate) enum Observation {
     /// A leg on the engine failed with this class.
     LegFailed(FailureClass),
     /// The engine answered a leg with a client-fault 4xx: it is there and reasoning.
@@ -209,7 +209,7 @@ pub enum Observation {
 
 /// Why an engine was ejected (`narwhal_engine_ejections_total{cause}`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum EjectCause {
+pub(crate) enum EjectCause {
     /// A class streak reached `recovery.eject_after`.
     Class(FailureClass),
     /// `recovery.liveness_misses` consecutive liveness probes timed out.
@@ -229,7 +229,7 @@ pub enum EjectCause {
 impl EjectCause {
     /// Label value: the class name, `liveness`, `health_probe`, `inference_probe`,
     /// `process_identity` or `handoff`.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             EjectCause::Class(c) => c.as_str(),
             EjectCause::Liveness => "liveness",
@@ -242,19 +242,19 @@ impl EjectCause {
     }
 
     /// An ejection for failures, which the bound limits (class streaks, liveness misses).
-    pub fn bounded(self) -> bool {
+    pub(crate) fn bounded(self) -> bool {
         matches!(self, EjectCause::Class(_) | EjectCause::Liveness)
     }
 
     /// The engine is not there (or is another process): probed every tick, no backoff.
-    pub fn absence(self) -> bool {
+    pub(crate) fn absence(self) -> bool {
         matches!(self, EjectCause::HealthProbe | EjectCause::ProcessIdentity)
     }
 }
 
 /// A state change the driver must apply (exclusion set, metrics, journal event).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Transition {
+pub(crate) enum Transition {
     /// The engine's health path answered 200: it enters placement (health gate).
     Admitted {
         /// Engine index.
@@ -291,7 +291,7 @@ pub enum Transition {
 
 /// The breaker's settings (fleet file `recovery` and `controller` sections).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Policy {
+pub(crate) struct Policy {
     /// `recovery.eject_after`: consecutive failures of one class that eject.
     pub eject_after: u32,
     /// `recovery.liveness_misses`: consecutive liveness timeouts that eject.
@@ -309,7 +309,7 @@ const MAX_GATE_PROBES: u32 = 8;
 
 /// The public view of one engine's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Status {
+pub(crate) enum Status {
     /// No health 200 yet.
     AwaitingHealth,
     /// In placement.
@@ -386,7 +386,7 @@ const DECODE_CLEARS: [FailureClass; 5] = [
 
 /// Breaker for every engine of the fleet (indexed like the fleet config).
 #[derive(Debug, Clone)]
-pub struct Breaker {
+pub(crate) struct Breaker {
     policy: Policy,
     engines: Vec<EngineState>,
     ejections: BTreeMap<(usize, EjectCause), u64>,
@@ -395,7 +395,7 @@ pub struct Breaker {
 
 impl Breaker {
     /// A breaker for `engines` engines, every one awaiting its first health 200.
-    pub fn new(engines: usize, policy: Policy) -> Self {
+    pub(crate) fn new(engines: usize, policy: Policy) -> Self {
         let policy = Policy {
             eject_after: policy.eject_after.max(1),
             liveness_misses: policy.liveness_misses.max(1),
@@ -411,19 +411,20 @@ impl Breaker {
         }
     }
 
+    #[cfg(test)]
     /// The engine's state.
-    pub fn status(&self, iid: usize) -> Status {
+    pub(crate) fn status(&self, iid: usize) -> Status {
         self.engines[iid].status
     }
 
     /// Is the engine ejected?
-    pub fn is_ejected(&self, iid: usize) -> bool {
+    pub(crate) fn is_ejected(&self, iid: usize) -> bool {
         matches!(self.engines[iid].status, Status::Ejected { .. })
     }
 
     /// Serving while a streak (or the liveness misses) is at its ejection threshold: the
     /// bound kept it in placement.
-    pub fn is_degraded(&self, iid: usize) -> bool {
+    pub(crate) fn is_degraded(&self, iid: usize) -> bool {
         let e = &self.engines[iid];
         e.status == Status::Serving
             && (e.streaks.iter().any(|s| *s >= self.policy.eject_after)
@@ -431,40 +432,40 @@ impl Breaker {
     }
 
     /// Current consecutive-failure count of `class` on the engine.
-    pub fn streak(&self, iid: usize, class: FailureClass) -> u32 {
+    pub(crate) fn streak(&self, iid: usize, class: FailureClass) -> u32 {
         self.engines[iid].streaks[class.idx()]
     }
 
     /// Consecutive liveness probes that timed out.
-    pub fn misses(&self, iid: usize) -> u32 {
+    pub(crate) fn misses(&self, iid: usize) -> u32 {
         self.engines[iid].misses
     }
 
     /// How many processes the engine has had since the router started (bumped by every
     /// [`Transition::NewProcess`]).
-    pub fn incarnation(&self, iid: usize) -> u64 {
+    pub(crate) fn incarnation(&self, iid: usize) -> u64 {
         self.engines[iid].incarnation
     }
 
     /// Whether a gate probe of this engine was answered (any answer but a timeout) or it
     /// left the gate: the router's startup waits for every engine to be settled.
-    pub fn settled(&self, iid: usize) -> bool {
+    pub(crate) fn settled(&self, iid: usize) -> bool {
         let e = &self.engines[iid];
         e.status != Status::AwaitingHealth || e.answered
     }
 
     /// Ejections so far by (engine, cause).
-    pub fn ejections(&self) -> &BTreeMap<(usize, EjectCause), u64> {
+    pub(crate) fn ejections(&self) -> &BTreeMap<(usize, EjectCause), u64> {
         &self.ejections
     }
 
     /// Readmissions so far by (engine, evidence).
-    pub fn readmissions(&self) -> &BTreeMap<(usize, &'static str), u64> {
+    pub(crate) fn readmissions(&self) -> &BTreeMap<(usize, &'static str), u64> {
         &self.readmissions
     }
 
     /// Feed one observation; returns the transitions it caused.
-    pub fn observe(
+    pub(crate) fn observe(
         &mut self,
         iid: usize,
         obs: Observation,
@@ -556,7 +557,7 @@ impl Breaker {
     }
 
     /// The ejection bound (module doc).
-    pub fn may_eject(&self, iid: usize, slots: &[EngineSlot]) -> bool {
+    pub(crate) fn may_eject(&self, iid: usize, slots: &[EngineSlot]) -> bool {
         let Some(role) = slots.get(iid).map(|s| s.role) else {
             return false;
         };
@@ -724,7 +725,7 @@ impl Breaker {
     /// health of engines the lifecycle holds (draining, validating) is left to it (a planned
     /// restart is not an absence); an ejected engine is probed even when held, so a failed
     /// recovery validation is retried (docs/deviations.md).
-    pub fn due_probes(&mut self, now: Instant, slots: &[EngineSlot]) -> Vec<Ticket> {
+    pub(crate) fn due_probes(&mut self, now: Instant, slots: &[EngineSlot]) -> Vec<Ticket> {
         let mut out = Vec::new();
         for (iid, e) in self.engines.iter_mut().enumerate() {
             let held = slots.get(iid).is_some_and(held);
@@ -748,7 +749,12 @@ impl Breaker {
 
     /// Ejects the engine now for an unbounded `cause` (process identity changed, a restored
     /// handoff) unless it already is ejected.
-    pub fn eject_now(&mut self, iid: usize, cause: EjectCause, now: Instant) -> Vec<Transition> {
+    pub(crate) fn eject_now(
+        &mut self,
+        iid: usize,
+        cause: EjectCause,
+        now: Instant,
+    ) -> Vec<Transition> {
         let mut out = Vec::new();
         if !self.is_ejected(iid) {
             self.eject(iid, cause, now, &mut out);

@@ -16,7 +16,7 @@ use crate::config::Backend;
 
 /// Which completion route.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Endpoint {
+pub(crate) enum Endpoint {
     /// `/v1/completions`.
     Completions,
     /// `/v1/chat/completions`.
@@ -25,7 +25,7 @@ pub enum Endpoint {
 
 impl Endpoint {
     /// The request path, also used for both upstream legs.
-    pub fn path(self) -> &'static str {
+    pub(crate) fn path(self) -> &'static str {
         match self {
             Endpoint::Completions => "/v1/completions",
             Endpoint::Chat => "/v1/chat/completions",
@@ -35,7 +35,7 @@ impl Endpoint {
 
 /// A request that passed ingress.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Validated {
+pub(crate) struct Validated {
     /// The client body with `model` set to the configured model.
     pub body: Map<String, Value>,
     /// Client wants SSE.
@@ -61,7 +61,7 @@ pub struct Validated {
 
 /// Why ingress refused a request. Each maps to one status and error body (1.9).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum IngressError {
+pub(crate) enum IngressError {
     /// Body over `serving.max_request_bytes` → 413 `request_too_large`.
     #[error("request body exceeds serving.max_request_bytes ({limit} bytes)")]
     TooLarge {
@@ -126,7 +126,7 @@ pub enum IngressError {
 impl IngressError {
     /// The error `type` of the body (behaviour.md 1.9): `request_too_large` for an
     /// oversized body, `invalid_request_error` for everything else.
-    pub fn error_type(&self) -> &'static str {
+    pub(crate) fn error_type(&self) -> &'static str {
         match self {
             IngressError::TooLarge { .. } => "request_too_large",
             _ => "invalid_request_error",
@@ -134,7 +134,7 @@ impl IngressError {
     }
 
     /// HTTP status and JSON body (behaviour.md 1.9).
-    pub fn response(&self) -> (StatusCode, Value) {
+    pub(crate) fn response(&self) -> (StatusCode, Value) {
         let message = self.to_string();
         match self {
             IngressError::TooLarge { .. } => (
@@ -199,7 +199,7 @@ const RESERVED_XARGS: &[&str] = &[
 /// # Errors
 /// The first rule broken, in the reference's stage order: JSON, shapes, reserved fields,
 /// non-streaming restrictions, model, sampling width.
-pub fn validate(
+pub(crate) fn validate(
     endpoint: Endpoint,
     bytes: &[u8],
     model: &str,
@@ -381,7 +381,7 @@ fn batch_of(body: &Map<String, Value>) -> Option<&[Value]> {
 /// The prompts of a batched request, in order (`None` for a single prompt). Each is served
 /// as its own request (its own prefill, descriptor and decode) and answered as choice `k`
 /// of one response (docs/http-api.md, request shapes the split cannot serve as one request).
-pub fn batch_prompts(v: &Validated) -> Option<&[Value]> {
+pub(crate) fn batch_prompts(v: &Validated) -> Option<&[Value]> {
     if v.prompt_count > 1 {
         batch_of(&v.body)
     } else {
@@ -393,7 +393,7 @@ pub fn batch_prompts(v: &Validated) -> Option<&[Value]> {
 ///
 /// # Errors
 /// [`IngressError::TooManyPrompts`].
-pub fn check_batch(v: &Validated, limit: usize) -> Result<(), IngressError> {
+pub(crate) fn check_batch(v: &Validated, limit: usize) -> Result<(), IngressError> {
     if v.prompt_count > limit {
         return Err(IngressError::TooManyPrompts {
             count: v.prompt_count,
@@ -419,7 +419,7 @@ fn asks_prompt_logprobs(endpoint: Endpoint, body: &Map<String, Value>) -> Option
 
 /// Estimated tokens of one prompt (a string or a token-id list), as [`Validated::input_len`]
 /// sizes a whole request.
-pub fn size_prompt(prompt: &Value, chars_per_token: f64) -> u64 {
+pub(crate) fn size_prompt(prompt: &Value, chars_per_token: f64) -> u64 {
     let mut m = Map::new();
     m.insert("prompt".into(), prompt.clone());
     size_input(&m, chars_per_token)

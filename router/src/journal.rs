@@ -23,10 +23,10 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 /// Rows queued before the writer falls behind and rows are dropped.
-pub const JOURNAL_CAPACITY: usize = 8192;
+pub(crate) const JOURNAL_CAPACITY: usize = 8192;
 
 /// Journal schema name and version.
-pub const SCHEMA: &str = "narwhal.journal";
+pub(crate) const SCHEMA: &str = "narwhal.journal";
 
 /// Opening the journal failed.
 #[derive(Debug, thiserror::Error)]
@@ -39,14 +39,14 @@ pub struct JournalError {
 }
 
 /// A run id `"<unix secs>-<8 hex>"` (behaviour.md 7.8), `wall_s` = process start.
-pub fn run_id(wall_s: f64) -> String {
+pub(crate) fn run_id(wall_s: f64) -> String {
     let hex = uuid::Uuid::new_v4().simple().to_string();
     format!("{}-{}", wall_s as u64, &hex[..8])
 }
 
 /// The header row (architecture.md 9.8: it carries the run id, unlike the reference) with the
 /// admission in force (`serving.admission`, `serving.admission_margin`).
-pub fn header(run: &str, admission: &str, margin: f64) -> Value {
+pub(crate) fn header(run: &str, admission: &str, margin: f64) -> Value {
     let git = env!("NARWHAL_GIT_DESCRIBE");
     json!({"meta": {
         "schema": SCHEMA,

@@ -21,9 +21,9 @@
 //! `executor` owns the machine and applies its decisions. Imports go one way:
 //! `api` → `driver` → (`agent_checks`, `identity`, `executor`) → `machine`, `validation`.
 
-pub mod events;
-pub mod machine;
-pub mod validation;
+pub(crate) mod events;
+pub(crate) mod machine;
+pub(crate) mod validation;
 
 pub(crate) mod action;
 pub(crate) mod agent_checks;
@@ -34,13 +34,5 @@ pub(crate) mod driver;
 pub(crate) mod executor;
 pub(crate) mod identity;
 
-pub use agents::AgentsError;
-pub use check_error::{CheckError, KvEvidence};
-pub use events::{EventKind, LifecycleEvent};
-pub use machine::{
-    DrainPlan, DrainRecord, DrainRequest, DrainState, EngineOutcome, EngineView, Hold, Lifecycle,
-    LifecycleError, Now, Record, RestoreError,
-};
-pub use validation::{
-    Attested, Checks, FabricError, Identity, Plan, Report, fabric_pairs, validate,
-};
+pub(crate) use agents::AgentsError;
+pub(crate) use machine::DrainState;

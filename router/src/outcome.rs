@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 
 /// The seven terminal outcomes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Terminal {
+pub(crate) enum Terminal {
     /// Stream reached `[DONE]` / non-stream reassembled.
     Completed,
     /// Upstream or internal failure.
@@ -37,7 +37,7 @@ pub enum Terminal {
 
 impl Terminal {
     /// The journal `terminal` value.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Terminal::Completed => "completed",
             Terminal::Failed => "failed",
@@ -51,7 +51,7 @@ impl Terminal {
 }
 
 /// Known `failed` reasons, pre-seeded at 0 in state and metrics.
-pub const FAILED_REASONS: &[&str] = &[
+pub(crate) const FAILED_REASONS: &[&str] = &[
     "no_engine",
     "engine_unreachable",
     "engine_connection",
@@ -66,11 +66,11 @@ pub const FAILED_REASONS: &[&str] = &[
     "shutdown",
 ];
 /// Known `rejected` reasons.
-pub const REJECTED_REASONS: &[&str] = &["inflight_limit", "saturated", "not_ready"];
+pub(crate) const REJECTED_REASONS: &[&str] = &["inflight_limit", "saturated", "not_ready"];
 /// Known `expired` reasons.
-pub const EXPIRED_REASONS: &[&str] = &["deadline", "queue_timeout", "handoff"];
+pub(crate) const EXPIRED_REASONS: &[&str] = &["deadline", "queue_timeout", "handoff"];
 /// Known `refused` causes.
-pub const REFUSED_REASONS: &[&str] = &[
+pub(crate) const REFUSED_REASONS: &[&str] = &[
     "queue",
     "prompt",
     "aggregate_unpriced",
@@ -81,7 +81,7 @@ pub const REFUSED_REASONS: &[&str] = &[
 
 /// How one request ended.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Settlement {
+pub(crate) struct Settlement {
     /// Terminal outcome.
     pub terminal: Terminal,
     /// Reason label (`""` for completed/cancelled/invalid).
@@ -96,7 +96,7 @@ pub struct Settlement {
 
 impl Settlement {
     /// A completed request.
-    pub fn completed() -> Self {
+    pub(crate) fn completed() -> Self {
         Settlement {
             terminal: Terminal::Completed,
             reason: String::new(),
@@ -107,7 +107,7 @@ impl Settlement {
     }
 
     /// A cancelled request (client disconnect).
-    pub fn cancelled() -> Self {
+    pub(crate) fn cancelled() -> Self {
         Settlement {
             terminal: Terminal::Cancelled,
             reason: String::new(),
@@ -118,7 +118,7 @@ impl Settlement {
     }
 
     /// Any other outcome.
-    pub fn new(
+    pub(crate) fn new(
         terminal: Terminal,
         reason: &str,
         status: u16,
@@ -137,7 +137,7 @@ impl Settlement {
 
 /// Per-request facts for the journal row (behaviour.md 7.8, the fields that apply).
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct RequestRecord {
+pub(crate) struct RequestRecord {
     /// Router request id (UUID4).
     pub rid: String,
     /// `/v1/completions` or `/v1/chat/completions`.
@@ -180,7 +180,7 @@ pub struct RequestRecord {
 
 impl RequestRecord {
     /// The journal row (without `schema`, `schema_version`, `run`, which the journal adds).
-    pub fn row(&self, s: &Settlement) -> Value {
+    pub(crate) fn row(&self, s: &Settlement) -> Value {
         let mut row = json!({
             "rid": self.rid,
             "arrived": self.arrived,
@@ -216,7 +216,7 @@ impl RequestRecord {
 
 /// Request counters updated by settlements (plus `offered`, counted at ingress).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Tally {
+pub(crate) struct Tally {
     /// Every completion POST seen.
     pub offered: u64,
     /// Settled before sizing.
@@ -274,7 +274,7 @@ impl Default for Tally {
 impl Tally {
     /// Count one settlement; `slo_met` when the request met both SLOs; `sized` when it got
     /// past sizing; `retried` when more than one attempt ran.
-    pub fn apply(&mut self, s: &Settlement, slo_met: bool, sized: bool, retried: bool) {
+    pub(crate) fn apply(&mut self, s: &Settlement, slo_met: bool, sized: bool, retried: bool) {
         if !sized {
             self.unsized_offered += 1;
         }
@@ -331,7 +331,7 @@ impl Tally {
 
     /// `outcome_reasons` for `/narwhal/state` (behaviour.md 1.7): per terminal, every known
     /// reason in its documented order (0 until seen), then the others as seen (sorted).
-    pub fn reasons(&self) -> OutcomeReasons {
+    pub(crate) fn reasons(&self) -> OutcomeReasons {
         let of = |t: &str, known: &[&str]| -> Ordered<u64> {
             let seen = &self.reasons[t];
             let mut ordered: Ordered<u64> = known
@@ -355,7 +355,7 @@ impl Tally {
 }
 
 /// Where settlements go: the router's one accounting place.
-pub trait SettleSink: Send + Sync {
+pub(crate) trait SettleSink: Send + Sync {
     /// Record the final outcome of `record`.
     fn settle(&self, record: RequestRecord, settlement: Settlement);
     /// The settlement for a request dropped without one (cancelled, or expired when its deadline
@@ -364,7 +364,7 @@ pub trait SettleSink: Send + Sync {
 }
 
 /// Exactly-once settlement guard for one request.
-pub struct Pending {
+pub(crate) struct Pending {
     sink: Arc<dyn SettleSink>,
     record: Option<RequestRecord>,
 }
@@ -379,7 +379,7 @@ impl std::fmt::Debug for Pending {
 
 impl Pending {
     /// Guard a new request record.
-    pub fn new(sink: Arc<dyn SettleSink>, record: RequestRecord) -> Self {
+    pub(crate) fn new(sink: Arc<dyn SettleSink>, record: RequestRecord) -> Self {
         Pending {
             sink,
             record: Some(record),
@@ -387,21 +387,14 @@ impl Pending {
     }
 
     /// Mutable access to the record while the request runs.
-    pub fn record(&mut self) -> &mut RequestRecord {
+    pub(crate) fn record(&mut self) -> &mut RequestRecord {
         self.record
             .as_mut()
             .expect("a Pending holds its record until settled")
     }
 
-    /// Read access to the record.
-    pub fn record_ref(&self) -> &RequestRecord {
-        self.record
-            .as_ref()
-            .expect("a Pending holds its record until settled")
-    }
-
     /// Settle now; consumes the guard so a second settlement cannot compile.
-    pub fn settle(mut self, settlement: Settlement) {
+    pub(crate) fn settle(mut self, settlement: Settlement) {
         if let Some(r) = self.record.take() {
             self.sink.settle(r, settlement);
         }

@@ -20,7 +20,7 @@ use crate::config::Role;
 
 /// Why an engine is out of placement (behaviour.md 6.1). An engine with no reason is live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Exclusion {
+pub(crate) enum Exclusion {
     /// The breaker ejected it; the monitor probes it for readmission.
     Ejected,
     /// A lifecycle hold (drain, wave, validation) keeps it out (`Fleet::set_held`).
@@ -33,21 +33,11 @@ pub enum Exclusion {
     AwaitingHealth,
 }
 
-impl Exclusion {
-    /// The reference's name for the set.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Exclusion::Ejected => "ejected",
-            Exclusion::Draining => "draining",
-            Exclusion::Switching => "switching",
-            Exclusion::AwaitingHealth => "awaiting_health",
-        }
-    }
-}
+impl Exclusion {}
 
 /// Which leg a placement or residency count is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Phase {
+pub(crate) enum Phase {
     /// The prefill leg.
     Prefill,
     /// The decode leg (also the single leg of aggregated serving).
@@ -56,25 +46,17 @@ pub enum Phase {
 
 impl Phase {
     /// `"prefill"` or `"decode"`: the label and error `type` used on the wire.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Phase::Prefill => "prefill",
             Phase::Decode => "decode",
-        }
-    }
-
-    /// The pool role that serves this phase.
-    pub fn role(self) -> Role {
-        match self {
-            Phase::Prefill => Role::Prefill,
-            Phase::Decode => Role::Decode,
         }
     }
 }
 
 /// Placement-relevant state of one engine.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EngineSlot {
+pub(crate) struct EngineSlot {
     /// Current pool.
     pub role: Role,
     /// Reasons it is out of placement; empty = live.
@@ -87,7 +69,7 @@ pub struct EngineSlot {
 
 impl EngineSlot {
     /// A live engine with nothing resident.
-    pub fn new(role: Role) -> Self {
+    pub(crate) fn new(role: Role) -> Self {
         EngineSlot {
             role,
             excluded: BTreeSet::new(),
@@ -97,19 +79,19 @@ impl EngineSlot {
     }
 
     /// Live = no exclusion reason.
-    pub fn is_live(&self) -> bool {
+    pub(crate) fn is_live(&self) -> bool {
         self.excluded.is_empty()
     }
 
     /// Outstanding work on the engine: both phases count (one GPU serves both).
-    pub fn outstanding(&self) -> u32 {
+    pub(crate) fn outstanding(&self) -> u32 {
         self.resident_prefill + self.resident_decode
     }
 }
 
 /// How the attempt will be served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Plan {
+pub(crate) enum Plan {
     /// Prefill on `prefill`, decode on `decode` (they may be equal only when the producer is the
     /// only decode candidate).
     Split {
@@ -149,7 +131,7 @@ fn p2c<R: Rng + ?Sized>(slots: &[EngineSlot], candidates: &[usize], rng: &mut R)
 }
 
 /// Live engines of `role` not in `avoid`, in index order.
-pub fn candidates(slots: &[EngineSlot], role: Role, avoid: &BTreeSet<usize>) -> Vec<usize> {
+pub(crate) fn candidates(slots: &[EngineSlot], role: Role, avoid: &BTreeSet<usize>) -> Vec<usize> {
     (0..slots.len())
         .filter(|i| slots[*i].role == role && slots[*i].is_live() && !avoid.contains(i))
         .collect()
@@ -157,15 +139,16 @@ pub fn candidates(slots: &[EngineSlot], role: Role, avoid: &BTreeSet<usize>) -> 
 
 /// Which engines may serve an aggregated (single-leg) request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Aggregate {
+pub(crate) enum Aggregate {
     /// Any live engine, decode-role engines first (vLLM: every engine is `kv_both`).
     AnyRole,
     /// Only decode-role engines (SGLang: a prefill-mode server cannot serve a whole request).
     DecodeOnly,
 }
 
+#[cfg(test)]
 /// Plan one attempt with [`Aggregate::AnyRole`]; see [`plan_with`].
-pub fn plan<R: Rng + ?Sized>(
+pub(crate) fn plan<R: Rng + ?Sized>(
     slots: &[EngineSlot],
     avoid: &BTreeSet<usize>,
     rng: &mut R,
@@ -185,7 +168,7 @@ pub fn plan<R: Rng + ?Sized>(
 /// * Otherwise aggregated (behaviour.md 6.7): p2c over live decode-role engines, then, with
 ///   [`Aggregate::AnyRole`], over any live engine (avoid honoured the same way).
 /// * `None` when no engine may serve.
-pub fn plan_with<R: Rng + ?Sized>(
+pub(crate) fn plan_with<R: Rng + ?Sized>(
     slots: &[EngineSlot],
     avoid: &BTreeSet<usize>,
     aggregate: Aggregate,

@@ -19,7 +19,7 @@ use crate::config::{Serving, secs};
 /// Backoff and attempt limits (`serving.max_attempts`, `serving.retry_base_s`,
 /// `serving.retry_cap_s`).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RetryPolicy {
+pub(crate) struct RetryPolicy {
     /// Attempts per request, the first included (`serving.max_attempts`).
     pub max_attempts: u32,
     /// Backoff base, seconds: attempt `n` waits up to `base × 2^(n-1)`.
@@ -30,7 +30,7 @@ pub struct RetryPolicy {
 
 impl RetryPolicy {
     /// The policy of the fleet file's `serving` section.
-    pub fn from_serving(s: &Serving) -> Self {
+    pub(crate) fn from_serving(s: &Serving) -> Self {
         RetryPolicy {
             max_attempts: s.max_attempts,
             base_s: s.retry_base_s,
@@ -40,7 +40,7 @@ impl RetryPolicy {
 
     /// Full-jitter backoff after failed attempt `n` (1-based): `u × min(cap, base × 2^(n-1))`,
     /// `u` uniform in `[0, 1)`.
-    pub fn backoff(&self, n: u32, u: f64) -> Duration {
+    pub(crate) fn backoff(&self, n: u32, u: f64) -> Duration {
         let base = self.base_s * 2f64.powi(n.saturating_sub(1) as i32);
         let cap = self.cap_s.min(base);
         secs(u * cap)
@@ -49,7 +49,7 @@ impl RetryPolicy {
 
 /// Why no further attempt is made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stop {
+pub(crate) enum Stop {
     /// The failure is not retry-eligible (a client fault, a KV descriptor failure, ...).
     NotTransient,
     /// `serving.max_attempts` attempts ran.
@@ -62,7 +62,7 @@ pub enum Stop {
 
 /// What follows failed attempt `n`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Decision {
+pub(crate) enum Decision {
     /// Back off this long, then run attempt `n + 1` (one budget credit was spent).
     Retry(Duration),
     /// Give up with the last attempt's failure.
@@ -72,7 +72,7 @@ pub enum Decision {
 /// Decides what follows failed attempt `n` (behaviour.md 7.5, in its order: eligibility,
 /// attempt limit, backoff against the deadline, then one budget credit). Only a `Retry`
 /// spends a credit.
-pub fn decide(
+pub(crate) fn decide(
     policy: &RetryPolicy,
     n: u32,
     transient: bool,
@@ -100,7 +100,7 @@ pub fn decide(
 /// The router-wide retry budget (`serving.retry_budget` credits, each retry spends one, each
 /// completed request adds `serving.retry_replenish`, never above the budget).
 #[derive(Debug)]
-pub struct RetryBudget {
+pub(crate) struct RetryBudget {
     /// Credits as `f64` bits.
     credits: AtomicU64,
     cap: f64,
@@ -109,7 +109,7 @@ pub struct RetryBudget {
 
 impl RetryBudget {
     /// A full budget of `cap` credits that gains `replenish` per completed request.
-    pub fn new(cap: u64, replenish: f64) -> Self {
+    pub(crate) fn new(cap: u64, replenish: f64) -> Self {
         let cap = cap as f64;
         RetryBudget {
             credits: AtomicU64::new(cap.to_bits()),
@@ -119,12 +119,12 @@ impl RetryBudget {
     }
 
     /// Credits left.
-    pub fn credits(&self) -> f64 {
+    pub(crate) fn credits(&self) -> f64 {
         f64::from_bits(self.credits.load(Ordering::Relaxed))
     }
 
     /// Spends one credit if at least one is left.
-    pub fn try_spend(&self) -> bool {
+    pub(crate) fn try_spend(&self) -> bool {
         self.credits
             .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |bits| {
                 let c = f64::from_bits(bits);
@@ -134,7 +134,7 @@ impl RetryBudget {
     }
 
     /// Adds the per-request replenishment, capped at the budget.
-    pub fn replenish(&self) {
+    pub(crate) fn replenish(&self) {
         let _ = self
             .credits
             .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |bits| {

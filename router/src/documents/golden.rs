@@ -20,7 +20,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use crate::breaker::{EjectCause, FailureClass};
-use crate::lifecycle::{DrainRequest, DrainState, EngineOutcome, Lifecycle};
+use crate::lifecycle::machine::{DrainRequest, DrainState, EngineOutcome, Lifecycle, Now};
 use crate::parts::Parts;
 use crate::placement::Phase;
 
@@ -77,7 +77,7 @@ fn drain(engines: &[&str], wave: bool) -> DrainRequest {
 }
 
 /// Runs `f` on the lifecycle machine and commits (holds to placement, events).
-fn with_machine(parts: &Parts, f: impl FnOnce(&mut Lifecycle, crate::lifecycle::Now)) {
+fn with_machine(parts: &Parts, f: impl FnOnce(&mut Lifecycle, Now)) {
     let exec = parts.lifecycle.executor();
     let mut lc = exec.lock();
     let now = exec.now();

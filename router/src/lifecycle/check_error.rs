@@ -9,11 +9,11 @@
 /// [`narwhal_shared::TransferEvidence::judged`], which also reads older agents' two-valued
 /// `transferred`. "No record" is never "failed": `Inferred` passes the fabric check
 /// (docs/agent.md, "Transfer evidence").
-pub use narwhal_shared::agent_protocol::TransferVerdict as KvEvidence;
+pub(crate) use narwhal_shared::agent_protocol::TransferVerdict as KvEvidence;
 
 /// Why one check could not pass. Each names what failed; validation prefixes the check.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum CheckError {
+pub(crate) enum CheckError {
     /// The engine id is not in the fleet file.
     #[error("{iid} is not configured")]
     Unconfigured {

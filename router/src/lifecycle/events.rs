@@ -7,7 +7,7 @@ use serde_json::{Map, Value, json};
 
 /// What happened, with the fields of its event row.
 #[derive(Debug, Clone, PartialEq)]
-pub enum EventKind {
+pub(crate) enum EventKind {
     /// An engine left placement for a drain (`drain_started`).
     DrainStarted {
         /// The engine.
@@ -138,7 +138,7 @@ pub enum EventKind {
 
 /// One lifecycle event at wall time `at` (Unix seconds).
 #[derive(Debug, Clone, PartialEq)]
-pub struct LifecycleEvent {
+pub(crate) struct LifecycleEvent {
     /// When, wall-clock Unix seconds.
     pub at: f64,
     /// What.
@@ -147,7 +147,7 @@ pub struct LifecycleEvent {
 
 impl LifecycleEvent {
     /// The event's `action` name.
-    pub fn action(&self) -> &'static str {
+    pub(crate) fn action(&self) -> &'static str {
         match &self.kind {
             EventKind::DrainStarted { .. } => "drain_started",
             EventKind::WaveStarted { .. } => "wave_started",
@@ -169,7 +169,7 @@ impl LifecycleEvent {
     }
 
     /// The engine the event is about, if one.
-    pub fn iid(&self) -> Option<&str> {
+    pub(crate) fn iid(&self) -> Option<&str> {
         match &self.kind {
             EventKind::DrainStarted { iid, .. }
             | EventKind::ProcessRecorded { iid, .. }
@@ -191,7 +191,7 @@ impl LifecycleEvent {
     }
 
     /// The wave the event is about, `""` when none.
-    pub fn wave_id(&self) -> &str {
+    pub(crate) fn wave_id(&self) -> &str {
         match &self.kind {
             EventKind::DrainStarted { wave_id, .. }
             | EventKind::WaveStarted { wave_id, .. }
@@ -214,7 +214,7 @@ impl LifecycleEvent {
 
     /// The event row: `event`, `action`, `at`, then the kind's fields in the reference's
     /// order.
-    pub fn to_json(&self) -> Value {
+    pub(crate) fn to_json(&self) -> Value {
         let fields = match &self.kind {
             EventKind::DrainStarted { iid, wave_id }
             | EventKind::DrainComplete { iid, wave_id }

@@ -23,12 +23,14 @@
 //! | `document.rs` | [`EngineView`] and the `narwhal.lifecycle` document |
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::time::{Duration, Instant};
+#[cfg(test)]
+use std::time::Duration;
+use std::time::Instant;
 
 use serde_json::Value;
 
 use super::events::{EventKind, LifecycleEvent};
-pub use crate::config::RestartPolicy;
+pub(crate) use crate::config::RestartPolicy;
 
 mod cancel;
 mod document;
@@ -42,23 +44,23 @@ mod restore;
 mod tests;
 mod wave;
 
-pub use document::EngineView;
-pub use drain::{DrainPlan, DrainRequest};
-pub use narwhal_shared::handoff::{DrainRecord, DrainState};
-pub use readmission::EngineOutcome;
-pub use record::{Hold, Record};
-pub use refusal::LifecycleError;
-pub use restore::RestoreError;
+pub(crate) use document::EngineView;
+pub(crate) use drain::DrainRequest;
+pub(crate) use narwhal_shared::handoff::DrainState;
+pub(crate) use readmission::EngineOutcome;
+pub(crate) use record::Record;
+pub(crate) use refusal::LifecycleError;
+pub(crate) use restore::RestoreError;
 
 /// Largest accepted drain deadline, seconds (one year).
-pub const MAX_DEADLINE_S: f64 = 365.0 * 24.0 * 3600.0;
+pub(crate) const MAX_DEADLINE_S: f64 = 365.0 * 24.0 * 3600.0;
 
 /// How many lifecycle events the document keeps (behaviour.md 4.1).
-pub const EVENT_HISTORY: usize = 200;
+pub(crate) const EVENT_HISTORY: usize = 200;
 
 /// A reading of both clocks, taken once by the driver per operation.
 #[derive(Debug, Clone, Copy)]
-pub struct Now {
+pub(crate) struct Now {
     /// Monotonic time, for drain deadlines.
     pub mono: Instant,
     /// Wall-clock Unix seconds, for persisted and displayed times (`requested_at`, `at`).
@@ -66,8 +68,9 @@ pub struct Now {
 }
 
 impl Now {
+    #[cfg(test)]
     /// Both readings moved forward by `by`.
-    pub fn after(self, by: Duration) -> Now {
+    pub(crate) fn after(self, by: Duration) -> Now {
         Now {
             mono: self.mono + by,
             wall: self.wall + by.as_secs_f64(),
@@ -77,7 +80,7 @@ impl Now {
 
 /// The lifecycle manager for one fleet.
 #[derive(Debug, Clone)]
-pub struct Lifecycle {
+pub(crate) struct Lifecycle {
     engines: Vec<String>,
     policy: RestartPolicy,
     records: BTreeMap<String, Record>,
@@ -94,7 +97,7 @@ pub struct Lifecycle {
 
 impl Lifecycle {
     /// A manager for the configured engines (config order) under `policy`.
-    pub fn new(engines: Vec<String>, policy: RestartPolicy) -> Self {
+    pub(crate) fn new(engines: Vec<String>, policy: RestartPolicy) -> Self {
         Self {
             engines,
             policy,
@@ -108,25 +111,20 @@ impl Lifecycle {
         }
     }
 
-    /// The configured restart policy.
-    pub fn policy(&self) -> RestartPolicy {
-        self.policy
-    }
-
     /// An engine's state (`Active` without a record).
-    pub fn state(&self, iid: &str) -> DrainState {
+    pub(crate) fn state(&self, iid: &str) -> DrainState {
         self.records
             .get(iid)
             .map_or(DrainState::Active, |r| r.state)
     }
 
     /// An engine's record, if it has one.
-    pub fn record(&self, iid: &str) -> Option<&Record> {
+    pub(crate) fn record(&self, iid: &str) -> Option<&Record> {
         self.records.get(iid)
     }
 
     /// Engines held out of placement by the lifecycle (any non-`active` record).
-    pub fn held(&self) -> BTreeSet<String> {
+    pub(crate) fn held(&self) -> BTreeSet<String> {
         self.records
             .values()
             .filter(|r| r.state != DrainState::Active)
@@ -135,38 +133,39 @@ impl Lifecycle {
     }
 
     /// The active wave id, `""` when none.
-    pub fn wave_id(&self) -> &str {
+    pub(crate) fn wave_id(&self) -> &str {
         &self.wave_id
     }
 
     /// Why router-wide readiness is withdrawn (`whole-wave drain <id>`, ...), `""` when not.
-    pub fn blocked_reason(&self) -> &str {
+    pub(crate) fn blocked_reason(&self) -> &str {
         &self.blocked_reason
     }
 
     /// Last accepted process start per engine (Unix seconds).
-    pub fn process_starts(&self) -> &BTreeMap<String, f64> {
+    pub(crate) fn process_starts(&self) -> &BTreeMap<String, f64> {
         &self.process_starts
     }
 
     /// Accepts `start` as the engine's verified process start (identity check at startup).
-    pub fn accept_process_start(&mut self, iid: &str, start: f64) {
+    pub(crate) fn accept_process_start(&mut self, iid: &str, start: f64) {
         self.process_starts.insert(iid.to_string(), start);
     }
 
+    #[cfg(test)]
     /// The last [`EVENT_HISTORY`] events, oldest first.
-    pub fn events(&self) -> impl Iterator<Item = &Value> {
+    pub(crate) fn events(&self) -> impl Iterator<Item = &Value> {
         self.events.iter()
     }
 
     /// Events emitted since the last call, for the journal.
-    pub fn take_events(&mut self) -> Vec<LifecycleEvent> {
+    pub(crate) fn take_events(&mut self) -> Vec<LifecycleEvent> {
         std::mem::take(&mut self.pending)
     }
 
     /// The earliest monotonic instant at which [`Lifecycle::refresh`] could change a state
     /// without a resident-count change (a drain deadline), for the driver's timer.
-    pub fn next_deadline(&self) -> Option<Instant> {
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
         self.records
             .values()
             .filter(|r| r.state == DrainState::Draining)

@@ -11,12 +11,12 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::check_error::CheckError;
 use super::machine::EngineOutcome;
-pub use crate::config::Role;
+pub(crate) use crate::config::Role;
 
 /// The identity a signed answer speaks for: `(boot_id, pid, start_ticks)` plus the process
 /// start in Unix seconds (architecture.md section 4).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Identity {
+pub(crate) struct Identity {
     /// `(boot_id, pid, start_ticks)` rendered as one comparable key.
     pub key: String,
     /// Process start, Unix seconds.
@@ -25,7 +25,7 @@ pub struct Identity {
 
 /// A verified attestation, reduced to what validation needs.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Attested {
+pub(crate) struct Attested {
     /// The process the attestation is bound to.
     pub identity: Identity,
     /// Models the engine serves (as the agent read them from the engine).
@@ -35,7 +35,7 @@ pub struct Attested {
 }
 
 /// The I/O validation needs. Each call returns a [`CheckError`] naming what failed.
-pub trait Checks {
+pub(crate) trait Checks {
     /// `GET <engine>/health` from the router answers 200.
     fn health(&self, iid: &str) -> impl Future<Output = Result<(), CheckError>> + Send;
     /// A signed attestation through the engine's agent, verified (key, nonce, epoch, iid,
@@ -69,7 +69,7 @@ pub trait Checks {
 
 /// What to validate.
 #[derive(Debug, Clone)]
-pub struct Plan {
+pub(crate) struct Plan {
     /// Engines being readmitted (sorted).
     pub targets: Vec<String>,
     /// Every configured engine with its router role, in config order.
@@ -96,7 +96,7 @@ pub struct Plan {
 
 /// Why no fabric pair could be formed (every target fails with it).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum FabricError {
+pub(crate) enum FabricError {
     /// A target is not in the plan's roles.
     #[error("{0} is not a configured engine")]
     Unconfigured(String),
@@ -111,7 +111,7 @@ pub enum FabricError {
 ///
 /// # Errors
 /// [`FabricError`].
-pub fn fabric_pairs(plan: &Plan) -> Result<Vec<(String, String)>, FabricError> {
+pub(crate) fn fabric_pairs(plan: &Plan) -> Result<Vec<(String, String)>, FabricError> {
     let producers: Vec<&String> = plan
         .roles
         .iter()
@@ -178,7 +178,7 @@ pub fn fabric_pairs(plan: &Plan) -> Result<Vec<(String, String)>, FabricError> {
 
 /// Per-engine outcome of a validation run; `passed()` when nobody failed.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Report {
+pub(crate) struct Report {
     /// Outcome of every participant (targets and peers).
     pub engines: BTreeMap<String, EngineOutcome>,
     /// Peers whose process changed behind the router's back (the driver ejects them).
@@ -187,7 +187,7 @@ pub struct Report {
 
 impl Report {
     /// No participant has a failure.
-    pub fn passed(&self) -> bool {
+    pub(crate) fn passed(&self) -> bool {
         self.engines.values().all(|o| o.failures.is_empty())
     }
 
@@ -210,7 +210,7 @@ impl Report {
 
 /// Runs the checks of `plan` in handoff-and-lifecycle.md's order and reports every participant's
 /// outcome. Targets that pass carry the validated process start in `process_start`.
-pub async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str) -> Report {
+pub(crate) async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str) -> Report {
     let mut report = Report::default();
     for t in &plan.targets {
         report.engines.entry(t.clone()).or_default();

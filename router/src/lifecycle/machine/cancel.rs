@@ -19,7 +19,7 @@ impl Lifecycle {
     ///
     /// # Errors
     /// A [`LifecycleError`] (HTTP 409); nothing changes.
-    pub fn begin_cancel_drain(
+    pub(crate) fn begin_cancel_drain(
         &mut self,
         now: Now,
         engines: &[String],
@@ -74,7 +74,7 @@ impl Lifecycle {
     /// A cancel's checks passed on the process the drain recorded: the engine is `active`
     /// again, its validated start accepted, with its own event (`drain_cancelled`). Returns
     /// whether the record was cancelling (`validating`).
-    pub fn drain_cancelled(&mut self, now: Now, iid: &str, outcome: &EngineOutcome) -> bool {
+    pub(crate) fn drain_cancelled(&mut self, now: Now, iid: &str, outcome: &EngineOutcome) -> bool {
         let Some(rec) = self.records.get_mut(iid) else {
             return false;
         };

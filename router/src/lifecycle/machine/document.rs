@@ -9,7 +9,7 @@ use super::record::{Record, wave_str};
 
 /// What the document needs to know about one engine beyond its record.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct EngineView {
+pub(crate) struct EngineView {
     /// Requests of this engine in their prefill leg.
     pub resident_prefill: u32,
     /// Requests of this engine in their decode leg.
@@ -24,7 +24,7 @@ impl Lifecycle {
     /// `"fenced"`, architecture.md 9.1). `view(iid)` gives resident counts and placement
     /// eligibility; `error` is the rejected action's message, `""` on success.
     /// `router.controller` is left `None`: the driver names the controller it saw.
-    pub fn document(
+    pub(crate) fn document(
         &self,
         controls_fleet: &str,
         ready: bool,

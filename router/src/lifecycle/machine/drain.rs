@@ -15,7 +15,7 @@ use crate::lifecycle::events::EventKind;
 
 /// A drain request (`POST /narwhal/lifecycle/drain`).
 #[derive(Debug, Clone, PartialEq)]
-pub struct DrainRequest {
+pub(crate) struct DrainRequest {
     /// Target engine ids; empty with `wave` means every configured engine.
     pub engines: Vec<String>,
     /// Drain the whole fleet as one wave.
@@ -30,7 +30,7 @@ pub struct DrainRequest {
 
 /// What the driver must do after an accepted drain.
 #[derive(Debug, Clone, PartialEq)]
-pub struct DrainPlan {
+pub(crate) struct DrainPlan {
     /// The drain's targets (sorted).
     pub targets: Vec<String>,
     /// Targets whose process identity must be captured (through their agents) and bound
@@ -50,7 +50,7 @@ impl Lifecycle {
     ///
     /// # Errors
     /// A [`LifecycleError`] (HTTP 409); nothing changes.
-    pub fn begin(
+    pub(crate) fn begin(
         &mut self,
         now: Now,
         req: &DrainRequest,
@@ -206,7 +206,7 @@ impl Lifecycle {
     /// last accepted start (a stopped engine stays bound to the process the router verified).
     /// Returns whether an identity is bound; unbound records go `blocked` with the error, and
     /// the same drain request retries the capture.
-    pub fn bind_identity(
+    pub(crate) fn bind_identity(
         &mut self,
         now: Now,
         iid: &str,
@@ -268,7 +268,7 @@ impl Lifecycle {
     /// Evaluates drain progress (behaviour.md 4.5), eagerly: the driver calls it whenever a
     /// resident count changes and at [`Lifecycle::next_deadline`] (architecture.md 9.4). Each
     /// transition emits its event once. `resident(iid)` is the engine's prefill + decode count.
-    pub fn refresh(&mut self, now: Now, resident: impl Fn(&str) -> u32) {
+    pub(crate) fn refresh(&mut self, now: Now, resident: impl Fn(&str) -> u32) {
         let ids: Vec<String> = self.records.keys().cloned().collect();
         for iid in ids {
             let rec = &self.records[&iid];

@@ -14,7 +14,7 @@ use crate::lifecycle::events::EventKind;
 
 /// Result of one engine's validation, as the readmission plan reports it.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct EngineOutcome {
+pub(crate) struct EngineOutcome {
     /// Checks passed, in order.
     pub checks: Vec<String>,
     /// Failures, in order (empty when every check passed).
@@ -29,7 +29,7 @@ impl Lifecycle {
     ///
     /// # Errors
     /// A [`LifecycleError`] (HTTP 409); nothing changes.
-    pub fn mark_validating(
+    pub(crate) fn mark_validating(
         &mut self,
         now: Now,
         engines: &[String],
@@ -94,7 +94,11 @@ impl Lifecycle {
 
     /// Validation failed: every `validating` record goes `blocked` with its own failures, or,
     /// when it had none, the names of the engines that failed (architecture.md 9.7).
-    pub fn validation_failed(&mut self, now: Now, outcome: &BTreeMap<String, EngineOutcome>) {
+    pub(crate) fn validation_failed(
+        &mut self,
+        now: Now,
+        outcome: &BTreeMap<String, EngineOutcome>,
+    ) {
         let failed: Vec<String> = outcome
             .iter()
             .filter(|(_, o)| !o.failures.is_empty())
@@ -142,7 +146,7 @@ impl Lifecycle {
 
     /// Fencing or an internal error interrupted validation: every `validating` record goes
     /// `blocked` with `error`.
-    pub fn abort_validation(&mut self, now: Now, error: &str) {
+    pub(crate) fn abort_validation(&mut self, now: Now, error: &str) {
         let mut outcome = BTreeMap::new();
         for r in self.records.values() {
             if r.state == DrainState::Validating {
@@ -162,7 +166,7 @@ impl Lifecycle {
     /// Every target passed: records go `active` with their validated process start and
     /// checks, and a finished wave releases router readiness (behaviour.md 4.7). Returns the
     /// engines to return to placement.
-    pub fn readmitted(
+    pub(crate) fn readmitted(
         &mut self,
         now: Now,
         outcome: &BTreeMap<String, EngineOutcome>,

@@ -12,7 +12,7 @@ use super::Now;
 /// the wire record's `restart_required`, `wave_id` and drain deadline that can occur. Kept
 /// after readmission (the document still shows `restart_required`).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Hold {
+pub(crate) enum Hold {
     /// A drain of one engine (`restart_required`, no wave): readmission needs a restarted
     /// process. `deadline` is the monotonic drain deadline (`None` for a restored record
     /// that was no longer draining).
@@ -34,17 +34,17 @@ pub enum Hold {
 
 impl Hold {
     /// Readmission requires a process start newer than the recorded one.
-    pub fn restart_required(self) -> bool {
+    pub(crate) fn restart_required(self) -> bool {
         !matches!(self, Hold::Recovery)
     }
 
     /// A member of the active wave.
-    pub fn in_wave(self) -> bool {
+    pub(crate) fn in_wave(self) -> bool {
         matches!(self, Hold::Wave { .. })
     }
 
     /// The monotonic drain deadline, if the hold has one.
-    pub fn deadline(self) -> Option<Instant> {
+    pub(crate) fn deadline(self) -> Option<Instant> {
         match self {
             Hold::Drain { deadline } | Hold::Wave { deadline } => deadline,
             Hold::Recovery => None,
@@ -63,7 +63,7 @@ impl Hold {
 /// One engine's lifecycle record as the machine keeps it (behaviour.md 4.1); the wire form
 /// is [`DrainRecord`]. Times are wall-clock Unix seconds.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Record {
+pub(crate) struct Record {
     /// Engine id.
     pub iid: String,
     /// Current state.
@@ -109,12 +109,12 @@ impl Record {
     }
 
     /// Readmission requires a process start newer than `old_process_start`.
-    pub fn restart_required(&self) -> bool {
+    pub(crate) fn restart_required(&self) -> bool {
         self.hold.restart_required()
     }
 
     /// A member of the active wave.
-    pub fn in_wave(&self) -> bool {
+    pub(crate) fn in_wave(&self) -> bool {
         self.hold.in_wave()
     }
 

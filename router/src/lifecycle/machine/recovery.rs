@@ -14,7 +14,12 @@ impl Lifecycle {
     /// ejection"). Returns `false` when it
     /// must not start now: another lifecycle action holds an engine, or under `whole_wave`
     /// (which instead requires a restart wave, see [`Lifecycle::require_restart_wave`]).
-    pub fn start_recovery_validation(&mut self, now: Now, iid: &str, new_wave_id: &str) -> bool {
+    pub(crate) fn start_recovery_validation(
+        &mut self,
+        now: Now,
+        iid: &str,
+        new_wave_id: &str,
+    ) -> bool {
         if !self.engines.iter().any(|e| e == iid) {
             return false;
         }
@@ -51,7 +56,7 @@ impl Lifecycle {
     /// Returns `false` (nothing changes) during a wave, for an unknown engine, or when the
     /// engine has a lifecycle record other than a failed recovery (`blocked`, no restart
     /// required, no wave).
-    pub fn join_recovery(&mut self, now: Now, iid: &str) -> bool {
+    pub(crate) fn join_recovery(&mut self, now: Now, iid: &str) -> bool {
         if !self.wave_id.is_empty() || !self.engines.iter().any(|e| e == iid) {
             return false;
         }

@@ -5,7 +5,7 @@
 /// `error` (behaviour.md 4.3, 4.7, 1.10; the wording is the reference's, byte for byte,
 /// because supervisors match on it).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum LifecycleError {
+pub(crate) enum LifecycleError {
     /// Non-wave drain under `whole_wave`.
     #[error("engine_restart_policy requires a whole-wave drain")]
     PolicyRequiresWave,

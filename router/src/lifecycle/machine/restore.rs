@@ -11,7 +11,7 @@ use super::{EVENT_HISTORY, Lifecycle, MAX_DEADLINE_S, Now};
 
 /// Why a handoff's lifecycle part cannot be restored (nothing changes then).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum RestoreError {
+pub(crate) enum RestoreError {
     /// The writer ran another `engine_restart_policy`.
     #[error("handoff engine restart policy mismatch")]
     PolicyMismatch,
@@ -28,7 +28,7 @@ pub enum RestoreError {
 impl Lifecycle {
     /// The durable part for the handoff (behaviour.md 2.1 `lifecycle`): records sorted by
     /// engine id, the last events, the policy and the accepted process starts.
-    pub fn export(&self) -> narwhal_shared::handoff::LifecycleState {
+    pub(crate) fn export(&self) -> narwhal_shared::handoff::LifecycleState {
         narwhal_shared::handoff::LifecycleState {
             wave_id: self.wave_id.clone(),
             records: self
@@ -50,7 +50,7 @@ impl Lifecycle {
     ///
     /// # Errors
     /// [`RestoreError`] naming the offending record; nothing changes then.
-    pub fn restore(
+    pub(crate) fn restore(
         &mut self,
         now: Now,
         state: &narwhal_shared::handoff::LifecycleState,

@@ -20,7 +20,7 @@ impl Lifecycle {
 
     /// Every member of the active wave is drained. False when no wave is active
     /// (architecture.md 9.3; the reference compares non-wave records, behaviour.md 11.4).
-    pub fn wave_ready_to_stop(&self) -> bool {
+    pub(crate) fn wave_ready_to_stop(&self) -> bool {
         let members = self.wave_members();
         !members.is_empty()
             && members
@@ -29,7 +29,7 @@ impl Lifecycle {
     }
 
     /// The external supervisor may stop this engine's process now (behaviour.md 4.6).
-    pub fn ready_to_stop(&self, iid: &str) -> bool {
+    pub(crate) fn ready_to_stop(&self, iid: &str) -> bool {
         self.records.get(iid).is_some_and(|r| {
             r.old_process_start.is_some()
                 && r.state == DrainState::Drained
@@ -39,7 +39,13 @@ impl Lifecycle {
 
     /// Holds every engine in a new restart-required wave (behaviour.md 4.9). A no-op while
     /// a wave is active unless `reset`.
-    pub fn require_restart_wave(&mut self, now: Now, reason: &str, reset: bool, new_wave_id: &str) {
+    pub(crate) fn require_restart_wave(
+        &mut self,
+        now: Now,
+        reason: &str,
+        reset: bool,
+        new_wave_id: &str,
+    ) {
         if !self.wave_id.is_empty() && !reset {
             return;
         }

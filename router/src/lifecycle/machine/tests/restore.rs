@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use super::super::record::Hold;
 use super::super::*;
 use super::{drain, drained, lc, ok, secs, set, t0};
 
