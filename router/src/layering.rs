@@ -1,15 +1,34 @@
-//! The module graph check: the router's modules depend on each other in one direction. It reads
-//! every file under `router/src` (binaries aside), collects the module paths each one names (`use`
-//! trees and inline `crate::` / `super::` / `self::` paths, test modules left out), and fails when
+//! The module graph check: the router's modules depend on each other in one direction.
+//!
+//! This checks what Cargo cannot. The leaf cores are crates of their own (`narwhal-relay` in
+//! router/relay, `narwhal-lease` in router/lease), so Cargo already keeps them from naming the
+//! router; inside this crate any module may name any other, and only this test holds the layers
+//! of the design note in `lib.rs`. It reads every file under `router/src` (binaries aside),
+//! parses it with `syn`, collects the module paths it names (`use` trees, and `crate::` /
+//! `super::` / `self::` paths in code and in macro bodies), resolves them to the crate's
+//! modules and fails when
 //! - the top-level modules (`fleet`, `lifecycle`, `ha`, ..., and the crate root) form a cycle,
 //! - or, inside one top-level module, its files do (edges between a module and its own
 //!   ancestors are structure, not layering: a parent re-exports its children's items).
 //!
-//! The failure names every module of the cycle and, for each edge, the file and line that
-//! makes it. The design note in `lib.rs` lists the intended layers.
+//! Test code may use any layer: items under `#[cfg(test)]`, and the files of test modules
+//! (`#[cfg(test)] mod tests;`), make no edge. The failure names every module of the cycle and,
+//! for each edge, the file and line that makes it.
+//!
+//! A second test holds the design note's limit on shared mutable state: no struct with more
+//! than eight fields whose types name a lock, an atomic, a cell or a metric handle.
+//!
+//! The parsing is syn's (a dev-dependency; proc-macro2's `span-locations` gives the lines), so
+//! comments and literals never name a module. Ours are the module resolution, the cycle search
+//! and the shared-state rule.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
+
+use proc_macro2::{Spacing, TokenStream, TokenTree};
+use syn::punctuated::Punctuated;
+use syn::visit::{self, Visit};
+use syn::{Attribute, Fields, ImplItem, Item, Meta, Token, UseTree};
 
 /// One `a -> b` dependency and where it is written.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,319 +48,283 @@ fn module_of(rel: &str) -> String {
     rel.replace('/', "::")
 }
 
-/// The source with comments, string and char literals blanked (line breaks kept, so line
-/// numbers stay right).
-fn strip(src: &str) -> String {
-    let b = src.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    let blank = |out: &mut Vec<u8>, c: u8| out.push(if c == b'\n' { b'\n' } else { b' ' });
-    while i < b.len() {
-        let c = b[i];
-        if c == b'/' && b.get(i + 1) == Some(&b'/') {
-            while i < b.len() && b[i] != b'\n' {
-                out.push(b' ');
-                i += 1;
-            }
-        } else if c == b'/' && b.get(i + 1) == Some(&b'*') {
-            let mut depth = 0;
-            while i < b.len() {
-                if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
-                    depth += 1;
-                    out.extend_from_slice(b"  ");
-                    i += 2;
-                } else if b[i] == b'*' && b.get(i + 1) == Some(&b'/') {
-                    depth -= 1;
-                    out.extend_from_slice(b"  ");
-                    i += 2;
-                    if depth == 0 {
-                        break;
-                    }
-                } else {
-                    blank(&mut out, b[i]);
-                    i += 1;
-                }
-            }
-        } else if c == b'r' && matches!(b.get(i + 1), Some(b'"' | b'#')) && !ident_before(b, i) {
-            // Raw string r"..." / r#"..."#.
-            let mut j = i + 1;
-            let mut hashes = 0;
-            while b.get(j) == Some(&b'#') {
-                hashes += 1;
-                j += 1;
-            }
-            if b.get(j) != Some(&b'"') {
-                out.push(c);
-                i += 1;
-                continue;
-            }
-            let close: Vec<u8> = std::iter::once(b'"')
-                .chain(std::iter::repeat_n(b'#', hashes))
-                .collect();
-            let end = b[j + 1..]
-                .windows(close.len())
-                .position(|w| w == close.as_slice())
-                .map_or(b.len(), |p| j + 1 + p + close.len());
-            for &x in &b[i..end] {
-                blank(&mut out, x);
-            }
-            i = end;
-        } else if c == b'"' {
-            out.push(b' ');
-            i += 1;
-            while i < b.len() && b[i] != b'"' {
-                if b[i] == b'\\' {
-                    blank(&mut out, b[i]);
-                    i += 1;
-                }
-                if i < b.len() {
-                    blank(&mut out, b[i]);
-                    i += 1;
-                }
-            }
-            out.push(b' ');
-            i += 1;
-        } else if c == b'\'' && (b.get(i + 2) == Some(&b'\'') || b.get(i + 1) == Some(&b'\\')) {
-            // A char literal ('x', '\n', '\u{..}'); a lifetime has no closing quote.
-            let end = b[i + 1..]
-                .iter()
-                .skip(1)
-                .position(|&x| x == b'\'')
-                .map_or(b.len(), |p| i + 3 + p);
-            for &x in &b[i..end.min(b.len())] {
-                blank(&mut out, x);
-            }
-            i = end;
-        } else {
-            out.push(c);
-            i += 1;
+/// One file under `src/`: its path there and its text.
+struct Source {
+    file: String,
+    text: String,
+}
+
+/// A file's syntax tree; a file syn cannot parse fails the check.
+fn parse(source: &Source) -> syn::File {
+    syn::parse_file(&source.text).unwrap_or_else(|e| {
+        let line = e.span().start().line;
+        panic!("{}:{line}: {e}", source.file)
+    })
+}
+
+/// Whether `attrs` hold a `#[cfg(test)]` (or `#[cfg(all(test, ..))]`).
+fn under_test(attrs: &[Attribute]) -> bool {
+    fn needs_test(meta: &Meta) -> bool {
+        match meta {
+            Meta::Path(p) => p.is_ident("test"),
+            Meta::List(l) if l.path.is_ident("all") => l
+                .parse_args_with(Punctuated::<Meta, Token![,]>::parse_terminated)
+                .is_ok_and(|all| all.iter().any(needs_test)),
+            _ => false,
         }
     }
-    String::from_utf8_lossy(&out).into_owned()
+    attrs
+        .iter()
+        .any(|a| a.path().is_ident("cfg") && a.parse_args::<Meta>().is_ok_and(|m| needs_test(&m)))
 }
 
-fn ident_before(b: &[u8], i: usize) -> bool {
-    i > 0 && (b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_')
+/// An item's attributes (syn's `Item` has no accessor for them).
+fn item_attrs(item: &Item) -> &[Attribute] {
+    match item {
+        Item::Const(i) => &i.attrs,
+        Item::Enum(i) => &i.attrs,
+        Item::ExternCrate(i) => &i.attrs,
+        Item::Fn(i) => &i.attrs,
+        Item::ForeignMod(i) => &i.attrs,
+        Item::Impl(i) => &i.attrs,
+        Item::Macro(i) => &i.attrs,
+        Item::Mod(i) => &i.attrs,
+        Item::Static(i) => &i.attrs,
+        Item::Struct(i) => &i.attrs,
+        Item::Trait(i) => &i.attrs,
+        Item::TraitAlias(i) => &i.attrs,
+        Item::Type(i) => &i.attrs,
+        Item::Union(i) => &i.attrs,
+        Item::Use(i) => &i.attrs,
+        _ => &[],
+    }
 }
 
-/// Blanks every `#[cfg(test)] mod <name> { ... }` block (test code may use any layer).
-fn drop_test_modules(src: &str) -> String {
-    let mut s = src.to_string();
-    while let Some(at) = find_test_module(&s) {
-        let Some(open) = s[at..].find('{').map(|p| at + p) else {
-            break;
+/// Expands a `use` tree (`a::{b, c::{d as e, *}}`) into full paths, each with the line of its
+/// last name.
+fn expand_use(tree: &UseTree) -> Vec<(Vec<String>, usize)> {
+    fn walk(tree: &UseTree, prefix: &mut Vec<String>, out: &mut Vec<(Vec<String>, usize)>) {
+        let mut leaf = |name: &syn::Ident, prefix: &[String]| {
+            let mut path = prefix.to_vec();
+            if name != "self" {
+                path.push(name.to_string());
+            }
+            out.push((path, name.span().start().line));
         };
-        let mut depth = 0;
-        let mut end = s.len();
-        for (k, ch) in s[open..].char_indices() {
-            match ch {
-                '{' => depth += 1,
-                '}' => {
-                    depth -= 1;
-                    if depth == 0 {
-                        end = open + k + 1;
-                        break;
+        match tree {
+            UseTree::Path(p) => {
+                prefix.push(p.ident.to_string());
+                walk(&p.tree, prefix, out);
+                prefix.pop();
+            }
+            UseTree::Name(n) => leaf(&n.ident, prefix),
+            UseTree::Rename(r) => leaf(&r.ident, prefix),
+            UseTree::Glob(g) => out.push((prefix.clone(), g.star_token.span.start().line)),
+            UseTree::Group(g) => g.items.iter().for_each(|t| walk(t, prefix, out)),
+        }
+    }
+    let mut out = Vec::new();
+    walk(tree, &mut Vec::new(), &mut out);
+    out
+}
+
+/// The first names of the paths in code that may name a module of this crate.
+const ANCHORS: [&str; 3] = ["crate", "super", "self"];
+
+/// One path a file names: from where (the inline modules around it), what, and on which line.
+struct Named {
+    inline: Vec<String>,
+    path: Vec<String>,
+    line: usize,
+}
+
+/// Collects the paths a file names, skipping items under `#[cfg(test)]`.
+#[derive(Default)]
+struct Paths {
+    /// The inline modules (`mod docs { .. }`) the walk is in.
+    inline: Vec<String>,
+    found: Vec<Named>,
+    /// The modules under `#[cfg(test)]` (`mod tests;` and inline), from the file's module.
+    test_modules: Vec<Vec<String>>,
+}
+
+impl Paths {
+    fn push(&mut self, path: Vec<String>, line: usize) {
+        let inline = self.inline.clone();
+        self.found.push(Named { inline, path, line });
+    }
+
+    /// `crate::` / `super::` / `self::` paths in a macro's tokens (syn leaves macro bodies
+    /// unparsed; comments are gone and literals are tokens of their own).
+    fn scan_tokens(&mut self, tokens: TokenStream) {
+        let tts: Vec<TokenTree> = tokens.into_iter().collect();
+        // A `::` at `j`.
+        let sep = |j: usize| match (tts.get(j), tts.get(j + 1)) {
+            (Some(TokenTree::Punct(a)), Some(TokenTree::Punct(b))) => {
+                a.as_char() == ':' && a.spacing() == Spacing::Joint && b.as_char() == ':'
+            }
+            _ => false,
+        };
+        let mut k = 0;
+        while k < tts.len() {
+            match &tts[k] {
+                TokenTree::Group(g) => self.scan_tokens(g.stream()),
+                TokenTree::Ident(i) if ANCHORS.iter().any(|a| i == a) => {
+                    let mut path = vec![i.to_string()];
+                    while sep(k + 1) {
+                        let Some(TokenTree::Ident(next)) = tts.get(k + 3) else {
+                            break;
+                        };
+                        path.push(next.to_string());
+                        k += 3;
+                    }
+                    if path.len() > 1 {
+                        self.push(path, i.span().start().line);
                     }
                 }
                 _ => {}
             }
+            k += 1;
         }
-        let blanked: String = s[at..end]
-            .chars()
-            .map(|c| if c == '\n' { '\n' } else { ' ' })
-            .collect();
-        s.replace_range(at..end, &blanked);
     }
-    s
 }
 
-fn find_test_module(s: &str) -> Option<usize> {
-    let mut from = 0;
-    while let Some(p) = s[from..].find("#[cfg(test)]") {
-        let at = from + p;
-        let rest = s[at + "#[cfg(test)]".len()..].trim_start();
-        let rest = rest
-            .strip_prefix("pub(crate)")
-            .or_else(|| rest.strip_prefix("pub"))
-            .unwrap_or(rest)
-            .trim_start();
-        if rest.starts_with("mod ")
-            && rest
-                .split(['{', ';'])
-                .next()
-                .is_some_and(|h| rest.len() > h.len() && rest.as_bytes()[h.len()] == b'{')
-        {
-            return Some(at);
+impl<'ast> Visit<'ast> for Paths {
+    fn visit_item(&mut self, item: &'ast Item) {
+        if !under_test(item_attrs(item)) {
+            visit::visit_item(self, item);
+        } else if let Item::Mod(m) = item {
+            let mut path = self.inline.clone();
+            path.push(m.ident.to_string());
+            self.test_modules.push(path);
         }
-        from = at + 1;
     }
-    None
-}
 
-/// Expands a `use` tree (`a::{b, c::{d as e, *}}`) into full paths.
-fn expand_use(tree: &str) -> Vec<Vec<String>> {
-    fn parse(s: &str, prefix: &[String], out: &mut Vec<Vec<String>>) {
-        let s = s.trim();
-        if s.is_empty() {
-            return;
+    fn visit_impl_item(&mut self, item: &'ast ImplItem) {
+        let attrs: &[Attribute] = match item {
+            ImplItem::Const(i) => &i.attrs,
+            ImplItem::Fn(i) => &i.attrs,
+            ImplItem::Type(i) => &i.attrs,
+            ImplItem::Macro(i) => &i.attrs,
+            _ => &[],
+        };
+        if !under_test(attrs) {
+            visit::visit_impl_item(self, item);
         }
-        // Split at the first top-level `{`.
-        if let Some(open) = s.find('{') {
-            let head: Vec<String> = s[..open]
-                .split("::")
-                .map(str::trim)
-                .filter(|x| !x.is_empty())
-                .map(String::from)
-                .collect();
-            let close = s.rfind('}').unwrap_or(s.len());
-            let inner = &s[open + 1..close];
-            let mut base = prefix.to_vec();
-            base.extend(head);
-            let mut depth = 0;
-            let mut start = 0;
-            for (k, ch) in inner.char_indices() {
-                match ch {
-                    '{' => depth += 1,
-                    '}' => depth -= 1,
-                    ',' if depth == 0 => {
-                        parse(&inner[start..k], &base, out);
-                        start = k + 1;
-                    }
-                    _ => {}
-                }
+    }
+
+    fn visit_item_mod(&mut self, m: &'ast syn::ItemMod) {
+        self.inline.push(m.ident.to_string());
+        visit::visit_item_mod(self, m);
+        self.inline.pop();
+    }
+
+    fn visit_item_use(&mut self, u: &'ast syn::ItemUse) {
+        // `use ::name::..` is another crate.
+        if u.leading_colon.is_none() {
+            for (path, line) in expand_use(&u.tree) {
+                self.push(path, line);
             }
-            parse(&inner[start..], &base, out);
-        } else {
-            let s = s.split(" as ").next().unwrap_or(s);
-            let mut path = prefix.to_vec();
-            path.extend(
-                s.split("::")
-                    .map(str::trim)
-                    .filter(|x| !x.is_empty() && *x != "*" && *x != "self")
-                    .map(String::from),
-            );
-            out.push(path);
         }
     }
-    let mut out = Vec::new();
-    parse(tree, &[], &mut out);
-    out
+
+    fn visit_path(&mut self, p: &'ast syn::Path) {
+        let anchored = p
+            .segments
+            .first()
+            .is_some_and(|s| ANCHORS.iter().any(|a| s.ident == a));
+        if anchored && p.leading_colon.is_none() && p.segments.len() > 1 {
+            let path = p.segments.iter().map(|s| s.ident.to_string()).collect();
+            self.push(path, p.segments[0].ident.span().start().line);
+        }
+        visit::visit_path(self, p);
+    }
+
+    fn visit_macro(&mut self, m: &'ast syn::Macro) {
+        visit::visit_macro(self, m);
+        self.scan_tokens(m.tokens.clone());
+    }
+
+    /// `pub(crate)`, `pub(super)`, `pub(in ..)` say who may see an item, not what it uses.
+    fn visit_vis_restricted(&mut self, _: &'ast syn::VisRestricted) {}
 }
 
-/// The module a path names, from module `here`; `None` for paths outside the crate.
-fn resolve(here: &str, path: &[String], modules: &BTreeSet<String>) -> Option<String> {
-    let mut base: Vec<String> = if here.is_empty() {
-        Vec::new()
-    } else {
-        here.split("::").map(String::from).collect()
-    };
+/// The module a path names, from module `here` (a file's module and the inline modules
+/// around the path); `None` for paths outside the crate.
+fn resolve(here: &[&str], path: &[String], modules: &BTreeSet<String>) -> Option<String> {
+    let mut full: Vec<&str> = here.iter().copied().filter(|s| !s.is_empty()).collect();
     let mut rest = path;
-    match rest.first().map(String::as_str) {
-        Some("crate") => {
-            base.clear();
+    match rest.first()?.as_str() {
+        "crate" => {
+            full.clear();
             rest = &rest[1..];
         }
-        Some("super") => {
-            while rest.first().map(String::as_str) == Some("super") {
-                base.pop();
+        "super" => {
+            while rest.first().is_some_and(|s| s == "super") {
+                full.pop();
                 rest = &rest[1..];
             }
         }
-        Some("self") => rest = &rest[1..],
-        Some(first) => {
+        "self" => rest = &rest[1..],
+        first => {
             // A child module named without `self::` (`use machine::Lifecycle` in
             // `lifecycle.rs`); anything else is another crate.
-            let mut child = base.clone();
-            child.push(first.to_string());
+            let mut child = full.clone();
+            child.push(first);
             if !modules.contains(&child.join("::")) {
                 return None;
             }
         }
-        None => return None,
     }
-    // The longest prefix that is a module.
-    let mut target = base.join("::");
-    for seg in rest {
-        let mut next = if target.is_empty() {
-            String::new()
-        } else {
-            format!("{target}::")
-        };
-        next.push_str(seg);
-        if modules.contains(&next) {
-            target = next;
-        } else {
+    full.extend(rest.iter().map(String::as_str));
+    // The longest prefix that is a module (the crate root at least).
+    let mut target = String::new();
+    for k in 1..=full.len() {
+        let prefix = full[..k].join("::");
+        if !modules.contains(&prefix) {
             break;
         }
+        target = prefix;
     }
     Some(target)
 }
 
-/// Every edge the sources (module path → text) make.
-fn edges(sources: &BTreeMap<String, String>) -> Vec<Edge> {
+/// Every edge the sources (module path → file) make; the files of test modules
+/// (`#[cfg(test)] mod tests;`) make none.
+fn edges(sources: &BTreeMap<String, Source>) -> Vec<Edge> {
     let modules: BTreeSet<String> = sources.keys().cloned().collect();
+    let mut named = BTreeMap::new();
+    let mut test_modules = BTreeSet::new();
+    for (module, source) in sources {
+        let mut paths = Paths::default();
+        paths.visit_file(&parse(source));
+        for inner in paths.test_modules {
+            let mut path: Vec<&str> = module.split("::").filter(|s| !s.is_empty()).collect();
+            path.extend(inner.iter().map(String::as_str));
+            test_modules.insert(path.join("::"));
+        }
+        named.insert(module, paths.found);
+    }
     let mut out = Vec::new();
-    for (module, text) in sources {
-        let code = drop_test_modules(&strip(text));
-        let line_of = |pos: usize| code[..pos].matches('\n').count() + 1;
-        let mut push = |path: &[String], pos: usize| {
-            if let Some(to) = resolve(module, path, &modules)
+    for (module, found) in named {
+        if test_modules.iter().any(|t| is_ancestor(t, module)) {
+            continue;
+        }
+        for n in found {
+            let mut here: Vec<&str> = module.split("::").collect();
+            here.extend(n.inline.iter().map(String::as_str));
+            if let Some(to) = resolve(&here, &n.path, &modules)
                 && to != *module
             {
                 out.push(Edge {
                     from: module.clone(),
                     to,
-                    at: format!("{}:{}", file_of(module), line_of(pos)),
+                    at: format!("{}:{}", sources[module].file, n.line),
                 });
-            }
-        };
-        // `use` trees.
-        let mut uses = Vec::new();
-        let mut from = 0;
-        while let Some(p) = code[from..].find("use ") {
-            let at = from + p;
-            from = at + 4;
-            if ident_before(code.as_bytes(), at) {
-                continue;
-            }
-            let Some(end) = code[at..].find(';').map(|e| at + e) else {
-                break;
-            };
-            for path in expand_use(&code[at + 4..end]) {
-                push(&path, at);
-            }
-            uses.push(at..end);
-        }
-        // Inline paths outside `use` statements.
-        for anchor in ["crate::", "super::", "self::"] {
-            let mut from = 0;
-            while let Some(p) = code[from..].find(anchor) {
-                let at = from + p;
-                from = at + anchor.len();
-                if ident_before(code.as_bytes(), at) || uses.iter().any(|r| r.contains(&at)) {
-                    continue;
-                }
-                let path: Vec<String> = code[at..]
-                    .split(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
-                    .next()
-                    .unwrap_or("")
-                    .split("::")
-                    .filter(|x| !x.is_empty())
-                    .map(String::from)
-                    .collect();
-                push(&path, at);
             }
         }
     }
     out
-}
-
-fn file_of(module: &str) -> String {
-    if module.is_empty() {
-        "lib.rs".into()
-    } else {
-        format!("{}.rs", module.replace("::", "/"))
-    }
 }
 
 /// A cycle in `edges` over nodes named by `node`, if any: the nodes in order and the edge
@@ -420,7 +403,7 @@ fn is_ancestor(a: &str, b: &str) -> bool {
 }
 
 /// Checks the sources; `Err` lists each cycle found, one edge per line.
-fn check(sources: &BTreeMap<String, String>) -> Result<(), Vec<String>> {
+fn check(sources: &BTreeMap<String, Source>) -> Result<(), Vec<String>> {
     let edges = edges(sources);
     let mut cycles = Vec::new();
     if let Some(c) = find_cycle(&edges, top, |_, _| true) {
@@ -445,9 +428,9 @@ fn check(sources: &BTreeMap<String, String>) -> Result<(), Vec<String>> {
     }
 }
 
-/// Reads `router/src` (without `bin/`) as module path → text.
-fn read_tree(src: &Path) -> BTreeMap<String, String> {
-    fn walk(dir: &Path, root: &Path, out: &mut BTreeMap<String, String>) {
+/// Reads `router/src` (without `bin/`) as module path → file.
+fn read_tree(src: &Path) -> BTreeMap<String, Source> {
+    fn walk(dir: &Path, root: &Path, out: &mut BTreeMap<String, Source>) {
         let mut entries: Vec<_> = std::fs::read_dir(dir)
             .expect("read src dir")
             .filter_map(Result::ok)
@@ -466,7 +449,7 @@ fn read_tree(src: &Path) -> BTreeMap<String, String> {
                 }
             } else if rel.ends_with(".rs") {
                 let text = std::fs::read_to_string(&p).expect("read source");
-                out.insert(module_of(&rel), text);
+                out.insert(module_of(&rel), Source { file: rel, text });
             }
         }
     }
@@ -501,7 +484,7 @@ fn the_router_modules_form_no_cycle() {
 /// owned handles is fine).
 const MAX_SHARED_STATE_FIELDS: usize = 8;
 
-/// Type words that make a field shared mutable state: locks, atomics, cells, watch senders and
+/// Type names that make a field shared mutable state: locks, atomics, cells, watch senders and
 /// Prometheus metric handles (each an `Arc` over atomics; `HistFamily` is `metrics.rs`'s alias).
 const SHARED_STATE_TYPES: [&str; 12] = [
     "Mutex",
@@ -518,75 +501,48 @@ const SHARED_STATE_TYPES: [&str; 12] = [
     "Histogram",
 ];
 
-/// Per struct (`module::Name`), its fields whose type names one of [`SHARED_STATE_TYPES`] as a
-/// whole word, in order. Reads braced `struct` bodies of the stripped source; test modules
-/// count too.
-fn shared_state_fields(sources: &BTreeMap<String, String>) -> BTreeMap<String, Vec<String>> {
-    let mut out = BTreeMap::new();
-    for (module, text) in sources {
-        let text = strip(text);
-        let mut rest = text.as_str();
-        while let Some(i) = rest.find("struct ") {
-            let before = rest[..i].chars().next_back();
-            rest = &rest[i + "struct ".len()..];
-            if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
-                continue;
-            }
-            let name: String = rest
-                .chars()
-                .take_while(|c| c.is_alphanumeric() || *c == '_')
-                .collect();
-            let Some(open) = rest.find(['{', ';', '(']) else {
-                break;
-            };
-            if rest.as_bytes()[open] != b'{' {
-                continue;
-            }
-            let mut depth = 0usize;
-            let mut end = open;
-            for (k, c) in rest[open..].char_indices() {
-                match c {
-                    '{' => depth += 1,
-                    '}' => {
-                        depth -= 1;
-                        if depth == 0 {
-                            end = open + k;
-                            break;
-                        }
-                    }
-                    _ => {}
-                }
-            }
-            let body = &rest[open + 1..end];
-            let mut fields = Vec::new();
-            // Fields are split at top-level commas (generic arguments nest in `<>`).
-            let (mut angle, mut start) = (0i32, 0);
-            let bytes = body.as_bytes();
-            for k in 0..=bytes.len() {
-                let c = bytes.get(k).copied().unwrap_or(b',');
-                match c {
-                    b'<' | b'(' | b'[' => angle += 1,
-                    b'>' | b')' | b']' => angle -= 1,
-                    b',' if angle == 0 => {
-                        let field = body[start..k.min(body.len())].trim();
-                        start = k + 1;
-                        let Some((fname, ty)) = field.split_once(':') else {
-                            continue;
-                        };
-                        let words = ty
-                            .split(|c: char| !(c.is_alphanumeric() || c == '_'))
-                            .collect::<Vec<_>>();
-                        if words.iter().any(|w| SHARED_STATE_TYPES.contains(w)) {
-                            let fname = fname.split_whitespace().last().unwrap_or("");
-                            fields.push(fname.to_string());
-                        }
-                    }
-                    _ => {}
-                }
-            }
-            out.insert(format!("{module}::{name}"), fields);
-            rest = &rest[end..];
+/// Per struct with named fields (`module::Name`), its fields whose type names one of
+/// [`SHARED_STATE_TYPES`] anywhere in its path segments (`Arc<Mutex<..>>`,
+/// `Family<L, Gauge>`), in order; test modules count too.
+fn shared_state_fields(sources: &BTreeMap<String, Source>) -> BTreeMap<String, Vec<String>> {
+    /// Every path segment's name in a type, generic arguments included.
+    #[derive(Default)]
+    struct Names(Vec<String>);
+    impl<'ast> Visit<'ast> for Names {
+        fn visit_path_segment(&mut self, s: &'ast syn::PathSegment) {
+            self.0.push(s.ident.to_string());
+            visit::visit_path_segment(self, s);
         }
+    }
+    struct Structs<'a> {
+        module: &'a str,
+        out: &'a mut BTreeMap<String, Vec<String>>,
+    }
+    impl<'ast> Visit<'ast> for Structs<'_> {
+        fn visit_item_struct(&mut self, s: &'ast syn::ItemStruct) {
+            if let Fields::Named(named) = &s.fields {
+                let shared = named.named.iter().filter(|f| {
+                    let mut names = Names::default();
+                    names.visit_type(&f.ty);
+                    names
+                        .0
+                        .iter()
+                        .any(|n| SHARED_STATE_TYPES.contains(&n.as_str()))
+                });
+                let fields = shared.filter_map(|f| f.ident.as_ref().map(|i| i.to_string()));
+                let name = format!("{}::{}", self.module, s.ident);
+                self.out.insert(name, fields.collect());
+            }
+            visit::visit_item_struct(self, s);
+        }
+    }
+    let mut out = BTreeMap::new();
+    for (module, source) in sources {
+        let mut structs = Structs {
+            module,
+            out: &mut out,
+        };
+        structs.visit_file(&parse(source));
     }
     out
 }
@@ -618,23 +574,32 @@ mod tests {
 
     #[test]
     fn shared_state_fields_are_counted_per_struct() {
-        let src = BTreeMap::from([(
-            "m".to_string(),
+        let src = tree(&[(
+            "m",
             "pub(crate) struct A {\n    a: Mutex<u8>,\n    b: Family<Labels, Gauge>,\n    \
-             c: BTreeMap<String, u8>,\n    /// a Counter in a comment\n    d: u8,\n}\n\
-             struct B(u8);\nstruct C;\nstruct D { e: Arc<AtomicU64> }\n"
-                .to_string(),
+             c: BTreeMap<String, u8>,\n    /// a Counter in a comment\n    d: u8,\n    \
+             e: [u8; \"Mutex\".len()],\n    pub(crate) f: std::sync::RwLock<Vec<u8>>,\n}\n\
+             struct B(u8);\nstruct C;\nfn g() { struct D { e: Arc<AtomicU64> } }\n",
         )]);
         let f = shared_state_fields(&src);
-        assert_eq!(f["m::A"], ["a", "b"]);
+        assert_eq!(f["m::A"], ["a", "b", "f"]);
         assert_eq!(f["m::D"], ["e"]);
         assert!(!f.contains_key("m::B") && !f.contains_key("m::C"), "{f:?}");
     }
 
-    fn tree(files: &[(&str, &str)]) -> BTreeMap<String, String> {
+    /// Sources at the paths `read_tree` would give them (`a::b` in `a/b.rs`).
+    fn tree(files: &[(&str, &str)]) -> BTreeMap<String, Source> {
+        let file = |m: &str| match m {
+            "" => "lib.rs".to_string(),
+            m => format!("{}.rs", m.replace("::", "/")),
+        };
+        let source = |m: &str, t: &str| Source {
+            file: file(m),
+            text: t.to_string(),
+        };
         files
             .iter()
-            .map(|(m, t)| (m.to_string(), t.to_string()))
+            .map(|(m, t)| (m.to_string(), source(m, t)))
             .collect()
     }
 
@@ -654,22 +619,36 @@ mod tests {
     }
 
     /// Inside a module tree siblings must not import each other in a circle; a parent and
-    /// its children may (re-exports), and test modules, comments and strings do not count.
+    /// its children may (re-exports), and test items, comments and strings do not count.
     #[test]
     fn sibling_cycles_fail_and_structure_does_not() {
         let ok = tree(&[
-            ("", "pub mod lease;\n"),
+            ("", "pub mod lease;\nmod other;\n"),
             (
                 "lease",
-                "pub mod driver;\npub use driver::Driver;\npub struct Error;\n",
+                "pub mod driver;\npub use driver::Driver;\npub struct Error;\n\
+                 #[cfg(test)]\nmod tests;\n",
             ),
+            ("lease::tests", "use crate::other::Thing;\n"),
             (
                 "lease::driver",
                 "use super::Error;\n// use super::machine::X;\nconst S: &str = \"crate::x::y\";\n\
-                 #[cfg(test)]\nmod tests {\n    use crate::other::Thing;\n}\n",
+                 #[cfg(test)]\nmod tests {\n    use crate::other::Thing;\n}\n\
+                 pub(crate) struct Driver;\nimpl Driver {\n    #[cfg(test)]\n    \
+                 fn probe(&self) { crate::other::poke(self); }\n}\n\
+                 #[cfg(all(test, unix))]\nuse crate::other::Unix;\n",
             ),
-            ("other", "use narwhal_lease::driver::Driver;\n"),
+            (
+                "other",
+                "use narwhal_lease::driver::Driver;\nuse crate::lease::Error;\n",
+            ),
         ]);
+        // `other -> lease` is there, so any `lease -> other` would close a cycle.
+        let found = edges(&ok);
+        assert!(
+            found.iter().any(|e| e.from == "other" && e.to == "lease"),
+            "{found:?}"
+        );
         assert_eq!(check(&ok), Ok(()));
         let bad = tree(&[
             ("", "mod ha;\n"),
@@ -698,18 +677,57 @@ mod tests {
         assert!(err.contains("cli -> crate"), "{err}");
     }
 
+    /// `use` trees expand into one path per name, each on its own line; paths inside macro
+    /// bodies and inline modules count; comments, literals, visibilities and `self` values
+    /// never make an edge.
     #[test]
-    fn use_trees_expand_and_literals_are_blanked() {
+    fn use_trees_expand_and_literals_and_comments_make_no_edge() {
+        let u: syn::ItemUse = syn::parse_str("use crate::{\n    a::{self, B as C},\n    d::*,\n};")
+            .expect("a use item");
         assert_eq!(
-            expand_use("crate::{a::{self, B as C}, d::*}"),
+            expand_use(&u.tree),
             vec![
-                vec!["crate".to_string(), "a".into()],
-                vec!["crate".to_string(), "a".into(), "B".into()],
-                vec!["crate".to_string(), "d".into()],
+                (vec!["crate".to_string(), "a".into()], 2),
+                (vec!["crate".to_string(), "a".into(), "B".into()], 2),
+                (vec!["crate".to_string(), "d".into()], 3),
             ]
         );
-        let s = strip("let a = 'x'; let r = r#\"crate::a\"#; fn f<'a>() {} // crate::b\n");
-        assert!(!s.contains("crate::"), "{s}");
-        assert!(s.contains("fn f<'a>()"), "{s}");
+        let quiet = "pub(crate) fn f<'a>(x: &'a str) -> char {\n    let _ = 'x';\n    \
+                     let _ = r#\"crate::a::x\"#;\n    let _ = b\"super::b\";\n    \
+                     /* crate::a /* nested */ crate::b */\n    // crate::c\n    \
+                     println!(\"{}\", \"crate::a::f\");\n    '\\''\n}\n\
+                     /// [`crate::b`]\npub(super) struct S;\nimpl S {\n    \
+                     pub(in crate::m) fn g(&self) -> &Self { self }\n}\n";
+        let t = tree(&[
+            ("", "mod a;\nmod b;\nmod c;\nmod m;\n"),
+            ("a", ""),
+            ("b", ""),
+            ("c", ""),
+            ("m", quiet),
+        ]);
+        let found = edges(&t);
+        assert!(!found.iter().any(|e| e.from == "m"), "{found:?}");
+        let loud = "fn f() {\n    assert!(crate::a::ok(), \"{}\", super::b::X);\n}\n\
+                    mod docs {\n    use super::super::c::Y;\n}\n";
+        let t = tree(&[
+            ("", "mod a;\nmod b;\nmod c;\nmod m;\n"),
+            ("a", ""),
+            ("b", ""),
+            ("c", ""),
+            ("m", loud),
+        ]);
+        let found: Vec<(String, String)> = edges(&t)
+            .into_iter()
+            .filter(|e| e.from == "m")
+            .map(|e| (e.to, e.at))
+            .collect();
+        assert_eq!(
+            found,
+            [
+                ("a".to_string(), "m.rs:2".to_string()),
+                ("b".to_string(), "m.rs:2".to_string()),
+                ("c".to_string(), "m.rs:5".to_string()),
+            ]
+        );
     }
 }
