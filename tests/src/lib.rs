@@ -10,6 +10,7 @@
 //!     RouterHandle               one narwhal-serve, with document helpers (state, lifecycle,
 //!                                handoff, ready, metrics, journal events)
 //!     Etcd                       a real etcd for the lease backend
+//!   faketime                     libfaketime: a router whose wall clock is shifted
 //!   Http / Reply                 JSON, SSE and metrics reading (http.rs)
 //!   wait_until / eventually      the one way tests wait: poll with a deadline (proc.rs)
 //!   FakeEngine                   an in-process fake engine for router tests (fake.rs)
@@ -30,6 +31,7 @@ pub mod certs;
 mod controller;
 pub mod etcd;
 mod fake;
+pub mod faketime;
 pub mod faults;
 mod fleet;
 mod http;
@@ -63,7 +65,7 @@ pub use proc::{
 pub use proxy::Proxy;
 pub use router::{
     Clients, FleetSpec, LiveStream, RouterHandle, RouterProbe, handoff_file_where, launch_router,
-    merge, narwhalctl, start_router,
+    launch_router_env, merge, narwhalctl, start_router,
 };
 pub use sampler::{Sample, Sampler};
 pub use sim::{EngineSpec, SimHandle, start_sim};
