@@ -744,7 +744,8 @@ async fn standby_with_its_wall_clock_ahead(backend: LeaseBackend) {
             && sha["standby"] == true;
         if !primary_ok || (!standby_ok && at > Duration::from_secs(1)) || sha["epoch"] != 0 {
             wrong.push(format!(
-                "{at:?}: primary /ready {p_status} {p_ready} ha {pha}; standby /ready                  {s_status} {s_ready} ha {sha}"
+                "{at:?}: primary /ready {p_status} {p_ready} ha {pha}; standby /ready \
+                 {s_status} {s_ready} ha {sha}"
             ));
         }
         seen.push(standby_ok);
@@ -752,7 +753,8 @@ async fn standby_with_its_wall_clock_ahead(backend: LeaseBackend) {
     }
     assert!(
         wrong.is_empty(),
-        "{backend:?}: a standby 10 s ahead must keep shadowing a renewing primary; {} of {}          samples wrong, first: {:#?}\nstandby log:\n{}",
+        "{backend:?}: a standby 10 s ahead must keep shadowing a renewing primary; {} of {} \
+         samples wrong, first: {:#?}\nstandby log:\n{}",
         wrong.len(),
         seen.len(),
         &wrong[..wrong.len().min(3)],
