@@ -8,9 +8,11 @@
 //! [`LeaseDriver::read_record`], [`LeaseDriver::read_all`]) and every write of ours is fed to
 //! the core's [`Observer`](super::Observer) with a monotonic instant (read after a read
 //! completed, before a write began), so another holder's record is judged by how long this
-//! router has seen it unchanged ([`LeaseDriver::freshness`]), never by its `expires_at`. The router asks [`LeaseDriver::control`] on every decision that needs
-//! control (placement, lifecycle POSTs, agent calls); it turns `Fenced` as soon as local
-//! validity lapses, even before the renew loop notices.
+//! router has seen it unchanged ([`LeaseDriver::freshness`]), never by its `expires_at`.
+//!
+//! The router asks [`LeaseDriver::control`] on every decision that needs control (placement,
+//! lifecycle POSTs, agent calls); it turns `Fenced` as soon as local validity lapses, even
+//! before the renew loop notices.
 //!
 //! Fencing is signalled twice: [`LeaseDriver::control`] / [`LeaseDriver::status`] read
 //! `Fenced` from then on, and the renew loop calls its `on_change` with
@@ -251,8 +253,9 @@ impl<S: LeaseStore> LeaseDriver<S> {
     /// # Errors
     /// [`LeaseLoss::HeldByAnother`] while another router's record is live as this router
     /// observes it (unchanged for less than its duration since this router first read it;
-    /// etcd: present), a router that believed it held the lease is fenced by this answer; [`LeaseLoss::Unavailable`] when
-    /// the store fails (control unchanged: local validity still bounds it).
+    /// etcd: present); a router that believed it held the lease is fenced by this answer.
+    /// [`LeaseLoss::Unavailable`] when the store fails (control unchanged: local validity
+    /// still bounds it).
     pub async fn claim(&self) -> Result<u64, LeaseLoss> {
         let Some(store) = &self.store else {
             return Ok(0);

@@ -8,7 +8,7 @@
 //!    record live, another holder ──► Retain(its published copy)          (shadowing, names it)
 //!                                 └─ no published copy ──► Poll the primary (reference primary)
 //!    record ours, live ───────────► Claim(Memory)                        (a fenced router's own epoch)
-//!    record expired / absent ─────► Claim(Memory | Stored | Retained | OwnFile) | Publish(Blocked(why))
+//!    record lapsed / absent  ─────► Claim(Memory | Stored | Retained | OwnFile) | Publish(Blocked(why))
 //!  Claim ──claimed(epoch)──► Apply(source) | GiveBack(stale)
 //!  Apply (and publish under the new epoch) ──applied──► ValidateIdentities
 //!        ──identities_checked──► Commit ──committed──► TookOver

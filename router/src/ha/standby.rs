@@ -2,10 +2,9 @@
 //! good; ha-and-fencing.md): every interval, and at the moment the controller's lease record
 //! lapses (as the lease driver observes it: unchanged for its duration since this router first
 //! read it, ha-and-fencing.md 2.4), it asks the pure [`Standby`] machine what to do and
-//! performs it — read the lease store,
-//! follow the controller's published handoff (or poll a primary that publishes none),
-//! persist the retained copy, claim, apply and publish, re-check identities, commit or give
-//! the lease back.
+//! performs it — read the lease store, follow the controller's published handoff (or poll a
+//! primary that publishes none), persist the retained copy, claim, apply and publish,
+//! re-check identities, commit or give the lease back.
 //!
 //! ```text
 //!  min(interval, until it lapses) ──► Standby::tick ──► Step ──StandbyIo──► result
