@@ -746,10 +746,14 @@ impl World {
         }
     }
 
-    /// Runs `faults` and then `SETTLE_MS` more; returns the violations.
+    /// Runs `faults` and then `SETTLE_MS` more after the last of them ended; returns the
+    /// violations. (The end of the fault that starts last is not always the last end: a long
+    /// pause of the standby can outlast a later kill of the primary, and a standby that resumes
+    /// to a record it never saw waits one TTL from that first sight.)
     fn run(mut self, mut faults: Vec<Fault>) -> Vec<String> {
         faults.sort_by_key(|f| f.at);
-        let end = faults.last().map_or(0, |f| f.at + f.pause.unwrap_or(0)) + SETTLE_MS;
+        let last_end = faults.iter().map(|f| f.at + f.pause.unwrap_or(0)).max();
+        let end = last_end.unwrap_or(0) + SETTLE_MS;
         let mut next_fault = 0;
         while self.t < end {
             while next_fault < faults.len() && faults[next_fault].at <= self.t {
