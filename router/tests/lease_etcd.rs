@@ -44,6 +44,12 @@ fn store_with(etcd: &EtcdServer, key: &str, access: &EtcdAccess) -> EtcdLease {
     .unwrap()
 }
 
+const S: Duration = Duration::from_secs(1);
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
 fn timing(ttl_ms: u64, renew_ms: u64, margin_ms: u64) -> LeaseTiming {
     LeaseTiming {
         ttl: Duration::from_millis(ttl_ms),
@@ -94,7 +100,7 @@ async fn two_routers_claim_refuse_takeover_fence_and_release(
     assert_eq!(sb.read().await.unwrap(), None);
 
     // A claims epoch 1; the record and the epoch key are written together.
-    let Claim::Write(ra) = sa.claim(&a, 1000.0).await.unwrap() else {
+    let Claim::Write(ra) = sa.claim(&a, t0, 1000.0).await.unwrap() else {
         panic!("A must get the free lease")
     };
     assert_eq!(
@@ -113,29 +119,33 @@ async fn two_routers_claim_refuse_takeover_fence_and_release(
 
     // B is refused while A's record is live.
     assert_eq!(
-        sb.claim(&b, 1001.0).await.unwrap(),
+        sb.claim(&b, t0 + S, 1001.0).await.unwrap(),
         Claim::HeldBy {
             holder: "a:1".into(),
             epoch: 1,
-            expires_at: 1002.0
+            expires_at: 1002.0,
+            updated_at: 1000.0,
         }
     );
 
     // A renews: keep-alive plus a rewrite with a later expiry.
-    let renewed = sa.renew(&a, 1001.0).await.unwrap().unwrap();
+    let renewed = sa.renew(&a, t0 + S, 1001.0).await.unwrap().unwrap();
     assert_eq!((renewed.epoch, renewed.expires_at), (1, 1003.0));
     assert_eq!(sb.read().await.unwrap(), Some(renewed));
 
-    // Past the record's expiry B takes over at epoch 2 (A's etcd lease is still alive).
-    let Claim::Write(rb) = sb.claim(&b, 1003.5).await.unwrap() else {
+    // Past the record's expiry B takes over at epoch 2: etcd deletes the record when A's etcd
+    // lease runs out (here deleted while A's etcd lease itself is still alive, A stalled past
+    // it and still believing it holds); a present record is never taken.
+    gw.delete(key).await;
+    let Claim::Write(rb) = sb.claim(&b, t0 + ms(3500), 1003.5).await.unwrap() else {
         panic!("B must take the expired lease")
     };
     assert_eq!((rb.epoch, rb.holder.as_str()), (2, "b:2"));
-    b.granted(rb.epoch, t0);
+    b.granted(rb.epoch, t0 + ms(3500));
 
     // A's next renewal finds B: the verdict fences A.
     assert_eq!(
-        sa.renew(&a, 1003.6).await.unwrap(),
+        sa.renew(&a, t0 + ms(3600), 1003.6).await.unwrap(),
         Err(LeaseLoss::HeldByAnother)
     );
     a.fence(LeaseLoss::HeldByAnother);
@@ -148,7 +158,7 @@ async fn two_routers_claim_refuse_takeover_fence_and_release(
     assert_eq!(sa.read().await.unwrap(), None);
     assert_eq!(gw.get(&epoch_key).await, Some("2".into()));
     let a2 = Lease::new("a:3".into(), timing(2000, 500, 500));
-    let Claim::Write(rc) = sa.claim(&a2, 1004.1).await.unwrap() else {
+    let Claim::Write(rc) = sa.claim(&a2, t0 + ms(4100), 1004.1).await.unwrap() else {
         panic!("a released lease is free")
     };
     assert_eq!(rc.epoch, 3, "the epoch advances across a vanished record");
@@ -204,7 +214,12 @@ async fn a_wrong_ca_or_a_missing_client_certificate_is_refused_with_a_clear_erro
             },
         );
         let core = core.clone();
-        async move { s.claim(&core, 1000.0).await.unwrap_err().to_string() }
+        async move {
+            s.claim(&core, SystemClock.now(), 1000.0)
+                .await
+                .unwrap_err()
+                .to_string()
+        }
     };
 
     // etcd's certificate does not chain to the configured CA.
@@ -287,7 +302,7 @@ async fn with_etcd_auth_a_user_claims_and_renews_and_a_wrong_password_is_refused
     // is turned on while the router holds the lease: its next renewal authenticates.
     let early = store_with(&etcd, "/narwhal/early/router-lease", &access(&right));
     let mut e = Lease::new("e:1".into(), timing(2000, 500, 500));
-    let Claim::Write(re) = early.claim(&e, 1000.0).await.unwrap() else {
+    let Claim::Write(re) = early.claim(&e, t0, 1000.0).await.unwrap() else {
         panic!("the free lease")
     };
     e.granted(re.epoch, t0);
@@ -295,7 +310,12 @@ async fn with_etcd_auth_a_user_claims_and_renews_and_a_wrong_password_is_refused
     root.enable_auth("rootpw", "narwhal", "s3cret", "/narwhal/")
         .await;
     assert_eq!(
-        early.renew(&e, 1001.0).await.unwrap().unwrap().expires_at,
+        early
+            .renew(&e, t0, 1001.0)
+            .await
+            .unwrap()
+            .unwrap()
+            .expires_at,
         1003.0
     );
     assert!(early.release(&e, 1001.5).await.unwrap());
@@ -306,7 +326,7 @@ async fn with_etcd_auth_a_user_claims_and_renews_and_a_wrong_password_is_refused
     // Wrong password: refused at authentication, naming the user and the password file.
     let wrong = password_file(&etcd, "wrong.pw", "guess");
     let err = store_with(&etcd, key, &access(&wrong))
-        .claim(&a, 1000.0)
+        .claim(&a, t0, 1000.0)
         .await
         .unwrap_err()
         .to_string();
@@ -326,7 +346,7 @@ async fn with_etcd_auth_a_user_claims_and_renews_and_a_wrong_password_is_refused
 
     // No user configured: etcd's refusal says to set lease.auth.
     let err = store(&etcd, key, Duration::from_secs(2))
-        .claim(&a, 1000.0)
+        .claim(&a, t0, 1000.0)
         .await
         .unwrap_err()
         .to_string();
@@ -334,7 +354,7 @@ async fn with_etcd_auth_a_user_claims_and_renews_and_a_wrong_password_is_refused
 
     // A user outside its role's prefix is refused by etcd (the role is enforced).
     let err = store_with(&etcd, "/other/router-lease", &access(&right))
-        .claim(&a, 1000.0)
+        .claim(&a, t0, 1000.0)
         .await
         .unwrap_err()
         .to_string();
@@ -342,13 +362,13 @@ async fn with_etcd_auth_a_user_claims_and_renews_and_a_wrong_password_is_refused
 
     // The right password: claim, renew.
     let s = store_with(&etcd, key, &access(&right));
-    let Claim::Write(ra) = s.claim(&a, 1000.0).await.unwrap() else {
+    let Claim::Write(ra) = s.claim(&a, t0, 1000.0).await.unwrap() else {
         panic!("the free lease")
     };
     a.granted(ra.epoch, t0);
     assert_eq!(ra.epoch, 1);
     assert_eq!(
-        s.renew(&a, 1001.0).await.unwrap().unwrap().expires_at,
+        s.renew(&a, t0, 1001.0).await.unwrap().unwrap().expires_at,
         1003.0
     );
     assert_eq!(
@@ -361,12 +381,12 @@ async fn with_etcd_auth_a_user_claims_and_renews_and_a_wrong_password_is_refused
     root.change_password("narwhal", "n3w-s3cret").await;
     std::fs::write(&right, "n3w-s3cret\n").unwrap();
     assert_eq!(
-        s.renew(&a, 1001.5).await.unwrap().unwrap().expires_at,
+        s.renew(&a, t0, 1001.5).await.unwrap().unwrap().expires_at,
         1003.5
     );
     // Rotated in etcd but not in the file: the renewal fails, naming authentication.
     root.change_password("narwhal", "third").await;
-    let err = s.renew(&a, 1002.0).await.unwrap_err().to_string();
+    let err = s.renew(&a, t0, 1002.0).await.unwrap_err().to_string();
     assert!(
         err.starts_with("etcd authenticate on ") && err.contains("lease.auth.password_file"),
         "{err}"
@@ -413,17 +433,42 @@ async fn over_tls_with_auth_the_driver_claims_renews_and_is_fenced_by_a_takeover
     // Renewals over TLS with a token carry the record past its 1.5 s expiry.
     let renewing = Renewing::start(&a, &clock, 2.0).await;
 
-    // Router B (same access), wall clock 10 s ahead, takes over; A is fenced at its next renewal.
+    // Router B (same access) takes over once A's record is gone (its etcd lease expired;
+    // deleted here right after a renewal while A's loop still runs); A is fenced at its next
+    // renewal.
     let sb = store_with(&etcd, key, &section.etcd);
+    lapse_after_a_renewal(&sb, &root, key).await;
     let b = Lease::new("router-b:1".into(), timing(1500, 300, 300));
-    let Claim::Write(rb) = sb.claim(&b, clock.wall().unwrap() + 10.0).await.unwrap() else {
-        panic!("B's skewed clock must see the record expired")
+    let Claim::Write(rb) = sb
+        .claim(&b, clock.now(), clock.wall().unwrap())
+        .await
+        .unwrap()
+    else {
+        panic!("B must take the lease whose record etcd removed")
     };
     assert_eq!(rb.epoch, 2);
     renewing.fenced_by_another().await;
     assert_eq!(a.status(clock.now()).control, Control::Fenced);
     assert!(!a.release().await.unwrap());
     assert_eq!(a.read_record().await.unwrap(), Some(rb));
+}
+
+/// Waits (deadline 5 s) until A's renew loop has just rewritten the record at `key` (read
+/// through `s`), then deletes it through `gw`, as etcd does when A's etcd lease expires (A
+/// stalled, or partitioned from etcd): A's next renewal is a renew interval away, so the claim
+/// that follows lands before it and A's renewal then finds another holder.
+async fn lapse_after_a_renewal(s: &EtcdLease, gw: &Gateway, key: &str) {
+    let first = s.read().await.unwrap().expect("a record");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = s.read().await.unwrap().expect("kept alive");
+        if !now.same_version(&first) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "record not renewed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    gw.delete(key).await;
 }
 
 /// A driver's renew loop, started on a claimed epoch-1 lease, with the events it reported.
@@ -505,7 +550,7 @@ async fn concurrent_claims_have_exactly_one_winner() {
         let s = store(&etcd, key, Duration::from_secs(2));
         tasks.push(tokio::spawn(async move {
             let core = Lease::new(format!("r{i}:x"), timing(2000, 500, 500));
-            s.claim(&core, 1000.0).await.unwrap()
+            s.claim(&core, SystemClock.now(), 1000.0).await.unwrap()
         }));
     }
     let mut winners = Vec::new();
@@ -530,7 +575,7 @@ async fn a_lapsed_etcd_lease_removes_the_record_and_the_epoch_still_advances() {
     let t0 = SystemClock.now();
     let wall = SystemClock.wall().unwrap();
     let mut a = Lease::new("a:1".into(), timing(800, 200, 200));
-    let Claim::Write(ra) = sa.claim(&a, wall).await.unwrap() else {
+    let Claim::Write(ra) = sa.claim(&a, t0, wall).await.unwrap() else {
         panic!()
     };
     a.granted(ra.epoch, t0);
@@ -545,11 +590,17 @@ async fn a_lapsed_etcd_lease_removes_the_record_and_the_epoch_still_advances() {
     }
     // A's renewal finds its lease gone.
     assert_eq!(
-        sa.renew(&a, SystemClock.wall().unwrap()).await.unwrap(),
+        sa.renew(&a, SystemClock.now(), SystemClock.wall().unwrap())
+            .await
+            .unwrap(),
         Err(LeaseLoss::Lapsed)
     );
     let b = Lease::new("b:2".into(), timing(800, 200, 200));
-    let Claim::Write(rb) = sb.claim(&b, SystemClock.wall().unwrap()).await.unwrap() else {
+    let Claim::Write(rb) = sb
+        .claim(&b, SystemClock.now(), SystemClock.wall().unwrap())
+        .await
+        .unwrap()
+    else {
         panic!("the lapsed lease is free")
     };
     assert_eq!(rb.epoch, 2);
@@ -570,7 +621,7 @@ async fn a_malformed_record_in_etcd_is_an_error_and_is_not_overwritten() {
     );
     let a = Lease::new("a:1".into(), timing(2000, 500, 500));
     assert!(matches!(
-        s.claim(&a, 1000.0).await.unwrap_err(),
+        s.claim(&a, SystemClock.now(), 1000.0).await.unwrap_err(),
         LeaseError::Malformed { .. }
     ));
     assert_eq!(
@@ -579,7 +630,11 @@ async fn a_malformed_record_in_etcd_is_an_error_and_is_not_overwritten() {
     );
     gw.put("/narwhal/t3/router-lease/epoch", "two").await;
     gw.delete(key).await;
-    let err = s.claim(&a, 1000.0).await.unwrap_err().to_string();
+    let err = s
+        .claim(&a, SystemClock.now(), 1000.0)
+        .await
+        .unwrap_err()
+        .to_string();
     assert_eq!(
         err,
         "lease record /narwhal/t3/router-lease/epoch is malformed: epoch: \"two\" is not a non-negative integer"
@@ -607,11 +662,25 @@ async fn the_driver_keeps_the_lease_past_its_ttl_and_fences_on_a_takeover() {
     // Renewals carry the record well past the 2 s etcd lease and its 1.5 s expiry.
     let renewing = Renewing::start(&a, &clock, 2.5).await;
 
-    // Router B, whose wall clock runs 10 s ahead, sees A's record expired and takes over.
-    let sb = store(&etcd, "/narwhal/t4/router-lease", Duration::from_secs(2));
+    // Router B takes over once A's record is gone (etcd removes it when A's etcd lease
+    // expires; deleted here right after a renewal while A's loop still runs). A wall clock
+    // 10 s ahead would not do: a present record is never taken.
+    let key = "/narwhal/t4/router-lease";
+    let sb = store(&etcd, key, Duration::from_secs(2));
     let b = Lease::new("router-b:1".into(), timing(1500, 300, 300));
-    let Claim::Write(rb) = sb.claim(&b, clock.wall().unwrap() + 10.0).await.unwrap() else {
-        panic!("B's skewed clock must see the record expired")
+    assert!(matches!(
+        sb.claim(&b, clock.now(), clock.wall().unwrap() + 10.0)
+            .await
+            .unwrap(),
+        Claim::HeldBy { epoch: 1, .. }
+    ));
+    lapse_after_a_renewal(&sb, &etcd.gateway(), key).await;
+    let Claim::Write(rb) = sb
+        .claim(&b, clock.now(), clock.wall().unwrap())
+        .await
+        .unwrap()
+    else {
+        panic!("B must take the lease whose record etcd removed")
     };
     assert_eq!(rb.epoch, 2);
     // A's renew loop fences A at its next renewal.
@@ -637,7 +706,7 @@ async fn an_unreachable_etcd_is_unavailable_within_the_call_timeout() {
     .unwrap();
     let a = Lease::new("a:1".into(), timing(2000, 500, 500));
     let t0 = tokio::time::Instant::now();
-    let err = s.claim(&a, 1000.0).await.unwrap_err();
+    let err = s.claim(&a, SystemClock.now(), 1000.0).await.unwrap_err();
     assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
     let loss: LeaseLoss = err.into();
     assert!(
@@ -662,7 +731,7 @@ async fn a_second_endpoint_serves_when_the_first_is_down() {
     )
     .unwrap();
     let a = Lease::new("a:1".into(), timing(2000, 500, 500));
-    let Claim::Write(r) = s.claim(&a, 1000.0).await.unwrap() else {
+    let Claim::Write(r) = s.claim(&a, SystemClock.now(), 1000.0).await.unwrap() else {
         panic!("the free lease")
     };
     assert_eq!(r.epoch, 1);

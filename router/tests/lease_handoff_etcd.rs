@@ -22,6 +22,12 @@ fn store(etcd: &EtcdServer) -> EtcdLease {
     .expect("store")
 }
 
+const S: Duration = Duration::from_secs(1);
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
 fn timing() -> LeaseTiming {
     LeaseTiming {
         ttl: Duration::from_secs(2),
@@ -39,16 +45,18 @@ async fn only_the_live_holder_publishes_and_a_successor_reads_it_in_etcd() {
     let mut a = Lease::new("a:1".into(), timing());
     assert_eq!(sb.read_all().await.unwrap(), (None, None));
     assert_eq!(
-        sa.publish(&a, 1000.0, b"early".to_vec()).await.unwrap(),
+        sa.publish(&a, t0, b"early".to_vec()).await.unwrap(),
         Err(LeaseLoss::Lapsed),
         "nothing held: nothing published"
     );
-    let Claim::Write(ra) = sa.claim(&a, 1000.0).await.unwrap() else {
+    let Claim::Write(ra) = sa.claim(&a, t0, 1000.0).await.unwrap() else {
         panic!("A must get the free lease")
     };
     a.granted(ra.epoch, t0);
     assert_eq!(
-        sa.publish(&a, 1000.5, b"doc-1".to_vec()).await.unwrap(),
+        sa.publish(&a, t0 + ms(500), b"doc-1".to_vec())
+            .await
+            .unwrap(),
         Ok(())
     );
     let (rec, doc) = sb.read_all().await.unwrap();
@@ -56,22 +64,28 @@ async fn only_the_live_holder_publishes_and_a_successor_reads_it_in_etcd() {
         (rec, doc.as_deref()),
         (Some(ra.clone()), Some(&b"doc-1"[..]))
     );
-    // B takes over once A's record expired (B's clock is past it); A's late publish is
-    // refused and changes nothing; B reads what A published before the claim.
+    // B takes over once A's record expired: etcd deletes it when A's etcd lease runs out
+    // (deleted here, while A still believes it holds). A's late publish is refused and changes
+    // nothing; B reads what A published before the claim.
+    etcd.gateway().delete("/narwhal/test/handoff-lease").await;
     let mut b = Lease::new("b:2".into(), timing());
-    let Claim::Write(rb) = sb.claim(&b, 1003.0).await.unwrap() else {
+    let Claim::Write(rb) = sb.claim(&b, t0 + 3 * S, 1003.0).await.unwrap() else {
         panic!("B must take the expired lease")
     };
-    b.granted(rb.epoch, t0);
+    b.granted(rb.epoch, t0 + 3 * S);
     assert_eq!(rb.epoch, 2);
     assert_eq!(
-        sa.publish(&a, 1000.9, b"late".to_vec()).await.unwrap(),
+        sa.publish(&a, t0 + ms(900), b"late".to_vec())
+            .await
+            .unwrap(),
         Err(LeaseLoss::HeldByAnother)
     );
     let (_, doc) = sb.read_all().await.unwrap();
     assert_eq!(doc.as_deref(), Some(&b"doc-1"[..]));
     assert_eq!(
-        sb.publish(&b, 1003.1, b"doc-2".to_vec()).await.unwrap(),
+        sb.publish(&b, t0 + ms(3100), b"doc-2".to_vec())
+            .await
+            .unwrap(),
         Ok(())
     );
     // The document outlives its writer's etcd lease: released, the record goes, it stays.

@@ -27,7 +27,7 @@ use crate::certs::{DevCerts, make_dev_certs};
 use crate::etcd::Etcd;
 use crate::http::Http;
 use crate::proc::read_json_file;
-use crate::router::{Clients, FleetSpec, RouterHandle, handoff_file_where, launch_router};
+use crate::router::{Clients, FleetSpec, RouterHandle, handoff_file_where, launch_router_env};
 use crate::sim::{EngineSpec, SimHandle, start_sim};
 
 /// Lease TTL of every HA fleet (seconds); renewal every 0.5 s, safety margin 0.5 s.
@@ -500,8 +500,18 @@ impl Fleet {
     }
 
     fn launch(&self, label: &str, cert: &str, args: &[&str]) -> RouterHandle {
+        self.launch_env(label, cert, args, &[])
+    }
+
+    fn launch_env(
+        &self,
+        label: &str,
+        cert: &str,
+        args: &[&str],
+        env: &[(String, String)],
+    ) -> RouterHandle {
         let doc = self.spec(label, cert).to_json(self.dir());
-        launch_router(self.dir(), label, &doc, args, self.clients.clone())
+        launch_router_env(self.dir(), label, &doc, args, self.clients.clone(), env)
             .unwrap_or_else(|e| panic!("router {label}: {e}"))
     }
 
@@ -530,6 +540,21 @@ impl Fleet {
     /// # Panics
     /// When it does not start.
     pub fn standby_of(&self, label: &str, primary_control: &str, extra: &[&str]) -> RouterHandle {
+        self.standby_of_env(label, primary_control, extra, &[])
+    }
+
+    /// [`Fleet::standby_of`] with `env` added to the standby's environment (for example
+    /// [`crate::faketime::wall_shifted`]: a standby whose wall clock is off).
+    ///
+    /// # Panics
+    /// When it does not start.
+    pub fn standby_of_env(
+        &self,
+        label: &str,
+        primary_control: &str,
+        extra: &[&str],
+        env: &[(String, String)],
+    ) -> RouterHandle {
         let probe = STANDBY_PROBE_S.to_string();
         let after = STANDBY_TAKEOVER_AFTER.to_string();
         let mut args = vec![
@@ -543,7 +568,7 @@ impl Fleet {
             &after,
         ];
         args.extend_from_slice(extra);
-        self.launch(label, "standby", &args)
+        self.launch_env(label, "standby", &args, env)
     }
 
     /// Waits (10 s) until router `label` has persisted a handoff of `epoch` and `holder` that

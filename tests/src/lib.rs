@@ -12,6 +12,7 @@
 //!                                handoff, ready, metrics, journal events)
 //!     Etcd                       a real etcd for the lease backend
 //!   events_of / wait_ejected     an engine's breaker events, ejection, readmission (breaker.rs)
+//!   faketime                     libfaketime: a router whose wall clock is shifted
 //!   Http / Reply                 JSON, SSE and metrics reading (http.rs)
 //!   wait_until / eventually      the one way tests wait: poll with a deadline (proc.rs);
 //!   blocking_until, poll_blocking  the same for synchronous tests (process.rs, proc.rs)
@@ -41,6 +42,7 @@ mod controller;
 mod devup;
 pub mod etcd;
 mod fake;
+pub mod faketime;
 pub mod faults;
 mod fleet;
 mod http;
@@ -83,7 +85,7 @@ pub use process::{
 pub use proxy::Proxy;
 pub use router::{
     Clients, FleetSpec, LiveStream, RouterHandle, RouterProbe, handoff_file_where, launch_router,
-    merge, narwhalctl, parse_document, start_router,
+    launch_router_env, merge, narwhalctl, parse_document, start_router,
 };
 pub use sampler::{Sample, Sampler};
 pub use scenario::{DECIDE, L1, L2, ONE_P_THREE_D, decided, pools, reason_of};

@@ -240,6 +240,22 @@ pub fn launch_router(
     extra_args: &[&str],
     clients: Clients,
 ) -> Result<RouterHandle, ProcError> {
+    launch_router_env(dir, label, doc, extra_args, clients, &[])
+}
+
+/// [`launch_router`] with `env` added to the router's environment (for example
+/// [`crate::faketime::wall_shifted`]).
+///
+/// # Errors
+/// [`ProcError`] when the router does not start (its stderr tail is in the error).
+pub fn launch_router_env(
+    dir: &Path,
+    label: &str,
+    doc: &Value,
+    extra_args: &[&str],
+    clients: Clients,
+    env: &[(String, String)],
+) -> Result<RouterHandle, ProcError> {
     let fleet_path = dir.join(format!("{label}.fleet.json"));
     let journal = dir.join(format!("{label}.journal.jsonl"));
     let ready = dir.join(format!("{label}.ready.json"));
@@ -265,7 +281,8 @@ pub fn launch_router(
         .arg(&journal)
         .arg("--ready-file")
         .arg(&ready)
-        .args(extra_args);
+        .args(extra_args)
+        .envs(env.iter().map(|(k, v)| (k, v)));
     let proc = ChildProc::spawn(cmd, label, dir, START_TIMEOUT)?;
     let bad = || ProcError::BadLine {
         bin: "narwhal-serve".into(),

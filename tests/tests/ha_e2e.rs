@@ -20,6 +20,9 @@
 //! - a primary fenced by a stalled etcd returns by itself when etcd answers again (etcd);
 //! - a foreign lease record fences the primary within a renew interval and stops its state
 //!   file writes (behaviour.md 12 item 8; file backend);
+//! - a standby whose wall clock runs 10 s ahead (libfaketime) keeps shadowing a primary that
+//!   renews, and still takes over within the TTL plus 1 s after `kill -9` (lease-clock-skew;
+//!   ha-and-fencing.md 2.4). Debian's `faketime` is required: without it this test FAILS;
 //! - a `demand_risk` event survives a takeover with its age re-anchored (file backend: the
 //!   re-anchoring does not depend on the backend);
 //! - the takeover gap (primary killed → standby `/ready` 200), median of 3 runs per backend,
@@ -675,6 +678,117 @@ per_backend!(
     unreachable_primary_keeps_its_lease:
     unreachable_primary_that_renews_is_never_replaced_file_lease,
     unreachable_primary_that_renews_is_never_replaced_etcd_lease
+);
+
+// ---------------------------------------------------------------------------------------------
+// A standby whose wall clock is 10 s ahead (lease-clock-skew)
+
+/// How soon after `kill -9` a standby must control the fleet: the file lease's TTL plus 1 s
+/// (its first sight of the last record is at most one probe after the write); etcd deletes a
+/// lapsed record itself, up to its lease sweep (0.5 s) after the `ceil(ttl_s)` etcd lease ran
+/// out, so half a second more.
+fn skewed_takeover_bound(backend: LeaseBackend) -> Duration {
+    let sweep = match backend {
+        LeaseBackend::File => 0.0,
+        LeaseBackend::Etcd => TTL_S.ceil() - TTL_S + 0.5,
+    };
+    Duration::from_secs_f64(TTL_S + 1.0 + sweep)
+}
+
+/// lease-clock-skew: a warm standby on a host whose wall clock runs 10 s ahead (libfaketime on
+/// the standby only; its monotonic clock untouched) keeps shadowing a primary that renews:
+/// sampled for 5 s, the primary's `/ready` is 200 and it keeps its epoch and holder, the
+/// standby's `/ready` is 503 `shadowing`, and the lease record stays the primary's. It used to
+/// take epoch 2 within 0.1 s (the record's `expires_at`, written from the primary's clock,
+/// judged against the standby's) and fence the healthy primary. After `kill -9` of the primary
+/// it still takes over, within the TTL plus 1 s. Fails (never skips) without libfaketime.
+async fn standby_with_its_wall_clock_ahead(backend: LeaseBackend) {
+    let ahead = narwhal_testkit::faketime::wall_shifted(10);
+    let mut f = ha(backend).start().await;
+    let mut p = f.router.take().expect("primary");
+    let (epoch, holder) = lease_of(&p).await;
+    let s = f.standby_of_env("standby", &p.control, &[], &ahead);
+    // The standby's wall clock is the shifted one: its own handoff document's `at`.
+    let real = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("wall clock")
+        .as_secs_f64();
+    let at = s.handoff().await["at"].as_f64().expect("at");
+    assert!(
+        at > real + 8.0 && at < real + 12.0,
+        "the standby's wall clock is not 10 s ahead: at {at}, real {real}"
+    );
+
+    let t0 = Instant::now();
+    let mut seen = Vec::new();
+    let mut wrong = Vec::new();
+    while t0.elapsed() < Duration::from_secs(5) {
+        let (p_status, p_ready) = p.ready().await;
+        let (s_status, s_ready) = s.ready().await;
+        let (pha, sha) = (p.ha().await, s.ha().await);
+        let at = t0.elapsed();
+        let primary_ok =
+            p_status == 200 && pha.controls_fleet && pha.epoch == epoch && pha.holder == holder;
+        // The standby's first look at the store is right after its start; allow it a second.
+        let standby_ok =
+            s_status == 503 && s_ready.reason == "shadowing" && !sha.controls_fleet && sha.standby;
+        if !primary_ok || (!standby_ok && at > Duration::from_secs(1)) || sha.epoch != 0 {
+            wrong.push(format!(
+                "{at:?}: primary /ready {p_status} {p_ready:?} ha {pha:?}; standby /ready \
+                 {s_status} {s_ready:?} ha {sha:?}"
+            ));
+        }
+        seen.push(standby_ok);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        wrong.is_empty(),
+        "{backend:?}: a standby 10 s ahead must keep shadowing a renewing primary; {} of {} \
+         samples wrong, first: {:#?}\nstandby log:\n{}",
+        wrong.len(),
+        seen.len(),
+        &wrong[..wrong.len().min(3)],
+        s.proc.stderr_tail(20)
+    );
+    assert!(seen.len() >= 20, "sampled: {}", seen.len());
+    if let Some(rec) = f.lease_file() {
+        assert_eq!(rec["holder"], holder.as_str(), "not claimed: {rec}");
+        assert_eq!(rec["epoch"], epoch, "{rec}");
+    }
+    let lc = s.lifecycle_json().await;
+    assert_eq!(
+        lc["router"]["controller"],
+        json!({"holder": holder, "epoch": epoch}),
+        "{lc:#}"
+    );
+
+    // The primary dies: the skewed standby takes over, one TTL after it first saw the
+    // primary's last record.
+    let t_kill = Instant::now();
+    p.proc.kill();
+    let bound = skewed_takeover_bound(backend);
+    let took = wait_until(bound + Duration::from_secs(5), || async {
+        (s.controls().await.as_deref() == Some("active")).then(|| t_kill.elapsed())
+    })
+    .await
+    .unwrap_or_else(|| panic!("no takeover:\n{}", s.proc.stderr_tail(30)));
+    eprintln!("[ha_e2e] {backend:?}: a standby 10 s ahead took over {took:?} after kill -9");
+    assert!(
+        took <= bound,
+        "{backend:?}: takeover took {took:?}, bound {bound:?}"
+    );
+    let sha = s.ha().await;
+    assert_eq!(epoch_of(&sha), epoch + 1, "{sha:?}");
+    s.wait_ready(Instant::now(), Duration::from_secs(10))
+        .await
+        .unwrap_or_else(|| panic!("not ready after the takeover:\n{}", s.proc.stderr_tail(30)));
+    assert_eq!(s.completion("after the takeover", 2).await.status, 200);
+}
+
+per_backend!(
+    standby_with_its_wall_clock_ahead:
+    a_standby_ten_seconds_ahead_keeps_shadowing_a_renewing_primary_file_lease,
+    a_standby_ten_seconds_ahead_keeps_shadowing_a_renewing_primary_etcd_lease
 );
 
 // ---------------------------------------------------------------------------------------------

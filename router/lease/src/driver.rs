@@ -4,9 +4,15 @@
 //!
 //! Clock discipline: before each write the driver reads the monotonic
 //! `started` instant and the wall time; validity runs from `started`, so a slow write only
-//! shortens it. The router asks [`LeaseDriver::control`] on every decision that needs
-//! control (placement, lifecycle POSTs, agent calls); it turns `Fenced` as soon as local
-//! validity lapses, even before the renew loop notices.
+//! shortens it. The wall time is only written into records. Every read of the store (a claim,
+//! [`LeaseDriver::read_record`], [`LeaseDriver::read_all`]) and every write of ours is fed to
+//! the core's [`Observer`](super::Observer) with a monotonic instant (read after a read
+//! completed, before a write began), so another holder's record is judged by how long this
+//! router has seen it unchanged ([`LeaseDriver::freshness`]), never by its `expires_at`.
+//!
+//! The router asks [`LeaseDriver::control`] on every decision that needs control (placement,
+//! lifecycle POSTs, agent calls); it turns `Fenced` as soon as local validity lapses, even
+//! before the renew loop notices.
 //!
 //! Fencing is signalled twice: [`LeaseDriver::control`] / [`LeaseDriver::status`] read
 //! `Fenced` from then on, and the renew loop calls its `on_change` with
@@ -22,8 +28,8 @@ use narwhal_shared::Clock;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    AnyStore, Claim, Control, EtcdLease, FileLease, Lease, LeaseError, LeaseLoss, LeaseRecord,
-    LeaseStore, LeaseTiming,
+    AnyStore, Claim, Control, EtcdLease, Expiry, FileLease, Freshness, Lease, LeaseError,
+    LeaseLoss, LeaseRecord, LeaseStore, LeaseTiming,
 };
 use crate::config::{LeaseBackend, LeaseSection};
 
@@ -148,9 +154,10 @@ impl<S: LeaseStore> LeaseDriver<S> {
         timing: LeaseTiming,
         clock: Arc<dyn Clock>,
     ) -> Self {
+        let expiry = store.as_ref().map_or(Expiry::Observed, LeaseStore::expiry);
         LeaseDriver {
             store,
-            core: Mutex::new(Lease::new(holder, timing)),
+            core: Mutex::new(Lease::new(holder, timing).with_expiry(expiry)),
             op: tokio::sync::Mutex::new(()),
             clock,
             timing,
@@ -244,9 +251,11 @@ impl<S: LeaseStore> LeaseDriver<S> {
     /// Backend `none`: `Ok(0)`.
     ///
     /// # Errors
-    /// [`LeaseLoss::HeldByAnother`] while another router's record is live (a router that
-    /// believed it held the lease is fenced by this answer); [`LeaseLoss::Unavailable`] when
-    /// the store fails (control unchanged: local validity still bounds it).
+    /// [`LeaseLoss::HeldByAnother`] while another router's record is live as this router
+    /// observes it (unchanged for less than its duration since this router first read it;
+    /// etcd: present); a router that believed it held the lease is fenced by this answer.
+    /// [`LeaseLoss::Unavailable`] when the store fails (control unchanged: local validity
+    /// still bounds it).
     pub async fn claim(&self) -> Result<u64, LeaseLoss> {
         let Some(store) = &self.store else {
             return Ok(0);
@@ -254,19 +263,27 @@ impl<S: LeaseStore> LeaseDriver<S> {
         let _op = self.op.lock().await;
         let (started, wall) = self.readings()?;
         let core = self.core().clone();
-        match store.claim(&core, wall).await {
+        match store.claim(&core, started, wall).await {
             Ok(Claim::Write(rec)) => {
-                self.core().granted(rec.epoch, started);
+                {
+                    let mut c = self.core();
+                    c.granted(rec.epoch, started);
+                    c.wrote(&rec, started);
+                }
                 tracing::info!(epoch = rec.epoch, holder = %rec.holder,
                     store = %store.describe(), "router lease claimed");
                 Ok(rec.epoch)
             }
-            Ok(Claim::HeldBy {
-                holder,
-                epoch,
-                expires_at,
-            }) => {
-                tracing::info!(%holder, epoch, expires_at, "router lease held by another router");
+            Ok(held @ Claim::HeldBy { .. }) => {
+                // The version read under the lock: first seen now, if it is new to us.
+                if let Some(r) = held.held_record() {
+                    let fresh = self.observe(Some(&r));
+                    let live_for_s = fresh
+                        .until()
+                        .map(|u| u.saturating_duration_since(self.clock.now()).as_secs_f64());
+                    tracing::info!(holder = %r.holder, epoch = r.epoch, live_for_s,
+                        "router lease held by another router");
+                }
                 if let Some(ours) = core.epoch() {
                     // We thought we held it: someone took over, so stop controlling now.
                     self.fence(ours, LeaseLoss::HeldByAnother);
@@ -306,7 +323,7 @@ impl<S: LeaseStore> LeaseDriver<S> {
             return Err(self.fence(epoch, LeaseLoss::Lapsed));
         }
         let budget = until - started;
-        let outcome = match tokio::time::timeout(budget, store.renew(&core, wall)).await {
+        let outcome = match tokio::time::timeout(budget, store.renew(&core, started, wall)).await {
             Ok(Ok(Ok(rec))) => Ok(rec),
             Ok(Ok(Err(loss))) => Err(loss),
             Ok(Err(e)) => Err(e.into()),
@@ -317,7 +334,11 @@ impl<S: LeaseStore> LeaseDriver<S> {
         };
         match outcome {
             Ok(rec) => {
-                self.core().granted(rec.epoch, started);
+                {
+                    let mut c = self.core();
+                    c.granted(rec.epoch, started);
+                    c.wrote(&rec, started);
+                }
                 tracing::debug!(
                     epoch = rec.epoch,
                     expires_at = rec.expires_at,
@@ -354,12 +375,12 @@ impl<S: LeaseStore> LeaseDriver<S> {
         let (Some(epoch), Some(until)) = (core.epoch(), core.valid_until()) else {
             return Err(core.loss().cloned().unwrap_or(LeaseLoss::Lapsed));
         };
-        let (started, wall) = self.readings()?;
+        let started = self.clock.now();
         if started >= until {
             return Err(LeaseLoss::Lapsed);
         }
         let outcome =
-            match tokio::time::timeout(until - started, store.publish(&core, wall, doc)).await {
+            match tokio::time::timeout(until - started, store.publish(&core, started, doc)).await {
                 Ok(Ok(Ok(()))) => Ok(epoch),
                 Ok(Ok(Err(loss))) => Err(loss),
                 Ok(Err(e)) => Err(e.into()),
@@ -378,9 +399,32 @@ impl<S: LeaseStore> LeaseDriver<S> {
     /// [`LeaseError`] from the store.
     pub async fn read_all(&self) -> Result<(Option<LeaseRecord>, Option<Vec<u8>>), LeaseError> {
         match &self.store {
-            Some(s) => s.read_all().await,
+            Some(s) => {
+                let (record, doc) = s.read_all().await?;
+                self.observe(record.as_ref());
+                Ok((record, doc))
+            }
             None => Ok((None, None)),
         }
+    }
+
+    /// Records in the core's observer that the store held `record` now (read after the read
+    /// completed); returns how it stands.
+    fn observe(&self, record: Option<&LeaseRecord>) -> Freshness {
+        let now = self.clock.now();
+        self.core().observe(record, now)
+    }
+
+    /// How `record` (as read from the store by this driver) stands for this router now: free,
+    /// live until a monotonic instant (it has not changed since this router first saw it; it
+    /// lapses one duration of its own after that), or live while present (etcd). A version
+    /// this router has not seen yet counts from now. Backend `none`: [`Freshness::Free`].
+    pub fn freshness(&self, record: Option<&LeaseRecord>) -> Freshness {
+        if self.store.is_none() {
+            return Freshness::Free;
+        }
+        let now = self.clock.now();
+        self.core().freshness(record, now)
     }
 
     /// Stops controlling under `epoch` now, for a reason learnt outside the lease loop (an
@@ -447,7 +491,11 @@ impl<S: LeaseStore> LeaseDriver<S> {
     /// [`LeaseError`] from the store; a malformed record is an error, not `None`.
     pub async fn read_record(&self) -> Result<Option<LeaseRecord>, LeaseError> {
         match &self.store {
-            Some(s) => s.read().await,
+            Some(s) => {
+                let record = s.read().await?;
+                self.observe(record.as_ref());
+                Ok(record)
+            }
             None => Ok(None),
         }
     }
@@ -457,7 +505,8 @@ impl<S: LeaseStore> LeaseDriver<S> {
     /// of ours was released. Stop the renew loop first.
     ///
     /// # Errors
-    /// [`LeaseError`] from the store; the lease then lapses at its `expires_at` by itself.
+    /// [`LeaseError`] from the store; the lease then lapses by itself (unchanged for one ttl,
+    /// as the other routers observe it; etcd: when its etcd lease expires).
     pub async fn release(&self) -> Result<bool, LeaseError> {
         let Some(store) = &self.store else {
             return Ok(false);
@@ -612,8 +661,9 @@ mod tests {
         let path = dir.path().join("lease");
         let t0 = SystemClock.now();
         let clock_a = Arc::new(ManualClock::new(t0, 1_000.0));
-        // B's wall clock runs 3 s ahead: it sees A's record expired while A is still
-        // locally valid, the case where only the renewal's check can fence A.
+        // B's clock moves 3 s on while A's does not: B sees A's record unchanged for longer
+        // than its ttl while A is still locally valid (A stopped, or its clock runs slow), the
+        // case where only the renewal's check can fence A.
         let clock_b = Arc::new(ManualClock::new(t0, 1_000.0));
         let a = file_driver(&path, "a", timing(2000, 500, 500), clock_a.clone());
         let b = file_driver(&path, "b", timing(2000, 500, 500), clock_b.clone());
@@ -655,6 +705,9 @@ mod tests {
         let a = file_driver(&path, "a", timing(2000, 500, 500), clock_a.clone());
         let b = file_driver(&path, "b", timing(2000, 500, 500), clock_b.clone());
         assert_eq!(a.claim().await, Ok(1));
+        // B reads A's record, then its monotonic clock moves one ttl on while A does not renew.
+        b.read_record().await.unwrap();
+        clock_b.advance(Duration::from_secs(2));
         assert_eq!(b.claim().await, Ok(2));
         assert_eq!(a.control(t0), Control::Active);
         assert_eq!(a.claim().await, Err(LeaseLoss::HeldByAnother));
@@ -779,8 +832,54 @@ mod tests {
         assert!(a.release().await.unwrap());
         assert_eq!(a.control(clock.now()), Control::Standby);
         let rec = a.read_record().await.unwrap().unwrap();
-        assert!(!rec.live(clock.wall().unwrap()));
+        assert!(rec.released());
         let b = file_driver(&path, "b", timing(1000, 100, 200), clock.clone());
         assert_eq!(b.claim().await, Ok(2));
+    }
+
+    /// lease-clock-skew through the driver: a standby whose wall clock is 10 s ahead (both
+    /// monotonic clocks at the same rate) reads the store every 250 ms and tries to claim; while
+    /// the holder renews every 500 ms it is always refused and the holder stays active. Once the
+    /// holder stops, the claim succeeds one ttl after the standby's first read of the holder's
+    /// last record, not before: every read (`read_all`, `read_record`, a refused claim) fed the
+    /// observer.
+    #[tokio::test]
+    async fn a_standby_ten_seconds_ahead_never_takes_a_renewing_lease_and_takes_a_dead_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("lease");
+        let t0 = SystemClock.now();
+        let clock_a = Arc::new(ManualClock::new(t0, 1_000.0));
+        let clock_b = Arc::new(ManualClock::new(t0, 1_010.0));
+        let a = file_driver(&path, "a", timing(2000, 500, 500), clock_a.clone());
+        let b = file_driver(&path, "b", timing(2000, 500, 500), clock_b.clone());
+        assert_eq!(a.claim().await, Ok(1));
+        let step = Duration::from_millis(250);
+        for k in 1..=40u32 {
+            clock_a.advance(step);
+            clock_b.advance(step);
+            if k % 2 == 0 {
+                assert_eq!(a.renew().await, Ok(1), "renewal {k}");
+            }
+            match k % 3 {
+                0 => drop(b.read_all().await.unwrap()),
+                1 => drop(b.read_record().await.unwrap()),
+                _ => {}
+            }
+            assert_eq!(b.claim().await, Err(LeaseLoss::HeldByAnother), "tick {k}");
+            assert_eq!(a.control(clock_a.now()), Control::Active, "tick {k}");
+        }
+        // A stops renewing (its last renewal was at tick 40, which B read at once).
+        let last = a.read_record().await.unwrap().unwrap();
+        let first_read = clock_b.now();
+        assert_eq!(
+            b.freshness(Some(&last)),
+            crate::Freshness::Until(first_read + Duration::from_secs(2))
+        );
+        clock_b.advance(Duration::from_millis(1999));
+        assert_eq!(b.claim().await, Err(LeaseLoss::HeldByAnother));
+        clock_b.advance(Duration::from_millis(1));
+        assert_eq!(b.claim().await, Ok(2), "one ttl after B first read it");
+        clock_a.advance(Duration::from_millis(500));
+        assert_eq!(a.renew().await, Err(LeaseLoss::HeldByAnother));
     }
 }

@@ -10,10 +10,11 @@
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{
-    Claim, Lease, LeaseError, LeaseLoss, LeaseRecord, LeaseStore, parse_record, render_record,
+    Claim, Expiry, Lease, LeaseError, LeaseLoss, LeaseRecord, LeaseStore, parse_record,
+    render_record,
 };
 
 /// How long to wait for the flock by default, seconds.
@@ -196,11 +197,17 @@ impl LeaseStore for FileLease {
         self.locked(|me| me.read_unlocked()).await
     }
 
-    async fn claim(&self, core: &Lease, now_wall: f64) -> Result<Claim, LeaseError> {
-        let core = core.clone();
+    /// A record written by another router is live until it has stayed unchanged for its own
+    /// duration since this router first saw it (the file holds no clock of its own).
+    fn expiry(&self) -> Expiry {
+        Expiry::Observed
+    }
+
+    async fn claim(&self, core: &Lease, now: Instant, now_wall: f64) -> Result<Claim, LeaseError> {
+        let core = core.clone().with_expiry(self.expiry());
         self.locked(move |me| {
             let current = me.read_unlocked()?;
-            let decision = core.claim(current.as_ref(), now_wall);
+            let decision = core.claim(current.as_ref(), now, now_wall);
             if let Claim::Write(rec) = &decision {
                 me.write_unlocked(rec)?;
             }
@@ -212,12 +219,13 @@ impl LeaseStore for FileLease {
     async fn renew(
         &self,
         core: &Lease,
+        now: Instant,
         now_wall: f64,
     ) -> Result<Result<LeaseRecord, LeaseLoss>, LeaseError> {
         let mut core = core.clone();
         self.locked(move |me| {
             let current = me.read_unlocked()?;
-            match core.renew(current.as_ref(), now_wall) {
+            match core.renew(current.as_ref(), now, now_wall) {
                 Ok(rec) => {
                     me.write_unlocked(&rec)?;
                     Ok(Ok(rec))
@@ -243,13 +251,13 @@ impl LeaseStore for FileLease {
     async fn publish(
         &self,
         core: &Lease,
-        now_wall: f64,
+        now: Instant,
         doc: Vec<u8>,
     ) -> Result<Result<(), LeaseLoss>, LeaseError> {
         let core = core.clone();
         self.locked(move |me| {
             let current = me.read_unlocked()?;
-            match core.may_publish(current.as_ref(), now_wall) {
+            match core.may_publish(current.as_ref(), now) {
                 Ok(_) => me.replace_unlocked(&me.handoff_path, &doc).map(Ok),
                 Err(loss) => Ok(Err(loss)),
             }
@@ -277,6 +285,12 @@ mod tests {
         }
     }
 
+    const S: Duration = Duration::from_secs(1);
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
     fn setup() -> (tempfile::TempDir, FileLease) {
         let dir = tempfile::tempdir().unwrap();
         let store = FileLease::new(dir.path().join("narwhal.router-lease"));
@@ -301,7 +315,7 @@ mod tests {
 
         // A claims epoch 1.
         let mut a = Lease::new("a:1".into(), timing());
-        let Claim::Write(rec) = store.claim(&a, 100.0).await.unwrap() else {
+        let Claim::Write(rec) = store.claim(&a, t0, 100.0).await.unwrap() else {
             panic!("A must get the free lease")
         };
         assert_eq!(
@@ -318,23 +332,26 @@ mod tests {
 
         // B is refused while A's record is live, and nothing is written.
         let mut b = Lease::new("b:2".into(), timing());
-        let held = store.claim(&b, 101.0).await.unwrap();
+        let held = store.claim(&b, t0 + S, 101.0).await.unwrap();
         assert_eq!(
             held,
             Claim::HeldBy {
                 holder: "a:1".into(),
                 epoch: 1,
-                expires_at: 102.0
+                expires_at: 102.0,
+                updated_at: 100.0,
             }
         );
         assert_eq!(store.read().await.unwrap(), Some(rec));
 
         // A renews: same epoch, later expiry.
-        let renewed = store.renew(&a, 101.0).await.unwrap().unwrap();
+        let renewed = store.renew(&a, t0 + S, 101.0).await.unwrap().unwrap();
         assert_eq!((renewed.epoch, renewed.expires_at), (1, 103.0));
 
-        // After expiry B takes over at epoch 2.
-        let Claim::Write(rb) = store.claim(&b, 103.0).await.unwrap() else {
+        // After expiry B takes over at epoch 2: B saw the renewed record at +1 s, and it stayed
+        // unchanged for its 2 s on B's monotonic clock.
+        b.observe(Some(&renewed), t0 + S);
+        let Claim::Write(rb) = store.claim(&b, t0 + 3 * S, 103.0).await.unwrap() else {
             panic!("B must take the expired lease")
         };
         assert_eq!((rb.epoch, rb.holder.as_str()), (2, "b:2"));
@@ -342,7 +359,7 @@ mod tests {
 
         // A's next renewal finds B: fenced at once, record untouched.
         assert_eq!(
-            store.renew(&a, 103.1).await.unwrap(),
+            store.renew(&a, t0 + ms(3100), 103.1).await.unwrap(),
             Err(LeaseLoss::HeldByAnother)
         );
         a.fence(LeaseLoss::HeldByAnother);
@@ -355,10 +372,10 @@ mod tests {
         assert!(store.release(&b, 103.5).await.unwrap());
         let released = store.read().await.unwrap().unwrap();
         assert_eq!((released.epoch, released.expires_at), (2, 103.5));
-        assert!(!released.live(103.5));
+        assert!(released.released());
 
         // The next claim, even right away, advances the epoch.
-        let Claim::Write(rc) = store.claim(&a, 103.6).await.unwrap() else {
+        let Claim::Write(rc) = store.claim(&a, t0 + ms(3600), 103.6).await.unwrap() else {
             panic!("released lease is free")
         };
         assert_eq!(rc.epoch, 3);
@@ -380,36 +397,47 @@ mod tests {
         assert_eq!(store.read_all().await.unwrap(), (None, None));
         let mut a = Lease::new("a:1".into(), timing());
         assert_eq!(
-            store.publish(&a, 100.0, b"{}".to_vec()).await.unwrap(),
+            store.publish(&a, t0, b"{}".to_vec()).await.unwrap(),
             Err(LeaseLoss::Lapsed),
             "nothing owned: nothing published"
         );
-        let Claim::Write(rec) = store.claim(&a, 100.0).await.unwrap() else {
+        let Claim::Write(rec) = store.claim(&a, t0, 100.0).await.unwrap() else {
             panic!()
         };
         a.granted(rec.epoch, t0);
         assert_eq!(
-            store.publish(&a, 100.5, b"doc-1".to_vec()).await.unwrap(),
+            store
+                .publish(&a, t0 + ms(500), b"doc-1".to_vec())
+                .await
+                .unwrap(),
             Ok(())
         );
         assert_eq!(
             store.read_all().await.unwrap(),
             (Some(rec.clone()), Some(b"doc-1".to_vec()))
         );
-        // B takes over after expiry; A's late publish is refused and changes nothing.
+        // B takes over after expiry (it saw A's record at t0, unchanged for 2 s since); A's late
+        // publish is refused and changes nothing.
         let mut b = Lease::new("b:2".into(), timing());
-        let Claim::Write(rb) = store.claim(&b, 103.0).await.unwrap() else {
+        b.observe(Some(&rec), t0);
+        let Claim::Write(rb) = store.claim(&b, t0 + 3 * S, 103.0).await.unwrap() else {
             panic!()
         };
-        b.granted(rb.epoch, t0);
+        b.granted(rb.epoch, t0 + 3 * S);
         assert_eq!(
-            store.publish(&a, 103.1, b"late".to_vec()).await.unwrap(),
+            store
+                .publish(&a, t0 + ms(3100), b"late".to_vec())
+                .await
+                .unwrap(),
             Err(LeaseLoss::HeldByAnother)
         );
         let (r, doc) = store.read_all().await.unwrap();
         assert_eq!((r, doc.as_deref()), (Some(rb), Some(&b"doc-1"[..])));
         assert_eq!(
-            store.publish(&b, 103.2, b"doc-2".to_vec()).await.unwrap(),
+            store
+                .publish(&b, t0 + ms(3200), b"doc-2".to_vec())
+                .await
+                .unwrap(),
             Ok(())
         );
         assert_eq!(
@@ -429,13 +457,14 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn concurrent_claims_have_exactly_one_winner() {
         let (_dir, store) = setup();
+        let t0 = SystemClock.now();
         let mut tasks = Vec::new();
         for i in 0..8 {
             // Separate stores: every operation opens its own lock file description.
             let s = FileLease::new(store.path());
             tasks.push(tokio::spawn(async move {
                 let core = Lease::new(format!("r{i}:x"), timing());
-                s.claim(&core, 100.0).await.unwrap()
+                s.claim(&core, t0, 100.0).await.unwrap()
             }));
         }
         let mut winners = Vec::new();
@@ -462,7 +491,7 @@ mod tests {
             "{err}"
         );
         let a = Lease::new("a:1".into(), timing());
-        let err = store.claim(&a, 100.0).await.unwrap_err();
+        let err = store.claim(&a, SystemClock.now(), 100.0).await.unwrap_err();
         assert!(matches!(err, LeaseError::Malformed { .. }), "{err}");
         // Never overwritten by a claim.
         assert_eq!(
@@ -481,17 +510,18 @@ mod tests {
         let (_dir, store) = setup();
         let t0 = SystemClock.now();
         let mut a = Lease::new("a:1".into(), timing());
-        let Claim::Write(rec) = store.claim(&a, 100.0).await.unwrap() else {
+        let Claim::Write(rec) = store.claim(&a, t0, 100.0).await.unwrap() else {
             panic!()
         };
         a.granted(rec.epoch, t0);
+        // Lapsed: past its local validity (ttl − margin after the claim).
         assert_eq!(
-            store.renew(&a, 102.5).await.unwrap(),
+            store.renew(&a, t0 + ms(2500), 102.5).await.unwrap(),
             Err(LeaseLoss::Lapsed)
         );
         std::fs::remove_file(store.path()).unwrap();
         assert_eq!(
-            store.renew(&a, 100.5).await.unwrap(),
+            store.renew(&a, t0 + ms(500), 100.5).await.unwrap(),
             Err(LeaseLoss::Lapsed)
         );
     }
@@ -523,7 +553,11 @@ mod tests {
         std::fs::write(&blocker, b"x").unwrap();
         let store = FileLease::new(blocker.join("lease"));
         let a = Lease::new("a:1".into(), timing());
-        let err = store.claim(&a, 1.0).await.unwrap_err().to_string();
+        let err = store
+            .claim(&a, SystemClock.now(), 1.0)
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(err.starts_with("lease file create directory"), "{err}");
     }
 }

@@ -5,6 +5,7 @@
 //!  LeaseDriver ──(clock: mono `started` before the write, wall `now`)──► LeaseStore
 //!     │  owns the pure core `machine::Lease`           ├─ FileLease  flock(<path>.lock) + atomic fsynced record
 //!     │  claim / renew loop / release                  └─ EtcdLease  etcd v3 lease + txn on <key>, <key>/epoch
+//!     │  feeds every read (and its own writes) to the core's `Observer` (monotonic first sight)
 //!     └─► control(now): Active | Standby | Fenced; LeaseEvent::Fenced to the router on a lost renewal
 //!  publish(handoff) ──► beside the record (<path>.handoff, <key>/handoff), only while it is ours
 //! ```
@@ -23,13 +24,14 @@ pub mod file;
 pub mod machine;
 
 use std::future::Future;
+use std::time::Instant;
 
 pub use driver::{LeaseDriver, LeaseEvent, LeaseStatus, holder_token};
 pub use etcd::EtcdLease;
 pub use file::FileLease;
 pub use machine::{
-    Claim, Control, LEASE_SCHEMA, Lease, LeaseLoss, LeaseRecord, LeaseTiming, RecordError,
-    TimingError,
+    Claim, Control, Expiry, Freshness, LEASE_SCHEMA, Lease, LeaseLoss, LeaseRecord, LeaseTiming,
+    Observer, RecordError, TimingError,
 };
 
 /// Why a lease store could not be read or written. Shown to operators as
@@ -93,12 +95,21 @@ impl From<LeaseError> for LeaseLoss {
 ///
 /// Every operation reads the current record, lets the pure core (`core`, a copy of the
 /// driver's) decide, and writes the decision, all atomically with respect to other routers.
-/// `now_wall` is Unix seconds read by the driver *before* the operation began: a stale value
-/// only makes decisions more conservative (another holder's record looks live longer, ours
-/// expires earlier).
+/// `now` is the monotonic instant read by the driver *before* the operation began: a stale
+/// value only makes decisions more conservative (another holder's record looks live longer,
+/// our local validity ends earlier). `now_wall` (Unix seconds, read then too) is only written
+/// into records, never compared with a record's times (ha-and-fencing.md 2.4).
 pub trait LeaseStore: Send + Sync + 'static {
     /// Where the lease lives, for logs: `file <path>` or `etcd <key> at <endpoints>`.
     fn describe(&self) -> String;
+
+    /// How a record of another holder lapses in this store: by this router's observation
+    /// ([`Expiry::Observed`], the default: the file backend) or by the store deleting it
+    /// ([`Expiry::Store`]: etcd's server-side lease). The claim decides with it whatever the
+    /// core it is given says.
+    fn expiry(&self) -> Expiry {
+        Expiry::Observed
+    }
 
     /// The current record, `None` when there is no lease (absent file, vanished etcd key).
     /// The warm standby compares its `epoch`/`holder` with the primary's handoff document.
@@ -107,14 +118,16 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// [`LeaseError`]: I/O, lock, etcd, or a malformed record (never reported as absent).
     fn read(&self) -> impl Future<Output = Result<Option<LeaseRecord>, LeaseError>> + Send;
 
-    /// Claims the lease: [`Lease::claim`] against the current record; on
-    /// [`Claim::Write`] the record has been written (ours at its epoch) when this returns.
+    /// Claims the lease: [`Lease::claim`] (judging with [`LeaseStore::expiry`]) against the
+    /// current record; on [`Claim::Write`] the record has been written (ours at its epoch)
+    /// when this returns.
     ///
     /// # Errors
     /// [`LeaseError`]; nothing was granted.
     fn claim(
         &self,
         core: &Lease,
+        now: Instant,
         now_wall: f64,
     ) -> impl Future<Output = Result<Claim, LeaseError>> + Send;
 
@@ -126,6 +139,7 @@ pub trait LeaseStore: Send + Sync + 'static {
     fn renew(
         &self,
         core: &Lease,
+        now: Instant,
         now_wall: f64,
     ) -> impl Future<Output = Result<Result<LeaseRecord, LeaseLoss>, LeaseError>> + Send;
 
@@ -141,7 +155,7 @@ pub trait LeaseStore: Send + Sync + 'static {
     fn publish(
         &self,
         core: &Lease,
-        now_wall: f64,
+        now: Instant,
         doc: Vec<u8>,
     ) -> impl Future<Output = Result<Result<(), LeaseLoss>, LeaseError>> + Send;
 
@@ -154,11 +168,12 @@ pub trait LeaseStore: Send + Sync + 'static {
         &self,
     ) -> impl Future<Output = Result<(Option<LeaseRecord>, Option<Vec<u8>>), LeaseError>> + Send;
 
-    /// Releases at shutdown ([`Lease::release`]): expires the record if it is still ours.
+    /// Releases at shutdown ([`Lease::release`]): marks the record released if it is still
+    /// ours.
     /// Returns whether it was ours.
     ///
     /// # Errors
-    /// [`LeaseError`]; the lease then simply lapses at its `expires_at`.
+    /// [`LeaseError`]; the lease then simply lapses (one ttl unchanged, as observed).
     fn release(
         &self,
         core: &Lease,
@@ -184,6 +199,13 @@ impl LeaseStore for AnyStore {
         }
     }
 
+    fn expiry(&self) -> Expiry {
+        match self {
+            AnyStore::File(s) => s.expiry(),
+            AnyStore::Etcd(s) => s.expiry(),
+        }
+    }
+
     async fn read(&self) -> Result<Option<LeaseRecord>, LeaseError> {
         match self {
             AnyStore::File(s) => s.read().await,
@@ -191,21 +213,22 @@ impl LeaseStore for AnyStore {
         }
     }
 
-    async fn claim(&self, core: &Lease, now_wall: f64) -> Result<Claim, LeaseError> {
+    async fn claim(&self, core: &Lease, now: Instant, now_wall: f64) -> Result<Claim, LeaseError> {
         match self {
-            AnyStore::File(s) => s.claim(core, now_wall).await,
-            AnyStore::Etcd(s) => s.claim(core, now_wall).await,
+            AnyStore::File(s) => s.claim(core, now, now_wall).await,
+            AnyStore::Etcd(s) => s.claim(core, now, now_wall).await,
         }
     }
 
     async fn renew(
         &self,
         core: &Lease,
+        now: Instant,
         now_wall: f64,
     ) -> Result<Result<LeaseRecord, LeaseLoss>, LeaseError> {
         match self {
-            AnyStore::File(s) => s.renew(core, now_wall).await,
-            AnyStore::Etcd(s) => s.renew(core, now_wall).await,
+            AnyStore::File(s) => s.renew(core, now, now_wall).await,
+            AnyStore::Etcd(s) => s.renew(core, now, now_wall).await,
         }
     }
 
@@ -219,12 +242,12 @@ impl LeaseStore for AnyStore {
     async fn publish(
         &self,
         core: &Lease,
-        now_wall: f64,
+        now: Instant,
         doc: Vec<u8>,
     ) -> Result<Result<(), LeaseLoss>, LeaseError> {
         match self {
-            AnyStore::File(s) => s.publish(core, now_wall, doc).await,
-            AnyStore::Etcd(s) => s.publish(core, now_wall, doc).await,
+            AnyStore::File(s) => s.publish(core, now, doc).await,
+            AnyStore::Etcd(s) => s.publish(core, now, doc).await,
         }
     }
 

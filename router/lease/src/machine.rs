@@ -5,6 +5,17 @@
 //! write and whether the router still holds a valid lease. Validity runs from the monotonic
 //! instant taken *before* the write that granted it, minus a safety margin, so a slow write
 //! can only shorten what the router believes, never lengthen it.
+//!
+//! Clocks (ha-and-fencing.md 2.4): a record's `expires_at` and `updated_at` are written from
+//! its holder's wall clock and are never compared with another router's wall clock. The
+//! holder judges its own tenure by its monotonic local validity only. Another holder's record
+//! is judged by what this router observed of it ([`Observer`]), on this router's own monotonic
+//! clock: with the file backend it is live until it has stayed unchanged for its own duration
+//! (`expires_at − updated_at`, the holder's ttl: a difference of two readings of one clock, so
+//! free of skew) since this router first saw that version, as Kubernetes' leader election
+//! times a leader by the observed time of record changes; with etcd a present record is live,
+//! because etcd deletes a lapsed one itself (its server's lease clock). A record whose
+//! `expires_at <= updated_at` was released by its holder and is free at once.
 
 use std::time::{Duration, Instant};
 
@@ -14,13 +25,15 @@ use serde::{Deserialize, Serialize};
 pub const LEASE_SCHEMA: &str = "narwhal.router-lease";
 
 /// The lease record a backend stores (schema `narwhal.router-lease` version 1;
-/// behaviour.md 3.2). Times are wall-clock Unix seconds.
+/// behaviour.md 3.2). Times are wall-clock Unix seconds of the holder's clock: only their
+/// difference (the holder's ttl) and whether they changed mean anything to another router.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LeaseRecord {
     /// Fencing epoch, ≥ 1; advances on every change of holder.
     pub epoch: u64,
-    /// When the lease lapses unless renewed.
+    /// `updated_at` plus the holder's ttl (the holder's wall clock); `<= updated_at` when the
+    /// holder released the lease.
     pub expires_at: f64,
     /// Holder token: `<router-id>:<32 hex>`, unique per process.
     pub holder: String,
@@ -67,9 +80,164 @@ impl LeaseRecord {
         Ok(())
     }
 
-    /// Unexpired at wall time `now_wall`.
-    pub fn live(&self, now_wall: f64) -> bool {
-        self.expires_at > now_wall
+    /// Its holder gave it up (`expires_at <= updated_at`, as [`Lease::release`] writes it, or
+    /// the etcd backend's view of a vanished record): free to claim at once.
+    pub fn released(&self) -> bool {
+        self.expires_at <= self.updated_at
+    }
+
+    /// How long it lives unchanged: `expires_at − updated_at`, the holder's ttl (two readings
+    /// of the holder's one clock, so free of any skew between routers); `None` when released.
+    /// A duration too long to represent is [`Duration::MAX`].
+    pub fn duration(&self) -> Option<Duration> {
+        if self.released() {
+            return None;
+        }
+        Some(
+            Duration::try_from_secs_f64(self.expires_at - self.updated_at).unwrap_or(Duration::MAX),
+        )
+    }
+
+    /// The same version as `other`: same epoch, holder, `updated_at` and `expires_at` (every
+    /// write by a holder changes at least one of them, [`Lease::renew`]).
+    pub fn same_version(&self, other: &LeaseRecord) -> bool {
+        self.epoch == other.epoch
+            && self.holder == other.holder
+            && self.updated_at == other.updated_at
+            && self.expires_at == other.expires_at
+    }
+
+    /// This record as a new version of `current`: when a holder's wall clock did not move (or
+    /// stepped back onto the same reading) a rewrite would be indistinguishable from the record
+    /// it replaces, and an observer would time a renewing holder as one that stopped. Then
+    /// `updated_at` moves to the next representable value (and `expires_at` with it).
+    fn distinct_from(mut self, current: Option<&LeaseRecord>) -> Self {
+        if let Some(c) = current
+            && self.same_version(c)
+        {
+            let ttl = self.expires_at - self.updated_at;
+            self.updated_at = self.updated_at.next_up();
+            self.expires_at = self.updated_at + ttl;
+        }
+        self
+    }
+}
+
+/// How this router decides that another holder's record lapsed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expiry {
+    /// By observation (the `file` backend): a record lapses once it has stayed unchanged for
+    /// its own duration ([`LeaseRecord::duration`]) on this router's monotonic clock, from
+    /// this router's first sight of that version. Assumes the routers' monotonic clocks run at
+    /// about the same rate (the safety margin absorbs the drift); wall clocks may differ by
+    /// any amount.
+    Observed,
+    /// By the store (the `etcd` backend): the store deletes a lapsed record itself (etcd's
+    /// server-side lease, timed by the etcd server's clock), so a present record is live
+    /// unless released.
+    Store,
+}
+
+/// How long a record read from the store counts as live for this router ([`Observer`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Freshness {
+    /// No record, or one its holder released: free now.
+    Free,
+    /// Live until this instant of this router's monotonic clock (first sight of this version
+    /// plus its duration), lapsed from then on.
+    Until(Instant),
+    /// Live as long as it is present (the store removes a lapsed record: [`Expiry::Store`]).
+    WhilePresent,
+}
+
+impl Freshness {
+    /// Still live at monotonic `now`.
+    pub fn live(self, now: Instant) -> bool {
+        match self {
+            Freshness::Free => false,
+            Freshness::Until(until) => now < until,
+            Freshness::WhilePresent => true,
+        }
+    }
+
+    /// The instant it lapses by itself, if it does (a standby wakes then).
+    pub fn until(self) -> Option<Instant> {
+        match self {
+            Freshness::Until(until) => Some(until),
+            Freshness::Free | Freshness::WhilePresent => None,
+        }
+    }
+}
+
+/// What this router saw of the store's record, timed on its own monotonic clock: the version
+/// last seen and when it was first seen. Fed by every read of the store the driver does (and
+/// by its own writes), so a router that has been polling knows, when it claims, how long the
+/// current version has been unchanged. Pure: instants are passed in.
+#[derive(Debug, Clone)]
+pub struct Observer {
+    expiry: Expiry,
+    seen: Option<(LeaseRecord, Instant)>,
+}
+
+impl Observer {
+    /// An observer that saw nothing yet.
+    pub fn new(expiry: Expiry) -> Self {
+        Observer { expiry, seen: None }
+    }
+
+    /// How it decides that a record lapsed.
+    pub fn expiry(&self) -> Expiry {
+        self.expiry
+    }
+
+    /// When the version last seen was first seen, if any.
+    pub fn first_seen(&self) -> Option<Instant> {
+        self.seen.as_ref().map(|(_, at)| *at)
+    }
+
+    /// How `record` stands if read at `now`, recording nothing: a version seen before counts
+    /// from its first sight, any other from `now`; a released one is free; with
+    /// [`Expiry::Store`] a present one is live while present.
+    pub fn judge(&self, record: Option<&LeaseRecord>, now: Instant) -> Freshness {
+        let Some(r) = record else {
+            return Freshness::Free;
+        };
+        let Some(duration) = r.duration() else {
+            return Freshness::Free;
+        };
+        match self.expiry {
+            Expiry::Store => Freshness::WhilePresent,
+            Expiry::Observed => {
+                let since = match &self.seen {
+                    Some((v, at)) if v.same_version(r) => *at,
+                    _ => now,
+                };
+                since
+                    .checked_add(duration)
+                    .map_or(Freshness::WhilePresent, Freshness::Until)
+            }
+        }
+    }
+
+    /// The store held `record` at `now` (an instant read *after* the read completed, so the
+    /// first sight of a version is never earlier than its write): a new version is first seen
+    /// now, a known one keeps its first sight. Returns [`Observer::judge`].
+    pub fn observe(&mut self, record: Option<&LeaseRecord>, now: Instant) -> Freshness {
+        match record {
+            None => self.seen = None,
+            Some(r) => {
+                if !self.seen.as_ref().is_some_and(|(v, _)| v.same_version(r)) {
+                    self.seen = Some((r.clone(), now));
+                }
+            }
+        }
+        self.judge(record, now)
+    }
+
+    /// This router wrote `record` from `started` (the instant before the write): it has known
+    /// that version since then.
+    pub fn wrote(&mut self, record: &LeaseRecord, started: Instant) {
+        self.seen = Some((record.clone(), started));
     }
 }
 
@@ -148,15 +316,40 @@ pub enum TimingError {
 pub enum Claim {
     /// Write this record: the lease is ours at its epoch.
     Write(LeaseRecord),
-    /// Another router holds an unexpired lease.
+    /// Another router holds a live lease (as this router observes it: [`Observer`]).
     HeldBy {
         /// Its holder token.
         holder: String,
         /// Its epoch.
         epoch: u64,
-        /// When it lapses (wall seconds).
+        /// Its `expires_at` (the holder's wall seconds: for logs, never compared here).
         expires_at: f64,
+        /// Its `updated_at` (the holder's wall seconds), so the driver can record the version
+        /// it read.
+        updated_at: f64,
     },
+}
+
+impl Claim {
+    /// The record a [`Claim::HeldBy`] was decided on (its version, for the [`Observer`]).
+    pub fn held_record(&self) -> Option<LeaseRecord> {
+        match self {
+            Claim::Write(_) => None,
+            Claim::HeldBy {
+                holder,
+                epoch,
+                expires_at,
+                updated_at,
+            } => Some(LeaseRecord {
+                epoch: *epoch,
+                expires_at: *expires_at,
+                holder: holder.clone(),
+                schema: LEASE_SCHEMA.to_string(),
+                schema_version: 1,
+                updated_at: *updated_at,
+            }),
+        }
+    }
 }
 
 /// Why the router lost (or never had) control; shown in `/ready.reason`.
@@ -202,22 +395,53 @@ pub struct Lease {
     timing: LeaseTiming,
     owned: Option<(u64, Instant)>,
     fenced: Option<LeaseLoss>,
+    observer: Observer,
 }
 
 impl Lease {
-    /// A lease core for holder token `holder` that owns nothing yet.
+    /// A lease core for holder token `holder` that owns nothing yet, judging other holders'
+    /// records by observation ([`Expiry::Observed`]; [`Lease::with_expiry`] changes it).
     pub fn new(holder: String, timing: LeaseTiming) -> Self {
         Lease {
             holder,
             timing,
             owned: None,
             fenced: None,
+            observer: Observer::new(Expiry::Observed),
         }
+    }
+
+    /// The same core judging records by `expiry` (keeps what was observed).
+    #[must_use]
+    pub fn with_expiry(mut self, expiry: Expiry) -> Self {
+        self.observer.expiry = expiry;
+        self
     }
 
     /// This process's holder token.
     pub fn holder(&self) -> &str {
         &self.holder
+    }
+
+    /// What this router observed of the store's record.
+    pub fn observer(&self) -> &Observer {
+        &self.observer
+    }
+
+    /// The store held `record` at `now` (read after the read completed): recorded in the
+    /// [`Observer`]; returns how it stands.
+    pub fn observe(&mut self, record: Option<&LeaseRecord>, now: Instant) -> Freshness {
+        self.observer.observe(record, now)
+    }
+
+    /// This router wrote `record` from `started` (the instant taken before the write).
+    pub fn wrote(&mut self, record: &LeaseRecord, started: Instant) {
+        self.observer.wrote(record, started);
+    }
+
+    /// How `record` stands for this router at `now` ([`Observer::judge`]).
+    pub fn freshness(&self, record: Option<&LeaseRecord>, now: Instant) -> Freshness {
+        self.observer.judge(record, now)
     }
 
     /// The epoch held, if any.
@@ -251,28 +475,29 @@ impl Lease {
         }
     }
 
-    /// Decides a claim against the `current` record read under the backend's lock
-    /// (behaviour.md 3.3): an unexpired record of another holder wins; our own keeps its
-    /// epoch; an absent or expired one is taken at epoch + 1.
-    pub fn claim(&self, current: Option<&LeaseRecord>, now_wall: f64) -> Claim {
+    /// Decides a claim against the `current` record read under the backend's lock at
+    /// monotonic `now` (the instant taken before the claim began) and wall `now_wall` (only
+    /// written into the record; behaviour.md 3.3): another holder's record that is live as
+    /// this router observes it ([`Lease::freshness`]) wins; our own live record keeps its
+    /// epoch; an absent, released or lapsed one is taken at epoch + 1.
+    pub fn claim(&self, current: Option<&LeaseRecord>, now: Instant, now_wall: f64) -> Claim {
+        let live = self.freshness(current, now).live(now);
         let epoch = match current {
-            Some(r) if r.live(now_wall) && r.holder != self.holder => {
+            Some(r) if live && r.holder != self.holder => {
                 return Claim::HeldBy {
                     holder: r.holder.clone(),
                     epoch: r.epoch,
                     expires_at: r.expires_at,
+                    updated_at: r.updated_at,
                 };
             }
-            Some(r) if r.live(now_wall) => r.epoch,
+            Some(r) if live => r.epoch,
             Some(r) => r.epoch + 1,
             None => 1,
         };
-        Claim::Write(LeaseRecord::new(
-            epoch,
-            &self.holder,
-            now_wall,
-            self.timing.ttl,
-        ))
+        Claim::Write(
+            LeaseRecord::new(epoch, &self.holder, now_wall, self.timing.ttl).distinct_from(current),
+        )
     }
 
     /// The backend wrote `epoch` for us; `started` is the monotonic instant taken before the
@@ -283,17 +508,22 @@ impl Lease {
         self.fenced = None;
     }
 
-    /// Decides a renewal against `current`: the record must still be ours at our epoch and
-    /// unexpired; otherwise the router is fenced at once.
+    /// Decides a renewal against `current` at monotonic `now` (the instant taken before the
+    /// renewal began): the record must still be ours at our epoch (not released) and our
+    /// local validity must not have lapsed; otherwise the router is fenced at once. The
+    /// record's own times are never compared with a clock, so a step of this router's wall
+    /// clock (forward or back, past the ttl) changes nothing; `now_wall` is only written. The
+    /// new record always differs from `current` ([`LeaseRecord::same_version`]).
     ///
     /// # Errors
     /// The [`LeaseLoss`]; the core is fenced when it returns.
     pub fn renew(
         &mut self,
         current: Option<&LeaseRecord>,
+        now: Instant,
         now_wall: f64,
     ) -> Result<LeaseRecord, LeaseLoss> {
-        let Some((epoch, _)) = self.owned else {
+        let Some((epoch, until)) = self.owned else {
             return Err(LeaseLoss::Lapsed);
         };
         let loss = match current {
@@ -301,42 +531,38 @@ impl Lease {
             Some(r) if r.holder != self.holder || r.epoch != epoch => {
                 Some(LeaseLoss::HeldByAnother)
             }
-            Some(r) if !r.live(now_wall) => Some(LeaseLoss::Lapsed),
+            Some(r) if r.released() || now >= until => Some(LeaseLoss::Lapsed),
             Some(_) => None,
         };
         if let Some(loss) = loss {
             self.fence(loss.clone());
             return Err(loss);
         }
-        Ok(LeaseRecord::new(
-            epoch,
-            &self.holder,
-            now_wall,
-            self.timing.ttl,
-        ))
+        Ok(LeaseRecord::new(epoch, &self.holder, now_wall, self.timing.ttl).distinct_from(current))
     }
 
     /// Decides whether this router may publish its handoff next to `current` (read under the
-    /// backend's lock) at `now_wall`: the record must be ours at our epoch and unexpired, as
-    /// for a renewal, so a document published under epoch E is always the newest state of E
-    /// and can never land after a successor's claim (ha-and-fencing.md: an acknowledged lifecycle
-    /// action is durable where the successor reads). Nothing is fenced here: the driver does.
+    /// backend's lock) at monotonic `now`: the record must be ours at our epoch (not released)
+    /// and our local validity must hold, as for a renewal, so a document published under epoch
+    /// E is always the newest state of E and can never land after a successor's claim
+    /// (ha-and-fencing.md 5: an acknowledged lifecycle action is durable where the successor
+    /// reads). Nothing is fenced here: the driver does.
     ///
     /// # Errors
-    /// The [`LeaseLoss`]: nothing owned or a lapsed record ([`LeaseLoss::Lapsed`]), another
-    /// holder or epoch ([`LeaseLoss::HeldByAnother`]).
+    /// The [`LeaseLoss`]: nothing owned, a lapsed validity or a released record
+    /// ([`LeaseLoss::Lapsed`]), another holder or epoch ([`LeaseLoss::HeldByAnother`]).
     pub fn may_publish(
         &self,
         current: Option<&LeaseRecord>,
-        now_wall: f64,
+        now: Instant,
     ) -> Result<u64, LeaseLoss> {
-        let Some((epoch, _)) = self.owned else {
+        let Some((epoch, until)) = self.owned else {
             return Err(self.fenced.clone().unwrap_or(LeaseLoss::Lapsed));
         };
         match current {
             None => Err(LeaseLoss::Lapsed),
             Some(r) if r.holder != self.holder || r.epoch != epoch => Err(LeaseLoss::HeldByAnother),
-            Some(r) if !r.live(now_wall) => Err(LeaseLoss::Lapsed),
+            Some(r) if r.released() || now >= until => Err(LeaseLoss::Lapsed),
             Some(_) => Ok(epoch),
         }
     }
@@ -347,8 +573,8 @@ impl Lease {
         self.fenced = Some(why);
     }
 
-    /// The record to write when releasing at shutdown: ours, expired now, same epoch; `None`
-    /// when the record is no longer ours.
+    /// The record to write when releasing at shutdown: ours, released now (`expires_at =
+    /// updated_at`), same epoch; `None` when the record is no longer ours.
     pub fn release(&mut self, current: Option<&LeaseRecord>, now_wall: f64) -> Option<LeaseRecord> {
         let (epoch, _) = self.owned.take()?;
         let r = current?;
@@ -402,12 +628,18 @@ mod tests {
         );
     }
 
+    const S: Duration = Duration::from_secs(1);
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
     #[test]
     fn first_claim_is_epoch_one_and_valid_until_ttl_minus_margin() {
         let t0 = SystemClock.now();
         let mut a = Lease::new("a:1".into(), timing());
         assert_eq!(a.control(t0), Control::Standby);
-        let Claim::Write(rec) = a.claim(None, 100.0) else {
+        let Claim::Write(rec) = a.claim(None, t0, 100.0) else {
             panic!()
         };
         assert_eq!(
@@ -424,13 +656,16 @@ mod tests {
 
     #[test]
     fn unexpired_lease_of_another_holder_is_never_taken() {
-        let b = Lease::new("b:2".into(), timing());
+        let t0 = SystemClock.now();
+        let mut b = Lease::new("b:2".into(), timing());
         let held = LeaseRecord::new(3, "a:1", 100.0, Duration::from_secs(2));
+        // B first sees A's record at t0; it lapses once unchanged for its 2 s since then.
+        b.observe(Some(&held), t0);
         assert!(matches!(
-            b.claim(Some(&held), 101.9),
+            b.claim(Some(&held), t0 + ms(1900), 101.9),
             Claim::HeldBy { epoch: 3, .. }
         ));
-        let Claim::Write(rec) = b.claim(Some(&held), 102.0) else {
+        let Claim::Write(rec) = b.claim(Some(&held), t0 + 2 * S, 102.0) else {
             panic!()
         };
         assert_eq!(rec.epoch, 4, "takeover advances the epoch");
@@ -441,7 +676,7 @@ mod tests {
     fn reclaim_by_the_same_holder_keeps_its_epoch() {
         let a = Lease::new("a:1".into(), timing());
         let mine = LeaseRecord::new(5, "a:1", 100.0, Duration::from_secs(2));
-        let Claim::Write(rec) = a.claim(Some(&mine), 101.0) else {
+        let Claim::Write(rec) = a.claim(Some(&mine), SystemClock.now(), 101.0) else {
             panic!()
         };
         assert_eq!(rec.epoch, 5);
@@ -453,10 +688,13 @@ mod tests {
         let mut a = Lease::new("a:1".into(), timing());
         a.granted(1, t0);
         let ours = LeaseRecord::new(1, "a:1", 100.0, Duration::from_secs(2));
-        let next = a.renew(Some(&ours), 100.5).unwrap();
+        let next = a.renew(Some(&ours), t0, 100.5).unwrap();
         assert_eq!(next.expires_at, 102.5);
         let theirs = LeaseRecord::new(2, "b:2", 100.6, Duration::from_secs(2));
-        assert_eq!(a.renew(Some(&theirs), 100.7), Err(LeaseLoss::HeldByAnother));
+        assert_eq!(
+            a.renew(Some(&theirs), t0, 100.7),
+            Err(LeaseLoss::HeldByAnother)
+        );
         assert_eq!(a.control(t0), Control::Fenced);
         assert_eq!(
             a.loss().unwrap().to_string(),
@@ -467,11 +705,15 @@ mod tests {
         assert_eq!(a.control(t0), Control::Active);
         let mut b = Lease::new("b:2".into(), timing());
         b.granted(2, t0);
-        assert_eq!(b.renew(None, 101.0), Err(LeaseLoss::Lapsed));
+        assert_eq!(b.renew(None, t0, 101.0), Err(LeaseLoss::Lapsed));
         let mut c = Lease::new("c:3".into(), timing());
         c.granted(4, t0);
         let old = LeaseRecord::new(4, "c:3", 90.0, Duration::from_secs(2));
-        assert_eq!(c.renew(Some(&old), 101.0), Err(LeaseLoss::Lapsed));
+        // Lapsed: its local validity (ttl − margin from the grant) is over.
+        assert_eq!(
+            c.renew(Some(&old), t0 + ms(1500), 101.0),
+            Err(LeaseLoss::Lapsed)
+        );
     }
 
     #[test]
@@ -480,35 +722,31 @@ mod tests {
         let mut a = Lease::new("a:1".into(), timing());
         let ours = LeaseRecord::new(1, "a:1", 100.0, Duration::from_secs(2));
         assert_eq!(
-            a.may_publish(Some(&ours), 100.5),
+            a.may_publish(Some(&ours), t0),
             Err(LeaseLoss::Lapsed),
             "nothing owned"
         );
         a.granted(1, t0);
-        assert_eq!(a.may_publish(Some(&ours), 100.5), Ok(1));
+        assert_eq!(a.may_publish(Some(&ours), t0), Ok(1));
         assert_eq!(
-            a.may_publish(Some(&ours), 102.0),
+            a.may_publish(Some(&ours), t0 + ms(1500)),
             Err(LeaseLoss::Lapsed),
             "expired"
         );
-        assert_eq!(
-            a.may_publish(None, 100.5),
-            Err(LeaseLoss::Lapsed),
-            "vanished"
-        );
+        assert_eq!(a.may_publish(None, t0), Err(LeaseLoss::Lapsed), "vanished");
         let theirs = LeaseRecord::new(2, "b:2", 100.0, Duration::from_secs(2));
         assert_eq!(
-            a.may_publish(Some(&theirs), 100.5),
+            a.may_publish(Some(&theirs), t0),
             Err(LeaseLoss::HeldByAnother)
         );
         let old_epoch = LeaseRecord::new(2, "a:1", 100.0, Duration::from_secs(2));
         assert_eq!(
-            a.may_publish(Some(&old_epoch), 100.5),
+            a.may_publish(Some(&old_epoch), t0),
             Err(LeaseLoss::HeldByAnother)
         );
         a.fence(LeaseLoss::HeldByAnother);
         assert_eq!(
-            a.may_publish(Some(&ours), 100.5),
+            a.may_publish(Some(&ours), t0),
             Err(LeaseLoss::HeldByAnother),
             "fenced"
         );
@@ -522,9 +760,238 @@ mod tests {
         let ours = LeaseRecord::new(1, "a:1", 100.0, Duration::from_secs(2));
         let r = a.release(Some(&ours), 100.5).unwrap();
         assert_eq!((r.epoch, r.expires_at), (1, 100.5));
-        assert!(!r.live(100.5));
+        assert!(r.released());
         let mut b = Lease::new("b:2".into(), timing());
         b.granted(1, t0);
         assert!(b.release(Some(&ours), 100.5).is_none());
+    }
+
+    /// Two routers on one store, step by step on a simulated monotonic clock shared by both
+    /// (the same rate), each with its own wall clock: `a` holds and renews every 0.5 s, `b`
+    /// observes every 0.25 s and tries to claim at every observation.
+    struct Pair {
+        t0: Instant,
+        a: Lease,
+        b: Lease,
+        record: LeaseRecord,
+    }
+
+    impl Pair {
+        /// `a` claims the free lease at t0 (wall 1000), `b` has seen nothing yet.
+        fn new() -> Pair {
+            let t0 = SystemClock.now();
+            let mut a = Lease::new("a:1".into(), timing());
+            let Claim::Write(record) = a.claim(None, t0, 1000.0) else {
+                panic!("a free lease")
+            };
+            a.granted(record.epoch, t0);
+            a.wrote(&record, t0);
+            Pair {
+                t0,
+                a,
+                b: Lease::new("b:2".into(), timing()),
+                record,
+            }
+        }
+
+        /// `a` renews at `t` (ms after t0) with its wall clock reading `wall`.
+        fn renew(&mut self, t: u64, wall: f64) -> Result<(), LeaseLoss> {
+            let now = self.t0 + ms(t);
+            let rec = self.a.renew(Some(&self.record), now, wall)?;
+            self.a.granted(rec.epoch, now);
+            self.a.wrote(&rec, now);
+            self.record = rec;
+            Ok(())
+        }
+
+        /// `b` reads the store and claims at `t` with its wall clock reading `wall`.
+        fn b_claims(&mut self, t: u64, wall: f64) -> Claim {
+            let now = self.t0 + ms(t);
+            self.b.observe(Some(&self.record), now);
+            self.b.claim(Some(&self.record), now, wall)
+        }
+    }
+
+    /// lease-clock-skew: a claimant whose wall clock is 10 s ahead of the holder's (NTP lost, a
+    /// VM resumed) or 10 s behind never takes a renewing holder's lease, and the holder keeps
+    /// control (renewals and publishes) all along. Its wall clock is only ever written.
+    #[test]
+    fn a_claimant_whose_wall_clock_is_ahead_or_behind_never_takes_a_renewing_holders_lease() {
+        for skew in [10.0, -10.0, 3600.0] {
+            let mut p = Pair::new();
+            for t in (250..=10_000).step_by(250) {
+                let wall_a = 1000.0 + t as f64 / 1000.0;
+                if t % 500 == 0 {
+                    assert_eq!(p.renew(t, wall_a), Ok(()), "skew {skew}, t {t}");
+                }
+                let seen = p.b_claims(t, wall_a + skew);
+                assert!(
+                    matches!(seen, Claim::HeldBy { epoch: 1, .. }),
+                    "skew {skew}, t {t}: {seen:?}"
+                );
+                let now = p.t0 + ms(t);
+                assert_eq!(p.a.control(now), Control::Active, "skew {skew}, t {t}");
+                assert_eq!(p.a.may_publish(Some(&p.record), now), Ok(1));
+            }
+        }
+    }
+
+    /// A holder whose wall clock jumps forward or back by more than the ttl keeps control while
+    /// it renews: its own record's times are never compared with its clock, and a claimant
+    /// sees a new version at every renewal.
+    #[test]
+    fn a_holder_whose_wall_clock_jumps_forward_or_back_keeps_control_while_it_renews() {
+        let mut p = Pair::new();
+        let mut wall = 1000.0;
+        for t in (500..=8000).step_by(500) {
+            wall += match t {
+                2000 => 300.0,  // a step forward, far past the ttl
+                4000 => -900.0, // a step back, far past the ttl
+                6000 => 0.0,    // the same reading as the record it replaces
+                _ => 0.5,
+            };
+            assert_eq!(p.renew(t, wall), Ok(()), "t {t}, wall {wall}");
+            let now = p.t0 + ms(t);
+            assert_eq!(p.a.control(now + ms(1499)), Control::Active, "t {t}");
+            assert_eq!(p.a.may_publish(Some(&p.record), now + ms(1499)), Ok(1));
+            for k in [0, 250] {
+                let seen = p.b_claims(t + k, 1000.0 + (t + k) as f64 / 1000.0);
+                assert!(matches!(seen, Claim::HeldBy { .. }), "t {t}: {seen:?}");
+            }
+        }
+    }
+
+    /// A holder that stops renewing is taken over one ttl (its own record's duration) after the
+    /// claimant first saw its last record, whatever either wall clock says: not earlier, even
+    /// when the record's `expires_at` is long past on the claimant's wall clock, and not later
+    /// when it is far in the future.
+    #[test]
+    fn a_holder_that_stops_renewing_is_taken_over_one_ttl_after_the_claimant_first_saw_it() {
+        for skew in [0.0, 10.0, -10.0] {
+            let mut p = Pair::new();
+            assert_eq!(p.renew(500, 1000.5), Ok(()));
+            // The holder stops after its renewal at 500 ms; b first sees that version at 700.
+            let wall = |t: u64| 1000.0 + t as f64 / 1000.0 + skew;
+            assert!(matches!(p.b_claims(700, wall(700)), Claim::HeldBy { .. }));
+            assert!(matches!(p.b_claims(1500, wall(1500)), Claim::HeldBy { .. }));
+            assert!(
+                matches!(p.b_claims(2699, wall(2699)), Claim::HeldBy { .. }),
+                "skew {skew}: one ttl after its first sight, not after the write"
+            );
+            let Claim::Write(rec) = p.b_claims(2700, wall(2700)) else {
+                panic!("skew {skew}: taken one ttl after b first saw the last record")
+            };
+            assert_eq!((rec.epoch, rec.holder.as_str()), (2, "b:2"));
+            // The old holder's local validity (ttl − margin from its last renewal) ended first.
+            assert_eq!(p.a.control(p.t0 + ms(2000)), Control::Fenced);
+        }
+        // A claimant that starts after the holder died (the record's `expires_at` an hour in
+        // the past on its wall clock) still waits one ttl from its own first read.
+        let t0 = SystemClock.now();
+        let dead = LeaseRecord::new(7, "a:1", 1000.0, Duration::from_secs(2));
+        let mut c = Lease::new("c:3".into(), timing());
+        assert_eq!(c.observe(Some(&dead), t0), Freshness::Until(t0 + 2 * S));
+        assert!(matches!(
+            c.claim(Some(&dead), t0 + ms(1999), 4600.0),
+            Claim::HeldBy { epoch: 7, .. }
+        ));
+        let Claim::Write(rec) = c.claim(Some(&dead), t0 + 2 * S, 4600.0) else {
+            panic!("lapsed one ttl after the first read")
+        };
+        assert_eq!(rec.epoch, 8);
+        // The duration is the holder's (its record's), not the claimant's own ttl.
+        let long = LeaseRecord::new(8, "d:4", 1000.0, Duration::from_secs(5));
+        let mut e = Lease::new("e:5".into(), timing());
+        e.observe(Some(&long), t0);
+        assert!(matches!(
+            e.claim(Some(&long), t0 + ms(4999), 0.0),
+            Claim::HeldBy { .. }
+        ));
+        assert!(matches!(
+            e.claim(Some(&long), t0 + 5 * S, 0.0),
+            Claim::Write(_)
+        ));
+    }
+
+    /// A released record (`expires_at <= updated_at`: the holder gave the lease up, a planned
+    /// handover) is taken at once, by a claimant that never saw it before, whatever its clock.
+    #[test]
+    fn a_released_record_is_taken_at_once() {
+        let mut p = Pair::new();
+        assert_eq!(p.renew(500, 1000.5), Ok(()));
+        assert!(matches!(p.b_claims(600, 990.0), Claim::HeldBy { .. }));
+        let released = p.a.release(Some(&p.record), 1000.7).expect("ours");
+        assert!(released.released());
+        p.record = released;
+        let Claim::Write(rec) = p.b_claims(700, 990.0) else {
+            panic!("a released record is free at once")
+        };
+        assert_eq!(rec.epoch, 2, "a change of holder advances the epoch");
+        let fresh = Lease::new("c:3".into(), timing());
+        assert_eq!(
+            fresh.freshness(Some(&p.record), p.t0),
+            Freshness::Free,
+            "never seen before: free"
+        );
+    }
+
+    /// The etcd backend's expiry: etcd deletes a lapsed record itself, so a present record of
+    /// another holder is live however long it stays unchanged (unless released); an absent one
+    /// is free.
+    #[test]
+    fn with_store_expiry_a_present_record_is_live_until_the_store_removes_it() {
+        let t0 = SystemClock.now();
+        let mut b = Lease::new("b:2".into(), timing()).with_expiry(Expiry::Store);
+        let held = LeaseRecord::new(3, "a:1", 100.0, Duration::from_secs(2));
+        assert_eq!(b.observe(Some(&held), t0), Freshness::WhilePresent);
+        assert!(matches!(
+            b.claim(Some(&held), t0 + 3600 * S, 1e9),
+            Claim::HeldBy { epoch: 3, .. }
+        ));
+        let mut released = held.clone();
+        released.expires_at = released.updated_at;
+        assert!(matches!(b.claim(Some(&released), t0, 0.0), Claim::Write(r) if r.epoch == 4));
+        assert_eq!(b.observe(None, t0), Freshness::Free);
+        assert!(matches!(b.claim(None, t0, 0.0), Claim::Write(r) if r.epoch == 1));
+    }
+
+    /// The observer, transition by transition: a new version is first seen when read, a known
+    /// one keeps its first sight, an absent record clears it, a write by this router counts from
+    /// the instant before the write; a rewrite with an unchanged wall clock is a new version.
+    #[test]
+    fn the_observer_times_each_version_from_its_first_sight() {
+        let t0 = SystemClock.now();
+        let mut o = Observer::new(Expiry::Observed);
+        let v1 = LeaseRecord::new(1, "a:1", 100.0, Duration::from_secs(2));
+        assert_eq!(o.judge(Some(&v1), t0), Freshness::Until(t0 + 2 * S));
+        assert_eq!(o.first_seen(), None, "judging records nothing");
+        assert_eq!(o.observe(Some(&v1), t0 + S), Freshness::Until(t0 + 3 * S));
+        assert_eq!(
+            o.observe(Some(&v1), t0 + 2 * S),
+            Freshness::Until(t0 + 3 * S)
+        );
+        assert!(!o.judge(Some(&v1), t0 + 3 * S).live(t0 + 3 * S));
+        let v2 = LeaseRecord::new(1, "a:1", 100.5, Duration::from_secs(2));
+        assert_eq!(
+            o.observe(Some(&v2), t0 + 2 * S),
+            Freshness::Until(t0 + 4 * S)
+        );
+        assert_eq!(o.observe(None, t0 + 2 * S), Freshness::Free);
+        assert_eq!(o.first_seen(), None);
+        o.wrote(&v1, t0);
+        assert_eq!(o.observe(Some(&v1), t0 + S), Freshness::Until(t0 + 2 * S));
+        assert_eq!(Freshness::Until(t0).until(), Some(t0));
+        assert_eq!(Freshness::WhilePresent.until(), None);
+        // A holder whose wall clock did not move between two writes still writes a new version.
+        let mut a = Lease::new("a:1".into(), timing());
+        a.granted(1, t0);
+        let next = a.renew(Some(&v1), t0, 100.0).unwrap();
+        assert!(!next.same_version(&v1), "{next:?}");
+        assert!(next.updated_at > v1.updated_at);
+        assert_eq!(o.observe(Some(&next), t0 + S), Freshness::Until(t0 + 3 * S));
+        let Claim::Write(again) = a.claim(Some(&v1), t0, 100.0) else {
+            panic!("our own record")
+        };
+        assert!(!again.same_version(&v1));
     }
 }

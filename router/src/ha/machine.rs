@@ -4,11 +4,11 @@
 //! and give the lease back when anything fails.
 //!
 //! ```text
-//!  tick ──► Observe (lease record + the handoff published beside it)
+//!  tick ──► Observe (lease record, until when it counts as live, the handoff published beside it)
 //!    record live, another holder ──► Retain(its published copy)          (shadowing, names it)
 //!                                 └─ no published copy ──► Poll the primary (reference primary)
 //!    record ours, live ───────────► Claim(Memory)                        (a fenced router's own epoch)
-//!    record expired / absent ─────► Claim(Memory | Stored | Retained | OwnFile) | Publish(Blocked(why))
+//!    record lapsed / absent  ─────► Claim(Memory | Stored | Retained | OwnFile) | Publish(Blocked(why))
 //!  Claim ──claimed(epoch)──► Apply(source) | GiveBack(stale)
 //!  Apply (and publish under the new epoch) ──applied──► ValidateIdentities
 //!        ──identities_checked──► Commit ──committed──► TookOver
@@ -16,7 +16,7 @@
 //! ```
 //!
 //! The lease decides, not the poll count: a takeover starts at the first observation of a
-//! lapsed record (the driver wakes at the record's `expires_at`), so a primary that stopped
+//! lapsed record (the driver wakes at the instant it lapses), so a primary that stopped
 //! answering (`SIGSTOP`) is replaced as fast as one that died (`kill -9`); the reference waited
 //! for N missed polls, each as long as the poll timeout when the primary is stopped. The state
 //! applied is the newest the fleet had: the last controller's published handoff (ha-and-fencing.md:
@@ -24,8 +24,14 @@
 //! memory when nobody held the lease after it, or (a reference primary that publishes
 //! nothing) the copy polled over HTTP.
 //!
-//! Pure: `now` (monotonic) and `wall` (Unix seconds) are passed in; the driver
-//! (`ha::standby`) performs each [`Step`] and feeds the result back.
+//! Whether the record is live is not decided here from its times: each observation carries
+//! the lease core's [`Freshness`] of it (ha-and-fencing.md 2.4: a record of another holder is
+//! live until it has stayed unchanged for its own duration on this router's monotonic clock
+//! since this router first saw it; with etcd, while it is present), so no wall clock, this
+//! router's or the holder's, moves a takeover earlier or later.
+//!
+//! Pure: `now` (monotonic) and `wall` (Unix seconds, only for the age of a polled copy) are
+//! passed in; the driver (`ha::standby`) performs each [`Step`] and feeds the result back.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -34,7 +40,7 @@ use narwhal_shared::handoff::Handoff;
 
 use crate::ha_phase::{Controller, HaPhase};
 use crate::handoff::{ApplyError, PublishError, ReadPublishedError};
-use narwhal_lease::{LeaseLoss, LeaseRecord};
+use narwhal_lease::{Freshness, LeaseLoss, LeaseRecord};
 
 /// What the standby follows and when it gives up on the primary.
 #[derive(Debug, Clone, PartialEq)]
@@ -61,10 +67,20 @@ pub(crate) enum Poll {
     Miss(String),
 }
 
-/// What one read of the lease store found: the record and the handoff published beside it
-/// (`Err`: shown as `lease unavailable: <error>`).
-pub(crate) type Observation =
-    Result<(Option<LeaseRecord>, Option<Box<Handoff>>), ReadPublishedError>;
+/// What one read of the lease store found (`Err`: shown as `lease unavailable: <error>`).
+pub(crate) type Observation = Result<Seen, ReadPublishedError>;
+
+/// One read of the lease store.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Seen {
+    /// The lease record.
+    pub(crate) record: Option<LeaseRecord>,
+    /// Until when the record counts as live for this router (the lease core's observation:
+    /// `narwhal_lease::LeaseDriver::freshness`), on its monotonic clock.
+    pub(crate) fresh: Freshness,
+    /// The handoff published beside it.
+    pub(crate) stored: Option<Box<Handoff>>,
+}
 
 /// Why applying the state a takeover takes over (and publishing it under the claimed epoch)
 /// failed, fed to [`Standby::applied`]; its text is the reason the lease is given back with.
@@ -176,21 +192,21 @@ pub(crate) fn stale_state(own: u64, newer: u64) -> String {
 }
 
 /// How long the standby waits before its next tick: the poll `interval`, or less when the
-/// controller's lease record lapses sooner (`lapses_at`, wall seconds, read at `wall`; plus
-/// 5 ms so the lapse is seen), so a takeover starts as soon as the lease allows rather than up
-/// to one interval later.
-pub(crate) fn next_wait(interval: Duration, lapses_at: Option<f64>, wall: f64) -> Duration {
+/// controller's lease record lapses sooner (`lapses_at`, a monotonic instant, from `now`;
+/// plus 5 ms so the lapse is seen), so a takeover starts as soon as the lease allows rather
+/// than up to one interval later.
+pub(crate) fn next_wait(interval: Duration, lapses_at: Option<Instant>, now: Instant) -> Duration {
     let Some(at) = lapses_at else {
         return interval;
     };
-    let until = Duration::try_from_secs_f64((at - wall).max(0.0) + 0.005).unwrap_or(interval);
+    let until = at.saturating_duration_since(now) + Duration::from_millis(5);
     interval.min(until)
 }
 
 /// [`next_wait`] in whole milliseconds, rounded up (the fault model's clock).
 #[cfg(test)]
-pub(crate) fn next_wait_ms(interval_ms: u64, lapses_at: Option<f64>, wall: f64) -> u64 {
-    let d = next_wait(Duration::from_millis(interval_ms), lapses_at, wall);
+pub(crate) fn next_wait_ms(interval_ms: u64, lapses_at: Option<Instant>, now: Instant) -> u64 {
+    let d = next_wait(Duration::from_millis(interval_ms), lapses_at, now);
     u64::try_from(d.as_micros().div_ceil(1000))
         .unwrap_or(interval_ms)
         .max(1)
@@ -208,6 +224,8 @@ pub(crate) struct Standby {
     stored: Option<Box<Handoff>>,
     /// The lease record last read.
     record: Option<LeaseRecord>,
+    /// Until when it counts as live, as the lease core observed it.
+    fresh: Freshness,
     misses: u32,
     last_good: Option<Instant>,
     /// Epochs this router claimed and gave back without serving (failed takeovers).
@@ -223,6 +241,7 @@ impl Standby {
             retained: None,
             stored: None,
             record: None,
+            fresh: Freshness::Free,
             misses: 0,
             last_good: None,
             given_back: BTreeSet::new(),
@@ -245,13 +264,14 @@ impl Standby {
         self.held
     }
 
-    /// When the lease record last read lapses (wall seconds), if it is another router's: the
-    /// driver wakes then to take over without waiting for a poll interval.
-    pub(crate) fn lapses_at(&self) -> Option<f64> {
+    /// When the lease record last read lapses (a monotonic instant: the lease core's
+    /// observation, never its `expires_at`), if it is another router's and lapses by itself:
+    /// the driver wakes then to take over without waiting for a poll interval.
+    pub(crate) fn lapses_at(&self) -> Option<Instant> {
         self.record
             .as_ref()
             .filter(|r| r.holder != self.settings.holder)
-            .map(|r| r.expires_at)
+            .and_then(|_| self.fresh.until())
     }
 
     /// Whether the router needs its own state file's epoch for [`Standby::observed`]: it
@@ -290,8 +310,9 @@ impl Standby {
         self.retained = Some(h);
     }
 
-    /// What the lease store held at `now` / `now_wall`; `own_file` is this router's own
-    /// state file's epoch when [`Standby::wants_own_file`] (0 without a valid file).
+    /// What the lease store held at `now` / `now_wall` (the record live while `now` is before
+    /// its [`Seen::fresh`]); `own_file` is this router's own state file's epoch when
+    /// [`Standby::wants_own_file`] (0 without a valid file).
     pub(crate) fn observed(
         &mut self,
         now: Instant,
@@ -299,7 +320,11 @@ impl Standby {
         seen: Observation,
         own_file: Option<u64>,
     ) -> Step {
-        let (record, stored) = match seen {
+        let Seen {
+            record,
+            fresh,
+            stored,
+        } = match seen {
             Ok(x) => x,
             Err(e) => {
                 return Step::Publish(HaPhase::Blocked {
@@ -308,9 +333,11 @@ impl Standby {
             }
         };
         self.record = record.clone();
+        self.fresh = fresh;
         self.stored = stored;
+        let live = fresh.live(now);
         match record {
-            Some(r) if r.live(now_wall) && r.holder != self.settings.holder => {
+            Some(r) if live && r.holder != self.settings.holder => {
                 let controller = Controller {
                     holder: r.holder.clone(),
                     epoch: r.epoch,
@@ -331,7 +358,7 @@ impl Standby {
             }
             // Our own record, still live: a fenced router whose renewal failed while the
             // record held (a store hiccup). Getting its own epoch back is no change of holder.
-            Some(r) if r.live(now_wall) => match self.held {
+            Some(r) if live => match self.held {
                 Some(e) if e == r.epoch => Step::Claim(Source::Memory { epoch: e }),
                 _ => Step::Wait,
             },
@@ -527,6 +554,7 @@ impl Standby {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use narwhal_lease::{Expiry, LEASE_SCHEMA, Observer};
     use narwhal_shared::{Clock as _, SystemClock};
     use std::collections::BTreeMap;
 
@@ -586,8 +614,29 @@ pub(crate) mod tests {
         record_of(epoch, "primary:0", expires_at)
     }
 
-    fn seen(rec: Option<LeaseRecord>, stored: Option<Box<Handoff>>) -> Observation {
-        Ok((rec, stored))
+    /// One read of the store: `rec` counting as live until `fresh` (the lease core's
+    /// observation), and `stored`.
+    pub(crate) fn seen(
+        rec: Option<LeaseRecord>,
+        fresh: Freshness,
+        stored: Option<Box<Handoff>>,
+    ) -> Observation {
+        Ok(Seen {
+            record: rec,
+            fresh,
+            stored,
+        })
+    }
+
+    /// A record first seen at `t0` that lives 2 s unchanged: live before `t0 + 2 s`, lapsed from
+    /// then on.
+    fn two_s_from(t0: Instant) -> Freshness {
+        Freshness::Until(t0 + Duration::from_secs(2))
+    }
+
+    /// A record that lapsed at `t` (it was unchanged for its duration by then).
+    fn lapsed_at(t: Instant) -> Freshness {
+        Freshness::Until(t)
     }
 
     fn etcd_timed_out() -> ReadPublishedError {
@@ -619,19 +668,30 @@ pub(crate) mod tests {
         let mut s = Standby::new(settings(true), None);
         assert_eq!(s.tick(), Step::Observe);
         let live = Some(record(4, 1002.0));
+        let fresh = two_s_from(t0);
         assert_eq!(
-            s.observed(t0, 1000.0, seen(live.clone(), Some(doc(4, 999.9))), None),
+            s.observed(
+                t0,
+                1000.0,
+                seen(live.clone(), fresh, Some(doc(4, 999.9))),
+                None
+            ),
             Step::Retain(controller(4))
         );
         assert_eq!(s.retained().map(|h| h.epoch), Some(4));
         assert_eq!(
             s.lapses_at(),
-            Some(1002.0),
-            "the driver wakes at the expiry"
+            Some(t0 + Duration::from_secs(2)),
+            "the driver wakes when it lapses"
         );
         // A copy of another epoch or holder than the record's is not current: poll.
         assert_eq!(
-            s.observed(t0, 1000.1, seen(live.clone(), Some(doc(3, 999.0))), None),
+            s.observed(
+                t0,
+                1000.1,
+                seen(live.clone(), fresh, Some(doc(3, 999.0))),
+                None
+            ),
             Step::Poll
         );
         let later = t0 + Duration::from_millis(2500);
@@ -639,11 +699,11 @@ pub(crate) mod tests {
             s.observed(
                 later,
                 1002.0,
-                seen(Some(record(4, 1002.0)), Some(doc(4, 1001.5))),
+                seen(Some(record(4, 1002.0)), fresh, Some(doc(4, 1001.5))),
                 None
             ),
             Step::Claim(Source::Stored),
-            "lapsed exactly at expires_at"
+            "lapsed: unchanged for its 2 s since it was first seen"
         );
         assert_eq!(
             s.stored().map(|h| h.at),
@@ -672,7 +732,8 @@ pub(crate) mod tests {
     fn a_primary_that_publishes_nothing_is_polled() {
         let t0 = SystemClock.now();
         let mut s = Standby::new(settings(true), None);
-        let live = || seen(Some(record(4, 1002.0)), None);
+        let fresh = two_s_from(t0);
+        let live = || seen(Some(record(4, 1002.0)), fresh, None);
         assert_eq!(s.observed(t0, 1000.0, live(), None), Step::Poll);
         assert_eq!(s.polled(t0, 1000.0, miss()), Step::Wait);
         assert_eq!(s.polled(t0, 1000.0, miss()), Step::Wait);
@@ -701,8 +762,14 @@ pub(crate) mod tests {
             }),
             "31 s old"
         );
+        let t31 = t0 + Duration::from_secs(31);
         assert_eq!(
-            s.observed(t0, 1031.0, seen(Some(record(4, 1002.0)), None), None),
+            s.observed(
+                t31,
+                1031.0,
+                seen(Some(record(4, 1002.0)), fresh, None),
+                None
+            ),
             Step::Publish(HaPhase::Blocked {
                 reason: "no fresh handoff".into()
             }),
@@ -710,8 +777,9 @@ pub(crate) mod tests {
         );
         let mut s = Standby::new(settings(true), None);
         s.polled(t0, 1000.0, Poll::Good(doc(4, 1000.0)));
+        let t3 = t0 + Duration::from_secs(3);
         assert_eq!(
-            s.observed(t0, 1003.0, seen(Some(record(4, 1002.0)), None), None),
+            s.observed(t3, 1003.0, seen(Some(record(4, 1002.0)), fresh, None), None),
             Step::Claim(Source::Retained)
         );
         assert_eq!(
@@ -728,7 +796,12 @@ pub(crate) mod tests {
         let mut s = Standby::new(settings(true), None);
         s.polled(t0, 1000.0, Poll::Good(doc(4, 1000.0)));
         assert_eq!(
-            s.observed(t0, 1001.0, seen(Some(record(5, 1000.5)), None), None),
+            s.observed(
+                t0,
+                1001.0,
+                seen(Some(record(5, 1000.5)), lapsed_at(t0), None),
+                None
+            ),
             Step::Publish(HaPhase::Blocked {
                 reason: stale_handoff(4, 6)
             }),
@@ -742,7 +815,7 @@ pub(crate) mod tests {
         );
         let mut fresh = Standby::new(settings(true), None);
         assert_eq!(
-            fresh.observed(t0, 1001.0, seen(None, None), None),
+            fresh.observed(t0, 1001.0, seen(None, Freshness::Free, None), None),
             Step::Publish(HaPhase::Blocked {
                 reason: "no fresh handoff".into()
             }),
@@ -759,8 +832,10 @@ pub(crate) mod tests {
         let t0 = SystemClock.now();
         let mut s = Standby::new(settings(false), Some(7));
         let newer = || record_of(8, "new:1", 1002.0);
+        let fresh = two_s_from(t0);
+        let t3 = t0 + Duration::from_secs(3);
         assert_eq!(
-            s.observed(t0, 1000.0, seen(Some(newer()), None), None),
+            s.observed(t0, 1000.0, seen(Some(newer()), fresh, None), None),
             Step::Follow(Controller {
                 holder: "new:1".into(),
                 epoch: 8
@@ -771,7 +846,7 @@ pub(crate) mod tests {
             s.observed(
                 t0,
                 1000.0,
-                seen(Some(newer()), Some(doc_of(8, "new:1", 999.0))),
+                seen(Some(newer()), fresh, Some(doc_of(8, "new:1", 999.0))),
                 None
             ),
             Step::Retain(Controller {
@@ -781,9 +856,9 @@ pub(crate) mod tests {
         );
         assert_eq!(
             s.observed(
-                t0,
+                t3,
                 1003.0,
-                seen(Some(newer()), Some(doc_of(8, "new:1", 1001.0))),
+                seen(Some(newer()), fresh, Some(doc_of(8, "new:1", 1001.0))),
                 None
             ),
             Step::Claim(Source::Stored)
@@ -796,9 +871,9 @@ pub(crate) mod tests {
         let mut s = Standby::new(settings(false), Some(7));
         assert_eq!(
             s.observed(
-                t0,
+                t3,
                 1003.0,
-                seen(Some(newer()), Some(doc_of(7, ME, 990.0))),
+                seen(Some(newer()), fresh, Some(doc_of(7, ME, 990.0))),
                 None
             ),
             Step::Publish(HaPhase::Blocked {
@@ -822,6 +897,7 @@ pub(crate) mod tests {
                 now,
                 seen(
                     Some(record_of(7, ME, now - 1.0)),
+                    lapsed_at(t0),
                     Some(doc_of(7, ME, 990.0))
                 ),
                 None
@@ -829,8 +905,13 @@ pub(crate) mod tests {
             Step::Claim(Source::Memory { epoch: 7 }),
             "memory is newer than its own published copy"
         );
+        let own_live = seen(
+            Some(record_of(7, ME, now + 1.0)),
+            Freshness::Until(t0 + Duration::from_secs(1)),
+            None,
+        );
         assert_eq!(
-            fenced.observed(t0, now, seen(Some(record_of(7, ME, now + 1.0)), None), None),
+            fenced.observed(t0, now, own_live, None),
             Step::Claim(Source::Memory { epoch: 7 }),
             "its own live record"
         );
@@ -841,15 +922,16 @@ pub(crate) mod tests {
         let mut fresh = Standby::new(settings(false), None);
         assert!(fresh.wants_own_file());
         assert_eq!(
-            fresh.observed(t0, now, seen(None, None), Some(0)),
+            fresh.observed(t0, now, seen(None, Freshness::Free, None), Some(0)),
             Step::Claim(Source::OwnFile { epoch: 0 })
         );
+        let gone = |epoch| seen(Some(record(epoch, now - 1.0)), lapsed_at(t0), None);
         assert_eq!(
-            fresh.observed(t0, now, seen(Some(record(7, now - 1.0)), None), Some(7)),
+            fresh.observed(t0, now, gone(7), Some(7)),
             Step::Claim(Source::OwnFile { epoch: 7 })
         );
         assert_eq!(
-            fresh.observed(t0, now, seen(Some(record(8, now - 1.0)), None), Some(7)),
+            fresh.observed(t0, now, gone(8), Some(7)),
             Step::Publish(HaPhase::Blocked {
                 reason: stale_state(7, 8)
             })
@@ -927,7 +1009,7 @@ pub(crate) mod tests {
         s.observed(
             t0,
             1003.0,
-            seen(Some(record(4, 1002.0)), Some(doc(4, 1001.0))),
+            seen(Some(record(4, 1002.0)), lapsed_at(t0), Some(doc(4, 1001.0))),
             None,
         );
         let Step::GiveBack { why, .. } = s.claimed(Source::Stored, Ok(6)) else {
@@ -974,5 +1056,167 @@ pub(crate) mod tests {
         );
         assert_eq!(s.given_back(), &BTreeSet::from([5]));
         assert_eq!(s.held(), None, "never took over");
+    }
+
+    /// A primary renewing its record every 500 ms (ttl 2 s) from its own wall clock, and a
+    /// standby reading the store every 250 ms through the lease core's [`Observer`] (as
+    /// `ha::standby` does through the lease driver), with its own wall clock; simulated
+    /// monotonic time, the same rate for both.
+    struct Watch {
+        t0: Instant,
+        observer: Observer,
+        standby: Standby,
+        record: LeaseRecord,
+        published: Box<Handoff>,
+    }
+
+    impl Watch {
+        fn new(expiry: Expiry) -> Watch {
+            let mut w = Watch {
+                t0: SystemClock.now(),
+                observer: Observer::new(expiry),
+                standby: Standby::new(settings(true), None),
+                record: record(4, 1002.0),
+                published: doc(4, 1000.0),
+            };
+            w.renew(1000.0);
+            w
+        }
+
+        /// The primary renews (and publishes) with its wall clock reading `wall`.
+        fn renew(&mut self, wall: f64) {
+            self.record = LeaseRecord {
+                epoch: 4,
+                expires_at: wall + 2.0,
+                holder: "primary:0".into(),
+                schema: LEASE_SCHEMA.into(),
+                schema_version: 1,
+                updated_at: wall,
+            };
+            self.published = doc(4, wall);
+        }
+
+        /// The standby reads the store `ms` after t0, its wall clock reading `wall`.
+        fn look(&mut self, ms: u64, wall: f64) -> Step {
+            let now = self.t0 + Duration::from_millis(ms);
+            let fresh = self.observer.observe(Some(&self.record), now);
+            let read = seen(
+                Some(self.record.clone()),
+                fresh,
+                Some(self.published.clone()),
+            );
+            self.standby.observed(now, wall, read, None)
+        }
+    }
+
+    /// lease-clock-skew: a standby whose wall clock is 10 s ahead of the primary's (or behind)
+    /// keeps shadowing a primary that renews, at every read for 10 s: the record's
+    /// `expires_at` (long past, or far ahead, on the standby's wall clock) is never looked at,
+    /// and the standby wakes one ttl after its first sight of each version, never earlier.
+    #[test]
+    fn a_standby_whose_wall_clock_is_ahead_or_behind_keeps_shadowing_a_renewing_primary() {
+        for skew in [10.0, -10.0] {
+            let mut w = Watch::new(Expiry::Observed);
+            for ms in (0..=10_000u64).step_by(250) {
+                let primary_wall = 1000.0 + ms as f64 / 1000.0;
+                if ms % 500 == 0 {
+                    w.renew(primary_wall);
+                }
+                assert_eq!(
+                    w.look(ms, primary_wall + skew),
+                    Step::Retain(controller(4)),
+                    "skew {skew} at {ms} ms"
+                );
+                let now = w.t0 + Duration::from_millis(ms);
+                let wake = w.standby.lapses_at().expect("a lapse to wake at");
+                assert!(wake > now, "skew {skew} at {ms} ms: wakes in the past");
+            }
+        }
+    }
+
+    /// The primary's own wall clock jumping forward or back by far more than the ttl changes
+    /// nothing for the standby while the primary renews (each renewal is a new version).
+    #[test]
+    fn a_primary_whose_wall_clock_jumps_keeps_its_standby_shadowing() {
+        let mut w = Watch::new(Expiry::Observed);
+        let mut wall = 1000.0;
+        for ms in (0..=8_000u64).step_by(250) {
+            if ms % 500 == 0 {
+                wall += match ms {
+                    2000 => 600.0,
+                    4000 => -1800.0,
+                    _ => 0.5,
+                };
+                w.renew(wall);
+            }
+            assert_eq!(
+                w.look(ms, 1000.0 + ms as f64 / 1000.0),
+                Step::Retain(controller(4))
+            );
+        }
+    }
+
+    /// A primary that stops renewing is taken over one ttl after the standby first saw its last
+    /// record: not at that record's `expires_at` on the standby's clock (10 s ahead here, so
+    /// long past), and the standby wakes exactly then (plus 5 ms).
+    #[test]
+    fn a_primary_that_stops_renewing_is_taken_over_one_ttl_after_its_last_record_was_first_seen() {
+        let mut w = Watch::new(Expiry::Observed);
+        let skew = 10.0;
+        w.renew(1001.0);
+        // The primary renewed at 1000 ms and died; the standby first sees that record at 1100.
+        assert_eq!(w.look(1100, 1011.1), Step::Retain(controller(4)));
+        let wake = w.t0 + Duration::from_millis(3100);
+        assert_eq!(w.standby.lapses_at(), Some(wake));
+        assert_eq!(
+            next_wait(
+                Duration::from_millis(250),
+                w.standby.lapses_at(),
+                wake - Duration::from_millis(200)
+            ),
+            Duration::from_millis(205)
+        );
+        for ms in [1350, 2000, 3000, 3099] {
+            let step = w.look(ms, 1000.0 + ms as f64 / 1000.0 + skew);
+            assert_eq!(step, Step::Retain(controller(4)), "at {ms} ms");
+        }
+        assert_eq!(
+            w.look(3100, 1013.1 + skew),
+            Step::Claim(Source::Stored),
+            "one ttl after the first sight of the last record"
+        );
+        assert_eq!(w.standby.stored().map(|h| h.at), Some(1001.0));
+    }
+
+    /// A released record (the primary gave the lease up: a planned handover) is taken at the
+    /// first observation, even by a standby that never saw it before.
+    #[test]
+    fn a_released_record_is_taken_at_once() {
+        let mut w = Watch::new(Expiry::Observed);
+        w.record.expires_at = w.record.updated_at;
+        assert_eq!(w.look(0, 990.0), Step::Claim(Source::Stored));
+        assert_eq!(w.standby.lapses_at(), None);
+    }
+
+    /// etcd: a present record is live whatever its age (etcd deletes a lapsed one), so the
+    /// standby polls at its interval (nothing to wake at) and takes over once it is gone.
+    #[test]
+    fn with_etcd_a_present_record_is_followed_until_it_vanishes() {
+        let mut w = Watch::new(Expiry::Store);
+        for ms in [0, 5_000, 60_000] {
+            assert_eq!(
+                w.look(ms, 5000.0),
+                Step::Retain(controller(4)),
+                "at {ms} ms"
+            );
+            assert_eq!(w.standby.lapses_at(), None);
+        }
+        let now = w.t0 + Duration::from_secs(61);
+        let fresh = w.observer.observe(None, now);
+        assert_eq!(
+            w.standby
+                .observed(now, 0.0, seen(None, fresh, Some(w.published.clone())), None),
+            Step::Claim(Source::Stored)
+        );
     }
 }

@@ -197,8 +197,9 @@ mod tests {
     async fn resume_takes_a_newer_published_handoff_over_the_state_file() {
         for resume in [true, false] {
             let dir = tempfile::tempdir().expect("tempdir");
-            let (parts, _clock) = crate::ha_phase::tests::leased(dir.path());
-            // Another router held epoch 1, published served 9, and is gone (record expired).
+            let (parts, clock) = crate::ha_phase::tests::leased(dir.path());
+            // Another router held epoch 1, published served 9, and is gone (record expired:
+            // this router read it, and it stayed unchanged for its ttl since).
             let mut h = crate::handoff::snapshot(&parts);
             h.epoch = 1;
             h.holder = "other:0".into();
@@ -210,6 +211,8 @@ mod tests {
             std::fs::write(&lease, format!("{other}\n")).expect("record");
             let published = serde_json::to_vec(&h).expect("json");
             std::fs::write(dir.path().join("lease.json.handoff"), published).expect("handoff");
+            parts.ha.lease().read_record().await.expect("read");
+            clock.advance(std::time::Duration::from_secs(2));
             let stop = CancellationToken::new();
             let renewal = claim_at_startup(&parts, &stop, resume).await;
             assert!(renewal.is_ok());

@@ -1,12 +1,13 @@
 //! The warm standby's driver (behaviour.md 2.9, with architecture.md 9.6: it never stops for
 //! good; ha-and-fencing.md): every interval, and at the moment the controller's lease record
-//! lapses, it asks the pure [`Standby`] machine what to do and performs it — read the lease store,
-//! follow the controller's published handoff (or poll a primary that publishes none),
-//! persist the retained copy, claim, apply and publish, re-check identities, commit or give
-//! the lease back.
+//! lapses (as the lease driver observes it: unchanged for its duration since this router first
+//! read it, ha-and-fencing.md 2.4), it asks the pure [`Standby`] machine what to do and
+//! performs it — read the lease store, follow the controller's published handoff (or poll a
+//! primary that publishes none), persist the retained copy, claim, apply and publish,
+//! re-check identities, commit or give the lease back.
 //!
 //! ```text
-//!  min(interval, until expires_at) ──► Standby::tick ──► Step ──StandbyIo──► result
+//!  min(interval, until it lapses) ──► Standby::tick ──► Step ──StandbyIo──► result
 //!        ──► Standby::<event> ──► Step ...   (Live: lease store, HTTP to the primary, handoff, agents)
 //! ```
 //!
@@ -21,7 +22,9 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use super::StandbyOptions;
-use super::machine::{ApplyFailed, Observation, Poll, Settings, Source, Standby, Step, next_wait};
+use super::machine::{
+    ApplyFailed, Observation, Poll, Seen, Settings, Source, Standby, Step, next_wait,
+};
 use super::primary::{self, Renewal};
 use crate::config::Config;
 use crate::ha_phase::{Controller, HaPhase};
@@ -38,7 +41,8 @@ pub(crate) trait StandbyIo {
     fn publish(&self, phase: HaPhase);
     /// Records the router seen controlling the fleet.
     fn follow(&self, controller: Option<Controller>);
-    /// Reads the lease record and the handoff published beside it.
+    /// Reads the lease record (with until when it counts as live, as the lease driver observes
+    /// it) and the handoff published beside it.
     fn observe(&self) -> impl Future<Output = Observation> + Send;
     /// Polls the primary (its `/ready`, `/narwhal/handoff` and the lease record).
     fn poll(&self) -> impl Future<Output = Poll> + Send;
@@ -178,7 +182,7 @@ pub(crate) async fn drive(
     stop: &CancellationToken,
 ) -> bool {
     loop {
-        let wait = next_wait(interval, m.lapses_at(), io.wall());
+        let wait = next_wait(interval, m.lapses_at(), io.now());
         tokio::select! {
             () = stop.cancelled() => return false,
             () = tokio::time::sleep(wait) => {}
@@ -280,9 +284,14 @@ impl StandbyIo for Live<'_> {
     }
 
     async fn observe(&self) -> Observation {
-        crate::handoff::read_published(self.parts)
-            .await
-            .map(|(record, doc)| (record, doc.map(Box::new)))
+        let (record, doc) = crate::handoff::read_published(self.parts).await?;
+        // The read fed the lease core's observer; this is what it makes of the record.
+        let fresh = self.parts.ha.lease().freshness(record.as_ref());
+        Ok(Seen {
+            record,
+            fresh,
+            stored: doc.map(Box::new),
+        })
     }
 
     async fn poll(&self) -> Poll {
@@ -417,13 +426,14 @@ async fn poll(parts: &Parts, http: &reqwest::Client, primary: &str) -> Poll {
         }
         Err(e) => return Poll::Miss(format!("invalid handoff: {e}")),
     };
-    let record = match parts.ha.lease().read_record().await {
+    let lease = parts.ha.lease();
+    let record = match lease.read_record().await {
         Ok(Some(r)) => r,
         Ok(None) => return Poll::Miss("no lease record".into()),
         Err(e) => return Poll::Miss(format!("lease unreadable: {e}")),
     };
-    let now = parts.wall();
-    if record.holder != h.holder || record.epoch != h.epoch || !record.live(now) {
+    let live = lease.freshness(Some(&record)).live(parts.clock.now());
+    if record.holder != h.holder || record.epoch != h.epoch || !live {
         return Poll::Miss(format!(
             "handoff epoch {} / holder {:?} does not match the live lease (epoch {}, holder {:?})",
             h.epoch, h.holder, record.epoch, record.holder
@@ -471,9 +481,9 @@ enum ClientError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ha::machine::tests::{doc, record_of};
+    use crate::ha::machine::tests::{doc, record_of, seen};
     use crate::ha_phase::IDENTITY_PENDING;
-    use narwhal_lease::LeaseRecord;
+    use narwhal_lease::{Freshness, LeaseRecord};
     use narwhal_shared::{Clock as _, ManualClock, SystemClock};
     use std::sync::Mutex;
 
@@ -572,7 +582,8 @@ mod tests {
         let mut m = Standby::new(w.settings(false), None);
         let live = Some(record_of(1, "other:0", 1.0e9 + 1.0));
         let copy = crate::ha::machine::tests::doc_of(1, "other:0", 1.0e9);
-        let step = m.observed(clock.now(), 1.0e9, Ok((live, Some(copy))), None);
+        let fresh = Freshness::Until(clock.now() + Duration::from_secs(1));
+        let step = m.observed(clock.now(), 1.0e9, seen(live, fresh, Some(copy)), None);
         assert!(matches!(step, Step::Retain(_)), "{step:?}");
         clock.advance(Duration::from_millis(2500));
         let mut io = w.io();
@@ -678,7 +689,7 @@ mod tests {
         assert!(why.starts_with("stale state:"), "{why}");
         let rec = w.record().await;
         assert_eq!(rec.epoch, 2);
-        assert!(!rec.live(sh.wall()), "released: {rec:?}");
+        assert!(rec.released(), "released: {rec:?}");
         assert!(!sh.ha.controls_fleet());
     }
 
@@ -732,19 +743,22 @@ mod tests {
     #[test]
     fn the_standby_wakes_when_the_record_lapses() {
         let i = Duration::from_millis(250);
-        assert_eq!(next_wait(i, None, 1000.0), i);
-        assert_eq!(next_wait(i, Some(1002.0), 1000.0), i);
-        let w = next_wait(i, Some(1000.1), 1000.0);
+        let earlier = SystemClock.now();
+        let t = earlier + Duration::from_secs(1);
+        assert_eq!(next_wait(i, None, t), i);
+        assert_eq!(next_wait(i, Some(t + Duration::from_secs(2)), t), i);
+        let w = next_wait(i, Some(t + Duration::from_millis(100)), t);
         assert!(
             w > Duration::from_millis(104) && w < Duration::from_millis(106),
             "{w:?}"
         );
-        assert_eq!(next_wait(i, Some(999.0), 1000.0), Duration::from_millis(5));
+        assert_eq!(next_wait(i, Some(earlier), t), Duration::from_millis(5));
     }
 
-    /// A fake world for the driver: a primary at epoch 4 whose record (renewed up to wall
-    /// 1000.9) lapses, published copies, a claim of epoch 5, an identity check that takes
-    /// 100 ms; everything it is asked is recorded.
+    /// A fake world for the driver: a primary at epoch 4 whose record lapses 0.9 s after the
+    /// start (as the lease driver observes it; it published up to wall 1000.9), published
+    /// copies, a claim of epoch 5, an identity check that takes 100 ms; everything it is asked
+    /// is recorded.
     struct Fake {
         t0: tokio::time::Instant,
         published: Mutex<Vec<HaPhase>>,
@@ -776,7 +790,8 @@ mod tests {
         async fn observe(&self) -> Observation {
             let wall = self.wall();
             let rec = record_of(4, "primary:0", 1000.9);
-            Ok((Some(rec), Some(doc(4, wall.min(1000.9)))))
+            let fresh = Freshness::Until(self.t0.into_std() + Duration::from_millis(900));
+            seen(Some(rec), fresh, Some(doc(4, wall.min(1000.9))))
         }
         async fn poll(&self) -> Poll {
             panic!("a primary that publishes is never polled over HTTP");
@@ -818,7 +833,7 @@ mod tests {
     }
 
     /// The driver on tokio's paused clock: it follows the published copy every 250 ms, wakes
-    /// at the record's expiry (0.905 s, not the next 250 ms tick) and claims there, without
+    /// when the record lapses (0.905 s, not the next 250 ms tick) and claims there, without
     /// waiting for missed polls; the gap since the last current copy (0.75 s) runs to the
     /// commit after the 100 ms identity check.
     #[tokio::test(start_paused = true)]

@@ -13,8 +13,11 @@
 //!
 //! Every write is one transaction that compares the `mod_revision` of both keys (or their
 //! absence, `version == 0`) with what was read, so two routers can never both win. A record
-//! counts as expired when its key vanished *or* its wall-clock `expires_at` has passed,
-//! whichever comes first (the pure core decides on the latter).
+//! of another holder counts as live as long as its key is present (unless released): etcd
+//! deletes it when the holder's etcd lease expires, on the etcd server's clock
+//! ([`Expiry::Store`]); its `expires_at` is never compared with a router's wall clock, so no
+//! router's clock skew can hand the lease over (ha-and-fencing.md 2.4). This was already the
+//! backend's main rule; the wall-clock `expires_at` check that could cut it short is gone.
 //!
 //! Renew = one keep-alive on the etcd lease, then a compare-and-swap rewrite of the record
 //! with a fresh `expires_at` after checking it still holds our holder and epoch. Release =
@@ -44,7 +47,7 @@
 //! Every JSON field is proto3's canonical JSON: `int64` values travel as decimal strings, bytes
 //! as base64, and fields at their default value (0, false, empty) are omitted.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as B64;
@@ -52,7 +55,8 @@ use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
 use super::{
-    Claim, Lease, LeaseError, LeaseLoss, LeaseRecord, LeaseStore, parse_record, render_record,
+    Claim, Expiry, Lease, LeaseError, LeaseLoss, LeaseRecord, LeaseStore, parse_record,
+    render_record,
 };
 use crate::config::{EtcdAccess, EtcdAuth, EtcdTls};
 
@@ -577,7 +581,13 @@ impl LeaseStore for EtcdLease {
         Ok(self.get_record(&mut st).await?.map(|(r, _)| r))
     }
 
-    async fn claim(&self, core: &Lease, now_wall: f64) -> Result<Claim, LeaseError> {
+    /// etcd deletes a record whose etcd lease expired: a present one is live.
+    fn expiry(&self) -> Expiry {
+        Expiry::Store
+    }
+
+    async fn claim(&self, core: &Lease, now: Instant, now_wall: f64) -> Result<Claim, LeaseError> {
+        let core = core.clone().with_expiry(self.expiry());
         let mut guard = self.state.lock().await;
         let st = &mut *guard;
         let mut fresh: Option<i64> = None;
@@ -589,7 +599,7 @@ impl LeaseStore for EtcdLease {
                 None if stored_epoch > 0 => Some(vanished(stored_epoch)),
                 None => None,
             };
-            let mut rec = match core.claim(view.as_ref(), now_wall) {
+            let mut rec = match core.claim(view.as_ref(), now, now_wall) {
                 Claim::Write(rec) => rec,
                 held @ Claim::HeldBy { .. } => {
                     if let Some(id) = fresh {
@@ -647,6 +657,7 @@ impl LeaseStore for EtcdLease {
     async fn renew(
         &self,
         core: &Lease,
+        now: Instant,
         now_wall: f64,
     ) -> Result<Result<LeaseRecord, LeaseLoss>, LeaseError> {
         let mut core = core.clone();
@@ -654,7 +665,7 @@ impl LeaseStore for EtcdLease {
         let st = &mut *guard;
         let Some(id) = st.held else {
             // Never attached a record to an etcd lease: nothing of ours can be there.
-            return Ok(core.renew(None, now_wall));
+            return Ok(core.renew(None, now, now_wall));
         };
         let alive = self.keep_alive(st, id).await?;
         let current = if alive {
@@ -662,7 +673,7 @@ impl LeaseStore for EtcdLease {
         } else {
             None
         };
-        let rec = match core.renew(current.as_ref().map(|(r, _)| r), now_wall) {
+        let rec = match core.renew(current.as_ref().map(|(r, _)| r), now, now_wall) {
             Ok(rec) => rec,
             Err(loss) => return Ok(Err(loss)),
         };
@@ -678,8 +689,8 @@ impl LeaseStore for EtcdLease {
             return Ok(Ok(rec));
         }
         // Someone wrote the key between our read and our write: decide on what is there now.
-        let now = self.get_record(st).await?;
-        match core.renew(now.as_ref().map(|(r, _)| r), now_wall) {
+        let after = self.get_record(st).await?;
+        match core.renew(after.as_ref().map(|(r, _)| r), now, now_wall) {
             Err(loss) => Ok(Err(loss)),
             Ok(_) => Err(self.err("txn", "renewal lost the compare-and-swap")),
         }
@@ -688,13 +699,13 @@ impl LeaseStore for EtcdLease {
     async fn publish(
         &self,
         core: &Lease,
-        now_wall: f64,
+        now: Instant,
         doc: Vec<u8>,
     ) -> Result<Result<(), LeaseLoss>, LeaseError> {
         let mut guard = self.state.lock().await;
         let st = &mut *guard;
         let current = self.get_record(st).await?;
-        if let Err(loss) = core.may_publish(current.as_ref().map(|(r, _)| r), now_wall) {
+        if let Err(loss) = core.may_publish(current.as_ref().map(|(r, _)| r), now) {
             return Ok(Err(loss));
         }
         let rev = current.as_ref().map(|(_, rev)| *rev);
@@ -709,8 +720,8 @@ impl LeaseStore for EtcdLease {
             return Ok(Ok(()));
         }
         // The record changed between the check and the write: decide on what is there now.
-        let now = self.get_record(st).await?;
-        match core.may_publish(now.as_ref().map(|(r, _)| r), now_wall) {
+        let after = self.get_record(st).await?;
+        match core.may_publish(after.as_ref().map(|(r, _)| r), now) {
             Err(loss) => Ok(Err(loss)),
             Ok(_) => Err(self.err("txn", "publish lost the compare-and-swap")),
         }
