@@ -154,8 +154,8 @@ pub struct KvProducePayload {
 pub struct TransferEvidence {
     /// Where the counters came from: `vllm_nixl_metrics` (vLLM's `/metrics`, NIXL connector
     /// families), `sglang_disaggregation_metrics` (SGLang's `/metrics`), or `none` (the engine
-    /// published none, or no transfer was attempted). Agents that read the simulator's
-    /// `/sim/stats` (before the three-valued verdict) also sent `sim_stats`.
+    /// published none, or no transfer was attempted). Agents older than the three-valued
+    /// verdict, which read a test double's own statistics route, also sent `sim_stats`.
     pub source: String,
     /// Increase of the consumer's completed-transfer counter across the decode leg (`null`
     /// when the engine publishes none).

@@ -14,7 +14,8 @@ use crate::ingress::Endpoint;
 use crate::placement::Phase;
 
 use super::leg::{
-    AttemptLog, Fail, Output, Started, first_token_limit, leg_failed, new_leg, relay_options,
+    AttemptLog, Fail, Output, Started, engine_url, first_token_limit, leg_failed, new_leg,
+    relay_options,
 };
 use super::{Ctx, Sub};
 
@@ -29,8 +30,6 @@ pub(super) async fn run(
     log: &Mutex<AttemptLog>,
 ) -> Result<Started, Fail> {
     let parts = ctx.parts;
-    let path = ctx.endpoint.path();
-    let url = |i: usize| format!("{}{}", parts.cfg.engines[i].url, path);
     let opts = relay_options(ctx, sub);
     let now = parts.clock.now();
     let sglang = parts.cfg.backend == Backend::Sglang;
@@ -59,7 +58,7 @@ pub(super) async fn run(
     parts.accounting.decode_dispatched();
     let span = tracing::info_span!("decode", engine = %parts.cfg.engines[engine].iid, whole);
     let failed = leg_failed(Phase::Decode, engine, None);
-    let engine_url = url(engine);
+    let engine_url = engine_url(ctx, engine);
     let out = if whole {
         let limit = parts.cfg.serving.max_response_bytes;
         let answer = parts

@@ -170,3 +170,9 @@ impl Drop for AbortOnDrop {
         self.0.abort();
     }
 }
+
+/// The URL of engine `iid` for this request's route (`/v1/completions` or
+/// `/v1/chat/completions`).
+pub(super) fn engine_url(ctx: &Ctx<'_>, iid: usize) -> String {
+    format!("{}{}", ctx.parts.cfg.engines[iid].url, ctx.endpoint.path())
+}

@@ -12,7 +12,7 @@ use tracing::Instrument;
 
 use crate::bootstrap;
 use crate::breaker::Observation;
-use crate::config::{Backend, secs};
+use crate::config::secs;
 use crate::controller::Track;
 use crate::ingress::Endpoint;
 use crate::placement::Phase;
@@ -20,8 +20,8 @@ use crate::upstream::{LegError, LegId};
 
 use super::aggregated::decode_body;
 use super::leg::{
-    AbortOnDrop, AttemptLog, Fail, Output, Started, first_token_limit, leg_failed, new_leg,
-    relay_options,
+    AbortOnDrop, AttemptLog, Fail, Output, Started, engine_url, first_token_limit, leg_failed,
+    new_leg, relay_options,
 };
 use super::{Ctx, Sub};
 use crate::upstream::Upstream;
@@ -41,11 +41,8 @@ pub(super) async fn run(
     log: &Mutex<AttemptLog>,
 ) -> Result<Started, Fail> {
     let parts = ctx.parts;
-    let path = ctx.endpoint.path();
-    let url = |i: usize| format!("{}{}", parts.cfg.engines[i].url, path);
     let opts = relay_options(ctx, sub);
     let now = parts.clock.now();
-    let _sglang = parts.cfg.backend == Backend::Sglang;
     let chat = ctx.endpoint == Endpoint::Chat;
     // SGLang: reserve both before either leg starts (behaviour.md 7.2 step 1).
     let seat_p = parts.fleet.resident(prefill, Phase::Prefill);
@@ -62,7 +59,7 @@ pub(super) async fn run(
     let dleg = new_leg(ctx, sub, n, "decode", decode, log);
     let (pbody, dbody) = sglang_bodies(&sub.body, &rv, &pleg, &dleg, chat);
     let up = parts.upstream.clone();
-    let purl = url(prefill);
+    let purl = engine_url(ctx, prefill);
     let limit = (now + secs(parts.cfg.serving.prefill_timeout_s)).min(ctx.deadline);
     let task_parts = parts.clone();
     track.dispatched(prefill, Phase::Prefill);
@@ -85,7 +82,7 @@ pub(super) async fn run(
         .instrument(pspan),
     ));
     let first_by = (now + first_token_limit(parts).min(Duration::from_secs(30))).min(ctx.deadline);
-    let durl = url(decode);
+    let durl = engine_url(ctx, decode);
     let dfut = parts
         .upstream
         .decode(&durl, &dleg, &dbody, opts, first_by)

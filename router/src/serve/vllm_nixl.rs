@@ -11,9 +11,8 @@ use serde_json::{Map, Value};
 use tracing::Instrument;
 
 use crate::breaker::Observation;
-use crate::config::{Backend, secs};
+use crate::config::secs;
 use crate::controller::Track;
-use crate::ingress::Endpoint;
 use crate::placement::Phase;
 use crate::upstream::{LegError, LegId};
 
@@ -21,7 +20,8 @@ use crate::upstream::Upstream;
 
 use super::aggregated::decode_body;
 use super::leg::{
-    AttemptLog, Fail, Output, Started, first_token_limit, leg_failed, new_leg, relay_options,
+    AttemptLog, Fail, Output, Started, engine_url, first_token_limit, leg_failed, new_leg,
+    relay_options,
 };
 use super::{Ctx, Sub};
 
@@ -37,12 +37,8 @@ pub(super) async fn run(
     log: &Mutex<AttemptLog>,
 ) -> Result<Started, Fail> {
     let parts = ctx.parts;
-    let path = ctx.endpoint.path();
-    let url = |i: usize| format!("{}{}", parts.cfg.engines[i].url, path);
     let opts = relay_options(ctx, sub);
     let now = parts.clock.now();
-    let _sglang = parts.cfg.backend == Backend::Sglang;
-    let _chat = ctx.endpoint == Endpoint::Chat;
     // Both engines count as resident from placement on: the decode engine is committed
     // to this request while its prefill runs, and the producer holds the KV until the
     // decode has pulled it. A drain of either waits for this request
@@ -57,7 +53,7 @@ pub(super) async fn run(
     let pleg = new_leg(ctx, sub, n, "prefill", prefill, log);
     let prefilled = self::prefill(
         &parts.upstream,
-        &url(prefill),
+        &engine_url(ctx, prefill),
         &pleg,
         &vllm_prefill_body(&sub.body),
         limit,
@@ -98,7 +94,7 @@ pub(super) async fn run(
     let dleg = new_leg(ctx, sub, n, "decode", decode, log);
     let live = parts
         .upstream
-        .decode(&url(decode), &dleg, &body, opts, first_by)
+        .decode(&engine_url(ctx, decode), &dleg, &body, opts, first_by)
         .instrument(tracing::info_span!("decode", engine = %parts.cfg.engines[decode].iid))
         .await
         .map_err(leg_failed(Phase::Decode, decode, Some(prefill)));
