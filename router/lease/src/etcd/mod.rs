@@ -449,27 +449,37 @@ impl EtcdLease {
         }
     }
 
-    /// Reads both keys in one transaction (one revision).
-    async fn snapshot(&self, st: &mut State) -> Result<Snapshot, LeaseError> {
+    /// Reads the record's key and `other` in one transaction (one revision): each key's value
+    /// and `mod_revision`, `None` when absent.
+    async fn read_with(
+        &self,
+        st: &mut State,
+        other: &str,
+    ) -> Result<[Option<(Vec<u8>, i64)>; 2], LeaseError> {
         let body = json!({"success": [
             {"request_range": {"key": b64(&self.key)}},
-            {"request_range": {"key": b64(&self.epoch_key)}},
+            {"request_range": {"key": b64(other)}},
         ]});
         let resp = self.rpc(st, "txn", "/v3/kv/txn", &body).await?;
-        let mut record = None;
-        let mut epoch = None;
+        let mut out = [None, None];
         let responses = resp.get("responses").and_then(Value::as_array);
-        for (i, r) in responses.into_iter().flatten().enumerate() {
-            let Some(kv) = first_kv(r.get("response_range")) else {
-                continue;
-            };
-            let value = self.kv_value(kv)?;
-            if i == 0 {
-                record = Some((
-                    parse_record(&value, &self.key)?,
-                    int(kv.get("mod_revision")),
-                ));
-            } else {
+        for (slot, r) in out.iter_mut().zip(responses.into_iter().flatten()) {
+            if let Some(kv) = first_kv(r.get("response_range")) {
+                *slot = Some((self.kv_value(kv)?, int(kv.get("mod_revision"))));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Reads the record and the epoch key in one transaction (one revision).
+    async fn snapshot(&self, st: &mut State) -> Result<Snapshot, LeaseError> {
+        let [record, epoch] = self.read_with(st, &self.epoch_key).await?;
+        let record = match record {
+            Some((value, rev)) => Some((parse_record(&value, &self.key)?, rev)),
+            None => None,
+        };
+        let epoch = match epoch {
+            Some((value, rev)) => {
                 let text = String::from_utf8_lossy(&value);
                 let e = text
                     .trim()
@@ -478,9 +488,10 @@ impl EtcdLease {
                         at: self.epoch_key.clone(),
                         reason: format!("epoch: {text:?} is not a non-negative integer"),
                     })?;
-                epoch = Some((e, int(kv.get("mod_revision"))));
+                Some((e, rev))
             }
-        }
+            None => None,
+        };
         Ok(Snapshot { record, epoch })
     }
 
@@ -729,27 +740,12 @@ impl LeaseStore for EtcdLease {
 
     async fn read_all(&self) -> Result<(Option<LeaseRecord>, Option<Vec<u8>>), LeaseError> {
         let mut guard = self.state.lock().await;
-        let st = &mut *guard;
-        let body = json!({"success": [
-            {"request_range": {"key": b64(&self.key)}},
-            {"request_range": {"key": b64(&self.handoff_key)}},
-        ]});
-        let resp = self.rpc(st, "txn", "/v3/kv/txn", &body).await?;
-        let mut record = None;
-        let mut doc = None;
-        let responses = resp.get("responses").and_then(Value::as_array);
-        for (i, r) in responses.into_iter().flatten().enumerate() {
-            let Some(kv) = first_kv(r.get("response_range")) else {
-                continue;
-            };
-            let value = self.kv_value(kv)?;
-            if i == 0 {
-                record = Some(parse_record(&value, &self.key)?);
-            } else {
-                doc = Some(value);
-            }
-        }
-        Ok((record, doc))
+        let [record, doc] = self.read_with(&mut guard, &self.handoff_key).await?;
+        let record = match record {
+            Some((value, _)) => Some(parse_record(&value, &self.key)?),
+            None => None,
+        };
+        Ok((record, doc.map(|(value, _)| value)))
     }
 
     async fn release(&self, core: &Lease, now_wall: f64) -> Result<bool, LeaseError> {

@@ -100,13 +100,9 @@ impl LifecycleDriver {
         let mut report = match report {
             Some(r) if self.ha().live(&scope) => r,
             _ => {
-                let t = self.exec.now();
-                let mut lc = self.exec.lock();
-                lc.abort_validation(t, "router control was fenced during validation");
-                self.exec.commit(&mut lc);
-                drop(lc);
+                let fenced = self.abort_fenced(self.exec.now());
                 record_metric("fenced");
-                return Err(ActionError::FencedDuringValidation);
+                return Err(fenced);
             }
         };
         for peer in &report.changed_peers {
@@ -124,12 +120,9 @@ impl LifecycleDriver {
         }
         let t = self.exec.now();
         if !self.ha().live(&scope) {
-            let mut lc = self.exec.lock();
-            lc.abort_validation(t, "router control was fenced during validation");
-            self.exec.commit(&mut lc);
-            drop(lc);
+            let fenced = self.abort_fenced(t);
             record_metric("fenced");
-            return Err(ActionError::FencedDuringValidation);
+            return Err(fenced);
         }
         let mut lc = self.exec.lock();
         if report.passed() {

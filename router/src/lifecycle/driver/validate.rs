@@ -30,6 +30,17 @@ impl LifecycleDriver {
         })
     }
 
+    /// Control under the action's epoch ended while its checks ran: the validating records
+    /// go back to where they were, nothing of the report is applied, and the action answers
+    /// [`ActionError::FencedDuringValidation`] (503).
+    pub(super) fn abort_fenced(&self, at: super::super::machine::Now) -> ActionError {
+        let err = ActionError::FencedDuringValidation;
+        let mut lc = self.exec.lock();
+        lc.abort_validation(at, &err.to_string());
+        self.exec.commit(&mut lc);
+        err
+    }
+
     /// Builds the validation plan for `targets` from the records and the live fleet.
     pub(super) fn plan(&self, targets: &[String], wave: bool) -> Plan {
         let lc = self.exec.lock();
@@ -133,15 +144,9 @@ impl LifecycleDriver {
             // memory only: its events are not written, and a successor restores `validating`
             // records as blocked).
             _ => {
-                let mut lc = self.exec.lock();
-                lc.abort_validation(
-                    self.exec.now(),
-                    "router control was fenced during validation",
-                );
-                self.exec.commit(&mut lc);
-                drop(lc);
+                let fenced = self.abort_fenced(self.exec.now());
                 record_metric("fenced");
-                return Err(ActionError::FencedDuringValidation);
+                return Err(fenced);
             }
         };
         if report.passed() {
@@ -172,12 +177,9 @@ impl LifecycleDriver {
             }
         }
         if !live {
-            let mut lc = self.exec.lock();
-            lc.abort_validation(t, "router control was fenced during validation");
-            self.exec.commit(&mut lc);
-            drop(lc);
+            let fenced = self.abort_fenced(t);
             record_metric("fenced");
-            return Err(ActionError::FencedDuringValidation);
+            return Err(fenced);
         }
         if passed {
             let outcome: BTreeMap<_, _> = report
