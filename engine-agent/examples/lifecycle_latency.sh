@@ -3,7 +3,8 @@
 #
 #   engine-agent/examples/lifecycle_latency.sh LABEL BIN_DIR [WORK_DIR]
 #
-# Starts `narwhal-dev up --prefill 8 --decode 8 --hosts 2` with the binaries in BIN_DIR
+# Starts `narwhal-dev up --prefill 8 --decode 8 --hosts 2 --no-controller` (instant simulators,
+# no role flips during the measurement) with the binaries in BIN_DIR
 # (NARWHAL_BIN_DIR), then for four engines: times POST /narwhal/lifecycle/drain, waits for
 # ready_to_stop, restarts the engine (`narwhal-dev restart`), and times the synchronous
 # POST /narwhal/lifecycle/readmit. Prints "LABEL iid drain: CODE SECONDS readmit: CODE SECONDS".
@@ -16,7 +17,7 @@
 set -u
 LABEL=$1; BIN=$2; DIR=${3:-$(mktemp -d)}/dev-$LABEL
 rm -rf "$DIR"; mkdir -p "$DIR"
-NARWHAL_BIN_DIR=$BIN "$BIN/narwhal-dev" up --prefill 8 --decode 8 --hosts 2 --dir "$DIR" \
+NARWHAL_BIN_DIR=$BIN "$BIN/narwhal-dev" up --prefill 8 --decode 8 --hosts 2 --no-controller --dir "$DIR" \
   > "$DIR/up.out" 2> "$DIR/up.err" &
 UP=$!
 trap 'kill -INT $UP 2>/dev/null; wait $UP 2>/dev/null' EXIT

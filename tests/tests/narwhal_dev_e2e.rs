@@ -91,3 +91,79 @@ fn narwhal_dev_children_die_when_its_fleet_process_is_killed() {
     let log = up.log();
     assert!(log.contains("stopped them"), "{log}");
 }
+
+/// The README's first command as a newcomer runs it: the demo passes, its role-controller
+/// tour prints a flip with the decision's reason and the controller's counters from
+/// `/metrics`, and it leaves nothing in the temporary directory it was given.
+#[test]
+fn the_demo_shows_a_controller_flip_and_leaves_nothing_behind() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut cmd = Command::new(bin_path("narwhal-dev"));
+    cmd.arg("demo")
+        .env("TMPDIR", tmp.path())
+        .stdin(Stdio::null());
+    let r = run_within(cmd, Duration::from_secs(400));
+    let out = format!("{}{}", r.stdout, r.stderr);
+    assert_eq!(r.code, 0, "narwhal-dev demo failed:\n{out}");
+    let applied = out
+        .lines()
+        .find(|l| l.contains(" applied ") && l.contains("by reactive: "))
+        .unwrap_or_else(|| panic!("no applied controller decision printed:\n{out}"));
+    let reason = applied.split("by reactive: ").nth(1).unwrap_or("");
+    assert!(
+        !reason.trim().is_empty(),
+        "a decision without its reason: {applied}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("flip: ") && l.contains(" to prefill by reactive")),
+        "no flip printed:\n{out}"
+    );
+    assert!(out.contains("role check of "), "{out}");
+    for family in [
+        "narwhal_flips_total{",
+        "narwhal_controller_decisions_total{",
+    ] {
+        assert!(
+            out.lines().any(|l| l.trim_start().starts_with(family)),
+            "no {family} from /metrics printed:\n{out}"
+        );
+    }
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .expect("read TMPDIR")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    assert!(left.is_empty(), "the demo left {left:?} behind");
+}
+
+/// `narwhal-dev up` runs the role controller by default (profiles in its fleet file, the
+/// counters on `/metrics`); `--no-controller` leaves it off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dev_fleet_runs_the_role_controller_unless_told_not_to() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    for (name, extra, want) in [
+        ("on", &["--hosts", "1"][..], "reactive"),
+        ("off", &["--hosts", "1", "--no-controller"][..], "off"),
+    ] {
+        let dir = tmp.path().join(name);
+        let up = tokio::task::block_in_place(|| DevUp::start(&dir, None, extra));
+        let (_, control, _) = up.urls();
+        let http = narwhal_testkit::http_client().build().expect("client");
+        let (status, state) =
+            narwhal_testkit::get_text(&http, format!("{control}/narwhal/state")).await;
+        assert_eq!(status, 200);
+        let state: serde_json::Value = serde_json::from_str(&state).expect("state JSON");
+        assert_eq!(state["controller"], want, "controller {name}");
+        let (status, metrics) =
+            narwhal_testkit::get_text(&http, format!("{control}/metrics")).await;
+        assert_eq!(status, 200);
+        for family in ["narwhal_flips_total", "narwhal_controller_decisions_total"] {
+            assert_eq!(
+                metrics.contains(&format!("# TYPE {family} counter")),
+                want == "reactive",
+                "{family} with the controller {name}:\n{metrics}"
+            );
+        }
+        tokio::task::block_in_place(|| drop(up));
+    }
+}

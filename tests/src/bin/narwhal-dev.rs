@@ -90,6 +90,37 @@ struct UpArgs {
     /// Also start a warm standby router (file lease in DIR) that takes over if the primary dies.
     #[arg(long)]
     standby: bool,
+    /// Leave the role controller off: no engine profiles in the fleet file, roles stay as
+    /// started, and the simulators answer at once (no costs). By default the fleet runs it,
+    /// with simulators that cost [`DEV_COSTS`], profiles that describe those costs, and the
+    /// fast dev timings.
+    #[arg(long)]
+    no_controller: bool,
+}
+
+/// What every dev simulator costs, as `narwhal-engine-sim` flags: a prefill of `L` prompt
+/// tokens takes 10 ms + 1 ms·L on one slot at a time (as one accelerator computes one prefill
+/// after another), each streamed token 10 ms. [`narwhal_testkit::fixture_profile`] (prefill
+/// `0.001·L + 0.01` s, decode step `1e-6·T + 0.01` s) describes exactly this, so the role
+/// controller prices the dev fleet's work as it really costs. Applied only with the
+/// controller on; `--sim-arg` flags come after these and override them (the profile then no
+/// longer matches).
+const DEV_COSTS: [&str; 8] = [
+    "--ttft-ms",
+    "10",
+    "--prefill-us-per-token",
+    "1000",
+    "--tpot-ms",
+    "10",
+    "--prefill-slots",
+    "1",
+];
+
+/// The fleet-file sections that turn the role controller on in a dev fleet: the kit's fast
+/// timings (decisions every second, 12 s of demand evidence before a move, cooldown 2 s) and
+/// one profile for every engine describing [`DEV_COSTS`]. Contexts up to 8192 tokens.
+fn dev_controller_sections() -> Value {
+    narwhal_testkit::fast_controller_sections()
 }
 
 #[derive(clap::Args)]
@@ -103,6 +134,10 @@ struct DemoArgs {
     /// Keep the fleet directory instead of a temporary one.
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Skip the role-controller tour (a 1 prefill + 3 decode vLLM fleet under prefill
+    /// pressure, until the controller flips an engine).
+    #[arg(long)]
+    no_controller: bool,
 }
 
 #[derive(clap::Args)]
@@ -171,7 +206,14 @@ impl Fleet {
         names.extend(agent_names.iter().map(String::as_str));
         let certs_dir = dir.join("certs");
         let certs = make_dev_certs(&certs_dir, &names).map_err(|e| e.to_string())?;
-        let extra: Vec<&str> = args.sim_args.iter().map(String::as_str).collect();
+        let mut extra: Vec<&str> = Vec::new();
+        if !args.no_controller {
+            // What the profiles describe; the controller's load shapes use prompts of hundreds
+            // of tokens.
+            extra.extend(DEV_COSTS);
+            extra.extend(["--max-model-len", "8192"]);
+        }
+        extra.extend(args.sim_args.iter().map(String::as_str));
         let mut specs = Vec::new();
         for i in 0..args.prefill {
             specs.push(EngineSpec::new(&format!("p{i}"), "prefill").args(&extra));
@@ -202,6 +244,9 @@ impl Fleet {
         let mut fleet = FleetSpec::for_sims(&args.dialect, &sims)
             .tls(&certs, "router")
             .with(json!({"recovery": {"engine_restart_policy": args.restart_policy}}));
+        if !args.no_controller {
+            fleet = fleet.with(dev_controller_sections());
+        }
         for (s, h) in sims.iter().zip(&host_of) {
             if let Some(a) = agents.iter().find(|a| &a.agent_id == h) {
                 fleet = fleet.agent(&s.iid, a);
@@ -513,6 +558,13 @@ async fn up(args: UpArgs) -> ExitCode {
                 s.proc.pid()
             );
         }
+        if args.no_controller {
+            println!("  role controller off (--no-controller)");
+        } else {
+            println!(
+                "  role controller on: profiles describe the simulators' costs (prefill 10 ms + 1 ms per token, 10 ms per output token); decisions in the journal, /narwhal/state and /metrics"
+            );
+        }
         println!("  certificates in {}", f.certs.display());
         println!("  logs, journal and fleet file in {}", f.dir.display());
         println!("  ready file {}", ready.display());
@@ -691,8 +743,9 @@ async fn demo(args: DemoArgs) -> ExitCode {
             restart_policy: "individual".into(),
             dir: base.join(dialect),
             ready_file: None,
-            sim_args: vec!["--tpot-ms".into(), "1".into()],
+            sim_args: Vec::new(),
             standby: true,
+            no_controller: false,
         };
         let (fleet, _ready) = match bring_up(&up).await {
             Ok(f) => f,
@@ -911,6 +964,13 @@ async fn demo(args: DemoArgs) -> ExitCode {
         fleet.lock().unwrap_or_else(|p| p.into_inner()).stop_all();
         drop(fleet);
     }
+    if !args.no_controller {
+        if args.dialect.iter().any(|d| d == "vllm") {
+            all_ok &= controller_tour(&http, &base.join("controller")).await;
+        } else {
+            println!("\n(the role-controller tour runs on a vLLM fleet: add vllm to --dialect)");
+        }
+    }
     if all_ok {
         println!("\ndemo: every request served");
         if let Ok(t) = tmp {
@@ -931,6 +991,174 @@ async fn demo(args: DemoArgs) -> ExitCode {
         }
         ExitCode::FAILURE
     }
+}
+
+/// How long the controller tour waits for a flip and its role check (the fast timings decide
+/// within about 15 s; a loaded two-core machine is slower).
+const FLIP_WITHIN: Duration = Duration::from_secs(90);
+
+/// The role-controller tour: a 1 prefill + 3 decode vLLM fleet (agents, mutual TLS) under a
+/// demand shift to long prompts that one prefill engine cannot keep up with, until the
+/// controller flips a decode engine to prefill and the flip's role check (the readmission
+/// checks in the new role, through the lifecycle) passes. Prints each decision as it changes,
+/// the flip, and the controller's counters from `/metrics`; false when no flip came or a
+/// request failed.
+async fn controller_tour(http: &reqwest::Client, dir: &Path) -> bool {
+    println!("\n=== role controller: 1 prefill + 3 decode engines (vllm) ===");
+    let up = UpArgs {
+        prefill: 1,
+        decode: 3,
+        dialect: "vllm".into(),
+        hosts: 2,
+        restart_policy: "individual".into(),
+        dir: dir.to_path_buf(),
+        ready_file: None,
+        sim_args: Vec::new(),
+        standby: false,
+        no_controller: false,
+    };
+    let (fleet, _ready) = match bring_up(&up).await {
+        Ok(f) => f,
+        Err(e) => {
+            println!("FAILED: {e}");
+            return false;
+        }
+    };
+    let lock = || fleet.lock().unwrap_or_else(|p| p.into_inner());
+    let control = lock().router.control.clone();
+    let shape = narwhal_testkit::L1;
+    println!(
+        "profiles: prefill 10 ms + 1 ms per prompt token, 10 ms per output token (the simulators' own costs)"
+    );
+    println!(
+        "demand shift: {} req/s of {}-token prompts, {} tokens each: about 1.02 engines of prefill work",
+        shape.rate,
+        shape.input,
+        shape.max_tokens.unwrap_or(0)
+    );
+    let load = narwhal_testkit::Load::start(&lock().router, shape);
+    let t0 = Instant::now();
+    let mut seen = 0;
+    let mut last: (String, String) = Default::default();
+    let mut flipped: Option<Value> = None;
+    let mut checked = false;
+    while t0.elapsed() < FLIP_WITHIN && !checked {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let (decisions, passed) = {
+            let f = lock();
+            (f.router.decisions(), f.router.events("role_check_passed"))
+        };
+        for d in decisions.iter().skip(seen) {
+            let key = (
+                d["result"].as_str().unwrap_or("").to_string(),
+                d["reason"].as_str().unwrap_or("").to_string(),
+            );
+            if key != last || d["result"] == "applied" {
+                println!(
+                    "{:>5.1} s  {:<8} {}P/{}D  by {}: {}",
+                    t0.elapsed().as_secs_f64(),
+                    key.0,
+                    d["prefill"],
+                    d["decode"],
+                    d["by"].as_str().unwrap_or("?"),
+                    key.1
+                );
+                if d["result"] == "applied" {
+                    println!(
+                        "         rule {}, prefill work {:.2} engines, decode work {:.2} engines, {:.1} s of demand evidence",
+                        d["eligibility_rule"].as_str().unwrap_or("?"),
+                        d["prefill_work"].as_f64().unwrap_or(f64::NAN),
+                        d["decode_work"].as_f64().unwrap_or(f64::NAN),
+                        d["evidence_span_s"].as_f64().unwrap_or(f64::NAN)
+                    );
+                }
+                last = key;
+            }
+            if d["result"] == "applied" && flipped.is_none() {
+                flipped = Some(d.clone());
+            }
+        }
+        seen = decisions.len();
+        if let Some(p) = passed.first().filter(|_| flipped.is_some()) {
+            println!(
+                "{:>5.1} s  role check of {} passed in its new role (readmission checks through its agent)",
+                t0.elapsed().as_secs_f64(),
+                p["iid"].as_str().unwrap_or("?")
+            );
+            checked = true;
+        }
+    }
+    let stats = load.stop().await;
+    let (sent, ok, failed) = (
+        stats.sent.load(std::sync::atomic::Ordering::Relaxed),
+        stats.ok.load(std::sync::atomic::Ordering::Relaxed),
+        stats.failed.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    println!("load: {sent} sent, {ok} served, {failed} failed (the rest were still running)");
+    let mut good = failed == 0;
+    if flipped.is_none() {
+        println!("FAILED: the controller flipped no engine within {FLIP_WITHIN:?}");
+        good = false;
+    } else if !checked {
+        println!("FAILED: the flipped engine's role check did not pass within {FLIP_WITHIN:?}");
+        good = false;
+    }
+    let state: Option<Value> = async {
+        http.get(format!("{control}/narwhal/state"))
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()
+    }
+    .await;
+    if let Some(st) = &state {
+        for f in st["flips"].as_array().into_iter().flatten() {
+            println!(
+                "flip: {} to {} by {} ({} decode streams resident, kept on it to the end)",
+                f["iid"].as_str().unwrap_or("?"),
+                f["to"].as_str().unwrap_or("?"),
+                f["by"].as_str().unwrap_or("?"),
+                f["decode_inflight"]
+            );
+        }
+        println!(
+            "pools now: prefill {} decode {}; load prefill {} decode {} (1.0 = at the SLO)",
+            st["pools"]["prefill"],
+            st["pools"]["decode"],
+            st["load"]["prefill"],
+            st["load"]["decode"]
+        );
+    }
+    let metrics = async {
+        http.get(format!("{control}/metrics"))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()
+    }
+    .await
+    .unwrap_or_default();
+    println!("router /metrics:");
+    for family in ["narwhal_flips_total", "narwhal_controller_decisions_total"] {
+        let lines: Vec<&str> = metrics
+            .lines()
+            .filter(|l| l.starts_with(family) && !l.ends_with(" 0"))
+            .collect();
+        if lines.is_empty() {
+            println!("FAILED: /metrics has no {family} sample above 0");
+            good = false;
+        }
+        for l in lines {
+            println!("  {l}");
+        }
+    }
+    lock().stop_all();
+    drop(fleet);
+    good
 }
 
 fn main() -> ExitCode {
