@@ -503,6 +503,17 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
             return ExitCode::from(1);
         }
     };
+    // The state file's directory is made once, here: a later write into a directory that was
+    // removed under the router fails and is counted (`narwhal_state_write_failures_total`),
+    // never recreates it.
+    let state_dir = dir_of(Path::new(&cfg.recovery.state_path));
+    if let Err(e) = std::fs::create_dir_all(state_dir) {
+        eprintln!(
+            "narwhal-serve: recovery.state_path: create {}: {e}",
+            state_dir.display()
+        );
+        return ExitCode::from(1);
+    }
     let data_url = format!("http://{data_addr}");
     let control_scheme = if cfg.control_tls.is_some() {
         "https"

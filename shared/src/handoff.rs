@@ -465,18 +465,14 @@ pub enum PersistError {
 
 /// Writes `doc` to `path` atomically and durably: validate, write a sibling temp file,
 /// fsync it, rename it over `path`, fsync the directory (architecture.md 9.9). A failure at any
-/// step leaves the previous file as it was and removes the temp file.
+/// step leaves the previous file as it was and removes the temp file. The directory must
+/// exist (the router makes it once at start): one removed under a running router is an
+/// error, never silently made again.
 ///
 /// # Errors
 /// [`PersistError`].
 pub fn write_state_file(path: &Path, doc: &Handoff) -> Result<(), PersistError> {
     doc.validate()?;
-    let dir = crate::atomic::parent_dir(path);
-    std::fs::create_dir_all(dir).map_err(|source| PersistError::Io {
-        step: "create",
-        path: dir.to_path_buf(),
-        source,
-    })?;
     let mut text = serde_json::to_vec(doc).map_err(|e| PersistError::Io {
         step: "serialise",
         path: path.to_path_buf(),
@@ -658,6 +654,13 @@ mod tests {
         let path = dir.join("state.json");
         assert!(matches!(load_state_file(&path), Loaded::Absent));
         let h = Handoff::from_value(doc()).unwrap();
+        // The directory is not made by a write: one removed under a router stays removed.
+        assert!(matches!(
+            write_state_file(&path, &h),
+            Err(PersistError::Io { .. })
+        ));
+        assert!(!dir.exists());
+        std::fs::create_dir_all(&dir).unwrap();
         write_state_file(&path, &h).unwrap();
         match load_state_file(&path) {
             Loaded::Valid(back) => assert_eq!(*back, h),

@@ -206,3 +206,34 @@ async fn interrupted_validation_is_restored_as_blocked() {
     assert_eq!(s, 200, "{doc}");
     assert_eq!(doc["engines"]["d0"]["state"], "active");
 }
+
+/// The state file's directory is made once, at start: one removed under a running router is
+/// not made again by a later write (nothing is left behind where an operator or a test removed
+/// it); each failed write is counted and the router keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_directory_removed_under_the_router_is_counted_never_made_again() {
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let state_dir = scratch.path().join("state");
+    let f = Fleet::builder()
+        .prefill(1)
+        .decode(1)
+        .fleet(json!({"recovery": {"state_path": state_dir.join("state.json")}}))
+        .start()
+        .await;
+    let r = f.router();
+    assert!(state_dir.is_dir(), "made at start");
+    serve_some(r, 1).await;
+    std::fs::remove_dir_all(&state_dir).expect("remove the state directory");
+    let failing = narwhal_testkit::wait_until(Duration::from_secs(30), || async {
+        serve_some(r, 1).await;
+        let m = r.metrics().await;
+        (metric(&m, "narwhal_state_write_failures_total", &[]).unwrap_or(0.0) >= 2.0).then_some(())
+    })
+    .await;
+    assert!(failing.is_some(), "no failed state write was counted");
+    assert!(
+        !state_dir.exists(),
+        "a write made the removed directory again"
+    );
+    serve_some(r, 2).await;
+}
