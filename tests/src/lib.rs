@@ -22,6 +22,7 @@
 //!     cancel_drain               state (lifecycle.rs)
 //!   FakeEngine                   an in-process fake engine for router tests (fake.rs)
 //!   raw                          HTTP/1 on a TcpStream, for framing tests
+//!   kv_events                    vLLM's KV events on the wire (msgpack batches, ZMQ frames)
 //!   Proxy, Sampler               network cuts, 20 Hz sampling during HA faults
 //!   controller_fleet, Load       role-controller worlds (fixture profile, fast timings) and
 //!                                paced load (controller.rs); the section-14 loads, decisions
@@ -46,6 +47,7 @@ pub mod faketime;
 pub mod faults;
 mod fleet;
 mod http;
+pub mod kv_events;
 mod lifecycle;
 mod proc;
 mod process;

@@ -20,6 +20,9 @@
 mod body;
 mod faults;
 mod kv;
+mod kv_events;
+mod metrics;
+mod prefix_cache;
 mod protocol;
 mod server;
 mod stats;
@@ -36,7 +39,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use tokio::net::TcpListener;
 
-use server::{Dialect, Mode, Settings, Sim, Surface};
+use server::{CacheSettings, Dialect, Mode, Settings, Sim, Surface};
 
 /// Command line (docs/engine-simulator.md, "Flags").
 #[derive(Debug, Parser)]
@@ -129,6 +132,23 @@ struct Cli {
     /// "count":1000}]`.
     #[arg(long)]
     faults: Option<String>,
+    /// Tokens per KV cache block (vLLM's `--block-size`; its GPU default).
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Prefix cache capacity in blocks (vLLM sizes it from GPU memory, or
+    /// `--num-gpu-blocks-override`, accepted as an alias).
+    #[arg(long, alias = "num-gpu-blocks-override", default_value_t = 4096)]
+    kv_cache_blocks: usize,
+    /// Prefix caching on (vLLM V1's default); see `--no-enable-prefix-caching`.
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    enable_prefix_caching: bool,
+    /// Turn prefix caching off: no hits, no stored blocks, no KV events.
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    no_enable_prefix_caching: bool,
+    /// vLLM's KV events config (JSON, `KVEventsConfig` keys), e.g.
+    /// `{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}`.
+    #[arg(long)]
+    kv_events_config: Option<String>,
 }
 
 /// Startup failures, each naming the flag or resource.
@@ -148,6 +168,12 @@ enum StartError {
     },
     #[error("--faults: {0}")]
     Faults(String),
+    #[error("--block-size must be at least 1 token")]
+    BlockSize,
+    #[error("--kv-cache-blocks must be at least 1 block")]
+    CacheBlocks,
+    #[error("{0}")]
+    KvEvents(String),
     #[error("cannot write --ready-file {path}: {source}")]
     ReadyFile {
         path: PathBuf,
@@ -179,6 +205,12 @@ fn run(cli: Cli) -> Result<(), StartError> {
     }
     if cli.threads == 0 {
         return Err(StartError::Threads);
+    }
+    if cli.block_size == 0 {
+        return Err(StartError::BlockSize);
+    }
+    if cli.kv_cache_blocks == 0 {
+        return Err(StartError::CacheBlocks);
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cli.threads)
@@ -215,7 +247,29 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
         role_switch: cli.enable_pd_role_switch,
         prefill_slots: cli.prefill_slots,
         tpot_per_running: Duration::from_micros(cli.tpot_per_running_us),
+        cache: CacheSettings {
+            block_size: cli.block_size,
+            blocks: cli.kv_cache_blocks,
+            enabled: !cli.no_enable_prefix_caching,
+            seed: hash_seed(),
+        },
+        dev_mode: std::env::var("VLLM_SERVER_DEV_MODE").is_ok_and(|v| v == "1"),
     };
+    let events_cfg = match &cli.kv_events_config {
+        Some(text) => kv_events::KvEventsConfig::parse(text).map_err(StartError::KvEvents)?,
+        None => None,
+    };
+    let events = match &events_cfg {
+        Some(c) if settings.cache.enabled => Some(
+            kv_events::Publisher::start(c, cli.listen.ip())
+                .await
+                .map_err(StartError::KvEvents)?,
+        ),
+        _ => None,
+    };
+    let events_endpoints = events
+        .as_ref()
+        .map(|p| (p.endpoint.clone(), p.replay_endpoint.clone()));
     let http = bind("--listen", cli.listen).await?;
     let http_addr = local(&http, cli.listen);
     let admin_addr = cli
@@ -254,6 +308,7 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
         kv_addr,
         bootstrap_addr,
         process_start_time(),
+        events,
     ));
     if let Some(text) = &cli.faults {
         sim.arm(text.as_bytes()).map_err(StartError::Faults)?;
@@ -283,6 +338,8 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
             "engine_id": sim.engine_id,
             "kv_port": kv_addr.map(|a| a.port()),
             "bootstrap_port": bootstrap_addr.map(|a| a.port()),
+            "kv_events_endpoint": events_endpoints.as_ref().map(|e| e.0.clone()),
+            "kv_events_replay_endpoint": events_endpoints.as_ref().and_then(|e| e.1.clone()),
         });
         write_atomic(path, &doc.to_string()).map_err(|source| StartError::ReadyFile {
             path: path.clone(),
@@ -298,6 +355,17 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
     tracing::info!(url = %url, admin = %admin_url, engine.id = %sim.engine_id, "serving");
     let _ = server.await;
     Ok(())
+}
+
+/// The block hash chain's seed: from `PYTHONHASHSEED` when set (vLLM derives its `NONE_HASH`
+/// from it, so engines sharing it name blocks alike), else random per process.
+fn hash_seed() -> u64 {
+    match std::env::var("PYTHONHASHSEED") {
+        Ok(v) => v.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        }),
+        Err(_) => rand::random(),
+    }
 }
 
 fn local(l: &TcpListener, fallback: SocketAddr) -> SocketAddr {

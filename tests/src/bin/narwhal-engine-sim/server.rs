@@ -39,6 +39,8 @@ use tokio_util::sync::CancellationToken;
 use crate::body::{SimBody, StreamPlan, TokenStream};
 use crate::faults::{Action, FaultQueue, Phase, parse_faults};
 use crate::kv::{BlockStore, KvPayload, RoomError, RoomState, RoomStore};
+use crate::kv_events::Publisher;
+use crate::prefix_cache::{CacheCounters, Lookup, PrefixCache};
 use crate::protocol::{
     self, ApiError, ChunkFormat, Kind, KvParams, Limits, Parsed, error_frames, full_response,
 };
@@ -140,6 +142,23 @@ pub(crate) struct Settings {
     /// `--tpot-per-running-us`: each token gap grows by this per request running on the
     /// engine (a decode batch's cost).
     pub(crate) tpot_per_running: Duration,
+    /// `--block-size`, `--kv-cache-blocks`, `--[no-]enable-prefix-caching`.
+    pub(crate) cache: CacheSettings,
+    /// `VLLM_SERVER_DEV_MODE=1`: vLLM's development routes (`POST /reset_prefix_cache`).
+    pub(crate) dev_mode: bool,
+}
+
+/// The prefix cache's settings.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CacheSettings {
+    /// Tokens per block.
+    pub(crate) block_size: usize,
+    /// Capacity in blocks.
+    pub(crate) blocks: usize,
+    /// Prefix caching on (vLLM V1's default).
+    pub(crate) enabled: bool,
+    /// Seed of the block hash chain (random per process unless `PYTHONHASHSEED` is set).
+    pub(crate) seed: u64,
 }
 
 /// Which listener a connection arrived on.
@@ -188,6 +207,12 @@ pub(crate) struct Sim {
     switch_unhealthy: AtomicBool,
     blocks: Mutex<BlockStore>,
     rooms: Mutex<Rooms>,
+    /// The block prefix cache (short critical sections only).
+    cache: Mutex<PrefixCache>,
+    /// `--kv-events-config`: where cache events go, when on.
+    events: Option<Publisher>,
+    /// Prompt tokens by source (`vllm:prompt_tokens_by_source`).
+    pub(crate) sources: crate::metrics::PromptSources,
     id_prefix: u64,
     id_counter: AtomicU64,
 }
@@ -211,8 +236,10 @@ impl Sim {
         kv_addr: Option<SocketAddr>,
         bootstrap_addr: Option<SocketAddr>,
         started_at: f64,
+        events: Option<Publisher>,
     ) -> Self {
         let mode = cfg.mode;
+        let c = cfg.cache;
         let prefill_gate = (cfg.prefill_slots > 0)
             .then(|| Arc::new(tokio::sync::Semaphore::new(cfg.prefill_slots)));
         Sim {
@@ -222,6 +249,9 @@ impl Sim {
                 store: RoomStore::new(cfg.kv_lease),
                 waiters: HashMap::new(),
             }),
+            cache: Mutex::new(PrefixCache::new(c.block_size, c.blocks, c.enabled, c.seed)),
+            events,
+            sources: Default::default(),
             cfg,
             url,
             kv_addr,
@@ -245,6 +275,42 @@ impl Sim {
             None => None,
         };
         sleep(compute).await;
+    }
+
+    /// Looks `prompt` up in the prefix cache (counted in its queries and hits).
+    pub(crate) fn cache_lookup(&self, prompt: &[u32]) -> Lookup {
+        lock(&self.cache).lookup(prompt)
+    }
+
+    /// Stores `prompt`'s computed full blocks and publishes the batch of events it caused.
+    pub(crate) fn cache_store(&self, prompt: &[u32], lookup: &Lookup) {
+        let events = lock(&self.cache).store(prompt, lookup);
+        if let Some(p) = &self.events {
+            p.publish(events);
+        }
+    }
+
+    /// A prompt's KV is in place (computed, or `external` tokens of it transferred): counts
+    /// its tokens by source and stores its full blocks.
+    pub(crate) fn computed(&self, prompt: &[u32], lookup: &Lookup, external: usize) {
+        self.sources
+            .count(prompt.len(), lookup.hit_tokens, external);
+        self.cache_store(prompt, lookup);
+    }
+
+    /// Empties the prefix cache (`POST /reset_prefix_cache`) and publishes `AllBlocksCleared`.
+    /// No request holds blocks between steps in the simulator, so this always succeeds.
+    pub(crate) fn reset_prefix_cache(&self) -> bool {
+        let ev = lock(&self.cache).reset();
+        if let (Some(p), Some(ev)) = (&self.events, ev) {
+            p.publish(vec![ev]);
+        }
+        true
+    }
+
+    /// The prefix cache's counters (`/sim/stats` `prefix_cache`, `/metrics`).
+    pub(crate) fn cache_counters(&self) -> CacheCounters {
+        lock(&self.cache).counters()
     }
 
     /// The live disaggregation mode (SGLang).
@@ -382,7 +448,7 @@ fn json_bytes(status: u16, bytes: Vec<u8>, fragment: Option<usize>) -> Response<
     r
 }
 
-fn text_response(status: u16, ctype: &'static str, body: String) -> Response<SimBody> {
+pub(crate) fn text_response(status: u16, ctype: &'static str, body: String) -> Response<SimBody> {
     let mut r = Response::new(SimBody::full(body));
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
     r.headers_mut()
@@ -433,7 +499,10 @@ async fn route(
         ("/v1/models", &Method::GET) => models(&sim),
         ("/tokenize", &Method::POST) => tokenize(&sim, req).await,
         ("/version", &Method::GET) if vllm => json_response(200, &json!({"version": VLLM_VERSION})),
-        ("/metrics", &Method::GET) => metrics(&sim),
+        ("/metrics", &Method::GET) => crate::metrics::metrics(&sim),
+        ("/reset_prefix_cache", &Method::POST) if vllm && sim.cfg.dev_mode => {
+            json_response(200, &json!({"success": sim.reset_prefix_cache()}))
+        }
         ("/server_info" | "/get_server_info", &Method::GET) if !vllm => server_info(&sim),
         ("/pd_role_switch", &Method::POST) if !vllm => pd_role_switch(&sim, req).await,
         ("/get_model_info", &Method::GET) if !vllm => json_response(
@@ -677,145 +746,6 @@ async fn pd_role_switch(sim: &Sim, req: Request<Incoming>) -> Response<SimBody> 
     answer(200, true, "ok")
 }
 
-fn metrics(sim: &Sim) -> Response<SimBody> {
-    use std::fmt::Write as _;
-    let s = &sim.stats;
-    let model = sim.cfg.model.replace('\\', "\\\\").replace('"', "\\\"");
-    let running = s.in_flight.load(Relaxed).max(0);
-    let prompt = s.prom_prompt_tokens.load(Relaxed);
-    let gen_tokens = s.prom_generation_tokens.load(Relaxed);
-    let success = s.prom_success.load(Relaxed);
-    let mut out = String::with_capacity(2048);
-    let (p, running_name, waiting_name, success_line) = match sim.cfg.dialect {
-        Dialect::Vllm => (
-            "vllm",
-            "num_requests_running",
-            "num_requests_waiting",
-            format!(
-                "vllm:request_success_total{{engine=\"0\",finished_reason=\"length\",model_name=\"{model}\"}} {success}\n"
-            ),
-        ),
-        Dialect::Sglang => (
-            "sglang",
-            "num_running_reqs",
-            "num_queue_reqs",
-            format!("sglang:num_requests_total{{model_name=\"{model}\"}} {success}\n"),
-        ),
-    };
-    let labels = match sim.cfg.dialect {
-        Dialect::Vllm => format!("{{engine=\"0\",model_name=\"{model}\"}}"),
-        Dialect::Sglang => format!("{{model_name=\"{model}\"}}"),
-    };
-    let _ = write!(
-        out,
-        "# HELP {p}:{running_name} Number of requests running.\n\
-         # TYPE {p}:{running_name} gauge\n\
-         {p}:{running_name}{labels} {running}\n\
-         # HELP {p}:{waiting_name} Number of requests waiting.\n\
-         # TYPE {p}:{waiting_name} gauge\n\
-         {p}:{waiting_name}{labels} 0\n\
-         # HELP {p}:prompt_tokens_total Number of prefill tokens processed.\n\
-         # TYPE {p}:prompt_tokens_total counter\n\
-         {p}:prompt_tokens_total{labels} {prompt}\n\
-         # HELP {p}:generation_tokens_total Number of generation tokens processed.\n\
-         # TYPE {p}:generation_tokens_total counter\n\
-         {p}:generation_tokens_total{labels} {gen_tokens}\n"
-    );
-    let success_name = match sim.cfg.dialect {
-        Dialect::Vllm => "request_success_total",
-        Dialect::Sglang => "num_requests_total",
-    };
-    let _ = write!(
-        out,
-        "# HELP {p}:{success_name} Count of successfully processed requests.\n\
-         # TYPE {p}:{success_name} counter\n{success_line}"
-    );
-    if sim.cfg.kv_metrics {
-        kv_metrics(sim, &model, &mut out);
-    }
-    // vLLM (one API server) serves prometheus_client's default registry, whose process
-    // collector publishes the start time; SGLang serves the multiprocess registry, which has
-    // no process families.
-    if sim.cfg.dialect == Dialect::Vllm {
-        let _ = write!(
-            out,
-            "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n\
-             # TYPE process_start_time_seconds gauge\n\
-             process_start_time_seconds {}\n",
-            sim.started_at
-        );
-    }
-    text_response(200, "text/plain; version=0.0.4; charset=utf-8", out)
-}
-
-/// The engine's own KV-transfer families, counted per transfer this simulator really did as the
-/// consumer (names and meaning from the engines' source; engine-agent/src/evidence.rs records
-/// where each comes from):
-/// - vLLM (NIXL connector, per engine, labels `engine`, `model_name`, children created at
-///   start): `vllm:nixl_xfer_time_seconds` (histogram, one observation per completed read) and
-///   `vllm:nixl_num_failed_transfers_total` (reads attempted that failed).
-/// - SGLang (labelled series appear at their first increment, as prometheus_client's do):
-///   `sglang:per_stage_req_latency_seconds{stage="decode_transferred"}` (histogram, one
-///   observation per decode whose KV arrived), `sglang:num_transfer_failed_reqs_total`,
-///   `sglang:num_bootstrap_failed_reqs_total` (bootstrap server unreachable).
-fn kv_metrics(sim: &Sim, model: &str, out: &mut String) {
-    use std::fmt::Write as _;
-    let s = &sim.stats;
-    let failed = s.prom_transfer_failures.load(Relaxed);
-    match sim.cfg.dialect {
-        Dialect::Vllm => {
-            let labels = format!("engine=\"0\",model_name=\"{model}\"");
-            out.push_str(
-                "# HELP vllm:nixl_xfer_time_seconds Histogram of transfer duration for NIXL KV \
-                 Cache transfers.\n# TYPE vllm:nixl_xfer_time_seconds histogram\n",
-            );
-            s.prom_transfers
-                .render(out, "vllm:nixl_xfer_time_seconds", &labels);
-            let _ = write!(
-                out,
-                "# HELP vllm:nixl_num_failed_transfers Number of failed NIXL KV Cache \
-                 transfers.\n# TYPE vllm:nixl_num_failed_transfers counter\n\
-                 vllm:nixl_num_failed_transfers_total{{{labels}}} {failed}\n"
-            );
-        }
-        Dialect::Sglang => {
-            let labels = format!("engine_type=\"unified\",model_name=\"{model}\"");
-            out.push_str(
-                "# HELP sglang:per_stage_req_latency_seconds The latency of each stage of \
-                 requests.\n# TYPE sglang:per_stage_req_latency_seconds histogram\n",
-            );
-            if s.prom_transfers.count() > 0 {
-                s.prom_transfers.render(
-                    out,
-                    "sglang:per_stage_req_latency_seconds",
-                    &format!("{labels},stage=\"decode_transferred\""),
-                );
-            }
-            let bootstrap = s.prom_bootstrap_failures.load(Relaxed);
-            for (name, help, n) in [
-                (
-                    "sglang:num_bootstrap_failed_reqs",
-                    "The number of bootstrap failed requests.",
-                    bootstrap,
-                ),
-                (
-                    "sglang:num_transfer_failed_reqs",
-                    "The number of transfer failed requests.",
-                    failed,
-                ),
-            ] {
-                let _ = write!(
-                    out,
-                    "# HELP {name}_total {help}\n# TYPE {name}_total counter\n"
-                );
-                if n > 0 {
-                    let _ = writeln!(out, "{name}_total{{{labels}}} {n}");
-                }
-            }
-        }
-    }
-}
-
 /// Answers a request that failed inside serving: an SSE error frame on a 200 stream when the
 /// client asked to stream (vLLM has already sent its head), else the JSON error with its status.
 fn fail(tracker: &mut Tracker, stream: bool, e: &ApiError) -> Response<SimBody> {
@@ -1019,7 +949,10 @@ async fn completion(
         (Dialect::Vllm, Kind::Chat) => format!("chatcmpl-{rid}"),
         (Dialect::Sglang, _) => rid.clone(),
     };
-    let compute = sim.cfg.ttft + sim.cfg.prefill_per_token * n_prompt as u32;
+    // Only the tokens missing from the prefix cache are computed (and priced).
+    let lookup = sim.cache_lookup(&parsed.prompt);
+    let uncached = n_prompt - lookup.hit_tokens;
+    let compute = sim.cfg.ttft + sim.cfg.prefill_per_token * uncached as u32;
     let mut answer = Answer {
         parsed: &parsed,
         id,
@@ -1037,6 +970,7 @@ async fn completion(
     match (sim.cfg.dialect, phase) {
         (Dialect::Vllm, Phase::Prefill) => {
             sim.prefill(compute).await;
+            sim.computed(&parsed.prompt, &lookup, 0);
             if !omit_kv {
                 let block_ids = sim.blocks_lock().issue(Instant::now(), payload());
                 sim.stats.kv_issued.fetch_add(1, Relaxed);
@@ -1089,6 +1023,9 @@ async fn completion(
                     sim.stats.kv_consumed.fetch_add(1, Relaxed);
                     sleep(sim.cfg.kv_transfer).await;
                     sim.stats.prom_transfers.observe(started.elapsed());
+                    // vLLM caches the blocks a decode received (`cache_blocks` once the
+                    // remote KV arrived): they count as transferred, not computed.
+                    sim.computed(&parsed.prompt, &lookup, uncached);
                     respond(sim, tracker, answer)
                 }
                 Err((msg, _)) => {
@@ -1107,6 +1044,7 @@ async fn completion(
                 unreachable_phase()
             };
             sim.prefill(compute).await;
+            sim.computed(&parsed.prompt, &lookup, 0);
             if !omit_kv {
                 if let Err(e) = sim.publish_room(b.room, RoomState::Ready(payload())) {
                     let e = ApiError::bad_request(e.to_string());
@@ -1144,6 +1082,7 @@ async fn completion(
                     sim.stats.kv_consumed.fetch_add(1, Relaxed);
                     sleep(sim.cfg.kv_transfer).await;
                     sim.stats.prom_transfers.observe(started.elapsed());
+                    sim.computed(&parsed.prompt, &lookup, uncached);
                     respond(sim, tracker, answer)
                 }
                 Err((msg, cause)) => {
@@ -1163,6 +1102,7 @@ async fn completion(
         }
         (_, _) => {
             sim.prefill(compute).await;
+            sim.computed(&parsed.prompt, &lookup, 0);
             let decode_capable = match sim.cfg.dialect {
                 Dialect::Vllm => true,
                 Dialect::Sglang => sim.mode() == Mode::Decode,

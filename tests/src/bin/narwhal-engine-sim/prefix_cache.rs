@@ -1,0 +1,352 @@
+//! The engine's block prefix cache, after vLLM's V1 `BlockPool` (vLLM 0.32.0): a prompt is cut
+//! into full blocks of `--block-size` tokens, each named by a hash chained over (parent hash,
+//! the block's token ids); the longest run of cached blocks from the start is a hit, the rest is
+//! computed and its full blocks are stored. Capacity is `--kv-cache-blocks`; when full, the
+//! least recently used block is evicted. Pure (no clock, no I/O): the caller publishes the
+//! [`KvEvent`]s a store or reset returns (docs/engine-simulator.md, "Prefix cache").
+//!
+//! ```text
+//! lookup(prompt)  hit = cached leading blocks, at most (len - 1) / block_size of them (vLLM
+//!                 leaves the last prompt token to compute); counts queries (prompt tokens)
+//!                 and hits (hit tokens), refreshes the hit blocks
+//! store(prompt)   the full blocks after the hit → BlockRemoved per evicted block, then one
+//!                 BlockStored for them all
+//! reset()         drops every block → AllBlocksCleared
+//! ```
+
+use std::collections::{BTreeMap, HashMap};
+
+use narwhal_testkit::kv_events::{KvEvent, MEDIUM_GPU};
+
+/// Counters of one cache, as `/sim/stats` `prefix_cache` shows them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub(crate) struct CacheCounters {
+    /// Blocks held now.
+    pub(crate) blocks: u64,
+    /// Capacity in blocks (`--kv-cache-blocks`).
+    pub(crate) capacity: u64,
+    /// Prompt tokens looked up (vLLM's `prefix_cache_queries`).
+    pub(crate) queries: u64,
+    /// Prompt tokens found cached (vLLM's `prefix_cache_hits`).
+    pub(crate) hits: u64,
+    /// Blocks stored.
+    pub(crate) stored: u64,
+    /// Blocks evicted to make room.
+    pub(crate) evictions: u64,
+    /// `POST /reset_prefix_cache` calls that cleared the cache.
+    pub(crate) resets: u64,
+}
+
+/// The result of [`PrefixCache::lookup`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Lookup {
+    /// Block hashes of the prompt's full blocks, in order.
+    pub(crate) hashes: Vec<u64>,
+    /// Leading blocks found cached.
+    pub(crate) hit_blocks: usize,
+    /// Tokens those blocks hold (`hit_blocks × block_size`).
+    pub(crate) hit_tokens: usize,
+}
+
+/// One engine process's prefix cache.
+#[derive(Debug)]
+pub(crate) struct PrefixCache {
+    block_size: usize,
+    capacity: usize,
+    enabled: bool,
+    seed: u64,
+    /// Block hash → its recency tick (a key of `lru`).
+    blocks: HashMap<u64, u64>,
+    /// Recency tick → block hash; the smallest tick is evicted first.
+    lru: BTreeMap<u64, u64>,
+    tick: u64,
+    counters: CacheCounters,
+}
+
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+fn mix(mut h: u64, v: u64) -> u64 {
+    for b in v.to_le_bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(FNV_PRIME);
+    }
+    h
+}
+
+/// SplitMix64's finaliser: spreads the FNV state over all 64 bits.
+fn finish(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl PrefixCache {
+    /// A cache of `capacity` blocks of `block_size` tokens; `seed` starts every hash chain
+    /// (vLLM's `NONE_HASH`). Disabled (`--no-enable-prefix-caching`), it never hits or stores.
+    pub(crate) fn new(block_size: usize, capacity: usize, enabled: bool, seed: u64) -> Self {
+        PrefixCache {
+            block_size: block_size.max(1),
+            capacity,
+            enabled,
+            seed,
+            blocks: HashMap::new(),
+            lru: BTreeMap::new(),
+            tick: 0,
+            counters: CacheCounters {
+                capacity: capacity as u64,
+                ..CacheCounters::default()
+            },
+        }
+    }
+
+    /// The hash chain of `prompt`'s full blocks.
+    pub(crate) fn hashes(&self, prompt: &[u32]) -> Vec<u64> {
+        let mut parent = self.seed;
+        prompt
+            .chunks_exact(self.block_size)
+            .map(|block| {
+                let mut h = mix(0xcbf2_9ce4_8422_2325, parent);
+                for t in block {
+                    h = mix(h, u64::from(*t));
+                }
+                parent = finish(h);
+                parent
+            })
+            .collect()
+    }
+
+    fn touch(&mut self, hash: u64) {
+        if let Some(old) = self.blocks.get(&hash) {
+            self.lru.remove(old);
+        }
+        self.tick += 1;
+        self.blocks.insert(hash, self.tick);
+        self.lru.insert(self.tick, hash);
+    }
+
+    /// Refreshes `hashes` so that the first is used most recently: vLLM frees a request's
+    /// blocks tail first, so its last blocks are evicted before its prefix.
+    fn touch_all(&mut self, hashes: &[u64]) {
+        for h in hashes.iter().rev() {
+            self.touch(*h);
+        }
+    }
+
+    /// Looks `prompt` up: counts it and refreshes the blocks it hits.
+    pub(crate) fn lookup(&mut self, prompt: &[u32]) -> Lookup {
+        let hashes = self.hashes(prompt);
+        if !self.enabled {
+            return Lookup {
+                hashes,
+                hit_blocks: 0,
+                hit_tokens: 0,
+            };
+        }
+        let max_blocks = prompt.len().saturating_sub(1) / self.block_size;
+        let hit_blocks = hashes
+            .iter()
+            .take(max_blocks)
+            .take_while(|h| self.blocks.contains_key(h))
+            .count();
+        let hit: Vec<u64> = hashes[..hit_blocks].to_vec();
+        self.touch_all(&hit);
+        self.counters.queries += prompt.len() as u64;
+        self.counters.hits += (hit_blocks * self.block_size) as u64;
+        Lookup {
+            hashes,
+            hit_blocks,
+            hit_tokens: hit_blocks * self.block_size,
+        }
+    }
+
+    /// Stores the full blocks of `prompt` after `lookup`'s hit, evicting least recently used
+    /// blocks of other prompts when the cache is full. Returns the events in vLLM's order:
+    /// one `BlockRemoved` per evicted block, then one `BlockStored` for the new blocks (none
+    /// when there were none, or the cache is disabled).
+    pub(crate) fn store(&mut self, prompt: &[u32], lookup: &Lookup) -> Vec<KvEvent> {
+        let mut events = Vec::new();
+        if !self.enabled || self.capacity == 0 {
+            return events;
+        }
+        let mine: std::collections::HashSet<u64> = lookup.hashes.iter().copied().collect();
+        let mut stored = Vec::new();
+        for h in &lookup.hashes[lookup.hit_blocks..] {
+            if !self.blocks.contains_key(h) && self.blocks.len() >= self.capacity {
+                let victim = self
+                    .lru
+                    .iter()
+                    .find(|(_, v)| !mine.contains(v))
+                    .map(|(t, v)| (*t, *v));
+                let Some((tick, victim)) = victim else {
+                    break; // the prompt alone fills the cache
+                };
+                self.lru.remove(&tick);
+                self.blocks.remove(&victim);
+                self.counters.evictions += 1;
+                events.push(KvEvent::BlockRemoved {
+                    block_hashes: vec![victim],
+                    medium: Some(MEDIUM_GPU.to_string()),
+                    group_idx: Some(0),
+                });
+            }
+            self.touch(*h);
+            stored.push(*h);
+        }
+        self.touch_all(&lookup.hashes[..lookup.hit_blocks + stored.len()]);
+        if !stored.is_empty() {
+            let bs = self.block_size;
+            let first = lookup.hit_blocks;
+            self.counters.stored += stored.len() as u64;
+            events.push(KvEvent::BlockStored {
+                parent_block_hash: first.checked_sub(1).map(|i| lookup.hashes[i]),
+                token_ids: prompt[first * bs..(first + stored.len()) * bs].to_vec(),
+                extra_keys: Some(vec![None; stored.len()]),
+                block_hashes: stored,
+                block_size: bs as u32,
+                lora_id: None,
+                medium: Some(MEDIUM_GPU.to_string()),
+                lora_name: None,
+                group_idx: Some(0),
+                session_id: None,
+            });
+        }
+        events
+    }
+
+    /// Drops every block (vLLM's `reset_prefix_cache`): `AllBlocksCleared`, or nothing when
+    /// the cache is disabled.
+    pub(crate) fn reset(&mut self) -> Option<KvEvent> {
+        if !self.enabled {
+            return None;
+        }
+        self.blocks.clear();
+        self.lru.clear();
+        self.counters.resets += 1;
+        Some(KvEvent::AllBlocksCleared)
+    }
+
+    /// The counters, with `blocks` as held now.
+    pub(crate) fn counters(&self) -> CacheCounters {
+        CacheCounters {
+            blocks: self.blocks.len() as u64,
+            ..self.counters
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored_hashes(events: &[KvEvent]) -> Vec<u64> {
+        events
+            .iter()
+            .flat_map(|e| match e {
+                KvEvent::BlockStored { block_hashes, .. } => block_hashes.clone(),
+                _ => vec![],
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_repeated_prompt_hits_its_full_blocks_and_stores_nothing_new() {
+        let mut c = PrefixCache::new(4, 100, true, 1);
+        let prompt: Vec<u32> = (0..10).collect(); // two full blocks and two tokens
+        let l = c.lookup(&prompt);
+        assert_eq!((l.hit_blocks, l.hashes.len()), (0, 2));
+        let ev = c.store(&prompt, &l);
+        assert_eq!(stored_hashes(&ev), l.hashes);
+        match &ev[0] {
+            KvEvent::BlockStored {
+                parent_block_hash,
+                token_ids,
+                ..
+            } => {
+                assert_eq!(*parent_block_hash, None);
+                assert_eq!(token_ids, &(0..8).collect::<Vec<u32>>());
+            }
+            e => panic!("{e:?}"),
+        }
+        let again = c.lookup(&prompt);
+        assert_eq!(again.hit_tokens, 8);
+        assert!(c.store(&prompt, &again).is_empty());
+        let k = c.counters();
+        assert_eq!((k.queries, k.hits, k.blocks, k.stored), (20, 8, 2, 2));
+    }
+
+    #[test]
+    fn a_longer_prompt_stores_only_its_new_blocks_with_the_parent() {
+        let mut c = PrefixCache::new(4, 100, true, 1);
+        let short: Vec<u32> = (0..9).collect();
+        let l = c.lookup(&short);
+        c.store(&short, &l);
+        let long: Vec<u32> = (0..13).collect();
+        let l2 = c.lookup(&long);
+        assert_eq!(l2.hit_blocks, 2);
+        let ev = c.store(&long, &l2);
+        match &ev[..] {
+            [
+                KvEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    ..
+                },
+            ] => {
+                assert_eq!(block_hashes, &vec![l2.hashes[2]]);
+                assert_eq!(*parent_block_hash, Some(l2.hashes[1]));
+                assert_eq!(token_ids, &vec![8, 9, 10, 11]);
+            }
+            e => panic!("{e:?}"),
+        }
+    }
+
+    #[test]
+    fn the_last_prompt_token_is_always_computed() {
+        let mut c = PrefixCache::new(4, 100, true, 1);
+        let aligned: Vec<u32> = (0..8).collect();
+        let l = c.lookup(&aligned);
+        c.store(&aligned, &l);
+        let again = c.lookup(&aligned);
+        assert_eq!(again.hit_blocks, 1, "at most (8 - 1) / 4 blocks hit");
+        // vLLM recomputes the last block and reports it stored again.
+        assert_eq!(stored_hashes(&c.store(&aligned, &again)), vec![l.hashes[1]]);
+    }
+
+    #[test]
+    fn full_cache_evicts_the_least_recently_used_tail_first() {
+        let mut c = PrefixCache::new(2, 3, true, 1);
+        let a: Vec<u32> = vec![1, 2, 3, 4, 0];
+        let la = c.lookup(&a);
+        c.store(&a, &la);
+        let b: Vec<u32> = vec![9, 9, 8, 8, 0];
+        let lb = c.lookup(&b);
+        let ev = c.store(&b, &lb);
+        // One free slot for b's first block; its second evicts a's tail block.
+        assert_eq!(
+            ev[0],
+            KvEvent::BlockRemoved {
+                block_hashes: vec![la.hashes[1]],
+                medium: Some("GPU".into()),
+                group_idx: Some(0)
+            }
+        );
+        assert_eq!(c.counters().blocks, 3);
+        assert_eq!(c.counters().evictions, 1);
+        assert_eq!(c.lookup(&a).hit_blocks, 1);
+    }
+
+    #[test]
+    fn seeds_name_blocks_differently_and_disabled_never_hits() {
+        let p: Vec<u32> = (0..8).collect();
+        assert_ne!(
+            PrefixCache::new(4, 9, true, 1).hashes(&p),
+            PrefixCache::new(4, 9, true, 2).hashes(&p)
+        );
+        let mut off = PrefixCache::new(4, 9, false, 1);
+        let l = off.lookup(&p);
+        assert!(off.store(&p, &l).is_empty());
+        assert_eq!(off.lookup(&p).hit_blocks, 0);
+        assert_eq!(off.reset(), None);
+    }
+}

@@ -1,0 +1,589 @@
+//! vLLM's KV cache events on the wire: the msgpack encoding of `KVEventBatch` and its events
+//! (vLLM 0.32.0, `vllm/distributed/kv_events.py`), and the ZMQ frames its `ZmqEventPublisher`
+//! sends. Pure (no sockets): the engine simulator publishes with [`encode_batch`], tests decode
+//! with [`decode_batch`], and `tests/tests/kv_events_e2e.rs` checks the bytes against vLLM's own
+//! publisher (docs/engine-simulator.md, "KV events").
+//!
+//! ```text
+//! PUB frames       [topic (UTF-8), seq (u64, 8 bytes big-endian, 0 first per process), payload]
+//! payload          msgpack array  [ts (float64, Unix seconds), [event...], data_parallel_rank]
+//! event            msgpack map    {"type": "BlockStored", field: value, ...}  (tagged struct;
+//!                                 fields in declaration order; a field equal to its default is
+//!                                 left out, one without a default is always there, even nil)
+//! replay request   ROUTER receives [identity, "", start seq (8 bytes big-endian)]
+//! replay answer    [identity, "", topic, seq, payload] per buffered batch with seq >= start,
+//!                  then [identity, "", "", REPLAY_END, ""]
+//! ```
+//!
+//! Block hashes are msgpack unsigned ints: vLLM's default `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`
+//! publishes the low 64 bits of each block hash as an int.
+
+use rmp::Marker;
+
+/// The sequence number that ends a replay: `-1` as 8 bytes big-endian (all `0xff`).
+pub const REPLAY_END: [u8; 8] = (-1i64).to_be_bytes();
+
+/// vLLM's `MEDIUM_GPU`: where a block lives, in `BlockStored.medium` / `BlockRemoved.medium`.
+pub const MEDIUM_GPU: &str = "GPU";
+
+/// One KV cache event (vLLM's `BlockStored`, `BlockRemoved`, `AllBlocksCleared`).
+///
+/// Fields vLLM declares but the simulator never sets (`kv_cache_spec_kind`,
+/// `kv_cache_spec_sliding_window`, `locality`, `ownership`) are not modelled: they are left
+/// out on encode (their default, `None`) and skipped on decode.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvEvent {
+    /// Full blocks entered the prefix cache (one event per `cache_full_blocks` call).
+    BlockStored {
+        /// One hash per stored block, in prompt order (low 64 bits of vLLM's hash).
+        block_hashes: Vec<u64>,
+        /// Hash of the block before the first stored one; `None` when the first stored block
+        /// is the prompt's first block.
+        parent_block_hash: Option<u64>,
+        /// The token ids of all stored blocks, concatenated (`block_hashes.len() × block_size`).
+        token_ids: Vec<u32>,
+        /// Tokens per block.
+        block_size: u32,
+        /// LoRA adapter id (deprecated in vLLM; `None` without LoRA).
+        lora_id: Option<i64>,
+        /// Storage medium, `Some("GPU")` for vLLM's GPU block pool.
+        medium: Option<String>,
+        /// LoRA adapter name (`None` without LoRA).
+        lora_name: Option<String>,
+        /// Extra hash keys, one entry per block (`None` entries for plain text prompts);
+        /// `None` leaves the field out.
+        extra_keys: Option<Vec<Option<Vec<String>>>>,
+        /// KV cache group index (`Some(0)` for a one-group model); `None` leaves it out.
+        group_idx: Option<u32>,
+        /// The session that triggered the store; `None` leaves it out.
+        session_id: Option<String>,
+    },
+    /// Blocks left the prefix cache (vLLM sends one event per evicted block).
+    BlockRemoved {
+        /// Hashes of the removed blocks.
+        block_hashes: Vec<u64>,
+        /// Storage medium (`Some("GPU")`).
+        medium: Option<String>,
+        /// KV cache group index; `None` leaves it out.
+        group_idx: Option<u32>,
+    },
+    /// The whole prefix cache was reset (`POST /reset_prefix_cache`).
+    AllBlocksCleared,
+}
+
+/// One published batch (vLLM's `KVEventBatch`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvEventBatch {
+    /// When the batch was made, Unix seconds (float64 on the wire).
+    pub ts: f64,
+    /// The events, in the order they happened.
+    pub events: Vec<KvEvent>,
+    /// Data-parallel rank; vLLM's publisher fills in its rank (0) when it is `None`, so
+    /// published batches always carry it.
+    pub data_parallel_rank: Option<i64>,
+}
+
+/// A payload that is not a `KVEventBatch` this module understands.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed KV event batch at byte {at}: {what}")]
+pub struct DecodeError {
+    /// Offset into the payload.
+    pub at: usize,
+    /// What was expected.
+    pub what: String,
+}
+
+/// Encodes `batch` exactly as msgspec's encoder does for vLLM's classes.
+pub fn encode_batch(batch: &KvEventBatch) -> Vec<u8> {
+    let mut w = Vec::with_capacity(64 + batch.events.len() * 64);
+    let n = if batch.data_parallel_rank.is_some() {
+        3
+    } else {
+        2
+    };
+    array(&mut w, n);
+    let _ = rmp::encode::write_f64(&mut w, batch.ts);
+    array(&mut w, batch.events.len());
+    for e in &batch.events {
+        encode_event(&mut w, e);
+    }
+    if let Some(r) = batch.data_parallel_rank {
+        int(&mut w, r);
+    }
+    w
+}
+
+/// The three PUB frames of one batch: `[topic, seq (8 bytes big-endian), payload]`.
+pub fn pub_frames(topic: &str, seq: u64, payload: &[u8]) -> [Vec<u8>; 3] {
+    [
+        topic.as_bytes().to_vec(),
+        seq.to_be_bytes().to_vec(),
+        payload.to_vec(),
+    ]
+}
+
+fn array(w: &mut Vec<u8>, n: usize) {
+    let _ = rmp::encode::write_array_len(w, n as u32);
+}
+
+fn int(w: &mut Vec<u8>, v: i64) {
+    let _ = rmp::encode::write_sint(w, v);
+}
+
+fn uint(w: &mut Vec<u8>, v: u64) {
+    let _ = rmp::encode::write_uint(w, v);
+}
+
+fn str(w: &mut Vec<u8>, s: &str) {
+    let _ = rmp::encode::write_str(w, s);
+}
+
+fn nil(w: &mut Vec<u8>) {
+    let _ = rmp::encode::write_nil(w);
+}
+
+fn opt_u64(w: &mut Vec<u8>, v: Option<u64>) {
+    match v {
+        Some(v) => uint(w, v),
+        None => nil(w),
+    }
+}
+
+fn opt_str(w: &mut Vec<u8>, v: Option<&str>) {
+    match v {
+        Some(s) => str(w, s),
+        None => nil(w),
+    }
+}
+
+fn hashes(w: &mut Vec<u8>, hs: &[u64]) {
+    array(w, hs.len());
+    for h in hs {
+        uint(w, *h);
+    }
+}
+
+fn encode_event(w: &mut Vec<u8>, e: &KvEvent) {
+    match e {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            medium,
+            lora_name,
+            extra_keys,
+            group_idx,
+            session_id,
+        } => {
+            let n = 8
+                + usize::from(extra_keys.is_some())
+                + usize::from(group_idx.is_some())
+                + usize::from(session_id.is_some());
+            let _ = rmp::encode::write_map_len(w, n as u32);
+            str(w, "type");
+            str(w, "BlockStored");
+            str(w, "block_hashes");
+            hashes(w, block_hashes);
+            str(w, "parent_block_hash");
+            opt_u64(w, *parent_block_hash);
+            str(w, "token_ids");
+            array(w, token_ids.len());
+            for t in token_ids {
+                uint(w, u64::from(*t));
+            }
+            str(w, "block_size");
+            uint(w, u64::from(*block_size));
+            str(w, "lora_id");
+            match lora_id {
+                Some(v) => int(w, *v),
+                None => nil(w),
+            }
+            str(w, "medium");
+            opt_str(w, medium.as_deref());
+            str(w, "lora_name");
+            opt_str(w, lora_name.as_deref());
+            if let Some(keys) = extra_keys {
+                str(w, "extra_keys");
+                array(w, keys.len());
+                for k in keys {
+                    match k {
+                        None => nil(w),
+                        Some(parts) => {
+                            array(w, parts.len());
+                            for p in parts {
+                                str(w, p);
+                            }
+                        }
+                    }
+                }
+            }
+            if let Some(g) = group_idx {
+                str(w, "group_idx");
+                uint(w, u64::from(*g));
+            }
+            if let Some(s) = session_id {
+                str(w, "session_id");
+                str(w, s);
+            }
+        }
+        KvEvent::BlockRemoved {
+            block_hashes,
+            medium,
+            group_idx,
+        } => {
+            let n = 3 + usize::from(group_idx.is_some());
+            let _ = rmp::encode::write_map_len(w, n as u32);
+            str(w, "type");
+            str(w, "BlockRemoved");
+            str(w, "block_hashes");
+            hashes(w, block_hashes);
+            str(w, "medium");
+            opt_str(w, medium.as_deref());
+            if let Some(g) = group_idx {
+                str(w, "group_idx");
+                uint(w, u64::from(*g));
+            }
+        }
+        KvEvent::AllBlocksCleared => {
+            let _ = rmp::encode::write_map_len(w, 1);
+            str(w, "type");
+            str(w, "AllBlocksCleared");
+        }
+    }
+}
+
+/// A msgpack value, as far as KV events need one.
+#[derive(Debug, Clone, PartialEq)]
+enum Val {
+    Nil,
+    Bool(bool),
+    Int(i128),
+    Float(f64),
+    Str(String),
+    Bin(Vec<u8>),
+    Array(Vec<Val>),
+    Map(Vec<(Val, Val)>),
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn err(&self, what: impl Into<String>) -> DecodeError {
+        DecodeError {
+            at: self.at,
+            what: what.into(),
+        }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&[u8], DecodeError> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|e| *e <= self.buf.len())
+            .ok_or_else(|| self.err(format!("{n} more bytes")))?;
+        let s = &self.buf[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn be(&mut self, n: usize) -> Result<u64, DecodeError> {
+        Ok(self
+            .take(n)?
+            .iter()
+            .fold(0u64, |a, b| (a << 8) | u64::from(*b)))
+    }
+
+    fn len_of(&mut self, n: usize) -> Result<usize, DecodeError> {
+        Ok(self.be(n)? as usize)
+    }
+
+    fn value(&mut self) -> Result<Val, DecodeError> {
+        let b = self.take(1)?[0];
+        let items = |r: &mut Self, n: usize| -> Result<Vec<Val>, DecodeError> {
+            (0..n).map(|_| r.value()).collect()
+        };
+        let pairs = |r: &mut Self, n: usize| -> Result<Vec<(Val, Val)>, DecodeError> {
+            (0..n).map(|_| Ok((r.value()?, r.value()?))).collect()
+        };
+        let text = |r: &mut Self, n: usize| -> Result<Val, DecodeError> {
+            let s = r.take(n)?.to_vec();
+            String::from_utf8(s)
+                .map(Val::Str)
+                .map_err(|_| r.err("UTF-8 string"))
+        };
+        Ok(match Marker::from_u8(b) {
+            Marker::FixPos(v) => Val::Int(i128::from(v)),
+            Marker::FixNeg(v) => Val::Int(i128::from(v)),
+            Marker::Null => Val::Nil,
+            Marker::True => Val::Bool(true),
+            Marker::False => Val::Bool(false),
+            Marker::U8 => Val::Int(i128::from(self.be(1)?)),
+            Marker::U16 => Val::Int(i128::from(self.be(2)?)),
+            Marker::U32 => Val::Int(i128::from(self.be(4)?)),
+            Marker::U64 => Val::Int(i128::from(self.be(8)?)),
+            Marker::I8 => Val::Int(i128::from(self.be(1)? as u8 as i8)),
+            Marker::I16 => Val::Int(i128::from(self.be(2)? as u16 as i16)),
+            Marker::I32 => Val::Int(i128::from(self.be(4)? as u32 as i32)),
+            Marker::I64 => Val::Int(i128::from(self.be(8)? as i64)),
+            Marker::F32 => Val::Float(f64::from(f32::from_bits(self.be(4)? as u32))),
+            Marker::F64 => Val::Float(f64::from_bits(self.be(8)?)),
+            Marker::FixStr(n) => text(self, usize::from(n))?,
+            Marker::Str8 => {
+                let n = self.len_of(1)?;
+                text(self, n)?
+            }
+            Marker::Str16 => {
+                let n = self.len_of(2)?;
+                text(self, n)?
+            }
+            Marker::Str32 => {
+                let n = self.len_of(4)?;
+                text(self, n)?
+            }
+            Marker::Bin8 | Marker::Bin16 | Marker::Bin32 => {
+                let w = match Marker::from_u8(b) {
+                    Marker::Bin8 => 1,
+                    Marker::Bin16 => 2,
+                    _ => 4,
+                };
+                let n = self.len_of(w)?;
+                Val::Bin(self.take(n)?.to_vec())
+            }
+            Marker::FixArray(n) => Val::Array(items(self, usize::from(n))?),
+            Marker::Array16 => {
+                let n = self.len_of(2)?;
+                Val::Array(items(self, n)?)
+            }
+            Marker::Array32 => {
+                let n = self.len_of(4)?;
+                Val::Array(items(self, n)?)
+            }
+            Marker::FixMap(n) => Val::Map(pairs(self, usize::from(n))?),
+            Marker::Map16 => {
+                let n = self.len_of(2)?;
+                Val::Map(pairs(self, n)?)
+            }
+            Marker::Map32 => {
+                let n = self.len_of(4)?;
+                Val::Map(pairs(self, n)?)
+            }
+            m => return Err(self.err(format!("a supported msgpack type, not {m:?}"))),
+        })
+    }
+}
+
+fn bad(what: &str) -> DecodeError {
+    DecodeError {
+        at: 0,
+        what: what.to_string(),
+    }
+}
+
+fn as_u64(v: &Val, what: &str) -> Result<u64, DecodeError> {
+    match v {
+        Val::Int(i) => u64::try_from(*i).map_err(|_| bad(what)),
+        _ => Err(bad(what)),
+    }
+}
+
+fn as_opt_u64(v: &Val, what: &str) -> Result<Option<u64>, DecodeError> {
+    match v {
+        Val::Nil => Ok(None),
+        v => as_u64(v, what).map(Some),
+    }
+}
+
+fn as_opt_str(v: &Val, what: &str) -> Result<Option<String>, DecodeError> {
+    match v {
+        Val::Nil => Ok(None),
+        Val::Str(s) => Ok(Some(s.clone())),
+        _ => Err(bad(what)),
+    }
+}
+
+fn as_list<'v>(v: &'v Val, what: &str) -> Result<&'v [Val], DecodeError> {
+    match v {
+        Val::Array(a) => Ok(a),
+        _ => Err(bad(what)),
+    }
+}
+
+fn u64s(v: &Val, what: &str) -> Result<Vec<u64>, DecodeError> {
+    as_list(v, what)?.iter().map(|x| as_u64(x, what)).collect()
+}
+
+fn decode_event(v: &Val) -> Result<KvEvent, DecodeError> {
+    let Val::Map(fields) = v else {
+        return Err(bad("an event (a msgpack map)"));
+    };
+    let get = |k: &str| {
+        fields
+            .iter()
+            .find(|(name, _)| matches!(name, Val::Str(s) if s == k))
+            .map(|(_, v)| v)
+    };
+    let need = |k: &str| get(k).ok_or_else(|| bad(&format!("field {k:?}")));
+    let opt_u32 = |k: &str| -> Result<Option<u32>, DecodeError> {
+        get(k)
+            .map(|v| as_opt_u64(v, k).map(|o| o.map(|x| x as u32)))
+            .transpose()
+            .map(Option::flatten)
+    };
+    match need("type")? {
+        Val::Str(t) if t == "BlockStored" => {
+            let extra_keys = match get("extra_keys") {
+                None | Some(Val::Nil) => None,
+                Some(v) => Some(
+                    as_list(v, "extra_keys")?
+                        .iter()
+                        .map(|k| match k {
+                            Val::Nil => Ok(None),
+                            Val::Array(parts) => parts
+                                .iter()
+                                .map(|p| match p {
+                                    Val::Str(s) => Ok(s.clone()),
+                                    _ => Err(bad("extra_keys entries of strings")),
+                                })
+                                .collect::<Result<Vec<_>, _>>()
+                                .map(Some),
+                            _ => Err(bad("extra_keys entries")),
+                        })
+                        .collect::<Result<Vec<_>, _>>()?,
+                ),
+            };
+            Ok(KvEvent::BlockStored {
+                block_hashes: u64s(need("block_hashes")?, "block_hashes")?,
+                parent_block_hash: as_opt_u64(need("parent_block_hash")?, "parent_block_hash")?,
+                token_ids: u64s(need("token_ids")?, "token_ids")?
+                    .into_iter()
+                    .map(|t| t as u32)
+                    .collect(),
+                block_size: as_u64(need("block_size")?, "block_size")? as u32,
+                lora_id: match need("lora_id")? {
+                    Val::Nil => None,
+                    Val::Int(i) => Some(*i as i64),
+                    _ => return Err(bad("lora_id")),
+                },
+                medium: as_opt_str(need("medium")?, "medium")?,
+                lora_name: as_opt_str(need("lora_name")?, "lora_name")?,
+                extra_keys,
+                group_idx: opt_u32("group_idx")?,
+                session_id: get("session_id")
+                    .map(|v| as_opt_str(v, "session_id"))
+                    .transpose()?
+                    .flatten(),
+            })
+        }
+        Val::Str(t) if t == "BlockRemoved" => Ok(KvEvent::BlockRemoved {
+            block_hashes: u64s(need("block_hashes")?, "block_hashes")?,
+            medium: as_opt_str(need("medium")?, "medium")?,
+            group_idx: opt_u32("group_idx")?,
+        }),
+        Val::Str(t) if t == "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared),
+        other => Err(bad(&format!("a known event type, not {other:?}"))),
+    }
+}
+
+/// Decodes a PUB payload (or a replayed one) into a batch.
+///
+/// # Errors
+/// [`DecodeError`] when the bytes are not a msgpack `KVEventBatch` with known event types.
+pub fn decode_batch(payload: &[u8]) -> Result<KvEventBatch, DecodeError> {
+    let mut r = Reader {
+        buf: payload,
+        at: 0,
+    };
+    let v = r.value()?;
+    if r.at != payload.len() {
+        return Err(r.err("end of payload"));
+    }
+    let items = as_list(&v, "a batch (a msgpack array)")?;
+    let ts = match items.first() {
+        Some(Val::Float(f)) => *f,
+        Some(Val::Int(i)) => *i as f64,
+        _ => return Err(bad("ts")),
+    };
+    let events = as_list(items.get(1).ok_or_else(|| bad("events"))?, "events")?
+        .iter()
+        .map(decode_event)
+        .collect::<Result<Vec<_>, _>>()?;
+    let data_parallel_rank = match items.get(2) {
+        None | Some(Val::Nil) => None,
+        Some(Val::Int(i)) => Some(*i as i64),
+        Some(_) => return Err(bad("data_parallel_rank")),
+    };
+    Ok(KvEventBatch {
+        ts,
+        events,
+        data_parallel_rank,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(n: usize) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: (0..n as u64).map(|i| u64::MAX - i).collect(),
+            parent_block_hash: Some(7),
+            token_ids: (0..n as u32 * 4).collect(),
+            block_size: 4,
+            lora_id: None,
+            medium: Some(MEDIUM_GPU.to_string()),
+            lora_name: None,
+            extra_keys: Some(vec![None; n]),
+            group_idx: Some(0),
+            session_id: None,
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        let b = KvEventBatch {
+            ts: 1.5,
+            events: vec![
+                stored(2),
+                KvEvent::BlockRemoved {
+                    block_hashes: vec![300],
+                    medium: Some(MEDIUM_GPU.to_string()),
+                    group_idx: Some(0),
+                },
+                KvEvent::AllBlocksCleared,
+            ],
+            data_parallel_rank: Some(0),
+        };
+        assert_eq!(decode_batch(&encode_batch(&b)).unwrap(), b);
+    }
+
+    #[test]
+    fn all_blocks_cleared_is_a_one_entry_map() {
+        let b = KvEventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::AllBlocksCleared],
+            data_parallel_rank: Some(0),
+        };
+        let mut want = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91, 0x81, 0xa4];
+        want.extend_from_slice(b"type");
+        want.push(0xb0);
+        want.extend_from_slice(b"AllBlocksCleared");
+        want.push(0x00);
+        assert_eq!(encode_batch(&b), want);
+    }
+
+    #[test]
+    fn truncated_payload_is_an_error() {
+        let b = KvEventBatch {
+            ts: 2.0,
+            events: vec![stored(1)],
+            data_parallel_rank: Some(0),
+        };
+        let bytes = encode_batch(&b);
+        assert!(decode_batch(&bytes[..bytes.len() - 1]).is_err());
+    }
+}
