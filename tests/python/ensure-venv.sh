@@ -84,13 +84,15 @@ llama_spec="$(sed -E 's/\[[^]]*\]//' <<<"$llama_pin")" # llama-cpp-python==X, wi
 wheel_key="$(printf '%s\n' "recipe=$recipe" "$interp" "$llama_pin" "${llama_cmake_args[*]}" \
   | cat - "$here/requirements-build.txt" | sha256sum | cut -c1-16)"
 key="$(printf '%s\n' "recipe=$recipe" "$interp" "${llama_cmake_args[*]}" \
-  | cat - "$here/requirements-build.txt" "$here/requirements.txt" | sha256sum | cut -c1-16)"
+  | cat - "$here/requirements-build.txt" "$here/requirements.txt" "$here/vllm-source.txt" \
+  | sha256sum | cut -c1-16)"
 venv="$cache/venv-$key"
 
 # A published venv: the symlink resolves, the completion marker is there, and the interpreter it
 # points at still starts (a removed base Python breaks a venv).
 usable() {
-  [ -f "$venv/.narwhal-venv-complete" ] && "$venv/bin/python" -c 'import openai, llama_cpp.server.app, gguf, numpy' >/dev/null 2>&1
+  [ -f "$venv/.narwhal-venv-complete" ] && [ -f "$venv/vllm-src/vllm/distributed/kv_events.py" ] \
+    && "$venv/bin/python" -c 'import openai, llama_cpp.server.app, gguf, numpy, msgspec, zmq' >/dev/null 2>&1
 }
 
 if usable; then
@@ -169,8 +171,27 @@ run_logged "installing packages" "${pip[@]}" install --no-deps --find-links "$wh
   --only-binary llama-cpp-python -r "$here/requirements.txt" \
   || fail "installing requirements.txt failed"
 "${pip[@]}" check >>"$build_log" 2>&1 || fail "pip check found inconsistent pins"
-"$build/bin/python" -c 'import openai, llama_cpp.server.app, gguf, numpy' >>"$build_log" 2>&1 \
+"$build/bin/python" -c 'import openai, llama_cpp.server.app, gguf, numpy, msgspec, zmq' >>"$build_log" 2>&1 \
   || fail "the installed packages do not import"
+
+# vLLM's own KV events files (tests/python/vllm-source.txt): the pinned wheel is downloaded
+# without its dependencies and only the listed files are kept, in <venv>/vllm-src.
+vllm_pin="$(grep -Ev '^(#|$)' "$here/vllm-source.txt" | head -n 1)"
+log "extracting vLLM's kv_events.py from $vllm_pin (a wheel of about 130 MB, not installed)"
+vllm_dl="$(mktemp -d "$build/.vllm-wheel.XXXXXX")"
+run_logged "downloading $vllm_pin" "${pip[@]}" download --no-deps --only-binary :all: \
+  -d "$vllm_dl" "$vllm_pin" || fail "downloading $vllm_pin failed"
+grep -Ev '^(#|$)' "$here/vllm-source.txt" | tail -n +2 >"$vllm_dl/files"
+"$build/bin/python" - "$vllm_dl" "$build/vllm-src" <<'PY' >>"$build_log" 2>&1 || fail "extracting vLLM's files from the wheel failed"
+import glob, os, sys, zipfile
+dl, dest = sys.argv[1], sys.argv[2]
+(wheel,) = glob.glob(os.path.join(dl, "*.whl"))
+names = [n.strip() for n in open(os.path.join(dl, "files")) if n.strip()]
+with zipfile.ZipFile(wheel) as z:
+    for n in names:
+        z.extract(n, dest)  # a missing name raises KeyError: the pin and the list disagree
+PY
+rm -rf "$vllm_dl"
 printf '%s\n' "$interp" "${llama_cmake_args[*]}" >"$build/.narwhal-venv-complete"
 
 # Publish: rename a fresh symlink over the name (atomic on one filesystem).

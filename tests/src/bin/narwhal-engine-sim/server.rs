@@ -573,6 +573,8 @@ async fn route_admin(sim: Arc<Sim>, req: Request<Incoming>) -> Response<SimBody>
                 &sim.cfg.model,
                 sim.started_at,
             );
+            let mut doc = serde_json::to_value(&doc).unwrap_or_default();
+            doc["prefix_cache"] = serde_json::to_value(sim.cache_counters()).unwrap_or_default();
             json_bytes(200, serde_json::to_vec(&doc).unwrap_or_default(), None)
         }
         ("/sim/stats/reset", &Method::POST) => {

@@ -1,0 +1,188 @@
+"""Reference bytes for the engine simulator's KV events (tests/tests/kv_events_e2e.rs).
+
+Publishes a fixed fixture of KV event batches through vLLM's own `ZmqEventPublisher`
+(`vllm/distributed/kv_events.py`, the copy shipped in the pinned vLLM wheel), receives them with
+a pyzmq SUB socket and once through the publisher's replay ROUTER socket, and prints one JSON
+document on stdout:
+
+    {"vllm_version": "...", "topic": "...",
+     "batches": [{"fixture": {...}, "frames": [topic_hex, seq_hex, payload_hex]}, ...],
+     "live": [[topic_hex, seq_hex, payload_hex], ...],
+     "replay": [[hex, ...], ...]}       # what a DEALER gets back, end marker included
+
+Usage: python kv_events_reference.py VLLM_SRC   (VLLM_SRC: the directory holding `vllm/`, as
+tests/python/ensure-venv.sh extracts it from the pinned wheel)
+
+Why the module is loaded by path, with stubs: `import vllm.distributed.kv_events` runs the
+package `__init__`s of `vllm` and `vllm.distributed`, which import torch and the whole engine
+(gigabytes). kv_events.py itself needs only msgspec, pyzmq and four vLLM names, which are
+given here without changing what is measured (the event classes and the publisher are vLLM's
+own code, run unmodified):
+- `vllm.logger.init_logger`: the standard library's logging.getLogger.
+- `vllm.v1.core.kv_cache_utils.ExternalBlockHash`: the type alias `bytes | int`, as vLLM has it.
+- `vllm.config.kv_events.KVEventsConfig`: vLLM's own file, loaded by path; its
+  `vllm.config.utils.config` decorator (pydantic validation of engine configs) is a plain
+  dataclass here.
+- `vllm.utils.network_utils`: only used to bind `tcp://*:0` (the node IP); this script binds
+  ipc:// endpoints, so the four helpers raise if reached.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+import types
+
+import zmq
+
+
+def _module(name, **attrs):
+    m = types.ModuleType(name)
+    m.__dict__.update(attrs)
+    m.__path__ = []  # a package, so submodules can be registered under it
+    sys.modules[name] = m
+    return m
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _unreachable(*_a, **_k):
+    raise RuntimeError("network_utils is stubbed: bind an explicit endpoint")
+
+
+def load_vllm(src):
+    import logging
+
+    for pkg in ("vllm", "vllm.config", "vllm.distributed", "vllm.utils", "vllm.v1", "vllm.v1.core"):
+        _module(pkg)
+    _module("vllm.logger", init_logger=logging.getLogger)
+    _module("vllm.v1.core.kv_cache_utils", ExternalBlockHash=bytes | int)
+    _module(
+        "vllm.utils.network_utils",
+        get_ip=_unreachable,
+        get_tcp_uri=_unreachable,
+        is_valid_ipv6_address=_unreachable,
+        split_zmq_path=_unreachable,
+    )
+    _module("vllm.config.utils", config=dataclasses.dataclass)
+    _load("vllm.config.kv_events", os.path.join(src, "vllm", "config", "kv_events.py"))
+    kv = _load("vllm.distributed.kv_events", os.path.join(src, "vllm", "distributed", "kv_events.py"))
+    version = {}
+    vfile = os.path.join(src, "vllm", "_version.py")
+    if os.path.exists(vfile):
+        exec(open(vfile).read(), version)  # noqa: S102 - vLLM's generated version file
+    return kv, version.get("__version__", "unknown")
+
+
+TOPIC = "kv@sim"
+GPU = "GPU"
+
+
+def fixture():
+    """The batches, as plain data (the Rust test builds the same values from this)."""
+    tokens = list(range(32))
+    return [
+        {
+            "ts": 1764470400.25,
+            "data_parallel_rank": None,  # the publisher fills in its rank (0)
+            "events": [
+                {"type": "BlockStored", "block_hashes": [1, 2**64 - 1], "parent_block_hash": None,
+                 "token_ids": tokens, "block_size": 16, "lora_id": None, "medium": GPU,
+                 "lora_name": None, "extra_keys": [None, None], "group_idx": 0},
+            ],
+        },
+        {
+            "ts": 1764470401.5,
+            "data_parallel_rank": 0,
+            "events": [
+                {"type": "BlockRemoved", "block_hashes": [2**63], "medium": GPU, "group_idx": 0},
+                {"type": "BlockStored", "block_hashes": [300], "parent_block_hash": 2**64 - 1,
+                 "token_ids": [31999, 65536, 0, 127, 128, 255, 256, 65535, 1, 2, 3, 4, 5, 6, 7, 8],
+                 "block_size": 16, "lora_id": 3, "medium": GPU, "lora_name": "adapter-a",
+                 "extra_keys": [["adapter-a"]], "group_idx": 0, "session_id": "s1"},
+            ],
+        },
+        {"ts": 1764470402.0, "data_parallel_rank": 0, "events": [{"type": "AllBlocksCleared"}]},
+        {
+            "ts": 0.1,
+            "data_parallel_rank": 0,
+            "events": [
+                {"type": "BlockStored", "block_hashes": list(range(20)), "parent_block_hash": 5,
+                 "token_ids": list(range(20 * 4)), "block_size": 4, "lora_id": None,
+                 "medium": GPU, "lora_name": None, "extra_keys": None},
+                {"type": "BlockRemoved", "block_hashes": [7, 8], "medium": None},
+            ],
+        },
+    ]
+
+
+def to_vllm(kv, batch):
+    events = []
+    for e in batch["events"]:
+        e = dict(e)
+        kind = e.pop("type")
+        if "extra_keys" in e and e["extra_keys"] is not None:
+            e["extra_keys"] = [None if k is None else tuple(k) for k in e["extra_keys"]]
+        events.append(getattr(kv, kind)(**e))
+    return kv.KVEventBatch(ts=batch["ts"], events=events, data_parallel_rank=batch["data_parallel_rank"])
+
+
+def main():
+    kv, version = load_vllm(sys.argv[1])
+    ctx = zmq.Context.instance()
+    d = tempfile.mkdtemp(prefix="narwhal-kv-ref-")
+    pub_ep, replay_ep = f"ipc://{d}/pub", f"ipc://{d}/replay"
+    publisher = kv.ZmqEventPublisher(
+        data_parallel_rank=0, endpoint=pub_ep, replay_endpoint=replay_ep, topic=TOPIC
+    )
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
+    sub.connect(pub_ep)
+    # The usual pyzmq slow-joiner pause: a subscription takes a moment to reach the PUB. The
+    # replay below is the source of truth; batches the SUB missed are only not cross-checked.
+    time.sleep(0.5)
+    batches = fixture()
+    for b in batches:
+        publisher.publish(to_vllm(kv, b))
+    live = []
+    deadline = time.time() + 5
+    while len(live) < len(batches) and time.time() < deadline:
+        if sub.poll(100):
+            live.append([f.hex() for f in sub.recv_multipart()])
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(replay_ep)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    replay = []
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        if dealer.poll(100):
+            frames = dealer.recv_multipart()
+            replay.append([f.hex() for f in frames])
+            if len(frames) >= 3 and frames[2] == (-1).to_bytes(8, "big", signed=True):
+                break
+    publisher.shutdown()
+    # A DEALER gets [b"", topic, seq, payload] per batch, then [b"", b"", END_SEQ, b""].
+    end = (-1).to_bytes(8, "big", signed=True).hex()
+    by_seq = {int(r[2], 16): r[1:4] for r in replay if len(r) == 4 and r[2] != end}
+    out = {
+        "vllm_version": version,
+        "topic": TOPIC.encode().hex(),
+        "batches": [{"fixture": b, "frames": by_seq.get(i)} for i, b in enumerate(batches)],
+        "live": live,
+        "replay": replay,
+    }
+    json.dump(out, sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()

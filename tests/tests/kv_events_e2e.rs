@@ -1,0 +1,367 @@
+//! The engine simulator's prefix cache and KV events (docs/engine-simulator.md, "Prefix cache"
+//! and "KV events"):
+//! - `encoding_matches_vllms_publisher`: the fixture of `tests/python/kv_events_reference.py`,
+//!   published by vLLM's own `ZmqEventPublisher` (the pinned wheel's `kv_events.py`, in the
+//!   Python test venv), equals byte for byte what `narwhal_testkit::kv_events` encodes, and the
+//!   replay socket's frames and end marker are the ones the simulator sends.
+//! - `sim_publishes_its_prompt_blocks`: a simulator with `--kv-events-config` publishes
+//!   `BlockStored` for a prompt's full blocks from sequence 0, a repeated prompt is a cache hit
+//!   (`/metrics`, `/sim/stats`) with no new store, and replay gives the same bytes as the PUB.
+//!
+//! Needs the Python test venv for the first test (`tests/python/ensure-venv.sh`); built with
+//! `NARWHAL_SKIP_VENV=1` that one is listed as ignored (docs/testing.md).
+
+#[path = "pysdk/mod.rs"]
+mod pysdk;
+
+use std::time::Duration;
+
+use narwhal_testkit::kv_events::{
+    KvEvent, KvEventBatch, REPLAY_END, decode_batch, encode_batch, pub_frames,
+};
+use narwhal_testkit::{SimHandle, wait_until};
+use serde_json::{Value, json};
+use zeromq::{Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn u64s(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("u64"))
+        .collect()
+}
+
+fn opt_str(v: &Value, k: &str) -> Option<String> {
+    v.get(k).and_then(Value::as_str).map(str::to_string)
+}
+
+/// The fixture's event (plain JSON, as the reference script prints it) as our type.
+fn event(e: &Value) -> KvEvent {
+    match e["type"].as_str().expect("type") {
+        "BlockStored" => KvEvent::BlockStored {
+            block_hashes: u64s(&e["block_hashes"]),
+            parent_block_hash: e["parent_block_hash"].as_u64(),
+            token_ids: u64s(&e["token_ids"])
+                .into_iter()
+                .map(|t| t as u32)
+                .collect(),
+            block_size: e["block_size"].as_u64().expect("block_size") as u32,
+            lora_id: e["lora_id"].as_i64(),
+            medium: opt_str(e, "medium"),
+            lora_name: opt_str(e, "lora_name"),
+            extra_keys: e.get("extra_keys").and_then(Value::as_array).map(|keys| {
+                keys.iter()
+                    .map(|k| {
+                        k.as_array().map(|parts| {
+                            parts
+                                .iter()
+                                .map(|p| p.as_str().expect("str").to_string())
+                                .collect()
+                        })
+                    })
+                    .collect()
+            }),
+            group_idx: e.get("group_idx").and_then(Value::as_u64).map(|g| g as u32),
+            session_id: opt_str(e, "session_id"),
+        },
+        "BlockRemoved" => KvEvent::BlockRemoved {
+            block_hashes: u64s(&e["block_hashes"]),
+            medium: opt_str(e, "medium"),
+            group_idx: e.get("group_idx").and_then(Value::as_u64).map(|g| g as u32),
+        },
+        "AllBlocksCleared" => KvEvent::AllBlocksCleared,
+        t => panic!("unknown fixture event {t}"),
+    }
+}
+
+#[tokio::test]
+#[cfg_attr(narwhal_skip_venv, ignore = "NARWHAL_SKIP_VENV=1: no Python venv")]
+async fn encoding_matches_vllms_publisher() {
+    let py = pysdk::python("encoding_matches_vllms_publisher");
+    let venv = py.parent().and_then(|b| b.parent()).expect("venv dir");
+    let src = venv.join("vllm-src");
+    assert!(
+        src.join("vllm/distributed/kv_events.py").exists(),
+        "{} has no vLLM kv_events.py (tests/python/ensure-venv.sh extracts it)",
+        src.display()
+    );
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        pysdk::command(&py)
+            .arg(pysdk::python_dir().join("kv_events_reference.py"))
+            .arg(&src)
+            .output(),
+    )
+    .await
+    .expect("reference script within 60 s")
+    .expect("run the reference script");
+    assert!(
+        out.status.success(),
+        "kv_events_reference.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: Value = serde_json::from_slice(&out.stdout).expect("reference JSON");
+    assert_eq!(doc["vllm_version"], "0.32.0", "the pinned wheel");
+    let topic = "kv@sim";
+    assert_eq!(doc["topic"], hex(topic.as_bytes()));
+    let batches = doc["batches"].as_array().expect("batches");
+    assert!(!batches.is_empty());
+    let mut ours_by_seq = Vec::new();
+    for (seq, b) in batches.iter().enumerate() {
+        let f = &b["fixture"];
+        let batch = KvEventBatch {
+            ts: f["ts"].as_f64().expect("ts"),
+            events: f["events"]
+                .as_array()
+                .expect("events")
+                .iter()
+                .map(event)
+                .collect(),
+            // vLLM's publisher fills in its rank when the batch has none.
+            data_parallel_rank: Some(f["data_parallel_rank"].as_i64().unwrap_or(0)),
+        };
+        let payload = encode_batch(&batch);
+        let ours: Vec<String> = pub_frames(topic, seq as u64, &payload)
+            .iter()
+            .map(|x| hex(x))
+            .collect();
+        let theirs: Vec<String> = serde_json::from_value(b["frames"].clone())
+            .unwrap_or_else(|_| panic!("batch {seq} missing from vLLM's replay: {doc}"));
+        assert_eq!(ours, theirs, "batch {seq}: our frames differ from vLLM's");
+        assert_eq!(decode_batch(&payload).expect("decode"), batch);
+        ours_by_seq.push(ours);
+    }
+    // The live SUB frames are the replayed ones (a batch the slow-joining SUB missed is not
+    // checked, but at least the last one arrives).
+    let live = doc["live"].as_array().expect("live");
+    assert!(!live.is_empty(), "the SUB received nothing: {doc}");
+    for l in live {
+        let l: Vec<String> = serde_json::from_value(l.clone()).expect("frames");
+        assert!(
+            ours_by_seq.contains(&l),
+            "live frames {l:?} not in the replay"
+        );
+    }
+    // Replay as a DEALER sees it: ["", topic, seq, payload] per batch, then the end marker.
+    let replay = doc["replay"].as_array().expect("replay");
+    assert_eq!(replay.len(), batches.len() + 1);
+    assert_eq!(
+        replay.last().expect("end"),
+        &json!(["", "", hex(&REPLAY_END), ""])
+    );
+    for (i, r) in replay[..batches.len()].iter().enumerate() {
+        let mut want = vec![String::new()];
+        want.extend(ours_by_seq[i].clone());
+        assert_eq!(r, &json!(want), "replayed batch {i}");
+    }
+}
+
+async fn metric(sim: &SimHandle, line_start: &str) -> u64 {
+    let text = reqwest::get(format!("{}/metrics", sim.url))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    text.lines()
+        .find(|l| l.starts_with(line_start))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no {line_start} in /metrics:\n{text}")) as u64
+}
+
+async fn complete(sim: &SimHandle, prompt: &str) {
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/completions", sim.url))
+        .json(&json!({"prompt": prompt, "max_tokens": 1}))
+        .send()
+        .await
+        .expect("completion");
+    assert_eq!(r.status(), 200);
+}
+
+fn frames(m: ZmqMessage) -> Vec<Vec<u8>> {
+    m.into_vec().into_iter().map(|b| b.to_vec()).collect()
+}
+
+fn stored(batch: &KvEventBatch) -> Vec<(Vec<u64>, Vec<u32>)> {
+    batch
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockStored {
+                block_hashes,
+                token_ids,
+                ..
+            } => Some((block_hashes.clone(), token_ids.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+async fn replay_from(ep: &str, start: u64) -> Vec<Vec<Vec<u8>>> {
+    let mut d = zeromq::DealerSocket::new();
+    d.connect(ep).await.expect("connect replay");
+    let req = ZmqMessage::try_from(vec![
+        bytes::Bytes::new(),
+        bytes::Bytes::copy_from_slice(&start.to_be_bytes()),
+    ])
+    .expect("message");
+    d.send(req).await.expect("send replay request");
+    let mut out = Vec::new();
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(10), d.recv())
+            .await
+            .expect("replay answer within 10 s")
+            .expect("replay recv");
+        let f = frames(m);
+        if f.get(2).map(Vec::as_slice) == Some(&REPLAY_END[..]) {
+            assert_eq!(f, vec![vec![], vec![], REPLAY_END.to_vec(), vec![]]);
+            return out;
+        }
+        out.push(f);
+    }
+}
+
+#[tokio::test]
+async fn sim_publishes_its_prompt_blocks() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = json!({"enable_kv_cache_events": true, "publisher": "zmq",
+        "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", "topic": "kv"});
+    let sim = SimHandle::start_raw(
+        dir.path(),
+        "kv",
+        &["--block-size", "4", "--kv-events-config", &cfg.to_string()],
+    )
+    .expect("start sim");
+    let pub_ep = sim.ready["kv_events_endpoint"]
+        .as_str()
+        .expect("kv_events_endpoint in the ready file")
+        .to_string();
+    let replay_ep = sim.ready["kv_events_replay_endpoint"]
+        .as_str()
+        .expect("kv_events_replay_endpoint")
+        .to_string();
+    let mut sub = zeromq::SubSocket::new();
+    sub.connect(&pub_ep).await.expect("connect SUB");
+    sub.subscribe("kv").await.expect("subscribe");
+
+    // Ten words: two full blocks of 4 tokens and two tokens left over.
+    let prompt = "a b c d e f g h i j";
+    complete(&sim, prompt).await;
+    // The first batch (seq 0) may have left before the subscription arrived: replay has it.
+    let first = wait_until(Duration::from_secs(10), || {
+        let ep = replay_ep.clone();
+        async move {
+            let r = replay_from(&ep, 0).await;
+            (!r.is_empty()).then_some(r)
+        }
+    })
+    .await
+    .expect("a replayed batch within 10 s");
+    assert_eq!(first.len(), 1, "one batch for one prefill");
+    assert!(first[0][0].is_empty(), "the DEALER's empty delimiter");
+    assert_eq!(first[0][1], b"kv".to_vec(), "topic");
+    assert_eq!(
+        first[0][2],
+        0u64.to_be_bytes().to_vec(),
+        "sequence starts at 0"
+    );
+    let batch = decode_batch(&first[0][3]).expect("decode");
+    assert_eq!(batch.data_parallel_rank, Some(0));
+    let s = stored(&batch);
+    assert_eq!(s.len(), 1);
+    assert_eq!(s[0].0.len(), 2, "two full blocks stored");
+    assert_eq!(s[0].1.len(), 8, "their 8 token ids");
+
+    // A repeated prompt: a hit for both blocks, nothing new stored, no batch published.
+    complete(&sim, prompt).await;
+    assert_eq!(
+        metric(&sim, "vllm:prefix_cache_hits_total").await,
+        8,
+        "8 tokens hit"
+    );
+    assert_eq!(metric(&sim, "vllm:prefix_cache_queries_total").await, 20);
+    assert_eq!(
+        metric(
+            &sim,
+            "vllm:prompt_tokens_by_source_total{engine=\"0\",model_name=\"tiny-sim\",source=\"local_cache_hit\"}"
+        )
+        .await,
+        8
+    );
+    assert_eq!(
+        metric(
+            &sim,
+            "vllm:prompt_tokens_by_source_total{engine=\"0\",model_name=\"tiny-sim\",source=\"local_compute\"}"
+        )
+        .await,
+        12
+    );
+
+    // A longer prompt sharing the prefix stores only its new block, with its parent; it comes
+    // live over the SUB (retried with fresh prompts until the subscription is in place).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut n = 0;
+    let live = loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no live batch within 10 s"
+        );
+        n += 1;
+        complete(&sim, &format!("{prompt} k{n} l m")).await;
+        let mut got = None;
+        // The SUB may also hold the first batch (seq 0), when it subscribed in time.
+        while let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(300), sub.recv()).await {
+            let f = frames(m);
+            if f[1] != 0u64.to_be_bytes() {
+                got = Some(f);
+                break;
+            }
+        }
+        if let Some(f) = got {
+            break f;
+        }
+    };
+    assert_eq!(live[0], b"kv".to_vec());
+    let seq = u64::from_be_bytes(live[1].clone().try_into().expect("8-byte seq"));
+    assert!(seq >= 1, "after the first batch");
+    let b = decode_batch(&live[2]).expect("decode live");
+    match &b.events[..] {
+        [
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                medium,
+                ..
+            },
+        ] => {
+            assert_eq!(block_hashes.len(), 1);
+            assert_eq!(*parent_block_hash, Some(s[0].0[1]), "chained to the prefix");
+            assert_eq!(token_ids.len(), 4);
+            assert_eq!(*block_size, 4);
+            assert_eq!(medium.as_deref(), Some("GPU"));
+        }
+        e => panic!("expected one BlockStored, got {e:?}"),
+    }
+    // Replay from that sequence gives the same bytes as the PUB did.
+    let again = replay_from(&replay_ep, seq).await;
+    assert_eq!(again[0][1..], live[..]);
+
+    let stats = reqwest::get(format!("{}/stats", sim.admin_url()))
+        .await
+        .expect("stats")
+        .json::<Value>()
+        .await
+        .expect("stats json");
+    let pc = &stats["prefix_cache"];
+    assert_eq!(pc["capacity"], 4096);
+    assert!(pc["blocks"].as_u64().expect("blocks") >= 3, "{pc}");
+    assert!(pc["hits"].as_u64().expect("hits") >= 8, "{pc}");
+}
