@@ -179,7 +179,7 @@ run_logged "installing packages" "${pip[@]}" install --no-deps --find-links "$wh
 vllm_pin="$(grep -Ev '^(#|$)' "$here/vllm-source.txt" | head -n 1)"
 log "extracting vLLM's kv_events.py from $vllm_pin (a wheel of about 130 MB, not installed)"
 vllm_dl="$(mktemp -d "$build/.vllm-wheel.XXXXXX")"
-run_logged "downloading $vllm_pin" "${pip[@]}" download --no-deps --only-binary :all: \
+run_logged "downloading $vllm_pin" "${pip[@]}" download --no-deps --no-cache-dir --only-binary :all: \
   -d "$vllm_dl" "$vllm_pin" || fail "downloading $vllm_pin failed"
 grep -Ev '^(#|$)' "$here/vllm-source.txt" | tail -n +2 >"$vllm_dl/files"
 "$build/bin/python" - "$vllm_dl" "$build/vllm-src" <<'PY' >>"$build_log" 2>&1 || fail "extracting vLLM's files from the wheel failed"
