@@ -7,7 +7,8 @@ document on stdout:
 
     {"vllm_version": "...", "topic": "...",
      "batches": [{"fixture": {...}, "frames": [topic_hex, seq_hex, payload_hex]}, ...],
-     "live": [[topic_hex, seq_hex, payload_hex], ...],
+     "live": [[topic_hex, seq_hex, payload_hex], ...],   # seq >= len(batches): the last
+                                                       # batch published again
      "replay": [[hex, ...], ...]}       # what a DEALER gets back, end marker included
 
 Usage: python kv_events_reference.py VLLM_SRC   (VLLM_SRC: the directory holding `vllm/`, as
@@ -138,8 +139,14 @@ def to_vllm(kv, batch):
 
 def main():
     kv, version = load_vllm(sys.argv[1])
+    with tempfile.TemporaryDirectory(prefix="narwhal-kv-ref-") as d:
+        out = run(kv, version, d)
+    json.dump(out, sys.stdout)
+    sys.stdout.write("\n")
+
+
+def run(kv, version, d):
     ctx = zmq.Context.instance()
-    d = tempfile.mkdtemp(prefix="narwhal-kv-ref-")
     pub_ep, replay_ep = f"ipc://{d}/pub", f"ipc://{d}/replay"
     publisher = kv.ZmqEventPublisher(
         data_parallel_rank=0, endpoint=pub_ep, replay_endpoint=replay_ep, topic=TOPIC
@@ -147,41 +154,57 @@ def main():
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
     sub.connect(pub_ep)
-    # The usual pyzmq slow-joiner pause: a subscription takes a moment to reach the PUB. The
-    # replay below is the source of truth; batches the SUB missed are only not cross-checked.
-    time.sleep(0.5)
     batches = fixture()
     for b in batches:
         publisher.publish(to_vllm(kv, b))
     live = []
-    deadline = time.time() + 5
-    while len(live) < len(batches) and time.time() < deadline:
-        if sub.poll(100):
+
+    def drain_live():
+        while sub.poll(0):
             live.append([f.hex() for f in sub.recv_multipart()])
+
+    # The replay ROUTER is the source of truth for the fixture's sequence numbers 0..n-1. The
+    # publisher's thread buffers the batches asynchronously: ask again (with a deadline) until
+    # one replay holds them all.
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(replay_ep)
-    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    end_seq = (-1).to_bytes(8, "big", signed=True)
+    deadline = time.time() + 20
     replay = []
+    while time.time() < deadline and len(replay) < len(batches) + 1:
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        replay = []
+        while time.time() < deadline:
+            drain_live()
+            if dealer.poll(100):
+                frames = dealer.recv_multipart()
+                replay.append([f.hex() for f in frames])
+                if len(frames) >= 3 and frames[2] == end_seq:
+                    break
+    # PUB/SUB drops what is published before the subscription reaches the publisher, and a
+    # SUB joins asynchronously: publish the last fixture batch again, one new sequence number
+    # each time, until the SUB has received one of them (a deadline, not a pause).
+    again = len(batches)
     deadline = time.time() + 10
-    while time.time() < deadline:
-        if dealer.poll(100):
-            frames = dealer.recv_multipart()
-            replay.append([f.hex() for f in frames])
-            if len(frames) >= 3 and frames[2] == (-1).to_bytes(8, "big", signed=True):
-                break
+    while time.time() < deadline and not any(int(f[1], 16) >= len(batches) for f in live):
+        publisher.publish(to_vllm(kv, batches[-1]))
+        again += 1
+        if sub.poll(100):
+            drain_live()
+    drain_live()
     publisher.shutdown()
+    sub.close(linger=0)
+    dealer.close(linger=0)
     # A DEALER gets [b"", topic, seq, payload] per batch, then [b"", b"", END_SEQ, b""].
-    end = (-1).to_bytes(8, "big", signed=True).hex()
+    end = end_seq.hex()
     by_seq = {int(r[2], 16): r[1:4] for r in replay if len(r) == 4 and r[2] != end}
-    out = {
+    return {
         "vllm_version": version,
         "topic": TOPIC.encode().hex(),
         "batches": [{"fixture": b, "frames": by_seq.get(i)} for i, b in enumerate(batches)],
         "live": live,
         "replay": replay,
     }
-    json.dump(out, sys.stdout)
-    sys.stdout.write("\n")
 
 
 if __name__ == "__main__":
