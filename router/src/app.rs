@@ -145,6 +145,7 @@ pub async fn run(
     }
     let state_writer = tokio::spawn(handoff::writer(parts.clone(), stop.clone()));
     let monitor = tokio::spawn(monitor::monitor(parts.clone(), stop.clone()));
+    parts.kv.spawn(parts.fleet.clone(), stop.clone());
     let controller = tokio::spawn(parts.controller.clone().run(stop.clone()));
     let lifecycle_timer = {
         let parts = parts.clone();

@@ -20,8 +20,9 @@ use serde_json::{Value, json};
 
 use crate::breaker::FailureClass;
 use crate::config::{Config, Role};
+use crate::kv_index::Mode;
 use crate::lifecycle::DrainState;
-use crate::metrics::labels;
+use crate::metrics::{labels, raise};
 use crate::parts::Parts;
 use crate::placement::{EngineSlot, Exclusion};
 
@@ -231,8 +232,73 @@ pub(crate) fn state(parts: &Parts) -> doc::State {
         // The health gate and the ejection bound (docs/deviations.md).
         awaiting_health: fleet.awaiting_health,
         degraded: fleet.degraded,
+        kv_index: kv_index(parts),
         // The role controller's fields (controller.md 13), live, or absent when it is off.
         controller: parts.controller.state(),
+    }
+}
+
+/// `kv_index`: the tokenizer check, the tokenize counts and each engine's index
+/// (docs/design/kv-aware-placement.md).
+fn kv_index(parts: &Parts) -> state::KvIndex {
+    let (tokenized, tokenize_failures, tokenize_seconds) = parts.kv.tokenize_counts();
+    let check = parts.kv.tokenizer();
+    let names = parts.fleet.names();
+    state::KvIndex {
+        tokenizer: check.as_str().to_string(),
+        tokenizer_detail: check.detail().map(str::to_string),
+        tokenized,
+        tokenize_failures,
+        tokenize_seconds,
+        engines: parts
+            .kv
+            .views()
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| {
+                (
+                    names[i].clone(),
+                    state::KvEngine {
+                        mode: v.mode.as_str().to_string(),
+                        lag_s: v.lag_s,
+                        blocks: v.blocks,
+                        batches: v.counters.batches,
+                        gaps: v.counters.gaps,
+                        replays: v.counters.replays,
+                        resets: v.counters.resets,
+                        overflow: v.counters.overflow,
+                    },
+                )
+            })
+            .collect(),
+    }
+}
+
+/// The `narwhal_kv_index_*` families from the index's snapshot.
+fn kv_gauges(parts: &Parts) {
+    let m = &parts.metrics.kv;
+    let names = parts.fleet.names();
+    for (i, v) in parts.kv.views().into_iter().enumerate() {
+        let iid = names[i].as_str();
+        let l = labels(&[("iid", iid)]);
+        for mode in Mode::ALL {
+            m.mode
+                .get_or_create(&labels(&[("iid", iid), ("mode", mode.as_str())]))
+                .set(i64::from(mode == v.mode));
+        }
+        if let Some(lag) = v.lag_s {
+            m.lag.get_or_create(&l).set(lag);
+        }
+        m.blocks.get_or_create(&l).set(v.blocks as i64);
+        raise(&m.gaps.get_or_create(&l), v.counters.gaps);
+        raise(&m.replays.get_or_create(&l), v.counters.replays);
+        raise(&m.resets.get_or_create(&l), v.counters.resets);
+    }
+    let (_, failures, seconds) = parts.kv.tokenize_counts();
+    raise(&m.tokenize_failures, failures);
+    let spent = m.tokenize_seconds.get();
+    if seconds > spent {
+        m.tokenize_seconds.inc_by(seconds - spent);
     }
 }
 
@@ -376,6 +442,7 @@ pub(crate) fn metrics(parts: &Parts) -> String {
         .router_lease_epoch
         .set(view.ha.status.epoch as i64);
     ops_gauges(parts, &view);
+    kv_gauges(parts);
     let adm = parts.admission.stats();
     m.capacity.http_retained.set(adm.retained as i64);
     m.capacity

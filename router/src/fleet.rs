@@ -31,7 +31,7 @@ use crate::config::{Config, Role, secs};
 use crate::facts::Facts;
 use crate::journal::Journal;
 use crate::metrics::{Metrics, labels};
-use crate::placement::{self, Aggregate, EngineSlot, Exclusion, Phase, Plan};
+use crate::placement::{self, Aggregate, EngineSlot, Exclusion, KvScore, Phase, Plan};
 
 /// What the fleet lock guards.
 pub(crate) struct FleetState {
@@ -173,14 +173,20 @@ impl Fleet {
     }
 
     /// Picks the engines of one attempt (behaviour.md 7.1 steps 1 and 5), avoiding
-    /// `avoid`; `None` when no engine can serve.
-    pub(crate) fn place(&self, avoid: &BTreeSet<usize>, aggregate: Aggregate) -> Option<Plan> {
+    /// `avoid`; with `kv`, the prefill (or aggregated) engine by the KV score
+    /// (docs/design/kv-aware-placement.md). `None` when no engine can serve.
+    pub(crate) fn place(
+        &self,
+        avoid: &BTreeSet<usize>,
+        aggregate: Aggregate,
+        kv: Option<&KvScore>,
+    ) -> Option<Plan> {
         let state = self.lock();
         if state.avoided.is_empty() {
-            return placement::plan_with(&state.slots, avoid, aggregate, &mut rand::rng());
+            return placement::plan_with(&state.slots, avoid, aggregate, kv, &mut rand::rng());
         }
         let avoid: BTreeSet<usize> = avoid.union(&state.avoided).copied().collect();
-        placement::plan_with(&state.slots, &avoid, aggregate, &mut rand::rng())
+        placement::plan_with(&state.slots, &avoid, aggregate, kv, &mut rand::rng())
     }
 
     /// Gives engine `iid` router role `role` (a role flip; the role controller decides).

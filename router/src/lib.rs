@@ -32,10 +32,10 @@
 //!
 //! | layer | modules | what they are |
 //! |---|---|---|
-//! | 0 pure cores | `config` (and `config::schema`, the accepted keys read from its validator), `profile`, `placement`, `breaker`, `facts`, `ingress`, `outcome`, `retry`, `demand` (risk, windows, model) | rules with `now` and RNGs passed in; no clock, no IO (`facts`: an engine process's facts and when two readings name different processes). Below them, in crates of their own so Cargo enforces the direction: `narwhal-lease` (router/lease: the lease `machine`, the file and etcd backends and the renewal driver; re-exported here as `lease`) and `narwhal-relay` (router/relay: SSE parsing, token evidence, usage, whole-answer and batch merging, and `rawjson`, the byte-level JSON scanner the relay finds its few members with) |
+//! | 0 pure cores | `config` (and `config::schema`, the accepted keys read from its validator), `profile`, `placement` (load, and the KV score), `kv_index` (the engines' KV blocks from their events), `breaker`, `facts`, `ingress`, `outcome`, `retry`, `demand` (risk, windows, model) | rules with `now` and RNGs passed in; no clock, no IO (`facts`: an engine process's facts and when two readings name different processes). Below them, in crates of their own so Cargo enforces the direction: `narwhal-lease` (router/lease: the lease `machine`, the file and etcd backends and the renewal driver; re-exported here as `lease`) and `narwhal-relay` (router/relay: SSE parsing, token evidence, usage, whole-answer and batch merging, and `rawjson`, the byte-level JSON scanner the relay finds its few members with) |
 //! | 0 leaves | `journal`, `metrics`, `response` | the journal writer, Prometheus families, JSON responses |
 //! | 1 engine client | `upstream`, `failure` | legs to engines and how they fail; `RequestFailure`, the one map to status, body and settlement |
-//! | 1 parts | `fleet`, `accounting`, `admission`, `ha_phase` | own their data behind narrow handles (below) |
+//! | 1 parts | `fleet`, `accounting`, `admission`, `ha_phase`, `kv_cache` (the KV index behind its lock, the event subscribers, `/tokenize` for scoring) | own their data behind narrow handles (below) |
 //! | 2 | `readiness`, `bootstrap` | the readiness gate over `ha_phase` + `fleet`; what is read from an engine's own routes: SGLang bootstrap ports, process facts, whose fault a failed rendezvous is (`fleet` + `upstream`) |
 //! | 3 | `lifecycle` (`action`, `api`, `agents`, `agent_checks`, `identity`, `executor`, `driver`) | drains, waves, readmission through the agents |
 //! | 3 | `controller` (pure: `book`, `stage`, `scoring`, `evidence`, `roles`, `policy`, `machine`, `decision`; `driver`, `intake`, `report`) | the demand-driven role controller and predictive admission's request-path side; over `fleet`, `lifecycle`, `demand`, `admission` |
@@ -132,6 +132,8 @@ mod handoff;
 mod http;
 mod ingress;
 mod journal;
+mod kv_cache;
+mod kv_index;
 #[cfg(test)]
 mod layering;
 pub use narwhal_lease as lease;

@@ -17,6 +17,10 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
 
+mod kv;
+
+pub(crate) use kv::{KvMetrics, raise};
+
 use crate::outcome::{EXPIRED_REASONS, FAILED_REASONS, REFUSED_REASONS, REJECTED_REASONS};
 
 /// Label set: ordered `(name, value)` pairs.
@@ -87,6 +91,9 @@ pub(crate) struct Metrics {
     pub(crate) slo_label_tpot: String,
     /// Control, lease and certificate gauges for operators (docs/monitoring.md).
     pub(crate) ops: OpsMetrics,
+    /// The KV index per engine and the KV score's `/tokenize` calls
+    /// (docs/design/kv-aware-placement.md).
+    pub(crate) kv: KvMetrics,
 }
 
 /// What ingress saw (behaviour.md 10, contract/traffic): requests offered, sized or not, and those
@@ -446,6 +453,7 @@ impl Metrics {
         let slo_label_ttft = fmt_g(ttft_s);
         let slo_label_tpot = fmt_g(tpot_s);
         let ops = OpsMetrics::register(&mut r);
+        let kv = KvMetrics::register(&mut r);
         let m = Metrics {
             registry: Registry::default(),
             intake: Intake {
@@ -517,6 +525,7 @@ impl Metrics {
             slo_label_ttft,
             slo_label_tpot,
             ops,
+            kv,
         };
         // The admission, monitoring and controller families are rendered live by
         // `controller::report` (controller.md 12).

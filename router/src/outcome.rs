@@ -169,6 +169,9 @@ pub(crate) struct RequestRecord {
     /// The latest TTFT price (controller.md 11.2 `admission_price`), null when never
     /// priced.
     pub admission_price: Option<Value>,
+    /// Prompt tokens the KV index credits the engine that computed the prompt with
+    /// (docs/design/kv-aware-placement.md); null when the request was not scored.
+    pub cached_tokens: Option<u64>,
     /// Seconds waited for an admission seat, once the request reached the seat (0.0 for an
     /// immediate one; controller.md 11.2 `queue_waits.admission`).
     pub admission_wait_s: Option<f64>,
@@ -202,6 +205,7 @@ impl RequestRecord {
             "stream": self.stream,
             "endpoint": self.endpoint,
             "admission_price": self.admission_price,
+            "cached_tokens": self.cached_tokens,
             "input_sized": self.input_len.is_some(),
             "queue_wait_s": self.admission_wait_s,
             "queue_waits": {"admission": self.admission_wait_s, "prefill": null, "decode": null},

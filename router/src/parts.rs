@@ -15,6 +15,7 @@ use crate::demand::DemandRisk;
 use crate::fleet::Fleet;
 use crate::ha_phase::{Ha, HaPhase};
 use crate::journal::Journal;
+use crate::kv_cache::KvCache;
 use crate::lifecycle::agents::Agents;
 use crate::lifecycle::driver::{Handles, LifecycleDriver};
 use crate::metrics::Metrics;
@@ -50,6 +51,8 @@ pub(crate) struct Parts {
     pub(crate) demand: Arc<DemandRisk>,
     /// The role controller and predictive admission.
     pub(crate) controller: Arc<Controller>,
+    /// The engines' KV block index and the KV score's tokens (docs/design/kv-aware-placement.md).
+    pub(crate) kv: Arc<KvCache>,
     /// Wakes the state-file writer after a lifecycle or ejection change.
     pub(crate) dirty: Arc<Notify>,
 }
@@ -111,6 +114,7 @@ impl Parts {
             journal: journal.clone(),
             demand: demand.clone(),
         }));
+        let kv = Arc::new(KvCache::new(cfg.clone(), clock.clone(), upstream.clone()));
         Arc::new(Parts {
             cfg,
             clock,
@@ -125,6 +129,7 @@ impl Parts {
             lifecycle,
             demand,
             controller,
+            kv,
             dirty,
         })
     }

@@ -3,10 +3,18 @@
 //!
 //! ```text
 //!  Snapshot { engines: [role, live, resident{prefill,decode}] } + avoid set + rng
-//!        │  pick(Phase, producer)            power of two choices on outstanding work
+//!        │  pick(Phase, producer)            power of two choices on outstanding work, or
+//!        │                                   with a KV score: min uncached × (in_flight + 1)
 //!        ▼
 //!  Option<engine index>
 //! ```
+//!
+//! The KV score (docs/design/kv-aware-placement.md): given each engine's uncached prompt
+//! tokens ([`KvScore`]), an aggregated engine or a prefill engine is the candidate of least
+//! `uncached_tokens × (outstanding + 1)`, ties by power of two choices among the tied; when the
+//! most and least loaded candidates differ by more than `abs` requests **and** more than `rel`
+//! times (SGLang router's `balance_abs_threshold` / `balance_rel_threshold` meaning), the cache is
+//! ignored and the least loaded wins. The decode leg of a split is placed by load only.
 //!
 //! Pure: no clock, no IO, the RNG is passed in. An engine is *live* when its exclusion set is
 //! empty (reasons `ejected`, `draining`, `awaiting_health` — behaviour.md 6.1); health and
@@ -130,6 +138,60 @@ fn p2c<R: Rng + ?Sized>(slots: &[EngineSlot], candidates: &[usize], rng: &mut R)
     }
 }
 
+/// The balance guard of the KV score (`serving.kv_balance_abs_threshold`,
+/// `serving.kv_balance_rel_threshold`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Balance {
+    /// Requests: the most and least loaded candidate must differ by more than this…
+    pub abs: u64,
+    /// …and the most loaded carry more than this times the least loaded's work (ratio ≥ 1).
+    pub rel: f64,
+}
+
+impl Balance {
+    /// Whether outstanding work `max` vs `min` is imbalanced (both thresholds exceeded).
+    pub(crate) fn imbalanced(self, max: u32, min: u32) -> bool {
+        u64::from(max - min) > self.abs && f64::from(max) > self.rel * f64::from(min)
+    }
+}
+
+/// The KV score's input for one placement: per engine (config order), the prompt tokens it
+/// would compute (the prompt's tokens less those its index credits; the whole prompt for an
+/// engine without `kv_events` or not `exact`).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct KvScore {
+    /// Uncached prompt tokens per engine, config order.
+    pub uncached: Vec<u64>,
+    /// The balance guard.
+    pub balance: Balance,
+}
+
+/// Choose among `candidates` by the KV score (module doc); `None` when there is none.
+pub(crate) fn pick_cached<R: Rng + ?Sized>(
+    slots: &[EngineSlot],
+    candidates: &[usize],
+    score: &KvScore,
+    rng: &mut R,
+) -> Option<usize> {
+    let load = |i: usize| slots[i].outstanding();
+    let max = candidates.iter().map(|i| load(*i)).max()?;
+    let min = candidates.iter().map(|i| load(*i)).min()?;
+    let cost = |i: usize| {
+        if score.balance.imbalanced(max, min) {
+            u128::from(load(i))
+        } else {
+            u128::from(score.uncached[i]) * u128::from(load(i) + 1)
+        }
+    };
+    let best = candidates.iter().map(|i| cost(*i)).min()?;
+    let tied: Vec<usize> = candidates
+        .iter()
+        .copied()
+        .filter(|i| cost(*i) == best)
+        .collect();
+    p2c(slots, &tied, rng)
+}
+
 /// Live engines of `role` not in `avoid`, in index order.
 pub(crate) fn candidates(slots: &[EngineSlot], role: Role, avoid: &BTreeSet<usize>) -> Vec<usize> {
     (0..slots.len())
@@ -153,7 +215,7 @@ pub(crate) fn plan<R: Rng + ?Sized>(
     avoid: &BTreeSet<usize>,
     rng: &mut R,
 ) -> Option<Plan> {
-    plan_with(slots, avoid, Aggregate::AnyRole, rng)
+    plan_with(slots, avoid, Aggregate::AnyRole, None, rng)
 }
 
 /// Plan one attempt.
@@ -167,13 +229,20 @@ pub(crate) fn plan<R: Rng + ?Sized>(
 ///   request disaggregated).
 /// * Otherwise aggregated (behaviour.md 6.7): p2c over live decode-role engines, then, with
 ///   [`Aggregate::AnyRole`], over any live engine (avoid honoured the same way).
+/// * With `kv`, the prefill engine of a split and the engine of an aggregated plan are
+///   chosen by the KV score ([`pick_cached`]) instead of p2c; the decode leg stays p2c.
 /// * `None` when no engine may serve.
 pub(crate) fn plan_with<R: Rng + ?Sized>(
     slots: &[EngineSlot],
     avoid: &BTreeSet<usize>,
     aggregate: Aggregate,
+    kv: Option<&KvScore>,
     rng: &mut R,
 ) -> Option<Plan> {
+    let first = |c: &[usize], rng: &mut R| match kv {
+        Some(score) => pick_cached(slots, c, score, rng),
+        None => p2c(slots, c, rng),
+    };
     let none = BTreeSet::new();
     let prefer = |c: Vec<usize>, all: Vec<usize>| if c.is_empty() { all } else { c };
     let pick = |role: Role| {
@@ -185,7 +254,7 @@ pub(crate) fn plan_with<R: Rng + ?Sized>(
     let pre = pick(Role::Prefill);
     let dec = pick(Role::Decode);
     if !pre.is_empty() && !dec.is_empty() {
-        let prefill = p2c(slots, &pre, rng)?;
+        let prefill = first(&pre, rng)?;
         let others: Vec<usize> = dec.iter().copied().filter(|d| *d != prefill).collect();
         let decode = if others.is_empty() {
             prefill
@@ -205,7 +274,7 @@ pub(crate) fn plan_with<R: Rng + ?Sized>(
             .collect();
         prefer(preferred, live)
     };
-    p2c(slots, &single, rng).map(|engine| Plan::Aggregated { engine })
+    first(&single, rng).map(|engine| Plan::Aggregated { engine })
 }
 
 #[cfg(test)]
@@ -304,17 +373,29 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(4);
         slots[1].excluded.insert(Exclusion::Ejected);
         assert_eq!(
-            plan_with(&slots, &BTreeSet::new(), Aggregate::DecodeOnly, &mut rng),
+            plan_with(
+                &slots,
+                &BTreeSet::new(),
+                Aggregate::DecodeOnly,
+                None,
+                &mut rng
+            ),
             None
         );
         assert_eq!(
-            plan_with(&slots, &BTreeSet::new(), Aggregate::AnyRole, &mut rng),
+            plan_with(&slots, &BTreeSet::new(), Aggregate::AnyRole, None, &mut rng),
             Some(Plan::Aggregated { engine: 0 })
         );
         slots[1].excluded.clear();
         slots[0].excluded.insert(Exclusion::Draining);
         assert_eq!(
-            plan_with(&slots, &BTreeSet::new(), Aggregate::DecodeOnly, &mut rng),
+            plan_with(
+                &slots,
+                &BTreeSet::new(),
+                Aggregate::DecodeOnly,
+                None,
+                &mut rng
+            ),
             Some(Plan::Aggregated { engine: 1 })
         );
     }
@@ -342,6 +423,149 @@ mod tests {
             plan(&slots, &avoid, &mut rng),
             Some(Plan::Split {
                 prefill: 1,
+                decode: 2
+            })
+        );
+    }
+
+    fn score(uncached: &[u64]) -> KvScore {
+        KvScore {
+            uncached: uncached.to_vec(),
+            balance: Balance { abs: 4, rel: 1.5 },
+        }
+    }
+
+    #[test]
+    fn kv_score_prefers_the_engine_holding_the_prefix() {
+        let slots = fleet(&[D, D, D]);
+        let mut rng = StdRng::seed_from_u64(11);
+        // 100-token prompt: engine 2 holds 96 of them.
+        let s = score(&[100, 100, 4]);
+        for _ in 0..50 {
+            assert_eq!(
+                plan_with(
+                    &slots,
+                    &BTreeSet::new(),
+                    Aggregate::AnyRole,
+                    Some(&s),
+                    &mut rng
+                ),
+                Some(Plan::Aggregated { engine: 2 })
+            );
+        }
+    }
+
+    #[test]
+    fn kv_score_weighs_uncached_tokens_by_load() {
+        let mut slots = fleet(&[D, D]);
+        let mut rng = StdRng::seed_from_u64(12);
+        // Engine 0 holds half the prompt but runs 3 requests: 50 × 4 = 200 > 100 × 1.
+        slots[0].resident_decode = 3;
+        let s = score(&[50, 100]);
+        assert_eq!(
+            plan_with(
+                &slots,
+                &BTreeSet::new(),
+                Aggregate::AnyRole,
+                Some(&s),
+                &mut rng
+            ),
+            Some(Plan::Aggregated { engine: 1 })
+        );
+        // Holding 90 %: 10 × 4 = 40 < 100.
+        let s = score(&[10, 100]);
+        assert_eq!(
+            plan_with(
+                &slots,
+                &BTreeSet::new(),
+                Aggregate::AnyRole,
+                Some(&s),
+                &mut rng
+            ),
+            Some(Plan::Aggregated { engine: 0 })
+        );
+    }
+
+    #[test]
+    fn kv_balance_guard_falls_back_to_load_when_both_thresholds_are_exceeded() {
+        let mut slots = fleet(&[D, D]);
+        let mut rng = StdRng::seed_from_u64(13);
+        let s = score(&[1, 1000]);
+        // Loads 6 vs 1: differ by 5 > 4 and 6 > 1.5 × 1: imbalanced, load wins.
+        slots[0].resident_decode = 6;
+        slots[1].resident_decode = 1;
+        assert_eq!(
+            plan_with(
+                &slots,
+                &BTreeSet::new(),
+                Aggregate::AnyRole,
+                Some(&s),
+                &mut rng
+            ),
+            Some(Plan::Aggregated { engine: 1 })
+        );
+        // 20 vs 15: differ by 5 but 20 < 1.5 × 15: balanced, the cache wins.
+        slots[0].resident_decode = 20;
+        slots[1].resident_decode = 15;
+        assert_eq!(
+            plan_with(
+                &slots,
+                &BTreeSet::new(),
+                Aggregate::AnyRole,
+                Some(&s),
+                &mut rng
+            ),
+            Some(Plan::Aggregated { engine: 0 })
+        );
+        // 4 vs 0: 4 is not more than 4: balanced.
+        slots[0].resident_decode = 4;
+        slots[1].resident_decode = 0;
+        assert_eq!(
+            plan_with(
+                &slots,
+                &BTreeSet::new(),
+                Aggregate::AnyRole,
+                Some(&s),
+                &mut rng
+            ),
+            Some(Plan::Aggregated { engine: 0 })
+        );
+    }
+
+    #[test]
+    fn kv_score_places_the_prefill_and_leaves_the_decode_to_load() {
+        let mut slots = fleet(&[P, P, D, D]);
+        let mut rng = StdRng::seed_from_u64(14);
+        slots[3].resident_decode = 2;
+        // Engine 1 holds the prompt; decode 3 "holds" it too but decode ignores the cache.
+        let s = score(&[100, 0, 100, 0]);
+        for _ in 0..20 {
+            assert_eq!(
+                plan_with(
+                    &slots,
+                    &BTreeSet::new(),
+                    Aggregate::AnyRole,
+                    Some(&s),
+                    &mut rng
+                ),
+                Some(Plan::Split {
+                    prefill: 1,
+                    decode: 2
+                })
+            );
+        }
+        // Excluded engines are not candidates, whatever they hold.
+        slots[1].excluded.insert(Exclusion::Draining);
+        assert_eq!(
+            plan_with(
+                &slots,
+                &BTreeSet::new(),
+                Aggregate::AnyRole,
+                Some(&s),
+                &mut rng
+            ),
+            Some(Plan::Split {
+                prefill: 0,
                 decode: 2
             })
         );

@@ -1,7 +1,8 @@
 //! Types and mechanisms shared by the Narwhal router (`narwhal-serve`), the engine agent
 //! (`narwhal-agent`), `narwhalctl` and the test kit: clocks, the versioned schemas (handoff,
 //! the control-plane documents, agent protocol, attestations), canonical JSON, Ed25519
-//! signing, the agent client and rustls configuration builders.
+//! signing, the agent client, rustls configuration builders and vLLM's KV event encoding
+//! (`kv_events`: the router decodes the engines' events, the test kit's simulator encodes them).
 //!
 //! Everything here is pure or near-pure so both sides of a protocol use one implementation
 //! (architecture.md section 2).
@@ -21,6 +22,7 @@ mod canonical;
 pub mod documents;
 pub mod handoff;
 mod identity;
+pub mod kv_events;
 mod signing;
 pub mod tls;
 

@@ -47,7 +47,6 @@ pub mod faketime;
 pub mod faults;
 mod fleet;
 mod http;
-pub mod kv_events;
 mod lifecycle;
 mod proc;
 mod process;
@@ -92,6 +91,10 @@ pub use router::{
 pub use sampler::{Sample, Sampler};
 pub use scenario::{DECIDE, L1, L2, ONE_P_THREE_D, decided, pools, reason_of};
 pub use sim::{EngineSpec, SimHandle, start_sim};
+
+/// vLLM's KV events on the wire (msgpack batches, ZMQ frames): the router's codec in
+/// `narwhal-shared`, re-exported for the simulator and the tests.
+pub use narwhal_shared::kv_events;
 
 /// Upper bound for a condition an end-to-end test polls for when nothing tighter is asserted
 /// (a journal event, a lifecycle state): generous, for a loaded 2-core machine.

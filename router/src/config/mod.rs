@@ -113,6 +113,24 @@ pub struct EngineConfig {
     /// (default `/health`; `/v1/models` for engines without `/health`, e.g. llama.cpp).
     /// Starts with `/`, no query.
     pub health_path: String,
+    /// `engines[].kv_events`: where the engine publishes vLLM's KV cache events; `None`
+    /// when it publishes none (its cache is then never credited in placement,
+    /// docs/design/kv-aware-placement.md).
+    pub kv_events: Option<KvEventsSource>,
+}
+
+/// `engines[].kv_events`: the engine's KV event sockets as the router reaches them (vLLM's
+/// `KVEventsConfig`: a PUB on `endpoint`, a replay ROUTER on `replay_endpoint`). The router
+/// always connects (vLLM binds an endpoint written with `*`; name here the address to reach).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvEventsSource {
+    /// `tcp://HOST:PORT` of the PUB socket.
+    pub endpoint: String,
+    /// `tcp://HOST:PORT` of the replay socket; `None`: gaps cannot be replayed, so a gap
+    /// drops the engine's entries.
+    pub replay_endpoint: Option<String>,
+    /// The topic the engine publishes under (vLLM's `topic`, default `""`): the SUB's filter.
+    pub topic: String,
 }
 
 /// `slo` section: latency budgets in seconds (both required, > 0).
@@ -184,6 +202,16 @@ pub struct Serving {
     /// Prompts one completions request may batch (`prompt` a list), 1–4096 (default 64): a
     /// batch is fanned out to one request per prompt; more is refused 400 naming `prompt`.
     pub max_batch_prompts: usize,
+    /// `kv_balance_abs_threshold`, requests (default 32): with the relative threshold, when the
+    /// most and least loaded candidates differ by more than this, placement ignores the KV
+    /// cache and balances load (SGLang's router `balance_abs_threshold`).
+    pub kv_balance_abs_threshold: u64,
+    /// `kv_balance_rel_threshold`, ratio ≥ 1 (default 1.5): the most loaded candidate must also
+    /// carry more than this times the least loaded's work (SGLang's `balance_rel_threshold`).
+    pub kv_balance_rel_threshold: f64,
+    /// `kv_events_stale_s`, seconds > 0 (default 5): an engine that stored nothing this long
+    /// after a request that must store blocks was placed on it is `stale` (no credit).
+    pub kv_events_stale_s: f64,
 }
 
 /// `engine` section (behaviour.md 8.1). Times in seconds.

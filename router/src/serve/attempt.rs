@@ -78,6 +78,9 @@ pub(super) async fn attempts(
     let policy = RetryPolicy::from_serving(&parts.cfg.serving);
     let mut avoid: BTreeSet<usize> = BTreeSet::new();
     let mut n = 0u32;
+    // The KV score (docs/design/kv-aware-placement.md): the prompt's tokens once, from an
+    // engine's `/tokenize`; `None` places by load.
+    let kv = parts.kv.score(&parts.fleet, &sub.body).await;
     loop {
         n += 1;
         // A fenced router places nothing, not even a retry (behaviour.md 3.4): the body
@@ -89,7 +92,9 @@ pub(super) async fn attempts(
             Backend::Vllm => placement::Aggregate::AnyRole,
             Backend::Sglang => placement::Aggregate::DecodeOnly,
         };
-        let plan = parts.fleet.place(&avoid, aggregate);
+        let plan = parts
+            .fleet
+            .place(&avoid, aggregate, kv.as_ref().map(|s| &s.score));
         let Some(plan) = plan else {
             return Err(RequestFailure::NoEngine);
         };
@@ -115,6 +120,14 @@ pub(super) async fn attempts(
             let mut log = AttemptLog::lock(log);
             log.attempts = log.attempts.max(n);
             let name = |i: usize| Some(parts.cfg.engines[i].iid.clone());
+            if let Some(s) = &kv {
+                let computes = match plan {
+                    Plan::Split { prefill, .. } => prefill,
+                    Plan::Aggregated { engine } => engine,
+                };
+                parts.kv.placed(computes, s);
+                log.cached_tokens = Some(s.cached[computes]);
+            }
             match plan {
                 Plan::Split { prefill, decode } => {
                     log.prefill_iid = name(prefill);

@@ -107,6 +107,9 @@ pub(super) struct AttemptLog {
     pub(super) legs: Vec<Value>,
     /// The latest TTFT price at placement (controller.md 11.2 `admission_price`).
     pub(super) admission_price: Option<Value>,
+    /// Prompt tokens the KV index credits the computing engine of the latest attempt with
+    /// (`None`: not scored).
+    pub(super) cached_tokens: Option<u64>,
 }
 
 impl AttemptLog {
@@ -121,6 +124,7 @@ impl AttemptLog {
         rec.attempt_failures = self.failures;
         rec.legs = self.legs;
         rec.admission_price = self.admission_price;
+        rec.cached_tokens = self.cached_tokens;
     }
 }
 

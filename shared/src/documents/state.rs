@@ -7,7 +7,10 @@
 //!   serving {...}, pools {prefill, decode}, slo {ttft_s, tpot_s}, first_token_timeout_s,
 //!   resident {<iid>: {prefill, decode}}, pinned, min_prefill, min_decode, ejected, draining,
 //!   quarantined, holds {timed, inference}, inference_sources, breaker {...}, unserved,
-//!   journal_dropped, journal_writes_failing, awaiting_health, degraded, controller, <the controller's fields>}
+//!   journal_dropped, journal_writes_failing, awaiting_health, degraded,
+//!   kv_index {tokenizer, tokenizer_detail, tokenized, tokenize_failures, tokenize_seconds,
+//!   engines {<iid>: {mode, lag_s, blocks, batches, gaps, replays, resets, overflow}}},
+//!   controller, <the controller's fields>}
 //! ```
 //!
 //! Fields serialise in that order (the order the router has always written). Engine lists are
@@ -110,9 +113,54 @@ pub struct State {
     /// Engines the ejection bound keeps in placement although a failure streak reached its
     /// threshold (ours, behaviour.md 6.2).
     pub degraded: Vec<String>,
+    /// The KV index of KV-aware placement (ours; docs/design/kv-aware-placement.md).
+    pub kv_index: KvIndex,
     /// `controller` and, with the controller on, its fields (controller.md 13).
     #[serde(flatten)]
     pub controller: ControllerReport,
+}
+
+/// `kv_index`: the KV block index and the KV score's tokens.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct KvIndex {
+    /// Whether the engines' `/tokenize` agree on a probe prompt: `unchecked`, `agree`,
+    /// `mismatch` (the KV score is off: placement by load), `failed` (retried).
+    pub tokenizer: String,
+    /// What differed or failed; null otherwise.
+    pub tokenizer_detail: Option<String>,
+    /// Prompts tokenized for the KV score.
+    pub tokenized: u64,
+    /// Prompts placed by load because `/tokenize` gave no tokens.
+    pub tokenize_failures: u64,
+    /// Seconds spent in `/tokenize` for the score, in total (÷ `tokenized`: the cost per
+    /// prompt).
+    pub tokenize_seconds: f64,
+    /// Per engine id, every configured engine.
+    pub engines: BTreeMap<String, KvEngine>,
+}
+
+/// `kv_index.engines.<iid>`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct KvEngine {
+    /// `none` (no `kv_events`), `waiting` (no batch from this process yet), `exact` (credited),
+    /// `stale` (events stopped: not credited).
+    pub mode: String,
+    /// Seconds since its last batch; null before the first.
+    pub lag_s: Option<f64>,
+    /// Blocks the index holds for it.
+    pub blocks: u64,
+    /// Batches applied.
+    pub batches: u64,
+    /// Sequence gaps seen.
+    pub gaps: u64,
+    /// Gaps filled from its replay socket.
+    pub replays: u64,
+    /// Times its entries were dropped (new process, unfillable gap, undecodable batch).
+    pub resets: u64,
+    /// Stored blocks not indexed (index full, or unknown parent).
+    pub overflow: u64,
 }
 
 /// `ha`.

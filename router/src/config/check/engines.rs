@@ -7,7 +7,8 @@ use serde_json::Value;
 
 use super::{Checker, Kind, non_negative, positive};
 use crate::config::{
-    Backend, ConfigIssue, EngineAgent, EngineConfig, EngineSection, Role, Serving, TlsFiles,
+    Backend, ConfigIssue, EngineAgent, EngineConfig, EngineSection, KvEventsSource, Role, Serving,
+    TlsFiles,
 };
 
 impl Checker<'_> {
@@ -33,6 +34,7 @@ impl Checker<'_> {
                     "shared_device",
                     "agent",
                     "health_path",
+                    "kv_events",
                 ],
             );
             if o.map.is_none() {
@@ -167,6 +169,7 @@ impl Checker<'_> {
                     "must be a path starting with / (no query, e.g. \"/health\" or \"/v1/models\")",
                 );
             }
+            let kv_events = self.kv_events(&o);
             out.push(EngineConfig {
                 iid,
                 url,
@@ -175,9 +178,60 @@ impl Checker<'_> {
                 attestation_url,
                 agent,
                 health_path,
+                kv_events,
             });
         }
         out
+    }
+
+    /// `engines[i].kv_events`: `endpoint` required, `replay_endpoint` optional, both
+    /// `tcp://HOST:PORT` the router connects to (no `*`: that is the engine's bind address).
+    fn kv_events(&mut self, o: &super::Obj<'_>) -> Option<KvEventsSource> {
+        let v = o.get("kv_events")?;
+        let k = self.obj(
+            &o.p("kv_events"),
+            Some(v),
+            &["endpoint", "replay_endpoint", "topic"],
+        );
+        k.map?;
+        let endpoint = |c: &mut Self, key: &str, required: bool| match k.get(key) {
+            Some(Value::String(s)) => {
+                let ok = s
+                    .strip_prefix("tcp://")
+                    .and_then(|rest| rest.rsplit_once(':'))
+                    .is_some_and(|(host, port)| {
+                        !host.is_empty()
+                            && !host.contains('*')
+                            && port.parse::<u16>().is_ok_and(|p| p > 0)
+                    });
+                if !ok {
+                    c.rule(
+                        k.p(key),
+                        &Value::String(s.clone()),
+                        "must be tcp://HOST:PORT the router connects to (not a `*` bind address)",
+                    );
+                }
+                Some(s.clone())
+            }
+            Some(v) => {
+                c.ty(k.p(key), v, "a string");
+                None
+            }
+            None => {
+                if required {
+                    c.issues.push(ConfigIssue::Missing { path: k.p(key) });
+                }
+                None
+            }
+        };
+        let ep = endpoint(self, "endpoint", true);
+        let replay_endpoint = endpoint(self, "replay_endpoint", false);
+        let topic = self.string(&k, "topic", "");
+        Some(KvEventsSource {
+            endpoint: ep.unwrap_or_default(),
+            replay_endpoint,
+            topic,
+        })
     }
 
     pub(super) fn engine(

@@ -29,6 +29,9 @@ impl Checker<'_> {
                 "max_response_bytes",
                 "body_read_timeout_s",
                 "max_batch_prompts",
+                "kv_balance_abs_threshold",
+                "kv_balance_rel_threshold",
+                "kv_events_stale_s",
             ],
         );
         let admission = match self.choice(&o, "admission", "open", &["predictive", "open"]) {
@@ -55,6 +58,11 @@ impl Checker<'_> {
             max_response_bytes: self.int(&o, "max_response_bytes", 16_777_216, 1, u64::MAX),
             body_read_timeout_s: self.num(&o, "body_read_timeout_s", 30.0, positive),
             max_batch_prompts: self.int(&o, "max_batch_prompts", 64, 1, 4096) as usize,
+            kv_balance_abs_threshold: self.int(&o, "kv_balance_abs_threshold", 32, 0, u64::MAX),
+            kv_balance_rel_threshold: self.num(&o, "kv_balance_rel_threshold", 1.5, |x| {
+                (x < 1.0).then_some("must be ≥ 1")
+            }),
+            kv_events_stale_s: self.num(&o, "kv_events_stale_s", 5.0, positive),
         };
         if s.prefill_timeout_s > s.request_timeout_s {
             self.rule(

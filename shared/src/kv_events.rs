@@ -1,7 +1,8 @@
 //! vLLM's KV cache events on the wire: the msgpack encoding of `KVEventBatch` and its events
 //! (vLLM 0.32.0, `vllm/distributed/kv_events.py`), and the ZMQ frames its `ZmqEventPublisher`
-//! sends. Pure (no sockets): the engine simulator publishes with [`encode_batch`], tests decode
-//! with [`decode_batch`], and `tests/tests/kv_events_e2e.rs` checks the bytes against vLLM's own
+//! sends. Pure (no sockets): the router decodes the engines' batches with [`decode_batch`] (its
+//! KV index, docs/design/kv-aware-placement.md), the engine simulator publishes with
+//! [`encode_batch`], and `tests/tests/kv_events_e2e.rs` checks the bytes against vLLM's own
 //! publisher (docs/engine-simulator.md, "KV events").
 //!
 //! ```text

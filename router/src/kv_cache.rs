@@ -1,0 +1,492 @@
+//! The KV cache part: the index of the engines' prefix-cache blocks ([`crate::kv_index`])
+//! behind its lock, one subscriber task per engine with `kv_events`, the replay of missed
+//! batches, and a request's tokens from an engine's own `POST /tokenize` for the KV score
+//! (docs/design/kv-aware-placement.md).
+//!
+//! ```text
+//!  engine PUB ──SUB [topic, seq (8 B BE), msgpack batch]──► subscriber ──► KvIndex (lock)
+//!  engine ROUTER ◄──DEALER ["", start (8 B BE)]── gap ──► ["", topic, seq, payload]… end
+//!  request ──/tokenize (one live engine, short timeout)──► tokens ──► KvScore ──► placement
+//! ```
+//!
+//! The subscribers are thin: every rule (sequence, restart, gap, stale, credit) is the pure
+//! index's. A subscriber reconnects when the fleet sees a new process behind its engine
+//! (`Fleet::incarnation`), whose entries the index then drops. Tokenizing never fails a
+//! request: without tokens it is placed by load, and the failure is counted.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use narwhal_shared::Clock;
+use narwhal_shared::kv_events::{KvEventBatch, REPLAY_END, decode_batch};
+use serde_json::{Map, Value, json};
+use tokio_util::sync::CancellationToken;
+use zeromq::{Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
+
+use crate::config::{Config, KvEventsSource, secs};
+use crate::fleet::Fleet;
+use crate::kv_index::{EngineView, KvIndex, Mode, Seq, prompt_chain};
+use crate::placement::{Balance, KvScore};
+use crate::upstream::Upstream;
+
+/// How long a replay may take before the gap is given up (the engine's entries dropped).
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often a subscriber checks its engine's process and retries a failed connect.
+const RECHECK: Duration = Duration::from_millis(500);
+/// The prompt both engines tokenize to check they agree.
+const PROBE_PROMPT: &str = "Narwhal tokenizer probe: the quick brown fox jumps over the lazy dog.";
+
+/// Whether the engines' `/tokenize` agree (checked once two engines answer): a mismatch or
+/// failure is a degraded mode, shown in `/narwhal/state` `kv_index.tokenizer`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum TokenizerCheck {
+    /// Not checked yet (fewer than two live engines so far).
+    Unchecked,
+    /// Two engines gave the same tokens for the probe prompt.
+    Agree,
+    /// They differ: the KV score is off (placement by load), since one tokenizer's blocks
+    /// cannot be matched with another's tokens.
+    Mismatch(String),
+    /// The probe failed (an engine did not answer `/tokenize`); retried on the next request.
+    Failed(String),
+}
+
+impl TokenizerCheck {
+    /// `unchecked`, `agree`, `mismatch`, `failed`.
+    pub(crate) fn as_str(&self) -> &'static str {
+        match self {
+            TokenizerCheck::Unchecked => "unchecked",
+            TokenizerCheck::Agree => "agree",
+            TokenizerCheck::Mismatch(_) => "mismatch",
+            TokenizerCheck::Failed(_) => "failed",
+        }
+    }
+
+    /// What failed or differed, if anything.
+    pub(crate) fn detail(&self) -> Option<&str> {
+        match self {
+            TokenizerCheck::Mismatch(d) | TokenizerCheck::Failed(d) => Some(d),
+            _ => None,
+        }
+    }
+}
+
+/// Why a request's tokens could not be had (it is placed by load).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum TokenizeError {
+    /// No live engine to ask.
+    #[error("no live engine to tokenize on")]
+    NoEngine,
+    /// The prompt is neither a string, a token-id list nor chat messages (a batch).
+    #[error("prompt shape not tokenized")]
+    Shape,
+    /// The engine did not answer 200 with `tokens` in time.
+    #[error("tokenize on {iid} failed: {detail}")]
+    Engine {
+        /// The engine asked.
+        iid: String,
+        /// What failed.
+        detail: String,
+    },
+}
+
+/// The KV score of one placement and what the journal needs of it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Scored {
+    /// The placement input.
+    pub score: KvScore,
+    /// Cached prompt tokens per engine (config order), as the index credits them.
+    pub cached: Vec<u64>,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Full blocks per engine's block size not held, per engine: whether placing there stores.
+    stores: Vec<bool>,
+}
+
+/// Tokenize counters (cumulative).
+#[derive(Debug, Default)]
+struct Counts {
+    tokenized: AtomicU64,
+    failures: AtomicU64,
+    micros: AtomicU64,
+}
+
+/// The KV cache part (module doc).
+pub(crate) struct KvCache {
+    cfg: Arc<Config>,
+    clock: Arc<dyn Clock>,
+    upstream: Upstream,
+    index: Mutex<KvIndex>,
+    tokenizer: Mutex<TokenizerCheck>,
+    counts: Counts,
+}
+
+impl KvCache {
+    /// An empty index over the configured engines.
+    pub(crate) fn new(cfg: Arc<Config>, clock: Arc<dyn Clock>, upstream: Upstream) -> Self {
+        let configured: Vec<bool> = cfg.engines.iter().map(|e| e.kv_events.is_some()).collect();
+        KvCache {
+            index: Mutex::new(KvIndex::new(&configured)),
+            cfg,
+            clock,
+            upstream,
+            tokenizer: Mutex::new(TokenizerCheck::Unchecked),
+            counts: Counts::default(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, KvIndex> {
+        self.index.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether any engine has `kv_events` (else nothing here runs and no request tokenizes).
+    pub(crate) fn enabled(&self) -> bool {
+        self.cfg.engines.iter().any(|e| e.kv_events.is_some())
+    }
+
+    fn stale_after(&self) -> Duration {
+        secs(self.cfg.serving.kv_events_stale_s)
+    }
+
+    /// Starts one subscriber per engine with `kv_events`; they end with `stop`.
+    pub(crate) fn spawn(self: &Arc<Self>, fleet: Arc<Fleet>, stop: CancellationToken) {
+        for (e, engine) in self.cfg.engines.iter().enumerate() {
+            if let Some(src) = engine.kv_events.clone() {
+                let me = self.clone();
+                let fleet = fleet.clone();
+                let stop = stop.clone();
+                tokio::spawn(async move { me.subscribe(e, src, fleet, stop).await });
+            }
+        }
+    }
+
+    async fn subscribe(
+        self: Arc<Self>,
+        e: usize,
+        src: KvEventsSource,
+        fleet: Arc<Fleet>,
+        stop: CancellationToken,
+    ) {
+        let iid = self.cfg.engines[e].iid.clone();
+        loop {
+            let process = fleet.incarnation(e);
+            self.lock().sync_process(e, process);
+            let mut sub = zeromq::SubSocket::new();
+            let connected = tokio::select! {
+                r = sub.connect(&src.endpoint) => r,
+                () = stop.cancelled() => return,
+            };
+            if let Err(err) = connected {
+                tracing::debug!(engine.id = %iid, error = %err, "kv events: connect failed; retrying");
+                tokio::select! {
+                    () = tokio::time::sleep(RECHECK) => continue,
+                    () = stop.cancelled() => return,
+                }
+            }
+            if let Err(err) = sub.subscribe(&src.topic).await {
+                tracing::warn!(engine.id = %iid, error = %err, "kv events: subscribe failed");
+                continue;
+            }
+            tracing::info!(engine.id = %iid, endpoint = %src.endpoint, "kv events: subscribed");
+            loop {
+                tokio::select! {
+                    m = sub.recv() => match m {
+                        Ok(m) => self.on_message(e, &src, m).await,
+                        Err(err) => {
+                            tracing::debug!(engine.id = %iid, error = %err, "kv events: receive failed; reconnecting");
+                            break;
+                        }
+                    },
+                    () = tokio::time::sleep(RECHECK) => {
+                        if fleet.incarnation(e) != process {
+                            tracing::info!(engine.id = %iid, "kv events: new engine process; its blocks are dropped");
+                            break;
+                        }
+                    }
+                    () = stop.cancelled() => return,
+                }
+            }
+        }
+    }
+
+    async fn on_message(&self, e: usize, src: &KvEventsSource, m: ZmqMessage) {
+        let frames: Vec<Bytes> = m.into_vec();
+        let Some((seq, batch)) = parse(&frames[..]) else {
+            tracing::warn!(engine.id = %self.cfg.engines[e].iid, "kv events: malformed message; the engine's blocks are dropped");
+            self.lock().reset(e);
+            return;
+        };
+        let verdict = self.lock().sequence(e, seq);
+        let now = self.clock.now();
+        match verdict {
+            Seq::Next => self.lock().apply(e, seq, &batch, now),
+            Seq::Restarted => self.lock().restart(e, seq, &batch, now),
+            Seq::Old => {}
+            Seq::Gap { from } => {
+                let replayed = match &src.replay_endpoint {
+                    Some(ep) => replay(ep, from).await,
+                    None => None,
+                };
+                let now = self.clock.now();
+                let filled = self
+                    .lock()
+                    .fill(e, from, replayed.as_deref(), seq, &batch, now);
+                tracing::info!(engine.id = %self.cfg.engines[e].iid, from, seq, filled, "kv events: sequence gap");
+            }
+        }
+    }
+
+    /// A request's prompt tokens from `/tokenize` on the least loaded live engine (a token-id
+    /// prompt as it is), with `engine.tokenize_timeout_s`.
+    ///
+    /// # Errors
+    /// [`TokenizeError`]; counted, and the request is placed by load.
+    async fn tokens(
+        &self,
+        fleet: &Fleet,
+        body: &Map<String, Value>,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        if let Some(Value::Array(ids)) = body.get("prompt") {
+            return ids
+                .iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or(TokenizeError::Shape);
+        }
+        let mut req = json!({"model": self.cfg.model});
+        match (body.get("prompt"), body.get("messages")) {
+            (Some(p @ Value::String(_)), _) => req["prompt"] = p.clone(),
+            (_, Some(m @ Value::Array(_))) => {
+                req["messages"] = m.clone();
+                // vLLM's chat completions and its `/tokenize` chat form both default to adding
+                // the generation prompt; the request's own choice wins.
+                req["add_generation_prompt"] = body
+                    .get("add_generation_prompt")
+                    .cloned()
+                    .unwrap_or(Value::Bool(true));
+                for k in [
+                    "continue_final_message",
+                    "chat_template",
+                    "chat_template_kwargs",
+                ] {
+                    if let Some(v) = body.get(k) {
+                        req[k] = v.clone();
+                    }
+                }
+            }
+            _ => return Err(TokenizeError::Shape),
+        }
+        let e = least_loaded_live(fleet).ok_or(TokenizeError::NoEngine)?;
+        self.tokenize_on(e, &req).await
+    }
+
+    async fn tokenize_on(&self, e: usize, req: &Value) -> Result<Vec<u32>, TokenizeError> {
+        let engine = &self.cfg.engines[e];
+        let fail = |detail: String| TokenizeError::Engine {
+            iid: engine.iid.clone(),
+            detail,
+        };
+        let url = format!("{}/tokenize", engine.url);
+        let timeout = secs(self.cfg.engine.tokenize_timeout_s);
+        let (status, bytes) = self
+            .upstream
+            .post_json(&url, req, timeout)
+            .await
+            .map_err(|err| fail(err.to_string()))?;
+        if !status.is_success() {
+            return Err(fail(format!("status {status}")));
+        }
+        let doc: Value =
+            serde_json::from_slice(&bytes).map_err(|err| fail(format!("answer: {err}")))?;
+        doc["tokens"]
+            .as_array()
+            .and_then(|t| {
+                t.iter()
+                    .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
+                    .collect::<Option<Vec<u32>>>()
+            })
+            .ok_or_else(|| fail("answer has no `tokens` list".into()))
+    }
+
+    /// The KV score of a request whose body (one prompt) is `body`: `None` when no engine has
+    /// `kv_events`, the tokenizers disagree, or the tokens could not be had (counted).
+    pub(crate) async fn score(&self, fleet: &Fleet, body: &Map<String, Value>) -> Option<Scored> {
+        if !self.enabled() {
+            return None;
+        }
+        self.check_tokenizers(fleet).await;
+        if matches!(*self.tokenizer_check(), TokenizerCheck::Mismatch(_)) {
+            return None;
+        }
+        let t0 = self.clock.now();
+        let tokens = match self.tokens(fleet, body).await {
+            Ok(t) => t,
+            Err(err) => {
+                self.counts.failures.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(error = %err, "kv score: no tokens; placing by load");
+                return None;
+            }
+        };
+        let spent = self.clock.now().saturating_duration_since(t0);
+        self.counts.tokenized.fetch_add(1, Ordering::Relaxed);
+        self.counts
+            .micros
+            .fetch_add(spent.as_micros() as u64, Ordering::Relaxed);
+        let now = self.clock.now();
+        let n = tokens.len() as u64;
+        let mut ix = self.lock();
+        let mut cached = Vec::with_capacity(ix.len());
+        let mut stores = Vec::with_capacity(ix.len());
+        for e in 0..ix.len() {
+            ix.sync_process(e, fleet.incarnation(e));
+            let (hit, full) = match ix.block_size(e) {
+                Some(bs) if ix.mode(e, now, self.stale_after()) == Mode::Exact => {
+                    let chain = prompt_chain(&tokens, bs);
+                    (
+                        ix.matched_tokens(e, &chain, n),
+                        chain.len() as u64 * u64::from(bs),
+                    )
+                }
+                // Not learned yet (no block stored): nothing cached, any full block stores.
+                _ => (0, n),
+            };
+            cached.push(hit);
+            stores.push(full > hit);
+        }
+        Some(Scored {
+            score: KvScore {
+                uncached: cached.iter().map(|c| n - c).collect(),
+                balance: Balance {
+                    abs: self.cfg.serving.kv_balance_abs_threshold,
+                    rel: self.cfg.serving.kv_balance_rel_threshold,
+                },
+            },
+            cached,
+            prompt_tokens: n,
+            stores,
+        })
+    }
+
+    /// The request scored `s` was placed on engine `e` (the stale clock starts when it must
+    /// store blocks).
+    pub(crate) fn placed(&self, e: usize, s: &Scored) {
+        let now = self.clock.now();
+        self.lock().placed(e, s.stores[e], now);
+    }
+
+    fn tokenizer_check(&self) -> MutexGuard<'_, TokenizerCheck> {
+        self.tokenizer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Checks once (again after a failure) that two live engines tokenize the probe prompt
+    /// alike; a mismatch or failure is logged and shown in `/narwhal/state`.
+    async fn check_tokenizers(&self, fleet: &Fleet) {
+        if matches!(
+            *self.tokenizer_check(),
+            TokenizerCheck::Agree | TokenizerCheck::Mismatch(_)
+        ) {
+            return;
+        }
+        let live: Vec<usize> = {
+            let names = fleet.live_names();
+            (0..fleet.names().len())
+                .filter(|i| names.contains(&fleet.names()[*i]))
+                .collect()
+        };
+        let [a, b, ..] = live[..] else { return };
+        let req = json!({"model": self.cfg.model, "prompt": PROBE_PROMPT});
+        let (ra, rb) = tokio::join!(self.tokenize_on(a, &req), self.tokenize_on(b, &req));
+        let names = fleet.names();
+        let verdict = match (ra, rb) {
+            (Ok(x), Ok(y)) if x == y => TokenizerCheck::Agree,
+            (Ok(_), Ok(_)) => TokenizerCheck::Mismatch(format!(
+                "{} and {} tokenize the probe prompt differently",
+                names[a], names[b]
+            )),
+            (Err(err), _) | (_, Err(err)) => TokenizerCheck::Failed(err.to_string()),
+        };
+        match &verdict {
+            TokenizerCheck::Agree => {}
+            TokenizerCheck::Mismatch(d) => {
+                tracing::warn!(detail = %d, "kv score: the engines' tokenizers disagree; placing by load only");
+            }
+            other => {
+                tracing::warn!(detail = ?other.detail(), "kv score: tokenizer check failed; retried on the next request")
+            }
+        }
+        *self.tokenizer_check() = verdict;
+    }
+
+    /// Per engine (config order), a snapshot for `/narwhal/state` and `/metrics`.
+    pub(crate) fn views(&self) -> Vec<EngineView> {
+        let now = self.clock.now();
+        let ix = self.lock();
+        (0..ix.len())
+            .map(|e| ix.view(e, now, self.stale_after()))
+            .collect()
+    }
+
+    /// The tokenizer check's state.
+    pub(crate) fn tokenizer(&self) -> TokenizerCheck {
+        self.tokenizer_check().clone()
+    }
+
+    /// `(requests tokenized, tokenize failures, total seconds spent tokenizing)`.
+    pub(crate) fn tokenize_counts(&self) -> (u64, u64, f64) {
+        (
+            self.counts.tokenized.load(Ordering::Relaxed),
+            self.counts.failures.load(Ordering::Relaxed),
+            self.counts.micros.load(Ordering::Relaxed) as f64 / 1e6,
+        )
+    }
+}
+
+/// The least loaded live engine.
+fn least_loaded_live(fleet: &Fleet) -> Option<usize> {
+    let live = fleet.live_names();
+    let counts = fleet.resident_counts();
+    let names = fleet.names();
+    (0..names.len())
+        .filter(|i| live.contains(&names[*i]))
+        .min_by_key(|i| (counts.get(&names[*i]).copied().unwrap_or(0), *i))
+}
+
+/// `[topic, seq (8 bytes BE), payload]` → `(seq, batch)`.
+fn parse(frames: &[Bytes]) -> Option<(u64, KvEventBatch)> {
+    let [_topic, seq, payload] = frames else {
+        return None;
+    };
+    let seq = u64::from_be_bytes(seq.as_ref().try_into().ok()?);
+    Some((seq, decode_batch(payload).ok()?))
+}
+
+/// vLLM's replay: a DEALER sends `["", start (8 bytes BE)]` and reads `["", topic, seq,
+/// payload]` per buffered batch until `["", "", REPLAY_END, ""]`. `None` when it fails or
+/// takes longer than [`REPLAY_TIMEOUT`].
+async fn replay(endpoint: &str, from: u64) -> Option<Vec<(u64, KvEventBatch)>> {
+    let run = async {
+        let mut d = zeromq::DealerSocket::new();
+        d.connect(endpoint).await.ok()?;
+        let req = ZmqMessage::try_from(vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&from.to_be_bytes()),
+        ])
+        .ok()?;
+        d.send(req).await.ok()?;
+        let mut out = Vec::new();
+        loop {
+            let frames = d.recv().await.ok()?.into_vec();
+            match &frames[..] {
+                [_, _, seq, _] if seq.as_ref() == REPLAY_END => return Some(out),
+                [_, rest @ ..] => out.push(parse(rest)?),
+                _ => return None,
+            }
+        }
+    };
+    tokio::time::timeout(REPLAY_TIMEOUT, run)
+        .await
+        .ok()
+        .flatten()
+}

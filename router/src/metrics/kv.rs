@@ -1,0 +1,99 @@
+//! The KV index families (`narwhal_kv_index_*`; docs/monitoring.md, docs/design/kv-aware-placement.md),
+//! set from the index's snapshot at each scrape.
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use super::Labels;
+
+/// The KV index per engine and the KV score's `/tokenize` calls.
+pub(crate) struct KvMetrics {
+    /// `narwhal_kv_index_mode{iid, mode}`: 1 for the engine's mode (`none`, `waiting`,
+    /// `exact`, `stale`), 0 for the others.
+    pub(crate) mode: Family<Labels, Gauge>,
+    /// `narwhal_kv_index_lag_seconds{iid}`: seconds since the engine's last batch (no sample
+    /// before the first).
+    pub(crate) lag: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// `narwhal_kv_index_blocks{iid}`: blocks the index holds for the engine.
+    pub(crate) blocks: Family<Labels, Gauge>,
+    /// `narwhal_kv_index_gaps_total{iid}`: sequence gaps seen.
+    pub(crate) gaps: Family<Labels, Counter>,
+    /// `narwhal_kv_index_replays_total{iid}`: gaps filled from the engine's replay socket.
+    pub(crate) replays: Family<Labels, Counter>,
+    /// `narwhal_kv_index_resets_total{iid}`: times the engine's entries were dropped.
+    pub(crate) resets: Family<Labels, Counter>,
+    /// `narwhal_kv_index_tokenize_failures_total`: requests placed by load because their
+    /// tokens could not be had.
+    pub(crate) tokenize_failures: Counter,
+    /// `narwhal_kv_index_tokenize_seconds_total`: seconds spent in `/tokenize` for scoring.
+    pub(crate) tokenize_seconds: Counter<f64, AtomicU64>,
+}
+
+impl KvMetrics {
+    /// Registers the families in `r`.
+    pub(super) fn register(r: &mut Registry) -> KvMetrics {
+        let m = KvMetrics {
+            mode: Family::default(),
+            lag: Family::default(),
+            blocks: Family::default(),
+            gaps: Family::default(),
+            replays: Family::default(),
+            resets: Family::default(),
+            tokenize_failures: Counter::default(),
+            tokenize_seconds: Counter::default(),
+        };
+        r.register(
+            "narwhal_kv_index_mode",
+            "1 for each engine's KV index mode (none, waiting, exact, stale), else 0",
+            m.mode.clone(),
+        );
+        r.register(
+            "narwhal_kv_index_lag_seconds",
+            "Seconds since the engine's last KV event batch",
+            m.lag.clone(),
+        );
+        r.register(
+            "narwhal_kv_index_blocks",
+            "Prefix-cache blocks the KV index holds for the engine",
+            m.blocks.clone(),
+        );
+        r.register(
+            "narwhal_kv_index_gaps",
+            "KV event sequence gaps seen per engine",
+            m.gaps.clone(),
+        );
+        r.register(
+            "narwhal_kv_index_replays",
+            "KV event gaps filled from the engine's replay socket",
+            m.replays.clone(),
+        );
+        r.register(
+            "narwhal_kv_index_resets",
+            "Times an engine's KV index entries were dropped (new process, unfillable gap)",
+            m.resets.clone(),
+        );
+        r.register(
+            "narwhal_kv_index_tokenize_failures",
+            "Requests placed by load because /tokenize gave no tokens",
+            m.tokenize_failures.clone(),
+        );
+        r.register(
+            "narwhal_kv_index_tokenize_seconds",
+            "Seconds spent in /tokenize for the KV score",
+            m.tokenize_seconds.clone(),
+        );
+        m
+    }
+}
+
+/// Raises counter `c` to `total` (a cumulative count read from its owner).
+pub(crate) fn raise(c: &Counter, total: u64) {
+    let now = c.get();
+    if total > now {
+        c.inc_by(total - now);
+    }
+}
