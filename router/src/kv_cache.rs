@@ -204,10 +204,33 @@ impl KvCache {
                             tracing::info!(engine.id = %iid, "kv events: new engine process; its blocks are dropped");
                             break;
                         }
+                        self.catch_up(e, &src).await;
                     }
                     () = stop.cancelled() => return,
                 }
             }
+        }
+    }
+
+    /// While engine `e` is `waiting` or `stale`, asks its replay socket for what it published
+    /// from the next expected batch on: batches sent before the SUB's subscription reached
+    /// the engine (ZMQ drops those), or after the SUB silently lost its connection.
+    async fn catch_up(&self, e: usize, src: &KvEventsSource) {
+        let Some(ep) = &src.replay_endpoint else {
+            return;
+        };
+        let (mode, from) = {
+            let ix = self.lock();
+            (
+                ix.mode(e, self.clock.now(), self.stale_after()),
+                ix.next_seq(e),
+            )
+        };
+        if !matches!(mode, Mode::Waiting | Mode::Stale) {
+            return;
+        }
+        for (seq, batch) in replay(ep, from.unwrap_or(0)).await.unwrap_or_default() {
+            self.ingest(e, seq, batch, None).await;
         }
     }
 
@@ -218,6 +241,13 @@ impl KvCache {
             self.lock().reset(e);
             return;
         };
+        self.ingest(e, seq, batch, src.replay_endpoint.as_deref())
+            .await;
+    }
+
+    /// Applies batch `seq` of engine `e` by the index's sequence rule; a gap is replayed from
+    /// `replay` when given.
+    async fn ingest(&self, e: usize, seq: u64, batch: KvEventBatch, replay_ep: Option<&str>) {
         let verdict = self.lock().sequence(e, seq);
         let now = self.clock.now();
         match verdict {
@@ -225,7 +255,7 @@ impl KvCache {
             Seq::Restarted => self.lock().restart(e, seq, &batch, now),
             Seq::Old => {}
             Seq::Gap { from } => {
-                let replayed = match &src.replay_endpoint {
+                let replayed = match replay_ep {
                     Some(ep) => replay(ep, from).await,
                     None => None,
                 };

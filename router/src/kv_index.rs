@@ -356,6 +356,11 @@ impl KvIndex {
         }
     }
 
+    /// The sequence number engine `e`'s stream expects next (`None` before its first batch).
+    pub(crate) fn next_seq(&self, e: usize) -> Option<u64> {
+        self.engines[e].next_seq
+    }
+
     /// Engine `e`'s block size, once it stored a block.
     pub(crate) fn block_size(&self, e: usize) -> Option<u32> {
         self.engines[e].block_size

@@ -24,7 +24,7 @@ use tempfile::TempDir;
 
 use crate::agent::{AgentHandle, start_agent_with};
 use crate::certs::{DevCerts, make_dev_certs};
-use crate::etcd::Etcd;
+use crate::etcd::{Etcd, free_port};
 use crate::http::Http;
 use crate::proc::read_json_file;
 use crate::router::{Clients, FleetSpec, RouterHandle, handoff_file_where, launch_router_env};
@@ -59,6 +59,7 @@ pub struct FleetBuilder {
     dialect: String,
     engines: Vec<EngineSpec>,
     sim_args: Vec<String>,
+    kv_events: bool,
     agents_per_engine: bool,
     hosts: Vec<(String, Vec<String>)>,
     contract: Option<Value>,
@@ -104,6 +105,7 @@ impl Fleet {
             dialect: "vllm".into(),
             engines: Vec::new(),
             sim_args: Vec::new(),
+            kv_events: false,
             agents_per_engine: false,
             hosts: Vec::new(),
             contract: None,
@@ -168,6 +170,15 @@ impl FleetBuilder {
     /// Simulator flags for every engine (`--tpot-ms 40`, ...).
     pub fn sim_args(mut self, args: &[&str]) -> Self {
         self.sim_args.extend(args.iter().map(|s| s.to_string()));
+        self
+    }
+
+    /// Every simulator publishes vLLM's KV events (`--kv-events-config`, topic `kv`) on two
+    /// ports of its own, kept across `SimHandle::restart`, and the fleet file names them as
+    /// each engine's `kv_events` (docs/engine-simulator.md "KV events";
+    /// docs/design/kv-aware-placement.md).
+    pub fn kv_events(mut self) -> Self {
+        self.kv_events = true;
         self
     }
 
@@ -290,11 +301,25 @@ impl FleetBuilder {
             None => Clients::plain(),
         };
         let args: Vec<&str> = self.sim_args.iter().map(String::as_str).collect();
+        let mut kv_keys = Vec::new();
         let sims: Vec<SimHandle> = self
             .engines
             .iter()
             .map(|spec| {
-                start_sim(dir.path(), &spec.clone().args(&args), &self.dialect)
+                let mut spec = spec.clone().args(&args);
+                if self.kv_events {
+                    let (p, r) = (free_port(), free_port());
+                    let cfg = json!({"enable_kv_cache_events": true, "publisher": "zmq",
+                        "endpoint": format!("tcp://*:{p}"),
+                        "replay_endpoint": format!("tcp://*:{r}"), "topic": "kv"});
+                    spec = spec.args(&["--kv-events-config", &cfg.to_string()]);
+                    kv_keys.push((
+                        spec.iid.clone(),
+                        json!({"kv_events": {"endpoint": format!("tcp://127.0.0.1:{p}"),
+                            "replay_endpoint": format!("tcp://127.0.0.1:{r}"), "topic": "kv"}}),
+                    ));
+                }
+                start_sim(dir.path(), &spec, &self.dialect)
                     .unwrap_or_else(|e| panic!("simulator {}: {e}", spec.iid))
             })
             .collect();
@@ -307,6 +332,9 @@ impl FleetBuilder {
         let mut base = FleetSpec::for_sims(&self.dialect, &sims).with(self.overrides.clone());
         for iid in &self.pins {
             base = base.pin(iid);
+        }
+        for (iid, keys) in kv_keys {
+            base = base.engine_with(&iid, keys);
         }
         for (host, iids) in &hosts {
             let mine: Vec<&SimHandle> = iids

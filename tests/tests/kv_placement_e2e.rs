@@ -1,0 +1,215 @@
+//! KV-aware placement end to end (docs/design/kv-aware-placement.md): simulators publishing
+//! vLLM's KV events (`FleetBuilder::kv_events`, block size 4, one token per word), the router
+//! subscribed to each.
+//! - `requests_sharing_a_prefix_follow_the_engine_that_holds_it`: after a long prompt landed on
+//!   one of two aggregated engines, requests sharing its prefix go to that engine (its own
+//!   `/sim/stats` `prefix_cache.hits`, the journal's `cached_tokens`); `/narwhal/state` and
+//!   `/metrics` show both engines `exact`, and the `/tokenize` cost per prompt is printed.
+//! - `an_engine_restarted_in_place_gets_no_credit_for_its_old_blocks`: an engine restarted on
+//!   its ports (a new process, its sequence back to 0) is not chosen for the prefix its old
+//!   process held; it is `exact` again once its new process publishes.
+//! - `engines_without_kv_events_are_shown_none`: the mode of engines that publish nothing.
+
+use narwhal_testkit::{Fleet, RouterHandle, SimHandle, WAIT, eventually};
+use serde_json::{Value, json};
+
+/// `n` words starting at word `from`: one simulator token each.
+fn words(from: usize, n: usize) -> String {
+    (from..from + n)
+        .map(|i| format!("w{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+async fn kv_fleet() -> Fleet {
+    Fleet::builder()
+        .decode(2)
+        .kv_events()
+        .sim_args(&["--block-size", "4"])
+        .start()
+        .await
+}
+
+async fn complete(router: &RouterHandle, prompt: &str) {
+    let body = json!({"model": "tiny-sim", "prompt": prompt, "max_tokens": 2});
+    let r = router
+        .http
+        .post(format!("{}/v1/completions", router.data), &body)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+async fn complete_on(sim: &SimHandle, prompt: &str) {
+    let body = json!({"model": "tiny-sim", "prompt": prompt, "max_tokens": 2});
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/completions", sim.url))
+        .json(&body)
+        .send()
+        .await
+        .expect("completion");
+    assert!(r.status().is_success(), "{}", r.status());
+}
+
+async fn hits(sim: &SimHandle) -> u64 {
+    sim.stats().await["prefix_cache"]["hits"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// The router's `kv_index.engines.<iid>` once `ok` holds for it.
+async fn kv_engine(
+    router: &RouterHandle,
+    iid: &str,
+    what: &str,
+    ok: impl Fn(&Value) -> bool,
+) -> Value {
+    eventually(what, WAIT, || async {
+        let st = router.get("/narwhal/state").await.json();
+        let e = st["kv_index"]["engines"][iid].clone();
+        ok(&e).then_some(e)
+    })
+    .await
+}
+
+/// The journal rows of completed requests, in order.
+fn served(router: &RouterHandle) -> Vec<Value> {
+    router
+        .journal_rows()
+        .into_iter()
+        .filter(|r| r.get("rid").is_some() && r["status"] == 200)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_sharing_a_prefix_follow_the_engine_that_holds_it() {
+    let f = kv_fleet().await;
+    let router = f.router();
+    // 40 tokens: 10 blocks of 4.
+    let prefix = words(0, 40);
+    complete(router, &prefix).await;
+    let rows = eventually("the first request's journal row", WAIT, || async {
+        let r = served(router);
+        (!r.is_empty()).then_some(r)
+    })
+    .await;
+    let holder = rows[0]["decode_iid"]
+        .as_str()
+        .expect("decode_iid")
+        .to_string();
+    let other = if holder == "d0" { "d1" } else { "d0" };
+    kv_engine(router, &holder, "the holder's blocks in the index", |e| {
+        e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
+    })
+    .await;
+    let before = (hits(f.sim(&holder)).await, hits(f.sim(other)).await);
+    for k in 0..4 {
+        complete(router, &format!("{prefix} {}", words(100 + 10 * k, 6))).await;
+    }
+    let rows = eventually("five journal rows", WAIT, || async {
+        let r = served(router);
+        (r.len() >= 5).then_some(r)
+    })
+    .await;
+    for r in &rows[1..] {
+        assert_eq!(
+            r["decode_iid"], holder,
+            "a shared prefix follows its blocks: {r}"
+        );
+        assert_eq!(
+            r["cached_tokens"], 40,
+            "the index credits the 10 blocks: {r}"
+        );
+    }
+    assert_eq!(
+        hits(f.sim(&holder)).await - before.0,
+        4 * 40,
+        "each hit the 40-token prefix"
+    );
+    assert_eq!(
+        hits(f.sim(other)).await,
+        before.1,
+        "the other engine computed nothing of it"
+    );
+    let st = router.get("/narwhal/state").await.json();
+    let kv = &st["kv_index"];
+    assert_eq!(kv["engines"][&holder]["mode"], "exact", "{kv}");
+    assert_eq!(kv["tokenizer"], "agree", "{kv}");
+    let n = kv["tokenized"].as_u64().expect("tokenized");
+    let spent = kv["tokenize_seconds"].as_f64().expect("tokenize_seconds");
+    println!(
+        "tokenize cost: {n} prompts, {:.3} ms per prompt on average (loaded test machine)",
+        spent * 1000.0 / n.max(1) as f64
+    );
+    let metrics = router.metrics().await;
+    let line = format!("narwhal_kv_index_mode{{iid=\"{holder}\",mode=\"exact\"}} 1");
+    assert!(metrics.contains(&line), "{line} in /metrics:\n{metrics}");
+    assert!(metrics.contains("narwhal_kv_index_blocks{"), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restarted_in_place_gets_no_credit_for_its_old_blocks() {
+    let mut f = kv_fleet().await;
+    // d0 holds the whole 40-token prompt, d1 only its first 20 tokens (sent to each directly).
+    let prompt = words(0, 40);
+    complete_on(f.sim("d0"), &prompt).await;
+    complete_on(f.sim("d1"), &format!("{} {}", words(0, 20), words(500, 20))).await;
+    kv_engine(f.router(), "d0", "d0's blocks", |e| {
+        e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
+    })
+    .await;
+    kv_engine(f.router(), "d1", "d1's blocks", |e| {
+        e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
+    })
+    .await;
+    f.sim_mut("d0").restart(&[]).expect("d0 restarts in place");
+    let router = f.router();
+    // The router learns the new process (its monitor), drops d0's entries, and readmits it.
+    kv_engine(router, "d0", "d0's entries dropped", |e| {
+        e["resets"].as_u64().unwrap_or(0) >= 1
+    })
+    .await;
+    eventually("d0 back in placement", WAIT, || async {
+        let st = router.get("/narwhal/state").await.json();
+        let empty = |k: &str| st[k].as_array().is_none_or(|a| a.is_empty());
+        (empty("ejected") && empty("awaiting_health")).then_some(())
+    })
+    .await;
+    complete(router, &prompt).await;
+    let rows = eventually("the request's journal row", WAIT, || async {
+        let r = served(router);
+        (!r.is_empty()).then_some(r)
+    })
+    .await;
+    let row = rows.last().expect("row");
+    assert_eq!(
+        row["decode_iid"], "d1",
+        "no credit for the old process's blocks: {row}"
+    );
+    assert_eq!(row["cached_tokens"], 20, "{row}");
+    // d0's new process publishes from sequence 0: exact again.
+    complete_on(f.sim("d0"), &words(900, 12)).await;
+    kv_engine(router, "d0", "d0 exact again", |e| {
+        e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 3
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_without_kv_events_are_shown_none() {
+    let f = Fleet::builder().decode(2).start().await;
+    let router = f.router();
+    complete(router, &words(0, 12)).await;
+    let st = router.get("/narwhal/state").await.json();
+    for e in ["d0", "d1"] {
+        assert_eq!(st["kv_index"]["engines"][e]["mode"], "none", "{st}");
+    }
+    assert_eq!(
+        st["kv_index"]["tokenized"], 0,
+        "no engine publishes: nothing tokenized"
+    );
+    let metrics = router.metrics().await;
+    assert!(
+        metrics.contains("narwhal_kv_index_mode{iid=\"d0\",mode=\"none\"} 1"),
+        "{metrics}"
+    );
+}
