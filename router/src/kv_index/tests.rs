@@ -1,6 +1,6 @@
 //! The index's rules: store, remove, clear, the hash chain, a restarted sequence, gaps.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use narwhal_shared::kv_events::{KvEvent, KvEventBatch};
 
