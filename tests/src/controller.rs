@@ -59,6 +59,17 @@ pub fn token_prompt(n: usize) -> Value {
     Value::from((0..n).map(|i| 100 + (i % 900) as u64).collect::<Vec<_>>())
 }
 
+/// [`token_prompt`] whose first token is request `k`'s own, so no two of a load's prompts share
+/// a block: each one's prefill is computed in full, as a load of distinct long prompts is on an
+/// engine with a prefix cache.
+pub fn unique_token_prompt(n: usize, k: u64) -> Value {
+    let mut p = token_prompt(n);
+    if let Some(first) = p.get_mut(0) {
+        *first = Value::from(1000 + k % 30_000);
+    }
+    p
+}
+
 /// One load shape: `rate` requests per second of `input` prompt tokens, each asking
 /// `max_tokens` (none: the engine's default).
 #[derive(Debug, Clone, Copy)]
@@ -94,7 +105,8 @@ pub struct LoadStats {
 }
 
 /// A paced open-loop load against a router's data listener: one request task per tick,
-/// so a slow request never delays the next.
+/// so a slow request never delays the next; no two requests share a prompt prefix
+/// ([`unique_token_prompt`]).
 pub struct Load {
     stop: Arc<AtomicBool>,
     /// Counters.
@@ -125,7 +137,9 @@ impl Load {
             let mut requests = tokio::task::JoinSet::new();
             while !s.load(Ordering::Relaxed) {
                 tick.tick().await;
-                let mut body = json!({"model": "tiny-sim", "prompt": token_prompt(shape.input)});
+                let k = st.sent.load(Ordering::Relaxed);
+                let prompt = unique_token_prompt(shape.input, k);
+                let mut body = json!({"model": "tiny-sim", "prompt": prompt});
                 if let Some(m) = shape.max_tokens {
                     body["max_tokens"] = json!(m);
                 }

@@ -99,10 +99,12 @@ struct UpArgs {
 }
 
 /// What every dev simulator costs, as `narwhal-engine-sim` flags: a prefill of `L` prompt
-/// tokens takes 10 ms + 1 ms·L on one slot at a time (as one accelerator computes one prefill
-/// after another), each streamed token 10 ms. [`narwhal_testkit::fixture_profile`] (prefill
+/// tokens it must compute takes 10 ms + 1 ms·L on one slot at a time (as one accelerator
+/// computes one prefill after another; tokens found in its prefix cache are free), each
+/// streamed token 10 ms. [`narwhal_testkit::fixture_profile`] (prefill
 /// `0.001·L + 0.01` s, decode step `1e-6·T + 0.01` s) describes exactly this, so the role
-/// controller prices the dev fleet's work as it really costs. Applied only with the
+/// controller prices the dev fleet's work as it really costs for prompts that share no prefix
+/// (the demo's load sends such prompts). Applied only with the
 /// controller on; `--sim-arg` flags come after these and override them (the profile then no
 /// longer matches).
 const DEV_COSTS: [&str; 8] = [

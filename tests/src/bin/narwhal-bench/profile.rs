@@ -57,8 +57,15 @@ pub(crate) struct ProfileArgs {
     pub(crate) out: Option<std::path::PathBuf>,
 }
 
+/// A prompt of `n` token ids that shares no block with any other this process (or, but for a
+/// 1 in 30,000 chance, an earlier run) sent: an engine's prefix cache would otherwise serve a
+/// repeated prompt's prefill for free and the fit would price prefill at nothing.
 fn prompt(n: usize) -> Value {
-    Value::from((0..n).map(|i| 100 + (i % 900) as u64).collect::<Vec<_>>())
+    static NEXT: std::sync::OnceLock<std::sync::atomic::AtomicU64> = std::sync::OnceLock::new();
+    let k = NEXT
+        .get_or_init(|| std::sync::atomic::AtomicU64::new(rand::random::<u64>()))
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    narwhal_testkit::unique_token_prompt(n, k)
 }
 
 /// One streaming completion: seconds to the first token chunk and to the end, and the
