@@ -263,6 +263,7 @@ fn streak_of(streaks: &mut state::Streaks, class: FailureClass) -> &mut u64 {
         FailureClass::InferenceStatus => &mut streaks.inference_status,
         FailureClass::KvHandoff => &mut streaks.kv_handoff,
         FailureClass::Stream => &mut streaks.stream,
+        FailureClass::EngineConfig => &mut streaks.engine_config,
     }
 }
 

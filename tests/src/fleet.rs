@@ -165,6 +165,13 @@ impl FleetBuilder {
         self
     }
 
+    /// One engine with id `iid`, role `role` and simulator flags of its own (besides those of
+    /// [`FleetBuilder::sim_args`]), e.g. `--api-key k` on one engine only.
+    pub fn engine_with_args(mut self, iid: &str, role: &str, args: &[&str]) -> Self {
+        self.engines.push(EngineSpec::new(iid, role).args(args));
+        self
+    }
+
     /// Simulator flags for every engine (`--tpot-ms 40`, ...).
     pub fn sim_args(mut self, args: &[&str]) -> Self {
         self.sim_args.extend(args.iter().map(|s| s.to_string()));

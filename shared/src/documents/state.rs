@@ -340,6 +340,9 @@ pub struct Streaks {
     pub kv_handoff: u64,
     /// Stream failures in a row.
     pub stream: u64,
+    /// The engine refused the router itself (401, 403, 404, 405: its key or its routes), in a
+    /// row (behaviour.md 6.2).
+    pub engine_config: u64,
     /// Consecutive liveness probes that timed out.
     pub liveness: u64,
 }

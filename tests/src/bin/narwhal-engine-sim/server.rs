@@ -146,6 +146,37 @@ pub(crate) struct Settings {
     pub(crate) cache: CacheSettings,
     /// `VLLM_SERVER_DEV_MODE=1`: vLLM's development routes (`POST /reset_prefix_cache`).
     pub(crate) dev_mode: bool,
+    /// `--api-key`: the bearer token [`unauthorized`] requires on the guarded paths.
+    pub(crate) api_key: Option<String>,
+}
+
+/// The path prefixes vLLM's `--api-key` guards (its `AuthenticationMiddleware`; everything
+/// else, `/health`, `/metrics`, `/version`, `/tokenize`, is open).
+const GUARDED_PREFIXES: [&str; 4] = ["/v1", "/v2", "/inference", "/cohere"];
+
+/// vLLM's `--api-key` check: a request on a guarded path (any method but OPTIONS) without
+/// `Authorization: Bearer <key>` (scheme case-insensitive, the key compared exactly) is
+/// answered 401 `{"error": "Unauthorized"}` before routing, so an unknown guarded path is 401
+/// too. `None` lets the request through.
+fn unauthorized(sim: &Sim, req: &Request<Incoming>) -> Option<Response<SimBody>> {
+    let key = sim.cfg.api_key.as_deref()?;
+    let path = req.uri().path();
+    if req.method() == Method::OPTIONS || !GUARDED_PREFIXES.iter().any(|p| path.starts_with(p)) {
+        return None;
+    }
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, token) = v.split_once(' ').unwrap_or((v, ""));
+            scheme.eq_ignore_ascii_case("bearer").then_some(token)
+        });
+    if given == Some(key) {
+        return None;
+    }
+    sim.stats.unauthorized.fetch_add(1, Relaxed);
+    Some(json_response(401, &json!({"error": "Unauthorized"})))
 }
 
 /// The prefix cache's settings.
@@ -490,6 +521,9 @@ async fn route(
     req: Request<Incoming>,
 ) -> Response<SimBody> {
     let vllm = sim.cfg.dialect == Dialect::Vllm;
+    if let Some(refused) = unauthorized(&sim, &req) {
+        return refused;
+    }
     let path = req.uri().path().to_string();
     let m = req.method().clone();
     match (path.as_str(), &m) {
