@@ -577,6 +577,44 @@ async fn drain_and_readmission_pass_on_inferred_evidence_when_engines_publish_no
     }
 }
 
+/// Engines started with an API key (vLLM `--api-key`: 401 on `/v1/*` without the bearer
+/// token; `/health`, `/metrics`, `/version` open): with the key in the agents' config
+/// (`engines[].api_key_file`) and the router's (`engine.engine_api_key_env`), P/D traffic is
+/// served and a drained, restarted engine readmits through all six checks. Before the fix the
+/// agent sent no key, so an engine was excluded at start (`/v1/models: HTTP 401`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_in_front_of_keyed_engines_readmit_through_the_six_checks() {
+    let mut f = Fleet::builder()
+        .prefill(1)
+        .decode(1)
+        .agents()
+        .engine_api_key("sk-engine-test")
+        .restart_policy("individual")
+        .start()
+        .await;
+    let r = f.router.take().expect("router");
+    r.complete("served by keyed engines").await;
+    // Nobody reached the engines without the key.
+    for iid in ["p0", "d0"] {
+        assert_eq!(f.sim(iid).stats().await["unauthorized"], 0, "{iid}");
+    }
+    drain_restart_readmit(&mut f, &r, "d0").await;
+    drain_restart_readmit(&mut f, &r, "p0").await;
+    for iid in ["p0", "d0"] {
+        assert_eq!(f.sim(iid).stats().await["unauthorized"], 0, "{iid}");
+    }
+    // The key is in no document the agents sign or the router serves.
+    let st = r.state_json().await;
+    assert!(!st.to_string().contains("sk-engine-test"), "{st}");
+    for a in &f.agents {
+        let text = std::fs::read_to_string(&a.config).expect("agent config");
+        assert!(
+            !text.contains("sk-engine-test"),
+            "the key itself is in {text}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refuted_transfer_fails_readmission_naming_the_counter() {
     let (mut f, r) = lab("vllm", &[]).await;
