@@ -132,7 +132,7 @@ pub(super) fn relay_options(ctx: &Ctx<'_>, sub: &Sub<'_>) -> RelayOptions {
         // A streaming client gets prompt k's choices as choice k from the relay itself; a
         // non-streaming batch is merged (and reindexed) once every answer is whole.
         index_base: if ctx.v.stream {
-            sub.k.map(|k| k as u64)
+            sub.k.map(|k| k as u64 * ctx.v.choices)
         } else {
             None
         },

@@ -458,7 +458,7 @@ pub(super) async fn stream_all(
         .into_iter()
         .enumerate()
         .map(|(k, s)| {
-            let sink = Stream::new(tx, Some(k as u64));
+            let sink = Stream::new(tx, Some(k as u64 * a.choices));
             async move {
                 let one = stream_one(parts, s, sink, deadline, first_at, a, a.estimates[k]).await;
                 (k, one)
@@ -595,19 +595,20 @@ pub(super) async fn collect_all(
     }
     let answers: Vec<Value> = answers.into_iter().flatten().collect();
     CollectEnd {
-        answer: Ok(merge_answers(answers)),
+        answer: Ok(merge_answers(answers, a.choices)),
         stats,
     }
 }
 
 /// One response object for a fanned-out batch: the first answer's `id`, `object`, `created`
-/// and `model`, every answer's choices with prompt `k`'s as index `k`, the usages summed.
-pub(super) fn merge_answers(answers: Vec<Value>) -> Value {
+/// and `model`, every answer's choices with prompt `k`'s choice `i` as index `k × width + i`
+/// (vLLM's numbering; `width` = the client's `n`), the usages summed.
+pub(super) fn merge_answers(answers: Vec<Value>, width: u64) -> Value {
     let usage = sum_usages(answers.iter().filter_map(|a| a.get("usage")));
     let mut merged: Option<Value> = None;
     let mut choices = Vec::new();
     for (k, mut a) in answers.into_iter().enumerate() {
-        reindex(&mut a, k as u64);
+        reindex(&mut a, k as u64 * width);
         if let Some(Value::Array(c)) = a.get_mut("choices").map(Value::take) {
             choices.extend(c);
         }

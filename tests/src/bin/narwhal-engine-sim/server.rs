@@ -834,26 +834,35 @@ fn respond(sim: &Sim, mut tracker: Tracker, a: Answer<'_>) -> Response<SimBody> 
             cut_after: a.cut.map(u64::from),
             fragment: a.fragment,
             final_extra,
+            n: p.n,
         };
         let stream = TokenStream::new(plan, tracker, sim.stats.clone());
         return sse_response(SimBody::Stream(Box::new(stream)));
     }
-    let (text, ids) = tokenizer::generated_text(a.prompt_hash, sim.cfg.seed, p.max_tokens);
+    let choices: Vec<(String, Vec<u32>)> = (0..p.n.max(1))
+        .map(|i| {
+            tokenizer::generated_text(
+                a.prompt_hash,
+                sim.cfg.seed.wrapping_add(u64::from(i)),
+                p.max_tokens,
+            )
+        })
+        .collect();
+    let generated: u64 = choices.iter().map(|(_, ids)| ids.len() as u64).sum();
     sim.stats
         .prom_generation_tokens
-        .fetch_add(ids.len() as u64, Relaxed);
+        .fetch_add(generated, Relaxed);
     let v = full_response(
         p.kind,
         &a.id,
         &sim.cfg.model,
         a.created,
-        text,
-        &ids,
+        &choices,
         &p.prompt,
         p.return_token_ids,
         a.kv_params,
     );
-    tracker.finish(Outcome::Ok, 200, ids.len() as u64);
+    tracker.finish(Outcome::Ok, 200, generated);
     json_bytes(200, serde_json::to_vec(&v).unwrap_or_default(), a.fragment)
 }
 
@@ -928,6 +937,17 @@ async fn completion(
             "a {}-mode server requires bootstrap_host, bootstrap_port and \
              bootstrap_room",
             sim.mode().as_str()
+        ));
+        tracker.finish(Outcome::Error, 400, 0);
+        return api_error(&e);
+    }
+    // The simulator generates `n` choices only for a request computed end to end (a real
+    // engine's P/D connectors move one sequence's KV; Narwhal never splits `n` > 1).
+    if parsed.n > 1 && phase != Phase::Aggregated {
+        let e = ApiError::bad_request(format!(
+            "n = {}: the engine simulator serves n > 1 only on a request without a KV transfer \
+             (kv_transfer_params / bootstrap fields)",
+            parsed.n
         ));
         tracker.finish(Outcome::Error, 400, 0);
         return api_error(&e);
