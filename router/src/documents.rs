@@ -204,6 +204,7 @@ pub(crate) fn state(parts: &Parts) -> doc::State {
             tpot_s: cfg.slo.tpot_s,
         },
         first_token_timeout_s: cfg.engine.first_token_timeout_s,
+        kv_transfer_timeout_s: cfg.engine.kv_transfer_timeout_s,
         resident: fleet.resident,
         pinned,
         min_prefill: u64::from(cfg.controller.min_prefill),

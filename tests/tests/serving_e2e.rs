@@ -664,3 +664,38 @@ async fn n_choices_are_served_aggregated_and_refused_across_a_split() {
     assert!(msg.contains("n > 1 cannot be served across a split"), "{v}");
     assert_eq!(pd.sim("d0").stats().await["requests"]["aggregated"], 0);
 }
+
+/// A slow KV fabric: the decode's pull of the prefill's KV takes 4 s (the simulator's
+/// consumer-side `--kv-transfer-ms 4000`), longer than `engine.first_token_timeout_s` (2.5 s by
+/// default). With default settings P/D requests are served, none answered 504 or retried: the
+/// decode leg of a split has `engine.kv_transfer_timeout_s` for the pull on top of its
+/// first-token limit. Before the fix every such request timed out (504) after its retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_kv_fabric_is_served_within_the_transfer_budget() {
+    for dialect in ["vllm", "sglang"] {
+        let f = Fleet::builder()
+            .dialect(dialect)
+            .prefill(1)
+            .decode(1)
+            .sim_args(&["--kv-transfer-ms", "4000"])
+            // The product's default (the kit's fleets wait 10 s for a first token).
+            .fleet(json!({"engine": {"first_token_timeout_s": 2.5}}))
+            .start()
+            .await;
+        let r = f.router();
+        for i in 0..2 {
+            let a = r.completion(&format!("slow fabric {i}"), 4).await;
+            assert_eq!(a.status, 200, "{dialect}: {}", a.text());
+        }
+        let consumed = f.sim("d0").stats().await["kv"]["consumed"]
+            .as_u64()
+            .unwrap_or(0);
+        assert_eq!(consumed, 2, "{dialect}: both served across the split");
+        let rows = r.journal_rows();
+        let retried: Vec<&Value> = rows
+            .iter()
+            .filter(|row| row["rid"].is_string() && row["attempts"] != 1)
+            .collect();
+        assert!(retried.is_empty(), "{dialect}: {retried:?}");
+    }
+}

@@ -4,7 +4,7 @@
 //! ```text
 //!  {schema, schema_version, journal_run, <outcome counters>, token_accounting,
 //!   ha {...}, lifecycle <LifecycleView>, admission {...}, outcome_reasons {...},
-//!   serving {...}, pools {prefill, decode}, slo {ttft_s, tpot_s}, first_token_timeout_s,
+//!   serving {...}, pools {prefill, decode}, slo {ttft_s, tpot_s}, first_token_timeout_s, kv_transfer_timeout_s,
 //!   resident {<iid>: {prefill, decode}}, pinned, min_prefill, min_decode, ejected, draining,
 //!   quarantined, holds {timed, inference}, inference_sources, breaker {...}, unserved,
 //!   journal_dropped, journal_writes_failing, awaiting_health, degraded, controller, <the controller's fields>}
@@ -76,6 +76,9 @@ pub struct State {
     pub slo: Slo,
     /// `engine.first_token_timeout_s`, seconds.
     pub first_token_timeout_s: f64,
+    /// `engine.kv_transfer_timeout_s`, seconds: a split's decode leg waits
+    /// `first_token_timeout_s + kv_transfer_timeout_s` for its first token.
+    pub kv_transfer_timeout_s: f64,
     /// Resident requests per engine, sorted by id.
     pub resident: BTreeMap<String, Resident>,
     /// Engines with `pin: true` (never moved by the role controller).
