@@ -372,6 +372,20 @@ async fn with_the_engines_transfer_counters_the_evidence_is_confirmed() {
             detail.contains(&format!("{counter} rose by 1")),
             "{dialect}: {detail}"
         );
+        if dialect == "vllm" {
+            // vLLM computes the last token of a transferred prompt, nothing more; the rest
+            // came over the connector.
+            assert_eq!(t.recomputed_delta, Some(1), "{t:?}");
+            assert!(
+                detail.contains("source=\"external_kv_transfer\"} rose by"),
+                "{detail}"
+            );
+        } else {
+            assert_eq!(
+                t.recomputed_delta, None,
+                "SGLang publishes no sources: {t:?}"
+            );
+        }
         assert_eq!(f.sim("d0").stats().await["kv"]["consumed"], 1);
     }
 }
@@ -424,6 +438,11 @@ async fn a_failed_transfer_is_refuted_and_fails_the_check_naming_it() {
         "{err}"
     );
     assert!(r.tokens >= 1, "the engine served the prompt recomputed");
+    // vLLM's prompt tokens by source show the recompute: the whole prompt computed locally.
+    assert!(
+        t.recomputed_delta.is_some_and(|d| d > 1),
+        "local_compute rose by the prompt: {t:?}"
+    );
     let st = f.sim("d0").stats().await;
     assert_eq!(
         (

@@ -1241,6 +1241,8 @@ async fn injected_transfer_failure(
         sim.stats.kv_recomputed.fetch_add(1, Relaxed);
         let p = answer.parsed;
         sleep(sim.cfg.prefill_per_token * p.prompt.len() as u32).await;
+        // Recomputed here: the whole prompt counts as local compute.
+        sim.sources.count(p.prompt.len(), 0, 0);
         return respond(sim, tracker, answer);
     }
     let e = ApiError::internal(format!(
