@@ -699,3 +699,36 @@ async fn a_slow_kv_fabric_is_served_within_the_transfer_budget() {
         assert!(retried.is_empty(), "{dialect}: {retried:?}");
     }
 }
+
+/// The journal's `input_len` is the router's estimate; the engine's own `usage.prompt_tokens` is
+/// recorded beside it as `engine_prompt_tokens`, streamed or not, split or aggregated, summed
+/// over a batch. Before: only the estimate was written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_journal_records_the_engines_prompt_tokens_beside_the_estimate() {
+    let f = fleet("vllm").await;
+    let r = f.router();
+    let prompt = "a prompt whose tokens the engine counts itself";
+    let a = r.completion(prompt, 3).await;
+    let v = a.json_or_null();
+    assert_eq!(a.status, 200, "{v}");
+    let engine = v["usage"]["prompt_tokens"].as_u64().expect("usage");
+    let rid = a.headers["x-request-id"].to_str().unwrap().to_string();
+    let row = eventually("the request's journal row", WAIT, || async {
+        r.journal_rows().into_iter().find(|row| row["rid"] == rid)
+    })
+    .await;
+    assert_eq!(row["engine_prompt_tokens"], engine, "{row}");
+    assert!(row["input_len"].is_u64(), "the estimate stays: {row}");
+    let (path, body) = openai_request(true, true, prompt, 3);
+    let s = r.post_data(path, &body).await;
+    assert_eq!(s.status, 200);
+    let rid = s.headers["x-request-id"].to_str().unwrap().to_string();
+    let row = eventually("the streamed request's row", WAIT, || async {
+        r.journal_rows().into_iter().find(|row| row["rid"] == rid)
+    })
+    .await;
+    assert!(
+        row["engine_prompt_tokens"].as_u64().is_some_and(|n| n > 0),
+        "{row}"
+    );
+}
