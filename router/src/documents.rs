@@ -232,6 +232,13 @@ pub(crate) fn state(parts: &Parts) -> doc::State {
         // The health gate and the ejection bound (docs/deviations.md).
         awaiting_health: fleet.awaiting_health,
         degraded: fleet.degraded,
+        kv_evidence: parts
+            .lifecycle
+            .agents()
+            .kv_evidence()
+            .into_iter()
+            .filter_map(|(i, e)| Some((parts.cfg.engines.get(i)?.iid.clone(), e)))
+            .collect(),
         // The role controller's fields (controller.md 13), live, or absent when it is off.
         controller: parts.controller.state(),
     }

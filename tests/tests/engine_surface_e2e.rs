@@ -579,6 +579,15 @@ async fn drain_and_readmission_pass_on_confirmed_evidence_with_the_hooks_off_the
     for dialect in ["vllm", "sglang"] {
         let (mut f, r) = lab(dialect, &[]).await;
         drain_restart_readmit(&mut f, &r, "d0").await;
+        // The router shows the consume check's evidence: on vLLM, the decode computed only
+        // the last prompt token (vllm:prompt_tokens_by_source), the rest came transferred.
+        let st = r.state_json().await;
+        let e = &st["kv_evidence"]["d0"];
+        assert_eq!(e["verdict"], "confirmed", "{dialect}: {st}");
+        match dialect {
+            "vllm" => assert_eq!(e["recomputed_delta"], 1, "{st}"),
+            _ => assert!(e["recomputed_delta"].is_null(), "{st}"),
+        }
         drain_restart_readmit(&mut f, &r, "p0").await;
     }
 }

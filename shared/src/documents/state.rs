@@ -113,6 +113,12 @@ pub struct State {
     /// Engines the ejection bound keeps in placement although a failure streak reached its
     /// threshold (ours, behaviour.md 6.2).
     pub degraded: Vec<String>,
+    /// Per engine, the transfer evidence of its latest KV consume check, as its agent signed
+    /// it (`source`, `verdict`, `consumed_delta`, `failed_delta`, `recomputed_delta`: the
+    /// prompt tokens the decode computed itself, 1 for a prompt received whole, `detail`;
+    /// docs/agent.md, "Transfer evidence"); engines never checked are absent (ours).
+    #[serde(default)]
+    pub kv_evidence: BTreeMap<String, crate::TransferEvidence>,
     /// `controller` and, with the controller on, its fields (controller.md 13).
     #[serde(flatten)]
     pub controller: ControllerReport,
