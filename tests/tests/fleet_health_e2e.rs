@@ -534,4 +534,16 @@ async fn an_engine_that_refuses_the_routers_credentials_is_ejected_and_its_peer_
             .is_some_and(|a| a.iter().any(|x| x["reason"] == "engine_config"))),
         "{requests_rows:?}"
     );
+
+    // With no engine that lets the router in, the client gets a 5xx naming the phase, never
+    // the engine's 401 as its own fault.
+    let alone = Fleet::builder()
+        .engine_with_args("d0", "decode", &["--api-key", "engine-secret"])
+        .start()
+        .await;
+    let a = alone.router().completion("nobody lets me in", 4).await;
+    let v = a.json_or_null();
+    assert_eq!(a.status, 502, "{v}");
+    assert_eq!(v["error"]["type"], "decode", "{v}");
+    assert_ne!(v["error"]["type"], "invalid_request_error", "{v}");
 }
