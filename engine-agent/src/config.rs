@@ -416,6 +416,10 @@ fn validate_engine(
             }
         },
     };
+    let key_field = match (&e.api_key_file, &e.api_key_env) {
+        (None, Some(_)) => "api_key_env",
+        _ => "api_key_file",
+    };
     let api_key = match (e.api_key_file, e.api_key_env) {
         (None, None) => None,
         (Some(_), Some(_)) => {
@@ -453,6 +457,19 @@ fn validate_engine(
             }
         },
     };
+    // A bearer token is one header value: visible ASCII, no spaces (the key itself is never
+    // named in the error).
+    let api_key = api_key.filter(|key| {
+        let ok = key.0.bytes().all(|b| (0x21..=0x7e).contains(&b));
+        if !ok {
+            errors.push(field(
+                k(key_field),
+                "(the key)",
+                "the engine key must be visible ASCII without spaces (an HTTP bearer token)",
+            ));
+        }
+        ok
+    });
     match (errors.is_empty(), dialect, locator) {
         (true, Some(dialect), Some(locator)) => Ok(EngineConfig {
             iid: e.iid,
@@ -525,6 +542,12 @@ mod tests {
         assert_eq!(k.bearer(), "Bearer sk-engine-secret");
         assert!(!format!("{c:?}").contains("sk-engine-secret"));
         assert_eq!(c.engines[1].api_key, None);
+        std::fs::write(&key, "two words\n").unwrap();
+        let err = Config::parse(&v.to_string()).unwrap_err().to_string();
+        assert!(
+            err.contains("visible ASCII") && !err.contains("two words"),
+            "{err}"
+        );
         std::fs::write(&key, "  \n").unwrap();
         let err = Config::parse(&v.to_string()).unwrap_err().to_string();
         assert!(

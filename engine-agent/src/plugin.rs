@@ -120,8 +120,16 @@ pub struct EngineCtx {
 impl EngineCtx {
     /// `builder` with the engine's bearer token, when it has a key.
     fn authorize(&self, builder: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
-        match &self.api_key {
-            Some(key) => builder.header(reqwest::header::AUTHORIZATION, key.bearer()),
+        let value = self
+            .api_key
+            .as_ref()
+            .and_then(|key| reqwest::header::HeaderValue::from_str(&key.bearer()).ok());
+        match value {
+            Some(mut value) => {
+                // Kept out of any debug output of the request.
+                value.set_sensitive(true);
+                builder.header(reqwest::header::AUTHORIZATION, value)
+            }
             None => builder,
         }
     }
