@@ -226,6 +226,7 @@ impl Agent {
                     leg_timeout: Duration::from_secs_f64(config.timeouts.generation_s),
                     bootstrap_host: cfg.bootstrap_host.clone(),
                     clock: clock.clone(),
+                    api_key: cfg.api_key.clone(),
                 },
                 plugin: plugin_for(cfg.dialect),
                 owner: std::sync::Mutex::new(None),

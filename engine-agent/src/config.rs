@@ -18,7 +18,9 @@
 //! ```
 //! `process` holds exactly one of `listen_port`, `pid_file`, `systemd_unit`; when omitted the
 //! port of `url` is used. `timeouts` and its keys are optional (defaults above). Keys starting
-//! with `_` are comments.
+//! with `_` are comments. An engine started with an API key (vLLM `--api-key`) takes
+//! `"api_key_file": "/etc/narwhal/e0.key"` or `"api_key_env": "E0_API_KEY"` (at most one): the key
+//! itself never is in the config file (docs/agent.md).
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -97,6 +99,10 @@ struct RawEngine {
     model: Option<String>,
     #[serde(default)]
     bootstrap_host: Option<String>,
+    #[serde(default)]
+    api_key_file: Option<PathBuf>,
+    #[serde(default)]
+    api_key_env: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -142,6 +148,29 @@ pub struct ContractDocument {
     pub launch_digest: Option<String>,
 }
 
+/// An engine's API key (vLLM `--api-key`), sent as `Authorization: Bearer <key>` on every
+/// agent call to the engine. Its `Debug` never shows it, so no log, error or document does.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EngineKey(String);
+
+impl EngineKey {
+    /// Wraps a key (non-empty, no surrounding whitespace: config validation ensures it).
+    pub fn new(key: impl Into<String>) -> Self {
+        EngineKey(key.into())
+    }
+
+    /// The `Authorization` header value, `Bearer <key>`.
+    pub fn bearer(&self) -> String {
+        format!("Bearer {}", self.0)
+    }
+}
+
+impl std::fmt::Debug for EngineKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EngineKey(<redacted>)")
+    }
+}
+
 /// One validated engine entry.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {
@@ -160,6 +189,8 @@ pub struct EngineConfig {
     /// Host other engines use to reach this engine's SGLang bootstrap server (default: the
     /// host of `url`).
     pub bootstrap_host: String,
+    /// The engine's API key, read from `api_key_file` or the variable `api_key_env` at load.
+    pub api_key: Option<EngineKey>,
 }
 
 /// A validated agent configuration.
@@ -385,6 +416,60 @@ fn validate_engine(
             }
         },
     };
+    let key_field = match (&e.api_key_file, &e.api_key_env) {
+        (None, Some(_)) => "api_key_env",
+        _ => "api_key_file",
+    };
+    let api_key = match (e.api_key_file, e.api_key_env) {
+        (None, None) => None,
+        (Some(_), Some(_)) => {
+            errors.push(field(
+                k("api_key_file"),
+                "{...}",
+                "give api_key_file or api_key_env, not both",
+            ));
+            None
+        }
+        (Some(path), None) => match std::fs::read_to_string(&path) {
+            Ok(text) if !text.trim().is_empty() => Some(EngineKey::new(text.trim())),
+            Ok(_) => {
+                errors.push(field(
+                    k("api_key_file"),
+                    path.display(),
+                    "the file is empty",
+                ));
+                None
+            }
+            Err(err) => {
+                errors.push(field(k("api_key_file"), path.display(), err.to_string()));
+                None
+            }
+        },
+        (None, Some(var)) => match std::env::var(&var) {
+            Ok(v) if !v.trim().is_empty() => Some(EngineKey::new(v.trim())),
+            _ => {
+                errors.push(field(
+                    k("api_key_env"),
+                    format!("{var:?}"),
+                    "the environment variable is unset or empty",
+                ));
+                None
+            }
+        },
+    };
+    // A bearer token is one header value: visible ASCII, no spaces (the key itself is never
+    // named in the error).
+    let api_key = api_key.filter(|key| {
+        let ok = key.0.bytes().all(|b| (0x21..=0x7e).contains(&b));
+        if !ok {
+            errors.push(field(
+                k(key_field),
+                "(the key)",
+                "the engine key must be visible ASCII without spaces (an HTTP bearer token)",
+            ));
+        }
+        ok
+    });
     match (errors.is_empty(), dialect, locator) {
         (true, Some(dialect), Some(locator)) => Ok(EngineConfig {
             iid: e.iid,
@@ -397,6 +482,7 @@ fn validate_engine(
                 .bootstrap_host
                 .or(host.map(|h| h.trim_start_matches('[').trim_end_matches(']').to_string()))
                 .unwrap_or_else(|| "127.0.0.1".into()),
+            api_key,
         }),
         _ => Err(errors),
     }
@@ -440,6 +526,52 @@ mod tests {
                  "process": {"pid_file": "/run/e1.pid"}, "_note": "x"}
             ]
         })
+    }
+
+    /// The engine key comes from a file or a variable, never the config text, and no `Debug`
+    /// (logs, errors) shows it.
+    #[test]
+    fn an_engine_key_is_read_from_its_file_and_never_shown() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("e0.key");
+        std::fs::write(&key, "sk-engine-secret\n").unwrap();
+        let mut v = base();
+        v["engines"][0]["api_key_file"] = serde_json::json!(key);
+        let c = Config::parse(&v.to_string()).unwrap();
+        let k = c.engines[0].api_key.clone().expect("a key");
+        assert_eq!(k.bearer(), "Bearer sk-engine-secret");
+        assert!(!format!("{c:?}").contains("sk-engine-secret"));
+        assert_eq!(c.engines[1].api_key, None);
+        std::fs::write(&key, "two words\n").unwrap();
+        let err = Config::parse(&v.to_string()).unwrap_err().to_string();
+        assert!(
+            err.contains("visible ASCII") && !err.contains("two words"),
+            "{err}"
+        );
+        std::fs::write(&key, "  \n").unwrap();
+        let err = Config::parse(&v.to_string()).unwrap_err().to_string();
+        assert!(
+            err.contains("engines[0].api_key_file") && err.contains("empty"),
+            "{err}"
+        );
+        v["engines"][0]["api_key_env"] = serde_json::json!("NARWHAL_TEST_NO_SUCH_VAR");
+        let err = Config::parse(&v.to_string()).unwrap_err().to_string();
+        assert!(err.contains("not both"), "{err}");
+        v["engines"][0]
+            .as_object_mut()
+            .unwrap()
+            .remove("api_key_file");
+        let err = Config::parse(&v.to_string()).unwrap_err().to_string();
+        assert!(
+            err.contains("engines[0].api_key_env") && err.contains("NARWHAL_TEST_NO_SUCH_VAR"),
+            "{err}"
+        );
+        v["engines"][0]["api_key"] = serde_json::json!("inline");
+        let err = Config::parse(&v.to_string()).unwrap_err().to_string();
+        assert!(
+            err.contains("api_key"),
+            "a key in the file itself is refused: {err}"
+        );
     }
 
     #[test]

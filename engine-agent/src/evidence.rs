@@ -59,7 +59,35 @@ pub struct TransferMetrics {
     pub transfers: Series,
     /// Count failed transfers into this engine (summed).
     pub failures: &'static [Series],
+    /// Prompt tokens by where their KV came from (`[local_compute, external_kv_transfer]`),
+    /// when the engine kind publishes them: the "did not recompute" evidence.
+    pub prompt_sources: Option<[Series; 2]>,
 }
+
+/// vLLM's `vllm:prompt_tokens_by_source` counter (`vllm/v1/metrics/loggers.py`, fed by
+/// `PromptTokenStats.update_from_output` in `vllm/v1/metrics/stats.py`), in prompt tokens, by
+/// `source`. For a request whose whole prompt arrived over the connector, vLLM's scheduler
+/// still computes the last prompt token (the model needs one input token for a forward pass):
+/// `local_compute` rises by 1, `external_kv_transfer` by the transferred tokens (the prompt
+/// less any local prefix-cache hit, which `local_cache_hit` counts). A decode that recomputed
+/// the prompt (no connector, or `kv_load_failure_policy: "recompute"`) raises `local_compute`
+/// by the prompt instead.
+const VLLM_PROMPT_SOURCES: [Series; 2] = [
+    Series {
+        family: "vllm:prompt_tokens_by_source",
+        sample: "vllm:prompt_tokens_by_source_total",
+        label: Some(("source", "local_compute")),
+    },
+    Series {
+        family: "vllm:prompt_tokens_by_source",
+        sample: "vllm:prompt_tokens_by_source_total",
+        label: Some(("source", "external_kv_transfer")),
+    },
+];
+
+/// Prompt tokens vLLM computes locally for a prompt received whole over the connector: the
+/// last one (see [`VLLM_PROMPT_SOURCES`]).
+const ALWAYS_COMPUTED: i64 = 1;
 
 /// vLLM's NIXL connector metrics (`NixlPromMetrics`, registered per engine with labels
 /// `model_name`, `engine`), as in `vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py`
@@ -85,6 +113,7 @@ pub const VLLM_NIXL: TransferMetrics = TransferMetrics {
         sample: "vllm:nixl_num_failed_transfers_total",
         label: None,
     }],
+    prompt_sources: Some(VLLM_PROMPT_SOURCES),
 };
 
 /// SGLang's disaggregation metrics (`SchedulerMetricsCollector` in
@@ -118,6 +147,7 @@ pub const SGLANG_DISAGGREGATION: TransferMetrics = TransferMetrics {
             label: None,
         },
     ],
+    prompt_sources: None,
 };
 
 /// One reading of an engine's transfer counters.
@@ -129,6 +159,9 @@ pub struct TransferCounters {
     pub transfers: Option<f64>,
     /// Failed transfers so far (all failure families summed); `None` when it publishes none.
     pub failures: Option<f64>,
+    /// Prompt tokens computed locally and received over the connector so far
+    /// ([`TransferMetrics::prompt_sources`]); `None` when the engine does not publish them.
+    pub prompt_sources: Option<(f64, f64)>,
     /// Why this engine cannot receive KV at all, when its own surface says so (an SGLang server
     /// whose `/server_info` `disaggregation_mode` is not `decode`).
     pub cannot_receive: Option<String>,
@@ -143,10 +176,14 @@ impl TransferCounters {
             .iter()
             .filter_map(|s| x.sum(s))
             .fold(None, |acc: Option<f64>, v| Some(acc.unwrap_or(0.0) + v));
+        let prompt_sources = metrics
+            .prompt_sources
+            .and_then(|[local, external]| Some((x.sum(&local)?, x.sum(&external)?)));
         TransferCounters {
             metrics,
             transfers: x.sum(&metrics.transfers),
             failures,
+            prompt_sources,
             cannot_receive: None,
         }
     }
@@ -159,7 +196,12 @@ impl TransferCounters {
     /// Whether a counter moved since `before`.
     pub fn moved_since(&self, before: &TransferCounters) -> bool {
         let up = |a: Option<f64>, b: Option<f64>| matches!((a, b), (Some(a), Some(b)) if a > b);
-        up(self.transfers, before.transfers) || up(self.failures, before.failures)
+        up(self.transfers, before.transfers)
+            || up(self.failures, before.failures)
+            || up(
+                self.prompt_sources.map(|s| s.1),
+                before.prompt_sources.map(|s| s.1),
+            )
     }
 }
 
@@ -292,6 +334,9 @@ pub(crate) struct Judgement {
     pub(crate) consumed_delta: Option<i64>,
     /// Failure counters' increase, when both readings had them.
     pub(crate) failed_delta: Option<i64>,
+    /// Prompt tokens the decode computed locally (`local_compute`'s increase), when both
+    /// readings had `vllm:prompt_tokens_by_source`.
+    pub(crate) recomputed_delta: Option<i64>,
     /// Which counters were read (`none` when none).
     pub(crate) source: &'static str,
     /// Why, naming the counter or what was missing.
@@ -304,7 +349,7 @@ impl Judgement {
         TransferEvidence {
             source: self.source.to_string(),
             consumed_delta: self.consumed_delta,
-            recomputed_delta: None,
+            recomputed_delta: self.recomputed_delta,
             engine_phase: None,
             transferred: match self.verdict {
                 TransferVerdict::Confirmed => Some(true),
@@ -344,8 +389,13 @@ fn delta(after: Option<f64>, before: Option<f64>) -> Option<i64> {
 /// 1. The leg failed or decoded no token → `refuted`.
 /// 2. The consumer says it cannot receive KV → `refuted`.
 /// 3. Both readings publish failure counters and they rose → `refuted`.
-/// 4. Both readings publish the completed-transfer counter and it rose → `confirmed`.
-/// 5. Otherwise (no counters, or none moved) → `inferred`: the decode succeeded with the handle.
+/// 4. Both readings publish vLLM's prompt tokens by source and `local_compute` rose by more
+///    than the one token vLLM always computes → `refuted` (the decode recomputed the prompt).
+/// 5. Both readings publish the completed-transfer counter and it rose → `confirmed`.
+/// 6. Both readings publish the prompt tokens by source, `external_kv_transfer` rose and
+///    `local_compute` by at most one → `confirmed` (the KV came over the connector).
+/// 7. Otherwise (no counters, or none moved) → `inferred`: the decode succeeded with the handle.
+///    A missing family is unknown evidence, never a confirmation.
 pub(crate) fn judge(
     leg: &LegResult,
     before: Option<&TransferCounters>,
@@ -359,6 +409,18 @@ pub(crate) fn judge(
     let source = both.map_or("none", |(_, a)| a.metrics.source);
     let consumed_delta = both.and_then(|(b, a)| delta(a.transfers, b.transfers));
     let failed_delta = both.and_then(|(b, a)| delta(a.failures, b.failures));
+    let sources = both.and_then(|(b, a)| {
+        let (bl, be) = b.prompt_sources?;
+        let (al, ae) = a.prompt_sources?;
+        Some((delta(Some(al), Some(bl))?, delta(Some(ae), Some(be))?))
+    });
+    let recomputed_delta = sources.map(|(local, _)| local);
+    let by_source = |(local, external): (i64, i64)| {
+        format!(
+            "vllm:prompt_tokens_by_source_total{{source=\"external_kv_transfer\"}} rose by \
+             {external}, {{source=\"local_compute\"}} by {local}"
+        )
+    };
     let failed_names = || {
         after.map_or_else(String::new, |a| {
             a.metrics
@@ -373,6 +435,7 @@ pub(crate) fn judge(
         verdict,
         consumed_delta,
         failed_delta,
+        recomputed_delta,
         source,
         detail,
     };
@@ -409,10 +472,30 @@ pub(crate) fn judge(
             ),
         );
     }
+    if let Some(s @ (local, _)) = sources
+        && local > ALWAYS_COMPUTED
+    {
+        return judgement(
+            TransferVerdict::Refuted,
+            format!(
+                "the decode recomputed the prompt: {} (a transferred prompt computes only its \
+                 last token)",
+                by_source(s)
+            ),
+        );
+    }
+    let also = sources.map_or_else(String::new, |s| format!("; {}", by_source(s)));
     match (both, consumed_delta) {
         (Some((_, a)), Some(d)) if d >= 1 => judgement(
             TransferVerdict::Confirmed,
-            format!("{} rose by {d}", a.metrics.transfers.display()),
+            format!("{} rose by {d}{also}", a.metrics.transfers.display()),
+        ),
+        (Some(_), _) if sources.is_some_and(|(_, external)| external >= 1) => judgement(
+            TransferVerdict::Confirmed,
+            format!(
+                "{} (the KV arrived over the connector, the prompt was not recomputed)",
+                sources.map(by_source).unwrap_or_default()
+            ),
         ),
         (Some((_, a)), Some(_)) => judgement(
             TransferVerdict::Inferred,
@@ -482,6 +565,68 @@ mod tests {
     }
 
     const S: Duration = EVIDENCE_SETTLE;
+
+    /// [`vllm`] with vLLM's prompt tokens by source (`local_compute`, `external_kv_transfer`).
+    fn vllm_sources(count: u64, failed: u64, local: u64, external: u64) -> TransferCounters {
+        let page = format!(
+            "{}# HELP vllm:prompt_tokens_by_source Number of prompt tokens by source.\n\
+             # TYPE vllm:prompt_tokens_by_source counter\n\
+             vllm:prompt_tokens_by_source_total{{engine=\"0\",model_name=\"m\",source=\"local_compute\"}} {local}.0\n\
+             vllm:prompt_tokens_by_source_total{{engine=\"0\",model_name=\"m\",source=\"local_cache_hit\"}} 0.0\n\
+             vllm:prompt_tokens_by_source_total{{engine=\"0\",model_name=\"m\",source=\"external_kv_transfer\"}} {external}.0\n",
+            vllm_page(count, failed)
+        );
+        TransferCounters::from_page(VLLM_NIXL, &page)
+    }
+
+    /// vLLM's prompt tokens by source are the "did not recompute" evidence: a transferred
+    /// prompt raises `external_kv_transfer` and computes one token; more local compute
+    /// refutes; a missing family is unknown, never a confirmation.
+    #[test]
+    fn prompt_tokens_by_source_confirm_a_transfer_and_refute_a_recompute() {
+        // NIXL telemetry did not move (NIXL < 0.7.1), the sources did: confirmed.
+        let j = judge(
+            &leg(true, 2),
+            Some(&vllm_sources(3, 0, 100, 40)),
+            Some(&vllm_sources(3, 0, 101, 52)),
+            S,
+        );
+        assert_eq!(j.verdict, TransferVerdict::Confirmed, "{}", j.detail);
+        assert_eq!(j.recomputed_delta, Some(1));
+        assert!(j.detail.contains("rose by 12"), "{}", j.detail);
+        assert_eq!(j.evidence().recomputed_delta, Some(1));
+        // Both moved: confirmed by the transfer counter, the sources in the detail.
+        let j = judge(
+            &leg(true, 2),
+            Some(&vllm_sources(3, 0, 100, 40)),
+            Some(&vllm_sources(4, 0, 101, 52)),
+            S,
+        );
+        assert_eq!(j.verdict, TransferVerdict::Confirmed);
+        assert!(j.detail.contains("external_kv_transfer"), "{}", j.detail);
+        // The decode computed the prompt itself (no connector): refuted, whatever else moved.
+        let j = judge(
+            &leg(true, 2),
+            Some(&vllm_sources(3, 0, 100, 40)),
+            Some(&vllm_sources(4, 0, 112, 40)),
+            S,
+        );
+        assert_eq!(j.verdict, TransferVerdict::Refuted, "{}", j.detail);
+        assert_eq!(j.recomputed_delta, Some(12));
+        assert!(j.detail.contains("recomputed"), "{}", j.detail);
+        // No sources family (an older vLLM): unknown, the old rules decide.
+        let j = judge(&leg(true, 2), Some(&vllm(3, 0)), Some(&vllm(3, 0)), S);
+        assert_eq!(j.verdict, TransferVerdict::Inferred);
+        assert_eq!(j.recomputed_delta, None);
+        // Sources that did not move confirm nothing.
+        let j = judge(
+            &leg(true, 2),
+            Some(&vllm_sources(3, 0, 100, 40)),
+            Some(&vllm_sources(3, 0, 100, 40)),
+            S,
+        );
+        assert_eq!(j.verdict, TransferVerdict::Inferred);
+    }
 
     #[test]
     fn reads_vllm_nixl_families_summed_over_engines() {

@@ -21,6 +21,7 @@ use std::time::Duration;
 use narwhal_shared::{Clock, EngineFacts, LegResult};
 use serde_json::{Value, json};
 
+use crate::config::EngineKey;
 use crate::evidence::{TransferCounters, TransferMetrics};
 
 mod sglang;
@@ -63,8 +64,8 @@ pub enum EngineError {
         /// reqwest's message.
         reason: String,
     },
-    /// Non-2xx status.
-    #[error("{path}: HTTP {status}: {body}")]
+    /// Non-2xx status (a 401 or 403 says which agent config keys give the engine's key).
+    #[error("{path}: HTTP {status}: {body}{hint}", hint = auth_hint(*status))]
     Status {
         /// Engine path.
         path: String,
@@ -83,6 +84,18 @@ pub enum EngineError {
     },
 }
 
+/// What an engine's 401 / 403 asks of the operator: the engine guards its API (vLLM
+/// `--api-key`), so the agent needs the same key.
+fn auth_hint(status: u16) -> &'static str {
+    match status {
+        401 | 403 => {
+            " (the engine requires an API key: give the agent the engine's key with \
+             engines[].api_key_file or engines[].api_key_env, docs/agent.md)"
+        }
+        _ => "",
+    }
+}
+
 /// Everything a plugin needs to reach one engine.
 #[derive(Clone)]
 pub struct EngineCtx {
@@ -98,6 +111,28 @@ pub struct EngineCtx {
     pub bootstrap_host: String,
     /// Clock for latencies.
     pub clock: Arc<dyn Clock>,
+    /// The engine's API key (agent config `engines[].api_key_file` / `api_key_env`), sent as
+    /// `Authorization: Bearer <key>` on every call: vLLM with `--api-key` answers 401 on
+    /// `/v1/*` without it (its `AuthenticationMiddleware`) and ignores it elsewhere.
+    pub api_key: Option<EngineKey>,
+}
+
+impl EngineCtx {
+    /// `builder` with the engine's bearer token, when it has a key.
+    fn authorize(&self, builder: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        let value = self
+            .api_key
+            .as_ref()
+            .and_then(|key| reqwest::header::HeaderValue::from_str(&key.bearer()).ok());
+        match value {
+            Some(mut value) => {
+                // Kept out of any debug output of the request.
+                value.set_sensitive(true);
+                builder.header(reqwest::header::AUTHORIZATION, value)
+            }
+            None => builder,
+        }
+    }
 }
 
 impl std::fmt::Debug for EngineCtx {
@@ -241,8 +276,7 @@ fn transport(path: &str, e: reqwest::Error) -> EngineError {
 
 pub(crate) async fn get_json(ctx: &EngineCtx, path: &str) -> Result<Value, EngineError> {
     let resp = ctx
-        .http
-        .get(format!("{}{}", ctx.base, path))
+        .authorize(ctx.http.get(format!("{}{}", ctx.base, path)))
         .timeout(ctx.read_timeout)
         .send()
         .await
@@ -253,8 +287,7 @@ pub(crate) async fn get_json(ctx: &EngineCtx, path: &str) -> Result<Value, Engin
 /// `GET path` as text (a Prometheus page), bounded by `read_timeout`.
 pub(crate) async fn get_text(ctx: &EngineCtx, path: &str) -> Result<String, EngineError> {
     let resp = ctx
-        .http
-        .get(format!("{}{}", ctx.base, path))
+        .authorize(ctx.http.get(format!("{}{}", ctx.base, path)))
         .timeout(ctx.read_timeout)
         .send()
         .await
@@ -277,8 +310,7 @@ pub(crate) async fn post_json(
     body: &Value,
 ) -> Result<Value, EngineError> {
     let resp = ctx
-        .http
-        .post(format!("{}{}", ctx.base, path))
+        .authorize(ctx.http.post(format!("{}{}", ctx.base, path)))
         .timeout(ctx.leg_timeout)
         .json(body)
         .send()
@@ -331,8 +363,7 @@ pub(crate) async fn stream_tokens(
     let started = ctx.clock.now();
     let elapsed = |ctx: &EngineCtx| ctx.clock.now().duration_since(started).as_secs_f64();
     let mut req = ctx
-        .http
-        .post(format!("{}{}", ctx.base, path))
+        .authorize(ctx.http.post(format!("{}{}", ctx.base, path)))
         .timeout(ctx.leg_timeout)
         .json(body);
     if let Some(rid) = request_id {

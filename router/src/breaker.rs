@@ -76,17 +76,23 @@ pub(crate) enum FailureClass {
     /// Decode stream problems: first-token or gap timeout, end without `[DONE]`, `[DONE]`
     /// before any token.
     Stream,
+    /// The engine refused the router itself, not the request: HTTP 401 or 403 (its API key,
+    /// e.g. vLLM's `--api-key` answering `{"error": "Unauthorized"}`), 404 (a route or the
+    /// served model the router was told it has) or 405 (behaviour.md 6.2). Retried elsewhere
+    /// and charged to the engine, never passed to the client as its fault.
+    EngineConfig,
 }
 
 impl FailureClass {
     /// All classes, state order.
-    pub(crate) const ALL: [FailureClass; 6] = [
+    pub(crate) const ALL: [FailureClass; 7] = [
         FailureClass::Connection,
         FailureClass::Timeout,
         FailureClass::Overload,
         FailureClass::InferenceStatus,
         FailureClass::KvHandoff,
         FailureClass::Stream,
+        FailureClass::EngineConfig,
     ];
 
     /// The reference's name.
@@ -98,6 +104,7 @@ impl FailureClass {
             FailureClass::InferenceStatus => "inference_status",
             FailureClass::KvHandoff => "kv_handoff",
             FailureClass::Stream => "stream",
+            FailureClass::EngineConfig => "engine_config",
         }
     }
 
@@ -330,7 +337,7 @@ pub(crate) enum Status {
 #[derive(Debug, Clone)]
 struct EngineState {
     status: Status,
-    streaks: [u32; 6],
+    streaks: [u32; 7],
     misses: u32,
     strikes: u32,
     serving_since: Option<Instant>,
@@ -345,7 +352,7 @@ impl EngineState {
     fn new() -> Self {
         EngineState {
             status: Status::AwaitingHealth,
-            streaks: [0; 6],
+            streaks: [0; 7],
             misses: 0,
             strikes: 0,
             serving_since: None,
@@ -369,19 +376,21 @@ impl EngineState {
     }
 }
 
-const PREFILL_CLEARS: [FailureClass; 5] = [
+const PREFILL_CLEARS: [FailureClass; 6] = [
     FailureClass::Connection,
     FailureClass::Timeout,
     FailureClass::Overload,
     FailureClass::InferenceStatus,
     FailureClass::KvHandoff,
+    FailureClass::EngineConfig,
 ];
-const DECODE_CLEARS: [FailureClass; 5] = [
+const DECODE_CLEARS: [FailureClass; 6] = [
     FailureClass::Connection,
     FailureClass::Timeout,
     FailureClass::Overload,
     FailureClass::InferenceStatus,
     FailureClass::Stream,
+    FailureClass::EngineConfig,
 ];
 
 /// Breaker for every engine of the fleet (indexed like the fleet config).
@@ -476,7 +485,12 @@ impl Breaker {
         match obs {
             Observation::LegFailed(class) => self.leg_failed(iid, class, now, slots, &mut out),
             Observation::ClientFault => {
-                self.engines[iid].clear(&[FailureClass::Connection, FailureClass::InferenceStatus]);
+                // It judged the request, so it let the router in.
+                self.engines[iid].clear(&[
+                    FailureClass::Connection,
+                    FailureClass::InferenceStatus,
+                    FailureClass::EngineConfig,
+                ]);
             }
             Observation::PrefillOk => self.engines[iid].clear(&PREFILL_CLEARS),
             Observation::DecodeOk => self.engines[iid].clear(&DECODE_CLEARS),
@@ -489,6 +503,7 @@ impl Breaker {
                     FailureClass::InferenceStatus,
                     FailureClass::KvHandoff,
                     FailureClass::Stream,
+                    FailureClass::EngineConfig,
                 ]);
                 match self.engines[iid].status {
                     Status::Ejected { .. } => self.readmit(iid, "lifecycle", now, &mut out),
@@ -661,7 +676,7 @@ impl Breaker {
     fn serve(&mut self, iid: usize, now: Instant) {
         let e = &mut self.engines[iid];
         e.status = Status::Serving;
-        e.streaks = [0; 6];
+        e.streaks = [0; 7];
         e.misses = 0;
         e.serving_since = Some(now);
         e.invalidate();
@@ -682,7 +697,7 @@ impl Breaker {
     fn new_process(&mut self, iid: usize, out: &mut Vec<Transition>) {
         let e = &mut self.engines[iid];
         e.incarnation += 1;
-        e.streaks = [0; 6];
+        e.streaks = [0; 7];
         e.misses = 0;
         out.push(Transition::NewProcess { iid });
     }

@@ -353,6 +353,23 @@ struct NotWritable {
     source: std::io::Error,
 }
 
+/// What `check-config` says of a fleet whose router sends an engine key
+/// (`engine.engine_api_key_env`) and whose engines `agent_iids` have agents: each agent must hold
+/// the key too (its `engines[].api_key_file` / `api_key_env`, docs/agent.md), which the fleet
+/// file cannot show, so it is a note (exit 0), not a problem. `None` without a key or agents.
+fn engine_key_note(key_env: &str, agent_iids: &[&str]) -> Option<String> {
+    if key_env.is_empty() || agent_iids.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "note: engine.engine_api_key_env ({key_env}) gives the router the engines' key; the \
+         agents of {} must hold it too (engines[].api_key_file or engines[].api_key_env in \
+         their config, docs/agent.md). The fleet file cannot show whether they do: an agent \
+         without it fails its engine's model check with HTTP 401",
+        agent_iids.join(", ")
+    ))
+}
+
 /// `narwhal-serve check-config`: [`preflight`] plus the directories a run writes in (the
 /// journal, `recovery.state_path`, a `file` lease's directory). Prints one summary line and
 /// returns 0, or prints every problem on stderr and returns 2; binds and writes nothing.
@@ -387,6 +404,16 @@ fn check_config(args: &Args) -> ExitCode {
     match checked {
         Ok(c) if problems.is_empty() => {
             let agents = c.cfg.engines.iter().filter(|e| e.agent.is_some()).count();
+            let with_agent: Vec<&str> = c
+                .cfg
+                .engines
+                .iter()
+                .filter(|e| e.agent.is_some())
+                .map(|e| e.iid.as_str())
+                .collect();
+            if let Some(note) = engine_key_note(&c.cfg.engine.engine_api_key_env, &with_agent) {
+                eprintln!("narwhal-serve: {note}");
+            }
             println!(
                 "narwhal-serve: {} ok: {} engine(s), {} with an agent, backend {}, lease {}, control.tls {}, {} admission seat(s){}",
                 args.fleet().display(),
@@ -696,6 +723,19 @@ mod tests {
     }
 
     /// The problems read as the operator docs and the end-to-end tests quote them, one per line.
+    #[test]
+    fn an_engine_key_with_agents_is_noted_for_the_agents() {
+        assert_eq!(engine_key_note("", &["e0"]), None);
+        assert_eq!(engine_key_note("ENGINE_KEY", &[]), None);
+        let note = engine_key_note("ENGINE_KEY", &["e0", "e1"]).expect("a note");
+        assert!(
+            note.contains("ENGINE_KEY")
+                && note.contains("agents of e0, e1")
+                && note.contains("engines[].api_key_file"),
+            "{note}"
+        );
+    }
+
     #[test]
     fn preflight_problems_are_shown_one_per_line() {
         let e = PreflightError::Problems(vec![

@@ -205,6 +205,7 @@ pub(crate) fn state(parts: &Parts) -> doc::State {
             tpot_s: cfg.slo.tpot_s,
         },
         first_token_timeout_s: cfg.engine.first_token_timeout_s,
+        kv_transfer_timeout_s: cfg.engine.kv_transfer_timeout_s,
         resident: fleet.resident,
         pinned,
         min_prefill: u64::from(cfg.controller.min_prefill),
@@ -233,6 +234,13 @@ pub(crate) fn state(parts: &Parts) -> doc::State {
         awaiting_health: fleet.awaiting_health,
         degraded: fleet.degraded,
         kv_index: kv_index(parts),
+        kv_evidence: parts
+            .lifecycle
+            .agents()
+            .kv_evidence()
+            .into_iter()
+            .filter_map(|(i, e)| Some((parts.cfg.engines.get(i)?.iid.clone(), e)))
+            .collect(),
         // The role controller's fields (controller.md 13), live, or absent when it is off.
         controller: parts.controller.state(),
     }
@@ -329,6 +337,7 @@ fn streak_of(streaks: &mut state::Streaks, class: FailureClass) -> &mut u64 {
         FailureClass::InferenceStatus => &mut streaks.inference_status,
         FailureClass::KvHandoff => &mut streaks.kv_handoff,
         FailureClass::Stream => &mut streaks.stream,
+        FailureClass::EngineConfig => &mut streaks.engine_config,
     }
 }
 

@@ -657,6 +657,26 @@ mod tests {
         );
     }
 
+    /// An engine that refused the router (its API key, a route it lacks) is the engine's
+    /// failure: the client gets a 5xx typed with the phase, never `invalid_request_error`.
+    #[test]
+    fn an_engine_refusing_the_router_is_a_5xx_for_the_client() {
+        let f = RequestFailure::Leg {
+            phase: Phase::Decode,
+            err: LegError::Status {
+                status: 401,
+                message: "Unauthorized".into(),
+                param: Value::Null,
+            },
+        };
+        assert_eq!(f.status(), StatusCode::BAD_GATEWAY);
+        assert_eq!(f.body()["error"]["type"], "decode");
+        assert_eq!(f.body()["error"]["message"], "Upstream request failed");
+        let s = f.settlement();
+        assert_eq!(s.reason, "engine_config");
+        assert_eq!(s.error_type.as_deref(), Some("decode"));
+    }
+
     /// An engine's refusal with its own error object reaches the client as the engine wrote
     /// it, with the engine's status (llama.cpp's context-length 400 keeps
     /// its `code`), and is counted `failed/engine_rejected`.

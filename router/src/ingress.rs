@@ -57,6 +57,13 @@ pub(crate) struct Validated {
     pub prompt_logprobs: Option<&'static str>,
     /// The client's generation limit (`max_tokens`, else `max_completion_tokens`), tokens.
     pub max_tokens: Option<u64>,
+    /// `n` or `best_of` when it asks for more than one sequence per prompt: an aggregated
+    /// placement passes it to the engine, a split refuses it (`IngressError::SamplingWidth`,
+    /// see `serve::attempt::shape_plan`). `None` for one sequence.
+    pub sampling_width: Option<&'static str>,
+    /// Choices per prompt in the answer: the client's `n` (≥ 1, default 1). A batch's prompt
+    /// `k` answers choices `k × choices + i`, as vLLM numbers them.
+    pub choices: u64,
 }
 
 /// Why ingress refused a request. Each maps to one status and error body (1.9).
@@ -113,7 +120,8 @@ pub(crate) enum IngressError {
         /// `prompt_logprobs` or `echo`.
         field: &'static str,
     },
-    /// `n` or `best_of` > 1 → 400 (router/testdata/reference-error-400-n.json).
+    /// `n` or `best_of` > 1 on a prefill/decode split → 400
+    /// (router/testdata/reference-error-400-n.json); an aggregated placement serves it.
     #[error(
         "{field} > 1 cannot be served across a split: the prefill leg runs with max_tokens=1 and the two legs would disagree on sampling width"
     )]
@@ -329,13 +337,14 @@ pub(crate) fn validate(
             served: model.to_string(),
         });
     }
-    for k in ["n", "best_of"] {
-        if body.get(k).and_then(Value::as_i64).is_some_and(|x| x > 1) {
-            return Err(IngressError::SamplingWidth {
-                field: if k == "n" { "n" } else { "best_of" },
-            });
-        }
-    }
+    let sampling_width = ["n", "best_of"]
+        .into_iter()
+        .find(|k| body.get(*k).and_then(Value::as_i64).is_some_and(|x| x > 1));
+    let choices = body
+        .get("n")
+        .and_then(Value::as_u64)
+        .filter(|n| *n >= 1)
+        .unwrap_or(1);
     body.insert("model".into(), Value::String(model.to_string()));
     let return_token_ids = body
         .get("return_token_ids")
@@ -364,6 +373,8 @@ pub(crate) fn validate(
         prompt_count,
         prompt_logprobs,
         max_tokens,
+        sampling_width,
+        choices,
     })
 }
 
@@ -596,15 +607,21 @@ mod tests {
         );
     }
 
+    /// `n` / `best_of` > 1 passes ingress, marked for the placement: a split refuses it
+    /// with the reference's 400, an aggregated engine serves it.
     #[test]
-    fn sampling_width_over_one_is_400_like_the_reference() {
-        let (st, body) = check(r#"{"prompt":"x","n":2}"#).unwrap_err().response();
+    fn sampling_width_over_one_is_marked_and_refused_across_a_split_like_the_reference() {
+        let v = check(r#"{"prompt":"x","n":2}"#).unwrap();
+        assert_eq!((v.sampling_width, v.choices), (Some("n"), 2));
+        let (st, body) = IngressError::SamplingWidth { field: "n" }.response();
         assert_eq!(st, StatusCode::BAD_REQUEST);
         let want: Value =
             serde_json::from_str(include_str!("../testdata/reference-error-400-n.json")).unwrap();
         assert_eq!(body, want["body"]);
-        assert!(check(r#"{"prompt":"x","best_of":3}"#).is_err());
-        assert!(check(r#"{"prompt":"x","n":1}"#).is_ok());
+        let v = check(r#"{"prompt":"x","best_of":3}"#).unwrap();
+        assert_eq!((v.sampling_width, v.choices), (Some("best_of"), 1));
+        let v = check(r#"{"prompt":"x","n":1}"#).unwrap();
+        assert_eq!((v.sampling_width, v.choices), (None, 1));
     }
 
     /// Batches are recognised (strings or token-id lists, two or more), limited, and

@@ -146,8 +146,12 @@ pub(crate) struct RequestRecord {
     pub arrived: f64,
     /// Client asked for SSE.
     pub stream: bool,
-    /// Estimated input tokens (null before sizing).
+    /// Estimated input tokens (null before sizing): the router's estimate (token-id prompts
+    /// counted, text by `engine.chars_per_token`), never the engine's count.
     pub input_len: Option<u64>,
+    /// The engine's own `usage.prompt_tokens` (summed over a batch's prompts), when every
+    /// answer carried usage; null otherwise (a failed request, an engine without usage).
+    pub engine_prompt_tokens: Option<u64>,
     /// Tokens counted from the decode stream.
     pub output_len: u64,
     /// Arrival → first token, seconds.
@@ -188,6 +192,7 @@ impl RequestRecord {
             "rid": self.rid,
             "arrived": self.arrived,
             "input_len": self.input_len,
+            "engine_prompt_tokens": self.engine_prompt_tokens,
             "output_len": self.output_len,
             "ttft_s": self.ttft_s,
             "tpot_s": self.tpot_s,

@@ -690,9 +690,10 @@ pub(crate) enum LegError {
 }
 
 impl LegError {
-    /// The engine status if it's a client fault (4xx other than 408/429, or a 500 that says the
-    /// prompt is too long): relay it as 400-class `invalid_request_error` with the engine's
-    /// message, no retry, no breaker. An in-stream error before any output (llama.cpp reports
+    /// The engine status if it's a client fault (4xx other than 408/429 and the engine's own
+    /// refusals 401/403/404/405 ([`engine_config`]), or a 500 that says the prompt is too long):
+    /// relay it as 400-class `invalid_request_error` with the engine's message, no retry, no
+    /// breaker. An in-stream error before any output (llama.cpp reports
     /// an over-long streamed prompt inside its stream) is judged the same way.
     pub(crate) fn client_fault(&self) -> Option<(u16, &str, &Value)> {
         let (status, message, param) = match self {
@@ -714,7 +715,8 @@ impl LegError {
             ),
             _ => return None,
         };
-        if (400..500).contains(&status) && status != 408 && status != 429 {
+        if (400..500).contains(&status) && status != 408 && status != 429 && !engine_config(status)
+        {
             Some((status, message, param))
         } else if status == 500 && mentions_context_length(message) {
             Some((400, message, param))
@@ -743,6 +745,12 @@ impl LegError {
                 status: 408 | 429 | 503,
                 ..
             }) => FailureClass::Overload,
+            LegError::Status { status, .. }
+            | LegError::Stream(StreamFailure::UpstreamError { status, .. })
+                if engine_config(*status) =>
+            {
+                FailureClass::EngineConfig
+            }
             LegError::Status { .. } | LegError::Refused { .. } => FailureClass::InferenceStatus,
             LegError::KvHandoff(_) => FailureClass::KvHandoff,
             LegError::InvalidResponse(_) => FailureClass::InferenceStatus,
@@ -771,6 +779,12 @@ impl LegError {
                 status: 408 | 429 | 503,
                 ..
             } => "engine_overloaded",
+            LegError::Status { status, .. }
+            | LegError::Stream(StreamFailure::UpstreamError { status, .. })
+                if engine_config(*status) =>
+            {
+                "engine_config"
+            }
             LegError::Status { .. } | LegError::Refused { .. } | LegError::KvHandoff(_) => {
                 "engine_error"
             }
@@ -780,8 +794,9 @@ impl LegError {
         }
     }
 
-    /// Retry-eligible before output (behaviour.md 7.5): statuses 408/429/500/502/503/504,
-    /// network, timeout or protocol errors. KV descriptor failures are not retried.
+    /// Retry-eligible before output (behaviour.md 7.5): statuses 401/403/404/405 (the engine
+    /// refused the router, [`engine_config`]), 408/429/500/502/503/504, network, timeout or
+    /// protocol errors. KV descriptor failures are not retried.
     pub(crate) fn transient(&self) -> bool {
         if self.client_fault().is_some() {
             return false;
@@ -793,10 +808,10 @@ impl LegError {
             | LegError::ReadTimeout
             | LegError::Cut(_) => true,
             LegError::Status { status, .. } | LegError::Refused { status, .. } => {
-                matches!(status, 408 | 429 | 500 | 502 | 503 | 504)
+                matches!(status, 408 | 429 | 500 | 502 | 503 | 504) || engine_config(*status)
             }
             LegError::Stream(StreamFailure::UpstreamError { status, .. }) => {
-                matches!(status, 408 | 429 | 500 | 502 | 503 | 504)
+                matches!(status, 408 | 429 | 500 | 502 | 503 | 504) || engine_config(*status)
             }
             LegError::Stream(StreamFailure::EndedWithoutDone | StreamFailure::DoneBeforeToken) => {
                 true
@@ -859,6 +874,17 @@ impl LegError {
             LegError::Stream(f) => f.detail(),
         }
     }
+}
+
+/// An engine status that refuses the router rather than the request (behaviour.md 6.2): 401
+/// and 403 (the engine wants another key: vLLM started with `--api-key` answers 401
+/// `{"error": "Unauthorized"}` on every `/v1` route without the right bearer token), 404 (the
+/// router was told this engine serves the model and has the route; ingress already refused a
+/// model the fleet does not serve) and 405 (the route exists with another method: another
+/// engine kind or version than declared). The engine's fault: retried elsewhere, charged as
+/// [`FailureClass::EngineConfig`], never relayed to the client as its own.
+pub(crate) fn engine_config(status: u16) -> bool {
+    matches!(status, 401 | 403 | 404 | 405)
 }
 
 fn mentions_context_length(msg: &str) -> bool {
@@ -944,6 +970,46 @@ mod tests {
             message: "CUDA error".into(),
         });
         assert!(s.client_fault().is_none());
+    }
+
+    #[test]
+    fn an_engine_refusing_the_router_is_the_engines_failure_not_the_clients() {
+        // vLLM `--api-key` without the right bearer token (server_utils.py's middleware).
+        let e = status_error(StatusCode::UNAUTHORIZED, br#"{"error": "Unauthorized"}"#);
+        assert_eq!(e.client_fault(), None);
+        assert!(e.engine_error().is_none());
+        assert!(e.transient(), "retried on another engine");
+        assert_eq!(e.class(Phase::Decode), Some(FailureClass::EngineConfig));
+        assert_eq!(e.class(Phase::Prefill), Some(FailureClass::EngineConfig));
+        assert_eq!(e.reason(), "engine_config");
+        assert_eq!(e.http_status(), 502);
+        for status in [403u16, 404, 405] {
+            let e = LegError::Status {
+                status,
+                message: "no".into(),
+                param: Value::Null,
+            };
+            assert_eq!(e.client_fault(), None, "{status}");
+            assert!(e.transient(), "{status}");
+            assert_eq!(e.class(Phase::Decode), Some(FailureClass::EngineConfig));
+        }
+        let s = LegError::Stream(StreamFailure::UpstreamError {
+            status: 401,
+            message: "Unauthorized".into(),
+        });
+        assert_eq!(s.client_fault(), None);
+        assert_eq!(s.class(Phase::Decode), Some(FailureClass::EngineConfig));
+        // A genuine client error is still the client's.
+        for status in [400u16, 413, 422] {
+            let e = LegError::Status {
+                status,
+                message: "bad parameter".into(),
+                param: Value::Null,
+            };
+            assert_eq!(e.client_fault().map(|c| c.0), Some(status));
+            assert!(!e.transient());
+            assert_eq!(e.class(Phase::Decode), None);
+        }
     }
 
     #[test]

@@ -160,9 +160,10 @@ pub struct TransferEvidence {
     /// Increase of the consumer's completed-transfer counter across the decode leg (`null`
     /// when the engine publishes none).
     pub consumed_delta: Option<i64>,
-    /// Legacy: increase of a "prompt recomputed" counter. No engine publishes one per transfer,
-    /// so agents with the three-valued verdict send `null`; a recompute shows as
-    /// `failed_delta` or a failed decode.
+    /// Prompt tokens the consumer computed itself during the decode: the increase of vLLM's
+    /// `vllm:prompt_tokens_by_source_total{source="local_compute"}` (1 for a prompt received
+    /// whole over the connector, the prompt for a recompute; docs/agent.md). `null` when the
+    /// engine publishes no such family (SGLang, older vLLM) or from older agents.
     pub recomputed_delta: Option<i64>,
     /// Legacy: how the consuming engine recorded this very request, from the simulator's
     /// per-request records; `null` from agents with the three-valued verdict (real engines

@@ -81,6 +81,22 @@ pub fn start_agent_with(
     engines: &[&SimHandle],
     contract_document: Option<&Path>,
 ) -> Result<AgentHandle, ProcError> {
+    start_agent_keyed(dir, certs, agent_id, engines, contract_document, None)
+}
+
+/// [`start_agent_with`] where every engine's config also names `api_key_file`: the file
+/// holding the engines' API key (engines started with `--api-key`, docs/agent.md).
+///
+/// # Errors
+/// [`ProcError`] when keygen or the agent fails.
+pub fn start_agent_keyed(
+    dir: &Path,
+    certs: &DevCerts,
+    agent_id: &str,
+    engines: &[&SimHandle],
+    contract_document: Option<&Path>,
+    api_key_file: Option<&Path>,
+) -> Result<AgentHandle, ProcError> {
     let name = format!("agent-{agent_id}");
     let key = dir.join(format!("{name}.ed25519.pk8"));
     if !key.exists() {
@@ -93,6 +109,9 @@ pub fn start_agent_with(
                                "process": {"listen_port": s.port}});
             if let Some(doc) = contract_document {
                 e["contract_document"] = json!(doc);
+            }
+            if let Some(key) = api_key_file {
+                e["api_key_file"] = json!(key);
             }
             e
         })

@@ -22,13 +22,17 @@ use narwhal_shared::handoff::Handoff;
 use serde_json::{Value, json};
 use tempfile::TempDir;
 
-use crate::agent::{AgentHandle, start_agent_with};
+use crate::agent::{AgentHandle, start_agent_keyed};
 use crate::certs::{DevCerts, make_dev_certs};
 use crate::etcd::{Etcd, free_port};
 use crate::http::Http;
 use crate::proc::read_json_file;
 use crate::router::{Clients, FleetSpec, RouterHandle, handoff_file_where, launch_router_env};
 use crate::sim::{EngineSpec, SimHandle, start_sim};
+
+/// The environment variable that holds the engines' API key for the routers of a fleet
+/// built with [`FleetBuilder::engine_api_key`] (their `engine.engine_api_key_env`).
+pub const ENGINE_KEY_VAR: &str = "NARWHAL_TEST_ENGINE_API_KEY";
 
 /// Lease TTL of every HA fleet (seconds); renewal every 0.5 s, safety margin 0.5 s.
 pub const LEASE_TTL_S: f64 = 2.0;
@@ -70,6 +74,7 @@ pub struct FleetBuilder {
     control_tls: bool,
     lease: Option<LeaseBackend>,
     routers: Routers,
+    engine_key: Option<String>,
 }
 
 /// A running end-to-end world; every process is killed when it drops.
@@ -95,6 +100,8 @@ pub struct Fleet {
     lease: Option<Value>,
     control_tls: bool,
     etcd: Option<Etcd>,
+    /// Added to every router's environment (the engine key of [`FleetBuilder::engine_api_key`]).
+    router_env: Vec<(String, String)>,
     dir: TempDir,
 }
 
@@ -113,6 +120,7 @@ impl Fleet {
             overrides: json!({}),
             pins: Vec::new(),
             router_args: Vec::new(),
+            engine_key: None,
             control_tls: false,
             lease: None,
             routers: Routers::One,
@@ -164,6 +172,27 @@ impl FleetBuilder {
     /// One engine with id `iid` and role `role` (`prefill` or `decode`).
     pub fn engine(mut self, iid: &str, role: &str) -> Self {
         self.engines.push(EngineSpec::new(iid, role));
+        self
+    }
+
+    /// One engine with id `iid`, role `role` and simulator flags of its own (besides those of
+    /// [`FleetBuilder::sim_args`]), e.g. `--api-key k` on one engine only.
+    pub fn engine_with_args(mut self, iid: &str, role: &str, args: &[&str]) -> Self {
+        self.engines.push(EngineSpec::new(iid, role).args(args));
+        self
+    }
+
+    /// Every engine requires API key `key` (vLLM `--api-key`); the router sends it
+    /// (`engine.engine_api_key_env` = [`ENGINE_KEY_VAR`], set in its environment) and so does
+    /// every agent (`engines[].api_key_file`, a file in the fleet's directory).
+    pub fn engine_api_key(mut self, key: &str) -> Self {
+        self.sim_args
+            .extend(["--api-key".to_string(), key.to_string()]);
+        crate::router::merge(
+            &mut self.overrides,
+            json!({"engine": {"engine_api_key_env": ENGINE_KEY_VAR}}),
+        );
+        self.engine_key = Some(key.to_string());
         self
     }
 
@@ -328,6 +357,16 @@ impl FleetBuilder {
             std::fs::write(&path, doc.to_string()).expect("contract document");
             path
         });
+        let key_file = self.engine_key.as_ref().map(|key| {
+            let path = dir.path().join("engine-api.key");
+            std::fs::write(&path, format!("{key}\n")).expect("engine key file");
+            path
+        });
+        let router_env: Vec<(String, String)> = self
+            .engine_key
+            .iter()
+            .map(|k| (ENGINE_KEY_VAR.to_string(), k.clone()))
+            .collect();
         let mut agents = Vec::new();
         let mut base = FleetSpec::for_sims(&self.dialect, &sims).with(self.overrides.clone());
         for iid in &self.pins {
@@ -346,8 +385,15 @@ impl FleetBuilder {
                 })
                 .collect();
             let certs = certs.as_ref().expect("certificates");
-            let a = start_agent_with(dir.path(), certs, host, &mine, contract.as_deref())
-                .unwrap_or_else(|e| panic!("agent {host}: {e}"));
+            let a = start_agent_keyed(
+                dir.path(),
+                certs,
+                host,
+                &mine,
+                contract.as_deref(),
+                key_file.as_deref(),
+            )
+            .unwrap_or_else(|e| panic!("agent {host}: {e}"));
             for iid in iids {
                 base = base.agent(iid, &a);
             }
@@ -386,6 +432,7 @@ impl FleetBuilder {
             lease,
             control_tls: self.control_tls,
             etcd,
+            router_env,
             dir,
         };
         match (self.routers, fleet.lease.is_some()) {
@@ -539,7 +586,8 @@ impl Fleet {
         env: &[(String, String)],
     ) -> RouterHandle {
         let doc = self.spec(label, cert).to_json(self.dir());
-        launch_router_env(self.dir(), label, &doc, args, self.clients.clone(), env)
+        let env: Vec<(String, String)> = self.router_env.iter().chain(env).cloned().collect();
+        launch_router_env(self.dir(), label, &doc, args, self.clients.clone(), &env)
             .unwrap_or_else(|e| panic!("router {label}: {e}"))
     }
 

@@ -59,7 +59,7 @@ mod sim;
 
 use std::time::Duration;
 
-pub use agent::{AgentHandle, keygen, start_agent, start_agent_with};
+pub use agent::{AgentHandle, keygen, start_agent, start_agent_keyed, start_agent_with};
 pub use agent_calls::{client_as, get_text, post_json};
 pub use controller::{
     HeldStream, Load, LoadStats, Shape, controller_fleet, fast_controller_sections,
@@ -69,7 +69,8 @@ pub use devup::{DevUp, UP_TIMEOUT};
 pub use etcd::{Etcd, free_port};
 pub use fake::{FakeEngine, Seen, fake_descriptor, router_over_fakes};
 pub use fleet::{
-    Fleet, FleetBuilder, LEASE_TTL_S, LeaseBackend, STANDBY_PROBE_S, STANDBY_TAKEOVER_AFTER,
+    ENGINE_KEY_VAR, Fleet, FleetBuilder, LEASE_TTL_S, LeaseBackend, STANDBY_PROBE_S,
+    STANDBY_TAKEOVER_AFTER,
 };
 pub use http::{
     Http, Reply, answer_text, count, http_client, metric, openai_request, sse_data, sse_text,

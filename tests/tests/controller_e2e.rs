@@ -293,7 +293,7 @@ async fn s2_moves_to_decode_wait_for_the_cooldown() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s3_a_first_token_timeout_rearms_the_evidence_window() {
     let (fleet, load) = controller_fleet(&ONE_P_THREE_D)
-        .fleet(json!({"engine": {"first_token_timeout_s": 1.0}}))
+        .fleet(json!({"engine": {"first_token_timeout_s": 1.0, "kv_transfer_timeout_s": 0.1}}))
         .start_loaded(L1)
         .await;
     let r = fleet.router();
@@ -1109,7 +1109,7 @@ async fn s15_flip_bookkeeping_tracks_residents_and_reversals() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_the_demand_risk_and_gathers_new_evidence() {
     let mut fleet = controller_fleet(&ONE_P_THREE_D)
-        .fleet(json!({"engine": {"first_token_timeout_s": 1.0}}))
+        .fleet(json!({"engine": {"first_token_timeout_s": 1.0, "kv_transfer_timeout_s": 0.1}}))
         .lease(narwhal_testkit::LeaseBackend::File)
         .standby()
         .start()

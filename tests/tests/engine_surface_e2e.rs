@@ -372,6 +372,20 @@ async fn with_the_engines_transfer_counters_the_evidence_is_confirmed() {
             detail.contains(&format!("{counter} rose by 1")),
             "{dialect}: {detail}"
         );
+        if dialect == "vllm" {
+            // vLLM computes the last token of a transferred prompt, nothing more; the rest
+            // came over the connector.
+            assert_eq!(t.recomputed_delta, Some(1), "{t:?}");
+            assert!(
+                detail.contains("source=\"external_kv_transfer\"} rose by"),
+                "{detail}"
+            );
+        } else {
+            assert_eq!(
+                t.recomputed_delta, None,
+                "SGLang publishes no sources: {t:?}"
+            );
+        }
         assert_eq!(f.sim("d0").stats().await["kv"]["consumed"], 1);
     }
 }
@@ -424,6 +438,11 @@ async fn a_failed_transfer_is_refuted_and_fails_the_check_naming_it() {
         "{err}"
     );
     assert!(r.tokens >= 1, "the engine served the prompt recomputed");
+    // vLLM's prompt tokens by source show the recompute: the whole prompt computed locally.
+    assert!(
+        t.recomputed_delta.is_some_and(|d| d > 1),
+        "local_compute rose by the prompt: {t:?}"
+    );
     let st = f.sim("d0").stats().await;
     assert_eq!(
         (
@@ -560,6 +579,15 @@ async fn drain_and_readmission_pass_on_confirmed_evidence_with_the_hooks_off_the
     for dialect in ["vllm", "sglang"] {
         let (mut f, r) = lab(dialect, &[]).await;
         drain_restart_readmit(&mut f, &r, "d0").await;
+        // The router shows the consume check's evidence: on vLLM, the decode computed only
+        // the last prompt token (vllm:prompt_tokens_by_source), the rest came transferred.
+        let st = r.state_json().await;
+        let e = &st["kv_evidence"]["d0"];
+        assert_eq!(e["verdict"], "confirmed", "{dialect}: {st}");
+        match dialect {
+            "vllm" => assert_eq!(e["recomputed_delta"], 1, "{st}"),
+            _ => assert!(e["recomputed_delta"].is_null(), "{st}"),
+        }
         drain_restart_readmit(&mut f, &r, "p0").await;
     }
 }
@@ -574,6 +602,44 @@ async fn drain_and_readmission_pass_on_inferred_evidence_when_engines_publish_no
         let (mut f, r) = lab(dialect, &["--no-kv-metrics"]).await;
         drain_restart_readmit(&mut f, &r, "d0").await;
         drain_restart_readmit(&mut f, &r, "p0").await;
+    }
+}
+
+/// Engines started with an API key (vLLM `--api-key`: 401 on `/v1/*` without the bearer
+/// token; `/health`, `/metrics`, `/version` open): with the key in the agents' config
+/// (`engines[].api_key_file`) and the router's (`engine.engine_api_key_env`), P/D traffic is
+/// served and a drained, restarted engine readmits through all six checks. Before the fix the
+/// agent sent no key, so an engine was excluded at start (`/v1/models: HTTP 401`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_in_front_of_keyed_engines_readmit_through_the_six_checks() {
+    let mut f = Fleet::builder()
+        .prefill(1)
+        .decode(1)
+        .agents()
+        .engine_api_key("sk-engine-test")
+        .restart_policy("individual")
+        .start()
+        .await;
+    let r = f.router.take().expect("router");
+    r.complete("served by keyed engines").await;
+    // Nobody reached the engines without the key.
+    for iid in ["p0", "d0"] {
+        assert_eq!(f.sim(iid).stats().await["unauthorized"], 0, "{iid}");
+    }
+    drain_restart_readmit(&mut f, &r, "d0").await;
+    drain_restart_readmit(&mut f, &r, "p0").await;
+    for iid in ["p0", "d0"] {
+        assert_eq!(f.sim(iid).stats().await["unauthorized"], 0, "{iid}");
+    }
+    // The key is in no document the agents sign or the router serves.
+    let st = r.state_json().await;
+    assert!(!st.to_string().contains("sk-engine-test"), "{st}");
+    for a in &f.agents {
+        let text = std::fs::read_to_string(&a.config).expect("agent config");
+        assert!(
+            !text.contains("sk-engine-test"),
+            "the key itself is in {text}"
+        );
     }
 }
 

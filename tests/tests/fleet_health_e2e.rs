@@ -475,3 +475,75 @@ async fn a_standby_does_not_eject_engines_the_primary_restarted() {
         standby.journal_rows()
     );
 }
+
+/// An engine that refuses the router itself (vLLM started with `--api-key`, the router sending
+/// no key: 401 `{"error": "Unauthorized"}` on every `/v1` route while `/health` stays open) is
+/// the engine's failure, never the client's (behaviour.md 6.2, class `engine_config`): every
+/// request is retried on and served by its peer, and the engine is ejected with that cause in
+/// `/narwhal/state`, the journal and `/metrics`. Before the fix most requests failed 401
+/// `invalid_request_error` and nothing was ejected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_refuses_the_routers_credentials_is_ejected_and_its_peer_serves() {
+    let f = Fleet::builder()
+        .engine_with_args("d0", "decode", &["--api-key", "engine-secret"])
+        .engine("d1", "decode")
+        .start()
+        .await;
+    let router = f.router();
+    let (codes, _) = send(router, 20, "keyed").await;
+    assert!(codes.iter().all(|c| *c == 200), "{codes:?}");
+    let st = router.wait_ejected("d0").await;
+    let ejections = st["breaker"]["ejections"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        ejections
+            .iter()
+            .any(|e| e["iid"] == "d0" && e["cause"] == "engine_config"),
+        "{st}"
+    );
+    let ejected = router.first_event("engine_ejected", "d0").await;
+    assert_eq!(ejected["cause"], "engine_config", "{ejected}");
+    let refused = f.sim("d0").stats().await["unauthorized"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(refused >= 1, "d0 was never tried");
+    assert_eq!(requests(f.sim("d1")).await, 20, "d1 served every request");
+    let m = router.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "narwhal_engine_ejections_total",
+            &["iid=\"d0\"", "cause=\"engine_config\""]
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    // Attempts on d0 are counted with their reason; no request failed.
+    let rows = router.journal_rows();
+    let requests_rows: Vec<&Value> = rows.iter().filter(|r| r["rid"].is_string()).collect();
+    assert_eq!(requests_rows.len(), 20, "{rows:?}");
+    assert!(
+        requests_rows.iter().all(|r| r["status"] == 200),
+        "{requests_rows:?}"
+    );
+    assert!(
+        requests_rows.iter().any(|r| r["attempt_failures"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|x| x["reason"] == "engine_config"))),
+        "{requests_rows:?}"
+    );
+
+    // With no engine that lets the router in, the client gets a 5xx naming the phase, never
+    // the engine's 401 as its own fault.
+    let alone = Fleet::builder()
+        .engine_with_args("d0", "decode", &["--api-key", "engine-secret"])
+        .start()
+        .await;
+    let a = alone.router().completion("nobody lets me in", 4).await;
+    let v = a.json_or_null();
+    assert_eq!(a.status, 502, "{v}");
+    assert_eq!(v["error"]["type"], "decode", "{v}");
+    assert_ne!(v["error"]["type"], "invalid_request_error", "{v}");
+}

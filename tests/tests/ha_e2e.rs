@@ -797,7 +797,8 @@ per_backend!(
 /// A fleet whose decode engine's next decode leg hangs 3 s past a 0.5 s first-token deadline,
 /// so a completion records a `first_token_timeout` demand risk.
 async fn slow_first_token(standby: bool) -> Fleet {
-    let mut b = ha(LeaseBackend::File).fleet(json!({"engine": {"first_token_timeout_s": 0.5}}));
+    let mut b = ha(LeaseBackend::File)
+        .fleet(json!({"engine": {"first_token_timeout_s": 0.5, "kv_transfer_timeout_s": 0.1}}));
     if standby {
         b = b.standby();
     }

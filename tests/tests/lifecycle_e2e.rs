@@ -1325,7 +1325,8 @@ async fn stalled_engine_is_readmitted_as_the_same_process_after_it_resumes() {
         "individual",
         &[],
         json!({"recovery": {"eject_after": 1},
-               "engine": {"first_token_timeout_s": 0.3, "health_timeout_s": 0.3}}),
+               "engine": {"first_token_timeout_s": 0.3, "kv_transfer_timeout_s": 0.1,
+                          "health_timeout_s": 0.3}}),
     )
     .await;
     let accepted = r.lifecycle_json().await["process_starts"]["d0"]

@@ -153,3 +153,103 @@ fn restart_remote_wrapper_blocks_until_the_old_pid_exits_and_the_new_engine_serv
     assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
     assert!(r.stderr.contains("restart command failed"), "{}", r.stderr);
 }
+
+/// vLLM's EngineCore (and its workers) run as children in the API server's process group and can
+/// outlive a killed API server, holding the GPU memory the next engine needs: the wrapper must
+/// also wait until every process of the old engine's group has exited, not only its main pid.
+/// Here the "engine" leads its own group (as under systemd or `setsid`) with a child standing
+/// for the EngineCore that exits 2.5 s after the main process. Before: the wrapper returned as
+/// soon as the main pid was gone and the new engine served.
+#[test]
+fn restart_remote_wrapper_waits_for_the_old_engines_process_group() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/narwhal-restart-remote");
+    let sim = bin_path("narwhal-engine-sim");
+    let port = free_port();
+    let write_exec = |name: &str, body: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, body).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        p
+    };
+    let ssh = write_exec(
+        "ssh",
+        "#!/bin/sh\nwhile [ \"${1#-}\" != \"$1\" ]; do case \"$1\" in -o) shift 2;; *) shift;; esac; done\n\
+         shift\nexec sh -c \"$*\"\n",
+    );
+    // The old engine: a group leader (setsid) whose child `sleep` is its EngineCore.
+    let launch_old = write_exec(
+        "launch-old",
+        &format!(
+            "#!/bin/sh\nsetsid sh -c 'echo $$ > {d}/engine.pid; sleep 600 & echo $! > {d}/core.pid; wait' </dev/null >/dev/null 2>&1 &\n",
+            d = dir.display()
+        ),
+    );
+    // The restart: the main process dies at once, its EngineCore 2.5 s later; the new engine
+    // starts at once and serves within a second.
+    write_exec(
+        "restart",
+        &format!(
+            "#!/bin/sh\nold=$(cat {d}/engine.pid); core=$(cat {d}/core.pid)\n\
+             kill -9 \"$old\"\n\
+             (sleep 2.5; kill \"$core\") </dev/null >/dev/null 2>&1 &\n\
+             sh -c 'echo $$ > {d}/engine.pid; exec {sim} --listen 127.0.0.1:{port}' </dev/null >/dev/null 2>&1 &\n\
+             exit 0\n",
+            d = dir.display(),
+            sim = sim.display()
+        ),
+    );
+    struct Kill(Vec<PathBuf>);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            for p in &self.0 {
+                if let Some(pid) = std::fs::read_to_string(p)
+                    .ok()
+                    .and_then(|s| s.trim().parse::<i32>().ok())
+                {
+                    let _ = signal_pid(pid, nix::sys::signal::Signal::SIGKILL);
+                }
+            }
+        }
+    }
+    let _kill = Kill(vec![dir.join("engine.pid"), dir.join("core.pid")]);
+    assert!(Command::new(&launch_old).status().unwrap().success());
+    let read_pid = |name: &str| -> i32 {
+        std::fs::read_to_string(dir.join(name))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    assert!(
+        poll_blocking(Duration::from_secs(10), || read_pid("core.pid") > 0
+            && alive(read_pid("core.pid"))),
+        "the old engine never started"
+    );
+    let core = read_pid("core.pid");
+    let mut c = Command::new("bash");
+    c.arg(&script)
+        .args(["--ssh", &ssh.display().to_string()])
+        .args(["--restart", &format!("{}/restart", dir.display())])
+        .args(["--pid-cmd", &format!("cat {}/engine.pid", dir.display())])
+        .args(["--timeout", "60", "gpu-a.test", "narwhal-engine@x.service"])
+        .arg(port.to_string());
+    let t0 = Instant::now();
+    let r = run_within(c, Duration::from_secs(120));
+    let took = t0.elapsed();
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(
+        !alive(core),
+        "the old engine's EngineCore {core} still runs after the wrapper returned ({took:?})"
+    );
+    assert!(
+        took >= Duration::from_millis(2400),
+        "returned after {took:?}"
+    );
+    assert!(
+        r.stderr.contains("of the old engine exited"),
+        "{}",
+        r.stderr
+    );
+}

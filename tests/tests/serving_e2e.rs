@@ -573,3 +573,162 @@ async fn a_long_prompt_under_pd_fits_the_relays_event_bound() {
     let state = f.router().state().await;
     assert!(state.ejected.is_empty(), "{:?}", state.ejected);
 }
+
+/// The data frames of a streamed answer, parsed (`[DONE]` left out).
+fn frames_of(text: &str) -> Vec<Value> {
+    narwhal_testkit::sse_data(text)
+        .iter()
+        .filter(|f| f.as_str() != "[DONE]")
+        .filter_map(|f| serde_json::from_str(f).ok())
+        .collect()
+}
+
+/// `n` > 1 on an aggregated fleet (two decode engines, no prefill pool) is served as vLLM serves
+/// it: `n` choices with their `index`, streamed or not, usage counting the prompt once and every
+/// choice's tokens; a batch numbers prompt `k`'s choice `i` as `k × n + i`. Across a P/D split
+/// it is refused with a 400 that says why in terms of the split. Before the fix both fleets
+/// refused it with the split's message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_are_served_aggregated_and_refused_across_a_split() {
+    let f = Fleet::builder().decode(2).start().await;
+    let r = f.router();
+    let body = json!({"model": "tiny-sim", "prompt": "many ways", "max_tokens": 4, "n": 3});
+    let a = r.post_data("/v1/completions", &body).await;
+    let v = a.json_or_null();
+    assert_eq!(a.status, 200, "{v}");
+    let idx: Vec<u64> = v["choices"]
+        .as_array()
+        .map(|c| c.iter().filter_map(|x| x["index"].as_u64()).collect())
+        .unwrap_or_default();
+    assert_eq!(idx, vec![0, 1, 2], "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 12, "{v}");
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+    assert_eq!(v["usage"]["total_tokens"], prompt + 12, "{v}");
+    let texts: Vec<&str> = v["choices"]
+        .as_array()
+        .map(|c| c.iter().filter_map(|x| x["text"].as_str()).collect())
+        .unwrap_or_default();
+    assert_ne!(texts[0], texts[1], "each choice is its own sample: {v}");
+
+    let mut chat = json!({"model": "tiny-sim", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 4, "n": 2, "stream": true,
+                          "stream_options": {"include_usage": true}});
+    let s = r.post_data("/v1/chat/completions", &chat).await;
+    assert_eq!(s.status, 200, "{}", s.text());
+    let frames = frames_of(&s.text());
+    let mut per_index = std::collections::BTreeMap::<u64, usize>::new();
+    for fr in &frames {
+        for c in fr["choices"].as_array().into_iter().flatten() {
+            if c["delta"]["content"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty())
+            {
+                *per_index
+                    .entry(c["index"].as_u64().unwrap_or(99))
+                    .or_default() += 1;
+            }
+        }
+    }
+    assert_eq!(
+        per_index,
+        std::collections::BTreeMap::from([(0, 4), (1, 4)]),
+        "{frames:?}"
+    );
+    let usage = frames.iter().rev().find(|fr| fr["usage"].is_object());
+    assert_eq!(
+        usage.map(|u| u["usage"]["completion_tokens"].clone()),
+        Some(json!(8)),
+        "{frames:?}"
+    );
+
+    let batch = json!({"model": "tiny-sim", "prompt": ["one", "two"], "max_tokens": 2, "n": 2});
+    let b = r.post_data("/v1/completions", &batch).await;
+    let v = b.json_or_null();
+    assert_eq!(b.status, 200, "{v}");
+    let mut idx: Vec<u64> = v["choices"]
+        .as_array()
+        .map(|c| c.iter().filter_map(|x| x["index"].as_u64()).collect())
+        .unwrap_or_default();
+    idx.sort_unstable();
+    assert_eq!(idx, vec![0, 1, 2, 3], "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
+
+    // A P/D split must refuse, naming the split.
+    let pd = fleet("vllm").await;
+    chat["stream"] = json!(false);
+    chat.as_object_mut().map(|o| o.remove("stream_options"));
+    let refused = pd.router().post_data("/v1/chat/completions", &chat).await;
+    let v = refused.json_or_null();
+    assert_eq!(refused.status, 400, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("n > 1 cannot be served across a split"), "{v}");
+    assert_eq!(pd.sim("d0").stats().await["requests"]["aggregated"], 0);
+}
+
+/// A slow KV fabric: the decode's pull of the prefill's KV takes 4 s (the simulator's
+/// consumer-side `--kv-transfer-ms 4000`), longer than `engine.first_token_timeout_s` (2.5 s by
+/// default). With default settings P/D requests are served, none answered 504 or retried: the
+/// decode leg of a split has `engine.kv_transfer_timeout_s` for the pull on top of its
+/// first-token limit. Before the fix every such request timed out (504) after its retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_kv_fabric_is_served_within_the_transfer_budget() {
+    for dialect in ["vllm", "sglang"] {
+        let f = Fleet::builder()
+            .dialect(dialect)
+            .prefill(1)
+            .decode(1)
+            .sim_args(&["--kv-transfer-ms", "4000"])
+            // The product's default (the kit's fleets wait 10 s for a first token).
+            .fleet(json!({"engine": {"first_token_timeout_s": 2.5}}))
+            .start()
+            .await;
+        let r = f.router();
+        for i in 0..2 {
+            let a = r.completion(&format!("slow fabric {i}"), 4).await;
+            assert_eq!(a.status, 200, "{dialect}: {}", a.text());
+        }
+        let consumed = f.sim("d0").stats().await["kv"]["consumed"]
+            .as_u64()
+            .unwrap_or(0);
+        assert_eq!(consumed, 2, "{dialect}: both served across the split");
+        let rows = r.journal_rows();
+        let retried: Vec<&Value> = rows
+            .iter()
+            .filter(|row| row["rid"].is_string() && row["attempts"] != 1)
+            .collect();
+        assert!(retried.is_empty(), "{dialect}: {retried:?}");
+    }
+}
+
+/// The journal's `input_len` is the router's estimate; the engine's own `usage.prompt_tokens` is
+/// recorded beside it as `engine_prompt_tokens`, streamed or not, split or aggregated, summed
+/// over a batch. Before: only the estimate was written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_journal_records_the_engines_prompt_tokens_beside_the_estimate() {
+    let f = fleet("vllm").await;
+    let r = f.router();
+    let prompt = "a prompt whose tokens the engine counts itself";
+    let a = r.completion(prompt, 3).await;
+    let v = a.json_or_null();
+    assert_eq!(a.status, 200, "{v}");
+    let engine = v["usage"]["prompt_tokens"].as_u64().expect("usage");
+    let rid = a.headers["x-request-id"].to_str().unwrap().to_string();
+    let row = eventually("the request's journal row", WAIT, || async {
+        r.journal_rows().into_iter().find(|row| row["rid"] == rid)
+    })
+    .await;
+    assert_eq!(row["engine_prompt_tokens"], engine, "{row}");
+    assert!(row["input_len"].is_u64(), "the estimate stays: {row}");
+    let (path, body) = openai_request(true, true, prompt, 3);
+    let s = r.post_data(path, &body).await;
+    assert_eq!(s.status, 200);
+    let rid = s.headers["x-request-id"].to_str().unwrap().to_string();
+    let row = eventually("the streamed request's row", WAIT, || async {
+        r.journal_rows().into_iter().find(|row| row["rid"] == rid)
+    })
+    .await;
+    assert!(
+        row["engine_prompt_tokens"].as_u64().is_some_and(|n| n > 0),
+        "{row}"
+    );
+}

@@ -126,6 +126,7 @@ impl EnginePlugin for SglangPlugin {
                         metrics: SGLANG_DISAGGREGATION,
                         transfers: None,
                         failures: None,
+                        prompt_sources: None,
                         cannot_receive: None,
                     }
                 }

@@ -524,7 +524,7 @@ fn arb_obs() -> impl proptest::strategy::Strategy<Value = (usize, u8, u8)> {
 proptest::proptest! {
     /// Below the threshold nothing is ejected, whatever the interleaving of classes.
     #[test]
-    fn no_ejection_without_a_full_streak(seq in proptest::collection::vec(0usize..6, 0..40)) {
+    fn no_ejection_without_a_full_streak(seq in proptest::collection::vec(0usize..7, 0..40)) {
         let (mut b, s, t0) = serving(&[P, D, D], Policy { eject_after: 1000, ..policy() });
         for c in seq {
             let tr = b.observe(1, fail(FailureClass::ALL[c]), t0, &s);
@@ -551,7 +551,7 @@ proptest::proptest! {
             now += Duration::from_millis(700);
             tickets.extend(b.due_probes(now, &s));
             let obs = match what {
-                0..=4 => fail(FailureClass::ALL[usize::from(arg) % 6]),
+                0..=4 => fail(FailureClass::ALL[usize::from(arg) % 7]),
                 5 => Observation::PrefillOk,
                 6 => Observation::DecodeOk,
                 7..=9 => {

@@ -245,6 +245,9 @@ pub struct EngineSection {
     pub decode_read_timeout_s: f64,
     /// Limit on decode headers + first token (default 2.5).
     pub first_token_timeout_s: f64,
+    /// Budget for the decode's pull of the prefill's KV, added to `first_token_timeout_s` on
+    /// the decode leg of a split (default 30, seconds; docs/configuration.md).
+    pub kv_transfer_timeout_s: f64,
     /// First-token calibration file (accepted, unused).
     pub first_token_calibration_path: String,
 }
@@ -577,6 +580,12 @@ impl Config {
     /// The default TTFT/TPOT-free first-token limit for a decode leg, as a `Duration`.
     pub(crate) fn first_token_timeout(&self) -> std::time::Duration {
         secs(self.engine.first_token_timeout_s)
+    }
+
+    /// The KV-pull budget a split's decode leg gets on top of its first-token limit
+    /// (`engine.kv_transfer_timeout_s`), as a `Duration`.
+    pub(crate) fn kv_transfer_timeout(&self) -> std::time::Duration {
+        secs(self.engine.kv_transfer_timeout_s)
     }
 }
 

@@ -42,6 +42,7 @@ fn minimal_fleet_gets_reference_defaults() {
     assert_eq!(c.serving.max_attempts, 2);
     assert_eq!(c.serving.max_request_bytes, 4_194_304);
     assert_eq!(c.engine.first_token_timeout_s, 2.5);
+    assert_eq!(c.engine.kv_transfer_timeout_s, 30.0);
     assert_eq!(c.engine.decode_read_timeout_s, 10.0);
     assert_eq!(c.recovery.eject_after, 3);
     assert_eq!(c.controller.monitor_interval_s, 1.0);

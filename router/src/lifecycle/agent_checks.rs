@@ -133,6 +133,8 @@ impl Checks for AgentChecks<'_> {
             .await
             .map_err(|e| self.agent_failed(e))?;
         let p = &v.payload;
+        self.agents
+            .record_kv_evidence(self.index(iid)?, p.transfer.clone());
         if !p.result.ok {
             return Err(CheckError::Consume {
                 error: p.result.error.clone(),

@@ -38,6 +38,9 @@ pub enum AgentsError {
 /// The mTLS clients of the engines' agents, one per distinct agent, indexed by engine.
 pub(crate) struct Agents {
     per_engine: Vec<Option<Arc<AgentClient>>>,
+    /// The transfer evidence of each engine's latest KV consume check (engine index → the
+    /// agent's signed `transfer` object), shown in `/narwhal/state.kv_evidence`.
+    kv_evidence: std::sync::Mutex<BTreeMap<usize, narwhal_shared::TransferEvidence>>,
 }
 
 impl Agents {
@@ -46,6 +49,7 @@ impl Agents {
     pub(crate) fn none(engines: usize) -> Agents {
         Agents {
             per_engine: vec![None; engines],
+            kv_evidence: Default::default(),
         }
     }
 
@@ -98,7 +102,26 @@ impl Agents {
             built.insert(key, client.clone());
             per_engine.push(Some(client));
         }
-        Ok(Agents { per_engine })
+        Ok(Agents {
+            per_engine,
+            kv_evidence: Default::default(),
+        })
+    }
+
+    /// Records the transfer evidence of engine `i`'s latest KV consume check.
+    pub(crate) fn record_kv_evidence(&self, i: usize, evidence: narwhal_shared::TransferEvidence) {
+        self.kv_evidence
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(i, evidence);
+    }
+
+    /// The latest KV consume evidence per engine index.
+    pub(crate) fn kv_evidence(&self) -> BTreeMap<usize, narwhal_shared::TransferEvidence> {
+        self.kv_evidence
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// The agent of engine `i`, if it has one.

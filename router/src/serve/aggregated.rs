@@ -68,7 +68,7 @@ pub(super) async fn run(
         track.first_token();
         Output::Whole(answer)
     } else {
-        let first_by = (now + first_token_limit(parts)).min(ctx.deadline);
+        let first_by = (now + first_token_limit(parts, false)).min(ctx.deadline);
         let live = parts
             .upstream
             .decode(&engine_url, &leg, &body, opts, first_by);

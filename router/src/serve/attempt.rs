@@ -49,11 +49,23 @@ pub(super) async fn start_all(
 /// serves it unsplit on the planned decode engine (every vLLM engine is `kv_both`); an SGLang
 /// decode server cannot run a request alone, so SGLang refuses it with a 400 naming the
 /// field.
+///
+/// `n` / `best_of` > 1 is passed to an aggregated engine, which samples the choices itself, as
+/// vLLM does; across a split it is refused with a 400 naming the split: the prefill leg runs
+/// with `max_tokens: 1` and one sequence, and a P/D connector hands the decode one sequence's
+/// KV, so the legs would disagree on sampling width (router/testdata/reference-error-400-n.json).
 pub(super) fn shape_plan(
     plan: Plan,
     v: &Validated,
     backend: Backend,
 ) -> Result<Plan, RequestFailure> {
+    if let (Plan::Split { .. }, Some(field)) = (plan, v.sampling_width)
+        && v.prompt_logprobs.is_none()
+    {
+        return Err(RequestFailure::Invalid(IngressError::SamplingWidth {
+            field,
+        }));
+    }
     match (plan, v.prompt_logprobs) {
         (Plan::Split { decode, .. }, Some(_)) if backend == Backend::Vllm => {
             Ok(Plan::Aggregated { engine: decode })

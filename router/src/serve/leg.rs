@@ -136,7 +136,7 @@ pub(super) fn relay_options(ctx: &Ctx<'_>, sub: &Sub<'_>) -> RelayOptions {
         // A streaming client gets prompt k's choices as choice k from the relay itself; a
         // non-streaming batch is merged (and reindexed) once every answer is whole.
         index_base: if ctx.v.stream {
-            sub.k.map(|k| k as u64)
+            sub.k.map(|k| k as u64 * ctx.v.choices)
         } else {
             None
         },
@@ -162,8 +162,17 @@ pub(super) fn new_leg(
     id
 }
 
-pub(super) fn first_token_limit(parts: &Parts) -> Duration {
-    parts.cfg.first_token_timeout()
+/// How long a decode leg may take to its first token: `engine.first_token_timeout_s`, plus
+/// `engine.kv_transfer_timeout_s` when `pulls_kv` (the decode of a split first pulls the
+/// prefill's KV over the fabric — vLLM's NIXL read, SGLang's Mooncake transfer — before it
+/// computes anything, and that pull grows with the prompt and the fabric, not the engine's
+/// step time; docs/configuration.md). An aggregated leg gets the first-token limit alone.
+pub(super) fn first_token_limit(parts: &Parts, pulls_kv: bool) -> Duration {
+    if pulls_kv {
+        parts.cfg.first_token_timeout() + parts.cfg.kv_transfer_timeout()
+    } else {
+        parts.cfg.first_token_timeout()
+    }
 }
 
 /// Aborts a spawned task when dropped (SGLang prefill leg).

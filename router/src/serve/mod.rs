@@ -112,6 +112,9 @@ struct Answering {
     chars_per_token: f64,
     /// Per prompt: the estimated prompt tokens.
     estimates: Vec<u64>,
+    /// Choices per prompt (the client's `n`): a batch's prompt `k` answers choices
+    /// `k × choices ..`, as vLLM numbers them.
+    choices: u64,
 }
 
 /// Serve one completion POST. Never fails: every outcome is a response and one settlement.
@@ -256,6 +259,7 @@ async fn completion_inner(
         return_token_ids: v.return_token_ids,
         chars_per_token: parts.cfg.engine.chars_per_token,
         estimates: subs.iter().map(|s| s.input_len).collect(),
+        choices: v.choices,
     };
     let ctx = Ctx {
         parts: &parts,

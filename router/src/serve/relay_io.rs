@@ -69,11 +69,24 @@ pub(super) struct SubStats {
     pub(super) tokens: u64,
     /// Mean gap between streamed tokens after the first, seconds.
     pub(super) tpot: Option<f64>,
+    /// The engine's own `usage.prompt_tokens`, when its answer carried usage.
+    pub(super) prompt_tokens: Option<u64>,
+}
+
+/// `usage.prompt_tokens` of an engine's usage object.
+fn engine_prompt_tokens(usage: Option<&Value>) -> Option<u64> {
+    usage?.get("prompt_tokens")?.as_u64()
 }
 
 pub(super) fn finish_record(pending: &mut Pending, stats: &[SubStats]) {
     let rec = pending.record();
     rec.output_len = stats.iter().map(|s| s.tokens).sum();
+    // Every prompt's engine count, or none: a partial sum would read as the request's.
+    rec.engine_prompt_tokens = stats
+        .iter()
+        .map(|s| s.prompt_tokens)
+        .sum::<Option<u64>>()
+        .filter(|_| !stats.is_empty());
     let tpots: Vec<f64> = stats.iter().filter_map(|s| s.tpot).collect();
     rec.tpot_s = (!tpots.is_empty()).then(|| tpots.iter().sum::<f64>() / tpots.len() as f64);
 }
@@ -327,6 +340,7 @@ pub(super) async fn stream_one(
     let (out, served, guards) = split(s);
     let one = match out {
         Output::Whole(mut answer) => {
+            let prompt_tokens = engine_prompt_tokens(answer.get("usage"));
             let tokens = finish_whole(&mut answer, a, estimate);
             served.track.tokens(tokens);
             let relayed = if sink.deliver_whole(&answer, a.chat, deadline).await {
@@ -339,7 +353,11 @@ pub(super) async fn stream_one(
             }
             StreamOne {
                 relayed,
-                stats: SubStats { tokens, tpot: None },
+                stats: SubStats {
+                    tokens,
+                    tpot: None,
+                    prompt_tokens,
+                },
                 usage: answer["usage"].take(),
                 engine_chunk: None,
                 head: sink.head.take(),
@@ -351,13 +369,10 @@ pub(super) async fn stream_one(
             )
             .await;
             let engine_chunk = live.take_usage_chunk();
+            let engine_usage = live.engine_usage(engine_chunk.as_deref());
             // Only a client that asked for usage gets one (the engine's, or the router's).
             let usage = if a.include_usage {
-                usage_value(
-                    live.engine_usage(engine_chunk.as_deref()).as_ref(),
-                    estimate,
-                    live.tokens(),
-                )
+                usage_value(engine_usage.as_ref(), estimate, live.tokens())
             } else {
                 Value::Null
             };
@@ -366,6 +381,7 @@ pub(super) async fn stream_one(
                 stats: SubStats {
                     tokens: live.output_tokens(),
                     tpot: clock.tpot(),
+                    prompt_tokens: engine_prompt_tokens(engine_usage.as_ref()),
                 },
                 usage,
                 engine_chunk,
@@ -458,7 +474,7 @@ pub(super) async fn stream_all(
         .into_iter()
         .enumerate()
         .map(|(k, s)| {
-            let sink = Stream::new(tx, Some(k as u64));
+            let sink = Stream::new(tx, Some(k as u64 * a.choices));
             async move {
                 let one = stream_one(parts, s, sink, deadline, first_at, a, a.estimates[k]).await;
                 (k, one)
@@ -509,12 +525,18 @@ pub(super) async fn collect_one(
     let (out, served, guards) = split(s);
     let (answer, stats) = match out {
         Output::Whole(mut answer) => {
+            let prompt_tokens = engine_prompt_tokens(answer.get("usage"));
             let tokens = finish_whole(&mut answer, a, estimate);
             served.track.tokens(tokens);
             if served.decode_ok {
                 parts.fleet.observe(served.served_by, Observation::DecodeOk);
             }
-            (Ok(answer), SubStats { tokens, tpot: None })
+            let stats = SubStats {
+                tokens,
+                tpot: None,
+                prompt_tokens,
+            };
+            (Ok(answer), stats)
         }
         Output::Live(mut live) => {
             let mut agg = Aggregator::new(a.chat);
@@ -522,18 +544,17 @@ pub(super) async fn collect_one(
                 parts, &mut live, &served, &mut agg, deadline, first_at, false,
             )
             .await;
-            let stats = SubStats {
+            let mut stats = SubStats {
                 tokens: live.output_tokens(),
                 tpot: clock.tpot(),
+                prompt_tokens: None,
             };
             let answer = match relayed {
                 Relayed::Done => {
                     let engine_chunk = live.take_usage_chunk();
-                    let usage = usage_value(
-                        live.engine_usage(engine_chunk.as_deref()).as_ref(),
-                        estimate,
-                        live.tokens(),
-                    );
+                    let engine_usage = live.engine_usage(engine_chunk.as_deref());
+                    stats.prompt_tokens = engine_prompt_tokens(engine_usage.as_ref());
+                    let usage = usage_value(engine_usage.as_ref(), estimate, live.tokens());
                     Ok(agg.finish(usage))
                 }
                 Relayed::Failed(failure) => Err(failure),
@@ -595,19 +616,20 @@ pub(super) async fn collect_all(
     }
     let answers: Vec<Value> = answers.into_iter().flatten().collect();
     CollectEnd {
-        answer: Ok(merge_answers(answers)),
+        answer: Ok(merge_answers(answers, a.choices)),
         stats,
     }
 }
 
 /// One response object for a fanned-out batch: the first answer's `id`, `object`, `created`
-/// and `model`, every answer's choices with prompt `k`'s as index `k`, the usages summed.
-pub(super) fn merge_answers(answers: Vec<Value>) -> Value {
+/// and `model`, every answer's choices with prompt `k`'s choice `i` as index `k × width + i`
+/// (vLLM's numbering; `width` = the client's `n`), the usages summed.
+pub(super) fn merge_answers(answers: Vec<Value>, width: u64) -> Value {
     let usage = sum_usages(answers.iter().filter_map(|a| a.get("usage")));
     let mut merged: Option<Value> = None;
     let mut choices = Vec::new();
     for (k, mut a) in answers.into_iter().enumerate() {
-        reindex(&mut a, k as u64);
+        reindex(&mut a, k as u64 * width);
         if let Some(Value::Array(c)) = a.get_mut("choices").map(Value::take) {
             choices.extend(c);
         }

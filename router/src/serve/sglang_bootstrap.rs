@@ -81,7 +81,12 @@ pub(super) async fn run(
         }
         .instrument(pspan),
     ));
-    let first_by = (now + first_token_limit(parts).min(Duration::from_secs(30))).min(ctx.deadline);
+    // The decode waits for the prefill's KV (the rendezvous and the transfer) before its first
+    // token: the first-token limit (at most 30 s) plus the transfer budget.
+    let first_by = (now
+        + first_token_limit(parts, false).min(Duration::from_secs(30))
+        + parts.cfg.kv_transfer_timeout())
+    .min(ctx.deadline);
     let durl = engine_url(ctx, decode);
     let dfut = parts
         .upstream

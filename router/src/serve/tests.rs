@@ -89,11 +89,14 @@ fn a_batch_answer_has_one_choice_per_prompt_and_summed_usage() {
     };
     let u =
         |p: u64, c: u64| json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
-    let merged = merge_answers(vec![
-        answer("a", u(2, 3)),
-        answer("b", u(4, 3)),
-        answer("c", usage_value(None, 1, 3)),
-    ]);
+    let merged = merge_answers(
+        vec![
+            answer("a", u(2, 3)),
+            answer("b", u(4, 3)),
+            answer("c", usage_value(None, 1, 3)),
+        ],
+        1,
+    );
     let choices = merged["choices"].as_array().unwrap();
     assert_eq!(
         choices
@@ -116,6 +119,7 @@ fn whole_answers_keep_the_engines_usage_or_estimate_one() {
         return_token_ids: false,
         chars_per_token: 4.0,
         estimates: vec![3],
+        choices: 1,
     };
     let mut with = json!({"choices": [{"index": 0, "text": "abcdefgh", "token_ids": [1]}],
                           "usage": {"prompt_tokens": 13, "completion_tokens": 8, "total_tokens": 21}});
@@ -256,4 +260,31 @@ fn whole_leg_body_and_leg_ids() {
 #[test]
 fn the_bootstrap_host_is_the_prefill_urls_host() {
     assert_eq!(url_host("http://127.0.0.1:8000"), Some("127.0.0.1".into()));
+}
+
+/// `n` > 1 is the engine's to sample on an aggregated placement and refused across a split,
+/// in the split's terms (vLLM serves prompt logprobs unsplit, so there `n` passes too).
+#[test]
+fn sampling_width_passes_aggregated_and_is_refused_across_a_split() {
+    let split = Plan::Split {
+        prefill: 0,
+        decode: 1,
+    };
+    let agg = Plan::Aggregated { engine: 1 };
+    let v = validated(r#"{"prompt":"a","n":3}"#);
+    for backend in [Backend::Vllm, Backend::Sglang] {
+        assert_eq!(shape_plan(agg, &v, backend).ok(), Some(agg));
+        match shape_plan(split, &v, backend) {
+            Err(RequestFailure::Invalid(e)) => {
+                assert!(e.to_string().contains("across a split"), "{e}");
+                assert_eq!(e.response().0, StatusCode::BAD_REQUEST);
+            }
+            other => panic!("{:?}", other.map(|_| ())),
+        }
+    }
+    let with_logprobs = validated(r#"{"prompt":"a","n":3,"prompt_logprobs":1}"#);
+    assert_eq!(
+        shape_plan(split, &with_logprobs, Backend::Vllm).ok(),
+        Some(agg)
+    );
 }

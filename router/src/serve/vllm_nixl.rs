@@ -90,7 +90,8 @@ pub(super) async fn run(
     track.dispatched(decode, Phase::Decode);
     parts.accounting.decode_dispatched();
     let body = decode_body(&sub.body, (decode != prefill).then_some(&desc), true);
-    let first_by = (parts.clock.now() + first_token_limit(parts)).min(ctx.deadline);
+    let first_by =
+        (parts.clock.now() + first_token_limit(parts, decode != prefill)).min(ctx.deadline);
     let dleg = new_leg(ctx, sub, n, "decode", decode, log);
     let live = parts
         .upstream

@@ -4,7 +4,7 @@
 //! ```text
 //!  {schema, schema_version, journal_run, <outcome counters>, token_accounting,
 //!   ha {...}, lifecycle <LifecycleView>, admission {...}, outcome_reasons {...},
-//!   serving {...}, pools {prefill, decode}, slo {ttft_s, tpot_s}, first_token_timeout_s,
+//!   serving {...}, pools {prefill, decode}, slo {ttft_s, tpot_s}, first_token_timeout_s, kv_transfer_timeout_s,
 //!   resident {<iid>: {prefill, decode}}, pinned, min_prefill, min_decode, ejected, draining,
 //!   quarantined, holds {timed, inference}, inference_sources, breaker {...}, unserved,
 //!   journal_dropped, journal_writes_failing, awaiting_health, degraded,
@@ -79,6 +79,9 @@ pub struct State {
     pub slo: Slo,
     /// `engine.first_token_timeout_s`, seconds.
     pub first_token_timeout_s: f64,
+    /// `engine.kv_transfer_timeout_s`, seconds: a split's decode leg waits
+    /// `first_token_timeout_s + kv_transfer_timeout_s` for its first token.
+    pub kv_transfer_timeout_s: f64,
     /// Resident requests per engine, sorted by id.
     pub resident: BTreeMap<String, Resident>,
     /// Engines with `pin: true` (never moved by the role controller).
@@ -115,6 +118,12 @@ pub struct State {
     pub degraded: Vec<String>,
     /// The KV index of KV-aware placement (ours; docs/design/kv-aware-placement.md).
     pub kv_index: KvIndex,
+    /// Per engine, the transfer evidence of its latest KV consume check, as its agent signed
+    /// it (`source`, `verdict`, `consumed_delta`, `failed_delta`, `recomputed_delta`: the
+    /// prompt tokens the decode computed itself, 1 for a prompt received whole, `detail`;
+    /// docs/agent.md, "Transfer evidence"); engines never checked are absent (ours).
+    #[serde(default)]
+    pub kv_evidence: BTreeMap<String, crate::TransferEvidence>,
     /// `controller` and, with the controller on, its fields (controller.md 13).
     #[serde(flatten)]
     pub controller: ControllerReport,
@@ -388,6 +397,9 @@ pub struct Streaks {
     pub kv_handoff: u64,
     /// Stream failures in a row.
     pub stream: u64,
+    /// The engine refused the router itself (401, 403, 404, 405: its key or its routes), in a
+    /// row (behaviour.md 6.2).
+    pub engine_config: u64,
     /// Consecutive liveness probes that timed out.
     pub liveness: u64,
 }

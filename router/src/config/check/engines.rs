@@ -257,6 +257,7 @@ impl Checker<'_> {
                 "health_timeout_s",
                 "decode_read_timeout_s",
                 "first_token_timeout_s",
+                "kv_transfer_timeout_s",
                 "first_token_calibration_path",
             ],
         );
@@ -295,6 +296,7 @@ impl Checker<'_> {
             health_timeout_s: self.num(&o, "health_timeout_s", 5.0, positive),
             decode_read_timeout_s: self.num(&o, "decode_read_timeout_s", 10.0, non_negative),
             first_token_timeout_s: self.num(&o, "first_token_timeout_s", 2.5, positive),
+            kv_transfer_timeout_s: self.num(&o, "kv_transfer_timeout_s", 30.0, positive),
             first_token_calibration_path: self.string(&o, "first_token_calibration_path", ""),
         };
         if e.first_token_timeout_s > serving.request_timeout_s {

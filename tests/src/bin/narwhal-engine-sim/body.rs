@@ -58,6 +58,9 @@ pub(crate) struct StreamPlan {
     pub(crate) fragment: Option<usize>,
     /// Top-level member added to the last token chunk (streamed prefill's kv_transfer_params).
     pub(crate) final_extra: String,
+    /// Choices (`n`): each position streams one chunk per choice, `index` 0..n, choice `i`
+    /// generated with seed `seed + i`; usage sums them.
+    pub(crate) n: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,7 +114,10 @@ impl TokenStream {
         self.scratch.clear();
         match self.stage {
             Stage::Role => {
-                self.plan.fmt.role_chunk(&mut self.scratch);
+                for i in 0..self.plan.n.max(1) {
+                    self.plan.fmt.set_index(i);
+                    self.plan.fmt.role_chunk(&mut self.scratch);
+                }
                 self.stage = Stage::Tokens;
                 Poll::Ready(Ok(true))
             }
@@ -144,11 +150,7 @@ impl TokenStream {
                     {
                         break;
                     }
-                    let id = tokenizer::generated_token(
-                        self.plan.prompt_hash,
-                        self.plan.seed,
-                        self.next,
-                    );
+                    let position = self.next;
                     self.next += 1;
                     produced += 1;
                     let last = self.next == self.plan.max_tokens;
@@ -157,14 +159,23 @@ impl TokenStream {
                     } else {
                         ""
                     };
-                    self.plan
-                        .fmt
-                        .token_chunk(&mut self.scratch, id, last, extra);
+                    for i in 0..self.plan.n.max(1) {
+                        let id = tokenizer::generated_token(
+                            self.plan.prompt_hash,
+                            self.plan.seed.wrapping_add(u64::from(i)),
+                            position,
+                        );
+                        self.plan.fmt.set_index(i);
+                        self.plan
+                            .fmt
+                            .token_chunk(&mut self.scratch, id, last, extra);
+                    }
                 }
+                let width = u64::from(self.plan.n.max(1));
                 self.stats
                     .prom_generation_tokens
-                    .fetch_add(produced, Relaxed);
-                self.tracker.set_tokens(self.next);
+                    .fetch_add(produced * width, Relaxed);
+                self.tracker.set_tokens(self.next * width);
                 if let Some(k) = self.plan.cut_after
                     && self.next >= k.min(self.plan.max_tokens)
                 {
@@ -176,16 +187,17 @@ impl TokenStream {
                 Poll::Ready(Ok(produced > 0))
             }
             Stage::Tail => {
+                let completion = self.next * u64::from(self.plan.n.max(1));
                 if self.plan.include_usage {
                     self.plan.fmt.usage_chunk(
                         &mut self.scratch,
                         self.plan.prompt_tokens,
-                        self.next,
+                        completion,
                     );
                 }
                 self.scratch.push_str(DONE);
                 self.stage = Stage::End;
-                self.tracker.finish(Outcome::Ok, 200, self.next);
+                self.tracker.finish(Outcome::Ok, 200, completion);
                 Poll::Ready(Ok(true))
             }
             Stage::CutFlush => {
@@ -348,6 +360,7 @@ mod tests {
     fn plan(kind: Kind, max_tokens: u64) -> StreamPlan {
         StreamPlan {
             fmt: ChunkFormat::new(kind, "cmpl-t", "m", 1, true, &[1, 2, 3]),
+            n: 1,
             prompt_hash: 42,
             prompt_tokens: 3,
             seed: 0,

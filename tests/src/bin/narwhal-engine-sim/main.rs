@@ -145,6 +145,12 @@ struct Cli {
     /// Turn prefix caching off: no hits, no stored blocks, no KV events.
     #[arg(long, overrides_with = "enable_prefix_caching")]
     no_enable_prefix_caching: bool,
+    /// vLLM's `--api-key` (or `VLLM_API_KEY`): every request whose path starts with `/v1`,
+    /// `/v2`, `/inference` or `/cohere` (OPTIONS excepted) needs `Authorization: Bearer <key>`,
+    /// else 401 `{"error": "Unauthorized"}`; `/health`, `/metrics`, `/version`, `/tokenize`
+    /// stay open (vLLM's `AuthenticationMiddleware`). vLLM dialect only.
+    #[arg(long, env = "VLLM_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// vLLM's KV events config (JSON, `KVEventsConfig` keys), e.g.
     /// `{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}`.
     #[arg(long)]
@@ -174,6 +180,10 @@ enum StartError {
     CacheBlocks,
     #[error("{0}")]
     KvEvents(String),
+    #[error("--api-key is vLLM's (its guarded paths and 401 body); the sglang dialect has none")]
+    ApiKeyDialect,
+    #[error("--api-key must not be empty")]
+    ApiKeyEmpty,
     #[error("cannot write --ready-file {path}: {source}")]
     ReadyFile {
         path: PathBuf,
@@ -211,6 +221,14 @@ fn run(cli: Cli) -> Result<(), StartError> {
     }
     if cli.kv_cache_blocks == 0 {
         return Err(StartError::CacheBlocks);
+    }
+    if let Some(key) = &cli.api_key {
+        if key.is_empty() {
+            return Err(StartError::ApiKeyEmpty);
+        }
+        if cli.dialect != Dialect::Vllm {
+            return Err(StartError::ApiKeyDialect);
+        }
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cli.threads)
@@ -254,6 +272,7 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
             seed: hash_seed(),
         },
         dev_mode: std::env::var("VLLM_SERVER_DEV_MODE").is_ok_and(|v| v == "1"),
+        api_key: cli.api_key.clone(),
     };
     let events_cfg = match &cli.kv_events_config {
         Some(text) => kv_events::KvEventsConfig::parse(text).map_err(StartError::KvEvents)?,

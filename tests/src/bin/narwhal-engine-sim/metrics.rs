@@ -21,14 +21,23 @@ pub(crate) struct PromptSources {
 }
 
 impl PromptSources {
-    /// Counts one request's prompt: `hit` cached tokens, `external` transferred, the rest
-    /// of `total` computed.
+    /// Counts one request's prompt of `total` tokens, `hit` found in the prefix cache and
+    /// `external` received over the connector, as vLLM 0.32.0's
+    /// `PromptTokenStats.update_from_output` (`vllm/v1/metrics/stats.py`) does: when every
+    /// token is cached the scheduler still computes the last one (`num_cached_tokens` is one
+    /// less), so a transferred prompt counts `local_compute` 1 and `external_kv_transfer`
+    /// `external`; `local_cache_hit` is `cached + recomputed - external`.
     pub(crate) fn count(&self, total: usize, hit: usize, external: usize) {
-        self.local_cache_hit.fetch_add(hit as u64, Relaxed);
+        let cached = (hit + external).min(total.saturating_sub(1));
+        let recomputed = usize::from(total > 0 && cached + 1 == total);
+        self.local_compute
+            .fetch_add((total - cached) as u64, Relaxed);
         self.external_kv_transfer
             .fetch_add(external as u64, Relaxed);
-        let computed = total.saturating_sub(hit + external);
-        self.local_compute.fetch_add(computed as u64, Relaxed);
+        self.local_cache_hit.fetch_add(
+            (cached + recomputed).saturating_sub(external) as u64,
+            Relaxed,
+        );
     }
 }
 
@@ -128,7 +137,8 @@ pub(crate) fn metrics(sim: &Sim) -> Response<SimBody> {
         "# HELP {p}:{success_name} Count of successfully processed requests.\n\
          # TYPE {p}:{success_name} counter\n{success_line}"
     );
-    if sim.cfg.dialect == Dialect::Vllm {
+    // `--no-kv-metrics` is an older vLLM: it predates the prompt-token sources too.
+    if sim.cfg.dialect == Dialect::Vllm && sim.cfg.kv_metrics {
         cache_metrics(
             sim,
             &format!("engine=\"0\",model_name=\"{model}\""),

@@ -139,6 +139,8 @@ pub(crate) struct Parsed {
     pub(crate) fake_bootstrap: bool,
     /// SGLang body `rid`.
     pub(crate) rid: Option<String>,
+    /// `n`: choices to generate (at least 1; vLLM's `SamplingParams` refuses less).
+    pub(crate) n: u32,
 }
 
 #[derive(Deserialize)]
@@ -209,13 +211,16 @@ pub(crate) fn parse_request(kind: Kind, bytes: &[u8], limits: &Limits) -> Result
             message: format!("The model `{m}` does not exist."),
         });
     }
-    if let Some(n) = body.n
-        && n != 1
-    {
-        return Err(ApiError::bad_request(format!(
-            "n = {n}: the engine simulator serves exactly one choice per request (n must be 1)"
-        )));
-    }
+    // vLLM `SamplingParams._verify_args`: "n must be at least 1, got {n}." (a 400).
+    let n = match body.n {
+        None => 1,
+        Some(n) if n >= 1 => u32::try_from(n).unwrap_or(u32::MAX).min(MAX_N),
+        Some(n) => {
+            return Err(ApiError::bad_request(format!(
+                "n must be at least 1, got {n}."
+            )));
+        }
+    };
     let stream = body.stream.unwrap_or(false);
     if body.stream_options.is_some() && !stream {
         return Err(ApiError::bad_request(
@@ -289,8 +294,13 @@ pub(crate) fn parse_request(kind: Kind, bytes: &[u8], limits: &Limits) -> Result
         fake_bootstrap,
         bootstrap,
         rid: body.rid,
+        n,
     })
 }
+
+/// The most choices one simulated request generates (a bound on the simulator's work, not
+/// vLLM's: larger `n` is clamped).
+const MAX_N: u32 = 64;
 
 #[derive(Deserialize)]
 struct TokenizeBody {
@@ -485,6 +495,8 @@ pub(crate) struct ChunkFormat {
     /// Same without `"choices":[` (for the usage chunk).
     head_no_choices: String,
     return_token_ids: bool,
+    /// The choice the next chunk is for (`n` > 1 streams interleave their choices).
+    index: u32,
     /// Prompt ids for the first chunk (`return_token_ids`), taken once.
     prompt_ids: Option<Vec<u32>>,
     first_sent: bool,
@@ -516,9 +528,16 @@ impl ChunkFormat {
             head,
             head_no_choices,
             return_token_ids,
+            index: 0,
             prompt_ids: return_token_ids.then(|| prompt.to_vec()),
             first_sent: false,
         }
+    }
+
+    /// Chunks written next are for choice `index` (vLLM streams each choice's chunks with its
+    /// `index`, interleaved as they are generated).
+    pub(crate) fn set_index(&mut self, index: u32) {
+        self.index = index;
     }
 
     fn push_ids(out: &mut String, key: &str, ids: &[u32]) {
@@ -539,8 +558,10 @@ impl ChunkFormat {
     /// `token_ids: []` and the top-level `prompt_token_ids`).
     pub(crate) fn role_chunk(&mut self, out: &mut String) {
         out.push_str(&self.head);
-        out.push_str(
-            "{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null",
+        let _ = write!(
+            out,
+            "{{\"index\":{},\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null",
+            self.index
         );
         if self.return_token_ids {
             Self::push_ids(out, "token_ids", &[]);
@@ -560,7 +581,7 @@ impl ChunkFormat {
         let reason = if finish { "\"length\"" } else { "null" };
         match self.kind {
             Kind::Completion => {
-                out.push_str("{\"index\":0,\"text\":\"");
+                let _ = write!(out, "{{\"index\":{},\"text\":\"", self.index);
                 tokenizer::push_token_text(out, id);
                 out.push_str("\",\"logprobs\":null,\"finish_reason\":");
                 out.push_str(reason);
@@ -574,7 +595,7 @@ impl ChunkFormat {
                 out.push_str("}]");
             }
             Kind::Chat => {
-                out.push_str("{\"index\":0,\"delta\":{\"content\":\"");
+                let _ = write!(out, "{{\"index\":{},\"delta\":{{\"content\":\"", self.index);
                 tokenizer::push_token_text(out, id);
                 out.push_str("\"},\"logprobs\":null,\"finish_reason\":");
                 out.push_str(reason);
@@ -612,49 +633,58 @@ pub(crate) fn error_frames(err: &ApiError) -> String {
     format!("data: {}\n\n{DONE}", err.body())
 }
 
-/// Builds a non-streaming `text_completion` / `chat.completion` object. `kv_transfer_params`
-/// goes at the top level, as vLLM's `CompletionResponse`/`ChatCompletionResponse` carry it.
+/// Builds a non-streaming `text_completion` / `chat.completion` object with one choice per
+/// `(text, token_ids)` of `choices` (`index` = its position), as vLLM answers `n`: usage counts
+/// the prompt once and sums the completion tokens of every choice. `kv_transfer_params` goes
+/// at the top level, as vLLM's `CompletionResponse`/`ChatCompletionResponse` carry it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn full_response(
     kind: Kind,
     id: &str,
     model: &str,
     created: u64,
-    text: String,
-    token_ids: &[u32],
+    choices: &[(String, Vec<u32>)],
     prompt: &[u32],
     return_token_ids: bool,
     kv_transfer_params: Option<Value>,
 ) -> Value {
+    let completion: usize = choices.iter().map(|(_, ids)| ids.len()).sum();
     let usage = json!({
         "prompt_tokens": prompt.len(),
-        "completion_tokens": token_ids.len(),
-        "total_tokens": prompt.len() + token_ids.len(),
+        "completion_tokens": completion,
+        "total_tokens": prompt.len() + completion,
     });
-    let mut choice = match kind {
-        Kind::Completion => json!({
-            "index": 0, "text": text, "logprobs": null,
-            "finish_reason": "length", "stop_reason": null,
-        }),
-        Kind::Chat => json!({
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": null, "finish_reason": "length", "stop_reason": null,
-        }),
-    };
-    if return_token_ids {
-        choice["token_ids"] = json!(token_ids);
-        if kind == Kind::Completion {
-            choice["prompt_token_ids"] = json!(prompt);
-        }
-    }
+    let choices: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(index, (text, token_ids))| {
+            let mut choice = match kind {
+                Kind::Completion => json!({
+                    "index": index, "text": text, "logprobs": null,
+                    "finish_reason": "length", "stop_reason": null,
+                }),
+                Kind::Chat => json!({
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": null, "finish_reason": "length", "stop_reason": null,
+                }),
+            };
+            if return_token_ids {
+                choice["token_ids"] = json!(token_ids);
+                if kind == Kind::Completion {
+                    choice["prompt_token_ids"] = json!(prompt);
+                }
+            }
+            choice
+        })
+        .collect();
     let object = match kind {
         Kind::Completion => "text_completion",
         Kind::Chat => "chat.completion",
     };
     let mut out = json!({
         "id": id, "object": object, "created": created, "model": model,
-        "choices": [choice], "usage": usage,
+        "choices": choices, "usage": usage,
     });
     if return_token_ids && kind == Kind::Chat {
         out["prompt_token_ids"] = json!(prompt);

@@ -146,6 +146,37 @@ pub(crate) struct Settings {
     pub(crate) cache: CacheSettings,
     /// `VLLM_SERVER_DEV_MODE=1`: vLLM's development routes (`POST /reset_prefix_cache`).
     pub(crate) dev_mode: bool,
+    /// `--api-key`: the bearer token [`unauthorized`] requires on the guarded paths.
+    pub(crate) api_key: Option<String>,
+}
+
+/// The path prefixes vLLM's `--api-key` guards (its `AuthenticationMiddleware`; everything
+/// else, `/health`, `/metrics`, `/version`, `/tokenize`, is open).
+const GUARDED_PREFIXES: [&str; 4] = ["/v1", "/v2", "/inference", "/cohere"];
+
+/// vLLM's `--api-key` check: a request on a guarded path (any method but OPTIONS) without
+/// `Authorization: Bearer <key>` (scheme case-insensitive, the key compared exactly) is
+/// answered 401 `{"error": "Unauthorized"}` before routing, so an unknown guarded path is 401
+/// too. `None` lets the request through.
+fn unauthorized(sim: &Sim, req: &Request<Incoming>) -> Option<Response<SimBody>> {
+    let key = sim.cfg.api_key.as_deref()?;
+    let path = req.uri().path();
+    if req.method() == Method::OPTIONS || !GUARDED_PREFIXES.iter().any(|p| path.starts_with(p)) {
+        return None;
+    }
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, token) = v.split_once(' ').unwrap_or((v, ""));
+            scheme.eq_ignore_ascii_case("bearer").then_some(token)
+        });
+    if given == Some(key) {
+        return None;
+    }
+    sim.stats.unauthorized.fetch_add(1, Relaxed);
+    Some(json_response(401, &json!({"error": "Unauthorized"})))
 }
 
 /// The prefix cache's settings.
@@ -490,6 +521,9 @@ async fn route(
     req: Request<Incoming>,
 ) -> Response<SimBody> {
     let vllm = sim.cfg.dialect == Dialect::Vllm;
+    if let Some(refused) = unauthorized(&sim, &req) {
+        return refused;
+    }
     let path = req.uri().path().to_string();
     let m = req.method().clone();
     match (path.as_str(), &m) {
@@ -800,26 +834,35 @@ fn respond(sim: &Sim, mut tracker: Tracker, a: Answer<'_>) -> Response<SimBody> 
             cut_after: a.cut.map(u64::from),
             fragment: a.fragment,
             final_extra,
+            n: p.n,
         };
         let stream = TokenStream::new(plan, tracker, sim.stats.clone());
         return sse_response(SimBody::Stream(Box::new(stream)));
     }
-    let (text, ids) = tokenizer::generated_text(a.prompt_hash, sim.cfg.seed, p.max_tokens);
+    let choices: Vec<(String, Vec<u32>)> = (0..p.n.max(1))
+        .map(|i| {
+            tokenizer::generated_text(
+                a.prompt_hash,
+                sim.cfg.seed.wrapping_add(u64::from(i)),
+                p.max_tokens,
+            )
+        })
+        .collect();
+    let generated: u64 = choices.iter().map(|(_, ids)| ids.len() as u64).sum();
     sim.stats
         .prom_generation_tokens
-        .fetch_add(ids.len() as u64, Relaxed);
+        .fetch_add(generated, Relaxed);
     let v = full_response(
         p.kind,
         &a.id,
         &sim.cfg.model,
         a.created,
-        text,
-        &ids,
+        &choices,
         &p.prompt,
         p.return_token_ids,
         a.kv_params,
     );
-    tracker.finish(Outcome::Ok, 200, ids.len() as u64);
+    tracker.finish(Outcome::Ok, 200, generated);
     json_bytes(200, serde_json::to_vec(&v).unwrap_or_default(), a.fragment)
 }
 
@@ -894,6 +937,17 @@ async fn completion(
             "a {}-mode server requires bootstrap_host, bootstrap_port and \
              bootstrap_room",
             sim.mode().as_str()
+        ));
+        tracker.finish(Outcome::Error, 400, 0);
+        return api_error(&e);
+    }
+    // The simulator generates `n` choices only for a request computed end to end (a real
+    // engine's P/D connectors move one sequence's KV; Narwhal never splits `n` > 1).
+    if parsed.n > 1 && phase != Phase::Aggregated {
+        let e = ApiError::bad_request(format!(
+            "n = {}: the engine simulator serves n > 1 only on a request without a KV transfer \
+             (kv_transfer_params / bootstrap fields)",
+            parsed.n
         ));
         tracker.finish(Outcome::Error, 400, 0);
         return api_error(&e);
@@ -1187,6 +1241,8 @@ async fn injected_transfer_failure(
         sim.stats.kv_recomputed.fetch_add(1, Relaxed);
         let p = answer.parsed;
         sleep(sim.cfg.prefill_per_token * p.prompt.len() as u32).await;
+        // Recomputed here: the whole prompt counts as local compute.
+        sim.sources.count(p.prompt.len(), 0, 0);
         return respond(sim, tracker, answer);
     }
     let e = ApiError::internal(format!(

@@ -69,6 +69,8 @@ pub(crate) struct Stats {
     pub(crate) kv_expired: AtomicU64,
     /// Requests whose client went away before they finished.
     pub(crate) cancelled: AtomicU64,
+    /// Requests refused 401 by `--api-key` (never reached a handler).
+    pub(crate) unauthorized: AtomicU64,
     /// Completion requests in progress (never reset).
     pub(crate) in_flight: AtomicI64,
     /// Prometheus `prompt_tokens_total` (monotonic, not reset by `/sim/stats/reset`).
@@ -183,6 +185,7 @@ pub(crate) struct StatsDoc<'a> {
     requests: Requests,
     kv: Kv,
     cancelled: u64,
+    unauthorized: u64,
     in_flight: i64,
     role_switches: u64,
     recent: Vec<Recent>,
@@ -202,6 +205,7 @@ impl Default for Stats {
             role_switches: AtomicU64::new(0),
             kv_expired: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
+            unauthorized: AtomicU64::new(0),
             in_flight: AtomicI64::new(0),
             prom_prompt_tokens: AtomicU64::new(0),
             prom_generation_tokens: AtomicU64::new(0),
@@ -260,6 +264,7 @@ impl Stats {
             &self.kv_recomputed,
             &self.kv_expired,
             &self.cancelled,
+            &self.unauthorized,
         ] {
             c.store(0, Relaxed);
         }
@@ -295,6 +300,7 @@ impl Stats {
                 expired: l(&self.kv_expired),
             },
             cancelled: l(&self.cancelled),
+            unauthorized: l(&self.unauthorized),
             in_flight: self.in_flight.load(Relaxed),
             role_switches: l(&self.role_switches),
             recent: self.recent_lock().iter().cloned().collect(),
