@@ -9,6 +9,12 @@
 //!   its ports (a new process, its sequence back to 0) is not chosen for the prefix its old
 //!   process held; it is `exact` again once its new process publishes.
 //! - `engines_without_kv_events_are_shown_none`: the mode of engines that publish nothing.
+//! - `an_engine_whose_events_stop_is_shown_stale_then_exact_again`: a request that stores new
+//!   blocks is placed on an engine whose events are muted (the simulator's `mute_kv_events`
+//!   fault); with `serving.kv_events_stale_s` 1 it is `stale` in `/narwhal/state` and
+//!   `/metrics` within a few seconds, and `exact` again once it publishes.
+
+use std::time::{Duration, Instant};
 
 use narwhal_testkit::{Fleet, RouterHandle, SimHandle, WAIT, eventually};
 use serde_json::{Value, json};
@@ -212,4 +218,70 @@ async fn engines_without_kv_events_are_shown_none() {
         metrics.contains("narwhal_kv_index_mode{iid=\"d0\",mode=\"none\"} 1"),
         "{metrics}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_whose_events_stop_is_shown_stale_then_exact_again() {
+    let f = Fleet::builder()
+        .decode(2)
+        .kv_events()
+        .sim_args(&["--block-size", "4"])
+        .fleet(json!({"serving": {"kv_events_stale_s": 1}}))
+        .start()
+        .await;
+    let router = f.router();
+    // Both engines publish once: exact.
+    for (k, iid) in ["d0", "d1"].into_iter().enumerate() {
+        complete_on(f.sim(iid), &words(1000 * (k + 1), 12)).await;
+        kv_engine(router, iid, "exact after its first batch", |e| {
+            e["mode"] == "exact"
+        })
+        .await;
+    }
+    // Whichever engine the router picks publishes nothing for the request it stores.
+    for iid in ["d0", "d1"] {
+        f.sim(iid)
+            .fault(json!({"phase": "aggregated", "action": "mute_kv_events"}))
+            .await;
+    }
+    complete(router, &words(0, 40)).await;
+    let rows = eventually("the request's journal row", WAIT, || async {
+        let r = served(router);
+        (!r.is_empty()).then_some(r)
+    })
+    .await;
+    let placed = Instant::now();
+    let muted = rows[0]["decode_iid"]
+        .as_str()
+        .expect("decode_iid")
+        .to_string();
+    let other = if muted == "d0" { "d1" } else { "d0" };
+    f.sim(other).clear_faults().await;
+    kv_engine(
+        router,
+        &muted,
+        "stale after serving.kv_events_stale_s",
+        |e| e["mode"] == "stale",
+    )
+    .await;
+    let took = placed.elapsed();
+    println!("stale {took:?} after the request was placed (kv_events_stale_s 1)");
+    assert!(
+        took < Duration::from_secs(6),
+        "stale within a few seconds: {took:?}"
+    );
+    let st = router.get("/narwhal/state").await.json();
+    assert_eq!(st["kv_index"]["engines"][other]["mode"], "exact", "{st}");
+    let metrics = router.metrics().await;
+    let line = format!("narwhal_kv_index_mode{{iid=\"{muted}\",mode=\"stale\"}} 1");
+    assert!(metrics.contains(&line), "{line} in /metrics:\n{metrics}");
+    // Its events resume (the fault was used up): the next stored blocks make it exact again.
+    complete_on(f.sim(&muted), &words(5000, 12)).await;
+    kv_engine(router, &muted, "exact again once events resume", |e| {
+        e["mode"] == "exact"
+    })
+    .await;
+    let metrics = router.metrics().await;
+    let line = format!("narwhal_kv_index_mode{{iid=\"{muted}\",mode=\"exact\"}} 1");
+    assert!(metrics.contains(&line), "{line} in /metrics:\n{metrics}");
 }

@@ -116,6 +116,10 @@ pub(crate) enum Action {
     Drop,
     /// Prefill answers 200 without a KV descriptor and publishes no KV.
     OmitKv,
+    /// The request is served and its blocks stored, but no KV event is published for it
+    /// (nothing sent, nothing buffered for replay, the sequence does not advance): an engine
+    /// whose event stream stalled (`--kv-events-config`).
+    MuteKvEvents,
     /// Write the response body in `bytes`-sized writes, each flushed separately.
     Fragment {
         /// Bytes per write.
@@ -139,6 +143,7 @@ impl Action {
             Action::Cut { .. } => "cut",
             Action::Drop => "drop",
             Action::OmitKv => "omit_kv",
+            Action::MuteKvEvents => "mute_kv_events",
             Action::Fragment { .. } => "fragment",
             Action::FailTransfer { .. } => "fail_transfer",
         }
@@ -153,8 +158,8 @@ pub(crate) enum FaultError {
     Json(#[from] serde_json::Error),
     /// Unknown `action`.
     #[error(
-        "fault action {0:?} is not one of status, hang, cut, drop, omit_kv, fragment, \
-         fail_transfer"
+        "fault action {0:?} is not one of status, hang, cut, drop, omit_kv, mute_kv_events, \
+         fragment, fail_transfer"
     )]
     UnknownAction(String),
     /// A required field is missing for this action.
@@ -226,6 +231,7 @@ pub(crate) fn validate(spec: &FaultSpec) -> Result<Action, FaultError> {
         },
         "drop" => Action::Drop,
         "omit_kv" => Action::OmitKv,
+        "mute_kv_events" => Action::MuteKvEvents,
         "fragment" => {
             let bytes = spec.bytes.ok_or(FaultError::Missing {
                 action: "fragment",
@@ -383,6 +389,20 @@ mod tests {
             })
         );
         assert!(q.is_empty());
+    }
+
+    #[test]
+    fn mute_kv_events_applies_to_request_phases_only() {
+        let mut q = q(r#"{"phase":"aggregated","action":"mute_kv_events","count":2}"#);
+        assert_eq!(q.take(Phase::Aggregated), Some(Action::MuteKvEvents));
+        assert_eq!(q.take(Phase::Aggregated), Some(Action::MuteKvEvents));
+        assert!(q.is_empty());
+        assert!(
+            parse_faults(br#"{"phase":"health","action":"mute_kv_events"}"#)
+                .unwrap_err()
+                .to_string()
+                .contains("mute_kv_events")
+        );
     }
 
     #[test]

@@ -313,20 +313,22 @@ impl Sim {
         lock(&self.cache).lookup(prompt)
     }
 
-    /// Stores `prompt`'s computed full blocks and publishes the batch of events it caused.
-    pub(crate) fn cache_store(&self, prompt: &[u32], lookup: &Lookup) {
+    /// Stores `prompt`'s computed full blocks and, when `publish` (no `mute_kv_events`
+    /// fault), publishes the batch of events it caused.
+    pub(crate) fn cache_store(&self, prompt: &[u32], lookup: &Lookup, publish: bool) {
         let events = lock(&self.cache).store(prompt, lookup);
-        if let Some(p) = &self.events {
+        if let Some(p) = self.events.as_ref().filter(|_| publish) {
             p.publish(events);
         }
     }
 
     /// A prompt's KV is in place (computed, or `external` tokens of it transferred): counts
-    /// its tokens by source and stores its full blocks.
-    pub(crate) fn computed(&self, prompt: &[u32], lookup: &Lookup, external: usize) {
+    /// its tokens by source and stores its full blocks (their events published when
+    /// `publish`).
+    pub(crate) fn computed(&self, prompt: &[u32], lookup: &Lookup, external: usize, publish: bool) {
         self.sources
             .count(prompt.len(), lookup.hit_tokens, external);
-        self.cache_store(prompt, lookup);
+        self.cache_store(prompt, lookup, publish);
     }
 
     /// Empties the prefix cache (`POST /reset_prefix_cache`) and publishes `AllBlocksCleared`.
@@ -956,6 +958,7 @@ async fn completion(
     let mut fragment = None;
     let mut cut = None;
     let mut omit_kv = false;
+    let mut mute_kv_events = false;
     let mut fail_transfer = None;
     if let Some(f) = &fault {
         tracker.mark_fault();
@@ -990,6 +993,7 @@ async fn completion(
                 tokio::time::sleep(Duration::from_millis(ms.unwrap_or(0))).await;
             }
             Action::OmitKv => omit_kv = true,
+            Action::MuteKvEvents => mute_kv_events = true,
             Action::Fragment { bytes } => fragment = Some(*bytes),
             Action::FailTransfer { recompute } => fail_transfer = Some(*recompute),
         }
@@ -1026,7 +1030,7 @@ async fn completion(
     match (sim.cfg.dialect, phase) {
         (Dialect::Vllm, Phase::Prefill) => {
             sim.prefill(compute).await;
-            sim.computed(&parsed.prompt, &lookup, 0);
+            sim.computed(&parsed.prompt, &lookup, 0, !mute_kv_events);
             if !omit_kv {
                 let block_ids = sim.blocks_lock().issue(Instant::now(), payload());
                 sim.stats.kv_issued.fetch_add(1, Relaxed);
@@ -1081,7 +1085,7 @@ async fn completion(
                     sim.stats.prom_transfers.observe(started.elapsed());
                     // vLLM caches the blocks a decode received (`cache_blocks` once the
                     // remote KV arrived): they count as transferred, not computed.
-                    sim.computed(&parsed.prompt, &lookup, uncached);
+                    sim.computed(&parsed.prompt, &lookup, uncached, !mute_kv_events);
                     respond(sim, tracker, answer)
                 }
                 Err((msg, _)) => {
@@ -1100,7 +1104,7 @@ async fn completion(
                 unreachable_phase()
             };
             sim.prefill(compute).await;
-            sim.computed(&parsed.prompt, &lookup, 0);
+            sim.computed(&parsed.prompt, &lookup, 0, !mute_kv_events);
             if !omit_kv {
                 if let Err(e) = sim.publish_room(b.room, RoomState::Ready(payload())) {
                     let e = ApiError::bad_request(e.to_string());
@@ -1138,7 +1142,7 @@ async fn completion(
                     sim.stats.kv_consumed.fetch_add(1, Relaxed);
                     sleep(sim.cfg.kv_transfer).await;
                     sim.stats.prom_transfers.observe(started.elapsed());
-                    sim.computed(&parsed.prompt, &lookup, uncached);
+                    sim.computed(&parsed.prompt, &lookup, uncached, !mute_kv_events);
                     respond(sim, tracker, answer)
                 }
                 Err((msg, cause)) => {
@@ -1158,7 +1162,7 @@ async fn completion(
         }
         (_, _) => {
             sim.prefill(compute).await;
-            sim.computed(&parsed.prompt, &lookup, 0);
+            sim.computed(&parsed.prompt, &lookup, 0, !mute_kv_events);
             let decode_capable = match sim.cfg.dialect {
                 Dialect::Vllm => true,
                 Dialect::Sglang => sim.mode() == Mode::Decode,
