@@ -145,6 +145,9 @@ pub async fn run(
     }
     let state_writer = tokio::spawn(handoff::writer(parts.clone(), stop.clone()));
     let monitor = tokio::spawn(monitor::monitor(parts.clone(), stop.clone()));
+    // In every HA phase: a shadowing standby keeps its own KV index from the same event streams
+    // (it only reads them; it places nothing), so at takeover its engines are already `exact`
+    // (docs/design/kv-aware-placement.md section 6). Not gated on `controls_fleet`.
     parts.kv.spawn(parts.fleet.clone(), stop.clone());
     let controller = tokio::spawn(parts.controller.clone().run(stop.clone()));
     let lifecycle_timer = {

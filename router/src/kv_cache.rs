@@ -13,6 +13,12 @@
 //! index's. A subscriber reconnects when the fleet sees a new process behind its engine
 //! (`Fleet::incarnation`), whose entries the index then drops. Tokenizing never fails a
 //! request: without tokens it is placed by load, and the failure is counted.
+//!
+//! The subscribers run in every HA phase: a warm standby keeps its index from the same streams
+//! (and replay) while it shadows, so placement keeps its affinity across a takeover. They only
+//! read the engines' events and the fleet's incarnation counts; a standby scores and places
+//! nothing. After a takeover the new primary's identity checks apply as always: a new process
+//! behind an engine drops its entries before it is scored again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -150,7 +156,8 @@ impl KvCache {
         secs(self.cfg.serving.kv_events_stale_s)
     }
 
-    /// Starts one subscriber per engine with `kv_events`; they end with `stop`.
+    /// Starts one subscriber per engine with `kv_events`, whatever the HA phase (a standby
+    /// keeps a warm index; module doc); they end with `stop`.
     pub(crate) fn spawn(self: &Arc<Self>, fleet: Arc<Fleet>, stop: CancellationToken) {
         for (e, engine) in self.cfg.engines.iter().enumerate() {
             if let Some(src) = engine.kv_events.clone() {
