@@ -237,7 +237,7 @@ impl KvCache {
             return;
         }
         for (seq, batch) in replay(ep, from.unwrap_or(0)).await.unwrap_or_default() {
-            self.ingest(e, seq, batch, None).await;
+            self.ingest(e, seq, batch, false, None).await;
         }
     }
 
@@ -248,14 +248,22 @@ impl KvCache {
             self.lock().reset(e);
             return;
         };
-        self.ingest(e, seq, batch, src.replay_endpoint.as_deref())
+        self.ingest(e, seq, batch, true, src.replay_endpoint.as_deref())
             .await;
+        self.lock().note_live(e, seq);
     }
 
-    /// Applies batch `seq` of engine `e` by the index's sequence rule; a gap is replayed from
-    /// `replay` when given.
-    async fn ingest(&self, e: usize, seq: u64, batch: KvEventBatch, replay_ep: Option<&str>) {
-        let verdict = self.lock().sequence(e, seq);
+    /// Applies batch `seq` of engine `e` by the index's sequence rule (`live`: it came on the
+    /// live stream, not from a catch-up replay); a gap is replayed from `replay_ep` when given.
+    async fn ingest(
+        &self,
+        e: usize,
+        seq: u64,
+        batch: KvEventBatch,
+        live: bool,
+        replay_ep: Option<&str>,
+    ) {
+        let verdict = self.lock().sequence(e, seq, live);
         let now = self.clock.now();
         match verdict {
             Seq::Next => self.lock().apply(e, seq, &batch, now),

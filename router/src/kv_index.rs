@@ -66,7 +66,10 @@ pub(crate) fn prompt_chain(tokens: &[u32], block_size: u32) -> Vec<u64> {
 pub(crate) enum Seq {
     /// The expected next batch (or the first batch of a stream, numbered 0).
     Next,
-    /// Numbered 0 after later numbers: a new engine process (vLLM numbers from 0 per process).
+    /// A new engine process (vLLM numbers from 0 per process): numbered 0 after later numbers,
+    /// or, on the live stream, numbered at or below a batch that stream already delivered
+    /// (one PUB connection delivers a process's batches in order, so going back there means
+    /// another process, whose first batches were missed).
     Restarted,
     /// Batches `from..seq` were missed (a first batch numbered above 0 missed `0..seq`).
     Gap {
@@ -132,6 +135,8 @@ struct Engine {
     by_engine: HashMap<u64, u64>,
     block_size: Option<u32>,
     next_seq: Option<u64>,
+    /// The highest sequence number the live stream (not a replay) delivered.
+    last_live: Option<u64>,
     last_batch: Option<Instant>,
     /// A request that must store blocks was placed here at this time, and no batch came since.
     awaiting: Option<Instant>,
@@ -244,9 +249,14 @@ impl KvIndex {
         }
     }
 
-    /// What sequence number `seq` means for engine `e`'s stream.
-    pub(crate) fn sequence(&self, e: usize, seq: u64) -> Seq {
-        match self.engines[e].next_seq {
+    /// What sequence number `seq` means for engine `e`'s stream; `live`: it came on the live
+    /// stream (a replayed batch below the expected one is only an overlap).
+    pub(crate) fn sequence(&self, e: usize, seq: u64, live: bool) -> Seq {
+        let en = &self.engines[e];
+        if live && en.last_live.is_some_and(|l| seq <= l) {
+            return Seq::Restarted;
+        }
+        match en.next_seq {
             None if seq == 0 => Seq::Next,
             None => Seq::Gap { from: 0 },
             Some(n) if seq == n => Seq::Next,
@@ -261,8 +271,14 @@ impl KvIndex {
         self.engines[e].apply(seq, batch, now);
     }
 
-    /// A new process's first batch (`seq` back to 0): its entries are dropped, then the batch
-    /// applied.
+    /// Records that the live stream delivered batch `seq` of engine `e` (after it was handled).
+    pub(crate) fn note_live(&mut self, e: usize, seq: u64) {
+        self.engines[e].last_live = Some(seq);
+    }
+
+    /// A new process's first batch seen (`seq` back to 0, or back on the live stream): its
+    /// entries are dropped, then the batch applied (a new process's batches before it that were
+    /// missed only under-credit the engine).
     pub(crate) fn restart(&mut self, e: usize, seq: u64, batch: &KvEventBatch, now: Instant) {
         let en = &mut self.engines[e];
         en.clear();

@@ -115,14 +115,18 @@ fn removed_blocks_and_cleared_engines_lose_their_credit() {
 fn sequence_rules() {
     let now = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
     let mut ix = KvIndex::new(&[true]);
-    assert_eq!(ix.sequence(0, 0), Seq::Next);
-    assert_eq!(ix.sequence(0, 3), Seq::Gap { from: 0 }, "joined late");
+    assert_eq!(ix.sequence(0, 0, false), Seq::Next);
+    assert_eq!(
+        ix.sequence(0, 3, false),
+        Seq::Gap { from: 0 },
+        "joined late"
+    );
     ix.apply(0, 0, &batch(vec![]), now);
     ix.apply(0, 1, &batch(vec![]), now);
-    assert_eq!(ix.sequence(0, 2), Seq::Next);
-    assert_eq!(ix.sequence(0, 1), Seq::Old);
-    assert_eq!(ix.sequence(0, 5), Seq::Gap { from: 2 });
-    assert_eq!(ix.sequence(0, 0), Seq::Restarted);
+    assert_eq!(ix.sequence(0, 2, false), Seq::Next);
+    assert_eq!(ix.sequence(0, 1, false), Seq::Old);
+    assert_eq!(ix.sequence(0, 5, false), Seq::Gap { from: 2 });
+    assert_eq!(ix.sequence(0, 0, false), Seq::Restarted);
 }
 
 #[test]
@@ -134,12 +138,12 @@ fn a_restarted_sequence_drops_the_old_process_blocks() {
     ix.apply(0, 0, &batch(vec![stored(&[1, 2, 3], None, &p[..12])]), now);
     ix.apply(0, 1, &batch(vec![]), now);
     let fresh = batch(vec![stored(&[70], None, &[40, 41, 42, 43])]);
-    assert_eq!(ix.sequence(0, 0), Seq::Restarted);
+    assert_eq!(ix.sequence(0, 0, false), Seq::Restarted);
     ix.restart(0, 0, &fresh, now);
     assert_eq!(matched(&ix, 0, &p), 0, "no credit for the old process");
     assert_eq!(matched(&ix, 0, &[40, 41, 42, 43, 44]), 4);
     assert_eq!(ix.view(0, now, STALE).counters.resets, 1);
-    assert_eq!(ix.sequence(0, 1), Seq::Next);
+    assert_eq!(ix.sequence(0, 1, false), Seq::Next);
 }
 
 #[test]
@@ -154,7 +158,7 @@ fn a_gap_is_filled_from_the_replay_or_the_engine_is_rebuilt() {
     // Batch 1 (an eviction of block 3) was missed; batch 2 arrives.
     let missed = (1u64, batch(vec![removed(&[3])]));
     let b2 = batch(vec![]);
-    assert_eq!(ix.sequence(0, 2), Seq::Gap { from: 1 });
+    assert_eq!(ix.sequence(0, 2, false), Seq::Gap { from: 1 });
     // Engine 0: the replay holds batch 1 (and the current one, which is skipped).
     let replayed = vec![missed.clone(), (2, b2.clone())];
     assert!(ix.fill(0, 1, Some(&replayed), 2, &b2, now));
@@ -167,7 +171,7 @@ fn a_gap_is_filled_from_the_replay_or_the_engine_is_rebuilt() {
     assert!(!ix.fill(0, 4, Some(&[(5, batch(vec![]))]), 6, &b2, now));
     let c = ix.view(0, now, STALE).counters;
     assert_eq!((c.gaps, c.replays, c.resets), (2, 1, 1));
-    assert_eq!(ix.sequence(0, 7), Seq::Next);
+    assert_eq!(ix.sequence(0, 7, false), Seq::Next);
 }
 
 #[test]
@@ -184,7 +188,7 @@ fn a_new_process_seen_by_the_fleet_drops_entries_and_waits() {
     assert_eq!(matched(&ix, 0, &p), 0);
     assert_eq!(ix.mode(0, now, STALE), Mode::Waiting);
     assert_eq!(
-        ix.sequence(0, 0),
+        ix.sequence(0, 0, false),
         Seq::Next,
         "the new process numbers from 0"
     );
@@ -217,4 +221,34 @@ fn memory_is_bounded_per_engine() {
     let v = ix.view(0, now, STALE);
     assert_eq!(v.blocks, MAX_BLOCKS_PER_ENGINE as u64);
     assert_eq!(v.counters.overflow, 10);
+}
+
+/// On the live stream a sequence number at or below one it already delivered is another
+/// process whose first batches were missed (its numbers are still below the old process's):
+/// the old process's blocks are dropped, never credited. A replayed batch below the expected
+/// one is only an overlap.
+#[test]
+fn a_live_stream_that_goes_back_is_a_new_process_even_above_zero() {
+    let now = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
+    let mut ix = KvIndex::new(&[true]);
+    let mut p = prompt();
+    p.push(13);
+    ix.apply(0, 0, &batch(vec![stored(&[1, 2, 3], None, &p[..12])]), now);
+    ix.note_live(0, 0);
+    for seq in 1..10 {
+        ix.apply(0, seq, &batch(vec![]), now);
+        ix.note_live(0, seq);
+    }
+    assert_eq!(ix.sequence(0, 4, false), Seq::Old, "a replay overlap");
+    assert_eq!(
+        ix.sequence(0, 4, true),
+        Seq::Restarted,
+        "the live stream went back"
+    );
+    let fresh = batch(vec![stored(&[70], None, &[40, 41, 42, 43])]);
+    ix.restart(0, 4, &fresh, now);
+    ix.note_live(0, 4);
+    assert_eq!(matched(&ix, 0, &p), 0, "no credit for the old process");
+    assert_eq!(matched(&ix, 0, &[40, 41, 42, 43, 44]), 4);
+    assert_eq!(ix.sequence(0, 5, true), Seq::Next);
 }
