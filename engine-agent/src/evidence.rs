@@ -389,13 +389,19 @@ fn delta(after: Option<f64>, before: Option<f64>) -> Option<i64> {
 /// 1. The leg failed or decoded no token → `refuted`.
 /// 2. The consumer says it cannot receive KV → `refuted`.
 /// 3. Both readings publish failure counters and they rose → `refuted`.
-/// 4. Both readings publish vLLM's prompt tokens by source and `local_compute` rose by more
-///    than the one token vLLM always computes → `refuted` (the decode recomputed the prompt).
+/// 4. Both readings publish vLLM's prompt tokens by source, `external_kv_transfer` did not
+///    rise and `local_compute` rose by more than the one token vLLM always computes →
+///    `refuted` (the decode recomputed the prompt). The counters are the whole engine's, and
+///    the consumer may serve other requests meanwhile: their prompts can only add to either
+///    source, so only an `external_kv_transfer` that stayed put proves that this decode's
+///    prompt did not come over the connector.
 /// 5. Both readings publish the completed-transfer counter and it rose → `confirmed`.
 /// 6. Both readings publish the prompt tokens by source, `external_kv_transfer` rose and
-///    `local_compute` by at most one → `confirmed` (the KV came over the connector).
-/// 7. Otherwise (no counters, or none moved) → `inferred`: the decode succeeded with the handle.
-///    A missing family is unknown evidence, never a confirmation.
+///    `local_compute` by at most one → `confirmed` (the KV came over the connector, and
+///    nothing else ran a prefill there meanwhile).
+/// 7. Otherwise (no counters, none moved, or other requests' prompts muddled the sources) →
+///    `inferred`: the decode succeeded with the handle. A missing family is unknown evidence,
+///    never a confirmation.
 pub(crate) fn judge(
     leg: &LegResult,
     before: Option<&TransferCounters>,
@@ -472,8 +478,9 @@ pub(crate) fn judge(
             ),
         );
     }
-    if let Some(s @ (local, _)) = sources
+    if let Some(s @ (local, external)) = sources
         && local > ALWAYS_COMPUTED
+        && external <= 0
     {
         return judgement(
             TransferVerdict::Refuted,
@@ -490,11 +497,25 @@ pub(crate) fn judge(
             TransferVerdict::Confirmed,
             format!("{} rose by {d}{also}", a.metrics.transfers.display()),
         ),
+        (Some(_), _)
+            if sources
+                .is_some_and(|(local, external)| external >= 1 && local <= ALWAYS_COMPUTED) =>
+        {
+            judgement(
+                TransferVerdict::Confirmed,
+                format!(
+                    "{} (the KV arrived over the connector, the prompt was not recomputed)",
+                    sources.map(by_source).unwrap_or_default()
+                ),
+            )
+        }
         (Some(_), _) if sources.is_some_and(|(_, external)| external >= 1) => judgement(
-            TransferVerdict::Confirmed,
+            TransferVerdict::Inferred,
             format!(
-                "{} (the KV arrived over the connector, the prompt was not recomputed)",
-                sources.map(by_source).unwrap_or_default()
+                "{} while other requests ran on the consumer (its counters are the whole \
+                 engine's); the decode with the KV handle produced {} tokens",
+                sources.map(by_source).unwrap_or_default(),
+                leg.tokens
             ),
         ),
         (Some((_, a)), Some(_)) => judgement(
@@ -618,6 +639,24 @@ mod tests {
         let j = judge(&leg(true, 2), Some(&vllm(3, 0)), Some(&vllm(3, 0)), S);
         assert_eq!(j.verdict, TransferVerdict::Inferred);
         assert_eq!(j.recomputed_delta, None);
+        // Other requests ran on the consumer meanwhile (its counters are the whole engine's):
+        // the connector delivered prompt tokens and something else computed some. That
+        // refutes nothing; it confirms only with the transfer counter.
+        let j = judge(
+            &leg(true, 2),
+            Some(&vllm_sources(3, 0, 100, 40)),
+            Some(&vllm_sources(3, 0, 102, 48)),
+            S,
+        );
+        assert_eq!(j.verdict, TransferVerdict::Inferred, "{}", j.detail);
+        assert!(j.detail.contains("other requests"), "{}", j.detail);
+        let j = judge(
+            &leg(true, 2),
+            Some(&vllm_sources(3, 0, 100, 40)),
+            Some(&vllm_sources(4, 0, 102, 48)),
+            S,
+        );
+        assert_eq!(j.verdict, TransferVerdict::Confirmed, "{}", j.detail);
         // Sources that did not move confirm nothing.
         let j = judge(
             &leg(true, 2),
