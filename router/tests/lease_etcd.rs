@@ -44,6 +44,17 @@ fn store_with(etcd: &EtcdServer, key: &str, access: &EtcdAccess) -> EtcdLease {
     .unwrap()
 }
 
+/// The etcd lease TTL of the authentication test, in milliseconds: etcd checks a password with
+/// bcrypt, and on a loaded machine turning RBAC on or rotating a password between a claim and
+/// its renewal has taken longer than 2 s, so a short TTL would lapse under the test itself.
+const AUTH_TTL_MS: u64 = 10_000;
+
+/// A store for the authentication test: TTL [`AUTH_TTL_MS`], each call bounded by the same.
+fn auth_store(etcd: &EtcdServer, key: &str, access: &EtcdAccess) -> EtcdLease {
+    let ttl = Duration::from_millis(AUTH_TTL_MS);
+    EtcdLease::with_access(vec![etcd.endpoint.clone()], key, ttl, ttl, access).unwrap()
+}
+
 const S: Duration = Duration::from_secs(1);
 
 fn ms(n: u64) -> Duration {
@@ -300,8 +311,8 @@ async fn with_etcd_auth_a_user_claims_and_renews_and_a_wrong_password_is_refused
 
     // lease.auth against an etcd whose RBAC is still off: calls go without a token. Then RBAC
     // is turned on while the router holds the lease: its next renewal authenticates.
-    let early = store_with(&etcd, "/narwhal/early/router-lease", &access(&right));
-    let mut e = Lease::new("e:1".into(), timing(2000, 500, 500));
+    let early = auth_store(&etcd, "/narwhal/early/router-lease", &access(&right));
+    let mut e = Lease::new("e:1".into(), timing(AUTH_TTL_MS, 500, 500));
     let Claim::Write(re) = early.claim(&e, t0, 1000.0).await.unwrap() else {
         panic!("the free lease")
     };
@@ -316,16 +327,16 @@ async fn with_etcd_auth_a_user_claims_and_renews_and_a_wrong_password_is_refused
             .unwrap()
             .unwrap()
             .expires_at,
-        1003.0
+        1011.0
     );
     assert!(early.release(&e, 1001.5).await.unwrap());
 
     let key = "/narwhal/auth/router-lease";
-    let mut a = Lease::new("a:1".into(), timing(2000, 500, 500));
+    let mut a = Lease::new("a:1".into(), timing(AUTH_TTL_MS, 500, 500));
 
     // Wrong password: refused at authentication, naming the user and the password file.
     let wrong = password_file(&etcd, "wrong.pw", "guess");
-    let err = store_with(&etcd, key, &access(&wrong))
+    let err = auth_store(&etcd, key, &access(&wrong))
         .claim(&a, t0, 1000.0)
         .await
         .unwrap_err()
@@ -345,7 +356,7 @@ async fn with_etcd_auth_a_user_claims_and_renews_and_a_wrong_password_is_refused
     assert!(!err.contains("guess"), "the password is never shown: {err}");
 
     // No user configured: etcd's refusal says to set lease.auth.
-    let err = store(&etcd, key, Duration::from_secs(2))
+    let err = store(&etcd, key, Duration::from_millis(AUTH_TTL_MS))
         .claim(&a, t0, 1000.0)
         .await
         .unwrap_err()
@@ -353,7 +364,7 @@ async fn with_etcd_auth_a_user_claims_and_renews_and_a_wrong_password_is_refused
     assert!(err.contains("set lease.auth"), "{err}");
 
     // A user outside its role's prefix is refused by etcd (the role is enforced).
-    let err = store_with(&etcd, "/other/router-lease", &access(&right))
+    let err = auth_store(&etcd, "/other/router-lease", &access(&right))
         .claim(&a, t0, 1000.0)
         .await
         .unwrap_err()
@@ -361,7 +372,7 @@ async fn with_etcd_auth_a_user_claims_and_renews_and_a_wrong_password_is_refused
     assert!(err.contains("permission denied"), "{err}");
 
     // The right password: claim, renew.
-    let s = store_with(&etcd, key, &access(&right));
+    let s = auth_store(&etcd, key, &access(&right));
     let Claim::Write(ra) = s.claim(&a, t0, 1000.0).await.unwrap() else {
         panic!("the free lease")
     };
@@ -369,7 +380,7 @@ async fn with_etcd_auth_a_user_claims_and_renews_and_a_wrong_password_is_refused
     assert_eq!(ra.epoch, 1);
     assert_eq!(
         s.renew(&a, t0, 1001.0).await.unwrap().unwrap().expires_at,
-        1003.0
+        1011.0
     );
     assert_eq!(
         root.get(&format!("{key}/epoch")).await.as_deref(),
@@ -382,7 +393,7 @@ async fn with_etcd_auth_a_user_claims_and_renews_and_a_wrong_password_is_refused
     std::fs::write(&right, "n3w-s3cret\n").unwrap();
     assert_eq!(
         s.renew(&a, t0, 1001.5).await.unwrap().unwrap().expires_at,
-        1003.5
+        1011.5
     );
     // Rotated in etcd but not in the file: the renewal fails, naming authentication.
     root.change_password("narwhal", "third").await;
@@ -498,7 +509,7 @@ struct Renewing {
 }
 
 impl Renewing {
-    /// Starts `a`'s renew loop and waits (deadline 8 s) until renewals have carried the record
+    /// Starts `a`'s renew loop and waits (deadline 15 s) until renewals have carried the record
     /// `gain_s` seconds past its first expiry, under the same epoch and holder, with no event.
     async fn start(a: &Arc<LeaseDriver>, clock: &Arc<dyn Clock>, gain_s: f64) -> Renewing {
         let events = Arc::new(Mutex::new(Vec::new()));
@@ -508,7 +519,7 @@ impl Renewing {
             ev.lock().unwrap().push(e);
         });
         let first = a.read_record().await.unwrap().unwrap();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(8);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
         loop {
             let now = a.read_record().await.unwrap().expect("kept alive");
             assert_eq!((now.epoch, &now.holder), (1, &first.holder));
@@ -668,9 +679,12 @@ async fn the_driver_keeps_the_lease_past_its_ttl_and_fences_on_a_takeover() {
         path: String::new(),
         endpoints: vec![etcd.endpoint.clone()],
         key: "/narwhal/t4/router-lease".into(),
-        ttl_s: 1.5,
-        renew_interval_s: 0.3,
-        safety_margin_s: 0.3,
+        // A renew interval (and so each etcd call's bound) of 1 s: on a loaded machine etcd's
+        // answers have taken over 0.3 s, and a lease that lapses that way is fenced as
+        // `Lapsed`, which is right, but not this test's takeover.
+        ttl_s: 4.0,
+        renew_interval_s: 1.0,
+        safety_margin_s: 0.5,
         etcd: EtcdAccess::default(),
     };
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
@@ -678,15 +692,15 @@ async fn the_driver_keeps_the_lease_past_its_ttl_and_fences_on_a_takeover() {
     assert_eq!(a.control(clock.now()), Control::Standby);
     assert_eq!(a.claim().await, Ok(1));
     assert!(a.holder().starts_with("router-a:"));
-    // Renewals carry the record well past the 2 s etcd lease and its 1.5 s expiry.
-    let renewing = Renewing::start(&a, &clock, 2.5).await;
+    // Renewals carry the record well past the 4 s etcd lease and its first expiry.
+    let renewing = Renewing::start(&a, &clock, 4.5).await;
 
     // Router B takes over once A's record is gone (etcd removes it when A's etcd lease
     // expires; deleted here right after a renewal while A's loop still runs). A wall clock
     // 10 s ahead would not do: a present record is never taken.
     let key = "/narwhal/t4/router-lease";
-    let sb = store(&etcd, key, Duration::from_secs(2));
-    let b = Lease::new("router-b:1".into(), timing(1500, 300, 300));
+    let sb = store(&etcd, key, Duration::from_secs(4));
+    let b = Lease::new("router-b:1".into(), timing(4000, 1000, 500));
     assert!(matches!(
         sb.claim(&b, clock.now(), clock.wall().unwrap() + 10.0)
             .await

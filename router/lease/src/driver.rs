@@ -102,7 +102,8 @@ impl LeaseDriver<AnyStore> {
     /// - `file`: [`FileLease`] at `lease.path`, flock wait bounded by `renew_interval_s`;
     /// - `etcd`: [`EtcdLease`] on `lease.endpoints` / `lease.key` with `lease.tls` /
     ///   `lease.auth` ([`EtcdLease::with_access`]), each etcd call bounded by
-    ///   `renew_interval_s` (at least 0.25 s).
+    ///   `renew_interval_s` (at least 0.25 s), the password check (`/v3/auth/authenticate`) by
+    ///   `max(renew_interval_s, ttl_s)`.
     ///
     /// Nothing is claimed yet; call [`LeaseDriver::claim`].
     ///

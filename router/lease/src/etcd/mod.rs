@@ -88,6 +88,8 @@ pub struct EtcdLease {
     handoff_key: String,
     ttl_s: i64,
     op_timeout: Duration,
+    /// The bound of one `/v3/auth/authenticate` call: `max(op_timeout, ttl)`.
+    auth_timeout: Duration,
     http: reqwest::Client,
     tls: Option<EtcdTls>,
     auth: Option<EtcdAuth>,
@@ -101,6 +103,7 @@ impl std::fmt::Debug for EtcdLease {
             .field("key", &self.key)
             .field("ttl_s", &self.ttl_s)
             .field("op_timeout", &self.op_timeout)
+            .field("auth_timeout", &self.auth_timeout)
             .field("tls", &self.tls)
             .field("user", &self.auth.as_ref().map(|a| &a.user))
             .finish_non_exhaustive()
@@ -155,7 +158,12 @@ impl EtcdLease {
 
     /// A store on `endpoints` under `key`, reaching etcd with `access`: TLS (`lease.tls`:
     /// trusted CA, optional client certificate) and an etcd user (`lease.auth`). Leases are
-    /// granted for `ceil(ttl)` seconds (at least 1); every etcd call gets `op_timeout`. Reads
+    /// granted for `ceil(ttl)` seconds (at least 1); every etcd call gets `op_timeout`, except
+    /// the password check (`/v3/auth/authenticate`), which gets `max(op_timeout, ttl)`: etcd
+    /// checks a password with bcrypt, which on a loaded etcd host outlasts a renew interval,
+    /// and a check cut short is never answered however often it is retried. Nothing waits
+    /// longer for it than it may: a renewal is bounded by the lease's local validity in the
+    /// driver, so a slow password check costs the lease, never its safety. Reads
     /// every file now, so a missing or unreadable one stops the router at startup; the
     /// password file is read again at each (re-)authentication.
     ///
@@ -188,6 +196,7 @@ impl EtcdLease {
             key,
             ttl_s,
             op_timeout,
+            auth_timeout: op_timeout.max(ttl),
             http,
             tls: access.tls.clone(),
             auth: access.auth.clone(),
@@ -274,12 +283,16 @@ impl EtcdLease {
                 }
             }
         };
-        match tokio::time::timeout(self.op_timeout, work).await {
+        // A backstop over the per-request bounds: with `lease.auth`, a refused token costs a
+        // call, a password check and the call again.
+        let bound = if self.auth.is_some() {
+            self.op_timeout * 2 + self.auth_timeout
+        } else {
+            self.op_timeout
+        };
+        match tokio::time::timeout(bound, work).await {
             Ok(r) => r,
-            Err(_) => Err(self.err(
-                op,
-                format!("timed out after {} s", self.op_timeout.as_secs_f64()),
-            )),
+            Err(_) => Err(self.err(op, format!("timed out after {} s", bound.as_secs_f64()))),
         }
     }
 
@@ -290,7 +303,16 @@ impl EtcdLease {
         };
         let password = read_password(&auth.password_file)?;
         let body = json!({"name": auth.user, "password": password});
-        match self.post(st, "/v3/auth/authenticate", &body, None).await {
+        match self
+            .post_within(
+                st,
+                "/v3/auth/authenticate",
+                &body,
+                None,
+                Some(self.auth_timeout),
+            )
+            .await
+        {
             Ok(v) => match v.get("token").and_then(Value::as_str) {
                 Some(t) if !t.is_empty() => {
                     st.token = Some(t.to_string());
@@ -335,6 +357,19 @@ impl EtcdLease {
         body: &Value,
         token: Option<&str>,
     ) -> Result<Value, Failure> {
+        self.post_within(st, path, body, token, None).await
+    }
+
+    /// [`Self::post`], with each endpoint's request bounded by its share of `bound` instead of
+    /// the client's per-call share of `op_timeout` when `bound` is given.
+    async fn post_within(
+        &self,
+        st: &mut State,
+        path: &str,
+        body: &Value,
+        token: Option<&str>,
+        bound: Option<Duration>,
+    ) -> Result<Value, Failure> {
         let n = self.endpoints.len();
         let mut failures = Vec::new();
         let mut last_server = None;
@@ -342,6 +377,9 @@ impl EtcdLease {
             let idx = (st.preferred + i) % n;
             let base = &self.endpoints[idx];
             let mut req = self.http.post(format!("{base}{path}")).json(body);
+            if let Some(b) = bound {
+                req = req.timeout(b / u32::try_from(n).unwrap_or(1).max(1));
+            }
             if let Some(t) = token {
                 req = req.header(http::header::AUTHORIZATION, t);
             }

@@ -161,3 +161,126 @@ fn access_files_are_read_at_construction_and_errors_name_the_key() {
         "{shown}"
     );
 }
+
+/// A one-endpoint stand-in for etcd's JSON gateway on loopback: `/v3/auth/authenticate`
+/// answers a token after `auth_delay` (etcd's bcrypt check on a loaded host), every other
+/// path an empty range at once, only with that token. Returns the endpoint and how many
+/// password checks it was asked for.
+async fn slow_password_gateway(
+    auth_delay: Duration,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let checks = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = checks.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                loop {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    // One request: headers, then the body its Content-Length gives.
+                    let (head_end, len) = loop {
+                        let Ok(n) = conn.read(&mut chunk).await else {
+                            return;
+                        };
+                        if n == 0 {
+                            return;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8_lossy(&buf[..i]).to_ascii_lowercase();
+                            let len = head
+                                .lines()
+                                .find_map(|l| l.strip_prefix("content-length:"))
+                                .and_then(|v| v.trim().parse::<usize>().ok())
+                                .unwrap_or(0);
+                            break (i + 4, len);
+                        }
+                    };
+                    while buf.len() < head_end + len {
+                        let Ok(n) = conn.read(&mut chunk).await else {
+                            return;
+                        };
+                        if n == 0 {
+                            return;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                    }
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+                    let body = if head.starts_with("POST /v3/auth/authenticate ") {
+                        counted.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(auth_delay).await;
+                        r#"{"header":{"revision":"1"},"token":"tok"}"#
+                    } else if head.to_ascii_lowercase().contains("\r\nauthorization: tok") {
+                        r#"{"header":{"revision":"1"}}"#
+                    } else {
+                        r#"{"error":"etcdserver: user name is empty","code":3}"#
+                    };
+                    let status = if body.contains("\"error\"") {
+                        "400 Bad Request"
+                    } else {
+                        "200 OK"
+                    };
+                    let resp = format!(
+                        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if conn.write_all(resp.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (endpoint, checks)
+}
+
+/// etcd's password check outlasting the per-call bound (0.25 s here, a renew interval) is
+/// still answered: it is bounded by the lease TTL instead, so a loaded etcd host delays the
+/// first call rather than failing every one of them. It used to time out at the call bound
+/// and, retried, never got a token.
+#[tokio::test]
+async fn a_password_check_slower_than_a_call_bound_is_waited_for_up_to_the_ttl() {
+    let (endpoint, checks) = slow_password_gateway(Duration::from_millis(700)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let pw = dir.path().join("pw");
+    std::fs::write(&pw, "s3cret").unwrap();
+    let access = EtcdAccess {
+        tls: None,
+        auth: Some(EtcdAuth {
+            user: "narwhal".into(),
+            password_file: pw,
+        }),
+    };
+    let lease = EtcdLease::with_access(
+        vec![endpoint.clone()],
+        "/narwhal/slow/router-lease",
+        Duration::from_secs(3),
+        Duration::from_millis(250),
+        &access,
+    )
+    .unwrap();
+    assert_eq!(lease.read().await.unwrap(), None);
+    // Once the token is held, calls are quick again: no second password check.
+    assert_eq!(lease.read().await.unwrap(), None);
+    assert_eq!(checks.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+    // A TTL below the check's time bounds it: the call fails naming the password check.
+    let short = EtcdLease::with_access(
+        vec![endpoint],
+        "/narwhal/slow/router-lease",
+        Duration::from_millis(400),
+        Duration::from_millis(250),
+        &access,
+    )
+    .unwrap();
+    let err = short.read().await.unwrap_err().to_string();
+    assert!(err.contains("etcd authenticate on "), "{err}");
+}
