@@ -107,7 +107,10 @@ fn shared_prefix_workload_reports_every_target_and_exact_beats_blind() {
         ] {
             assert_eq!(text.matches(row).count(), 1, "{row} in:\n{text}");
         }
-        assert!(text.contains("standby (ours exact, kill -9 of the primary)"), "{text}");
+        assert!(
+            text.contains("standby (ours exact, kill -9 of the primary)"),
+            "{text}"
+        );
     }
 
     let doc: Value =
@@ -118,7 +121,10 @@ fn shared_prefix_workload_reports_every_target_and_exact_beats_blind() {
     assert!(requests >= 20, "{doc}");
     let oracle = doc["oracle"]["hit_rate"].as_f64().expect("oracle");
     let unbounded = doc["oracle"]["unbounded_hit_rate"].as_f64().expect("bound");
-    assert!(0.0 < oracle && oracle <= unbounded && unbounded < 1.0, "{doc}");
+    assert!(
+        0.0 < oracle && oracle <= unbounded && unbounded < 1.0,
+        "{doc}"
+    );
     let targets = doc["targets"].as_array().expect("targets");
     let names: Vec<&str> = targets.iter().filter_map(|t| t["name"].as_str()).collect();
     assert_eq!(names, ["ours-exact", "ours-blind", "round-robin"]);
@@ -127,7 +133,12 @@ fn shared_prefix_workload_reports_every_target_and_exact_beats_blind() {
         assert_eq!(t["requests"].as_u64(), Some(requests), "{t}");
         // The restarted engine fails what it was serving; everything else completes.
         assert!(t["completed"].as_u64().unwrap_or(0) + 5 >= requests, "{t}");
-        for k in ["ttft_p50_s", "ttft_p90_s", "slo_attainment", "throughput_rps"] {
+        for k in [
+            "ttft_p50_s",
+            "ttft_p90_s",
+            "slo_attainment",
+            "throughput_rps",
+        ] {
             assert!(t[k].as_f64().is_some(), "{k} in {t}");
         }
         let h = t["hit_rate"].as_f64().expect("hit_rate");

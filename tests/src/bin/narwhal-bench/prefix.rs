@@ -133,6 +133,10 @@ struct Args {
     /// space-separated). Repeatable.
     #[arg(long = "peer", value_name = "NAME=COMMAND")]
     peers: Vec<String>,
+    /// JSON merged over our routers' fleet files (all `ours-*` targets and the standby
+    /// figure's), e.g. `{"serving": {"kv_balance_abs_threshold": 1000}}`.
+    #[arg(long, default_value = "{}")]
+    ours_fleet: String,
     /// Seconds of the standby figure's run (0: no standby figure); the primary is killed
     /// 10 s before its end.
     #[arg(long, default_value_t = 30.0)]
@@ -160,15 +164,18 @@ struct Outcome {
     tpot: Option<f64>,
     /// Seconds from the run's start to the end of the answer.
     end_s: f64,
+    /// Seconds from the run's start to sending it.
+    sent_s: f64,
     /// A whole 200 stream.
     ok: bool,
 }
 
-/// Prefix-cache counters summed over engines (tokens).
+/// Prefix-cache counters summed over engines (tokens), and requests served.
 #[derive(Debug, Clone, Copy, Default)]
 struct Counts {
     hits: u64,
     queries: u64,
+    requests: u64,
 }
 
 impl Counts {
@@ -176,12 +183,14 @@ impl Counts {
         Counts {
             hits: self.hits.saturating_sub(o.hits),
             queries: self.queries.saturating_sub(o.queries),
+            requests: self.requests.saturating_sub(o.requests),
         }
     }
     fn plus(self, o: Counts) -> Counts {
         Counts {
             hits: self.hits + o.hits,
             queries: self.queries + o.queries,
+            requests: self.requests + o.requests,
         }
     }
     fn rate(self) -> f64 {
@@ -203,22 +212,52 @@ struct Row {
     throughput: f64,
     goodput: f64,
     wall_s: f64,
+    /// Per engine, config order (the restarted engine's two processes together).
+    engines: Vec<Counts>,
+    /// SLO attainment of the requests sent in each 10 s of the run (0-1).
+    slo_by_10s: Vec<f64>,
 }
 
-async fn counts_of(sim: &SimHandle) -> Counts {
-    let st = sim.stats().await;
-    Counts {
-        hits: st["prefix_cache"]["hits"].as_u64().unwrap_or(0),
-        queries: st["prefix_cache"]["queries"].as_u64().unwrap_or(0),
+/// A simulator's prefix-cache counters (`/sim/stats`), tried a few times: a simulator queueing
+/// hundreds of prefills may answer slowly, and a lost reading would lose the run.
+async fn counts_of(sim: &SimHandle) -> Result<Counts, String> {
+    let http = reqwest::Client::new();
+    let url = format!("{}/stats", sim.admin_url());
+    let mut last = String::new();
+    for _ in 0..5 {
+        let r = http.get(&url).timeout(Duration::from_secs(20)).send().await;
+        match r {
+            Ok(r) if r.status().is_success() => match r.json::<Value>().await {
+                Ok(st) => {
+                    return Ok(Counts {
+                        hits: st["prefix_cache"]["hits"].as_u64().unwrap_or(0),
+                        queries: st["prefix_cache"]["queries"].as_u64().unwrap_or(0),
+                        requests: st["requests"]["aggregated"].as_u64().unwrap_or(0),
+                    });
+                }
+                Err(e) => last = e.to_string(),
+            },
+            Ok(r) => last = format!("status {}", r.status()),
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    Err(format!("{url}: {last}"))
 }
 
-async fn counts_all(sims: &[SimHandle]) -> Counts {
-    let mut c = Counts::default();
+async fn counts_all(sims: &[SimHandle]) -> Result<Counts, String> {
+    Ok(counts_each(sims)
+        .await?
+        .into_iter()
+        .fold(Counts::default(), Counts::plus))
+}
+
+async fn counts_each(sims: &[SimHandle]) -> Result<Vec<Counts>, String> {
+    let mut out = Vec::new();
     for s in sims {
-        c = c.plus(counts_of(s).await);
+        out.push(counts_of(s).await?);
     }
-    c
+    Ok(out)
 }
 
 /// One streamed completion of `text` to `urls[0]`, trying the next URL when one refuses
@@ -234,7 +273,11 @@ async fn one(
     let body = json!({"model": "tiny-sim", "prompt": &*text, "max_tokens": max_tokens,
                       "stream": true});
     let t0 = Instant::now();
-    let mut fail = Outcome::default();
+    let sent_s = start.elapsed().as_secs_f64();
+    let mut fail = Outcome {
+        sent_s,
+        ..Outcome::default()
+    };
     loop {
         let url = urls.lock().unwrap_or_else(|e| e.into_inner())[0].clone();
         let r = http
@@ -278,6 +321,7 @@ async fn one(
             ttft: first,
             tpot,
             end_s: start.elapsed().as_secs_f64(),
+            sent_s,
             ok: done && first.is_some(),
         };
     }
@@ -302,6 +346,7 @@ fn sim_flags(a: &Args) -> Vec<String> {
         ("--kv-cache-blocks", a.kv_cache_blocks.to_string()),
         ("--block-size", a.block_size.to_string()),
         ("--max-model-len", "65536".to_string()),
+        ("--threads", "2".to_string()),
     ]
     .into_iter()
     .flat_map(|(k, v)| [k.to_string(), v])
@@ -326,8 +371,12 @@ fn engines(dir: &std::path::Path, a: &Args) -> Result<(Vec<SimHandle>, Vec<Event
         let mut args: Vec<&str> = flags.iter().map(String::as_str).collect();
         let cfg = cfg.to_string();
         args.extend(["--kv-events-config", cfg.as_str()]);
-        let s = start_sim(dir, &EngineSpec::new(&format!("e{i}"), "decode").args(&args), "vllm")
-            .map_err(|e| format!("simulator e{i}: {e}"))?;
+        let s = start_sim(
+            dir,
+            &EngineSpec::new(&format!("e{i}"), "decode").args(&args),
+            "vllm",
+        )
+        .map_err(|e| format!("simulator e{i}: {e}"))?;
         sims.push(s);
         events.push(Events {
             endpoint: format!("tcp://127.0.0.1:{p}"),
@@ -359,6 +408,9 @@ fn ours_fleet(sims: &[SimHandle], kv: Option<Vec<Value>>, a: &Args) -> FleetSpec
         "engine": {"first_token_timeout_s": a.request_timeout,
                     "decode_read_timeout_s": a.request_timeout},
     }));
+    if let Ok(extra) = serde_json::from_str::<Value>(&a.ours_fleet) {
+        spec = spec.with(extra);
+    }
     if let Some(kv) = kv {
         for (s, k) in sims.iter().zip(kv) {
             spec = spec.engine_with(&s.iid, json!({"kv_events": k}));
@@ -412,7 +464,12 @@ async fn run(a: Args) -> Result<bool, String> {
         return Err("--engines must be at least 2, --groups and --block-size at least 1, --duration-s positive".into());
     }
     let mut defs = Vec::new();
-    for t in a.targets.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+    for t in a
+        .targets
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+    {
         let what = match t {
             "ours-exact" => "narwhal-serve, engines' kv_events in the fleet file",
             "ours-approx" => "narwhal-serve, no kv_events",
@@ -440,20 +497,33 @@ async fn run(a: Args) -> Result<bool, String> {
             peer: Some(p),
         });
     }
+    serde_json::from_str::<Value>(&a.ours_fleet)
+        .ok()
+        .filter(Value::is_object)
+        .ok_or("--ours-fleet: not a JSON object")?;
     let shp = shape(&a);
-    // The order of the trace does not depend on the rate (prefix_trace.rs), so the oracle is
-    // computed at any rate first and the rate derived from it.
+    // The trace's prompts barely depend on the rate (only a session's minimum turn gap is
+    // checked against arrival times), so the rate comes from the oracle of a trace at the
+    // cache-blind capacity, and the oracle is then computed again on the trace sent.
     let capacity_blocks = a.engines * a.kv_cache_blocks;
-    let probe_trace = prefix_trace::generate(&shp, 100.0, a.duration_s, a.seed);
+    let slots = a.engines as f64 * a.prefill_slots.max(1) as f64;
+    let per_req =
+        |uncached: f64| a.ttft_ms as f64 / 1e3 + uncached * a.prefill_us_per_token as f64 / 1e6;
+    let mean_of =
+        |t: &[Request]| t.iter().map(Request::tokens).sum::<usize>() as f64 / t.len().max(1) as f64;
+    let blind_trace = prefix_trace::generate(&shp, 1.0, a.duration_s, a.seed);
+    let cap_blind = slots / per_req(mean_of(&blind_trace));
+    let probe_trace = prefix_trace::generate(&shp, cap_blind, a.duration_s, a.seed);
     let probe = prefix_trace::oracle(&probe_trace, a.block_size, capacity_blocks);
-    let per_req = |uncached: f64| a.ttft_ms as f64 / 1e3 + uncached * a.prefill_us_per_token as f64 / 1e6;
-    let mean_tokens = probe.tokens as f64 / probe_trace.len().max(1) as f64;
-    let cap_oracle = a.engines as f64 * a.prefill_slots as f64 / per_req(probe.mean_uncached(probe_trace.len()));
-    let cap_blind = a.engines as f64 * a.prefill_slots as f64 / per_req(mean_tokens);
+    let cap_oracle = slots / per_req(probe.mean_uncached(probe_trace.len()));
     let rate = a.rate.unwrap_or(a.load * cap_oracle);
     let trace = prefix_trace::generate(&shp, rate, a.duration_s, a.seed);
     let oracle = prefix_trace::oracle(&trace, a.block_size, capacity_blocks);
-    let turns = trace.iter().filter(|r| matches!(r.kind, Kind::Turn(_))).count();
+    let mean_tokens = mean_of(&trace);
+    let turns = trace
+        .iter()
+        .filter(|r| matches!(r.kind, Kind::Turn(_)))
+        .count();
     let working: usize = {
         let mut seen = std::collections::HashSet::new();
         for r in &trace {
@@ -466,7 +536,7 @@ async fn run(a: Args) -> Result<bool, String> {
     let mut head = format!(
         "narwhal-bench prefix: {} requests in {} s at {rate:.2}/s ({} questions, {turns} session turns), mean prompt {mean_tokens:.0} tokens; {} groups, prefixes {}-{} tokens, zipf {}\n\
          engines: {} x (prefill {} us/token + {} ms, {} prefill slot(s), tpot {} ms + {} us/running, {} blocks of {} tokens); working set ~{working} blocks vs {capacity_blocks} in all\n\
-         capacity: {cap_oracle:.2}/s at the oracle's hit rate, {cap_blind:.2}/s cache-blind; SLO: TTFT <= {} s and TPOT <= {} s\n\
+         capacity: {cap_oracle:.2}/s at the oracle's hit rate, {cap_blind:.2}/s cache-blind; SLO: TTFT <= {} s and TPOT <= {} s; our fleet files + {}\n\
          oracle (one pooled LRU cache of {capacity_blocks} blocks, arrival order): {:.3}; unbounded cache: {:.3}\n",
         trace.len(),
         a.duration_s,
@@ -485,10 +555,12 @@ async fn run(a: Args) -> Result<bool, String> {
         a.block_size,
         a.ttft_slo_s,
         a.tpot_slo_s,
+        a.ours_fleet,
         oracle.hit_rate(),
         oracle.reuse_rate(),
     );
     print!("{head}");
+    let _ = std::io::Write::flush(&mut std::io::stdout());
     let dir = tempfile::Builder::new()
         .prefix("narwhal-bench-prefix-")
         .tempdir()
@@ -552,7 +624,9 @@ async fn run(a: Args) -> Result<bool, String> {
                     "ours-exact" => Some(kv.clone()),
                     "ours-blind" => Some(
                         (0..sims.len())
-                            .map(|_| json!({"endpoint": format!("tcp://127.0.0.1:{}", free_port())}))
+                            .map(
+                                |_| json!({"endpoint": format!("tcp://127.0.0.1:{}", free_port())}),
+                            )
                             .collect(),
                     ),
                     _ => None,
@@ -567,13 +641,21 @@ async fn run(a: Args) -> Result<bool, String> {
         let (mut running, url) = running;
         // Ready: a one-word prompt (no full block: nothing cached, nothing stored).
         let deadline = Instant::now() + Duration::from_secs_f64(a.start_timeout);
-        let targets: Vec<String> = if url.is_empty() { urls.clone() } else { vec![url.clone()] };
+        let targets: Vec<String> = if url.is_empty() {
+            urls.clone()
+        } else {
+            vec![url.clone()]
+        };
         for t in &targets {
             loop {
                 if let Running::Peer(p) = &mut running
                     && let Some(st) = p.exited()
                 {
-                    return Err(format!("peer {} exited ({st}): {}", def.name, p.log_tail(20)));
+                    return Err(format!(
+                        "peer {} exited ({st}): {}",
+                        def.name,
+                        p.log_tail(20)
+                    ));
                 }
                 let r = http
                     .post(format!("{t}/v1/completions"))
@@ -588,25 +670,47 @@ async fn run(a: Args) -> Result<bool, String> {
                         Running::Peer(p) => p.log_tail(20),
                         _ => String::new(),
                     };
-                    return Err(format!("{} did not answer within {} s: {r:?} {tail}", def.name, a.start_timeout));
+                    return Err(format!(
+                        "{} did not answer within {} s: {r:?} {tail}",
+                        def.name, a.start_timeout
+                    ));
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
         let row = drive(&a, def, &http, &url, &mut sims, &trace).await?;
         println!(
-            "  {}: hit rate {:.3}, SLO {}/{}, TTFT p50 {:.3} s",
+            "  {}: hit rate {:.3}, SLO {}/{}, TTFT p50 {:.3} s; per engine requests (hit rate): {}",
             row.name,
             row.counts.rate(),
             row.slo_met,
             row.requests,
-            row.ttft_p50.unwrap_or(f64::NAN)
+            row.ttft_p50.unwrap_or(f64::NAN),
+            row.engines
+                .iter()
+                .map(|c| format!("{} ({:.2})", c.requests, c.rate()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        println!(
+            "    SLO met per 10 s of sending: {}",
+            row.slo_by_10s
+                .iter()
+                .map(|x| format!("{:.0}%", 100.0 * x))
+                .collect::<Vec<_>>()
+                .join(" ")
         );
         if let Some(c) = &command {
             head.push_str(&format!("  {}: {c}\n", def.name));
         }
         all_ok &= row.completed > 0;
         rows.push(row);
+        if let Some(p) = &a.out {
+            // What is measured so far, in case a later target fails the run.
+            let partial = table(&rows, oracle, None);
+            std::fs::write(p, format!("{head}\n{partial}"))
+                .map_err(|e| format!("{}: {e}", p.display()))?;
+        }
         if let Running::Ours(r) = &running {
             // Its own view of the engines at the end (modes), for the record.
             let st = r.state_json().await;
@@ -620,6 +724,7 @@ async fn run(a: Args) -> Result<bool, String> {
                 .unwrap_or_default();
             println!("    kv_index modes at the end: {}", modes.join(" "));
         }
+        let _ = std::io::Write::flush(&mut std::io::stdout());
         drop(running);
     }
     drop(sims);
@@ -631,7 +736,8 @@ async fn run(a: Args) -> Result<bool, String> {
     let table = table(&rows, oracle, standby.as_ref());
     println!("\n{table}");
     if let Some(p) = &a.out {
-        std::fs::write(p, format!("{head}\n{table}")).map_err(|e| format!("{}: {e}", p.display()))?;
+        std::fs::write(p, format!("{head}\n{table}"))
+            .map_err(|e| format!("{}: {e}", p.display()))?;
     }
     if let Some(p) = &a.json {
         let doc = json!({
@@ -646,6 +752,7 @@ async fn run(a: Args) -> Result<bool, String> {
                 "ttft_ms": a.ttft_ms, "tpot_ms": a.tpot_ms, "prefill_slots": a.prefill_slots,
                 "ttft_slo_s": a.ttft_slo_s, "tpot_slo_s": a.tpot_slo_s,
                 "restart_at": a.restart_at,
+                "ours_fleet": serde_json::from_str::<Value>(&a.ours_fleet).unwrap_or_default(),
             },
             "requests": trace.len(),
             "capacity": {"oracle": cap_oracle, "blind": cap_blind},
@@ -659,6 +766,10 @@ async fn run(a: Args) -> Result<bool, String> {
                 "slo_attainment": r.slo_met as f64 / r.requests.max(1) as f64,
                 "slo_met": r.slo_met, "completed": r.completed, "requests": r.requests,
                 "throughput_rps": r.throughput, "goodput_rps": r.goodput, "wall_s": r.wall_s,
+                "slo_by_10s": r.slo_by_10s,
+                "engines": r.engines.iter().map(|c| json!({
+                    "requests": c.requests, "hits": c.hits, "queries": c.queries,
+                })).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
             "standby": standby.as_ref().map(Standby::to_json),
         });
@@ -678,7 +789,7 @@ async fn drive(
     sims: &mut Vec<SimHandle>,
     trace: &Arc<Vec<Request>>,
 ) -> Result<Row, String> {
-    let before = counts_all(sims).await;
+    let before = counts_each(sims).await?;
     let engine_urls: Vec<String> = sims.iter().map(|s| s.url.clone()).collect();
     let restart_s = (a.restart_at >= 0.0).then_some(a.restart_at * a.duration_s);
     let mut restarted = restart_s.is_none();
@@ -695,7 +806,7 @@ async fn drive(
             .await;
             // Its counters go with the process: keep what it counted.
             let mut s = sims.pop().ok_or("no engine")?;
-            dead = counts_of(&s).await;
+            dead = counts_of(&s).await?;
             restart_task = Some(tokio::task::spawn_blocking(move || {
                 s.restart(&[]).map(|()| s).map_err(|e| e.to_string())
             }));
@@ -710,7 +821,15 @@ async fn drive(
         let (http, text, max) = (http.clone(), Arc::new(r.text()), a.output_tokens);
         let deadline = Instant::now() + Duration::from_secs_f64(a.request_timeout);
         tasks.spawn(async move {
-            one(http, Arc::new(Mutex::new(vec![target])), text, max, deadline, start).await
+            one(
+                http,
+                Arc::new(Mutex::new(vec![target])),
+                text,
+                max,
+                deadline,
+                start,
+            )
+            .await
         });
     }
     if let Some(t) = restart_task {
@@ -722,20 +841,35 @@ async fn drive(
         outcomes.push(o.map_err(|e| e.to_string())?);
     }
     let wall = start.elapsed().as_secs_f64();
-    let after = counts_all(sims).await;
-    let counts = after.plus(dead).minus(before);
-    Ok(row(a, def, counts, &outcomes, wall))
+    let mut after = counts_each(sims).await?;
+    if let Some(last) = after.last_mut() {
+        *last = last.plus(dead);
+    }
+    let each: Vec<Counts> = after
+        .iter()
+        .zip(&before)
+        .map(|(a, b)| a.minus(*b))
+        .collect();
+    let mut row = row(
+        a,
+        def,
+        each.iter().copied().fold(Counts::default(), Counts::plus),
+        &outcomes,
+        wall,
+    );
+    row.engines = each;
+    Ok(row)
+}
+
+/// Whether `o` completed within both SLOs.
+fn meets(a: &Args, o: &Outcome) -> bool {
+    o.ok && o.ttft.is_some_and(|t| t <= a.ttft_slo_s) && o.tpot.is_some_and(|t| t <= a.tpot_slo_s)
 }
 
 fn row(a: &Args, def: &TargetDef, counts: Counts, outcomes: &[Outcome], wall: f64) -> Row {
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok).collect();
     let mut ttfts: Vec<f64> = ok.iter().filter_map(|o| o.ttft).collect();
-    let met = ok
-        .iter()
-        .filter(|o| {
-            o.ttft.is_some_and(|t| t <= a.ttft_slo_s) && o.tpot.is_some_and(|t| t <= a.tpot_slo_s)
-        })
-        .count();
+    let met = ok.iter().filter(|o| meets(a, o)).count();
     let last = ok.iter().map(|o| o.end_s).fold(0.0f64, f64::max);
     Row {
         name: def.name.clone(),
@@ -749,6 +883,18 @@ fn row(a: &Args, def: &TargetDef, counts: Counts, outcomes: &[Outcome], wall: f6
         throughput: ok.len() as f64 / last.max(1e-9),
         goodput: met as f64 / a.duration_s,
         wall_s: wall,
+        engines: Vec::new(),
+        slo_by_10s: (0..(a.duration_s / 10.0).ceil() as usize)
+            .map(|w| {
+                let (lo, hi) = (w as f64 * 10.0, (w + 1) as f64 * 10.0);
+                let mine: Vec<&Outcome> = outcomes
+                    .iter()
+                    .filter(|o| (lo..hi).contains(&o.sent_s))
+                    .collect();
+                let met = mine.iter().filter(|o| meets(a, o)).count();
+                met as f64 / mine.len().max(1) as f64
+            })
+            .collect(),
     }
 }
 
@@ -760,6 +906,9 @@ struct Standby {
     takeover_s: Option<f64>,
     failed: usize,
     requests: usize,
+    /// Failed requests sent in the 10 s before the kill and in the 10 s after it.
+    failed_before: usize,
+    failed_after: usize,
 }
 
 impl Standby {
@@ -770,6 +919,7 @@ impl Standby {
             "before": {"hits": self.before.hits, "queries": self.before.queries},
             "after": {"hits": self.after.hits, "queries": self.after.queries},
             "takeover_s": self.takeover_s, "failed": self.failed, "requests": self.requests,
+            "failed_before": self.failed_before, "failed_after": self.failed_after,
         })
     }
 }
@@ -793,6 +943,7 @@ async fn standby_figure(a: &Args, shp: &Shape, rate: f64) -> Result<Standby, Str
             "engine": {"first_token_timeout_s": a.request_timeout,
                         "decode_read_timeout_s": a.request_timeout},
         }))
+        .fleet(serde_json::from_str(&a.ours_fleet).unwrap_or_default())
         .start()
         .await;
     let mut f = f;
@@ -814,8 +965,11 @@ async fn standby_figure(a: &Args, shp: &Shape, rate: f64) -> Result<Standby, Str
     let mut next_mark = 0;
     for r in trace.iter() {
         while next_mark < sample_at.len() && r.at_s >= sample_at[next_mark] {
-            tokio::time::sleep_until((start + Duration::from_secs_f64(sample_at[next_mark].max(0.0))).into()).await;
-            marks.push(counts_all(&f.sims).await);
+            tokio::time::sleep_until(
+                (start + Duration::from_secs_f64(sample_at[next_mark].max(0.0))).into(),
+            )
+            .await;
+            marks.push(counts_all(&f.sims).await?);
             if next_mark == 1 {
                 let t_kill = Instant::now();
                 primary.proc.kill();
@@ -829,7 +983,12 @@ async fn standby_figure(a: &Args, shp: &Shape, rate: f64) -> Result<Standby, Str
             next_mark += 1;
         }
         tokio::time::sleep_until((start + Duration::from_secs_f64(r.at_s)).into()).await;
-        let (http, text, max, urls) = (http.clone(), Arc::new(r.text()), a.output_tokens, urls.clone());
+        let (http, text, max, urls) = (
+            http.clone(),
+            Arc::new(r.text()),
+            a.output_tokens,
+            urls.clone(),
+        );
         let deadline = Instant::now() + Duration::from_secs_f64(a.request_timeout);
         tasks.spawn(async move { one(http, urls, text, max, deadline, start).await });
     }
@@ -838,7 +997,7 @@ async fn standby_figure(a: &Args, shp: &Shape, rate: f64) -> Result<Standby, Str
         None => None,
     };
     tokio::time::sleep_until((start + Duration::from_secs_f64(a.standby_s)).into()).await;
-    marks.push(counts_all(&f.sims).await);
+    marks.push(counts_all(&f.sims).await?);
     let mut outcomes = Vec::new();
     while let Some(o) = tasks.join_next().await {
         outcomes.push(o.map_err(|e| e.to_string())?);
@@ -852,6 +1011,14 @@ async fn standby_figure(a: &Args, shp: &Shape, rate: f64) -> Result<Standby, Str
         takeover_s: takeover,
         failed: outcomes.iter().filter(|o| !o.ok).count(),
         requests: outcomes.len(),
+        failed_before: outcomes
+            .iter()
+            .filter(|o| !o.ok && (kill_s - 10.0..kill_s).contains(&o.sent_s))
+            .count(),
+        failed_after: outcomes
+            .iter()
+            .filter(|o| !o.ok && o.sent_s >= kill_s)
+            .count(),
     })
 }
 
@@ -899,13 +1066,15 @@ fn table(rows: &[Row], oracle: prefix_trace::Oracle, standby: Option<&Standby>) 
     ));
     if let Some(s) = standby {
         t.push_str(&format!(
-            "\nstandby (ours exact, kill -9 of the primary): hit rate {:.3} in the 10 s before, {:.3} in the 10 s after (x{:.2}); takeover {} s; {} of {} requests failed\n",
+            "\nstandby (ours exact, kill -9 of the primary): hit rate {:.3} in the 10 s before, {:.3} in the 10 s after (x{:.2}); takeover {} s; {} of {} requests failed ({} sent in the 10 s before the kill, {} after)\n",
             s.before.rate(),
             s.after.rate(),
             s.after.rate() / s.before.rate().max(1e-9),
             fmt_s(s.takeover_s),
             s.failed,
-            s.requests
+            s.requests,
+            s.failed_before,
+            s.failed_after
         ));
     }
     t
