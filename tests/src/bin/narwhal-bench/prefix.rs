@@ -722,7 +722,16 @@ async fn run(a: Args) -> Result<bool, String> {
                         .collect()
                 })
                 .unwrap_or_default();
-            println!("    kv_index modes at the end: {}", modes.join(" "));
+            let kv = &st["kv_index"];
+            println!(
+                "    kv_index at the end: modes {}; tokenizer {}, {} prompts tokenized ({:.2} ms each), {} tokenize failures",
+                modes.join(" "),
+                kv["tokenizer"].as_str().unwrap_or("-"),
+                kv["tokenized"].as_u64().unwrap_or(0),
+                1e3 * kv["tokenize_seconds"].as_f64().unwrap_or(0.0)
+                    / kv["tokenized"].as_u64().unwrap_or(0).max(1) as f64,
+                kv["tokenize_failures"].as_u64().unwrap_or(0)
+            );
         }
         let _ = std::io::Write::flush(&mut std::io::stdout());
         drop(running);

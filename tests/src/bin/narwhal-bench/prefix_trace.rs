@@ -383,13 +383,13 @@ mod tests {
     }
 
     #[test]
-    fn the_oracle_hits_a_repeated_prefix_and_loses_it_when_the_cache_is_too_small() {
-        let q = |tag: &str| Request {
+    fn the_oracle_hits_a_repeated_prefix_and_loses_it_to_another_prompt() {
+        let q = |group: &str, tag: &str| Request {
             at_s: 0.0,
             kind: Kind::Question,
             segments: vec![
                 Segment {
-                    tag: "g0".into(),
+                    tag: group.into(),
                     len: 64,
                 },
                 Segment {
@@ -398,13 +398,16 @@ mod tests {
                 },
             ],
         };
-        let trace = vec![q("q1"), q("q2")];
-        // 72 tokens: 4 full blocks of 16, the shared 64 are blocks 0-3 (all hit).
-        let big = oracle(&trace, 16, 100);
+        // 72 tokens: 4 full blocks of 16, all of the shared prefix.
+        let twice = vec![q("g0", "q1"), q("g0", "q2")];
+        let big = oracle(&twice, 16, 100);
         assert_eq!((big.tokens, big.hits, big.reuse_hits), (144, 64, 64));
-        // Two blocks of room: the second request finds the prefix's start evicted.
-        let small = oracle(&trace, 16, 2);
-        assert_eq!(small.hits, 0);
-        assert_eq!(small.reuse_hits, 64);
+        // Room for 2 blocks: a prompt never evicts its own blocks, so the first 2 stay.
+        assert_eq!(oracle(&twice, 16, 2).hits, 32);
+        // Room for 4: another group's prefix evicts g0's (least recently used) blocks.
+        let between = vec![q("g0", "q1"), q("g1", "q2"), q("g0", "q3")];
+        let small = oracle(&between, 16, 4);
+        assert_eq!((small.hits, small.reuse_hits), (0, 64));
+        assert_eq!(oracle(&between, 16, 8).hits, 64);
     }
 }
