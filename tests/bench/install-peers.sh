@@ -6,6 +6,8 @@
 #   tests/bench/install-peers.sh             vllm-router 0.1.17
 #   tests/bench/install-peers.sh --with-smg  and smg 1.13.0 (Shepherd Model Gateway)
 #   tests/bench/install-peers.sh --specs     print the specs of what is installed; build nothing
+#   tests/bench/install-peers.sh --prefix    print the cache-aware specs of `narwhal-bench prefix`
+#                                            instead (with --specs: build nothing)
 #
 # Where: ${NARWHAL_VENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/narwhal}/peers/<name>-<version>-<key>,
 # <key> hashing this script's recipe version and the interpreter. The last stdout lines are the
@@ -35,16 +37,18 @@ smg=(smg 1.13.0 cfae8171dac68a74b4822263b1864fa79952992ee472a25ba7266ccd200399b4
 
 mode=build
 with_smg=0
+workload=compare
 for a in "$@"; do
   case "$a" in
     --with-smg) with_smg=1 ;;
     --specs) mode=specs ;;
+    --prefix) workload=prefix ;;
     -h | --help)
-      sed -n '2,12p' "$0"
+      sed -n '2,14p' "$0"
       exit 0
       ;;
     *)
-      echo "usage: $0 [--with-smg] [--specs]" >&2
+      echo "usage: $0 [--with-smg] [--specs] [--prefix]" >&2
       exit 2
       ;;
   esac
@@ -130,19 +134,34 @@ specs=()
 vr="$(venv_of "${vllm_router[0]}" "${vllm_router[1]}")"
 if usable "$vr" vllm-router; then
   common="--host 127.0.0.1 --port {port} --prometheus-host 127.0.0.1 --prometheus-port {aux_port} --log-level warning"
-  specs+=("vllm-router-pd=$vr/bin/vllm-router $common --vllm-pd-disaggregation --policy round_robin --prefill {prefill_url} --decode {decode_url}")
-  specs+=("vllm-router-rr=$vr/bin/vllm-router $common --policy round_robin --worker-urls {engine_urls}")
+  if [ "$workload" = prefix ]; then
+    # cache_aware: its approximate prefix tree over request text; kv_aware: its policy fed by
+    # the engines' KV event streams (one --kv-event-source/--kv-event-replay-source per worker).
+    specs+=("vllm-router-ca=$vr/bin/vllm-router $common --policy cache_aware --worker-urls {engine_urls}")
+    kv_sources="\$(for s in {kv_event_sources}; do printf -- '--kv-event-source %s ' \"\$s\"; done)"
+    kv_replays="\$(for s in {kv_event_replay_sources}; do printf -- '--kv-event-replay-source %s ' \"\$s\"; done)"
+    specs+=("vllm-router-kv=$vr/bin/vllm-router $common --policy kv_aware --worker-urls {engine_urls} $kv_sources $kv_replays --kv-event-block-size 16 --kv-event-model {model}")
+  else
+    specs+=("vllm-router-pd=$vr/bin/vllm-router $common --vllm-pd-disaggregation --policy round_robin --prefill {prefill_url} --decode {decode_url}")
+    specs+=("vllm-router-rr=$vr/bin/vllm-router $common --policy round_robin --worker-urls {engine_urls}")
+  fi
 else
   log "vllm-router ${vllm_router[1]} is not installed (run $0)"
 fi
 sv="$(venv_of "${smg[0]}" "${smg[1]}")"
 if usable "$sv" smg; then
-  # P/D through a wrapper that registers the prefill worker with its KV connector (smg-pd.sh).
-  specs+=("smg-pd=sh $here/smg-pd.sh $sv/bin/smg {port} {aux_port} {prefill_url} {decode_url}")
-  specs+=("smg-rr=$sv/bin/smg launch --host 127.0.0.1 --port {port} --prometheus-host 127.0.0.1 --prometheus-port {aux_port} --log-level warn --backend vllm --policy round_robin --worker-urls {engine_urls}")
+  smg_common="launch --host 127.0.0.1 --port {port} --prometheus-host 127.0.0.1 --prometheus-port {aux_port} --log-level warn --backend vllm"
+  if [ "$workload" = prefix ]; then
+    specs+=("smg-ca=$sv/bin/smg $smg_common --policy cache_aware --worker-urls {engine_urls}")
+  else
+    # P/D through a wrapper that registers the prefill worker with its KV connector (smg-pd.sh).
+    specs+=("smg-pd=sh $here/smg-pd.sh $sv/bin/smg {port} {aux_port} {prefill_url} {decode_url}")
+    specs+=("smg-rr=$sv/bin/smg $smg_common --policy round_robin --worker-urls {engine_urls}")
+  fi
 fi
 if [ "${#specs[@]}" -gt 0 ]; then
   mkdir -p "$cache"
-  printf '%s\n' "${specs[@]}" >"$cache/specs.txt"
+  if [ "$workload" = prefix ]; then out="$cache/prefix-specs.txt"; else out="$cache/specs.txt"; fi
+  printf '%s\n' "${specs[@]}" >"$out"
   printf '%s\n' "${specs[@]}"
 fi

@@ -25,8 +25,9 @@
 //! 8); docs/benchmarks.md tells how to run it against vllm-router.
 //!
 //! Subcommands in their own modules: `narwhal-bench profile` (an engine's profile for the
-//! fleet file) and `narwhal-bench shifting` (fixed split vs role controller under shifting
-//! demand).
+//! fleet file), `narwhal-bench shifting` (fixed split vs role controller under shifting
+//! demand) and `narwhal-bench prefix` (a shared-prefix workload: cache hit rate against an
+//! offline oracle, TTFT and SLO attainment per router, and the hit rate across a takeover).
 #![forbid(unsafe_code)]
 // A benchmark measures wall time: the clock ban of clippy.toml is for product code.
 #![allow(clippy::disallowed_methods)]
@@ -50,6 +51,10 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+#[path = "narwhal-bench/prefix.rs"]
+mod prefix;
+#[path = "narwhal-bench/prefix_trace.rs"]
+mod prefix_trace;
 #[path = "narwhal-bench/profile.rs"]
 mod profile;
 #[path = "narwhal-bench/shifting.rs"]
@@ -299,11 +304,11 @@ fn say(json_to_stdout: bool, text: &str) {
     }
 }
 
-/// `narwhal-bench profile ...` and `narwhal-bench shifting ...` (their own modules) on a
+/// `narwhal-bench profile ...`, `shifting ...` and `prefix ...` (their own modules) on a
 /// two-worker runtime; `None` for anything else (the comparison).
 fn subcommand(argv: &[String]) -> Option<ExitCode> {
     let which = argv.get(1).map(String::as_str)?;
-    if !matches!(which, "profile" | "shifting") {
+    if !matches!(which, "profile" | "shifting" | "prefix") {
         return None;
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -321,6 +326,7 @@ fn subcommand(argv: &[String]) -> Option<ExitCode> {
     Some(rt.block_on(async move {
         match which {
             "profile" => profile::main(rest).await,
+            "prefix" => prefix::main(rest).await,
             _ => shifting::main(rest).await,
         }
     }))

@@ -69,7 +69,17 @@ const PD_KEYS: [&str; 5] = [
     "bootstrap_port",
 ];
 const AGG_KEYS: [&str; 2] = ["engine_url", "engine_urls"];
-const OTHER_KEYS: [&str; 6] = ["port", "aux_port", "host", "model", "dir", "bin_dir"];
+const OTHER_KEYS: [&str; 8] = [
+    "port",
+    "aux_port",
+    "host",
+    "model",
+    "dir",
+    "bin_dir",
+    // `narwhal-bench prefix` only: `URL=tcp://HOST:PORT` per engine, space-separated.
+    "kv_event_sources",
+    "kv_event_replay_sources",
+];
 
 /// The `{word}` placeholders of `template`, in order: `(start, end, word)` byte ranges.
 fn placeholders(template: &str) -> Vec<(usize, usize, &str)> {

@@ -1,0 +1,162 @@
+//! `narwhal-bench prefix` on a tiny scale (docs/benchmarks.md, "Shared-prefix workload"): the
+//! report's table and JSON carry every target, the oracle and the standby figure, and our
+//! router with the engines' KV events hits the engines' prefix caches more often than the same
+//! router with no cache credit. Only that comparison of hit rates is asserted, no time: both
+//! targets see the same trace on the same (restarted, cold) simulators, and with eight group
+//! prefixes of about 22 blocks over engines holding 48 blocks each, a placement that ignores
+//! the caches spreads every group over every engine and evicts what it needs.
+// Tests measure wall time (deadlines): the clock ban of clippy.toml is for product code.
+#![allow(clippy::disallowed_methods)]
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+#[test]
+fn shared_prefix_workload_reports_every_target_and_exact_beats_blind() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("prefix.json");
+    let md = dir.path().join("prefix.md");
+    let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    let args = [
+        "prefix",
+        "--duration-s",
+        "10",
+        "--rate",
+        "6",
+        "--groups",
+        "8",
+        "--prefix-min",
+        "320",
+        "--prefix-max",
+        "400",
+        "--question-tokens",
+        "8",
+        "--sessions",
+        "4",
+        "--turns",
+        "3",
+        "--user-tokens",
+        "8",
+        "--answer-tokens",
+        "8",
+        "--turn-gap-s",
+        "0.5",
+        "--output-tokens",
+        "4",
+        "--kv-cache-blocks",
+        "48",
+        "--prefill-us-per-token",
+        "100",
+        "--ttft-ms",
+        "5",
+        "--tpot-ms",
+        "5",
+        "--tpot-per-running-us",
+        "0",
+        "--targets",
+        "ours-exact,ours-blind,round-robin",
+        "--standby-s",
+        "16",
+        "--request-timeout",
+        "30",
+    ];
+    let mut child = Command::new(env!("CARGO_BIN_EXE_narwhal-bench"))
+        .args(args)
+        .arg("--json")
+        .arg(&json)
+        .arg("--out")
+        .arg(&md)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).expect("stdout file"))
+        .stderr(std::fs::File::create(&err).expect("stderr file"))
+        .spawn()
+        .expect("start narwhal-bench");
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("narwhal-bench prefix did not finish within 300 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let stdout = std::fs::read_to_string(&out).unwrap_or_default();
+    let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+    assert!(
+        status.success(),
+        "narwhal-bench prefix failed ({status}); stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+
+    // The markdown table, on stdout and in --out.
+    let table = std::fs::read_to_string(&md).expect("the --out file");
+    for text in [&stdout, &table] {
+        assert!(
+            text.contains("| target | hit rate | x oracle | TTFT p50 s | TTFT p90 s | SLO met |"),
+            "{text}"
+        );
+        for row in [
+            "| ours-exact |",
+            "| ours-blind |",
+            "| round-robin |",
+            "| oracle (pooled LRU) |",
+        ] {
+            assert_eq!(text.matches(row).count(), 1, "{row} in:\n{text}");
+        }
+        assert!(
+            text.contains("standby (ours exact, kill -9 of the primary)"),
+            "{text}"
+        );
+    }
+
+    let doc: Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("the --json file"))
+            .expect("JSON");
+    assert_eq!(doc["schema"], "narwhal.bench.prefix");
+    let requests = doc["requests"].as_u64().expect("requests");
+    assert!(requests >= 20, "{doc}");
+    let oracle = doc["oracle"]["hit_rate"].as_f64().expect("oracle");
+    let unbounded = doc["oracle"]["unbounded_hit_rate"].as_f64().expect("bound");
+    assert!(
+        0.0 < oracle && oracle <= unbounded && unbounded < 1.0,
+        "{doc}"
+    );
+    let targets = doc["targets"].as_array().expect("targets");
+    let names: Vec<&str> = targets.iter().filter_map(|t| t["name"].as_str()).collect();
+    assert_eq!(names, ["ours-exact", "ours-blind", "round-robin"]);
+    let mut rate = std::collections::BTreeMap::new();
+    for t in targets {
+        assert_eq!(t["requests"].as_u64(), Some(requests), "{t}");
+        // The restarted engine fails what it was serving; everything else completes.
+        assert!(t["completed"].as_u64().unwrap_or(0) + 5 >= requests, "{t}");
+        for k in [
+            "ttft_p50_s",
+            "ttft_p90_s",
+            "slo_attainment",
+            "throughput_rps",
+        ] {
+            assert!(t[k].as_f64().is_some(), "{k} in {t}");
+        }
+        let h = t["hit_rate"].as_f64().expect("hit_rate");
+        assert!((0.0..=1.0).contains(&h), "{t}");
+        assert!(t["queries"].as_u64().unwrap_or(0) > 0, "{t}");
+        rate.insert(t["name"].as_str().unwrap_or_default().to_string(), h);
+    }
+    assert!(
+        rate["ours-exact"] > rate["ours-blind"],
+        "exact {:.3} vs blind {:.3}:\n{stdout}",
+        rate["ours-exact"],
+        rate["ours-blind"]
+    );
+    let s = &doc["standby"];
+    for k in ["hit_rate_before", "hit_rate_after", "ratio"] {
+        assert!(s[k].as_f64().is_some(), "{k} in {s}");
+    }
+    assert!(s["before"]["queries"].as_u64().unwrap_or(0) > 0, "{s}");
+    assert!(s["after"]["queries"].as_u64().unwrap_or(0) > 0, "{s}");
+    println!("{stdout}");
+}
