@@ -33,7 +33,9 @@ use zeromq::{Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
 
 use crate::config::{Config, KvEventsSource, secs};
 use crate::fleet::Fleet;
-use crate::kv_index::{EngineView, KvIndex, Mode, Seq, prompt_chain};
+use crate::kv_index::{
+    Credit, EngineView, KvIndex, Mode, Reason, Seq, Settings, prompt_chain, uncached,
+};
 use crate::placement::{Balance, KvScore};
 use crate::upstream::Upstream;
 
@@ -103,12 +105,24 @@ pub(crate) enum TokenizeError {
 pub(crate) struct Scored {
     /// The placement input.
     pub score: KvScore,
-    /// Cached prompt tokens per engine (config order), as the index credits them.
-    pub cached: Vec<u64>,
+    /// Per engine (config order): its credit (reason, cached prompt tokens as the index
+    /// credits them, undiscounted, whether placing there stores, the block size).
+    pub credits: Vec<Credit>,
     /// Prompt tokens.
     pub prompt_tokens: u64,
-    /// Full blocks per engine's block size not held, per engine: whether placing there stores.
-    stores: Vec<bool>,
+    /// The prompt's full-block chains, one per block size the engines are credited in.
+    chains: Vec<(u32, Vec<u64>)>,
+}
+
+impl Scored {
+    /// The prompt's chain at block size `bs` (empty if no engine is credited in it).
+    fn chain(&self, bs: u32) -> &[u64] {
+        self.chains
+            .iter()
+            .find(|(b, _)| *b == bs)
+            .map(|(_, c)| c.as_slice())
+            .unwrap_or(&[])
+    }
 }
 
 /// Tokenize counters (cumulative).
@@ -133,8 +147,15 @@ impl KvCache {
     /// An empty index over the configured engines.
     pub(crate) fn new(cfg: Arc<Config>, clock: Arc<dyn Clock>, upstream: Upstream) -> Self {
         let configured: Vec<bool> = cfg.engines.iter().map(|e| e.kv_events.is_some()).collect();
+        let settings = Settings {
+            aware: cfg.serving.kv_aware_placement,
+            stale_after: secs(cfg.serving.kv_events_stale_s),
+            approx_ttl: secs(cfg.serving.kv_approx_ttl_s),
+            approx_block_size: cfg.serving.kv_approx_block_size,
+            approx_max_blocks: crate::kv_index::approx::MAX_APPROX_BLOCKS_PER_ENGINE,
+        };
         KvCache {
-            index: Mutex::new(KvIndex::new(&configured)),
+            index: Mutex::new(KvIndex::with(&configured, settings)),
             cfg,
             clock,
             upstream,
@@ -147,18 +168,19 @@ impl KvCache {
         self.index.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether any engine has `kv_events` (else nothing here runs and no request tokenizes).
+    /// Whether cache awareness is on (`serving.kv_aware_placement`; else nothing here runs,
+    /// no request tokenizes and every engine's mode is `none`).
     pub(crate) fn enabled(&self) -> bool {
-        self.cfg.engines.iter().any(|e| e.kv_events.is_some())
-    }
-
-    fn stale_after(&self) -> Duration {
-        secs(self.cfg.serving.kv_events_stale_s)
+        self.cfg.serving.kv_aware_placement && !self.cfg.engines.is_empty()
     }
 
     /// Starts one subscriber per engine with `kv_events`, whatever the HA phase (a standby
-    /// keeps a warm index; module doc); they end with `stop`.
+    /// keeps a warm index; module doc); they end with `stop`. None when cache awareness is
+    /// off.
     pub(crate) fn spawn(self: &Arc<Self>, fleet: Arc<Fleet>, stop: CancellationToken) {
+        if !self.enabled() {
+            return;
+        }
         for (e, engine) in self.cfg.engines.iter().enumerate() {
             if let Some(src) = engine.kv_events.clone() {
                 let me = self.clone();
@@ -226,14 +248,11 @@ impl KvCache {
         let Some(ep) = &src.replay_endpoint else {
             return;
         };
-        let (mode, from) = {
+        let (reason, from) = {
             let ix = self.lock();
-            (
-                ix.mode(e, self.clock.now(), self.stale_after()),
-                ix.next_seq(e),
-            )
+            (ix.reason(e, self.clock.now()), ix.next_seq(e))
         };
-        if !matches!(mode, Mode::Waiting | Mode::Stale) {
+        if !matches!(reason, Reason::Waiting | Reason::Stale) {
             return;
         }
         for (seq, batch) in replay(ep, from.unwrap_or(0)).await.unwrap_or_default() {
@@ -355,8 +374,8 @@ impl KvCache {
             .ok_or_else(|| fail("answer has no `tokens` list".into()))
     }
 
-    /// The KV score of a request whose body (one prompt) is `body`: `None` when no engine has
-    /// `kv_events`, the tokenizers disagree, or the tokens could not be had (counted).
+    /// The KV score of a request whose body (one prompt) is `body`: `None` when cache
+    /// awareness is off, the tokenizers disagree, or the tokens could not be had (counted).
     pub(crate) async fn score(&self, fleet: &Fleet, body: &Map<String, Value>) -> Option<Scored> {
         if !self.enabled() {
             return None;
@@ -382,43 +401,44 @@ impl KvCache {
         let now = self.clock.now();
         let n = tokens.len() as u64;
         let mut ix = self.lock();
-        let mut cached = Vec::with_capacity(ix.len());
-        let mut stores = Vec::with_capacity(ix.len());
+        let mut chains: Vec<(u32, Vec<u64>)> = Vec::new();
+        let mut credits = Vec::with_capacity(ix.len());
         for e in 0..ix.len() {
             ix.sync_process(e, fleet.incarnation(e));
-            let (hit, full) = match ix.block_size(e) {
-                Some(bs) if ix.mode(e, now, self.stale_after()) == Mode::Exact => {
-                    let chain = prompt_chain(&tokens, bs);
-                    (
-                        ix.matched_tokens(e, &chain, n),
-                        chain.len() as u64 * u64::from(bs),
-                    )
-                }
-                // Not learned yet (no block stored): nothing cached, any full block stores.
-                _ => (0, n),
-            };
-            cached.push(hit);
-            stores.push(full > hit);
+            ix.expire(e, now);
+            let bs = ix.credit_block_size(e);
+            if !chains.iter().any(|(b, _)| *b == bs) {
+                chains.push((bs, prompt_chain(&tokens, bs)));
+            }
+            let chain = chains
+                .iter()
+                .find(|(b, _)| *b == bs)
+                .map(|(_, c)| c.as_slice())
+                .unwrap_or(&[]);
+            credits.push(ix.credit(e, chain, n, now));
         }
+        let credit = self.cfg.serving.kv_approx_credit;
         Some(Scored {
             score: KvScore {
-                uncached: cached.iter().map(|c| n - c).collect(),
+                uncached: credits.iter().map(|c| uncached(n, c, credit)).collect(),
                 balance: Balance {
                     abs: self.cfg.serving.kv_balance_abs_threshold,
                     rel: self.cfg.serving.kv_balance_rel_threshold,
                 },
             },
-            cached,
+            credits,
             prompt_tokens: n,
-            stores,
+            chains,
         })
     }
 
-    /// The request scored `s` was placed on engine `e` (the stale clock starts when it must
-    /// store blocks).
+    /// The request scored `s` was placed on engine `e`: its prompt's blocks are credited to
+    /// `e`'s approximate part, and the stale clock starts when it must store blocks.
     pub(crate) fn placed(&self, e: usize, s: &Scored) {
         let now = self.clock.now();
-        self.lock().placed(e, s.stores[e], now);
+        let c = s.credits[e];
+        self.lock()
+            .placed(e, s.chain(c.block_size), c.block_size, c.stores, now);
     }
 
     fn tokenizer_check(&self) -> MutexGuard<'_, TokenizerCheck> {
@@ -464,12 +484,22 @@ impl KvCache {
         *self.tokenizer_check() = verdict;
     }
 
-    /// Per engine (config order), a snapshot for `/narwhal/state` and `/metrics`.
+    /// Per engine (config order), a snapshot for `/narwhal/state` and `/metrics`; every
+    /// engine is `none` (`tokenizer_mismatch`) while the tokenizers disagree, since nothing is
+    /// scored then.
     pub(crate) fn views(&self) -> Vec<EngineView> {
         let now = self.clock.now();
+        let mismatch = matches!(*self.tokenizer_check(), TokenizerCheck::Mismatch(_));
         let ix = self.lock();
         (0..ix.len())
-            .map(|e| ix.view(e, now, self.stale_after()))
+            .map(|e| {
+                let mut v = ix.view(e, now);
+                if mismatch && v.reason != Reason::Off {
+                    v.reason = Reason::TokenizerMismatch;
+                    v.mode = Mode::None;
+                }
+                v
+            })
             .collect()
     }
 

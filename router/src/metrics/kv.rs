@@ -12,14 +12,20 @@ use super::Labels;
 
 /// The KV index per engine and the KV score's `/tokenize` calls.
 pub(crate) struct KvMetrics {
-    /// `narwhal_kv_index_mode{iid, mode}`: 1 for the engine's mode (`none`, `waiting`,
-    /// `exact`, `stale`), 0 for the others.
+    /// `narwhal_kv_index_mode{iid, mode}`: 1 for the engine's mode (`exact`, `approximate`,
+    /// `none`), 0 for the others.
     pub(crate) mode: Family<Labels, Gauge>,
+    /// `narwhal_kv_index_reason{iid, reason}`: 1 for why the engine is in its mode (`events`,
+    /// `no_kv_events`, `waiting`, `stale`, `off`, `tokenizer_mismatch`), 0 for the others.
+    pub(crate) reason: Family<Labels, Gauge>,
     /// `narwhal_kv_index_lag_seconds{iid}`: seconds since the engine's last batch (no sample
     /// before the first).
     pub(crate) lag: Family<Labels, Gauge<f64, AtomicU64>>,
-    /// `narwhal_kv_index_blocks{iid}`: blocks the index holds for the engine.
+    /// `narwhal_kv_index_blocks{iid}`: blocks the index holds for the engine from its events.
     pub(crate) blocks: Family<Labels, Gauge>,
+    /// `narwhal_kv_index_approx_blocks{iid}`: blocks the approximate index credits the engine
+    /// with from placements (not expired).
+    pub(crate) approx_blocks: Family<Labels, Gauge>,
     /// `narwhal_kv_index_gaps_total{iid}`: sequence gaps seen.
     pub(crate) gaps: Family<Labels, Counter>,
     /// `narwhal_kv_index_replays_total{iid}`: gaps filled from the engine's replay socket.
@@ -38,6 +44,8 @@ impl KvMetrics {
     pub(super) fn register(r: &mut Registry) -> KvMetrics {
         let m = KvMetrics {
             mode: Family::default(),
+            reason: Family::default(),
+            approx_blocks: Family::default(),
             lag: Family::default(),
             blocks: Family::default(),
             gaps: Family::default(),
@@ -48,8 +56,13 @@ impl KvMetrics {
         };
         r.register(
             "narwhal_kv_index_mode",
-            "1 for each engine's KV index mode (none, waiting, exact, stale), else 0",
+            "1 for each engine's KV index mode (exact, approximate, none), else 0",
             m.mode.clone(),
+        );
+        r.register(
+            "narwhal_kv_index_reason",
+            "1 for why each engine's KV index is in its mode (events, no_kv_events, waiting, stale, off, tokenizer_mismatch), else 0",
+            m.reason.clone(),
         );
         r.register(
             "narwhal_kv_index_lag_seconds",
@@ -58,8 +71,13 @@ impl KvMetrics {
         );
         r.register(
             "narwhal_kv_index_blocks",
-            "Prefix-cache blocks the KV index holds for the engine",
+            "Prefix-cache blocks the KV index holds for the engine from its KV events",
             m.blocks.clone(),
+        );
+        r.register(
+            "narwhal_kv_index_approx_blocks",
+            "Prompt blocks the approximate KV index credits the engine with from placements",
+            m.approx_blocks.clone(),
         );
         r.register(
             "narwhal_kv_index_gaps",
