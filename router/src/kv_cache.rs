@@ -9,15 +9,15 @@
 //!  request ──/tokenize (one live engine, short timeout)──► tokens ──► KvScore ──► placement
 //! ```
 //!
-//! The subscribers are thin: every rule (sequence, restart, gap, stale, credit) is the pure
-//! index's. A subscriber reconnects when the fleet sees a new process behind its engine
+//! The subscribers are thin: every rule (sequence, restart, gap, stale, credit, the
+//! approximate credit of a placement) is the pure index's. A subscriber reconnects when the fleet sees a new process behind its engine
 //! (`Fleet::incarnation`), whose entries the index then drops. Tokenizing never fails a
 //! request: without tokens it is placed by load, and the failure is counted.
 //!
 //! The subscribers run in every HA phase: a warm standby keeps its index from the same streams
 //! (and replay) while it shadows, so placement keeps its affinity across a takeover. They only
 //! read the engines' events and the fleet's incarnation counts; a standby scores and places
-//! nothing. After a takeover the new primary's identity checks apply as always: a new process
+//! nothing, so its approximate index (engines without events) is cold at a takeover. After a takeover the new primary's identity checks apply as always: a new process
 //! behind an engine drops its entries before it is scored again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
