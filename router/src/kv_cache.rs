@@ -22,7 +22,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use narwhal_shared::Clock;
@@ -43,6 +43,10 @@ use crate::upstream::Upstream;
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often a subscriber checks its engine's process and retries a failed connect.
 const RECHECK: Duration = Duration::from_millis(500);
+/// How long an engine whose `/tokenize` failed (for a score or the probe) is not asked again
+/// for scoring while another live engine can be (a stalled engine would otherwise hold every
+/// request for `engine.tokenize_timeout_s` until the breaker or the liveness probe ejects it).
+const TOKENIZE_AVOID: Duration = Duration::from_secs(10);
 /// The prompt both engines tokenize to check they agree.
 const PROBE_PROMPT: &str = "Narwhal tokenizer probe: the quick brown fox jumps over the lazy dog.";
 
@@ -141,6 +145,8 @@ pub(crate) struct KvCache {
     index: Mutex<KvIndex>,
     tokenizer: Mutex<TokenizerCheck>,
     counts: Counts,
+    /// Per engine (config order): when its `/tokenize` for a score last failed.
+    tokenize_failed: Mutex<Vec<Option<Instant>>>,
 }
 
 impl KvCache {
@@ -155,6 +161,7 @@ impl KvCache {
             approx_max_blocks: crate::kv_index::approx::MAX_APPROX_BLOCKS_PER_ENGINE,
         };
         KvCache {
+            tokenize_failed: Mutex::new(vec![None; configured.len()]),
             index: Mutex::new(KvIndex::with(&configured, settings)),
             cfg,
             clock,
@@ -342,8 +349,26 @@ impl KvCache {
             }
             _ => return Err(TokenizeError::Shape),
         }
-        let e = least_loaded_live(fleet).ok_or(TokenizeError::NoEngine)?;
-        self.tokenize_on(e, &req).await
+        let e = {
+            let failed = self
+                .tokenize_failed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            tokenize_engine(
+                &live_loads(fleet),
+                &failed,
+                self.clock.now(),
+                TOKENIZE_AVOID,
+            )
+        }
+        .ok_or(TokenizeError::NoEngine)?;
+        let r = self.tokenize_on(e, &req).await;
+        let mut failed = self
+            .tokenize_failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        failed[e] = r.is_err().then(|| self.clock.now());
+        r
     }
 
     async fn tokenize_on(&self, e: usize, req: &Value) -> Result<Vec<u32>, TokenizeError> {
@@ -454,15 +479,34 @@ impl KvCache {
         ) {
             return;
         }
+        // Live engines whose /tokenize did not just fail: a stalled engine is not probed
+        // again on every request (each probe would wait `engine.tokenize_timeout_s`).
         let live: Vec<usize> = {
-            let names = fleet.live_names();
-            (0..fleet.names().len())
-                .filter(|i| names.contains(&fleet.names()[*i]))
+            let failed = self
+                .tokenize_failed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let now = self.clock.now();
+            live_loads(fleet)
+                .into_iter()
+                .map(|(e, _)| e)
+                .filter(|e| {
+                    failed[*e].is_none_or(|t| now.saturating_duration_since(t) >= TOKENIZE_AVOID)
+                })
                 .collect()
         };
         let [a, b, ..] = live[..] else { return };
         let req = json!({"model": self.cfg.model, "prompt": PROBE_PROMPT});
         let (ra, rb) = tokio::join!(self.tokenize_on(a, &req), self.tokenize_on(b, &req));
+        {
+            let mut failed = self
+                .tokenize_failed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let now = self.clock.now();
+            failed[a] = ra.is_err().then_some(now);
+            failed[b] = rb.is_err().then_some(now);
+        }
         let names = fleet.names();
         let verdict = match (ra, rb) {
             (Ok(x), Ok(y)) if x == y => TokenizerCheck::Agree,
@@ -518,14 +562,37 @@ impl KvCache {
     }
 }
 
-/// The least loaded live engine.
-fn least_loaded_live(fleet: &Fleet) -> Option<usize> {
+/// `(engine, resident requests)` of every live engine, config order.
+fn live_loads(fleet: &Fleet) -> Vec<(usize, u32)> {
     let live = fleet.live_names();
     let counts = fleet.resident_counts();
     let names = fleet.names();
     (0..names.len())
         .filter(|i| live.contains(&names[*i]))
-        .min_by_key(|i| (counts.get(&names[*i]).copied().unwrap_or(0), *i))
+        .map(|i| (i, counts.get(&names[i]).copied().unwrap_or(0)))
+        .collect()
+}
+
+/// The engine to ask `/tokenize` for a score: the least loaded of `live` (`(engine, resident
+/// requests)`; ties by config order) whose last `/tokenize` did not fail less than `avoid`
+/// before `now` (`failed`, per engine in config order); `None` when every live engine failed
+/// that recently (the request is then placed by load at once, not after another timeout).
+fn tokenize_engine(
+    live: &[(usize, u32)],
+    failed: &[Option<Instant>],
+    now: Instant,
+    avoid: Duration,
+) -> Option<usize> {
+    live.iter()
+        .filter(|(e, _)| {
+            failed
+                .get(*e)
+                .copied()
+                .flatten()
+                .is_none_or(|t| now.saturating_duration_since(t) >= avoid)
+        })
+        .min_by_key(|(e, load)| (*load, *e))
+        .map(|(e, _)| *e)
 }
 
 /// `[topic, seq (8 bytes BE), payload]` → `(seq, batch)`.
@@ -564,4 +631,34 @@ async fn replay(endpoint: &str, from: u64) -> Option<Vec<(u64, KvEventBatch)>> {
         .await
         .ok()
         .flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_score_tokenizes_on_the_least_loaded_engine_whose_tokenize_did_not_just_fail() {
+        let t = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
+        let avoid = Duration::from_secs(10);
+        let live = [(0, 0), (1, 0), (2, 3)];
+        let mut failed = vec![None; 3];
+        assert_eq!(tokenize_engine(&live, &failed, t, avoid), Some(0));
+        // Engine 0's /tokenize timed out (a stalled engine): the next least loaded is asked.
+        failed[0] = Some(t);
+        assert_eq!(tokenize_engine(&live, &failed, t, avoid), Some(1));
+        assert_eq!(
+            tokenize_engine(&live, &failed, t + Duration::from_secs(9), avoid),
+            Some(1)
+        );
+        assert_eq!(
+            tokenize_engine(&live, &failed, t + avoid, avoid),
+            Some(0),
+            "asked again after the avoid time"
+        );
+        // Every live engine failed just now: none (placed by load at once).
+        failed = vec![Some(t); 3];
+        assert_eq!(tokenize_engine(&live, &failed, t, avoid), None);
+        assert_eq!(tokenize_engine(&[], &failed, t, avoid), None);
+    }
 }
