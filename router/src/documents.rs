@@ -287,7 +287,7 @@ fn kv_index(parts: &Parts) -> state::KvIndex {
 
 /// The `narwhal_kv_index_*` families from the index's snapshot.
 fn kv_gauges(parts: &Parts) {
-    let m = &parts.metrics.kv;
+    let (m, c) = (&parts.metrics.kv.gauges, &parts.metrics.kv.counters);
     let names = parts.fleet.names();
     for (i, v) in parts.kv.views().into_iter().enumerate() {
         let iid = names[i].as_str();
@@ -309,15 +309,15 @@ fn kv_gauges(parts: &Parts) {
         m.approx_blocks
             .get_or_create(&l)
             .set(v.approx.blocks as i64);
-        raise(&m.gaps.get_or_create(&l), v.counters.gaps);
-        raise(&m.replays.get_or_create(&l), v.counters.replays);
-        raise(&m.resets.get_or_create(&l), v.counters.resets);
+        raise(&c.gaps.get_or_create(&l), v.counters.gaps);
+        raise(&c.replays.get_or_create(&l), v.counters.replays);
+        raise(&c.resets.get_or_create(&l), v.counters.resets);
     }
     let (_, failures, seconds) = parts.kv.tokenize_counts();
-    raise(&m.tokenize_failures, failures);
-    let spent = m.tokenize_seconds.get();
+    raise(&c.tokenize_failures, failures);
+    let spent = c.tokenize_seconds.get();
     if seconds > spent {
-        m.tokenize_seconds.inc_by(seconds - spent);
+        c.tokenize_seconds.inc_by(seconds - spent);
     }
 }
 
