@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 
 use crate::breaker::FailureClass;
 use crate::config::{Config, Role};
-use crate::kv_index::Mode;
+use crate::kv_index::{Mode, Reason};
 use crate::lifecycle::DrainState;
 use crate::metrics::{labels, raise};
 use crate::parts::Parts;
@@ -268,8 +268,11 @@ fn kv_index(parts: &Parts) -> state::KvIndex {
                     names[i].clone(),
                     state::KvEngine {
                         mode: v.mode.as_str().to_string(),
+                        reason: v.reason.as_str().to_string(),
                         lag_s: v.lag_s,
                         blocks: v.blocks,
+                        approx_blocks: v.approx.blocks,
+                        approx_evicted: v.approx.evicted,
                         batches: v.counters.batches,
                         gaps: v.counters.gaps,
                         replays: v.counters.replays,
@@ -284,7 +287,7 @@ fn kv_index(parts: &Parts) -> state::KvIndex {
 
 /// The `narwhal_kv_index_*` families from the index's snapshot.
 fn kv_gauges(parts: &Parts) {
-    let m = &parts.metrics.kv;
+    let (m, c) = (&parts.metrics.kv.gauges, &parts.metrics.kv.counters);
     let names = parts.fleet.names();
     for (i, v) in parts.kv.views().into_iter().enumerate() {
         let iid = names[i].as_str();
@@ -294,19 +297,27 @@ fn kv_gauges(parts: &Parts) {
                 .get_or_create(&labels(&[("iid", iid), ("mode", mode.as_str())]))
                 .set(i64::from(mode == v.mode));
         }
+        for reason in Reason::ALL {
+            m.reason
+                .get_or_create(&labels(&[("iid", iid), ("reason", reason.as_str())]))
+                .set(i64::from(reason == v.reason));
+        }
         if let Some(lag) = v.lag_s {
             m.lag.get_or_create(&l).set(lag);
         }
         m.blocks.get_or_create(&l).set(v.blocks as i64);
-        raise(&m.gaps.get_or_create(&l), v.counters.gaps);
-        raise(&m.replays.get_or_create(&l), v.counters.replays);
-        raise(&m.resets.get_or_create(&l), v.counters.resets);
+        m.approx_blocks
+            .get_or_create(&l)
+            .set(v.approx.blocks as i64);
+        raise(&c.gaps.get_or_create(&l), v.counters.gaps);
+        raise(&c.replays.get_or_create(&l), v.counters.replays);
+        raise(&c.resets.get_or_create(&l), v.counters.resets);
     }
     let (_, failures, seconds) = parts.kv.tokenize_counts();
-    raise(&m.tokenize_failures, failures);
-    let spent = m.tokenize_seconds.get();
+    raise(&c.tokenize_failures, failures);
+    let spent = c.tokenize_seconds.get();
     if seconds > spent {
-        m.tokenize_seconds.inc_by(seconds - spent);
+        c.tokenize_seconds.inc_by(seconds - spent);
     }
 }
 

@@ -9,20 +9,20 @@
 //!  request ──/tokenize (one live engine, short timeout)──► tokens ──► KvScore ──► placement
 //! ```
 //!
-//! The subscribers are thin: every rule (sequence, restart, gap, stale, credit) is the pure
-//! index's. A subscriber reconnects when the fleet sees a new process behind its engine
+//! The subscribers are thin: every rule (sequence, restart, gap, stale, credit, the
+//! approximate credit of a placement) is the pure index's. A subscriber reconnects when the fleet sees a new process behind its engine
 //! (`Fleet::incarnation`), whose entries the index then drops. Tokenizing never fails a
 //! request: without tokens it is placed by load, and the failure is counted.
 //!
 //! The subscribers run in every HA phase: a warm standby keeps its index from the same streams
 //! (and replay) while it shadows, so placement keeps its affinity across a takeover. They only
 //! read the engines' events and the fleet's incarnation counts; a standby scores and places
-//! nothing. After a takeover the new primary's identity checks apply as always: a new process
+//! nothing, so its approximate index (engines without events) is cold at a takeover. After a takeover the new primary's identity checks apply as always: a new process
 //! behind an engine drops its entries before it is scored again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use narwhal_shared::Clock;
@@ -33,7 +33,9 @@ use zeromq::{Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
 
 use crate::config::{Config, KvEventsSource, secs};
 use crate::fleet::Fleet;
-use crate::kv_index::{EngineView, KvIndex, Mode, Seq, prompt_chain};
+use crate::kv_index::{
+    Credit, EngineView, KvIndex, Mode, Reason, Seq, Settings, prompt_chain, uncached,
+};
 use crate::placement::{Balance, KvScore};
 use crate::upstream::Upstream;
 
@@ -41,6 +43,10 @@ use crate::upstream::Upstream;
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often a subscriber checks its engine's process and retries a failed connect.
 const RECHECK: Duration = Duration::from_millis(500);
+/// How long an engine whose `/tokenize` failed (for a score or the probe) is not asked again
+/// for scoring while another live engine can be (a stalled engine would otherwise hold every
+/// request for `engine.tokenize_timeout_s` until the breaker or the liveness probe ejects it).
+const TOKENIZE_AVOID: Duration = Duration::from_secs(10);
 /// The prompt both engines tokenize to check they agree.
 const PROBE_PROMPT: &str = "Narwhal tokenizer probe: the quick brown fox jumps over the lazy dog.";
 
@@ -103,12 +109,24 @@ pub(crate) enum TokenizeError {
 pub(crate) struct Scored {
     /// The placement input.
     pub score: KvScore,
-    /// Cached prompt tokens per engine (config order), as the index credits them.
-    pub cached: Vec<u64>,
+    /// Per engine (config order): its credit (reason, cached prompt tokens as the index
+    /// credits them, undiscounted, whether placing there stores, the block size).
+    pub credits: Vec<Credit>,
     /// Prompt tokens.
     pub prompt_tokens: u64,
-    /// Full blocks per engine's block size not held, per engine: whether placing there stores.
-    stores: Vec<bool>,
+    /// The prompt's full-block chains, one per block size the engines are credited in.
+    chains: Vec<(u32, Vec<u64>)>,
+}
+
+impl Scored {
+    /// The prompt's chain at block size `bs` (empty if no engine is credited in it).
+    fn chain(&self, bs: u32) -> &[u64] {
+        self.chains
+            .iter()
+            .find(|(b, _)| *b == bs)
+            .map(|(_, c)| c.as_slice())
+            .unwrap_or(&[])
+    }
 }
 
 /// Tokenize counters (cumulative).
@@ -127,14 +145,24 @@ pub(crate) struct KvCache {
     index: Mutex<KvIndex>,
     tokenizer: Mutex<TokenizerCheck>,
     counts: Counts,
+    /// Per engine (config order): when its `/tokenize` for a score last failed.
+    tokenize_failed: Mutex<Vec<Option<Instant>>>,
 }
 
 impl KvCache {
     /// An empty index over the configured engines.
     pub(crate) fn new(cfg: Arc<Config>, clock: Arc<dyn Clock>, upstream: Upstream) -> Self {
         let configured: Vec<bool> = cfg.engines.iter().map(|e| e.kv_events.is_some()).collect();
+        let settings = Settings {
+            aware: cfg.serving.kv_aware_placement,
+            stale_after: secs(cfg.serving.kv_events_stale_s),
+            approx_ttl: secs(cfg.serving.kv_approx_ttl_s),
+            approx_block_size: cfg.serving.kv_approx_block_size,
+            approx_max_blocks: crate::kv_index::approx::MAX_APPROX_BLOCKS_PER_ENGINE,
+        };
         KvCache {
-            index: Mutex::new(KvIndex::new(&configured)),
+            tokenize_failed: Mutex::new(vec![None; configured.len()]),
+            index: Mutex::new(KvIndex::with(&configured, settings)),
             cfg,
             clock,
             upstream,
@@ -147,18 +175,19 @@ impl KvCache {
         self.index.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether any engine has `kv_events` (else nothing here runs and no request tokenizes).
+    /// Whether cache awareness is on (`serving.kv_aware_placement`; else nothing here runs,
+    /// no request tokenizes and every engine's mode is `none`).
     pub(crate) fn enabled(&self) -> bool {
-        self.cfg.engines.iter().any(|e| e.kv_events.is_some())
-    }
-
-    fn stale_after(&self) -> Duration {
-        secs(self.cfg.serving.kv_events_stale_s)
+        self.cfg.serving.kv_aware_placement && !self.cfg.engines.is_empty()
     }
 
     /// Starts one subscriber per engine with `kv_events`, whatever the HA phase (a standby
-    /// keeps a warm index; module doc); they end with `stop`.
+    /// keeps a warm index; module doc); they end with `stop`. None when cache awareness is
+    /// off.
     pub(crate) fn spawn(self: &Arc<Self>, fleet: Arc<Fleet>, stop: CancellationToken) {
+        if !self.enabled() {
+            return;
+        }
         for (e, engine) in self.cfg.engines.iter().enumerate() {
             if let Some(src) = engine.kv_events.clone() {
                 let me = self.clone();
@@ -226,14 +255,11 @@ impl KvCache {
         let Some(ep) = &src.replay_endpoint else {
             return;
         };
-        let (mode, from) = {
+        let (reason, from) = {
             let ix = self.lock();
-            (
-                ix.mode(e, self.clock.now(), self.stale_after()),
-                ix.next_seq(e),
-            )
+            (ix.reason(e, self.clock.now()), ix.next_seq(e))
         };
-        if !matches!(mode, Mode::Waiting | Mode::Stale) {
+        if !matches!(reason, Reason::Waiting | Reason::Stale) {
             return;
         }
         for (seq, batch) in replay(ep, from.unwrap_or(0)).await.unwrap_or_default() {
@@ -323,8 +349,26 @@ impl KvCache {
             }
             _ => return Err(TokenizeError::Shape),
         }
-        let e = least_loaded_live(fleet).ok_or(TokenizeError::NoEngine)?;
-        self.tokenize_on(e, &req).await
+        let e = {
+            let failed = self
+                .tokenize_failed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            tokenize_engine(
+                &live_loads(fleet),
+                &failed,
+                self.clock.now(),
+                TOKENIZE_AVOID,
+            )
+        }
+        .ok_or(TokenizeError::NoEngine)?;
+        let r = self.tokenize_on(e, &req).await;
+        let mut failed = self
+            .tokenize_failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        failed[e] = r.is_err().then(|| self.clock.now());
+        r
     }
 
     async fn tokenize_on(&self, e: usize, req: &Value) -> Result<Vec<u32>, TokenizeError> {
@@ -355,8 +399,8 @@ impl KvCache {
             .ok_or_else(|| fail("answer has no `tokens` list".into()))
     }
 
-    /// The KV score of a request whose body (one prompt) is `body`: `None` when no engine has
-    /// `kv_events`, the tokenizers disagree, or the tokens could not be had (counted).
+    /// The KV score of a request whose body (one prompt) is `body`: `None` when cache
+    /// awareness is off, the tokenizers disagree, or the tokens could not be had (counted).
     pub(crate) async fn score(&self, fleet: &Fleet, body: &Map<String, Value>) -> Option<Scored> {
         if !self.enabled() {
             return None;
@@ -382,43 +426,44 @@ impl KvCache {
         let now = self.clock.now();
         let n = tokens.len() as u64;
         let mut ix = self.lock();
-        let mut cached = Vec::with_capacity(ix.len());
-        let mut stores = Vec::with_capacity(ix.len());
+        let mut chains: Vec<(u32, Vec<u64>)> = Vec::new();
+        let mut credits = Vec::with_capacity(ix.len());
         for e in 0..ix.len() {
             ix.sync_process(e, fleet.incarnation(e));
-            let (hit, full) = match ix.block_size(e) {
-                Some(bs) if ix.mode(e, now, self.stale_after()) == Mode::Exact => {
-                    let chain = prompt_chain(&tokens, bs);
-                    (
-                        ix.matched_tokens(e, &chain, n),
-                        chain.len() as u64 * u64::from(bs),
-                    )
-                }
-                // Not learned yet (no block stored): nothing cached, any full block stores.
-                _ => (0, n),
-            };
-            cached.push(hit);
-            stores.push(full > hit);
+            ix.expire(e, now);
+            let bs = ix.credit_block_size(e);
+            if !chains.iter().any(|(b, _)| *b == bs) {
+                chains.push((bs, prompt_chain(&tokens, bs)));
+            }
+            let chain = chains
+                .iter()
+                .find(|(b, _)| *b == bs)
+                .map(|(_, c)| c.as_slice())
+                .unwrap_or(&[]);
+            credits.push(ix.credit(e, chain, n, now));
         }
+        let credit = self.cfg.serving.kv_approx_credit;
         Some(Scored {
             score: KvScore {
-                uncached: cached.iter().map(|c| n - c).collect(),
+                uncached: credits.iter().map(|c| uncached(n, c, credit)).collect(),
                 balance: Balance {
                     abs: self.cfg.serving.kv_balance_abs_threshold,
                     rel: self.cfg.serving.kv_balance_rel_threshold,
                 },
             },
-            cached,
+            credits,
             prompt_tokens: n,
-            stores,
+            chains,
         })
     }
 
-    /// The request scored `s` was placed on engine `e` (the stale clock starts when it must
-    /// store blocks).
+    /// The request scored `s` was placed on engine `e`: its prompt's blocks are credited to
+    /// `e`'s approximate part, and the stale clock starts when it must store blocks.
     pub(crate) fn placed(&self, e: usize, s: &Scored) {
         let now = self.clock.now();
-        self.lock().placed(e, s.stores[e], now);
+        let c = s.credits[e];
+        self.lock()
+            .placed(e, s.chain(c.block_size), c.block_size, c.stores, now);
     }
 
     fn tokenizer_check(&self) -> MutexGuard<'_, TokenizerCheck> {
@@ -434,15 +479,34 @@ impl KvCache {
         ) {
             return;
         }
+        // Live engines whose /tokenize did not just fail: a stalled engine is not probed
+        // again on every request (each probe would wait `engine.tokenize_timeout_s`).
         let live: Vec<usize> = {
-            let names = fleet.live_names();
-            (0..fleet.names().len())
-                .filter(|i| names.contains(&fleet.names()[*i]))
+            let failed = self
+                .tokenize_failed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let now = self.clock.now();
+            live_loads(fleet)
+                .into_iter()
+                .map(|(e, _)| e)
+                .filter(|e| {
+                    failed[*e].is_none_or(|t| now.saturating_duration_since(t) >= TOKENIZE_AVOID)
+                })
                 .collect()
         };
         let [a, b, ..] = live[..] else { return };
         let req = json!({"model": self.cfg.model, "prompt": PROBE_PROMPT});
         let (ra, rb) = tokio::join!(self.tokenize_on(a, &req), self.tokenize_on(b, &req));
+        {
+            let mut failed = self
+                .tokenize_failed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let now = self.clock.now();
+            failed[a] = ra.is_err().then_some(now);
+            failed[b] = rb.is_err().then_some(now);
+        }
         let names = fleet.names();
         let verdict = match (ra, rb) {
             (Ok(x), Ok(y)) if x == y => TokenizerCheck::Agree,
@@ -464,12 +528,22 @@ impl KvCache {
         *self.tokenizer_check() = verdict;
     }
 
-    /// Per engine (config order), a snapshot for `/narwhal/state` and `/metrics`.
+    /// Per engine (config order), a snapshot for `/narwhal/state` and `/metrics`; every
+    /// engine is `none` (`tokenizer_mismatch`) while the tokenizers disagree, since nothing is
+    /// scored then.
     pub(crate) fn views(&self) -> Vec<EngineView> {
         let now = self.clock.now();
+        let mismatch = matches!(*self.tokenizer_check(), TokenizerCheck::Mismatch(_));
         let ix = self.lock();
         (0..ix.len())
-            .map(|e| ix.view(e, now, self.stale_after()))
+            .map(|e| {
+                let mut v = ix.view(e, now);
+                if mismatch && v.reason != Reason::Off {
+                    v.reason = Reason::TokenizerMismatch;
+                    v.mode = Mode::None;
+                }
+                v
+            })
             .collect()
     }
 
@@ -488,14 +562,37 @@ impl KvCache {
     }
 }
 
-/// The least loaded live engine.
-fn least_loaded_live(fleet: &Fleet) -> Option<usize> {
+/// `(engine, resident requests)` of every live engine, config order.
+fn live_loads(fleet: &Fleet) -> Vec<(usize, u32)> {
     let live = fleet.live_names();
     let counts = fleet.resident_counts();
     let names = fleet.names();
     (0..names.len())
         .filter(|i| live.contains(&names[*i]))
-        .min_by_key(|i| (counts.get(&names[*i]).copied().unwrap_or(0), *i))
+        .map(|i| (i, counts.get(&names[i]).copied().unwrap_or(0)))
+        .collect()
+}
+
+/// The engine to ask `/tokenize` for a score: the least loaded of `live` (`(engine, resident
+/// requests)`; ties by config order) whose last `/tokenize` did not fail less than `avoid`
+/// before `now` (`failed`, per engine in config order); `None` when every live engine failed
+/// that recently (the request is then placed by load at once, not after another timeout).
+fn tokenize_engine(
+    live: &[(usize, u32)],
+    failed: &[Option<Instant>],
+    now: Instant,
+    avoid: Duration,
+) -> Option<usize> {
+    live.iter()
+        .filter(|(e, _)| {
+            failed
+                .get(*e)
+                .copied()
+                .flatten()
+                .is_none_or(|t| now.saturating_duration_since(t) >= avoid)
+        })
+        .min_by_key(|(e, load)| (*load, *e))
+        .map(|(e, _)| *e)
 }
 
 /// `[topic, seq (8 bytes BE), payload]` → `(seq, batch)`.
@@ -534,4 +631,34 @@ async fn replay(endpoint: &str, from: u64) -> Option<Vec<(u64, KvEventBatch)>> {
         .await
         .ok()
         .flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_score_tokenizes_on_the_least_loaded_engine_whose_tokenize_did_not_just_fail() {
+        let t = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
+        let avoid = Duration::from_secs(10);
+        let live = [(0, 0), (1, 0), (2, 3)];
+        let mut failed = vec![None; 3];
+        assert_eq!(tokenize_engine(&live, &failed, t, avoid), Some(0));
+        // Engine 0's /tokenize timed out (a stalled engine): the next least loaded is asked.
+        failed[0] = Some(t);
+        assert_eq!(tokenize_engine(&live, &failed, t, avoid), Some(1));
+        assert_eq!(
+            tokenize_engine(&live, &failed, t + Duration::from_secs(9), avoid),
+            Some(1)
+        );
+        assert_eq!(
+            tokenize_engine(&live, &failed, t + avoid, avoid),
+            Some(0),
+            "asked again after the avoid time"
+        );
+        // Every live engine failed just now: none (placed by load at once).
+        failed = vec![Some(t); 3];
+        assert_eq!(tokenize_engine(&live, &failed, t, avoid), None);
+        assert_eq!(tokenize_engine(&[], &failed, t, avoid), None);
+    }
 }

@@ -7,9 +7,10 @@
 //!        │ Next: apply()   Restarted: restart()   Gap: the driver replays, then fill()
 //!        ▼
 //!  per engine: our hash → refs, engine hash → our hash, next seq, last batch, counters
-//!        │ matched_tokens(engine, prompt tokens)   longest run of held blocks from the first
+//!        │ credit(engine, prompt tokens)   longest run of held blocks from the first
 //!        ▼
-//!  cached prompt tokens (0 unless the engine's mode is `exact`)
+//!  cached prompt tokens: `exact` from the events; `approximate` from our own placements
+//!  (`approx`: engines without events, waiting or stale); `none` when cache awareness is off
 //! ```
 //!
 //! Pure: no clock, no IO; `now` is passed in. Blocks are named by **our** hash, chained over
@@ -20,12 +21,16 @@
 //!
 //! Memory is bounded: at most [`MAX_BLOCKS_PER_ENGINE`] blocks per engine (two hash-map entries
 //! each, about 80 bytes); stores beyond it are dropped and counted (`overflow`), which only
-//! under-credits the engine.
+//! under-credits the engine. The approximate part has its own bound ([`approx`]).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use narwhal_shared::kv_events::{KvEvent, KvEventBatch};
+
+pub(crate) mod approx;
+
+use approx::{Approx, ApproxView};
 
 /// The most blocks the index holds per engine: 2^18 blocks (4 Mi tokens at vLLM's block size
 /// of 16), about 20 MiB per engine at ~80 bytes per block.
@@ -80,19 +85,17 @@ pub(crate) enum Seq {
     Old,
 }
 
-/// An engine's index mode (docs/http-api.md `kv_index`; docs/design/kv-aware-placement.md).
+/// An engine's index mode (docs/http-api.md `kv_index`; docs/design/kv-aware-placement.md
+/// section 3): what its credit is learned from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Mode {
-    /// No `kv_events` configured: never credited.
+    /// Never credited: cache awareness is off (`serving.kv_aware_placement: false`), or the
+    /// engines' tokenizers disagree.
     None,
-    /// Configured, no batch yet from this process (at start, or after its entries were
-    /// dropped for a new process): nothing to credit.
-    Waiting,
-    /// Batches arrive in order: its blocks are credited.
+    /// Credited from the router's own placements, with a TTL ([`approx`]): a guess.
+    Approximate,
+    /// Credited from the engine's own KV events, in an unbroken sequence of its process.
     Exact,
-    /// No batch for `serving.kv_events_stale_s` after a request that had to store blocks was
-    /// placed on it: not credited until the next batch.
-    Stale,
 }
 
 impl Mode {
@@ -100,14 +103,124 @@ impl Mode {
     pub(crate) fn as_str(self) -> &'static str {
         match self {
             Mode::None => "none",
-            Mode::Waiting => "waiting",
+            Mode::Approximate => "approximate",
             Mode::Exact => "exact",
-            Mode::Stale => "stale",
         }
     }
 
     /// Every mode, for pre-seeded metric labels.
-    pub(crate) const ALL: [Mode; 4] = [Mode::None, Mode::Waiting, Mode::Exact, Mode::Stale];
+    pub(crate) const ALL: [Mode; 3] = [Mode::None, Mode::Approximate, Mode::Exact];
+}
+
+/// Why an engine is in its [`Mode`] (`/narwhal/state` `kv_index.engines.<iid>.reason`, the
+/// `narwhal_kv_index_reason` metric): the finer state behind the mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reason {
+    /// `none`: `serving.kv_aware_placement` is false (nothing tokenized, nothing credited).
+    Off,
+    /// `none`: the engines' `/tokenize` disagree on the probe prompt, so the score is off.
+    TokenizerMismatch,
+    /// `approximate`: the engine has no `kv_events`.
+    NoEvents,
+    /// `approximate`: `kv_events` configured, no batch yet from this process (at start, or
+    /// after its entries were dropped for a new process or an undecodable batch).
+    Waiting,
+    /// `approximate`: no batch for `serving.kv_events_stale_s` after a request that had to
+    /// store blocks was placed on it (its events stopped), until its next batch.
+    Stale,
+    /// `exact`: batches arrive in order.
+    Events,
+}
+
+impl Reason {
+    /// The name in `/narwhal/state` and the `reason` label.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Reason::Off => "off",
+            Reason::TokenizerMismatch => "tokenizer_mismatch",
+            Reason::NoEvents => "no_kv_events",
+            Reason::Waiting => "waiting",
+            Reason::Stale => "stale",
+            Reason::Events => "events",
+        }
+    }
+
+    /// The mode this reason puts the engine in.
+    pub(crate) fn mode(self) -> Mode {
+        match self {
+            Reason::Off | Reason::TokenizerMismatch => Mode::None,
+            Reason::NoEvents | Reason::Waiting | Reason::Stale => Mode::Approximate,
+            Reason::Events => Mode::Exact,
+        }
+    }
+
+    /// Every reason, for pre-seeded metric labels.
+    pub(crate) const ALL: [Reason; 6] = [
+        Reason::Off,
+        Reason::TokenizerMismatch,
+        Reason::NoEvents,
+        Reason::Waiting,
+        Reason::Stale,
+        Reason::Events,
+    ];
+}
+
+/// How the index credits: the `serving.kv_*` settings it needs (docs/configuration.md).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Settings {
+    /// `serving.kv_aware_placement`: false turns every engine's mode to `none`.
+    pub aware: bool,
+    /// `serving.kv_events_stale_s`: silence after a storing placement that makes an engine
+    /// with events `stale`.
+    pub stale_after: Duration,
+    /// `serving.kv_approx_ttl_s`: how long an approximate credit lives after the placement
+    /// that last touched it (also how long a stale engine's last reported blocks count).
+    pub approx_ttl: Duration,
+    /// `serving.kv_approx_block_size`, tokens: the block size approximate credit is cut at
+    /// for an engine whose block size its events never told.
+    pub approx_block_size: u32,
+    /// Blocks the approximate part holds per engine at most.
+    pub approx_max_blocks: usize,
+}
+
+impl Default for Settings {
+    /// The configuration defaults: aware, stale after 5 s, TTL 120 s, block size 16,
+    /// [`approx::MAX_APPROX_BLOCKS_PER_ENGINE`].
+    fn default() -> Self {
+        Settings {
+            aware: true,
+            stale_after: Duration::from_secs(5),
+            approx_ttl: Duration::from_secs(120),
+            approx_block_size: 16,
+            approx_max_blocks: approx::MAX_APPROX_BLOCKS_PER_ENGINE,
+        }
+    }
+}
+
+/// One engine's credit for one prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Credit {
+    /// Why the engine is credited as it is.
+    pub reason: Reason,
+    /// Prompt tokens the index credits (exact, or the approximate guess; 0 for `none`).
+    pub cached: u64,
+    /// Whether placing the prompt there stores blocks it does not hold (starts the stale
+    /// clock of an engine with events).
+    pub stores: bool,
+    /// The block size the prompt's chain for this engine is cut at, tokens.
+    pub block_size: u32,
+}
+
+/// Prompt tokens an engine would compute for a prompt of `prompt_tokens` tokens with credit
+/// `c`: `prompt_tokens − cached`, the approximate credit counting `approx_credit` (a ratio in
+/// (0, 1], `serving.kv_approx_credit`) of its tokens.
+pub(crate) fn uncached(prompt_tokens: u64, c: &Credit, approx_credit: f64) -> u64 {
+    let counted = match c.reason.mode() {
+        Mode::Exact => c.cached,
+        Mode::Approximate => (c.cached as f64 * approx_credit.clamp(0.0, 1.0)).floor() as u64,
+        Mode::None => 0,
+    };
+    prompt_tokens.saturating_sub(counted)
 }
 
 /// Counters of one engine's stream (cumulative for the router's life).
@@ -221,10 +334,14 @@ impl Engine {
 pub(crate) struct EngineView {
     /// Its mode now.
     pub mode: Mode,
+    /// Why (the finer state).
+    pub reason: Reason,
     /// Seconds since its last batch; `None` before the first.
     pub lag_s: Option<f64>,
-    /// Blocks held.
+    /// Blocks held from its events.
     pub blocks: u64,
+    /// The approximate part: blocks credited from placements (not expired), LRU evictions.
+    pub approx: ApproxView,
     /// Its stream's counters.
     pub counters: Counters,
 }
@@ -233,11 +350,20 @@ pub(crate) struct EngineView {
 #[derive(Debug)]
 pub(crate) struct KvIndex {
     engines: Vec<Engine>,
+    approx: Approx,
+    settings: Settings,
 }
 
 impl KvIndex {
-    /// One slot per engine; `configured[i]`: engine `i` has `kv_events`.
+    /// One slot per engine with the default [`Settings`]; `configured[i]`: engine `i` has
+    /// `kv_events`.
+    #[cfg(test)]
     pub(crate) fn new(configured: &[bool]) -> Self {
+        Self::with(configured, Settings::default())
+    }
+
+    /// One slot per engine; `configured[i]`: engine `i` has `kv_events`.
+    pub(crate) fn with(configured: &[bool], settings: Settings) -> Self {
         KvIndex {
             engines: configured
                 .iter()
@@ -246,6 +372,12 @@ impl KvIndex {
                     ..Engine::default()
                 })
                 .collect(),
+            approx: Approx::new(
+                configured.len(),
+                settings.approx_ttl,
+                settings.approx_max_blocks,
+            ),
+            settings,
         }
     }
 
@@ -267,8 +399,10 @@ impl KvIndex {
     }
 
     /// Applies the expected batch `seq` of engine `e`.
+    /// A batch is the engine's truth: its approximate guesses are dropped.
     pub(crate) fn apply(&mut self, e: usize, seq: u64, batch: &KvEventBatch, now: Instant) {
         self.engines[e].apply(seq, batch, now);
+        self.approx.drop_engine(e);
     }
 
     /// Records that the live stream delivered batch `seq` of engine `e` (after it was handled).
@@ -284,6 +418,7 @@ impl KvIndex {
         en.clear();
         en.counters.resets += 1;
         en.apply(seq, batch, now);
+        self.approx.drop_engine(e);
     }
 
     /// Batch `seq` arrived after a gap from `from`: `replayed` is what the engine's replay
@@ -317,13 +452,16 @@ impl KvIndex {
             en.counters.resets += 1;
         }
         en.apply(seq, batch, now);
+        self.approx.drop_engine(e);
         complete
     }
 
-    /// Binds engine `e`'s entries to process `process` (the fleet's incarnation count): when it
-    /// differs from the one they were learned under, they are dropped and the stream starts
-    /// again (the engine is `waiting` until its new process publishes).
+    /// Binds engine `e`'s entries, exact and approximate, to process `process` (the fleet's
+    /// incarnation count): when it differs from the one they were learned under, they are
+    /// dropped and the stream starts again (the engine is `waiting` until its new process
+    /// publishes).
     pub(crate) fn sync_process(&mut self, e: usize, process: u64) {
+        self.approx.sync_process(e, process);
         let en = &mut self.engines[e];
         if en.process.is_some_and(|p| p != process) {
             en.clear();
@@ -346,40 +484,110 @@ impl KvIndex {
         en.awaiting = None;
     }
 
-    /// A request was placed on `e`; `stores` when its prompt has full blocks `e` does not hold
-    /// (the engine must publish a `BlockStored`), which starts the stale clock.
-    pub(crate) fn placed(&mut self, e: usize, stores: bool, now: Instant) {
+    /// A request was placed on `e` at `now`: `chain` is its prompt's full-block chain at the
+    /// block size of `e`'s credit (`Credit::block_size`), `stores` whether it has full blocks
+    /// `e` does not hold. The chain is credited to `e`'s approximate part (also while `e` is
+    /// exact: if its events stop, what was placed since its last batch is what it must hold;
+    /// its next batch drops the guesses). `stores` starts the stale clock of an engine with
+    /// events. Nothing is credited when cache awareness is off.
+    pub(crate) fn placed(
+        &mut self,
+        e: usize,
+        chain: &[u64],
+        block_size: u32,
+        stores: bool,
+        now: Instant,
+    ) {
+        if !self.settings.aware {
+            return;
+        }
+        self.approx.placed(e, chain, block_size, now);
         let en = &mut self.engines[e];
         if stores && en.configured && en.awaiting.is_none() {
             en.awaiting = Some(now);
         }
     }
 
-    /// Engine `e`'s mode at `now` (stale after `stale_after` without a batch while awaited).
-    pub(crate) fn mode(&self, e: usize, now: Instant, stale_after: Duration) -> Mode {
+    /// Why engine `e` is in its mode at `now` (module doc; [`Reason`]).
+    pub(crate) fn reason(&self, e: usize, now: Instant) -> Reason {
         let en = &self.engines[e];
-        if !en.configured {
-            Mode::None
+        if !self.settings.aware {
+            Reason::Off
+        } else if !en.configured {
+            Reason::NoEvents
         } else if en.last_batch.is_none() {
-            Mode::Waiting
+            Reason::Waiting
         } else if en
             .awaiting
-            .is_some_and(|t| now.saturating_duration_since(t) > stale_after)
+            .is_some_and(|t| now.saturating_duration_since(t) > self.settings.stale_after)
         {
-            Mode::Stale
+            Reason::Stale
         } else {
-            Mode::Exact
+            Reason::Events
+        }
+    }
+
+    /// The block size engine `e`'s credit is counted in: the one its events told, else its
+    /// approximate part's, else `serving.kv_approx_block_size`.
+    pub(crate) fn credit_block_size(&self, e: usize) -> u32 {
+        self.engines[e]
+            .block_size
+            .or_else(|| self.approx.block_size(e))
+            .unwrap_or(self.settings.approx_block_size)
+            .max(1)
+    }
+
+    /// Engine `e`'s credit at `now` for a prompt of `prompt_tokens` tokens whose full-block
+    /// chain at [`Self::credit_block_size`] is `chain`:
+    /// - `exact`: the longest run of blocks its events reported held ([`Self::matched_tokens`]);
+    /// - `approximate`: the longest run of blocks credited by placements less than
+    ///   `approx_ttl` ago, or, for a stale engine whose last batch came less than `approx_ttl`
+    ///   ago, reported by its events (what it last said it held, and what was placed since);
+    /// - `none`: nothing.
+    ///
+    /// At most `(prompt_tokens − 1) / block_size` blocks: vLLM always computes the last
+    /// prompt token.
+    pub(crate) fn credit(
+        &self,
+        e: usize,
+        chain: &[u64],
+        prompt_tokens: u64,
+        now: Instant,
+    ) -> Credit {
+        let reason = self.reason(e, now);
+        let en = &self.engines[e];
+        let bs = self.credit_block_size(e);
+        let full = chain.len() as u64 * u64::from(bs);
+        let cached = match reason.mode() {
+            Mode::None => 0,
+            Mode::Exact => self.matched_tokens(e, chain, prompt_tokens),
+            Mode::Approximate => {
+                let reported = reason == Reason::Stale
+                    && en.last_batch.is_some_and(|t| {
+                        now.saturating_duration_since(t) < self.settings.approx_ttl
+                    });
+                let cap = (prompt_tokens.saturating_sub(1) / u64::from(bs)) as usize;
+                let run = chain
+                    .iter()
+                    .take(cap)
+                    .take_while(|h| {
+                        self.approx.holds(e, **h, now) || (reported && en.blocks.contains_key(*h))
+                    })
+                    .count();
+                run as u64 * u64::from(bs)
+            }
+        };
+        Credit {
+            reason,
+            cached,
+            stores: full > cached,
+            block_size: bs,
         }
     }
 
     /// The sequence number engine `e`'s stream expects next (`None` before its first batch).
     pub(crate) fn next_seq(&self, e: usize) -> Option<u64> {
         self.engines[e].next_seq
-    }
-
-    /// Engine `e`'s block size, once it stored a block.
-    pub(crate) fn block_size(&self, e: usize) -> Option<u32> {
-        self.engines[e].block_size
     }
 
     /// Prompt tokens engine `e` holds for a prompt whose full-block chain at its block size is
@@ -398,14 +606,17 @@ impl KvIndex {
     }
 
     /// A snapshot of engine `e`.
-    pub(crate) fn view(&self, e: usize, now: Instant, stale_after: Duration) -> EngineView {
+    pub(crate) fn view(&self, e: usize, now: Instant) -> EngineView {
         let en = &self.engines[e];
+        let reason = self.reason(e, now);
         EngineView {
-            mode: self.mode(e, now, stale_after),
+            mode: reason.mode(),
+            reason,
             lag_s: en
                 .last_batch
                 .map(|t| now.saturating_duration_since(t).as_secs_f64()),
             blocks: en.blocks.len() as u64,
+            approx: self.approx.view(e, now),
             counters: en.counters,
         }
     }
@@ -413,6 +624,11 @@ impl KvIndex {
     /// Engines in the index.
     pub(crate) fn len(&self) -> usize {
         self.engines.len()
+    }
+
+    /// Drops engine `e`'s expired approximate entries (memory; matching ignores them anyway).
+    pub(crate) fn expire(&mut self, e: usize, now: Instant) {
+        self.approx.expire(e, now);
     }
 }
 

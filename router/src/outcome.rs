@@ -176,6 +176,9 @@ pub(crate) struct RequestRecord {
     /// Prompt tokens the KV index credits the engine that computed the prompt with
     /// (docs/design/kv-aware-placement.md); null when the request was not scored.
     pub cached_tokens: Option<u64>,
+    /// The mode of that engine's KV index when the request was placed (`exact`: from its
+    /// events; `approximate`: guessed from placements; `none`); null when not scored.
+    pub kv_mode: Option<&'static str>,
     /// Seconds waited for an admission seat, once the request reached the seat (0.0 for an
     /// immediate one; controller.md 11.2 `queue_waits.admission`).
     pub admission_wait_s: Option<f64>,
@@ -211,6 +214,7 @@ impl RequestRecord {
             "endpoint": self.endpoint,
             "admission_price": self.admission_price,
             "cached_tokens": self.cached_tokens,
+            "kv_mode": self.kv_mode,
             "input_sized": self.input_len.is_some(),
             "queue_wait_s": self.admission_wait_s,
             "queue_waits": {"admission": self.admission_wait_s, "prefill": null, "decode": null},

@@ -156,8 +156,8 @@ impl Balance {
 }
 
 /// The KV score's input for one placement: per engine (config order), the prompt tokens it
-/// would compute (the prompt's tokens less those its index credits; the whole prompt for an
-/// engine without `kv_events` or not `exact`).
+/// would compute (the prompt's tokens less those its index credits, exact or approximate;
+/// the whole prompt for an engine in mode `none`).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct KvScore {
     /// Uncached prompt tokens per engine, config order.
@@ -568,6 +568,61 @@ mod tests {
                 prefill: 0,
                 decode: 2
             })
+        );
+    }
+
+    #[test]
+    fn approximate_credit_places_like_exact_credit_unless_discounted() {
+        use crate::kv_index::{Credit, Reason, uncached};
+        let mut slots = fleet(&[D, D, D]);
+        let mut rng = StdRng::seed_from_u64(15);
+        // A 1,000-token prompt: engine 0 is guessed to hold 960 tokens and runs 3 requests;
+        // engine 1 holds 960 by its events and runs 3 too; engine 2 is idle and holds nothing.
+        slots[0].resident_decode = 3;
+        slots[1].resident_decode = 3;
+        let credit = |reason, cached| Credit {
+            reason,
+            cached,
+            stores: true,
+            block_size: 16,
+        };
+        let credits = [
+            credit(Reason::NoEvents, 960),
+            credit(Reason::Events, 960),
+            credit(Reason::NoEvents, 0),
+        ];
+        let pick = |share: f64, slots: &[EngineSlot], rng: &mut StdRng| {
+            let s = score(&credits.map(|c| uncached(1000, &c, share)));
+            plan_with(slots, &BTreeSet::new(), Aggregate::AnyRole, Some(&s), rng)
+        };
+        // Counted whole, the guess ties the exact credit: 40 × 4 = 160 < 1,000 × 1.
+        let mut seen = BTreeSet::new();
+        for _ in 0..50 {
+            match pick(1.0, &slots, &mut rng) {
+                Some(Plan::Aggregated { engine }) => seen.insert(engine),
+                other => panic!("{other:?}"),
+            };
+        }
+        assert_eq!(
+            seen,
+            [0, 1].into(),
+            "a tie between the guess and the events"
+        );
+        // Discounted, the exact engine wins the tie…
+        assert_eq!(
+            pick(0.9, &slots, &mut rng),
+            Some(Plan::Aggregated { engine: 1 })
+        );
+        // …and a half-counted guess loses to load: 520 × 4 = 2,080 > 1,000.
+        slots[1].excluded.insert(Exclusion::Draining);
+        assert_eq!(
+            pick(0.5, &slots, &mut rng),
+            Some(Plan::Aggregated { engine: 2 })
+        );
+        // A drained engine gets no credit, whatever it holds.
+        assert_eq!(
+            pick(1.0, &slots, &mut rng),
+            Some(Plan::Aggregated { engine: 0 })
         );
     }
 

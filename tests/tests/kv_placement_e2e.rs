@@ -8,11 +8,18 @@
 //! - `an_engine_restarted_in_place_gets_no_credit_for_its_old_blocks`: an engine restarted on
 //!   its ports (a new process, its sequence back to 0) is not chosen for the prefix its old
 //!   process held; it is `exact` again once its new process publishes.
-//! - `engines_without_kv_events_are_shown_none`: the mode of engines that publish nothing.
-//! - `an_engine_whose_events_stop_is_shown_stale_then_exact_again`: a request that stores new
-//!   blocks is placed on an engine whose events are muted (the simulator's `mute_kv_events`
-//!   fault); with `serving.kv_events_stale_s` 1 it is `stale` in `/narwhal/state` and
-//!   `/metrics` within a few seconds, and `exact` again once it publishes.
+//! - `without_kv_events_requests_sharing_a_prefix_stick_to_one_engine`: two engines that publish
+//!   no events are `approximate` (`no_kv_events`); requests sharing a long prefix follow the
+//!   engine the first was placed on, with the journal's `cached_tokens` the approximate
+//!   index's estimate (`kv_mode: "approximate"`), confirmed by the engine's own prefix hits.
+//! - `cache_awareness_turned_off_is_shown_none`: `serving.kv_aware_placement: false` shows
+//!   every engine `none` (`off`) and tokenizes and subscribes nothing.
+//! - `an_engine_whose_events_stop_is_shown_approximate_then_exact_again`: a request that
+//!   stores new blocks is placed on an engine whose events are muted (the simulator's
+//!   `mute_kv_events` fault); with `serving.kv_events_stale_s` 1 it is `approximate` (reason
+//!   `stale`) in `/narwhal/state` and `/metrics` within a few seconds, a request sharing the
+//!   muted prompt's prefix follows it there on the approximate credit, and it is `exact`
+//!   again once it publishes.
 
 use std::time::{Duration, Instant};
 
@@ -201,18 +208,113 @@ async fn an_engine_restarted_in_place_gets_no_credit_for_its_old_blocks() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn engines_without_kv_events_are_shown_none() {
-    let f = Fleet::builder().decode(2).start().await;
+async fn without_kv_events_requests_sharing_a_prefix_stick_to_one_engine() {
+    let f = Fleet::builder()
+        .decode(2)
+        .sim_args(&["--block-size", "4"])
+        .fleet(json!({"serving": {"kv_approx_block_size": 4}}))
+        .start()
+        .await;
     let router = f.router();
-    complete(router, &words(0, 12)).await;
-    let st = router.get("/narwhal/state").await.json();
-    for e in ["d0", "d1"] {
-        assert_eq!(st["kv_index"]["engines"][e]["mode"], "none", "{st}");
+    let prefix = words(0, 40);
+    complete(router, &prefix).await;
+    let rows = eventually("the first request's journal row", WAIT, || async {
+        let r = served(router);
+        (!r.is_empty()).then_some(r)
+    })
+    .await;
+    assert_eq!(rows[0]["kv_mode"], "approximate", "{}", rows[0]);
+    assert_eq!(
+        rows[0]["cached_tokens"], 0,
+        "nothing placed yet: {}",
+        rows[0]
+    );
+    let holder = rows[0]["decode_iid"]
+        .as_str()
+        .expect("decode_iid")
+        .to_string();
+    let other = if holder == "d0" { "d1" } else { "d0" };
+    let before = (hits(f.sim(&holder)).await, hits(f.sim(other)).await);
+    for k in 0..4 {
+        complete(router, &format!("{prefix} {}", words(100 + 10 * k, 6))).await;
+    }
+    let rows = eventually("five journal rows", WAIT, || async {
+        let r = served(router);
+        (r.len() >= 5).then_some(r)
+    })
+    .await;
+    for r in &rows[1..] {
+        assert_eq!(
+            r["decode_iid"], holder,
+            "a shared prefix follows our own placements: {r}"
+        );
+        assert_eq!(
+            r["cached_tokens"], 40,
+            "the approximate index credits the prefix's 10 blocks: {r}"
+        );
+        assert_eq!(r["kv_mode"], "approximate", "{r}");
     }
     assert_eq!(
-        st["kv_index"]["tokenized"], 0,
-        "no engine publishes: nothing tokenized"
+        hits(f.sim(&holder)).await - before.0,
+        4 * 40,
+        "the guess was right: each hit the 40-token prefix on the engine"
     );
+    assert_eq!(hits(f.sim(other)).await, before.1);
+    let st = router.get("/narwhal/state").await.json();
+    for e in ["d0", "d1"] {
+        let v = &st["kv_index"]["engines"][e];
+        assert_eq!(v["mode"], "approximate", "{st}");
+        assert_eq!(v["reason"], "no_kv_events", "{st}");
+    }
+    assert!(
+        st["kv_index"]["engines"][&holder]["approx_blocks"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 10,
+        "{st}"
+    );
+    let metrics = router.metrics().await;
+    for line in [
+        format!("narwhal_kv_index_mode{{iid=\"{holder}\",mode=\"approximate\"}} 1"),
+        format!("narwhal_kv_index_reason{{iid=\"{holder}\",reason=\"no_kv_events\"}} 1"),
+    ] {
+        assert!(metrics.contains(&line), "{line} in /metrics:\n{metrics}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_awareness_turned_off_is_shown_none() {
+    let f = Fleet::builder()
+        .decode(2)
+        .kv_events()
+        .sim_args(&["--block-size", "4"])
+        .fleet(json!({"serving": {"kv_aware_placement": false}}))
+        .start()
+        .await;
+    let router = f.router();
+    complete(router, &words(0, 12)).await;
+    let rows = eventually("the request's journal row", WAIT, || async {
+        let r = served(router);
+        (!r.is_empty()).then_some(r)
+    })
+    .await;
+    assert_eq!(
+        rows[0]["cached_tokens"],
+        Value::Null,
+        "not scored: {}",
+        rows[0]
+    );
+    let st = router.get("/narwhal/state").await.json();
+    for e in ["d0", "d1"] {
+        let v = &st["kv_index"]["engines"][e];
+        assert_eq!(
+            (&v["mode"], &v["reason"]),
+            (&json!("none"), &json!("off")),
+            "{st}"
+        );
+        assert_eq!(v["batches"], 0, "no stream subscribed: {st}");
+    }
+    assert_eq!(st["kv_index"]["tokenized"], 0, "nothing tokenized: {st}");
     let metrics = router.metrics().await;
     assert!(
         metrics.contains("narwhal_kv_index_mode{iid=\"d0\",mode=\"none\"} 1"),
@@ -221,7 +323,7 @@ async fn engines_without_kv_events_are_shown_none() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_engine_whose_events_stop_is_shown_stale_then_exact_again() {
+async fn an_engine_whose_events_stop_is_shown_approximate_then_exact_again() {
     let f = Fleet::builder()
         .decode(2)
         .kv_events()
@@ -260,27 +362,50 @@ async fn an_engine_whose_events_stop_is_shown_stale_then_exact_again() {
     kv_engine(
         router,
         &muted,
-        "stale after serving.kv_events_stale_s",
-        |e| e["mode"] == "stale",
+        "approximate after serving.kv_events_stale_s",
+        |e| e["mode"] == "approximate" && e["reason"] == "stale",
     )
     .await;
     let took = placed.elapsed();
-    println!("stale {took:?} after the request was placed (kv_events_stale_s 1)");
+    println!("approximate {took:?} after the request was placed (kv_events_stale_s 1)");
     assert!(
         took < Duration::from_secs(6),
-        "stale within a few seconds: {took:?}"
+        "approximate within a few seconds: {took:?}"
     );
     let st = router.get("/narwhal/state").await.json();
     assert_eq!(st["kv_index"]["engines"][other]["mode"], "exact", "{st}");
     let metrics = router.metrics().await;
-    let line = format!("narwhal_kv_index_mode{{iid=\"{muted}\",mode=\"stale\"}} 1");
-    assert!(metrics.contains(&line), "{line} in /metrics:\n{metrics}");
-    // Its events resume (the fault was used up): the next stored blocks make it exact again.
-    complete_on(f.sim(&muted), &words(5000, 12)).await;
-    kv_engine(router, &muted, "exact again once events resume", |e| {
-        e["mode"] == "exact"
+    for line in [
+        format!("narwhal_kv_index_mode{{iid=\"{muted}\",mode=\"approximate\"}} 1"),
+        format!("narwhal_kv_index_reason{{iid=\"{muted}\",reason=\"stale\"}} 1"),
+    ] {
+        assert!(metrics.contains(&line), "{line} in /metrics:\n{metrics}");
+    }
+    // While its events are stopped, what was placed on it is credited approximately: a
+    // request sharing the muted prompt's prefix follows it there.
+    let before = hits(f.sim(&muted)).await;
+    complete(router, &format!("{} {}", words(0, 40), words(7000, 6))).await;
+    let rows = eventually("the second request's journal row", WAIT, || async {
+        let r = served(router);
+        (r.len() >= 2).then_some(r)
     })
     .await;
+    let row = &rows[1];
+    assert_eq!(row["decode_iid"], muted.as_str(), "{row}");
+    assert_eq!(row["kv_mode"], "approximate", "{row}");
+    assert_eq!(row["cached_tokens"], 40, "{row}");
+    assert_eq!(
+        hits(f.sim(&muted)).await - before,
+        40,
+        "the guess was right"
+    );
+    // Its events resume (the fault was used up): that request's new blocks make it exact
+    // again, and the guesses are dropped.
+    let e = kv_engine(router, &muted, "exact again once events resume", |e| {
+        e["mode"] == "exact" && e["reason"] == "events"
+    })
+    .await;
+    assert_eq!(e["approx_blocks"], 0, "{e}");
     let metrics = router.metrics().await;
     let line = format!("narwhal_kv_index_mode{{iid=\"{muted}\",mode=\"exact\"}} 1");
     assert!(metrics.contains(&line), "{line} in /metrics:\n{metrics}");

@@ -1324,9 +1324,11 @@ async fn stalled_engine_is_readmitted_as_the_same_process_after_it_resumes() {
         2,
         "individual",
         &[],
+        // The KV score asks an engine's /tokenize first: bounded like the other calls here,
+        // so the stalled engine's first request stalls its stream, not the tokenize call.
         json!({"recovery": {"eject_after": 1},
                "engine": {"first_token_timeout_s": 0.3, "kv_transfer_timeout_s": 0.1,
-                          "health_timeout_s": 0.3}}),
+                          "health_timeout_s": 0.3, "tokenize_timeout_s": 0.2}}),
     )
     .await;
     let accepted = r.lifecycle_json().await["process_starts"]["d0"]

@@ -212,6 +212,20 @@ pub struct Serving {
     /// `kv_events_stale_s`, seconds > 0 (default 5): an engine that stored nothing this long
     /// after a request that must store blocks was placed on it is `stale` (no credit).
     pub kv_events_stale_s: f64,
+    /// `kv_aware_placement` (default true): place by the engines' KV caches; false turns
+    /// every engine's KV index mode to `none` (no `/tokenize`, no event subscribers, placement
+    /// by load only).
+    pub kv_aware_placement: bool,
+    /// `kv_approx_ttl_s`, seconds > 0 (default 120): how long the approximate index credits
+    /// an engine with a prompt's blocks after the last placement that touched them (engines
+    /// without `kv_events`, or whose events are waiting or stale).
+    pub kv_approx_ttl_s: f64,
+    /// `kv_approx_block_size`, tokens, 1–65536 (default 16, vLLM's GPU default): the block
+    /// size approximate credit is counted in for an engine whose events never told its own.
+    pub kv_approx_block_size: u32,
+    /// `kv_approx_credit`, ratio in (0, 1] (default 1): the share of an approximate credit's
+    /// tokens the KV score counts (exact credit counts whole).
+    pub kv_approx_credit: f64,
 }
 
 /// `engine` section (behaviour.md 8.1). Times in seconds.

@@ -387,3 +387,48 @@ fn comments_are_ignored_everywhere() {
     v["serving"] = serde_json::json!({"_x": {"anything": 1}});
     assert!(Config::from_json_str(&v.to_string(), &no_env).is_ok());
 }
+
+/// The KV-aware placement keys of the approximate index (docs/configuration.md `serving`):
+/// defaults, and each bad value named by its dotted path.
+#[test]
+fn kv_approximate_index_keys_have_defaults_and_name_their_path() {
+    let c = Config::from_json_str(&base().to_string(), &no_env).unwrap();
+    assert!(c.serving.kv_aware_placement);
+    assert_eq!(c.serving.kv_approx_ttl_s, 120.0);
+    assert_eq!(c.serving.kv_approx_block_size, 16);
+    assert_eq!(c.serving.kv_approx_credit, 1.0);
+    let mut v = base();
+    v["serving"] = serde_json::json!({
+        "kv_approx_ttl_s": 0, "kv_approx_block_size": 0, "kv_approx_credit": 1.5,
+        "kv_aware_placement": "yes"
+    });
+    let m = messages(v);
+    for want in [
+        "serving.kv_approx_ttl_s = 0: must be > 0",
+        "serving.kv_approx_credit = 1.5: must be in (0, 1]",
+        "serving.kv_aware_placement must be a boolean, got \"yes\"",
+    ] {
+        assert!(m.contains(&want.to_string()), "{want} in {m:?}");
+    }
+    assert!(
+        m.iter()
+            .any(|s| s
+                .starts_with("serving.kv_approx_block_size = 0: must be an integer in 1..=65536")),
+        "{m:?}"
+    );
+    let mut v = base();
+    v["serving"] = serde_json::json!({
+        "kv_approx_ttl_s": 30, "kv_approx_block_size": 4, "kv_approx_credit": 0.5,
+        "kv_aware_placement": false
+    });
+    let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+    assert_eq!(
+        (
+            c.serving.kv_aware_placement,
+            c.serving.kv_approx_ttl_s,
+            c.serving.kv_approx_block_size,
+            c.serving.kv_approx_credit
+        ),
+        (false, 30.0, 4, 0.5)
+    );
+}

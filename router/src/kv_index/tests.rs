@@ -48,8 +48,6 @@ fn matched(ix: &KvIndex, e: usize, tokens: &[u32]) -> u64 {
     ix.matched_tokens(e, &prompt_chain(tokens, BS), tokens.len() as u64)
 }
 
-const STALE: Duration = Duration::from_secs(5);
-
 #[test]
 fn stored_blocks_match_by_our_hash_whatever_the_engine_hashes_are() {
     let now = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
@@ -67,8 +65,8 @@ fn stored_blocks_match_by_our_hash_whatever_the_engine_hashes_are() {
     // …and a longer prompt with that prefix hits all three.
     let longer: Vec<u32> = (1..=14).collect();
     assert_eq!(matched(&ix, 0, &longer), 12);
-    assert_eq!(ix.view(0, now, STALE).blocks, 3);
-    assert_eq!(ix.mode(0, now, STALE), Mode::Exact);
+    assert_eq!(ix.view(0, now).blocks, 3);
+    assert_eq!(ix.reason(0, now), Reason::Events);
 }
 
 #[test]
@@ -92,7 +90,7 @@ fn a_different_prefix_does_not_match_even_with_equal_later_blocks() {
         &batch(vec![stored(&[7], Some(777), &[5, 6, 7, 8])]),
         now,
     );
-    assert_eq!(ix.view(0, now, STALE).counters.overflow, 1);
+    assert_eq!(ix.view(0, now).counters.overflow, 1);
 }
 
 #[test]
@@ -108,7 +106,7 @@ fn removed_blocks_and_cleared_engines_lose_their_credit() {
     assert_eq!(matched(&ix, 0, &p), 4);
     ix.apply(0, 2, &batch(vec![KvEvent::AllBlocksCleared]), now);
     assert_eq!(matched(&ix, 0, &p), 0);
-    assert_eq!(ix.view(0, now, STALE).blocks, 0);
+    assert_eq!(ix.view(0, now).blocks, 0);
 }
 
 #[test]
@@ -142,7 +140,7 @@ fn a_restarted_sequence_drops_the_old_process_blocks() {
     ix.restart(0, 0, &fresh, now);
     assert_eq!(matched(&ix, 0, &p), 0, "no credit for the old process");
     assert_eq!(matched(&ix, 0, &[40, 41, 42, 43, 44]), 4);
-    assert_eq!(ix.view(0, now, STALE).counters.resets, 1);
+    assert_eq!(ix.view(0, now).counters.resets, 1);
     assert_eq!(ix.sequence(0, 1, false), Seq::Next);
 }
 
@@ -169,7 +167,7 @@ fn a_gap_is_filled_from_the_replay_or_the_engine_is_rebuilt() {
     // A replay that lost the batch (its buffer moved on) rebuilds too.
     ix.apply(0, 3, &batch(vec![]), now);
     assert!(!ix.fill(0, 4, Some(&[(5, batch(vec![]))]), 6, &b2, now));
-    let c = ix.view(0, now, STALE).counters;
+    let c = ix.view(0, now).counters;
     assert_eq!((c.gaps, c.replays, c.resets), (2, 1, 1));
     assert_eq!(ix.sequence(0, 7, false), Seq::Next);
 }
@@ -186,13 +184,13 @@ fn a_new_process_seen_by_the_fleet_drops_entries_and_waits() {
     assert_eq!(matched(&ix, 0, &p), 12);
     ix.sync_process(0, 2);
     assert_eq!(matched(&ix, 0, &p), 0);
-    assert_eq!(ix.mode(0, now, STALE), Mode::Waiting);
+    assert_eq!(ix.reason(0, now), Reason::Waiting);
     assert_eq!(
         ix.sequence(0, 0, false),
         Seq::Next,
         "the new process numbers from 0"
     );
-    assert_eq!(ix.mode(1, now, STALE), Mode::None);
+    assert_eq!(ix.reason(1, now), Reason::NoEvents);
 }
 
 #[test]
@@ -200,14 +198,14 @@ fn an_engine_that_stops_publishing_goes_stale() {
     let t0 = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
     let mut ix = KvIndex::new(&[true]);
     ix.apply(0, 0, &batch(vec![]), t0);
-    ix.placed(0, true, t0);
-    assert_eq!(ix.mode(0, t0 + Duration::from_secs(4), STALE), Mode::Exact);
-    assert_eq!(ix.mode(0, t0 + Duration::from_secs(6), STALE), Mode::Stale);
+    ix.placed(0, &[], BS, true, t0);
+    assert_eq!(ix.reason(0, t0 + Duration::from_secs(4)), Reason::Events);
+    assert_eq!(ix.reason(0, t0 + Duration::from_secs(6)), Reason::Stale);
     ix.apply(0, 1, &batch(vec![]), t0 + Duration::from_secs(7));
-    assert_eq!(ix.mode(0, t0 + Duration::from_secs(20), STALE), Mode::Exact);
+    assert_eq!(ix.reason(0, t0 + Duration::from_secs(20)), Reason::Events);
     // A request that stores nothing never makes it stale.
-    ix.placed(0, false, t0 + Duration::from_secs(20));
-    assert_eq!(ix.mode(0, t0 + Duration::from_secs(60), STALE), Mode::Exact);
+    ix.placed(0, &[], BS, false, t0 + Duration::from_secs(20));
+    assert_eq!(ix.reason(0, t0 + Duration::from_secs(60)), Reason::Events);
 }
 
 #[test]
@@ -218,7 +216,7 @@ fn memory_is_bounded_per_engine() {
     let hashes: Vec<u64> = (1..=n as u64).collect();
     let tokens: Vec<u32> = (0..(n as u32) * BS).collect();
     ix.apply(0, 0, &batch(vec![stored(&hashes, None, &tokens)]), now);
-    let v = ix.view(0, now, STALE);
+    let v = ix.view(0, now);
     assert_eq!(v.blocks, MAX_BLOCKS_PER_ENGINE as u64);
     assert_eq!(v.counters.overflow, 10);
 }
@@ -251,4 +249,166 @@ fn a_live_stream_that_goes_back_is_a_new_process_even_above_zero() {
     assert_eq!(matched(&ix, 0, &p), 0, "no credit for the old process");
     assert_eq!(matched(&ix, 0, &[40, 41, 42, 43, 44]), 4);
     assert_eq!(ix.sequence(0, 5, true), Seq::Next);
+}
+
+// The approximate part and the modes.
+
+fn credit(ix: &KvIndex, e: usize, tokens: &[u32], now: Instant) -> Credit {
+    let chain = prompt_chain(tokens, ix.credit_block_size(e));
+    ix.credit(e, &chain, tokens.len() as u64, now)
+}
+
+fn place(ix: &mut KvIndex, e: usize, tokens: &[u32], now: Instant) {
+    let c = credit(ix, e, tokens, now);
+    let chain = prompt_chain(tokens, c.block_size);
+    ix.placed(e, &chain, c.block_size, c.stores, now);
+}
+
+fn settings() -> Settings {
+    Settings {
+        approx_block_size: BS,
+        approx_ttl: Duration::from_secs(120),
+        ..Settings::default()
+    }
+}
+
+#[test]
+fn an_engine_without_events_is_credited_approximately_from_placements() {
+    let t = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
+    let mut ix = KvIndex::with(&[false, false], settings());
+    let long: Vec<u32> = (1..=14).collect();
+    let c = credit(&ix, 0, &long, t);
+    assert_eq!(
+        (c.reason, c.cached, c.stores, c.block_size),
+        (Reason::NoEvents, 0, true, BS)
+    );
+    assert_eq!(c.reason.mode(), Mode::Approximate);
+    place(&mut ix, 0, &long, t);
+    // Three full blocks credited to engine 0 only; a prompt sharing two of them gets 8.
+    let shares: Vec<u32> = (1..=8).chain(100..110).collect();
+    assert_eq!(credit(&ix, 0, &shares, t).cached, 8);
+    assert_eq!(credit(&ix, 1, &shares, t).cached, 0);
+    assert_eq!(credit(&ix, 0, &long, t).cached, 12);
+    assert!(!credit(&ix, 0, &long, t).stores);
+    assert_eq!(ix.view(0, t).approx.blocks, 3);
+    assert_eq!(ix.view(0, t).mode, Mode::Approximate);
+    // Gone after the TTL.
+    assert_eq!(
+        credit(&ix, 0, &long, t + Duration::from_secs(120)).cached,
+        0
+    );
+    // A new process behind the engine holds none of it.
+    ix.sync_process(0, 1);
+    place(&mut ix, 0, &long, t);
+    ix.sync_process(0, 2);
+    assert_eq!(credit(&ix, 0, &long, t).cached, 0);
+}
+
+#[test]
+fn approximate_credit_counts_the_configured_share() {
+    let c = Credit {
+        reason: Reason::NoEvents,
+        cached: 100,
+        stores: false,
+        block_size: BS,
+    };
+    assert_eq!(uncached(120, &c, 1.0), 20);
+    assert_eq!(uncached(120, &c, 0.5), 70);
+    let exact = Credit {
+        reason: Reason::Events,
+        ..c
+    };
+    assert_eq!(uncached(120, &exact, 0.5), 20, "exact credit counts whole");
+    let off = Credit {
+        reason: Reason::Off,
+        ..c
+    };
+    assert_eq!(uncached(120, &off, 1.0), 120);
+}
+
+#[test]
+fn an_exact_engine_is_credited_by_its_events_only_and_a_batch_drops_the_guesses() {
+    let t = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
+    let mut ix = KvIndex::with(&[true], settings());
+    let p = prompt();
+    let long: Vec<u32> = (1..=14).collect();
+    // Waiting (no batch yet): approximate.
+    assert_eq!(credit(&ix, 0, &long, t).reason, Reason::Waiting);
+    place(&mut ix, 0, &long, t);
+    assert_eq!(credit(&ix, 0, &long, t).cached, 12, "waiting: guessed");
+    // Its first batch reports only the first block: exact, and the guesses are dropped.
+    ix.apply(0, 0, &batch(vec![stored(&[11], None, &p[..4])]), t);
+    let c = credit(&ix, 0, &long, t);
+    assert_eq!((c.reason, c.cached), (Reason::Events, 4));
+    assert_eq!(ix.view(0, t).approx.blocks, 0);
+    // A placement while exact is guessed too, but exact credit ignores the guess.
+    place(&mut ix, 0, &long, t);
+    assert_eq!(ix.view(0, t).approx.blocks, 3);
+    assert_eq!(credit(&ix, 0, &long, t).cached, 4);
+}
+
+#[test]
+fn an_engine_whose_events_stop_is_approximate_with_what_it_reported_and_was_placed() {
+    let t = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
+    let mut ix = KvIndex::with(&[true], settings());
+    let p = prompt();
+    // It reported blocks 1..4 and 5..8, and one block of another prompt.
+    ix.apply(
+        0,
+        0,
+        &batch(vec![
+            stored(&[11, 12], None, &p[..8]),
+            stored(&[21], None, &[50, 51, 52, 53]),
+        ]),
+        t,
+    );
+    // A prompt extending them is placed: it must store the third block.
+    let long: Vec<u32> = (1..=14).collect();
+    place(&mut ix, 0, &long, t);
+    let later = t + Duration::from_secs(6);
+    let c = credit(&ix, 0, &long, later);
+    assert_eq!(
+        c.reason,
+        Reason::Stale,
+        "no batch 5 s after a storing placement"
+    );
+    assert_eq!(c.reason.mode(), Mode::Approximate);
+    assert_eq!(c.cached, 12, "the reported two blocks and the placed third");
+    // A prompt of what it reported and no placement touched is credited too (its reports
+    // count for the TTL after its last batch).
+    let other: Vec<u32> = (50..=53).chain(200..206).collect();
+    assert_eq!(credit(&ix, 0, &other, later).cached, 4);
+    assert_eq!(
+        credit(&ix, 0, &other, t + Duration::from_secs(121)).cached,
+        0,
+        "what it reported counts for the TTL after its last batch"
+    );
+    // Its events resume: exact again, the guesses dropped (the third block it never
+    // reported is not credited).
+    ix.apply(0, 1, &batch(vec![]), later);
+    let c = credit(&ix, 0, &long, later);
+    assert_eq!((c.reason, c.cached), (Reason::Events, 8));
+    assert_eq!(ix.view(0, later).approx.blocks, 0);
+}
+
+#[test]
+fn cache_awareness_off_is_none_and_credits_nothing() {
+    let t = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
+    let mut ix = KvIndex::with(
+        &[true, false],
+        Settings {
+            aware: false,
+            ..settings()
+        },
+    );
+    let long: Vec<u32> = (1..=14).collect();
+    for e in 0..2 {
+        place(&mut ix, e, &long, t);
+        let c = credit(&ix, e, &long, t);
+        assert_eq!(
+            (c.reason, c.reason.mode(), c.cached),
+            (Reason::Off, Mode::None, 0)
+        );
+        assert_eq!(ix.view(e, t).approx.blocks, 0);
+    }
 }

@@ -12,14 +12,32 @@ use super::Labels;
 
 /// The KV index per engine and the KV score's `/tokenize` calls.
 pub(crate) struct KvMetrics {
-    /// `narwhal_kv_index_mode{iid, mode}`: 1 for the engine's mode (`none`, `waiting`,
-    /// `exact`, `stale`), 0 for the others.
+    /// Per-engine gauges, set at each scrape.
+    pub(crate) gauges: KvGauges,
+    /// Cumulative counts, raised to their owners' totals at each scrape.
+    pub(crate) counters: KvCounters,
+}
+
+/// The KV index's per-engine gauges.
+pub(crate) struct KvGauges {
+    /// `narwhal_kv_index_mode{iid, mode}`: 1 for the engine's mode (`exact`, `approximate`,
+    /// `none`), 0 for the others.
     pub(crate) mode: Family<Labels, Gauge>,
+    /// `narwhal_kv_index_reason{iid, reason}`: 1 for why the engine is in its mode (`events`,
+    /// `no_kv_events`, `waiting`, `stale`, `off`, `tokenizer_mismatch`), 0 for the others.
+    pub(crate) reason: Family<Labels, Gauge>,
     /// `narwhal_kv_index_lag_seconds{iid}`: seconds since the engine's last batch (no sample
     /// before the first).
     pub(crate) lag: Family<Labels, Gauge<f64, AtomicU64>>,
-    /// `narwhal_kv_index_blocks{iid}`: blocks the index holds for the engine.
+    /// `narwhal_kv_index_blocks{iid}`: blocks the index holds for the engine from its events.
     pub(crate) blocks: Family<Labels, Gauge>,
+    /// `narwhal_kv_index_approx_blocks{iid}`: blocks the approximate index credits the engine
+    /// with from placements (not expired).
+    pub(crate) approx_blocks: Family<Labels, Gauge>,
+}
+
+/// The KV index's counters.
+pub(crate) struct KvCounters {
     /// `narwhal_kv_index_gaps_total{iid}`: sequence gaps seen.
     pub(crate) gaps: Family<Labels, Counter>,
     /// `narwhal_kv_index_replays_total{iid}`: gaps filled from the engine's replay socket.
@@ -36,10 +54,14 @@ pub(crate) struct KvMetrics {
 impl KvMetrics {
     /// Registers the families in `r`.
     pub(super) fn register(r: &mut Registry) -> KvMetrics {
-        let m = KvMetrics {
+        let g = KvGauges {
             mode: Family::default(),
+            reason: Family::default(),
             lag: Family::default(),
             blocks: Family::default(),
+            approx_blocks: Family::default(),
+        };
+        let c = KvCounters {
             gaps: Family::default(),
             replays: Family::default(),
             resets: Family::default(),
@@ -48,45 +70,58 @@ impl KvMetrics {
         };
         r.register(
             "narwhal_kv_index_mode",
-            "1 for each engine's KV index mode (none, waiting, exact, stale), else 0",
-            m.mode.clone(),
+            "1 for each engine's KV index mode (exact, approximate, none), else 0",
+            g.mode.clone(),
+        );
+        r.register(
+            "narwhal_kv_index_reason",
+            "1 for why each engine's KV index is in its mode (events, no_kv_events, waiting, stale, off, tokenizer_mismatch), else 0",
+            g.reason.clone(),
         );
         r.register(
             "narwhal_kv_index_lag_seconds",
             "Seconds since the engine's last KV event batch",
-            m.lag.clone(),
+            g.lag.clone(),
         );
         r.register(
             "narwhal_kv_index_blocks",
-            "Prefix-cache blocks the KV index holds for the engine",
-            m.blocks.clone(),
+            "Prefix-cache blocks the KV index holds for the engine from its KV events",
+            g.blocks.clone(),
+        );
+        r.register(
+            "narwhal_kv_index_approx_blocks",
+            "Prompt blocks the approximate KV index credits the engine with from placements",
+            g.approx_blocks.clone(),
         );
         r.register(
             "narwhal_kv_index_gaps",
             "KV event sequence gaps seen per engine",
-            m.gaps.clone(),
+            c.gaps.clone(),
         );
         r.register(
             "narwhal_kv_index_replays",
             "KV event gaps filled from the engine's replay socket",
-            m.replays.clone(),
+            c.replays.clone(),
         );
         r.register(
             "narwhal_kv_index_resets",
             "Times an engine's KV index entries were dropped (new process, unfillable gap)",
-            m.resets.clone(),
+            c.resets.clone(),
         );
         r.register(
             "narwhal_kv_index_tokenize_failures",
             "Requests placed by load because /tokenize gave no tokens",
-            m.tokenize_failures.clone(),
+            c.tokenize_failures.clone(),
         );
         r.register(
             "narwhal_kv_index_tokenize_seconds",
             "Seconds spent in /tokenize for the KV score",
-            m.tokenize_seconds.clone(),
+            c.tokenize_seconds.clone(),
         );
-        m
+        KvMetrics {
+            gauges: g,
+            counters: c,
+        }
     }
 }
 

@@ -138,7 +138,8 @@ pub(super) async fn attempts(
                     Plan::Aggregated { engine } => engine,
                 };
                 parts.kv.placed(computes, s);
-                log.cached_tokens = Some(s.cached[computes]);
+                log.cached_tokens = Some(s.credits[computes].cached);
+                log.kv_mode = Some(s.credits[computes].reason.mode().as_str());
             }
             match plan {
                 Plan::Split { prefill, decode } => {

@@ -110,6 +110,9 @@ pub(super) struct AttemptLog {
     /// Prompt tokens the KV index credits the computing engine of the latest attempt with
     /// (`None`: not scored).
     pub(super) cached_tokens: Option<u64>,
+    /// The computing engine's KV index mode at that placement (`exact`, `approximate`,
+    /// `none`; `None`: not scored).
+    pub(super) kv_mode: Option<&'static str>,
 }
 
 impl AttemptLog {
@@ -125,6 +128,7 @@ impl AttemptLog {
         rec.legs = self.legs;
         rec.admission_price = self.admission_price;
         rec.cached_tokens = self.cached_tokens;
+        rec.kv_mode = self.kv_mode;
     }
 }
 

@@ -153,13 +153,21 @@ pub struct KvIndex {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct KvEngine {
-    /// `none` (no `kv_events`), `waiting` (no batch from this process yet), `exact` (credited),
-    /// `stale` (events stopped: not credited).
+    /// `exact` (credited from its KV events), `approximate` (credited from the router's own
+    /// placements, with a TTL), `none` (never credited).
     pub mode: String,
+    /// Why: `events` (exact); `no_kv_events`, `waiting` (no batch from this process yet),
+    /// `stale` (its events stopped) (approximate); `off` (`serving.kv_aware_placement`
+    /// false), `tokenizer_mismatch` (none).
+    pub reason: String,
     /// Seconds since its last batch; null before the first.
     pub lag_s: Option<f64>,
-    /// Blocks the index holds for it.
+    /// Blocks the index holds for it from its events.
     pub blocks: u64,
+    /// Blocks the approximate index credits it with from placements (not expired).
+    pub approx_blocks: u64,
+    /// Approximate blocks evicted by the per-engine bound (cumulative).
+    pub approx_evicted: u64,
     /// Batches applied.
     pub batches: u64,
     /// Sequence gaps seen.

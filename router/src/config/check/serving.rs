@@ -32,6 +32,10 @@ impl Checker<'_> {
                 "kv_balance_abs_threshold",
                 "kv_balance_rel_threshold",
                 "kv_events_stale_s",
+                "kv_aware_placement",
+                "kv_approx_ttl_s",
+                "kv_approx_block_size",
+                "kv_approx_credit",
             ],
         );
         let admission = match self.choice(&o, "admission", "open", &["predictive", "open"]) {
@@ -63,6 +67,12 @@ impl Checker<'_> {
                 (x < 1.0).then_some("must be ≥ 1")
             }),
             kv_events_stale_s: self.num(&o, "kv_events_stale_s", 5.0, positive),
+            kv_aware_placement: self.boolean(&o, "kv_aware_placement", true),
+            kv_approx_ttl_s: self.num(&o, "kv_approx_ttl_s", 120.0, positive),
+            kv_approx_block_size: self.int(&o, "kv_approx_block_size", 16, 1, 65_536) as u32,
+            kv_approx_credit: self.num(&o, "kv_approx_credit", 1.0, |x| {
+                (!(x > 0.0 && x <= 1.0)).then_some("must be in (0, 1]")
+            }),
         };
         if s.prefill_timeout_s > s.request_timeout_s {
             self.rule(
