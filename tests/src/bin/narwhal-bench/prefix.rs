@@ -17,8 +17,8 @@
 //! ```
 //!
 //! Targets: `ours-exact` (engines' `kv_events` in the fleet file), `ours-approx` (no
-//! `kv_events`), `ours-blind` (`kv_events` naming a port nothing publishes on: every engine
-//! stays `waiting`, never credited), `round-robin` (the bench itself sends request i to engine
+//! `kv_events`: the approximate index learned from our own placements), `ours-blind`
+//! (`serving.kv_aware_placement: false`: placement by load alone), `round-robin` (the bench itself sends request i to engine
 //! i mod 4), and every `--peer`. It asserts nothing: a benchmark (architecture.md section 8).
 
 use std::collections::BTreeMap;
@@ -473,7 +473,7 @@ async fn run(a: Args) -> Result<bool, String> {
         let what = match t {
             "ours-exact" => "narwhal-serve, engines' kv_events in the fleet file",
             "ours-approx" => "narwhal-serve, no kv_events",
-            "ours-blind" => "narwhal-serve, kv_events naming a silent port (no cache credit)",
+            "ours-blind" => "narwhal-serve, serving.kv_aware_placement false (placement by load)",
             "round-robin" => "the bench itself, request i to engine i mod N",
             other => return Err(format!("--targets: unknown target {other:?}")),
         };
@@ -622,16 +622,12 @@ async fn run(a: Args) -> Result<bool, String> {
             (name, None) => {
                 let kv = match name {
                     "ours-exact" => Some(kv.clone()),
-                    "ours-blind" => Some(
-                        (0..sims.len())
-                            .map(
-                                |_| json!({"endpoint": format!("tcp://127.0.0.1:{}", free_port())}),
-                            )
-                            .collect(),
-                    ),
                     _ => None,
                 };
-                let spec = ours_fleet(&sims, kv, &a);
+                let mut spec = ours_fleet(&sims, kv, &a);
+                if name == "ours-blind" {
+                    spec = spec.with(json!({"serving": {"kv_aware_placement": false}}));
+                }
                 let r = start_router(dir.path(), name, &spec, &["--log-level", "warn"])
                     .map_err(|e| format!("router {name}: {e}"))?;
                 let url = r.data.clone();
