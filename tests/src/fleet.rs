@@ -468,6 +468,49 @@ impl Fleet {
         self.dir.path()
     }
 
+    /// Stops router `r` with `SIGSTOP` outside the `file` lease's flock: the kit takes
+    /// `<lease.path>.lock` itself (retrying for up to 5 s), signals, and lets go. A router
+    /// frozen inside that lock holds off every other router's lease operation until it
+    /// resumes (docs/ha.md, `file` backend); a test of a takeover after a pause must not
+    /// leave that to chance (on a loaded machine a renewal's fsync keeps the lock long enough
+    /// to be hit). Without a `file` lease: a plain `SIGSTOP`.
+    ///
+    /// # Panics
+    /// When the lock file cannot be opened or stays held for 5 s.
+    pub async fn pause_outside_the_lease_lock(&self, r: &RouterHandle) {
+        let lock = self
+            .lease
+            .as_ref()
+            .filter(|l| l["backend"] == "file")
+            .and_then(|l| l["path"].as_str())
+            .map(|p| PathBuf::from(format!("{p}.lock")));
+        let Some(lock) = lock else {
+            r.proc.signal(nix::sys::signal::Signal::SIGSTOP);
+            return;
+        };
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock)
+            .unwrap_or_else(|e| panic!("the lease lock {}: {e}", lock.display()));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            match file.try_lock() {
+                Ok(()) => break,
+                Err(std::fs::TryLockError::WouldBlock)
+                    if tokio::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                Err(e) => panic!("the lease lock {}: {e}", lock.display()),
+            }
+        }
+        r.proc.signal(nix::sys::signal::Signal::SIGSTOP);
+        drop(file);
+    }
+
     /// The dev certificates.
     ///
     /// # Panics

@@ -293,7 +293,7 @@ async fn sigstop_then_sigcont(backend: LeaseBackend) {
     })
     .await;
     assert!(before.is_some(), "sampled the healthy pair first");
-    p.proc.signal(Signal::SIGSTOP);
+    f.pause_outside_the_lease_lock(&p).await;
     let t_stop = Instant::now();
     let gap = s
         .wait_ready(t_stop, takeover_bound() + Duration::from_secs(5))
@@ -426,7 +426,7 @@ async fn fenced_primary_takes_the_fleet_back_only_with_the_newest_state() {
     let (p, mut s) = pair(&mut f);
     let (epoch, holder) = lease_of(&p).await;
     f.wait_retained("standby", epoch, &holder, |_| true).await;
-    p.proc.signal(Signal::SIGSTOP);
+    f.pause_outside_the_lease_lock(&p).await;
     s.wait_ready(Instant::now(), takeover_bound() + Duration::from_secs(5))
         .await
         .expect("takeover");
