@@ -179,7 +179,8 @@ fn carried_roles(parts: &Parts, h: &Handoff) -> Result<BTreeMap<usize, Role>, Ap
             iid: e.iid.clone(),
             role: name.clone(),
         })?;
-        if !e.pin {
+        // A fixed vLLM KV producer or consumer keeps its configured role too.
+        if !e.pin && e.kv_role.fixed_role().is_none() {
             roles.insert(i, role);
         }
     }
