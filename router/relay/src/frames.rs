@@ -77,9 +77,16 @@ pub fn sum_usages<'a>(parts: impl IntoIterator<Item = &'a Value>) -> Value {
                 Some(Value::Object(d)) => {
                     let total = sum.get_or_insert(None).get_or_insert_with(Default::default);
                     for (k, v) in d {
-                        let add = v.as_u64().unwrap_or(0);
-                        let was = total.get(k).and_then(Value::as_u64).unwrap_or(0);
-                        total.insert(k.clone(), (was + add).into());
+                        match v.as_u64() {
+                            Some(add) => {
+                                let was = total.get(k).and_then(Value::as_u64).unwrap_or(0);
+                                total.insert(k.clone(), (was + add).into());
+                            }
+                            // A field every part leaves `null` stays `null`.
+                            None => {
+                                total.entry(k.clone()).or_insert(Value::Null);
+                            }
+                        }
                     }
                 }
                 Some(_) => {

@@ -472,7 +472,8 @@ fn usage_is_the_engines_or_marked_estimated() {
 fn a_batch_usage_keeps_the_engines_details() {
     let part = |p: u64, cached: Option<u64>| {
         json!({"prompt_tokens": p, "completion_tokens": 5, "total_tokens": p + 5,
-               "prompt_tokens_details": cached.map(|c| json!({"cached_tokens": c})),
+               "prompt_tokens_details": cached.map(|c| json!({"cached_tokens": c,
+                                                               "multimodal_tokens": null})),
                "completion_tokens_details": null})
     };
     assert_eq!(
@@ -483,7 +484,7 @@ fn a_batch_usage_keeps_the_engines_details() {
     assert_eq!(
         sum_usages([&part(300, Some(256)), &part(4, Some(0))]),
         json!({"prompt_tokens": 304, "completion_tokens": 10, "total_tokens": 314,
-               "prompt_tokens_details": {"cached_tokens": 256},
+               "prompt_tokens_details": {"cached_tokens": 256, "multimodal_tokens": null},
                "completion_tokens_details": null})
     );
     assert_eq!(
