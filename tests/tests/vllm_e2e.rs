@@ -118,6 +118,8 @@ struct Vllm {
     dir: PathBuf,
     log: PathBuf,
     child: Option<Child>,
+    /// Processes started on this port so far.
+    starts: u32,
 }
 
 impl Vllm {
@@ -137,6 +139,7 @@ impl Vllm {
             dir: dir.into(),
             log: dir.join(format!("{iid}.vllm.log")),
             child: None,
+            starts: 0,
         };
         v.start();
         v
@@ -187,36 +190,66 @@ impl Vllm {
             .stdout(log.try_clone().expect("log"))
             .stderr(log);
         self.child = Some(cmd.spawn().expect("start vLLM"));
+        self.starts += 1;
     }
 
-    /// Polls `GET /health` until 200, at most [`ENGINE_START`]; the seconds it took.
+    /// Polls until the engine serves, at most [`ENGINE_START`]; the seconds it took. Serving
+    /// means `GET /v1/models` answers 200 naming [`MODEL`] while our process is alive: on a
+    /// shared machine another process may take the port between [`free_port`] and vLLM's bind
+    /// (vLLM then exits with "address already in use"; the first start moves to another port,
+    /// up to 3 times), and whatever that process answers on `/health` must not pass for vLLM.
     async fn healthy(&mut self) -> f64 {
         let t0 = Instant::now();
         let http = http_client()
             .timeout(Duration::from_secs(5))
             .build()
             .expect("client");
+        let mut moves = 0;
         loop {
             if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
+                let tail = self.log_tail(40);
+                if self.starts == 1
+                    && moves < 3
+                    && tail.to_lowercase().contains("address already in use")
+                {
+                    moves += 1;
+                    self.child = None;
+                    self.port = free_port();
+                    self.url = format!("http://127.0.0.1:{}", self.port);
+                    eprintln!(
+                        "vllm_e2e: {}: port taken, moving to {}",
+                        self.iid, self.port
+                    );
+                    self.starts = 0;
+                    self.start();
+                    continue;
+                }
                 panic!(
-                    "{}: vLLM exited ({status}) before serving; log tail:\n{}",
-                    self.iid,
-                    self.log_tail(40)
+                    "{}: vLLM exited ({status}) before serving; log tail:\n{tail}",
+                    self.iid
                 );
             }
-            let up = http
-                .get(format!("{}/health", self.url))
-                .send()
-                .await
-                .is_ok_and(|r| r.status() == 200);
-            if up {
+            let models = match http.get(format!("{}/v1/models", self.url)).send().await {
+                Ok(r) if r.status() == 200 => r.json::<Value>().await.ok(),
+                _ => None,
+            };
+            let ours = models.is_some_and(|m| {
+                m["data"]
+                    .as_array()
+                    .is_some_and(|d| d.iter().any(|x| x["id"] == MODEL))
+            });
+            let alive = self
+                .child
+                .as_mut()
+                .is_some_and(|c| matches!(c.try_wait(), Ok(None)));
+            if ours && alive {
                 let s = t0.elapsed().as_secs_f64();
-                eprintln!("vllm_e2e: {} healthy after {s:.0} s", self.iid);
+                eprintln!("vllm_e2e: {} serving after {s:.0} s", self.iid);
                 return s;
             }
             assert!(
                 t0.elapsed() < ENGINE_START,
-                "{}: vLLM not healthy within {ENGINE_START:?}; log tail:\n{}",
+                "{}: vLLM not serving within {ENGINE_START:?}; log tail:\n{}",
                 self.iid,
                 self.log_tail(40)
             );
@@ -316,6 +349,14 @@ impl Vllm {
 
 impl Drop for Vllm {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "vllm_e2e: {} (port {}) log tail:\n{}",
+                self.iid,
+                self.port,
+                self.log_tail(30)
+            );
+        }
         self.stop();
     }
 }
