@@ -424,20 +424,44 @@ fn norm(mut v: Value) -> Value {
     v
 }
 
-/// A stream's events, normalized ([`norm`]), grouped by choice index in their order (the
-/// choices of a batch or of `n` > 1 may interleave differently from one run to the next), and
-/// the events with no choice (the usage chunk, `[DONE]`) in theirs.
-fn by_choice(events: Vec<Value>) -> std::collections::BTreeMap<i64, Vec<Value>> {
-    let mut out: std::collections::BTreeMap<i64, Vec<Value>> = Default::default();
+/// What a stream said, per choice index: its chunks folded into one ([`fold`]: text and
+/// logprob lists concatenated, the last finish reason), and the events with no single choice
+/// (the usage chunk, `[DONE]`) as they came, normalized ([`norm`]). Chunk boundaries are not
+/// compared: vLLM's API server sends in one chunk every token its engine produced since the last
+/// one, so how a stream is cut depends on the machine's load, for vLLM alone as behind a router.
+fn by_choice(events: Vec<Value>) -> std::collections::BTreeMap<i64, Value> {
+    let mut out: std::collections::BTreeMap<i64, Value> = Default::default();
+    let mut other = Vec::new();
     for e in events.into_iter().map(norm) {
-        let index = e["choices"]
-            .as_array()
-            .filter(|c| c.len() == 1)
-            .and_then(|c| c[0]["index"].as_i64())
-            .unwrap_or(-1);
-        out.entry(index).or_default().push(e);
+        let single = e["choices"].as_array().filter(|c| c.len() == 1).cloned();
+        match single {
+            Some(c) => {
+                let index = c[0]["index"].as_i64().unwrap_or(-1);
+                let mut e = e;
+                e["choices"] = c[0].clone();
+                fold(out.entry(index).or_insert(Value::Null), e);
+            }
+            None => other.push(e),
+        }
     }
+    out.insert(-1, Value::Array(other));
     out
+}
+
+/// Folds chunk `b` into `a`: strings and arrays appended, objects key by key, `null` ignored,
+/// anything else the latest.
+fn fold(a: &mut Value, b: Value) {
+    match (a, b) {
+        (_, Value::Null) => {}
+        (Value::String(x), Value::String(y)) => x.push_str(&y),
+        (Value::Array(x), Value::Array(y)) => x.extend(y),
+        (Value::Object(x), Value::Object(y)) => {
+            for (k, v) in y {
+                fold(x.entry(k).or_insert(Value::Null), v);
+            }
+        }
+        (a, b) => *a = b,
+    }
 }
 
 /// The router over `engines` (`(iid, url, role, extra engines[] keys)`), with timeouts sized for
