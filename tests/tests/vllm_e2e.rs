@@ -13,9 +13,10 @@
 //! - `pd_over_nixl_and_readmission_through_agents`: a fixed `kv_producer` prefill and a fixed
 //!   `kv_consumer` decode (`engines[].kv_role`) with the NixlConnector on host memory
 //!   (`kv_buffer_device: cpu`, one `VLLM_NIXL_SIDE_CHANNEL_PORT` each). A routed request's KV is
-//!   pulled by the decode (its `external_kv_transfer` prompt tokens rise, `local_compute` by the
-//!   one token vLLM always computes, a NIXL read is counted); the prefill is drained, refused
-//!   readmission before a restart and while the new vLLM loads, then readmitted after all the
+//!   pulled by the decode (its `external_kv_transfer` prompt tokens rise by the prompt,
+//!   `local_compute` by at most one token, 0 on vLLM 0.32, and a NIXL read is counted); the
+//!   prefill is drained, refused readmission before a restart and while the new vLLM loads, then
+//!   readmitted after all the
 //!   checks through its agent, which attests the new process start vLLM itself exports, and whose
 //!   KV check's `recomputed_delta` comes from `vllm:prompt_tokens_by_source_total`.
 //!
@@ -912,8 +913,9 @@ async fn pd_over_nixl_and_readmission_through_agents() {
 }
 
 /// One routed split request: the decode pulled its KV over NIXL (a NIXL read counted) and
-/// received the prompt by transfer: `external_kv_transfer` rose by all of it but the one token
-/// vLLM computes itself, `local_compute` by at most that token.
+/// received the prompt by transfer: `external_kv_transfer` rose by all of it but at most one
+/// token, `local_compute` by at most that one (vLLM 0.32 counts the whole prompt as external:
+/// +309 and +0 for a 309-token prompt).
 ///
 /// Each call's prompt is its own (`seed`): a prompt sharing blocks with an earlier one is partly
 /// served from the decode's own prefix cache instead (`local_cache_hit`).
