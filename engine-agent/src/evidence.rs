@@ -66,12 +66,14 @@ pub struct TransferMetrics {
 
 /// vLLM's `vllm:prompt_tokens_by_source` counter (`vllm/v1/metrics/loggers.py`, fed by
 /// `PromptTokenStats.update_from_output` in `vllm/v1/metrics/stats.py`), in prompt tokens, by
-/// `source`. For a request whose whole prompt arrived over the connector, vLLM's scheduler
-/// still computes the last prompt token (the model needs one input token for a forward pass):
-/// `local_compute` rises by 1, `external_kv_transfer` by the transferred tokens (the prompt
-/// less any local prefix-cache hit, which `local_cache_hit` counts). A decode that recomputed
-/// the prompt (no connector, or `kv_load_failure_policy: "recompute"`) raises `local_compute`
-/// by the prompt instead.
+/// `source`. vLLM 0.32 sets them when it first schedules the request, from the tokens the
+/// connector will load (`vllm/v1/core/sched/scheduler.py`, `prefill_stats.set`): for a request
+/// whose whole prompt arrives over the connector `external_kv_transfer` rises by the prompt (less
+/// any local prefix-cache hit, which `local_cache_hit` counts) and `local_compute` by 0, though
+/// the model still runs the last prompt token (seen on real vLLM 0.32: +309 and +0 for a
+/// 309-token prompt); up to 1 is accepted for a release that counts that token as computed. A
+/// decode that recomputed the prompt (no connector, or `kv_load_failure_policy: "recompute"`)
+/// raises `local_compute` by the prompt instead.
 const VLLM_PROMPT_SOURCES: [Series; 2] = [
     Series {
         family: "vllm:prompt_tokens_by_source",

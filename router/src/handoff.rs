@@ -179,7 +179,8 @@ fn carried_roles(parts: &Parts, h: &Handoff) -> Result<BTreeMap<usize, Role>, Ap
             iid: e.iid.clone(),
             role: name.clone(),
         })?;
-        if !e.pin {
+        // A fixed vLLM KV producer or consumer keeps its configured role too.
+        if !e.pin && e.kv_role.fixed_role().is_none() {
             roles.insert(i, role);
         }
     }
@@ -577,6 +578,34 @@ mod tests {
         assert_eq!(
             (roles["p0"].as_str(), roles["d1"].as_str()),
             ("decode", "decode")
+        );
+    }
+
+    /// A handoff does not move an engine launched with a fixed vLLM KV role
+    /// (`engines[].kv_role`): its configured role stands, as a pinned engine's does.
+    #[test]
+    fn a_fixed_kv_role_keeps_its_configured_role() {
+        let clock = Arc::new(ManualClock::new(SystemClock.now(), 1000.0));
+        let p = crate::parts::for_test(
+            serde_json::json!({
+                "schema": "narwhal.fleet", "schema_version": 2, "model": "m", "backend": "vllm",
+                "engines": [{"iid": "p0", "url": "http://127.0.0.1:1", "role": "prefill",
+                             "kv_role": "kv_producer"},
+                            {"iid": "d0", "url": "http://127.0.0.1:2"},
+                            {"iid": "d1", "url": "http://127.0.0.1:3", "kv_role": "kv_consumer"}],
+                "slo": {"ttft_s": 1.0, "tpot_s": 0.1}
+            }),
+            clock,
+            "test",
+        );
+        let mut h = snapshot(&p);
+        h.roles.insert("p0".into(), "decode".into());
+        h.roles.insert("d0".into(), "prefill".into());
+        h.roles.insert("d1".into(), "prefill".into());
+        assert_eq!(
+            carried_roles(&p, &h).unwrap(),
+            BTreeMap::from([(1, Role::Prefill)]),
+            "only d0 (kv_both) takes the carried role"
         );
     }
 

@@ -97,6 +97,54 @@ pub fn start_agent_keyed(
     contract_document: Option<&Path>,
     api_key_file: Option<&Path>,
 ) -> Result<AgentHandle, ProcError> {
+    let engines: Vec<AgentEngine> = engines
+        .iter()
+        .map(|s| AgentEngine {
+            iid: s.iid.clone(),
+            url: s.url.clone(),
+            dialect: s.dialect.clone(),
+            port: s.port,
+        })
+        .collect();
+    start_agent_for(
+        dir,
+        certs,
+        agent_id,
+        &engines,
+        contract_document,
+        api_key_file,
+        json!({"engine_s": 5, "generation_s": 20}),
+    )
+}
+
+/// One engine an agent serves: any OpenAI server on loopback (a simulator, a real vLLM), bound
+/// to the process that listens on `port`.
+#[derive(Debug, Clone)]
+pub struct AgentEngine {
+    /// Instance id.
+    pub iid: String,
+    /// `http://127.0.0.1:PORT`.
+    pub url: String,
+    /// `vllm` or `sglang`.
+    pub dialect: String,
+    /// The port its process listens on (`engines[].process.listen_port`).
+    pub port: u16,
+}
+
+/// [`start_agent_keyed`] for any engines, with the agent's `timeouts` section (`engine_s`,
+/// `generation_s`: a real engine on a loaded machine needs more than a simulator).
+///
+/// # Errors
+/// [`ProcError`] when keygen or the agent fails.
+pub fn start_agent_for(
+    dir: &Path,
+    certs: &DevCerts,
+    agent_id: &str,
+    engines: &[AgentEngine],
+    contract_document: Option<&Path>,
+    api_key_file: Option<&Path>,
+    timeouts: Value,
+) -> Result<AgentHandle, ProcError> {
     let name = format!("agent-{agent_id}");
     let key = dir.join(format!("{name}.ed25519.pk8"));
     if !key.exists() {
@@ -121,7 +169,7 @@ pub fn start_agent_keyed(
         "listen": "127.0.0.1:0",
         "tls": {"ca": certs.ca, "cert": certs.cert(&name), "key": certs.key(&name)},
         "signing_key": key, "state_dir": dir.join(format!("{name}-state")),
-        "timeouts": {"engine_s": 5, "generation_s": 20},
+        "timeouts": timeouts,
         "engines": engines,
     });
     let config = dir.join(format!("{name}.json"));

@@ -70,6 +70,7 @@ pub struct FleetBuilder {
     certs: Vec<String>,
     overrides: Value,
     pins: Vec<String>,
+    engine_keys: Vec<(String, Value)>,
     router_args: Vec<String>,
     control_tls: bool,
     lease: Option<LeaseBackend>,
@@ -119,6 +120,7 @@ impl Fleet {
             certs: Vec::new(),
             overrides: json!({}),
             pins: Vec::new(),
+            engine_keys: Vec::new(),
             router_args: Vec::new(),
             engine_key: None,
             control_tls: false,
@@ -251,6 +253,13 @@ impl FleetBuilder {
         self
     }
 
+    /// Merges `keys` into engine `iid`'s `engines[]` entry of the fleet file (e.g.
+    /// `{"kv_role": "kv_consumer"}`).
+    pub fn engine_keys(mut self, iid: &str, keys: Value) -> Self {
+        self.engine_keys.push((iid.to_string(), keys));
+        self
+    }
+
     /// Extra `narwhal-serve` flags for the builder's single router (`--max-concurrent 1`).
     pub fn router_args(mut self, args: &[&str]) -> Self {
         self.router_args.extend(args.iter().map(|s| s.to_string()));
@@ -372,7 +381,7 @@ impl FleetBuilder {
         for iid in &self.pins {
             base = base.pin(iid);
         }
-        for (iid, keys) in kv_keys {
+        for (iid, keys) in kv_keys.into_iter().chain(self.engine_keys.iter().cloned()) {
             base = base.engine_with(&iid, keys);
         }
         for (host, iids) in &hosts {

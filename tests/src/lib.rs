@@ -59,7 +59,10 @@ mod sim;
 
 use std::time::Duration;
 
-pub use agent::{AgentHandle, keygen, start_agent, start_agent_keyed, start_agent_with};
+pub use agent::{
+    AgentEngine, AgentHandle, keygen, start_agent, start_agent_for, start_agent_keyed,
+    start_agent_with,
+};
 pub use agent_calls::{client_as, get_text, post_json};
 pub use controller::{
     HeldStream, Load, LoadStats, Shape, controller_fleet, fast_controller_sections,

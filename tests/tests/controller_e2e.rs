@@ -707,6 +707,32 @@ async fn s8_pins_and_the_resident_guard_refuse_the_donor() {
     assert!(lightest >= 3);
 }
 
+/// Fixed vLLM KV roles (`engines[].kv_role`): decode engines launched as `kv_consumer` are never
+/// moved to prefill under the load that moves one in S1, and the refusal names them and the key;
+/// the pools stay as configured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixed_kv_role_engines_are_never_flipped() {
+    let mut b =
+        controller_fleet(&ONE_P_THREE_D).engine_keys("e0", json!({"kv_role": "kv_producer"}));
+    for iid in ["e1", "e2", "e3"] {
+        b = b.engine_keys(iid, json!({"kv_role": "kv_consumer"}));
+    }
+    let fleet = b.start().await;
+    let r = fleet.router();
+    r.decision_under_load(L1, "blocked by the fixed roles", DECIDE, |d| {
+        decided(
+            d,
+            "blocked",
+            "e1, e2, e3: launched as kv_consumer (engines[].kv_role), a fixed role vLLM cannot \
+             flip in place",
+        )
+    })
+    .await;
+    let s = r.state_json().await;
+    assert_eq!(pools(&s, "prefill"), ["e0"], "{s:#}");
+    assert_eq!(pools(&s, "decode"), ["e1", "e2", "e3"], "{s:#}");
+}
+
 /// S9: no adjacent split (1P1D); demand below the floor (1P3D at 1 req/s of 200 tokens).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s9_no_adjacent_split_and_too_little_demand_hold() {

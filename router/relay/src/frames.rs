@@ -58,16 +58,49 @@ pub fn usage_value(engine: Option<&Value>, prompt_estimate: u64, counted: u64) -
 }
 
 /// The usage of several answers served as one (a fanned-out prompt batch): counts summed,
-/// `estimated` when any part was.
+/// `estimated` when any part was. The engine's details (`prompt_tokens_details`, e.g. vLLM's
+/// `cached_tokens`, and `completion_tokens_details`) are kept as one engine answering the whole
+/// batch writes them: absent when no part has the key, `null` when every part that has it has
+/// `null`, else an object with each numeric field summed over the parts.
 pub fn sum_usages<'a>(parts: impl IntoIterator<Item = &'a Value>) -> Value {
+    const DETAILS: [&str; 2] = ["prompt_tokens_details", "completion_tokens_details"];
     let (mut p, mut c, mut estimated) = (0u64, 0u64, false);
+    let mut details: [Option<Option<serde_json::Map<String, Value>>>; 2] = [None, None];
     for u in parts {
         let n = |k: &str| u.get(k).and_then(Value::as_u64).unwrap_or(0);
         p += n("prompt_tokens");
         c += n("completion_tokens");
         estimated |= u.get("estimated") == Some(&Value::Bool(true));
+        for (key, sum) in DETAILS.iter().zip(details.iter_mut()) {
+            match u.get(*key) {
+                None => {}
+                Some(Value::Object(d)) => {
+                    let total = sum.get_or_insert(None).get_or_insert_with(Default::default);
+                    for (k, v) in d {
+                        match v.as_u64() {
+                            Some(add) => {
+                                let was = total.get(k).and_then(Value::as_u64).unwrap_or(0);
+                                total.insert(k.clone(), (was + add).into());
+                            }
+                            // A field every part leaves `null` stays `null`.
+                            None => {
+                                total.entry(k.clone()).or_insert(Value::Null);
+                            }
+                        }
+                    }
+                }
+                Some(_) => {
+                    sum.get_or_insert(None);
+                }
+            }
+        }
     }
     let mut v = json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
+    for (key, sum) in DETAILS.iter().zip(details) {
+        if let Some(d) = sum {
+            v[*key] = d.map_or(Value::Null, Value::Object);
+        }
+    }
     if estimated {
         v["estimated"] = Value::Bool(true);
     }

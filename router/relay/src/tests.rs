@@ -458,9 +458,40 @@ fn usage_is_the_engines_or_marked_estimated() {
     let sum = sum_usages([&engine, &usage_value(None, 3, 7)]);
     assert_eq!(
         sum,
-        json!({"prompt_tokens": 16, "completion_tokens": 15, "total_tokens": 31, "estimated": true})
+        json!({"prompt_tokens": 16, "completion_tokens": 15, "total_tokens": 31,
+               "prompt_tokens_details": null, "estimated": true})
     );
     assert!(sum_usages([&engine, &engine]).get("estimated").is_none());
+}
+
+/// A fanned-out batch's usage keeps the engine's details as vLLM writes them for a batch it
+/// answers alone: `null` stays `null` (vLLM without `--enable-prompt-tokens-details`), and
+/// `cached_tokens` is summed (with it). Dropping them made a routed batch differ from the same
+/// batch sent to vLLM.
+#[test]
+fn a_batch_usage_keeps_the_engines_details() {
+    let part = |p: u64, cached: Option<u64>| {
+        json!({"prompt_tokens": p, "completion_tokens": 5, "total_tokens": p + 5,
+               "prompt_tokens_details": cached.map(|c| json!({"cached_tokens": c,
+                                                               "multimodal_tokens": null})),
+               "completion_tokens_details": null})
+    };
+    assert_eq!(
+        sum_usages([&part(3, None), &part(4, None)]),
+        json!({"prompt_tokens": 7, "completion_tokens": 10, "total_tokens": 17,
+               "prompt_tokens_details": null, "completion_tokens_details": null})
+    );
+    assert_eq!(
+        sum_usages([&part(300, Some(256)), &part(4, Some(0))]),
+        json!({"prompt_tokens": 304, "completion_tokens": 10, "total_tokens": 314,
+               "prompt_tokens_details": {"cached_tokens": 256, "multimodal_tokens": null},
+               "completion_tokens_details": null})
+    );
+    assert_eq!(
+        sum_usages([&json!({"prompt_tokens": 1, "completion_tokens": 1})]),
+        json!({"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}),
+        "no details key, none added"
+    );
 }
 
 #[test]

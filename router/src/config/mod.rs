@@ -105,6 +105,9 @@ pub struct EngineConfig {
     pub role: Role,
     /// Excluded from every role change.
     pub pin: bool,
+    /// `engines[].kv_role`: the vLLM KV connector role the engine was launched with. A fixed
+    /// producer or consumer is never flipped (vLLM cannot change it in place).
+    pub kv_role: KvRole,
     /// Full attestation URL, `""` when none.
     pub attestation_url: String,
     /// Optional agent endpoint.
@@ -117,6 +120,41 @@ pub struct EngineConfig {
     /// when it publishes none (its cache is then never credited in placement,
     /// docs/design/kv-aware-placement.md).
     pub kv_events: Option<KvEventsSource>,
+}
+
+/// `engines[].kv_role`: vLLM's `kv_transfer_config.kv_role` as the engine was launched.
+/// `kv_both` (the default) serves either leg, so the role controller may move the engine between
+/// pools in place; `kv_producer` and `kv_consumer` (vLLM 0.32 deprecates `kv_both` in their
+/// favour) fix it to one leg, and the controller never moves it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvRole {
+    /// `kv_both`: produces and consumes KV; flippable.
+    #[default]
+    Both,
+    /// `kv_producer`: a fixed prefill engine.
+    Producer,
+    /// `kv_consumer`: a fixed decode engine.
+    Consumer,
+}
+
+impl KvRole {
+    /// `"kv_both"`, `"kv_producer"` or `"kv_consumer"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvRole::Both => "kv_both",
+            KvRole::Producer => "kv_producer",
+            KvRole::Consumer => "kv_consumer",
+        }
+    }
+
+    /// The role a fixed producer or consumer is held to; `None` for `kv_both`.
+    pub fn fixed_role(self) -> Option<Role> {
+        match self {
+            KvRole::Both => None,
+            KvRole::Producer => Some(Role::Prefill),
+            KvRole::Consumer => Some(Role::Decode),
+        }
+    }
 }
 
 /// `engines[].kv_events`: the engine's KV event sockets as the router reaches them (vLLM's

@@ -432,3 +432,35 @@ fn kv_approximate_index_keys_have_defaults_and_name_their_path() {
         (false, 30.0, 4, 0.5)
     );
 }
+
+#[test]
+fn kv_role_fixes_an_engine_to_its_leg() {
+    let mut v = base();
+    v["engines"][0]["kv_role"] = "kv_producer".into();
+    v["engines"][1]["kv_role"] = "kv_consumer".into();
+    let cfg = Config::from_json_str(&v.to_string(), &no_env).expect("valid");
+    assert_eq!(
+        cfg.engines.iter().map(|e| e.kv_role).collect::<Vec<_>>(),
+        [KvRole::Producer, KvRole::Consumer]
+    );
+    let v = base();
+    let cfg = Config::from_json_str(&v.to_string(), &no_env).expect("valid");
+    assert!(cfg.engines.iter().all(|e| e.kv_role == KvRole::Both));
+
+    let mut v = base();
+    v["engines"][0]["kv_role"] = "kv_consumer".into();
+    v["engines"][1]["kv_role"] = "producer".into();
+    let m = messages(v);
+    assert!(
+        m.contains(
+            &"engines[0].kv_role = \"kv_consumer\": a kv_consumer engine serves only the decode leg: its role must be \"decode\""
+                .to_string()
+        ),
+        "{m:?}"
+    );
+    assert!(
+        m.iter()
+            .any(|l| l.starts_with("engines[1].kv_role") && l.contains("kv_both")),
+        "{m:?}"
+    );
+}

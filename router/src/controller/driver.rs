@@ -85,6 +85,7 @@ pub(super) fn engines_view(cfg: &Config, fleet: &Fleet) -> Vec<Engine> {
                 role: s.role,
                 live: s.is_live(),
                 pinned: e.pin,
+                fixed: e.kv_role.fixed_role().map(|_| e.kv_role),
                 ejected: s.excluded.contains(&Exclusion::Ejected),
             })
             .collect()

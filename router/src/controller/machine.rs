@@ -310,7 +310,7 @@ impl Machine {
         let candidate = (0..self.core.engines.len())
             .filter(|i| {
                 let e = &self.core.engines[*i];
-                e.live && e.role == Role::Decode && !e.pinned
+                e.live && e.role == Role::Decode && !e.pinned && e.fixed.is_none()
             })
             .min_by_key(|i| {
                 let l = self.core.book.load(*i);

@@ -649,7 +649,7 @@ impl Policy {
             let donors: Vec<usize> = (0..i.core.engines.len())
                 .filter(|d| {
                     let e = &i.core.engines[*d];
-                    e.live && e.role == Role::Decode && !e.pinned
+                    e.live && e.role == Role::Decode && !e.pinned && e.fixed.is_none()
                 })
                 .collect();
             let worst = donors

@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 
 use super::book::Book;
 use super::decision::{By, Decision, Details, Outcome};
-use crate::config::Role;
+use crate::config::{KvRole, Role};
 use crate::placement::Phase;
 
 /// One engine as a pass sees it.
@@ -32,6 +32,9 @@ pub(crate) struct Engine {
     pub(crate) live: bool,
     /// Pinned: never a donor.
     pub(crate) pinned: bool,
+    /// Launched as a fixed vLLM KV producer or consumer (`engines[].kv_role`): never a donor,
+    /// and refusals say so.
+    pub(crate) fixed: Option<KvRole>,
     /// Ejected by the breaker.
     pub(crate) ejected: bool,
 }
@@ -148,8 +151,19 @@ pub(crate) struct Refusal {
 }
 
 /// Why no donor is left for a flip ([`RoleChanges::donor`]); the refusal reason.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 enum NoDonor {
+    /// Every source candidate left after the pins was launched with a fixed vLLM KV role:
+    /// the engines' iids and that role.
+    #[error(
+        "{iids}: launched as {kv_role} (engines[].kv_role), a fixed role vLLM cannot flip in place"
+    )]
+    Fixed {
+        /// The fixed engines, comma separated.
+        iids: String,
+        /// `kv_producer` or `kv_consumer`.
+        kv_role: &'static str,
+    },
     /// Pins, or the nominated engine, exclude every live source engine.
     #[error("pins or nominated engine exclude every source candidate")]
     Excluded,
@@ -318,8 +332,18 @@ impl RoleChanges {
         if let Some(cand) = req.candidate {
             live.retain(|i| *i == cand);
         }
-        let unpinned: Vec<usize> = live.into_iter().filter(|i| !c.engines[*i].pinned).collect();
+        let (fixed, unpinned): (Vec<usize>, Vec<usize>) = live
+            .into_iter()
+            .filter(|i| !c.engines[*i].pinned)
+            .partition(|i| c.engines[*i].fixed.is_some());
         if unpinned.is_empty() {
+            if let Some(kv_role) = fixed.first().and_then(|i| c.engines[*i].fixed) {
+                let iids: Vec<&str> = fixed.iter().map(|i| c.engines[*i].iid.as_str()).collect();
+                return Err(NoDonor::Fixed {
+                    iids: iids.join(", "),
+                    kv_role: kv_role.as_str(),
+                });
+            }
             return Err(NoDonor::Excluded);
         }
         let dwell = self.settings.dwell_s;

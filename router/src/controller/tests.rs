@@ -70,6 +70,7 @@ impl World {
                 role: e.role,
                 live: true,
                 pinned: e.pin,
+                fixed: e.kv_role.fixed_role().map(|_| e.kv_role),
                 ejected: false,
             })
             .collect();
@@ -1118,5 +1119,59 @@ fn a_settled_fleet_follows_a_departure_of_the_short_view() {
             .any(|d| d["reason"] == "departure toward decode holds the reverse move"),
         "{:#?}",
         w.decisions().last()
+    );
+}
+
+/// A vLLM engine launched as a fixed KV producer or consumer (`engines[].kv_role`) is never a
+/// donor: with every decode engine a `kv_consumer` the move is refused naming them, and a
+/// `kv_both` engine among them is the one that moves.
+#[test]
+fn fixed_kv_roles_are_never_flipped() {
+    let engines = |kinds: [&str; 3]| {
+        let mut v = vec![
+            json!({"iid": "e0", "url": "http://127.0.0.1:1000", "role": "prefill",
+                                "kv_role": "kv_producer"}),
+        ];
+        for (i, k) in kinds.iter().enumerate() {
+            v.push(json!({"iid": format!("e{}", i + 1),
+                          "url": format!("http://127.0.0.1:{}", 1001 + i),
+                          "role": "decode", "kv_role": k}));
+        }
+        json!({"engines": v})
+    };
+    let roles = ["prefill", "decode", "decode", "decode"];
+    let mut w = World::new(&roles, engines(["kv_consumer"; 3]));
+    w.run(60.0, 2.0, 500, 50);
+    let d = w.decided_at(60.0)[0];
+    assert_eq!(
+        (d["result"].as_str(), d["reason"].as_str()),
+        (
+            Some("blocked"),
+            Some(
+                "e1, e2, e3: launched as kv_consumer (engines[].kv_role), a fixed role vLLM cannot flip in place"
+            )
+        ),
+        "{d:#}"
+    );
+    assert_eq!(w.roles(), roles);
+
+    let mut w = World::new(&roles, engines(["kv_consumer", "kv_both", "kv_consumer"]));
+    w.run(60.0, 2.0, 500, 50);
+    assert_eq!(w.decided_at(60.0)[0]["result"], "applied");
+    assert_eq!(
+        w.roles(),
+        ["prefill", "prefill", "decode", "decode"]
+            .map(|r| r)
+            .iter()
+            .enumerate()
+            .map(|(i, r)| if i == 1 {
+                "decode"
+            } else if i == 2 {
+                "prefill"
+            } else {
+                r
+            })
+            .collect::<Vec<_>>(),
+        "e2, the only kv_both engine, moves"
     );
 }

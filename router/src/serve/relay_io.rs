@@ -426,6 +426,16 @@ pub(super) fn usage_chunk(head: Option<Head>, usage: &Value, chat: bool) -> Byte
     ))
 }
 
+/// The usage chunk of a fanned-out batch stream: the first prompt's engine chunk as the engine
+/// wrote it (its `id`, `created`, `model`, `system_fingerprint`, ...) with `usage` replaced by
+/// the batch's sum, so the chunk is what one engine serving the whole batch would send. `None`
+/// when the chunk is not a JSON object.
+pub(super) fn summed_engine_chunk(chunk: &[u8], usage: &Value) -> Option<Bytes> {
+    let mut v: Value = serde_json::from_slice(chunk).ok()?;
+    v.as_object_mut()?.insert("usage".into(), usage.clone());
+    Some(engine_frame(v.to_string().as_bytes()))
+}
+
 /// The SSE frame of an engine's own chunk (its JSON as it wrote it).
 pub(super) fn engine_frame(chunk: &[u8]) -> Bytes {
     let mut f = Vec::with_capacity(chunk.len() + 8);
@@ -499,7 +509,11 @@ pub(super) async fn stream_all(
     let done: Vec<StreamOne> = done.into_iter().flatten().collect();
     let usage_chunk = a.include_usage.then(|| {
         let usage = sum_usages(done.iter().map(|o| &o.usage));
-        usage_chunk(done[0].head.clone(), &usage, a.chat)
+        done[0]
+            .engine_chunk
+            .as_deref()
+            .and_then(|c| summed_engine_chunk(c, &usage))
+            .unwrap_or_else(|| usage_chunk(done[0].head.clone(), &usage, a.chat))
     });
     StreamEnd {
         relayed: Relayed::Done,

@@ -288,3 +288,26 @@ fn sampling_width_passes_aggregated_and_is_refused_across_a_split() {
         Some(agg)
     );
 }
+
+/// A fanned-out batch stream's usage chunk is the first prompt's engine chunk with the summed
+/// usage: vLLM's `system_fingerprint` (and whatever else the engine wrote there) is kept, as in
+/// the same batch streamed by vLLM alone; before, the router wrote a chunk of its own without it.
+#[test]
+fn a_batch_streams_the_engines_usage_chunk_with_the_sum() {
+    let chunk = br#"{"id":"cmpl-1","object":"text_completion","created":5,"model":"tiny","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8},"system_fingerprint":"vllm-0.32.0-x"}"#;
+    let sum = json!({"prompt_tokens": 6, "completion_tokens": 10, "total_tokens": 16});
+    let frame = super::relay_io::summed_engine_chunk(chunk, &sum).expect("a JSON chunk");
+    let text = std::str::from_utf8(&frame).expect("utf-8");
+    let body: Value = serde_json::from_str(
+        text.strip_prefix("data: ")
+            .and_then(|t| t.strip_suffix("\n\n"))
+            .expect("an SSE data frame"),
+    )
+    .expect("JSON");
+    assert_eq!(
+        body,
+        json!({"id": "cmpl-1", "object": "text_completion", "created": 5, "model": "tiny",
+               "choices": [], "usage": sum, "system_fingerprint": "vllm-0.32.0-x"})
+    );
+    assert!(super::relay_io::summed_engine_chunk(b"[DONE]", &sum).is_none());
+}

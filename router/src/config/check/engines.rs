@@ -7,8 +7,8 @@ use serde_json::Value;
 
 use super::{Checker, Kind, non_negative, positive};
 use crate::config::{
-    Backend, ConfigIssue, EngineAgent, EngineConfig, EngineSection, KvEventsSource, Role, Serving,
-    TlsFiles,
+    Backend, ConfigIssue, EngineAgent, EngineConfig, EngineSection, KvEventsSource, KvRole, Role,
+    Serving, TlsFiles,
 };
 
 impl Checker<'_> {
@@ -30,6 +30,7 @@ impl Checker<'_> {
                     "url",
                     "role",
                     "pin",
+                    "kv_role",
                     "attestation_url",
                     "shared_device",
                     "agent",
@@ -80,6 +81,30 @@ impl Checker<'_> {
                 _ => Role::Decode,
             };
             let pin = self.boolean(&o, "pin", false);
+            let kv_role = match self.choice(
+                &o,
+                "kv_role",
+                "kv_both",
+                &["kv_both", "kv_producer", "kv_consumer"],
+            ) {
+                "kv_producer" => KvRole::Producer,
+                "kv_consumer" => KvRole::Consumer,
+                _ => KvRole::Both,
+            };
+            if let Some(fixed) = kv_role.fixed_role()
+                && fixed != role
+            {
+                self.rule(
+                    o.p("kv_role"),
+                    &Value::String(kv_role.as_str().into()),
+                    format!(
+                        "a {} engine serves only the {} leg: its role must be \"{}\"",
+                        kv_role.as_str(),
+                        fixed.as_str(),
+                        fixed.as_str()
+                    ),
+                );
+            }
             let raw_att = self.string(&o, "attestation_url", "");
             let attestation_url = self.env_ref(o.p("attestation_url"), raw_att);
             let sd = self.obj(
@@ -175,6 +200,7 @@ impl Checker<'_> {
                 url,
                 role,
                 pin,
+                kv_role,
                 attestation_url,
                 agent,
                 health_path,

