@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use narwhal_agent::{Decision, FenceState, decide};
 use narwhal_lease::{Claim, Lease, LeaseError, LeaseLoss, LeaseRecord, LeaseTiming};
 use narwhal_shared::handoff::Handoff;
+use narwhal_shared::{Clock as _, SystemClock};
 use stateright::actor::{Envelope, Id, Network};
 use stateright::{Checker, Model, Property};
 
@@ -302,7 +303,7 @@ impl Narwhal {
         Narwhal {
             bounds,
             rules,
-            base: Instant::now(),
+            base: SystemClock.now(),
         }
     }
 
@@ -1517,14 +1518,14 @@ mod tests {
     /// Every safety property holds over the whole bounded space, the search explored at
     /// least `floor` states, and each of `reached` was reached (so the bounds exercise it).
     fn holds(b: Bounds, floor: usize, reached: &[&'static str]) {
-        let started = std::time::Instant::now();
+        let started = SystemClock.now();
         let c = check(Narwhal::new(b, Rules::Product), 1, Vec::new());
         eprintln!(
             "model check {b:?}: {} states ({} unique), depth {}, {:?}",
             c.state_count(),
             c.unique_state_count(),
             c.max_depth(),
-            started.elapsed()
+            SystemClock.now().saturating_duration_since(started)
         );
         for p in SAFETY {
             c.assert_no_discovery(p);
