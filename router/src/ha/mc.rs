@@ -130,10 +130,15 @@ pub(super) enum Msg {
 /// What the operator asks of the controlling router.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(super) enum Op {
+    /// `POST /narwhal/lifecycle/drain` of engine `e`.
     Drain(u8),
+    /// `POST /narwhal/lifecycle/readmit` of engine `e` (a newer process required).
     Readmit(u8),
+    /// Cancel-drain of engine `e` (validated on the process its drain recorded).
     Cancel(u8),
+    /// A whole-wave drain.
     Wave,
+    /// The wave's readmission.
     WaveReadmit,
 }
 
@@ -161,10 +166,13 @@ pub(super) enum Action {
     /// The network delivers or drops a message.
     Deliver(Envelope<Msg>),
     Drop(Envelope<Msg>),
-    /// Faults.
+    /// Router `i` is killed (`kill -9`; only while the other lives).
     Kill(usize),
+    /// Router `i` is paused for [`PAUSE_TICKS`].
     Pause(usize),
+    /// The lease store is unavailable for [`STORE_DOWN_TICKS`].
     StoreDown,
+    /// Router `i`'s wall clock jumps [`JUMP_S`] ahead.
     Jump(usize),
     /// Engine `e` restarts (a new process, a newer start).
     Restart(u8),
@@ -293,7 +301,9 @@ fn engines() -> Vec<String> {
 
 /// The model: bounds, rules and the base instant of the monotonic clock.
 pub(super) struct Narwhal {
+    /// How far the search goes.
     pub bounds: Bounds,
+    /// The product's rules, or one swapped (tests only).
     pub rules: Rules,
     base: Instant,
 }
