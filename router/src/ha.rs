@@ -16,6 +16,8 @@
 
 mod machine;
 #[cfg(test)]
+mod mc;
+#[cfg(test)]
 mod model;
 mod primary;
 mod standby;
