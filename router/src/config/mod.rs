@@ -220,6 +220,10 @@ pub struct Serving {
     /// an engine with a prompt's blocks after the last placement that touched them (engines
     /// without `kv_events`, or whose events are waiting or stale).
     pub kv_approx_ttl_s: f64,
+    /// `kv_pending_s`, seconds > 0 (default 10): how long a placement's guess counts on an
+    /// engine whose events are used, until the engine's own events store or remove those
+    /// blocks (the queue wait and prefill of the placed request).
+    pub kv_pending_s: f64,
     /// `kv_approx_block_size`, tokens, 1–65536 (default 16, vLLM's GPU default): the block
     /// size approximate credit is counted in for an engine whose events never told its own.
     pub kv_approx_block_size: u32,

@@ -34,6 +34,7 @@ impl Checker<'_> {
                 "kv_events_stale_s",
                 "kv_aware_placement",
                 "kv_approx_ttl_s",
+                "kv_pending_s",
                 "kv_approx_block_size",
                 "kv_approx_credit",
             ],
@@ -69,6 +70,7 @@ impl Checker<'_> {
             kv_events_stale_s: self.num(&o, "kv_events_stale_s", 5.0, positive),
             kv_aware_placement: self.boolean(&o, "kv_aware_placement", true),
             kv_approx_ttl_s: self.num(&o, "kv_approx_ttl_s", 120.0, positive),
+            kv_pending_s: self.num(&o, "kv_pending_s", 10.0, positive),
             kv_approx_block_size: self.int(&o, "kv_approx_block_size", 16, 1, 65_536) as u32,
             kv_approx_credit: self.num(&o, "kv_approx_credit", 1.0, |x| {
                 (!(x > 0.0 && x <= 1.0)).then_some("must be in (0, 1]")
