@@ -4,16 +4,15 @@
 //! ```text
 //!  Snapshot { engines: [role, live, resident{prefill,decode}] } + avoid set + rng
 //!        │  pick(Phase, producer)            power of two choices on outstanding work, or
-//!        │                                   with a KV score: min uncached × (queued + uncached)
+//!        │                                   with a KV score: min queued + own uncached tokens
 //!        ▼
 //!  Option<engine index>
 //! ```
 //!
 //! The KV score (docs/design/kv-aware-placement.md): given each engine's uncached prompt
 //! tokens ([`KvScore`]), an aggregated engine or a prefill engine is the candidate of least
-//! [`kv_cost`]: its uncached tokens times its estimated wait ([`estimated_wait`]: the uncached
-//! tokens already queued there plus its own), ties by power of two choices among the tied; when
-//! the
+//! estimated wait ([`estimated_wait`]: the uncached tokens already queued there plus this
+//! request's), ties by power of two choices among the tied; when the
 //! most and least loaded candidates differ by more than `abs` requests **and** more than `rel`
 //! times (SGLang router's `balance_abs_threshold` / `balance_rel_threshold` meaning), the cache is
 //! ignored and the least loaded wins. The decode leg of a split is placed by load only.
@@ -182,17 +181,6 @@ pub(crate) fn estimated_wait(queued: u64, uncached: u64) -> u64 {
     queued.saturating_add(uncached)
 }
 
-/// The KV score's cost of placing a request with `uncached` prompt tokens to compute on an
-/// engine with `queued` uncached tokens queued (tokens²): its own prefill work weighted by its
-/// estimated wait, `uncached × estimated_wait(queued, uncached)`. The wait alone would send a
-/// request to recompute a 5,000-token prefix elsewhere whenever the queues differ by more than
-/// that, which under a backlog is placement by load (more misses, a longer backlog); weighted
-/// by its own work, a cache hit stays with its prefix until that engine's queue is about
-/// `prompt ÷ uncached` times the other's, and between misses the shorter queue wins.
-pub(crate) fn kv_cost(queued: u64, uncached: u64) -> u128 {
-    u128::from(uncached) * u128::from(estimated_wait(queued, uncached))
-}
-
 /// Choose among `candidates` by the KV score (module doc); `None` when there is none.
 pub(crate) fn pick_cached<R: Rng + ?Sized>(
     slots: &[EngineSlot],
@@ -205,9 +193,9 @@ pub(crate) fn pick_cached<R: Rng + ?Sized>(
     let min = candidates.iter().map(|i| load(*i)).min()?;
     let cost = |i: usize| {
         if score.balance.imbalanced(max, min) {
-            u128::from(load(i))
+            u64::from(load(i))
         } else {
-            kv_cost(slots[i].queued_uncached, score.uncached[i])
+            estimated_wait(slots[i].queued_uncached, score.uncached[i])
         }
     };
     let best = candidates.iter().map(|i| cost(*i)).min()?;
@@ -487,12 +475,6 @@ mod tests {
         assert_eq!(estimated_wait(0, 1000), 1000);
         assert_eq!(estimated_wait(480, 100), 580);
         assert_eq!(estimated_wait(u64::MAX, 1), u64::MAX);
-        assert_eq!(kv_cost(480, 100), 58_000);
-        assert_eq!(kv_cost(0, 1000), 1_000_000);
-        assert_eq!(
-            kv_cost(u64::MAX, u64::MAX),
-            u128::from(u64::MAX) * u128::from(u64::MAX)
-        );
     }
 
     #[test]
@@ -503,9 +485,9 @@ mod tests {
             plan_with(slots, &BTreeSet::new(), Aggregate::AnyRole, Some(s), rng)
         };
         // A 1,000-token prompt; engine 0 holds 900 of it and has 12 requests in flight, all
-        // cache hits with 40 uncached tokens each still to prefill: 100 × (480 + 100) = 58,000
-        // against the idle engine's 1,000 × 1,000 (a count-weighted score, 100 × 13 = 1,300
-        // against 1,000, would send the request to recompute the prefix on the idle engine).
+        // cache hits with 40 uncached tokens each still to prefill: it waits 480 + 100 tokens
+        // against the idle engine's 1,000 (a count-weighted score, 100 × 13 = 1,300, would
+        // send the request to recompute the prefix on the idle engine).
         slots[0].resident_decode = 12;
         slots[0].queued_uncached = 12 * 40;
         let s = KvScore {
@@ -516,10 +498,9 @@ mod tests {
             place(&slots, &s, &mut rng),
             Some(Plan::Aggregated { engine: 0 })
         );
-        // Ten queued misses of 1,000 tokens on it: 100 × 10,100 > 1,000,000, the idle engine
-        // wins.
-        slots[0].resident_decode = 10;
-        slots[0].queued_uncached = 10_000;
+        // Two queued misses of 1,000 tokens on it: 2,100 > 1,000, the idle engine wins.
+        slots[0].resident_decode = 2;
+        slots[0].queued_uncached = 2000;
         assert_eq!(
             place(&slots, &s, &mut rng),
             Some(Plan::Aggregated { engine: 1 })
@@ -624,11 +605,11 @@ mod tests {
         use crate::kv_index::{Credit, Reason, uncached};
         let mut slots = fleet(&[D, D, D]);
         let mut rng = StdRng::seed_from_u64(15);
-        // A 1,000-token prompt: engine 0 is guessed to hold 960 tokens and has 1,500 uncached
-        // tokens queued; engine 1 holds 960 by its events and has 1,500 queued too; engine 2
-        // is idle and holds nothing.
-        slots[0].queued_uncached = 1500;
-        slots[1].queued_uncached = 1500;
+        // A 1,000-token prompt: engine 0 is guessed to hold 960 tokens and has 600 uncached
+        // tokens queued; engine 1 holds 960 by its events and has 600 queued too; engine 2 is
+        // idle and holds nothing.
+        slots[0].queued_uncached = 600;
+        slots[1].queued_uncached = 600;
         let credit = |reason, cached| Credit {
             reason,
             cached,
@@ -644,7 +625,7 @@ mod tests {
             let s = score(&credits.map(|c| uncached(1000, &c, share)));
             plan_with(slots, &BTreeSet::new(), Aggregate::AnyRole, Some(&s), rng)
         };
-        // Counted whole, the guess ties the exact credit: 40 × 1,540 < 1,000 × 1,000.
+        // Counted whole, the guess ties the exact credit: 600 + 40 = 640 < 1,000.
         let mut seen = BTreeSet::new();
         for _ in 0..50 {
             match pick(1.0, &slots, &mut rng) {
@@ -662,7 +643,7 @@ mod tests {
             pick(0.9, &slots, &mut rng),
             Some(Plan::Aggregated { engine: 1 })
         );
-        // …and a half-counted guess loses to the idle engine: 520 × 2,020 > 1,000 × 1,000.
+        // …and a half-counted guess loses to the idle engine: 600 + 520 = 1,120 > 1,000.
         slots[1].excluded.insert(Exclusion::Draining);
         assert_eq!(
             pick(0.5, &slots, &mut rng),
