@@ -216,20 +216,6 @@ impl Fleet {
         self.lock().avoided = avoided;
     }
 
-    /// Counts `tokens` uncached prompt tokens (the KV score's estimate at placement) as queued
-    /// for prefill on `iid` until the guard drops (when the attempt reaches its first output
-    /// or fails): the estimated wait of the KV score ([`placement::estimated_wait`]).
-    pub(crate) fn queued(self: &Arc<Self>, iid: usize, tokens: u64) -> Queued {
-        let mut state = self.lock();
-        let slot = &mut state.slots[iid];
-        slot.queued_uncached = slot.queued_uncached.saturating_add(tokens);
-        Queued {
-            fleet: self.clone(),
-            iid,
-            tokens,
-        }
-    }
-
     /// Counts a request resident on `iid` in `phase` until the guard drops.
     pub(crate) fn resident(self: &Arc<Self>, iid: usize, phase: Phase) -> Resident {
         bump(&mut self.lock().slots[iid], phase, true);
@@ -603,21 +589,6 @@ fn bump(slot: &mut EngineSlot, phase: Phase, up: bool) {
         *c += 1;
     } else {
         *c = c.saturating_sub(1);
-    }
-}
-
-/// An attempt's uncached prompt tokens queued on one engine until its first output; removed
-/// on drop (RAII).
-pub(crate) struct Queued {
-    fleet: Arc<Fleet>,
-    iid: usize,
-    tokens: u64,
-}
-
-impl Drop for Queued {
-    fn drop(&mut self) {
-        let slot = &mut self.fleet.lock().slots[self.iid];
-        slot.queued_uncached = slot.queued_uncached.saturating_sub(self.tokens);
     }
 }
 

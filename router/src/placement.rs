@@ -4,15 +4,14 @@
 //! ```text
 //!  Snapshot { engines: [role, live, resident{prefill,decode}] } + avoid set + rng
 //!        │  pick(Phase, producer)            power of two choices on outstanding work, or
-//!        │                                   with a KV score: min queued + own uncached tokens
+//!        │                                   with a KV score: min uncached × (in_flight + 1)
 //!        ▼
 //!  Option<engine index>
 //! ```
 //!
 //! The KV score (docs/design/kv-aware-placement.md): given each engine's uncached prompt
 //! tokens ([`KvScore`]), an aggregated engine or a prefill engine is the candidate of least
-//! estimated wait ([`estimated_wait`]: the uncached tokens already queued there plus this
-//! request's), ties by power of two choices among the tied; when the
+//! `uncached_tokens × (outstanding + 1)`, ties by power of two choices among the tied; when the
 //! most and least loaded candidates differ by more than `abs` requests **and** more than `rel`
 //! times (SGLang router's `balance_abs_threshold` / `balance_rel_threshold` meaning), the cache is
 //! ignored and the least loaded wins. The decode leg of a split is placed by load only.
@@ -74,10 +73,6 @@ pub(crate) struct EngineSlot {
     pub resident_prefill: u32,
     /// Requests resident in the decode phase on it.
     pub resident_decode: u32,
-    /// Prompt tokens, uncached by the KV score on it at placement, of the requests placed on
-    /// it whose attempt has not reached its first output yet: the prefill work queued or
-    /// running on it (tokens).
-    pub queued_uncached: u64,
 }
 
 impl EngineSlot {
@@ -88,7 +83,6 @@ impl EngineSlot {
             excluded: BTreeSet::new(),
             resident_prefill: 0,
             resident_decode: 0,
-            queued_uncached: 0,
         }
     }
 
@@ -172,15 +166,6 @@ pub(crate) struct KvScore {
     pub balance: Balance,
 }
 
-/// The estimated wait for a request's first token on an engine, in prompt tokens to compute
-/// before it: the uncached prompt tokens already queued or in prefill there (`queued`, as each
-/// request's score estimated them at placement) plus this request's own (`uncached`). A queued
-/// cache hit adds only its few uncached tokens and a queued miss its whole prompt, as an
-/// engine's prefill time goes (no per-token profile: every token weighs the same).
-pub(crate) fn estimated_wait(queued: u64, uncached: u64) -> u64 {
-    queued.saturating_add(uncached)
-}
-
 /// Choose among `candidates` by the KV score (module doc); `None` when there is none.
 pub(crate) fn pick_cached<R: Rng + ?Sized>(
     slots: &[EngineSlot],
@@ -193,9 +178,9 @@ pub(crate) fn pick_cached<R: Rng + ?Sized>(
     let min = candidates.iter().map(|i| load(*i)).min()?;
     let cost = |i: usize| {
         if score.balance.imbalanced(max, min) {
-            u64::from(load(i))
+            u128::from(load(i))
         } else {
-            estimated_wait(slots[i].queued_uncached, score.uncached[i])
+            u128::from(score.uncached[i]) * u128::from(load(i) + 1)
         }
     };
     let best = candidates.iter().map(|i| cost(*i)).min()?;
@@ -471,46 +456,32 @@ mod tests {
     }
 
     #[test]
-    fn the_estimated_wait_is_the_queued_uncached_tokens_plus_the_requests_own() {
-        assert_eq!(estimated_wait(0, 1000), 1000);
-        assert_eq!(estimated_wait(480, 100), 580);
-        assert_eq!(estimated_wait(u64::MAX, 1), u64::MAX);
-    }
-
-    #[test]
-    fn kv_score_weighs_queued_prefill_work_not_request_counts() {
+    fn kv_score_weighs_uncached_tokens_by_load() {
         let mut slots = fleet(&[D, D]);
         let mut rng = StdRng::seed_from_u64(12);
-        let place = |slots: &[EngineSlot], s: &KvScore, rng: &mut StdRng| {
-            plan_with(slots, &BTreeSet::new(), Aggregate::AnyRole, Some(s), rng)
-        };
-        // A 1,000-token prompt; engine 0 holds 900 of it and has 12 requests in flight, all
-        // cache hits with 40 uncached tokens each still to prefill: it waits 480 + 100 tokens
-        // against the idle engine's 1,000 (a count-weighted score, 100 × 13 = 1,300, would
-        // send the request to recompute the prefix on the idle engine).
-        slots[0].resident_decode = 12;
-        slots[0].queued_uncached = 12 * 40;
-        let s = KvScore {
-            balance: Balance { abs: 32, rel: 1.5 },
-            ..score(&[100, 1000])
-        };
+        // Engine 0 holds half the prompt but runs 3 requests: 50 × 4 = 200 > 100 × 1.
+        slots[0].resident_decode = 3;
+        let s = score(&[50, 100]);
         assert_eq!(
-            place(&slots, &s, &mut rng),
-            Some(Plan::Aggregated { engine: 0 })
-        );
-        // Two queued misses of 1,000 tokens on it: 2,100 > 1,000, the idle engine wins.
-        slots[0].resident_decode = 2;
-        slots[0].queued_uncached = 2000;
-        assert_eq!(
-            place(&slots, &s, &mut rng),
+            plan_with(
+                &slots,
+                &BTreeSet::new(),
+                Aggregate::AnyRole,
+                Some(&s),
+                &mut rng
+            ),
             Some(Plan::Aggregated { engine: 1 })
         );
-        // Decoding requests queue no prefill: only the queued tokens count.
-        slots[0].resident_decode = 20;
-        slots[0].queued_uncached = 0;
-        slots[1].resident_decode = 14;
+        // Holding 90 %: 10 × 4 = 40 < 100.
+        let s = score(&[10, 100]);
         assert_eq!(
-            place(&slots, &s, &mut rng),
+            plan_with(
+                &slots,
+                &BTreeSet::new(),
+                Aggregate::AnyRole,
+                Some(&s),
+                &mut rng
+            ),
             Some(Plan::Aggregated { engine: 0 })
         );
     }
@@ -605,11 +576,10 @@ mod tests {
         use crate::kv_index::{Credit, Reason, uncached};
         let mut slots = fleet(&[D, D, D]);
         let mut rng = StdRng::seed_from_u64(15);
-        // A 1,000-token prompt: engine 0 is guessed to hold 960 tokens and has 600 uncached
-        // tokens queued; engine 1 holds 960 by its events and has 600 queued too; engine 2 is
-        // idle and holds nothing.
-        slots[0].queued_uncached = 600;
-        slots[1].queued_uncached = 600;
+        // A 1,000-token prompt: engine 0 is guessed to hold 960 tokens and runs 3 requests;
+        // engine 1 holds 960 by its events and runs 3 too; engine 2 is idle and holds nothing.
+        slots[0].resident_decode = 3;
+        slots[1].resident_decode = 3;
         let credit = |reason, cached| Credit {
             reason,
             cached,
@@ -625,7 +595,7 @@ mod tests {
             let s = score(&credits.map(|c| uncached(1000, &c, share)));
             plan_with(slots, &BTreeSet::new(), Aggregate::AnyRole, Some(&s), rng)
         };
-        // Counted whole, the guess ties the exact credit: 600 + 40 = 640 < 1,000.
+        // Counted whole, the guess ties the exact credit: 40 × 4 = 160 < 1,000 × 1.
         let mut seen = BTreeSet::new();
         for _ in 0..50 {
             match pick(1.0, &slots, &mut rng) {
@@ -643,7 +613,7 @@ mod tests {
             pick(0.9, &slots, &mut rng),
             Some(Plan::Aggregated { engine: 1 })
         );
-        // …and a half-counted guess loses to the idle engine: 600 + 520 = 1,120 > 1,000.
+        // …and a half-counted guess loses to load: 520 × 4 = 2,080 > 1,000.
         slots[1].excluded.insert(Exclusion::Draining);
         assert_eq!(
             pick(0.5, &slots, &mut rng),

@@ -128,9 +128,6 @@ pub(super) async fn attempts(
                 return Err(failure);
             }
         }
-        // The attempt's uncached prompt tokens count as queued prefill on the computing
-        // engine until it reaches its first output (the KV score's estimated wait).
-        let mut queued = None;
         {
             let mut log = AttemptLog::lock(log);
             log.attempts = log.attempts.max(n);
@@ -141,7 +138,6 @@ pub(super) async fn attempts(
                     Plan::Aggregated { engine } => engine,
                 };
                 parts.kv.placed(computes, s);
-                queued = Some(parts.fleet.queued(computes, s.score.uncached[computes]));
                 log.cached_tokens = Some(s.credits[computes].cached);
                 log.kv_mode = Some(s.credits[computes].reason.mode().as_str());
             }
@@ -165,7 +161,6 @@ pub(super) async fn attempts(
         let result = run_attempt(ctx, sub, track, n, plan, log)
             .instrument(attempt_span)
             .await;
-        drop(queued);
         let f = match result {
             Ok(s) => return Ok(s),
             Err(f) => f,
