@@ -202,7 +202,7 @@ pub struct Serving {
     /// Prompts one completions request may batch (`prompt` a list), 1–4096 (default 64): a
     /// batch is fanned out to one request per prompt; more is refused 400 naming `prompt`.
     pub max_batch_prompts: usize,
-    /// `kv_balance_abs_threshold`, requests (default 32): with the relative threshold, when the
+    /// `kv_balance_abs_threshold`, requests (default 1000): with the relative threshold, when the
     /// most and least loaded candidates differ by more than this, placement ignores the KV
     /// cache and balances load (SGLang's router `balance_abs_threshold`).
     pub kv_balance_abs_threshold: u64,

@@ -398,6 +398,14 @@ fn kv_approximate_index_keys_have_defaults_and_name_their_path() {
     assert_eq!(c.serving.kv_approx_block_size, 16);
     assert_eq!(c.serving.kv_approx_credit, 1.0);
     assert_eq!(c.serving.kv_pending_s, 10.0);
+    assert_eq!(
+        (
+            c.serving.kv_balance_abs_threshold,
+            c.serving.kv_balance_rel_threshold
+        ),
+        (1000, 1.5),
+        "the balance guard is a backstop (docs/design/kv-aware-placement.md section 5)"
+    );
     let mut v = base();
     v["serving"] = serde_json::json!({
         "kv_approx_ttl_s": 0, "kv_approx_block_size": 0, "kv_approx_credit": 1.5,

@@ -63,7 +63,7 @@ impl Checker<'_> {
             max_response_bytes: self.int(&o, "max_response_bytes", 16_777_216, 1, u64::MAX),
             body_read_timeout_s: self.num(&o, "body_read_timeout_s", 30.0, positive),
             max_batch_prompts: self.int(&o, "max_batch_prompts", 64, 1, 4096) as usize,
-            kv_balance_abs_threshold: self.int(&o, "kv_balance_abs_threshold", 32, 0, u64::MAX),
+            kv_balance_abs_threshold: self.int(&o, "kv_balance_abs_threshold", 1000, 0, u64::MAX),
             kv_balance_rel_threshold: self.num(&o, "kv_balance_rel_threshold", 1.5, |x| {
                 (x < 1.0).then_some("must be ≥ 1")
             }),
