@@ -159,6 +159,7 @@ impl KvCache {
             approx_ttl: secs(cfg.serving.kv_approx_ttl_s),
             approx_block_size: cfg.serving.kv_approx_block_size,
             approx_max_blocks: crate::kv_index::approx::MAX_APPROX_BLOCKS_PER_ENGINE,
+            pending: secs(cfg.serving.kv_pending_s),
         };
         KvCache {
             tokenize_failed: Mutex::new(vec![None; configured.len()]),

@@ -9,7 +9,8 @@
 //!  per engine: our hash → refs, engine hash → our hash, next seq, last batch, counters
 //!        │ credit(engine, prompt tokens)   longest run of held blocks from the first
 //!        ▼
-//!  cached prompt tokens: `exact` from the events; `approximate` from our own placements
+//!  cached prompt tokens: `exact` from the events (and placements they have not told yet);
+//!  `approximate` from our own placements
 //!  (`approx`: engines without events, waiting or stale); `none` when cache awareness is off
 //! ```
 //!
@@ -181,11 +182,15 @@ pub(crate) struct Settings {
     pub approx_block_size: u32,
     /// Blocks the approximate part holds per engine at most.
     pub approx_max_blocks: usize,
+    /// `serving.kv_pending_s`: how long a placement's guess counts on an engine whose events
+    /// are used (`exact`) while the engine has not reported the blocks itself (at most
+    /// `approx_ttl`).
+    pub pending: Duration,
 }
 
 impl Default for Settings {
     /// The configuration defaults: aware, stale after 5 s, TTL 120 s, block size 16,
-    /// [`approx::MAX_APPROX_BLOCKS_PER_ENGINE`].
+    /// [`approx::MAX_APPROX_BLOCKS_PER_ENGINE`], pending 10 s.
     fn default() -> Self {
         Settings {
             aware: true,
@@ -193,6 +198,7 @@ impl Default for Settings {
             approx_ttl: Duration::from_secs(120),
             approx_block_size: 16,
             approx_max_blocks: approx::MAX_APPROX_BLOCKS_PER_ENGINE,
+            pending: Duration::from_secs(10),
         }
     }
 }
@@ -264,10 +270,12 @@ impl Engine {
         self.by_engine.clear();
     }
 
-    fn remove(&mut self, engine_hash: u64) {
+    /// Removes the block the engine names `engine_hash`; its hash is pushed to `told`.
+    fn remove(&mut self, engine_hash: u64, told: &mut Told) {
         if let Some(ours) = self.by_engine.remove(&engine_hash)
             && let Some(n) = self.blocks.get_mut(&ours)
         {
+            told.hashes.push(ours);
             *n -= 1;
             if *n == 0 {
                 self.blocks.remove(&ours);
@@ -275,7 +283,15 @@ impl Engine {
         }
     }
 
-    fn store(&mut self, hashes: &[u64], parent: Option<u64>, tokens: &[u32], block_size: u32) {
+    /// Stores the blocks; the hashes of those the index holds after it are pushed to `told`.
+    fn store(
+        &mut self,
+        hashes: &[u64],
+        parent: Option<u64>,
+        tokens: &[u32],
+        block_size: u32,
+        told: &mut Told,
+    ) {
         let bs = block_size.max(1) as usize;
         let mut prev = match parent {
             None => 0,
@@ -293,18 +309,21 @@ impl Engine {
             let ours = block_hash(prev, block);
             prev = ours;
             if self.by_engine.contains_key(h) {
+                told.hashes.push(ours);
                 continue;
             }
             if self.by_engine.len() >= MAX_BLOCKS_PER_ENGINE {
                 self.counters.overflow += 1;
                 continue;
             }
+            told.hashes.push(ours);
             self.by_engine.insert(*h, ours);
             *self.blocks.entry(ours).or_insert(0) += 1;
         }
     }
 
-    fn apply(&mut self, seq: u64, batch: &KvEventBatch, now: Instant) {
+    /// Applies batch `seq`; what it told of blocks is pushed to `told`.
+    fn apply(&mut self, seq: u64, batch: &KvEventBatch, now: Instant, told: &mut Told) {
         for e in &batch.events {
             match e {
                 KvEvent::BlockStored {
@@ -313,13 +332,22 @@ impl Engine {
                     token_ids,
                     block_size,
                     ..
-                } => self.store(block_hashes, *parent_block_hash, token_ids, *block_size),
+                } => self.store(
+                    block_hashes,
+                    *parent_block_hash,
+                    token_ids,
+                    *block_size,
+                    told,
+                ),
                 KvEvent::BlockRemoved { block_hashes, .. } => {
                     for h in block_hashes {
-                        self.remove(*h);
+                        self.remove(*h, told);
                     }
                 }
-                KvEvent::AllBlocksCleared => self.clear(),
+                KvEvent::AllBlocksCleared => {
+                    self.clear();
+                    told.cleared = true;
+                }
             }
         }
         self.next_seq = Some(seq + 1);
@@ -327,6 +355,15 @@ impl Engine {
         self.awaiting = None;
         self.counters.batches += 1;
     }
+}
+
+/// What an engine's batches told of blocks: the approximate guesses they settle.
+#[derive(Debug, Default)]
+struct Told {
+    /// Our hashes of the blocks stored (held after the batch) or removed.
+    hashes: Vec<u64>,
+    /// An `AllBlocksCleared` came: every guess goes.
+    cleared: bool,
 }
 
 /// A snapshot of one engine for `/narwhal/state` and `/metrics`.
@@ -399,10 +436,26 @@ impl KvIndex {
     }
 
     /// Applies the expected batch `seq` of engine `e`.
-    /// A batch is the engine's truth: its approximate guesses are dropped.
+    /// A batch is the engine's truth for the blocks it names: the approximate guesses of the
+    /// blocks it stored or removed are dropped (the exact entry wins); the others stay, since
+    /// under a backlog a placement's prefill ends seconds after batches about other prompts.
+    /// A batch that ends a `stale` spell drops every guess: blocks placed while its events
+    /// were stopped may never be reported.
     pub(crate) fn apply(&mut self, e: usize, seq: u64, batch: &KvEventBatch, now: Instant) {
-        self.engines[e].apply(seq, batch, now);
-        self.approx.drop_engine(e);
+        let mut told = Told {
+            cleared: self.reason(e, now) == Reason::Stale,
+            ..Told::default()
+        };
+        self.engines[e].apply(seq, batch, now, &mut told);
+        self.settle(e, &told);
+    }
+
+    fn settle(&mut self, e: usize, told: &Told) {
+        if told.cleared {
+            self.approx.drop_engine(e);
+        } else {
+            self.approx.settle(e, &told.hashes);
+        }
     }
 
     /// Records that the live stream delivered batch `seq` of engine `e` (after it was handled).
@@ -417,7 +470,7 @@ impl KvIndex {
         let en = &mut self.engines[e];
         en.clear();
         en.counters.resets += 1;
-        en.apply(seq, batch, now);
+        en.apply(seq, batch, now, &mut Told::default());
         self.approx.drop_engine(e);
     }
 
@@ -425,7 +478,8 @@ impl KvIndex {
     /// socket gave (`None`: no replay socket, or it failed). When it holds every batch
     /// `from..seq` they are applied in order, then `batch`; otherwise the engine's entries are
     /// dropped (a missed `BlockRemoved` would credit blocks it no longer holds) and `batch`
-    /// starts the rebuild. Returns whether the gap was filled.
+    /// starts the rebuild, and every approximate guess goes (a replayed gap settles only the
+    /// blocks it names, as [`Self::apply`]). Returns whether the gap was filled.
     pub(crate) fn fill(
         &mut self,
         e: usize,
@@ -435,6 +489,7 @@ impl KvIndex {
         batch: &KvEventBatch,
         now: Instant,
     ) -> bool {
+        let stale = self.reason(e, now) == Reason::Stale;
         let en = &mut self.engines[e];
         en.counters.gaps += 1;
         let wanted: Option<Vec<&(u64, KvEventBatch)>> =
@@ -442,17 +497,24 @@ impl KvIndex {
         let complete = wanted.as_ref().is_some_and(|w| {
             w.len() as u64 == seq - from && w.iter().zip(from..).all(|((s, _), want)| *s == want)
         });
+        let mut told = Told {
+            cleared: stale,
+            ..Told::default()
+        };
         if complete {
             en.counters.replays += 1;
             for (s, b) in wanted.unwrap_or_default() {
-                en.apply(*s, b, now);
+                en.apply(*s, b, now, &mut told);
             }
-        } else if en.next_seq.is_some() {
-            en.clear();
-            en.counters.resets += 1;
+        } else {
+            if en.next_seq.is_some() {
+                en.clear();
+                en.counters.resets += 1;
+            }
+            told.cleared = true;
         }
-        en.apply(seq, batch, now);
-        self.approx.drop_engine(e);
+        en.apply(seq, batch, now, &mut told);
+        self.settle(e, &told);
         complete
     }
 
@@ -486,10 +548,12 @@ impl KvIndex {
 
     /// A request was placed on `e` at `now`: `chain` is its prompt's full-block chain at the
     /// block size of `e`'s credit (`Credit::block_size`), `stores` whether it has full blocks
-    /// `e` does not hold. The chain is credited to `e`'s approximate part (also while `e` is
-    /// exact: if its events stop, what was placed since its last batch is what it must hold;
-    /// its next batch drops the guesses). `stores` starts the stale clock of an engine with
-    /// events. Nothing is credited when cache awareness is off.
+    /// `e` does not hold. The chain is credited to `e`'s approximate part, less the leading
+    /// blocks `e`'s events report held. Also while `e` is exact: its credit counts the guess
+    /// for `serving.kv_pending_s` or until `e`'s own events store or remove those blocks (so
+    /// requests sharing a new prefix follow it before its prefill ends), and if its events
+    /// stop, what was placed since is what it must hold. `stores` starts the stale clock of an
+    /// engine with events. Nothing is credited when cache awareness is off.
     pub(crate) fn placed(
         &mut self,
         e: usize,
@@ -501,7 +565,16 @@ impl KvIndex {
         if !self.settings.aware {
             return;
         }
-        self.approx.placed(e, chain, block_size, now);
+        let en = &self.engines[e];
+        let held = if en.block_size == Some(block_size) {
+            chain
+                .iter()
+                .take_while(|h| en.blocks.contains_key(*h))
+                .count()
+        } else {
+            0
+        };
+        self.approx.placed(e, &chain[held..], block_size, now);
         let en = &mut self.engines[e];
         if stores && en.configured && en.awaiting.is_none() {
             en.awaiting = Some(now);
@@ -539,7 +612,9 @@ impl KvIndex {
 
     /// Engine `e`'s credit at `now` for a prompt of `prompt_tokens` tokens whose full-block
     /// chain at [`Self::credit_block_size`] is `chain`:
-    /// - `exact`: the longest run of blocks its events reported held ([`Self::matched_tokens`]);
+    /// - `exact`: the longest run of blocks its events reported held, or placed on it less than
+    ///   `pending` ago and not yet stored or removed by its events (counted as exact: the
+    ///   engine is computing them);
     /// - `approximate`: the longest run of blocks credited by placements less than
     ///   `approx_ttl` ago, or, for a stale engine whose last batch came less than `approx_ttl`
     ///   ago, reported by its events (what it last said it held, and what was placed since);
@@ -560,7 +635,18 @@ impl KvIndex {
         let full = chain.len() as u64 * u64::from(bs);
         let cached = match reason.mode() {
             Mode::None => 0,
-            Mode::Exact => self.matched_tokens(e, chain, prompt_tokens),
+            Mode::Exact => {
+                let cap = (prompt_tokens.saturating_sub(1) / u64::from(bs)) as usize;
+                let pending = self.settings.pending;
+                let run = chain
+                    .iter()
+                    .take(cap)
+                    .take_while(|h| {
+                        en.blocks.contains_key(*h) || self.approx.holds_within(e, **h, now, pending)
+                    })
+                    .count();
+                run as u64 * u64::from(bs)
+            }
             Mode::Approximate => {
                 let reported = reason == Reason::Stale
                     && en.last_batch.is_some_and(|t| {
@@ -593,6 +679,7 @@ impl KvIndex {
     /// Prompt tokens engine `e` holds for a prompt whose full-block chain at its block size is
     /// `chain`: the longest run of held blocks from the first, at most `(prompt_tokens − 1) /
     /// block_size` blocks (vLLM always computes the last prompt token), times the block size.
+    #[cfg(test)]
     pub(crate) fn matched_tokens(&self, e: usize, chain: &[u64], prompt_tokens: u64) -> u64 {
         let en = &self.engines[e];
         let Some(bs) = en.block_size else { return 0 };

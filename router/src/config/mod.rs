@@ -240,7 +240,7 @@ pub struct Serving {
     /// Prompts one completions request may batch (`prompt` a list), 1–4096 (default 64): a
     /// batch is fanned out to one request per prompt; more is refused 400 naming `prompt`.
     pub max_batch_prompts: usize,
-    /// `kv_balance_abs_threshold`, requests (default 32): with the relative threshold, when the
+    /// `kv_balance_abs_threshold`, requests (default 1000): with the relative threshold, when the
     /// most and least loaded candidates differ by more than this, placement ignores the KV
     /// cache and balances load (SGLang's router `balance_abs_threshold`).
     pub kv_balance_abs_threshold: u64,
@@ -258,6 +258,10 @@ pub struct Serving {
     /// an engine with a prompt's blocks after the last placement that touched them (engines
     /// without `kv_events`, or whose events are waiting or stale).
     pub kv_approx_ttl_s: f64,
+    /// `kv_pending_s`, seconds > 0 (default 10): how long a placement's guess counts on an
+    /// engine whose events are used, until the engine's own events store or remove those
+    /// blocks (the queue wait and prefill of the placed request).
+    pub kv_pending_s: f64,
     /// `kv_approx_block_size`, tokens, 1–65536 (default 16, vLLM's GPU default): the block
     /// size approximate credit is counted in for an engine whose events never told its own.
     pub kv_approx_block_size: u32,

@@ -397,14 +397,24 @@ fn kv_approximate_index_keys_have_defaults_and_name_their_path() {
     assert_eq!(c.serving.kv_approx_ttl_s, 120.0);
     assert_eq!(c.serving.kv_approx_block_size, 16);
     assert_eq!(c.serving.kv_approx_credit, 1.0);
+    assert_eq!(c.serving.kv_pending_s, 10.0);
+    assert_eq!(
+        (
+            c.serving.kv_balance_abs_threshold,
+            c.serving.kv_balance_rel_threshold
+        ),
+        (1000, 1.5),
+        "the balance guard is a backstop (docs/design/kv-aware-placement.md section 5)"
+    );
     let mut v = base();
     v["serving"] = serde_json::json!({
         "kv_approx_ttl_s": 0, "kv_approx_block_size": 0, "kv_approx_credit": 1.5,
-        "kv_aware_placement": "yes"
+        "kv_aware_placement": "yes", "kv_pending_s": -1
     });
     let m = messages(v);
     for want in [
         "serving.kv_approx_ttl_s = 0: must be > 0",
+        "serving.kv_pending_s = -1: must be > 0",
         "serving.kv_approx_credit = 1.5: must be in (0, 1]",
         "serving.kv_aware_placement must be a boolean, got \"yes\"",
     ] {
@@ -419,7 +429,7 @@ fn kv_approximate_index_keys_have_defaults_and_name_their_path() {
     let mut v = base();
     v["serving"] = serde_json::json!({
         "kv_approx_ttl_s": 30, "kv_approx_block_size": 4, "kv_approx_credit": 0.5,
-        "kv_aware_placement": false
+        "kv_aware_placement": false, "kv_pending_s": 3
     });
     let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
     assert_eq!(
@@ -427,9 +437,10 @@ fn kv_approximate_index_keys_have_defaults_and_name_their_path() {
             c.serving.kv_aware_placement,
             c.serving.kv_approx_ttl_s,
             c.serving.kv_approx_block_size,
-            c.serving.kv_approx_credit
+            c.serving.kv_approx_credit,
+            c.serving.kv_pending_s
         ),
-        (false, 30.0, 4, 0.5)
+        (false, 30.0, 4, 0.5, 3.0)
     );
 }
 

@@ -7,6 +7,7 @@
 //!  placed(engine, prompt chain, now) ──► per engine: our hash → (touched at, stamp)
 //!                                        stamp → our hash (LRU order, oldest first)
 //!  holds(engine, our hash, now): touched less than TTL ago (KvIndex::credit takes the run)
+//!  settle(engine, our hashes): the engine's own events told these blocks (stored or removed)
 //! ```
 //!
 //! The blocks are named by the same chained hash as the exact index ([`super::prompt_chain`]),
@@ -145,7 +146,24 @@ impl Approx {
         self.engines[e].live(h, now, self.ttl)
     }
 
-    /// Drops engine `e`'s guesses (its events are the truth again, or it is another process).
+    /// Whether our hash `h` is credited to engine `e` at `now` by a placement less than
+    /// `within` ago (and less than the TTL): a guess still waiting for the engine's own report.
+    pub(crate) fn holds_within(&self, e: usize, h: u64, now: Instant, within: Duration) -> bool {
+        self.engines[e].live(h, now, self.ttl.min(within))
+    }
+
+    /// Drops engine `e`'s guesses of the blocks `hashes` (our hashes): its own events told
+    /// them, stored or removed, and exact wins over the guess.
+    pub(crate) fn settle(&mut self, e: usize, hashes: &[u64]) {
+        let p = &mut self.engines[e];
+        for h in hashes {
+            if let Some((_, stamp)) = p.blocks.remove(h) {
+                p.order.remove(&stamp);
+            }
+        }
+    }
+
+    /// Drops engine `e`'s guesses (a gap reset, or it is another process).
     pub(crate) fn drop_engine(&mut self, e: usize) {
         self.engines[e].clear();
     }
@@ -287,6 +305,26 @@ mod tests {
         assert!(a.holds(1, 1, t), "other engines keep theirs");
         a.drop_engine(1);
         assert_eq!(a.entries(1), 0);
+    }
+
+    #[test]
+    fn settled_blocks_are_no_longer_guessed_and_a_recent_guess_is_held_within_a_bound() {
+        let t = t0();
+        let mut a = Approx::new(2, TTL, 100);
+        a.placed(0, &[1, 2, 3], 16, t);
+        a.placed(1, &[1, 2, 3], 16, t);
+        assert!(a.holds_within(0, 1, t + secs(9), secs(10)));
+        assert!(!a.holds_within(0, 1, t + secs(10), secs(10)), "the bound");
+        assert!(a.holds(0, 1, t + secs(10)), "the TTL still holds it");
+        assert!(
+            !a.holds_within(0, 1, t + secs(120), secs(1000)),
+            "never beyond the TTL"
+        );
+        a.settle(0, &[1, 3, 99]);
+        assert!(!a.holds(0, 1, t) && !a.holds(0, 3, t));
+        assert!(a.holds(0, 2, t));
+        assert_eq!(a.entries(0), 1);
+        assert!(a.holds(1, 1, t), "another engine keeps its guesses");
     }
 
     #[test]

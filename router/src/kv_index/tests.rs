@@ -327,8 +327,9 @@ fn approximate_credit_counts_the_configured_share() {
 }
 
 #[test]
-fn an_exact_engine_is_credited_by_its_events_only_and_a_batch_drops_the_guesses() {
+fn an_exact_engine_keeps_a_placements_guess_until_its_own_events_tell_those_blocks() {
     let t = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
+    let s = |x: f64| t + Duration::from_secs_f64(x);
     let mut ix = KvIndex::with(&[true], settings());
     let p = prompt();
     let long: Vec<u32> = (1..=14).collect();
@@ -336,15 +337,75 @@ fn an_exact_engine_is_credited_by_its_events_only_and_a_batch_drops_the_guesses(
     assert_eq!(credit(&ix, 0, &long, t).reason, Reason::Waiting);
     place(&mut ix, 0, &long, t);
     assert_eq!(credit(&ix, 0, &long, t).cached, 12, "waiting: guessed");
-    // Its first batch reports only the first block: exact, and the guesses are dropped.
+    // Its first batch reports only the first block: exact; the guesses of the two blocks it
+    // has not reported stay (their prefill may still be queued), counted as exact.
     ix.apply(0, 0, &batch(vec![stored(&[11], None, &p[..4])]), t);
     let c = credit(&ix, 0, &long, t);
+    assert_eq!((c.reason, c.cached), (Reason::Events, 12));
+    assert_eq!(
+        ix.view(0, t).approx.blocks,
+        2,
+        "the reported block is settled"
+    );
+    // A batch about another prompt settles nothing of this one.
+    ix.apply(
+        0,
+        1,
+        &batch(vec![stored(&[31], None, &[70, 71, 72, 73])]),
+        s(1.0),
+    );
+    assert_eq!(credit(&ix, 0, &long, s(1.0)).cached, 12);
+    // Its own BlockStored of the second block: exact, no longer a guess.
+    ix.apply(
+        0,
+        2,
+        &batch(vec![stored(&[12], Some(11), &p[4..8])]),
+        s(2.0),
+    );
+    assert_eq!(ix.view(0, s(2.0)).approx.blocks, 1);
+    // A placement of blocks the engine reports held guesses only the rest.
+    place(&mut ix, 0, &long, s(2.0));
+    assert_eq!(ix.view(0, s(2.0)).approx.blocks, 1);
+    // The engine evicts the second block: the credit stops at the first (exact wins).
+    ix.apply(0, 3, &batch(vec![removed(&[12])]), s(3.0));
+    let c = credit(&ix, 0, &long, s(3.0));
     assert_eq!((c.reason, c.cached), (Reason::Events, 4));
-    assert_eq!(ix.view(0, t).approx.blocks, 0);
-    // A placement while exact is guessed too, but exact credit ignores the guess.
+}
+
+#[test]
+fn an_exact_engines_guess_lives_kv_pending_s_and_a_gap_or_a_clear_drops_every_guess() {
+    let t = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
+    let s = |x: f64| t + Duration::from_secs_f64(x);
+    let mut ix = KvIndex::with(&[true], settings());
+    let long: Vec<u32> = (1..=14).collect();
+    ix.apply(
+        0,
+        0,
+        &batch(vec![stored(&[31], None, &[70, 71, 72, 73])]),
+        t,
+    );
     place(&mut ix, 0, &long, t);
-    assert_eq!(ix.view(0, t).approx.blocks, 3);
-    assert_eq!(credit(&ix, 0, &long, t).cached, 4);
+    // Batches keep coming (the engine is not stale); the prompt's own never does.
+    ix.apply(0, 1, &batch(vec![]), s(4.0));
+    assert_eq!(credit(&ix, 0, &long, s(9.0)).reason, Reason::Events);
+    assert_eq!(credit(&ix, 0, &long, s(9.9)).cached, 12);
+    let c = credit(&ix, 0, &long, s(10.0));
+    assert_eq!(
+        (c.reason, c.cached),
+        (Reason::Events, 0),
+        "the guess counts serving.kv_pending_s (10 s by default)"
+    );
+    // An unreplayed gap drops every guess.
+    place(&mut ix, 0, &long, s(10.0));
+    assert_eq!(credit(&ix, 0, &long, s(10.0)).cached, 12);
+    assert!(!ix.fill(0, 2, None, 4, &batch(vec![]), s(10.0)));
+    assert_eq!(credit(&ix, 0, &long, s(10.0)).cached, 0);
+    assert_eq!(ix.view(0, s(10.0)).approx.blocks, 0);
+    // So does AllBlocksCleared.
+    place(&mut ix, 0, &long, s(11.0));
+    assert_eq!(credit(&ix, 0, &long, s(11.0)).cached, 12);
+    ix.apply(0, 5, &batch(vec![KvEvent::AllBlocksCleared]), s(11.0));
+    assert_eq!(credit(&ix, 0, &long, s(11.0)).cached, 0);
 }
 
 #[test]
@@ -383,8 +444,8 @@ fn an_engine_whose_events_stop_is_approximate_with_what_it_reported_and_was_plac
         0,
         "what it reported counts for the TTL after its last batch"
     );
-    // Its events resume: exact again, the guesses dropped (the third block it never
-    // reported is not credited).
+    // Its events resume: exact again, every guess dropped (what it stored while its events
+    // were stopped and never reported is not credited: under-credit, never over-credit).
     ix.apply(0, 1, &batch(vec![]), later);
     let c = credit(&ix, 0, &long, later);
     assert_eq!((c.reason, c.cached), (Reason::Events, 8));

@@ -34,6 +34,7 @@ impl Checker<'_> {
                 "kv_events_stale_s",
                 "kv_aware_placement",
                 "kv_approx_ttl_s",
+                "kv_pending_s",
                 "kv_approx_block_size",
                 "kv_approx_credit",
             ],
@@ -62,13 +63,14 @@ impl Checker<'_> {
             max_response_bytes: self.int(&o, "max_response_bytes", 16_777_216, 1, u64::MAX),
             body_read_timeout_s: self.num(&o, "body_read_timeout_s", 30.0, positive),
             max_batch_prompts: self.int(&o, "max_batch_prompts", 64, 1, 4096) as usize,
-            kv_balance_abs_threshold: self.int(&o, "kv_balance_abs_threshold", 32, 0, u64::MAX),
+            kv_balance_abs_threshold: self.int(&o, "kv_balance_abs_threshold", 1000, 0, u64::MAX),
             kv_balance_rel_threshold: self.num(&o, "kv_balance_rel_threshold", 1.5, |x| {
                 (x < 1.0).then_some("must be ≥ 1")
             }),
             kv_events_stale_s: self.num(&o, "kv_events_stale_s", 5.0, positive),
             kv_aware_placement: self.boolean(&o, "kv_aware_placement", true),
             kv_approx_ttl_s: self.num(&o, "kv_approx_ttl_s", 120.0, positive),
+            kv_pending_s: self.num(&o, "kv_pending_s", 10.0, positive),
             kv_approx_block_size: self.int(&o, "kv_approx_block_size", 16, 1, 65_536) as u32,
             kv_approx_credit: self.num(&o, "kv_approx_credit", 1.0, |x| {
                 (!(x > 0.0 && x <= 1.0)).then_some("must be in (0, 1]")

@@ -134,7 +134,7 @@ struct Args {
     #[arg(long = "peer", value_name = "NAME=COMMAND")]
     peers: Vec<String>,
     /// JSON merged over our routers' fleet files (all `ours-*` targets and the standby
-    /// figure's), e.g. `{"serving": {"kv_balance_abs_threshold": 1000}}`.
+    /// figure's), e.g. `{"serving": {"kv_balance_abs_threshold": 32}}`.
     #[arg(long, default_value = "{}")]
     ours_fleet: String,
     /// Seconds of the standby figure's run (0: no standby figure); the primary is killed
