@@ -152,6 +152,10 @@ pub(crate) struct RequestRecord {
     /// The engine's own `usage.prompt_tokens` (summed over a batch's prompts), when every
     /// answer carried usage; null otherwise (a failed request, an engine without usage).
     pub engine_prompt_tokens: Option<u64>,
+    /// The engine's own `usage.prompt_tokens_details.cached_tokens` (summed over a batch's
+    /// prompts), when every answer carried it (vLLM with `--enable-prompt-tokens-details`);
+    /// null otherwise. The engine's count beside [`Self::cached_tokens`], the router's estimate.
+    pub engine_cached_tokens: Option<u64>,
     /// Tokens counted from the decode stream.
     pub output_len: u64,
     /// Arrival → first token, seconds.
@@ -214,6 +218,7 @@ impl RequestRecord {
             "endpoint": self.endpoint,
             "admission_price": self.admission_price,
             "cached_tokens": self.cached_tokens,
+            "engine_cached_tokens": self.engine_cached_tokens,
             "kv_mode": self.kv_mode,
             "input_sized": self.input_len.is_some(),
             "queue_wait_s": self.admission_wait_s,

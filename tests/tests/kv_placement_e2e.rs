@@ -132,6 +132,10 @@ async fn requests_sharing_a_prefix_follow_the_engine_that_holds_it() {
             r["cached_tokens"], 40,
             "the index credits the 10 blocks: {r}"
         );
+        assert!(
+            r["engine_cached_tokens"].is_null(),
+            "an engine without --enable-prompt-tokens-details reports no count: {r}"
+        );
     }
     assert_eq!(
         hits(f.sim(&holder)).await - before.0,
@@ -409,4 +413,58 @@ async fn an_engine_whose_events_stop_is_shown_approximate_then_exact_again() {
     let metrics = router.metrics().await;
     let line = format!("narwhal_kv_index_mode{{iid=\"{muted}\",mode=\"exact\"}} 1");
     assert!(metrics.contains(&line), "{line} in /metrics:\n{metrics}");
+}
+
+/// The journal's `engine_cached_tokens` is the engine's own count of prefix-cache hit tokens
+/// (`usage.prompt_tokens_details.cached_tokens`, written by vLLM under
+/// `--enable-prompt-tokens-details`), beside the router's estimate `cached_tokens`: 0 for a
+/// prompt's first request, then the prefix's 40 tokens on the engine that holds it, for a
+/// whole answer and for a stream whose usage chunk carries it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_journal_records_the_engines_cached_tokens_beside_the_estimate() {
+    let f = Fleet::builder()
+        .decode(2)
+        .kv_events()
+        .sim_args(&["--block-size", "4", "--enable-prompt-tokens-details"])
+        .start()
+        .await;
+    let router = f.router();
+    let prefix = words(0, 40);
+    complete(router, &prefix).await;
+    let first = eventually("the first request's journal row", WAIT, || async {
+        served(router).into_iter().next()
+    })
+    .await;
+    assert_eq!(
+        first["engine_cached_tokens"], 0,
+        "nothing cached yet: {first}"
+    );
+    let holder = first["decode_iid"]
+        .as_str()
+        .expect("decode_iid")
+        .to_string();
+    kv_engine(router, &holder, "the holder's blocks in the index", |e| {
+        e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
+    })
+    .await;
+    complete(router, &format!("{prefix} {}", words(100, 6))).await;
+    let body = json!({"model": "tiny-sim", "prompt": format!("{prefix} {}", words(200, 6)),
+                      "max_tokens": 2, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let r = router
+        .http
+        .post(format!("{}/v1/completions", router.data), &body)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let rows = eventually("three journal rows", WAIT, || async {
+        let r = served(router);
+        (r.len() >= 3).then_some(r)
+    })
+    .await;
+    for r in &rows[1..] {
+        assert_eq!(r["decode_iid"], holder, "{r}");
+        assert_eq!(r["cached_tokens"], 40, "the router's estimate: {r}");
+        assert_eq!(r["engine_cached_tokens"], 40, "the engine's own count: {r}");
+    }
+    assert_eq!(rows[2]["stream"], true, "{}", rows[2]);
 }

@@ -71,11 +71,25 @@ pub(super) struct SubStats {
     pub(super) tpot: Option<f64>,
     /// The engine's own `usage.prompt_tokens`, when its answer carried usage.
     pub(super) prompt_tokens: Option<u64>,
+    /// The engine's own `usage.prompt_tokens_details.cached_tokens` (vLLM with
+    /// `--enable-prompt-tokens-details`), when its answer carried it.
+    pub(super) cached_tokens: Option<u64>,
 }
 
 /// `usage.prompt_tokens` of an engine's usage object.
 fn engine_prompt_tokens(usage: Option<&Value>) -> Option<u64> {
     usage?.get("prompt_tokens")?.as_u64()
+}
+
+/// `usage.prompt_tokens_details.cached_tokens` of an engine's usage object: the prompt tokens
+/// the engine served from its prefix cache (vLLM's `PromptTokenUsageInfo`, written under
+/// `--enable-prompt-tokens-details`; on a P/D decode, the prefill's count). Absent or null:
+/// `None`.
+fn engine_cached_tokens(usage: Option<&Value>) -> Option<u64> {
+    usage?
+        .get("prompt_tokens_details")?
+        .get("cached_tokens")?
+        .as_u64()
 }
 
 pub(super) fn finish_record(pending: &mut Pending, stats: &[SubStats]) {
@@ -85,6 +99,11 @@ pub(super) fn finish_record(pending: &mut Pending, stats: &[SubStats]) {
     rec.engine_prompt_tokens = stats
         .iter()
         .map(|s| s.prompt_tokens)
+        .sum::<Option<u64>>()
+        .filter(|_| !stats.is_empty());
+    rec.engine_cached_tokens = stats
+        .iter()
+        .map(|s| s.cached_tokens)
         .sum::<Option<u64>>()
         .filter(|_| !stats.is_empty());
     let tpots: Vec<f64> = stats.iter().filter_map(|s| s.tpot).collect();
@@ -341,6 +360,7 @@ pub(super) async fn stream_one(
     let one = match out {
         Output::Whole(mut answer) => {
             let prompt_tokens = engine_prompt_tokens(answer.get("usage"));
+            let cached_tokens = engine_cached_tokens(answer.get("usage"));
             let tokens = finish_whole(&mut answer, a, estimate);
             served.track.tokens(tokens);
             let relayed = if sink.deliver_whole(&answer, a.chat, deadline).await {
@@ -357,6 +377,7 @@ pub(super) async fn stream_one(
                     tokens,
                     tpot: None,
                     prompt_tokens,
+                    cached_tokens,
                 },
                 usage: answer["usage"].take(),
                 engine_chunk: None,
@@ -382,6 +403,7 @@ pub(super) async fn stream_one(
                     tokens: live.output_tokens(),
                     tpot: clock.tpot(),
                     prompt_tokens: engine_prompt_tokens(engine_usage.as_ref()),
+                    cached_tokens: engine_cached_tokens(engine_usage.as_ref()),
                 },
                 usage,
                 engine_chunk,
@@ -540,6 +562,7 @@ pub(super) async fn collect_one(
     let (answer, stats) = match out {
         Output::Whole(mut answer) => {
             let prompt_tokens = engine_prompt_tokens(answer.get("usage"));
+            let cached_tokens = engine_cached_tokens(answer.get("usage"));
             let tokens = finish_whole(&mut answer, a, estimate);
             served.track.tokens(tokens);
             if served.decode_ok {
@@ -549,6 +572,7 @@ pub(super) async fn collect_one(
                 tokens,
                 tpot: None,
                 prompt_tokens,
+                cached_tokens,
             };
             (Ok(answer), stats)
         }
@@ -562,12 +586,14 @@ pub(super) async fn collect_one(
                 tokens: live.output_tokens(),
                 tpot: clock.tpot(),
                 prompt_tokens: None,
+                cached_tokens: None,
             };
             let answer = match relayed {
                 Relayed::Done => {
                     let engine_chunk = live.take_usage_chunk();
                     let engine_usage = live.engine_usage(engine_chunk.as_deref());
                     stats.prompt_tokens = engine_prompt_tokens(engine_usage.as_ref());
+                    stats.cached_tokens = engine_cached_tokens(engine_usage.as_ref());
                     let usage = usage_value(engine_usage.as_ref(), estimate, live.tokens());
                     Ok(agg.finish(usage))
                 }

@@ -61,6 +61,9 @@ pub(crate) struct StreamPlan {
     /// Choices (`n`): each position streams one chunk per choice, `index` 0..n, choice `i`
     /// generated with seed `seed + i`; usage sums them.
     pub(crate) n: u32,
+    /// `usage.prompt_tokens_details.cached_tokens` of the usage chunk, when
+    /// `--enable-prompt-tokens-details`.
+    pub(crate) cached_tokens: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -193,6 +196,7 @@ impl TokenStream {
                         &mut self.scratch,
                         self.plan.prompt_tokens,
                         completion,
+                        self.plan.cached_tokens,
                     );
                 }
                 self.scratch.push_str(DONE);
@@ -372,6 +376,7 @@ mod tests {
             cut_after: None,
             fragment: None,
             final_extra: String::new(),
+            cached_tokens: None,
         }
     }
 

@@ -145,6 +145,11 @@ struct Cli {
     /// Turn prefix caching off: no hits, no stored blocks, no KV events.
     #[arg(long, overrides_with = "enable_prefix_caching")]
     no_enable_prefix_caching: bool,
+    /// vLLM's `--enable-prompt-tokens-details`: usage carries `prompt_tokens_details`
+    /// (`cached_tokens`: the prompt tokens served from the prefix cache; `created_cache_tokens`
+    /// and `multimodal_tokens` null), in a whole answer and in the streamed usage chunk.
+    #[arg(long)]
+    enable_prompt_tokens_details: bool,
     /// vLLM's `--api-key` (or `VLLM_API_KEY`): every request whose path starts with `/v1`,
     /// `/v2`, `/inference` or `/cohere` (OPTIONS excepted) needs `Authorization: Bearer <key>`,
     /// else 401 `{"error": "Unauthorized"}`; `/health`, `/metrics`, `/version`, `/tokenize`
@@ -273,6 +278,7 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
         },
         dev_mode: std::env::var("VLLM_SERVER_DEV_MODE").is_ok_and(|v| v == "1"),
         api_key: cli.api_key.clone(),
+        prompt_tokens_details: cli.enable_prompt_tokens_details,
     };
     let events_cfg = match &cli.kv_events_config {
         Some(text) => kv_events::KvEventsConfig::parse(text).map_err(StartError::KvEvents)?,

@@ -613,15 +613,36 @@ impl ChunkFormat {
         self.first_sent = true;
     }
 
-    /// The final usage chunk (`choices: []`), sent when `stream_options.include_usage`.
-    pub(crate) fn usage_chunk(&self, out: &mut String, prompt: u64, completion: u64) {
+    /// The final usage chunk (`choices: []`), sent when `stream_options.include_usage`;
+    /// with `cached` (`--enable-prompt-tokens-details`), its `prompt_tokens_details`.
+    pub(crate) fn usage_chunk(
+        &self,
+        out: &mut String,
+        prompt: u64,
+        completion: u64,
+        cached: Option<u64>,
+    ) {
         out.push_str(&self.head_no_choices);
         let _ = write!(
             out,
-            ",\"choices\":[],\"usage\":{{\"prompt_tokens\":{prompt},\"completion_tokens\":{completion},\"total_tokens\":{}}}}}\n\n",
+            ",\"choices\":[],\"usage\":{{\"prompt_tokens\":{prompt},\"completion_tokens\":{completion},\"total_tokens\":{}",
             prompt + completion
         );
+        if let Some(c) = cached {
+            let _ = write!(
+                out,
+                ",\"prompt_tokens_details\":{}",
+                prompt_tokens_details(c)
+            );
+        }
+        out.push_str("}}\n\n");
     }
+}
+
+/// vLLM's `PromptTokenUsageInfo` as it serializes it: `cached_tokens`, and the two fields it
+/// leaves null for a text prompt.
+fn prompt_tokens_details(cached: u64) -> Value {
+    json!({"cached_tokens": cached, "created_cache_tokens": null, "multimodal_tokens": null})
 }
 
 /// Stream terminator.
@@ -647,13 +668,17 @@ pub(crate) fn full_response(
     prompt: &[u32],
     return_token_ids: bool,
     kv_transfer_params: Option<Value>,
+    cached_tokens: Option<u64>,
 ) -> Value {
     let completion: usize = choices.iter().map(|(_, ids)| ids.len()).sum();
-    let usage = json!({
+    let mut usage = json!({
         "prompt_tokens": prompt.len(),
         "completion_tokens": completion,
         "total_tokens": prompt.len() + completion,
     });
+    if let Some(c) = cached_tokens {
+        usage["prompt_tokens_details"] = prompt_tokens_details(c);
+    }
     let choices: Vec<Value> = choices
         .iter()
         .enumerate()
@@ -804,7 +829,8 @@ mod tests {
         let mut s = String::new();
         f.role_chunk(&mut s);
         f.token_chunk(&mut s, 42, true, "");
-        f.usage_chunk(&mut s, 2, 1);
+        f.usage_chunk(&mut s, 2, 1, None);
+        f.usage_chunk(&mut s, 2, 1, Some(16));
         let frames: Vec<Value> = s
             .split("\n\n")
             .filter(|l| !l.is_empty())
@@ -818,6 +844,12 @@ mod tests {
         assert_eq!(frames[1]["choices"][0]["finish_reason"], "length");
         assert_eq!(frames[2]["choices"], json!([]));
         assert_eq!(frames[2]["usage"]["total_tokens"], 3);
+        assert!(frames[2]["usage"].get("prompt_tokens_details").is_none());
+        assert_eq!(
+            frames[3]["usage"]["prompt_tokens_details"],
+            json!({"cached_tokens": 16, "created_cache_tokens": null, "multimodal_tokens": null})
+        );
+        assert_eq!(frames[3]["usage"]["total_tokens"], 3);
 
         let mut f = ChunkFormat::new(Kind::Completion, "cmpl-1", "m", 5, true, &[9]);
         let mut s = String::new();

@@ -148,6 +148,8 @@ pub(crate) struct Settings {
     pub(crate) dev_mode: bool,
     /// `--api-key`: the bearer token [`unauthorized`] requires on the guarded paths.
     pub(crate) api_key: Option<String>,
+    /// `--enable-prompt-tokens-details`: usage carries `prompt_tokens_details`.
+    pub(crate) prompt_tokens_details: bool,
 }
 
 /// The path prefixes vLLM's `--api-key` guards (its `AuthenticationMiddleware`; everything
@@ -806,6 +808,10 @@ struct Answer<'a> {
     kv_params: Option<Value>,
     fragment: Option<usize>,
     cut: Option<u32>,
+    /// `usage.prompt_tokens_details.cached_tokens` (with `--enable-prompt-tokens-details`):
+    /// this engine's prefix-cache hit tokens. (vLLM's P/D decode reports the prefill's count,
+    /// `remote_prefill_cached_tokens`; the simulator reports its own lookup there too.)
+    cached_tokens: Option<u64>,
 }
 
 fn respond(sim: &Sim, mut tracker: Tracker, a: Answer<'_>) -> Response<SimBody> {
@@ -837,6 +843,7 @@ fn respond(sim: &Sim, mut tracker: Tracker, a: Answer<'_>) -> Response<SimBody> 
             fragment: a.fragment,
             final_extra,
             n: p.n,
+            cached_tokens: a.cached_tokens,
         };
         let stream = TokenStream::new(plan, tracker, sim.stats.clone());
         return sse_response(SimBody::Stream(Box::new(stream)));
@@ -863,6 +870,7 @@ fn respond(sim: &Sim, mut tracker: Tracker, a: Answer<'_>) -> Response<SimBody> 
         &p.prompt,
         p.return_token_ids,
         a.kv_params,
+        a.cached_tokens,
     );
     tracker.finish(Outcome::Ok, 200, generated);
     json_bytes(200, serde_json::to_vec(&v).unwrap_or_default(), a.fragment)
@@ -1021,6 +1029,10 @@ async fn completion(
         kv_params: None,
         fragment,
         cut,
+        cached_tokens: sim
+            .cfg
+            .prompt_tokens_details
+            .then_some(lookup.hit_tokens as u64),
     };
     let payload = || KvPayload {
         prompt_hash,
