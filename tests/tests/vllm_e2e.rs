@@ -32,8 +32,8 @@
 //!
 //! Built ignored unless `NARWHAL_VLLM=1` (`tests/build.rs`): the stage needs a 6.7 GB venv and
 //! minutes of CPU per engine start, so `cargo test --workspace` lists these two as ignored and
-//! `.ci/run` runs them as their own stage, `NARWHAL_VLLM=1 cargo test -p narwhal-testkit --test
-//! vllm_e2e` (the README's test command runs both). The venv is built on demand by
+//! they run as a stage of their own, by hand for now (not yet in `.ci/run`; docs/testing.md),
+//! `NARWHAL_VLLM=1 cargo test -p narwhal-testkit --test vllm_e2e`. The venv is built on demand by
 //! `tests/python/ensure-vllm-venv.sh` (or named by `NARWHAL_VLLM_VENV`).
 
 use std::io::Write as _;
@@ -522,7 +522,7 @@ fn long_prompt(seed: usize, words: usize) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[cfg_attr(
     not(narwhal_vllm),
-    ignore = "the real-vLLM stage: NARWHAL_VLLM=1 (.ci/run runs it)"
+    ignore = "the real-vLLM stage: NARWHAL_VLLM=1, by hand (docs/testing.md)"
 )]
 async fn aggregated_fleet_on_real_vllm() {
     let _stage = STAGE.lock().await;
@@ -750,7 +750,7 @@ async fn aggregated_fleet_on_real_vllm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[cfg_attr(
     not(narwhal_vllm),
-    ignore = "the real-vLLM stage: NARWHAL_VLLM=1 (.ci/run runs it)"
+    ignore = "the real-vLLM stage: NARWHAL_VLLM=1, by hand (docs/testing.md)"
 )]
 async fn pd_over_nixl_and_readmission_through_agents() {
     let _stage = STAGE.lock().await;
