@@ -449,16 +449,27 @@ fn by_choice(events: Vec<Value>) -> std::collections::BTreeMap<i64, Value> {
     out
 }
 
-/// Folds chunk `b` into `a`: strings and arrays appended, objects key by key, `null` ignored,
-/// anything else the latest.
+/// Folds chunk `b` into `a`: the streamed text (`text`, `content`, `reasoning_content`) and
+/// arrays appended, objects key by key, `null` ignored, anything else (`object`, `model`, a
+/// finish reason) the latest: every chunk repeats those, so appending them made two streams cut
+/// into different numbers of chunks differ.
 fn fold(a: &mut Value, b: Value) {
+    fold_key("", a, b);
+}
+
+fn fold_key(key: &str, a: &mut Value, b: Value) {
     match (a, b) {
         (_, Value::Null) => {}
-        (Value::String(x), Value::String(y)) => x.push_str(&y),
+        (Value::String(x), Value::String(y))
+            if matches!(key, "text" | "content" | "reasoning_content") =>
+        {
+            x.push_str(&y);
+        }
         (Value::Array(x), Value::Array(y)) => x.extend(y),
         (Value::Object(x), Value::Object(y)) => {
             for (k, v) in y {
-                fold(x.entry(k).or_insert(Value::Null), v);
+                let slot = x.entry(k.clone()).or_insert(Value::Null);
+                fold_key(&k, slot, v);
             }
         }
         (a, b) => *a = b,
