@@ -201,7 +201,7 @@ pub trait EnginePlugin: Send + Sync {
 
     /// Consumer half: a streamed decode using `kv` (`None`: a local decode without transfer),
     /// tagged with `request_id` (vLLM `x-request-id`, SGLang `rid`); `tokens` counts
-    /// token-bearing SSE chunks.
+    /// the generated tokens (the engine's streamed usage, else token-bearing SSE chunks).
     fn consume<'a>(
         &'a self,
         ctx: &'a EngineCtx,
@@ -351,8 +351,11 @@ pub(crate) async fn served_models(ctx: &EngineCtx) -> Result<Vec<String>, Engine
         .collect())
 }
 
-/// Streams `POST path` with `body` and counts token-bearing SSE chunks until `[DONE]`; an
-/// in-stream `{"error": ...}` frame (vLLM reports transfer failures after a 200) fails the leg.
+/// Streams `POST path` with `body` and counts the generated tokens until `[DONE]`: the engine's
+/// `usage.completion_tokens` when `body` asked for it (`stream_options.include_usage`, which
+/// every consume leg does), else token-bearing SSE chunks ([`sse::SseTokens::generated`]). An
+/// in-stream `{"error": ...}` frame (vLLM reports transfer failures after a 200) fails the leg,
+/// and so does a stream that generated nothing.
 pub(crate) async fn stream_tokens(
     ctx: &EngineCtx,
     path: &str,
@@ -403,23 +406,27 @@ pub(crate) async fn stream_tokens(
         }
     }
     let latency_s = elapsed(ctx);
+    let generated = parser.generated();
     if let Some(error) = parser.error {
         return LegResult {
             ok: false,
-            tokens: parser.tokens,
+            tokens: generated,
             latency_s,
             error: Some(error),
         };
     }
-    if parser.tokens == 0 {
+    let tokens = generated;
+    if tokens == 0 {
         return failed(
             latency_s,
-            "stream ended without a token-bearing chunk".into(),
+            "stream ended without a generated token (no token-bearing chunk, no \
+             usage.completion_tokens)"
+                .into(),
         );
     }
     LegResult {
         ok: true,
-        tokens: parser.tokens,
+        tokens,
         latency_s,
         error: None,
     }

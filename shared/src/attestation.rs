@@ -215,7 +215,8 @@ pub struct KvConsumePayload {
     pub model: String,
     /// The router's check id, echoed.
     pub check_id: String,
-    /// The decode leg; `tokens` = token-bearing chunks decoded after the transfer.
+    /// The decode leg; `tokens` = tokens decoded after the transfer (the engine's streamed
+    /// `usage.completion_tokens`, else token-bearing chunks).
     pub result: LegResult,
     /// Transfer evidence read from the consuming engine.
     pub transfer: TransferEvidence,

@@ -204,7 +204,7 @@ impl EnginePlugin for SglangPlugin {
         Box::pin(async move {
             let mut body = json!({"model": model, "prompt": check_prompt(check_id),
                 "max_tokens": 2, "temperature": 0.0, "stream": true,
-                "rid": request_id});
+                "stream_options": {"include_usage": true}, "rid": request_id});
             if let Some(kv) = kv {
                 let (host, port, room) = match rendezvous(kv) {
                     Ok(r) => r,

@@ -1,5 +1,11 @@
-//! Minimal SSE reader for OpenAI completion streams: counts token-bearing chunks, notices
-//! `[DONE]` and in-stream error frames (`data: {"error": {...}}`).
+//! Minimal SSE reader for OpenAI completion streams: counts token-bearing chunks, reads the
+//! engine's own `usage.completion_tokens` (requested with `stream_options.include_usage`),
+//! notices `[DONE]` and in-stream error frames (`data: {"error": {...}}`).
+//!
+//! Text alone is not evidence enough that tokens were generated: an engine's incremental
+//! detokenizer holds back a token that ends inside a multi-byte UTF-8 character (vLLM's
+//! `IncrementalDetokenizer` emits `""` for it), so a short stream of real tokens can carry no
+//! text at all. [`SseTokens::generated`] therefore prefers the engine's usage count.
 
 use serde_json::Value;
 
@@ -8,6 +14,8 @@ pub(crate) struct SseTokens {
     buf: Vec<u8>,
     /// Chunks whose `choices[*]` carried text, delta content or token ids.
     pub(crate) tokens: u64,
+    /// The engine's `usage.completion_tokens`, from the last chunk that carried a usage object.
+    pub(crate) usage_completion_tokens: Option<u64>,
     /// `data: [DONE]` seen.
     pub(crate) done: bool,
     /// First error frame's message.
@@ -45,6 +53,12 @@ impl SseTokens {
                 .get_or_insert(format!("engine stream error: {msg}"));
             return;
         }
+        if let Some(n) = v
+            .pointer("/usage/completion_tokens")
+            .and_then(Value::as_u64)
+        {
+            self.usage_completion_tokens = Some(n);
+        }
         let carries_token = v
             .get("choices")
             .and_then(Value::as_array)
@@ -69,6 +83,13 @@ impl SseTokens {
             self.tokens += 1;
         }
     }
+
+    /// Tokens the engine generated: its own `usage.completion_tokens` when it sent one, else
+    /// the count of token-bearing chunks (an engine that ignores `stream_options`).
+    pub(crate) fn generated(&self) -> u64 {
+        self.usage_completion_tokens
+            .map_or(self.tokens, |n| n.max(self.tokens))
+    }
 }
 
 #[cfg(test)]
@@ -83,6 +104,22 @@ mod tests {
         assert_eq!(p.tokens, 2);
         assert!(p.done);
         assert!(p.error.is_none());
+    }
+
+    /// Two real tokens that end inside one UTF-8 character: vLLM streams them with empty
+    /// text, then its usage chunk counts them.
+    #[test]
+    fn tokens_without_text_are_counted_from_the_engines_usage() {
+        let mut p = SseTokens::default();
+        p.feed(b"data: {\"choices\":[{\"index\":0,\"text\":\"\",\"finish_reason\":null}],\"usage\":null}\n\n");
+        p.feed(b"data: {\"choices\":[{\"index\":0,\"text\":\"\",\"finish_reason\":\"length\"}],\"usage\":null}\n\n");
+        p.feed(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":2,\"total_tokens\":11}}\n\ndata: [DONE]\n\n");
+        assert_eq!(p.tokens, 0, "no chunk carried text");
+        assert_eq!(p.generated(), 2);
+        assert!(p.done);
+        let mut q = SseTokens::default();
+        q.feed(b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: [DONE]\n\n");
+        assert_eq!(q.generated(), 1, "without usage, the token-bearing chunks");
     }
 
     #[test]

@@ -128,7 +128,8 @@ impl EnginePlugin for VllmPlugin {
     ) -> BoxFuture<'a, LegResult> {
         Box::pin(async move {
             let mut body = json!({"model": model, "prompt": check_prompt(check_id),
-                "max_tokens": 2, "temperature": 0.0, "stream": true});
+                "max_tokens": 2, "temperature": 0.0, "stream": true,
+                "stream_options": {"include_usage": true}});
             if let Some(kv) = kv {
                 if let Err(e) = descriptor(&json!({"kv_transfer_params": kv})) {
                     return failed(0.0, format!("bad descriptor: {e}"));
