@@ -11,7 +11,7 @@
 //!
 //! The real-vLLM stage (`tests/tests/vllm_e2e.rs`) is the other way round: built ignored unless
 //! `NARWHAL_VLLM=1` sets the cfg `narwhal_vllm`, so `cargo test --workspace` does not spend the
-//! stage's minutes and 6.7 GB; it runs by hand with the variable set (docs/testing.md).
+//! stage's minutes and 6.7 GB; `.ci/run` runs it as its own stage with the variable set.
 
 fn set(k: &str) -> bool {
     std::env::var(k).is_ok_and(|v| !v.is_empty() && v != "0" && v != "false")

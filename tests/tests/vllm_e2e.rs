@@ -32,8 +32,8 @@
 //!
 //! Built ignored unless `NARWHAL_VLLM=1` (`tests/build.rs`): the stage needs a 6.7 GB venv and
 //! minutes of CPU per engine start, so `cargo test --workspace` lists these two as ignored and
-//! they run as a stage of their own, by hand for now (not yet in `.ci/run`; docs/testing.md),
-//! `NARWHAL_VLLM=1 cargo test -p narwhal-testkit --test vllm_e2e`. The venv is built on demand by
+//! `.ci/run` runs them as their own stage, `NARWHAL_VLLM=1 cargo test -p narwhal-testkit --test
+//! vllm_e2e` (the README's test command runs both). The venv is built on demand by
 //! `tests/python/ensure-vllm-venv.sh` (or named by `NARWHAL_VLLM_VENV`).
 
 use std::io::Write as _;
@@ -533,7 +533,7 @@ fn long_prompt(seed: usize, words: usize) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[cfg_attr(
     not(narwhal_vllm),
-    ignore = "the real-vLLM stage: NARWHAL_VLLM=1, by hand (docs/testing.md)"
+    ignore = "the real-vLLM stage: NARWHAL_VLLM=1 (.ci/run runs it)"
 )]
 async fn aggregated_fleet_on_real_vllm() {
     let _stage = STAGE.lock().await;
@@ -673,6 +673,48 @@ async fn aggregated_fleet_on_real_vllm() {
         routed["error"]["message"], own["error"]["message"],
         "{routed} / {own}"
     );
+    // vLLM's own request validation: its 400, its words, through the router.
+    let refused: [(&str, &str, Value); 4] = [
+        (
+            "logprobs over vLLM's max_logprobs",
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 2, "logprobs": 30}),
+        ),
+        (
+            "a negative temperature",
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 2, "temperature": -1}),
+        ),
+        (
+            "top_p above 1",
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 2, "top_p": 7}),
+        ),
+        (
+            "chat top_logprobs over vLLM's max_logprobs",
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "a"}], "max_tokens": 2,
+                   "logprobs": true, "top_logprobs": 30}),
+        ),
+    ];
+    for (what, path, mut body) in refused {
+        body["model"] = json!(MODEL);
+        let (s1, routed) = post(&r.data, path, &body).await;
+        let (s2, own) = post(&direct, path, &body).await;
+        assert_eq!((s1, s2), (400, 400), "{what}: {routed} / {own}");
+        assert_eq!(
+            routed["error"]["message"], own["error"]["message"],
+            "{what}: the engine's words reach the client"
+        );
+    }
+    // A model this fleet does not serve: the router refuses it itself, with vLLM's status.
+    let other = json!({"model": "nope", "prompt": "a", "max_tokens": 2});
+    let (s1, routed) = post(&r.data, "/v1/completions", &other).await;
+    let (s2, own) = post(&direct, "/v1/completions", &other).await;
+    assert_eq!((s1, s2), (404, 404), "{routed} / {own}");
+
+    // A client that disconnects mid-stream: the engine aborts the request.
+    disconnect_aborts(&r, &engines).await;
 
     // (d) KV events: prefix A stored on e0 and prefix B on e1, each by a request sent to that
     // engine directly, so the router knows them only from the engines' BlockStored events.
@@ -753,15 +795,116 @@ async fn aggregated_fleet_on_real_vllm() {
         "{}",
         state["kv_index"]
     );
+
+    // An unplanned `kill -9` of e1 (no drain): every request is still served, by e0; e1 is
+    // ejected; once a new e1 serves on the same port it is readmitted by the breaker's probe,
+    // holding none of what the old process's events stored.
+    let resets = state["kv_index"]["engines"]["e1"]["resets"]
+        .as_u64()
+        .unwrap_or(0);
+    engines[1].stop();
+    let served = std::sync::atomic::AtomicU64::new(0);
+    let ejected = wait_until(Duration::from_secs(60), || async {
+        let n = served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (s, v) = post(
+            &r.data,
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": format!("outage {n}"), "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(s, 200, "request {n} while e1 is down: {v}");
+        let st = r.state_json().await;
+        (st["ejected"] == json!(["e1"])).then_some(())
+    })
+    .await;
+    let served = served.into_inner();
+    assert!(
+        ejected.is_some(),
+        "e1 never ejected after kill -9: {}",
+        r.state_json().await
+    );
+    engines[1].start();
+    let load_s = engines[1].healthy().await;
+    let back = wait_until(Duration::from_secs(120), || async {
+        let st = r.state_json().await;
+        (st["ejected"] == json!([])).then_some(st)
+    })
+    .await;
+    let Some(back) = back else {
+        panic!("e1 never readmitted: {}", r.state_json().await)
+    };
+    let e1 = &back["kv_index"]["engines"]["e1"];
+    eprintln!(
+        "vllm_e2e: kill -9 of e1: {served} requests served meanwhile; new e1 serving after \
+         {load_s:.0} s; its index after readmission: {e1}"
+    );
+    assert!(
+        e1["resets"].as_u64().unwrap_or(0) > resets,
+        "the old process's entries were dropped for the new process: {e1}"
+    );
+    let (s, v) = post(
+        &engines[1].url,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "direct to the new e1", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
     drop(r);
     drop(engines);
+}
+
+/// Opens a routed stream of 1,000 tokens (`ignore_eos`), reads its first chunk and drops the
+/// connection; then the engines run nothing and generated fewer than the 1,000 tokens (a
+/// request the router did not cancel runs to its end). vLLM's `finished_reason="abort"` count
+/// is printed beside.
+async fn disconnect_aborts(r: &RouterHandle, engines: &[Vllm]) {
+    const WANTED: f64 = 1000.0;
+    let sum = |name: &'static str, labels: &'static [&'static str]| async move {
+        engines[0].metric(name, labels).await + engines[1].metric(name, labels).await
+    };
+    let generated = || sum("vllm:generation_tokens_total", &[]);
+    let aborted = || sum("vllm:request_success_total", &["finished_reason=\"abort\""]);
+    let (gen_before, aborted_before) = (generated().await, aborted().await);
+    let mut resp = client()
+        .post(format!("{}/v1/completions", r.data))
+        .json(
+            &json!({"model": MODEL, "prompt": "a long answer", "max_tokens": WANTED as u64,
+                      "temperature": 0, "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .expect("stream");
+    assert_eq!(resp.status(), 200);
+    let first = resp.chunk().await.expect("first chunk");
+    assert!(first.is_some(), "the stream ended before its first chunk");
+    drop(resp);
+    let idle = wait_until(Duration::from_secs(60), || async {
+        (sum("vllm:num_requests_running", &[]).await == 0.0).then_some(())
+    })
+    .await;
+    assert!(
+        idle.is_some(),
+        "the engines still run the abandoned request"
+    );
+    let (made, aborts) = (
+        generated().await - gen_before,
+        aborted().await - aborted_before,
+    );
+    eprintln!(
+        "vllm_e2e: client disconnect: the engines generated {made} of {WANTED} tokens, \
+         finished_reason=\"abort\" +{aborts}"
+    );
+    assert!(
+        made < WANTED,
+        "the request ran to its end ({made} tokens) after the client went away"
+    );
 }
 
 /// (c) P/D over NIXL with fixed roles and (b) the lifecycle's readmission through the agents.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[cfg_attr(
     not(narwhal_vllm),
-    ignore = "the real-vLLM stage: NARWHAL_VLLM=1, by hand (docs/testing.md)"
+    ignore = "the real-vLLM stage: NARWHAL_VLLM=1 (.ci/run runs it)"
 )]
 async fn pd_over_nixl_and_readmission_through_agents() {
     let _stage = STAGE.lock().await;
@@ -918,6 +1061,14 @@ async fn pd_over_nixl_and_readmission_through_agents() {
     );
     // Back in placement: a split request transfers again.
     transfer("after readmission", 6, &p0, &d0, &r).await;
+
+    // `cancel-drain`: a drained prefill taken back before any restart keeps its process (no
+    // readmission checks) and is placed again.
+    r.drain_to_complete("p0").await;
+    let (status, doc) = r.cancel_drain(&json!({"engines": ["p0"]})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    r.engine_state_until("p0", "active").await;
+    transfer("after cancel-drain", 7, &p0, &d0, &r).await;
     drop(r);
     drop((h0, h1));
     drop((p0, d0));
