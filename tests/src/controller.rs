@@ -70,8 +70,20 @@ pub fn unique_token_prompt(n: usize, k: u64) -> Value {
     p
 }
 
+/// [`token_prompt`] whose last token is request `k`'s own: every such prompt of `n` tokens
+/// shares its first `n − 1` with the others, so an engine that computed one holds the rest's
+/// prefix (a shared-prefix stream served from cache).
+pub fn shared_prefix_prompt(n: usize, k: u64) -> Value {
+    let mut p = token_prompt(n);
+    if let Some(last) = p.as_array_mut().and_then(|a| a.last_mut()) {
+        *last = Value::from(1000 + k % 30_000);
+    }
+    p
+}
+
 /// One load shape: `rate` requests per second of `input` prompt tokens, each asking
-/// `max_tokens` (none: the engine's default).
+/// `max_tokens` (none: the engine's default); prompts share no block
+/// ([`unique_token_prompt`]) unless `shared_prefix` ([`shared_prefix_prompt`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Shape {
     /// Requests per second.
@@ -80,15 +92,27 @@ pub struct Shape {
     pub input: usize,
     /// `max_tokens`, if any.
     pub max_tokens: Option<u32>,
+    /// Whether the prompts share all but their last token.
+    pub shared_prefix: bool,
 }
 
 impl Shape {
-    /// `rate` requests per second of `input`-token prompts asking `max_tokens`.
+    /// `rate` requests per second of `input`-token prompts asking `max_tokens`, no two
+    /// sharing a block.
     pub const fn new(rate: f64, input: usize, max_tokens: Option<u32>) -> Shape {
         Shape {
             rate,
             input,
             max_tokens,
+            shared_prefix: false,
+        }
+    }
+
+    /// The same shape with prompts that share all but their last token.
+    pub const fn with_shared_prefix(self) -> Shape {
+        Shape {
+            shared_prefix: true,
+            ..self
         }
     }
 }
@@ -106,7 +130,7 @@ pub struct LoadStats {
 
 /// A paced open-loop load against a router's data listener: one request task per tick,
 /// so a slow request never delays the next; no two requests share a prompt prefix
-/// ([`unique_token_prompt`]).
+/// ([`unique_token_prompt`]) unless the shape says so ([`Shape::shared_prefix`]).
 pub struct Load {
     stop: Arc<AtomicBool>,
     /// Counters.
@@ -138,7 +162,11 @@ impl Load {
             while !s.load(Ordering::Relaxed) {
                 tick.tick().await;
                 let k = st.sent.load(Ordering::Relaxed);
-                let prompt = unique_token_prompt(shape.input, k);
+                let prompt = if shape.shared_prefix {
+                    shared_prefix_prompt(shape.input, k)
+                } else {
+                    unique_token_prompt(shape.input, k)
+                };
                 let mut body = json!({"model": "tiny-sim", "prompt": prompt});
                 if let Some(m) = shape.max_tokens {
                     body["max_tokens"] = json!(m);

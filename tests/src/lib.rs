@@ -66,7 +66,7 @@ pub use agent::{
 pub use agent_calls::{client_as, get_text, post_json};
 pub use controller::{
     HeldStream, Load, LoadStats, Shape, controller_fleet, fast_controller_sections,
-    fixture_profile, token_prompt, unique_token_prompt,
+    fixture_profile, shared_prefix_prompt, token_prompt, unique_token_prompt,
 };
 pub use devup::{DevUp, UP_TIMEOUT};
 pub use etcd::{Etcd, free_port};

@@ -11,13 +11,18 @@
 //!  fleet.kill_and_eject("e2").await;           // eject_after 1
 //! ```
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::controller::{Load, Shape, token_prompt};
+use crate::controller::{Load, Shape, token_prompt, unique_token_prompt};
 use crate::fleet::{Fleet, FleetBuilder};
 use crate::router::RouterHandle;
+
+/// Prompts [`RouterHandle::burst`] has sent (numbers them apart from a [`Load`]'s, which
+/// count from 0).
+static BURST_PROMPTS: AtomicU64 = AtomicU64::new(20_000);
 
 /// L1 of section 14: 2 req/s of 500-token prompts with `max_tokens` 50.
 pub const L1: Shape = Shape::new(2.0, 500, Some(50));
@@ -96,7 +101,10 @@ impl RouterHandle {
 
     /// Posts `n` completions of `input`-token prompts asking `max_tokens`, all at once, each
     /// from its own task; each task answers `(status, x-request-id)` (`(0, "")` when the
-    /// request failed). Abort the tasks to abandon requests held on an engine.
+    /// request failed). Abort the tasks to abandon requests held on an engine. No two prompts
+    /// of this process's bursts share a block ([`unique_token_prompt`]): each prefill is cold,
+    /// as section 14 prices them (a burst of one prompt would be priced at its uncached
+    /// tokens after the first, controller.md 3.5).
     pub fn burst(
         &self,
         n: usize,
@@ -107,7 +115,8 @@ impl RouterHandle {
         (0..n)
             .map(|_| {
                 let (client, url) = (self.http.client().clone(), url.clone());
-                let body = json!({"model": "tiny-sim", "prompt": token_prompt(input),
+                let k = BURST_PROMPTS.fetch_add(1, Ordering::Relaxed);
+                let body = json!({"model": "tiny-sim", "prompt": unique_token_prompt(input, k),
                                   "max_tokens": max_tokens});
                 tokio::spawn(async move {
                     match client.post(url).json(&body).send().await {

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use narwhal_testkit::{
     DECIDE, L1, L2, Load, ONE_P_THREE_D, Shape, controller_fleet, decided, metric, pools,
-    reason_of, token_prompt,
+    reason_of, token_prompt, unique_token_prompt,
 };
 use serde_json::{Value, json};
 
@@ -151,8 +151,12 @@ async fn s12_predictive_admission_refuses_what_cannot_make_its_ttft() {
             s["resident"]["e0"]["prefill"] == 3
         })
         .await;
-        let small = json!({"model": "tiny-sim", "prompt": token_prompt(100), "max_tokens": 4});
-        let big = json!({"model": "tiny-sim", "prompt": token_prompt(3200), "max_tokens": 4});
+        // Prompts sharing no block with the backlog's or each other's: priced cold
+        // (controller.md 3.5 prices a cached prefix at its uncached tokens).
+        let small =
+            json!({"model": "tiny-sim", "prompt": unique_token_prompt(100, 1), "max_tokens": 4});
+        let big =
+            json!({"model": "tiny-sim", "prompt": unique_token_prompt(3200, 2), "max_tokens": 4});
         let a = r.post_data("/v1/completions", &small).await;
         let b = r.post_data("/v1/completions", &big).await;
         let s = r.state_json().await;
@@ -773,6 +777,46 @@ async fn s9_no_adjacent_split_and_too_little_demand_hold() {
         ds.iter()
             .all(|d| d["reason"] == "insufficient demand history"),
         "{ds:#?}"
+    );
+}
+
+/// controller.md 3.5: L1's rate and prompt length (which S1 consolidates on within about
+/// `evidence_span_s`), but every prompt shares all but its last token with the others, so the
+/// prefill engine holds the prefix after the first request and the KV index (approximate here:
+/// the simulators publish no KV events) credits each later placement with 496 of its 500 tokens.
+/// Priced at uncached tokens the stream is about 0.03 engines of prefill: through 28
+/// evaluations, well past where S1 moved, nothing flips, and the prefill work shown stays far
+/// below S1's 1.02. (Priced by prompt length, the same stream flipped e1 at the evidence
+/// window's close, as in S1.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_prefix_stream_served_from_cache_does_not_consolidate() {
+    let (fleet, load) = controller_fleet(&ONE_P_THREE_D)
+        .start_loaded(L1.with_shared_prefix())
+        .await;
+    let r = fleet.router();
+    let ds = r.decisions_at_least(28, Duration::from_secs(60)).await;
+    let s = r.state_json().await;
+    let stats = load.stop().await;
+    let applied: Vec<&Value> = ds.iter().filter(|d| d["result"] == "applied").collect();
+    assert!(applied.is_empty(), "no flip: {applied:#?}");
+    assert_eq!(s["flips"], json!([]), "{}", s["flips"]);
+    assert_eq!(pools(&s, "prefill"), ["e0"]);
+    // Once the evidence window could have closed (S1's first move), the window demand is the
+    // uncached tokens': about 0.03 engines, not S1's 1.02.
+    let late: Vec<f64> = ds[14..]
+        .iter()
+        .filter_map(|d| d["prefill_work"].as_f64())
+        .collect();
+    assert!(!late.is_empty(), "{ds:#?}");
+    assert!(late.iter().all(|w| *w < 0.25), "{late:?}");
+    let credited = s["demand_history"]["cache_credit"]["observations"]
+        .as_u64()
+        .unwrap_or(0);
+    let sent = stats.sent.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        credited >= 20,
+        "placements credited: {credited} of {sent} sent; {}",
+        s["demand_history"]
     );
 }
 

@@ -25,8 +25,12 @@ pub(crate) struct Req {
     pub(crate) rid: String,
     /// Arrival (monotonic).
     pub(crate) arrived: Instant,
-    /// Sized prompt tokens (0 before sizing).
+    /// Sized prompt tokens (0 before sizing): the request's size wherever a size is meant
+    /// (the decode's KV, pending decode shapes, learned outputs).
     pub(crate) input: u64,
+    /// The engine of the latest placement and the prompt tokens the KV index credits it
+    /// with there (controller.md 3.5); `None` before placement or without a KV score.
+    cached: Option<(usize, u64)>,
     /// `max_completion_tokens`/`max_tokens` (0 = not given).
     pub(crate) wanted: u64,
     /// Prefill leg's engine while resident there.
@@ -41,8 +45,21 @@ pub(crate) struct Req {
     pub(crate) delivered: u64,
     /// When the prefill leg started on `prefill_on`.
     prefill_at: Option<Instant>,
-    /// The profile price of its prefill on `prefill_on`, seconds.
+    /// The profile price of its prefill on `prefill_on` (of its uncached tokens there),
+    /// seconds.
     prefill_price: f64,
+}
+
+impl Req {
+    /// Prompt tokens engine `iid` computes for this request's prefill (controller.md 3.5):
+    /// `input − cached` when the latest placement credited `iid` with `cached` tokens,
+    /// never below 0; the whole prompt otherwise.
+    pub(crate) fn uncached_on(&self, iid: usize) -> u64 {
+        match self.cached {
+            Some((e, cached)) if e == iid => self.input.saturating_sub(cached),
+            _ => self.input,
+        }
+    }
 }
 
 /// One engine's decode timing over the current interval and the last published one.
@@ -138,6 +155,7 @@ impl Book {
                 rid: rid.to_string(),
                 arrived: now,
                 input: 0,
+                cached: None,
                 wanted: 0,
                 prefill_on: None,
                 decode_on: None,
@@ -188,6 +206,16 @@ impl Book {
         if let Some(r) = self.reqs.get_mut(&id) {
             r.input = input;
             r.wanted = wanted;
+        }
+    }
+
+    /// The request was placed on engine `iid`, whose prefix cache the KV index credits with
+    /// `cached` of its prompt tokens (`None`: no KV score, the whole prompt is computed).
+    /// Replaces an earlier attempt's placement; its prefill there is priced by
+    /// [`Req::uncached_on`] from its dispatch on.
+    pub(crate) fn placed(&mut self, id: u64, iid: usize, cached: Option<u64>) {
+        if let Some(r) = self.reqs.get_mut(&id) {
+            r.cached = cached.map(|c| (iid, c));
         }
     }
 
@@ -249,7 +277,7 @@ impl Book {
                     .profiles
                     .get(iid)
                     .and_then(Option::as_ref)
-                    .map_or(0.0, |p| p.prefill_time(self.reqs[&id].input));
+                    .map_or(0.0, |p| p.prefill_time(self.reqs[&id].uncached_on(iid)));
                 let r = self.reqs.get_mut(&id).expect("present above");
                 r.prefill_on = Some(iid);
                 r.prefill_at = Some(now);
@@ -545,6 +573,52 @@ mod tests {
         assert_eq!(b.load(1), Load::default());
     }
 
+    /// Two requests of the same prompt length are priced by what their engines compute
+    /// (controller.md 3.5): one placed where its whole prompt but the last block is cached
+    /// costs the profile price of those uncached tokens, the other its whole prompt; the
+    /// resident prefill seconds and the prefill load fall accordingly.
+    #[test]
+    fn a_cached_prefix_is_priced_at_its_uncached_tokens() {
+        let t0 = SystemClock.now();
+        let mut b = Book::new(vec![Some(fixture()), Some(fixture())], 0.1, &reactive());
+        for id in [1, 2] {
+            b.arrive(id, &format!("r{id}"), t0);
+            b.sized(id, 1000, 50);
+        }
+        // r1: 992 of its 1000 tokens cached on e0 (vLLM computes at least the last block).
+        b.placed(1, 0, Some(992));
+        b.dispatched(1, 0, Phase::Prefill, t0);
+        // r2: placed on e1 with nothing cached there.
+        b.placed(2, 1, Some(0));
+        b.dispatched(2, 1, Phase::Prefill, t0);
+        let (cached, cold) = (b.load(0).prefill_s, b.load(1).prefill_s);
+        assert!(
+            (cached - fixture().prefill_time(8)).abs() < 1e-9,
+            "{cached}"
+        );
+        assert!((cached - 0.018).abs() < 1e-9, "{cached}");
+        assert!((cold - 1.01).abs() < 1e-9, "{cold}");
+        assert!((b.prefill_load(0, 2.0) - 0.009).abs() < 1e-9);
+        assert!((b.prefill_load(1, 2.0) - 0.505).abs() < 1e-9);
+        // The decode still holds the whole prompt: its size is the prompt length.
+        assert_eq!(b.pending_decode(), (2, 2000.0));
+        b.dispatched(1, 1, Phase::Decode, t0);
+        assert_eq!(b.load(1).decode_tokens, 1000.0);
+        // The time average published at rollover follows the uncached price too.
+        b.rollover(t0 + ms(1000), 1.0);
+        assert!((b.prefill_load(0, 2.0) - 0.009).abs() < 1e-6);
+        // A credit names its engine: a retry dispatched elsewhere computes the whole prompt,
+        // and a credit larger than the sized prompt (a character estimate) prices 0 tokens.
+        b.attempt_ended(1, t0 + ms(1000));
+        b.dispatched(1, 1, Phase::Prefill, t0 + ms(1000));
+        assert!((b.load(1).prefill_s - 2.02).abs() < 1e-9);
+        assert_eq!(b.req(1).map(|r| r.uncached_on(0)), Some(8));
+        b.placed(1, 0, Some(5000));
+        assert_eq!(b.req(1).map(|r| r.uncached_on(0)), Some(0));
+        b.placed(1, 0, None);
+        assert_eq!(b.req(1).map(|r| r.uncached_on(0)), Some(1000));
+    }
+
     /// The correction moves toward the mean measured/profiled ratio once enough unmixed
     /// samples arrived (controller.md 3.1).
     #[test]
@@ -599,7 +673,11 @@ mod tests {
                     let id = live[rng.random_range(0..live.len())];
                     let e = rng.random_range(0..3);
                     match k {
-                        1 => b.dispatched(id, e, Phase::Prefill, now),
+                        1 => {
+                            let cached = rng.random_range(0..5000);
+                            b.placed(id, e, rng.random_bool(0.7).then_some(cached));
+                            b.dispatched(id, e, Phase::Prefill, now);
+                        }
                         2 => b.dispatched(id, e, Phase::Decode, now),
                         3 => b.first_token(id, now),
                         4 => {
@@ -620,7 +698,7 @@ mod tests {
                 for r in b.reqs.values() {
                     if r.prefill_on == Some(e) {
                         want.prefill += 1;
-                        want.prefill_s += fixture().prefill_time(r.input);
+                        want.prefill_s += fixture().prefill_time(r.uncached_on(e));
                     }
                     if r.decode_on == Some(e) {
                         want.decode += 1;

@@ -419,15 +419,20 @@ impl Controller {
 
     /// Prices attempt `attempt` at placement (controller.md 10.4, 10.7): the chosen
     /// engine's resident prefill plus this prompt's own prefill, plus elapsed time and the
-    /// fleet's handoff delay. A placement whose engine alone misses the TTFT counts
-    /// `unserved` (through `unserved`). Returns the journal's `admission_price` (`None`
-    /// when the controller is off), or the refusal of a first attempt under predictive
-    /// admission (retries skip the TTFT check).
+    /// fleet's handoff delay. The own prefill is priced at the prompt's uncached tokens on
+    /// the engine that computes it (controller.md 3.5): `cached[i]` = the prompt tokens the
+    /// KV index credits engine `i` with (config order; empty without a KV score, which
+    /// prices the whole prompt); the placement is recorded with it in the bookkeeping and,
+    /// on a first attempt, in the demand. A placement whose engine alone misses the TTFT
+    /// counts `unserved` (through `unserved`). Returns the journal's `admission_price`
+    /// (`None` when the controller is off), or the refusal of a first attempt under
+    /// predictive admission (retries skip the TTFT check).
     pub(crate) fn admit(
         &self,
         track: &Track,
         plan: Plan,
         attempt: u32,
+        cached: &[u64],
         unserved: impl FnOnce(),
     ) -> Result<Option<Value>, Refusal> {
         if !self.enabled {
@@ -441,10 +446,14 @@ impl Controller {
             Plan::Split { prefill, .. } => (prefill, false),
             Plan::Aggregated { engine } => (engine, true),
         };
+        let chosen_cached = cached.get(chosen).copied();
+        m.core
+            .placed(track.0.id, chosen, chosen_cached, attempt, now);
+        let uncached = input.saturating_sub(chosen_cached.unwrap_or(0));
         let load = m.core.book.load(chosen);
         let own = m.core.profiles[chosen]
             .as_ref()
-            .map_or(0.0, |p| p.prefill_time(input));
+            .map_or(0.0, |p| p.prefill_time(uncached));
         let no_prefill = !engines.iter().any(|e| e.live && e.role == Role::Prefill);
         let unpriced = aggregated && no_prefill && load.decode > 0;
         let placement = if unpriced {
@@ -462,7 +471,7 @@ impl Controller {
             handoff_s: handoff,
             price_s: placement + elapsed + handoff,
         };
-        let cheapest_own = m.core.cheapest_prefill(input).unwrap_or(own);
+        let cheapest_own = m.core.cheapest_prefill(input, cached).unwrap_or(own);
         let refused = if attempt == 1 && self.h.cfg.serving.admission == AdmissionMode::Predictive {
             admission::judge(&price, self.budget_s(), cheapest_own, no_prefill)
         } else {

@@ -182,19 +182,45 @@ impl Core {
         )
     }
 
-    /// The cheapest own prefill of `input` tokens among live prefill engines (all live
-    /// engines when none has the role), seconds; `None` without a profiled candidate.
-    pub(crate) fn cheapest_prefill(&self, input: u64) -> Option<f64> {
+    /// The cheapest own prefill of `input` prompt tokens among live prefill engines (all
+    /// live engines when none has the role), seconds; `None` without a profiled candidate.
+    /// `cached[i]` = the prompt tokens the KV index credits engine `i` with (controller.md
+    /// 3.5), so each engine is priced at its uncached tokens; an empty slice (a request not
+    /// yet scored, e.g. one waiting for a seat) prices the whole prompt everywhere.
+    pub(crate) fn cheapest_prefill(&self, input: u64, cached: &[u64]) -> Option<f64> {
         let pick = |role: Option<Role>| {
             (0..self.engines.len())
                 .filter(|i| {
                     self.engines[*i].live && role.is_none_or(|r| self.engines[*i].role == r)
                 })
-                .filter_map(|i| self.profiles[i].as_ref())
-                .map(|p| p.prefill_time(input))
+                .filter_map(|i| {
+                    let uncached = input.saturating_sub(cached.get(i).copied().unwrap_or(0));
+                    Some(self.profiles[i].as_ref()?.prefill_time(uncached))
+                })
                 .min_by(f64::total_cmp)
         };
         pick(Some(Role::Prefill)).or_else(|| pick(None))
+    }
+
+    /// Request `id` was placed on engine `iid` (attempt `attempt`), whose prefix cache the
+    /// KV index credits with `cached` of its prompt tokens (`None`: no KV score). Its prefill
+    /// is priced from then on at the uncached tokens on `iid` (controller.md 3.5); the first
+    /// attempt's placement also takes the cached part off its arrival's demand price.
+    pub(crate) fn placed(
+        &mut self,
+        id: u64,
+        iid: usize,
+        cached: Option<u64>,
+        attempt: u32,
+        now: Instant,
+    ) {
+        self.book.placed(id, iid, cached);
+        if attempt == 1
+            && let Some(r) = self.book.req(id)
+        {
+            let (input, uncached) = (r.input, r.uncached_on(iid));
+            self.demand.placed(now, input, uncached);
+        }
     }
 
     /// The live fleet and its load now (controller.md 4.2).
@@ -229,7 +255,7 @@ impl Core {
             .book
             .waiting()
             .iter()
-            .filter_map(|w| self.cheapest_prefill(w.input))
+            .filter_map(|w| self.cheapest_prefill(w.input, &[]))
             .sum();
         let decode_roles: Vec<usize> = live
             .iter()

@@ -114,6 +114,21 @@ impl World {
         id
     }
 
+    /// A sized arrival placed (first attempt) on prefill engine `iid`, whose prefix cache
+    /// the KV index credits with `cached` of its tokens, as the request path records it; it
+    /// passes through without residency.
+    fn arrive_cached(&mut self, iid: usize, input: u64, wanted: u64, cached: u64) -> u64 {
+        let id = self.id();
+        let now = self.now;
+        let b = &mut self.m.core.book;
+        b.arrive(id, &format!("r{id}"), now);
+        b.sized(id, input, wanted);
+        self.m.core.demand.arrival(now, input, wanted);
+        self.m.core.placed(id, iid, Some(cached), 1, now);
+        self.m.core.book.finished(id, now);
+        id
+    }
+
     /// A request resident in `phase` on engine `iid` until [`World::finish`].
     fn resident(&mut self, iid: usize, phase: Phase, input: u64, wanted: u64) -> u64 {
         let id = self.id();
@@ -335,6 +350,52 @@ fn s1_prefill_pressure_consolidates_one_engine_at_a_time() {
     assert_eq!(last["eligibility_rule"], "steady_demand");
     assert_eq!(w.m.core.roles.flips["reactive:prefill"], 2);
     assert_eq!(w.m.core.roles.refused_total, 0);
+}
+
+/// controller.md 3.5: S1's load served from cache. Every 500-token prompt is placed on e0
+/// with 496 tokens credited as cached, so the demand is 2 req/s of 4-token prefills (0.028
+/// prefill engines, not 1.02) and the fleet never consolidates: priced by prompt length
+/// (before this pricing) the same stream moved e1 to prefill at t≈60, as in S1.
+#[test]
+fn a_cached_prefix_workload_does_not_consolidate() {
+    let mut w = World::new(&["prefill", "decode", "decode", "decode"], json!({}));
+    let mut carry = 0.0f64;
+    while w.t() + 1.0 <= 100.0 + 1e-9 {
+        let start = w.now;
+        carry += 2.0;
+        let k = carry.floor() as u64;
+        carry -= k as f64;
+        for j in 0..k {
+            w.now = start + Duration::from_secs_f64(j as f64 / k as f64);
+            w.arrive_cached(0, 500, 50, 496);
+        }
+        w.now = start + Duration::from_secs(1);
+        w.pass();
+    }
+    let ds = w.decisions();
+    assert!(applied(&ds).is_empty(), "no flip: {ds:#?}");
+    assert_eq!(w.roles(), ["prefill", "decode", "decode", "decode"]);
+    assert!(w.events("flips_refused").is_empty());
+    let d = *w.decided_at(60.0).first().expect("a decision at t=60");
+    assert!(
+        (d["prefill_work"].as_f64().unwrap_or(1.0) - 0.028).abs() < 0.005,
+        "{d:#}"
+    );
+    assert_eq!(d["reason"], "insufficient demand history", "{d:#}");
+}
+
+/// controller.md 3.5: admission's cheapest own prefill prices each engine at its uncached
+/// tokens; a request not yet scored (one waiting for a seat) is priced at its whole prompt.
+#[test]
+fn the_cheapest_prefill_is_priced_at_the_uncached_tokens() {
+    let w = World::new(&["prefill", "prefill", "decode", "decode"], json!({}));
+    let cold = w.m.core.cheapest_prefill(1000, &[]).expect("profiled");
+    assert!((cold - 1.01).abs() < 1e-9, "{cold}");
+    let warm = w.m.core.cheapest_prefill(1000, &[0, 992, 0, 0]);
+    assert!(warm.is_some_and(|p| (p - 0.018).abs() < 1e-9), "{warm:?}");
+    // Only prefill engines are candidates while one is live: a decode's cache is not used.
+    let decode_only = w.m.core.cheapest_prefill(1000, &[0, 0, 1000, 0]);
+    assert!(decode_only.is_some_and(|p| (p - 1.01).abs() < 1e-9));
 }
 
 /// controller.md S2: moves to decode wait for the cooldown (from router start), then the

@@ -4,6 +4,7 @@
 //!
 //! ```text
 //!  arrival(input)  ─► arrivals          arrival(input, wanted) ─► expected_decode
+//!  placed(input, uncached) ─► cache_credit (a placement's cached prefix, off the prefill price)
 //!  settled unsized  ─► unsized            completion(input, wanted, delivered) ─► observed_decode
 //!  monitor pass    ─► residency (Σ resident tokens / what one engine holds within TPOT)
 //!  price(now, horizon, profiles) ─► Demand { prefill_engines, decode_engines, complete, ... }
@@ -99,6 +100,8 @@ pub(crate) struct DemandModel {
     step_s: f64,
     window_s: f64,
     arrivals: Window<u64>,
+    /// `(input, uncached)` of placements the KV index credited with a cached prefix.
+    credit: Window<(u64, u64)>,
     unsized_w: Window<()>,
     expected: Window<(u64, u64)>,
     observed: Window<(u64, u64, u64)>,
@@ -122,6 +125,7 @@ impl DemandModel {
             step_s,
             window_s,
             arrivals: Window::new(started, bucket, window_s),
+            credit: Window::new(started, bucket, window_s),
             unsized_w: Window::new(started, bucket, window_s),
             expected: Window::new(started, bucket, window_s),
             observed: Window::new(started, bucket, 4.0 * window_s),
@@ -135,6 +139,16 @@ impl DemandModel {
     pub(crate) fn arrival(&mut self, now: Instant, input: u64, wanted: u64) {
         self.arrivals.observe(now, input, 1);
         self.expected.observe(now, (input, wanted), 1);
+    }
+
+    /// A request of `input` prompt tokens was placed (its first attempt) where it computes
+    /// only `uncached` of them, the rest being credited as cached by the KV index
+    /// (controller.md 3.5): its arrival's prefill price is lowered from `prefill_time(input)`
+    /// to `prefill_time(uncached)`. Nothing is recorded when nothing is cached.
+    pub(crate) fn placed(&mut self, now: Instant, input: u64, uncached: u64) {
+        if uncached < input {
+            self.credit.observe(now, (input, uncached), 1);
+        }
     }
 
     /// A request settled before sizing (ingress 429/503, an unread body), `invalid` aside.
@@ -211,7 +225,9 @@ impl DemandModel {
     }
 
     /// Prices the demand over `horizon_s` seconds (controller.md 4.1): prefill =
-    /// Σ cohorts `prefill_time·count/span` with the mean cold price over the profiles;
+    /// Σ arrival cohorts `prefill_time(input)·count/span` less Σ cache-credit cohorts
+    /// `(prefill_time(input) − prefill_time(uncached))·count/span` (controller.md 3.5), never
+    /// below 0, each price the mean over the profiles;
     /// decode = Σ `count/(span·decode_rps)` with `decode_rps` at `(in + out/2, out)`; both
     /// scaled by `(parsed + unsized)/parsed`; decode at least the mean residency over
     /// `resident_s`.
@@ -245,6 +261,21 @@ impl DemandModel {
                 / n;
             prefill += price * c.count as f64 / span;
         }
+        // What placements found cached comes off (an overflow cohort has no shape: no credit,
+        // so it stays priced at its whole prompts).
+        for (k, c) in self.credit.rows(since) {
+            let Some(&(input, uncached)) = k else {
+                continue;
+            };
+            let saved: f64 = inp
+                .profiles
+                .iter()
+                .map(|p| p.prefill_time(input) - p.prefill_time(uncached))
+                .sum::<f64>()
+                / n;
+            prefill -= saved.max(0.0) * c.count as f64 / span;
+        }
+        let prefill = prefill.max(0.0);
         let mut decode = 0.0;
         let mut beyond = 0;
         for (k, c) in self.expected.rows(since) {
@@ -330,6 +361,7 @@ impl DemandModel {
             ("expected_decode", WindowStats::of(&self.expected)),
             ("observed_decode", WindowStats::of(&self.observed)),
             ("residency", WindowStats::of(&self.residency)),
+            ("cache_credit", WindowStats::of(&self.credit)),
         ]
     }
 }
@@ -408,6 +440,48 @@ mod tests {
             "{}",
             d.decode_engines
         );
+    }
+
+    /// L1 served from cache (controller.md 3.5): every placement credited with 496 of its
+    /// 500 tokens prices 2 req/s of 4-token prefills, 0.028 prefill engines instead of 1.02;
+    /// half of them credited prices the mean; the decode demand keeps the whole prompt.
+    #[test]
+    fn cached_placements_take_their_prefix_off_the_prefill_price() {
+        let t0 = SystemClock.now();
+        let profiles = [fixture()];
+        let inp = PriceInputs {
+            profiles: &profiles,
+            tpot_s: 0.1,
+            correction: 1.0,
+        };
+        let run = |credited: &dyn Fn(usize) -> bool| {
+            let mut m = DemandModel::new(t0, 5.0, 120.0, 60.0);
+            for i in 0..120 {
+                let at = t0 + s(0.5 * i as f64);
+                m.arrival(at, 500, 50);
+                m.placed(at, 500, if credited(i) { 4 } else { 500 });
+            }
+            m.price(t0 + s(60.0), 120.0, 120.0, inp)
+        };
+        let all = run(&|_| true);
+        assert!(
+            (all.prefill_engines - 0.028).abs() < 1e-9,
+            "{}",
+            all.prefill_engines
+        );
+        let half = run(&|i| i % 2 == 0);
+        assert!(
+            (half.prefill_engines - (1.02 + 0.028) / 2.0).abs() < 1e-9,
+            "{}",
+            half.prefill_engines
+        );
+        let none = run(&|_| false);
+        assert!((none.prefill_engines - 1.02).abs() < 1e-9);
+        let rps = fixture().decode_rps(0.1, 525.0, 50.0, 1.0);
+        for d in [&all, &half, &none] {
+            assert!((d.decode_engines - 2.0 / rps).abs() < 1e-9);
+            assert_eq!(d.parsed, 120);
+        }
     }
 
     /// Without max_tokens and before three completions the output is unknown: demand is

@@ -112,11 +112,19 @@ pub(super) async fn attempts(
         };
         let plan = shape_plan(plan, ctx.v, parts.cfg.backend)?;
         // The TTFT price at placement (controller.md 10.4): journalled, and under
-        // predictive admission a first attempt over budget is refused undispatched.
-        match parts
-            .controller
-            .admit(track, plan, n, || parts.accounting.unserved_placement())
-        {
+        // predictive admission a first attempt over budget is refused undispatched. Each
+        // engine's prefill is priced at the prompt tokens it does not hold (controller.md
+        // 3.5): those the KV score counts as cached there, as placement counts them.
+        let cached: Vec<u64> = kv.as_ref().map_or_else(Vec::new, |s| {
+            s.score
+                .uncached
+                .iter()
+                .map(|u| s.prompt_tokens.saturating_sub(*u))
+                .collect()
+        });
+        match parts.controller.admit(track, plan, n, &cached, || {
+            parts.accounting.unserved_placement()
+        }) {
             Ok(price) => AttemptLog::lock(log).admission_price = price,
             Err(refusal) => {
                 let failure = RequestFailure::Refused(refusal);

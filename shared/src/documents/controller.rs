@@ -60,7 +60,7 @@ pub struct ControllerFields {
     #[serde(default)]
     pub decode_floor: DecodeFloor,
     /// The demand windows by name (`unsized`, `arrivals`, `expected_decode`,
-    /// `observed_decode`, `residency`), in that order.
+    /// `observed_decode`, `residency`, `cache_credit`), in that order.
     #[serde(default)]
     pub demand_history: Ordered<DemandWindow>,
     /// The consolidation evidence gate now (controller.md 8).
