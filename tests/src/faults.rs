@@ -213,6 +213,11 @@ impl Mix {
         leases: &[LeaseBackend::Etcd, LeaseBackend::File],
         kinds: &[Kind::Etcd, Kind::Partition, Kind::Clock, Kind::Disk],
     };
+    /// The etcd and partition faults alone (etcd lease).
+    pub const STORE: Mix = Mix {
+        leases: &[LeaseBackend::Etcd],
+        kinds: &[Kind::Etcd, Kind::Partition],
+    };
     /// Every family, on `file` and `etcd` in turn.
     pub const ALL: Mix = Mix {
         leases: &[LeaseBackend::Etcd, LeaseBackend::File],
@@ -688,11 +693,27 @@ pub async fn run(scenario: Scenario) -> Outcome {
             primary_must_not_act = Some((cut_at + Duration::from_secs_f64(LEASE_TTL_S), healed));
             healed
         }
-        Fault::ClockJump(_, by) => {
+        Fault::ClockJump(side, by) => {
             clock.as_ref().expect("a clock").set(by);
             let at = t0.elapsed();
             // Over a TTL of renewals on the stepped clock: a skew-driven takeover shows here.
             tokio::time::sleep(Duration::from_secs(3)).await;
+            // The step reached the router: its handoff document's `at` (its wall clock).
+            let r = if side == Side::Primary { &p } else { &s };
+            let shown = r.handoff().await["at"].as_f64();
+            let real = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("wall clock")
+                .as_secs_f64();
+            match shown {
+                Some(t) if (t - real - by as f64).abs() < 2.0 => {
+                    notes.push(format!("{side:?} wall clock off by {:+.1} s", t - real));
+                }
+                _ => violations.push(format!(
+                    "the step did not reach the {side:?}: handoff at {shown:?}, real clock \
+                     {real:.1}, step {by:+} s (a broken test, not a finding)"
+                )),
+            }
             at
         }
         Fault::DiskFull(d) | Fault::DiskReadOnly(d) => {
@@ -1009,4 +1030,74 @@ pub fn summary(outcomes: &[Outcome]) -> String {
         text.push_str(&format!("  FAILED {}: {:?}\n", o.scenario, o.violations));
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(controls: &str) -> Option<Seen> {
+        Some(Seen {
+            controls: controls.into(),
+            served: 0,
+            ready_to_stop: false,
+        })
+    }
+
+    fn at(ms: u64, pair: Pair) -> Sample<Pair> {
+        Sample {
+            at: Duration::from_millis(ms),
+            value: pair,
+        }
+    }
+
+    #[test]
+    fn a_torn_state_file_is_a_violation_an_absent_or_whole_one_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("primary.state.json");
+        let mut v = Vec::new();
+        state_file_whole(&path, "now", &mut v);
+        std::fs::write(&path, br#"{"epoch": 1}"#).unwrap();
+        state_file_whole(&path, "now", &mut v);
+        assert!(v.is_empty(), "{v:?}");
+        std::fs::write(&path, br#"{"epoch": 1, "eng"#).unwrap();
+        state_file_whole(&path, "now", &mut v);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(v[0].contains("torn now"), "{v:?}");
+    }
+
+    #[test]
+    fn a_journal_cut_mid_row_is_a_violation() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("j.jsonl");
+        std::fs::write(&path, "{\"a\":1}\n{\"b\":2}\n").unwrap();
+        let mut v = Vec::new();
+        assert_eq!(journal_whole(&path, &mut v), 2);
+        assert!(v.is_empty(), "{v:?}");
+        std::fs::write(&path, "{\"a\":1}\n{\"b\":").unwrap();
+        journal_whole(&path, &mut v);
+        assert_eq!(v.len(), 2, "a broken line and no final newline: {v:?}");
+    }
+
+    #[test]
+    fn a_clock_step_that_moves_the_fleet_is_a_violation() {
+        let ok = [
+            at(100, [seen("active"), seen("standby")]),
+            at(200, [None, seen("standby")]),
+            at(300, [seen("active"), seen("standby")]),
+        ];
+        let mut v = Vec::new();
+        judge_clock_step(&ok, Duration::from_millis(50), &mut v);
+        assert!(v.is_empty(), "{v:?}");
+        let moved = [
+            at(100, [seen("active"), seen("standby")]),
+            at(200, [seen("fenced"), seen("active")]),
+        ];
+        judge_clock_step(&moved, Duration::from_millis(50), &mut v);
+        assert_eq!(v.len(), 1, "{v:?}");
+        // Before the step, the rule does not apply.
+        let mut v = Vec::new();
+        judge_clock_step(&moved, Duration::from_millis(250), &mut v);
+        assert!(v.is_empty(), "{v:?}");
+    }
 }

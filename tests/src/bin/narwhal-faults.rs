@@ -3,7 +3,7 @@
 //! standby), hits it right after an acknowledged drain or readmission, during validation, or
 //! during a wave, with a fault: `kill -9` or `SIGSTOP` of the primary, etcd killed or stopped,
 //! the primary cut off from etcd, a router's wall clock stepped, the primary's state-file and
-//! journal disk full or read-only (`--faults process|wide|all`), and judges it
+//! journal disk full or read-only (`--faults process|store|wide|all`), and judges it
 //! (`narwhal_testkit::faults`). Prints every run and a summary; exits 1 when a run broke a
 //! rule. The disk faults mount a tmpfs: run it as root (a container's root will do).
 //!
@@ -34,9 +34,10 @@ struct Cli {
     /// Fleets at a time.
     #[arg(long, default_value_t = 2)]
     parallel: usize,
-    /// Which faults: `process` (kill and pause of the primary, file lease), `wide` (etcd,
-    /// partition, clock and disk faults, etcd and file leases in turn) or `all`.
-    #[arg(long, default_value = "all", value_parser = ["process", "wide", "all"])]
+    /// Which faults: `process` (kill and pause of the primary, file lease), `store` (etcd
+    /// and partition faults, etcd lease), `wide` (etcd, partition, clock and disk faults, etcd
+    /// and file leases in turn) or `all`.
+    #[arg(long, default_value = "all", value_parser = ["process", "store", "wide", "all"])]
     faults: String,
 }
 
@@ -46,6 +47,7 @@ async fn main() -> ExitCode {
     let seed = cli.seed.unwrap_or_else(|| rand::rng().random());
     let mix = match cli.faults.as_str() {
         "process" => narwhal_testkit::faults::Mix::PROCESS,
+        "store" => narwhal_testkit::faults::Mix::STORE,
         "wide" => narwhal_testkit::faults::Mix::WIDE,
         _ => narwhal_testkit::faults::Mix::ALL,
     };
