@@ -478,18 +478,21 @@ fn traffic(
     })
 }
 
-/// `POST <control>/narwhal/lifecycle/<action>` from a background task: its status, or
-/// `None` when the router never answered.
+/// `POST <control>/narwhal/lifecycle/<action>` from a background task: its status and the
+/// document's `error` (empty when none), or `None` when the router never answered.
 fn post_in_background(
     r: &RouterHandle,
     action: &str,
     body: Value,
-) -> tokio::task::JoinHandle<Option<u16>> {
+) -> tokio::task::JoinHandle<Option<(u16, String)>> {
     let url = format!("{}/narwhal/lifecycle/{action}", r.control);
     let http = r.http.clone();
     tokio::spawn(async move {
         let resp = http.client().post(url).json(&body).send().await.ok()?;
-        Some(resp.status().as_u16())
+        let status = resp.status().as_u16();
+        let doc: Value = resp.json().await.unwrap_or(Value::Null);
+        let error = doc["error"].as_str().unwrap_or_default().to_string();
+        Some((status, error))
     })
 }
 
@@ -738,7 +741,10 @@ pub async fn run(scenario: Scenario) -> Outcome {
                 _ => None,
             };
             if let Some((name, body)) = action {
-                let st = post_in_background(&p, name, body).await.unwrap_or(None);
+                let st = post_in_background(&p, name, body)
+                    .await
+                    .unwrap_or(None)
+                    .map(|(st, _)| st);
                 notes.push(format!("{name} p1 on the failing disk: {st:?}"));
                 if st == Some(200) {
                     acked.insert(
@@ -773,7 +779,13 @@ pub async fn run(scenario: Scenario) -> Outcome {
         }
     };
     let interrupted = match pending {
-        Some(h) => Some(h.await.unwrap_or(None)),
+        Some(h) => {
+            let answer = h.await.unwrap_or(None);
+            if let Some((st, error)) = answer.as_ref().filter(|(st, _)| *st != 200) {
+                notes.push(format!("readmission answered {st}: {error}"));
+            }
+            Some(answer.map(|(st, _)| st))
+        }
         None => None,
     };
     if interrupted == Some(Some(200)) {
@@ -840,15 +852,37 @@ pub async fn run(scenario: Scenario) -> Outcome {
         )),
         None => violations.push("no controller sampled after the fault".into()),
     }
+    let mut end_epoch = None;
     if let Some(k) = controller {
+        let ha = routers[k].ha().await;
         notes.push(format!(
-            "controller at the end: {}",
-            ["primary", "standby"][k]
+            "controller at the end: {} (epoch {} before the fault, {} at the end)",
+            ["primary", "standby"][k],
+            epoch,
+            ha.epoch
         ));
+        end_epoch = Some(ha.epoch);
     }
+    // A readmission answered 503 (not acknowledged) or not at all may have taken effect: it
+    // stays in the memory of the router that made it (docs/ha.md, "Failover without loss"),
+    // which publishes it when it controls the fleet again under the same epoch. Only then is
+    // the engine's state undetermined; on a successor, or under a later epoch, the earlier
+    // acknowledged action must hold.
+    let same_control = controller == Some(0) && end_epoch == Some(epoch);
+    let undetermined: Vec<String> = match interrupted {
+        Some(None | Some(503)) if same_control => {
+            let engines = if when.wave() { all.clone() } else { p1.clone() };
+            notes.push(format!(
+                "{engines:?} undetermined: the unacknowledged readmission's router kept epoch \
+                 {epoch}"
+            ));
+            engines
+        }
+        _ => Vec::new(),
+    };
     match controller {
         None => violations.push("no router controls the fleet at the end".into()),
-        Some(k) => check_acked(routers[k], &f, &acked, &mut violations).await,
+        Some(k) => check_acked(routers[k], &f, &acked, &undetermined, &mut violations).await,
     }
     Outcome {
         scenario,
@@ -883,11 +917,18 @@ fn judge_clock_step(samples: &[Sample<Pair>], step: Duration, v: &mut Vec<String
     }
 }
 
-/// The newest acknowledged promise per engine holds on the controller `c`; engines held out
-/// get no traffic from it.
-async fn check_acked(c: &RouterHandle, f: &Fleet, acked: &[Acked], v: &mut Vec<String>) {
+/// The newest acknowledged promise per engine holds on the controller `c` (except on the
+/// `undetermined` engines, whose newest request was not acknowledged and may have taken
+/// effect); engines held out get no traffic from it.
+async fn check_acked(
+    c: &RouterHandle,
+    f: &Fleet,
+    acked: &[Acked],
+    undetermined: &[String],
+    v: &mut Vec<String>,
+) {
     let lc = c.lifecycle().await;
-    let mut seen_iids = std::collections::BTreeSet::new();
+    let mut seen_iids: std::collections::BTreeSet<String> = undetermined.iter().cloned().collect();
     let mut held = Vec::new();
     for a in acked {
         let (iids, want_held) = match a {

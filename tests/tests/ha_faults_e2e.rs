@@ -137,6 +137,14 @@ async fn primary_blackholed_from_etcd() {
     scenario_on(LeaseBackend::Etcd, Timing::AfterDrainAck, fault, 30).await;
 }
 
+/// A blackhole shorter than the primary's local validity, landing late in a readmission's
+/// validation (the store campaign's seed 11, run 64).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_blackhole_from_etcd_late_in_validation() {
+    let fault = Fault::Partition(Cut::Blackhole, Duration::from_millis(470));
+    scenario_on(LeaseBackend::Etcd, Timing::DuringValidation, fault, 882).await;
+}
+
 /// The primary's wall clock steps 90 s back right after an acknowledged drain (file lease):
 /// it keeps renewing, so it keeps the fleet, at the same epoch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
