@@ -1,12 +1,16 @@
 //! The HA fault campaign (docs/testing.md) as code: one run starts a fresh fleet (2 prefill, 2
-//! decode, one agent per engine, a file lease of [`LEASE_TTL_S`], a primary and a warm
-//! standby), keeps traffic flowing, samples both routers at 20 Hz, performs a lifecycle
-//! action, and hits the primary with `kill -9` or a `SIGSTOP` at a chosen point of it. Then
-//! it checks what an operator relies on:
+//! decode, one agent per engine, a `file` or `etcd` lease of [`LEASE_TTL_S`], a primary and a
+//! warm standby), keeps traffic flowing, samples both routers at 20 Hz, performs a lifecycle
+//! action, and at a chosen point of it hits the fleet with a [`Fault`]: `kill -9` or `SIGSTOP`
+//! of the primary, etcd killed or stopped, the primary cut off from etcd, a router's wall clock
+//! stepped, the primary's state-file and journal disk full or read-only. Then it checks what
+//! an operator relies on (and, per fault, what its docstring adds):
 //!
 //! - no acknowledged action lost: an action answered 200 holds on whichever router controls
 //!   the fleet at the end (a drained engine stays out of placement and gets no traffic, a
-//!   readmitted one is back);
+//!   readmitted one is back); a later request answered 503 or not at all leaves its engine
+//!   undetermined only when the router that got it controls the fleet at the end under the
+//!   same epoch (its memory keeps the unacknowledged change, docs/ha.md);
 //! - never two routers reporting `controls_fleet: active` in one sample;
 //! - a controller within TTL + 1 s of the fault ending (the kill, or the `SIGCONT`);
 //! - totals (`served`) read from the router that controls the fleet never go backwards;
@@ -16,7 +20,8 @@
 //!  Scenario { when: Timing, fault: Fault, delay }
 //!     run(): Fleet ─► traffic + Sampler (20 Hz, /narwhal/state of both) ─► action ─► fault
 //!            ─► settle ─► checks ─► Outcome { violations, takeover, ... }
-//!  campaign(runs, seed, parallel): random scenarios, `parallel` fleets at a time
+//!  campaign(runs, seed, parallel, mix): random scenarios of a Mix (lease backends in turn,
+//!            fault families drawn), `parallel` fleets at a time
 //! ```
 //!
 //! Used by `tests/tests/ha_faults_e2e.rs` (named scenarios and 20 randomized runs in CI) and

@@ -1,5 +1,5 @@
 //! HA under faults (docs/testing.md): the fault campaign's scenarios as end-to-end tests, on fresh
-//! fleets (2 prefill, 2 decode, one agent each, a 2 s file lease, a primary and a warm
+//! fleets (2 prefill, 2 decode, one agent each, a 2 s file or etcd lease, a primary and a warm
 //! standby), with traffic flowing and both routers sampled at 20 Hz. Each run asserts (the
 //! kit's `faults` module): no acknowledged action lost, never two active routers, a
 //! controller within TTL + 1 s of the fault ending, totals from the controlling router never
@@ -8,7 +8,14 @@
 //! - named scenarios: `kill -9` and `SIGSTOP` right after an acknowledged drain, a `SIGSTOP`
 //!   just past the TTL during readmission validation (alone, and with a standby stopped
 //!   longer, so the primary reclaims the lease itself), `kill -9` during a wave's readmission;
-//! - `fault_campaign`: randomized runs over every timing (`NARWHAL_FAULT_RUNS`, default 20;
+//!   one per new fault: etcd killed and restarted, etcd stopped past the TTL, the primary's
+//!   link to etcd refused or blackholed (also briefly, late in a validation), the primary's or
+//!   the standby's wall clock stepped, the primary's state-file and journal disk full or
+//!   read-only (needs root: a tmpfs mount);
+//! - `wide_fault_campaign`: randomized runs over the etcd, partition, clock and disk faults on
+//!   the etcd and file leases in turn (`NARWHAL_WIDE_FAULT_RUNS`, default 10);
+//! - `fault_campaign`: randomized process-fault runs over every timing, file lease
+//!   (`NARWHAL_FAULT_RUNS`, default 20;
 //!   `NARWHAL_FAULT_SEED` replays a campaign, its seed is printed; `NARWHAL_FAULT_PARALLEL`
 //!   fleets at a time, default 2). `narwhal-faults --runs N` runs the same by hand.
 //! - `takeover_gap_sixteen_engines` (ignored): the takeover-gap measurement of docs/ha.md.
