@@ -53,62 +53,84 @@ async fn until_open(rx: &mut watch::Receiver<Link>) {
     }
 }
 
+/// The accept loop: one task per connection, forwarding while the link is open.
+async fn serve(
+    listener: std::net::TcpListener,
+    addr: String,
+    l: Arc<watch::Sender<Link>>,
+    s: CancellationToken,
+) {
+    let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+        return;
+    };
+    loop {
+        let mut inbound = tokio::select! {
+            () = s.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok((sock, _)) => sock,
+                Err(_) => return,
+            },
+        };
+        let mut rx = l.subscribe();
+        let s = s.clone();
+        let addr = addr.clone();
+        tokio::spawn(async move {
+            let mode = *rx.borrow_and_update();
+            if mode == Link::Open {
+                let Ok(mut out) = tokio::net::TcpStream::connect(&addr).await else {
+                    return;
+                };
+                let became = tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut inbound, &mut out) => return,
+                    () = s.cancelled() => return,
+                    became = until_not_open(&mut rx) => became,
+                };
+                drop(out);
+                if became == Link::Refuse {
+                    return; // dropped: the peer sees the connection end
+                }
+            } else if mode == Link::Refuse {
+                return; // accepted and closed
+            }
+            // Blackholed: hold the connection, silent, until healed or stopped; it is dropped
+            // then (its upstream half is gone).
+            tokio::select! {
+                () = s.cancelled() => {}
+                () = until_open(&mut rx) => {}
+            }
+            drop(inbound);
+        });
+    }
+}
+
 impl Proxy {
     /// Listens on a free loopback port and forwards every connection to `target`
-    /// (`scheme://host:port`; TLS passes through untouched).
+    /// (`scheme://host:port`; TLS passes through untouched), on a thread of its own.
     ///
     /// # Panics
     /// When `target` has no scheme or the port cannot be bound.
     pub async fn start(target: &str) -> Proxy {
         let (scheme, addr) = target.split_once("://").expect("URL with a scheme");
         let addr = addr.trim_end_matches('/').to_string();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind proxy");
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind proxy");
+        listener.set_nonblocking(true).expect("nonblocking proxy");
         let url = format!("{scheme}://{}", listener.local_addr().expect("addr"));
         let link = Arc::new(watch::Sender::new(Link::Open));
         let stop = CancellationToken::new();
         let (l, s) = (link.clone(), stop.clone());
-        tokio::spawn(async move {
-            loop {
-                let mut inbound = tokio::select! {
-                    () = s.cancelled() => return,
-                    accepted = listener.accept() => match accepted {
-                        Ok((sock, _)) => sock,
-                        Err(_) => return,
-                    },
-                };
-                let mut rx = l.subscribe();
-                let s = s.clone();
-                let addr = addr.clone();
-                tokio::spawn(async move {
-                    let mode = *rx.borrow_and_update();
-                    if mode == Link::Open {
-                        let Ok(mut out) = tokio::net::TcpStream::connect(&addr).await else {
-                            return;
-                        };
-                        let became = tokio::select! {
-                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut out) => return,
-                            () = s.cancelled() => return,
-                            became = until_not_open(&mut rx) => became,
-                        };
-                        drop(out);
-                        if became == Link::Refuse {
-                            return; // dropped: the peer sees the connection end
-                        }
-                    } else if mode == Link::Refuse {
-                        return; // accepted and closed
-                    }
-                    // Blackholed: hold the connection, silent, until healed or stopped; it is
-                    // dropped then (its upstream half is gone).
-                    tokio::select! {
-                        () = s.cancelled() => {}
-                        () = until_open(&mut rx) => {}
-                    }
-                    drop(inbound);
-                });
-            }
-        });
+        // A thread and runtime of its own: the test's runtime (samplers, traffic, other
+        // fleets) must not delay what the proxy forwards, or a loaded machine would fence
+        // the router behind it before any fault.
+        std::thread::Builder::new()
+            .name("narwhal-test-proxy".into())
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("proxy runtime");
+                rt.block_on(serve(listener, addr, l, s));
+            })
+            .expect("proxy thread");
         Proxy { url, link, stop }
     }
 
