@@ -288,6 +288,8 @@ pub type Etcd = EtcdServer;
 #[derive(Debug)]
 pub struct EtcdServer {
     child: Child,
+    /// The command line it was started with, for [`EtcdServer::restart`].
+    command: (PathBuf, Vec<std::ffi::OsString>),
     /// Client URL (`http://127.0.0.1:PORT` or `https://...`).
     pub endpoint: String,
     /// The certificates, with [`EtcdOptions::tls`].
@@ -345,6 +347,7 @@ impl EtcdServer {
                     cmd.arg("--client-cert-auth");
                 }
             }
+            let command = (bin.clone(), cmd.get_args().map(ToOwned::to_owned).collect());
             let child = cmd
                 .stdin(Stdio::null())
                 .stdout(out.try_clone().expect("dup log"))
@@ -353,6 +356,7 @@ impl EtcdServer {
                 .unwrap_or_else(|e| panic!("spawning {}: {e}", bin.display()));
             let mut etcd = EtcdServer {
                 child,
+                command,
                 endpoint,
                 certs,
                 log,
@@ -424,6 +428,40 @@ impl EtcdServer {
             endpoint: self.endpoint.clone(),
             token: None,
         }
+    }
+
+    /// `kill -9` of etcd (reaped); [`EtcdServer::restart`] brings it back.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts etcd again after [`EtcdServer::kill`], on the same ports and data directory
+    /// (its keys, leases and revision survive, as on a crashed member that restarts), and
+    /// waits (15 s) until it answers a read. etcd renews every lease it recovers to its full
+    /// TTL when its new leader is elected (etcd's own rule), so a holder's record outlives a
+    /// restart by up to a TTL.
+    ///
+    /// # Panics
+    /// When it does not start (a port taken meanwhile, for instance): the log says why.
+    pub async fn restart(&mut self) {
+        let (bin, args) = &self.command;
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.log)
+            .expect("etcd log");
+        self.child = Command::new(bin)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("dup log"))
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("respawning {}: {e}", bin.display()));
+        assert!(
+            self.wait_ready().await,
+            "etcd did not restart:\n{}",
+            self.log_text()
+        );
     }
 
     /// Sends `sig` (SIGSTOP, SIGCONT) to etcd.

@@ -66,3 +66,75 @@ pub fn wall_shifted(secs: i64) -> Vec<(String, String)> {
     );
     env
 }
+
+/// A wall clock the test can move while the process runs: libfaketime reading an offset
+/// (`+0s`, `-30s`) from a file on every call (`FAKETIME_TIMESTAMP_FILE` with
+/// `FAKETIME_NO_CACHE=1`, libfaketime 0.9.7 and later; Debian ships 0.9.10), the monotonic
+/// clock untouched.
+#[derive(Debug, Clone)]
+pub struct MovableClock {
+    /// The offset file.
+    pub file: PathBuf,
+}
+
+impl MovableClock {
+    /// A clock at offset 0 kept in `file` (written now), checked on `date +%s` under a step of
+    /// 1000 s first.
+    ///
+    /// # Panics
+    /// When the file cannot be written.
+    /// When the file cannot be written, libfaketime is missing ([`library`]) or a step does
+    /// not show in `date +%s` here.
+    pub fn new(file: PathBuf) -> MovableClock {
+        let c = MovableClock { file };
+        c.set(1000);
+        let out = Command::new("date")
+            .arg("+%s")
+            .envs(c.env())
+            .output()
+            .unwrap_or_else(|e| panic!("date +%s under libfaketime: {e}"));
+        let shown: i64 = String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("date +%s under libfaketime printed {out:?}"));
+        let real = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("wall clock after 1970")
+            .as_secs() as i64;
+        assert!(
+            (shown - real - 1000).abs() <= 2,
+            "libfaketime does not read FAKETIME_TIMESTAMP_FILE here: date +%s printed {shown}, \
+             the real clock reads {real}, the file says +1000s"
+        );
+        c.set(0);
+        c
+    }
+
+    /// The environment of a child that runs on this clock.
+    ///
+    /// # Panics
+    /// When libfaketime is missing ([`library`]).
+    pub fn env(&self) -> Vec<(String, String)> {
+        vec![
+            ("LD_PRELOAD".to_string(), library().display().to_string()),
+            (
+                "FAKETIME_TIMESTAMP_FILE".to_string(),
+                self.file.display().to_string(),
+            ),
+            ("FAKETIME_NO_CACHE".to_string(), "1".to_string()),
+            ("FAKETIME_DONT_FAKE_MONOTONIC".to_string(), "1".to_string()),
+        ]
+    }
+
+    /// Moves the clock to `secs` seconds from the real one (ahead when positive): a running
+    /// child sees the step at its next clock read.
+    ///
+    /// # Panics
+    /// When the file cannot be written.
+    pub fn set(&self, secs: i64) {
+        // Written whole, then renamed, so a read never sees half an offset.
+        let tmp = self.file.with_extension("tmp");
+        std::fs::write(&tmp, format!("{secs:+}s\n")).expect("faketime offset");
+        std::fs::rename(&tmp, &self.file).expect("faketime offset");
+    }
+}

@@ -1,12 +1,16 @@
 //! The HA fault campaign (docs/testing.md) as code: one run starts a fresh fleet (2 prefill, 2
-//! decode, one agent per engine, a file lease of [`LEASE_TTL_S`], a primary and a warm
-//! standby), keeps traffic flowing, samples both routers at 20 Hz, performs a lifecycle
-//! action, and hits the primary with `kill -9` or a `SIGSTOP` at a chosen point of it. Then
-//! it checks what an operator relies on:
+//! decode, one agent per engine, a `file` or `etcd` lease of [`LEASE_TTL_S`], a primary and a
+//! warm standby), keeps traffic flowing, samples both routers at 20 Hz, performs a lifecycle
+//! action, and at a chosen point of it hits the fleet with a [`Fault`]: `kill -9` or `SIGSTOP`
+//! of the primary, etcd killed or stopped, the primary cut off from etcd, a router's wall clock
+//! stepped, the primary's state-file and journal disk full or read-only. Then it checks what
+//! an operator relies on (and, per fault, what its docstring adds):
 //!
 //! - no acknowledged action lost: an action answered 200 holds on whichever router controls
 //!   the fleet at the end (a drained engine stays out of placement and gets no traffic, a
-//!   readmitted one is back);
+//!   readmitted one is back); a later request answered 503 or not at all leaves its engine
+//!   undetermined only when the router that got it controls the fleet at the end under the
+//!   same epoch (its memory keeps the unacknowledged change, docs/ha.md);
 //! - never two routers reporting `controls_fleet: active` in one sample;
 //! - a controller within TTL + 1 s of the fault ending (the kill, or the `SIGCONT`);
 //! - totals (`served`) read from the router that controls the fleet never go backwards;
@@ -16,7 +20,8 @@
 //!  Scenario { when: Timing, fault: Fault, delay }
 //!     run(): Fleet ─► traffic + Sampler (20 Hz, /narwhal/state of both) ─► action ─► fault
 //!            ─► settle ─► checks ─► Outcome { violations, takeover, ... }
-//!  campaign(runs, seed, parallel): random scenarios, `parallel` fleets at a time
+//!  campaign(runs, seed, parallel, mix): random scenarios of a Mix (lease backends in turn,
+//!            fault families drawn), `parallel` fleets at a time
 //! ```
 //!
 //! Used by `tests/tests/ha_faults_e2e.rs` (named scenarios and 20 randomized runs in CI) and
@@ -32,6 +37,7 @@ use nix::sys::signal::Signal;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
+use crate::faketime::MovableClock;
 use crate::fleet::{Fleet, LEASE_TTL_S, LeaseBackend};
 use crate::http::Http;
 use crate::router::{RouterHandle, RouterProbe};
@@ -71,7 +77,26 @@ impl Timing {
     }
 }
 
-/// What hits the primary.
+/// How a partition cuts the link ([`Fault::Partition`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cut {
+    /// Open connections are dropped and new ones refused (a host that answers with resets).
+    Refuse,
+    /// Open connections go silent and new ones are never answered (a route that drops
+    /// packets): the router sees only its own timeouts.
+    Blackhole,
+}
+
+/// Which router a fault hits ([`Fault::ClockJump`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The router that holds the lease.
+    Primary,
+    /// The warm standby.
+    Standby,
+}
+
+/// What hits the fleet (the primary unless said otherwise).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
     /// `kill -9`.
@@ -82,10 +107,137 @@ pub enum Fault {
     /// standby for the second (a standby slower to notice than the primary is to come back:
     /// the campaign's fleet without a controller).
     PauseBoth(Duration, Duration),
+    /// etcd lease only: `kill -9` of etcd, restarted after this long on the same ports and
+    /// data directory. Both routers lose their store; the holder fences itself when its local
+    /// validity ends (a down time over `ttl_s − safety_margin_s`), and someone controls the
+    /// fleet again after the restart. The fault ends at the restart.
+    EtcdKill(Duration),
+    /// etcd lease only: `SIGSTOP` of etcd for this long (past the TTL in random runs), then
+    /// `SIGCONT`. etcd's calls hang rather than fail; the holder fences itself when its local
+    /// validity ends. The fault ends at the `SIGCONT`.
+    EtcdPause(Duration),
+    /// etcd lease only: the link between the primary and etcd (a kit TCP proxy only the
+    /// primary uses) is cut this way for this long, then healed; the standby still reaches
+    /// etcd. Besides the common checks: the primary reports no `controls_fleet: active` later
+    /// than TTL after the cut while it lasts (its last keep-alive was before the cut, so its
+    /// etcd lease is gone by then and the standby may hold the fleet: it stops acting first,
+    /// on its local validity). The fault ends at the heal.
+    Partition(Cut, Duration),
+    /// The wall clock (`CLOCK_REALTIME`, libfaketime reading an offset file; the monotonic
+    /// clock untouched) of one router steps by this many seconds (ahead when positive), and
+    /// the run samples on for 3 s (over a TTL). Besides the common checks: the primary, live
+    /// and renewing, keeps the fleet: it answers `controls_fleet: active` in every sample it
+    /// answers, the standby never does, and the lease's epoch and holder at the end are the
+    /// ones before the step (docs/ha.md, "Clocks": no wall clock is compared across routers).
+    /// The fault ends at the step.
+    ClockJump(Side, i64),
+    /// The primary's disk (its `recovery.state_path` directory and its journal, a tmpfs) is
+    /// filled to the last byte for this long; meanwhile the primary is sent an action on p1
+    /// (after an acknowledged drain, its cancel; after an acknowledged readmission, a drain),
+    /// acknowledged or not. Then the disk is freed and the primary
+    /// killed (`kill -9`), so the standby must hold every acknowledged action. Besides the
+    /// common checks: the state file parses whenever read (during the fault, after it), every
+    /// journal line is a whole JSON row. The fault ends at the kill.
+    DiskFull(Duration),
+    /// [`Fault::DiskFull`] with the disk made read-only instead (files opened from then on
+    /// fail with `EROFS`: every state-file write; the journal, opened before, keeps writing:
+    /// see `crate::disk`).
+    DiskReadOnly(Duration),
 }
 
-/// One run: when, what, and how long after the trigger (the 200, or the readmission
-/// request) the fault lands.
+/// The families of faults a campaign draws from ([`Mix`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// [`Fault::Kill`], [`Fault::Pause`], [`Fault::PauseBoth`] of the primary.
+    Process,
+    /// [`Fault::EtcdKill`], [`Fault::EtcdPause`] (etcd lease).
+    Etcd,
+    /// [`Fault::Partition`] (etcd lease).
+    Partition,
+    /// [`Fault::ClockJump`].
+    Clock,
+    /// [`Fault::DiskFull`], [`Fault::DiskReadOnly`].
+    Disk,
+}
+
+impl Kind {
+    /// Whether this family can run on `lease`.
+    pub fn runs_on(self, lease: LeaseBackend) -> bool {
+        lease == LeaseBackend::Etcd || !matches!(self, Kind::Etcd | Kind::Partition)
+    }
+}
+
+impl Fault {
+    /// The family.
+    pub fn kind(self) -> Kind {
+        match self {
+            Fault::Kill | Fault::Pause(_) | Fault::PauseBoth(..) => Kind::Process,
+            Fault::EtcdKill(_) | Fault::EtcdPause(_) => Kind::Etcd,
+            Fault::Partition(..) => Kind::Partition,
+            Fault::ClockJump(..) => Kind::Clock,
+            Fault::DiskFull(_) | Fault::DiskReadOnly(_) => Kind::Disk,
+        }
+    }
+
+    /// A short name for summaries (`kill`, `etcd kill`, `partition blackhole`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::Kill => "kill",
+            Fault::Pause(_) => "pause",
+            Fault::PauseBoth(..) => "pause both",
+            Fault::EtcdKill(_) => "etcd kill",
+            Fault::EtcdPause(_) => "etcd pause",
+            Fault::Partition(Cut::Refuse, _) => "partition refuse",
+            Fault::Partition(Cut::Blackhole, _) => "partition blackhole",
+            Fault::ClockJump(Side::Primary, _) => "clock primary",
+            Fault::ClockJump(Side::Standby, _) => "clock standby",
+            Fault::DiskFull(_) => "disk full",
+            Fault::DiskReadOnly(_) => "disk read-only",
+        }
+    }
+}
+
+/// What a campaign draws from: lease backends (in turn, run by run) and fault families
+/// (drawn among those that run on the run's backend).
+#[derive(Debug, Clone, Copy)]
+pub struct Mix {
+    /// Lease backends, in turn.
+    pub leases: &'static [LeaseBackend],
+    /// Fault families.
+    pub kinds: &'static [Kind],
+}
+
+impl Mix {
+    /// The first campaign: `file` lease, kill and pause of the primary.
+    pub const PROCESS: Mix = Mix {
+        leases: &[LeaseBackend::File],
+        kinds: &[Kind::Process],
+    };
+    /// The store, network, clock and disk faults, on `file` and `etcd` in turn.
+    pub const WIDE: Mix = Mix {
+        leases: &[LeaseBackend::Etcd, LeaseBackend::File],
+        kinds: &[Kind::Etcd, Kind::Partition, Kind::Clock, Kind::Disk],
+    };
+    /// The etcd and partition faults alone (etcd lease).
+    pub const STORE: Mix = Mix {
+        leases: &[LeaseBackend::Etcd],
+        kinds: &[Kind::Etcd, Kind::Partition],
+    };
+    /// Every family, on `file` and `etcd` in turn.
+    pub const ALL: Mix = Mix {
+        leases: &[LeaseBackend::Etcd, LeaseBackend::File],
+        kinds: &[
+            Kind::Process,
+            Kind::Etcd,
+            Kind::Partition,
+            Kind::Clock,
+            Kind::Disk,
+        ],
+    };
+}
+
+/// One run: when, what, how long after the trigger (the 200, or the readmission request)
+/// the fault lands, and on which lease backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Scenario {
     /// When.
@@ -94,6 +246,8 @@ pub struct Scenario {
     pub fault: Fault,
     /// Delay between the trigger and the fault.
     pub delay: Duration,
+    /// The fleet's lease (the etcd and partition faults need [`LeaseBackend::Etcd`]).
+    pub lease: LeaseBackend,
 }
 
 impl fmt::Display for Scenario {
@@ -106,18 +260,95 @@ impl fmt::Display for Scenario {
                 p.as_secs_f64(),
                 s.as_secs_f64()
             ),
+            Fault::EtcdKill(d) => format!("etcd kill -9, down {:.2} s", d.as_secs_f64()),
+            Fault::EtcdPause(d) => format!("etcd SIGSTOP {:.2} s", d.as_secs_f64()),
+            Fault::Partition(c, d) => format!("partition {c:?} {:.2} s", d.as_secs_f64()),
+            Fault::ClockJump(side, by) => format!("{side:?} wall clock {by:+} s"),
+            Fault::DiskFull(d) => format!("disk full {:.2} s, then kill -9", d.as_secs_f64()),
+            Fault::DiskReadOnly(d) => {
+                format!("disk read-only {:.2} s, then kill -9", d.as_secs_f64())
+            }
         };
-        write!(f, "{fault} {:?} +{} ms", self.when, self.delay.as_millis())
+        let lease = match self.lease {
+            LeaseBackend::File => "file",
+            LeaseBackend::Etcd => "etcd",
+        };
+        write!(
+            f,
+            "[{lease}] {fault} {:?} +{} ms",
+            self.when,
+            self.delay.as_millis()
+        )
     }
 }
 
 impl Scenario {
-    /// A random scenario of timing `when`: kill or pause (2-6 s; during a validation just
-    /// past the TTL, sometimes with the standby stopped 0.5-1.5 s longer), landing 0-150 ms
-    /// after an acknowledgement or 50-900 ms into a validation.
-    pub fn random(when: Timing, rng: &mut impl Rng) -> Scenario {
+    /// A random scenario of timing `when` on lease `lease`, of a family of `kinds` that runs
+    /// on it ([`Kind::runs_on`]; [`Kind::Process`] when none does), landing 0-150 ms after an
+    /// acknowledgement or 50-900 ms into a validation:
+    ///
+    /// - process: kill or pause (2-6 s; during a validation just past the TTL, sometimes
+    ///   with the standby stopped 0.5-1.5 s longer);
+    /// - etcd: `kill -9` of etcd, down 0.2-4 s, or `SIGSTOP` of it 10-1500 ms past the TTL;
+    /// - partition: refused or blackholed, 0.3-4 s;
+    /// - clock: the primary's or the standby's wall clock steps 5-120 s ahead or back;
+    /// - disk: full or read-only for 1-3 s.
+    pub fn random(
+        when: Timing,
+        lease: LeaseBackend,
+        kinds: &[Kind],
+        rng: &mut impl Rng,
+    ) -> Scenario {
         let ttl = Duration::from_secs_f64(LEASE_TTL_S);
-        let fault = match rng.random_range(0..3) {
+        let ms = |rng: &mut dyn rand::RngCore, lo: u64, hi: u64| {
+            Duration::from_millis(rng.random_range(lo..hi))
+        };
+        let usable: Vec<Kind> = kinds.iter().copied().filter(|k| k.runs_on(lease)).collect();
+        let kind = if usable.is_empty() {
+            Kind::Process
+        } else {
+            usable[rng.random_range(0..usable.len())]
+        };
+        let fault = match kind {
+            Kind::Process => Scenario::process_fault(when, rng),
+            Kind::Etcd if rng.random_bool(0.5) => Fault::EtcdKill(ms(rng, 200, 4000)),
+            Kind::Etcd => Fault::EtcdPause(ttl + ms(rng, 10, 1500)),
+            Kind::Partition => {
+                let cut = if rng.random_bool(0.5) {
+                    Cut::Refuse
+                } else {
+                    Cut::Blackhole
+                };
+                Fault::Partition(cut, ms(rng, 300, 4000))
+            }
+            Kind::Clock => {
+                let side = if rng.random_bool(0.5) {
+                    Side::Primary
+                } else {
+                    Side::Standby
+                };
+                let by = rng.random_range(5..=120i64);
+                Fault::ClockJump(side, if rng.random_bool(0.5) { by } else { -by })
+            }
+            Kind::Disk if rng.random_bool(0.5) => Fault::DiskFull(ms(rng, 1000, 3000)),
+            Kind::Disk => Fault::DiskReadOnly(ms(rng, 1000, 3000)),
+        };
+        let delay = if when.during() {
+            Duration::from_millis(rng.random_range(50..900))
+        } else {
+            Duration::from_millis(rng.random_range(0..150))
+        };
+        Scenario {
+            when,
+            fault,
+            delay,
+            lease,
+        }
+    }
+
+    fn process_fault(when: Timing, rng: &mut impl Rng) -> Fault {
+        let ttl = Duration::from_secs_f64(LEASE_TTL_S);
+        match rng.random_range(0..3) {
             0 => Fault::Kill,
             1 if when.during() => {
                 let p = ttl + Duration::from_millis(rng.random_range(10..300));
@@ -127,13 +358,7 @@ impl Scenario {
                 Fault::Pause(ttl + Duration::from_millis(rng.random_range(10..300)))
             }
             _ => Fault::Pause(Duration::from_millis(rng.random_range(2000..6000))),
-        };
-        let delay = if when.during() {
-            Duration::from_millis(rng.random_range(50..900))
-        } else {
-            Duration::from_millis(rng.random_range(0..150))
-        };
-        Scenario { when, fault, delay }
+        }
     }
 }
 
@@ -175,6 +400,8 @@ pub struct Outcome {
     pub acked: Vec<Acked>,
     /// The readmission running at the fault: its HTTP status (`None`: no answer).
     pub interrupted: Option<Option<u16>>,
+    /// What the fault did, for the log (the disk faults' acknowledgement and journal).
+    pub notes: Vec<String>,
 }
 
 /// Reads `/narwhal/state` of one router for a sample.
@@ -256,38 +483,103 @@ fn traffic(
     })
 }
 
-/// `POST <control>/narwhal/lifecycle/<action>` from a background task: its status, or
-/// `None` when the router never answered.
+/// `POST <control>/narwhal/lifecycle/<action>` from a background task: its status and the
+/// document's `error` (empty when none), or `None` when the router never answered.
 fn post_in_background(
     r: &RouterHandle,
     action: &str,
     body: Value,
-) -> tokio::task::JoinHandle<Option<u16>> {
+) -> tokio::task::JoinHandle<Option<(u16, String)>> {
     let url = format!("{}/narwhal/lifecycle/{action}", r.control);
     let http = r.http.clone();
     tokio::spawn(async move {
         let resp = http.client().post(url).json(&body).send().await.ok()?;
-        Some(resp.status().as_u16())
+        let status = resp.status().as_u16();
+        let doc: Value = resp.json().await.unwrap_or(Value::Null);
+        let error = doc["error"].as_str().unwrap_or_default().to_string();
+        Some((status, error))
     })
 }
 
-/// A fresh fleet for `when`: 2 prefill, 2 decode, one agent each, a file lease, a standby;
-/// engines answer after 100 ms, 300 ms when a validation is to be hit (it then lasts over a
-/// second, as on a real fleet, so it outlives a router coming back), and wave scenarios run
-/// under `whole_wave`.
-async fn fleet(when: Timing) -> Fleet {
+/// Bytes of the primary's disk for the disk faults: room for its state file and a run's
+/// journal.
+const DISK_BYTES: u64 = 16 << 20;
+
+/// A fresh fleet for `scenario`: 2 prefill, 2 decode, one agent each, the scenario's lease,
+/// a standby; engines answer after 100 ms, 300 ms when a validation is to be hit (it then
+/// lasts over a second, as on a real fleet, so it outlives a router coming back), and wave
+/// scenarios run under `whole_wave`. A partition puts a proxy between the primary and etcd, a
+/// clock step runs the router it hits on `clock`, a disk fault gives the primary its disk.
+async fn fleet(scenario: &Scenario, clock: Option<&MovableClock>) -> Fleet {
+    let when = scenario.when;
     let ttft = if when.during() { "300" } else { "100" };
     let mut b = Fleet::builder()
         .prefill(2)
         .decode(2)
         .agents()
         .sim_args(&["--ttft-ms", ttft])
-        .lease(LeaseBackend::File)
+        .lease(scenario.lease)
         .standby();
     if when.wave() {
         b = b.restart_policy("whole_wave");
     }
+    match scenario.fault {
+        Fault::Partition(..) => b = b.primary_etcd_through_a_proxy(),
+        Fault::ClockJump(side, _) => {
+            let label = match side {
+                Side::Primary => "primary",
+                Side::Standby => "standby",
+            };
+            b = b.router_env(label, clock.expect("a clock").env());
+        }
+        Fault::DiskFull(_) | Fault::DiskReadOnly(_) => b = b.primary_disk(DISK_BYTES),
+        _ => {}
+    }
     b.start().await
+}
+
+/// The state file at `path` parses as JSON, or is absent (nothing torn).
+fn state_file_whole(path: &std::path::Path, when: &str, v: &mut Vec<String>) {
+    match std::fs::read(path) {
+        Ok(bytes) => {
+            if let Err(e) = serde_json::from_slice::<Value>(&bytes) {
+                v.push(format!(
+                    "state file {} torn {when}: {e} ({} bytes)",
+                    path.display(),
+                    bytes.len()
+                ));
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => v.push(format!(
+            "state file {} unreadable {when}: {e}",
+            path.display()
+        )),
+    }
+}
+
+/// Every line of the journal at `path` is a whole JSON row; returns how many there are.
+fn journal_whole(path: &std::path::Path, v: &mut Vec<String>) -> usize {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut rows = 0;
+    for (k, line) in text.lines().enumerate() {
+        match serde_json::from_str::<Value>(line) {
+            Ok(_) => rows += 1,
+            Err(e) => v.push(format!(
+                "journal {} line {} is not a whole row: {e}: {:?}",
+                path.display(),
+                k + 1,
+                line.chars().take(120).collect::<String>()
+            )),
+        }
+    }
+    if !text.is_empty() && !text.ends_with('\n') {
+        v.push(format!(
+            "journal {} ends in the middle of a row",
+            path.display()
+        ));
+    }
+    rows
 }
 
 /// Runs one scenario on a fresh fleet and judges it.
@@ -297,7 +589,10 @@ async fn fleet(when: Timing) -> Fleet {
 /// scenario could not be staged: that is a broken test, not a finding).
 pub async fn run(scenario: Scenario) -> Outcome {
     let when = scenario.when;
-    let mut f = fleet(when).await;
+    let clock_dir = tempfile::tempdir().expect("tempdir");
+    let clock = matches!(scenario.fault, Fault::ClockJump(..))
+        .then(|| MovableClock::new(clock_dir.path().join("wall-clock")));
+    let mut f = fleet(&scenario, clock.as_ref()).await;
     let mut p = f.router.take().expect("primary");
     let s = f.standby.take().expect("standby");
     let ha = p.ha().await;
@@ -357,6 +652,10 @@ pub async fn run(scenario: Scenario) -> Outcome {
     acked.reverse();
     tokio::time::sleep(scenario.delay).await;
     // The fault.
+    let mut violations = Vec::new();
+    let mut notes = Vec::new();
+    // Samples in (from, to] in which the primary must not report `active` (a partition).
+    let mut primary_must_not_act: Option<(Duration, Duration)> = None;
     let fault_end = match scenario.fault {
         Fault::Kill => {
             p.proc.kill();
@@ -378,16 +677,126 @@ pub async fn run(scenario: Scenario) -> Outcome {
             second.proc.signal(Signal::SIGCONT);
             t0.elapsed()
         }
+        Fault::EtcdKill(d) => {
+            f.etcd_mut().kill();
+            tokio::time::sleep(d).await; // the fault itself
+            f.etcd_mut().restart().await;
+            t0.elapsed()
+        }
+        Fault::EtcdPause(d) => {
+            f.etcd().signal(Signal::SIGSTOP);
+            tokio::time::sleep(d).await; // the fault itself
+            f.etcd().signal(Signal::SIGCONT);
+            t0.elapsed()
+        }
+        Fault::Partition(cut, d) => {
+            match cut {
+                Cut::Refuse => f.etcd_proxy().cut(),
+                Cut::Blackhole => f.etcd_proxy().blackhole(),
+            }
+            let cut_at = t0.elapsed();
+            tokio::time::sleep(d).await; // the fault itself
+            f.etcd_proxy().heal();
+            let healed = t0.elapsed();
+            primary_must_not_act = Some((cut_at + Duration::from_secs_f64(LEASE_TTL_S), healed));
+            healed
+        }
+        Fault::ClockJump(side, by) => {
+            clock.as_ref().expect("a clock").set(by);
+            let at = t0.elapsed();
+            // Over a TTL of renewals on the stepped clock: a skew-driven takeover shows here.
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            // The step reached the router: its handoff document's `at` (its wall clock).
+            let r = if side == Side::Primary { &p } else { &s };
+            let shown = r.handoff().await["at"].as_f64();
+            let real = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("wall clock")
+                .as_secs_f64();
+            match shown {
+                Some(t) if (t - real - by as f64).abs() < 2.0 => {
+                    notes.push(format!("{side:?} wall clock off by {:+.1} s", t - real));
+                }
+                _ => violations.push(format!(
+                    "the step did not reach the {side:?}: handoff at {shown:?}, real clock \
+                     {real:.1}, step {by:+} s (a broken test, not a finding)"
+                )),
+            }
+            at
+        }
+        Fault::DiskFull(d) | Fault::DiskReadOnly(d) => {
+            let state = f.state_path("primary");
+            let journal = p.journal.clone();
+            let started = Instant::now();
+            if let Fault::DiskFull(_) = scenario.fault {
+                let n = f.disk().fill();
+                notes.push(format!("disk filled with {n} bytes"));
+            } else {
+                f.disk().read_only(true);
+            }
+            // An action while the disk fails, acknowledged only if durable where a successor
+            // reads it (docs/ha.md): p1's drain cancelled after an acknowledged drain, p1
+            // drained again after an acknowledged readmission (none while a validation runs).
+            let p1 = vec!["p1".to_string()];
+            let action = match when {
+                Timing::AfterDrainAck => Some(("cancel-drain", json!({"engines": p1}))),
+                Timing::AfterReadmitAck => {
+                    Some(("drain", json!({"engines": p1, "deadline_s": 60})))
+                }
+                _ => None,
+            };
+            if let Some((name, body)) = action {
+                let st = post_in_background(&p, name, body)
+                    .await
+                    .unwrap_or(None)
+                    .map(|(st, _)| st);
+                notes.push(format!("{name} p1 on the failing disk: {st:?}"));
+                if st == Some(200) {
+                    acked.insert(
+                        0,
+                        if name == "drain" {
+                            Acked::Held(p1)
+                        } else {
+                            Acked::Active(p1)
+                        },
+                    );
+                }
+            }
+            state_file_whole(&state, "during the disk fault", &mut violations);
+            tokio::time::sleep(d.saturating_sub(started.elapsed())).await; // the fault itself
+            if let Fault::DiskFull(_) = scenario.fault {
+                f.disk().unfill();
+            } else {
+                f.disk().read_only(false);
+            }
+            if let Some(st) = p.probe().state().await {
+                notes.push(format!(
+                    "journal_dropped {}, journal_writes_failing {}",
+                    st.journal_dropped, st.journal_writes_failing
+                ));
+            }
+            p.proc.kill();
+            let end = t0.elapsed();
+            state_file_whole(&state, "after the disk fault", &mut violations);
+            let rows = journal_whole(&journal, &mut violations);
+            notes.push(format!("{rows} journal rows"));
+            end
+        }
     };
     let interrupted = match pending {
-        Some(h) => Some(h.await.unwrap_or(None)),
+        Some(h) => {
+            let answer = h.await.unwrap_or(None);
+            if let Some((st, error)) = answer.as_ref().filter(|(st, _)| *st != 200) {
+                notes.push(format!("readmission answered {st}: {error}"));
+            }
+            Some(answer.map(|(st, _)| st))
+        }
         None => None,
     };
     if interrupted == Some(Some(200)) {
         let engines = if when.wave() { all.clone() } else { p1.clone() };
         acked.insert(0, Acked::Active(engines));
     }
-    let mut violations = Vec::new();
     // Settle: one router controls the fleet (bounded well past the rule's TTL + 1 s, which
     // the samples judge).
     let routers = [&p, &s];
@@ -410,6 +819,36 @@ pub async fn run(scenario: Scenario) -> Outcome {
     let samples = sampler.stop().await;
     let (mut sample_violations, controller_after_s) = judge_samples(&samples, fault_end);
     violations.append(&mut sample_violations);
+    if let Some((from, to)) = primary_must_not_act {
+        for smp in samples.iter().filter(|x| x.at > from && x.at <= to) {
+            if active(&smp.value[0]) {
+                violations.push(format!(
+                    "the primary, cut off from etcd, still reported active at {:?} (after \
+                     {from:?}, a TTL past the cut)",
+                    smp.at
+                ));
+                break;
+            }
+        }
+    }
+    if let Fault::ClockJump(..) = scenario.fault {
+        judge_clock_step(&samples, fault_end, &mut violations);
+        if controller != Some(0) {
+            violations.push(format!(
+                "the fleet left its live, renewing holder after a wall-clock step (controller \
+                 at the end: {controller:?})"
+            ));
+        } else {
+            let now = p.ha().await;
+            if (now.epoch, now.holder.as_str()) != (epoch, holder.as_str()) {
+                violations.push(format!(
+                    "the lease moved after a wall-clock step: epoch {epoch} holder {holder} \
+                     before, epoch {} holder {} after",
+                    now.epoch, now.holder
+                ));
+            }
+        }
+    }
     let limit = LEASE_TTL_S + 1.0;
     match controller_after_s {
         Some(d) if d <= limit => {}
@@ -418,9 +857,37 @@ pub async fn run(scenario: Scenario) -> Outcome {
         )),
         None => violations.push("no controller sampled after the fault".into()),
     }
+    let mut end_epoch = None;
+    if let Some(k) = controller {
+        let ha = routers[k].ha().await;
+        notes.push(format!(
+            "controller at the end: {} (epoch {} before the fault, {} at the end)",
+            ["primary", "standby"][k],
+            epoch,
+            ha.epoch
+        ));
+        end_epoch = Some(ha.epoch);
+    }
+    // A readmission answered 503 (not acknowledged) or not at all may have taken effect: it
+    // stays in the memory of the router that made it (docs/ha.md, "Failover without loss"),
+    // which publishes it when it controls the fleet again under the same epoch. Only then is
+    // the engine's state undetermined; on a successor, or under a later epoch, the earlier
+    // acknowledged action must hold.
+    let same_control = controller == Some(0) && end_epoch == Some(epoch);
+    let undetermined: Vec<String> = match interrupted {
+        Some(None | Some(503)) if same_control => {
+            let engines = if when.wave() { all.clone() } else { p1.clone() };
+            notes.push(format!(
+                "{engines:?} undetermined: the unacknowledged readmission's router kept epoch \
+                 {epoch}"
+            ));
+            engines
+        }
+        _ => Vec::new(),
+    };
     match controller {
         None => violations.push("no router controls the fleet at the end".into()),
-        Some(k) => check_acked(routers[k], &f, &acked, &mut violations).await,
+        Some(k) => check_acked(routers[k], &f, &acked, &undetermined, &mut violations).await,
     }
     Outcome {
         scenario,
@@ -429,14 +896,44 @@ pub async fn run(scenario: Scenario) -> Outcome {
         samples: samples.len(),
         acked,
         interrupted,
+        notes,
     }
 }
 
-/// The newest acknowledged promise per engine holds on the controller `c`; engines held out
-/// get no traffic from it.
-async fn check_acked(c: &RouterHandle, f: &Fleet, acked: &[Acked], v: &mut Vec<String>) {
+/// A wall-clock step must not move the fleet: from the step on, the primary reports
+/// `active` whenever it answers, and the standby never does.
+fn judge_clock_step(samples: &[Sample<Pair>], step: Duration, v: &mut Vec<String>) {
+    for smp in samples.iter().filter(|x| x.at >= step) {
+        let [p, s] = &smp.value;
+        if let Some(p) = p.as_ref().filter(|p| p.controls != "active") {
+            v.push(format!(
+                "the primary reported {} at {:?} after a wall-clock step",
+                p.controls, smp.at
+            ));
+            return;
+        }
+        if active(s) {
+            v.push(format!(
+                "the standby reported active at {:?} after a wall-clock step",
+                smp.at
+            ));
+            return;
+        }
+    }
+}
+
+/// The newest acknowledged promise per engine holds on the controller `c` (except on the
+/// `undetermined` engines, whose newest request was not acknowledged and may have taken
+/// effect); engines held out get no traffic from it.
+async fn check_acked(
+    c: &RouterHandle,
+    f: &Fleet,
+    acked: &[Acked],
+    undetermined: &[String],
+    v: &mut Vec<String>,
+) {
     let lc = c.lifecycle().await;
-    let mut seen_iids = std::collections::BTreeSet::new();
+    let mut seen_iids: std::collections::BTreeSet<String> = undetermined.iter().cloned().collect();
     let mut held = Vec::new();
     for a in acked {
         let (iids, want_held) = match a {
@@ -489,12 +986,16 @@ async fn check_acked(c: &RouterHandle, f: &Fleet, acked: &[Acked], v: &mut Vec<S
     }
 }
 
-/// Runs `runs` random scenarios (timings in turn, from `seed`), `parallel` fleets at a
-/// time; outcomes in run order.
-pub async fn campaign(runs: usize, seed: u64, parallel: usize) -> Vec<Outcome> {
+/// Runs `runs` random scenarios of `mix` (timings and lease backends in turn, from `seed`),
+/// `parallel` fleets at a time; outcomes in run order.
+pub async fn campaign(runs: usize, seed: u64, parallel: usize, mix: Mix) -> Vec<Outcome> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let scenarios: Vec<Scenario> = (0..runs)
-        .map(|k| Scenario::random(Timing::ALL[k % Timing::ALL.len()], &mut rng))
+        .map(|k| {
+            let when = Timing::ALL[k % Timing::ALL.len()];
+            let lease = mix.leases[(k / Timing::ALL.len()) % mix.leases.len().max(1)];
+            Scenario::random(when, lease, mix.kinds, &mut rng)
+        })
         .collect();
     let mut out = Vec::new();
     for chunk in scenarios.chunks(parallel.max(1)) {
@@ -503,7 +1004,7 @@ pub async fn campaign(runs: usize, seed: u64, parallel: usize) -> Vec<Outcome> {
             match h.await {
                 Ok(o) => {
                     eprintln!(
-                        "[faults] {} -> {} (controller after {:?} s, {} samples, readmit {:?})",
+                        "[faults] {} -> {} (controller after {:?} s, {} samples, readmit {:?}{})",
                         o.scenario,
                         if o.violations.is_empty() {
                             "ok".to_string()
@@ -512,7 +1013,12 @@ pub async fn campaign(runs: usize, seed: u64, parallel: usize) -> Vec<Outcome> {
                         },
                         o.controller_after_s.map(|d| (d * 1000.0).round() / 1000.0),
                         o.samples,
-                        o.interrupted
+                        o.interrupted,
+                        if o.notes.is_empty() {
+                            String::new()
+                        } else {
+                            format!("; {}", o.notes.join("; "))
+                        }
                     );
                     out.push(o);
                 }
@@ -523,6 +1029,7 @@ pub async fn campaign(runs: usize, seed: u64, parallel: usize) -> Vec<Outcome> {
                     samples: 0,
                     acked: Vec::new(),
                     interrupted: None,
+                    notes: Vec::new(),
                 }),
             }
         }
@@ -536,13 +1043,16 @@ pub fn summary(outcomes: &[Outcome]) -> String {
     use std::collections::BTreeMap;
     let mut by: BTreeMap<String, (usize, usize)> = BTreeMap::new();
     for o in outcomes {
-        let kind = match o.scenario.fault {
-            Fault::Kill => "kill",
-            Fault::Pause(_) => "pause",
-            Fault::PauseBoth(..) => "pause both",
+        let lease = match o.scenario.lease {
+            LeaseBackend::File => "file",
+            LeaseBackend::Etcd => "etcd",
         };
         let e = by
-            .entry(format!("{:?} {kind}", o.scenario.when))
+            .entry(format!(
+                "[{lease}] {} {:?}",
+                o.scenario.fault.name(),
+                o.scenario.when
+            ))
             .or_default();
         e.0 += 1;
         e.1 += usize::from(o.violations.is_empty());
@@ -566,4 +1076,74 @@ pub fn summary(outcomes: &[Outcome]) -> String {
         text.push_str(&format!("  FAILED {}: {:?}\n", o.scenario, o.violations));
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(controls: &str) -> Option<Seen> {
+        Some(Seen {
+            controls: controls.into(),
+            served: 0,
+            ready_to_stop: false,
+        })
+    }
+
+    fn at(ms: u64, pair: Pair) -> Sample<Pair> {
+        Sample {
+            at: Duration::from_millis(ms),
+            value: pair,
+        }
+    }
+
+    #[test]
+    fn a_torn_state_file_is_a_violation_an_absent_or_whole_one_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("primary.state.json");
+        let mut v = Vec::new();
+        state_file_whole(&path, "now", &mut v);
+        std::fs::write(&path, br#"{"epoch": 1}"#).unwrap();
+        state_file_whole(&path, "now", &mut v);
+        assert!(v.is_empty(), "{v:?}");
+        std::fs::write(&path, br#"{"epoch": 1, "eng"#).unwrap();
+        state_file_whole(&path, "now", &mut v);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(v[0].contains("torn now"), "{v:?}");
+    }
+
+    #[test]
+    fn a_journal_cut_mid_row_is_a_violation() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("j.jsonl");
+        std::fs::write(&path, "{\"a\":1}\n{\"b\":2}\n").unwrap();
+        let mut v = Vec::new();
+        assert_eq!(journal_whole(&path, &mut v), 2);
+        assert!(v.is_empty(), "{v:?}");
+        std::fs::write(&path, "{\"a\":1}\n{\"b\":").unwrap();
+        journal_whole(&path, &mut v);
+        assert_eq!(v.len(), 2, "a broken line and no final newline: {v:?}");
+    }
+
+    #[test]
+    fn a_clock_step_that_moves_the_fleet_is_a_violation() {
+        let ok = [
+            at(100, [seen("active"), seen("standby")]),
+            at(200, [None, seen("standby")]),
+            at(300, [seen("active"), seen("standby")]),
+        ];
+        let mut v = Vec::new();
+        judge_clock_step(&ok, Duration::from_millis(50), &mut v);
+        assert!(v.is_empty(), "{v:?}");
+        let moved = [
+            at(100, [seen("active"), seen("standby")]),
+            at(200, [seen("fenced"), seen("active")]),
+        ];
+        judge_clock_step(&moved, Duration::from_millis(50), &mut v);
+        assert_eq!(v.len(), 1, "{v:?}");
+        // Before the step, the rule does not apply.
+        let mut v = Vec::new();
+        judge_clock_step(&moved, Duration::from_millis(250), &mut v);
+        assert!(v.is_empty(), "{v:?}");
+    }
 }

@@ -24,9 +24,11 @@ use tempfile::TempDir;
 
 use crate::agent::{AgentHandle, start_agent_keyed};
 use crate::certs::{DevCerts, make_dev_certs};
+use crate::disk::Disk;
 use crate::etcd::{Etcd, free_port};
 use crate::http::Http;
 use crate::proc::read_json_file;
+use crate::proxy::Proxy;
 use crate::router::{Clients, FleetSpec, RouterHandle, handoff_file_where, launch_router_env};
 use crate::sim::{EngineSpec, SimHandle, start_sim};
 
@@ -76,6 +78,9 @@ pub struct FleetBuilder {
     lease: Option<LeaseBackend>,
     routers: Routers,
     engine_key: Option<String>,
+    etcd_proxy: bool,
+    label_env: Vec<(String, Vec<(String, String)>)>,
+    primary_disk: Option<u64>,
 }
 
 /// A running end-to-end world; every process is killed when it drops.
@@ -101,6 +106,13 @@ pub struct Fleet {
     lease: Option<Value>,
     control_tls: bool,
     etcd: Option<Etcd>,
+    /// The primary's way to etcd, with [`FleetBuilder::primary_etcd_through_a_proxy`].
+    etcd_proxy: Option<Proxy>,
+    /// Added to the environment of the router of that label ([`FleetBuilder::router_env`]).
+    label_env: Vec<(String, Vec<(String, String)>)>,
+    /// The primary's state file and journal disk ([`FleetBuilder::primary_disk`]); before
+    /// `dir`, so it is unmounted before the directory is removed.
+    disk: Option<Disk>,
     /// Added to every router's environment (the engine key of [`FleetBuilder::engine_api_key`]).
     router_env: Vec<(String, String)>,
     dir: TempDir,
@@ -126,6 +138,9 @@ impl Fleet {
             control_tls: false,
             lease: None,
             routers: Routers::One,
+            etcd_proxy: false,
+            label_env: Vec::new(),
+            primary_disk: None,
         }
     }
 
@@ -286,6 +301,29 @@ impl FleetBuilder {
         self
     }
 
+    /// With an etcd lease: the router labelled `primary` reaches etcd through a loopback TCP
+    /// [`Proxy`] the test can cut, blackhole and heal ([`Fleet::etcd_proxy`]), the others
+    /// directly: a partition between the primary and its lease store.
+    pub fn primary_etcd_through_a_proxy(mut self) -> Self {
+        self.etcd_proxy = true;
+        self
+    }
+
+    /// `env` added to the environment of the router labelled `label` (`primary`, `standby`),
+    /// for example a [`crate::faketime::MovableClock`]'s.
+    pub fn router_env(mut self, label: &str, env: Vec<(String, String)>) -> Self {
+        self.label_env.push((label.to_string(), env));
+        self
+    }
+
+    /// The router labelled `primary` keeps its state file (`recovery.state_path`) and its
+    /// journal on a disk of its own, a `tmpfs` of `bytes` bytes the test can fill or make
+    /// read-only ([`Fleet::disk`]; root only, see [`Disk`]).
+    pub fn primary_disk(mut self, bytes: u64) -> Self {
+        self.primary_disk = Some(bytes);
+        self
+    }
+
     /// No router: the test starts its own ([`Fleet::start_router`], [`Fleet::primary`]).
     pub fn no_router(mut self) -> Self {
         self.routers = Routers::None;
@@ -421,6 +459,13 @@ impl FleetBuilder {
                 (Some(l), Some(etcd))
             }
         };
+        let etcd_proxy = match (&etcd, self.etcd_proxy) {
+            (Some(e), true) => Some(Proxy::start(&e.endpoint).await),
+            _ => None,
+        };
+        let disk = self
+            .primary_disk
+            .map(|bytes| Disk::mount(&dir.path().join("disk"), bytes));
         let lease = lease.map(|mut l| {
             crate::router::merge(
                 &mut l,
@@ -441,6 +486,9 @@ impl FleetBuilder {
             lease,
             control_tls: self.control_tls,
             etcd,
+            etcd_proxy,
+            label_env: self.label_env.clone(),
+            disk,
             router_env,
             dir,
         };
@@ -590,9 +638,13 @@ impl Fleet {
 
     /// The state file of router `label`: `<label>.state.json` with a lease, else the one
     /// `state.json` every router of the fleet shares (so `--resume` finds it).
+    /// The primary's is on its disk with [`FleetBuilder::primary_disk`].
     pub fn state_path(&self, label: &str) -> PathBuf {
         match self.lease {
-            Some(_) => self.dir().join(format!("{label}.state.json")),
+            Some(_) => match &self.disk {
+                Some(d) if label == "primary" => d.path.join(format!("{label}.state.json")),
+                _ => self.dir().join(format!("{label}.state.json")),
+            },
             None => self.dir().join("state.json"),
         }
     }
@@ -609,6 +661,10 @@ impl Fleet {
             spec = spec.control_tls(self.certs(), cert);
         }
         if let Some(lease) = &self.lease {
+            let mut lease = lease.clone();
+            if let Some(p) = self.etcd_proxy.as_ref().filter(|_| label == "primary") {
+                lease["endpoints"] = json!([p.url]);
+            }
             spec = spec.with(json!({
                 "lease": lease,
                 "recovery": {"state_path": self.state_path(label)},
@@ -638,7 +694,27 @@ impl Fleet {
         env: &[(String, String)],
     ) -> RouterHandle {
         let doc = self.spec(label, cert).to_json(self.dir());
-        let env: Vec<(String, String)> = self.router_env.iter().chain(env).cloned().collect();
+        if let Some(d) = self.disk.as_ref().filter(|_| label == "primary") {
+            // The journal goes where the kit names it (`<label>.journal.jsonl`): a link to the
+            // disk.
+            let link = self.dir().join(format!("{label}.journal.jsonl"));
+            if std::fs::symlink_metadata(&link).is_err() {
+                std::os::unix::fs::symlink(d.path.join(format!("{label}.journal.jsonl")), &link)
+                    .expect("journal link");
+            }
+        }
+        let mine = self
+            .label_env
+            .iter()
+            .filter(|(l, _)| l == label)
+            .flat_map(|(_, e)| e.iter());
+        let env: Vec<(String, String)> = self
+            .router_env
+            .iter()
+            .chain(mine)
+            .chain(env)
+            .cloned()
+            .collect();
         launch_router_env(self.dir(), label, &doc, args, self.clients.clone(), &env)
             .unwrap_or_else(|e| panic!("router {label}: {e}"))
     }
@@ -744,6 +820,34 @@ impl Fleet {
     /// Without an etcd lease.
     pub fn etcd(&self) -> &Etcd {
         self.etcd.as_ref().expect("this fleet has no etcd")
+    }
+
+    /// [`Fleet::etcd`], mutable (to kill and restart it).
+    ///
+    /// # Panics
+    /// Without an etcd lease.
+    pub fn etcd_mut(&mut self) -> &mut Etcd {
+        self.etcd.as_mut().expect("this fleet has no etcd")
+    }
+
+    /// The proxy between the primary and etcd.
+    ///
+    /// # Panics
+    /// Without [`FleetBuilder::primary_etcd_through_a_proxy`] and an etcd lease.
+    pub fn etcd_proxy(&self) -> &Proxy {
+        self.etcd_proxy
+            .as_ref()
+            .expect("this fleet's primary reaches etcd directly")
+    }
+
+    /// The primary's state-file and journal disk.
+    ///
+    /// # Panics
+    /// Without [`FleetBuilder::primary_disk`].
+    pub fn disk(&self) -> &Disk {
+        self.disk
+            .as_ref()
+            .expect("this fleet has no disk of its own")
     }
 }
 

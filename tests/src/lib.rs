@@ -41,6 +41,7 @@ mod breaker;
 pub mod certs;
 mod controller;
 mod devup;
+pub mod disk;
 pub mod etcd;
 mod fake;
 pub mod faketime;

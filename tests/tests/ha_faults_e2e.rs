@@ -1,5 +1,5 @@
 //! HA under faults (docs/testing.md): the fault campaign's scenarios as end-to-end tests, on fresh
-//! fleets (2 prefill, 2 decode, one agent each, a 2 s file lease, a primary and a warm
+//! fleets (2 prefill, 2 decode, one agent each, a 2 s file or etcd lease, a primary and a warm
 //! standby), with traffic flowing and both routers sampled at 20 Hz. Each run asserts (the
 //! kit's `faults` module): no acknowledged action lost, never two active routers, a
 //! controller within TTL + 1 s of the fault ending, totals from the controlling router never
@@ -8,7 +8,14 @@
 //! - named scenarios: `kill -9` and `SIGSTOP` right after an acknowledged drain, a `SIGSTOP`
 //!   just past the TTL during readmission validation (alone, and with a standby stopped
 //!   longer, so the primary reclaims the lease itself), `kill -9` during a wave's readmission;
-//! - `fault_campaign`: randomized runs over every timing (`NARWHAL_FAULT_RUNS`, default 20;
+//!   one per new fault: etcd killed and restarted, etcd stopped past the TTL, the primary's
+//!   link to etcd refused or blackholed (also briefly, late in a validation), the primary's or
+//!   the standby's wall clock stepped, the primary's state-file and journal disk full or
+//!   read-only (needs root: a tmpfs mount);
+//! - `wide_fault_campaign`: randomized runs over the etcd, partition, clock and disk faults on
+//!   the etcd and file leases in turn (`NARWHAL_WIDE_FAULT_RUNS`, default 10);
+//! - `fault_campaign`: randomized process-fault runs over every timing, file lease
+//!   (`NARWHAL_FAULT_RUNS`, default 20;
 //!   `NARWHAL_FAULT_SEED` replays a campaign, its seed is printed; `NARWHAL_FAULT_PARALLEL`
 //!   fleets at a time, default 2). `narwhal-faults --runs N` runs the same by hand.
 //! - `takeover_gap_sixteen_engines` (ignored): the takeover-gap measurement of docs/ha.md.
@@ -17,7 +24,7 @@
 
 use std::time::{Duration, Instant};
 
-use narwhal_testkit::faults::{self, Fault, Outcome, Scenario, Timing};
+use narwhal_testkit::faults::{self, Cut, Fault, Mix, Outcome, Scenario, Side, Timing};
 use narwhal_testkit::{Fleet, LEASE_TTL_S, LeaseBackend, RouterHandle};
 use nix::sys::signal::Signal;
 use rand::Rng;
@@ -38,15 +45,22 @@ fn assert_passed(o: &Outcome) {
 }
 
 async fn scenario(when: Timing, fault: Fault, delay_ms: u64) {
+    scenario_on(LeaseBackend::File, when, fault, delay_ms).await;
+}
+
+async fn scenario_on(lease: LeaseBackend, when: Timing, fault: Fault, delay_ms: u64) {
     let s = Scenario {
         when,
         fault,
         delay: Duration::from_millis(delay_ms),
+        lease,
     };
     let o = faults::run(s).await;
     eprintln!(
-        "[ha_faults_e2e] {s}: controller {:?} s after the fault, {} samples",
-        o.controller_after_s, o.samples
+        "[ha_faults_e2e] {s}: controller {:?} s after the fault, {} samples; {}",
+        o.controller_after_s,
+        o.samples,
+        o.notes.join("; ")
     );
     assert_passed(&o);
 }
@@ -96,6 +110,87 @@ async fn kill_during_a_wave_readmission() {
     scenario(Timing::DuringWaveReadmit, Fault::Kill, 300).await;
 }
 
+/// etcd `kill -9` under the active router, right after an acknowledged drain, down for 3 s
+/// (past the primary's local validity), restarted on the same data directory: the drain
+/// holds on whoever controls the fleet after the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_killed_and_restarted_under_the_active_router() {
+    let fault = Fault::EtcdKill(Duration::from_secs(3));
+    scenario_on(LeaseBackend::Etcd, Timing::AfterDrainAck, fault, 30).await;
+}
+
+/// etcd stopped (`SIGSTOP`) just past the TTL during a readmission's validation, then
+/// continued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_paused_past_the_ttl_during_validation() {
+    let fault = Fault::EtcdPause(ttl() + Duration::from_millis(500));
+    scenario_on(LeaseBackend::Etcd, Timing::DuringValidation, fault, 250).await;
+}
+
+/// The primary's link to etcd refused for 3.5 s right after an acknowledged readmission: it
+/// stops acting before its lease can expire, the standby takes over, and after the heal the
+/// two never both report active.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn primary_cut_off_from_etcd() {
+    let fault = Fault::Partition(Cut::Refuse, Duration::from_millis(3500));
+    scenario_on(LeaseBackend::Etcd, Timing::AfterReadmitAck, fault, 30).await;
+}
+
+/// The same partition as a blackhole (connections silent, never refused), right after an
+/// acknowledged drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn primary_blackholed_from_etcd() {
+    let fault = Fault::Partition(Cut::Blackhole, Duration::from_millis(3500));
+    scenario_on(LeaseBackend::Etcd, Timing::AfterDrainAck, fault, 30).await;
+}
+
+/// A blackhole shorter than the primary's local validity, landing late in a readmission's
+/// validation (the store campaign's seed 11, run 64).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_blackhole_from_etcd_late_in_validation() {
+    let fault = Fault::Partition(Cut::Blackhole, Duration::from_millis(470));
+    scenario_on(LeaseBackend::Etcd, Timing::DuringValidation, fault, 882).await;
+}
+
+/// The primary's wall clock steps 90 s back right after an acknowledged drain (file lease):
+/// it keeps renewing, so it keeps the fleet, at the same epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn primary_wall_clock_steps_back() {
+    let fault = Fault::ClockJump(Side::Primary, -90);
+    scenario_on(LeaseBackend::File, Timing::AfterDrainAck, fault, 30).await;
+}
+
+/// The primary's wall clock steps 90 s ahead (etcd lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn primary_wall_clock_steps_ahead() {
+    let fault = Fault::ClockJump(Side::Primary, 90);
+    scenario_on(LeaseBackend::Etcd, Timing::AfterDrainAck, fault, 30).await;
+}
+
+/// The standby's wall clock steps 90 s ahead during a validation (file lease): it must not
+/// take the live lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_wall_clock_steps_ahead() {
+    let fault = Fault::ClockJump(Side::Standby, 90);
+    scenario_on(LeaseBackend::File, Timing::DuringValidation, fault, 250).await;
+}
+
+/// The primary's state-file and journal disk full for 2 s after an acknowledged drain; the
+/// drain is cancelled meanwhile; then the primary is killed: whatever was acknowledged
+/// holds on the standby, the state file parses, the journal holds whole rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disk_full_under_the_primary() {
+    let fault = Fault::DiskFull(Duration::from_secs(2));
+    scenario_on(LeaseBackend::File, Timing::AfterDrainAck, fault, 30).await;
+}
+
+/// The same with the disk read-only (etcd lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disk_read_only_under_the_primary() {
+    let fault = Fault::DiskReadOnly(Duration::from_secs(2));
+    scenario_on(LeaseBackend::Etcd, Timing::AfterReadmitAck, fault, 30).await;
+}
+
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
         .ok()
@@ -103,14 +198,26 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
-/// Randomized runs over every timing and both faults (20 in CI).
+/// Randomized runs over every timing and the process faults on the file lease (20 in CI).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fault_campaign() {
     let runs = env_or("NARWHAL_FAULT_RUNS", 20usize);
+    run_campaign("fault campaign", runs, Mix::PROCESS).await;
+}
+
+/// Randomized runs over every timing and the etcd, partition, clock and disk faults, on the
+/// etcd and file leases in turn (10 in CI; `NARWHAL_WIDE_FAULT_RUNS`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wide_fault_campaign() {
+    let runs = env_or("NARWHAL_WIDE_FAULT_RUNS", 10usize);
+    run_campaign("wide fault campaign", runs, Mix::WIDE).await;
+}
+
+async fn run_campaign(name: &str, runs: usize, mix: Mix) {
     let seed = env_or("NARWHAL_FAULT_SEED", rand::rng().random::<u64>());
     let parallel = env_or("NARWHAL_FAULT_PARALLEL", 2usize);
-    eprintln!("[ha_faults_e2e] fault campaign: {runs} runs, seed {seed} (NARWHAL_FAULT_SEED)");
-    let outcomes = faults::campaign(runs, seed, parallel).await;
+    eprintln!("[ha_faults_e2e] {name}: {runs} runs, seed {seed} (NARWHAL_FAULT_SEED)");
+    let outcomes = faults::campaign(runs, seed, parallel, mix).await;
     let summary = faults::summary(&outcomes);
     eprintln!("[ha_faults_e2e] seed {seed}:\n{summary}");
     assert!(
