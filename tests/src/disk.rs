@@ -45,6 +45,15 @@ fn mount(args: &[&str], at: &Path) -> Result<(), String> {
 }
 
 impl Disk {
+    /// Whether this machine lets the test kit mount a `tmpfs` (root with `CAP_SYS_ADMIN`): a
+    /// 64 KiB one is mounted on a temporary directory and removed. `Err` says why not.
+    pub fn mountable() -> Result<(), String> {
+        let dir = tempfile::tempdir().map_err(|e| format!("temporary directory: {e}"))?;
+        mount(&["-t", "tmpfs", "-o", "size=65536", "tmpfs"], dir.path())?;
+        let _ = Command::new("umount").arg("-l").arg(dir.path()).output();
+        Ok(())
+    }
+
     /// Mounts a `tmpfs` of `bytes` bytes on `path` (created when missing).
     ///
     /// # Panics

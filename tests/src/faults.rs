@@ -218,6 +218,12 @@ impl Mix {
         leases: &[LeaseBackend::Etcd, LeaseBackend::File],
         kinds: &[Kind::Etcd, Kind::Partition, Kind::Clock, Kind::Disk],
     };
+    /// [`Mix::WIDE`] without the disk faults, for a machine that refuses the `tmpfs` mount
+    /// they need.
+    pub const WIDE_WITHOUT_DISK: Mix = Mix {
+        leases: &[LeaseBackend::Etcd, LeaseBackend::File],
+        kinds: &[Kind::Etcd, Kind::Partition, Kind::Clock],
+    };
     /// The etcd and partition faults alone (etcd lease).
     pub const STORE: Mix = Mix {
         leases: &[LeaseBackend::Etcd],
