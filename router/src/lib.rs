@@ -126,6 +126,8 @@ mod documents;
 mod facts;
 mod failure;
 mod fleet;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod ha;
 mod ha_phase;
 mod handoff;
