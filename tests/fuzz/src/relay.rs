@@ -186,7 +186,7 @@ fn client_view(mut v: Value, opts: RelayOptions) -> Value {
             }
             if let Some(base) = opts.index_base {
                 let i = c.get("index").and_then(Value::as_u64).unwrap_or(0);
-                c.insert("index".into(), (base + i).into());
+                c.insert("index".into(), base.saturating_add(i).into());
             }
         }
     }
