@@ -735,8 +735,8 @@ fn frames_are_the_engines_bytes() {
 
 /// An engine choice index within the batch prompt's index of `u64::MAX` saturates, in the
 /// byte-level relay and in `reindex` alike: it overflowed (a panic with overflow checks, a
-/// wrap onto another prompt's choice without). Found by the `relay` fuzz target's property
-/// (tests/fuzz/regressions/relay/batch_index_overflow).
+/// wrap onto another prompt's choice without). Found writing the `relay` fuzz target's
+/// property (tests/fuzz/regressions/relay/batch_index_overflow).
 #[test]
 fn a_batch_index_near_u64_max_saturates() {
     let mut s = StreamState::new(RelayOptions {
