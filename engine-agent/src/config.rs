@@ -258,6 +258,14 @@ impl Config {
             key: "(document)".into(),
             message: e.to_string(),
         })?;
+        // serde reads a struct from an array too (its fields in order), and names the root
+        // "."; the config is an object, and a refusal says so.
+        if !value.is_object() {
+            return Err(ConfigError::Json {
+                key: "(document)".into(),
+                message: "the config must be a JSON object".into(),
+            });
+        }
         strip_comments(&mut value);
         let raw: RawConfig =
             serde_path_to_error::deserialize(value).map_err(|e| ConfigError::Json {
@@ -603,6 +611,20 @@ mod tests {
         let err = Config::parse(&v.to_string()).unwrap_err().to_string();
         assert!(err.contains("engines[1].process"), "{err}");
         assert!(err.contains("pid"), "{err}");
+    }
+
+    /// A config that is not an object is refused naming the document: serde named the root
+    /// "." (and would read an array of the fields in order as a config). Found by the
+    /// `agent_config` fuzz target's rule that a refusal names its key
+    /// (tests/fuzz/regressions/agent_config/root_not_object).
+    #[test]
+    fn a_config_that_is_not_an_object_is_refused_naming_the_document() {
+        for text in ["[]", "1", "\"x\"", "null"] {
+            match Config::parse(text) {
+                Err(ConfigError::Json { key, .. }) => assert_eq!(key, "(document)", "{text}"),
+                other => panic!("{text}: {other:?}"),
+            }
+        }
     }
 
     #[test]
