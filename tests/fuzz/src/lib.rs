@@ -28,9 +28,12 @@ pub mod kv_events;
 pub mod lifecycle;
 pub mod relay;
 
+/// A target's property: panics when it breaks for `data`.
+pub type Check = fn(&[u8]);
+
 /// Every target: its name (the folder under `corpus/` and `regressions/`, and the binary
 /// `fuzz-<name with - for _>`) and its check.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Check)] = &[
     ("ingress", ingress::check),
     ("relay", relay::check),
     ("handoff", handoff::check),
