@@ -267,13 +267,26 @@ impl Config {
             });
         }
         strip_comments(&mut value);
-        let raw: RawConfig =
-            serde_path_to_error::deserialize(value).map_err(|e| ConfigError::Json {
-                key: e.path().to_string(),
-                message: e.inner().to_string(),
-            })?;
+        let raw: RawConfig = serde_path_to_error::deserialize(value).map_err(|e| {
+            let message = e.inner().to_string();
+            let key = match e.path().to_string() {
+                // serde names the root "."; a missing top-level key is named by itself.
+                root if root == "." => missing_field(&message).unwrap_or("(document)").to_string(),
+                path => path,
+            };
+            ConfigError::Json { key, message }
+        })?;
         raw.validate()
     }
+}
+
+/// The key of serde's "missing field `x`" message.
+fn missing_field(message: &str) -> Option<&str> {
+    message
+        .strip_prefix("missing field `")?
+        .split('`')
+        .next()
+        .filter(|k| !k.is_empty())
 }
 
 impl RawConfig {
@@ -624,6 +637,18 @@ mod tests {
                 Err(ConfigError::Json { key, .. }) => assert_eq!(key, "(document)", "{text}"),
                 other => panic!("{text}: {other:?}"),
             }
+        }
+    }
+
+    /// A missing top-level key is named by itself, not serde's root ".". Found by the
+    /// `agent_config` fuzz target (tests/fuzz/regressions/agent_config/missing_top_level_key).
+    #[test]
+    fn a_missing_top_level_key_is_named() {
+        let mut v = base();
+        v.as_object_mut().unwrap().remove("agent_id");
+        match Config::parse(&v.to_string()) {
+            Err(ConfigError::Json { key, .. }) => assert_eq!(key, "agent_id"),
+            other => panic!("{other:?}"),
         }
     }
 

@@ -34,6 +34,7 @@ echo "== cargo afl build --release -p narwhal-fuzz --features afl"
 cargo afl build --release -p narwhal-fuzz --features afl --bins
 
 export AFL_SKIP_CPUFREQ=1 AFL_I_DONT_CARE_ABOUT_MISSING_CRASHES=1 AFL_NO_UI=1 AFL_NO_AFFINITY=1
+mkdir -p "$CARGO_TARGET_DIR/out"
 failed=()
 for t in "${targets[@]}"; do
   out="$CARGO_TARGET_DIR/out/$t"
@@ -42,7 +43,7 @@ for t in "${targets[@]}"; do
   # -t: a hang is an input that takes over 2 s (well above any parser's time, even loaded).
   cargo afl fuzz -i "tests/fuzz/corpus/$t" -o "$out" -V "$secs" -t 2000 \
     -- "$CARGO_TARGET_DIR/release/fuzz-${t//_/-}" >"$out.log" 2>&1 \
-    || { tail -20 "$out.log"; failed+=("$t (afl-fuzz failed)"); continue; }
+    || { tail -20 "$out.log" || true; failed+=("$t (afl-fuzz failed)"); continue; }
   stats="$out/default/fuzzer_stats"
   get() { sed -n "s/^$1 *: //p" "$stats"; }
   echo "   execs $(get execs_done), corpus $(get corpus_count), edges $(get edges_found)/$(get total_edges), crashes $(get saved_crashes), hangs $(get saved_hangs)"
