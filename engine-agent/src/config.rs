@@ -258,14 +258,35 @@ impl Config {
             key: "(document)".into(),
             message: e.to_string(),
         })?;
+        // serde reads a struct from an array too (its fields in order), and names the root
+        // "."; the config is an object, and a refusal says so.
+        if !value.is_object() {
+            return Err(ConfigError::Json {
+                key: "(document)".into(),
+                message: "the config must be a JSON object".into(),
+            });
+        }
         strip_comments(&mut value);
-        let raw: RawConfig =
-            serde_path_to_error::deserialize(value).map_err(|e| ConfigError::Json {
-                key: e.path().to_string(),
-                message: e.inner().to_string(),
-            })?;
+        let raw: RawConfig = serde_path_to_error::deserialize(value).map_err(|e| {
+            let message = e.inner().to_string();
+            let key = match e.path().to_string() {
+                // serde names the root "."; a missing top-level key is named by itself.
+                root if root == "." => missing_field(&message).unwrap_or("(document)").to_string(),
+                path => path,
+            };
+            ConfigError::Json { key, message }
+        })?;
         raw.validate()
     }
+}
+
+/// The key of serde's "missing field `x`" message.
+fn missing_field(message: &str) -> Option<&str> {
+    message
+        .strip_prefix("missing field `")?
+        .split('`')
+        .next()
+        .filter(|k| !k.is_empty())
 }
 
 impl RawConfig {
@@ -603,6 +624,32 @@ mod tests {
         let err = Config::parse(&v.to_string()).unwrap_err().to_string();
         assert!(err.contains("engines[1].process"), "{err}");
         assert!(err.contains("pid"), "{err}");
+    }
+
+    /// A config that is not an object is refused naming the document: serde named the root
+    /// "." (and would read an array of the fields in order as a config). Found by the
+    /// `agent_config` fuzz target's rule that a refusal names its key
+    /// (tests/fuzz/regressions/agent_config/root_not_object).
+    #[test]
+    fn a_config_that_is_not_an_object_is_refused_naming_the_document() {
+        for text in ["[]", "1", "\"x\"", "null"] {
+            match Config::parse(text) {
+                Err(ConfigError::Json { key, .. }) => assert_eq!(key, "(document)", "{text}"),
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+    }
+
+    /// A missing top-level key is named by itself, not serde's root ".". Found by the
+    /// `agent_config` fuzz target (tests/fuzz/regressions/agent_config/missing_top_level_key).
+    #[test]
+    fn a_missing_top_level_key_is_named() {
+        let mut v = base();
+        v.as_object_mut().unwrap().remove("agent_id");
+        match Config::parse(&v.to_string()) {
+            Err(ConfigError::Json { key, .. }) => assert_eq!(key, "agent_id"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

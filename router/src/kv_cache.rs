@@ -596,8 +596,9 @@ fn tokenize_engine(
         .map(|(e, _)| *e)
 }
 
-/// `[topic, seq (8 bytes BE), payload]` → `(seq, batch)`.
-fn parse(frames: &[Bytes]) -> Option<(u64, KvEventBatch)> {
+/// `[topic, seq (8 bytes BE), payload]` → `(seq, batch)`; `None` for any other frame shape
+/// or a payload [`decode_batch`] refuses.
+pub(crate) fn parse(frames: &[Bytes]) -> Option<(u64, KvEventBatch)> {
     let [_topic, seq, payload] = frames else {
         return None;
     };

@@ -350,7 +350,9 @@ impl Engine {
                 }
             }
         }
-        self.next_seq = Some(seq + 1);
+        // Saturating: an engine's batch numbered u64::MAX (never a real vLLM sequence, but
+        // any u64 arrives on the wire) must not panic or wrap the stream back to 0.
+        self.next_seq = Some(seq.saturating_add(1));
         self.last_batch = Some(now);
         self.awaiting = None;
         self.counters.batches += 1;

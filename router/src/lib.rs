@@ -43,6 +43,7 @@
 //! | 5 | `serve`, `documents`, `handoff`, `monitor` | the request pipeline; `/ready`, `/health`, `/narwhal/state`, `/metrics`; the handoff; breaker probes and the startup health wait |
 //! | 6 | `ha` (`primary`, `standby`), `http` | the lease loop and the warm standby; the listeners and routes |
 //! | 7 | `app`, `cli`, this root | wiring (`run`) and the command line |
+//! | 8 | `fuzzing` (only with the `fuzzing` feature) | entry points of the fuzz targets (`tests/fuzz`): ingress, lifecycle bodies, the KV event stream |
 //!
 //! Upper modules keep their own pure cores: `lifecycle::{machine, events, validation, check_error}`
 //! (drains, waves, readmission rules) and `ha::machine` (the standby's decisions) take `now`
@@ -126,6 +127,8 @@ mod documents;
 mod facts;
 mod failure;
 mod fleet;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod ha;
 mod ha_phase;
 mod handoff;

@@ -271,7 +271,14 @@ enum Val {
 struct Reader<'a> {
     buf: &'a [u8],
     at: usize,
+    /// Arrays and maps open around the value being read.
+    depth: usize,
 }
+
+/// Deepest nesting of arrays and maps decoded. A `KVEventBatch` nests four deep (batch,
+/// events, event, `extra_keys` entries); without a bound, a payload of nested arrays
+/// overflowed the decoding thread's stack and aborted the router.
+const MAX_DEPTH: usize = 32;
 
 impl Reader<'_> {
     fn err(&self, what: impl Into<String>) -> DecodeError {
@@ -304,6 +311,16 @@ impl Reader<'_> {
     }
 
     fn value(&mut self) -> Result<Val, DecodeError> {
+        if self.depth >= MAX_DEPTH {
+            return Err(self.err(format!("nesting at most {MAX_DEPTH} deep")));
+        }
+        self.depth += 1;
+        let v = self.one_value();
+        self.depth -= 1;
+        v
+    }
+
+    fn one_value(&mut self) -> Result<Val, DecodeError> {
         let b = self.take(1)?[0];
         let items = |r: &mut Self, n: usize| -> Result<Vec<Val>, DecodeError> {
             (0..n).map(|_| r.value()).collect()
@@ -498,6 +515,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<KvEventBatch, DecodeError> {
     let mut r = Reader {
         buf: payload,
         at: 0,
+        depth: 0,
     };
     let v = r.value()?;
     if r.at != payload.len() {
@@ -542,6 +560,17 @@ mod tests {
             group_idx: Some(0),
             session_id: None,
         }
+    }
+
+    /// A payload of deeply nested arrays is refused, not decoded by recursion until the
+    /// stack overflows (it aborted the process). Found by the `kv_events` fuzz target
+    /// (tests/fuzz/regressions/kv_events/deep_nesting).
+    #[test]
+    fn deeply_nested_payloads_are_refused_without_overflowing_the_stack() {
+        let mut deep = vec![0x91u8; 1_000_000];
+        deep.push(0xc0);
+        let err = decode_batch(&deep).unwrap_err();
+        assert!(err.what.contains("nesting"), "{err}");
     }
 
     #[test]

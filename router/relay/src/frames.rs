@@ -109,7 +109,9 @@ pub fn sum_usages<'a>(parts: impl IntoIterator<Item = &'a Value>) -> Value {
 
 /// Shifts every choice index of a chunk or answer by `base` (prompt `base` of a fanned-out
 /// batch: its engine answered choice 0) and drops a per-part `usage` (the merged answer
-/// carries one usage for the whole batch).
+/// carries one usage for the whole batch). The shift saturates: an engine index within
+/// `base` of `u64::MAX` becomes `u64::MAX`, never a panic or a wrap onto another prompt's
+/// choice.
 pub fn reindex(v: &mut Value, base: u64) {
     let Some(obj) = v.as_object_mut() else {
         return;
@@ -119,7 +121,7 @@ pub fn reindex(v: &mut Value, base: u64) {
         for ch in choices {
             if let Some(ch) = ch.as_object_mut() {
                 let i = ch.get("index").and_then(Value::as_u64).unwrap_or(0);
-                ch.insert("index".into(), (base + i).into());
+                ch.insert("index".into(), base.saturating_add(i).into());
             }
         }
     }

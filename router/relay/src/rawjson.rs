@@ -264,6 +264,7 @@ impl<'a> Cursor<'a> {
         }
         let int_end = i;
         let mut integer = true;
+        let mut exponent = false;
         if b.get(i) == Some(&b'.') {
             integer = false;
             i += 1;
@@ -278,6 +279,7 @@ impl<'a> Cursor<'a> {
         }
         if matches!(b.get(i), Some(b'e' | b'E')) {
             integer = false;
+            exponent = true;
             i += 1;
             if matches!(b.get(i), Some(b'+' | b'-')) {
                 i += 1;
@@ -290,6 +292,18 @@ impl<'a> Cursor<'a> {
                 self.pos = i;
                 return Err(self.err("invalid number"));
             }
+        }
+        // serde_json refuses a number whose f64 value is infinite ("number out of range"),
+        // which the grammar allows (`1e400`). Only an exponent or over 308 integer digits can
+        // get there, so only those are parsed.
+        if (exponent || int_end - int_start > 308)
+            && !std::str::from_utf8(&b[start..i])
+                .ok()
+                .and_then(|t| t.parse::<f64>().ok())
+                .is_some_and(f64::is_finite)
+        {
+            self.pos = start;
+            return Err(self.err("number out of range"));
         }
         self.pos = i;
         let value = if !integer || neg {
@@ -624,6 +638,32 @@ mod tests {
     fn escaped_keys_are_decoded() {
         let out = drop_members(r#"{"tok\u0065n_ids":[1],"k":2}"#, &["token_ids"]).unwrap();
         assert_eq!(out, r#"{"k":2}"#);
+    }
+
+    /// A number out of f64's range is refused, as serde_json refuses it; one that underflows
+    /// to zero is not. Found writing the `relay` fuzz target's serde_json property
+    /// (tests/fuzz/regressions/relay/number_out_of_range): the scanner accepted `1e400`, so
+    /// the relay forwarded such a frame to a streaming client while the aggregated answer,
+    /// read with serde_json, silently dropped it.
+    #[test]
+    fn numbers_out_of_range_are_refused_as_serde_json_refuses_them() {
+        let huge = format!("1{}", "0".repeat(400));
+        for text in [
+            "1e400",
+            "-1.5E+309",
+            "1e99999999999999999999",
+            huge.as_str(),
+        ] {
+            let mut c = Cursor::new(text.as_bytes(), Vec::new());
+            assert!(c.value().is_err(), "{text}");
+            assert!(serde_json::from_str::<Value>(text).is_err(), "{text}");
+        }
+        for text in ["1e-400", "0e999", "1.7976931348623157e308", "-2.5e-5"] {
+            let mut c = Cursor::new(text.as_bytes(), Vec::new());
+            c.value().unwrap();
+            c.end().unwrap();
+            assert!(serde_json::from_str::<Value>(text).is_ok(), "{text}");
+        }
     }
 
     #[test]

@@ -585,7 +585,12 @@ fn scan_choice(
             }
             b"index" if base.is_some() => {
                 let (r, i) = c.uint()?;
-                c.edit(r, Repl::Uint(base.unwrap_or(0) + i.unwrap_or(0)));
+                // Saturating, as [`crate::reindex`]: an engine index near `u64::MAX` must
+                // neither panic nor wrap onto another prompt's choice.
+                c.edit(
+                    r,
+                    Repl::Uint(base.unwrap_or(0).saturating_add(i.unwrap_or(0))),
+                );
                 ch.has_index = true;
                 Keep::Yes
             }

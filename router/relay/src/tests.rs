@@ -733,6 +733,30 @@ fn frames_are_the_engines_bytes() {
     );
 }
 
+/// An engine choice index within the batch prompt's index of `u64::MAX` saturates, in the
+/// byte-level relay and in `reindex` alike: it overflowed (a panic with overflow checks, a
+/// wrap onto another prompt's choice without). Found writing the `relay` fuzz target's
+/// property (tests/fuzz/regressions/relay/batch_index_overflow).
+#[test]
+fn a_batch_index_near_u64_max_saturates() {
+    let mut s = StreamState::new(RelayOptions {
+        index_base: Some(3),
+        ..opts()
+    });
+    let (st, out) = step(
+        &mut s,
+        r#"{"choices":[{"index":18446744073709551615,"text":"a"}]}"#,
+    );
+    assert_eq!(st, RelayStep::Output);
+    assert_eq!(
+        out,
+        vec![json!({"choices": [{"index": u64::MAX, "text": "a"}]})]
+    );
+    let mut v = json!({"choices": [{"index": u64::MAX - 1}]});
+    reindex(&mut v, 3);
+    assert_eq!(v, json!({"choices": [{"index": u64::MAX}]}));
+}
+
 /// Prompt `k` of a fanned-out batch: its choices become choice `k` (an index added when
 /// the engine sent none), a chunk's usage is dropped, and the first chunk's head is kept.
 #[test]

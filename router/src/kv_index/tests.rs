@@ -127,6 +127,17 @@ fn sequence_rules() {
     assert_eq!(ix.sequence(0, 0, false), Seq::Restarted);
 }
 
+/// A batch numbered `u64::MAX` is applied without overflowing the next expected number
+/// (it panicked with overflow checks and wrapped to 0 without). Found by the `kv_events`
+/// fuzz target (tests/fuzz/regressions/kv_events/seq_u64_max).
+#[test]
+fn a_batch_numbered_u64_max_does_not_overflow_the_sequence() {
+    let now = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
+    let mut ix = KvIndex::new(&[true]);
+    ix.apply(0, u64::MAX, &batch(vec![]), now);
+    assert_eq!(ix.next_seq(0), Some(u64::MAX));
+}
+
 #[test]
 fn a_restarted_sequence_drops_the_old_process_blocks() {
     let now = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);

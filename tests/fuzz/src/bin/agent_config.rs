@@ -1,0 +1,6 @@
+//! AFL++ entry point of the `agent_config` target: [`narwhal_fuzz::agent_config::check`] on each input
+//! (tests/fuzz/run.sh builds it with `cargo afl build --features afl`).
+
+fn main() {
+    afl::fuzz!(|data: &[u8]| narwhal_fuzz::agent_config::check(data));
+}
