@@ -46,19 +46,7 @@ pub fn wall_shifted(secs: i64) -> Vec<(String, String)> {
         ("FAKETIME".to_string(), format!("{secs:+}s")),
         ("FAKETIME_DONT_FAKE_MONOTONIC".to_string(), "1".to_string()),
     ];
-    let out = Command::new("date")
-        .arg("+%s")
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .output()
-        .unwrap_or_else(|e| panic!("date +%s under libfaketime: {e}"));
-    let shown: i64 = String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .parse()
-        .unwrap_or_else(|_| panic!("date +%s under libfaketime printed {out:?}"));
-    let real = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .expect("wall clock after 1970")
-        .as_secs() as i64;
+    let (shown, real) = date_under(env.iter().map(|(k, v)| (k, v)));
     assert!(
         (shown - real - secs).abs() <= 2,
         "libfaketime does not shift the clock here: date +%s under FAKETIME={secs:+}s printed \
@@ -88,19 +76,7 @@ impl MovableClock {
     pub fn new(file: PathBuf) -> MovableClock {
         let c = MovableClock { file };
         c.set(1000);
-        let out = Command::new("date")
-            .arg("+%s")
-            .envs(c.env())
-            .output()
-            .unwrap_or_else(|e| panic!("date +%s under libfaketime: {e}"));
-        let shown: i64 = String::from_utf8_lossy(&out.stdout)
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("date +%s under libfaketime printed {out:?}"));
-        let real = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .expect("wall clock after 1970")
-            .as_secs() as i64;
+        let (shown, real) = date_under(c.env());
         assert!(
             (shown - real - 1000).abs() <= 2,
             "libfaketime does not read FAKETIME_TIMESTAMP_FILE here: date +%s printed {shown}, \
@@ -137,4 +113,30 @@ impl MovableClock {
         std::fs::write(&tmp, format!("{secs:+}s\n")).expect("faketime offset");
         std::fs::rename(&tmp, &self.file).expect("faketime offset");
     }
+}
+
+/// `date +%s` run under `env`, and the real wall clock read just after: `(shown, real)` in
+/// seconds since the epoch.
+///
+/// # Panics
+/// When `date` cannot run or prints no number.
+fn date_under<K, V>(env: impl IntoIterator<Item = (K, V)>) -> (i64, i64)
+where
+    K: AsRef<std::ffi::OsStr>,
+    V: AsRef<std::ffi::OsStr>,
+{
+    let out = Command::new("date")
+        .arg("+%s")
+        .envs(env)
+        .output()
+        .unwrap_or_else(|e| panic!("date +%s under libfaketime: {e}"));
+    let shown: i64 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("date +%s under libfaketime printed {out:?}"));
+    let real = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("wall clock after 1970")
+        .as_secs() as i64;
+    (shown, real)
 }

@@ -62,14 +62,7 @@ pub fn check(data: &[u8]) {
     };
     static SIGNED: OnceLock<Vec<u8>> = OnceLock::new();
     let signed = SIGNED.get_or_init(|| canonical_json(&seed_payload()));
-    let expected = Expected {
-        agent_id: Some("gpu-a"),
-        iid: "e0",
-        nonce: NONCE,
-        epoch: 7,
-        holder: "router-a",
-        process: None,
-    };
+    let expected = expected();
     let accepted = [
         accepts::<AttestationPayload>(&doc, &expected),
         accepts::<GenerationPayload>(&doc, &expected),
@@ -83,6 +76,18 @@ pub fn check(data: &[u8]) {
             signed,
             "the verifier accepted a payload the key never signed"
         );
+    }
+}
+
+/// What the seed attestation was signed for: the checks every verification here expects.
+fn expected() -> Expected<'static> {
+    Expected {
+        agent_id: Some("gpu-a"),
+        iid: "e0",
+        nonce: NONCE,
+        epoch: 7,
+        holder: "router-a",
+        process: None,
     }
 }
 
@@ -100,14 +105,7 @@ mod tests {
     #[test]
     fn the_seed_verifies_and_a_changed_payload_does_not() {
         let doc = signed_seed();
-        let expected = Expected {
-            agent_id: Some("gpu-a"),
-            iid: "e0",
-            nonce: NONCE,
-            epoch: 7,
-            holder: "router-a",
-            process: None,
-        };
+        let expected = expected();
         assert!(accepts::<GenerationPayload>(&doc, &expected));
         let mut changed = doc.clone();
         changed.payload["result"]["tokens"] = json!(2);
