@@ -272,6 +272,9 @@ impl Config {
             let key = match e.path().to_string() {
                 // serde names the root "."; a missing top-level key is named by itself.
                 root if root == "." => missing_field(&message).unwrap_or("(document)").to_string(),
+                // An unknown top-level key that is the empty string is written as nothing;
+                // named as JSON, the refusal still says which key it is.
+                empty if empty.is_empty() => "\"\"".to_string(),
                 path => path,
             };
             ConfigError::Json { key, message }
@@ -637,6 +640,21 @@ mod tests {
                 Err(ConfigError::Json { key, .. }) => assert_eq!(key, "(document)", "{text}"),
                 other => panic!("{text}: {other:?}"),
             }
+        }
+    }
+
+    /// An unknown top-level key `""` is named as JSON: serde's path writes it as nothing.
+    /// Found by the `agent_config` fuzz target (tests/fuzz/regressions/agent_config/empty_key).
+    #[test]
+    fn an_unknown_empty_top_level_key_is_named_as_json() {
+        let mut v = base();
+        v[""] = serde_json::json!(1);
+        match Config::parse(&v.to_string()) {
+            Err(ConfigError::Json { key, message }) => {
+                assert_eq!(key, "\"\"", "{message}");
+                assert!(message.contains("unknown field"), "{message}");
+            }
+            other => panic!("{other:?}"),
         }
     }
 

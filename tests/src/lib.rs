@@ -49,6 +49,7 @@ pub mod faults;
 mod fleet;
 mod http;
 mod lifecycle;
+pub mod ports;
 mod proc;
 mod process;
 mod proxy;
@@ -80,6 +81,7 @@ pub use http::{
     Http, Reply, answer_text, count, http_client, metric, openai_request, sse_data, sse_text,
     strings,
 };
+pub use ports::engine_port;
 pub use proc::{
     ChildProc, ProcError, START_TIMEOUT, bin_path, eventually, poll_blocking, read_json_file,
     wait_until,

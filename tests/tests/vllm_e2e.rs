@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use narwhal_testkit::certs::make_dev_certs;
 use narwhal_testkit::{
-    AgentEngine, Clients, FleetSpec, Http, RouterHandle, free_port, http_client, launch_router,
+    AgentEngine, Clients, FleetSpec, Http, RouterHandle, engine_port, http_client, launch_router,
     start_agent_for, strings as strs, wait_until,
 };
 use serde_json::{Value, json};
@@ -109,28 +109,44 @@ fn venv() -> PathBuf {
 
 /// A real vLLM OpenAI server in its own process group (stopped by group on drop), restartable
 /// on the same ports.
+///
+/// Its API port and its `side` ports (NIXL side channel, KV-event publisher and replay) come
+/// from [`engine_port`], below the kernel's ephemeral range; `args` and `env` name side port `i`
+/// as `@port{i}@`, filled in at each start.
 struct Vllm {
     iid: String,
     port: u16,
     url: String,
+    side: Vec<u16>,
     venv: PathBuf,
     args: Vec<String>,
     env: Vec<(String, String)>,
     dir: PathBuf,
     log: PathBuf,
+    /// Length of the log when the running process was started: what it wrote begins here.
+    log_start: u64,
     child: Option<Child>,
-    /// Processes started on this port so far.
+    /// Processes started on these ports so far.
     starts: u32,
 }
 
 impl Vllm {
-    /// Starts `iid` on a free loopback port with extra `args` and `env`; does not wait.
-    fn spawn(venv: &Path, dir: &Path, iid: &str, args: &[String], env: &[(&str, String)]) -> Vllm {
-        let port = free_port();
+    /// Starts `iid` on a free loopback port with `side` more ports and extra `args` and `env`
+    /// (which name those as `@port0@`, `@port1@`...); does not wait.
+    fn spawn(
+        venv: &Path,
+        dir: &Path,
+        iid: &str,
+        side: usize,
+        args: &[String],
+        env: &[(&str, String)],
+    ) -> Vllm {
+        let port = engine_port();
         let mut v = Vllm {
             iid: iid.into(),
             port,
             url: format!("http://127.0.0.1:{port}"),
+            side: (0..side).map(|_| engine_port()).collect(),
             venv: venv.into(),
             args: args.to_vec(),
             env: env
@@ -139,6 +155,7 @@ impl Vllm {
                 .collect(),
             dir: dir.into(),
             log: dir.join(format!("{iid}.vllm.log")),
+            log_start: 0,
             child: None,
             starts: 0,
         };
@@ -146,7 +163,21 @@ impl Vllm {
         v
     }
 
-    /// Starts the process (again) on `self.port`.
+    /// Side port `i`, as the engine was last started with.
+    fn side(&self, i: usize) -> u16 {
+        self.side[i]
+    }
+
+    /// `s` with every `@port{i}@` replaced by side port `i`.
+    fn fill(&self, s: &str) -> String {
+        let mut s = s.to_string();
+        for (i, p) in self.side.iter().enumerate() {
+            s = s.replace(&format!("@port{i}@"), &p.to_string());
+        }
+        s
+    }
+
+    /// Starts the process (again) on `self.port` and `self.side`.
     fn start(&mut self) {
         assert!(self.child.is_none(), "{}: already running", self.iid);
         let log = std::fs::OpenOptions::new()
@@ -154,6 +185,7 @@ impl Vllm {
             .append(true)
             .open(&self.log)
             .expect("vLLM log");
+        self.log_start = log.metadata().map(|m| m.len()).unwrap_or(0);
         let tmp = self.dir.join(format!("{}.tmp", self.iid));
         std::fs::create_dir_all(&tmp).expect("vLLM TMPDIR");
         let mut cmd = Command::new(self.venv.join("bin/python"));
@@ -169,7 +201,7 @@ impl Vllm {
                 "--enforce-eager",
             ])
             .args(["--max-num-seqs", "16", "--seed", "0"])
-            .args(&self.args)
+            .args(self.args.iter().map(|a| self.fill(a)))
             .env("VLLM_CPU_KVCACHE_SPACE", "1")
             .env("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             .env("OMP_NUM_THREADS", "1")
@@ -184,7 +216,7 @@ impl Vllm {
             cmd.env_remove(k);
         }
         for (k, v) in &self.env {
-            cmd.env(k, v);
+            cmd.env(k, self.fill(v));
         }
         cmd.process_group(0)
             .stdin(Stdio::null())
@@ -195,10 +227,14 @@ impl Vllm {
     }
 
     /// Polls until the engine serves, at most [`ENGINE_START`]; the seconds it took. Serving
-    /// means `GET /v1/models` answers 200 naming [`MODEL`] while our process is alive: on a
-    /// shared machine another process may take the port between [`free_port`] and vLLM's bind
-    /// (vLLM then exits with "address already in use"; the first start moves to another port,
-    /// up to 3 times), and whatever that process answers on `/health` must not pass for vLLM.
+    /// means `GET /v1/models` answers 200 naming [`MODEL`] while our process is alive, and
+    /// whatever another process answers on that port must not pass for vLLM.
+    ///
+    /// A port can still be taken between [`engine_port`]'s check and vLLM's bind. vLLM then
+    /// says "Address already in use": the API server exits, but a NIXL side-channel listener
+    /// dies in its own thread and leaves an engine that never serves. Either way, as soon as
+    /// the log says so, a first start moves every port and starts again (up to 3 times); a
+    /// restart, which must keep its ports, fails at once with the log.
     async fn healthy(&mut self) -> f64 {
         let t0 = Instant::now();
         let http = http_client()
@@ -207,27 +243,40 @@ impl Vllm {
             .expect("client");
         let mut moves = 0;
         loop {
-            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
-                let tail = self.log_tail(40);
-                if self.starts == 1
-                    && moves < 3
-                    && tail.to_lowercase().contains("address already in use")
-                {
-                    moves += 1;
-                    self.child = None;
-                    self.port = free_port();
-                    self.url = format!("http://127.0.0.1:{}", self.port);
-                    eprintln!(
-                        "vllm_e2e: {}: port taken, moving to {}",
-                        self.iid, self.port
-                    );
-                    self.starts = 0;
-                    self.start();
-                    continue;
-                }
+            let exited = match self.child.as_mut().map(Child::try_wait) {
+                Some(Ok(Some(status))) => Some(status),
+                _ => None,
+            };
+            if self
+                .since_start()
+                .to_lowercase()
+                .contains("address already in use")
+            {
+                assert!(
+                    self.starts == 1 && moves < 3,
+                    "{}: a port is taken on start {} (move {moves}); log tail:\n{}",
+                    self.iid,
+                    self.starts,
+                    self.log_tail(40)
+                );
+                moves += 1;
+                self.stop();
+                self.port = engine_port();
+                self.url = format!("http://127.0.0.1:{}", self.port);
+                self.side = self.side.iter().map(|_| engine_port()).collect();
+                eprintln!(
+                    "vllm_e2e: {}: a port was taken, moving to {} and {:?}",
+                    self.iid, self.port, self.side
+                );
+                self.starts = 0;
+                self.start();
+                continue;
+            }
+            if let Some(status) = exited {
                 panic!(
-                    "{}: vLLM exited ({status}) before serving; log tail:\n{tail}",
-                    self.iid
+                    "{}: vLLM exited ({status}) before serving; log tail:\n{}",
+                    self.iid,
+                    self.log_tail(40)
                 );
             }
             let models = match http.get(format!("{}/v1/models", self.url)).send().await {
@@ -273,6 +322,13 @@ impl Vllm {
         while unsafe { libc::killpg(pgid, 0) } == 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// What the running process has written to the log so far.
+    fn since_start(&self) -> String {
+        let bytes = std::fs::read(&self.log).unwrap_or_default();
+        let from = (self.log_start as usize).min(bytes.len());
+        String::from_utf8_lossy(&bytes[from..]).into_owned()
     }
 
     fn log_tail(&self, n: usize) -> String {
@@ -539,23 +595,21 @@ async fn aggregated_fleet_on_real_vllm() {
     let _stage = STAGE.lock().await;
     let venv = venv();
     let dir = tempfile::tempdir().expect("tempdir");
-    let events = |pub_port: u16, replay: u16| {
-        json!({"enable_kv_cache_events": true, "publisher": "zmq",
-               "endpoint": format!("tcp://*:{pub_port}"),
-               "replay_endpoint": format!("tcp://*:{replay}"), "topic": "kv"})
-    };
-    let ports = [(free_port(), free_port()), (free_port(), free_port())];
+    // Side ports 0 and 1: the KV-event publisher and its replay socket.
+    let events = json!({"enable_kv_cache_events": true, "publisher": "zmq",
+                        "endpoint": "tcp://*:@port0@", "replay_endpoint": "tcp://*:@port1@",
+                        "topic": "kv"});
     let mut engines: Vec<Vllm> = ["e0", "e1"]
         .iter()
-        .zip(ports)
-        .map(|(iid, (p, r))| {
+        .map(|iid| {
             Vllm::spawn(
                 &venv,
                 dir.path(),
                 iid,
+                2,
                 &[
                     "--kv-events-config".into(),
-                    events(p, r).to_string(),
+                    events.to_string(),
                     "--enable-prompt-tokens-details".into(),
                 ],
                 &[],
@@ -565,15 +619,16 @@ async fn aggregated_fleet_on_real_vllm() {
     for e in &mut engines {
         e.healthy().await;
     }
-    let keys = |(p, r): (u16, u16)| {
-        json!({"kv_events": {"endpoint": format!("tcp://127.0.0.1:{p}"),
-                             "replay_endpoint": format!("tcp://127.0.0.1:{r}"), "topic": "kv"}})
+    let keys = |e: &Vllm| {
+        json!({"kv_events": {"endpoint": format!("tcp://127.0.0.1:{}", e.side(0)),
+                             "replay_endpoint": format!("tcp://127.0.0.1:{}", e.side(1)),
+                             "topic": "kv"}})
     };
     let r = router(
         dir.path(),
         &[
-            ("e0", &engines[0].url, "decode", keys(ports[0])),
-            ("e1", &engines[1].url, "decode", keys(ports[1])),
+            ("e0", &engines[0].url, "decode", keys(&engines[0])),
+            ("e1", &engines[1].url, "decode", keys(&engines[1])),
         ],
         json!({}),
     );
@@ -914,25 +969,26 @@ async fn pd_over_nixl_and_readmission_through_agents() {
         json!({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
             .to_string()
     };
-    let side = |port: u16| {
-        [
-            ("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1".to_string()),
-            ("VLLM_NIXL_SIDE_CHANNEL_PORT", port.to_string()),
-        ]
-    };
+    // Side port 0: the NIXL side channel.
+    let side = [
+        ("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1".to_string()),
+        ("VLLM_NIXL_SIDE_CHANNEL_PORT", "@port0@".to_string()),
+    ];
     let mut p0 = Vllm::spawn(
         &venv,
         dir.path(),
         "p0",
+        1,
         &["--kv-transfer-config".into(), kv("kv_producer")],
-        &side(free_port()),
+        &side,
     );
     let mut d0 = Vllm::spawn(
         &venv,
         dir.path(),
         "d0",
+        1,
         &["--kv-transfer-config".into(), kv("kv_consumer")],
-        &side(free_port()),
+        &side,
     );
     p0.healthy().await;
     d0.healthy().await;
