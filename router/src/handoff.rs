@@ -261,7 +261,8 @@ pub(crate) fn resume(parts: &Parts) -> Option<String> {
     Some(format!("handoff rejected: {reason}"))
 }
 
-/// Why the state file was not written ([`write_state`]); the previous file is intact.
+/// Why the state file was not written ([`write_state`]); the file holds a whole document, the
+/// previous one unless only the final directory fsync failed.
 #[derive(Debug, thiserror::Error)]
 enum StateFileError {
     /// The document failed validation or a file-system step failed.
@@ -286,7 +287,7 @@ async fn write_state(parts: &Parts, doc: Handoff) -> Result<(), StateFileError> 
         }
         Ok(Err(e)) => {
             parts.metrics.durability.state_write_failures.inc();
-            tracing::warn!(error = %e, "state file write failed; the previous file is intact");
+            tracing::warn!(error = %e, "state file write failed; the file holds a whole document, the previous one unless only the directory fsync failed");
             Err(StateFileError::Write(e))
         }
         Err(e) => {

@@ -1,15 +1,19 @@
 //! The one atomic, durable file replacement every file the product writes goes through (the
 //! router's state file and `--ready-file`, the lease record and the handoff beside it, the
 //! agent's fence and ready file): write a uniquely named sibling temp file, fsync it, rename it
-//! over the target, fsync the directory. A failure at any step leaves the previous file as it
-//! was and removes the temp file, so a reader sees the old bytes or the new ones, never a torn
-//! mix (docs/design/architecture.md 9.9: the reference renamed without the fsyncs).
+//! over the target, fsync the directory. A failure before the rename leaves the previous file as
+//! it was and removes the temp file; a failure of the last step (the directory's fsync) comes
+//! after the rename, so the target holds the new bytes, not known durable. Either way a reader
+//! sees the old bytes or the new ones, never a torn mix (docs/design/architecture.md 9.9: the
+//! reference renamed without the fsyncs).
 
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-/// A step of [`write_atomic`] failed; the target is untouched.
+/// A step of [`write_atomic`] failed. Before the rename (`create`, `write`, `fsync`,
+/// `rename`) the target is untouched; at `fsync directory` it already holds the new bytes, not
+/// known durable.
 #[derive(Debug, thiserror::Error)]
 #[error("{step} {path}: {source}")]
 pub struct AtomicWriteError {
@@ -34,7 +38,8 @@ pub fn parent_dir(path: &Path) -> &Path {
 /// two threads of one) never share one.
 ///
 /// # Errors
-/// [`AtomicWriteError`] naming the step and path; the previous file is left as it was.
+/// [`AtomicWriteError`] naming the step and path; the previous file is left as it was, but
+/// for a failed directory fsync, after the rename (see [`AtomicWriteError`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), AtomicWriteError> {
     let dir = parent_dir(path);
     let name = path

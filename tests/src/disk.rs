@@ -8,8 +8,9 @@
 //! refuses to remount a filesystem read-only while a file on it is open for writing (`EBUSY`),
 //! and the router keeps its journal open, so files opened from then on (every state-file
 //! write: a temporary file, then a rename) fail with `EROFS` while a file already open for
-//! writing (the journal) keeps writing; [`Disk::fill`] is the fault that reaches the journal. An fsync error (a disk that accepts writes and loses them) cannot be
-//! made here without a kernel module (`dm-flakey`, `dm-error`), so it is not offered.
+//! writing (the journal) keeps writing; [`Disk::fill`] is the fault that reaches the journal.
+//! An fsync error (a disk that accepts writes and loses them) is `crate::fsync`'s, which needs
+//! no mount.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -3,7 +3,8 @@
 //! warm standby), keeps traffic flowing, samples both routers at 20 Hz, performs a lifecycle
 //! action, and at a chosen point of it hits the fleet with a [`Fault`]: `kill -9` or `SIGSTOP`
 //! of the primary, etcd killed or stopped, the primary cut off from etcd, a router's wall clock
-//! stepped, the primary's state-file and journal disk full or read-only. Then it checks what
+//! stepped, the primary's state-file and journal disk full or read-only, or its state file's
+//! fsyncs failing. Then it checks what
 //! an operator relies on (and, per fault, what its docstring adds):
 //!
 //! - no acknowledged action lost: an action answered 200 holds on whichever router controls
@@ -143,6 +144,10 @@ pub enum Fault {
     /// fail with `EROFS`: every state-file write; the journal, opened before, keeps writing:
     /// see `crate::disk`).
     DiskReadOnly(Duration),
+    /// [`Fault::DiskFull`] with every fsync of the primary's state-file writes failing with
+    /// `EIO` instead (`crate::fsync`: the disk accepts the write and loses it), on whatever
+    /// disk the state file is; the journal is not fsynced and is untouched.
+    FsyncError(Duration),
 }
 
 /// The families of faults a campaign draws from ([`Mix`]).
@@ -156,8 +161,10 @@ pub enum Kind {
     Partition,
     /// [`Fault::ClockJump`].
     Clock,
-    /// [`Fault::DiskFull`], [`Fault::DiskReadOnly`].
+    /// [`Fault::DiskFull`], [`Fault::DiskReadOnly`] (a `tmpfs` mount: root only).
     Disk,
+    /// [`Fault::FsyncError`] (a preloaded library: no privilege needed).
+    Fsync,
 }
 
 impl Kind {
@@ -176,6 +183,7 @@ impl Fault {
             Fault::Partition(..) => Kind::Partition,
             Fault::ClockJump(..) => Kind::Clock,
             Fault::DiskFull(_) | Fault::DiskReadOnly(_) => Kind::Disk,
+            Fault::FsyncError(_) => Kind::Fsync,
         }
     }
 
@@ -193,6 +201,7 @@ impl Fault {
             Fault::ClockJump(Side::Standby, _) => "clock standby",
             Fault::DiskFull(_) => "disk full",
             Fault::DiskReadOnly(_) => "disk read-only",
+            Fault::FsyncError(_) => "fsync error",
         }
     }
 }
@@ -216,13 +225,19 @@ impl Mix {
     /// The store, network, clock and disk faults, on `file` and `etcd` in turn.
     pub const WIDE: Mix = Mix {
         leases: &[LeaseBackend::Etcd, LeaseBackend::File],
-        kinds: &[Kind::Etcd, Kind::Partition, Kind::Clock, Kind::Disk],
+        kinds: &[
+            Kind::Etcd,
+            Kind::Partition,
+            Kind::Clock,
+            Kind::Disk,
+            Kind::Fsync,
+        ],
     };
     /// [`Mix::WIDE`] without the disk faults, for a machine that refuses the `tmpfs` mount
     /// they need.
     pub const WIDE_WITHOUT_DISK: Mix = Mix {
         leases: &[LeaseBackend::Etcd, LeaseBackend::File],
-        kinds: &[Kind::Etcd, Kind::Partition, Kind::Clock],
+        kinds: &[Kind::Etcd, Kind::Partition, Kind::Clock, Kind::Fsync],
     };
     /// The etcd and partition faults alone (etcd lease).
     pub const STORE: Mix = Mix {
@@ -238,6 +253,7 @@ impl Mix {
             Kind::Partition,
             Kind::Clock,
             Kind::Disk,
+            Kind::Fsync,
         ],
     };
 }
@@ -274,6 +290,9 @@ impl fmt::Display for Scenario {
             Fault::DiskReadOnly(d) => {
                 format!("disk read-only {:.2} s, then kill -9", d.as_secs_f64())
             }
+            Fault::FsyncError(d) => {
+                format!("fsync errors {:.2} s, then kill -9", d.as_secs_f64())
+            }
         };
         let lease = match self.lease {
             LeaseBackend::File => "file",
@@ -298,7 +317,8 @@ impl Scenario {
     /// - etcd: `kill -9` of etcd, down 0.2-4 s, or `SIGSTOP` of it 10-1500 ms past the TTL;
     /// - partition: refused or blackholed, 0.3-4 s;
     /// - clock: the primary's or the standby's wall clock steps 5-120 s ahead or back;
-    /// - disk: full or read-only for 1-3 s.
+    /// - disk: full or read-only for 1-3 s;
+    /// - fsync: the state file's fsyncs fail for 1-3 s.
     pub fn random(
         when: Timing,
         lease: LeaseBackend,
@@ -338,6 +358,7 @@ impl Scenario {
             }
             Kind::Disk if rng.random_bool(0.5) => Fault::DiskFull(ms(rng, 1000, 3000)),
             Kind::Disk => Fault::DiskReadOnly(ms(rng, 1000, 3000)),
+            Kind::Fsync => Fault::FsyncError(ms(rng, 1000, 3000)),
         };
         let delay = if when.during() {
             Duration::from_millis(rng.random_range(50..900))
@@ -539,6 +560,7 @@ async fn fleet(scenario: &Scenario, clock: Option<&MovableClock>) -> Fleet {
             b = b.router_env(label, clock.expect("a clock").env());
         }
         Fault::DiskFull(_) | Fault::DiskReadOnly(_) => b = b.primary_disk(DISK_BYTES),
+        Fault::FsyncError(_) => b = b.primary_fsync_fault(),
         _ => {}
     }
     b.start().await
@@ -730,15 +752,26 @@ pub async fn run(scenario: Scenario) -> Outcome {
             }
             at
         }
-        Fault::DiskFull(d) | Fault::DiskReadOnly(d) => {
+        Fault::DiskFull(d) | Fault::DiskReadOnly(d) | Fault::FsyncError(d) => {
             let state = f.state_path("primary");
             let journal = p.journal.clone();
             let started = Instant::now();
-            if let Fault::DiskFull(_) = scenario.fault {
-                let n = f.disk().fill();
-                notes.push(format!("disk filled with {n} bytes"));
-            } else {
-                f.disk().read_only(true);
+            let write_failures = || async {
+                crate::http::metric(
+                    &p.metrics().await,
+                    "narwhal_state_write_failures_total",
+                    &[],
+                )
+                .unwrap_or(0.0)
+            };
+            let failures_before = write_failures().await;
+            match scenario.fault {
+                Fault::DiskFull(_) => {
+                    let n = f.disk().fill();
+                    notes.push(format!("disk filled with {n} bytes"));
+                }
+                Fault::DiskReadOnly(_) => f.disk().read_only(true),
+                _ => f.fsync_fault().fail(true),
             }
             // An action while the disk fails, acknowledged only if durable where a successor
             // reads it (docs/ha.md): p1's drain cancelled after an acknowledged drain, p1
@@ -751,6 +784,7 @@ pub async fn run(scenario: Scenario) -> Outcome {
                 }
                 _ => None,
             };
+            let acted = action.is_some();
             if let Some((name, body)) = action {
                 let st = post_in_background(&p, name, body)
                     .await
@@ -770,10 +804,19 @@ pub async fn run(scenario: Scenario) -> Outcome {
             }
             state_file_whole(&state, "during the disk fault", &mut violations);
             tokio::time::sleep(d.saturating_sub(started.elapsed())).await; // the fault itself
-            if let Fault::DiskFull(_) = scenario.fault {
-                f.disk().unfill();
-            } else {
-                f.disk().read_only(false);
+            let failed_writes = write_failures().await - failures_before;
+            notes.push(format!("{failed_writes} state-file writes failed"));
+            if acted && failed_writes < 1.0 {
+                violations.push(format!(
+                    "no state-file write failed under the {} fault (a broken test, not a \
+                     finding)",
+                    scenario.fault.name()
+                ));
+            }
+            match scenario.fault {
+                Fault::DiskFull(_) => f.disk().unfill(),
+                Fault::DiskReadOnly(_) => f.disk().read_only(false),
+                _ => f.fsync_fault().fail(false),
             }
             if let Some(st) = p.probe().state().await {
                 notes.push(format!(

@@ -26,6 +26,7 @@ use crate::agent::{AgentHandle, start_agent_keyed};
 use crate::certs::{DevCerts, make_dev_certs};
 use crate::disk::Disk;
 use crate::etcd::{Etcd, free_port};
+use crate::fsync::FsyncFault;
 use crate::http::Http;
 use crate::proc::read_json_file;
 use crate::proxy::Proxy;
@@ -81,6 +82,7 @@ pub struct FleetBuilder {
     etcd_proxy: bool,
     label_env: Vec<(String, Vec<(String, String)>)>,
     primary_disk: Option<u64>,
+    primary_fsync_fault: bool,
 }
 
 /// A running end-to-end world; every process is killed when it drops.
@@ -113,6 +115,8 @@ pub struct Fleet {
     /// The primary's state file and journal disk ([`FleetBuilder::primary_disk`]); before
     /// `dir`, so it is unmounted before the directory is removed.
     disk: Option<Disk>,
+    /// The primary's fsync fault ([`FleetBuilder::primary_fsync_fault`]).
+    fsync: Option<FsyncFault>,
     /// Added to every router's environment (the engine key of [`FleetBuilder::engine_api_key`]).
     router_env: Vec<(String, String)>,
     dir: TempDir,
@@ -141,6 +145,7 @@ impl Fleet {
             etcd_proxy: false,
             label_env: Vec::new(),
             primary_disk: None,
+            primary_fsync_fault: false,
         }
     }
 
@@ -324,6 +329,14 @@ impl FleetBuilder {
         self
     }
 
+    /// The router labelled `primary` runs under an fsync fault ([`Fleet::fsync_fault`],
+    /// [`FsyncFault`]), off until the test turns it on, that reaches the temp files of its
+    /// state-file writes (`.<state file name>...`, beside the state file), and nothing else.
+    pub fn primary_fsync_fault(mut self) -> Self {
+        self.primary_fsync_fault = true;
+        self
+    }
+
     /// No router: the test starts its own ([`Fleet::start_router`], [`Fleet::primary`]).
     pub fn no_router(mut self) -> Self {
         self.routers = Routers::None;
@@ -489,9 +502,19 @@ impl FleetBuilder {
             etcd_proxy,
             label_env: self.label_env.clone(),
             disk,
+            fsync: None,
             router_env,
             dir,
         };
+        if self.primary_fsync_fault {
+            let state = fleet.state_path("primary");
+            let name = state
+                .file_name()
+                .expect("a state file name")
+                .to_string_lossy();
+            let under = narwhal_shared::atomic::parent_dir(&state).join(format!(".{name}"));
+            fleet.fsync = Some(FsyncFault::new(&fleet.dir().join("fsync.flag"), &under));
+        }
         match (self.routers, fleet.lease.is_some()) {
             (Routers::None, _) => {}
             (Routers::One, false) => {
@@ -708,11 +731,18 @@ impl Fleet {
             .iter()
             .filter(|(l, _)| l == label)
             .flat_map(|(_, e)| e.iter());
+        let fsync = self
+            .fsync
+            .as_ref()
+            .filter(|_| label == "primary")
+            .map(FsyncFault::env)
+            .unwrap_or_default();
         let env: Vec<(String, String)> = self
             .router_env
             .iter()
             .chain(mine)
             .chain(env)
+            .chain(&fsync)
             .cloned()
             .collect();
         launch_router_env(self.dir(), label, &doc, args, self.clients.clone(), &env)
@@ -838,6 +868,16 @@ impl Fleet {
         self.etcd_proxy
             .as_ref()
             .expect("this fleet's primary reaches etcd directly")
+    }
+
+    /// The primary's fsync fault.
+    ///
+    /// # Panics
+    /// Without [`FleetBuilder::primary_fsync_fault`].
+    pub fn fsync_fault(&self) -> &FsyncFault {
+        self.fsync
+            .as_ref()
+            .expect("this fleet's primary runs under no fsync fault")
     }
 
     /// The primary's state-file and journal disk.

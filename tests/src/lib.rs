@@ -47,6 +47,7 @@ mod fake;
 pub mod faketime;
 pub mod faults;
 mod fleet;
+pub mod fsync;
 mod http;
 mod lifecycle;
 pub mod ports;

@@ -11,7 +11,7 @@
 //!   one per new fault: etcd killed and restarted, etcd stopped past the TTL, the primary's
 //!   link to etcd refused or blackholed (also briefly, late in a validation), the primary's or
 //!   the standby's wall clock stepped, the primary's state-file and journal disk full or
-//!   read-only (needs root: a tmpfs mount);
+//!   read-only (needs root: a tmpfs mount), its state file's fsyncs failing;
 //! - `wide_fault_campaign`: randomized runs over the etcd, partition, clock and disk faults on
 //!   the etcd and file leases in turn (`NARWHAL_WIDE_FAULT_RUNS`, default 10);
 //! - `fault_campaign`: randomized process-fault runs over every timing, file lease
@@ -197,6 +197,16 @@ async fn disk_read_only_under_the_primary() {
     scenario_on(LeaseBackend::Etcd, Timing::AfterReadmitAck, fault, 30).await;
 }
 
+/// Every fsync of the primary's state-file writes fails with `EIO` for 2 s after an
+/// acknowledged drain (etcd lease; no privilege needed); the drain is cancelled meanwhile;
+/// then the primary is killed: whatever was acknowledged holds on the standby, the state
+/// file parses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fsync_errors_under_the_primary() {
+    let fault = Fault::FsyncError(Duration::from_secs(2));
+    scenario_on(LeaseBackend::Etcd, Timing::AfterDrainAck, fault, 30).await;
+}
+
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
         .ok()
@@ -211,7 +221,7 @@ async fn fault_campaign() {
     run_campaign("fault campaign", runs, Mix::PROCESS).await;
 }
 
-/// Randomized runs over every timing and the etcd, partition, clock and disk faults, on the
+/// Randomized runs over every timing and the etcd, partition, clock, disk and fsync faults, on the
 /// etcd and file leases in turn (10 in CI; `NARWHAL_WIDE_FAULT_RUNS`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wide_fault_campaign() {
