@@ -415,6 +415,9 @@ impl Ha {
             LeaseLoss::HeldByAnother => "lease held by another router".to_string(),
             LeaseLoss::Lapsed => "lease renewal failed".to_string(),
             LeaseLoss::Unavailable(e) => format!("lease unavailable: {e}"),
+            LeaseLoss::Unconfirmed(e) => {
+                format!("lease store did not confirm a write, which may have landed: {e}")
+            }
         };
         self.status.send_modify(|s| {
             s.phase = if s.phase.standby() {

@@ -311,6 +311,21 @@ pub(crate) enum PublishError {
     /// durable copy).
     #[error("{0}")]
     StateFile(String),
+    /// Lease backend `none`: the state file was replaced but its directory's fsync failed,
+    /// so the new state is in the file, not known durable.
+    #[error("{0}")]
+    StateFileUnconfirmed(String),
+}
+
+impl PublishError {
+    /// Whether the new state was written and not confirmed ([`LeaseLoss::Unconfirmed`],
+    /// [`PublishError::StateFileUnconfirmed`]): where a successor reads, it may be there.
+    pub(crate) fn outcome_unknown(&self) -> bool {
+        matches!(
+            self,
+            PublishError::Lease(LeaseLoss::Unconfirmed(_)) | PublishError::StateFileUnconfirmed(_)
+        )
+    }
 }
 
 /// What decides whether a document changed since the last publish: everything but the write
@@ -362,9 +377,13 @@ pub(crate) async fn publish(parts: &Parts, takeover: bool) -> Result<bool, Publi
         return Ok(false);
     }
     if !lease.enabled() {
-        write_state(parts, doc)
-            .await
-            .map_err(|e| PublishError::StateFile(e.to_string()))?;
+        write_state(parts, doc).await.map_err(|e| match e {
+            StateFileError::Write(PersistError::Io {
+                step: "fsync directory",
+                ..
+            }) => PublishError::StateFileUnconfirmed(e.to_string()),
+            e => PublishError::StateFile(e.to_string()),
+        })?;
         *last = Some(key);
         return Ok(true);
     }
@@ -415,6 +434,17 @@ pub(crate) async fn acknowledge(
             let why = format!(
                 "not acknowledged: control under epoch {epoch}, which made the change, ended \
                  before it was durable; repeat the request"
+            );
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                parts.lifecycle.document(&why).into(),
+            )
+        }
+        Err(e) if e.outcome_unknown() => {
+            let why = format!(
+                "not acknowledged, outcome unknown: the lifecycle change was written and not \
+                 confirmed ({e}); it may be durable, and a successor may apply it: read \
+                 /narwhal/lifecycle, and repeat the request if the change is not there"
             );
             (
                 StatusCode::SERVICE_UNAVAILABLE,

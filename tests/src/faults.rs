@@ -4,14 +4,15 @@
 //! action, and at a chosen point of it hits the fleet with a [`Fault`]: `kill -9` or `SIGSTOP`
 //! of the primary, etcd killed or stopped, the primary cut off from etcd, a router's wall clock
 //! stepped, the primary's state-file and journal disk full or read-only, or its state file's
-//! fsyncs failing. Then it checks what
-//! an operator relies on (and, per fault, what its docstring adds):
+//! fsyncs failing. Then it checks what an operator relies on (and, per fault, what its
+//! docstring adds):
 //!
 //! - no acknowledged action lost: an action answered 200 holds on whichever router controls
 //!   the fleet at the end (a drained engine stays out of placement and gets no traffic, a
 //!   readmitted one is back); a later request answered 503 or not at all leaves its engine
 //!   undetermined only when the router that got it controls the fleet at the end under the
-//!   same epoch (its memory keeps the unacknowledged change, docs/ha.md);
+//!   same epoch (its memory keeps the unacknowledged change, docs/ha.md), or when the 503 says
+//!   its outcome is unknown (the lease store got the write and did not confirm it);
 //! - never two routers reporting `controls_fleet: active` in one sample;
 //! - a controller within TTL + 1 s of the fault ending (the kill, or the `SIGCONT`);
 //! - totals (`served`) read from the router that controls the fleet never go backwards;
@@ -243,6 +244,11 @@ impl Mix {
     pub const STORE: Mix = Mix {
         leases: &[LeaseBackend::Etcd],
         kinds: &[Kind::Etcd, Kind::Partition],
+    };
+    /// The disk and fsync faults alone, on `file` and `etcd` in turn.
+    pub const DISK: Mix = Mix {
+        leases: &[LeaseBackend::Etcd, LeaseBackend::File],
+        kinds: &[Kind::Disk, Kind::Fsync],
     };
     /// Every family, on `file` and `etcd` in turn.
     pub const ALL: Mix = Mix {
@@ -832,11 +838,15 @@ pub async fn run(scenario: Scenario) -> Outcome {
             end
         }
     };
+    // A 503 whose write reached the lease store unconfirmed (docs/ha.md): its outcome is
+    // unknown, and the store, so a successor, may hold it.
+    let mut outcome_unknown = false;
     let interrupted = match pending {
         Some(h) => {
             let answer = h.await.unwrap_or(None);
             if let Some((st, error)) = answer.as_ref().filter(|(st, _)| *st != 200) {
                 notes.push(format!("readmission answered {st}: {error}"));
+                outcome_unknown = *st == 503 && error.contains("outcome unknown");
             }
             Some(answer.map(|(st, _)| st))
         }
@@ -921,15 +931,20 @@ pub async fn run(scenario: Scenario) -> Outcome {
     // stays in the memory of the router that made it (docs/ha.md, "Failover without loss"),
     // which publishes it when it controls the fleet again under the same epoch. Only then is
     // the engine's state undetermined; on a successor, or under a later epoch, the earlier
-    // acknowledged action must hold.
+    // acknowledged action must hold, unless the 503 said its outcome is unknown (the lease
+    // store got the write and did not confirm it: a successor may read it).
     let same_control = controller == Some(0) && end_epoch == Some(epoch);
     let undetermined: Vec<String> = match interrupted {
-        Some(None | Some(503)) if same_control => {
+        Some(None | Some(503)) if same_control || outcome_unknown => {
             let engines = if when.wave() { all.clone() } else { p1.clone() };
-            notes.push(format!(
-                "{engines:?} undetermined: the unacknowledged readmission's router kept epoch \
-                 {epoch}"
-            ));
+            notes.push(if same_control {
+                format!(
+                    "{engines:?} undetermined: the unacknowledged readmission's router kept \
+                     epoch {epoch}"
+                )
+            } else {
+                format!("{engines:?} undetermined: the readmission's outcome is unknown")
+            });
             engines
         }
         _ => Vec::new(),

@@ -366,7 +366,8 @@ impl<S: LeaseStore> LeaseDriver<S> {
     /// The [`LeaseLoss`]: nothing held or local validity over (nothing is fenced then: a lapse
     /// is the renew loop's to report), or the store's verdict or error (the router is fenced at
     /// once, as for a failed renewal: the record is no longer ours, or the store could not
-    /// confirm it before local validity ended).
+    /// confirm it before local validity ended). [`LeaseLoss::Unconfirmed`] when the write was
+    /// sent and its outcome is unknown: the store may hold `doc`.
     pub async fn publish(&self, doc: Vec<u8>) -> Result<u64, LeaseLoss> {
         let Some(store) = &self.store else {
             return Ok(0);
@@ -385,7 +386,7 @@ impl<S: LeaseStore> LeaseDriver<S> {
                 Ok(Ok(Ok(()))) => Ok(epoch),
                 Ok(Ok(Err(loss))) => Err(loss),
                 Ok(Err(e)) => Err(e.into()),
-                Err(_) => Err(LeaseLoss::Unavailable(format!(
+                Err(_) => Err(LeaseLoss::Unconfirmed(format!(
                     "{} did not answer a publish before local validity ended",
                     store.describe()
                 ))),

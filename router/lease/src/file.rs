@@ -258,7 +258,17 @@ impl LeaseStore for FileLease {
         self.locked(move |me| {
             let current = me.read_unlocked()?;
             match core.may_publish(current.as_ref(), now) {
-                Ok(_) => me.replace_unlocked(&me.handoff_path, &doc).map(Ok),
+                Ok(_) => me
+                    .replace_unlocked(&me.handoff_path, &doc)
+                    .map(Ok)
+                    .map_err(|e| match e {
+                        // After the rename: the new document is in place, not known durable.
+                        LeaseError::Io {
+                            step: "fsync directory",
+                            ..
+                        } => LeaseError::Unconfirmed(Box::new(e)),
+                        e => e,
+                    }),
                 Err(loss) => Ok(Err(loss)),
             }
         })

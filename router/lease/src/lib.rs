@@ -73,6 +73,11 @@ pub enum LeaseError {
         /// What is wrong, naming the field.
         reason: String,
     },
+    /// A write was sent and not confirmed, so it may have landed: an etcd transaction that
+    /// failed or timed out after the request left, or a file whose directory fsync failed
+    /// after the rename. Becomes [`LeaseLoss::Unconfirmed`].
+    #[error("{0}")]
+    Unconfirmed(Box<LeaseError>),
     /// An etcd call failed or timed out.
     #[error("etcd {op} on {endpoints}: {message}")]
     Etcd {
@@ -87,7 +92,10 @@ pub enum LeaseError {
 
 impl From<LeaseError> for LeaseLoss {
     fn from(e: LeaseError) -> Self {
-        LeaseLoss::Unavailable(e.to_string())
+        match e {
+            LeaseError::Unconfirmed(e) => LeaseLoss::Unconfirmed(e.to_string()),
+            e => LeaseLoss::Unavailable(e.to_string()),
+        }
     }
 }
 

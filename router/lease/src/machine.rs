@@ -364,6 +364,12 @@ pub enum LeaseLoss {
     /// The backend could not be read or written.
     #[error("lease unavailable: {0}")]
     Unavailable(String),
+    /// A write this router sent was not confirmed (the answer timed out or the connection
+    /// broke after the request left; a file's directory fsync failed after the rename): the
+    /// store may hold it. A lifecycle action whose publish ends so is answered 503 saying its
+    /// outcome is unknown (docs/ha.md, "An acknowledged lifecycle action survives failover").
+    #[error("lease store did not confirm the write, which may have landed: {0}")]
+    Unconfirmed(String),
 }
 
 /// Whether this router drives the fleet (`router.controls_fleet`, architecture.md 9.1).

@@ -3,7 +3,8 @@
 //! standby), hits it right after an acknowledged drain or readmission, during validation, or
 //! during a wave, with a fault: `kill -9` or `SIGSTOP` of the primary, etcd killed or stopped,
 //! the primary cut off from etcd, a router's wall clock stepped, the primary's state-file and
-//! journal disk full or read-only (`--faults process|store|wide|all`), and judges it
+//! journal disk full or read-only, its state file's fsyncs failing
+//! (`--faults process|store|disk|wide|all`), and judges it
 //! (`narwhal_testkit::faults`). Prints every run and a summary; exits 1 when a run broke a
 //! rule. The disk faults mount a tmpfs: run it as root (a container's root will do).
 //!
@@ -35,9 +36,10 @@ struct Cli {
     #[arg(long, default_value_t = 2)]
     parallel: usize,
     /// Which faults: `process` (kill and pause of the primary, file lease), `store` (etcd
-    /// and partition faults, etcd lease), `wide` (etcd, partition, clock and disk faults, etcd
-    /// and file leases in turn) or `all`.
-    #[arg(long, default_value = "all", value_parser = ["process", "store", "wide", "all"])]
+    /// and partition faults, etcd lease), `disk` (disk full or read-only and fsync errors,
+    /// etcd and file leases in turn), `wide` (etcd, partition, clock, disk and fsync faults,
+    /// etcd and file leases in turn) or `all`.
+    #[arg(long, default_value = "all", value_parser = ["process", "store", "disk", "wide", "all"])]
     faults: String,
 }
 
@@ -48,6 +50,7 @@ async fn main() -> ExitCode {
     let mix = match cli.faults.as_str() {
         "process" => narwhal_testkit::faults::Mix::PROCESS,
         "store" => narwhal_testkit::faults::Mix::STORE,
+        "disk" => narwhal_testkit::faults::Mix::DISK,
         "wide" => narwhal_testkit::faults::Mix::WIDE,
         _ => narwhal_testkit::faults::Mix::ALL,
     };

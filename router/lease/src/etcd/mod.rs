@@ -758,13 +758,16 @@ impl LeaseStore for EtcdLease {
             return Ok(Err(loss));
         }
         let rev = current.as_ref().map(|(_, rev)| *rev);
+        // A transaction that fails once sent may still have been applied (etcd's own "request
+        // timed out" says only that the proposal did not commit in time).
         let won = self
             .txn(
                 st,
                 vec![Self::unchanged(&self.key, rev)],
                 vec![Self::put(&self.handoff_key, &doc, None)],
             )
-            .await?;
+            .await
+            .map_err(|e| LeaseError::Unconfirmed(Box::new(e)))?;
         if won {
             return Ok(Ok(()));
         }

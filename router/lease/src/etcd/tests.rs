@@ -162,25 +162,26 @@ fn access_files_are_read_at_construction_and_errors_name_the_key() {
     );
 }
 
-/// A one-endpoint stand-in for etcd's JSON gateway on loopback: `/v3/auth/authenticate`
-/// answers a token after `auth_delay` (etcd's bcrypt check on a loaded host), every other
-/// path an empty range at once, only with that token. Returns the endpoint and how many
-/// password checks it was asked for.
-async fn slow_password_gateway(
-    auth_delay: Duration,
-) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
-    use std::sync::atomic::{AtomicUsize, Ordering};
+/// How a fake gateway answers one request, from its head (request line and headers,
+/// lowercased): the JSON body (a `400` when it holds `"error"`), or `None` to never answer.
+type Answer = std::sync::Arc<
+    dyn Fn(String) -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<String>> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// A one-endpoint stand-in for etcd's JSON gateway on loopback, answering each request as
+/// `answer` says; returns the endpoint.
+async fn fake_gateway(answer: Answer) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    let checks = std::sync::Arc::new(AtomicUsize::new(0));
-    let counted = checks.clone();
     tokio::spawn(async move {
         loop {
             let Ok((mut conn, _)) = listener.accept().await else {
                 return;
             };
-            let counted = counted.clone();
+            let answer = answer.clone();
             tokio::spawn(async move {
                 loop {
                     let mut buf = Vec::new();
@@ -213,15 +214,10 @@ async fn slow_password_gateway(
                         }
                         buf.extend_from_slice(&chunk[..n]);
                     }
-                    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
-                    let body = if head.starts_with("POST /v3/auth/authenticate ") {
-                        counted.fetch_add(1, Ordering::SeqCst);
-                        tokio::time::sleep(auth_delay).await;
-                        r#"{"header":{"revision":"1"},"token":"tok"}"#
-                    } else if head.to_ascii_lowercase().contains("\r\nauthorization: tok") {
-                        r#"{"header":{"revision":"1"}}"#
-                    } else {
-                        r#"{"error":"etcdserver: user name is empty","code":3}"#
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                    let Some(body) = answer(head).await else {
+                        std::future::pending::<()>().await;
+                        return;
                     };
                     let status = if body.contains("\"error\"") {
                         "400 Bad Request"
@@ -239,7 +235,105 @@ async fn slow_password_gateway(
             });
         }
     });
-    (endpoint, checks)
+    endpoint
+}
+
+/// A fake gateway whose `/v3/auth/authenticate` answers a token after `auth_delay` (etcd's
+/// bcrypt check on a loaded host), every other path an empty range at once, only with that
+/// token. Returns the endpoint and how many password checks it was asked for.
+async fn slow_password_gateway(
+    auth_delay: Duration,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let checks = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = checks.clone();
+    let answer: Answer = std::sync::Arc::new(move |head: String| {
+        let counted = counted.clone();
+        Box::pin(async move {
+            Some(if head.starts_with("post /v3/auth/authenticate ") {
+                counted.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(auth_delay).await;
+                r#"{"header":{"revision":"1"},"token":"tok"}"#.to_string()
+            } else if head.contains("\r\nauthorization: tok") {
+                r#"{"header":{"revision":"1"}}"#.to_string()
+            } else {
+                r#"{"error":"etcdserver: user name is empty","code":3}"#.to_string()
+            })
+        })
+    });
+    (fake_gateway(answer).await, checks)
+}
+
+/// A publish whose transaction was sent and never answered ends `Unconfirmed`: etcd may
+/// still commit it, so the router must not tell the operator nothing was recorded. A publish
+/// that fails before anything is written (the record cannot be read) stays `Unavailable`.
+#[tokio::test]
+async fn a_publish_whose_transaction_goes_unanswered_is_unconfirmed() {
+    use narwhal_shared::{Clock as _, SystemClock};
+    let timing = crate::LeaseTiming {
+        ttl: Duration::from_secs(3),
+        renew_interval: Duration::from_millis(500),
+        safety_margin: Duration::from_millis(500),
+    };
+    let clock = SystemClock;
+    let now = clock.now();
+    let wall = clock.wall().unwrap();
+    let mut core = crate::Lease::new("r1".into(), timing);
+    let crate::Claim::Write(rec) = core.claim(None, now, wall) else {
+        panic!("a first claim writes");
+    };
+    core.granted(rec.epoch, now);
+    core.wrote(&rec, now);
+    let key = "/narwhal/fake/router-lease";
+    let range = json!({"header": {"revision": "7"}, "count": "1", "kvs": [{
+        "key": B64.encode(key), "value": B64.encode(render_record(&rec)),
+        "mod_revision": "7", "create_revision": "7", "version": "1"}]})
+    .to_string();
+    let endpoint = |range_answered: bool| {
+        let range = range.clone();
+        let answer: Answer = std::sync::Arc::new(move |head: String| {
+            let range = range.clone();
+            Box::pin(async move {
+                if head.starts_with("post /v3/kv/range ") {
+                    range_answered.then_some(range)
+                } else {
+                    None
+                }
+            })
+        });
+        fake_gateway(answer)
+    };
+    let lease = |endpoint: String| {
+        EtcdLease::with_access(
+            vec![endpoint],
+            key,
+            Duration::from_secs(3),
+            Duration::from_millis(250),
+            &EtcdAccess::default(),
+        )
+        .unwrap()
+    };
+
+    let sent = lease(endpoint(true).await);
+    let err = sent.publish(&core, now, b"{}".to_vec()).await.unwrap_err();
+    assert!(matches!(err, LeaseError::Unconfirmed(_)), "{err:?}");
+    assert!(err.to_string().contains("etcd txn on "), "{err}");
+    assert!(matches!(
+        crate::LeaseLoss::from(err),
+        crate::LeaseLoss::Unconfirmed(_)
+    ));
+
+    let unread = lease(endpoint(false).await);
+    let err = unread
+        .publish(&core, now, b"{}".to_vec())
+        .await
+        .unwrap_err();
+    assert!(!matches!(err, LeaseError::Unconfirmed(_)), "{err:?}");
+    assert!(err.to_string().contains("etcd get on "), "{err}");
+    assert!(matches!(
+        crate::LeaseLoss::from(err),
+        crate::LeaseLoss::Unavailable(_)
+    ));
 }
 
 /// etcd's password check outlasting the per-call bound (0.25 s here, a renew interval) is
