@@ -2,7 +2,8 @@
 //! (docs/design/model-check.md): every interleaving, up to the bounds, of two routers, the
 //! lease store, two engine agents with their epoch fences, an operator, engines that restart,
 //! a network that delays, reorders and drops the agents' calls, and the faults (kill, pause
-//! past the TTL, lease store unavailable, a wall clock that jumps).
+//! past the TTL, lease store unavailable, a publish that lands with its answer lost, a wall
+//! clock that jumps).
 //!
 //! The transitions are the product's own pure cores, not copies: the lease core ([`Lease`]:
 //! claim, renew, publish guard, validity, observer), the standby machine ([`Standby`]), the
@@ -172,6 +173,9 @@ pub(super) enum Action {
     Pause(usize),
     /// The lease store is unavailable for [`STORE_DOWN_TICKS`].
     StoreDown,
+    /// The lease store applies the next publish and its answer is lost (an etcd transaction
+    /// that times out after it committed): the writer sees `LeaseLoss::Unconfirmed`.
+    LoseReply,
     /// Router `i`'s wall clock jumps [`JUMP_S`] ahead.
     Jump(usize),
     /// Engine `e` restarts (a new process, a newer start).
@@ -246,6 +250,8 @@ pub(super) struct World {
     record: Option<LeaseRecord>,
     published: Option<Box<Handoff>>,
     store_down_until: u8,
+    /// [`Action::LoseReply`] is armed: the next publish lands and its answer is lost.
+    lose_reply: bool,
     routers: Vec<Router>,
     agents: Vec<FenceState>,
     /// Per engine: its process start (seconds); a restart makes it newer.
@@ -465,6 +471,15 @@ impl Narwhal {
             return Err(LeaseLoss::Unavailable("store down".into()));
         }
         match w.routers[i].lease.may_publish(w.record.as_ref(), now) {
+            Ok(epoch) if w.lose_reply => {
+                // Written, answer lost: the driver fences on any store error.
+                w.published = Some(self.document(w, i, epoch));
+                w.lose_reply = false;
+                let loss = LeaseLoss::Unconfirmed("answer lost".into());
+                w.routers[i].lease.fence(loss.clone());
+                self.fence(w, i);
+                Err(loss)
+            }
             Ok(epoch) => {
                 w.published = Some(self.document(w, i, epoch));
                 Ok(())

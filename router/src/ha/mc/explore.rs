@@ -34,6 +34,7 @@ impl Model for Narwhal {
             record: None,
             published: None,
             store_down_until: 0,
+            lose_reply: false,
             routers: vec![router("r0", false), router("r1", true)],
             agents: vec![FenceState::default(); ENGINES.len()],
             starts: [100, 200],
@@ -168,6 +169,9 @@ impl Model for Narwhal {
             }
             if self.store_up(w) {
                 actions.push(Action::StoreDown);
+                if !w.lose_reply {
+                    actions.push(Action::LoseReply);
+                }
             }
         }
     }
@@ -224,6 +228,10 @@ impl Model for Narwhal {
             Action::StoreDown => {
                 w.faults -= 1;
                 w.store_down_until = w.t + STORE_DOWN_TICKS;
+            }
+            Action::LoseReply => {
+                w.faults -= 1;
+                w.lose_reply = true;
             }
             Action::Jump(i) => {
                 w.faults -= 1;
