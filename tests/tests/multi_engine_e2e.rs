@@ -26,7 +26,10 @@ async fn engines_of_one_process_answer_independently_and_restart_together() {
     let (a, b) = (multi.engines[0].clone(), multi.engines[1].clone());
     assert_ne!(a.port, b.port, "each engine on its own port");
     assert_ne!(a.admin, b.admin, "each engine with its own admin listener");
-    assert_ne!(a.kv_port, b.kv_port, "each engine with its own side channel");
+    assert_ne!(
+        a.kv_port, b.kv_port,
+        "each engine with its own side channel"
+    );
     assert_eq!((a.engine_id.as_str(), b.engine_id.as_str()), ("m-0", "m-1"));
 
     // A fault armed on one engine is that engine's only.
@@ -39,7 +42,9 @@ async fn engines_of_one_process_answer_independently_and_restart_together() {
 
     // A completion on one engine is counted by that engine only; the engine port is the
     // engine's (no hooks), as in a one-engine process.
-    let r = http.post(format!("{}/v1/completions", a.url), &completion()).await;
+    let r = http
+        .post(format!("{}/v1/completions", a.url), &completion())
+        .await;
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(http.get(format!("{}/sim/stats", a.url)).await.status, 404);
     let stats = |e: &narwhal_testkit::MultiEngine| {

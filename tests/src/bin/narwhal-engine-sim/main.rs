@@ -509,7 +509,10 @@ fn ports_from(path: &Path, n: usize) -> Result<Vec<EnginePorts>, StartError> {
         .as_array()
         .ok_or_else(|| bad("no `engines` list (not a many-engine ready file)".into()))?;
     if list.len() != n {
-        return Err(bad(format!("lists {} engines, --engines is {n}", list.len())));
+        return Err(bad(format!(
+            "lists {} engines, --engines is {n}",
+            list.len()
+        )));
     }
     let addr = |v: &serde_json::Value, key: &str| -> Result<SocketAddr, StartError> {
         v[key]
