@@ -85,6 +85,8 @@ struct Row {
     sim_kib_per_engine: f64,
     router_mib: f64,
     agent_mib: f64,
+    /// The 1-minute load average when the row was measured.
+    load: f64,
     failures: Vec<String>,
 }
 
@@ -142,13 +144,13 @@ pub async fn main(argv: Vec<String>) -> std::process::ExitCode {
 fn print_row(r: &Row, header: bool) {
     if header {
         println!(
-            "| engines | per agent | agents | startup s | CPU µs/req | p50 c=1 ms | idle CPU % | /metrics B, ms | state B, ms | lifecycle B, ms | handoff B, ms | drain POST ms | readmit s | wave drain ms | wave readmit s | sim KiB/engine | router MiB | agent MiB |"
+            "| engines | per agent | agents | startup s | CPU µs/req | p50 c=1 ms | idle CPU % | /metrics B, ms | state B, ms | lifecycle B, ms | handoff B, ms | drain POST ms | readmit s | wave drain ms | wave readmit s | sim KiB/engine | router MiB | agent MiB | load |"
         );
-        println!("|{}", "---|".repeat(18));
+        println!("|{}", "---|".repeat(19));
     }
     let d = |(b, ms): (usize, f64)| format!("{b}, {ms:.2}");
     println!(
-        "| {} | {} | {} | {:.2} | {:.0} | {:.2} | {:.1} | {} | {} | {} | {} | {:.1} | {:.3} | {:.1} | {:.2} | {:.0} | {:.1} | {:.1} |",
+        "| {} | {} | {} | {:.2} | {:.0} | {:.2} | {:.1} | {} | {} | {} | {} | {:.1} | {:.3} | {:.1} | {:.2} | {:.0} | {:.1} | {:.1} | {:.1} |",
         r.engines,
         r.per_agent,
         r.agents,
@@ -167,6 +169,7 @@ fn print_row(r: &Row, header: bool) {
         r.sim_kib_per_engine,
         r.router_mib,
         r.agent_mib,
+        r.load,
     );
 }
 
@@ -441,6 +444,7 @@ async fn measure(args: &Args, n: usize, per_agent: usize) -> Result<Row, String>
         let short: String = body.to_string().chars().take(400).collect();
         row.failures.push(format!("wave readmit: {code} {short}"));
     }
+    row.load = procs::loadavg()[0];
     drop(router);
     drop(agents);
     Ok(row)
