@@ -106,3 +106,116 @@ fn many_engine_mode_refuses_fixed_ports_and_a_single_events_endpoint() {
         assert!(err.contains("--engines"), "{args:?}: {err}");
     }
 }
+
+/// A router and an agent over the engines of one many-engine process, each engine named by its
+/// port (`engines[].process.listen_port`): the startup identity check accepts the one process
+/// start for every engine, requests are served across them, and a whole wave (drain, restart
+/// of the process, readmit) passes the six checks for each engine, each with the new process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_readmits_a_wave_of_engines_sharing_one_process() {
+    use narwhal_testkit::certs::make_dev_certs;
+    use narwhal_testkit::{AgentEngine, Clients, FleetSpec, launch_router, start_agent_for};
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let mut multi = MultiSim::start(d, "multi", "vllm", 4, &[]).expect("simulators");
+    let certs = make_dev_certs(&d.join("certs"), &["router", "operator", "agent-h0"])
+        .expect("dev certificates");
+    let iids = ["p0", "p1", "d0", "d1"];
+    let engines: Vec<AgentEngine> = iids
+        .iter()
+        .zip(&multi.engines)
+        .map(|(iid, e)| AgentEngine {
+            iid: iid.to_string(),
+            url: e.url.clone(),
+            dialect: "vllm".into(),
+            port: e.port,
+        })
+        .collect();
+    let agent = start_agent_for(
+        d,
+        &certs,
+        "h0",
+        &engines,
+        None,
+        None,
+        json!({"engine_s": 5, "generation_s": 20}),
+    )
+    .expect("agent");
+    let mut spec = FleetSpec {
+        model: "tiny-sim".into(),
+        backend: "vllm".into(),
+        engines: engines
+            .iter()
+            .map(|e| {
+                let role = if e.iid.starts_with('p') {
+                    "prefill"
+                } else {
+                    "decode"
+                };
+                (e.iid.clone(), e.url.clone(), role.to_string())
+            })
+            .collect(),
+        overrides: json!({}),
+        agents: Default::default(),
+        pins: Default::default(),
+        engine_keys: Default::default(),
+    }
+    .tls(&certs, "router");
+    for iid in iids {
+        spec = spec.agent(iid, &agent);
+    }
+    let router = launch_router(
+        d,
+        "router",
+        &spec.to_json(d),
+        &[],
+        Clients::identity(&certs, "operator"),
+    )
+    .expect("router");
+    let first = router
+        .lifecycle_until("every engine's process accepted", |l| {
+            iids.iter().all(|i| l.process_starts.contains_key(*i))
+        })
+        .await;
+    let start = first.process_starts["p0"];
+    assert!(
+        iids.iter().all(|i| first.process_starts[*i] == start),
+        "one process, one start: {:?}",
+        first.process_starts
+    );
+    for n in 0..8 {
+        router
+            .complete(&format!("request {n} across the engines"))
+            .await;
+    }
+
+    let (code, doc) = router
+        .lifecycle_post_json("drain", &json!({"wave": true, "deadline_s": 30}))
+        .await;
+    assert_eq!(code, 200, "{doc}");
+    router
+        .lifecycle_until("the wave is ready to stop", |l| l.wave.ready_to_stop)
+        .await;
+    multi.restart().expect("restart the process");
+    let (code, doc) = router
+        .lifecycle_post_json("readmit", &json!({"wave": true}))
+        .await;
+    assert_eq!(code, 200, "{doc}");
+    let after = router.lifecycle().await;
+    for iid in iids {
+        let e = after.engine(iid).expect("engine");
+        assert!(
+            e.checks.iter().any(|c| c == "new process identity"),
+            "{iid}: {:?}",
+            e.checks
+        );
+        assert!(
+            e.checks.iter().any(|c| c == "final health"),
+            "{iid}: {:?}",
+            e.checks
+        );
+        assert!(after.process_starts[iid] > start, "{iid}: a newer start");
+    }
+    router.complete("served again after the wave").await;
+}
