@@ -10,6 +10,9 @@
 //!      ──► serve engine HTTP + admin HTTP + side channel + lease sweeper on a small runtime
 //! ```
 //!
+//! With `--engines N` the binding and serving steps run once per engine (each its own ports and
+//! [`Sim`]); the ready file lists them under `engines`, one lease sweeper serves them all.
+//!
 //! The full contract (flags, phases, fault API, stats fields) is in docs/engine-simulator.md.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
@@ -121,7 +124,8 @@ struct Cli {
     /// Context length in tokens (prompt + max_tokens).
     #[arg(long, default_value_t = 4096)]
     max_model_len: u64,
-    /// Write `{"url","admin","pid","engine_id","kv_port","bootstrap_port"}` here once serving.
+    /// Write `{"url","admin","pid","engine_id","kv_port","bootstrap_port"}` here once serving
+    /// (with `--engines`: `{"pid","engines":[...]}`, one such object per engine, without `pid`).
     #[arg(long)]
     ready_file: Option<PathBuf>,
     /// Runtime worker threads.
