@@ -12,7 +12,8 @@
 //!  documents    size (bytes) and median time of GET /metrics, /narwhal/state,
 //!               /narwhal/lifecycle, /narwhal/handoff over --reads reads each
 //!  lifecycle    drain POST of p0, its readmission after a restart (synchronous POST), then a
-//!               whole-fleet wave: drain POST, restart every engine, the synchronous readmit
+//!               whole-fleet wave: drain POST, restart every engine, the synchronous readmit,
+//!               and the CPU seconds the router and the agents used during that readmit
 //!  memory       RSS per engine of the simulators, the router's RSS, the agents' mean RSS
 //! ```
 //!
@@ -82,6 +83,8 @@ struct Row {
     readmit_s: f64,
     wave_drain_ms: f64,
     wave_readmit_s: f64,
+    /// CPU seconds the router and the agents (all together) used during the wave readmission.
+    wave_cpu_s: (f64, f64),
     sim_kib_per_engine: f64,
     router_mib: f64,
     agent_mib: f64,
@@ -144,13 +147,13 @@ pub async fn main(argv: Vec<String>) -> std::process::ExitCode {
 fn print_row(r: &Row, header: bool) {
     if header {
         println!(
-            "| engines | per agent | agents | startup s | CPU µs/req | p50 c=1 ms | idle CPU % | /metrics B, ms | state B, ms | lifecycle B, ms | handoff B, ms | drain POST ms | readmit s | wave drain ms | wave readmit s | sim KiB/engine | router MiB | agent MiB | load |"
+            "| engines | per agent | agents | startup s | CPU µs/req | p50 c=1 ms | idle CPU % | /metrics B, ms | state B, ms | lifecycle B, ms | handoff B, ms | drain POST ms | readmit s | wave drain ms | wave readmit s | wave CPU s router, agents | sim KiB/engine | router MiB | agent MiB | load |"
         );
-        println!("|{}", "---|".repeat(19));
+        println!("|{}", "---|".repeat(20));
     }
     let d = |(b, ms): (usize, f64)| format!("{b}, {ms:.2}");
     println!(
-        "| {} | {} | {} | {:.2} | {:.0} | {:.2} | {:.1} | {} | {} | {} | {} | {:.1} | {:.3} | {:.1} | {:.2} | {:.0} | {:.1} | {:.1} | {:.1} |",
+        "| {} | {} | {} | {:.2} | {:.0} | {:.2} | {:.1} | {} | {} | {} | {} | {:.1} | {:.3} | {:.1} | {:.2} | {:.2}, {:.2} | {:.0} | {:.1} | {:.1} | {:.1} |",
         r.engines,
         r.per_agent,
         r.agents,
@@ -166,6 +169,8 @@ fn print_row(r: &Row, header: bool) {
         r.readmit_s,
         r.wave_drain_ms,
         r.wave_readmit_s,
+        r.wave_cpu_s.0,
+        r.wave_cpu_s.1,
         r.sim_kib_per_engine,
         r.router_mib,
         r.agent_mib,
@@ -438,8 +443,15 @@ async fn measure(args: &Args, n: usize, per_agent: usize) -> Result<Row, String>
     multi
         .restart()
         .map_err(|e| format!("restart the simulators: {e}"))?;
+    let agent_ticks =
+        |agents: &[AgentHandle]| -> u64 { agents.iter().map(|a| ticks(a.proc.pid())).sum() };
+    let (router0, agents0) = (ticks(pid), agent_ticks(&agents));
     let (code, t, body) = post(&http, lc("readmit"), &json!({"wave": true})).await;
     row.wave_readmit_s = t;
+    row.wave_cpu_s = (
+        ticks(pid).saturating_sub(router0) as f64 / hz,
+        agent_ticks(&agents).saturating_sub(agents0) as f64 / hz,
+    );
     if code != 200 {
         let short: String = body.to_string().chars().take(400).collect();
         row.failures.push(format!("wave readmit: {code} {short}"));
