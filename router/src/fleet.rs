@@ -242,6 +242,28 @@ impl Fleet {
             .collect()
     }
 
+    /// `(engine, outstanding requests)` of every engine eligible for placement, config order,
+    /// read under one lock: what a request's KV score needs, without building name sets (a
+    /// per-request cost that grew with the fleet: two sets of every engine's name per request).
+    pub(crate) fn live_loads(&self) -> Vec<(usize, u32)> {
+        let state = self.lock();
+        state
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.is_live())
+            .map(|(i, s)| (i, s.outstanding()))
+            .collect()
+    }
+
+    /// The breaker incarnation of every engine, config order, read under one lock.
+    pub(crate) fn incarnations(&self) -> Vec<u64> {
+        let state = self.lock();
+        (0..self.names.len())
+            .map(|i| state.breaker.incarnation(i))
+            .collect()
+    }
+
     /// Whether the breaker has engine `iid` ejected.
     pub(crate) fn is_ejected(&self, iid: usize) -> bool {
         self.lock().breaker.is_ejected(iid)
@@ -660,6 +682,35 @@ mod tests {
         f.verified(0);
         assert_eq!(f.live_count(), 2);
         assert_eq!(f.live_names().len(), 2);
+    }
+
+    /// The live loads a KV score reads under one lock are the ones the name sets give:
+    /// live engines only, config order, each with its outstanding requests.
+    #[test]
+    fn live_loads_are_the_live_engines_with_their_outstanding_requests() {
+        let f = fleet();
+        assert_eq!(
+            f.live_loads(),
+            [],
+            "nothing live before its health answered"
+        );
+        f.admit_all();
+        let _a = f.resident(1, Phase::Decode);
+        let _b = f.resident(1, Phase::Prefill);
+        let by_names = |f: &Fleet| -> Vec<(usize, u32)> {
+            let (live, counts) = (f.live_names(), f.resident_counts());
+            (0..f.names().len())
+                .filter(|i| live.contains(&f.names()[*i]))
+                .map(|i| (i, counts[&f.names()[i]]))
+                .collect()
+        };
+        assert_eq!(f.live_loads(), [(0, 0), (1, 2)]);
+        assert_eq!(f.live_loads(), by_names(&f));
+        f.eject(0, EjectCause::ProcessIdentity);
+        assert_eq!(f.live_loads(), [(1, 2)]);
+        assert_eq!(f.live_loads(), by_names(&f));
+        assert_eq!(f.incarnations().len(), 2);
+        assert_eq!(f.incarnations()[1], f.incarnation(1));
     }
 
     /// Identity (an engine restarted in place): a reading whose known facts differ makes the engine

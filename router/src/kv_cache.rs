@@ -429,8 +429,11 @@ impl KvCache {
         let mut ix = self.lock();
         let mut chains: Vec<(u32, Vec<u64>)> = Vec::new();
         let mut credits = Vec::with_capacity(ix.len());
+        let incarnations = fleet.incarnations();
         for e in 0..ix.len() {
-            ix.sync_process(e, fleet.incarnation(e));
+            if let Some(&inc) = incarnations.get(e) {
+                ix.sync_process(e, inc);
+            }
             ix.expire(e, now);
             let bs = ix.credit_block_size(e);
             if !chains.iter().any(|(b, _)| *b == bs) {
@@ -565,13 +568,7 @@ impl KvCache {
 
 /// `(engine, resident requests)` of every live engine, config order.
 fn live_loads(fleet: &Fleet) -> Vec<(usize, u32)> {
-    let live = fleet.live_names();
-    let counts = fleet.resident_counts();
-    let names = fleet.names();
-    (0..names.len())
-        .filter(|i| live.contains(&names[*i]))
-        .map(|i| (i, counts.get(&names[i]).copied().unwrap_or(0)))
-        .collect()
+    fleet.live_loads()
 }
 
 /// The engine to ask `/tokenize` for a score: the least loaded of `live` (`(engine, resident

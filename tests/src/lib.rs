@@ -98,7 +98,7 @@ pub use router::{
 };
 pub use sampler::{Sample, Sampler};
 pub use scenario::{DECIDE, L1, L2, ONE_P_THREE_D, decided, pools, reason_of};
-pub use sim::{EngineSpec, SimHandle, start_sim};
+pub use sim::{EngineSpec, MultiEngine, MultiSim, SimHandle, start_sim};
 
 /// vLLM's KV events on the wire (msgpack batches, ZMQ frames): the router's codec in
 /// `narwhal-shared`, re-exported for the simulator and the tests.

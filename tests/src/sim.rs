@@ -332,3 +332,156 @@ fn finish_spawn(
         http: Http::new(Duration::from_secs(30)),
     })
 }
+
+/// One engine of a [`MultiSim`]: its own ports and engine id, in the shared process.
+#[derive(Debug, Clone)]
+pub struct MultiEngine {
+    /// Base URL of its OpenAI listener, `http://127.0.0.1:PORT`.
+    pub url: String,
+    /// The OpenAI listener's port (the agent's `engines[].process.listen_port`).
+    pub port: u16,
+    /// Base URL of its admin listener (test hooks), `http://127.0.0.1:PORT`.
+    pub admin: String,
+    /// vLLM NIXL side-channel port.
+    pub kv_port: Option<u16>,
+    /// Engine id (`remote_engine_id`) of the current process.
+    pub engine_id: String,
+}
+
+impl MultiEngine {
+    /// Base URL of this engine's test hooks (`<admin_url>/stats`, `<admin_url>/faults`).
+    pub fn admin_url(&self) -> String {
+        format!("{}/sim", self.admin)
+    }
+}
+
+/// One `narwhal-engine-sim --engines N` process serving N engines, each on its own ports
+/// with its own state (docs/engine-simulator.md, "Many engines in one process"). The engines
+/// share the process identity: a restart restarts all of them, on the same ports.
+#[derive(Debug)]
+pub struct MultiSim {
+    /// The process (killed on drop).
+    pub proc: ChildProc,
+    /// The engines, in the order of the ready file.
+    pub engines: Vec<MultiEngine>,
+    /// `vllm` or `sglang`.
+    pub dialect: String,
+    /// The flags it was started with (besides `--engines`, `--ready-file`, `--ports-from`).
+    pub sim_args: Vec<String>,
+    dir: PathBuf,
+    label: String,
+}
+
+impl MultiSim {
+    /// Starts `n` engines of `dialect` serving `tiny-sim` in one process labelled `label`
+    /// (its log in `dir`), with extra simulator flags `args`.
+    ///
+    /// # Errors
+    /// [`ProcError`] when the simulator does not start or its ready file is malformed.
+    pub fn start(
+        dir: &Path,
+        label: &str,
+        dialect: &str,
+        n: usize,
+        args: &[&str],
+    ) -> Result<MultiSim, ProcError> {
+        let mut sim_args: Vec<String> = ["--dialect", dialect, "--model", "tiny-sim"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        sim_args.extend(args.iter().map(|s| s.to_string()));
+        let (proc, engines) = Self::spawn(dir, label, n, &sim_args, false)?;
+        Ok(MultiSim {
+            proc,
+            engines,
+            dialect: dialect.to_string(),
+            sim_args,
+            dir: dir.to_path_buf(),
+            label: label.to_string(),
+        })
+    }
+
+    fn ready_path(dir: &Path, label: &str) -> PathBuf {
+        dir.join(format!("{label}.ready.json"))
+    }
+
+    fn spawn(
+        dir: &Path,
+        label: &str,
+        n: usize,
+        sim_args: &[String],
+        same_ports: bool,
+    ) -> Result<(ChildProc, Vec<MultiEngine>), ProcError> {
+        let ready = Self::ready_path(dir, label);
+        let mut cmd = Command::new(bin_path("narwhal-engine-sim"));
+        cmd.args(["--admin-listen", "127.0.0.1:0", "--engines", &n.to_string()]);
+        if same_ports {
+            cmd.arg("--ports-from").arg(&ready);
+        } else {
+            let _ = std::fs::remove_file(&ready);
+        }
+        cmd.arg("--ready-file").arg(&ready);
+        cmd.args(sim_args);
+        // A restart rewrites the file in place: wait for the new pid's document.
+        let proc = ChildProc::spawn(cmd, label, dir, START_TIMEOUT)?;
+        let doc = read_json_file(&ready);
+        let bad = |field: &'static str| ProcError::ReadyFile {
+            bin: "narwhal-engine-sim".into(),
+            path: ready.clone(),
+            field,
+            doc: doc.to_string(),
+        };
+        if doc["pid"].as_u64() != Some(u64::from(proc.pid())) {
+            return Err(bad("pid"));
+        }
+        let list = doc["engines"].as_array().ok_or_else(|| bad("engines"))?;
+        let as_port = |v: &Value| v.as_u64().and_then(|p| u16::try_from(p).ok());
+        let engines = list
+            .iter()
+            .map(|e| {
+                let url = e["url"].as_str().ok_or_else(|| bad("url"))?.to_string();
+                let port = url
+                    .rsplit(':')
+                    .next()
+                    .and_then(|p| p.parse().ok())
+                    .ok_or_else(|| bad("url"))?;
+                Ok(MultiEngine {
+                    url,
+                    port,
+                    admin: e["admin"].as_str().ok_or_else(|| bad("admin"))?.to_string(),
+                    kv_port: as_port(&e["kv_port"]),
+                    engine_id: e["engine_id"].as_str().unwrap_or_default().to_string(),
+                })
+            })
+            .collect::<Result<Vec<_>, ProcError>>()?;
+        Ok((proc, engines))
+    }
+
+    /// Stops the process (SIGKILL) and starts a new one serving the same engines on the same
+    /// ports (`--ports-from` its ready file): every engine restarted at once, new pid, new
+    /// process start, new engine ids.
+    ///
+    /// # Errors
+    /// [`ProcError`] when the new process does not start.
+    pub fn restart(&mut self) -> Result<(), ProcError> {
+        self.proc.kill();
+        let n = self.engines.len();
+        // As in [`SimHandle::restart`]: a port may be held for a moment by another process's
+        // ephemeral client connection on a busy machine.
+        let deadline = std::time::Instant::now() + crate::WAIT;
+        let (proc, engines) = loop {
+            match Self::spawn(&self.dir, &self.label, n, &self.sim_args, true) {
+                Err(e)
+                    if format!("{e:?}").contains("Address already in use")
+                        && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                other => break other?,
+            }
+        };
+        self.proc = proc;
+        self.engines = engines;
+        Ok(())
+    }
+}

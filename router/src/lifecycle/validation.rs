@@ -9,6 +9,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use futures_util::{StreamExt as _, stream};
+
 use super::check_error::CheckError;
 use super::machine::EngineOutcome;
 pub(crate) use crate::config::Role;
@@ -236,111 +238,88 @@ pub(crate) async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str)
     }
     let is_target = |i: &str| plan.targets.iter().any(|t| t == i);
 
-    // 1-3 (and generation for targets): per participant, sequentially.
+    // 1-4: each participant's checks in order, up to PARALLEL_ENGINES participants at a time;
+    // the outcomes are applied in participant order, so the report is the sequential one.
+    // (Futures collected before they are streamed: a stream over a closure's futures would
+    // make this future's `Send` depend on higher-ranked lifetimes the compiler cannot prove.)
+    let futures: Vec<_> = participants
+        .iter()
+        .map(|iid| first_steps(plan, checks, iid, peers.contains(iid), is_target(iid)))
+        .collect();
+    let steps: Vec<FirstSteps> = at_once(futures).await;
     let mut attested: BTreeMap<String, Attested> = BTreeMap::new();
-    for iid in &participants {
-        if let Err(e) = checks.health(iid).await {
-            report.fail(iid, format!("health did not answer 200: {e}"));
-            continue;
+    for (iid, s) in participants.iter().zip(steps) {
+        for check in s.passed {
+            report.pass(iid, check);
         }
-        report.pass(iid, "health");
-        let a = match checks.attest(iid).await {
-            Ok(a) => a,
-            Err(e) => {
-                report.fail(iid, format!("attestation: {e}"));
-                continue;
-            }
-        };
-        report.pass(iid, format!("attestation {}", a.fingerprint));
-        if peers.contains(iid)
-            && plan
-                .accepted_starts
-                .get(iid)
-                .is_some_and(|prev| *prev != a.identity.start)
-        {
-            report.fail(iid, "peer process changed before readmission");
+        if let Some(f) = s.failure {
+            report.fail(iid, f);
+        }
+        if s.changed_peer {
             report.changed_peers.push(iid.clone());
-            continue;
         }
-        if !a.models.contains(&plan.model) {
-            report.fail(
-                iid,
-                format!("serves {:?}, expected {}", a.models, plan.model),
-            );
-            continue;
-        }
-        report.pass(iid, "model");
-        if is_target(iid) {
-            match plan.restart_after.get(iid).copied().flatten() {
-                Some(old) if a.identity.start <= old => {
-                    report.fail(iid, "engine process did not restart after drain");
-                    continue;
-                }
-                Some(_) => report.pass(iid, "new process identity"),
-                None => report.pass(iid, "process identity"),
-            }
-            if !plan.direct_generation {
-                report
-                    .engines
-                    .get_mut(iid)
-                    .expect("target entry exists")
-                    .process_start = Some(a.identity.start);
-                attested.insert(iid.clone(), a);
-                continue;
-            }
-            match checks.generation(iid).await {
-                Ok(id) if id.key == a.identity.key => report.pass(iid, "generation"),
-                Ok(_) => {
-                    report.fail(
-                        iid,
-                        "identity changed or unavailable during validation: generation ran on another process",
-                    );
-                    continue;
-                }
-                Err(e) => {
-                    report.fail(iid, format!("generation failed: {e}"));
-                    continue;
-                }
-            }
+        if let Some(start) = s.process_start {
             report
                 .engines
                 .get_mut(iid)
                 .expect("target entry exists")
-                .process_start = Some(a.identity.start);
+                .process_start = Some(start);
         }
-        attested.insert(iid.clone(), a);
+        if let Some(a) = s.attested {
+            attested.insert(iid.clone(), a);
+        }
     }
     if !report.passed() {
         return report;
     }
 
-    // 5. Role-compatible KV transfer, each pair with identities re-checked on both sides.
+    // 5. Role-compatible KV transfer, each pair with identities re-checked on both sides. The
+    // pairs run in rounds of pairs that share no engine, each pair after every earlier pair of
+    // its engines, so each engine's transfers keep the pairs' order; the outcomes are applied
+    // in pair order.
     if pairs.is_empty() {
         for t in &plan.targets {
             report.pass(t, "fabric not applicable: no engine of the opposite role");
         }
     }
-    for (n, (src, dst)) in pairs.iter().enumerate() {
-        let id = format!("{check_id}-{n}");
-        let outcome = async {
-            let (kv, pid) = checks
-                .kv_produce(src, &id)
-                .await
-                .map_err(|e| format!("produce: {e}"))?;
-            if pid.key != attested[src].identity.key {
-                return Err(format!("{src} process changed during validation"));
-            }
-            let cid = checks
-                .kv_consume(dst, &id, kv)
-                .await
-                .map_err(|e| format!("consume: {e}"))?;
-            if cid.key != attested[dst].identity.key {
-                return Err(format!("{dst} process changed during validation"));
-            }
-            Ok(())
+    let mut outcomes: Vec<Option<Result<(), String>>> = vec![None; pairs.len()];
+    for round in pair_rounds(&pairs) {
+        let futures: Vec<_> = round
+            .into_iter()
+            .map(|n| {
+                let (src, dst) = &pairs[n];
+                let id = format!("{check_id}-{n}");
+                let attested = &attested;
+                async move {
+                    let outcome = async {
+                        let (kv, pid) = checks
+                            .kv_produce(src, &id)
+                            .await
+                            .map_err(|e| format!("produce: {e}"))?;
+                        if pid.key != attested[src].identity.key {
+                            return Err(format!("{src} process changed during validation"));
+                        }
+                        let cid = checks
+                            .kv_consume(dst, &id, kv)
+                            .await
+                            .map_err(|e| format!("consume: {e}"))?;
+                        if cid.key != attested[dst].identity.key {
+                            return Err(format!("{dst} process changed during validation"));
+                        }
+                        Ok(())
+                    }
+                    .await;
+                    (n, outcome)
+                }
+            })
+            .collect();
+        let done: Vec<(usize, Result<(), String>)> = at_once(futures).await;
+        for (n, o) in done {
+            outcomes[n] = Some(o);
         }
-        .await;
-        match outcome {
+    }
+    for ((src, dst), outcome) in pairs.iter().zip(outcomes) {
+        match outcome.expect("every pair ran in a round") {
             Ok(()) => {
                 report.pass(src, format!("fabric produce to {dst}"));
                 report.pass(dst, format!("fabric consume from {src}"));
@@ -391,18 +370,28 @@ pub(crate) async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str)
         return report;
     }
 
-    // 6. Final health, then the final identity recheck of every participant.
-    for t in &plan.targets {
-        match checks.health(t).await {
-            Ok(()) => report.pass(t, "final health"),
-            Err(_) => report.fail(t, "final health failed after fabric validation"),
+    // 6. Final health, then the final identity recheck of every participant (each up to
+    // PARALLEL_ENGINES at a time, applied in order).
+    let futures: Vec<_> = plan
+        .targets
+        .iter()
+        .map(|t| async move { checks.health(t).await.is_ok() })
+        .collect();
+    let healths: Vec<bool> = at_once(futures).await;
+    for (t, ok) in plan.targets.iter().zip(healths) {
+        if ok {
+            report.pass(t, "final health");
+        } else {
+            report.fail(t, "final health failed after fabric validation");
         }
     }
     if !report.passed() {
         return report;
     }
-    for iid in &participants {
-        match checks.attest(iid).await {
+    let futures: Vec<_> = participants.iter().map(|iid| checks.attest(iid)).collect();
+    let finals: Vec<Result<Attested, CheckError>> = at_once(futures).await;
+    for (iid, r) in participants.iter().zip(finals) {
+        match r {
             Ok(a) if a.identity.key == attested[iid].identity.key => {}
             Ok(_) => report.fail(
                 iid,
@@ -415,6 +404,119 @@ pub(crate) async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str)
         }
     }
     report
+}
+
+/// Participants whose checks run at once (each one's checks stay in order): enough that a
+/// wave of hundreds of engines is not validated one engine after another, few enough that an
+/// agent serving many engines is not asked everything at once.
+pub(crate) const PARALLEL_ENGINES: usize = 32;
+
+/// Runs `futures` up to [`PARALLEL_ENGINES`] at a time; their outputs in their order.
+async fn at_once<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
+    stream::iter(futures)
+        .buffered(PARALLEL_ENGINES)
+        .collect()
+        .await
+}
+
+/// What checks 1-4 found for one participant, in the order they ran.
+#[derive(Debug, Default)]
+struct FirstSteps {
+    /// The checks it passed, in order.
+    passed: Vec<String>,
+    /// The check that ended its checks.
+    failure: Option<String>,
+    /// A peer whose process changed behind the router's back.
+    changed_peer: bool,
+    /// A target's validated process start.
+    process_start: Option<f64>,
+    /// Its attestation, when it got past the model check.
+    attested: Option<Attested>,
+}
+
+/// Health, attestation, model and (for a target) the restart rule and direct generation of one
+/// participant, in that order; the first failure ends them.
+async fn first_steps<C: Checks>(
+    plan: &Plan,
+    checks: &C,
+    iid: &str,
+    is_peer: bool,
+    is_target: bool,
+) -> FirstSteps {
+    let mut s = FirstSteps::default();
+    let fail = |mut s: FirstSteps, f: String| {
+        s.failure = Some(f);
+        s
+    };
+    if let Err(e) = checks.health(iid).await {
+        return fail(s, format!("health did not answer 200: {e}"));
+    }
+    s.passed.push("health".into());
+    let a = match checks.attest(iid).await {
+        Ok(a) => a,
+        Err(e) => return fail(s, format!("attestation: {e}")),
+    };
+    s.passed.push(format!("attestation {}", a.fingerprint));
+    if is_peer
+        && plan
+            .accepted_starts
+            .get(iid)
+            .is_some_and(|prev| *prev != a.identity.start)
+    {
+        s.changed_peer = true;
+        return fail(s, "peer process changed before readmission".into());
+    }
+    if !a.models.contains(&plan.model) {
+        let f = format!("serves {:?}, expected {}", a.models, plan.model);
+        return fail(s, f);
+    }
+    s.passed.push("model".into());
+    if is_target {
+        match plan.restart_after.get(iid).copied().flatten() {
+            Some(old) if a.identity.start <= old => {
+                return fail(s, "engine process did not restart after drain".into());
+            }
+            Some(_) => s.passed.push("new process identity".into()),
+            None => s.passed.push("process identity".into()),
+        }
+        if plan.direct_generation {
+            match checks.generation(iid).await {
+                Ok(id) if id.key == a.identity.key => s.passed.push("generation".into()),
+                Ok(_) => {
+                    return fail(
+                        s,
+                        "identity changed or unavailable during validation: generation ran on another process".into(),
+                    );
+                }
+                Err(e) => return fail(s, format!("generation failed: {e}")),
+            }
+        }
+        s.process_start = Some(a.identity.start);
+    }
+    s.attested = Some(a);
+    s
+}
+
+/// The fabric pairs (indices into `pairs`) in rounds: each pair goes into the round after the
+/// last round of either of its engines, so the pairs of one round share no engine and each
+/// engine's pairs run in their order.
+fn pair_rounds(pairs: &[(String, String)]) -> Vec<Vec<usize>> {
+    let mut last: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut rounds: Vec<Vec<usize>> = Vec::new();
+    for (n, (src, dst)) in pairs.iter().enumerate() {
+        let r = [src, dst]
+            .iter()
+            .filter_map(|i| last.get(i.as_str()).map(|r| r + 1))
+            .max()
+            .unwrap_or(0);
+        if rounds.len() <= r {
+            rounds.resize_with(r + 1, Vec::new);
+        }
+        rounds[r].push(n);
+        last.insert(src, r);
+        last.insert(dst, r);
+    }
+    rounds
 }
 
 #[cfg(test)]
@@ -816,6 +918,171 @@ mod tests {
         assert_eq!(
             pairs,
             [("p0", "d0"), ("p1", "d1"), ("p0", "d2")].map(|(a, b)| (a.to_string(), b.to_string()))
+        );
+    }
+
+    /// A [`Fake`] whose every call pends a few times first, so that checks of different
+    /// engines interleave; counts the calls in flight.
+    struct Slow {
+        inner: Fake,
+        in_flight: std::sync::atomic::AtomicUsize,
+        max_in_flight: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Slow {
+        fn new(inner: Fake) -> Slow {
+            Slow {
+                inner,
+                in_flight: 0.into(),
+                max_in_flight: 0.into(),
+            }
+        }
+        async fn around<T>(&self, f: impl Future<Output = T>) -> T {
+            use std::sync::atomic::Ordering::SeqCst;
+            let now = self.in_flight.fetch_add(1, SeqCst) + 1;
+            self.max_in_flight.fetch_max(now, SeqCst);
+            for _ in 0..3 {
+                tokio::task::yield_now().await;
+            }
+            let out = f.await;
+            self.in_flight.fetch_sub(1, SeqCst);
+            out
+        }
+        /// Each engine's calls, in the order they were made.
+        fn per_engine(calls: &[String]) -> BTreeMap<String, Vec<String>> {
+            let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+            for c in calls {
+                let (step, iid) = c.split_once(' ').expect("step iid");
+                out.entry(iid.to_string())
+                    .or_default()
+                    .push(step.to_string());
+            }
+            out
+        }
+    }
+
+    impl Checks for Slow {
+        async fn health(&self, iid: &str) -> Result<(), CheckError> {
+            self.around(self.inner.health(iid)).await
+        }
+        async fn attest(&self, iid: &str) -> Result<Attested, CheckError> {
+            self.around(self.inner.attest(iid)).await
+        }
+        async fn generation(&self, iid: &str) -> Result<Identity, CheckError> {
+            self.around(self.inner.generation(iid)).await
+        }
+        async fn kv_produce(
+            &self,
+            iid: &str,
+            id: &str,
+        ) -> Result<(serde_json::Value, Identity), CheckError> {
+            self.around(self.inner.kv_produce(iid, id)).await
+        }
+        async fn kv_consume(
+            &self,
+            iid: &str,
+            id: &str,
+            kv: serde_json::Value,
+        ) -> Result<Identity, CheckError> {
+            self.around(self.inner.kv_consume(iid, id, kv)).await
+        }
+        async fn probe(
+            &self,
+            iid: &str,
+            id: &str,
+            kv: Option<serde_json::Value>,
+        ) -> Result<Identity, CheckError> {
+            self.around(self.inner.probe(iid, id, kv)).await
+        }
+    }
+
+    /// A wave of `p` prefill and `d` decode engines, every one a target restarted after 1.0.
+    fn wave_plan(p: usize, d: usize) -> (Plan, Vec<(String, f64)>) {
+        let mut roles = Vec::new();
+        for i in 0..p {
+            roles.push((format!("p{i}"), Role::Prefill));
+        }
+        for i in 0..d {
+            roles.push((format!("d{i}"), Role::Decode));
+        }
+        let ids: Vec<(String, f64)> = roles.iter().map(|(i, _)| (i.clone(), 5.0)).collect();
+        let plan = Plan {
+            targets: roles.iter().map(|(i, _)| i.clone()).collect(),
+            live: BTreeSet::new(),
+            restart_after: roles.iter().map(|(i, _)| (i.clone(), Some(1.0))).collect(),
+            accepted_starts: roles.iter().map(|(i, _)| (i.clone(), 1.0)).collect(),
+            roles,
+            model: "m".into(),
+            wave: true,
+            direct_generation: true,
+            verify_sources: BTreeMap::new(),
+        };
+        (plan, ids)
+    }
+
+    fn fake_of(ids: &[(String, f64)]) -> Fake {
+        let refs: Vec<(&str, f64)> = ids.iter().map(|(i, s)| (i.as_str(), *s)).collect();
+        Fake::new(&refs)
+    }
+
+    #[tokio::test]
+    async fn a_wave_checks_engines_at_once_and_each_engine_in_order() {
+        // 40 engines, more than PARALLEL_ENGINES; 5 prefill for 35 decode engines, so p0 is
+        // in several pairs. One decode engine fails its generation, one prefill engine its
+        // attestation: the report must be exactly the one-engine-after-another report.
+        let (plan, ids) = wave_plan(5, 35);
+        for failing in [None, Some(("d7", "generation")), Some(("p3", "attest"))] {
+            let make = || match failing {
+                Some((iid, step)) => fake_of(&ids).failing(iid, step),
+                None => fake_of(&ids),
+            };
+            let oracle = make();
+            // The fake never pends: one engine after another, the order before parallelism.
+            let expected = run(validate(&plan, &oracle, "c"));
+            let slow = Slow::new(make());
+            let report = validate(&plan, &slow, "c").await;
+            assert_eq!(report, expected, "failing {failing:?}");
+            assert_eq!(report.passed(), failing.is_none());
+            let seq = Slow::per_engine(&oracle.calls.lock().unwrap());
+            let par = Slow::per_engine(&slow.inner.calls.lock().unwrap());
+            assert_eq!(
+                par, seq,
+                "each engine's checks in the same order ({failing:?})"
+            );
+            let max = slow.max_in_flight.load(std::sync::atomic::Ordering::SeqCst);
+            assert!(
+                max > 1 && max <= PARALLEL_ENGINES,
+                "{max} calls at once, failing {failing:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn fabric_rounds_keep_each_engines_pairs_in_order() {
+        let pairs = |v: &[(&str, &str)]| -> Vec<(String, String)> {
+            v.iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect()
+        };
+        // A wave with more decode engines: p0 produces for d0 and then d2.
+        assert_eq!(
+            pair_rounds(&pairs(&[("p0", "d0"), ("p1", "d1"), ("p0", "d2")])),
+            [vec![0, 1], vec![2]]
+        );
+        // d0 consumes from p0 and then p1; p2 -> d1 shares nothing and runs in the first round.
+        assert_eq!(
+            pair_rounds(&pairs(&[("p0", "d0"), ("p1", "d0"), ("p2", "d1")])),
+            [vec![0, 2], vec![1]]
+        );
+        // A chain: each pair after the previous one of either engine.
+        assert_eq!(
+            pair_rounds(&pairs(&[
+                ("p0", "d0"),
+                ("p1", "d0"),
+                ("p1", "d1"),
+                ("p0", "d1")
+            ])),
+            [vec![0], vec![1], vec![2], vec![3]]
         );
     }
 }

@@ -26,14 +26,17 @@
 //!
 //! Subcommands in their own modules: `narwhal-bench profile` (an engine's profile for the
 //! fleet file), `narwhal-bench shifting` (fixed split vs role controller under shifting
-//! demand) and `narwhal-bench prefix` (a shared-prefix workload: cache hit rate against an
-//! offline oracle, TTFT and SLO attainment per router, and the hit rate across a takeover).
+//! demand), `narwhal-bench prefix` (a shared-prefix workload: cache hit rate against an
+//! offline oracle, TTFT and SLO attainment per router, and the hit rate across a takeover) and
+//! `narwhal-bench fleet-scale` (control-plane cost at 4, 64 and 256 engines).
 #![forbid(unsafe_code)]
 // A benchmark measures wall time: the clock ban of clippy.toml is for product code.
 #![allow(clippy::disallowed_methods)]
 
 // The modules live in `narwhal-bench/` beside this file (a crate root resolves `mod` in its own
 // directory, hence the paths).
+#[path = "narwhal-bench/fleet_scale.rs"]
+mod fleet_scale;
 #[path = "narwhal-bench/load.rs"]
 mod load;
 #[path = "narwhal-bench/peer.rs"]
@@ -308,7 +311,7 @@ fn say(json_to_stdout: bool, text: &str) {
 /// two-worker runtime; `None` for anything else (the comparison).
 fn subcommand(argv: &[String]) -> Option<ExitCode> {
     let which = argv.get(1).map(String::as_str)?;
-    if !matches!(which, "profile" | "shifting" | "prefix") {
+    if !matches!(which, "profile" | "shifting" | "prefix" | "fleet-scale") {
         return None;
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -327,6 +330,7 @@ fn subcommand(argv: &[String]) -> Option<ExitCode> {
         match which {
             "profile" => profile::main(rest).await,
             "prefix" => prefix::main(rest).await,
+            "fleet-scale" => fleet_scale::main(rest).await,
             _ => shifting::main(rest).await,
         }
     }))

@@ -150,10 +150,16 @@ impl LifecycleDriver {
             }
         };
         if report.passed() {
-            for i in bootstrap_refresh(self.cfg.backend, &self.roles(), targets) {
-                if let Err(e) =
-                    crate::bootstrap::refresh(&self.cfg, self.fleet(), &self.upstream, i).await
-                {
+            // Every prefill target's port at once (a wave of SGLang engines is not read one
+            // engine after another); each refresh touches only its own engine.
+            let refresh = bootstrap_refresh(self.cfg.backend, &self.roles(), targets);
+            let results =
+                futures_util::future::join_all(refresh.iter().map(|&i| {
+                    crate::bootstrap::refresh(&self.cfg, self.fleet(), &self.upstream, i)
+                }))
+                .await;
+            for (&i, r) in refresh.iter().zip(results) {
+                if let Err(e) = r {
                     tracing::warn!(engine.id = %self.cfg.engines[i].iid, error = %e, "bootstrap port refresh before readmission failed");
                 }
             }

@@ -10,6 +10,9 @@
 //!      ──► serve engine HTTP + admin HTTP + side channel + lease sweeper on a small runtime
 //! ```
 //!
+//! With `--engines N` the binding and serving steps run once per engine (each its own ports and
+//! [`Sim`]); the ready file lists them under `engines`, one lease sweeper serves them all.
+//!
 //! The full contract (flags, phases, fault API, stats fields) is in docs/engine-simulator.md.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
@@ -121,7 +124,8 @@ struct Cli {
     /// Context length in tokens (prompt + max_tokens).
     #[arg(long, default_value_t = 4096)]
     max_model_len: u64,
-    /// Write `{"url","admin","pid","engine_id","kv_port","bootstrap_port"}` here once serving.
+    /// Write `{"url","admin","pid","engine_id","kv_port","bootstrap_port"}` here once serving
+    /// (with `--engines`: `{"pid","engines":[...]}`, one such object per engine, without `pid`).
     #[arg(long)]
     ready_file: Option<PathBuf>,
     /// Runtime worker threads.
@@ -160,6 +164,18 @@ struct Cli {
     /// `{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}`.
     #[arg(long)]
     kv_events_config: Option<String>,
+    /// Serve this many engines from this one process, each with its own engine port, admin
+    /// listener, side channel (vLLM) or bootstrap server (SGLang prefill), engine id and state,
+    /// all on ephemeral ports of the `--listen` / `--admin-listen` / `--kv-listen` IPs. They
+    /// share the process, and so its identity (pid, process start) and its restarts. The ready
+    /// file then lists them under `engines` (docs/engine-simulator.md, "Many engines in one
+    /// process").
+    #[arg(long, default_value_t = 1)]
+    engines: usize,
+    /// Many-engine mode: bind each engine on the ports an earlier ready file of this mode lists
+    /// (a restart in place); read before `--ready-file` is written, so it may be the same path.
+    #[arg(long)]
+    ports_from: Option<PathBuf>,
 }
 
 /// Startup failures, each naming the flag or resource.
@@ -189,6 +205,12 @@ enum StartError {
     ApiKeyDialect,
     #[error("--api-key must not be empty")]
     ApiKeyEmpty,
+    #[error("--engines must be at least 1")]
+    Engines,
+    #[error("--engines {0}: {1}")]
+    Many(usize, String),
+    #[error("--ports-from {path}: {reason}")]
+    PortsFrom { path: PathBuf, reason: String },
     #[error("cannot write --ready-file {path}: {source}")]
     ReadyFile {
         path: PathBuf,
@@ -227,6 +249,25 @@ fn run(cli: Cli) -> Result<(), StartError> {
     if cli.kv_cache_blocks == 0 {
         return Err(StartError::CacheBlocks);
     }
+    if cli.engines == 0 {
+        return Err(StartError::Engines);
+    }
+    let many = cli.engines > 1 || cli.ports_from.is_some();
+    if many {
+        let fixed = |a: &SocketAddr| a.port() != 0;
+        let why = if cli.kv_events_config.is_some() {
+            Some("--kv-events-config names one endpoint; it is for one engine per process")
+        } else if fixed(&cli.listen) || cli.admin_listen.as_ref().is_some_and(fixed) {
+            Some("--listen and --admin-listen take port 0 here (each engine binds its own port)")
+        } else if fixed(&cli.kv_listen) || cli.bootstrap_port != 0 {
+            Some("--kv-listen and --bootstrap-port take port 0 here (each engine binds its own)")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(StartError::Many(cli.engines, why.to_string()));
+        }
+    }
     if let Some(key) = &cli.api_key {
         if key.is_empty() {
             return Err(StartError::ApiKeyEmpty);
@@ -249,14 +290,121 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, Start
         .map_err(|source| StartError::Bind { what, addr, source })
 }
 
+/// The ports one engine binds (its listeners' addresses; port 0 = ephemeral).
+#[derive(Debug, Clone, Copy)]
+struct EnginePorts {
+    listen: SocketAddr,
+    admin: SocketAddr,
+    kv: SocketAddr,
+    bootstrap: u16,
+}
+
+/// One engine serving: its [`Sim`] and what its ready file says about it.
+struct Serving {
+    sim: Arc<Sim>,
+    /// The engine's ready document (without `pid`).
+    doc: serde_json::Value,
+    url: String,
+    admin_url: String,
+    server: tokio::task::JoinHandle<()>,
+}
+
 async fn serve(cli: Cli) -> Result<(), StartError> {
+    let many = cli.engines > 1 || cli.ports_from.is_some();
+    let admin_ip = cli
+        .admin_listen
+        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+    let ports: Vec<EnginePorts> = match &cli.ports_from {
+        Some(path) => ports_from(path, cli.engines)?,
+        None => (0..cli.engines)
+            .map(|_| EnginePorts {
+                listen: cli.listen,
+                admin: admin_ip,
+                kv: cli.kv_listen,
+                bootstrap: cli.bootstrap_port,
+            })
+            .collect(),
+    };
+    let surface = if cli.admin_listen.is_some() || many {
+        Surface::Engine
+    } else {
+        Surface::EngineWithHooks
+    };
+    let mut engines = Vec::with_capacity(ports.len());
+    let started_at = process_start_time();
+    for (k, p) in ports.iter().enumerate() {
+        let engine_id = match (&cli.engine_id, many) {
+            (Some(id), false) => id.clone(),
+            (Some(id), true) => format!("{id}-{k}"),
+            (None, _) => uuid::Uuid::new_v4().to_string(),
+        };
+        engines.push(start_engine(&cli, *p, engine_id, surface, started_at).await?);
+    }
+    if surface == Surface::EngineWithHooks {
+        eprintln!(
+            "narwhal-engine-sim: no --admin-listen: the test hooks /sim/* are also served on the \
+             engine port (legacy); pass --admin-listen to serve them only on {}",
+            engines[0].admin_url
+        );
+    }
+    // One lease sweeper for every engine of the process.
+    let sims: Vec<Arc<Sim>> = engines.iter().map(|e| e.sim.clone()).collect();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let now = Instant::now();
+            for s in &sims {
+                s.expire(now);
+            }
+        }
+    });
+    if let Some(path) = &cli.ready_file {
+        let pid = std::process::id();
+        let doc = if many {
+            let list: Vec<serde_json::Value> = engines.iter().map(|e| e.doc.clone()).collect();
+            serde_json::json!({"pid": pid, "engines": list})
+        } else {
+            let mut doc = engines[0].doc.clone();
+            doc["pid"] = pid.into();
+            doc
+        };
+        write_atomic(path, &doc.to_string()).map_err(|source| StartError::ReadyFile {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    // The ready file goes first so that a reader of the stdout line can rely on it too. With
+    // many engines the line names the first; the ready file names them all.
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "narwhal-engine-sim listening on {}", engines[0].url);
+        let _ = out.flush();
+    }
+    for e in &engines {
+        tracing::info!(url = %e.url, admin = %e.admin_url, engine.id = %e.sim.engine_id, "serving");
+    }
+    let servers: Vec<_> = engines.into_iter().map(|e| e.server).collect();
+    for s in servers {
+        let _ = s.await;
+    }
+    Ok(())
+}
+
+/// Binds and starts one engine on `p`: its engine port, admin listener, side channel or
+/// bootstrap server, with its own [`Sim`] (state, counters, faults, prefix cache).
+async fn start_engine(
+    cli: &Cli,
+    p: EnginePorts,
+    engine_id: String,
+    engine_surface: Surface,
+    started_at: f64,
+) -> Result<Serving, StartError> {
     let settings = Settings {
         model: cli.model.clone(),
         dialect: cli.dialect,
-        engine_id: cli
-            .engine_id
-            .clone()
-            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
+        engine_id,
         seed: cli.seed,
         ttft: Duration::from_millis(cli.ttft_ms),
         prefill_per_token: Duration::from_micros(cli.prefill_us_per_token),
@@ -286,7 +434,7 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
     };
     let events = match &events_cfg {
         Some(c) if settings.cache.enabled => Some(
-            kv_events::Publisher::start(c, cli.listen.ip())
+            kv_events::Publisher::start(c, p.listen.ip())
                 .await
                 .map_err(StartError::KvEvents)?,
         ),
@@ -295,44 +443,32 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
     let events_endpoints = events
         .as_ref()
         .map(|p| (p.endpoint.clone(), p.replay_endpoint.clone()));
-    let http = bind("--listen", cli.listen).await?;
-    let http_addr = local(&http, cli.listen);
-    let admin_addr = cli
-        .admin_listen
-        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
-    let admin = bind("--admin-listen", admin_addr).await?;
-    let admin_url = format!("http://{}", local(&admin, admin_addr));
-    let engine_surface = if cli.admin_listen.is_some() {
-        Surface::Engine
-    } else {
-        eprintln!(
-            "narwhal-engine-sim: no --admin-listen: the test hooks /sim/* are also served on the \
-             engine port (legacy); pass --admin-listen to serve them only on {admin_url}"
-        );
-        Surface::EngineWithHooks
-    };
+    let http = bind("--listen", p.listen).await?;
+    let http_addr = local(&http, p.listen);
+    let admin = bind("--admin-listen", p.admin).await?;
+    let admin_url = format!("http://{}", local(&admin, p.admin));
     let kv = match cli.dialect {
-        Dialect::Vllm => Some(bind("--kv-listen", cli.kv_listen).await?),
+        Dialect::Vllm => Some(bind("--kv-listen", p.kv).await?),
         Dialect::Sglang => None,
     };
     let bootstrap = match (cli.dialect, cli.disaggregation_mode) {
         (Dialect::Sglang, Mode::Prefill) | (Dialect::Sglang, Mode::Decode)
             if cli.disaggregation_mode == Mode::Prefill || cli.enable_pd_role_switch =>
         {
-            let addr = SocketAddr::new(cli.listen.ip(), cli.bootstrap_port);
+            let addr = SocketAddr::new(p.listen.ip(), p.bootstrap);
             Some(bind("--bootstrap-port", addr).await?)
         }
         _ => None,
     };
-    let kv_addr = kv.as_ref().map(|l| local(l, cli.kv_listen));
-    let bootstrap_addr = bootstrap.as_ref().map(|l| local(l, cli.listen));
+    let kv_addr = kv.as_ref().map(|l| local(l, p.kv));
+    let bootstrap_addr = bootstrap.as_ref().map(|l| local(l, p.listen));
     let url = format!("http://{http_addr}");
     let sim = Arc::new(Sim::new(
         settings,
         url.clone(),
         kv_addr,
         bootstrap_addr,
-        process_start_time(),
+        started_at,
         events,
     ));
     if let Some(text) = &cli.faults {
@@ -344,42 +480,63 @@ async fn serve(cli: Cli) -> Result<(), StartError> {
     if let Some(l) = bootstrap {
         tokio::spawn(transfer::serve(l, sim.clone()));
     }
-    let sweeper = sim.clone();
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_millis(50));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            sweeper.expire(Instant::now());
-        }
-    });
     tokio::spawn(server::serve_http(admin, sim.clone(), Surface::Admin));
     let server = tokio::spawn(server::serve_http(http, sim.clone(), engine_surface));
-    if let Some(path) = &cli.ready_file {
-        let doc = serde_json::json!({
-            "url": url,
-            "admin": admin_url,
-            "pid": std::process::id(),
-            "engine_id": sim.engine_id,
-            "kv_port": kv_addr.map(|a| a.port()),
-            "bootstrap_port": bootstrap_addr.map(|a| a.port()),
-            "kv_events_endpoint": events_endpoints.as_ref().map(|e| e.0.clone()),
-            "kv_events_replay_endpoint": events_endpoints.as_ref().and_then(|e| e.1.clone()),
-        });
-        write_atomic(path, &doc.to_string()).map_err(|source| StartError::ReadyFile {
-            path: path.clone(),
-            source,
-        })?;
+    let doc = serde_json::json!({
+        "url": url,
+        "admin": admin_url,
+        "engine_id": sim.engine_id,
+        "kv_port": kv_addr.map(|a| a.port()),
+        "bootstrap_port": bootstrap_addr.map(|a| a.port()),
+        "kv_events_endpoint": events_endpoints.as_ref().map(|e| e.0.clone()),
+        "kv_events_replay_endpoint": events_endpoints.as_ref().and_then(|e| e.1.clone()),
+    });
+    Ok(Serving {
+        sim,
+        doc,
+        url,
+        admin_url,
+        server,
+    })
+}
+
+/// The engines' ports from an earlier many-engine ready file (`engines[]`: `url`, `admin`,
+/// `kv_port`, `bootstrap_port`); it must list exactly `n` engines.
+fn ports_from(path: &Path, n: usize) -> Result<Vec<EnginePorts>, StartError> {
+    let bad = |reason: String| StartError::PortsFrom {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    let doc: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let list = doc["engines"]
+        .as_array()
+        .ok_or_else(|| bad("no `engines` list (not a many-engine ready file)".into()))?;
+    if list.len() != n {
+        return Err(bad(format!(
+            "lists {} engines, --engines is {n}",
+            list.len()
+        )));
     }
-    // The ready file goes first so that a reader of the stdout line can rely on it too.
-    {
-        let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "narwhal-engine-sim listening on {url}");
-        let _ = out.flush();
-    }
-    tracing::info!(url = %url, admin = %admin_url, engine.id = %sim.engine_id, "serving");
-    let _ = server.await;
-    Ok(())
+    let addr = |v: &serde_json::Value, key: &str| -> Result<SocketAddr, StartError> {
+        v[key]
+            .as_str()
+            .and_then(|u| u.strip_prefix("http://"))
+            .and_then(|a| a.parse().ok())
+            .ok_or_else(|| bad(format!("`{key}` is not http://IP:PORT: {}", v[key])))
+    };
+    list.iter()
+        .map(|e| {
+            let listen = addr(e, "url")?;
+            let port = |key: &str| e[key].as_u64().and_then(|p| u16::try_from(p).ok());
+            Ok(EnginePorts {
+                listen,
+                admin: addr(e, "admin")?,
+                kv: SocketAddr::new(listen.ip(), port("kv_port").unwrap_or(0)),
+                bootstrap: port("bootstrap_port").unwrap_or(0),
+            })
+        })
+        .collect()
 }
 
 /// The block hash chain's seed: from `PYTHONHASHSEED` when set (vLLM derives its `NONE_HASH`

@@ -1,0 +1,463 @@
+//! `narwhal-bench fleet-scale`: what the control plane costs as the fleet grows. For each
+//! fleet size (`--engines`, default 4, 64, 256) and engines per agent (`--per-agent`,
+//! default 8), it starts a vLLM P/D fleet (half prefill, half decode) with real agents (mutual
+//! TLS, signed answers) and one router, and measures:
+//!
+//! ```text
+//!  startup      router start to every process identity accepted (the startup identity check)
+//!  requests     router CPU per request: utime + stime of /proc/<router pid>/stat over
+//!               --requests non-streamed completions at --concurrency, divided by them;
+//!               p50 latency at concurrency 1 (placement and the rest of a request's work)
+//!  idle         router CPU per second with no traffic (health probes, monitors, timers)
+//!  documents    size (bytes) and median time of GET /metrics, /narwhal/state,
+//!               /narwhal/lifecycle, /narwhal/handoff over --reads reads each
+//!  lifecycle    drain POST of p0, its readmission after a restart (synchronous POST), then a
+//!               whole-fleet wave: drain POST, restart every engine, the synchronous readmit,
+//!               and the CPU seconds the router and the agents used during that readmit
+//!  memory       RSS per engine of the simulators, the router's RSS, the agents' mean RSS
+//! ```
+//!
+//! Engines: `p0` runs in a simulator process of its own, so that it can be restarted alone
+//! for the one-engine readmission (a readmission requires a newer process start of that
+//! engine); the others share one `narwhal-engine-sim --engines N` process
+//! (docs/engine-simulator.md, "Many engines in one process"), which the wave restarts in
+//! place. Prints one table; asserts nothing about time (architecture.md section 8).
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use narwhal_testkit::certs::make_dev_certs;
+use narwhal_testkit::{
+    AgentEngine, AgentHandle, Clients, EngineSpec, FleetSpec, Http, MultiSim, RouterHandle,
+    SimHandle, launch_router, start_agent_for, start_sim,
+};
+use serde_json::{Value, json};
+
+use crate::load::{Shot, drive, quantile};
+use crate::procs;
+
+/// `narwhal-bench fleet-scale` flags.
+#[derive(Debug, Parser)]
+#[command(
+    name = "narwhal-bench fleet-scale",
+    about = "Control-plane cost as the fleet grows: router CPU per request, document sizes and times, lifecycle times, memory"
+)]
+struct Args {
+    /// Fleet sizes (engines, at least 2: one prefill and one decode), comma-separated.
+    #[arg(long, default_value = "4,64,256", value_delimiter = ',')]
+    engines: Vec<usize>,
+    /// Engines per agent, comma-separated; every fleet size runs with each.
+    #[arg(long, default_value = "8", value_delimiter = ',')]
+    per_agent: Vec<usize>,
+    /// Requests of the CPU-per-request window.
+    #[arg(long, default_value_t = 2000)]
+    requests: usize,
+    /// Concurrent clients of the CPU-per-request window.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Requests of the concurrency-1 latency window.
+    #[arg(long, default_value_t = 200)]
+    latency_requests: usize,
+    /// Reads of each document.
+    #[arg(long, default_value_t = 20)]
+    reads: usize,
+    /// Seconds of the idle CPU window.
+    #[arg(long, default_value_t = 3.0)]
+    idle_s: f64,
+}
+
+/// One row of the table.
+#[derive(Debug, Default)]
+struct Row {
+    engines: usize,
+    per_agent: usize,
+    agents: usize,
+    startup_s: f64,
+    cpu_us_per_req: f64,
+    p50_c1_ms: f64,
+    idle_cpu_pct: f64,
+    /// `(bytes, median ms)` of /metrics, /narwhal/state, /narwhal/lifecycle, /narwhal/handoff.
+    docs: [(usize, f64); 4],
+    drain_ms: f64,
+    readmit_s: f64,
+    wave_drain_ms: f64,
+    wave_readmit_s: f64,
+    /// CPU seconds the router and the agents (all together) used during the wave readmission.
+    wave_cpu_s: (f64, f64),
+    sim_kib_per_engine: f64,
+    router_mib: f64,
+    agent_mib: f64,
+    /// The 1-minute load average when the row was measured.
+    load: f64,
+    failures: Vec<String>,
+}
+
+/// Runs the fleet-scale measurement; exit status 1 when a step failed, 2 on bad flags.
+pub async fn main(argv: Vec<String>) -> std::process::ExitCode {
+    let args = match Args::try_parse_from(argv) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return std::process::ExitCode::from(2);
+        }
+    };
+    if args.engines.iter().any(|n| *n < 2) || args.per_agent.contains(&0) {
+        eprintln!("narwhal-bench fleet-scale: --engines >= 2 and --per-agent >= 1");
+        return std::process::ExitCode::from(2);
+    }
+    println!(
+        "fleet-scale: {} requests at concurrency {}, {} at concurrency 1, {} reads per document; load average {:?}",
+        args.requests,
+        args.concurrency,
+        args.latency_requests,
+        args.reads,
+        procs::loadavg()
+    );
+    let mut rows = Vec::new();
+    for &n in &args.engines {
+        for &e in &args.per_agent {
+            let row = match measure(&args, n, e).await {
+                Ok(r) => r,
+                Err(err) => {
+                    eprintln!("fleet-scale {n} engines, {e} per agent: {err}");
+                    Row {
+                        engines: n,
+                        per_agent: e,
+                        failures: vec![err],
+                        ..Row::default()
+                    }
+                }
+            };
+            print_row(&row, rows.is_empty());
+            rows.push(row);
+        }
+    }
+    let failed: Vec<&String> = rows.iter().flat_map(|r| &r.failures).collect();
+    for f in &failed {
+        eprintln!("fleet-scale: {f}");
+    }
+    if failed.is_empty() {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    }
+}
+
+fn print_row(r: &Row, header: bool) {
+    if header {
+        println!(
+            "| engines | per agent | agents | startup s | CPU µs/req | p50 c=1 ms | idle CPU % | /metrics B, ms | state B, ms | lifecycle B, ms | handoff B, ms | drain POST ms | readmit s | wave drain ms | wave readmit s | wave CPU s router, agents | sim KiB/engine | router MiB | agent MiB | load |"
+        );
+        println!("|{}", "---|".repeat(20));
+    }
+    let d = |(b, ms): (usize, f64)| format!("{b}, {ms:.2}");
+    println!(
+        "| {} | {} | {} | {:.2} | {:.0} | {:.2} | {:.1} | {} | {} | {} | {} | {:.1} | {:.3} | {:.1} | {:.2} | {:.2}, {:.2} | {:.0} | {:.1} | {:.1} | {:.1} |",
+        r.engines,
+        r.per_agent,
+        r.agents,
+        r.startup_s,
+        r.cpu_us_per_req,
+        r.p50_c1_ms,
+        r.idle_cpu_pct,
+        d(r.docs[0]),
+        d(r.docs[1]),
+        d(r.docs[2]),
+        d(r.docs[3]),
+        r.drain_ms,
+        r.readmit_s,
+        r.wave_drain_ms,
+        r.wave_readmit_s,
+        r.wave_cpu_s.0,
+        r.wave_cpu_s.1,
+        r.sim_kib_per_engine,
+        r.router_mib,
+        r.agent_mib,
+        r.load,
+    );
+}
+
+fn addr_of(url: &str) -> Result<SocketAddr, String> {
+    url.trim_start_matches("http://")
+        .parse()
+        .map_err(|e| format!("{url}: {e}"))
+}
+
+fn ticks(pid: u32) -> u64 {
+    procs::tree_ticks(pid)
+        .into_iter()
+        .filter(|(p, _)| *p == pid)
+        .map(|(_, t)| t)
+        .sum()
+}
+
+fn rss_kib(pid: u32) -> f64 {
+    procs::tree_memory_kib(pid).0 as f64
+}
+
+/// A POST of the control API, timed: `(status, seconds, body)`.
+async fn post(http: &Http, url: String, body: &Value) -> (u16, f64, Value) {
+    let t0 = Instant::now();
+    let r = http.post(url, body).await;
+    (
+        r.status.as_u16(),
+        t0.elapsed().as_secs_f64(),
+        r.json_or_null(),
+    )
+}
+
+/// Polls `GET /narwhal/lifecycle` until `ok` holds, for at most `within`.
+async fn lifecycle_until(
+    http: &Http,
+    control: &str,
+    within: Duration,
+    ok: impl Fn(&Value) -> bool,
+) -> Result<(), String> {
+    let deadline = Instant::now() + within;
+    loop {
+        let doc = http
+            .get(format!("{control}/narwhal/lifecycle"))
+            .await
+            .json_or_null();
+        if ok(&doc) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "lifecycle not as expected within {within:?}: {doc}"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn measure(args: &Args, n: usize, per_agent: usize) -> Result<Row, String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let dirp = dir.path();
+    let prefill = n / 2;
+    let iids: Vec<(String, &str)> = (0..n)
+        .map(|i| {
+            if i < prefill {
+                (format!("p{i}"), "prefill")
+            } else {
+                (format!("d{}", i - prefill), "decode")
+            }
+        })
+        .collect();
+    let hosts = n.div_ceil(per_agent);
+    let mut names: Vec<String> = vec!["router".into(), "operator".into()];
+    names.extend((0..hosts).map(|h| format!("agent-h{h}")));
+    let names_ref: Vec<&str> = names.iter().map(String::as_str).collect();
+    let certs = make_dev_certs(&dirp.join("certs"), &names_ref).map_err(|e| e.to_string())?;
+    // p0 alone (restarted alone), the others in one process.
+    let mut p0: SimHandle = start_sim(dirp, &EngineSpec::new("p0", "prefill"), "vllm")
+        .map_err(|e| format!("simulator p0: {e}"))?;
+    let mut multi = MultiSim::start(dirp, "sims", "vllm", n - 1, &[])
+        .map_err(|e| format!("simulators: {e}"))?;
+    let urls = |p0: &SimHandle, multi: &MultiSim| -> Vec<(String, u16)> {
+        std::iter::once((p0.url.clone(), p0.port))
+            .chain(multi.engines.iter().map(|e| (e.url.clone(), e.port)))
+            .collect()
+    };
+    let engines = urls(&p0, &multi);
+    let mut agents: Vec<AgentHandle> = Vec::new();
+    for h in 0..hosts {
+        let mine: Vec<AgentEngine> = (h * per_agent..((h + 1) * per_agent).min(n))
+            .map(|i| AgentEngine {
+                iid: iids[i].0.clone(),
+                url: engines[i].0.clone(),
+                dialect: "vllm".into(),
+                port: engines[i].1,
+            })
+            .collect();
+        agents.push(
+            start_agent_for(
+                dirp,
+                &certs,
+                &format!("h{h}"),
+                &mine,
+                None,
+                None,
+                json!({"engine_s": 10, "generation_s": 30}),
+            )
+            .map_err(|e| format!("agent h{h}: {e}"))?,
+        );
+    }
+    let mut spec = FleetSpec {
+        model: "tiny-sim".into(),
+        backend: "vllm".into(),
+        engines: iids
+            .iter()
+            .zip(&engines)
+            .map(|((iid, role), (url, _))| (iid.clone(), url.clone(), role.to_string()))
+            .collect(),
+        overrides: json!({}),
+        agents: Default::default(),
+        pins: Default::default(),
+        engine_keys: Default::default(),
+    }
+    .tls(&certs, "router");
+    for (i, (iid, _)) in iids.iter().enumerate() {
+        spec = spec.agent(iid, &agents[i / per_agent]);
+    }
+    let clients = Clients::identity(&certs, "operator");
+    let http = clients.http.clone();
+    let t0 = Instant::now();
+    let router: RouterHandle = launch_router(dirp, "router", &spec.to_json(dirp), &[], clients)
+        .map_err(|e| format!("router: {e}"))?;
+    let control = router.control.clone();
+    let all: Vec<String> = iids.iter().map(|(i, _)| i.clone()).collect();
+    lifecycle_until(&http, &control, Duration::from_secs(120), |d| {
+        all.iter()
+            .all(|i| d["process_starts"].get(i).is_some_and(|v| !v.is_null()))
+    })
+    .await?;
+    let startup_s = t0.elapsed().as_secs_f64();
+    let mut row = Row {
+        engines: n,
+        per_agent,
+        agents: hosts,
+        startup_s,
+        ..Row::default()
+    };
+    let pid = router.proc.pid();
+    let data = addr_of(&router.data)?;
+    // Wait until placement has every engine (the health gate) before the windows.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = http
+            .get(format!("{control}/narwhal/state"))
+            .await
+            .json_or_null();
+        let waiting = |k: &str| s[k].as_array().map_or(usize::MAX, Vec::len);
+        let ready = waiting("awaiting_health") == 0 && waiting("ejected") == 0;
+        if ready || Instant::now() > deadline {
+            if !ready {
+                row.failures.push(format!(
+                    "{n} engines: not all in placement: awaiting_health {}, ejected {}",
+                    s["awaiting_health"], s["ejected"]
+                ));
+            }
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let shot = |concurrency: usize, requests: usize| Shot {
+        concurrency,
+        requests,
+        tokens: 8,
+        stream: false,
+        timeout: Duration::from_secs(30),
+    };
+    let warm = drive(data, "tiny-sim", &shot(args.concurrency, 200), 0).await;
+    if warm.errors > 0 {
+        row.failures.push(format!(
+            "warm-up: {} errors: {:?}",
+            warm.errors, warm.first_error
+        ));
+    }
+    let hz = procs::clock_ticks();
+    let before = ticks(pid);
+    let s = drive(
+        data,
+        "tiny-sim",
+        &shot(args.concurrency, args.requests),
+        1000,
+    )
+    .await;
+    let used = ticks(pid).saturating_sub(before) as f64 / hz;
+    row.cpu_us_per_req = used / args.requests as f64 * 1e6;
+    if s.errors > 0 {
+        row.failures
+            .push(format!("window: {} errors: {:?}", s.errors, s.first_error));
+    }
+    let c1 = drive(data, "tiny-sim", &shot(1, args.latency_requests), 1_000_000).await;
+    row.p50_c1_ms = quantile(&c1.latency_s, 0.5) * 1e3;
+    let before = ticks(pid);
+    let t_idle = Instant::now();
+    tokio::time::sleep(Duration::from_secs_f64(args.idle_s)).await;
+    let used = ticks(pid).saturating_sub(before) as f64 / hz;
+    row.idle_cpu_pct = used / t_idle.elapsed().as_secs_f64() * 100.0;
+    for (k, path) in [
+        "/metrics",
+        "/narwhal/state",
+        "/narwhal/lifecycle",
+        "/narwhal/handoff",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut times = Vec::new();
+        let mut bytes = 0;
+        for _ in 0..args.reads.max(1) {
+            let t = Instant::now();
+            let r = http.get(format!("{control}{path}")).await;
+            times.push(t.elapsed().as_secs_f64());
+            if r.status != 200 {
+                row.failures.push(format!("GET {path}: {}", r.status));
+            }
+            bytes = r.body.len();
+        }
+        times.sort_by(f64::total_cmp);
+        row.docs[k] = (bytes, quantile(&times, 0.5) * 1e3);
+    }
+    row.sim_kib_per_engine = (rss_kib(p0.proc.pid()) + rss_kib(multi.proc.pid())) / n as f64;
+    row.router_mib = rss_kib(pid) / 1024.0;
+    row.agent_mib =
+        agents.iter().map(|a| rss_kib(a.proc.pid())).sum::<f64>() / 1024.0 / hosts as f64;
+
+    // One engine: drain, restart, readmit.
+    let lc = |a: &str| format!("{control}/narwhal/lifecycle/{a}");
+    let (code, t, body) = post(
+        &http,
+        lc("drain"),
+        &json!({"engines": ["p0"], "deadline_s": 30}),
+    )
+    .await;
+    row.drain_ms = t * 1e3;
+    if code != 200 {
+        row.failures.push(format!("drain p0: {code} {body}"));
+    }
+    lifecycle_until(&http, &control, Duration::from_secs(60), |d| {
+        d["engines"]["p0"]["ready_to_stop"] == true
+    })
+    .await?;
+    p0.restart(&[]).map_err(|e| format!("restart p0: {e}"))?;
+    let (code, t, body) = post(&http, lc("readmit"), &json!({"engines": ["p0"]})).await;
+    row.readmit_s = t;
+    if code != 200 {
+        row.failures.push(format!("readmit p0: {code} {body}"));
+    }
+    // The whole fleet: wave drain, restart every engine, readmit the wave.
+    let (code, t, body) = post(&http, lc("drain"), &json!({"wave": true, "deadline_s": 60})).await;
+    row.wave_drain_ms = t * 1e3;
+    if code != 200 {
+        row.failures.push(format!("wave drain: {code} {body}"));
+    }
+    lifecycle_until(&http, &control, Duration::from_secs(120), |d| {
+        d["wave"]["ready_to_stop"] == true
+    })
+    .await?;
+    p0.restart(&[]).map_err(|e| format!("restart p0: {e}"))?;
+    multi
+        .restart()
+        .map_err(|e| format!("restart the simulators: {e}"))?;
+    let agent_ticks =
+        |agents: &[AgentHandle]| -> u64 { agents.iter().map(|a| ticks(a.proc.pid())).sum() };
+    let (router0, agents0) = (ticks(pid), agent_ticks(&agents));
+    let (code, t, body) = post(&http, lc("readmit"), &json!({"wave": true})).await;
+    row.wave_readmit_s = t;
+    row.wave_cpu_s = (
+        ticks(pid).saturating_sub(router0) as f64 / hz,
+        agent_ticks(&agents).saturating_sub(agents0) as f64 / hz,
+    );
+    if code != 200 {
+        let short: String = body.to_string().chars().take(400).collect();
+        row.failures.push(format!("wave readmit: {code} {short}"));
+    }
+    row.load = procs::loadavg()[0];
+    drop(router);
+    drop(agents);
+    Ok(row)
+}
