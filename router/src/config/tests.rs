@@ -98,6 +98,26 @@ fn example_fleet_file_parses() {
     assert!(c.control_tls.is_some());
 }
 
+/// An unknown key that a dotted path cannot show is named as JSON: the empty key was named
+/// by nothing at all. Found by the `fleet_config` fuzz target
+/// (tests/fuzz/regressions/fleet_config/empty_key).
+#[test]
+fn unknown_keys_a_dotted_path_cannot_show_are_named_as_json() {
+    let mut v = base();
+    v[""] = 1.into();
+    v["serving"] = serde_json::json!({"a.b": 2, "": 3});
+    let mut m = messages(v);
+    m.sort();
+    assert_eq!(
+        m,
+        [
+            "\"\": unknown key",
+            "serving.\"\": unknown key",
+            "serving.\"a.b\": unknown key"
+        ],
+    );
+}
+
 #[test]
 fn unknown_keys_name_their_dotted_path_and_all_are_reported() {
     let mut v = base();

@@ -50,9 +50,23 @@ pub(super) fn show(v: &Value) -> String {
     }
 }
 
+/// The dotted path of `key` under `parent` (`""` for the root).
+///
+/// A key that a dotted path could not show (empty, or holding `.`, `[`, `]`, `"` or a space)
+/// is written as a JSON string, so the path still says which key it is: `""`,
+/// `serving."a.b"`.
 pub(super) fn join(parent: &str, key: &str) -> String {
-    if parent.is_empty() {
+    let plain = !key.is_empty()
+        && !key
+            .chars()
+            .any(|c| matches!(c, '.' | '[' | ']' | '"') || c.is_whitespace() || c.is_control());
+    let key = if plain {
         key.to_string()
+    } else {
+        serde_json::Value::String(key.to_string()).to_string()
+    };
+    if parent.is_empty() {
+        key
     } else {
         format!("{parent}.{key}")
     }
