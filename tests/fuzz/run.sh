@@ -51,7 +51,7 @@ for t in "${targets[@]}"; do
     for f in "$out/default/$kind"/id:*; do
       [ -e "$f" ] || continue
       echo "!! $t: $kind: $f"
-      od -An -tx1 -v "$f" | head -40
+      od -An -tx1 -v "$f" | head -40 || true  # head closes the pipe early (SIGPIPE under pipefail)
       failed+=("$t ($kind)")
     done
   done
