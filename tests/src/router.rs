@@ -44,20 +44,27 @@ pub struct FleetSpec {
 }
 
 impl FleetSpec {
-    /// A fleet over running simulators.
-    pub fn for_sims(backend: &str, sims: &[SimHandle]) -> Self {
+    /// A fleet of `backend` (`vllm`, `sglang`) over `engines` (`(iid, url, role)`), serving the
+    /// simulators' model `tiny-sim`, with no overrides, agents, pins or extra engine keys.
+    pub fn new(backend: &str, engines: Vec<(String, String, String)>) -> Self {
         Self {
             model: "tiny-sim".into(),
             backend: backend.into(),
-            engines: sims
-                .iter()
-                .map(|s| (s.iid.clone(), s.url.clone(), s.role.clone()))
-                .collect(),
+            engines,
             overrides: json!({}),
             agents: std::collections::BTreeMap::new(),
             pins: std::collections::BTreeSet::new(),
             engine_keys: std::collections::BTreeMap::new(),
         }
+    }
+
+    /// A fleet over running simulators.
+    pub fn for_sims(backend: &str, sims: &[SimHandle]) -> Self {
+        let engines = sims
+            .iter()
+            .map(|s| (s.iid.clone(), s.url.clone(), s.role.clone()))
+            .collect();
+        Self::new(backend, engines)
     }
 
     /// Pins engine `iid` (`engines[].pin`).

@@ -142,26 +142,18 @@ async fn a_router_readmits_a_wave_of_engines_sharing_one_process() {
         json!({"engine_s": 5, "generation_s": 20}),
     )
     .expect("agent");
-    let mut spec = FleetSpec {
-        model: "tiny-sim".into(),
-        backend: "vllm".into(),
-        engines: engines
-            .iter()
-            .map(|e| {
-                let role = if e.iid.starts_with('p') {
-                    "prefill"
-                } else {
-                    "decode"
-                };
-                (e.iid.clone(), e.url.clone(), role.to_string())
-            })
-            .collect(),
-        overrides: json!({}),
-        agents: Default::default(),
-        pins: Default::default(),
-        engine_keys: Default::default(),
-    }
-    .tls(&certs, "router");
+    let fleet_engines = engines
+        .iter()
+        .map(|e| {
+            let role = if e.iid.starts_with('p') {
+                "prefill"
+            } else {
+                "decode"
+            };
+            (e.iid.clone(), e.url.clone(), role.to_string())
+        })
+        .collect();
+    let mut spec = FleetSpec::new("vllm", fleet_engines).tls(&certs, "router");
     for iid in iids {
         spec = spec.agent(iid, &agent);
     }

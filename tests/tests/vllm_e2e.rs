@@ -326,9 +326,13 @@ impl Vllm {
 
     /// What the running process has written to the log so far.
     fn since_start(&self) -> String {
-        let bytes = std::fs::read(&self.log).unwrap_or_default();
-        let from = (self.log_start as usize).min(bytes.len());
-        String::from_utf8_lossy(&bytes[from..]).into_owned()
+        use std::io::{Read as _, Seek as _};
+        let mut bytes = Vec::new();
+        if let Ok(mut f) = std::fs::File::open(&self.log) {
+            let _ = f.seek(std::io::SeekFrom::Start(self.log_start));
+            let _ = f.read_to_end(&mut bytes);
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
     }
 
     fn log_tail(&self, n: usize) -> String {

@@ -28,24 +28,23 @@ static int failing(int fd) {
     return strncmp(path, under, strlen(under)) == 0;
 }
 
-int fsync(int fd) {
-    static int (*real)(int);
+/* EIO while the fault holds for `fd`, else libc's `name` (looked up once into `*real`). */
+static int sync_call(int fd, const char *name, int (**real)(int)) {
     if (failing(fd)) {
         errno = EIO;
         return -1;
     }
-    if (real == NULL)
-        real = (int (*)(int))dlsym(RTLD_NEXT, "fsync");
-    return real(fd);
+    if (*real == NULL)
+        *real = (int (*)(int))dlsym(RTLD_NEXT, name);
+    return (*real)(fd);
+}
+
+int fsync(int fd) {
+    static int (*real)(int);
+    return sync_call(fd, "fsync", &real);
 }
 
 int fdatasync(int fd) {
     static int (*real)(int);
-    if (failing(fd)) {
-        errno = EIO;
-        return -1;
-    }
-    if (real == NULL)
-        real = (int (*)(int))dlsym(RTLD_NEXT, "fdatasync");
-    return real(fd);
+    return sync_call(fd, "fdatasync", &real);
 }

@@ -284,20 +284,12 @@ async fn measure(args: &Args, n: usize, per_agent: usize) -> Result<Row, String>
             .map_err(|e| format!("agent h{h}: {e}"))?,
         );
     }
-    let mut spec = FleetSpec {
-        model: "tiny-sim".into(),
-        backend: "vllm".into(),
-        engines: iids
-            .iter()
-            .zip(&engines)
-            .map(|((iid, role), (url, _))| (iid.clone(), url.clone(), role.to_string()))
-            .collect(),
-        overrides: json!({}),
-        agents: Default::default(),
-        pins: Default::default(),
-        engine_keys: Default::default(),
-    }
-    .tls(&certs, "router");
+    let fleet_engines = iids
+        .iter()
+        .zip(&engines)
+        .map(|((iid, role), (url, _))| (iid.clone(), url.clone(), role.to_string()))
+        .collect();
+    let mut spec = FleetSpec::new("vllm", fleet_engines).tls(&certs, "router");
     for (i, (iid, _)) in iids.iter().enumerate() {
         spec = spec.agent(iid, &agents[i / per_agent]);
     }
