@@ -33,7 +33,7 @@ use crate::fence::{EpochStore, FenceError};
 use crate::metrics::Metrics;
 use crate::plugin::{EngineCtx, EngineError, EnginePlugin, plugin_for};
 use crate::process::{
-    LiveProc, PortRead, ProcessError, ProcessLocator, ReadPath, ResolvedOwner, locate,
+    PortRead, ProcessError, ProcessLocator, ReadPath, ResolvedOwner, SharedScan, locate,
     read_port_identity,
 };
 
@@ -95,6 +95,8 @@ pub struct Agent {
     fence: EpochStore,
     clock: Arc<dyn Clock>,
     metrics: Metrics,
+    /// `/proc` with the host scans of concurrent identity reads shared.
+    procs: Arc<SharedScan>,
     /// `("serving" | "ca", notAfter Unix seconds)` of the loaded TLS certificates.
     not_after: Vec<(&'static str, i64)>,
 }
@@ -241,6 +243,7 @@ impl Agent {
             key,
             fence,
             clock,
+            procs: Arc::new(SharedScan::default()),
         })
     }
 
@@ -286,8 +289,9 @@ impl Agent {
         let iid = engine.cfg.iid.clone();
         let cached = engine.owner.lock().map(|g| *g).unwrap_or(None);
         let started = self.clock.now();
+        let procs = Arc::clone(&self.procs);
         let read = tokio::task::spawn_blocking(move || match locator {
-            ProcessLocator::ListenPort(port) => read_port_identity(&LiveProc, port, cached),
+            ProcessLocator::ListenPort(port) => read_port_identity(&*procs, port, cached),
             other => PortRead {
                 result: locate(&other),
                 path: ReadPath::Direct,

@@ -38,8 +38,9 @@ pub use plugin::{
     BoxFuture, Dialect, EngineCtx, EngineError, EnginePlugin, SglangPlugin, VllmPlugin, plugin_for,
 };
 pub use process::{
-    LiveProc, Mismatch, PortRead, ProcView, ProcessError, ProcessLocator, ReadPath, ResolvedOwner,
-    StatFields, find_pid, locate, locate_with_hint, parse_stat, read_identity, read_port_identity,
+    Coalesced, HostSockets, LiveProc, Mismatch, PortRead, ProcView, ProcessError, ProcessLocator,
+    ReadPath, ResolvedOwner, SharedScan, StatFields, find_pid, locate, locate_with_hint,
+    parse_stat, read_identity, read_port_identity,
 };
 
 /// `narwhal-agent fence show|reset` (docs/agent.md): the fence of a stopped agent.

@@ -29,20 +29,27 @@
 //! error, never a stale answer. The rest comes from the `procfs` crate (socket tables, fd
 //! targets, `btime`, `boot_id`, `CLK_TCK`).
 //!
+//! Reads that need a scan at the same moment (every engine of an agent after a whole-fleet
+//! wave restarted them) share one ([`SharedScan`]): one pass over the socket tables and every
+//! process's fds answers every port, and a read only gets a scan that started after it came.
+//!
 //! Files: `stat.rs` parses `/proc/<pid>/stat` and reads one pid's identity, `port_owner.rs`
 //! finds the owner of a listening port, `locate.rs` resolves a [`ProcessLocator`],
-//! `cached_read.rs` re-checks a cached owner before scanning; the unit tests are in `tests.rs`.
+//! `cached_read.rs` re-checks a cached owner before scanning, `shared_scan.rs` shares one scan
+//! among concurrent reads; the unit tests are in `tests.rs`.
 
 use std::path::PathBuf;
 
 mod cached_read;
 mod locate;
 mod port_owner;
+mod shared_scan;
 mod stat;
 
 pub use cached_read::{LiveProc, Mismatch, PortRead, ProcView, ReadPath, read_port_identity};
 pub use locate::{find_pid, locate, locate_with_hint};
 pub use port_owner::ResolvedOwner;
+pub use shared_scan::{Coalesced, HostSockets, SharedScan};
 pub use stat::{StatFields, parse_stat, read_identity};
 
 /// How the agent finds an engine's process (agent config `engines[].process`).
