@@ -2,13 +2,14 @@
 //!
 //! ```text
 //!   ProcessLocator ──find_pid()──► pid ──read_identity()──► ProcessIdentity
-//!     listen_port: socket inode in /proc/net/tcp{,6} (LISTEN) ─► owner of that inode in /proc/*/fd
+//!     listen_port: inode of the LISTEN socket (sock_diag) ─► owner of that inode in /proc/*/fd
 //!     pid_file:    first integer in the file
 //!     systemd_unit: `systemctl show --property=MainPID --value UNIT`
 //! ```
 //!
-//! Reading an engine by port once costs a scan of every socket on the host (`/proc/net/tcp` is
-//! O(sockets): about 10-20 ms with 2-3k sockets) plus, on a miss, every process's fds. So the
+//! Reading an engine by port once costs a dump of the host's listening sockets (sock_diag(7),
+//! `listeners.rs`; `/proc/net/tcp{,6}` when netlink is refused, which prints every socket of the
+//! host and walks the kernel's whole established table) plus every process's fds. So the
 //! agent keeps what the scan found per engine ([`ResolvedOwner`]: pid, start ticks, fd, inode)
 //! and the next read only re-checks it ([`read_port_identity`]):
 //!
@@ -26,21 +27,22 @@
 //!
 //! `/proc/<pid>/stat` is parsed after the **last** `)`, so a command name containing `) `,
 //! spaces or newlines cannot shift fields. A zombie (`Z`), dead (`X`) or vanished process is an
-//! error, never a stale answer. The rest comes from the `procfs` crate (socket tables, fd
-//! targets, `btime`, `boot_id`, `CLK_TCK`).
+//! error, never a stale answer. The rest comes from the `procfs` crate (fd targets, `btime`,
+//! `boot_id`, `CLK_TCK`, the `/proc/net` fallback).
 //!
 //! Reads that need a scan at the same moment (every engine of an agent after a whole-fleet
-//! wave restarted them) share one ([`SharedScan`]): one pass over the socket tables and every
+//! wave restarted them) share one ([`SharedScan`]): one dump of the listeners and one pass over every
 //! process's fds answers every port, and a read only gets a scan that started after it came.
 //!
-//! Files: `stat.rs` parses `/proc/<pid>/stat` and reads one pid's identity, `port_owner.rs`
-//! finds the owner of a listening port, `locate.rs` resolves a [`ProcessLocator`],
+//! Files: `stat.rs` parses `/proc/<pid>/stat` and reads one pid's identity, `listeners.rs`
+//! lists the listening sockets, `port_owner.rs` finds the owner of a listening port, `locate.rs` resolves a [`ProcessLocator`],
 //! `cached_read.rs` re-checks a cached owner before scanning, `shared_scan.rs` shares one scan
 //! among concurrent reads; the unit tests are in `tests.rs`.
 
 use std::path::PathBuf;
 
 mod cached_read;
+mod listeners;
 mod locate;
 mod port_owner;
 mod shared_scan;

@@ -1,12 +1,13 @@
-//! The process that owns a listening TCP port: socket inodes from `/proc/net/tcp{,6}`, then
+//! The process that owns a listening TCP port: socket inodes of the listeners
+//! (`listeners.rs`: sock_diag, else `/proc/net/tcp{,6}`), then
 //! the process whose fds hold one of them.
 
 use std::path::Path;
 
-use procfs::net::TcpState;
 use procfs::process::FDTarget;
 
 use super::ProcessError;
+use super::listeners::listening_sockets;
 use super::stat::{proc_err, read_stat};
 
 /// What a full scan found for a listening port, kept to re-check the next read cheaply.
@@ -22,24 +23,17 @@ pub struct ResolvedOwner {
     pub inode: u64,
 }
 
-/// Inodes of TCP sockets in LISTEN state on `port` (IPv4 and IPv6 tables of the agent's
-/// network namespace).
+/// Inodes of TCP sockets in LISTEN state on `port` (IPv4 and IPv6, the agent's network
+/// namespace), sorted.
 ///
 /// # Errors
-/// [`ProcessError::Proc`] when neither table can be read.
+/// [`ProcessError::Proc`] when no source of the listeners can be read.
 pub(super) fn listening_inodes(port: u16) -> Result<Vec<u64>, ProcessError> {
-    let mut inodes = Vec::new();
-    let v4 = procfs::net::tcp();
-    let v6 = procfs::net::tcp6();
-    if let (Err(e), Err(_)) = (&v4, &v6) {
-        return Err(proc_err("/proc/net/tcp", e));
-    }
-    for entry in v4.into_iter().flatten().chain(v6.into_iter().flatten()) {
-        if entry.state == TcpState::Listen && entry.local_address.port() == port && entry.inode != 0
-        {
-            inodes.push(entry.inode);
-        }
-    }
+    let mut inodes: Vec<u64> = listening_sockets()?
+        .into_iter()
+        .filter(|(p, _)| *p == port)
+        .map(|(_, inode)| inode)
+        .collect();
     inodes.sort_unstable();
     inodes.dedup();
     Ok(inodes)

@@ -1,6 +1,6 @@
 //! One scan of the host for every identity read that is waiting for one.
 //!
-//! A scan reads the whole host: both socket tables, then every process's fds. An agent whose
+//! A scan reads the whole host: its listening sockets, then every process's fds. An agent whose
 //! engines all restarted (a whole-fleet wave) used to run one such scan per engine, each
 //! answering a single port, all at about the same moment. [`SharedScan`] runs one scan that
 //! answers every listening port, and hands it to every read that arrived before it started.
@@ -22,11 +22,11 @@ use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 
 use narwhal_shared::ProcessIdentity;
-use procfs::net::TcpState;
 use procfs::process::FDTarget;
 
 use super::ProcessError;
 use super::cached_read::{LiveProc, ProcView};
+use super::listeners::listening_sockets;
 use super::port_owner::{ResolvedOwner, socket_fd_among};
 use super::stat::{proc_err, read_stat};
 
@@ -108,27 +108,25 @@ pub struct HostSockets {
     pub listeners: HashMap<u16, Vec<u64>>,
     /// Listening socket inode -> its owner.
     pub owners: HashMap<u64, ResolvedOwner>,
-    /// Set when neither socket table could be read.
+    /// Set when the listening sockets or `/proc` could not be read.
     pub error: Option<ProcessError>,
 }
 
 impl HostSockets {
-    /// Reads both socket tables and every process's fds now (blocking).
+    /// Reads the listening sockets (`listeners.rs`) and every process's fds now (blocking).
     pub fn read() -> HostSockets {
         let mut host = HostSockets::default();
-        let v4 = procfs::net::tcp();
-        let v6 = procfs::net::tcp6();
-        if let (Err(e), Err(_)) = (&v4, &v6) {
-            host.error = Some(proc_err("/proc/net/tcp", e));
-            return host;
-        }
-        let mut port_of = HashMap::new();
-        for entry in v4.into_iter().flatten().chain(v6.into_iter().flatten()) {
-            if entry.state == TcpState::Listen && entry.inode != 0 {
-                let port = entry.local_address.port();
-                host.listeners.entry(port).or_default().push(entry.inode);
-                port_of.insert(entry.inode, port);
+        let sockets = match listening_sockets() {
+            Ok(s) => s,
+            Err(e) => {
+                host.error = Some(e);
+                return host;
             }
+        };
+        let mut port_of = HashMap::new();
+        for (port, inode) in sockets {
+            host.listeners.entry(port).or_default().push(inode);
+            port_of.insert(inode, port);
         }
         for inodes in host.listeners.values_mut() {
             inodes.sort_unstable();

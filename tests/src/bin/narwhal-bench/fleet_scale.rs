@@ -15,6 +15,10 @@
 //!               whole-fleet wave: drain POST, restart every engine, the synchronous readmit,
 //!               and the CPU seconds the router and the agents used during that readmit
 //!  memory       RSS per engine of the simulators, the router's RSS, the agents' mean RSS
+//!  standby      a warm standby started last (file lease of LEASE_TTL_S, polls every
+//!               STANDBY_PROBE_S): the primary's and the standby's CPU per second while it
+//!               shadows, then the takeover gap: kill -9 of the primary until the standby's
+//!               /ready is 200 (its identity re-check of every engine included)
 //! ```
 //!
 //! Engines: `p0` runs in a simulator process of its own, so that it can be restarted alone
@@ -29,8 +33,9 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use narwhal_testkit::certs::make_dev_certs;
 use narwhal_testkit::{
-    AgentEngine, AgentHandle, Clients, EngineSpec, FleetSpec, Http, MultiSim, RouterHandle,
-    SimHandle, launch_router, start_agent_for, start_sim,
+    AgentEngine, AgentHandle, Clients, EngineSpec, FleetSpec, Http, LEASE_TTL_S, MultiSim,
+    RouterHandle, STANDBY_PROBE_S, STANDBY_TAKEOVER_AFTER, SimHandle, launch_router,
+    start_agent_for, start_sim,
 };
 use serde_json::{Value, json};
 
@@ -88,6 +93,12 @@ struct Row {
     sim_kib_per_engine: f64,
     router_mib: f64,
     agent_mib: f64,
+    /// The primary's CPU while a standby shadows it, percent of one core.
+    polled_cpu_pct: f64,
+    /// The standby's CPU while it shadows, percent of one core.
+    standby_cpu_pct: f64,
+    /// `kill -9` of the primary until the standby's `/ready` is 200, seconds.
+    takeover_s: f64,
     /// The 1-minute load average when the row was measured.
     load: f64,
     failures: Vec<String>,
@@ -147,13 +158,13 @@ pub async fn main(argv: Vec<String>) -> std::process::ExitCode {
 fn print_row(r: &Row, header: bool) {
     if header {
         println!(
-            "| engines | per agent | agents | startup s | CPU µs/req | p50 c=1 ms | idle CPU % | /metrics B, ms | state B, ms | lifecycle B, ms | handoff B, ms | drain POST ms | readmit s | wave drain ms | wave readmit s | wave CPU s router, agents | sim KiB/engine | router MiB | agent MiB | load |"
+            "| engines | per agent | agents | startup s | CPU µs/req | p50 c=1 ms | idle CPU % | /metrics B, ms | state B, ms | lifecycle B, ms | handoff B, ms | drain POST ms | readmit s | wave drain ms | wave readmit s | wave CPU s router, agents | sim KiB/engine | router MiB | agent MiB | polled CPU % | standby CPU % | takeover s | load |"
         );
-        println!("|{}", "---|".repeat(20));
+        println!("|{}", "---|".repeat(23));
     }
     let d = |(b, ms): (usize, f64)| format!("{b}, {ms:.2}");
     println!(
-        "| {} | {} | {} | {:.2} | {:.0} | {:.2} | {:.1} | {} | {} | {} | {} | {:.1} | {:.3} | {:.1} | {:.2} | {:.2}, {:.2} | {:.0} | {:.1} | {:.1} | {:.1} |",
+        "| {} | {} | {} | {:.2} | {:.0} | {:.2} | {:.1} | {} | {} | {} | {} | {:.1} | {:.3} | {:.1} | {:.2} | {:.2}, {:.2} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} |",
         r.engines,
         r.per_agent,
         r.agents,
@@ -174,6 +185,9 @@ fn print_row(r: &Row, header: bool) {
         r.sim_kib_per_engine,
         r.router_mib,
         r.agent_mib,
+        r.polled_cpu_pct,
+        r.standby_cpu_pct,
+        r.takeover_s,
         r.load,
     );
 }
@@ -246,7 +260,7 @@ async fn measure(args: &Args, n: usize, per_agent: usize) -> Result<Row, String>
         })
         .collect();
     let hosts = n.div_ceil(per_agent);
-    let mut names: Vec<String> = vec!["router".into(), "operator".into()];
+    let mut names: Vec<String> = vec!["router".into(), "standby".into(), "operator".into()];
     names.extend((0..hosts).map(|h| format!("agent-h{h}")));
     let names_ref: Vec<&str> = names.iter().map(String::as_str).collect();
     let certs = make_dev_certs(&dirp.join("certs"), &names_ref).map_err(|e| e.to_string())?;
@@ -289,15 +303,30 @@ async fn measure(args: &Args, n: usize, per_agent: usize) -> Result<Row, String>
         .zip(&engines)
         .map(|((iid, role), (url, _))| (iid.clone(), url.clone(), role.to_string()))
         .collect();
-    let mut spec = FleetSpec::new("vllm", fleet_engines).tls(&certs, "router");
+    let mut spec = FleetSpec::new("vllm", fleet_engines);
     for (i, (iid, _)) in iids.iter().enumerate() {
         spec = spec.agent(iid, &agents[i / per_agent]);
     }
+    // A file lease shared with the standby started last; each router its own state file.
+    let lease = json!({"backend": "file", "path": dirp.join("router.lease"), "ttl_s": LEASE_TTL_S,
+                       "renew_interval_s": 0.5, "safety_margin_s": 0.5});
+    let spec_of = |label: &str| {
+        spec.clone().tls(&certs, label).with(json!({
+            "lease": lease,
+            "recovery": {"state_path": dirp.join(format!("{label}.state.json"))},
+        }))
+    };
     let clients = Clients::identity(&certs, "operator");
     let http = clients.http.clone();
     let t0 = Instant::now();
-    let router: RouterHandle = launch_router(dirp, "router", &spec.to_json(dirp), &[], clients)
-        .map_err(|e| format!("router: {e}"))?;
+    let mut router: RouterHandle = launch_router(
+        dirp,
+        "router",
+        &spec_of("router").to_json(dirp),
+        &["--router-id", "router"],
+        clients.clone(),
+    )
+    .map_err(|e| format!("router: {e}"))?;
     let control = router.control.clone();
     let all: Vec<String> = iids.iter().map(|(i, _)| i.clone()).collect();
     lifecycle_until(&http, &control, Duration::from_secs(120), |d| {
@@ -448,8 +477,86 @@ async fn measure(args: &Args, n: usize, per_agent: usize) -> Result<Row, String>
         let short: String = body.to_string().chars().take(400).collect();
         row.failures.push(format!("wave readmit: {code} {short}"));
     }
+    standby_takeover(
+        &mut row,
+        dirp,
+        &spec_of("standby"),
+        &mut router,
+        clients,
+        args.idle_s,
+    )
+    .await?;
     row.load = procs::loadavg()[0];
     drop(router);
     drop(agents);
     Ok(row)
+}
+
+/// Starts a warm standby of `primary`, measures what its shadowing costs both routers over
+/// `idle_s` seconds, then kills the primary (`SIGKILL`) and times the takeover: until the
+/// standby's `/ready` is 200, which it answers once it holds the lease and has re-checked
+/// every engine's process identity through the agents (docs/ha.md).
+async fn standby_takeover(
+    row: &mut Row,
+    dir: &std::path::Path,
+    spec: &FleetSpec,
+    primary: &mut RouterHandle,
+    clients: Clients,
+    idle_s: f64,
+) -> Result<(), String> {
+    let probe = STANDBY_PROBE_S.to_string();
+    let after = STANDBY_TAKEOVER_AFTER.to_string();
+    let args = [
+        "--router-id",
+        "standby",
+        "--standby-of",
+        &primary.control,
+        "--standby-probe-interval",
+        &probe,
+        "--standby-takeover-after",
+        &after,
+    ];
+    let standby = launch_router(dir, "standby", &spec.to_json(dir), &args, clients)
+        .map_err(|e| format!("standby: {e}"))?;
+    // The standby has retained the primary's current handoff (its own state file).
+    let ha = primary.ha().await;
+    let state = dir.join("standby.state.json");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let doc: Value = std::fs::read(&state)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or(Value::Null);
+        if doc["epoch"].as_u64() == Some(ha.epoch) && doc["holder"].as_str() == Some(&ha.holder) {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "the standby retained no handoff of epoch {} within 60 s:\n{}",
+                ha.epoch,
+                standby.proc.stderr_tail(20)
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let hz = procs::clock_ticks();
+    let (p, s) = (primary.proc.pid(), standby.proc.pid());
+    let (p0, s0, t0) = (ticks(p), ticks(s), Instant::now());
+    tokio::time::sleep(Duration::from_secs_f64(idle_s)).await;
+    let secs = t0.elapsed().as_secs_f64();
+    row.polled_cpu_pct = ticks(p).saturating_sub(p0) as f64 / hz / secs * 100.0;
+    row.standby_cpu_pct = ticks(s).saturating_sub(s0) as f64 / hz / secs * 100.0;
+    let t_kill = Instant::now();
+    primary.proc.kill();
+    let within = Duration::from_secs_f64(LEASE_TTL_S + 60.0);
+    match standby.wait_ready(t_kill, within).await {
+        Some(gap) => row.takeover_s = gap.as_secs_f64(),
+        None => {
+            return Err(format!(
+                "no takeover within {within:?}:\n{}",
+                standby.proc.stderr_tail(20)
+            ));
+        }
+    }
+    Ok(())
 }
