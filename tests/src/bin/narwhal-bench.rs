@@ -41,6 +41,8 @@ mod fleet_scale;
 mod load;
 #[path = "narwhal-bench/peer.rs"]
 mod peer;
+#[path = "narwhal-bench/plots.rs"]
+mod plots;
 #[path = "narwhal-bench/procs.rs"]
 mod procs;
 #[path = "narwhal-bench/report.rs"]

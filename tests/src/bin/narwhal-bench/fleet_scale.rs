@@ -25,7 +25,8 @@
 //! for the one-engine readmission (a readmission requires a newer process start of that
 //! engine); the others share one `narwhal-engine-sim --engines N` process
 //! (docs/engine-simulator.md, "Many engines in one process"), which the wave restarts in
-//! place. Prints one table; asserts nothing about time (architecture.md section 8).
+//! place. Prints one table (and with `--plots DIR` writes it as SVG charts against the fleet
+//! size, `plots.rs`); asserts nothing about time (architecture.md section 8).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -40,6 +41,7 @@ use narwhal_testkit::{
 use serde_json::{Value, json};
 
 use crate::load::{Shot, drive, quantile};
+use crate::plots::{Chart, Series, write_svg};
 use crate::procs;
 
 /// `narwhal-bench fleet-scale` flags.
@@ -70,6 +72,11 @@ struct Args {
     /// Seconds of the idle CPU window.
     #[arg(long, default_value_t = 3.0)]
     idle_s: f64,
+    /// Also write the results as SVG line charts against the fleet size into this directory
+    /// (created): fleet-cpu-per-request.svg, fleet-lifecycle.svg, fleet-documents.svg,
+    /// fleet-idle-cpu.svg, fleet-memory.svg.
+    #[arg(long)]
+    plots: Option<std::path::PathBuf>,
 }
 
 /// One row of the table.
@@ -144,7 +151,13 @@ pub async fn main(argv: Vec<String>) -> std::process::ExitCode {
             rows.push(row);
         }
     }
-    let failed: Vec<&String> = rows.iter().flat_map(|r| &r.failures).collect();
+    let mut failed: Vec<String> = rows.iter().flat_map(|r| r.failures.clone()).collect();
+    if let Some(dir) = &args.plots {
+        match write_plots(dir, &rows, &args.per_agent) {
+            Ok(paths) => println!("plots: {}", paths.join(", ")),
+            Err(e) => failed.push(format!("plots: {e}")),
+        }
+    }
     for f in &failed {
         eprintln!("fleet-scale: {f}");
     }
@@ -559,4 +572,112 @@ async fn standby_takeover(
         }
     }
     Ok(())
+}
+
+/// The charts of `rows` against the fleet size, one line per metric and engines-per-agent
+/// setting (a failed row is left out); the paths written.
+fn write_plots(
+    dir: &std::path::Path,
+    rows: &[Row],
+    per_agent: &[usize],
+) -> Result<Vec<String>, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    type Metric = (&'static str, fn(&Row) -> f64);
+    let lines = |metrics: &[Metric]| -> Vec<Series> {
+        let mut out = Vec::new();
+        for &e in per_agent {
+            for (name, f) in metrics {
+                let points = rows
+                    .iter()
+                    .filter(|r| r.per_agent == e)
+                    .map(|r| {
+                        let y = if r.failures.is_empty() {
+                            f(r)
+                        } else {
+                            f64::NAN
+                        };
+                        (r.engines as f64, y)
+                    })
+                    .collect();
+                let name = if per_agent.len() > 1 {
+                    format!("{name}, {e} per agent")
+                } else {
+                    (*name).to_string()
+                };
+                out.push(Series { name, points });
+            }
+        }
+        out
+    };
+    let chart = |title: &str, y: &str, metrics: &[Metric]| Chart {
+        title: title.to_string(),
+        x_label: "engines".to_string(),
+        y_label: y.to_string(),
+        series: lines(metrics),
+    };
+    let charts = [
+        (
+            "fleet-cpu-per-request.svg",
+            chart(
+                "Router CPU per request",
+                "CPU µs per request",
+                &[("utime + stime / requests", |r| r.cpu_us_per_req)],
+            ),
+        ),
+        (
+            "fleet-lifecycle.svg",
+            chart(
+                "Lifecycle and takeover times",
+                "seconds",
+                &[
+                    ("startup identity check", |r| r.startup_s),
+                    ("whole-fleet wave readmission", |r| r.wave_readmit_s),
+                    ("takeover gap (lease TTL 2 s)", |r| r.takeover_s),
+                ],
+            ),
+        ),
+        (
+            "fleet-documents.svg",
+            chart(
+                "Document read times (median)",
+                "ms",
+                &[
+                    ("/metrics", |r| r.docs[0].1),
+                    ("/narwhal/state", |r| r.docs[1].1),
+                    ("/narwhal/lifecycle", |r| r.docs[2].1),
+                    ("/narwhal/handoff", |r| r.docs[3].1),
+                ],
+            ),
+        ),
+        (
+            "fleet-idle-cpu.svg",
+            chart(
+                "Router CPU with no traffic",
+                "% of one core",
+                &[
+                    ("router, idle", |r| r.idle_cpu_pct),
+                    ("primary polled by a standby", |r| r.polled_cpu_pct),
+                    ("the standby", |r| r.standby_cpu_pct),
+                ],
+            ),
+        ),
+        (
+            "fleet-memory.svg",
+            chart(
+                "Memory",
+                "MiB (RSS)",
+                &[
+                    ("router", |r| r.router_mib),
+                    ("one agent (mean)", |r| r.agent_mib),
+                ],
+            ),
+        ),
+    ];
+    let mut written = Vec::new();
+    for (file, c) in &charts {
+        let path = dir.join(file);
+        write_svg(&path, c)?;
+        written.push(path.display().to_string());
+    }
+    Ok(written)
 }
