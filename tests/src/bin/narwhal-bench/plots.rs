@@ -67,7 +67,11 @@ pub fn write_svg(path: &Path, chart: &Chart) -> Result<(), String> {
         .y_label_area_size(60)
         .build_cartesian_2d(0.0..x_max, 0.0..y_max)
         .map_err(|e| fail(&e))?;
+    let x_fmt = |v: &f64| tick(*v, x_max);
+    let y_fmt = |v: &f64| tick(*v, y_max);
     ctx.configure_mesh()
+        .x_label_formatter(&x_fmt)
+        .y_label_formatter(&y_fmt)
         .x_desc(&chart.x_label)
         .y_desc(&chart.y_label)
         .draw()
@@ -97,6 +101,16 @@ pub fn write_svg(path: &Path, chart: &Chart) -> Result<(), String> {
         .map_err(|e| fail(&e))?;
     root.present().map_err(|e| fail(&e))?;
     Ok(())
+}
+
+/// A tick label of `v` on an axis reaching `max`: whole numbers from 10 up, else as many
+/// decimals as the axis needs.
+fn tick(v: f64, max: f64) -> String {
+    match max {
+        m if m >= 10.0 => format!("{v:.0}"),
+        m if m >= 1.0 => format!("{v:.1}"),
+        _ => format!("{v:.2}"),
+    }
 }
 
 #[cfg(test)]
