@@ -177,6 +177,14 @@ pub struct Verified<P> {
     pub document: SignedDocument,
 }
 
+/// Idle connections kept per agent, at most: as many as a readmission's concurrent checks can
+/// hold open on one agent (the router checks up to 32 engines at once, each one call at a
+/// time; `router/src/lifecycle/validation.rs`), so a wave's next check on an engine reuses a
+/// connection instead of a new mutual-TLS handshake (an ECDHE exchange, both certificate
+/// chains verified). With 4, a burst of 8 calls to one agent left 4 of its connections closed
+/// and opened again for the next check.
+pub const IDLE_CONNECTIONS: usize = 32;
+
 /// mTLS client for one agent, with connection reuse and verification.
 pub struct AgentClient {
     endpoint: AgentEndpoint,
@@ -245,7 +253,7 @@ impl AgentClient {
             .use_preconfigured_tls(tls)
             .connect_timeout(secs(timeouts.connect_s))
             .pool_idle_timeout(Duration::from_secs(90))
-            .pool_max_idle_per_host(4)
+            .pool_max_idle_per_host(IDLE_CONNECTIONS)
             .no_proxy();
         if host != endpoint.server_name {
             let addr: SocketAddr = (host.as_str(), port)

@@ -88,11 +88,7 @@ pub struct LiveProc;
 impl ProcView for LiveProc {
     fn socket_inode(&self, pid: u32, fd: u32) -> Option<u64> {
         let link = std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).ok()?;
-        let text = link.to_str()?;
-        text.strip_prefix("socket:[")?
-            .strip_suffix(']')?
-            .parse()
-            .ok()
+        super::fds::socket_inode_of(link.to_str()?)
     }
 
     fn identity(&self, pid: u32, port: u16) -> Result<ProcessIdentity, ProcessError> {

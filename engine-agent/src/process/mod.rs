@@ -35,13 +35,14 @@
 //! process's fds answers every port, and a read only gets a scan that started after it came.
 //!
 //! Files: `stat.rs` parses `/proc/<pid>/stat` and reads one pid's identity, `listeners.rs`
-//! lists the listening sockets, `port_owner.rs` finds the owner of a listening port, `locate.rs` resolves a [`ProcessLocator`],
+//! lists the listening sockets, `fds.rs` a process's socket fds, `port_owner.rs` finds the owner of a listening port, `locate.rs` resolves a [`ProcessLocator`],
 //! `cached_read.rs` re-checks a cached owner before scanning, `shared_scan.rs` shares one scan
 //! among concurrent reads; the unit tests are in `tests.rs`.
 
 use std::path::PathBuf;
 
 mod cached_read;
+mod fds;
 mod listeners;
 mod locate;
 mod port_owner;

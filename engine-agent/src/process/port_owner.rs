@@ -4,9 +4,8 @@
 
 use std::path::Path;
 
-use procfs::process::FDTarget;
-
 use super::ProcessError;
+use super::fds::socket_fds;
 use super::listeners::listening_sockets;
 use super::stat::{proc_err, read_stat};
 
@@ -71,9 +70,7 @@ pub(super) fn owner_of(port: u16, inodes: &[u64]) -> Result<ResolvedOwner, Proce
 
 /// The first fd of `pid` that is a socket with one of `inodes`, and that inode.
 pub(super) fn socket_fd_among(pid: u32, inodes: &[u64]) -> Option<(u32, u64)> {
-    let fds = procfs::process::Process::new(pid as i32).ok()?.fd().ok()?;
-    fds.flatten().find_map(|fd| match fd.target {
-        FDTarget::Socket(ino) if inodes.contains(&ino) => Some((fd.fd as u32, ino)),
-        _ => None,
-    })
+    socket_fds(pid)?
+        .into_iter()
+        .find(|(_, ino)| inodes.contains(ino))
 }

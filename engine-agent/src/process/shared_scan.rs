@@ -22,10 +22,10 @@ use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 
 use narwhal_shared::ProcessIdentity;
-use procfs::process::FDTarget;
 
 use super::ProcessError;
 use super::cached_read::{LiveProc, ProcView};
+use super::fds::socket_fds;
 use super::listeners::listening_sockets;
 use super::port_owner::{ResolvedOwner, socket_fd_among};
 use super::stat::{proc_err, read_stat};
@@ -141,14 +141,11 @@ impl HostSockets {
         };
         for proc_ in all.flatten() {
             let pid = proc_.pid as u32;
-            let Ok(fds) = proc_.fd() else { continue };
+            let Some(fds) = socket_fds(pid) else { continue };
             let mut held: Vec<(u32, u64)> = Vec::new();
-            for fd in fds.flatten() {
-                if let FDTarget::Socket(ino) = fd.target
-                    && port_of.contains_key(&ino)
-                    && !held.iter().any(|(_, i)| *i == ino)
-                {
-                    held.push((fd.fd as u32, ino));
+            for (fd, ino) in fds {
+                if port_of.contains_key(&ino) && !held.iter().any(|(_, i)| *i == ino) {
+                    held.push((fd, ino));
                 }
             }
             if held.is_empty() {
