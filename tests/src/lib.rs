@@ -85,7 +85,7 @@ pub use http::{
 pub use ports::engine_port;
 pub use proc::{
     ChildProc, ProcError, START_TIMEOUT, bin_path, eventually, poll_blocking, read_json_file,
-    wait_until,
+    wait_until, write_executable,
 };
 pub use process::{
     CommandOutput, alive, blocking_until, ctl, exit_within, json_values, run, run_within,

@@ -269,6 +269,34 @@ pub(crate) fn write_file(path: &Path, text: &str) -> Result<(), ProcError> {
     })
 }
 
+/// Writes an executable script `path` (mode 0755) with `body`, written by a child `sh`, never
+/// opened for writing by this process.
+///
+/// Why: a file this process holds open for writing is inherited by any child another test
+/// thread forks at that moment, until that child's `exec`, and executing the file meanwhile
+/// fails with `ETXTBSY` ("Text file busy"). The child shell's descriptor is never shared with
+/// this process's forks, so the script can be run as soon as this returns.
+///
+/// # Panics
+/// When `sh` cannot run or the file cannot be written.
+pub fn write_executable(path: &Path, body: &str) {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new("sh")
+        .args(["-c", "cat > \"$1\" && chmod 755 \"$1\"", "sh"])
+        .arg(path)
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("sh (writing {}): {e}", path.display()));
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(body.as_bytes())
+        .unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+    let status = child.wait().expect("sh");
+    assert!(status.success(), "writing {}: sh {status}", path.display());
+}
+
 /// A JSON file (a `--ready-file` document), `Value::Null` when missing or not JSON.
 pub fn read_json_file(path: &Path) -> serde_json::Value {
     std::fs::read(path)

@@ -8,14 +8,15 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use narwhal_testkit::{alive, bin_path, free_port, poll_blocking, run_within, signal_pid};
+use narwhal_testkit::{
+    alive, bin_path, free_port, poll_blocking, run_within, signal_pid, write_executable,
+};
 
 /// `packaging/narwhal-restart-remote`, through a fake `ssh` that runs the remote command on
 /// this machine: it must return only once the old engine process has exited and the new one
 /// answers `/health`, and fail with exit 3 when the new engine never serves.
 #[test]
 fn restart_remote_wrapper_blocks_until_the_old_pid_exits_and_the_new_engine_serves() {
-    use std::os::unix::fs::PermissionsExt as _;
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/narwhal-restart-remote");
@@ -23,8 +24,7 @@ fn restart_remote_wrapper_blocks_until_the_old_pid_exits_and_the_new_engine_serv
     let port = free_port();
     let write_exec = |name: &str, body: &str| {
         let p = dir.join(name);
-        std::fs::write(&p, body).unwrap();
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        write_executable(&p, body);
         p
     };
     // ssh HOST COMMAND...: records the host, runs the command here (as sshd would, through a
@@ -162,7 +162,6 @@ fn restart_remote_wrapper_blocks_until_the_old_pid_exits_and_the_new_engine_serv
 /// soon as the main pid was gone and the new engine served.
 #[test]
 fn restart_remote_wrapper_waits_for_the_old_engines_process_group() {
-    use std::os::unix::fs::PermissionsExt as _;
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/narwhal-restart-remote");
@@ -170,8 +169,7 @@ fn restart_remote_wrapper_waits_for_the_old_engines_process_group() {
     let port = free_port();
     let write_exec = |name: &str, body: &str| {
         let p = dir.join(name);
-        std::fs::write(&p, body).unwrap();
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        write_executable(&p, body);
         p
     };
     let ssh = write_exec(
