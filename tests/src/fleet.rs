@@ -25,9 +25,10 @@ use tempfile::TempDir;
 use crate::agent::{AgentHandle, start_agent_keyed};
 use crate::certs::{DevCerts, make_dev_certs};
 use crate::disk::Disk;
-use crate::etcd::{Etcd, free_port};
+use crate::etcd::Etcd;
 use crate::fsync::FsyncFault;
 use crate::http::Http;
+use crate::ports::engine_port;
 use crate::proc::read_json_file;
 use crate::proxy::Proxy;
 use crate::router::{Clients, FleetSpec, RouterHandle, handoff_file_where, launch_router_env};
@@ -397,7 +398,9 @@ impl FleetBuilder {
             .map(|spec| {
                 let mut spec = spec.clone().args(&args);
                 if self.kv_events {
-                    let (p, r) = (free_port(), free_port());
+                    // Below the ephemeral range: a port released by `bind(:0)` may be the next
+                    // outgoing connection's before the simulator binds it (crate::ports).
+                    let (p, r) = (engine_port(), engine_port());
                     let cfg = json!({"enable_kv_cache_events": true, "publisher": "zmq",
                         "endpoint": format!("tcp://*:{p}"),
                         "replay_endpoint": format!("tcp://*:{r}"), "topic": "kv"});

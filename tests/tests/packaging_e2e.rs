@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use narwhal_testkit::{
-    alive, bin_path, free_port, poll_blocking, run_within, signal_pid, write_executable,
+    alive, bin_path, engine_port, poll_blocking, run_within, signal_pid, write_executable,
 };
 
 /// `packaging/narwhal-restart-remote`, through a fake `ssh` that runs the remote command on
@@ -21,7 +21,7 @@ fn restart_remote_wrapper_blocks_until_the_old_pid_exits_and_the_new_engine_serv
     let dir = tmp.path();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/narwhal-restart-remote");
     let sim = bin_path("narwhal-engine-sim");
-    let port = free_port();
+    let port = engine_port();
     let write_exec = |name: &str, body: &str| {
         let p = dir.join(name);
         write_executable(&p, body);
@@ -166,7 +166,7 @@ fn restart_remote_wrapper_waits_for_the_old_engines_process_group() {
     let dir = tmp.path();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/narwhal-restart-remote");
     let sim = bin_path("narwhal-engine-sim");
-    let port = free_port();
+    let port = engine_port();
     let write_exec = |name: &str, body: &str| {
         let p = dir.join(name);
         write_executable(&p, body);

@@ -65,7 +65,7 @@ mod profile;
 #[path = "narwhal-bench/shifting.rs"]
 mod shifting;
 use narwhal_testkit::{
-    EngineSpec, FleetSpec, RouterHandle, SimHandle, free_port, start_router, start_sim,
+    EngineSpec, FleetSpec, RouterHandle, SimHandle, engine_port, start_router, start_sim,
 };
 use serde_json::{Value, json};
 
@@ -418,12 +418,12 @@ async fn run(
         .unwrap_or_default();
     let mut peer_procs = Vec::new();
     for p in peers {
-        let port = free_port();
+        let port = engine_port();
         let pdir = dir.path().join(format!("peer-{}", p.name));
         std::fs::create_dir_all(&pdir).map_err(|e| format!("{}: {e}", pdir.display()))?;
         let mut values: BTreeMap<&str, String> = BTreeMap::new();
         values.insert("port", port.to_string());
-        values.insert("aux_port", free_port().to_string());
+        values.insert("aux_port", engine_port().to_string());
         values.insert("host", "127.0.0.1".into());
         values.insert("model", MODEL.into());
         values.insert("dir", pdir.display().to_string());

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use futures_util::StreamExt;
 use narwhal_testkit::{
-    EngineSpec, FleetSpec, LeaseBackend, SimHandle, free_port, start_router, start_sim,
+    EngineSpec, FleetSpec, LeaseBackend, SimHandle, engine_port, start_router, start_sim,
 };
 use serde_json::{Value, json};
 
@@ -365,7 +365,7 @@ fn engines(dir: &std::path::Path, a: &Args) -> Result<(Vec<SimHandle>, Vec<Event
     let mut sims = Vec::new();
     let mut events = Vec::new();
     for i in 0..a.engines {
-        let (p, r) = (free_port(), free_port());
+        let (p, r) = (engine_port(), engine_port());
         let cfg = json!({"enable_kv_cache_events": true, "publisher": "zmq",
             "endpoint": format!("tcp://*:{p}"), "replay_endpoint": format!("tcp://*:{r}")});
         let mut args: Vec<&str> = flags.iter().map(String::as_str).collect();
@@ -592,10 +592,10 @@ async fn run(a: Args) -> Result<bool, String> {
             (_, Some(p)) => {
                 let pdir = dir.path().join(format!("peer-{}", p.name));
                 std::fs::create_dir_all(&pdir).map_err(|e| e.to_string())?;
-                let port = free_port();
+                let port = engine_port();
                 let mut v: BTreeMap<&str, String> = BTreeMap::new();
                 v.insert("port", port.to_string());
-                v.insert("aux_port", free_port().to_string());
+                v.insert("aux_port", engine_port().to_string());
                 v.insert("host", "127.0.0.1".into());
                 v.insert("model", "tiny-sim".into());
                 v.insert("dir", pdir.display().to_string());
