@@ -1,13 +1,11 @@
 //! Re-checking the owner the last read found (its fd still holds the socket, its start time
 //! is unchanged) before falling back to the full scan.
 
-use std::path::Path;
-
 use narwhal_shared::ProcessIdentity;
 
 use super::ProcessError;
-use super::port_owner::{ResolvedOwner, listening_inodes, owner_of, socket_fd_among};
-use super::stat::{read_identity, read_stat};
+use super::port_owner::{ResolvedOwner, held_by, listening_inodes, owner_of};
+use super::stat::read_identity;
 
 /// Which way an identity read went (metric label `path`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,16 +98,8 @@ impl ProcView for LiveProc {
         if inodes.is_empty() {
             return Err(ProcessError::NoListener { port });
         }
-        if let Some(pid) = hint
-            && let Some((fd, inode)) = socket_fd_among(pid, &inodes)
-            && let Ok(stat) = read_stat(Path::new("/proc"), pid)
-        {
-            return Ok(ResolvedOwner {
-                pid,
-                start_ticks: stat.start_ticks,
-                fd,
-                inode,
-            });
+        if let Some(owner) = hint.and_then(|pid| held_by(pid, &inodes)) {
+            return Ok(owner);
         }
         owner_of(port, &inodes)
     }

@@ -22,6 +22,27 @@ pub struct ResolvedOwner {
     pub inode: u64,
 }
 
+impl ResolvedOwner {
+    /// Order among the holders of one socket: the earliest started, then the lowest pid, comes
+    /// first (the parent of forked workers).
+    pub(super) fn rank(&self) -> (u64, u32) {
+        (self.start_ticks, self.pid)
+    }
+}
+
+/// `pid` as the owner of one of `inodes`, when it holds one now: the first such fd, and the
+/// start time read after it was seen.
+pub(super) fn held_by(pid: u32, inodes: &[u64]) -> Option<ResolvedOwner> {
+    let (fd, inode) = socket_fd_among(pid, inodes)?;
+    let stat = read_stat(Path::new("/proc"), pid).ok()?;
+    Some(ResolvedOwner {
+        pid,
+        start_ticks: stat.start_ticks,
+        fd,
+        inode,
+    })
+}
+
 /// Inodes of TCP sockets in LISTEN state on `port` (IPv4 and IPv6, the agent's network
 /// namespace), sorted.
 ///
@@ -45,20 +66,10 @@ pub(super) fn owner_of(port: u16, inodes: &[u64]) -> Result<ResolvedOwner, Proce
     let all = procfs::process::all_processes().map_err(|e| proc_err("/proc", e))?;
     let mut best: Option<ResolvedOwner> = None;
     for proc_ in all.flatten() {
-        let pid = proc_.pid as u32;
-        let Some((fd, inode)) = socket_fd_among(pid, inodes) else {
+        let Some(found) = held_by(proc_.pid as u32, inodes) else {
             continue;
         };
-        let Ok(stat) = read_stat(Path::new("/proc"), pid) else {
-            continue;
-        };
-        let found = ResolvedOwner {
-            pid,
-            start_ticks: stat.start_ticks,
-            fd,
-            inode,
-        };
-        if best.is_none_or(|b| (found.start_ticks, found.pid) < (b.start_ticks, b.pid)) {
+        if best.is_none_or(|b| found.rank() < b.rank()) {
             best = Some(found);
         }
     }

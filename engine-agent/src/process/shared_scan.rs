@@ -27,7 +27,7 @@ use super::ProcessError;
 use super::cached_read::{LiveProc, ProcView};
 use super::fds::socket_fds;
 use super::listeners::listening_sockets;
-use super::port_owner::{ResolvedOwner, socket_fd_among};
+use super::port_owner::{ResolvedOwner, held_by};
 use super::stat::{proc_err, read_stat};
 
 /// Runs `scan` for callers that arrive together: a caller gets the result of a scan that
@@ -164,7 +164,7 @@ impl HostSockets {
                 host.owners
                     .entry(inode)
                     .and_modify(|best| {
-                        if (found.start_ticks, found.pid) < (best.start_ticks, best.pid) {
+                        if found.rank() < best.rank() {
                             *best = found;
                         }
                     })
@@ -188,21 +188,13 @@ impl HostSockets {
         let Some(inodes) = self.listeners.get(&port).filter(|i| !i.is_empty()) else {
             return Err(ProcessError::NoListener { port });
         };
-        if let Some(pid) = hint
-            && let Some((fd, inode)) = socket_fd_among(pid, inodes)
-            && let Ok(stat) = read_stat(Path::new("/proc"), pid)
-        {
-            return Ok(ResolvedOwner {
-                pid,
-                start_ticks: stat.start_ticks,
-                fd,
-                inode,
-            });
+        if let Some(owner) = hint.and_then(|pid| held_by(pid, inodes)) {
+            return Ok(owner);
         }
         inodes
             .iter()
             .filter_map(|i| self.owners.get(i))
-            .min_by_key(|o| (o.start_ticks, o.pid))
+            .min_by_key(|o| o.rank())
             .copied()
             .ok_or_else(|| ProcessError::NoOwner {
                 port,

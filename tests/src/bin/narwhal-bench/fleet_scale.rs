@@ -36,7 +36,7 @@ use narwhal_testkit::certs::make_dev_certs;
 use narwhal_testkit::{
     AgentEngine, AgentHandle, Clients, EngineSpec, FleetSpec, Http, LEASE_TTL_S, MultiSim,
     RouterHandle, STANDBY_PROBE_S, STANDBY_TAKEOVER_AFTER, SimHandle, launch_router,
-    start_agent_for, start_sim,
+    read_json_file, start_agent_for, start_sim,
 };
 use serde_json::{Value, json};
 
@@ -536,10 +536,7 @@ async fn standby_takeover(
     let state = dir.join("standby.state.json");
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let doc: Value = std::fs::read(&state)
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .unwrap_or(Value::Null);
+        let doc = read_json_file(&state);
         if doc["epoch"].as_u64() == Some(ha.epoch) && doc["holder"].as_str() == Some(&ha.holder) {
             break;
         }

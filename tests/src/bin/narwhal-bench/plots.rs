@@ -46,13 +46,20 @@ const COLOURS: [RGBColor; 6] = [
 /// A message naming `path` when it cannot be drawn or written.
 pub fn write_svg(path: &Path, chart: &Chart) -> Result<(), String> {
     let fail = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
-    let points = chart
+    // Each series' drawable points (a failed measurement left out).
+    let lines: Vec<Vec<(f64, f64)>> = chart
         .series
         .iter()
-        .flat_map(|s| s.points.iter())
-        .filter(|(x, y)| x.is_finite() && y.is_finite());
+        .map(|s| {
+            s.points
+                .iter()
+                .copied()
+                .filter(|(x, y)| x.is_finite() && y.is_finite())
+                .collect()
+        })
+        .collect();
     let (mut x_max, mut y_max) = (0.0f64, 0.0f64);
-    for (x, y) in points {
+    for (x, y) in lines.iter().flatten() {
         x_max = x_max.max(*x);
         y_max = y_max.max(*y);
     }
@@ -76,14 +83,8 @@ pub fn write_svg(path: &Path, chart: &Chart) -> Result<(), String> {
         .y_desc(&chart.y_label)
         .draw()
         .map_err(|e| fail(&e))?;
-    for (i, s) in chart.series.iter().enumerate() {
+    for (i, (s, pts)) in chart.series.iter().zip(&lines).enumerate() {
         let colour = COLOURS[i % COLOURS.len()];
-        let pts: Vec<(f64, f64)> = s
-            .points
-            .iter()
-            .copied()
-            .filter(|(x, y)| x.is_finite() && y.is_finite())
-            .collect();
         ctx.draw_series(LineSeries::new(pts.clone(), colour.stroke_width(2)))
             .map_err(|e| fail(&e))?
             .label(&s.name)
