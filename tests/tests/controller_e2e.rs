@@ -564,7 +564,18 @@ async fn s5_the_prefill_floor_is_recovered_at_once() {
         rec[0]
     );
     let s = r.state_json().await;
-    assert_eq!(pools(&s, "prefill"), ["e0", "e1"]);
+    // The donor is the decode engine with the fewest residents, ties in config order
+    // (controller.md 7.5). Which one that is here is timing: the request whose failure
+    // ejected e0 may still be resident on e1 when the step runs, so the test asks only that
+    // one former decode engine moved (the unit test pins the tie order).
+    let prefill = pools(&s, "prefill");
+    assert_eq!(prefill.len(), 2, "{prefill:?}");
+    assert_eq!(prefill[0], "e0");
+    assert!(
+        ["e1", "e2", "e3"].contains(&prefill[1].as_str()),
+        "{prefill:?}"
+    );
+    assert_eq!(pools(&s, "decode").len(), 2);
     assert_eq!(s["below_floor"]["breaches"], 1);
     assert_eq!(
         s["demand_evidence"]["risk_kind"],
