@@ -494,11 +494,32 @@ pub fn main_from_args() -> ExitCode {
     code
 }
 
+/// The listen queue of both listeners: connections the kernel completes before the router
+/// accepts them. Tokio's default (1024) overflows when thousands of clients connect at once
+/// (their SYNs are dropped and retried a second later); the kernel caps this at
+/// `net.core.somaxconn` (docs/operate.md, "Many concurrent streams").
+pub(crate) const LISTEN_BACKLOG: u32 = 4096;
+
 async fn bind(addr: &str) -> Result<TcpListener, ExitCode> {
-    TcpListener::bind(addr).await.map_err(|e| {
+    let fail = |e: std::io::Error| {
         eprintln!("narwhal-serve: bind {addr}: {e}");
         ExitCode::from(1)
-    })
+    };
+    let resolved = tokio::net::lookup_host(addr)
+        .await
+        .map_err(fail)?
+        .next()
+        .ok_or_else(|| fail(std::io::Error::other("the address resolves to nothing")))?;
+    let socket = if resolved.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()
+    } else {
+        tokio::net::TcpSocket::new_v6()
+    }
+    .map_err(fail)?;
+    // As TcpListener::bind: a restarted router rebinds at once over TIME_WAIT connections.
+    socket.set_reuseaddr(true).map_err(fail)?;
+    socket.bind(resolved).map_err(fail)?;
+    socket.listen(LISTEN_BACKLOG).map_err(fail)
 }
 
 async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode {

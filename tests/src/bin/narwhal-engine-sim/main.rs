@@ -284,10 +284,22 @@ fn run(cli: Cli) -> Result<(), StartError> {
     rt.block_on(serve(cli))
 }
 
+/// The listen queue of every listener: uvicorn's default `backlog` (2048), which vLLM's and
+/// SGLang's API servers run under. Tokio's own default (1024) would make the simulator drop
+/// connections of a burst that a real engine accepts.
+const LISTEN_BACKLOG: u32 = 2048;
+
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| StartError::Bind { what, addr, source })
+    let fail = |source| StartError::Bind { what, addr, source };
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()
+    } else {
+        tokio::net::TcpSocket::new_v6()
+    }
+    .map_err(fail)?;
+    socket.set_reuseaddr(true).map_err(fail)?;
+    socket.bind(addr).map_err(fail)?;
+    socket.listen(LISTEN_BACKLOG).map_err(fail)
 }
 
 /// The ports one engine binds (its listeners' addresses; port 0 = ephemeral).
