@@ -28,13 +28,16 @@
 //! fleet file), `narwhal-bench shifting` (fixed split vs role controller under shifting
 //! demand), `narwhal-bench prefix` (a shared-prefix workload: cache hit rate against an
 //! offline oracle, TTFT and SLO attainment per router, and the hit rate across a takeover) and
-//! `narwhal-bench fleet-scale` (control-plane cost at 4, 64 and 256 engines).
+//! `narwhal-bench fleet-scale` (control-plane cost at 4, 64 and 256 engines) and
+//! `narwhal-bench concurrency` (router cost at 1,000 to 10,000 concurrent streams).
 #![forbid(unsafe_code)]
 // A benchmark measures wall time: the clock ban of clippy.toml is for product code.
 #![allow(clippy::disallowed_methods)]
 
 // The modules live in `narwhal-bench/` beside this file (a crate root resolves `mod` in its own
 // directory, hence the paths).
+#[path = "narwhal-bench/concurrency.rs"]
+mod concurrency;
 #[path = "narwhal-bench/fleet_scale.rs"]
 mod fleet_scale;
 #[path = "narwhal-bench/load.rs"]
@@ -313,7 +316,10 @@ fn say(json_to_stdout: bool, text: &str) {
 /// two-worker runtime; `None` for anything else (the comparison).
 fn subcommand(argv: &[String]) -> Option<ExitCode> {
     let which = argv.get(1).map(String::as_str)?;
-    if !matches!(which, "profile" | "shifting" | "prefix" | "fleet-scale") {
+    if !matches!(
+        which,
+        "profile" | "shifting" | "prefix" | "fleet-scale" | "concurrency"
+    ) {
         return None;
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -333,6 +339,7 @@ fn subcommand(argv: &[String]) -> Option<ExitCode> {
             "profile" => profile::main(rest).await,
             "prefix" => prefix::main(rest).await,
             "fleet-scale" => fleet_scale::main(rest).await,
+            "concurrency" => concurrency::main(rest).await,
             _ => shifting::main(rest).await,
         }
     }))
@@ -421,26 +428,7 @@ async fn run(
         let port = engine_port();
         let pdir = dir.path().join(format!("peer-{}", p.name));
         std::fs::create_dir_all(&pdir).map_err(|e| format!("{}: {e}", pdir.display()))?;
-        let mut values: BTreeMap<&str, String> = BTreeMap::new();
-        values.insert("port", port.to_string());
-        values.insert("aux_port", engine_port().to_string());
-        values.insert("host", "127.0.0.1".into());
-        values.insert("model", MODEL.into());
-        values.insert("dir", pdir.display().to_string());
-        values.insert("bin_dir", bin_dir.clone());
-        values.insert("prefill_url", engines.prefill.url.clone());
-        values.insert("prefill_urls", engines.prefill.url.clone());
-        values.insert("decode_url", engines.decode.url.clone());
-        values.insert("decode_urls", engines.decode.url.clone());
-        values.insert(
-            "bootstrap_port",
-            engines
-                .prefill
-                .bootstrap_port
-                .map_or_else(|| "none".into(), |b| b.to_string()),
-        );
-        values.insert("engine_url", engines.agg.url.clone());
-        values.insert("engine_urls", engines.agg.url.clone());
+        let values = peer_values(&engines, port, &pdir, &bin_dir);
         let command = p.render(&values)?;
         let proc = procs::on_cpus(router_cpus, || {
             PeerProc::spawn(&p.name, &command, dir.path())
@@ -695,6 +683,37 @@ async fn run(
     }
     drop(peer_procs);
     Ok(problems == 0)
+}
+
+/// The placeholder values of a peer's command (docs/benchmarks.md, "Peers"): its `port` and
+/// `aux_port`, its directory, our binaries' directory, and the engines' URLs.
+fn peer_values(
+    engines: &Engines,
+    port: u16,
+    dir: &std::path::Path,
+    bin_dir: &str,
+) -> BTreeMap<&'static str, String> {
+    let mut values: BTreeMap<&str, String> = BTreeMap::new();
+    values.insert("port", port.to_string());
+    values.insert("aux_port", engine_port().to_string());
+    values.insert("host", "127.0.0.1".into());
+    values.insert("model", MODEL.into());
+    values.insert("dir", dir.display().to_string());
+    values.insert("bin_dir", bin_dir.to_string());
+    values.insert("prefill_url", engines.prefill.url.clone());
+    values.insert("prefill_urls", engines.prefill.url.clone());
+    values.insert("decode_url", engines.decode.url.clone());
+    values.insert("decode_urls", engines.decode.url.clone());
+    values.insert(
+        "bootstrap_port",
+        engines
+            .prefill
+            .bootstrap_port
+            .map_or_else(|| "none".into(), |b| b.to_string()),
+    );
+    values.insert("engine_url", engines.agg.url.clone());
+    values.insert("engine_urls", engines.agg.url.clone());
+    values
 }
 
 /// The fleet file of our router over `sims` (as [`FleetSpec::for_sims`], which needs owned

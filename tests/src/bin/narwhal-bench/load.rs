@@ -179,24 +179,60 @@ fn complete(stream: bool, body: &[u8]) -> bool {
 }
 
 /// Drives one window against `addr`: `shot.concurrency` clients share the numbers
-/// `first..first + shot.requests` as their requests' prompts.
+/// `first..first + shot.requests` as their requests' prompts. Each client connects when it
+/// sends its first request, inside the window.
 pub async fn drive(addr: SocketAddr, model: &str, shot: &Shot, first: usize) -> Sample {
+    drive_clients(addr, model, shot, first, false).await
+}
+
+/// [`drive`], but every client opens its connection first and the window starts once all of
+/// them are connected (or failed to): the steady state of many long-lived client connections,
+/// without the connect storm (and listen-queue overflow) of thousands opened at once inside
+/// the window. A failed connect counts as one failed request.
+pub async fn drive_connected(addr: SocketAddr, model: &str, shot: &Shot, first: usize) -> Sample {
+    drive_clients(addr, model, shot, first, true).await
+}
+
+async fn drive_clients(
+    addr: SocketAddr,
+    model: &str,
+    shot: &Shot,
+    first: usize,
+    preconnect: bool,
+) -> Sample {
     let bodies: Arc<Vec<Bytes>> = Arc::new(
         (0..shot.requests)
             .map(|i| body(model, first + i, shot.tokens, shot.stream))
             .collect(),
     );
     let next = Arc::new(AtomicUsize::new(0));
-    let t0 = Instant::now();
-    let mut tasks = Vec::with_capacity(shot.concurrency);
-    for _ in 0..shot.concurrency.max(1) {
-        let (bodies, next, shot) = (bodies.clone(), next.clone(), shot.clone());
+    let clients = shot.concurrency.max(1);
+    // Preconnected clients wait here, then the window's clock starts.
+    let gate = Arc::new(tokio::sync::Barrier::new(clients + 1));
+    let mut t0 = Instant::now();
+    let mut tasks = Vec::with_capacity(clients);
+    for _ in 0..clients {
+        let (bodies, next, shot, gate) = (bodies.clone(), next.clone(), shot.clone(), gate.clone());
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::new();
             let mut ttfb = Vec::new();
             let mut errors = 0usize;
             let mut first_error = None;
             let mut sender: Option<Sender> = None;
+            if preconnect {
+                match tokio::time::timeout(shot.timeout, connect(addr)).await {
+                    Ok(Ok(s)) => sender = Some(s),
+                    Ok(Err(e)) => first_error = Some(e),
+                    Err(_) => {
+                        first_error = Some(format!("no connection within {:?}", shot.timeout))
+                    }
+                }
+                gate.wait().await;
+                if first_error.is_some() {
+                    // This client's share goes to the others; its failed connect is one error.
+                    return (lat, ttfb, 1, first_error);
+                }
+            }
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 if i >= bodies.len() {
@@ -245,6 +281,10 @@ pub async fn drive(addr: SocketAddr, model: &str, shot: &Shot, first: usize) -> 
             }
             (lat, ttfb, errors, first_error)
         }));
+    }
+    if preconnect {
+        gate.wait().await;
+        t0 = Instant::now();
     }
     let mut sample = Sample::default();
     for t in tasks {

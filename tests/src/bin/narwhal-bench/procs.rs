@@ -91,7 +91,7 @@ pub fn ticks_between(before: &[(u32, u64)], after: &[(u32, u64)]) -> u64 {
 }
 
 /// `VmRSS` and `VmHWM` (KiB) of one process, from `/proc/<pid>/status`.
-fn memory_kib(pid: u32) -> Option<(u64, u64)> {
+pub fn memory_kib(pid: u32) -> Option<(u64, u64)> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let field = |name: &str| {
         text.lines()
