@@ -324,3 +324,97 @@ fn bad_peer_specs_are_refused() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--peer a: the name is given twice"));
 }
+
+/// `narwhal-bench concurrency` (docs/benchmarks.md, "Concurrent streams"): at each level every
+/// target of the shape (direct, ours, a P/D peer; the aggregated peer is left out) carries that
+/// many preconnected streams with none failed, the routers' rows name their CPU, RSS and
+/// descriptor peaks (at least one descriptor per stream: the clients' connections), and the
+/// six charts are written. Bad levels are refused before anything starts.
+#[test]
+fn concurrency_runs_every_level_on_every_target() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plots = dir.path().join("plots");
+    let mut args = strings(&[
+        "concurrency",
+        "--shape",
+        "pd",
+        "--levels",
+        "16,4",
+        "--tokens",
+        "4",
+        "--tpot-ms",
+        "2",
+        "--plots",
+    ]);
+    args.push(plots.display().to_string());
+    args.push("--peer".into());
+    args.push(self_peer(
+        "self-pd",
+        "--prefill {prefill_url} --decode {decode_url}",
+    ));
+    args.push("--peer".into());
+    args.push(self_peer("self-agg", "--engine {engine_url}"));
+    let out = bench(&args, Duration::from_secs(300));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "narwhal-bench concurrency failed ({}); stdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
+    );
+    assert!(
+        stderr.contains("--peer self-agg is agg, not --shape pd: left out"),
+        "{stderr}"
+    );
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .filter(|l| l.starts_with("| 4 |") || l.starts_with("| 16 |"))
+        .map(|l| l.split('|').map(str::trim).collect())
+        .collect();
+    assert_eq!(rows.len(), 6, "two levels x three targets:\n{stdout}");
+    for level in ["4", "16"] {
+        let n: u64 = level.parse().expect("level");
+        for target in ["direct", "ours-pd", "self-pd"] {
+            let row = rows
+                .iter()
+                .find(|r| r[1] == level && r[2] == target)
+                .unwrap_or_else(|| panic!("no row for {target} at {level}:\n{stdout}"));
+            assert_eq!(row[8], "0", "errors of {target} at {level}:\n{stdout}");
+            let rps: f64 = row[3].parse().expect("req/s");
+            assert!(rps > 0.0, "{target} at {level}:\n{stdout}");
+            if target == "direct" {
+                assert_eq!(&row[9..12], ["-", "-", "-"], "{stdout}");
+            } else {
+                let fds: u64 = row[11].parse().expect("peak fds");
+                assert!(
+                    fds >= n,
+                    "{target} at {level}: {fds} descriptors:\n{stdout}"
+                );
+                let rss: f64 = row[10].parse().expect("peak RSS");
+                assert!(rss > 1.0, "{target} at {level}:\n{stdout}");
+            }
+        }
+    }
+    assert!(
+        stdout.contains("goals: ours-pd at 16 streams: errors 0"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("vs self-pd: req/s"), "{stdout}");
+    for chart in ["rps", "ttft-p99", "e2e-p99", "cpu", "rss", "fds"] {
+        let svg = std::fs::read_to_string(plots.join(format!("concurrency-{chart}.svg")))
+            .unwrap_or_else(|e| panic!("concurrency-{chart}.svg: {e}"));
+        assert!(svg.contains("<svg"), "{chart}");
+    }
+    for bad in [["--levels", "0"], ["--tokens", "0"]] {
+        let out = bench(
+            &strings(&["concurrency", bad[0], bad[1]]),
+            Duration::from_secs(30),
+        );
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(bad[0]),
+            "{bad:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
