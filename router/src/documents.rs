@@ -249,15 +249,16 @@ pub(crate) fn state(parts: &Parts) -> doc::State {
 /// `kv_index`: the tokenizer check, the tokenize counts and each engine's index
 /// (docs/design/kv-aware-placement.md).
 fn kv_index(parts: &Parts) -> state::KvIndex {
-    let (tokenized, tokenize_failures, tokenize_seconds) = parts.kv.tokenize_counts();
+    let counts = parts.kv.tokenize_counts();
     let check = parts.kv.tokenizer();
     let names = parts.fleet.names();
     state::KvIndex {
         tokenizer: check.as_str().to_string(),
         tokenizer_detail: check.detail().map(str::to_string),
-        tokenized,
-        tokenize_failures,
-        tokenize_seconds,
+        tokenized: counts.tokenized,
+        tokenize_failures: counts.failures,
+        tokenize_seconds: counts.seconds,
+        unscored: counts.unscored,
         engines: parts
             .kv
             .views()
@@ -313,11 +314,12 @@ fn kv_gauges(parts: &Parts) {
         raise(&c.replays.get_or_create(&l), v.counters.replays);
         raise(&c.resets.get_or_create(&l), v.counters.resets);
     }
-    let (_, failures, seconds) = parts.kv.tokenize_counts();
-    raise(&c.tokenize_failures, failures);
+    let counts = parts.kv.tokenize_counts();
+    raise(&c.tokenize_failures, counts.failures);
+    raise(&c.unscored, counts.unscored);
     let spent = c.tokenize_seconds.get();
-    if seconds > spent {
-        c.tokenize_seconds.inc_by(seconds - spent);
+    if counts.seconds > spent {
+        c.tokenize_seconds.inc_by(counts.seconds - spent);
     }
 }
 

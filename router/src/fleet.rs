@@ -189,6 +189,11 @@ impl Fleet {
         placement::plan_with(&state.slots, &avoid, aggregate, kv, &mut rand::rng())
     }
 
+    /// How many engines a KV score would choose among now ([`placement::choice_width`]).
+    pub(crate) fn choice_width(&self, aggregate: Aggregate) -> usize {
+        placement::choice_width(&self.lock().slots, aggregate)
+    }
+
     /// Gives engine `iid` router role `role` (a role flip; the role controller decides).
     /// Residents stay where they are; new placements follow the new role.
     pub(crate) fn set_role(&self, iid: usize, role: Role) {

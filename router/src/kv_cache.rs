@@ -36,7 +36,7 @@ use crate::fleet::Fleet;
 use crate::kv_index::{
     Credit, EngineView, KvIndex, Mode, Reason, Seq, Settings, prompt_chain, uncached,
 };
-use crate::placement::{Balance, KvScore};
+use crate::placement::{Aggregate, Balance, KvScore};
 use crate::upstream::Upstream;
 
 /// How long a replay may take before the gap is given up (the engine's entries dropped).
@@ -135,6 +135,24 @@ struct Counts {
     tokenized: AtomicU64,
     failures: AtomicU64,
     micros: AtomicU64,
+    /// Requests not scored: one engine to choose from, no profiles.
+    unscored: AtomicU64,
+}
+
+/// The KV score's counts, cumulative since the router started (`/narwhal/state.kv_index`,
+/// `narwhal_kv_index_*`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct TokenizeCounts {
+    /// Requests whose prompt was tokenized for a score.
+    pub(crate) tokenized: u64,
+    /// Requests placed by load because `/tokenize` gave no tokens.
+    pub(crate) failures: u64,
+    /// Seconds spent in `/tokenize` for scores.
+    pub(crate) seconds: f64,
+    /// Requests not scored because placement had at most one engine to choose from and no
+    /// profiles are configured (docs/design/kv-aware-placement.md, "One engine to choose
+    /// from").
+    pub(crate) unscored: u64,
 }
 
 /// The KV cache part (module doc).
@@ -400,14 +418,29 @@ impl KvCache {
             .ok_or_else(|| fail("answer has no `tokens` list".into()))
     }
 
-    /// The KV score of a request whose body (one prompt) is `body`: `None` when cache
-    /// awareness is off, the tokenizers disagree, or the tokens could not be had (counted).
-    pub(crate) async fn score(&self, fleet: &Fleet, body: &Map<String, Value>) -> Option<Scored> {
+    /// The KV score of a request whose body (one prompt) is `body`, to be placed with
+    /// `aggregate`: `None` when cache awareness is off, the tokenizers disagree, the tokens
+    /// could not be had (counted), or placement has at most one engine to choose from while
+    /// no profiles are configured (counted `unscored`: the score could change neither the
+    /// engine nor a price, and `/tokenize` would cost the request an engine round trip).
+    pub(crate) async fn score(
+        &self,
+        fleet: &Fleet,
+        body: &Map<String, Value>,
+        aggregate: Aggregate,
+    ) -> Option<Scored> {
         if !self.enabled() {
             return None;
         }
         self.check_tokenizers(fleet).await;
         if matches!(*self.tokenizer_check(), TokenizerCheck::Mismatch(_)) {
+            return None;
+        }
+        // Nothing prices requests without profiles (no role controller, no admission price:
+        // controller.md 3.5 and 10.4 count cached tokens), so with one candidate the score
+        // would decide nothing.
+        if self.cfg.profiles.is_empty() && fleet.choice_width(aggregate) <= 1 {
+            self.counts.unscored.fetch_add(1, Ordering::Relaxed);
             return None;
         }
         let t0 = self.clock.now();
@@ -556,13 +589,14 @@ impl KvCache {
         self.tokenizer_check().clone()
     }
 
-    /// `(requests tokenized, tokenize failures, total seconds spent tokenizing)`.
-    pub(crate) fn tokenize_counts(&self) -> (u64, u64, f64) {
-        (
-            self.counts.tokenized.load(Ordering::Relaxed),
-            self.counts.failures.load(Ordering::Relaxed),
-            self.counts.micros.load(Ordering::Relaxed) as f64 / 1e6,
-        )
+    /// The KV score's counts so far.
+    pub(crate) fn tokenize_counts(&self) -> TokenizeCounts {
+        TokenizeCounts {
+            tokenized: self.counts.tokenized.load(Ordering::Relaxed),
+            failures: self.counts.failures.load(Ordering::Relaxed),
+            seconds: self.counts.micros.load(Ordering::Relaxed) as f64 / 1e6,
+            unscored: self.counts.unscored.load(Ordering::Relaxed),
+        }
     }
 }
 

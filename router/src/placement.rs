@@ -208,6 +208,25 @@ pub(crate) enum Aggregate {
     DecodeOnly,
 }
 
+/// How many engines the KV score would choose among in [`plan_with`] with nothing avoided:
+/// the live prefill engines of a split, else the engines of an aggregated plan. Avoiding
+/// engines only narrows these lists (a role whose candidates are all avoided falls back to
+/// the same list), so no attempt of a request chooses among more. With at most one there is
+/// nothing for the score to decide (docs/design/kv-aware-placement.md, "One engine to
+/// choose from").
+pub(crate) fn choice_width(slots: &[EngineSlot], aggregate: Aggregate) -> usize {
+    let none = BTreeSet::new();
+    let pre = candidates(slots, Role::Prefill, &none).len();
+    let dec = candidates(slots, Role::Decode, &none).len();
+    if pre > 0 && dec > 0 {
+        pre
+    } else if dec > 0 || aggregate == Aggregate::DecodeOnly {
+        dec
+    } else {
+        slots.iter().filter(|s| s.is_live()).count()
+    }
+}
+
 #[cfg(test)]
 /// Plan one attempt with [`Aggregate::AnyRole`]; see [`plan_with`].
 pub(crate) fn plan<R: Rng + ?Sized>(
@@ -289,6 +308,30 @@ mod tests {
 
     const P: Role = Role::Prefill;
     const D: Role = Role::Decode;
+
+    #[test]
+    fn the_choice_width_is_what_the_kv_score_would_choose_among() {
+        let any = Aggregate::AnyRole;
+        // A split chooses its prefill engine; the decode leg is p2c, never scored.
+        assert_eq!(choice_width(&fleet(&[P, D]), any), 1);
+        assert_eq!(choice_width(&fleet(&[P, D, D, D]), any), 1);
+        assert_eq!(choice_width(&fleet(&[P, P, D]), any), 2);
+        // Aggregated: the decode engines, else (vLLM) any live engine.
+        assert_eq!(choice_width(&fleet(&[D]), any), 1);
+        assert_eq!(choice_width(&fleet(&[D, D]), any), 2);
+        assert_eq!(choice_width(&fleet(&[P, P]), any), 2);
+        assert_eq!(choice_width(&fleet(&[P, P]), Aggregate::DecodeOnly), 0);
+        // Engines out of placement do not count.
+        let mut slots = fleet(&[P, P, D]);
+        slots[1].excluded.insert(Exclusion::Ejected);
+        assert_eq!(choice_width(&slots, any), 1);
+        slots[0].excluded.insert(Exclusion::Ejected);
+        assert_eq!(
+            choice_width(&slots, any),
+            1,
+            "aggregated on the decode engine"
+        );
+    }
 
     #[test]
     fn split_uses_one_engine_of_each_role() {

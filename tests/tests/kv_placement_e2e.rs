@@ -14,6 +14,9 @@
 //!   index's estimate (`kv_mode: "approximate"`), confirmed by the engine's own prefix hits.
 //! - `cache_awareness_turned_off_is_shown_none`: `serving.kv_aware_placement: false` shows
 //!   every engine `none` (`off`) and tokenizes and subscribes nothing.
+//! - `one_engine_to_choose_from_is_not_scored`: a prefill/decode pair without profiles (one
+//!   prefill engine to choose from) tokenizes nothing; each request is counted
+//!   `unscored` in `/narwhal/state` and `/metrics`, and the events stream is still read.
 //! - `an_engine_whose_events_stop_is_shown_approximate_then_exact_again`: a request that
 //!   stores new blocks is placed on an engine whose events are muted (the simulator's
 //!   `mute_kv_events` fault); with `serving.kv_events_stale_s` 1 it is `approximate` (reason
@@ -323,6 +326,49 @@ async fn cache_awareness_turned_off_is_shown_none() {
     assert!(
         metrics.contains("narwhal_kv_index_mode{iid=\"d0\",mode=\"none\"} 1"),
         "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_engine_to_choose_from_is_not_scored() {
+    let f = Fleet::builder()
+        .prefill(1)
+        .decode(1)
+        .kv_events()
+        .sim_args(&["--block-size", "4"])
+        .start()
+        .await;
+    let router = f.router();
+    for i in 0..3 {
+        complete(router, &words(i * 100, 12)).await;
+    }
+    let st = router.get("/narwhal/state").await.json();
+    let kv = &st["kv_index"];
+    assert_eq!(
+        (&kv["tokenized"], &kv["unscored"]),
+        (&json!(0), &json!(3)),
+        "{kv}"
+    );
+    assert_eq!(
+        kv["tokenizer"], "agree",
+        "the tokenizer check still runs: {kv}"
+    );
+    // Still subscribed: the index stays warm for when the fleet grows.
+    let p0 = kv_engine(router, "p0", "p0's events read", |e| {
+        e["batches"].as_u64().unwrap_or(0) > 0
+    })
+    .await;
+    assert_eq!(p0["mode"], "exact", "{p0}");
+    let metrics = router.metrics().await;
+    assert!(
+        metrics.contains("narwhal_kv_index_unscored_total 3"),
+        "{metrics}"
+    );
+    let rows = served(router);
+    assert_eq!(rows.len(), 3);
+    assert!(
+        rows.iter().all(|r| r["cached_tokens"].is_null()),
+        "not scored: {rows:?}"
     );
 }
 

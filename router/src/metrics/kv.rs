@@ -49,6 +49,9 @@ pub(crate) struct KvCounters {
     pub(crate) tokenize_failures: Counter,
     /// `narwhal_kv_index_tokenize_seconds_total`: seconds spent in `/tokenize` for scoring.
     pub(crate) tokenize_seconds: Counter<f64, AtomicU64>,
+    /// `narwhal_kv_index_unscored_total`: requests not scored because placement had at most
+    /// one engine to choose from and no profiles are configured.
+    pub(crate) unscored: Counter,
 }
 
 impl KvMetrics {
@@ -66,6 +69,7 @@ impl KvMetrics {
             replays: Family::default(),
             resets: Family::default(),
             tokenize_failures: Counter::default(),
+            unscored: Counter::default(),
             tokenize_seconds: Counter::default(),
         };
         r.register(
@@ -117,6 +121,11 @@ impl KvMetrics {
             "narwhal_kv_index_tokenize_seconds",
             "Seconds spent in /tokenize for the KV score",
             c.tokenize_seconds.clone(),
+        );
+        r.register(
+            "narwhal_kv_index_unscored",
+            "Requests not scored (no /tokenize): at most one engine to choose from, no profiles",
+            c.unscored.clone(),
         );
         KvMetrics {
             gauges: g,

@@ -92,7 +92,11 @@ pub(super) async fn attempts(
     let mut n = 0u32;
     // The KV score (docs/design/kv-aware-placement.md): the prompt's tokens once, from an
     // engine's `/tokenize`; `None` places by load.
-    let kv = parts.kv.score(&parts.fleet, &sub.body).await;
+    let aggregate = match parts.cfg.backend {
+        Backend::Vllm => placement::Aggregate::AnyRole,
+        Backend::Sglang => placement::Aggregate::DecodeOnly,
+    };
+    let kv = parts.kv.score(&parts.fleet, &sub.body, aggregate).await;
     loop {
         n += 1;
         // A fenced router places nothing, not even a retry (behaviour.md 3.4): the body
@@ -100,10 +104,6 @@ pub(super) async fn attempts(
         if !parts.ha.controls_fleet() {
             return Err(RequestFailure::NotInControl);
         }
-        let aggregate = match parts.cfg.backend {
-            Backend::Vllm => placement::Aggregate::AnyRole,
-            Backend::Sglang => placement::Aggregate::DecodeOnly,
-        };
         let plan = parts
             .fleet
             .place(&avoid, aggregate, kv.as_ref().map(|s| &s.score));

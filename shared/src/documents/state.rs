@@ -9,7 +9,7 @@
 //!   quarantined, holds {timed, inference}, inference_sources, breaker {...}, unserved,
 //!   journal_dropped, journal_writes_failing, awaiting_health, degraded,
 //!   kv_index {tokenizer, tokenizer_detail, tokenized, tokenize_failures, tokenize_seconds,
-//!   engines {<iid>: {mode, lag_s, blocks, batches, gaps, replays, resets, overflow}}},
+//!   unscored, engines {<iid>: {mode, lag_s, blocks, batches, gaps, replays, resets, overflow}}},
 //!   controller, <the controller's fields>}
 //! ```
 //!
@@ -145,6 +145,9 @@ pub struct KvIndex {
     /// Seconds spent in `/tokenize` for the score, in total (÷ `tokenized`: the cost per
     /// prompt).
     pub tokenize_seconds: f64,
+    /// Requests not scored (nothing tokenized) because placement had at most one engine to
+    /// choose from and no profiles are configured (docs/design/kv-aware-placement.md).
+    pub unscored: u64,
     /// Per engine id, every configured engine.
     pub engines: BTreeMap<String, KvEngine>,
 }
