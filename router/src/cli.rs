@@ -544,7 +544,12 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
     };
     let run = run_id(SystemClock.wall().unwrap_or(0.0));
     let admission = (cfg.serving.admission.as_str(), cfg.serving.admission_margin);
-    let (journal, _writer) = match Journal::open(&args.journal, &run, admission) {
+    let (journal, _writer) = match Journal::open(
+        &args.journal,
+        &run,
+        admission,
+        std::sync::Arc::new(SystemClock),
+    ) {
         Ok(j) => j,
         Err(e) => {
             eprintln!("narwhal-serve: {e}");

@@ -19,11 +19,27 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use std::time::{Duration, Instant};
+
+use narwhal_shared::Clock;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 /// Rows queued before the writer falls behind and rows are dropped.
 pub(crate) const JOURNAL_CAPACITY: usize = 8192;
+
+/// The writer wakes at most once per this while rows keep coming: a row that arrives sooner
+/// after the last write waits out the rest, with every row that follows it, and is written in
+/// the same batch. A row after a quiet spell is written at once. On a router with one core
+/// the writer's thread shares it with the request path: waking it per row cost two context
+/// switches per request (docs/benchmarks.md, "The journal writer's wake-ups"). At
+/// 10,000 rows per second a batch holds about 100 rows, far below [`JOURNAL_CAPACITY`].
+pub(crate) const JOURNAL_LINGER: Duration = Duration::from_millis(10);
+
+/// How long the writer waits before draining, `since` its last write (`None`: none yet).
+fn linger(since: Option<Duration>) -> Duration {
+    since.map_or(Duration::ZERO, |d| JOURNAL_LINGER.saturating_sub(d))
+}
 
 /// Journal schema name and version.
 pub(crate) const SCHEMA: &str = "narwhal.journal";
@@ -79,6 +95,7 @@ impl Journal {
         path: &Path,
         run: &str,
         admission: (&str, f64),
+        clock: Arc<dyn Clock>,
     ) -> Result<(Journal, tokio::task::JoinHandle<()>), JournalError> {
         let err = |source| JournalError {
             path: path.to_path_buf(),
@@ -105,13 +122,19 @@ impl Journal {
         let (tx, mut rx) = mpsc::channel::<Value>(JOURNAL_CAPACITY);
         let task = tokio::task::spawn_blocking(move || {
             let mut batch = Vec::new();
+            let mut last_write: Option<Instant> = None;
             while let Some(row) = rx.blocking_recv() {
+                let wait = linger(last_write.map(|t| clock.now().saturating_duration_since(t)));
+                if !wait.is_zero() {
+                    std::thread::sleep(wait);
+                }
                 batch.push(row);
                 while let Ok(more) = rx.try_recv() {
                     batch.push(more);
                 }
                 w.write_batch(&batch);
                 batch.clear();
+                last_write = Some(clock.now());
             }
         });
         Ok((
@@ -272,11 +295,33 @@ mod tests {
         assert!(hex.bytes().all(|b| b.is_ascii_hexdigit()));
     }
 
+    #[test]
+    fn the_writer_lingers_only_right_after_a_write() {
+        assert_eq!(linger(None), Duration::ZERO, "the first row at once");
+        assert_eq!(linger(Some(Duration::ZERO)), JOURNAL_LINGER);
+        assert_eq!(
+            linger(Some(Duration::from_millis(4))),
+            Duration::from_millis(6)
+        );
+        assert_eq!(linger(Some(JOURNAL_LINGER)), Duration::ZERO);
+        assert_eq!(
+            linger(Some(Duration::from_secs(5))),
+            Duration::ZERO,
+            "after a quiet spell at once"
+        );
+    }
+
     #[tokio::test]
     async fn header_then_rows_with_run() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("sub/journal.jsonl");
-        let (mut j, task) = Journal::open(&path, "1-abcdef01", ("open", 0.0)).unwrap();
+        let (mut j, task) = Journal::open(
+            &path,
+            "1-abcdef01",
+            ("open", 0.0),
+            Arc::new(narwhal_shared::SystemClock),
+        )
+        .unwrap();
         j.emit(json!({"rid": "r1", "terminal": "completed"}));
         j.close();
         task.await.unwrap();

@@ -364,8 +364,11 @@ async fn one_engine_to_choose_from_is_not_scored() {
         metrics.contains("narwhal_kv_index_unscored_total 3"),
         "{metrics}"
     );
-    let rows = served(router);
-    assert_eq!(rows.len(), 3);
+    let rows = eventually("the three journal rows", WAIT, || async {
+        let r = served(router);
+        (r.len() == 3).then_some(r)
+    })
+    .await;
     assert!(
         rows.iter().all(|r| r["cached_tokens"].is_null()),
         "not scored: {rows:?}"

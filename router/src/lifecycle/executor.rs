@@ -154,7 +154,8 @@ mod tests {
         let cfg = Config::from_json_str(&fleet.to_string(), &|_| None).expect("fleet");
         let clock = Arc::new(ManualClock::new(SystemClock.now(), 1.0e9));
         let path = dir.path().join("journal.jsonl");
-        let (journal, writer) = Journal::open(&path, "1-ab", ("open", 0.0)).expect("journal");
+        let (journal, writer) =
+            Journal::open(&path, "1-ab", ("open", 0.0), Arc::new(SystemClock)).expect("journal");
         let lease = LeaseDriver::from_config(&cfg.lease, "t", clock.clone()).expect("lease");
         let parts = Parts::new(
             Arc::new(cfg),
