@@ -28,17 +28,63 @@ use tokio::sync::mpsc;
 /// Rows queued before the writer falls behind and rows are dropped.
 pub(crate) const JOURNAL_CAPACITY: usize = 8192;
 
-/// The writer wakes at most once per this while rows keep coming: a row that arrives sooner
-/// after the last write waits out the rest, with every row that follows it, and is written in
-/// the same batch. A row after a quiet spell is written at once. On a router with one core
-/// the writer's thread shares it with the request path: waking it per row cost two context
-/// switches per request (docs/benchmarks.md, "The journal writer's wake-ups"). At
+/// While rows come faster than [`BUSY_ROWS_PER_S`], the writer wakes at most once per this:
+/// a row that arrives sooner after the last write waits out the rest, with every row that
+/// follows it, and is written in the same batch. Slower than that (a quiet router, a test
+/// reading the journal right after its request) every row is written at once. On a router with
+/// one core the writer's thread shares it with the request path: waking it per row cost two
+/// context switches per request (docs/benchmarks.md, "The journal writer's wake-ups"). At
 /// 10,000 rows per second a batch holds about 100 rows, far below [`JOURNAL_CAPACITY`].
 pub(crate) const JOURNAL_LINGER: Duration = Duration::from_millis(10);
 
-/// How long the writer waits before draining, `since` its last write (`None`: none yet).
-fn linger(since: Option<Duration>) -> Duration {
-    since.map_or(Duration::ZERO, |d| JOURNAL_LINGER.saturating_sub(d))
+/// The row rate (rows per second, over the last [`RATE_WINDOW`]) above which the writer
+/// lingers. Below it the wake-ups cost under 1% of a core.
+pub(crate) const BUSY_ROWS_PER_S: f64 = 1000.0;
+
+/// The window over which the writer measures the row rate.
+const RATE_WINDOW: Duration = Duration::from_millis(100);
+
+/// The writer's pacing: the row rate of the last whole window and the current one's count.
+#[derive(Debug)]
+struct Pace {
+    window_from: Option<Instant>,
+    rows_in_window: u64,
+    rate: f64,
+    last_write: Option<Instant>,
+}
+
+impl Pace {
+    fn new() -> Pace {
+        Pace {
+            window_from: None,
+            rows_in_window: 0,
+            rate: 0.0,
+            last_write: None,
+        }
+    }
+
+    /// A batch of `rows` was written at `now`.
+    fn wrote(&mut self, rows: usize, now: Instant) {
+        let from = *self.window_from.get_or_insert(now);
+        let span = now.saturating_duration_since(from);
+        if span >= RATE_WINDOW {
+            self.rate = self.rows_in_window as f64 / span.as_secs_f64();
+            self.window_from = Some(now);
+            self.rows_in_window = 0;
+        }
+        self.rows_in_window += rows as u64;
+        self.last_write = Some(now);
+    }
+
+    /// How long to wait at `now` before draining the rows that woke the writer.
+    fn linger(&self, now: Instant) -> Duration {
+        match self.last_write {
+            Some(at) if self.rate >= BUSY_ROWS_PER_S => {
+                JOURNAL_LINGER.saturating_sub(now.saturating_duration_since(at))
+            }
+            _ => Duration::ZERO,
+        }
+    }
 }
 
 /// Journal schema name and version.
@@ -122,9 +168,9 @@ impl Journal {
         let (tx, mut rx) = mpsc::channel::<Value>(JOURNAL_CAPACITY);
         let task = tokio::task::spawn_blocking(move || {
             let mut batch = Vec::new();
-            let mut last_write: Option<Instant> = None;
+            let mut pace = Pace::new();
             while let Some(row) = rx.blocking_recv() {
-                let wait = linger(last_write.map(|t| clock.now().saturating_duration_since(t)));
+                let wait = pace.linger(clock.now());
                 if !wait.is_zero() {
                     std::thread::sleep(wait);
                 }
@@ -133,8 +179,8 @@ impl Journal {
                     batch.push(more);
                 }
                 w.write_batch(&batch);
+                pace.wrote(batch.len(), clock.now());
                 batch.clear();
-                last_write = Some(clock.now());
             }
         });
         Ok((
@@ -296,19 +342,27 @@ mod tests {
     }
 
     #[test]
-    fn the_writer_lingers_only_right_after_a_write() {
-        assert_eq!(linger(None), Duration::ZERO, "the first row at once");
-        assert_eq!(linger(Some(Duration::ZERO)), JOURNAL_LINGER);
-        assert_eq!(
-            linger(Some(Duration::from_millis(4))),
-            Duration::from_millis(6)
-        );
-        assert_eq!(linger(Some(JOURNAL_LINGER)), Duration::ZERO);
-        assert_eq!(
-            linger(Some(Duration::from_secs(5))),
-            Duration::ZERO,
-            "after a quiet spell at once"
-        );
+    fn the_writer_lingers_only_while_rows_come_fast() {
+        let t0 = narwhal_shared::SystemClock.now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let mut p = Pace::new();
+        assert_eq!(p.linger(t0), Duration::ZERO, "the first row at once");
+        // Slow rows (one per 20 ms: 50 per second) are written at once.
+        for i in 0..10 {
+            p.wrote(1, ms(20 * i));
+            assert_eq!(p.linger(ms(20 * i + 1)), Duration::ZERO);
+        }
+        // 100 rows in the next 100 ms (1,000 per second): from the window's close on, a row
+        // right after a write waits out the rest of the linger.
+        for i in 0..100 {
+            p.wrote(1, ms(200 + i));
+        }
+        p.wrote(1, ms(300));
+        assert_eq!(p.linger(ms(304)), Duration::from_millis(6));
+        assert_eq!(p.linger(ms(310)), Duration::ZERO, "the linger has passed");
+        // A quiet spell: the next window's rate is low again.
+        p.wrote(1, ms(2000));
+        assert_eq!(p.linger(ms(2001)), Duration::ZERO);
     }
 
     #[tokio::test]
