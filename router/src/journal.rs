@@ -87,6 +87,16 @@ impl Pace {
     }
 }
 
+/// One queued row.
+#[derive(Debug)]
+enum Row {
+    /// A row's own fields; the writer puts `schema`, `schema_version` and `run` in front
+    /// (so the request path does not rebuild the map to insert them first).
+    Fields(serde_json::Map<String, Value>),
+    /// A row written as it is.
+    Whole(Value),
+}
+
 /// Journal schema name and version.
 pub(crate) const SCHEMA: &str = "narwhal.journal";
 
@@ -125,7 +135,7 @@ pub(crate) fn header(run: &str, admission: &str, margin: f64) -> Value {
 /// Cheap handle the request path uses to emit rows.
 #[derive(Debug, Clone)]
 pub struct Journal {
-    tx: Option<mpsc::Sender<Value>>,
+    tx: Option<mpsc::Sender<Row>>,
     run: Arc<str>,
     dropped: Arc<AtomicU64>,
     failing: Arc<AtomicBool>,
@@ -158,14 +168,14 @@ impl Journal {
         let len = file.metadata().map_err(err)?.len();
         let dropped = Arc::new(AtomicU64::new(0));
         let failing = Arc::new(AtomicBool::new(false));
-        let mut w = Writer::new(file, len, dropped.clone(), failing.clone());
+        let mut w = Writer::new(file, len, run, dropped.clone(), failing.clone());
         let mut head = header(run, admission.0, admission.1)
             .to_string()
             .into_bytes();
         head.push(b'\n');
         w.sink.append(&head).map_err(err)?;
         w.len += head.len() as u64;
-        let (tx, mut rx) = mpsc::channel::<Value>(JOURNAL_CAPACITY);
+        let (tx, mut rx) = mpsc::channel::<Row>(JOURNAL_CAPACITY);
         let task = tokio::task::spawn_blocking(move || {
             let mut batch = Vec::new();
             let mut pace = Pace::new();
@@ -223,14 +233,27 @@ impl Journal {
     /// Queue one row; adds `schema`, `schema_version`, `run` in front. Never blocks.
     pub fn emit(&self, row: Value) {
         let Some(tx) = &self.tx else { return };
-        let mut full = serde_json::Map::new();
-        full.insert("schema".into(), SCHEMA.into());
-        full.insert("schema_version".into(), 1.into());
-        full.insert("run".into(), Value::String(self.run.to_string()));
-        if let Value::Object(m) = row {
-            full.extend(m);
-        }
-        if tx.try_send(Value::Object(full)).is_err() {
+        let row = match row {
+            Value::Object(m)
+                if !["schema", "schema_version", "run"]
+                    .iter()
+                    .any(|k| m.contains_key(*k)) =>
+            {
+                Row::Fields(m)
+            }
+            other => {
+                // A row naming one of the three itself: they are set in front, as always.
+                let mut full = serde_json::Map::new();
+                full.insert("schema".into(), SCHEMA.into());
+                full.insert("schema_version".into(), 1.into());
+                full.insert("run".into(), Value::String(self.run.to_string()));
+                if let Value::Object(m) = other {
+                    full.extend(m);
+                }
+                Row::Whole(Value::Object(full))
+            }
+        };
+        if tx.try_send(row).is_err() {
             self.dropped.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -271,10 +294,23 @@ struct Writer<S> {
     outage: Option<u64>,
     dropped: Arc<AtomicU64>,
     failing: Arc<AtomicBool>,
+    /// `{"schema":"narwhal.journal","schema_version":1,"run":<run>`: the front of every
+    /// [`Row::Fields`] row.
+    front: Vec<u8>,
 }
 
 impl<S: Sink> Writer<S> {
-    fn new(sink: S, len: u64, dropped: Arc<AtomicU64>, failing: Arc<AtomicBool>) -> Self {
+    fn new(
+        sink: S,
+        len: u64,
+        run: &str,
+        dropped: Arc<AtomicU64>,
+        failing: Arc<AtomicBool>,
+    ) -> Self {
+        let front = format!(
+            "{{\"schema\":\"{SCHEMA}\",\"schema_version\":1,\"run\":{}",
+            Value::String(run.to_string())
+        );
         Writer {
             sink,
             len,
@@ -282,18 +318,34 @@ impl<S: Sink> Writer<S> {
             outage: None,
             dropped,
             failing,
+            front: front.into_bytes(),
         }
     }
 
     /// Appends `rows` whole, or drops and counts them all.
-    fn write_batch(&mut self, rows: &[Value]) {
+    fn write_batch(&mut self, rows: &[Row]) {
         let mut buf = Vec::with_capacity(rows.len() * 512);
         if self.torn {
             buf.push(b'\n');
         }
         for row in rows {
             // A `Value` always serialises.
-            let _ = serde_json::to_writer(&mut buf, row);
+            match row {
+                Row::Whole(v) => {
+                    let _ = serde_json::to_writer(&mut buf, v);
+                }
+                Row::Fields(m) if m.is_empty() => {
+                    buf.extend_from_slice(&self.front);
+                    buf.push(b'}');
+                }
+                Row::Fields(m) => {
+                    buf.extend_from_slice(&self.front);
+                    let open = buf.len();
+                    let _ = serde_json::to_writer(&mut buf, m);
+                    // The map's own `{` becomes the comma after `run`.
+                    buf[open] = b',';
+                }
+            }
             buf.push(b'\n');
         }
         match self.sink.append(&buf) {
@@ -377,11 +429,25 @@ mod tests {
         )
         .unwrap();
         j.emit(json!({"rid": "r1", "terminal": "completed"}));
+        j.emit(json!({}));
+        j.emit(json!({"run": "other", "a": 1}));
         j.close();
         task.await.unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
+        // The three fields in front, then the row's own in its order; a row naming one of
+        // them keeps the position and takes its value, as a map merge does.
+        let raw: Vec<&str> = text.lines().skip(1).collect();
+        assert_eq!(
+            raw,
+            [
+                r#"{"schema":"narwhal.journal","schema_version":1,"run":"1-abcdef01","rid":"r1","terminal":"completed"}"#,
+                r#"{"schema":"narwhal.journal","schema_version":1,"run":"1-abcdef01"}"#,
+                r#"{"schema":"narwhal.journal","schema_version":1,"run":"other","a":1}"#,
+            ]
+        );
         let lines: Vec<Value> = text
             .lines()
+            .take(2)
             .map(|l| serde_json::from_str(l).unwrap())
             .collect();
         assert_eq!(lines.len(), 2);
@@ -422,9 +488,9 @@ mod tests {
         }
     }
 
-    fn rows(from: u64, n: u64) -> Vec<Value> {
+    fn rows(from: u64, n: u64) -> Vec<Row> {
         (from..from + n)
-            .map(|i| json!({"rid": format!("r{i}"), "queue_waits": {"admission": 0.0}}))
+            .map(|i| Row::Whole(json!({"rid": format!("r{i}"), "queue_waits": {"admission": 0.0}})))
             .collect()
     }
 
@@ -438,7 +504,7 @@ mod tests {
             Arc::new(AtomicU64::new(0)),
             Arc::new(AtomicBool::new(false)),
         );
-        Writer::new(disk, 0, flags.0, flags.1)
+        Writer::new(disk, 0, "1-ab", flags.0, flags.1)
     }
 
     fn lines(w: &Writer<Disk>) -> Vec<String> {
