@@ -576,8 +576,8 @@ fn table(cells: &[Cell], targets: &[Target]) -> String {
     out
 }
 
-/// The bars at the top level: no errors, RSS at most 128 MiB, and p99 (TTFT and end
-/// to end) no worse than vllm-router's, with the ratios.
+/// The goals at the top level (docs/benchmarks.md): no errors, RSS at most 128 MiB, and p99
+/// (TTFT and end to end) no worse than vllm-router's, with the ratios.
 fn goals(cells: &[Cell], ours: &str, top: usize) -> String {
     let m = |t: &str, f: &dyn Fn(&Cell) -> f64| median_of(cells, top, t, f);
     let errors: usize = cells
