@@ -510,16 +510,7 @@ async fn bind(addr: &str) -> Result<TcpListener, ExitCode> {
         .map_err(fail)?
         .next()
         .ok_or_else(|| fail(std::io::Error::other("the address resolves to nothing")))?;
-    let socket = if resolved.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()
-    } else {
-        tokio::net::TcpSocket::new_v6()
-    }
-    .map_err(fail)?;
-    // As TcpListener::bind: a restarted router rebinds at once over TIME_WAIT connections.
-    socket.set_reuseaddr(true).map_err(fail)?;
-    socket.bind(resolved).map_err(fail)?;
-    socket.listen(LISTEN_BACKLOG).map_err(fail)
+    narwhal_shared::net::listen(resolved, LISTEN_BACKLOG).map_err(fail)
 }
 
 async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode {

@@ -215,9 +215,14 @@ pub(crate) enum Aggregate {
 /// nothing for the score to decide (docs/design/kv-aware-placement.md, "One engine to
 /// choose from").
 pub(crate) fn choice_width(slots: &[EngineSlot], aggregate: Aggregate) -> usize {
-    let none = BTreeSet::new();
-    let pre = candidates(slots, Role::Prefill, &none).len();
-    let dec = candidates(slots, Role::Decode, &none).len();
+    // As `candidates(slots, role, &none).len()`, counted without a list (once per request).
+    let live = |role: Role| {
+        slots
+            .iter()
+            .filter(|s| s.role == role && s.is_live())
+            .count()
+    };
+    let (pre, dec) = (live(Role::Prefill), live(Role::Decode));
     if pre > 0 && dec > 0 {
         pre
     } else if dec > 0 || aggregate == Aggregate::DecodeOnly {

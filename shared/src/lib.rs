@@ -23,6 +23,7 @@ pub mod documents;
 pub mod handoff;
 mod identity;
 pub mod kv_events;
+pub mod net;
 mod signing;
 pub mod tls;
 

@@ -56,6 +56,16 @@ fn self_peer(name: &str, engines: &str) -> String {
     )
 }
 
+/// `--peer` for a P/D self-peer (`self-pd`) and an aggregated one (`self-agg`).
+fn self_peers() -> Vec<String> {
+    vec![
+        "--peer".into(),
+        self_peer("self-pd", "--prefill {prefill_url} --decode {decode_url}"),
+        "--peer".into(),
+        self_peer("self-agg", "--engine {engine_url}"),
+    ]
+}
+
 fn strings(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
@@ -95,13 +105,7 @@ fn comparison_runs_peers_and_reports_every_target() {
         "--json",
     ]);
     args.push(json.display().to_string());
-    args.push("--peer".into());
-    args.push(self_peer(
-        "self-pd",
-        "--prefill {prefill_url} --decode {decode_url}",
-    ));
-    args.push("--peer".into());
-    args.push(self_peer("self-agg", "--engine {engine_url}"));
+    args.extend(self_peers());
     let out = bench(&args, Duration::from_secs(300));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -347,13 +351,7 @@ fn concurrency_runs_every_level_on_every_target() {
         "--plots",
     ]);
     args.push(plots.display().to_string());
-    args.push("--peer".into());
-    args.push(self_peer(
-        "self-pd",
-        "--prefill {prefill_url} --decode {decode_url}",
-    ));
-    args.push("--peer".into());
-    args.push(self_peer("self-agg", "--engine {engine_url}"));
+    args.extend(self_peers());
     let out = bench(&args, Duration::from_secs(300));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -213,23 +213,7 @@ fn main() -> ExitCode {
 
     // Pin this process (and so the simulators it starts) before any thread exists.
     let cpus = procs::own_cpus();
-    let pinning = match args.pin.as_str() {
-        "auto" => match cpus.iter().next_back().copied() {
-            Some(last) if cpus.len() >= 2 => {
-                let router: BTreeSet<usize> = [last].into();
-                let load: BTreeSet<usize> = cpus.iter().copied().filter(|c| *c != last).collect();
-                match procs::set_affinity(std::process::id() as i32, &load, true) {
-                    Ok(()) => Some(Pinning { router, load }),
-                    Err(e) => {
-                        eprintln!("narwhal-bench: not pinning: {e}");
-                        None
-                    }
-                }
-            }
-            _ => None,
-        },
-        _ => None,
-    };
+    let pinning = pin(&args.pin, &cpus, "narwhal-bench");
     let rt = match &pinning {
         Some(p) if p.load.len() == 1 => tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -419,20 +403,9 @@ async fn run(
     ];
 
     // The peers, on the router CPUs.
-    let bin_dir = narwhal_testkit::bin_path("narwhal-serve")
-        .parent()
-        .map(|p| p.display().to_string())
-        .unwrap_or_default();
     let mut peer_procs = Vec::new();
     for p in peers {
-        let port = engine_port();
-        let pdir = dir.path().join(format!("peer-{}", p.name));
-        std::fs::create_dir_all(&pdir).map_err(|e| format!("{}: {e}", pdir.display()))?;
-        let values = peer_values(&engines, port, &pdir, &bin_dir);
-        let command = p.render(&values)?;
-        let proc = procs::on_cpus(router_cpus, || {
-            PeerProc::spawn(&p.name, &command, dir.path())
-        })??;
+        let (port, command, proc) = spawn_peer(p, &engines, dir.path(), router_cpus)?;
         targets.push(Target {
             name: p.name.clone(),
             kind: p.kind,
@@ -447,39 +420,19 @@ async fn run(
     // Every target answers, and answers what the engine itself answers.
     let timeout = Duration::from_secs_f64(args.request_timeout);
     let probe = |stream: bool| load::body(MODEL, usize::MAX, args.tokens, stream);
-    let deadline = Instant::now() + Duration::from_secs_f64(args.start_timeout);
+    let start_probe = Probe {
+        tokens: args.tokens,
+        stream: false,
+        timeout,
+        deadline: Instant::now() + Duration::from_secs_f64(args.start_timeout),
+        start_timeout_s: args.start_timeout,
+    };
     for t in &targets {
-        loop {
-            if let Some((_, proc)) = peer_procs.iter_mut().find(|(n, _)| *n == t.name)
-                && let Some(status) = proc.exited()
-            {
-                return Err(format!(
-                    "peer {} exited ({status}) before answering; {}",
-                    t.name,
-                    proc.log_tail(20)
-                ));
-            }
-            match load::once(t.addr, probe(false), timeout).await {
-                Ok((200, body)) if load::answer_text(false, &body).is_ok() => break,
-                outcome if Instant::now() >= deadline => {
-                    let tail = peer_procs
-                        .iter()
-                        .find(|(n, _)| *n == t.name)
-                        .map(|(_, p)| p.log_tail(20))
-                        .unwrap_or_default();
-                    return Err(format!(
-                        "{} did not answer a completion within {} s (last: {}); {tail}",
-                        t.name,
-                        args.start_timeout,
-                        match outcome {
-                            Ok((s, b)) => format!("{s} {}", String::from_utf8_lossy(&b)),
-                            Err(e) => e,
-                        }
-                    ));
-                }
-                _ => tokio::time::sleep(Duration::from_millis(100)).await,
-            }
-        }
+        let proc = peer_procs
+            .iter_mut()
+            .find(|(n, _)| *n == t.name)
+            .map(|(_, p)| p);
+        first_answer(&t.name, t.addr, proc, &start_probe).await?;
     }
     let mut reference = BTreeMap::new();
     for t in &targets {
@@ -683,6 +636,105 @@ async fn run(
     }
     drop(peer_procs);
     Ok(problems == 0)
+}
+
+/// `--pin auto`: this process (and so the simulators it starts) on every CPU of `cpus` but
+/// the last, the routers on the last; `None` (no pinning) with `off`, one CPU, or when the
+/// affinity cannot be set (said on stderr as `who`).
+fn pin(mode: &str, cpus: &BTreeSet<usize>, who: &str) -> Option<Pinning> {
+    let last = cpus.iter().next_back().copied()?;
+    if mode != "auto" || cpus.len() < 2 {
+        return None;
+    }
+    let router: BTreeSet<usize> = [last].into();
+    let load: BTreeSet<usize> = cpus.iter().copied().filter(|c| *c != last).collect();
+    match procs::set_affinity(std::process::id() as i32, &load, true) {
+        Ok(()) => Some(Pinning { router, load }),
+        Err(e) => {
+            eprintln!("{who}: not pinning: {e}");
+            None
+        }
+    }
+}
+
+/// Starts peer `p` over `engines` on `router_cpus`, its logs and directory under `dir`:
+/// `(its port, its rendered command, the process)`.
+///
+/// # Errors
+/// A bad placeholder, a directory that cannot be made, or a peer that cannot be started.
+fn spawn_peer(
+    p: &PeerSpec,
+    engines: &Engines,
+    dir: &std::path::Path,
+    router_cpus: Option<&BTreeSet<usize>>,
+) -> Result<(u16, String, PeerProc), String> {
+    let bin_dir = narwhal_testkit::bin_path("narwhal-serve")
+        .parent()
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    let port = engine_port();
+    let pdir = dir.join(format!("peer-{}", p.name));
+    std::fs::create_dir_all(&pdir).map_err(|e| format!("{}: {e}", pdir.display()))?;
+    let command = p.render(&peer_values(engines, port, &pdir, &bin_dir))?;
+    let proc = procs::on_cpus(router_cpus, || PeerProc::spawn(&p.name, &command, dir))??;
+    Ok((port, command, proc))
+}
+
+/// How [`first_answer`] probes a target: a completion of `tokens` (streamed or not), each
+/// try within `timeout`, until `deadline` (`start_timeout_s` after the first target's start,
+/// for the message).
+#[derive(Debug, Clone, Copy)]
+struct Probe {
+    tokens: u32,
+    stream: bool,
+    timeout: Duration,
+    deadline: Instant,
+    start_timeout_s: f64,
+}
+
+/// Waits until target `name` at `addr` answers `probe`'s completion whole, polling every
+/// 100 ms.
+///
+/// # Errors
+/// When its peer process (`peer`) exits first, or nothing whole came by the deadline: the
+/// last answer and the peer's log tail.
+async fn first_answer(
+    name: &str,
+    addr: SocketAddr,
+    mut peer: Option<&mut PeerProc>,
+    probe: &Probe,
+) -> Result<(), String> {
+    let Probe {
+        tokens,
+        stream,
+        timeout,
+        deadline,
+        start_timeout_s,
+    } = *probe;
+    loop {
+        if let Some(status) = peer.as_mut().and_then(|p| p.exited()) {
+            let tail = peer.as_ref().map(|p| p.log_tail(20)).unwrap_or_default();
+            return Err(format!(
+                "peer {name} exited ({status}) before answering; {tail}"
+            ));
+        }
+        let body = load::body(MODEL, usize::MAX, tokens, stream);
+        match load::once(addr, body, timeout).await {
+            Ok((200, body)) if load::answer_text(stream, &body).is_ok() => return Ok(()),
+            outcome if Instant::now() >= deadline => {
+                let tail = peer.as_ref().map(|p| p.log_tail(20)).unwrap_or_default();
+                return Err(format!(
+                    "{name} did not answer a {} within {start_timeout_s} s (last: {}); {tail}",
+                    if stream { "stream" } else { "completion" },
+                    match outcome {
+                        Ok((s, b)) => format!("{s} {}", String::from_utf8_lossy(&b)),
+                        Err(e) => e,
+                    }
+                ));
+            }
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
 }
 
 /// The placeholder values of a peer's command (docs/benchmarks.md, "Peers"): its `port` and

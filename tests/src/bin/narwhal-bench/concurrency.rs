@@ -25,7 +25,6 @@
 //! asserts nothing about time (architecture.md section 8). Exit status 1 when a request of
 //! our router failed, 2 on bad flags.
 
-use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -33,13 +32,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use narwhal_testkit::{EngineSpec, RouterHandle, engine_port, start_router, start_sim};
+use narwhal_testkit::{EngineSpec, RouterHandle, start_router, start_sim};
 use serde_json::json;
 
 use crate::load::{Shot, drive_connected, quantile};
-use crate::peer::{Kind, PeerProc, PeerSpec};
+use crate::peer::{Kind, PeerSpec};
 use crate::plots::{Chart, Series, write_svg};
-use crate::{Engines, MODEL, Pinning, addr_of, fleet, peer_values, procs};
+use crate::{Engines, MODEL, Probe, addr_of, first_answer, fleet, pin, procs, spawn_peer};
 
 /// How often the peak RSS and descriptor count are sampled during a window.
 const SAMPLE_EVERY: Duration = Duration::from_millis(100);
@@ -218,11 +217,7 @@ pub async fn main(argv: Vec<String>) -> std::process::ExitCode {
             bad.push(format!("{name} must be a positive number of seconds"));
         }
     }
-    let want = if args.shape == "pd" {
-        Kind::Pd
-    } else {
-        Kind::Agg
-    };
+    let want = want_kind(&args);
     let mut peers = Vec::new();
     for spec in &args.peers {
         match PeerSpec::parse(spec) {
@@ -262,18 +257,7 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
 
     // Pinning as the comparison's: this process's threads (and so the simulators it starts)
     // on all CPUs but the last, the routers on the last.
-    let cpus = procs::own_cpus();
-    let pinning = match (args.pin.as_str(), cpus.iter().next_back().copied()) {
-        ("auto", Some(last)) if cpus.len() >= 2 => {
-            let router: BTreeSet<usize> = [last].into();
-            let load: BTreeSet<usize> = cpus.iter().copied().filter(|c| *c != last).collect();
-            procs::set_affinity(std::process::id() as i32, &load, true)
-                .map(|()| Pinning { router, load })
-                .map_err(|e| eprintln!("narwhal-bench concurrency: not pinning: {e}"))
-                .ok()
-        }
-        _ => None,
-    };
+    let pinning = pin(&args.pin, &procs::own_cpus(), "narwhal-bench concurrency");
     let router_cpus = pinning.as_ref().map(|p| &p.router);
     let dir = tempfile::Builder::new()
         .prefix("narwhal-bench-concurrency-")
@@ -299,7 +283,8 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
 
     // Our router, with admission seats above the top level.
     let seats = (top as u64 + 1024).max(4096);
-    let spec = match want_kind(args) {
+    let kind = want_kind(args);
+    let spec = match kind {
         Kind::Pd => fleet("vllm", &[&engines.prefill, &engines.decode]),
         _ => fleet("vllm", &[&engines.agg]),
     }
@@ -312,7 +297,7 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
 
     let mut targets = Vec::new();
     if !args.no_direct {
-        let engine = if want_kind(args) == Kind::Pd {
+        let engine = if kind == Kind::Pd {
             &engines.decode
         } else {
             &engines.agg
@@ -328,19 +313,9 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
         addr: addr_of(&ours.data)?,
         pid: Some(ours.proc.pid()),
     });
-    let bin_dir = narwhal_testkit::bin_path("narwhal-serve")
-        .parent()
-        .map(|p| p.display().to_string())
-        .unwrap_or_default();
     let mut peer_procs = Vec::new();
     for p in peers {
-        let port = engine_port();
-        let pdir = dir.path().join(format!("peer-{}", p.name));
-        std::fs::create_dir_all(&pdir).map_err(|e| format!("{}: {e}", pdir.display()))?;
-        let command = p.render(&peer_values(&engines, port, &pdir, &bin_dir))?;
-        let proc = procs::on_cpus(router_cpus, || {
-            PeerProc::spawn(&p.name, &command, dir.path())
-        })??;
+        let (port, _, proc) = spawn_peer(p, &engines, dir.path(), router_cpus)?;
         targets.push(Target {
             name: p.name.clone(),
             addr: SocketAddr::from(([127, 0, 0, 1], port)),
@@ -351,35 +326,19 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
 
     // Every target answers one stream whole before the first window.
     let timeout = Duration::from_secs_f64(args.request_timeout);
-    let deadline = Instant::now() + Duration::from_secs_f64(args.start_timeout);
+    let start_probe = Probe {
+        tokens: args.tokens,
+        stream: true,
+        timeout,
+        deadline: Instant::now() + Duration::from_secs_f64(args.start_timeout),
+        start_timeout_s: args.start_timeout,
+    };
     for t in &targets {
-        loop {
-            if let Some((_, proc)) = peer_procs.iter_mut().find(|(n, _)| *n == t.name)
-                && let Some(status) = proc.exited()
-            {
-                return Err(format!(
-                    "peer {} exited ({status}) before answering; {}",
-                    t.name,
-                    proc.log_tail(20)
-                ));
-            }
-            let probe = crate::load::body(MODEL, usize::MAX, args.tokens, true);
-            match crate::load::once(t.addr, probe, timeout).await {
-                Ok((200, body)) if crate::load::answer_text(true, &body).is_ok() => break,
-                outcome if Instant::now() >= deadline => {
-                    return Err(format!(
-                        "{} did not answer a stream within {} s (last: {})",
-                        t.name,
-                        args.start_timeout,
-                        match outcome {
-                            Ok((s, b)) => format!("{s} {}", String::from_utf8_lossy(&b)),
-                            Err(e) => e,
-                        }
-                    ));
-                }
-                _ => tokio::time::sleep(Duration::from_millis(100)).await,
-            }
-        }
+        let proc = peer_procs
+            .iter_mut()
+            .find(|(n, _)| *n == t.name)
+            .map(|(_, p)| p);
+        first_answer(&t.name, t.addr, proc, &start_probe).await?;
     }
 
     println!(
@@ -491,6 +450,7 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
     Ok(!ours_failed)
 }
 
+/// The shape `--shape` names.
 fn want_kind(args: &Args) -> Kind {
     if args.shape == "pd" {
         Kind::Pd

@@ -290,16 +290,11 @@ fn run(cli: Cli) -> Result<(), StartError> {
 const LISTEN_BACKLOG: u32 = 2048;
 
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
-    let fail = |source| StartError::Bind { what, addr, source };
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()
-    } else {
-        tokio::net::TcpSocket::new_v6()
-    }
-    .map_err(fail)?;
-    socket.set_reuseaddr(true).map_err(fail)?;
-    socket.bind(addr).map_err(fail)?;
-    socket.listen(LISTEN_BACKLOG).map_err(fail)
+    narwhal_shared::net::listen(addr, LISTEN_BACKLOG).map_err(|source| StartError::Bind {
+        what,
+        addr,
+        source,
+    })
 }
 
 /// The ports one engine binds (its listeners' addresses; port 0 = ephemeral).
