@@ -346,6 +346,7 @@ impl Upstream {
                 pending: None,
                 first: Bytes::new(),
                 ended: false,
+                gap_timer: None,
             };
             match live.next(None).await? {
                 RelayStep::Output => {
@@ -535,6 +536,8 @@ pub(crate) struct LiveStream {
     /// SSE frames to send first (held chunks and the first token's), `data: <json>\n\n`.
     pub(crate) first: Bytes,
     ended: bool,
+    /// The read-gap timer ([`LiveStream::next`]'s `gap`), made on the first wait.
+    gap_timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl LiveStream {
@@ -591,13 +594,7 @@ impl LiveStream {
             if self.ended {
                 return Ok(self.state.on_end());
             }
-            let frame = match gap {
-                Some(g) => match tokio::time::timeout(g, self.body.frame()).await {
-                    Ok(f) => f,
-                    Err(_) => return Err(LegError::ReadTimeout),
-                },
-                None => self.body.frame().await,
-            };
+            let frame = self.frame_within(gap).await?;
             match frame {
                 None => {
                     self.parser.finish();
@@ -612,6 +609,35 @@ impl LiveStream {
                     {
                         return Ok(step);
                     }
+                }
+            }
+        }
+    }
+
+    /// The next upstream frame, or `ReadTimeout` after `gap` of silence from the call. One
+    /// timer serves the whole stream: it is re-armed only when it fires early (it still
+    /// holds an earlier call's limit), so a token costs no timer registration.
+    async fn frame_within(
+        &mut self,
+        gap: Option<Duration>,
+    ) -> Result<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>, LegError> {
+        let Some(g) = gap else {
+            return Ok(self.body.frame().await);
+        };
+        let due = tokio::time::Instant::now() + g;
+        let LiveStream {
+            body, gap_timer, ..
+        } = self;
+        let timer = gap_timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(due)));
+        loop {
+            tokio::select! {
+                biased;
+                f = body.frame() => return Ok(f),
+                () = timer.as_mut() => {
+                    if tokio::time::Instant::now() >= due {
+                        return Err(LegError::ReadTimeout);
+                    }
+                    timer.as_mut().reset(due);
                 }
             }
         }

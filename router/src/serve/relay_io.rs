@@ -117,8 +117,8 @@ pub(super) trait Sink {
     /// until `deadline` to take them).
     fn deliver(&mut self, frames: Bytes, deadline: Instant) -> impl Future<Output = bool> + Send;
     /// Resolves when the client went away (never for a non-streaming client, whose handler
-    /// future hyper drops instead).
-    fn gone(&self) -> impl Future<Output = ()> + Send;
+    /// future hyper drops instead). Made once per relay: the future does not borrow the sink.
+    fn gone(&self) -> impl Future<Output = ()> + Send + 'static;
 }
 
 /// A streaming client: SSE frames over the response body's channel. For a whole answer
@@ -173,8 +173,9 @@ impl Sink for Stream {
         )
     }
 
-    async fn gone(&self) {
-        self.tx.closed().await;
+    fn gone(&self) -> impl Future<Output = ()> + Send + 'static {
+        let tx = self.tx.clone();
+        async move { tx.closed().await }
     }
 }
 
@@ -190,8 +191,8 @@ impl Sink for Aggregator {
         true
     }
 
-    async fn gone(&self) {
-        std::future::pending::<()>().await;
+    fn gone(&self) -> impl Future<Output = ()> + Send + 'static {
+        std::future::pending::<()>()
     }
 }
 
@@ -255,14 +256,22 @@ pub(super) async fn relay(
             break 'relay Relayed::ClientGone;
         }
         let gap = gap(parts);
+        // Made once, not per token: each is a registration (a timer, the client channel's
+        // and the shutdown token's waiter lists) that a per-event future would redo.
+        let gone = sink.gone();
+        let expired = tokio::time::sleep_until(deadline.into());
+        let ended = parts.gate.requests_ended();
+        tokio::pin!(gone, expired, ended);
         loop {
             let step = tokio::select! {
-                () = sink.gone() => break 'relay Relayed::ClientGone,
-                _ = tokio::time::sleep_until(deadline.into()) => {
+                // The deadline, the client and a shutdown come before more output.
+                biased;
+                () = &mut gone => break 'relay Relayed::ClientGone,
+                () = &mut expired => {
                     let expiry = if streaming { Expiry::AfterOutput } else { Expiry::Collecting };
                     break 'relay Relayed::Failed(RequestFailure::Expired(expiry));
                 }
-                () = parts.gate.requests_ended() => {
+                () = &mut ended => {
                     break 'relay Relayed::Failed(RequestFailure::ShutDown { streaming });
                 }
                 s = live.next(gap) => s,
