@@ -2,6 +2,8 @@
 //! built from the relayed chunks ([`Aggregator`]), and an engine's SSE answer to a
 //! non-streaming leg assembled into one ([`assemble_sse`]).
 
+use std::ops::Range;
+
 use serde_json::{Map, Value, json};
 
 use crate::RelayOptions;
@@ -10,6 +12,7 @@ use crate::SseParser;
 use crate::StreamFailure;
 use crate::StreamState;
 use crate::chunk_usage;
+use crate::rawjson::{Cursor, Keep, ScanError};
 
 /// A whole answer from an engine that streamed a leg the router asked for non-streaming
 /// (`"stream": false` answered with `text/event-stream` anyway): the SSE body `bytes` read in
@@ -129,11 +132,50 @@ impl Aggregator {
     /// writes them).
     pub fn push_frames(&mut self, frames: &[u8]) {
         for line in frames.split(|&b| b == b'\n') {
-            if let Some(json) = line.strip_prefix(b"data: ")
-                && let Ok(v) = serde_json::from_slice::<Value>(json)
-            {
-                self.push(&v);
+            let Some(json) = line.strip_prefix(b"data: ") else {
+                continue;
+            };
+            // One scan finds the fields merged, without building the chunk; a chunk it
+            // cannot read (a key with an escape) is merged from its whole value.
+            match ChunkView::scan(json) {
+                Some(view) => self.push_view(json, &view),
+                None => {
+                    if let Ok(v) = serde_json::from_slice::<Value>(json) {
+                        self.push(&v);
+                    }
+                }
             }
+        }
+    }
+
+    /// Merges one chunk from its [`ChunkView`] over `json`, as [`Aggregator::push`] merges
+    /// its value.
+    fn push_view(&mut self, json: &[u8], chunk: &ChunkView) {
+        for (span, slot) in [
+            (&chunk.id, &mut self.id),
+            (&chunk.created, &mut self.created),
+            (&chunk.model, &mut self.model),
+        ] {
+            if slot.is_none() {
+                *slot = span.as_ref().map(|r| owned(json, r));
+            }
+        }
+        if self.prompt_token_ids.is_none() {
+            self.prompt_token_ids = chunk
+                .prompt_token_ids
+                .as_ref()
+                .map(|r| owned(json, r))
+                .filter(|v| !v.is_null());
+        }
+        for choice in &chunk.choices {
+            let pos = match self.choices.iter().position(|c| c.index == choice.index) {
+                Some(p) => p,
+                None => {
+                    self.choices.push(ChoiceAcc::new(choice.index));
+                    self.choices.len() - 1
+                }
+            };
+            merge_view(&mut self.choices[pos], json, choice, self.chat);
         }
     }
 
@@ -338,4 +380,227 @@ fn finish_choice(c: ChoiceAcc, chat: bool) -> Value {
         choice.insert("prompt_token_ids".into(), ids);
     }
     Value::Object(choice)
+}
+
+/// Where a relayed chunk's merged fields lie in its text (spans of whole values), found by
+/// one scan: keys absent are `None`, a repeated key keeps its last value (as a parsed value
+/// does).
+#[derive(Debug, Default)]
+struct ChunkView {
+    id: Option<Range<usize>>,
+    created: Option<Range<usize>>,
+    model: Option<Range<usize>>,
+    prompt_token_ids: Option<Range<usize>>,
+    /// The `choices` list's elements (none when `choices` is not a list).
+    choices: Vec<ChoiceView>,
+}
+
+/// One choice of a [`ChunkView`] (a non-object element reads as an empty choice 0).
+#[derive(Debug, Default)]
+struct ChoiceView {
+    /// `index` as `Value::as_u64` reads it, 0 otherwise.
+    index: u64,
+    token_ids: Option<Range<usize>>,
+    prompt_token_ids: Option<Range<usize>>,
+    finish_reason: Option<Range<usize>>,
+    stop_reason: Option<Range<usize>>,
+    logprobs: Option<Range<usize>>,
+    /// Completions: `text`.
+    text: Option<Str>,
+    /// Chat: the `delta` members merged (when `delta` is an object).
+    role: Option<Str>,
+    content: Option<Str>,
+    reasoning_content: Option<Str>,
+    reasoning: Option<Str>,
+    tool_calls: Option<Range<usize>>,
+}
+
+/// A string value's raw content (between its quotes) and whether it holds an escape.
+#[derive(Debug, Clone)]
+struct Str(Range<usize>, bool);
+
+/// A scan gives up on a key with an escape: the chunk is merged from its value instead.
+const GIVE_UP: ScanError = ScanError {
+    at: 0,
+    what: "a key with an escape",
+};
+
+/// The key of a member, `None` when it holds an escape (the scan gives up on those).
+fn plain_key<'a>(c: &Cursor<'a>, m: &crate::rawjson::Member) -> Option<&'a [u8]> {
+    (!m.escaped).then(|| &c.bytes()[m.key.clone()])
+}
+
+/// A string member: its content, or `None` (consumed) when the value is not a string.
+fn string_at(c: &mut Cursor<'_>) -> Result<Option<Str>, ScanError> {
+    if c.peek() == Some(b'"') {
+        let (r, escaped) = c.string_escaped()?;
+        Ok(Some(Str(r, escaped)))
+    } else {
+        c.value()?;
+        Ok(None)
+    }
+}
+
+impl ChunkView {
+    /// Scans one chunk; `None` when the text is not an object the scan can read.
+    fn scan(json: &[u8]) -> Option<ChunkView> {
+        let mut view = ChunkView::default();
+        let mut c = Cursor::new(json, Vec::new());
+        let scanned = c.object(|c, m| {
+            let Some(key) = plain_key(c, m) else {
+                return Err(GIVE_UP);
+            };
+            match key {
+                b"id" => view.id = Some(c.value()?),
+                b"created" => view.created = Some(c.value()?),
+                b"model" => view.model = Some(c.value()?),
+                b"prompt_token_ids" => view.prompt_token_ids = Some(c.value()?),
+                b"choices" => {
+                    view.choices.clear();
+                    if c.peek() == Some(b'[') {
+                        c.array(|c, _| {
+                            let choice = ChoiceView::scan(c)?;
+                            view.choices.push(choice);
+                            Ok(())
+                        })?;
+                    } else {
+                        c.value()?;
+                    }
+                }
+                _ => {
+                    c.value()?;
+                }
+            }
+            Ok(Keep::Yes)
+        });
+        if scanned.is_err() || c.end().is_err() {
+            return None;
+        }
+        Some(view)
+    }
+}
+
+impl ChoiceView {
+    fn scan(c: &mut Cursor<'_>) -> Result<ChoiceView, ScanError> {
+        let mut v = ChoiceView::default();
+        if c.peek() != Some(b'{') {
+            c.value()?;
+            return Ok(v);
+        }
+        c.object(|c, m| {
+            let Some(key) = plain_key(c, m) else {
+                return Err(GIVE_UP);
+            };
+            match key {
+                b"index" => v.index = c.uint()?.1.unwrap_or(0),
+                b"token_ids" => v.token_ids = Some(c.value()?),
+                b"prompt_token_ids" => v.prompt_token_ids = Some(c.value()?),
+                b"finish_reason" => v.finish_reason = Some(c.value()?),
+                b"stop_reason" => v.stop_reason = Some(c.value()?),
+                b"logprobs" => v.logprobs = Some(c.value()?),
+                b"text" => v.text = string_at(c)?,
+                b"delta" => {
+                    (
+                        v.role,
+                        v.content,
+                        v.reasoning_content,
+                        v.reasoning,
+                        v.tool_calls,
+                    ) = (None, None, None, None, None);
+                    if c.peek() == Some(b'{') {
+                        c.object(|c, m| {
+                            let Some(key) = plain_key(c, m) else {
+                                return Err(GIVE_UP);
+                            };
+                            match key {
+                                b"role" => v.role = string_at(c)?,
+                                b"content" => v.content = string_at(c)?,
+                                b"reasoning_content" => v.reasoning_content = string_at(c)?,
+                                b"reasoning" => v.reasoning = string_at(c)?,
+                                b"tool_calls" => v.tool_calls = Some(c.value()?),
+                                _ => {
+                                    c.value()?;
+                                }
+                            }
+                            Ok(Keep::Yes)
+                        })?;
+                    } else {
+                        c.value()?;
+                    }
+                }
+                _ => {
+                    c.value()?;
+                }
+            }
+            Ok(Keep::Yes)
+        })?;
+        Ok(v)
+    }
+}
+
+/// The value at `span` of `json`, parsed (the scan validated it).
+fn owned(json: &[u8], span: &Range<usize>) -> Value {
+    serde_json::from_slice(&json[span.clone()]).unwrap_or(Value::Null)
+}
+
+/// Appends a string's content to `dst`, its escapes decoded.
+fn push_str(dst: &mut String, json: &[u8], s: Option<&Str>) {
+    let Some(Str(r, escaped)) = s else { return };
+    if *escaped {
+        if let Ok(text) = serde_json::from_slice::<String>(&json[r.start - 1..r.end + 1]) {
+            dst.push_str(&text);
+        }
+    } else if let Ok(text) = std::str::from_utf8(&json[r.clone()]) {
+        dst.push_str(text);
+    }
+}
+
+/// `merge_choice` over a scanned choice: fields that are rare or nested (logprobs, tool
+/// calls, token ids) are parsed as values and merged by the same code.
+fn merge_view(acc: &mut ChoiceAcc, json: &[u8], choice: &ChoiceView, chat: bool) {
+    let parsed = |span: &Option<Range<usize>>| {
+        span.as_ref()
+            .map(|r| owned(json, r))
+            .filter(|v| !v.is_null())
+    };
+    if let Some(Value::Array(ids)) = parsed(&choice.token_ids) {
+        acc.token_ids.get_or_insert_with(Vec::new).extend(ids);
+    }
+    if acc.prompt_token_ids.is_none() {
+        acc.prompt_token_ids = parsed(&choice.prompt_token_ids);
+    }
+    if let Some(fr) = parsed(&choice.finish_reason) {
+        acc.finish_reason = fr;
+    }
+    if let Some(sr) = parsed(&choice.stop_reason) {
+        acc.stop_reason = Some(sr);
+    }
+    if chat {
+        if let Some(role) = &choice.role {
+            let mut r = String::new();
+            push_str(&mut r, json, Some(role));
+            acc.role = Some(r);
+        }
+        push_str(&mut acc.text, json, choice.content.as_ref());
+        push_str(
+            &mut acc.reasoning_content,
+            json,
+            choice.reasoning_content.as_ref(),
+        );
+        push_str(&mut acc.reasoning, json, choice.reasoning.as_ref());
+        if let Some(Value::Array(tcs)) = parsed(&choice.tool_calls) {
+            for tc in &tcs {
+                merge_tool_call(&mut acc.tool_calls, tc);
+            }
+        }
+    } else {
+        push_str(&mut acc.text, json, choice.text.as_ref());
+    }
+    if let Some(lp) = parsed(&choice.logprobs) {
+        // The merge of logprobs is `merge_choice`'s own, on that one field.
+        let mut alone = ChoiceAcc::new(acc.index);
+        alone.logprobs = acc.logprobs.take();
+        merge_choice(&mut alone, &json!({ "logprobs": lp }), chat);
+        acc.logprobs = alone.logprobs;
+    }
 }

@@ -325,7 +325,11 @@ impl<'a> Cursor<'a> {
         Ok(self.string_escaped()?.0)
     }
 
-    fn string_escaped(&mut self) -> Result<(Range<usize>, bool), ScanError> {
+    /// [`Cursor::string`] and whether the raw content holds a backslash escape.
+    ///
+    /// # Errors
+    /// [`ScanError`] when there is no valid string there.
+    pub(crate) fn string_escaped(&mut self) -> Result<(Range<usize>, bool), ScanError> {
         if self.peek() != Some(b'"') {
             return Err(self.err("expected a string"));
         }

@@ -939,7 +939,19 @@ fn arb_frame() -> impl Strategy<Value = Value> {
             "delta",
             prop_oneof![delta.boxed(), Just(Value::Null).boxed()].boxed(),
         ),
-        ("logprobs", arb_leaf().boxed()),
+        (
+            "logprobs",
+            prop_oneof![
+                arb_leaf(),
+                Just(json!({"content": [{"token": "a", "logprob": -0.5}]})),
+                Just(json!({"tokens": ["a"], "token_logprobs": [-0.5], "top_logprobs": null})),
+            ]
+            .boxed(),
+        ),
+        (
+            "stop_reason",
+            prop_oneof![Just(Value::Null), Just(json!("x")), Just(json!(7))].boxed(),
+        ),
         (
             "finish_reason",
             prop_oneof![Just(Value::Null), Just(json!("stop"))].boxed(),
@@ -1028,4 +1040,48 @@ fn error_frame_shape() {
         &f[..],
         b"data: {\"error\":{\"message\":\"Upstream request failed\",\"type\":\"decode\",\"code\":\"failed\"}}\n\n"
     );
+}
+
+proptest! {
+    /// The aggregator's borrowed view of a frame merges what the whole value merges, for
+    /// any frames (members in any order, fields of any type, escapes, batches).
+    #[test]
+    fn aggregator_view_agrees_with_the_value_merge(
+        frames in proptest::collection::vec(arb_frame(), 1..5),
+        chat in any::<bool>(),
+        pretty in any::<bool>(),
+    ) {
+        let mut by_view = Aggregator::new(chat);
+        let mut by_value = Aggregator::new(chat);
+        for f in &frames {
+            let text = if pretty { serde_json::to_string_pretty(f) } else { serde_json::to_string(f) }.unwrap();
+            // An SSE data line holds one line of JSON.
+            let text = text.replace('\n', " ");
+            by_view.push_frames(format!("data: {text}\n\n").as_bytes());
+            by_value.push(f);
+        }
+        prop_assert_eq!(by_view.finish(json!(null)), by_value.finish(json!(null)));
+    }
+}
+
+/// A frame with a duplicate key, an escaped key (merged from its value) or odd fields merges
+/// as its value does.
+#[test]
+fn aggregator_view_merges_odd_frames_as_the_value() {
+    let frames = [
+        r#"{"id":"a","id":"b","choices":[{"index":0,"text":"x"}]}"#,
+        r#"{"choices":[{"index":0,"te\u0078t":"q","delta":{"c\u006fntent":"r"}}]}"#,
+        r#"{"choices":[{"index":0,"text":"a\"b\u00e9","delta":{"content":"\n"}}]}"#,
+        r#"{"choices":[{"index":"1","text":"y"}]}"#,
+        r#"{"choices":[{"index":0,"delta":"z","text":"\u00e9"}]}"#,
+    ];
+    for chat in [false, true] {
+        let mut by_view = Aggregator::new(chat);
+        let mut by_value = Aggregator::new(chat);
+        for f in frames {
+            by_view.push_frames(format!("data: {f}\n\n").as_bytes());
+            by_value.push(&serde_json::from_str::<Value>(f).unwrap());
+        }
+        assert_eq!(by_view.finish(json!(null)), by_value.finish(json!(null)));
+    }
 }
