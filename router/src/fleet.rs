@@ -189,9 +189,10 @@ impl Fleet {
         placement::plan_with(&state.slots, &avoid, aggregate, kv, &mut rand::rng())
     }
 
-    /// How many engines a KV score would choose among now ([`placement::choice_width`]).
-    pub(crate) fn choice_width(&self, aggregate: Aggregate) -> usize {
-        placement::choice_width(&self.lock().slots, aggregate)
+    /// The engines a KV score would choose among now, a mask in config order
+    /// ([`placement::choice_set`]).
+    pub(crate) fn choice_set(&self, aggregate: Aggregate) -> Vec<bool> {
+        placement::choice_set(&self.lock().slots, aggregate)
     }
 
     /// Gives engine `iid` router role `role` (a role flip; the role controller decides).

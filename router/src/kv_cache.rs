@@ -439,7 +439,8 @@ impl KvCache {
         // Nothing prices requests without profiles (no role controller, no admission price:
         // controller.md 3.5 and 10.4 count cached tokens), so with one candidate the score
         // would decide nothing.
-        if self.cfg.profiles.is_empty() && fleet.choice_width(aggregate) <= 1 {
+        let chosen = fleet.choice_set(aggregate);
+        if self.cfg.profiles.is_empty() && chosen.iter().filter(|c| **c).count() <= 1 {
             self.counts.unscored.fetch_add(1, Ordering::Relaxed);
             return None;
         }
@@ -466,6 +467,12 @@ impl KvCache {
         for e in 0..ix.len() {
             if let Some(&inc) = incarnations.get(e) {
                 ix.sync_process(e, inc);
+            }
+            if !chosen.get(e).copied().unwrap_or(false) {
+                // Not among the engines placement chooses from (a decode engine of a split,
+                // an engine out of placement): no expiry walk, no credit walk.
+                credits.push(Credit::unscored(ix.credit_block_size(e)));
+                continue;
             }
             ix.expire(e, now);
             let bs = ix.credit_block_size(e);

@@ -217,6 +217,19 @@ pub(crate) struct Credit {
     pub block_size: u32,
 }
 
+impl Credit {
+    /// The credit of an engine the request's placement does not choose among (it is not
+    /// scored): nothing cached, mode `none`. `block_size` is the engine's own.
+    pub(crate) fn unscored(block_size: u32) -> Credit {
+        Credit {
+            reason: Reason::Off,
+            cached: 0,
+            stores: false,
+            block_size,
+        }
+    }
+}
+
 /// Prompt tokens an engine would compute for a prompt of `prompt_tokens` tokens with credit
 /// `c`: `prompt_tokens − cached`, the approximate credit counting `approx_credit` (a ratio in
 /// (0, 1], `serving.kv_approx_credit`) of its tokens.

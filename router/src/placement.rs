@@ -208,28 +208,28 @@ pub(crate) enum Aggregate {
     DecodeOnly,
 }
 
-/// How many engines the KV score would choose among in [`plan_with`] with nothing avoided:
-/// the live prefill engines of a split, else the engines of an aggregated plan. Avoiding
-/// engines only narrows these lists (a role whose candidates are all avoided falls back to
-/// the same list), so no attempt of a request chooses among more. With at most one there is
-/// nothing for the score to decide (docs/design/kv-aware-placement.md, "One engine to
-/// choose from").
-pub(crate) fn choice_width(slots: &[EngineSlot], aggregate: Aggregate) -> usize {
-    // As `candidates(slots, role, &none).len()`, counted without a list (once per request).
-    let live = |role: Role| {
-        slots
-            .iter()
-            .filter(|s| s.role == role && s.is_live())
-            .count()
+/// The engines the KV score would choose among in [`plan_with`] with nothing avoided, as a
+/// mask over `slots`: the live prefill engines of a split, else the engines of an aggregated
+/// plan. Avoiding engines only narrows these lists (a role whose candidates are all avoided
+/// falls back to the same list), so no attempt of a request chooses among others: only these
+/// are scored, and with at most one there is nothing for the score to decide
+/// (docs/design/kv-aware-placement.md, "One engine to choose from", "What a request's score
+/// costs").
+pub(crate) fn choice_set(slots: &[EngineSlot], aggregate: Aggregate) -> Vec<bool> {
+    // As the first pick of `plan_with` before the retry's avoid set: the live prefill engines
+    // of a split, else the live decode engines, else (any role) every live engine.
+    let any = |role: Role| slots.iter().any(|s| s.role == role && s.is_live());
+    let (pre, dec) = (any(Role::Prefill), any(Role::Decode));
+    let chosen = |s: &EngineSlot| {
+        if pre && dec {
+            s.role == Role::Prefill
+        } else if dec || aggregate == Aggregate::DecodeOnly {
+            s.role == Role::Decode
+        } else {
+            true
+        }
     };
-    let (pre, dec) = (live(Role::Prefill), live(Role::Decode));
-    if pre > 0 && dec > 0 {
-        pre
-    } else if dec > 0 || aggregate == Aggregate::DecodeOnly {
-        dec
-    } else {
-        slots.iter().filter(|s| s.is_live()).count()
-    }
+    slots.iter().map(|s| s.is_live() && chosen(s)).collect()
 }
 
 #[cfg(test)]
@@ -314,9 +314,40 @@ mod tests {
     const P: Role = Role::Prefill;
     const D: Role = Role::Decode;
 
+    fn choice_width(slots: &[EngineSlot], aggregate: Aggregate) -> usize {
+        choice_set(slots, aggregate).iter().filter(|c| **c).count()
+    }
+
     #[test]
-    fn the_choice_width_is_what_the_kv_score_would_choose_among() {
+    fn the_choice_set_is_what_the_kv_score_would_choose_among() {
         let any = Aggregate::AnyRole;
+        // Which engines, not only how many.
+        assert_eq!(
+            choice_set(&fleet(&[P, D, P, D]), any),
+            [true, false, true, false]
+        );
+        assert_eq!(choice_set(&fleet(&[D, D]), any), [true, true]);
+        let mut slots = fleet(&[P, D, D]);
+        slots[0].excluded.insert(Exclusion::Ejected);
+        assert_eq!(
+            choice_set(&slots, any),
+            [false, true, true],
+            "aggregated on the decode engines"
+        );
+        // Every first pick of a plan is in the set.
+        let mut rng = StdRng::seed_from_u64(3);
+        for roles in [&[P, D, D][..], &[P, P, D], &[D, D, D], &[P, P]] {
+            let slots = fleet(roles);
+            let set = choice_set(&slots, any);
+            for _ in 0..50 {
+                let computes = match plan(&slots, &BTreeSet::new(), &mut rng) {
+                    Some(Plan::Split { prefill, .. }) => prefill,
+                    Some(Plan::Aggregated { engine }) => engine,
+                    None => unreachable!("a live fleet"),
+                };
+                assert!(set[computes], "{roles:?}: {computes}");
+            }
+        }
         // A split chooses its prefill engine; the decode leg is p2c, never scored.
         assert_eq!(choice_width(&fleet(&[P, D]), any), 1);
         assert_eq!(choice_width(&fleet(&[P, D, D, D]), any), 1);
