@@ -142,7 +142,11 @@ if usable "$vr" vllm-router; then
     kv_replays="\$(for s in {kv_event_replay_sources}; do printf -- '--kv-event-replay-source %s ' \"\$s\"; done)"
     specs+=("vllm-router-kv=$vr/bin/vllm-router $common --policy kv_aware --worker-urls {engine_urls} $kv_sources $kv_replays --kv-event-block-size 16 --kv-event-model {model}")
   else
-    specs+=("vllm-router-pd=$vr/bin/vllm-router $common --vllm-pd-disaggregation --policy round_robin --prefill {prefill_url} --decode {decode_url}")
+    # One --prefill and one --decode flag per engine (one each under --compare; a fleet under
+    # fleet-scale).
+    prefills="\$(for u in {prefill_urls}; do printf -- '--prefill %s ' \"\$u\"; done)"
+    decodes="\$(for u in {decode_urls}; do printf -- '--decode %s ' \"\$u\"; done)"
+    specs+=("vllm-router-pd=$vr/bin/vllm-router $common --vllm-pd-disaggregation --policy round_robin $prefills $decodes")
     specs+=("vllm-router-rr=$vr/bin/vllm-router $common --policy round_robin --worker-urls {engine_urls}")
   fi
 else

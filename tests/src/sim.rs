@@ -434,7 +434,13 @@ impl MultiSim {
         if doc["pid"].as_u64() != Some(u64::from(proc.pid())) {
             return Err(bad("pid"));
         }
-        let list = doc["engines"].as_array().ok_or_else(|| bad("engines"))?;
+        // One engine without `--ports-from` is the simulator's one-engine mode: its ready
+        // document is that engine's own.
+        let list = match doc["engines"].as_array() {
+            Some(list) => list.clone(),
+            None if n == 1 && !same_ports => vec![doc.clone()],
+            None => return Err(bad("engines")),
+        };
         let as_port = |v: &Value| v.as_u64().and_then(|p| u16::try_from(p).ok());
         let engines = list
             .iter()

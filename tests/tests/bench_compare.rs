@@ -416,3 +416,76 @@ fn concurrency_runs_every_level_on_every_target() {
         );
     }
 }
+
+/// `fleet-scale` with a P/D peer over a two-engine fleet: the fleet row, then the peers'
+/// table with our router's row and the peer's (CPU per request, the ratio to ours, RSS), and
+/// the peer's lines on the CPU and memory charts; an aggregated peer is refused.
+#[test]
+fn fleet_scale_measures_a_peer_over_the_same_fleet() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plots = dir.path().join("plots");
+    let mut args = strings(&[
+        "fleet-scale",
+        "--engines",
+        "2",
+        "--per-agent",
+        "2",
+        "--requests",
+        "100",
+        "--latency-requests",
+        "10",
+        "--reads",
+        "2",
+        "--idle-s",
+        "0.5",
+        "--plots",
+    ]);
+    args.push(plots.display().to_string());
+    args.push("--peer".into());
+    args.push(self_peer(
+        "self-pd",
+        "--prefill {prefill_url} --decode {decode_url}",
+    ));
+    let out = bench(&args, Duration::from_secs(300));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "narwhal-bench fleet-scale failed ({}); stdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
+    );
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .filter(|l| l.starts_with("| 2 | 2 | "))
+        .map(|l| l.split('|').map(str::trim).collect())
+        .collect();
+    let peer_rows: Vec<&Vec<&str>> = rows.iter().filter(|r| r.len() == 10).collect();
+    assert_eq!(peer_rows.len(), 2, "narwhal and self-pd:\n{stdout}");
+    for (row, name) in peer_rows.iter().zip(["narwhal", "self-pd"]) {
+        assert_eq!(row[3], name, "{stdout}");
+        let cpu: f64 = row[4].parse().expect("CPU µs/req");
+        assert!(cpu > 0.0, "{stdout}");
+        let rss: f64 = row[8].parse().expect("RSS");
+        assert!(rss > 1.0, "{stdout}");
+    }
+    assert_eq!(peer_rows[0][5], "1.00", "ours against ours:\n{stdout}");
+    for chart in ["cpu-per-request", "memory"] {
+        let svg = std::fs::read_to_string(plots.join(format!("fleet-{chart}.svg")))
+            .unwrap_or_else(|e| panic!("fleet-{chart}.svg: {e}"));
+        assert!(svg.contains("self-pd"), "fleet-{chart}.svg names the peer");
+    }
+    let agg = bench(
+        &strings(&[
+            "fleet-scale",
+            "--peer",
+            &self_peer("agg", "--engine {engine_url}"),
+        ]),
+        Duration::from_secs(30),
+    );
+    assert_eq!(agg.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&agg.stderr).contains("--peer agg: the fleet is P/D"),
+        "{}",
+        String::from_utf8_lossy(&agg.stderr)
+    );
+}

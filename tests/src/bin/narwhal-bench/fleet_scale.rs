@@ -15,6 +15,9 @@
 //!               whole-fleet wave: drain POST, restart every engine, the synchronous readmit,
 //!               and the CPU seconds the router and the agents used during that readmit
 //!  memory       RSS per engine of the simulators, the router's RSS, the agents' mean RSS
+//!  peers        each --peer (a P/D router over every prefill and decode engine) over the
+//!               same fleet: its CPU per request, p50 at concurrency 1 and RSS, measured as
+//!               the router's, between the router's windows and its lifecycle steps
 //!  standby      a warm standby started last (file lease of LEASE_TTL_S, polls every
 //!               STANDBY_PROBE_S): the primary's and the standby's CPU per second while it
 //!               shadows, then the takeover gap: kill -9 of the primary until the standby's
@@ -41,8 +44,9 @@ use narwhal_testkit::{
 use serde_json::{Value, json};
 
 use crate::load::{Shot, drive, quantile};
+use crate::peer::{Kind, PeerProc, PeerSpec};
 use crate::plots::{Chart, Series, write_svg};
-use crate::procs;
+use crate::{MODEL, Probe, first_answer, procs};
 
 /// `narwhal-bench fleet-scale` flags.
 #[derive(Debug, Parser)]
@@ -77,6 +81,23 @@ struct Args {
     /// fleet-idle-cpu.svg, fleet-memory.svg.
     #[arg(long)]
     plots: Option<std::path::PathBuf>,
+    /// A P/D peer router, `NAME=COMMAND` (placeholders as `narwhal-bench --peer`;
+    /// `{prefill_urls}` and `{decode_urls}` list every prefill and decode engine), measured
+    /// over the same fleet: CPU per request, p50 at concurrency 1, RSS. Repeatable.
+    #[arg(long = "peer", value_name = "NAME=COMMAND")]
+    peers: Vec<String>,
+    /// Seconds a peer may take to answer its first request.
+    #[arg(long, default_value_t = 120.0)]
+    start_timeout: f64,
+}
+
+/// What a peer router costs over one fleet size.
+#[derive(Debug, Clone, Default)]
+struct PeerCost {
+    name: String,
+    cpu_us_per_req: f64,
+    p50_c1_ms: f64,
+    rss_mib: f64,
 }
 
 /// One row of the table.
@@ -108,6 +129,8 @@ struct Row {
     takeover_s: f64,
     /// The 1-minute load average when the row was measured.
     load: f64,
+    /// Every `--peer` over the same fleet.
+    peers: Vec<PeerCost>,
     failures: Vec<String>,
 }
 
@@ -124,6 +147,23 @@ pub async fn main(argv: Vec<String>) -> std::process::ExitCode {
         eprintln!("narwhal-bench fleet-scale: --engines >= 2 and --per-agent >= 1");
         return std::process::ExitCode::from(2);
     }
+    let mut peers = Vec::new();
+    for spec in &args.peers {
+        match PeerSpec::parse(spec) {
+            Ok(p) if p.kind == Kind::Pd => peers.push(p),
+            Ok(p) => {
+                eprintln!(
+                    "narwhal-bench fleet-scale: --peer {}: the fleet is P/D; a peer names {{prefill_urls}} and {{decode_urls}}",
+                    p.name
+                );
+                return std::process::ExitCode::from(2);
+            }
+            Err(e) => {
+                eprintln!("narwhal-bench fleet-scale: {e}");
+                return std::process::ExitCode::from(2);
+            }
+        }
+    }
     println!(
         "fleet-scale: {} requests at concurrency {}, {} at concurrency 1, {} reads per document; load average {:?}",
         args.requests,
@@ -135,7 +175,7 @@ pub async fn main(argv: Vec<String>) -> std::process::ExitCode {
     let mut rows = Vec::new();
     for &n in &args.engines {
         for &e in &args.per_agent {
-            let row = match measure(&args, n, e).await {
+            let row = match measure(&args, &peers, n, e).await {
                 Ok(r) => r,
                 Err(err) => {
                     eprintln!("fleet-scale {n} engines, {e} per agent: {err}");
@@ -150,6 +190,9 @@ pub async fn main(argv: Vec<String>) -> std::process::ExitCode {
             print_row(&row, rows.is_empty());
             rows.push(row);
         }
+    }
+    if !peers.is_empty() {
+        print_peers(&rows);
     }
     let mut failed: Vec<String> = rows.iter().flat_map(|r| r.failures.clone()).collect();
     if let Some(dir) = &args.plots {
@@ -203,6 +246,127 @@ fn print_row(r: &Row, header: bool) {
         r.takeover_s,
         r.load,
     );
+}
+
+/// Our router's CPU per request, p50 at concurrency 1 and RSS beside every peer's, per fleet
+/// size, with the ratio to ours.
+fn print_peers(rows: &[Row]) {
+    println!();
+    println!(
+        "| engines | per agent | router | CPU µs/req | x ours | CPU/req x its 1st size | p50 c=1 ms | RSS MiB |"
+    );
+    println!("|{}", "---|".repeat(8));
+    let first = rows.first();
+    for r in rows {
+        let ours = PeerCost {
+            name: "narwhal".into(),
+            cpu_us_per_req: r.cpu_us_per_req,
+            p50_c1_ms: r.p50_c1_ms,
+            rss_mib: r.router_mib,
+        };
+        let base = |name: &str| -> f64 {
+            first.map_or(f64::NAN, |f| {
+                if name == "narwhal" {
+                    f.cpu_us_per_req
+                } else {
+                    f.peers
+                        .iter()
+                        .find(|p| p.name == name)
+                        .map_or(f64::NAN, |p| p.cpu_us_per_req)
+                }
+            })
+        };
+        for p in std::iter::once(&ours).chain(&r.peers) {
+            println!(
+                "| {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.1} |",
+                r.engines,
+                r.per_agent,
+                p.name,
+                p.cpu_us_per_req,
+                p.cpu_us_per_req / ours.cpu_us_per_req,
+                p.cpu_us_per_req / base(&p.name),
+                p.p50_c1_ms,
+                p.rss_mib,
+            );
+        }
+    }
+}
+
+/// Starts peer `p` over the fleet (`prefill` and `decode` URLs), waits for its first answer,
+/// and measures it as the router is measured: CPU per request over `--requests` at
+/// `--concurrency` (after 200 warm-up requests), p50 at concurrency 1, RSS after both.
+///
+/// # Errors
+/// A placeholder it cannot fill, a peer that cannot start or never answers.
+async fn peer_cost(
+    args: &Args,
+    p: &PeerSpec,
+    prefill: &[String],
+    decode: &[String],
+    dir: &std::path::Path,
+) -> Result<PeerCost, String> {
+    let port = narwhal_testkit::engine_port();
+    let pdir = dir.join(format!("peer-{}", p.name));
+    std::fs::create_dir_all(&pdir).map_err(|e| format!("{}: {e}", pdir.display()))?;
+    let bin_dir = narwhal_testkit::bin_path("narwhal-serve")
+        .parent()
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    let mut values = std::collections::BTreeMap::new();
+    values.insert("port", port.to_string());
+    values.insert("aux_port", narwhal_testkit::engine_port().to_string());
+    values.insert("host", "127.0.0.1".to_string());
+    values.insert("model", MODEL.to_string());
+    values.insert("dir", pdir.display().to_string());
+    values.insert("bin_dir", bin_dir);
+    values.insert("prefill_url", prefill[0].clone());
+    values.insert("prefill_urls", prefill.join(" "));
+    values.insert("decode_url", decode[0].clone());
+    values.insert("decode_urls", decode.join(" "));
+    values.insert("bootstrap_port", "none".to_string());
+    let command = p.render(&values)?;
+    let mut proc = PeerProc::spawn(&p.name, &command, dir)?;
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let probe = Probe {
+        tokens: 8,
+        stream: false,
+        timeout: Duration::from_secs(30),
+        deadline: Instant::now() + Duration::from_secs_f64(args.start_timeout),
+        start_timeout_s: args.start_timeout,
+    };
+    first_answer(&p.name, addr, Some(&mut proc), &probe).await?;
+    let shot = |concurrency: usize, requests: usize| Shot {
+        concurrency,
+        requests,
+        tokens: 8,
+        stream: false,
+        timeout: Duration::from_secs(30),
+    };
+    let name = &p.name;
+    let warm = drive(addr, MODEL, &shot(args.concurrency, 200), 0).await;
+    if warm.errors > 0 {
+        return Err(format!(
+            "peer {name} warm-up: {} errors: {:?}",
+            warm.errors, warm.first_error
+        ));
+    }
+    let hz = procs::clock_ticks();
+    let before = ticks(proc.pid);
+    let s = drive(addr, MODEL, &shot(args.concurrency, args.requests), 1000).await;
+    let used = ticks(proc.pid).saturating_sub(before) as f64 / hz;
+    if s.errors > 0 {
+        return Err(format!(
+            "peer {name} window: {} errors: {:?}",
+            s.errors, s.first_error
+        ));
+    }
+    let c1 = drive(addr, MODEL, &shot(1, args.latency_requests), 1_000_000).await;
+    Ok(PeerCost {
+        name: name.clone(),
+        cpu_us_per_req: used / args.requests as f64 * 1e6,
+        p50_c1_ms: quantile(&c1.latency_s, 0.5) * 1e3,
+        rss_mib: rss_kib(proc.pid) / 1024.0,
+    })
 }
 
 fn addr_of(url: &str) -> Result<SocketAddr, String> {
@@ -259,7 +423,12 @@ async fn lifecycle_until(
     }
 }
 
-async fn measure(args: &Args, n: usize, per_agent: usize) -> Result<Row, String> {
+async fn measure(
+    args: &Args,
+    peers: &[PeerSpec],
+    n: usize,
+    per_agent: usize,
+) -> Result<Row, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let dirp = dir.path();
     let prefill = n / 2;
@@ -408,6 +577,16 @@ async fn measure(args: &Args, n: usize, per_agent: usize) -> Result<Row, String>
     }
     let c1 = drive(data, "tiny-sim", &shot(1, args.latency_requests), 1_000_000).await;
     row.p50_c1_ms = quantile(&c1.latency_s, 0.5) * 1e3;
+    if !peers.is_empty() {
+        let prefill: Vec<String> = engines[..n / 2].iter().map(|(u, _)| u.clone()).collect();
+        let decode: Vec<String> = engines[n / 2..].iter().map(|(u, _)| u.clone()).collect();
+        for p in peers {
+            match peer_cost(args, p, &prefill, &decode, dirp).await {
+                Ok(c) => row.peers.push(c),
+                Err(e) => row.failures.push(format!("{n} engines: {e}")),
+            }
+        }
+    }
     let before = ticks(pid);
     let t_idle = Instant::now();
     tokio::time::sleep(Duration::from_secs_f64(args.idle_s)).await;
@@ -612,13 +791,13 @@ fn write_plots(
         y_label: y.to_string(),
         series: lines(metrics),
     };
-    let charts = [
+    let mut charts = [
         (
             "fleet-cpu-per-request.svg",
             chart(
                 "Router CPU per request",
                 "CPU µs per request",
-                &[("utime + stime / requests", |r| r.cpu_us_per_req)],
+                &[("narwhal (utime + stime / requests)", |r| r.cpu_us_per_req)],
             ),
         ),
         (
@@ -664,12 +843,46 @@ fn write_plots(
                 "Memory",
                 "MiB (RSS)",
                 &[
-                    ("router", |r| r.router_mib),
+                    ("narwhal router", |r| r.router_mib),
                     ("one agent (mean)", |r| r.agent_mib),
                 ],
             ),
         ),
     ];
+    // Each peer's line on the CPU and memory charts (one per --per-agent value: the peer
+    // itself does not use the agents).
+    let mut names: Vec<&str> = Vec::new();
+    for p in rows.iter().flat_map(|r| &r.peers) {
+        if !names.contains(&p.name.as_str()) {
+            names.push(&p.name);
+        }
+    }
+    for name in names {
+        for &e in per_agent {
+            let of = |f: fn(&PeerCost) -> f64| -> Vec<(f64, f64)> {
+                rows.iter()
+                    .filter(|r| r.per_agent == e)
+                    .map(|r| {
+                        let y = r.peers.iter().find(|p| p.name == name).map_or(f64::NAN, f);
+                        (r.engines as f64, y)
+                    })
+                    .collect()
+            };
+            let label = if per_agent.len() > 1 {
+                format!("{name}, {e} per agent")
+            } else {
+                name.to_string()
+            };
+            charts[0].1.series.push(Series {
+                name: label.clone(),
+                points: of(|p| p.cpu_us_per_req),
+            });
+            charts[4].1.series.push(Series {
+                name: label,
+                points: of(|p| p.rss_mib),
+            });
+        }
+    }
     let mut written = Vec::new();
     for (file, c) in &charts {
         let path = dir.join(file);

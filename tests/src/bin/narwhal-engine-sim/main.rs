@@ -516,9 +516,13 @@ fn ports_from(path: &Path, n: usize) -> Result<Vec<EnginePorts>, StartError> {
     };
     let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
     let doc: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
-    let list = doc["engines"]
-        .as_array()
-        .ok_or_else(|| bad("no `engines` list (not a many-engine ready file)".into()))?;
+    // A one-engine process's ready file is that engine's own document.
+    let one = [doc.clone()];
+    let list = match doc["engines"].as_array() {
+        Some(list) => list.as_slice(),
+        None if n == 1 && doc["url"].is_string() => &one[..],
+        None => return Err(bad("no `engines` list (not a many-engine ready file)".into())),
+    };
     if list.len() != n {
         return Err(bad(format!(
             "lists {} engines, --engines is {n}",
