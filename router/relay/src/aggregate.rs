@@ -425,9 +425,21 @@ const GIVE_UP: ScanError = ScanError {
     what: "a key with an escape",
 };
 
-/// The key of a member, `None` when it holds an escape (the scan gives up on those).
-fn plain_key<'a>(c: &Cursor<'a>, m: &crate::rawjson::Member) -> Option<&'a [u8]> {
-    (!m.escaped).then(|| &c.bytes()[m.key.clone()])
+/// Walks the object at the cursor: `f` reads each member's value (and must consume it), given
+/// its key; a key with an escape gives the scan up.
+fn members<'a>(
+    c: &mut Cursor<'a>,
+    mut f: impl FnMut(&mut Cursor<'a>, &'a [u8]) -> Result<(), ScanError>,
+) -> Result<(), ScanError> {
+    c.object(|c, m| {
+        if m.escaped {
+            return Err(GIVE_UP);
+        }
+        let key = &c.bytes()[m.key.clone()];
+        f(c, key)?;
+        Ok(Keep::Yes)
+    })
+    .map(|_| ())
 }
 
 /// A string member: its content, or `None` (consumed) when the value is not a string.
@@ -446,10 +458,7 @@ impl ChunkView {
     fn scan(json: &[u8]) -> Option<ChunkView> {
         let mut view = ChunkView::default();
         let mut c = Cursor::new(json, Vec::new());
-        let scanned = c.object(|c, m| {
-            let Some(key) = plain_key(c, m) else {
-                return Err(GIVE_UP);
-            };
+        let scanned = members(&mut c, |c, key| {
             match key {
                 b"id" => view.id = Some(c.value()?),
                 b"created" => view.created = Some(c.value()?),
@@ -471,7 +480,7 @@ impl ChunkView {
                     c.value()?;
                 }
             }
-            Ok(Keep::Yes)
+            Ok(())
         });
         if scanned.is_err() || c.end().is_err() {
             return None;
@@ -487,10 +496,7 @@ impl ChoiceView {
             c.value()?;
             return Ok(v);
         }
-        c.object(|c, m| {
-            let Some(key) = plain_key(c, m) else {
-                return Err(GIVE_UP);
-            };
+        members(c, |c, key| {
             match key {
                 b"index" => v.index = c.uint()?.1.unwrap_or(0),
                 b"token_ids" => v.token_ids = Some(c.value()?),
@@ -508,10 +514,7 @@ impl ChoiceView {
                         v.tool_calls,
                     ) = (None, None, None, None, None);
                     if c.peek() == Some(b'{') {
-                        c.object(|c, m| {
-                            let Some(key) = plain_key(c, m) else {
-                                return Err(GIVE_UP);
-                            };
+                        members(c, |c, key| {
                             match key {
                                 b"role" => v.role = string_at(c)?,
                                 b"content" => v.content = string_at(c)?,
@@ -522,7 +525,7 @@ impl ChoiceView {
                                     c.value()?;
                                 }
                             }
-                            Ok(Keep::Yes)
+                            Ok(())
                         })?;
                     } else {
                         c.value()?;
@@ -532,7 +535,7 @@ impl ChoiceView {
                     c.value()?;
                 }
             }
-            Ok(Keep::Yes)
+            Ok(())
         })?;
         Ok(v)
     }

@@ -335,13 +335,6 @@ async fn peer_cost(
         start_timeout_s: args.start_timeout,
     };
     first_answer(&p.name, addr, Some(&mut proc), &probe).await?;
-    let shot = |concurrency: usize, requests: usize| Shot {
-        concurrency,
-        requests,
-        tokens: 8,
-        stream: false,
-        timeout: Duration::from_secs(30),
-    };
     let name = &p.name;
     let warm = drive(addr, MODEL, &shot(args.concurrency, 200), 0).await;
     if warm.errors > 0 {
@@ -367,6 +360,17 @@ async fn peer_cost(
         p50_c1_ms: quantile(&c1.latency_s, 0.5) * 1e3,
         rss_mib: rss_kib(proc.pid) / 1024.0,
     })
+}
+
+/// A window of `requests` non-streamed 8-token completions at `concurrency`.
+fn shot(concurrency: usize, requests: usize) -> Shot {
+    Shot {
+        concurrency,
+        requests,
+        tokens: 8,
+        stream: false,
+        timeout: Duration::from_secs(30),
+    }
 }
 
 fn addr_of(url: &str) -> Result<SocketAddr, String> {
@@ -546,13 +550,6 @@ async fn measure(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let shot = |concurrency: usize, requests: usize| Shot {
-        concurrency,
-        requests,
-        tokens: 8,
-        stream: false,
-        timeout: Duration::from_secs(30),
-    };
     let warm = drive(data, "tiny-sim", &shot(args.concurrency, 200), 0).await;
     if warm.errors > 0 {
         row.failures.push(format!(
