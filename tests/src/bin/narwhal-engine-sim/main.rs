@@ -521,7 +521,11 @@ fn ports_from(path: &Path, n: usize) -> Result<Vec<EnginePorts>, StartError> {
     let list = match doc["engines"].as_array() {
         Some(list) => list.as_slice(),
         None if n == 1 && doc["url"].is_string() => &one[..],
-        None => return Err(bad("no `engines` list (not a many-engine ready file)".into())),
+        None => {
+            return Err(bad(
+                "no `engines` list (not a many-engine ready file)".into()
+            ));
+        }
     };
     if list.len() != n {
         return Err(bad(format!(
