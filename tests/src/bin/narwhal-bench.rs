@@ -405,7 +405,8 @@ async fn run(
     // The peers, on the router CPUs.
     let mut peer_procs = Vec::new();
     for p in peers {
-        let (port, command, proc) = spawn_peer(p, &engines, dir.path(), router_cpus)?;
+        let (port, command, proc) =
+            spawn_peer(p, &PeerEngines::of(&engines), dir.path(), router_cpus)?;
         targets.push(Target {
             name: p.name.clone(),
             kind: p.kind,
@@ -420,13 +421,7 @@ async fn run(
     // Every target answers, and answers what the engine itself answers.
     let timeout = Duration::from_secs_f64(args.request_timeout);
     let probe = |stream: bool| load::body(MODEL, usize::MAX, args.tokens, stream);
-    let start_probe = Probe {
-        tokens: args.tokens,
-        stream: false,
-        timeout,
-        deadline: Instant::now() + Duration::from_secs_f64(args.start_timeout),
-        start_timeout_s: args.start_timeout,
-    };
+    let start_probe = Probe::starting_now(args.tokens, false, timeout, args.start_timeout);
     for t in &targets {
         let proc = peer_procs
             .iter_mut()
@@ -657,6 +652,27 @@ fn pin(mode: &str, cpus: &BTreeSet<usize>, who: &str) -> Option<Pinning> {
     }
 }
 
+/// The engines a peer's command names (docs/benchmarks.md, "Peers"): every prefill and decode
+/// engine of a P/D fleet, the SGLang prefill's bootstrap port, the aggregated engines.
+struct PeerEngines {
+    prefill: Vec<String>,
+    decode: Vec<String>,
+    bootstrap_port: Option<u16>,
+    agg: Vec<String>,
+}
+
+impl PeerEngines {
+    /// The comparison's engines: one of each.
+    fn of(engines: &Engines) -> PeerEngines {
+        PeerEngines {
+            prefill: vec![engines.prefill.url.clone()],
+            decode: vec![engines.decode.url.clone()],
+            bootstrap_port: engines.prefill.bootstrap_port,
+            agg: vec![engines.agg.url.clone()],
+        }
+    }
+}
+
 /// Starts peer `p` over `engines` on `router_cpus`, its logs and directory under `dir`:
 /// `(its port, its rendered command, the process)`.
 ///
@@ -664,7 +680,7 @@ fn pin(mode: &str, cpus: &BTreeSet<usize>, who: &str) -> Option<Pinning> {
 /// A bad placeholder, a directory that cannot be made, or a peer that cannot be started.
 fn spawn_peer(
     p: &PeerSpec,
-    engines: &Engines,
+    engines: &PeerEngines,
     dir: &std::path::Path,
     router_cpus: Option<&BTreeSet<usize>>,
 ) -> Result<(u16, String, PeerProc), String> {
@@ -690,6 +706,19 @@ struct Probe {
     timeout: Duration,
     deadline: Instant,
     start_timeout_s: f64,
+}
+
+impl Probe {
+    /// A probe whose deadline is `start_timeout_s` from now.
+    fn starting_now(tokens: u32, stream: bool, timeout: Duration, start_timeout_s: f64) -> Probe {
+        Probe {
+            tokens,
+            stream,
+            timeout,
+            deadline: Instant::now() + Duration::from_secs_f64(start_timeout_s),
+            start_timeout_s,
+        }
+    }
 }
 
 /// Waits until target `name` at `addr` answers `probe`'s completion whole, polling every
@@ -738,9 +767,10 @@ async fn first_answer(
 }
 
 /// The placeholder values of a peer's command (docs/benchmarks.md, "Peers"): its `port` and
-/// `aux_port`, its directory, our binaries' directory, and the engines' URLs.
+/// `aux_port`, its directory, our binaries' directory, and the engines' URLs (a kind of
+/// engine the fleet has none of has no value, so a command naming it is refused).
 fn peer_values(
-    engines: &Engines,
+    engines: &PeerEngines,
     port: u16,
     dir: &std::path::Path,
     bin_dir: &str,
@@ -752,19 +782,22 @@ fn peer_values(
     values.insert("model", MODEL.into());
     values.insert("dir", dir.display().to_string());
     values.insert("bin_dir", bin_dir.to_string());
-    values.insert("prefill_url", engines.prefill.url.clone());
-    values.insert("prefill_urls", engines.prefill.url.clone());
-    values.insert("decode_url", engines.decode.url.clone());
-    values.insert("decode_urls", engines.decode.url.clone());
+    for (one, list, urls) in [
+        ("prefill_url", "prefill_urls", &engines.prefill),
+        ("decode_url", "decode_urls", &engines.decode),
+        ("engine_url", "engine_urls", &engines.agg),
+    ] {
+        if let Some(first) = urls.first() {
+            values.insert(one, first.clone());
+            values.insert(list, urls.join(" "));
+        }
+    }
     values.insert(
         "bootstrap_port",
         engines
-            .prefill
             .bootstrap_port
             .map_or_else(|| "none".into(), |b| b.to_string()),
     );
-    values.insert("engine_url", engines.agg.url.clone());
-    values.insert("engine_urls", engines.agg.url.clone());
     values
 }
 

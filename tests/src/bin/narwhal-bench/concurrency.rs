@@ -38,7 +38,9 @@ use serde_json::json;
 use crate::load::{Shot, drive_connected, quantile};
 use crate::peer::{Kind, PeerSpec};
 use crate::plots::{Chart, Series, write_svg};
-use crate::{Engines, MODEL, Probe, addr_of, first_answer, fleet, pin, procs, spawn_peer};
+use crate::{
+    Engines, MODEL, PeerEngines, Probe, addr_of, first_answer, fleet, pin, procs, spawn_peer,
+};
 
 /// How often the peak RSS and descriptor count are sampled during a window.
 const SAMPLE_EVERY: Duration = Duration::from_millis(100);
@@ -315,7 +317,7 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
     });
     let mut peer_procs = Vec::new();
     for p in peers {
-        let (port, _, proc) = spawn_peer(p, &engines, dir.path(), router_cpus)?;
+        let (port, _, proc) = spawn_peer(p, &PeerEngines::of(&engines), dir.path(), router_cpus)?;
         targets.push(Target {
             name: p.name.clone(),
             addr: SocketAddr::from(([127, 0, 0, 1], port)),
@@ -326,13 +328,7 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
 
     // Every target answers one stream whole before the first window.
     let timeout = Duration::from_secs_f64(args.request_timeout);
-    let start_probe = Probe {
-        tokens: args.tokens,
-        stream: true,
-        timeout,
-        deadline: Instant::now() + Duration::from_secs_f64(args.start_timeout),
-        start_timeout_s: args.start_timeout,
-    };
+    let start_probe = Probe::starting_now(args.tokens, true, timeout, args.start_timeout);
     for t in &targets {
         let proc = peer_procs
             .iter_mut()

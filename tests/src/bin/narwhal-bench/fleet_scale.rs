@@ -44,9 +44,9 @@ use narwhal_testkit::{
 use serde_json::{Value, json};
 
 use crate::load::{Shot, drive, quantile};
-use crate::peer::{Kind, PeerProc, PeerSpec};
+use crate::peer::{Kind, PeerSpec};
 use crate::plots::{Chart, Series, write_svg};
-use crate::{MODEL, Probe, first_answer, procs};
+use crate::{MODEL, PeerEngines, Probe, first_answer, procs, spawn_peer};
 
 /// `narwhal-bench fleet-scale` flags.
 #[derive(Debug, Parser)]
@@ -305,35 +305,15 @@ async fn peer_cost(
     decode: &[String],
     dir: &std::path::Path,
 ) -> Result<PeerCost, String> {
-    let port = narwhal_testkit::engine_port();
-    let pdir = dir.join(format!("peer-{}", p.name));
-    std::fs::create_dir_all(&pdir).map_err(|e| format!("{}: {e}", pdir.display()))?;
-    let bin_dir = narwhal_testkit::bin_path("narwhal-serve")
-        .parent()
-        .map(|p| p.display().to_string())
-        .unwrap_or_default();
-    let mut values = std::collections::BTreeMap::new();
-    values.insert("port", port.to_string());
-    values.insert("aux_port", narwhal_testkit::engine_port().to_string());
-    values.insert("host", "127.0.0.1".to_string());
-    values.insert("model", MODEL.to_string());
-    values.insert("dir", pdir.display().to_string());
-    values.insert("bin_dir", bin_dir);
-    values.insert("prefill_url", prefill[0].clone());
-    values.insert("prefill_urls", prefill.join(" "));
-    values.insert("decode_url", decode[0].clone());
-    values.insert("decode_urls", decode.join(" "));
-    values.insert("bootstrap_port", "none".to_string());
-    let command = p.render(&values)?;
-    let mut proc = PeerProc::spawn(&p.name, &command, dir)?;
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let probe = Probe {
-        tokens: 8,
-        stream: false,
-        timeout: Duration::from_secs(30),
-        deadline: Instant::now() + Duration::from_secs_f64(args.start_timeout),
-        start_timeout_s: args.start_timeout,
+    let engines = PeerEngines {
+        prefill: prefill.to_vec(),
+        decode: decode.to_vec(),
+        bootstrap_port: None,
+        agg: Vec::new(),
     };
+    let (port, _, mut proc) = spawn_peer(p, &engines, dir, None)?;
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let probe = Probe::starting_now(8, false, Duration::from_secs(30), args.start_timeout);
     first_answer(&p.name, addr, Some(&mut proc), &probe).await?;
     let name = &p.name;
     let warm = drive(addr, MODEL, &shot(args.concurrency, 200), 0).await;
