@@ -31,11 +31,17 @@ use crate::config::{Config, Role, secs};
 use crate::facts::Facts;
 use crate::journal::Journal;
 use crate::metrics::{Metrics, labels};
-use crate::placement::{self, Aggregate, EngineSlot, Exclusion, KvScore, Phase, Plan};
+use crate::placement::{self, Aggregate, EngineSlot, Exclusion, KvScore, LiveLists, Phase, Plan};
 
 /// What the fleet lock guards.
 pub(crate) struct FleetState {
     slots: Vec<EngineSlot>,
+    /// The live engines of each pool, rebuilt from `slots` whenever a role or an exclusion
+    /// changes ([`Fleet::recount`]), so a placement does not walk the whole fleet.
+    lists: LiveLists,
+    /// Bumped with every engine's new process ([`Transition::NewProcess`]): a reader of the
+    /// processes ([`Fleet::incarnations_since`]) re-reads them only when it moved.
+    process_epoch: u64,
     breaker: Breaker,
     /// Suspect engines: producers whose KV fed this engine's failing decode streams (`""` for
     /// a decode without a producer); verification reruns those paths (handoff
@@ -127,6 +133,8 @@ impl Fleet {
                         s
                     })
                     .collect(),
+                lists: LiveLists::default(),
+                process_epoch: 0,
                 breaker: Breaker::new(n, policy(cfg)),
                 suspects: vec![BTreeSet::new(); n],
                 facts: vec![Facts::default(); n],
@@ -182,17 +190,18 @@ impl Fleet {
         kv: Option<&KvScore>,
     ) -> Option<Plan> {
         let state = self.lock();
+        let (slots, lists) = (&state.slots, &state.lists);
         if state.avoided.is_empty() {
-            return placement::plan_with(&state.slots, avoid, aggregate, kv, &mut rand::rng());
+            return placement::plan_in(slots, lists, avoid, aggregate, kv, &mut rand::rng());
         }
         let avoid: BTreeSet<usize> = avoid.union(&state.avoided).copied().collect();
-        placement::plan_with(&state.slots, &avoid, aggregate, kv, &mut rand::rng())
+        placement::plan_in(slots, lists, &avoid, aggregate, kv, &mut rand::rng())
     }
 
-    /// The engines a KV score would choose among now, a mask in config order
-    /// ([`placement::choice_set`]).
-    pub(crate) fn choice_set(&self, aggregate: Aggregate) -> Vec<bool> {
-        placement::choice_set(&self.lock().slots, aggregate)
+    /// The engines a KV score would choose among now, config order
+    /// ([`LiveLists::choices`]).
+    pub(crate) fn choices(&self, aggregate: Aggregate) -> Vec<usize> {
+        self.lock().lists.choices(aggregate).to_vec()
     }
 
     /// Gives engine `iid` router role `role` (a role flip; the role controller decides).
@@ -201,6 +210,7 @@ impl Fleet {
         let mut state = self.lock();
         if state.slots[iid].role != role {
             state.slots[iid].role = role;
+            self.recount(&mut state);
             self.dirty.notify_one();
         }
     }
@@ -214,7 +224,7 @@ impl Fleet {
         } else {
             state.slots[iid].excluded.remove(&Exclusion::Switching);
         }
-        self.recount(&state);
+        self.recount(&mut state);
     }
 
     /// The engines new placements avoid while others of their role are available.
@@ -254,20 +264,27 @@ impl Fleet {
     pub(crate) fn live_loads(&self) -> Vec<(usize, u32)> {
         let state = self.lock();
         state
-            .slots
+            .lists
+            .live
             .iter()
-            .enumerate()
-            .filter(|(_, s)| s.is_live())
-            .map(|(i, s)| (i, s.outstanding()))
+            .map(|i| (*i, state.slots[*i].outstanding()))
             .collect()
     }
 
-    /// The breaker incarnation of every engine, config order, read under one lock.
-    pub(crate) fn incarnations(&self) -> Vec<u64> {
+    /// The epoch of the engines' processes (bumped with each engine's new process) and, when
+    /// it is not `seen`, every engine's incarnation (config order), read under one lock: a
+    /// per-request reader binds its state to the processes only after one changed, instead of
+    /// walking the fleet every time.
+    pub(crate) fn incarnations_since(&self, seen: Option<u64>) -> (u64, Option<Vec<u64>>) {
         let state = self.lock();
-        (0..self.names.len())
+        let epoch = state.process_epoch;
+        if seen == Some(epoch) {
+            return (epoch, None);
+        }
+        let all = (0..self.names.len())
             .map(|i| state.breaker.incarnation(i))
-            .collect()
+            .collect();
+        (epoch, Some(all))
     }
 
     /// Whether the breaker has engine `iid` ejected.
@@ -305,7 +322,7 @@ impl Fleet {
                 slot.excluded.remove(&Exclusion::Draining);
             }
         }
-        self.recount(&state);
+        self.recount(&mut state);
         self.held.store(!held.is_empty(), Ordering::Release);
     }
 
@@ -509,6 +526,7 @@ impl Fleet {
                 state.suspects[i] = s.clone();
             }
         }
+        self.recount(&mut state);
     }
 
     /// The cached SGLang bootstrap port of prefill engine `iid`.
@@ -521,8 +539,11 @@ impl Fleet {
         self.lock().facts[iid].bootstrap_port = Some(port);
     }
 
-    fn recount(&self, state: &FleetState) {
-        let live = state.slots.iter().filter(|s| s.is_live()).count();
+    /// After a role or an exclusion changed: rebuilds the live lists and the live count (and
+    /// wakes the role controller when the count moved).
+    fn recount(&self, state: &mut FleetState) {
+        state.lists = LiveLists::of(&state.slots);
+        let live = state.lists.live.len();
         if self.live.swap(live, Ordering::AcqRel) != live {
             self.availability.notify_one();
         }
@@ -582,6 +603,7 @@ impl Fleet {
                     self.journal.emit(json!({"event": "engine_degraded", "iid": name, "cause": cause.as_str(), "at": wall}));
                 }
                 Transition::NewProcess { iid } => {
+                    state.process_epoch += 1;
                     state.facts[iid] = Facts::default();
                     state.confirmed[iid] = None;
                     state.engine_ids[iid].clear();
@@ -715,8 +737,16 @@ mod tests {
         f.eject(0, EjectCause::ProcessIdentity);
         assert_eq!(f.live_loads(), [(1, 2)]);
         assert_eq!(f.live_loads(), by_names(&f));
-        assert_eq!(f.incarnations().len(), 2);
-        assert_eq!(f.incarnations()[1], f.incarnation(1));
+        let (epoch, all) = f.incarnations_since(None);
+        assert_eq!(
+            all.as_deref(),
+            Some(&[f.incarnation(0), f.incarnation(1)][..])
+        );
+        assert_eq!(
+            f.incarnations_since(Some(epoch)),
+            (epoch, None),
+            "no new process"
+        );
     }
 
     /// Identity (an engine restarted in place): a reading whose known facts differ makes the engine
@@ -740,6 +770,11 @@ mod tests {
         );
         assert!(f.is_ejected(0));
         assert_eq!(f.incarnation(0), 1);
+        assert_eq!(
+            f.incarnations_since(Some(0)),
+            (1, Some(vec![1, 0])),
+            "a new process moves the epoch"
+        );
         assert_eq!(f.bootstrap_port(0), Some(9000));
         f.read(|s| {
             assert!(s.suspects()[0].is_empty(), "its own suspects");

@@ -110,7 +110,9 @@ pub(crate) struct Scored {
     /// The placement input.
     pub score: KvScore,
     /// Per engine (config order): its credit (reason, cached prompt tokens as the index
-    /// credits them, undiscounted, whether placing there stores, the block size).
+    /// credits them, undiscounted, whether placing there stores, the block size). An engine
+    /// the score did not walk (not among those placement chooses) has reason `off`, nothing
+    /// cached and block size 0 (not read).
     pub credits: Vec<Credit>,
     /// Prompt tokens.
     pub prompt_tokens: u64,
@@ -439,8 +441,8 @@ impl KvCache {
         // Nothing prices requests without profiles (no role controller, no admission price:
         // controller.md 3.5 and 10.4 count cached tokens), so with one candidate the score
         // would decide nothing.
-        let chosen = fleet.choice_set(aggregate);
-        if self.cfg.profiles.is_empty() && chosen.iter().filter(|c| **c).count() <= 1 {
+        let chosen = fleet.choices(aggregate);
+        if self.cfg.profiles.is_empty() && chosen.len() <= 1 {
             self.counts.unscored.fetch_add(1, Ordering::Relaxed);
             return None;
         }
@@ -461,19 +463,20 @@ impl KvCache {
         let now = self.clock.now();
         let n = tokens.len() as u64;
         let mut ix = self.lock();
+        // Every engine's entries are bound to its process, re-read only after some engine's
+        // process changed.
+        if let (epoch, Some(all)) = fleet.incarnations_since(ix.processes_seen()) {
+            ix.sync_processes(epoch, &all);
+        }
         let mut chains: Vec<(u32, Vec<u64>)> = Vec::new();
-        let mut credits = Vec::with_capacity(ix.len());
-        let incarnations = fleet.incarnations();
-        for e in 0..ix.len() {
-            if let Some(&inc) = incarnations.get(e) {
-                ix.sync_process(e, inc);
-            }
-            if !chosen.get(e).copied().unwrap_or(false) {
-                // Not among the engines placement chooses from (a decode engine of a split,
-                // an engine out of placement): no expiry walk, no credit walk.
-                credits.push(Credit::unscored(ix.credit_block_size(e)));
-                continue;
-            }
+        // Engines placement does not choose among (a decode engine of a split, an engine out
+        // of placement) get no credit and no expiry walk: only the chosen are scored.
+        // Their block size is left unknown (0) until one is placed ([`KvCache::placed`]).
+        let engines = ix.len();
+        let mut credits = vec![Credit::unscored(0); engines];
+        let approx_credit = self.cfg.serving.kv_approx_credit;
+        let mut uncached_tokens = vec![n; engines];
+        for &e in chosen.iter().filter(|e| **e < engines) {
             ix.expire(e, now);
             let bs = ix.credit_block_size(e);
             if !chains.iter().any(|(b, _)| *b == bs) {
@@ -484,12 +487,12 @@ impl KvCache {
                 .find(|(b, _)| *b == bs)
                 .map(|(_, c)| c.as_slice())
                 .unwrap_or(&[]);
-            credits.push(ix.credit(e, chain, n, now));
+            credits[e] = ix.credit(e, chain, n, now);
+            uncached_tokens[e] = uncached(n, &credits[e], approx_credit);
         }
-        let credit = self.cfg.serving.kv_approx_credit;
         Some(Scored {
             score: KvScore {
-                uncached: credits.iter().map(|c| uncached(n, c, credit)).collect(),
+                uncached: uncached_tokens,
                 balance: Balance {
                     abs: self.cfg.serving.kv_balance_abs_threshold,
                     rel: self.cfg.serving.kv_balance_rel_threshold,
@@ -506,8 +509,14 @@ impl KvCache {
     pub(crate) fn placed(&self, e: usize, s: &Scored) {
         let now = self.clock.now();
         let c = s.credits[e];
-        self.lock()
-            .placed(e, s.chain(c.block_size), c.block_size, c.stores, now);
+        let mut ix = self.lock();
+        // An engine the score did not walk: its credit's block size is read now.
+        let bs = if c.block_size == 0 {
+            ix.credit_block_size(e)
+        } else {
+            c.block_size
+        };
+        ix.placed(e, s.chain(bs), bs, c.stores, now);
     }
 
     fn tokenizer_check(&self) -> MutexGuard<'_, TokenizerCheck> {

@@ -404,6 +404,8 @@ pub(crate) struct KvIndex {
     engines: Vec<Engine>,
     approx: Approx,
     settings: Settings,
+    /// The fleet's process epoch at the last [`KvIndex::sync_processes`] (`None`: never).
+    processes_seen: Option<u64>,
 }
 
 impl KvIndex {
@@ -430,7 +432,23 @@ impl KvIndex {
                 settings.approx_max_blocks,
             ),
             settings,
+            processes_seen: None,
         }
+    }
+
+    /// The fleet's process epoch the entries were last bound at ([`KvIndex::sync_processes`];
+    /// `None` before the first binding).
+    pub(crate) fn processes_seen(&self) -> Option<u64> {
+        self.processes_seen
+    }
+
+    /// Binds every engine to its process ([`KvIndex::sync_process`]; `incarnations` in config
+    /// order, as the fleet read them at process epoch `epoch`).
+    pub(crate) fn sync_processes(&mut self, epoch: u64, incarnations: &[u64]) {
+        for (e, inc) in incarnations.iter().enumerate().take(self.engines.len()) {
+            self.sync_process(e, *inc);
+        }
+        self.processes_seen = Some(epoch);
     }
 
     /// What sequence number `seq` means for engine `e`'s stream; `live`: it came on the live

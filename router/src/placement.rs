@@ -20,6 +20,7 @@
 //! empty (reasons `ejected`, `draining`, `awaiting_health` — behaviour.md 6.1); health and
 //! admission stay separate as in linkerd's p2c pool.
 
+use std::borrow::Cow;
 use std::collections::BTreeSet;
 
 use rand::Rng;
@@ -100,8 +101,7 @@ impl EngineSlot {
 /// How the attempt will be served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Plan {
-    /// Prefill on `prefill`, decode on `decode` (they may be equal only when the producer is the
-    /// only decode candidate).
+    /// Prefill on `prefill`, decode on `decode` (two engines: their roles differ).
     Split {
         /// Producer index.
         prefill: usize,
@@ -119,21 +119,31 @@ pub(crate) enum Plan {
 /// Choose among `candidates` by power of two choices on outstanding work: sample two distinct
 /// candidates uniformly, keep the less loaded (ties: the first sampled).
 fn p2c<R: Rng + ?Sized>(slots: &[EngineSlot], candidates: &[usize], rng: &mut R) -> Option<usize> {
-    match candidates.len() {
+    let (a, b) = two_of(candidates.len(), rng)?;
+    let Some(b) = b else {
+        return Some(candidates[a]);
+    };
+    let (ia, ib) = (candidates[a], candidates[b]);
+    if slots[ib].outstanding() < slots[ia].outstanding() {
+        Some(ib)
+    } else {
+        Some(ia)
+    }
+}
+
+/// The positions power of two choices samples among `n` candidates: two distinct uniform
+/// ones, one when `n` is 1, none when it is 0.
+fn two_of<R: Rng + ?Sized>(n: usize, rng: &mut R) -> Option<(usize, Option<usize>)> {
+    match n {
         0 => None,
-        1 => Some(candidates[0]),
+        1 => Some((0, None)),
         n => {
             let a = rng.random_range(0..n);
             let mut b = rng.random_range(0..n - 1);
             if b >= a {
                 b += 1;
             }
-            let (ia, ib) = (candidates[a], candidates[b]);
-            if slots[ib].outstanding() < slots[ia].outstanding() {
-                Some(ib)
-            } else {
-                Some(ia)
-            }
+            Some((a, Some(b)))
         }
     }
 }
@@ -167,6 +177,10 @@ pub(crate) struct KvScore {
 }
 
 /// Choose among `candidates` by the KV score (module doc); `None` when there is none.
+///
+/// Three passes over `candidates` and no allocation: the loads' range, the least cost, then
+/// power of two choices among the candidates of that cost (in `candidates` order, as if they
+/// were listed).
 pub(crate) fn pick_cached<R: Rng + ?Sized>(
     slots: &[EngineSlot],
     candidates: &[usize],
@@ -174,29 +188,116 @@ pub(crate) fn pick_cached<R: Rng + ?Sized>(
     rng: &mut R,
 ) -> Option<usize> {
     let load = |i: usize| slots[i].outstanding();
-    let max = candidates.iter().map(|i| load(*i)).max()?;
-    let min = candidates.iter().map(|i| load(*i)).min()?;
+    let (min, max) = candidates
+        .iter()
+        .map(|i| load(*i))
+        .fold(None, |acc: Option<(u32, u32)>, l| {
+            Some(acc.map_or((l, l), |(lo, hi)| (lo.min(l), hi.max(l))))
+        })?;
+    let by_load = score.balance.imbalanced(max, min);
     let cost = |i: usize| {
-        if score.balance.imbalanced(max, min) {
+        if by_load {
             u128::from(load(i))
         } else {
             u128::from(score.uncached[i]) * u128::from(load(i) + 1)
         }
     };
-    let best = candidates.iter().map(|i| cost(*i)).min()?;
-    let tied: Vec<usize> = candidates
-        .iter()
-        .copied()
-        .filter(|i| cost(*i) == best)
-        .collect();
-    p2c(slots, &tied, rng)
+    let (best, tied) = candidates.iter().fold((u128::MAX, 0usize), |(best, n), i| {
+        let c = cost(*i);
+        match c.cmp(&best) {
+            std::cmp::Ordering::Less => (c, 1),
+            std::cmp::Ordering::Equal => (best, n + 1),
+            std::cmp::Ordering::Greater => (best, n),
+        }
+    });
+    let (a, b) = two_of(tied, rng)?;
+    let mut at = candidates.iter().copied().filter(|i| cost(*i) == best);
+    let Some(b) = b else {
+        return at.next();
+    };
+    // The a-th and b-th of the tied, in order.
+    let (first, second) = (a.min(b), a.max(b));
+    let x = at.nth(first)?;
+    let y = at.nth(second - first - 1)?;
+    let (ia, ib) = if a < b { (x, y) } else { (y, x) };
+    if load(ib) < load(ia) {
+        Some(ib)
+    } else {
+        Some(ia)
+    }
 }
 
-/// Live engines of `role` not in `avoid`, in index order.
-pub(crate) fn candidates(slots: &[EngineSlot], role: Role, avoid: &BTreeSet<usize>) -> Vec<usize> {
-    (0..slots.len())
-        .filter(|i| slots[*i].role == role && slots[*i].is_live() && !avoid.contains(i))
-        .collect()
+/// The live engines of each pool, in index order: what placement chooses among before an
+/// attempt's avoid set. Kept by the fleet beside its slots and rebuilt whenever a role or an
+/// exclusion changes ([`LiveLists::of`]), so a placement walks only the engines it chooses
+/// among, not the whole fleet (docs/design/kv-aware-placement.md, "What a request's score
+/// costs").
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct LiveLists {
+    /// Live prefill-role engines.
+    pub prefill: Vec<usize>,
+    /// Live decode-role engines.
+    pub decode: Vec<usize>,
+    /// Every live engine.
+    pub live: Vec<usize>,
+}
+
+impl LiveLists {
+    /// The lists of `slots`.
+    pub(crate) fn of(slots: &[EngineSlot]) -> LiveLists {
+        let mut l = LiveLists::default();
+        for (i, s) in slots.iter().enumerate().filter(|(_, s)| s.is_live()) {
+            match s.role {
+                Role::Prefill => l.prefill.push(i),
+                Role::Decode => l.decode.push(i),
+            }
+            l.live.push(i);
+        }
+        l
+    }
+
+    fn of_role(&self, role: Role) -> &[usize] {
+        match role {
+            Role::Prefill => &self.prefill,
+            Role::Decode => &self.decode,
+        }
+    }
+
+    /// The engines the KV score would choose among in [`plan_in`] with nothing avoided: the
+    /// live prefill engines of a split, else the engines of an aggregated plan. Avoiding
+    /// engines only narrows these lists (a role whose candidates are all avoided falls back to
+    /// the same list), so no attempt of a request chooses among others: only these are scored,
+    /// and with at most one there is nothing for the score to decide
+    /// (docs/design/kv-aware-placement.md, "One engine to choose from", "What a request's
+    /// score costs").
+    pub(crate) fn choices(&self, aggregate: Aggregate) -> &[usize] {
+        if !self.prefill.is_empty() && !self.decode.is_empty() {
+            &self.prefill
+        } else if !self.decode.is_empty() || aggregate == Aggregate::DecodeOnly {
+            &self.decode
+        } else {
+            &self.live
+        }
+    }
+}
+
+/// `list` less the engines in `avoid`, or the whole list when that would leave none
+/// (retrying on the same engine beats failing a transient error); borrowed when nothing is
+/// avoided.
+fn preferring<'a>(list: &'a [usize], avoid: &BTreeSet<usize>) -> Cow<'a, [usize]> {
+    if avoid.is_empty() || !list.iter().any(|i| avoid.contains(i)) {
+        return Cow::Borrowed(list);
+    }
+    let kept: Vec<usize> = list
+        .iter()
+        .copied()
+        .filter(|i| !avoid.contains(i))
+        .collect();
+    if kept.is_empty() {
+        Cow::Borrowed(list)
+    } else {
+        Cow::Owned(kept)
+    }
 }
 
 /// Which engines may serve an aggregated (single-leg) request.
@@ -208,32 +309,19 @@ pub(crate) enum Aggregate {
     DecodeOnly,
 }
 
-/// The engines the KV score would choose among in [`plan_with`] with nothing avoided, as a
-/// mask over `slots`: the live prefill engines of a split, else the engines of an aggregated
-/// plan. Avoiding engines only narrows these lists (a role whose candidates are all avoided
-/// falls back to the same list), so no attempt of a request chooses among others: only these
-/// are scored, and with at most one there is nothing for the score to decide
-/// (docs/design/kv-aware-placement.md, "One engine to choose from", "What a request's score
-/// costs").
+/// The engines [`LiveLists::choices`] names, as a mask over `slots` (tests and callers that
+/// hold no lists).
+#[cfg(test)]
 pub(crate) fn choice_set(slots: &[EngineSlot], aggregate: Aggregate) -> Vec<bool> {
-    // As the first pick of `plan_with` before the retry's avoid set: the live prefill engines
-    // of a split, else the live decode engines, else (any role) every live engine.
-    let any = |role: Role| slots.iter().any(|s| s.role == role && s.is_live());
-    let (pre, dec) = (any(Role::Prefill), any(Role::Decode));
-    let chosen = |s: &EngineSlot| {
-        if pre && dec {
-            s.role == Role::Prefill
-        } else if dec || aggregate == Aggregate::DecodeOnly {
-            s.role == Role::Decode
-        } else {
-            true
-        }
-    };
-    slots.iter().map(|s| s.is_live() && chosen(s)).collect()
+    let mut mask = vec![false; slots.len()];
+    for i in LiveLists::of(slots).choices(aggregate) {
+        mask[*i] = true;
+    }
+    mask
 }
 
 #[cfg(test)]
-/// Plan one attempt with [`Aggregate::AnyRole`]; see [`plan_with`].
+/// Plan one attempt with [`Aggregate::AnyRole`]; see [`plan_in`].
 pub(crate) fn plan<R: Rng + ?Sized>(
     slots: &[EngineSlot],
     avoid: &BTreeSet<usize>,
@@ -242,11 +330,24 @@ pub(crate) fn plan<R: Rng + ?Sized>(
     plan_with(slots, avoid, Aggregate::AnyRole, None, rng)
 }
 
-/// Plan one attempt.
+#[cfg(test)]
+/// [`plan_in`] with the lists of `slots` built for this one plan.
+pub(crate) fn plan_with<R: Rng + ?Sized>(
+    slots: &[EngineSlot],
+    avoid: &BTreeSet<usize>,
+    aggregate: Aggregate,
+    kv: Option<&KvScore>,
+    rng: &mut R,
+) -> Option<Plan> {
+    plan_in(slots, &LiveLists::of(slots), avoid, aggregate, kv, rng)
+}
+
+/// Plan one attempt over `slots`, whose live engines are `lists` ([`LiveLists::of`] of the
+/// same slots).
 ///
 /// * Split when both roles have a live engine: prefill by p2c over live prefill engines;
-///   decode by p2c over live decode engines other than the producer, falling back to the
-///   producer only if it is the only decode candidate (behaviour.md 7.1 step 5).
+///   decode by p2c over live decode engines (behaviour.md 7.1 step 5: never the producer,
+///   which is of the other role).
 /// * `avoid` (engines that failed earlier attempts of this request, behaviour.md 7.5) is
 ///   honoured per role while it leaves a candidate; when it would empty a role, that role
 ///   ignores it (retrying on the same engine beats failing a transient error, and keeps the
@@ -256,47 +357,37 @@ pub(crate) fn plan<R: Rng + ?Sized>(
 /// * With `kv`, the prefill engine of a split and the engine of an aggregated plan are
 ///   chosen by the KV score ([`pick_cached`]) instead of p2c; the decode leg stays p2c.
 /// * `None` when no engine may serve.
-pub(crate) fn plan_with<R: Rng + ?Sized>(
+///
+/// Cost: with nothing avoided and no KV score, constant in the fleet size; with a score,
+/// linear in the engines chosen among (each one's score is read).
+pub(crate) fn plan_in<R: Rng + ?Sized>(
     slots: &[EngineSlot],
+    lists: &LiveLists,
     avoid: &BTreeSet<usize>,
     aggregate: Aggregate,
     kv: Option<&KvScore>,
     rng: &mut R,
 ) -> Option<Plan> {
+    debug_assert_eq!(
+        *lists,
+        LiveLists::of(slots),
+        "the fleet's live lists are stale"
+    );
     let first = |c: &[usize], rng: &mut R| match kv {
         Some(score) => pick_cached(slots, c, score, rng),
         None => p2c(slots, c, rng),
     };
-    let none = BTreeSet::new();
-    let prefer = |c: Vec<usize>, all: Vec<usize>| if c.is_empty() { all } else { c };
-    let pick = |role: Role| {
-        prefer(
-            candidates(slots, role, avoid),
-            candidates(slots, role, &none),
-        )
-    };
-    let pre = pick(Role::Prefill);
-    let dec = pick(Role::Decode);
+    let pre = preferring(lists.of_role(Role::Prefill), avoid);
+    let dec = preferring(lists.of_role(Role::Decode), avoid);
     if !pre.is_empty() && !dec.is_empty() {
         let prefill = first(&pre, rng)?;
-        let others: Vec<usize> = dec.iter().copied().filter(|d| *d != prefill).collect();
-        let decode = if others.is_empty() {
-            prefill
-        } else {
-            p2c(slots, &others, rng)?
-        };
+        let decode = p2c(slots, &dec, rng)?;
         return Some(Plan::Split { prefill, decode });
     }
     let single = if !dec.is_empty() || aggregate == Aggregate::DecodeOnly {
         dec
     } else {
-        let live: Vec<usize> = (0..slots.len()).filter(|i| slots[*i].is_live()).collect();
-        let preferred: Vec<usize> = live
-            .iter()
-            .copied()
-            .filter(|i| !avoid.contains(i))
-            .collect();
-        prefer(preferred, live)
+        preferring(&lists.live, avoid)
     };
     first(&single, rng).map(|engine| Plan::Aggregated { engine })
 }
