@@ -749,6 +749,43 @@ mod tests {
         );
     }
 
+    /// The live lists placement samples from follow every change of a role or an exclusion:
+    /// the health gate, an ejection, a hold, a role switch and flip, a restored handoff.
+    #[test]
+    fn the_live_lists_follow_every_role_and_exclusion_change() {
+        let f = fleet();
+        let lists = |f: &Fleet| {
+            f.read(|s| {
+                assert_eq!(s.lists, LiveLists::of(&s.slots), "stale lists");
+                (s.lists.prefill.clone(), s.lists.decode.clone())
+            })
+        };
+        assert_eq!(lists(&f), (vec![], vec![]), "both await health");
+        f.admit_all();
+        assert_eq!(lists(&f), (vec![0], vec![1]));
+        f.eject(0, EjectCause::ProcessIdentity);
+        assert_eq!(lists(&f), (vec![], vec![1]));
+        f.set_held(&BTreeSet::from(["d0".to_string()]));
+        assert_eq!(lists(&f), (vec![], vec![]));
+        f.set_held(&BTreeSet::new());
+        f.set_switching(1, true);
+        assert_eq!(lists(&f), (vec![], vec![]));
+        f.set_switching(1, false);
+        f.set_role(1, Role::Prefill);
+        assert_eq!(lists(&f), (vec![1], vec![]));
+        f.restore(
+            &BTreeMap::from([(1, Role::Decode)]),
+            &BTreeSet::new(),
+            &BTreeMap::new(),
+        );
+        assert_eq!(lists(&f), (vec![], vec![1]));
+        assert_eq!(f.choices(Aggregate::AnyRole), [1]);
+        assert_eq!(
+            f.place(&BTreeSet::new(), Aggregate::AnyRole, None),
+            Some(Plan::Aggregated { engine: 1 })
+        );
+    }
+
     /// Identity (an engine restarted in place): a reading whose known facts differ makes the engine
     /// a new engine: ejected (`process_identity`), its suspects and old facts dropped, the
     /// reading kept as the new process's facts.
