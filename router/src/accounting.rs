@@ -22,7 +22,7 @@ use narwhal_shared::handoff::{Handoff, REASON_TERMINALS};
 use crate::config::Config;
 use crate::journal::Journal;
 use crate::metrics::{Metrics, labels};
-use crate::outcome::{RequestRecord, SettleSink, Settlement, Tally, Terminal};
+use crate::outcome::{RequestRecord, RequestRow, SettleSink, Settlement, Tally, Terminal};
 use crate::placement::Phase;
 use crate::retry::RetryBudget;
 
@@ -333,7 +333,10 @@ impl SettleSink for Accounting {
                 "request settled"
             );
         }
-        self.journal.emit(record.row(&s));
+        self.journal.emit_typed(Box::new(RequestRow {
+            record,
+            settlement: s,
+        }));
     }
 
     fn abandoned(&self, record: &RequestRecord) -> Settlement {

@@ -88,13 +88,23 @@ impl Pace {
 }
 
 /// One queued row.
-#[derive(Debug)]
 enum Row {
     /// A row's own fields; the writer puts `schema`, `schema_version` and `run` in front
     /// (so the request path does not rebuild the map to insert them first).
     Fields(serde_json::Map<String, Value>),
     /// A row written as it is.
     Whole(Value),
+    /// A row that serialises itself on the writer's thread (a request's row: no map is built
+    /// on the request path); `schema`, `schema_version` and `run` go in front as for
+    /// [`Row::Fields`].
+    Typed(Box<dyn TypedRow>),
+}
+
+/// A journal row that writes itself: one JSON object, none of whose members is `schema`,
+/// `schema_version` or `run` (the journal puts those in front).
+pub(crate) trait TypedRow: Send {
+    /// Appends the row as one JSON object (`{...}`) to `out`.
+    fn write_object(&self, out: &mut Vec<u8>);
 }
 
 /// Journal schema name and version.
@@ -258,6 +268,15 @@ impl Journal {
         }
     }
 
+    /// Queue one row that serialises itself on the writer's thread ([`TypedRow`]); adds
+    /// `schema`, `schema_version`, `run` in front. Never blocks.
+    pub(crate) fn emit_typed(&self, row: Box<dyn TypedRow>) {
+        let Some(tx) = &self.tx else { return };
+        if tx.try_send(Row::Typed(row)).is_err() {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// Close the channel so the writer drains and exits.
     pub fn close(&mut self) {
         self.tx = None;
@@ -345,6 +364,18 @@ impl<S: Sink> Writer<S> {
                     // The map's own `{` becomes the comma after `run`.
                     buf[open] = b',';
                 }
+                Row::Typed(r) => {
+                    buf.extend_from_slice(&self.front);
+                    let open = buf.len();
+                    r.write_object(&mut buf);
+                    if buf.len() - open <= 2 {
+                        // `{}`: nothing after `run`.
+                        buf.truncate(open);
+                        buf.push(b'}');
+                    } else {
+                        buf[open] = b',';
+                    }
+                }
             }
             buf.push(b'\n');
         }
@@ -431,6 +462,14 @@ mod tests {
         j.emit(json!({"rid": "r1", "terminal": "completed"}));
         j.emit(json!({}));
         j.emit(json!({"run": "other", "a": 1}));
+        struct Typed(&'static str);
+        impl TypedRow for Typed {
+            fn write_object(&self, out: &mut Vec<u8>) {
+                out.extend_from_slice(self.0.as_bytes());
+            }
+        }
+        j.emit_typed(Box::new(Typed(r#"{"rid":"r2"}"#)));
+        j.emit_typed(Box::new(Typed("{}")));
         j.close();
         task.await.unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
@@ -443,6 +482,8 @@ mod tests {
                 r#"{"schema":"narwhal.journal","schema_version":1,"run":"1-abcdef01","rid":"r1","terminal":"completed"}"#,
                 r#"{"schema":"narwhal.journal","schema_version":1,"run":"1-abcdef01"}"#,
                 r#"{"schema":"narwhal.journal","schema_version":1,"run":"other","a":1}"#,
+                r#"{"schema":"narwhal.journal","schema_version":1,"run":"1-abcdef01","rid":"r2"}"#,
+                r#"{"schema":"narwhal.journal","schema_version":1,"run":"1-abcdef01"}"#,
             ]
         );
         let lines: Vec<Value> = text

@@ -14,7 +14,9 @@ use std::sync::Arc;
 
 use narwhal_shared::documents::Ordered;
 use narwhal_shared::documents::state::OutcomeReasons;
-use serde_json::{Value, json};
+use serde_json::Value;
+#[cfg(test)]
+use serde_json::json;
 
 /// The seven terminal outcomes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -135,6 +137,21 @@ impl Settlement {
     }
 }
 
+/// One leg dispatched, as the journal's `legs` lists it (behaviour.md 7.8).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub(crate) struct LegRecord {
+    /// The attempt it belongs to (1-based).
+    pub attempt: u32,
+    /// `prefill`, `decode` or `whole` (an aggregated non-streamed leg).
+    pub leg: &'static str,
+    /// The engine.
+    pub iid: String,
+    /// The `x-request-id` (a UUID4) the engine saw.
+    pub request_id: String,
+    /// The prompt's index in a batch (`null` otherwise).
+    pub prompt: Option<usize>,
+}
+
 /// Per-request facts for the journal row (behaviour.md 7.8, the fields that apply).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct RequestRecord {
@@ -189,11 +206,93 @@ pub(crate) struct RequestRecord {
     /// Every leg dispatched, in order: `{attempt, leg, iid, request_id, prompt}` — the
     /// `x-request-id` (a UUID4) the engine saw for it, and the prompt's index in a batch
     /// (`null` otherwise).
-    pub legs: Vec<Value>,
+    pub legs: Vec<LegRecord>,
+}
+
+/// A settled request's journal row (behaviour.md 7.8), serialised on the journal writer's
+/// thread: the members of [`RequestRecord::row`], in its order, without building a map on
+/// the request path.
+pub(crate) struct RequestRow {
+    /// The request's facts.
+    pub record: RequestRecord,
+    /// How it ended.
+    pub settlement: Settlement,
+}
+
+impl serde::Serialize for RequestRow {
+    fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let (r, s) = (&self.record, &self.settlement);
+        let refused = s.terminal == Terminal::Refused;
+        let mut m = ser.serialize_map(Some(if refused { 29 } else { 27 }))?;
+        m.serialize_entry("rid", &r.rid)?;
+        m.serialize_entry("arrived", &r.arrived)?;
+        m.serialize_entry("input_len", &r.input_len)?;
+        m.serialize_entry("engine_prompt_tokens", &r.engine_prompt_tokens)?;
+        m.serialize_entry("output_len", &r.output_len)?;
+        m.serialize_entry("ttft_s", &r.ttft_s)?;
+        m.serialize_entry("tpot_s", &r.tpot_s)?;
+        m.serialize_entry("duration_s", &r.duration_s)?;
+        m.serialize_entry("attempts", &r.attempts)?;
+        m.serialize_entry("attempt_failures", &r.attempt_failures)?;
+        m.serialize_entry("legs", &r.legs)?;
+        m.serialize_entry("prefill_iid", &r.prefill_iid)?;
+        m.serialize_entry("decode_iid", &r.decode_iid)?;
+        m.serialize_entry("status", &s.status)?;
+        m.serialize_entry("error", &s.error)?;
+        m.serialize_entry("error_type", &s.error_type)?;
+        m.serialize_entry("reason", &(!s.reason.is_empty()).then_some(&s.reason))?;
+        m.serialize_entry("terminal", s.terminal.as_str())?;
+        m.serialize_entry("stream", &r.stream)?;
+        m.serialize_entry("endpoint", &r.endpoint)?;
+        m.serialize_entry("admission_price", &r.admission_price)?;
+        m.serialize_entry("cached_tokens", &r.cached_tokens)?;
+        m.serialize_entry("engine_cached_tokens", &r.engine_cached_tokens)?;
+        m.serialize_entry("kv_mode", &r.kv_mode)?;
+        m.serialize_entry("input_sized", &r.input_len.is_some())?;
+        m.serialize_entry("queue_wait_s", &r.admission_wait_s)?;
+        m.serialize_entry(
+            "queue_waits",
+            &QueueWaits {
+                admission: r.admission_wait_s,
+            },
+        )?;
+        if refused {
+            m.serialize_entry("refused", &true)?;
+            m.serialize_entry("refused_cause", &s.reason)?;
+        }
+        m.end()
+    }
+}
+
+/// A request row's `queue_waits`: only the admission seat is waited for (`prefill` and
+/// `decode` are always null).
+struct QueueWaits {
+    admission: Option<f64>,
+}
+
+impl serde::Serialize for QueueWaits {
+    fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = ser.serialize_map(Some(3))?;
+        m.serialize_entry("admission", &self.admission)?;
+        m.serialize_entry("prefill", &None::<f64>)?;
+        m.serialize_entry("decode", &None::<f64>)?;
+        m.end()
+    }
+}
+
+impl crate::journal::TypedRow for RequestRow {
+    fn write_object(&self, out: &mut Vec<u8>) {
+        // Every member serialises (strings, numbers, `Value`s).
+        let _ = serde_json::to_writer(out, self);
+    }
 }
 
 impl RequestRecord {
-    /// The journal row (without `schema`, `schema_version`, `run`, which the journal adds).
+    /// The journal row as a `Value` (without `schema`, `schema_version`, `run`, which the
+    /// journal adds): what [`RequestRow`] writes.
+    #[cfg(test)]
     pub(crate) fn row(&self, s: &Settlement) -> Value {
         let mut row = json!({
             "rid": self.rid,
@@ -431,7 +530,64 @@ impl Drop for Pending {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::journal::TypedRow;
     use std::sync::Mutex;
+
+    /// The row the journal writer serialises is, byte for byte, the `Value` row: every member,
+    /// in order, nulls and non-finite numbers as `null`, the refused members last.
+    #[test]
+    fn the_typed_row_writes_exactly_the_value_row() {
+        let full = RequestRecord {
+            rid: "r\"1".into(),
+            endpoint: "/v1/chat/completions".into(),
+            arrived: 1_764_000_000.125,
+            stream: true,
+            input_len: Some(12),
+            engine_prompt_tokens: Some(11),
+            engine_cached_tokens: Some(8),
+            output_len: 16,
+            ttft_s: Some(0.0123),
+            tpot_s: Some(f64::NAN),
+            duration_s: 0.5,
+            attempts: 2,
+            prefill_iid: Some("p0".into()),
+            decode_iid: Some("d0".into()),
+            output_started: true,
+            attempt_failures: vec![json!({"attempt": 1, "phase": "prefill", "iid": "p1"})],
+            admission_price: Some(json!({"ttft_s": 0.2})),
+            cached_tokens: Some(8),
+            kv_mode: Some("exact"),
+            admission_wait_s: Some(0.001),
+            legs: vec![LegRecord {
+                attempt: 1,
+                leg: "prefill",
+                iid: "p1".into(),
+                request_id: "u-1".into(),
+                prompt: None,
+            }],
+        };
+        let settlements = [
+            Settlement::completed(),
+            Settlement::cancelled(),
+            Settlement::new(Terminal::Refused, "no_engine", 503, "none live", "x"),
+            Settlement::new(Terminal::Failed, "", 502, "e", "upstream_error"),
+        ];
+        for record in [full, RequestRecord::default()] {
+            for s in &settlements {
+                let row = RequestRow {
+                    record: record.clone(),
+                    settlement: s.clone(),
+                };
+                let mut out = Vec::new();
+                row.write_object(&mut out);
+                assert_eq!(
+                    String::from_utf8(out).unwrap(),
+                    record.row(s).to_string(),
+                    "{s:?}"
+                );
+            }
+        }
+    }
 
     #[derive(Default)]
     struct Sink(Mutex<Vec<(String, Terminal)>>);

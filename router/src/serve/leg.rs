@@ -5,11 +5,11 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::controller::Track;
 use crate::fleet::Resident;
-use crate::outcome::RequestRecord;
+use crate::outcome::{LegRecord, RequestRecord};
 use crate::parts::Parts;
 use crate::placement::Phase;
 use narwhal_relay::RelayOptions;
@@ -104,7 +104,7 @@ pub(super) struct AttemptLog {
     pub(super) prefill_iid: Option<String>,
     pub(super) decode_iid: Option<String>,
     pub(super) failures: Vec<Value>,
-    pub(super) legs: Vec<Value>,
+    pub(super) legs: Vec<LegRecord>,
     /// The latest TTFT price at placement (controller.md 11.2 `admission_price`).
     pub(super) admission_price: Option<Value>,
     /// Prompt tokens the KV index credits the computing engine of the latest attempt with
@@ -154,15 +154,18 @@ pub(super) fn new_leg(
     ctx: &Ctx<'_>,
     sub: &Sub<'_>,
     n: u32,
-    leg: &str,
+    leg: &'static str,
     iid: usize,
     log: &Mutex<AttemptLog>,
 ) -> LegId {
     let id = LegId::new(ctx.rid, sub.k, n, leg);
-    AttemptLog::lock(log).legs.push(json!({
-        "attempt": n, "leg": leg, "iid": ctx.parts.cfg.engines[iid].iid,
-        "request_id": id.id, "prompt": sub.k,
-    }));
+    AttemptLog::lock(log).legs.push(LegRecord {
+        attempt: n,
+        leg,
+        iid: ctx.parts.cfg.engines[iid].iid.clone(),
+        request_id: id.id.clone(),
+        prompt: sub.k,
+    });
     id
 }
 
