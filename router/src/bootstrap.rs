@@ -167,7 +167,10 @@ pub(crate) async fn blame_producer(
         let url = format!("{}{}", cfg.engines[p].url, cfg.engines[p].health_path);
         return match upstream.probe_get(&url, timeout).await {
             Err(crate::upstream::ProbeError::Unreachable(_)) => unreachable(),
-            Err(crate::upstream::ProbeError::TimedOut(_)) => true,
+            // Busy, or the router out of descriptors: nothing against the engine.
+            Err(
+                crate::upstream::ProbeError::TimedOut(_) | crate::upstream::ProbeError::Local(_),
+            ) => true,
             Ok(_) => {
                 let reading = read_facts(cfg, upstream, p).await;
                 if fleet.incarnation(p) != process || fleet.learn(p, reading).is_some() {
@@ -180,6 +183,7 @@ pub(crate) async fn blame_producer(
     }
     let url = format!("{}/server_info", cfg.engines[p].url);
     let now = match upstream.probe_get(&url, timeout).await {
+        Err(crate::upstream::ProbeError::Local(_)) => return true,
         Err(_) => return unreachable(),
         Ok((StatusCode::OK, body)) => serde_json::from_slice::<Value>(&body)
             .ok()

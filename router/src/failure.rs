@@ -338,6 +338,10 @@ impl RequestFailure {
                 "Every engine able to serve this request is busy; retry after the Retry-After delay",
                 "server_overloaded_error",
             ),
+            RequestFailure::Leg {
+                err: err @ LegError::Local(_),
+                ..
+            } => coded_body(err.public_message(), "server_overloaded_error"),
             RequestFailure::Leg { phase, err } => match (err.engine_error(), err.client_fault()) {
                 // The engine's own refusal, as it wrote it (docs/deviations.md).
                 (Some(error), Some(_)) => json!({ "error": error }),
@@ -364,7 +368,8 @@ impl RequestFailure {
     }
 
     /// The `Retry-After` seconds, if the answer carries one (overload and readiness refusals,
-    /// a shutdown before output and an engine's busy answer after the retries: 1 s; a
+    /// a shutdown before output, an engine's busy answer after the retries and a router out
+    /// of connection resources: 1 s; a
     /// predictive refusal: its own, none for `prompt`).
     pub(crate) fn retry_after_s(&self) -> Option<u64> {
         match self {
@@ -374,19 +379,39 @@ impl RequestFailure {
             | RequestFailure::NoEngine
             | RequestFailure::ShutDown { streaming: false } => Some(1),
             RequestFailure::Leg { err, .. } if busy(err).is_some() => Some(1),
+            RequestFailure::Leg {
+                err: LegError::Local(_),
+                ..
+            } => Some(1),
             RequestFailure::Refused(r) => r.retry_after,
             _ => None,
         }
     }
 
     /// The full answer before output, with `x-request-id: rid`.
+    ///
+    /// A router out of connection resources also closes the client's connection
+    /// (`Connection: close`): its descriptor is what another request needs.
     pub(crate) fn response(&self, rid: &str) -> Response<Body> {
         let r = json_response(self.status(), &self.body(), rid);
-        match self.retry_after_s() {
+        let mut r = match self.retry_after_s() {
             Some(1) => with_retry_after(r),
             Some(n) => with_retry_after_s(r, n),
             None => r,
+        };
+        if matches!(
+            self,
+            RequestFailure::Leg {
+                err: LegError::Local(_),
+                ..
+            }
+        ) {
+            r.headers_mut().insert(
+                http::header::CONNECTION,
+                http::HeaderValue::from_static("close"),
+            );
         }
+        r
     }
 
     /// The single final SSE frame once output started (behaviour.md 1.9): `expired` for
@@ -613,6 +638,17 @@ mod tests {
                 false,
                 Terminal::Failed,
                 "engine_rejected",
+            ),
+            (
+                RequestFailure::Leg {
+                    phase: Phase::Prefill,
+                    err: LegError::Local("connect: Too many open files (os error 24)".into()),
+                },
+                503,
+                "server_overloaded_error",
+                true,
+                Terminal::Failed,
+                "local_pool",
             ),
         ];
         for (f, status, ty, retry_after, terminal, reason) in cases {

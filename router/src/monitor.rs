@@ -96,7 +96,16 @@ async fn probe(parts: Arc<Parts>, ticket: Ticket, sweep: bool) {
         parts.fleet.probe_result(ticket, ProbeResult::Inconclusive);
         return;
     }
-    let answer = health(&parts, iid).await;
+    let answer = match health(&parts, iid).await {
+        Ok(a) => a,
+        Err(local) => {
+            // The probe never left the router (no descriptor or memory for its connection):
+            // nothing is learned about the engine; it is probed again on the next tick.
+            tracing::warn!(error = %local, "health probe not sent: the router is out of connection resources");
+            parts.fleet.probe_result(ticket, ProbeResult::Inconclusive);
+            return;
+        }
+    };
     count(&parts, iid, ticket.kind.as_str(), answer.label());
     tracing::debug!(?answer, "health probe answered");
     let fleet = &parts.fleet;
@@ -169,7 +178,11 @@ async fn probe(parts: Arc<Parts>, ticket: Ticket, sweep: bool) {
 }
 
 /// `GET <engine><health_path>` within `engine.health_timeout_s`.
-async fn health(parts: &Parts, iid: usize) -> HealthAnswer {
+///
+/// # Errors
+/// [`ProbeError::Local`] when the router could not open the probe's connection (out of
+/// descriptors or memory): no answer about the engine.
+async fn health(parts: &Parts, iid: usize) -> Result<HealthAnswer, ProbeError> {
     let e = &parts.cfg.engines[iid];
     let url = format!("{}{}", e.url, e.health_path);
     match parts
@@ -177,10 +190,11 @@ async fn health(parts: &Parts, iid: usize) -> HealthAnswer {
         .probe_get(&url, secs(parts.cfg.engine.health_timeout_s))
         .await
     {
-        Ok((StatusCode::OK, _)) => HealthAnswer::Ok,
-        Ok((status, _)) => HealthAnswer::Unhealthy(status.as_u16()),
-        Err(ProbeError::TimedOut(_)) => HealthAnswer::TimedOut,
-        Err(ProbeError::Unreachable(_)) => HealthAnswer::Unreachable,
+        Ok((StatusCode::OK, _)) => Ok(HealthAnswer::Ok),
+        Ok((status, _)) => Ok(HealthAnswer::Unhealthy(status.as_u16())),
+        Err(ProbeError::TimedOut(_)) => Ok(HealthAnswer::TimedOut),
+        Err(ProbeError::Unreachable(_)) => Ok(HealthAnswer::Unreachable),
+        Err(local @ ProbeError::Local(_)) => Err(local),
     }
 }
 

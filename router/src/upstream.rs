@@ -126,7 +126,9 @@ impl Upstream {
             .body(Full::new(Bytes::from(body.to_string())))
             .map_err(|e| LegError::Connect(format!("bad engine URL {url}: {e}")))?;
         self.client.request(req).await.map_err(|e| {
-            if e.is_connect() {
+            if local_exhaustion(&e) {
+                LegError::Local(format!("connect {url}: {}", error_chain(&e)))
+            } else if e.is_connect() {
                 LegError::Connect(format!("connect {url}: {}", error_chain(&e)))
             } else {
                 LegError::Connect(format!("request {url}: {}", error_chain(&e)))
@@ -216,7 +218,9 @@ impl Upstream {
             let resp = self.client.request(req).await.map_err(|e| {
                 let timed_out = e.is_connect() && is_timeout(&e);
                 let detail = error_chain(&e);
-                if timed_out {
+                if local_exhaustion(&e) {
+                    ProbeError::Local(detail)
+                } else if timed_out {
                     ProbeError::TimedOut(detail)
                 } else {
                     ProbeError::Unreachable(detail)
@@ -395,6 +399,35 @@ pub(crate) enum ProbeError {
     /// No connection or a broken one.
     #[error("unreachable: {0}")]
     Unreachable(String),
+    /// The router itself could not open a connection: it is out of file descriptors or
+    /// memory ([`local_exhaustion`]). Says nothing about the engine.
+    #[error("router out of connection resources: {0}")]
+    Local(String),
+}
+
+/// Whether an error's source chain holds an I/O error of the router's own resources: `EMFILE`
+/// (its descriptor limit, `LimitNOFILE`), `ENFILE` (the system's), `ENOBUFS` or `ENOMEM`
+/// (kernel memory for a socket). Such a connect never reached the engine, so it is not the
+/// engine's failure: no breaker evidence, no ejection (behaviour.md 6.2, the `local_pool`
+/// reason).
+fn local_exhaustion(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(inner) = src {
+        if inner
+            .downcast_ref::<std::io::Error>()
+            .and_then(std::io::Error::raw_os_error)
+            .is_some_and(|n| {
+                matches!(
+                    n,
+                    libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM
+                )
+            })
+        {
+            return true;
+        }
+        src = inner.source();
+    }
+    false
 }
 
 /// Whether an error's source chain holds an I/O timeout.
@@ -681,6 +714,11 @@ impl LiveStream {
 pub(crate) enum LegError {
     /// Connect error, reset, or protocol error before an answer.
     Connect(String),
+    /// The router could not open a connection to the engine for lack of its own resources
+    /// (descriptors or memory, [`local_exhaustion`]): not the engine's failure, so no breaker
+    /// evidence and no retry (another engine needs a descriptor too); the client gets 503
+    /// with `Retry-After`, counted `failed/local_pool`.
+    Local(String),
     /// A leg-level timeout (prefill elapsed limit).
     Timeout(&'static str),
     /// No first token within `engine.first_token_timeout_s`.
@@ -757,6 +795,7 @@ impl LegError {
             return None;
         }
         Some(match self {
+            LegError::Local(_) => return None,
             LegError::Connect(_) => FailureClass::Connection,
             LegError::Timeout(_) => FailureClass::Timeout,
             LegError::FirstTokenTimeout | LegError::ReadTimeout | LegError::Cut(_) => {
@@ -797,6 +836,7 @@ impl LegError {
             return "engine_rejected";
         }
         match self {
+            LegError::Local(_) => "local_pool",
             LegError::Connect(_) | LegError::Cut(_) => "engine_connection",
             LegError::Timeout(_) | LegError::FirstTokenTimeout | LegError::ReadTimeout => {
                 "engine_timeout"
@@ -842,14 +882,19 @@ impl LegError {
             LegError::Stream(StreamFailure::EndedWithoutDone | StreamFailure::DoneBeforeToken) => {
                 true
             }
-            LegError::KvHandoff(_) | LegError::InvalidResponse(_) | LegError::Stream(_) => false,
+            LegError::Local(_)
+            | LegError::KvHandoff(_)
+            | LegError::InvalidResponse(_)
+            | LegError::Stream(_) => false,
         }
     }
 
-    /// HTTP status for the client before output (502, or 504 for timeouts).
+    /// HTTP status for the client before output (502, 504 for timeouts, 503 when the router
+    /// is out of connection resources).
     pub(crate) fn http_status(&self) -> u16 {
         match self {
             LegError::Timeout(_) | LegError::FirstTokenTimeout | LegError::ReadTimeout => 504,
+            LegError::Local(_) => 503,
             _ => 502,
         }
     }
@@ -869,6 +914,7 @@ impl LegError {
             LegError::Stream(StreamFailure::ResponseLimit) => {
                 "Response exceeds the configured limit"
             }
+            LegError::Local(_) => "Router is out of connection resources; retry later",
             _ => "Upstream request failed",
         }
     }
@@ -877,6 +923,7 @@ impl LegError {
     pub(crate) fn detail(&self) -> String {
         match self {
             LegError::Connect(s)
+            | LegError::Local(s)
             | LegError::Cut(s)
             | LegError::KvHandoff(s)
             | LegError::InvalidResponse(s) => s.clone(),
@@ -1036,6 +1083,38 @@ mod tests {
             assert!(!e.transient());
             assert_eq!(e.class(Phase::Decode), None);
         }
+    }
+
+    /// A connect that failed for the router's own descriptors or memory is `local_pool`: no
+    /// breaker class, no retry, 503; any other I/O error in the chain is the engine's.
+    #[test]
+    fn the_routers_own_exhaustion_is_not_the_engines_failure() {
+        #[derive(Debug)]
+        struct Wrap(std::io::Error);
+        impl std::fmt::Display for Wrap {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "client error (Connect)")
+            }
+        }
+        impl std::error::Error for Wrap {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        for errno in [libc::EMFILE, libc::ENFILE, libc::ENOBUFS, libc::ENOMEM] {
+            let e = Wrap(std::io::Error::from_raw_os_error(errno));
+            assert!(local_exhaustion(&e), "errno {errno}");
+        }
+        for errno in [libc::ECONNREFUSED, libc::ECONNRESET, libc::ETIMEDOUT] {
+            let e = Wrap(std::io::Error::from_raw_os_error(errno));
+            assert!(!local_exhaustion(&e), "errno {errno}");
+        }
+        let local = LegError::Local("connect: Too many open files (os error 24)".into());
+        assert_eq!(local.class(Phase::Prefill), None);
+        assert_eq!(local.class(Phase::Decode), None);
+        assert!(!local.transient());
+        assert_eq!(local.reason(), "local_pool");
+        assert_eq!(local.http_status(), 503);
     }
 
     #[test]

@@ -547,3 +547,91 @@ async fn an_engine_that_refuses_the_routers_credentials_is_ejected_and_its_peer_
     assert_eq!(v["error"]["type"], "decode", "{v}");
     assert_ne!(v["error"]["type"], "invalid_request_error", "{v}");
 }
+
+/// A router out of file descriptors is not its engines' failure: when its own descriptor limit
+/// (`LimitNOFILE`) stops it opening engine connections, those requests are answered 503 with
+/// `Retry-After` and counted `failed/local_pool`, its health probes conclude nothing, and no
+/// engine is ejected (before the fix the failed connects and probes ejected a healthy engine,
+/// cause `health_probe`, and the ejection bound kept the other in placement only as degraded).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_out_of_descriptors_ejects_no_engine() {
+    let f = Fleet::builder()
+        .engine("e0", "decode")
+        .engine("e1", "decode")
+        .sim_args(&["--tpot-ms", "20"])
+        .fleet(json!({"recovery": {"eject_after": 1}}))
+        .start()
+        .await;
+    let router = f.router();
+    router.complete("warm").await;
+    let pid = router.proc.pid();
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the router's descriptors")
+        .count();
+    let limit = open + 24;
+    let set = std::process::Command::new("prlimit")
+        .arg(format!("--pid={pid}"))
+        .arg(format!("--nofile={limit}:{limit}"))
+        .status()
+        .expect("prlimit (util-linux)");
+    assert!(set.success(), "prlimit failed: {set}");
+    // One connection per request, as many clients make: an idle keep-alive connection would
+    // hold one of the router's descriptors for as long as the client keeps it.
+    let client = narwhal_testkit::http_client()
+        .pool_max_idle_per_host(0)
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("client");
+    let url = format!("{}/v1/completions", router.data);
+    let replies = futures_util::future::join_all((0..80).map(|i| {
+        let body =
+            json!({"model": "tiny-sim", "prompt": format!("descriptors {i}"), "max_tokens": 16});
+        let req = client.post(&url).json(&body).send();
+        async move {
+            let resp = req
+                .await
+                .expect("an answer, maybe after the accept backlog");
+            narwhal_testkit::Reply::read(resp, "POST /v1/completions".into())
+                .await
+                .expect("a whole answer")
+        }
+    }))
+    .await;
+    let mut codes = std::collections::BTreeMap::new();
+    for r in &replies {
+        if r.status == 503 {
+            assert_eq!(r.header("retry-after"), "1", "503 without Retry-After");
+            assert_eq!(r.json()["error"]["type"], "server_overloaded_error");
+        }
+        *codes.entry(r.status.as_u16()).or_insert(0) += 1;
+    }
+    let m = router.metrics().await;
+    let local = metric(&m, "narwhal_failed_total", &["reason=\"local_pool\""]).unwrap_or(0.0);
+    assert!(
+        local >= 1.0,
+        "the limit was reached: some connects failed for descriptors ({codes:?})"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "narwhal_failed_total",
+            &["reason=\"engine_connection\""]
+        )
+        .unwrap_or(0.0),
+        0.0,
+        "no descriptor failure is the engine's connection failure: {codes:?}"
+    );
+    let ejected: Vec<Value> = router
+        .journal_rows()
+        .into_iter()
+        .filter(|r| r["event"] == "engine_ejected" || r["event"] == "engine_degraded")
+        .collect();
+    assert!(ejected.is_empty(), "{ejected:?} ({codes:?})");
+    let st = router.state_json().await;
+    assert_eq!(st["breaker"]["ejections"], json!([]), "{st}");
+    // Descriptors free again: served as before.
+    eventually("a 200 after the burst", Duration::from_secs(10), || async {
+        (router.completion("after", 4).await.status == 200).then_some(())
+    })
+    .await;
+}

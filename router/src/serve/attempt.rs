@@ -177,6 +177,9 @@ pub(super) async fn attempts(
         // Breaker and accounting for the failed leg, charged to the engine that caused it.
         match f.err.class(f.phase) {
             Some(class) => charge(parts, &f, class, producer, producer_process),
+            // The router's own descriptors or memory ran out: the engine was never reached,
+            // so this is no evidence about it either way.
+            None if matches!(f.err, LegError::Local(_)) => {}
             None => parts.fleet.observe(f.iid, Observation::ClientFault),
         }
         if f.phase == Phase::Decode && matches!(f.err, LegError::FirstTokenTimeout) {
