@@ -23,6 +23,10 @@ pub(crate) enum BootstrapError {
     /// The engine did not answer (connect error, timeout).
     #[error("{0}")]
     Unreachable(String),
+    /// The router could not open the connection (out of descriptors or memory): nothing is
+    /// known about the engine.
+    #[error("router out of connection resources: {0}")]
+    Local(String),
     /// `/server_info` answered another status.
     #[error("{url} answered {status}")]
     Status {
@@ -78,7 +82,10 @@ pub(crate) async fn refresh(
     let (status, body) = upstream
         .get(&url, secs(cfg.engine.health_timeout_s))
         .await
-        .map_err(|e| BootstrapError::Unreachable(e.to_string()))?;
+        .map_err(|e| match e {
+            crate::upstream::ControlCallError::Local(d) => BootstrapError::Local(d),
+            e => BootstrapError::Unreachable(e.to_string()),
+        })?;
     if status != StatusCode::OK {
         return Err(BootstrapError::Status { url, status });
     }

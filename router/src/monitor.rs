@@ -157,6 +157,12 @@ async fn probe(parts: Arc<Parts>, ticket: Ticket, sweep: bool) {
                 return;
             }
             let generated = generation(&parts, iid).await;
+            if let Err(GenerationFailed(LegError::Local(d))) = &generated {
+                // The probe never left the router: nothing is learned; next tick.
+                tracing::warn!(error = %d, "generation probe not sent: the router is out of connection resources");
+                fleet.probe_result(ticket, ProbeResult::Inconclusive);
+                return;
+            }
             if let Err(e) = &generated {
                 tracing::info!(error = %e, "generation probe failed");
             }

@@ -210,8 +210,9 @@ pub(crate) struct RequestRecord {
 }
 
 /// A settled request's journal row (behaviour.md 7.8), serialised on the journal writer's
-/// thread: the members of [`RequestRecord::row`], in its order, without building a map on
-/// the request path.
+/// thread, without building a map on the request path: every member of the record and its
+/// settlement, in the order the journal always wrote them (`rid` first, `queue_waits` last,
+/// then `refused` and `refused_cause` for a refused request).
 pub(crate) struct RequestRow {
     /// The request's facts.
     pub record: RequestRecord,

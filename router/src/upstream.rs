@@ -151,11 +151,13 @@ impl Upstream {
             .body(Full::new(Bytes::new()))
             .map_err(ControlCallError::Request)?;
         let fut = async {
-            let resp = self
-                .client
-                .request(req)
-                .await
-                .map_err(|e| ControlCallError::Connect(error_chain(&e)))?;
+            let resp = self.client.request(req).await.map_err(|e| {
+                if local_exhaustion(&e) {
+                    ControlCallError::Local(error_chain(&e))
+                } else {
+                    ControlCallError::Connect(error_chain(&e))
+                }
+            })?;
             let status = resp.status();
             let body = read_bounded(resp.into_body(), ERROR_BODY_LIMIT)
                 .await
@@ -186,7 +188,10 @@ impl Upstream {
                     body,
                 )
                 .await
-                .map_err(|e| ControlCallError::Connect(e.detail()))?;
+                .map_err(|e| match e {
+                    LegError::Local(d) => ControlCallError::Local(d),
+                    e => ControlCallError::Connect(e.detail()),
+                })?;
             let status = resp.status();
             let body = read_bounded(resp.into_body(), ERROR_BODY_LIMIT)
                 .await
@@ -378,6 +383,10 @@ pub(crate) enum ControlCallError {
     /// The connection or the request failed (the error chain).
     #[error("{0}")]
     Connect(String),
+    /// The router could not open the connection: it is out of descriptors or memory
+    /// ([`local_exhaustion`]). Says nothing about the engine.
+    #[error("router out of connection resources: {0}")]
+    Local(String),
     /// The answer's body could not be read within its bound.
     #[error("{0}")]
     Body(ReadFailure),
@@ -407,7 +416,7 @@ pub(crate) enum ProbeError {
 
 /// Whether an error's source chain holds an I/O error of the router's own resources: `EMFILE`
 /// (its descriptor limit, `LimitNOFILE`), `ENFILE` (the system's), `ENOBUFS` or `ENOMEM`
-/// (kernel memory for a socket). Such a connect never reached the engine, so it is not the
+/// (kernel memory for a socket), `EADDRNOTAVAIL` (no local port left for the connection). Such a connect never reached the engine, so it is not the
 /// engine's failure: no breaker evidence, no ejection (behaviour.md 6.2, the `local_pool`
 /// reason).
 fn local_exhaustion(e: &(dyn std::error::Error + 'static)) -> bool {
@@ -419,7 +428,11 @@ fn local_exhaustion(e: &(dyn std::error::Error + 'static)) -> bool {
             .is_some_and(|n| {
                 matches!(
                     n,
-                    libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM
+                    libc::EMFILE
+                        | libc::ENFILE
+                        | libc::ENOBUFS
+                        | libc::ENOMEM
+                        | libc::EADDRNOTAVAIL
                 )
             })
         {
@@ -1101,7 +1114,13 @@ mod tests {
                 Some(&self.0)
             }
         }
-        for errno in [libc::EMFILE, libc::ENFILE, libc::ENOBUFS, libc::ENOMEM] {
+        for errno in [
+            libc::EMFILE,
+            libc::ENFILE,
+            libc::ENOBUFS,
+            libc::ENOMEM,
+            libc::EADDRNOTAVAIL,
+        ] {
             let e = Wrap(std::io::Error::from_raw_os_error(errno));
             assert!(local_exhaustion(&e), "errno {errno}");
         }

@@ -50,7 +50,12 @@ pub(super) async fn run(
     let fail_p = |err| leg_failed(Phase::Prefill, prefill, None)(err);
     let port = bootstrap::port(&parts.cfg, &parts.fleet, &parts.upstream, prefill)
         .await
-        .map_err(|e| fail_p(LegError::KvHandoff(e.to_string())))?;
+        .map_err(|e| {
+            fail_p(match e {
+                bootstrap::BootstrapError::Local(d) => LegError::Local(d),
+                e => LegError::KvHandoff(e.to_string()),
+            })
+        })?;
     let host = url_host(&parts.cfg.engines[prefill].url)
         .ok_or_else(|| fail_p(LegError::KvHandoff("prefill engine URL has no host".into())))?;
     let room: u64 = rand::rng().random::<u64>() >> 1;
