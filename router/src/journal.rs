@@ -283,6 +283,22 @@ impl Journal {
     }
 }
 
+/// Appends `front` (the row's first members, its `{` open) and then the JSON object `write`
+/// appends, merged into one object: the object's own `{` becomes the comma after `front`, and
+/// an empty object only closes it.
+fn after_front(buf: &mut Vec<u8>, front: &[u8], write: impl FnOnce(&mut Vec<u8>)) {
+    buf.extend_from_slice(front);
+    let open = buf.len();
+    write(buf);
+    if buf.len() - open <= 2 {
+        // `{}`: nothing after the front.
+        buf.truncate(open);
+        buf.push(b'}');
+    } else {
+        buf[open] = b',';
+    }
+}
+
 /// The file a journal appends to: one whole write, and a cut back to an earlier length.
 trait Sink {
     /// Appends `bytes` (all of them, or an error; some may have reached the file).
@@ -353,29 +369,10 @@ impl<S: Sink> Writer<S> {
                 Row::Whole(v) => {
                     let _ = serde_json::to_writer(&mut buf, v);
                 }
-                Row::Fields(m) if m.is_empty() => {
-                    buf.extend_from_slice(&self.front);
-                    buf.push(b'}');
-                }
-                Row::Fields(m) => {
-                    buf.extend_from_slice(&self.front);
-                    let open = buf.len();
-                    let _ = serde_json::to_writer(&mut buf, m);
-                    // The map's own `{` becomes the comma after `run`.
-                    buf[open] = b',';
-                }
-                Row::Typed(r) => {
-                    buf.extend_from_slice(&self.front);
-                    let open = buf.len();
-                    r.write_object(&mut buf);
-                    if buf.len() - open <= 2 {
-                        // `{}`: nothing after `run`.
-                        buf.truncate(open);
-                        buf.push(b'}');
-                    } else {
-                        buf[open] = b',';
-                    }
-                }
+                Row::Fields(m) => after_front(&mut buf, &self.front, |b| {
+                    let _ = serde_json::to_writer(b, m);
+                }),
+                Row::Typed(r) => after_front(&mut buf, &self.front, |b| r.write_object(b)),
             }
             buf.push(b'\n');
         }
