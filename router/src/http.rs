@@ -1,4 +1,10 @@
-//! The two HTTP listeners (architecture.md section 3) on hyper's HTTP/1 server, and their routes.
+//! The two HTTP listeners (architecture.md section 3) on hyper's servers, and their routes. A
+//! plain listener speaks HTTP/1.1 and HTTP/2 on the same port: a connection that opens with
+//! the HTTP/2 preface (prior knowledge, RFC 9113 section 3.3, as gateways and gRPC-style
+//! clients send it) is served by hyper's HTTP/2 server, every other by its HTTP/1.1 server
+//! ([`opens_with_h2_preface`]). Over HTTP/2 many streams share one connection and one
+//! descriptor (docs/operate.md, "Many concurrent streams"). The control listener under
+//! `control.tls` is HTTP/1.1 only.
 //!
 //! ```text
 //!  data listener:    POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
@@ -19,9 +25,9 @@ use std::time::Duration;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
+use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use serde_json::json;
 use tokio::net::TcpListener;
@@ -273,6 +279,103 @@ fn allowed(side: Side, path: &str) -> Option<&'static str> {
     }
 }
 
+/// HTTP streams one HTTP/2 connection may carry at once (its `SETTINGS_MAX_CONCURRENT_STREAMS`,
+/// RFC 9113 section 6.5.2; hyper's default). A client past it waits for one to end or opens
+/// another connection.
+const H2_MAX_STREAMS: u32 = 200;
+
+/// The HTTP/2 connection preface a client with prior knowledge opens with (RFC 9113 section
+/// 3.4).
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// How long a new plain connection may take to send the bytes that tell HTTP/2's preface from
+/// an HTTP/1.1 request (as hyper's HTTP/1.1 header-read timeout, 30 s, bounds the head after
+/// them); a connection that sends nothing for that long is closed.
+const FIRST_BYTES_WAIT: Duration = Duration::from_secs(30);
+
+/// Whether a plain connection opens with the HTTP/2 preface, from its first bytes, peeked (the
+/// server that serves it reads them again). Three bytes decide: `PRI` begins the preface and
+/// no HTTP/1.1 request the router serves (the method is reserved for it, RFC 9113 section
+/// 3.4); anything else, or an end of stream, is HTTP/1.1's to answer. Fewer bytes that could
+/// still be the preface (a `P` alone) are waited on, in growing steps.
+///
+/// # Errors
+/// The peek's I/O error (the connection is gone).
+async fn opens_with_h2_preface(stream: &tokio::net::TcpStream) -> std::io::Result<bool> {
+    let mut buf = [0u8; 24];
+    let mut wait = Duration::from_millis(1);
+    loop {
+        let n = stream.peek(&mut buf).await?;
+        if n == 0 || buf[..n] != H2_PREFACE[..n] {
+            return Ok(false);
+        }
+        if n >= 3 {
+            return Ok(true);
+        }
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(Duration::from_millis(50));
+    }
+}
+
+/// The HTTP/1.1 server of one connection: keep-alive, on tokio's timer (hyper's header-read
+/// timeout).
+fn http1_builder() -> http1::Builder {
+    let mut b = http1::Builder::new();
+    b.timer(TokioTimer::new()).keep_alive(true);
+    b
+}
+
+/// The HTTP/2 server of one connection: its streams run as tasks of their own.
+fn http2_builder() -> http2::Builder<TokioExecutor> {
+    let mut b = http2::Builder::new(TokioExecutor::new());
+    b.timer(TokioTimer::new())
+        .max_concurrent_streams(H2_MAX_STREAMS);
+    b
+}
+
+/// The routes, for an HTTP/1.1 connection.
+fn h1_service(
+    parts: Arc<Parts>,
+    side: Side,
+) -> impl hyper::service::Service<
+    Request<Incoming>,
+    Response = Response<Body>,
+    Error = Infallible,
+    Future = impl Future<Output = Result<Response<Body>, Infallible>> + Send,
+> + Clone {
+    service_fn(move |req| {
+        let parts = parts.clone();
+        async move { Ok::<_, Infallible>(route(parts, side, req).await) }
+    })
+}
+
+/// The routes, for an HTTP/2 connection's streams.
+fn h2_service(
+    parts: Arc<Parts>,
+    side: Side,
+) -> impl hyper::service::Service<
+    Request<Incoming>,
+    Response = Response<Body>,
+    Error = Infallible,
+    Future = impl Future<Output = Result<Response<Body>, Infallible>> + Send + 'static,
+> + Clone {
+    service_fn(move |req| {
+        let parts = parts.clone();
+        async move {
+            // Boxed: a stream's task holds the route's state only until the answer's head is
+            // out (a stream's body is relayed by a task of its own), not for the whole stream.
+            // An HTTP/1.1 connection needs no box: hyper keeps its one in-flight request's
+            // state in a slot of the connection, reused request after request.
+            let mut r = Box::pin(route(parts, side, req)).await;
+            // Connection-specific fields are not HTTP/2's (RFC 9113 section 8.2.2): the
+            // `Connection: close` that ends an HTTP/1.1 connection after an early refusal has
+            // no meaning on a stream, and the connection's other streams go on.
+            r.headers_mut().remove(http::header::CONNECTION);
+            Ok::<_, Infallible>(r)
+        }
+    })
+}
+
 /// Accept loop for one listener until `stop`, then wait up to `grace` for open connections
 /// (by then `app::run` has drained the requests: this is for their last bytes and idle
 /// keep-alive connections).
@@ -301,6 +404,8 @@ pub(crate) async fn serve(
         }
         _ => None,
     };
+    let h1 = http1_builder();
+    let h2 = http2_builder();
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => break,
@@ -315,23 +420,41 @@ pub(crate) async fn serve(
             }
         };
         let _ = stream.set_nodelay(true);
-        let svc = {
-            let parts = parts.clone();
-            service_fn(move |req| {
-                let parts = parts.clone();
-                async move { Ok::<_, Infallible>(route(parts, side, req).await) }
-            })
-        };
-        let builder = {
-            let mut b = http1::Builder::new();
-            b.timer(hyper_util::rt::TokioTimer::new()).keep_alive(true);
-            b
-        };
         match &tls {
             None => {
-                let fut = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc));
+                let (h1, h2) = (h1.clone(), h2.clone());
+                let parts = parts.clone();
+                let watcher = graceful.watcher();
+                let stop = stop.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = fut.await {
+                    let first =
+                        tokio::time::timeout(FIRST_BYTES_WAIT, opens_with_h2_preface(&stream));
+                    let speaks_h2 = tokio::select! {
+                        r = first => match r {
+                            Ok(Ok(h2)) => h2,
+                            Ok(Err(e)) => {
+                                tracing::debug!(%peer, error = %e, "connection ended before its first bytes");
+                                return;
+                            }
+                            Err(_) => {
+                                tracing::debug!(%peer, "no request within the first-bytes wait");
+                                return;
+                            }
+                        },
+                        // Shutting down: a connection that sent nothing yet is idle; it closes
+                        // as hyper closes idle keep-alive connections.
+                        () = stop.cancelled() => return,
+                    };
+                    let ended = if speaks_h2 {
+                        let conn =
+                            h2.serve_connection(TokioIo::new(stream), h2_service(parts, side));
+                        watcher.watch(conn).await
+                    } else {
+                        let conn =
+                            h1.serve_connection(TokioIo::new(stream), h1_service(parts, side));
+                        watcher.watch(conn).await
+                    };
+                    if let Err(e) = ended {
                         tracing::debug!(%peer, error = %e, "connection ended with error");
                     }
                 });
@@ -339,8 +462,11 @@ pub(crate) async fn serve(
             Some(acceptor) => {
                 // Mutual TLS: only clients whose certificate chains to the fleet CA (standby
                 // routers, narwhalctl, supervisors) get past the handshake (architecture.md 3).
+                // HTTP/1.1 only: the TLS configuration offers no ALPN.
                 let acceptor = acceptor.clone();
                 let watcher = graceful.watcher();
+                let h1 = h1.clone();
+                let svc = h1_service(parts.clone(), side);
                 tokio::spawn(async move {
                     let tls = match tokio::time::timeout(
                         Duration::from_secs(10),
@@ -358,7 +484,7 @@ pub(crate) async fn serve(
                             return;
                         }
                     };
-                    let conn = builder.serve_connection(TokioIo::new(tls), svc);
+                    let conn = h1.serve_connection(TokioIo::new(tls), svc);
                     if let Err(e) = watcher.watch(conn).await {
                         tracing::debug!(%peer, error = %e, "connection ended with error");
                     }
