@@ -532,6 +532,7 @@ async fn run(
             tokens: args.tokens,
             stream,
             timeout,
+            h2_streams: None,
         };
         let warm = Shot {
             requests: args

@@ -1,7 +1,8 @@
 //! `narwhal-bench concurrency`: what a router costs as the number of concurrent streams grows.
 //! At each level of `--levels` (default 1,000, 4,000 and 10,000 streams) every target gets
 //! that many clients, each on its own HTTP/1.1 connection (opened before the window starts,
-//! `load::drive_connected`), each sending `--per-client` streamed completions of `--tokens`
+//! `load::drive_connected`), or with `--h2-streams N` a router's clients N to each HTTP/2
+//! connection, each sending `--per-client` streamed completions of `--tokens`
 //! tokens one after another; the engines stream a token every `--tpot-ms` (simulators, so a
 //! stream's floor is tokens x TPOT). Targets: the engine itself (`direct`), our router
 //! (`ours-agg` or `ours-pd` by `--shape`) and every `--peer` of that shape (peer.rs), measured
@@ -17,8 +18,9 @@
 //!               every SAMPLE_EVERY during the window
 //! ```
 //!
-//! A router holds two descriptors per stream (the client's connection and the engine's), so a
-//! level needs an open-file limit above twice itself; the run raises its soft limit to the
+//! A router holds two descriptors per stream over HTTP/1.1 (the client's connection and the
+//! engine's; over HTTP/2 the engine's and a share of the client's), so a level needs an
+//! open-file limit above twice itself (over HTTP/2, about itself); the run raises its soft limit to the
 //! hard one (which its children inherit) and says where a level does not fit. Our router is
 //! configured with `serving.max_connections` above the top level (its admission seats).
 //! Prints one table, and with `--plots DIR` SVG charts against the concurrency (`plots.rs`);
@@ -91,12 +93,19 @@ struct Args {
     /// Seconds a stream may take (connect, head and whole body) before it counts as failed.
     #[arg(long, default_value_t = 300.0)]
     request_timeout: f64,
+    /// Clients' streams per HTTP/2 connection to a router (prior knowledge): the clients of
+    /// a level share `level / N` connections, as behind a gateway that multiplexes. Left out:
+    /// one HTTP/1.1 connection per client. `direct` is always HTTP/1.1, as vLLM's and
+    /// SGLang's servers (uvicorn) speak no HTTP/2.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=200))]
+    h2_streams: Option<u64>,
     /// Leave out the engine itself (`direct`).
     #[arg(long)]
     no_direct: bool,
     /// Also write the results as SVG line charts against the concurrency into this directory
     /// (created): concurrency-rps.svg, concurrency-ttft-p99.svg, concurrency-e2e-p99.svg,
-    /// concurrency-cpu.svg, concurrency-rss.svg, concurrency-fds.svg.
+    /// concurrency-cpu.svg, concurrency-rss.svg, concurrency-fds.svg (with `--h2-streams`:
+    /// concurrency-h2-*.svg).
     #[arg(long)]
     plots: Option<PathBuf>,
 }
@@ -338,13 +347,17 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
     }
 
     println!(
-        "concurrency: {} shape, {} tokens at {} ms per token (floor {:.2} s per stream), {} stream(s) per client, {} round(s); open-file limit {nofile}; {}; load average {:?}",
+        "concurrency: {} shape, {} tokens at {} ms per token (floor {:.2} s per stream), {} stream(s) per client, {} round(s), {}; open-file limit {nofile}; {}; load average {:?}",
         args.shape,
         args.tokens,
         args.tpot_ms,
         f64::from(args.tokens) * args.tpot_ms as f64 / 1000.0,
         args.per_client,
         args.rounds,
+        match args.h2_streams {
+            Some(n) => format!("routers' clients on HTTP/2 connections of {n} streams each"),
+            None => "one HTTP/1.1 connection per client".into(),
+        },
         match &pinning {
             Some(p) => format!(
                 "routers on CPU {}, simulators and load generator on CPU {}",
@@ -356,11 +369,21 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
         procs::loadavg()
     );
     for l in &levels {
-        let need = 2 * *l as u64 + FD_MARGIN;
+        // The engine's descriptor per stream, and the client's: its own, or its share of one
+        // HTTP/2 connection.
+        let client_fds = match args.h2_streams {
+            Some(n) => (*l as u64).div_ceil(n),
+            None => *l as u64,
+        };
+        let need = *l as u64 + client_fds + FD_MARGIN;
         if need > nofile {
             println!(
-                "  note: {l} streams need about {need} descriptors in a router (two per stream); the limit here is {nofile}, so a router runs out at about {} streams",
-                nofile.saturating_sub(FD_MARGIN) / 2
+                "  note: {l} streams need about {need} descriptors in a router ({} per stream); the limit here is {nofile}, so a router runs out before",
+                if args.h2_streams.is_some() {
+                    "one, and a share of an HTTP/2 connection,"
+                } else {
+                    "two"
+                }
             );
         }
     }
@@ -375,12 +398,20 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
             tokens: args.tokens,
             stream: true,
             timeout,
+            h2_streams: None,
         };
         for round in 0..args.rounds {
             for k in 0..targets.len() {
                 let t = &targets[(k + round + level) % targets.len()];
                 let peaks = t.pid.map(Peaks::start);
                 let cpu_before = t.pid.map(procs::tree_ticks);
+                let shot = Shot {
+                    h2_streams: t
+                        .pid
+                        .and(args.h2_streams)
+                        .map(|n| usize::try_from(n).unwrap_or(1)),
+                    ..shot.clone()
+                };
                 let sample = drive_connected(t.addr, MODEL, &shot, next_prompt).await;
                 let cpu_after = t.pid.map(procs::tree_ticks);
                 let (rss_kib, fds) = peaks.map_or((0, 0), Peaks::finish);
@@ -430,7 +461,7 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
     println!("\n{}", table(&cells, &targets));
     println!("{}", goals(&cells, &ours_name, top));
     if let Some(dir) = &args.plots
-        && let Err(e) = plot(dir, &cells, &targets)
+        && let Err(e) = plot(dir, &cells, &targets, args.h2_streams)
     {
         eprintln!("narwhal-bench concurrency: plots: {e}");
     }
@@ -564,7 +595,15 @@ fn goals(cells: &[Cell], ours: &str, top: usize) -> String {
 }
 
 /// The charts against the concurrency, one line per target.
-fn plot(dir: &std::path::Path, cells: &[Cell], targets: &[Target]) -> Result<(), String> {
+///
+/// `h2_streams`: the routers' clients were on HTTP/2 connections of that many streams; the
+/// files are then `concurrency-h2-*.svg` and the titles say so.
+fn plot(
+    dir: &std::path::Path,
+    cells: &[Cell],
+    targets: &[Target],
+    h2_streams: Option<u64>,
+) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut levels: Vec<usize> = cells.iter().map(|c| c.level).collect();
     levels.dedup();
@@ -621,10 +660,17 @@ fn plot(dir: &std::path::Path, cells: &[Cell], targets: &[Target]) -> Result<(),
         ),
     ];
     for (file, title, unit, series) in charts {
+        let (file, title) = match h2_streams {
+            Some(n) => (
+                file.replacen("concurrency-", "concurrency-h2-", 1),
+                format!("{title} (routers' clients on HTTP/2, {n} streams a connection)"),
+            ),
+            None => (file.to_string(), title.to_string()),
+        };
         write_svg(
             &dir.join(file),
             &Chart {
-                title: title.into(),
+                title,
                 x_label: x.clone(),
                 y_label: unit.into(),
                 series,

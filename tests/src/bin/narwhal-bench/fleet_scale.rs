@@ -359,6 +359,7 @@ fn shot(concurrency: usize, requests: usize) -> Shot {
         tokens: 8,
         stream: false,
         timeout: Duration::from_secs(30),
+        h2_streams: None,
     }
 }
 

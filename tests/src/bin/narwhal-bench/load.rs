@@ -1,6 +1,8 @@
 //! The load generator: C clients, each on one HTTP/1.1 keep-alive connection of its own (as wrk
 //! drives a server), sending `POST /v1/completions` one after another until N requests were
-//! sent, and timing each to the last byte of its body.
+//! sent, and timing each to the last byte of its body. With `Shot::h2_streams` set, the
+//! clients share HTTP/2 connections instead (prior knowledge), that many clients' streams to a
+//! connection, as a gateway multiplexes many clients onto few connections.
 //!
 //! A request counts as completed when the answer is 200 and its body is whole: a stream ends
 //! with `data: [DONE]`, a JSON answer is an object with `choices`. Anything else (a refusal, a
@@ -13,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper::client::conn::http1;
-use hyper_util::rt::TokioIo;
+use hyper::client::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo};
 
 /// One measured window's shape.
 #[derive(Debug, Clone)]
@@ -29,6 +31,9 @@ pub struct Shot {
     pub stream: bool,
     /// Per-request deadline (head and whole body).
     pub timeout: Duration,
+    /// `Some(n)`: clients share HTTP/2 connections (prior knowledge), `n` clients to one, each
+    /// client's request a stream of its connection; `None`: one HTTP/1.1 connection per client.
+    pub h2_streams: Option<usize>,
 }
 
 /// What one window measured. Times in seconds.
@@ -79,20 +84,68 @@ pub fn body(model: &str, i: usize, tokens: u32, stream: bool) -> Bytes {
     )
 }
 
-type Sender = http1::SendRequest<Full<Bytes>>;
+/// A client's way to its target: its own HTTP/1.1 connection, or a stream of a shared HTTP/2
+/// connection (a clone of the connection's sender).
+enum Sender {
+    H1(http1::SendRequest<Full<Bytes>>),
+    H2(http2::SendRequest<Full<Bytes>>),
+}
+
+impl Sender {
+    fn is_closed(&self) -> bool {
+        match self {
+            Sender::H1(s) => s.is_closed(),
+            Sender::H2(s) => s.is_closed(),
+        }
+    }
+
+    async fn ready(&mut self) -> Result<(), hyper::Error> {
+        match self {
+            Sender::H1(s) => s.ready().await,
+            Sender::H2(s) => s.ready().await,
+        }
+    }
+
+    async fn send(
+        &mut self,
+        req: http::Request<Full<Bytes>>,
+    ) -> Result<http::Response<hyper::body::Incoming>, hyper::Error> {
+        match self {
+            Sender::H1(s) => s.send_request(req).await,
+            Sender::H2(s) => s.send_request(req).await,
+        }
+    }
+}
 
 async fn connect(addr: SocketAddr) -> Result<Sender, String> {
-    let tcp = tokio::net::TcpStream::connect(addr)
-        .await
-        .map_err(|e| format!("connect {addr}: {e}"))?;
-    let _ = tcp.set_nodelay(true);
+    let tcp = tcp(addr).await?;
     let (sender, conn) = http1::handshake(TokioIo::new(tcp))
         .await
         .map_err(|e| format!("handshake {addr}: {e}"))?;
     tokio::spawn(async move {
         let _ = conn.await;
     });
+    Ok(Sender::H1(sender))
+}
+
+/// One HTTP/2 connection with prior knowledge (RFC 9113 section 3.3).
+async fn connect_h2(addr: SocketAddr) -> Result<http2::SendRequest<Full<Bytes>>, String> {
+    let tcp = tcp(addr).await?;
+    let (sender, conn) = http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+        .await
+        .map_err(|e| format!("HTTP/2 handshake {addr}: {e}"))?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
     Ok(sender)
+}
+
+async fn tcp(addr: SocketAddr) -> Result<tokio::net::TcpStream, String> {
+    let tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connect {addr}: {e}"))?;
+    let _ = tcp.set_nodelay(true);
+    Ok(tcp)
 }
 
 /// One answer read whole: status, body, time to first body byte.
@@ -114,13 +167,18 @@ async fn exchange(
         .ready()
         .await
         .map_err(|e| format!("connection: {e}"))?;
-    let req = http::Request::post(path)
+    // HTTP/2 carries the target in `:scheme` and `:authority`, from an absolute URI.
+    let uri = match sender {
+        Sender::H1(_) => path.to_string(),
+        Sender::H2(_) => format!("http://{addr}{path}"),
+    };
+    let req = http::Request::post(uri)
         .header(http::header::HOST, addr.to_string())
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(Full::new(body))
         .map_err(|e| e.to_string())?;
     let resp = sender
-        .send_request(req)
+        .send(req)
         .await
         .map_err(|e| format!("request: {e}"))?;
     let status = resp.status().as_u16();
@@ -207,24 +265,51 @@ async fn drive_clients(
     );
     let next = Arc::new(AtomicUsize::new(0));
     let clients = shot.concurrency.max(1);
-    // Preconnected clients wait here, then the window's clock starts.
+    // Preconnected clients (and every client of shared HTTP/2 connections, opened first) wait
+    // here, then the window's clock starts.
+    let gated = preconnect || shot.h2_streams.is_some();
     let gate = Arc::new(tokio::sync::Barrier::new(clients + 1));
     let mut t0 = Instant::now();
+    // HTTP/2: the shared connections, opened before the clients start (a failed one is its
+    // clients' failed connect).
+    let shared: Vec<Result<http2::SendRequest<Full<Bytes>>, String>> = match shot.h2_streams {
+        Some(per) => {
+            let n = clients.div_ceil(per.max(1));
+            let opens = (0..n).map(|_| async {
+                match tokio::time::timeout(shot.timeout, connect_h2(addr)).await {
+                    Ok(r) => r,
+                    Err(_) => Err(format!("no HTTP/2 connection within {:?}", shot.timeout)),
+                }
+            });
+            futures_util::future::join_all(opens).await
+        }
+        None => Vec::new(),
+    };
     let mut tasks = Vec::with_capacity(clients);
-    for _ in 0..clients {
+    for k in 0..clients {
         let (bodies, next, shot, gate) = (bodies.clone(), next.clone(), shot.clone(), gate.clone());
+        let share = (!shared.is_empty()).then(|| shared[k % shared.len()].clone());
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::new();
             let mut ttfb = Vec::new();
             let mut errors = 0usize;
             let mut first_error = None;
             let mut sender: Option<Sender> = None;
-            if preconnect {
-                match tokio::time::timeout(shot.timeout, connect(addr)).await {
-                    Ok(Ok(s)) => sender = Some(s),
-                    Ok(Err(e)) => first_error = Some(e),
-                    Err(_) => {
-                        first_error = Some(format!("no connection within {:?}", shot.timeout))
+            let h2 = share.is_some();
+            if let Some(share) = share {
+                match share {
+                    Ok(s) => sender = Some(Sender::H2(s)),
+                    Err(e) => first_error = Some(e),
+                }
+            }
+            if gated {
+                if !h2 {
+                    match tokio::time::timeout(shot.timeout, connect(addr)).await {
+                        Ok(Ok(s)) => sender = Some(s),
+                        Ok(Err(e)) => first_error = Some(e),
+                        Err(_) => {
+                            first_error = Some(format!("no connection within {:?}", shot.timeout))
+                        }
                     }
                 }
                 gate.wait().await;
@@ -242,6 +327,8 @@ async fn drive_clients(
                 let attempt = async {
                     let s = match sender.take() {
                         Some(s) if !s.is_closed() => s,
+                        // A lost HTTP/2 connection: this client goes on on one of its own.
+                        _ if h2 => Sender::H2(connect_h2(addr).await?),
                         _ => connect(addr).await?,
                     };
                     let mut s = s;
@@ -282,7 +369,7 @@ async fn drive_clients(
             (lat, ttfb, errors, first_error)
         }));
     }
-    if preconnect {
+    if gated {
         gate.wait().await;
         t0 = Instant::now();
     }
