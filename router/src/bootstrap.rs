@@ -133,6 +133,15 @@ pub(crate) async fn read_facts(cfg: &Config, upstream: &Upstream, iid: usize) ->
     out
 }
 
+/// Whether a reading of a vLLM producer's facts saw its process (the start time its
+/// `/metrics` publishes, `process_start_time_seconds`): only such a reading confirms the
+/// producer for the failures before it ([`Fleet::confirm`]). One that read nothing (its calls
+/// timed out, or the router was out of descriptors) tells nothing about the process, so the
+/// next failure reads again instead of being charged on its word.
+fn identifies_process(reading: &Facts) -> bool {
+    reading.process_start.is_some()
+}
+
 /// A decode leg failed at `failed_at` after prefill `p` produced its KV (`used`: `p`'s
 /// bootstrap port when the leg failed, SGLang; `process`: `p`'s incarnation when the attempt
 /// started): is it the decode's failure (a failure is charged to the engine that
@@ -180,10 +189,13 @@ pub(crate) async fn blame_producer(
             ) => true,
             Ok(_) => {
                 let reading = read_facts(cfg, upstream, p).await;
+                let saw_process = identifies_process(&reading);
                 if fleet.incarnation(p) != process || fleet.learn(p, reading).is_some() {
                     return false;
                 }
-                fleet.confirm(p, started);
+                if saw_process {
+                    fleet.confirm(p, started);
+                }
                 true
             }
         };
@@ -217,5 +229,28 @@ pub(crate) async fn blame_producer(
             false
         }
         (_, None) => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reading confirms a vLLM producer only when it saw the process's start: an empty one
+    /// (every call failed) or one that saw only the models must leave the next decode failure
+    /// to read again.
+    #[test]
+    fn only_a_reading_that_saw_the_process_confirms_the_producer() {
+        assert!(!identifies_process(&Facts::default()));
+        let models_only = Facts {
+            models: Some(["tiny".to_string()].into()),
+            ..Facts::default()
+        };
+        assert!(!identifies_process(&models_only));
+        let seen = Facts {
+            process_start: Some(1_796_000_000.5),
+            ..Facts::default()
+        };
+        assert!(identifies_process(&seen));
     }
 }
