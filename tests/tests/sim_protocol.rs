@@ -669,3 +669,48 @@ fn max_running_tpot_and_streamed_prefill() {
     assert_eq!(last["choices"][0]["finish_reason"], "length");
     assert_eq!(p.stats()["kv"]["issued"], 1);
 }
+
+/// `--max-num-seqs` as vLLM's scheduler: past the bound a request waits its turn (it is not
+/// refused), counted in `num_requests_waiting` and not in `num_requests_running`, and its first
+/// token comes after the running one ends.
+#[test]
+fn max_num_seqs_queues_the_rest_in_the_waiting_queue() {
+    let s = Sim::start(&["--max-num-seqs", "1", "--tpot-ms", "60"]);
+    let body = json!({"prompt": PROMPT, "max_tokens": 5, "stream": true}).to_string();
+    let send = |body: String| {
+        let addr = s.addr.clone();
+        thread::spawn(move || {
+            let r = request(&addr, "POST", "/v1/completions", &[], &body);
+            (r, Instant::now())
+        })
+    };
+    let first = send(body.clone());
+    assert!(s.stat_reaches("/in_flight", 1, Duration::from_secs(2)));
+    let second = send(body);
+    assert!(
+        s.stat_reaches("/waiting", 1, Duration::from_secs(2)),
+        "{}",
+        s.stats()
+    );
+    let metrics = s.get("/metrics").text();
+    let gauge = |name: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(&format!("vllm:{name}{{")))
+            .and_then(|l| l.rsplit(' ').next())
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert_eq!(gauge("num_requests_running"), "1", "{metrics}");
+    assert_eq!(gauge("num_requests_waiting"), "1", "{metrics}");
+    let (first, first_end) = first.join().unwrap();
+    let (second, second_end) = second.join().unwrap();
+    assert_eq!(first.status, 200);
+    assert_eq!(second.status, 200, "waited, not refused: {}", second.text());
+    assert_eq!(second.stream_text().split_whitespace().count(), 5);
+    // The second ran only once the first had ended, and its four 60 ms gaps came after that.
+    let after = second_end.duration_since(first_end);
+    assert!(after >= Duration::from_millis(200), "{after:?}");
+    assert_eq!(s.stats()["waiting"], 0);
+    assert_eq!(s.stats()["in_flight"], 0);
+}

@@ -126,10 +126,9 @@ impl TokenStream {
             }
             Stage::Tokens => {
                 if self.next > 0 && !self.plan.tpot.is_zero() {
-                    let running = self
-                        .stats
-                        .in_flight
-                        .load(std::sync::atomic::Ordering::Relaxed);
+                    // Running: those in flight less those waiting for a place
+                    // (`--max-num-seqs`), which are not in the batch.
+                    let running = self.stats.running();
                     let gap = self.plan.tpot
                         + self.plan.tpot_per_running
                             * u32::try_from(running.max(1) - 1).unwrap_or(0);

@@ -121,6 +121,11 @@ struct Cli {
     /// Concurrent completion requests before answering 429 (0 = unlimited).
     #[arg(long, default_value_t = 0)]
     max_running: u64,
+    /// Requests running at once (0 = unlimited), as vLLM's `--max-num-seqs` bounds its
+    /// scheduler's running set: the rest wait FIFO in the waiting queue (their time to first
+    /// token includes the wait) and are counted in `num_requests_waiting`.
+    #[arg(long, default_value_t = 0)]
+    max_num_seqs: usize,
     /// Context length in tokens (prompt + max_tokens).
     #[arg(long, default_value_t = 4096)]
     max_model_len: u64,
@@ -424,6 +429,7 @@ async fn start_engine(
         kv_metrics: !cli.no_kv_metrics,
         role_switch: cli.enable_pd_role_switch,
         prefill_slots: cli.prefill_slots,
+        max_num_seqs: cli.max_num_seqs,
         tpot_per_running: Duration::from_micros(cli.tpot_per_running_us),
         cache: CacheSettings {
             block_size: cli.block_size,

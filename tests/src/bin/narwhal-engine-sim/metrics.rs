@@ -88,7 +88,8 @@ pub(crate) fn metrics(sim: &Sim) -> Response<SimBody> {
     use std::fmt::Write as _;
     let s = &sim.stats;
     let model = sim.cfg.model.replace('\\', "\\\\").replace('"', "\\\"");
-    let running = s.in_flight.load(Relaxed).max(0);
+    let waiting = s.waiting.load(Relaxed).max(0);
+    let running = s.running();
     let prompt = s.prom_prompt_tokens.load(Relaxed);
     let gen_tokens = s.prom_generation_tokens.load(Relaxed);
     let success = s.prom_success.load(Relaxed);
@@ -120,7 +121,7 @@ pub(crate) fn metrics(sim: &Sim) -> Response<SimBody> {
          {p}:{running_name}{labels} {running}\n\
          # HELP {p}:{waiting_name} Number of requests waiting.\n\
          # TYPE {p}:{waiting_name} gauge\n\
-         {p}:{waiting_name}{labels} 0\n\
+         {p}:{waiting_name}{labels} {waiting}\n\
          # HELP {p}:prompt_tokens_total Number of prefill tokens processed.\n\
          # TYPE {p}:prompt_tokens_total counter\n\
          {p}:prompt_tokens_total{labels} {prompt}\n\

@@ -139,6 +139,9 @@ pub(crate) struct Settings {
     /// `--prefill-slots` (0 = unlimited): prefills computed at once; the rest wait FIFO, as
     /// on one accelerator.
     pub(crate) prefill_slots: usize,
+    /// `--max-num-seqs` (0 = unlimited): requests running at once; the rest wait FIFO, as in
+    /// vLLM's scheduler (`max_num_running_reqs`).
+    pub(crate) max_num_seqs: usize,
     /// `--tpot-per-running-us`: each token gap grows by this per request running on the
     /// engine (a decode batch's cost).
     pub(crate) tpot_per_running: Duration,
@@ -236,6 +239,8 @@ pub(crate) struct Sim {
     mode: Mutex<Mode>,
     /// `--prefill-slots` permits (`None` = unlimited).
     prefill_gate: Option<Arc<tokio::sync::Semaphore>>,
+    /// `--max-num-seqs` permits (`None` = unlimited): a request runs holding one.
+    seq_gate: Option<Arc<tokio::sync::Semaphore>>,
     /// A failed role switch left the instance unhealthy (SGLang: restart required).
     switch_unhealthy: AtomicBool,
     blocks: Mutex<BlockStore>,
@@ -275,6 +280,8 @@ impl Sim {
         let c = cfg.cache;
         let prefill_gate = (cfg.prefill_slots > 0)
             .then(|| Arc::new(tokio::sync::Semaphore::new(cfg.prefill_slots)));
+        let seq_gate =
+            (cfg.max_num_seqs > 0).then(|| Arc::new(tokio::sync::Semaphore::new(cfg.max_num_seqs)));
         Sim {
             engine_id: cfg.engine_id.clone(),
             blocks: Mutex::new(BlockStore::new(cfg.kv_lease)),
@@ -295,10 +302,20 @@ impl Sim {
             faults_armed: AtomicBool::new(false),
             mode: Mutex::new(mode),
             prefill_gate,
+            seq_gate,
             switch_unhealthy: AtomicBool::new(false),
             id_prefix: rand::random::<u64>(),
             id_counter: AtomicU64::new(0),
         }
+    }
+
+    /// A place in the running set under `--max-num-seqs`, waited for FIFO (counted in
+    /// `waiting` meanwhile, also when the request goes away while it waits); `None` when
+    /// unbounded.
+    pub(crate) async fn seat(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let gate = self.seq_gate.as_ref()?;
+        let _waiting = crate::stats::Waiting::new(&self.stats);
+        gate.clone().acquire_owned().await.ok()
     }
 
     /// Runs `compute` of prefill work, queued FIFO behind `--prefill-slots` prefills.
@@ -936,6 +953,9 @@ async fn completion(
         tracker.finish(Outcome::Error, 429, 0);
         return api_error(&e);
     }
+    // vLLM's scheduler: beyond `max_num_seqs` running, a request waits its turn; its place
+    // is held until it is settled (the tracker drops it).
+    tracker.hold(sim.seat().await);
     // SGLang P/D servers need the whole rendezvous (checked before faults are consumed).
     if phase == Phase::Aggregated
         && sim.cfg.dialect == Dialect::Sglang

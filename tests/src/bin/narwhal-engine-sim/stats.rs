@@ -73,6 +73,8 @@ pub(crate) struct Stats {
     pub(crate) unauthorized: AtomicU64,
     /// Completion requests in progress (never reset).
     pub(crate) in_flight: AtomicI64,
+    /// Requests waiting for a place under `--max-num-seqs` (a gauge; part of `in_flight`).
+    pub(crate) waiting: AtomicI64,
     /// Prometheus `prompt_tokens_total` (monotonic, not reset by `/sim/stats/reset`).
     pub(crate) prom_prompt_tokens: AtomicU64,
     /// Prometheus `generation_tokens_total` (monotonic).
@@ -187,6 +189,8 @@ pub(crate) struct StatsDoc<'a> {
     cancelled: u64,
     unauthorized: u64,
     in_flight: i64,
+    /// Of `in_flight`, those waiting for a place under `--max-num-seqs`.
+    waiting: i64,
     role_switches: u64,
     recent: Vec<Recent>,
 }
@@ -207,6 +211,7 @@ impl Default for Stats {
             cancelled: AtomicU64::new(0),
             unauthorized: AtomicU64::new(0),
             in_flight: AtomicI64::new(0),
+            waiting: AtomicI64::new(0),
             prom_prompt_tokens: AtomicU64::new(0),
             prom_generation_tokens: AtomicU64::new(0),
             prom_success: AtomicU64::new(0),
@@ -219,6 +224,12 @@ impl Default for Stats {
 }
 
 impl Stats {
+    /// Requests in the running set: in flight, less those waiting for a place
+    /// (`--max-num-seqs`).
+    pub(crate) fn running(&self) -> i64 {
+        (self.in_flight.load(Relaxed) - self.waiting.load(Relaxed)).max(0)
+    }
+
     fn recent_lock(&self) -> MutexGuard<'_, VecDeque<Recent>> {
         // A panic while holding this lock cannot leave the ring inconsistent; keep serving.
         self.recent.lock().unwrap_or_else(|e| e.into_inner())
@@ -302,6 +313,7 @@ impl Stats {
             cancelled: l(&self.cancelled),
             unauthorized: l(&self.unauthorized),
             in_flight: self.in_flight.load(Relaxed),
+            waiting: self.waiting.load(Relaxed),
             role_switches: l(&self.role_switches),
             recent: self.recent_lock().iter().cloned().collect(),
         }
@@ -323,6 +335,24 @@ pub(crate) struct Tracker {
     rec: Option<Recent>,
     fault: bool,
     head_sent: bool,
+    /// Its place in the running set (`--max-num-seqs`), released with the tracker.
+    seat: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// Counts one request in [`Stats::waiting`] while it lives.
+pub(crate) struct Waiting<'a>(&'a Stats);
+
+impl<'a> Waiting<'a> {
+    pub(crate) fn new(stats: &'a Stats) -> Self {
+        stats.waiting.fetch_add(1, Relaxed);
+        Waiting(stats)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Relaxed);
+    }
 }
 
 impl Tracker {
@@ -343,7 +373,13 @@ impl Tracker {
             }),
             fault: false,
             head_sent: false,
+            seat: None,
         }
+    }
+
+    /// Holds the request's place in the running set (`--max-num-seqs`) until it is settled.
+    pub(crate) fn hold(&mut self, seat: Option<tokio::sync::OwnedSemaphorePermit>) {
+        self.seat = seat;
     }
 
     /// The request's id.
@@ -388,8 +424,10 @@ impl Tracker {
         }
     }
 
-    /// Settles the request. Later calls and the drop are no-ops.
+    /// Settles the request (and gives up its place in the running set). Later calls and the
+    /// drop are no-ops.
     pub(crate) fn finish(&mut self, outcome: Outcome, status: u16, tokens: u64) {
+        self.seat = None;
         if let Some(mut r) = self.rec.take() {
             r.outcome = if self.fault {
                 "fault"
