@@ -80,6 +80,18 @@ struct Args {
     /// other shape are left out. Repeatable.
     #[arg(long = "peer", value_name = "NAME=COMMAND")]
     peers: Vec<String>,
+    /// The simulators' running set (`narwhal-engine-sim --max-num-seqs`, as vLLM's
+    /// `--max-num-seqs`; its OpenAI server defaults to 1024 on large GPUs): past it a stream
+    /// waits in the engine's queue. 0: every stream runs at once.
+    #[arg(long, default_value_t = 0)]
+    max_num_seqs: usize,
+    /// With `--max-num-seqs`, where our router's streams wait beyond it: `engine` (every
+    /// stream forwarded, waiting in the engine's queue, as the peers do) or `router` (our
+    /// router's admission seats `serving.max_connections` set to `--max-num-seqs`, the rest in
+    /// its admission queue, `serving.queue_capacity`, so a stream's first-token limit counts
+    /// only engine time).
+    #[arg(long, default_value = "engine", value_parser = ["engine", "router"])]
+    engine_queue: String,
     /// Worker threads of each simulator.
     #[arg(long, default_value_t = 1)]
     sim_threads: usize,
@@ -277,7 +289,15 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
 
     let threads = args.sim_threads.to_string();
     let tpot = args.tpot_ms.to_string();
-    let sim_args = ["--threads", threads.as_str(), "--tpot-ms", tpot.as_str()];
+    let seqs = args.max_num_seqs.to_string();
+    let sim_args = [
+        "--threads",
+        threads.as_str(),
+        "--tpot-ms",
+        tpot.as_str(),
+        "--max-num-seqs",
+        seqs.as_str(),
+    ];
     let start = |iid: &str, role: &str| {
         start_sim(
             dir.path(),
@@ -292,14 +312,24 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
         decode: start("d0", "decode")?,
     };
 
-    // Our router, with admission seats above the top level.
+    // Our router, with admission seats above the top level; with `--engine-queue router`,
+    // seats as the engine's running set and the rest in the router's admission queue.
     let seats = (top as u64 + 1024).max(4096);
     let kind = want_kind(args);
+    let serving = if args.engine_queue == "router" && args.max_num_seqs > 0 {
+        json!({"serving": {
+            "max_connections": args.max_num_seqs,
+            "queue_capacity": seats,
+            "queue_timeout_s": args.request_timeout,
+        }})
+    } else {
+        json!({"serving": {"max_connections": seats}})
+    };
     let spec = match kind {
         Kind::Pd => fleet("vllm", &[&engines.prefill, &engines.decode]),
         _ => fleet("vllm", &[&engines.agg]),
     }
-    .with(json!({"serving": {"max_connections": seats}}));
+    .with(serving);
     let ours_name = format!("ours-{}", args.shape);
     let ours: RouterHandle = procs::on_cpus(router_cpus, || {
         start_router(dir.path(), &ours_name, &spec, &["--log-level", "warn"])
@@ -347,7 +377,7 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
     }
 
     println!(
-        "concurrency: {} shape, {} tokens at {} ms per token (floor {:.2} s per stream), {} stream(s) per client, {} round(s), {}; open-file limit {nofile}; {}; load average {:?}",
+        "concurrency: {} shape, {} tokens at {} ms per token (floor {:.2} s per stream), {} stream(s) per client, {} round(s), {}, engines running {}; open-file limit {nofile}; {}; load average {:?}",
         args.shape,
         args.tokens,
         args.tpot_ms,
@@ -357,6 +387,10 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
         match args.h2_streams {
             Some(n) => format!("routers' clients on HTTP/2 connections of {n} streams each"),
             None => "one HTTP/1.1 connection per client".into(),
+        },
+        match args.max_num_seqs {
+            0 => "every stream at once".to_string(),
+            n => format!("at most {n} streams (the rest wait in the engine's queue)"),
         },
         match &pinning {
             Some(p) => format!(
