@@ -70,6 +70,10 @@ pub(crate) enum Side {
     Control,
 }
 
+/// Answers one request. The control routes' steps that wait (a durable publish, a lifecycle
+/// action's acknowledgement, a control body) are boxed where they are awaited, so this
+/// future's size is a completion's: a request carries only what its own route needs (at
+/// 10,000 streams waiting in the admission queue, each holds one).
 async fn route(parts: Arc<Parts>, side: Side, mut req: Request<Incoming>) -> Response<Body> {
     let rid = uuid::Uuid::new_v4().to_string();
     let path = req.uri().path().to_string();
@@ -121,13 +125,18 @@ async fn route(parts: Arc<Parts>, side: Side, mut req: Request<Incoming>) -> Res
         }
         (Side::Control, Method::GET, "/narwhal/state") => {
             // Totals shown are durable first (ha-and-fencing.md; handoff::durable_document).
-            match crate::handoff::durable_document(&parts, documents::state).await {
+            match Box::pin(crate::handoff::durable_document(&parts, documents::state)).await {
                 Ok(doc) => json_response(StatusCode::OK, &doc, &rid),
                 Err(e) => json_response(StatusCode::SERVICE_UNAVAILABLE, &e, &rid),
             }
         }
         (Side::Control, Method::GET, "/narwhal/handoff") => {
-            match crate::handoff::durable_document(&parts, crate::handoff::snapshot).await {
+            match Box::pin(crate::handoff::durable_document(
+                &parts,
+                crate::handoff::snapshot,
+            ))
+            .await
+            {
                 Ok(doc) => json_response(StatusCode::OK, &doc, &rid),
                 Err(e) => json_response(StatusCode::SERVICE_UNAVAILABLE, &e, &rid),
             }
@@ -142,7 +151,7 @@ async fn route(parts: Arc<Parts>, side: Side, mut req: Request<Incoming>) -> Res
             | "/narwhal/lifecycle/readmit"
             | "/narwhal/lifecycle/cancel-drain",
         ) => {
-            let body = match read_control_body(req).await {
+            let body = match Box::pin(read_control_body(req)).await {
                 Ok(b) => b,
                 Err(e) => {
                     // The body may be unread: the connection cannot carry another request.
@@ -169,8 +178,13 @@ async fn route(parts: Arc<Parts>, side: Side, mut req: Request<Incoming>) -> Res
             match action.await {
                 Ok((status, doc)) => {
                     // Acknowledged only once durable where a successor reads (ha-and-fencing.md).
-                    let (status, doc) =
-                        crate::handoff::acknowledge(&parts, status, doc, scope.as_ref()).await;
+                    let (status, doc) = Box::pin(crate::handoff::acknowledge(
+                        &parts,
+                        status,
+                        doc,
+                        scope.as_ref(),
+                    ))
+                    .await;
                     json_response(status, &doc, &rid)
                 }
                 Err(e) => json_response(
@@ -187,7 +201,7 @@ async fn route(parts: Arc<Parts>, side: Side, mut req: Request<Incoming>) -> Res
         }
         (Side::Control, Method::GET, "/metrics") => {
             let text = documents::metrics(&parts);
-            crate::handoff::publish_for_read(&parts).await;
+            Box::pin(crate::handoff::publish_for_read(&parts)).await;
             let mut r = Response::new(Full::new(bytes::Bytes::from(text)).boxed());
             r.headers_mut().insert(
                 http::header::CONTENT_TYPE,

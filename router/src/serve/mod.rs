@@ -270,7 +270,7 @@ async fn completion_inner(
     };
     let log = Mutex::new(AttemptLog::default());
     let outcome = tokio::select! {
-        o = tokio::time::timeout_at(deadline.into(), start_all(&ctx, &subs, &tracks, &log)) => Some(o),
+        o = tokio::time::timeout_at(deadline.into(), Box::pin(start_all(&ctx, &subs, &tracks, &log))) => Some(o),
         () = parts.gate.requests_ended() => None,
     };
     std::mem::take(&mut *AttemptLog::lock(&log)).into_record(pending.record());
@@ -352,7 +352,14 @@ async fn completion_inner(
         }
         r
     } else {
-        let end = collect_all(&parts, started, deadline, first_token_at, &answering).await;
+        let end = Box::pin(collect_all(
+            &parts,
+            started,
+            deadline,
+            first_token_at,
+            &answering,
+        ))
+        .await;
         drop(permit);
         drop(retained);
         finish_record(&mut pending, &end.stats);
