@@ -57,7 +57,7 @@ async fn post(h2: &mut H2, f: &Fleet, path: &str, body: String) -> (u16, http::H
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(Full::new(Bytes::from(body)))
         .expect("request");
-    let resp = tokio::time::timeout(Duration::from_secs(30), async {
+    tokio::time::timeout(Duration::from_secs(30), async {
         let resp = h2.send_request(req).await.expect("stream answered");
         let status = resp.status().as_u16();
         let headers = resp.headers().clone();
@@ -74,8 +74,7 @@ async fn post(h2: &mut H2, f: &Fleet, path: &str, body: String) -> (u16, http::H
         )
     })
     .await
-    .expect("answered within 30 s");
-    resp
+    .expect("answered within 30 s")
 }
 
 /// The text a completion answered, streamed or not.
