@@ -714,3 +714,47 @@ fn max_num_seqs_queues_the_rest_in_the_waiting_queue() {
     assert_eq!(s.stats()["waiting"], 0);
     assert_eq!(s.stats()["in_flight"], 0);
 }
+
+/// A decode engine keeps its side-channel connection to a producer for the next block read
+/// (docs/engine-simulator.md, "KV side channel"); when the producer restarts on the same ports,
+/// the kept connection is dead, and the next read goes over a new one instead of failing.
+#[test]
+fn a_kept_side_channel_survives_a_producer_restart() {
+    let kv = narwhal_testkit::engine_port().to_string();
+    let listen = format!("127.0.0.1:{}", narwhal_testkit::engine_port());
+    let kv_listen = format!("127.0.0.1:{kv}");
+    let producer = |id: &str| {
+        Sim::start(&[
+            "--engine-id",
+            id,
+            "--listen",
+            &listen,
+            "--kv-listen",
+            &kv_listen,
+        ])
+    };
+    let d = Sim::start(&["--engine-id", "dec-1"]);
+    let transfer = |p: &Sim, i: usize| {
+        let prompt = format!("{PROMPT} {i}");
+        let pre = p
+            .complete(&json!({"prompt": prompt, "max_tokens": 1,
+                              "kv_transfer_params": {"do_remote_decode": true}}))
+            .json();
+        assert_eq!(pre["kv_transfer_params"]["remote_port"].to_string(), kv);
+        let dec = d.complete(&json!({"prompt": prompt, "max_tokens": 3,
+                                     "kv_transfer_params": pre["kv_transfer_params"]}));
+        assert_eq!(dec.status, 200, "transfer {i}: {}", dec.text());
+    };
+    let mut p = producer("prod-a");
+    transfer(&p, 0);
+    transfer(&p, 1);
+    p.handle.proc.kill();
+    drop(p);
+    p = producer("prod-b");
+    transfer(&p, 2);
+    transfer(&p, 3);
+    let ds = d.stats();
+    assert_eq!(ds["kv"]["consumed"], 4, "{ds}");
+    assert_eq!(ds["kv"]["rejected"], 0, "{ds}");
+    assert_eq!(p.stats()["kv"]["served"], 2);
+}

@@ -34,6 +34,11 @@
 // A benchmark measures wall time: the clock ban of clippy.toml is for product code.
 #![allow(clippy::disallowed_methods)]
 
+/// jemalloc, as the router: under `narwhal-bench` the simulators and the load generator share
+/// one CPU, and the system allocator was a tenth of a simulator's CPU (docs/benchmarks.md).
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 // The modules live in `narwhal-bench/` beside this file (a crate root resolves `mod` in its own
 // directory, hence the paths).
 #[path = "narwhal-bench/concurrency.rs"]

@@ -20,6 +20,11 @@
 // for product code.
 #![allow(clippy::disallowed_methods)]
 
+/// jemalloc, as the router: under `narwhal-bench` the simulators and the load generator share
+/// one CPU, and the system allocator was a tenth of a simulator's CPU (docs/benchmarks.md).
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 mod body;
 mod faults;
 mod kv;

@@ -938,6 +938,7 @@ async fn completion(
     .unwrap_or_else(|| sim.new_id());
     sim.stats.count_arrival(phase);
     let mut tracker = Tracker::new(sim.stats.clone(), request_id, phase);
+    tracker.set_stream(parsed.stream);
     if let Some(b) = &parsed.bootstrap {
         tracker.set_kv(None, Some(b.room), None);
     }

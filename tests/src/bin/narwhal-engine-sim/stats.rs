@@ -43,6 +43,8 @@ pub(crate) struct Recent {
     pub(crate) room: Option<u64>,
     /// vLLM block ids issued (producer) or read (consumer).
     pub(crate) block_ids: Option<Vec<u64>>,
+    /// The request asked for a stream (`"stream": true`); `false` for one that did not parse.
+    pub(crate) stream: bool,
 }
 
 /// All counters of one simulator process.
@@ -370,6 +372,7 @@ impl Tracker {
                 kv_peer: None,
                 room: None,
                 block_ids: None,
+                stream: false,
             }),
             fault: false,
             head_sent: false,
@@ -398,6 +401,13 @@ impl Tracker {
     }
 
     /// Sets the KV fields of the entry.
+    /// Records that the request asked for a stream (`recent[].stream`).
+    pub(crate) fn set_stream(&mut self, stream: bool) {
+        if let Some(r) = self.rec.as_mut() {
+            r.stream = stream;
+        }
+    }
+
     pub(crate) fn set_kv(
         &mut self,
         peer: Option<String>,

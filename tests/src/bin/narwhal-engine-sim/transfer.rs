@@ -1,5 +1,7 @@
 //! The KV side channel: the simulator's stand-in for NIXL reads (vLLM, `--kv-listen`) and the
-//! SGLang bootstrap server (`--bootstrap-port`). One JSON line each way over TCP.
+//! SGLang bootstrap server (`--bootstrap-port`). One JSON line each way over TCP; a consumer
+//! keeps its connection to a producer for the next block read, as a vLLM decode engine keeps
+//! its NIXL connection to each remote engine (a room pull has a connection of its own).
 //!
 //! ```text
 //!  consumer (decode engine)                               producer (prefill engine)
@@ -14,8 +16,9 @@
 //! The consumer then checks the prompt hash against its own request (docs/engine-simulator.md,
 //! "KV side channel").
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -131,7 +134,24 @@ pub(crate) enum TransferError {
     },
 }
 
+/// Idle side-channel connections of [`Request::ReadBlocks`], by producer `host:port`: a
+/// consumer keeps its connection to each producer, as a vLLM decode engine keeps its NIXL
+/// handshake and UCX endpoint with each remote engine instead of connecting per request.
+static IDLE: LazyLock<Mutex<HashMap<String, Vec<BufReader<TcpStream>>>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// Idle connections kept per producer.
+const IDLE_PER_PRODUCER: usize = 64;
+
+fn idle() -> std::sync::MutexGuard<'static, HashMap<String, Vec<BufReader<TcpStream>>>> {
+    IDLE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Sends one request to `host:port` and reads the reply; `read_timeout` bounds the wait for it.
+/// A [`Request::ReadBlocks`] reuses an idle connection to the producer when there is one (and
+/// keeps its own afterwards); one that breaks before its reply (the producer closed it, e.g.
+/// it restarted) is retried once on a new connection. A [`Request::PullRoom`] has a connection
+/// of its own, which the producer watches for the consumer's departure while the room waits.
 pub(crate) async fn call(
     host: &str,
     port: u16,
@@ -139,42 +159,50 @@ pub(crate) async fn call(
     read_timeout: Duration,
 ) -> Result<Reply, TransferError> {
     let addr = format!("{host}:{port}");
-    let stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&addr)).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => {
-            return Err(TransferError::Unreachable {
-                addr,
-                reason: e.to_string(),
-            });
-        }
-        Err(_) => {
-            return Err(TransferError::Unreachable {
-                addr,
-                reason: format!("connect timed out after {CONNECT_TIMEOUT:?}"),
-            });
-        }
-    };
-    let _ = stream.set_nodelay(true);
+    let keep = matches!(req, Request::ReadBlocks { .. });
     let proto = |reason: String| TransferError::Protocol {
         addr: addr.clone(),
         reason,
     };
     let mut line = serde_json::to_vec(req).map_err(|e| proto(e.to_string()))?;
     line.push(b'\n');
-    let mut stream = BufReader::new(stream);
-    stream
-        .get_mut()
-        .write_all(&line)
-        .await
-        .map_err(|e| proto(e.to_string()))?;
-    let mut reply = String::new();
-    match tokio::time::timeout(read_timeout, stream.read_line(&mut reply)).await {
-        Err(_) => return Err(proto(format!("no reply within {read_timeout:?}"))),
-        Ok(Err(e)) => return Err(proto(e.to_string())),
-        Ok(Ok(0)) => return Err(proto("connection closed without a reply".into())),
-        Ok(Ok(_)) => {}
-    }
+    let reused = if keep {
+        idle().get_mut(&addr).and_then(Vec::pop)
+    } else {
+        None
+    };
+    let (mut stream, reply) = match reused {
+        Some(mut s) => match exchange(&mut s, &line, read_timeout).await {
+            Ok(reply) => (s, reply),
+            // Nothing came back on a kept connection: the producer closed it (or restarted);
+            // the request is sent again on a new one.
+            Err(Exchange::Broken(_)) => {
+                let mut s = connect(&addr).await?;
+                let reply = exchange(&mut s, &line, read_timeout)
+                    .await
+                    .map_err(|e| proto(e.reason()))?;
+                (s, reply)
+            }
+            Err(e) => return Err(proto(e.reason())),
+        },
+        None => {
+            let mut s = connect(&addr).await?;
+            let reply = exchange(&mut s, &line, read_timeout)
+                .await
+                .map_err(|e| proto(e.reason()))?;
+            (s, reply)
+        }
+    };
     let reply: Reply = serde_json::from_str(&reply).map_err(|e| proto(e.to_string()))?;
+    if keep {
+        let mut idle = idle();
+        let list = idle.entry(addr.clone()).or_default();
+        if list.len() < IDLE_PER_PRODUCER {
+            list.push(stream);
+        }
+    } else {
+        let _ = stream.get_mut().shutdown().await;
+    }
     if !reply.ok {
         return Err(TransferError::Refused {
             addr,
@@ -182,6 +210,65 @@ pub(crate) async fn call(
         });
     }
     Ok(reply)
+}
+
+async fn connect(addr: &str) -> Result<BufReader<TcpStream>, TransferError> {
+    let unreachable = |reason: String| TransferError::Unreachable {
+        addr: addr.to_string(),
+        reason,
+    };
+    match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
+        Ok(Ok(s)) => {
+            let _ = s.set_nodelay(true);
+            Ok(BufReader::new(s))
+        }
+        Ok(Err(e)) => Err(unreachable(e.to_string())),
+        Err(_) => Err(unreachable(format!(
+            "connect timed out after {CONNECT_TIMEOUT:?}"
+        ))),
+    }
+}
+
+/// How one request-reply exchange failed.
+enum Exchange {
+    /// The connection broke, or closed, before any byte of the reply.
+    Broken(String),
+    /// The connection closed in the middle of the reply (the producer may have handled the
+    /// request: never sent again).
+    Cut,
+    /// No reply within the read timeout.
+    TimedOut(Duration),
+}
+
+impl Exchange {
+    fn reason(&self) -> String {
+        match self {
+            Exchange::Broken(r) => r.clone(),
+            Exchange::Cut => "connection closed mid-reply".into(),
+            Exchange::TimedOut(t) => format!("no reply within {t:?}"),
+        }
+    }
+}
+
+/// Writes `line` and reads one reply line.
+async fn exchange(
+    stream: &mut BufReader<TcpStream>,
+    line: &[u8],
+    read_timeout: Duration,
+) -> Result<String, Exchange> {
+    stream
+        .get_mut()
+        .write_all(line)
+        .await
+        .map_err(|e| Exchange::Broken(e.to_string()))?;
+    let mut reply = String::new();
+    match tokio::time::timeout(read_timeout, stream.read_line(&mut reply)).await {
+        Err(_) => Err(Exchange::TimedOut(read_timeout)),
+        Ok(Err(e)) => Err(Exchange::Broken(e.to_string())),
+        Ok(Ok(0)) => Err(Exchange::Broken("connection closed without a reply".into())),
+        Ok(Ok(_)) if !reply.ends_with('\n') => Err(Exchange::Cut),
+        Ok(Ok(_)) => Ok(reply),
+    }
 }
 
 /// Serves the side channel on `listener` until the process exits.
@@ -199,34 +286,47 @@ pub(crate) async fn serve(listener: TcpListener, sim: Arc<Sim>) {
         tokio::spawn(async move {
             let _ = stream.set_nodelay(true);
             let mut stream = BufReader::new(stream);
-            let mut line = String::new();
-            let n = match (&mut stream)
-                .take(MAX_LINE as u64)
-                .read_line(&mut line)
-                .await
-            {
-                Ok(n) => n,
-                Err(_) => return,
-            };
-            if n == 0 {
-                return;
-            }
-            let reply = match serde_json::from_str::<Request>(&line) {
-                // A consumer that goes away while waiting for a room (its decode request was
-                // cancelled) must not consume the room: stop waiting on EOF.
-                // `biased`, EOF first: when the room is published after the consumer left, a
-                // ready EOF must win over handing the room to a dead connection.
-                Ok(req) => tokio::select! {
-                    biased;
-                    () = until_eof(stream.get_mut()) => return,
-                    r = handle(&sim, req) => r,
-                },
-                Err(e) => Reply::err(&sim.engine_id, format!("bad side channel request: {e}")),
-            };
-            if let Ok(mut out) = serde_json::to_vec(&reply) {
+            // Block reads follow one another on a kept connection; a room pull ends it.
+            loop {
+                let mut line = String::new();
+                let n = match (&mut stream)
+                    .take(MAX_LINE as u64)
+                    .read_line(&mut line)
+                    .await
+                {
+                    Ok(n) => n,
+                    Err(_) => return,
+                };
+                if n == 0 {
+                    return;
+                }
+                let (reply, last) = match serde_json::from_str::<Request>(&line) {
+                    Ok(req @ Request::ReadBlocks { .. }) => (handle(&sim, req).await, false),
+                    // A consumer that goes away while waiting for a room (its decode request
+                    // was cancelled) must not consume the room: stop waiting on EOF.
+                    // `biased`, EOF first: when the room is published after the consumer
+                    // left, a ready EOF must win over handing the room to a dead connection.
+                    Ok(req) => tokio::select! {
+                        biased;
+                        () = until_eof(stream.get_mut()) => return,
+                        r = handle(&sim, req) => (r, true),
+                    },
+                    Err(e) => (
+                        Reply::err(&sim.engine_id, format!("bad side channel request: {e}")),
+                        true,
+                    ),
+                };
+                let Ok(mut out) = serde_json::to_vec(&reply) else {
+                    return;
+                };
                 out.push(b'\n');
-                let _ = stream.get_mut().write_all(&out).await;
-                let _ = stream.get_mut().shutdown().await;
+                if stream.get_mut().write_all(&out).await.is_err() {
+                    return;
+                }
+                if last {
+                    let _ = stream.get_mut().shutdown().await;
+                    return;
+                }
             }
         });
     }
