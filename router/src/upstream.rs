@@ -355,6 +355,7 @@ impl Upstream {
                 pending: None,
                 first: Bytes::new(),
                 ended: false,
+                failed: None,
                 gap_timer: None,
             };
             match live.next(None).await? {
@@ -579,9 +580,12 @@ pub(crate) struct LiveStream {
     /// The end of the stream (`Done` or `Failed`), seen while frames before it still wait
     /// to be sent.
     pending: Option<RelayStep>,
-    /// SSE frames to send first (held chunks and the first token's), `data: <json>\n\n`.
+    /// SSE frames to send first (held chunks and the first token's, and what
+    /// [`LiveStream::gather_ready`] added), `data: <json>\n\n`.
     pub(crate) first: Bytes,
     ended: bool,
+    /// A failure [`LiveStream::gather_ready`] met, returned by the next [`LiveStream::next`].
+    failed: Option<LegError>,
     /// The read-gap timer ([`LiveStream::next`]'s `gap`), made on the first wait.
     gap_timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
 }
@@ -626,6 +630,9 @@ impl LiveStream {
     /// every frame of one upstream read (the first stops at the first token, so the clock of
     /// the first output is the first token's).
     pub(crate) async fn next(&mut self, gap: Option<Duration>) -> Result<RelayStep, LegError> {
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
         loop {
             if let Some(step) = self.pending.take() {
                 return Ok(step);
@@ -658,6 +665,48 @@ impl LiveStream {
                 }
             }
         }
+    }
+
+    /// Adds to [`LiveStream::first`] the output that is ready without waiting on the engine:
+    /// the rest of the read that held the first token, then the frames the engine connection
+    /// has already received. One yield lets hyper's connection task, which decodes one chunk
+    /// of what it read at a time, hand over the next; the gathering stops at the first wait
+    /// after it, or at the stream's end (kept for the next [`LiveStream::next`], as is a
+    /// failure met on the way). Costs nothing when the engine sent only the first token: the
+    /// frames of one read reach the client in one write instead of one per chunk
+    /// (docs/design/architecture.md, "Writes on the client connection").
+    pub(crate) async fn gather_ready(&mut self) {
+        use futures_util::FutureExt as _;
+        let mut gathered: Option<Vec<u8>> = None;
+        let mut yielded = false;
+        while self.pending.is_none() && self.failed.is_none() {
+            match self.next(None).now_or_never() {
+                Some(Ok(RelayStep::Output)) => {
+                    let out = self.state.take_output();
+                    gathered
+                        .get_or_insert_with(|| self.first.to_vec())
+                        .extend_from_slice(&out);
+                    yielded = false;
+                }
+                Some(Ok(RelayStep::Hold)) => {}
+                Some(Ok(end)) => self.pending = Some(end),
+                Some(Err(e)) => self.failed = Some(e),
+                None if yielded => break,
+                None => {
+                    tokio::task::yield_now().await;
+                    yielded = true;
+                }
+            }
+        }
+        if let Some(g) = gathered {
+            self.first = Bytes::from(g);
+        }
+    }
+
+    /// Whether the stream's end (its `[DONE]`, or a failure) is already known: the relay
+    /// then finishes without waiting on the engine.
+    pub(crate) fn end_known(&self) -> bool {
+        self.pending.is_some() || self.failed.is_some()
     }
 
     /// The next upstream frame, or `ReadTimeout` after `gap` of silence from the call. One

@@ -94,7 +94,7 @@ async fn pd_round_trip(dialect: &str) {
             answer_text(&v)
         };
         assert!(!text.is_empty(), "{dialect} {path}: empty text");
-        rids.push(rid);
+        rids.push((rid, stream));
         texts.push((chat, prompt, text));
     }
     let (p, d) = stats(&f).await;
@@ -110,11 +110,11 @@ async fn pd_round_trip(dialect: &str) {
     let rows = eventually("every request's journal row", WAIT, || async {
         let rows = router.journal_rows();
         rids.iter()
-            .all(|rid| rows.iter().any(|r| r["rid"] == rid.as_str()))
+            .all(|(rid, _)| rows.iter().any(|r| r["rid"] == rid.as_str()))
             .then_some(rows)
     })
     .await;
-    for rid in &rids {
+    for (rid, stream) in &rids {
         let row = rows
             .iter()
             .find(|r| r["rid"] == rid.as_str())
@@ -130,18 +130,32 @@ async fn pd_round_trip(dialect: &str) {
             assert_eq!(ids.len(), 1, "one {leg} leg for {rid}: {row}");
             ids[0].to_string()
         };
-        let legs = |s: &Value, phase: &str, id: &str| {
+        let legs = |s: &Value, phase: &str, id: &str| -> Vec<Value> {
             s["recent"]
                 .as_array()
                 .expect("recent")
                 .iter()
                 .filter(|r| r["request_id"] == id && r["phase"] == phase)
-                .count()
+                .cloned()
+                .collect()
         };
         let (pid, did) = (leg_id("prefill"), leg_id("decode"));
         assert!(pid != did && pid != *rid, "{row}");
-        assert_eq!(legs(&p, "prefill", &pid), 1, "prefill legs for {rid}: {p}");
-        assert_eq!(legs(&d, "decode", &did), 1, "decode legs for {rid}: {d}");
+        assert_eq!(
+            legs(&p, "prefill", &pid).len(),
+            1,
+            "prefill legs for {rid}: {p}"
+        );
+        let dlegs = legs(&d, "decode", &did);
+        assert_eq!(dlegs.len(), 1, "decode legs for {rid}: {d}");
+        // The decode leg streams for every client (behaviour.md 7.1 step 6, 7.2 step 4): its
+        // first token bounds a stuck decode engine, and the role controller reads its timing.
+        assert_eq!(
+            dlegs[0]["stream"], true,
+            "decode leg of {rid} (client stream {stream}): {}",
+            dlegs[0]
+        );
+        assert_eq!(legs(&p, "prefill", &pid)[0]["stream"], false, "{p}");
     }
     // Same text as an aggregated run of the same prompt on the decode engine.
     for (chat, prompt, text) in &texts {
@@ -178,7 +192,7 @@ async fn pd_round_trip(dialect: &str) {
         header["run"].is_string(),
         "journal header carries the run id: {header}"
     );
-    for rid in &rids {
+    for (rid, _) in &rids {
         let row = rows
             .iter()
             .find(|r| r["rid"] == rid.as_str())
@@ -731,4 +745,66 @@ async fn the_journal_records_the_engines_prompt_tokens_beside_the_estimate() {
         row["engine_prompt_tokens"].as_u64().is_some_and(|n| n > 0),
         "{row}"
     );
+}
+
+/// Sends `body` as a streaming `POST /v1/completions` to the router's data listener over a
+/// raw connection and returns the bytes of the first `read` (architecture.md, "Writes on the
+/// client connection": what the router wrote in one `writev` arrives in one read on loopback).
+async fn first_read(router: &narwhal_testkit::RouterHandle, body: &Value) -> String {
+    use std::io::{Read, Write};
+    let addr = router
+        .data
+        .strip_prefix("http://")
+        .expect("http data URL")
+        .to_string();
+    let body = body.to_string();
+    tokio::task::spawn_blocking(move || {
+        let mut s = std::net::TcpStream::connect(&addr).expect("connect");
+        s.set_read_timeout(Some(WAIT)).expect("timeout");
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(head.as_bytes()).expect("send");
+        let mut buf = vec![0u8; 1 << 20];
+        let n = s.read(&mut buf).expect("read");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    })
+    .await
+    .expect("reader")
+}
+
+/// A stream whose frames all reached the router with its first token (an instant engine) is
+/// written to the client at once: the head, every token frame, `[DONE]` and the chunked
+/// terminator in the first read. With tokens apart, the head still leaves with the first token
+/// instead of alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_is_ready_reaches_the_client_in_one_write() {
+    let instant = Fleet::builder().decode(1).start().await;
+    let b = json!({"model": "tiny-sim", "prompt": "one write", "max_tokens": 8, "stream": true});
+    let got = first_read(instant.router(), &b).await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got:?}");
+    assert!(got.contains("data: [DONE]"), "the first read: {got:?}");
+    assert!(got.ends_with("0\r\n\r\n"), "the first read: {got:?}");
+    let text = sse_text(
+        &got.split('\n')
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(|l| l.trim_end().to_string())
+            .collect::<Vec<_>>(),
+    );
+    assert_eq!(text.split_whitespace().count(), 8, "{got:?}");
+
+    let spaced = Fleet::builder()
+        .decode(1)
+        .sim_args(&["--tpot-ms", "200"])
+        .start()
+        .await;
+    let got = first_read(spaced.router(), &b).await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got:?}");
+    assert!(
+        got.contains("data: {"),
+        "the head left without the first token: {got:?}"
+    );
+    assert!(!got.contains("[DONE]"), "{got:?}");
 }

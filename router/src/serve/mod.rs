@@ -66,7 +66,7 @@ mod tests;
 mod vllm_nixl;
 
 use attempt::{refused_attempt, start_all};
-use leg::AttemptLog;
+use leg::{AttemptLog, Output};
 use relay_io::{Relayed, collect_all, finish_frame, finish_record, stream_all};
 
 /// Body fed by a channel: the relay task sends SSE frames; dropping the body (client gone)
@@ -301,42 +301,64 @@ async fn completion_inner(
         rec.output_started = v.stream;
     }
     if v.stream {
+        let mut started = started;
         let (tx, rx) = mpsc::channel::<Bytes>(64);
+        // What is ready goes with the response head, in one write (architecture.md, "Writes
+        // on the client connection"); a stream whose end is already known is finished here,
+        // so its head, frames, `[DONE]` and the chunked end leave in one write too.
+        let mut complete = false;
+        if let [one] = started.as_mut_slice() {
+            match &mut one.out {
+                Output::Live(live) => {
+                    live.gather_ready().await;
+                    let first = std::mem::take(&mut live.first);
+                    if !first.is_empty() {
+                        // The channel is new: its first frame always has room.
+                        let _ = tx.try_send(first);
+                    }
+                    complete = live.end_known();
+                }
+                Output::Whole(_) => complete = true,
+            }
+        }
         let task_parts = parts.clone();
-        let span = tracing::Span::current();
-        tokio::spawn(
-            async move {
-                let _held = (retained, permit, track);
-                let end = stream_all(
-                    &task_parts,
-                    started,
-                    &tx,
-                    deadline,
-                    first_token_at,
-                    &answering,
-                )
-                .await;
-                finish_record(&mut pending, &end.stats);
-                match end.relayed {
-                    Relayed::Done => {
-                        if let Some(chunk) = end.usage_chunk {
-                            finish_frame(&tx, chunk).await;
-                        }
-                        finish_frame(&tx, done_frame()).await;
-                        pending.settle(Settlement::completed());
+        let relay = async move {
+            let _held = (retained, permit, track);
+            let end = stream_all(
+                &task_parts,
+                started,
+                &tx,
+                deadline,
+                first_token_at,
+                &answering,
+            )
+            .await;
+            finish_record(&mut pending, &end.stats);
+            match end.relayed {
+                Relayed::Done => {
+                    if let Some(chunk) = end.usage_chunk {
+                        finish_frame(&tx, chunk).await;
                     }
-                    // Client gone (or too slow): `pending` settles on drop.
-                    Relayed::ClientGone => {}
-                    Relayed::Failed(failure) => {
-                        if let Some(frame) = failure.stream_frame() {
-                            finish_frame(&tx, frame).await;
-                        }
-                        pending.settle(failure.settlement());
+                    finish_frame(&tx, done_frame()).await;
+                    pending.settle(Settlement::completed());
+                }
+                // Client gone (or too slow): `pending` settles on drop.
+                Relayed::ClientGone => {}
+                Relayed::Failed(failure) => {
+                    if let Some(frame) = failure.stream_frame() {
+                        finish_frame(&tx, frame).await;
                     }
+                    pending.settle(failure.settlement());
                 }
             }
-            .instrument(span),
-        );
+        };
+        if complete {
+            // Nothing left to wait for from the engine, and at most three frames for a
+            // channel of 64 that nobody reads yet: this never waits.
+            relay.await;
+        } else {
+            tokio::spawn(relay.instrument(tracing::Span::current()));
+        }
         let mut r = Response::new(BodyExt::boxed(ChannelBody(rx)));
         let h = r.headers_mut();
         h.insert(
