@@ -6,7 +6,8 @@
 //! ```text
 //!  startup      router start to every process identity accepted (the startup identity check)
 //!  requests     router CPU per request: utime + stime of /proc/<router pid>/stat over
-//!               --requests non-streamed completions at --concurrency, divided by them;
+//!               --requests non-streamed completions at --concurrency, divided by them, the
+//!               median of --rounds such windows (their spread beside it);
 //!               also net of idle: less the idle CPU rate (below) times the window's
 //!               duration, the background work that runs per engine and per second whether
 //!               requests come or not (health probes of every engine, identity reads, the
@@ -34,7 +35,14 @@
 //! (docs/engine-simulator.md, "Many engines in one process"), which the wave restarts in
 //! place. Prints one table (and with `--plots DIR` writes it as SVG charts against the fleet
 //! size, `plots.rs`); asserts nothing about time (architecture.md section 8).
+//!
+//! Pinning (`--pin auto`), as in the comparison: the routers on the last CPU, born there so
+//! that a router runs one Tokio worker, and the load generator and the simulators on the others,
+//! so the router's CPU time holds neither cross-worker wake-ups nor the simulators' work on its
+//! core (unpinned, windows of one build differed by a third); the agents on every CPU (a
+//! whole-fleet wave readmission keeps them all busy).
 
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -50,7 +58,7 @@ use serde_json::{Value, json};
 use crate::load::{Shot, drive, quantile};
 use crate::peer::{Kind, PeerSpec};
 use crate::plots::{Chart, Series, write_svg};
-use crate::{MODEL, PeerEngines, Probe, first_answer, procs, spawn_peer};
+use crate::{MODEL, PeerEngines, Probe, first_answer, pin, procs, spawn_peer};
 
 /// `narwhal-bench fleet-scale` flags.
 #[derive(Debug, Parser)]
@@ -80,6 +88,16 @@ struct Args {
     /// Seconds of the idle CPU window.
     #[arg(long, default_value_t = 3.0)]
     idle_s: f64,
+    /// CPU-per-request windows per fleet size (each `--requests`): the table gives their
+    /// median, and the spread of the windows beside it.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// `auto`: the routers (primary, standby, peers) on the last CPU, born there so that each
+    /// runs one Tokio worker, and this process (the load generator) and the simulators on the
+    /// others, as in the comparison; the agents on every CPU (a whole-fleet wave readmission
+    /// keeps them all busy). `off`: nothing pinned.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "off"])]
+    pin: String,
     /// Also write the results as SVG line charts against the fleet size into this directory
     /// (created): fleet-cpu-per-request.svg, fleet-lifecycle.svg, fleet-documents.svg,
     /// fleet-idle-cpu.svg, fleet-memory.svg.
@@ -114,6 +132,8 @@ struct Row {
     cpu_us_per_req: f64,
     /// `cpu_us_per_req` less the idle CPU rate over the window (never below 0).
     cpu_net_us_per_req: f64,
+    /// The lowest and highest CPU per request of the `--rounds` windows, µs.
+    cpu_spread: (f64, f64),
     /// The CPU window's duration, seconds.
     window_s: f64,
     p50_c1_ms: f64,
@@ -172,18 +192,36 @@ pub async fn main(argv: Vec<String>) -> std::process::ExitCode {
             }
         }
     }
+    if args.rounds == 0 {
+        eprintln!("narwhal-bench fleet-scale: --rounds >= 1");
+        return std::process::ExitCode::from(2);
+    }
+    // The routers on the last CPU, this process and the simulators on the others, the agents
+    // on every CPU (a whole-fleet wave readmission keeps them all busy).
+    let cpus = procs::own_cpus();
+    let pinning = pin(&args.pin, &cpus, "narwhal-bench fleet-scale");
+    let router_cpus = pinning.as_ref().map(|p| p.router.clone());
+    let agent_cpus = pinning.as_ref().map(|_| cpus.clone());
     println!(
-        "fleet-scale: {} requests at concurrency {}, {} at concurrency 1, {} reads per document; load average {:?}",
+        "fleet-scale: {} x {} requests at concurrency {}, {} at concurrency 1, {} reads per document; routers on CPUs {}; load average {:?}",
+        args.rounds,
         args.requests,
         args.concurrency,
         args.latency_requests,
         args.reads,
+        router_cpus
+            .as_ref()
+            .map_or_else(|| "any (not pinned)".to_string(), procs::cpu_list),
         procs::loadavg()
     );
     let mut rows = Vec::new();
     for &n in &args.engines {
         for &e in &args.per_agent {
-            let row = match measure(&args, &peers, n, e).await {
+            let cpus = Cpus {
+                router: router_cpus.as_ref(),
+                agents: agent_cpus.as_ref(),
+            };
+            let row = match measure(&args, &peers, n, e, cpus).await {
                 Ok(r) => r,
                 Err(err) => {
                     eprintln!("fleet-scale {n} engines, {e} per agent: {err}");
@@ -222,18 +260,20 @@ pub async fn main(argv: Vec<String>) -> std::process::ExitCode {
 fn print_row(r: &Row, header: bool) {
     if header {
         println!(
-            "| engines | per agent | agents | startup s | CPU µs/req | net of idle | p50 c=1 ms | idle CPU % | /metrics B, ms | state B, ms | lifecycle B, ms | handoff B, ms | drain POST ms | readmit s | wave drain ms | wave readmit s | wave CPU s router, agents | sim KiB/engine | router MiB | agent MiB | polled CPU % | standby CPU % | takeover s | load |"
+            "| engines | per agent | agents | startup s | CPU µs/req | windows min-max | net of idle | p50 c=1 ms | idle CPU % | /metrics B, ms | state B, ms | lifecycle B, ms | handoff B, ms | drain POST ms | readmit s | wave drain ms | wave readmit s | wave CPU s router, agents | sim KiB/engine | router MiB | agent MiB | polled CPU % | standby CPU % | takeover s | load |"
         );
-        println!("|{}", "---|".repeat(24));
+        println!("|{}", "---|".repeat(25));
     }
     let d = |(b, ms): (usize, f64)| format!("{b}, {ms:.2}");
     println!(
-        "| {} | {} | {} | {:.2} | {:.0} | {:.0} | {:.2} | {:.1} | {} | {} | {} | {} | {:.1} | {:.3} | {:.1} | {:.2} | {:.2}, {:.2} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} |",
+        "| {} | {} | {} | {:.2} | {:.0} | {:.0}-{:.0} | {:.0} | {:.2} | {:.1} | {} | {} | {} | {} | {:.1} | {:.3} | {:.1} | {:.2} | {:.2}, {:.2} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} |",
         r.engines,
         r.per_agent,
         r.agents,
         r.startup_s,
         r.cpu_us_per_req,
+        r.cpu_spread.0,
+        r.cpu_spread.1,
         r.cpu_net_us_per_req,
         r.p50_c1_ms,
         r.idle_cpu_pct,
@@ -313,6 +353,7 @@ async fn peer_cost(
     prefill: &[String],
     decode: &[String],
     dir: &std::path::Path,
+    router_cpus: Option<&BTreeSet<usize>>,
 ) -> Result<PeerCost, String> {
     let engines = PeerEngines {
         prefill: prefill.to_vec(),
@@ -320,7 +361,7 @@ async fn peer_cost(
         bootstrap_port: None,
         agg: Vec::new(),
     };
-    let (port, _, mut proc) = spawn_peer(p, &engines, dir, None)?;
+    let (port, _, mut proc) = spawn_peer(p, &engines, dir, router_cpus)?;
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let probe = Probe::starting_now(8, false, Duration::from_secs(30), args.start_timeout);
     first_answer(&p.name, addr, Some(&mut proc), &probe).await?;
@@ -349,6 +390,15 @@ async fn peer_cost(
         p50_c1_ms: quantile(&c1.latency_s, 0.5) * 1e3,
         rss_mib: rss_kib(proc.pid) / 1024.0,
     })
+}
+
+/// Where the processes of one fleet are started (`--pin`): `None` inherits this process's CPUs.
+#[derive(Debug, Clone, Copy)]
+struct Cpus<'a> {
+    /// The primary, the standby and the peers.
+    router: Option<&'a BTreeSet<usize>>,
+    /// The agents.
+    agents: Option<&'a BTreeSet<usize>>,
 }
 
 /// A window of `requests` non-streamed 8-token completions at `concurrency`.
@@ -422,7 +472,9 @@ async fn measure(
     peers: &[PeerSpec],
     n: usize,
     per_agent: usize,
+    cpus: Cpus<'_>,
 ) -> Result<Row, String> {
+    let router_cpus = cpus.router;
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let dirp = dir.path();
     let prefill = n / 2;
@@ -461,7 +513,7 @@ async fn measure(
                 port: engines[i].1,
             })
             .collect();
-        agents.push(
+        let agent = procs::on_cpus(cpus.agents, || {
             start_agent_for(
                 dirp,
                 &certs,
@@ -471,8 +523,8 @@ async fn measure(
                 None,
                 json!({"engine_s": 10, "generation_s": 30}),
             )
-            .map_err(|e| format!("agent h{h}: {e}"))?,
-        );
+        })?;
+        agents.push(agent.map_err(|e| format!("agent h{h}: {e}"))?);
     }
     let fleet_engines = iids
         .iter()
@@ -495,13 +547,16 @@ async fn measure(
     let clients = Clients::identity(&certs, "operator");
     let http = clients.http.clone();
     let t0 = Instant::now();
-    let mut router: RouterHandle = launch_router(
-        dirp,
-        "router",
-        &spec_of("router").to_json(dirp),
-        &["--router-id", "router"],
-        clients.clone(),
-    )
+    let router_spec = spec_of("router").to_json(dirp);
+    let mut router: RouterHandle = procs::on_cpus(router_cpus, || {
+        launch_router(
+            dirp,
+            "router",
+            &router_spec,
+            &["--router-id", "router"],
+            clients.clone(),
+        )
+    })?
     .map_err(|e| format!("router: {e}"))?;
     let control = router.control.clone();
     let all: Vec<String> = iids.iter().map(|(i, _)| i.clone()).collect();
@@ -548,29 +603,40 @@ async fn measure(
         ));
     }
     let hz = procs::clock_ticks();
-    let before = ticks(pid);
-    let t_window = Instant::now();
-    let s = drive(
-        data,
-        "tiny-sim",
-        &shot(args.concurrency, args.requests),
-        1000,
-    )
-    .await;
-    row.window_s = t_window.elapsed().as_secs_f64();
-    let used = ticks(pid).saturating_sub(before) as f64 / hz;
-    row.cpu_us_per_req = used / args.requests as f64 * 1e6;
-    if s.errors > 0 {
-        row.failures
-            .push(format!("window: {} errors: {:?}", s.errors, s.first_error));
+    // `--rounds` windows: the median CPU per request and the median window.
+    let mut windows: Vec<(f64, f64)> = Vec::with_capacity(args.rounds);
+    for r in 0..args.rounds {
+        let before = ticks(pid);
+        let t_window = Instant::now();
+        let s = drive(
+            data,
+            "tiny-sim",
+            &shot(args.concurrency, args.requests),
+            1000 + r * args.requests,
+        )
+        .await;
+        let window_s = t_window.elapsed().as_secs_f64();
+        let used = ticks(pid).saturating_sub(before) as f64 / hz;
+        windows.push((used / args.requests as f64 * 1e6, window_s));
+        if s.errors > 0 {
+            row.failures.push(format!(
+                "window {}: {} errors: {:?}",
+                r + 1,
+                s.errors,
+                s.first_error
+            ));
+        }
     }
+    windows.sort_by(|a, b| a.0.total_cmp(&b.0));
+    (row.cpu_us_per_req, row.window_s) = windows[windows.len() / 2];
+    row.cpu_spread = (windows[0].0, windows[windows.len() - 1].0);
     let c1 = drive(data, "tiny-sim", &shot(1, args.latency_requests), 1_000_000).await;
     row.p50_c1_ms = quantile(&c1.latency_s, 0.5) * 1e3;
     if !peers.is_empty() {
         let prefill: Vec<String> = engines[..n / 2].iter().map(|(u, _)| u.clone()).collect();
         let decode: Vec<String> = engines[n / 2..].iter().map(|(u, _)| u.clone()).collect();
         for p in peers {
-            match peer_cost(args, p, &prefill, &decode, dirp).await {
+            match peer_cost(args, p, &prefill, &decode, dirp, router_cpus).await {
                 Ok(c) => row.peers.push(c),
                 Err(e) => row.failures.push(format!("{n} engines: {e}")),
             }
@@ -667,6 +733,7 @@ async fn measure(
         &mut router,
         clients,
         args.idle_s,
+        router_cpus,
     )
     .await?;
     row.load = procs::loadavg()[0];
@@ -686,6 +753,7 @@ async fn standby_takeover(
     primary: &mut RouterHandle,
     clients: Clients,
     idle_s: f64,
+    router_cpus: Option<&BTreeSet<usize>>,
 ) -> Result<(), String> {
     let probe = STANDBY_PROBE_S.to_string();
     let after = STANDBY_TAKEOVER_AFTER.to_string();
@@ -699,8 +767,11 @@ async fn standby_takeover(
         "--standby-takeover-after",
         &after,
     ];
-    let standby = launch_router(dir, "standby", &spec.to_json(dir), &args, clients)
-        .map_err(|e| format!("standby: {e}"))?;
+    let standby_spec = spec.to_json(dir);
+    let standby = procs::on_cpus(router_cpus, || {
+        launch_router(dir, "standby", &standby_spec, &args, clients)
+    })?
+    .map_err(|e| format!("standby: {e}"))?;
     // The standby has retained the primary's current handoff (its own state file).
     let ha = primary.ha().await;
     let state = dir.join("standby.state.json");
