@@ -322,7 +322,9 @@ async fn completion_inner(
             }
         }
         let task_parts = parts.clone();
-        let relay = async move {
+        // Boxed: the handler's own future must not grow by the relay's size, since a request
+        // waiting for an admission seat holds that future (docs/benchmarks.md, "10,000 streams").
+        let relay = Box::pin(async move {
             let _held = (retained, permit, track);
             let end = stream_all(
                 &task_parts,
@@ -351,7 +353,7 @@ async fn completion_inner(
                     pending.settle(failure.settlement());
                 }
             }
-        };
+        });
         if complete {
             // Nothing left to wait for from the engine, and at most three frames for a
             // channel of 64 that nobody reads yet: this never waits.
