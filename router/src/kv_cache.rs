@@ -476,8 +476,10 @@ impl KvCache {
         let mut credits = vec![Credit::unscored(0); engines];
         let approx_credit = self.cfg.serving.kv_approx_credit;
         let mut uncached_tokens = vec![n; engines];
+        // No expiry walk here: a credit never counts an expired entry, and an engine's
+        // expired entries are dropped when a request is placed on it (memory is bounded per
+        // engine either way).
         for &e in chosen.iter().filter(|e| **e < engines) {
-            ix.expire(e, now);
             let bs = ix.credit_block_size(e);
             if !chains.iter().any(|(b, _)| *b == bs) {
                 chains.push((bs, prompt_chain(&tokens, bs)));

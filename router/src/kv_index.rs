@@ -25,6 +25,10 @@
 //! under-credits the engine. The approximate part has its own bound ([`approx`]).
 
 use std::collections::HashMap;
+
+/// The index's maps: keys are 64-bit hashes, looked up per request for every engine scored,
+/// with foldhash (hashbrown's default) instead of SipHash.
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::time::{Duration, Instant};
 
 use narwhal_shared::kv_events::{KvEvent, KvEventBatch};
@@ -262,9 +266,9 @@ pub(crate) struct Counters {
 struct Engine {
     configured: bool,
     /// Our hash → how many engine hashes name it.
-    blocks: HashMap<u64, u32>,
+    blocks: Map<u64, u32>,
     /// Engine hash → our hash.
-    by_engine: HashMap<u64, u64>,
+    by_engine: Map<u64, u64>,
     block_size: Option<u32>,
     next_seq: Option<u64>,
     /// The highest sequence number the live stream (not a replay) delivered.
@@ -744,11 +748,6 @@ impl KvIndex {
     /// Engines in the index.
     pub(crate) fn len(&self) -> usize {
         self.engines.len()
-    }
-
-    /// Drops engine `e`'s expired approximate entries (memory; matching ignores them anyway).
-    pub(crate) fn expire(&mut self, e: usize, now: Instant) {
-        self.approx.expire(e, now);
     }
 }
 

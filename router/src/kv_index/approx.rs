@@ -40,7 +40,7 @@ struct Part {
     /// The block size its chains were cut at (0: nothing credited yet).
     block_size: u32,
     /// Our hash → (last touched, its stamp in `order`).
-    blocks: HashMap<u64, (Instant, u64)>,
+    blocks: HashMap<u64, (Instant, u64), foldhash::fast::RandomState>,
     /// Stamp → our hash, oldest first.
     order: BTreeMap<u64, u64>,
     next_stamp: u64,
@@ -197,12 +197,6 @@ impl Approx {
         debug_assert_eq!(self.engines[e].blocks.len(), self.engines[e].order.len());
         self.engines[e].blocks.len()
     }
-
-    /// Drops engine `e`'s entries touched `ttl` or longer before `now`.
-    pub(crate) fn expire(&mut self, e: usize, now: Instant) {
-        let ttl = self.ttl;
-        self.engines[e].expire(now, ttl);
-    }
 }
 
 #[cfg(test)]
@@ -253,10 +247,10 @@ mod tests {
         assert!(a.holds(0, 1, t + secs(219)));
         assert!(!a.holds(0, 1, t + secs(220)));
         assert_eq!(a.view(0, t + secs(150)).blocks, 2);
-        // Memory: expired entries are dropped by `expire` (and by the next placement).
+        // Memory: expired entries are dropped by the next placement on the engine.
         assert_eq!(a.entries(0), 3);
-        a.expire(0, t + secs(150));
-        assert_eq!(a.entries(0), 2);
+        a.placed(0, &[2], 16, t + secs(150));
+        assert_eq!(a.entries(0), 2, "block 3 expired at 120 s");
         a.placed(0, &[9], 16, t + secs(300));
         assert_eq!(a.entries(0), 1);
     }
