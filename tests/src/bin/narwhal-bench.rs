@@ -538,6 +538,7 @@ async fn run(
             stream,
             timeout,
             h2_streams: None,
+            rate: None,
         };
         let warm = Shot {
             requests: args

@@ -433,6 +433,7 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
             stream: true,
             timeout,
             h2_streams: None,
+            rate: None,
         };
         for round in 0..args.rounds {
             for k in 0..targets.len() {

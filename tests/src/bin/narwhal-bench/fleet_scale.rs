@@ -6,8 +6,9 @@
 //! ```text
 //!  startup      router start to every process identity accepted (the startup identity check)
 //!  requests     router CPU per request: utime + stime of /proc/<router pid>/stat over
-//!               --requests non-streamed completions at --concurrency, divided by them, the
-//!               median of --rounds such windows (their spread beside it);
+//!               --requests non-streamed completions at --concurrency, offered at --rate
+//!               per second, divided by them, the median of --rounds such windows (their
+//!               spread beside it; every size's windows taken in turn, see below);
 //!               also net of idle: less the idle CPU rate (below) times the window's
 //!               duration, the background work that runs per engine and per second whether
 //!               requests come or not (health probes of every engine, identity reads, the
@@ -36,6 +37,13 @@
 //! place. Prints one table (and with `--plots DIR` writes it as SVG charts against the fleet
 //! size, `plots.rs`); asserts nothing about time (architecture.md section 8).
 //!
+//! For each `--per-agent` value every fleet size is started at once and their CPU windows
+//! are taken in turn (round 1 of every size, then round 2, ...), so a shared machine's drift
+//! reaches every size alike; then each size's other steps run, the largest first, each fleet
+//! stopped when its row is done. The windows are paced (`--rate`) so that each size serves the
+//! same load: a router's CPU per request falls the busier it is (more events per wake-up), and
+//! a larger simulated fleet answers slower, so unpaced windows compared the simulators too.
+//!
 //! Pinning (`--pin auto`), as in the comparison: the routers on the last CPU, born there so
 //! that a router runs one Tokio worker, and the load generator and the simulators on the others,
 //! so the router's CPU time holds neither cross-worker wake-ups nor the simulators' work on its
@@ -44,10 +52,11 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use narwhal_testkit::certs::make_dev_certs;
+use narwhal_testkit::certs::{DevCerts, make_dev_certs};
 use narwhal_testkit::{
     AgentEngine, AgentHandle, Clients, EngineSpec, FleetSpec, Http, LEASE_TTL_S, MultiSim,
     RouterHandle, STANDBY_PROBE_S, STANDBY_TAKEOVER_AFTER, SimHandle, launch_router,
@@ -88,6 +97,12 @@ struct Args {
     /// Seconds of the idle CPU window.
     #[arg(long, default_value_t = 3.0)]
     idle_s: f64,
+    /// Requests per second offered in the CPU windows (0: as fast as `--concurrency` clients
+    /// go). Paced, every fleet size (and every peer) serves the same load, so CPU per request
+    /// is not also a measure of how busy the simulators kept the router: a router batches
+    /// more events per wake-up the busier it is, and a larger simulated fleet answers slower.
+    #[arg(long, default_value_t = 2000.0)]
+    rate: f64,
     /// CPU-per-request windows per fleet size (each `--requests`): the table gives their
     /// median, and the spread of the windows beside it.
     #[arg(long, default_value_t = 3)]
@@ -203,10 +218,15 @@ pub async fn main(argv: Vec<String>) -> std::process::ExitCode {
     let router_cpus = pinning.as_ref().map(|p| p.router.clone());
     let agent_cpus = pinning.as_ref().map(|_| cpus.clone());
     println!(
-        "fleet-scale: {} x {} requests at concurrency {}, {} at concurrency 1, {} reads per document; routers on CPUs {}; load average {:?}",
+        "fleet-scale: {} x {} requests at concurrency {}, {}, {} at concurrency 1, {} reads per document; routers on CPUs {}; load average {:?}",
         args.rounds,
         args.requests,
         args.concurrency,
+        if args.rate > 0.0 {
+            format!("offered at {} per second", args.rate)
+        } else {
+            "unpaced".to_string()
+        },
         args.latency_requests,
         args.reads,
         router_cpus
@@ -214,28 +234,51 @@ pub async fn main(argv: Vec<String>) -> std::process::ExitCode {
             .map_or_else(|| "any (not pinned)".to_string(), procs::cpu_list),
         procs::loadavg()
     );
-    let mut rows = Vec::new();
-    for &n in &args.engines {
-        for &e in &args.per_agent {
-            let cpus = Cpus {
-                router: router_cpus.as_ref(),
-                agents: agent_cpus.as_ref(),
-            };
-            let row = match measure(&args, &peers, n, e, cpus).await {
-                Ok(r) => r,
-                Err(err) => {
-                    eprintln!("fleet-scale {n} engines, {e} per agent: {err}");
-                    Row {
-                        engines: n,
-                        per_agent: e,
-                        failures: vec![err],
-                        ..Row::default()
-                    }
-                }
-            };
-            print_row(&row, rows.is_empty());
-            rows.push(row);
+    let cpus = Cpus {
+        router: router_cpus.as_ref(),
+        agents: agent_cpus.as_ref(),
+    };
+    let failed_row = |n: usize, e: usize, err: String| {
+        eprintln!("fleet-scale {n} engines, {e} per agent: {err}");
+        Row {
+            engines: n,
+            per_agent: e,
+            failures: vec![err],
+            ..Row::default()
         }
+    };
+    let mut rows = Vec::new();
+    for &e in &args.per_agent {
+        // Every fleet size of this agent count up at once, their CPU windows taken in turn
+        // (round r of every size, then round r + 1): drift of a shared machine then reaches
+        // every size alike instead of whichever ran in a slow minute.
+        let mut ups = Vec::new();
+        for &n in &args.engines {
+            match start(&args, n, e, cpus).await {
+                Ok(up) => ups.push(up),
+                Err(err) => rows.push(failed_row(n, e, err)),
+            }
+        }
+        for r in 0..args.rounds {
+            for up in &mut ups {
+                if let Err(err) = cpu_window(&args, up, r).await {
+                    up.row.failures.push(err);
+                }
+            }
+        }
+        // The rest one size at a time, the largest first: each fleet is stopped when its row
+        // is done, so the later (smaller) ones run beside less.
+        while let Some(up) = ups.pop() {
+            let (n, e) = (up.row.engines, up.row.per_agent);
+            match finish(&args, &peers, up, cpus.router).await {
+                Ok(r) => rows.push(r),
+                Err(err) => rows.push(failed_row(n, e, err)),
+            }
+        }
+    }
+    rows.sort_by_key(|r| (r.per_agent, r.engines));
+    for (i, row) in rows.iter().enumerate() {
+        print_row(row, i == 0);
     }
     if !peers.is_empty() {
         print_peers(&rows);
@@ -375,7 +418,7 @@ async fn peer_cost(
     }
     let hz = procs::clock_ticks();
     let before = ticks(proc.pid);
-    let s = drive(addr, MODEL, &shot(args.concurrency, args.requests), 1000).await;
+    let s = drive(addr, MODEL, &window(args), 1000).await;
     let used = ticks(proc.pid).saturating_sub(before) as f64 / hz;
     if s.errors > 0 {
         return Err(format!(
@@ -401,6 +444,15 @@ struct Cpus<'a> {
     agents: Option<&'a BTreeSet<usize>>,
 }
 
+/// A CPU window: `--requests` completions ([`shot`]) at `--concurrency`, offered at `--rate`
+/// per second when it is above 0.
+fn window(args: &Args) -> Shot {
+    Shot {
+        rate: (args.rate > 0.0).then_some(args.rate),
+        ..shot(args.concurrency, args.requests)
+    }
+}
+
 /// A window of `requests` non-streamed 8-token completions at `concurrency`.
 fn shot(concurrency: usize, requests: usize) -> Shot {
     Shot {
@@ -410,6 +462,7 @@ fn shot(concurrency: usize, requests: usize) -> Shot {
         stream: false,
         timeout: Duration::from_secs(30),
         h2_streams: None,
+        rate: None,
     }
 }
 
@@ -467,13 +520,45 @@ async fn lifecycle_until(
     }
 }
 
-async fn measure(
-    args: &Args,
-    peers: &[PeerSpec],
-    n: usize,
-    per_agent: usize,
-    cpus: Cpus<'_>,
-) -> Result<Row, String> {
+/// One fleet size up and serving: its simulators, agents and primary router, and its row so
+/// far (startup, failures).
+struct Up {
+    row: Row,
+    /// CPU µs per request and seconds of each window run so far.
+    windows: Vec<(f64, f64)>,
+    /// Every engine's URL and port, `p0` first.
+    engines: Vec<(String, u16)>,
+    p0: SimHandle,
+    multi: MultiSim,
+    agents: Vec<AgentHandle>,
+    router: RouterHandle,
+    spec: FleetSpec,
+    certs: DevCerts,
+    lease: Value,
+    clients: Clients,
+    /// Holds every file of the fleet; removed last.
+    dir: tempfile::TempDir,
+}
+
+/// Router `label`'s fleet: `spec` with its TLS identity, the shared file `lease` and a state
+/// file of its own in `dir`.
+fn spec_for(
+    spec: &FleetSpec,
+    certs: &DevCerts,
+    lease: &Value,
+    dir: &Path,
+    label: &str,
+) -> FleetSpec {
+    spec.clone().tls(certs, label).with(json!({
+        "lease": lease,
+        "recovery": {"state_path": dir.join(format!("{label}.state.json"))},
+    }))
+}
+
+/// Starts fleet size `n` with `per_agent` engines per agent: simulators, agents, the primary
+/// router (on `cpus.router`); waits for every process identity and for placement to hold
+/// every engine, then warms it up.
+async fn start(args: &Args, n: usize, per_agent: usize, cpus: Cpus<'_>) -> Result<Up, String> {
     let router_cpus = cpus.router;
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let dirp = dir.path();
@@ -493,9 +578,9 @@ async fn measure(
     let names_ref: Vec<&str> = names.iter().map(String::as_str).collect();
     let certs = make_dev_certs(&dirp.join("certs"), &names_ref).map_err(|e| e.to_string())?;
     // p0 alone (restarted alone), the others in one process.
-    let mut p0: SimHandle = start_sim(dirp, &EngineSpec::new("p0", "prefill"), "vllm")
+    let p0: SimHandle = start_sim(dirp, &EngineSpec::new("p0", "prefill"), "vllm")
         .map_err(|e| format!("simulator p0: {e}"))?;
-    let mut multi = MultiSim::start(dirp, "sims", "vllm", n - 1, &[])
+    let multi = MultiSim::start(dirp, "sims", "vllm", n - 1, &[])
         .map_err(|e| format!("simulators: {e}"))?;
     let urls = |p0: &SimHandle, multi: &MultiSim| -> Vec<(String, u16)> {
         std::iter::once((p0.url.clone(), p0.port))
@@ -538,17 +623,12 @@ async fn measure(
     // A file lease shared with the standby started last; each router its own state file.
     let lease = json!({"backend": "file", "path": dirp.join("router.lease"), "ttl_s": LEASE_TTL_S,
                        "renew_interval_s": 0.5, "safety_margin_s": 0.5});
-    let spec_of = |label: &str| {
-        spec.clone().tls(&certs, label).with(json!({
-            "lease": lease,
-            "recovery": {"state_path": dirp.join(format!("{label}.state.json"))},
-        }))
-    };
+    let spec_of = |label: &str| spec_for(&spec, &certs, &lease, dirp, label);
     let clients = Clients::identity(&certs, "operator");
     let http = clients.http.clone();
     let t0 = Instant::now();
     let router_spec = spec_of("router").to_json(dirp);
-    let mut router: RouterHandle = procs::on_cpus(router_cpus, || {
+    let router: RouterHandle = procs::on_cpus(router_cpus, || {
         launch_router(
             dirp,
             "router",
@@ -573,7 +653,6 @@ async fn measure(
         startup_s,
         ..Row::default()
     };
-    let pid = router.proc.pid();
     let data = addr_of(&router.data)?;
     // Wait until placement has every engine (the health gate) before the windows.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -602,34 +681,90 @@ async fn measure(
             warm.errors, warm.first_error
         ));
     }
+    Ok(Up {
+        row,
+        windows: Vec::new(),
+        engines,
+        p0,
+        multi,
+        agents,
+        router,
+        spec,
+        certs,
+        lease,
+        clients,
+        dir,
+    })
+}
+
+/// One CPU-per-request window of `--requests` on `up`'s router (`round` from 0): adds its
+/// CPU per request and duration to `up.windows`, and its errors to the row's failures.
+async fn cpu_window(args: &Args, up: &mut Up, round: usize) -> Result<(), String> {
+    let pid = up.router.proc.pid();
+    let data = addr_of(&up.router.data)?;
     let hz = procs::clock_ticks();
-    // `--rounds` windows: the median CPU per request and the median window.
-    let mut windows: Vec<(f64, f64)> = Vec::with_capacity(args.rounds);
-    for r in 0..args.rounds {
-        let before = ticks(pid);
-        let t_window = Instant::now();
-        let s = drive(
-            data,
-            "tiny-sim",
-            &shot(args.concurrency, args.requests),
-            1000 + r * args.requests,
-        )
-        .await;
-        let window_s = t_window.elapsed().as_secs_f64();
-        let used = ticks(pid).saturating_sub(before) as f64 / hz;
-        windows.push((used / args.requests as f64 * 1e6, window_s));
-        if s.errors > 0 {
-            row.failures.push(format!(
-                "window {}: {} errors: {:?}",
-                r + 1,
-                s.errors,
-                s.first_error
-            ));
-        }
+    let before = ticks(pid);
+    let t_window = Instant::now();
+    let s = drive(
+        data,
+        "tiny-sim",
+        &window(args),
+        1000 + round * args.requests,
+    )
+    .await;
+    let window_s = t_window.elapsed().as_secs_f64();
+    let used = ticks(pid).saturating_sub(before) as f64 / hz;
+    up.windows
+        .push((used / args.requests as f64 * 1e6, window_s));
+    if s.errors > 0 {
+        up.row.failures.push(format!(
+            "window {}: {} errors: {:?}",
+            round + 1,
+            s.errors,
+            s.first_error
+        ));
     }
-    windows.sort_by(|a, b| a.0.total_cmp(&b.0));
-    (row.cpu_us_per_req, row.window_s) = windows[windows.len() / 2];
-    row.cpu_spread = (windows[0].0, windows[windows.len() - 1].0);
+    Ok(())
+}
+
+/// The rest of a fleet's row once its CPU windows ran: their median, the latency at
+/// concurrency 1, the peers, the idle CPU, the documents, memory, the lifecycle steps and the
+/// standby's takeover; stops the fleet.
+async fn finish(
+    args: &Args,
+    peers: &[PeerSpec],
+    mut up: Up,
+    router_cpus: Option<&BTreeSet<usize>>,
+) -> Result<Row, String> {
+    let n = up.row.engines;
+    let hosts = up.row.agents;
+    let mut windows = std::mem::take(&mut up.windows);
+    let Up {
+        mut row,
+        engines,
+        mut p0,
+        mut multi,
+        agents,
+        mut router,
+        spec,
+        certs,
+        lease,
+        clients,
+        dir,
+        ..
+    } = up;
+    let dirp = dir.path();
+    let http = clients.http.clone();
+    let control = router.control.clone();
+    let pid = router.proc.pid();
+    let data = addr_of(&router.data)?;
+    let hz = procs::clock_ticks();
+    let spec_of = |label: &str| spec_for(&spec, &certs, &lease, dirp, label);
+    if !windows.is_empty() {
+        windows.sort_by(|a, b| a.0.total_cmp(&b.0));
+        (row.cpu_us_per_req, row.window_s) = windows[windows.len() / 2];
+        row.cpu_spread = (windows[0].0, windows[windows.len() - 1].0);
+    }
     let c1 = drive(data, "tiny-sim", &shot(1, args.latency_requests), 1_000_000).await;
     row.p50_c1_ms = quantile(&c1.latency_s, 0.5) * 1e3;
     if !peers.is_empty() {

@@ -34,6 +34,10 @@ pub struct Shot {
     /// `Some(n)`: clients share HTTP/2 connections (prior knowledge), `n` clients to one, each
     /// client's request a stream of its connection; `None`: one HTTP/1.1 connection per client.
     pub h2_streams: Option<usize>,
+    /// `Some(r)`: request `i` is sent no earlier than `i / r` seconds after the clients start, so the
+    /// offered rate is at most `r` per second whatever the target's speed (the clients still
+    /// bound the requests in flight); `None`: each client sends its next request at once.
+    pub rate: Option<f64>,
 }
 
 /// What one window measured. Times in seconds.
@@ -286,6 +290,7 @@ async fn drive_clients(
         None => Vec::new(),
     };
     let mut tasks = Vec::with_capacity(clients);
+    let paced_from = tokio::time::Instant::now();
     for k in 0..clients {
         let (bodies, next, shot, gate) = (bodies.clone(), next.clone(), shot.clone(), gate.clone());
         let share = (!shared.is_empty()).then(|| shared[k % shared.len()].clone());
@@ -322,6 +327,10 @@ async fn drive_clients(
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 if i >= bodies.len() {
                     break;
+                }
+                if let Some(r) = shot.rate.filter(|r| *r > 0.0) {
+                    tokio::time::sleep_until(paced_from + Duration::from_secs_f64(i as f64 / r))
+                        .await;
                 }
                 let start = Instant::now();
                 let attempt = async {
