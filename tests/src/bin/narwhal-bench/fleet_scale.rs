@@ -39,8 +39,8 @@
 //!
 //! For each `--per-agent` value every fleet size is started at once and their CPU windows
 //! are taken in turn (round 1 of every size, then round 2, ...), so a shared machine's drift
-//! reaches every size alike; then each size's other steps run, the largest first, each fleet
-//! stopped when its row is done. The windows are paced (`--rate`) so that each size serves the
+//! reaches every size alike; then each size's other steps run, the smallest first, each fleet
+//! stopped when its row is done (the largest runs its lifecycle steps alone). The windows are paced (`--rate`) so that each size serves the
 //! same load: a router's CPU per request falls the busier it is (more events per wake-up), and
 //! a larger simulated fleet answers slower, so unpaced windows compared the simulators too.
 //!
@@ -266,9 +266,10 @@ pub async fn main(argv: Vec<String>) -> std::process::ExitCode {
                 }
             }
         }
-        // The rest one size at a time, the largest first: each fleet is stopped when its row
-        // is done, so the later (smaller) ones run beside less.
-        while let Some(up) = ups.pop() {
+        // The rest one size at a time, the smallest first: each fleet is stopped when its row
+        // is done, so the largest, whose lifecycle steps cost the most, runs alone.
+        ups.sort_by_key(|u| u.row.engines);
+        for up in ups {
             let (n, e) = (up.row.engines, up.row.per_agent);
             match finish(&args, &peers, up, cpus.router).await {
                 Ok(r) => rows.push(r),
