@@ -26,7 +26,13 @@ pub(crate) fn json_response<T: serde::Serialize + ?Sized>(
                 .into_bytes(),
         ),
     };
-    let mut r = Response::new(Full::new(Bytes::from(body)).boxed());
+    json_bytes_response(status, Bytes::from(body), rid)
+}
+
+/// An `application/json` response of `body` (JSON already written: an engine's answer cleaned
+/// at byte level) with `status` and the `x-request-id` header.
+pub(crate) fn json_bytes_response(status: StatusCode, body: Bytes, rid: &str) -> Response<Body> {
+    let mut r = Response::new(Full::new(body).boxed());
     *r.status_mut() = status;
     let h = r.headers_mut();
     h.insert(

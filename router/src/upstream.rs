@@ -28,8 +28,8 @@ use crate::breaker::FailureClass;
 use crate::config::{Config, secs};
 use crate::placement::Phase;
 use narwhal_relay::{
-    Head, RelayOptions, RelayStep, SseParser, StreamFailure, StreamState, assemble_sse,
-    chunk_usage, upstream_error,
+    AnswerFacts, Head, RelayOptions, RelayStep, SseParser, StreamFailure, StreamState,
+    assemble_sse, chunk_usage, clean_answer, upstream_error,
 };
 
 /// Error answers read from an engine are capped at this many bytes.
@@ -243,21 +243,38 @@ impl Upstream {
     }
 
     /// A whole (non-streaming) leg: a non-streaming client's request on an aggregated
-    /// engine, answered as the engine answers it (its usage, its errors). Bounded by `limit`
-    /// (the request deadline) and `max_bytes` (`serving.max_response_bytes`). An engine that
-    /// streams the answer anyway (`text/event-stream` to `"stream": false`) has it assembled
-    /// into one answer for a chat (`chat`) or completions client ([`assemble_sse`]).
-    pub(crate) async fn whole(
+    /// engine, answered as the engine answers it (its usage, its errors), bounded by `limit`
+    /// (the request deadline) and `serving.max_response_bytes`. An answer that carries its own
+    /// complete usage is cleaned for the client at byte level ([`narwhal_relay::clean_answer`]:
+    /// no `Value` parsed and written again; `return_token_ids` is the client's); any other is
+    /// parsed. An engine that streams the answer anyway (`text/event-stream` to
+    /// `"stream": false`) has it assembled into one answer for a chat (`chat`) or completions
+    /// client ([`assemble_sse`]).
+    pub(crate) async fn whole_answer(
         &self,
         url: &str,
         leg: &LegId,
         body: &Value,
         limit: Instant,
-        max_bytes: u64,
         chat: bool,
-    ) -> Result<Value, LegError> {
-        let max = usize::try_from(max_bytes).unwrap_or(usize::MAX);
-        self.json_leg(url, leg, body, limit, max, Some(chat)).await
+        return_token_ids: bool,
+    ) -> Result<WholeAnswer, LegError> {
+        let fut = async {
+            let (bytes, streamed) = self
+                .read_answer(url, leg, body, self.max_answer_bytes)
+                .await?;
+            if !streamed && let Some((clean, facts)) = clean_answer(&bytes, return_token_ids) {
+                return Ok(WholeAnswer::Clean(CleanAnswer {
+                    body: Bytes::from(clean),
+                    facts,
+                }));
+            }
+            answer_value(&bytes, streamed, Some(chat)).map(WholeAnswer::Value)
+        };
+        match tokio::time::timeout_at(limit.into(), fut).await {
+            Ok(r) => r,
+            Err(_) => Err(LegError::Timeout(leg.limit_name())),
+        }
     }
 
     /// The bound of a prefill leg's answer, bytes (`serving.max_response_bytes`).
@@ -278,50 +295,46 @@ impl Upstream {
         sse_chat: Option<bool>,
     ) -> Result<Value, LegError> {
         let fut = async {
-            let resp = self.post(url, leg, body).await?;
-            let status = resp.status();
-            if status != StatusCode::OK {
-                let bytes = read_bounded(resp.into_body(), ERROR_BODY_LIMIT)
-                    .await
-                    .unwrap_or_default();
-                return Err(status_error(status, &bytes));
-            }
-            let streamed = resp
-                .headers()
-                .get(http::header::CONTENT_TYPE)
-                .and_then(|v| v.to_str().ok())
-                .is_some_and(|v| {
-                    v.trim_start()
-                        .to_ascii_lowercase()
-                        .starts_with("text/event-stream")
-                });
-            let bytes = match read_bounded(resp.into_body(), max_bytes).await {
-                Ok(b) => b,
-                Err(ReadFailure::TooLarge) => {
-                    return Err(LegError::Stream(StreamFailure::ResponseLimit));
-                }
-                Err(ReadFailure::Body(e)) => {
-                    return Err(LegError::Cut(format!("reading the answer: {e}")));
-                }
-            };
-            let answer = match sse_chat {
-                Some(chat) if streamed => assemble_sse(&bytes, chat).map_err(LegError::Stream)?,
-                _ => serde_json::from_slice::<Value>(&bytes)
-                    .map_err(|e| LegError::InvalidResponse(format!("answer is not JSON: {e}")))?,
-            };
-            if let Some(err) = answer.get("error").filter(|e| !e.is_null()) {
-                return Err(LegError::Stream(upstream_error(err)));
-            }
-            if !answer.get("choices").is_some_and(Value::is_array) {
-                return Err(LegError::InvalidResponse(
-                    "answer has no choices array".into(),
-                ));
-            }
-            Ok(answer)
+            let (bytes, streamed) = self.read_answer(url, leg, body, max_bytes).await?;
+            answer_value(&bytes, streamed, sse_chat)
         };
         match tokio::time::timeout_at(limit.into(), fut).await {
             Ok(r) => r,
             Err(_) => Err(LegError::Timeout(leg.limit_name())),
+        }
+    }
+
+    /// POSTs a non-streaming leg and reads its answer's bytes (at most `max_bytes`), and
+    /// whether the engine streamed it anyway (`text/event-stream`); an error status is the
+    /// leg's error.
+    async fn read_answer(
+        &self,
+        url: &str,
+        leg: &LegId,
+        body: &Value,
+        max_bytes: usize,
+    ) -> Result<(Bytes, bool), LegError> {
+        let resp = self.post(url, leg, body).await?;
+        let status = resp.status();
+        if status != StatusCode::OK {
+            let bytes = read_bounded(resp.into_body(), ERROR_BODY_LIMIT)
+                .await
+                .unwrap_or_default();
+            return Err(status_error(status, &bytes));
+        }
+        let streamed = resp
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| {
+                v.trim_start()
+                    .to_ascii_lowercase()
+                    .starts_with("text/event-stream")
+            });
+        match read_bounded(resp.into_body(), max_bytes).await {
+            Ok(b) => Ok((b, streamed)),
+            Err(ReadFailure::TooLarge) => Err(LegError::Stream(StreamFailure::ResponseLimit)),
+            Err(ReadFailure::Body(e)) => Err(LegError::Cut(format!("reading the answer: {e}"))),
         }
     }
 
@@ -372,6 +385,52 @@ impl Upstream {
             Ok(r) => r,
             Err(_) => Err(LegError::FirstTokenTimeout),
         }
+    }
+}
+
+/// A non-streaming leg's answer as a value: JSON, or a stream assembled into one answer for
+/// a chat (`Some(true)`) or completions client when `streamed` and `sse_chat` is given; an
+/// error member or no choices array fails the leg.
+fn answer_value(bytes: &[u8], streamed: bool, sse_chat: Option<bool>) -> Result<Value, LegError> {
+    let answer = match sse_chat {
+        Some(chat) if streamed => assemble_sse(bytes, chat).map_err(LegError::Stream)?,
+        _ => serde_json::from_slice::<Value>(bytes)
+            .map_err(|e| LegError::InvalidResponse(format!("answer is not JSON: {e}")))?,
+    };
+    if let Some(err) = answer.get("error").filter(|e| !e.is_null()) {
+        return Err(LegError::Stream(upstream_error(err)));
+    }
+    if !answer.get("choices").is_some_and(Value::is_array) {
+        return Err(LegError::InvalidResponse(
+            "answer has no choices array".into(),
+        ));
+    }
+    Ok(answer)
+}
+
+/// A whole leg's answer ([`Upstream::whole_answer`]).
+#[derive(Debug)]
+pub(crate) enum WholeAnswer {
+    /// Cleaned at byte level: the client's answer as it is.
+    Clean(CleanAnswer),
+    /// Parsed: the value path cleans and completes it.
+    Value(Value),
+}
+
+/// An engine's answer cleaned for its client at byte level, and its usage counts.
+#[derive(Debug, Clone)]
+pub(crate) struct CleanAnswer {
+    /// The JSON object the client gets.
+    pub(crate) body: Bytes,
+    /// The engine's usage counts.
+    pub(crate) facts: AnswerFacts,
+}
+
+impl CleanAnswer {
+    /// The answer as a value (a batch's answers are merged as values). The bytes are JSON
+    /// ([`narwhal_relay::clean_answer`] validated them while it cleaned them).
+    pub(crate) fn into_value(self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
     }
 }
 

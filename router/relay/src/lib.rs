@@ -26,6 +26,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 mod aggregate;
+mod answer;
 mod frames;
 mod rawjson;
 mod sse;
@@ -34,6 +35,7 @@ mod stream;
 mod tests;
 
 pub use aggregate::{Aggregator, assemble_sse};
+pub use answer::{AnswerFacts, clean_answer};
 pub use frames::{
     answer_chunks, data_frame, done_frame, error_frame, reindex, sanitize_answer, sum_usages,
     usage_value,

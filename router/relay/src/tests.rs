@@ -4,6 +4,7 @@
 use serde_json::{Value, json};
 
 use crate::aggregate::*;
+use crate::answer::*;
 use crate::frames::*;
 use crate::sse::*;
 use crate::stream::*;
@@ -1083,5 +1084,164 @@ fn aggregator_view_merges_odd_frames_as_the_value() {
             by_value.push(&serde_json::from_str::<Value>(f).unwrap());
         }
         assert_eq!(by_view.finish(json!(null)), by_value.finish(json!(null)));
+    }
+}
+
+/// A whole answer as an engine may write it: the frame's members plus the KV parameters of a
+/// split and usage details, some members of odd types.
+fn arb_answer() -> impl Strategy<Value = Value> {
+    let kv = prop_oneof![
+        Just(Value::Null),
+        Just(json!({"remote_engine_id": "e", "remote_block_ids": [1, 2]})),
+        arb_leaf(),
+    ];
+    let choice = arb_object(vec![
+        ("index", (0u64..4).prop_map(Value::from).boxed()),
+        ("text", arb_leaf().boxed()),
+        (
+            "message",
+            prop_oneof![
+                Just(json!({"role": "assistant", "content": "hi"})),
+                arb_leaf()
+            ]
+            .boxed(),
+        ),
+        ("logprobs", arb_leaf().boxed()),
+        (
+            "finish_reason",
+            prop_oneof![Just(Value::Null), Just(json!("length"))].boxed(),
+        ),
+        ("token_ids", arb_ids().boxed()),
+        ("prompt_token_ids", arb_ids().boxed()),
+        ("kv_transfer_params", kv.clone().boxed()),
+    ]);
+    let details = prop_oneof![
+        Just(Value::Null),
+        (0u64..9).prop_map(|n| json!({"cached_tokens": n})),
+        Just(json!({"cached_tokens": null})),
+        Just(json!({"cached_tokens": 1.5, "other": [1]})),
+    ];
+    let usage = arb_object(vec![
+        (
+            "prompt_tokens",
+            prop_oneof![
+                6 => (0u64..50).prop_map(Value::from),
+                1 => Just(json!(-1)),
+                1 => Just(json!(2.0)),
+            ]
+            .boxed(),
+        ),
+        (
+            "completion_tokens",
+            prop_oneof![5 => (0u64..50).prop_map(Value::from), 1 => Just(json!("3"))].boxed(),
+        ),
+        ("total_tokens", (0u64..50).prop_map(Value::from).boxed()),
+        ("prompt_tokens_details", details.boxed()),
+    ]);
+    arb_object(vec![
+        ("id", Just(json!("cmpl-1")).boxed()),
+        ("object", Just(json!("text_completion")).boxed()),
+        ("created", Just(json!(7)).boxed()),
+        ("model", Just(json!("m")).boxed()),
+        (
+            "choices",
+            prop_oneof![
+                6 => proptest::collection::vec(prop_oneof![6 => choice.boxed(), 1 => arb_leaf().boxed()], 0..3)
+                    .prop_map(Value::Array).boxed(),
+                1 => arb_leaf().boxed(),
+            ]
+            .boxed(),
+        ),
+        ("usage", prop_oneof![6 => usage.boxed(), 1 => arb_leaf().boxed()].boxed()),
+        ("prompt_token_ids", arb_ids().boxed()),
+        ("kv_transfer_params", kv.boxed()),
+        (
+            "error",
+            prop_oneof![4 => Just(Value::Null), 1 => Just(json!({"message": "x"}))].boxed(),
+        ),
+    ])
+}
+
+/// What the value path makes of a whole answer for the client (`upstream::json_leg`'s checks,
+/// then `finish_whole`): `None` where it fails the leg (an error member, no choices array).
+fn value_path(answer: &Value, return_token_ids: bool) -> Option<Value> {
+    if answer.get("error").is_some_and(|e| !e.is_null())
+        || !answer.get("choices").is_some_and(Value::is_array)
+    {
+        return None;
+    }
+    let mut a = answer.clone();
+    sanitize_answer(&mut a, return_token_ids);
+    let usage = usage_value(a.get("usage"), 999, 888);
+    a["usage"] = usage;
+    Some(a)
+}
+
+proptest! {
+    /// Whenever the byte scan cleans an answer, its bytes parse to the value the value path
+    /// builds, and its counts are that value's usage (members in any order, compact or
+    /// pretty, any types).
+    #[test]
+    fn a_cleaned_answer_is_the_value_paths_answer(
+        answer in arb_answer(),
+        pretty in any::<bool>(),
+        return_token_ids in any::<bool>(),
+    ) {
+        let text = if pretty { serde_json::to_string_pretty(&answer) } else { serde_json::to_string(&answer) }.unwrap();
+        // The generated answers have no escaped or repeated keys: every one the value path
+        // serves with the engine's complete usage takes the byte path.
+        let u = &answer["usage"];
+        let complete = u["prompt_tokens"].is_u64() && u["completion_tokens"].is_u64() && u["total_tokens"].is_u64();
+        let served = value_path(&answer, return_token_ids).is_some();
+        prop_assert_eq!(clean_answer(text.as_bytes(), return_token_ids).is_some(), served && complete, "{}", text);
+        if let Some((bytes, facts)) = clean_answer(text.as_bytes(), return_token_ids) {
+            let cleaned: Value = serde_json::from_slice(&bytes).expect("cleaned bytes are JSON");
+            let want = value_path(&answer, return_token_ids);
+            prop_assert_eq!(Some(&cleaned), want.as_ref(), "{}", text);
+            let u = &cleaned["usage"];
+            prop_assert_eq!(Some(facts.prompt_tokens), u["prompt_tokens"].as_u64());
+            prop_assert_eq!(Some(facts.completion_tokens), u["completion_tokens"].as_u64());
+            prop_assert_eq!(facts.cached_tokens, u["prompt_tokens_details"]["cached_tokens"].as_u64());
+        }
+    }
+}
+
+/// A vLLM answer with its usage takes the byte path: KV parameters and unrequested token ids
+/// go, the rest is the engine's bytes; answers the value path must handle do not.
+#[test]
+fn a_vllm_answer_is_cleaned_in_one_scan_and_odd_ones_are_left_to_the_value_path() {
+    let answer = r#"{"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":" a b","logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":[5,6],"prompt_logprobs":null,"prompt_token_ids":[1,2,3],"kv_transfer_params":null}],"service_tier":null,"system_fingerprint":null,"usage":{"prompt_tokens":3,"total_tokens":5,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":2}},"prompt_logprobs":null,"prompt_token_ids":null,"kv_transfer_params":{"do_remote_prefill":true}}"#;
+    let (bytes, facts) = clean_answer(answer.as_bytes(), false).expect("the byte path");
+    assert_eq!(
+        std::str::from_utf8(&bytes).unwrap(),
+        r#"{"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":" a b","logprobs":null,"finish_reason":"length","stop_reason":null,"prompt_logprobs":null}],"service_tier":null,"system_fingerprint":null,"usage":{"prompt_tokens":3,"total_tokens":5,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":2}},"prompt_logprobs":null}"#
+    );
+    assert_eq!(
+        facts,
+        AnswerFacts {
+            prompt_tokens: 3,
+            completion_tokens: 2,
+            cached_tokens: Some(2)
+        }
+    );
+    let (kept, _) = clean_answer(answer.as_bytes(), true).expect("the byte path");
+    assert!(
+        std::str::from_utf8(&kept)
+            .unwrap()
+            .contains(r#""token_ids":[5,6]"#)
+    );
+    for odd in [
+        // No usage, or one to complete: the value path estimates.
+        r#"{"choices":[{"text":"a"}]}"#,
+        r#"{"choices":[],"usage":{"completion_tokens":1,"total_tokens":1}}"#,
+        // An error member, or no choices array: the value path fails the leg.
+        r#"{"error":{"message":"x"},"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#,
+        r#"{"choices":{},"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#,
+        // An escaped key, a watched member twice, not JSON.
+        r#"{"ch\u006fices":[],"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#,
+        r#"{"choices":[],"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#,
+        r#"{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}"#,
+    ] {
+        assert!(clean_answer(odd.as_bytes(), false).is_none(), "{odd}");
     }
 }

@@ -12,6 +12,7 @@ use crate::config::Backend;
 use crate::controller::Track;
 use crate::ingress::Endpoint;
 use crate::placement::Phase;
+use crate::upstream::WholeAnswer;
 
 use super::leg::{
     AttemptLog, Fail, Output, Started, engine_url, first_token_limit, leg_failed, new_leg,
@@ -60,13 +61,16 @@ pub(super) async fn run(
     let failed = leg_failed(Phase::Decode, engine, None);
     let engine_url = engine_url(ctx, engine);
     let out = if whole {
-        let limit = parts.cfg.serving.max_response_bytes;
+        let rti = ctx.v.return_token_ids;
         let answer = parts
             .upstream
-            .whole(&engine_url, &leg, &body, ctx.deadline, limit, chat);
+            .whole_answer(&engine_url, &leg, &body, ctx.deadline, chat, rti);
         let answer = answer.instrument(span).await.map_err(failed)?;
         track.first_token();
-        Output::Whole(answer)
+        match answer {
+            WholeAnswer::Clean(clean) => Output::Clean(clean),
+            WholeAnswer::Value(v) => Output::Whole(v),
+        }
     } else {
         let first_by = (now + first_token_limit(parts, false)).min(ctx.deadline);
         let live = parts

@@ -15,7 +15,7 @@ use crate::placement::Phase;
 use narwhal_relay::RelayOptions;
 
 use super::{Ctx, Sub};
-use crate::upstream::{LegError, LegId, LiveStream};
+use crate::upstream::{CleanAnswer, LegError, LegId, LiveStream};
 
 /// A failed attempt leg.
 #[derive(Debug)]
@@ -52,6 +52,9 @@ pub(super) enum Output {
     /// prefill that already finished the generation (its one token was EOS or ended a stop
     /// string).
     Whole(Value),
+    /// A non-streaming client's whole answer on an aggregated engine, already cleaned for the
+    /// client at byte level (it carried its own complete usage).
+    Clean(CleanAnswer),
 }
 
 /// An attempt that reached its first output.

@@ -53,7 +53,7 @@ use crate::failure::{Expiry, RequestFailure};
 use crate::ingress::{self, Endpoint, Validated};
 use crate::outcome::{Pending, RequestRecord, SettleSink, Settlement};
 use crate::parts::Parts;
-use crate::response::{Body, json_response};
+use crate::response::{Body, json_bytes_response, json_response};
 use narwhal_relay::done_frame;
 
 mod aggregated;
@@ -67,7 +67,7 @@ mod vllm_nixl;
 
 use attempt::{refused_attempt, start_all};
 use leg::{AttemptLog, Output};
-use relay_io::{Relayed, collect_all, finish_frame, finish_record, stream_all};
+use relay_io::{Answer, Relayed, collect_all, finish_frame, finish_record, stream_all};
 
 /// Body fed by a channel: the relay task sends SSE frames; dropping the body (client gone)
 /// closes the channel, which the task notices.
@@ -318,7 +318,7 @@ async fn completion_inner(
                     }
                     complete = live.end_known();
                 }
-                Output::Whole(_) => complete = true,
+                Output::Whole(_) | Output::Clean(_) => complete = true,
             }
         }
         let task_parts = parts.clone();
@@ -388,9 +388,13 @@ async fn completion_inner(
         drop(retained);
         finish_record(&mut pending, &end.stats);
         match end.answer {
-            Ok(answer) => {
+            Ok(Answer::Value(answer)) => {
                 pending.settle(Settlement::completed());
                 json_response(StatusCode::OK, &answer, &rid)
+            }
+            Ok(Answer::Bytes(answer)) => {
+                pending.settle(Settlement::completed());
+                json_bytes_response(StatusCode::OK, answer, &rid)
             }
             Err(failure) => fail(pending, failure),
         }

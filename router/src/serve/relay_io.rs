@@ -366,6 +366,11 @@ pub(super) async fn stream_one(
     estimate: u64,
 ) -> StreamOne {
     let (out, served, guards) = split(s);
+    // A streaming client's answer is cut into chunks from its value.
+    let out = match out {
+        Output::Clean(clean) => Output::Whole(clean.into_value()),
+        out => out,
+    };
     let one = match out {
         Output::Whole(mut answer) => {
             let prompt_tokens = engine_prompt_tokens(answer.get("usage"));
@@ -393,6 +398,7 @@ pub(super) async fn stream_one(
                 head: sink.head.take(),
             }
         }
+        Output::Clean(_) => unreachable!("converted to its value above"),
         Output::Live(mut live) => {
             let (relayed, clock) = relay(
                 parts, &mut live, &served, &mut sink, deadline, first_at, true,
@@ -553,9 +559,25 @@ pub(super) async fn stream_all(
     }
 }
 
+/// A non-streaming client's answer: a value the router built or cleaned, or an engine's
+/// answer cleaned at byte level ([`Output::Clean`]), sent as it is.
+pub(super) enum Answer {
+    Value(Value),
+    Bytes(Bytes),
+}
+
+impl Answer {
+    fn into_value(self) -> Value {
+        match self {
+            Answer::Value(v) => v,
+            Answer::Bytes(b) => serde_json::from_slice(&b).unwrap_or(Value::Null),
+        }
+    }
+}
+
 /// How a non-streaming answer ended.
 pub(super) struct CollectEnd {
-    pub(super) answer: Result<Value, RequestFailure>,
+    pub(super) answer: Result<Answer, RequestFailure>,
     pub(super) stats: Vec<SubStats>,
 }
 
@@ -566,9 +588,23 @@ pub(super) async fn collect_one(
     first_at: Instant,
     a: &Answering,
     estimate: u64,
-) -> (Result<Value, RequestFailure>, SubStats) {
+) -> (Result<Answer, RequestFailure>, SubStats) {
     let (out, served, guards) = split(s);
     let (answer, stats) = match out {
+        Output::Clean(clean) => {
+            let f = clean.facts;
+            served.track.tokens(f.completion_tokens);
+            if served.decode_ok {
+                parts.fleet.observe(served.served_by, Observation::DecodeOk);
+            }
+            let stats = SubStats {
+                tokens: f.completion_tokens,
+                tpot: None,
+                prompt_tokens: Some(f.prompt_tokens),
+                cached_tokens: f.cached_tokens,
+            };
+            (Ok(Answer::Bytes(clean.body)), stats)
+        }
         Output::Whole(mut answer) => {
             let prompt_tokens = engine_prompt_tokens(answer.get("usage"));
             let cached_tokens = engine_cached_tokens(answer.get("usage"));
@@ -583,7 +619,7 @@ pub(super) async fn collect_one(
                 prompt_tokens,
                 cached_tokens,
             };
-            (Ok(answer), stats)
+            (Ok(Answer::Value(answer)), stats)
         }
         Output::Live(mut live) => {
             let mut agg = Aggregator::new(a.chat);
@@ -604,7 +640,7 @@ pub(super) async fn collect_one(
                     stats.prompt_tokens = engine_prompt_tokens(engine_usage.as_ref());
                     stats.cached_tokens = engine_cached_tokens(engine_usage.as_ref());
                     let usage = usage_value(engine_usage.as_ref(), estimate, live.tokens());
-                    Ok(agg.finish(usage))
+                    Ok(Answer::Value(agg.finish(usage)))
                 }
                 Relayed::Failed(failure) => Err(failure),
                 // An `Aggregator` takes every chunk and never reports its client gone (hyper
@@ -654,7 +690,7 @@ pub(super) async fn collect_all(
     while let Some((k, (answer, st))) = running.next().await {
         stats.push(st);
         match answer {
-            Ok(v) => answers[k] = Some(v),
+            Ok(v) => answers[k] = Some(v.into_value()),
             Err(failure) => {
                 return CollectEnd {
                     answer: Err(failure),
@@ -665,7 +701,7 @@ pub(super) async fn collect_all(
     }
     let answers: Vec<Value> = answers.into_iter().flatten().collect();
     CollectEnd {
-        answer: Ok(merge_answers(answers, a.choices)),
+        answer: Ok(Answer::Value(merge_answers(answers, a.choices))),
         stats,
     }
 }
