@@ -72,7 +72,7 @@ impl LegId {
     }
 
     /// The limit that bounds this leg, for a timeout's message.
-    fn limit_name(&self) -> &'static str {
+    pub(crate) fn limit_name(&self) -> &'static str {
         if self.label.ends_with("-prefill") {
             "prefill leg exceeded serving.prefill_timeout_s"
         } else {
@@ -307,7 +307,7 @@ impl Upstream {
     /// POSTs a non-streaming leg and reads its answer's bytes (at most `max_bytes`), and
     /// whether the engine streamed it anyway (`text/event-stream`); an error status is the
     /// leg's error.
-    async fn read_answer(
+    pub(crate) async fn read_answer(
         &self,
         url: &str,
         leg: &LegId,
@@ -391,7 +391,11 @@ impl Upstream {
 /// A non-streaming leg's answer as a value: JSON, or a stream assembled into one answer for
 /// a chat (`Some(true)`) or completions client when `streamed` and `sse_chat` is given; an
 /// error member or no choices array fails the leg.
-fn answer_value(bytes: &[u8], streamed: bool, sse_chat: Option<bool>) -> Result<Value, LegError> {
+pub(crate) fn answer_value(
+    bytes: &[u8],
+    streamed: bool,
+    sse_chat: Option<bool>,
+) -> Result<Value, LegError> {
     let answer = match sse_chat {
         Some(chat) if streamed => assemble_sse(bytes, chat).map_err(LegError::Stream)?,
         _ => serde_json::from_slice::<Value>(bytes)

@@ -191,3 +191,92 @@ pub fn clean_answer(bytes: &[u8], return_token_ids: bool) -> Option<(Vec<u8>, An
     apply(bytes, start..end, &c.edits, &mut out);
     Some((out, facts))
 }
+
+/// Where a vLLM prefill answer's KV descriptor is in `bytes`: `choices[0].kv_transfer_params`
+/// when it is not null, else the top-level `kv_transfer_params` when it is not null, as
+/// `Value::pointer` finds them (vLLM's NIXL connector answers with one of the two), so the
+/// descriptor alone is parsed and carried, not the whole answer.
+///
+/// `None` when the answer needs the value path: not UTF-8, not a JSON object, a key written
+/// with an escape, `error`, `choices` or `kv_transfer_params` given twice (at the top or in the
+/// first choice), a non-null `error`, `choices` not an array, no descriptor, or a descriptor
+/// that is not an object (the value path then answers, finishes or fails the prefill as
+/// before).
+pub fn descriptor_span(bytes: &[u8]) -> Option<std::ops::Range<usize>> {
+    std::str::from_utf8(bytes).ok()?;
+    let mut c = Cursor::new(bytes, Vec::new());
+    if c.peek() != Some(b'{') {
+        return None;
+    }
+    let mut seen = [false; 3];
+    let mut top: Option<std::ops::Range<usize>> = None;
+    let mut first: Option<std::ops::Range<usize>> = None;
+    let mut choices = false;
+    let mut odd = false;
+    let walked = c.object(|c, m| {
+        if m.escaped {
+            odd = true;
+            c.value()?;
+            return Ok(Keep::Yes);
+        }
+        let key = &c.bytes()[m.key.clone()];
+        let slot = match key {
+            b"error" => Some(0),
+            b"choices" => Some(1),
+            b"kv_transfer_params" => Some(2),
+            _ => None,
+        };
+        if let Some(i) = slot {
+            odd |= seen[i];
+            seen[i] = true;
+        }
+        match key {
+            b"error" => {
+                if !c.null()? {
+                    odd = true;
+                    c.value()?;
+                }
+            }
+            b"kv_transfer_params" => {
+                top = if c.null()? { None } else { Some(c.value()?) };
+            }
+            b"choices" => {
+                if c.peek() != Some(b'[') {
+                    odd = true;
+                    c.value()?;
+                    return Ok(Keep::Yes);
+                }
+                choices = true;
+                c.array(|c, i| {
+                    if i > 0 || c.peek() != Some(b'{') {
+                        c.value()?;
+                        return Ok(());
+                    }
+                    let mut twice = false;
+                    c.object(|c, m| {
+                        if m.escaped {
+                            odd = true;
+                        }
+                        if &c.bytes()[m.key.clone()] == b"kv_transfer_params" {
+                            odd |= twice;
+                            twice = true;
+                            first = if c.null()? { None } else { Some(c.value()?) };
+                        } else {
+                            c.value()?;
+                        }
+                        Ok(Keep::Yes)
+                    })?;
+                    Ok(())
+                })?;
+            }
+            _ => {
+                c.value()?;
+            }
+        }
+        Ok(Keep::Yes)
+    });
+    if walked.is_err() || c.end().is_err() || odd || !choices {
+        return None;
+    }
+    first.or(top).filter(|r| bytes[r.start] == b'{')
+}

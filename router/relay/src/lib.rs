@@ -35,7 +35,7 @@ mod stream;
 mod tests;
 
 pub use aggregate::{Aggregator, assemble_sse};
-pub use answer::{AnswerFacts, clean_answer};
+pub use answer::{AnswerFacts, clean_answer, descriptor_span};
 pub use frames::{
     answer_chunks, data_frame, done_frame, error_frame, reindex, sanitize_answer, sum_usages,
     usage_value,

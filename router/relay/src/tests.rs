@@ -1245,3 +1245,69 @@ fn a_vllm_answer_is_cleaned_in_one_scan_and_odd_ones_are_left_to_the_value_path(
         assert!(clean_answer(odd.as_bytes(), false).is_none(), "{odd}");
     }
 }
+
+/// A vLLM prefill answer: the descriptor in the first choice, at the top, both, neither, null
+/// or not an object, in a choice list of any shape.
+fn arb_prefill_answer() -> impl Strategy<Value = Value> {
+    let desc = prop_oneof![
+        4 => (0u64..9).prop_map(|n| json!({"remote_engine_id": format!("e{n}"), "remote_block_ids": [n, n + 1],
+                                           "remote_host": "h", "remote_port": 5600})),
+        1 => Just(Value::Null),
+        1 => Just(json!({})),
+        1 => arb_leaf(),
+    ];
+    let choice = arb_object(vec![
+        ("index", Just(json!(0)).boxed()),
+        ("text", arb_leaf().boxed()),
+        (
+            "finish_reason",
+            prop_oneof![Just(json!("length")), Just(json!("stop"))].boxed(),
+        ),
+        ("kv_transfer_params", desc.clone().boxed()),
+    ]);
+    arb_object(vec![
+        ("id", Just(json!("cmpl-1")).boxed()),
+        (
+            "choices",
+            prop_oneof![
+                6 => proptest::collection::vec(prop_oneof![6 => choice.boxed(), 1 => arb_leaf().boxed()], 0..3)
+                    .prop_map(Value::Array).boxed(),
+                1 => arb_leaf().boxed(),
+            ]
+            .boxed(),
+        ),
+        ("usage", Just(json!({"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4})).boxed()),
+        ("kv_transfer_params", desc.boxed()),
+        (
+            "error",
+            prop_oneof![4 => Just(Value::Null), 1 => Just(json!({"message": "x"}))].boxed(),
+        ),
+    ])
+}
+
+proptest! {
+    /// The span the byte scan finds is the descriptor the value path reads
+    /// (`choices[0].kv_transfer_params`, else the top level's), and it finds one whenever the
+    /// value path would read an object from an answer without an error and with a choices
+    /// list (the generated answers have no escaped or repeated keys).
+    #[test]
+    fn the_descriptor_span_is_the_value_paths_descriptor(
+        answer in arb_prefill_answer(),
+        pretty in any::<bool>(),
+    ) {
+        let text = if pretty { serde_json::to_string_pretty(&answer) } else { serde_json::to_string(&answer) }.unwrap();
+        let by_value = (answer.get("error").is_none_or(Value::is_null)
+            && answer.get("choices").is_some_and(Value::is_array))
+            .then(|| {
+                answer
+                    .pointer("/choices/0/kv_transfer_params")
+                    .filter(|v| !v.is_null())
+                    .or_else(|| answer.get("kv_transfer_params").filter(|v| !v.is_null()))
+            })
+            .flatten()
+            .filter(|d| d.is_object());
+        let by_span = descriptor_span(text.as_bytes())
+            .map(|r| serde_json::from_str::<Value>(&text[r]).expect("the span is JSON"));
+        prop_assert_eq!(by_span.as_ref(), by_value, "{}", text);
+    }
+}

@@ -14,7 +14,8 @@ use crate::breaker::Observation;
 use crate::config::secs;
 use crate::controller::Track;
 use crate::placement::Phase;
-use crate::upstream::{LegError, LegId};
+use crate::upstream::{LegError, LegId, answer_value};
+use narwhal_relay::descriptor_span;
 
 use crate::upstream::Upstream;
 
@@ -160,6 +161,12 @@ pub(super) fn extract_descriptor(answer: &Value) -> Result<Value, NoDescriptor> 
         .filter(|v| !v.is_null())
         .or_else(|| answer.get("kv_transfer_params").filter(|v| !v.is_null()))
         .ok_or(NoDescriptor::Absent)?;
+    check_descriptor(d)?;
+    Ok(d.clone())
+}
+
+/// The rules a descriptor must meet ([`extract_descriptor`]).
+fn check_descriptor(d: &Value) -> Result<(), NoDescriptor> {
     let obj = d
         .as_object()
         .filter(|o| !o.is_empty())
@@ -176,7 +183,7 @@ pub(super) fn extract_descriptor(answer: &Value) -> Result<Value, NoDescriptor> 
     if !blocks_ok {
         return Err(NoDescriptor::BlockIds);
     }
-    Ok(d.clone())
+    Ok(())
 }
 
 /// Why a vLLM prefill answer carries no usable KV descriptor (the answer is then a 502
@@ -246,12 +253,30 @@ pub(super) async fn prefill(
     limit: Instant,
     client_max_tokens: Option<u64>,
 ) -> Result<Prefilled, LegError> {
-    let answer = up
-        .json_leg(url, leg, body, limit, up.max_answer_bytes(), None)
-        .await?;
-    match extract_descriptor(&answer) {
-        Ok(d) => Ok(Prefilled::Descriptor(d)),
-        Err(_) if prefill_finished(&answer, client_max_tokens) => Ok(Prefilled::Finished(answer)),
-        Err(e) => Err(LegError::KvHandoff(e.to_string())),
+    let fut = async {
+        let (bytes, streamed) = up
+            .read_answer(url, leg, body, up.max_answer_bytes())
+            .await?;
+        // The descriptor alone is parsed when one scan finds it where the value path would
+        // ([`narwhal_relay::descriptor_span`]); any other answer is read whole, as before.
+        if !streamed
+            && let Some(span) = descriptor_span(&bytes)
+            && let Ok(d) = serde_json::from_slice::<Value>(&bytes[span])
+            && check_descriptor(&d).is_ok()
+        {
+            return Ok(Prefilled::Descriptor(d));
+        }
+        let answer = answer_value(&bytes, streamed, None)?;
+        match extract_descriptor(&answer) {
+            Ok(d) => Ok(Prefilled::Descriptor(d)),
+            Err(_) if prefill_finished(&answer, client_max_tokens) => {
+                Ok(Prefilled::Finished(answer))
+            }
+            Err(e) => Err(LegError::KvHandoff(e.to_string())),
+        }
+    };
+    match tokio::time::timeout_at(limit.into(), fut).await {
+        Ok(r) => r,
+        Err(_) => Err(LegError::Timeout(leg.limit_name())),
     }
 }
