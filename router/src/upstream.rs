@@ -28,7 +28,7 @@ use crate::breaker::FailureClass;
 use crate::config::{Config, secs};
 use crate::placement::Phase;
 use narwhal_relay::{
-    AnswerFacts, Head, RelayOptions, RelayStep, SseParser, StreamFailure, StreamState,
+    Aggregator, AnswerFacts, Head, RelayOptions, RelayStep, SseParser, StreamFailure, StreamState,
     assemble_sse, chunk_usage, clean_answer, upstream_error,
 };
 
@@ -673,6 +673,11 @@ impl LiveStream {
     /// ([`RelayOptions::capture_head`]).
     pub(crate) fn head(&self) -> Option<&Head> {
         self.state.head()
+    }
+
+    /// The answer a non-streaming client's relay built ([`RelayOptions::aggregate`]).
+    pub(crate) fn take_aggregator(&mut self) -> Option<Aggregator> {
+        self.state.take_aggregator()
     }
 
     /// The frames relayed by the last [`LiveStream::next`] that returned `Output`.

@@ -27,17 +27,16 @@ use crate::rawjson::{Cursor, Keep, ScanError};
 /// What a streamed leg fails with: an in-stream error frame, a frame that is not JSON,
 /// `[DONE]` before any output, or a body that ended without `[DONE]`.
 pub fn assemble_sse(bytes: &[u8], chat: bool) -> Result<Value, StreamFailure> {
-    // The body is bounded by the caller: the relay's own limits do not apply again.
-    let mut state = StreamState::new(RelayOptions::new(u64::MAX, false));
-    let mut agg = Aggregator::new(chat);
+    // The body is bounded by the caller: the relay's own limits do not apply again. The
+    // answer is built in the relay's scan of each frame.
+    let mut state = StreamState::new(RelayOptions {
+        aggregate: Some(chat),
+        ..RelayOptions::new(u64::MAX, false)
+    });
     let mut end: Option<Result<(), StreamFailure>> = None;
     let mut parser = SseParser::with_limit(bytes.len() + 1);
     parser.feed(bytes, |payload| match state.on_data(payload) {
-        RelayStep::Hold => true,
-        RelayStep::Output => {
-            agg.push_frames(&state.take_output());
-            true
-        }
+        RelayStep::Hold | RelayStep::Output => true,
         RelayStep::Done => {
             end = Some(Ok(()));
             false
@@ -66,6 +65,9 @@ pub fn assemble_sse(bytes: &[u8], chat: bool) -> Result<Value, StreamFailure> {
             .engine_usage_value()
             .unwrap_or_else(|| json!({"completion_tokens": state.tokens()})),
     };
+    let agg = state
+        .take_aggregator()
+        .unwrap_or_else(|| Aggregator::new(chat));
     Ok(agg.finish(usage))
 }
 
@@ -150,7 +152,7 @@ impl Aggregator {
 
     /// Merges one chunk from its [`ChunkView`] over `json`, as [`Aggregator::push`] merges
     /// its value.
-    fn push_view(&mut self, json: &[u8], chunk: &ChunkView) {
+    pub(crate) fn push_view(&mut self, json: &[u8], chunk: &ChunkView) {
         for (span, slot) in [
             (&chunk.id, &mut self.id),
             (&chunk.created, &mut self.created),
@@ -386,38 +388,38 @@ fn finish_choice(c: ChoiceAcc, chat: bool) -> Value {
 /// one scan: keys absent are `None`, a repeated key keeps its last value (as a parsed value
 /// does).
 #[derive(Debug, Default)]
-struct ChunkView {
-    id: Option<Range<usize>>,
-    created: Option<Range<usize>>,
-    model: Option<Range<usize>>,
-    prompt_token_ids: Option<Range<usize>>,
+pub(crate) struct ChunkView {
+    pub(crate) id: Option<Range<usize>>,
+    pub(crate) created: Option<Range<usize>>,
+    pub(crate) model: Option<Range<usize>>,
+    pub(crate) prompt_token_ids: Option<Range<usize>>,
     /// The `choices` list's elements (none when `choices` is not a list).
-    choices: Vec<ChoiceView>,
+    pub(crate) choices: Vec<ChoiceView>,
 }
 
 /// One choice of a [`ChunkView`] (a non-object element reads as an empty choice 0).
 #[derive(Debug, Default)]
-struct ChoiceView {
+pub(crate) struct ChoiceView {
     /// `index` as `Value::as_u64` reads it, 0 otherwise.
-    index: u64,
-    token_ids: Option<Range<usize>>,
-    prompt_token_ids: Option<Range<usize>>,
-    finish_reason: Option<Range<usize>>,
-    stop_reason: Option<Range<usize>>,
-    logprobs: Option<Range<usize>>,
+    pub(crate) index: u64,
+    pub(crate) token_ids: Option<Range<usize>>,
+    pub(crate) prompt_token_ids: Option<Range<usize>>,
+    pub(crate) finish_reason: Option<Range<usize>>,
+    pub(crate) stop_reason: Option<Range<usize>>,
+    pub(crate) logprobs: Option<Range<usize>>,
     /// Completions: `text`.
-    text: Option<Str>,
+    pub(crate) text: Option<Str>,
     /// Chat: the `delta` members merged (when `delta` is an object).
-    role: Option<Str>,
-    content: Option<Str>,
-    reasoning_content: Option<Str>,
-    reasoning: Option<Str>,
-    tool_calls: Option<Range<usize>>,
+    pub(crate) role: Option<Str>,
+    pub(crate) content: Option<Str>,
+    pub(crate) reasoning_content: Option<Str>,
+    pub(crate) reasoning: Option<Str>,
+    pub(crate) tool_calls: Option<Range<usize>>,
 }
 
 /// A string value's raw content (between its quotes) and whether it holds an escape.
 #[derive(Debug, Clone)]
-struct Str(Range<usize>, bool);
+pub(crate) struct Str(pub(crate) Range<usize>, pub(crate) bool);
 
 /// A scan gives up on a key with an escape: the chunk is merged from its value instead.
 const GIVE_UP: ScanError = ScanError {
@@ -454,6 +456,12 @@ fn string_at(c: &mut Cursor<'_>) -> Result<Option<Str>, ScanError> {
 }
 
 impl ChunkView {
+    /// Forgets what the last scan found, keeping the choices' storage.
+    pub(crate) fn clear(&mut self) {
+        (self.id, self.created, self.model, self.prompt_token_ids) = (None, None, None, None);
+        self.choices.clear();
+    }
+
     /// Scans one chunk; `None` when the text is not an object the scan can read.
     fn scan(json: &[u8]) -> Option<ChunkView> {
         let mut view = ChunkView::default();
@@ -561,8 +569,10 @@ fn push_str(dst: &mut String, json: &[u8], s: Option<&Str>) {
 /// `merge_choice` over a scanned choice: fields that are rare or nested (logprobs, tool
 /// calls, token ids) are parsed as values and merged by the same code.
 fn merge_view(acc: &mut ChoiceAcc, json: &[u8], choice: &ChoiceView, chat: bool) {
+    // Most chunks carry `null` finish and stop reasons and logprobs: not parsed.
     let parsed = |span: &Option<Range<usize>>| {
         span.as_ref()
+            .filter(|r| json[(*r).clone()] != *b"null")
             .map(|r| owned(json, r))
             .filter(|v| !v.is_null())
     };

@@ -592,6 +592,21 @@ pub(crate) fn apply(src: &[u8], span: Range<usize>, edits: &[Edit], out: &mut im
     out.put_slice(&src[at..span.end]);
 }
 
+/// The length of what [`apply`] writes for `span` with `edits`, without writing it.
+pub(crate) fn edited_len(span: Range<usize>, edits: &[Edit]) -> u64 {
+    let digits = |n: u64| itoa::Buffer::new().format(n).len();
+    let mut len = span.len();
+    for e in edits {
+        len -= e.range.len();
+        len += match e.with {
+            Repl::Nothing => 0,
+            Repl::Uint(n) => digits(n),
+            Repl::Member { key, n, comma } => key.len() + 3 + digits(n) + usize::from(comma),
+        };
+    }
+    len as u64
+}
+
 /// Writes `n` in decimal.
 pub(crate) fn push_uint(out: &mut impl BufMut, n: u64) {
     let mut buf = itoa::Buffer::new();
@@ -807,5 +822,14 @@ mod tests {
             serde_json::from_slice::<Value>(&out).unwrap(),
             json!({"index": 7, "a": 42, "b": 2})
         );
+        assert_eq!(edited_len(0..text.len(), &edits), out.len() as u64);
+        let edits = [Edit {
+            range: 1..7,
+            with: Repl::Nothing,
+        }];
+        let mut out = Vec::new();
+        apply(text, 0..text.len(), &edits, &mut out);
+        assert_eq!(out, br#"{"b":2}"#);
+        assert_eq!(edited_len(0..text.len(), &edits), out.len() as u64);
     }
 }

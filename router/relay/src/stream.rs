@@ -9,7 +9,9 @@ use std::ops::Range;
 use bytes::{Bytes, BytesMut};
 use serde_json::{Map, Value};
 
-use crate::rawjson::{Cursor, Edit, Keep, Member, Repl, ScanError, apply, decode_key};
+use crate::Aggregator;
+use crate::aggregate::{ChoiceView, ChunkView, Str};
+use crate::rawjson::{Cursor, Edit, Keep, Member, Repl, ScanError, apply, decode_key, edited_len};
 
 /// Data frames held before the first token (behaviour.md 7.3).
 pub const MAX_HELD_FRAMES: usize = 64;
@@ -29,6 +31,12 @@ pub struct RelayOptions {
     /// Keep the first chunk's `id`, `created` and `model` ([`StreamState::head`]) for a
     /// usage chunk the router writes itself.
     pub capture_head: bool,
+    /// `Some(chat)`: a non-streaming client's answer is built from each frame in the scan
+    /// that reads the frame's facts (an [`Aggregator`] for a `chat.completion` when `chat`,
+    /// else a `text_completion`), instead of written as SSE and scanned again:
+    /// [`StreamState::take_output`] stays empty and [`StreamState::take_aggregator`] gives
+    /// the answer. The answer is the one an [`Aggregator`] builds from the relayed frames.
+    pub aggregate: Option<bool>,
 }
 
 impl RelayOptions {
@@ -40,6 +48,7 @@ impl RelayOptions {
             collect,
             index_base: None,
             capture_head: false,
+            aggregate: None,
         }
     }
 }
@@ -204,6 +213,13 @@ pub struct StreamState {
     head: Option<Head>,
     /// Reused between frames.
     edits: Vec<Edit>,
+    /// The answer being built ([`RelayOptions::aggregate`]).
+    agg: Option<Aggregator>,
+    /// Frames merged into `agg` since the last [`StreamState::take_output`] (output
+    /// started).
+    merged: bool,
+    /// What the last scan found for `agg` (its choices' storage reused between frames).
+    view: ChunkView,
 }
 
 impl StreamState {
@@ -222,6 +238,9 @@ impl StreamState {
             usage_chunk: None,
             head: None,
             edits: Vec::new(),
+            agg: opts.aggregate.map(Aggregator::new),
+            merged: false,
+            view: ChunkView::default(),
         }
     }
 
@@ -230,18 +249,27 @@ impl StreamState {
         self.started
     }
 
-    /// Whether output started and frames wait in [`StreamState::take_output`].
+    /// Whether output started and frames wait in [`StreamState::take_output`] (with
+    /// [`RelayOptions::aggregate`]: frames were merged since the last call).
     pub fn has_output(&self) -> bool {
-        self.started && !self.out.is_empty()
+        self.started && (self.merged || !self.out.is_empty())
     }
 
     /// The frames relayed since the last call, as SSE (`data: <json>\n\n` each); empty before
-    /// output started (held frames stay held).
+    /// output started (held frames stay held), and always with [`RelayOptions::aggregate`].
     pub fn take_output(&mut self) -> Bytes {
         if !self.started {
             return Bytes::new();
         }
+        self.merged = false;
         self.out.split().freeze()
+    }
+
+    /// The answer built from every content frame so far, held ones included (with
+    /// [`RelayOptions::aggregate`]; `None` without, or once taken): finish it with
+    /// [`Aggregator::finish`] after `Done`.
+    pub fn take_aggregator(&mut self) -> Option<Aggregator> {
+        self.agg.take()
     }
 
     /// Tokens counted from the stream's chunks so far (`token_ids` or content-bearing deltas).
@@ -345,7 +373,15 @@ impl StreamState {
                 model: raw(&facts.head[2]),
             });
         }
-        let size = self.emit(&text, &edits);
+        let size = match self.agg.as_mut() {
+            Some(agg) => {
+                agg.push_view(&text, &self.view);
+                self.merged = true;
+                let lead = text.len() - text.trim_ascii_start().len();
+                edited_len(lead..lead + text.trim_ascii().len(), &edits)
+            }
+            None => self.emit(&text, &edits),
+        };
         self.edits = edits;
         if self.opts.collect {
             self.collected_bytes += size;
@@ -403,6 +439,12 @@ impl StreamState {
         let strip = !self.opts.return_token_ids;
         let base = self.opts.index_base;
         let head = self.opts.capture_head && self.head.is_none();
+        let aggregate = self.agg.is_some();
+        let mut view = aggregate.then(|| {
+            let mut v = std::mem::take(&mut self.view);
+            v.clear();
+            v
+        });
         let mut f = Facts::default();
         let walked = c.object(|c, m| {
             let key = key_of(c, m);
@@ -433,6 +475,9 @@ impl StreamState {
                     }
                 }
                 b"choices" => {
+                    if let Some(v) = &mut view {
+                        v.choices.clear();
+                    }
                     if c.peek() != Some(b'[') {
                         c.value()?;
                         f.choices = None;
@@ -447,9 +492,17 @@ impl StreamState {
                         n += 1;
                         if c.peek() != Some(b'{') {
                             c.value()?;
+                            if let Some(v) = &mut view {
+                                // What `Value::get` reads of a choice that is not an object.
+                                v.choices.push(ChoiceView::default());
+                            }
                             return Ok(());
                         }
-                        let ch = scan_choice(c, strip, base)?;
+                        let choice = view.as_mut().map(|v| {
+                            v.choices.push(ChoiceView::default());
+                            v.choices.last_mut().expect("just pushed")
+                        });
+                        let ch = scan_choice(c, strip, base, choice)?;
                         let ids = match ch.ids {
                             Some(Ok(n)) => n,
                             Some(Err(msg)) => {
@@ -471,18 +524,27 @@ impl StreamState {
                     f.choices = Some(n);
                 }
                 b"prompt_token_ids" => {
-                    c.value()?;
+                    let r = c.value()?;
                     if strip {
                         return Ok(Keep::Drop);
                     }
+                    if let Some(v) = &mut view {
+                        v.prompt_token_ids = Some(r);
+                    }
                 }
-                k @ (b"id" | b"created" | b"model") if head => {
+                k @ (b"id" | b"created" | b"model") if head || aggregate => {
                     let slot = match k {
                         b"id" => 0,
                         b"created" => 1,
                         _ => 2,
                     };
-                    f.head[slot] = Some(c.value()?);
+                    let r = c.value()?;
+                    if let Some(v) = &mut view {
+                        *[&mut v.id, &mut v.created, &mut v.model][slot] = Some(r.clone());
+                    }
+                    if head {
+                        f.head[slot] = Some(r);
+                    }
                 }
                 _ => {
                     c.value()?;
@@ -490,6 +552,9 @@ impl StreamState {
             }
             Ok(Keep::Yes)
         });
+        if let Some(v) = view {
+            self.view = v;
+        }
         if let Err(e) = walked.and_then(|_| c.end()) {
             self.edits = c.edits;
             return Err(invalid(e));
@@ -507,19 +572,24 @@ impl StreamState {
     }
 }
 
-/// Scans one choice object: its token evidence, and its edits (`token_ids` and
-/// `prompt_token_ids` dropped when `strip`; with `base`, its index shifted, or added when it
-/// has none).
+/// Scans one choice object: its token evidence, what the aggregator merges of it (into
+/// `view`, when given), and its edits (`token_ids` and `prompt_token_ids` dropped when
+/// `strip`; with `base`, its index shifted, or added when it has none).
 fn scan_choice(
     c: &mut Cursor<'_>,
     strip: bool,
     base: Option<u64>,
+    mut view: Option<&mut ChoiceView>,
 ) -> Result<ChoiceFacts, ScanError> {
     let mut ch = ChoiceFacts::default();
+    if let Some(v) = &mut view {
+        v.index = base.unwrap_or(0);
+    }
     let open = c.pos();
     let at = c.edits.len();
     c.object(|c, m| {
         let key = key_of(c, m);
+        let start = c.pos();
         let keep = match &*key {
             b"token_ids" => {
                 ch.ids = if c.null()? {
@@ -541,39 +611,97 @@ fn scan_choice(
                     c.value()?;
                     Some(Err("token_ids must be an array"))
                 };
-                if strip { Keep::Drop } else { Keep::Yes }
+                if strip {
+                    Keep::Drop
+                } else {
+                    if let Some(v) = &mut view {
+                        v.token_ids = Some(start..c.pos());
+                    }
+                    Keep::Yes
+                }
             }
             b"prompt_token_ids" => {
-                c.value()?;
-                if strip { Keep::Drop } else { Keep::Yes }
+                let r = c.value()?;
+                if strip {
+                    Keep::Drop
+                } else {
+                    if let Some(v) = &mut view {
+                        v.prompt_token_ids = Some(r);
+                    }
+                    Keep::Yes
+                }
             }
             b"finish_reason" => {
                 ch.finish = !c.null()?;
                 if ch.finish {
                     c.value()?;
                 }
+                if let Some(v) = &mut view {
+                    v.finish_reason = Some(start..c.pos());
+                }
+                Keep::Yes
+            }
+            b"stop_reason" if view.is_some() => {
+                let r = c.value()?;
+                if let Some(v) = &mut view {
+                    v.stop_reason = Some(r);
+                }
+                Keep::Yes
+            }
+            b"logprobs" if view.is_some() => {
+                let r = c.value()?;
+                if let Some(v) = &mut view {
+                    v.logprobs = Some(r);
+                }
                 Keep::Yes
             }
             b"text" => {
-                ch.text = c.nonempty()?;
+                let (carries, text) = text_at(c)?;
+                ch.text = carries;
+                if let Some(v) = &mut view {
+                    v.text = text;
+                }
                 Keep::Yes
             }
             b"delta" => {
                 let mut bits = 0u8;
+                if let Some(v) = &mut view {
+                    (
+                        v.role,
+                        v.content,
+                        v.reasoning_content,
+                        v.reasoning,
+                        v.tool_calls,
+                    ) = (None, None, None, None, None);
+                }
                 if c.peek() == Some(b'{') {
                     c.object(|c, m| {
                         let key = key_of(c, m);
-                        match DELTA_CONTENT.iter().position(|k| *k == &*key) {
-                            Some(i) => {
-                                if c.nonempty()? {
-                                    bits |= 1 << i;
-                                } else {
-                                    bits &= !(1 << i);
-                                }
+                        if &*key == b"role"
+                            && let Some(v) = &mut view
+                        {
+                            v.role = text_at(c)?.1;
+                            return Ok(Keep::Yes);
+                        }
+                        let Some(i) = DELTA_CONTENT.iter().position(|k| *k == &*key) else {
+                            c.value()?;
+                            return Ok(Keep::Yes);
+                        };
+                        let start = c.pos();
+                        let (carries, text) = text_at(c)?;
+                        if let Some(v) = &mut view {
+                            match i {
+                                0 => v.content = text,
+                                1 => v.reasoning_content = text,
+                                2 => v.reasoning = text,
+                                3 => v.tool_calls = Some(start..c.pos()),
+                                _ => {}
                             }
-                            None => {
-                                c.value()?;
-                            }
+                        }
+                        if carries {
+                            bits |= 1 << i;
+                        } else {
+                            bits &= !(1 << i);
                         }
                         Ok(Keep::Yes)
                     })?;
@@ -583,15 +711,19 @@ fn scan_choice(
                 ch.delta = Some(bits);
                 Keep::Yes
             }
-            b"index" if base.is_some() => {
+            b"index" if base.is_some() || view.is_some() => {
                 let (r, i) = c.uint()?;
-                // Saturating, as [`crate::reindex`]: an engine index near `u64::MAX` must
-                // neither panic nor wrap onto another prompt's choice.
-                c.edit(
-                    r,
-                    Repl::Uint(base.unwrap_or(0).saturating_add(i.unwrap_or(0))),
-                );
-                ch.has_index = true;
+                let mut n = i.unwrap_or(0);
+                if let Some(b) = base {
+                    // Saturating, as [`crate::reindex`]: an engine index near `u64::MAX` must
+                    // neither panic nor wrap onto another prompt's choice.
+                    n = b.saturating_add(n);
+                    c.edit(r, Repl::Uint(n));
+                    ch.has_index = true;
+                }
+                if let Some(v) = &mut view {
+                    v.index = n;
+                }
                 Keep::Yes
             }
             _ => {
@@ -621,6 +753,18 @@ fn scan_choice(
         );
     }
     Ok(ch)
+}
+
+/// A member that may be a string: whether it carries something (a non-empty string, array
+/// or object; see [`Cursor::nonempty`]) and, when it is a string, its raw content for the
+/// aggregator.
+fn text_at(c: &mut Cursor<'_>) -> Result<(bool, Option<Str>), ScanError> {
+    if c.peek() == Some(b'"') {
+        let (r, escaped) = c.string_escaped()?;
+        Ok((!r.is_empty(), Some(Str(r, escaped))))
+    } else {
+        Ok((c.nonempty()?, None))
+    }
 }
 
 /// The `usage` object of a usage chunk as the engine wrote it ([`StreamState::take_usage_chunk`]).

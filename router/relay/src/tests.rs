@@ -1087,6 +1087,92 @@ fn aggregator_view_merges_odd_frames_as_the_value() {
     }
 }
 
+/// Feeds `frames` to two relays, one that writes SSE for an [`Aggregator`] and one that
+/// aggregates in its own scan; both must take the same steps, count the same tokens and the
+/// same collected bytes, and (once output started) build the same answer.
+fn aggregate_both_ways(
+    frames: &[String],
+    chat: bool,
+    keep_ids: bool,
+    base: Option<u64>,
+    limit: u64,
+) -> Result<(), TestCaseError> {
+    let o = RelayOptions {
+        return_token_ids: keep_ids,
+        index_base: base,
+        ..RelayOptions::new(limit, true)
+    };
+    let mut written = StreamState::new(o);
+    let mut by_frames = Aggregator::new(chat);
+    let mut scanned = StreamState::new(RelayOptions {
+        aggregate: Some(chat),
+        ..o
+    });
+    for f in frames {
+        let want = written.on_data(f.as_bytes());
+        let got = scanned.on_data(f.as_bytes());
+        prop_assert_eq!(&got, &want, "{}", f);
+        prop_assert_eq!(scanned.tokens(), written.tokens());
+        prop_assert_eq!(scanned.has_output(), written.has_output());
+        by_frames.push_frames(&written.take_output());
+        prop_assert!(scanned.take_output().is_empty());
+        if matches!(want, RelayStep::Failed(_) | RelayStep::Done) {
+            break;
+        }
+    }
+    prop_assert_eq!(scanned.engine_usage(), written.engine_usage());
+    let agg = scanned.take_aggregator().expect("an aggregating relay");
+    if written.started() {
+        prop_assert_eq!(agg.finish(json!(null)), by_frames.finish(json!(null)));
+    }
+    Ok(())
+}
+
+proptest! {
+    /// A non-streaming answer built in the relay's own scan is the answer built from the
+    /// frames it would have written (any frames, token ids kept or not, a batch or not).
+    #[test]
+    fn an_answer_aggregated_in_the_scan_is_the_relayed_frames_answer(
+        frames in proptest::collection::vec(arb_frame(), 1..6),
+        chat in any::<bool>(),
+        pretty in any::<bool>(),
+        keep_ids in any::<bool>(),
+        base in proptest::option::of(0u64..3),
+        limit in prop_oneof![Just(1u64 << 20), 100u64..600],
+    ) {
+        let texts: Vec<String> = frames
+            .iter()
+            .map(|f| if pretty { serde_json::to_string_pretty(f) } else { serde_json::to_string(f) }.unwrap())
+            .collect();
+        aggregate_both_ways(&texts, chat, keep_ids, base, limit)?;
+    }
+}
+
+/// The same with keys that have escapes, duplicate members, a frame that is not JSON and
+/// `[DONE]`.
+#[test]
+fn odd_frames_aggregate_in_the_scan_as_from_the_relayed_frames() {
+    let frames = [
+        r#"{"id":"a","id":"b","choices":[{"index":0,"delta":{"role":"developer"}}]}"#,
+        r#"{"choices":[{"index":0,"te\u0078t":"q","delta":{"c\u006fntent":"r"},"token_ids":[4]}]}"#,
+        r#"{"choices":[{"index":0,"text":"a\"b\u00e9","delta":{"content":"\n","tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}]}"#,
+        r#"{"choices":[{"index":"1","text":"y","prompt_token_ids":[1],"token_ids":[5]}],"prompt_token_ids":[1]}"#,
+        r#"{"choices":[{"index":0,"delta":"z","text":"\u00e9","finish_reason":"stop","stop_reason":7}]}"#,
+        r#"{"choices":[7,{"index":1,"finish_reason":null,"logprobs":{"tokens":["y"]}}]}"#,
+        r#"{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}"#,
+        "[DONE]",
+    ]
+    .map(String::from);
+    for chat in [false, true] {
+        for keep_ids in [false, true] {
+            for base in [None, Some(2)] {
+                aggregate_both_ways(&frames, chat, keep_ids, base, 1 << 20).unwrap();
+            }
+        }
+        aggregate_both_ways(&[frames[0].clone(), "{".into()], chat, false, None, 1 << 20).unwrap();
+    }
+}
+
 /// A whole answer as an engine may write it: the frame's members plus the KV parameters of a
 /// split and usage details, some members of odd types.
 fn arb_answer() -> impl Strategy<Value = Value> {

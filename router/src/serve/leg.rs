@@ -15,6 +15,7 @@ use crate::placement::Phase;
 use narwhal_relay::RelayOptions;
 
 use super::{Ctx, Sub};
+use crate::ingress::Endpoint;
 use crate::upstream::{CleanAnswer, LegError, LegId, LiveStream};
 
 /// A failed attempt leg.
@@ -148,6 +149,8 @@ pub(super) fn relay_options(ctx: &Ctx<'_>, sub: &Sub<'_>) -> RelayOptions {
             None
         },
         capture_head: ctx.v.stream && ctx.v.include_usage,
+        // A non-streaming client's answer is built in the scan that reads each frame.
+        aggregate: (!ctx.v.stream).then_some(ctx.endpoint == Endpoint::Chat),
     }
 }
 

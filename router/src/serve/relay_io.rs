@@ -21,8 +21,7 @@ use crate::parts::Parts;
 use crate::placement::Phase;
 use crate::upstream::{LegError, LiveStream};
 use narwhal_relay::{
-    Aggregator, Head, RelayStep, answer_chunks, data_frame, reindex, sanitize_answer, sum_usages,
-    usage_value,
+    Head, RelayStep, answer_chunks, data_frame, reindex, sanitize_answer, sum_usages, usage_value,
 };
 
 use super::Answering;
@@ -185,9 +184,13 @@ pub(super) async fn finish_frame(tx: &mpsc::Sender<Bytes>, frame: Bytes) {
     let _ = tokio::time::timeout(FINAL_FRAME_WAIT, tx.send(frame)).await;
 }
 
-impl Sink for Aggregator {
+/// A non-streaming client's sink: its answer is built in the relay's own scan of each
+/// frame ([`narwhal_relay::RelayOptions::aggregate`]), so no frames reach it.
+struct Collect;
+
+impl Sink for Collect {
     async fn deliver(&mut self, frames: Bytes, _deadline: Instant) -> bool {
-        self.push_frames(&frames);
+        debug_assert!(frames.is_empty(), "an aggregating relay writes no frames");
         true
     }
 
@@ -622,9 +625,14 @@ pub(super) async fn collect_one(
             (Ok(Answer::Value(answer)), stats)
         }
         Output::Live(mut live) => {
-            let mut agg = Aggregator::new(a.chat);
             let (relayed, clock) = relay(
-                parts, &mut live, &served, &mut agg, deadline, first_at, false,
+                parts,
+                &mut live,
+                &served,
+                &mut Collect,
+                deadline,
+                first_at,
+                false,
             )
             .await;
             let mut stats = SubStats {
@@ -640,6 +648,9 @@ pub(super) async fn collect_one(
                     stats.prompt_tokens = engine_prompt_tokens(engine_usage.as_ref());
                     stats.cached_tokens = engine_cached_tokens(engine_usage.as_ref());
                     let usage = usage_value(engine_usage.as_ref(), estimate, live.tokens());
+                    let agg = live
+                        .take_aggregator()
+                        .expect("a non-streaming client's decode legs aggregate (relay_options)");
                     Ok(Answer::Value(agg.finish(usage)))
                 }
                 Relayed::Failed(failure) => Err(failure),

@@ -6,7 +6,9 @@
 //! client asked for `return_token_ids`, 1 a 512-byte `max_response_bytes` (else 1 MiB), 2 a
 //! non-streaming client (`collect`), 3 prompt 3 of a fanned-out batch (`index_base`), 4
 //! `capture_head`, 5 a chat route (for the aggregator). The body is fed to the SSE parser in
-//! two pieces, cut at `cut × len / 256`.
+//! two pieces, cut at `cut × len / 256`. A second relay with the same options builds the
+//! answer in its own scan (`RelayOptions::aggregate`): it must take the same steps and build
+//! the answer the `Aggregator` builds from the first one's frames.
 
 use std::collections::VecDeque;
 
@@ -37,6 +39,7 @@ pub fn check(data: &[u8]) {
         collect: flags & 4 != 0,
         index_base: (flags & 8 != 0).then_some(BASE),
         capture_head: flags & 16 != 0,
+        aggregate: None,
     };
     let chat = flags & 32 != 0;
 
@@ -51,12 +54,21 @@ pub fn check(data: &[u8]) {
 
     let mut state = StreamState::new(opts);
     let mut agg = Aggregator::new(chat);
+    let mut scanned = StreamState::new(RelayOptions {
+        aggregate: Some(chat),
+        ..opts
+    });
     // The engine's frames that may be relayed, as the client should see them, in order.
     let mut expected: VecDeque<Value> = VecDeque::new();
     for payload in &payloads {
         let text = String::from_utf8_lossy(payload);
         let sj = serde_json::from_str::<Value>(&text);
         let step = state.on_data(payload);
+        assert_eq!(
+            scanned.on_data(payload),
+            step,
+            "the aggregating relay took another step on {text:?}"
+        );
         if text.trim_ascii() == "[DONE]" {
             if matches!(step, RelayStep::Done) {
                 break;
@@ -115,8 +127,16 @@ pub fn check(data: &[u8]) {
         1,
         state.output_tokens(),
     );
-    let whole = agg.finish(usage);
+    let whole = agg.finish(usage.clone());
     assert!(serde_json::to_vec(&whole).is_ok());
+    if state.started() {
+        let built = scanned.take_aggregator().expect("an aggregating relay");
+        assert_eq!(
+            built.finish(usage),
+            whole,
+            "the answer built in the scan is not the relayed frames' answer"
+        );
+    }
     let _ = assemble_sse(body, chat);
 }
 
