@@ -21,7 +21,7 @@ use crate::rawjson::{Cursor, Keep, ScanError};
 /// chat (`chat.completion`) or completions (`text_completion`) client. `usage` is the
 /// engine's (its usage-only chunk, or counts its content chunks carried); an engine that sent
 /// none gets `{"completion_tokens": <tokens counted by the relay's rules>}`, which
-/// [`usage_value`] completes with an estimated prompt.
+/// [`usage_value`](crate::usage_value) completes with an estimated prompt.
 ///
 /// # Errors
 /// What a streamed leg fails with: an in-stream error frame, a frame that is not JSON,
@@ -214,7 +214,7 @@ impl Aggregator {
         }
     }
 
-    /// The reassembled object with `usage` as given (see [`usage_value`]); choices in index
+    /// The reassembled object with `usage` as given (see [`usage_value`](crate::usage_value)); choices in index
     /// order (one empty choice 0 when the stream carried none).
     pub fn finish(mut self, usage: Value) -> Value {
         if self.choices.is_empty() {

@@ -152,7 +152,7 @@ pub fn sanitize_answer(answer: &mut Value, return_token_ids: bool) {
 /// The SSE chunks a streaming client gets for a whole answer (a prefill that already
 /// finished the generation): one chunk per choice carrying its text (completions) or its
 /// message as a delta (chat), logprobs and finish reason, with the answer's `id`, `created`
-/// and `model`. The answer's `usage` is not included (see [`usage_value`]).
+/// and `model`. The answer's `usage` is not included (see [`usage_value`](crate::usage_value)).
 pub fn answer_chunks(answer: &Value, chat: bool) -> Vec<Value> {
     let head = |k: &str| answer.get(k).cloned().unwrap_or(Value::Null);
     let object = if chat {

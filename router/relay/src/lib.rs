@@ -4,15 +4,20 @@
 //! ```text
 //!  upstream body bytes ──SseParser::feed──► data payloads ──StreamState::on_data──► RelayStep
 //!      (any fragmentation, \n \r\n \r)        (comments dropped)   Hold | Output | Done | Failed
-//!  StreamState::take_output ──► "data: <the engine's JSON>\n\n" ... (a streaming client's bytes)
-//!                           └─► Aggregator::push_frames ──► one text_completion / chat.completion
+//!  streaming client:      StreamState::take_output ──► "data: <the engine's JSON>\n\n" ...
+//!  non-streaming client:  the same scan feeds an Aggregator (RelayOptions::aggregate)
+//!                         StreamState::take_aggregator ──► one text_completion / chat.completion
 //! ```
 //!
-//! Each frame is scanned once ([`rawjson`]) for the few members the router needs
+//! Each frame is scanned once (module `rawjson`) for the few members the router needs
 //! (token evidence, `finish_reason`, `usage`, an `error`), and the engine's bytes are
 //! forwarded untouched but for the members the client did not ask for (`token_ids`,
 //! `prompt_token_ids`) and, for prompt `k` of a fanned-out batch, the choice indexes; no
-//! `serde_json::Value` is built per frame.
+//! `serde_json::Value` is built per frame. For a non-streaming client the same scan notes where
+//! the members its answer merges lie (text, deltas, finish and stop reasons, logprobs, tool
+//! calls, kept token ids), and the [`Aggregator`] merges them from the engine's bytes: no SSE is
+//! written and scanned again. The answer is the one [`Aggregator::push_frames`] builds from the
+//! frames a streaming relay would write (a proptest and the relay fuzz target hold them equal).
 //!
 //! Nothing is sent to the client before the first token-bearing chunk: earlier data chunks are
 //! held (at most [`MAX_HELD_FRAMES`] and `max_response_bytes`), so a failure before output can

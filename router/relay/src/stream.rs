@@ -289,7 +289,7 @@ impl StreamState {
     }
 
     /// The engine's usage as an object, when its stream carried one only inside content
-    /// chunks (no usage-only chunk): its counts, for [`usage_value`].
+    /// chunks (no usage-only chunk): its counts, for [`usage_value`](crate::usage_value).
     pub fn engine_usage_value(&self) -> Option<Value> {
         let c = self.usage.completion_tokens?;
         let mut u = Map::new();
@@ -307,7 +307,7 @@ impl StreamState {
 
     /// The engine's usage-only chunk (`choices: []`), held back from the relayed stream, as
     /// the engine wrote it (the JSON payload): the serving layer forwards it, merges it or
-    /// replaces it (see [`usage_value`], [`chunk_usage`]).
+    /// replaces it (see [`usage_value`](crate::usage_value), [`chunk_usage`]).
     pub fn take_usage_chunk(&mut self) -> Option<Bytes> {
         self.usage_chunk.take()
     }
