@@ -213,11 +213,18 @@ pub struct StreamState {
     head: Option<Head>,
     /// Reused between frames.
     edits: Vec<Edit>,
-    /// The answer being built ([`RelayOptions::aggregate`]).
-    agg: Option<Aggregator>,
-    /// Frames merged into `agg` since the last [`StreamState::take_output`] (output
+    /// The answer being built ([`RelayOptions::aggregate`]); boxed, so that a streaming
+    /// client's state does not carry it.
+    collecting: Option<Box<Collecting>>,
+    /// Frames merged into the answer since the last [`StreamState::take_output`] (output
     /// started).
     merged: bool,
+}
+
+/// A non-streaming client's answer as the relay builds it.
+#[derive(Debug)]
+struct Collecting {
+    agg: Aggregator,
     /// What the last scan found for `agg` (its choices' storage reused between frames).
     view: ChunkView,
 }
@@ -238,9 +245,13 @@ impl StreamState {
             usage_chunk: None,
             head: None,
             edits: Vec::new(),
-            agg: opts.aggregate.map(Aggregator::new),
+            collecting: opts.aggregate.map(|chat| {
+                Box::new(Collecting {
+                    agg: Aggregator::new(chat),
+                    view: ChunkView::default(),
+                })
+            }),
             merged: false,
-            view: ChunkView::default(),
         }
     }
 
@@ -269,7 +280,7 @@ impl StreamState {
     /// [`RelayOptions::aggregate`]; `None` without, or once taken): finish it with
     /// [`Aggregator::finish`] after `Done`.
     pub fn take_aggregator(&mut self) -> Option<Aggregator> {
-        self.agg.take()
+        self.collecting.take().map(|c| c.agg)
     }
 
     /// Tokens counted from the stream's chunks so far (`token_ids` or content-bearing deltas).
@@ -373,9 +384,9 @@ impl StreamState {
                 model: raw(&facts.head[2]),
             });
         }
-        let size = match self.agg.as_mut() {
-            Some(agg) => {
-                agg.push_view(&text, &self.view);
+        let size = match self.collecting.as_deref_mut() {
+            Some(Collecting { agg, view }) => {
+                agg.push_view(&text, view);
                 self.merged = true;
                 let lead = text.len() - text.trim_ascii_start().len();
                 edited_len(lead..lead + text.trim_ascii().len(), &edits)
@@ -439,9 +450,9 @@ impl StreamState {
         let strip = !self.opts.return_token_ids;
         let base = self.opts.index_base;
         let head = self.opts.capture_head && self.head.is_none();
-        let aggregate = self.agg.is_some();
-        let mut view = aggregate.then(|| {
-            let mut v = std::mem::take(&mut self.view);
+        let aggregate = self.collecting.is_some();
+        let mut view = self.collecting.as_deref_mut().map(|c| {
+            let mut v = std::mem::take(&mut c.view);
             v.clear();
             v
         });
@@ -552,8 +563,8 @@ impl StreamState {
             }
             Ok(Keep::Yes)
         });
-        if let Some(v) = view {
-            self.view = v;
+        if let (Some(v), Some(c)) = (view, self.collecting.as_deref_mut()) {
+            c.view = v;
         }
         if let Err(e) = walked.and_then(|_| c.end()) {
             self.edits = c.edits;
