@@ -498,6 +498,18 @@ impl ChunkView {
 }
 
 impl ChoiceView {
+    /// Forgets the members of an earlier `delta` (a repeated `delta` replaces the first, as
+    /// in a parsed value).
+    pub(crate) fn forget_delta(&mut self) {
+        (
+            self.role,
+            self.content,
+            self.reasoning_content,
+            self.reasoning,
+            self.tool_calls,
+        ) = (None, None, None, None, None);
+    }
+
     fn scan(c: &mut Cursor<'_>) -> Result<ChoiceView, ScanError> {
         let mut v = ChoiceView::default();
         if c.peek() != Some(b'{') {
@@ -514,13 +526,7 @@ impl ChoiceView {
                 b"logprobs" => v.logprobs = Some(c.value()?),
                 b"text" => v.text = string_at(c)?,
                 b"delta" => {
-                    (
-                        v.role,
-                        v.content,
-                        v.reasoning_content,
-                        v.reasoning,
-                        v.tool_calls,
-                    ) = (None, None, None, None, None);
+                    v.forget_delta();
                     if c.peek() == Some(b'{') {
                         members(c, |c, key| {
                             match key {

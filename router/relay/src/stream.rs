@@ -677,13 +677,7 @@ fn scan_choice(
             b"delta" => {
                 let mut bits = 0u8;
                 if let Some(v) = &mut view {
-                    (
-                        v.role,
-                        v.content,
-                        v.reasoning_content,
-                        v.reasoning,
-                        v.tool_calls,
-                    ) = (None, None, None, None, None);
+                    v.forget_delta();
                 }
                 if c.peek() == Some(b'{') {
                     c.object(|c, m| {
