@@ -13,7 +13,7 @@
 //!
 //! Pure: no IO.
 
-use crate::rawjson::{Cursor, Keep, apply};
+use crate::rawjson::{Cursor, Keep, ScanError, apply};
 
 /// What [`clean_answer`] read of the engine's `usage` (every count the request's record takes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +37,39 @@ const WATCHED: [&[u8]; 5] = [
     b"prompt_token_ids",
 ];
 
+/// Walks an answer's top-level members as both scans here read them: a key written with an
+/// escape, a `watched` member given twice or a non-null `error` marks the answer `odd` (the
+/// value path answers it); `f` reads every other member (it must consume the value, and may
+/// mark the answer odd too). Returns the object's span.
+fn top_members<'a>(
+    c: &mut Cursor<'a>,
+    watched: &[&[u8]],
+    odd: &mut bool,
+    mut f: impl FnMut(&mut Cursor<'a>, &[u8], &mut bool) -> Result<Keep, ScanError>,
+) -> Result<std::ops::Range<usize>, ScanError> {
+    let mut seen = 0u64;
+    c.object(|c, m| {
+        if m.escaped {
+            *odd = true;
+            c.value()?;
+            return Ok(Keep::Yes);
+        }
+        let key = &c.bytes()[m.key.clone()];
+        if let Some(i) = watched.iter().position(|w| *w == key) {
+            *odd |= seen & (1 << i) != 0;
+            seen |= 1 << i;
+        }
+        if key == b"error" {
+            if !c.null()? {
+                *odd = true;
+                c.value()?;
+            }
+            return Ok(Keep::Yes);
+        }
+        f(c, key, odd)
+    })
+}
+
 /// The engine's whole answer `bytes`, cleaned as [`crate::sanitize_answer`] cleans its value
 /// (`kv_transfer_params` removed at the top and from every choice; `prompt_token_ids` at the
 /// top and `token_ids` and `prompt_token_ids` of every choice removed unless
@@ -55,30 +88,11 @@ pub fn clean_answer(bytes: &[u8], return_token_ids: bool) -> Option<(Vec<u8>, An
         return None;
     }
     let start = c.pos();
-    let mut seen = [false; WATCHED.len()];
     let mut usage: Option<AnswerFacts> = None;
     let mut choices = false;
     let mut odd = false;
-    let walked = c.object(|c, m| {
-        if m.escaped {
-            odd = true;
-            c.value()?;
-            return Ok(Keep::Yes);
-        }
-        let key = &c.bytes()[m.key.clone()];
-        if let Some(i) = WATCHED.iter().position(|w| *w == key) {
-            if seen[i] {
-                odd = true;
-            }
-            seen[i] = true;
-        }
+    let walked = top_members(&mut c, &WATCHED, &mut odd, |c, key, odd| {
         match key {
-            b"error" => {
-                if !c.null()? {
-                    odd = true;
-                    c.value()?;
-                }
-            }
             b"kv_transfer_params" => {
                 c.value()?;
                 return Ok(Keep::Drop);
@@ -91,7 +105,7 @@ pub fn clean_answer(bytes: &[u8], return_token_ids: bool) -> Option<(Vec<u8>, An
             }
             b"choices" => {
                 if c.peek() != Some(b'[') {
-                    odd = true;
+                    *odd = true;
                     c.value()?;
                     return Ok(Keep::Yes);
                 }
@@ -103,7 +117,7 @@ pub fn clean_answer(bytes: &[u8], return_token_ids: bool) -> Option<(Vec<u8>, An
                     }
                     c.object(|c, m| {
                         if m.escaped {
-                            odd = true;
+                            *odd = true;
                         }
                         let key = &c.bytes()[m.key.clone()];
                         c.value()?;
@@ -126,7 +140,7 @@ pub fn clean_answer(bytes: &[u8], return_token_ids: bool) -> Option<(Vec<u8>, An
                 let mut seen_usage = [false; 4];
                 c.object(|c, m| {
                     if m.escaped {
-                        odd = true;
+                        *odd = true;
                     }
                     let key = &c.bytes()[m.key.clone()];
                     let slot = match key {
@@ -140,7 +154,7 @@ pub fn clean_answer(bytes: &[u8], return_token_ids: bool) -> Option<(Vec<u8>, An
                         }
                     };
                     if seen_usage[slot] {
-                        odd = true;
+                        *odd = true;
                     }
                     seen_usage[slot] = true;
                     match slot {
@@ -152,7 +166,7 @@ pub fn clean_answer(bytes: &[u8], return_token_ids: bool) -> Option<(Vec<u8>, An
                             if c.peek() == Some(b'{') {
                                 c.object(|c, m| {
                                     if m.escaped {
-                                        odd = true;
+                                        *odd = true;
                                     }
                                     if &c.bytes()[m.key.clone()] == b"cached_tokens" {
                                         cached = c.uint()?.1;
@@ -208,73 +222,55 @@ pub fn descriptor_span(bytes: &[u8]) -> Option<std::ops::Range<usize>> {
     if c.peek() != Some(b'{') {
         return None;
     }
-    let mut seen = [false; 3];
     let mut top: Option<std::ops::Range<usize>> = None;
     let mut first: Option<std::ops::Range<usize>> = None;
     let mut choices = false;
     let mut odd = false;
-    let walked = c.object(|c, m| {
-        if m.escaped {
-            odd = true;
-            c.value()?;
-            return Ok(Keep::Yes);
-        }
-        let key = &c.bytes()[m.key.clone()];
-        let slot = match key {
-            b"error" => Some(0),
-            b"choices" => Some(1),
-            b"kv_transfer_params" => Some(2),
-            _ => None,
-        };
-        if let Some(i) = slot {
-            odd |= seen[i];
-            seen[i] = true;
-        }
-        match key {
-            b"error" => {
-                if !c.null()? {
-                    odd = true;
-                    c.value()?;
+    let walked = top_members(
+        &mut c,
+        &[b"error", b"choices", b"kv_transfer_params"],
+        &mut odd,
+        |c, key, odd| {
+            match key {
+                b"kv_transfer_params" => {
+                    top = if c.null()? { None } else { Some(c.value()?) };
                 }
-            }
-            b"kv_transfer_params" => {
-                top = if c.null()? { None } else { Some(c.value()?) };
-            }
-            b"choices" => {
-                if c.peek() != Some(b'[') {
-                    odd = true;
-                    c.value()?;
-                    return Ok(Keep::Yes);
-                }
-                choices = true;
-                c.array(|c, i| {
-                    if i > 0 || c.peek() != Some(b'{') {
+                b"choices" => {
+                    if c.peek() != Some(b'[') {
+                        *odd = true;
                         c.value()?;
-                        return Ok(());
+                        return Ok(Keep::Yes);
                     }
-                    let mut twice = false;
-                    c.object(|c, m| {
-                        if m.escaped {
-                            odd = true;
-                        }
-                        if &c.bytes()[m.key.clone()] == b"kv_transfer_params" {
-                            odd |= twice;
-                            twice = true;
-                            first = if c.null()? { None } else { Some(c.value()?) };
-                        } else {
+                    choices = true;
+                    c.array(|c, i| {
+                        if i > 0 || c.peek() != Some(b'{') {
                             c.value()?;
+                            return Ok(());
                         }
-                        Ok(Keep::Yes)
+                        let mut twice = false;
+                        c.object(|c, m| {
+                            if m.escaped {
+                                *odd = true;
+                            }
+                            if &c.bytes()[m.key.clone()] == b"kv_transfer_params" {
+                                *odd |= twice;
+                                twice = true;
+                                first = if c.null()? { None } else { Some(c.value()?) };
+                            } else {
+                                c.value()?;
+                            }
+                            Ok(Keep::Yes)
+                        })?;
+                        Ok(())
                     })?;
-                    Ok(())
-                })?;
+                }
+                _ => {
+                    c.value()?;
+                }
             }
-            _ => {
-                c.value()?;
-            }
-        }
-        Ok(Keep::Yes)
-    });
+            Ok(Keep::Yes)
+        },
+    );
     if walked.is_err() || c.end().is_err() || odd || !choices {
         return None;
     }

@@ -906,6 +906,22 @@ fn arb_ids() -> impl Strategy<Value = Value> {
     ]
 }
 
+/// A `choices` member: a list of up to two elements, each `choice` or (1 in `element + 1`) an
+/// odd leaf, or (1 in `list + 1`) an odd leaf instead of the list.
+fn arb_choices(choice: BoxedStrategy<Value>, list: u32, element: u32) -> BoxedStrategy<Value> {
+    prop_oneof![
+        list => proptest::collection::vec(prop_oneof![element => choice, 1 => arb_leaf().boxed()], 0..3)
+            .prop_map(Value::Array),
+        1 => arb_leaf(),
+    ]
+    .boxed()
+}
+
+/// An answer's `error` member: mostly `null`, sometimes an engine's error object.
+fn arb_error() -> BoxedStrategy<Value> {
+    prop_oneof![4 => Just(Value::Null), 1 => Just(json!({"message": "x"}))].boxed()
+}
+
 /// Members in a shuffled order, some left out.
 fn arb_object(members: Vec<(&'static str, BoxedStrategy<Value>)>) -> impl Strategy<Value = Value> {
     let parts: Vec<_> = members
@@ -976,16 +992,11 @@ fn arb_frame() -> impl Strategy<Value = Value> {
         ("object", Just(json!("text_completion")).boxed()),
         ("created", Just(json!(7)).boxed()),
         ("model", Just(json!("m")).boxed()),
+        ("choices", arb_choices(choice.boxed(), 4, 5)),
         (
-            "choices",
-            prop_oneof![
-                4 => proptest::collection::vec(prop_oneof![5 => choice.boxed(), 1 => arb_leaf().boxed()], 0..3)
-                    .prop_map(Value::Array).boxed(),
-                1 => arb_leaf().boxed(),
-            ]
-            .boxed(),
+            "usage",
+            prop_oneof![usage.boxed(), arb_leaf().boxed()].boxed(),
         ),
-        ("usage", prop_oneof![usage.boxed(), arb_leaf().boxed()].boxed()),
         ("prompt_token_ids", arb_ids().boxed()),
         ("error", Just(Value::Null).boxed()),
     ])
@@ -1229,22 +1240,14 @@ fn arb_answer() -> impl Strategy<Value = Value> {
         ("object", Just(json!("text_completion")).boxed()),
         ("created", Just(json!(7)).boxed()),
         ("model", Just(json!("m")).boxed()),
+        ("choices", arb_choices(choice.boxed(), 6, 6)),
         (
-            "choices",
-            prop_oneof![
-                6 => proptest::collection::vec(prop_oneof![6 => choice.boxed(), 1 => arb_leaf().boxed()], 0..3)
-                    .prop_map(Value::Array).boxed(),
-                1 => arb_leaf().boxed(),
-            ]
-            .boxed(),
+            "usage",
+            prop_oneof![6 => usage.boxed(), 1 => arb_leaf().boxed()].boxed(),
         ),
-        ("usage", prop_oneof![6 => usage.boxed(), 1 => arb_leaf().boxed()].boxed()),
         ("prompt_token_ids", arb_ids().boxed()),
         ("kv_transfer_params", kv.boxed()),
-        (
-            "error",
-            prop_oneof![4 => Just(Value::Null), 1 => Just(json!({"message": "x"}))].boxed(),
-        ),
+        ("error", arb_error()),
     ])
 }
 
@@ -1353,21 +1356,13 @@ fn arb_prefill_answer() -> impl Strategy<Value = Value> {
     ]);
     arb_object(vec![
         ("id", Just(json!("cmpl-1")).boxed()),
+        ("choices", arb_choices(choice.boxed(), 6, 6)),
         (
-            "choices",
-            prop_oneof![
-                6 => proptest::collection::vec(prop_oneof![6 => choice.boxed(), 1 => arb_leaf().boxed()], 0..3)
-                    .prop_map(Value::Array).boxed(),
-                1 => arb_leaf().boxed(),
-            ]
-            .boxed(),
+            "usage",
+            Just(json!({"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4})).boxed(),
         ),
-        ("usage", Just(json!({"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4})).boxed()),
         ("kv_transfer_params", desc.boxed()),
-        (
-            "error",
-            prop_oneof![4 => Just(Value::Null), 1 => Just(json!({"message": "x"}))].boxed(),
-        ),
+        ("error", arb_error()),
     ])
 }
 

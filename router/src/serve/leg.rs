@@ -9,13 +9,13 @@ use serde_json::Value;
 
 use crate::controller::Track;
 use crate::fleet::Resident;
+use crate::ingress::Endpoint;
 use crate::outcome::{LegRecord, RequestRecord};
 use crate::parts::Parts;
 use crate::placement::Phase;
 use narwhal_relay::RelayOptions;
 
 use super::{Ctx, Sub};
-use crate::ingress::Endpoint;
 use crate::upstream::{CleanAnswer, LegError, LegId, LiveStream};
 
 /// A failed attempt leg.
@@ -56,6 +56,19 @@ pub(super) enum Output {
     /// A non-streaming client's whole answer on an aggregated engine, already cleaned for the
     /// client at byte level (it carried its own complete usage).
     Clean(CleanAnswer),
+}
+
+impl Output {
+    /// A whole answer's value (a cleaned one parsed back), or the live stream.
+    // The stream is moved once per answer, to the relay that owns it from then on.
+    #[allow(clippy::result_large_err)]
+    pub(super) fn into_whole(self) -> Result<Value, LiveStream> {
+        match self {
+            Output::Whole(v) => Ok(v),
+            Output::Clean(c) => Ok(c.into_value()),
+            Output::Live(live) => Err(live),
+        }
+    }
 }
 
 /// An attempt that reached its first output.

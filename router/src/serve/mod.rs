@@ -392,9 +392,9 @@ async fn completion_inner(
                 pending.settle(Settlement::completed());
                 json_response(StatusCode::OK, &answer, &rid)
             }
-            Ok(Answer::Bytes(answer)) => {
+            Ok(Answer::Clean(answer)) => {
                 pending.settle(Settlement::completed());
-                json_bytes_response(StatusCode::OK, answer, &rid)
+                json_bytes_response(StatusCode::OK, answer.body, &rid)
             }
             Err(failure) => fail(pending, failure),
         }

@@ -19,7 +19,7 @@ use crate::fleet::Resident;
 use crate::outcome::Pending;
 use crate::parts::Parts;
 use crate::placement::Phase;
-use crate::upstream::{LegError, LiveStream};
+use crate::upstream::{CleanAnswer, LegError, LiveStream};
 use narwhal_relay::{
     Head, RelayStep, answer_chunks, data_frame, reindex, sanitize_answer, sum_usages, usage_value,
 };
@@ -369,13 +369,9 @@ pub(super) async fn stream_one(
     estimate: u64,
 ) -> StreamOne {
     let (out, served, guards) = split(s);
-    // A streaming client's answer is cut into chunks from its value.
-    let out = match out {
-        Output::Clean(clean) => Output::Whole(clean.into_value()),
-        out => out,
-    };
-    let one = match out {
-        Output::Whole(mut answer) => {
+    // A streaming client's whole answer is cut into chunks from its value.
+    let one = match out.into_whole() {
+        Ok(mut answer) => {
             let prompt_tokens = engine_prompt_tokens(answer.get("usage"));
             let cached_tokens = engine_cached_tokens(answer.get("usage"));
             let tokens = finish_whole(&mut answer, a, estimate);
@@ -401,8 +397,7 @@ pub(super) async fn stream_one(
                 head: sink.head.take(),
             }
         }
-        Output::Clean(_) => unreachable!("converted to its value above"),
-        Output::Live(mut live) => {
+        Err(mut live) => {
             let (relayed, clock) = relay(
                 parts, &mut live, &served, &mut sink, deadline, first_at, true,
             )
@@ -566,14 +561,14 @@ pub(super) async fn stream_all(
 /// answer cleaned at byte level ([`Output::Clean`]), sent as it is.
 pub(super) enum Answer {
     Value(Value),
-    Bytes(Bytes),
+    Clean(CleanAnswer),
 }
 
 impl Answer {
     fn into_value(self) -> Value {
         match self {
             Answer::Value(v) => v,
-            Answer::Bytes(b) => serde_json::from_slice(&b).unwrap_or(Value::Null),
+            Answer::Clean(c) => c.into_value(),
         }
     }
 }
@@ -606,7 +601,7 @@ pub(super) async fn collect_one(
                 prompt_tokens: Some(f.prompt_tokens),
                 cached_tokens: f.cached_tokens,
             };
-            (Ok(Answer::Bytes(clean.body)), stats)
+            (Ok(Answer::Clean(clean)), stats)
         }
         Output::Whole(mut answer) => {
             let prompt_tokens = engine_prompt_tokens(answer.get("usage"));
