@@ -105,8 +105,7 @@ impl Upstream {
         }
     }
 
-    /// POSTs a leg's body; an answer other than 200 is the leg's error ([`status_error`],
-    /// from at most [`ERROR_BODY_LIMIT`] bytes of it).
+    /// POSTs `body` as JSON with the leg's ids; the engine's answer, whatever its status.
     async fn post(
         &self,
         url: &str,
@@ -126,7 +125,7 @@ impl Upstream {
         let req = b
             .body(Full::new(Bytes::from(body.to_string())))
             .map_err(|e| LegError::Connect(format!("bad engine URL {url}: {e}")))?;
-        let resp = self.client.request(req).await.map_err(|e| {
+        self.client.request(req).await.map_err(|e| {
             if local_exhaustion(&e) {
                 LegError::Local(format!("connect {url}: {}", error_chain(&e)))
             } else if e.is_connect() {
@@ -134,7 +133,18 @@ impl Upstream {
             } else {
                 LegError::Connect(format!("request {url}: {}", error_chain(&e)))
             }
-        })?;
+        })
+    }
+
+    /// POSTs a leg's body ([`Upstream::post`]); an answer other than 200 is the leg's error
+    /// ([`status_error`], from at most [`ERROR_BODY_LIMIT`] bytes of it).
+    async fn post_leg(
+        &self,
+        url: &str,
+        leg: &LegId,
+        body: &Value,
+    ) -> Result<hyper::Response<Incoming>, LegError> {
+        let resp = self.post(url, leg, body).await?;
         let status = resp.status();
         if status != StatusCode::OK {
             let bytes = read_bounded(resp.into_body(), ERROR_BODY_LIMIT)
@@ -323,7 +333,7 @@ impl Upstream {
         body: &Value,
         max_bytes: usize,
     ) -> Result<(Bytes, bool), LegError> {
-        let resp = self.post(url, leg, body).await?;
+        let resp = self.post_leg(url, leg, body).await?;
         let streamed = resp
             .headers()
             .get(http::header::CONTENT_TYPE)
@@ -350,7 +360,7 @@ impl Upstream {
         first_token_by: Instant,
     ) -> Result<LiveStream, LegError> {
         let fut = async {
-            let resp = self.post(url, leg, body).await?;
+            let resp = self.post_leg(url, leg, body).await?;
             let mut live = LiveStream::new(resp.into_body(), opts);
             match live.next(None).await? {
                 RelayStep::Output => {
