@@ -231,6 +231,11 @@ pub(crate) enum EjectCause {
     Restored,
     /// An engine-side role switch failed (controller.md 9.2).
     RoleSwitch,
+    /// Its legs were all silent for a window while a peer of its role answered, and a
+    /// one-token probe sent straight to it got no token (behaviour.md 6.9). Unbounded (it
+    /// cannot serve, and a peer that can exists), held like a failure ejection, and readmitted
+    /// only through validation or a generation probe.
+    Stalled,
 }
 
 impl EjectCause {
@@ -245,6 +250,7 @@ impl EjectCause {
             EjectCause::ProcessIdentity => "process_identity",
             EjectCause::Restored => "handoff",
             EjectCause::RoleSwitch => "role_switch",
+            EjectCause::Stalled => "stalled",
         }
     }
 

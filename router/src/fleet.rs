@@ -32,6 +32,7 @@ use crate::facts::Facts;
 use crate::journal::Journal;
 use crate::metrics::{Metrics, labels};
 use crate::placement::{self, Aggregate, EngineSlot, Exclusion, KvScore, LiveLists, Phase, Plan};
+use crate::stall::StallWatch;
 
 /// What the fleet lock guards.
 pub(crate) struct FleetState {
@@ -61,6 +62,9 @@ pub(crate) struct FleetState {
     /// Engines new placements avoid while another of their role is available (a donor held
     /// for an engine-side role switch; controller.md 9.2).
     avoided: BTreeSet<usize>,
+    /// Legs waiting for their first output, and each engine's latest output: the stall
+    /// watch (behaviour.md 6.9, [`crate::stall`]).
+    stall: StallWatch,
 }
 
 impl FleetState {
@@ -95,6 +99,9 @@ pub(crate) struct Fleet {
     metrics: Arc<Metrics>,
     journal: Journal,
     dirty: Arc<Notify>,
+    /// Per engine: bumped when the engine is found stalled, which gives up every leg
+    /// waiting on it ([`LegWatch::stalled`]).
+    stalled: Vec<tokio::sync::watch::Sender<()>>,
 }
 
 /// The breaker settings of a fleet file (`recovery`, `controller.monitor_interval_s`).
@@ -142,6 +149,7 @@ impl Fleet {
                 identity_requested: vec![false; n],
                 confirmed: vec![None; n],
                 avoided: BTreeSet::new(),
+                stall: StallWatch::new(n, cfg.first_token_timeout()),
             }),
             live: AtomicUsize::new(0),
             held: AtomicBool::new(false),
@@ -153,6 +161,7 @@ impl Fleet {
             metrics,
             journal,
             dirty,
+            stalled: (0..n).map(|_| tokio::sync::watch::channel(()).0).collect(),
         }
     }
 
@@ -639,6 +648,101 @@ fn bump(slot: &mut EngineSlot, phase: Phase, up: bool) {
         *c += 1;
     } else {
         *c = c.saturating_sub(1);
+    }
+}
+
+/// The stall watch's side of the fleet (behaviour.md 6.9): legs register here, the monitor
+/// asks for suspects and reports its probes.
+impl Fleet {
+    /// Registers a leg dispatched to `iid` now, waiting for its first output, until the guard
+    /// is answered or dropped.
+    pub(crate) fn watch_leg(self: &Arc<Self>, iid: usize) -> LegWatch {
+        let now = self.clock.now();
+        let token = self.lock().stall.begin(iid, now);
+        LegWatch {
+            fleet: self.clone(),
+            iid,
+            token,
+            stalled: self.stalled[iid].subscribe(),
+            done: false,
+        }
+    }
+
+    /// Engines to probe for a stall now (each marked until its probe is reported): live
+    /// engines silent for a window while a live peer of their role answered
+    /// ([`StallWatch::suspects`]).
+    pub(crate) fn stall_suspects(&self) -> Vec<usize> {
+        let now = self.clock.now();
+        let mut state = self.lock();
+        let FleetState { slots, stall, .. } = &mut *state;
+        stall.suspects(now, |i| {
+            slots[i].is_live().then_some(match slots[i].role {
+                Role::Prefill => 0,
+                Role::Decode => 1,
+            })
+        })
+    }
+
+    /// The silence window of the stall watch (`engine.first_token_timeout_s`).
+    pub(crate) fn stall_window(&self) -> std::time::Duration {
+        self.lock().stall.window()
+    }
+
+    /// The stall probe of `iid` ended: `Some(true)` it got its token (the engine answers),
+    /// `Some(false)` it got none within the window, `None` nothing was learned (the router
+    /// could not send it, or it no longer controls the fleet). A failed probe ejects the
+    /// engine (cause `stalled`, unbounded: it cannot serve, and a peer of its role just
+    /// answered) and gives up every leg waiting on it, so their requests are retried
+    /// elsewhere ([`crate::upstream::LegError::Stalled`]).
+    pub(crate) fn stall_probed(&self, iid: usize, answered: Option<bool>) {
+        let now = self.clock.now();
+        let mut state = self.lock();
+        match answered {
+            Some(true) => state.stall.probe_passed(iid, now),
+            Some(false) => {
+                state.stall.probe_ended(iid);
+                let tr = state.breaker.eject_now(iid, EjectCause::Stalled, now);
+                self.apply(&mut state, &tr);
+                drop(state);
+                self.stalled[iid].send_replace(());
+            }
+            None => state.stall.probe_ended(iid),
+        }
+    }
+}
+
+/// A leg waiting for its first output on one engine, registered with the stall watch until
+/// it is answered or dropped ([`Fleet::watch_leg`]).
+pub(crate) struct LegWatch {
+    fleet: Arc<Fleet>,
+    iid: usize,
+    token: u64,
+    stalled: tokio::sync::watch::Receiver<()>,
+    done: bool,
+}
+
+impl LegWatch {
+    /// Resolves when the engine is found stalled after this leg was dispatched.
+    pub(crate) async fn stalled(&mut self) {
+        if self.stalled.changed().await.is_err() {
+            // The fleet is gone: never.
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// The leg got its first output, or any answer from the engine, now.
+    pub(crate) fn answered(mut self) {
+        let now = self.fleet.clock.now();
+        self.fleet.lock().stall.output(self.iid, self.token, now);
+        self.done = true;
+    }
+}
+
+impl Drop for LegWatch {
+    fn drop(&mut self) {
+        if !self.done {
+            self.fleet.lock().stall.abandon(self.iid, self.token);
+        }
     }
 }
 

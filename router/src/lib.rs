@@ -151,6 +151,7 @@ mod readiness;
 mod response;
 mod retry;
 mod serve;
+mod stall;
 mod upstream;
 
 pub use app::{AnnounceError, Error, Listeners, RunOptions, run};

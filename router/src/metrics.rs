@@ -121,6 +121,12 @@ pub(crate) struct Legs {
     pub(crate) decode_attempts: Counter,
     pub(crate) decode_tokens_observed: Counter,
     pub(crate) attempt_failures: Family<Labels, Counter>,
+    /// `narwhal_kv_pickups_total{outcome}`: decode legs that carried a vLLM KV descriptor and
+    /// were kept after their request ended before the decode's first output, so the decode
+    /// still reads the producer's staged KV (`serve::leg::Pickup`): `collected` (first output:
+    /// the KV left the producer, then the leg was closed) or `failed` (the leg failed; the
+    /// producer's own expiry frees the blocks). Both seeded at 0.
+    pub(crate) kv_pickups: Family<Labels, Counter>,
     pub(crate) upstream_seconds: Family<Labels, Counter<f64, AtomicU64>>,
     pub(crate) ttft: HistFamily,
     pub(crate) tpot: HistFamily,
@@ -265,6 +271,14 @@ impl Metrics {
             "Failed attempts by request phase and failure reason",
             Family::default()
         );
+        let kv_pickups: Family<Labels, Counter> = reg!(
+            "narwhal_kv_pickups",
+            "Decode legs carrying a KV descriptor kept after their request ended before the first output, so the staged KV is still read: collected, or failed (the producer's expiry frees it)",
+            Family::default()
+        );
+        for outcome in ["collected", "failed"] {
+            let _ = kv_pickups.get_or_create(&labels(&[("outcome", outcome)]));
+        }
         let http_retained = reg!(
             "narwhal_http_retained",
             "Completion requests currently retained",
@@ -475,6 +489,7 @@ impl Metrics {
                 decode_attempts,
                 decode_tokens_observed,
                 attempt_failures,
+                kv_pickups,
                 upstream_seconds,
                 ttft,
                 tpot,

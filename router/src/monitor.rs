@@ -43,9 +43,21 @@ pub(crate) async fn monitor(parts: Arc<Parts>, stop: tokio_util::sync::Cancellat
     let every = u64::from(parts.cfg.recovery.liveness_every);
     let mut n: u64 = 0;
     let mut was_controlling = false;
+    // The stall watch is judged more often than the breaker's probes: a quarter of its
+    // window (at least 50 ms, at most one monitor interval), so a stalled engine's legs are
+    // given up within about a window and a probe of their first-token limit.
+    let stall_period = (parts.fleet.stall_window() / 4)
+        .max(Duration::from_millis(50))
+        .min(period);
+    let mut stall_tick = tokio::time::interval(stall_period);
+    stall_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
+            _ = stall_tick.tick() => {
+                stall_check(&parts);
+                continue;
+            }
             _ = tick.tick() => {}
         }
         let controlling = parts.ha.controls_fleet();
@@ -156,7 +168,14 @@ async fn probe(parts: Arc<Parts>, ticket: Ticket, sweep: bool) {
                 fleet.probe_result(ticket, ProbeResult::Inconclusive);
                 return;
             }
-            let generated = generation(&parts, iid).await;
+            let limit = secs(
+                parts
+                    .cfg
+                    .engine
+                    .first_token_timeout_s
+                    .max(parts.cfg.engine.health_timeout_s),
+            );
+            let generated = generation(&parts, iid, limit).await;
             if let Err(GenerationFailed(LegError::Local(d))) = &generated {
                 // The probe never left the router: nothing is learned; next tick.
                 tracing::warn!(error = %d, "generation probe not sent: the router is out of connection resources");
@@ -183,6 +202,59 @@ async fn probe(parts: Arc<Parts>, ticket: Ticket, sweep: bool) {
     }
 }
 
+/// Probes every engine the stall watch suspects (behaviour.md 6.9), while this router
+/// controls the fleet (a standby judges nothing).
+fn stall_check(parts: &Arc<Parts>) {
+    if !parts.ha.controls_fleet() {
+        return;
+    }
+    for iid in parts.fleet.stall_suspects() {
+        let span = tracing::info_span!("stall_probe", engine = %parts.cfg.engines[iid].iid);
+        tokio::spawn(stall_probe(parts.clone(), iid).instrument(span));
+    }
+}
+
+/// The stall probe: the generation probe, bounded by the stall window
+/// (`engine.first_token_timeout_s`), sent straight to an engine whose legs are all silent while
+/// its peers answer. No token: the fleet ejects it (cause `stalled`) and gives up its waiting
+/// legs. Counted as probe kind `stall` and journalled as `engine_probe`.
+async fn stall_probe(parts: Arc<Parts>, iid: usize) {
+    let window = parts.fleet.stall_window();
+    let waited = parts.clock.now();
+    let generated = generation(&parts, iid, window).await;
+    if let Err(GenerationFailed(LegError::Local(d))) = &generated {
+        tracing::warn!(error = %d, "stall probe not sent: the router is out of connection resources");
+        parts.fleet.stall_probed(iid, None);
+        return;
+    }
+    if !parts.ha.controls_fleet() {
+        parts.fleet.stall_probed(iid, None);
+        return;
+    }
+    let passed = generated.is_ok();
+    count(
+        &parts,
+        iid,
+        "stall",
+        if passed { "passed" } else { "failed" },
+    );
+    let error = generated.err().map(|e| e.to_string());
+    if passed {
+        tracing::info!(
+            waited_s = (parts.clock.now() - waited).as_secs_f64(),
+            "stall probe answered: the engine is slow on its legs, not stalled"
+        );
+    } else {
+        tracing::warn!(error = ?error, "stall probe got no token while the engine's peers answer: ejecting it and failing its waiting legs over");
+    }
+    parts.journal.emit(
+        json!({"event": "engine_probe", "iid": parts.cfg.engines[iid].iid,
+        "kind": "stall", "outcome": if passed { "passed" } else { "failed" },
+        "error": error, "at": parts.wall()}),
+    );
+    parts.fleet.stall_probed(iid, Some(passed));
+}
+
 /// `GET <engine><health_path>` within `engine.health_timeout_s`.
 ///
 /// # Errors
@@ -207,12 +279,13 @@ async fn health(parts: &Parts, iid: usize) -> Result<HealthAnswer, ProbeError> {
 /// The generation probe the breaker readmits an engine without an agent with (behaviour.md
 /// 6.3, "standalone probe"): a streamed one-token completion of the fleet's model straight to
 /// the engine, with a plain UUID request id; it passes when a token-bearing chunk arrives
-/// within `max(engine.first_token_timeout_s, engine.health_timeout_s)`. On SGLang the request
-/// names [`FAKE_BOOTSTRAP_HOST`], so a prefill- or decode-mode server runs it alone.
+/// within `limit` (a readmission: `max(engine.first_token_timeout_s,
+/// engine.health_timeout_s)`; a stall probe: `engine.first_token_timeout_s`). On SGLang the
+/// request names [`FAKE_BOOTSTRAP_HOST`], so a prefill- or decode-mode server runs it alone.
 ///
 /// # Errors
 /// [`GenerationFailed`] with the failed leg.
-async fn generation(parts: &Parts, iid: usize) -> Result<(), GenerationFailed> {
+async fn generation(parts: &Parts, iid: usize, limit: Duration) -> Result<(), GenerationFailed> {
     let cfg = &parts.cfg;
     let url = format!("{}/v1/completions", cfg.engines[iid].url);
     let mut body = json!({
@@ -227,11 +300,6 @@ async fn generation(parts: &Parts, iid: usize) -> Result<(), GenerationFailed> {
         body["bootstrap_room"] = json!(0);
     }
     let opts = RelayOptions::new(cfg.serving.max_response_bytes, false);
-    let limit: Duration = secs(
-        cfg.engine
-            .first_token_timeout_s
-            .max(cfg.engine.health_timeout_s),
-    );
     // A leg id every engine accepts (a plain UUID per leg, docs/deviations.md).
     let leg = LegId::new(&uuid::Uuid::new_v4().to_string(), None, 1, "probe");
     parts

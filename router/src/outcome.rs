@@ -61,6 +61,7 @@ pub(crate) const FAILED_REASONS: &[&str] = &[
     "engine_overloaded",
     "engine_rejected",
     "engine_error",
+    "engine_aborted",
     "local_pool",
     "invalid_response",
     "response_limit",

@@ -662,6 +662,16 @@ pub(crate) enum LegError {
     },
     /// A 200 prefill without a usable KV descriptor / rendezvous.
     KvHandoff(String),
+    /// A 200 prefill whose choices end with `finish_reason: "abort"` and carry no descriptor:
+    /// the engine gave the request up (vLLM's `RequestStatus.FINISHED_ABORTED`: preempted,
+    /// out of KV cache, shutting down or paused in abort mode; vLLM's `_raise_if_error`
+    /// raises only for `"error"`, so the answer is a 200). Nothing was output: retried on
+    /// another prefill engine, charged as `kv_handoff`, counted `engine_aborted`.
+    Aborted(String),
+    /// The engine sent nothing on this leg while its peers of the same role answered, and a
+    /// direct generation probe of its own got no token either ([`crate::stall`]): the router
+    /// ejected it (cause `stalled`) and gave up its waiting legs, which are retried elsewhere.
+    Stalled,
     /// A non-JSON or malformed answer.
     InvalidResponse(String),
     /// A relay-level stream failure.
@@ -704,6 +714,21 @@ impl LegError {
         }
     }
 
+    /// Whether the engine answered the leg (an error status, a bad or cut answer, an abort):
+    /// it is not silent, whatever the answer was (the stall watch, behaviour.md 6.9).
+    pub(crate) fn engine_answered(&self) -> bool {
+        matches!(
+            self,
+            LegError::Status { .. }
+                | LegError::Refused { .. }
+                | LegError::KvHandoff(_)
+                | LegError::Aborted(_)
+                | LegError::InvalidResponse(_)
+                | LegError::Cut(_)
+                | LegError::Stream(_)
+        )
+    }
+
     /// Breaker class (behaviour.md 6.2); `None` for client faults.
     pub(crate) fn class(&self, phase: Phase) -> Option<FailureClass> {
         if self.client_fault().is_some() {
@@ -732,7 +757,8 @@ impl LegError {
                 FailureClass::EngineConfig
             }
             LegError::Status { .. } | LegError::Refused { .. } => FailureClass::InferenceStatus,
-            LegError::KvHandoff(_) => FailureClass::KvHandoff,
+            LegError::KvHandoff(_) | LegError::Aborted(_) => FailureClass::KvHandoff,
+            LegError::Stalled => FailureClass::Stream,
             LegError::InvalidResponse(_) => FailureClass::InferenceStatus,
             LegError::Stream(StreamFailure::UpstreamError { .. }) => FailureClass::InferenceStatus,
             LegError::Stream(_) => {
@@ -753,9 +779,11 @@ impl LegError {
         match self {
             LegError::Local(_) => "local_pool",
             LegError::Connect(_) | LegError::Cut(_) => "engine_connection",
-            LegError::Timeout(_) | LegError::FirstTokenTimeout | LegError::ReadTimeout => {
-                "engine_timeout"
-            }
+            LegError::Timeout(_)
+            | LegError::FirstTokenTimeout
+            | LegError::ReadTimeout
+            | LegError::Stalled => "engine_timeout",
+            LegError::Aborted(_) => "engine_aborted",
             LegError::Status {
                 status: 408 | 429 | 503,
                 ..
@@ -777,7 +805,8 @@ impl LegError {
 
     /// Retry-eligible before output (behaviour.md 7.5): statuses 401/403/404/405 (the engine
     /// refused the router, [`engine_config`]), 408/429/500/502/503/504, network, timeout or
-    /// protocol errors. KV descriptor failures are not retried.
+    /// protocol errors, an engine's abort and a stalled engine. KV descriptor failures are not
+    /// retried.
     pub(crate) fn transient(&self) -> bool {
         if self.client_fault().is_some() {
             return false;
@@ -787,7 +816,9 @@ impl LegError {
             | LegError::Timeout(_)
             | LegError::FirstTokenTimeout
             | LegError::ReadTimeout
-            | LegError::Cut(_) => true,
+            | LegError::Cut(_)
+            | LegError::Aborted(_)
+            | LegError::Stalled => true,
             LegError::Status { status, .. } | LegError::Refused { status, .. } => {
                 matches!(status, 408 | 429 | 500 | 502 | 503 | 504) || engine_config(*status)
             }
@@ -808,7 +839,10 @@ impl LegError {
     /// is out of connection resources).
     pub(crate) fn http_status(&self) -> u16 {
         match self {
-            LegError::Timeout(_) | LegError::FirstTokenTimeout | LegError::ReadTimeout => 504,
+            LegError::Timeout(_)
+            | LegError::FirstTokenTimeout
+            | LegError::ReadTimeout
+            | LegError::Stalled => 504,
             LegError::Local(_) => 503,
             _ => 502,
         }
@@ -841,7 +875,11 @@ impl LegError {
             | LegError::Local(s)
             | LegError::Cut(s)
             | LegError::KvHandoff(s)
+            | LegError::Aborted(s)
             | LegError::InvalidResponse(s) => s.clone(),
+            LegError::Stalled => {
+                "engine stalled: nothing sent while its peers answered, and its own generation probe got no token".into()
+            }
             LegError::Timeout(s) => (*s).to_string(),
             LegError::FirstTokenTimeout => {
                 "no first token within engine.first_token_timeout_s".into()

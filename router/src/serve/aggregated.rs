@@ -16,7 +16,7 @@ use crate::upstream::WholeAnswer;
 
 use super::leg::{
     AttemptLog, Fail, Output, Started, engine_url, first_token_limit, leg_failed, new_leg,
-    relay_options,
+    relay_options, watched,
 };
 use super::{Ctx, Sub};
 
@@ -65,7 +65,10 @@ pub(super) async fn run(
         let answer = parts
             .upstream
             .whole_answer(&engine_url, &leg, &body, ctx.deadline, chat, rti);
-        let answer = answer.instrument(span).await.map_err(failed)?;
+        let answer = watched(&parts.fleet, engine, answer)
+            .instrument(span)
+            .await
+            .map_err(failed)?;
         track.first_token();
         match answer {
             WholeAnswer::Clean(clean) => Output::Clean(clean),
@@ -76,7 +79,10 @@ pub(super) async fn run(
         let live = parts
             .upstream
             .decode(&engine_url, &leg, &body, opts, first_by);
-        let live = live.instrument(span).await.map_err(failed)?;
+        let live = watched(&parts.fleet, engine, live)
+            .instrument(span)
+            .await
+            .map_err(failed)?;
         track.first_token();
         Output::Live(live)
     };

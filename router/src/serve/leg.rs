@@ -2,13 +2,16 @@
 //! output, seats and engines), a failed leg charged to its engine, the attempt log copied into
 //! the request's journal row, and the leg options every leg protocol shares.
 
-use std::sync::Mutex;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
 use crate::controller::Track;
-use crate::fleet::Resident;
+use crate::fleet::{Fleet, Resident};
 use crate::ingress::Endpoint;
 use crate::outcome::{LegRecord, RequestRecord};
 use crate::parts::Parts;
@@ -198,6 +201,104 @@ pub(super) fn first_token_limit(parts: &Parts, pulls_kv: bool) -> Duration {
         parts.cfg.first_token_timeout() + parts.cfg.kv_transfer_timeout()
     } else {
         parts.cfg.first_token_timeout()
+    }
+}
+
+/// Runs a leg until its first output (its whole answer, for a whole leg) under engine
+/// `iid`'s stall watch (behaviour.md 6.9): when the engine is found stalled while the leg
+/// waits, the leg is given up as [`LegError::Stalled`] (retried elsewhere). Any answer from
+/// the engine, an error status included, counts as its output for the watch.
+pub(super) async fn watched<T>(
+    fleet: &Arc<Fleet>,
+    iid: usize,
+    leg: impl Future<Output = Result<T, LegError>>,
+) -> Result<T, LegError> {
+    let mut watch = fleet.watch_leg(iid);
+    tokio::select! {
+        biased;
+        r = leg => {
+            if r.as_ref().map_or_else(LegError::engine_answered, |_| true) {
+                watch.answered();
+            }
+            r
+        }
+        () = watch.stalled() => Err(LegError::Stalled),
+    }
+}
+
+/// The decode leg of a vLLM split, which carries the prefill's KV descriptor, kept until the
+/// decode's first output even when its request ends first (its client left, or another prompt
+/// of its batch failed): the producer holds the staged KV until a decode reads it (or its own
+/// lease expires: vLLM's NIXL connector, `kv_lease_duration`), so a leg dropped before the
+/// decode engine took the request would strand those blocks. Dropped while pending, the leg
+/// moves to a task that runs it to its first output (the KV has landed, then the connection
+/// is closed, which aborts the decode) or to its own failure, bounded by its first-token
+/// limit, with the producer still counted resident until then; counted in
+/// `narwhal_kv_pickups_total{outcome}` (docs/http-api.md, "Cancellation").
+pub(super) struct Pickup {
+    leg: Option<PickupLeg>,
+    seat: Option<Resident>,
+    metrics: Arc<crate::metrics::Metrics>,
+}
+
+/// The decode leg a [`Pickup`] keeps.
+type PickupLeg = Pin<Box<dyn Future<Output = Result<LiveStream, LegError>> + Send>>;
+
+impl Pickup {
+    /// Keeps `leg` (and the producer's `seat`) until its first output.
+    pub(super) fn new(
+        leg: impl Future<Output = Result<LiveStream, LegError>> + Send + 'static,
+        seat: Resident,
+        metrics: Arc<crate::metrics::Metrics>,
+    ) -> Self {
+        Pickup {
+            leg: Some(Box::pin(leg)),
+            seat: Some(seat),
+            metrics,
+        }
+    }
+}
+
+impl Future for Pickup {
+    type Output = Result<LiveStream, LegError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(leg) = self.leg.as_mut() else {
+            return Poll::Pending;
+        };
+        let out = std::task::ready!(leg.as_mut().poll(cx));
+        // The decode answered: the KV left the producer.
+        self.leg = None;
+        self.seat = None;
+        Poll::Ready(out)
+    }
+}
+
+impl Drop for Pickup {
+    fn drop(&mut self) {
+        let (Some(leg), Ok(rt)) = (self.leg.take(), tokio::runtime::Handle::try_current()) else {
+            return;
+        };
+        let seat = self.seat.take();
+        let metrics = self.metrics.clone();
+        rt.spawn(async move {
+            let outcome = match leg.await {
+                // Dropping the stream closes the connection: the decode is aborted after
+                // reading the KV, and nothing is generated for nobody.
+                Ok(_live) => "collected",
+                Err(_) => "failed",
+            };
+            drop(seat);
+            tracing::info!(
+                outcome,
+                "decode leg kept after its request ended, to read the staged KV"
+            );
+            metrics
+                .legs
+                .kv_pickups
+                .get_or_create(&crate::metrics::labels(&[("outcome", outcome)]))
+                .inc();
+        });
     }
 }
 

@@ -21,7 +21,7 @@ use crate::upstream::{LegError, LegId};
 use super::aggregated::decode_body;
 use super::leg::{
     AbortOnDrop, AttemptLog, Fail, Output, Started, engine_url, first_token_limit, leg_failed,
-    new_leg, relay_options,
+    new_leg, relay_options, watched,
 };
 use super::{Ctx, Sub};
 use crate::upstream::Upstream;
@@ -76,7 +76,8 @@ pub(super) async fn run(
         async move {
             let _seat = seat_p;
             let t0 = task_parts.clock.now();
-            let r = self::prefill(&up, &purl, &pleg, &pbody, limit).await;
+            let leg = self::prefill(&up, &purl, &pleg, &pbody, limit);
+            let r = watched(&task_parts.fleet, prefill, leg).await;
             if r.is_ok() {
                 let prefill_s = (task_parts.clock.now() - t0).as_secs_f64();
                 task_parts.accounting.prefill_time(prefill_s);
@@ -93,10 +94,12 @@ pub(super) async fn run(
         + parts.cfg.kv_transfer_timeout())
     .min(ctx.deadline);
     let durl = engine_url(ctx, decode);
-    let dfut = parts
-        .upstream
-        .decode(&durl, &dleg, &dbody, opts, first_by)
-        .instrument(tracing::info_span!("decode", engine = %parts.cfg.engines[decode].iid));
+    let dfut = watched(
+        &parts.fleet,
+        decode,
+        parts.upstream.decode(&durl, &dleg, &dbody, opts, first_by),
+    )
+    .instrument(tracing::info_span!("decode", engine = %parts.cfg.engines[decode].iid));
     tokio::pin!(dfut);
     let mut prefill_done = false;
     loop {

@@ -6,7 +6,7 @@ use super::aggregated::{decode_body, whole_body};
 use super::attempt::shape_plan;
 use super::relay_io::{finish_whole, merge_answers};
 use super::sglang_bootstrap::{Rendezvous, sglang_bodies, url_host};
-use super::vllm_nixl::{extract_descriptor, prefill_finished, vllm_prefill_body};
+use super::vllm_nixl::{extract_descriptor, prefill_aborted, prefill_finished, vllm_prefill_body};
 use super::*;
 use crate::config::Backend;
 use crate::failure::RequestFailure;
@@ -239,6 +239,28 @@ fn a_prefill_that_ended_the_generation_is_a_finished_answer() {
         Some(8)
     ));
     assert!(!prefill_finished(&json!({"choices": []}), Some(8)));
+}
+
+/// A prefill that answered 200 with `finish_reason: "abort"` is the engine's abort (retried on
+/// another prefill), never a finished answer; any other answer without a descriptor is not.
+#[test]
+fn a_prefill_answered_abort_is_the_engines_abort() {
+    let answer = |fr: Value| json!({"choices": [{"index": 0, "text": "", "finish_reason": fr}]});
+    assert!(prefill_aborted(&answer(json!("abort"))));
+    assert!(!prefill_finished(&answer(json!("abort")), Some(6)));
+    assert!(!prefill_aborted(&answer(json!("stop"))));
+    assert!(!prefill_aborted(&answer(json!("length"))));
+    assert!(!prefill_aborted(&answer(Value::Null)));
+    assert!(!prefill_aborted(&json!({"choices": []})));
+    assert!(!prefill_aborted(&json!({"error": {"message": "abort"}})));
+    let err = crate::upstream::LegError::Aborted("x".into());
+    assert!(err.transient(), "retried on another prefill");
+    assert_eq!(err.reason(), "engine_aborted");
+    assert_eq!(
+        err.class(crate::placement::Phase::Prefill),
+        Some(crate::breaker::FailureClass::KvHandoff),
+        "charged to the engine as a prefill without a handoff"
+    );
 }
 
 #[test]

@@ -21,8 +21,8 @@ use crate::upstream::Upstream;
 
 use super::aggregated::decode_body;
 use super::leg::{
-    AttemptLog, Fail, Output, Started, engine_url, first_token_limit, leg_failed, new_leg,
-    relay_options,
+    AttemptLog, Fail, Output, Pickup, Started, engine_url, first_token_limit, leg_failed, new_leg,
+    relay_options, watched,
 };
 use super::{Ctx, Sub};
 
@@ -52,13 +52,17 @@ pub(super) async fn run(
     let limit = (now + secs(parts.cfg.serving.prefill_timeout_s)).min(ctx.deadline);
     let t0 = parts.clock.now();
     let pleg = new_leg(ctx, sub, n, "prefill", prefill, log);
-    let prefilled = self::prefill(
-        &parts.upstream,
-        &engine_url(ctx, prefill),
-        &pleg,
-        &vllm_prefill_body(&sub.body),
-        limit,
-        ctx.v.max_tokens,
+    let prefilled = watched(
+        &parts.fleet,
+        prefill,
+        self::prefill(
+            &parts.upstream,
+            &engine_url(ctx, prefill),
+            &pleg,
+            &vllm_prefill_body(&sub.body),
+            limit,
+            ctx.v.max_tokens,
+        ),
     )
     .instrument(tracing::info_span!("prefill", engine = %parts.cfg.engines[prefill].iid))
     .await
@@ -94,14 +98,26 @@ pub(super) async fn run(
     let first_by =
         (parts.clock.now() + first_token_limit(parts, decode != prefill)).min(ctx.deadline);
     let dleg = new_leg(ctx, sub, n, "decode", decode, log);
-    let live = parts
-        .upstream
-        .decode(&engine_url(ctx, decode), &dleg, &body, opts, first_by)
-        .instrument(tracing::info_span!("decode", engine = %parts.cfg.engines[decode].iid))
+    // From here the request owns the producer's staged KV: the decode leg is kept until it
+    // read it even if the request ends first (`Pickup`), with the producer resident until
+    // then.
+    let (up, fleet, url) = (
+        parts.upstream.clone(),
+        parts.fleet.clone(),
+        engine_url(ctx, decode),
+    );
+    let span = tracing::info_span!("decode", engine = %parts.cfg.engines[decode].iid);
+    let leg = async move {
+        watched(
+            &fleet,
+            decode,
+            up.decode(&url, &dleg, &body, opts, first_by),
+        )
+        .await
+    };
+    let live = Pickup::new(leg.instrument(span), seat_p, parts.metrics.clone())
         .await
         .map_err(leg_failed(Phase::Decode, decode, Some(prefill)));
-    // The decode has its first token: the KV left the producer.
-    drop(seat_p);
     let live = live?;
     track.first_token();
     Ok(Started {
@@ -149,6 +165,23 @@ pub(super) fn prefill_finished(answer: &Value, client_max_tokens: Option<u64>) -
                 Some("abort") | None => false,
                 Some(_) => true,
             })
+}
+
+/// Whether a prefill answer without a descriptor is an engine's abort: some choice ends with
+/// `finish_reason: "abort"`. vLLM finishes a request it gave up (`RequestStatus.FINISHED_ABORTED`
+/// in `vllm/v1/request.py`: preempted for a full KV cache, shutting down or paused in abort
+/// mode) with `FinishReason.ABORT`, answers it 200 (the completion server raises only for
+/// `"error"`), and its NIXL connector hands off nothing for it (`request_finished` stages blocks
+/// only for a request that stopped on its length cap or a stop). Nothing was output, so it is
+/// the engine's transient failure ([`LegError::Aborted`]), not the request's answer.
+pub(super) fn prefill_aborted(answer: &Value) -> bool {
+    answer
+        .get("choices")
+        .and_then(Value::as_array)
+        .is_some_and(|cs| {
+            cs.iter()
+                .any(|c| c.get("finish_reason").and_then(Value::as_str) == Some("abort"))
+        })
 }
 
 /// Validate and return the vLLM descriptor verbatim (behaviour.md 7.1 step 3):
@@ -272,6 +305,9 @@ pub(super) async fn prefill(
             Err(_) if prefill_finished(&answer, client_max_tokens) => {
                 Ok(Prefilled::Finished(answer))
             }
+            Err(_) if prefill_aborted(&answer) => Err(LegError::Aborted(
+                "the prefill answered 200 with finish_reason \"abort\" and no kv_transfer_params (the engine aborted the request)".into(),
+            )),
             Err(e) => Err(LegError::KvHandoff(e.to_string())),
         }
     };
