@@ -7,10 +7,11 @@
 //!  first output (or any answer) ──output(engine, token, now)──► last_output = now
 //!  leg ended without one ──abandon(engine, token)
 //!  monitor tick ──suspects(now, group)──► engines to probe (state Probing)
-//!       an engine is suspect when, for a whole window (`engine.first_token_timeout_s`):
-//!         its oldest waiting leg is at least a window old,
-//!         it gave no leg any output, and
-//!         another engine of its group (its role) gave some leg output
+//!       an engine is suspect when
+//!         its oldest waiting leg is at least a window old (`engine.first_token_timeout_s`),
+//!         it gave no leg any output for a window, and
+//!         another engine of its group (its role) gave a leg output after that oldest leg
+//!         was dispatched
 //!  probe (one token, straight to the engine, within the window)
 //!       ──probe_passed(engine, now)──► Watching (counts as output: not suspect for a window)
 //!       ──probe_failed(engine)──────► Watching; the driver ejects it (cause `stalled`) and
@@ -105,20 +106,21 @@ impl StallWatch {
                 .is_some_and(|t| now.saturating_duration_since(t) < window)
         };
         let groups: Vec<Option<u8>> = (0..self.engines.len()).map(&group).collect();
-        // Groups in which some engine gave output within the window, by engine.
-        let answering: Vec<bool> = self.engines.iter().map(recent).collect();
         let mut out = Vec::new();
         for (i, w) in self.engines.iter().enumerate() {
             let Some(g) = groups[i] else { continue };
-            let Some(oldest) = w.pending.values().next() else {
+            let Some(oldest) = w.pending.values().next().copied() else {
                 continue;
             };
-            if w.probing || recent(w) || now.saturating_duration_since(*oldest) < window {
+            if w.probing || recent(w) || now.saturating_duration_since(oldest) < window {
                 continue;
             }
-            let peer_answers =
-                (0..self.engines.len()).any(|j| j != i && groups[j] == Some(g) && answering[j]);
-            if peer_answers {
+            // A peer answered a leg after this engine's oldest waiting leg was dispatched:
+            // legs of that time can be served, so the silence is this engine's.
+            let peer_answered = self.engines.iter().enumerate().any(|(j, p)| {
+                j != i && groups[j] == Some(g) && p.last_output.is_some_and(|t| t > oldest)
+            });
+            if peer_answered {
                 out.push(i);
             }
         }
@@ -165,19 +167,23 @@ mod tests {
     }
 
     #[test]
-    fn a_silent_engine_is_suspect_only_while_a_peer_of_its_role_answers() {
+    fn a_silent_engine_is_suspect_only_once_a_peer_of_its_role_answered_after_its_leg_left() {
         let t = t0();
         let mut s = StallWatch::new(3, W);
+        // A peer's answer from before the leg was dispatched proves nothing about now.
+        let early = s.begin(1, t - secs(1.0));
+        s.output(1, early, t - secs(0.5));
         let a = s.begin(0, t);
-        // Nobody answered: a role-wide silence is nobody's stall.
+        // Nobody answered since: a role-wide silence is nobody's stall.
         assert!(s.suspects(t + secs(3.0), role).is_empty());
         // Engine 2 (another role) answering is no evidence about engine 0.
         let c = s.begin(2, t + secs(2.5));
         s.output(2, c, t + secs(2.6));
         assert!(s.suspects(t + secs(3.0), role).is_empty());
-        // Its peer answers: engine 0 is suspect, once.
-        let b = s.begin(1, t + secs(2.7));
-        s.output(1, b, t + secs(2.8));
+        // Its peer answers: engine 0 is suspect, once; the peer's answer keeps counting
+        // after it went idle (a burst whose other requests all finished).
+        let b = s.begin(1, t + secs(0.2));
+        s.output(1, b, t + secs(0.3));
         assert_eq!(s.suspects(t + secs(3.0), role), vec![0]);
         assert!(s.suspects(t + secs(3.1), role).is_empty(), "one probe out");
         s.probe_ended(0);

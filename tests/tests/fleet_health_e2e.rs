@@ -635,3 +635,190 @@ async fn a_router_out_of_descriptors_ejects_no_engine() {
     })
     .await;
 }
+
+/// Where the wedged engine sits in [`a_wedged_engine_is_out_within_seconds_and_its_requests_served`].
+#[derive(Debug, Clone, Copy)]
+enum Wedged {
+    /// `d0` of two prefill and two decode engines (vLLM split).
+    Decode,
+    /// `p0` of two prefill and two decode engines.
+    Prefill,
+    /// `e0` of two aggregated engines.
+    Aggregated,
+}
+
+/// One burst: `n` streaming completions at concurrency `c`, each with a 20 s client timeout;
+/// the status and the time of each.
+async fn burst(router: &RouterHandle, n: usize, c: usize, tag: &str) -> Vec<(u16, Duration)> {
+    let client = narwhal_testkit::http_client()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .expect("client");
+    let url = format!("{}/v1/completions", router.data);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let worker = || async {
+        let mut out = Vec::new();
+        loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if i >= n {
+                return out;
+            }
+            let body = json!({"model": "tiny-sim", "prompt": format!("{tag} {i}"),
+                              "max_tokens": 4, "stream": true});
+            let t0 = Instant::now();
+            let status = match client.post(&url).json(&body).send().await {
+                Ok(resp) => {
+                    let status = resp.status().as_u16();
+                    match resp.text().await {
+                        Ok(text) if status == 200 && text.contains("[DONE]") => status,
+                        Ok(_) if status != 200 => status,
+                        _ => 0,
+                    }
+                }
+                Err(_) => 0,
+            };
+            out.push((status, t0.elapsed()));
+        }
+    };
+    futures_util::future::join_all((0..c).map(|_| worker()))
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+/// A wedged engine (it accepts legs and never sends a byte while its `/health` stays 200, as a
+/// wedged GPU worker behind a live API server does) is out of placement within seconds, and the
+/// requests it held are served elsewhere: no client waits more than `first_token_timeout_s`
+/// plus a few seconds, every request of two bursts of 60 at concurrency 8 is served, requests
+/// that never touched it are never slow, and it stays out (its readmission probes fail) until
+/// it generates again (behaviour.md 6.9). Before the stall watch a wedged decode engine held 4
+/// clients of each burst for their whole 20 s timeout (a split's decode leg waits
+/// `first_token_timeout_s + kv_transfer_timeout_s`, 32 s here) and was never ejected.
+async fn a_wedged_engine_is_out_within_seconds_and_its_requests_served(wedged: Wedged) {
+    const FIRST_TOKEN_S: f64 = 2.0;
+    let builder = match wedged {
+        Wedged::Decode | Wedged::Prefill => Fleet::builder().prefill(2).decode(2),
+        Wedged::Aggregated => Fleet::builder()
+            .engine("e0", "decode")
+            .engine("e1", "decode"),
+    };
+    let f = builder
+        .fleet(json!({"engine": {"first_token_timeout_s": FIRST_TOKEN_S}}))
+        .start()
+        .await;
+    let router = f.router();
+    let iid = match wedged {
+        Wedged::Decode => "d0",
+        Wedged::Prefill => "p0",
+        Wedged::Aggregated => "e0",
+    };
+    router.complete("warm").await;
+    let is_request = |r: &Value| r["terminal"].is_string() && r["rid"].is_string();
+    let before = router
+        .journal_rows()
+        .iter()
+        .filter(|r| is_request(r))
+        .count();
+    // Every leg it is given hangs until the router gives up; its health answers 200.
+    f.sim(iid)
+        .fault(json!({"phase": "any", "action": "hang", "ms": 600000, "count": 1000000}))
+        .await;
+    let t0 = Instant::now();
+    let first = burst(router, 60, 8, "wedge").await;
+    let second = burst(router, 60, 8, "after").await;
+    let limit = Duration::from_secs_f64(FIRST_TOKEN_S + 5.0);
+    for (n, b) in [(1, &first), (2, &second)] {
+        let failed: Vec<_> = b.iter().filter(|(s, _)| *s != 200).collect();
+        assert!(failed.is_empty(), "burst {n}: not served {failed:?}");
+        let slowest = b.iter().map(|(_, d)| *d).max().unwrap_or_default();
+        assert!(
+            slowest < limit,
+            "burst {n}: a client waited {slowest:?} ({wedged:?} wedged)"
+        );
+    }
+    let ejected = router.first_event("engine_ejected", iid).await;
+    // An aggregated leg's own limit is `first_token_timeout_s`: three of them in a row eject
+    // the engine (cause `stream`) as fast as the stall watch does; a split's legs wait far
+    // longer (its decode leg adds `kv_transfer_timeout_s`, its prefill leg has
+    // `prefill_timeout_s`), so there only the stall watch can see it.
+    match wedged {
+        Wedged::Aggregated => assert!(
+            ejected["cause"] == "stalled" || ejected["cause"] == "stream",
+            "{ejected}"
+        ),
+        Wedged::Decode | Wedged::Prefill => assert_eq!(ejected["cause"], "stalled", "{ejected}"),
+    }
+    if ejected["cause"] == "stalled" {
+        let probe = router.events_of("engine_probe", iid);
+        assert!(
+            probe
+                .iter()
+                .any(|p| p["kind"] == "stall" && p["outcome"] == "failed"),
+            "the failed stall probe is journalled: {probe:?}"
+        );
+    }
+    // Requests whose legs never touched the wedged engine were never slow; those it held
+    // were failed over and served.
+    let rows: Vec<Value> = router
+        .journal_rows()
+        .into_iter()
+        .filter(is_request)
+        .skip(before)
+        .collect();
+    let touched = |r: &Value| {
+        r["legs"]
+            .as_array()
+            .is_some_and(|legs| legs.iter().any(|l| l["iid"] == iid))
+    };
+    let held: Vec<&Value> = rows.iter().filter(|r| touched(r)).collect();
+    assert!(!held.is_empty(), "the wedged engine was given some request");
+    for r in &held {
+        assert_eq!(r["terminal"], "completed", "{r}");
+        assert!(r["attempts"].as_u64() >= Some(2), "failed over: {r}");
+    }
+    for r in rows.iter().filter(|r| !touched(r)) {
+        let d = r["duration_s"].as_f64().unwrap_or(f64::MAX);
+        assert!(
+            d < FIRST_TOKEN_S,
+            "a request that never touched {iid} took {d} s: {r}"
+        );
+    }
+    let m = router.metrics().await;
+    let cause = format!("cause={}", ejected["cause"]);
+    assert_eq!(
+        metric(
+            &m,
+            "narwhal_engine_ejections_total",
+            &[&format!("iid=\"{iid}\""), &cause]
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    // Still wedged: its readmission probes fail and it stays out; once it generates it is
+    // readmitted through a probe, never on its health alone.
+    assert!(router.events_of("engine_readmitted", iid).is_empty());
+    f.sim(iid).clear_faults().await;
+    let back = router.first_event("engine_readmitted", iid).await;
+    assert_eq!(back["evidence"], "generation", "{back}");
+    eprintln!(
+        "{wedged:?}: two bursts in {:?}, slowest {:?}",
+        t0.elapsed(),
+        first.iter().chain(&second).map(|(_, d)| *d).max()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wedged_decode_engine_is_out_within_seconds_and_its_requests_served() {
+    a_wedged_engine_is_out_within_seconds_and_its_requests_served(Wedged::Decode).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wedged_prefill_engine_is_out_within_seconds_and_its_requests_served() {
+    a_wedged_engine_is_out_within_seconds_and_its_requests_served(Wedged::Prefill).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wedged_aggregated_engine_is_out_within_seconds_and_its_requests_served() {
+    a_wedged_engine_is_out_within_seconds_and_its_requests_served(Wedged::Aggregated).await;
+}
