@@ -814,3 +814,140 @@ async fn what_is_ready_reaches_the_client_in_one_write() {
     );
     assert!(!got.contains("[DONE]"), "{got:?}");
 }
+
+/// A vLLM prefill that aborts a request (preempted, out of KV cache, shutting down) answers 200
+/// with `finish_reason: "abort"` and no descriptor: nothing was output, so the request is retried
+/// on the other prefill engine within its budget and the client gets a whole answer; the abort is
+/// counted (`engine_aborted`) and charged to the prefill (`kv_handoff`). Before, the client got a
+/// 502 and the idle prefill was never tried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_that_aborted_is_retried_on_another_prefill() {
+    let f = Fleet::builder().prefill(2).decode(1).start().await;
+    let router = f.router();
+    let aborted = json!({"id": "cmpl-aborted", "object": "text_completion", "created": 0,
+        "model": "tiny-sim",
+        "choices": [{"index": 0, "text": "", "logprobs": null, "finish_reason": "abort",
+                     "stop_reason": null}],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4}});
+    f.sim("p0")
+        .fault(json!({"phase": "prefill", "action": "status", "status": 200, "body": aborted,
+                      "count": 2}))
+        .await;
+    let mut sent = 0;
+    while f.sim("p0").faults().await["faults"]
+        .as_array()
+        .is_some_and(|a| !a.is_empty())
+    {
+        assert!(sent < 40, "p0 never took its faulted requests");
+        for stream in [false, true] {
+            let (path, b) = body(false, stream, &format!("abort me {sent}"));
+            let r = router.post_data(path, &b).await;
+            assert_eq!(r.status, 200, "{}", r.text());
+            let text = r.text();
+            assert!(!text.contains("\"abort\""), "an aborted answer reached the client: {text}");
+            if !stream {
+                assert_eq!(r.json()["usage"]["completion_tokens"], 6, "{text}");
+            }
+            sent += 1;
+        }
+    }
+    let rows: Vec<Value> = router
+        .journal_rows()
+        .into_iter()
+        .filter(|r| {
+            r["attempt_failures"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|x| x["reason"] == "engine_aborted"))
+        })
+        .collect();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for r in &rows {
+        assert_eq!(r["terminal"], "completed", "{r}");
+        assert_eq!(r["prefill_iid"], "p1", "served through the other prefill: {r}");
+        assert_eq!(r["attempt_failures"][0]["iid"], "p0", "{r}");
+        assert_eq!(r["attempt_failures"][0]["phase"], "prefill", "{r}");
+    }
+    let m = router.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "narwhal_attempt_failures_total",
+            &["phase=\"prefill\"", "reason=\"engine_aborted\""]
+        ),
+        Some(2.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, "narwhal_failed_total", &["reason=\"engine_aborted\""]),
+        Some(0.0),
+        "declared, and nothing failed: {m}"
+    );
+    let (d0, p1) = (f.sim("d0").stats().await, f.sim("p1").stats().await);
+    assert_eq!(n(&d0["kv"]["recomputed"]), 0, "{d0}");
+    assert!(n(&p1["kv"]["issued"]) >= 2, "{p1}");
+}
+
+/// A client that leaves after the vLLM prefill handed off its KV and before the (queued) decode
+/// read it: the decode leg is kept until its first output, so the decode still reads the
+/// producer's staged blocks (vLLM frees them once read; a leg dropped before the decode engine
+/// took it would leave them staged until the producer's lease expires), then closed, so nothing
+/// is generated for nobody. The request settles `cancelled`, the producer stays resident until
+/// the KV left it, and the pickup is counted. Before, both legs were dropped and the blocks
+/// stayed pinned until the lease (8 s here; vLLM's `kv_lease_duration`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_after_the_handoff_leaves_no_kv_staged() {
+    let f = Fleet::builder()
+        .engine_with_args("p0", "prefill", &["--kv-lease-s", "8"])
+        .engine("d0", "decode")
+        .start()
+        .await;
+    let router = f.router();
+    router.complete("warm up please").await;
+    let served_before = n(&f.sim("p0").stats().await["kv"]["served"]);
+    // The decode takes 3 s to start reading, as a queued vLLM decode does.
+    f.sim("d0")
+        .fault(json!({"phase": "decode", "action": "hang", "ms": 3000}))
+        .await;
+    let (path, b) = body(false, true, "leave after the handoff");
+    let url = format!("{}{path}", router.data);
+    let client = f.http.client().clone();
+    let req = tokio::spawn(async move { client.post(url).json(&b).send().await });
+    let handed_off = wait_until(Duration::from_secs(5), || async {
+        let (p, d) = stats(&f).await;
+        (n(&p["kv"]["issued"]) >= 2 && d["in_flight"] == 1).then_some(())
+    })
+    .await;
+    assert!(handed_off.is_some(), "the prefill never handed off");
+    req.abort();
+    let left = Instant::now();
+    let collected = wait_until(Duration::from_secs(6), || async {
+        let p = f.sim("p0").stats().await;
+        (n(&p["kv"]["served"]) > served_before).then_some(())
+    })
+    .await;
+    let (p, d) = stats(&f).await;
+    assert!(
+        collected.is_some(),
+        "the staged KV was not read within 6 s of the disconnect: prefill {p} decode {d}"
+    );
+    assert_eq!(n(&p["kv"]["expired"]), 0, "{p}");
+    // Read, then closed: the decode generates nothing for nobody.
+    let idle = wait_until(Duration::from_secs(3), || async {
+        (f.sim("d0").stats().await["in_flight"] == 0).then_some(())
+    })
+    .await;
+    assert!(idle.is_some(), "the decode kept generating after the pickup");
+    let st = eventually("cancelled and nothing resident", WAIT, || async {
+        let st = router.state_json().await;
+        (st["cancelled"] == 1 && st["resident"]["p0"]["prefill"] == 0).then_some(st)
+    })
+    .await;
+    assert_eq!(st["resident"]["d0"]["decode"], 0, "{st}");
+    let m = router.metrics().await;
+    assert_eq!(
+        metric(&m, "narwhal_kv_pickups_total", &["outcome=\"collected\""]),
+        Some(1.0),
+        "{m}"
+    );
+    eprintln!("collected {:?} after the disconnect", left.elapsed());
+}
