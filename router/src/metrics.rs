@@ -9,7 +9,9 @@
 //! samples read `narwhal_served_total 3` as in the reference. Reason-labelled counters are
 //! pre-seeded with every known reason at 0.
 
+use prometheus_client::encoding::EncodeMetric;
 use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -70,6 +72,11 @@ fn buckets(slo: f64) -> Vec<f64> {
 /// groups.
 pub(crate) struct Metrics {
     registry: Registry,
+    /// `(name, help, type)` of every family registered through `Metrics::new`: a family
+    /// without a sample is still declared (`# HELP`, `# TYPE`) in [`Metrics::render`], as
+    /// docs/http-api.md promises and the reference's client library does (prometheus-client
+    /// leaves an empty family out).
+    declared: Vec<(&'static str, &'static str, &'static str)>,
     /// What ingress saw (behaviour.md 10, contract/traffic): requests offered, sized or not, and
     /// those refused, rejected or invalid before any placement.
     pub(crate) intake: Intake,
@@ -191,9 +198,11 @@ impl Metrics {
     /// Register every family; `ttft_s`/`tpot_s` scale the histogram buckets.
     pub(crate) fn new(ttft_s: f64, tpot_s: f64) -> Self {
         let mut r = Registry::default();
+        let mut declared = Vec::new();
         macro_rules! reg {
             ($name:expr, $help:expr, $m:expr) => {{
                 let m = $m;
+                declared.push(($name, $help, kind_of(&m)));
                 r.register($name, $help, m.clone());
                 m
             }};
@@ -470,6 +479,7 @@ impl Metrics {
         let kv = KvMetrics::register(&mut r);
         let m = Metrics {
             registry: Registry::default(),
+            declared: Vec::new(),
             intake: Intake {
                 offered,
                 unsized_offered,
@@ -579,7 +589,11 @@ impl Metrics {
             .legs
             .tpot
             .get_or_create(&labels(&[("slo", &m.slo_label_tpot)]));
-        Metrics { registry: r, ..m }
+        Metrics {
+            registry: r,
+            declared,
+            ..m
+        }
     }
 
     /// Starts the outcome counters at a restored handoff's totals (`--resume`, takeover), so
@@ -633,6 +647,7 @@ impl Metrics {
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);
+        declare_empty(&mut out, &self.declared);
         to_prometheus_text(&out)
     }
 }
@@ -713,6 +728,41 @@ impl OpsMetrics {
     }
 }
 
+/// The exposition type of a metric.
+fn kind_of(m: &impl EncodeMetric) -> &'static str {
+    match m.metric_type() {
+        MetricType::Counter => "counter",
+        MetricType::Gauge => "gauge",
+        MetricType::Histogram => "histogram",
+        MetricType::Info => "info",
+        MetricType::Unknown => "unknown",
+    }
+}
+
+/// Adds `# HELP` and `# TYPE` (OpenMetrics form, before `# EOF`) for every `declared` family the
+/// encoder left out for having no sample yet (a labelled counter before its first event), so
+/// every family is declared from the start.
+fn declare_empty(open_metrics: &mut String, declared: &[(&str, &str, &str)]) {
+    let present: std::collections::HashSet<&str> = open_metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split(' ').next())
+        .collect();
+    let mut missing = String::new();
+    for (name, help, kind) in declared {
+        if !present.contains(name) {
+            missing.push_str(&format!("# HELP {name} {help}.\n# TYPE {name} {kind}\n"));
+        }
+    }
+    if missing.is_empty() {
+        return;
+    }
+    match open_metrics.rfind("# EOF") {
+        Some(at) => open_metrics.insert_str(at, &missing),
+        None => open_metrics.push_str(&missing),
+    }
+}
+
 /// Rewrite prometheus-client's OpenMetrics output as Prometheus text 0.0.4: counter families
 /// are named with their `_total` suffix in `# HELP`/`# TYPE` (as the reference's
 /// `# TYPE narwhal_served_total counter`), the help text loses the added final period, and the
@@ -788,5 +838,35 @@ mod tests {
             assert!(t.contains(want), "missing {want} in\n{t}");
         }
         assert!(!t.contains("# EOF"));
+    }
+
+    /// Labelled families are declared before their first sample (docs/http-api.md: every
+    /// family with `# HELP` and `# TYPE` from the start), with no sample line.
+    #[test]
+    fn families_without_a_sample_are_declared() {
+        let m = Metrics::new(2.0, 0.1);
+        let t = m.render();
+        for family in [
+            "narwhal_attempt_failures_total",
+            "narwhal_engine_ejections_total",
+            "narwhal_engine_readmissions_total",
+        ] {
+            assert!(
+                t.contains(&format!("# TYPE {family} counter\n")),
+                "{family} not declared in\n{t}"
+            );
+            assert!(t.contains(&format!("# HELP {family} ")), "{family}");
+            assert!(!t.contains(&format!("{family}{{")), "{family} has no sample yet");
+        }
+        m.legs
+            .attempt_failures
+            .get_or_create(&labels(&[("phase", "prefill"), ("reason", "engine_error")]))
+            .inc();
+        let t = m.render();
+        assert_eq!(
+            t.matches("# TYPE narwhal_attempt_failures_total counter").count(),
+            1,
+            "declared once once it has a sample"
+        );
     }
 }
