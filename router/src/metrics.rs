@@ -856,7 +856,10 @@ mod tests {
                 "{family} not declared in\n{t}"
             );
             assert!(t.contains(&format!("# HELP {family} ")), "{family}");
-            assert!(!t.contains(&format!("{family}{{")), "{family} has no sample yet");
+            assert!(
+                !t.contains(&format!("{family}{{")),
+                "{family} has no sample yet"
+            );
         }
         m.legs
             .attempt_failures
@@ -864,7 +867,8 @@ mod tests {
             .inc();
         let t = m.render();
         assert_eq!(
-            t.matches("# TYPE narwhal_attempt_failures_total counter").count(),
+            t.matches("# TYPE narwhal_attempt_failures_total counter")
+                .count(),
             1,
             "declared once once it has a sample"
         );

@@ -248,8 +248,10 @@ async fn stall_probe(parts: Arc<Parts>, iid: usize) {
         );
     } else {
         tracing::warn!(error = ?error, "stall probe got no token while the engine's peers answer: ejecting it and failing its waiting legs over");
-        parts.journal.emit(json!({"event": "engine_probe", "iid": parts.cfg.engines[iid].iid,
-            "kind": "stall", "outcome": "failed", "error": error, "at": parts.wall()}));
+        parts.journal.emit(
+            json!({"event": "engine_probe", "iid": parts.cfg.engines[iid].iid,
+            "kind": "stall", "outcome": "failed", "error": error, "at": parts.wall()}),
+        );
     }
     parts.fleet.stall_probed(iid, Some(passed));
 }

@@ -830,8 +830,10 @@ async fn a_prefill_that_aborted_is_retried_on_another_prefill() {
                      "stop_reason": null}],
         "usage": {"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4}});
     f.sim("p0")
-        .fault(json!({"phase": "prefill", "action": "status", "status": 200, "body": aborted,
-                      "count": 2}))
+        .fault(
+            json!({"phase": "prefill", "action": "status", "status": 200, "body": aborted,
+                      "count": 2}),
+        )
         .await;
     let mut sent = 0;
     while f.sim("p0").faults().await["faults"]
@@ -844,7 +846,10 @@ async fn a_prefill_that_aborted_is_retried_on_another_prefill() {
             let r = router.post_data(path, &b).await;
             assert_eq!(r.status, 200, "{}", r.text());
             let text = r.text();
-            assert!(!text.contains("\"abort\""), "an aborted answer reached the client: {text}");
+            assert!(
+                !text.contains("\"abort\""),
+                "an aborted answer reached the client: {text}"
+            );
             if !stream {
                 assert_eq!(r.json()["usage"]["completion_tokens"], 6, "{text}");
             }
@@ -863,7 +868,10 @@ async fn a_prefill_that_aborted_is_retried_on_another_prefill() {
     assert_eq!(rows.len(), 2, "{rows:?}");
     for r in &rows {
         assert_eq!(r["terminal"], "completed", "{r}");
-        assert_eq!(r["prefill_iid"], "p1", "served through the other prefill: {r}");
+        assert_eq!(
+            r["prefill_iid"], "p1",
+            "served through the other prefill: {r}"
+        );
         assert_eq!(r["attempt_failures"][0]["iid"], "p0", "{r}");
         assert_eq!(r["attempt_failures"][0]["phase"], "prefill", "{r}");
     }
@@ -936,7 +944,10 @@ async fn a_client_gone_after_the_handoff_leaves_no_kv_staged() {
         (f.sim("d0").stats().await["in_flight"] == 0).then_some(())
     })
     .await;
-    assert!(idle.is_some(), "the decode kept generating after the pickup");
+    assert!(
+        idle.is_some(),
+        "the decode kept generating after the pickup"
+    );
     let st = eventually("cancelled and nothing resident", WAIT, || async {
         let st = router.state_json().await;
         (st["cancelled"] == 1 && st["resident"]["p0"]["prefill"] == 0).then_some(st)
