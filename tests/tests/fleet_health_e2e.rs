@@ -641,6 +641,8 @@ async fn a_router_out_of_descriptors_ejects_no_engine() {
 enum Wedged {
     /// `d0` of two prefill and two decode engines (vLLM split).
     Decode,
+    /// `d0` as in `Decode`, every engine with an agent: its readmission goes through its agent.
+    DecodeWithAgents,
     /// `p0` of two prefill and two decode engines.
     Prefill,
     /// `e0` of two aggregated engines.
@@ -699,6 +701,11 @@ async fn a_wedged_engine_is_out_within_seconds_and_its_requests_served(wedged: W
     const FIRST_TOKEN_S: f64 = 2.0;
     let builder = match wedged {
         Wedged::Decode | Wedged::Prefill => Fleet::builder().prefill(2).decode(2),
+        Wedged::DecodeWithAgents => Fleet::builder()
+            .prefill(2)
+            .decode(2)
+            .host("h0", &["p0", "d0"])
+            .host("h1", &["p1", "d1"]),
         Wedged::Aggregated => Fleet::builder()
             .engine("e0", "decode")
             .engine("e1", "decode"),
@@ -709,7 +716,7 @@ async fn a_wedged_engine_is_out_within_seconds_and_its_requests_served(wedged: W
         .await;
     let router = f.router();
     let iid = match wedged {
-        Wedged::Decode => "d0",
+        Wedged::Decode | Wedged::DecodeWithAgents => "d0",
         Wedged::Prefill => "p0",
         Wedged::Aggregated => "e0",
     };
@@ -747,7 +754,9 @@ async fn a_wedged_engine_is_out_within_seconds_and_its_requests_served(wedged: W
             ejected["cause"] == "stalled" || ejected["cause"] == "stream",
             "{ejected}"
         ),
-        Wedged::Decode | Wedged::Prefill => assert_eq!(ejected["cause"], "stalled", "{ejected}"),
+        Wedged::Decode | Wedged::DecodeWithAgents | Wedged::Prefill => {
+            assert_eq!(ejected["cause"], "stalled", "{ejected}");
+        }
     }
     if ejected["cause"] == "stalled" {
         let probe = router.events_of("engine_probe", iid);
@@ -798,6 +807,16 @@ async fn a_wedged_engine_is_out_within_seconds_and_its_requests_served(wedged: W
     // Still wedged: its readmission probes fail and it stays out; once it generates it is
     // readmitted through a probe, never on its health alone.
     assert!(router.events_of("engine_readmitted", iid).is_empty());
+    if matches!(wedged, Wedged::DecodeWithAgents) {
+        // Its health answers 200: the router validates it through its agent (whose checks
+        // generate on it and hang), and it stays out meanwhile.
+        router
+            .journal_event("recovery_validation_started", Some(iid))
+            .await;
+        assert!(router.events_of("engine_readmitted", iid).is_empty());
+        assert!(router.state_json().await["ejected"] == json!([iid]));
+        return;
+    }
     f.sim(iid).clear_faults().await;
     let back = router.first_event("engine_readmitted", iid).await;
     assert_eq!(back["evidence"], "generation", "{back}");
@@ -811,6 +830,11 @@ async fn a_wedged_engine_is_out_within_seconds_and_its_requests_served(wedged: W
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wedged_decode_engine_is_out_within_seconds_and_its_requests_served() {
     a_wedged_engine_is_out_within_seconds_and_its_requests_served(Wedged::Decode).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wedged_decode_engine_with_agents_is_validated_through_them_before_it_returns() {
+    a_wedged_engine_is_out_within_seconds_and_its_requests_served(Wedged::DecodeWithAgents).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

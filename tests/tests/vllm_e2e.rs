@@ -14,7 +14,9 @@
 //!   `kv_consumer` decode (`engines[].kv_role`) with the NixlConnector on host memory
 //!   (`kv_buffer_device: cpu`, one `VLLM_NIXL_SIDE_CHANNEL_PORT` each). A routed request's KV is
 //!   pulled by the decode (its `external_kv_transfer` prompt tokens rise by the prompt,
-//!   `local_compute` by at most one token, 0 on vLLM 0.32, and a NIXL read is counted); the
+//!   `local_compute` by at most one token, 0 on vLLM 0.32, and a NIXL read is counted); a
+//!   client that leaves after the prefill handed off still has its staged KV read by the decode
+//!   (`gone_after_the_handoff`, through a proxy that holds the decode leg); the
 //!   prefill is drained, refused readmission before a restart and while the new vLLM loads, then
 //!   readmitted after all the
 //!   checks through its agent, which attests the new process start vLLM itself exports, and whose
@@ -1053,6 +1055,8 @@ async fn pd_over_nixl_and_readmission_through_agents() {
 
     // (c) A routed request's KV crosses NIXL: the decode receives the prompt by transfer.
     transfer("first split", 5, &p0, &d0, &r).await;
+    // (e) A client gone after the handoff still has its staged KV read.
+    gone_after_the_handoff(dir.path(), &p0, &d0).await;
 
     // (b) Drain the prefill; readmission is refused before a restart.
     let doc = r.drain_to_complete("p0").await;
@@ -1132,6 +1136,84 @@ async fn pd_over_nixl_and_readmission_through_agents() {
     drop(r);
     drop((h0, h1));
     drop((p0, d0));
+}
+
+/// A client that leaves after the prefill handed off its KV and before the decode engine took
+/// the decode leg: a second router reaches `d0` through a proxy that holds what it is sent (a
+/// decode front door that queues) and discards a connection whose client closed it meanwhile,
+/// never forwarding it. The client leaves once the decode leg reached the proxy (the prefill
+/// answered with its descriptor), the request settles `cancelled`, the hold ends, and `d0` still
+/// reads the staged KV: a NIXL read counted on `d0` (`vllm:nixl_xfer_time_seconds_count`), the
+/// held connection forwarded, none discarded, the router's `narwhal_kv_pickups_total{outcome=
+/// "collected"}` 1. A router that dropped the leg left the proxy nothing to forward, no read
+/// followed, and `p0` kept the blocks until its NIXL lease expired (`kv_lease_duration`, 30 s).
+async fn gone_after_the_handoff(dir: &Path, p0: &Vllm, d0: &Vllm) {
+    let xfers = "vllm:nixl_xfer_time_seconds_count";
+    let proxy = narwhal_testkit::Proxy::start(&d0.url).await;
+    let rdir = dir.join("gone-after-handoff");
+    std::fs::create_dir_all(&rdir).expect("router dir");
+    let r = router(
+        &rdir,
+        &[
+            ("p0", &p0.url, "prefill", json!({"kv_role": "kv_producer"})),
+            (
+                "d0",
+                &proxy.url,
+                "decode",
+                json!({"kv_role": "kv_consumer"}),
+            ),
+        ],
+        json!({}),
+    );
+    routed_ok(&r).await;
+    let reads = d0.metric(xfers, &[]).await;
+    proxy.hold();
+    let body = json!({"model": MODEL, "prompt": format!("{} gone", long_prompt(11, 300)),
+                      "max_tokens": 4, "temperature": 0, "stream": true});
+    let url = format!("{}/v1/completions", r.data);
+    let req = tokio::spawn(async move { client().post(url).json(&body).send().await });
+    let handed_off = wait_until(Duration::from_secs(120), || async {
+        (proxy.hold_counts().0 >= 1).then_some(())
+    })
+    .await;
+    assert!(
+        handed_off.is_some(),
+        "the decode leg never reached the proxy: the prefill did not hand off"
+    );
+    req.abort();
+    let cancelled = wait_until(Duration::from_secs(30), || async {
+        (r.state_json().await["cancelled"] == 1).then_some(())
+    })
+    .await;
+    assert!(cancelled.is_some(), "the request did not settle cancelled");
+    proxy.heal();
+    let read = wait_until(Duration::from_secs(120), || async {
+        (d0.metric(xfers, &[]).await > reads).then_some(())
+    })
+    .await;
+    let (held, discarded, forwarded) = proxy.hold_counts();
+    eprintln!(
+        "vllm_e2e: client gone after the handoff: held {held}, discarded {discarded}, \
+         forwarded {forwarded}; p0 expiry lines in its log: {}",
+        p0.since_start()
+            .matches("Releasing expired KV blocks")
+            .count()
+    );
+    assert!(
+        read.is_some(),
+        "d0 never read the staged KV after the client left (held {held}, discarded \
+         {discarded}, forwarded {forwarded})"
+    );
+    assert_eq!(discarded, 0, "a held leg was dropped unforwarded");
+    let collected = wait_until(Duration::from_secs(30), || async {
+        let m = r.metrics().await;
+        (narwhal_testkit::metric(&m, "narwhal_kv_pickups_total", &["outcome=\"collected\""])
+            == Some(1.0))
+        .then_some(())
+    })
+    .await;
+    assert!(collected.is_some(), "the pickup was not counted collected");
+    drop(r);
 }
 
 /// One routed split request: the decode pulled its KV over NIXL (a NIXL read counted) and
