@@ -6,7 +6,7 @@
 #   3. every PromQL expression of the Grafana dashboard parses (`promtool check rules` on them as
 #      recording rules, Grafana's $__rate_interval and variables replaced), and the JSON is valid;
 #   4. `promtool check config` on the example scrape configuration (TLS files stubbed).
-# Which metric names they may use is checked by tests/tests/monitoring_e2e.rs against a live router.
+# Which metric names they may use is checked by tests/tests/e2e/monitoring_e2e.rs against a live router.
 # Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 //! Build script of narwhal-testkit: decides whether the end-to-end tests that need the Python
-//! test venv (`tests/tests/sdk_e2e.rs`, `tests/tests/llamacpp_e2e.rs`, the vLLM check in
-//! `tests/tests/kv_events_e2e.rs`) are compiled as ignored.
+//! test venv (`tests/tests/e2e/sdk_e2e.rs`, `tests/tests/e2e/llamacpp_e2e.rs`, the vLLM check in
+//! `tests/tests/e2e/kv_events_e2e.rs`) are compiled as ignored.
 //!
 //! With `NARWHAL_SKIP_VENV=1` (and neither `CI`, `NARWHAL_REQUIRE_VENV` nor `NARWHAL_PY_VENV`
 //! set) it sets the cfg `narwhal_skip_venv`, and those tests carry

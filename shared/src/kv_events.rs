@@ -2,7 +2,7 @@
 //! (vLLM 0.32.0, `vllm/distributed/kv_events.py`), and the ZMQ frames its `ZmqEventPublisher`
 //! sends. Pure (no sockets): the router decodes the engines' batches with [`decode_batch`] (its
 //! KV index, docs/design/kv-aware-placement.md), the engine simulator publishes with
-//! [`encode_batch`], and `tests/tests/kv_events_e2e.rs` checks the bytes against vLLM's own
+//! [`encode_batch`], and `tests/tests/e2e/kv_events_e2e.rs` checks the bytes against vLLM's own
 //! publisher (docs/engine-simulator.md, "KV events").
 //!
 //! ```text

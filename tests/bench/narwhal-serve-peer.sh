@@ -1,7 +1,7 @@
 #!/bin/sh
 # Launches narwhal-serve as a `narwhal-bench --peer` command: writes a fleet file over the engine
 # URLs it is given and execs the router on 127.0.0.1:PORT, so the process the benchmark measures
-# is narwhal-serve itself. Used by the comparison mode's CI test (tests/tests/bench_compare.rs)
+# is narwhal-serve itself. Used by the comparison mode's CI test (tests/tests/e2e/bench_compare.rs)
 # and to compare two builds of our own router (docs/benchmarks.md, "Peers").
 #
 #   narwhal-serve-peer.sh --bin PATH --port PORT --dir DIR [--backend vllm|sglang]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the cached Python virtualenv of the end-to-end tests that drive real
-# third-party software: the official `openai` SDK (tests/tests/sdk_e2e.rs) and llama.cpp's OpenAI
-# server from llama-cpp-python (tests/tests/llamacpp_e2e.rs). Prints the venv's path as the last
+# third-party software: the official `openai` SDK (tests/tests/e2e/sdk_e2e.rs) and llama.cpp's OpenAI
+# server from llama-cpp-python (tests/tests/e2e/llamacpp_e2e.rs). Prints the venv's path as the last
 # line on stdout; progress goes to stderr.
 #
 #   tests/python/ensure-venv.sh           build if missing (minutes: llama.cpp compiles from source)

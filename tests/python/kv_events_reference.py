@@ -1,4 +1,4 @@
-"""Reference bytes for the engine simulator's KV events (tests/tests/kv_events_e2e.rs).
+"""Reference bytes for the engine simulator's KV events (tests/tests/e2e/kv_events_e2e.rs).
 
 Publishes a fixed fixture of KV event batches through vLLM's own `ZmqEventPublisher`
 (`vllm/distributed/kv_events.py`, the copy shipped in the pinned vLLM wheel), receives them with

@@ -3,7 +3,7 @@
 Usage: python make_tiny_gguf.py OUT.gguf [--ctx TOKENS] [--seed N]
 
 The model is for end-to-end tests of the router against a real llama.cpp server
-(tests/tests/llamacpp_e2e.rs): it loads, tokenizes and generates like any llama model, and its
+(tests/tests/e2e/llamacpp_e2e.rs): it loads, tokenizes and generates like any llama model, and its
 output is gibberish made of the vocabulary's words. Shape:
 
 - architecture `llama`: 2 blocks, embedding 64, 4 attention heads (head size 16, no grouped-query

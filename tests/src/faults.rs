@@ -26,7 +26,7 @@
 //!            fault families drawn), `parallel` fleets at a time
 //! ```
 //!
-//! Used by `tests/tests/ha_faults_e2e.rs` (named scenarios and 20 randomized runs in CI) and
+//! Used by `tests/tests/e2e/ha_faults_e2e.rs` (named scenarios and 20 randomized runs in CI) and
 //! by `narwhal-faults --runs N` (the campaign by hand).
 
 use std::fmt;

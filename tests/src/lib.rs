@@ -1,6 +1,6 @@
 //! Test kit for Narwhal: starts the real binaries (engine simulators, routers, agents, etcd) as
 //! child processes on loopback, reads the address each one prints on its first stdout line,
-//! and kills them on drop. Used by the end-to-end tests in `tests/tests/` and
+//! and kills them on drop. Used by the end-to-end tests in `tests/tests/e2e/` (one binary) and
 //! `router/tests/`, by `narwhal-dev` and by `narwhal-bench` (architecture.md section 8).
 //!
 //! ```text

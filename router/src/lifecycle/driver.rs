@@ -322,7 +322,7 @@ impl LifecycleDriver {
         // A probe sent while the engine was ejected can answer after a readmission (which
         // holds the serial lock) returned it to placement: there is nothing left to recover,
         // and under `whole_wave` starting a recovery would hold the whole fleet again (found
-        // by tests/tests/lifecycle_e2e.rs under load; main dfdfeaa, carried over here).
+        // by tests/tests/e2e/lifecycle_e2e.rs under load; main dfdfeaa, carried over here).
         if !self.fleet().is_ejected(i) {
             return true;
         }

@@ -164,7 +164,7 @@ pub(crate) enum IdentityVerdict {
 
 /// Decides on one reading. `held` is whether the engine has a non-`active` lifecycle record
 /// now; `before`/`now` are its accepted start when the check began and now; `read` is the
-/// process start read through the agent. Found by tests/tests/lifecycle_e2e.rs: applying a
+/// process start read through the agent. Found by tests/tests/e2e/lifecycle_e2e.rs: applying a
 /// reading taken before a drain began ejected engines in the middle of a planned restart.
 pub(crate) fn identity_verdict(
     held: bool,

@@ -113,7 +113,7 @@ impl LifecycleDriver {
     ///
     /// Before a passing SGLang prefill engine returns to placement, its bootstrap port is
     /// read again (`/server_info`) while it is still held, so no request is placed with a
-    /// stale port (found by tests/tests/lifecycle_e2e.rs: refreshing after the release let
+    /// stale port (found by tests/tests/e2e/lifecycle_e2e.rs: refreshing after the release let
     /// the first requests' decodes fail their rendezvous). A failed refresh is logged;
     /// requests refresh the port on demand.
     ///

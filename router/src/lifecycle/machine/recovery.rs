@@ -50,7 +50,7 @@ impl Lifecycle {
     /// is the target's only possible fabric peer. Without this, a one-prefill, one-decode fleet
     /// whose peer was ejected while the target was held could never return to service: the
     /// peer's recovery waits for the target's hold to end, and the target's readmission needs
-    /// a live peer (found by tests/tests/lifecycle_e2e.rs; a departure from the reference,
+    /// a live peer (found by tests/tests/e2e/lifecycle_e2e.rs; a departure from the reference,
     /// which stays stuck until a whole-wave restart).
     ///
     /// Returns `false` (nothing changes) during a wave, for an unknown engine, or when the

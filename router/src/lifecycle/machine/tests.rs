@@ -281,7 +281,7 @@ fn ejected_engine_binds_to_last_accepted_start() {
 
 #[test]
 fn startup_identity_binds_a_crashed_engine_in_a_forced_wave() {
-    // Found by tests/tests/lifecycle_e2e.rs: without the starts accepted at startup
+    // Found by tests/tests/e2e/lifecycle_e2e.rs: without the starts accepted at startup
     // (identity::check_identities), a crashed engine's forced-wave drain stayed 503 until it
     // was restarted, and then needed a second restart.
     let now = t0();

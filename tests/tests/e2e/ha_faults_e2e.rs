@@ -270,7 +270,7 @@ fn median(v: &mut [f64]) -> f64 {
 /// agents), a 2 s file lease, five `kill -9` and five `SIGSTOP` of the primary, each at a random
 /// point of the primary's renewal interval; the gap from the fault to the new primary's `/ready`
 /// 200, printed. Ignored: a measurement, run by hand
-/// (`cargo test -p narwhal-testkit --test ha_faults_e2e -- --ignored --nocapture takeover_gap`).
+/// (`cargo test -p narwhal-testkit --test e2e ha_faults_e2e:: -- --ignored --nocapture takeover_gap`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement: run by hand with --ignored --nocapture"]
 async fn takeover_gap_sixteen_engines() {

@@ -21,10 +21,9 @@
 //! runs with `--interrupt_requests false` (an operator probing `/v1/models` must do the same).
 //!
 //! Needs the Python test venv, built on demand by `tests/python/ensure-venv.sh`; built with
-//! `NARWHAL_SKIP_VENV=1` every test here is ignored instead (see `pysdk/mod.rs`; never in CI).
+//! `NARWHAL_SKIP_VENV=1` every test here is ignored instead (see `pysdk.rs`; never in CI).
 
-#[path = "pysdk/mod.rs"]
-mod pysdk;
+use crate::pysdk;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

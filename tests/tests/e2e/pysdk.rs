@@ -17,7 +17,7 @@
 //! same (`--ignored`, or a binary built without the variable) uses the venv: nothing here
 //! returns early.
 //!
-//! Shared by `sdk_e2e.rs` and `llamacpp_e2e.rs` through `#[path]`; each uses a part of it.
+//! Shared by `sdk_e2e.rs`, `llamacpp_e2e.rs` and `kv_events_e2e.rs`; each uses a part of it.
 #![allow(dead_code)]
 
 use std::io::Write;

@@ -6,10 +6,9 @@
 //! `RateLimitError`, `InternalServerError`, all `APIStatusError`s) with the router's message.
 //!
 //! Needs the Python test venv (`tests/python/ensure-venv.sh`); built with `NARWHAL_SKIP_VENV=1`
-//! every test here is ignored instead (see `pysdk/mod.rs`; never in CI).
+//! every test here is ignored instead (see `pysdk.rs`; never in CI).
 
-#[path = "pysdk/mod.rs"]
-mod pysdk;
+use crate::pysdk;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -11,8 +11,7 @@
 //! Needs the Python test venv for the first test (`tests/python/ensure-venv.sh`); built with
 //! `NARWHAL_SKIP_VENV=1` that one is listed as ignored (docs/testing.md).
 
-#[path = "pysdk/mod.rs"]
-mod pysdk;
+use crate::pysdk;
 
 use std::time::Duration;
 
