@@ -239,6 +239,38 @@ fn duplicate_iid_and_no_engines() {
     assert!(issues(v).contains(&ConfigIssue::NoEngines));
 }
 
+/// Two engines naming one KV-event socket (as `endpoint` or `replay_endpoint`, `localhost` for
+/// `127.0.0.1` included) are refused, naming both engines; distinct sockets pass.
+#[test]
+fn two_engines_sharing_a_kv_event_socket_are_refused_naming_both() {
+    let kv =
+        |ep: &str, replay: &str| serde_json::json!({"endpoint": ep, "replay_endpoint": replay});
+    let mut v = base();
+    v["engines"][0]["kv_events"] = kv("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558");
+    v["engines"][1]["kv_events"] = kv("tcp://LOCALHOST:5557", "tcp://127.0.0.1:6558");
+    let m = messages(v);
+    assert_eq!(m.len(), 1, "{m:?}");
+    assert!(
+        m[0].contains("engines[1].kv_events.endpoint")
+            && m[0].contains("engines[0].kv_events.endpoint")
+            && m[0].contains("\"p0\"")
+            && m[0].contains("\"d0\""),
+        "{m:?}"
+    );
+    let mut v = base();
+    v["engines"][0]["kv_events"] = kv("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558");
+    v["engines"][1]["kv_events"] = kv("tcp://127.0.0.1:5558", "tcp://127.0.0.1:6558");
+    let m = messages(v);
+    assert!(
+        m.len() == 1 && m[0].contains("engines[0].kv_events.replay_endpoint"),
+        "a replay socket is a socket too: {m:?}"
+    );
+    let mut v = base();
+    v["engines"][0]["kv_events"] = kv("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558");
+    v["engines"][1]["kv_events"] = kv("tcp://127.0.0.1:6557", "tcp://127.0.0.1:6558");
+    assert!(Config::from_json_str(&v.to_string(), &no_env).is_ok());
+}
+
 #[test]
 fn missing_required_keys() {
     let v = serde_json::json!({"schema": "narwhal.fleet", "schema_version": 2});

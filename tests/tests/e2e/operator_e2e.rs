@@ -115,6 +115,20 @@ fn an_unusable_file_stops_the_router_before_it_listens_and_check_config_names_it
             && stderr.contains("ReadWritePaths"),
         "{stderr}"
     );
+    // Two engines naming one KV-event socket: one would be credited with the other's blocks
+    // while shown `exact`; refused naming both.
+    let mut crossed = good.clone();
+    for i in 0..2 {
+        crossed["engines"][i]["kv_events"] = json!({"endpoint": "tcp://127.0.0.1:5557"});
+    }
+    let crossed_path = write_fleet(dir.path(), "crossed.json", &crossed);
+    let (code, _, stderr) = serve(&["check-config", "--fleet", &crossed_path]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("engines[1].kv_events.endpoint")
+            && stderr.contains("engines[0].kv_events.endpoint"),
+        "{stderr}"
+    );
     assert!(
         !dir.path().join("j.jsonl").exists(),
         "check-config and the refused run wrote no journal"

@@ -11,6 +11,20 @@ use crate::config::{
     Serving, TlsFiles,
 };
 
+/// A KV-event socket as compared across engines: `tcp://host:port` with the host lowercased and
+/// `localhost` read as `127.0.0.1`.
+fn socket_key(endpoint: &str) -> String {
+    let rest = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
+    let (host, port) = rest.rsplit_once(':').unwrap_or((rest, ""));
+    let host = host.to_ascii_lowercase();
+    let host = if host == "localhost" {
+        "127.0.0.1".to_string()
+    } else {
+        host
+    };
+    format!("tcp://{host}:{port}")
+}
+
 impl Checker<'_> {
     pub(super) fn engines(&mut self, v: Option<&Value>) -> Vec<EngineConfig> {
         let Some(v) = v else { return Vec::new() };
@@ -20,6 +34,8 @@ impl Checker<'_> {
         };
         let mut out = Vec::new();
         let mut seen: Vec<(String, usize)> = Vec::new();
+        // Every KV-event socket named so far: (socket, engine index, iid, key).
+        let mut sockets: Vec<(String, usize, String, &'static str)> = Vec::new();
         for (i, item) in items.iter().enumerate() {
             let path = format!("engines[{i}]");
             let o = self.obj(
@@ -195,6 +211,9 @@ impl Checker<'_> {
                 );
             }
             let kv_events = self.kv_events(&o);
+            if let Some(k) = &kv_events {
+                self.one_publisher_per_socket(&mut sockets, k, i, &iid);
+            }
             out.push(EngineConfig {
                 iid,
                 url,
@@ -208,6 +227,44 @@ impl Checker<'_> {
             });
         }
         out
+    }
+
+    /// Refuses a KV-event socket (`endpoint` or `replay_endpoint`) that an earlier engine
+    /// already names, naming both engines: one socket is one engine's publisher, and two
+    /// engines reading it would credit one with the other's blocks while it looks `exact`
+    /// (docs/design/kv-aware-placement.md). Hosts compare case-blind, `localhost` as
+    /// `127.0.0.1`.
+    fn one_publisher_per_socket(
+        &mut self,
+        sockets: &mut Vec<(String, usize, String, &'static str)>,
+        k: &KvEventsSource,
+        i: usize,
+        iid: &str,
+    ) {
+        let named = [
+            ("endpoint", Some(&k.endpoint)),
+            ("replay_endpoint", k.replay_endpoint.as_ref()),
+        ];
+        for (key, ep) in named {
+            let Some(ep) = ep.filter(|e| !e.is_empty()) else {
+                continue;
+            };
+            let socket = socket_key(ep);
+            if let Some((_, j, other, other_key)) = sockets.iter().find(|(s, ..)| *s == socket) {
+                self.rule(
+                    format!("engines[{i}].kv_events.{key}"),
+                    &Value::String(ep.clone()),
+                    format!(
+                        "is also engines[{j}].kv_events.{other_key} (engine {other:?}); one socket \
+                         publishes one engine's KV events, so engine {iid:?} would be credited \
+                         with {other:?}'s blocks (each engine, and each data-parallel rank, \
+                         binds its own port)"
+                    ),
+                );
+            } else {
+                sockets.push((socket, i, iid.to_string(), key));
+            }
+        }
     }
 
     /// `engines[i].kv_events`: `endpoint` required, `replay_endpoint` optional, both
