@@ -19,6 +19,43 @@ use crate::monitor;
 use crate::parts::Parts;
 use narwhal_lease::{LeaseDriver, LeaseError};
 
+/// At startup, holds readiness (the gate's KV hold: `/ready` 503 naming the engines) while
+/// engines with a KV replay socket have not had their index rebuilt from it, at most
+/// `serving.kv_ready_timeout_s` (0: no wait), so the first requests are placed by what the
+/// engines hold, not by load (docs/design/kv-aware-placement.md, "Exact from the first
+/// request"). Engines still pending at the end are logged, and credited approximately until
+/// their events arrive.
+async fn kv_warmup(parts: &Parts) {
+    let budget = crate::config::secs(parts.cfg.serving.kv_ready_timeout_s);
+    if budget.is_zero() {
+        return;
+    }
+    let until = parts.clock.now() + budget;
+    let names = |pending: &[usize]| -> Vec<&str> {
+        pending
+            .iter()
+            .map(|e| parts.cfg.engines[*e].iid.as_str())
+            .collect()
+    };
+    loop {
+        let pending = parts.kv.replay_pending();
+        if pending.is_empty() {
+            parts.gate.set_kv_hold("");
+            return;
+        }
+        if parts.clock.now() >= until {
+            parts.gate.set_kv_hold("");
+            tracing::warn!(engines = ?names(&pending), "KV index replay still pending after serving.kv_ready_timeout_s: ready without it (those engines are credited approximately until their events arrive)");
+            return;
+        }
+        parts.gate.set_kv_hold(&format!(
+            "KV index replay pending: {}",
+            names(&pending).join(", ")
+        ));
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
 /// The two bound listeners (architecture.md section 3).
 #[derive(Debug)]
 pub struct Listeners {
@@ -169,10 +206,12 @@ pub async fn run(
         stop.clone(),
         CLOSE_WAIT,
     ));
-    // Announce once every engine's health gate was answered (a shutdown meanwhile wins).
+    // Announce once every engine's health gate was answered and the KV index was rebuilt from
+    // the engines' replay buffers (each bounded; a shutdown meanwhile wins).
     let mut stopped = false;
+    let started = async { tokio::join!(monitor::startup(&parts), kv_warmup(&parts)) };
     let announced = tokio::select! {
-        () = monitor::startup(&parts) => opts.announce.map_or(Ok(()), |f| f()),
+        _ = started => opts.announce.map_or(Ok(()), |f| f()),
         () = &mut shutdown => {
             stopped = true;
             Ok(())

@@ -167,6 +167,10 @@ pub(crate) struct KvCache {
     counts: Counts,
     /// Per engine (config order): when its `/tokenize` for a score last failed.
     tokenize_failed: Mutex<Vec<Option<Instant>>>,
+    /// Per engine (config order): its index was rebuilt since this router started (its replay
+    /// socket answered, or its live stream delivered in order); what `/ready` waits for at
+    /// startup ([`KvCache::replay_pending`]).
+    replayed: Vec<std::sync::atomic::AtomicBool>,
 }
 
 impl KvCache {
@@ -182,6 +186,10 @@ impl KvCache {
             pending: secs(cfg.serving.kv_pending_s),
         };
         KvCache {
+            replayed: configured
+                .iter()
+                .map(|_| std::sync::atomic::AtomicBool::new(false))
+                .collect(),
             tokenize_failed: Mutex::new(vec![None; configured.len()]),
             index: Mutex::new(KvIndex::with(&configured, settings)),
             cfg,
@@ -247,6 +255,9 @@ impl KvCache {
                 continue;
             }
             tracing::info!(engine.id = %iid, endpoint = %src.endpoint, "kv events: subscribed");
+            // Rebuild from the engine's replay buffer at once, not at the first recheck: a
+            // router that starts is not ready before it did (`replay_pending`).
+            self.catch_up(e, &src).await;
             loop {
                 tokio::select! {
                     m = sub.recv() => match m {
@@ -281,11 +292,45 @@ impl KvCache {
             (ix.reason(e, self.clock.now()), ix.next_seq(e))
         };
         if !matches!(reason, Reason::Waiting | Reason::Stale) {
+            self.mark_replayed(e);
             return;
         }
-        for (seq, batch) in replay(ep, from.unwrap_or(0)).await.unwrap_or_default() {
+        let Some(batches) = replay(ep, from.unwrap_or(0)).await else {
+            return;
+        };
+        for (seq, batch) in batches {
             self.ingest(e, seq, batch, false, None).await;
         }
+        // The buffer answered (perhaps empty: the engine published nothing yet): the index
+        // holds what the engine can still tell.
+        self.mark_replayed(e);
+    }
+
+    fn mark_replayed(&self, e: usize) {
+        self.replayed[e].store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Engines with a replay socket whose index was not rebuilt yet since this router
+    /// started: `/ready` waits for them, at most `serving.kv_ready_timeout_s`
+    /// (docs/design/kv-aware-placement.md, "Exact from the first request"). Empty when cache
+    /// awareness is off.
+    pub(crate) fn replay_pending(&self) -> Vec<usize> {
+        if !self.enabled() {
+            return Vec::new();
+        }
+        self.cfg
+            .engines
+            .iter()
+            .enumerate()
+            .filter(|(e, engine)| {
+                engine
+                    .kv_events
+                    .as_ref()
+                    .is_some_and(|k| k.replay_endpoint.is_some())
+                    && !self.replayed[*e].load(std::sync::atomic::Ordering::Acquire)
+            })
+            .map(|(e, _)| e)
+            .collect()
     }
 
     async fn on_message(&self, e: usize, src: &KvEventsSource, m: ZmqMessage) {
@@ -297,7 +342,14 @@ impl KvCache {
         };
         self.ingest(e, seq, batch, true, src.replay_endpoint.as_deref())
             .await;
-        self.lock().note_live(e, seq);
+        let exact = {
+            let mut ix = self.lock();
+            ix.note_live(e, seq);
+            matches!(ix.reason(e, self.clock.now()), Reason::Events)
+        };
+        if exact {
+            self.mark_replayed(e);
+        }
     }
 
     /// Applies batch `seq` of engine `e` by the index's sequence rule (`live`: it came on the

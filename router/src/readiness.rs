@@ -32,6 +32,10 @@ pub(crate) struct Gate {
     fleet: Arc<Fleet>,
     hold: Mutex<String>,
     held: AtomicBool,
+    /// Why the router's KV index is still being rebuilt from the engines' replay buffers at
+    /// startup (`""`: it is not), mirrored by `warming`.
+    kv_hold: Mutex<String>,
+    warming: AtomicBool,
     stopping: AtomicBool,
     end: CancellationToken,
 }
@@ -82,6 +86,8 @@ impl Gate {
             fleet,
             hold: Mutex::new(String::new()),
             held: AtomicBool::new(false),
+            kv_hold: Mutex::new(String::new()),
+            warming: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
             end: CancellationToken::new(),
         }
@@ -136,13 +142,36 @@ impl Gate {
         self.unless_stopping(r)
     }
 
-    /// A shutdown withdraws readiness before any other reason.
+    /// While the KV index is rebuilt from the engines' replay buffers at startup
+    /// (docs/design/kv-aware-placement.md, "Exact from the first request"), `/ready` is 503
+    /// with `reason` and completions are refused as not ready; `""` ends it.
+    pub(crate) fn set_kv_hold(&self, reason: &str) {
+        let mut hold = self.kv_hold.lock().unwrap_or_else(|p| p.into_inner());
+        if *hold != reason {
+            *hold = reason.to_string();
+        }
+        self.warming.store(!reason.is_empty(), Ordering::Release);
+    }
+
+    /// A shutdown withdraws readiness before any other reason; the KV index's replay holds a
+    /// router that is otherwise ready.
     fn unless_stopping(&self, r: Readiness) -> Readiness {
         if self.shutting_down() {
             Readiness {
                 ready: false,
                 control_ready: r.control_ready,
                 reason: SHUTTING_DOWN.to_string(),
+            }
+        } else if r.ready && self.warming.load(Ordering::Acquire) {
+            let reason = self
+                .kv_hold
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            Readiness {
+                ready: reason.is_empty(),
+                control_ready: r.control_ready,
+                reason,
             }
         } else {
             r

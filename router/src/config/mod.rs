@@ -268,6 +268,10 @@ pub struct Serving {
     /// `kv_approx_credit`, ratio in (0, 1] (default 1): the share of an approximate credit's
     /// tokens the KV score counts (exact credit counts whole).
     pub kv_approx_credit: f64,
+    /// `kv_ready_timeout_s`, seconds ≥ 0 (default 5): how long a router that starts waits,
+    /// not ready, for the engines with a KV replay socket to have their index rebuilt from
+    /// it before it serves (0: it does not wait).
+    pub kv_ready_timeout_s: f64,
 }
 
 /// `engine` section (behaviour.md 8.1). Times in seconds.

@@ -517,3 +517,67 @@ async fn the_journal_records_the_engines_cached_tokens_beside_the_estimate() {
     }
     assert_eq!(rows[2]["stream"], true, "{}", rows[2]);
 }
+
+/// A router that starts over engines that already hold prefixes is not ready before it rebuilt
+/// its index from their replay buffers: at its first requests every engine is `exact`, and each
+/// request for a prefix an engine holds goes there, credited. Before, a restarted router was
+/// ready while every engine was still `waiting` and placed those requests by load, the
+/// cache-miss storm of an index that starts empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_router_is_exact_from_its_first_request() {
+    let f = kv_fleet().await;
+    let first = f.router();
+    // Four 40-token prefixes (10 blocks of 4), each stored on the engine the first router chose.
+    let prefix = |g: usize| words(1000 * (g + 1), 40);
+    for g in 0..4 {
+        complete(first, &prefix(g)).await;
+    }
+    let rows = eventually("four journal rows", WAIT, || async {
+        let r = served(first);
+        (r.len() >= 4).then_some(r)
+    })
+    .await;
+    let holders: Vec<String> = rows
+        .iter()
+        .map(|r| r["decode_iid"].as_str().expect("decode_iid").to_string())
+        .collect();
+    for iid in ["d0", "d1"] {
+        if holders.iter().any(|h| h == iid) {
+            kv_engine(first, iid, "the first router indexed its blocks", |e| {
+                e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
+            })
+            .await;
+        }
+    }
+    // A second router over the same engines: ready only once the replay rebuilt its index.
+    let second = f.start_router("second", &[]);
+    let ready = eventually("the second router ready", WAIT, || async {
+        let (status, doc) = second.ready().await;
+        (status == 200).then_some(doc)
+    })
+    .await;
+    let st = second.get("/narwhal/state").await.json();
+    for iid in ["d0", "d1"] {
+        assert_eq!(
+            st["kv_index"]["engines"][iid]["mode"], "exact",
+            "{iid} at readiness ({ready:?}): {}",
+            st["kv_index"]
+        );
+    }
+    for g in 0..4 {
+        complete(&second, &format!("{} {}", prefix(g), words(10 * g, 6))).await;
+    }
+    let rows = eventually("four rows of the second router", WAIT, || async {
+        let r = served(&second);
+        (r.len() >= 4).then_some(r)
+    })
+    .await;
+    for (g, r) in rows.iter().enumerate() {
+        assert_eq!(
+            r["decode_iid"], holders[g],
+            "group {g} goes where it is held: {r}"
+        );
+        assert_eq!(r["kv_mode"], "exact", "{r}");
+        assert_eq!(r["cached_tokens"], 40, "credited at once: {r}");
+    }
+}

@@ -37,6 +37,7 @@ impl Checker<'_> {
                 "kv_pending_s",
                 "kv_approx_block_size",
                 "kv_approx_credit",
+                "kv_ready_timeout_s",
             ],
         );
         let admission = match self.choice(&o, "admission", "open", &["predictive", "open"]) {
@@ -75,6 +76,7 @@ impl Checker<'_> {
             kv_approx_credit: self.num(&o, "kv_approx_credit", 1.0, |x| {
                 (!(x > 0.0 && x <= 1.0)).then_some("must be in (0, 1]")
             }),
+            kv_ready_timeout_s: self.num(&o, "kv_ready_timeout_s", 5.0, non_negative),
         };
         if s.prefill_timeout_s > s.request_timeout_s {
             self.rule(
