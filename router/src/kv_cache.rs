@@ -474,9 +474,12 @@ impl KvCache {
 
     /// The KV score of a request whose body (one prompt) is `body`, to be placed with
     /// `aggregate`: `None` when cache awareness is off, the tokenizers disagree, the tokens
-    /// could not be had (counted), or placement has at most one engine to choose from while
+    /// could not be had (counted), placement has at most one engine to choose from while
     /// no profiles are configured (counted `unscored`: the score could change neither the
-    /// engine nor a price, and `/tokenize` would cost the request an engine round trip).
+    /// engine nor a price, and `/tokenize` would cost the request an engine round trip), or
+    /// the request carries what vLLM keys its blocks by beyond their tokens
+    /// ([`keyed_beyond_tokens`], counted `unscored`): the index keys by tokens only, so its
+    /// credit would be wrong.
     pub(crate) async fn score(
         &self,
         fleet: &Fleet,
@@ -484,6 +487,14 @@ impl KvCache {
         aggregate: Aggregate,
     ) -> Option<Scored> {
         if !self.enabled() {
+            return None;
+        }
+        if let Some(key) = keyed_beyond_tokens(body) {
+            self.counts.unscored.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                key,
+                "kv score: the engines key this request's blocks by more than its tokens; placing by load"
+            );
             return None;
         }
         self.check_tokenizers(fleet).await;
@@ -671,6 +682,40 @@ impl KvCache {
 }
 
 /// `(engine, resident requests)` of every live engine, config order.
+/// What in a request body vLLM adds to its blocks' keys besides their tokens
+/// (`vllm/v1/core/kv_cache_utils.py`, `generate_block_hash_extra_keys`): `cache_salt` (on the
+/// first block), multimodal inputs (their content hashes, on the blocks their placeholder
+/// tokens fill) and prompt embeddings. `None` for a request keyed by its tokens alone. The
+/// index keys blocks by tokens only (docs/design/kv-aware-placement.md, "not done yet"), so a
+/// request named here would be credited with blocks stored for another salt, image or
+/// embedding: it is placed by load instead.
+pub(crate) fn keyed_beyond_tokens(body: &Map<String, Value>) -> Option<&'static str> {
+    let present = |k: &str| body.get(k).is_some_and(|v| !v.is_null());
+    if present("cache_salt") {
+        return Some("cache_salt");
+    }
+    if present("prompt_embeds") {
+        return Some("prompt_embeds");
+    }
+    let multimodal = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .is_some_and(|ms| {
+            ms.iter().any(|m| {
+                m.get("content")
+                    .and_then(Value::as_array)
+                    .is_some_and(|parts| {
+                        parts.iter().any(|p| {
+                            p.get("type")
+                                .and_then(Value::as_str)
+                                .is_some_and(|t| t != "text")
+                        })
+                    })
+            })
+        });
+    multimodal.then_some("multimodal")
+}
+
 fn live_loads(fleet: &Fleet) -> Vec<(usize, u32)> {
     fleet.live_loads()
 }
@@ -739,6 +784,33 @@ async fn replay(endpoint: &str, from: u64) -> Option<Vec<(u64, KvEventBatch)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `cache_salt`, prompt embeddings and any non-text content part key a request's blocks
+    /// beyond its tokens; plain text (as a string or text parts) does not.
+    #[test]
+    fn requests_keyed_beyond_their_tokens_are_named() {
+        let k = |v: Value| keyed_beyond_tokens(v.as_object().expect("object"));
+        assert_eq!(
+            k(serde_json::json!({"prompt": "p", "cache_salt": "t"})),
+            Some("cache_salt")
+        );
+        assert_eq!(
+            k(serde_json::json!({"prompt": "p", "cache_salt": null})),
+            None
+        );
+        assert_eq!(
+            k(serde_json::json!({"prompt_embeds": "AAAA"})),
+            Some("prompt_embeds")
+        );
+        let image = serde_json::json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]});
+        assert_eq!(k(image), Some("multimodal"));
+        let text = serde_json::json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hello"}]}, {"role": "assistant", "content": "hi"}]});
+        assert_eq!(k(text), None);
+        assert_eq!(k(serde_json::json!({"prompt": "p"})), None);
+    }
 
     #[test]
     fn a_score_tokenizes_on_the_least_loaded_engine_whose_tokenize_did_not_just_fail() {

@@ -50,7 +50,9 @@ pub(crate) struct KvCounters {
     /// `narwhal_kv_index_tokenize_seconds_total`: seconds spent in `/tokenize` for scoring.
     pub(crate) tokenize_seconds: Counter<f64, AtomicU64>,
     /// `narwhal_kv_index_unscored_total`: requests not scored because placement had at most
-    /// one engine to choose from and no profiles are configured.
+    /// one engine to choose from and no profiles are configured, or because they carry what
+    /// vLLM keys blocks by beyond their tokens (`cache_salt`, multimodal parts, prompt
+    /// embeddings), which the index does not.
     pub(crate) unscored: Counter,
 }
 
@@ -124,7 +126,7 @@ impl KvMetrics {
         );
         r.register(
             "narwhal_kv_index_unscored",
-            "Requests not scored (no /tokenize): at most one engine to choose from, no profiles",
+            "Requests not scored (no /tokenize): at most one engine to choose from with no profiles, or keyed beyond their tokens (cache_salt, multimodal parts, prompt_embeds)",
             c.unscored.clone(),
         );
         KvMetrics {

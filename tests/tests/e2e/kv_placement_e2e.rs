@@ -581,3 +581,57 @@ async fn a_restarted_router_is_exact_from_its_first_request() {
         assert_eq!(r["cached_tokens"], 40, "credited at once: {r}");
     }
 }
+
+/// A request that carries `cache_salt` (vLLM keys its first block by the salt, so a tenant's
+/// blocks are not another's) is never credited with blocks stored for the same tokens without
+/// it: it is placed by load and journalled unscored (`cached_tokens` null), and counted in
+/// `kv_index.unscored`; the same prompt without a salt is credited as before. Before, the
+/// token-keyed index credited the salted request with the unsalted blocks, `exact`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_salted_request_is_never_credited_with_unsalted_blocks() {
+    let f = kv_fleet().await;
+    let router = f.router();
+    let prefix = words(5000, 40);
+    complete(router, &prefix).await;
+    let holder = eventually("the first row", WAIT, || async {
+        served(router)
+            .first()
+            .and_then(|r| r["decode_iid"].as_str().map(str::to_string))
+    })
+    .await;
+    kv_engine(router, &holder, "the holder's blocks in the index", |e| {
+        e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
+    })
+    .await;
+    let unscored = router.get("/narwhal/state").await.json()["kv_index"]["unscored"].clone();
+    let body = json!({"model": "tiny-sim", "prompt": format!("{prefix} {}", words(0, 6)),
+                      "max_tokens": 2, "cache_salt": "tenant-b"});
+    let r = router
+        .http
+        .post(format!("{}/v1/completions", router.data), &body)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    complete(router, &format!("{prefix} {}", words(10, 6))).await;
+    let rows = eventually("three rows", WAIT, || async {
+        let r = served(router);
+        (r.len() >= 3).then_some(r)
+    })
+    .await;
+    assert!(
+        rows[1]["cached_tokens"].is_null(),
+        "salted: not scored: {}",
+        rows[1]
+    );
+    assert!(rows[1]["kv_mode"].is_null(), "{}", rows[1]);
+    assert_eq!(
+        rows[2]["cached_tokens"], 40,
+        "unsalted: credited: {}",
+        rows[2]
+    );
+    let after = router.get("/narwhal/state").await.json()["kv_index"]["unscored"].clone();
+    assert_eq!(
+        after.as_u64(),
+        unscored.as_u64().map(|u| u + 1),
+        "counted unscored"
+    );
+}
