@@ -399,29 +399,7 @@ impl KvCache {
                 .collect::<Option<Vec<u32>>>()
                 .ok_or(TokenizeError::Shape);
         }
-        let mut req = json!({"model": self.cfg.model});
-        match (body.get("prompt"), body.get("messages")) {
-            (Some(p @ Value::String(_)), _) => req["prompt"] = p.clone(),
-            (_, Some(m @ Value::Array(_))) => {
-                req["messages"] = m.clone();
-                // vLLM's chat completions and its `/tokenize` chat form both default to adding
-                // the generation prompt; the request's own choice wins.
-                req["add_generation_prompt"] = body
-                    .get("add_generation_prompt")
-                    .cloned()
-                    .unwrap_or(Value::Bool(true));
-                for k in [
-                    "continue_final_message",
-                    "chat_template",
-                    "chat_template_kwargs",
-                ] {
-                    if let Some(v) = body.get(k) {
-                        req[k] = v.clone();
-                    }
-                }
-            }
-            _ => return Err(TokenizeError::Shape),
-        }
+        let req = tokenize_body(&self.cfg.model, body)?;
         let e = {
             let failed = self
                 .tokenize_failed
@@ -682,6 +660,80 @@ impl KvCache {
 }
 
 /// `(engine, resident requests)` of every live engine, config order.
+/// The `/tokenize` body that gives the tokens the engine will compute for a request: vLLM's
+/// `TokenizeCompletionRequest` (`prompt`, `add_special_tokens`) or `TokenizeChatRequest`
+/// (`vllm/entrypoints/serve/tokenize/protocol.py`: `messages`, `add_generation_prompt`,
+/// `continue_final_message`, `add_special_tokens`, `chat_template`, `chat_template_kwargs`,
+/// `tools`, `mm_processor_kwargs`, `media_io_kwargs`), every field the request sets that changes
+/// the rendered prompt. A chat completion also renders `documents` and `reasoning_effort` (and
+/// `enable_thinking` from it, unless the request's kwargs name it) through its template's
+/// kwargs (`ChatCompletionRequest.build_chat_params`), which the tokenize form has no fields
+/// for: they are passed the same way, as `chat_template_kwargs`.
+///
+/// # Errors
+/// [`TokenizeError::Shape`] for a body with neither a string `prompt` nor a `messages` list.
+pub(crate) fn tokenize_body(
+    model: &str,
+    body: &Map<String, Value>,
+) -> Result<Value, TokenizeError> {
+    let mut req = json!({"model": model});
+    let copy = |req: &mut Value, keys: &[&str]| {
+        for k in keys {
+            if let Some(v) = body.get(*k).filter(|v| !v.is_null()) {
+                req[*k] = v.clone();
+            }
+        }
+    };
+    match (body.get("prompt"), body.get("messages")) {
+        (Some(p @ Value::String(_)), _) => {
+            req["prompt"] = p.clone();
+            copy(&mut req, &["add_special_tokens"]);
+        }
+        (_, Some(m @ Value::Array(_))) => {
+            req["messages"] = m.clone();
+            // vLLM's chat completions and its `/tokenize` chat form both default to adding the
+            // generation prompt; the request's own choice wins.
+            req["add_generation_prompt"] = body
+                .get("add_generation_prompt")
+                .cloned()
+                .unwrap_or(Value::Bool(true));
+            copy(
+                &mut req,
+                &[
+                    "continue_final_message",
+                    "add_special_tokens",
+                    "chat_template",
+                    "tools",
+                    "mm_processor_kwargs",
+                    "media_io_kwargs",
+                ],
+            );
+            let mut kwargs = body
+                .get("chat_template_kwargs")
+                .and_then(Value::as_object)
+                .cloned()
+                .unwrap_or_default();
+            if let Some(d) = body.get("documents").filter(|v| !v.is_null()) {
+                kwargs.insert("documents".into(), d.clone());
+            }
+            if let Some(effort) = body.get("reasoning_effort").filter(|v| !v.is_null()) {
+                kwargs.insert("reasoning_effort".into(), effort.clone());
+                if !kwargs.contains_key("enable_thinking") {
+                    kwargs.insert(
+                        "enable_thinking".into(),
+                        Value::Bool(effort.as_str() != Some("none")),
+                    );
+                }
+            }
+            if !kwargs.is_empty() {
+                req["chat_template_kwargs"] = Value::Object(kwargs);
+            }
+        }
+        _ => return Err(TokenizeError::Shape),
+    }
+    Ok(req)
+}
+
 /// What in a request body vLLM adds to its blocks' keys besides their tokens
 /// (`vllm/v1/core/kv_cache_utils.py`, `generate_block_hash_extra_keys`): `cache_salt` (on the
 /// first block), multimodal inputs (their content hashes, on the blocks their placeholder
@@ -784,6 +836,51 @@ async fn replay(endpoint: &str, from: u64) -> Option<Vec<(u64, KvEventBatch)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every field that changes the rendered prompt reaches `/tokenize`: a chat request's
+    /// tools, special tokens, template and its kwargs (with `documents` and `reasoning_effort`,
+    /// which the tokenize form takes only as kwargs), a completion's `add_special_tokens`;
+    /// before, tools were dropped and block 0 never matched what the engine hashed.
+    #[test]
+    fn the_tokenize_body_carries_what_renders_the_prompt() {
+        let body = |v: Value| v.as_object().expect("object").clone();
+        let tools = serde_json::json!([{"type": "function",
+            "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+        let chat = body(
+            serde_json::json!({"model": "m", "messages": [{"role": "user",
+            "content": "hi"}], "tools": tools, "add_special_tokens": true,
+            "chat_template_kwargs": {"x": 1}, "documents": [{"title": "t", "text": "d"}],
+            "reasoning_effort": "low", "max_tokens": 5, "stream": true}),
+        );
+        let r = tokenize_body("served", &chat).expect("chat");
+        assert_eq!(r["model"], "served");
+        assert_eq!(r["tools"], tools);
+        assert_eq!(r["add_special_tokens"], true);
+        assert_eq!(r["add_generation_prompt"], true);
+        assert_eq!(
+            r["chat_template_kwargs"],
+            serde_json::json!({"x": 1, "documents": [{"title": "t", "text": "d"}],
+                               "reasoning_effort": "low", "enable_thinking": true})
+        );
+        assert!(
+            r.get("max_tokens").is_none() && r.get("stream").is_none(),
+            "{r}"
+        );
+        let plain = body(serde_json::json!({"messages": [], "add_generation_prompt": false}));
+        let r = tokenize_body("m", &plain).expect("chat");
+        assert_eq!(r["add_generation_prompt"], false);
+        assert!(
+            r.get("chat_template_kwargs").is_none() && r.get("tools").is_none(),
+            "{r}"
+        );
+        let completion = body(serde_json::json!({"prompt": "p", "add_special_tokens": false}));
+        let r = tokenize_body("m", &completion).expect("completion");
+        assert_eq!(
+            r,
+            serde_json::json!({"model": "m", "prompt": "p", "add_special_tokens": false})
+        );
+        assert!(tokenize_body("m", &body(serde_json::json!({"prompt": 3}))).is_err());
+    }
 
     /// `cache_salt`, prompt embeddings and any non-text content part key a request's blocks
     /// beyond its tokens; plain text (as a string or text parts) does not.
