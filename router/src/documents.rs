@@ -279,6 +279,7 @@ fn kv_index(parts: &Parts) -> state::KvIndex {
                         replays: v.counters.replays,
                         resets: v.counters.resets,
                         overflow: v.counters.overflow,
+                        skipped: v.counters.skipped,
                     },
                 )
             })

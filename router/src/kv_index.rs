@@ -31,7 +31,7 @@ use std::collections::HashMap;
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::time::{Duration, Instant};
 
-use narwhal_shared::kv_events::{KvEvent, KvEventBatch};
+use narwhal_shared::kv_events::{KvEvent, KvEventBatch, MEDIUM_GPU};
 
 pub(crate) mod approx;
 
@@ -259,6 +259,10 @@ pub(crate) struct Counters {
     pub resets: u64,
     /// Stored blocks dropped: the index was full, or their parent was unknown.
     pub overflow: u64,
+    /// Events not applied: another tier than the GPU's (`medium`, e.g. vLLM's CPU offloading),
+    /// a store without token ids (a tier update), another KV cache group than the first, or
+    /// an event type this router does not know.
+    pub skipped: u64,
 }
 
 /// One engine's part of the index.
@@ -339,9 +343,14 @@ impl Engine {
         }
     }
 
-    /// Applies batch `seq`; what it told of blocks is pushed to `told`.
+    /// Applies batch `seq`; what it told of blocks is pushed to `told`. Only what decides a
+    /// prefix hit on the GPU is applied ([`applies`]); the rest is counted `skipped`.
     fn apply(&mut self, seq: u64, batch: &KvEventBatch, now: Instant, told: &mut Told) {
         for e in &batch.events {
+            if !applies(e) {
+                self.counters.skipped += 1;
+                continue;
+            }
             match e {
                 KvEvent::BlockStored {
                     block_hashes,
@@ -365,6 +374,7 @@ impl Engine {
                     self.clear();
                     told.cleared = true;
                 }
+                KvEvent::Other { .. } => {}
             }
         }
         // Saturating: an engine's batch numbered u64::MAX (never a real vLLM sequence, but
@@ -373,6 +383,34 @@ impl Engine {
         self.last_batch = Some(now);
         self.awaiting = None;
         self.counters.batches += 1;
+    }
+}
+
+/// Whether an event speaks of the blocks a request's prefix hit is decided by: the GPU tier
+/// (`medium` `"GPU"`, or none named) of the first KV cache group (`group_idx` 0, or none),
+/// a store that carries its tokens, or a clear. vLLM's CPU offloading publishes `BlockStored`
+/// for the lower tier with another block size and no token ids, and its removals there leave
+/// the GPU copy in place; a hybrid model publishes its events per KV cache group
+/// (`group_idx`). Applying those would flip the block size the engine is credited at, and wipe
+/// its credit. Of several groups, group 0 is credited: vLLM's `HybridKVCacheCoordinator`
+/// decides a hit by its full-attention group first and then shortens it by the others, but the
+/// events do not say which group that is (docs/design/kv-aware-placement.md, "not done yet").
+/// Unknown event types ([`KvEvent::Other`]) are skipped too, never a reset.
+fn applies(e: &KvEvent) -> bool {
+    let gpu = |m: &Option<String>| m.as_deref().is_none_or(|m| m == MEDIUM_GPU);
+    let first_group = |g: &Option<u32>| g.is_none_or(|g| g == 0);
+    match e {
+        KvEvent::BlockStored {
+            medium,
+            group_idx,
+            token_ids,
+            ..
+        } => gpu(medium) && first_group(group_idx) && !token_ids.is_empty(),
+        KvEvent::BlockRemoved {
+            medium, group_idx, ..
+        } => gpu(medium) && first_group(group_idx),
+        KvEvent::AllBlocksCleared => true,
+        KvEvent::Other { .. } => false,
     }
 }
 

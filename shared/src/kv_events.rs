@@ -70,6 +70,13 @@ pub enum KvEvent {
     },
     /// The whole prefix cache was reset (`POST /reset_prefix_cache`).
     AllBlocksCleared,
+    /// An event of a type this module does not know (a newer engine's), with its type name:
+    /// decoded so the rest of its batch still counts; a consumer skips it and counts it, never
+    /// resets on it.
+    Other {
+        /// The event's `type` tag.
+        kind: String,
+    },
 }
 
 /// One published batch (vLLM's `KVEventBatch`).
@@ -251,6 +258,11 @@ fn encode_event(w: &mut Vec<u8>, e: &KvEvent) {
             let _ = rmp::encode::write_map_len(w, 1);
             str(w, "type");
             str(w, "AllBlocksCleared");
+        }
+        KvEvent::Other { kind } => {
+            let _ = rmp::encode::write_map_len(w, 1);
+            str(w, "type");
+            str(w, kind);
         }
     }
 }
@@ -503,7 +515,8 @@ fn decode_event(v: &Val) -> Result<KvEvent, DecodeError> {
             group_idx: opt_u32("group_idx")?,
         }),
         Val::Str(t) if t == "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared),
-        other => Err(bad(&format!("a known event type, not {other:?}"))),
+        Val::Str(t) => Ok(KvEvent::Other { kind: t.clone() }),
+        other => Err(bad(&format!("an event type name, not {other:?}"))),
     }
 }
 
@@ -604,6 +617,23 @@ mod tests {
         want.extend_from_slice(b"AllBlocksCleared");
         want.push(0x00);
         assert_eq!(encode_batch(&b), want);
+    }
+
+    /// An event of a type a newer engine adds is decoded as `Other`, and the rest of its
+    /// batch with it.
+    #[test]
+    fn an_unknown_event_type_is_kept_by_name_with_its_batch() {
+        let batch = KvEventBatch {
+            ts: 1.0,
+            events: vec![
+                KvEvent::Other {
+                    kind: "BlockPromoted".into(),
+                },
+                stored(2),
+            ],
+            data_parallel_rank: Some(0),
+        };
+        assert_eq!(decode_batch(&encode_batch(&batch)).expect("decodes"), batch);
     }
 
     #[test]

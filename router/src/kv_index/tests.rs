@@ -484,3 +484,72 @@ fn cache_awareness_off_is_none_and_credits_nothing() {
         assert_eq!(ix.view(e, t).approx.blocks, 0);
     }
 }
+
+/// Only the GPU tier of the first KV cache group is credited: a store from vLLM's CPU
+/// offloading (another medium, another block size, no token ids), a removal there, another
+/// group's events and an event type this router does not know are skipped and counted; the
+/// block size the engine is credited at and its blocks stay as the GPU events made them.
+#[test]
+fn lower_tiers_other_groups_and_unknown_events_are_skipped_and_counted() {
+    let now = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
+    let mut ix = KvIndex::new(&[true]);
+    let p = prompt();
+    ix.apply(0, 0, &batch(vec![stored(&[11, 12, 13], None, &p)]), now);
+    let cpu_store = KvEvent::BlockStored {
+        block_hashes: vec![11, 12, 13],
+        parent_block_hash: None,
+        token_ids: Vec::new(),
+        block_size: 256,
+        lora_id: None,
+        medium: Some("CPU".into()),
+        lora_name: None,
+        extra_keys: None,
+        group_idx: None,
+        session_id: None,
+    };
+    let cpu_removed = KvEvent::BlockRemoved {
+        block_hashes: vec![11, 12, 13],
+        medium: Some("CPU".into()),
+        group_idx: None,
+    };
+    let mut other_group = stored(&[21], None, &p[..4]);
+    if let KvEvent::BlockStored {
+        group_idx,
+        block_size,
+        ..
+    } = &mut other_group
+    {
+        *group_idx = Some(1);
+        *block_size = 2;
+    }
+    let other_group_removed = KvEvent::BlockRemoved {
+        block_hashes: vec![11],
+        medium: Some("GPU".into()),
+        group_idx: Some(1),
+    };
+    let unknown = KvEvent::Other {
+        kind: "BlockPromoted".into(),
+    };
+    ix.apply(
+        0,
+        1,
+        &batch(vec![
+            cpu_store,
+            cpu_removed,
+            other_group,
+            other_group_removed,
+            unknown,
+        ]),
+        now,
+    );
+    assert_eq!(ix.credit_block_size(0), BS, "the GPU block size stays");
+    assert_eq!(
+        matched(&ix, 0, &p),
+        8,
+        "every GPU block still held (the last token is computed)"
+    );
+    let v = ix.view(0, now);
+    assert_eq!(v.counters.skipped, 5, "{v:?}");
+    assert_eq!(v.counters.resets, 0, "never a reset");
+    assert_eq!(v.reason, Reason::Events, "still exact");
+}

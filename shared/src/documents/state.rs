@@ -181,6 +181,10 @@ pub struct KvEngine {
     pub resets: u64,
     /// Stored blocks not indexed (index full, or unknown parent).
     pub overflow: u64,
+    /// Events not applied: another tier than the GPU's (`medium`), a store without token ids,
+    /// another KV cache group than the first, or an unknown event type (skipped, never a
+    /// reset).
+    pub skipped: u64,
 }
 
 /// `ha`.
