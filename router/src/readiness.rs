@@ -205,6 +205,45 @@ mod tests {
 
     /// After SIGTERM `/ready` is 503 `shutting down` ahead of any other reason, `/health`
     /// says `stopping`, and control is kept (admitted requests still place their retries).
+    /// The KV replay hold withdraws readiness from a router that is otherwise ready (and
+    /// only then: another reason comes first), and its end restores it; a shutdown still wins.
+    #[tokio::test]
+    async fn the_kv_replay_hold_withdraws_readiness_until_it_ends() {
+        let clock = Arc::new(narwhal_shared::ManualClock::new(
+            narwhal_shared::Clock::now(&narwhal_shared::SystemClock),
+            1.0e9,
+        ));
+        let parts = crate::parts::for_test(
+            serde_json::json!({
+                "schema": "narwhal.fleet", "schema_version": 2, "model": "m", "backend": "vllm",
+                "engines": [{"iid": "d0", "url": "http://127.0.0.1:2"}],
+                "slo": {"ttft_s": 1.0, "tpot_s": 0.1}
+            }),
+            clock,
+            "test",
+        );
+        let gate = &parts.gate;
+        gate.set_kv_hold("KV index replay pending: d0");
+        let r = gate.readiness();
+        assert_eq!(
+            (r.ready, r.control_ready, r.reason.as_str()),
+            (false, true, "KV index replay pending: d0")
+        );
+        assert_eq!(gate.view().readiness, r);
+        gate.set_lifecycle_hold("whole-wave drain w");
+        assert_eq!(
+            gate.readiness().reason,
+            "whole-wave drain w",
+            "another reason first"
+        );
+        gate.set_lifecycle_hold("");
+        gate.set_kv_hold("");
+        assert!(gate.readiness().ready);
+        gate.set_kv_hold("KV index replay pending: d0");
+        gate.begin_shutdown();
+        assert_eq!(gate.readiness().reason, SHUTTING_DOWN);
+    }
+
     #[tokio::test]
     async fn a_shutdown_withdraws_readiness_first_and_keeps_control() {
         let clock = Arc::new(narwhal_shared::ManualClock::new(

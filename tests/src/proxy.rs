@@ -44,6 +44,7 @@ pub struct Proxy {
 #[derive(Debug, Default)]
 struct Counts {
     held: AtomicUsize,
+    held_posts: AtomicUsize,
     discarded: AtomicUsize,
     forwarded_after_hold: AtomicUsize,
 }
@@ -138,6 +139,9 @@ async fn relay(
                 if *rx.borrow() == Link::Hold || out.is_none() {
                     if kept.is_empty() {
                         counts.held.fetch_add(1, Ordering::SeqCst);
+                        if ib[..n].starts_with(b"POST ") {
+                            counts.held_posts.fetch_add(1, Ordering::SeqCst);
+                        }
                     }
                     kept.extend_from_slice(&ib[..n]);
                 } else if let Some(o) = out.as_mut()
@@ -226,6 +230,11 @@ impl Proxy {
     /// closed meanwhile is discarded, never reaching the target.
     pub fn hold(&self) {
         self.link.send_replace(Link::Hold);
+    }
+
+    /// Connections whose held bytes begin a `POST` (a completion, not a health probe's `GET`).
+    pub fn held_posts(&self) -> usize {
+        self.counts.held_posts.load(Ordering::SeqCst)
     }
 
     /// `(held, discarded, forwarded after the hold)`: connections that sent something while

@@ -1172,8 +1172,10 @@ async fn gone_after_the_handoff(dir: &Path, p0: &Vllm, d0: &Vllm) {
                       "max_tokens": 4, "temperature": 0, "stream": true});
     let url = format!("{}/v1/completions", r.data);
     let req = tokio::spawn(async move { client().post(url).json(&body).send().await });
+    // The decode leg's POST reached the proxy (the prefill answered with its descriptor); a
+    // health probe's GET held meanwhile says nothing of the handoff.
     let handed_off = wait_until(Duration::from_secs(120), || async {
-        (proxy.hold_counts().0 >= 1).then_some(())
+        (proxy.held_posts() >= 1).then_some(())
     })
     .await;
     assert!(
