@@ -683,11 +683,6 @@ impl Fleet {
         })
     }
 
-    /// The silence window of the stall watch (`engine.first_token_timeout_s`).
-    pub(crate) fn stall_window(&self) -> std::time::Duration {
-        self.lock().stall.window()
-    }
-
     /// The stall probe of `iid` ended: `Some(true)` it got its token (the engine answers),
     /// `Some(false)` it got none within the window, `None` nothing was learned (the router
     /// could not send it, or it no longer controls the fleet). A failed probe ejects the

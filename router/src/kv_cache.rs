@@ -342,10 +342,12 @@ impl KvCache {
         };
         self.ingest(e, seq, batch, true, src.replay_endpoint.as_deref())
             .await;
+        let settled = self.replayed[e].load(std::sync::atomic::Ordering::Acquire);
         let exact = {
             let mut ix = self.lock();
             ix.note_live(e, seq);
-            matches!(ix.reason(e, self.clock.now()), Reason::Events)
+            // Only until the engine's index was rebuilt once (`replay_pending`).
+            !settled && matches!(ix.reason(e, self.clock.now()), Reason::Events)
         };
         if exact {
             self.mark_replayed(e);

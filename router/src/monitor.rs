@@ -46,7 +46,7 @@ pub(crate) async fn monitor(parts: Arc<Parts>, stop: tokio_util::sync::Cancellat
     // The stall watch is judged more often than the breaker's probes: a quarter of its
     // window (at least 50 ms, at most one monitor interval), so a stalled engine's legs are
     // given up within about a window and a probe of their first-token limit.
-    let stall_period = (parts.fleet.stall_window() / 4)
+    let stall_period = (parts.cfg.first_token_timeout() / 4)
         .max(Duration::from_millis(50))
         .min(period);
     let mut stall_tick = tokio::time::interval(stall_period);
@@ -192,14 +192,21 @@ async fn probe(parts: Arc<Parts>, ticket: Ticket, sweep: bool) {
                 "generation",
                 if passed { "passed" } else { "failed" },
             );
-            parts.journal.emit(
-                json!({"event": "engine_probe", "iid": parts.cfg.engines[iid].iid,
-                "kind": "generation", "outcome": if passed { "passed" } else { "failed" },
-                "error": generated.err().map(|e| e.to_string()), "at": parts.wall()}),
-            );
+            probe_row(&parts, iid, "generation", generated.err());
             fleet.probe_result(ticket, ProbeResult::Generation { passed });
         }
     }
+}
+
+/// The journal's `engine_probe` row of a generation or stall probe of `iid`: `passed` without
+/// an `error`, else `failed` with it.
+fn probe_row(parts: &Parts, iid: usize, kind: &str, error: Option<impl std::fmt::Display>) {
+    let error = error.map(|e| e.to_string());
+    let outcome = if error.is_none() { "passed" } else { "failed" };
+    parts.journal.emit(
+        json!({"event": "engine_probe", "iid": parts.cfg.engines[iid].iid,
+        "kind": kind, "outcome": outcome, "error": error, "at": parts.wall()}),
+    );
 }
 
 /// Probes every engine the stall watch suspects (behaviour.md 6.9), while this router
@@ -219,7 +226,7 @@ fn stall_check(parts: &Arc<Parts>) {
 /// its peers answer. No token: the fleet ejects it (cause `stalled`) and gives up its waiting
 /// legs. Counted as probe kind `stall`; a failed one is journalled as `engine_probe`.
 async fn stall_probe(parts: Arc<Parts>, iid: usize) {
-    let window = parts.fleet.stall_window();
+    let window = parts.cfg.first_token_timeout();
     let waited = parts.clock.now();
     let generated = generation(&parts, iid, window).await;
     if let Err(GenerationFailed(LegError::Local(d))) = &generated {
@@ -248,10 +255,7 @@ async fn stall_probe(parts: Arc<Parts>, iid: usize) {
         );
     } else {
         tracing::warn!(error = ?error, "stall probe got no token while the engine's peers answer: ejecting it and failing its waiting legs over");
-        parts.journal.emit(
-            json!({"event": "engine_probe", "iid": parts.cfg.engines[iid].iid,
-            "kind": "stall", "outcome": "failed", "error": error, "at": parts.wall()}),
-        );
+        probe_row(&parts, iid, "stall", error);
     }
     parts.fleet.stall_probed(iid, Some(passed));
 }

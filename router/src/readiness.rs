@@ -205,15 +205,13 @@ mod tests {
 
     /// After SIGTERM `/ready` is 503 `shutting down` ahead of any other reason, `/health`
     /// says `stopping`, and control is kept (admitted requests still place their retries).
-    /// The KV replay hold withdraws readiness from a router that is otherwise ready (and
-    /// only then: another reason comes first), and its end restores it; a shutdown still wins.
-    #[tokio::test]
-    async fn the_kv_replay_hold_withdraws_readiness_until_it_ends() {
+    /// The parts of a one-engine router without a lease (ready once its engine is live).
+    fn one_engine() -> Arc<crate::parts::Parts> {
         let clock = Arc::new(narwhal_shared::ManualClock::new(
             narwhal_shared::Clock::now(&narwhal_shared::SystemClock),
             1.0e9,
         ));
-        let parts = crate::parts::for_test(
+        crate::parts::for_test(
             serde_json::json!({
                 "schema": "narwhal.fleet", "schema_version": 2, "model": "m", "backend": "vllm",
                 "engines": [{"iid": "d0", "url": "http://127.0.0.1:2"}],
@@ -221,7 +219,14 @@ mod tests {
             }),
             clock,
             "test",
-        );
+        )
+    }
+
+    /// The KV replay hold withdraws readiness from a router that is otherwise ready (and
+    /// only then: another reason comes first), and its end restores it; a shutdown still wins.
+    #[tokio::test]
+    async fn the_kv_replay_hold_withdraws_readiness_until_it_ends() {
+        let parts = one_engine();
         let gate = &parts.gate;
         gate.set_kv_hold("KV index replay pending: d0");
         let r = gate.readiness();
@@ -246,19 +251,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_shutdown_withdraws_readiness_first_and_keeps_control() {
-        let clock = Arc::new(narwhal_shared::ManualClock::new(
-            narwhal_shared::Clock::now(&narwhal_shared::SystemClock),
-            1.0e9,
-        ));
-        let parts = crate::parts::for_test(
-            serde_json::json!({
-                "schema": "narwhal.fleet", "schema_version": 2, "model": "m", "backend": "vllm",
-                "engines": [{"iid": "d0", "url": "http://127.0.0.1:2"}],
-                "slo": {"ttft_s": 1.0, "tpot_s": 0.1}
-            }),
-            clock,
-            "test",
-        );
+        let parts = one_engine();
         let gate = &parts.gate;
         assert!(gate.readiness().ready);
         gate.begin_shutdown();

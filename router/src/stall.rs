@@ -59,11 +59,6 @@ impl StallWatch {
         }
     }
 
-    /// The silence window.
-    pub(crate) fn window(&self) -> Duration {
-        self.window
-    }
-
     /// A leg was dispatched to `engine` at `now`; the token names it in [`Self::output`] and
     /// [`Self::abandon`].
     pub(crate) fn begin(&mut self, engine: usize, now: Instant) -> u64 {

@@ -556,12 +556,11 @@ async fn a_restarted_router_is_exact_from_its_first_request() {
         (status == 200).then_some(doc)
     })
     .await;
-    let st = second.get("/narwhal/state").await.json();
+    let kv = second.state().await.kv_index;
     for iid in ["d0", "d1"] {
         assert_eq!(
-            st["kv_index"]["engines"][iid]["mode"], "exact",
-            "{iid} at readiness ({ready:?}): {}",
-            st["kv_index"]
+            kv.engines[iid].mode, "exact",
+            "{iid} at readiness ({ready:?}): {kv:?}"
         );
     }
     for g in 0..4 {
@@ -603,7 +602,7 @@ async fn a_salted_request_is_never_credited_with_unsalted_blocks() {
         e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
     })
     .await;
-    let unscored = router.get("/narwhal/state").await.json()["kv_index"]["unscored"].clone();
+    let unscored = router.state().await.kv_index.unscored;
     let body = json!({"model": "tiny-sim", "prompt": format!("{prefix} {}", words(0, 6)),
                       "max_tokens": 2, "cache_salt": "tenant-b"});
     let r = router
@@ -628,10 +627,6 @@ async fn a_salted_request_is_never_credited_with_unsalted_blocks() {
         "unsalted: credited: {}",
         rows[2]
     );
-    let after = router.get("/narwhal/state").await.json()["kv_index"]["unscored"].clone();
-    assert_eq!(
-        after.as_u64(),
-        unscored.as_u64().map(|u| u + 1),
-        "counted unscored"
-    );
+    let after = router.state().await.kv_index.unscored;
+    assert_eq!(after, unscored + 1, "counted unscored");
 }

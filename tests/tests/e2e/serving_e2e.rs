@@ -949,11 +949,11 @@ async fn a_client_gone_after_the_handoff_leaves_no_kv_staged() {
         "the decode kept generating after the pickup"
     );
     let st = eventually("cancelled and nothing resident", WAIT, || async {
-        let st = router.state_json().await;
-        (st["cancelled"] == 1 && st["resident"]["p0"]["prefill"] == 0).then_some(st)
+        let st = router.state().await;
+        (st.cancelled == 1 && st.resident["p0"].prefill == 0).then_some(st)
     })
     .await;
-    assert_eq!(st["resident"]["d0"]["decode"], 0, "{st}");
+    assert_eq!(st.resident["d0"].decode, 0, "{:?}", st.resident);
     let m = router.metrics().await;
     assert_eq!(
         metric(&m, "narwhal_kv_pickups_total", &["outcome=\"collected\""]),
