@@ -66,13 +66,26 @@ pub(crate) fn health(parts: &Parts) -> doc::Health {
 /// `/v1/models` (behaviour.md 1.5), each model with OpenAI's `created` (Unix seconds; the
 /// answer's time, as vLLM gives it).
 pub(crate) fn models(cfg: &Config, created: u64) -> Value {
-    json!({"object": "list", "data": [model_card(cfg, created)]})
+    let data: Vec<Value> = std::iter::once(cfg.model.as_str())
+        .chain(cfg.adapters.iter().map(String::as_str))
+        .filter_map(|id| model_card(cfg, id, created))
+        .collect();
+    json!({"object": "list", "data": data})
 }
 
 /// One model as OpenAI's `GET /v1/models/{model}` answers it: `id`, `object: "model"`,
-/// `created`, `owned_by`.
-pub(crate) fn model_card(cfg: &Config, created: u64) -> Value {
-    json!({"id": cfg.model, "object": "model", "created": created, "owned_by": "narwhal"})
+/// `created`, `owned_by`; an adapter (config `adapters`) also names its base model in
+/// `parent`, as vLLM's own card for an adapter does. `None` for an id not served.
+pub(crate) fn model_card(cfg: &Config, id: &str, created: u64) -> Option<Value> {
+    if id == cfg.model {
+        return Some(
+            json!({"id": cfg.model, "object": "model", "created": created, "owned_by": "narwhal"}),
+        );
+    }
+    cfg.adapters.iter().any(|a| a == id).then(|| {
+        json!({"id": id, "object": "model", "created": created, "owned_by": "narwhal",
+               "parent": cfg.model})
+    })
 }
 
 /// `/narwhal/targets` (behaviour.md 1.6): one Prometheus target group per engine, without

@@ -20,11 +20,15 @@ use serde_json::Value;
 
 use crate::config::Backend;
 use crate::ingress::{self, Endpoint, IngressError};
-use crate::kv_index::{KvIndex, Seq, Settings, prompt_chain};
+use crate::kv_index::{KvIndex, Seq, Settings, keyed_chain};
 use crate::lifecycle::api::{parse_drain, parse_readmit};
 
 /// The configured model the fuzzed bodies are validated against.
 const MODEL: &str = "fuzz-model";
+const SERVED: ingress::Served<'static> = ingress::Served {
+    model: MODEL,
+    adapters: &[],
+};
 
 /// Runs one client body through ingress for both routes and both backends.
 ///
@@ -38,10 +42,10 @@ pub fn ingress(body: &[u8]) {
     let is_json = serde_json::from_slice::<Value>(body).is_ok();
     for endpoint in [Endpoint::Completions, Endpoint::Chat] {
         for backend in [Backend::Vllm, Backend::Sglang] {
-            let got = ingress::validate(endpoint, body, MODEL, backend, 4.0);
+            let got = ingress::validate(endpoint, body, SERVED, backend, 4.0);
             assert_eq!(
                 got,
-                ingress::validate(endpoint, body, MODEL, backend, 4.0),
+                ingress::validate(endpoint, body, SERVED, backend, 4.0),
                 "validate is not deterministic"
             );
             match got {
@@ -136,7 +140,7 @@ pub fn kv_stream(messages: &[Vec<Bytes>], start: Instant) {
         assert!(index.next_seq(0).is_some(), "no next seq after {seq}");
         let bs = index.credit_block_size(0);
         assert!(bs >= 1);
-        let chain = prompt_chain(&tokens, bs);
+        let chain = keyed_chain(&tokens, bs, 0);
         let prompt = tokens.len() as u64;
         let credit = index.credit(0, &chain, prompt, now);
         assert!(

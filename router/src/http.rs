@@ -235,18 +235,14 @@ async fn route(parts: Arc<Parts>, side: Side, mut req: Request<Incoming>) -> Res
 /// `GET /v1/models/` + model id.
 const MODELS_PREFIX: &str = "/v1/models/";
 
-/// `GET /v1/models/{model}` as OpenAI answers it: the model object for the served model, else
+/// `GET /v1/models/{model}` as OpenAI answers it: the model object for the served model or one
+/// of its adapters, else
 /// 404 `model_not_found` naming the id (the id is percent-decoded and may contain `/`).
 fn model(parts: &Parts, path: &str, rid: &str) -> Response<Body> {
     let raw = &path[MODELS_PREFIX.len()..];
     let id = percent_encoding::percent_decode_str(raw).decode_utf8_lossy();
-    if id == parts.cfg.model {
-        let created = parts.wall() as u64;
-        return json_response(
-            StatusCode::OK,
-            &documents::model_card(&parts.cfg, created),
-            rid,
-        );
+    if let Some(card) = documents::model_card(&parts.cfg, &id, parts.wall() as u64) {
+        return json_response(StatusCode::OK, &card, rid);
     }
     json_response(
         StatusCode::NOT_FOUND,

@@ -202,6 +202,23 @@ const RESERVED_XARGS: &[&str] = &[
     "ec_transfer_params",
 ];
 
+/// The models a router serves (config `model` and `adapters`): a client's `model` must name
+/// one of them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Served<'a> {
+    /// The base model.
+    pub model: &'a str,
+    /// Its LoRA adapters.
+    pub adapters: &'a [String],
+}
+
+impl Served<'_> {
+    /// Whether `m` names the base model or one of its adapters.
+    pub(crate) fn serves(&self, m: &str) -> bool {
+        m == self.model || self.adapters.iter().any(|a| a == m)
+    }
+}
+
 /// Validate one completion body.
 ///
 /// # Errors
@@ -210,7 +227,7 @@ const RESERVED_XARGS: &[&str] = &[
 pub(crate) fn validate(
     endpoint: Endpoint,
     bytes: &[u8],
-    model: &str,
+    served: Served<'_>,
     backend: Backend,
     chars_per_token: f64,
 ) -> Result<Validated, IngressError> {
@@ -330,11 +347,11 @@ pub(crate) fn validate(
         }
     }
     if let Some(Value::String(m)) = body.get("model")
-        && m != model
+        && !served.serves(m)
     {
         return Err(IngressError::ModelNotFound {
             asked: m.clone(),
-            served: model.to_string(),
+            served: served.model.to_string(),
         });
     }
     let sampling_width = ["n", "best_of"]
@@ -345,7 +362,10 @@ pub(crate) fn validate(
         .and_then(Value::as_u64)
         .filter(|n| *n >= 1)
         .unwrap_or(1);
-    body.insert("model".into(), Value::String(model.to_string()));
+    // An absent or null `model` is the base model; an adapter named stays named.
+    if !body.get("model").is_some_and(Value::is_string) {
+        body.insert("model".into(), Value::String(served.model.to_string()));
+    }
     let return_token_ids = body
         .get("return_token_ids")
         .and_then(Value::as_bool)
@@ -490,11 +510,32 @@ fn size_input(body: &Map<String, Value>, chars_per_token: f64) -> u64 {
 mod tests {
     use super::*;
 
+    /// A router serving `model` with one adapter, `adapter-a`.
+    fn served(model: &'static str) -> Served<'static> {
+        static ADAPTERS: std::sync::LazyLock<Vec<String>> =
+            std::sync::LazyLock::new(|| vec!["adapter-a".to_string()]);
+        Served {
+            model,
+            adapters: &ADAPTERS,
+        }
+    }
+
+    /// A client's `model` may name the base model or one of its adapters; anything else is a
+    /// 404 naming the base model.
+    #[test]
+    fn model_names_the_base_model_or_an_adapter() {
+        assert!(check(r#"{"prompt":"x","model":"tiny-sim"}"#).is_ok());
+        assert!(check(r#"{"prompt":"x","model":"adapter-a"}"#).is_ok());
+        let e = check(r#"{"prompt":"x","model":"adapter-b"}"#).unwrap_err();
+        assert!(matches!(e, IngressError::ModelNotFound { .. }), "{e:?}");
+        assert!(e.to_string().contains("'tiny-sim'"), "{e}");
+    }
+
     fn check(body: &str) -> Result<Validated, IngressError> {
         validate(
             Endpoint::Completions,
             body.as_bytes(),
-            "tiny-sim",
+            served("tiny-sim"),
             Backend::Vllm,
             3.8,
         )
@@ -552,7 +593,7 @@ mod tests {
         let chat = validate(
             Endpoint::Chat,
             br#"{"model":"tiny-sim","prompt":"not for chat"}"#,
-            "tiny-sim",
+            served("tiny-sim"),
             Backend::Vllm,
             3.8,
         )
@@ -582,8 +623,14 @@ mod tests {
             (r#"{"bootstrap_room":1}"#, "bootstrap_room"),
         ] {
             for backend in [Backend::Vllm, Backend::Sglang] {
-                let e =
-                    validate(Endpoint::Completions, b.as_bytes(), "m", backend, 3.8).unwrap_err();
+                let e = validate(
+                    Endpoint::Completions,
+                    b.as_bytes(),
+                    served("m"),
+                    backend,
+                    3.8,
+                )
+                .unwrap_err();
                 let (st, body) = e.response();
                 assert_eq!(st, StatusCode::BAD_REQUEST);
                 assert_eq!(
@@ -662,9 +709,15 @@ mod tests {
             None
         );
         let chat = |b: &str| {
-            validate(Endpoint::Chat, b.as_bytes(), "tiny-sim", Backend::Vllm, 3.8)
-                .unwrap()
-                .prompt_logprobs
+            validate(
+                Endpoint::Chat,
+                b.as_bytes(),
+                served("tiny-sim"),
+                Backend::Vllm,
+                3.8,
+            )
+            .unwrap()
+            .prompt_logprobs
         };
         assert_eq!(
             chat(r#"{"messages":[],"echo":true,"logprobs":true,"top_logprobs":2}"#),
@@ -708,7 +761,7 @@ mod tests {
         let e = validate(
             Endpoint::Chat,
             br#"{"messages":[],"return_token_ids":true}"#,
-            "m",
+            served("m"),
             Backend::Sglang,
             3.8,
         );
@@ -716,7 +769,7 @@ mod tests {
         let ok = validate(
             Endpoint::Chat,
             br#"{"messages":[],"return_token_ids":true}"#,
-            "m",
+            served("m"),
             Backend::Vllm,
             3.8,
         );

@@ -34,7 +34,7 @@ use zeromq::{Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
 use crate::config::{Config, KvEventsSource, secs};
 use crate::fleet::Fleet;
 use crate::kv_index::{
-    Credit, EngineView, KvIndex, Mode, Reason, Seq, Settings, prompt_chain, uncached,
+    Credit, EngineView, KvIndex, Mode, PromptKeys, Reason, Seq, Settings, keyed_chain, uncached,
 };
 use crate::placement::{Aggregate, Balance, KvScore};
 use crate::upstream::Upstream;
@@ -505,6 +505,7 @@ impl KvCache {
             .fetch_add(spent.as_micros() as u64, Ordering::Relaxed);
         let now = self.clock.now();
         let n = tokens.len() as u64;
+        let seed = prompt_keys(&self.cfg.model, body).seed();
         let mut ix = self.lock();
         // Every engine's entries are bound to its process, re-read only after some engine's
         // process changed.
@@ -525,7 +526,7 @@ impl KvCache {
         for &e in chosen.iter().filter(|e| **e < engines) {
             let bs = ix.credit_block_size(e);
             if !chains.iter().any(|(b, _)| *b == bs) {
-                chains.push((bs, prompt_chain(&tokens, bs)));
+                chains.push((bs, keyed_chain(&tokens, bs, seed)));
             }
             let chain = chains
                 .iter()
@@ -737,17 +738,15 @@ pub(crate) fn tokenize_body(
 }
 
 /// What in a request body vLLM adds to its blocks' keys besides their tokens
-/// (`vllm/v1/core/kv_cache_utils.py`, `generate_block_hash_extra_keys`): `cache_salt` (on the
-/// first block), multimodal inputs (their content hashes, on the blocks their placeholder
-/// tokens fill) and prompt embeddings. `None` for a request keyed by its tokens alone. The
-/// index keys blocks by tokens only (docs/design/kv-aware-placement.md, "not done yet"), so a
-/// request named here would be credited with blocks stored for another salt, image or
-/// embedding: it is placed by load instead.
+/// (`vllm/v1/core/kv_cache_utils.py`, `generate_block_hash_extra_keys`) that the index cannot
+/// key a request by: multimodal inputs (vLLM's content hash of each processed item, on the
+/// blocks their placeholder tokens fill) and prompt embeddings (a digest of each block's
+/// tensor). `None` for a request keyed by its tokens, adapter and salt alone ([`prompt_keys`]).
+/// A request named here is placed by load (docs/design/kv-aware-placement.md, "not done
+/// yet"); the blocks such requests store carry those keys in their events, so no other request
+/// is ever credited with them.
 pub(crate) fn keyed_beyond_tokens(body: &Map<String, Value>) -> Option<&'static str> {
     let present = |k: &str| body.get(k).is_some_and(|v| !v.is_null());
-    if present("cache_salt") {
-        return Some("cache_salt");
-    }
     if present("prompt_embeds") {
         return Some("prompt_embeds");
     }
@@ -768,6 +767,18 @@ pub(crate) fn keyed_beyond_tokens(body: &Map<String, Value>) -> Option<&'static 
             })
         });
     multimodal.then_some("multimodal")
+}
+
+/// What a request's blocks are keyed by beyond its tokens that the index keys too
+/// ([`PromptKeys`]): its adapter (`model` naming anything but `served`, the configured model:
+/// vLLM serves an adapter under the name a client puts in `model`, and keys its blocks by
+/// that name) and its `cache_salt` (a non-empty string; vLLM refuses any other with a 400).
+pub(crate) fn prompt_keys<'a>(served: &str, body: &'a Map<String, Value>) -> PromptKeys<'a> {
+    let text = |k: &str| body.get(k).and_then(Value::as_str);
+    PromptKeys {
+        lora: text("model").filter(|m| *m != served),
+        salt: text("cache_salt").filter(|s| !s.is_empty()),
+    }
 }
 
 fn live_loads(fleet: &Fleet) -> Vec<(usize, u32)> {
@@ -891,11 +902,8 @@ mod tests {
         let k = |v: Value| keyed_beyond_tokens(v.as_object().expect("object"));
         assert_eq!(
             k(serde_json::json!({"prompt": "p", "cache_salt": "t"})),
-            Some("cache_salt")
-        );
-        assert_eq!(
-            k(serde_json::json!({"prompt": "p", "cache_salt": null})),
-            None
+            None,
+            "a salt is keyed (prompt_keys)"
         );
         assert_eq!(
             k(serde_json::json!({"prompt_embeds": "AAAA"})),
@@ -909,6 +917,34 @@ mod tests {
             {"type": "text", "text": "hello"}]}, {"role": "assistant", "content": "hi"}]});
         assert_eq!(k(text), None);
         assert_eq!(k(serde_json::json!({"prompt": "p"})), None);
+    }
+
+    /// A request's adapter is its `model` when that is not the served model, its salt a
+    /// non-empty `cache_salt`; each changes the chain's seed, both together differ from
+    /// either, and a plain request's seed is 0 (its chain as before keys existed).
+    #[test]
+    fn a_requests_adapter_and_salt_seed_its_chain() {
+        let keys = |v: Value| {
+            let m = v.as_object().expect("object").clone();
+            prompt_keys("base", &m).seed()
+        };
+        let plain = keys(serde_json::json!({"model": "base", "prompt": "p"}));
+        assert_eq!(plain, 0);
+        assert_eq!(keys(serde_json::json!({"prompt": "p"})), 0);
+        assert_eq!(
+            keys(serde_json::json!({"prompt": "p", "cache_salt": ""})),
+            0
+        );
+        let salted = keys(serde_json::json!({"prompt": "p", "cache_salt": "t1"}));
+        let other = keys(serde_json::json!({"prompt": "p", "cache_salt": "t2"}));
+        let adapter = keys(serde_json::json!({"model": "t1", "prompt": "p"}));
+        let both = keys(serde_json::json!({"model": "t1", "prompt": "p", "cache_salt": "t1"}));
+        let all = [plain, salted, other, adapter, both];
+        for (i, a) in all.iter().enumerate() {
+            for b in &all[i + 1..] {
+                assert_ne!(a, b, "{all:?}");
+            }
+        }
     }
 
     #[test]

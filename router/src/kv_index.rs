@@ -31,7 +31,7 @@ use std::collections::HashMap;
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::time::{Duration, Instant};
 
-use narwhal_shared::kv_events::{KvEvent, KvEventBatch, MEDIUM_GPU};
+use narwhal_shared::kv_events::{ExtraKey, KvEvent, KvEventBatch, MEDIUM_GPU};
 
 pub(crate) mod approx;
 
@@ -41,27 +41,78 @@ use approx::{Approx, ApproxView};
 /// of 16), about 20 MiB per engine at ~80 bytes per block.
 pub(crate) const MAX_BLOCKS_PER_ENGINE: usize = 1 << 18;
 
-/// Our hash of one block: chained over the parent block's our-hash (0 for a prompt's first
-/// block) and the block's token ids (splitmix64 over each word; deterministic in every process).
+/// Our hash of one block: chained over the parent block's our-hash (for a prompt's first
+/// block, its [`PromptKeys::seed`]: 0 when keyed by tokens alone) and the block's token ids
+/// (splitmix64 over each word; deterministic in every process).
 pub(crate) fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
-    fn mix(mut z: u64) -> u64 {
-        z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    let mut h = mix(parent ^ 0x6b76_5f62_6c6f_636b);
+    let mut h = mix64(parent ^ 0x6b76_5f62_6c6f_636b);
     for t in tokens {
-        h = mix(h ^ u64::from(*t));
+        h = mix64(h ^ u64::from(*t));
     }
-    mix(h ^ tokens.len() as u64)
+    mix64(h ^ tokens.len() as u64)
 }
 
-/// Our hashes of a prompt's full blocks of `block_size` tokens, in order (a partial last
-/// block is never cached, as in vLLM).
+/// Our hashes of a prompt's full blocks of `block_size` tokens, keyed by its tokens alone, in
+/// order (a partial last block is never cached, as in vLLM).
+#[cfg(test)]
 pub(crate) fn prompt_chain(tokens: &[u32], block_size: u32) -> Vec<u64> {
+    keyed_chain(tokens, block_size, 0)
+}
+
+/// splitmix64's finaliser.
+fn mix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A string's 64-bit hash (FNV-1a over its bytes and length, then [`mix64`]); deterministic in
+/// every process.
+fn str_hash(tag: u64, s: &[u8]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325 ^ tag;
+    for b in s {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    mix64(h ^ s.len() as u64)
+}
+
+/// What vLLM keys a prompt's blocks by beyond their tokens, as far as a request can carry it
+/// (vLLM 0.32 `vllm/v1/core/kv_cache_utils.py`, `generate_block_hash_extra_keys`): the LoRA
+/// adapter (every block; the chain carries it from the first) and the `cache_salt` (the first
+/// block). Multimodal items and prompt embeddings are keyed too, by identifiers a request does
+/// not carry in a form the router can compute: such requests are not scored
+/// (`kv_cache::keyed_beyond_tokens`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct PromptKeys<'a> {
+    /// The adapter's name (vLLM's `lora_name`: the request's `model` when it names one).
+    pub lora: Option<&'a str>,
+    /// The request's `cache_salt`.
+    pub salt: Option<&'a str>,
+}
+
+impl PromptKeys<'_> {
+    /// The parent hash the prompt's first block is chained from: 0 for a prompt keyed by its
+    /// tokens alone (so such chains are unchanged), otherwise a hash of the adapter and salt.
+    pub(crate) fn seed(&self) -> u64 {
+        match (self.lora, self.salt) {
+            (None, None) => 0,
+            (lora, salt) => {
+                let l = lora.map_or(0, |l| str_hash(1, l.as_bytes()));
+                let s = salt.map_or(0, |s| str_hash(2, s.as_bytes()));
+                mix64(l ^ s.rotate_left(32)) | 1
+            }
+        }
+    }
+}
+
+/// Our hashes of a prompt's full blocks of `block_size` tokens, in order, its first block
+/// chained from `seed` ([`PromptKeys::seed`]; a partial last block is never cached, as in
+/// vLLM).
+pub(crate) fn keyed_chain(tokens: &[u32], block_size: u32, seed: u64) -> Vec<u64> {
     let bs = block_size.max(1) as usize;
-    let mut parent = 0;
+    let mut parent = seed;
     tokens
         .chunks_exact(bs)
         .map(|b| {
@@ -305,14 +356,15 @@ impl Engine {
     }
 
     /// Stores the blocks; the hashes of those the index holds after it are pushed to `told`.
-    fn store(
-        &mut self,
-        hashes: &[u64],
-        parent: Option<u64>,
-        tokens: &[u32],
-        block_size: u32,
-        told: &mut Told,
-    ) {
+    fn store(&mut self, stored: Stored<'_>, told: &mut Told) {
+        let Stored {
+            hashes,
+            parent,
+            tokens,
+            block_size,
+            lora,
+            extra,
+        } = stored;
         let bs = block_size.max(1) as usize;
         let mut prev = match parent {
             None => 0,
@@ -326,7 +378,19 @@ impl Engine {
             },
         };
         self.block_size = Some(block_size);
-        for (h, block) in hashes.iter().zip(tokens.chunks_exact(bs)) {
+        for (i, (h, block)) in hashes.iter().zip(tokens.chunks_exact(bs)).enumerate() {
+            let keys = extra
+                .and_then(|e| e.get(i))
+                .and_then(|k| k.as_deref())
+                .unwrap_or(&[]);
+            let first = parent.is_none() && i == 0;
+            let (salt, opaque) = block_keys(keys, lora, first);
+            if first {
+                prev = PromptKeys { lora, salt }.seed();
+            }
+            if opaque != 0 {
+                prev = mix64(prev ^ opaque);
+            }
             let ours = block_hash(prev, block);
             prev = ours;
             if self.by_engine.contains_key(h) {
@@ -357,12 +421,18 @@ impl Engine {
                     parent_block_hash,
                     token_ids,
                     block_size,
+                    lora_name,
+                    extra_keys,
                     ..
                 } => self.store(
-                    block_hashes,
-                    *parent_block_hash,
-                    token_ids,
-                    *block_size,
+                    Stored {
+                        hashes: block_hashes,
+                        parent: *parent_block_hash,
+                        tokens: token_ids,
+                        block_size: *block_size,
+                        lora: lora_name.as_deref(),
+                        extra: extra_keys.as_deref(),
+                    },
                     told,
                 ),
                 KvEvent::BlockRemoved { block_hashes, .. } => {
@@ -384,6 +454,54 @@ impl Engine {
         self.awaiting = None;
         self.counters.batches += 1;
     }
+}
+
+/// One `BlockStored`, as [`Engine::store`] reads it.
+struct Stored<'a> {
+    /// The engine's hashes of the blocks.
+    hashes: &'a [u64],
+    /// The engine's hash of the block before the first (`None`: the prompt's first block).
+    parent: Option<u64>,
+    /// The blocks' tokens, concatenated.
+    tokens: &'a [u32],
+    /// Tokens per block.
+    block_size: u32,
+    /// `lora_name`.
+    lora: Option<&'a str>,
+    /// `extra_keys`, one entry per block.
+    extra: Option<&'a [Option<Vec<ExtraKey>>]>,
+}
+
+/// A stored block's extra keys as the index keys them: the salt (a string on the prompt's
+/// first block, `first`) and a hash of every key a request cannot carry (0 when none:
+/// multimodal items, prompt-embedding digests, strings elsewhere, unknown shapes), which
+/// makes the block one no scored request matches. The adapter's name, published first on
+/// every block of a LoRA request, is skipped: the chain carries it from the first block
+/// ([`PromptKeys::seed`]). vLLM publishes the keys untagged (`to_event_extra_keys`), so a
+/// string is the adapter only where `lora_name` says so and comes first.
+fn block_keys<'k>(keys: &'k [ExtraKey], lora: Option<&str>, first: bool) -> (Option<&'k str>, u64) {
+    let rest = match (keys.first(), lora) {
+        (Some(ExtraKey::Text(name)), Some(l)) if name == l => &keys[1..],
+        _ => keys,
+    };
+    let mut salt = None;
+    let mut opaque = 0u64;
+    for (i, k) in rest.iter().enumerate() {
+        let h = match k {
+            ExtraKey::Text(s) if first && salt.is_none() => {
+                salt = Some(s.as_str());
+                continue;
+            }
+            ExtraKey::Text(s) => str_hash(3, s.as_bytes()),
+            ExtraKey::Media { identifier, offset } => {
+                str_hash(4, identifier.as_bytes()) ^ mix64(*offset as u64)
+            }
+            ExtraKey::Digest(d) => str_hash(5, d),
+            ExtraKey::Other(raw) => str_hash(6, raw),
+        };
+        opaque = mix64(opaque ^ h ^ i as u64) | 1;
+    }
+    (salt, opaque)
 }
 
 /// Whether an event speaks of the blocks a request's prefix hit is decided by: the GPU tier

@@ -52,8 +52,9 @@ pub enum KvEvent {
         /// LoRA adapter name (`None` without LoRA).
         lora_name: Option<String>,
         /// Extra hash keys, one entry per block (`None` entries for plain text prompts);
-        /// `None` leaves the field out.
-        extra_keys: Option<Vec<Option<Vec<String>>>>,
+        /// `None` leaves the field out. vLLM publishes them untagged
+        /// (`kv_cache_utils.to_event_extra_keys`), see [`ExtraKey`].
+        extra_keys: Option<Vec<Option<Vec<ExtraKey>>>>,
         /// KV cache group index (`Some(0)` for a one-group model); `None` leaves it out.
         group_idx: Option<u32>,
         /// The session that triggered the store; `None` leaves it out.
@@ -221,7 +222,7 @@ fn encode_event(w: &mut Vec<u8>, e: &KvEvent) {
                         Some(parts) => {
                             array(w, parts.len());
                             for p in parts {
-                                str(w, p);
+                                encode_extra_key(w, p);
                             }
                         }
                     }
@@ -265,6 +266,107 @@ fn encode_event(w: &mut Vec<u8>, e: &KvEvent) {
             str(w, kind);
         }
     }
+}
+
+/// One untagged entry of a block's `extra_keys`, as vLLM 0.32 publishes it
+/// (`vllm/v1/core/kv_cache_utils.py`: `generate_block_hash_extra_keys` builds, per block and in
+/// this order, the LoRA adapter's name (every block of a LoRA request), `(mm_identifier,
+/// offset)` for each multimodal item the block holds, the `cache_salt` (the prompt's first
+/// block only) and the digest of the block's prompt embeddings; `to_event_extra_keys` drops
+/// the tags). A string is thus the adapter's name when the event's `lora_name` is set and it
+/// comes first, and otherwise the salt.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ExtraKey {
+    /// A string: the LoRA adapter's name or the `cache_salt`.
+    Text(String),
+    /// A multimodal item in the block: its identifier (vLLM's content hash of the item, or the
+    /// request's `multi_modal_uuids` entry) and its offset from the block's first token
+    /// (negative when it began in an earlier block).
+    Media {
+        /// The item's identifier.
+        identifier: String,
+        /// Its first token's position relative to the block's first token.
+        offset: i64,
+    },
+    /// A digest (bytes): the SHA-256 of the block's prompt embeddings.
+    Digest(Vec<u8>),
+    /// Any other shape (a newer engine's key), kept as its msgpack encoding (canonical: the
+    /// smallest int and string forms, floats as float64) so that it still tells blocks apart
+    /// and re-encodes as it came; never produced by a request.
+    Other(Vec<u8>),
+}
+
+fn encode_extra_key(w: &mut Vec<u8>, k: &ExtraKey) {
+    match k {
+        ExtraKey::Text(s) => str(w, s),
+        ExtraKey::Media { identifier, offset } => {
+            array(w, 2);
+            str(w, identifier);
+            int(w, *offset);
+        }
+        ExtraKey::Digest(b) => {
+            let _ = rmp::encode::write_bin(w, b);
+        }
+        ExtraKey::Other(raw) => w.extend_from_slice(raw),
+    }
+}
+
+fn decode_extra_key(v: &Val) -> ExtraKey {
+    match v {
+        Val::Str(s) => ExtraKey::Text(s.clone()),
+        Val::Array(parts) => match parts.as_slice() {
+            [Val::Str(identifier), Val::Int(offset)] if i64::try_from(*offset).is_ok() => {
+                ExtraKey::Media {
+                    identifier: identifier.clone(),
+                    offset: *offset as i64,
+                }
+            }
+            _ => ExtraKey::Other(encode_val(v)),
+        },
+        Val::Bin(b) => ExtraKey::Digest(b.clone()),
+        other => ExtraKey::Other(encode_val(other)),
+    }
+}
+
+/// `v` in canonical msgpack (see [`ExtraKey::Other`]).
+fn encode_val(v: &Val) -> Vec<u8> {
+    fn put(w: &mut Vec<u8>, v: &Val) {
+        match v {
+            Val::Nil => nil(w),
+            Val::Bool(b) => {
+                let _ = rmp::encode::write_bool(w, *b);
+            }
+            Val::Int(i) => match (u64::try_from(*i), i64::try_from(*i)) {
+                (Ok(u), _) => uint(w, u),
+                (_, Ok(s)) => int(w, s),
+                // Never decoded: msgpack ints fit u64 or i64.
+                _ => nil(w),
+            },
+            Val::Float(f) => {
+                let _ = rmp::encode::write_f64(w, *f);
+            }
+            Val::Str(s) => str(w, s),
+            Val::Bin(b) => {
+                let _ = rmp::encode::write_bin(w, b);
+            }
+            Val::Array(items) => {
+                array(w, items.len());
+                for x in items {
+                    put(w, x);
+                }
+            }
+            Val::Map(pairs) => {
+                let _ = rmp::encode::write_map_len(w, pairs.len() as u32);
+                for (k, x) in pairs {
+                    put(w, k);
+                    put(w, x);
+                }
+            }
+        }
+    }
+    let mut w = Vec::new();
+    put(&mut w, v);
+    w
 }
 
 /// A msgpack value, as far as KV events need one.
@@ -473,14 +575,9 @@ fn decode_event(v: &Val) -> Result<KvEvent, DecodeError> {
                         .iter()
                         .map(|k| match k {
                             Val::Nil => Ok(None),
-                            Val::Array(parts) => parts
-                                .iter()
-                                .map(|p| match p {
-                                    Val::Str(s) => Ok(s.clone()),
-                                    _ => Err(bad("extra_keys entries of strings")),
-                                })
-                                .collect::<Result<Vec<_>, _>>()
-                                .map(Some),
+                            Val::Array(parts) => {
+                                Ok(Some(parts.iter().map(decode_extra_key).collect()))
+                            }
                             _ => Err(bad("extra_keys entries")),
                         })
                         .collect::<Result<Vec<_>, _>>()?,
@@ -634,6 +731,51 @@ mod tests {
             data_parallel_rank: Some(0),
         };
         assert_eq!(decode_batch(&encode_batch(&batch)).expect("decodes"), batch);
+    }
+
+    /// Every shape vLLM publishes in `extra_keys` decodes: adapter names and salts
+    /// (strings), multimodal `(identifier, offset)` pairs, prompt-embedding digests (bytes);
+    /// a shape no engine sends yet is kept as it came, and the batch with it. Before, one
+    /// image request's store failed its whole batch.
+    #[test]
+    fn every_extra_key_shape_decodes_and_re_encodes() {
+        let odd = {
+            let mut w = Vec::new();
+            array(&mut w, 3);
+            str(&mut w, "x");
+            int(&mut w, -3);
+            let _ = rmp::encode::write_f64(&mut w, 0.5);
+            w
+        };
+        let mut e = stored(3);
+        if let KvEvent::BlockStored {
+            extra_keys,
+            lora_name,
+            ..
+        } = &mut e
+        {
+            *lora_name = Some("adapter-a".into());
+            *extra_keys = Some(vec![
+                Some(vec![
+                    ExtraKey::Text("adapter-a".into()),
+                    ExtraKey::Media {
+                        identifier: "img-0".into(),
+                        offset: -4,
+                    },
+                    ExtraKey::Text("tenant-1".into()),
+                ]),
+                Some(vec![ExtraKey::Digest(vec![0, 255, 16])]),
+                Some(vec![ExtraKey::Other(odd)]),
+            ]);
+        }
+        let b = KvEventBatch {
+            ts: 3.0,
+            events: vec![e],
+            data_parallel_rank: Some(0),
+        };
+        let bytes = encode_batch(&b);
+        assert_eq!(decode_batch(&bytes).expect("decodes"), b);
+        assert_eq!(encode_batch(&decode_batch(&bytes).unwrap()), bytes);
     }
 
     #[test]

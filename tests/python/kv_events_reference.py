@@ -114,6 +114,21 @@ def fixture():
         },
         {"ts": 1764470402.0, "data_parallel_rank": 0, "events": [{"type": "AllBlocksCleared"}]},
         {
+            # Every extra-key shape vLLM publishes (kv_cache_utils.to_event_extra_keys): the
+            # adapter's name, a multimodal (identifier, offset) pair, the cache_salt, and a
+            # prompt-embeddings digest (bytes; written {"digest": hex} here).
+            "ts": 1764470403.0,
+            "data_parallel_rank": 0,
+            "events": [
+                {"type": "BlockStored", "block_hashes": [11, 12, 13], "parent_block_hash": None,
+                 "token_ids": list(range(12)), "block_size": 4, "lora_id": 1, "medium": GPU,
+                 "lora_name": "adapter-a",
+                 "extra_keys": [["adapter-a", ["img-0", 2], "tenant-1"], [["img-0", -2]],
+                                [{"digest": "00ff10"}]],
+                 "group_idx": 0},
+            ],
+        },
+        {
             "ts": 0.1,
             "data_parallel_rank": 0,
             "events": [
@@ -126,13 +141,23 @@ def fixture():
     ]
 
 
+def _key(part):
+    """One extra-key entry of the fixture as vLLM holds it: a pair is a tuple, a digest bytes."""
+    if isinstance(part, list):
+        return tuple(part)
+    if isinstance(part, dict):
+        return bytes.fromhex(part["digest"])
+    return part
+
+
 def to_vllm(kv, batch):
     events = []
     for e in batch["events"]:
         e = dict(e)
         kind = e.pop("type")
         if "extra_keys" in e and e["extra_keys"] is not None:
-            e["extra_keys"] = [None if k is None else tuple(k) for k in e["extra_keys"]]
+            e["extra_keys"] = [None if k is None else tuple(_key(p) for p in k)
+                               for k in e["extra_keys"]]
         events.append(getattr(kv, kind)(**e))
     return kv.KVEventBatch(ts=batch["ts"], events=events, data_parallel_rank=batch["data_parallel_rank"])
 

@@ -466,8 +466,11 @@ pub struct TlsFiles {
 /// A validated fleet file.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
-    /// The single served model id.
+    /// The single served base model id.
     pub model: String,
+    /// LoRA adapters the engines serve beside `model` (`adapters`; empty by default): a
+    /// client's `model` may name one.
+    pub adapters: Vec<String>,
     /// Engine kind.
     pub backend: Backend,
     /// Engines in file order (iids unique, at least one).
@@ -594,6 +597,14 @@ fn render_issues(issues: &[ConfigIssue]) -> String {
 }
 
 impl Config {
+    /// The models served: `model` and its `adapters`.
+    pub(crate) fn served(&self) -> crate::ingress::Served<'_> {
+        crate::ingress::Served {
+            model: &self.model,
+            adapters: &self.adapters,
+        }
+    }
+
     /// Read and validate a fleet file.
     ///
     /// # Errors

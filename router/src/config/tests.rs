@@ -527,3 +527,24 @@ fn kv_role_fixes_an_engine_to_its_leg() {
         "{m:?}"
     );
 }
+
+/// `adapters`: empty by default; each a non-empty name listed once that is not the base
+/// model, each bad entry named by its index.
+#[test]
+fn adapters_are_named_once_and_never_the_base_model() {
+    let c = Config::from_json_str(&base().to_string(), &no_env).unwrap();
+    assert!(c.adapters.is_empty());
+    let mut v = base();
+    v["adapters"] = serde_json::json!(["tenant-a", "tenant-b"]);
+    let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+    assert_eq!(c.adapters, ["tenant-a", "tenant-b"]);
+    v["adapters"] = serde_json::json!(["tenant-a", "", "tiny-sim", "tenant-a", 3]);
+    let m = messages(v);
+    for want in ["adapters[1]", "adapters[2]", "adapters[3]", "adapters[4]"] {
+        assert!(m.iter().any(|x| x.contains(want)), "{want}: {m:?}");
+    }
+    assert!(!m.iter().any(|x| x.contains("adapters[0]")), "{m:?}");
+    let mut v = base();
+    v["adapters"] = serde_json::json!("tenant-a");
+    assert!(messages(v).iter().any(|x| x.contains("adapters")));
+}

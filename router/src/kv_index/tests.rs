@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use narwhal_shared::kv_events::{KvEvent, KvEventBatch};
+use narwhal_shared::kv_events::{ExtraKey, KvEvent, KvEventBatch};
 
 use super::*;
 
@@ -552,4 +552,143 @@ fn lower_tiers_other_groups_and_unknown_events_are_skipped_and_counted() {
     assert_eq!(v.counters.skipped, 5, "{v:?}");
     assert_eq!(v.counters.resets, 0, "never a reset");
     assert_eq!(v.reason, Reason::Events, "still exact");
+}
+
+/// A `BlockStored` of a keyed request: `lora` in `lora_name` and first on every block, the
+/// salt on the first block, as vLLM 0.32 publishes them (`to_event_extra_keys`).
+fn keyed_store(
+    hashes: &[u64],
+    parent: Option<u64>,
+    tokens: &[u32],
+    lora: Option<&str>,
+    salt: Option<&str>,
+) -> KvEvent {
+    let first = parent.is_none();
+    let keys = (0..hashes.len())
+        .map(|i| {
+            let ks: Vec<ExtraKey> = lora
+                .iter()
+                .chain(salt.iter().filter(|_| first && i == 0))
+                .map(|s| ExtraKey::Text((*s).to_string()))
+                .collect();
+            (!ks.is_empty()).then_some(ks)
+        })
+        .collect();
+    let mut e = stored(hashes, parent, tokens);
+    if let KvEvent::BlockStored {
+        lora_name,
+        extra_keys,
+        ..
+    } = &mut e
+    {
+        *lora_name = lora.map(str::to_string);
+        *extra_keys = Some(keys);
+    }
+    e
+}
+
+fn keyed_matched(ix: &KvIndex, e: usize, tokens: &[u32], keys: PromptKeys<'_>) -> u64 {
+    ix.matched_tokens(
+        e,
+        &keyed_chain(tokens, BS, keys.seed()),
+        tokens.len() as u64,
+    )
+}
+
+/// Blocks are credited only to requests with the keys they were stored under: a salted
+/// tenant's blocks to the same salt, an adapter's blocks to the same adapter, and a plain
+/// prompt's blocks to neither (vLLM keys the salt on the first block and the adapter on every
+/// block, so each is its own chain). A salt equal to an adapter's name is still another key:
+/// the event says which is which (`lora_name`).
+#[test]
+fn blocks_are_credited_only_under_the_keys_they_were_stored_with() {
+    let now = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
+    let p = prompt();
+    let plain = PromptKeys::default();
+    let salt_a = PromptKeys {
+        salt: Some("tenant-a"),
+        ..plain
+    };
+    let salt_b = PromptKeys {
+        salt: Some("tenant-b"),
+        ..plain
+    };
+    let lora = PromptKeys {
+        lora: Some("tenant-a"),
+        ..plain
+    };
+    let lora_salted = PromptKeys {
+        lora: Some("tenant-a"),
+        salt: Some("tenant-a"),
+    };
+    let all = [plain, salt_a, salt_b, lora, lora_salted];
+    for stored_as in all {
+        let mut ix = KvIndex::new(&[true]);
+        // Stored in two batches: the second continues the first by its parent, as vLLM
+        // stores a prompt whose first blocks were already cached.
+        ix.apply(
+            0,
+            0,
+            &batch(vec![keyed_store(
+                &[11],
+                None,
+                &p[..4],
+                stored_as.lora,
+                stored_as.salt,
+            )]),
+            now,
+        );
+        ix.apply(
+            0,
+            1,
+            &batch(vec![keyed_store(
+                &[12, 13],
+                Some(11),
+                &p[4..],
+                stored_as.lora,
+                stored_as.salt,
+            )]),
+            now,
+        );
+        for asked in all {
+            // Two of the three blocks: the prompt's last token is always computed.
+            let want = if asked == stored_as { 8 } else { 0 };
+            assert_eq!(
+                keyed_matched(&ix, 0, &p, asked),
+                want,
+                "stored as {stored_as:?}, asked as {asked:?}"
+            );
+        }
+    }
+}
+
+/// A block keyed by what no request carries to the router (a multimodal item, a
+/// prompt-embeddings digest, a key of a shape no engine sent before) is held, and removable by
+/// its engine hash, but never credited to a text request of the same tokens; the blocks chained
+/// after it neither.
+#[test]
+fn blocks_keyed_by_images_or_embeddings_are_never_credited_to_text() {
+    let now = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
+    let p = prompt();
+    let shapes = [
+        ExtraKey::Media {
+            identifier: "img-0".into(),
+            offset: 1,
+        },
+        ExtraKey::Digest(vec![1, 2, 3]),
+        ExtraKey::Other(vec![0x90]),
+    ];
+    for key in shapes {
+        let mut ix = KvIndex::new(&[true]);
+        let mut e = stored(&[21, 22, 23], None, &p);
+        if let KvEvent::BlockStored { extra_keys, .. } = &mut e {
+            *extra_keys = Some(vec![None, Some(vec![key.clone()]), None]);
+        }
+        ix.apply(0, 0, &batch(vec![e]), now);
+        // The first block had no extra key: it is the text prompt's; the rest are not.
+        assert_eq!(matched(&ix, 0, &p), 4, "{key:?}");
+        assert_eq!(ix.view(0, now).blocks, 3, "{key:?}");
+        ix.apply(0, 1, &batch(vec![removed(&[22, 23])]), now);
+        assert_eq!(ix.view(0, now).blocks, 1, "{key:?}");
+    }
 }

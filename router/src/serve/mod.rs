@@ -209,7 +209,7 @@ async fn completion_inner(
     let v = match ingress::validate(
         endpoint,
         &bytes,
-        &parts.cfg.model,
+        parts.cfg.served(),
         parts.cfg.backend,
         parts.cfg.engine.chars_per_token,
     )

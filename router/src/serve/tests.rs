@@ -20,7 +20,10 @@ fn validated(body: &str) -> Validated {
     ingress::validate(
         Endpoint::Completions,
         body.as_bytes(),
-        "m",
+        ingress::Served {
+            model: "m",
+            adapters: &[],
+        },
         Backend::Vllm,
         4.0,
     )

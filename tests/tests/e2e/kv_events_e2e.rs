@@ -16,7 +16,7 @@ use crate::pysdk;
 use std::time::Duration;
 
 use narwhal_testkit::kv_events::{
-    KvEvent, KvEventBatch, REPLAY_END, decode_batch, encode_batch, pub_frames,
+    ExtraKey, KvEvent, KvEventBatch, REPLAY_END, decode_batch, encode_batch, pub_frames,
 };
 use narwhal_testkit::{SimHandle, wait_until};
 use serde_json::{Value, json};
@@ -38,6 +38,27 @@ fn opt_str(v: &Value, k: &str) -> Option<String> {
     v.get(k).and_then(Value::as_str).map(str::to_string)
 }
 
+/// One extra-key entry of the fixture: a string, an `[identifier, offset]` pair, or
+/// `{"digest": hex}` (bytes).
+fn extra_key(p: &Value) -> ExtraKey {
+    match p {
+        Value::String(s) => ExtraKey::Text(s.clone()),
+        Value::Array(pair) => ExtraKey::Media {
+            identifier: pair[0].as_str().expect("identifier").to_string(),
+            offset: pair[1].as_i64().expect("offset"),
+        },
+        other => {
+            let hex = other["digest"].as_str().expect("digest");
+            ExtraKey::Digest(
+                (0..hex.len())
+                    .step_by(2)
+                    .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
+                    .collect(),
+            )
+        }
+    }
+}
+
 /// The fixture's event (plain JSON, as the reference script prints it) as our type.
 fn event(e: &Value) -> KvEvent {
     match e["type"].as_str().expect("type") {
@@ -55,12 +76,8 @@ fn event(e: &Value) -> KvEvent {
             extra_keys: e.get("extra_keys").and_then(Value::as_array).map(|keys| {
                 keys.iter()
                     .map(|k| {
-                        k.as_array().map(|parts| {
-                            parts
-                                .iter()
-                                .map(|p| p.as_str().expect("str").to_string())
-                                .collect()
-                        })
+                        k.as_array()
+                            .map(|parts| parts.iter().map(extra_key).collect())
                     })
                     .collect()
             }),

@@ -581,52 +581,89 @@ async fn a_restarted_router_is_exact_from_its_first_request() {
     }
 }
 
-/// A request that carries `cache_salt` (vLLM keys its first block by the salt, so a tenant's
-/// blocks are not another's) is never credited with blocks stored for the same tokens without
-/// it: it is placed by load and journalled unscored (`cached_tokens` null), and counted in
-/// `kv_index.unscored`; the same prompt without a salt is credited as before. Before, the
-/// token-keyed index credited the salted request with the unsalted blocks, `exact`.
+/// Requests keyed beyond their tokens (a tenant's `cache_salt`, a LoRA adapter named in
+/// `model`, both) are credited only with blocks stored under the same keys, as vLLM keys them
+/// (the salt on the first block, the adapter on every block): each keyed variant of one
+/// 40-token prefix is credited nothing on its first request though the plain prefix is held,
+/// and its whole prefix on its second, placed where it is held; on every request the router's
+/// credit (`cached_tokens`) never exceeds the engine's own count (`engine_cached_tokens`).
+/// Before, a salted request was credited with the plain prefix's blocks (the index keyed by
+/// tokens alone), and a request naming an adapter was refused by the router.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_salted_request_is_never_credited_with_unsalted_blocks() {
-    let f = kv_fleet().await;
+async fn keyed_requests_are_credited_only_with_blocks_stored_under_their_keys() {
+    let f = Fleet::builder()
+        .decode(2)
+        .kv_events()
+        .sim_args(&[
+            "--block-size",
+            "4",
+            "--enable-prompt-tokens-details",
+            "--lora-modules",
+            "tenant-a=/adapters/a",
+        ])
+        .fleet(json!({"adapters": ["tenant-a"]}))
+        .start()
+        .await;
     let router = f.router();
     let prefix = words(5000, 40);
-    complete(router, &prefix).await;
-    let holder = eventually("the first row", WAIT, || async {
-        served(router)
-            .first()
-            .and_then(|r| r["decode_iid"].as_str().map(str::to_string))
-    })
-    .await;
-    kv_engine(router, &holder, "the holder's blocks in the index", |e| {
-        e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
-    })
-    .await;
-    let unscored = router.state().await.kv_index.unscored;
-    let body = json!({"model": "tiny-sim", "prompt": format!("{prefix} {}", words(0, 6)),
-                      "max_tokens": 2, "cache_salt": "tenant-b"});
-    let r = router
-        .http
-        .post(format!("{}/v1/completions", router.data), &body)
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    complete(router, &format!("{prefix} {}", words(10, 6))).await;
-    let rows = eventually("three rows", WAIT, || async {
-        let r = served(router);
-        (r.len() >= 3).then_some(r)
-    })
-    .await;
-    assert!(
-        rows[1]["cached_tokens"].is_null(),
-        "salted: not scored: {}",
-        rows[1]
-    );
-    assert!(rows[1]["kv_mode"].is_null(), "{}", rows[1]);
-    assert_eq!(
-        rows[2]["cached_tokens"], 40,
-        "unsalted: credited: {}",
-        rows[2]
-    );
-    let after = router.state().await.kv_index.unscored;
-    assert_eq!(after, unscored + 1, "counted unscored");
+    let send = |extra: Value, tail: usize| {
+        let mut body = json!({"model": "tiny-sim", "prompt": format!("{prefix} {}", words(tail, 6)),
+                              "max_tokens": 2});
+        narwhal_testkit::merge(&mut body, extra);
+        async move {
+            let r = router
+                .http
+                .post(format!("{}/v1/completions", router.data), &body)
+                .await;
+            assert_eq!(r.status, 200, "{body}: {}", r.text());
+        }
+    };
+    let blocks = |st: &Value, iid: &str| st["kv_index"]["engines"][iid]["blocks"].as_u64();
+    let variants = [
+        json!({}),
+        json!({"cache_salt": "tenant-a"}),
+        json!({"cache_salt": "tenant-b"}),
+        json!({"model": "tenant-a"}),
+        json!({"model": "tenant-a", "cache_salt": "tenant-a"}),
+    ];
+    let mut seen = 0;
+    for (v, keys) in variants.iter().enumerate() {
+        for round in 0..2 {
+            let before = router.get("/narwhal/state").await.json();
+            send(keys.clone(), 100 * v + 10 * round).await;
+            seen += 1;
+            let rows = eventually("the request's row", WAIT, || async {
+                let r = served(router);
+                (r.len() >= seen).then_some(r)
+            })
+            .await;
+            let r = &rows[seen - 1];
+            let iid = r["decode_iid"].as_str().expect("decode_iid").to_string();
+            if round == 1 {
+                assert_eq!(r["kv_mode"], "exact", "{keys}: {r}");
+            }
+            let (want_credit, want_engine) = if round == 0 { (0, 0) } else { (40, 40) };
+            assert_eq!(r["cached_tokens"], want_credit, "{keys} round {round}: {r}");
+            assert_eq!(
+                r["engine_cached_tokens"], want_engine,
+                "{keys} round {round}: {r}"
+            );
+            if round == 0 {
+                // Its 11 new blocks (prefix and tail) are in the index before the repeat.
+                let had = blocks(&before, &iid).unwrap_or(0);
+                kv_engine(
+                    router,
+                    &iid,
+                    "the keyed prefix's blocks in the index",
+                    |e| e["blocks"].as_u64().unwrap_or(0) >= had + 11,
+                )
+                .await;
+            }
+        }
+    }
+    for r in served(router) {
+        let credit = r["cached_tokens"].as_u64().expect("scored");
+        let engine = r["engine_cached_tokens"].as_u64().expect("engine count");
+        assert!(credit <= engine, "over-credited: {r}");
+    }
 }

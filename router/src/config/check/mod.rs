@@ -18,6 +18,7 @@ pub(super) const TOP_KEYS: &[&str] = &[
     "schema",
     "schema_version",
     "model",
+    "adapters",
     "backend",
     "engines",
     "slo",
@@ -332,6 +333,7 @@ impl Checker<'_> {
                 String::new()
             }
         };
+        let adapters = self.adapters(top.get("adapters"), &model);
         let top_backend = top
             .get("backend")
             .is_some()
@@ -458,6 +460,7 @@ impl Checker<'_> {
         }
         Some(Config {
             model,
+            adapters,
             backend,
             profiles,
             engines,
@@ -472,6 +475,35 @@ impl Checker<'_> {
             control_tls,
             engine_contract,
         })
+    }
+
+    /// `adapters`: the LoRA adapters every engine serves beside `model`, each a non-empty
+    /// string named once and not the model itself (a request's `model` may name one; its
+    /// blocks are keyed by it, docs/design/kv-aware-placement.md).
+    fn adapters(&mut self, v: Option<&Value>, model: &str) -> Vec<String> {
+        let Some(v) = v else {
+            return Vec::new();
+        };
+        let Some(items) = v.as_array() else {
+            self.ty("adapters".into(), v, "an array of adapter names");
+            return Vec::new();
+        };
+        let mut out: Vec<String> = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let path = format!("adapters[{i}]");
+            match item.as_str() {
+                Some("") => self.rule(path, item, "must not be empty"),
+                Some(name) if name == model => {
+                    self.rule(path, item, "names the base model; list only its adapters");
+                }
+                Some(name) if out.iter().any(|o| o == name) => {
+                    self.rule(path, item, "is listed twice");
+                }
+                Some(name) => out.push(name.to_string()),
+                None => self.ty(path, item, "a non-empty string"),
+            }
+        }
+        out
     }
 
     /// One profile per engine in config order, or none at all (controller.md 3.4: every

@@ -146,6 +146,11 @@ struct Cli {
     /// "count":1000}]`.
     #[arg(long)]
     faults: Option<String>,
+    /// LoRA adapters served beside the base model (vLLM's `--lora-modules name=path ...`; the
+    /// path is ignored): a request whose `model` names one runs with that adapter, and its
+    /// blocks are keyed by the adapter's name as vLLM keys them.
+    #[arg(long, num_args = 1..)]
+    lora_modules: Vec<String>,
     /// Tokens per KV cache block (vLLM's `--block-size`; its GPU default).
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -445,6 +450,15 @@ async fn start_engine(
         dev_mode: std::env::var("VLLM_SERVER_DEV_MODE").is_ok_and(|v| v == "1"),
         api_key: cli.api_key.clone(),
         prompt_tokens_details: cli.enable_prompt_tokens_details,
+        adapters: cli
+            .lora_modules
+            .iter()
+            .map(|m| {
+                m.split_once('=')
+                    .map_or(m.as_str(), |(name, _)| name)
+                    .to_string()
+            })
+            .collect(),
     };
     let events_cfg = match &cli.kv_events_config {
         Some(text) => kv_events::KvEventsConfig::parse(text).map_err(StartError::KvEvents)?,

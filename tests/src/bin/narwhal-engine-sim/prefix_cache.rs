@@ -16,7 +16,53 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use narwhal_testkit::kv_events::{KvEvent, MEDIUM_GPU};
+use narwhal_testkit::kv_events::{ExtraKey, KvEvent, MEDIUM_GPU};
+
+/// What a request's blocks are keyed by beyond their tokens, as vLLM 0.32 keys them
+/// (`kv_cache_utils.generate_block_hash_extra_keys`): the LoRA adapter on every block, the
+/// `cache_salt` on the prompt's first block. (Multimodal items and prompt embeddings, which
+/// vLLM keys too, are not simulated.)
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Keys {
+    /// The adapter's name (the request's `model` naming one of `--lora-modules`).
+    pub(crate) lora: Option<String>,
+    /// The request's `cache_salt`.
+    pub(crate) salt: Option<String>,
+}
+
+impl Keys {
+    /// Block `i`'s extra keys as its hash takes them: tagged with their source, as vLLM's
+    /// `hash_block_tokens` does (`("lora", name, path)`, `("cache_salt", salt)`), so a salt
+    /// equal to an adapter's name is another key.
+    fn tagged(&self, i: usize) -> impl Iterator<Item = (&'static str, &str)> {
+        self.lora.iter().map(|l| ("lora", l.as_str())).chain(
+            self.salt
+                .iter()
+                .filter(move |_| i == 0)
+                .map(|s| ("cache_salt", s.as_str())),
+        )
+    }
+
+    /// Block `i`'s extra keys as its `BlockStored` publishes them: untagged, in vLLM's order
+    /// (adapter, then salt; `to_event_extra_keys`), `None` when it has none.
+    fn of_block(&self, i: usize) -> Option<Vec<String>> {
+        let keys: Vec<String> = self
+            .lora
+            .iter()
+            .chain(self.salt.iter().filter(|_| i == 0))
+            .cloned()
+            .collect();
+        (!keys.is_empty()).then_some(keys)
+    }
+}
+
+fn mix_str(mut h: u64, s: &str) -> u64 {
+    for b in s.as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(FNV_PRIME);
+    }
+    mix(h, s.len() as u64)
+}
 
 /// Counters of one cache, as `/sim/stats` `prefix_cache` shows them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -44,6 +90,8 @@ pub(crate) struct Lookup {
     pub(crate) hashes: Vec<u64>,
     /// Leading blocks found cached.
     pub(crate) hit_blocks: usize,
+    /// What the blocks were keyed by beyond their tokens.
+    pub(crate) keys: Keys,
     /// Tokens those blocks hold (`hit_blocks × block_size`).
     pub(crate) hit_tokens: usize,
 }
@@ -99,15 +147,20 @@ impl PrefixCache {
         }
     }
 
-    /// The hash chain of `prompt`'s full blocks.
-    pub(crate) fn hashes(&self, prompt: &[u32]) -> Vec<u64> {
+    /// The hash chain of `prompt`'s full blocks, each block's extra `keys` hashed with its
+    /// tokens as vLLM's `hash_block_tokens` does.
+    pub(crate) fn hashes(&self, prompt: &[u32], keys: &Keys) -> Vec<u64> {
         let mut parent = self.seed;
         prompt
             .chunks_exact(self.block_size)
-            .map(|block| {
+            .enumerate()
+            .map(|(i, block)| {
                 let mut h = mix(0xcbf2_9ce4_8422_2325, parent);
                 for t in block {
                     h = mix(h, u64::from(*t));
+                }
+                for (tag, k) in keys.tagged(i) {
+                    h = mix_str(mix_str(h, tag), k);
                 }
                 parent = finish(h);
                 parent
@@ -132,14 +185,16 @@ impl PrefixCache {
         }
     }
 
-    /// Looks `prompt` up: counts it and refreshes the blocks it hits.
-    pub(crate) fn lookup(&mut self, prompt: &[u32]) -> Lookup {
-        let hashes = self.hashes(prompt);
+    /// Looks `prompt`, keyed beyond its tokens by `keys`, up: counts it and refreshes the
+    /// blocks it hits.
+    pub(crate) fn lookup(&mut self, prompt: &[u32], keys: &Keys) -> Lookup {
+        let hashes = self.hashes(prompt, keys);
         if !self.enabled {
             return Lookup {
                 hashes,
                 hit_blocks: 0,
                 hit_tokens: 0,
+                keys: keys.clone(),
             };
         }
         let max_blocks = prompt.len().saturating_sub(1) / self.block_size;
@@ -156,6 +211,7 @@ impl PrefixCache {
             hashes,
             hit_blocks,
             hit_tokens: hit_blocks * self.block_size,
+            keys: keys.clone(),
         }
     }
 
@@ -200,12 +256,22 @@ impl PrefixCache {
             events.push(KvEvent::BlockStored {
                 parent_block_hash: first.checked_sub(1).map(|i| lookup.hashes[i]),
                 token_ids: prompt[first * bs..(first + stored.len()) * bs].to_vec(),
-                extra_keys: Some(vec![None; stored.len()]),
+                // vLLM publishes one entry per block, untagged (`to_event_extra_keys`).
+                extra_keys: Some(
+                    (first..first + stored.len())
+                        .map(|i| {
+                            lookup
+                                .keys
+                                .of_block(i)
+                                .map(|ks| ks.into_iter().map(ExtraKey::Text).collect())
+                        })
+                        .collect(),
+                ),
                 block_hashes: stored,
                 block_size: bs as u32,
                 lora_id: None,
                 medium: Some(MEDIUM_GPU.to_string()),
-                lora_name: None,
+                lora_name: lookup.keys.lora.clone(),
                 group_idx: Some(0),
                 session_id: None,
             });
@@ -252,7 +318,7 @@ mod tests {
     fn a_repeated_prompt_hits_its_full_blocks_and_stores_nothing_new() {
         let mut c = PrefixCache::new(4, 100, true, 1);
         let prompt: Vec<u32> = (0..10).collect(); // two full blocks and two tokens
-        let l = c.lookup(&prompt);
+        let l = c.lookup(&prompt, &Keys::default());
         assert_eq!((l.hit_blocks, l.hashes.len()), (0, 2));
         let ev = c.store(&prompt, &l);
         assert_eq!(stored_hashes(&ev), l.hashes);
@@ -267,7 +333,7 @@ mod tests {
             }
             e => panic!("{e:?}"),
         }
-        let again = c.lookup(&prompt);
+        let again = c.lookup(&prompt, &Keys::default());
         assert_eq!(again.hit_tokens, 8);
         assert!(c.store(&prompt, &again).is_empty());
         let k = c.counters();
@@ -278,10 +344,10 @@ mod tests {
     fn a_longer_prompt_stores_only_its_new_blocks_with_the_parent() {
         let mut c = PrefixCache::new(4, 100, true, 1);
         let short: Vec<u32> = (0..9).collect();
-        let l = c.lookup(&short);
+        let l = c.lookup(&short, &Keys::default());
         c.store(&short, &l);
         let long: Vec<u32> = (0..13).collect();
-        let l2 = c.lookup(&long);
+        let l2 = c.lookup(&long, &Keys::default());
         assert_eq!(l2.hit_blocks, 2);
         let ev = c.store(&long, &l2);
         match &ev[..] {
@@ -301,13 +367,62 @@ mod tests {
         }
     }
 
+    /// vLLM's keys: a salt changes the first block's hash (and so the chain), an adapter
+    /// every block's; a salt equal to an adapter's name is another key; the store publishes
+    /// them untagged per block with `lora_name`.
+    #[test]
+    fn salts_and_adapters_key_the_chain_as_vllm_does() {
+        let c = PrefixCache::new(4, 64, true, 7);
+        let p: Vec<u32> = (0..12).collect();
+        let key = |lora: Option<&str>, salt: Option<&str>| Keys {
+            lora: lora.map(str::to_string),
+            salt: salt.map(str::to_string),
+        };
+        let plain = c.hashes(&p, &Keys::default());
+        let salted = c.hashes(&p, &key(None, Some("t")));
+        let adapter = c.hashes(&p, &key(Some("t"), None));
+        for (i, h) in plain.iter().enumerate() {
+            assert_ne!(*h, salted[i]);
+            assert_ne!(*h, adapter[i]);
+            assert_ne!(salted[i], adapter[i]);
+        }
+        let mut c = PrefixCache::new(4, 64, true, 7);
+        let k = key(Some("t"), Some("s"));
+        let l = c.lookup(&p, &k);
+        match c.store(&p, &l).as_slice() {
+            [
+                KvEvent::BlockStored {
+                    lora_name,
+                    extra_keys,
+                    ..
+                },
+            ] => {
+                assert_eq!(lora_name.as_deref(), Some("t"));
+                let t = |s: &str| ExtraKey::Text(s.into());
+                assert_eq!(
+                    extra_keys.as_deref(),
+                    Some(
+                        &[
+                            Some(vec![t("t"), t("s")]),
+                            Some(vec![t("t")]),
+                            Some(vec![t("t")])
+                        ][..]
+                    )
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(c.lookup(&p, &k).hit_blocks, 2);
+        assert_eq!(c.lookup(&p, &key(Some("t"), None)).hit_blocks, 0);
+    }
+
     #[test]
     fn the_last_prompt_token_is_always_computed() {
         let mut c = PrefixCache::new(4, 100, true, 1);
         let aligned: Vec<u32> = (0..8).collect();
-        let l = c.lookup(&aligned);
+        let l = c.lookup(&aligned, &Keys::default());
         c.store(&aligned, &l);
-        let again = c.lookup(&aligned);
+        let again = c.lookup(&aligned, &Keys::default());
         assert_eq!(again.hit_blocks, 1, "at most (8 - 1) / 4 blocks hit");
         // vLLM recomputes the last block and reports it stored again.
         assert_eq!(stored_hashes(&c.store(&aligned, &again)), vec![l.hashes[1]]);
@@ -317,10 +432,10 @@ mod tests {
     fn full_cache_evicts_the_least_recently_used_tail_first() {
         let mut c = PrefixCache::new(2, 3, true, 1);
         let a: Vec<u32> = vec![1, 2, 3, 4, 0];
-        let la = c.lookup(&a);
+        let la = c.lookup(&a, &Keys::default());
         c.store(&a, &la);
         let b: Vec<u32> = vec![9, 9, 8, 8, 0];
-        let lb = c.lookup(&b);
+        let lb = c.lookup(&b, &Keys::default());
         let ev = c.store(&b, &lb);
         // One free slot for b's first block; its second evicts a's tail block.
         assert_eq!(
@@ -333,20 +448,20 @@ mod tests {
         );
         assert_eq!(c.counters().blocks, 3);
         assert_eq!(c.counters().evictions, 1);
-        assert_eq!(c.lookup(&a).hit_blocks, 1);
+        assert_eq!(c.lookup(&a, &Keys::default()).hit_blocks, 1);
     }
 
     #[test]
     fn seeds_name_blocks_differently_and_disabled_never_hits() {
         let p: Vec<u32> = (0..8).collect();
         assert_ne!(
-            PrefixCache::new(4, 9, true, 1).hashes(&p),
-            PrefixCache::new(4, 9, true, 2).hashes(&p)
+            PrefixCache::new(4, 9, true, 1).hashes(&p, &Keys::default()),
+            PrefixCache::new(4, 9, true, 2).hashes(&p, &Keys::default())
         );
         let mut off = PrefixCache::new(4, 9, false, 1);
-        let l = off.lookup(&p);
+        let l = off.lookup(&p, &Keys::default());
         assert!(off.store(&p, &l).is_empty());
-        assert_eq!(off.lookup(&p).hit_blocks, 0);
+        assert_eq!(off.lookup(&p, &Keys::default()).hit_blocks, 0);
         assert_eq!(off.reset(), None);
     }
 }

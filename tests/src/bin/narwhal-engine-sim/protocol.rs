@@ -16,6 +16,7 @@ use std::fmt::Write as _;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use crate::prefix_cache::Keys;
 use crate::tokenizer;
 
 /// Default `max_tokens` when the request gives none (vLLM's completions default).
@@ -141,6 +142,8 @@ pub(crate) struct Parsed {
     pub(crate) rid: Option<String>,
     /// `n`: choices to generate (at least 1; vLLM's `SamplingParams` refuses less).
     pub(crate) n: u32,
+    /// What its blocks are keyed by beyond their tokens (its adapter, its `cache_salt`).
+    pub(crate) keys: Keys,
 }
 
 #[derive(Deserialize)]
@@ -186,12 +189,16 @@ struct Body {
     bootstrap_room: Option<u64>,
     #[serde(default)]
     rid: Option<String>,
+    #[serde(default)]
+    cache_salt: Option<Value>,
 }
 
 /// Limits a request is validated against.
 pub(crate) struct Limits<'a> {
     /// The served model name.
     pub(crate) model: &'a str,
+    /// The adapters served beside it (`--lora-modules`).
+    pub(crate) adapters: &'a [String],
     /// `--max-model-len` (tokens).
     pub(crate) max_model_len: u64,
 }
@@ -202,15 +209,17 @@ pub(crate) struct Limits<'a> {
 pub(crate) fn parse_request(kind: Kind, bytes: &[u8], limits: &Limits) -> Result<Parsed, ApiError> {
     let body: Body = serde_json::from_slice(bytes)
         .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))?;
-    if let Some(m) = body.model.as_deref()
-        && m != limits.model
-    {
-        return Err(ApiError {
-            status: 404,
-            kind: "NotFoundError",
-            message: format!("The model `{m}` does not exist."),
-        });
-    }
+    let lora = adapter(body.model.as_deref(), limits)?;
+    // vLLM `validate_cache_salt` (entrypoints/generate/base/protocol.py).
+    let salt = match &body.cache_salt {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "Parameter 'cache_salt' must be a non-empty string if provided.",
+            ));
+        }
+    };
     // vLLM `SamplingParams._verify_args`: "n must be at least 1, got {n}." (a 400).
     let n = match body.n {
         None => 1,
@@ -295,7 +304,23 @@ pub(crate) fn parse_request(kind: Kind, bytes: &[u8], limits: &Limits) -> Result
         bootstrap,
         rid: body.rid,
         n,
+        keys: Keys { lora, salt },
     })
+}
+
+/// The adapter a request's `model` names: `None` for the base model (or no `model`), the name
+/// for one of `--lora-modules`, a 404 for anything else (vLLM's message).
+fn adapter(model: Option<&str>, limits: &Limits) -> Result<Option<String>, ApiError> {
+    match model {
+        None => Ok(None),
+        Some(m) if m == limits.model => Ok(None),
+        Some(m) if limits.adapters.iter().any(|a| a == m) => Ok(Some(m.to_string())),
+        Some(m) => Err(ApiError {
+            status: 404,
+            kind: "NotFoundError",
+            message: format!("The model `{m}` does not exist."),
+        }),
+    }
 }
 
 /// The most choices one simulated request generates (a bound on the simulator's work, not
@@ -317,15 +342,7 @@ struct TokenizeBody {
 pub(crate) fn parse_tokenize(bytes: &[u8], limits: &Limits) -> Result<Vec<u32>, ApiError> {
     let body: TokenizeBody = serde_json::from_slice(bytes)
         .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))?;
-    if let Some(m) = body.model.as_deref()
-        && m != limits.model
-    {
-        return Err(ApiError {
-            status: 404,
-            kind: "NotFoundError",
-            message: format!("The model `{m}` does not exist."),
-        });
-    }
+    adapter(body.model.as_deref(), limits)?;
     match (body.prompt.as_ref(), body.messages.as_deref()) {
         (Some(Value::String(s)), None) => {
             let mut ids = Vec::new();
@@ -726,6 +743,7 @@ mod tests {
 
     const LIM: Limits = Limits {
         model: "tiny-sim",
+        adapters: &[],
         max_model_len: 64,
     };
 

@@ -40,7 +40,7 @@ use crate::body::{SimBody, StreamPlan, TokenStream};
 use crate::faults::{Action, FaultQueue, Phase, parse_faults};
 use crate::kv::{BlockStore, KvPayload, RoomError, RoomState, RoomStore};
 use crate::kv_events::Publisher;
-use crate::prefix_cache::{CacheCounters, Lookup, PrefixCache};
+use crate::prefix_cache::{CacheCounters, Keys, Lookup, PrefixCache};
 use crate::protocol::{
     self, ApiError, ChunkFormat, Kind, KvParams, Limits, Parsed, error_frames, full_response,
 };
@@ -153,6 +153,8 @@ pub(crate) struct Settings {
     pub(crate) api_key: Option<String>,
     /// `--enable-prompt-tokens-details`: usage carries `prompt_tokens_details`.
     pub(crate) prompt_tokens_details: bool,
+    /// `--lora-modules`: the adapters' names.
+    pub(crate) adapters: Vec<String>,
 }
 
 /// The path prefixes vLLM's `--api-key` guards (its `AuthenticationMiddleware`; everything
@@ -327,9 +329,10 @@ impl Sim {
         sleep(compute).await;
     }
 
-    /// Looks `prompt` up in the prefix cache (counted in its queries and hits).
-    pub(crate) fn cache_lookup(&self, prompt: &[u32]) -> Lookup {
-        lock(&self.cache).lookup(prompt)
+    /// Looks `prompt` (keyed beyond its tokens by `keys`) up in the prefix cache (counted in
+    /// its queries and hits).
+    pub(crate) fn cache_lookup(&self, prompt: &[u32], keys: &Keys) -> Lookup {
+        lock(&self.cache).lookup(prompt, keys)
     }
 
     /// Stores `prompt`'s computed full blocks and, when `publish` (no `mute_kv_events`
@@ -661,13 +664,17 @@ fn models(sim: &Sim) -> Response<SimBody> {
     // vLLM's and SGLang's ModelCard default `created` to the time of the request, so it says
     // nothing about the process (the router must not read one from it).
     let created = unix_now() as u64;
-    json_response(
-        200,
-        &json!({"object": "list", "data": [{
-            "id": sim.cfg.model, "object": "model", "created": created, "owned_by": owner,
-            "root": sim.cfg.model, "parent": null, "max_model_len": sim.cfg.max_model_len,
-        }]}),
-    )
+    let mut data = vec![json!({
+        "id": sim.cfg.model, "object": "model", "created": created, "owned_by": owner,
+        "root": sim.cfg.model, "parent": null, "max_model_len": sim.cfg.max_model_len,
+    })];
+    // vLLM's `OpenAIServingModels.show_available_models`: one card per adapter, its parent the
+    // base model.
+    data.extend(sim.cfg.adapters.iter().map(|a| {
+        json!({"id": a, "object": "model", "created": created, "owned_by": owner,
+               "root": a, "parent": sim.cfg.model, "max_model_len": null})
+    }));
+    json_response(200, &json!({"object": "list", "data": data}))
 }
 
 async fn tokenize(sim: &Sim, req: Request<Incoming>) -> Response<SimBody> {
@@ -677,6 +684,7 @@ async fn tokenize(sim: &Sim, req: Request<Incoming>) -> Response<SimBody> {
     };
     let limits = Limits {
         model: &sim.cfg.model,
+        adapters: &sim.cfg.adapters,
         max_model_len: sim.cfg.max_model_len,
     };
     match protocol::parse_tokenize(&b, &limits) {
@@ -907,6 +915,7 @@ async fn completion(
     let created = unix_now() as u64;
     let limits = Limits {
         model: &sim.cfg.model,
+        adapters: &sim.cfg.adapters,
         max_model_len: sim.cfg.max_model_len,
     };
     let parsed = match read_body(req.into_body()).await {
@@ -1039,7 +1048,7 @@ async fn completion(
         (Dialect::Sglang, _) => rid.clone(),
     };
     // Only the tokens missing from the prefix cache are computed (and priced).
-    let lookup = sim.cache_lookup(&parsed.prompt);
+    let lookup = sim.cache_lookup(&parsed.prompt, &parsed.keys);
     let uncached = n_prompt - lookup.hit_tokens;
     let compute = sim.cfg.ttft + sim.cfg.prefill_per_token * uncached as u32;
     let mut answer = Answer {
