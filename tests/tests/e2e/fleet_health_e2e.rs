@@ -722,11 +722,21 @@ async fn a_wedged_engine_is_out_within_seconds_and_its_requests_served(wedged: W
     };
     router.complete("warm").await;
     let is_request = |r: &Value| r["terminal"].is_string() && r["rid"].is_string();
-    let before = router
-        .journal_rows()
-        .iter()
-        .filter(|r| is_request(r))
-        .count();
+    // The journal is written after the answer: wait for the warm request's row, or it could
+    // land after this count and be read as one of the bursts' (it touched the engine once).
+    let before = eventually(
+        "the warm request's journal row",
+        Duration::from_secs(10),
+        || async {
+            let n = router
+                .journal_rows()
+                .iter()
+                .filter(|r| is_request(r))
+                .count();
+            (n >= 1).then_some(n)
+        },
+    )
+    .await;
     // Every leg it is given hangs until the router gives up; its health answers 200.
     f.sim(iid)
         .fault(json!({"phase": "any", "action": "hang", "ms": 600000, "count": 1000000}))
