@@ -293,6 +293,12 @@ fn kv_index(parts: &Parts) -> state::KvIndex {
                         resets: v.counters.resets,
                         overflow: v.counters.overflow,
                         skipped: v.counters.skipped,
+                        credit: state::KvCreditCheck {
+                            checked: v.credit.checked,
+                            over_credited: v.credit.over_credited,
+                            over_tokens: v.credit.over_tokens,
+                            under_tokens: v.credit.under_tokens,
+                        },
                     },
                 )
             })
@@ -327,6 +333,10 @@ fn kv_gauges(parts: &Parts) {
         raise(&c.gaps.get_or_create(&l), v.counters.gaps);
         raise(&c.replays.get_or_create(&l), v.counters.replays);
         raise(&c.resets.get_or_create(&l), v.counters.resets);
+        let k = &parts.metrics.kv.credit;
+        raise(&k.checked.get_or_create(&l), v.credit.checked);
+        raise(&k.over.get_or_create(&l), v.credit.over_tokens);
+        raise(&k.under.get_or_create(&l), v.credit.under_tokens);
     }
     let counts = parts.kv.tokenize_counts();
     raise(&c.tokenize_failures, counts.failures);

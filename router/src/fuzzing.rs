@@ -25,7 +25,7 @@ use crate::lifecycle::api::{parse_drain, parse_readmit};
 
 /// The configured model the fuzzed bodies are validated against.
 const MODEL: &str = "fuzz-model";
-const SERVED: ingress::Served<'static> = ingress::Served {
+const SERVED: crate::config::Served<'static> = crate::config::Served {
     model: MODEL,
     adapters: &[],
 };

@@ -202,23 +202,6 @@ const RESERVED_XARGS: &[&str] = &[
     "ec_transfer_params",
 ];
 
-/// The models a router serves (config `model` and `adapters`): a client's `model` must name
-/// one of them.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Served<'a> {
-    /// The base model.
-    pub model: &'a str,
-    /// Its LoRA adapters.
-    pub adapters: &'a [String],
-}
-
-impl Served<'_> {
-    /// Whether `m` names the base model or one of its adapters.
-    pub(crate) fn serves(&self, m: &str) -> bool {
-        m == self.model || self.adapters.iter().any(|a| a == m)
-    }
-}
-
 /// Validate one completion body.
 ///
 /// # Errors
@@ -227,7 +210,7 @@ impl Served<'_> {
 pub(crate) fn validate(
     endpoint: Endpoint,
     bytes: &[u8],
-    served: Served<'_>,
+    served: crate::config::Served<'_>,
     backend: Backend,
     chars_per_token: f64,
 ) -> Result<Validated, IngressError> {
@@ -511,10 +494,10 @@ mod tests {
     use super::*;
 
     /// A router serving `model` with one adapter, `adapter-a`.
-    fn served(model: &'static str) -> Served<'static> {
+    fn served(model: &'static str) -> crate::config::Served<'static> {
         static ADAPTERS: std::sync::LazyLock<Vec<String>> =
             std::sync::LazyLock::new(|| vec!["adapter-a".to_string()]);
-        Served {
+        crate::config::Served {
             model,
             adapters: &ADAPTERS,
         }

@@ -34,7 +34,8 @@ use zeromq::{Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
 use crate::config::{Config, KvEventsSource, secs};
 use crate::fleet::Fleet;
 use crate::kv_index::{
-    Credit, EngineView, KvIndex, Mode, PromptKeys, Reason, Seq, Settings, keyed_chain, uncached,
+    Credit, EngineView, KvIndex, Mode, PromptKeys, Reason, Seq, Settings, check::Verdict,
+    keyed_chain, uncached,
 };
 use crate::placement::{Aggregate, Balance, KvScore};
 use crate::upstream::Upstream;
@@ -347,7 +348,11 @@ impl KvCache {
             let mut ix = self.lock();
             ix.note_live(e, seq);
             // Only until the engine's index was rebuilt once (`replay_pending`).
-            !settled && matches!(ix.reason(e, self.clock.now()), Reason::Events)
+            !settled
+                && matches!(
+                    ix.reason(e, self.clock.now()),
+                    Reason::Events | Reason::OverCredit
+                )
         };
         if exact {
             self.mark_replayed(e);
@@ -548,6 +553,32 @@ impl KvCache {
             prompt_tokens: n,
             chains,
         })
+    }
+
+    /// A request engine `e` computed and answered was credited `credited` prompt tokens
+    /// (`reported` of them from blocks its events reported held) and served `engine` tokens
+    /// from its prefix cache by its own count: held against each other
+    /// (docs/design/kv-aware-placement.md, section 6.1). An engine over-credited
+    /// [`crate::kv_index::check::SUSPECT_AFTER`] times in a row is `suspect`, placed by load
+    /// until it agrees again; each change is logged.
+    pub(crate) fn check_credit(&self, e: usize, reported: u64, credited: u64, engine: u64) {
+        let (verdict, changed) = self.lock().observe(e, reported, credited, engine);
+        if changed {
+            let iid = &self.cfg.engines[e].iid;
+            match verdict {
+                Verdict::Over(tokens) => tracing::warn!(
+                    engine.id = %iid,
+                    reported,
+                    engine_cached = engine,
+                    over = tokens,
+                    "kv credit: the engine's own cached-token counts fell short of its KV events request after request; placing it by load (suspect) until they agree again"
+                ),
+                Verdict::Agree | Verdict::Under(_) => tracing::info!(
+                    engine.id = %iid,
+                    "kv credit: the engine's cached-token counts agree with its KV events again; its credit is used (exact)"
+                ),
+            }
+        }
     }
 
     /// The request scored `s` was placed on engine `e`: its prompt's blocks are credited to

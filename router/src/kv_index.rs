@@ -34,8 +34,10 @@ use std::time::{Duration, Instant};
 use narwhal_shared::kv_events::{ExtraKey, KvEvent, KvEventBatch, MEDIUM_GPU};
 
 pub(crate) mod approx;
+pub(crate) mod check;
 
 use approx::{Approx, ApproxView};
+use check::{CreditCheck, Verdict};
 
 /// The most blocks the index holds per engine: 2^18 blocks (4 Mi tokens at vLLM's block size
 /// of 16), about 20 MiB per engine at ~80 bytes per block.
@@ -152,6 +154,9 @@ pub(crate) enum Mode {
     Approximate,
     /// Credited from the engine's own KV events, in an unbroken sequence of its process.
     Exact,
+    /// Its events say it holds blocks it did not have, request after request ([`check`]):
+    /// placed by load, its credit still computed and checked until it agrees again.
+    Suspect,
 }
 
 impl Mode {
@@ -161,11 +166,12 @@ impl Mode {
             Mode::None => "none",
             Mode::Approximate => "approximate",
             Mode::Exact => "exact",
+            Mode::Suspect => "suspect",
         }
     }
 
     /// Every mode, for pre-seeded metric labels.
-    pub(crate) const ALL: [Mode; 3] = [Mode::None, Mode::Approximate, Mode::Exact];
+    pub(crate) const ALL: [Mode; 4] = [Mode::None, Mode::Approximate, Mode::Exact, Mode::Suspect];
 }
 
 /// Why an engine is in its [`Mode`] (`/narwhal/state` `kv_index.engines.<iid>.reason`, the
@@ -186,6 +192,9 @@ pub(crate) enum Reason {
     Stale,
     /// `exact`: batches arrive in order.
     Events,
+    /// `suspect`: batches arrive in order, but the engine's own cached-token counts showed
+    /// over-credit [`check::SUSPECT_AFTER`] times in a row.
+    OverCredit,
 }
 
 impl Reason {
@@ -198,6 +207,7 @@ impl Reason {
             Reason::Waiting => "waiting",
             Reason::Stale => "stale",
             Reason::Events => "events",
+            Reason::OverCredit => "over_credit",
         }
     }
 
@@ -207,17 +217,19 @@ impl Reason {
             Reason::Off | Reason::TokenizerMismatch => Mode::None,
             Reason::NoEvents | Reason::Waiting | Reason::Stale => Mode::Approximate,
             Reason::Events => Mode::Exact,
+            Reason::OverCredit => Mode::Suspect,
         }
     }
 
     /// Every reason, for pre-seeded metric labels.
-    pub(crate) const ALL: [Reason; 6] = [
+    pub(crate) const ALL: [Reason; 7] = [
         Reason::Off,
         Reason::TokenizerMismatch,
         Reason::NoEvents,
         Reason::Waiting,
         Reason::Stale,
         Reason::Events,
+        Reason::OverCredit,
     ];
 }
 
@@ -265,6 +277,9 @@ pub(crate) struct Credit {
     pub reason: Reason,
     /// Prompt tokens the index credits (exact, or the approximate guess; 0 for `none`).
     pub cached: u64,
+    /// Of `cached`, the tokens of blocks the engine's own events reported held (`exact` and
+    /// `suspect`; 0 otherwise): what the credit check holds against the engine's count.
+    pub reported: u64,
     /// Whether placing the prompt there stores blocks it does not hold (starts the stale
     /// clock of an engine with events).
     pub stores: bool,
@@ -279,6 +294,7 @@ impl Credit {
         Credit {
             reason: Reason::Off,
             cached: 0,
+            reported: 0,
             stores: false,
             block_size,
         }
@@ -292,7 +308,7 @@ pub(crate) fn uncached(prompt_tokens: u64, c: &Credit, approx_credit: f64) -> u6
     let counted = match c.reason.mode() {
         Mode::Exact => c.cached,
         Mode::Approximate => (c.cached as f64 * approx_credit.clamp(0.0, 1.0)).floor() as u64,
-        Mode::None => 0,
+        Mode::None | Mode::Suspect => 0,
     };
     prompt_tokens.saturating_sub(counted)
 }
@@ -334,12 +350,17 @@ struct Engine {
     /// The process (the fleet's incarnation) these entries belong to.
     process: Option<u64>,
     counters: Counters,
+    /// Its credit held against its own cached-token counts.
+    check: CreditCheck,
 }
 
 impl Engine {
+    /// Drops every entry: what follows is a new process's, or a rebuild, so the credit check
+    /// starts again too.
     fn clear(&mut self) {
         self.blocks.clear();
         self.by_engine.clear();
+        self.check.restart();
     }
 
     /// Removes the block the engine names `engine_hash`; its hash is pushed to `told`.
@@ -556,6 +577,8 @@ pub(crate) struct EngineView {
     pub approx: ApproxView,
     /// Its stream's counters.
     pub counters: Counters,
+    /// Its credit held against its own cached-token counts.
+    pub credit: CreditCheck,
 }
 
 /// The index over every configured engine (config order).
@@ -788,9 +811,25 @@ impl KvIndex {
             .is_some_and(|t| now.saturating_duration_since(t) > self.settings.stale_after)
         {
             Reason::Stale
+        } else if en.check.suspect {
+            Reason::OverCredit
         } else {
             Reason::Events
         }
+    }
+
+    /// A request whose prompt engine `e` computed, credited `credited` tokens (`reported` of
+    /// them from blocks its events reported), was served `engine` tokens from its prefix cache
+    /// by its own count ([`check`]). Returns the verdict and whether the engine's `suspect`
+    /// state changed.
+    pub(crate) fn observe(
+        &mut self,
+        e: usize,
+        reported: u64,
+        credited: u64,
+        engine: u64,
+    ) -> (Verdict, bool) {
+        self.engines[e].check.observe(reported, credited, engine)
     }
 
     /// The block size engine `e`'s credit is counted in: the one its events told, else its
@@ -826,16 +865,23 @@ impl KvIndex {
         let en = &self.engines[e];
         let bs = self.credit_block_size(e);
         let full = chain.len() as u64 * u64::from(bs);
+        let mut reported_run = 0;
         let cached = match reason.mode() {
             Mode::None => 0,
-            Mode::Exact => {
+            Mode::Exact | Mode::Suspect => {
                 let cap = (prompt_tokens.saturating_sub(1) / u64::from(bs)) as usize;
                 let pending = self.settings.pending;
+                let mut all_reported = true;
                 let run = chain
                     .iter()
                     .take(cap)
                     .take_while(|h| {
-                        en.blocks.contains_key(*h) || self.approx.holds_within(e, **h, now, pending)
+                        let held = en.blocks.contains_key(*h);
+                        all_reported &= held;
+                        if all_reported {
+                            reported_run += 1;
+                        }
+                        held || self.approx.holds_within(e, **h, now, pending)
                     })
                     .count();
                 run as u64 * u64::from(bs)
@@ -859,6 +905,7 @@ impl KvIndex {
         Credit {
             reason,
             cached,
+            reported: reported_run * u64::from(bs),
             stores: full > cached,
             block_size: bs,
         }
@@ -898,6 +945,7 @@ impl KvIndex {
             blocks: en.blocks.len() as u64,
             approx: self.approx.view(e, now),
             counters: en.counters,
+            credit: en.check,
         }
     }
 

@@ -753,6 +753,7 @@ mod tests {
         let credit = |reason, cached| Credit {
             reason,
             cached,
+            reported: cached,
             stores: true,
             block_size: 16,
         };

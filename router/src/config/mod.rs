@@ -463,6 +463,23 @@ pub struct TlsFiles {
     pub key: PathBuf,
 }
 
+/// The models a router serves (config `model` and `adapters`): a client's `model` must name
+/// one of them.
+#[derive(Debug, Clone, Copy)]
+pub struct Served<'a> {
+    /// The base model.
+    pub model: &'a str,
+    /// Its LoRA adapters.
+    pub adapters: &'a [String],
+}
+
+impl Served<'_> {
+    /// Whether `m` names the base model or one of its adapters.
+    pub fn serves(&self, m: &str) -> bool {
+        m == self.model || self.adapters.iter().any(|a| a == m)
+    }
+}
+
 /// A validated fleet file.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -598,8 +615,8 @@ fn render_issues(issues: &[ConfigIssue]) -> String {
 
 impl Config {
     /// The models served: `model` and its `adapters`.
-    pub(crate) fn served(&self) -> crate::ingress::Served<'_> {
-        crate::ingress::Served {
+    pub(crate) fn served(&self) -> Served<'_> {
+        Served {
             model: &self.model,
             adapters: &self.adapters,
         }

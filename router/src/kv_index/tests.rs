@@ -320,6 +320,7 @@ fn approximate_credit_counts_the_configured_share() {
     let c = Credit {
         reason: Reason::NoEvents,
         cached: 100,
+        reported: 0,
         stores: false,
         block_size: BS,
     };
@@ -335,6 +336,54 @@ fn approximate_credit_counts_the_configured_share() {
         ..c
     };
     assert_eq!(uncached(120, &off, 1.0), 120);
+    let suspect = Credit {
+        reason: Reason::OverCredit,
+        ..c
+    };
+    assert_eq!(
+        uncached(120, &suspect, 1.0),
+        120,
+        "a suspect engine is placed by load"
+    );
+}
+
+/// An engine over-credited `SUSPECT_AFTER` times in a row is `suspect` (its credit still
+/// computed, with the reported part, for the check); agreement makes it `exact` again; a new
+/// process starts it `exact`.
+#[test]
+fn an_over_credited_engine_is_suspect_until_it_agrees_again() {
+    let now = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
+    let mut ix = KvIndex::new(&[true]);
+    let p = prompt();
+    ix.apply(0, 0, &batch(vec![stored(&[11, 12, 13], None, &p)]), now);
+    let chain = prompt_chain(&p, BS);
+    let c = ix.credit(0, &chain, 12, now);
+    assert_eq!((c.reason, c.cached, c.reported), (Reason::Events, 8, 8));
+    for _ in 0..check::SUSPECT_AFTER {
+        ix.observe(0, c.reported, c.cached, 0);
+    }
+    assert_eq!(ix.reason(0, now), Reason::OverCredit);
+    assert_eq!(ix.view(0, now).mode, Mode::Suspect);
+    let c = ix.credit(0, &chain, 12, now);
+    assert_eq!(
+        (c.cached, c.reported),
+        (8, 8),
+        "still computed while suspect"
+    );
+    for _ in 0..check::AGREE_AFTER {
+        ix.observe(0, c.reported, c.cached, 8);
+    }
+    assert_eq!(ix.reason(0, now), Reason::Events);
+    for _ in 0..check::SUSPECT_AFTER {
+        ix.observe(0, 8, 8, 0);
+    }
+    ix.sync_process(0, 1);
+    ix.sync_process(0, 2);
+    assert_eq!(ix.view(0, now).credit.checked, 9);
+    assert!(
+        !ix.view(0, now).credit.suspect,
+        "a new process is not suspect"
+    );
 }
 
 #[test]

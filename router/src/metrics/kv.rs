@@ -16,15 +16,31 @@ pub(crate) struct KvMetrics {
     pub(crate) gauges: KvGauges,
     /// Cumulative counts, raised to their owners' totals at each scrape.
     pub(crate) counters: KvCounters,
+    /// The credit check's counts per engine, raised at each scrape.
+    pub(crate) credit: KvCreditCounters,
+}
+
+/// The credit check's counters (docs/design/kv-aware-placement.md, section 6.1).
+pub(crate) struct KvCreditCounters {
+    /// `narwhal_kv_credit_checked_total{iid}`: requests whose credit was checked against the
+    /// engine's own cached-token count.
+    pub(crate) checked: Family<Labels, Counter>,
+    /// `narwhal_kv_over_credit_tokens_total{iid}`: tokens the engine's events reported held
+    /// that it did not have when a request came.
+    pub(crate) over: Family<Labels, Counter>,
+    /// `narwhal_kv_under_credit_tokens_total{iid}`: tokens the engine had cached beyond the
+    /// router's credit.
+    pub(crate) under: Family<Labels, Counter>,
 }
 
 /// The KV index's per-engine gauges.
 pub(crate) struct KvGauges {
     /// `narwhal_kv_index_mode{iid, mode}`: 1 for the engine's mode (`exact`, `approximate`,
-    /// `none`), 0 for the others.
+    /// `none`, `suspect`), 0 for the others.
     pub(crate) mode: Family<Labels, Gauge>,
     /// `narwhal_kv_index_reason{iid, reason}`: 1 for why the engine is in its mode (`events`,
-    /// `no_kv_events`, `waiting`, `stale`, `off`, `tokenizer_mismatch`), 0 for the others.
+    /// `no_kv_events`, `waiting`, `stale`, `off`, `tokenizer_mismatch`, `over_credit`), 0 for
+    /// the others.
     pub(crate) reason: Family<Labels, Gauge>,
     /// `narwhal_kv_index_lag_seconds{iid}`: seconds since the engine's last batch (no sample
     /// before the first).
@@ -51,8 +67,8 @@ pub(crate) struct KvCounters {
     pub(crate) tokenize_seconds: Counter<f64, AtomicU64>,
     /// `narwhal_kv_index_unscored_total`: requests not scored because placement had at most
     /// one engine to choose from and no profiles are configured, or because they carry what
-    /// vLLM keys blocks by beyond their tokens (`cache_salt`, multimodal parts, prompt
-    /// embeddings), which the index does not.
+    /// vLLM keys blocks by that the router cannot compute (multimodal parts, prompt
+    /// embeddings).
     pub(crate) unscored: Counter,
 }
 
@@ -66,6 +82,11 @@ impl KvMetrics {
             blocks: Family::default(),
             approx_blocks: Family::default(),
         };
+        let credit = KvCreditCounters {
+            checked: Family::default(),
+            over: Family::default(),
+            under: Family::default(),
+        };
         let c = KvCounters {
             gaps: Family::default(),
             replays: Family::default(),
@@ -76,12 +97,12 @@ impl KvMetrics {
         };
         r.register(
             "narwhal_kv_index_mode",
-            "1 for each engine's KV index mode (exact, approximate, none), else 0",
+            "1 for each engine's KV index mode (exact, approximate, none, suspect), else 0",
             g.mode.clone(),
         );
         r.register(
             "narwhal_kv_index_reason",
-            "1 for why each engine's KV index is in its mode (events, no_kv_events, waiting, stale, off, tokenizer_mismatch), else 0",
+            "1 for why each engine's KV index is in its mode (events, no_kv_events, waiting, stale, off, tokenizer_mismatch, over_credit), else 0",
             g.reason.clone(),
         );
         r.register(
@@ -115,6 +136,21 @@ impl KvMetrics {
             c.resets.clone(),
         );
         r.register(
+            "narwhal_kv_credit_checked",
+            "Requests whose KV credit was checked against the engine's own cached-token count",
+            credit.checked.clone(),
+        );
+        r.register(
+            "narwhal_kv_over_credit_tokens",
+            "Prompt tokens the engine's KV events reported held that it did not have when a request came",
+            credit.over.clone(),
+        );
+        r.register(
+            "narwhal_kv_under_credit_tokens",
+            "Prompt tokens the engine had cached beyond the router's KV credit",
+            credit.under.clone(),
+        );
+        r.register(
             "narwhal_kv_index_tokenize_failures",
             "Requests placed by load because /tokenize gave no tokens",
             c.tokenize_failures.clone(),
@@ -126,12 +162,13 @@ impl KvMetrics {
         );
         r.register(
             "narwhal_kv_index_unscored",
-            "Requests not scored (no /tokenize): at most one engine to choose from with no profiles, or keyed beyond their tokens (cache_salt, multimodal parts, prompt_embeds)",
+            "Requests not scored (no /tokenize): at most one engine to choose from with no profiles, or keyed by what the router cannot compute (multimodal parts, prompt_embeds)",
             c.unscored.clone(),
         );
         KvMetrics {
             gauges: g,
             counters: c,
+            credit,
         }
     }
 }

@@ -148,6 +148,10 @@ pub(super) async fn attempts(
                 parts.kv.placed(computes, s);
                 log.cached_tokens = Some(s.credits[computes].cached);
                 log.kv_mode = Some(s.credits[computes].reason.mode().as_str());
+                // A split's usage comes from its decode engine: only an aggregated engine's
+                // own count is held against its credit.
+                log.kv_check = matches!(plan, Plan::Aggregated { .. })
+                    .then_some((computes, s.credits[computes].reported));
             }
             match plan {
                 Plan::Split { prefill, decode } => {

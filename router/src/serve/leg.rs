@@ -133,6 +133,9 @@ pub(super) struct AttemptLog {
     /// The computing engine's KV index mode at that placement (`exact`, `approximate`,
     /// `none`; `None`: not scored).
     pub(super) kv_mode: Option<&'static str>,
+    /// For the credit check: the engine and its reported credit, when the latest attempt's
+    /// computing engine answers the client itself (aggregated).
+    pub(super) kv_check: Option<(usize, u64)>,
 }
 
 impl AttemptLog {
@@ -149,6 +152,7 @@ impl AttemptLog {
         rec.admission_price = self.admission_price;
         rec.cached_tokens = self.cached_tokens;
         rec.kv_mode = self.kv_mode;
+        rec.kv_check = self.kv_check;
     }
 }
 

@@ -335,7 +335,7 @@ async fn completion_inner(
                 &answering,
             )
             .await;
-            finish_record(&mut pending, &end.stats);
+            finish_record(&mut pending, &end.stats, &task_parts.kv);
             match end.relayed {
                 Relayed::Done => {
                     if let Some(chunk) = end.usage_chunk {
@@ -386,7 +386,7 @@ async fn completion_inner(
         .await;
         drop(permit);
         drop(retained);
-        finish_record(&mut pending, &end.stats);
+        finish_record(&mut pending, &end.stats, &parts.kv);
         match end.answer {
             Ok(Answer::Value(answer)) => {
                 pending.settle(Settlement::completed());

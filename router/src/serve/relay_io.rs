@@ -16,6 +16,7 @@ use crate::config::secs;
 use crate::controller::Track;
 use crate::failure::{Expiry, RequestFailure};
 use crate::fleet::Resident;
+use crate::kv_cache::KvCache;
 use crate::outcome::Pending;
 use crate::parts::Parts;
 use crate::placement::Phase;
@@ -91,7 +92,10 @@ fn engine_cached_tokens(usage: Option<&Value>) -> Option<u64> {
         .as_u64()
 }
 
-pub(super) fn finish_record(pending: &mut Pending, stats: &[SubStats]) {
+/// Completes the request's journal record from its sub-requests' `stats`, and holds its KV
+/// credit against the engine's own cached-token count (`kv`, [`KvCache::check_credit`]) when
+/// both are known.
+pub(super) fn finish_record(pending: &mut Pending, stats: &[SubStats], kv: &KvCache) {
     let rec = pending.record();
     rec.output_len = stats.iter().map(|s| s.tokens).sum();
     // Every prompt's engine count, or none: a partial sum would read as the request's.
@@ -105,6 +109,14 @@ pub(super) fn finish_record(pending: &mut Pending, stats: &[SubStats]) {
         .map(|s| s.cached_tokens)
         .sum::<Option<u64>>()
         .filter(|_| !stats.is_empty());
+    if let (Some((e, reported)), Some(credited), Some(engine), [_]) = (
+        rec.kv_check,
+        rec.cached_tokens,
+        rec.engine_cached_tokens,
+        stats,
+    ) {
+        kv.check_credit(e, reported, credited, engine);
+    }
     let tpots: Vec<f64> = stats.iter().filter_map(|s| s.tpot).collect();
     rec.tpot_s = (!tpots.is_empty()).then(|| tpots.iter().sum::<f64>() / tpots.len() as f64);
 }

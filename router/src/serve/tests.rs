@@ -20,7 +20,7 @@ fn validated(body: &str) -> Validated {
     ingress::validate(
         Endpoint::Completions,
         body.as_bytes(),
-        ingress::Served {
+        crate::config::Served {
             model: "m",
             adapters: &[],
         },

@@ -185,6 +185,25 @@ pub struct KvEngine {
     /// another KV cache group than the first, or an unknown event type (skipped, never a
     /// reset).
     pub skipped: u64,
+    /// The credit check (docs/design/kv-aware-placement.md, section 6.1): the router's
+    /// credit held against the engine's own cached-token counts.
+    pub credit: KvCreditCheck,
+}
+
+/// `kv_index.engines.<iid>.credit`: requests whose prompt the engine computed, with its own
+/// `usage.prompt_tokens_details.cached_tokens`, checked against the router's credit.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct KvCreditCheck {
+    /// Requests checked.
+    pub checked: u64,
+    /// Of those, the ones over-credited: the engine had fewer tokens cached than its own
+    /// events had reported held.
+    pub over_credited: u64,
+    /// Tokens over-credited, summed.
+    pub over_tokens: u64,
+    /// Tokens under-credited (the engine had more than the router credited), summed.
+    pub under_tokens: u64,
 }
 
 /// `ha`.

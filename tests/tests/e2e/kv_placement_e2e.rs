@@ -527,27 +527,19 @@ async fn the_journal_records_the_engines_cached_tokens_beside_the_estimate() {
 async fn a_restarted_router_is_exact_from_its_first_request() {
     let f = kv_fleet().await;
     let first = f.router();
-    // Four 40-token prefixes (10 blocks of 4), each stored on the engine the first router chose.
+    // Four 40-token prefixes (10 blocks of 4), two stored on each engine (sent to them
+    // directly: placed by load, all four could land on one engine, and the other would have
+    // nothing to replay).
     let prefix = |g: usize| words(1000 * (g + 1), 40);
-    for g in 0..4 {
-        complete(first, &prefix(g)).await;
+    let holders: Vec<String> = ["d0", "d0", "d1", "d1"].map(String::from).to_vec();
+    for (g, iid) in holders.iter().enumerate() {
+        complete_on(f.sim(iid), &prefix(g)).await;
     }
-    let rows = eventually("four journal rows", WAIT, || async {
-        let r = served(first);
-        (r.len() >= 4).then_some(r)
-    })
-    .await;
-    let holders: Vec<String> = rows
-        .iter()
-        .map(|r| r["decode_iid"].as_str().expect("decode_iid").to_string())
-        .collect();
     for iid in ["d0", "d1"] {
-        if holders.iter().any(|h| h == iid) {
-            kv_engine(first, iid, "the first router indexed its blocks", |e| {
-                e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
-            })
-            .await;
-        }
+        kv_engine(first, iid, "the first router indexed its blocks", |e| {
+            e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 20
+        })
+        .await;
     }
     // A second router over the same engines: ready only once the replay rebuilt its index.
     let second = f.start_router("second", &[]);
@@ -666,4 +658,112 @@ async fn keyed_requests_are_credited_only_with_blocks_stored_under_their_keys() 
         let engine = r["engine_cached_tokens"].as_u64().expect("engine count");
         assert!(credit <= engine, "over-credited: {r}");
     }
+}
+
+/// An engine whose cache loses blocks its events never take back (here: another prompt stored
+/// with its events muted evicts the held prefix, as a lost `BlockRemoved` would) is
+/// over-credited on each request for that prefix; the third in a row makes it `suspect`
+/// (`/narwhal/state`, `/metrics`): its credit is still computed and journalled but it is placed
+/// by load, and once its own cached-token counts agree again it is `exact`. The check holds the
+/// router's credit against the engine's own `engine_cached_tokens`, per engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_over_credited_request_after_request_is_suspect_until_it_agrees() {
+    let f = Fleet::builder()
+        .decode(2)
+        .kv_events()
+        // 11 blocks: one prompt of 46 tokens fills the cache, the next evicts it.
+        .sim_args(&[
+            "--block-size",
+            "4",
+            "--enable-prompt-tokens-details",
+            "--kv-cache-blocks",
+            "11",
+        ])
+        .start()
+        .await;
+    let router = f.router();
+    let prefix = words(7000, 40);
+    complete(router, &format!("{prefix} {}", words(0, 6))).await;
+    let holder = eventually("the first row", WAIT, || async {
+        served(router)
+            .first()
+            .and_then(|r| r["decode_iid"].as_str().map(str::to_string))
+    })
+    .await;
+    kv_engine(router, &holder, "the prefix in the index", |e| {
+        e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 11
+    })
+    .await;
+    for round in 1..=3 {
+        // Evicted behind the router's back: the evicting store's events are muted.
+        f.sim(&holder)
+            .fault(json!({"phase": "any", "action": "mute_kv_events", "count": 1}))
+            .await;
+        complete_on(f.sim(&holder), &words(9000 + 100 * round, 46)).await;
+        complete(router, &format!("{prefix} {}", words(10 * round, 6))).await;
+        let rows = eventually("the round's row", WAIT, || async {
+            let r = served(router);
+            (r.len() > round).then_some(r)
+        })
+        .await;
+        let r = &rows[round];
+        assert_eq!(r["decode_iid"], holder.as_str(), "round {round}: {r}");
+        assert_eq!(r["cached_tokens"], 40, "round {round}: credited: {r}");
+        assert_eq!(r["engine_cached_tokens"], 0, "round {round}: evicted: {r}");
+    }
+    let e = kv_engine(router, &holder, "suspect after three", |e| {
+        e["mode"] == "suspect"
+    })
+    .await;
+    assert_eq!(e["reason"], "over_credit", "{e}");
+    assert_eq!(e["credit"]["over_credited"], 3, "{e}");
+    assert_eq!(e["credit"]["over_tokens"], 120, "{e}");
+    let m = router.metrics().await;
+    let with = |name: &str, extra: &str| {
+        narwhal_testkit::metric(&m, name, &[&format!("iid=\"{holder}\""), extra])
+    };
+    assert_eq!(
+        with("narwhal_kv_index_mode", "mode=\"suspect\""),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        with("narwhal_kv_over_credit_tokens_total", ""),
+        Some(120.0),
+        "{m}"
+    );
+    // Placed by load while suspect: the prefix now goes to the other engine (which holds it
+    // after its first request there), and fresh prompts are spread by load. Requests that
+    // reach the suspect engine find what its events say, so it agrees again and is `exact`.
+    let mut sent = 0;
+    let holder = holder.as_str();
+    let prefix = prefix.as_str();
+    let back = eventually("exact again", WAIT, || {
+        sent += 1;
+        let n = sent;
+        async move {
+            futures_util::future::join_all((0..4).map(|k| async move {
+                let b = if k == 0 {
+                    format!("{prefix} {}", words(1000 + 10 * n, 6))
+                } else {
+                    words(20_000 + 100 * n + 1000 * k, 46)
+                };
+                complete(router, &b).await
+            }))
+            .await;
+            let st = router.get("/narwhal/state").await.json();
+            let e = st["kv_index"]["engines"][holder].clone();
+            (e["mode"] == "exact").then_some(e)
+        }
+    })
+    .await;
+    assert_eq!(back["reason"], "events", "{back}");
+    let suspect_rows: Vec<Value> = served(router)
+        .into_iter()
+        .filter(|r| r["kv_mode"] == "suspect")
+        .collect();
+    assert!(
+        !suspect_rows.is_empty(),
+        "requests scored while it was suspect are journalled so"
+    );
 }
