@@ -384,6 +384,7 @@ impl Engine {
             tokens,
             block_size,
             lora,
+            salt: event_salt,
             extra,
         } = stored;
         let bs = block_size.max(1) as usize;
@@ -407,6 +408,7 @@ impl Engine {
             let first = parent.is_none() && i == 0;
             let (salt, opaque) = block_keys(keys, lora, first);
             if first {
+                let salt = salt.or(event_salt);
                 prev = PromptKeys { lora, salt }.seed();
             }
             if opaque != 0 {
@@ -444,6 +446,7 @@ impl Engine {
                     block_size,
                     lora_name,
                     extra_keys,
+                    cache_salt,
                     ..
                 } => self.store(
                     Stored {
@@ -452,6 +455,7 @@ impl Engine {
                         tokens: token_ids,
                         block_size: *block_size,
                         lora: lora_name.as_deref(),
+                        salt: cache_salt.as_deref(),
                         extra: extra_keys.as_deref(),
                     },
                     told,
@@ -489,6 +493,9 @@ struct Stored<'a> {
     block_size: u32,
     /// `lora_name`.
     lora: Option<&'a str>,
+    /// SGLang's `cache_salt` (on every event of a salted prefix; vLLM's salt is in
+    /// `extra_keys` instead): seeds the chain when the first block is the prompt's first.
+    salt: Option<&'a str>,
     /// `extra_keys`, one entry per block.
     extra: Option<&'a [Option<Vec<ExtraKey>>]>,
 }

@@ -59,6 +59,11 @@ pub enum KvEvent {
         group_idx: Option<u32>,
         /// The session that triggered the store; `None` leaves it out.
         session_id: Option<String>,
+        /// SGLang's `cache_salt`: the salt of the request that stored the blocks, on every
+        /// event of a salted prefix (SGLang 0.5 `BlockStored.cache_salt`; its block hashes are
+        /// namespaced by it). vLLM has no such field (its salt is in `extra_keys`): vLLM's
+        /// encoding ([`encode_batch`]) leaves it out.
+        cache_salt: Option<String>,
     },
     /// Blocks left the prefix cache (vLLM sends one event per evicted block).
     BlockRemoved {
@@ -118,6 +123,100 @@ pub fn encode_batch(batch: &KvEventBatch) -> Vec<u8> {
     }
     if let Some(r) = batch.data_parallel_rank {
         int(&mut w, r);
+    }
+    w
+}
+
+/// Encodes `batch` exactly as msgspec's encoder does for SGLang 0.5's classes
+/// (`sglang/srt/disaggregation/kv_events.py`, checked against SGLang's own publisher by
+/// `tests/tests/e2e/kv_events_e2e.rs`). Where SGLang differs from vLLM ([`encode_batch`]):
+/// block hashes are signed int64 (SGLang's `hash_str_to_int64`: a hash here is written as its
+/// two's complement `i64`); `medium`, `cache_salt`, `session_id` and `lora_name` are written
+/// only when set (defaults, which msgspec omits), in that order, after `lora_id`; there are
+/// no `extra_keys` or `group_idx` (left out whatever the event holds); the batch is always
+/// three items, `[ts, events, attn_dp_rank]` (not `omit_defaults`: an unset rank is nil).
+pub fn encode_sglang_batch(batch: &KvEventBatch) -> Vec<u8> {
+    let mut w = Vec::with_capacity(64 + batch.events.len() * 64);
+    array(&mut w, 3);
+    let _ = rmp::encode::write_f64(&mut w, batch.ts);
+    array(&mut w, batch.events.len());
+    let signed = |w: &mut Vec<u8>, hs: &[u64]| {
+        array(w, hs.len());
+        for h in hs {
+            int(w, *h as i64);
+        }
+    };
+    for e in &batch.events {
+        match e {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_id,
+                medium,
+                lora_name,
+                session_id,
+                cache_salt,
+                ..
+            } => {
+                let optional = [
+                    ("medium", medium),
+                    ("cache_salt", cache_salt),
+                    ("session_id", session_id),
+                    ("lora_name", lora_name),
+                ];
+                let n = 6 + optional.iter().filter(|(_, v)| v.is_some()).count();
+                let _ = rmp::encode::write_map_len(&mut w, n as u32);
+                str(&mut w, "type");
+                str(&mut w, "BlockStored");
+                str(&mut w, "block_hashes");
+                signed(&mut w, block_hashes);
+                str(&mut w, "parent_block_hash");
+                match parent_block_hash {
+                    Some(p) => int(&mut w, *p as i64),
+                    None => nil(&mut w),
+                }
+                str(&mut w, "token_ids");
+                array(&mut w, token_ids.len());
+                for t in token_ids {
+                    uint(&mut w, u64::from(*t));
+                }
+                str(&mut w, "block_size");
+                uint(&mut w, u64::from(*block_size));
+                str(&mut w, "lora_id");
+                match lora_id {
+                    Some(v) => int(&mut w, *v),
+                    None => nil(&mut w),
+                }
+                for (k, v) in optional {
+                    if let Some(v) = v {
+                        str(&mut w, k);
+                        str(&mut w, v);
+                    }
+                }
+            }
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+                ..
+            } => {
+                let _ = rmp::encode::write_map_len(&mut w, 2 + u32::from(medium.is_some()));
+                str(&mut w, "type");
+                str(&mut w, "BlockRemoved");
+                str(&mut w, "block_hashes");
+                signed(&mut w, block_hashes);
+                if let Some(m) = medium {
+                    str(&mut w, "medium");
+                    str(&mut w, m);
+                }
+            }
+            other => encode_event(&mut w, other),
+        }
+    }
+    match batch.data_parallel_rank {
+        Some(r) => int(&mut w, r),
+        None => nil(&mut w),
     }
     w
 }
@@ -185,6 +284,7 @@ fn encode_event(w: &mut Vec<u8>, e: &KvEvent) {
             extra_keys,
             group_idx,
             session_id,
+            cache_salt: _,
         } => {
             let n = 8
                 + usize::from(extra_keys.is_some())
@@ -549,6 +649,28 @@ fn u64s(v: &Val, what: &str) -> Result<Vec<u64>, DecodeError> {
     as_list(v, what)?.iter().map(|x| as_u64(x, what)).collect()
 }
 
+/// A block hash as the engines publish it, as the 64 bits a consumer keys by: vLLM's
+/// unsigned int (the low 64 bits of its hash), SGLang's signed int64 (`hash_str_to_int64`:
+/// negative for half of all blocks; its two's complement bits here), or bytes (vLLM with
+/// `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`: the last 8 bytes, big-endian). Hashes are only
+/// compared with hashes of the same stream, so any one-to-one reading serves.
+fn as_hash(v: &Val, what: &str) -> Result<u64, DecodeError> {
+    match v {
+        Val::Int(i) => u64::try_from(*i)
+            .ok()
+            .or_else(|| i64::try_from(*i).ok().map(|s| s as u64))
+            .ok_or_else(|| bad(what)),
+        Val::Bin(b) if !b.is_empty() => Ok(b[b.len().saturating_sub(8)..]
+            .iter()
+            .fold(0u64, |a, x| (a << 8) | u64::from(*x))),
+        _ => Err(bad(what)),
+    }
+}
+
+fn hash_list(v: &Val, what: &str) -> Result<Vec<u64>, DecodeError> {
+    as_list(v, what)?.iter().map(|x| as_hash(x, what)).collect()
+}
+
 fn decode_event(v: &Val) -> Result<KvEvent, DecodeError> {
     let Val::Map(fields) = v else {
         return Err(bad("an event (a msgpack map)"));
@@ -560,6 +682,14 @@ fn decode_event(v: &Val) -> Result<KvEvent, DecodeError> {
             .map(|(_, v)| v)
     };
     let need = |k: &str| get(k).ok_or_else(|| bad(&format!("field {k:?}")));
+    // Optional strings are read where present: vLLM always writes `medium` and `lora_name`
+    // (no default, so never omitted), SGLang leaves them out when `None` (defaults).
+    let opt_str_field = |k: &str| -> Result<Option<String>, DecodeError> {
+        get(k)
+            .map(|v| as_opt_str(v, k))
+            .transpose()
+            .map(Option::flatten)
+    };
     let opt_u32 = |k: &str| -> Result<Option<u32>, DecodeError> {
         get(k)
             .map(|v| as_opt_u64(v, k).map(|o| o.map(|x| x as u32)))
@@ -584,31 +714,32 @@ fn decode_event(v: &Val) -> Result<KvEvent, DecodeError> {
                 ),
             };
             Ok(KvEvent::BlockStored {
-                block_hashes: u64s(need("block_hashes")?, "block_hashes")?,
-                parent_block_hash: as_opt_u64(need("parent_block_hash")?, "parent_block_hash")?,
+                block_hashes: hash_list(need("block_hashes")?, "block_hashes")?,
+                parent_block_hash: match need("parent_block_hash")? {
+                    Val::Nil => None,
+                    v => Some(as_hash(v, "parent_block_hash")?),
+                },
                 token_ids: u64s(need("token_ids")?, "token_ids")?
                     .into_iter()
                     .map(|t| t as u32)
                     .collect(),
                 block_size: as_u64(need("block_size")?, "block_size")? as u32,
-                lora_id: match need("lora_id")? {
-                    Val::Nil => None,
-                    Val::Int(i) => Some(*i as i64),
-                    _ => return Err(bad("lora_id")),
+                lora_id: match get("lora_id") {
+                    None | Some(Val::Nil) => None,
+                    Some(Val::Int(i)) => Some(*i as i64),
+                    Some(_) => return Err(bad("lora_id")),
                 },
-                medium: as_opt_str(need("medium")?, "medium")?,
-                lora_name: as_opt_str(need("lora_name")?, "lora_name")?,
+                medium: opt_str_field("medium")?,
+                lora_name: opt_str_field("lora_name")?,
                 extra_keys,
                 group_idx: opt_u32("group_idx")?,
-                session_id: get("session_id")
-                    .map(|v| as_opt_str(v, "session_id"))
-                    .transpose()?
-                    .flatten(),
+                session_id: opt_str_field("session_id")?,
+                cache_salt: opt_str_field("cache_salt")?,
             })
         }
         Val::Str(t) if t == "BlockRemoved" => Ok(KvEvent::BlockRemoved {
-            block_hashes: u64s(need("block_hashes")?, "block_hashes")?,
-            medium: as_opt_str(need("medium")?, "medium")?,
+            block_hashes: hash_list(need("block_hashes")?, "block_hashes")?,
+            medium: opt_str_field("medium")?,
             group_idx: opt_u32("group_idx")?,
         }),
         Val::Str(t) if t == "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared),
@@ -669,7 +800,81 @@ mod tests {
             extra_keys: Some(vec![None; n]),
             group_idx: Some(0),
             session_id: None,
+            cache_salt: None,
         }
+    }
+
+    /// SGLang's encoding decodes to the events it was made from: signed hashes (negative for
+    /// half of SGLang's blocks) read back as the same 64 bits, the optional strings it leaves
+    /// out when unset read as `None`, its `cache_salt` kept. Before, every SGLang batch failed
+    /// to decode (a negative hash, then the missing `lora_name`).
+    #[test]
+    fn sglangs_encoding_decodes_to_the_same_events() {
+        let salted = KvEvent::BlockStored {
+            block_hashes: vec![u64::MAX, 1 << 63, 5],
+            parent_block_hash: Some(u64::MAX - 1),
+            token_ids: (0..3).collect(),
+            block_size: 1,
+            lora_id: None,
+            medium: Some(MEDIUM_GPU.to_string()),
+            lora_name: Some("adapter-a".into()),
+            extra_keys: None,
+            group_idx: None,
+            session_id: None,
+            cache_salt: Some("tenant-1".into()),
+        };
+        let plain = KvEvent::BlockStored {
+            block_hashes: vec![9],
+            parent_block_hash: None,
+            token_ids: vec![7],
+            block_size: 1,
+            lora_id: None,
+            medium: None,
+            lora_name: None,
+            extra_keys: None,
+            group_idx: None,
+            session_id: None,
+            cache_salt: None,
+        };
+        let removed = KvEvent::BlockRemoved {
+            block_hashes: vec![u64::MAX],
+            medium: Some("CPU_PINNED".into()),
+            group_idx: None,
+        };
+        let b = KvEventBatch {
+            ts: 2.5,
+            events: vec![salted, plain, removed, KvEvent::AllBlocksCleared],
+            data_parallel_rank: Some(1),
+        };
+        let bytes = encode_sglang_batch(&b);
+        assert_eq!(decode_batch(&bytes).unwrap(), b);
+        // -1 is one byte (a negative fixint), not a u64: SGLang's signed hashes.
+        assert!(bytes.windows(2).any(|w| w == [0x93, 0xff]), "{bytes:02x?}");
+        // A hash as bytes (vLLM without int hashes) keys by its last 8 bytes.
+        let mut w = Vec::new();
+        array(&mut w, 2);
+        let _ = rmp::encode::write_f64(&mut w, 0.0);
+        array(&mut w, 1);
+        let _ = rmp::encode::write_map_len(&mut w, 3);
+        str(&mut w, "type");
+        str(&mut w, "BlockRemoved");
+        str(&mut w, "block_hashes");
+        array(&mut w, 1);
+        let _ = rmp::encode::write_bin(
+            &mut w,
+            &[0xaa; 24].iter().copied().chain(1..=8).collect::<Vec<u8>>(),
+        );
+        str(&mut w, "medium");
+        nil(&mut w);
+        let got = decode_batch(&w).unwrap();
+        assert_eq!(
+            got.events,
+            vec![KvEvent::BlockRemoved {
+                block_hashes: vec![0x0102_0304_0506_0708],
+                medium: None,
+                group_idx: None
+            }]
+        );
     }
 
     /// A payload of deeply nested arrays is refused, not decoded by recursion until the

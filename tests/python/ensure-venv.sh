@@ -85,6 +85,7 @@ wheel_key="$(printf '%s\n' "recipe=$recipe" "$interp" "$llama_pin" "${llama_cmak
   | cat - "$here/requirements-build.txt" | sha256sum | cut -c1-16)"
 key="$(printf '%s\n' "recipe=$recipe" "$interp" "${llama_cmake_args[*]}" \
   | cat - "$here/requirements-build.txt" "$here/requirements.txt" "$here/vllm-source.txt" \
+    "$here/sglang-source.txt" \
   | sha256sum | cut -c1-16)"
 venv="$cache/venv-$key"
 
@@ -92,6 +93,7 @@ venv="$cache/venv-$key"
 # points at still starts (a removed base Python breaks a venv).
 usable() {
   [ -f "$venv/.narwhal-venv-complete" ] && [ -f "$venv/vllm-src/vllm/distributed/kv_events.py" ] \
+    && [ -f "$venv/sglang-src/sglang/srt/disaggregation/kv_events.py" ] \
     && "$venv/bin/python" -c 'import openai, llama_cpp.server.app, gguf, numpy, msgspec, zmq' >/dev/null 2>&1
 }
 
@@ -174,15 +176,18 @@ run_logged "installing packages" "${pip[@]}" install --no-deps --find-links "$wh
 "$build/bin/python" -c 'import openai, llama_cpp.server.app, gguf, numpy, msgspec, zmq' >>"$build_log" 2>&1 \
   || fail "the installed packages do not import"
 
-# vLLM's own KV events files (tests/python/vllm-source.txt): the pinned wheel is downloaded
-# without its dependencies and only the listed files are kept, in <venv>/vllm-src.
-vllm_pin="$(grep -Ev '^(#|$)' "$here/vllm-source.txt" | head -n 1)"
-log "extracting vLLM's kv_events.py from $vllm_pin (a wheel of about 130 MB, not installed)"
-vllm_dl="$(mktemp -d "$build/.vllm-wheel.XXXXXX")"
-run_logged "downloading $vllm_pin" "${pip[@]}" download --no-deps --no-cache-dir --only-binary :all: \
-  -d "$vllm_dl" "$vllm_pin" || fail "downloading $vllm_pin failed"
-grep -Ev '^(#|$)' "$here/vllm-source.txt" | tail -n +2 >"$vllm_dl/files"
-"$build/bin/python" - "$vllm_dl" "$build/vllm-src" <<'PY' >>"$build_log" 2>&1 || fail "extracting vLLM's files from the wheel failed"
+# The engines' own KV events files (tests/python/vllm-source.txt, sglang-source.txt): each pinned
+# wheel is downloaded without its dependencies and only the listed files are kept, in
+# <venv>/<engine>-src.
+extract_source() { # extract_source ENGINE
+  local engine=$1 list="$here/$1-source.txt" pin dl
+  pin="$(grep -Ev '^(#|$)' "$list" | head -n 1)"
+  log "extracting $engine's KV events files from $pin (the wheel is not installed)"
+  dl="$(mktemp -d "$build/.$engine-wheel.XXXXXX")"
+  run_logged "downloading $pin" "${pip[@]}" download --no-deps --no-cache-dir --only-binary :all: \
+    -d "$dl" "$pin" || fail "downloading $pin failed"
+  grep -Ev '^(#|$)' "$list" | tail -n +2 >"$dl/files"
+  "$build/bin/python" - "$dl" "$build/$engine-src" <<'PY' >>"$build_log" 2>&1 || fail "extracting $engine's files from the wheel failed"
 import glob, os, sys, zipfile
 dl, dest = sys.argv[1], sys.argv[2]
 (wheel,) = glob.glob(os.path.join(dl, "*.whl"))
@@ -191,7 +196,10 @@ with zipfile.ZipFile(wheel) as z:
     for n in names:
         z.extract(n, dest)  # a missing name raises KeyError: the pin and the list disagree
 PY
-rm -rf "$vllm_dl"
+  rm -rf "$dl"
+}
+extract_source vllm
+extract_source sglang
 printf '%s\n' "$interp" "${llama_cmake_args[*]}" >"$build/.narwhal-venv-complete"
 
 # Publish: rename a fresh symlink over the name (atomic on one filesystem).

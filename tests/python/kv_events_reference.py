@@ -5,20 +5,27 @@ Publishes a fixed fixture of KV event batches through vLLM's own `ZmqEventPublis
 a pyzmq SUB socket and once through the publisher's replay ROUTER socket, and prints one JSON
 document on stdout:
 
-    {"vllm_version": "...", "topic": "...",
+    {"engine": "vllm", "version": "...", "topic": "...",
      "batches": [{"fixture": {...}, "frames": [topic_hex, seq_hex, payload_hex]}, ...],
      "live": [[topic_hex, seq_hex, payload_hex], ...],   # seq >= len(batches): the last
                                                        # batch published again
      "replay": [[hex, ...], ...]}       # what a DEALER gets back, end marker included
 
-Usage: python kv_events_reference.py VLLM_SRC   (VLLM_SRC: the directory holding `vllm/`, as
-tests/python/ensure-venv.sh extracts it from the pinned wheel)
+Usage: python kv_events_reference.py vllm VLLM_SRC       (the directory holding `vllm/`)
+       python kv_events_reference.py sglang SGLANG_SRC   (the directory holding `sglang/`)
+as tests/python/ensure-venv.sh extracts them from the pinned wheels (vllm-source.txt,
+sglang-source.txt). The `sglang` mode publishes its own fixture (`sglang_fixture`) through
+SGLang's `ZmqEventPublisher` (`sglang/srt/disaggregation/kv_events.py`); the document's
+`version` is then SGLang's.
 
 Why the module is loaded by path, with stubs: `import vllm.distributed.kv_events` runs the
 package `__init__`s of `vllm` and `vllm.distributed`, which import torch and the whole engine
 (gigabytes). kv_events.py itself needs only msgspec, pyzmq and four vLLM names, which are
 given here without changing what is measured (the event classes and the publisher are vLLM's
-own code, run unmodified):
+own code, run unmodified). SGLang's kv_events.py likewise needs two SGLang names, reached only
+by its tcp:// endpoint helpers and its scheduler-side rank check, never by the ipc:// publisher
+used here: `sglang.srt.runtime_context.get_parallel` and `sglang.srt.utils.network.NetworkAddress`
+raise if reached. vLLM's stubs:
 - `vllm.logger.init_logger`: the standard library's logging.getLogger.
 - `vllm.v1.core.kv_cache_utils.ExternalBlockHash`: the type alias `bytes | int`, as vLLM has it.
 - `vllm.config.kv_events.KVEventsConfig`: vLLM's own file, loaded by path; its
@@ -84,6 +91,24 @@ def load_vllm(src):
     return kv, version.get("__version__", "unknown")
 
 
+class _NoNetworkAddress:
+    parse = staticmethod(_unreachable)
+
+
+def load_sglang(src):
+    for pkg in ("sglang", "sglang.srt", "sglang.srt.disaggregation", "sglang.srt.utils"):
+        _module(pkg)
+    _module("sglang.srt.runtime_context", get_parallel=_unreachable)
+    _module("sglang.srt.utils.network", NetworkAddress=_NoNetworkAddress)
+    kv = _load(
+        "sglang.srt.disaggregation.kv_events",
+        os.path.join(src, "sglang", "srt", "disaggregation", "kv_events.py"),
+    )
+    version = {}
+    exec(open(os.path.join(src, "sglang", "_version.py")).read(), version)  # noqa: S102
+    return kv, version.get("__version__", "unknown")
+
+
 TOPIC = "kv@sim"
 GPU = "GPU"
 
@@ -141,6 +166,56 @@ def fixture():
     ]
 
 
+def sglang_fixture():
+    """SGLang's batches, as plain data: block hashes are signed int64 (`hash_str_to_int64`), a
+    salted prefix carries `cache_salt` on every store, optional fields are left out when unset,
+    lower tiers are `CPU_PINNED` and the like, and a page is the block (page size 1 by
+    default)."""
+    return [
+        {
+            "ts": 1764470400.25,
+            "data_parallel_rank": None,  # the publisher fills in its rank (0)
+            "events": [
+                {"type": "BlockStored", "block_hashes": [1, -1, -(2**63)],
+                 "parent_block_hash": None, "token_ids": list(range(48)), "block_size": 16,
+                 "lora_id": None, "medium": GPU},
+            ],
+        },
+        {
+            "ts": 1764470401.5,
+            "data_parallel_rank": 0,
+            "events": [
+                {"type": "BlockRemoved", "block_hashes": [-5, 2**63 - 1], "medium": GPU},
+                {"type": "BlockStored", "block_hashes": [2**63 - 1], "parent_block_hash": -1,
+                 "token_ids": [31999, 65536, 0, 127, 128, 255, 256, 65535, 1, 2, 3, 4, 5, 6, 7, 8],
+                 "block_size": 16, "lora_id": None, "medium": GPU, "cache_salt": "tenant-1",
+                 "session_id": "s1", "lora_name": "adapter-a"},
+            ],
+        },
+        {"ts": 1764470402.0, "data_parallel_rank": 0, "events": [{"type": "AllBlocksCleared"}]},
+        {
+            "ts": 0.1,
+            "data_parallel_rank": 0,
+            "events": [
+                {"type": "BlockStored", "block_hashes": [7, -8], "parent_block_hash": None,
+                 "token_ids": [3, 4], "block_size": 1, "lora_id": None, "medium": "CPU_PINNED"},
+                {"type": "BlockRemoved", "block_hashes": [7]},
+            ],
+        },
+    ]
+
+
+def to_sglang(kv, batch):
+    events = []
+    for e in batch["events"]:
+        e = dict(e)
+        kind = e.pop("type")
+        if e.get("medium") is not None:
+            e["medium"] = kv.StorageMedium(e["medium"])  # what SGLang's caches pass
+        events.append(getattr(kv, kind)(**e))
+    return kv.KVEventBatch(ts=batch["ts"], events=events, attn_dp_rank=batch["data_parallel_rank"])
+
+
 def _key(part):
     """One extra-key entry of the fixture as vLLM holds it: a pair is a tuple, a digest bytes."""
     if isinstance(part, list):
@@ -162,26 +237,35 @@ def to_vllm(kv, batch):
     return kv.KVEventBatch(ts=batch["ts"], events=events, data_parallel_rank=batch["data_parallel_rank"])
 
 
+ENGINES = {
+    # engine: (loader, fixture, conversion, the publisher's rank keyword)
+    "vllm": (load_vllm, fixture, to_vllm, "data_parallel_rank"),
+    "sglang": (load_sglang, sglang_fixture, to_sglang, "attn_dp_rank"),
+}
+
+
 def main():
-    kv, version = load_vllm(sys.argv[1])
+    engine, src = sys.argv[1], sys.argv[2]
+    load, batches, convert, rank = ENGINES[engine]
+    kv, version = load(src)
     with tempfile.TemporaryDirectory(prefix="narwhal-kv-ref-") as d:
-        out = run(kv, version, d)
+        out = run(kv, batches(), lambda b: convert(kv, b), rank, d)
+    out["engine"], out["version"] = engine, version
     json.dump(out, sys.stdout)
     sys.stdout.write("\n")
 
 
-def run(kv, version, d):
+def run(kv, batches, convert, rank, d):
     ctx = zmq.Context.instance()
     pub_ep, replay_ep = f"ipc://{d}/pub", f"ipc://{d}/replay"
     publisher = kv.ZmqEventPublisher(
-        data_parallel_rank=0, endpoint=pub_ep, replay_endpoint=replay_ep, topic=TOPIC
+        **{rank: 0}, endpoint=pub_ep, replay_endpoint=replay_ep, topic=TOPIC
     )
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
     sub.connect(pub_ep)
-    batches = fixture()
     for b in batches:
-        publisher.publish(to_vllm(kv, b))
+        publisher.publish(convert(b))
     live = []
 
     def drain_live():
@@ -212,7 +296,7 @@ def run(kv, version, d):
     again = len(batches)
     deadline = time.time() + 10
     while time.time() < deadline and not any(int(f[1], 16) >= len(batches) for f in live):
-        publisher.publish(to_vllm(kv, batches[-1]))
+        publisher.publish(convert(batches[-1]))
         again += 1
         if sub.poll(100):
             drain_live()
@@ -224,7 +308,6 @@ def run(kv, version, d):
     end = end_seq.hex()
     by_seq = {int(r[2], 16): r[1:4] for r in replay if len(r) == 4 and r[2] != end}
     return {
-        "vllm_version": version,
         "topic": TOPIC.encode().hex(),
         "batches": [{"fixture": b, "frames": by_seq.get(i)} for i, b in enumerate(batches)],
         "live": live,

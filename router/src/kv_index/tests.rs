@@ -20,6 +20,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> KvEvent {
         extra_keys: None,
         group_idx: None,
         session_id: None,
+        cache_salt: None,
     }
 }
 
@@ -555,6 +556,7 @@ fn lower_tiers_other_groups_and_unknown_events_are_skipped_and_counted() {
         extra_keys: None,
         group_idx: None,
         session_id: None,
+        cache_salt: None,
     };
     let cpu_removed = KvEvent::BlockRemoved {
         block_hashes: vec![11, 12, 13],
@@ -636,6 +638,28 @@ fn keyed_store(
     e
 }
 
+/// [`keyed_store`] as SGLang 0.5 publishes it: no `extra_keys`, the salt in `cache_salt` on
+/// every event of the salted prefix (its radix tree keys whole prefixes by it).
+fn sglang_store(
+    hashes: &[u64],
+    parent: Option<u64>,
+    tokens: &[u32],
+    lora: Option<&str>,
+    salt: Option<&str>,
+) -> KvEvent {
+    let mut e = stored(hashes, parent, tokens);
+    if let KvEvent::BlockStored {
+        lora_name,
+        cache_salt,
+        ..
+    } = &mut e
+    {
+        *lora_name = lora.map(str::to_string);
+        *cache_salt = salt.map(str::to_string);
+    }
+    e
+}
+
 fn keyed_matched(ix: &KvIndex, e: usize, tokens: &[u32], keys: PromptKeys<'_>) -> u64 {
     ix.matched_tokens(
         e,
@@ -671,14 +695,19 @@ fn blocks_are_credited_only_under_the_keys_they_were_stored_with() {
         salt: Some("tenant-a"),
     };
     let all = [plain, salt_a, salt_b, lora, lora_salted];
-    for stored_as in all {
+    type Store = fn(&[u64], Option<u64>, &[u32], Option<&str>, Option<&str>) -> KvEvent;
+    let engines: [(&str, Store); 2] = [("vllm", keyed_store), ("sglang", sglang_store)];
+    for ((engine, store), stored_as) in engines
+        .into_iter()
+        .flat_map(|e| all.into_iter().map(move |k| (e, k)))
+    {
         let mut ix = KvIndex::new(&[true]);
         // Stored in two batches: the second continues the first by its parent, as vLLM
         // stores a prompt whose first blocks were already cached.
         ix.apply(
             0,
             0,
-            &batch(vec![keyed_store(
+            &batch(vec![store(
                 &[11],
                 None,
                 &p[..4],
@@ -690,7 +719,7 @@ fn blocks_are_credited_only_under_the_keys_they_were_stored_with() {
         ix.apply(
             0,
             1,
-            &batch(vec![keyed_store(
+            &batch(vec![store(
                 &[12, 13],
                 Some(11),
                 &p[4..],
@@ -705,7 +734,7 @@ fn blocks_are_credited_only_under_the_keys_they_were_stored_with() {
             assert_eq!(
                 keyed_matched(&ix, 0, &p, asked),
                 want,
-                "stored as {stored_as:?}, asked as {asked:?}"
+                "{engine}: stored as {stored_as:?}, asked as {asked:?}"
             );
         }
     }

@@ -182,6 +182,7 @@ fn write_seed_corpus() {
                 extra_keys: None,
                 group_idx: Some(0),
                 session_id: None,
+                cache_salt: None,
             }],
             data_parallel_rank: Some(0),
         };

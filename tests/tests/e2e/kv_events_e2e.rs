@@ -4,6 +4,8 @@
 //!   published by vLLM's own `ZmqEventPublisher` (the pinned wheel's `kv_events.py`, in the
 //!   Python test venv), equals byte for byte what `narwhal_testkit::kv_events` encodes, and the
 //!   replay socket's frames and end marker are the ones the simulator sends.
+//! - `encoding_matches_sglangs_publisher`: the same for SGLang's encoding, against SGLang's own
+//!   publisher (the pinned wheel's `sglang/srt/disaggregation/kv_events.py`).
 //! - `sim_publishes_its_prompt_blocks`: a simulator with `--kv-events-config` publishes
 //!   `BlockStored` for a prompt's full blocks from sequence 0, a repeated prompt is a cache hit
 //!   (`/metrics`, `/sim/stats`) with no new store, and replay gives the same bytes as the PUB.
@@ -16,7 +18,8 @@ use crate::pysdk;
 use std::time::Duration;
 
 use narwhal_testkit::kv_events::{
-    ExtraKey, KvEvent, KvEventBatch, REPLAY_END, decode_batch, encode_batch, pub_frames,
+    ExtraKey, KvEvent, KvEventBatch, REPLAY_END, decode_batch, encode_batch, encode_sglang_batch,
+    pub_frames,
 };
 use narwhal_testkit::{SimHandle, wait_until};
 use serde_json::{Value, json};
@@ -31,6 +34,19 @@ fn u64s(v: &Value) -> Vec<u64> {
         .expect("array")
         .iter()
         .map(|x| x.as_u64().expect("u64"))
+        .collect()
+}
+
+/// A block hash of the fixture: vLLM's unsigned, or SGLang's signed int64 (its 64 bits).
+fn hash(v: &Value) -> Option<u64> {
+    v.as_u64().or_else(|| v.as_i64().map(|i| i as u64))
+}
+
+fn hashes(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| hash(x).expect("a hash"))
         .collect()
 }
 
@@ -63,8 +79,8 @@ fn extra_key(p: &Value) -> ExtraKey {
 fn event(e: &Value) -> KvEvent {
     match e["type"].as_str().expect("type") {
         "BlockStored" => KvEvent::BlockStored {
-            block_hashes: u64s(&e["block_hashes"]),
-            parent_block_hash: e["parent_block_hash"].as_u64(),
+            block_hashes: hashes(&e["block_hashes"]),
+            parent_block_hash: hash(&e["parent_block_hash"]),
             token_ids: u64s(&e["token_ids"])
                 .into_iter()
                 .map(|t| t as u32)
@@ -83,9 +99,10 @@ fn event(e: &Value) -> KvEvent {
             }),
             group_idx: e.get("group_idx").and_then(Value::as_u64).map(|g| g as u32),
             session_id: opt_str(e, "session_id"),
+            cache_salt: opt_str(e, "cache_salt"),
         },
         "BlockRemoved" => KvEvent::BlockRemoved {
-            block_hashes: u64s(&e["block_hashes"]),
+            block_hashes: hashes(&e["block_hashes"]),
             medium: opt_str(e, "medium"),
             group_idx: e.get("group_idx").and_then(Value::as_u64).map(|g| g as u32),
         },
@@ -97,18 +114,37 @@ fn event(e: &Value) -> KvEvent {
 #[tokio::test]
 #[cfg_attr(narwhal_skip_venv, ignore = "NARWHAL_SKIP_VENV=1: no Python venv")]
 async fn encoding_matches_vllms_publisher() {
-    let py = pysdk::python("encoding_matches_vllms_publisher");
+    matches_reference("vllm", "0.32.0", encode_batch).await;
+}
+
+/// SGLang 0.5 publishes its KV events in its own encoding (signed int64 hashes, optional
+/// fields left out, `cache_salt` on salted stores): its own publisher's frames equal what
+/// `encode_sglang_batch` (the simulator's `--dialect sglang`) writes, and the router's
+/// decoder reads them back to the same events. Before, every SGLang batch failed to decode.
+#[tokio::test]
+#[cfg_attr(narwhal_skip_venv, ignore = "NARWHAL_SKIP_VENV=1: no Python venv")]
+async fn encoding_matches_sglangs_publisher() {
+    matches_reference("sglang", "0.5.23", encode_sglang_batch).await;
+}
+
+/// Runs `kv_events_reference.py ENGINE <venv>/ENGINE-src` (the pinned wheel's own publisher
+/// and classes) and checks each fixture batch's frames, the live SUB frames and the replay
+/// against ours.
+async fn matches_reference(engine: &str, version: &str, encode: fn(&KvEventBatch) -> Vec<u8>) {
+    let test = format!("encoding_matches_{engine}s_publisher");
+    let py = pysdk::python(&test);
     let venv = py.parent().and_then(|b| b.parent()).expect("venv dir");
-    let src = venv.join("vllm-src");
+    let src = venv.join(format!("{engine}-src"));
     assert!(
-        src.join("vllm/distributed/kv_events.py").exists(),
-        "{} has no vLLM kv_events.py (tests/python/ensure-venv.sh extracts it)",
+        src.is_dir(),
+        "{} is missing (tests/python/ensure-venv.sh extracts {engine}'s kv_events.py there)",
         src.display()
     );
     let out = tokio::time::timeout(
         Duration::from_secs(60),
         pysdk::command(&py)
             .arg(pysdk::python_dir().join("kv_events_reference.py"))
+            .arg(engine)
             .arg(&src)
             .output(),
     )
@@ -117,11 +153,12 @@ async fn encoding_matches_vllms_publisher() {
     .expect("run the reference script");
     assert!(
         out.status.success(),
-        "kv_events_reference.py failed: {}",
+        "kv_events_reference.py {engine} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     let doc: Value = serde_json::from_slice(&out.stdout).expect("reference JSON");
-    assert_eq!(doc["vllm_version"], "0.32.0", "the pinned wheel");
+    assert_eq!(doc["engine"], engine);
+    assert_eq!(doc["version"], version, "the pinned wheel");
     let topic = "kv@sim";
     assert_eq!(doc["topic"], hex(topic.as_bytes()));
     let batches = doc["batches"].as_array().expect("batches");
@@ -140,14 +177,17 @@ async fn encoding_matches_vllms_publisher() {
             // vLLM's publisher fills in its rank when the batch has none.
             data_parallel_rank: Some(f["data_parallel_rank"].as_i64().unwrap_or(0)),
         };
-        let payload = encode_batch(&batch);
+        let payload = encode(&batch);
         let ours: Vec<String> = pub_frames(topic, seq as u64, &payload)
             .iter()
             .map(|x| hex(x))
             .collect();
         let theirs: Vec<String> = serde_json::from_value(b["frames"].clone())
-            .unwrap_or_else(|_| panic!("batch {seq} missing from vLLM's replay: {doc}"));
-        assert_eq!(ours, theirs, "batch {seq}: our frames differ from vLLM's");
+            .unwrap_or_else(|_| panic!("batch {seq} missing from {engine}'s replay: {doc}"));
+        assert_eq!(
+            ours, theirs,
+            "batch {seq}: our frames differ from {engine}'s"
+        );
         assert_eq!(decode_batch(&payload).expect("decode"), batch);
         ours_by_seq.push(ours);
     }

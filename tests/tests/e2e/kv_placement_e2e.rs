@@ -583,7 +583,20 @@ async fn a_restarted_router_is_exact_from_its_first_request() {
 /// tokens alone), and a request naming an adapter was refused by the router.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keyed_requests_are_credited_only_with_blocks_stored_under_their_keys() {
+    keyed_credit("vllm").await;
+}
+
+/// The same on SGLang's KV events (its own encoding: signed hashes, the salt in `cache_salt`
+/// on every store, optional fields left out), which before failed to decode batch after
+/// batch, so SGLang engines were placed by the approximate index only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_keyed_requests_are_credited_only_with_blocks_stored_under_their_keys() {
+    keyed_credit("sglang").await;
+}
+
+async fn keyed_credit(dialect: &str) {
     let f = Fleet::builder()
+        .dialect(dialect)
         .decode(2)
         .kv_events()
         .sim_args(&[

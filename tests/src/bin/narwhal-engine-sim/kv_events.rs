@@ -15,7 +15,9 @@ use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
 
 use bytes::Bytes;
-use narwhal_testkit::kv_events::{KvEvent, KvEventBatch, REPLAY_END, encode_batch};
+use narwhal_testkit::kv_events::{
+    KvEvent, KvEventBatch, REPLAY_END, encode_batch, encode_sglang_batch,
+};
 use serde::Deserialize;
 use tokio::sync::mpsc;
 use zeromq::{Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
@@ -180,7 +182,11 @@ impl Publisher {
     ///
     /// # Errors
     /// A message naming `--kv-events-config` and the endpoint that failed.
-    pub(crate) async fn start(cfg: &KvEventsConfig, listen_ip: IpAddr) -> Result<Self, String> {
+    pub(crate) async fn start(
+        cfg: &KvEventsConfig,
+        listen_ip: IpAddr,
+        encoding: Encoding,
+    ) -> Result<Self, String> {
         let mut publ = zeromq::PubSocket::new();
         let endpoint = if binds(&cfg.endpoint) {
             bind_socket(&mut publ, "endpoint", &cfg.endpoint, listen_ip).await?
@@ -202,7 +208,7 @@ impl Publisher {
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let topic = Bytes::from(cfg.topic.clone().into_bytes());
-        tokio::spawn(run(publ, replay, rx, topic, cfg.buffer_steps));
+        tokio::spawn(run(publ, replay, rx, topic, cfg.buffer_steps, encoding));
         Ok(Publisher {
             tx,
             endpoint,
@@ -216,6 +222,17 @@ impl Publisher {
             let _ = self.tx.send(events);
         }
     }
+}
+
+/// Whose classes a batch is encoded with: vLLM 0.32's (`--dialect vllm`) or SGLang 0.5's
+/// (`--dialect sglang`: signed hashes, optional fields left out; `encode_sglang_batch`). The
+/// frames, sequence numbers and replay are the same for both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Encoding {
+    /// `KVEventBatch` of `vllm/distributed/kv_events.py`.
+    Vllm,
+    /// `KVEventBatch` of `sglang/srt/disaggregation/kv_events.py`.
+    Sglang,
 }
 
 fn now() -> f64 {
@@ -234,6 +251,7 @@ async fn run(
     mut rx: mpsc::UnboundedReceiver<Vec<KvEvent>>,
     topic: Bytes,
     buffer_steps: usize,
+    encoding: Encoding,
 ) {
     let mut seq: u64 = 0;
     let mut ring: VecDeque<(u64, Bytes)> = VecDeque::new();
@@ -248,7 +266,10 @@ async fn run(
             events = rx.recv() => {
                 let Some(events) = events else { return };
                 let batch = KvEventBatch { ts: now(), events, data_parallel_rank: Some(0) };
-                let payload = Bytes::from(encode_batch(&batch));
+                let payload = Bytes::from(match encoding {
+                    Encoding::Vllm => encode_batch(&batch),
+                    Encoding::Sglang => encode_sglang_batch(&batch),
+                });
                 let frames = vec![topic.clone(), Bytes::copy_from_slice(&seq.to_be_bytes()), payload.clone()];
                 if let Some(m) = message(frames)
                     && let Err(e) = publ.send(m).await

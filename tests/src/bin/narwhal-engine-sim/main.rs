@@ -466,9 +466,16 @@ async fn start_engine(
     };
     let events = match &events_cfg {
         Some(c) if settings.cache.enabled => Some(
-            kv_events::Publisher::start(c, p.listen.ip())
-                .await
-                .map_err(StartError::KvEvents)?,
+            kv_events::Publisher::start(
+                c,
+                p.listen.ip(),
+                match settings.dialect {
+                    Dialect::Vllm => kv_events::Encoding::Vllm,
+                    Dialect::Sglang => kv_events::Encoding::Sglang,
+                },
+            )
+            .await
+            .map_err(StartError::KvEvents)?,
         ),
         _ => None,
     };

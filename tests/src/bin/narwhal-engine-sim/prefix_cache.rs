@@ -43,6 +43,46 @@ impl Keys {
         )
     }
 
+    /// `e` as SGLang 0.5 publishes it (`sglang/srt/mem_cache/events.py`,
+    /// `KVCacheEventRecorder.record_store`): no `extra_keys` and no `group_idx`; the salt in
+    /// `cache_salt` on every store of a salted prefix (its radix tree keys the whole prefix by
+    /// it), the adapter in `lora_name`. Removals and clears are the same events.
+    pub(crate) fn as_sglang(&self, e: KvEvent) -> KvEvent {
+        match e {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                medium,
+                lora_name,
+                ..
+            } => KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_id: None,
+                medium,
+                lora_name,
+                extra_keys: None,
+                group_idx: None,
+                session_id: None,
+                cache_salt: self.salt.clone(),
+            },
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+                ..
+            } => KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+                group_idx: None,
+            },
+            other => other,
+        }
+    }
+
     /// Block `i`'s extra keys as its `BlockStored` publishes them: untagged, in vLLM's order
     /// (adapter, then salt; `to_event_extra_keys`), `None` when it has none.
     fn of_block(&self, i: usize) -> Option<Vec<String>> {
@@ -274,6 +314,7 @@ impl PrefixCache {
                 lora_name: lookup.keys.lora.clone(),
                 group_idx: Some(0),
                 session_id: None,
+                cache_salt: None,
             });
         }
         events

@@ -338,7 +338,13 @@ impl Sim {
     /// Stores `prompt`'s computed full blocks and, when `publish` (no `mute_kv_events`
     /// fault), publishes the batch of events it caused.
     pub(crate) fn cache_store(&self, prompt: &[u32], lookup: &Lookup, publish: bool) {
-        let events = lock(&self.cache).store(prompt, lookup);
+        let mut events = lock(&self.cache).store(prompt, lookup);
+        if self.cfg.dialect == Dialect::Sglang {
+            events = events
+                .into_iter()
+                .map(|e| lookup.keys.as_sglang(e))
+                .collect();
+        }
         if let Some(p) = self.events.as_ref().filter(|_| publish) {
             p.publish(events);
         }
