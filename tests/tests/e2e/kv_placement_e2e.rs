@@ -673,6 +673,156 @@ async fn keyed_credit(dialect: &str) {
     }
 }
 
+/// Chat requests whose template renders more than their messages (`tools`, a second BOS from
+/// `add_special_tokens`, no generation prompt) are credited with exactly what the engine had:
+/// the router sends those fields to `/tokenize`, so its chain is the one the engine hashed.
+/// Each variant of one long system prompt is credited on every request the engine's own
+/// cached-token count, never more: on its first, what it renders alike with the variants before
+/// it; on its second (another user turn), the system prompt too. Before, tools
+/// and `add_special_tokens` were dropped on the way to `/tokenize`: the chain differed from
+/// block 0 and a repeated tool-calling prefix was never credited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_requests_are_credited_as_their_template_renders_them() {
+    let f = Fleet::builder()
+        .decode(2)
+        .kv_events()
+        .sim_args(&["--block-size", "4", "--enable-prompt-tokens-details"])
+        .start()
+        .await;
+    let router = f.router();
+    let system = words(7000, 40);
+    let tool = |name: &str| {
+        json!([{"type": "function", "function": {"name": name,
+            "description": "looks a thing up", "parameters": {"type": "object",
+            "properties": {"q": {"type": "string"}}}}}])
+    };
+    let variants = [
+        json!({"tools": tool("search")}),
+        json!({"tools": tool("lookup")}),
+        json!({"tools": tool("search"), "add_special_tokens": true}),
+        json!({"add_generation_prompt": false}),
+    ];
+    let mut seen = 0;
+    for (v, extra) in variants.iter().enumerate() {
+        for round in 0..2 {
+            let mut body = json!({"model": "tiny-sim", "max_tokens": 2, "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": words(9000 + 100 * v + 10 * round, 6)}]});
+            narwhal_testkit::merge(&mut body, extra.clone());
+            let r = router
+                .http
+                .post(format!("{}/v1/chat/completions", router.data), &body)
+                .await;
+            assert_eq!(r.status, 200, "{body}: {}", r.text());
+            let prompt_tokens = r.json()["usage"]["prompt_tokens"]
+                .as_u64()
+                .expect("usage.prompt_tokens");
+            seen += 1;
+            let rows = eventually("the request's row", WAIT, || async {
+                let r = served(router);
+                (r.len() >= seen).then_some(r)
+            })
+            .await;
+            let r = &rows[seen - 1];
+            let credit = r["cached_tokens"].as_u64().expect("scored");
+            let engine = r["engine_cached_tokens"].as_u64().expect("engine count");
+            if round == 0 {
+                // A variant shares with the earlier ones only what its template renders
+                // alike (the BOS, the start of a tool definition): credited that, no more.
+                assert_eq!(credit, engine, "{extra} first: {r}");
+                assert!(engine < 40 || v > 0, "{extra} first: {r}");
+                let iid = r["decode_iid"].as_str().expect("decode_iid").to_string();
+                let blocks = prompt_tokens / 4;
+                kv_engine(router, &iid, "the variant's blocks in the index", |e| {
+                    e["blocks"].as_u64().unwrap_or(0) >= blocks
+                })
+                .await;
+            } else {
+                assert_eq!(r["kv_mode"], "exact", "{extra}: {r}");
+                assert!(engine >= 40, "{extra}: the system prompt was cached: {r}");
+                assert_eq!(
+                    credit, engine,
+                    "{extra}: credited as the engine hashed: {r}"
+                );
+            }
+        }
+    }
+}
+
+/// A chat request with an image is placed by load (the router cannot compute the image's
+/// key: its journal row has no credit), and the blocks it stores, keyed by the image as vLLM
+/// keys them, are never credited to a text request whose tokens are the same (the image's
+/// placeholder spelled out as text): that one is credited exactly the blocks before the image,
+/// what the engine itself hits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_stored_for_an_image_are_never_credited_to_text() {
+    let f = Fleet::builder()
+        .decode(2)
+        .kv_events()
+        .sim_args(&["--block-size", "4", "--enable-prompt-tokens-details"])
+        .start()
+        .await;
+    let router = f.router();
+    let system = words(11000, 40);
+    let placeholder = ["<|image|>"; 8].join(" ");
+    let image = json!({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}});
+    let spelled = json!({"type": "text", "text": placeholder});
+    let mut seen = 0;
+    let mut send = |part: Value, tail: usize| {
+        seen += 1;
+        let n = seen;
+        let body = json!({"model": "tiny-sim", "max_tokens": 2, "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": [{"type": "text", "text": "look at"}, part,
+                                         {"type": "text", "text": words(tail, 6)}]}]});
+        async move {
+            let r = router
+                .http
+                .post(format!("{}/v1/chat/completions", router.data), &body)
+                .await;
+            assert_eq!(r.status, 200, "{body}: {}", r.text());
+            let rows = eventually("the request's row", WAIT, || async {
+                let r = served(router);
+                (r.len() >= n).then_some(r)
+            })
+            .await;
+            rows[n - 1].clone()
+        }
+    };
+    let first = send(image.clone(), 12000).await;
+    assert!(first["cached_tokens"].is_null(), "unscored: {first}");
+    let iid = first["decode_iid"]
+        .as_str()
+        .expect("decode_iid")
+        .to_string();
+    kv_engine(router, &iid, "the image request's blocks", |e| {
+        e["blocks"].as_u64().unwrap_or(0) >= 14
+    })
+    .await;
+    let again = send(image, 12100).await;
+    assert!(again["cached_tokens"].is_null(), "unscored: {again}");
+    let text = send(spelled, 12200).await;
+    let credit = text["cached_tokens"]
+        .as_u64()
+        .expect("a text request is scored");
+    let engine = text["engine_cached_tokens"].as_u64().expect("engine count");
+    assert_eq!(text["kv_mode"], "exact", "{text}");
+    assert!(credit >= 40, "the system prompt is credited: {text}");
+    assert_eq!(
+        credit, engine,
+        "credited the blocks before the image, no more: {text}"
+    );
+    if again["decode_iid"] == text["decode_iid"] {
+        let image_hit = again["engine_cached_tokens"]
+            .as_u64()
+            .expect("engine count");
+        assert!(
+            image_hit > engine,
+            "the image's own blocks hit for the image ({image_hit}), not for text: {text}"
+        );
+    }
+}
+
 /// An engine whose cache loses blocks its events never take back (here: another prompt stored
 /// with its events muted evicts the held prefix, as a lost `BlockRemoved` would) is
 /// over-credited on each request for that prefix; the third in a row makes it `suspect`

@@ -19,28 +19,61 @@ use std::collections::{BTreeMap, HashMap};
 use narwhal_testkit::kv_events::{ExtraKey, KvEvent, MEDIUM_GPU};
 
 /// What a request's blocks are keyed by beyond their tokens, as vLLM 0.32 keys them
-/// (`kv_cache_utils.generate_block_hash_extra_keys`): the LoRA adapter on every block, the
-/// `cache_salt` on the prompt's first block. (Multimodal items and prompt embeddings, which
-/// vLLM keys too, are not simulated.)
+/// (`kv_cache_utils.generate_block_hash_extra_keys`): the LoRA adapter on every block, each
+/// image on the blocks its placeholder tokens fall in, the `cache_salt` on the prompt's first
+/// block. (Prompt embeddings, which vLLM keys too, are not simulated.)
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Keys {
     /// The adapter's name (the request's `model` naming one of `--lora-modules`).
     pub(crate) lora: Option<String>,
     /// The request's `cache_salt`.
     pub(crate) salt: Option<String>,
+    /// The prompt's images, in prompt order.
+    pub(crate) media: Vec<Media>,
+}
+
+/// One multimodal item of a prompt: vLLM's `mm_feature` (`identifier`, `mm_position`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Media {
+    /// What keys it: vLLM hashes the processed item (or takes the request's
+    /// `multi_modal_uuids`); the simulator hashes the image's URL.
+    pub(crate) identifier: String,
+    /// Its first placeholder token's index in the prompt.
+    pub(crate) start: usize,
+    /// Its placeholder tokens.
+    pub(crate) len: usize,
 }
 
 impl Keys {
+    /// The images whose placeholders fall in block `i` (of `bs` tokens), with their offset
+    /// from the block's start (negative when the image began in an earlier block), as vLLM's
+    /// `_gen_mm_extra_hash_keys` keys a block.
+    fn media_of(&self, i: usize, bs: usize) -> impl Iterator<Item = (&str, i64)> {
+        let (lo, hi) = (i * bs, (i + 1) * bs);
+        self.media
+            .iter()
+            .filter(move |m| m.start < hi && m.start + m.len > lo)
+            .map(move |m| (m.identifier.as_str(), m.start as i64 - lo as i64))
+    }
+
     /// Block `i`'s extra keys as its hash takes them: tagged with their source, as vLLM's
-    /// `hash_block_tokens` does (`("lora", name, path)`, `("cache_salt", salt)`), so a salt
-    /// equal to an adapter's name is another key.
-    fn tagged(&self, i: usize) -> impl Iterator<Item = (&'static str, &str)> {
-        self.lora.iter().map(|l| ("lora", l.as_str())).chain(
-            self.salt
-                .iter()
-                .filter(move |_| i == 0)
-                .map(|s| ("cache_salt", s.as_str())),
-        )
+    /// `hash_block_tokens` does (`("lora", name, path)`, `("mm", identifier, offset)`,
+    /// `("cache_salt", salt)`), so a salt equal to an adapter's name is another key.
+    fn tagged(&self, i: usize, bs: usize) -> Vec<(&'static str, String)> {
+        self.lora
+            .iter()
+            .map(|l| ("lora", l.clone()))
+            .chain(
+                self.media_of(i, bs)
+                    .map(|(id, off)| ("mm", format!("{id}@{off}"))),
+            )
+            .chain(
+                self.salt
+                    .iter()
+                    .filter(|_| i == 0)
+                    .map(|s| ("cache_salt", s.clone())),
+            )
+            .collect()
     }
 
     /// `e` as SGLang 0.5 publishes it (`sglang/srt/mem_cache/events.py`,
@@ -84,13 +117,23 @@ impl Keys {
     }
 
     /// Block `i`'s extra keys as its `BlockStored` publishes them: untagged, in vLLM's order
-    /// (adapter, then salt; `to_event_extra_keys`), `None` when it has none.
-    fn of_block(&self, i: usize) -> Option<Vec<String>> {
-        let keys: Vec<String> = self
+    /// (adapter, `[identifier, offset]` per image, then salt; `to_event_extra_keys`), `None`
+    /// when it has none.
+    fn of_block(&self, i: usize, bs: usize) -> Option<Vec<ExtraKey>> {
+        let keys: Vec<ExtraKey> = self
             .lora
             .iter()
-            .chain(self.salt.iter().filter(|_| i == 0))
-            .cloned()
+            .map(|l| ExtraKey::Text(l.clone()))
+            .chain(self.media_of(i, bs).map(|(id, offset)| ExtraKey::Media {
+                identifier: id.to_string(),
+                offset,
+            }))
+            .chain(
+                self.salt
+                    .iter()
+                    .filter(|_| i == 0)
+                    .map(|s| ExtraKey::Text(s.clone())),
+            )
             .collect();
         (!keys.is_empty()).then_some(keys)
     }
@@ -199,8 +242,8 @@ impl PrefixCache {
                 for t in block {
                     h = mix(h, u64::from(*t));
                 }
-                for (tag, k) in keys.tagged(i) {
-                    h = mix_str(mix_str(h, tag), k);
+                for (tag, k) in keys.tagged(i, self.block_size) {
+                    h = mix_str(mix_str(h, tag), &k);
                 }
                 parent = finish(h);
                 parent
@@ -299,12 +342,7 @@ impl PrefixCache {
                 // vLLM publishes one entry per block, untagged (`to_event_extra_keys`).
                 extra_keys: Some(
                     (first..first + stored.len())
-                        .map(|i| {
-                            lookup
-                                .keys
-                                .of_block(i)
-                                .map(|ks| ks.into_iter().map(ExtraKey::Text).collect())
-                        })
+                        .map(|i| lookup.keys.of_block(i, bs))
                         .collect(),
                 ),
                 block_hashes: stored,
@@ -418,6 +456,7 @@ mod tests {
         let key = |lora: Option<&str>, salt: Option<&str>| Keys {
             lora: lora.map(str::to_string),
             salt: salt.map(str::to_string),
+            ..Keys::default()
         };
         let plain = c.hashes(&p, &Keys::default());
         let salted = c.hashes(&p, &key(None, Some("t")));
@@ -504,5 +543,42 @@ mod tests {
         assert!(off.store(&p, &l).is_empty());
         assert_eq!(off.lookup(&p, &Keys::default()).hit_blocks, 0);
         assert_eq!(off.reset(), None);
+    }
+
+    /// An image keys the blocks its placeholders fall in, by its identifier and its offset
+    /// from each block's start, and so every block after them; the blocks before it are the
+    /// text prompt's. Its events carry `[identifier, offset]` pairs, as vLLM's do.
+    #[test]
+    fn images_key_the_blocks_they_fall_in() {
+        let mut c = PrefixCache::new(4, 64, true, 7);
+        let p: Vec<u32> = (1..=16).collect();
+        let image = |id: &str| Keys {
+            media: vec![Media {
+                identifier: id.into(),
+                start: 6,
+                len: 4,
+            }],
+            ..Keys::default()
+        };
+        let text = c.hashes(&p, &Keys::default());
+        let a = c.hashes(&p, &image("a"));
+        let b = c.hashes(&p, &image("b"));
+        assert_eq!(a[0], text[0]);
+        assert!((1..4).all(|i| a[i] != text[i] && a[i] != b[i]));
+        let lookup = c.lookup(&p, &image("a"));
+        let events = c.store(&p, &lookup);
+        let Some(KvEvent::BlockStored { extra_keys, .. }) = events.last() else {
+            panic!("a store: {events:?}");
+        };
+        let media = |offset| {
+            Some(vec![ExtraKey::Media {
+                identifier: "a".into(),
+                offset,
+            }])
+        };
+        assert_eq!(
+            extra_keys.as_deref(),
+            Some(&[None, media(2), media(-2), None][..])
+        );
     }
 }

@@ -16,7 +16,7 @@ use std::fmt::Write as _;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::prefix_cache::Keys;
+use crate::prefix_cache::{Keys, Media};
 use crate::tokenizer;
 
 /// Default `max_tokens` when the request gives none (vLLM's completions default).
@@ -159,10 +159,36 @@ struct Message {
     content: Option<Value>,
 }
 
+/// The chat request fields that change a prompt's tokens, as vLLM's chat template and
+/// tokenizer take them (`ChatCompletionRequest`, `TokenizeChatRequest`): the `tools` the
+/// template renders, `add_generation_prompt` (default true) and `add_special_tokens` (default
+/// false for chat: the template writes the BOS itself; true adds the tokenizer's BOS again).
+#[derive(Deserialize, Default)]
+struct ChatOptions {
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    add_special_tokens: Option<bool>,
+}
+
+impl ChatOptions {
+    fn template(&self) -> tokenizer::Template<'_> {
+        tokenizer::Template {
+            tools: self.tools.as_ref().filter(|t| !t.is_null()),
+            generation_prompt: self.add_generation_prompt.unwrap_or(true),
+            special_tokens: self.add_special_tokens.unwrap_or(false),
+        }
+    }
+}
+
 #[derive(Deserialize)]
 struct Body {
     #[serde(default)]
     model: Option<String>,
+    #[serde(flatten)]
+    chat: ChatOptions,
     #[serde(default)]
     prompt: Option<Value>,
     #[serde(default)]
@@ -241,9 +267,9 @@ pub(crate) fn parse_request(kind: Kind, bytes: &[u8], limits: &Limits) -> Result
         .as_ref()
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
-    let prompt = match kind {
-        Kind::Completion => completion_prompt(body.prompt.as_ref())?,
-        Kind::Chat => chat_prompt(body.messages.as_deref())?,
+    let (prompt, media) = match kind {
+        Kind::Completion => (completion_prompt(body.prompt.as_ref())?, Vec::new()),
+        Kind::Chat => chat_prompt(body.messages.as_deref(), &body.chat)?,
     };
     let max = match kind {
         Kind::Completion => body.max_tokens,
@@ -304,7 +330,7 @@ pub(crate) fn parse_request(kind: Kind, bytes: &[u8], limits: &Limits) -> Result
         bootstrap,
         rid: body.rid,
         n,
-        keys: Keys { lora, salt },
+        keys: Keys { lora, salt, media },
     })
 }
 
@@ -335,6 +361,8 @@ struct TokenizeBody {
     prompt: Option<Value>,
     #[serde(default)]
     messages: Option<Vec<Message>>,
+    #[serde(flatten)]
+    chat: ChatOptions,
 }
 
 /// Parses a `POST /tokenize` body (`{"model","prompt"}` or `{"model","messages"}`) into token
@@ -350,7 +378,7 @@ pub(crate) fn parse_tokenize(bytes: &[u8], limits: &Limits) -> Result<Vec<u32>, 
             Ok(ids)
         }
         (Some(p), None) => completion_prompt(Some(p)),
-        (None, Some(m)) => chat_prompt(Some(m)),
+        (None, Some(m)) => chat_prompt(Some(m), &body.chat).map(|(ids, _)| ids),
         _ => Err(ApiError::bad_request(
             "exactly one of `prompt` or `messages` is required",
         )),
@@ -398,8 +426,21 @@ fn completion_prompt(prompt: Option<&Value>) -> Result<Vec<u32>, ApiError> {
     Ok(ids)
 }
 
-/// `messages`: content is a string or a list of `{"type": "text", "text": ...}` parts.
-fn chat_prompt(messages: Option<&[Message]>) -> Result<Vec<u32>, ApiError> {
+/// Placeholder tokens an image stands for in the prompt (vLLM expands an image to its
+/// processor's count; a fixed count here).
+pub(crate) const IMAGE_TOKENS: usize = 8;
+
+/// The placeholder word an image is rendered as ([`IMAGE_TOKENS`] of them).
+const IMAGE_WORD: &str = "<|image|>";
+
+/// `messages`: content is a string or a list of parts, `{"type": "text", "text": ...}` or
+/// `{"type": "image_url", "image_url": {"url": ...}}` (rendered as [`IMAGE_TOKENS`]
+/// placeholder tokens, keyed by a hash of the URL: [`Media`]). The prompt's token ids and its
+/// images, in prompt order.
+fn chat_prompt(
+    messages: Option<&[Message]>,
+    chat: &ChatOptions,
+) -> Result<(Vec<u32>, Vec<Media>), ApiError> {
     let Some(messages) = messages else {
         return Err(ApiError::bad_request("field `messages` is required"));
     };
@@ -407,6 +448,7 @@ fn chat_prompt(messages: Option<&[Message]>) -> Result<Vec<u32>, ApiError> {
         return Err(ApiError::bad_request("field `messages` must not be empty"));
     }
     let mut flat: Vec<(&str, String)> = Vec::with_capacity(messages.len());
+    let mut images = Vec::new();
     for (i, m) in messages.iter().enumerate() {
         let text = match &m.content {
             None | Some(Value::Null) => String::new(),
@@ -414,14 +456,31 @@ fn chat_prompt(messages: Option<&[Message]>) -> Result<Vec<u32>, ApiError> {
             Some(Value::Array(parts)) => {
                 let mut t = String::new();
                 for p in parts {
-                    match p.get("text").and_then(Value::as_str) {
-                        Some(s) => {
+                    let url = p
+                        .get("image_url")
+                        .and_then(|u| u.get("url"))
+                        .and_then(Value::as_str);
+                    match (p.get("text").and_then(Value::as_str), url) {
+                        (Some(s), _) => {
                             t.push(' ');
                             t.push_str(s);
                         }
-                        None => {
+                        (None, Some(url)) => {
+                            images.push(format!(
+                                "{:016x}",
+                                tokenizer::prompt_hash(
+                                    &url.bytes().map(u32::from).collect::<Vec<_>>(),
+                                )
+                            ));
+                            for _ in 0..IMAGE_TOKENS {
+                                t.push(' ');
+                                t.push_str(IMAGE_WORD);
+                            }
+                        }
+                        (None, None) => {
                             return Err(ApiError::bad_request(format!(
-                                "messages[{i}].content: only text parts are supported"
+                                "messages[{i}].content: only text and image_url parts are \
+                                 supported"
                             )));
                         }
                     }
@@ -436,9 +495,28 @@ fn chat_prompt(messages: Option<&[Message]>) -> Result<Vec<u32>, ApiError> {
         };
         flat.push((m.role.as_str(), text));
     }
-    Ok(tokenizer::chat_tokens(
-        flat.iter().map(|(r, c)| (*r, c.as_str())),
-    ))
+    let ids = tokenizer::chat_tokens(flat.iter().map(|(r, c)| (*r, c.as_str())), &chat.template());
+    // Each image is the next run of its placeholders (text that spells the placeholder is
+    // tokenized alike but is no image: only as many runs as there were image parts count).
+    let placeholder = tokenizer::word_id(IMAGE_WORD);
+    let mut media = Vec::with_capacity(images.len());
+    let mut images = images.into_iter();
+    let mut at = 0;
+    while at + IMAGE_TOKENS <= ids.len() && media.len() < media.capacity() {
+        if ids[at..at + IMAGE_TOKENS].iter().all(|t| *t == placeholder) {
+            if let Some(identifier) = images.next() {
+                media.push(Media {
+                    identifier,
+                    start: at,
+                    len: IMAGE_TOKENS,
+                });
+            }
+            at += IMAGE_TOKENS;
+        } else {
+            at += 1;
+        }
+    }
+    Ok((ids, media))
 }
 
 /// Reads `kv_transfer_params` like vLLM's NixlConnector: `do_remote_decode` wins, then

@@ -49,19 +49,61 @@ pub(crate) fn tokenize_into(text: &str, out: &mut Vec<u32>) {
     out.extend(text.split_whitespace().map(word_id));
 }
 
+/// What a chat template renders beside the messages (vLLM's chat request fields that change
+/// the prompt's tokens).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Template<'a> {
+    /// The request's `tools` (null or absent: `None`): rendered as a `tools` turn after the
+    /// BOS, as tool-calling templates put the tool definitions first.
+    pub(crate) tools: Option<&'a serde_json::Value>,
+    /// `add_generation_prompt` (vLLM's default true): the closing `<|start_header|> assistant`.
+    pub(crate) generation_prompt: bool,
+    /// `add_special_tokens` (vLLM's chat default false): the tokenizer's BOS added before the
+    /// template's own, as a Llama tokenizer does.
+    pub(crate) special_tokens: bool,
+}
+
+impl Default for Template<'_> {
+    fn default() -> Self {
+        Template {
+            tools: None,
+            generation_prompt: true,
+            special_tokens: false,
+        }
+    }
+}
+
 /// Tokenizes chat messages `(role, content)` with a fixed template:
-/// `<|begin_of_text|>` then, per message, `<|start_header|> <role> <content words...> <|eot|>`,
-/// then the generation prompt `<|start_header|> assistant`.
-pub(crate) fn chat_tokens<'a>(messages: impl Iterator<Item = (&'a str, &'a str)>) -> Vec<u32> {
-    let mut out = vec![word_id(CHAT_BEGIN)];
+/// `[<|begin_of_text|>]` (when `add_special_tokens`) `<|begin_of_text|>`, then with tools
+/// `<|start_header|> tools <the tools' pretty-printed JSON, by words> <|eot|>`, then per message
+/// `<|start_header|> <role> <content words...> <|eot|>`, then (with `add_generation_prompt`) the
+/// generation prompt `<|start_header|> assistant`.
+pub(crate) fn chat_tokens<'a>(
+    messages: impl Iterator<Item = (&'a str, &'a str)>,
+    template: &Template<'_>,
+) -> Vec<u32> {
+    let mut out = Vec::new();
+    if template.special_tokens {
+        out.push(word_id(CHAT_BEGIN));
+    }
+    out.push(word_id(CHAT_BEGIN));
+    if let Some(tools) = template.tools {
+        out.push(word_id(CHAT_START));
+        out.push(word_id("tools"));
+        let text = serde_json::to_string_pretty(tools).unwrap_or_default();
+        tokenize_into(&text, &mut out);
+        out.push(word_id(CHAT_END));
+    }
     for (role, content) in messages {
         out.push(word_id(CHAT_START));
         out.push(word_id(role));
         tokenize_into(content, &mut out);
         out.push(word_id(CHAT_END));
     }
-    out.push(word_id(CHAT_START));
-    out.push(word_id("assistant"));
+    if template.generation_prompt {
+        out.push(word_id(CHAT_START));
+        out.push(word_id("assistant"));
+    }
     out
 }
 
@@ -123,11 +165,36 @@ mod tests {
 
     #[test]
     fn chat_template_wraps_messages() {
-        let t = chat_tokens([("user", "Say hi")].into_iter());
+        let plain = Template::default();
+        let t = chat_tokens([("user", "Say hi")].into_iter(), &plain);
         // begin + (start, role, 2 words, end) + start + assistant
         assert_eq!(t.len(), 1 + 5 + 2);
-        let t2 = chat_tokens([("system", "Say hi")].into_iter());
+        let t2 = chat_tokens([("system", "Say hi")].into_iter(), &plain);
         assert_ne!(t, t2, "role is part of the prompt");
+        // Tools come first, after the BOS: every token from there on differs.
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
+        let with_tools = Template {
+            tools: Some(&tools),
+            ..plain
+        };
+        let t3 = chat_tokens([("user", "Say hi")].into_iter(), &with_tools);
+        assert_eq!(t3[0], t[0]);
+        assert_eq!(t3[1..3], [word_id(CHAT_START), word_id("tools")]);
+        assert!(t3.len() > t.len() + 3);
+        // add_special_tokens: a second BOS; no generation prompt: the last two go.
+        let special = Template {
+            special_tokens: true,
+            ..plain
+        };
+        let t4 = chat_tokens([("user", "Say hi")].into_iter(), &special);
+        assert_eq!(t4[..2], [word_id(CHAT_BEGIN), word_id(CHAT_BEGIN)]);
+        assert_eq!(t4[1..], t[..]);
+        let bare = Template {
+            generation_prompt: false,
+            ..plain
+        };
+        let t5 = chat_tokens([("user", "Say hi")].into_iter(), &bare);
+        assert_eq!(t5[..], t[..t.len() - 2]);
     }
 
     #[test]
