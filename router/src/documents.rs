@@ -272,6 +272,7 @@ fn kv_index(parts: &Parts) -> state::KvIndex {
         tokenize_failures: counts.failures,
         tokenize_seconds: counts.seconds,
         unscored: counts.unscored,
+        tokenizer_sampled: counts.sampled,
         engines: parts
             .kv
             .views()

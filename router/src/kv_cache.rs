@@ -40,6 +40,9 @@ use crate::kv_index::{
 use crate::placement::{Aggregate, Balance, KvScore};
 use crate::upstream::Upstream;
 
+mod sample;
+use sample::{Sampler, Shape};
+
 /// How long a replay may take before the gap is given up (the engine's entries dropped).
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often a subscriber checks its engine's process and retries a failed connect.
@@ -140,6 +143,8 @@ struct Counts {
     micros: AtomicU64,
     /// Requests not scored: one engine to choose from, no profiles.
     unscored: AtomicU64,
+    /// Requests sampled by the tokenizer check.
+    sampled: AtomicU64,
 }
 
 /// The KV score's counts, cumulative since the router started (`/narwhal/state.kv_index`,
@@ -156,6 +161,9 @@ pub(crate) struct TokenizeCounts {
     /// profiles are configured (docs/design/kv-aware-placement.md, "One engine to choose
     /// from").
     pub(crate) unscored: u64,
+    /// Real requests whose tokens were checked on a second engine (the sampled tokenizer
+    /// check, [`sample`]).
+    pub(crate) sampled: u64,
 }
 
 /// The KV cache part (module doc).
@@ -172,6 +180,8 @@ pub(crate) struct KvCache {
     /// socket answered, or its live stream delivered in order); what `/ready` waits for at
     /// startup ([`KvCache::replay_pending`]).
     replayed: Vec<std::sync::atomic::AtomicBool>,
+    /// Which real requests the tokenizer check samples ([`sample`]).
+    sampler: Mutex<Sampler>,
 }
 
 impl KvCache {
@@ -192,6 +202,7 @@ impl KvCache {
                 .map(|_| std::sync::atomic::AtomicBool::new(false))
                 .collect(),
             tokenize_failed: Mutex::new(vec![None; configured.len()]),
+            sampler: Mutex::new(Sampler::new(configured.len())),
             index: Mutex::new(KvIndex::with(&configured, settings)),
             cfg,
             clock,
@@ -398,12 +409,13 @@ impl KvCache {
         &self,
         fleet: &Fleet,
         body: &Map<String, Value>,
-    ) -> Result<Vec<u32>, TokenizeError> {
+    ) -> Result<(Vec<u32>, Option<usize>), TokenizeError> {
         if let Some(Value::Array(ids)) = body.get("prompt") {
             return ids
                 .iter()
                 .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
                 .collect::<Option<Vec<u32>>>()
+                .map(|t| (t, None))
                 .ok_or(TokenizeError::Shape);
         }
         let req = tokenize_body(&self.cfg.model, body)?;
@@ -426,7 +438,65 @@ impl KvCache {
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         failed[e] = r.is_err().then(|| self.clock.now());
-        r
+        r.map(|t| (t, Some(e)))
+    }
+
+    /// The sampled tokenizer check ([`sample`]): when the sampler picks another live engine
+    /// for this request's shape, the same `/tokenize` body is sent to it off the request
+    /// path and its tokens held against `tokens` (what engine `on` gave). A difference is a
+    /// mismatch naming both engines and the shape: the score is off for every engine, as after
+    /// a probe that differs (one engine's blocks cannot be matched with another's tokens). A
+    /// check that cannot be made is made by a later request.
+    fn sample_tokenizer(
+        self: &Arc<Self>,
+        fleet: &Fleet,
+        body: &Map<String, Value>,
+        on: usize,
+        tokens: &[u32],
+    ) {
+        let Some(shape) = Shape::of(body) else {
+            return;
+        };
+        let live: Vec<usize> = live_loads(fleet).into_iter().map(|(e, _)| e).collect();
+        let Some(other) = self
+            .sampler
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pick(shape, on, &live)
+        else {
+            return;
+        };
+        let Ok(req) = tokenize_body(&self.cfg.model, body) else {
+            return;
+        };
+        let me = self.clone();
+        let want = tokens.to_vec();
+        tokio::spawn(async move {
+            let theirs = match me.tokenize_on(other, &req).await {
+                Ok(t) => t,
+                Err(err) => {
+                    tracing::debug!(error = %err, shape = shape.as_str(), "kv score: sampled tokenizer check not made; a later request makes it");
+                    me.sampler
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .failed(shape, other);
+                    return;
+                }
+            };
+            me.counts.sampled.fetch_add(1, Ordering::Relaxed);
+            if theirs == want {
+                return;
+            }
+            let (a, b) = (&me.cfg.engines[on].iid, &me.cfg.engines[other].iid);
+            let detail = format!(
+                "{a} and {b} tokenize a {} request differently ({} and {} tokens)",
+                shape.as_str(),
+                want.len(),
+                theirs.len()
+            );
+            tracing::warn!(detail = %detail, "kv score: the engines' tokenizers disagree on a real request; placing by load only");
+            *me.tokenizer_check() = TokenizerCheck::Mismatch(detail);
+        });
     }
 
     async fn tokenize_on(&self, e: usize, req: &Value) -> Result<Vec<u32>, TokenizeError> {
@@ -466,7 +536,7 @@ impl KvCache {
     /// ([`keyed_beyond_tokens`], counted `unscored`): the index keys by tokens only, so its
     /// credit would be wrong.
     pub(crate) async fn score(
-        &self,
+        self: &Arc<Self>,
         fleet: &Fleet,
         body: &Map<String, Value>,
         aggregate: Aggregate,
@@ -496,7 +566,12 @@ impl KvCache {
         }
         let t0 = self.clock.now();
         let tokens = match self.tokens(fleet, body).await {
-            Ok(t) => t,
+            Ok((t, on)) => {
+                if let Some(on) = on {
+                    self.sample_tokenizer(fleet, body, on, &t);
+                }
+                t
+            }
             Err(err) => {
                 self.counts.failures.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(error = %err, "kv score: no tokens; placing by load");
@@ -689,6 +764,7 @@ impl KvCache {
             failures: self.counts.failures.load(Ordering::Relaxed),
             seconds: self.counts.micros.load(Ordering::Relaxed) as f64 / 1e6,
             unscored: self.counts.unscored.load(Ordering::Relaxed),
+            sampled: self.counts.sampled.load(Ordering::Relaxed),
         }
     }
 }

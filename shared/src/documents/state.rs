@@ -9,7 +9,7 @@
 //!   quarantined, holds {timed, inference}, inference_sources, breaker {...}, unserved,
 //!   journal_dropped, journal_writes_failing, awaiting_health, degraded,
 //!   kv_index {tokenizer, tokenizer_detail, tokenized, tokenize_failures, tokenize_seconds,
-//!   unscored, engines {<iid>: {mode, lag_s, blocks, batches, gaps, replays, resets, overflow}}},
+//!   unscored, tokenizer_sampled, engines {<iid>: {mode, lag_s, blocks, batches, gaps, replays, resets, overflow}}},
 //!   controller, <the controller's fields>}
 //! ```
 //!
@@ -133,7 +133,8 @@ pub struct State {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct KvIndex {
-    /// Whether the engines' `/tokenize` agree on a probe prompt: `unchecked`, `agree`,
+    /// Whether the engines' `/tokenize` agree, on a probe prompt and on sampled real
+    /// requests of each shape (completion, chat, chat with tools): `unchecked`, `agree`,
     /// `mismatch` (the KV score is off: placement by load), `failed` (retried).
     pub tokenizer: String,
     /// What differed or failed; null otherwise.
@@ -148,6 +149,9 @@ pub struct KvIndex {
     /// Requests not scored (nothing tokenized) because placement had at most one engine to
     /// choose from and no profiles are configured (docs/design/kv-aware-placement.md).
     pub unscored: u64,
+    /// Real requests whose tokens were checked on a second engine (the sampled tokenizer
+    /// check: each engine once per request shape, then one request in 256 of a shape).
+    pub tokenizer_sampled: u64,
     /// Per engine id, every configured engine.
     pub engines: BTreeMap<String, KvEngine>,
 }

@@ -823,6 +823,69 @@ async fn blocks_stored_for_an_image_are_never_credited_to_text() {
     }
 }
 
+/// Two engines that tokenize the probe prompt and plain chat alike but render `tools`
+/// differently (one's chat template drops them) are caught by the sampled tokenizer check on
+/// the first tool-calling request: the state says `mismatch`, naming both engines and the
+/// request shape, and scoring stops (a request is then placed by load, with no credit).
+/// Before, the check compared one completion probe once: both engines stayed `exact`
+/// while every tool-calling prefix was hashed two ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_that_render_tools_differently_are_caught_on_a_sampled_request() {
+    let f = Fleet::builder()
+        .engine("d0", "decode")
+        .engine_with_args("d1", "decode", &["--template-without-tools"])
+        .kv_events()
+        .sim_args(&["--block-size", "4"])
+        .start()
+        .await;
+    let router = f.router();
+    let chat = |tools: bool, i: usize| {
+        let mut body = json!({"model": "tiny-sim", "max_tokens": 2, "messages": [
+            {"role": "system", "content": words(13000, 20)},
+            {"role": "user", "content": words(13100 + 10 * i, 4)}]});
+        if tools {
+            body["tools"] = json!([{"type": "function", "function": {"name": "search"}}]);
+        }
+        async move {
+            let r = router
+                .http
+                .post(format!("{}/v1/chat/completions", router.data), &body)
+                .await;
+            assert_eq!(r.status, 200, "{body}: {}", r.text());
+        }
+    };
+    chat(false, 0).await;
+    chat(false, 1).await;
+    let sampled = eventually("a plain chat request sampled", WAIT, || async {
+        let k = router.state().await.kv_index;
+        (k.tokenizer_sampled >= 1).then_some(k)
+    })
+    .await;
+    assert_eq!(sampled.tokenizer, "agree", "{sampled:?}");
+    chat(true, 2).await;
+    let k = eventually("the tool-calling request's mismatch", WAIT, || async {
+        let k = router.state().await.kv_index;
+        (k.tokenizer == "mismatch").then_some(k)
+    })
+    .await;
+    let detail = k.tokenizer_detail.unwrap_or_default();
+    assert!(
+        detail.contains("chat with tools") && detail.contains("d0") && detail.contains("d1"),
+        "{detail}"
+    );
+    chat(true, 3).await;
+    let rows = eventually("the last request's row", WAIT, || async {
+        let r = served(router);
+        (r.len() >= 4).then_some(r)
+    })
+    .await;
+    assert!(
+        rows[3]["cached_tokens"].is_null(),
+        "placed by load: {}",
+        rows[3]
+    );
+}
+
 /// An engine whose cache loses blocks its events never take back (here: another prompt stored
 /// with its events muted evicts the held prefix, as a lost `BlockRemoved` would) is
 /// over-credited on each request for that prefix; the third in a row makes it `suspect`

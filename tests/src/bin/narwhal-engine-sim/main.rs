@@ -151,6 +151,11 @@ struct Cli {
     /// blocks are keyed by the adapter's name as vLLM keys them.
     #[arg(long, num_args = 1..)]
     lora_modules: Vec<String>,
+    /// The engine's chat template renders no `tools` (a model whose template has no tool
+    /// support, or another `--chat-template` than its peers'): a chat request with tools is
+    /// tokenized, and computed, as if it had none.
+    #[arg(long)]
+    template_without_tools: bool,
     /// Tokens per KV cache block (vLLM's `--block-size`; its GPU default).
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -450,6 +455,7 @@ async fn start_engine(
         dev_mode: std::env::var("VLLM_SERVER_DEV_MODE").is_ok_and(|v| v == "1"),
         api_key: cli.api_key.clone(),
         prompt_tokens_details: cli.enable_prompt_tokens_details,
+        render_tools: !cli.template_without_tools,
         adapters: cli
             .lora_modules
             .iter()

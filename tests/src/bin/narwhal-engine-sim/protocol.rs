@@ -174,9 +174,9 @@ struct ChatOptions {
 }
 
 impl ChatOptions {
-    fn template(&self) -> tokenizer::Template<'_> {
+    fn template(&self, render_tools: bool) -> tokenizer::Template<'_> {
         tokenizer::Template {
-            tools: self.tools.as_ref().filter(|t| !t.is_null()),
+            tools: self.tools.as_ref().filter(|t| render_tools && !t.is_null()),
             generation_prompt: self.add_generation_prompt.unwrap_or(true),
             special_tokens: self.add_special_tokens.unwrap_or(false),
         }
@@ -227,6 +227,8 @@ pub(crate) struct Limits<'a> {
     pub(crate) adapters: &'a [String],
     /// `--max-model-len` (tokens).
     pub(crate) max_model_len: u64,
+    /// Whether the chat template renders `tools` (`--template-without-tools`: not).
+    pub(crate) render_tools: bool,
 }
 
 /// Parses and validates a completion/chat body the way vLLM does (400 for malformed JSON, wrong
@@ -269,7 +271,7 @@ pub(crate) fn parse_request(kind: Kind, bytes: &[u8], limits: &Limits) -> Result
         .unwrap_or(false);
     let (prompt, media) = match kind {
         Kind::Completion => (completion_prompt(body.prompt.as_ref())?, Vec::new()),
-        Kind::Chat => chat_prompt(body.messages.as_deref(), &body.chat)?,
+        Kind::Chat => chat_prompt(body.messages.as_deref(), &body.chat, limits.render_tools)?,
     };
     let max = match kind {
         Kind::Completion => body.max_tokens,
@@ -378,7 +380,9 @@ pub(crate) fn parse_tokenize(bytes: &[u8], limits: &Limits) -> Result<Vec<u32>, 
             Ok(ids)
         }
         (Some(p), None) => completion_prompt(Some(p)),
-        (None, Some(m)) => chat_prompt(Some(m), &body.chat).map(|(ids, _)| ids),
+        (None, Some(m)) => {
+            chat_prompt(Some(m), &body.chat, limits.render_tools).map(|(ids, _)| ids)
+        }
         _ => Err(ApiError::bad_request(
             "exactly one of `prompt` or `messages` is required",
         )),
@@ -440,6 +444,7 @@ const IMAGE_WORD: &str = "<|image|>";
 fn chat_prompt(
     messages: Option<&[Message]>,
     chat: &ChatOptions,
+    render_tools: bool,
 ) -> Result<(Vec<u32>, Vec<Media>), ApiError> {
     let Some(messages) = messages else {
         return Err(ApiError::bad_request("field `messages` is required"));
@@ -495,7 +500,10 @@ fn chat_prompt(
         };
         flat.push((m.role.as_str(), text));
     }
-    let ids = tokenizer::chat_tokens(flat.iter().map(|(r, c)| (*r, c.as_str())), &chat.template());
+    let ids = tokenizer::chat_tokens(
+        flat.iter().map(|(r, c)| (*r, c.as_str())),
+        &chat.template(render_tools),
+    );
     // Each image is the next run of its placeholders (text that spells the placeholder is
     // tokenized alike but is no image: only as many runs as there were image parts count).
     let placeholder = tokenizer::word_id(IMAGE_WORD);
@@ -823,6 +831,7 @@ mod tests {
         model: "tiny-sim",
         adapters: &[],
         max_model_len: 64,
+        render_tools: true,
     };
 
     fn parse(kind: Kind, s: &str) -> Result<Parsed, ApiError> {

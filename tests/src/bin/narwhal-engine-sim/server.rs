@@ -155,6 +155,8 @@ pub(crate) struct Settings {
     pub(crate) prompt_tokens_details: bool,
     /// `--lora-modules`: the adapters' names.
     pub(crate) adapters: Vec<String>,
+    /// Whether the chat template renders `tools` (`--template-without-tools`: not).
+    pub(crate) render_tools: bool,
 }
 
 /// The path prefixes vLLM's `--api-key` guards (its `AuthenticationMiddleware`; everything
@@ -692,6 +694,7 @@ async fn tokenize(sim: &Sim, req: Request<Incoming>) -> Response<SimBody> {
         model: &sim.cfg.model,
         adapters: &sim.cfg.adapters,
         max_model_len: sim.cfg.max_model_len,
+        render_tools: sim.cfg.render_tools,
     };
     match protocol::parse_tokenize(&b, &limits) {
         Ok(ids) => json_response(
@@ -923,6 +926,7 @@ async fn completion(
         model: &sim.cfg.model,
         adapters: &sim.cfg.adapters,
         max_model_len: sim.cfg.max_model_len,
+        render_tools: sim.cfg.render_tools,
     };
     let parsed = match read_body(req.into_body()).await {
         Ok(b) => protocol::parse_request(kind, &b, &limits),
