@@ -40,7 +40,9 @@ use crate::kv_index::{
 use crate::placement::{Aggregate, Balance, KvScore};
 use crate::upstream::Upstream;
 
+mod ranks;
 mod sample;
+use ranks::Ranks;
 use sample::{Sampler, Shape};
 
 /// How long a replay may take before the gap is given up (the engine's entries dropped).
@@ -122,6 +124,10 @@ pub(crate) struct Scored {
     pub prompt_tokens: u64,
     /// The prompt's full-block chains, one per block size the engines are credited in.
     chains: Vec<(u32, Vec<u64>)>,
+    /// Per engine (config order): the data-parallel rank its credit is from, when it has
+    /// several and the best of them holds some of the prompt (the request is sent there with
+    /// vLLM's `X-data-parallel-rank`); `None` leaves the rank to the engine.
+    pub ranks: Vec<Option<u32>>,
 }
 
 impl Scored {
@@ -176,10 +182,12 @@ pub(crate) struct KvCache {
     counts: Counts,
     /// Per engine (config order): when its `/tokenize` for a score last failed.
     tokenize_failed: Mutex<Vec<Option<Instant>>>,
-    /// Per engine (config order): its index was rebuilt since this router started (its replay
-    /// socket answered, or its live stream delivered in order); what `/ready` waits for at
-    /// startup ([`KvCache::replay_pending`]).
+    /// Per index slot: its index was rebuilt since this router started (its replay socket
+    /// answered, or its live stream delivered in order); what `/ready` waits for at startup
+    /// ([`KvCache::replay_pending`]).
     replayed: Vec<std::sync::atomic::AtomicBool>,
+    /// The index's slots: one per engine, and one per further data-parallel rank ([`ranks`]).
+    ranks: Ranks,
     /// Which real requests the tokenizer check samples ([`sample`]).
     sampler: Mutex<Sampler>,
 }
@@ -188,6 +196,13 @@ impl KvCache {
     /// An empty index over the configured engines.
     pub(crate) fn new(cfg: Arc<Config>, clock: Arc<dyn Clock>, upstream: Upstream) -> Self {
         let configured: Vec<bool> = cfg.engines.iter().map(|e| e.kv_events.is_some()).collect();
+        let sizes: Vec<u32> = cfg
+            .engines
+            .iter()
+            .map(|e| e.kv_events.as_ref().map_or(1, |k| k.data_parallel_size))
+            .collect();
+        let ranks = Ranks::new(&sizes);
+        let slots = ranks.expand(&configured);
         let settings = Settings {
             aware: cfg.serving.kv_aware_placement,
             stale_after: secs(cfg.serving.kv_events_stale_s),
@@ -197,13 +212,14 @@ impl KvCache {
             pending: secs(cfg.serving.kv_pending_s),
         };
         KvCache {
-            replayed: configured
+            replayed: slots
                 .iter()
                 .map(|_| std::sync::atomic::AtomicBool::new(false))
                 .collect(),
             tokenize_failed: Mutex::new(vec![None; configured.len()]),
             sampler: Mutex::new(Sampler::new(configured.len())),
-            index: Mutex::new(KvIndex::with(&configured, settings)),
+            index: Mutex::new(KvIndex::with(&slots, settings)),
+            ranks,
             cfg,
             clock,
             upstream,
@@ -222,34 +238,49 @@ impl KvCache {
         self.cfg.serving.kv_aware_placement && !self.cfg.engines.is_empty()
     }
 
-    /// Starts one subscriber per engine with `kv_events`, whatever the HA phase (a standby
-    /// keeps a warm index; module doc); they end with `stop`. None when cache awareness is
-    /// off.
+    /// Starts one subscriber per engine with `kv_events` and per further data-parallel rank
+    /// of it (its sockets the ports plus the rank), whatever the HA phase (a standby keeps a
+    /// warm index; module doc); they end with `stop`. None when cache awareness is off.
     pub(crate) fn spawn(self: &Arc<Self>, fleet: Arc<Fleet>, stop: CancellationToken) {
         if !self.enabled() {
             return;
         }
-        for (e, engine) in self.cfg.engines.iter().enumerate() {
-            if let Some(src) = engine.kv_events.clone() {
+        for s in 0..self.ranks.len() {
+            let e = self.ranks.engine(s);
+            if let Some(src) = self.cfg.engines[e].kv_events.as_ref() {
+                let src = src.rank(self.ranks.rank(s));
                 let me = self.clone();
                 let fleet = fleet.clone();
                 let stop = stop.clone();
-                tokio::spawn(async move { me.subscribe(e, src, fleet, stop).await });
+                tokio::spawn(async move { me.subscribe(s, src, fleet, stop).await });
             }
         }
     }
 
+    /// The engine id of index slot `s`, with its rank when the engine has several
+    /// (`d0/rank1`), for logs.
+    fn slot_name(&self, s: usize) -> String {
+        let e = self.ranks.engine(s);
+        let iid = &self.cfg.engines[e].iid;
+        if self.ranks.several(e) {
+            format!("{iid}/rank{}", self.ranks.rank(s))
+        } else {
+            iid.clone()
+        }
+    }
+
+    /// Follows index slot `s`'s stream (an engine, or one of its data-parallel ranks).
     async fn subscribe(
         self: Arc<Self>,
-        e: usize,
+        s: usize,
         src: KvEventsSource,
         fleet: Arc<Fleet>,
         stop: CancellationToken,
     ) {
-        let iid = self.cfg.engines[e].iid.clone();
+        let (e, iid) = (self.ranks.engine(s), self.slot_name(s));
         loop {
             let process = fleet.incarnation(e);
-            self.lock().sync_process(e, process);
+            self.lock().sync_process(s, process);
             let mut sub = zeromq::SubSocket::new();
             let connected = tokio::select! {
                 r = sub.connect(&src.endpoint) => r,
@@ -269,11 +300,11 @@ impl KvCache {
             tracing::info!(engine.id = %iid, endpoint = %src.endpoint, "kv events: subscribed");
             // Rebuild from the engine's replay buffer at once, not at the first recheck: a
             // router that starts is not ready before it did (`replay_pending`).
-            self.catch_up(e, &src).await;
+            self.catch_up(s, &src).await;
             loop {
                 tokio::select! {
                     m = sub.recv() => match m {
-                        Ok(m) => self.on_message(e, &src, m).await,
+                        Ok(m) => self.on_message(s, &src, m).await,
                         Err(err) => {
                             tracing::debug!(engine.id = %iid, error = %err, "kv events: receive failed; reconnecting");
                             break;
@@ -284,7 +315,7 @@ impl KvCache {
                             tracing::info!(engine.id = %iid, "kv events: new engine process; its blocks are dropped");
                             break;
                         }
-                        self.catch_up(e, &src).await;
+                        self.catch_up(s, &src).await;
                     }
                     () = stop.cancelled() => return,
                 }
@@ -339,7 +370,10 @@ impl KvCache {
                     .kv_events
                     .as_ref()
                     .is_some_and(|k| k.replay_endpoint.is_some())
-                    && !self.replayed[*e].load(std::sync::atomic::Ordering::Acquire)
+                    && self
+                        .ranks
+                        .of(*e)
+                        .any(|s| !self.replayed[s].load(std::sync::atomic::Ordering::Acquire))
             })
             .map(|(e, _)| e)
             .collect()
@@ -348,7 +382,7 @@ impl KvCache {
     async fn on_message(&self, e: usize, src: &KvEventsSource, m: ZmqMessage) {
         let frames: Vec<Bytes> = m.into_vec();
         let Some((seq, batch)) = parse(&frames[..]) else {
-            tracing::warn!(engine.id = %self.cfg.engines[e].iid, "kv events: malformed message; the engine's blocks are dropped");
+            tracing::warn!(engine.id = %self.slot_name(e), "kv events: malformed message; the engine's blocks are dropped");
             self.lock().reset(e);
             return;
         };
@@ -395,7 +429,7 @@ impl KvCache {
                 let filled = self
                     .lock()
                     .fill(e, from, replayed.as_deref(), seq, &batch, now);
-                tracing::info!(engine.id = %self.cfg.engines[e].iid, from, seq, filled, "kv events: sequence gap");
+                tracing::info!(engine.id = %self.slot_name(e), from, seq, filled, "kv events: sequence gap");
             }
         }
     }
@@ -590,30 +624,42 @@ impl KvCache {
         // Every engine's entries are bound to its process, re-read only after some engine's
         // process changed.
         if let (epoch, Some(all)) = fleet.incarnations_since(ix.processes_seen()) {
-            ix.sync_processes(epoch, &all);
+            ix.sync_processes(epoch, &self.ranks.expand(&all));
         }
         let mut chains: Vec<(u32, Vec<u64>)> = Vec::new();
         // Engines placement does not choose among (a decode engine of a split, an engine out
         // of placement) get no credit and no expiry walk: only the chosen are scored.
         // Their block size is left unknown (0) until one is placed ([`KvCache::placed`]).
-        let engines = ix.len();
+        let engines = self.cfg.engines.len();
         let mut credits = vec![Credit::unscored(0); engines];
+        let mut ranks = vec![None; engines];
         let approx_credit = self.cfg.serving.kv_approx_credit;
         let mut uncached_tokens = vec![n; engines];
         // No expiry walk here: a credit never counts an expired entry, and an engine's
         // expired entries are dropped when a request is placed on it (memory is bounded per
         // engine either way).
         for &e in chosen.iter().filter(|e| **e < engines) {
-            let bs = ix.credit_block_size(e);
-            if !chains.iter().any(|(b, _)| *b == bs) {
-                chains.push((bs, keyed_chain(&tokens, bs, seed)));
+            // An engine with several data-parallel ranks is credited with its best rank
+            // (the lowest of equals), where the request is then sent.
+            for slot in self.ranks.of(e) {
+                let bs = ix.credit_block_size(slot);
+                if !chains.iter().any(|(b, _)| *b == bs) {
+                    chains.push((bs, keyed_chain(&tokens, bs, seed)));
+                }
+                let chain = chains
+                    .iter()
+                    .find(|(b, _)| *b == bs)
+                    .map(|(_, c)| c.as_slice())
+                    .unwrap_or(&[]);
+                let c = ix.credit(slot, chain, n, now);
+                if slot == e || c.cached > credits[e].cached {
+                    credits[e] = c;
+                    ranks[e] = Some(self.ranks.rank(slot));
+                }
             }
-            let chain = chains
-                .iter()
-                .find(|(b, _)| *b == bs)
-                .map(|(_, c)| c.as_slice())
-                .unwrap_or(&[]);
-            credits[e] = ix.credit(e, chain, n, now);
+            if !self.ranks.several(e) || credits[e].cached == 0 {
+                ranks[e] = None;
+            }
             uncached_tokens[e] = uncached(n, &credits[e], approx_credit);
         }
         Some(Scored {
@@ -627,6 +673,7 @@ impl KvCache {
             credits,
             prompt_tokens: n,
             chains,
+            ranks,
         })
     }
 
@@ -636,8 +683,20 @@ impl KvCache {
     /// (docs/design/kv-aware-placement.md, section 6.1). An engine over-credited
     /// [`crate::kv_index::check::SUSPECT_AFTER`] times in a row is `suspect`, placed by load
     /// until it agrees again; each change is logged.
-    pub(crate) fn check_credit(&self, e: usize, reported: u64, credited: u64, engine: u64) {
-        let (verdict, changed) = self.lock().observe(e, reported, credited, engine);
+    /// `rank`: the data-parallel rank the request was sent to ([`Scored::ranks`]); a request
+    /// left to an engine with several ranks is not checked (which rank ran it is unknown).
+    pub(crate) fn check_credit(
+        &self,
+        e: usize,
+        rank: Option<u32>,
+        reported: u64,
+        credited: u64,
+        engine: u64,
+    ) {
+        let Some(slot) = self.slot_of(e, rank) else {
+            return;
+        };
+        let (verdict, changed) = self.lock().observe(slot, reported, credited, engine);
         if changed {
             let iid = &self.cfg.engines[e].iid;
             match verdict {
@@ -661,6 +720,11 @@ impl KvCache {
     pub(crate) fn placed(&self, e: usize, s: &Scored) {
         let now = self.clock.now();
         let c = s.credits[e];
+        // A request left to an engine's own choice of rank: which rank computes it is
+        // unknown, so no rank is credited (its events will tell).
+        let Some(e) = self.slot_of(e, s.ranks.get(e).copied().flatten()) else {
+            return;
+        };
         let mut ix = self.lock();
         // An engine the score did not walk: its credit's block size is read now.
         let bs = if c.block_size == 0 {
@@ -669,6 +733,16 @@ impl KvCache {
             c.block_size
         };
         ix.placed(e, s.chain(bs), bs, c.stores, now);
+    }
+
+    /// The index slot of engine `e`'s rank `rank`: the engine's own slot when it has one
+    /// rank; `None` for an engine with several when no rank was chosen.
+    fn slot_of(&self, e: usize, rank: Option<u32>) -> Option<usize> {
+        match rank {
+            Some(r) => self.ranks.slot(e, r),
+            None if self.ranks.several(e) => None,
+            None => Some(e),
+        }
     }
 
     fn tokenizer_check(&self) -> MutexGuard<'_, TokenizerCheck> {
@@ -740,9 +814,22 @@ impl KvCache {
         let now = self.clock.now();
         let mismatch = matches!(*self.tokenizer_check(), TokenizerCheck::Mismatch(_));
         let ix = self.lock();
-        (0..ix.len())
+        (0..self.cfg.engines.len())
             .map(|e| {
                 let mut v = ix.view(e, now);
+                // An engine with several ranks: the first rank that is not `exact` shows its
+                // mode (one rank's stale stream is the engine's), the counts are summed.
+                for s in self.ranks.of(e).skip(1) {
+                    let r = ix.view(s, now);
+                    if v.mode == Mode::Exact && r.mode != Mode::Exact {
+                        (v.mode, v.reason) = (r.mode, r.reason);
+                    }
+                    v.lag_s = match (v.lag_s, r.lag_s) {
+                        (Some(a), Some(b)) => Some(a.max(b)),
+                        (a, b) => a.or(b),
+                    };
+                    v.merge(&r);
+                }
                 if mismatch && v.reason != Reason::Off {
                     v.reason = Reason::TokenizerMismatch;
                     v.mode = Mode::None;

@@ -588,6 +588,29 @@ pub(crate) struct EngineView {
     pub credit: CreditCheck,
 }
 
+impl EngineView {
+    /// Adds another data-parallel rank's counts to this one's (blocks, the approximate part,
+    /// the stream's counters, the credit check; suspect when either is).
+    pub(crate) fn merge(&mut self, r: &EngineView) {
+        self.blocks += r.blocks;
+        self.approx.blocks += r.approx.blocks;
+        self.approx.evicted += r.approx.evicted;
+        let (c, o) = (&mut self.counters, &r.counters);
+        c.batches += o.batches;
+        c.gaps += o.gaps;
+        c.replays += o.replays;
+        c.resets += o.resets;
+        c.overflow += o.overflow;
+        c.skipped += o.skipped;
+        let (k, o) = (&mut self.credit, &r.credit);
+        k.checked += o.checked;
+        k.over_credited += o.over_credited;
+        k.over_tokens += o.over_tokens;
+        k.under_tokens += o.under_tokens;
+        k.suspect |= o.suspect;
+    }
+}
+
 /// The index over every configured engine (config order).
 #[derive(Debug)]
 pub(crate) struct KvIndex {
@@ -954,11 +977,6 @@ impl KvIndex {
             counters: en.counters,
             credit: en.check,
         }
-    }
-
-    /// Engines in the index.
-    pub(crate) fn len(&self) -> usize {
-        self.engines.len()
     }
 }
 

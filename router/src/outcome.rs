@@ -202,9 +202,10 @@ pub(crate) struct RequestRecord {
     /// events; `approximate`: guessed from placements; `none`); null when not scored.
     pub kv_mode: Option<&'static str>,
     /// For the credit check, not journalled: the engine (config index) that computed the
-    /// prompt on its own (an aggregated placement, whose usage is its own count) and the
-    /// tokens of its credit its events reported (`kv_index::Credit::reported`).
-    pub kv_check: Option<(usize, u64)>,
+    /// prompt on its own (an aggregated placement, whose usage is its own count), the
+    /// data-parallel rank it was sent to (`None`: the engine's one rank, or its own choice)
+    /// and the tokens of its credit its events reported (`kv_index::Credit::reported`).
+    pub kv_check: Option<(usize, Option<u32>, u64)>,
     /// Seconds waited for an admission seat, once the request reached the seat (0.0 for an
     /// immediate one; controller.md 11.2 `queue_waits.admission`).
     pub admission_wait_s: Option<f64>,
@@ -563,7 +564,7 @@ mod tests {
             admission_price: Some(json!({"ttft_s": 0.2})),
             cached_tokens: Some(8),
             kv_mode: Some("exact"),
-            kv_check: Some((0, 8)),
+            kv_check: Some((0, None, 8)),
             admission_wait_s: Some(0.001),
             legs: vec![LegRecord {
                 attempt: 1,

@@ -40,6 +40,9 @@ pub(crate) const REQUEST_HEADER: &str = "x-narwhal-request-id";
 /// Router header on every leg: which leg of which attempt (`a1-prefill`, `a2-decode`,
 /// `a1-whole`; `p3-a1-decode` for prompt 3 of a fanned-out batch).
 pub(crate) const LEG_HEADER: &str = "x-narwhal-leg";
+/// vLLM's header naming the data-parallel rank a request runs on
+/// (`vllm/entrypoints/generate/base/serving.py`, `_get_data_parallel_rank`).
+pub(crate) const DP_RANK_HEADER: &str = "X-data-parallel-rank";
 
 /// How one leg is named to its engine: `x-request-id` is a fresh UUID4 (the one form every
 /// engine accepts: llama.cpp's server refuses anything else with a bare 400, SGLang takes it
@@ -53,6 +56,9 @@ pub(crate) struct LegId {
     pub(crate) rid: String,
     /// `[p<k>-]a<attempt>-<leg>`.
     pub(crate) label: String,
+    /// The engine's data-parallel rank to run on, sent as vLLM's `X-data-parallel-rank`
+    /// (`vllm/entrypoints/openai/completion/serving.py` reads it); `None` sends none.
+    pub(crate) dp_rank: Option<u32>,
 }
 
 impl LegId {
@@ -67,6 +73,7 @@ impl LegId {
             id: uuid::Uuid::new_v4().to_string(),
             rid: rid.to_string(),
             label,
+            dp_rank: None,
         }
     }
 
@@ -119,6 +126,9 @@ impl Upstream {
             .header("x-request-id", leg.id.as_str())
             .header(REQUEST_HEADER, leg.rid.as_str())
             .header(LEG_HEADER, leg.label.as_str());
+        if let Some(r) = leg.dp_rank {
+            b = b.header(DP_RANK_HEADER, r);
+        }
         if let Some(k) = &self.api_key {
             b = b.header(http::header::AUTHORIZATION, format!("Bearer {k}"));
         }

@@ -28,7 +28,7 @@ use crate::disk::Disk;
 use crate::etcd::Etcd;
 use crate::fsync::FsyncFault;
 use crate::http::Http;
-use crate::ports::engine_port;
+use crate::ports::engine_ports;
 use crate::proc::read_json_file;
 use crate::proxy::Proxy;
 use crate::router::{Clients, FleetSpec, RouterHandle, handoff_file_where, launch_router_env};
@@ -68,6 +68,8 @@ pub struct FleetBuilder {
     engines: Vec<EngineSpec>,
     sim_args: Vec<String>,
     kv_events: bool,
+    /// Data-parallel ranks per engine (with `kv_events`).
+    data_parallel: u16,
     agents_per_engine: bool,
     hosts: Vec<(String, Vec<String>)>,
     contract: Option<Value>,
@@ -131,6 +133,7 @@ impl Fleet {
             engines: Vec::new(),
             sim_args: Vec::new(),
             kv_events: false,
+            data_parallel: 1,
             agents_per_engine: false,
             hosts: Vec::new(),
             contract: None,
@@ -231,6 +234,14 @@ impl FleetBuilder {
     /// docs/design/kv-aware-placement.md).
     pub fn kv_events(mut self) -> Self {
         self.kv_events = true;
+        self
+    }
+
+    /// Every engine runs `n` data-parallel ranks (`--data-parallel-size n`), each with its
+    /// own prefix cache and KV events on the ports plus its rank; the fleet file names
+    /// `kv_events.data_parallel_size` (with [`FleetBuilder::kv_events`]).
+    pub fn data_parallel(mut self, n: u16) -> Self {
+        self.data_parallel = n.max(1);
         self
     }
 
@@ -400,16 +411,19 @@ impl FleetBuilder {
                 if self.kv_events {
                     // Below the ephemeral range: a port released by `bind(:0)` may be the next
                     // outgoing connection's before the simulator binds it (crate::ports).
-                    let (p, r) = (engine_port(), engine_port());
+                    let dp = self.data_parallel;
+                    let (p, r) = (engine_ports(dp), engine_ports(dp));
                     let cfg = json!({"enable_kv_cache_events": true, "publisher": "zmq",
                         "endpoint": format!("tcp://*:{p}"),
                         "replay_endpoint": format!("tcp://*:{r}"), "topic": "kv"});
                     spec = spec.args(&["--kv-events-config", &cfg.to_string()]);
-                    kv_keys.push((
-                        spec.iid.clone(),
-                        json!({"kv_events": {"endpoint": format!("tcp://127.0.0.1:{p}"),
-                            "replay_endpoint": format!("tcp://127.0.0.1:{r}"), "topic": "kv"}}),
-                    ));
+                    let mut keys = json!({"endpoint": format!("tcp://127.0.0.1:{p}"),
+                        "replay_endpoint": format!("tcp://127.0.0.1:{r}"), "topic": "kv"});
+                    if dp > 1 {
+                        spec = spec.args(&["--data-parallel-size", &dp.to_string()]);
+                        keys["data_parallel_size"] = json!(dp);
+                    }
+                    kv_keys.push((spec.iid.clone(), json!({ "kv_events": keys })));
                 }
                 start_sim(dir.path(), &spec, &self.dialect)
                     .unwrap_or_else(|e| panic!("simulator {}: {e}", spec.iid))

@@ -82,7 +82,7 @@ pub use http::{
     Http, Reply, answer_text, count, http_client, metric, openai_request, sse_data, sse_text,
     strings,
 };
-pub use ports::engine_port;
+pub use ports::{engine_port, engine_ports};
 pub use proc::{
     ChildProc, ProcError, START_TIMEOUT, bin_path, eventually, poll_blocking, read_json_file,
     wait_until, write_executable,

@@ -44,6 +44,29 @@ pub fn engine_port() -> u16 {
     port
 }
 
+/// The first of `n` consecutive ports, each as [`engine_port`] hands them out (a data-parallel
+/// engine's ranks bind a base port plus their rank).
+///
+/// # Panics
+/// When the range holds no such run.
+pub fn engine_ports(n: u16) -> u16 {
+    let high = ephemeral_start().max(LOW + 1_000);
+    let mut taken = TAKEN.lock().unwrap_or_else(|p| p.into_inner());
+    let taken = taken.get_or_insert_with(HashSet::new);
+    let free = |port: u16| TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).is_ok();
+    let n = n.max(1);
+    let base = pick(
+        LOW,
+        high.saturating_sub(n - 1),
+        rand::random::<u32>(),
+        taken,
+        |p| (p..p + n).all(|q| !taken.contains(&q) && free(q)),
+    )
+    .unwrap_or_else(|| panic!("no {n} free consecutive ports in [{LOW}, {high})"));
+    taken.extend(base..base + n);
+    base
+}
+
 /// The first port of `[low, high)`, scanning from `low + start % (high - low)` and wrapping,
 /// that is not in `taken` and for which `free` holds.
 fn pick(

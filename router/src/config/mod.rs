@@ -169,6 +169,39 @@ pub struct KvEventsSource {
     pub replay_endpoint: Option<String>,
     /// The topic the engine publishes under (vLLM's `topic`, default `""`): the SUB's filter.
     pub topic: String,
+    /// Data-parallel ranks behind the engine's one API server (vLLM's
+    /// `--data-parallel-size`, default 1). Rank `r` publishes on `endpoint`'s and
+    /// `replay_endpoint`'s ports plus `r` (vLLM's `ZmqEventPublisher.offset_endpoint_port`);
+    /// the router subscribes to each and steers a request to a rank with vLLM's
+    /// `X-data-parallel-rank` header (docs/design/kv-aware-placement.md, section 1.3).
+    pub data_parallel_size: u32,
+}
+
+impl KvEventsSource {
+    /// Rank `rank`'s sockets: each port plus `rank`, as vLLM offsets them.
+    pub fn rank(&self, rank: u32) -> KvEventsSource {
+        KvEventsSource {
+            endpoint: offset_port(&self.endpoint, rank),
+            replay_endpoint: self
+                .replay_endpoint
+                .as_deref()
+                .map(|e| offset_port(e, rank)),
+            topic: self.topic.clone(),
+            data_parallel_size: 1,
+        }
+    }
+}
+
+/// `tcp://HOST:PORT` with the port plus `by` (vLLM's `offset_endpoint_port`); an endpoint
+/// without a port (never one `check-config` passes) is left as it is.
+pub fn offset_port(endpoint: &str, by: u32) -> String {
+    match endpoint.rsplit_once(':') {
+        Some((host, port)) if by > 0 => match port.parse::<u32>() {
+            Ok(p) => format!("{host}:{}", p + by),
+            Err(_) => endpoint.to_string(),
+        },
+        _ => endpoint.to_string(),
+    }
 }
 
 /// `slo` section: latency budgets in seconds (both required, > 0).

@@ -239,6 +239,66 @@ fn duplicate_iid_and_no_engines() {
     assert!(issues(v).contains(&ConfigIssue::NoEngines));
 }
 
+/// An engine's data-parallel ranks publish on its ports plus their rank: with vLLM's default
+/// ports (5557, 5558) and two ranks, rank 1's PUB is rank 0's replay socket, refused naming
+/// both keys; ranks that reach another engine's ports are refused naming it; a size that runs
+/// the ports past 65535, or 0, is refused; spaced ports pass, each rank's sockets the ports
+/// plus its rank; the sglang backend refuses more than one rank.
+#[test]
+fn data_parallel_ranks_need_ports_of_their_own() {
+    let kv = |ep: &str, replay: &str, dp: u64| serde_json::json!({"endpoint": ep, "replay_endpoint": replay, "data_parallel_size": dp});
+    let mut v = base();
+    v["engines"][0]["kv_events"] = kv("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", 2);
+    let m = messages(v);
+    assert!(
+        m.len() == 1
+            && m[0].contains("engines[0].kv_events.endpoint (rank 1: tcp://127.0.0.1:5558)")
+            && m[0].contains("engines[0].kv_events.replay_endpoint")
+            && m[0].contains("data_parallel_size (2) apart"),
+        "{m:?}"
+    );
+    let mut v = base();
+    v["engines"][0]["kv_events"] = kv("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5567", 4);
+    v["engines"][1]["kv_events"] = kv("tcp://127.0.0.1:5560", "tcp://127.0.0.1:5580", 1);
+    let m = messages(v);
+    assert!(
+        m.len() == 1
+            && m[0].contains("engines[1].kv_events.endpoint")
+            && m[0].contains("rank 3")
+            && m[0].contains("\"p0\""),
+        "{m:?}"
+    );
+    for (dp, port) in [(0, 5557), (65, 5557), (3, 65534)] {
+        let mut v = base();
+        v["engines"][0]["kv_events"] = kv(
+            &format!("tcp://127.0.0.1:{port}"),
+            "tcp://127.0.0.1:7000",
+            dp,
+        );
+        assert!(
+            messages(v)
+                .iter()
+                .any(|x| x.contains("engines[0].kv_events")),
+            "dp {dp} at {port}"
+        );
+    }
+    let mut v = base();
+    v["engines"][0]["kv_events"] = kv("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5567", 4);
+    let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+    let k = c.engines[0].kv_events.clone().expect("kv_events");
+    assert_eq!(k.data_parallel_size, 4);
+    let r3 = k.rank(3);
+    assert_eq!(r3.endpoint, "tcp://127.0.0.1:5560");
+    assert_eq!(r3.replay_endpoint.as_deref(), Some("tcp://127.0.0.1:5570"));
+    v["backend"] = serde_json::json!("sglang");
+    let m = messages(v);
+    assert!(
+        m.iter()
+            .any(|x| x.contains("engines[0].kv_events.data_parallel_size")),
+        "{m:?}"
+    );
+}
+
 /// Two engines naming one KV-event socket (as `endpoint` or `replay_endpoint`, `localhost` for
 /// `127.0.0.1` included) are refused, naming both engines; distinct sockets pass.
 #[test]

@@ -150,8 +150,13 @@ pub(super) async fn attempts(
                 log.kv_mode = Some(s.credits[computes].reason.mode().as_str());
                 // A split's usage comes from its decode engine: only an aggregated engine's
                 // own count is held against its credit.
-                log.kv_check = matches!(plan, Plan::Aggregated { .. })
-                    .then_some((computes, s.credits[computes].reported));
+                let rank = s.ranks[computes];
+                log.kv_check = matches!(plan, Plan::Aggregated { .. }).then_some((
+                    computes,
+                    rank,
+                    s.credits[computes].reported,
+                ));
+                log.dp_rank = rank.map(|r| (computes, r));
             }
             match plan {
                 Plan::Split { prefill, decode } => {

@@ -133,9 +133,12 @@ pub(super) struct AttemptLog {
     /// The computing engine's KV index mode at that placement (`exact`, `approximate`,
     /// `none`; `None`: not scored).
     pub(super) kv_mode: Option<&'static str>,
-    /// For the credit check: the engine and its reported credit, when the latest attempt's
-    /// computing engine answers the client itself (aggregated).
-    pub(super) kv_check: Option<(usize, u64)>,
+    /// For the credit check: the engine, its rank and its reported credit, when the latest
+    /// attempt's computing engine answers the client itself (aggregated).
+    pub(super) kv_check: Option<(usize, Option<u32>, u64)>,
+    /// The latest attempt's computing engine and the data-parallel rank the KV score chose
+    /// on it: its leg carries vLLM's `X-data-parallel-rank` ([`new_leg`]).
+    pub(super) dp_rank: Option<(usize, u32)>,
 }
 
 impl AttemptLog {
@@ -184,8 +187,10 @@ pub(super) fn new_leg(
     iid: usize,
     log: &Mutex<AttemptLog>,
 ) -> LegId {
-    let id = LegId::new(ctx.rid, sub.k, n, leg);
-    AttemptLog::lock(log).legs.push(LegRecord {
+    let mut id = LegId::new(ctx.rid, sub.k, n, leg);
+    let mut log = AttemptLog::lock(log);
+    id.dp_rank = log.dp_rank.filter(|(e, _)| *e == iid).map(|(_, r)| r);
+    log.legs.push(LegRecord {
         attempt: n,
         leg,
         iid: ctx.parts.cfg.engines[iid].iid.clone(),

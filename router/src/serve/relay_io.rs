@@ -109,13 +109,13 @@ pub(super) fn finish_record(pending: &mut Pending, stats: &[SubStats], kv: &KvCa
         .map(|s| s.cached_tokens)
         .sum::<Option<u64>>()
         .filter(|_| !stats.is_empty());
-    if let (Some((e, reported)), Some(credited), Some(engine), [_]) = (
+    if let (Some((e, rank, reported)), Some(credited), Some(engine), [_]) = (
         rec.kv_check,
         rec.cached_tokens,
         rec.engine_cached_tokens,
         stats,
     ) {
-        kv.check_credit(e, reported, credited, engine);
+        kv.check_credit(e, rank, reported, credited, engine);
     }
     let tpots: Vec<f64> = stats.iter().filter_map(|s| s.tpot).collect();
     rec.tpot_s = (!tpots.is_empty()).then(|| tpots.iter().sum::<f64>() / tpots.len() as f64);

@@ -886,6 +886,82 @@ async fn engines_that_render_tools_differently_are_caught_on_a_sampled_request()
     );
 }
 
+/// An engine with several data-parallel ranks (vLLM's `--data-parallel-size`: one API server,
+/// a KV cache and an event stream per rank, rank `r` on the ports plus `r`) has each rank's
+/// stream followed, and a request whose prefix one rank holds is credited with that rank's
+/// blocks and sent there (`X-data-parallel-rank`): every repeat of a prefix is credited
+/// exactly what the engine then hits. Before, only rank 0's port was subscribed, and a
+/// request was left to the engine's own choice of rank, which missed the prefix on another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_parallel_engine_is_credited_and_served_by_the_rank_holding_the_prefix() {
+    let f = Fleet::builder()
+        .decode(2)
+        .kv_events()
+        .data_parallel(2)
+        .sim_args(&["--block-size", "4", "--enable-prompt-tokens-details"])
+        .start()
+        .await;
+    let router = f.router();
+    let mut seen = 0;
+    let mut send = |prefix: usize, tail: usize| {
+        seen += 1;
+        let n = seen;
+        let body = json!({"model": "tiny-sim", "max_tokens": 2,
+            "prompt": format!("{} {}", words(20000 + 1000 * prefix, 40), words(tail, 6))});
+        async move {
+            let r = router
+                .http
+                .post(format!("{}/v1/completions", router.data), &body)
+                .await;
+            assert_eq!(r.status, 200, "{body}: {}", r.text());
+            let rows = eventually("the request's row", WAIT, || async {
+                let r = served(router);
+                (r.len() >= n).then_some(r)
+            })
+            .await;
+            rows[n - 1].clone()
+        }
+    };
+    // Four prefixes, each left to the engine's own choice of rank (nothing is held yet): the
+    // simulator takes its ranks in turn, so both ranks of an engine hold some.
+    let mut held = 0;
+    for p in 0..4 {
+        let r = send(p, 30000 + p).await;
+        assert_eq!(r["cached_tokens"], 0, "{r}");
+        held += 11;
+        let want = held;
+        eventually("both engines' ranks' blocks in the index", WAIT, || async {
+            let st = router.state().await;
+            let blocks: u64 = st.kv_index.engines.values().map(|e| e.blocks).sum();
+            (blocks >= want).then_some(())
+        })
+        .await;
+    }
+    for round in 1..3 {
+        for p in 0..4 {
+            let r = send(p, 30000 + 100 * round + p).await;
+            assert_eq!(r["kv_mode"], "exact", "{r}");
+            assert_eq!(r["cached_tokens"], 40, "prefix {p} round {round}: {r}");
+            assert_eq!(
+                r["engine_cached_tokens"], 40,
+                "prefix {p} round {round}: sent to the rank that holds it: {r}"
+            );
+        }
+    }
+    // Each engine's credit was checked against its own counts, rank by rank: never over.
+    let st = router.state().await;
+    let checked: u64 = st.kv_index.engines.values().map(|e| e.credit.checked).sum();
+    assert!(checked >= 8, "{:?}", st.kv_index.engines);
+    assert!(
+        st.kv_index
+            .engines
+            .values()
+            .all(|e| e.credit.over_tokens == 0),
+        "{:?}",
+        st.kv_index.engines
+    );
+}
+
 /// An engine whose cache loses blocks its events never take back (here: another prompt stored
 /// with its events muted evicts the held prefix, as a lost `BlockRemoved` would) is
 /// over-credited on each request for that prefix; the third in a row makes it `suspect`

@@ -13,6 +13,9 @@ use crate::config::{
 
 /// A KV-event socket as compared across engines: `tcp://host:port` with the host lowercased and
 /// `localhost` read as `127.0.0.1`.
+/// The most data-parallel ranks one engine's `kv_events` may name.
+const MAX_DP_RANKS: u64 = 64;
+
 fn socket_key(endpoint: &str) -> String {
     let rest = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
     let (host, port) = rest.rsplit_once(':').unwrap_or((rest, ""));
@@ -35,7 +38,7 @@ impl Checker<'_> {
         let mut out = Vec::new();
         let mut seen: Vec<(String, usize)> = Vec::new();
         // Every KV-event socket named so far: (socket, engine index, iid, key).
-        let mut sockets: Vec<(String, usize, String, &'static str)> = Vec::new();
+        let mut sockets: Vec<(String, usize, String, String)> = Vec::new();
         for (i, item) in items.iter().enumerate() {
             let path = format!("engines[{i}]");
             let o = self.obj(
@@ -236,7 +239,7 @@ impl Checker<'_> {
     /// `127.0.0.1`.
     fn one_publisher_per_socket(
         &mut self,
-        sockets: &mut Vec<(String, usize, String, &'static str)>,
+        sockets: &mut Vec<(String, usize, String, String)>,
         k: &KvEventsSource,
         i: usize,
         iid: &str,
@@ -245,12 +248,40 @@ impl Checker<'_> {
             ("endpoint", Some(&k.endpoint)),
             ("replay_endpoint", k.replay_endpoint.as_ref()),
         ];
-        for (key, ep) in named {
-            let Some(ep) = ep.filter(|e| !e.is_empty()) else {
-                continue;
-            };
+        // Each data-parallel rank publishes on the ports plus its rank: with vLLM's defaults
+        // (5557 and 5558) rank 1's PUB is rank 0's replay port.
+        let ranked = named.into_iter().flat_map(|(key, ep)| {
+            (0..k.data_parallel_size).filter_map(move |r| {
+                let ep = ep.filter(|e| !e.is_empty())?;
+                let label = if r == 0 {
+                    key.to_string()
+                } else {
+                    format!("{key} (rank {r}: {})", super::super::offset_port(ep, r))
+                };
+                Some((label, super::super::offset_port(ep, r)))
+            })
+        });
+        for (key, ep) in ranked {
+            let ep = &ep;
             let socket = socket_key(ep);
-            if let Some((_, j, other, other_key)) = sockets.iter().find(|(s, ..)| *s == socket) {
+            if let Some((_, j, _, other_key)) = sockets
+                .iter()
+                .find(|(s, ..)| *s == socket)
+                .filter(|(_, j, ..)| *j == i)
+            {
+                self.rule(
+                    format!("engines[{i}].kv_events.{key}"),
+                    &Value::String(ep.clone()),
+                    format!(
+                        "is also engines[{j}].kv_events.{other_key}: each data-parallel rank \
+                         binds the ports plus its rank, so endpoint and replay_endpoint must be \
+                         at least data_parallel_size ({}) apart",
+                        k.data_parallel_size
+                    ),
+                );
+            } else if let Some((_, j, other, other_key)) =
+                sockets.iter().find(|(s, ..)| *s == socket)
+            {
                 self.rule(
                     format!("engines[{i}].kv_events.{key}"),
                     &Value::String(ep.clone()),
@@ -274,7 +305,7 @@ impl Checker<'_> {
         let k = self.obj(
             &o.p("kv_events"),
             Some(v),
-            &["endpoint", "replay_endpoint", "topic"],
+            &["endpoint", "replay_endpoint", "topic", "data_parallel_size"],
         );
         k.map?;
         let endpoint = |c: &mut Self, key: &str, required: bool| match k.get(key) {
@@ -310,10 +341,32 @@ impl Checker<'_> {
         let ep = endpoint(self, "endpoint", true);
         let replay_endpoint = endpoint(self, "replay_endpoint", false);
         let topic = self.string(&k, "topic", "");
+        let data_parallel_size = self.int(&k, "data_parallel_size", 1, 1, MAX_DP_RANKS) as u32;
+        for (key, e) in [
+            ("endpoint", ep.as_ref()),
+            ("replay_endpoint", replay_endpoint.as_ref()),
+        ] {
+            let last = e
+                .and_then(|e| e.rsplit_once(':'))
+                .and_then(|(_, p)| p.parse::<u32>().ok())
+                .map(|p| p + data_parallel_size - 1);
+            if last.is_some_and(|p| p > u32::from(u16::MAX)) {
+                self.rule(
+                    k.p(key),
+                    &Value::String(e.cloned().unwrap_or_default()),
+                    format!(
+                        "its port plus data_parallel_size - 1 ({}) must be a port (rank r \
+                         publishes on the port plus r)",
+                        last.unwrap_or_default()
+                    ),
+                );
+            }
+        }
         Some(KvEventsSource {
             endpoint: ep.unwrap_or_default(),
             replay_endpoint,
             topic,
+            data_parallel_size,
         })
     }
 

@@ -388,6 +388,20 @@ impl Checker<'_> {
             (None, Some(e)) => e,
             (None, None) => Backend::Vllm,
         };
+        if backend == Backend::Sglang {
+            // The router steers a request to a rank with vLLM's `X-data-parallel-rank`
+            // header; SGLang's rank routing is not supported.
+            for (i, e) in engines.iter().enumerate() {
+                if let Some(k) = e.kv_events.as_ref().filter(|k| k.data_parallel_size > 1) {
+                    self.rule(
+                        format!("engines[{i}].kv_events.data_parallel_size"),
+                        &Value::from(k.data_parallel_size),
+                        "must be 1 with the sglang backend (the router steers requests to a \
+                         data-parallel rank with vLLM's X-data-parallel-rank header only)",
+                    );
+                }
+            }
+        }
         if !engine.dialect.is_empty() && engine.dialect != backend.as_str() {
             self.rule(
                 "engine.dialect".into(),

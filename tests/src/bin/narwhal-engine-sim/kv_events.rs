@@ -52,6 +52,34 @@ pub(crate) struct KvEventsConfig {
     pub(crate) topic: String,
 }
 
+impl KvEventsConfig {
+    /// Data-parallel rank `rank`'s config: every tcp port plus `rank`, as vLLM's
+    /// `ZmqEventPublisher.offset_endpoint_port` offsets them.
+    ///
+    /// # Errors
+    /// Rank > 0 of an endpoint on port 0 (each rank must bind the port plus its rank).
+    pub(crate) fn rank(&self, rank: usize) -> Result<KvEventsConfig, String> {
+        let offset = |ep: &str| -> Result<String, String> {
+            let Some((host, port)) = ep.rsplit_once(':') else {
+                return Ok(ep.to_string());
+            };
+            match port.parse::<usize>() {
+                Ok(0) if rank > 0 => Err(format!(
+                    "--kv-events-config: endpoint {ep} binds port 0, but with \
+                     --data-parallel-size rank {rank} binds the port plus its rank"
+                )),
+                Ok(p) => Ok(format!("{host}:{}", p + rank)),
+                Err(_) => Ok(ep.to_string()),
+            }
+        };
+        Ok(KvEventsConfig {
+            endpoint: offset(&self.endpoint)?,
+            replay_endpoint: self.replay_endpoint.as_deref().map(offset).transpose()?,
+            ..self.clone()
+        })
+    }
+}
+
 fn default_endpoint() -> String {
     "tcp://*:5557".to_string()
 }

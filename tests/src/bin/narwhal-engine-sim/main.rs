@@ -156,6 +156,13 @@ struct Cli {
     /// tokenized, and computed, as if it had none.
     #[arg(long)]
     template_without_tools: bool,
+    /// Data-parallel ranks behind this one API server (vLLM's `--data-parallel-size`): each
+    /// has its own prefix cache and, with `--kv-events-config`, publishes its events on the
+    /// endpoint's and replay endpoint's ports plus its rank (vLLM's `offset_endpoint_port`).
+    /// A request runs on the rank its `X-data-parallel-rank` header names, else on the next
+    /// rank in turn.
+    #[arg(long, default_value_t = 1)]
+    data_parallel_size: usize,
     /// Tokens per KV cache block (vLLM's `--block-size`; its GPU default).
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -221,6 +228,8 @@ enum StartError {
     CacheBlocks,
     #[error("{0}")]
     KvEvents(String),
+    #[error("--data-parallel-size must be at least 1")]
+    DataParallel,
     #[error("--api-key is vLLM's (its guarded paths and 401 body); the sglang dialect has none")]
     ApiKeyDialect,
     #[error("--api-key must not be empty")]
@@ -262,6 +271,9 @@ fn run(cli: Cli) -> Result<(), StartError> {
     }
     if cli.threads == 0 {
         return Err(StartError::Threads);
+    }
+    if cli.data_parallel_size == 0 {
+        return Err(StartError::DataParallel);
     }
     if cli.block_size == 0 {
         return Err(StartError::BlockSize);
@@ -456,6 +468,7 @@ async fn start_engine(
         api_key: cli.api_key.clone(),
         prompt_tokens_details: cli.enable_prompt_tokens_details,
         render_tools: !cli.template_without_tools,
+        data_parallel_size: cli.data_parallel_size,
         adapters: cli
             .lora_modules
             .iter()
@@ -470,23 +483,23 @@ async fn start_engine(
         Some(text) => kv_events::KvEventsConfig::parse(text).map_err(StartError::KvEvents)?,
         None => None,
     };
-    let events = match &events_cfg {
-        Some(c) if settings.cache.enabled => Some(
-            kv_events::Publisher::start(
-                c,
-                p.listen.ip(),
-                match settings.dialect {
-                    Dialect::Vllm => kv_events::Encoding::Vllm,
-                    Dialect::Sglang => kv_events::Encoding::Sglang,
-                },
-            )
-            .await
-            .map_err(StartError::KvEvents)?,
-        ),
-        _ => None,
-    };
+    let mut events = Vec::new();
+    if let Some(c) = events_cfg.as_ref().filter(|_| settings.cache.enabled) {
+        for rank in 0..settings.data_parallel_size {
+            let c = c.rank(rank).map_err(StartError::KvEvents)?;
+            let encoding = match settings.dialect {
+                Dialect::Vllm => kv_events::Encoding::Vllm,
+                Dialect::Sglang => kv_events::Encoding::Sglang,
+            };
+            events.push(
+                kv_events::Publisher::start(&c, p.listen.ip(), encoding)
+                    .await
+                    .map_err(StartError::KvEvents)?,
+            );
+        }
+    }
     let events_endpoints = events
-        .as_ref()
+        .first()
         .map(|p| (p.endpoint.clone(), p.replay_endpoint.clone()));
     let http = bind("--listen", p.listen).await?;
     let http_addr = local(&http, p.listen);

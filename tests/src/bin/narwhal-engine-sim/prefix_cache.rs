@@ -166,6 +166,22 @@ pub(crate) struct CacheCounters {
     pub(crate) resets: u64,
 }
 
+impl CacheCounters {
+    /// Another data-parallel rank's counters added to these (an engine's counters are its
+    /// ranks' sums; resets count once per call, not per rank).
+    pub(crate) fn add(self, o: CacheCounters) -> CacheCounters {
+        CacheCounters {
+            blocks: self.blocks + o.blocks,
+            capacity: self.capacity + o.capacity,
+            queries: self.queries + o.queries,
+            hits: self.hits + o.hits,
+            stored: self.stored + o.stored,
+            evictions: self.evictions + o.evictions,
+            resets: self.resets.max(o.resets),
+        }
+    }
+}
+
 /// The result of [`PrefixCache::lookup`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Lookup {
@@ -177,6 +193,9 @@ pub(crate) struct Lookup {
     pub(crate) keys: Keys,
     /// Tokens those blocks hold (`hit_blocks × block_size`).
     pub(crate) hit_tokens: usize,
+    /// The data-parallel rank whose cache was looked up (0 with one rank); the store goes
+    /// to the same rank.
+    pub(crate) rank: usize,
 }
 
 /// One engine process's prefix cache.
@@ -274,6 +293,7 @@ impl PrefixCache {
         let hashes = self.hashes(prompt, keys);
         if !self.enabled {
             return Lookup {
+                rank: 0,
                 hashes,
                 hit_blocks: 0,
                 hit_tokens: 0,
@@ -291,6 +311,7 @@ impl PrefixCache {
         self.counters.queries += prompt.len() as u64;
         self.counters.hits += (hit_blocks * self.block_size) as u64;
         Lookup {
+            rank: 0,
             hashes,
             hit_blocks,
             hit_tokens: hit_blocks * self.block_size,

@@ -157,6 +157,8 @@ pub(crate) struct Settings {
     pub(crate) adapters: Vec<String>,
     /// Whether the chat template renders `tools` (`--template-without-tools`: not).
     pub(crate) render_tools: bool,
+    /// `--data-parallel-size`: ranks, each with its own prefix cache and KV events.
+    pub(crate) data_parallel_size: usize,
 }
 
 /// The path prefixes vLLM's `--api-key` guards (its `AuthenticationMiddleware`; everything
@@ -249,10 +251,14 @@ pub(crate) struct Sim {
     switch_unhealthy: AtomicBool,
     blocks: Mutex<BlockStore>,
     rooms: Mutex<Rooms>,
-    /// The block prefix cache (short critical sections only).
-    cache: Mutex<PrefixCache>,
-    /// `--kv-events-config`: where cache events go, when on.
-    events: Option<Publisher>,
+    /// The block prefix cache of each data-parallel rank (`--data-parallel-size`; short
+    /// critical sections only).
+    caches: Vec<Mutex<PrefixCache>>,
+    /// `--kv-events-config`: where each rank's cache events go, when on (empty when off).
+    events: Vec<Publisher>,
+    /// The rank the next request without `X-data-parallel-rank` runs on (round robin, as
+    /// vLLM's balancer spreads an idle engine's requests).
+    next_rank: AtomicU64,
     /// Prompt tokens by source (`vllm:prompt_tokens_by_source`).
     pub(crate) sources: crate::metrics::PromptSources,
     id_prefix: u64,
@@ -278,7 +284,7 @@ impl Sim {
         kv_addr: Option<SocketAddr>,
         bootstrap_addr: Option<SocketAddr>,
         started_at: f64,
-        events: Option<Publisher>,
+        events: Vec<Publisher>,
     ) -> Self {
         let mode = cfg.mode;
         let c = cfg.cache;
@@ -293,8 +299,11 @@ impl Sim {
                 store: RoomStore::new(cfg.kv_lease),
                 waiters: HashMap::new(),
             }),
-            cache: Mutex::new(PrefixCache::new(c.block_size, c.blocks, c.enabled, c.seed)),
+            caches: (0..cfg.data_parallel_size.max(1))
+                .map(|_| Mutex::new(PrefixCache::new(c.block_size, c.blocks, c.enabled, c.seed)))
+                .collect(),
             events,
+            next_rank: AtomicU64::new(0),
             sources: Default::default(),
             cfg,
             url,
@@ -331,23 +340,30 @@ impl Sim {
         sleep(compute).await;
     }
 
-    /// Looks `prompt` (keyed beyond its tokens by `keys`) up in the prefix cache (counted in
-    /// its queries and hits).
-    pub(crate) fn cache_lookup(&self, prompt: &[u32], keys: &Keys) -> Lookup {
-        lock(&self.cache).lookup(prompt, keys)
+    /// Looks `prompt` (keyed beyond its tokens by `keys`) up in the prefix cache of
+    /// data-parallel rank `rank` (vLLM's `X-data-parallel-rank`; `None` or a rank the engine
+    /// does not have: the next rank in turn), counted in its queries and hits.
+    pub(crate) fn cache_lookup(&self, prompt: &[u32], keys: &Keys, rank: Option<usize>) -> Lookup {
+        let n = self.caches.len();
+        let rank = rank
+            .filter(|r| *r < n)
+            .unwrap_or_else(|| (self.next_rank.fetch_add(1, Relaxed) as usize) % n);
+        let mut l = lock(&self.caches[rank]).lookup(prompt, keys);
+        l.rank = rank;
+        l
     }
 
     /// Stores `prompt`'s computed full blocks and, when `publish` (no `mute_kv_events`
     /// fault), publishes the batch of events it caused.
     pub(crate) fn cache_store(&self, prompt: &[u32], lookup: &Lookup, publish: bool) {
-        let mut events = lock(&self.cache).store(prompt, lookup);
+        let mut events = lock(&self.caches[lookup.rank]).store(prompt, lookup);
         if self.cfg.dialect == Dialect::Sglang {
             events = events
                 .into_iter()
                 .map(|e| lookup.keys.as_sglang(e))
                 .collect();
         }
-        if let Some(p) = self.events.as_ref().filter(|_| publish) {
+        if let Some(p) = self.events.get(lookup.rank).filter(|_| publish) {
             p.publish(events);
         }
     }
@@ -364,16 +380,22 @@ impl Sim {
     /// Empties the prefix cache (`POST /reset_prefix_cache`) and publishes `AllBlocksCleared`.
     /// No request holds blocks between steps in the simulator, so this always succeeds.
     pub(crate) fn reset_prefix_cache(&self) -> bool {
-        let ev = lock(&self.cache).reset();
-        if let (Some(p), Some(ev)) = (&self.events, ev) {
-            p.publish(vec![ev]);
+        for (rank, cache) in self.caches.iter().enumerate() {
+            let ev = lock(cache).reset();
+            if let (Some(p), Some(ev)) = (self.events.get(rank), ev) {
+                p.publish(vec![ev]);
+            }
         }
         true
     }
 
     /// The prefix cache's counters (`/sim/stats` `prefix_cache`, `/metrics`).
     pub(crate) fn cache_counters(&self) -> CacheCounters {
-        lock(&self.cache).counters()
+        self.caches
+            .iter()
+            .map(|c| lock(c).counters())
+            .reduce(CacheCounters::add)
+            .unwrap_or_default()
     }
 
     /// The live disaggregation mode (SGLang).
@@ -921,6 +943,13 @@ async fn completion(
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
+    // vLLM's `_get_data_parallel_rank`: the rank a router chose (an int; anything else is
+    // vLLM's 400, here: no rank).
+    let dp_rank = req
+        .headers()
+        .get("x-data-parallel-rank")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<usize>().ok());
     let created = unix_now() as u64;
     let limits = Limits {
         model: &sim.cfg.model,
@@ -1058,7 +1087,7 @@ async fn completion(
         (Dialect::Sglang, _) => rid.clone(),
     };
     // Only the tokens missing from the prefix cache are computed (and priced).
-    let lookup = sim.cache_lookup(&parsed.prompt, &parsed.keys);
+    let lookup = sim.cache_lookup(&parsed.prompt, &parsed.keys, dp_rank);
     let uncached = n_prompt - lookup.hit_tokens;
     let compute = sim.cfg.ttft + sim.cfg.prefill_per_token * uncached as u32;
     let mut answer = Answer {
