@@ -172,11 +172,11 @@ fn refute(mut leg: LegResult, transfer: &TransferEvidence) -> LegResult {
 /// notAfter of the serving certificate and of the earliest-expiring CA certificate.
 fn certificate_expiry(
     tls: &narwhal_shared::TlsFiles,
-) -> Result<Vec<(&'static str, i64)>, crate::Error> {
+) -> Result<Vec<(&'static str, i64)>, crate::error::Error> {
     use narwhal_shared::tls::{load_certs, not_after_unix};
     let mut out = Vec::new();
     let bad = |field: &'static str, path: &std::path::Path, e: &dyn std::fmt::Display| {
-        crate::Error::Tls(narwhal_shared::TlsError::Verifier {
+        crate::error::Error::Tls(narwhal_shared::TlsError::Verifier {
             path: path.to_path_buf(),
             reason: format!("tls.{field}: {e}"),
         })
@@ -211,12 +211,12 @@ impl Agent {
     /// permissions) and opens the fence under `state_dir`.
     ///
     /// # Errors
-    /// [`crate::Error`] naming the config key.
-    pub fn new(config: &Config, clock: Arc<dyn Clock>) -> Result<Agent, crate::Error> {
+    /// [`crate::error::Error`] naming the config key.
+    pub fn new(config: &Config, clock: Arc<dyn Clock>) -> Result<Agent, crate::error::Error> {
         let key = crate::keys::load(&config.signing_key)?;
         let fence = EpochStore::open(&config.state_dir)?;
         let http = engine_http_client(Duration::from_secs_f64(config.timeouts.engine_s))
-            .map_err(crate::Error::HttpClient)?;
+            .map_err(crate::error::Error::HttpClient)?;
         let engines = config
             .engines
             .iter()

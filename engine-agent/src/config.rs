@@ -30,6 +30,7 @@ use narwhal_shared::TlsFiles;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
+use crate::engine_key::EngineKey;
 use crate::plugin::Dialect;
 use crate::process::ProcessLocator;
 
@@ -146,29 +147,6 @@ pub struct ContractDocument {
     pub contract: Map<String, Value>,
     /// `sha256_digest({"contract", "launch"})` when the document has `launch`.
     pub launch_digest: Option<String>,
-}
-
-/// An engine's API key (vLLM `--api-key`), sent as `Authorization: Bearer <key>` on every
-/// agent call to the engine. Its `Debug` never shows it, so no log, error or document does.
-#[derive(Clone, PartialEq, Eq)]
-pub struct EngineKey(String);
-
-impl EngineKey {
-    /// Wraps a key (non-empty, no surrounding whitespace: config validation ensures it).
-    pub fn new(key: impl Into<String>) -> Self {
-        EngineKey(key.into())
-    }
-
-    /// The `Authorization` header value, `Bearer <key>`.
-    pub fn bearer(&self) -> String {
-        format!("Bearer {}", self.0)
-    }
-}
-
-impl std::fmt::Debug for EngineKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("EngineKey(<redacted>)")
-    }
 }
 
 /// One validated engine entry.
@@ -484,7 +462,7 @@ fn validate_engine(
     // A bearer token is one header value: visible ASCII, no spaces (the key itself is never
     // named in the error).
     let api_key = api_key.filter(|key| {
-        let ok = key.0.bytes().all(|b| (0x21..=0x7e).contains(&b));
+        let ok = key.is_token();
         if !ok {
             errors.push(field(
                 k(key_field),

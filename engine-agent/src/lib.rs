@@ -14,6 +14,8 @@
 mod agent;
 mod authz;
 mod config;
+mod engine_key;
+mod error;
 mod evidence;
 mod fence;
 mod http;
@@ -29,6 +31,7 @@ use std::time::Duration;
 pub use agent::{Agent, RequestError, engine_http_client};
 pub use authz::{Access, Caller, Forbidden, RULE_FLEET, RULE_ROUTER, authorize};
 pub use config::{CONFIG_SCHEMA, Config, ConfigError, ContractDocument, EngineConfig, Timeouts};
+pub use error::Error;
 pub use evidence::{SGLANG_DISAGGREGATION, Series, TransferCounters, TransferMetrics, VLLM_NIXL};
 pub use fence::{Decision, EpochStore, FenceError, FenceState, StateLock, decide};
 pub use http::{router, status_of};
@@ -46,34 +49,6 @@ pub use process::{
 /// `narwhal-agent fence show|reset` (docs/agent.md): the fence of a stopped agent.
 pub mod fence_admin {
     pub use crate::fence::{reset, show};
-}
-
-/// Startup errors; each names the config key at fault.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// The config file is invalid.
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// The signing key is missing, unreadable, too open or not a key.
-    #[error(transparent)]
-    Key(#[from] KeyFileError),
-    /// TLS material (config key `tls.*`) is unusable.
-    #[error(transparent)]
-    Tls(#[from] narwhal_shared::TlsError),
-    /// `state_dir` or its fence file is unusable.
-    #[error(transparent)]
-    Fence(#[from] FenceError),
-    /// The engine HTTP client could not be built.
-    #[error("engine http client: {0}")]
-    HttpClient(String),
-    /// Binding or serving failed.
-    #[error("listen {addr}: {source}")]
-    Listen {
-        /// Address.
-        addr: String,
-        /// I/O error.
-        source: std::io::Error,
-    },
 }
 
 /// Everything checked before binding: key, TLS, fence. Build it, then bind, then [`run`].

@@ -21,7 +21,7 @@ use std::time::Duration;
 use narwhal_shared::{Clock, EngineFacts, LegResult};
 use serde_json::{Value, json};
 
-use crate::config::EngineKey;
+use crate::engine_key::EngineKey;
 use crate::evidence::{TransferCounters, TransferMetrics};
 
 mod sglang;

@@ -479,6 +479,27 @@ fn the_router_modules_form_no_cycle() {
     }
 }
 
+/// The same check over the engine agent's modules (`engine-agent/src`): its configuration and
+/// its engine plugins once imported each other (the engine key lived in the configuration).
+#[test]
+fn the_agent_modules_form_no_cycle() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine-agent/src");
+    let sources = read_tree(&src);
+    assert!(sources.contains_key("plugin"), "read {:?}", sources.keys());
+    assert!(
+        edges(&sources)
+            .iter()
+            .any(|e| e.from == "plugin" && e.to == "engine_key"),
+        "the checker sees the agent's imports"
+    );
+    if let Err(cycles) = check(&sources) {
+        panic!(
+            "import cycles among the agent's modules:\n{}",
+            cycles.join("\n")
+        );
+    }
+}
+
 /// Most fields of shared mutable state one struct may hold (the design note in lib.rs: no
 /// struct in the router with more than about 8 fields of shared mutable state; a struct of
 /// owned handles is fine).
