@@ -352,6 +352,9 @@ struct Engine {
     counters: Counters,
     /// Its credit held against its own cached-token counts.
     check: CreditCheck,
+    /// The KV cache group whose blocks decide a prefix hit ([`Engine::applies`]): learned from
+    /// the first store naming a full-attention kind; `None` until then (group 0 is applied).
+    decisive_group: Option<u32>,
 }
 
 impl Engine {
@@ -434,7 +437,7 @@ impl Engine {
     /// prefix hit on the GPU is applied ([`applies`]); the rest is counted `skipped`.
     fn apply(&mut self, seq: u64, batch: &KvEventBatch, now: Instant, told: &mut Told) {
         for e in &batch.events {
-            if !applies(e) {
+            if !self.applies(e) {
                 self.counters.skipped += 1;
                 continue;
             }
@@ -532,31 +535,53 @@ fn block_keys<'k>(keys: &'k [ExtraKey], lora: Option<&str>, first: bool) -> (Opt
     (salt, opaque)
 }
 
-/// Whether an event speaks of the blocks a request's prefix hit is decided by: the GPU tier
-/// (`medium` `"GPU"`, or none named) of the first KV cache group (`group_idx` 0, or none),
-/// a store that carries its tokens, or a clear. vLLM's CPU offloading publishes `BlockStored`
-/// for the lower tier with another block size and no token ids, and its removals there leave
-/// the GPU copy in place; a hybrid model publishes its events per KV cache group
-/// (`group_idx`). Applying those would flip the block size the engine is credited at, and wipe
-/// its credit. Of several groups, group 0 is credited: vLLM's `HybridKVCacheCoordinator`
-/// decides a hit by its full-attention group first and then shortens it by the others, but the
-/// events do not say which group that is (docs/design/kv-aware-placement.md, "not done yet").
-/// Unknown event types ([`KvEvent::Other`]) are skipped too, never a reset.
-fn applies(e: &KvEvent) -> bool {
-    let gpu = |m: &Option<String>| m.as_deref().is_none_or(|m| m == MEDIUM_GPU);
-    let first_group = |g: &Option<u32>| g.is_none_or(|g| g == 0);
-    match e {
-        KvEvent::BlockStored {
-            medium,
-            group_idx,
-            token_ids,
-            ..
-        } => gpu(medium) && first_group(group_idx) && !token_ids.is_empty(),
-        KvEvent::BlockRemoved {
-            medium, group_idx, ..
-        } => gpu(medium) && first_group(group_idx),
-        KvEvent::AllBlocksCleared => true,
-        KvEvent::Other { .. } => false,
+/// vLLM's `KVCacheSpecKind` values of `FullAttentionSpec` and its subclasses: the groups a
+/// hybrid model's prefix hit is decided by (`HybridKVCacheCoordinator.find_longest_cache_hit`
+/// looks full attention up first, "always first if it exists", then shortens the hit by the
+/// other groups).
+const FULL_ATTENTION_KINDS: [&str; 3] = ["full_attention", "mla_attention", "sink_full_attention"];
+
+impl Engine {
+    /// Whether an event speaks of the blocks a request's prefix hit is decided by: the GPU
+    /// tier (`medium` `"GPU"`, or none named) of the decisive KV cache group, a store that
+    /// carries its tokens, or a clear. vLLM's CPU offloading publishes `BlockStored` for the
+    /// lower tier with another block size and no token ids, and its removals there leave the
+    /// GPU copy in place; a hybrid model publishes its events per KV cache group
+    /// (`group_idx`), each store naming its group's kind (`kv_cache_spec_kind`). Applying
+    /// those would flip the block size the engine is credited at, and wipe its credit. The
+    /// decisive group is the first one a store names a full-attention kind for
+    /// ([`FULL_ATTENTION_KINDS`]); a store naming another kind is skipped; an engine that
+    /// names no kinds is credited by group 0.
+    /// How the other groups (sliding windows, Mamba) shorten the hit is not modelled
+    /// (docs/design/kv-aware-placement.md, "not done yet"). Unknown event types
+    /// ([`KvEvent::Other`]) are skipped too, never a reset.
+    fn applies(&mut self, e: &KvEvent) -> bool {
+        let gpu = |m: &Option<String>| m.as_deref().is_none_or(|m| m == MEDIUM_GPU);
+        match e {
+            KvEvent::BlockStored {
+                medium,
+                group_idx,
+                token_ids,
+                kv_cache_spec_kind,
+                ..
+            } => {
+                let group = group_idx.unwrap_or(0);
+                match kv_cache_spec_kind.as_deref() {
+                    Some(k) if FULL_ATTENTION_KINDS.contains(&k) => {
+                        self.decisive_group.get_or_insert(group);
+                    }
+                    // A group of another kind never decides the hit.
+                    Some(_) => return false,
+                    None => {}
+                }
+                gpu(medium) && group == self.decisive_group.unwrap_or(0) && !token_ids.is_empty()
+            }
+            KvEvent::BlockRemoved {
+                medium, group_idx, ..
+            } => gpu(medium) && group_idx.unwrap_or(0) == self.decisive_group.unwrap_or(0),
+            KvEvent::AllBlocksCleared => true,
+            KvEvent::Other { .. } => false,
+        }
     }
 }
 
@@ -715,6 +740,7 @@ impl KvIndex {
     pub(crate) fn restart(&mut self, e: usize, seq: u64, batch: &KvEventBatch, now: Instant) {
         let en = &mut self.engines[e];
         en.clear();
+        en.decisive_group = None;
         en.counters.resets += 1;
         en.apply(seq, batch, now, &mut Told::default());
         self.approx.drop_engine(e);
@@ -773,6 +799,7 @@ impl KvIndex {
         let en = &mut self.engines[e];
         if en.process.is_some_and(|p| p != process) {
             en.clear();
+            en.decisive_group = None;
             en.counters.resets += 1;
             en.next_seq = None;
             en.last_batch = None;

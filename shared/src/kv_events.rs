@@ -29,8 +29,8 @@ pub const MEDIUM_GPU: &str = "GPU";
 
 /// One KV cache event (vLLM's `BlockStored`, `BlockRemoved`, `AllBlocksCleared`).
 ///
-/// Fields vLLM declares but the simulator never sets (`kv_cache_spec_kind`,
-/// `kv_cache_spec_sliding_window`, `locality`, `ownership`) are not modelled: they are left
+/// Fields vLLM declares but the simulator never sets (`kv_cache_spec_sliding_window`,
+/// `locality`, `ownership`) are not modelled: they are left
 /// out on encode (their default, `None`) and skipped on decode.
 #[derive(Debug, Clone, PartialEq)]
 pub enum KvEvent {
@@ -57,6 +57,10 @@ pub enum KvEvent {
         extra_keys: Option<Vec<Option<Vec<ExtraKey>>>>,
         /// KV cache group index (`Some(0)` for a one-group model); `None` leaves it out.
         group_idx: Option<u32>,
+        /// The attention kind of that group (vLLM's `KVCacheSpecKind` value: `full_attention`,
+        /// `mla_attention`, `sliding_window`, `mamba`, ...; `KVCacheManager.take_events`
+        /// annotates every store with it); `None` leaves it out.
+        kv_cache_spec_kind: Option<String>,
         /// The session that triggered the store; `None` leaves it out.
         session_id: Option<String>,
         /// SGLang's `cache_salt`: the salt of the request that stored the blocks, on every
@@ -283,12 +287,14 @@ fn encode_event(w: &mut Vec<u8>, e: &KvEvent) {
             lora_name,
             extra_keys,
             group_idx,
+            kv_cache_spec_kind,
             session_id,
             cache_salt: _,
         } => {
             let n = 8
                 + usize::from(extra_keys.is_some())
                 + usize::from(group_idx.is_some())
+                + usize::from(kv_cache_spec_kind.is_some())
                 + usize::from(session_id.is_some());
             let _ = rmp::encode::write_map_len(w, n as u32);
             str(w, "type");
@@ -331,6 +337,10 @@ fn encode_event(w: &mut Vec<u8>, e: &KvEvent) {
             if let Some(g) = group_idx {
                 str(w, "group_idx");
                 uint(w, u64::from(*g));
+            }
+            if let Some(k) = kv_cache_spec_kind {
+                str(w, "kv_cache_spec_kind");
+                str(w, k);
             }
             if let Some(s) = session_id {
                 str(w, "session_id");
@@ -733,6 +743,7 @@ fn decode_event(v: &Val) -> Result<KvEvent, DecodeError> {
                 lora_name: opt_str_field("lora_name")?,
                 extra_keys,
                 group_idx: opt_u32("group_idx")?,
+                kv_cache_spec_kind: opt_str_field("kv_cache_spec_kind")?,
                 session_id: opt_str_field("session_id")?,
                 cache_salt: opt_str_field("cache_salt")?,
             })
@@ -799,6 +810,7 @@ mod tests {
             lora_name: None,
             extra_keys: Some(vec![None; n]),
             group_idx: Some(0),
+            kv_cache_spec_kind: None,
             session_id: None,
             cache_salt: None,
         }
@@ -820,6 +832,7 @@ mod tests {
             lora_name: Some("adapter-a".into()),
             extra_keys: None,
             group_idx: None,
+            kv_cache_spec_kind: None,
             session_id: None,
             cache_salt: Some("tenant-1".into()),
         };
@@ -833,6 +846,7 @@ mod tests {
             lora_name: None,
             extra_keys: None,
             group_idx: None,
+            kv_cache_spec_kind: None,
             session_id: None,
             cache_salt: None,
         };

@@ -123,7 +123,8 @@ def fixture():
             "events": [
                 {"type": "BlockStored", "block_hashes": [1, 2**64 - 1], "parent_block_hash": None,
                  "token_ids": tokens, "block_size": 16, "lora_id": None, "medium": GPU,
-                 "lora_name": None, "extra_keys": [None, None], "group_idx": 0},
+                 "lora_name": None, "extra_keys": [None, None], "group_idx": 0,
+                 "kv_cache_spec_kind": "full_attention"},
             ],
         },
         {

@@ -19,6 +19,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> KvEvent {
         lora_name: None,
         extra_keys: None,
         group_idx: None,
+        kv_cache_spec_kind: None,
         session_id: None,
         cache_salt: None,
     }
@@ -555,6 +556,7 @@ fn lower_tiers_other_groups_and_unknown_events_are_skipped_and_counted() {
         lora_name: None,
         extra_keys: None,
         group_idx: None,
+        kv_cache_spec_kind: None,
         session_id: None,
         cache_salt: None,
     };
@@ -603,6 +605,68 @@ fn lower_tiers_other_groups_and_unknown_events_are_skipped_and_counted() {
     assert_eq!(v.counters.skipped, 5, "{v:?}");
     assert_eq!(v.counters.resets, 0, "never a reset");
     assert_eq!(v.reason, Reason::Events, "still exact");
+}
+
+/// A store of KV cache group `group` whose kind is `kind`, as vLLM 0.32 publishes a hybrid
+/// model's events (`KVCacheManager.take_events` names each store's group kind).
+fn group_store(hashes: &[u64], tokens: &[u32], group: u32, kind: &str) -> KvEvent {
+    let mut e = stored(hashes, None, tokens);
+    if let KvEvent::BlockStored {
+        group_idx,
+        kv_cache_spec_kind,
+        ..
+    } = &mut e
+    {
+        *group_idx = Some(group);
+        *kv_cache_spec_kind = Some(kind.to_string());
+    }
+    e
+}
+
+/// A hybrid model (a sliding-window group 0, the full-attention group 1, as vLLM numbers
+/// groups by layer order; vLLM publishes the same block hashes in every group) is credited by
+/// its full-attention group, which decides a prefix hit
+/// in vLLM's `HybridKVCacheCoordinator`: the sliding-window group's stores and removals are
+/// skipped, the full-attention group's applied, its removals too. Before, group 0 was
+/// credited whatever its kind: a sliding window, which drops all but its last blocks.
+#[test]
+fn a_hybrid_model_is_credited_by_its_full_attention_group() {
+    let now = narwhal_shared::Clock::now(&narwhal_shared::SystemClock);
+    let mut ix = KvIndex::new(&[true]);
+    let p = prompt();
+    ix.apply(
+        0,
+        0,
+        &batch(vec![
+            group_store(&[11, 12, 13], &p, 0, "sliding_window"),
+            group_store(&[11, 12, 13], &p, 1, "full_attention"),
+        ]),
+        now,
+    );
+    assert_eq!(matched(&ix, 0, &p), 8);
+    assert_eq!(ix.view(0, now).blocks, 3);
+    // The sliding window drops its early blocks: nothing changes for the hit.
+    let window_removed = KvEvent::BlockRemoved {
+        block_hashes: vec![11, 12],
+        medium: Some("GPU".into()),
+        group_idx: Some(0),
+    };
+    ix.apply(0, 1, &batch(vec![window_removed]), now);
+    assert_eq!(matched(&ix, 0, &p), 8);
+    // The full-attention group's removal is the hit's.
+    let full_removed = KvEvent::BlockRemoved {
+        block_hashes: vec![12],
+        medium: Some("GPU".into()),
+        group_idx: Some(1),
+    };
+    ix.apply(0, 2, &batch(vec![full_removed]), now);
+    assert_eq!(matched(&ix, 0, &p), 4);
+    let v = ix.view(0, now);
+    assert_eq!(v.counters.skipped, 2, "{v:?}");
+    // An engine that names no kinds (older vLLM, one group) is credited by group 0.
+    let mut ix = KvIndex::new(&[true]);
+    ix.apply(0, 0, &batch(vec![stored(&[1, 2, 3], None, &p)]), now);
+    assert_eq!(matched(&ix, 0, &p), 8);
 }
 
 /// A `BlockStored` of a keyed request: `lora` in `lora_name` and first on every block, the

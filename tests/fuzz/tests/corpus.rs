@@ -181,6 +181,7 @@ fn write_seed_corpus() {
                 lora_name: None,
                 extra_keys: None,
                 group_idx: Some(0),
+                kv_cache_spec_kind: None,
                 session_id: None,
                 cache_salt: None,
             }],

@@ -98,6 +98,7 @@ fn event(e: &Value) -> KvEvent {
                     .collect()
             }),
             group_idx: e.get("group_idx").and_then(Value::as_u64).map(|g| g as u32),
+            kv_cache_spec_kind: opt_str(e, "kv_cache_spec_kind"),
             session_id: opt_str(e, "session_id"),
             cache_salt: opt_str(e, "cache_salt"),
         },

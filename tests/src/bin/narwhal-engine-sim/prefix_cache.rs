@@ -100,6 +100,7 @@ impl Keys {
                 lora_name,
                 extra_keys: None,
                 group_idx: None,
+                kv_cache_spec_kind: None,
                 session_id: None,
                 cache_salt: self.salt.clone(),
             },
@@ -372,6 +373,8 @@ impl PrefixCache {
                 medium: Some(MEDIUM_GPU.to_string()),
                 lora_name: lookup.keys.lora.clone(),
                 group_idx: Some(0),
+                // vLLM's `KVCacheManager.take_events` names every store's group kind.
+                kv_cache_spec_kind: Some("full_attention".to_string()),
                 session_id: None,
                 cache_salt: None,
             });
