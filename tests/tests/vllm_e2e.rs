@@ -857,6 +857,101 @@ async fn aggregated_fleet_on_real_vllm() {
         state["kv_index"]
     );
 
+    // (e) Keys beyond tokens, on vLLM itself. A salted prompt whose unsalted twin both engines
+    // already hold (vLLM hashes the salt into its first block), the same prompt as token ids,
+    // and a chat request with `add_special_tokens` (the tokenizer's BOS, which this model's
+    // chat template does not write) and `tools` (with `tool_choice` "none": "auto" needs a
+    // tool parser this engine is not started with; its template renders no tools): each twice, with another tail the second
+    // time. On every request the router's credit is what vLLM itself then served from its
+    // cache (the journal's `cached_tokens` against `engine_cached_tokens`), never more; the
+    // salted one is credited nothing at first though its tokens are held unsalted, and every
+    // second request is a hit of the first's blocks.
+    let twin = long_prompt(3, 420);
+    for e in &engines {
+        let body = json!({"model": MODEL, "prompt": format!("{twin} plain"), "max_tokens": 1});
+        let (s, v) = post(&e.url, "/v1/completions", &body).await;
+        assert_eq!(s, 200, "{v}");
+    }
+    let (s, t) = post(
+        &engines[0].url,
+        "/tokenize",
+        &json!({"model": MODEL, "prompt": long_prompt(4, 420)}),
+    )
+    .await;
+    assert_eq!(s, 200, "{t}");
+    let ids: Vec<Value> = t["tokens"].as_array().expect("tokens").clone();
+    let tools = json!([{"type": "function", "function": {"name": "search",
+        "description": "looks a thing up", "parameters": {"type": "object",
+        "properties": {"q": {"type": "string"}}}}}]);
+    for round in 0..2u64 {
+        let mut tail_ids = ids.clone();
+        tail_ids.extend([json!(20 + round), json!(30 + round)]);
+        let keyed: [(&str, &str, Value); 3] = [
+            (
+                "salted",
+                "/v1/completions",
+                json!({"prompt": format!("{twin} salted {round}"), "cache_salt": "tenant-a"}),
+            ),
+            ("token ids", "/v1/completions", json!({"prompt": tail_ids})),
+            (
+                "chat, add_special_tokens and tools",
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "system", "content": long_prompt(5, 420)},
+                                    {"role": "user", "content": format!("question {round}")}],
+                       "add_special_tokens": true, "tools": tools, "tool_choice": "none"}),
+            ),
+        ];
+        for (what, path, mut body) in keyed {
+            body["model"] = json!(MODEL);
+            body["max_tokens"] = json!(2);
+            body["temperature"] = json!(0);
+            let rows = r.journal_rows().len();
+            let held = |st: &Value, iid: &str| {
+                st["kv_index"]["engines"][iid]["blocks"]
+                    .as_u64()
+                    .unwrap_or(0)
+            };
+            let before = r.state_json().await;
+            let (s, v) = post(&r.data, path, &body).await;
+            assert_eq!(s, 200, "{what}: {v}");
+            let row = wait_until(Duration::from_secs(30), || async {
+                let all = r.journal_rows();
+                all[rows..]
+                    .iter()
+                    .rev()
+                    .find(|x| x.get("rid").is_some() && x["status"] == 200)
+                    .cloned()
+            })
+            .await
+            .unwrap_or_else(|| panic!("{what}: no journal row"));
+            let credit = row["cached_tokens"].as_u64().expect("scored");
+            let engine = row["engine_cached_tokens"].as_u64().expect("vLLM's count");
+            eprintln!("vllm_e2e: keyed {what} round {round}: credited {credit}, vLLM {engine}");
+            assert!(
+                credit <= engine,
+                "{what} round {round}: over-credited: {row}"
+            );
+            if round == 0 && what == "salted" {
+                assert_eq!((credit, engine), (0, 0), "the salt keys the blocks: {row}");
+            }
+            if round == 1 {
+                assert!(engine >= 3 * BLOCK, "{what}: a hit on vLLM: {row}");
+                assert_eq!(credit, engine, "{what}: credited as vLLM hashed: {row}");
+            }
+            if round == 0 {
+                // Its blocks reach the index before the repeat is scored.
+                let iid = row["decode_iid"].as_str().expect("decode_iid").to_string();
+                let had = held(&before, &iid);
+                wait_until(Duration::from_secs(30), || async {
+                    let st = r.state_json().await;
+                    (held(&st, &iid) >= had + 3).then_some(())
+                })
+                .await
+                .unwrap_or_else(|| panic!("{what}: its blocks never reached the index"));
+            }
+        }
+    }
+
     // An unplanned `kill -9` of e1 (no drain): every request is still served, by e0; e1 is
     // ejected; once a new e1 serves on the same port it is readmitted by the breaker's probe,
     // holding none of what the old process's events stored.
