@@ -76,6 +76,15 @@ pub enum RequestError {
     /// Local failure (500 `internal`).
     #[error("internal: {0}")]
     Internal(String),
+    /// No KV block snapshot of this engine (409 `kv_not_followed`): its KV events are not
+    /// followed, no batch came yet, or its process changed since its stream started.
+    #[error("engine {iid}: no KV block snapshot: {why}")]
+    NotFollowed {
+        /// Engine.
+        iid: String,
+        /// Why.
+        why: String,
+    },
 }
 
 struct Engine {
@@ -85,6 +94,8 @@ struct Engine {
     /// The owner of the engine's listening socket found last time, re-checked (never trusted)
     /// by the next read.
     owner: std::sync::Mutex<Option<ResolvedOwner>>,
+    /// The block set followed from its KV events (`kv_events` configured).
+    kv: Option<Arc<std::sync::Mutex<crate::kv_follow::Follow>>>,
 }
 
 /// The agent: configured engines, key, fence and clock.
@@ -232,6 +243,10 @@ impl Agent {
                 },
                 plugin: plugin_for(cfg.dialect),
                 owner: std::sync::Mutex::new(None),
+                kv: cfg
+                    .kv_events
+                    .as_ref()
+                    .map(|_| Arc::new(std::sync::Mutex::new(crate::kv_follow::Follow::new()))),
                 cfg: cfg.clone(),
             })
             .collect();
@@ -273,6 +288,67 @@ impl Agent {
     /// The public half of the signing key (`ed25519:<base64>`).
     pub fn public_key(&self) -> PublicKey {
         self.key.public_key()
+    }
+
+    /// Starts one follower per engine with `kv_events` (docs/agent.md, "KV block snapshots");
+    /// they live as long as the runtime.
+    pub fn follow_kv_events(self: &Arc<Self>) {
+        for (i, e) in self.engines.iter().enumerate() {
+            let (Some(cfg), Some(state)) = (e.cfg.kv_events.clone(), e.kv.clone()) else {
+                continue;
+            };
+            let me = Arc::clone(self);
+            let iid = e.cfg.iid.clone();
+            let identity = move || {
+                let me = Arc::clone(&me);
+                async move { me.identity(&me.engines[i]).await.ok() }
+            };
+            tokio::spawn(crate::kv_follow::run(iid, cfg, state, identity));
+        }
+    }
+
+    /// `GET /v1/engines/{iid}/kv/snapshot`: the engine's block set as its events told it, bound
+    /// to the process that stored it.
+    ///
+    /// # Errors
+    /// Unknown engine; the process read ([`RequestError::Process`]);
+    /// [`RequestError::NotFollowed`] (no `kv_events`, no batch yet, or the engine's process
+    /// changed since its stream started).
+    pub async fn kv_snapshot(
+        &self,
+        iid: &str,
+    ) -> Result<narwhal_shared::agent_protocol::KvSnapshot, RequestError> {
+        use base64::Engine as _;
+        let e = self.engine(iid)?;
+        let not_followed = |why: &str| RequestError::NotFollowed {
+            iid: iid.to_string(),
+            why: why.to_string(),
+        };
+        let state = e.kv.as_ref().ok_or_else(|| {
+            not_followed("the agent does not follow its KV events (engines[].kv_events)")
+        })?;
+        let now = self.identity(e).await?;
+        let (snap, process, blocks) = {
+            let f = state.lock().unwrap_or_else(|p| p.into_inner());
+            let ts = self.clock.wall().unwrap_or(0.0);
+            (f.set.snapshot(ts), f.process.clone(), f.set.len() as u64)
+        };
+        let snap = snap.ok_or_else(|| not_followed("no KV event batch came yet"))?;
+        let process = process.ok_or_else(|| not_followed("its process was not read yet"))?;
+        if !process.same_process(&now) {
+            return Err(not_followed(
+                "its process changed since its events were followed (the new process's stream starts the set again)",
+            ));
+        }
+        Ok(narwhal_shared::agent_protocol::KvSnapshot {
+            iid: iid.to_string(),
+            process,
+            next_seq: snap.next_seq,
+            complete: snap.complete,
+            blocks,
+            batch: base64::engine::general_purpose::STANDARD
+                .encode(narwhal_shared::kv_events::encode_batch(&snap.batch)),
+        })
     }
 
     fn engine(&self, iid: &str) -> Result<&Engine, RequestError> {

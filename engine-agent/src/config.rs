@@ -104,6 +104,25 @@ struct RawEngine {
     api_key_file: Option<PathBuf>,
     #[serde(default)]
     api_key_env: Option<String>,
+    #[serde(default)]
+    kv_events: Option<KvEvents>,
+}
+
+/// `engines[].kv_events`: where the engine publishes its KV events (vLLM's or SGLang's
+/// `--kv-events-config`, on loopback), for the block set the agent keeps of it
+/// (docs/agent.md, "KV block snapshots").
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvEvents {
+    /// `tcp://HOST:PORT` of the engine's PUB socket.
+    pub endpoint: String,
+    /// `tcp://HOST:PORT` of its replay socket: without one, a gap starts the set again
+    /// (incomplete), and an agent that starts after the engine cannot reach back.
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
+    /// The engine's topic (the SUB's filter; vLLM's default `""`).
+    #[serde(default)]
+    pub topic: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -169,6 +188,8 @@ pub struct EngineConfig {
     pub bootstrap_host: String,
     /// The engine's API key, read from `api_key_file` or the variable `api_key_env` at load.
     pub api_key: Option<EngineKey>,
+    /// Its KV events, followed into the block set the agent serves as snapshots.
+    pub kv_events: Option<KvEvents>,
 }
 
 /// A validated agent configuration.
@@ -472,6 +493,27 @@ fn validate_engine(
         }
         ok
     });
+    let tcp = |ep: &str| {
+        ep.strip_prefix("tcp://")
+            .and_then(|rest| rest.rsplit_once(':'))
+            .is_some_and(|(h, p)| {
+                !h.is_empty() && !h.contains('*') && p.parse::<u16>().is_ok_and(|p| p > 0)
+            })
+    };
+    if let Some(kv) = &e.kv_events {
+        for (key, ep) in [
+            ("endpoint", Some(&kv.endpoint)),
+            ("replay_endpoint", kv.replay_endpoint.as_ref()),
+        ] {
+            if let Some(ep) = ep.filter(|ep| !tcp(ep)) {
+                errors.push(field(
+                    k(&format!("kv_events.{key}")),
+                    ep,
+                    "must be tcp://HOST:PORT the agent connects to (not a `*` bind address)",
+                ));
+            }
+        }
+    }
     match (errors.is_empty(), dialect, locator) {
         (true, Some(dialect), Some(locator)) => Ok(EngineConfig {
             iid: e.iid,
@@ -485,6 +527,7 @@ fn validate_engine(
                 .or(host.map(|h| h.trim_start_matches('[').trim_end_matches(']').to_string()))
                 .unwrap_or_else(|| "127.0.0.1".into()),
             api_key,
+            kv_events: e.kv_events,
         }),
         _ => Err(errors),
     }
@@ -528,6 +571,38 @@ mod tests {
                  "process": {"pid_file": "/run/e1.pid"}, "_note": "x"}
             ]
         })
+    }
+
+    /// `engines[].kv_events` names the sockets the agent connects to: kept as given (topic
+    /// `""` by default); a bind address or a non-tcp endpoint is refused naming the key; an
+    /// unknown key in it too.
+    #[test]
+    fn kv_events_name_sockets_to_connect_to() {
+        let mut v = base();
+        v["engines"][0]["kv_events"] = serde_json::json!({"endpoint": "tcp://127.0.0.1:5557",
+            "replay_endpoint": "tcp://127.0.0.1:5558"});
+        let c = Config::parse(&v.to_string()).unwrap();
+        let k = c.engines[0].kv_events.clone().expect("kv_events");
+        assert_eq!(
+            (
+                k.endpoint.as_str(),
+                k.replay_endpoint.as_deref(),
+                k.topic.as_str()
+            ),
+            ("tcp://127.0.0.1:5557", Some("tcp://127.0.0.1:5558"), "")
+        );
+        assert_eq!(c.engines[1].kv_events, None);
+        v["engines"][0]["kv_events"]["replay_endpoint"] = serde_json::json!("tcp://*:5558");
+        let err = Config::parse(&v.to_string()).unwrap_err().to_string();
+        assert!(
+            err.contains("engines[0].kv_events.replay_endpoint"),
+            "{err}"
+        );
+        v["engines"][0]["kv_events"] = serde_json::json!({"endpoint": "ipc:///x"});
+        let err = Config::parse(&v.to_string()).unwrap_err().to_string();
+        assert!(err.contains("engines[0].kv_events.endpoint"), "{err}");
+        v["engines"][0]["kv_events"] = serde_json::json!({"endpoint": "tcp://h:1", "buffer": 1});
+        assert!(Config::parse(&v.to_string()).is_err());
     }
 
     /// The engine key comes from a file or a variable, never the config text, and no `Debug`

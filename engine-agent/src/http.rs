@@ -55,6 +55,7 @@ pub fn status_of(e: &RequestError) -> (StatusCode, &'static str, Option<u64>) {
         }
         RequestError::Engine { .. } => (StatusCode::BAD_GATEWAY, "engine_unavailable", None),
         RequestError::BadRequest { .. } => (StatusCode::BAD_REQUEST, "bad_request", None),
+        RequestError::NotFollowed { .. } => (StatusCode::CONFLICT, "kv_not_followed", None),
     }
 }
 
@@ -202,6 +203,12 @@ pub fn router(agent: Arc<Agent>) -> Router {
             "/v1/engines/{iid}/process",
             get(|State(a): Shared, Path(iid): Path<String>| async move {
                 a.process(&iid).await.map(axum::Json).map_err(ApiError)
+            }),
+        )
+        .route(
+            "/v1/engines/{iid}/kv/snapshot",
+            get(|State(a): Shared, Path(iid): Path<String>| async move {
+                a.kv_snapshot(&iid).await.map(axum::Json).map_err(ApiError)
             }),
         )
         .route(

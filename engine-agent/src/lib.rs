@@ -20,6 +20,7 @@ mod evidence;
 mod fence;
 mod http;
 mod keys;
+mod kv_follow;
 mod metrics;
 mod plugin;
 mod process;
@@ -89,6 +90,7 @@ pub async fn run(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()>,
 ) {
+    prepared.agent.follow_kv_events();
     let app = router(prepared.agent.clone());
     http::serve(
         listener,

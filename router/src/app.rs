@@ -185,7 +185,11 @@ pub async fn run(
     // In every HA phase: a shadowing standby keeps its own KV index from the same event streams
     // (it only reads them; it places nothing), so at takeover its engines are already `exact`
     // (docs/design/kv-aware-placement.md section 6). Not gated on `controls_fleet`.
-    parts.kv.spawn(parts.fleet.clone(), stop.clone());
+    let agents = parts.lifecycle.agents();
+    let snapshots = (0..parts.cfg.engines.len())
+        .map(|i| agents.get(i).cloned())
+        .collect();
+    parts.kv.spawn(parts.fleet.clone(), snapshots, stop.clone());
     let controller = tokio::spawn(parts.controller.clone().run(stop.clone()));
     let lifecycle_timer = {
         let parts = parts.clone();

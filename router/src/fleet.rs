@@ -472,6 +472,12 @@ impl Fleet {
         self.lock().identity_requested[iid]
     }
 
+    /// `iid`'s process start (`process_start_time_seconds`, Unix seconds) as its facts last
+    /// told it; `None` when not read yet.
+    pub(crate) fn process_start(&self, iid: usize) -> Option<f64> {
+        self.lock().facts.get(iid).and_then(|f| f.process_start)
+    }
+
     /// How many processes `iid` has had (a decode that fails after its producer's process
     /// changed is charged to that old process, not to the decode).
     pub(crate) fn incarnation(&self, iid: usize) -> u64 {

@@ -10,7 +10,7 @@
 //! ```text
 //!  client body  ──ingress()────► ingress::validate (both routes, both backends), check_batch
 //!  drain/readmit body ─lifecycle_body()─► lifecycle::api::parse_drain / parse_readmit
-//!  ZMQ messages ──kv_stream()──► kv_cache::parse ──► KvIndex sequence/apply/restart/fill
+//!  ZMQ messages ──kv_stream()──► kv_stream::parse ──► KvIndex sequence/apply/restart/fill
 //! ```
 
 use std::time::{Duration, Instant};
@@ -120,7 +120,7 @@ pub fn kv_stream(messages: &[Vec<Bytes>], start: Instant) {
     let mut tokens: Vec<u32> = Vec::new();
     for (i, frames) in messages.iter().enumerate() {
         let now = start + Duration::from_secs(i as u64);
-        let Some((seq, batch)) = crate::kv_cache::parse(frames) else {
+        let Some((seq, batch)) = narwhal_shared::kv_stream::parse(frames) else {
             continue;
         };
         for ev in &batch.events {

@@ -26,10 +26,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use narwhal_shared::Clock;
-use narwhal_shared::kv_events::{KvEventBatch, REPLAY_END, decode_batch};
+use narwhal_shared::kv_events::KvEventBatch;
 use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
-use zeromq::{Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
+use zeromq::{Socket as _, SocketRecv as _, ZmqMessage};
 
 use crate::config::{Config, KvEventsSource, secs};
 use crate::fleet::Fleet;
@@ -47,6 +47,10 @@ use sample::{Sampler, Shape};
 
 /// How long a replay may take before the gap is given up (the engine's entries dropped).
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// How far apart two readings of one process's start may be (the agent reads `/proc`, the
+/// engine's `/metrics` reports its own reading; a restarted engine takes longer than this to
+/// serve again).
+const SAME_PROCESS_S: f64 = 2.0;
 /// How often a subscriber checks its engine's process and retries a failed connect.
 const RECHECK: Duration = Duration::from_millis(500);
 /// How long an engine whose `/tokenize` failed (for a score or the probe) is not asked again
@@ -241,7 +245,16 @@ impl KvCache {
     /// Starts one subscriber per engine with `kv_events` and per further data-parallel rank
     /// of it (its sockets the ports plus the rank), whatever the HA phase (a standby keeps a
     /// warm index; module doc); they end with `stop`. None when cache awareness is off.
-    pub(crate) fn spawn(self: &Arc<Self>, fleet: Arc<Fleet>, stop: CancellationToken) {
+    ///
+    /// `snapshots` (per engine, config order): the agent that keeps the engine's block set
+    /// (`GET /v1/engines/{iid}/kv/snapshot`), asked when the engine's replay buffer no longer
+    /// reaches back to its stream's start ([`KvCache::catch_up`]).
+    pub(crate) fn spawn(
+        self: &Arc<Self>,
+        fleet: Arc<Fleet>,
+        snapshots: Vec<Option<Arc<narwhal_shared::AgentClient>>>,
+        stop: CancellationToken,
+    ) {
         if !self.enabled() {
             return;
         }
@@ -249,10 +262,16 @@ impl KvCache {
             let e = self.ranks.engine(s);
             if let Some(src) = self.cfg.engines[e].kv_events.as_ref() {
                 let src = src.rank(self.ranks.rank(s));
+                // The agent follows the engine's one stream (rank 0).
+                let agent = snapshots
+                    .get(e)
+                    .cloned()
+                    .flatten()
+                    .filter(|_| self.ranks.rank(s) == 0);
                 let me = self.clone();
                 let fleet = fleet.clone();
                 let stop = stop.clone();
-                tokio::spawn(async move { me.subscribe(s, src, fleet, stop).await });
+                tokio::spawn(async move { me.subscribe(s, src, agent, fleet, stop).await });
             }
         }
     }
@@ -274,6 +293,7 @@ impl KvCache {
         self: Arc<Self>,
         s: usize,
         src: KvEventsSource,
+        agent: Option<Arc<narwhal_shared::AgentClient>>,
         fleet: Arc<Fleet>,
         stop: CancellationToken,
     ) {
@@ -300,7 +320,7 @@ impl KvCache {
             tracing::info!(engine.id = %iid, endpoint = %src.endpoint, "kv events: subscribed");
             // Rebuild from the engine's replay buffer at once, not at the first recheck: a
             // router that starts is not ready before it did (`replay_pending`).
-            self.catch_up(s, &src).await;
+            self.catch_up(s, &src, agent.as_deref(), &fleet).await;
             loop {
                 tokio::select! {
                     m = sub.recv() => match m {
@@ -315,7 +335,7 @@ impl KvCache {
                             tracing::info!(engine.id = %iid, "kv events: new engine process; its blocks are dropped");
                             break;
                         }
-                        self.catch_up(s, &src).await;
+                        self.catch_up(s, &src, agent.as_deref(), &fleet).await;
                     }
                     () = stop.cancelled() => return,
                 }
@@ -326,7 +346,13 @@ impl KvCache {
     /// While engine `e` is `waiting` or `stale`, asks its replay socket for what it published
     /// from the next expected batch on: batches sent before the SUB's subscription reached
     /// the engine (ZMQ drops those), or after the SUB silently lost its connection.
-    async fn catch_up(&self, e: usize, src: &KvEventsSource) {
+    async fn catch_up(
+        &self,
+        e: usize,
+        src: &KvEventsSource,
+        agent: Option<&narwhal_shared::AgentClient>,
+        fleet: &Fleet,
+    ) {
         let Some(ep) = &src.replay_endpoint else {
             return;
         };
@@ -338,15 +364,71 @@ impl KvCache {
             self.mark_replayed(e);
             return;
         }
-        let Some(batches) = replay(ep, from.unwrap_or(0)).await else {
+        let Some(mut batches) = replay(ep, from.unwrap_or(0)).await else {
             return;
         };
+        // The buffer no longer reaches back to where this index is (its stream's start, for a
+        // router that just started): what was stored before it is only in the agent's block
+        // set, which is current to some batch of the buffer or later.
+        let reaches = batches.first().is_none_or(|(s, _)| *s <= from.unwrap_or(0));
+        if !reaches && let Some(agent) = agent {
+            let known = fleet.process_start(self.ranks.engine(e));
+            if let Some(next) = self.take_snapshot(e, agent, known).await {
+                batches.retain(|(s, _)| *s >= next);
+            }
+        }
         for (seq, batch) in batches {
             self.ingest(e, seq, batch, false, None).await;
         }
         // The buffer answered (perhaps empty: the engine published nothing yet): the index
         // holds what the engine can still tell.
         self.mark_replayed(e);
+    }
+
+    /// Rebuilds slot `e` (an engine's rank 0) from its agent's block set
+    /// (docs/design/kv-aware-placement.md, "Beyond the replay buffer"): the snapshot's blocks
+    /// applied as the batch before its `next_seq`, which the stream then continues from. Only
+    /// a snapshot of the process the router knows behind the engine is used: the agent's
+    /// process start (from `/proc`) within [`SAME_PROCESS_S`] of `known`, the engine's own
+    /// `process_start_time_seconds` as the router last read it (when it did). The sequence
+    /// number the stream continues from; `None` when there is no usable snapshot (logged).
+    async fn take_snapshot(
+        &self,
+        e: usize,
+        agent: &narwhal_shared::AgentClient,
+        known: Option<f64>,
+    ) -> Option<u64> {
+        use base64::Engine as _;
+        let iid = self.slot_name(e);
+        let snap = match agent.kv_snapshot(&iid).await {
+            Ok(s) => s,
+            Err(err) => {
+                tracing::info!(engine.id = %iid, error = %err, "kv events: no snapshot from the agent; the replay buffer's batches only");
+                return None;
+            }
+        };
+        let start = snap.process.process_start_time_seconds;
+        if known.is_some_and(|k| (k - start).abs() > SAME_PROCESS_S) {
+            tracing::info!(engine.id = %iid, agent_start = start, engine_start = ?known,
+                "kv events: the agent's snapshot is of another process; not used");
+            return None;
+        }
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(snap.batch.as_bytes())
+            .ok()?;
+        let batch = match narwhal_shared::kv_events::decode_batch(&bytes) {
+            Ok(b) => b,
+            Err(err) => {
+                tracing::warn!(engine.id = %iid, error = %err, "kv events: the agent's snapshot does not decode");
+                return None;
+            }
+        };
+        let now = self.clock.now();
+        self.lock()
+            .restart(e, snap.next_seq.saturating_sub(1), &batch, now);
+        tracing::info!(engine.id = %iid, blocks = snap.blocks, next_seq = snap.next_seq, complete = snap.complete,
+            "kv events: index rebuilt from the agent's snapshot (the engine's replay buffer no longer reaches back)");
+        Some(snap.next_seq)
     }
 
     fn mark_replayed(&self, e: usize) {
@@ -381,7 +463,7 @@ impl KvCache {
 
     async fn on_message(&self, e: usize, src: &KvEventsSource, m: ZmqMessage) {
         let frames: Vec<Bytes> = m.into_vec();
-        let Some((seq, batch)) = parse(&frames[..]) else {
+        let Some((seq, batch)) = narwhal_shared::kv_stream::parse(&frames[..]) else {
             tracing::warn!(engine.id = %self.slot_name(e), "kv events: malformed message; the engine's blocks are dropped");
             self.lock().reset(e);
             return;
@@ -1001,43 +1083,9 @@ fn tokenize_engine(
         .map(|(e, _)| *e)
 }
 
-/// `[topic, seq (8 bytes BE), payload]` → `(seq, batch)`; `None` for any other frame shape
-/// or a payload [`decode_batch`] refuses.
-pub(crate) fn parse(frames: &[Bytes]) -> Option<(u64, KvEventBatch)> {
-    let [_topic, seq, payload] = frames else {
-        return None;
-    };
-    let seq = u64::from_be_bytes(seq.as_ref().try_into().ok()?);
-    Some((seq, decode_batch(payload).ok()?))
-}
-
-/// vLLM's replay: a DEALER sends `["", start (8 bytes BE)]` and reads `["", topic, seq,
-/// payload]` per buffered batch until `["", "", REPLAY_END, ""]`. `None` when it fails or
-/// takes longer than [`REPLAY_TIMEOUT`].
+/// vLLM's replay ([`narwhal_shared::kv_stream::replay`]) with [`REPLAY_TIMEOUT`].
 async fn replay(endpoint: &str, from: u64) -> Option<Vec<(u64, KvEventBatch)>> {
-    let run = async {
-        let mut d = zeromq::DealerSocket::new();
-        d.connect(endpoint).await.ok()?;
-        let req = ZmqMessage::try_from(vec![
-            Bytes::new(),
-            Bytes::copy_from_slice(&from.to_be_bytes()),
-        ])
-        .ok()?;
-        d.send(req).await.ok()?;
-        let mut out = Vec::new();
-        loop {
-            let frames = d.recv().await.ok()?.into_vec();
-            match &frames[..] {
-                [_, _, seq, _] if seq.as_ref() == REPLAY_END => return Some(out),
-                [_, rest @ ..] => out.push(parse(rest)?),
-                _ => return None,
-            }
-        }
-    };
-    tokio::time::timeout(REPLAY_TIMEOUT, run)
-        .await
-        .ok()
-        .flatten()
+    narwhal_shared::kv_stream::replay(endpoint, from, REPLAY_TIMEOUT).await
 }
 
 #[cfg(test)]

@@ -312,6 +312,19 @@ impl AgentClient {
         self.get(&format!("/v1/engines/{iid}/process")).await
     }
 
+    /// `GET /v1/engines/{iid}/kv/snapshot`: the engine's KV block set as the agent follows it
+    /// (unsigned: a consumer holds its credit against the engine's own counts anyway).
+    ///
+    /// # Errors
+    /// Transport, status (404: not followed; 409: no batch yet, or its process changed) or
+    /// decode errors.
+    pub async fn kv_snapshot(
+        &self,
+        iid: &str,
+    ) -> Result<crate::agent_protocol::KvSnapshot, AgentClientError> {
+        self.get(&format!("/v1/engines/{iid}/kv/snapshot")).await
+    }
+
     /// `POST /v1/engines/{iid}/attestation`, verified; `expect_process` additionally requires
     /// the attested process to be that one.
     ///

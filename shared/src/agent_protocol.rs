@@ -3,6 +3,8 @@
 //! ```text
 //!  GET  /v1/engines                          ──► EnginesAnswer
 //!  GET  /v1/engines/{iid}/process            ──► ProcessIdentity
+//!  GET  /v1/engines/{iid}/kv/snapshot        ──► KvSnapshot (404 when the engine's KV events
+//!                                                are not followed, 409 before a batch came)
 //!  POST /v1/engines/{iid}/attestation        FencedRequest       ──► SignedDocument(AttestationPayload)
 //!  POST /v1/engines/{iid}/checks/generation  ModelRequest        ──► SignedDocument(GenerationPayload)
 //!  POST /v1/engines/{iid}/checks/kv/produce  KvProduceRequest    ──► SignedDocument(KvProducePayload)
@@ -203,4 +205,28 @@ pub struct ErrorDetail {
 pub struct ErrorBody {
     /// The error.
     pub error: ErrorDetail,
+}
+
+/// Answer of `GET /v1/engines/{iid}/kv/snapshot`: the engine's current KV block set as the agent
+/// follows it from the engine's own events ([`crate::kv_blocks`]), for a router that joins
+/// after the engine's replay buffer moved on (docs/design/kv-aware-placement.md, "Beyond the
+/// replay buffer").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvSnapshot {
+    /// The engine.
+    pub iid: String,
+    /// The engine process the blocks belong to (read when its stream started and again when
+    /// the snapshot was taken: the agent answers 409 when they differ).
+    pub process: ProcessIdentity,
+    /// The sequence number of the next batch: the set holds what every batch below it stored
+    /// and did not remove; the consumer follows the stream from there.
+    pub next_seq: u64,
+    /// Whether the set was built from the stream's first batch with no gap left unfilled.
+    pub complete: bool,
+    /// Blocks held.
+    pub blocks: u64,
+    /// The blocks as one `KVEventBatch` of `BlockStored` events (vLLM's msgpack encoding,
+    /// `kv_events::encode_batch`), each block's parent before it, base64 (standard alphabet).
+    pub batch: String,
 }

@@ -99,11 +99,18 @@ pub fn start_agent_keyed(
 ) -> Result<AgentHandle, ProcError> {
     let engines: Vec<AgentEngine> = engines
         .iter()
-        .map(|s| AgentEngine {
+        .map(|s| {
+            AgentEngine {
             iid: s.iid.clone(),
             url: s.url.clone(),
             dialect: s.dialect.clone(),
             port: s.port,
+            // A simulator publishing KV events (its ready file names the sockets): the agent
+            // follows them (every topic).
+            kv_events: s.ready["kv_events_endpoint"].as_str().map(|ep| {
+                json!({"endpoint": ep, "replay_endpoint": s.ready["kv_events_replay_endpoint"]})
+            }),
+        }
         })
         .collect();
     start_agent_for(
@@ -129,6 +136,9 @@ pub struct AgentEngine {
     pub dialect: String,
     /// The port its process listens on (`engines[].process.listen_port`).
     pub port: u16,
+    /// `engines[].kv_events` (`{"endpoint", "replay_endpoint"}`): the agent follows the
+    /// engine's KV events; `None` leaves it out.
+    pub kv_events: Option<Value>,
 }
 
 /// [`start_agent_keyed`] for any engines, with the agent's `timeouts` section (`engine_s`,
@@ -160,6 +170,9 @@ pub fn start_agent_for(
             }
             if let Some(key) = api_key_file {
                 e["api_key_file"] = json!(key);
+            }
+            if let Some(kv) = &s.kv_events {
+                e["kv_events"] = kv.clone();
             }
             e
         })

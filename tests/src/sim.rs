@@ -97,6 +97,22 @@ impl SimHandle {
         r.json()
     }
 
+    /// `POST /sim/kv_events/churn`: `batches` KV event batches published, each storing and
+    /// removing one block no prompt has (docs/engine-simulator.md, "Test hooks").
+    ///
+    /// # Panics
+    /// When the simulator does not answer 200.
+    pub async fn kv_churn(&self, batches: u64) {
+        let r = self
+            .http
+            .post(
+                format!("{}/kv_events/churn", self.admin_url()),
+                &serde_json::json!({ "batches": batches }),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}: {}", r.what, r.text());
+    }
+
     /// `POST /sim/faults` with one fault object or a list (docs/engine-simulator.md, "Faults").
     ///
     /// # Panics

@@ -1110,6 +1110,7 @@ async fn pd_over_nixl_and_readmission_through_agents() {
                 url: e.url.clone(),
                 dialect: "vllm".into(),
                 port: e.port,
+                kv_events: None,
             }],
             None,
             None,

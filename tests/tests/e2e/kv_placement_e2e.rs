@@ -573,6 +573,74 @@ async fn a_restarted_router_is_exact_from_its_first_request() {
     }
 }
 
+/// A router that starts after each engine published 20,000 batches more than its prefixes'
+/// (vLLM's replay buffer keeps the last 10,000, and vLLM never announces a block it still
+/// holds again) is `exact` at readiness with every prefix the engines hold: the agent next to
+/// each engine followed its events and hands the router a snapshot, current to a batch the
+/// buffer still holds, and the router follows the stream from there. Before, the prefixes
+/// stored before the buffer's start were invisible until evicted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_started_after_the_replay_buffer_moved_on_is_exact_from_the_agents_snapshot() {
+    let f = Fleet::builder()
+        .decode(2)
+        .kv_events()
+        .agents()
+        .sim_args(&["--block-size", "4"])
+        .start()
+        .await;
+    let first = f.router();
+    let prefix = |g: usize| words(3000 * (g + 1), 40);
+    let holders: Vec<String> = ["d0", "d0", "d1", "d1"].map(String::from).to_vec();
+    for (g, iid) in holders.iter().enumerate() {
+        complete_on(f.sim(iid), &prefix(g)).await;
+    }
+    const CHURN: u64 = 20_000;
+    for iid in ["d0", "d1"] {
+        f.sim(iid).kv_churn(CHURN).await;
+    }
+    // Both engines' streams went on 20,000 batches past the prefixes (the first router, which
+    // followed them all along, has seen them).
+    for iid in ["d0", "d1"] {
+        kv_engine(first, iid, "the churn published", |e| {
+            e["batches"].as_u64().unwrap_or(0) > CHURN && e["blocks"].as_u64().unwrap_or(0) >= 20
+        })
+        .await;
+    }
+    let t0 = Instant::now();
+    let second = f.start_router("second", &[]);
+    eventually("the second router ready", WAIT, || async {
+        let (status, doc) = second.ready().await;
+        (status == 200).then_some(doc)
+    })
+    .await;
+    let ready_s = t0.elapsed().as_secs_f64();
+    let kv = second.state().await.kv_index;
+    eprintln!(
+        "kv_placement_e2e: a router started after {CHURN} batches ready in {ready_s:.2} s: {kv:?}"
+    );
+    for iid in ["d0", "d1"] {
+        let e = &kv.engines[iid];
+        assert_eq!(e.mode, "exact", "{iid}: {kv:?}");
+        assert!(e.blocks >= 20, "{iid} holds its two prefixes: {kv:?}");
+    }
+    assert!(ready_s < 15.0, "ready in {ready_s:.2} s");
+    for g in 0..4 {
+        complete(&second, &format!("{} {}", prefix(g), words(10 * g, 6))).await;
+    }
+    let rows = eventually("four rows of the second router", WAIT, || async {
+        let r = served(&second);
+        (r.len() >= 4).then_some(r)
+    })
+    .await;
+    for (g, r) in rows.iter().enumerate() {
+        assert_eq!(
+            r["decode_iid"], holders[g],
+            "prefix {g} goes where it is held: {r}"
+        );
+        assert_eq!(r["cached_tokens"], 40, "credited at once: {r}");
+    }
+}
+
 /// Requests keyed beyond their tokens (a tenant's `cache_salt`, a LoRA adapter named in
 /// `model`, both) are credited only with blocks stored under the same keys, as vLLM keys them
 /// (the salt on the first block, the adapter on every block): each keyed variant of one

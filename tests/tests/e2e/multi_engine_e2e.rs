@@ -130,6 +130,7 @@ async fn a_router_readmits_a_wave_of_engines_sharing_one_process() {
             url: e.url.clone(),
             dialect: "vllm".into(),
             port: e.port,
+            kv_events: None,
         })
         .collect();
     let agent = start_agent_for(

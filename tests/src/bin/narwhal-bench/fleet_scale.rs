@@ -597,6 +597,7 @@ async fn start(args: &Args, n: usize, per_agent: usize, cpus: Cpus<'_>) -> Resul
                 url: engines[i].0.clone(),
                 dialect: "vllm".into(),
                 port: engines[i].1,
+                kv_events: None,
             })
             .collect();
         let agent = procs::on_cpus(cpus.agents, || {

@@ -47,6 +47,7 @@ use crate::protocol::{
 use crate::stats::{Outcome, Stats, Tracker};
 use crate::tokenizer;
 use crate::transfer::{self, TransferError};
+use narwhal_testkit::kv_events::{KvEvent, MEDIUM_GPU};
 
 /// Largest request body accepted (bytes).
 const MAX_BODY: usize = 32 << 20;
@@ -377,6 +378,43 @@ impl Sim {
         self.cache_store(prompt, lookup, publish);
     }
 
+    /// `POST /sim/kv_events/churn`: publishes `n` batches on rank 0's stream, each storing and
+    /// then removing one block no prompt has (a busy engine's traffic of other prompts,
+    /// without its compute), so a replay buffer moves on past the batches before; the cache
+    /// is unchanged. The batches published (0 without KV events).
+    pub(crate) fn churn(&self, n: u64) -> u64 {
+        let Some(p) = self.events.first() else {
+            return 0;
+        };
+        let bs = self.cfg.cache.block_size;
+        for i in 0..n {
+            // Far from any prefix hash (a simulator's hashes are 64-bit and seeded).
+            let h = 0xc4u64 << 56 | i;
+            p.publish(vec![
+                KvEvent::BlockStored {
+                    block_hashes: vec![h],
+                    parent_block_hash: None,
+                    token_ids: vec![tokenizer::VOCAB - 1; bs],
+                    block_size: bs as u32,
+                    lora_id: None,
+                    medium: Some(MEDIUM_GPU.to_string()),
+                    lora_name: None,
+                    extra_keys: Some(vec![None]),
+                    group_idx: Some(0),
+                    kv_cache_spec_kind: Some("full_attention".to_string()),
+                    session_id: None,
+                    cache_salt: None,
+                },
+                KvEvent::BlockRemoved {
+                    block_hashes: vec![h],
+                    medium: Some(MEDIUM_GPU.to_string()),
+                    group_idx: Some(0),
+                },
+            ]);
+        }
+        n
+    }
+
     /// Empties the prefix cache (`POST /reset_prefix_cache`) and publishes `AllBlocksCleared`.
     /// No request holds blocks between steps in the simulator, so this always succeeds.
     pub(crate) fn reset_prefix_cache(&self) -> bool {
@@ -669,7 +707,19 @@ async fn route_admin(sim: Arc<Sim>, req: Request<Incoming>) -> Response<SimBody>
             sim.stats.reset();
             json_response(200, &json!({ "reset": true }))
         }
-        ("/sim/faults" | "/sim/stats" | "/sim/stats/reset", _) => detail(405, "Method Not Allowed"),
+        ("/sim/kv_events/churn", &Method::POST) => match read_body(req.into_body()).await {
+            Err(e) => api_error(&e),
+            Ok(b) => match serde_json::from_slice::<Value>(&b)
+                .ok()
+                .and_then(|v| v["batches"].as_u64())
+            {
+                Some(n) => json_response(200, &json!({ "published": sim.churn(n) })),
+                None => json_response(400, &json!({"error": "body must be {\"batches\": N}"})),
+            },
+        },
+        ("/sim/faults" | "/sim/stats" | "/sim/stats/reset" | "/sim/kv_events/churn", _) => {
+            detail(405, "Method Not Allowed")
+        }
         _ => detail(404, "Not Found"),
     }
 }
