@@ -370,10 +370,12 @@ impl KvCache {
         // The buffer no longer reaches back to where this index is (its stream's start, for a
         // router that just started): what was stored before it is only in the agent's block
         // set, which is current to some batch of the buffer or later.
-        let reaches = batches.first().is_none_or(|(s, _)| *s <= from.unwrap_or(0));
-        if !reaches && let Some(agent) = agent {
+        let first = batches.first().map_or(0, |(s, _)| *s);
+        if first > from.unwrap_or(0)
+            && let Some(agent) = agent
+        {
             let known = fleet.process_start(self.ranks.engine(e));
-            if let Some(next) = self.take_snapshot(e, agent, known).await {
+            if let Some(next) = self.take_snapshot(e, agent, known, first).await {
                 batches.retain(|(s, _)| *s >= next);
             }
         }
@@ -390,13 +392,16 @@ impl KvCache {
     /// applied as the batch before its `next_seq`, which the stream then continues from. Only
     /// a snapshot of the process the router knows behind the engine is used: the agent's
     /// process start (from `/proc`) within [`SAME_PROCESS_S`] of `known`, the engine's own
-    /// `process_start_time_seconds` as the router last read it (when it did). The sequence
-    /// number the stream continues from; `None` when there is no usable snapshot (logged).
+    /// `process_start_time_seconds` as the router last read it (when it did), and current to
+    /// at least `first`, the replay buffer's first batch (else a gap would remain). The
+    /// sequence number the stream continues from; `None` when there is no usable snapshot
+    /// (logged).
     async fn take_snapshot(
         &self,
         e: usize,
         agent: &narwhal_shared::AgentClient,
         known: Option<f64>,
+        first: u64,
     ) -> Option<u64> {
         use base64::Engine as _;
         let iid = self.slot_name(e);
@@ -407,6 +412,12 @@ impl KvCache {
                 return None;
             }
         };
+        // An agent behind the buffer's start would leave a gap the buffer cannot fill.
+        if snap.next_seq < first {
+            tracing::info!(engine.id = %iid, next_seq = snap.next_seq, buffer_from = first,
+                "kv events: the agent's snapshot is older than the replay buffer; not used");
+            return None;
+        }
         let start = snap.process.process_start_time_seconds;
         if known.is_some_and(|k| (k - start).abs() > SAME_PROCESS_S) {
             tracing::info!(engine.id = %iid, agent_start = start, engine_start = ?known,
