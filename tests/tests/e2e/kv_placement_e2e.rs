@@ -527,11 +527,8 @@ async fn the_journal_records_the_engines_cached_tokens_beside_the_estimate() {
 async fn a_restarted_router_is_exact_from_its_first_request() {
     let f = kv_fleet().await;
     let first = f.router();
-    // Four 40-token prefixes (10 blocks of 4), two stored on each engine (sent to them
-    // directly: placed by load, all four could land on one engine, and the other would have
-    // nothing to replay).
     let prefix = |g: usize| words(1000 * (g + 1), 40);
-    let holders: Vec<String> = ["d0", "d0", "d1", "d1"].map(String::from).to_vec();
+    let holders: Vec<String> = HOLDERS.map(String::from).to_vec();
     for (g, iid) in holders.iter().enumerate() {
         complete_on(f.sim(iid), &prefix(g)).await;
     }
@@ -542,35 +539,53 @@ async fn a_restarted_router_is_exact_from_its_first_request() {
         .await;
     }
     // A second router over the same engines: ready only once the replay rebuilt its index.
+    second_router_places_by_what_is_held(&f, &prefix, &holders).await;
+}
+
+/// Four 40-token prefixes (10 blocks of 4), `holders[g]` holding prefix `g` (sent to it
+/// directly: placed by load, all four could land on one engine, and the other would have
+/// nothing to replay).
+const HOLDERS: [&str; 4] = ["d0", "d0", "d1", "d1"];
+
+/// Starts a second router over `f`'s engines (`d0`, `d1`) and waits for it to be ready: then
+/// every engine is `exact` holding its two prefixes, and a request for prefix `g` goes to
+/// `holders[g]`, credited its 40 tokens at once. The seconds it took to be ready.
+async fn second_router_places_by_what_is_held(
+    f: &Fleet,
+    prefix: &dyn Fn(usize) -> String,
+    holders: &[String],
+) -> f64 {
+    let t0 = Instant::now();
     let second = f.start_router("second", &[]);
     let ready = eventually("the second router ready", WAIT, || async {
         let (status, doc) = second.ready().await;
         (status == 200).then_some(doc)
     })
     .await;
+    let ready_s = t0.elapsed().as_secs_f64();
     let kv = second.state().await.kv_index;
     for iid in ["d0", "d1"] {
-        assert_eq!(
-            kv.engines[iid].mode, "exact",
-            "{iid} at readiness ({ready:?}): {kv:?}"
-        );
+        let e = &kv.engines[iid];
+        assert_eq!(e.mode, "exact", "{iid} at readiness ({ready:?}): {kv:?}");
+        assert!(e.blocks >= 20, "{iid} holds its two prefixes: {kv:?}");
     }
-    for g in 0..4 {
+    for g in 0..holders.len() {
         complete(&second, &format!("{} {}", prefix(g), words(10 * g, 6))).await;
     }
-    let rows = eventually("four rows of the second router", WAIT, || async {
+    let rows = eventually("the second router's rows", WAIT, || async {
         let r = served(&second);
-        (r.len() >= 4).then_some(r)
+        (r.len() >= holders.len()).then_some(r)
     })
     .await;
     for (g, r) in rows.iter().enumerate() {
         assert_eq!(
             r["decode_iid"], holders[g],
-            "group {g} goes where it is held: {r}"
+            "prefix {g} goes where it is held: {r}"
         );
         assert_eq!(r["kv_mode"], "exact", "{r}");
         assert_eq!(r["cached_tokens"], 40, "credited at once: {r}");
     }
+    ready_s
 }
 
 /// A router that starts after each engine published 20,000 batches more than its prefixes'
@@ -590,7 +605,7 @@ async fn a_router_started_after_the_replay_buffer_moved_on_is_exact_from_the_age
         .await;
     let first = f.router();
     let prefix = |g: usize| words(3000 * (g + 1), 40);
-    let holders: Vec<String> = ["d0", "d0", "d1", "d1"].map(String::from).to_vec();
+    let holders: Vec<String> = HOLDERS.map(String::from).to_vec();
     for (g, iid) in holders.iter().enumerate() {
         complete_on(f.sim(iid), &prefix(g)).await;
     }
@@ -606,39 +621,11 @@ async fn a_router_started_after_the_replay_buffer_moved_on_is_exact_from_the_age
         })
         .await;
     }
-    let t0 = Instant::now();
-    let second = f.start_router("second", &[]);
-    eventually("the second router ready", WAIT, || async {
-        let (status, doc) = second.ready().await;
-        (status == 200).then_some(doc)
-    })
-    .await;
-    let ready_s = t0.elapsed().as_secs_f64();
-    let kv = second.state().await.kv_index;
+    let ready_s = second_router_places_by_what_is_held(&f, &prefix, &holders).await;
     eprintln!(
-        "kv_placement_e2e: a router started after {CHURN} batches ready in {ready_s:.2} s: {kv:?}"
+        "kv_placement_e2e: a router started after {CHURN} batches per engine ready in {ready_s:.2} s"
     );
-    for iid in ["d0", "d1"] {
-        let e = &kv.engines[iid];
-        assert_eq!(e.mode, "exact", "{iid}: {kv:?}");
-        assert!(e.blocks >= 20, "{iid} holds its two prefixes: {kv:?}");
-    }
     assert!(ready_s < 15.0, "ready in {ready_s:.2} s");
-    for g in 0..4 {
-        complete(&second, &format!("{} {}", prefix(g), words(10 * g, 6))).await;
-    }
-    let rows = eventually("four rows of the second router", WAIT, || async {
-        let r = served(&second);
-        (r.len() >= 4).then_some(r)
-    })
-    .await;
-    for (g, r) in rows.iter().enumerate() {
-        assert_eq!(
-            r["decode_iid"], holders[g],
-            "prefix {g} goes where it is held: {r}"
-        );
-        assert_eq!(r["cached_tokens"], 40, "credited at once: {r}");
-    }
 }
 
 /// Requests keyed beyond their tokens (a tenant's `cache_salt`, a LoRA adapter named in
