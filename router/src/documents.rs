@@ -16,7 +16,6 @@ use std::collections::BTreeMap;
 use narwhal_shared::documents::lifecycle::Resident;
 use narwhal_shared::documents::ready::{NOT_READY, READY};
 use narwhal_shared::documents::{self as doc, Ordered, state};
-use serde_json::{Value, json};
 
 use crate::breaker::FailureClass;
 use crate::config::{Config, Role};
@@ -65,26 +64,33 @@ pub(crate) fn health(parts: &Parts) -> doc::Health {
 
 /// `/v1/models` (behaviour.md 1.5), each model with OpenAI's `created` (Unix seconds; the
 /// answer's time, as vLLM gives it).
-pub(crate) fn models(cfg: &Config, created: u64) -> Value {
-    let data: Vec<Value> = std::iter::once(cfg.model.as_str())
-        .chain(cfg.adapters.iter().map(String::as_str))
-        .filter_map(|id| model_card(cfg, id, created))
-        .collect();
-    json!({"object": "list", "data": data})
+pub(crate) fn models(cfg: &Config, created: u64) -> doc::ModelList {
+    doc::ModelList {
+        object: "list".into(),
+        data: std::iter::once(cfg.model.as_str())
+            .chain(cfg.adapters.iter().map(String::as_str))
+            .filter_map(|id| model_card(cfg, id, created))
+            .collect(),
+    }
 }
 
 /// One model as OpenAI's `GET /v1/models/{model}` answers it: `id`, `object: "model"`,
 /// `created`, `owned_by`; an adapter (config `adapters`) also names its base model in
 /// `parent`, as vLLM's own card for an adapter does. `None` for an id not served.
-pub(crate) fn model_card(cfg: &Config, id: &str, created: u64) -> Option<Value> {
-    if id == cfg.model {
-        return Some(
-            json!({"id": cfg.model, "object": "model", "created": created, "owned_by": "narwhal"}),
-        );
-    }
-    cfg.adapters.iter().any(|a| a == id).then(|| {
-        json!({"id": id, "object": "model", "created": created, "owned_by": "narwhal",
-               "parent": cfg.model})
+pub(crate) fn model_card(cfg: &Config, id: &str, created: u64) -> Option<doc::ModelCard> {
+    let parent = if id == cfg.model {
+        None
+    } else if cfg.adapters.iter().any(|a| a == id) {
+        Some(cfg.model.clone())
+    } else {
+        return None;
+    };
+    Some(doc::ModelCard {
+        id: id.to_string(),
+        object: "model".into(),
+        created,
+        owned_by: "narwhal".into(),
+        parent,
     })
 }
 
@@ -672,6 +678,7 @@ mod golden;
 mod tests {
     use super::*;
     use crate::breaker::{EjectCause, Observation};
+    use serde_json::{Value, json};
 
     // These tests read the documents as they are sent.
     fn wire<T: serde::Serialize>(doc: T) -> Value {

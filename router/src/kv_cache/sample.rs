@@ -100,13 +100,25 @@ impl Sampler {
     /// checked for the shape, else, on every [`SAMPLE_EVERY`]-th request, the next live
     /// engine in rotation. Never `on` itself. The engine returned counts as checked (so
     /// concurrent requests do not all sample it); [`Sampler::failed`] undoes that.
-    pub(crate) fn pick(&mut self, shape: Shape, on: usize, live: &[usize]) -> Option<usize> {
+    ///
+    /// `live` is asked only when this request may be sampled (an engine is unchecked for the
+    /// shape, or it is the [`SAMPLE_EVERY`]-th): the common request reads no fleet state.
+    pub(crate) fn pick(
+        &mut self,
+        shape: Shape,
+        on: usize,
+        live: impl FnOnce() -> Vec<usize>,
+    ) -> Option<usize> {
         let s = &mut self.shapes[shape.slot()];
         s.seen += 1;
         if on < self.engines {
             // The engine that tokenized agrees with itself.
             s.checked[on] = true;
         }
+        if s.checked.iter().all(|c| *c) && !s.seen.is_multiple_of(SAMPLE_EVERY) {
+            return None;
+        }
+        let live = live();
         let others = || {
             live.iter()
                 .copied()
@@ -170,29 +182,29 @@ mod tests {
     fn every_engine_is_checked_once_per_shape_then_in_turn() {
         let mut s = Sampler::new(3);
         let live = [0, 1, 2];
-        assert_eq!(s.pick(Shape::Chat, 0, &live), Some(1));
-        assert_eq!(s.pick(Shape::Chat, 0, &live), Some(2));
-        assert_eq!(s.pick(Shape::Chat, 1, &live), None);
+        assert_eq!(s.pick(Shape::Chat, 0, || live.to_vec()), Some(1));
+        assert_eq!(s.pick(Shape::Chat, 0, || live.to_vec()), Some(2));
+        assert_eq!(s.pick(Shape::Chat, 1, || live.to_vec()), None);
         // Another shape starts over.
-        assert_eq!(s.pick(Shape::ChatWithTools, 2, &live), Some(0));
+        assert_eq!(s.pick(Shape::ChatWithTools, 2, || live.to_vec()), Some(0));
         s.failed(Shape::ChatWithTools, 0);
-        assert_eq!(s.pick(Shape::ChatWithTools, 2, &live), Some(0));
-        assert_eq!(s.pick(Shape::ChatWithTools, 2, &live), Some(1));
+        assert_eq!(s.pick(Shape::ChatWithTools, 2, || live.to_vec()), Some(0));
+        assert_eq!(s.pick(Shape::ChatWithTools, 2, || live.to_vec()), Some(1));
         // An engine that was not live is checked once it is.
         let mut s = Sampler::new(3);
-        assert_eq!(s.pick(Shape::Completion, 0, &[0, 1]), Some(1));
-        assert_eq!(s.pick(Shape::Completion, 0, &[0, 1]), None);
-        assert_eq!(s.pick(Shape::Completion, 0, &live), Some(2));
+        assert_eq!(s.pick(Shape::Completion, 0, || vec![0, 1]), Some(1));
+        assert_eq!(s.pick(Shape::Completion, 0, || vec![0, 1]), None);
+        assert_eq!(s.pick(Shape::Completion, 0, || live.to_vec()), Some(2));
         // Then every SAMPLE_EVERY-th request of the shape, in rotation, never the tokenizer.
         let mut picked = Vec::new();
         for _ in 3..=(3 * SAMPLE_EVERY) {
-            if let Some(e) = s.pick(Shape::Completion, 0, &live) {
+            if let Some(e) = s.pick(Shape::Completion, 0, || live.to_vec()) {
                 picked.push(e);
             }
         }
         assert_eq!(picked, vec![1, 2, 1]);
         // A lone engine has nothing to be checked against.
         let mut s = Sampler::new(1);
-        assert_eq!(s.pick(Shape::Chat, 0, &[0]), None);
+        assert_eq!(s.pick(Shape::Chat, 0, || vec![0]), None);
     }
 }

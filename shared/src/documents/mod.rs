@@ -20,6 +20,7 @@
 
 pub mod controller;
 pub mod lifecycle;
+pub mod models;
 mod ordered;
 pub mod ready;
 pub mod replies;
@@ -30,6 +31,7 @@ use serde::{Deserialize, Serialize};
 
 pub use controller::{ControllerFields, ControllerReport, Decision, DecisionEvent};
 pub use lifecycle::{LIFECYCLE_SCHEMA, LIFECYCLE_VERSION, Lifecycle, LifecycleView};
+pub use models::{ModelCard, ModelList};
 pub use ordered::Ordered;
 pub use ready::{Health, Ready};
 pub use replies::{ErrorReply, LifecycleReply};
