@@ -93,8 +93,8 @@ pub use process::{
 };
 pub use proxy::Proxy;
 pub use router::{
-    Clients, FleetSpec, LiveStream, RouterHandle, RouterProbe, handoff_file_where, launch_router,
-    launch_router_env, merge, narwhalctl, parse_document, start_router,
+    Clients, FleetSpec, LiveStream, RequestRow, RouterHandle, RouterProbe, handoff_file_where,
+    launch_router, launch_router_env, merge, narwhalctl, parse_document, start_router,
 };
 pub use sampler::{Sample, Sampler};
 pub use scenario::{DECIDE, L1, L2, ONE_P_THREE_D, decided, pools, reason_of};

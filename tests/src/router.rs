@@ -509,6 +509,16 @@ impl RouterHandle {
             .collect()
     }
 
+    /// The request rows the router served with 200 (rows with a `rid`), oldest first, typed.
+    pub fn served_requests(&self) -> Vec<RequestRow> {
+        self.journal_rows()
+            .into_iter()
+            .filter(|r| r.get("rid").is_some())
+            .filter_map(|r| serde_json::from_value::<RequestRow>(r).ok())
+            .filter(|r| r.status == 200)
+            .collect()
+    }
+
     /// Lifecycle events in the journal (`event: engine_lifecycle`), oldest first.
     pub fn lifecycle_events(&self) -> Vec<Value> {
         self.journal_rows()
@@ -777,4 +787,36 @@ pub async fn handoff_file_where(
         },
     )
     .await
+}
+
+/// A request row of the journal (`narwhal.journal` v1, docs/logging.md) as the tests read it:
+/// where the request went and what the KV score credited it; the row has more fields.
+#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct RequestRow {
+    /// The router's request id.
+    pub rid: String,
+    /// The status the client got.
+    pub status: u16,
+    /// Whether the client streamed.
+    pub stream: bool,
+    /// The prefill engine of a split.
+    pub prefill_iid: Option<String>,
+    /// The decode (or aggregated) engine.
+    pub decode_iid: Option<String>,
+    /// Prompt tokens the KV score credited on the computing engine; `None`: not scored.
+    pub cached_tokens: Option<u64>,
+    /// The engine's own count of prompt tokens served from its prefix cache.
+    pub engine_cached_tokens: Option<u64>,
+    /// The engine's count of the prompt's tokens.
+    pub engine_prompt_tokens: Option<u64>,
+    /// The computing engine's KV index mode at placement.
+    pub kv_mode: Option<String>,
+}
+
+impl RequestRow {
+    /// The decode (or aggregated) engine's id, `""` when none.
+    pub fn engine(&self) -> &str {
+        self.decode_iid.as_deref().unwrap_or("")
+    }
 }

@@ -905,45 +905,42 @@ async fn aggregated_fleet_on_real_vllm() {
             body["model"] = json!(MODEL);
             body["max_tokens"] = json!(2);
             body["temperature"] = json!(0);
-            let rows = r.journal_rows().len();
-            let held = |st: &Value, iid: &str| {
-                st["kv_index"]["engines"][iid]["blocks"]
-                    .as_u64()
-                    .unwrap_or(0)
+            let rows = r.served_requests().len();
+            let held = |st: &narwhal_shared::documents::State, iid: &str| {
+                st.kv_index.engines.get(iid).map_or(0, |e| e.blocks)
             };
-            let before = r.state_json().await;
+            let before = r.state().await;
             let (s, v) = post(&r.data, path, &body).await;
             assert_eq!(s, 200, "{what}: {v}");
             let row = wait_until(Duration::from_secs(30), || async {
-                let all = r.journal_rows();
-                all[rows..]
-                    .iter()
-                    .rev()
-                    .find(|x| x.get("rid").is_some() && x["status"] == 200)
-                    .cloned()
+                r.served_requests().into_iter().nth(rows)
             })
             .await
             .unwrap_or_else(|| panic!("{what}: no journal row"));
-            let credit = row["cached_tokens"].as_u64().expect("scored");
-            let engine = row["engine_cached_tokens"].as_u64().expect("vLLM's count");
+            let credit = row.cached_tokens.expect("scored");
+            let engine = row.engine_cached_tokens.expect("vLLM's count");
             eprintln!("vllm_e2e: keyed {what} round {round}: credited {credit}, vLLM {engine}");
             assert!(
                 credit <= engine,
-                "{what} round {round}: over-credited: {row}"
+                "{what} round {round}: over-credited: {row:?}"
             );
             if round == 0 && what == "salted" {
-                assert_eq!((credit, engine), (0, 0), "the salt keys the blocks: {row}");
+                assert_eq!(
+                    (credit, engine),
+                    (0, 0),
+                    "the salt keys the blocks: {row:?}"
+                );
             }
             if round == 1 {
-                assert!(engine >= 3 * BLOCK, "{what}: a hit on vLLM: {row}");
-                assert_eq!(credit, engine, "{what}: credited as vLLM hashed: {row}");
+                assert!(engine >= 3 * BLOCK, "{what}: a hit on vLLM: {row:?}");
+                assert_eq!(credit, engine, "{what}: credited as vLLM hashed: {row:?}");
             }
             if round == 0 {
                 // Its blocks reach the index before the repeat is scored.
-                let iid = row["decode_iid"].as_str().expect("decode_iid").to_string();
+                let iid = row.engine().to_string();
                 let had = held(&before, &iid);
                 wait_until(Duration::from_secs(30), || async {
-                    let st = r.state_json().await;
+                    let st = r.state().await;
                     (held(&st, &iid) >= had + 3).then_some(())
                 })
                 .await

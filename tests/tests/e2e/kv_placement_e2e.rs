@@ -26,7 +26,7 @@
 
 use std::time::{Duration, Instant};
 
-use narwhal_testkit::{Fleet, RouterHandle, SimHandle, WAIT, eventually};
+use narwhal_testkit::{Fleet, RequestRow, RouterHandle, SimHandle, WAIT, eventually};
 use serde_json::{Value, json};
 
 /// `n` words starting at word `from`: one simulator token each.
@@ -90,7 +90,7 @@ async fn kv_engine(
 /// The journal rows of completed requests, in order.
 /// POSTs `body` to the router's data `path` (answered 200) and returns the journal row of the
 /// `n`-th request it served (1-based), once written (a row is written after its answer).
-async fn served_row(router: &RouterHandle, path: &str, body: &Value, n: usize) -> Value {
+async fn served_row(router: &RouterHandle, path: &str, body: &Value, n: usize) -> RequestRow {
     let r = router
         .http
         .post(format!("{}{path}", router.data), body)
@@ -104,12 +104,8 @@ async fn served_row(router: &RouterHandle, path: &str, body: &Value, n: usize) -
     rows[n - 1].clone()
 }
 
-fn served(router: &RouterHandle) -> Vec<Value> {
-    router
-        .journal_rows()
-        .into_iter()
-        .filter(|r| r.get("rid").is_some() && r["status"] == 200)
-        .collect()
+fn served(router: &RouterHandle) -> Vec<RequestRow> {
+    router.served_requests()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -124,10 +120,7 @@ async fn requests_sharing_a_prefix_follow_the_engine_that_holds_it() {
         (!r.is_empty()).then_some(r)
     })
     .await;
-    let holder = rows[0]["decode_iid"]
-        .as_str()
-        .expect("decode_iid")
-        .to_string();
+    let holder = rows[0].engine().to_string();
     let other = if holder == "d0" { "d1" } else { "d0" };
     kv_engine(router, &holder, "the holder's blocks in the index", |e| {
         e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
@@ -144,16 +137,18 @@ async fn requests_sharing_a_prefix_follow_the_engine_that_holds_it() {
     .await;
     for r in &rows[1..] {
         assert_eq!(
-            r["decode_iid"], holder,
-            "a shared prefix follows its blocks: {r}"
+            r.engine(),
+            holder,
+            "a shared prefix follows its blocks: {r:?}"
         );
         assert_eq!(
-            r["cached_tokens"], 40,
-            "the index credits the 10 blocks: {r}"
+            r.cached_tokens,
+            Some(40),
+            "the index credits the 10 blocks: {r:?}"
         );
         assert!(
-            r["engine_cached_tokens"].is_null(),
-            "an engine without --enable-prompt-tokens-details reports no count: {r}"
+            r.engine_cached_tokens.is_none(),
+            "an engine without --enable-prompt-tokens-details reports no count: {r:?}"
         );
     }
     assert_eq!(
@@ -218,10 +213,11 @@ async fn an_engine_restarted_in_place_gets_no_credit_for_its_old_blocks() {
     .await;
     let row = rows.last().expect("row");
     assert_eq!(
-        row["decode_iid"], "d1",
-        "no credit for the old process's blocks: {row}"
+        row.engine(),
+        "d1",
+        "no credit for the old process's blocks: {row:?}"
     );
-    assert_eq!(row["cached_tokens"], 20, "{row}");
+    assert_eq!(row.cached_tokens, Some(20), "{row:?}");
     // d0's new process publishes from sequence 0: exact again.
     complete_on(f.sim("d0"), &words(900, 12)).await;
     kv_engine(router, "d0", "d0 exact again", |e| {
@@ -246,16 +242,19 @@ async fn without_kv_events_requests_sharing_a_prefix_stick_to_one_engine() {
         (!r.is_empty()).then_some(r)
     })
     .await;
-    assert_eq!(rows[0]["kv_mode"], "approximate", "{}", rows[0]);
     assert_eq!(
-        rows[0]["cached_tokens"], 0,
-        "nothing placed yet: {}",
+        rows[0].kv_mode.as_deref(),
+        Some("approximate"),
+        "{:?}",
         rows[0]
     );
-    let holder = rows[0]["decode_iid"]
-        .as_str()
-        .expect("decode_iid")
-        .to_string();
+    assert_eq!(
+        rows[0].cached_tokens,
+        Some(0),
+        "nothing placed yet: {:?}",
+        rows[0]
+    );
+    let holder = rows[0].engine().to_string();
     let other = if holder == "d0" { "d1" } else { "d0" };
     let before = (hits(f.sim(&holder)).await, hits(f.sim(other)).await);
     for k in 0..4 {
@@ -268,14 +267,16 @@ async fn without_kv_events_requests_sharing_a_prefix_stick_to_one_engine() {
     .await;
     for r in &rows[1..] {
         assert_eq!(
-            r["decode_iid"], holder,
-            "a shared prefix follows our own placements: {r}"
+            r.engine(),
+            holder,
+            "a shared prefix follows our own placements: {r:?}"
         );
         assert_eq!(
-            r["cached_tokens"], 40,
-            "the approximate index credits the prefix's 10 blocks: {r}"
+            r.cached_tokens,
+            Some(40),
+            "the approximate index credits the prefix's 10 blocks: {r:?}"
         );
-        assert_eq!(r["kv_mode"], "approximate", "{r}");
+        assert_eq!(r.kv_mode.as_deref(), Some("approximate"), "{r:?}");
     }
     assert_eq!(
         hits(f.sim(&holder)).await - before.0,
@@ -321,12 +322,7 @@ async fn cache_awareness_turned_off_is_shown_none() {
         (!r.is_empty()).then_some(r)
     })
     .await;
-    assert_eq!(
-        rows[0]["cached_tokens"],
-        Value::Null,
-        "not scored: {}",
-        rows[0]
-    );
+    assert_eq!(rows[0].cached_tokens, None, "not scored: {:?}", rows[0]);
     let st = router.get("/narwhal/state").await.json();
     for e in ["d0", "d1"] {
         let v = &st["kv_index"]["engines"][e];
@@ -386,7 +382,7 @@ async fn one_engine_to_choose_from_is_not_scored() {
     })
     .await;
     assert!(
-        rows.iter().all(|r| r["cached_tokens"].is_null()),
+        rows.iter().all(|r| r.cached_tokens.is_none()),
         "not scored: {rows:?}"
     );
 }
@@ -422,10 +418,7 @@ async fn an_engine_whose_events_stop_is_shown_approximate_then_exact_again() {
     })
     .await;
     let placed = Instant::now();
-    let muted = rows[0]["decode_iid"]
-        .as_str()
-        .expect("decode_iid")
-        .to_string();
+    let muted = rows[0].engine().to_string();
     let other = if muted == "d0" { "d1" } else { "d0" };
     f.sim(other).clear_faults().await;
     kv_engine(
@@ -460,9 +453,9 @@ async fn an_engine_whose_events_stop_is_shown_approximate_then_exact_again() {
     })
     .await;
     let row = &rows[1];
-    assert_eq!(row["decode_iid"], muted.as_str(), "{row}");
-    assert_eq!(row["kv_mode"], "approximate", "{row}");
-    assert_eq!(row["cached_tokens"], 40, "{row}");
+    assert_eq!(row.engine(), muted.as_str(), "{row:?}");
+    assert_eq!(row.kv_mode.as_deref(), Some("approximate"), "{row:?}");
+    assert_eq!(row.cached_tokens, Some(40), "{row:?}");
     assert_eq!(
         hits(f.sim(&muted)).await - before,
         40,
@@ -501,13 +494,11 @@ async fn the_journal_records_the_engines_cached_tokens_beside_the_estimate() {
     })
     .await;
     assert_eq!(
-        first["engine_cached_tokens"], 0,
-        "nothing cached yet: {first}"
+        first.engine_cached_tokens,
+        Some(0),
+        "nothing cached yet: {first:?}"
     );
-    let holder = first["decode_iid"]
-        .as_str()
-        .expect("decode_iid")
-        .to_string();
+    let holder = first.engine().to_string();
     kv_engine(router, &holder, "the holder's blocks in the index", |e| {
         e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
     })
@@ -527,11 +518,15 @@ async fn the_journal_records_the_engines_cached_tokens_beside_the_estimate() {
     })
     .await;
     for r in &rows[1..] {
-        assert_eq!(r["decode_iid"], holder, "{r}");
-        assert_eq!(r["cached_tokens"], 40, "the router's estimate: {r}");
-        assert_eq!(r["engine_cached_tokens"], 40, "the engine's own count: {r}");
+        assert_eq!(r.engine(), holder, "{r:?}");
+        assert_eq!(r.cached_tokens, Some(40), "the router's estimate: {r:?}");
+        assert_eq!(
+            r.engine_cached_tokens,
+            Some(40),
+            "the engine's own count: {r:?}"
+        );
     }
-    assert_eq!(rows[2]["stream"], true, "{}", rows[2]);
+    assert!(rows[2].stream, "{:?}", rows[2]);
 }
 
 /// A router that starts over engines that already hold prefixes is not ready before it rebuilt
@@ -595,11 +590,12 @@ async fn second_router_places_by_what_is_held(
     .await;
     for (g, r) in rows.iter().enumerate() {
         assert_eq!(
-            r["decode_iid"], holders[g],
-            "prefix {g} goes where it is held: {r}"
+            r.engine(),
+            holders[g],
+            "prefix {g} goes where it is held: {r:?}"
         );
-        assert_eq!(r["kv_mode"], "exact", "{r}");
-        assert_eq!(r["cached_tokens"], 40, "credited at once: {r}");
+        assert_eq!(r.kv_mode.as_deref(), Some("exact"), "{r:?}");
+        assert_eq!(r.cached_tokens, Some(40), "credited at once: {r:?}");
     }
     ready_s
 }
@@ -714,15 +710,20 @@ async fn keyed_credit(dialect: &str) {
             })
             .await;
             let r = &rows[seen - 1];
-            let iid = r["decode_iid"].as_str().expect("decode_iid").to_string();
+            let iid = r.engine().to_string();
             if round == 1 {
-                assert_eq!(r["kv_mode"], "exact", "{keys}: {r}");
+                assert_eq!(r.kv_mode.as_deref(), Some("exact"), "{keys}: {r:?}");
             }
             let (want_credit, want_engine) = if round == 0 { (0, 0) } else { (40, 40) };
-            assert_eq!(r["cached_tokens"], want_credit, "{keys} round {round}: {r}");
             assert_eq!(
-                r["engine_cached_tokens"], want_engine,
-                "{keys} round {round}: {r}"
+                r.cached_tokens,
+                Some(want_credit),
+                "{keys} round {round}: {r:?}"
+            );
+            assert_eq!(
+                r.engine_cached_tokens,
+                Some(want_engine),
+                "{keys} round {round}: {r:?}"
             );
             if round == 0 {
                 // Its 11 new blocks (prefix and tail) are in the index before the repeat.
@@ -738,9 +739,9 @@ async fn keyed_credit(dialect: &str) {
         }
     }
     for r in served(router) {
-        let credit = r["cached_tokens"].as_u64().expect("scored");
-        let engine = r["engine_cached_tokens"].as_u64().expect("engine count");
-        assert!(credit <= engine, "over-credited: {r}");
+        let credit = r.cached_tokens.expect("scored");
+        let engine = r.engine_cached_tokens.expect("engine count");
+        assert!(credit <= engine, "over-credited: {r:?}");
     }
 }
 
@@ -782,28 +783,26 @@ async fn chat_requests_are_credited_as_their_template_renders_them() {
             narwhal_testkit::merge(&mut body, extra.clone());
             seen += 1;
             let r = &served_row(router, "/v1/chat/completions", &body, seen).await;
-            let prompt_tokens = r["engine_prompt_tokens"]
-                .as_u64()
-                .expect("the engine's prompt tokens");
-            let credit = r["cached_tokens"].as_u64().expect("scored");
-            let engine = r["engine_cached_tokens"].as_u64().expect("engine count");
+            let prompt_tokens = r.engine_prompt_tokens.expect("the engine's prompt tokens");
+            let credit = r.cached_tokens.expect("scored");
+            let engine = r.engine_cached_tokens.expect("engine count");
             if round == 0 {
                 // A variant shares with the earlier ones only what its template renders
                 // alike (the BOS, the start of a tool definition): credited that, no more.
-                assert_eq!(credit, engine, "{extra} first: {r}");
-                assert!(engine < 40 || v > 0, "{extra} first: {r}");
-                let iid = r["decode_iid"].as_str().expect("decode_iid").to_string();
+                assert_eq!(credit, engine, "{extra} first: {r:?}");
+                assert!(engine < 40 || v > 0, "{extra} first: {r:?}");
+                let iid = r.engine().to_string();
                 let blocks = prompt_tokens / 4;
                 kv_engine(router, &iid, "the variant's blocks in the index", |e| {
                     e["blocks"].as_u64().unwrap_or(0) >= blocks
                 })
                 .await;
             } else {
-                assert_eq!(r["kv_mode"], "exact", "{extra}: {r}");
-                assert!(engine >= 40, "{extra}: the system prompt was cached: {r}");
+                assert_eq!(r.kv_mode.as_deref(), Some("exact"), "{extra}: {r:?}");
+                assert!(engine >= 40, "{extra}: the system prompt was cached: {r:?}");
                 assert_eq!(
                     credit, engine,
-                    "{extra}: credited as the engine hashed: {r}"
+                    "{extra}: credited as the engine hashed: {r:?}"
                 );
             }
         }
@@ -839,29 +838,25 @@ async fn blocks_stored_for_an_image_are_never_credited_to_text() {
         async move { served_row(router, "/v1/chat/completions", &body, n).await }
     };
     let first = send(image.clone(), 12000).await;
-    assert!(first["cached_tokens"].is_null(), "unscored: {first}");
-    let iid = first["decode_iid"]
-        .as_str()
-        .expect("decode_iid")
-        .to_string();
+    assert!(first.cached_tokens.is_none(), "unscored: {first:?}");
+    let iid = first.engine().to_string();
     kv_engine(router, &iid, "the image request's blocks", |e| {
         e["blocks"].as_u64().unwrap_or(0) >= 14
     })
     .await;
     let text = send(spelled, 12200).await;
-    let credit = text["cached_tokens"]
-        .as_u64()
-        .expect("a text request is scored");
-    let engine = text["engine_cached_tokens"].as_u64().expect("engine count");
-    assert_eq!(text["kv_mode"], "exact", "{text}");
+    let credit = text.cached_tokens.expect("a text request is scored");
+    let engine = text.engine_cached_tokens.expect("engine count");
+    assert_eq!(text.kv_mode.as_deref(), Some("exact"), "{text:?}");
     assert_eq!(
-        text["decode_iid"], iid,
-        "placed where its prefix is held: {text}"
+        text.engine(),
+        iid,
+        "placed where its prefix is held: {text:?}"
     );
-    assert!(credit >= 40, "the system prompt is credited: {text}");
+    assert!(credit >= 40, "the system prompt is credited: {text:?}");
     assert_eq!(
         credit, engine,
-        "credited the blocks before the image, no more: {text}"
+        "credited the blocks before the image, no more: {text:?}"
     );
     // The engine itself does hit the image's blocks for the same image (sent to it directly:
     // the router places an image request by load).
@@ -944,8 +939,8 @@ async fn engines_that_render_tools_differently_are_caught_on_a_sampled_request()
     })
     .await;
     assert!(
-        rows[3]["cached_tokens"].is_null(),
-        "placed by load: {}",
+        rows[3].cached_tokens.is_none(),
+        "placed by load: {:?}",
         rows[3]
     );
 }
@@ -979,7 +974,7 @@ async fn a_data_parallel_engine_is_credited_and_served_by_the_rank_holding_the_p
     let mut held = 0;
     for p in 0..4 {
         let r = send(p, 30000 + p).await;
-        assert_eq!(r["cached_tokens"], 0, "{r}");
+        assert_eq!(r.cached_tokens, Some(0), "{r:?}");
         held += 11;
         let want = held;
         eventually("both engines' ranks' blocks in the index", WAIT, || async {
@@ -992,11 +987,12 @@ async fn a_data_parallel_engine_is_credited_and_served_by_the_rank_holding_the_p
     for round in 1..3 {
         for p in 0..4 {
             let r = send(p, 30000 + 100 * round + p).await;
-            assert_eq!(r["kv_mode"], "exact", "{r}");
-            assert_eq!(r["cached_tokens"], 40, "prefix {p} round {round}: {r}");
+            assert_eq!(r.kv_mode.as_deref(), Some("exact"), "{r:?}");
+            assert_eq!(r.cached_tokens, Some(40), "prefix {p} round {round}: {r:?}");
             assert_eq!(
-                r["engine_cached_tokens"], 40,
-                "prefix {p} round {round}: sent to the rank that holds it: {r}"
+                r.engine_cached_tokens,
+                Some(40),
+                "prefix {p} round {round}: sent to the rank that holds it: {r:?}"
             );
         }
     }
@@ -1039,9 +1035,7 @@ async fn an_engine_over_credited_request_after_request_is_suspect_until_it_agree
     let prefix = words(7000, 40);
     complete(router, &format!("{prefix} {}", words(0, 6))).await;
     let holder = eventually("the first row", WAIT, || async {
-        served(router)
-            .first()
-            .and_then(|r| r["decode_iid"].as_str().map(str::to_string))
+        served(router).first().and_then(|r| r.decode_iid.clone())
     })
     .await;
     kv_engine(router, &holder, "the prefix in the index", |e| {
@@ -1061,9 +1055,13 @@ async fn an_engine_over_credited_request_after_request_is_suspect_until_it_agree
         })
         .await;
         let r = &rows[round];
-        assert_eq!(r["decode_iid"], holder.as_str(), "round {round}: {r}");
-        assert_eq!(r["cached_tokens"], 40, "round {round}: credited: {r}");
-        assert_eq!(r["engine_cached_tokens"], 0, "round {round}: evicted: {r}");
+        assert_eq!(r.engine(), holder.as_str(), "round {round}: {r:?}");
+        assert_eq!(r.cached_tokens, Some(40), "round {round}: credited: {r:?}");
+        assert_eq!(
+            r.engine_cached_tokens,
+            Some(0),
+            "round {round}: evicted: {r:?}"
+        );
     }
     let e = kv_engine(router, &holder, "suspect after three", |e| {
         e["mode"] == "suspect"
@@ -1112,9 +1110,9 @@ async fn an_engine_over_credited_request_after_request_is_suspect_until_it_agree
     })
     .await;
     assert_eq!(back["reason"], "events", "{back}");
-    let suspect_rows: Vec<Value> = served(router)
+    let suspect_rows: Vec<RequestRow> = served(router)
         .into_iter()
-        .filter(|r| r["kv_mode"] == "suspect")
+        .filter(|r| r.kv_mode.as_deref() == Some("suspect"))
         .collect();
     assert!(
         !suspect_rows.is_empty(),
