@@ -315,13 +315,13 @@ impl Vllm {
         let Some(mut child) = self.child.take() else {
             return;
         };
-        let pgid = child.id() as i32;
-        // SAFETY: killpg with a process group this test created (process_group(0) above).
-        unsafe { libc::killpg(pgid, libc::SIGKILL) };
+        // The process group this test created (process_group(0) above).
+        let pgid = nix::unistd::Pid::from_raw(child.id() as i32);
+        let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
         let _ = child.wait();
         let deadline = Instant::now() + Duration::from_secs(30);
-        // SAFETY: signal 0 only checks whether any member of the group is left.
-        while unsafe { libc::killpg(pgid, 0) } == 0 && Instant::now() < deadline {
+        // Signal 0 (None) only checks whether any member of the group is left.
+        while nix::sys::signal::killpg(pgid, None).is_ok() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50));
         }
     }

@@ -29,7 +29,7 @@ use serde_json::Value;
 use tokio::io::AsyncWriteExt;
 
 /// `tests/python/` of this checkout.
-pub fn python_dir() -> PathBuf {
+pub(crate) fn python_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("python")
 }
 
@@ -42,7 +42,7 @@ pub fn python_dir() -> PathBuf {
 /// # Panics
 /// When `NARWHAL_PY_VENV` names no venv, or the venv cannot be built (the message names
 /// `test`).
-pub fn python(test: &str) -> PathBuf {
+pub(crate) fn python(test: &str) -> PathBuf {
     if let Some(dir) = std::env::var_os("NARWHAL_PY_VENV").filter(|d| !d.is_empty()) {
         let py = Path::new(&dir).join("bin/python");
         assert!(
@@ -115,7 +115,7 @@ fn ensure_venv() -> Result<PathBuf, String> {
 
 /// A `tokio` command with proxies removed: the tests talk to loopback only, and CI machines may
 /// set `HTTP_PROXY`.
-pub fn command(program: &Path) -> tokio::process::Command {
+pub(crate) fn command(program: &Path) -> tokio::process::Command {
     let mut cmd = tokio::process::Command::new(program);
     for k in [
         "HTTP_PROXY",
@@ -141,7 +141,7 @@ pub fn command(program: &Path) -> tokio::process::Command {
 ///
 /// # Panics
 /// When the driver does not finish within `timeout` or does not print the results.
-pub async fn sdk(python: &Path, base: &str, calls: &Value, timeout: Duration) -> Vec<Value> {
+pub(crate) async fn sdk(python: &Path, base: &str, calls: &Value, timeout: Duration) -> Vec<Value> {
     let mut child = command(python)
         .arg(python_dir().join("sdk_driver.py"))
         .args(["--base-url", &format!("{base}/v1")])
@@ -182,7 +182,7 @@ pub async fn sdk(python: &Path, base: &str, calls: &Value, timeout: Duration) ->
 }
 
 /// The single result of a one-call [`sdk`] run.
-pub async fn sdk1(python: &Path, base: &str, call: Value, timeout: Duration) -> Value {
+pub(crate) async fn sdk1(python: &Path, base: &str, call: Value, timeout: Duration) -> Value {
     sdk(python, base, &Value::Array(vec![call]), timeout)
         .await
         .remove(0)
@@ -190,7 +190,7 @@ pub async fn sdk1(python: &Path, base: &str, call: Value, timeout: Duration) -> 
 
 /// Asserts a call succeeded and its answer validates against the SDK's own types; returns it.
 #[track_caller]
-pub fn ok(result: &Value, what: &str) -> Value {
+pub(crate) fn ok(result: &Value, what: &str) -> Value {
     assert_eq!(
         result["ok"], true,
         "{what}: expected a successful answer, the SDK raised {}",
@@ -207,7 +207,7 @@ pub fn ok(result: &Value, what: &str) -> Value {
 /// Asserts a call failed with the SDK exception `class` (which must be an `APIStatusError`) and
 /// HTTP `status`, and returns its message.
 #[track_caller]
-pub fn api_error(result: &Value, class: &str, status: u16, what: &str) -> String {
+pub(crate) fn api_error(result: &Value, class: &str, status: u16, what: &str) -> String {
     assert_eq!(
         result["ok"], false,
         "{what}: expected {class} ({status}), got a successful answer: {result}"

@@ -217,7 +217,7 @@ fn raise_nofile() -> u64 {
 
 /// Runs the concurrency measurement; exit status 1 when a stream of our router failed, 2 on
 /// bad flags.
-pub async fn main(argv: Vec<String>) -> std::process::ExitCode {
+pub(crate) async fn main(argv: Vec<String>) -> std::process::ExitCode {
     let args = match Args::try_parse_from(argv) {
         Ok(a) => a,
         Err(e) => {

@@ -178,7 +178,7 @@ struct Row {
 }
 
 /// Runs the fleet-scale measurement; exit status 1 when a step failed, 2 on bad flags.
-pub async fn main(argv: Vec<String>) -> std::process::ExitCode {
+pub(crate) async fn main(argv: Vec<String>) -> std::process::ExitCode {
     let args = match Args::try_parse_from(argv) {
         Ok(a) => a,
         Err(e) => {

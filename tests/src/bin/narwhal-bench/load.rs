@@ -20,7 +20,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 
 /// One measured window's shape.
 #[derive(Debug, Clone)]
-pub struct Shot {
+pub(crate) struct Shot {
     /// Concurrent clients (connections).
     pub concurrency: usize,
     /// Requests to complete or fail.
@@ -42,7 +42,7 @@ pub struct Shot {
 
 /// What one window measured. Times in seconds.
 #[derive(Debug, Default, Clone)]
-pub struct Sample {
+pub(crate) struct Sample {
     /// Wall time from the first request sent to the last answer read.
     pub wall_s: f64,
     /// Latency (send to last body byte) of each completed request, ascending.
@@ -57,7 +57,7 @@ pub struct Sample {
 
 impl Sample {
     /// Completed requests per second of wall time.
-    pub fn rps(&self) -> f64 {
+    pub(crate) fn rps(&self) -> f64 {
         if self.wall_s > 0.0 {
             self.latency_s.len() as f64 / self.wall_s
         } else {
@@ -67,7 +67,7 @@ impl Sample {
 }
 
 /// The `q` quantile (0..=1) of an ascending list, nearest rank; NaN when empty.
-pub fn quantile(sorted: &[f64], q: f64) -> f64 {
+pub(crate) fn quantile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
@@ -76,7 +76,7 @@ pub fn quantile(sorted: &[f64], q: f64) -> f64 {
 }
 
 /// The JSON body of request number `i` (a distinct prompt per request, model `model`).
-pub fn body(model: &str, i: usize, tokens: u32, stream: bool) -> Bytes {
+pub(crate) fn body(model: &str, i: usize, tokens: u32, stream: bool) -> Bytes {
     Bytes::from(
         serde_json::json!({
             "model": model,
@@ -243,7 +243,7 @@ fn complete(stream: bool, body: &[u8]) -> bool {
 /// Drives one window against `addr`: `shot.concurrency` clients share the numbers
 /// `first..first + shot.requests` as their requests' prompts. Each client connects when it
 /// sends its first request, inside the window.
-pub async fn drive(addr: SocketAddr, model: &str, shot: &Shot, first: usize) -> Sample {
+pub(crate) async fn drive(addr: SocketAddr, model: &str, shot: &Shot, first: usize) -> Sample {
     drive_clients(addr, model, shot, first, false).await
 }
 
@@ -251,7 +251,12 @@ pub async fn drive(addr: SocketAddr, model: &str, shot: &Shot, first: usize) -> 
 /// them are connected (or failed to): the steady state of many long-lived client connections,
 /// without the connect storm (and listen-queue overflow) of thousands opened at once inside
 /// the window. A failed connect counts as one failed request.
-pub async fn drive_connected(addr: SocketAddr, model: &str, shot: &Shot, first: usize) -> Sample {
+pub(crate) async fn drive_connected(
+    addr: SocketAddr,
+    model: &str,
+    shot: &Shot,
+    first: usize,
+) -> Sample {
     drive_clients(addr, model, shot, first, true).await
 }
 
@@ -411,7 +416,7 @@ async fn drive_clients(
 ///
 /// # Errors
 /// A message when the connection or the exchange fails or `timeout` passes.
-pub async fn once(
+pub(crate) async fn once(
     addr: SocketAddr,
     body: Bytes,
     timeout: Duration,
@@ -431,7 +436,7 @@ pub async fn once(
 ///
 /// # Errors
 /// A message naming what is missing or malformed.
-pub fn answer_text(stream: bool, body: &[u8]) -> Result<String, String> {
+pub(crate) fn answer_text(stream: bool, body: &[u8]) -> Result<String, String> {
     let text = std::str::from_utf8(body).map_err(|e| format!("answer is not UTF-8: {e}"))?;
     if !stream {
         let v: serde_json::Value =

@@ -27,7 +27,7 @@ use std::process::{Child, Command, Stdio};
 
 /// Which of our paths a target is compared with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
+pub(crate) enum Kind {
     /// Straight to the engine: the limit.
     Direct,
     /// One prefill leg, KV transfer, one decode leg.
@@ -38,7 +38,7 @@ pub enum Kind {
 
 impl Kind {
     /// `direct`, `pd` or `agg`.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Kind::Direct => "direct",
             Kind::Pd => "pd",
@@ -48,11 +48,11 @@ impl Kind {
 }
 
 /// Names a peer may not take: the built-in targets.
-pub const RESERVED: [&str; 3] = ["direct", "ours-pd", "ours-agg"];
+pub(crate) const RESERVED: [&str; 3] = ["direct", "ours-pd", "ours-agg"];
 
 /// One `--peer NAME=COMMAND`.
 #[derive(Debug, Clone)]
-pub struct PeerSpec {
+pub(crate) struct PeerSpec {
     /// Its name in the tables (`[A-Za-z0-9._-]+`).
     pub name: String,
     /// The command template.
@@ -109,7 +109,7 @@ impl PeerSpec {
     /// # Errors
     /// A message naming the peer and what is wrong: no `=`, a bad or reserved name, an unknown
     /// placeholder, or a command that names no engines or both kinds.
-    pub fn parse(spec: &str) -> Result<PeerSpec, String> {
+    pub(crate) fn parse(spec: &str) -> Result<PeerSpec, String> {
         let (name, command) = spec
             .split_once('=')
             .ok_or_else(|| format!("--peer {spec:?}: expected NAME=COMMAND"))?;
@@ -176,7 +176,7 @@ impl PeerSpec {
     ///
     /// # Errors
     /// A placeholder with no value (say `{bootstrap_port}` with no SGLang prefill).
-    pub fn render(&self, values: &BTreeMap<&str, String>) -> Result<String, String> {
+    pub(crate) fn render(&self, values: &BTreeMap<&str, String>) -> Result<String, String> {
         let mut out = String::with_capacity(self.command.len() + 64);
         let mut last = 0;
         for (start, end, word) in placeholders(&self.command) {
@@ -196,7 +196,7 @@ impl PeerSpec {
 /// (SIGKILL to the group) and reaped on drop. Its stdout and stderr go to
 /// `<dir>/peer-<name>.{stdout,stderr}.log`.
 #[derive(Debug)]
-pub struct PeerProc {
+pub(crate) struct PeerProc {
     child: Option<Child>,
     /// The peer's process id (the router itself once `exec` ran).
     pub pid: u32,
@@ -211,7 +211,7 @@ impl PeerProc {
     ///
     /// # Errors
     /// When the logs cannot be created or `sh` cannot be started.
-    pub fn spawn(name: &str, command: &str, dir: &Path) -> Result<PeerProc, String> {
+    pub(crate) fn spawn(name: &str, command: &str, dir: &Path) -> Result<PeerProc, String> {
         let stdout_log = dir.join(format!("peer-{name}.stdout.log"));
         let stderr_log = dir.join(format!("peer-{name}.stderr.log"));
         let out = std::fs::File::create(&stdout_log)
@@ -236,7 +236,7 @@ impl PeerProc {
     }
 
     /// `Some(status)` once the peer has exited.
-    pub fn exited(&mut self) -> Option<String> {
+    pub(crate) fn exited(&mut self) -> Option<String> {
         self.child
             .as_mut()
             .and_then(|c| c.try_wait().ok().flatten())
@@ -244,7 +244,7 @@ impl PeerProc {
     }
 
     /// The last `n` lines of its stderr and stdout logs, for failure messages.
-    pub fn log_tail(&self, n: usize) -> String {
+    pub(crate) fn log_tail(&self, n: usize) -> String {
         let tail = |p: &Path| {
             let text = std::fs::read_to_string(p).unwrap_or_default();
             let lines: Vec<&str> = text.lines().collect();

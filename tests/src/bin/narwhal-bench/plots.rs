@@ -10,7 +10,7 @@ use plotters::prelude::*;
 
 /// One line of a chart: its legend and its `(x, y)` points, in the order drawn.
 #[derive(Debug, Clone)]
-pub struct Series {
+pub(crate) struct Series {
     /// Legend text.
     pub name: String,
     /// Points; a `NaN` y (a failed measurement) is left out.
@@ -19,7 +19,7 @@ pub struct Series {
 
 /// A chart: `title`, axis labels (with units), its series.
 #[derive(Debug, Clone)]
-pub struct Chart {
+pub(crate) struct Chart {
     /// Caption above the plot.
     pub title: String,
     /// X axis label, with its unit.
@@ -44,7 +44,7 @@ const COLOURS: [RGBColor; 6] = [
 ///
 /// # Errors
 /// A message naming `path` when it cannot be drawn or written.
-pub fn write_svg(path: &Path, chart: &Chart) -> Result<(), String> {
+pub(crate) fn write_svg(path: &Path, chart: &Chart) -> Result<(), String> {
     let fail = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
     // Each series' drawable points (a failed measurement left out).
     let lines: Vec<Vec<(f64, f64)>> = chart

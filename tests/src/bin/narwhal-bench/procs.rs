@@ -12,7 +12,7 @@ use std::process::Command;
 
 /// Clock ticks per second of `/proc/<pid>/stat` times (`getconf CLK_TCK`; 100 when `getconf`
 /// cannot say, the value Linux fixes for user space on every common architecture).
-pub fn clock_ticks() -> f64 {
+pub(crate) fn clock_ticks() -> f64 {
     Command::new("getconf")
         .arg("CLK_TCK")
         .output()
@@ -40,7 +40,7 @@ fn stat(pid: u32) -> Option<(u32, u64)> {
 }
 
 /// `pid` and every live descendant of it.
-pub fn tree(pid: u32) -> Vec<u32> {
+pub(crate) fn tree(pid: u32) -> Vec<u32> {
     let mut parent_of = Vec::new();
     if let Ok(dir) = std::fs::read_dir("/proc") {
         for e in dir.flatten() {
@@ -67,7 +67,7 @@ pub fn tree(pid: u32) -> Vec<u32> {
 }
 
 /// CPU ticks consumed so far by each process of `pid`'s tree.
-pub fn tree_ticks(pid: u32) -> Vec<(u32, u64)> {
+pub(crate) fn tree_ticks(pid: u32) -> Vec<(u32, u64)> {
     tree(pid)
         .into_iter()
         .filter_map(|p| stat(p).map(|(_, t)| (p, t)))
@@ -76,7 +76,7 @@ pub fn tree_ticks(pid: u32) -> Vec<(u32, u64)> {
 
 /// Ticks used between two [`tree_ticks`] readings: for processes present at both ends, the
 /// difference; for processes born in between, all they used.
-pub fn ticks_between(before: &[(u32, u64)], after: &[(u32, u64)]) -> u64 {
+pub(crate) fn ticks_between(before: &[(u32, u64)], after: &[(u32, u64)]) -> u64 {
     after
         .iter()
         .map(|(p, t)| {
@@ -91,7 +91,7 @@ pub fn ticks_between(before: &[(u32, u64)], after: &[(u32, u64)]) -> u64 {
 }
 
 /// `VmRSS` and `VmHWM` (KiB) of one process, from `/proc/<pid>/status`.
-pub fn memory_kib(pid: u32) -> Option<(u64, u64)> {
+pub(crate) fn memory_kib(pid: u32) -> Option<(u64, u64)> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let field = |name: &str| {
         text.lines()
@@ -103,7 +103,7 @@ pub fn memory_kib(pid: u32) -> Option<(u64, u64)> {
 }
 
 /// `(VmRSS, VmHWM)` in KiB summed over `pid`'s tree.
-pub fn tree_memory_kib(pid: u32) -> (u64, u64) {
+pub(crate) fn tree_memory_kib(pid: u32) -> (u64, u64) {
     tree(pid)
         .into_iter()
         .filter_map(memory_kib)
@@ -112,7 +112,7 @@ pub fn tree_memory_kib(pid: u32) -> (u64, u64) {
 
 /// The CPUs the threads of `pid`'s tree may run on (union of every thread's
 /// `Cpus_allowed_list`).
-pub fn tree_cpus(pid: u32) -> BTreeSet<usize> {
+pub(crate) fn tree_cpus(pid: u32) -> BTreeSet<usize> {
     let mut cpus = BTreeSet::new();
     for p in tree(pid) {
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else {
@@ -136,7 +136,7 @@ pub fn tree_cpus(pid: u32) -> BTreeSet<usize> {
 ///
 /// # Errors
 /// A message naming the piece that is not a CPU number or range.
-pub fn parse_cpu_list(list: &str) -> Result<BTreeSet<usize>, String> {
+pub(crate) fn parse_cpu_list(list: &str) -> Result<BTreeSet<usize>, String> {
     let mut out = BTreeSet::new();
     for piece in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let bad = || format!("{piece:?} is not a CPU number or range");
@@ -160,7 +160,7 @@ pub fn parse_cpu_list(list: &str) -> Result<BTreeSet<usize>, String> {
 }
 
 /// Formats a CPU set as a kernel CPU list (`0,2-3`).
-pub fn cpu_list(cpus: &BTreeSet<usize>) -> String {
+pub(crate) fn cpu_list(cpus: &BTreeSet<usize>) -> String {
     let mut parts = Vec::new();
     let mut it = cpus.iter().copied().peekable();
     while let Some(a) = it.next() {
@@ -179,7 +179,7 @@ pub fn cpu_list(cpus: &BTreeSet<usize>) -> String {
 
 /// The CPUs this process may run on (`Cpus_allowed_list` of `/proc/self/status`; empty when
 /// unreadable).
-pub fn own_cpus() -> BTreeSet<usize> {
+pub(crate) fn own_cpus() -> BTreeSet<usize> {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
@@ -191,7 +191,7 @@ pub fn own_cpus() -> BTreeSet<usize> {
 }
 
 /// `/proc/loadavg`'s 1, 5 and 15 minute load averages.
-pub fn loadavg() -> [f64; 3] {
+pub(crate) fn loadavg() -> [f64; 3] {
     let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let mut it = text
         .split_whitespace()
@@ -208,7 +208,11 @@ pub fn loadavg() -> [f64; 3] {
 ///
 /// # Errors
 /// A message when `taskset` is missing or refuses.
-pub fn set_affinity(tid: i32, cpus: &BTreeSet<usize>, all_threads: bool) -> Result<(), String> {
+pub(crate) fn set_affinity(
+    tid: i32,
+    cpus: &BTreeSet<usize>,
+    all_threads: bool,
+) -> Result<(), String> {
     let mut cmd = Command::new("taskset");
     cmd.arg("-p");
     if all_threads {
@@ -237,7 +241,7 @@ pub fn set_affinity(tid: i32, cpus: &BTreeSet<usize>, all_threads: bool) -> Resu
 ///
 /// # Errors
 /// When the thread cannot be pinned.
-pub fn on_cpus<T: Send>(
+pub(crate) fn on_cpus<T: Send>(
     cpus: Option<&BTreeSet<usize>>,
     f: impl FnOnce() -> T + Send,
 ) -> Result<T, String> {

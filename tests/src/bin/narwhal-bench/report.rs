@@ -10,7 +10,7 @@ use crate::peer::Kind;
 
 /// What the engines behind a target counted during one window (deltas of `/sim/stats`).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct EngineCounts {
+pub(crate) struct EngineCounts {
     /// Prefill legs (`requests.prefill` of the prefill engine).
     pub prefill: u64,
     /// Decode legs (`requests.decode` of the decode engine).
@@ -29,7 +29,7 @@ pub struct EngineCounts {
 
 impl EngineCounts {
     /// `self + o`, field by field.
-    pub fn add(self, o: EngineCounts) -> EngineCounts {
+    pub(crate) fn add(self, o: EngineCounts) -> EngineCounts {
         EngineCounts {
             prefill: self.prefill + o.prefill,
             decode: self.decode + o.decode,
@@ -50,7 +50,7 @@ impl EngineCounts {
 
 /// One measured window of one target.
 #[derive(Debug, Clone)]
-pub struct Window {
+pub(crate) struct Window {
     /// Round number, from 0.
     pub round: usize,
     /// Completed requests per second.
@@ -79,7 +79,7 @@ pub struct Window {
 
 impl Window {
     /// A window from a [`Sample`] and the readings around it.
-    pub fn new(
+    pub(crate) fn new(
         round: usize,
         s: &Sample,
         cpu_s: Option<f64>,
@@ -104,7 +104,7 @@ impl Window {
     }
 
     /// Router CPU per completed request, milliseconds.
-    pub fn cpu_ms_per_req(&self) -> Option<f64> {
+    pub(crate) fn cpu_ms_per_req(&self) -> Option<f64> {
         let c = self.cpu_s?;
         (self.completed > 0).then(|| c * 1e3 / self.completed as f64)
     }
@@ -112,7 +112,7 @@ impl Window {
 
 /// One target's windows in one section.
 #[derive(Debug, Clone)]
-pub struct TargetRun {
+pub(crate) struct TargetRun {
     /// Target name (`direct`, `ours-pd`, `ours-agg`, a peer's name).
     pub name: String,
     /// Its path kind.
@@ -124,7 +124,7 @@ pub struct TargetRun {
 }
 
 /// Median; NaN when empty (mean of the middle two for an even count).
-pub fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.retain(|x| x.is_finite());
     if v.is_empty() {
         return f64::NAN;
@@ -144,12 +144,12 @@ impl TargetRun {
     }
 
     /// Median requests per second.
-    pub fn rps(&self) -> f64 {
+    pub(crate) fn rps(&self) -> f64 {
         self.med(|w| w.rps)
     }
 
     /// Median CPU ms per request (`None` without a router process).
-    pub fn cpu_ms(&self) -> Option<f64> {
+    pub(crate) fn cpu_ms(&self) -> Option<f64> {
         let v: Vec<f64> = self
             .windows
             .iter()
@@ -159,7 +159,7 @@ impl TargetRun {
     }
 
     /// `VmRSS` at the last window's end and the largest `VmHWM`, MiB.
-    pub fn memory_mib(&self) -> Option<(f64, f64)> {
+    pub(crate) fn memory_mib(&self) -> Option<(f64, f64)> {
         let last = self.windows.last()?.rss_kib?;
         let hwm = self
             .windows
@@ -170,14 +170,14 @@ impl TargetRun {
     }
 
     /// Total completed and failed requests.
-    pub fn totals(&self) -> (usize, usize) {
+    pub(crate) fn totals(&self) -> (usize, usize) {
         self.windows
             .iter()
             .fold((0, 0), |(c, e), w| (c + w.completed, e + w.errors))
     }
 
     /// The engines' counts summed over the windows.
-    pub fn engines(&self) -> EngineCounts {
+    pub(crate) fn engines(&self) -> EngineCounts {
         self.windows
             .iter()
             .fold(EngineCounts::default(), |a, w| a.add(w.engines))
@@ -185,7 +185,7 @@ impl TargetRun {
 
     /// For a P/D target: why its engines' counts show it did not do P/D (a decode leg without
     /// its transferred KV, a failed transfer, fewer transfers than completed requests).
-    pub fn pd_problem(&self) -> Option<String> {
+    pub(crate) fn pd_problem(&self) -> Option<String> {
         if self.kind != Kind::Pd {
             return None;
         }
@@ -225,17 +225,17 @@ impl TargetRun {
     }
 
     /// Median of per-round throughput ratios `self / other`.
-    pub fn rps_ratio(&self, other: &TargetRun) -> Option<f64> {
+    pub(crate) fn rps_ratio(&self, other: &TargetRun) -> Option<f64> {
         self.ratio(other, |w| Some(w.rps))
     }
 
     /// Median of per-round CPU-per-request ratios `self / other`.
-    pub fn cpu_ratio(&self, other: &TargetRun) -> Option<f64> {
+    pub(crate) fn cpu_ratio(&self, other: &TargetRun) -> Option<f64> {
         self.ratio(other, Window::cpu_ms_per_req)
     }
 
     /// Median over rounds of `p50(self) - p50(other)`, milliseconds.
-    pub fn added_p50_ms(&self, other: &TargetRun) -> Option<f64> {
+    pub(crate) fn added_p50_ms(&self, other: &TargetRun) -> Option<f64> {
         let v: Vec<f64> = self
             .windows
             .iter()
@@ -250,7 +250,7 @@ impl TargetRun {
 
 /// One table: every target at one concurrency and stream mode.
 #[derive(Debug, Clone)]
-pub struct Section {
+pub(crate) struct Section {
     /// `throughput` or `latency` (concurrency 1).
     pub mode: &'static str,
     /// Streamed requests or not.
@@ -282,7 +282,7 @@ impl Section {
     }
 
     /// The human table, with the comparison lines under it.
-    pub fn table(&self) -> String {
+    pub(crate) fn table(&self) -> String {
         let mut out = String::new();
         let rounds = self.targets.first().map_or(0, |t| t.windows.len());
         let _ = writeln!(
@@ -403,7 +403,7 @@ impl Section {
     }
 
     /// The section as JSON.
-    pub fn to_json(&self) -> Value {
+    pub(crate) fn to_json(&self) -> Value {
         let direct = self.direct();
         let targets: Vec<Value> = self
             .targets
@@ -468,7 +468,7 @@ impl Section {
     }
 
     /// Failed requests plus P/D targets that did not do P/D.
-    pub fn problems(&self) -> usize {
+    pub(crate) fn problems(&self) -> usize {
         self.targets
             .iter()
             .map(|t| t.totals().1 + usize::from(t.pd_problem().is_some()))
@@ -478,7 +478,7 @@ impl Section {
 
 /// The performance goals line for our routers in `sections` (streamed CPU per request, RSS,
 /// added p50 at concurrency 1), for the reader's convenience; nothing is asserted.
-pub fn goals(sections: &[Section]) -> String {
+pub(crate) fn goals(sections: &[Section]) -> String {
     let mut parts = Vec::new();
     for s in sections.iter().filter(|s| s.stream) {
         let find = |n: &str| s.targets.iter().find(|t| t.name == n);

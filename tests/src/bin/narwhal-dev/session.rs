@@ -40,21 +40,21 @@ use nix::unistd::Pid;
 use serde_json::{Value, json};
 
 /// Environment variable naming the supervisor's pid; set only on the fleet process.
-pub const SUPERVISOR_ENV: &str = "NARWHAL_DEV_SUPERVISOR_PID";
+pub(crate) const SUPERVISOR_ENV: &str = "NARWHAL_DEV_SUPERVISOR_PID";
 
 /// File name of the directory lock inside `--dir`.
-pub const LOCK_FILE: &str = "narwhal-dev.lock";
+pub(crate) const LOCK_FILE: &str = "narwhal-dev.lock";
 
 /// File name of the session document inside `--dir`.
-pub const SESSION_FILE: &str = "narwhal-dev.json";
+pub(crate) const SESSION_FILE: &str = "narwhal-dev.json";
 
 /// How long the supervisor waits after SIGTERM to an orphaned fleet before SIGKILL, seconds.
-pub const GROUP_GRACE: Duration = Duration::from_secs(10);
+pub(crate) const GROUP_GRACE: Duration = Duration::from_secs(10);
 
 /// Runs the supervisor: re-executes this binary with the same arguments as the fleet process
 /// (new process group, parent-death signal) and waits for it. Returns the fleet process's exit
 /// code (128 + signal number when it was killed by a signal).
-pub fn supervise() -> ExitCode {
+pub(crate) fn supervise() -> ExitCode {
     // Orphans of the fleet process (its engines, agents and routers, when it is killed) are
     // re-parented to us, so we can reap them. Best effort: without it init reaps them.
     let _ = nix::sys::prctl::set_child_subreaper(true);
@@ -146,7 +146,7 @@ async fn supervise_async() -> ExitCode {
 /// Signals process group `pgid` with SIGTERM, reaps what it can, and SIGKILLs whatever is
 /// left after `grace`. Returns how many processes were still in the group at first (0 when
 /// the group was already empty).
-pub fn stop_group(pgid: Pid, grace: Duration) -> usize {
+pub(crate) fn stop_group(pgid: Pid, grace: Duration) -> usize {
     let members = group_members(pgid);
     if members.is_empty() {
         reap_orphans();
@@ -180,7 +180,7 @@ fn reap_orphans() {
 }
 
 /// Live (non-zombie) processes whose process group is `pgid`, from `/proc/<pid>/stat`.
-pub fn group_members(pgid: Pid) -> Vec<i32> {
+pub(crate) fn group_members(pgid: Pid) -> Vec<i32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -193,7 +193,7 @@ pub fn group_members(pgid: Pid) -> Vec<i32> {
 }
 
 /// `(state, process group)` of `pid` from `/proc/<pid>/stat`; `None` when it is gone.
-pub fn proc_stat(pid: i32) -> Option<(char, i32)> {
+pub(crate) fn proc_stat(pid: i32) -> Option<(char, i32)> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
     let rest = &text[text.rfind(')')? + 1..];
@@ -209,7 +209,7 @@ pub fn proc_stat(pid: i32) -> Option<(char, i32)> {
 ///
 /// # Errors
 /// A message when the variable is malformed, the request fails, or the supervisor is gone.
-pub fn bind_to_supervisor(var: &str) -> Result<i32, String> {
+pub(crate) fn bind_to_supervisor(var: &str) -> Result<i32, String> {
     let sup: i32 = var
         .parse()
         .map_err(|_| format!("{SUPERVISOR_ENV}={var:?} is not a process id"))?;
@@ -224,7 +224,7 @@ pub fn bind_to_supervisor(var: &str) -> Result<i32, String> {
 /// An exclusive advisory lock on `DIR/narwhal-dev.lock`, held for the session's lifetime and
 /// released by the kernel when the process ends (also under `kill -9`).
 #[derive(Debug)]
-pub struct DirLock {
+pub(crate) struct DirLock {
     _file: File,
 }
 
@@ -234,7 +234,7 @@ impl DirLock {
     /// # Errors
     /// When another process holds it: a message naming the directory, the holder's pid (read
     /// from the lock file) and what to do.
-    pub fn acquire(dir: &Path) -> Result<Self, String> {
+    pub(crate) fn acquire(dir: &Path) -> Result<Self, String> {
         std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
         let path = dir.join(LOCK_FILE);
         let mut file = std::fs::OpenOptions::new()
@@ -271,7 +271,7 @@ impl DirLock {
     }
 
     /// True while some process holds the lock of `dir` (false when the file does not exist).
-    pub fn is_held(dir: &Path) -> bool {
+    pub(crate) fn is_held(dir: &Path) -> bool {
         let Ok(file) = File::open(dir.join(LOCK_FILE)) else {
             return false;
         };
@@ -280,7 +280,7 @@ impl DirLock {
 }
 
 /// The session document written into `dir` once the fleet is up.
-pub fn session_doc(dir: &Path, dev_control: &str, ready_file: &Path) -> Value {
+pub(crate) fn session_doc(dir: &Path, dev_control: &str, ready_file: &Path) -> Value {
     json!({
         "schema": "narwhal.dev-session",
         "schema_version": 1,
@@ -299,7 +299,7 @@ pub fn session_doc(dir: &Path, dev_control: &str, ready_file: &Path) -> Value {
 /// # Errors
 /// A message saying whether no session runs in `dir` (its lock is free) or its documents are
 /// unreadable.
-pub fn dev_control_of(dir: &Path) -> Result<String, String> {
+pub(crate) fn dev_control_of(dir: &Path) -> Result<String, String> {
     let mut problems = Vec::new();
     for name in [SESSION_FILE, "fleet.ready.json"] {
         let path = dir.join(name);
