@@ -8,8 +8,6 @@
 //! ```
 //! The crate is a library with a thin `main`: [`Config::load`], [`Agent::new`], [`run`].
 //! Embedders (tests, the dev fleet) can use the plugins directly via [`plugin_for`].
-#![forbid(unsafe_code)]
-#![warn(missing_docs, unreachable_pub)]
 
 mod agent;
 mod authz;

@@ -14,7 +14,6 @@
 //! narwhal-agent fence reset (--state-dir DIR | --config PATH) [--to-epoch N] [--holder NAME]
 //!   rewrites it; exit 1 while an agent runs on that state_dir (its lock), 2 on bad input
 //! ```
-#![forbid(unsafe_code)]
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};

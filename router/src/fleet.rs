@@ -15,13 +15,13 @@
 //! lifecycle waits on `resident_changed` to re-evaluate drains, the state-file writer on
 //! `dirty`. The live engine count is kept in an atomic, so readiness reads it without the lock.
 
+use crate::journal::Event;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use narwhal_shared::Clock;
-use serde_json::json;
 use tokio::sync::Notify;
 
 use crate::breaker::{
@@ -391,7 +391,11 @@ impl Fleet {
         let now = self.clock.now();
         let wall = self.clock.wall().unwrap_or(0.0);
         tracing::warn!(engine.id = %self.names[iid], %reason, "engine identity changed");
-        self.journal.emit(json!({"event": "engine_identity_changed", "iid": self.names[iid], "reason": reason, "at": wall}));
+        self.journal.emit(Event::EngineIdentityChanged {
+            iid: self.names[iid].clone(),
+            reason: reason.to_string(),
+            at: wall,
+        });
         let mut state = self.lock();
         self.observe_locked(&mut state, iid, Observation::IdentityChanged, now);
     }
@@ -582,9 +586,10 @@ impl Fleet {
                 Transition::Admitted { iid } => {
                     state.slots[iid].excluded.remove(&Exclusion::AwaitingHealth);
                     tracing::info!(engine.id = %self.names[iid], "engine admitted: health answered 200");
-                    self.journal.emit(
-                        json!({"event": "engine_admitted", "iid": self.names[iid], "at": wall}),
-                    );
+                    self.journal.emit(Event::EngineAdmitted {
+                        iid: self.names[iid].clone(),
+                        at: wall,
+                    });
                 }
                 Transition::Ejected { iid, cause } => {
                     let slot = &mut state.slots[iid];
@@ -597,7 +602,11 @@ impl Fleet {
                         .get_or_create(&labels(&[("iid", name), ("cause", cause.as_str())]))
                         .inc();
                     tracing::info!(engine.id = %name, cause = cause.as_str(), "engine ejected");
-                    self.journal.emit(json!({"event": "engine_ejected", "iid": name, "cause": cause.as_str(), "at": wall}));
+                    self.journal.emit(Event::EngineEjected {
+                        iid: name.clone(),
+                        cause: cause.as_str(),
+                        at: wall,
+                    });
                 }
                 Transition::Readmitted { iid, evidence } => {
                     let slot = &mut state.slots[iid];
@@ -610,12 +619,20 @@ impl Fleet {
                         .get_or_create(&labels(&[("iid", name), ("evidence", evidence)]))
                         .inc();
                     tracing::info!(engine.id = %name, evidence, "engine readmitted");
-                    self.journal.emit(json!({"event": "engine_readmitted", "iid": name, "evidence": evidence, "at": wall}));
+                    self.journal.emit(Event::EngineReadmitted {
+                        iid: name.clone(),
+                        evidence,
+                        at: wall,
+                    });
                 }
                 Transition::Degraded { iid, cause } => {
                     let name = &self.names[iid];
                     tracing::warn!(engine.id = %name, cause = cause.as_str(), "engine kept in placement, degraded: ejecting it would exceed the ejection bound of its role");
-                    self.journal.emit(json!({"event": "engine_degraded", "iid": name, "cause": cause.as_str(), "at": wall}));
+                    self.journal.emit(Event::EngineDegraded {
+                        iid: name.clone(),
+                        cause: cause.as_str(),
+                        at: wall,
+                    });
                 }
                 Transition::NewProcess { iid } => {
                     state.process_epoch += 1;

@@ -22,8 +22,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use narwhal_shared::Clock;
-use serde_json::{Value, json};
+use serde::Serialize;
 use tokio::sync::mpsc;
+
+mod event;
+pub(crate) mod lifecycle;
+
+pub(crate) use event::Event;
 
 /// Rows queued before the writer falls behind and rows are dropped.
 pub(crate) const JOURNAL_CAPACITY: usize = 8192;
@@ -87,16 +92,12 @@ impl Pace {
     }
 }
 
-/// One queued row.
+/// One queued row; the writer puts `schema`, `schema_version` and `run` in front of each (so
+/// the request path builds no map to insert them first).
 enum Row {
-    /// A row's own fields; the writer puts `schema`, `schema_version` and `run` in front
-    /// (so the request path does not rebuild the map to insert them first).
-    Fields(serde_json::Map<String, Value>),
-    /// A row written as it is.
-    Whole(Value),
-    /// A row that serialises itself on the writer's thread (a request's row: no map is built
-    /// on the request path); `schema`, `schema_version` and `run` go in front as for
-    /// [`Row::Fields`].
+    /// An event row ([`Event`]), serialised on the writer's thread.
+    Event(Event),
+    /// A row that serialises itself on the writer's thread (a request's row).
     Typed(Box<dyn TypedRow>),
 }
 
@@ -126,20 +127,63 @@ pub(crate) fn run_id(wall_s: f64) -> String {
     format!("{}-{}", wall_s as u64, &hex[..8])
 }
 
-/// The header row (architecture.md 9.8: it carries the run id, unlike the reference) with the
-/// admission in force (`serving.admission`, `serving.admission_margin`).
-pub(crate) fn header(run: &str, admission: &str, margin: f64) -> Value {
+/// The header row (architecture.md 9.8: it carries the run id, unlike the reference):
+/// `{"meta": {...}}`.
+#[derive(Debug, Serialize)]
+pub(crate) struct Header<'a> {
+    /// The header's members.
+    meta: HeaderMeta<'a>,
+}
+
+/// The members of the header row, in the order written.
+#[derive(Debug, Serialize)]
+struct HeaderMeta<'a> {
+    /// [`SCHEMA`].
+    schema: &'static str,
+    /// Always 1.
+    schema_version: u32,
+    /// The run id ([`run_id`]).
+    run: &'a str,
+    /// `narwhal-router`.
+    package: &'static str,
+    /// The crate's version.
+    version: &'static str,
+    /// `git describe` of the build, `null` outside a checkout.
+    git: Option<&'static str>,
+    /// How tokens are counted: `token_ids`.
+    token_accounting: &'static str,
+    /// The admission in force.
+    admission: HeaderAdmission<'a>,
+}
+
+/// `meta.admission`: `serving.admission` and `serving.admission_margin`.
+#[derive(Debug, Serialize)]
+struct HeaderAdmission<'a> {
+    /// `serving.admission`.
+    mode: &'a str,
+    /// `serving.admission_margin`.
+    margin: f64,
+}
+
+/// The header row of run `run` with the admission in force (`serving.admission`,
+/// `serving.admission_margin`).
+pub(crate) fn header<'a>(run: &'a str, admission: &'a str, margin: f64) -> Header<'a> {
     let git = env!("NARWHAL_GIT_DESCRIBE");
-    json!({"meta": {
-        "schema": SCHEMA,
-        "schema_version": 1,
-        "run": run,
-        "package": "narwhal-router",
-        "version": env!("CARGO_PKG_VERSION"),
-        "git": if git.is_empty() { Value::Null } else { Value::String(git.to_string()) },
-        "token_accounting": "token_ids",
-        "admission": {"mode": admission, "margin": margin},
-    }})
+    Header {
+        meta: HeaderMeta {
+            schema: SCHEMA,
+            schema_version: 1,
+            run,
+            package: "narwhal-router",
+            version: env!("CARGO_PKG_VERSION"),
+            git: (!git.is_empty()).then_some(git),
+            token_accounting: "token_ids",
+            admission: HeaderAdmission {
+                mode: admission,
+                margin,
+            },
+        },
+    }
 }
 
 /// Cheap handle the request path uses to emit rows.
@@ -179,9 +223,9 @@ impl Journal {
         let dropped = Arc::new(AtomicU64::new(0));
         let failing = Arc::new(AtomicBool::new(false));
         let mut w = Writer::new(file, len, run, dropped.clone(), failing.clone());
-        let mut head = header(run, admission.0, admission.1)
-            .to_string()
-            .into_bytes();
+        // A header of strings and numbers always serialises.
+        let mut head =
+            serde_json::to_vec(&header(run, admission.0, admission.1)).unwrap_or_default();
         head.push(b'\n');
         w.sink.append(&head).map_err(err)?;
         w.len += head.len() as u64;
@@ -240,30 +284,11 @@ impl Journal {
         self.failing.load(Ordering::Relaxed)
     }
 
-    /// Queue one row; adds `schema`, `schema_version`, `run` in front. Never blocks.
-    pub fn emit(&self, row: Value) {
+    /// Queue one event row ([`Event`]); adds `schema`, `schema_version`, `run` in front. Never
+    /// blocks: a full queue drops the row and counts it.
+    pub(crate) fn emit(&self, event: impl Into<Event>) {
         let Some(tx) = &self.tx else { return };
-        let row = match row {
-            Value::Object(m)
-                if !["schema", "schema_version", "run"]
-                    .iter()
-                    .any(|k| m.contains_key(*k)) =>
-            {
-                Row::Fields(m)
-            }
-            other => {
-                // A row naming one of the three itself: they are set in front, as always.
-                let mut full = serde_json::Map::new();
-                full.insert("schema".into(), SCHEMA.into());
-                full.insert("schema_version".into(), 1.into());
-                full.insert("run".into(), Value::String(self.run.to_string()));
-                if let Value::Object(m) = other {
-                    full.extend(m);
-                }
-                Row::Whole(Value::Object(full))
-            }
-        };
-        if tx.try_send(row).is_err() {
+        if tx.try_send(Row::Event(event.into())).is_err() {
             self.dropped.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -329,8 +354,7 @@ struct Writer<S> {
     outage: Option<u64>,
     dropped: Arc<AtomicU64>,
     failing: Arc<AtomicBool>,
-    /// `{"schema":"narwhal.journal","schema_version":1,"run":<run>`: the front of every
-    /// [`Row::Fields`] row.
+    /// `{"schema":"narwhal.journal","schema_version":1,"run":<run>`: the front of every row.
     front: Vec<u8>,
 }
 
@@ -344,7 +368,7 @@ impl<S: Sink> Writer<S> {
     ) -> Self {
         let front = format!(
             "{{\"schema\":\"{SCHEMA}\",\"schema_version\":1,\"run\":{}",
-            Value::String(run.to_string())
+            serde_json::Value::String(run.to_string())
         );
         Writer {
             sink,
@@ -364,13 +388,10 @@ impl<S: Sink> Writer<S> {
             buf.push(b'\n');
         }
         for row in rows {
-            // A `Value` always serialises.
             match row {
-                Row::Whole(v) => {
-                    let _ = serde_json::to_writer(&mut buf, v);
-                }
-                Row::Fields(m) => after_front(&mut buf, &self.front, |b| {
-                    let _ = serde_json::to_writer(b, m);
+                // An event of strings, numbers and lists always serialises.
+                Row::Event(e) => after_front(&mut buf, &self.front, |b| {
+                    let _ = serde_json::to_writer(b, e);
                 }),
                 Row::Typed(r) => after_front(&mut buf, &self.front, |b| r.write_object(b)),
             }
@@ -411,6 +432,7 @@ impl<S: Sink> Writer<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     #[test]
     fn run_id_shape() {
@@ -456,9 +478,10 @@ mod tests {
             Arc::new(narwhal_shared::SystemClock),
         )
         .unwrap();
-        j.emit(json!({"rid": "r1", "terminal": "completed"}));
-        j.emit(json!({}));
-        j.emit(json!({"run": "other", "a": 1}));
+        j.emit(Event::EngineAdmitted {
+            iid: "e0".into(),
+            at: 1.5,
+        });
         struct Typed(&'static str);
         impl TypedRow for Typed {
             fn write_object(&self, out: &mut Vec<u8>) {
@@ -470,15 +493,12 @@ mod tests {
         j.close();
         task.await.unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
-        // The three fields in front, then the row's own in its order; a row naming one of
-        // them keeps the position and takes its value, as a map merge does.
+        // The three fields in front, then the row's own in its order.
         let raw: Vec<&str> = text.lines().skip(1).collect();
         assert_eq!(
             raw,
             [
-                r#"{"schema":"narwhal.journal","schema_version":1,"run":"1-abcdef01","rid":"r1","terminal":"completed"}"#,
-                r#"{"schema":"narwhal.journal","schema_version":1,"run":"1-abcdef01"}"#,
-                r#"{"schema":"narwhal.journal","schema_version":1,"run":"other","a":1}"#,
+                r#"{"schema":"narwhal.journal","schema_version":1,"run":"1-abcdef01","event":"engine_admitted","iid":"e0","at":1.5}"#,
                 r#"{"schema":"narwhal.journal","schema_version":1,"run":"1-abcdef01","rid":"r2"}"#,
                 r#"{"schema":"narwhal.journal","schema_version":1,"run":"1-abcdef01"}"#,
             ]
@@ -494,7 +514,7 @@ mod tests {
         assert_eq!(lines[0]["meta"]["package"], "narwhal-router");
         assert_eq!(lines[1]["run"], "1-abcdef01");
         assert_eq!(lines[1]["schema_version"], 1);
-        assert_eq!(lines[1]["rid"], "r1");
+        assert_eq!(lines[1]["iid"], "e0");
         assert_eq!(j.dropped(), 0);
     }
 
@@ -526,9 +546,22 @@ mod tests {
         }
     }
 
+    /// A request-like row of about 60 bytes: `{"rid":"r<i>","queue_waits":{"admission":0.0}}`.
+    struct Rid(u64);
+
+    impl TypedRow for Rid {
+        fn write_object(&self, out: &mut Vec<u8>) {
+            let row = format!(
+                r#"{{"rid":"r{}","queue_waits":{{"admission":0.0}}}}"#,
+                self.0
+            );
+            out.extend_from_slice(row.as_bytes());
+        }
+    }
+
     fn rows(from: u64, n: u64) -> Vec<Row> {
         (from..from + n)
-            .map(|i| Row::Whole(json!({"rid": format!("r{i}"), "queue_waits": {"admission": 0.0}})))
+            .map(|i| Row::Typed(Box::new(Rid(i))))
             .collect()
     }
 

@@ -21,7 +21,6 @@
 //! `executor` owns the machine and applies its decisions. Imports go one way:
 //! `api` → `driver` → (`agent_checks`, `identity`, `executor`) → `machine`, `validation`.
 
-pub(crate) mod events;
 pub(crate) mod machine;
 pub(crate) mod validation;
 

@@ -15,6 +15,7 @@
 //!  every engine's facts are learned afresh (Fleet::relearn_all)
 //! ```
 
+use crate::journal::Event;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -200,13 +201,16 @@ async fn probe(parts: Arc<Parts>, ticket: Ticket, sweep: bool) {
 
 /// The journal's `engine_probe` row of a generation or stall probe of `iid`: `passed` without
 /// an `error`, else `failed` with it.
-fn probe_row(parts: &Parts, iid: usize, kind: &str, error: Option<impl std::fmt::Display>) {
+fn probe_row(parts: &Parts, iid: usize, kind: &'static str, error: Option<impl std::fmt::Display>) {
     let error = error.map(|e| e.to_string());
     let outcome = if error.is_none() { "passed" } else { "failed" };
-    parts.journal.emit(
-        json!({"event": "engine_probe", "iid": parts.cfg.engines[iid].iid,
-        "kind": kind, "outcome": outcome, "error": error, "at": parts.wall()}),
-    );
+    parts.journal.emit(Event::EngineProbe {
+        iid: parts.cfg.engines[iid].iid.clone(),
+        kind,
+        outcome,
+        error,
+        at: parts.wall(),
+    });
 }
 
 /// Probes every engine the stall watch suspects (behaviour.md 6.9), while this router

@@ -29,8 +29,6 @@
 //!                                by result and reason, bursts (scenario.rs)
 //!   faults                       the HA fault campaign: scenarios, one run, judged
 //! ```
-#![forbid(unsafe_code)]
-#![warn(missing_docs, unreachable_pub)]
 // Tests and their harness measure wall time (deadlines, takeover gaps): the clock ban of
 // clippy.toml is for product code.
 #![allow(clippy::disallowed_methods)]

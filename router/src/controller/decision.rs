@@ -8,6 +8,7 @@
 //!
 //! Pure. Token fields are rounded to 3 places, the rest to 6; a non-finite number is `null`.
 
+use crate::journal::Event;
 use narwhal_shared::documents::controller as doc;
 use serde_json::{Map, Value, json};
 
@@ -240,9 +241,8 @@ impl Decision {
 
     /// The journal event `controller_decision` ([`doc::DecisionEvent`]): the head keys, then
     /// the present details.
-    pub(crate) fn event(&self) -> Value {
-        let row = doc::DecisionEvent::from(self.document(self.present().collect()));
-        serde_json::to_value(row).unwrap_or_default()
+    pub(crate) fn event(&self) -> Event {
+        Event::ControllerDecision(Box::new(self.document(self.present().collect())))
     }
 
     /// `/narwhal/state control.last_decision`: every one of the 74 keys, `null` where the
@@ -285,7 +285,7 @@ mod tests {
             result: Outcome::Held,
             details: d,
         };
-        let ev = dec.event();
+        let ev = dec.event().to_value();
         assert_eq!(ev["event"], "controller_decision");
         assert_eq!(ev["prefill_work"], json!(1.02));
         assert_eq!(ev["decode_tokens_per_engine"], json!(12.346));

@@ -11,6 +11,7 @@
 //!                       └─ failure ─► eject(role_switch)      success ─► role check as above
 //! ```
 
+use crate::journal::Event;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
@@ -212,10 +213,12 @@ impl Controller {
             last_at: Some(wall),
         };
         tracing::error!(stage = "controller", class, "controller pass failed");
-        self.h.journal.emit(
-            json!({"event": "monitoring_stage_failure", "stage": "controller",
-                                   "class": class, "at": wall, "consecutive": l.consecutive}),
-        );
+        self.h.journal.emit(Event::MonitoringStageFailure {
+            stage: "controller",
+            class: class.to_string(),
+            at: wall,
+            consecutive: l.consecutive,
+        });
     }
 
     /// Applies the machine's commands.
@@ -269,10 +272,12 @@ impl Controller {
                 }
                 Some(Err(why)) => {
                     tracing::warn!(engine.id = %me.h.cfg.engines[iid].iid, error = %why, "engine-side role switch failed");
-                    me.h.journal.emit(
-                        json!({"event": "role_switch_failed", "iid": me.h.cfg.engines[iid].iid,
-                                             "to": to.as_str(), "error": why.to_string(), "at": me.now().wall}),
-                    );
+                    me.h.journal.emit(Event::RoleSwitchFailed {
+                        iid: me.h.cfg.engines[iid].iid.clone(),
+                        to: to.as_str(),
+                        error: why.to_string(),
+                        at: me.now().wall,
+                    });
                     me.h.fleet.eject(iid, EjectCause::RoleSwitch);
                 }
                 Some(Ok(())) => {
@@ -309,14 +314,22 @@ impl Controller {
         }
         match result {
             Ok(checks) => {
-                self.h.journal.emit(json!({"event": "role_check_passed", "iid": name,
-                                           "role": to.as_str(), "checks": checks, "at": self.now().wall}));
+                self.h.journal.emit(Event::RoleCheckPassed {
+                    iid: name,
+                    role: to.as_str(),
+                    checks,
+                    at: self.now().wall,
+                });
             }
             Err(e) => {
                 let why = e.to_string();
                 tracing::warn!(engine.id = %name, error = %why, "role check failed; flip reversed");
-                self.h.journal.emit(json!({"event": "role_check_failed", "iid": name,
-                                           "role": to.as_str(), "error": why, "at": self.now().wall}));
+                self.h.journal.emit(Event::RoleCheckFailed {
+                    iid: name,
+                    role: to.as_str(),
+                    error: why.clone(),
+                    at: self.now().wall,
+                });
                 let now = self.now();
                 let commands = self.lock().role_check_failed(now, iid, &why);
                 for c in commands {

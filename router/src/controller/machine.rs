@@ -11,10 +11,9 @@
 //!
 //! Pure: the clock and the fleet's state are passed in; the driver applies the commands.
 
+use crate::journal::Event;
 use std::collections::BTreeMap;
 use std::time::Instant;
-
-use serde_json::{Value, json};
 
 use super::book::Book;
 use super::decision::{By, Decision, Outcome};
@@ -46,7 +45,7 @@ pub(crate) enum Command {
     /// Record a consolidation-risk event of this kind.
     Risk(&'static str),
     /// Write this journal event.
-    Journal(Value),
+    Journal(Event),
 }
 
 /// The prefill-urgency latch (controller.md 2.4).
@@ -275,10 +274,12 @@ impl Machine {
                 iid,
                 to: Role::Decode,
             });
-            out.push(Command::Journal(json!({
-                "event": "decode_floor_restored", "at": now.wall, "iid": self.core.names[iid],
-                "live_decode": self.core.live(Role::Decode), "min_decode": self.core.p.min_decode,
-            })));
+            out.push(Command::Journal(Event::DecodeFloorRestored {
+                at: now.wall,
+                iid: self.core.names[iid].clone(),
+                live_decode: self.core.live(Role::Decode),
+                min_decode: self.core.p.min_decode,
+            }));
             self.note_risk("p_to_d_recovery");
             out.push(Command::Risk("p_to_d_recovery"));
             self.refresh_floor(now, out);

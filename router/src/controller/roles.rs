@@ -11,10 +11,9 @@
 //!
 //! Pure: `now` is passed in. Engines are indexes in config order.
 
+use crate::journal::Event;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Instant;
-
-use serde_json::{Value, json};
 
 use super::book::Book;
 use super::decision::{By, Decision, Details, Outcome};
@@ -625,7 +624,7 @@ impl PrefillFloor {
     }
 
     /// Re-evaluates the floor; returns the journal event of an edge.
-    pub(crate) fn refresh(&mut self, now: Instant, wall: f64, engines: &[Engine]) -> Option<Value> {
+    pub(crate) fn refresh(&mut self, now: Instant, wall: f64, engines: &[Engine]) -> Option<Event> {
         let live = engines
             .iter()
             .filter(|e| e.role == Role::Prefill && e.live)
@@ -645,19 +644,24 @@ impl PrefillFloor {
                     .map(|e| e.iid.as_str())
                     .collect();
                 ejected.sort_unstable();
-                Some(
-                    json!({"event": "below_floor", "at": wall, "live_prefill": live,
-                            "min_prefill": self.min_prefill, "ejected": ejected, "quarantined": []}),
-                )
+                Some(Event::BelowFloor {
+                    at: wall,
+                    live_prefill: live,
+                    min_prefill: self.min_prefill,
+                    ejected: ejected.into_iter().map(str::to_string).collect(),
+                    quarantined: Vec::new(),
+                })
             }
             (false, Some((at, _))) => {
                 let duration = now.saturating_duration_since(at).as_secs_f64();
                 self.cumulative_s += duration;
                 self.since = None;
-                Some(
-                    json!({"event": "below_floor_recovered", "at": wall, "duration_s": duration,
-                            "live_prefill": live, "min_prefill": self.min_prefill}),
-                )
+                Some(Event::BelowFloorRecovered {
+                    at: wall,
+                    duration_s: duration,
+                    live_prefill: live,
+                    min_prefill: self.min_prefill,
+                })
             }
             _ => None,
         }

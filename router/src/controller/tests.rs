@@ -204,7 +204,7 @@ impl World {
                     self.risk = Some((kind.to_string(), self.now));
                     *self.risk_events.entry(kind.to_string()).or_default() += 1;
                 }
-                Command::Journal(v) => self.journal.push(v),
+                Command::Journal(v) => self.journal.push(v.to_value()),
             }
         }
     }

@@ -107,7 +107,7 @@ impl Executor {
                 wave = ev.wave_id(),
                 "lifecycle event"
             );
-            self.journal.emit(ev.to_json());
+            self.journal.emit(ev.clone());
         }
     }
 

@@ -12,12 +12,12 @@ use std::sync::Arc;
 
 use super::agents::{Agents, agent_error, ended};
 use super::check_error::CheckError;
-use super::events::{EventKind, LifecycleEvent};
 use super::executor::Executor;
 use super::machine::DrainState;
 use crate::breaker::EjectCause;
 use crate::fleet::Fleet;
 use crate::ha_phase::{EpochScope, Ha};
+use crate::journal::lifecycle::{EventKind, LifecycleEvent};
 use crate::placement::Exclusion;
 
 /// Reads process identities through the agents (cheap to clone: handles only).
@@ -142,7 +142,7 @@ pub(crate) async fn check_identities(exec: &Executor, reader: &IdentityReader, s
                         observed_process_start: r.ok(),
                     },
                 };
-                exec.journal().emit(event.to_json());
+                exec.journal().emit(event);
                 fleet.eject(i, EjectCause::ProcessIdentity);
             }
         }

@@ -29,8 +29,8 @@ use std::time::Instant;
 
 use serde_json::Value;
 
-use super::events::{EventKind, LifecycleEvent};
 pub(crate) use crate::config::RestartPolicy;
+use crate::journal::lifecycle::{EventKind, LifecycleEvent};
 
 mod cancel;
 mod document;

@@ -16,8 +16,6 @@
 //! | `attestation` | a signed agent answer | the verifier never accepts a payload other than the one signed |
 //! | `kv_events` | ZMQ KV event messages | a decoded batch re-encodes and decodes to an equal batch; the KV index takes any stream |
 
-#![forbid(unsafe_code)]
-
 pub mod agent_config;
 pub mod agent_protocol;
 pub mod attestation;

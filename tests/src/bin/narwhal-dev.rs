@@ -11,7 +11,6 @@
 //! `up` and `demo` run as two processes (see `session.rs`): the one started by the user
 //! supervises a fleet process in its own process group, so a `kill -9` of either leaves no
 //! engine, agent or router behind, and a second session in a busy `--dir` is refused.
-#![forbid(unsafe_code)]
 // A test tool that measures wall time (latencies, deadlines): the clock ban of clippy.toml is
 // for product code.
 #![allow(clippy::disallowed_methods)]

@@ -11,7 +11,6 @@
 //! ```sh
 //! cargo build --workspace --bins && nice -n 10 ./target/debug/narwhal-faults --runs 100
 //! ```
-#![forbid(unsafe_code)]
 
 use std::process::ExitCode;
 

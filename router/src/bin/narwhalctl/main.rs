@@ -18,7 +18,6 @@
 //! `--server-name`) and `transport` (its errors as operator messages), `failure` (exit codes),
 //! `output` (what is printed), and one module per command: `status`, `drain`, `readmit`,
 //! `cancel_drain`, `wave_restart`.
-#![forbid(unsafe_code)]
 
 mod cancel_drain;
 mod cli;

@@ -7,7 +7,7 @@ use super::readmission::EngineOutcome;
 use super::record::Hold;
 use super::refusal::LifecycleError;
 use super::{Lifecycle, Now};
-use crate::lifecycle::events::EventKind;
+use crate::journal::lifecycle::EventKind;
 
 impl Lifecycle {
     /// Starts cancelling an individual drain (ours; not in the reference,

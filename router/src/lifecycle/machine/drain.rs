@@ -10,8 +10,8 @@ use narwhal_shared::handoff::DrainState;
 use super::record::{Hold, Record, wave_of};
 use super::refusal::LifecycleError;
 use super::{Lifecycle, MAX_DEADLINE_S, Now, RestartPolicy};
+use crate::journal::lifecycle::EventKind;
 use crate::lifecycle::check_error::CheckError;
-use crate::lifecycle::events::EventKind;
 
 /// A drain request (`POST /narwhal/lifecycle/drain`).
 #[derive(Debug, Clone, PartialEq)]

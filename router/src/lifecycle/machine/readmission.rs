@@ -10,7 +10,7 @@ use narwhal_shared::handoff::DrainState;
 use super::record::wave_of;
 use super::refusal::LifecycleError;
 use super::{Lifecycle, Now};
-use crate::lifecycle::events::EventKind;
+use crate::journal::lifecycle::EventKind;
 
 /// Result of one engine's validation, as the readmission plan reports it.
 #[derive(Debug, Clone, Default, PartialEq)]

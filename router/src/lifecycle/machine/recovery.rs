@@ -6,7 +6,7 @@ use narwhal_shared::handoff::DrainState;
 
 use super::record::{Hold, Record};
 use super::{Lifecycle, Now, RestartPolicy};
-use crate::lifecycle::events::EventKind;
+use crate::journal::lifecycle::EventKind;
 
 impl Lifecycle {
     /// Starts validation of an engine the breaker ejected, without a restart

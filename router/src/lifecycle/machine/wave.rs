@@ -6,7 +6,7 @@ use narwhal_shared::handoff::DrainState;
 
 use super::record::{Hold, Record};
 use super::{Lifecycle, Now};
-use crate::lifecycle::events::EventKind;
+use crate::journal::lifecycle::EventKind;
 
 impl Lifecycle {
     /// The active wave's members, by engine id; empty when no wave is active.

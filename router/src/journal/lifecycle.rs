@@ -3,10 +3,15 @@
 //! `{"event": "engine_lifecycle", "action", "at", <fields>}` with the reference's keys in the
 //! reference's order.
 
-use serde_json::{Map, Value, json};
+use serde::{Serialize, Serializer};
+use serde_json::Value;
 
-/// What happened, with the fields of its event row.
-#[derive(Debug, Clone, PartialEq)]
+use super::Event;
+
+/// What happened, with the fields of its event row in the reference's order (serialised
+/// untagged: the `action` comes from [`LifecycleEvent::action`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
 pub(crate) enum EventKind {
     /// An engine left placement for a drain (`drain_started`).
     DrainStarted {
@@ -213,73 +218,40 @@ impl LifecycleEvent {
     }
 
     /// The event row: `event`, `action`, `at`, then the kind's fields in the reference's
-    /// order.
+    /// order ([`Event::EngineLifecycle`]).
     pub(crate) fn to_json(&self) -> Value {
-        let fields = match &self.kind {
-            EventKind::DrainStarted { iid, wave_id }
-            | EventKind::DrainComplete { iid, wave_id }
-            | EventKind::ValidationStarted { iid, wave_id } => {
-                json!({"iid": iid, "wave_id": wave_id})
-            }
-            EventKind::WaveStarted { engines, wave_id }
-            | EventKind::WaveReadyToStop { engines, wave_id }
-            | EventKind::WaveReadmitted { engines, wave_id } => {
-                json!({"engines": engines, "wave_id": wave_id})
-            }
-            EventKind::ProcessRecorded {
-                iid,
-                process_start,
-                wave_id,
-            } => json!({"iid": iid, "process_start": process_start, "wave_id": wave_id}),
-            EventKind::Readmitted {
-                iid,
-                process_start,
-                wave_id,
-            } => json!({"iid": iid, "process_start": process_start, "wave_id": wave_id}),
-            EventKind::DrainBlocked {
-                iid,
-                error,
-                wave_id,
-            }
-            | EventKind::ValidationFailed {
-                iid,
-                error,
-                wave_id,
-            } => json!({"iid": iid, "error": error, "wave_id": wave_id}),
-            EventKind::DrainDeadlineExceeded {
-                iid,
-                resident,
-                wave_id,
-            } => json!({"iid": iid, "resident": resident, "wave_id": wave_id}),
-            EventKind::RecoveryValidationStarted { iid }
-            | EventKind::DrainCancelStarted { iid } => {
-                json!({"iid": iid, "wave_id": ""})
-            }
-            EventKind::DrainCancelled { iid, process_start } => {
-                json!({"iid": iid, "process_start": process_start, "wave_id": ""})
-            }
-            EventKind::RestartRequired { wave_id, reason } => {
-                json!({"wave_id": wave_id, "reason": reason})
-            }
-            EventKind::ProcessExcluded {
-                iid,
-                reason,
-                previous_process_start,
-                observed_process_start,
-            } => json!({
-                "iid": iid, "reason": reason,
-                "previous_process_start": previous_process_start,
-                "observed_process_start": observed_process_start,
-            }),
-        };
-        let mut row = Map::new();
-        row.insert("event".into(), "engine_lifecycle".into());
-        row.insert("action".into(), self.action().into());
-        row.insert("at".into(), json!(self.at));
-        if let Value::Object(f) = fields {
-            row.extend(f);
+        Event::from(self.clone()).to_value()
+    }
+}
+
+impl Serialize for LifecycleEvent {
+    /// `action`, `at`, then the kind's fields; the kinds that name no wave end with
+    /// `"wave_id": ""`, as the reference writes them. `event` is the enclosing
+    /// [`Event`]'s tag.
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        /// The row's members in order.
+        #[derive(Serialize)]
+        struct Row<'a> {
+            action: &'static str,
+            at: f64,
+            #[serde(flatten)]
+            kind: &'a EventKind,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            wave_id: Option<&'static str>,
         }
-        Value::Object(row)
+        let no_wave = matches!(
+            self.kind,
+            EventKind::RecoveryValidationStarted { .. }
+                | EventKind::DrainCancelStarted { .. }
+                | EventKind::DrainCancelled { .. }
+        );
+        Row {
+            action: self.action(),
+            at: self.at,
+            kind: &self.kind,
+            wave_id: no_wave.then_some(""),
+        }
+        .serialize(s)
     }
 }
 
