@@ -12,7 +12,7 @@
 
 use bytes::Bytes;
 use http::{Response, StatusCode};
-use serde_json::{Value, json};
+use narwhal_shared::documents::ErrorReply;
 
 use crate::admission::Refusal;
 use crate::ingress::IngressError;
@@ -128,13 +128,13 @@ fn busy(err: &LegError) -> Option<u16> {
 }
 
 /// `{"error": {"message", "type"}}`.
-fn error_body(message: &str, ty: &str) -> Value {
-    json!({"error": {"message": message, "type": ty}})
+fn error_body(message: &str, ty: &str) -> ErrorReply {
+    ErrorReply::new(message, ty)
 }
 
 /// `{"error": {"message", "type", "code"}}` with `code` = `type`.
-fn coded_body(message: &str, ty: &str) -> Value {
-    json!({"error": {"message": message, "type": ty, "code": ty}})
+fn coded_body(message: &str, ty: &str) -> ErrorReply {
+    ErrorReply::coded(message, ty)
 }
 
 const EXPIRED_MESSAGE: &str = "original request deadline expired";
@@ -309,7 +309,7 @@ impl RequestFailure {
 
     /// The JSON error body answered before output (behaviour.md 1.9). After output there
     /// is no body: see [`RequestFailure::stream_frame`].
-    pub(crate) fn body(&self) -> Value {
+    pub(crate) fn body(&self) -> ErrorReply {
         match self {
             RequestFailure::InflightLimit => {
                 error_body("router in-flight limit reached", "server_overloaded_error")
@@ -344,10 +344,14 @@ impl RequestFailure {
             } => coded_body(err.public_message(), "server_overloaded_error"),
             RequestFailure::Leg { phase, err } => match (err.engine_error(), err.client_fault()) {
                 // The engine's own refusal, as it wrote it (docs/deviations.md).
-                (Some(error), Some(_)) => json!({ "error": error }),
-                (None, Some((_, message, param))) => json!({"error": {
-                    "message": message, "type": "invalid_request_error", "param": param, "code": null,
-                }}),
+                (Some(error), Some(_)) => ErrorReply {
+                    error: error.clone(),
+                },
+                (None, Some((_, message, param))) => {
+                    let mut reply = ErrorReply::invalid_request(message, None);
+                    reply.error.param = Some(param.clone());
+                    reply
+                }
                 (_, None) => coded_body(err.public_message(), phase.as_str()),
             },
             RequestFailure::Decode { err, .. } => {
@@ -359,10 +363,13 @@ impl RequestFailure {
                 };
                 coded_body(message, "decode")
             }
-            RequestFailure::BodyTimeout { limit_s } => json!({"error": {
-                "message": format!("request body not received within serving.body_read_timeout_s ({limit_s} s)"),
-                "type": "invalid_request_error", "param": null, "code": "request_timeout",
-            }}),
+            RequestFailure::BodyTimeout { limit_s } => ErrorReply::invalid_request(
+                format!(
+                    "request body not received within serving.body_read_timeout_s ({limit_s} s)"
+                ),
+                None,
+            )
+            .with_code("request_timeout"),
             RequestFailure::ShutDown { .. } => coded_body(SHUTDOWN_MESSAGE, "standby"),
         }
     }
@@ -437,6 +444,12 @@ impl RequestFailure {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::{Value, json};
+
+    /// The body as the client reads it.
+    fn wire(f: &RequestFailure) -> Value {
+        serde_json::to_value(f.body()).expect("an error body serialises")
+    }
 
     fn leg(status: u16, message: &str) -> LegError {
         LegError::Status {
@@ -655,7 +668,7 @@ mod tests {
             assert_eq!(f.retry_after_s().is_some(), retry_after, "{f:?}");
             let r = f.response("rid-1");
             assert_eq!(r.status().as_u16(), status, "{f:?}");
-            assert_eq!(f.body()["error"]["type"], ty, "{f:?}");
+            assert_eq!(wire(&f)["error"]["type"], ty, "{f:?}");
             assert_eq!(
                 r.headers().contains_key(http::header::RETRY_AFTER),
                 retry_after,
@@ -680,7 +693,7 @@ mod tests {
             },
         };
         assert_eq!(f.status(), StatusCode::BAD_REQUEST);
-        let b = f.body();
+        let b = wire(&f);
         assert_eq!(
             b["error"]["message"],
             "prompt is too long for the context length"
@@ -706,8 +719,8 @@ mod tests {
             },
         };
         assert_eq!(f.status(), StatusCode::BAD_GATEWAY);
-        assert_eq!(f.body()["error"]["type"], "decode");
-        assert_eq!(f.body()["error"]["message"], "Upstream request failed");
+        assert_eq!(wire(&f)["error"]["type"], "decode");
+        assert_eq!(wire(&f)["error"]["message"], "Upstream request failed");
         let s = f.settlement();
         assert_eq!(s.reason, "engine_config");
         assert_eq!(s.error_type.as_deref(), Some("decode"));
@@ -725,11 +738,11 @@ mod tests {
             phase: Phase::Decode,
             err: LegError::Refused {
                 status: 400,
-                error: error.clone(),
+                error: Box::new(serde_json::from_value(error.clone()).unwrap()),
             },
         };
         assert_eq!(f.status(), StatusCode::BAD_REQUEST);
-        assert_eq!(f.body(), json!({ "error": error }));
+        assert_eq!(wire(&f), json!({ "error": error }));
         let s = f.settlement();
         assert_eq!(
             (s.terminal, s.reason.as_str()),
@@ -743,7 +756,7 @@ mod tests {
             phase: Phase::Prefill,
             err: LegError::Connect("connect 10.0.0.7:8000: refused".into()),
         };
-        assert_eq!(f.body()["error"]["message"], "Upstream request failed");
+        assert_eq!(wire(&f)["error"]["message"], "Upstream request failed");
         assert_eq!(
             f.settlement().error.as_deref(),
             Some("prefill: connect 10.0.0.7:8000: refused")
@@ -798,7 +811,7 @@ mod tests {
         let f = RequestFailure::BodyUnreadable;
         assert_eq!(f.settlement().terminal, Terminal::Cancelled);
         assert_eq!(f.status(), StatusCode::BAD_REQUEST);
-        assert_eq!(f.body()["error"]["message"], "request body read failed");
+        assert_eq!(wire(&f)["error"]["message"], "request body read failed");
     }
 
     /// A predictive refusal (controller.md 10.6): 429 `server_overloaded_error` without
@@ -818,8 +831,8 @@ mod tests {
         let r = f.response("rid-1");
         assert_eq!(r.status().as_u16(), 429);
         assert_eq!(r.headers()[http::header::RETRY_AFTER], "2");
-        assert_eq!(f.body()["error"]["type"], "server_overloaded_error");
-        assert!(f.body()["error"].get("code").is_none());
+        assert_eq!(wire(&f)["error"]["type"], "server_overloaded_error");
+        assert!(wire(&f)["error"].get("code").is_none());
         let s = f.settlement();
         assert_eq!(
             (s.terminal, s.reason.as_str()),

@@ -77,9 +77,8 @@ pub fn ingress(body: &[u8]) {
                     );
                     let (status, answer) = e.response();
                     assert!(status.is_client_error(), "{status} for {e}");
-                    let msg = answer["error"]["message"].as_str().unwrap_or_default();
-                    assert!(!msg.is_empty(), "no message for {e:?}");
-                    assert!(answer["error"]["type"].is_string(), "no type for {e:?}");
+                    assert!(!answer.error.message.is_empty(), "no message for {e:?}");
+                    assert!(!answer.error.kind.is_empty(), "no type for {e:?}");
                 }
             }
         }

@@ -29,7 +29,6 @@ use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
-use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -246,10 +245,8 @@ fn model(parts: &Parts, path: &str, rid: &str) -> Response<Body> {
     }
     json_response(
         StatusCode::NOT_FOUND,
-        &json!({"error": {
-            "message": format!("The model '{id}' does not exist"),
-            "type": "invalid_request_error", "param": "model", "code": "model_not_found",
-        }}),
+        &ErrorReply::invalid_request(format!("The model '{id}' does not exist"), Some("model"))
+            .with_code("model_not_found"),
         rid,
     )
 }

@@ -10,6 +10,7 @@
 //! trusted); everything else is checked here.
 
 use http::StatusCode;
+use narwhal_shared::documents::ErrorReply;
 use serde_json::{Map, Value, json};
 
 use crate::config::Backend;
@@ -142,40 +143,40 @@ impl IngressError {
     }
 
     /// HTTP status and JSON body (behaviour.md 1.9).
-    pub(crate) fn response(&self) -> (StatusCode, Value) {
+    pub(crate) fn response(&self) -> (StatusCode, ErrorReply) {
         let message = self.to_string();
         match self {
             IngressError::TooLarge { .. } => (
                 StatusCode::PAYLOAD_TOO_LARGE,
-                json!({"error": {"message": message, "type": self.error_type()}}),
+                ErrorReply::new(message, self.error_type()),
             ),
             IngressError::InvalidJson => (
                 StatusCode::BAD_REQUEST,
-                json!({"error": {"message": message, "type": "invalid_request_error", "param": null, "code": null}}),
+                ErrorReply::invalid_request(message, None),
             ),
             IngressError::Shape { param, .. } => (
                 StatusCode::BAD_REQUEST,
-                json!({"error": {"message": message, "type": "invalid_request_error", "param": param, "code": null}}),
+                ErrorReply::invalid_request(message, param.as_deref()),
             ),
             IngressError::Reserved { field } => (
                 StatusCode::BAD_REQUEST,
-                json!({"error": {"message": message, "type": "invalid_request_error", "param": field, "code": null}}),
-            ),
-            IngressError::ModelNotFound { .. } => (
-                StatusCode::NOT_FOUND,
-                json!({"error": {"message": message, "type": "invalid_request_error", "code": "model_not_found"}}),
-            ),
-            IngressError::SamplingWidth { .. } => (
-                StatusCode::BAD_REQUEST,
-                json!({"error": {"message": message, "type": "invalid_request_error"}}),
-            ),
-            IngressError::TooManyPrompts { .. } => (
-                StatusCode::BAD_REQUEST,
-                json!({"error": {"message": message, "type": "invalid_request_error", "param": "prompt", "code": null}}),
+                ErrorReply::invalid_request(message, Some(field)),
             ),
             IngressError::Unsplittable { field } => (
                 StatusCode::BAD_REQUEST,
-                json!({"error": {"message": message, "type": "invalid_request_error", "param": field, "code": null}}),
+                ErrorReply::invalid_request(message, Some(field)),
+            ),
+            IngressError::ModelNotFound { .. } => (
+                StatusCode::NOT_FOUND,
+                ErrorReply::new(message, "invalid_request_error").with_code("model_not_found"),
+            ),
+            IngressError::SamplingWidth { .. } => (
+                StatusCode::BAD_REQUEST,
+                ErrorReply::new(message, "invalid_request_error"),
+            ),
+            IngressError::TooManyPrompts { .. } => (
+                StatusCode::BAD_REQUEST,
+                ErrorReply::invalid_request(message, Some("prompt")),
             ),
         }
     }
@@ -493,6 +494,14 @@ fn size_input(body: &Map<String, Value>, chars_per_token: f64) -> u64 {
 mod tests {
     use super::*;
 
+    /// The status and the body as the client reads it.
+    fn wire((status, body): (StatusCode, ErrorReply)) -> (StatusCode, Value) {
+        (
+            status,
+            serde_json::to_value(body).expect("an error body serialises"),
+        )
+    }
+
     /// A router serving `model` with one adapter, `adapter-a`.
     fn served(model: &'static str) -> crate::config::Served<'static> {
         static ADAPTERS: std::sync::LazyLock<Vec<String>> =
@@ -529,7 +538,7 @@ mod tests {
         for b in ["{", "", "nul"] {
             let e = check(b).unwrap_err();
             assert_eq!(e, IngressError::InvalidJson);
-            let (st, body) = e.response();
+            let (st, body) = wire(e.response());
             assert_eq!(st, StatusCode::BAD_REQUEST);
             assert_eq!(
                 body,
@@ -537,7 +546,7 @@ mod tests {
             );
         }
         for b in ["[]", "null", "1", "\"x\""] {
-            let (st, body) = check(b).unwrap_err().response();
+            let (st, body) = wire(check(b).unwrap_err().response());
             assert_eq!(st, StatusCode::BAD_REQUEST);
             assert_eq!(body["error"]["param"], Value::Null);
             assert_eq!(
@@ -559,7 +568,7 @@ mod tests {
             (r#"{"messages":[1]}"#, "messages"),
         ];
         for (b, param) in cases {
-            let (st, body) = check(b).unwrap_err().response();
+            let (st, body) = wire(check(b).unwrap_err().response());
             assert_eq!(st, StatusCode::BAD_REQUEST, "{b}");
             assert_eq!(body["error"]["param"], param, "{b}");
             assert_eq!(body["error"]["type"], "invalid_request_error");
@@ -570,7 +579,7 @@ mod tests {
     #[test]
     fn the_input_is_required_and_named() {
         let e = check(r#"{"model":"tiny-sim","max_tokens":3}"#).unwrap_err();
-        let (st, body) = e.response();
+        let (st, body) = wire(e.response());
         assert_eq!(st, StatusCode::BAD_REQUEST);
         assert_eq!(body["error"]["param"], "prompt", "{body}");
         let chat = validate(
@@ -581,7 +590,7 @@ mod tests {
             3.8,
         )
         .unwrap_err();
-        assert_eq!(chat.response().1["error"]["param"], "messages");
+        assert_eq!(wire(chat.response()).1["error"]["param"], "messages");
     }
 
     #[test]
@@ -614,7 +623,7 @@ mod tests {
                     3.8,
                 )
                 .unwrap_err();
-                let (st, body) = e.response();
+                let (st, body) = wire(e.response());
                 assert_eq!(st, StatusCode::BAD_REQUEST);
                 assert_eq!(
                     body["error"]["message"],
@@ -627,9 +636,11 @@ mod tests {
 
     #[test]
     fn wrong_model_is_404() {
-        let (st, body) = check(r#"{"model":"nope","prompt":"x"}"#)
-            .unwrap_err()
-            .response();
+        let (st, body) = wire(
+            check(r#"{"model":"nope","prompt":"x"}"#)
+                .unwrap_err()
+                .response(),
+        );
         assert_eq!(st, StatusCode::NOT_FOUND);
         assert_eq!(
             body,
@@ -643,7 +654,7 @@ mod tests {
     fn sampling_width_over_one_is_marked_and_refused_across_a_split_like_the_reference() {
         let v = check(r#"{"prompt":"x","n":2}"#).unwrap();
         assert_eq!((v.sampling_width, v.choices), (Some("n"), 2));
-        let (st, body) = IngressError::SamplingWidth { field: "n" }.response();
+        let (st, body) = wire(IngressError::SamplingWidth { field: "n" }.response());
         assert_eq!(st, StatusCode::BAD_REQUEST);
         let want: Value =
             serde_json::from_str(include_str!("../testdata/reference-error-400-n.json")).unwrap();
@@ -673,7 +684,7 @@ mod tests {
             assert!(batch_prompts(&v).is_none());
         }
         let v = check(r#"{"prompt":["a","b","c"]}"#).unwrap();
-        let (st, body) = check_batch(&v, 2).unwrap_err().response();
+        let (st, body) = wire(check_batch(&v, 2).unwrap_err().response());
         assert_eq!(st, StatusCode::BAD_REQUEST);
         assert_eq!(body["error"]["param"], "prompt");
         assert!(check_batch(&v, 3).is_ok());
@@ -707,7 +718,7 @@ mod tests {
             Some("echo")
         );
         assert_eq!(chat(r#"{"messages":[],"echo":true,"logprobs":true}"#), None);
-        let (st, body) = IngressError::Unsplittable { field: "echo" }.response();
+        let (st, body) = wire(IngressError::Unsplittable { field: "echo" }.response());
         assert_eq!(st, StatusCode::BAD_REQUEST);
         assert_eq!(body["error"]["param"], "echo");
         assert_eq!(
@@ -720,7 +731,7 @@ mod tests {
 
     #[test]
     fn too_large_body_shape() {
-        let (st, body) = IngressError::TooLarge { limit: 10 }.response();
+        let (st, body) = wire(IngressError::TooLarge { limit: 10 }.response());
         assert_eq!(st, StatusCode::PAYLOAD_TOO_LARGE);
         assert_eq!(body["error"]["type"], "request_too_large");
     }

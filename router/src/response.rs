@@ -5,6 +5,7 @@ use std::convert::Infallible;
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode};
 use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use narwhal_shared::documents::ErrorReply;
 
 /// Response body type for every route.
 pub(crate) type Body = BoxBody<Bytes, Infallible>;
@@ -21,9 +22,8 @@ pub(crate) fn json_response<T: serde::Serialize + ?Sized>(
         Ok(b) => (status, b),
         Err(e) => (
             StatusCode::INTERNAL_SERVER_ERROR,
-            serde_json::json!({"error": {"message": format!("response: {e}"), "type": "internal"}})
-                .to_string()
-                .into_bytes(),
+            serde_json::to_vec(&ErrorReply::new(format!("response: {e}"), "internal"))
+                .unwrap_or_default(),
         ),
     };
     json_bytes_response(status, Bytes::from(body), rid)

@@ -22,6 +22,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use narwhal_shared::documents::replies::ErrorDetail;
 use serde_json::Value;
 
 use crate::breaker::FailureClass;
@@ -624,8 +625,13 @@ fn status_error(status: StatusCode, bytes: &[u8]) -> LegError {
     match (refusal, fault, code) {
         (LegError::Status { message, param, .. }, Some(status), Some(code)) => LegError::Refused {
             status,
-            error: serde_json::json!({"message": message, "type": "invalid_request_error",
-                                      "param": param, "code": code}),
+            error: Box::new(ErrorDetail {
+                message,
+                kind: "invalid_request_error".into(),
+                param: Some(param),
+                code: Some(code),
+                ..ErrorDetail::default()
+            }),
         },
         (refusal, ..) => refusal,
     }
@@ -668,7 +674,7 @@ pub(crate) enum LegError {
         /// HTTP status (a context-length 500 is 400).
         status: u16,
         /// `{"message", "type": "invalid_request_error", "param", "code"}`, the engine's words.
-        error: Value,
+        error: Box<ErrorDetail>,
     },
     /// A 200 prefill without a usable KV descriptor / rendezvous.
     KvHandoff(String),
@@ -706,11 +712,8 @@ impl LegError {
             }
             LegError::Refused { status, error } => (
                 *status,
-                error
-                    .get("message")
-                    .and_then(Value::as_str)
-                    .unwrap_or_default(),
-                error.get("param").unwrap_or(&NO_PARAM),
+                error.message.as_str(),
+                error.param.as_ref().unwrap_or(&NO_PARAM),
             ),
             _ => return None,
         };
@@ -860,9 +863,9 @@ impl LegError {
 
     /// The engine's own error object, when it refused the request as the client's fault and
     /// said why ([`LegError::Refused`]): the client gets it as it is.
-    pub(crate) fn engine_error(&self) -> Option<&Value> {
+    pub(crate) fn engine_error(&self) -> Option<&ErrorDetail> {
         match self {
-            LegError::Refused { error, .. } => Some(error),
+            LegError::Refused { error, .. } => Some(error.as_ref()),
             _ => None,
         }
     }
@@ -900,13 +903,9 @@ impl LegError {
             LegError::Status {
                 status, message, ..
             } => format!("engine answered {status}: {message}"),
-            LegError::Refused { status, error } => format!(
-                "engine answered {status}: {}",
-                error
-                    .get("message")
-                    .and_then(Value::as_str)
-                    .unwrap_or_default()
-            ),
+            LegError::Refused { status, error } => {
+                format!("engine answered {status}: {}", error.message)
+            }
             LegError::Stream(f) => f.detail(),
         }
     }

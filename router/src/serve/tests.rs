@@ -53,7 +53,7 @@ fn prompt_logprob_requests_are_served_unsplit_or_refused() {
             Err(RequestFailure::Invalid(e)) => {
                 let (status, b) = e.response();
                 assert_eq!(status, StatusCode::BAD_REQUEST);
-                assert_eq!(b["error"]["param"], v.prompt_logprobs.unwrap());
+                assert_eq!(b.error.param, Some(v.prompt_logprobs.unwrap().into()));
             }
             other => panic!("{body}: {:?}", other.map(|_| ())),
         }

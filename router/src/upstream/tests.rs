@@ -26,9 +26,11 @@ fn engine_errors_keep_their_status_and_never_lose_their_message() {
         ))
     );
     assert_eq!(
-        e.engine_error(),
+        e.engine_error()
+            .map(serde_json::to_value)
+            .map(Result::unwrap),
         Some(
-            &json!({"message": "This model's maximum context length is 256 tokens",
+            json!({"message": "This model's maximum context length is 256 tokens",
                      "type": "invalid_request_error", "param": "messages",
                      "code": "context_length_exceeded"})
         ),
