@@ -16,14 +16,9 @@ use super::machine::LifecycleError;
 pub(crate) const NOT_IN_CONTROL: &str = "this router does not control the fleet";
 
 /// A readmission (`POST /narwhal/lifecycle/readmit`) or a cancel-drain
-/// (`POST /narwhal/lifecycle/cancel-drain`, the same body).
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct ReadmitRequest {
-    /// Target engine ids; empty with `wave` means the active wave's engines.
-    pub(crate) engines: Vec<String>,
-    /// Readmit the whole wave as one engine set.
-    pub(crate) wave: bool,
-}
+/// (`POST /narwhal/lifecycle/cancel-drain`, the same body): the shared request type narwhalctl
+/// sends.
+pub(crate) type ReadmitRequest = narwhal_shared::documents::requests::ReadmitBody;
 
 /// Why a lifecycle request body was refused (HTTP 400).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -24,6 +24,7 @@
 //!   included), or the checks failed; 503 not in control, or fenced during the checks.
 
 use narwhal_shared::documents::LifecycleReply;
+use narwhal_shared::documents::requests::DrainBody;
 use std::future::Future;
 
 use bytes::Bytes;
@@ -194,21 +195,26 @@ fn wave(m: &Map<String, Value>) -> Result<bool, RequestError> {
 /// [`RequestError`] naming the field.
 pub(crate) fn parse_drain(body: &Bytes) -> Result<DrainRequest, RequestError> {
     let m = object(body, &["engines", "wave", "deadline_s"])?;
-    let (deadline_s, deadline_given) = match m.get("deadline_s") {
-        None | Some(Value::Null) => (DEFAULT_DEADLINE_S, false),
+    let deadline_s = match m.get("deadline_s") {
+        None | Some(Value::Null) => None,
         Some(v) => {
             let d = v.as_f64().ok_or(RequestError::Deadline)?;
             if !(d.is_finite() && d > 0.0 && d <= MAX_DEADLINE_S) {
                 return Err(RequestError::DeadlineRange(d));
             }
-            (d, true)
+            Some(d)
         }
     };
-    Ok(DrainRequest {
+    let body = DrainBody {
         engines: engines(&m)?,
         wave: wave(&m)?,
         deadline_s,
-        deadline_given,
+    };
+    Ok(DrainRequest {
+        engines: body.engines,
+        wave: body.wave,
+        deadline_s: body.deadline_s.unwrap_or(DEFAULT_DEADLINE_S),
+        deadline_given: body.deadline_s.is_some(),
     })
 }
 

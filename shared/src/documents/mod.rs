@@ -8,6 +8,7 @@
 //! | `GET /narwhal/state` | [`State`] (`narwhal.state` v1) | [`state`] |
 //! | `GET /narwhal/lifecycle` | [`Lifecycle`] (`narwhal.lifecycle` v1) | [`lifecycle`] |
 //! | `POST /narwhal/lifecycle/{drain,readmit,cancel-drain}` | [`LifecycleReply`] | [`replies`] |
+//! | their request bodies | [`requests::DrainBody`], [`requests::ReadmitBody`] | [`requests`] |
 //! | `GET /ready`, `GET /health` | [`Ready`], [`Health`] | [`ready`] |
 //! | `GET /narwhal/targets` | [`targets::Targets`] | [`targets`] |
 //! | the role controller's fields and decisions | [`ControllerReport`], [`Decision`] | [`controller`] |
@@ -24,6 +25,7 @@ pub mod models;
 mod ordered;
 pub mod ready;
 pub mod replies;
+pub mod requests;
 pub mod state;
 pub mod targets;
 

@@ -2,7 +2,7 @@
 //! through the same readmission checks (docs/deviations.md).
 
 use narwhal_shared::documents::LifecycleReply;
-use serde_json::json;
+use narwhal_shared::documents::requests::ReadmitBody;
 
 use crate::client::Ctl;
 use crate::failure::Failure;
@@ -14,7 +14,7 @@ impl Ctl {
         &self,
         iid: &str,
     ) -> Result<LifecycleReply, (Failure, Option<LifecycleReply>)> {
-        let body = json!({"engines": [iid]});
+        let body = ReadmitBody::engine(iid);
         self.validating_post("/narwhal/lifecycle/cancel-drain", body, Some(iid))
             .await
     }

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use narwhal_shared::documents::{ErrorReply, Lifecycle, LifecycleReply, Ordered, Ready, State};
 use serde::de::DeserializeOwned;
-use serde_json::Value;
 
 use crate::cli::Cli;
 use crate::failure::Failure;
@@ -179,10 +178,10 @@ impl Ctl {
     pub(crate) async fn post(
         &self,
         path: &str,
-        body: Value,
+        body: &impl serde::Serialize,
     ) -> Result<LifecycleReply, (Failure, Option<LifecycleReply>)> {
         let url = format!("{}{path}", self.base);
-        let r = match self.http.post(&url).json(&body).send().await {
+        let r = match self.http.post(&url).json(body).send().await {
             Ok(r) => r,
             Err(e) => return Err((self.transport(&format!("POST {path}"), &e).await, None)),
         };

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
+use narwhal_shared::documents::requests::DrainBody;
 use narwhal_shared::documents::{Lifecycle, LifecycleReply, Ordered};
 use narwhal_shared::{Clock as _, SystemClock};
-use serde_json::json;
 
 use crate::client::Ctl;
 use crate::failure::Failure;
@@ -59,10 +59,10 @@ impl Ctl {
         timeout: Duration,
     ) -> Result<LifecycleReply, (Failure, Option<LifecycleReply>)> {
         let body = match iid {
-            Some(i) => json!({"engines": [i], "deadline_s": deadline_s}),
-            None => json!({"wave": true, "deadline_s": deadline_s}),
+            Some(i) => DrainBody::engine(i, deadline_s),
+            None => DrainBody::wave(deadline_s),
         };
-        let doc = self.post("/narwhal/lifecycle/drain", body).await?;
+        let doc = self.post("/narwhal/lifecycle/drain", &body).await?;
         if !self.json {
             for w in doc.warnings.iter().flatten() {
                 out(&format!("warning: {w}")).map_err(|f| (f, None))?;

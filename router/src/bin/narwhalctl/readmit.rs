@@ -1,9 +1,9 @@
 //! `narwhalctl readmit`: validate and readmit one engine or the active wave, printing each
 //! engine's checks (the validating POST is shared with `cancel-drain`).
 
+use narwhal_shared::documents::requests::ReadmitBody;
 use narwhal_shared::documents::{Lifecycle, LifecycleReply};
 use narwhal_shared::handoff::DrainState;
-use serde_json::{Value, json};
 
 use crate::client::Ctl;
 use crate::failure::Failure;
@@ -16,8 +16,8 @@ impl Ctl {
         iid: Option<&str>,
     ) -> Result<LifecycleReply, (Failure, Option<LifecycleReply>)> {
         let body = match iid {
-            Some(i) => json!({"engines": [i]}),
-            None => json!({"wave": true}),
+            Some(i) => ReadmitBody::engine(i),
+            None => ReadmitBody::wave(),
         };
         self.validating_post("/narwhal/lifecycle/readmit", body, iid)
             .await
@@ -28,10 +28,10 @@ impl Ctl {
     pub(crate) async fn validating_post(
         &self,
         path: &str,
-        body: Value,
+        body: ReadmitBody,
         iid: Option<&str>,
     ) -> Result<LifecycleReply, (Failure, Option<LifecycleReply>)> {
-        match self.post(path, body).await {
+        match self.post(path, &body).await {
             Ok(doc) => {
                 let targets = targets_of(&doc.document, iid);
                 self.show_checks(&doc.document, &targets, None)
