@@ -27,9 +27,8 @@ use axum::routing::{get, post};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
 use narwhal_shared::SignedDocument;
-use narwhal_shared::agent_protocol::{ErrorBody, ErrorDetail};
+use narwhal_shared::agent_protocol::{AgentHealth, ErrorBody, ErrorDetail};
 use serde::de::DeserializeOwned;
-use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
@@ -179,8 +178,11 @@ pub fn router(agent: Arc<Agent>) -> Router {
         .route(
             "/health",
             get(|State(a): Shared| async move {
-                axum::Json(json!({"status": "ok", "agent_id": a.agent_id(),
-                    "public_key": a.public_key().to_string()}))
+                axum::Json(AgentHealth {
+                    status: "ok".into(),
+                    agent_id: a.agent_id().to_string(),
+                    public_key: a.public_key().to_string(),
+                })
             }),
         )
         .route(

@@ -23,6 +23,7 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 use narwhal_agent::{Config, prepare};
 use narwhal_shared::SystemClock;
+use narwhal_shared::agent_protocol::AgentReadyFile;
 
 #[derive(Parser)]
 #[command(name = "narwhal-agent", version, about = "Narwhal engine agent")]
@@ -113,6 +114,7 @@ fn state_dir(args: StateArgs) -> Result<PathBuf, String> {
 
 fn fence(action: FenceAction) -> ExitCode {
     use narwhal_agent::{FenceError, FenceState, fence_admin};
+    use narwhal_shared::agent_protocol::FenceShown;
     match action {
         FenceAction::Show { state } => {
             let shown =
@@ -121,7 +123,11 @@ fn fence(action: FenceAction) -> ExitCode {
                 Ok(f) => {
                     println!(
                         "{}",
-                        serde_json::json!({"epoch": f.epoch, "holder": f.holder})
+                        serde_json::to_string(&FenceShown {
+                            epoch: f.epoch,
+                            holder: f.holder,
+                        })
+                        .unwrap_or_default()
                     );
                     ExitCode::SUCCESS
                 }
@@ -174,11 +180,9 @@ fn fence(action: FenceAction) -> ExitCode {
     }
 }
 
-fn write_ready(
-    path: &Path,
-    doc: &serde_json::Value,
-) -> Result<(), narwhal_shared::AtomicWriteError> {
-    narwhal_shared::write_atomic(path, doc.to_string().as_bytes())
+fn write_ready(path: &Path, doc: &AgentReadyFile) -> Result<(), narwhal_shared::AtomicWriteError> {
+    // Strings and a number always serialise.
+    narwhal_shared::write_atomic(path, &serde_json::to_vec(doc).unwrap_or_default())
 }
 
 fn main() -> ExitCode {
@@ -272,8 +276,12 @@ fn run(config: &Path, listen: Option<std::net::SocketAddr>, ready_file: Option<&
         };
         let url = format!("https://{bound}");
         if let Some(path) = ready_file {
-            let doc = serde_json::json!({"url": url, "pid": std::process::id(),
-                "agent_id": cfg.agent_id, "public_key": prepared.agent.public_key().to_string()});
+            let doc = AgentReadyFile {
+                url: url.clone(),
+                pid: std::process::id(),
+                agent_id: cfg.agent_id.clone(),
+                public_key: prepared.agent.public_key().to_string(),
+            };
             if let Err(e) = write_ready(path, &doc) {
                 eprintln!("narwhal-agent: ready file {}: {e}", path.display());
                 return ExitCode::from(1);

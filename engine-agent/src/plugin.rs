@@ -18,8 +18,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use narwhal_shared::check_request::CheckCompletion;
 use narwhal_shared::{Clock, EngineFacts, LegResult};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::engine_key::EngineKey;
 use crate::evidence::{TransferCounters, TransferMetrics};
@@ -156,8 +157,7 @@ pub trait EnginePlugin: Send + Sync {
     fn generate<'a>(&'a self, ctx: &'a EngineCtx, model: &'a str) -> BoxFuture<'a, LegResult> {
         Box::pin(async move {
             let started = ctx.clock.now();
-            let body = json!({"model": model, "prompt": "narwhal agent generation check",
-                "max_tokens": 1, "temperature": 0.0, "stream": false});
+            let body = CheckCompletion::new(model, "narwhal agent generation check", 1);
             let out = post_json(ctx, "/v1/completions", &body).await;
             let latency_s = ctx.clock.now().duration_since(started).as_secs_f64();
             match out {
@@ -307,7 +307,7 @@ pub(crate) async fn get_text(ctx: &EngineCtx, path: &str) -> Result<String, Engi
 pub(crate) async fn post_json(
     ctx: &EngineCtx,
     path: &str,
-    body: &Value,
+    body: &impl serde::Serialize,
 ) -> Result<Value, EngineError> {
     let resp = ctx
         .authorize(ctx.http.post(format!("{}{}", ctx.base, path)))
@@ -359,7 +359,7 @@ pub(crate) async fn served_models(ctx: &EngineCtx) -> Result<Vec<String>, Engine
 pub(crate) async fn stream_tokens(
     ctx: &EngineCtx,
     path: &str,
-    body: &Value,
+    body: &impl serde::Serialize,
     request_id: Option<&str>,
 ) -> LegResult {
     use futures_util::StreamExt as _;

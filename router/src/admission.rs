@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio::sync::Semaphore;
 
 use crate::config::Config;
@@ -140,36 +140,41 @@ impl Drop for Retained {
 /// A TTFT price of one placement (controller.md 10.4): `price = backlog + own prefill +
 /// elapsed + handoff`, seconds; `price_s` is ∞ when the placement cannot be priced (an
 /// aggregated placement on an engine serving decode work).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub(crate) struct Price {
     /// The attempt priced (1 for the first).
     pub(crate) attempt: u32,
     /// Resident prefill seconds ahead on the chosen engine.
+    #[serde(serialize_with = "round6")]
     pub(crate) backlog_s: f64,
     /// This prompt's own prefill on it.
+    #[serde(serialize_with = "round6")]
     pub(crate) own_prefill_s: f64,
     /// Seconds since arrival.
+    #[serde(serialize_with = "round6")]
     pub(crate) elapsed_s: f64,
     /// The fleet's mean handoff delay.
+    #[serde(serialize_with = "round6")]
     pub(crate) handoff_s: f64,
     /// The price.
+    #[serde(serialize_with = "round6")]
     pub(crate) price_s: f64,
 }
 
-fn round6(x: f64) -> Value {
+/// Seconds rounded to 6 places (never `-0.0`), `null` when not finite.
+fn round6<S: serde::Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
     if x.is_finite() {
-        json!((x * 1e6).round() / 1e6 + 0.0)
+        s.serialize_f64((x * 1e6).round() / 1e6 + 0.0)
     } else {
-        Value::Null
+        s.serialize_none()
     }
 }
 
 impl Price {
     /// The journal's `admission_price` (`price_s` null when ∞).
-    pub(crate) fn json(&self) -> Value {
-        json!({"attempt": self.attempt, "backlog_s": round6(self.backlog_s),
-               "own_prefill_s": round6(self.own_prefill_s), "elapsed_s": round6(self.elapsed_s),
-               "handoff_s": round6(self.handoff_s), "price_s": round6(self.price_s)})
+    pub(crate) fn to_value(&self) -> Value {
+        // Numbers (or null) always serialise.
+        serde_json::to_value(self).unwrap_or_default()
     }
 }
 
@@ -269,7 +274,7 @@ mod tests {
             "cheapest placement prices TTFT at 3.14s against the 2.00s budget; retry as the \
              priced queue drains"
         );
-        let priced = r.price.json()["price_s"].as_f64().unwrap_or(0.0);
+        let priced = r.price.to_value()["price_s"].as_f64().unwrap_or(0.0);
         assert!((priced - (3.03 + 0.11)).abs() < 1e-9, "{priced}");
     }
 
@@ -293,6 +298,6 @@ mod tests {
         p.price_s = f64::INFINITY;
         let r = judge(&p, 2.0, 0.1, true).expect("refused");
         assert_eq!((r.cause, r.retry_after), ("aggregate_unpriced", Some(1)));
-        assert_eq!(r.price.json()["price_s"], Value::Null);
+        assert_eq!(r.price.to_value()["price_s"], Value::Null);
     }
 }

@@ -173,11 +173,24 @@ fn init_logging(args: &Args) -> Result<(), LoggingError> {
     r.map_err(LoggingError::Init)
 }
 
+/// The `--ready-file` document a started router writes: its listeners, pid and run id.
+#[derive(serde::Serialize)]
+struct ReadyFile<'a> {
+    /// The data listener's URL.
+    data: &'a str,
+    /// The control listener's URL.
+    control: &'a str,
+    /// The router's process id.
+    pid: u32,
+    /// The run id (the journal's `run`).
+    run: &'a str,
+}
+
 /// Writes `value` to `path` through the one atomic write ([`narwhal_shared::write_atomic`]),
 /// creating the directory first.
 fn write_atomic(
     path: &Path,
-    value: &serde_json::Value,
+    value: &impl serde::Serialize,
 ) -> Result<(), narwhal_shared::AtomicWriteError> {
     let dir = narwhal_shared::atomic::parent_dir(path);
     std::fs::create_dir_all(dir).map_err(|source| narwhal_shared::AtomicWriteError {
@@ -185,7 +198,9 @@ fn write_atomic(
         path: dir.to_path_buf(),
         source,
     })?;
-    narwhal_shared::write_atomic(path, value.to_string().as_bytes())
+    // The documents written here are plain strings and numbers, which always serialise.
+    let bytes = serde_json::to_vec(value).unwrap_or_default();
+    narwhal_shared::write_atomic(path, &bytes)
 }
 
 /// What [`preflight`] found: the loaded configuration and the admission seats.
@@ -589,7 +604,12 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
     let announce = move || -> Result<(), AnnounceError> {
         let (data_url, control_url, run) = (data_url2, control_url2, run2);
         if let Some(path) = &ready_file {
-            let doc = serde_json::json!({"data": data_url, "control": control_url, "pid": std::process::id(), "run": run});
+            let doc = ReadyFile {
+                data: &data_url,
+                control: &control_url,
+                pid: std::process::id(),
+                run: &run,
+            };
             write_atomic(path, &doc).map_err(|source| AnnounceError::ReadyFile {
                 path: path.clone(),
                 source,

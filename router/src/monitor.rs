@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::StatusCode;
-use serde_json::json;
+use narwhal_shared::check_request::{Bootstrap, CheckCompletion};
 use tracing::Instrument;
 
 use crate::bootstrap;
@@ -297,17 +297,17 @@ async fn health(parts: &Parts, iid: usize) -> Result<HealthAnswer, ProbeError> {
 async fn generation(parts: &Parts, iid: usize, limit: Duration) -> Result<(), GenerationFailed> {
     let cfg = &parts.cfg;
     let url = format!("{}/v1/completions", cfg.engines[iid].url);
-    let mut body = json!({
-        "model": cfg.model,
-        "prompt": format!("{} breaker verification", uuid::Uuid::new_v4().simple()),
-        "max_tokens": 1,
-        "temperature": 0.0,
-        "stream": true,
-    });
+    let prompt = format!("{} breaker verification", uuid::Uuid::new_v4().simple());
+    let mut check = CheckCompletion::new(&cfg.model, prompt, 1).streamed(false);
     if cfg.backend == Backend::Sglang {
-        body["bootstrap_host"] = json!(FAKE_BOOTSTRAP_HOST);
-        body["bootstrap_room"] = json!(0);
+        check.bootstrap = Some(Bootstrap {
+            bootstrap_host: FAKE_BOOTSTRAP_HOST.to_string(),
+            bootstrap_port: None,
+            bootstrap_room: 0,
+        });
     }
+    // Strings, numbers and booleans always serialise.
+    let body = serde_json::to_value(&check).unwrap_or_default();
     let opts = RelayOptions::new(cfg.serving.max_response_bytes, false);
     // A leg id every engine accepts (a plain UUID per leg, docs/deviations.md).
     let leg = LegId::new(&uuid::Uuid::new_v4().to_string(), None, 1, "probe");

@@ -14,7 +14,32 @@ use std::sync::Arc;
 
 use narwhal_shared::documents::Ordered;
 use narwhal_shared::documents::state::OutcomeReasons;
+use serde::Serialize;
 use serde_json::Value;
+
+/// One failed attempt of a request, an element of the journal's `attempt_failures`:
+/// `{attempt, phase, iid, reason, error, [transient, retry_reason,] prompt}`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(crate) struct AttemptFailure {
+    /// The attempt, 1-based.
+    pub(crate) attempt: u32,
+    /// The leg that failed (`prefill`, `decode`, `aggregated`).
+    pub(crate) phase: &'static str,
+    /// The engine, `null` when the attempt was never dispatched.
+    pub(crate) iid: Option<String>,
+    /// The failure class (the breaker's or the admission's cause).
+    pub(crate) reason: &'static str,
+    /// What failed, in words.
+    pub(crate) error: String,
+    /// Written `false` for an attempt the admission refused before dispatch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) transient: Option<bool>,
+    /// Why it was not retried (`not_dispatched`), written with `transient`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) retry_reason: Option<&'static str>,
+    /// The prompt's index in a batch, `null` for a single prompt.
+    pub(crate) prompt: Option<usize>,
+}
 #[cfg(test)]
 use serde_json::json;
 
@@ -190,8 +215,8 @@ pub(crate) struct RequestRecord {
     pub decode_iid: Option<String>,
     /// Whether output (the first token) reached the client.
     pub output_started: bool,
-    /// Failures of earlier attempts (`{attempt, phase, iid, reason, error, prompt}`).
-    pub attempt_failures: Vec<Value>,
+    /// Failures of earlier attempts.
+    pub attempt_failures: Vec<AttemptFailure>,
     /// The latest TTFT price (controller.md 11.2 `admission_price`), null when never
     /// priced.
     pub admission_price: Option<Value>,
@@ -560,7 +585,16 @@ mod tests {
             prefill_iid: Some("p0".into()),
             decode_iid: Some("d0".into()),
             output_started: true,
-            attempt_failures: vec![json!({"attempt": 1, "phase": "prefill", "iid": "p1"})],
+            attempt_failures: vec![AttemptFailure {
+                attempt: 1,
+                phase: "prefill",
+                iid: Some("p1".into()),
+                reason: "connect",
+                error: "refused".into(),
+                transient: None,
+                retry_reason: None,
+                prompt: None,
+            }],
             admission_price: Some(json!({"ttft_s": 0.2})),
             cached_tokens: Some(8),
             kv_mode: Some("exact"),

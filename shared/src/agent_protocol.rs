@@ -174,6 +174,41 @@ pub struct EngineEntry {
     pub error: Option<String>,
 }
 
+/// Answer of `GET /health`: `{"status": "ok", "agent_id", "public_key"}` (the public key as
+/// `ed25519:<base64>`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentHealth {
+    /// Always `ok`.
+    pub status: String,
+    /// The agent's id.
+    pub agent_id: String,
+    /// Its attestation key.
+    pub public_key: String,
+}
+
+/// The `--ready-file` document a started agent writes: `{"url", "pid", "agent_id",
+/// "public_key"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentReadyFile {
+    /// The agent's `https://` URL.
+    pub url: String,
+    /// Its process id.
+    pub pid: u32,
+    /// The agent's id.
+    pub agent_id: String,
+    /// Its attestation key.
+    pub public_key: String,
+}
+
+/// What `narwhal-agent fence show` prints: the highest epoch and holder the agent accepted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FenceShown {
+    /// The highest accepted router epoch.
+    pub epoch: u64,
+    /// The holder that epoch belongs to.
+    pub holder: String,
+}
+
 /// Answer of `GET /v1/engines`: `{"agent_id", "engines": [EngineEntry…]}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EnginesAnswer {

@@ -17,6 +17,7 @@ pub mod agent_protocol;
 pub mod atomic;
 pub mod attestation;
 mod canonical;
+pub mod check_request;
 pub mod documents;
 pub mod handoff;
 mod identity;

@@ -14,8 +14,9 @@
 
 use std::time::Duration;
 
+use narwhal_shared::check_request::{Bootstrap, CheckCompletion};
 use narwhal_shared::{EngineFacts, LegResult};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::{
     BoxFuture, Dialect, EngineCtx, EngineError, EnginePlugin, check_prompt, failed, get_json,
@@ -161,12 +162,16 @@ impl EnginePlugin for SglangPlugin {
                 );
             };
             let room: u64 = rand::random::<u64>() >> 1;
-            let kv = json!({"bootstrap_host": ctx.bootstrap_host, "bootstrap_port": port,
-                "bootstrap_room": room});
-            let body = json!({"model": model, "prompt": check_prompt(check_id), "max_tokens": 1,
-                "temperature": 0.0, "stream": false, "bootstrap_host": ctx.bootstrap_host,
-                "bootstrap_port": port, "bootstrap_room": room,
-                "rid": format!("narwhal-check-{check_id}-prefill")});
+            let rendezvous = Bootstrap {
+                bootstrap_host: ctx.bootstrap_host.clone(),
+                bootstrap_port: Some(port),
+                bootstrap_room: room,
+            };
+            // A host, a port and a room always serialise.
+            let kv = serde_json::to_value(&rendezvous).unwrap_or_default();
+            let mut body = CheckCompletion::new(model, check_prompt(check_id), 1);
+            body.bootstrap = Some(rendezvous);
+            body.rid = Some(format!("narwhal-check-{check_id}-prefill"));
             let task_ctx = ctx.clone();
             let check = check_id.to_string();
             let mut prefill = tokio::spawn(async move {
@@ -202,17 +207,18 @@ impl EnginePlugin for SglangPlugin {
         request_id: &'a str,
     ) -> BoxFuture<'a, LegResult> {
         Box::pin(async move {
-            let mut body = json!({"model": model, "prompt": check_prompt(check_id),
-                "max_tokens": 2, "temperature": 0.0, "stream": true,
-                "stream_options": {"include_usage": true}, "rid": request_id});
+            let mut body = CheckCompletion::new(model, check_prompt(check_id), 2).streamed(true);
+            body.rid = Some(request_id.to_string());
             if let Some(kv) = kv {
                 let (host, port, room) = match rendezvous(kv) {
                     Ok(r) => r,
                     Err(e) => return failed(0.0, format!("bad rendezvous: {e}")),
                 };
-                body["bootstrap_host"] = json!(host);
-                body["bootstrap_port"] = json!(port);
-                body["bootstrap_room"] = json!(room);
+                body.bootstrap = Some(Bootstrap {
+                    bootstrap_host: host,
+                    bootstrap_port: Some(port),
+                    bootstrap_room: room,
+                });
             }
             stream_tokens(ctx, "/v1/completions", &body, None).await
         })
@@ -222,6 +228,7 @@ impl EnginePlugin for SglangPlugin {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn only_a_decode_mode_server_can_receive() {

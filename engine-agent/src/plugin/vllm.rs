@@ -9,8 +9,9 @@
 //! (policy `"recompute"`). Transfer evidence: the NIXL connector families of `/metrics`
 //! ([`crate::evidence::VLLM_NIXL`]).
 
+use narwhal_shared::check_request::{CheckCompletion, KvTransferRequest};
 use narwhal_shared::{EngineFacts, LegResult};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::{
     BoxFuture, Dialect, EngineCtx, EngineError, EnginePlugin, check_prompt, failed, get_json,
@@ -29,6 +30,18 @@ pub(crate) fn descriptor(resp: &Value) -> Result<Value, String> {
         .filter(|v| v.is_object())
         .or_else(|| resp.get("kv_transfer_params").filter(|v| v.is_object()))
         .ok_or("no kv_transfer_params in the prefill answer")?;
+    validate_descriptor(d)
+}
+
+/// Checks a KV descriptor (`kv_transfer_params` of a prefill answer) as [`descriptor`] does and
+/// returns it.
+///
+/// # Errors
+/// What is missing or malformed, naming the member.
+pub(crate) fn validate_descriptor(d: &Value) -> Result<Value, String> {
+    if !d.is_object() {
+        return Err("no kv_transfer_params in the prefill answer".into());
+    }
     let engine_ok = d
         .get("remote_engine_id")
         .and_then(Value::as_str)
@@ -91,9 +104,8 @@ impl EnginePlugin for VllmPlugin {
     ) -> BoxFuture<'a, (LegResult, Option<Value>)> {
         Box::pin(async move {
             let started = ctx.clock.now();
-            let body = json!({"model": model, "prompt": check_prompt(check_id), "max_tokens": 1,
-                "temperature": 0.0, "stream": false,
-                "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}});
+            let mut body = CheckCompletion::new(model, check_prompt(check_id), 1);
+            body.kv_transfer_params = Some(KvTransferRequest::PREFILL.to_value());
             let out = post_json(ctx, "/v1/completions", &body).await;
             let latency_s = ctx.clock.now().duration_since(started).as_secs_f64();
             match out {
@@ -127,14 +139,12 @@ impl EnginePlugin for VllmPlugin {
         request_id: &'a str,
     ) -> BoxFuture<'a, LegResult> {
         Box::pin(async move {
-            let mut body = json!({"model": model, "prompt": check_prompt(check_id),
-                "max_tokens": 2, "temperature": 0.0, "stream": true,
-                "stream_options": {"include_usage": true}});
+            let mut body = CheckCompletion::new(model, check_prompt(check_id), 2).streamed(true);
             if let Some(kv) = kv {
-                if let Err(e) = descriptor(&json!({"kv_transfer_params": kv})) {
+                if let Err(e) = validate_descriptor(kv) {
                     return failed(0.0, format!("bad descriptor: {e}"));
                 }
-                body["kv_transfer_params"] = kv.clone();
+                body.kv_transfer_params = Some(kv.clone());
             }
             stream_tokens(ctx, "/v1/completions", &body, Some(request_id)).await
         })
@@ -144,6 +154,7 @@ impl EnginePlugin for VllmPlugin {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn descriptor_from_choices_or_top_level_and_validated() {

@@ -10,7 +10,7 @@
 
 use crate::journal::Event;
 use narwhal_shared::documents::controller as doc;
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 
 /// Who made a decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -136,7 +136,7 @@ pub(crate) const DETAIL_KEYS: [&str; 67] = [
 
 /// `x` rounded to `places`, `null` when not finite.
 pub(crate) fn round(x: f64, places: i32) -> Value {
-    rounded(x, places).map_or(Value::Null, |x| json!(x))
+    rounded(x, places).map_or(Value::Null, Value::from)
 }
 
 /// `x` rounded to `places` (never `-0.0`), `None` when not finite: the documents' rounded
@@ -268,6 +268,7 @@ impl Decision {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn journal_rows_carry_present_keys_and_state_pads_all_74() {

@@ -495,7 +495,7 @@ impl Controller {
         if let Some(r) = refused {
             return Err(r);
         }
-        Ok(Some(price.json()))
+        Ok(Some(price.to_value()))
     }
 
     /// Requests waiting for an admission seat now (`/narwhal/state.admission.waiting_prefill`;

@@ -4,8 +4,8 @@
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
+use crate::outcome::AttemptFailure;
 use rand::Rng;
-use serde_json::{Value, json};
 use tracing::Instrument;
 
 use crate::bootstrap;
@@ -130,7 +130,7 @@ pub(super) async fn attempts(
                 let failure = RequestFailure::Refused(refusal);
                 let mut log = AttemptLog::lock(log);
                 if let RequestFailure::Refused(r) = &failure {
-                    log.admission_price = Some(r.price.json());
+                    log.admission_price = Some(r.price.to_value());
                 }
                 refused_attempt(parts, &mut log.failures, &failure, n, sub.k);
                 return Err(failure);
@@ -201,10 +201,16 @@ pub(super) async fn attempts(
         parts.accounting.attempt_failed(f.phase, f.err.reason());
         let engine = parts.cfg.engines[f.iid].iid.clone();
         tracing::warn!(engine.id = %engine, phase = f.phase.as_str(), error = %f.err.detail(), attempt = n, "attempt failed");
-        AttemptLog::lock(log).failures.push(json!({
-            "attempt": n, "phase": f.phase.as_str(), "iid": engine, "reason": f.err.reason(),
-            "error": f.err.detail(), "prompt": sub.k,
-        }));
+        AttemptLog::lock(log).failures.push(AttemptFailure {
+            attempt: n,
+            phase: f.phase.as_str(),
+            iid: Some(engine),
+            reason: f.err.reason(),
+            error: f.err.detail(),
+            transient: None,
+            retry_reason: None,
+            prompt: sub.k,
+        });
         // Backoff and the router-wide retry budget.
         let u: f64 = rand::rng().random();
         let decision = retry::decide(
@@ -301,17 +307,22 @@ async fn run_attempt(
 /// recorded in `failures` (the journal's `attempt_failures`; `prompt`: its index in a batch).
 pub(super) fn refused_attempt(
     parts: &Parts,
-    failures: &mut Vec<Value>,
+    failures: &mut Vec<AttemptFailure>,
     failure: &RequestFailure,
     attempt: u32,
     prompt: Option<usize>,
 ) {
     if let RequestFailure::Refused(r) = failure {
         parts.accounting.attempt_failed(Phase::Prefill, r.cause);
-        failures.push(json!({
-            "attempt": attempt, "phase": "prefill", "iid": null, "reason": r.cause,
-            "error": r.message, "transient": false, "retry_reason": "not_dispatched",
-            "prompt": prompt,
-        }));
+        failures.push(AttemptFailure {
+            attempt,
+            phase: "prefill",
+            iid: None,
+            reason: r.cause,
+            error: r.message.clone(),
+            transient: Some(false),
+            retry_reason: Some("not_dispatched"),
+            prompt,
+        });
     }
 }

@@ -123,7 +123,7 @@ pub(super) struct AttemptLog {
     pub(super) attempts: u32,
     pub(super) prefill_iid: Option<String>,
     pub(super) decode_iid: Option<String>,
-    pub(super) failures: Vec<Value>,
+    pub(super) failures: Vec<crate::outcome::AttemptFailure>,
     pub(super) legs: Vec<LegRecord>,
     /// The latest TTFT price at placement (controller.md 11.2 `admission_price`).
     pub(super) admission_price: Option<Value>,
