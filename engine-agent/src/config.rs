@@ -365,25 +365,7 @@ fn validate_engine(
 ) -> Result<EngineConfig, Vec<ConfigError>> {
     let k = |name: &str| format!("engines[{i}].{name}");
     let mut errors = Vec::new();
-    if e.iid.trim().is_empty() {
-        errors.push(field(k("iid"), "\"\"", "must not be empty"));
-    } else if !e
-        .iid
-        .chars()
-        .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-    {
-        errors.push(field(
-            k("iid"),
-            format!("{:?}", e.iid),
-            "only letters, digits, '-', '_', '.'",
-        ));
-    } else if !seen.insert(e.iid.clone()) {
-        errors.push(field(
-            k("iid"),
-            format!("{:?}", e.iid),
-            "duplicate engine iid",
-        ));
-    }
+    check_iid(&k, &e.iid, seen, &mut errors);
     let url = e.url.trim_end_matches('/').to_string();
     let parsed = reqwest::Url::parse(&url).ok();
     let (host, port) = match &parsed {
@@ -411,7 +393,71 @@ fn validate_engine(
             None
         }
     };
-    let locator = match e.process {
+    let locator = engine_locator(&k, e.process, port, &mut errors);
+    let contract = match e.contract_document {
+        None => None,
+        Some(path) => match read_contract(&path) {
+            Ok(c) => Some(c),
+            Err(reason) => {
+                errors.push(field(k("contract_document"), path.display(), reason));
+                None
+            }
+        },
+    };
+    let api_key = engine_api_key(&k, e.api_key_file, e.api_key_env, &mut errors);
+    if let Some(kv) = &e.kv_events {
+        check_kv_events(&k, kv, &mut errors);
+    }
+    match (errors.is_empty(), dialect, locator) {
+        (true, Some(dialect), Some(locator)) => Ok(EngineConfig {
+            iid: e.iid,
+            url,
+            dialect,
+            locator,
+            contract,
+            model: e.model,
+            bootstrap_host: e
+                .bootstrap_host
+                .or(host.map(|h| h.trim_start_matches('[').trim_end_matches(']').to_string()))
+                .unwrap_or_else(|| "127.0.0.1".into()),
+            api_key,
+            kv_events: e.kv_events,
+        }),
+        _ => Err(errors),
+    }
+}
+
+/// `engines[i].iid`: not empty, letters, digits, '-', '_', '.' only, not seen before.
+fn check_iid(
+    k: &impl Fn(&str) -> String,
+    iid: &str,
+    seen: &mut HashSet<String>,
+    errors: &mut Vec<ConfigError>,
+) {
+    if iid.trim().is_empty() {
+        errors.push(field(k("iid"), "\"\"", "must not be empty"));
+    } else if !iid
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    {
+        errors.push(field(
+            k("iid"),
+            format!("{iid:?}"),
+            "only letters, digits, '-', '_', '.'",
+        ));
+    } else if !seen.insert(iid.to_string()) {
+        errors.push(field(k("iid"), format!("{iid:?}"), "duplicate engine iid"));
+    }
+}
+
+/// `engines[i].process`: how the engine's process is found (by default its URL's port).
+fn engine_locator(
+    k: &impl Fn(&str) -> String,
+    process: Option<RawProcess>,
+    port: Option<u16>,
+    errors: &mut Vec<ConfigError>,
+) -> Option<ProcessLocator> {
+    match process {
         None => port.map(ProcessLocator::ListenPort),
         Some(p) => match (p.listen_port, p.pid_file, p.systemd_unit) {
             (Some(port), None, None) => Some(ProcessLocator::ListenPort(port)),
@@ -428,22 +474,22 @@ fn validate_engine(
                 None
             }
         },
-    };
-    let contract = match e.contract_document {
-        None => None,
-        Some(path) => match read_contract(&path) {
-            Ok(c) => Some(c),
-            Err(reason) => {
-                errors.push(field(k("contract_document"), path.display(), reason));
-                None
-            }
-        },
-    };
-    let key_field = match (&e.api_key_file, &e.api_key_env) {
+    }
+}
+
+/// `engines[i].api_key_file` or `api_key_env`: the engine's key, read and checked as a bearer
+/// token.
+fn engine_api_key(
+    k: &impl Fn(&str) -> String,
+    api_key_file: Option<PathBuf>,
+    api_key_env: Option<String>,
+    errors: &mut Vec<ConfigError>,
+) -> Option<EngineKey> {
+    let key_field = match (&api_key_file, &api_key_env) {
         (None, Some(_)) => "api_key_env",
         _ => "api_key_file",
     };
-    let api_key = match (e.api_key_file, e.api_key_env) {
+    let api_key = match (api_key_file, api_key_env) {
         (None, None) => None,
         (Some(_), Some(_)) => {
             errors.push(field(
@@ -482,7 +528,7 @@ fn validate_engine(
     };
     // A bearer token is one header value: visible ASCII, no spaces (the key itself is never
     // named in the error).
-    let api_key = api_key.filter(|key| {
+    api_key.filter(|key| {
         let ok = key.is_token();
         if !ok {
             errors.push(field(
@@ -492,7 +538,11 @@ fn validate_engine(
             ));
         }
         ok
-    });
+    })
+}
+
+/// `engines[i].kv_events`: each endpoint a `tcp://HOST:PORT` the agent connects to.
+fn check_kv_events(k: &impl Fn(&str) -> String, kv: &KvEvents, errors: &mut Vec<ConfigError>) {
     let tcp = |ep: &str| {
         ep.strip_prefix("tcp://")
             .and_then(|rest| rest.rsplit_once(':'))
@@ -500,36 +550,17 @@ fn validate_engine(
                 !h.is_empty() && !h.contains('*') && p.parse::<u16>().is_ok_and(|p| p > 0)
             })
     };
-    if let Some(kv) = &e.kv_events {
-        for (key, ep) in [
-            ("endpoint", Some(&kv.endpoint)),
-            ("replay_endpoint", kv.replay_endpoint.as_ref()),
-        ] {
-            if let Some(ep) = ep.filter(|ep| !tcp(ep)) {
-                errors.push(field(
-                    k(&format!("kv_events.{key}")),
-                    ep,
-                    "must be tcp://HOST:PORT the agent connects to (not a `*` bind address)",
-                ));
-            }
+    for (key, ep) in [
+        ("endpoint", Some(&kv.endpoint)),
+        ("replay_endpoint", kv.replay_endpoint.as_ref()),
+    ] {
+        if let Some(ep) = ep.filter(|ep| !tcp(ep)) {
+            errors.push(field(
+                k(&format!("kv_events.{key}")),
+                ep,
+                "must be tcp://HOST:PORT the agent connects to (not a `*` bind address)",
+            ));
         }
-    }
-    match (errors.is_empty(), dialect, locator) {
-        (true, Some(dialect), Some(locator)) => Ok(EngineConfig {
-            iid: e.iid,
-            url,
-            dialect,
-            locator,
-            contract,
-            model: e.model,
-            bootstrap_host: e
-                .bootstrap_host
-                .or(host.map(|h| h.trim_start_matches('[').trim_end_matches(']').to_string()))
-                .unwrap_or_else(|| "127.0.0.1".into()),
-            api_key,
-            kv_events: e.kv_events,
-        }),
-        _ => Err(errors),
     }
 }
 

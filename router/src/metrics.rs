@@ -105,6 +105,7 @@ pub(crate) struct Metrics {
 
 /// What ingress saw (behaviour.md 10, contract/traffic): requests offered, sized or not, and those
 /// refused, rejected or invalid before any placement.
+#[derive(Default)]
 pub(crate) struct Intake {
     pub(crate) offered: Counter,
     pub(crate) unsized_offered: Counter,
@@ -114,6 +115,7 @@ pub(crate) struct Intake {
 }
 
 /// How requests ended (behaviour.md 10): served, met both SLOs, expired, failed, cancelled.
+#[derive(Default)]
 pub(crate) struct Settled {
     pub(crate) served: Counter,
     pub(crate) slo_met: Counter,
@@ -140,6 +142,7 @@ pub(crate) struct Legs {
 }
 
 /// Retries and the retry budget (behaviour.md 10; `retry.rs`).
+#[derive(Default)]
 pub(crate) struct Retries {
     pub(crate) retry_attempts: Counter,
     pub(crate) retry_credits_spent: Counter,
@@ -149,6 +152,7 @@ pub(crate) struct Retries {
 }
 
 /// Admission and the HTTP front door: in-flight requests, the queue and retained connections, with their limits and high-water marks.
+#[derive(Default)]
 pub(crate) struct Capacity {
     pub(crate) http_retained: Gauge,
     pub(crate) http_retained_limit: Gauge,
@@ -160,6 +164,7 @@ pub(crate) struct Capacity {
 }
 
 /// Fleet health per engine: ejections and readmissions, breaker streaks, probes, degraded engines and engines awaiting their first health 200.
+#[derive(Default)]
 pub(crate) struct EngineHealth {
     pub(crate) ejected_instances: Gauge,
     pub(crate) ejected: Family<Labels, Gauge>,
@@ -174,6 +179,7 @@ pub(crate) struct EngineHealth {
 }
 
 /// Lifecycle and roles per engine: drain state, ready_to_stop, lifecycle state, validations, role, pool sizes and resident requests.
+#[derive(Default)]
 pub(crate) struct Roles {
     pub(crate) engine_draining: Family<Labels, Gauge>,
     pub(crate) engine_ready_to_stop: Family<Labels, Gauge>,
@@ -185,6 +191,7 @@ pub(crate) struct Roles {
 }
 
 /// This router's readiness, lease epoch and what it persists: journal drops, state-file writes and failures, the last takeover gap.
+#[derive(Default)]
 pub(crate) struct Durability {
     pub(crate) router_ready: Gauge,
     pub(crate) router_lease_epoch: Gauge,
@@ -194,406 +201,435 @@ pub(crate) struct Durability {
     pub(crate) takeover_gap: Gauge<f64, AtomicU64>,
 }
 
+impl Legs {
+    /// Fresh leg families, the histograms bucketed by `ttft_s` and `tpot_s`.
+    fn new(ttft_s: f64, tpot_s: f64) -> Legs {
+        Legs {
+            prefill_attempts: Counter::default(),
+            decode_attempts: Counter::default(),
+            decode_tokens_observed: Counter::default(),
+            attempt_failures: Family::default(),
+            kv_pickups: Family::default(),
+            upstream_seconds: Family::default(),
+            ttft: HistFamily::new_with_constructor(HistCtor(buckets(ttft_s))),
+            tpot: HistFamily::new_with_constructor(HistCtor(buckets(tpot_s))),
+        }
+    }
+}
+
+/// Registers families in `/metrics` order, remembering each one's name, help and type for
+/// [`declare_empty`].
+#[derive(Default)]
+struct Registrar {
+    r: Registry,
+    declared: Vec<(&'static str, &'static str, &'static str)>,
+}
+
+impl Registrar {
+    /// Registers family `name` as a clone of `m` (sharing its values).
+    fn add<M: prometheus_client::registry::Metric + Clone>(
+        &mut self,
+        name: &'static str,
+        help: &'static str,
+        m: &M,
+    ) {
+        self.declared.push((name, help, kind_of(m)));
+        self.r.register(name, help, m.clone());
+    }
+}
+
+/// The traffic counters: requests served, meeting both SLOs, offered, unsized, expired.
+fn register_traffic(reg: &mut Registrar, intake: &Intake, settled: &Settled) {
+    reg.add(
+        "narwhal_served",
+        "Requests completed without error",
+        &settled.served,
+    );
+    reg.add(
+        "narwhal_slo_met",
+        "Completed requests that met both the TTFT and TPOT SLOs",
+        &settled.slo_met,
+    );
+    reg.add(
+        "narwhal_offered",
+        "Completion requests seen by ingress",
+        &intake.offered,
+    );
+    reg.add(
+        "narwhal_unsized_offered",
+        "Requests that settled before sizing",
+        &intake.unsized_offered,
+    );
+    reg.add(
+        "narwhal_expired",
+        "Original requests terminated by their admission or total deadline, by reason",
+        &settled.expired,
+    );
+}
+
+/// The attempt counters: legs per phase, retries and the credits they spent, decode tokens,
+/// attempt failures, KV pickups (both outcomes seeded at 0).
+fn register_attempts(reg: &mut Registrar, legs: &Legs, retries: &Retries) {
+    reg.add(
+        "narwhal_prefill_attempts",
+        "Prefill legs dispatched",
+        &legs.prefill_attempts,
+    );
+    reg.add(
+        "narwhal_decode_attempts",
+        "Decode legs dispatched",
+        &legs.decode_attempts,
+    );
+    reg.add(
+        "narwhal_retry_attempts",
+        "Attempts after the first",
+        &retries.retry_attempts,
+    );
+    reg.add(
+        "narwhal_retry_credits_spent",
+        "Retry budget credits spent",
+        &retries.retry_credits_spent,
+    );
+    reg.add(
+        "narwhal_retry_denied",
+        "Retries denied by the retry budget",
+        &retries.retry_denied,
+    );
+    reg.add(
+        "narwhal_served_after_retry",
+        "Requests completed by an attempt after the first",
+        &retries.served_after_retry,
+    );
+    reg.add(
+        "narwhal_decode_tokens_observed",
+        "Output tokens counted from decode streams",
+        &legs.decode_tokens_observed,
+    );
+    reg.add(
+        "narwhal_attempt_failures",
+        "Failed attempts by request phase and failure reason",
+        &legs.attempt_failures,
+    );
+    reg.add(
+        "narwhal_kv_pickups",
+        "Decode legs carrying a KV descriptor kept after their request ended before the first output, so the staged KV is still read: collected, or failed (the producer's expiry frees it)",
+        &legs.kv_pickups,
+    );
+    for outcome in ["collected", "failed"] {
+        let _ = legs
+            .kv_pickups
+            .get_or_create(&labels(&[("outcome", outcome)]));
+    }
+}
+
+/// The admission gauges (retained requests, retry credits, seats, the queue) and the
+/// upstream seconds per phase.
+fn register_admission(reg: &mut Registrar, capacity: &Capacity, retries: &Retries, legs: &Legs) {
+    reg.add(
+        "narwhal_http_retained",
+        "Completion requests currently retained",
+        &capacity.http_retained,
+    );
+    reg.add(
+        "narwhal_http_retained_limit",
+        "Retained request limit (max_concurrent + queue_capacity)",
+        &capacity.http_retained_limit,
+    );
+    reg.add(
+        "narwhal_http_retained_high_water",
+        "Highest retained request count",
+        &capacity.http_retained_high_water,
+    );
+    reg.add(
+        "narwhal_retry_credits",
+        "Retry budget credits available",
+        &retries.retry_credits,
+    );
+    reg.add(
+        "narwhal_admission_inflight",
+        "Admission seats in use",
+        &capacity.admission_inflight,
+    );
+    reg.add(
+        "narwhal_queued",
+        "Requests waiting for an admission seat",
+        &capacity.queued,
+    );
+    reg.add(
+        "narwhal_queue_high_water",
+        "Most requests ever waiting for an admission seat",
+        &capacity.queue_high_water,
+    );
+    reg.add(
+        "narwhal_admission_inflight_limit",
+        "Admission seats",
+        &capacity.admission_inflight_limit,
+    );
+    reg.add(
+        "narwhal_upstream_seconds",
+        "Seconds spent in upstream legs, by phase",
+        &legs.upstream_seconds,
+    );
+}
+
+/// This router's readiness and lease epoch, then the lifecycle and role families per engine.
+fn register_lifecycle(reg: &mut Registrar, durability: &Durability, roles: &Roles) {
+    reg.add(
+        "narwhal_router_ready",
+        "1 while this router may admit new traffic",
+        &durability.router_ready,
+    );
+    reg.add(
+        "narwhal_router_lease_epoch",
+        "Router lease epoch (0 without a lease)",
+        &durability.router_lease_epoch,
+    );
+    reg.add(
+        "narwhal_engine_draining",
+        "1 while the engine is held out by a drain",
+        &roles.engine_draining,
+    );
+    reg.add(
+        "narwhal_engine_ready_to_stop",
+        "1 while an external supervisor may stop the engine's process",
+        &roles.engine_ready_to_stop,
+    );
+    reg.add(
+        "narwhal_engine_lifecycle_state",
+        "1 for the engine's current lifecycle state",
+        &roles.engine_lifecycle_state,
+    );
+    reg.add(
+        "narwhal_lifecycle_validations",
+        "Readmission validations by engine, kind (operator, recovery) and result",
+        &roles.lifecycle_validations,
+    );
+    reg.add(
+        "narwhal_instance_role",
+        "Current pool assignment for each engine (1 = assigned this role)",
+        &roles.instance_role,
+    );
+    reg.add(
+        "narwhal_pool_instances",
+        "Engines assigned to each pool",
+        &roles.pool_instances,
+    );
+    reg.add(
+        "narwhal_resident_requests",
+        "Requests resident on each instance",
+        &roles.resident,
+    );
+}
+
+/// The families of requests refused, rejected, invalid, failed or cancelled.
+fn register_refusals(reg: &mut Registrar, intake: &Intake, settled: &Settled) {
+    reg.add(
+        "narwhal_refused",
+        "Requests refused by predictive admission, by cause",
+        &intake.refused,
+    );
+    reg.add(
+        "narwhal_rejected",
+        "Requests refused with HTTP 429 for capacity or HTTP 503 for router readiness, by reason",
+        &intake.rejected,
+    );
+    reg.add(
+        "narwhal_invalid_requests",
+        "Requests refused as invalid before dispatch",
+        &intake.invalid_requests,
+    );
+    reg.add(
+        "narwhal_failed",
+        "Requests that ended in an error, by reason",
+        &settled.failed,
+    );
+    reg.add(
+        "narwhal_cancelled",
+        "Requests abandoned by their client before completion",
+        &settled.cancelled,
+    );
+}
+
+/// The engine health families: ejections, readmissions, breaker streaks, probes, degraded
+/// engines and engines awaiting health.
+fn register_engine_health(reg: &mut Registrar, engines: &EngineHealth) {
+    reg.add(
+        "narwhal_ejected_instances",
+        "Instances the breaker currently holds out of scheduling and both loads",
+        &engines.ejected_instances,
+    );
+    reg.add(
+        "narwhal_ejected",
+        "1 while this instance is ejected",
+        &engines.ejected,
+    );
+    reg.add(
+        "narwhal_engine_ejections",
+        "Engine ejections since router start, by cause",
+        &engines.ejections,
+    );
+    reg.add(
+        "narwhal_engine_readmissions",
+        "Engines returned to placement, by evidence",
+        &engines.readmissions,
+    );
+    reg.add(
+        "narwhal_engine_breaker_streak",
+        "Consecutive leg failures per engine and class",
+        &engines.breaker_streak,
+    );
+    reg.add(
+        "narwhal_engine_probes",
+        "Breaker probes by engine, kind and outcome",
+        &engines.probes,
+    );
+    reg.add(
+        "narwhal_engine_degraded",
+        "1 while the ejection bound keeps a failing engine in placement",
+        &engines.engine_degraded,
+    );
+    reg.add(
+        "narwhal_engine_awaiting_health",
+        "1 while an engine waits for its first health answer 200",
+        &engines.engine_awaiting_health,
+    );
+}
+
+/// The TTFT and TPOT histograms, then the journal, takeover and state-file families.
+fn register_latency_and_persistence(reg: &mut Registrar, legs: &Legs, durability: &Durability) {
+    reg.add(
+        "narwhal_ttft_seconds",
+        "Router arrival to first token",
+        &legs.ttft,
+    );
+    reg.add(
+        "narwhal_tpot_seconds",
+        "Mean time per output token after the first",
+        &legs.tpot,
+    );
+    reg.add(
+        "narwhal_journal_dropped_rows",
+        "Journal rows dropped because the writer fell behind",
+        &durability.journal_dropped,
+    );
+    reg.add(
+        "narwhal_standby_takeover_gap_seconds",
+        "Seconds from the standby's last good poll of the primary to serving as primary",
+        &durability.takeover_gap,
+    );
+    reg.add(
+        "narwhal_state_writes",
+        "Handoff documents written to recovery.state_path",
+        &durability.state_writes,
+    );
+    reg.add(
+        "narwhal_state_write_failures",
+        "State file writes that failed (the previous file stays intact)",
+        &durability.state_write_failures,
+    );
+}
+
 impl Metrics {
     /// Register every family; `ttft_s`/`tpot_s` scale the histogram buckets.
     pub(crate) fn new(ttft_s: f64, tpot_s: f64) -> Self {
-        let mut r = Registry::default();
-        let mut declared = Vec::new();
-        macro_rules! reg {
-            ($name:expr, $help:expr, $m:expr) => {{
-                let m = $m;
-                declared.push(($name, $help, kind_of(&m)));
-                r.register($name, $help, m.clone());
-                m
-            }};
-        }
-        let contract: Family<Labels, Gauge> = reg!(
+        let mut reg = Registrar::default();
+        let contract: Family<Labels, Gauge> = Family::default();
+        reg.add(
             "narwhal_contract_info",
             "Metrics contract of this router",
-            Family::default()
+            &contract,
         );
         contract
             .get_or_create(&labels(&[("contract", "metrics"), ("version", "2")]))
             .set(1);
-        let served = reg!(
-            "narwhal_served",
-            "Requests completed without error",
-            Counter::default()
-        );
-        let slo_met = reg!(
-            "narwhal_slo_met",
-            "Completed requests that met both the TTFT and TPOT SLOs",
-            Counter::default()
-        );
-        let offered = reg!(
-            "narwhal_offered",
-            "Completion requests seen by ingress",
-            Counter::default()
-        );
-        let unsized_offered = reg!(
-            "narwhal_unsized_offered",
-            "Requests that settled before sizing",
-            Counter::default()
-        );
-        let expired = reg!(
-            "narwhal_expired",
-            "Original requests terminated by their admission or total deadline, by reason",
-            Family::default()
-        );
-        let prefill_attempts = reg!(
-            "narwhal_prefill_attempts",
-            "Prefill legs dispatched",
-            Counter::default()
-        );
-        let decode_attempts = reg!(
-            "narwhal_decode_attempts",
-            "Decode legs dispatched",
-            Counter::default()
-        );
-        let retry_attempts = reg!(
-            "narwhal_retry_attempts",
-            "Attempts after the first",
-            Counter::default()
-        );
-        let retry_credits_spent = reg!(
-            "narwhal_retry_credits_spent",
-            "Retry budget credits spent",
-            Counter::default()
-        );
-        let retry_denied = reg!(
-            "narwhal_retry_denied",
-            "Retries denied by the retry budget",
-            Counter::default()
-        );
-        let served_after_retry = reg!(
-            "narwhal_served_after_retry",
-            "Requests completed by an attempt after the first",
-            Counter::default()
-        );
-        let decode_tokens_observed = reg!(
-            "narwhal_decode_tokens_observed",
-            "Output tokens counted from decode streams",
-            Counter::default()
-        );
-        let attempt_failures = reg!(
-            "narwhal_attempt_failures",
-            "Failed attempts by request phase and failure reason",
-            Family::default()
-        );
-        let kv_pickups: Family<Labels, Counter> = reg!(
-            "narwhal_kv_pickups",
-            "Decode legs carrying a KV descriptor kept after their request ended before the first output, so the staged KV is still read: collected, or failed (the producer's expiry frees it)",
-            Family::default()
-        );
-        for outcome in ["collected", "failed"] {
-            let _ = kv_pickups.get_or_create(&labels(&[("outcome", outcome)]));
-        }
-        let http_retained = reg!(
-            "narwhal_http_retained",
-            "Completion requests currently retained",
-            Gauge::default()
-        );
-        let http_retained_limit = reg!(
-            "narwhal_http_retained_limit",
-            "Retained request limit (max_concurrent + queue_capacity)",
-            Gauge::default()
-        );
-        let http_retained_high_water = reg!(
-            "narwhal_http_retained_high_water",
-            "Highest retained request count",
-            Gauge::default()
-        );
-        let retry_credits = reg!(
-            "narwhal_retry_credits",
-            "Retry budget credits available",
-            Gauge::default()
-        );
-        let admission_inflight = reg!(
-            "narwhal_admission_inflight",
-            "Admission seats in use",
-            Gauge::default()
-        );
-        let queued = reg!(
-            "narwhal_queued",
-            "Requests waiting for an admission seat",
-            Gauge::default()
-        );
-        let queue_high_water = reg!(
-            "narwhal_queue_high_water",
-            "Most requests ever waiting for an admission seat",
-            Gauge::default()
-        );
-        let admission_inflight_limit = reg!(
-            "narwhal_admission_inflight_limit",
-            "Admission seats",
-            Gauge::default()
-        );
-        let upstream_seconds = reg!(
-            "narwhal_upstream_seconds",
-            "Seconds spent in upstream legs, by phase",
-            Family::default()
-        );
-        let router_ready = reg!(
-            "narwhal_router_ready",
-            "1 while this router may admit new traffic",
-            Gauge::default()
-        );
-        let router_lease_epoch = reg!(
-            "narwhal_router_lease_epoch",
-            "Router lease epoch (0 without a lease)",
-            Gauge::default()
-        );
-        let engine_draining = reg!(
-            "narwhal_engine_draining",
-            "1 while the engine is held out by a drain",
-            Family::default()
-        );
-        let engine_ready_to_stop = reg!(
-            "narwhal_engine_ready_to_stop",
-            "1 while an external supervisor may stop the engine's process",
-            Family::default()
-        );
-        let engine_lifecycle_state = reg!(
-            "narwhal_engine_lifecycle_state",
-            "1 for the engine's current lifecycle state",
-            Family::default()
-        );
-        let lifecycle_validations = reg!(
-            "narwhal_lifecycle_validations",
-            "Readmission validations by engine, kind (operator, recovery) and result",
-            Family::default()
-        );
-        let instance_role = reg!(
-            "narwhal_instance_role",
-            "Current pool assignment for each engine (1 = assigned this role)",
-            Family::default()
-        );
-        let pool_instances = reg!(
-            "narwhal_pool_instances",
-            "Engines assigned to each pool",
-            Family::default()
-        );
-        let resident = reg!(
-            "narwhal_resident_requests",
-            "Requests resident on each instance",
-            Family::default()
-        );
-        let refused = reg!(
-            "narwhal_refused",
-            "Requests refused by predictive admission, by cause",
-            Family::default()
-        );
-        let rejected = reg!(
-            "narwhal_rejected",
-            "Requests refused with HTTP 429 for capacity or HTTP 503 for router readiness, by reason",
-            Family::default()
-        );
-        let invalid_requests = reg!(
-            "narwhal_invalid_requests",
-            "Requests refused as invalid before dispatch",
-            Counter::default()
-        );
-        let failed = reg!(
-            "narwhal_failed",
-            "Requests that ended in an error, by reason",
-            Family::default()
-        );
-        let cancelled = reg!(
-            "narwhal_cancelled",
-            "Requests abandoned by their client before completion",
-            Counter::default()
-        );
-        let ejected_instances = reg!(
-            "narwhal_ejected_instances",
-            "Instances the breaker currently holds out of scheduling and both loads",
-            Gauge::default()
-        );
-        let ejected = reg!(
-            "narwhal_ejected",
-            "1 while this instance is ejected",
-            Family::default()
-        );
-        let ejections = reg!(
-            "narwhal_engine_ejections",
-            "Engine ejections since router start, by cause",
-            Family::default()
-        );
-        let readmissions = reg!(
-            "narwhal_engine_readmissions",
-            "Engines returned to placement, by evidence",
-            Family::default()
-        );
-        let breaker_streak = reg!(
-            "narwhal_engine_breaker_streak",
-            "Consecutive leg failures per engine and class",
-            Family::default()
-        );
-        let probes = reg!(
-            "narwhal_engine_probes",
-            "Breaker probes by engine, kind and outcome",
-            Family::default()
-        );
-        let engine_degraded = reg!(
-            "narwhal_engine_degraded",
-            "1 while the ejection bound keeps a failing engine in placement",
-            Family::default()
-        );
-        let engine_awaiting_health = reg!(
-            "narwhal_engine_awaiting_health",
-            "1 while an engine waits for its first health answer 200",
-            Family::default()
-        );
-        let ttft = reg!(
-            "narwhal_ttft_seconds",
-            "Router arrival to first token",
-            HistFamily::new_with_constructor(HistCtor(buckets(ttft_s)))
-        );
-        let tpot = reg!(
-            "narwhal_tpot_seconds",
-            "Mean time per output token after the first",
-            HistFamily::new_with_constructor(HistCtor(buckets(tpot_s)))
-        );
-        let journal_dropped = reg!(
-            "narwhal_journal_dropped_rows",
-            "Journal rows dropped because the writer fell behind",
-            Gauge::default()
-        );
-        let takeover_gap = reg!(
-            "narwhal_standby_takeover_gap_seconds",
-            "Seconds from the standby's last good poll of the primary to serving as primary",
-            Gauge::default()
-        );
-        let state_writes = reg!(
-            "narwhal_state_writes",
-            "Handoff documents written to recovery.state_path",
-            Counter::default()
-        );
-        let state_write_failures = reg!(
-            "narwhal_state_write_failures",
-            "State file writes that failed (the previous file stays intact)",
-            Counter::default()
-        );
-        let slo_label_ttft = fmt_g(ttft_s);
-        let slo_label_tpot = fmt_g(tpot_s);
-        let ops = OpsMetrics::register(&mut r);
-        let kv = KvMetrics::register(&mut r);
+        let intake = Intake::default();
+        let settled = Settled::default();
+        let legs = Legs::new(ttft_s, tpot_s);
+        let retries = Retries::default();
+        let capacity = Capacity::default();
+        let engines = EngineHealth::default();
+        let roles = Roles::default();
+        let durability = Durability::default();
+        register_traffic(&mut reg, &intake, &settled);
+        register_attempts(&mut reg, &legs, &retries);
+        register_admission(&mut reg, &capacity, &retries, &legs);
+        register_lifecycle(&mut reg, &durability, &roles);
+        register_refusals(&mut reg, &intake, &settled);
+        register_engine_health(&mut reg, &engines);
+        register_latency_and_persistence(&mut reg, &legs, &durability);
+        let ops = OpsMetrics::register(&mut reg.r);
+        let kv = KvMetrics::register(&mut reg.r);
         let m = Metrics {
             registry: Registry::default(),
             declared: Vec::new(),
-            intake: Intake {
-                offered,
-                unsized_offered,
-                invalid_requests,
-                refused,
-                rejected,
-            },
-            settled: Settled {
-                served,
-                slo_met,
-                expired,
-                failed,
-                cancelled,
-            },
-            legs: Legs {
-                prefill_attempts,
-                decode_attempts,
-                decode_tokens_observed,
-                attempt_failures,
-                kv_pickups,
-                upstream_seconds,
-                ttft,
-                tpot,
-            },
-            retries: Retries {
-                retry_attempts,
-                retry_credits_spent,
-                retry_denied,
-                served_after_retry,
-                retry_credits,
-            },
-            capacity: Capacity {
-                http_retained,
-                http_retained_limit,
-                http_retained_high_water,
-                admission_inflight,
-                admission_inflight_limit,
-                queued,
-                queue_high_water,
-            },
-            engines: EngineHealth {
-                ejected_instances,
-                ejected,
-                ejections,
-                readmissions,
-                breaker_streak,
-                probes,
-                engine_degraded,
-                engine_awaiting_health,
-            },
-            roles: Roles {
-                engine_draining,
-                engine_ready_to_stop,
-                engine_lifecycle_state,
-                lifecycle_validations,
-                instance_role,
-                pool_instances,
-                resident,
-            },
-            durability: Durability {
-                router_ready,
-                router_lease_epoch,
-                journal_dropped,
-                state_writes,
-                state_write_failures,
-                takeover_gap,
-            },
-            slo_label_ttft,
-            slo_label_tpot,
+            intake,
+            settled,
+            legs,
+            retries,
+            capacity,
+            engines,
+            roles,
+            durability,
+            slo_label_ttft: fmt_g(ttft_s),
+            slo_label_tpot: fmt_g(tpot_s),
             ops,
             kv,
         };
         // The admission, monitoring and controller families are rendered live by
         // `controller::report` (controller.md 12).
-        let slo: Family<Labels, Gauge<f64, AtomicU64>> = reg!(
+        let slo: Family<Labels, Gauge<f64, AtomicU64>> = Family::default();
+        reg.add(
             "narwhal_slo_seconds",
             "Configured service-level latency budget in seconds",
-            Family::default()
+            &slo,
         );
         slo.get_or_create(&labels(&[("metric", "ttft"), ("slo", &m.slo_label_ttft)]))
             .set(ttft_s);
         slo.get_or_create(&labels(&[("metric", "tpot"), ("slo", &m.slo_label_tpot)]))
             .set(tpot_s);
+        m.seed_labels();
+        Metrics {
+            registry: reg.r,
+            declared: reg.declared,
+            ..m
+        }
+    }
+
+    /// Seeds every known reason, cause, phase and SLO label at 0, so each sample exists from
+    /// the start.
+    fn seed_labels(&self) {
         for r in FAILED_REASONS {
-            let _ = m.settled.failed.get_or_create(&labels(&[("reason", r)]));
+            let _ = self.settled.failed.get_or_create(&labels(&[("reason", r)]));
         }
         for r in REJECTED_REASONS {
-            let _ = m.intake.rejected.get_or_create(&labels(&[("reason", r)]));
+            let _ = self
+                .intake
+                .rejected
+                .get_or_create(&labels(&[("reason", r)]));
         }
         for r in EXPIRED_REASONS {
-            let _ = m.settled.expired.get_or_create(&labels(&[("reason", r)]));
+            let _ = self
+                .settled
+                .expired
+                .get_or_create(&labels(&[("reason", r)]));
         }
         for r in REFUSED_REASONS {
-            let _ = m.intake.refused.get_or_create(&labels(&[("cause", r)]));
+            let _ = self.intake.refused.get_or_create(&labels(&[("cause", r)]));
         }
         for p in ["prefill", "decode"] {
-            let _ = m
+            let _ = self
                 .legs
                 .upstream_seconds
                 .get_or_create(&labels(&[("phase", p)]));
         }
-        let _ = m
+        let _ = self
             .legs
             .ttft
-            .get_or_create(&labels(&[("slo", &m.slo_label_ttft)]));
-        let _ = m
+            .get_or_create(&labels(&[("slo", &self.slo_label_ttft)]));
+        let _ = self
             .legs
             .tpot
-            .get_or_create(&labels(&[("slo", &m.slo_label_tpot)]));
-        Metrics {
-            registry: r,
-            declared,
-            ..m
-        }
+            .get_or_create(&labels(&[("slo", &self.slo_label_tpot)]));
     }
 
     /// Starts the outcome counters at a restored handoff's totals (`--resume`, takeover), so

@@ -603,25 +603,7 @@ fn scan_choice(
         let start = c.pos();
         let keep = match &*key {
             b"token_ids" => {
-                ch.ids = if c.null()? {
-                    None
-                } else if c.peek() == Some(b'[') {
-                    let mut n = 0u64;
-                    let mut ok = true;
-                    c.array(|c, _| {
-                        n += 1;
-                        ok &= c.uint()?.1.is_some();
-                        Ok(())
-                    })?;
-                    Some(if ok {
-                        Ok(n)
-                    } else {
-                        Err("token_ids must be an array of non-negative integers")
-                    })
-                } else {
-                    c.value()?;
-                    Some(Err("token_ids must be an array"))
-                };
+                ch.ids = token_ids_at(c)?;
                 if strip {
                     Keep::Drop
                 } else {
@@ -675,45 +657,7 @@ fn scan_choice(
                 Keep::Yes
             }
             b"delta" => {
-                let mut bits = 0u8;
-                if let Some(v) = &mut view {
-                    v.forget_delta();
-                }
-                if c.peek() == Some(b'{') {
-                    c.object(|c, m| {
-                        let key = key_of(c, m);
-                        if &*key == b"role"
-                            && let Some(v) = &mut view
-                        {
-                            v.role = text_at(c)?.1;
-                            return Ok(Keep::Yes);
-                        }
-                        let Some(i) = DELTA_CONTENT.iter().position(|k| *k == &*key) else {
-                            c.value()?;
-                            return Ok(Keep::Yes);
-                        };
-                        let start = c.pos();
-                        let (carries, text) = text_at(c)?;
-                        if let Some(v) = &mut view {
-                            match i {
-                                0 => v.content = text,
-                                1 => v.reasoning_content = text,
-                                2 => v.reasoning = text,
-                                3 => v.tool_calls = Some(start..c.pos()),
-                                _ => {}
-                            }
-                        }
-                        if carries {
-                            bits |= 1 << i;
-                        } else {
-                            bits &= !(1 << i);
-                        }
-                        Ok(Keep::Yes)
-                    })?;
-                } else {
-                    c.value()?;
-                }
-                ch.delta = Some(bits);
+                ch.delta = Some(delta_at(c, &mut view)?);
                 Keep::Yes
             }
             b"index" if base.is_some() || view.is_some() => {
@@ -744,20 +688,92 @@ fn scan_choice(
     if let Some(b) = base
         && !ch.has_index
     {
-        let comma = ch.kept > 0;
-        c.edits.insert(
-            at,
-            Edit {
-                range: open + 1..open + 1,
-                with: Repl::Member {
-                    key: "index",
-                    n: b,
-                    comma,
-                },
-            },
-        );
+        insert_index(c, at, open, b, ch.kept > 0);
     }
     Ok(ch)
+}
+
+/// A choice's `token_ids`: its length, or why it is malformed (`None`: null).
+fn token_ids_at(c: &mut Cursor<'_>) -> Result<Option<Result<u64, &'static str>>, ScanError> {
+    Ok(if c.null()? {
+        None
+    } else if c.peek() == Some(b'[') {
+        let mut n = 0u64;
+        let mut ok = true;
+        c.array(|c, _| {
+            n += 1;
+            ok &= c.uint()?.1.is_some();
+            Ok(())
+        })?;
+        Some(if ok {
+            Ok(n)
+        } else {
+            Err("token_ids must be an array of non-negative integers")
+        })
+    } else {
+        c.value()?;
+        Some(Err("token_ids must be an array"))
+    })
+}
+
+/// A choice's `delta`: which of its content members carry something (bit per
+/// [`DELTA_CONTENT`] member), merging its role and content into `view` when given.
+fn delta_at(c: &mut Cursor<'_>, view: &mut Option<&mut ChoiceView>) -> Result<u8, ScanError> {
+    let mut bits = 0u8;
+    if let Some(v) = view.as_deref_mut() {
+        v.forget_delta();
+    }
+    if c.peek() == Some(b'{') {
+        c.object(|c, m| {
+            let key = key_of(c, m);
+            if &*key == b"role"
+                && let Some(v) = view.as_deref_mut()
+            {
+                v.role = text_at(c)?.1;
+                return Ok(Keep::Yes);
+            }
+            let Some(i) = DELTA_CONTENT.iter().position(|k| *k == &*key) else {
+                c.value()?;
+                return Ok(Keep::Yes);
+            };
+            let start = c.pos();
+            let (carries, text) = text_at(c)?;
+            if let Some(v) = view.as_deref_mut() {
+                match i {
+                    0 => v.content = text,
+                    1 => v.reasoning_content = text,
+                    2 => v.reasoning = text,
+                    3 => v.tool_calls = Some(start..c.pos()),
+                    _ => {}
+                }
+            }
+            if carries {
+                bits |= 1 << i;
+            } else {
+                bits &= !(1 << i);
+            }
+            Ok(Keep::Yes)
+        })?;
+    } else {
+        c.value()?;
+    }
+    Ok(bits)
+}
+
+/// Inserts `"index": n` as the first member of the choice object opened at `open`, at edit
+/// position `at` (`comma`: members follow it).
+fn insert_index(c: &mut Cursor<'_>, at: usize, open: usize, n: u64, comma: bool) {
+    c.edits.insert(
+        at,
+        Edit {
+            range: open + 1..open + 1,
+            with: Repl::Member {
+                key: "index",
+                n,
+                comma,
+            },
+        },
+    );
 }
 
 /// A member that may be a string: whether it carries something (a non-empty string, array

@@ -10,15 +10,16 @@
 
 use std::fmt::Write as _;
 
+use narwhal_shared::documents::Ordered;
 use narwhal_shared::documents::controller as doc;
 use serde_json::Value;
 
-use super::Controller;
 use super::decision::rounded;
 use super::evidence::{Evidence, Gate};
 use super::machine::Machine;
-use super::roles::SEEDED;
-use crate::config::Role;
+use super::roles::{RoleChanges, SEEDED};
+use super::{Controller, Ledger};
+use crate::config::{Role, Serving};
 
 impl Controller {
     /// The machine with the fleet and the newest risk as they are now (a report may come
@@ -50,6 +51,106 @@ fn pool_loads(m: &Machine, now: std::time::Instant) -> (f64, f64) {
     (s.prefill_pressure, s.decode_pressure)
 }
 
+/// The `control` field: the role machine's settings, decisions and flip counts.
+fn control_doc(m: &Machine) -> doc::Control {
+    let r = &m.core.roles;
+    doc::Control {
+        advisory: r.settings().advisory,
+        last_decision: m.last_decision.as_ref().map(|d| d.padded()),
+        decisions: m
+            .decisions
+            .iter()
+            .map(|((by, res), n)| (format!("{}:{}", by.as_str(), res.as_str()), *n))
+            .collect(),
+        flips: r.flips.clone(),
+        flip_reversals: r.reversals,
+        flips_refused: r.refused_total,
+        flip_inflight: doc::FlipInflight {
+            prefill: r.inflight.0,
+            decode: r.inflight.1,
+        },
+    }
+}
+
+/// The `demand_history` field: each demand window's retention and counts.
+fn demand_history_doc(m: &Machine) -> Ordered<doc::DemandWindow> {
+    m.core
+        .demand
+        .history()
+        .into_iter()
+        .map(|(name, w)| {
+            let window = doc::DemandWindow {
+                bucket_s: w.bucket_s,
+                retained_s: w.retained_s,
+                cell_limit: w.cell_limit as u64,
+                cells: w.cells as u64,
+                observations: w.observations,
+                overflow_observations: w.overflow_observations,
+            };
+            (name, window)
+        })
+        .collect()
+}
+
+/// The `demand_evidence` field: evidence capture `ev` and the restored risk.
+fn evidence_doc(ev: &Evidence, restored: Option<doc::RestoredRisk>) -> doc::DemandEvidence {
+    doc::DemandEvidence {
+        span_s: rounded(ev.span_s, 6),
+        arrivals: ev.arrivals,
+        required_span_s: ev.required_span_s,
+        required_arrivals: ev.required_arrivals,
+        max_span_s: ev.max_span_s,
+        closed: ev.closed,
+        risk_kind: ev.risk_kind.clone(),
+        risk_age_s: ev.risk_age_s.and_then(|a| rounded(a, 6)),
+        risk_events: ev.risk_events.clone(),
+        short_decode_engines: rounded(ev.short_decode, 6),
+        long_decode_engines: rounded(ev.long_decode, 6),
+        trend_ratio: ev.trend_ratio.and_then(|t| rounded(t, 6)),
+        envelope_decode_engines: rounded(ev.envelope_decode, 6),
+        blocked_gate: ev.gate.as_str().to_string(),
+        restored,
+    }
+}
+
+/// The `resident_work` field: each engine's resident prefill seconds and decode tokens.
+fn resident_work_doc(m: &Machine) -> Ordered<doc::ResidentWork> {
+    (0..m.core.names.len())
+        .map(|i| {
+            let l = m.core.book.load(i);
+            let work = doc::ResidentWork {
+                prefill_s: rounded(l.prefill_s, 6),
+                decode_tokens: l.decode_tokens.is_finite().then_some(l.decode_tokens),
+            };
+            (m.core.names[i].clone(), work)
+        })
+        .collect()
+}
+
+/// The `monitoring` field: degraded once `limit` controller passes failed in a row.
+fn monitoring_doc(ledger: &Ledger, limit: u64) -> doc::Monitoring {
+    let degraded = ledger.consecutive >= limit;
+    doc::Monitoring {
+        degraded,
+        reason: degraded.then(|| {
+            format!(
+                "controller stage failed {} times in a row",
+                ledger.consecutive
+            )
+        }),
+        core_consecutive: ledger.consecutive,
+        core_failures: ledger.failures,
+        stages: doc::Stages {
+            controller: doc::StageLedger {
+                failures: ledger.failures,
+                consecutive: ledger.consecutive,
+                last_class: ledger.last_class.clone(),
+                last_at: ledger.last_at,
+            },
+        },
+    }
+}
+
 impl Controller {
     /// The controller's `/narwhal/state` fields (controller.md 13): `controller` alone when it
     /// is off.
@@ -74,61 +175,14 @@ impl Controller {
             });
         let m = self.current();
         let r = &m.core.roles;
-        let control = doc::Control {
-            advisory: r.settings().advisory,
-            last_decision: m.last_decision.as_ref().map(|d| d.padded()),
-            decisions: m
-                .decisions
-                .iter()
-                .map(|((by, res), n)| (format!("{}:{}", by.as_str(), res.as_str()), *n))
-                .collect(),
-            flips: r.flips.clone(),
-            flip_reversals: r.reversals,
-            flips_refused: r.refused_total,
-            flip_inflight: doc::FlipInflight {
-                prefill: r.inflight.0,
-                decode: r.inflight.1,
-            },
-        };
+        let control = control_doc(&m);
         let (lp, ld) = pool_loads(&m, now);
         let th = &self.h.cfg.controller.thresholds;
         let f = &m.floor;
         let live_decode = m.core.live(Role::Decode);
-        let demand_history = m
-            .core
-            .demand
-            .history()
-            .into_iter()
-            .map(|(name, w)| {
-                let window = doc::DemandWindow {
-                    bucket_s: w.bucket_s,
-                    retained_s: w.retained_s,
-                    cell_limit: w.cell_limit as u64,
-                    cells: w.cells as u64,
-                    observations: w.observations,
-                    overflow_observations: w.overflow_observations,
-                };
-                (name, window)
-            })
-            .collect();
+        let demand_history = demand_history_doc(&m);
         let ev = evidence(&m, now);
-        let demand_evidence = doc::DemandEvidence {
-            span_s: rounded(ev.span_s, 6),
-            arrivals: ev.arrivals,
-            required_span_s: ev.required_span_s,
-            required_arrivals: ev.required_arrivals,
-            max_span_s: ev.max_span_s,
-            closed: ev.closed,
-            risk_kind: ev.risk_kind.clone(),
-            risk_age_s: ev.risk_age_s.and_then(|a| rounded(a, 6)),
-            risk_events: ev.risk_events.clone(),
-            short_decode_engines: rounded(ev.short_decode, 6),
-            long_decode_engines: rounded(ev.long_decode, 6),
-            trend_ratio: ev.trend_ratio.and_then(|t| rounded(t, 6)),
-            envelope_decode_engines: rounded(ev.envelope_decode, 6),
-            blocked_gate: ev.gate.as_str().to_string(),
-            restored,
-        };
+        let demand_evidence = evidence_doc(&ev, restored);
         let flips_refused = r
             .refusals()
             .map(|x| doc::FlipRefusal {
@@ -137,42 +191,14 @@ impl Controller {
                 why: x.why.clone(),
             })
             .collect();
-        let resident_work = (0..m.core.names.len())
-            .map(|i| {
-                let l = m.core.book.load(i);
-                let work = doc::ResidentWork {
-                    prefill_s: rounded(l.prefill_s, 6),
-                    decode_tokens: l.decode_tokens.is_finite().then_some(l.decode_tokens),
-                };
-                (m.core.names[i].clone(), work)
-            })
-            .collect();
+        let resident_work = resident_work_doc(&m);
         let switching = self
             .changing()
             .into_iter()
             .map(|i| m.core.names[i].clone())
             .collect();
         let limit = u64::from(self.h.cfg.controller.monitor_failure_limit);
-        let degraded = ledger.consecutive >= limit;
-        let monitoring = doc::Monitoring {
-            degraded,
-            reason: degraded.then(|| {
-                format!(
-                    "controller stage failed {} times in a row",
-                    ledger.consecutive
-                )
-            }),
-            core_consecutive: ledger.consecutive,
-            core_failures: ledger.failures,
-            stages: doc::Stages {
-                controller: doc::StageLedger {
-                    failures: ledger.failures,
-                    consecutive: ledger.consecutive,
-                    last_class: ledger.last_class.clone(),
-                    last_at: ledger.last_at,
-                },
-            },
-        };
+        let monitoring = monitoring_doc(&ledger, limit);
         let fields = doc::ControllerFields {
             control,
             load: doc::PoolLoad {
@@ -220,32 +246,7 @@ impl Controller {
     pub(crate) fn metrics(&self, unserved: u64) -> String {
         let mut w = Writer::default();
         let serving = &self.h.cfg.serving;
-        w.family(
-            "narwhal_admission_info",
-            "gauge",
-            "Admission mode set by serving.admission",
-        );
-        w.sample(
-            "narwhal_admission_info",
-            &[("mode", serving.admission.as_str())],
-            "1",
-        );
-        w.family(
-            "narwhal_admission_margin",
-            "gauge",
-            "Fraction serving.admission_margin adds to the TTFT budget",
-        );
-        w.sample(
-            "narwhal_admission_margin",
-            &[],
-            &f(serving.admission_margin),
-        );
-        w.family(
-            "narwhal_unserved_total",
-            "counter",
-            "Phase placements whose cheapest engine missed its own SLO",
-        );
-        w.sample("narwhal_unserved_total", &[], &unserved.to_string());
+        admission_families(&mut w, serving, unserved);
         if !self.enabled {
             return w.0;
         }
@@ -253,110 +254,9 @@ impl Controller {
         let ledger = self.ledger();
         let m = self.current();
         let limit = u64::from(self.h.cfg.controller.monitor_failure_limit);
-        w.family(
-            "narwhal_monitoring_degraded",
-            "gauge",
-            "1 while the controller stage failed monitor_failure_limit passes in a row",
-        );
-        w.sample(
-            "narwhal_monitoring_degraded",
-            &[],
-            if ledger.consecutive >= limit {
-                "1"
-            } else {
-                "0"
-            },
-        );
-        w.family(
-            "narwhal_monitoring_stage_failures_total",
-            "counter",
-            "Failed monitoring passes by stage",
-        );
-        w.sample(
-            "narwhal_monitoring_stage_failures_total",
-            &[("stage", "controller")],
-            &ledger.failures.to_string(),
-        );
-        w.family(
-            "narwhal_monitoring_stage_consecutive_failures",
-            "gauge",
-            "Consecutive failed monitoring passes by stage",
-        );
-        w.sample(
-            "narwhal_monitoring_stage_consecutive_failures",
-            &[("stage", "controller")],
-            &ledger.consecutive.to_string(),
-        );
+        monitoring_families(&mut w, &ledger, limit);
         let r = &m.core.roles;
-        w.family(
-            "narwhal_flips_total",
-            "counter",
-            "Role changes by target pool and caller",
-        );
-        let mut seeded: Vec<(String, String)> = SEEDED
-            .iter()
-            .map(|(b, t)| (b.as_str().to_string(), t.as_str().to_string()))
-            .collect();
-        for k in r.flips.keys() {
-            if let Some((b, t)) = k.split_once(':')
-                && !seeded.iter().any(|(sb, st)| sb == b && st == t)
-            {
-                seeded.push((b.to_string(), t.to_string()));
-            }
-        }
-        for (b, t) in &seeded {
-            let n = r.flips.get(&format!("{b}:{t}")).copied().unwrap_or(0);
-            w.sample(
-                "narwhal_flips_total",
-                &[("to", t), ("by", b)],
-                &n.to_string(),
-            );
-        }
-        w.family(
-            "narwhal_flip_reversals_total",
-            "counter",
-            "Role changes that put an instance back where it came from",
-        );
-        w.sample(
-            "narwhal_flip_reversals_total",
-            &[],
-            &r.reversals.to_string(),
-        );
-        w.family(
-            "narwhal_flips_refused_total",
-            "counter",
-            "Role-change attempts declined by timing, availability, pins, floors, or advisory mode",
-        );
-        w.sample(
-            "narwhal_flips_refused_total",
-            &[],
-            &r.refused_total.to_string(),
-        );
-        w.family(
-            "narwhal_flip_inflight_total",
-            "counter",
-            "Requests resident on an instance at the moment it was flipped",
-        );
-        w.sample(
-            "narwhal_flip_inflight_total",
-            &[("phase", "prefill")],
-            &r.inflight.0.to_string(),
-        );
-        w.sample(
-            "narwhal_flip_inflight_total",
-            &[("phase", "decode")],
-            &r.inflight.1.to_string(),
-        );
-        w.family(
-            "narwhal_controller_advisory",
-            "gauge",
-            "1 while controller decisions are recorded without changing roles",
-        );
-        w.sample(
-            "narwhal_controller_advisory",
-            &[],
-            if r.settings().advisory { "1.0" } else { "0.0" },
-        );
+        flip_families(&mut w, r);
         w.family(
             "narwhal_controller_decisions_total",
             "counter",
@@ -370,99 +270,10 @@ impl Controller {
             );
         }
         self.decision_gauges(&mut w, &m);
-        let live_decode = m.core.live(Role::Decode);
-        w.family(
-            "narwhal_decode_floor",
-            "gauge",
-            "Configured minimum live decode engines",
-        );
-        w.sample("narwhal_decode_floor", &[], &f(m.core.p.min_decode as f64));
-        w.family(
-            "narwhal_decode_below_floor",
-            "gauge",
-            "1 while live decode engines are below min_decode",
-        );
-        w.sample(
-            "narwhal_decode_below_floor",
-            &[],
-            &f(f64::from(u8::from(live_decode < m.core.p.min_decode))),
-        );
-        w.family(
-            "narwhal_decode_floor_restorations_total",
-            "counter",
-            "Prefill engines moved to decode to restore min_decode",
-        );
-        w.sample(
-            "narwhal_decode_floor_restorations_total",
-            &[],
-            &f(r.restoration_moves as f64),
-        );
-        w.family(
-            "narwhal_prefill_below_floor",
-            "gauge",
-            "1 while the live prefill pool is below min_prefill",
-        );
-        w.sample(
-            "narwhal_prefill_below_floor",
-            &[],
-            if m.floor.active() { "1" } else { "0" },
-        );
-        w.family(
-            "narwhal_prefill_below_floor_events_total",
-            "counter",
-            "Prefill floor breaches",
-        );
-        w.sample(
-            "narwhal_prefill_below_floor_events_total",
-            &[],
-            &m.floor.breaches.to_string(),
-        );
-        w.family(
-            "narwhal_prefill_below_floor_seconds_total",
-            "counter",
-            "Seconds spent below the prefill floor",
-        );
-        w.sample(
-            "narwhal_prefill_below_floor_seconds_total",
-            &[],
-            &f(((m.floor.cumulative(now)) * 1e4).round() / 1e4),
-        );
+        floor_families(&mut w, &m, now);
         let ev = evidence(&m, now);
         evidence_families(&mut w, &ev);
-        let hist = m.core.demand.history();
-        for (family, help, pick) in [
-            (
-                "narwhal_demand_history_cells",
-                "Retained demand history cohorts",
-                0,
-            ),
-            (
-                "narwhal_demand_history_cell_limit",
-                "Maximum retained demand history cohorts",
-                1,
-            ),
-            (
-                "narwhal_demand_history_observations",
-                "Original observations counted in demand history",
-                2,
-            ),
-            (
-                "narwhal_demand_history_overflow_observations",
-                "Observations coalesced after shape cardinality overflow",
-                3,
-            ),
-        ] {
-            w.family(family, "gauge", help);
-            for (name, s) in &hist {
-                let v = match pick {
-                    0 => s.cells as u64,
-                    1 => s.cell_limit as u64,
-                    2 => s.observations,
-                    _ => s.overflow_observations,
-                };
-                w.sample(family, &[("window", name)], &v.to_string());
-            }
-        }
+        demand_history_families(&mut w, &m);
         let (lp, ld) = pool_loads(&m, now);
         w.family(
             "narwhal_pool_load",
@@ -662,6 +473,248 @@ fn evidence_families(w: &mut Writer, ev: &Evidence) {
                 &[("kind", kind)],
                 &n.to_string(),
             );
+        }
+    }
+}
+
+/// The admission families: the mode, the margin and the unserved placements.
+fn admission_families(w: &mut Writer, serving: &Serving, unserved: u64) {
+    w.family(
+        "narwhal_admission_info",
+        "gauge",
+        "Admission mode set by serving.admission",
+    );
+    w.sample(
+        "narwhal_admission_info",
+        &[("mode", serving.admission.as_str())],
+        "1",
+    );
+    w.family(
+        "narwhal_admission_margin",
+        "gauge",
+        "Fraction serving.admission_margin adds to the TTFT budget",
+    );
+    w.sample(
+        "narwhal_admission_margin",
+        &[],
+        &f(serving.admission_margin),
+    );
+    w.family(
+        "narwhal_unserved_total",
+        "counter",
+        "Phase placements whose cheapest engine missed its own SLO",
+    );
+    w.sample("narwhal_unserved_total", &[], &unserved.to_string());
+}
+
+/// The monitoring families: degraded once `limit` passes failed in a row, the stage's failures.
+fn monitoring_families(w: &mut Writer, ledger: &Ledger, limit: u64) {
+    w.family(
+        "narwhal_monitoring_degraded",
+        "gauge",
+        "1 while the controller stage failed monitor_failure_limit passes in a row",
+    );
+    w.sample(
+        "narwhal_monitoring_degraded",
+        &[],
+        if ledger.consecutive >= limit {
+            "1"
+        } else {
+            "0"
+        },
+    );
+    w.family(
+        "narwhal_monitoring_stage_failures_total",
+        "counter",
+        "Failed monitoring passes by stage",
+    );
+    w.sample(
+        "narwhal_monitoring_stage_failures_total",
+        &[("stage", "controller")],
+        &ledger.failures.to_string(),
+    );
+    w.family(
+        "narwhal_monitoring_stage_consecutive_failures",
+        "gauge",
+        "Consecutive failed monitoring passes by stage",
+    );
+    w.sample(
+        "narwhal_monitoring_stage_consecutive_failures",
+        &[("stage", "controller")],
+        &ledger.consecutive.to_string(),
+    );
+}
+
+/// The role-change families: flips by target and caller (seeded ones always), reversals,
+/// refusals, in-flight requests, advisory mode.
+fn flip_families(w: &mut Writer, r: &RoleChanges) {
+    w.family(
+        "narwhal_flips_total",
+        "counter",
+        "Role changes by target pool and caller",
+    );
+    let mut seeded: Vec<(String, String)> = SEEDED
+        .iter()
+        .map(|(b, t)| (b.as_str().to_string(), t.as_str().to_string()))
+        .collect();
+    for k in r.flips.keys() {
+        if let Some((b, t)) = k.split_once(':')
+            && !seeded.iter().any(|(sb, st)| sb == b && st == t)
+        {
+            seeded.push((b.to_string(), t.to_string()));
+        }
+    }
+    for (b, t) in &seeded {
+        let n = r.flips.get(&format!("{b}:{t}")).copied().unwrap_or(0);
+        w.sample(
+            "narwhal_flips_total",
+            &[("to", t), ("by", b)],
+            &n.to_string(),
+        );
+    }
+    w.family(
+        "narwhal_flip_reversals_total",
+        "counter",
+        "Role changes that put an instance back where it came from",
+    );
+    w.sample(
+        "narwhal_flip_reversals_total",
+        &[],
+        &r.reversals.to_string(),
+    );
+    w.family(
+        "narwhal_flips_refused_total",
+        "counter",
+        "Role-change attempts declined by timing, availability, pins, floors, or advisory mode",
+    );
+    w.sample(
+        "narwhal_flips_refused_total",
+        &[],
+        &r.refused_total.to_string(),
+    );
+    w.family(
+        "narwhal_flip_inflight_total",
+        "counter",
+        "Requests resident on an instance at the moment it was flipped",
+    );
+    w.sample(
+        "narwhal_flip_inflight_total",
+        &[("phase", "prefill")],
+        &r.inflight.0.to_string(),
+    );
+    w.sample(
+        "narwhal_flip_inflight_total",
+        &[("phase", "decode")],
+        &r.inflight.1.to_string(),
+    );
+    w.family(
+        "narwhal_controller_advisory",
+        "gauge",
+        "1 while controller decisions are recorded without changing roles",
+    );
+    w.sample(
+        "narwhal_controller_advisory",
+        &[],
+        if r.settings().advisory { "1.0" } else { "0.0" },
+    );
+}
+
+/// The decode and prefill floor families.
+fn floor_families(w: &mut Writer, m: &Machine, now: std::time::Instant) {
+    let r = &m.core.roles;
+    let live_decode = m.core.live(Role::Decode);
+    w.family(
+        "narwhal_decode_floor",
+        "gauge",
+        "Configured minimum live decode engines",
+    );
+    w.sample("narwhal_decode_floor", &[], &f(m.core.p.min_decode as f64));
+    w.family(
+        "narwhal_decode_below_floor",
+        "gauge",
+        "1 while live decode engines are below min_decode",
+    );
+    w.sample(
+        "narwhal_decode_below_floor",
+        &[],
+        &f(f64::from(u8::from(live_decode < m.core.p.min_decode))),
+    );
+    w.family(
+        "narwhal_decode_floor_restorations_total",
+        "counter",
+        "Prefill engines moved to decode to restore min_decode",
+    );
+    w.sample(
+        "narwhal_decode_floor_restorations_total",
+        &[],
+        &f(r.restoration_moves as f64),
+    );
+    w.family(
+        "narwhal_prefill_below_floor",
+        "gauge",
+        "1 while the live prefill pool is below min_prefill",
+    );
+    w.sample(
+        "narwhal_prefill_below_floor",
+        &[],
+        if m.floor.active() { "1" } else { "0" },
+    );
+    w.family(
+        "narwhal_prefill_below_floor_events_total",
+        "counter",
+        "Prefill floor breaches",
+    );
+    w.sample(
+        "narwhal_prefill_below_floor_events_total",
+        &[],
+        &m.floor.breaches.to_string(),
+    );
+    w.family(
+        "narwhal_prefill_below_floor_seconds_total",
+        "counter",
+        "Seconds spent below the prefill floor",
+    );
+    w.sample(
+        "narwhal_prefill_below_floor_seconds_total",
+        &[],
+        &f(((m.floor.cumulative(now)) * 1e4).round() / 1e4),
+    );
+}
+
+/// The demand history families, one sample per demand window.
+fn demand_history_families(w: &mut Writer, m: &Machine) {
+    let hist = m.core.demand.history();
+    for (family, help, pick) in [
+        (
+            "narwhal_demand_history_cells",
+            "Retained demand history cohorts",
+            0,
+        ),
+        (
+            "narwhal_demand_history_cell_limit",
+            "Maximum retained demand history cohorts",
+            1,
+        ),
+        (
+            "narwhal_demand_history_observations",
+            "Original observations counted in demand history",
+            2,
+        ),
+        (
+            "narwhal_demand_history_overflow_observations",
+            "Observations coalesced after shape cardinality overflow",
+            3,
+        ),
+    ] {
+        w.family(family, "gauge", help);
+        for (name, s) in &hist {
+            let v = match pick {
+                0 => s.cells as u64,
+                1 => s.cell_limit as u64,
+                2 => s.observations,
+                _ => s.overflow_observations,
+            };
+            w.sample(family, &[("window", name)], &v.to_string());
         }
     }
 }

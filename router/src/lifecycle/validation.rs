@@ -226,9 +226,46 @@ pub(crate) async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str)
             return report;
         }
     };
+    let (participants, peers) = participants_of(plan, &pairs);
+
+    // 1-4: each participant's checks in order, up to PARALLEL_ENGINES participants at a time;
+    // the outcomes are applied in participant order, so the report is the sequential one.
+    let attested = run_first_steps(plan, checks, &participants, &peers, &mut report).await;
+    if !report.passed() {
+        return report;
+    }
+
+    // 5. Role-compatible KV transfer, each pair with identities re-checked on both sides. The
+    // pairs run in rounds of pairs that share no engine, each pair after every earlier pair of
+    // its engines, so each engine's transfers keep the pairs' order; the outcomes are applied
+    // in pair order.
+    fabric(checks, check_id, &pairs, &attested, plan, &mut report).await;
+    if !report.passed() {
+        return report;
+    }
+
+    // Suspects: rerun the paths that failed in service (producer -> suspect, or local).
+    verify_suspects(plan, checks, check_id, &attested, &mut report).await;
+    if !report.passed() {
+        return report;
+    }
+
+    // 6. Final health, then the final identity recheck of every participant (each up to
+    // PARALLEL_ENGINES at a time, applied in order).
+    final_health(plan, checks, &mut report).await;
+    if !report.passed() {
+        return report;
+    }
+    final_identities(checks, &participants, &attested, &mut report).await;
+    report
+}
+
+/// The participants (the targets, then each pair's engines not yet named) and the peers among
+/// them (participants that are not targets).
+fn participants_of(plan: &Plan, pairs: &[(String, String)]) -> (Vec<String>, BTreeSet<String>) {
     let mut participants: Vec<String> = plan.targets.clone();
     let mut peers: BTreeSet<String> = BTreeSet::new();
-    for (p, c) in &pairs {
+    for (p, c) in pairs {
         for i in [p, c] {
             if !participants.contains(i) {
                 participants.push(i.clone());
@@ -236,10 +273,19 @@ pub(crate) async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str)
             }
         }
     }
-    let is_target = |i: &str| plan.targets.iter().any(|t| t == i);
+    (participants, peers)
+}
 
-    // 1-4: each participant's checks in order, up to PARALLEL_ENGINES participants at a time;
-    // the outcomes are applied in participant order, so the report is the sequential one.
+/// Checks 1-4 of every participant, up to [`PARALLEL_ENGINES`] at a time, recorded in
+/// `report` in participant order; returns each participant's attestation.
+async fn run_first_steps<C: Checks>(
+    plan: &Plan,
+    checks: &C,
+    participants: &[String],
+    peers: &BTreeSet<String>,
+    report: &mut Report,
+) -> BTreeMap<String, Attested> {
+    let is_target = |i: &str| plan.targets.iter().any(|t| t == i);
     // (Futures collected before they are streamed: a stream over a closure's futures would
     // make this future's `Send` depend on higher-ranked lifetimes the compiler cannot prove.)
     let futures: Vec<_> = participants
@@ -269,21 +315,26 @@ pub(crate) async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str)
             attested.insert(iid.clone(), a);
         }
     }
-    if !report.passed() {
-        return report;
-    }
+    attested
+}
 
-    // 5. Role-compatible KV transfer, each pair with identities re-checked on both sides. The
-    // pairs run in rounds of pairs that share no engine, each pair after every earlier pair of
-    // its engines, so each engine's transfers keep the pairs' order; the outcomes are applied
-    // in pair order.
+/// Check 5: a KV transfer over every pair, in rounds of pairs sharing no engine, identities
+/// re-checked on both sides; recorded in `report` in pair order.
+async fn fabric<C: Checks>(
+    checks: &C,
+    check_id: &str,
+    pairs: &[(String, String)],
+    attested: &BTreeMap<String, Attested>,
+    plan: &Plan,
+    report: &mut Report,
+) {
     if pairs.is_empty() {
         for t in &plan.targets {
             report.pass(t, "fabric not applicable: no engine of the opposite role");
         }
     }
     let mut outcomes: Vec<Option<Result<(), String>>> = vec![None; pairs.len()];
-    for round in pair_rounds(&pairs) {
+    for round in pair_rounds(pairs) {
         let futures: Vec<_> = round
             .into_iter()
             .map(|n| {
@@ -330,11 +381,17 @@ pub(crate) async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str)
             }
         }
     }
-    if !report.passed() {
-        return report;
-    }
+}
 
-    // Suspects: rerun the paths that failed in service (producer -> suspect, or local).
+/// Suspects: reruns each target's paths that failed in service (producer to the target, or a
+/// local probe), recorded in `report`.
+async fn verify_suspects<C: Checks>(
+    plan: &Plan,
+    checks: &C,
+    check_id: &str,
+    attested: &BTreeMap<String, Attested>,
+    report: &mut Report,
+) {
     for t in &plan.targets {
         for (n, producer) in plan.verify_sources.get(t).into_iter().flatten().enumerate() {
             let id = format!("{check_id}-verify-{n}");
@@ -366,12 +423,10 @@ pub(crate) async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str)
             }
         }
     }
-    if !report.passed() {
-        return report;
-    }
+}
 
-    // 6. Final health, then the final identity recheck of every participant (each up to
-    // PARALLEL_ENGINES at a time, applied in order).
+/// Check 6: every target's final health, up to [`PARALLEL_ENGINES`] at a time, recorded in order.
+async fn final_health<C: Checks>(plan: &Plan, checks: &C, report: &mut Report) {
     let futures: Vec<_> = plan
         .targets
         .iter()
@@ -385,9 +440,16 @@ pub(crate) async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str)
             report.fail(t, "final health failed after fabric validation");
         }
     }
-    if !report.passed() {
-        return report;
-    }
+}
+
+/// Check 6: every participant's final identity recheck against its first attestation, up to
+/// [`PARALLEL_ENGINES`] at a time, recorded in order.
+async fn final_identities<C: Checks>(
+    checks: &C,
+    participants: &[String],
+    attested: &BTreeMap<String, Attested>,
+    report: &mut Report,
+) {
     let futures: Vec<_> = participants.iter().map(|iid| checks.attest(iid)).collect();
     let finals: Vec<Result<Attested, CheckError>> = at_once(futures).await;
     for (iid, r) in participants.iter().zip(finals) {
@@ -403,7 +465,6 @@ pub(crate) async fn validate<C: Checks>(plan: &Plan, checks: &C, check_id: &str)
             ),
         }
     }
-    report
 }
 
 /// Participants whose checks run at once (each one's checks stay in order): enough that a

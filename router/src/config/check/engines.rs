@@ -60,140 +60,13 @@ impl Checker<'_> {
             if o.map.is_none() {
                 continue;
             }
-            let iid = match o.get("iid") {
-                Some(Value::String(s)) if !s.is_empty() => s.clone(),
-                Some(v) => {
-                    self.ty(o.p("iid"), v, "a non-empty string");
-                    String::new()
-                }
-                None => {
-                    self.issues.push(ConfigIssue::Missing { path: o.p("iid") });
-                    String::new()
-                }
-            };
-            let url = match o.get("url") {
-                Some(Value::String(s)) if !s.is_empty() => {
-                    let s = self.env_ref(o.p("url"), s.clone());
-                    if !(s.starts_with("http://")
-                        || s.starts_with("https://")
-                        || s.starts_with("${"))
-                    {
-                        self.rule(
-                            o.p("url"),
-                            &Value::String(s.clone()),
-                            "must be an http:// or https:// URL",
-                        );
-                    }
-                    s.trim_end_matches('/').to_string()
-                }
-                Some(v) => {
-                    self.ty(o.p("url"), v, "a non-empty string");
-                    String::new()
-                }
-                None => {
-                    self.issues.push(ConfigIssue::Missing { path: o.p("url") });
-                    String::new()
-                }
-            };
-            let role = match self.choice(&o, "role", "decode", &["prefill", "decode"]) {
-                "prefill" => Role::Prefill,
-                _ => Role::Decode,
-            };
-            let pin = self.boolean(&o, "pin", false);
-            let kv_role = match self.choice(
-                &o,
-                "kv_role",
-                "kv_both",
-                &["kv_both", "kv_producer", "kv_consumer"],
-            ) {
-                "kv_producer" => KvRole::Producer,
-                "kv_consumer" => KvRole::Consumer,
-                _ => KvRole::Both,
-            };
-            if let Some(fixed) = kv_role.fixed_role()
-                && fixed != role
-            {
-                self.rule(
-                    o.p("kv_role"),
-                    &Value::String(kv_role.as_str().into()),
-                    format!(
-                        "a {} engine serves only the {} leg: its role must be \"{}\"",
-                        kv_role.as_str(),
-                        fixed.as_str(),
-                        fixed.as_str()
-                    ),
-                );
-            }
+            let iid = self.engine_iid(&o);
+            let url = self.engine_url(&o);
+            let (role, pin, kv_role) = self.engine_role(&o);
             let raw_att = self.string(&o, "attestation_url", "");
             let attestation_url = self.env_ref(o.p("attestation_url"), raw_att);
-            let sd = self.obj(
-                &o.p("shared_device"),
-                o.get("shared_device"),
-                &[
-                    "group",
-                    "gpu_uuid",
-                    "device_allowance",
-                    "gpu_memory_utilization",
-                ],
-            );
-            self.passive(
-                &sd,
-                &[
-                    ("group", Kind::Str),
-                    ("gpu_uuid", Kind::Str),
-                    ("device_allowance", Kind::NonNegNum),
-                    ("gpu_memory_utilization", Kind::PosNum),
-                ],
-            );
-            let agent = match o.get("agent") {
-                None => None,
-                Some(av) => {
-                    let a = self.obj(
-                        &o.p("agent"),
-                        Some(av),
-                        &["url", "server_name", "public_key", "agent_id"],
-                    );
-                    if a.map.is_none() {
-                        None
-                    } else {
-                        let req = |c: &mut Self, k: &str| match a.get(k) {
-                            Some(Value::String(s)) if !s.is_empty() => s.clone(),
-                            Some(v) => {
-                                c.ty(a.p(k), v, "a non-empty string");
-                                String::new()
-                            }
-                            None => {
-                                c.issues.push(ConfigIssue::Missing { path: a.p(k) });
-                                String::new()
-                            }
-                        };
-                        let url = req(self, "url");
-                        let server_name = req(self, "server_name");
-                        let public_key = req(self, "public_key");
-                        if !public_key.is_empty() && !public_key.starts_with("ed25519:") {
-                            self.rule(
-                                a.p("public_key"),
-                                &Value::String(public_key.clone()),
-                                "must start with \"ed25519:\"",
-                            );
-                        }
-                        let agent_id = match a.get("agent_id") {
-                            None => server_name.clone(),
-                            Some(Value::String(s)) if !s.is_empty() => s.clone(),
-                            Some(v) => {
-                                self.ty(a.p("agent_id"), v, "a non-empty string");
-                                String::new()
-                            }
-                        };
-                        Some(EngineAgent {
-                            url: url.trim_end_matches('/').to_string(),
-                            server_name,
-                            public_key,
-                            agent_id,
-                        })
-                    }
-                }
-            };
+            self.shared_device(&o);
+            let agent = self.engine_agent(&o);
             if !iid.is_empty() {
                 if let Some((_, first)) = seen.iter().find(|(s, _)| *s == iid) {
                     self.issues.push(ConfigIssue::DuplicateIid {
@@ -205,14 +78,7 @@ impl Checker<'_> {
                     seen.push((iid.clone(), i));
                 }
             }
-            let health_path = self.string(&o, "health_path", "/health");
-            if !health_path.starts_with('/') || health_path.contains(['?', '#', ' ']) {
-                self.rule(
-                    o.p("health_path"),
-                    &Value::String(health_path.clone()),
-                    "must be a path starting with / (no query, e.g. \"/health\" or \"/v1/models\")",
-                );
-            }
+            let health_path = self.health_path(&o);
             let kv_events = self.kv_events(&o);
             if let Some(k) = &kv_events {
                 self.one_publisher_per_socket(&mut sockets, k, i, &iid);
@@ -230,6 +96,165 @@ impl Checker<'_> {
             });
         }
         out
+    }
+
+    /// `engines[i].iid`: a non-empty string (empty when missing or mistyped).
+    fn engine_iid(&mut self, o: &super::Obj<'_>) -> String {
+        match o.get("iid") {
+            Some(Value::String(s)) if !s.is_empty() => s.clone(),
+            Some(v) => {
+                self.ty(o.p("iid"), v, "a non-empty string");
+                String::new()
+            }
+            None => {
+                self.issues.push(ConfigIssue::Missing { path: o.p("iid") });
+                String::new()
+            }
+        }
+    }
+
+    /// `engines[i].url`: an http:// or https:// URL (or `${VAR}`), without its trailing `/`.
+    fn engine_url(&mut self, o: &super::Obj<'_>) -> String {
+        match o.get("url") {
+            Some(Value::String(s)) if !s.is_empty() => {
+                let s = self.env_ref(o.p("url"), s.clone());
+                if !(s.starts_with("http://") || s.starts_with("https://") || s.starts_with("${")) {
+                    self.rule(
+                        o.p("url"),
+                        &Value::String(s.clone()),
+                        "must be an http:// or https:// URL",
+                    );
+                }
+                s.trim_end_matches('/').to_string()
+            }
+            Some(v) => {
+                self.ty(o.p("url"), v, "a non-empty string");
+                String::new()
+            }
+            None => {
+                self.issues.push(ConfigIssue::Missing { path: o.p("url") });
+                String::new()
+            }
+        }
+    }
+
+    /// `engines[i].role`, `pin` and `kv_role`; a fixed-role `kv_role` must match the role.
+    fn engine_role(&mut self, o: &super::Obj<'_>) -> (Role, bool, KvRole) {
+        let role = match self.choice(o, "role", "decode", &["prefill", "decode"]) {
+            "prefill" => Role::Prefill,
+            _ => Role::Decode,
+        };
+        let pin = self.boolean(o, "pin", false);
+        let kv_role = match self.choice(
+            o,
+            "kv_role",
+            "kv_both",
+            &["kv_both", "kv_producer", "kv_consumer"],
+        ) {
+            "kv_producer" => KvRole::Producer,
+            "kv_consumer" => KvRole::Consumer,
+            _ => KvRole::Both,
+        };
+        if let Some(fixed) = kv_role.fixed_role()
+            && fixed != role
+        {
+            self.rule(
+                o.p("kv_role"),
+                &Value::String(kv_role.as_str().into()),
+                format!(
+                    "a {} engine serves only the {} leg: its role must be \"{}\"",
+                    kv_role.as_str(),
+                    fixed.as_str(),
+                    fixed.as_str()
+                ),
+            );
+        }
+        (role, pin, kv_role)
+    }
+
+    /// `engines[i].shared_device`: read and type-checked, not used.
+    fn shared_device(&mut self, o: &super::Obj<'_>) {
+        let sd = self.obj(
+            &o.p("shared_device"),
+            o.get("shared_device"),
+            &[
+                "group",
+                "gpu_uuid",
+                "device_allowance",
+                "gpu_memory_utilization",
+            ],
+        );
+        self.passive(
+            &sd,
+            &[
+                ("group", Kind::Str),
+                ("gpu_uuid", Kind::Str),
+                ("device_allowance", Kind::NonNegNum),
+                ("gpu_memory_utilization", Kind::PosNum),
+            ],
+        );
+    }
+
+    /// `engines[i].agent`: the engine's agent (url, server name, ed25519 key, agent id).
+    fn engine_agent(&mut self, o: &super::Obj<'_>) -> Option<EngineAgent> {
+        let av = o.get("agent")?;
+        let a = self.obj(
+            &o.p("agent"),
+            Some(av),
+            &["url", "server_name", "public_key", "agent_id"],
+        );
+        if a.map.is_none() {
+            None
+        } else {
+            let req = |c: &mut Self, k: &str| match a.get(k) {
+                Some(Value::String(s)) if !s.is_empty() => s.clone(),
+                Some(v) => {
+                    c.ty(a.p(k), v, "a non-empty string");
+                    String::new()
+                }
+                None => {
+                    c.issues.push(ConfigIssue::Missing { path: a.p(k) });
+                    String::new()
+                }
+            };
+            let url = req(self, "url");
+            let server_name = req(self, "server_name");
+            let public_key = req(self, "public_key");
+            if !public_key.is_empty() && !public_key.starts_with("ed25519:") {
+                self.rule(
+                    a.p("public_key"),
+                    &Value::String(public_key.clone()),
+                    "must start with \"ed25519:\"",
+                );
+            }
+            let agent_id = match a.get("agent_id") {
+                None => server_name.clone(),
+                Some(Value::String(s)) if !s.is_empty() => s.clone(),
+                Some(v) => {
+                    self.ty(a.p("agent_id"), v, "a non-empty string");
+                    String::new()
+                }
+            };
+            Some(EngineAgent {
+                url: url.trim_end_matches('/').to_string(),
+                server_name,
+                public_key,
+                agent_id,
+            })
+        }
+    }
+
+    /// `engines[i].health_path`: a path starting with `/`, no query or fragment.
+    fn health_path(&mut self, o: &super::Obj<'_>) -> String {
+        let health_path = self.string(o, "health_path", "/health");
+        if !health_path.starts_with('/') || health_path.contains(['?', '#', ' ']) {
+            self.rule(
+                o.p("health_path"),
+                &Value::String(health_path.clone()),
+                "must be a path starting with / (no query, e.g. \"/health\" or \"/v1/models\")",
+            );
+        }
+        health_path
     }
 
     /// Refuses a KV-event socket (`endpoint` or `replay_endpoint`) that an earlier engine

@@ -5,8 +5,8 @@
 use serde_json::{Map, Value};
 
 use super::{
-    AdmissionMode, AgentSection, Backend, Config, ConfigIssue, EngineConfig, Profile,
-    RestartPolicy, Slo,
+    AdmissionMode, AgentSection, Backend, Config, ConfigIssue, Controller, EngineConfig,
+    EngineSection, Profile, Recovery, RestartPolicy, Slo, TlsFiles,
 };
 
 mod controller;
@@ -306,6 +306,62 @@ impl Checker<'_> {
             }
             return None;
         }
+        let model = self.schema_and_model(&top);
+        let adapters = self.adapters(top.get("adapters"), &model);
+        let top_backend = top
+            .get("backend")
+            .is_some()
+            .then(|| self.choice(&top, "backend", "vllm", &["vllm", "sglang"]));
+
+        let engines = self.engines(top.get("engines"));
+
+        let slo = self.slo(&top);
+
+        let controller = self.controller(top.get("controller"), engines.len());
+        let serving = self.serving(top.get("serving"));
+        let engine = self.engine(top.get("engine"), &serving, engines.len());
+        let recovery = self.recovery(top.get("recovery"));
+        let (default_profile, engine_profiles) = self.profiles(top.get("profiles"));
+        self.hardware(top.get("hardware"));
+        let engine_contract = self.contract(top.get("engine_contract"));
+        let agent = self.agent_section(top.get("agent"));
+        let lease = self.lease(top.get("lease"));
+        let tls = self.tls("tls", top.get("tls"));
+        let control = self.obj("control", top.get("control"), &["tls"]);
+        let control_tls = self.tls("control.tls", control.get("tls"));
+
+        let backend = self.backend(top_backend, &engine, &engines);
+        let n = self.fleet_rules(&top, &engines, &controller, &recovery, tls.as_ref());
+        let profiles = self.resolve_profiles(&engines, default_profile, engine_profiles);
+        if serving.admission == AdmissionMode::Predictive && profiles.is_empty() && n > 0 {
+            self.rule(
+                "serving.admission".into(),
+                &Value::from("predictive"),
+                "predictive admission prices every request with the engine profiles: \
+                 set profiles.default or profiles.engines.<iid>",
+            );
+        }
+        Some(Config {
+            model,
+            adapters,
+            backend,
+            profiles,
+            engines,
+            slo,
+            controller,
+            serving,
+            engine,
+            recovery,
+            agent,
+            lease,
+            tls,
+            control_tls,
+            engine_contract,
+        })
+    }
+
+    /// `schema` and `schema_version` (required, fixed), and `model`, a non-empty string.
+    fn schema_and_model(&mut self, top: &Obj<'_>) -> String {
         match top.get("schema") {
             Some(Value::String(s)) if s == "narwhal.fleet" => {}
             Some(v) => self.rule("schema".into(), v, "must be \"narwhal.fleet\""),
@@ -320,7 +376,7 @@ impl Checker<'_> {
                 path: "schema_version".into(),
             }),
         }
-        let model = match top.get("model") {
+        match top.get("model") {
             Some(Value::String(s)) if !s.is_empty() => s.clone(),
             Some(v) => {
                 self.ty("model".into(), v, "a non-empty string");
@@ -332,16 +388,11 @@ impl Checker<'_> {
                 });
                 String::new()
             }
-        };
-        let adapters = self.adapters(top.get("adapters"), &model);
-        let top_backend = top
-            .get("backend")
-            .is_some()
-            .then(|| self.choice(&top, "backend", "vllm", &["vllm", "sglang"]));
+        }
+    }
 
-        let engines = self.engines(top.get("engines"));
-
-        // slo (required)
+    /// `slo` (required): `ttft_s` and `tpot_s`, both required and positive.
+    fn slo(&mut self, top: &Obj<'_>) -> Slo {
         let slo_obj = self.obj("slo", top.get("slo"), &["ttft_s", "tpot_s"]);
         if top.get("slo").is_none() {
             self.issues
@@ -353,28 +404,29 @@ impl Checker<'_> {
                     .push(ConfigIssue::Missing { path: slo_obj.p(k) });
             }
         }
-        let slo = Slo {
+        Slo {
             ttft_s: self.num(&slo_obj, "ttft_s", 1.0, positive),
             tpot_s: self.num(&slo_obj, "tpot_s", 0.1, positive),
-        };
+        }
+    }
 
-        let controller = self.controller(top.get("controller"), engines.len());
-        let serving = self.serving(top.get("serving"));
-        let engine = self.engine(top.get("engine"), &serving, engines.len());
-        let recovery = self.recovery(top.get("recovery"));
-        let (default_profile, engine_profiles) = self.profiles(top.get("profiles"));
-        self.hardware(top.get("hardware"));
-        let engine_contract = self.contract(top.get("engine_contract"));
-        let agent_obj = self.obj("agent", top.get("agent"), &["timeout_s", "max_skew_s"]);
-        let agent = AgentSection {
+    /// `agent`: the router's agent timeout and tolerated clock skew.
+    fn agent_section(&mut self, v: Option<&Value>) -> AgentSection {
+        let agent_obj = self.obj("agent", v, &["timeout_s", "max_skew_s"]);
+        AgentSection {
             timeout_s: self.num(&agent_obj, "timeout_s", 10.0, positive),
             max_skew_s: self.num(&agent_obj, "max_skew_s", 30.0, non_negative),
-        };
-        let lease = self.lease(top.get("lease"));
-        let tls = self.tls("tls", top.get("tls"));
-        let control = self.obj("control", top.get("control"), &["tls"]);
-        let control_tls = self.tls("control.tls", control.get("tls"));
+        }
+    }
 
+    /// The backend (top-level `backend`, else `engine.backend`, else vLLM; the two must agree)
+    /// and what it rules out: data-parallel ranks with SGLang, another dialect or connector.
+    fn backend(
+        &mut self,
+        top_backend: Option<&str>,
+        engine: &EngineSection,
+        engines: &[EngineConfig],
+    ) -> Backend {
         let backend = match (top_backend, engine.backend) {
             (Some(t), Some(e)) if t != e.as_str() => {
                 self.issues.push(ConfigIssue::BackendMismatch {
@@ -420,6 +472,20 @@ impl Checker<'_> {
                 format!("backend {backend} supports only connector \"{default_connector}\""),
             );
         }
+        backend
+    }
+
+    /// The rules across sections: engines present, the role floors within the engine count,
+    /// an agent on every engine for whole-wave restarts, `tls` when agents are used. Returns
+    /// the engine count.
+    fn fleet_rules(
+        &mut self,
+        top: &Obj<'_>,
+        engines: &[EngineConfig],
+        controller: &Controller,
+        recovery: &Recovery,
+        tls: Option<&TlsFiles>,
+    ) -> u32 {
         if top.get("engines").is_some()
             && engines.is_empty()
             && top.get("engines").is_some_and(Value::is_array)
@@ -463,32 +529,7 @@ impl Checker<'_> {
                         .into(),
             });
         }
-        let profiles = self.resolve_profiles(&engines, default_profile, engine_profiles);
-        if serving.admission == AdmissionMode::Predictive && profiles.is_empty() && n > 0 {
-            self.rule(
-                "serving.admission".into(),
-                &Value::from("predictive"),
-                "predictive admission prices every request with the engine profiles: \
-                 set profiles.default or profiles.engines.<iid>",
-            );
-        }
-        Some(Config {
-            model,
-            adapters,
-            backend,
-            profiles,
-            engines,
-            slo,
-            controller,
-            serving,
-            engine,
-            recovery,
-            agent,
-            lease,
-            tls,
-            control_tls,
-            engine_contract,
-        })
+        n
     }
 
     /// `adapters`: the LoRA adapters every engine serves beside `model`, each a non-empty
