@@ -616,6 +616,21 @@ fn journal_whole(path: &std::path::Path, v: &mut Vec<String>) -> usize {
     rows
 }
 
+/// What a run recorded: the actions acknowledged, the rules broken (none: it passed), and
+/// notes for the log.
+#[derive(Debug, Default)]
+struct Record {
+    /// Actions acknowledged, the last one first.
+    acked: Vec<Acked>,
+    /// Everything that broke a rule.
+    violations: Vec<String>,
+    /// What the fault did.
+    notes: Vec<String>,
+}
+
+/// The readmission a fault interrupts, running in the background (see [`post_in_background`]).
+type Pending = tokio::task::JoinHandle<Option<(u16, String)>>;
+
 /// Runs one scenario on a fresh fleet and judges it.
 ///
 /// # Panics
@@ -643,8 +658,119 @@ pub async fn run(scenario: Scenario) -> Outcome {
         }
     });
     let t0 = Instant::now();
-    let mut acked: Vec<Acked> = Vec::new();
+    let mut rec = Record::default();
     let all: Vec<String> = f.sims.iter().map(|x| x.iid.clone()).collect();
+    let p1 = vec!["p1".to_string()];
+    let pending = stage(&scenario, &mut f, &p, &all, &mut rec.acked).await;
+    tokio::time::sleep(scenario.delay).await;
+    // The fault.
+    let (fault_end, primary_must_not_act) =
+        inject(&scenario, &mut f, &mut p, &s, clock.as_ref(), t0, &mut rec).await;
+    // A 503 whose write reached the lease store unconfirmed (docs/ha.md): its outcome is
+    // unknown, and the store, so a successor, may hold it.
+    let (interrupted, outcome_unknown) = interrupted_answer(pending, &mut rec.notes).await;
+    if interrupted == Some(Some(200)) {
+        let engines = if when.wave() { all.clone() } else { p1.clone() };
+        rec.acked.insert(0, Acked::Active(engines));
+    }
+    // Settle: one router controls the fleet (bounded well past the rule's TTL + 1 s, which
+    // the samples judge).
+    let routers = [&p, &s];
+    let controller = settle(routers).await;
+    // A second of samples after the settle.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::Relaxed);
+    let _ = load.await;
+    let samples = sampler.stop().await;
+    let (mut sample_violations, controller_after_s) = judge_samples(&samples, fault_end);
+    rec.violations.append(&mut sample_violations);
+    if let Some(window) = primary_must_not_act {
+        judge_partition(&samples, window, &mut rec.violations);
+    }
+    if let Fault::ClockJump(..) = scenario.fault {
+        judge_clock_step(&samples, fault_end, &mut rec.violations);
+        judge_clock_lease(&p, controller, (epoch, &holder), &mut rec.violations).await;
+    }
+    let limit = LEASE_TTL_S + 1.0;
+    match controller_after_s {
+        Some(d) if d <= limit => {}
+        Some(d) => rec.violations.push(format!(
+            "a controller only {d:.3} s after the fault ended (limit {limit} s)"
+        )),
+        None => rec
+            .violations
+            .push("no controller sampled after the fault".into()),
+    }
+    let mut end_epoch = None;
+    if let Some(k) = controller {
+        let ha = routers[k].ha().await;
+        rec.notes.push(format!(
+            "controller at the end: {} (epoch {} before the fault, {} at the end)",
+            ["primary", "standby"][k],
+            epoch,
+            ha.epoch
+        ));
+        end_epoch = Some(ha.epoch);
+    }
+    // A readmission answered 503 (not acknowledged) or not at all may have taken effect: it
+    // stays in the memory of the router that made it (docs/ha.md, "Failover without loss"),
+    // which publishes it when it controls the fleet again under the same epoch. Only then is
+    // the engine's state undetermined; on a successor, or under a later epoch, the earlier
+    // acknowledged action must hold, unless the 503 said its outcome is unknown (the lease
+    // store got the write and did not confirm it: a successor may read it).
+    let same_control = controller == Some(0) && end_epoch == Some(epoch);
+    let undetermined: Vec<String> = match interrupted {
+        Some(None | Some(503)) if same_control || outcome_unknown => {
+            let engines = if when.wave() { all.clone() } else { p1.clone() };
+            rec.notes.push(if same_control {
+                format!(
+                    "{engines:?} undetermined: the unacknowledged readmission's router kept \
+                     epoch {epoch}"
+                )
+            } else {
+                format!("{engines:?} undetermined: the readmission's outcome is unknown")
+            });
+            engines
+        }
+        _ => Vec::new(),
+    };
+    match controller {
+        None => rec
+            .violations
+            .push("no router controls the fleet at the end".into()),
+        Some(k) => {
+            check_acked(
+                routers[k],
+                &f,
+                &rec.acked,
+                &undetermined,
+                &mut rec.violations,
+            )
+            .await;
+        }
+    }
+    Outcome {
+        scenario,
+        violations: rec.violations,
+        controller_after_s,
+        samples: samples.len(),
+        acked: rec.acked,
+        interrupted,
+        notes: rec.notes,
+    }
+}
+
+/// Stages the scenario's action on primary `p` before the fault (`all`: every engine),
+/// recording what was acknowledged in `acked`, the last one first; the readmission the fault
+/// is to interrupt, if any, still running.
+async fn stage(
+    scenario: &Scenario,
+    f: &mut Fleet,
+    p: &RouterHandle,
+    all: &[String],
+    acked: &mut Vec<Acked>,
+) -> Option<Pending> {
+    let when = scenario.when;
     let p1 = vec!["p1".to_string()];
     // Stage the action; `pending` is a readmission the fault will interrupt.
     let ack = |what: &str, status: u16, doc: &serde_json::Value| {
@@ -654,14 +780,14 @@ pub async fn run(scenario: Scenario) -> Outcome {
     if when.wave() {
         let (st, doc) = p.drain(&json!({"wave": true, "deadline_s": 60})).await;
         ack("wave drain", st, &doc);
-        acked.push(Acked::Held(all.clone()));
+        acked.push(Acked::Held(all.to_vec()));
         if when == Timing::DuringWaveReadmit {
             p.lifecycle_until("the wave ready to stop", |d| d.wave.ready_to_stop)
                 .await;
             for sim in &mut f.sims {
                 sim.restart(&[]).expect("restart simulator");
             }
-            pending = Some(post_in_background(&p, "readmit", json!({"wave": true})));
+            pending = Some(post_in_background(p, "readmit", json!({"wave": true})));
         }
     } else {
         let (st, doc) = p.drain(&json!({"engines": p1, "deadline_s": 60})).await;
@@ -679,15 +805,26 @@ pub async fn run(scenario: Scenario) -> Outcome {
                 ack("readmit p1", st, &doc);
                 acked.push(Acked::Active(p1.clone()));
             } else {
-                pending = Some(post_in_background(&p, "readmit", json!({"engines": p1})));
+                pending = Some(post_in_background(p, "readmit", json!({"engines": p1})));
             }
         }
     }
     acked.reverse();
-    tokio::time::sleep(scenario.delay).await;
-    // The fault.
-    let mut violations = Vec::new();
-    let mut notes = Vec::new();
+    pending
+}
+
+/// Hits the fleet with the scenario's fault (primary `p`, standby `s`, `clock` for a clock
+/// step; `t0`: when the samples began): when the fault ended, and for a partition the samples
+/// `(from, to]` in which the primary must not report `active`.
+async fn inject(
+    scenario: &Scenario,
+    f: &mut Fleet,
+    p: &mut RouterHandle,
+    s: &RouterHandle,
+    clock: Option<&MovableClock>,
+    t0: Instant,
+    rec: &mut Record,
+) -> (Duration, Option<(Duration, Duration)>) {
     // Samples in (from, to] in which the primary must not report `active` (a partition).
     let mut primary_must_not_act: Option<(Duration, Duration)> = None;
     let fault_end = match scenario.fault {
@@ -705,7 +842,7 @@ pub async fn run(scenario: Scenario) -> Outcome {
             p.proc.signal(Signal::SIGSTOP);
             s.proc.signal(Signal::SIGSTOP);
             tokio::time::sleep(dp.min(ds)).await; // the fault itself
-            let (first, second) = if dp <= ds { (&p, &s) } else { (&s, &p) };
+            let (first, second) = if dp <= ds { (&*p, s) } else { (s, &*p) };
             first.proc.signal(Signal::SIGCONT);
             tokio::time::sleep(dp.max(ds) - dp.min(ds)).await;
             second.proc.signal(Signal::SIGCONT);
@@ -736,110 +873,146 @@ pub async fn run(scenario: Scenario) -> Outcome {
             healed
         }
         Fault::ClockJump(side, by) => {
-            clock.as_ref().expect("a clock").set(by);
-            let at = t0.elapsed();
-            // Over a TTL of renewals on the stepped clock: a skew-driven takeover shows here.
-            tokio::time::sleep(Duration::from_secs(3)).await;
-            // The step reached the router: its handoff document's `at` (its wall clock).
-            let r = if side == Side::Primary { &p } else { &s };
-            let shown = r.handoff().await["at"].as_f64();
-            let real = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .expect("wall clock")
-                .as_secs_f64();
-            match shown {
-                Some(t) if (t - real - by as f64).abs() < 2.0 => {
-                    notes.push(format!("{side:?} wall clock off by {:+.1} s", t - real));
-                }
-                _ => violations.push(format!(
-                    "the step did not reach the {side:?}: handoff at {shown:?}, real clock \
-                     {real:.1}, step {by:+} s (a broken test, not a finding)"
-                )),
-            }
-            at
+            let r = if side == Side::Primary { &*p } else { s };
+            clock_jump(side, by, clock.expect("a clock"), r, t0, rec).await
         }
         Fault::DiskFull(d) | Fault::DiskReadOnly(d) | Fault::FsyncError(d) => {
-            let state = f.state_path("primary");
-            let journal = p.journal.clone();
-            let started = Instant::now();
-            let write_failures = || async {
-                crate::http::metric(
-                    &p.metrics().await,
-                    "narwhal_state_write_failures_total",
-                    &[],
-                )
-                .unwrap_or(0.0)
-            };
-            let failures_before = write_failures().await;
-            match scenario.fault {
-                Fault::DiskFull(_) => {
-                    let n = f.disk().fill();
-                    notes.push(format!("disk filled with {n} bytes"));
-                }
-                Fault::DiskReadOnly(_) => f.disk().read_only(true),
-                _ => f.fsync_fault().fail(true),
-            }
-            // An action while the disk fails, acknowledged only if durable where a successor
-            // reads it (docs/ha.md): p1's drain cancelled after an acknowledged drain, p1
-            // drained again after an acknowledged readmission (none while a validation runs).
-            let p1 = vec!["p1".to_string()];
-            let action = match when {
-                Timing::AfterDrainAck => Some(("cancel-drain", json!({"engines": p1}))),
-                Timing::AfterReadmitAck => {
-                    Some(("drain", json!({"engines": p1, "deadline_s": 60})))
-                }
-                _ => None,
-            };
-            let acted = action.is_some();
-            if let Some((name, body)) = action {
-                let st = post_in_background(&p, name, body)
-                    .await
-                    .unwrap_or(None)
-                    .map(|(st, _)| st);
-                notes.push(format!("{name} p1 on the failing disk: {st:?}"));
-                if st == Some(200) {
-                    acked.insert(
-                        0,
-                        if name == "drain" {
-                            Acked::Held(p1)
-                        } else {
-                            Acked::Active(p1)
-                        },
-                    );
-                }
-            }
-            state_file_whole(&state, "during the disk fault", &mut violations);
-            tokio::time::sleep(d.saturating_sub(started.elapsed())).await; // the fault itself
-            let failed_writes = write_failures().await - failures_before;
-            notes.push(format!("{failed_writes} state-file writes failed"));
-            if acted && failed_writes < 1.0 {
-                violations.push(format!(
-                    "no state-file write failed under the {} fault (a broken test, not a \
-                     finding)",
-                    scenario.fault.name()
-                ));
-            }
-            match scenario.fault {
-                Fault::DiskFull(_) => f.disk().unfill(),
-                Fault::DiskReadOnly(_) => f.disk().read_only(false),
-                _ => f.fsync_fault().fail(false),
-            }
-            if let Some(st) = p.probe().state().await {
-                notes.push(format!(
-                    "journal_dropped {}, journal_writes_failing {}",
-                    st.journal_dropped, st.journal_writes_failing
-                ));
-            }
-            p.proc.kill();
-            let end = t0.elapsed();
-            state_file_whole(&state, "after the disk fault", &mut violations);
-            let rows = journal_whole(&journal, &mut violations);
-            notes.push(format!("{rows} journal rows"));
-            end
+            disk_fault(scenario, d, f, p, t0, rec).await
         }
     };
-    // A 503 whose write reached the lease store unconfirmed (docs/ha.md): its outcome is
-    // unknown, and the store, so a successor, may hold it.
+    (fault_end, primary_must_not_act)
+}
+
+/// [`Fault::ClockJump`]: steps `clock` by `by` seconds, waits over a TTL of renewals, and
+/// checks that the step reached router `r` (the `side` it hits). When the step was made.
+async fn clock_jump(
+    side: Side,
+    by: i64,
+    clock: &MovableClock,
+    r: &RouterHandle,
+    t0: Instant,
+    rec: &mut Record,
+) -> Duration {
+    clock.set(by);
+    let at = t0.elapsed();
+    // Over a TTL of renewals on the stepped clock: a skew-driven takeover shows here.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // The step reached the router: its handoff document's `at` (its wall clock).
+    let shown = r.handoff().await["at"].as_f64();
+    let real = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("wall clock")
+        .as_secs_f64();
+    match shown {
+        Some(t) if (t - real - by as f64).abs() < 2.0 => {
+            rec.notes
+                .push(format!("{side:?} wall clock off by {:+.1} s", t - real));
+        }
+        _ => rec.violations.push(format!(
+            "the step did not reach the {side:?}: handoff at {shown:?}, real clock \
+             {real:.1}, step {by:+} s (a broken test, not a finding)"
+        )),
+    }
+    at
+}
+
+/// The disk faults ([`Fault::DiskFull`], [`Fault::DiskReadOnly`], [`Fault::FsyncError`]) on
+/// primary `p` for `d`: an action while the disk fails, the state file and journal whole
+/// during and after it, and the primary killed at the end. When it was killed.
+async fn disk_fault(
+    scenario: &Scenario,
+    d: Duration,
+    f: &Fleet,
+    p: &mut RouterHandle,
+    t0: Instant,
+    rec: &mut Record,
+) -> Duration {
+    let when = scenario.when;
+    let state = f.state_path("primary");
+    let journal = p.journal.clone();
+    let started = Instant::now();
+    let write_failures = || async {
+        crate::http::metric(
+            &p.metrics().await,
+            "narwhal_state_write_failures_total",
+            &[],
+        )
+        .unwrap_or(0.0)
+    };
+    let failures_before = write_failures().await;
+    match scenario.fault {
+        Fault::DiskFull(_) => {
+            let n = f.disk().fill();
+            rec.notes.push(format!("disk filled with {n} bytes"));
+        }
+        Fault::DiskReadOnly(_) => f.disk().read_only(true),
+        _ => f.fsync_fault().fail(true),
+    }
+    // An action while the disk fails, acknowledged only if durable where a successor
+    // reads it (docs/ha.md): p1's drain cancelled after an acknowledged drain, p1
+    // drained again after an acknowledged readmission (none while a validation runs).
+    let p1 = vec!["p1".to_string()];
+    let action = match when {
+        Timing::AfterDrainAck => Some(("cancel-drain", json!({"engines": p1}))),
+        Timing::AfterReadmitAck => Some(("drain", json!({"engines": p1, "deadline_s": 60}))),
+        _ => None,
+    };
+    let acted = action.is_some();
+    if let Some((name, body)) = action {
+        let st = post_in_background(p, name, body)
+            .await
+            .unwrap_or(None)
+            .map(|(st, _)| st);
+        rec.notes
+            .push(format!("{name} p1 on the failing disk: {st:?}"));
+        if st == Some(200) {
+            rec.acked.insert(
+                0,
+                if name == "drain" {
+                    Acked::Held(p1)
+                } else {
+                    Acked::Active(p1)
+                },
+            );
+        }
+    }
+    state_file_whole(&state, "during the disk fault", &mut rec.violations);
+    tokio::time::sleep(d.saturating_sub(started.elapsed())).await; // the fault itself
+    let failed_writes = write_failures().await - failures_before;
+    rec.notes
+        .push(format!("{failed_writes} state-file writes failed"));
+    if acted && failed_writes < 1.0 {
+        rec.violations.push(format!(
+            "no state-file write failed under the {} fault (a broken test, not a \
+             finding)",
+            scenario.fault.name()
+        ));
+    }
+    match scenario.fault {
+        Fault::DiskFull(_) => f.disk().unfill(),
+        Fault::DiskReadOnly(_) => f.disk().read_only(false),
+        _ => f.fsync_fault().fail(false),
+    }
+    if let Some(st) = p.probe().state().await {
+        rec.notes.push(format!(
+            "journal_dropped {}, journal_writes_failing {}",
+            st.journal_dropped, st.journal_writes_failing
+        ));
+    }
+    p.proc.kill();
+    let end = t0.elapsed();
+    state_file_whole(&state, "after the disk fault", &mut rec.violations);
+    let rows = journal_whole(&journal, &mut rec.violations);
+    rec.notes.push(format!("{rows} journal rows"));
+    end
+}
+
+/// How the readmission the fault interrupted (if any) was answered: `(its status, None when
+/// it got no answer; whether a 503 said its outcome is unknown)`, a refusal noted in `notes`.
+async fn interrupted_answer(
+    pending: Option<Pending>,
+    notes: &mut Vec<String>,
+) -> (Option<Option<u16>>, bool) {
     let mut outcome_unknown = false;
     let interrupted = match pending {
         Some(h) => {
@@ -852,13 +1025,12 @@ pub async fn run(scenario: Scenario) -> Outcome {
         }
         None => None,
     };
-    if interrupted == Some(Some(200)) {
-        let engines = if when.wave() { all.clone() } else { p1.clone() };
-        acked.insert(0, Acked::Active(engines));
-    }
-    // Settle: one router controls the fleet (bounded well past the rule's TTL + 1 s, which
-    // the samples judge).
-    let routers = [&p, &s];
+    (interrupted, outcome_unknown)
+}
+
+/// Waits (up to 200 polls 50 ms apart) until one of `routers` reports it controls the fleet:
+/// its index (the last such when both do).
+async fn settle(routers: [&RouterHandle; 2]) -> Option<usize> {
     let mut controller = None;
     for _ in 0..200 {
         for (k, r) in routers.iter().enumerate() {
@@ -871,96 +1043,50 @@ pub async fn run(scenario: Scenario) -> Outcome {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // A second of samples after the settle.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    stop.store(true, Ordering::Relaxed);
-    let _ = load.await;
-    let samples = sampler.stop().await;
-    let (mut sample_violations, controller_after_s) = judge_samples(&samples, fault_end);
-    violations.append(&mut sample_violations);
-    if let Some((from, to)) = primary_must_not_act {
-        for smp in samples.iter().filter(|x| x.at > from && x.at <= to) {
-            if active(&smp.value[0]) {
-                violations.push(format!(
-                    "the primary, cut off from etcd, still reported active at {:?} (after \
-                     {from:?}, a TTL past the cut)",
-                    smp.at
-                ));
-                break;
-            }
-        }
-    }
-    if let Fault::ClockJump(..) = scenario.fault {
-        judge_clock_step(&samples, fault_end, &mut violations);
-        if controller != Some(0) {
-            violations.push(format!(
-                "the fleet left its live, renewing holder after a wall-clock step (controller \
-                 at the end: {controller:?})"
+    controller
+}
+
+/// A partition: the primary, cut off from etcd, must not report `active` in the samples of
+/// `(from, to]` (a TTL past the cut, to the heal).
+fn judge_partition(
+    samples: &[Sample<Pair>],
+    (from, to): (Duration, Duration),
+    v: &mut Vec<String>,
+) {
+    for smp in samples.iter().filter(|x| x.at > from && x.at <= to) {
+        if active(&smp.value[0]) {
+            v.push(format!(
+                "the primary, cut off from etcd, still reported active at {:?} (after \
+                 {from:?}, a TTL past the cut)",
+                smp.at
             ));
-        } else {
-            let now = p.ha().await;
-            if (now.epoch, now.holder.as_str()) != (epoch, holder.as_str()) {
-                violations.push(format!(
-                    "the lease moved after a wall-clock step: epoch {epoch} holder {holder} \
-                     before, epoch {} holder {} after",
-                    now.epoch, now.holder
-                ));
-            }
+            break;
         }
     }
-    let limit = LEASE_TTL_S + 1.0;
-    match controller_after_s {
-        Some(d) if d <= limit => {}
-        Some(d) => violations.push(format!(
-            "a controller only {d:.3} s after the fault ended (limit {limit} s)"
-        )),
-        None => violations.push("no controller sampled after the fault".into()),
-    }
-    let mut end_epoch = None;
-    if let Some(k) = controller {
-        let ha = routers[k].ha().await;
-        notes.push(format!(
-            "controller at the end: {} (epoch {} before the fault, {} at the end)",
-            ["primary", "standby"][k],
-            epoch,
-            ha.epoch
+}
+
+/// A wall-clock step must leave the lease where it was: primary `p` (router 0) controls the
+/// fleet at the end under the `(epoch, holder)` of `before`.
+async fn judge_clock_lease(
+    p: &RouterHandle,
+    controller: Option<usize>,
+    (epoch, holder): (u64, &str),
+    v: &mut Vec<String>,
+) {
+    if controller != Some(0) {
+        v.push(format!(
+            "the fleet left its live, renewing holder after a wall-clock step (controller \
+             at the end: {controller:?})"
         ));
-        end_epoch = Some(ha.epoch);
-    }
-    // A readmission answered 503 (not acknowledged) or not at all may have taken effect: it
-    // stays in the memory of the router that made it (docs/ha.md, "Failover without loss"),
-    // which publishes it when it controls the fleet again under the same epoch. Only then is
-    // the engine's state undetermined; on a successor, or under a later epoch, the earlier
-    // acknowledged action must hold, unless the 503 said its outcome is unknown (the lease
-    // store got the write and did not confirm it: a successor may read it).
-    let same_control = controller == Some(0) && end_epoch == Some(epoch);
-    let undetermined: Vec<String> = match interrupted {
-        Some(None | Some(503)) if same_control || outcome_unknown => {
-            let engines = if when.wave() { all.clone() } else { p1.clone() };
-            notes.push(if same_control {
-                format!(
-                    "{engines:?} undetermined: the unacknowledged readmission's router kept \
-                     epoch {epoch}"
-                )
-            } else {
-                format!("{engines:?} undetermined: the readmission's outcome is unknown")
-            });
-            engines
+    } else {
+        let now = p.ha().await;
+        if (now.epoch, now.holder.as_str()) != (epoch, holder) {
+            v.push(format!(
+                "the lease moved after a wall-clock step: epoch {epoch} holder {holder} \
+                 before, epoch {} holder {} after",
+                now.epoch, now.holder
+            ));
         }
-        _ => Vec::new(),
-    };
-    match controller {
-        None => violations.push("no router controls the fleet at the end".into()),
-        Some(k) => check_acked(routers[k], &f, &acked, &undetermined, &mut violations).await,
-    }
-    Outcome {
-        scenario,
-        violations,
-        controller_after_s,
-        samples: samples.len(),
-        acked,
-        interrupted,
-        notes,
     }
 }
 

@@ -401,50 +401,12 @@ impl FleetBuilder {
             Some(c) => Clients::identity(c, "operator"),
             None => Clients::plain(),
         };
-        let args: Vec<&str> = self.sim_args.iter().map(String::as_str).collect();
-        let mut kv_keys = Vec::new();
-        let sims: Vec<SimHandle> = self
-            .engines
-            .iter()
-            .map(|spec| {
-                let mut spec = spec.clone().args(&args);
-                if self.kv_events {
-                    // Below the ephemeral range: a port released by `bind(:0)` may be the next
-                    // outgoing connection's before the simulator binds it (crate::ports).
-                    let dp = self.data_parallel;
-                    let (p, r) = (engine_ports(dp), engine_ports(dp));
-                    let cfg = json!({"enable_kv_cache_events": true, "publisher": "zmq",
-                        "endpoint": format!("tcp://*:{p}"),
-                        "replay_endpoint": format!("tcp://*:{r}"), "topic": "kv"});
-                    spec = spec.args(&["--kv-events-config", &cfg.to_string()]);
-                    let mut keys = json!({"endpoint": format!("tcp://127.0.0.1:{p}"),
-                        "replay_endpoint": format!("tcp://127.0.0.1:{r}"), "topic": "kv"});
-                    if dp > 1 {
-                        spec = spec.args(&["--data-parallel-size", &dp.to_string()]);
-                        keys["data_parallel_size"] = json!(dp);
-                    }
-                    kv_keys.push((spec.iid.clone(), json!({ "kv_events": keys })));
-                }
-                start_sim(dir.path(), &spec, &self.dialect)
-                    .unwrap_or_else(|e| panic!("simulator {}: {e}", spec.iid))
-            })
-            .collect();
-        let contract = self.contract.as_ref().map(|doc| {
-            let path = dir.path().join("engine-attestation.json");
-            std::fs::write(&path, doc.to_string()).expect("contract document");
-            path
-        });
-        let key_file = self.engine_key.as_ref().map(|key| {
-            let path = dir.path().join("engine-api.key");
-            std::fs::write(&path, format!("{key}\n")).expect("engine key file");
-            path
-        });
+        let (sims, kv_keys) = self.start_sims(dir.path());
         let router_env: Vec<(String, String)> = self
             .engine_key
             .iter()
             .map(|k| (ENGINE_KEY_VAR.to_string(), k.clone()))
             .collect();
-        let mut agents = Vec::new();
         let mut base = FleetSpec::for_sims(&self.dialect, &sims).with(self.overrides.clone());
         for iid in &self.pins {
             base = base.pin(iid);
@@ -452,43 +414,8 @@ impl FleetBuilder {
         for (iid, keys) in kv_keys.into_iter().chain(self.engine_keys.iter().cloned()) {
             base = base.engine_with(&iid, keys);
         }
-        for (host, iids) in &hosts {
-            let mine: Vec<&SimHandle> = iids
-                .iter()
-                .map(|iid| {
-                    sims.iter()
-                        .find(|s| &s.iid == iid)
-                        .unwrap_or_else(|| panic!("host {host}: no engine {iid}"))
-                })
-                .collect();
-            let certs = certs.as_ref().expect("certificates");
-            let a = start_agent_keyed(
-                dir.path(),
-                certs,
-                host,
-                &mine,
-                contract.as_deref(),
-                key_file.as_deref(),
-            )
-            .unwrap_or_else(|e| panic!("agent {host}: {e}"));
-            for iid in iids {
-                base = base.agent(iid, &a);
-            }
-            agents.push(a);
-        }
-        let (lease, etcd) = match self.lease {
-            None => (None, None),
-            Some(LeaseBackend::File) => (
-                Some(json!({"backend": "file", "path": dir.path().join("router.lease")})),
-                None,
-            ),
-            Some(LeaseBackend::Etcd) => {
-                let etcd = Etcd::start(crate::etcd::EtcdOptions::default()).await;
-                let l = json!({"backend": "etcd", "endpoints": [etcd.endpoint],
-                               "key": "/narwhal/test/lease"});
-                (Some(l), Some(etcd))
-            }
-        };
+        let (base, agents) = self.start_agents(dir.path(), &hosts, &sims, certs.as_ref(), base);
+        let (lease, etcd) = self.start_lease(dir.path()).await;
         let etcd_proxy = match (&etcd, self.etcd_proxy) {
             (Some(e), true) => Some(Proxy::start(&e.endpoint).await),
             _ => None,
@@ -532,6 +459,114 @@ impl FleetBuilder {
             let under = narwhal_shared::atomic::parent_dir(&state).join(format!(".{name}"));
             fleet.fsync = Some(FsyncFault::new(&fleet.dir().join("fsync.flag"), &under));
         }
+        self.start_routers(&mut fleet).await;
+        fleet
+    }
+
+    /// Starts the simulators under `dir` (with `kv_events`, each publishing KV events on ports
+    /// of its own): them, and the fleet-file keys that name each one's event endpoints.
+    fn start_sims(&self, dir: &Path) -> (Vec<SimHandle>, Vec<(String, Value)>) {
+        let args: Vec<&str> = self.sim_args.iter().map(String::as_str).collect();
+        let mut kv_keys = Vec::new();
+        let sims: Vec<SimHandle> = self
+            .engines
+            .iter()
+            .map(|spec| {
+                let mut spec = spec.clone().args(&args);
+                if self.kv_events {
+                    // Below the ephemeral range: a port released by `bind(:0)` may be the next
+                    // outgoing connection's before the simulator binds it (crate::ports).
+                    let dp = self.data_parallel;
+                    let (p, r) = (engine_ports(dp), engine_ports(dp));
+                    let cfg = json!({"enable_kv_cache_events": true, "publisher": "zmq",
+                        "endpoint": format!("tcp://*:{p}"),
+                        "replay_endpoint": format!("tcp://*:{r}"), "topic": "kv"});
+                    spec = spec.args(&["--kv-events-config", &cfg.to_string()]);
+                    let mut keys = json!({"endpoint": format!("tcp://127.0.0.1:{p}"),
+                        "replay_endpoint": format!("tcp://127.0.0.1:{r}"), "topic": "kv"});
+                    if dp > 1 {
+                        spec = spec.args(&["--data-parallel-size", &dp.to_string()]);
+                        keys["data_parallel_size"] = json!(dp);
+                    }
+                    kv_keys.push((spec.iid.clone(), json!({ "kv_events": keys })));
+                }
+                start_sim(dir, &spec, &self.dialect)
+                    .unwrap_or_else(|e| panic!("simulator {}: {e}", spec.iid))
+            })
+            .collect();
+        (sims, kv_keys)
+    }
+
+    /// Writes the contract document and the engine key file (when set) under `dir`, then
+    /// starts an agent per host of `hosts` over its engines of `sims`: `base` naming each
+    /// engine's agent, and the agents.
+    fn start_agents(
+        &self,
+        dir: &Path,
+        hosts: &[(String, Vec<String>)],
+        sims: &[SimHandle],
+        certs: Option<&DevCerts>,
+        mut base: FleetSpec,
+    ) -> (FleetSpec, Vec<AgentHandle>) {
+        let contract = self.contract.as_ref().map(|doc| {
+            let path = dir.join("engine-attestation.json");
+            std::fs::write(&path, doc.to_string()).expect("contract document");
+            path
+        });
+        let key_file = self.engine_key.as_ref().map(|key| {
+            let path = dir.join("engine-api.key");
+            std::fs::write(&path, format!("{key}\n")).expect("engine key file");
+            path
+        });
+        let mut agents = Vec::new();
+        for (host, iids) in hosts {
+            let mine: Vec<&SimHandle> = iids
+                .iter()
+                .map(|iid| {
+                    sims.iter()
+                        .find(|s| &s.iid == iid)
+                        .unwrap_or_else(|| panic!("host {host}: no engine {iid}"))
+                })
+                .collect();
+            let certs = certs.expect("certificates");
+            let a = start_agent_keyed(
+                dir,
+                certs,
+                host,
+                &mine,
+                contract.as_deref(),
+                key_file.as_deref(),
+            )
+            .unwrap_or_else(|e| panic!("agent {host}: {e}"));
+            for iid in iids {
+                base = base.agent(iid, &a);
+            }
+            agents.push(a);
+        }
+        (base, agents)
+    }
+
+    /// The lease document of [`FleetBuilder::lease`] (a file under `dir`, or a fresh etcd
+    /// started here), and that etcd.
+    async fn start_lease(&self, dir: &Path) -> (Option<Value>, Option<Etcd>) {
+        match self.lease {
+            None => (None, None),
+            Some(LeaseBackend::File) => (
+                Some(json!({"backend": "file", "path": dir.join("router.lease")})),
+                None,
+            ),
+            Some(LeaseBackend::Etcd) => {
+                let etcd = Etcd::start(crate::etcd::EtcdOptions::default()).await;
+                let l = json!({"backend": "etcd", "endpoints": [etcd.endpoint],
+                               "key": "/narwhal/test/lease"});
+                (Some(l), Some(etcd))
+            }
+        }
+    }
+
+    /// Starts the builder's routers on `fleet`: none, one (waiting for its startup identity
+    /// check with agents), a primary, or a primary and its standby.
+    async fn start_routers(&self, fleet: &mut Fleet) {
         match (self.routers, fleet.lease.is_some()) {
             (Routers::None, _) => {}
             (Routers::One, false) => {
@@ -555,7 +590,6 @@ impl FleetBuilder {
                 fleet.router = Some(p);
             }
         }
-        fleet
     }
 }
 

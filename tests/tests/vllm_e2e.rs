@@ -601,6 +601,45 @@ async fn aggregated_fleet_on_real_vllm() {
     let _stage = STAGE.lock().await;
     let venv = venv();
     let dir = tempfile::tempdir().expect("tempdir");
+    let (mut engines, r) = aggregated_fleet(&venv, dir.path()).await;
+
+    // (a) Every shape, through the router and straight to an engine: equal answers.
+    let direct = engines[0].url.clone();
+    shapes_answer_as_vllm(&r, &direct).await;
+    refusals_answer_as_vllm(&r, &direct).await;
+
+    // A client that disconnects mid-stream: the engine aborts the request.
+    disconnect_aborts(&r, &engines).await;
+
+    // (d) KV events: prefix A stored on e0 and prefix B on e1, each by a request sent to that
+    // engine directly, so the router knows them only from the engines' BlockStored events.
+    let state = placement_by_kv_events(&r, &engines).await;
+
+    // (e) Keys beyond tokens, on vLLM itself. A salted prompt whose unsalted twin both engines
+    // already hold (vLLM hashes the salt into its first block), the same prompt as token ids,
+    // and a chat request with `add_special_tokens` (the tokenizer's BOS, which this model's
+    // chat template does not write) and `tools` (with `tool_choice` "none": "auto" needs a
+    // tool parser this engine is not started with; its template renders no tools): each twice, with another tail the second
+    // time. On every request the router's credit is what vLLM itself then served from its
+    // cache (the journal's `cached_tokens` against `engine_cached_tokens`), never more; the
+    // salted one is credited nothing at first though its tokens are held unsalted, and every
+    // second request is a hit of the first's blocks.
+    keys_beyond_tokens(&r, &engines).await;
+
+    // An unplanned `kill -9` of e1 (no drain): every request is still served, by e0; e1 is
+    // ejected; once a new e1 serves on the same port it is readmitted by the breaker's probe,
+    // holding none of what the old process's events stored.
+    let resets = state["kv_index"]["engines"]["e1"]["resets"]
+        .as_u64()
+        .unwrap_or(0);
+    kill_9_and_readmission(&r, &mut engines, resets).await;
+    drop(r);
+    drop(engines);
+}
+
+/// The aggregated fleet: two engines publishing KV events (side ports 0 and 1), healthy, and
+/// the router over them, serving.
+async fn aggregated_fleet(venv: &Path, dir: &Path) -> (Vec<Vllm>, RouterHandle) {
     // Side ports 0 and 1: the KV-event publisher and its replay socket.
     let events = json!({"enable_kv_cache_events": true, "publisher": "zmq",
                         "endpoint": "tcp://*:@port0@", "replay_endpoint": "tcp://*:@port1@",
@@ -609,8 +648,8 @@ async fn aggregated_fleet_on_real_vllm() {
         .iter()
         .map(|iid| {
             Vllm::spawn(
-                &venv,
-                dir.path(),
+                venv,
+                dir,
                 iid,
                 2,
                 &[
@@ -631,7 +670,7 @@ async fn aggregated_fleet_on_real_vllm() {
                              "topic": "kv"}})
     };
     let r = router(
-        dir.path(),
+        dir,
         &[
             ("e0", &engines[0].url, "decode", keys(&engines[0])),
             ("e1", &engines[1].url, "decode", keys(&engines[1])),
@@ -639,9 +678,12 @@ async fn aggregated_fleet_on_real_vllm() {
         json!({}),
     );
     routed_ok(&r).await;
+    (engines, r)
+}
 
-    // (a) Every shape, through the router and straight to an engine: equal answers.
-    let direct = engines[0].url.clone();
+/// (a) Every request shape, through the router `r` and straight to the engine at `direct`,
+/// answered and streamed: equal answers.
+async fn shapes_answer_as_vllm(r: &RouterHandle, direct: &str) {
     let shapes: Vec<(&str, &str, Value)> = vec![
         (
             "completion",
@@ -700,14 +742,14 @@ async fn aggregated_fleet_on_real_vllm() {
         let mut body = body.clone();
         body["model"] = json!(MODEL);
         let (s1, routed) = post(&r.data, path, &body).await;
-        let (s2, own) = post(&direct, path, &body).await;
+        let (s2, own) = post(direct, path, &body).await;
         assert_eq!((s1, s2), (200, 200), "{what}: {routed} / {own}");
         assert_eq!(norm(routed), norm(own), "{what}: routed vs vLLM's own");
         // The same request streamed, with usage: the same events.
         body["stream"] = json!(true);
         body["stream_options"] = json!({"include_usage": true});
         let (s1, routed) = post_stream(&r.data, path, &body).await;
-        let (s2, own) = post_stream(&direct, path, &body).await;
+        let (s2, own) = post_stream(direct, path, &body).await;
         assert_eq!(
             (s1, s2),
             (200, 200),
@@ -724,10 +766,16 @@ async fn aggregated_fleet_on_real_vllm() {
             "{what} streamed: routed vs vLLM's own"
         );
     }
+}
+
+/// vLLM's refusals (a prompt over `--max-model-len`, its own request validation) reach the
+/// client through the router `r` as the engine at `direct` words them; a model the fleet does
+/// not serve is refused by the router itself with vLLM's status.
+async fn refusals_answer_as_vllm(r: &RouterHandle, direct: &str) {
     // An engine's refusal keeps its status and words.
     let too_long = json!({"model": MODEL, "prompt": long_prompt(0, 1100), "max_tokens": 4});
     let (s1, routed) = post(&r.data, "/v1/completions", &too_long).await;
-    let (s2, own) = post(&direct, "/v1/completions", &too_long).await;
+    let (s2, own) = post(direct, "/v1/completions", &too_long).await;
     assert_eq!(s2, 400, "vLLM refuses a prompt over --max-model-len: {own}");
     assert_eq!(s1, s2, "{routed}");
     assert_eq!(
@@ -761,7 +809,7 @@ async fn aggregated_fleet_on_real_vllm() {
     for (what, path, mut body) in refused {
         body["model"] = json!(MODEL);
         let (s1, routed) = post(&r.data, path, &body).await;
-        let (s2, own) = post(&direct, path, &body).await;
+        let (s2, own) = post(direct, path, &body).await;
         assert_eq!((s1, s2), (400, 400), "{what}: {routed} / {own}");
         assert_eq!(
             routed["error"]["message"], own["error"]["message"],
@@ -771,14 +819,13 @@ async fn aggregated_fleet_on_real_vllm() {
     // A model this fleet does not serve: the router refuses it itself, with vLLM's status.
     let other = json!({"model": "nope", "prompt": "a", "max_tokens": 2});
     let (s1, routed) = post(&r.data, "/v1/completions", &other).await;
-    let (s2, own) = post(&direct, "/v1/completions", &other).await;
+    let (s2, own) = post(direct, "/v1/completions", &other).await;
     assert_eq!((s1, s2), (404, 404), "{routed} / {own}");
+}
 
-    // A client that disconnects mid-stream: the engine aborts the request.
-    disconnect_aborts(&r, &engines).await;
-
-    // (d) KV events: prefix A stored on e0 and prefix B on e1, each by a request sent to that
-    // engine directly, so the router knows them only from the engines' BlockStored events.
+/// (d) Placement by the engines' own KV events: each routed request sharing a prefix that one
+/// engine holds goes to that engine, a cache hit there. The router's state afterwards.
+async fn placement_by_kv_events(r: &RouterHandle, engines: &[Vllm]) -> Value {
     let prefix = [long_prompt(1, 420), long_prompt(2, 420)];
     let prefix_tokens = engines[0].tokens(&prefix[0]).await;
     assert!(
@@ -856,18 +903,14 @@ async fn aggregated_fleet_on_real_vllm() {
         "{}",
         state["kv_index"]
     );
+    state
+}
 
-    // (e) Keys beyond tokens, on vLLM itself. A salted prompt whose unsalted twin both engines
-    // already hold (vLLM hashes the salt into its first block), the same prompt as token ids,
-    // and a chat request with `add_special_tokens` (the tokenizer's BOS, which this model's
-    // chat template does not write) and `tools` (with `tool_choice` "none": "auto" needs a
-    // tool parser this engine is not started with; its template renders no tools): each twice, with another tail the second
-    // time. On every request the router's credit is what vLLM itself then served from its
-    // cache (the journal's `cached_tokens` against `engine_cached_tokens`), never more; the
-    // salted one is credited nothing at first though its tokens are held unsalted, and every
-    // second request is a hit of the first's blocks.
+/// (e) Keys beyond tokens (a cache salt, token ids, a chat with `add_special_tokens` and
+/// `tools`), each twice: the router credits at most what vLLM served from its cache.
+async fn keys_beyond_tokens(r: &RouterHandle, engines: &[Vllm]) {
     let twin = long_prompt(3, 420);
-    for e in &engines {
+    for e in engines {
         let body = json!({"model": MODEL, "prompt": format!("{twin} plain"), "max_tokens": 1});
         let (s, v) = post(&e.url, "/v1/completions", &body).await;
         assert_eq!(s, 200, "{v}");
@@ -948,13 +991,11 @@ async fn aggregated_fleet_on_real_vllm() {
             }
         }
     }
+}
 
-    // An unplanned `kill -9` of e1 (no drain): every request is still served, by e0; e1 is
-    // ejected; once a new e1 serves on the same port it is readmitted by the breaker's probe,
-    // holding none of what the old process's events stored.
-    let resets = state["kv_index"]["engines"]["e1"]["resets"]
-        .as_u64()
-        .unwrap_or(0);
+/// `kill -9` of e1 without a drain: every request served meanwhile, e1 ejected, then
+/// readmitted once a new process serves, its index entries (`resets` before) dropped.
+async fn kill_9_and_readmission(r: &RouterHandle, engines: &mut [Vllm], resets: u64) {
     engines[1].stop();
     let served = std::sync::atomic::AtomicU64::new(0);
     let ejected = wait_until(Duration::from_secs(60), || async {
@@ -1002,8 +1043,6 @@ async fn aggregated_fleet_on_real_vllm() {
     )
     .await;
     assert_eq!(s, 200, "{v}");
-    drop(r);
-    drop(engines);
 }
 
 /// Opens a routed stream of 1,000 tokens (`ignore_eos`), reads its first chunk and drops the
@@ -1063,6 +1102,35 @@ async fn pd_over_nixl_and_readmission_through_agents() {
     let _stage = STAGE.lock().await;
     let venv = venv();
     let dir = tempfile::tempdir().expect("tempdir");
+    let (mut p0, d0) = pd_engines(&venv, dir.path()).await;
+    let (r, h0, h1) = pd_router_through_agents(dir.path(), &p0, &d0).await;
+
+    // (c) A routed request's KV crosses NIXL: the decode receives the prompt by transfer.
+    transfer("first split", 5, &p0, &d0, &r).await;
+    // (e) A client gone after the handoff still has its staged KV read.
+    gone_after_the_handoff(dir.path(), &p0, &d0).await;
+
+    // (b) Drain the prefill; readmission is refused before a restart and while the new vLLM
+    // loads, then passes every check through the agent.
+    readmission_through_the_agent(&r, &mut p0, &d0).await;
+    // Back in placement: a split request transfers again.
+    transfer("after readmission", 6, &p0, &d0, &r).await;
+
+    // `cancel-drain`: a drained prefill taken back before any restart keeps its process (no
+    // readmission checks) and is placed again.
+    r.drain_to_complete("p0").await;
+    let (status, doc) = r.cancel_drain(&json!({"engines": ["p0"]})).await;
+    assert_eq!(status, 200, "{doc:#}");
+    r.engine_state_until("p0", "active").await;
+    transfer("after cancel-drain", 7, &p0, &d0, &r).await;
+    drop(r);
+    drop((h0, h1));
+    drop((p0, d0));
+}
+
+/// The P/D pair with the NixlConnector on host memory (side port 0: the NIXL side channel):
+/// a `kv_producer` prefill `p0` and a `kv_consumer` decode `d0`, both healthy.
+async fn pd_engines(venv: &Path, dir: &Path) -> (Vllm, Vllm) {
     let kv = |role: &str| {
         json!({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
             .to_string()
@@ -1073,16 +1141,16 @@ async fn pd_over_nixl_and_readmission_through_agents() {
         ("VLLM_NIXL_SIDE_CHANNEL_PORT", "@port0@".to_string()),
     ];
     let mut p0 = Vllm::spawn(
-        &venv,
-        dir.path(),
+        venv,
+        dir,
         "p0",
         1,
         &["--kv-transfer-config".into(), kv("kv_producer")],
         &side,
     );
     let mut d0 = Vllm::spawn(
-        &venv,
-        dir.path(),
+        venv,
+        dir,
         "d0",
         1,
         &["--kv-transfer-config".into(), kv("kv_consumer")],
@@ -1090,16 +1158,30 @@ async fn pd_over_nixl_and_readmission_through_agents() {
     );
     p0.healthy().await;
     d0.healthy().await;
+    (p0, d0)
+}
 
+/// An agent per engine (`h0` for `p0`, `h1` for `d0`) over mutual TLS and the router over
+/// both with fixed KV roles, every process identity accepted and serving: the router and the
+/// agents.
+async fn pd_router_through_agents(
+    dir: &Path,
+    p0: &Vllm,
+    d0: &Vllm,
+) -> (
+    RouterHandle,
+    narwhal_testkit::AgentHandle,
+    narwhal_testkit::AgentHandle,
+) {
     let certs = make_dev_certs(
-        &dir.path().join("certs"),
+        &dir.join("certs"),
         &["router", "operator", "agent-h0", "agent-h1"],
     )
     .expect("dev certificates");
     let timeouts = json!({"engine_s": 30, "generation_s": 120});
     let agent = |id: &str, e: &Vllm| {
         start_agent_for(
-            dir.path(),
+            dir,
             &certs,
             id,
             &[AgentEngine {
@@ -1115,13 +1197,13 @@ async fn pd_over_nixl_and_readmission_through_agents() {
         )
         .unwrap_or_else(|e| panic!("agent {id}: {e}"))
     };
-    let (h0, h1) = (agent("h0", &p0), agent("h1", &d0));
+    let (h0, h1) = (agent("h0", p0), agent("h1", d0));
     let pin = |a: &narwhal_testkit::AgentHandle| {
         json!({"url": a.url, "server_name": a.server_name, "public_key": a.public_key,
                "agent_id": a.agent_id})
     };
     let r = router(
-        dir.path(),
+        dir,
         &[
             (
                 "p0",
@@ -1145,13 +1227,14 @@ async fn pd_over_nixl_and_readmission_through_agents() {
     })
     .await;
     routed_ok(&r).await;
+    (r, h0, h1)
+}
 
-    // (c) A routed request's KV crosses NIXL: the decode receives the prompt by transfer.
-    transfer("first split", 5, &p0, &d0, &r).await;
-    // (e) A client gone after the handoff still has its staged KV read.
-    gone_after_the_handoff(dir.path(), &p0, &d0).await;
-
-    // (b) Drain the prefill; readmission is refused before a restart.
+/// (b) Drains the prefill `p0` and restarts it: readmission is refused before the restart and
+/// while the new vLLM loads, then passes every check through its agent (attesting vLLM's own
+/// process start, moving KV over NIXL to `d0`), with confirmed KV evidence.
+async fn readmission_through_the_agent(r: &RouterHandle, p0: &mut Vllm, d0: &Vllm) {
+    // Readmission is refused before a restart.
     let doc = r.drain_to_complete("p0").await;
     let old = doc["engines"]["p0"]["old_process_start"]
         .as_f64()
@@ -1216,19 +1299,6 @@ async fn pd_over_nixl_and_readmission_through_agents() {
         Some(true),
         "recomputed evidence from vllm:prompt_tokens_by_source_total: {ev}"
     );
-    // Back in placement: a split request transfers again.
-    transfer("after readmission", 6, &p0, &d0, &r).await;
-
-    // `cancel-drain`: a drained prefill taken back before any restart keeps its process (no
-    // readmission checks) and is placed again.
-    r.drain_to_complete("p0").await;
-    let (status, doc) = r.cancel_drain(&json!({"engines": ["p0"]})).await;
-    assert_eq!(status, 200, "{doc:#}");
-    r.engine_state_until("p0", "active").await;
-    transfer("after cancel-drain", 7, &p0, &d0, &r).await;
-    drop(r);
-    drop((h0, h1));
-    drop((p0, d0));
 }
 
 /// A client that leaves after the prefill handed off its KV and before the decode engine took

@@ -351,21 +351,7 @@ async fn run(
     let router_cpus = pinning.as_ref().map(|p| &p.router);
 
     // The engines, on this process's CPUs.
-    let threads = args.sim_threads.to_string();
-    let sim_args = ["--threads", threads.as_str()];
-    let start = |iid: &str, role: &str, dialect: &str| {
-        start_sim(
-            dir.path(),
-            &EngineSpec::new(iid, role).args(&sim_args),
-            dialect,
-        )
-        .map_err(|e| format!("simulator {iid}: {e}"))
-    };
-    let engines = Engines {
-        agg: start("e0", "decode", "vllm")?,
-        prefill: start("p0", "prefill", &args.dialect)?,
-        decode: start("d0", "decode", &args.dialect)?,
-    };
+    let engines = start_engines(args, dir.path())?;
 
     // Our router twice, on the router CPUs.
     let pd_fleet = fleet(&args.dialect, &[&engines.prefill, &engines.decode]);
@@ -378,221 +364,42 @@ async fn run(
     };
     let ours_pd: RouterHandle = launch("ours-pd", &pd_fleet)?;
     let ours_agg: RouterHandle = launch("ours-agg", &agg_fleet)?;
-
-    let mut targets = vec![
-        Target {
-            name: "direct".into(),
-            kind: Kind::Direct,
-            peer: false,
-            addr: addr_of(&engines.agg.url)?,
-            pid: None,
-            command: None,
-        },
-        Target {
-            name: "ours-pd".into(),
-            kind: Kind::Pd,
-            peer: false,
-            addr: addr_of(&ours_pd.data)?,
-            pid: Some(ours_pd.proc.pid()),
-            command: None,
-        },
-        Target {
-            name: "ours-agg".into(),
-            kind: Kind::Agg,
-            peer: false,
-            addr: addr_of(&ours_agg.data)?,
-            pid: Some(ours_agg.proc.pid()),
-            command: None,
-        },
-    ];
+    let mut targets = own_targets(&engines, &ours_pd, &ours_agg)?;
 
     // The peers, on the router CPUs.
-    let mut peer_procs = Vec::new();
-    for p in peers {
-        let (port, command, proc) =
-            spawn_peer(p, &PeerEngines::of(&engines), dir.path(), router_cpus)?;
-        targets.push(Target {
-            name: p.name.clone(),
-            kind: p.kind,
-            peer: true,
-            addr: SocketAddr::from(([127, 0, 0, 1], port)),
-            pid: Some(proc.pid),
-            command: Some(command),
-        });
-        peer_procs.push((p.name.clone(), proc));
-    }
+    let mut peer_procs = start_peers(peers, &engines, dir.path(), router_cpus, &mut targets)?;
 
     // Every target answers, and answers what the engine itself answers.
     let timeout = Duration::from_secs_f64(args.request_timeout);
-    let probe = |stream: bool| load::body(MODEL, usize::MAX, args.tokens, stream);
-    let start_probe = Probe::starting_now(args.tokens, false, timeout, args.start_timeout);
-    for t in &targets {
-        let proc = peer_procs
-            .iter_mut()
-            .find(|(n, _)| *n == t.name)
-            .map(|(_, p)| p);
-        first_answer(&t.name, t.addr, proc, &start_probe).await?;
-    }
-    let mut reference = BTreeMap::new();
-    for t in &targets {
-        for stream in [false, true] {
-            let (status, body) = load::once(t.addr, probe(stream), timeout)
-                .await
-                .map_err(|e| format!("{} probe: {e}", t.name))?;
-            let text = if status == 200 {
-                load::answer_text(stream, &body)
-            } else {
-                Err(format!("status {status}"))
-            };
-            let text = text.map_err(|e| {
-                format!(
-                    "{} probe (stream {stream}): {e}: {}",
-                    t.name,
-                    String::from_utf8_lossy(&body[..body.len().min(500)])
-                )
-            })?;
-            match reference.get(&stream) {
-                None => {
-                    reference.insert(stream, text);
-                }
-                Some(want) if *want == text => {}
-                Some(want) => {
-                    return Err(format!(
-                        "{} (stream {stream}) answered {text:?}, the engine itself {want:?}",
-                        t.name
-                    ));
-                }
-            }
-        }
-    }
+    check_answers(args, &targets, &mut peer_procs, timeout).await?;
 
     // Header.
-    let mut head = format!(
-        "narwhal-bench: {} CPUs, {}; load average at start {:.2} {:.2} {:.2}\n",
+    let (head, target_json) = header(
+        args,
         cpus,
-        match &pinning {
-            Some(p) => format!(
-                "routers pinned to CPU {}, simulators and load generator to CPU {}",
-                procs::cpu_list(&p.router),
-                procs::cpu_list(&p.load)
-            ),
-            None => "no pinning".into(),
-        },
-        loadavg_start[0],
-        loadavg_start[1],
-        loadavg_start[2],
+        pinning.as_ref(),
+        loadavg_start,
+        &engines,
+        &targets,
     );
-    head.push_str(&format!(
-        "engines: aggregated vllm {} (direct, ours-agg and aggregated peers); P/D {} prefill {} + decode {}\n",
-        engines.agg.url, args.dialect, engines.prefill.url, engines.decode.url
-    ));
-    let mut target_json = Vec::new();
-    for t in &targets {
-        let cpus = t.pid.map(|p| procs::cpu_list(&procs::tree_cpus(p)));
-        head.push_str(&format!(
-            "  {}: {} at http://{}{}{}\n",
-            t.name,
-            t.kind.as_str(),
-            t.addr,
-            t.pid
-                .map(|p| format!(" pid {p} on CPU {}", cpus.clone().unwrap_or_default()))
-                .unwrap_or_default(),
-            t.command
-                .as_ref()
-                .map(|c| format!("\n      {c}"))
-                .unwrap_or_default()
-        ));
-        target_json.push(json!({
-            "name": t.name, "kind": t.kind.as_str(), "peer": t.peer,
-            "url": format!("http://{}", t.addr), "pid": t.pid, "cpus": cpus,
-            "command": t.command,
-        }));
-    }
     say(json_stdout, &head);
 
     // The sections.
-    let streams: Vec<bool> = match args.stream.as_str() {
-        "true" => vec![true],
-        "false" => vec![false],
-        _ => vec![true, false],
-    };
-    let throughput = args.compare || !args.latency;
-    let mut plan = Vec::new();
-    for &stream in &streams {
-        if throughput {
-            plan.push(("throughput", stream, args.concurrency, args.requests));
-        }
-        if args.latency {
-            plan.push(("latency", stream, 1, args.latency_requests));
-        }
-    }
+    let plan = section_plan(args);
     let clk = procs::clock_ticks();
     let mut next_prompt = 0usize;
     let mut sections = Vec::new();
-    for (mode, stream, concurrency, requests) in plan {
-        let shot = Shot {
-            concurrency,
-            requests,
-            tokens: args.tokens,
-            stream,
+    for planned in plan {
+        let section = measure_section(
+            args,
+            &targets,
+            &engines,
+            planned,
             timeout,
-            h2_streams: None,
-            rate: None,
-        };
-        let warm = Shot {
-            requests: args
-                .warmup
-                .unwrap_or_else(|| (requests / 10).max(concurrency)),
-            ..shot.clone()
-        };
-        for t in &targets {
-            if warm.requests > 0 {
-                load::drive(t.addr, MODEL, &warm, next_prompt).await;
-                next_prompt += warm.requests;
-            }
-        }
-        let mut runs: Vec<TargetRun> = targets
-            .iter()
-            .map(|t| TargetRun {
-                name: t.name.clone(),
-                kind: t.kind,
-                peer: t.peer,
-                windows: Vec::new(),
-            })
-            .collect();
-        for round in 0..args.rounds {
-            for k in 0..targets.len() {
-                let i = (k + round) % targets.len();
-                let t = &targets[i];
-                let stats_before = engines.stats(t.kind).await;
-                let cpu_before = t.pid.map(procs::tree_ticks);
-                let sample = load::drive(t.addr, MODEL, &shot, next_prompt).await;
-                let cpu_after = t.pid.map(procs::tree_ticks);
-                next_prompt += requests;
-                let rss = t.pid.map(procs::tree_memory_kib);
-                let stats_after = engines.stats(t.kind).await;
-                let cpu_s = match (&cpu_before, &cpu_after) {
-                    (Some(b), Some(a)) => Some(procs::ticks_between(b, a) as f64 / clk),
-                    _ => None,
-                };
-                runs[i].windows.push(Window::new(
-                    round,
-                    &sample,
-                    cpu_s,
-                    rss,
-                    engine_counts(t.kind, &stats_before, &stats_after),
-                    procs::loadavg(),
-                ));
-            }
-        }
-        let section = Section {
-            mode,
-            stream,
-            concurrency,
-            requests,
-            tokens: args.tokens,
-            targets: runs,
-        };
+            clk,
+            &mut next_prompt,
+        )
+        .await;
         say(json_stdout, &section.table());
         sections.push(section);
     }
@@ -637,6 +444,285 @@ async fn run(
     }
     drop(peer_procs);
     Ok(problems == 0)
+}
+
+/// The comparison's simulators, on this process's CPUs: the aggregated vLLM engine and the
+/// prefill/decode pair of `--dialect`.
+fn start_engines(args: &Args, dir: &std::path::Path) -> Result<Engines, String> {
+    let threads = args.sim_threads.to_string();
+    let sim_args = ["--threads", threads.as_str()];
+    let start = |iid: &str, role: &str, dialect: &str| {
+        start_sim(dir, &EngineSpec::new(iid, role).args(&sim_args), dialect)
+            .map_err(|e| format!("simulator {iid}: {e}"))
+    };
+    Ok(Engines {
+        agg: start("e0", "decode", "vllm")?,
+        prefill: start("p0", "prefill", &args.dialect)?,
+        decode: start("d0", "decode", &args.dialect)?,
+    })
+}
+
+/// The targets that are not peers: the aggregated engine itself, then our two routers.
+fn own_targets(
+    engines: &Engines,
+    ours_pd: &RouterHandle,
+    ours_agg: &RouterHandle,
+) -> Result<Vec<Target>, String> {
+    Ok(vec![
+        Target {
+            name: "direct".into(),
+            kind: Kind::Direct,
+            peer: false,
+            addr: addr_of(&engines.agg.url)?,
+            pid: None,
+            command: None,
+        },
+        Target {
+            name: "ours-pd".into(),
+            kind: Kind::Pd,
+            peer: false,
+            addr: addr_of(&ours_pd.data)?,
+            pid: Some(ours_pd.proc.pid()),
+            command: None,
+        },
+        Target {
+            name: "ours-agg".into(),
+            kind: Kind::Agg,
+            peer: false,
+            addr: addr_of(&ours_agg.data)?,
+            pid: Some(ours_agg.proc.pid()),
+            command: None,
+        },
+    ])
+}
+
+/// Starts every peer on `router_cpus` and appends it to `targets`: the processes, by name.
+fn start_peers(
+    peers: &[PeerSpec],
+    engines: &Engines,
+    dir: &std::path::Path,
+    router_cpus: Option<&BTreeSet<usize>>,
+    targets: &mut Vec<Target>,
+) -> Result<Vec<(String, PeerProc)>, String> {
+    let mut peer_procs = Vec::new();
+    for p in peers {
+        let (port, command, proc) = spawn_peer(p, &PeerEngines::of(engines), dir, router_cpus)?;
+        targets.push(Target {
+            name: p.name.clone(),
+            kind: p.kind,
+            peer: true,
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            pid: Some(proc.pid),
+            command: Some(command),
+        });
+        peer_procs.push((p.name.clone(), proc));
+    }
+    Ok(peer_procs)
+}
+
+/// Waits until every target answers, then checks that each answers (streamed and not) the
+/// text the first target (the engine itself) answers.
+async fn check_answers(
+    args: &Args,
+    targets: &[Target],
+    peer_procs: &mut [(String, PeerProc)],
+    timeout: Duration,
+) -> Result<(), String> {
+    let probe = |stream: bool| load::body(MODEL, usize::MAX, args.tokens, stream);
+    let start_probe = Probe::starting_now(args.tokens, false, timeout, args.start_timeout);
+    for t in targets {
+        let proc = peer_procs
+            .iter_mut()
+            .find(|(n, _)| *n == t.name)
+            .map(|(_, p)| p);
+        first_answer(&t.name, t.addr, proc, &start_probe).await?;
+    }
+    let mut reference = BTreeMap::new();
+    for t in targets {
+        for stream in [false, true] {
+            let (status, body) = load::once(t.addr, probe(stream), timeout)
+                .await
+                .map_err(|e| format!("{} probe: {e}", t.name))?;
+            let text = if status == 200 {
+                load::answer_text(stream, &body)
+            } else {
+                Err(format!("status {status}"))
+            };
+            let text = text.map_err(|e| {
+                format!(
+                    "{} probe (stream {stream}): {e}: {}",
+                    t.name,
+                    String::from_utf8_lossy(&body[..body.len().min(500)])
+                )
+            })?;
+            match reference.get(&stream) {
+                None => {
+                    reference.insert(stream, text);
+                }
+                Some(want) if *want == text => {}
+                Some(want) => {
+                    return Err(format!(
+                        "{} (stream {stream}) answered {text:?}, the engine itself {want:?}",
+                        t.name
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The header the run prints (CPUs, pinning, load, engines, every target) and the targets as
+/// the JSON document lists them.
+fn header(
+    args: &Args,
+    cpus: usize,
+    pinning: Option<&Pinning>,
+    loadavg_start: [f64; 3],
+    engines: &Engines,
+    targets: &[Target],
+) -> (String, Vec<Value>) {
+    let mut head = format!(
+        "narwhal-bench: {} CPUs, {}; load average at start {:.2} {:.2} {:.2}\n",
+        cpus,
+        match pinning {
+            Some(p) => format!(
+                "routers pinned to CPU {}, simulators and load generator to CPU {}",
+                procs::cpu_list(&p.router),
+                procs::cpu_list(&p.load)
+            ),
+            None => "no pinning".into(),
+        },
+        loadavg_start[0],
+        loadavg_start[1],
+        loadavg_start[2],
+    );
+    head.push_str(&format!(
+        "engines: aggregated vllm {} (direct, ours-agg and aggregated peers); P/D {} prefill {} + decode {}\n",
+        engines.agg.url, args.dialect, engines.prefill.url, engines.decode.url
+    ));
+    let mut target_json = Vec::new();
+    for t in targets {
+        let cpus = t.pid.map(|p| procs::cpu_list(&procs::tree_cpus(p)));
+        head.push_str(&format!(
+            "  {}: {} at http://{}{}{}\n",
+            t.name,
+            t.kind.as_str(),
+            t.addr,
+            t.pid
+                .map(|p| format!(" pid {p} on CPU {}", cpus.clone().unwrap_or_default()))
+                .unwrap_or_default(),
+            t.command
+                .as_ref()
+                .map(|c| format!("\n      {c}"))
+                .unwrap_or_default()
+        ));
+        target_json.push(json!({
+            "name": t.name, "kind": t.kind.as_str(), "peer": t.peer,
+            "url": format!("http://{}", t.addr), "pid": t.pid, "cpus": cpus,
+            "command": t.command,
+        }));
+    }
+    (head, target_json)
+}
+
+/// One section to measure: its mode, streamed or not, concurrency and requests per window.
+type Planned = (&'static str, bool, usize, usize);
+
+/// The sections `args` asks for, in order: per stream setting, throughput then latency.
+fn section_plan(args: &Args) -> Vec<Planned> {
+    let streams: Vec<bool> = match args.stream.as_str() {
+        "true" => vec![true],
+        "false" => vec![false],
+        _ => vec![true, false],
+    };
+    let throughput = args.compare || !args.latency;
+    let mut plan = Vec::new();
+    for &stream in &streams {
+        if throughput {
+            plan.push(("throughput", stream, args.concurrency, args.requests));
+        }
+        if args.latency {
+            plan.push(("latency", stream, 1, args.latency_requests));
+        }
+    }
+    plan
+}
+
+/// Warms every target up, then measures them over `--rounds` rotating rounds: one section.
+/// `next_prompt`: the first prompt not yet sent, advanced past every request sent here.
+async fn measure_section(
+    args: &Args,
+    targets: &[Target],
+    engines: &Engines,
+    (mode, stream, concurrency, requests): Planned,
+    timeout: Duration,
+    clk: f64,
+    next_prompt: &mut usize,
+) -> Section {
+    let shot = Shot {
+        concurrency,
+        requests,
+        tokens: args.tokens,
+        stream,
+        timeout,
+        h2_streams: None,
+        rate: None,
+    };
+    let warm = Shot {
+        requests: args
+            .warmup
+            .unwrap_or_else(|| (requests / 10).max(concurrency)),
+        ..shot.clone()
+    };
+    for t in targets {
+        if warm.requests > 0 {
+            load::drive(t.addr, MODEL, &warm, *next_prompt).await;
+            *next_prompt += warm.requests;
+        }
+    }
+    let mut runs: Vec<TargetRun> = targets
+        .iter()
+        .map(|t| TargetRun {
+            name: t.name.clone(),
+            kind: t.kind,
+            peer: t.peer,
+            windows: Vec::new(),
+        })
+        .collect();
+    for round in 0..args.rounds {
+        for k in 0..targets.len() {
+            let i = (k + round) % targets.len();
+            let t = &targets[i];
+            let stats_before = engines.stats(t.kind).await;
+            let cpu_before = t.pid.map(procs::tree_ticks);
+            let sample = load::drive(t.addr, MODEL, &shot, *next_prompt).await;
+            let cpu_after = t.pid.map(procs::tree_ticks);
+            *next_prompt += requests;
+            let rss = t.pid.map(procs::tree_memory_kib);
+            let stats_after = engines.stats(t.kind).await;
+            let cpu_s = match (&cpu_before, &cpu_after) {
+                (Some(b), Some(a)) => Some(procs::ticks_between(b, a) as f64 / clk),
+                _ => None,
+            };
+            runs[i].windows.push(Window::new(
+                round,
+                &sample,
+                cpu_s,
+                rss,
+                engine_counts(t.kind, &stats_before, &stats_after),
+                procs::loadavg(),
+            ));
+        }
+    }
+    Section {
+        mode,
+        stream,
+        concurrency,
+        requests,
+        tokens: args.tokens,
+        targets: runs,
+    }
 }
 
 /// `--pin auto`: this process (and so the simulators it starts) on every CPU of `cpus` but

@@ -735,235 +735,13 @@ async fn demo(args: DemoArgs) -> ExitCode {
     };
     let http = narwhal_testkit::http_client().build().expect("HTTP client");
     for dialect in &args.dialect {
-        println!("\n=== {dialect}: 1 prefill + 1 decode engine, router in front ===");
-        let up = UpArgs {
-            prefill: 1,
-            decode: 1,
-            dialect: dialect.clone(),
-            hosts: 2,
-            restart_policy: "individual".into(),
-            dir: base.join(dialect),
-            ready_file: None,
-            sim_args: Vec::new(),
-            standby: true,
-            no_controller: false,
-        };
-        let (fleet, _ready) = match bring_up(&up).await {
-            Ok(f) => f,
+        match demo_dialect(&http, &args, &base, dialect).await {
+            Ok(ok) => all_ok &= ok,
             Err(e) => {
                 eprintln!("narwhal-dev demo: {e}");
                 return ExitCode::FAILURE;
             }
-        };
-        let (data, control, dir, engines) = {
-            let f = fleet.lock().unwrap_or_else(|p| p.into_inner());
-            let engines: Vec<(String, String, String)> = f
-                .sims
-                .iter()
-                .map(|s| (s.iid.clone(), s.role.clone(), s.admin_url()))
-                .collect();
-            (
-                f.router.data.clone(),
-                f.router.control.clone(),
-                f.dir.clone(),
-                engines,
-            )
-        };
-        println!("router data={data} control={control}; one agent per engine host, mutual TLS");
-        let futs = (0..args.requests).map(|i| send(&http, &data, i));
-        let outcomes = futures_util::future::join_all(futs).await;
-        println!(
-            "{:<16} {:>5} {:>7} {:>8} {:>10}",
-            "shape", "sent", "served", "tokens", "p50 ms"
-        );
-        for shape in ["completion", "completion+sse", "chat", "chat+sse"] {
-            let mine: Vec<&Outcome> = outcomes.iter().filter(|o| o.shape == shape).collect();
-            let mut lat: Vec<f64> = mine.iter().map(|o| o.latency.as_secs_f64() * 1e3).collect();
-            lat.sort_by(f64::total_cmp);
-            let p50 = lat.get(lat.len() / 2).copied().unwrap_or(0.0);
-            println!(
-                "{:<16} {:>5} {:>7} {:>8} {:>10.1}",
-                shape,
-                mine.len(),
-                mine.iter().filter(|o| o.ok).count(),
-                mine.iter().map(|o| o.tokens).sum::<usize>(),
-                p50
-            );
         }
-        for o in outcomes.iter().filter(|o| !o.ok) {
-            all_ok = false;
-            println!("FAILED {} status {}: {}", o.shape, o.status, o.note);
-        }
-        println!("engine KV statistics (from each simulator's /sim/stats, on its admin listener):");
-        println!(
-            "{:<5} {:<8} {:>8} {:>7} {:>7} {:>9} {:>9} {:>11}",
-            "iid", "role", "requests", "issued", "served", "consumed", "rejected", "recomputed"
-        );
-        let mut consumed = 0;
-        let mut recomputed = 0;
-        for (iid, role, admin) in &engines {
-            let stats = async {
-                http.get(format!("{admin}/stats"))
-                    .send()
-                    .await?
-                    .json::<Value>()
-                    .await
-            };
-            match stats.await {
-                Ok(st) => {
-                    let req = &st["requests"];
-                    let total = ["prefill", "decode", "aggregated"]
-                        .iter()
-                        .map(|k| req[*k].as_u64().unwrap_or(0))
-                        .sum::<u64>();
-                    let kv = |k: &str| st["kv"][k].as_u64().unwrap_or(0);
-                    consumed += kv("consumed");
-                    recomputed += kv("recomputed");
-                    println!(
-                        "{:<5} {:<8} {:>8} {:>7} {:>7} {:>9} {:>9} {:>11}",
-                        iid,
-                        role,
-                        total,
-                        kv("issued"),
-                        kv("served"),
-                        kv("consumed"),
-                        kv("rejected"),
-                        kv("recomputed")
-                    );
-                }
-                Err(e) => {
-                    all_ok = false;
-                    println!("{iid:<5} stats unavailable: {e}");
-                }
-            }
-        }
-        if recomputed > 0 || consumed < args.requests as u64 {
-            all_ok = false;
-            println!(
-                "FAILED: expected every decode to receive KV ({consumed} consumed, {recomputed} recomputed)"
-            );
-        }
-        let state = |http: reqwest::Client, control: String| async move {
-            http.get(format!("{control}/narwhal/state"))
-                .send()
-                .await?
-                .json::<Value>()
-                .await
-        };
-        if let Ok(state) = state(http.clone(), control.clone()).await {
-            println!(
-                "router /narwhal/state: offered={} served={} failed={} cancelled={} invalid={}",
-                state["offered"],
-                state["served"],
-                state["failed"],
-                state["cancelled"],
-                state["invalid_requests"]
-            );
-        }
-        // Lifecycle tour through narwhalctl, the reference external supervisor: a rolling
-        // restart (one engine at a time, the fleet keeps serving), then a whole-fleet wave.
-        // The binary beside this one (not current_exe(), which names a "(deleted)" file when
-        // the binary was rebuilt while the demo runs).
-        let dev = bin_path("narwhal-dev");
-        let restart_cmd = format!("{} restart {{iid}} --dir {}", dev.display(), dir.display());
-        for (title, extra) in [
-            ("rolling restart, one engine at a time", vec!["--rolling"]),
-            ("whole-fleet wave restart", vec![]),
-        ] {
-            println!("\n--- {dialect}: {title} (narwhalctl wave-restart) ---");
-            let mut cmd = tokio::process::Command::new(bin_path("narwhalctl"));
-            cmd.args(["--router", &control, "wave-restart"])
-                .args(&extra)
-                .args(["--restart-cmd", &restart_cmd, "--timeout-s", "60"]);
-            match cmd.status().await {
-                Ok(st) if st.success() => {}
-                Ok(st) => {
-                    all_ok = false;
-                    println!("FAILED: narwhalctl wave-restart exited with {st}");
-                }
-                Err(e) => {
-                    all_ok = false;
-                    println!("FAILED: cannot run narwhalctl: {e}");
-                }
-            }
-        }
-        let futs = (0..8).map(|i| send(&http, &data, i));
-        let after = futures_util::future::join_all(futs).await;
-        let served = after.iter().filter(|o| o.ok).count();
-        println!(
-            "after the restarts: {served}/{} requests served",
-            after.len()
-        );
-        if served != after.len() {
-            all_ok = false;
-        }
-        // Failover: SIGKILL the primary; the warm standby takes over once the lease lapses.
-        println!("\n--- {dialect}: failover (kill -9 the primary router) ---");
-        // The standby applies the last handoff it retained: let it catch up with the primary
-        // first (it writes what it retained to its own state file).
-        let primary_served = state(http.clone(), control.clone())
-            .await
-            .map(|st| st["served"].clone())
-            .unwrap_or_default();
-        let retained = dir.join("state-standby.json");
-        let in_sync = narwhal_testkit::wait_until(Duration::from_secs(10), || async {
-            let doc: Value = serde_json::from_slice(&std::fs::read(&retained).ok()?).ok()?;
-            (doc["counters"]["served"] == primary_served && doc["lifecycle"]["wave_id"] == "")
-                .then_some(())
-        })
-        .await;
-        if in_sync.is_none() {
-            println!("note: the standby's retained handoff lags the primary");
-        }
-        let (standby_data, standby_control) = {
-            let mut f = fleet.lock().unwrap_or_else(|p| p.into_inner());
-            f.router.proc.kill();
-            let s = f.standby.as_ref().expect("demo runs a standby");
-            (s.data.clone(), s.control.clone())
-        };
-        let killed = Instant::now();
-        let took_over = narwhal_testkit::wait_until(Duration::from_secs(20), || async {
-            let r = http
-                .get(format!("{standby_control}/ready"))
-                .send()
-                .await
-                .ok()?;
-            r.status().is_success().then_some(())
-        })
-        .await;
-        match took_over {
-            Some(()) => println!(
-                "standby took over {:.2} s after the primary died (lease TTL 2 s)",
-                killed.elapsed().as_secs_f64()
-            ),
-            None => {
-                all_ok = false;
-                println!("FAILED: the standby did not take over within 20 s");
-            }
-        }
-        if let Ok(st) = state(http.clone(), standby_control.clone()).await {
-            println!(
-                "standby /narwhal/state: epoch={} served={} (continued from the primary's handoff)",
-                st["ha"]["epoch"], st["served"]
-            );
-        }
-        let futs = (0..8).map(|i| send(&http, &standby_data, i));
-        let after = futures_util::future::join_all(futs).await;
-        let served = after.iter().filter(|o| o.ok).count();
-        println!(
-            "through the new primary: {served}/{} requests served",
-            after.len()
-        );
-        if served != after.len() {
-            all_ok = false;
-            for o in after.iter().filter(|o| !o.ok) {
-                println!("FAILED {} status {}: {}", o.shape, o.status, o.note);
-            }
-        }
-        // The restart endpoint holds another handle on the fleet: stop its processes here,
-        // before the demo's directory is removed, so no last state write races the removal.
-        fleet.lock().unwrap_or_else(|p| p.into_inner()).stop_all();
-        drop(fleet);
     }
     if !args.no_controller {
         if args.dialect.iter().any(|d| d == "vllm") {
@@ -992,6 +770,289 @@ async fn demo(args: DemoArgs) -> ExitCode {
         }
         ExitCode::FAILURE
     }
+}
+
+/// The demo's tour of one `dialect` under `base`: a 1 prefill + 1 decode fleet with a
+/// standby, its requests and KV statistics, the restarts, the failover. `Ok(false)` when
+/// something failed (said on stdout); `Err` when the fleet did not come up.
+async fn demo_dialect(
+    http: &reqwest::Client,
+    args: &DemoArgs,
+    base: &Path,
+    dialect: &str,
+) -> Result<bool, String> {
+    println!("\n=== {dialect}: 1 prefill + 1 decode engine, router in front ===");
+    let up = UpArgs {
+        prefill: 1,
+        decode: 1,
+        dialect: dialect.to_string(),
+        hosts: 2,
+        restart_policy: "individual".into(),
+        dir: base.join(dialect),
+        ready_file: None,
+        sim_args: Vec::new(),
+        standby: true,
+        no_controller: false,
+    };
+    let (fleet, _ready) = bring_up(&up).await?;
+    let (data, control, dir, engines) = {
+        let f = fleet.lock().unwrap_or_else(|p| p.into_inner());
+        let engines: Vec<(String, String, String)> = f
+            .sims
+            .iter()
+            .map(|s| (s.iid.clone(), s.role.clone(), s.admin_url()))
+            .collect();
+        (
+            f.router.data.clone(),
+            f.router.control.clone(),
+            f.dir.clone(),
+            engines,
+        )
+    };
+    println!("router data={data} control={control}; one agent per engine host, mutual TLS");
+    let mut all_ok = demo_requests(http, &data, args.requests).await;
+    all_ok &= demo_engine_stats(http, &engines, args.requests).await;
+    if let Ok(state) = router_state(http, &control).await {
+        println!(
+            "router /narwhal/state: offered={} served={} failed={} cancelled={} invalid={}",
+            state["offered"],
+            state["served"],
+            state["failed"],
+            state["cancelled"],
+            state["invalid_requests"]
+        );
+    }
+    all_ok &= demo_restarts(http, dialect, &data, &control, &dir).await;
+    all_ok &= demo_failover(http, dialect, &fleet, &control, &dir).await;
+    // The restart endpoint holds another handle on the fleet: stop its processes here,
+    // before the demo's directory is removed, so no last state write races the removal.
+    fleet.lock().unwrap_or_else(|p| p.into_inner()).stop_all();
+    drop(fleet);
+    Ok(all_ok)
+}
+
+/// The router's `/narwhal/state` on `control`.
+async fn router_state(http: &reqwest::Client, control: &str) -> Result<Value, reqwest::Error> {
+    http.get(format!("{control}/narwhal/state"))
+        .send()
+        .await?
+        .json::<Value>()
+        .await
+}
+
+/// Sends `requests` requests of every shape to `data` at once and prints a line per shape
+/// and per failure; false when one failed.
+async fn demo_requests(http: &reqwest::Client, data: &str, requests: usize) -> bool {
+    let mut all_ok = true;
+    let futs = (0..requests).map(|i| send(http, data, i));
+    let outcomes = futures_util::future::join_all(futs).await;
+    println!(
+        "{:<16} {:>5} {:>7} {:>8} {:>10}",
+        "shape", "sent", "served", "tokens", "p50 ms"
+    );
+    for shape in ["completion", "completion+sse", "chat", "chat+sse"] {
+        let mine: Vec<&Outcome> = outcomes.iter().filter(|o| o.shape == shape).collect();
+        let mut lat: Vec<f64> = mine.iter().map(|o| o.latency.as_secs_f64() * 1e3).collect();
+        lat.sort_by(f64::total_cmp);
+        let p50 = lat.get(lat.len() / 2).copied().unwrap_or(0.0);
+        println!(
+            "{:<16} {:>5} {:>7} {:>8} {:>10.1}",
+            shape,
+            mine.len(),
+            mine.iter().filter(|o| o.ok).count(),
+            mine.iter().map(|o| o.tokens).sum::<usize>(),
+            p50
+        );
+    }
+    for o in outcomes.iter().filter(|o| !o.ok) {
+        all_ok = false;
+        println!("FAILED {} status {}: {}", o.shape, o.status, o.note);
+    }
+    all_ok
+}
+
+/// Prints each engine's KV statistics (`(iid, role, admin URL)`); false when one is
+/// unavailable or not every one of the `requests` decodes received its KV.
+async fn demo_engine_stats(
+    http: &reqwest::Client,
+    engines: &[(String, String, String)],
+    requests: usize,
+) -> bool {
+    let mut all_ok = true;
+    println!("engine KV statistics (from each simulator's /sim/stats, on its admin listener):");
+    println!(
+        "{:<5} {:<8} {:>8} {:>7} {:>7} {:>9} {:>9} {:>11}",
+        "iid", "role", "requests", "issued", "served", "consumed", "rejected", "recomputed"
+    );
+    let mut consumed = 0;
+    let mut recomputed = 0;
+    for (iid, role, admin) in engines {
+        let stats = async {
+            http.get(format!("{admin}/stats"))
+                .send()
+                .await?
+                .json::<Value>()
+                .await
+        };
+        match stats.await {
+            Ok(st) => {
+                let req = &st["requests"];
+                let total = ["prefill", "decode", "aggregated"]
+                    .iter()
+                    .map(|k| req[*k].as_u64().unwrap_or(0))
+                    .sum::<u64>();
+                let kv = |k: &str| st["kv"][k].as_u64().unwrap_or(0);
+                consumed += kv("consumed");
+                recomputed += kv("recomputed");
+                println!(
+                    "{:<5} {:<8} {:>8} {:>7} {:>7} {:>9} {:>9} {:>11}",
+                    iid,
+                    role,
+                    total,
+                    kv("issued"),
+                    kv("served"),
+                    kv("consumed"),
+                    kv("rejected"),
+                    kv("recomputed")
+                );
+            }
+            Err(e) => {
+                all_ok = false;
+                println!("{iid:<5} stats unavailable: {e}");
+            }
+        }
+    }
+    if recomputed > 0 || consumed < requests as u64 {
+        all_ok = false;
+        println!(
+            "FAILED: expected every decode to receive KV ({consumed} consumed, {recomputed} recomputed)"
+        );
+    }
+    all_ok
+}
+
+/// Lifecycle tour through narwhalctl, the reference external supervisor: a rolling restart
+/// (one engine at a time, the fleet keeps serving), then a whole-fleet wave, then requests to
+/// `data`; false when a restart or a request failed.
+async fn demo_restarts(
+    http: &reqwest::Client,
+    dialect: &str,
+    data: &str,
+    control: &str,
+    dir: &Path,
+) -> bool {
+    let mut all_ok = true;
+    // The binary beside this one (not current_exe(), which names a "(deleted)" file when
+    // the binary was rebuilt while the demo runs).
+    let dev = bin_path("narwhal-dev");
+    let restart_cmd = format!("{} restart {{iid}} --dir {}", dev.display(), dir.display());
+    for (title, extra) in [
+        ("rolling restart, one engine at a time", vec!["--rolling"]),
+        ("whole-fleet wave restart", vec![]),
+    ] {
+        println!("\n--- {dialect}: {title} (narwhalctl wave-restart) ---");
+        let mut cmd = tokio::process::Command::new(bin_path("narwhalctl"));
+        cmd.args(["--router", control, "wave-restart"])
+            .args(&extra)
+            .args(["--restart-cmd", &restart_cmd, "--timeout-s", "60"]);
+        match cmd.status().await {
+            Ok(st) if st.success() => {}
+            Ok(st) => {
+                all_ok = false;
+                println!("FAILED: narwhalctl wave-restart exited with {st}");
+            }
+            Err(e) => {
+                all_ok = false;
+                println!("FAILED: cannot run narwhalctl: {e}");
+            }
+        }
+    }
+    let futs = (0..8).map(|i| send(http, data, i));
+    let after = futures_util::future::join_all(futs).await;
+    let served = after.iter().filter(|o| o.ok).count();
+    println!(
+        "after the restarts: {served}/{} requests served",
+        after.len()
+    );
+    if served != after.len() {
+        all_ok = false;
+    }
+    all_ok
+}
+
+/// Failover: SIGKILL the primary; the warm standby takes over once the lease lapses, and
+/// serves. False when it did not take over or a request through it failed.
+async fn demo_failover(
+    http: &reqwest::Client,
+    dialect: &str,
+    fleet: &SharedFleet,
+    control: &str,
+    dir: &Path,
+) -> bool {
+    let mut all_ok = true;
+    println!("\n--- {dialect}: failover (kill -9 the primary router) ---");
+    // The standby applies the last handoff it retained: let it catch up with the primary
+    // first (it writes what it retained to its own state file).
+    let primary_served = router_state(http, control)
+        .await
+        .map(|st| st["served"].clone())
+        .unwrap_or_default();
+    let retained = dir.join("state-standby.json");
+    let in_sync = narwhal_testkit::wait_until(Duration::from_secs(10), || async {
+        let doc: Value = serde_json::from_slice(&std::fs::read(&retained).ok()?).ok()?;
+        (doc["counters"]["served"] == primary_served && doc["lifecycle"]["wave_id"] == "")
+            .then_some(())
+    })
+    .await;
+    if in_sync.is_none() {
+        println!("note: the standby's retained handoff lags the primary");
+    }
+    let (standby_data, standby_control) = {
+        let mut f = fleet.lock().unwrap_or_else(|p| p.into_inner());
+        f.router.proc.kill();
+        let s = f.standby.as_ref().expect("demo runs a standby");
+        (s.data.clone(), s.control.clone())
+    };
+    let killed = Instant::now();
+    let took_over = narwhal_testkit::wait_until(Duration::from_secs(20), || async {
+        let r = http
+            .get(format!("{standby_control}/ready"))
+            .send()
+            .await
+            .ok()?;
+        r.status().is_success().then_some(())
+    })
+    .await;
+    match took_over {
+        Some(()) => println!(
+            "standby took over {:.2} s after the primary died (lease TTL 2 s)",
+            killed.elapsed().as_secs_f64()
+        ),
+        None => {
+            all_ok = false;
+            println!("FAILED: the standby did not take over within 20 s");
+        }
+    }
+    if let Ok(st) = router_state(http, &standby_control).await {
+        println!(
+            "standby /narwhal/state: epoch={} served={} (continued from the primary's handoff)",
+            st["ha"]["epoch"], st["served"]
+        );
+    }
+    let futs = (0..8).map(|i| send(http, &standby_data, i));
+    let after = futures_util::future::join_all(futs).await;
+    let served = after.iter().filter(|o| o.ok).count();
+    println!(
+        "through the new primary: {served}/{} requests served",
+        after.len()
+    );
+    if served != after.len() {
+        all_ok = false;
+        for o in after.iter().filter(|o| !o.ok) {
+            println!("FAILED {} status {}: {}", o.shape, o.status, o.note);
+        }
+    }
+    all_ok
 }
 
 /// How long the controller tour waits for a flip and its role check (the fast timings decide
@@ -1038,6 +1099,33 @@ async fn controller_tour(http: &reqwest::Client, dir: &Path) -> bool {
         shape.max_tokens.unwrap_or(0)
     );
     let load = narwhal_testkit::Load::start(&lock().router, shape);
+    let (flipped, checked) = watch_flip(&fleet).await;
+    let stats = load.stop().await;
+    let (sent, ok, failed) = (
+        stats.sent.load(std::sync::atomic::Ordering::Relaxed),
+        stats.ok.load(std::sync::atomic::Ordering::Relaxed),
+        stats.failed.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    println!("load: {sent} sent, {ok} served, {failed} failed (the rest were still running)");
+    let mut good = failed == 0;
+    if flipped.is_none() {
+        println!("FAILED: the controller flipped no engine within {FLIP_WITHIN:?}");
+        good = false;
+    } else if !checked {
+        println!("FAILED: the flipped engine's role check did not pass within {FLIP_WITHIN:?}");
+        good = false;
+    }
+    good &= print_controller_state(http, &control).await;
+    lock().stop_all();
+    drop(fleet);
+    good
+}
+
+/// Watches the router's decisions for up to [`FLIP_WITHIN`], printing each as it changes,
+/// until a flip is applied and its role check passes: `(the applied decision, whether its
+/// role check passed)`.
+async fn watch_flip(fleet: &SharedFleet) -> (Option<Value>, bool) {
+    let lock = || fleet.lock().unwrap_or_else(|p| p.into_inner());
     let t0 = Instant::now();
     let mut seen = 0;
     let mut last: (String, String) = Default::default();
@@ -1089,21 +1177,13 @@ async fn controller_tour(http: &reqwest::Client, dir: &Path) -> bool {
             checked = true;
         }
     }
-    let stats = load.stop().await;
-    let (sent, ok, failed) = (
-        stats.sent.load(std::sync::atomic::Ordering::Relaxed),
-        stats.ok.load(std::sync::atomic::Ordering::Relaxed),
-        stats.failed.load(std::sync::atomic::Ordering::Relaxed),
-    );
-    println!("load: {sent} sent, {ok} served, {failed} failed (the rest were still running)");
-    let mut good = failed == 0;
-    if flipped.is_none() {
-        println!("FAILED: the controller flipped no engine within {FLIP_WITHIN:?}");
-        good = false;
-    } else if !checked {
-        println!("FAILED: the flipped engine's role check did not pass within {FLIP_WITHIN:?}");
-        good = false;
-    }
+    (flipped, checked)
+}
+
+/// Prints the router's flips and pools (`/narwhal/state`) and the controller's counters
+/// (`/metrics`); false when a counter family has no sample above 0.
+async fn print_controller_state(http: &reqwest::Client, control: &str) -> bool {
+    let mut good = true;
     let state: Option<Value> = async {
         http.get(format!("{control}/narwhal/state"))
             .send()
@@ -1157,8 +1237,6 @@ async fn controller_tour(http: &reqwest::Client, dir: &Path) -> bool {
             println!("  {l}");
         }
     }
-    lock().stop_all();
-    drop(fleet);
     good
 }
 

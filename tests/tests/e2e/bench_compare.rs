@@ -116,6 +116,17 @@ fn comparison_runs_peers_and_reports_every_target() {
     );
 
     // The human tables.
+    check_tables(&stdout);
+
+    // The JSON document.
+    let doc = read_json(&json);
+    check_document_targets(&doc);
+    check_sections(&doc);
+}
+
+/// The comparison's tables on `stdout`: the four sections, each with every column, a row
+/// per target and the comparison lines against each peer.
+fn check_tables(stdout: &str) {
     for head in [
         "== throughput · streaming · concurrency 8",
         "== throughput · non-streaming · concurrency 8",
@@ -159,9 +170,11 @@ fn comparison_runs_peers_and_reports_every_target() {
         4
     );
     assert!(!stdout.contains("NOT P/D"), "{stdout}");
+}
 
-    // The JSON document.
-    let doc = read_json(&json);
+/// The JSON document's header and targets: schema, no problems, each target's kind, pid,
+/// CPUs (pinned: the router CPU), peer flag and command.
+fn check_document_targets(doc: &Value) {
     assert_eq!(doc["schema"], "narwhal.bench.compare");
     assert_eq!(doc["version"], 1);
     assert_eq!(doc["problems"], 0);
@@ -185,6 +198,11 @@ fn comparison_runs_peers_and_reports_every_target() {
         assert_eq!(t["peer"], name.starts_with("self-"), "{t}");
         assert_eq!(t["command"].is_string(), name.starts_with("self-"), "{t}");
     }
+}
+
+/// The JSON document's sections: their shapes in order, and in each every target with every
+/// request completed, its figures, and P/D targets transferring KV for each request.
+fn check_sections(doc: &Value) {
     let sections = doc["sections"].as_array().expect("sections");
     let shapes: Vec<(&str, bool, u64, u64)> = sections
         .iter()

@@ -287,73 +287,11 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
         .tempdir()
         .map_err(|e| format!("temporary directory: {e}"))?;
 
-    let threads = args.sim_threads.to_string();
-    let tpot = args.tpot_ms.to_string();
-    let seqs = args.max_num_seqs.to_string();
-    let sim_args = [
-        "--threads",
-        threads.as_str(),
-        "--tpot-ms",
-        tpot.as_str(),
-        "--max-num-seqs",
-        seqs.as_str(),
-    ];
-    let start = |iid: &str, role: &str| {
-        start_sim(
-            dir.path(),
-            &EngineSpec::new(iid, role).args(&sim_args),
-            "vllm",
-        )
-        .map_err(|e| format!("simulator {iid}: {e}"))
-    };
-    let engines = Engines {
-        agg: start("e0", "decode")?,
-        prefill: start("p0", "prefill")?,
-        decode: start("d0", "decode")?,
-    };
-
-    // Our router, with admission seats above the top level; with `--engine-queue router`,
-    // seats as the engine's running set and the rest in the router's admission queue.
-    let seats = (top as u64 + 1024).max(4096);
-    let kind = want_kind(args);
-    let serving = if args.engine_queue == "router" && args.max_num_seqs > 0 {
-        json!({"serving": {
-            "max_connections": args.max_num_seqs,
-            "queue_capacity": seats,
-            "queue_timeout_s": args.request_timeout,
-        }})
-    } else {
-        json!({"serving": {"max_connections": seats}})
-    };
-    let spec = match kind {
-        Kind::Pd => fleet("vllm", &[&engines.prefill, &engines.decode]),
-        _ => fleet("vllm", &[&engines.agg]),
-    }
-    .with(serving);
+    let engines = start_engines(args, dir.path())?;
     let ours_name = format!("ours-{}", args.shape);
-    let ours: RouterHandle = procs::on_cpus(router_cpus, || {
-        start_router(dir.path(), &ours_name, &spec, &["--log-level", "warn"])
-    })?
-    .map_err(|e| format!("router {ours_name}: {e}"))?;
+    let ours = start_ours(args, &engines, dir.path(), router_cpus, top, &ours_name)?;
 
-    let mut targets = Vec::new();
-    if !args.no_direct {
-        let engine = if kind == Kind::Pd {
-            &engines.decode
-        } else {
-            &engines.agg
-        };
-        targets.push(Target {
-            name: "direct".into(),
-            addr: addr_of(&engine.url)?,
-            pid: None,
-        });
-    }
-    targets.push(Target {
-        name: ours_name.clone(),
-        addr: addr_of(&ours.data)?,
-        pid: Some(ours.proc.pid()),
-    });
+    let mut targets = own_targets(args, &engines, &ours_name, &ours)?;
     let mut peer_procs = Vec::new();
     for p in peers {
         let (port, _, proc) = spawn_peer(p, &PeerEngines::of(&engines), dir.path(), router_cpus)?;
@@ -376,51 +314,7 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
         first_answer(&t.name, t.addr, proc, &start_probe).await?;
     }
 
-    println!(
-        "concurrency: {} shape, {} tokens at {} ms per token (floor {:.2} s per stream), {} stream(s) per client, {} round(s), {}, engines running {}; open-file limit {nofile}; {}; load average {:?}",
-        args.shape,
-        args.tokens,
-        args.tpot_ms,
-        f64::from(args.tokens) * args.tpot_ms as f64 / 1000.0,
-        args.per_client,
-        args.rounds,
-        match args.h2_streams {
-            Some(n) => format!("routers' clients on HTTP/2 connections of {n} streams each"),
-            None => "one HTTP/1.1 connection per client".into(),
-        },
-        match args.max_num_seqs {
-            0 => "every stream at once".to_string(),
-            n => format!("at most {n} streams (the rest wait in the engine's queue)"),
-        },
-        match &pinning {
-            Some(p) => format!(
-                "routers on CPU {}, simulators and load generator on CPU {}",
-                procs::cpu_list(&p.router),
-                procs::cpu_list(&p.load)
-            ),
-            None => "no pinning".into(),
-        },
-        procs::loadavg()
-    );
-    for l in &levels {
-        // The engine's descriptor per stream, and the client's: its own, or its share of one
-        // HTTP/2 connection.
-        let client_fds = match args.h2_streams {
-            Some(n) => (*l as u64).div_ceil(n),
-            None => *l as u64,
-        };
-        let need = *l as u64 + client_fds + FD_MARGIN;
-        if need > nofile {
-            println!(
-                "  note: {l} streams need about {need} descriptors in a router ({} per stream); the limit here is {nofile}, so a router runs out before",
-                if args.h2_streams.is_some() {
-                    "one, and a share of an HTTP/2 connection,"
-                } else {
-                    "two"
-                }
-            );
-        }
-    }
+    print_header(args, nofile, pinning.as_ref(), &levels);
 
     let clk = procs::clock_ticks();
     let mut cells = Vec::new();
@@ -438,52 +332,8 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
         for round in 0..args.rounds {
             for k in 0..targets.len() {
                 let t = &targets[(k + round + level) % targets.len()];
-                let peaks = t.pid.map(Peaks::start);
-                let cpu_before = t.pid.map(procs::tree_ticks);
-                let shot = Shot {
-                    h2_streams: t
-                        .pid
-                        .and(args.h2_streams)
-                        .map(|n| usize::try_from(n).unwrap_or(1)),
-                    ..shot.clone()
-                };
-                let sample = drive_connected(t.addr, MODEL, &shot, next_prompt).await;
-                let cpu_after = t.pid.map(procs::tree_ticks);
-                let (rss_kib, fds) = peaks.map_or((0, 0), Peaks::finish);
+                let cell = measure_window(args, t, level, &shot, next_prompt, clk).await;
                 next_prompt += shot.requests;
-                let completed = sample.latency_s.len();
-                let cpu_s = match (&cpu_before, &cpu_after) {
-                    (Some(b), Some(a)) => procs::ticks_between(b, a) as f64 / clk,
-                    _ => f64::NAN,
-                };
-                let cell = Cell {
-                    level,
-                    target: t.name.clone(),
-                    rps: sample.rps(),
-                    ttft_ms: (
-                        quantile(&sample.ttfb_s, 0.5) * 1e3,
-                        quantile(&sample.ttfb_s, 0.99) * 1e3,
-                    ),
-                    e2e_s: (
-                        quantile(&sample.latency_s, 0.5),
-                        quantile(&sample.latency_s, 0.99),
-                    ),
-                    completed,
-                    errors: sample.errors,
-                    first_error: sample.first_error.clone(),
-                    cpu_ms_per_stream: if completed > 0 {
-                        cpu_s * 1e3 / completed as f64
-                    } else {
-                        f64::NAN
-                    },
-                    rss_mib: if t.pid.is_some() {
-                        rss_kib as f64 / 1024.0
-                    } else {
-                        f64::NAN
-                    },
-                    fds,
-                    load: procs::loadavg()[0],
-                };
                 println!("{}", row(&cell, t.pid.is_some()));
                 cells.push(cell);
                 // The window's connections close before the next target's (so its
@@ -510,6 +360,199 @@ async fn run(args: &Args, peers: &[PeerSpec]) -> Result<bool, String> {
         .iter()
         .any(|c| c.target == ours_name && (c.errors > 0 || c.completed == 0));
     Ok(!ours_failed)
+}
+
+/// The simulators (one aggregated engine, a prefill/decode pair) on this process's CPUs,
+/// streaming a token every `--tpot-ms` with at most `--max-num-seqs` running.
+fn start_engines(args: &Args, dir: &std::path::Path) -> Result<Engines, String> {
+    let threads = args.sim_threads.to_string();
+    let tpot = args.tpot_ms.to_string();
+    let seqs = args.max_num_seqs.to_string();
+    let sim_args = [
+        "--threads",
+        threads.as_str(),
+        "--tpot-ms",
+        tpot.as_str(),
+        "--max-num-seqs",
+        seqs.as_str(),
+    ];
+    let start = |iid: &str, role: &str| {
+        start_sim(dir, &EngineSpec::new(iid, role).args(&sim_args), "vllm")
+            .map_err(|e| format!("simulator {iid}: {e}"))
+    };
+    Ok(Engines {
+        agg: start("e0", "decode")?,
+        prefill: start("p0", "prefill")?,
+        decode: start("d0", "decode")?,
+    })
+}
+
+/// Our router `name` of `--shape` on `router_cpus`, with admission seats above the `top`
+/// level; with `--engine-queue router`, seats as the engine's running set and the rest in the
+/// router's admission queue.
+fn start_ours(
+    args: &Args,
+    engines: &Engines,
+    dir: &std::path::Path,
+    router_cpus: Option<&std::collections::BTreeSet<usize>>,
+    top: usize,
+    name: &str,
+) -> Result<RouterHandle, String> {
+    let seats = (top as u64 + 1024).max(4096);
+    let serving = if args.engine_queue == "router" && args.max_num_seqs > 0 {
+        json!({"serving": {
+            "max_connections": args.max_num_seqs,
+            "queue_capacity": seats,
+            "queue_timeout_s": args.request_timeout,
+        }})
+    } else {
+        json!({"serving": {"max_connections": seats}})
+    };
+    let spec = match want_kind(args) {
+        Kind::Pd => fleet("vllm", &[&engines.prefill, &engines.decode]),
+        _ => fleet("vllm", &[&engines.agg]),
+    }
+    .with(serving);
+    procs::on_cpus(router_cpus, || {
+        start_router(dir, name, &spec, &["--log-level", "warn"])
+    })?
+    .map_err(|e| format!("router {name}: {e}"))
+}
+
+/// The targets that are not peers: the engine itself (the decode engine of a P/D shape)
+/// unless `--no-direct`, then our router.
+fn own_targets(
+    args: &Args,
+    engines: &Engines,
+    ours_name: &str,
+    ours: &RouterHandle,
+) -> Result<Vec<Target>, String> {
+    let mut targets = Vec::new();
+    if !args.no_direct {
+        let engine = if want_kind(args) == Kind::Pd {
+            &engines.decode
+        } else {
+            &engines.agg
+        };
+        targets.push(Target {
+            name: "direct".into(),
+            addr: addr_of(&engine.url)?,
+            pid: None,
+        });
+    }
+    targets.push(Target {
+        name: ours_name.to_string(),
+        addr: addr_of(&ours.data)?,
+        pid: Some(ours.proc.pid()),
+    });
+    Ok(targets)
+}
+
+/// The run's first lines: the workload, the pinning and load, and a note per level that needs
+/// more descriptors than the open-file limit `nofile` allows.
+fn print_header(args: &Args, nofile: u64, pinning: Option<&crate::Pinning>, levels: &[usize]) {
+    println!(
+        "concurrency: {} shape, {} tokens at {} ms per token (floor {:.2} s per stream), {} stream(s) per client, {} round(s), {}, engines running {}; open-file limit {nofile}; {}; load average {:?}",
+        args.shape,
+        args.tokens,
+        args.tpot_ms,
+        f64::from(args.tokens) * args.tpot_ms as f64 / 1000.0,
+        args.per_client,
+        args.rounds,
+        match args.h2_streams {
+            Some(n) => format!("routers' clients on HTTP/2 connections of {n} streams each"),
+            None => "one HTTP/1.1 connection per client".into(),
+        },
+        match args.max_num_seqs {
+            0 => "every stream at once".to_string(),
+            n => format!("at most {n} streams (the rest wait in the engine's queue)"),
+        },
+        match pinning {
+            Some(p) => format!(
+                "routers on CPU {}, simulators and load generator on CPU {}",
+                procs::cpu_list(&p.router),
+                procs::cpu_list(&p.load)
+            ),
+            None => "no pinning".into(),
+        },
+        procs::loadavg()
+    );
+    for l in levels {
+        // The engine's descriptor per stream, and the client's: its own, or its share of one
+        // HTTP/2 connection.
+        let client_fds = match args.h2_streams {
+            Some(n) => (*l as u64).div_ceil(n),
+            None => *l as u64,
+        };
+        let need = *l as u64 + client_fds + FD_MARGIN;
+        if need > nofile {
+            println!(
+                "  note: {l} streams need about {need} descriptors in a router ({} per stream); the limit here is {nofile}, so a router runs out before",
+                if args.h2_streams.is_some() {
+                    "one, and a share of an HTTP/2 connection,"
+                } else {
+                    "two"
+                }
+            );
+        }
+    }
+}
+
+/// One window: `shot` (over HTTP/2 for a router with `--h2-streams`) against target `t` from
+/// prompt `next_prompt`, with the router tree's CPU time and peaks over it.
+async fn measure_window(
+    args: &Args,
+    t: &Target,
+    level: usize,
+    shot: &Shot,
+    next_prompt: usize,
+    clk: f64,
+) -> Cell {
+    let peaks = t.pid.map(Peaks::start);
+    let cpu_before = t.pid.map(procs::tree_ticks);
+    let shot = Shot {
+        h2_streams: t
+            .pid
+            .and(args.h2_streams)
+            .map(|n| usize::try_from(n).unwrap_or(1)),
+        ..shot.clone()
+    };
+    let sample = drive_connected(t.addr, MODEL, &shot, next_prompt).await;
+    let cpu_after = t.pid.map(procs::tree_ticks);
+    let (rss_kib, fds) = peaks.map_or((0, 0), Peaks::finish);
+    let completed = sample.latency_s.len();
+    let cpu_s = match (&cpu_before, &cpu_after) {
+        (Some(b), Some(a)) => procs::ticks_between(b, a) as f64 / clk,
+        _ => f64::NAN,
+    };
+    Cell {
+        level,
+        target: t.name.clone(),
+        rps: sample.rps(),
+        ttft_ms: (
+            quantile(&sample.ttfb_s, 0.5) * 1e3,
+            quantile(&sample.ttfb_s, 0.99) * 1e3,
+        ),
+        e2e_s: (
+            quantile(&sample.latency_s, 0.5),
+            quantile(&sample.latency_s, 0.99),
+        ),
+        completed,
+        errors: sample.errors,
+        first_error: sample.first_error.clone(),
+        cpu_ms_per_stream: if completed > 0 {
+            cpu_s * 1e3 / completed as f64
+        } else {
+            f64::NAN
+        },
+        rss_mib: if t.pid.is_some() {
+            rss_kib as f64 / 1024.0
+        } else {
+            f64::NAN
+        },
+        fds,
+        load: procs::loadavg()[0],
+    }
 }
 
 /// The shape `--shape` names.

@@ -459,10 +459,17 @@ fn shape(a: &Args) -> Shape {
     }
 }
 
-async fn run(a: Args) -> Result<bool, String> {
-    if a.engines < 2 || a.groups == 0 || a.duration_s <= 0.0 || a.block_size == 0 {
-        return Err("--engines must be at least 2, --groups and --block-size at least 1, --duration-s positive".into());
-    }
+/// What the trace is sent at and measured against: the rate, the capacities it comes from,
+/// and the oracle of the trace sent.
+struct Plan {
+    oracle: prefix_trace::Oracle,
+    rate: f64,
+    cap_oracle: f64,
+    cap_blind: f64,
+}
+
+/// `--targets` and every `--peer` (aggregated, each name once), in order.
+fn target_defs(a: &Args) -> Result<Vec<TargetDef>, String> {
     let mut defs = Vec::new();
     for t in a
         .targets
@@ -497,11 +504,12 @@ async fn run(a: Args) -> Result<bool, String> {
             peer: Some(p),
         });
     }
-    serde_json::from_str::<Value>(&a.ours_fleet)
-        .ok()
-        .filter(Value::is_object)
-        .ok_or("--ours-fleet: not a JSON object")?;
-    let shp = shape(&a);
+    Ok(defs)
+}
+
+/// The trace of `shp` at `--rate`, or at `--load` times the capacity at the oracle's hit rate,
+/// and its plan.
+fn workload(a: &Args, shp: &Shape) -> (Vec<Request>, Plan) {
     // The trace's prompts barely depend on the rate (only a session's minimum turn gap is
     // checked against arrival times), so the rate comes from the oracle of a trace at the
     // cache-blind capacity, and the oracle is then computed again on the trace sent.
@@ -509,31 +517,54 @@ async fn run(a: Args) -> Result<bool, String> {
     let slots = a.engines as f64 * a.prefill_slots.max(1) as f64;
     let per_req =
         |uncached: f64| a.ttft_ms as f64 / 1e3 + uncached * a.prefill_us_per_token as f64 / 1e6;
-    let mean_of =
-        |t: &[Request]| t.iter().map(Request::tokens).sum::<usize>() as f64 / t.len().max(1) as f64;
-    let blind_trace = prefix_trace::generate(&shp, 1.0, a.duration_s, a.seed);
-    let cap_blind = slots / per_req(mean_of(&blind_trace));
-    let probe_trace = prefix_trace::generate(&shp, cap_blind, a.duration_s, a.seed);
+    let blind_trace = prefix_trace::generate(shp, 1.0, a.duration_s, a.seed);
+    let cap_blind = slots / per_req(mean_tokens(&blind_trace));
+    let probe_trace = prefix_trace::generate(shp, cap_blind, a.duration_s, a.seed);
     let probe = prefix_trace::oracle(&probe_trace, a.block_size, capacity_blocks);
     let cap_oracle = slots / per_req(probe.mean_uncached(probe_trace.len()));
     let rate = a.rate.unwrap_or(a.load * cap_oracle);
-    let trace = prefix_trace::generate(&shp, rate, a.duration_s, a.seed);
+    let trace = prefix_trace::generate(shp, rate, a.duration_s, a.seed);
     let oracle = prefix_trace::oracle(&trace, a.block_size, capacity_blocks);
-    let mean_tokens = mean_of(&trace);
+    (
+        trace,
+        Plan {
+            oracle,
+            rate,
+            cap_oracle,
+            cap_blind,
+        },
+    )
+}
+
+/// Mean prompt tokens of a trace.
+fn mean_tokens(t: &[Request]) -> f64 {
+    t.iter().map(Request::tokens).sum::<usize>() as f64 / t.len().max(1) as f64
+}
+
+/// The run's header: the workload, the engines, the capacities and SLO, the oracle.
+fn header(a: &Args, trace: &[Request], plan: &Plan) -> String {
+    let Plan {
+        oracle,
+        rate,
+        cap_oracle,
+        cap_blind,
+    } = plan;
+    let capacity_blocks = a.engines * a.kv_cache_blocks;
+    let mean_tokens = mean_tokens(trace);
     let turns = trace
         .iter()
         .filter(|r| matches!(r.kind, Kind::Turn(_)))
         .count();
     let working: usize = {
         let mut seen = std::collections::HashSet::new();
-        for r in &trace {
+        for r in trace {
             for s in &r.segments {
                 seen.insert((s.tag.clone(), s.len));
             }
         }
         seen.iter().map(|(_, l)| l / a.block_size).sum()
     };
-    let mut head = format!(
+    format!(
         "narwhal-bench prefix: {} requests in {} s at {rate:.2}/s ({} questions, {turns} session turns), mean prompt {mean_tokens:.0} tokens; {} groups, prefixes {}-{} tokens, zipf {}\n\
          engines: {} x (prefill {} us/token + {} ms, {} prefill slot(s), tpot {} ms + {} us/running, {} blocks of {} tokens); working set ~{working} blocks vs {capacity_blocks} in all\n\
          capacity: {cap_oracle:.2}/s at the oracle's hit rate, {cap_blind:.2}/s cache-blind; SLO: TTFT <= {} s and TPOT <= {} s; our fleet files + {}\n\
@@ -558,7 +589,21 @@ async fn run(a: Args) -> Result<bool, String> {
         a.ours_fleet,
         oracle.hit_rate(),
         oracle.reuse_rate(),
-    );
+    )
+}
+
+async fn run(a: Args) -> Result<bool, String> {
+    if a.engines < 2 || a.groups == 0 || a.duration_s <= 0.0 || a.block_size == 0 {
+        return Err("--engines must be at least 2, --groups and --block-size at least 1, --duration-s positive".into());
+    }
+    let defs = target_defs(&a)?;
+    serde_json::from_str::<Value>(&a.ours_fleet)
+        .ok()
+        .filter(Value::is_object)
+        .ok_or("--ours-fleet: not a JSON object")?;
+    let shp = shape(&a);
+    let (trace, plan) = workload(&a, &shp);
+    let mut head = header(&a, &trace, &plan);
     print!("{head}");
     let _ = std::io::Write::flush(&mut std::io::stdout());
     let dir = tempfile::Builder::new()
@@ -575,6 +620,7 @@ async fn run(a: Args) -> Result<bool, String> {
         .parent()
         .map(|p| p.display().to_string())
         .unwrap_or_default();
+    let oracle = plan.oracle;
     let trace = Arc::new(trace);
     let mut rows = Vec::new();
     let mut all_ok = true;
@@ -583,119 +629,17 @@ async fn run(a: Args) -> Result<bool, String> {
             restart_all(&mut sims).await?;
         }
         let urls: Vec<String> = sims.iter().map(|s| s.url.clone()).collect();
-        let kv: Vec<Value> = events
-            .iter()
-            .map(|e| json!({"endpoint": e.endpoint, "replay_endpoint": e.replay}))
-            .collect();
-        let mut command = None;
-        let running = match (def.name.as_str(), &def.peer) {
-            (_, Some(p)) => {
-                let pdir = dir.path().join(format!("peer-{}", p.name));
-                std::fs::create_dir_all(&pdir).map_err(|e| e.to_string())?;
-                let port = engine_port();
-                let mut v: BTreeMap<&str, String> = BTreeMap::new();
-                v.insert("port", port.to_string());
-                v.insert("aux_port", engine_port().to_string());
-                v.insert("host", "127.0.0.1".into());
-                v.insert("model", "tiny-sim".into());
-                v.insert("dir", pdir.display().to_string());
-                v.insert("bin_dir", bin_dir.clone());
-                v.insert("engine_url", urls[0].clone());
-                v.insert("engine_urls", urls.join(" "));
-                let pairs = |f: &dyn Fn(&Events) -> &str| {
-                    urls.iter()
-                        .zip(&events)
-                        .map(|(u, e)| format!("{u}={}", f(e)))
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                };
-                v.insert("kv_event_sources", pairs(&|e| &e.endpoint));
-                v.insert("kv_event_replay_sources", pairs(&|e| &e.replay));
-                let c = p.render(&v)?;
-                command = Some(c.clone());
-                (
-                    Running::Peer(PeerProc::spawn(&p.name, &c, dir.path())?),
-                    format!("http://127.0.0.1:{port}"),
-                )
-            }
-            ("round-robin", None) => (Running::Client, String::new()),
-            (name, None) => {
-                let kv = match name {
-                    "ours-exact" => Some(kv.clone()),
-                    _ => None,
-                };
-                let mut spec = ours_fleet(&sims, kv, &a);
-                if name == "ours-blind" {
-                    spec = spec.with(json!({"serving": {"kv_aware_placement": false}}));
-                }
-                let r = start_router(dir.path(), name, &spec, &["--log-level", "warn"])
-                    .map_err(|e| format!("router {name}: {e}"))?;
-                let url = r.data.clone();
-                (Running::Ours(Box::new(r)), url)
-            }
-        };
-        let (mut running, url) = running;
+        let (mut running, url, command) =
+            start_target(&a, def, dir.path(), &sims, &events, &bin_dir)?;
         // Ready: a one-word prompt (no full block: nothing cached, nothing stored).
-        let deadline = Instant::now() + Duration::from_secs_f64(a.start_timeout);
         let targets: Vec<String> = if url.is_empty() {
             urls.clone()
         } else {
             vec![url.clone()]
         };
-        for t in &targets {
-            loop {
-                if let Running::Peer(p) = &mut running
-                    && let Some(st) = p.exited()
-                {
-                    return Err(format!(
-                        "peer {} exited ({st}): {}",
-                        def.name,
-                        p.log_tail(20)
-                    ));
-                }
-                let r = http
-                    .post(format!("{t}/v1/completions"))
-                    .json(&json!({"model": "tiny-sim", "prompt": "hello", "max_tokens": 1}))
-                    .send()
-                    .await;
-                if matches!(&r, Ok(r) if r.status().is_success()) {
-                    break;
-                }
-                if Instant::now() >= deadline {
-                    let tail = match &running {
-                        Running::Peer(p) => p.log_tail(20),
-                        _ => String::new(),
-                    };
-                    return Err(format!(
-                        "{} did not answer within {} s: {r:?} {tail}",
-                        def.name, a.start_timeout
-                    ));
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        }
+        wait_ready(&a, def, &http, &mut running, &targets).await?;
         let row = drive(&a, def, &http, &url, &mut sims, &trace).await?;
-        println!(
-            "  {}: hit rate {:.3}, SLO {}/{}, TTFT p50 {:.3} s; per engine requests (hit rate): {}",
-            row.name,
-            row.counts.rate(),
-            row.slo_met,
-            row.requests,
-            row.ttft_p50.unwrap_or(f64::NAN),
-            row.engines
-                .iter()
-                .map(|c| format!("{} ({:.2})", c.requests, c.rate()))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        println!(
-            "    SLO met per 10 s of sending: {}",
-            row.slo_by_10s
-                .iter()
-                .map(|x| format!("{:.0}%", 100.0 * x))
-                .collect::<Vec<_>>()
-                .join(" ")
-        );
+        print_row(&row);
         if let Some(c) = &command {
             head.push_str(&format!("  {}: {c}\n", def.name));
         }
@@ -708,33 +652,14 @@ async fn run(a: Args) -> Result<bool, String> {
                 .map_err(|e| format!("{}: {e}", p.display()))?;
         }
         if let Running::Ours(r) = &running {
-            // Its own view of the engines at the end (modes), for the record.
-            let st = r.state_json().await;
-            let modes: Vec<String> = st["kv_index"]["engines"]
-                .as_object()
-                .map(|m| {
-                    m.iter()
-                        .map(|(k, v)| format!("{k}:{}", v["mode"].as_str().unwrap_or("?")))
-                        .collect()
-                })
-                .unwrap_or_default();
-            let kv = &st["kv_index"];
-            println!(
-                "    kv_index at the end: modes {}; tokenizer {}, {} prompts tokenized ({:.2} ms each), {} tokenize failures",
-                modes.join(" "),
-                kv["tokenizer"].as_str().unwrap_or("-"),
-                kv["tokenized"].as_u64().unwrap_or(0),
-                1e3 * kv["tokenize_seconds"].as_f64().unwrap_or(0.0)
-                    / kv["tokenized"].as_u64().unwrap_or(0).max(1) as f64,
-                kv["tokenize_failures"].as_u64().unwrap_or(0)
-            );
+            print_kv_index(r).await;
         }
         let _ = std::io::Write::flush(&mut std::io::stdout());
         drop(running);
     }
     drop(sims);
     let standby = if a.standby_s > 10.0 {
-        Some(standby_figure(&a, &shp, rate).await?)
+        Some(standby_figure(&a, &shp, plan.rate).await?)
     } else {
         None
     };
@@ -745,43 +670,221 @@ async fn run(a: Args) -> Result<bool, String> {
             .map_err(|e| format!("{}: {e}", p.display()))?;
     }
     if let Some(p) = &a.json {
-        let doc = json!({
-            "schema": "narwhal.bench.prefix",
-            "version": 1,
-            "config": {
-                "duration_s": a.duration_s, "rate": rate, "load": a.load, "seed": a.seed,
-                "groups": a.groups, "prefix_tokens": [a.prefix_min, a.prefix_max],
-                "question_tokens": a.question_tokens, "sessions": a.sessions, "turns": a.turns,
-                "engines": a.engines, "kv_cache_blocks": a.kv_cache_blocks,
-                "block_size": a.block_size, "prefill_us_per_token": a.prefill_us_per_token,
-                "ttft_ms": a.ttft_ms, "tpot_ms": a.tpot_ms, "prefill_slots": a.prefill_slots,
-                "ttft_slo_s": a.ttft_slo_s, "tpot_slo_s": a.tpot_slo_s,
-                "restart_at": a.restart_at,
-                "ours_fleet": serde_json::from_str::<Value>(&a.ours_fleet).unwrap_or_default(),
-            },
-            "requests": trace.len(),
-            "capacity": {"oracle": cap_oracle, "blind": cap_blind},
-            "oracle": {"hit_rate": oracle.hit_rate(), "unbounded_hit_rate": oracle.reuse_rate(),
-                       "tokens": oracle.tokens, "hits": oracle.hits},
-            "targets": rows.iter().map(|r| json!({
-                "name": r.name, "what": r.what,
-                "hit_rate": r.counts.rate(), "hits": r.counts.hits, "queries": r.counts.queries,
-                "ratio_to_oracle": r.counts.rate() / oracle.hit_rate().max(1e-9),
-                "ttft_p50_s": r.ttft_p50, "ttft_p90_s": r.ttft_p90,
-                "slo_attainment": r.slo_met as f64 / r.requests.max(1) as f64,
-                "slo_met": r.slo_met, "completed": r.completed, "requests": r.requests,
-                "throughput_rps": r.throughput, "goodput_rps": r.goodput, "wall_s": r.wall_s,
-                "slo_by_10s": r.slo_by_10s,
-                "engines": r.engines.iter().map(|c| json!({
-                    "requests": c.requests, "hits": c.hits, "queries": c.queries,
-                })).collect::<Vec<_>>(),
-            })).collect::<Vec<_>>(),
-            "standby": standby.as_ref().map(Standby::to_json),
-        });
+        let doc = json_doc(&a, &plan, trace.len(), &rows, standby.as_ref());
         let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
         std::fs::write(p, text + "\n").map_err(|e| format!("{}: {e}", p.display()))?;
     }
     Ok(all_ok)
+}
+
+/// Starts target `def` over `sims` (a peer with its placeholders, one of our routers, or
+/// nothing for round robin): what keeps it alive, its URL (empty: round robin) and a peer's
+/// rendered command.
+fn start_target(
+    a: &Args,
+    def: &TargetDef,
+    dir: &std::path::Path,
+    sims: &[SimHandle],
+    events: &[Events],
+    bin_dir: &str,
+) -> Result<(Running, String, Option<String>), String> {
+    let urls: Vec<String> = sims.iter().map(|s| s.url.clone()).collect();
+    let kv: Vec<Value> = events
+        .iter()
+        .map(|e| json!({"endpoint": e.endpoint, "replay_endpoint": e.replay}))
+        .collect();
+    let mut command = None;
+    let running = match (def.name.as_str(), &def.peer) {
+        (_, Some(p)) => {
+            let pdir = dir.join(format!("peer-{}", p.name));
+            std::fs::create_dir_all(&pdir).map_err(|e| e.to_string())?;
+            let port = engine_port();
+            let mut v: BTreeMap<&str, String> = BTreeMap::new();
+            v.insert("port", port.to_string());
+            v.insert("aux_port", engine_port().to_string());
+            v.insert("host", "127.0.0.1".into());
+            v.insert("model", "tiny-sim".into());
+            v.insert("dir", pdir.display().to_string());
+            v.insert("bin_dir", bin_dir.to_string());
+            v.insert("engine_url", urls[0].clone());
+            v.insert("engine_urls", urls.join(" "));
+            let pairs = |f: &dyn Fn(&Events) -> &str| {
+                urls.iter()
+                    .zip(events)
+                    .map(|(u, e)| format!("{u}={}", f(e)))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            v.insert("kv_event_sources", pairs(&|e| &e.endpoint));
+            v.insert("kv_event_replay_sources", pairs(&|e| &e.replay));
+            let c = p.render(&v)?;
+            command = Some(c.clone());
+            (
+                Running::Peer(PeerProc::spawn(&p.name, &c, dir)?),
+                format!("http://127.0.0.1:{port}"),
+            )
+        }
+        ("round-robin", None) => (Running::Client, String::new()),
+        (name, None) => {
+            let kv = match name {
+                "ours-exact" => Some(kv.clone()),
+                _ => None,
+            };
+            let mut spec = ours_fleet(sims, kv, a);
+            if name == "ours-blind" {
+                spec = spec.with(json!({"serving": {"kv_aware_placement": false}}));
+            }
+            let r = start_router(dir, name, &spec, &["--log-level", "warn"])
+                .map_err(|e| format!("router {name}: {e}"))?;
+            let url = r.data.clone();
+            (Running::Ours(Box::new(r)), url)
+        }
+    };
+    let (running, url) = running;
+    Ok((running, url, command))
+}
+
+/// Waits until every URL of `targets` completes a one-word prompt, within `--start-timeout`;
+/// an error when target `def`'s peer process exits first.
+async fn wait_ready(
+    a: &Args,
+    def: &TargetDef,
+    http: &reqwest::Client,
+    running: &mut Running,
+    targets: &[String],
+) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs_f64(a.start_timeout);
+    for t in targets {
+        loop {
+            if let Running::Peer(p) = running
+                && let Some(st) = p.exited()
+            {
+                return Err(format!(
+                    "peer {} exited ({st}): {}",
+                    def.name,
+                    p.log_tail(20)
+                ));
+            }
+            let r = http
+                .post(format!("{t}/v1/completions"))
+                .json(&json!({"model": "tiny-sim", "prompt": "hello", "max_tokens": 1}))
+                .send()
+                .await;
+            if matches!(&r, Ok(r) if r.status().is_success()) {
+                break;
+            }
+            if Instant::now() >= deadline {
+                let tail = match &*running {
+                    Running::Peer(p) => p.log_tail(20),
+                    _ => String::new(),
+                };
+                return Err(format!(
+                    "{} did not answer within {} s: {r:?} {tail}",
+                    def.name, a.start_timeout
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    Ok(())
+}
+
+/// A target's figures as they are measured: hit rate, SLO, TTFT, per engine, SLO per 10 s.
+fn print_row(row: &Row) {
+    println!(
+        "  {}: hit rate {:.3}, SLO {}/{}, TTFT p50 {:.3} s; per engine requests (hit rate): {}",
+        row.name,
+        row.counts.rate(),
+        row.slo_met,
+        row.requests,
+        row.ttft_p50.unwrap_or(f64::NAN),
+        row.engines
+            .iter()
+            .map(|c| format!("{} ({:.2})", c.requests, c.rate()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!(
+        "    SLO met per 10 s of sending: {}",
+        row.slo_by_10s
+            .iter()
+            .map(|x| format!("{:.0}%", 100.0 * x))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+}
+
+/// Our router's own view of the engines at the end (modes, tokenizer), for the record.
+async fn print_kv_index(r: &narwhal_testkit::RouterHandle) {
+    let st = r.state_json().await;
+    let modes: Vec<String> = st["kv_index"]["engines"]
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| format!("{k}:{}", v["mode"].as_str().unwrap_or("?")))
+                .collect()
+        })
+        .unwrap_or_default();
+    let kv = &st["kv_index"];
+    println!(
+        "    kv_index at the end: modes {}; tokenizer {}, {} prompts tokenized ({:.2} ms each), {} tokenize failures",
+        modes.join(" "),
+        kv["tokenizer"].as_str().unwrap_or("-"),
+        kv["tokenized"].as_u64().unwrap_or(0),
+        1e3 * kv["tokenize_seconds"].as_f64().unwrap_or(0.0)
+            / kv["tokenized"].as_u64().unwrap_or(0).max(1) as f64,
+        kv["tokenize_failures"].as_u64().unwrap_or(0)
+    );
+}
+
+/// The `--json` document: the configuration, the capacities and oracle, every target's row
+/// and the standby figure.
+fn json_doc(
+    a: &Args,
+    plan: &Plan,
+    requests: usize,
+    rows: &[Row],
+    standby: Option<&Standby>,
+) -> Value {
+    let Plan {
+        oracle,
+        rate,
+        cap_oracle,
+        cap_blind,
+    } = plan;
+    json!({
+        "schema": "narwhal.bench.prefix",
+        "version": 1,
+        "config": {
+            "duration_s": a.duration_s, "rate": rate, "load": a.load, "seed": a.seed,
+            "groups": a.groups, "prefix_tokens": [a.prefix_min, a.prefix_max],
+            "question_tokens": a.question_tokens, "sessions": a.sessions, "turns": a.turns,
+            "engines": a.engines, "kv_cache_blocks": a.kv_cache_blocks,
+            "block_size": a.block_size, "prefill_us_per_token": a.prefill_us_per_token,
+            "ttft_ms": a.ttft_ms, "tpot_ms": a.tpot_ms, "prefill_slots": a.prefill_slots,
+            "ttft_slo_s": a.ttft_slo_s, "tpot_slo_s": a.tpot_slo_s,
+            "restart_at": a.restart_at,
+            "ours_fleet": serde_json::from_str::<Value>(&a.ours_fleet).unwrap_or_default(),
+        },
+        "requests": requests,
+        "capacity": {"oracle": cap_oracle, "blind": cap_blind},
+        "oracle": {"hit_rate": oracle.hit_rate(), "unbounded_hit_rate": oracle.reuse_rate(),
+                   "tokens": oracle.tokens, "hits": oracle.hits},
+        "targets": rows.iter().map(|r| json!({
+            "name": r.name, "what": r.what,
+            "hit_rate": r.counts.rate(), "hits": r.counts.hits, "queries": r.counts.queries,
+            "ratio_to_oracle": r.counts.rate() / oracle.hit_rate().max(1e-9),
+            "ttft_p50_s": r.ttft_p50, "ttft_p90_s": r.ttft_p90,
+            "slo_attainment": r.slo_met as f64 / r.requests.max(1) as f64,
+            "slo_met": r.slo_met, "completed": r.completed, "requests": r.requests,
+            "throughput_rps": r.throughput, "goodput_rps": r.goodput, "wall_s": r.wall_s,
+            "slo_by_10s": r.slo_by_10s,
+            "engines": r.engines.iter().map(|c| json!({
+                "requests": c.requests, "hits": c.hits, "queries": c.queries,
+            })).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "standby": standby.map(Standby::to_json),
+    })
 }
 
 /// Sends the trace to `url` (empty: round robin over the engines themselves), restarting the

@@ -1013,20 +1013,7 @@ async fn completion(
     };
     let parsed = match parsed {
         Ok(p) => p,
-        Err(e) => {
-            sim.stats.count_arrival(Phase::Aggregated);
-            let rid = match sim.cfg.dialect {
-                Dialect::Vllm => header_rid,
-                Dialect::Sglang => None,
-            };
-            let mut t = Tracker::new(
-                sim.stats.clone(),
-                rid.unwrap_or_else(|| sim.new_id()),
-                Phase::Aggregated,
-            );
-            t.finish(Outcome::Error, e.status, 0);
-            return api_error(&e);
-        }
+        Err(e) => return refuse_unparsed(sim, header_rid, &e),
     };
     let phase = sim.phase_of(&parsed);
     let request_id = match sim.cfg.dialect {
@@ -1040,6 +1027,94 @@ async fn completion(
     if let Some(b) = &parsed.bootstrap {
         tracker.set_kv(None, Some(b.room), None);
     }
+    if let Err(refused) = admit(sim, &parsed, phase, &mut tracker).await {
+        return refused;
+    }
+    let fx = match apply_fault(sim, kill, phase, &parsed, &mut tracker).await {
+        Ok(fx) => fx,
+        Err(answered) => return answered,
+    };
+    let prompt_hash = tokenizer::prompt_hash(&parsed.prompt);
+    let n_prompt = parsed.prompt.len();
+    sim.stats
+        .prom_prompt_tokens
+        .fetch_add(n_prompt as u64, Relaxed);
+    let rid = tracker.request_id().to_string();
+    let id = match (sim.cfg.dialect, kind) {
+        (Dialect::Vllm, Kind::Completion) => format!("cmpl-{rid}"),
+        (Dialect::Vllm, Kind::Chat) => format!("chatcmpl-{rid}"),
+        (Dialect::Sglang, _) => rid.clone(),
+    };
+    // Only the tokens missing from the prefix cache are computed (and priced).
+    let lookup = sim.cache_lookup(&parsed.prompt, &parsed.keys, dp_rank);
+    let uncached = n_prompt - lookup.hit_tokens;
+    let compute = sim.cfg.ttft + sim.cfg.prefill_per_token * uncached as u32;
+    let answer = Answer {
+        parsed: &parsed,
+        id,
+        created,
+        prompt_hash,
+        kv_params: None,
+        fragment: fx.fragment,
+        cut: fx.cut,
+        cached_tokens: sim
+            .cfg
+            .prompt_tokens_details
+            .then_some(lookup.hit_tokens as u64),
+    };
+    match (sim.cfg.dialect, phase) {
+        (Dialect::Vllm, Phase::Prefill) => {
+            vllm_prefill(sim, tracker, answer, &lookup, compute, &fx).await
+        }
+        (Dialect::Vllm, Phase::Decode) => {
+            vllm_decode(sim, tracker, answer, &lookup, uncached, &fx).await
+        }
+        (Dialect::Sglang, Phase::Prefill) => {
+            sglang_prefill(sim, tracker, answer, &lookup, compute, &fx).await
+        }
+        (Dialect::Sglang, Phase::Decode) => {
+            sglang_decode(sim, tracker, answer, &lookup, uncached, &fx).await
+        }
+        (_, _) => {
+            sim.prefill(compute).await;
+            sim.computed(&parsed.prompt, &lookup, 0, !fx.mute_kv_events);
+            let decode_capable = match sim.cfg.dialect {
+                Dialect::Vllm => true,
+                Dialect::Sglang => sim.mode() == Mode::Decode,
+            };
+            if decode_capable {
+                sim.stats.kv_recomputed.fetch_add(1, Relaxed);
+            }
+            respond(sim, tracker, answer)
+        }
+    }
+}
+
+/// Answers a completion whose body did not parse: counted as an aggregated arrival that
+/// failed with the error's status (under the `x-request-id` of a vLLM request).
+fn refuse_unparsed(sim: &Sim, header_rid: Option<String>, e: &ApiError) -> Response<SimBody> {
+    sim.stats.count_arrival(Phase::Aggregated);
+    let rid = match sim.cfg.dialect {
+        Dialect::Vllm => header_rid,
+        Dialect::Sglang => None,
+    };
+    let mut t = Tracker::new(
+        sim.stats.clone(),
+        rid.unwrap_or_else(|| sim.new_id()),
+        Phase::Aggregated,
+    );
+    t.finish(Outcome::Error, e.status, 0);
+    api_error(e)
+}
+
+/// Admission: refuses a request over `--max-running`, waits for a seat in the running set
+/// (held by the tracker), then refuses what this engine's mode or phase cannot serve.
+async fn admit(
+    sim: &Arc<Sim>,
+    parsed: &Parsed,
+    phase: Phase,
+    tracker: &mut Tracker,
+) -> Result<(), Response<SimBody>> {
     if sim.cfg.max_running > 0 && sim.stats.in_flight.load(Relaxed) > sim.cfg.max_running as i64 {
         let e = ApiError {
             status: 429,
@@ -1050,7 +1125,7 @@ async fn completion(
             ),
         };
         tracker.finish(Outcome::Error, 429, 0);
-        return api_error(&e);
+        return Err(api_error(&e));
     }
     // vLLM's scheduler: beyond `max_num_seqs` running, a request waits its turn; its place
     // is held until it is settled (the tracker drops it).
@@ -1068,7 +1143,7 @@ async fn completion(
             sim.mode().as_str()
         ));
         tracker.finish(Outcome::Error, 400, 0);
-        return api_error(&e);
+        return Err(api_error(&e));
     }
     // The simulator generates `n` choices only for a request computed end to end (a real
     // engine's P/D connectors move one sequence's KV; Narwhal never splits `n` > 1).
@@ -1079,14 +1154,37 @@ async fn completion(
             parsed.n
         ));
         tracker.finish(Outcome::Error, 400, 0);
-        return api_error(&e);
+        return Err(api_error(&e));
     }
+    Ok(())
+}
+
+/// What an injected fault leaves for the rest of the request to do (none: a plain request).
+#[derive(Debug, Default)]
+struct FaultEffects {
+    /// Write the body in writes of this many bytes.
+    fragment: Option<usize>,
+    /// Stream this many token chunks, then drop the connection.
+    cut: Option<u32>,
+    /// A prefill publishes no KV.
+    omit_kv: bool,
+    /// No KV event for this request.
+    mute_kv_events: bool,
+    /// The decode's transfer fails; `true`: then recompute.
+    fail_transfer: Option<bool>,
+}
+
+/// Takes the next fault queued for `phase` and applies it: `Err` with the response of a fault
+/// that answers at once (a status, a dropped connection), otherwise what it leaves to do.
+async fn apply_fault(
+    sim: &Arc<Sim>,
+    kill: &CancellationToken,
+    phase: Phase,
+    parsed: &Parsed,
+    tracker: &mut Tracker,
+) -> Result<FaultEffects, Response<SimBody>> {
     let fault = sim.take_fault(phase);
-    let mut fragment = None;
-    let mut cut = None;
-    let mut omit_kv = false;
-    let mut mute_kv_events = false;
-    let mut fail_transfer = None;
+    let mut fx = FaultEffects::default();
     if let Some(f) = &fault {
         tracker.mark_fault();
         let sglang_room = match (phase, &parsed.bootstrap) {
@@ -1109,199 +1207,210 @@ async fn completion(
                 let body = body.clone().unwrap_or_else(|| {
                     protocol::error_json(*status, "InjectedFault", "injected fault (status)")
                 });
-                return json_response(*status, &body);
+                return Err(json_response(*status, &body));
             }
-            Action::Drop => return drop_connection(sim, &mut tracker, kill, sglang_room).await,
+            Action::Drop => return Err(drop_connection(sim, tracker, kill, sglang_room).await),
             Action::Cut { .. } if !parsed.stream => {
-                return drop_connection(sim, &mut tracker, kill, sglang_room).await;
+                return Err(drop_connection(sim, tracker, kill, sglang_room).await);
             }
-            Action::Cut { after_tokens } => cut = Some(*after_tokens),
+            Action::Cut { after_tokens } => fx.cut = Some(*after_tokens),
             Action::Hang { ms } => {
                 tokio::time::sleep(Duration::from_millis(ms.unwrap_or(0))).await;
             }
-            Action::OmitKv => omit_kv = true,
-            Action::MuteKvEvents => mute_kv_events = true,
-            Action::Fragment { bytes } => fragment = Some(*bytes),
-            Action::FailTransfer { recompute } => fail_transfer = Some(*recompute),
+            Action::OmitKv => fx.omit_kv = true,
+            Action::MuteKvEvents => fx.mute_kv_events = true,
+            Action::Fragment { bytes } => fx.fragment = Some(*bytes),
+            Action::FailTransfer { recompute } => fx.fail_transfer = Some(*recompute),
         }
     }
-    let prompt_hash = tokenizer::prompt_hash(&parsed.prompt);
-    let n_prompt = parsed.prompt.len();
-    sim.stats
-        .prom_prompt_tokens
-        .fetch_add(n_prompt as u64, Relaxed);
+    Ok(fx)
+}
+
+/// The KV a prefill hands over for `answer`'s prompt, under request id `rid`.
+fn kv_payload(answer: &Answer<'_>, rid: &str) -> KvPayload {
+    KvPayload {
+        prompt_hash: answer.prompt_hash,
+        prompt_tokens: answer.parsed.prompt.len(),
+        request_id: rid.to_string(),
+    }
+}
+
+/// A vLLM prefill: computes the prompt, stores its blocks and answers their descriptor in
+/// `kv_transfer_params` (none with an `omit_kv` fault).
+async fn vllm_prefill(
+    sim: &Sim,
+    mut tracker: Tracker,
+    mut answer: Answer<'_>,
+    lookup: &Lookup,
+    compute: Duration,
+    fx: &FaultEffects,
+) -> Response<SimBody> {
+    let parsed = answer.parsed;
     let rid = tracker.request_id().to_string();
-    let id = match (sim.cfg.dialect, kind) {
-        (Dialect::Vllm, Kind::Completion) => format!("cmpl-{rid}"),
-        (Dialect::Vllm, Kind::Chat) => format!("chatcmpl-{rid}"),
-        (Dialect::Sglang, _) => rid.clone(),
+    sim.prefill(compute).await;
+    sim.computed(&parsed.prompt, lookup, 0, !fx.mute_kv_events);
+    if !fx.omit_kv {
+        let block_ids = sim
+            .blocks_lock()
+            .issue(Instant::now(), kv_payload(&answer, &rid));
+        sim.stats.kv_issued.fetch_add(1, Relaxed);
+        let (host, port) = match sim.kv_addr {
+            Some(a) if a.ip().is_unspecified() => ("127.0.0.1".to_string(), a.port()),
+            Some(a) => (a.ip().to_string(), a.port()),
+            None => ("127.0.0.1".to_string(), 0),
+        };
+        answer.kv_params = Some(json!({
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "remote_engine_id": sim.engine_id,
+            "remote_block_ids": block_ids,
+            "remote_host": host,
+            "remote_port": port,
+            "remote_request_id": answer.id,
+            "tp_size": 1,
+        }));
+        tracker.set_kv(None, None, Some(block_ids));
+    }
+    respond(sim, tracker, answer)
+}
+
+/// A vLLM decode: reads the prefill's blocks named in `kv_transfer_params` from its engine,
+/// then generates; a failed read fails the request.
+async fn vllm_decode(
+    sim: &Sim,
+    mut tracker: Tracker,
+    answer: Answer<'_>,
+    lookup: &Lookup,
+    uncached: usize,
+    fx: &FaultEffects,
+) -> Response<SimBody> {
+    let parsed = answer.parsed;
+    let rid = tracker.request_id().to_string();
+    sleep(sim.cfg.ttft).await;
+    let d = match &parsed.kv {
+        KvParams::RemotePrefill(d) => d,
+        KvParams::BadRemotePrefill(m) => {
+            sim.stats.kv_rejected.fetch_add(1, Relaxed);
+            let e = ApiError::internal(format!("invalid kv_transfer_params: {m}"));
+            return fail(&mut tracker, parsed.stream, &e);
+        }
+        _ => unreachable_phase(),
     };
-    // Only the tokens missing from the prefix cache are computed (and priced).
-    let lookup = sim.cache_lookup(&parsed.prompt, &parsed.keys, dp_rank);
-    let uncached = n_prompt - lookup.hit_tokens;
-    let compute = sim.cfg.ttft + sim.cfg.prefill_per_token * uncached as u32;
-    let mut answer = Answer {
-        parsed: &parsed,
-        id,
-        created,
-        prompt_hash,
-        kv_params: None,
-        fragment,
-        cut,
-        cached_tokens: sim
-            .cfg
-            .prompt_tokens_details
-            .then_some(lookup.hit_tokens as u64),
+    tracker.set_kv(Some(d.engine_id.clone()), None, Some(d.block_ids.clone()));
+    let peer = format!("engine {}", d.engine_id);
+    if let Some(recompute) = fx.fail_transfer {
+        let cause = FailedTransfer::Transfer;
+        return injected_transfer_failure(sim, tracker, answer, recompute, cause, &peer).await;
+    }
+    let req = transfer::Request::ReadBlocks {
+        engine_id: d.engine_id.clone(),
+        block_ids: d.block_ids.clone(),
+        consumer: sim.url.clone(),
     };
-    let payload = || KvPayload {
-        prompt_hash,
-        prompt_tokens: n_prompt,
-        request_id: rid.clone(),
-    };
-    match (sim.cfg.dialect, phase) {
-        (Dialect::Vllm, Phase::Prefill) => {
-            sim.prefill(compute).await;
-            sim.computed(&parsed.prompt, &lookup, 0, !mute_kv_events);
-            if !omit_kv {
-                let block_ids = sim.blocks_lock().issue(Instant::now(), payload());
-                sim.stats.kv_issued.fetch_add(1, Relaxed);
-                let (host, port) = match sim.kv_addr {
-                    Some(a) if a.ip().is_unspecified() => ("127.0.0.1".to_string(), a.port()),
-                    Some(a) => (a.ip().to_string(), a.port()),
-                    None => ("127.0.0.1".to_string(), 0),
-                };
-                answer.kv_params = Some(json!({
-                    "do_remote_prefill": true,
-                    "do_remote_decode": false,
-                    "remote_engine_id": sim.engine_id,
-                    "remote_block_ids": block_ids,
-                    "remote_host": host,
-                    "remote_port": port,
-                    "remote_request_id": answer.id,
-                    "tp_size": 1,
-                }));
-                tracker.set_kv(None, None, Some(block_ids));
-            }
+    let started = Instant::now();
+    let res = transfer::call(&d.host, d.port, &req, READ_TIMEOUT).await;
+    match check_transfer(res, answer.prompt_hash) {
+        Ok(_) => {
+            sim.stats.kv_consumed.fetch_add(1, Relaxed);
+            sleep(sim.cfg.kv_transfer).await;
+            sim.stats.prom_transfers.observe(started.elapsed());
+            // vLLM caches the blocks a decode received (`cache_blocks` once the
+            // remote KV arrived): they count as transferred, not computed.
+            sim.computed(&parsed.prompt, lookup, uncached, !fx.mute_kv_events);
             respond(sim, tracker, answer)
         }
-        (Dialect::Vllm, Phase::Decode) => {
-            sleep(sim.cfg.ttft).await;
-            let d = match &parsed.kv {
-                KvParams::RemotePrefill(d) => d,
-                KvParams::BadRemotePrefill(m) => {
-                    sim.stats.kv_rejected.fetch_add(1, Relaxed);
-                    let e = ApiError::internal(format!("invalid kv_transfer_params: {m}"));
-                    return fail(&mut tracker, parsed.stream, &e);
-                }
-                _ => unreachable_phase(),
-            };
-            tracker.set_kv(Some(d.engine_id.clone()), None, Some(d.block_ids.clone()));
-            let peer = format!("engine {}", d.engine_id);
-            if let Some(recompute) = fail_transfer {
-                let cause = FailedTransfer::Transfer;
-                return injected_transfer_failure(sim, tracker, answer, recompute, cause, &peer)
-                    .await;
-            }
-            let req = transfer::Request::ReadBlocks {
-                engine_id: d.engine_id.clone(),
-                block_ids: d.block_ids.clone(),
-                consumer: sim.url.clone(),
-            };
-            let started = Instant::now();
-            let res = transfer::call(&d.host, d.port, &req, READ_TIMEOUT).await;
-            match check_transfer(res, prompt_hash) {
-                Ok(_) => {
-                    sim.stats.kv_consumed.fetch_add(1, Relaxed);
-                    sleep(sim.cfg.kv_transfer).await;
-                    sim.stats.prom_transfers.observe(started.elapsed());
-                    // vLLM caches the blocks a decode received (`cache_blocks` once the
-                    // remote KV arrived): they count as transferred, not computed.
-                    sim.computed(&parsed.prompt, &lookup, uncached, !mute_kv_events);
-                    respond(sim, tracker, answer)
-                }
-                Err((msg, _)) => {
-                    sim.stats.kv_rejected.fetch_add(1, Relaxed);
-                    sim.stats.prom_transfer_failures.fetch_add(1, Relaxed);
-                    let e = ApiError::internal(format!(
-                        "KV transfer for request {rid} from engine {} failed: {msg}",
-                        d.engine_id
-                    ));
-                    fail(&mut tracker, parsed.stream, &e)
-                }
-            }
+        Err((msg, _)) => {
+            sim.stats.kv_rejected.fetch_add(1, Relaxed);
+            sim.stats.prom_transfer_failures.fetch_add(1, Relaxed);
+            let e = ApiError::internal(format!(
+                "KV transfer for request {rid} from engine {} failed: {msg}",
+                d.engine_id
+            ));
+            fail(&mut tracker, parsed.stream, &e)
         }
-        (Dialect::Sglang, Phase::Prefill) => {
-            let Some(b) = &parsed.bootstrap else {
-                unreachable_phase()
-            };
-            sim.prefill(compute).await;
-            sim.computed(&parsed.prompt, &lookup, 0, !mute_kv_events);
-            if !omit_kv {
-                if let Err(e) = sim.publish_room(b.room, RoomState::Ready(payload())) {
-                    let e = ApiError::bad_request(e.to_string());
-                    tracker.finish(Outcome::Error, 400, 0);
-                    return api_error(&e);
-                }
-                sim.stats.kv_issued.fetch_add(1, Relaxed);
-            }
+    }
+}
+
+/// An SGLang prefill: computes the prompt and publishes its KV in the bootstrap room (none
+/// with an `omit_kv` fault).
+async fn sglang_prefill(
+    sim: &Sim,
+    mut tracker: Tracker,
+    answer: Answer<'_>,
+    lookup: &Lookup,
+    compute: Duration,
+    fx: &FaultEffects,
+) -> Response<SimBody> {
+    let parsed = answer.parsed;
+    let rid = tracker.request_id().to_string();
+    let Some(b) = &parsed.bootstrap else {
+        unreachable_phase()
+    };
+    sim.prefill(compute).await;
+    sim.computed(&parsed.prompt, lookup, 0, !fx.mute_kv_events);
+    if !fx.omit_kv {
+        if let Err(e) = sim.publish_room(b.room, RoomState::Ready(kv_payload(&answer, &rid))) {
+            let e = ApiError::bad_request(e.to_string());
+            tracker.finish(Outcome::Error, 400, 0);
+            return api_error(&e);
+        }
+        sim.stats.kv_issued.fetch_add(1, Relaxed);
+    }
+    respond(sim, tracker, answer)
+}
+
+/// An SGLang decode: pulls the prefill's KV from its bootstrap room, then generates; a failed
+/// rendezvous or transfer fails the request.
+async fn sglang_decode(
+    sim: &Sim,
+    mut tracker: Tracker,
+    answer: Answer<'_>,
+    lookup: &Lookup,
+    uncached: usize,
+    fx: &FaultEffects,
+) -> Response<SimBody> {
+    let parsed = answer.parsed;
+    let rid = tracker.request_id().to_string();
+    let Some(b) = &parsed.bootstrap else {
+        unreachable_phase()
+    };
+    sleep(sim.cfg.ttft).await;
+    if let Some(recompute) = fx.fail_transfer {
+        let peer = format!("bootstrap room {}", b.room);
+        let cause = FailedTransfer::Transfer;
+        return injected_transfer_failure(sim, tracker, answer, recompute, cause, &peer).await;
+    }
+    let wait = ROOM_WAIT_MAX.min(sim.cfg.kv_lease);
+    let req = transfer::Request::PullRoom {
+        room: b.room,
+        wait_ms: wait.as_millis() as u64,
+        consumer: sim.url.clone(),
+    };
+    let started = Instant::now();
+    let res = transfer::call(&b.host, b.port, &req, wait + Duration::from_secs(2)).await;
+    if let Ok(r) = &res {
+        tracker.set_kv(Some(r.engine_id.clone()), None, None);
+    }
+    match check_transfer(res, answer.prompt_hash) {
+        Ok(_) => {
+            sim.stats.kv_consumed.fetch_add(1, Relaxed);
+            sleep(sim.cfg.kv_transfer).await;
+            sim.stats.prom_transfers.observe(started.elapsed());
+            sim.computed(&parsed.prompt, lookup, uncached, !fx.mute_kv_events);
             respond(sim, tracker, answer)
         }
-        (Dialect::Sglang, Phase::Decode) => {
-            let Some(b) = &parsed.bootstrap else {
-                unreachable_phase()
-            };
-            sleep(sim.cfg.ttft).await;
-            if let Some(recompute) = fail_transfer {
-                let peer = format!("bootstrap room {}", b.room);
-                let cause = FailedTransfer::Transfer;
-                return injected_transfer_failure(sim, tracker, answer, recompute, cause, &peer)
-                    .await;
+        Err((msg, cause)) => {
+            sim.stats.kv_rejected.fetch_add(1, Relaxed);
+            match cause {
+                FailedTransfer::Bootstrap => &sim.stats.prom_bootstrap_failures,
+                FailedTransfer::Transfer => &sim.stats.prom_transfer_failures,
             }
-            let wait = ROOM_WAIT_MAX.min(sim.cfg.kv_lease);
-            let req = transfer::Request::PullRoom {
-                room: b.room,
-                wait_ms: wait.as_millis() as u64,
-                consumer: sim.url.clone(),
-            };
-            let started = Instant::now();
-            let res = transfer::call(&b.host, b.port, &req, wait + Duration::from_secs(2)).await;
-            if let Ok(r) = &res {
-                tracker.set_kv(Some(r.engine_id.clone()), None, None);
-            }
-            match check_transfer(res, prompt_hash) {
-                Ok(_) => {
-                    sim.stats.kv_consumed.fetch_add(1, Relaxed);
-                    sleep(sim.cfg.kv_transfer).await;
-                    sim.stats.prom_transfers.observe(started.elapsed());
-                    sim.computed(&parsed.prompt, &lookup, uncached, !mute_kv_events);
-                    respond(sim, tracker, answer)
-                }
-                Err((msg, cause)) => {
-                    sim.stats.kv_rejected.fetch_add(1, Relaxed);
-                    match cause {
-                        FailedTransfer::Bootstrap => &sim.stats.prom_bootstrap_failures,
-                        FailedTransfer::Transfer => &sim.stats.prom_transfer_failures,
-                    }
-                    .fetch_add(1, Relaxed);
-                    let e = ApiError::internal(format!(
-                        "KV transfer for rid {rid} (bootstrap room {}) failed: {msg}",
-                        b.room
-                    ));
-                    fail(&mut tracker, parsed.stream, &e)
-                }
-            }
-        }
-        (_, _) => {
-            sim.prefill(compute).await;
-            sim.computed(&parsed.prompt, &lookup, 0, !mute_kv_events);
-            let decode_capable = match sim.cfg.dialect {
-                Dialect::Vllm => true,
-                Dialect::Sglang => sim.mode() == Mode::Decode,
-            };
-            if decode_capable {
-                sim.stats.kv_recomputed.fetch_add(1, Relaxed);
-            }
-            respond(sim, tracker, answer)
+            .fetch_add(1, Relaxed);
+            let e = ApiError::internal(format!(
+                "KV transfer for rid {rid} (bootstrap room {}) failed: {msg}",
+                b.room
+            ));
+            fail(&mut tracker, parsed.stream, &e)
         }
     }
 }
