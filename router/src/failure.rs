@@ -459,11 +459,27 @@ mod tests {
         }
     }
 
-    /// Every failure before output: status, body type, Retry-After, and what is counted
-    /// (behaviour.md 1.9 and 7.7a).
-    #[test]
-    fn each_failure_maps_to_one_status_body_and_settlement() {
-        let cases: Vec<(RequestFailure, u16, &str, bool, Terminal, &str)> = vec![
+    /// One failure and what it must map to: status, body `type`, whether it carries
+    /// Retry-After, its terminal and reason.
+    type Case = (
+        RequestFailure,
+        u16,
+        &'static str,
+        bool,
+        Terminal,
+        &'static str,
+    );
+
+    /// Every failure before output, each with its expected mapping.
+    fn failure_cases() -> Vec<Case> {
+        let mut cases = first_cases();
+        cases.extend(later_cases());
+        cases
+    }
+
+    /// The first half of [`failure_cases`].
+    fn first_cases() -> Vec<Case> {
+        vec![
             (
                 RequestFailure::InflightLimit,
                 429,
@@ -554,6 +570,12 @@ mod tests {
                 Terminal::Failed,
                 "no_engine",
             ),
+        ]
+    }
+
+    /// The second half of [`failure_cases`].
+    fn later_cases() -> Vec<Case> {
+        vec![
             (
                 RequestFailure::Leg {
                     phase: Phase::Prefill,
@@ -663,7 +685,14 @@ mod tests {
                 Terminal::Failed,
                 "local_pool",
             ),
-        ];
+        ]
+    }
+
+    /// Every failure before output: status, body type, Retry-After, and what is counted
+    /// (behaviour.md 1.9 and 7.7a).
+    #[test]
+    fn each_failure_maps_to_one_status_body_and_settlement() {
+        let cases = failure_cases();
         for (f, status, ty, retry_after, terminal, reason) in cases {
             assert_eq!(f.retry_after_s().is_some(), retry_after, "{f:?}");
             let r = f.response("rid-1");

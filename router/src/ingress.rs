@@ -182,6 +182,141 @@ impl IngressError {
     }
 }
 
+/// `b[k]` unless absent or `null`.
+fn present(b: &Map<String, Value>, k: &str) -> Option<Value> {
+    b.get(k).filter(|v| !v.is_null()).cloned()
+}
+
+/// The types of the members every endpoint reads (`model`, `stream`, the counts, `prompt`,
+/// `messages`, `stream_options`).
+fn check_shapes(body: &Map<String, Value>) -> Result<(), IngressError> {
+    if let Some(m) = present(body, "model")
+        && !m.is_string()
+    {
+        return Err(shape("model", "a string"));
+    }
+    if let Some(s) = present(body, "stream")
+        && !s.is_boolean()
+    {
+        return Err(shape("stream", "a boolean"));
+    }
+    for k in ["n", "best_of", "max_tokens", "max_completion_tokens"] {
+        if let Some(x) = present(body, k)
+            && !(x.is_i64() || x.is_u64())
+        {
+            return Err(shape(k, "an integer"));
+        }
+    }
+    if let Some(p) = present(body, "prompt")
+        && !(p.is_string() || p.is_array())
+    {
+        return Err(shape("prompt", "a string or an array"));
+    }
+    if let Some(m) = present(body, "messages")
+        && !m.as_array().is_some_and(|a| a.iter().all(Value::is_object))
+    {
+        return Err(shape("messages", "an array of objects"));
+    }
+    if let Some(so) = present(body, "stream_options")
+        && !so.is_object()
+    {
+        return Err(shape("stream_options", "an object"));
+    }
+    Ok(())
+}
+
+/// Fields Narwhal sets on the legs, at the top level or in `vllm_xargs`.
+fn check_reserved(body: &Map<String, Value>) -> Result<(), IngressError> {
+    for k in RESERVED_TOP {
+        if body.contains_key(*k) {
+            return Err(IngressError::Reserved {
+                field: (*k).to_string(),
+            });
+        }
+    }
+    if let Some(x) = body.get("vllm_xargs") {
+        match x {
+            Value::Object(xm) => {
+                for k in RESERVED_XARGS {
+                    if xm.contains_key(*k) {
+                        return Err(IngressError::Reserved {
+                            field: format!("vllm_xargs.{k}"),
+                        });
+                    }
+                }
+            }
+            Value::Null => {}
+            _ => return Err(shape("vllm_xargs", "an object")),
+        }
+    }
+    Ok(())
+}
+
+/// The endpoint's required input (`prompt` or `messages`).
+fn check_input(endpoint: Endpoint, body: &Map<String, Value>) -> Result<(), IngressError> {
+    // The OpenAI API requires the input; refusing here keeps a request without one from
+    // reaching an engine (and counts it `invalid`, not `failed/engine_rejected`).
+    let (required, what) = match endpoint {
+        Endpoint::Completions => ("prompt", "a string or an array"),
+        Endpoint::Chat => ("messages", "an array of objects"),
+    };
+    if present(body, required).is_none() {
+        return Err(IngressError::Shape {
+            message: format!("'{required}' is required ({what})"),
+            param: Some(required.into()),
+        });
+    }
+    Ok(())
+}
+
+/// What a non-streaming request may not ask for (`audio`, other `modalities`, tools of
+/// another type).
+fn check_non_streaming(body: &Map<String, Value>) -> Result<(), IngressError> {
+    if present(body, "audio").is_some() {
+        return Err(IngressError::Shape {
+            message: "'audio' output is not supported for non-streaming requests".into(),
+            param: Some("audio".into()),
+        });
+    }
+    if let Some(m) = present(body, "modalities")
+        && !m
+            .as_array()
+            .is_some_and(|a| a.len() == 1 && a[0].as_str() == Some("text"))
+    {
+        return Err(IngressError::Shape {
+            message: "'modalities' must be [\"text\"] for non-streaming requests".into(),
+            param: Some("modalities".into()),
+        });
+    }
+    if let Some(t) = present(body, "tools") {
+        let ok = t.as_array().is_some_and(|a| {
+            a.iter()
+                .all(|x| x.is_object() && x.get("type").and_then(Value::as_str) == Some("function"))
+        });
+        if !ok {
+            return Err(shape("tools", "an array of objects of type 'function'"));
+        }
+    }
+    Ok(())
+}
+
+/// The SGLang chat options our relay cannot serve.
+fn check_sglang_chat(body: &Map<String, Value>) -> Result<(), IngressError> {
+    for k in [
+        "return_token_ids",
+        "return_prompt_token_ids",
+        "return_meta_info",
+    ] {
+        if body.get(k).is_some_and(truthy) {
+            return Err(IngressError::Shape {
+                message: format!("'{k}' is not supported on SGLang chat completions"),
+                param: Some(k.to_string()),
+            });
+        }
+    }
+    Ok(())
+}
+
 fn shape(param: &str, what: &str) -> IngressError {
     IngressError::Shape {
         message: format!("'{param}' must be {what}"),
@@ -222,115 +357,15 @@ pub(crate) fn validate(
             param: None,
         });
     };
-    let present = |b: &Map<String, Value>, k: &str| b.get(k).filter(|v| !v.is_null()).cloned();
-    if let Some(m) = present(&body, "model")
-        && !m.is_string()
-    {
-        return Err(shape("model", "a string"));
-    }
-    if let Some(s) = present(&body, "stream")
-        && !s.is_boolean()
-    {
-        return Err(shape("stream", "a boolean"));
-    }
-    for k in ["n", "best_of", "max_tokens", "max_completion_tokens"] {
-        if let Some(x) = present(&body, k)
-            && !(x.is_i64() || x.is_u64())
-        {
-            return Err(shape(k, "an integer"));
-        }
-    }
-    if let Some(p) = present(&body, "prompt")
-        && !(p.is_string() || p.is_array())
-    {
-        return Err(shape("prompt", "a string or an array"));
-    }
-    if let Some(m) = present(&body, "messages")
-        && !m.as_array().is_some_and(|a| a.iter().all(Value::is_object))
-    {
-        return Err(shape("messages", "an array of objects"));
-    }
-    if let Some(so) = present(&body, "stream_options")
-        && !so.is_object()
-    {
-        return Err(shape("stream_options", "an object"));
-    }
-    for k in RESERVED_TOP {
-        if body.contains_key(*k) {
-            return Err(IngressError::Reserved {
-                field: (*k).to_string(),
-            });
-        }
-    }
-    if let Some(x) = body.get("vllm_xargs") {
-        match x {
-            Value::Object(xm) => {
-                for k in RESERVED_XARGS {
-                    if xm.contains_key(*k) {
-                        return Err(IngressError::Reserved {
-                            field: format!("vllm_xargs.{k}"),
-                        });
-                    }
-                }
-            }
-            Value::Null => {}
-            _ => return Err(shape("vllm_xargs", "an object")),
-        }
-    }
-    // The OpenAI API requires the input; refusing here keeps a request without one from
-    // reaching an engine (and counts it `invalid`, not `failed/engine_rejected`).
-    let (required, what) = match endpoint {
-        Endpoint::Completions => ("prompt", "a string or an array"),
-        Endpoint::Chat => ("messages", "an array of objects"),
-    };
-    if present(&body, required).is_none() {
-        return Err(IngressError::Shape {
-            message: format!("'{required}' is required ({what})"),
-            param: Some(required.into()),
-        });
-    }
+    check_shapes(&body)?;
+    check_reserved(&body)?;
+    check_input(endpoint, &body)?;
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     if !stream {
-        if present(&body, "audio").is_some() {
-            return Err(IngressError::Shape {
-                message: "'audio' output is not supported for non-streaming requests".into(),
-                param: Some("audio".into()),
-            });
-        }
-        if let Some(m) = present(&body, "modalities")
-            && !m
-                .as_array()
-                .is_some_and(|a| a.len() == 1 && a[0].as_str() == Some("text"))
-        {
-            return Err(IngressError::Shape {
-                message: "'modalities' must be [\"text\"] for non-streaming requests".into(),
-                param: Some("modalities".into()),
-            });
-        }
-        if let Some(t) = present(&body, "tools") {
-            let ok = t.as_array().is_some_and(|a| {
-                a.iter().all(|x| {
-                    x.is_object() && x.get("type").and_then(Value::as_str) == Some("function")
-                })
-            });
-            if !ok {
-                return Err(shape("tools", "an array of objects of type 'function'"));
-            }
-        }
+        check_non_streaming(&body)?;
     }
     if backend == Backend::Sglang && endpoint == Endpoint::Chat {
-        for k in [
-            "return_token_ids",
-            "return_prompt_token_ids",
-            "return_meta_info",
-        ] {
-            if body.get(k).is_some_and(truthy) {
-                return Err(IngressError::Shape {
-                    message: format!("'{k}' is not supported on SGLang chat completions"),
-                    param: Some(k.to_string()),
-                });
-            }
-        }
+        check_sglang_chat(&body)?;
     }
     if let Some(Value::String(m)) = body.get("model")
         && !served.serves(m)

@@ -66,7 +66,7 @@ mod tests;
 mod vllm_nixl;
 
 use attempt::{refused_attempt, start_all};
-use leg::{AttemptLog, Output};
+use leg::{AttemptLog, Output, Started};
 use relay_io::{Answer, Relayed, collect_all, finish_frame, finish_record, stream_all};
 
 /// Body fed by a channel: the relay task sends SSE frames; dropping the body (client gone)
@@ -139,6 +139,161 @@ fn closing(mut r: Response<Body>) -> Response<Body> {
     r
 }
 
+/// Reads the request body within `serving.body_read_timeout_s` (and the request deadline)
+/// and `serving.max_request_bytes`.
+///
+/// # Errors
+/// The failure to answer: the deadline or the body timeout passed, the body is too large, or
+/// the client's stream broke.
+async fn request_body(
+    parts: &Parts,
+    req: http::Request<Incoming>,
+    arrived: Instant,
+    deadline: Instant,
+) -> Result<Bytes, RequestFailure> {
+    let limit = parts.cfg.serving.max_request_bytes;
+    let body_by = (arrived + secs(parts.cfg.serving.body_read_timeout_s)).min(deadline);
+    let read = tokio::time::timeout_at(body_by.into(), read_body(req.into_body(), limit)).await;
+    match read {
+        // A client that cannot deliver its body within the request deadline.
+        Err(_) if body_by == deadline => Err(RequestFailure::Expired(Expiry::BodyRead)),
+        // A client that stalls mid-body: bounded on its own, well before the deadline.
+        Err(_) => {
+            let limit_s = parts.cfg.serving.body_read_timeout_s;
+            Err(RequestFailure::BodyTimeout { limit_s })
+        }
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(ReadError::TooLarge)) => {
+            Err(RequestFailure::Invalid(ingress::IngressError::TooLarge {
+                limit,
+            }))
+        }
+        Ok(Err(ReadError::Client(detail))) => {
+            tracing::debug!(%detail, "client body read failed");
+            Err(RequestFailure::BodyUnreadable)
+        }
+    }
+}
+
+/// The body validated for `endpoint` (ingress rules, then the batch bound).
+///
+/// # Errors
+/// The first rule broken ([`ingress::IngressError`]).
+fn validated(
+    parts: &Parts,
+    endpoint: Endpoint,
+    bytes: &[u8],
+) -> Result<Validated, ingress::IngressError> {
+    let v = ingress::validate(
+        endpoint,
+        bytes,
+        parts.cfg.served(),
+        parts.cfg.backend,
+        parts.cfg.engine.chars_per_token,
+    )?;
+    ingress::check_batch(&v, parts.cfg.serving.max_batch_prompts)?;
+    Ok(v)
+}
+
+/// What the placement's attempts came to by the request deadline: the started legs, or the
+/// failure to answer (a leg limit that coincides with the deadline is the deadline).
+fn started_by_deadline(
+    parts: &Parts,
+    outcome: Result<Result<Vec<Started>, RequestFailure>, tokio::time::error::Elapsed>,
+    deadline: Instant,
+) -> Result<Vec<Started>, RequestFailure> {
+    match outcome {
+        Err(_) => Err(RequestFailure::Expired(Expiry::BeforeOutput)),
+        Ok(Err(RequestFailure::Leg { err, .. }))
+            if err.client_fault().is_none() && parts.clock.now() >= deadline =>
+        {
+            let detail = err.detail();
+            Err(RequestFailure::Expired(Expiry::LegAtDeadline { detail }))
+        }
+        Ok(other) => other,
+    }
+}
+
+/// Queues what a single stream has ready on `tx` (a new channel: its first frame always has
+/// room) and says whether the stream's end is already known.
+async fn first_frames(started: &mut [Started], tx: &mpsc::Sender<Bytes>) -> bool {
+    let [one] = started else {
+        return false;
+    };
+    match &mut one.out {
+        Output::Live(live) => {
+            live.gather_ready().await;
+            let first = std::mem::take(&mut live.first);
+            if !first.is_empty() {
+                let _ = tx.try_send(first);
+            }
+            live.end_known()
+        }
+        Output::Whole(_) | Output::Clean(_) => true,
+    }
+}
+
+/// The streamed answer's head: `text/event-stream`, `no-cache` and the request id, the body
+/// fed from `rx`.
+fn sse_response(rx: mpsc::Receiver<Bytes>, rid: &str) -> Response<Body> {
+    let mut r = Response::new(BodyExt::boxed(ChannelBody(rx)));
+    let h = r.headers_mut();
+    h.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(
+        http::header::CACHE_CONTROL,
+        HeaderValue::from_static("no-cache"),
+    );
+    if let Ok(v) = HeaderValue::from_str(rid) {
+        h.insert("x-request-id", v);
+    }
+    r
+}
+
+/// The refusal of a router that is not ready (`no_engines`: in control, not held by the
+/// lifecycle, and no engine live), or `None` when it is.
+fn not_ready(parts: &Parts) -> Option<RequestFailure> {
+    let readiness = parts.gate.readiness();
+    if readiness.ready {
+        return None;
+    }
+    let no_engines = readiness.control_ready
+        && parts.gate.lifecycle_hold().is_none()
+        && parts.fleet.live_count() == 0;
+    let reason = readiness.reason;
+    Some(RequestFailure::NotReady { reason, no_engines })
+}
+
+/// An admission seat (FIFO queue bounded by `queue_timeout_s` when `queue_capacity` > 0;
+/// queued requests are re-priced under predictive admission: controller.md 10.1); the wait
+/// goes to `record`.
+///
+/// # Errors
+/// The refusal, counted in `record` as one failed, undispatched attempt.
+async fn seat(
+    parts: &Parts,
+    track: &Track,
+    deadline: Instant,
+    record: &mut RequestRecord,
+) -> Result<OwnedSemaphorePermit, RequestFailure> {
+    match parts
+        .controller
+        .seat(&parts.admission, track, deadline)
+        .await
+    {
+        Ok((p, waited)) => {
+            record.admission_wait_s = Some(waited);
+            Ok(p)
+        }
+        Err(failure) => {
+            refused_attempt(parts, &mut record.attempt_failures, &failure, 1, None);
+            Err(failure)
+        }
+    }
+}
+
 async fn completion_inner(
     parts: Arc<Parts>,
     endpoint: Endpoint,
@@ -171,52 +326,16 @@ async fn completion_inner(
         return closing(fail(pending, RequestFailure::InflightLimit));
     };
 
-    let readiness = parts.gate.readiness();
-    if !readiness.ready {
-        let no_engines = readiness.control_ready
-            && parts.gate.lifecycle_hold().is_none()
-            && parts.fleet.live_count() == 0;
-        let reason = readiness.reason;
-        return closing(fail(
-            pending,
-            RequestFailure::NotReady { reason, no_engines },
-        ));
+    if let Some(not_ready) = not_ready(&parts) {
+        return closing(fail(pending, not_ready));
     }
 
-    let limit = parts.cfg.serving.max_request_bytes;
-    let body_by = (arrived + secs(parts.cfg.serving.body_read_timeout_s)).min(deadline);
-    let read = tokio::time::timeout_at(body_by.into(), read_body(req.into_body(), limit)).await;
-    let bytes = match read {
-        // A client that cannot deliver its body within the request deadline.
-        Err(_) if body_by == deadline => {
-            return closing(fail(pending, RequestFailure::Expired(Expiry::BodyRead)));
-        }
-        // A client that stalls mid-body: bounded on its own, well before the deadline.
-        Err(_) => {
-            let limit_s = parts.cfg.serving.body_read_timeout_s;
-            return closing(fail(pending, RequestFailure::BodyTimeout { limit_s }));
-        }
-        Ok(Ok(b)) => b,
-        Ok(Err(ReadError::TooLarge)) => {
-            let e = ingress::IngressError::TooLarge { limit };
-            return closing(fail(pending, RequestFailure::Invalid(e)));
-        }
-        Ok(Err(ReadError::Client(detail))) => {
-            tracing::debug!(%detail, "client body read failed");
-            return closing(fail(pending, RequestFailure::BodyUnreadable));
-        }
+    let bytes = match request_body(&parts, req, arrived, deadline).await {
+        Ok(b) => b,
+        // The body was not read to its end: the connection cannot carry another request.
+        Err(failure) => return closing(fail(pending, failure)),
     };
-    let v = match ingress::validate(
-        endpoint,
-        &bytes,
-        parts.cfg.served(),
-        parts.cfg.backend,
-        parts.cfg.engine.chars_per_token,
-    )
-    .and_then(|v| {
-        ingress::check_batch(&v, parts.cfg.serving.max_batch_prompts)?;
-        Ok(v)
-    }) {
+    let v = match validated(&parts, endpoint, &bytes) {
         Ok(v) => v,
         Err(e) => return fail(pending, RequestFailure::Invalid(e)),
     };
@@ -226,25 +345,9 @@ async fn completion_inner(
 
     // Admission seat (FIFO queue bounded by queue_timeout_s when queue_capacity > 0; queued
     // requests are re-priced under predictive admission: controller.md 10.1).
-    let permit: OwnedSemaphorePermit = match parts
-        .controller
-        .seat(&parts.admission, &track, deadline)
-        .await
-    {
-        Ok((p, waited)) => {
-            pending.record().admission_wait_s = Some(waited);
-            p
-        }
-        Err(failure) => {
-            refused_attempt(
-                &parts,
-                &mut pending.record().attempt_failures,
-                &failure,
-                1,
-                None,
-            );
-            return fail(pending, failure);
-        }
+    let permit = match seat(&parts, &track, deadline, pending.record()).await {
+        Ok(p) => p,
+        Err(failure) => return fail(pending, failure),
     };
 
     let subs = subs_of(&v, parts.cfg.engine.chars_per_token);
@@ -277,20 +380,9 @@ async fn completion_inner(
     let Some(outcome) = outcome else {
         return fail(pending, RequestFailure::ShutDown { streaming: false });
     };
-    let started = match outcome {
-        Err(_) => return fail(pending, RequestFailure::Expired(Expiry::BeforeOutput)),
-        Ok(Err(RequestFailure::Leg { err, .. }))
-            if err.client_fault().is_none() && parts.clock.now() >= deadline =>
-        {
-            // A leg limit that coincides with the request deadline is the deadline.
-            let detail = err.detail();
-            return fail(
-                pending,
-                RequestFailure::Expired(Expiry::LegAtDeadline { detail }),
-            );
-        }
-        Ok(Err(failure)) => return fail(pending, failure),
-        Ok(Ok(s)) => s,
+    let started = match started_by_deadline(&parts, outcome, deadline) {
+        Ok(s) => s,
+        Err(failure) => return fail(pending, failure),
     };
     drop(subs);
     drop(tracks);
@@ -306,21 +398,7 @@ async fn completion_inner(
         // What is ready goes with the response head, in one write (architecture.md, "Writes
         // on the client connection"); a stream whose end is already known is finished here,
         // so its head, frames, `[DONE]` and the chunked end leave in one write too.
-        let mut complete = false;
-        if let [one] = started.as_mut_slice() {
-            match &mut one.out {
-                Output::Live(live) => {
-                    live.gather_ready().await;
-                    let first = std::mem::take(&mut live.first);
-                    if !first.is_empty() {
-                        // The channel is new: its first frame always has room.
-                        let _ = tx.try_send(first);
-                    }
-                    complete = live.end_known();
-                }
-                Output::Whole(_) | Output::Clean(_) => complete = true,
-            }
-        }
+        let complete = first_frames(&mut started, &tx).await;
         let task_parts = parts.clone();
         // Boxed: the handler's own future must not grow by the relay's size, since a request
         // waiting for an admission seat holds that future (docs/benchmarks.md, "10,000 streams").
@@ -361,20 +439,7 @@ async fn completion_inner(
         } else {
             tokio::spawn(relay.instrument(tracing::Span::current()));
         }
-        let mut r = Response::new(BodyExt::boxed(ChannelBody(rx)));
-        let h = r.headers_mut();
-        h.insert(
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static("text/event-stream"),
-        );
-        h.insert(
-            http::header::CACHE_CONTROL,
-            HeaderValue::from_static("no-cache"),
-        );
-        if let Ok(v) = HeaderValue::from_str(&rid) {
-            h.insert("x-request-id", v);
-        }
-        r
+        sse_response(rx, &rid)
     } else {
         let end = Box::pin(collect_all(
             &parts,
