@@ -142,9 +142,9 @@ async fn streams_on_one_connection_are_served_at_once_and_answer_as_over_http1()
             "stream {i}: HTTP/2 and HTTP/1.1 answers differ"
         );
     }
-    let st = f.router().state_json().await;
-    assert_eq!(st["served"], 48, "{st}");
-    assert_eq!(st["failed"], 0, "{st}");
+    let st = f.router().state().await;
+    assert_eq!(st.served, 48, "{st:?}");
+    assert_eq!(st.failed, 0, "{st:?}");
     // Every one went prefill then decode, the descriptor carried.
     let p = f.sim("p0").stats().await;
     assert_eq!(n(&p["requests"]["prefill"]), 48, "{p}");
@@ -187,8 +187,8 @@ async fn a_reset_stream_cancels_its_legs_and_the_connection_goes_on() {
         f.sim("p0").stats().await
     );
     let settled = wait_until(Duration::from_secs(2), || async {
-        let st = f.router().state_json().await;
-        (st["cancelled"] == 1).then_some(st)
+        let st = f.router().state().await;
+        (st.cancelled == 1).then_some(st)
     })
     .await;
     assert!(
@@ -200,9 +200,9 @@ async fn a_reset_stream_cancels_its_legs_and_the_connection_goes_on() {
     let (status, _, body) = post(&mut h2, &f, path, b.to_string()).await;
     assert_eq!(status, 200, "{body}");
     assert!(!text_of(true, &body).is_empty(), "{body}");
-    let st = f.router().state_json().await;
-    assert_eq!(st["served"], 1, "{st}");
-    assert_eq!(st["cancelled"], 1, "{st}");
+    let st = f.router().state().await;
+    assert_eq!(st.served, 1, "{st:?}");
+    assert_eq!(st.cancelled, 1, "{st:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -222,9 +222,9 @@ async fn an_early_refusal_keeps_the_connection_and_names_no_connection_field() {
     let (path, b) = openai_request(false, false, "after the refusal", 4);
     let (status, _, body) = post(&mut h2, &f, path, b.to_string()).await;
     assert_eq!(status, 200, "the connection serves the next stream: {body}");
-    let st = f.router().state_json().await;
-    assert_eq!(st["served"], 1, "{st}");
-    assert_eq!(st["invalid_requests"], 1, "the refusal is counted: {st}");
+    let st = f.router().state().await;
+    assert_eq!(st.served, 1, "{st:?}");
+    assert_eq!(st.invalid_requests, 1, "the refusal is counted: {st:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -40,7 +40,8 @@ async fn draining_the_decode_engine_waits_for_a_request_still_in_its_prefill() {
     let st = f.sim("d0").stats().await;
     assert_eq!(st["kv"]["consumed"], 1, "{st}");
     let drained = narwhal_testkit::wait_until(Duration::from_secs(5), || async {
-        (router.lifecycle_json().await["engines"]["d0"]["ready_to_stop"] == true).then_some(())
+        let lc = router.lifecycle().await;
+        lc.engine("d0").is_some_and(|d0| d0.ready_to_stop).then_some(())
     })
     .await;
     assert!(drained.is_some(), "d0 drains once the request is done");

@@ -6,7 +6,8 @@
 use std::time::Duration;
 
 use narwhal_testkit::{Fleet, eventually};
-use serde_json::{Value, json};
+use narwhal_shared::handoff::DrainState;
+use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_decode_streams_make_a_suspect_verified_from_its_producer() {
@@ -41,28 +42,23 @@ async fn failing_decode_streams_make_a_suspect_verified_from_its_producer() {
     }
     assert_eq!(cut, 2, "two streams placed on d0 were cut");
     // While suspect and ejected, the producer that fed the failing decodes is recorded.
-    let st = router.state_json().await;
-    assert_eq!(st["inference_sources"], json!({"d0": ["p0"]}), "{st}");
+    let st = router.state().await;
+    let sources: Vec<(&str, &Vec<String>)> = st.inference_sources.iter().collect();
+    assert_eq!(sources, [("d0", &vec!["p0".to_string()])], "{st:?}");
     // d0 answers health again: validation (with the p0 -> d0 verification) readmits it.
     let lc = eventually(
         "d0 validated and readmitted",
         Duration::from_secs(20),
         || async {
-            let lc = router.lifecycle_json().await;
-            let d0 = &lc["engines"]["d0"];
-            (d0["state"] == "active" && d0["checks"].as_array().is_some_and(|c| !c.is_empty()))
-                .then_some(lc)
+            let lc = router.lifecycle().await;
+            let d0 = lc.engine("d0")?;
+            (d0.state == DrainState::Active && !d0.checks.is_empty()).then_some(lc.clone())
         },
     )
     .await;
-    let d0 = &lc["engines"]["d0"];
-    assert_eq!(d0["restart_required"], false, "{lc}");
-    let checks: Vec<&str> = d0["checks"]
-        .as_array()
-        .expect("checks")
-        .iter()
-        .filter_map(Value::as_str)
-        .collect();
+    let d0 = lc.engine("d0").expect("d0 in the lifecycle document");
+    assert!(!d0.restart_required, "{lc:?}");
+    let checks: Vec<&str> = d0.checks.iter().map(String::as_str).collect();
     let at = |name: &str| {
         checks
             .iter()
@@ -78,12 +74,11 @@ async fn failing_decode_streams_make_a_suspect_verified_from_its_producer() {
         at("verification from p0") < at("final health"),
         "{checks:?}"
     );
-    let st = router.state_json().await;
-    assert_eq!(st["ejected"], json!([]), "{st}");
-    assert_eq!(
-        st["inference_sources"],
-        json!({}),
-        "cleared on readmission: {st}"
+    let st = router.state().await;
+    assert!(st.ejected.is_empty(), "{st:?}");
+    assert!(
+        st.inference_sources.is_empty(),
+        "cleared on readmission: {st:?}"
     );
     let m = router.metrics().await;
     assert!(
