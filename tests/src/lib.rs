@@ -57,6 +57,7 @@ mod router;
 mod sampler;
 mod scenario;
 mod sim;
+pub mod sim_stats;
 
 use std::time::Duration;
 

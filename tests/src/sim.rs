@@ -97,6 +97,18 @@ impl SimHandle {
         r.json()
     }
 
+    /// `GET /sim/stats`, typed ([`crate::sim_stats::SimStats`]).
+    ///
+    /// # Panics
+    /// When the simulator does not answer 200 with the stats document.
+    pub async fn counters(&self) -> crate::sim_stats::SimStats {
+        let r = self.http.get(format!("{}/stats", self.admin_url())).await;
+        assert_eq!(r.status, 200, "{}: {}", r.what, r.text());
+        serde_json::from_slice(&r.body).unwrap_or_else(|e| {
+            panic!("{}: not the /sim/stats document: {e}: {}", r.what, r.text())
+        })
+    }
+
     /// `POST /sim/kv_events/churn`: `batches` KV event batches published, each storing and
     /// removing one block no prompt has (docs/engine-simulator.md, "Test hooks").
     ///

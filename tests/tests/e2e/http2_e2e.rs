@@ -19,7 +19,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use narwhal_testkit::{Fleet, count as n, openai_request, sse_data, sse_text, wait_until};
+use narwhal_shared::documents::ErrorReply;
+use narwhal_testkit::{Fleet, openai_request, sse_data, sse_text, wait_until};
 use serde_json::{Value, json};
 
 type H2 = http2::SendRequest<Full<Bytes>>;
@@ -146,8 +147,8 @@ async fn streams_on_one_connection_are_served_at_once_and_answer_as_over_http1()
     assert_eq!(st.served, 48, "{st:?}");
     assert_eq!(st.failed, 0, "{st:?}");
     // Every one went prefill then decode, the descriptor carried.
-    let p = f.sim("p0").stats().await;
-    assert_eq!(n(&p["requests"]["prefill"]), 48, "{p}");
+    let p = f.sim("p0").counters().await;
+    assert_eq!(p.requests.prefill, 48, "{p:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -169,7 +170,7 @@ async fn a_reset_stream_cancels_its_legs_and_the_connection_goes_on() {
         doomed.send_request(req).await
     });
     let running = wait_until(Duration::from_secs(5), || async {
-        (f.sim("p0").stats().await["in_flight"] == 1).then_some(())
+        (f.sim("p0").counters().await.in_flight == 1).then_some(())
     })
     .await;
     assert!(running.is_some(), "the prefill leg never started");
@@ -177,14 +178,14 @@ async fn a_reset_stream_cancels_its_legs_and_the_connection_goes_on() {
     // its other streams stay.
     req.abort();
     let seen = wait_until(Duration::from_secs(1), || async {
-        let p = f.sim("p0").stats().await;
-        (p["cancelled"] == 1 && p["in_flight"] == 0).then_some(())
+        let p = f.sim("p0").counters().await;
+        (p.cancelled == 1 && p.in_flight == 0).then_some(())
     })
     .await;
     assert!(
         seen.is_some(),
-        "the engine did not see the cancellation within 1 s: {}",
-        f.sim("p0").stats().await
+        "the engine did not see the cancellation within 1 s: {:?}",
+        f.sim("p0").counters().await
     );
     let settled = wait_until(Duration::from_secs(2), || async {
         let st = f.router().state().await;
@@ -217,8 +218,8 @@ async fn an_early_refusal_keeps_the_connection_and_names_no_connection_field() {
         headers.get(http::header::CONNECTION).is_none(),
         "no connection-specific field on a stream: {headers:?}"
     );
-    let v: Value = serde_json::from_str(&body).expect("JSON refusal");
-    assert_eq!(v["error"]["type"], "request_too_large", "{v}");
+    let v: ErrorReply = serde_json::from_str(&body).expect("JSON refusal");
+    assert_eq!(v.error.kind, "request_too_large", "{v:?}");
     let (path, b) = openai_request(false, false, "after the refusal", 4);
     let (status, _, body) = post(&mut h2, &f, path, b.to_string()).await;
     assert_eq!(status, 200, "the connection serves the next stream: {body}");

@@ -39,9 +39,7 @@ async fn complete(router: &RouterHandle, prompt: &str) {
 }
 
 async fn hits(sim: &SimHandle) -> u64 {
-    sim.stats().await["prefix_cache"]["hits"]
-        .as_u64()
-        .unwrap_or(0)
+    sim.counters().await.prefix_cache.map_or(0, |c| c.hits)
 }
 
 /// Router `r`'s `kv_index.engines.<iid>` once `ok` holds for it.

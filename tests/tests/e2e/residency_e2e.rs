@@ -24,7 +24,7 @@ async fn draining_the_decode_engine_waits_for_a_request_still_in_its_prefill() {
         }
     });
     eventually("the prefill is running", Duration::from_secs(5), || async {
-        (f.sim("p0").stats().await["in_flight"] == 1).then_some(())
+        (f.sim("p0").counters().await.in_flight == 1).then_some(())
     })
     .await;
     let (_, drain) = router
@@ -37,11 +37,13 @@ async fn draining_the_decode_engine_waits_for_a_request_still_in_its_prefill() {
     let (status, body) = request.await.expect("request task");
     assert_eq!(status, 200, "the committed request completes on d0: {body}");
     assert_eq!(body["usage"]["completion_tokens"], 4, "{body}");
-    let st = f.sim("d0").stats().await;
-    assert_eq!(st["kv"]["consumed"], 1, "{st}");
+    let st = f.sim("d0").counters().await;
+    assert_eq!(st.kv.consumed, 1, "{st:?}");
     let drained = narwhal_testkit::wait_until(Duration::from_secs(5), || async {
         let lc = router.lifecycle().await;
-        lc.engine("d0").is_some_and(|d0| d0.ready_to_stop).then_some(())
+        lc.engine("d0")
+            .is_some_and(|d0| d0.ready_to_stop)
+            .then_some(())
     })
     .await;
     assert!(drained.is_some(), "d0 drains once the request is done");

@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use narwhal_testkit::{Fleet, eventually};
 use narwhal_shared::handoff::DrainState;
+use narwhal_testkit::{Fleet, eventually};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
