@@ -16,6 +16,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
+use narwhal_shared::documents::{ErrorReply, State};
 use narwhal_testkit::{FakeEngine, Reply, RouterHandle, fake_descriptor, raw};
 use serde_json::{Value, json};
 
@@ -108,9 +109,15 @@ async fn hang_up(s: &RouterHandle, sock: std::net::TcpStream, engine: &FakeEngin
     let closed = format!("engine saw the {leg} connection close");
     eventually(&closed, || async { engine.seen().cancelled == 1 }).await;
     eventually("settled cancelled", || async {
-        s.state_json().await["cancelled"] == 1
+        s.state().await.cancelled == 1
     })
     .await;
+}
+
+/// The requests resident on `iid` as `(prefill, decode)`, `None` when the state lists no such
+/// engine.
+fn resident(st: &State, iid: &str) -> Option<(u64, u64)> {
+    st.resident.get(iid).map(|r| (r.prefill, r.decode))
 }
 
 /// A loopback address nothing listens on (bound and released).
@@ -247,12 +254,15 @@ async fn good_fleet_announces_and_serves_the_documents() {
         targets[0]["labels"],
         json!({"iid": "e0", "backend": "vllm", "__scheme__": "http", "__metrics_path__": "/metrics"})
     );
-    let st = s.state_json().await;
-    assert_eq!(st["schema"], "narwhal.state");
-    assert_eq!(st["journal_run"], json!(run));
-    assert_eq!(st["pools"], json!({"prefill": ["e0"], "decode": ["e1"]}));
-    assert_eq!(st["awaiting_health"], json!(["e1"]));
-    assert_eq!(st["outcome_reasons"]["failed"]["no_engine"], 0);
+    let st = s.state().await;
+    assert_eq!(st.schema, "narwhal.state");
+    assert_eq!(st.journal_run, run);
+    assert_eq!(
+        (st.pools.prefill, st.pools.decode),
+        (vec!["e0".to_string()], vec!["e1".to_string()])
+    );
+    assert_eq!(st.awaiting_health, ["e1"]);
+    assert_eq!(st.outcome_reasons.failed.get("no_engine"), Some(&0));
     // Control routes never on the data listener, completions never on control.
     assert_eq!(
         s.get_data("/narwhal/state").await.status,
@@ -294,37 +304,38 @@ async fn ingress_rules_answer_before_any_engine_is_called() {
         async move {
             let resp = http.client().post(&u).body(body).send().await.unwrap();
             let r = Reply::read(resp, format!("POST {u}")).await.unwrap();
-            (r.status, r.header("x-request-id").to_string(), r.json())
+            let error: ErrorReply = serde_json::from_slice(&r.body).expect("an error body");
+            (r.status, r.header("x-request-id").to_string(), error.error)
         }
     };
     let (st, rid, b) = post("{").await;
     assert_eq!(st, StatusCode::BAD_REQUEST);
     assert!(uuid_like(&rid));
-    assert_eq!(b["error"]["message"], "the request body is not valid JSON");
+    assert_eq!(b.message, "the request body is not valid JSON");
     let (st, _, b) = post(r#"{"model":1}"#).await;
     assert_eq!(
-        (st, b["error"]["param"].clone()),
-        (StatusCode::BAD_REQUEST, json!("model"))
+        (st, b.param),
+        (StatusCode::BAD_REQUEST, Some(json!("model")))
     );
     let (st, _, b) = post(r#"{"model":"nope","prompt":"x"}"#).await;
     assert_eq!(
-        (st, b["error"]["code"].clone()),
-        (StatusCode::NOT_FOUND, json!("model_not_found"))
+        (st, b.code),
+        (StatusCode::NOT_FOUND, Some(json!("model_not_found")))
     );
     let (st, _, b) = post(r#"{"prompt":"x","kv_transfer_params":{}}"#).await;
     assert_eq!(st, StatusCode::BAD_REQUEST);
-    assert_eq!(
-        b["error"]["message"],
-        "kv_transfer_params is reserved for Narwhal"
-    );
+    assert_eq!(b.message, "kv_transfer_params is reserved for Narwhal");
     let (st, _, b) = post(r#"{"prompt":"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"}"#).await;
     assert_eq!(
-        (st, b["error"]["type"].clone()),
-        (StatusCode::PAYLOAD_TOO_LARGE, json!("request_too_large"))
+        (st, b.kind),
+        (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request_too_large".to_string()
+        )
     );
-    let st = s.state_json().await;
-    assert_eq!(st["invalid_requests"], 5);
-    assert_eq!(st["offered"], 5);
+    let st = s.state().await;
+    assert_eq!(st.invalid_requests, 5);
+    assert_eq!(st.offered, 5);
     let seen = f.seen();
     assert!(seen.prefill.is_empty() && seen.decode.is_empty());
 }
@@ -405,10 +416,7 @@ async fn vllm_two_stage_carries_the_descriptor_verbatim() {
         assert!(c["choices"][0].get("token_ids").is_none());
     }
     // Journal rows and counters.
-    eventually("two served", || async {
-        s.state_json().await["served"] == 2
-    })
-    .await;
+    eventually("two served", || async { s.state().await.served == 2 }).await;
     let text = std::fs::read_to_string(&s.journal).unwrap();
     let rows: Vec<Value> = text
         .lines()
@@ -457,9 +465,9 @@ async fn engine_context_length_400_is_relayed_without_retry_or_ejection() {
         "one prefill per request: no retry"
     );
     assert!(d.seen().decode.is_empty());
-    let st = s.state_json().await;
-    assert_eq!(st["ejected"], json!([]));
-    assert_eq!(st["outcome_reasons"]["failed"]["engine_rejected"], 3);
+    let st = s.state().await;
+    assert!(st.ejected.is_empty());
+    assert_eq!(st.outcome_reasons.failed.get("engine_rejected"), Some(&3));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -472,9 +480,9 @@ async fn client_disconnect_mid_stream_cancels_the_decode_and_settles_cancelled()
     );
     assert!(got.starts_with("HTTP/1.1 200"));
     hang_up(&s, sock, &d, "decode").await;
-    let st = s.state_json().await;
-    assert_eq!(st["resident"]["d0"], json!({"prefill": 0, "decode": 0}));
-    assert_eq!(st["served"], 0);
+    let st = s.state().await;
+    assert_eq!(resident(&st, "d0"), Some((0, 0)));
+    assert_eq!(st.served, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -551,7 +559,7 @@ async fn dead_decode_engine_is_never_placed_and_serving_falls_back_until_it_answ
         ),
         &[],
     );
-    assert_eq!(s.state_json().await["awaiting_health"], json!(["d0"]));
+    assert_eq!(s.state().await.awaiting_health, ["d0"]);
     // With no live decode engine, serving falls back to aggregated on p0.
     let r = complete(&s, json!({"prompt": "x", "max_tokens": 2})).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text());
@@ -560,7 +568,7 @@ async fn dead_decode_engine_is_never_placed_and_serving_falls_back_until_it_answ
     let d = FakeEngine::new(0, 2);
     d.spawn_at(dead_addr).await;
     eventually("d0 admitted", || async {
-        s.state_json().await["awaiting_health"] == json!([])
+        s.state().await.awaiting_health.is_empty()
     })
     .await;
     let r = complete(&s, json!({"prompt": "x", "max_tokens": 2})).await;
@@ -582,7 +590,7 @@ async fn no_live_engine_answers_503_backend_unavailable() {
     fl["recovery"]["readmit_every"] = json!(100000);
     let s = start(&fl, &[]);
     // d0 never answered its health: it is not placed (the health gate).
-    assert_eq!(s.state_json().await["awaiting_health"], json!(["d0"]));
+    assert_eq!(s.state().await.awaiting_health, ["d0"]);
     let r = complete(&s, json!({"prompt": "x"})).await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(r.headers["retry-after"], "1");
@@ -594,8 +602,8 @@ async fn no_live_engine_answers_503_backend_unavailable() {
     assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(ready["reason"], "no available engines");
     assert_eq!(
-        s.state_json().await["outcome_reasons"]["rejected"]["not_ready"],
-        1
+        s.state().await.outcome_reasons.rejected.get("not_ready"),
+        Some(&1)
     );
 }
 
@@ -633,10 +641,10 @@ async fn transient_decode_failure_is_retried_once() {
         })
     })
     .await;
-    let st = s.state_json().await;
-    assert_eq!(st["serving"]["retry_attempts"], 1);
-    assert_eq!(st["serving"]["served_after_retry"], 1);
-    assert_eq!(st["served"], 1);
+    let st = s.state().await;
+    assert_eq!(st.serving.retry_attempts, 1);
+    assert_eq!(st.serving.served_after_retry, 1);
+    assert_eq!(st.served, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -655,12 +663,16 @@ async fn inflight_limit_answers_429_with_retry_after() {
         json!({"error": {"message": "router in-flight limit reached", "type": "server_overloaded_error"}})
     );
     assert_eq!(
-        s.state_json().await["outcome_reasons"]["rejected"]["inflight_limit"],
-        1
+        s.state()
+            .await
+            .outcome_reasons
+            .rejected
+            .get("inflight_limit"),
+        Some(&1)
     );
     drop(sock);
     eventually("slot released", || async {
-        s.state_json().await["serving"]["http_retained"] == 0
+        s.state().await.serving.http_retained == 0
     })
     .await;
 }
@@ -685,8 +697,8 @@ async fn deadline_before_output_is_504_request_expired() {
     assert_eq!(r.json()["error"]["type"], "request_expired");
     eventually("decode cancelled", || async { d.seen().cancelled == 1 }).await;
     assert_eq!(
-        s.state_json().await["outcome_reasons"]["expired"]["deadline"],
-        1
+        s.state().await.outcome_reasons.expired.get("deadline"),
+        Some(&1)
     );
 }
 
@@ -707,10 +719,7 @@ async fn deadline_after_output_ends_the_stream_with_an_expired_frame() {
         &json!({"error": {"message": "Request deadline expired", "type": "decode", "code": "expired"}}).to_string()
     );
     assert!(!frames.iter().any(|f| f == "[DONE]"));
-    eventually("settled expired", || async {
-        s.state_json().await["expired"] == 1
-    })
-    .await;
+    eventually("settled expired", || async { s.state().await.expired == 1 }).await;
     eventually("decode cancelled", || async { d.seen().cancelled == 1 }).await;
 }
 
@@ -743,8 +752,12 @@ async fn sglang_prefill_error_wins_over_a_decode_that_failed_first() {
     assert_eq!(p.seen().prefill.len(), 1, "not retried");
     assert_eq!(d.seen().decode.len(), 1, "not retried");
     assert_eq!(
-        s.state_json().await["outcome_reasons"]["failed"]["engine_rejected"],
-        1
+        s.state()
+            .await
+            .outcome_reasons
+            .failed
+            .get("engine_rejected"),
+        Some(&1)
     );
 }
 
@@ -762,12 +775,12 @@ async fn non_streaming_client_gone_while_prefill_waits_cancels_the_leg() {
     })
     .await;
     eventually("resident prefill counted", || async {
-        s.state_json().await["resident"]["p0"]["prefill"] == 1
+        resident(&s.state().await, "p0").is_some_and(|(prefill, _)| prefill == 1)
     })
     .await;
     hang_up(&s, sock, &p, "prefill").await;
-    let st = s.state_json().await;
-    assert_eq!(st["resident"]["p0"], json!({"prefill": 0, "decode": 0}));
+    let st = s.state().await;
+    assert_eq!(resident(&st, "p0"), Some((0, 0)));
     assert!(d.seen().decode.is_empty());
     let journal = std::fs::read_to_string(&s.journal).unwrap();
     assert!(journal.contains("\"terminal\":\"cancelled\""));
@@ -789,7 +802,7 @@ async fn admission_queue_waits_then_expires_and_caps_retained_requests() {
     let (http, url) = (s.http.clone(), format!("{}/v1/completions", s.data));
     let queued = tokio::spawn(async move { http.post(url, &json!({"prompt": "y"})).await });
     eventually("second request retained", || async {
-        s.state_json().await["serving"]["http_retained"] == 2
+        s.state().await.serving.http_retained == 2
     })
     .await;
     let r = complete(&s, json!({"prompt": "z"})).await;
@@ -800,10 +813,10 @@ async fn admission_queue_waits_then_expires_and_caps_retained_requests() {
         r.json(),
         json!({"error": {"message": "queue deadline expired", "type": "queue_expired"}})
     );
-    let st = s.state_json().await;
-    assert_eq!(st["admission"]["queue_high_water"], 1);
-    assert_eq!(st["admission"]["queued"], 0);
-    assert_eq!(st["outcome_reasons"]["expired"]["queue_timeout"], 1);
-    assert_eq!(st["outcome_reasons"]["rejected"]["inflight_limit"], 1);
+    let st = s.state().await;
+    assert_eq!(st.admission.queue_high_water, 1);
+    assert_eq!(st.admission.queued, 0);
+    assert_eq!(st.outcome_reasons.expired.get("queue_timeout"), Some(&1));
+    assert_eq!(st.outcome_reasons.rejected.get("inflight_limit"), Some(&1));
     drop(sock);
 }
