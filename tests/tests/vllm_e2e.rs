@@ -44,6 +44,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use narwhal_shared::agent_protocol::TransferVerdict;
+use narwhal_shared::documents::State;
 use narwhal_testkit::certs::make_dev_certs;
 use narwhal_testkit::{
     AgentEngine, Clients, FleetSpec, Http, RouterHandle, engine_port, http_client, launch_router,
@@ -629,9 +631,7 @@ async fn aggregated_fleet_on_real_vllm() {
     // An unplanned `kill -9` of e1 (no drain): every request is still served, by e0; e1 is
     // ejected; once a new e1 serves on the same port it is readmitted by the breaker's probe,
     // holding none of what the old process's events stored.
-    let resets = state["kv_index"]["engines"]["e1"]["resets"]
-        .as_u64()
-        .unwrap_or(0);
+    let resets = state.kv_index.engines.get("e1").map_or(0, |e| e.resets);
     kill_9_and_readmission(&r, &mut engines, resets).await;
     drop(r);
     drop(engines);
@@ -825,7 +825,7 @@ async fn refusals_answer_as_vllm(r: &RouterHandle, direct: &str) {
 
 /// (d) Placement by the engines' own KV events: each routed request sharing a prefix that one
 /// engine holds goes to that engine, a cache hit there. The router's state afterwards.
-async fn placement_by_kv_events(r: &RouterHandle, engines: &[Vllm]) -> Value {
+async fn placement_by_kv_events(r: &RouterHandle, engines: &[Vllm]) -> State {
     let prefix = [long_prompt(1, 420), long_prompt(2, 420)];
     let prefix_tokens = engines[0].tokens(&prefix[0]).await;
     assert!(
@@ -843,15 +843,15 @@ async fn placement_by_kv_events(r: &RouterHandle, engines: &[Vllm]) -> Value {
     }
     for (i, iid) in ["e0", "e1"].iter().enumerate() {
         let held = wait_until(Duration::from_secs(60), || async {
-            let s = r.state_json().await;
-            let e = &s["kv_index"]["engines"][iid];
-            (e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 3).then_some(s)
+            let s = r.state().await;
+            let e = s.kv_index.engines.get(*iid)?;
+            (e.mode == "exact" && e.blocks >= 3).then_some(s.clone())
         })
         .await;
         assert!(
             held.is_some(),
-            "{iid} (prefix {i}): its KV events never reached the router's index: {}",
-            r.state_json().await["kv_index"]
+            "{iid} (prefix {i}): its KV events never reached the router's index: {:?}",
+            r.state().await.kv_index
         );
     }
     let mut hits = Vec::new();
@@ -892,17 +892,13 @@ async fn placement_by_kv_events(r: &RouterHandle, engines: &[Vllm]) -> Value {
             hits.push(hit);
         }
     }
-    let state = r.state_json().await;
+    let state = r.state().await;
     eprintln!(
         "vllm_e2e: local_cache_hit per routed request {hits:?}; prefix {prefix_tokens} tokens; \
-         kv_index {}",
-        state["kv_index"]
+         kv_index {:?}",
+        state.kv_index
     );
-    assert_eq!(
-        state["kv_index"]["tokenizer"], "agree",
-        "{}",
-        state["kv_index"]
-    );
+    assert_eq!(state.kv_index.tokenizer, "agree", "{:?}", state.kv_index);
     state
 }
 
@@ -1007,34 +1003,34 @@ async fn kill_9_and_readmission(r: &RouterHandle, engines: &mut [Vllm], resets: 
         )
         .await;
         assert_eq!(s, 200, "request {n} while e1 is down: {v}");
-        let st = r.state_json().await;
-        (st["ejected"] == json!(["e1"])).then_some(())
+        let st = r.state().await;
+        (st.ejected == ["e1"]).then_some(())
     })
     .await;
     let served = served.into_inner();
     assert!(
         ejected.is_some(),
-        "e1 never ejected after kill -9: {}",
-        r.state_json().await
+        "e1 never ejected after kill -9: {:?}",
+        r.state().await
     );
     engines[1].start();
     let load_s = engines[1].healthy().await;
     let back = wait_until(Duration::from_secs(120), || async {
-        let st = r.state_json().await;
-        (st["ejected"] == json!([])).then_some(st)
+        let st = r.state().await;
+        st.ejected.is_empty().then_some(st)
     })
     .await;
     let Some(back) = back else {
-        panic!("e1 never readmitted: {}", r.state_json().await)
+        panic!("e1 never readmitted: {:?}", r.state().await)
     };
-    let e1 = &back["kv_index"]["engines"]["e1"];
+    let e1 = back.kv_index.engines.get("e1");
     eprintln!(
         "vllm_e2e: kill -9 of e1: {served} requests served meanwhile; new e1 serving after \
-         {load_s:.0} s; its index after readmission: {e1}"
+         {load_s:.0} s; its index after readmission: {e1:?}"
     );
     assert!(
-        e1["resets"].as_u64().unwrap_or(0) > resets,
-        "the old process's entries were dropped for the new process: {e1}"
+        e1.map_or(0, |e| e.resets) > resets,
+        "the old process's entries were dropped for the new process: {e1:?}"
     );
     let (s, v) = post(
         &engines[1].url,
@@ -1290,14 +1286,18 @@ async fn readmission_through_the_agent(r: &RouterHandle, p0: &mut Vllm, d0: &Vll
         d0.metric("vllm:nixl_xfer_time_seconds_count", &[]).await > reads,
         "the readmission's KV check moved KV over NIXL"
     );
-    let state = r.state_json().await;
-    let ev = &state["kv_evidence"]["d0"];
-    eprintln!("vllm_e2e: kv_evidence of d0 after the readmission: {ev}");
-    assert_eq!(ev["verdict"], "confirmed", "{ev}");
+    let state = r.state().await;
+    let ev = state.kv_evidence.get("d0");
+    eprintln!("vllm_e2e: kv_evidence of d0 after the readmission: {ev:?}");
     assert_eq!(
-        ev["recomputed_delta"].as_i64().map(|d| d <= 1),
+        ev.and_then(|e| e.verdict),
+        Some(TransferVerdict::Confirmed),
+        "{ev:?}"
+    );
+    assert_eq!(
+        ev.and_then(|e| e.recomputed_delta).map(|d| d <= 1),
         Some(true),
-        "recomputed evidence from vllm:prompt_tokens_by_source_total: {ev}"
+        "recomputed evidence from vllm:prompt_tokens_by_source_total: {ev:?}"
     );
 }
 
@@ -1347,7 +1347,7 @@ async fn gone_after_the_handoff(dir: &Path, p0: &Vllm, d0: &Vllm) {
     );
     req.abort();
     let cancelled = wait_until(Duration::from_secs(30), || async {
-        (r.state_json().await["cancelled"] == 1).then_some(())
+        (r.state().await.cancelled == 1).then_some(())
     })
     .await;
     assert!(cancelled.is_some(), "the request did not settle cancelled");
