@@ -156,11 +156,7 @@ impl Fleet {
         let r = self.router();
         let mut answers = Vec::new();
         for _ in 0..200 {
-            let s = r.state_json().await;
-            if s["ejected"]
-                .as_array()
-                .is_some_and(|a| a.iter().any(|x| x == iid))
-            {
+            if r.state().await.ejected.iter().any(|x| x == iid) {
                 return;
             }
             let body = json!({"model": "tiny-sim", "prompt": token_prompt(10), "max_tokens": 2});
@@ -168,10 +164,10 @@ impl Fleet {
             answers.push(format!("{} {}", a.status, a.text()));
         }
         let tail: Vec<&String> = answers.iter().rev().take(5).collect();
-        let s = r.state_json().await;
+        let s = r.state().await;
         panic!(
-            "{iid} never ejected; last answers: {tail:#?}; pools {} resident {} ejected {}",
-            s["pools"], s["resident"], s["ejected"]
+            "{iid} never ejected; last answers: {tail:#?}; pools {:?} resident {:?} ejected {:?}",
+            s.pools, s.resident, s.ejected
         );
     }
 }

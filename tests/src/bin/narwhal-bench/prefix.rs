@@ -816,24 +816,19 @@ fn print_row(row: &Row) {
 
 /// Our router's own view of the engines at the end (modes, tokenizer), for the record.
 async fn print_kv_index(r: &narwhal_testkit::RouterHandle) {
-    let st = r.state_json().await;
-    let modes: Vec<String> = st["kv_index"]["engines"]
-        .as_object()
-        .map(|m| {
-            m.iter()
-                .map(|(k, v)| format!("{k}:{}", v["mode"].as_str().unwrap_or("?")))
-                .collect()
-        })
-        .unwrap_or_default();
-    let kv = &st["kv_index"];
+    let kv = r.state().await.kv_index;
+    let modes: Vec<String> = kv
+        .engines
+        .iter()
+        .map(|(k, v)| format!("{k}:{}", v.mode))
+        .collect();
     println!(
         "    kv_index at the end: modes {}; tokenizer {}, {} prompts tokenized ({:.2} ms each), {} tokenize failures",
         modes.join(" "),
-        kv["tokenizer"].as_str().unwrap_or("-"),
-        kv["tokenized"].as_u64().unwrap_or(0),
-        1e3 * kv["tokenize_seconds"].as_f64().unwrap_or(0.0)
-            / kv["tokenized"].as_u64().unwrap_or(0).max(1) as f64,
-        kv["tokenize_failures"].as_u64().unwrap_or(0)
+        kv.tokenizer,
+        kv.tokenized,
+        1e3 * kv.tokenize_seconds / kv.tokenized.max(1) as f64,
+        kv.tokenize_failures
     );
 }
 
