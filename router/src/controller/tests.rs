@@ -6,12 +6,14 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use narwhal_shared::documents::controller as doc;
 use narwhal_shared::{Clock as _, SystemClock};
 use serde_json::{Value, json};
 
 use super::machine::{Command, Machine, Now};
 use super::roles::Engine;
 use crate::config::{Config, Role};
+use crate::journal::Event;
 use crate::placement::Phase;
 
 /// The section-14 fixture profile.
@@ -31,7 +33,7 @@ struct World {
     next: u64,
     risk: Option<(String, Instant)>,
     risk_events: BTreeMap<String, u64>,
-    journal: Vec<Value>,
+    journal: Vec<Event>,
 }
 
 fn merge(a: &mut Value, b: Value) {
@@ -204,7 +206,7 @@ impl World {
                     self.risk = Some((kind.to_string(), self.now));
                     *self.risk_events.entry(kind.to_string()).or_default() += 1;
                 }
-                Command::Journal(v) => self.journal.push(v.to_value()),
+                Command::Journal(v) => self.journal.push(v),
             }
         }
     }
@@ -246,15 +248,23 @@ impl World {
         self.run(until, 0.0, 0, 0);
     }
 
-    fn decisions(&self) -> Vec<&Value> {
+    fn decisions(&self) -> Vec<&doc::Decision> {
         self.journal
             .iter()
-            .filter(|e| e["event"] == "controller_decision")
+            .filter_map(|e| match e {
+                Event::ControllerDecision(d) => Some(d.as_ref()),
+                _ => None,
+            })
             .collect()
     }
 
-    fn events(&self, name: &str) -> Vec<&Value> {
-        self.journal.iter().filter(|e| e["event"] == name).collect()
+    /// The journal rows of event `name`, as written (the event rows other than decisions).
+    fn events(&self, name: &str) -> Vec<Value> {
+        self.journal
+            .iter()
+            .map(Event::to_value)
+            .filter(|e| e["event"] == name)
+            .collect()
     }
 
     fn roles(&self) -> Vec<&'static str> {
@@ -267,23 +277,23 @@ impl World {
     }
 
     /// The decisions taken at `t` seconds (wall = 1000 + t).
-    fn decided_at(&self, t: f64) -> Vec<&Value> {
+    fn decided_at(&self, t: f64) -> Vec<&doc::Decision> {
         self.decisions()
             .into_iter()
-            .filter(|d| (d["at"].as_f64().unwrap_or(0.0) - 1000.0 - t).abs() < 0.01)
+            .filter(|d| (d.at - 1000.0 - t).abs() < 0.01)
             .collect()
     }
 }
 
-fn applied(ds: &[&Value]) -> Vec<(f64, String)> {
+/// A decision's detail `key` as written, `null` when the decision has none.
+fn detail<'a>(d: &'a doc::Decision, key: &str) -> &'a Value {
+    d.details.get(key).unwrap_or(&Value::Null)
+}
+
+fn applied(ds: &[&doc::Decision]) -> Vec<(f64, String)> {
     ds.iter()
-        .filter(|d| d["result"] == "applied")
-        .map(|d| {
-            (
-                d["at"].as_f64().unwrap_or(0.0) - 1000.0,
-                d["by"].as_str().unwrap_or("").to_string(),
-            )
-        })
+        .filter(|d| d.result == "applied")
+        .map(|d| (d.at - 1000.0, d.by.clone()))
         .collect()
 }
 
@@ -296,28 +306,25 @@ fn s1_prefill_pressure_consolidates_one_engine_at_a_time() {
     let at5 = w.decided_at(5.0);
     assert_eq!(at5.len(), 1, "one decision every step: {ds:#?}");
     let d = at5[0];
-    assert_eq!(d["reason"], "demand evidence is still collecting", "{d:#}");
-    assert_eq!(
-        (d["prefill"].as_u64(), d["decode"].as_u64()),
-        (Some(2), Some(2))
-    );
-    assert_eq!(d["evidence_blocked_gate"], "evidence");
+    assert_eq!(d.reason, "demand evidence is still collecting", "{d:#?}");
+    assert_eq!((Some(d.prefill), Some(d.decode)), (Some(2), Some(2)));
+    assert_eq!(detail(d, "evidence_blocked_gate"), "evidence");
     assert!(
-        (d["prefill_work"].as_f64().unwrap_or(0.0) - 1.02).abs() < 0.03,
-        "{d:#}"
+        (detail(d, "prefill_work").as_f64().unwrap_or(0.0) - 1.02).abs() < 0.03,
+        "{d:#?}"
     );
     assert!(
-        (d["objective"].as_f64().unwrap_or(0.0) - 0.6375).abs() < 0.02,
-        "{d:#}"
+        (detail(d, "objective").as_f64().unwrap_or(0.0) - 0.6375).abs() < 0.02,
+        "{d:#?}"
     );
     assert!(applied(&ds).is_empty(), "no move before the window closes");
     assert_eq!(w.decided_at(6.0).len(), 0, "no decision between steps");
     w.run(60.0, 2.0, 500, 50);
     let d = *w.decided_at(60.0).first().expect("a decision at t=60");
-    assert_eq!(d["result"], "applied", "{d:#}");
-    assert_eq!(d["by"], "reactive");
-    assert_eq!(d["eligibility_rule"], "source_shrink");
-    assert_eq!(d["required_confirmations"], 1);
+    assert_eq!(d.result, "applied", "{d:#?}");
+    assert_eq!(d.by, "reactive");
+    assert_eq!(detail(d, "eligibility_rule"), "source_shrink");
+    assert_eq!(detail(d, "required_confirmations"), 1);
     assert_eq!(
         w.roles(),
         ["prefill", "prefill", "decode", "decode"],
@@ -327,11 +334,11 @@ fn s1_prefill_pressure_consolidates_one_engine_at_a_time() {
     let waiting: Vec<_> = w
         .decisions()
         .into_iter()
-        .filter(|d| d["reason"] == "waiting for sustained demand")
+        .filter(|d| d.reason == "waiting for sustained demand")
         .map(|d| {
             (
-                d["confirmations"].as_u64(),
-                d["required_confirmations"].as_u64(),
+                detail(d, "confirmations").as_u64(),
+                detail(d, "required_confirmations").as_u64(),
             )
         })
         .collect();
@@ -344,10 +351,10 @@ fn s1_prefill_pressure_consolidates_one_engine_at_a_time() {
     w.run(100.0, 2.0, 500, 50);
     let last = *w.decisions().last().expect("decisions");
     assert_eq!(
-        last["reason"],
+        last.reason,
         "projected improvement is below the movement margin"
     );
-    assert_eq!(last["eligibility_rule"], "steady_demand");
+    assert_eq!(detail(last, "eligibility_rule"), "steady_demand");
     assert_eq!(w.m.core.roles.flips["reactive:prefill"], 2);
     assert_eq!(w.m.core.roles.refused_total, 0);
 }
@@ -378,10 +385,10 @@ fn a_cached_prefix_workload_does_not_consolidate() {
     assert!(w.events("flips_refused").is_empty());
     let d = *w.decided_at(60.0).first().expect("a decision at t=60");
     assert!(
-        (d["prefill_work"].as_f64().unwrap_or(1.0) - 0.028).abs() < 0.005,
-        "{d:#}"
+        (detail(d, "prefill_work").as_f64().unwrap_or(1.0) - 0.028).abs() < 0.005,
+        "{d:#?}"
     );
-    assert_eq!(d["reason"], "insufficient demand history", "{d:#}");
+    assert_eq!(d.reason, "insufficient demand history", "{d:#?}");
 }
 
 /// controller.md 3.5: admission's cheapest own prefill prices each engine at its uncached
@@ -406,9 +413,9 @@ fn s2_moves_to_decode_wait_for_the_cooldown() {
     w.run(5.0, 3.0, 100, 4000);
     let d = *w.decided_at(5.0).first().expect("t=5");
     assert_eq!(
-        (d["result"].as_str(), d["reason"].as_str()),
+        (Some(d.result.as_str()), Some(d.reason.as_str())),
         (Some("blocked"), Some("decode cooldown has not elapsed")),
-        "{d:#}"
+        "{d:#?}"
     );
     assert_eq!(
         w.m.core.roles.refusals().last().map(|r| r.to),
@@ -422,7 +429,7 @@ fn s2_moves_to_decode_wait_for_the_cooldown() {
     );
     w.run(15.0, 3.0, 100, 4000);
     assert_eq!(
-        w.decided_at(15.0)[0]["reason"],
+        w.decided_at(15.0)[0].reason,
         "decode cooldown has not elapsed"
     );
     w.run(20.0, 3.0, 100, 4000);
@@ -434,10 +441,10 @@ fn s2_moves_to_decode_wait_for_the_cooldown() {
     w.run(25.0, 3.0, 100, 4000);
     let d = w.decided_at(25.0)[0];
     assert_eq!(
-        d["reason"], "p to d recovery 5.0 s ago: re-collecting one evidence window",
-        "{d:#}"
+        d.reason, "p to d recovery 5.0 s ago: re-collecting one evidence window",
+        "{d:#?}"
     );
-    assert_eq!(d["evidence_blocked_gate"], "risk");
+    assert_eq!(detail(d, "evidence_blocked_gate"), "risk");
     assert_eq!(w.risk_events["p_to_d_recovery"], 2);
     w.run(40.0, 3.0, 100, 4000);
     assert_eq!(applied(&w.decisions()).len(), 2, "no third move: 0 < p");
@@ -453,10 +460,10 @@ fn s3_a_first_token_timeout_rearms_the_evidence_window() {
     w.run(60.0, 2.0, 500, 50);
     let d = w.decided_at(60.0)[0];
     assert_eq!(
-        d["reason"],
+        d.reason,
         "first token timeout 5.0 s ago: re-collecting one evidence window"
     );
-    assert_eq!(d["evidence_blocked_gate"], "risk");
+    assert_eq!(detail(d, "evidence_blocked_gate"), "risk");
     assert!(applied(&w.decisions()).is_empty());
     w.run(114.0, 2.0, 500, 50);
     assert!(
@@ -481,18 +488,22 @@ fn s4_the_decode_floor_is_restored_from_the_lightest_prefill_engine() {
     w.idle(4.0);
     let d = w.decided_at(4.0)[0];
     assert_eq!(
-        (d["by"].as_str(), d["result"].as_str(), d["reason"].as_str()),
+        (
+            Some(d.by.as_str()),
+            Some(d.result.as_str()),
+            Some(d.reason.as_str())
+        ),
         (
             Some("decode_floor"),
             Some("applied"),
             Some("restore min_decode")
         )
     );
-    assert_eq!(
-        (d["prefill"].as_u64(), d["decode"].as_u64()),
-        (Some(1), Some(3))
+    assert_eq!((Some(d.prefill), Some(d.decode)), (Some(1), Some(3)));
+    assert!(
+        !d.details.contains_key("objective"),
+        "floor flips carry no details"
     );
-    assert!(d.get("objective").is_none(), "floor flips carry no details");
     assert_eq!(
         w.roles(),
         ["prefill", "decode", "decode", "decode"],
@@ -516,9 +527,9 @@ fn s4_the_decode_floor_is_restored_from_the_lightest_prefill_engine() {
         assert_eq!(ds.len(), 1, "a refusal every pass");
         assert_eq!(
             (
-                ds[0]["by"].as_str(),
-                ds[0]["result"].as_str(),
-                ds[0]["reason"].as_str()
+                Some(ds[0].by.as_str()),
+                Some(ds[0].result.as_str()),
+                Some(ds[0].reason.as_str())
             ),
             (
                 Some("decode_floor"),
@@ -527,12 +538,12 @@ fn s4_the_decode_floor_is_restored_from_the_lightest_prefill_engine() {
             )
         );
         assert_eq!(
-            (ds[0]["prefill"].as_u64(), ds[0]["decode"].as_u64()),
+            (Some(ds[0].prefill), Some(ds[0].decode)),
             (Some(0), Some(4))
         );
     }
     assert!(
-        w.decisions().iter().all(|d| d["by"] != "reactive"),
+        w.decisions().iter().all(|d| d.by != "reactive"),
         "no reactive step below the floor"
     );
 }
@@ -553,7 +564,11 @@ fn s5_the_prefill_floor_is_recovered_without_gates() {
     w.idle(3.0);
     let d = w.decided_at(3.0)[0];
     assert_eq!(
-        (d["by"].as_str(), d["result"].as_str(), d["reason"].as_str()),
+        (
+            Some(d.by.as_str()),
+            Some(d.result.as_str()),
+            Some(d.reason.as_str())
+        ),
         (
             Some("floor_recovery"),
             Some("applied"),
@@ -561,7 +576,7 @@ fn s5_the_prefill_floor_is_recovered_without_gates() {
         )
     );
     assert_eq!(
-        (d["prefill"].as_u64(), d["decode"].as_u64()),
+        (Some(d.prefill), Some(d.decode)),
         (Some(2), Some(2)),
         "counts include the ejected e0"
     );
@@ -589,11 +604,8 @@ fn s6_without_a_donor_the_fleet_health_hold_applies() {
     assert_eq!(w.events("below_floor").len(), 1);
     assert_eq!(w.m.core.roles.refused_total, 0);
     let d = w.decided_at(20.0)[0];
-    assert_eq!(d["reason"], "fleet health is changing");
-    assert_eq!(
-        (d["prefill"].as_u64(), d["decode"].as_u64()),
-        (Some(1), Some(2))
-    );
+    assert_eq!(d.reason, "fleet health is changing");
+    assert_eq!((Some(d.prefill), Some(d.decode)), (Some(1), Some(2)));
     assert!(applied(&w.decisions()).is_empty());
 }
 
@@ -608,7 +620,7 @@ fn s7_advisory_mode_decides_without_moving() {
     for t in [60.0, 65.0, 70.0] {
         let d = w.decided_at(t)[0];
         assert_eq!(
-            (d["result"].as_str(), d["reason"].as_str()),
+            (Some(d.result.as_str()), Some(d.reason.as_str())),
             (Some("advisory"), Some("post-move objective improved"))
         );
     }
@@ -636,7 +648,7 @@ fn s8_pins_and_the_resident_guard_refuse_the_donor() {
     w.run(60.0, 2.0, 500, 50);
     let d = w.decided_at(60.0)[0];
     assert_eq!(
-        (d["result"].as_str(), d["reason"].as_str()),
+        (Some(d.result.as_str()), Some(d.reason.as_str())),
         (
             Some("blocked"),
             Some("pins or nominated engine exclude every source candidate")
@@ -655,8 +667,8 @@ fn s8_pins_and_the_resident_guard_refuse_the_donor() {
     w.run(60.0, 2.0, 500, 50);
     let d = w.decided_at(60.0)[0];
     assert_eq!(
-        d["reason"], "lightest decode donor carries 3 residents, above flip_resident_guard 2",
-        "{d:#}"
+        d.reason, "lightest decode donor carries 3 residents, above flip_resident_guard 2",
+        "{d:#?}"
     );
 }
 
@@ -668,14 +680,14 @@ fn s9_no_adjacent_split_and_too_little_demand_hold() {
     assert!(
         w.decisions()
             .iter()
-            .all(|d| d["reason"] == "projected improvement is below the movement margin")
+            .all(|d| d.reason == "projected improvement is below the movement margin")
     );
     let mut w = World::new(&["prefill", "decode", "decode", "decode"], json!({}));
     w.run(80.0, 1.0, 200, 50);
     assert!(
         w.decisions()
             .iter()
-            .all(|d| d["reason"] == "insufficient demand history")
+            .all(|d| d.reason == "insufficient demand history")
     );
 }
 
@@ -687,10 +699,10 @@ fn s10_incomplete_demand_moves_on_observed_pressure() {
     w.run(30.0, 2.0, 500, 0);
     let d = w.decided_at(30.0)[0];
     assert_eq!(
-        d["reason"],
+        d.reason,
         "incomplete demand requires observed phase pressure and fleet profiles"
     );
-    assert_eq!(d["demand_complete"], false);
+    assert_eq!(detail(d, "demand_complete"), false);
     for _ in 0..5 {
         w.resident(0, Phase::Prefill, 1000, 0);
     }
@@ -701,14 +713,14 @@ fn s10_incomplete_demand_moves_on_observed_pressure() {
     assert_eq!(moved.len(), 1, "{:#?}", w.decisions());
     let t = moved[0].0;
     let d = w.decided_at(t)[0];
-    assert_eq!(d["decision_basis"], "prefill_pressure_recovery");
+    assert_eq!(detail(d, "decision_basis"), "prefill_pressure_recovery");
     assert!(
-        (d["recovery_prefill_ratio"].as_f64().unwrap_or(0.0) - 3.535).abs() < 0.01,
-        "{d:#}"
+        (detail(d, "recovery_prefill_ratio").as_f64().unwrap_or(0.0) - 3.535).abs() < 0.01,
+        "{d:#?}"
     );
     let waits: Vec<_> = [t - 10.0, t - 5.0]
         .iter()
-        .map(|x| w.decided_at(*x)[0]["confirmations"].as_u64())
+        .map(|x| detail(w.decided_at(*x)[0], "confirmations").as_u64())
         .collect();
     assert_eq!(waits, [Some(1), Some(2)]);
 }
@@ -726,8 +738,8 @@ fn s11_urgent_recovery_cascades() {
     assert!(w.m.note_prefill_risk(w.now));
     w.urgent();
     let d = *w.decisions().last().expect("urgent decision");
-    assert_eq!(d["reason"], "demand evidence is still collecting", "{d:#}");
-    assert_eq!(d["eligibility_rule"], "projected_ttft_recovery");
+    assert_eq!(d.reason, "demand evidence is still collecting", "{d:#?}");
+    assert_eq!(detail(d, "eligibility_rule"), "projected_ttft_recovery");
     for id in early {
         w.m.core.book.unwait(id);
         w.finish(id);
@@ -738,15 +750,20 @@ fn s11_urgent_recovery_cascades() {
     w.urgent();
     let d = *w.decisions().last().expect("urgent decision");
     assert_eq!(
-        (d["result"].as_str(), d["eligibility_rule"].as_str()),
+        (
+            Some(d.result.as_str()),
+            detail(d, "eligibility_rule").as_str()
+        ),
         (Some("applied"), Some("projected_ttft_recovery")),
-        "{d:#}"
+        "{d:#?}"
     );
-    assert_eq!(d["required_confirmations"], 1);
-    assert_eq!(d["trigger_rid"], format!("r{}", ids[5]));
-    let p = d["projected_ttft_s"].as_f64().unwrap_or(0.0);
+    assert_eq!(detail(d, "required_confirmations"), 1);
+    assert_eq!(*detail(d, "trigger_rid"), format!("r{}", ids[5]));
+    let p = detail(d, "projected_ttft_s").as_f64().unwrap_or(0.0);
     assert!((6.0..6.4).contains(&p), "{p}");
-    let c = d["candidate_projected_ttft_s"].as_f64().unwrap_or(0.0);
+    let c = detail(d, "candidate_projected_ttft_s")
+        .as_f64()
+        .unwrap_or(0.0);
     assert!((3.0..3.3).contains(&c), "{c}");
     assert!(w.m.latched(), "the queue still breaches: re-armed");
     w.urgent();
@@ -755,7 +772,7 @@ fn s11_urgent_recovery_cascades() {
     w.urgent();
     let d = *w.decisions().last().expect("urgent decision");
     assert_eq!(
-        d["reason"],
+        d.reason,
         "projected TTFT recovery requires a strict prefill improvement"
     );
 }
@@ -779,10 +796,7 @@ fn s14_rising_decode_demand_blocks_consolidation() {
         w.now = start + Duration::from_secs(1);
         w.pass();
         if let Some(d) = w.decided_at(w.t()).first() {
-            reasons.push((
-                d["reason"].as_str().unwrap_or("").to_string(),
-                d["evidence_trend_ratio"].as_f64(),
-            ));
+            reasons.push((d.reason.clone(), detail(d, "evidence_trend_ratio").as_f64()));
         }
     }
     assert!(applied(&w.decisions()).is_empty());
@@ -847,7 +861,7 @@ fn s13_a_busy_engine_side_donor_is_held_until_idle() {
     w.run(60.0, 2.0, 500, 50);
     let d = w.decided_at(60.0)[0];
     assert_eq!(
-        d["reason"],
+        d.reason,
         "holding e1 out of new placements until it is idle for an engine-side role switch"
     );
     assert_eq!(
@@ -856,14 +870,14 @@ fn s13_a_busy_engine_side_donor_is_held_until_idle() {
     );
     w.run(65.0, 2.0, 500, 50);
     assert_eq!(
-        w.decided_at(65.0)[0]["result"],
+        w.decided_at(65.0)[0].result,
         "blocked",
         "the hold is renewed"
     );
     w.finish(streams[0]);
     w.run(70.0, 2.0, 500, 50);
     let d = w.decided_at(70.0)[0];
-    assert_eq!(d["result"], "applied", "{d:#}");
+    assert_eq!(d.result, "applied", "{d:#?}");
     assert_eq!(w.roles(), ["prefill", "prefill", "decode", "decode"]);
     assert!(
         w.m.core.roles.held(w.now).is_empty(),
@@ -1038,10 +1052,7 @@ fn the_demand_gates_hold_with_their_reasons() {
     // Too few arrivals: insufficient demand history.
     let mut w = World::new(&["prefill", "decode"], json!({}));
     w.run(5.0, 1.0, 500, 50);
-    assert_eq!(
-        w.decided_at(5.0)[0]["reason"],
-        "insufficient demand history"
-    );
+    assert_eq!(w.decided_at(5.0)[0].reason, "insufficient demand history");
     // A recovery with a live engine unprofiled: profiles first.
     let mut w = World::new(
         &["prefill", "decode", "decode"],
@@ -1054,8 +1065,8 @@ fn the_demand_gates_hold_with_their_reasons() {
     w.m.core.profiles[2] = None;
     w.urgent();
     assert_eq!(
-        w.decisions().last().map(|d| d["reason"].clone()),
-        Some(json!("projected TTFT recovery requires fleet profiles"))
+        w.decisions().last().map(|d| d.reason.as_str()),
+        Some("projected TTFT recovery requires fleet profiles")
     );
 }
 
@@ -1069,7 +1080,7 @@ fn floors_coverage_and_kv_capacity_hold_the_reported_row() {
     );
     w.run(65.0, 2.0, 500, 50);
     assert_eq!(
-        w.decided_at(65.0)[0]["reason"],
+        w.decided_at(65.0)[0].reason,
         "min_decode blocks the adjacent split"
     );
     // 1 (the other side): min_prefill 2 at 2P2D under decode-heavy demand.
@@ -1079,7 +1090,7 @@ fn floors_coverage_and_kv_capacity_hold_the_reported_row() {
     );
     w.run(10.0, 3.0, 100, 4000);
     assert_eq!(
-        w.decided_at(10.0)[0]["reason"],
+        w.decided_at(10.0)[0].reason,
         "min_prefill blocks the adjacent split"
     );
     // 6: resident batches beyond the profiled KV range.
@@ -1089,7 +1100,7 @@ fn floors_coverage_and_kv_capacity_hold_the_reported_row() {
     }
     w.run(65.0, 2.0, 500, 50);
     assert_eq!(
-        w.decided_at(65.0)[0]["reason"],
+        w.decided_at(65.0)[0].reason,
         "decode profile does not cover proposed work"
     );
     // 7: covered, but beyond the engine's KV capacity.
@@ -1104,7 +1115,7 @@ fn floors_coverage_and_kv_capacity_hold_the_reported_row() {
     }
     w.run(65.0, 2.0, 500, 50);
     assert_eq!(
-        w.decided_at(65.0)[0]["reason"],
+        w.decided_at(65.0)[0].reason,
         "projected decode work exceeds KV capacity"
     );
 }
@@ -1119,14 +1130,14 @@ fn a_source_above_shrink_waits_for_steady_demand() {
     w.run(30.0, 1.8, 500, 400);
     let d = w.decided_at(30.0)[0];
     assert_eq!(
-        d["reason"], "projected prefill pressure blocks consolidation",
-        "{d:#}"
+        d.reason, "projected prefill pressure blocks consolidation",
+        "{d:#?}"
     );
     w.run(80.0, 1.8, 500, 400);
     let rules: Vec<_> = w
         .decisions()
         .iter()
-        .filter_map(|d| d["eligibility_rule"].as_str().map(String::from))
+        .filter_map(|d| detail(d, "eligibility_rule").as_str().map(String::from))
         .collect();
     assert!(rules.iter().any(|r| r == "steady_demand"), "{rules:?}");
     assert_eq!(applied(&w.decisions()).len(), 1, "{:#?}", w.decisions());
@@ -1154,16 +1165,20 @@ fn a_settled_fleet_follows_a_departure_of_the_short_view() {
         .map(|d| {
             format!(
                 "{} {} {} {} {}",
-                d["at"], d["prefill"], d["reason"], d["eligibility_rule"], d["objective_delta"]
+                d.at,
+                d.prefill,
+                d.reason,
+                detail(d, "eligibility_rule"),
+                detail(d, "objective_delta")
             )
         })
         .collect();
     assert_eq!(moved.len(), 1, "{brief:#?}");
     let d = w.decided_at(moved[0].0)[0];
-    assert_eq!(d["eligibility_rule"], "settled_departure", "{d:#}");
-    assert_eq!(d["required_confirmations"], 1);
-    assert_eq!(d["demand_horizon_s"], json!(15.0));
-    assert!(d.get("departure_age_s").is_some());
+    assert_eq!(detail(d, "eligibility_rule"), "settled_departure", "{d:#?}");
+    assert_eq!(detail(d, "required_confirmations"), 1);
+    assert_eq!(*detail(d, "demand_horizon_s"), json!(15.0));
+    assert!(d.details.contains_key("departure_age_s"));
     assert_eq!(
         w.fleet.iter().filter(|e| e.role == Role::Prefill).count(),
         1
@@ -1177,7 +1192,7 @@ fn a_settled_fleet_follows_a_departure_of_the_short_view() {
     assert!(
         w.decisions()
             .iter()
-            .any(|d| d["reason"] == "departure toward decode holds the reverse move"),
+            .any(|d| d.reason == "departure toward decode holds the reverse move"),
         "{:#?}",
         w.decisions().last()
     );
@@ -1205,20 +1220,20 @@ fn fixed_kv_roles_are_never_flipped() {
     w.run(60.0, 2.0, 500, 50);
     let d = w.decided_at(60.0)[0];
     assert_eq!(
-        (d["result"].as_str(), d["reason"].as_str()),
+        (Some(d.result.as_str()), Some(d.reason.as_str())),
         (
             Some("blocked"),
             Some(
                 "e1, e2, e3: launched as kv_consumer (engines[].kv_role), a fixed role vLLM cannot flip in place"
             )
         ),
-        "{d:#}"
+        "{d:#?}"
     );
     assert_eq!(w.roles(), roles);
 
     let mut w = World::new(&roles, engines(["kv_consumer", "kv_both", "kv_consumer"]));
     w.run(60.0, 2.0, 500, 50);
-    assert_eq!(w.decided_at(60.0)[0]["result"], "applied");
+    assert_eq!(w.decided_at(60.0)[0].result, "applied");
     assert_eq!(
         w.roles(),
         ["prefill", "prefill", "decode", "decode"]
