@@ -182,6 +182,22 @@ impl Reply {
         })
     }
 
+    /// The body as the typed document `T`.
+    ///
+    /// # Panics
+    /// When it is not a `T` (the message names the request, the status, the error and the
+    /// body).
+    pub fn json_as<T: serde::de::DeserializeOwned>(&self) -> T {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "{}: {} answered a body that is not the document expected ({e}): {}",
+                self.what,
+                self.status,
+                self.text()
+            )
+        })
+    }
+
     /// The body as JSON, `Value::Null` when it is not JSON.
     pub fn json_or_null(&self) -> Value {
         serde_json::from_slice(&self.body).unwrap_or(Value::Null)

@@ -12,11 +12,13 @@
 
 use std::time::{Duration, Instant};
 
+use narwhal_shared::documents::State;
+use narwhal_shared::documents::state::KvEngine;
 use narwhal_testkit::{
-    Fleet, LEASE_TTL_S, LeaseBackend, RouterHandle, STANDBY_PROBE_S, STANDBY_TAKEOVER_AFTER,
-    SimHandle, WAIT, eventually,
+    Fleet, LEASE_TTL_S, LeaseBackend, RequestRow, RouterHandle, STANDBY_PROBE_S,
+    STANDBY_TAKEOVER_AFTER, SimHandle, WAIT, eventually,
 };
-use serde_json::{Value, json};
+use serde_json::json;
 
 /// Requests compared on each side of the kill.
 const N: usize = 6;
@@ -42,34 +44,30 @@ async fn hits(sim: &SimHandle) -> u64 {
     sim.counters().await.prefix_cache.map_or(0, |c| c.hits)
 }
 
-/// Router `r`'s `kv_index.engines.<iid>` once `ok` holds for it.
-async fn kv_engine(r: &RouterHandle, iid: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+/// Router `r`'s `kv_index.engines.<iid>` once it is exact with at least `blocks` blocks.
+async fn kv_engine(r: &RouterHandle, iid: &str, what: &str, blocks: u64) -> KvEngine {
     eventually(what, WAIT, || async {
-        let st = r.get("/narwhal/state").await.json();
-        let e = st["kv_index"]["engines"][iid].clone();
-        ok(&e).then_some(e)
+        let st: State = r.get("/narwhal/state").await.json_as();
+        let e = st.kv_index.engines.get(iid)?.clone();
+        (e.mode == "exact" && e.blocks >= blocks).then_some(e)
     })
     .await
 }
 
 /// Router `r`'s journal rows of completed requests, in order, once there are `n`.
-async fn served(r: &RouterHandle, n: usize) -> Vec<Value> {
+async fn served(r: &RouterHandle, n: usize) -> Vec<RequestRow> {
     eventually(&format!("{n} journal rows"), WAIT, || async {
-        let rows: Vec<Value> = r
-            .journal_rows()
-            .into_iter()
-            .filter(|row| row.get("rid").is_some() && row["status"] == 200)
-            .collect();
+        let rows = r.served_requests();
         (rows.len() >= n).then_some(rows)
     })
     .await
 }
 
 /// Of `rows`, the share placed on `holder` with index credit (`cached_tokens` > 0).
-fn hit_rate(rows: &[Value], holder: &str) -> f64 {
+fn hit_rate(rows: &[RequestRow], holder: &str) -> f64 {
     let credited = rows
         .iter()
-        .filter(|r| r["decode_iid"] == holder && r["cached_tokens"].as_u64().unwrap_or(0) > 0)
+        .filter(|r| r.decode_iid.as_deref() == Some(holder) && r.cached_tokens.unwrap_or(0) > 0)
         .count();
     credited as f64 / rows.len().max(1) as f64
 }
@@ -91,14 +89,11 @@ async fn a_standby_keeps_a_warm_kv_index_across_a_takeover() {
     // 40 tokens: 10 blocks of 4, on whichever engine the primary picks.
     let prefix = words(0, 40);
     complete(&p, &prefix).await;
-    let holder = served(&p, 1).await[0]["decode_iid"]
-        .as_str()
-        .expect("decode_iid")
-        .to_string();
-    kv_engine(&p, &holder, "the holder's blocks on the primary", |e| {
-        e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
-    })
-    .await;
+    let holder = served(&p, 1).await[0]
+        .decode_iid
+        .clone()
+        .expect("decode_iid");
+    kv_engine(&p, &holder, "the holder's blocks on the primary", 10).await;
     for k in 0..N {
         complete(&p, &format!("{prefix} {}", words(100 + 10 * k, 6))).await;
     }
@@ -106,10 +101,7 @@ async fn a_standby_keeps_a_warm_kv_index_across_a_takeover() {
     let before = hit_rate(&rows[1..], &holder);
     // The shadowing standby keeps its own index from the same streams.
     assert_eq!(s.controls().await.as_deref(), Some("standby"));
-    kv_engine(&s, &holder, "the holder's blocks on the standby", |e| {
-        e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
-    })
-    .await;
+    kv_engine(&s, &holder, "the holder's blocks on the standby", 10).await;
 
     let t_kill = Instant::now();
     p.proc.kill();
@@ -120,10 +112,14 @@ async fn a_standby_keeps_a_warm_kv_index_across_a_takeover() {
         .await
         .unwrap_or_else(|| panic!("no takeover:\n{}", s.proc.stderr_tail(30)));
     // Right after the takeover: the holder is exact, its blocks still there.
-    let st = s.get("/narwhal/state").await.json();
-    let e = &st["kv_index"]["engines"][&holder];
-    assert_eq!(e["mode"], "exact", "the index is warm at takeover: {st}");
-    assert!(e["blocks"].as_u64().unwrap_or(0) >= 10, "{e}");
+    let st: State = s.get("/narwhal/state").await.json_as();
+    let e = st.kv_index.engines.get(&holder);
+    assert_eq!(
+        e.map(|e| e.mode.as_str()),
+        Some("exact"),
+        "the index is warm at takeover: {st:?}"
+    );
+    assert!(e.is_some_and(|e| e.blocks >= 10), "{e:?}");
 
     let hits0 = hits(f.sim(&holder)).await;
     for k in 0..N {
@@ -136,7 +132,7 @@ async fn a_standby_keeps_a_warm_kv_index_across_a_takeover() {
     );
     let credited = after_rows[..N]
         .iter()
-        .filter(|r| r["decode_iid"] == holder)
+        .filter(|r| r.decode_iid.as_deref() == Some(holder.as_str()))
         .count() as u64;
     assert!(
         hits(f.sim(&holder)).await - hits0 >= 40 * credited,
@@ -148,11 +144,12 @@ async fn a_standby_keeps_a_warm_kv_index_across_a_takeover() {
     );
     let first = &after_rows[0];
     assert_eq!(
-        first["decode_iid"], holder,
-        "the first request after: {first}"
+        first.decode_iid.as_deref(),
+        Some(holder.as_str()),
+        "the first request after: {first:?}"
     );
     assert!(
-        first["cached_tokens"].as_u64().unwrap_or(0) >= 40,
-        "credited on the new primary: {first}"
+        first.cached_tokens.unwrap_or(0) >= 40,
+        "credited on the new primary: {first:?}"
     );
 }

@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use narwhal_testkit::sim_stats::SimStats;
 use narwhal_testkit::{Http, MultiSim, metric};
 use serde_json::json;
 
@@ -50,17 +51,17 @@ async fn engines_of_one_process_answer_independently_and_restart_together() {
     let stats = |e: &narwhal_testkit::MultiEngine| {
         let url = format!("{}/stats", e.admin_url());
         let http = http.clone();
-        async move { http.get(url).await.json() }
+        async move { http.get(url).await.json_as::<SimStats>() }
     };
     let (sa, sb) = (stats(&a).await, stats(&b).await);
-    assert_eq!(sa["requests"]["aggregated"], 1, "{sa}");
-    assert_eq!(sb["requests"]["aggregated"], 0, "{sb}");
-    assert_eq!(sa["engine_id"], "m-0");
-    assert_eq!(sb["engine_id"], "m-1");
+    assert_eq!(sa.requests.aggregated, 1, "{sa:?}");
+    assert_eq!(sb.requests.aggregated, 0, "{sb:?}");
+    assert_eq!(sa.engine_id, "m-0");
+    assert_eq!(sb.engine_id, "m-1");
     // One process: one pid and one process start, which is what the agent reads for each.
-    assert_eq!(sa["pid"], sb["pid"]);
-    assert_eq!(sa["started_at"], sb["started_at"]);
-    assert_eq!(sa["pid"], u64::from(multi.proc.pid()));
+    assert_eq!(sa.pid, sb.pid);
+    assert_eq!(sa.started_at, sb.started_at);
+    assert_eq!(sa.pid, multi.proc.pid());
     let start = |text: &str| metric(text, "process_start_time_seconds", &[]);
     let ma = http.get(format!("{}/metrics", a.url)).await.text();
     let mb = http.get(format!("{}/metrics", b.url)).await.text();
@@ -84,8 +85,8 @@ async fn engines_of_one_process_answer_independently_and_restart_together() {
     assert_eq!(again, ports);
     for e in &multi.engines {
         let s = stats(e).await;
-        assert_eq!(s["requests"]["aggregated"], 0, "fresh state: {s}");
-        assert_eq!(s["pid"], u64::from(multi.proc.pid()));
+        assert_eq!(s.requests.aggregated, 0, "fresh state: {s:?}");
+        assert_eq!(s.pid, multi.proc.pid());
     }
 }
 
