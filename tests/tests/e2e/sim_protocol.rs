@@ -11,6 +11,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use narwhal_testkit::raw::{RawResponse as Resp, request, send};
+use narwhal_testkit::sim_stats::{SimRecent, SimStats};
 use narwhal_testkit::{SimHandle, poll_blocking as wait_until};
 use serde_json::{Value, json};
 use tempfile::TempDir;
@@ -62,8 +63,10 @@ impl Sim {
         request(addr, method, &format!("/{prefix}{tail}"), &[], body)
     }
 
-    fn stats(&self) -> Value {
-        self.admin("GET", "/stats", "").json()
+    fn stats(&self) -> SimStats {
+        let r = self.admin("GET", "/stats", "");
+        serde_json::from_slice(&r.body)
+            .unwrap_or_else(|e| panic!("not the /sim/stats document ({e}): {}", r.text()))
     }
 
     fn faults(&self) -> Value {
@@ -75,18 +78,16 @@ impl Sim {
         assert_eq!(r.status, 200, "fault refused: {}", r.text());
     }
 
-    /// Whether `/sim/stats` reaches `want` at the JSON pointer `at` within `within`.
-    fn stat_reaches(&self, at: &str, want: u64, within: Duration) -> bool {
-        wait_until(within, || {
-            self.stats().pointer(at).and_then(Value::as_u64) == Some(want)
-        })
+    /// Whether `/sim/stats` comes to satisfy `reached` within `within`.
+    fn stat_reaches(&self, reached: impl Fn(&SimStats) -> bool, within: Duration) -> bool {
+        wait_until(within, || reached(&self.stats()))
     }
 
     /// The last of `/sim/stats` `recent` requests.
-    fn last_recent(&self) -> Value {
-        self.stats()["recent"]
-            .as_array()
-            .and_then(|r| r.last())
+    fn last_recent(&self) -> SimRecent {
+        self.stats()
+            .recent
+            .last()
             .expect("a recent request")
             .clone()
     }
@@ -191,22 +192,22 @@ fn vllm_descriptor_decode_equals_aggregated_and_is_consumed_once() {
     );
 
     let ps = p.stats();
-    assert_eq!(ps["kv"]["issued"], 1);
-    assert_eq!(ps["kv"]["served"], 1);
-    assert_eq!(ps["requests"]["prefill"], 1);
-    let pr = ps["recent"].as_array().unwrap().last().unwrap().clone();
-    assert_eq!(pr["request_id"], "r1-a1-prefill");
-    assert_eq!(pr["block_ids"], kv["remote_block_ids"]);
-    assert_eq!(pr["kv_peer"], format!("http://{}", d.addr));
+    assert_eq!(ps.kv.issued, 1);
+    assert_eq!(ps.kv.served, 1);
+    assert_eq!(ps.requests.prefill, 1);
+    let pr = ps.recent.last().unwrap().clone();
+    assert_eq!(pr.request_id, "r1-a1-prefill");
+    assert_eq!(json!(pr.block_ids), kv["remote_block_ids"]);
+    assert_eq!(pr.kv_peer, Some(format!("http://{}", d.addr)));
     let ds = d.stats();
-    assert_eq!(ds["kv"]["consumed"], 1);
-    assert_eq!(ds["kv"]["recomputed"], 1, "the aggregated reference");
-    assert_eq!(ds["requests"]["decode"], 1);
-    let dr = ds["recent"].as_array().unwrap().last().unwrap().clone();
-    assert_eq!(dr["request_id"], "r1-a1-decode");
-    assert_eq!(dr["kv_peer"], "prod-1");
-    assert_eq!(dr["outcome"], "ok");
-    assert_eq!(dr["tokens"], 6);
+    assert_eq!(ds.kv.consumed, 1);
+    assert_eq!(ds.kv.recomputed, 1, "the aggregated reference");
+    assert_eq!(ds.requests.decode, 1);
+    let dr = ds.recent.last().unwrap().clone();
+    assert_eq!(dr.request_id, "r1-a1-decode");
+    assert_eq!(dr.kv_peer.as_deref(), Some("prod-1"));
+    assert_eq!(dr.outcome, "ok");
+    assert_eq!(dr.tokens, 6);
 
     // A second decode with the same descriptor: blocks were freed on the first read.
     let again = d.complete(&dec_body);
@@ -259,8 +260,8 @@ fn vllm_descriptor_decode_equals_aggregated_and_is_consumed_once() {
     assert!(unreachable.text().contains("unreachable"));
 
     let ds = d.stats();
-    assert_eq!(ds["kv"]["consumed"], 1);
-    assert_eq!(ds["kv"]["rejected"], 4);
+    assert_eq!(ds.kv.consumed, 1);
+    assert_eq!(ds.kv.rejected, 4);
 }
 
 #[test]
@@ -271,11 +272,11 @@ fn vllm_blocks_expire_after_the_lease() {
         .complete(&json!({"prompt": PROMPT, "max_tokens": 1,
                     "kv_transfer_params": {"do_remote_decode": true}}))
         .json();
-    assert!(p.stat_reaches("/kv/expired", 1, Duration::from_secs(3)));
+    assert!(p.stat_reaches(|s| s.kv.expired == 1, Duration::from_secs(3)));
     let late = d.complete(&json!({"prompt": PROMPT, "max_tokens": 2,
                 "kv_transfer_params": pre["kv_transfer_params"]}));
     assert_eq!(late.status, 500);
-    assert_eq!(p.stats()["kv"]["served"], 0);
+    assert_eq!(p.stats().kv.served, 0);
 }
 
 fn bootstrap_port(p: &Sim) -> u64 {
@@ -324,7 +325,7 @@ fn sglang_bootstrap_prefill_and_decode_in_both_orders() {
                 )
             });
             // Let the decode reach the bootstrap server first.
-            assert!(d.stat_reaches("/in_flight", 1, Duration::from_secs(2)));
+            assert!(d.stat_reaches(|s| s.in_flight == 1, Duration::from_secs(2)));
             let pre = post(&p_addr, &pre_body);
             (h.join().unwrap(), pre)
         } else {
@@ -336,18 +337,18 @@ fn sglang_bootstrap_prefill_and_decode_in_both_orders() {
         assert_eq!(dec.status, 200);
         assert_eq!(dec.stream_text(), agg_text, "room {room}");
         let last = d.last_recent();
-        assert_eq!(last["request_id"], format!("room{room}-decode"));
-        assert_eq!(last["room"], room);
-        assert_eq!(last["kv_peer"], "sg-p");
-        assert_eq!(last["outcome"], "ok");
+        assert_eq!(last.request_id, format!("room{room}-decode"));
+        assert_eq!(last.room, Some(room));
+        assert_eq!(last.kv_peer.as_deref(), Some("sg-p"));
+        assert_eq!(last.outcome, "ok");
     }
     let ps = p.stats();
-    assert_eq!(ps["kv"]["issued"], 2);
-    assert_eq!(ps["kv"]["served"], 2);
-    assert_eq!(ps["requests"]["prefill"], 2);
+    assert_eq!(ps.kv.issued, 2);
+    assert_eq!(ps.kv.served, 2);
+    assert_eq!(ps.requests.prefill, 2);
     let ds = d.stats();
-    assert_eq!(ds["kv"]["consumed"], 2);
-    assert_eq!(ds["requests"]["decode"], 2);
+    assert_eq!(ds.kv.consumed, 2);
+    assert_eq!(ds.requests.decode, 2);
 
     // A prefill-mode server refuses requests without the rendezvous.
     let bad = p.complete(&json!({"prompt": PROMPT}));
@@ -397,7 +398,7 @@ fn sglang_decode_fails_within_the_bound_when_the_room_never_appears() {
     // Unreachable bootstrap server.
     let r = d.complete(&in_room(json!({"prompt": PROMPT}), 1, 79));
     assert_eq!(r.status, 500);
-    assert_eq!(d.stats()["kv"]["rejected"], 4);
+    assert_eq!(d.stats().kv.rejected, 4);
 }
 
 #[test]
@@ -421,7 +422,7 @@ fn faults_status_omit_kv_cut_fragment_drop_and_health() {
                 "kv_transfer_params": {"do_remote_decode": true}}));
     assert_eq!(r.status, 200);
     assert!(r.json().get("kv_transfer_params").is_none());
-    assert_eq!(s.stats()["kv"]["issued"], 0);
+    assert_eq!(s.stats().kv.issued, 0);
 
     s.fault(json!({"phase": "any", "action": "cut", "after_tokens": 2}));
     let r = s.complete(&body);
@@ -459,12 +460,7 @@ fn faults_status_omit_kv_cut_fragment_drop_and_health() {
     );
     assert_eq!(bad.status, 400);
 
-    let outcomes: Vec<String> = s.stats()["recent"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["outcome"].as_str().unwrap().to_string())
-        .collect();
+    let outcomes: Vec<String> = s.stats().recent.iter().map(|r| r.outcome.clone()).collect();
     assert_eq!(
         outcomes,
         ["fault", "ok", "fault", "fault", "fault", "fault"],
@@ -484,20 +480,20 @@ fn client_disconnects_are_counted_as_cancelled() {
         &[("x-request-id", "gone-1")],
         &body,
     );
-    assert!(s.stat_reaches("/in_flight", 1, Duration::from_secs(2)));
+    assert!(s.stat_reaches(|s| s.in_flight == 1, Duration::from_secs(2)));
     let t0 = Instant::now();
     drop(c);
-    assert!(s.stat_reaches("/cancelled", 1, Duration::from_secs(1)));
+    assert!(s.stat_reaches(|s| s.cancelled == 1, Duration::from_secs(1)));
     assert!(
         t0.elapsed() < Duration::from_millis(500),
         "{:?}",
         t0.elapsed()
     );
     let st = s.stats();
-    assert_eq!(st["in_flight"], 0);
-    let last = st["recent"].as_array().unwrap().last().unwrap().clone();
-    assert_eq!(last["request_id"], "gone-1");
-    assert_eq!(last["outcome"], "cancelled");
+    assert_eq!(st.in_flight, 0);
+    let last = st.recent.last().unwrap().clone();
+    assert_eq!(last.request_id, "gone-1");
+    assert_eq!(last.outcome, "cancelled");
 
     // Disconnect mid-stream.
     let s = Sim::start(&["--tpot-ms", "200"]);
@@ -507,8 +503,8 @@ fn client_disconnects_are_counted_as_cancelled() {
     let n = c.read(&mut buf).unwrap();
     assert!(String::from_utf8_lossy(&buf[..n]).contains("200 OK"));
     drop(c);
-    assert!(s.stat_reaches("/cancelled", 1, Duration::from_secs(2)));
-    assert_eq!(s.stats()["in_flight"], 0);
+    assert!(s.stat_reaches(|s| s.cancelled == 1, Duration::from_secs(2)));
+    assert_eq!(s.stats().in_flight, 0);
 }
 
 #[test]
@@ -562,15 +558,15 @@ fn validation_metrics_and_ready_file() {
         .unwrap()
         .parse()
         .unwrap();
-    assert_eq!(start, s.stats()["started_at"].as_f64().unwrap());
+    assert_eq!(start, s.stats().started_at);
     let t = s
         .post("/tokenize", &json!({"model": "m1", "prompt": "a b c"}))
         .json();
     assert_eq!(t["count"], 3);
     assert_eq!(t["max_model_len"], 32);
-    assert_eq!(s.stats()["requests"]["aggregated"], 4);
+    assert_eq!(s.stats().requests.aggregated, 4);
     assert_eq!(s.admin("POST", "/stats/reset", "").status, 200);
-    assert_eq!(s.stats()["requests"]["aggregated"], 0);
+    assert_eq!(s.stats().requests.aggregated, 0);
 }
 
 #[test]
@@ -583,12 +579,12 @@ fn cancelled_sglang_decode_does_not_consume_its_room() {
     )
     .to_string();
     let c = send(&d.addr, "POST", "/v1/completions", &[], &body);
-    assert!(d.stat_reaches("/in_flight", 1, Duration::from_secs(2)));
+    assert!(d.stat_reaches(|s| s.in_flight == 1, Duration::from_secs(2)));
     drop(c);
-    assert!(d.stat_reaches("/cancelled", 1, Duration::from_secs(1)));
+    assert!(d.stat_reaches(|s| s.cancelled == 1, Duration::from_secs(1)));
     let last = d.last_recent();
-    assert_eq!(last["request_id"], "gone-decode");
-    assert_eq!(last["room"], 500);
+    assert_eq!(last.request_id, "gone-decode");
+    assert_eq!(last.room, Some(500));
     // The prefill publishes after the decode went away: nobody takes the room, it expires.
     let pre = p.complete(&in_room(
         json!({"prompt": PROMPT, "max_tokens": 1}),
@@ -596,8 +592,8 @@ fn cancelled_sglang_decode_does_not_consume_its_room() {
         500,
     ));
     assert_eq!(pre.status, 200);
-    assert!(p.stat_reaches("/kv/expired", 1, Duration::from_secs(3)));
-    assert_eq!(p.stats()["kv"]["served"], 0);
+    assert!(p.stat_reaches(|s| s.kv.expired == 1, Duration::from_secs(3)));
+    assert_eq!(p.stats().kv.served, 0);
 }
 
 #[test]
@@ -638,7 +634,7 @@ fn max_running_tpot_and_streamed_prefill() {
             &json!({"prompt": PROMPT, "max_tokens": 5, "stream": true}).to_string(),
         )
     });
-    assert!(s.stat_reaches("/in_flight", 1, Duration::from_secs(2)));
+    assert!(s.stat_reaches(|s| s.in_flight == 1, Duration::from_secs(2)));
     let busy = s.complete(&json!({"prompt": PROMPT}));
     assert_eq!(busy.status, 429, "{}", busy.text());
     let t0 = Instant::now();
@@ -651,9 +647,9 @@ fn max_running_tpot_and_streamed_prefill() {
         "{:?}",
         t0.elapsed()
     );
-    let recent = s.stats()["recent"].clone();
-    assert_eq!(recent[0]["status"], 429);
-    assert_eq!(recent[1]["outcome"], "ok");
+    let recent = s.stats().recent.clone();
+    assert_eq!(recent[0].status, 429);
+    assert_eq!(recent[1].outcome, "ok");
 
     // A streamed prefill carries kv_transfer_params on its last token chunk.
     let p = Sim::start(&["--engine-id", "sp"]);
@@ -667,7 +663,7 @@ fn max_running_tpot_and_streamed_prefill() {
     let last: Value = serde_json::from_str(&ev[2]).unwrap();
     assert_eq!(last["kv_transfer_params"]["remote_engine_id"], "sp");
     assert_eq!(last["choices"][0]["finish_reason"], "length");
-    assert_eq!(p.stats()["kv"]["issued"], 1);
+    assert_eq!(p.stats().kv.issued, 1);
 }
 
 /// `--max-num-seqs` as vLLM's scheduler: past the bound a request waits its turn (it is not
@@ -685,11 +681,11 @@ fn max_num_seqs_queues_the_rest_in_the_waiting_queue() {
         })
     };
     let first = send(body.clone());
-    assert!(s.stat_reaches("/in_flight", 1, Duration::from_secs(2)));
+    assert!(s.stat_reaches(|s| s.in_flight == 1, Duration::from_secs(2)));
     let second = send(body);
     assert!(
-        s.stat_reaches("/waiting", 1, Duration::from_secs(2)),
-        "{}",
+        s.stat_reaches(|s| s.waiting == 1, Duration::from_secs(2)),
+        "{:?}",
         s.stats()
     );
     let metrics = s.get("/metrics").text();
@@ -711,8 +707,8 @@ fn max_num_seqs_queues_the_rest_in_the_waiting_queue() {
     // The second ran only once the first had ended, and its four 60 ms gaps came after that.
     let after = second_end.duration_since(first_end);
     assert!(after >= Duration::from_millis(200), "{after:?}");
-    assert_eq!(s.stats()["waiting"], 0);
-    assert_eq!(s.stats()["in_flight"], 0);
+    assert_eq!(s.stats().waiting, 0);
+    assert_eq!(s.stats().in_flight, 0);
 }
 
 /// A decode engine keeps its side-channel connection to a producer for the next block read
@@ -754,7 +750,7 @@ fn a_kept_side_channel_survives_a_producer_restart() {
     transfer(&p, 2);
     transfer(&p, 3);
     let ds = d.stats();
-    assert_eq!(ds["kv"]["consumed"], 4, "{ds}");
-    assert_eq!(ds["kv"]["rejected"], 0, "{ds}");
-    assert_eq!(p.stats()["kv"]["served"], 2);
+    assert_eq!(ds.kv.consumed, 4, "{ds:?}");
+    assert_eq!(ds.kv.rejected, 0, "{ds:?}");
+    assert_eq!(p.stats().kv.served, 2);
 }
