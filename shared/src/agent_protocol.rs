@@ -200,8 +200,10 @@ pub struct AgentReadyFile {
     pub public_key: String,
 }
 
-/// What `narwhal-agent fence show` prints: the highest epoch and holder the agent accepted.
+/// What `narwhal-agent fence show` prints, and the agent's fence file: the highest epoch and
+/// holder the agent accepted. A reader refuses any other member.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct FenceShown {
     /// The highest accepted router epoch.
     pub epoch: u64,

@@ -10,10 +10,11 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
+use narwhal_shared::agent_protocol::{ErrorBody, ErrorDetail, FenceShown};
 use narwhal_testkit::certs::{DevCerts, DevRole, make_certs};
 use narwhal_testkit::{
-    EngineSpec, FleetSpec, bin_path, client_as, get_text as get, post_json as post, start_agent,
-    start_router, start_sim, wait_until,
+    AgentHandle, EngineSpec, FleetSpec, bin_path, client_as, get_text as get, post_json as post,
+    start_agent, start_router, start_sim, wait_until,
 };
 use serde_json::{Value, json};
 
@@ -96,32 +97,29 @@ async fn an_operator_certificate_cannot_fence_the_routers() {
     // identity check is fenced, so the agents know its epoch and holder once it is up.
     let router =
         start_router(dir.path(), "router", &spec, &["--router-id", "router-a"]).expect("router");
-    let before = a0.fence_file();
-    assert!(
-        before["holder"]
-            .as_str()
-            .is_some_and(|h| h.starts_with("router-a")),
-        "{before}"
-    );
-    let router_epoch = before["epoch"].as_u64().expect("epoch");
-    assert!(router_epoch >= 1, "{before}");
+    let before = fence(&a0);
+    assert!(before.holder.starts_with("router-a"), "{before:?}");
+    let router_epoch = before.epoch;
+    assert!(router_epoch >= 1, "{before:?}");
 
     let operator = client_as(&certs, "ctl");
     for (url, body) in fenced_calls(&a0.url, "p0", router_epoch + 100) {
         let (status, answer) = post(&operator, url.clone(), body).await;
         assert_eq!(status, 403, "{url}: {answer}");
-        assert_eq!(answer["error"]["code"], "forbidden", "{answer}");
+        let error = agent_error(&answer);
+        assert_eq!(error.code, "forbidden", "{answer}");
         assert_eq!(
-            answer["error"]["rule"], "router_identity_required",
+            error.rule.as_deref(),
+            Some("router_identity_required"),
             "{answer}"
         );
-        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        let message = error.message.as_str();
         assert!(
             message.contains("spiffe://narwhal/operator/ctl"),
             "names the caller: {message}"
         );
     }
-    assert_eq!(a0.fence_file(), before, "the operator moved the fence");
+    assert_eq!(fence(&a0), before, "the operator moved the fence");
     // The operator may read: its own view of the fence says the same.
     let (status, metrics) = get(&operator, format!("{}/metrics", a0.url)).await;
     assert_eq!(status, 200, "{metrics}");
@@ -147,7 +145,7 @@ async fn an_operator_certificate_cannot_fence_the_routers() {
         .drain(&json!({"engines": ["p0"], "deadline_s": 30}))
         .await;
     assert_eq!(status, 200, "drain after the operator's attempt: {drained}");
-    assert_eq!(a0.fence_file(), before);
+    assert_eq!(fence(&a0), before);
 
     // Control: the same call with the router's certificate and a higher epoch is accepted and
     // raises the fence (on the other agent, so this router's own agent stays untouched above).
@@ -162,7 +160,7 @@ async fn an_operator_certificate_cannot_fence_the_routers() {
         .await;
     assert_eq!(status, 200, "{att}");
     assert_eq!(att["payload"]["epoch"], router_epoch + 100, "{att}");
-    assert_eq!(a1.fence_file()["epoch"], router_epoch + 100);
+    assert_eq!(fence(&a1).epoch, router_epoch + 100);
 }
 
 /// Reads take a router or operator identity; a fleet-CA certificate with no recognised identity
@@ -191,13 +189,20 @@ async fn reads_need_a_router_or_operator_identity_and_unrecognised_certificates_
         for url in &reads {
             let (status, body) = get(&c, url.clone()).await;
             assert_eq!(status, 403, "{who} {url}: {body}");
-            let body: Value = serde_json::from_str(&body).expect("JSON error");
-            assert_eq!(body["error"]["rule"], "fleet_identity_required", "{body}");
+            let body: ErrorBody = serde_json::from_str(&body).expect("the agent's error body");
+            assert_eq!(
+                body.error.rule.as_deref(),
+                Some("fleet_identity_required"),
+                "{body:?}"
+            );
         }
         for (url, body) in fenced_calls(&agent.url, "p0", 1) {
             let (status, answer) = post(&c, url.clone(), body).await;
             assert_eq!(status, 403, "{who} {url}: {answer}");
-            assert_eq!(answer["error"]["rule"], "router_identity_required");
+            assert_eq!(
+                agent_error(&answer).rule.as_deref(),
+                Some("router_identity_required")
+            );
         }
     }
     // Nothing above touched the fence; the router's first call raises it.
@@ -385,7 +390,7 @@ async fn the_fence_is_reset_only_while_the_agent_is_stopped() {
     assert_eq!(status, 200, "{att}");
     let (status, stale) = agent.attest(&router, "p0", "n3", 1, "router-b").await;
     assert_eq!(status, 409, "{stale}");
-    assert_eq!(stale["error"]["code"], "stale_epoch");
+    assert_eq!(agent_error(&stale).code, "stale_epoch");
 }
 
 /// The agent serves HEAD wherever it serves GET (RFC 9110 sections 9.1 and 9.3.2): the same
@@ -434,4 +439,24 @@ async fn the_agent_answers_head_wherever_it_answers_get() {
         allow.contains("GET") && allow.contains("HEAD"),
         "allow: {allow}"
     );
+}
+
+/// The `error` of an agent's refusal.
+///
+/// # Panics
+/// When `answer` is not the agent's error body.
+fn agent_error(answer: &Value) -> ErrorDetail {
+    serde_json::from_value::<ErrorBody>(answer.clone())
+        .unwrap_or_else(|e| panic!("not the agent's error body ({e}): {answer}"))
+        .error
+}
+
+/// The agent's fence file: the highest epoch and holder it accepted.
+///
+/// # Panics
+/// When the file is not `{"epoch", "holder"}`.
+fn fence(agent: &AgentHandle) -> FenceShown {
+    let file = agent.fence_file();
+    serde_json::from_value(file.clone())
+        .unwrap_or_else(|e| panic!("not a fence file ({e}): {file}"))
 }
