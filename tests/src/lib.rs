@@ -106,3 +106,11 @@ pub use narwhal_shared::kv_events;
 /// Upper bound for a condition an end-to-end test polls for when nothing tighter is asserted
 /// (a journal event, a lifecycle state): generous, for a loaded 2-core machine.
 pub const WAIT: Duration = Duration::from_secs(20);
+
+/// Journal rows and `/narwhal/state` read as types: request rows with their outcome, event
+/// rows, the controller's decisions with typed details (journal_rows.rs).
+mod journal_rows;
+pub use journal_rows::{
+    AdmissionPrice, AttemptFailureRow, DecisionDetails, DecisionRow, EventRow, QueueWaits,
+    SettledRow, parse_row,
+};

@@ -8,97 +8,130 @@
 
 use std::time::Duration;
 
+use narwhal_shared::documents::controller::ControllerFields;
+use narwhal_shared::documents::{ErrorReply, State};
+use narwhal_shared::handoff::Handoff;
 use narwhal_testkit::{
-    DECIDE, L1, L2, Load, ONE_P_THREE_D, Shape, controller_fleet, decided, metric, pools,
-    reason_of, token_prompt, unique_token_prompt,
+    DECIDE, DecisionRow, EventRow, L1, L2, Load, ONE_P_THREE_D, RouterHandle, SettledRow, Shape,
+    controller_fleet, decided, metric, parse_document, parse_row, token_prompt,
+    unique_token_prompt,
 };
 use serde_json::{Value, json};
+
+/// The controller's fields of `/narwhal/state` (every world here runs the controller).
+fn ctl(s: &State) -> &ControllerFields {
+    s.controller
+        .fields
+        .as_ref()
+        .unwrap_or_else(|| panic!("no controller fields in /narwhal/state: {s:?}"))
+}
+
+/// The `iid` of flip `i` of `/narwhal/state`, `""` when there is none.
+fn flip_iid(s: &State, i: usize) -> String {
+    ctl(s)
+        .flips
+        .get(i)
+        .map_or("", |f| f.iid.as_str())
+        .to_string()
+}
+
+/// The journal's request rows that settled `terminal`, typed.
+fn settled(r: &RouterHandle, terminal: &str) -> Vec<SettledRow> {
+    r.settled_rows()
+        .into_iter()
+        .filter(|x| x.terminal.as_deref() == Some(terminal))
+        .collect()
+}
+
+/// Journal events `event` (at least `n`), typed.
+async fn events_at_least(r: &RouterHandle, event: &str, n: usize) -> Vec<EventRow> {
+    r.events_at_least(event, n)
+        .await
+        .iter()
+        .map(parse_row)
+        .collect()
+}
 
 /// S1: prefill pressure consolidates one engine at a time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s1_prefill_pressure_consolidates_one_engine_at_a_time() {
     let (fleet, load) = controller_fleet(&ONE_P_THREE_D).start_loaded(L1).await;
     let r = fleet.router();
-    let held = r
-        .decision_is(
+    let held: DecisionRow = parse_row(
+        &r.decision_is(
             "held on the evidence gate",
             "held",
             "demand evidence is still collecting",
         )
-        .await;
-    assert_eq!(
-        (held["prefill"].as_u64(), held["decode"].as_u64()),
-        (Some(2), Some(2)),
-        "{held:#}"
+        .await,
     );
-    assert_eq!(held["evidence_blocked_gate"], "evidence");
-    let work = held["prefill_work"].as_f64().unwrap_or(0.0);
+    assert_eq!((held.prefill, held.decode), (2, 2), "{held:#?}");
+    assert_eq!(
+        held.detail.evidence_blocked_gate.as_deref(),
+        Some("evidence")
+    );
+    let work = held.detail.prefill_work.unwrap_or(0.0);
     assert!(
         (0.8..1.25).contains(&work),
-        "about 1.02 engines of prefill: {held:#}"
+        "about 1.02 engines of prefill: {held:#?}"
     );
-    let first = r.applied("the first move", DECIDE).await;
-    assert_eq!(first["by"], "reactive");
-    assert_eq!(first["eligibility_rule"], "source_shrink");
-    assert_eq!(first["required_confirmations"], 1);
+    let first: DecisionRow = parse_row(&r.applied("the first move", DECIDE).await);
+    assert_eq!(first.by, "reactive");
+    assert_eq!(
+        first.detail.eligibility_rule.as_deref(),
+        Some("source_shrink")
+    );
+    assert_eq!(first.detail.required_confirmations, Some(1));
     assert!(
-        first["evidence_span_s"].as_f64().unwrap_or(0.0) >= 12.0,
-        "{first:#}"
+        first.detail.evidence_span_s.unwrap_or(0.0) >= 12.0,
+        "{first:#?}"
     );
     // The donor rule (controller.md 7.2): least resident decode work, then configuration
     // order; with idle donors that is e1, but on a loaded machine a stream still resident on
     // e1 makes e2 or e3 the donor, so the donor is read from the flip record.
-    let s = r.state_json().await;
-    let donor = s["flips"][0]["iid"].as_str().unwrap_or("").to_string();
+    let s = r.state().await;
+    let donor = flip_iid(&s, 0);
     assert!(
         ["e1", "e2", "e3"].contains(&donor.as_str()),
-        "{}",
-        s["flips"]
+        "{:?}",
+        ctl(&s).flips
     );
     let mut prefill = vec!["e0".to_string(), donor.clone()];
     prefill.sort();
-    assert_eq!(pools(&s, "prefill"), prefill, "{}", s["flips"]);
+    assert_eq!(s.pools.prefill, prefill, "{:?}", ctl(&s).flips);
     let second = r
-        .decision_where("the second move", DECIDE, |d| {
-            d["result"] == "applied" && d["at"] != first["at"]
+        .decision_that("the second move", DECIDE, |d| {
+            d.result == "applied" && d.at != first.at
         })
         .await;
     let confirmations: Vec<(Option<u64>, Option<u64>)> = r
-        .decisions()
+        .decision_rows()
         .iter()
-        .filter(|d| d["reason"] == "waiting for sustained demand")
-        .map(|d| {
-            (
-                d["confirmations"].as_u64(),
-                d["required_confirmations"].as_u64(),
-            )
-        })
+        .filter(|d| d.reason == "waiting for sustained demand")
+        .map(|d| (d.detail.confirmations, d.detail.required_confirmations))
         .collect();
     assert_eq!(
         confirmations,
         [(Some(1), Some(3)), (Some(2), Some(3))],
-        "{second:#}"
+        "{second:#?}"
     );
-    r.decision_where("steady hold", DECIDE, |d| {
-        decided(
-            d,
-            "held",
-            "projected improvement is below the movement margin",
-        ) && d["eligibility_rule"] == "steady_demand"
+    r.decision_that("steady hold", DECIDE, |d| {
+        d.is("held", "projected improvement is below the movement margin")
+            && d.detail.eligibility_rule.as_deref() == Some("steady_demand")
     })
     .await;
     load.stop().await;
-    let s = r.state_json().await;
+    let s = r.state().await;
     let mut prefill: Vec<String> = ["e0".to_string()]
         .into_iter()
-        .chain((0..2).map(|i| s["flips"][i]["iid"].as_str().unwrap_or("").to_string()))
+        .chain((0..2).map(|i| flip_iid(&s, i)))
         .collect();
     prefill.sort();
     prefill.dedup();
-    assert_eq!(prefill.len(), 3, "two donors: {}", s["flips"]);
-    assert_eq!(pools(&s, "prefill"), prefill);
-    assert_eq!(s["control"]["flips"]["reactive:prefill"], 2);
-    assert_eq!(s["control"]["flips_refused"], 0);
+    assert_eq!(prefill.len(), 3, "two donors: {:?}", ctl(&s).flips);
+    assert_eq!(s.pools.prefill, prefill);
+    assert_eq!(ctl(&s).control.flips.get("reactive:prefill"), Some(&2));
+    assert_eq!(ctl(&s).control.flips_refused, 0);
     let m = r.metrics().await;
     assert_eq!(
         metric(
@@ -147,8 +180,8 @@ async fn s12_predictive_admission_refuses_what_cannot_make_its_ttft() {
             .fault(json!({"phase": "prefill", "action": "hang", "ms": 15000, "count": 3}))
             .await;
         let held = r.burst(3, 1000, 4);
-        r.state_where("three prefills resident on e0", |s| {
-            s["resident"]["e0"]["prefill"] == 3
+        r.state_until("three prefills resident on e0", |s| {
+            s.resident.get("e0").is_some_and(|x| x.prefill == 3)
         })
         .await;
         // Prompts sharing no block with the backlog's or each other's: priced cold
@@ -159,30 +192,38 @@ async fn s12_predictive_admission_refuses_what_cannot_make_its_ttft() {
             json!({"model": "tiny-sim", "prompt": unique_token_prompt(3200, 2), "max_tokens": 4});
         let a = r.post_data("/v1/completions", &small).await;
         let b = r.post_data("/v1/completions", &big).await;
-        let s = r.state_json().await;
+        let s = r.state().await;
         if mode == "open" {
             assert_eq!(
                 (a.status.as_u16(), b.status.as_u16()),
                 (200, 200),
                 "open mode serves both"
             );
-            let rows = r.settled("completed");
+            let rows = settled(r, "completed");
             assert!(
-                rows.iter()
-                    .all(|x| x["admission_price"]["price_s"].as_f64().unwrap_or(0.0) > 2.0),
+                rows.iter().all(|x| {
+                    x.admission_price
+                        .as_ref()
+                        .and_then(|p| p.price_s)
+                        .unwrap_or(0.0)
+                        > 2.0
+                }),
                 "{rows:#?}"
             );
             // The 2nd and 3rd backlog prefills (2.02 s, 3.03 s) and both requests placed over
             // the 2 s TTFT (controller.md 10.7).
-            assert_eq!(s["unserved"], 4);
+            assert_eq!(s.unserved, 4);
             continue;
         }
         assert_eq!(a.status, 429);
         assert_eq!(a.header("retry-after"), "1");
+        // `error` is exactly {message, type}: no `param`, `code` or other member.
         assert_eq!(
-            a.json()["error"],
-            json!({"message": "cheapest placement prices TTFT at 3.14s against the 3.10s budget; retry as the priced queue drains",
-                   "type": "server_overloaded_error"})
+            parse_document::<ErrorReply>(&a.what, &a.text()),
+            ErrorReply::new(
+                "cheapest placement prices TTFT at 3.14s against the 3.10s budget; retry as the priced queue drains",
+                "server_overloaded_error"
+            )
         );
         assert_eq!(b.status, 429);
         assert_eq!(
@@ -191,48 +232,43 @@ async fn s12_predictive_admission_refuses_what_cannot_make_its_ttft() {
             "a prompt too long has no retry"
         );
         assert!(
-            b.json()["error"]["message"]
-                .as_str()
-                .unwrap_or("")
+            parse_document::<ErrorReply>(&b.what, &b.text())
+                .error
+                .message
                 .starts_with(
                     "this prompt's own prefill prices TTFT at 3.21s against the 3.10s budget"
                 )
         );
-        let refused = r.settled("refused");
+        let refused = settled(r, "refused");
         assert_eq!(refused.len(), 2);
         let q = &refused[0];
         assert_eq!(
-            (
-                q["reason"].as_str(),
-                q["refused_cause"].as_str(),
-                q["refused"].as_bool()
-            ),
+            (q.reason.as_deref(), q.refused_cause.as_deref(), q.refused),
             (Some("queue"), Some("queue"), Some(true))
         );
-        assert_eq!(q["status"], 429);
-        assert_eq!(q["error_type"], "server_overloaded_error");
-        let price = &q["admission_price"];
+        assert_eq!(q.status, Some(429));
+        assert_eq!(q.error_type.as_deref(), Some("server_overloaded_error"));
+        let price = q.admission_price.clone().unwrap_or_default();
         assert_eq!(
-            (
-                price["attempt"].as_u64(),
-                price["backlog_s"].as_f64(),
-                price["own_prefill_s"].as_f64()
-            ),
+            (price.attempt, price.backlog_s, price.own_prefill_s),
             (Some(1), Some(3.03), Some(0.11))
         );
         assert!(
-            (price["price_s"].as_f64().unwrap_or(0.0) - (3.03 + 0.11)).abs() < 0.01,
-            "{price}"
+            (price.price_s.unwrap_or(0.0) - (3.03 + 0.11)).abs() < 0.01,
+            "{price:?}"
         );
-        assert_eq!(q["attempt_failures"].as_array().map(Vec::len), Some(1));
-        assert_eq!(q["attempt_failures"][0]["retry_reason"], "not_dispatched");
-        assert_eq!(refused[1]["refused_cause"], "prompt");
-        // unserved: the 2nd and 3rd backlog placements and both refused ones.
+        let failures = q.attempt_failures.as_deref();
+        assert_eq!(failures.map(<[_]>::len), Some(1));
         assert_eq!(
-            (s["refused"].as_u64(), s["unserved"].as_u64()),
-            (Some(2), Some(4))
+            failures
+                .and_then(<[_]>::first)
+                .and_then(|f| f.retry_reason.as_deref()),
+            Some("not_dispatched")
         );
-        assert_eq!(s["admission"]["mode"], "predictive");
+        assert_eq!(refused[1].refused_cause.as_deref(), Some("prompt"));
+        // unserved: the 2nd and 3rd backlog placements and both refused ones.
+        assert_eq!((s.refused, s.unserved), (2, 4));
+        assert_eq!(s.admission.mode, "predictive");
         let m = r.metrics().await;
         assert_eq!(
             metric(&m, "narwhal_refused_total", &["cause=\"queue\""]),
@@ -277,63 +313,80 @@ async fn s2_moves_to_decode_wait_for_the_cooldown() {
         .start_loaded(L2)
         .await;
     let r = fleet.router();
-    let blocked = r
-        .decision_is(
+    let blocked: DecisionRow = parse_row(
+        &r.decision_is(
             "blocked by the cooldown",
             "blocked",
             "decode cooldown has not elapsed",
         )
-        .await;
-    let first = r.applied("the first move to decode", DECIDE).await;
-    assert!(first["at"].as_f64() > blocked["at"].as_f64());
-    let s = r.state_json().await;
-    let d1 = s["flips"][0]["iid"].as_str().unwrap_or("").to_string();
-    assert_eq!(s["flips"][0]["to"], "decode", "{}", s["flips"]);
-    assert!(["e0", "e1", "e2"].contains(&d1.as_str()), "{}", s["flips"]);
+        .await,
+    );
+    let first: DecisionRow = parse_row(&r.applied("the first move to decode", DECIDE).await);
+    assert!(first.at > blocked.at);
+    let s = r.state().await;
+    let flips = &ctl(&s).flips;
+    let d1 = flip_iid(&s, 0);
+    assert_eq!(
+        flips.first().map(|f| f.to.as_str()),
+        Some("decode"),
+        "{flips:?}"
+    );
+    assert!(["e0", "e1", "e2"].contains(&d1.as_str()), "{flips:?}");
     let mut decode = vec![d1.clone(), "e3".to_string()];
     decode.sort();
-    assert_eq!(pools(&s, "decode"), decode);
-    r.decision_where("blocked again after the move", DECIDE, |d| {
-        decided(d, "blocked", "decode cooldown has not elapsed")
-            && d["at"].as_f64() > first["at"].as_f64()
+    assert_eq!(s.pools.decode, decode);
+    r.decision_that("blocked again after the move", DECIDE, |d| {
+        d.is("blocked", "decode cooldown has not elapsed") && d.at > first.at
     })
     .await;
     let second = r
-        .decision_where("the second move to decode", DECIDE, |d| {
-            d["result"] == "applied" && d["at"] != first["at"]
+        .decision_that("the second move to decode", DECIDE, |d| {
+            d.result == "applied" && d.at != first.at
         })
         .await;
-    let gap = second["at"].as_f64().unwrap_or(0.0) - first["at"].as_f64().unwrap_or(0.0);
+    let gap = second.at - first.at;
     assert!(
         gap >= 11.9,
         "the cooldown counts from the last move to decode: {gap}"
     );
-    let risk = r
-        .decision_is("held on the p→d risk", "held", "p to d recovery")
-        .await;
-    assert_eq!(risk["evidence_blocked_gate"], "risk", "{risk:#}");
-    assert!(reason_of(&risk).ends_with("s ago: re-collecting one evidence window"));
+    let risk: DecisionRow = parse_row(
+        &r.decision_is("held on the p→d risk", "held", "p to d recovery")
+            .await,
+    );
+    assert_eq!(
+        risk.detail.evidence_blocked_gate.as_deref(),
+        Some("risk"),
+        "{risk:#?}"
+    );
+    assert!(
+        risk.reason
+            .ends_with("s ago: re-collecting one evidence window")
+    );
     load.stop().await;
-    let s = r.state_json().await;
-    let d2 = s["flips"][1]["iid"].as_str().unwrap_or("").to_string();
-    assert_eq!(s["flips"][1]["to"], "decode", "{}", s["flips"]);
-    assert_ne!(d1, d2, "{}", s["flips"]);
+    let s = r.state().await;
+    let c = ctl(&s);
+    let d2 = flip_iid(&s, 1);
+    assert_eq!(
+        c.flips.get(1).map(|f| f.to.as_str()),
+        Some("decode"),
+        "{:?}",
+        c.flips
+    );
+    assert_ne!(d1, d2, "{:?}", c.flips);
     let left: Vec<String> = ["e0", "e1", "e2"]
         .iter()
         .filter(|e| **e != d1 && **e != d2)
         .map(|e| e.to_string())
         .collect();
-    assert_eq!(pools(&s, "prefill"), left, "no third move");
+    assert_eq!(s.pools.prefill, left, "no third move");
+    assert_eq!(c.flips.len(), 2, "{:?}", c.flips);
     assert_eq!(
-        s["flips"].as_array().map(Vec::len),
-        Some(2),
-        "{}",
-        s["flips"]
+        c.demand_evidence.risk_events.get("p_to_d_recovery"),
+        Some(&2)
     );
-    assert_eq!(s["demand_evidence"]["risk_events"]["p_to_d_recovery"], 2);
-    let refused = s["flips_refused"].as_array().cloned().unwrap_or_default();
+    let refused = &c.flips_refused;
     assert!(
-        !refused.is_empty() && refused.iter().all(|x| x["to"] == "decode"),
+        !refused.is_empty() && refused.iter().all(|x| x.to == "decode"),
         "{refused:?}"
     );
 }
@@ -358,19 +411,24 @@ async fn s3_a_first_token_timeout_rearms_the_evidence_window() {
         .fault(json!({"phase": "decode", "action": "hang", "ms": 3000}))
         .await;
     let s = r
-        .state_where("a first-token timeout risk", |s| {
-            s["demand_evidence"]["risk_kind"] == "first_token_timeout"
+        .state_until("a first-token timeout risk", |s| {
+            s.controller.fields.as_ref().is_some_and(|c| {
+                c.demand_evidence.risk_kind.as_deref() == Some("first_token_timeout")
+            })
         })
         .await;
-    let risk_wall = s["control"]["last_decision"]["at"].as_f64().unwrap_or(0.0)
-        - s["demand_evidence"]["risk_age_s"].as_f64().unwrap_or(0.0);
-    let held = r
-        .decision_is("held on the timeout risk", "held", "first token timeout")
-        .await;
-    assert_eq!(held["evidence_blocked_gate"], "risk");
+    let c = ctl(&s);
+    let risk_wall = c.control.last_decision.as_ref().map_or(0.0, |d| d.at)
+        - c.demand_evidence.risk_age_s.unwrap_or(0.0);
+    let held: DecisionRow = parse_row(
+        &r.decision_is("held on the timeout risk", "held", "first token timeout")
+            .await,
+    );
+    assert_eq!(held.detail.evidence_blocked_gate.as_deref(), Some("risk"));
     assert!(
-        reason_of(&held).ends_with(" s ago: re-collecting one evidence window"),
-        "{held:#}"
+        held.reason
+            .ends_with(" s ago: re-collecting one evidence window"),
+        "{held:#?}"
     );
     let m = r.metrics().await;
     assert_eq!(
@@ -385,22 +443,24 @@ async fn s3_a_first_token_timeout_rearms_the_evidence_window() {
         ),
         Some(1.0)
     );
-    let handoff = r.handoff().await;
+    let handoff = Handoff::from_value(r.handoff().await).expect("the live handoff validates");
     assert_eq!(
-        handoff["demand_risk"]["kind"], "first_token_timeout",
-        "{handoff:#}"
+        handoff.demand_risk.as_ref().map(|d| d.kind.as_str()),
+        Some("first_token_timeout"),
+        "{handoff:#?}"
     );
-    let moved = r
-        .applied("the move after a new window", Duration::from_secs(60))
-        .await;
-    let after = moved["at"].as_f64().unwrap_or(0.0) - risk_wall;
+    let moved: DecisionRow = parse_row(
+        &r.applied("the move after a new window", Duration::from_secs(60))
+            .await,
+    );
+    let after = moved.at - risk_wall;
     assert!(
         after >= 11.5,
         "the move comes a full evidence span after the event: {after}"
     );
     assert!(
-        moved["evidence_span_s"].as_f64().unwrap_or(0.0) >= 12.0,
-        "{moved:#}"
+        moved.detail.evidence_span_s.unwrap_or(0.0) >= 12.0,
+        "{moved:#?}"
     );
     load.stop().await;
 }
@@ -425,24 +485,25 @@ async fn s4_the_decode_floor_is_restored_then_the_last_prefill_engine_kept() {
     let resident = {
         let r = fleet.router();
         let s = r
-            .state_where("three resident prefills", |s| {
-                let n = |i: &str| s["resident"][i]["prefill"].as_u64().unwrap_or(0);
+            .state_until("three resident prefills", |s| {
+                let n = |i: &str| s.resident.get(i).map_or(0, |x| x.prefill);
                 n("e0") + n("e1") == 3
             })
             .await;
-        s["resident"].clone()
+        s.resident
     };
     for iid in ["e0", "e1"] {
         fleet.sim(iid).clear_faults().await;
     }
-    let lighter = if resident["e0"]["prefill"].as_u64() < resident["e1"]["prefill"].as_u64() {
+    let prefills = |i: &str| resident.get(i).map(|x| x.prefill);
+    let lighter = if prefills("e0") < prefills("e1") {
         "e0"
     } else {
         "e1"
     };
     // The held requests reserved decode engines too; placement avoids the busier one, so
     // the decode engine killed first is the less reserved (the scenario's "e2").
-    let res = |i: &str| resident[i]["decode"].as_u64().unwrap_or(0);
+    let res = |i: &str| resident.get(i).map_or(0, |x| x.decode);
     let (first, second) = if res("e2") <= res("e3") {
         ("e2", "e3")
     } else {
@@ -451,57 +512,52 @@ async fn s4_the_decode_floor_is_restored_then_the_last_prefill_engine_kept() {
     fleet.kill_and_eject(first).await;
     let r = fleet.router();
     let d = r
-        .decision_where("the decode floor restored", DECIDE, |d| {
-            d["by"] == "decode_floor" && d["result"] == "applied"
+        .decision_that("the decode floor restored", DECIDE, |d| {
+            d.by == "decode_floor" && d.result == "applied"
         })
         .await;
-    assert_eq!(d["reason"], "restore min_decode");
-    assert_eq!(
-        (d["prefill"].as_u64(), d["decode"].as_u64()),
-        (Some(1), Some(3))
-    );
+    assert_eq!(d.reason, "restore min_decode");
+    assert_eq!((d.prefill, d.decode), (1, 3));
+    // wire shape: the journal row has no `objective` key at all.
     assert!(
-        d.get("objective").is_none(),
-        "floor flips carry no details: {d:#}"
+        d.details.get("objective").is_none(),
+        "floor flips carry no details: {d:#?}"
     );
-    let ev = r.events_at_least("decode_floor_restored", 1).await;
+    let ev = events_at_least(r, "decode_floor_restored", 1).await;
     assert_eq!(
-        ev[0]["iid"], lighter,
-        "the engine holding less resident prefill: {resident}"
+        ev[0].iid.as_deref(),
+        Some(lighter),
+        "the engine holding less resident prefill: {resident:?}"
     );
+    assert_eq!((ev[0].live_decode, ev[0].min_decode), (Some(2), Some(2)));
+    let s = r.state().await;
+    assert_eq!(ctl(&s).decode_floor.restoration_moves, 1);
     assert_eq!(
-        (ev[0]["live_decode"].as_u64(), ev[0]["min_decode"].as_u64()),
-        (Some(2), Some(2))
+        ctl(&s).demand_evidence.risk_kind.as_deref(),
+        Some("p_to_d_recovery")
     );
-    let s = r.state_json().await;
-    assert_eq!(s["decode_floor"]["restoration_moves"], 1);
-    assert_eq!(s["demand_evidence"]["risk_kind"], "p_to_d_recovery");
     // The held requests go, so traffic reaches the second decode engine to be killed.
     for h in held.drain(..) {
         h.abort();
     }
-    r.state_where("no resident prefill", |s| {
+    r.state_until("no resident prefill", |s| {
         ["e0", "e1"]
             .iter()
-            .all(|i| s["resident"][*i]["prefill"] == 0)
+            .all(|i| s.resident.get(*i).is_some_and(|x| x.prefill == 0))
     })
     .await;
     fleet.kill_and_eject(second).await;
     let r = fleet.router();
     let last = r
-        .decision_where("the last prefill engine kept", DECIDE, |d| {
-            d["by"] == "decode_floor"
-                && decided(d, "blocked", "prefill floor keeps the last live engine")
+        .decision_that("the last prefill engine kept", DECIDE, |d| {
+            d.by == "decode_floor" && d.is("blocked", "prefill floor keeps the last live engine")
         })
         .await;
-    assert_eq!(
-        (last["prefill"].as_u64(), last["decode"].as_u64()),
-        (Some(0), Some(4))
-    );
-    let count = |r: &narwhal_testkit::RouterHandle| {
-        r.decisions()
+    assert_eq!((last.prefill, last.decode), (0, 4));
+    let count = |r: &RouterHandle| {
+        r.decision_rows()
             .iter()
-            .filter(|d| d["reason"] == "prefill floor keeps the last live engine")
+            .filter(|d| d.reason == "prefill floor keeps the last live engine")
             .count()
     };
     let n = count(r);
@@ -509,11 +565,11 @@ async fn s4_the_decode_floor_is_restored_then_the_last_prefill_engine_kept() {
         (count(r) >= n + 3).then_some(())
     })
     .await;
-    let since = last["at"].as_f64().unwrap_or(0.0);
+    let since = last.at;
     assert!(
-        r.decisions()
+        r.decision_rows()
             .iter()
-            .all(|d| d["by"] != "reactive" || d["at"].as_f64().unwrap_or(0.0) < since),
+            .all(|d| d.by != "reactive" || d.at < since),
         "no reactive step while below the decode floor"
     );
     assert_eq!(
@@ -534,54 +590,43 @@ async fn s5_the_prefill_floor_is_recovered_at_once() {
     fleet.kill_and_eject("e0").await;
     let r = fleet.router();
     let d = r
-        .decision_where("floor recovery", DECIDE, |d| d["by"] == "floor_recovery")
+        .decision_that("floor recovery", DECIDE, |d| d.by == "floor_recovery")
         .await;
     assert_eq!(
-        (d["result"].as_str(), d["reason"].as_str()),
-        (Some("applied"), Some("restore min_prefill"))
+        (d.result.as_str(), d.reason.as_str()),
+        ("applied", "restore min_prefill")
     );
     assert_eq!(
-        (d["prefill"].as_u64(), d["decode"].as_u64()),
-        (Some(2), Some(2)),
+        (d.prefill, d.decode),
+        (2, 2),
         "counts include the ejected e0"
     );
-    let below = r.events_at_least("below_floor", 1).await;
+    let below = events_at_least(r, "below_floor", 1).await;
     assert_eq!(below.len(), 1);
     assert_eq!(
-        (
-            below[0]["live_prefill"].as_u64(),
-            below[0]["min_prefill"].as_u64()
-        ),
+        (below[0].live_prefill, below[0].min_prefill),
         (Some(0), Some(1))
     );
-    assert_eq!(below[0]["ejected"], json!(["e0"]));
-    assert_eq!(below[0]["quarantined"], json!([]));
-    let rec = r.events_at_least("below_floor_recovered", 1).await;
+    assert_eq!(below[0].ejected, Some(vec!["e0".to_string()]));
+    assert_eq!(below[0].quarantined, Some(vec![]));
+    let rec = events_at_least(r, "below_floor_recovered", 1).await;
     assert_eq!(rec.len(), 1);
-    assert!(
-        rec[0]["duration_s"].as_f64().unwrap_or(9.0) < 2.0,
-        "{:?}",
-        rec[0]
-    );
-    let s = r.state_json().await;
+    assert!(rec[0].duration_s.unwrap_or(9.0) < 2.0, "{:?}", rec[0]);
+    let s = r.state().await;
     // The donor is the decode engine with the fewest residents, ties in config order
     // (controller.md 7.5). Which one that is here is timing: the request whose failure
     // ejected e0 may still be resident on e1 when the step runs, so the test asks only that
     // one former decode engine moved (the unit test pins the tie order).
-    let prefill = pools(&s, "prefill");
+    let prefill = &s.pools.prefill;
     assert_eq!(prefill.len(), 2, "{prefill:?}");
     assert_eq!(prefill[0], "e0");
     assert!(
         ["e1", "e2", "e3"].contains(&prefill[1].as_str()),
         "{prefill:?}"
     );
-    assert_eq!(pools(&s, "decode").len(), 2);
-    assert_eq!(s["below_floor"]["breaches"], 1);
-    assert_eq!(
-        s["demand_evidence"]["risk_kind"],
-        Value::Null,
-        "no risk event"
-    );
+    assert_eq!(s.pools.decode.len(), 2);
+    assert_eq!(ctl(&s).below_floor.breaches, 1);
+    assert_eq!(ctl(&s).demand_evidence.risk_kind, None, "no risk event");
 }
 
 /// S6: no donor: the fleet-health hold; vLLM serves prefill on decode engines meanwhile.
@@ -594,22 +639,20 @@ async fn s6_without_a_donor_the_fleet_health_hold_applies() {
     fleet.kill_and_eject("e0").await;
     let r = fleet.router();
     let load = Load::start(r, L1);
-    let d = r
-        .decision_is("the health hold", "held", "fleet health is changing")
-        .await;
-    assert_eq!(
-        (d["prefill"].as_u64(), d["decode"].as_u64()),
-        (Some(1), Some(2))
+    let d: DecisionRow = parse_row(
+        &r.decision_is("the health hold", "held", "fleet health is changing")
+            .await,
     );
+    assert_eq!((d.prefill, d.decode), (1, 2));
     let stats = load.stop().await;
     assert!(
         stats.ok.load(std::sync::atomic::Ordering::Relaxed) > 0,
         "completions still succeed"
     );
-    let s = r.state_json().await;
+    let s = r.state().await;
     assert_eq!(r.events("below_floor").len(), 1);
-    assert_eq!(s["control"]["flips_refused"], 0);
-    assert_eq!(pools(&s, "prefill"), ["e0"]);
+    assert_eq!(ctl(&s).control.flips_refused, 0);
+    assert_eq!(s.pools.prefill, ["e0"]);
     let served_aggregated = fleet.sim("e1").stats().await["requests"]["aggregated"]
         .as_u64()
         .unwrap_or(0)
@@ -628,24 +671,23 @@ async fn s7_advisory_mode_decides_without_moving() {
         .await;
     let r = fleet.router();
     let first = r
-        .decision_where("an advisory decision", DECIDE, |d| {
-            d["result"] == "advisory"
-        })
+        .decision_that("an advisory decision", DECIDE, |d| d.result == "advisory")
         .await;
-    assert_eq!(first["reason"], "post-move objective improved");
+    assert_eq!(first.reason, "post-move objective improved");
     let second = r
-        .decision_where("a second advisory decision", DECIDE, |d| {
-            d["result"] == "advisory" && d["at"] != first["at"]
+        .decision_that("a second advisory decision", DECIDE, |d| {
+            d.result == "advisory" && d.at != first.at
         })
         .await;
-    assert_eq!(second["reason"], first["reason"]);
+    assert_eq!(second.reason, first.reason);
     load.stop().await;
-    let s = r.state_json().await;
-    assert_eq!(pools(&s, "prefill"), ["e0"], "roles never change");
+    let s = r.state().await;
+    assert_eq!(s.pools.prefill, ["e0"], "roles never change");
     assert!(
-        s["flips_refused"]
-            .as_array()
-            .is_some_and(|a| a.iter().all(|x| x["why"] == "advisory mode"))
+        s.controller
+            .fields
+            .as_ref()
+            .is_some_and(|c| c.flips_refused.iter().all(|x| x.why == "advisory mode"))
     );
     let m = r.metrics().await;
     assert_eq!(metric(&m, "narwhal_controller_advisory", &[]), Some(1.0));
@@ -710,14 +752,15 @@ async fn s8_pins_and_the_resident_guard_refuse_the_donor() {
         assert!(streams.len() < 20, "p2c spreads streams: {per:?}");
     }
     let lightest = per.values().min().copied().unwrap_or(0);
-    let d = r
-        .decision_under_load(L1, "blocked by the resident guard", DECIDE, |d| {
+    let d: DecisionRow = parse_row(
+        &r.decision_under_load(L1, "blocked by the resident guard", DECIDE, |d| {
             decided(d, "blocked", "lightest decode donor carries")
         })
-        .await;
+        .await,
+    );
     assert!(
-        reason_of(&d).ends_with("residents, above flip_resident_guard 2"),
-        "{d:#}"
+        d.reason.ends_with("residents, above flip_resident_guard 2"),
+        "{d:#?}"
     );
     assert!(lightest >= 3);
 }
@@ -743,9 +786,9 @@ async fn fixed_kv_role_engines_are_never_flipped() {
         )
     })
     .await;
-    let s = r.state_json().await;
-    assert_eq!(pools(&s, "prefill"), ["e0"], "{s:#}");
-    assert_eq!(pools(&s, "decode"), ["e1", "e2", "e3"], "{s:#}");
+    let s = r.state().await;
+    assert_eq!(s.pools.prefill, ["e0"], "{s:#?}");
+    assert_eq!(s.pools.decode, ["e1", "e2", "e3"], "{s:#?}");
 }
 
 /// S9: no adjacent split (1P1D); demand below the floor (1P3D at 1 req/s of 200 tokens).
@@ -756,24 +799,27 @@ async fn s9_no_adjacent_split_and_too_little_demand_hold() {
         .await;
     let r = fleet.router();
     // A dozen evaluations after the window closed (one per step): all held on the margin.
-    let first = r
-        .decision_is(
+    let first: DecisionRow = parse_row(
+        &r.decision_is(
             "held on the margin",
             "held",
             "projected improvement is below the movement margin",
         )
-        .await;
+        .await,
+    );
     let before = r.decisions().len();
-    let ds = r.decisions_at_least(before + 12, DECIDE).await;
-    load.stop().await;
-    let after: Vec<&Value> = ds
+    let ds: Vec<DecisionRow> = r
+        .decisions_at_least(before + 12, DECIDE)
+        .await
         .iter()
-        .filter(|d| d["at"].as_f64() >= first["at"].as_f64())
+        .map(parse_row)
         .collect();
+    load.stop().await;
+    let after: Vec<&DecisionRow> = ds.iter().filter(|d| d.at >= first.at).collect();
     assert!(
         after
             .iter()
-            .all(|d| d["reason"] == "projected improvement is below the movement margin"),
+            .all(|d| d.reason == "projected improvement is below the movement margin"),
         "{after:#?}"
     );
     drop(fleet);
@@ -782,11 +828,15 @@ async fn s9_no_adjacent_split_and_too_little_demand_hold() {
         .start_loaded(Shape::new(1.0, 200, Some(50)))
         .await;
     let r = fleet.router();
-    let ds = r.decisions_at_least(16, Duration::from_secs(40)).await;
+    let ds: Vec<DecisionRow> = r
+        .decisions_at_least(16, Duration::from_secs(40))
+        .await
+        .iter()
+        .map(parse_row)
+        .collect();
     load.stop().await;
     assert!(
-        ds.iter()
-            .all(|d| d["reason"] == "insufficient demand history"),
+        ds.iter().all(|d| d.reason == "insufficient demand history"),
         "{ds:#?}"
     );
 }
@@ -805,29 +855,32 @@ async fn a_shared_prefix_stream_served_from_cache_does_not_consolidate() {
         .start_loaded(L1.with_shared_prefix())
         .await;
     let r = fleet.router();
-    let ds = r.decisions_at_least(28, Duration::from_secs(60)).await;
-    let s = r.state_json().await;
+    let ds: Vec<DecisionRow> = r
+        .decisions_at_least(28, Duration::from_secs(60))
+        .await
+        .iter()
+        .map(parse_row)
+        .collect();
+    let s = r.state().await;
     let stats = load.stop().await;
-    let applied: Vec<&Value> = ds.iter().filter(|d| d["result"] == "applied").collect();
+    let applied: Vec<&DecisionRow> = ds.iter().filter(|d| d.result == "applied").collect();
     assert!(applied.is_empty(), "no flip: {applied:#?}");
-    assert_eq!(s["flips"], json!([]), "{}", s["flips"]);
-    assert_eq!(pools(&s, "prefill"), ["e0"]);
+    assert!(ctl(&s).flips.is_empty(), "{:?}", ctl(&s).flips);
+    assert_eq!(s.pools.prefill, ["e0"]);
     // Once the evidence window could have closed (S1's first move), the window demand is the
     // uncached tokens': about 0.03 engines, not S1's 1.02.
     let late: Vec<f64> = ds[14..]
         .iter()
-        .filter_map(|d| d["prefill_work"].as_f64())
+        .filter_map(|d| d.detail.prefill_work)
         .collect();
     assert!(!late.is_empty(), "{ds:#?}");
     assert!(late.iter().all(|w| *w < 0.25), "{late:?}");
-    let credited = s["demand_history"]["cache_credit"]["observations"]
-        .as_u64()
-        .unwrap_or(0);
+    let history = &ctl(&s).demand_history;
+    let credited = history.get("cache_credit").map_or(0, |w| w.observations);
     let sent = stats.sent.load(std::sync::atomic::Ordering::Relaxed);
     assert!(
         credited >= 20,
-        "placements credited: {credited} of {sent} sent; {}",
-        s["demand_history"]
+        "placements credited: {credited} of {sent} sent; {history:?}"
     );
 }
 
@@ -846,37 +899,40 @@ async fn s10_incomplete_demand_moves_on_observed_prefill_pressure() {
         Shape::new(2.0, 500, None),
         Some(Duration::from_millis(300)),
     );
-    let d = r
-        .decision_is(
+    let d: DecisionRow = parse_row(
+        &r.decision_is(
             "held on incomplete demand",
             "held",
             "incomplete demand requires observed phase pressure and fleet profiles",
         )
-        .await;
-    assert_eq!(d["demand_complete"], false);
+        .await,
+    );
+    assert_eq!(d.detail.demand_complete, Some(false));
     // Seven 1000-token prefills held on e0: about 3.5 TTFT budgets of resident work.
     fleet
         .sim("e0")
         .fault(json!({"phase": "prefill", "action": "hang", "ms": 60000, "count": 7}))
         .await;
     let held = r.burst(7, 1000, 2);
-    let moved = r
-        .applied("the recovery move", Duration::from_secs(60))
-        .await;
-    assert_eq!(
-        moved["decision_basis"], "prefill_pressure_recovery",
-        "{moved:#}"
+    let moved: DecisionRow = parse_row(
+        &r.applied("the recovery move", Duration::from_secs(60))
+            .await,
     );
-    let ratio = moved["recovery_prefill_ratio"].as_f64().unwrap_or(0.0);
+    assert_eq!(
+        moved.detail.decision_basis.as_deref(),
+        Some("prefill_pressure_recovery"),
+        "{moved:#?}"
+    );
+    let ratio = moved.detail.recovery_prefill_ratio.unwrap_or(0.0);
     assert!((3.0..4.5).contains(&ratio), "about 3.5: {ratio}");
     let waits: Vec<u64> = r
-        .decisions()
+        .decision_rows()
         .iter()
         .filter(|d| {
-            d["reason"] == "waiting for sustained demand"
-                && d["decision_basis"] == "prefill_pressure_recovery"
+            d.reason == "waiting for sustained demand"
+                && d.detail.decision_basis.as_deref() == Some("prefill_pressure_recovery")
         })
-        .filter_map(|d| d["confirmations"].as_u64())
+        .filter_map(|d| d.detail.confirmations)
         .collect();
     assert!(waits.ends_with(&[1, 2]), "{waits:?}");
     load.stop().await;
@@ -899,41 +955,46 @@ async fn s11_urgent_recovery_cascades_once_the_window_closed() {
     let (stream, _) = r.hold_stream(10, 60).await;
     let early = r.burst(6, 1000, 2);
     let d = r
-        .decision_where("an urgent hold on the evidence gate", DECIDE, |d| {
-            d["eligibility_rule"] == "projected_ttft_recovery"
+        .decision_that("an urgent hold on the evidence gate", DECIDE, |d| {
+            d.detail.eligibility_rule.as_deref() == Some("projected_ttft_recovery")
         })
         .await;
-    assert_eq!(d["reason"], "demand evidence is still collecting", "{d:#}");
+    assert_eq!(d.reason, "demand evidence is still collecting", "{d:#?}");
     assert!(stream.finish().await);
     for h in early {
         assert_eq!(h.await.expect("joined").0, 200);
     }
     // Light traffic closes the window.
     let load = Load::start(r, Shape::new(1.0, 100, Some(2)));
-    r.state_where("a closed evidence window", |s| {
-        s["demand_evidence"]["closed"] == true
+    r.state_until("a closed evidence window", |s| {
+        s.controller
+            .fields
+            .as_ref()
+            .is_some_and(|c| c.demand_evidence.closed)
     })
     .await;
     load.stop().await;
     let (stream, _) = r.hold_stream(10, 150).await;
     let queued = r.burst(6, 1000, 2);
     let first = r
-        .decision_where("an urgent move", DECIDE, |d| {
-            d["result"] == "applied" && d["eligibility_rule"] == "projected_ttft_recovery"
+        .decision_that("an urgent move", DECIDE, |d| {
+            d.result == "applied"
+                && d.detail.eligibility_rule.as_deref() == Some("projected_ttft_recovery")
         })
         .await;
-    assert_eq!(first["required_confirmations"], 1);
-    let projected = first["projected_ttft_s"].as_f64().unwrap_or(0.0);
-    let candidate = first["candidate_projected_ttft_s"]
-        .as_f64()
+    assert_eq!(first.detail.required_confirmations, Some(1));
+    let projected = first.detail.projected_ttft_s.unwrap_or(0.0);
+    let candidate = first
+        .detail
+        .candidate_projected_ttft_s
         .unwrap_or(f64::INFINITY);
-    assert!(projected > 2.0 && candidate < projected, "{first:#}");
-    r.decision_where("the cascade to 3P1D", DECIDE, |d| {
-        d["result"] == "applied" && d["prefill"] == 3
+    assert!(projected > 2.0 && candidate < projected, "{first:#?}");
+    r.decision_that("the cascade to 3P1D", DECIDE, |d| {
+        d.result == "applied" && d.prefill == 3
     })
     .await;
     assert_eq!(
-        pools(&r.state_json().await, "prefill").len(),
+        r.state().await.pools.prefill.len(),
         3,
         "3P1D (the donors carry the least decode)"
     );
@@ -950,32 +1011,32 @@ async fn s11_urgent_recovery_cascades_once_the_window_closed() {
         assert_eq!(status, 200);
         rids.push(rid);
     }
-    let trigger = first["trigger_rid"].as_str().unwrap_or("").to_string();
+    let trigger = first.detail.trigger_rid.clone().unwrap_or_default();
     assert!(
         rids.contains(&trigger),
         "the trigger is a queued request: {trigger} in {rids:?}"
     );
     // Their journal rows carry the admission wait (controller.md 11.2). A row is written
     // once its request settled, which may be just after its client got the answer.
-    let queued_rows = |rows: &[Value]| -> Vec<f64> {
+    let queued_rows = |rows: &[SettledRow]| -> Vec<f64> {
         rows.iter()
-            .filter(|x| rids.iter().any(|id| x["rid"] == id.as_str()))
-            .filter_map(|x| x["queue_waits"]["admission"].as_f64())
+            .filter(|x| rids.iter().any(|id| x.rid.as_deref() == Some(id.as_str())))
+            .filter_map(|x| x.queue_waits.as_ref().and_then(|q| q.admission))
             .collect()
     };
     let rows = narwhal_testkit::wait_until(narwhal_testkit::WAIT, || async {
-        let rows = r.journal_rows();
+        let rows = r.settled_rows();
         (queued_rows(&rows).len() >= 6).then_some(rows)
     })
     .await
-    .unwrap_or_else(|| r.journal_rows());
+    .unwrap_or_else(|| r.settled_rows());
     let waited = queued_rows(&rows);
     assert_eq!(waited.len(), 6, "{rows:?}");
     assert!(waited.iter().all(|w| *w > 0.0), "{waited:?}");
     assert!(
         rows.iter()
-            .filter(|x| x["rid"].is_string())
-            .all(|x| x["input_sized"] == true)
+            .filter(|x| x.rid.is_some())
+            .all(|x| x.input_sized == Some(true))
     );
 }
 
@@ -998,8 +1059,8 @@ async fn s13_sglang_donor_is_held_until_idle_then_switched() {
         assert!(streams.len() < 15);
     }
     let load = Load::start(r, L1);
-    let hold = r.decision_is("a switch hold", "blocked", "holding ").await;
-    let reason = reason_of(&hold).to_string();
+    let hold: DecisionRow = parse_row(&r.decision_is("a switch hold", "blocked", "holding ").await);
+    let reason = hold.reason.clone();
     assert!(
         reason.ends_with(" out of new placements until it is idle for an engine-side role switch"),
         "{reason}"
@@ -1030,8 +1091,8 @@ async fn s13_sglang_donor_is_held_until_idle_then_switched() {
     // The donor's stream ends: it is idle, and the next evaluation switches it.
     let (mine, rest): (Vec<_>, Vec<_>) = streams.into_iter().partition(|(_, x)| *x == donor);
     drop(mine);
-    let applied = r.applied("the switch", DECIDE).await;
-    assert!(applied["at"].as_f64() > hold["at"].as_f64());
+    let applied: DecisionRow = parse_row(&r.applied("the switch", DECIDE).await);
+    assert!(applied.at > hold.at);
     let sim = fleet.sim(&donor);
     narwhal_testkit::eventually("the engine switched", DECIDE, || async {
         (sim.stats().await["role_switches"] == 1).then_some(())
@@ -1043,8 +1104,8 @@ async fn s13_sglang_donor_is_held_until_idle_then_switched() {
         .await
         .json();
     assert_eq!(info["internal_states"][0]["disaggregation_mode"], "prefill");
-    let s = r.state_json().await;
-    assert!(pools(&s, "prefill").contains(&donor));
+    let s = r.state().await;
+    assert!(s.pools.prefill.contains(&donor));
     narwhal_testkit::eventually("the switched engine serves prefill", DECIDE, || async {
         (sim.stats().await["requests"]["prefill"]
             .as_u64()
@@ -1078,28 +1139,25 @@ async fn s13_a_refused_sglang_switch_ejects_the_engine() {
     let load = Load::start(r, L1);
     let applied = r.applied("the flip", DECIDE).await;
     let ejected = narwhal_testkit::eventually("a role_switch ejection", DECIDE, || async {
-        r.events("engine_ejected")
+        r.event_rows("engine_ejected")
             .into_iter()
-            .find(|e| e["cause"] == "role_switch")
+            .find(|e| e.cause.as_deref() == Some("role_switch"))
     })
     .await;
     load.stop().await;
-    let iid = ejected["iid"].as_str().unwrap_or("").to_string();
-    let s = r.state_json().await;
+    let iid = ejected.iid.clone().unwrap_or_default();
+    let s = r.state().await;
     assert!(
-        pools(&s, "prefill").contains(&iid),
-        "the role stays at the target: {}",
-        s["pools"]
+        s.pools.prefill.contains(&iid),
+        "the role stays at the target: {:?}",
+        s.pools
     );
+    assert!(s.ejected.contains(&iid));
+    let failed = events_at_least(r, "role_switch_failed", 1).await;
     assert!(
-        s["ejected"]
-            .as_array()
-            .is_some_and(|a| a.iter().any(|x| x == iid.as_str()))
-    );
-    let failed = r.events_at_least("role_switch_failed", 1).await;
-    assert!(
-        failed[0]["error"]
-            .as_str()
+        failed[0]
+            .error
+            .as_deref()
             .unwrap_or("")
             .contains("engine refused the switch to prefill"),
         "{failed:?}"
@@ -1136,22 +1194,23 @@ async fn s14_rising_decode_demand_blocks_consolidation() {
         "projected decode pressure blocks consolidation",
     )
     .await;
-    let trend = r
-        .decision_is(
+    let trend: DecisionRow = parse_row(
+        &r.decision_is(
             "the trend gate",
             "held",
             "rising decode demand blocks consolidation",
         )
-        .await;
-    assert_eq!(trend["evidence_blocked_gate"], "trend");
+        .await,
+    );
+    assert_eq!(trend.detail.evidence_blocked_gate.as_deref(), Some("trend"));
     assert!(
-        trend["evidence_trend_ratio"].as_f64().unwrap_or(0.0) > 1.25,
-        "{trend:#}"
+        trend.detail.evidence_trend_ratio.unwrap_or(0.0) > 1.25,
+        "{trend:#?}"
     );
     l1.stop().await;
     heavy.stop().await;
     assert!(
-        r.decisions().iter().all(|d| d["result"] != "applied"),
+        r.decision_rows().iter().all(|d| d.result != "applied"),
         "no consolidation"
     );
 }
@@ -1181,9 +1240,9 @@ async fn s15_flip_bookkeeping_tracks_residents_and_reversals() {
     };
     let r = fleet.router();
     r.applied("the first move", DECIDE).await;
-    let s = r.state_json().await;
-    let flip = s["flips"][0].clone();
-    let donor = flip["iid"].as_str().unwrap_or("").to_string();
+    let s = r.state().await;
+    let flip = ctl(&s).flips.first().cloned().unwrap_or_default();
+    let donor = flip.iid.clone();
     let carried = per.get(&donor).copied().unwrap_or(0);
     let lightest = ["e1", "e2", "e3"]
         .iter()
@@ -1192,13 +1251,13 @@ async fn s15_flip_bookkeeping_tracks_residents_and_reversals() {
     assert_eq!(
         Some(carried),
         lightest,
-        "the lightest decode donor: {per:?}; {}",
-        s["resident_work"]
+        "the lightest decode donor: {per:?}; {:?}",
+        ctl(&s).resident_work
     );
     // Its streams, plus any L1 request decoding there at that moment.
-    let inflight = flip["decode_inflight"].as_u64().unwrap_or(0);
-    assert!((carried..=carried + 2).contains(&inflight), "{flip}");
-    assert_eq!(flip["drained_s"], Value::Null);
+    let inflight = flip.decode_inflight;
+    assert!((carried..=carried + 2).contains(&inflight), "{flip:?}");
+    assert_eq!(flip.drained_s, None);
     let m = r.metrics().await;
     assert_eq!(
         metric(&m, "narwhal_flip_inflight_total", &["phase=\"decode\""]),
@@ -1209,20 +1268,27 @@ async fn s15_flip_bookkeeping_tracks_residents_and_reversals() {
     for (s, _) in mine {
         assert!(s.finish().await, "completed with [DONE]");
     }
+    let first_drained = |s: &State| {
+        s.controller
+            .fields
+            .as_ref()
+            .and_then(|c| c.flips.first())
+            .and_then(|f| f.drained_s)
+    };
     let drained = r
-        .state_where("drained_s set", |s| s["flips"][0]["drained_s"].is_number())
+        .state_until("drained_s set", |s| first_drained(s).is_some())
         .await;
-    assert!(drained["flips"][0]["drained_s"].as_f64().unwrap_or(0.0) > 0.0);
+    assert!(first_drained(&drained).unwrap_or(0.0) > 0.0);
     load.stop().await;
     drop(rest);
     // The decode engines go: the decode floor moves a flipped engine back (e0 is pinned).
-    let decode_now = pools(&r.state_json().await, "decode");
+    let decode_now = r.state().await.pools.decode;
     for iid in decode_now {
         fleet.kill_and_eject(&iid).await;
     }
     let r = fleet.router();
-    r.decision_where("the decode floor", DECIDE, |d| {
-        d["by"] == "decode_floor" && d["result"] == "applied"
+    r.decision_that("the decode floor", DECIDE, |d| {
+        d.by == "decode_floor" && d.result == "applied"
     })
     .await;
     let m = r.metrics().await;
@@ -1247,67 +1313,70 @@ async fn a_standby_takes_over_the_demand_risk_and_gathers_new_evidence() {
         .await;
     let p = fleet.router();
     let handoff = narwhal_testkit::eventually("the risk in the handoff", DECIDE, || async {
-        let h = p.handoff().await;
-        (h["demand_risk"]["kind"] == "first_token_timeout").then_some(h)
+        let h = Handoff::from_value(p.handoff().await).ok()?;
+        let risk = h.demand_risk.as_ref()?;
+        (risk.kind == "first_token_timeout").then_some(h)
     })
     .await;
-    let (epoch, holder) = (
-        handoff["epoch"].as_u64().unwrap_or(0),
-        handoff["holder"].as_str().unwrap_or("").to_string(),
-    );
+    let (epoch, holder) = (handoff.epoch, handoff.holder.clone());
     fleet
         .wait_retained("standby", epoch, &holder, |h| h.demand_risk.is_some())
         .await;
     let s = fleet.standby();
     assert!(s.decisions().is_empty(), "a standby decides nothing");
     assert!(
-        p.decisions().iter().all(|d| d["result"] != "applied"),
+        p.decision_rows().iter().all(|d| d.result != "applied"),
         "the primary was still inside the window"
     );
     load.stop().await;
     fleet.router_mut().proc.kill();
     let s = fleet.standby.take().expect("standby");
     s.wait_controls("active", Duration::from_secs(20)).await;
-    let st = s.state_json().await;
-    let ev = &st["demand_evidence"];
-    assert_eq!(ev["risk_kind"], "first_token_timeout", "{ev:#}");
+    let st = s.state().await;
+    let ev = &ctl(&st).demand_evidence;
     assert_eq!(
-        ev["restored"]["kind"], "first_token_timeout",
+        ev.risk_kind.as_deref(),
+        Some("first_token_timeout"),
+        "{ev:#?}"
+    );
+    let restored = ev.restored.as_ref();
+    assert_eq!(
+        restored.map(|x| x.kind.as_str()),
+        Some("first_token_timeout"),
         "it reports the re-anchored risk"
     );
     assert!(
-        ev["restored"]["age_s"].as_f64().unwrap_or(0.0)
-            >= handoff["demand_risk"]["age_s"].as_f64().unwrap_or(9.0)
+        restored.and_then(|x| x.age_s).unwrap_or(0.0)
+            >= handoff.demand_risk.as_ref().map_or(9.0, |d| d.age_s)
     );
-    assert_eq!(ev["blocked_gate"], "risk");
+    assert_eq!(ev.blocked_gate, "risk");
     assert_eq!(
-        ev["risk_events"]["first_token_timeout"], 1,
+        ev.risk_events.get("first_token_timeout"),
+        Some(&1),
         "the carried count"
     );
-    let took_over = st["control"]["last_decision"]["at"].as_f64();
+    let took_over = ctl(&st).control.last_decision.as_ref().map(|d| d.at);
     // New evidence, on the standby now in control.
     let load = Load::start(&s, L1);
-    let held = s
-        .decision_is("held on the carried risk", "held", "first token timeout")
-        .await;
-    assert_eq!(held["evidence_blocked_gate"], "risk");
-    let moved = s
-        .applied(
+    let held: DecisionRow = parse_row(
+        &s.decision_is("held on the carried risk", "held", "first token timeout")
+            .await,
+    );
+    assert_eq!(held.detail.evidence_blocked_gate.as_deref(), Some("risk"));
+    let moved: DecisionRow = parse_row(
+        &s.applied(
             "the consolidation after a new window",
             Duration::from_secs(60),
         )
-        .await;
-    assert!(
-        moved["evidence_span_s"].as_f64().unwrap_or(0.0) >= 12.0,
-        "{moved:#}"
+        .await,
     );
-    let first_new = s
-        .decisions()
-        .first()
-        .and_then(|d| d["at"].as_f64())
-        .unwrap_or(0.0);
     assert!(
-        moved["at"].as_f64().unwrap_or(0.0) - first_new >= 11.0,
+        moved.detail.evidence_span_s.unwrap_or(0.0) >= 12.0,
+        "{moved:#?}"
+    );
+    let first_new = s.decision_rows().first().map_or(0.0, |d| d.at);
+    assert!(
+        moved.at - first_new >= 11.0,
         "a full window of new arrivals"
     );
     let _ = took_over;
@@ -1330,67 +1399,55 @@ async fn a_flip_is_checked_in_the_new_role_and_reversed_when_the_check_fails() {
         }
         let r = fleet.router();
         let load = Load::start(r, L1);
-        let applied = r.applied("the flip of e1", DECIDE).await;
-        assert_eq!(applied["by"], "reactive");
+        let applied: DecisionRow = parse_row(&r.applied("the flip of e1", DECIDE).await);
+        assert_eq!(applied.by, "reactive");
         if !failing {
             let ok = narwhal_testkit::eventually("the role check passed", DECIDE, || async {
-                r.events("role_check_passed").into_iter().next()
+                r.event_rows("role_check_passed").into_iter().next()
             })
             .await;
             assert_eq!(
-                (ok["iid"].as_str(), ok["role"].as_str()),
+                (ok.iid.as_deref(), ok.role.as_deref()),
                 (Some("e1"), Some("prefill"))
             );
-            let checks: Vec<String> = ok["checks"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|c| c.as_str().map(String::from))
-                .collect();
+            let checks: Vec<String> = ok.checks.clone().unwrap_or_default();
             // The KV-transfer check ran with e1 as a producer: its new role.
             assert!(
                 checks.iter().any(|c| c.starts_with("fabric produce to ")),
                 "{checks:?}"
             );
-            let lc = r.engine_state_until("e1", "active").await;
-            assert!(
-                lc["engines"]["e1"]["accepts_new"]
-                    .as_bool()
-                    .unwrap_or(false)
-            );
-            assert!(pools(&r.state_json().await, "prefill").contains(&"e1".to_string()));
+            r.engine_state_until("e1", "active").await;
+            let lc = r.lifecycle().await;
+            assert!(lc.engine("e1").is_some_and(|e| e.accepts_new));
+            assert!(r.state().await.pools.prefill.contains(&"e1".to_string()));
             load.stop().await;
             continue;
         }
         let failed = narwhal_testkit::eventually("the role check failed", DECIDE, || async {
-            r.events("role_check_failed").into_iter().next()
+            r.event_rows("role_check_failed").into_iter().next()
         })
         .await;
-        assert_eq!(failed["iid"], "e1");
+        assert_eq!(failed.iid.as_deref(), Some("e1"));
         let undo = r
-            .decision_where("the reversal", DECIDE, |d| d["by"] == "role_check")
+            .decision_that("the reversal", DECIDE, |d| d.by == "role_check")
             .await;
-        assert_eq!(undo["result"], "blocked");
+        assert_eq!(undo.result, "blocked");
         assert!(
-            reason_of(&undo).starts_with("role check of e1 failed"),
-            "{undo:#}"
+            undo.reason.starts_with("role check of e1 failed"),
+            "{undo:#?}"
         );
-        let lc = r.engine_state_until("e1", "blocked").await;
+        r.engine_state_until("e1", "blocked").await;
+        let lc = r.lifecycle().await;
+        let e1 = lc.engine("e1");
+        assert!(!e1.map_or("", |e| e.error.as_str()).is_empty(), "{lc:#?}");
+        assert_eq!(e1.map(|e| e.accepts_new), Some(false));
+        let s = r.state().await;
         assert!(
-            !lc["engines"]["e1"]["error"]
-                .as_str()
-                .unwrap_or("")
-                .is_empty(),
-            "{lc:#}"
+            s.pools.decode.contains(&"e1".to_string()),
+            "the flip was reversed: {:?}",
+            s.pools
         );
-        assert_eq!(lc["engines"]["e1"]["accepts_new"], false);
-        let s = r.state_json().await;
-        assert!(
-            pools(&s, "decode").contains(&"e1".to_string()),
-            "the flip was reversed: {}",
-            s["pools"]
-        );
-        assert_eq!(s["control"]["flips"]["role_check:decode"], 1);
+        assert_eq!(ctl(&s).control.flips.get("role_check:decode"), Some(&1));
         load.stop().await;
     }
 }
@@ -1422,20 +1479,20 @@ async fn a_queued_client_that_leaves_is_never_dispatched() {
         .await
         .is_err()
     });
-    r.state_where("one request queued", |s| {
-        s["admission"]["queued"] == 1 && s["admission"]["waiting_prefill"] == 1
+    r.state_until("one request queued", |s| {
+        s.admission.queued == 1 && s.admission.waiting_prefill == 1
     })
     .await;
     assert!(
         gone.await.expect("joined"),
         "the client gave up while queued"
     );
-    r.state_where("the queue empty again", |s| {
-        s["admission"]["queued"] == 0 && s["admission"]["waiting_prefill"] == 0
+    r.state_until("the queue empty again", |s| {
+        s.admission.queued == 0 && s.admission.waiting_prefill == 0
     })
     .await;
     assert!(stream.finish().await);
-    r.state_where("the leaver settled cancelled", |s| s["cancelled"] == 1)
+    r.state_until("the leaver settled cancelled", |s| s.cancelled == 1)
         .await;
     let after = count(&fleet.sim("e0").stats().await) + count(&fleet.sim("e1").stats().await);
     assert_eq!(after, before, "no leg of the leaver reached an engine");
@@ -1570,7 +1627,7 @@ async fn the_profiling_tool_recovers_the_simulators_costs() {
         "engines": [{"iid": "e0", "url": fleet.sim("e0").url}], "slo": {"ttft_s": 1, "tpot_s": 0.1},
         "profiles": {"default": p}});
     let r = narwhal_testkit::RouterHandle::standalone(&doc, &[]);
-    assert_eq!(r.state_json().await["controller"], "reactive");
+    assert_eq!(r.state().await.controller.controller, "reactive");
 }
 
 /// Completes one request of `prompt` through `r`; its journal row's `input_len`.
@@ -1583,12 +1640,10 @@ async fn sized_input(r: &narwhal_testkit::RouterHandle, prompt: &str) -> Option<
         .await;
     assert_eq!(a.status.as_u16(), 200, "{}", a.text());
     let row = narwhal_testkit::eventually("the journal row", DECIDE, || async {
-        r.journal_rows()
-            .into_iter()
-            .find(|x| x["terminal"] == "completed")
+        settled(r, "completed").into_iter().next()
     })
     .await;
-    row["input_len"].as_u64()
+    row.input_len
 }
 
 /// Predictive admission sizes a text prompt with an engine's `/tokenize`; an engine without it (or
@@ -1655,7 +1710,13 @@ async fn batch_prompts_are_tracked_and_released() {
         .start()
         .await;
     let r = fleet.router();
-    let decode_work = |s: &Value| s["resident_work"]["e1"]["decode_tokens"].as_f64();
+    let decode_work = |s: &State| {
+        s.controller
+            .fields
+            .as_ref()
+            .and_then(|c| c.resident_work.get("e1"))
+            .and_then(|w| w.decode_tokens)
+    };
     // A streamed batch of three prompts, held open after its first token.
     let mut held = r
         .http
@@ -1669,7 +1730,7 @@ async fn batch_prompts_are_tracked_and_released() {
     assert_eq!(held.status(), 200);
     held.chunk().await.expect("a first chunk");
     let during = r
-        .state_where("the batch's decode work on e1", |s| {
+        .state_until("the batch's decode work on e1", |s| {
             decode_work(s).is_some_and(|t| t > 0.0)
         })
         .await;
@@ -1682,13 +1743,18 @@ async fn batch_prompts_are_tracked_and_released() {
         .await;
     assert_eq!(a.status.as_u16(), 200, "{}", a.text());
     let after = r
-        .state_where("no resident work left", |s| {
-            s["resident_work"].as_object().is_some_and(|w| {
-                w.values()
-                    .all(|e| e["prefill_s"] == 0.0 && e["decode_tokens"] == 0.0)
+        .state_until("no resident work left", |s| {
+            s.controller.fields.as_ref().is_some_and(|c| {
+                c.resident_work
+                    .values()
+                    .all(|e| e.prefill_s == Some(0.0) && e.decode_tokens == Some(0.0))
             })
         })
         .await;
-    assert!(decode_work(&during) > Some(0.0), "{during:#}");
-    assert_eq!(after["resident"]["e1"]["decode"], 0, "{after:#}");
+    assert!(decode_work(&during) > Some(0.0), "{during:#?}");
+    assert_eq!(
+        after.resident.get("e1").map(|x| x.decode),
+        Some(0),
+        "{after:#?}"
+    );
 }

@@ -14,10 +14,63 @@
 //! - Engine errors keep the engine's status and words, never an empty message.
 //! - `GET /v1/models/{model}` answers as OpenAI's does.
 
+use narwhal_shared::documents::replies::ErrorDetail;
+use narwhal_shared::documents::{ErrorReply, ModelCard, ModelList};
 use narwhal_testkit::{
-    FakeEngine, Reply, RouterHandle, WAIT, eventually, router_over_fakes, sse_data,
+    FakeEngine, Reply, RouterHandle, SettledRow, WAIT, eventually, parse_document, parse_row,
+    router_over_fakes, sse_data,
 };
+use serde::Deserialize;
 use serde_json::{Value, json};
+
+/// A completion answer or stream chunk as the router sends it, the fields these tests read;
+/// `None`: absent or `null`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct Answer {
+    /// `text_completion`, `chat.completion.chunk`, ...
+    object: Option<String>,
+    /// The choices.
+    choices: Option<Vec<AnswerChoice>>,
+    /// The usage.
+    usage: Option<AnswerUsage>,
+}
+
+/// One of an [`Answer`]'s choices.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct AnswerChoice {
+    index: Option<u64>,
+    text: Option<String>,
+    finish_reason: Option<String>,
+}
+
+/// An [`Answer`]'s usage.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct AnswerUsage {
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+    total_tokens: Option<u64>,
+    estimated: Option<bool>,
+}
+
+impl Answer {
+    /// Choice `k`, if there is one.
+    fn choice(&self, k: usize) -> Option<&AnswerChoice> {
+        self.choices.as_ref().and_then(|c| c.get(k))
+    }
+
+    /// The number of choices (`None` without a `choices` list).
+    fn choice_count(&self) -> Option<usize> {
+        self.choices.as_ref().map(Vec::len)
+    }
+
+    /// The usage, default when absent.
+    fn usage(&self) -> AnswerUsage {
+        self.usage.clone().unwrap_or_default()
+    }
+}
 
 /// A vLLM prefill/decode pair of fakes and a router over them.
 async fn pd(backend: &str, p: &FakeEngine, d: &FakeEngine) -> RouterHandle {
@@ -58,9 +111,10 @@ fn done_chunks(a: &Reply) -> Vec<Value> {
 fn texts_by_index(chunks: &[Value]) -> std::collections::BTreeMap<u64, String> {
     let mut out = std::collections::BTreeMap::new();
     for c in chunks {
-        for ch in c["choices"].as_array().into_iter().flatten() {
-            let i = ch["index"].as_u64().expect("choice index");
-            let t = ch["text"].as_str().unwrap_or_default();
+        let c: Answer = parse_row(c);
+        for ch in c.choices.iter().flatten() {
+            let i = ch.index.expect("choice index");
+            let t = ch.text.as_deref().unwrap_or_default();
             out.entry(i).or_insert_with(String::new).push_str(t);
         }
     }
@@ -68,11 +122,23 @@ fn texts_by_index(chunks: &[Value]) -> std::collections::BTreeMap<u64, String> {
 }
 
 /// The request's journal row (waits for it).
-async fn journal_row(r: &RouterHandle, rid: &str) -> Value {
+async fn journal_row(r: &RouterHandle, rid: &str) -> SettledRow {
     eventually("the request's journal row", WAIT, || async {
-        r.journal_rows().into_iter().find(|row| row["rid"] == rid)
+        r.settled_rows()
+            .into_iter()
+            .find(|row| row.rid.as_deref() == Some(rid))
     })
     .await
+}
+
+/// The `error` of an error answer.
+fn error_of(a: &Reply) -> ErrorDetail {
+    parse_document::<ErrorReply>(&a.what, &a.text()).error
+}
+
+/// Whether the router has ejected nothing.
+async fn nothing_ejected(r: &RouterHandle) -> bool {
+    r.state().await.ejected.is_empty()
 }
 
 /// `prompt: [a, b, c]` (and a list of token-id lists) on a P/D fleet is served as one request per
@@ -89,21 +155,24 @@ async fn a_prompt_batch_is_fanned_out_one_descriptor_per_prompt() {
     let a = r.post_data("/v1/completions", &body).await;
     assert_eq!(a.status, 200, "{}", a.text());
     let v = a.json();
-    let choices = v["choices"].as_array().expect("choices");
+    let answer: Answer = parse_row(&v);
+    let choices = answer.choices.as_ref().expect("choices");
     assert_eq!(choices.len(), 3, "{v}");
     for (k, prompt) in prompts.iter().enumerate() {
-        assert_eq!(choices[k]["index"], k, "{v}");
+        assert_eq!(choices[k].index, Some(k as u64), "{v}");
         assert_eq!(
-            choices[k]["text"],
-            format!(" {prompt}:t0 {prompt}:t1 {prompt}:t2"),
+            choices[k].text.as_deref(),
+            Some(format!(" {prompt}:t0 {prompt}:t1 {prompt}:t2").as_str()),
             "choice {k} is prompt {k}'s answer: {v}"
         );
     }
+    // wire shape: `usage` has exactly these keys.
     assert_eq!(
         v["usage"],
         json!({"prompt_tokens": 21, "completion_tokens": 9, "total_tokens": 30}),
         "the prompts' usages summed: {v}"
     );
+    // wire shape: the legs as the engines received them (request bodies, not documents).
     {
         let (ps, ds) = (p.seen(), d.seen());
         let mut pre: Vec<&str> = ps
@@ -127,9 +196,9 @@ async fn a_prompt_batch_is_fanned_out_one_descriptor_per_prompt() {
         assert_eq!(ids.len(), 6, "one request id per leg");
     }
     let row = journal_row(&r, a.header("x-request-id")).await;
-    assert_eq!(row["terminal"], "completed", "{row}");
-    assert_eq!(row["output_len"], 9, "{row}");
-    assert_eq!(row["legs"].as_array().map(Vec::len), Some(6), "{row}");
+    assert_eq!(row.terminal.as_deref(), Some("completed"), "{row:?}");
+    assert_eq!(row.output_len, Some(9), "{row:?}");
+    assert_eq!(row.legs.as_ref().map(Vec::len), Some(6), "{row:?}");
 
     // Streaming, with usage: each index carries its own prompt's text; one usage chunk.
     let body = json!({"model": "tiny-sim", "prompt": prompts, "max_tokens": 3, "stream": true,
@@ -146,10 +215,12 @@ async fn a_prompt_batch_is_fanned_out_one_descriptor_per_prompt() {
             a.text()
         );
     }
+    // wire shape: one chunk carries a `usage` key at all.
     let usages: Vec<&Value> = cs.iter().filter(|c| c.get("usage").is_some()).collect();
     assert_eq!(usages.len(), 1, "one usage chunk: {}", a.text());
-    assert_eq!(usages[0]["usage"]["completion_tokens"], 9);
-    assert_eq!(usages[0]["choices"], json!([]));
+    let usage_chunk: Answer = parse_row(usages[0]);
+    assert_eq!(usage_chunk.usage().completion_tokens, Some(9));
+    assert_eq!(usage_chunk.choice_count(), Some(0));
 
     // A list of token-id lists is a batch too; a list of integers is one prompt.
     let a = r
@@ -159,14 +230,14 @@ async fn a_prompt_batch_is_fanned_out_one_descriptor_per_prompt() {
         )
         .await;
     assert_eq!(a.status, 200, "{}", a.text());
-    assert_eq!(a.json()["choices"].as_array().map(Vec::len), Some(2));
+    assert_eq!(parse_row::<Answer>(&a.json()).choice_count(), Some(2));
     let a = r
         .post_data(
             "/v1/completions",
             &json!({"model": "tiny-sim", "prompt": [11, 12, 13], "max_tokens": 3}),
         )
         .await;
-    assert_eq!(a.json()["choices"].as_array().map(Vec::len), Some(1));
+    assert_eq!(parse_row::<Answer>(&a.json()).choice_count(), Some(1));
     // Over serving.max_batch_prompts (64): refused, naming the field.
     let many: Vec<String> = (0..65).map(|i| format!("p{i}")).collect();
     let a = r
@@ -176,7 +247,7 @@ async fn a_prompt_batch_is_fanned_out_one_descriptor_per_prompt() {
         )
         .await;
     assert_eq!(a.status, 400, "{}", a.text());
-    assert_eq!(a.json()["error"]["param"], "prompt");
+    assert_eq!(error_of(&a).param, Some(json!("prompt")));
 }
 
 /// Prompt logprobs (`prompt_logprobs`, or `echo` with `logprobs`) are computed where the prompt is
@@ -199,6 +270,7 @@ async fn prompt_logprobs_never_reach_a_decode_leg_with_a_descriptor() {
             assert_eq!(a.status, 200, "{body}: {}", a.text());
             let ds = d.seen();
             let (_, leg) = ds.decode.last().expect("a decode leg");
+            // wire shape: the leg the engine received has no descriptor key.
             assert!(leg.get("kv_transfer_params").is_none(), "unsplit: {leg}");
             assert_eq!(
                 leg[field], body[field],
@@ -207,6 +279,7 @@ async fn prompt_logprobs_never_reach_a_decode_leg_with_a_descriptor() {
         }
     }
     assert!(p.seen().prefill.is_empty(), "no prefill leg for them");
+    // wire shape: no leg the engine received has a descriptor key.
     assert!(
         d.seen()
             .decode
@@ -224,10 +297,10 @@ async fn prompt_logprobs_never_reach_a_decode_leg_with_a_descriptor() {
         narwhal_testkit::merge(&mut body, extra);
         let a = s.post_data("/v1/completions", &body).await;
         assert_eq!(a.status, 400, "{body}: {}", a.text());
-        assert_eq!(a.json()["error"]["param"], field, "{}", a.text());
+        assert_eq!(error_of(&a).param, Some(json!(field)), "{}", a.text());
     }
     assert!(sp.seen().prefill.is_empty() && sd.seen().decode.is_empty());
-    assert_eq!(s.state_json().await["ejected"], json!([]));
+    assert!(nothing_ejected(&s).await);
 }
 
 /// A vLLM prefill whose one token ended the generation (`finish_reason: "stop"`, no
@@ -245,8 +318,13 @@ async fn a_prefill_that_finished_the_generation_is_the_answer() {
         let a = r.completion("say nothing", 8).await;
         assert_eq!(a.status, 200, "{}", a.text());
         let v = a.json();
-        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
-        assert_eq!(v["choices"][0]["text"], "", "{v}");
+        let choice = parse_row::<Answer>(&v)
+            .choice(0)
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(choice.finish_reason.as_deref(), Some("stop"), "{v}");
+        assert_eq!(choice.text.as_deref(), Some(""), "{v}");
+        // wire shape: `usage` has exactly these keys, and the answer no descriptor key.
         assert_eq!(
             v["usage"],
             json!({"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}),
@@ -262,16 +340,18 @@ async fn a_prefill_that_finished_the_generation_is_the_answer() {
         )
         .await;
     let cs = done_chunks(&a);
-    assert_eq!(cs[0]["object"], "chat.completion.chunk");
-    assert_eq!(cs[0]["choices"][0]["finish_reason"], "stop");
-    assert_eq!(cs.last().unwrap()["usage"]["completion_tokens"], 1);
-    assert!(d.seen().decode.is_empty(), "no decode leg");
-    let st = r.state_json().await;
-    assert_eq!(st["ejected"], json!([]), "{st}");
+    let first: Answer = parse_row(&cs[0]);
+    assert_eq!(first.object.as_deref(), Some("chat.completion.chunk"));
     assert_eq!(
-        (st["served"].clone(), st["failed"].clone()),
-        (json!(5), json!(0))
+        first.choice(0).and_then(|c| c.finish_reason.as_deref()),
+        Some("stop")
     );
+    let last: Answer = parse_row(cs.last().unwrap());
+    assert_eq!(last.usage().completion_tokens, Some(1));
+    assert!(d.seen().decode.is_empty(), "no decode leg");
+    let st = r.state().await;
+    assert!(st.ejected.is_empty(), "{st:?}");
+    assert_eq!((st.served, st.failed), (5, 0));
 }
 
 /// An engine that sends no `token_ids` (llama.cpp, TGI, older vLLM) is served, streaming or not,
@@ -300,8 +380,8 @@ async fn an_engine_without_token_ids_is_served_and_counted() {
     }
     for rid in &rids {
         let row = journal_row(&r, rid).await;
-        assert_eq!(row["terminal"], "completed", "{row}");
-        assert_eq!(row["output_len"], 4, "tokens counted: {row}");
+        assert_eq!(row.terminal.as_deref(), Some("completed"), "{row:?}");
+        assert_eq!(row.output_len, Some(4), "tokens counted: {row:?}");
     }
     for path in ["/v1/completions", "/v1/chat/completions"] {
         let body = if path.contains("chat") {
@@ -312,17 +392,19 @@ async fn an_engine_without_token_ids_is_served_and_counted() {
         let a = r.post_data(path, &body).await;
         assert_eq!(a.status, 200, "{path}: {}", a.text());
         let v = a.json();
+        // wire shape: `usage` has exactly these keys (no `estimated`).
         assert_eq!(
             v["usage"],
             json!({"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}),
             "the engine's usage: {v}"
         );
         let seen = e.seen();
+        // wire shape: the leg as the engine received it.
         let (_, leg) = seen.decode.last().expect("a leg");
         assert_eq!(leg["stream"], false, "sent non-streaming: {leg}");
         assert!(leg.get("stream_options").is_none(), "{leg}");
     }
-    assert_eq!(r.state_json().await["ejected"], json!([]));
+    assert!(nothing_ejected(&r).await);
 }
 
 /// Usage is the engine's in every answer, and marked `estimated` only when the engine gave none: a
@@ -337,23 +419,31 @@ async fn usage_is_the_engines_or_marked_estimated() {
     let a = r.post_data("/v1/completions", &body).await;
     assert_eq!(a.status, 200, "{}", a.text());
     let cs = chunks(&a.text());
-    let u = &cs.last().expect("chunks")["usage"];
-    assert_eq!(u["completion_tokens"], 5, "{}", a.text());
-    assert_eq!(u["estimated"], true, "{}", a.text());
-    assert_eq!(
-        u["total_tokens"].as_u64(),
-        Some(u["prompt_tokens"].as_u64().unwrap() + 5)
-    );
+    let u = parse_row::<Answer>(cs.last().expect("chunks")).usage();
+    assert_eq!(u.completion_tokens, Some(5), "{}", a.text());
+    assert_eq!(u.estimated, Some(true), "{}", a.text());
+    assert_eq!(u.total_tokens, Some(u.prompt_tokens.unwrap() + 5));
     let a = r.completion("hello", 5).await;
-    assert_eq!(a.json()["usage"]["estimated"], true, "{}", a.text());
+    assert_eq!(
+        parse_row::<Answer>(&a.json()).usage().estimated,
+        Some(true),
+        "{}",
+        a.text()
+    );
 
     let talking = FakeEngine::new(0, 5);
     let r = aggregated(&talking).await;
     let a = r.post_data("/v1/completions", &body).await;
     let cs = chunks(&a.text());
-    let u = &cs.last().expect("chunks")["usage"];
-    assert_eq!(u["prompt_tokens"], 7, "{}", a.text());
-    assert!(u.get("estimated").is_none(), "{}", a.text());
+    let last = cs.last().expect("chunks");
+    assert_eq!(
+        parse_row::<Answer>(last).usage().prompt_tokens,
+        Some(7),
+        "{}",
+        a.text()
+    );
+    // wire shape: no `estimated` key in the usage, no `token_ids` key in any choice.
+    assert!(last["usage"].get("estimated").is_none(), "{}", a.text());
     assert!(
         cs.iter()
             .all(|c| c["choices"][0].get("token_ids").is_none()),
@@ -378,18 +468,18 @@ async fn engine_errors_keep_their_status_and_words() {
             )
             .await;
         assert_eq!(a.status, 400, "stream={stream}: {}", a.text());
-        assert_eq!(a.json()["error"]["message"], CTX, "stream={stream}");
+        assert_eq!(error_of(&a).message, CTX, "stream={stream}");
     }
     let bare = FakeEngine::new(0, 3).decode_error(422, "");
     let r2 = aggregated(&bare).await;
     let a = r2.completion("x", 3).await;
     assert_eq!(a.status, 422, "{}", a.text());
     assert_eq!(
-        a.json()["error"]["message"],
+        error_of(&a).message,
         "the engine answered 422 Unprocessable Entity without a message"
     );
-    assert_eq!(r.state_json().await["ejected"], json!([]));
-    assert_eq!(r2.state_json().await["ejected"], json!([]));
+    assert!(nothing_ejected(&r).await);
+    assert!(nothing_ejected(&r2).await);
 }
 
 /// `GET /v1/models/{model}` answers as OpenAI's does: the model object (`id`, `object`, `created`,
@@ -400,15 +490,16 @@ async fn models_retrieve_answers_as_openai() {
     let r = aggregated(&e).await;
     let a = r.get_data("/v1/models/tiny-sim").await;
     assert_eq!(a.status, 200, "{}", a.text());
-    let m = a.json();
-    assert_eq!(m["id"], "tiny-sim");
-    assert_eq!(m["object"], "model");
-    assert!(m["created"].is_u64() && m["owned_by"].is_string(), "{m}");
+    // A card parses only with `created` an integer and `owned_by` a string.
+    let m: ModelCard = parse_document(&a.what, &a.text());
+    assert_eq!(m.id, "tiny-sim");
+    assert_eq!(m.object, "model");
     let a = r.get_data("/v1/models/org%2Fother").await;
     assert_eq!(a.status, 404, "{}", a.text());
-    let err = &a.json()["error"];
-    assert_eq!(err["code"], "model_not_found");
-    assert_eq!(err["message"], "The model 'org/other' does not exist");
-    let list = r.get_data("/v1/models").await.json();
-    assert!(list["data"][0]["created"].is_u64(), "{list}");
+    let err = error_of(&a);
+    assert_eq!(err.code, Some(json!("model_not_found")));
+    assert_eq!(err.message, "The model 'org/other' does not exist");
+    let a = r.get_data("/v1/models").await;
+    let list: ModelList = parse_document(&a.what, &a.text());
+    assert!(!list.data.is_empty(), "{list:?}");
 }

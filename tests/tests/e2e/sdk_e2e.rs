@@ -13,7 +13,11 @@ use crate::pysdk;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use narwhal_testkit::{EngineSpec, FleetSpec, RouterHandle, SimHandle, start_router, start_sim};
+use narwhal_shared::documents::replies::ErrorDetail;
+use narwhal_testkit::{
+    EngineSpec, FleetSpec, RouterHandle, SimHandle, parse_row, start_router, start_sim,
+};
+use serde::Deserialize;
 use serde_json::{Value, json};
 use tempfile::TempDir;
 
@@ -74,16 +78,74 @@ fn fleet(test: &str, dialect: &str, sim_args: &[&str], router_args: &[&str]) -> 
     }
 }
 
+/// One result of `sdk_driver.py` (its docstring gives the shape), the fields these tests read;
+/// `None`: absent or `null`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct SdkResult {
+    /// The SDK's `_request_id` (non-streaming answers).
+    request_id: Option<String>,
+    /// Choice 0's text.
+    text: Option<String>,
+    /// Choice 0's last finish reason.
+    finish_reason: Option<String>,
+    /// The answer's usage (streams: the last chunk that carried one).
+    usage: Option<SdkUsage>,
+    /// The parsed answer, dumped (non-streaming).
+    response: Option<SdkResponse>,
+    /// The parsed chunks, dumped (streaming).
+    chunks: Option<Vec<SdkChunk>>,
+    /// A failure's error body: the router's `error` object.
+    body: Option<ErrorDetail>,
+}
+
+/// `usage` of an [`SdkResult`].
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct SdkUsage {
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+    total_tokens: Option<u64>,
+}
+
+/// `response` of an [`SdkResult`].
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct SdkResponse {
+    object: Option<String>,
+    model: Option<String>,
+    choices: Vec<SdkChoice>,
+}
+
+/// One choice of an [`SdkResponse`].
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct SdkChoice {
+    message: Option<SdkMessage>,
+}
+
+/// A chat choice's `message`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct SdkMessage {
+    role: Option<String>,
+}
+
+/// One of an [`SdkResult`]'s `chunks`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct SdkChunk {
+    object: Option<String>,
+    choices: Option<Vec<Value>>,
+}
+
 fn usage(r: &Value) -> (u64, u64, u64) {
-    let u = &r["usage"];
-    let n = |k: &str| {
-        u[k].as_u64()
-            .unwrap_or_else(|| panic!("usage.{k} missing: {r}"))
-    };
+    let u = parse_row::<SdkResult>(r).usage.unwrap_or_default();
+    let n = |k: &str, v: Option<u64>| v.unwrap_or_else(|| panic!("usage.{k} missing: {r}"));
     (
-        n("prompt_tokens"),
-        n("completion_tokens"),
-        n("total_tokens"),
+        n("prompt_tokens", u.prompt_tokens),
+        n("completion_tokens", u.completion_tokens),
+        n("total_tokens", u.total_tokens),
     )
 }
 
@@ -120,73 +182,94 @@ async fn every_shape_parses(test: &str, dialect: &str, api: &str) {
     let plain = pysdk::ok(&results[0], &what(0));
     let streamed = pysdk::ok(&results[1], &what(1));
     let counted = pysdk::ok(&results[2], &what(2));
+    let (plain_t, streamed_t, counted_t): (SdkResult, SdkResult, SdkResult) =
+        (parse_row(&plain), parse_row(&streamed), parse_row(&counted));
 
     let object = if api == "chat" {
         "chat.completion"
     } else {
         "text_completion"
     };
-    assert_eq!(plain["response"]["object"], object, "{plain}");
-    assert_eq!(plain["response"]["model"], "tiny-sim", "{plain}");
+    let response = plain_t.response.clone().unwrap_or_default();
+    assert_eq!(response.object.as_deref(), Some(object), "{plain}");
+    assert_eq!(response.model.as_deref(), Some("tiny-sim"), "{plain}");
     // The SDK's `_request_id` is the router's `x-request-id`: one UUID4 per client request.
-    let rid = plain["request_id"].as_str().unwrap_or_default();
+    let rid = plain_t.request_id.as_deref().unwrap_or_default();
     assert!(
         uuid::Uuid::parse_str(rid).is_ok_and(|u| u.get_version_num() == 4),
         "{}: request id {rid:?}",
         what(0)
     );
     if api == "chat" {
-        assert_eq!(
-            plain["response"]["choices"][0]["message"]["role"], "assistant",
-            "{plain}"
-        );
+        let role = response
+            .choices
+            .first()
+            .and_then(|c| c.message.as_ref())
+            .and_then(|m| m.role.as_deref());
+        assert_eq!(role, Some("assistant"), "{plain}");
     }
-    let text = plain["text"].as_str().unwrap_or_default();
+    let text = plain_t.text.as_deref().unwrap_or_default();
     assert!(!text.is_empty(), "{}: empty text: {plain}", what(0));
-    assert_eq!(plain["finish_reason"], "length", "{plain}");
+    assert_eq!(plain_t.finish_reason.as_deref(), Some("length"), "{plain}");
     let (p, c, t) = usage(&plain);
     assert!(p > 0, "{}: prompt_tokens: {plain}", what(0));
     assert_eq!(c, MAX_TOKENS, "{}: completion_tokens: {plain}", what(0));
     assert_eq!(t, p + c, "{}: total_tokens: {plain}", what(0));
 
-    for (i, s) in [(1, &streamed), (2, &counted)] {
-        assert_eq!(s["text"], text, "{}: streamed text differs: {s}", what(i));
-        assert_eq!(s["finish_reason"], "length", "{}: {s}", what(i));
+    for (i, s, st) in [(1, &streamed, &streamed_t), (2, &counted, &counted_t)] {
+        assert_eq!(
+            st.text.as_deref(),
+            Some(text),
+            "{}: streamed text differs: {s}",
+            what(i)
+        );
+        assert_eq!(
+            st.finish_reason.as_deref(),
+            Some("length"),
+            "{}: {s}",
+            what(i)
+        );
         let chunk_object = if api == "chat" {
             "chat.completion.chunk"
         } else {
             "text_completion"
         };
-        for chunk in s["chunks"].as_array().expect("chunks") {
-            assert_eq!(chunk["object"], chunk_object, "{}: {chunk}", what(i));
+        for chunk in st.chunks.as_ref().expect("chunks") {
+            assert_eq!(
+                chunk.object.as_deref(),
+                Some(chunk_object),
+                "{}: {chunk:?}",
+                what(i)
+            );
         }
     }
-    assert_eq!(
-        streamed["usage"],
-        Value::Null,
+    assert!(
+        streamed_t.usage.is_none(),
         "{}: usage chunk sent to a client that did not ask for it: {streamed}",
         what(1)
     );
     assert!(
-        streamed["chunks"]
-            .as_array()
+        streamed_t
+            .chunks
+            .as_ref()
             .expect("chunks")
             .iter()
-            .all(|c| c["choices"].as_array().is_some_and(|v| !v.is_empty())),
+            .all(|c| c.choices.as_ref().is_some_and(|v| !v.is_empty())),
         "{}: a chunk without choices: {streamed}",
         what(1)
     );
     // include_usage: the last chunk carries usage and no choices (OpenAI's shape), and it is the
     // same accounting as the non-streaming answer.
-    let last = counted["chunks"]
-        .as_array()
+    let last = counted_t
+        .chunks
+        .as_ref()
         .and_then(|c| c.last())
         .cloned()
         .unwrap_or_default();
     assert_eq!(
-        last["choices"],
-        json!([]),
-        "{}: usage chunk: {last}",
+        last.choices,
+        Some(vec![]),
+        "{}: usage chunk: {last:?}",
         what(2)
     );
     assert_eq!(
@@ -226,12 +309,13 @@ async fn options_parse(test: &str, dialect: &str) {
         .await;
     for (i, r) in results.iter().enumerate() {
         let r = pysdk::ok(r, &format!("{dialect} options call {i}"));
+        let t: SdkResult = parse_row(&r);
         assert!(
-            !r["text"].as_str().unwrap_or_default().is_empty(),
+            !t.text.as_deref().unwrap_or_default().is_empty(),
             "{dialect} options call {i}: empty text: {r}"
         );
         assert!(
-            r["finish_reason"] == "stop" || r["finish_reason"] == "length",
+            matches!(t.finish_reason.as_deref(), Some("stop" | "length")),
             "{dialect} options call {i}: {r}"
         );
     }
@@ -255,8 +339,9 @@ async fn tools_parse(test: &str, dialect: &str) {
     let results = f.calls(json!([params(false), params(true)])).await;
     for (i, r) in results.iter().enumerate() {
         let r = pysdk::ok(r, &format!("{dialect} tools call {i}"));
+        let t: SdkResult = parse_row(&r);
         assert!(
-            !r["text"].as_str().unwrap_or_default().is_empty(),
+            !t.text.as_deref().unwrap_or_default().is_empty(),
             "{dialect} tools call {i}: {r}"
         );
     }
@@ -289,16 +374,14 @@ async fn client_errors_are_typed(test: &str, dialect: &str) {
             msg.contains(&format!("'{field}'")),
             "{dialect} call {i}: the message names {field}: {msg}"
         );
+        let body = parse_row::<SdkResult>(&results[i]).body.unwrap_or_default();
         assert_eq!(
-            results[i]["body"]["param"], field,
+            body.param,
+            Some(json!(field)),
             "{dialect} call {i}: param names the field: {}",
             results[i]
         );
-        assert_eq!(
-            results[i]["body"]["type"], "invalid_request_error",
-            "{}",
-            results[i]
-        );
+        assert_eq!(body.kind, "invalid_request_error", "{}", results[i]);
     }
     for i in [2, 3] {
         let msg = pysdk::api_error(&results[i], "NotFoundError", 404, &format!("call {i}"));
@@ -306,11 +389,8 @@ async fn client_errors_are_typed(test: &str, dialect: &str) {
             msg.contains("gpt-nope") && msg.contains("tiny-sim"),
             "{dialect} call {i}: names the model asked for and the one served: {msg}"
         );
-        assert_eq!(
-            results[i]["body"]["code"], "model_not_found",
-            "{}",
-            results[i]
-        );
+        let body = parse_row::<SdkResult>(&results[i]).body.unwrap_or_default();
+        assert_eq!(body.code, Some(json!("model_not_found")), "{}", results[i]);
     }
     let msg = pysdk::api_error(&results[4], "BadRequestError", 400, "n=2");
     assert!(msg.contains("n > 1"), "{dialect}: n=2 explained: {msg}");
@@ -374,7 +454,12 @@ async fn no_schedulable_engine_is_a_503_error() {
     for (r, api) in results.iter().zip(["completions", "chat stream"]) {
         let msg = pysdk::api_error(r, "InternalServerError", 503, api);
         assert!(!msg.is_empty(), "{api}: a message: {r}");
-        assert_eq!(r["body"]["code"], "no_schedulable_engines", "{api}: {r}");
+        let body = parse_row::<SdkResult>(r).body.unwrap_or_default();
+        assert_eq!(
+            body.code,
+            Some(json!("no_schedulable_engines")),
+            "{api}: {r}"
+        );
     }
 }
 
