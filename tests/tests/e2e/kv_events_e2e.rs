@@ -423,14 +423,9 @@ async fn sim_publishes_its_prompt_blocks() {
     let again = replay_from(&replay_ep, seq).await;
     assert_eq!(again[0][1..], live[..]);
 
-    let stats = reqwest::get(format!("{}/stats", sim.admin_url()))
-        .await
-        .expect("stats")
-        .json::<Value>()
-        .await
-        .expect("stats json");
-    let pc = &stats["prefix_cache"];
-    assert_eq!(pc["capacity"], 4096);
-    assert!(pc["blocks"].as_u64().expect("blocks") >= 3, "{pc}");
-    assert!(pc["hits"].as_u64().expect("hits") >= 8, "{pc}");
+    let stats = sim.counters().await;
+    let pc = stats.prefix_cache.expect("the simulator's prefix cache counters");
+    assert_eq!(pc.capacity, 4096);
+    assert!(pc.blocks >= 3, "{pc:?}");
+    assert!(pc.hits >= 8, "{pc:?}");
 }
