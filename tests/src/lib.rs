@@ -105,3 +105,6 @@ pub use narwhal_shared::kv_events;
 /// Upper bound for a condition an end-to-end test polls for when nothing tighter is asserted
 /// (a journal event, a lifecycle state): generous, for a loaded 2-core machine.
 pub const WAIT: Duration = Duration::from_secs(20);
+
+/// Typed journal rows: engine and lifecycle events, settled requests (router.rs).
+pub use router::{AttemptRow, EventRow, SettledRow};
