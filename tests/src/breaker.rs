@@ -8,9 +8,10 @@
 //!   router.first_event("engine_readmitted", "d1")    the first such row, once there is one
 //! ```
 
+use narwhal_shared::documents::State;
 use serde_json::Value;
 
-use crate::router::RouterHandle;
+use crate::router::{EngineEventRow, RouterHandle};
 use crate::{WAIT, eventually};
 
 impl RouterHandle {
@@ -45,6 +46,43 @@ impl RouterHandle {
                 .as_array()
                 .is_some_and(|a| a.iter().any(|x| x == iid))
                 .then_some(st)
+        })
+        .await
+    }
+}
+
+/// The same waits, typed ([`EngineEventRow`], [`State`]).
+impl RouterHandle {
+    /// [`RouterHandle::events_of`], typed: the journal's `event` rows about engine `iid`,
+    /// oldest first.
+    pub fn event_rows_of(&self, event: &str, iid: &str) -> Vec<EngineEventRow> {
+        self.engine_event_rows()
+            .into_iter()
+            .filter(|r| r.event == event && r.iid == iid)
+            .collect()
+    }
+
+    /// [`RouterHandle::first_event`], typed: waits until the journal holds an `event` row about
+    /// `iid`; the first one.
+    ///
+    /// # Panics
+    /// When none comes within [`WAIT`].
+    pub async fn first_event_typed(&self, event: &str, iid: &str) -> EngineEventRow {
+        eventually(&format!("{event} of {iid}"), WAIT, || async {
+            self.event_rows_of(event, iid).first().cloned()
+        })
+        .await
+    }
+
+    /// [`RouterHandle::wait_ejected`], typed: waits until `/narwhal/state` lists `iid` among the
+    /// ejected engines; that state.
+    ///
+    /// # Panics
+    /// When it does not within [`WAIT`].
+    pub async fn wait_ejected_typed(&self, iid: &str) -> State {
+        eventually(&format!("{iid} ejected"), WAIT, || async {
+            let st = self.state().await;
+            st.ejected.iter().any(|x| x == iid).then_some(st)
         })
         .await
     }

@@ -12,13 +12,11 @@
 
 use std::time::Duration;
 
-use narwhal_shared::documents::{Decision, DecisionEvent, State};
+use narwhal_shared::documents::{Decision, DecisionEvent};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::WAIT;
-use crate::proc::wait_until;
 use crate::router::RouterHandle;
 
 /// Parses a journal row (or any JSON value) as `T`.
@@ -239,19 +237,5 @@ impl RouterHandle {
     /// Journal events named `event`, oldest first, typed.
     pub fn event_rows(&self, event: &str) -> Vec<EventRow> {
         self.events(event).iter().map(parse_row).collect()
-    }
-
-    /// [`RouterHandle::state_where`], typed: waits (at most [`WAIT`]) until `/narwhal/state`
-    /// satisfies `pred`; returns it.
-    ///
-    /// # Panics
-    /// When it never does.
-    pub async fn state_until(&self, what: &str, pred: impl Fn(&State) -> bool) -> State {
-        let found = wait_until(WAIT, || async {
-            let s = self.state().await;
-            pred(&s).then_some(s)
-        })
-        .await;
-        found.unwrap_or_else(|| panic!("/narwhal/state never showed {what}"))
     }
 }

@@ -114,3 +114,5 @@ pub use journal_rows::{
     AdmissionPrice, AttemptFailureRow, DecisionDetails, DecisionRow, EventRow, QueueWaits,
     SettledRow, parse_row,
 };
+/// Typed journal rows: engine and lifecycle events, settled requests (router.rs).
+pub use router::{AttemptRow, EngineEventRow, RequestOutcomeRow};

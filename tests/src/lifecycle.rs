@@ -15,9 +15,12 @@
 //! [`RouterHandle::lifecycle_post`], which they use) asserts that the body is the full lifecycle
 //! document whatever the status.
 
+use narwhal_shared::documents::requests::{DrainBody, ReadmitBody};
+use narwhal_shared::documents::{Lifecycle, LifecycleReply};
+use narwhal_shared::handoff::DrainState;
 use serde_json::{Value, json};
 
-use crate::router::RouterHandle;
+use crate::router::{EngineEventRow, RouterHandle};
 
 impl RouterHandle {
     /// `POST /narwhal/lifecycle/drain` with `body` (`engines`, `wave`, `deadline_s`):
@@ -74,5 +77,82 @@ impl RouterHandle {
         assert_eq!(status, 200, "{doc:#}");
         self.journal_event("drain_complete", Some(iid)).await;
         doc
+    }
+}
+
+/// The lifecycle actions and their journal events, typed: the bodies are
+/// [`DrainBody`]/[`ReadmitBody`], the answers [`LifecycleReply`] (through
+/// [`RouterHandle::lifecycle_post`], which asserts that every reply is the full document), the
+/// events [`EngineEventRow`]s.
+impl RouterHandle {
+    /// `POST /narwhal/lifecycle/drain` with `body`: `(status, reply)`.
+    pub async fn drain_typed(&self, body: &DrainBody) -> (u16, LifecycleReply) {
+        self.lifecycle_post("drain", &json!(body)).await
+    }
+
+    /// `POST /narwhal/lifecycle/readmit` with `body`: `(status, reply)`.
+    pub async fn readmit_typed(&self, body: &ReadmitBody) -> (u16, LifecycleReply) {
+        self.lifecycle_post("readmit", &json!(body)).await
+    }
+
+    /// `POST /narwhal/lifecycle/cancel-drain` with `body`: `(status, reply)`.
+    pub async fn cancel_drain_typed(&self, body: &ReadmitBody) -> (u16, LifecycleReply) {
+        self.lifecycle_post("cancel-drain", &json!(body)).await
+    }
+
+    /// [`RouterHandle::drain_typed`] of engine `iid` alone, no deadline: `{"engines": [iid]}`.
+    pub async fn drain_engine_typed(&self, iid: &str) -> (u16, LifecycleReply) {
+        let body = DrainBody {
+            engines: vec![iid.to_string()],
+            ..DrainBody::default()
+        };
+        self.drain_typed(&body).await
+    }
+
+    /// [`RouterHandle::readmit_typed`] of engine `iid` alone: `{"engines": [iid]}`.
+    pub async fn readmit_engine_typed(&self, iid: &str) -> (u16, LifecycleReply) {
+        self.readmit_typed(&ReadmitBody::engine(iid)).await
+    }
+
+    /// [`RouterHandle::drain_to_complete`], typed: drains engine `iid` alone, which must answer
+    /// 200, and waits for its `drain_complete` journal event; the drain's reply.
+    ///
+    /// # Panics
+    /// When the drain is refused or never completes.
+    pub async fn drain_to_complete_typed(&self, iid: &str) -> LifecycleReply {
+        let (status, doc) = self.drain_engine_typed(iid).await;
+        assert_eq!(status, 200, "{doc:#?}");
+        self.journal_event("drain_complete", Some(iid)).await;
+        doc
+    }
+
+    /// [`RouterHandle::engine_state_until`], typed: polls `/narwhal/lifecycle` until engine
+    /// `iid` is in `state`; that document.
+    ///
+    /// # Panics
+    /// When it never is.
+    pub async fn engine_state_until_typed(&self, iid: &str, state: DrainState) -> Lifecycle {
+        let what = format!("{iid} {}", state.as_str());
+        self.lifecycle_until(&what, |d| d.engine(iid).is_some_and(|e| e.state == state))
+            .await
+    }
+
+    /// The journal's lifecycle events (`event: engine_lifecycle`), oldest first, typed.
+    pub fn lifecycle_event_rows(&self) -> Vec<EngineEventRow> {
+        self.engine_event_rows()
+            .into_iter()
+            .filter(|e| e.event == "engine_lifecycle")
+            .collect()
+    }
+
+    /// [`RouterHandle::journal_event`], typed: waits (at most [`crate::WAIT`]) for lifecycle
+    /// event `action` (of engine `iid`, if given), reading only the journal file.
+    ///
+    /// # Panics
+    /// When it never appears; the message lists the events.
+    pub async fn journal_event_typed(&self, action: &str, iid: Option<&str>) -> EngineEventRow {
+        let row = self.journal_event(action, iid).await;
+        serde_json::from_value(row.clone())
+            .unwrap_or_else(|e| panic!("{action} event: not an event row ({e}): {row}"))
     }
 }

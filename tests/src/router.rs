@@ -820,3 +820,127 @@ impl RequestRow {
         self.decode_iid.as_deref().unwrap_or("")
     }
 }
+
+/// An event row of the journal (docs/logging.md, "Journal rows") as the tests read it: the
+/// engine events (`engine_ejected`, `engine_probe`, ...) and the lifecycle events
+/// (`event: engine_lifecycle`, named by `action`; docs/http-api.md, lifecycle). A field the
+/// event does not carry keeps its default (`""`, empty, `None`).
+#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct EngineEventRow {
+    /// `engine_ejected`, `engine_lifecycle`, ...
+    pub event: String,
+    /// A lifecycle event's action (`drain_started`, `readmitted`, ...).
+    pub action: String,
+    /// Wall-clock Unix seconds.
+    pub at: f64,
+    /// The engine.
+    pub iid: String,
+    /// Why an engine was ejected or degraded.
+    pub cause: String,
+    /// How an ejected engine returned (`generation`, `lifecycle`).
+    pub evidence: String,
+    /// Why (`engine_identity_changed`, `restart_required`, `process_excluded`).
+    pub reason: String,
+    /// A probe's kind (`generation`, `stall`).
+    pub kind: String,
+    /// A probe's outcome (`passed`, `failed`).
+    pub outcome: String,
+    /// What failed (a probe, a validation, an identity capture); `None` when null or absent.
+    pub error: Option<String>,
+    /// A lifecycle event's wave, `""` when none.
+    pub wave_id: String,
+    /// A wave event's members.
+    pub engines: Vec<String>,
+    /// A lifecycle event's process start (Unix seconds).
+    pub process_start: Option<f64>,
+    /// Requests resident at `drain_deadline_exceeded`.
+    pub resident: Option<u64>,
+}
+
+/// A settled request's journal row (docs/http-api.md, "Request journal") as the breaker tests
+/// read it: its outcome, attempts and legs; the row has more fields ([`RequestRow`] has the
+/// placement ones).
+#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct RequestOutcomeRow {
+    /// The router's request id.
+    pub rid: String,
+    /// The status the client got; `None` when none was sent.
+    pub status: Option<u16>,
+    /// `completed`, `failed`, ...
+    pub terminal: String,
+    /// Seconds from arrival to settlement.
+    pub duration_s: Option<f64>,
+    /// Attempts made.
+    pub attempts: u64,
+    /// The failed attempts.
+    pub attempt_failures: Vec<AttemptRow>,
+    /// The legs dispatched.
+    pub legs: Vec<AttemptRow>,
+}
+
+/// One of a [`RequestOutcomeRow`]'s `attempt_failures` or `legs`: the engine and, for a failure, why.
+#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct AttemptRow {
+    /// The attempt's number.
+    pub attempt: u64,
+    /// The engine; `None` for a failed attempt that was never dispatched.
+    pub iid: Option<String>,
+    /// A failure's reason (`engine_config`, ...); `""` for a leg.
+    pub reason: String,
+}
+
+impl RouterHandle {
+    /// The journal's event rows (rows with an `event`), oldest first, typed. The controller's
+    /// rows whose details do not fit an [`EngineEventRow`] are left out.
+    ///
+    /// # Panics
+    /// When an engine event (`engine_*`) does not parse: it is never left out.
+    pub fn engine_event_rows(&self) -> Vec<EngineEventRow> {
+        self.journal_rows()
+            .into_iter()
+            .filter_map(|r| {
+                let event = r.get("event")?.as_str()?.to_string();
+                match serde_json::from_value(r.clone()) {
+                    Ok(row) => Some(row),
+                    Err(e) if event.starts_with("engine_") => {
+                        panic!("journal: {event} is not an event row ({e}): {r}")
+                    }
+                    Err(_) => None,
+                }
+            })
+            .collect()
+    }
+
+    /// The journal's request rows (rows with a `rid`), oldest first, typed, whatever their
+    /// status.
+    ///
+    /// # Panics
+    /// When a request row does not parse (it is never left out).
+    pub fn request_outcome_rows(&self) -> Vec<RequestOutcomeRow> {
+        self.journal_rows()
+            .into_iter()
+            .filter(|r| r.get("rid").is_some_and(Value::is_string))
+            .map(|r| {
+                serde_json::from_value(r.clone())
+                    .unwrap_or_else(|e| panic!("journal: not a request row ({e}): {r}"))
+            })
+            .collect()
+    }
+
+    /// Polls `/narwhal/state` (for at most [`WAIT`]) until it answers a state document for
+    /// which `ok(state)`; that state.
+    ///
+    /// # Panics
+    /// When it never does.
+    pub async fn state_until(&self, what: &str, ok: impl Fn(&State) -> bool) -> State {
+        let got = wait_until(WAIT, || async {
+            let s = self.state().await;
+            (s.is_state() && ok(&s)).then_some(s)
+        })
+        .await;
+        got.unwrap_or_else(|| panic!("/narwhal/state never showed {what}"))
+    }
+}

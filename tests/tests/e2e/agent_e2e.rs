@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use narwhal_shared::agent_client::Verified;
-use narwhal_shared::agent_protocol::{FencedRequest, ProbeProducer};
+use narwhal_shared::agent_protocol::{AgentHealth, AgentReadyFile, FencedRequest, ProbeProducer};
 use narwhal_shared::attestation::{
     Expected, KvConsumePayload, KvProducePayload, ProbePayload, new_nonce,
 };
@@ -93,11 +93,12 @@ fn agent(f: &Fleet, id: &str) -> Agent {
         "first line {:?}",
         a.proc.first_line
     );
-    assert_eq!(a.ready["url"], a.url.as_str());
-    assert_eq!(a.ready["pid"], a.proc.pid());
-    assert_eq!(a.ready["agent_id"], id);
-    let public_key =
-        PublicKey::parse(a.ready["public_key"].as_str().expect("public_key")).expect("key");
+    let ready: AgentReadyFile = serde_json::from_value(a.ready.clone())
+        .unwrap_or_else(|e| panic!("ready file ({e}): {}", a.ready));
+    assert_eq!(ready.url, a.url);
+    assert_eq!(ready.pid, a.proc.pid());
+    assert_eq!(ready.agent_id, id);
+    let public_key = PublicKey::parse(&ready.public_key).expect("key");
     Agent {
         public_key,
         client: client_for(f, id, &a.url, public_key),
@@ -192,7 +193,9 @@ async fn an_attestation_for_a_running_simulator_verifies() {
     let agent = agent(&f, "a");
 
     let health = agent.client.health().await.expect("health");
-    assert_eq!(health["agent_id"], "a");
+    let health: AgentHealth = serde_json::from_value(health.clone())
+        .unwrap_or_else(|e| panic!("agent /health ({e}): {health}"));
+    assert_eq!(health.agent_id, "a");
     let engines = agent.client.engines().await.expect("engines");
     assert_eq!(engines.engines.len(), 1);
     let listed = engines.engines[0].process.clone().expect("identity listed");
@@ -224,7 +227,8 @@ async fn an_attestation_for_a_running_simulator_verifies() {
         p.engine.models
     );
     assert!(p.header.process.same_process(&listed));
-    // The host contract document is attested, with its launch digest.
+    // The host contract document is attested, with its launch digest. (open document: the
+    // contract's fields are the host's, a JSON object in the payload.)
     let attested = p.contract.as_ref().expect("contract attested");
     assert_eq!(attested["connector"], "NixlConnector");
     assert!(
@@ -380,6 +384,7 @@ async fn tampered_wrong_key_replayed_stale_and_lower_epoch_answers_are_each_reje
     let t = now();
 
     // Tampered payload: the signature no longer covers it.
+    // wire shape: the signed bytes are edited as JSON, below any type.
     let mut tampered = doc.clone();
     tampered.payload["engine"]["version"] = json!("9.9.9-evil");
     let v = Verifier::new(agent.public_key, 30.0);
@@ -397,7 +402,9 @@ async fn tampered_wrong_key_replayed_stale_and_lower_epoch_answers_are_each_reje
         Err(VerifyError::WrongKey { .. })
     ));
     // Stale issued_at: the same answer checked past the freshness window.
-    let issued_at = doc.payload["issued_at"].as_f64().expect("issued_at");
+    let payload: AttestationPayload =
+        serde_json::from_value(doc.payload.clone()).expect("an attestation payload");
+    let issued_at = payload.header.issued_at;
     assert!(matches!(
         v.verify::<AttestationPayload>(&doc, &expected, issued_at + 31.0),
         Err(VerifyError::Stale { .. })
@@ -565,6 +572,7 @@ async fn a_vllm_kv_check_between_two_simulators_through_two_agents_passes_and_fa
     let produced = produce(&a, "chk-1").await;
     assert!(produced.payload.result.ok, "{:?}", produced.payload.result);
     let kv = produced.payload.kv.clone().expect("descriptor");
+    // open document: the KV descriptor is the engine's own `kv_transfer_params`.
     assert_eq!(kv["do_remote_prefill"], true);
     assert!(
         kv["remote_engine_id"]
@@ -631,6 +639,7 @@ async fn an_sglang_kv_check_through_two_agents_uses_the_bootstrap_rendezvous() {
     let produced = produce(&a, "s-1").await;
     assert!(produced.payload.result.ok, "{:?}", produced.payload.result);
     let kv = produced.payload.kv.clone().expect("rendezvous");
+    // open document: the rendezvous is the engine's own `kv_transfer_params`.
     assert_eq!(
         kv["bootstrap_port"].as_u64(),
         att.payload.engine.bootstrap_port.map(u64::from)

@@ -5,7 +5,10 @@
 
 use std::time::{Duration, Instant};
 
-use narwhal_testkit::{Fleet, RouterHandle, SimHandle, eventually, metric};
+use narwhal_shared::documents::{ErrorReply, State};
+use narwhal_testkit::{
+    Fleet, Reply, RequestOutcomeRow, RouterHandle, SimHandle, eventually, metric, parse_document,
+};
 use serde_json::{Value, json};
 
 /// Faults of an engine that is still loading: `/health` 503 and completions that hang.
@@ -56,36 +59,40 @@ fn no_monitor() -> Value {
 
 /// After `p0` restarted in place: the router ejects it as a new process (its identity change
 /// names `why`) and charges neither decode engine; the state once it did.
-async fn the_restart_is_the_prefills(router: &RouterHandle, why: &str) -> Value {
+async fn the_restart_is_the_prefills(router: &RouterHandle, why: &str) -> State {
     let st = router
-        .state_where("p0 ejected as a new process", |st| {
-            st["ejected"] == json!(["p0"])
-        })
+        .state_until("p0 ejected as a new process", |st| st.ejected == ["p0"])
         .await;
-    let changed = router.events_of("engine_identity_changed", "p0");
-    assert!(
-        changed[0]["reason"]
-            .as_str()
-            .is_some_and(|r| r.starts_with(why)),
-        "{changed:?}"
-    );
+    let changed = router.event_rows_of("engine_identity_changed", "p0");
+    assert!(changed[0].reason.starts_with(why), "{changed:?}");
     for d in ["d0", "d1"] {
         assert!(
-            router.events_of("engine_ejected", d).is_empty(),
-            "{d} charged for the prefill's restart: {st}"
+            router.event_rows_of("engine_ejected", d).is_empty(),
+            "{d} charged for the prefill's restart: {st:?}"
         );
     }
     st
 }
 
-fn strs(v: &Value) -> Vec<String> {
-    v.as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|s| s.as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default()
+/// `GET /narwhal/state`, which must answer the state document.
+async fn state_of(router: &RouterHandle) -> State {
+    let st = router.state().await;
+    assert!(st.is_state(), "not a state document: {st:?}");
+    st
+}
+
+/// The `error.type` of the router's error answer `r`.
+///
+/// # Panics
+/// When the body is not JSON.
+fn error_type(r: &Reply) -> String {
+    parse_document::<ErrorReply>(&r.what, &r.text()).error.kind
+}
+
+/// Engine `iid`'s `inference_status` failure streak in `st`'s breaker; `None` when the breaker
+/// lists no streaks for it.
+fn inference_status(st: &State, iid: &str) -> Option<u64> {
+    st.breaker.failures.get(iid).map(|f| f.inference_status)
 }
 
 /// Health gate (at startup): engines whose `/health` answers 503 while their completions hang are
@@ -105,13 +112,13 @@ async fn a_loading_engine_is_never_placed_until_its_health_answers_200() {
         "a client waited {slowest:?}"
     );
     assert_eq!(requests(f.sim("p1")).await + requests(f.sim("d1")).await, 0);
-    let st = router.state_json().await;
-    assert_eq!(strs(&st["awaiting_health"]), ["d1", "p1"], "{st}");
+    let st = state_of(&router).await;
+    assert_eq!(st.awaiting_health, ["d1", "p1"], "{st:?}");
     assert_eq!(router.ready().await.0, 200);
     // p1 finishes loading: admitted, and it takes traffic.
     f.sim_mut("p1").clear_faults().await;
     eventually("p1 admitted", Duration::from_secs(20), || async {
-        (strs(&router.state_json().await["awaiting_health"]) == ["d1"]).then_some(())
+        (router.state().await.awaiting_health == ["d1"]).then_some(())
     })
     .await;
     assert_eq!(router.events_of("engine_admitted", "p1").len(), 1);
@@ -144,15 +151,15 @@ async fn an_engine_back_from_an_outage_waits_for_its_health_again() {
         0,
         "nothing placed on a loading d1"
     );
-    let ejected = router.events_of("engine_ejected", "d1");
+    let ejected = router.event_rows_of("engine_ejected", "d1");
     assert!(
-        ejected.iter().all(|e| e["cause"] == "health_probe"),
+        ejected.iter().all(|e| e.cause == "health_probe"),
         "{ejected:?}"
     );
     f.sim_mut("d1").clear_faults().await;
     let router = f.router();
-    let back = &router.first_event("engine_readmitted", "d1").await;
-    assert_eq!(back["evidence"], "generation", "{back}");
+    let back = &router.first_event_typed("engine_readmitted", "d1").await;
+    assert_eq!(back.evidence, "generation", "{back:?}");
 }
 
 /// Overload is not failure: while every prefill engine answers 503 (then 429), nothing is ejected
@@ -182,11 +189,11 @@ async fn busy_engines_are_not_failed_and_clients_get_retry_after() {
             let r = router.completion(&format!("busy {status} {i}"), 4).await;
             assert_eq!(r.status, status, "{}", r.text());
             assert_eq!(r.header("retry-after"), "1");
-            assert_eq!(r.json()["error"]["type"], "server_overloaded_error");
+            assert_eq!(error_type(&r), "server_overloaded_error");
         }
-        let st = router.state_json().await;
-        assert_eq!(st["ejected"], json!([]), "{st}");
-        assert_eq!(st["breaker"]["ejections"], json!([]), "{st}");
+        let st = state_of(router).await;
+        assert!(st.ejected.is_empty(), "{st:?}");
+        assert!(st.breaker.ejections.is_empty(), "{st:?}");
         for p in ["p0", "p1"] {
             f.sim(p).clear_faults().await;
         }
@@ -225,8 +232,8 @@ async fn one_slow_health_probe_neither_ejects_nor_unreadies() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(not_ready, 0, "/ready answered 503 {not_ready} times");
-    let st = router.state_json().await;
-    assert_eq!(st["breaker"]["ejections"], json!([]), "{st}");
+    let st = state_of(router).await;
+    assert!(st.breaker.ejections.is_empty(), "{st:?}");
     let m = router.metrics().await;
     let timeouts = metric(
         &m,
@@ -266,12 +273,9 @@ async fn an_engine_that_cannot_generate_stays_out_with_a_growing_hold() {
     .await;
     assert_eq!(router.events_of("engine_ejected", "d0").len(), 1);
     assert!(router.events_of("engine_readmitted", "d0").is_empty());
-    let probes = router.events_of("engine_probe", "d0");
-    assert!(
-        probes.iter().all(|p| p["outcome"] == "failed"),
-        "{probes:?}"
-    );
-    let at: Vec<f64> = probes.iter().filter_map(|p| p["at"].as_f64()).collect();
+    let probes = router.event_rows_of("engine_probe", "d0");
+    assert!(probes.iter().all(|p| p.outcome == "failed"), "{probes:?}");
+    let at: Vec<f64> = probes.iter().map(|p| p.at).collect();
     let first_gap = at[1] - at[0];
     let second_gap = at[2] - at[1];
     // After each failed probe the hold doubles: never sooner than 0.8 s, then 1.6 s (probes
@@ -281,8 +285,8 @@ async fn an_engine_that_cannot_generate_stays_out_with_a_growing_hold() {
         "the hold grows: gaps {first_gap:.2}s then {second_gap:.2}s"
     );
     f.sim("d0").clear_faults().await;
-    let back = &router.first_event("engine_readmitted", "d0").await;
-    assert_eq!(back["evidence"], "generation", "{back}");
+    let back = &router.first_event_typed("engine_readmitted", "d0").await;
+    assert_eq!(back.evidence, "generation", "{back:?}");
 }
 
 /// The panic threshold: a role's last live engine is never ejected for inference errors; it stays
@@ -300,12 +304,12 @@ async fn the_last_engine_of_a_role_stays_in_placement_degraded() {
     // Decode failures are charged once the producer is known to be the same process: all
     // eight attempts (two per request).
     let st = eventually("d0's failures charged", Duration::from_secs(10), || async {
-        let st = router.state_json().await;
-        (st["breaker"]["failures"]["d0"]["inference_status"] == 8).then_some(st)
+        let st = router.state().await;
+        (st.is_state() && inference_status(&st, "d0") == Some(8)).then_some(st)
     })
     .await;
-    assert_eq!(st["ejected"], json!([]), "{st}");
-    assert_eq!(st["degraded"], json!(["d0"]), "{st}");
+    assert!(st.ejected.is_empty(), "{st:?}");
+    assert_eq!(st.degraded, ["d0"], "{st:?}");
     let m = router.metrics().await;
     assert_eq!(
         metric(&m, "narwhal_engine_degraded", &["iid=\"d0\""]),
@@ -314,7 +318,7 @@ async fn the_last_engine_of_a_role_stays_in_placement_degraded() {
     );
     f.sim("d0").clear_faults().await;
     router.complete("recovered").await;
-    assert_eq!(router.state_json().await["degraded"], json!([]));
+    assert!(state_of(router).await.degraded.is_empty());
 }
 
 /// `engines[].health_path`: an engine without `/health` (it answers 404, as llama.cpp does) is
@@ -336,10 +340,7 @@ async fn an_engine_without_health_is_probed_on_its_health_path() {
     let plain = f.start_router("plain", &[]);
     let r = plain.completion("no health", 4).await;
     assert_eq!(r.status, 503, "{}", r.text());
-    assert_eq!(
-        strs(&plain.state_json().await["awaiting_health"]),
-        ["e0", "e1"]
-    );
+    assert_eq!(state_of(&plain).await.awaiting_health, ["e0", "e1"]);
     drop(plain);
     let spec = f
         .spec("models", "router")
@@ -347,7 +348,7 @@ async fn an_engine_without_health_is_probed_on_its_health_path() {
         .engine_with("e1", json!({"health_path": "/v1/models"}));
     let router = narwhal_testkit::start_router(f.dir(), "models", &spec, &[]).expect("router");
     router.complete("models path").await;
-    assert_eq!(router.state_json().await["awaiting_health"], json!([]));
+    assert!(state_of(&router).await.awaiting_health.is_empty());
     // e1 killed and restarted (still without /health): out, then back through its health
     // path and a generation probe.
     let faults = no_health.to_string();
@@ -357,10 +358,10 @@ async fn an_engine_without_health_is_probed_on_its_health_path() {
         .restart(&["--faults", &faults])
         .expect("e1 restarts");
     router
-        .state_where("e1 readmitted", |st| st["ejected"] == json!([]))
+        .state_until("e1 readmitted", |st| st.ejected.is_empty())
         .await;
-    let back = &router.events_of("engine_readmitted", "e1")[0];
-    assert_eq!(back["evidence"], "generation", "{back}");
+    let back = &router.event_rows_of("engine_readmitted", "e1")[0];
+    assert_eq!(back.evidence, "generation", "{back:?}");
 }
 
 /// Identity: an SGLang prefill restarted in place on a new bootstrap port while the router saw no
@@ -386,10 +387,10 @@ async fn a_failed_rendezvous_with_a_restarted_prefill_is_the_prefills() {
         let _ = router.completion(&format!("after {i}"), 4).await;
     }
     let st = the_restart_is_the_prefills(router, "bootstrap port").await;
-    let ejected = router.events_of("engine_ejected", "p0");
-    assert_eq!(ejected[0]["cause"], "process_identity", "{ejected:?}");
+    let ejected = router.event_rows_of("engine_ejected", "p0");
+    assert_eq!(ejected[0].cause, "process_identity", "{ejected:?}");
     for d in ["d0", "d1"] {
-        assert_eq!(st["breaker"]["failures"][d]["inference_status"], 0, "{st}");
+        assert_eq!(inference_status(&st, d), Some(0), "{st:?}");
     }
 }
 
@@ -446,10 +447,10 @@ async fn a_standby_does_not_eject_engines_the_primary_restarted() {
         .standby()
         .start()
         .await;
-    f.router().drain_to_complete("d0").await;
+    f.router().drain_to_complete_typed("d0").await;
     f.sim_mut("d0").restart(&[]).expect("d0 restarts");
-    let (status, doc) = f.router().readmit_engine("d0").await;
-    assert_eq!(status, 200, "{doc}");
+    let (status, doc) = f.router().readmit_engine_typed("d0").await;
+    assert_eq!(status, 200, "{doc:?}");
     // Let the standby tick over the new process for a while (a rule about something that
     // must not happen: nothing to poll for).
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -492,19 +493,16 @@ async fn an_engine_that_refuses_the_routers_credentials_is_ejected_and_its_peer_
     let router = f.router();
     let (codes, _) = send(router, 20, "keyed").await;
     assert!(codes.iter().all(|c| *c == 200), "{codes:?}");
-    let st = router.wait_ejected("d0").await;
-    let ejections = st["breaker"]["ejections"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default();
+    let st = router.wait_ejected_typed("d0").await;
     assert!(
-        ejections
+        st.breaker
+            .ejections
             .iter()
-            .any(|e| e["iid"] == "d0" && e["cause"] == "engine_config"),
-        "{st}"
+            .any(|e| e.iid == "d0" && e.cause == "engine_config"),
+        "{st:?}"
     );
-    let ejected = router.first_event("engine_ejected", "d0").await;
-    assert_eq!(ejected["cause"], "engine_config", "{ejected}");
+    let ejected = router.first_event_typed("engine_ejected", "d0").await;
+    assert_eq!(ejected.cause, "engine_config", "{ejected:?}");
     let refused = f.sim("d0").stats().await["unauthorized"]
         .as_u64()
         .unwrap_or(0);
@@ -521,17 +519,17 @@ async fn an_engine_that_refuses_the_routers_credentials_is_ejected_and_its_peer_
         "{m}"
     );
     // Attempts on d0 are counted with their reason; no request failed.
-    let rows = router.journal_rows();
-    let requests_rows: Vec<&Value> = rows.iter().filter(|r| r["rid"].is_string()).collect();
-    assert_eq!(requests_rows.len(), 20, "{rows:?}");
+    let requests_rows = router.request_outcome_rows();
+    assert_eq!(requests_rows.len(), 20, "{:?}", router.journal_rows());
     assert!(
-        requests_rows.iter().all(|r| r["status"] == 200),
+        requests_rows.iter().all(|r| r.status == Some(200)),
         "{requests_rows:?}"
     );
     assert!(
-        requests_rows.iter().any(|r| r["attempt_failures"]
-            .as_array()
-            .is_some_and(|a| a.iter().any(|x| x["reason"] == "engine_config"))),
+        requests_rows.iter().any(|r| r
+            .attempt_failures
+            .iter()
+            .any(|x| x.reason == "engine_config")),
         "{requests_rows:?}"
     );
 
@@ -544,8 +542,9 @@ async fn an_engine_that_refuses_the_routers_credentials_is_ejected_and_its_peer_
     let a = alone.router().completion("nobody lets me in", 4).await;
     let v = a.json_or_null();
     assert_eq!(a.status, 502, "{v}");
-    assert_eq!(v["error"]["type"], "decode", "{v}");
-    assert_ne!(v["error"]["type"], "invalid_request_error", "{v}");
+    let kind = error_type(&a);
+    assert_eq!(kind, "decode", "{v}");
+    assert_ne!(kind, "invalid_request_error", "{v}");
 }
 
 /// A router out of file descriptors is not its engines' failure: when its own descriptor limit
@@ -601,7 +600,7 @@ async fn a_router_out_of_descriptors_ejects_no_engine() {
     for r in &replies {
         if r.status == 503 {
             assert_eq!(r.header("retry-after"), "1", "503 without Retry-After");
-            assert_eq!(r.json()["error"]["type"], "server_overloaded_error");
+            assert_eq!(error_type(r), "server_overloaded_error");
         }
         *codes.entry(r.status.as_u16()).or_insert(0) += 1;
     }
@@ -621,14 +620,14 @@ async fn a_router_out_of_descriptors_ejects_no_engine() {
         0.0,
         "no descriptor failure is the engine's connection failure: {codes:?}"
     );
-    let ejected: Vec<Value> = router
-        .journal_rows()
+    let ejected: Vec<_> = router
+        .engine_event_rows()
         .into_iter()
-        .filter(|r| r["event"] == "engine_ejected" || r["event"] == "engine_degraded")
+        .filter(|r| r.event == "engine_ejected" || r.event == "engine_degraded")
         .collect();
     assert!(ejected.is_empty(), "{ejected:?} ({codes:?})");
-    let st = router.state_json().await;
-    assert_eq!(st["breaker"]["ejections"], json!([]), "{st}");
+    let st = state_of(router).await;
+    assert!(st.breaker.ejections.is_empty(), "{st:?}");
     // Descriptors free again: served as before.
     eventually("a 200 after the burst", Duration::from_secs(10), || async {
         (router.completion("after", 4).await.status == 200).then_some(())
@@ -721,18 +720,17 @@ async fn a_wedged_engine_is_out_within_seconds_and_its_requests_served(wedged: W
         Wedged::Aggregated => "e0",
     };
     router.complete("warm").await;
-    let is_request = |r: &Value| r["terminal"].is_string() && r["rid"].is_string();
+    let requests = || -> Vec<RequestOutcomeRow> {
+        let rows = router.request_outcome_rows().into_iter();
+        rows.filter(|r| !r.terminal.is_empty()).collect()
+    };
     // The journal is written after the answer: wait for the warm request's row, or it could
     // land after this count and be read as one of the bursts' (it touched the engine once).
     let before = eventually(
         "the warm request's journal row",
         Duration::from_secs(10),
         || async {
-            let n = router
-                .journal_rows()
-                .iter()
-                .filter(|r| is_request(r))
-                .count();
+            let n = requests().len();
             (n >= 1).then_some(n)
         },
     )
@@ -754,57 +752,48 @@ async fn a_wedged_engine_is_out_within_seconds_and_its_requests_served(wedged: W
             "burst {n}: a client waited {slowest:?} ({wedged:?} wedged)"
         );
     }
-    let ejected = router.first_event("engine_ejected", iid).await;
+    let ejected = router.first_event_typed("engine_ejected", iid).await;
     // An aggregated leg's own limit is `first_token_timeout_s`: three of them in a row eject
     // the engine (cause `stream`) as fast as the stall watch does; a split's legs wait far
     // longer (its decode leg adds `kv_transfer_timeout_s`, its prefill leg has
     // `prefill_timeout_s`), so there only the stall watch can see it.
     match wedged {
         Wedged::Aggregated => assert!(
-            ejected["cause"] == "stalled" || ejected["cause"] == "stream",
-            "{ejected}"
+            ejected.cause == "stalled" || ejected.cause == "stream",
+            "{ejected:?}"
         ),
         Wedged::Decode | Wedged::DecodeWithAgents | Wedged::Prefill => {
-            assert_eq!(ejected["cause"], "stalled", "{ejected}");
+            assert_eq!(ejected.cause, "stalled", "{ejected:?}");
         }
     }
-    if ejected["cause"] == "stalled" {
-        let probe = router.events_of("engine_probe", iid);
+    if ejected.cause == "stalled" {
+        let probe = router.event_rows_of("engine_probe", iid);
         assert!(
             probe
                 .iter()
-                .any(|p| p["kind"] == "stall" && p["outcome"] == "failed"),
+                .any(|p| p.kind == "stall" && p.outcome == "failed"),
             "the failed stall probe is journalled: {probe:?}"
         );
     }
     // Requests whose legs never touched the wedged engine were never slow; those it held
     // were failed over and served.
-    let rows: Vec<Value> = router
-        .journal_rows()
-        .into_iter()
-        .filter(is_request)
-        .skip(before)
-        .collect();
-    let touched = |r: &Value| {
-        r["legs"]
-            .as_array()
-            .is_some_and(|legs| legs.iter().any(|l| l["iid"] == iid))
-    };
-    let held: Vec<&Value> = rows.iter().filter(|r| touched(r)).collect();
+    let rows: Vec<RequestOutcomeRow> = requests().into_iter().skip(before).collect();
+    let touched = |r: &RequestOutcomeRow| r.legs.iter().any(|l| l.iid.as_deref() == Some(iid));
+    let held: Vec<&RequestOutcomeRow> = rows.iter().filter(|r| touched(r)).collect();
     assert!(!held.is_empty(), "the wedged engine was given some request");
     for r in &held {
-        assert_eq!(r["terminal"], "completed", "{r}");
-        assert!(r["attempts"].as_u64() >= Some(2), "failed over: {r}");
+        assert_eq!(r.terminal, "completed", "{r:?}");
+        assert!(r.attempts >= 2, "failed over: {r:?}");
     }
     for r in rows.iter().filter(|r| !touched(r)) {
-        let d = r["duration_s"].as_f64().unwrap_or(f64::MAX);
+        let d = r.duration_s.unwrap_or(f64::MAX);
         assert!(
             d < FIRST_TOKEN_S,
-            "a request that never touched {iid} took {d} s: {r}"
+            "a request that never touched {iid} took {d} s: {r:?}"
         );
     }
     let m = router.metrics().await;
-    let cause = format!("cause={}", ejected["cause"]);
+    let cause = format!("cause=\"{}\"", ejected.cause);
     assert_eq!(
         metric(
             &m,
@@ -828,8 +817,8 @@ async fn a_wedged_engine_is_out_within_seconds_and_its_requests_served(wedged: W
         return;
     }
     f.sim(iid).clear_faults().await;
-    let back = router.first_event("engine_readmitted", iid).await;
-    assert_eq!(back["evidence"], "generation", "{back}");
+    let back = router.first_event_typed("engine_readmitted", iid).await;
+    assert_eq!(back.evidence, "generation", "{back:?}");
     eprintln!(
         "{wedged:?}: two bursts in {:?}, slowest {:?}",
         t0.elapsed(),

@@ -37,9 +37,11 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use narwhal_shared::agent_protocol::ErrorBody;
 use narwhal_shared::documents::lifecycle::ControllerRef;
+use narwhal_shared::documents::requests::{DrainBody, ReadmitBody};
 use narwhal_shared::documents::state;
-use narwhal_shared::handoff::DrainState;
+use narwhal_shared::handoff::{DrainState, Handoff};
 use narwhal_testkit::{
     Fleet, FleetBuilder, Http, LEASE_TTL_S, LeaseBackend, Proxy, RouterHandle, STANDBY_PROBE_S,
     STANDBY_TAKEOVER_AFTER, Sample, Sampler, handoff_file_where, metric, wait_until,
@@ -122,6 +124,26 @@ async fn agent_attest(f: &Fleet, agent: &str, iid: &str, epoch: u64, holder: &st
     router.post(url, &body).await.status_json()
 }
 
+/// The handoff document router `r` serves (`GET /narwhal/handoff`), parsed and validated.
+///
+/// # Panics
+/// When it is not a valid handoff document.
+async fn handoff_of(r: &RouterHandle) -> Handoff {
+    let doc = r.handoff().await;
+    Handoff::from_value(doc.clone()).unwrap_or_else(|e| panic!("not a handoff ({e}): {doc:#}"))
+}
+
+/// `served` of router `r`'s `/narwhal/state`, which must answer the state document.
+async fn served_of(r: &RouterHandle) -> u64 {
+    let st = r.state().await;
+    assert!(
+        st.is_state(),
+        "{}: not a state document: {st:?}",
+        r.proc.label
+    );
+    st.served
+}
+
 /// A lease record another router (`holder`) wrote for `epoch`, valid for `valid_s` seconds.
 fn foreign_lease(epoch: u64, holder: &str, valid_s: f64) -> Value {
     let now = std::time::SystemTime::now()
@@ -134,8 +156,8 @@ fn foreign_lease(epoch: u64, holder: &str, valid_s: f64) -> Value {
 
 /// A fenced router refuses lifecycle actions with 503.
 async fn assert_lifecycle_refused(r: &RouterHandle) {
-    let (status, doc) = r.drain(&json!({"engines": ["d0"], "deadline_s": 30})).await;
-    assert_eq!(status, 503, "{doc:#}");
+    let (status, doc) = r.drain_typed(&DrainBody::engine("d0", 30.0)).await;
+    assert_eq!(status, 503, "{doc:#?}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -153,9 +175,9 @@ async fn kill_during_wave(backend: LeaseBackend) {
     let (epoch, holder) = lease_of(&p).await;
     assert!(epoch >= 1, "{:?}", p.ha().await);
 
-    let (status, doc) = p.drain(&json!({"wave": true, "deadline_s": 60})).await;
-    assert_eq!(status, 200, "{doc:#}");
-    let wave_id = doc["wave"]["id"].as_str().expect("wave id").to_string();
+    let (status, doc) = p.drain_typed(&DrainBody::wave(60.0)).await;
+    assert_eq!(status, 200, "{doc:#?}");
+    let wave_id = doc.document.wave.id.clone();
     // Both engines idle: the wave becomes ready to stop; the standby retains that document
     // (polling a primary whose /ready is 503 for the wave but control_ready).
     let retained = f
@@ -228,7 +250,7 @@ async fn kill_during_wave(backend: LeaseBackend) {
     for sim in &mut f.sims {
         sim.restart(&[]).expect("restart simulator");
     }
-    let (status, doc) = s.lifecycle_post("readmit", &json!({"wave": true})).await;
+    let (status, doc) = s.readmit_typed(&ReadmitBody::wave()).await;
     assert_eq!(status, 200, "{doc:#?}");
     let doc = doc.document;
     assert!(!doc.wave.active, "{doc:#?}");
@@ -332,8 +354,8 @@ async fn sigstop_then_sigcont(backend: LeaseBackend) {
         "{old_doc:#?}"
     );
     for (action, body) in [
-        ("drain", json!({"engines": ["d0"], "deadline_s": 30})),
-        ("readmit", json!({"engines": ["d0"]})),
+        ("drain", json!(DrainBody::engine("d0", 30.0))),
+        ("readmit", json!(ReadmitBody::engine("d0"))),
     ] {
         let (status, doc) = p.lifecycle_post(action, &body).await;
         assert_eq!(status, 503, "{action}: {doc:#?}");
@@ -352,8 +374,10 @@ async fn sigstop_then_sigcont(backend: LeaseBackend) {
     for (agent, iid) in [("h0", "p0"), ("h1", "d0")] {
         let (status, body) = agent_attest(&f, agent, iid, epoch, &holder).await;
         assert_eq!(status, 409, "{iid}: old epoch refused: {body}");
-        assert_eq!(body["error"]["code"], "stale_epoch", "{body}");
-        assert_eq!(body["error"]["highest_epoch"], new_epoch, "{body}");
+        let refusal: ErrorBody = serde_json::from_value(body.clone())
+            .unwrap_or_else(|e| panic!("{iid}: not an agent error ({e}): {body}"));
+        assert_eq!(refusal.error.code, "stale_epoch", "{body}");
+        assert_eq!(refusal.error.highest_epoch, Some(new_epoch), "{body}");
     }
     // Keep sampling while the old primary waits as a standby: it must not win. (Two seconds:
     // the takeover no longer waits for missed polls, so the run is shorter than it was, and
@@ -436,9 +460,9 @@ async fn fenced_primary_takes_the_fleet_back_only_with_the_newest_state() {
     for i in 0..2 {
         assert_eq!(s.completion(&format!("new {i}"), 2).await.status, 200);
     }
-    let (status, doc) = s.drain(&json!({"engines": ["d0"], "deadline_s": 60})).await;
-    assert_eq!(status, 200, "{doc:#}");
-    let shown = s.state_json().await["served"].as_u64().expect("served");
+    let (status, doc) = s.drain_typed(&DrainBody::engine("d0", 60.0)).await;
+    assert_eq!(status, 200, "{doc:#?}");
+    let shown = served_of(&s).await;
     assert!(shown >= 2, "{shown}");
     s.proc.kill();
     let t_kill = Instant::now();
@@ -453,19 +477,19 @@ async fn fenced_primary_takes_the_fleet_back_only_with_the_newest_state() {
         )
     });
     eprintln!("[ha_e2e] File: the old primary took the fleet back {retook:?} after the kill");
-    let lc = p.lifecycle_json().await;
-    let st = p.state_json().await;
+    let lc = p.lifecycle().await;
+    let served = served_of(&p).await;
     assert!(
-        st["served"].as_u64() >= Some(shown),
+        served >= shown,
         "served {} after the takeover, {shown} shown by the new primary",
-        st["served"]
+        served
     );
-    let d0 = &lc["engines"]["d0"];
+    let d0 = &lc.engines["d0"];
     assert!(
-        d0["state"] == "draining" || d0["state"] == "drained",
-        "d0 stays held out of placement: {lc:#}"
+        d0.state == DrainState::Draining || d0.state == DrainState::Drained,
+        "d0 stays held out of placement: {lc:#?}"
     );
-    assert_eq!(d0["accepts_new"], false, "{lc:#}");
+    assert!(!d0.accepts_new, "{lc:#?}");
     if let Some(rec) = f.lease_file() {
         assert_eq!(rec["epoch"], epoch + 2, "one claim, no churn: {rec}");
     }
@@ -572,11 +596,14 @@ async fn a_foreign_lease_record_fences_the_primary_and_stops_its_state_writes() 
     let ready = p.not_ready().await;
     assert_eq!(ready.reason, "shadowing", "{ready:?}");
     assert!(!ready.control_ready, "{ready:?}");
-    let lc = p.lifecycle_json().await;
+    let lc = p.lifecycle().await;
     assert_eq!(
-        lc["router"]["controller"],
-        json!({"holder": "other:0", "epoch": epoch + 1}),
-        "{lc:#}"
+        lc.router.controller,
+        Some(ControllerRef {
+            holder: "other:0".into(),
+            epoch: epoch + 1
+        }),
+        "{lc:#?}"
     );
     assert_eq!(p.completion("fenced", 2).await.status, 503);
     assert_lifecycle_refused(p).await;
@@ -637,12 +664,15 @@ async fn unreachable_primary_keeps_its_lease(backend: LeaseBackend) {
     );
     let ready = s.not_ready().await;
     assert_eq!(ready.reason, "shadowing", "{ready:?}");
-    let lc = s.lifecycle_json().await;
-    assert_eq!(lc["router"]["controls_fleet"], "standby", "{lc:#}");
+    let lc = s.lifecycle().await;
+    assert_eq!(lc.router.controls_fleet, "standby", "{lc:#?}");
     assert_eq!(
-        lc["router"]["controller"],
-        json!({"holder": holder, "epoch": epoch}),
-        "{lc:#}"
+        lc.router.controller,
+        Some(ControllerRef {
+            holder: holder.clone(),
+            epoch
+        }),
+        "{lc:#?}"
     );
     assert_eq!(p.controls().await.as_deref(), Some("active"));
     if let Some(rec) = f.lease_file() {
@@ -651,7 +681,7 @@ async fn unreachable_primary_keeps_its_lease(backend: LeaseBackend) {
     }
     // The primary still serves.
     assert_eq!(p.completion("still here", 2).await.status, 200);
-    let shown = p.state_json().await["served"].as_u64().expect("served");
+    let shown = served_of(&p).await;
     // The primary now dies. Its HTTP copy is older than --standby-max-handoff-age (the
     // reference stayed out then, behaviour.md 12 item 7a); its published handoff is
     // current, so the standby takes over with it.
@@ -666,11 +696,11 @@ async fn unreachable_primary_keeps_its_lease(backend: LeaseBackend) {
     eprintln!("[ha_e2e] {backend:?}: took over from the published handoff after {took:?}");
     let sha = s.ha().await;
     assert_eq!(epoch_of(&sha), epoch + 1, "{sha:?}");
-    let st = s.state_json().await;
+    let served = served_of(&s).await;
     assert!(
-        st["served"].as_u64() >= Some(shown),
+        served >= shown,
         "served {} after the takeover, {shown} shown before",
-        st["served"]
+        served
     );
 }
 
@@ -713,7 +743,7 @@ async fn standby_with_its_wall_clock_ahead(backend: LeaseBackend) {
         .duration_since(std::time::UNIX_EPOCH)
         .expect("wall clock")
         .as_secs_f64();
-    let at = s.handoff().await["at"].as_f64().expect("at");
+    let at = handoff_of(&s).await.at;
     assert!(
         at > real + 8.0 && at < real + 12.0,
         "the standby's wall clock is not 10 s ahead: at {at}, real {real}"
@@ -755,11 +785,14 @@ async fn standby_with_its_wall_clock_ahead(backend: LeaseBackend) {
         assert_eq!(rec["holder"], holder.as_str(), "not claimed: {rec}");
         assert_eq!(rec["epoch"], epoch, "{rec}");
     }
-    let lc = s.lifecycle_json().await;
+    let lc = s.lifecycle().await;
     assert_eq!(
-        lc["router"]["controller"],
-        json!({"holder": holder, "epoch": epoch}),
-        "{lc:#}"
+        lc.router.controller,
+        Some(ControllerRef {
+            holder: holder.clone(),
+            epoch
+        }),
+        "{lc:#?}"
     );
 
     // The primary dies: the skewed standby takes over, one TTL after it first saw the
@@ -818,13 +851,16 @@ async fn demand_risk_survives_a_takeover_with_its_age_reanchored() {
     let mut f = slow_first_token(true).await;
     let (mut p, s) = pair(&mut f);
     let _ = p.completion("slow first token", 2).await;
-    let doc = p.handoff().await;
+    let doc = handoff_of(&p).await;
     let t_read = Instant::now();
-    let risk = doc["demand_risk"].clone();
-    assert_eq!(risk["kind"], "first_token_timeout", "{doc:#}");
-    let events = risk["events"].clone();
-    assert!(events["first_token_timeout"].as_u64() >= Some(1), "{risk}");
-    let age0 = risk["age_s"].as_f64().expect("age_s");
+    let risk = doc.demand_risk.clone().expect("demand_risk");
+    assert_eq!(risk.kind, "first_token_timeout", "{doc:#?}");
+    let events = risk.events.clone();
+    assert!(
+        events.get("first_token_timeout").copied() >= Some(1),
+        "{risk:?}"
+    );
+    let age0 = risk.age_s;
     let (epoch, holder) = lease_of(&p).await;
     f.wait_retained("standby", epoch, &holder, |h| h.demand_risk.is_some())
         .await;
@@ -832,15 +868,12 @@ async fn demand_risk_survives_a_takeover_with_its_age_reanchored() {
     p.proc.kill();
     s.wait_controls("active", takeover_bound() + Duration::from_secs(5))
         .await;
-    let doc = s.handoff().await;
+    let doc = handoff_of(&s).await;
     let elapsed = t_read.elapsed().as_secs_f64();
-    let risk = &doc["demand_risk"];
-    assert_eq!(risk["kind"], "first_token_timeout", "{doc:#}");
-    assert_eq!(
-        risk["events"], events,
-        "counts carried, not doubled: {risk}"
-    );
-    let age1 = risk["age_s"].as_f64().expect("age_s");
+    let risk = doc.demand_risk.as_ref().expect("demand_risk");
+    assert_eq!(risk.kind, "first_token_timeout", "{doc:#?}");
+    assert_eq!(risk.events, events, "counts carried, not doubled: {risk:?}");
+    let age1 = risk.age_s;
     let want = age0 + elapsed;
     eprintln!("[ha_e2e] demand risk age {age0:.3} s before, {age1:.3} s after (want {want:.3})");
     assert!(
@@ -860,15 +893,19 @@ async fn primary_restarted_with_resume_inside_its_ttl_takes_over_once_the_lease_
     for i in 0..2 {
         let _ = p.completion(&format!("r {i}"), 2).await;
     }
-    let before = p.handoff().await;
-    let events = before["demand_risk"]["events"].clone();
+    let before = handoff_of(&p).await;
+    let events = before
+        .demand_risk
+        .as_ref()
+        .map(|r| r.events.clone())
+        .unwrap_or_default();
     assert!(
-        events["first_token_timeout"].as_u64() >= Some(1),
-        "{before:#}"
+        events.get("first_token_timeout").copied() >= Some(1),
+        "{before:#?}"
     );
-    let served = before["counters"]["served"].clone();
+    let served = before.counters.get("served").copied();
     handoff_file_where(&f.state_path("primary"), Duration::from_secs(5), |h| {
-        h.demand_risk.is_some() && json!(h.counters["served"]) == served
+        h.demand_risk.is_some() && h.counters.get("served").copied() == served
     })
     .await;
     p.proc.kill();
@@ -876,11 +913,12 @@ async fn primary_restarted_with_resume_inside_its_ttl_takes_over_once_the_lease_
     let p2 = f.start_router("primary", &["--router-id", "primary", "--resume"]);
     p2.wait_controls("active", takeover_bound() + Duration::from_secs(3))
         .await;
-    let after = p2.handoff().await;
-    assert_eq!(after["counters"]["served"], served, "{after:#}");
+    let after = handoff_of(&p2).await;
+    assert_eq!(after.counters.get("served").copied(), served, "{after:#?}");
     assert_eq!(
-        after["demand_risk"]["events"], events,
-        "applied once, not once at startup and again at the claim: {after:#}"
+        after.demand_risk.as_ref().map(|r| &r.events),
+        Some(&events),
+        "applied once, not once at startup and again at the claim: {after:#?}"
     );
 }
 

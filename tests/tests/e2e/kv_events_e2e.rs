@@ -424,7 +424,9 @@ async fn sim_publishes_its_prompt_blocks() {
     assert_eq!(again[0][1..], live[..]);
 
     let stats = sim.counters().await;
-    let pc = stats.prefix_cache.expect("the simulator's prefix cache counters");
+    let pc = stats
+        .prefix_cache
+        .expect("the simulator's prefix cache counters");
     assert_eq!(pc.capacity, 4096);
     assert!(pc.blocks >= 3, "{pc:?}");
     assert!(pc.hits >= 8, "{pc:?}");

@@ -16,10 +16,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use narwhal_shared::documents::requests::{DrainBody, ReadmitBody};
 use narwhal_shared::handoff::DrainState;
 use narwhal_testkit::{
-    Fleet, RouterHandle, SimHandle, WAIT, bin_path, count as n, metric, narwhalctl,
-    strings as strs, wait_until,
+    Fleet, RouterHandle, SimHandle, WAIT, bin_path, count as n, metric, narwhalctl, wait_until,
 };
 use serde_json::{Value, json};
 
@@ -123,11 +123,35 @@ async fn crash_d0(f: &mut Fleet, r: &RouterHandle, prompt: &str) {
 
 /// The lifecycle actions of engine `iid` in the journal, oldest first.
 fn actions_of(r: &RouterHandle, iid: &str) -> Vec<String> {
-    r.lifecycle_events()
-        .iter()
-        .filter(|e| e["iid"] == iid)
-        .map(|e| e["action"].as_str().unwrap_or_default().to_string())
+    r.lifecycle_event_rows()
+        .into_iter()
+        .filter(|e| e.iid == iid)
+        .map(|e| e.action)
         .collect()
+}
+
+/// A drain body naming `engines`, without a deadline.
+fn drain_of(engines: &[&str]) -> DrainBody {
+    DrainBody {
+        engines: engines.iter().map(|e| e.to_string()).collect(),
+        ..DrainBody::default()
+    }
+}
+
+/// A whole-fleet wave drain without a deadline: `{"wave": true}`.
+fn wave_drain() -> DrainBody {
+    DrainBody {
+        wave: true,
+        ..DrainBody::default()
+    }
+}
+
+/// A readmission body naming `engines`.
+fn readmit_of(engines: &[&str]) -> ReadmitBody {
+    ReadmitBody {
+        engines: engines.iter().map(|e| e.to_string()).collect(),
+        ..ReadmitBody::default()
+    }
 }
 
 /// The checks a passing individual vLLM readmission of `iid` lists, in the order of
@@ -182,30 +206,31 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
         d.engines["d0"].resident.decode == 2
     })
     .await;
-    let (status, doc) = r.drain(&json!({"engines": ["d0"], "deadline_s": 30})).await;
-    assert_eq!(status, 200, "{doc:#}");
-    assert_eq!(doc["error"], "");
-    let e = &doc["engines"]["d0"];
-    assert_eq!(e["state"], "draining", "{doc:#}");
-    assert_eq!(e["draining"], true);
-    assert_eq!(e["accepts_new"], false);
-    assert_eq!(e["ready_to_stop"], false);
-    assert_eq!(e["resident"]["decode"], 2);
-    assert_eq!(e["restart_required"], true);
+    let (status, doc) = r.drain_typed(&DrainBody::engine("d0", 30.0)).await;
+    assert_eq!(status, 200, "{doc:#?}");
+    let doc = doc.document;
+    assert_eq!(doc.error, "");
+    let e = &doc.engines["d0"];
+    assert_eq!(e.state, DrainState::Draining, "{doc:#?}");
+    assert!(e.draining);
+    assert!(!e.accepts_new);
+    assert!(!e.ready_to_stop);
+    assert_eq!(e.resident.decode, 2);
+    assert!(e.restart_required);
     let d0_start = started_at(&f, "d0").await;
-    let old = e["old_process_start"].as_f64().expect("identity recorded");
+    let old = e.old_process_start.expect("identity recorded");
     assert!((old - d0_start).abs() < 0.05, "old {old} vs sim {d0_start}");
-    assert_eq!(doc["engines"]["p0"]["state"], "active");
-    assert_eq!(doc["wave"]["active"], false);
+    assert_eq!(doc.engines["p0"].state, DrainState::Active);
+    assert!(!doc.wave.active);
     assert_eq!(
         r.ready().await.0,
         200,
         "an individual drain keeps the router ready"
     );
     // Not readmittable while work is resident.
-    let (status, doc) = r.readmit_engine("d0").await;
+    let (status, doc) = r.readmit_engine_typed("d0").await;
     assert_eq!(status, 409);
-    assert_eq!(doc["error"], "d0 is draining, expected drained");
+    assert_eq!(doc.document.error, "d0 is draining, expected drained");
     // New work avoids d0 (it is served on p0) while the streams continue.
     let d0_before = requests(&f, "d0", "decode").await;
     r.complete("placed elsewhere during the drain").await;
@@ -222,7 +247,7 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
     let t1 = s1.finish().await;
     assert!(
         !r.has_event("drain_complete", Some("d0"))
-            || r.lifecycle_json().await["engines"]["d0"]["resident"]["decode"] == 0,
+            || r.lifecycle().await.engines["d0"].resident.decode == 0,
         "drain_complete only after the last stream"
     );
     let t2 = s2.finish().await;
@@ -234,17 +259,14 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
         order,
         ["drain_started", "process_recorded", "drain_complete"]
     );
-    let doc = r.lifecycle_json().await;
-    let e = &doc["engines"]["d0"];
-    assert_eq!(e["state"], "drained", "{doc:#}");
-    assert_eq!(e["ready_to_stop"], true);
-    assert_eq!(e["draining"], true);
-    assert_eq!(e["accepts_new"], false);
-    assert_eq!(e["error"], "");
-    assert_eq!(
-        doc["wave"]["ready_to_stop"], false,
-        "no wave (architecture.md 9.3)"
-    );
+    let doc = r.lifecycle().await;
+    let e = &doc.engines["d0"];
+    assert_eq!(e.state, DrainState::Drained, "{doc:#?}");
+    assert!(e.ready_to_stop);
+    assert!(e.draining);
+    assert!(!e.accepts_new);
+    assert_eq!(e.error, "");
+    assert!(!doc.wave.ready_to_stop, "no wave (architecture.md 9.3)");
     let m = r.metrics().await;
     assert_eq!(
         metric(&m, "narwhal_engine_ready_to_stop", &["iid=\"d0\""]),
@@ -278,39 +300,38 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_again() {
     let (mut f, r) = lab("individual", &[], json!({})).await;
-    let doc = r.drain_to_complete("d0").await;
-    let old = doc["engines"]["d0"]["old_process_start"]
-        .as_f64()
+    let doc = r.drain_to_complete_typed("d0").await.document;
+    let old = doc.engines["d0"]
+        .old_process_start
         .expect("identity recorded");
 
-    let (status, doc) = r.readmit_engine("d0").await;
-    assert_eq!(status, 409, "{doc:#}");
-    assert_eq!(doc["error"], "readmission validation failed");
-    let e = &doc["engines"]["d0"];
-    assert_eq!(e["state"], "blocked");
-    assert_eq!(e["error"], "engine process did not restart after drain");
-    assert_checks(&strs(&e["checks"]), &["health", "attestation", "model"]);
-    assert_eq!(e["accepts_new"], false, "a blocked engine stays out");
+    let (status, doc) = r.readmit_engine_typed("d0").await;
+    assert_eq!(status, 409, "{doc:#?}");
+    let doc = doc.document;
+    assert_eq!(doc.error, "readmission validation failed");
+    let e = &doc.engines["d0"];
+    assert_eq!(e.state, DrainState::Blocked);
+    assert_eq!(e.error, "engine process did not restart after drain");
+    assert_checks(&e.checks, &["health", "attestation", "model"]);
+    assert!(!e.accepts_new, "a blocked engine stays out");
     r.journal_event("validation_failed", Some("d0")).await;
 
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     let new_start = started_at(&f, "d0").await;
-    let (status, doc) = r.readmit_engine("d0").await;
-    assert_eq!(status, 200, "{doc:#}");
-    assert_eq!(doc["error"], "");
-    let e = &doc["engines"]["d0"];
-    assert_eq!(e["state"], "active");
-    assert_eq!(e["error"], "");
-    assert_checks(&strs(&e["checks"]), &decode_checks("new process identity"));
-    let (o, nw) = (
-        e["old_process_start"].as_f64().unwrap(),
-        e["new_process_start"].as_f64().unwrap(),
-    );
+    let (status, doc) = r.readmit_engine_typed("d0").await;
+    assert_eq!(status, 200, "{doc:#?}");
+    let doc = doc.document;
+    assert_eq!(doc.error, "");
+    let e = &doc.engines["d0"];
+    assert_eq!(e.state, DrainState::Active);
+    assert_eq!(e.error, "");
+    assert_checks(&e.checks, &decode_checks("new process identity"));
+    let (o, nw) = (e.old_process_start.unwrap(), e.new_process_start.unwrap());
     assert_eq!(o, old);
     assert!(nw > o, "new_process_start {nw} newer than old {o}");
     assert!((nw - new_start).abs() < 0.05, "{nw} vs sim {new_start}");
-    assert_eq!(doc["process_starts"]["d0"].as_f64(), Some(nw));
-    assert_eq!(e["accepts_new"], true);
+    assert_eq!(doc.process_starts.get("d0").copied(), Some(nw));
+    assert!(e.accepts_new);
     r.journal_event("readmitted", Some("d0")).await;
 
     // Back in placement: P/D traffic decodes on d0 again.
@@ -352,28 +373,26 @@ async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
     let (mut f, r) = lab("individual", &[], json!({})).await;
-    r.drain_to_complete("p0").await;
+    r.drain_to_complete_typed("p0").await;
     f.sim_mut("p0").restart(&[]).expect("restart p0");
 
     async fn refused(f: &Fleet, r: &RouterHandle, what: &str) -> (String, Vec<String>) {
-        let (status, doc) = r.readmit_engine("p0").await;
+        let (status, doc) = r.readmit_engine_typed("p0").await;
+        let doc = doc.document;
         if status != 409 {
             let faults = f.sim("p0").faults().await;
             let recent = f.sim("p0").stats().await["recent"].clone();
             panic!(
-                "{what}: {status} {}; p0 faults {faults}; p0 recent {recent:#}; router log {}",
-                doc["error"],
+                "{what}: {status} {:?}; p0 faults {faults}; p0 recent {recent:#}; router log {}",
+                doc.error,
                 r.proc.stderr_tail(60)
             );
         }
-        assert_eq!(doc["error"], "readmission validation failed", "{what}");
-        let e = &doc["engines"]["p0"];
-        assert_eq!(e["state"], "blocked", "{what}");
-        assert_eq!(e["accepts_new"], false, "{what}");
-        (
-            e["error"].as_str().unwrap_or_default().to_string(),
-            strs(&e["checks"]),
-        )
+        assert_eq!(doc.error, "readmission validation failed", "{what}");
+        let e = &doc.engines["p0"];
+        assert_eq!(e.state, DrainState::Blocked, "{what}");
+        assert!(!e.accepts_new, "{what}");
+        (e.error.clone(), e.checks.clone())
     }
     // The checks of p0's passing readmission, in order; each failure stops after a prefix.
     let all = vllm_checks("new process identity", "fabric produce to d0");
@@ -427,9 +446,9 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
     assert!(err.starts_with("fabric p0->d0: "), "{err}");
     assert_checks(&checks, &all[..5]);
     // The peer is reported by name but holds no record and stays in service.
-    let doc = r.lifecycle_json().await;
-    assert_eq!(doc["engines"]["d0"]["state"], "active");
-    assert_eq!(doc["engines"]["d0"]["accepts_new"], true);
+    let doc = r.lifecycle().await;
+    assert_eq!(doc.engines["d0"].state, DrainState::Active);
+    assert!(doc.engines["d0"].accepts_new);
 
     // 6. final health: the first /health of the readmission passes, the second fails.
     f.sim("p0")
@@ -440,13 +459,13 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
     assert_checks(&checks, &all[..6]);
 
     // Nothing wrong any more: readmitted.
-    let (status, doc) = r.readmit_engine("p0").await;
-    assert_eq!(status, 200, "{doc:#}");
-    assert_checks(&strs(&doc["engines"]["p0"]["checks"]), &all);
+    let (status, doc) = r.readmit_engine_typed("p0").await;
+    assert_eq!(status, 200, "{doc:#?}");
+    assert_checks(&doc.document.engines["p0"].checks, &all);
     let failed = r
-        .lifecycle_events()
+        .lifecycle_event_rows()
         .iter()
-        .filter(|e| e["action"] == "validation_failed" && e["iid"] == "p0")
+        .filter(|e| e.action == "validation_failed" && e.iid == "p0")
         .count();
     assert_eq!(failed, 6, "one validation_failed event per failing check");
     complete_on(&f, &r, "p0 prefills again", &[("p0", "prefill")]).await;
@@ -458,27 +477,28 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whole_wave_drain_and_readmission() {
     let (mut f, r) = lab("whole_wave", &["--tpot-ms", "40"], json!({})).await;
-    let (status, doc) = r.drain_engine("p0").await;
+    let (status, doc) = r.drain_engine_typed("p0").await;
     assert_eq!(status, 409);
     assert_eq!(
-        doc["error"],
+        doc.document.error,
         "engine_restart_policy requires a whole-wave drain"
     );
-    assert_eq!(doc["engine_restart_policy"], "whole_wave");
+    assert_eq!(doc.document.engine_restart_policy, "whole_wave");
     assert_eq!(r.ready().await.0, 200);
 
     let stream = r.open_stream("resident through the wave drain", 25).await;
-    let (status, doc) = r.drain(&json!({"wave": true, "deadline_s": 30})).await;
-    assert_eq!(status, 200, "{doc:#}");
-    let wave_id = doc["wave"]["id"].as_str().unwrap().to_string();
+    let (status, doc) = r.drain_typed(&DrainBody::wave(30.0)).await;
+    assert_eq!(status, 200, "{doc:#?}");
+    let doc = doc.document;
+    let wave_id = doc.wave.id.clone();
     assert!(
         wave_id.starts_with("wave-") && wave_id.len() == 17,
         "{wave_id}"
     );
-    assert_eq!(doc["wave"]["active"], true);
-    assert_eq!(doc["wave"]["readiness_withdrawn"], true);
-    assert_eq!(doc["wave"]["ready_to_stop"], false);
-    assert_eq!(doc["router"]["ready"], false);
+    assert!(doc.wave.active);
+    assert!(doc.wave.readiness_withdrawn);
+    assert!(!doc.wave.ready_to_stop);
+    assert!(!doc.router.ready);
     let ready = r.not_ready().await;
     assert_eq!(
         ready.reason,
@@ -486,78 +506,84 @@ async fn whole_wave_drain_and_readmission() {
         "{ready:?}"
     );
     // p0 has nothing resident: drained, but not ready_to_stop until the whole wave is.
-    let doc = r.engine_state_until("p0", "drained").await;
-    assert_eq!(doc["engines"]["p0"]["ready_to_stop"], false, "{doc:#}");
-    assert_eq!(doc["engines"]["d0"]["state"], "draining");
-    assert_eq!(doc["wave"]["ready_to_stop"], false);
+    let doc = r.engine_state_until_typed("p0", DrainState::Drained).await;
+    assert!(!doc.engines["p0"].ready_to_stop, "{doc:#?}");
+    assert_eq!(doc.engines["d0"].state, DrainState::Draining);
+    assert!(!doc.wave.ready_to_stop);
     assert!(!r.has_event("wave_ready_to_stop", None));
     // Readmission shapes during a wave.
-    let (status, doc) = r.readmit_engine("p0").await;
+    let (status, doc) = r.readmit_engine_typed("p0").await;
     assert_eq!(status, 409);
     assert_eq!(
-        doc["error"],
+        doc.document.error,
         "an active whole wave must be validated and readmitted as one engine set"
     );
-    let (status, doc) = r.readmit(&json!({"engines": ["p0"], "wave": true})).await;
+    let body = ReadmitBody {
+        wave: true,
+        ..readmit_of(&["p0"])
+    };
+    let (status, doc) = r.readmit_typed(&body).await;
     assert_eq!(status, 409);
     assert_eq!(
-        doc["error"],
+        doc.document.error,
         "whole-wave readmission must name the active wave's complete engine set"
     );
 
     stream.finish().await;
-    let ev = r.journal_event("wave_ready_to_stop", None).await;
-    assert_eq!(ev["wave_id"], wave_id.as_str());
-    assert_eq!(strs(&ev["engines"]), ["d0", "p0"]);
-    let doc = r.lifecycle_json().await;
-    assert_eq!(doc["wave"]["ready_to_stop"], true, "{doc:#}");
+    let ev = r.journal_event_typed("wave_ready_to_stop", None).await;
+    assert_eq!(ev.wave_id, wave_id);
+    assert_eq!(ev.engines, ["d0", "p0"]);
+    let doc = r.lifecycle().await;
+    assert!(doc.wave.ready_to_stop, "{doc:#?}");
     for iid in ["p0", "d0"] {
-        assert_eq!(doc["engines"][iid]["ready_to_stop"], true, "{iid}");
-        assert_eq!(doc["engines"][iid]["wave_id"], wave_id.as_str());
+        assert!(doc.engines[iid].ready_to_stop, "{iid}");
+        assert_eq!(doc.engines[iid].wave_id, wave_id);
     }
     assert_eq!(r.ready().await.0, 503);
 
     // Only p0 is restarted: the wave is refused, naming d0.
     f.sim_mut("p0").restart(&[]).expect("restart p0");
-    let (status, doc) = r.readmit(&json!({"wave": true})).await;
-    assert_eq!(status, 409, "{doc:#}");
-    assert_eq!(doc["error"], "readmission validation failed");
+    let (status, doc) = r.readmit_typed(&ReadmitBody::wave()).await;
+    assert_eq!(status, 409, "{doc:#?}");
+    let doc = doc.document;
+    assert_eq!(doc.error, "readmission validation failed");
     assert_eq!(
-        doc["engines"]["d0"]["error"],
+        doc.engines["d0"].error,
         "engine process did not restart after drain"
     );
     assert_eq!(
-        doc["engines"]["p0"]["error"],
+        doc.engines["p0"].error,
         "another engine in the wave failed validation: d0 (engine process did not restart after drain)"
     );
     for iid in ["p0", "d0"] {
-        assert_eq!(doc["engines"][iid]["state"], "blocked", "{iid}");
+        assert_eq!(doc.engines[iid].state, DrainState::Blocked, "{iid}");
     }
-    assert_eq!(doc["wave"]["active"], true, "the wave stays active");
+    assert!(doc.wave.active, "the wave stays active");
     assert_eq!(r.ready().await.0, 503);
 
     f.sim_mut("d0").restart(&[]).expect("restart d0");
-    let (status, doc) = r.readmit(&json!({"wave": true})).await;
-    assert_eq!(status, 200, "{doc:#}");
-    assert_eq!(doc["wave"]["active"], false);
-    assert_eq!(doc["wave"]["id"], "");
+    let (status, doc) = r.readmit_typed(&ReadmitBody::wave()).await;
+    assert_eq!(status, 200, "{doc:#?}");
+    let doc = doc.document;
+    assert!(!doc.wave.active);
+    assert_eq!(doc.wave.id, "");
     for iid in ["p0", "d0"] {
-        let e = &doc["engines"][iid];
-        assert_eq!(e["state"], "active", "{iid}");
-        assert_eq!(e["wave_id"], "", "{iid}");
+        let e = &doc.engines[iid];
+        assert_eq!(e.state, DrainState::Active, "{iid}");
+        assert_eq!(e.wave_id, "", "{iid}");
         assert!(
-            e["new_process_start"].as_f64().unwrap() > e["old_process_start"].as_f64().unwrap(),
+            e.new_process_start.unwrap() > e.old_process_start.unwrap(),
             "{iid}"
         );
-        let checks = strs(&e["checks"]);
+        let checks = &e.checks;
         assert!(
             checks.contains(&"new process identity".to_string())
                 && checks.last().map(String::as_str) == Some("final health"),
             "{iid}: {checks:?}"
         );
     }
-    let ev = r.journal_event("wave_readmitted", None).await;
-    assert_eq!(ev["wave_id"], wave_id.as_str());
+    let ev = r.journal_event_typed("wave_readmitted", None).await;
+    assert_eq!(ev.wave_id, wave_id);
     assert_eq!(r.ready().await.0, 200);
     let legs = [("p0", "prefill"), ("d0", "decode")];
     complete_on(&f, &r, "after the wave", &legs).await;
@@ -578,21 +604,25 @@ async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requ
         DrainState::Active,
         "ejection is not a lifecycle hold"
     );
-    let (status, doc) = r.drain_engine("p0").await;
-    assert_eq!(status, 409, "{doc:#}");
+    let (status, doc) = r.drain_engine_typed("p0").await;
+    assert_eq!(status, 409, "{doc:#?}");
     assert_eq!(
-        doc["error"],
+        doc.document.error,
         "the last schedulable engine requires a whole-wave drain"
     );
-    assert_eq!(doc["engines"]["p0"]["state"], "active", "nothing changed");
+    assert_eq!(
+        doc.document.engines["p0"].state,
+        DrainState::Active,
+        "nothing changed"
+    );
 
     // The engine answers again (same port): recovery validation readmits it.
     f.sim_mut("d0").restart(&[]).expect("d0 back");
     r.journal_event("recovery_validation_started", Some("d0"))
         .await;
-    let ev = r.journal_event("readmitted", Some("d0")).await;
+    let ev = r.journal_event_typed("readmitted", Some("d0")).await;
     let start = started_at(&f, "d0").await;
-    assert!((ev["process_start"].as_f64().unwrap() - start).abs() < 0.05);
+    assert!((ev.process_start.unwrap() - start).abs() < 0.05);
     let doc = r
         .lifecycle_until("d0 back in placement", |d| d.engines["d0"].accepts_new)
         .await;
@@ -631,13 +661,14 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
     let refused = |action: &'static str, body: Value, status: u16, msg: &'static str| {
         let r = &r;
         async move {
-            let (got, doc) = r.lifecycle_post_json(action, &body).await;
-            assert_eq!(got, status, "{action} {body}: {doc:#}");
-            assert_eq!(doc["error"], msg, "{action} {body}");
+            let (got, doc) = r.lifecycle_post(action, &body).await;
+            assert_eq!(got, status, "{action} {body}: {doc:#?}");
+            assert_eq!(doc.document.error, msg, "{action} {body}");
         }
     };
-    let conflict = |body: Value, msg: &'static str| refused("drain", body, 409, msg);
-    // Rules in order: the body's deadline first (400), then unknown ids (404), then the count.
+    let conflict = |body: DrainBody, msg: &'static str| refused("drain", json!(body), 409, msg);
+    // Rules in order: the body's deadline first (400, the bodies as written: `0`, `-1`), then
+    // unknown ids (404), then the count.
     refused(
         "drain",
         json!({"engines": ["zz", "p0", "aa"], "deadline_s": 0}),
@@ -654,87 +685,83 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
     .await;
     refused(
         "drain",
-        json!({"engines": ["zz", "p0", "aa"]}),
+        json!(drain_of(&["zz", "p0", "aa"])),
         404,
         "unknown engine(s): aa, zz",
     )
     .await;
     conflict(
-        json!({"engines": ["p0", "d0"]}),
+        drain_of(&["p0", "d0"]),
         "a non-wave drain must name exactly one engine",
     )
     .await;
-    conflict(json!({}), "a non-wave drain must name exactly one engine").await;
     conflict(
-        json!({"engines": ["p0"], "wave": true}),
+        DrainBody::default(),
+        "a non-wave drain must name exactly one engine",
+    )
+    .await;
+    conflict(
+        DrainBody {
+            wave: true,
+            ..drain_of(&["p0"])
+        },
         "a whole-wave drain must name every configured engine",
     )
     .await;
-    let doc = r.lifecycle_json().await;
+    let doc = r.lifecycle().await;
     assert!(
-        doc["engines"]
-            .as_object()
-            .unwrap()
+        doc.engines
             .values()
-            .all(|e| e["state"] == "active" && e["accepts_new"] == true),
-        "refusals change nothing: {doc:#}"
+            .all(|e| e.state == DrainState::Active && e.accepts_new),
+        "refusals change nothing: {doc:#?}"
     );
-    assert!(r.lifecycle_events().is_empty());
+    assert!(r.lifecycle_event_rows().is_empty());
 
     for (body, msg) in [
-        (json!({"engines": ["d0"]}), "d0 is active, expected drained"),
+        (readmit_of(&["d0"]), "d0 is active, expected drained"),
         (
-            json!({"engines": ["p0", "d0"]}),
+            readmit_of(&["p0", "d0"]),
             "readmission must name exactly one engine",
         ),
         (
-            json!({"wave": true}),
+            ReadmitBody::wave(),
             "whole-wave readmission must name the active wave's complete engine set",
         ),
     ] {
-        refused("readmit", body, 409, msg).await;
+        refused("readmit", json!(body), 409, msg).await;
     }
     refused(
         "readmit",
-        json!({"engines": ["zz"]}),
+        json!(readmit_of(&["zz"])),
         404,
         "unknown engine(s): zz",
     )
     .await;
 
-    r.drain_to_complete("p0").await;
-    let before = r.lifecycle_json().await;
+    r.drain_to_complete_typed("p0").await;
+    let before = r.lifecycle().await;
     // architecture.md 9.5: the same drain again is idempotent.
-    let (status, again) = r.drain_engine("p0").await;
-    assert_eq!(status, 200, "{again:#}");
-    assert_eq!(again["error"], "");
-    assert_eq!(again["engines"]["p0"], before["engines"]["p0"]);
+    let (status, again) = r.drain_engine_typed("p0").await;
+    assert_eq!(status, 200, "{again:#?}");
+    let again = again.document;
+    assert_eq!(again.error, "");
+    assert_eq!(again.engines["p0"], before.engines["p0"]);
     assert_eq!(
-        again["events"].as_array().unwrap().len(),
-        before["events"].as_array().unwrap().len(),
+        again.events.len(),
+        before.events.len(),
         "a repeated drain emits nothing"
     );
     // The same drain with another deadline is refused, never answered 200 while the old
     // deadline silently stays; the same deadline named again is a repeat.
     conflict(
-        json!({"engines": ["p0"], "deadline_s": 60}),
+        DrainBody::engine("p0", 60.0),
         "a drain of p0 is already active with deadline_s 300; repeat it without deadline_s or with the same value",
     )
     .await;
-    let (status, again) = r
-        .drain(&json!({"engines": ["p0"], "deadline_s": 300}))
-        .await;
-    assert_eq!(status, 200, "{again:#}");
-    conflict(
-        json!({"engines": ["d0"]}),
-        "lifecycle action already active for p0",
-    )
-    .await;
-    conflict(
-        json!({"wave": true}),
-        "lifecycle action already active for p0",
-    )
-    .await;
+    let (status, again) = r.drain_typed(&DrainBody::engine("p0", 300.0)).await;
+    assert_eq!(status, 200, "{again:#?}");
+    conflict(drain_of(&["d0"]), "lifecycle action already active for p0").await;
+    conflict(wave_drain(), "lifecycle action already active for p0").await;
 
     for (body, needle) in [
         ("[1]", "the request body must be a JSON object"),
@@ -768,24 +795,20 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
 async fn drain_with_agent_down_is_503_holds_the_engine_and_the_retry_succeeds() {
     let (mut f, r) = lab("individual", &[], json!({"agent": {"timeout_s": 2}})).await;
     f.agent_mut("h0").proc.kill();
-    let (status, doc) = r.drain_engine("p0").await;
-    assert_eq!(status, 503, "{doc:#}");
-    let err = doc["error"].as_str().unwrap();
+    let (status, doc) = r.drain_engine_typed("p0").await;
+    assert_eq!(status, 503, "{doc:#?}");
+    let doc = doc.document;
+    let err = &doc.error;
     assert!(
         err.starts_with("p0: process identity unreadable: "),
         "{err}"
     );
-    let e = &doc["engines"]["p0"];
-    assert_eq!(e["state"], "blocked");
-    assert_eq!(e["draining"], true);
-    assert_eq!(e["accepts_new"], false);
-    assert_eq!(e["old_process_start"], Value::Null);
-    assert!(
-        e["error"]
-            .as_str()
-            .unwrap()
-            .starts_with("process identity unreadable")
-    );
+    let e = &doc.engines["p0"];
+    assert_eq!(e.state, DrainState::Blocked);
+    assert!(e.draining);
+    assert!(!e.accepts_new);
+    assert_eq!(e.old_process_start, None);
+    assert!(e.error.starts_with("process identity unreadable"));
     r.journal_event("drain_blocked", Some("p0")).await;
 
     let before = requests(&f, "p0", "prefill").await + requests(&f, "p0", "aggregated").await;
@@ -793,25 +816,25 @@ async fn drain_with_agent_down_is_503_holds_the_engine_and_the_retry_succeeds() 
     let after = requests(&f, "p0", "prefill").await + requests(&f, "p0", "aggregated").await;
     assert_eq!(after, before, "a blocked engine receives no traffic");
 
-    let (status, doc) = r.readmit_engine("p0").await;
+    let (status, doc) = r.readmit_engine_typed("p0").await;
     assert_eq!(status, 409);
     assert_eq!(
-        doc["error"],
+        doc.document.error,
         "p0 has no recorded pre-restart process identity"
     );
 
     f.agent_mut("h0").restart(None).expect("agent h0 restarts");
-    let (status, doc) = r.drain_engine("p0").await;
-    assert_eq!(status, 200, "{doc:#}");
-    assert_eq!(doc["error"], "");
+    let (status, doc) = r.drain_engine_typed("p0").await;
+    assert_eq!(status, 200, "{doc:#?}");
+    assert_eq!(doc.document.error, "");
     let start = started_at(&f, "p0").await;
-    let old = doc["engines"]["p0"]["old_process_start"].as_f64().unwrap();
+    let old = doc.document.engines["p0"].old_process_start.unwrap();
     assert!((old - start).abs() < 0.05);
     r.journal_event("drain_complete", Some("p0")).await;
-    let doc = r.lifecycle_json().await;
-    assert_eq!(doc["engines"]["p0"]["state"], "drained");
-    assert_eq!(doc["engines"]["p0"]["error"], "");
-    assert_eq!(doc["engines"]["p0"]["ready_to_stop"], true);
+    let doc = r.lifecycle().await;
+    assert_eq!(doc.engines["p0"].state, DrainState::Drained);
+    assert_eq!(doc.engines["p0"].error, "");
+    assert!(doc.engines["p0"].ready_to_stop);
     let actions = actions_of(&r, "p0");
     assert_eq!(
         actions,
@@ -931,12 +954,12 @@ async fn narwhalctl_wave_restart_and_rolling_restart() {
         pids1.0 != pids0.0 && pids1.1 != pids0.1,
         "both engines restarted"
     );
-    let doc = r.lifecycle_json().await;
-    assert_eq!(doc["wave"]["active"], false, "{doc:#}");
+    let doc = r.lifecycle().await;
+    assert!(!doc.wave.active, "{doc:#?}");
     for iid in ["p0", "d0"] {
-        let e = &doc["engines"][iid];
-        assert_eq!(e["state"], "active", "{iid}: {doc:#}");
-        assert!(e["new_process_start"].as_f64() > e["old_process_start"].as_f64());
+        let e = &doc.engines[iid];
+        assert_eq!(e.state, DrainState::Active, "{iid}: {doc:#?}");
+        assert!(e.new_process_start > e.old_process_start);
     }
     assert!(r.has_event("wave_readmitted", None));
     r.complete("after the wave restart").await;
@@ -944,12 +967,12 @@ async fn narwhalctl_wave_restart_and_rolling_restart() {
     wave_restart(&control, &cmd, true).await;
     let pids2 = (pid("p0").unwrap(), pid("d0").unwrap());
     assert!(pids2.0 != pids1.0 && pids2.1 != pids1.1);
-    let doc = r.lifecycle_json().await;
+    let doc = r.lifecycle().await;
     for iid in ["p0", "d0"] {
-        let e = &doc["engines"][iid];
-        assert_eq!(e["state"], "active", "{iid}: {doc:#}");
-        assert_eq!(e["wave_id"], "", "{iid}: rolling restarts are individual");
-        assert!(strs(&e["checks"]).contains(&"new process identity".to_string()));
+        let e = &doc.engines[iid];
+        assert_eq!(e.state, DrainState::Active, "{iid}: {doc:#?}");
+        assert_eq!(e.wave_id, "", "{iid}: rolling restarts are individual");
+        assert!(e.checks.contains(&"new process identity".to_string()));
     }
     r.complete("after the rolling restart").await;
 
@@ -969,35 +992,38 @@ async fn narwhalctl_wave_restart_and_rolling_restart() {
 async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
     let (_f, r) = lab("individual", &["--tpot-ms", "40"], json!({})).await;
     let s = r.open_stream("outlives the drain deadline", 30).await;
-    let (status, doc) = r
-        .drain(&json!({"engines": ["d0"], "deadline_s": 0.2}))
+    let (status, doc) = r.drain_typed(&DrainBody::engine("d0", 0.2)).await;
+    assert_eq!(status, 200, "{doc:#?}");
+    let ev = r
+        .journal_event_typed("drain_deadline_exceeded", Some("d0"))
         .await;
-    assert_eq!(status, 200, "{doc:#}");
-    let ev = r.journal_event("drain_deadline_exceeded", Some("d0")).await;
-    assert_eq!(ev["resident"], 1, "{ev}");
+    assert_eq!(ev.resident, Some(1), "{ev:?}");
     assert!(!r.has_event("drain_complete", Some("d0")));
-    let doc = r.lifecycle_json().await;
-    let e = &doc["engines"]["d0"];
-    assert_eq!(e["state"], "deadline_exceeded", "{doc:#}");
+    let doc = r.lifecycle().await;
+    let e = &doc.engines["d0"];
+    assert_eq!(e.state, DrainState::DeadlineExceeded, "{doc:#?}");
     assert_eq!(
-        e["error"],
+        e.error,
         "1 resident request(s) remain after the drain deadline"
     );
-    assert_eq!(e["ready_to_stop"], false);
-    let (status, doc) = r.readmit_engine("d0").await;
+    assert!(!e.ready_to_stop);
+    let (status, doc) = r.readmit_engine_typed("d0").await;
     assert_eq!(status, 409);
-    assert_eq!(doc["error"], "d0 is deadline_exceeded, expected drained");
+    assert_eq!(
+        doc.document.error,
+        "d0 is deadline_exceeded, expected drained"
+    );
     let text = s.finish().await;
     assert!(
         text.matches("\"text\"").count() >= 30,
         "the stream ran to its end"
     );
     r.journal_event("drain_complete", Some("d0")).await;
-    let doc = r.lifecycle_json().await;
-    let e = &doc["engines"]["d0"];
-    assert_eq!(e["state"], "drained", "{doc:#}");
-    assert_eq!(e["error"], "", "no stale deadline error");
-    assert_eq!(e["ready_to_stop"], true);
+    let doc = r.lifecycle().await;
+    let e = &doc.engines["d0"];
+    assert_eq!(e.state, DrainState::Drained, "{doc:#?}");
+    assert_eq!(e.error, "", "no stale deadline error");
+    assert!(e.ready_to_stop);
 }
 
 /// Under `whole_wave`, a breaker ejection puts every engine in a restart-required wave
@@ -1008,35 +1034,35 @@ async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
 async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes() {
     let (mut f, r) = lab("whole_wave", &[], json!({"recovery": {"eject_after": 1}})).await;
     crash_d0(&mut f, &r, "d0 is gone").await;
-    let ev = r.journal_event("restart_required", None).await;
-    assert_eq!(ev["reason"], "engine d0 was excluded", "{ev}");
-    let wave_id = ev["wave_id"].as_str().unwrap().to_string();
+    let ev = r.journal_event_typed("restart_required", None).await;
+    assert_eq!(ev.reason, "engine d0 was excluded", "{ev:?}");
+    let wave_id = ev.wave_id.clone();
     let ready = r.not_ready().await;
     assert_eq!(
         ready.reason,
         "whole-wave restart required: engine d0 was excluded"
     );
-    let doc = r.lifecycle_json().await;
-    assert_eq!(doc["wave"]["id"], wave_id.as_str(), "{doc:#}");
+    let doc = r.lifecycle().await;
+    assert_eq!(doc.wave.id, wave_id, "{doc:#?}");
     for iid in ["p0", "d0"] {
-        let e = &doc["engines"][iid];
-        assert_eq!(e["state"], "blocked", "{iid}");
-        assert_eq!(e["restart_required"], true, "{iid}");
-        assert_eq!(e["old_process_start"], Value::Null, "{iid}");
-        assert_eq!(e["error"], "engine d0 was excluded", "{iid}");
+        let e = &doc.engines[iid];
+        assert_eq!(e.state, DrainState::Blocked, "{iid}");
+        assert!(e.restart_required, "{iid}");
+        assert_eq!(e.old_process_start, None, "{iid}");
+        assert_eq!(e.error, "engine d0 was excluded", "{iid}");
     }
     // The engine answers again; automatic recovery must not readmit it under whole_wave.
     f.sim_mut("d0").restart(&[]).expect("d0 back");
-    let (status, doc) = r.readmit(&json!({"wave": true})).await;
-    assert_eq!(status, 409, "{doc:#}");
+    let (status, doc) = r.readmit_typed(&ReadmitBody::wave()).await;
+    assert_eq!(status, 409, "{doc:#?}");
     assert_eq!(
-        doc["error"],
+        doc.document.error,
         "d0 has no recorded pre-restart process identity"
     );
     // Drain the wave: identities are captured for the held records (no new wave).
-    let (status, doc) = r.drain(&json!({"wave": true})).await;
-    assert_eq!(status, 200, "{doc:#}");
-    assert_eq!(doc["wave"]["id"], wave_id.as_str(), "same wave");
+    let (status, doc) = r.drain_typed(&wave_drain()).await;
+    assert_eq!(status, 200, "{doc:#?}");
+    assert_eq!(doc.document.wave.id, wave_id, "same wave");
     r.journal_event("wave_ready_to_stop", None).await;
     assert!(
         !r.has_event("recovery_validation_started", Some("d0")),
@@ -1044,9 +1070,9 @@ async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes
     );
     f.sim_mut("p0").restart(&[]).expect("restart p0");
     f.sim_mut("d0").restart(&[]).expect("restart d0");
-    let (status, doc) = r.readmit(&json!({"wave": true})).await;
-    assert_eq!(status, 200, "{doc:#}");
-    assert_eq!(doc["wave"]["active"], false);
+    let (status, doc) = r.readmit_typed(&ReadmitBody::wave()).await;
+    assert_eq!(status, 200, "{doc:#?}");
+    assert!(!doc.document.wave.active);
     let doc = r
         .lifecycle_until("both engines in placement", |d| {
             d.engines["p0"].accepts_new && d.engines["d0"].accepts_new
@@ -1069,15 +1095,16 @@ async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
     f.sim_mut("d0")
         .restart(&["--model", "other-model"])
         .expect("d0 serves another model");
-    let ev = r.journal_event("validation_failed", Some("d0")).await;
+    let ev = r.journal_event_typed("validation_failed", Some("d0")).await;
     assert_eq!(
-        ev["error"], r#"serves ["other-model"], expected tiny-sim"#,
-        "{ev}"
+        ev.error.as_deref(),
+        Some(r#"serves ["other-model"], expected tiny-sim"#),
+        "{ev:?}"
     );
-    let doc = r.lifecycle_json().await;
-    let e = &doc["engines"]["d0"];
-    assert_eq!(e["accepts_new"], false, "{doc:#}");
-    assert_eq!(e["restart_required"], false);
+    let doc = r.lifecycle().await;
+    let e = &doc.engines["d0"];
+    assert!(!e.accepts_new, "{doc:#?}");
+    assert!(!e.restart_required);
     assert!(
         f.sim("d0").stats().await["requests"]["decode"] == 0,
         "no traffic reaches an engine that failed validation"
@@ -1098,7 +1125,7 @@ async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
 async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
     let (mut f, r) = lab_with("sglang", "individual", &[], json!({})).await;
     r.complete("warm up").await;
-    r.drain_to_complete("p0").await;
+    r.drain_to_complete_typed("p0").await;
     let old_port = f.sim("p0").bootstrap_port;
     f.sim_mut("p0")
         .restart(&["--bootstrap-port", "0"])
@@ -1136,14 +1163,14 @@ async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
             (i, bad)
         })
     };
-    let (status, doc) = r.readmit_engine("p0").await;
-    assert_eq!(status, 200, "{doc:#}");
+    let (status, doc) = r.readmit_engine_typed("p0").await;
+    assert_eq!(status, 200, "{doc:#?}");
     // SGLang: the vLLM checks without direct generation.
     let sglang: Vec<&str> = vllm_checks("new process identity", "fabric produce to d0")
         .into_iter()
         .filter(|c| *c != "generation")
         .collect();
-    assert_checks(&strs(&doc["engines"]["p0"]["checks"]), &sglang);
+    assert_checks(&doc.document.engines["p0"].checks, &sglang);
     let p_now = requests(&f, "p0", "prefill").await;
     wait_until(WAIT, || async {
         (requests(&f, "p0", "prefill").await >= p_now + 5).then_some(())
@@ -1185,19 +1212,19 @@ async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() 
     .await;
     crash_d0(&mut f, &r, "d0 crashed").await;
     r.journal_event("restart_required", None).await;
-    let (status, doc) = r.drain(&json!({"wave": true})).await;
-    assert_eq!(status, 200, "{doc:#}");
-    let old = doc["engines"]["d0"]["old_process_start"].as_f64();
+    let (status, doc) = r.drain_typed(&wave_drain()).await;
+    assert_eq!(status, 200, "{doc:#?}");
+    let old = doc.document.engines["d0"].old_process_start;
     assert_eq!(
         old,
         Some(d0_start),
-        "bound to the verified process: {doc:#}"
+        "bound to the verified process: {doc:#?}"
     );
     r.journal_event("wave_ready_to_stop", None).await;
     f.sim_mut("p0").restart(&[]).expect("restart p0");
     f.sim_mut("d0").restart(&[]).expect("restart d0");
-    let (status, doc) = r.readmit(&json!({"wave": true})).await;
-    assert_eq!(status, 200, "{doc:#}");
+    let (status, doc) = r.readmit_typed(&ReadmitBody::wave()).await;
+    assert_eq!(status, 200, "{doc:#?}");
     r.lifecycle_until("d0 back", |d| d.engines["d0"].accepts_new)
         .await;
     r.complete("after the crash wave").await;
@@ -1218,36 +1245,39 @@ async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
         d.process_starts.contains_key("d0")
     })
     .await;
-    r.drain_to_complete("p0").await;
+    r.drain_to_complete_typed("p0").await;
     f.sim_mut("p0").restart(&[]).expect("restart p0");
     f.sim_mut("d0")
         .restart(&[])
         .expect("d0 restarted without the router knowing");
-    let (status, doc) = r.readmit_engine("p0").await;
+    let (status, doc) = r.readmit_engine_typed("p0").await;
+    let doc = doc.document;
     if status == 200 {
         // On a loaded machine the monitor can see d0's restart first (its health path down
         // for a moment: an absent engine is a new engine) and re-validate it, through its
         // agent, before p0's readmission arrives; then nothing is behind the router's back,
         // and the rule holds if d0 was validated as its new process (seen in a loaded run).
-        let d0 = &doc["engines"]["d0"];
-        assert_ne!(d0["old_process_start"], d0["new_process_start"], "{doc:#}");
+        let d0 = &doc.engines["d0"];
+        assert_ne!(d0.old_process_start, d0.new_process_start, "{doc:#?}");
         assert!(
-            d0["checks"]
-                .as_array()
-                .is_some_and(|c| c.iter().any(|x| x == "process identity")),
-            "d0 passed only as its new, validated process: {doc:#}"
+            d0.checks.iter().any(|x| x == "process identity"),
+            "d0 passed only as its new, validated process: {doc:#?}"
         );
         eprintln!("[lifecycle_e2e] the monitor re-validated d0 before p0's readmission");
         return;
     }
-    assert_eq!(status, 409, "{doc:#}");
+    assert_eq!(status, 409, "{doc:#?}");
     assert_eq!(
-        doc["engines"]["p0"]["error"],
+        doc.engines["p0"].error,
         "peer failed validation: d0 (peer process changed before readmission)"
     );
-    assert_eq!(doc["engines"]["p0"]["state"], "blocked");
-    assert_eq!(doc["engines"]["d0"]["accepts_new"], false, "d0 ejected");
-    assert_eq!(doc["engines"]["d0"]["state"], "active", "no record for d0");
+    assert_eq!(doc.engines["p0"].state, DrainState::Blocked);
+    assert!(!doc.engines["d0"].accepts_new, "d0 ejected");
+    assert_eq!(
+        doc.engines["d0"].state,
+        DrainState::Active,
+        "no record for d0"
+    );
     let m = r.metrics().await;
     assert_counted(
         &m,
@@ -1257,15 +1287,16 @@ async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
     );
     assert_eq!(r.ready().await.0, 503, "nothing live");
     assert!(!r.has_event("recovery_validation_started", Some("d0")));
-    let (status, doc) = r.readmit_engine("p0").await;
-    assert_eq!(status, 200, "{doc:#}");
-    let d0 = &doc["engines"]["d0"];
-    assert_eq!(d0["state"], "active", "{doc:#}");
-    assert_eq!(d0["restart_required"], false);
-    assert_checks(&strs(&d0["checks"]), &decode_checks("process identity"));
+    let (status, doc) = r.readmit_engine_typed("p0").await;
+    assert_eq!(status, 200, "{doc:#?}");
+    let doc = doc.document;
+    let d0 = &doc.engines["d0"];
+    assert_eq!(d0.state, DrainState::Active, "{doc:#?}");
+    assert!(!d0.restart_required);
+    assert_checks(&d0.checks, &decode_checks("process identity"));
     let d0_start = started_at(&f, "d0").await;
-    assert_eq!(doc["process_starts"]["d0"].as_f64(), Some(d0_start));
-    assert_eq!(doc["engines"]["p0"]["state"], "active");
+    assert_eq!(doc.process_starts.get("d0").copied(), Some(d0_start));
+    assert_eq!(doc.engines["p0"].state, DrainState::Active);
     r.journal_event("recovery_validation_started", Some("d0"))
         .await;
     r.lifecycle_until("both back", |d| {
@@ -1288,22 +1319,22 @@ async fn engine_crashing_while_draining_is_readmitted_by_the_operator() {
     )
     .await;
     let s = r.open_stream("its decode engine will crash", 30).await;
-    let (status, doc) = r.drain_engine("d0").await;
-    assert_eq!(status, 200, "{doc:#}");
-    assert_eq!(doc["engines"]["d0"]["state"], "draining");
+    let (status, doc) = r.drain_engine_typed("d0").await;
+    assert_eq!(status, 200, "{doc:#?}");
+    assert_eq!(doc.document.engines["d0"].state, DrainState::Draining);
     f.sim_mut("d0").proc.kill();
     s.drain().await;
     r.journal_event("drain_complete", Some("d0")).await;
-    let doc = r.lifecycle_json().await;
-    assert_eq!(doc["engines"]["d0"]["ready_to_stop"], true, "{doc:#}");
+    let doc = r.lifecycle().await;
+    assert!(doc.engines["d0"].ready_to_stop, "{doc:#?}");
     f.sim_mut("d0")
         .restart(&[])
         .expect("supervisor restarts d0");
     // Health answers again, but the drain hold stands until the operator readmits.
-    let doc = r.lifecycle_json().await;
-    assert_eq!(doc["engines"]["d0"]["state"], "drained", "{doc:#}");
-    let (status, doc) = r.readmit_engine("d0").await;
-    assert_eq!(status, 200, "{doc:#}");
+    let doc = r.lifecycle().await;
+    assert_eq!(doc.engines["d0"].state, DrainState::Drained, "{doc:#?}");
+    let (status, doc) = r.readmit_engine_typed("d0").await;
+    assert_eq!(status, 200, "{doc:#?}");
     assert!(!r.has_event("recovery_validation_started", Some("d0")));
     r.lifecycle_until("d0 back", |d| d.engines["d0"].accepts_new)
         .await;
@@ -1331,22 +1362,25 @@ async fn stalled_engine_is_readmitted_as_the_same_process_after_it_resumes() {
                           "health_timeout_s": 0.3, "tokenize_timeout_s": 0.2}}),
     )
     .await;
-    let accepted = r.lifecycle_json().await["process_starts"]["d0"]
-        .as_f64()
-        .unwrap();
+    let accepted = *r
+        .lifecycle()
+        .await
+        .process_starts
+        .get("d0")
+        .expect("d0's process start accepted");
     f.sim("d0").proc.signal(Signal::SIGSTOP);
     // Placement picks d0 or d1: send until a request stalled on d0 ejected it.
     for i in 0..20 {
         trip_breaker(&r, &format!("d0 stalls {i}")).await;
-        if r.lifecycle_json().await["engines"]["d0"]["accepts_new"] == false {
+        if !r.lifecycle().await.engines["d0"].accepts_new {
             break;
         }
     }
     r.lifecycle_until("d0 ejected", |d| !d.engines["d0"].accepts_new)
         .await;
     f.sim("d0").proc.signal(Signal::SIGCONT);
-    let ev = r.journal_event("readmitted", Some("d0")).await;
-    assert_eq!(ev["process_start"].as_f64(), Some(accepted), "same process");
+    let ev = r.journal_event_typed("readmitted", Some("d0")).await;
+    assert_eq!(ev.process_start, Some(accepted), "same process");
     let doc = r
         .lifecycle_until("d0 back", |d| d.engines["d0"].accepts_new)
         .await;
@@ -1386,26 +1420,24 @@ async fn a_health_probe_answering_after_a_wave_readmission_does_not_hold_the_fle
     let (mut f, r) = lab("whole_wave", &[], fast_probes).await;
     crash_d0(&mut f, &r, "d0 crashed").await;
     r.journal_event("restart_required", None).await;
-    let (status, doc) = r.drain(&json!({"wave": true})).await;
-    assert_eq!(status, 200, "{doc:#}");
+    let (status, doc) = r.drain_typed(&wave_drain()).await;
+    assert_eq!(status, 200, "{doc:#?}");
     r.journal_event("wave_ready_to_stop", None).await;
     f.sim_mut("p0").restart(&[]).expect("restart p0");
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     f.sim("d0")
         .fault(json!({"phase": "health", "action": "hang", "ms": 1000, "count": 1000}))
         .await;
-    let (status, doc) = r.readmit(&json!({"wave": true})).await;
-    assert_eq!(status, 200, "{doc:#}");
+    let (status, doc) = r.readmit_typed(&ReadmitBody::wave()).await;
+    assert_eq!(status, 200, "{doc:#?}");
     r.journal_event("wave_readmitted", None).await;
     // Longer than a probe in flight takes to answer (1 s) and the next monitor tick.
     let again = wait_until(Duration::from_secs(3), || async {
-        let events = r.lifecycle_events();
-        let done = events
-            .iter()
-            .position(|e| e["action"] == "wave_readmitted")?;
+        let events = r.lifecycle_event_rows();
+        let done = events.iter().position(|e| e.action == "wave_readmitted")?;
         events[done..]
             .iter()
-            .find(|e| e["action"] == "restart_required")
+            .find(|e| e.action == "restart_required")
             .cloned()
     })
     .await;
