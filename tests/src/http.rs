@@ -323,6 +323,26 @@ pub fn strings(v: &Value) -> Vec<String> {
         .collect()
 }
 
+/// OpenAI's `usage` of a completion answer or chunk, as tests read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: Option<u64>,
+    /// Generated tokens.
+    pub completion_tokens: Option<u64>,
+    /// Their sum.
+    pub total_tokens: Option<u64>,
+}
+
+/// The `usage` of answer `v` (an OpenAI answer or chunk, or an SDK driver result), typed; every
+/// field `None` when it has none, or when any of its counts is not a whole number.
+pub fn usage_of(v: &Value) -> Usage {
+    v.get("usage")
+        .and_then(|u| serde_json::from_value(u.clone()).ok())
+        .unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

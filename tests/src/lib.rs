@@ -78,8 +78,8 @@ pub use fleet::{
     STANDBY_TAKEOVER_AFTER,
 };
 pub use http::{
-    Http, Reply, answer_text, count, http_client, metric, openai_request, sse_data, sse_text,
-    strings,
+    Http, Reply, Usage, answer_text, count, http_client, metric, openai_request, sse_data,
+    sse_text, strings, usage_of,
 };
 pub use ports::{engine_port, engine_ports};
 pub use proc::{
@@ -92,8 +92,9 @@ pub use process::{
 };
 pub use proxy::Proxy;
 pub use router::{
-    Clients, FleetSpec, LiveStream, RequestRow, RouterHandle, RouterProbe, handoff_file_where,
-    launch_router, launch_router_env, merge, narwhalctl, parse_document, start_router,
+    Clients, FleetSpec, JournalAttemptFailure, JournalLeg, JournalMeta, JournalRequest, LiveStream,
+    RequestRow, RouterHandle, RouterProbe, handoff_file_where, launch_router, launch_router_env,
+    merge, narwhalctl, parse_document, start_router,
 };
 pub use sampler::{Sample, Sampler};
 pub use scenario::{DECIDE, L1, L2, ONE_P_THREE_D, decided, pools, reason_of};

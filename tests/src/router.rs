@@ -929,6 +929,86 @@ impl RouterHandle {
             })
             .collect()
     }
+}
+
+/// A request row of the journal (any status, rows with a `rid`; docs/http-api.md, "Request
+/// journal") with how it ended, its attempts and its legs: what [`RequestRow`] leaves out.
+#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct JournalRequest {
+    /// The router's request id.
+    pub rid: String,
+    /// The status the client got; `None` for a cancelled request.
+    pub status: Option<u16>,
+    /// `completed`, `failed`, `refused`, `rejected`, `expired`, `cancelled` or `invalid`.
+    pub terminal: String,
+    /// The most attempts any prompt needed.
+    pub attempts: u64,
+    /// The router's estimate of the prompt, tokens; `None` before sizing.
+    pub input_len: Option<u64>,
+    /// The engine's own `usage.prompt_tokens`.
+    pub engine_prompt_tokens: Option<u64>,
+    /// Output tokens.
+    pub output_len: Option<u64>,
+    /// The prefill engine of a split.
+    pub prefill_iid: Option<String>,
+    /// The decode (or aggregated) engine.
+    pub decode_iid: Option<String>,
+    /// Failures of earlier attempts, in order.
+    pub attempt_failures: Vec<JournalAttemptFailure>,
+    /// Every leg dispatched, in order.
+    pub legs: Vec<JournalLeg>,
+}
+
+/// One of a request row's `attempt_failures`.
+#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct JournalAttemptFailure {
+    /// `prefill`, `decode` or `aggregated`.
+    pub phase: String,
+    /// The engine; `None` when the attempt was never dispatched.
+    pub iid: Option<String>,
+    /// The failure class (`engine_aborted`, ...).
+    pub reason: String,
+}
+
+/// One of a request row's `legs`.
+#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct JournalLeg {
+    /// `prefill`, `decode` or `whole`.
+    pub leg: String,
+    /// The engine.
+    pub iid: Option<String>,
+    /// The `x-request-id` the engine saw for this leg.
+    pub request_id: Option<String>,
+}
+
+/// The journal's first row, `{"meta": {...}}`: the fields the tests read.
+#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct JournalMeta {
+    /// `narwhal.journal`.
+    pub schema: String,
+    /// The run id.
+    pub run: Option<String>,
+}
+
+impl RouterHandle {
+    /// Every request row of the journal (rows with a `rid`, any status), oldest first, typed.
+    ///
+    /// # Panics
+    /// When a request row does not parse as a [`JournalRequest`].
+    pub fn request_rows(&self) -> Vec<JournalRequest> {
+        self.journal_rows()
+            .into_iter()
+            .filter(|r| r.get("rid").is_some())
+            .map(|r| {
+                serde_json::from_value(r.clone())
+                    .unwrap_or_else(|e| panic!("journal request row ({e}): {r}"))
+            })
+            .collect()
+    }
 
     /// Polls `/narwhal/state` (for at most [`WAIT`]) until it answers a state document for
     /// which `ok(state)`; that state.
@@ -942,5 +1022,12 @@ impl RouterHandle {
         })
         .await;
         got.unwrap_or_else(|| panic!("/narwhal/state never showed {what}"))
+    }
+
+    /// The `meta` of the journal's first row, `None` while the journal is empty or its first
+    /// row is not a header.
+    pub fn journal_meta(&self) -> Option<JournalMeta> {
+        let first = self.journal_rows().into_iter().next()?;
+        serde_json::from_value(first.get("meta")?.clone()).ok()
     }
 }

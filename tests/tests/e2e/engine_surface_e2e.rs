@@ -14,10 +14,12 @@ use std::sync::Arc;
 
 use narwhal_shared::agent_client::Verified;
 use narwhal_shared::attestation::KvConsumePayload;
+use narwhal_shared::documents::LifecycleReply;
+use narwhal_shared::documents::lifecycle::Engine;
 use narwhal_shared::{
     AgentClient, AgentEndpoint, AgentTimeouts, Fence, PublicKey, SystemClock, TransferVerdict,
 };
-use narwhal_testkit::{Fleet, Http, RouterHandle, SimHandle, metric, strings};
+use narwhal_testkit::{Fleet, Http, RouterHandle, SimHandle, metric};
 use serde_json::{Value, json};
 
 // ---------------------------------------------------------------------------------------------
@@ -531,6 +533,22 @@ fn expected_checks(dialect: &str, iid: &str) -> Vec<String> {
     c.into_iter().map(str::to_string).collect()
 }
 
+/// `POST /narwhal/lifecycle/readmit` of engine `iid` alone: `(status, reply)`, typed.
+async fn readmit(r: &RouterHandle, iid: &str) -> (u16, LifecycleReply) {
+    r.lifecycle_post("readmit", &json!({"engines": [iid]}))
+        .await
+}
+
+/// Engine `iid`'s entry of a lifecycle reply.
+///
+/// # Panics
+/// When the reply does not list it.
+fn entry<'a>(doc: &'a LifecycleReply, iid: &str) -> &'a Engine {
+    doc.document
+        .engine(iid)
+        .unwrap_or_else(|| panic!("{iid} in the reply: {doc:#?}"))
+}
+
 fn assert_checks(got: &[String], want: &[String], ctx: &str) {
     assert_eq!(got.len(), want.len(), "{ctx}: checks {got:?}");
     for (g, w) in got.iter().zip(want) {
@@ -550,20 +568,16 @@ async fn drain_restart_readmit(f: &mut Fleet, r: &RouterHandle, iid: &str) {
     assert_eq!(status, 200, "{ctx}: {doc:#}");
     r.journal_event("drain_complete", Some(iid)).await;
     f.sim_mut(iid).restart(&[]).expect("restart");
-    let (status, doc) = r.readmit_engine(iid).await;
+    let (status, doc) = readmit(r, iid).await;
     assert_eq!(
         status,
         200,
-        "{ctx}: {doc:#}\nrouter log: {}",
+        "{ctx}: {doc:#?}\nrouter log: {}",
         r.proc.stderr_tail(40)
     );
-    let e = &doc["engines"][iid];
-    assert_eq!(e["state"], "active", "{ctx}: {doc:#}");
-    assert_checks(
-        &strings(&e["checks"]),
-        &expected_checks(&f.dialect, iid),
-        &ctx,
-    );
+    let e = entry(&doc, iid);
+    assert_eq!(e.state.as_str(), "active", "{ctx}: {doc:#?}");
+    assert_checks(&e.checks, &expected_checks(&f.dialect, iid), &ctx);
     let before = f.sim("d0").stats().await["kv"]["consumed"]
         .as_u64()
         .unwrap_or(0);
@@ -581,12 +595,17 @@ async fn drain_and_readmission_pass_on_confirmed_evidence_with_the_hooks_off_the
         drain_restart_readmit(&mut f, &r, "d0").await;
         // The router shows the consume check's evidence: on vLLM, the decode computed only
         // the last prompt token (vllm:prompt_tokens_by_source), the rest came transferred.
-        let st = r.state_json().await;
-        let e = &st["kv_evidence"]["d0"];
-        assert_eq!(e["verdict"], "confirmed", "{dialect}: {st}");
+        let evidence = r.state().await.kv_evidence;
+        let e = evidence.get("d0");
+        assert_eq!(
+            e.and_then(|e| e.verdict),
+            Some(TransferVerdict::Confirmed),
+            "{dialect}: {evidence:?}"
+        );
+        let recomputed = e.and_then(|e| e.recomputed_delta);
         match dialect {
-            "vllm" => assert_eq!(e["recomputed_delta"], 1, "{st}"),
-            _ => assert!(e["recomputed_delta"].is_null(), "{st}"),
+            "vllm" => assert_eq!(recomputed, Some(1), "{evidence:?}"),
+            _ => assert!(recomputed.is_none(), "{evidence:?}"),
         }
         drain_restart_readmit(&mut f, &r, "p0").await;
     }
@@ -651,20 +670,20 @@ async fn a_refuted_transfer_fails_readmission_naming_the_counter() {
     f.sim("d0")
         .fault(json!({"phase": "decode", "action": "fail_transfer", "policy": "recompute"}))
         .await;
-    let (status, doc) = r.readmit_engine("d0").await;
-    assert_eq!(status, 409, "{doc:#}");
-    let e = &doc["engines"]["d0"];
-    assert_eq!(e["state"], "blocked", "{doc:#}");
-    let err = e["error"].as_str().unwrap_or_default();
+    let (status, doc) = readmit(&r, "d0").await;
+    assert_eq!(status, 409, "{doc:#?}");
+    let e = entry(&doc, "d0");
+    assert_eq!(e.state.as_str(), "blocked", "{doc:#?}");
+    let err = &e.error;
     assert!(
         err.contains("KV transfer refuted")
             && err.contains("vllm:nixl_num_failed_transfers_total rose by 1"),
         "{err}"
     );
     let want = expected_checks("vllm", "d0");
-    assert_checks(&strings(&e["checks"]), &want[..5], "refuted fabric");
+    assert_checks(&e.checks, &want[..5], "refuted fabric");
     // Fault spent: the retry passes.
-    let (status, doc) = r.readmit_engine("d0").await;
-    assert_eq!(status, 200, "{doc:#}");
-    assert_checks(&strings(&doc["engines"]["d0"]["checks"]), &want, "retry");
+    let (status, doc) = readmit(&r, "d0").await;
+    assert_eq!(status, 200, "{doc:#?}");
+    assert_checks(&entry(&doc, "d0").checks, &want, "retry");
 }

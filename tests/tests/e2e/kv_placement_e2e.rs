@@ -26,6 +26,8 @@
 
 use std::time::{Duration, Instant};
 
+use narwhal_shared::documents::State;
+use narwhal_shared::documents::state::KvEngine;
 use narwhal_testkit::{Fleet, RequestRow, RouterHandle, SimHandle, WAIT, eventually};
 use serde_json::{Value, json};
 
@@ -72,16 +74,17 @@ async fn hits(sim: &SimHandle) -> u64 {
         .unwrap_or(0)
 }
 
-/// The router's `kv_index.engines.<iid>` once `ok` holds for it.
+/// The router's `kv_index.engines.<iid>` once `ok` holds for it (an engine the document
+/// does not list is checked as all defaults).
 async fn kv_engine(
     router: &RouterHandle,
     iid: &str,
     what: &str,
-    ok: impl Fn(&Value) -> bool,
-) -> Value {
+    ok: impl Fn(&KvEngine) -> bool,
+) -> KvEngine {
     eventually(what, WAIT, || async {
-        let st = router.get("/narwhal/state").await.json();
-        let e = st["kv_index"]["engines"][iid].clone();
+        let st = router.state().await;
+        let e = st.kv_index.engines.get(iid).cloned().unwrap_or_default();
         ok(&e).then_some(e)
     })
     .await
@@ -123,7 +126,7 @@ async fn requests_sharing_a_prefix_follow_the_engine_that_holds_it() {
     let holder = rows[0].engine().to_string();
     let other = if holder == "d0" { "d1" } else { "d0" };
     kv_engine(router, &holder, "the holder's blocks in the index", |e| {
-        e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
+        e.mode == "exact" && e.blocks >= 10
     })
     .await;
     let before = (hits(f.sim(&holder)).await, hits(f.sim(other)).await);
@@ -161,12 +164,15 @@ async fn requests_sharing_a_prefix_follow_the_engine_that_holds_it() {
         before.1,
         "the other engine computed nothing of it"
     );
-    let st = router.get("/narwhal/state").await.json();
-    let kv = &st["kv_index"];
-    assert_eq!(kv["engines"][&holder]["mode"], "exact", "{kv}");
-    assert_eq!(kv["tokenizer"], "agree", "{kv}");
-    let n = kv["tokenized"].as_u64().expect("tokenized");
-    let spent = kv["tokenize_seconds"].as_f64().expect("tokenize_seconds");
+    let kv = router.state().await.kv_index;
+    assert_eq!(
+        kv.engines.get(&holder).map(|e| e.mode.as_str()),
+        Some("exact"),
+        "{kv:?}"
+    );
+    assert_eq!(kv.tokenizer, "agree", "{kv:?}");
+    let n = kv.tokenized;
+    let spent = kv.tokenize_seconds;
     println!(
         "tokenize cost: {n} prompts, {:.3} ms per prompt on average (loaded test machine)",
         spent * 1000.0 / n.max(1) as f64
@@ -185,24 +191,20 @@ async fn an_engine_restarted_in_place_gets_no_credit_for_its_old_blocks() {
     complete_on(f.sim("d0"), &prompt).await;
     complete_on(f.sim("d1"), &format!("{} {}", words(0, 20), words(500, 20))).await;
     kv_engine(f.router(), "d0", "d0's blocks", |e| {
-        e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
+        e.mode == "exact" && e.blocks >= 10
     })
     .await;
     kv_engine(f.router(), "d1", "d1's blocks", |e| {
-        e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
+        e.mode == "exact" && e.blocks >= 10
     })
     .await;
     f.sim_mut("d0").restart(&[]).expect("d0 restarts in place");
     let router = f.router();
     // The router learns the new process (its monitor), drops d0's entries, and readmits it.
-    kv_engine(router, "d0", "d0's entries dropped", |e| {
-        e["resets"].as_u64().unwrap_or(0) >= 1
-    })
-    .await;
+    kv_engine(router, "d0", "d0's entries dropped", |e| e.resets >= 1).await;
     eventually("d0 back in placement", WAIT, || async {
-        let st = router.get("/narwhal/state").await.json();
-        let empty = |k: &str| st[k].as_array().is_none_or(|a| a.is_empty());
-        (empty("ejected") && empty("awaiting_health")).then_some(())
+        let st = router.state().await;
+        (st.ejected.is_empty() && st.awaiting_health.is_empty()).then_some(())
     })
     .await;
     complete(router, &prompt).await;
@@ -221,7 +223,7 @@ async fn an_engine_restarted_in_place_gets_no_credit_for_its_old_blocks() {
     // d0's new process publishes from sequence 0: exact again.
     complete_on(f.sim("d0"), &words(900, 12)).await;
     kv_engine(router, "d0", "d0 exact again", |e| {
-        e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 3
+        e.mode == "exact" && e.blocks >= 3
     })
     .await;
 }
@@ -284,18 +286,15 @@ async fn without_kv_events_requests_sharing_a_prefix_stick_to_one_engine() {
         "the guess was right: each hit the 40-token prefix on the engine"
     );
     assert_eq!(hits(f.sim(other)).await, before.1);
-    let st = router.get("/narwhal/state").await.json();
+    let kv = router.state().await.kv_index;
     for e in ["d0", "d1"] {
-        let v = &st["kv_index"]["engines"][e];
-        assert_eq!(v["mode"], "approximate", "{st}");
-        assert_eq!(v["reason"], "no_kv_events", "{st}");
+        let v = kv.engines.get(e);
+        assert_eq!(v.map(|v| v.mode.as_str()), Some("approximate"), "{kv:?}");
+        assert_eq!(v.map(|v| v.reason.as_str()), Some("no_kv_events"), "{kv:?}");
     }
     assert!(
-        st["kv_index"]["engines"][&holder]["approx_blocks"]
-            .as_u64()
-            .unwrap_or(0)
-            >= 10,
-        "{st}"
+        kv.engines.get(&holder).map_or(0, |e| e.approx_blocks) >= 10,
+        "{kv:?}"
     );
     let metrics = router.metrics().await;
     for line in [
@@ -323,17 +322,21 @@ async fn cache_awareness_turned_off_is_shown_none() {
     })
     .await;
     assert_eq!(rows[0].cached_tokens, None, "not scored: {:?}", rows[0]);
-    let st = router.get("/narwhal/state").await.json();
+    let kv = router.state().await.kv_index;
     for e in ["d0", "d1"] {
-        let v = &st["kv_index"]["engines"][e];
+        let v = kv.engines.get(e);
         assert_eq!(
-            (&v["mode"], &v["reason"]),
-            (&json!("none"), &json!("off")),
-            "{st}"
+            v.map(|v| (v.mode.as_str(), v.reason.as_str())),
+            Some(("none", "off")),
+            "{kv:?}"
         );
-        assert_eq!(v["batches"], 0, "no stream subscribed: {st}");
+        assert_eq!(
+            v.map(|v| v.batches),
+            Some(0),
+            "no stream subscribed: {kv:?}"
+        );
     }
-    assert_eq!(st["kv_index"]["tokenized"], 0, "nothing tokenized: {st}");
+    assert_eq!(kv.tokenized, 0, "nothing tokenized: {kv:?}");
     let metrics = router.metrics().await;
     assert!(
         metrics.contains("narwhal_kv_index_mode{iid=\"d0\",mode=\"none\"} 1"),
@@ -354,23 +357,15 @@ async fn one_engine_to_choose_from_is_not_scored() {
     for i in 0..3 {
         complete(router, &words(i * 100, 12)).await;
     }
-    let st = router.get("/narwhal/state").await.json();
-    let kv = &st["kv_index"];
+    let kv = router.state().await.kv_index;
+    assert_eq!((kv.tokenized, kv.unscored), (0, 3), "{kv:?}");
     assert_eq!(
-        (&kv["tokenized"], &kv["unscored"]),
-        (&json!(0), &json!(3)),
-        "{kv}"
-    );
-    assert_eq!(
-        kv["tokenizer"], "agree",
-        "the tokenizer check still runs: {kv}"
+        kv.tokenizer, "agree",
+        "the tokenizer check still runs: {kv:?}"
     );
     // Still subscribed: the index stays warm for when the fleet grows.
-    let p0 = kv_engine(router, "p0", "p0's events read", |e| {
-        e["batches"].as_u64().unwrap_or(0) > 0
-    })
-    .await;
-    assert_eq!(p0["mode"], "exact", "{p0}");
+    let p0 = kv_engine(router, "p0", "p0's events read", |e| e.batches > 0).await;
+    assert_eq!(p0.mode, "exact", "{p0:?}");
     let metrics = router.metrics().await;
     assert!(
         metrics.contains("narwhal_kv_index_unscored_total 3"),
@@ -401,7 +396,7 @@ async fn an_engine_whose_events_stop_is_shown_approximate_then_exact_again() {
     for (k, iid) in ["d0", "d1"].into_iter().enumerate() {
         complete_on(f.sim(iid), &words(1000 * (k + 1), 12)).await;
         kv_engine(router, iid, "exact after its first batch", |e| {
-            e["mode"] == "exact"
+            e.mode == "exact"
         })
         .await;
     }
@@ -425,7 +420,7 @@ async fn an_engine_whose_events_stop_is_shown_approximate_then_exact_again() {
         router,
         &muted,
         "approximate after serving.kv_events_stale_s",
-        |e| e["mode"] == "approximate" && e["reason"] == "stale",
+        |e| e.mode == "approximate" && e.reason == "stale",
     )
     .await;
     let took = placed.elapsed();
@@ -434,8 +429,12 @@ async fn an_engine_whose_events_stop_is_shown_approximate_then_exact_again() {
         took < Duration::from_secs(6),
         "approximate within a few seconds: {took:?}"
     );
-    let st = router.get("/narwhal/state").await.json();
-    assert_eq!(st["kv_index"]["engines"][other]["mode"], "exact", "{st}");
+    let kv = router.state().await.kv_index;
+    assert_eq!(
+        kv.engines.get(other).map(|e| e.mode.as_str()),
+        Some("exact"),
+        "{kv:?}"
+    );
     let metrics = router.metrics().await;
     for line in [
         format!("narwhal_kv_index_mode{{iid=\"{muted}\",mode=\"approximate\"}} 1"),
@@ -464,10 +463,10 @@ async fn an_engine_whose_events_stop_is_shown_approximate_then_exact_again() {
     // Its events resume (the fault was used up): that request's new blocks make it exact
     // again, and the guesses are dropped.
     let e = kv_engine(router, &muted, "exact again once events resume", |e| {
-        e["mode"] == "exact" && e["reason"] == "events"
+        e.mode == "exact" && e.reason == "events"
     })
     .await;
-    assert_eq!(e["approx_blocks"], 0, "{e}");
+    assert_eq!(e.approx_blocks, 0, "{e:?}");
     let metrics = router.metrics().await;
     let line = format!("narwhal_kv_index_mode{{iid=\"{muted}\",mode=\"exact\"}} 1");
     assert!(metrics.contains(&line), "{line} in /metrics:\n{metrics}");
@@ -500,7 +499,7 @@ async fn the_journal_records_the_engines_cached_tokens_beside_the_estimate() {
     );
     let holder = first.engine().to_string();
     kv_engine(router, &holder, "the holder's blocks in the index", |e| {
-        e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 10
+        e.mode == "exact" && e.blocks >= 10
     })
     .await;
     complete(router, &format!("{prefix} {}", words(100, 6))).await;
@@ -545,7 +544,7 @@ async fn a_restarted_router_is_exact_from_its_first_request() {
     }
     for iid in ["d0", "d1"] {
         kv_engine(first, iid, "the first router indexed its blocks", |e| {
-            e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 20
+            e.mode == "exact" && e.blocks >= 20
         })
         .await;
     }
@@ -629,7 +628,7 @@ async fn a_router_started_after_the_replay_buffer_moved_on_is_exact_from_the_age
     // followed them all along, has seen them).
     for iid in ["d0", "d1"] {
         kv_engine(first, iid, "the churn published", |e| {
-            e["batches"].as_u64().unwrap_or(0) > CHURN && e["blocks"].as_u64().unwrap_or(0) >= 20
+            e.batches > CHURN && e.blocks >= 20
         })
         .await;
     }
@@ -690,7 +689,7 @@ async fn keyed_credit(dialect: &str) {
             assert_eq!(r.status, 200, "{body}: {}", r.text());
         }
     };
-    let blocks = |st: &Value, iid: &str| st["kv_index"]["engines"][iid]["blocks"].as_u64();
+    let blocks = |st: &State, iid: &str| st.kv_index.engines.get(iid).map(|e| e.blocks);
     let variants = [
         json!({}),
         json!({"cache_salt": "tenant-a"}),
@@ -701,7 +700,7 @@ async fn keyed_credit(dialect: &str) {
     let mut seen = 0;
     for (v, keys) in variants.iter().enumerate() {
         for round in 0..2 {
-            let before = router.get("/narwhal/state").await.json();
+            let before = router.state().await;
             send(keys.clone(), 100 * v + 10 * round).await;
             seen += 1;
             let rows = eventually("the request's row", WAIT, || async {
@@ -732,7 +731,7 @@ async fn keyed_credit(dialect: &str) {
                     router,
                     &iid,
                     "the keyed prefix's blocks in the index",
-                    |e| e["blocks"].as_u64().unwrap_or(0) >= had + 11,
+                    |e| e.blocks >= had + 11,
                 )
                 .await;
             }
@@ -794,7 +793,7 @@ async fn chat_requests_are_credited_as_their_template_renders_them() {
                 let iid = r.engine().to_string();
                 let blocks = prompt_tokens / 4;
                 kv_engine(router, &iid, "the variant's blocks in the index", |e| {
-                    e["blocks"].as_u64().unwrap_or(0) >= blocks
+                    e.blocks >= blocks
                 })
                 .await;
             } else {
@@ -841,7 +840,7 @@ async fn blocks_stored_for_an_image_are_never_credited_to_text() {
     assert!(first.cached_tokens.is_none(), "unscored: {first:?}");
     let iid = first.engine().to_string();
     kv_engine(router, &iid, "the image request's blocks", |e| {
-        e["blocks"].as_u64().unwrap_or(0) >= 14
+        e.blocks >= 14
     })
     .await;
     let text = send(spelled, 12200).await;
@@ -1039,7 +1038,7 @@ async fn an_engine_over_credited_request_after_request_is_suspect_until_it_agree
     })
     .await;
     kv_engine(router, &holder, "the prefix in the index", |e| {
-        e["mode"] == "exact" && e["blocks"].as_u64().unwrap_or(0) >= 11
+        e.mode == "exact" && e.blocks >= 11
     })
     .await;
     for round in 1..=3 {
@@ -1064,12 +1063,12 @@ async fn an_engine_over_credited_request_after_request_is_suspect_until_it_agree
         );
     }
     let e = kv_engine(router, &holder, "suspect after three", |e| {
-        e["mode"] == "suspect"
+        e.mode == "suspect"
     })
     .await;
-    assert_eq!(e["reason"], "over_credit", "{e}");
-    assert_eq!(e["credit"]["over_credited"], 3, "{e}");
-    assert_eq!(e["credit"]["over_tokens"], 120, "{e}");
+    assert_eq!(e.reason, "over_credit", "{e:?}");
+    assert_eq!(e.credit.over_credited, 3, "{e:?}");
+    assert_eq!(e.credit.over_tokens, 120, "{e:?}");
     let m = router.metrics().await;
     let with = |name: &str, extra: &str| {
         narwhal_testkit::metric(&m, name, &[&format!("iid=\"{holder}\""), extra])
@@ -1103,13 +1102,13 @@ async fn an_engine_over_credited_request_after_request_is_suspect_until_it_agree
                 complete(router, &b).await
             }))
             .await;
-            let st = router.get("/narwhal/state").await.json();
-            let e = st["kv_index"]["engines"][holder].clone();
-            (e["mode"] == "exact").then_some(e)
+            let st = router.state().await;
+            let e = st.kv_index.engines.get(holder).cloned().unwrap_or_default();
+            (e.mode == "exact").then_some(e)
         }
     })
     .await;
-    assert_eq!(back["reason"], "events", "{back}");
+    assert_eq!(back.reason, "events", "{back:?}");
     let suspect_rows: Vec<RequestRow> = served(router)
         .into_iter()
         .filter(|r| r.kv_mode.as_deref() == Some("suspect"))

@@ -29,7 +29,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use narwhal_testkit::{FleetSpec, Http, RouterHandle, RouterProbe, start_router, wait_until};
+use narwhal_shared::documents::replies::ErrorDetail;
+use narwhal_testkit::{
+    FleetSpec, Http, JournalRequest, RouterHandle, RouterProbe, start_router, usage_of, wait_until,
+};
 use serde_json::{Value, json};
 use tempfile::TempDir;
 
@@ -301,15 +304,32 @@ fn over_long_prompt() -> String {
     vec!["river"; CTX as usize + 64].join(" ")
 }
 
-fn ejected(state: &Value) -> Vec<String> {
-    state["ejected"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|v| v.as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default()
+/// What `tests/python/sdk_driver.py` reports for one call, the fields these tests read: on
+/// success the answer's `text` and `finish_reason` (its `usage` through
+/// [`narwhal_testkit::usage_of`]); on failure the exception's `class`, `status_code` and
+/// `message`, and its `body` (the engine's or router's error object; see [`error_body`]).
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default)]
+struct SdkResult {
+    ok: Option<bool>,
+    text: Option<String>,
+    finish_reason: Option<String>,
+    class: Option<String>,
+    status_code: Option<u64>,
+    message: Option<String>,
+    body: Value,
+}
+
+/// `result` (one of [`Lab::sdk`]'s), typed.
+fn said(result: &Value) -> SdkResult {
+    serde_json::from_value(result.clone())
+        .unwrap_or_else(|e| panic!("an SDK driver result ({e}): {result}"))
+}
+
+/// The error object the SDK raised with (OpenAI's `error` member); `None` when its `body` is
+/// not one.
+fn error_body(result: &Value) -> Option<ErrorDetail> {
+    serde_json::from_value(said(result).body).ok()
 }
 
 /// The yardstick: llama.cpp alone, through the SDK, serves all four shapes (greedy streaming
@@ -334,25 +354,26 @@ async fn engine_alone_serves_the_sdk() {
     for (i, (api, stream)) in SHAPES.iter().enumerate() {
         let what = format!("engine alone: {api} stream={stream}");
         let r = pysdk::ok(&r[i], &what);
+        let a = said(&r);
         assert!(
-            !r["text"].as_str().unwrap_or_default().is_empty(),
+            !a.text.as_deref().unwrap_or_default().is_empty(),
             "{what}: {r}"
         );
-        assert_eq!(r["finish_reason"], "length", "{what}: {r}");
+        assert_eq!(a.finish_reason.as_deref(), Some("length"), "{what}: {r}");
         if !stream {
-            assert_eq!(r["usage"]["completion_tokens"], MAX_TOKENS, "{what}: {r}");
-            assert!(
-                r["usage"]["prompt_tokens"].as_u64() > Some(3),
-                "{what}: {r}"
-            );
+            let usage = usage_of(&r);
+            assert_eq!(usage.completion_tokens, Some(MAX_TOKENS), "{what}: {r}");
+            assert!(usage.prompt_tokens > Some(3), "{what}: {r}");
         }
     }
     assert_eq!(
-        r[1]["text"], r[0]["text"],
+        said(&r[1]).text,
+        said(&r[0]).text,
         "greedy completions: stream = non-stream"
     );
     assert_eq!(
-        r[3]["text"], r[2]["text"],
+        said(&r[3]).text,
+        said(&r[2]).text,
         "greedy chat: stream = non-stream"
     );
     for i in [4, 5] {
@@ -361,7 +382,12 @@ async fn engine_alone_serves_the_sdk() {
             msg.contains(&format!("maximum context length is {CTX} tokens")),
             "{msg}"
         );
-        assert_eq!(r[i]["body"]["code"], "context_length_exceeded", "{}", r[i]);
+        assert_eq!(
+            error_body(&r[i]).and_then(|b| b.code),
+            Some(json!("context_length_exceeded")),
+            "{}",
+            r[i]
+        );
     }
     // What `engines[].health_path` is for: no /health, /v1/models instead.
     let health = http()
@@ -381,8 +407,8 @@ async fn engine_alone_serves_the_sdk() {
         )
         .await;
     assert_eq!(
-        pysdk::ok(&again[0], "after restart")["text"],
-        r[0]["text"],
+        said(&pysdk::ok(&again[0], "after restart")).text,
+        said(&r[0]).text,
         "restarted engine, same greedy answer"
     );
 }
@@ -401,8 +427,9 @@ async fn non_streaming_answers_are_the_engines() {
     for (i, api) in ["completions", "chat"].into_iter().enumerate() {
         let d = pysdk::ok(&direct[i], &format!("direct {api}"));
         let r = pysdk::ok(&routed[i], &format!("routed {api}"));
-        assert_eq!(r["text"], d["text"], "{api}: routed {r}\ndirect {d}");
-        assert_eq!(r["finish_reason"], d["finish_reason"], "{api}: {r}");
+        let (rs, ds) = (said(&r), said(&d));
+        assert_eq!(rs.text, ds.text, "{api}: routed {r}\ndirect {d}");
+        assert_eq!(rs.finish_reason, ds.finish_reason, "{api}: {r}");
     }
 }
 
@@ -432,28 +459,24 @@ async fn streaming_answers_are_the_engines() {
     for i in 0..4 {
         let d = pysdk::ok(&direct[i], &format!("direct stream {i}"));
         let r = pysdk::ok(&routed[i], &format!("routed stream {i}"));
-        assert!(!r["text"].as_str().unwrap_or_default().is_empty(), "{r}");
-        assert_eq!(r["text"], d["text"], "stream {i}: routed {r}\ndirect {d}");
-        assert_eq!(r["finish_reason"], d["finish_reason"], "stream {i}: {r}");
+        let (rs, ds) = (said(&r), said(&d));
+        assert!(!rs.text.as_deref().unwrap_or_default().is_empty(), "{r}");
+        assert_eq!(rs.text, ds.text, "stream {i}: routed {r}\ndirect {d}");
+        assert_eq!(rs.finish_reason, ds.finish_reason, "stream {i}: {r}");
     }
-    let st = router.state_json().await;
-    assert_eq!(ejected(&st), Vec::<String>::new(), "nothing ejected: {st}");
-    assert_eq!(st["served"], 4, "{st}");
-    let requests = |rows: Vec<Value>| -> Vec<Value> {
-        rows.into_iter()
-            .filter(|r| r.get("rid").is_some())
-            .collect()
-    };
+    let st = router.state().await;
+    assert_eq!(st.ejected, Vec::<String>::new(), "nothing ejected: {st:?}");
+    assert_eq!(st.served, 4, "{st:?}");
     let rows = wait_until(Duration::from_secs(10), || {
-        let rows = requests(router.journal_rows());
+        let rows = router.request_rows();
         async move { (rows.len() >= 4).then_some(rows) }
     })
     .await
     .unwrap_or_else(|| panic!("4 journal rows: {:?}", router.journal_rows()));
     assert_eq!(rows.len(), 4, "{rows:?}");
     for row in &rows {
-        assert_eq!(row["terminal"], "completed", "{row}");
-        assert_eq!(row["output_len"], MAX_TOKENS, "tokens counted: {row}");
+        assert_eq!(row.terminal, "completed", "{row:?}");
+        assert_eq!(row.output_len, Some(MAX_TOKENS), "tokens counted: {row:?}");
     }
 }
 
@@ -474,12 +497,12 @@ async fn usage_is_the_engines() {
     for (i, api) in ["completions", "chat"].into_iter().enumerate() {
         let d = pysdk::ok(&direct[i], &format!("direct {api}"));
         let r = pysdk::ok(&routed[i], &format!("routed {api}"));
-        for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
-            assert_eq!(
-                r["usage"][k], d["usage"][k],
-                "{api} {k}: routed {r}\ndirect {d}"
-            );
-        }
+        // prompt_tokens, completion_tokens and total_tokens, each the engine's.
+        assert_eq!(
+            usage_of(&r),
+            usage_of(&d),
+            "{api} usage: routed {r}\ndirect {d}"
+        );
     }
     let streamed = lab
         .sdk(
@@ -502,12 +525,12 @@ async fn usage_is_the_engines() {
         .await;
     for (i, api) in ["completions", "chat"].into_iter().enumerate() {
         let r = pysdk::ok(&streamed[i], &format!("routed {api} stream with usage"));
-        let u = &r["usage"];
-        assert_eq!(u["completion_tokens"], MAX_TOKENS, "{api}: {r}");
+        let u = usage_of(&r);
+        assert_eq!(u.completion_tokens, Some(MAX_TOKENS), "{api}: {r}");
         let (p, c, t) = (
-            u["prompt_tokens"].as_u64().unwrap_or(0),
-            u["completion_tokens"].as_u64().unwrap_or(0),
-            u["total_tokens"].as_u64().unwrap_or(0),
+            u.prompt_tokens.unwrap_or(0),
+            u.completion_tokens.unwrap_or(0),
+            u.total_tokens.unwrap_or(0),
         );
         assert!(p > 0 && t == p + c, "{api}: {r}");
     }
@@ -531,10 +554,9 @@ async fn stop_sequences_end_the_answer() {
         )
         .await;
     for (i, api) in ["completions", "chat"].into_iter().enumerate() {
-        let full = pysdk::ok(&free[i], &format!("unstopped {api}"))["text"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
+        let full = said(&pysdk::ok(&free[i], &format!("unstopped {api}")))
+            .text
+            .unwrap_or_default();
         // The third word of the answer, found after its start, so the cut keeps some text.
         let stop = full
             .split_whitespace()
@@ -550,11 +572,21 @@ async fn stop_sequences_end_the_answer() {
         let (direct, routed) = lab.both(&engine, &router, calls).await;
         for j in 0..2 {
             let d = pysdk::ok(&direct[j], &format!("direct {api} stop {j}"));
-            assert_eq!(d["finish_reason"], "stop", "{api}: engine stops: {d}");
-            assert_eq!(d["text"].as_str(), Some(&full[..cut]), "{api}: {d}");
+            let ds = said(&d);
+            assert_eq!(
+                ds.finish_reason.as_deref(),
+                Some("stop"),
+                "{api}: engine stops: {d}"
+            );
+            assert_eq!(ds.text.as_deref(), Some(&full[..cut]), "{api}: {d}");
             let r = pysdk::ok(&routed[j], &format!("routed {api} stop {j}"));
-            assert_eq!(r["text"], d["text"], "{api} stop {j}: routed {r}");
-            assert_eq!(r["finish_reason"], "stop", "{api} stop {j}: {r}");
+            let rs = said(&r);
+            assert_eq!(rs.text, ds.text, "{api} stop {j}: routed {r}");
+            assert_eq!(
+                rs.finish_reason.as_deref(),
+                Some("stop"),
+                "{api} stop {j}: {r}"
+            );
         }
     }
 }
@@ -584,11 +616,11 @@ async fn over_long_prompt_is_the_engines_400() {
         )
         .await;
     pysdk::ok(&after[0], "a normal request after the 400s");
-    let st = router.state_json().await;
+    let st = router.state().await;
     assert_eq!(
-        ejected(&st),
+        st.ejected,
         Vec::<String>::new(),
-        "client faults eject nothing: {st}"
+        "client faults eject nothing: {st:?}"
     );
 }
 
@@ -616,13 +648,13 @@ async fn killed_engine_is_ejected_then_readmitted() {
         for (i, r) in burst.iter().enumerate() {
             pysdk::ok(r, &format!("served while e1 is down ({i})"));
         }
-        let st = router.state_json().await;
-        if ejected(&st) == ["e1"] {
+        let st = router.state().await;
+        if st.ejected == ["e1"] {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "e1 not ejected within 60 s: {st}"
+            "e1 not ejected within 60 s: {st:?}"
         );
     }
 
@@ -642,22 +674,19 @@ async fn killed_engine_is_ejected_then_readmitted() {
         router.journal_rows()
     );
     assert!(
-        router
-            .journal_rows()
-            .iter()
-            .any(|r| r["event"] == "engine_readmitted" && r["iid"] == "e1"),
+        !router.events_of("engine_readmitted", "e1").is_empty(),
         "a readmission event for e1: {:?}",
         router.journal_rows()
     );
     // And e1 takes traffic again.
-    let served_by_e1 = |rows: &[Value]| {
+    let served_by_e1 = |rows: &[JournalRequest]| {
         rows.iter()
-            .filter(|r| r["decode_iid"] == "e1" && r["terminal"] == "completed")
+            .filter(|r| r.decode_iid.as_deref() == Some("e1") && r.terminal == "completed")
             .count()
     };
-    let before = served_by_e1(&router.journal_rows());
+    let before = served_by_e1(&router.request_rows());
     let deadline = Instant::now() + Duration::from_secs(60);
-    while served_by_e1(&router.journal_rows()) == before {
+    while served_by_e1(&router.request_rows()) == before {
         let burst = lab.sdk(&router.data, shape_calls("the light")).await;
         for (i, r) in burst.iter().enumerate() {
             pysdk::ok(r, &format!("after readmission ({i})"));
@@ -686,12 +715,17 @@ async fn only_engine_killed_then_restarted_serves_again() {
     engine.kill();
     let down = lab.sdk(&router.data, shape_calls("the stone")).await;
     for (i, r) in down.iter().enumerate() {
-        assert_eq!(r["ok"], false, "served with the engine down? {r}");
-        assert_eq!(r["class"], "InternalServerError", "engine down ({i}): {r}");
-        let status = r["status_code"].as_u64().unwrap_or(0);
+        let a = said(r);
+        assert_eq!(a.ok, Some(false), "served with the engine down? {r}");
+        assert_eq!(
+            a.class.as_deref(),
+            Some("InternalServerError"),
+            "engine down ({i}): {r}"
+        );
+        let status = a.status_code.unwrap_or(0);
         assert!(status == 502 || status == 503, "engine down ({i}): {r}");
         assert!(
-            !r["message"].as_str().unwrap_or_default().is_empty(),
+            !a.message.as_deref().unwrap_or_default().is_empty(),
             "a message: {r}"
         );
     }
@@ -705,7 +739,7 @@ async fn only_engine_killed_then_restarted_serves_again() {
                 json!([call("completions", "the light", json!({}))]),
             )
             .await;
-        if r[0]["ok"] == true {
+        if said(&r[0]).ok == Some(true) {
             pysdk::ok(&r[0], "after restart");
             break;
         }

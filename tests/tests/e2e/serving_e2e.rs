@@ -7,8 +7,10 @@
 
 use std::time::{Duration, Instant};
 
+use narwhal_shared::documents::{ErrorReply, Health, ModelList, State};
 use narwhal_testkit::{
-    Fleet, WAIT, answer_text, count as n, eventually, metric, openai_request, sse_text, wait_until,
+    Fleet, Reply, WAIT, answer_text, count as n, eventually, metric, openai_request,
+    parse_document, sse_text, usage_of, wait_until,
 };
 use serde_json::{Value, json};
 
@@ -33,6 +35,11 @@ async fn faulted(iid: &str, fault: Value) -> Fleet {
     let f = fleet("vllm").await;
     f.sim(iid).fault(fault).await;
     f
+}
+
+/// An OpenAI-shaped error body, parsed ([`ErrorReply`]).
+fn error_of(r: &Reply) -> ErrorReply {
+    parse_document(&r.what, &r.text())
 }
 
 /// A request of at most 6 tokens ([`openai_request`]).
@@ -89,8 +96,9 @@ async fn pd_round_trip(dialect: &str) {
             sse_text(&frames)
         } else {
             let v = r.json();
-            assert_eq!(v["usage"]["completion_tokens"], 6, "{v}");
-            assert!(v["usage"]["prompt_tokens"].as_u64().unwrap_or(0) > 0, "{v}");
+            let usage = usage_of(&v);
+            assert_eq!(usage.completion_tokens, Some(6), "{v}");
+            assert!(usage.prompt_tokens.unwrap_or(0) > 0, "{v}");
             answer_text(&v)
         };
         assert!(!text.is_empty(), "{dialect} {path}: empty text");
@@ -108,26 +116,25 @@ async fn pd_round_trip(dialect: &str) {
     // Each client request maps to exactly one prefill and one decode leg on the engines: the
     // journal row names each leg's request id (a plain UUID per leg, docs/deviations.md).
     let rows = eventually("every request's journal row", WAIT, || async {
-        let rows = router.journal_rows();
+        let rows = router.request_rows();
         rids.iter()
-            .all(|(rid, _)| rows.iter().any(|r| r["rid"] == rid.as_str()))
+            .all(|(rid, _)| rows.iter().any(|r| r.rid == *rid))
             .then_some(rows)
     })
     .await;
     for (rid, stream) in &rids {
         let row = rows
             .iter()
-            .find(|r| r["rid"] == rid.as_str())
+            .find(|r| r.rid == *rid)
             .unwrap_or_else(|| panic!("journal row for {rid}: {rows:?}"));
         let leg_id = |leg: &str| {
-            let ids: Vec<&str> = row["legs"]
-                .as_array()
-                .expect("legs")
+            let ids: Vec<&str> = row
+                .legs
                 .iter()
-                .filter(|l| l["leg"] == leg)
-                .filter_map(|l| l["request_id"].as_str())
+                .filter(|l| l.leg == leg)
+                .filter_map(|l| l.request_id.as_deref())
                 .collect();
-            assert_eq!(ids.len(), 1, "one {leg} leg for {rid}: {row}");
+            assert_eq!(ids.len(), 1, "one {leg} leg for {rid}: {row:?}");
             ids[0].to_string()
         };
         let legs = |s: &Value, phase: &str, id: &str| -> Vec<Value> {
@@ -140,7 +147,7 @@ async fn pd_round_trip(dialect: &str) {
                 .collect()
         };
         let (pid, did) = (leg_id("prefill"), leg_id("decode"));
-        assert!(pid != did && pid != *rid, "{row}");
+        assert!(pid != did && pid != *rid, "{row:?}");
         assert_eq!(
             legs(&p, "prefill", &pid).len(),
             1,
@@ -172,9 +179,9 @@ async fn pd_round_trip(dialect: &str) {
         );
     }
     // The router's accounting and its journal agree.
-    let st = router.state_json().await;
-    assert_eq!(st["served"], 4, "{st}");
-    assert_eq!(st["failed"], 0, "{st}");
+    let st = router.state().await;
+    assert_eq!(st.served, 4, "{st:?}");
+    assert_eq!(st.failed, 0, "{st:?}");
     let metrics = router.metrics().await;
     assert_eq!(
         metric(&metrics, "narwhal_served_total", &[]),
@@ -182,24 +189,28 @@ async fn pd_round_trip(dialect: &str) {
         "{metrics}"
     );
     let rows = eventually("4 journal rows", Duration::from_secs(5), || {
-        let rows = router.journal_rows();
-        async move { (rows.iter().filter(|r| r.get("rid").is_some()).count() >= 4).then_some(rows) }
+        let rows = router.request_rows();
+        async move { (rows.len() >= 4).then_some(rows) }
     })
     .await;
-    let header = &rows[0]["meta"];
-    assert_eq!(header["schema"], "narwhal.journal", "{header}");
+    let header = router.journal_meta();
+    assert_eq!(
+        header.as_ref().map(|h| h.schema.as_str()),
+        Some("narwhal.journal"),
+        "{header:?}"
+    );
     assert!(
-        header["run"].is_string(),
-        "journal header carries the run id: {header}"
+        header.as_ref().is_some_and(|h| h.run.is_some()),
+        "journal header carries the run id: {header:?}"
     );
     for (rid, _) in &rids {
         let row = rows
             .iter()
-            .find(|r| r["rid"] == rid.as_str())
+            .find(|r| r.rid == *rid)
             .unwrap_or_else(|| panic!("no journal row for {rid}"));
-        assert_eq!(row["terminal"], "completed", "{row}");
-        assert_eq!(row["prefill_iid"], "p0", "{row}");
-        assert_eq!(row["decode_iid"], "d0", "{row}");
+        assert_eq!(row.terminal, "completed", "{row:?}");
+        assert_eq!(row.prefill_iid.as_deref(), Some("p0"), "{row:?}");
+        assert_eq!(row.decode_iid.as_deref(), Some("d0"), "{row:?}");
     }
 }
 
@@ -250,15 +261,9 @@ async fn context_length_400_is_the_clients_fault() {
                 "{dialect}: 400 took {:?}",
                 t0.elapsed()
             );
-            let v = r.json();
-            assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
-            assert!(
-                v["error"]["message"]
-                    .as_str()
-                    .unwrap_or("")
-                    .contains("context length"),
-                "{v}"
-            );
+            let v = error_of(&r);
+            assert_eq!(v.error.kind, "invalid_request_error", "{v:?}");
+            assert!(v.error.message.contains("context length"), "{v:?}");
         }
         let idle = wait_until(Duration::from_secs(2), || async {
             let d = f.sim("d0").stats().await;
@@ -280,17 +285,13 @@ async fn context_length_400_is_the_clients_fault() {
                 "vllm decode must not start: {d}"
             );
         }
-        let st = router.state_json().await;
+        let st = router.state().await;
         assert_eq!(
-            st["ejected"],
-            json!([]),
-            "{dialect}: client errors must not eject: {st}"
+            st.ejected,
+            Vec::<String>::new(),
+            "{dialect}: client errors must not eject: {st:?}"
         );
-        assert_eq!(
-            st["invalid_requests"].as_u64().unwrap_or(0) + st["failed"].as_u64().unwrap_or(0),
-            4,
-            "{st}"
-        );
+        assert_eq!(st.invalid_requests + st.failed, 4, "{st:?}");
         // The fleet still serves once the engine stops refusing.
         f.sim("p0").clear_faults().await;
         let (path, b) = body(false, false, "short");
@@ -308,8 +309,8 @@ async fn prefill_without_descriptor_fails_instead_of_recomputing() {
     let (path, b) = body(false, false, "where is my kv");
     let r = f.router().post_data(path, &b).await;
     assert_eq!(r.status, 502);
-    let v = r.json();
-    assert!(v["error"]["type"].is_string(), "{v}");
+    let v = error_of(&r);
+    assert!(!v.error.kind.is_empty(), "{v:?}");
     let (p, d) = stats(&f).await;
     assert_eq!(
         n(&p["requests"]["prefill"]),
@@ -322,8 +323,8 @@ async fn prefill_without_descriptor_fails_instead_of_recomputing() {
         "no silent recompute: {d}"
     );
     assert_eq!(n(&d["kv"]["recomputed"]), 0, "{d}");
-    let st = f.router().state_json().await;
-    assert_eq!(st["failed"], 1, "{st}");
+    let st = f.router().state().await;
+    assert_eq!(st.failed, 1, "{st:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -353,8 +354,8 @@ async fn decode_dying_after_output_ends_stream_with_one_error_frame() {
         3,
         "{frames:?}"
     );
-    let err: Value = serde_json::from_str(errors[0]).expect("error frame is JSON");
-    assert_eq!(err["error"]["code"], "failed", "{err}");
+    let err: ErrorReply = serde_json::from_str(errors[0]).expect("error frame is JSON");
+    assert_eq!(err.error.code, Some(json!("failed")), "{err:?}");
     let (p, d) = stats(&f).await;
     assert_eq!(
         n(&d["requests"]["decode"]),
@@ -362,8 +363,8 @@ async fn decode_dying_after_output_ends_stream_with_one_error_frame() {
         "not retried after output: {d}"
     );
     assert_eq!(n(&p["requests"]["prefill"]), 1, "{p}");
-    let st = f.router().state_json().await;
-    assert_eq!(st["failed"], 1, "{st}");
+    let st = f.router().state().await;
+    assert_eq!(st.failed, 1, "{st:?}");
 }
 
 /// A client that goes away during a 30 s prefill: the engines see their connections close
@@ -399,8 +400,8 @@ async fn client_disconnect_cancels_both_legs() {
             "{dialect}: engines did not see the cancellation within 1 s: prefill {p} decode {d}"
         );
         let settled = wait_until(Duration::from_secs(2), || async {
-            let st = f.router().state_json().await;
-            (st["cancelled"] == 1).then_some(st)
+            let st = f.router().state().await;
+            (st.cancelled == 1).then_some(st)
         })
         .await;
         assert!(
@@ -408,8 +409,8 @@ async fn client_disconnect_cancels_both_legs() {
             "{dialect}: router did not settle the request as cancelled"
         );
         let st = settled.expect("state");
-        assert_eq!(st["resident"]["p0"]["prefill"], 0, "{st}");
-        assert_eq!(st["resident"]["d0"]["decode"], 0, "{st}");
+        assert_eq!(st.resident.get("p0").map(|r| r.prefill), Some(0), "{st:?}");
+        assert_eq!(st.resident.get("d0").map(|r| r.decode), Some(0), "{st:?}");
     }
 }
 
@@ -428,21 +429,18 @@ async fn malformed_bodies_are_refused_before_any_engine() {
         let r = f.http.post_raw(&url, raw).await;
         assert_eq!(r.status, 400, "body {raw}");
         assert!(r.headers.contains_key("x-request-id"));
-        let v: Value = serde_json::from_slice(&r.body)
+        let v: ErrorReply = serde_json::from_slice(&r.body)
             .unwrap_or_else(|e| panic!("body {raw}: error is not JSON: {e}"));
-        assert_eq!(
-            v["error"]["type"], "invalid_request_error",
-            "body {raw}: {v}"
-        );
+        assert_eq!(v.error.kind, "invalid_request_error", "body {raw}: {v:?}");
         if let Some(p) = param {
-            assert_eq!(v["error"]["param"], p, "body {raw}: {v}");
+            assert_eq!(v.error.param, Some(json!(p)), "body {raw}: {v:?}");
         }
     }
     let over = format!(r#"{{"model":"tiny-sim","prompt":"{}"}}"#, "x".repeat(1024));
     let r = f.http.post_raw(&url, &over[..1025]).await;
     assert_eq!(r.status, 413);
-    let v = r.json();
-    assert_eq!(v["error"]["type"], "request_too_large", "{v}");
+    let v = error_of(&r);
+    assert_eq!(v.error.kind, "request_too_large", "{v:?}");
     let (p, d) = stats(&f).await;
     for s in [&p, &d] {
         assert_eq!(
@@ -451,9 +449,9 @@ async fn malformed_bodies_are_refused_before_any_engine() {
             "an invalid request reached an engine: {s}"
         );
     }
-    let st = f.router().state_json().await;
-    assert_eq!(st["invalid_requests"], 6, "{st}");
-    assert_eq!(st["offered"], 6, "{st}");
+    let st = f.router().state().await;
+    assert_eq!(st.invalid_requests, 6, "{st:?}");
+    assert_eq!(st.offered, 6, "{st:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -471,15 +469,9 @@ async fn client_supplied_transfer_fields_are_refused() {
             b[field] = value;
             let r = f.router().post_data("/v1/completions", &b).await;
             assert_eq!(r.status, 400, "{dialect} {field}");
-            let v = r.json();
-            assert_eq!(v["error"]["param"], field, "{v}");
-            assert!(
-                v["error"]["message"]
-                    .as_str()
-                    .unwrap_or("")
-                    .contains("reserved"),
-                "{v}"
-            );
+            let v = error_of(&r);
+            assert_eq!(v.error.param, Some(json!(field)), "{v:?}");
+            assert!(v.error.message.contains("reserved"), "{v:?}");
         }
         let (p, d) = stats(&f).await;
         for s in [&p, &d] {
@@ -496,18 +488,24 @@ async fn client_supplied_transfer_fields_are_refused() {
 async fn models_health_ready_and_wrong_model() {
     let f = fleet("vllm").await;
     let router = f.router();
-    let m = router.get_data("/v1/models").await.json();
-    assert_eq!(m["data"][0]["id"], "tiny-sim", "{m}");
-    let h = router.get_data("/health").await.json();
-    assert_eq!(h["status"], "ok", "{h}");
-    assert_eq!(h["instances"], 2, "{h}");
+    let m = router.get_data("/v1/models").await;
+    let m: ModelList = parse_document(&m.what, &m.text());
+    assert_eq!(
+        m.data.first().map(|c| c.id.as_str()),
+        Some("tiny-sim"),
+        "{m:?}"
+    );
+    let h = router.get_data("/health").await;
+    let h: Health = parse_document(&h.what, &h.text());
+    assert_eq!(h.status, "ok", "{h:?}");
+    assert_eq!(h.instances, 2, "{h:?}");
     assert_eq!(router.ready().await.0, 200);
     let r = router
         .post_data("/v1/completions", &json!({"model": "other", "prompt": "x"}))
         .await;
     assert_eq!(r.status, 404);
-    let v = r.json();
-    assert_eq!(v["error"]["code"], "model_not_found", "{v}");
+    let v = error_of(&r);
+    assert_eq!(v.error.code, Some(json!("model_not_found")), "{v:?}");
     // Control routes are not served on the data listener.
     assert_eq!(router.get_data("/narwhal/state").await.status, 404);
 }
@@ -527,17 +525,17 @@ async fn dead_decode_engine_is_ejected_and_others_keep_serving() {
     let router = f.router();
     // Placement picks d0 by chance (two choices among two idle engines), so requests go on
     // until it is ejected (by its failures or its health probe), each served, within a bound.
-    let mut st = json!(null);
+    let mut st = State::default();
     for i in 0..200 {
         let (path, b) = body(false, false, &format!("keep serving {i}"));
         let r = router.post_data(path, &b).await;
         assert_eq!(r.status, 200, "request {i} failed although d1 is alive");
-        st = router.state_json().await;
-        if i >= 11 && st["ejected"] == json!(["d0"]) {
+        st = router.state().await;
+        if i >= 11 && st.ejected == ["d0"] {
             break;
         }
     }
-    assert_eq!(st["ejected"], json!(["d0"]), "{st}");
+    assert_eq!(st.ejected, ["d0"], "{st:?}");
     let metrics = router.metrics().await;
     assert!(
         metrics.contains("narwhal_engine_ejections_total{"),
@@ -582,12 +580,8 @@ async fn a_long_prompt_under_pd_fits_the_relays_event_bound() {
                 "stream ends with [DONE]"
             );
         } else {
-            assert_eq!(
-                r.json()["usage"]["completion_tokens"],
-                4,
-                "{}",
-                r.json()["usage"]
-            );
+            let usage = usage_of(&r.json());
+            assert_eq!(usage.completion_tokens, Some(4), "{usage:?}");
         }
     }
     let state = f.router().state().await;
@@ -610,6 +604,7 @@ fn frames_of(text: &str) -> Vec<Value> {
 /// refused it with the split's message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn n_choices_are_served_aggregated_and_refused_across_a_split() {
+    // wire shape: the answers' and chunks' `choices`, `index` and `usage` as OpenAI gives them.
     let f = Fleet::builder().decode(2).start().await;
     let r = f.router();
     let body = json!({"model": "tiny-sim", "prompt": "many ways", "max_tokens": 4, "n": 3});
@@ -678,10 +673,14 @@ async fn n_choices_are_served_aggregated_and_refused_across_a_split() {
     chat["stream"] = json!(false);
     chat.as_object_mut().map(|o| o.remove("stream_options"));
     let refused = pd.router().post_data("/v1/chat/completions", &chat).await;
-    let v = refused.json_or_null();
-    assert_eq!(refused.status, 400, "{v}");
-    let msg = v["error"]["message"].as_str().unwrap_or_default();
-    assert!(msg.contains("n > 1 cannot be served across a split"), "{v}");
+    assert_eq!(refused.status, 400, "{}", refused.text());
+    let v = error_of(&refused);
+    assert!(
+        v.error
+            .message
+            .contains("n > 1 cannot be served across a split"),
+        "{v:?}"
+    );
     assert_eq!(pd.sim("d0").stats().await["requests"]["aggregated"], 0);
 }
 
@@ -711,11 +710,8 @@ async fn a_slow_kv_fabric_is_served_within_the_transfer_budget() {
             .as_u64()
             .unwrap_or(0);
         assert_eq!(consumed, 2, "{dialect}: both served across the split");
-        let rows = r.journal_rows();
-        let retried: Vec<&Value> = rows
-            .iter()
-            .filter(|row| row["rid"].is_string() && row["attempts"] != 1)
-            .collect();
+        let rows = r.request_rows();
+        let retried: Vec<_> = rows.iter().filter(|row| row.attempts != 1).collect();
         assert!(retried.is_empty(), "{dialect}: {retried:?}");
     }
 }
@@ -731,26 +727,23 @@ async fn the_journal_records_the_engines_prompt_tokens_beside_the_estimate() {
     let a = r.completion(prompt, 3).await;
     let v = a.json_or_null();
     assert_eq!(a.status, 200, "{v}");
-    let engine = v["usage"]["prompt_tokens"].as_u64().expect("usage");
+    let engine = usage_of(&v).prompt_tokens.expect("usage");
     let rid = a.headers["x-request-id"].to_str().unwrap().to_string();
     let row = eventually("the request's journal row", WAIT, || async {
-        r.journal_rows().into_iter().find(|row| row["rid"] == rid)
+        r.request_rows().into_iter().find(|row| row.rid == rid)
     })
     .await;
-    assert_eq!(row["engine_prompt_tokens"], engine, "{row}");
-    assert!(row["input_len"].is_u64(), "the estimate stays: {row}");
+    assert_eq!(row.engine_prompt_tokens, Some(engine), "{row:?}");
+    assert!(row.input_len.is_some(), "the estimate stays: {row:?}");
     let (path, body) = openai_request(true, true, prompt, 3);
     let s = r.post_data(path, &body).await;
     assert_eq!(s.status, 200);
     let rid = s.headers["x-request-id"].to_str().unwrap().to_string();
     let row = eventually("the streamed request's row", WAIT, || async {
-        r.journal_rows().into_iter().find(|row| row["rid"] == rid)
+        r.request_rows().into_iter().find(|row| row.rid == rid)
     })
     .await;
-    assert!(
-        row["engine_prompt_tokens"].as_u64().is_some_and(|n| n > 0),
-        "{row}"
-    );
+    assert!(row.engine_prompt_tokens.is_some_and(|n| n > 0), "{row:?}");
 }
 
 /// Sends `body` as a streaming `POST /v1/completions` to the router's data listener over a
@@ -851,29 +844,31 @@ async fn a_prefill_that_aborted_is_retried_on_another_prefill() {
                 "an aborted answer reached the client: {text}"
             );
             if !stream {
-                assert_eq!(r.json()["usage"]["completion_tokens"], 6, "{text}");
+                assert_eq!(usage_of(&r.json()).completion_tokens, Some(6), "{text}");
             }
             sent += 1;
         }
     }
-    let rows: Vec<Value> = router
-        .journal_rows()
+    let rows: Vec<_> = router
+        .request_rows()
         .into_iter()
         .filter(|r| {
-            r["attempt_failures"]
-                .as_array()
-                .is_some_and(|a| a.iter().any(|x| x["reason"] == "engine_aborted"))
+            r.attempt_failures
+                .iter()
+                .any(|x| x.reason == "engine_aborted")
         })
         .collect();
     assert_eq!(rows.len(), 2, "{rows:?}");
     for r in &rows {
-        assert_eq!(r["terminal"], "completed", "{r}");
+        assert_eq!(r.terminal, "completed", "{r:?}");
         assert_eq!(
-            r["prefill_iid"], "p1",
-            "served through the other prefill: {r}"
+            r.prefill_iid.as_deref(),
+            Some("p1"),
+            "served through the other prefill: {r:?}"
         );
-        assert_eq!(r["attempt_failures"][0]["iid"], "p0", "{r}");
-        assert_eq!(r["attempt_failures"][0]["phase"], "prefill", "{r}");
+        let first = r.attempt_failures.first();
+        assert_eq!(first.and_then(|x| x.iid.as_deref()), Some("p0"), "{r:?}");
+        assert_eq!(first.map(|x| x.phase.as_str()), Some("prefill"), "{r:?}");
     }
     let m = router.metrics().await;
     assert_eq!(
