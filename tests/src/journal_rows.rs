@@ -1,5 +1,5 @@
 //! Journal rows and `/narwhal/state` read as types, for tests that would otherwise read them by
-//! key: request rows with their outcome ([`SettledRow`], docs/http-api.md "Request journal"),
+//! key: request rows ([`RequestRow`], docs/http-api.md "Request journal"),
 //! engine and controller event rows ([`EventRow`], docs/logging.md "Journal rows"), and the
 //! controller's decisions with the detail keys tests read ([`DecisionRow`], controller.md 11.1).
 //!
@@ -28,17 +28,21 @@ pub fn parse_row<T: DeserializeOwned>(row: &Value) -> T {
         .unwrap_or_else(|e| panic!("not a {} row ({e}): {row}", std::any::type_name::<T>()))
 }
 
-/// A request row of the journal with its outcome (docs/http-api.md, "Request journal"); the
-/// row has more fields. `None`: absent or `null`.
+/// A request row of the journal (docs/http-api.md, "Request journal"), the one type the tests
+/// read it through: how it ended, where it went, what it was credited, its attempts and legs.
+/// The row has more fields; a field a row does not carry keeps its default (`""`, `0`, empty,
+/// `None`, which is also `null`).
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(default)]
-pub struct SettledRow {
+pub struct RequestRow {
     /// The router's request id.
-    pub rid: Option<String>,
-    /// The status the client got; `null` for a cancelled request.
+    pub rid: String,
+    /// The status the client got; `None` when none was sent (a cancelled request).
     pub status: Option<u16>,
+    /// Whether the client streamed.
+    pub stream: bool,
     /// `completed`, `failed`, `refused`, `rejected`, `expired`, `cancelled` or `invalid`.
-    pub terminal: Option<String>,
+    pub terminal: String,
     /// The outcome's reason.
     pub reason: Option<String>,
     /// The error type sent.
@@ -47,20 +51,43 @@ pub struct SettledRow {
     pub refused: Option<bool>,
     /// What refused it (`queue`, `prompt`).
     pub refused_cause: Option<String>,
+    /// Seconds from arrival to settlement.
+    pub duration_s: Option<f64>,
+    /// Attempts made.
+    pub attempts: u64,
     /// The router's size of the prompt, tokens.
     pub input_len: Option<u64>,
-    /// Output tokens.
-    pub output_len: Option<u64>,
     /// Whether the request was sized.
     pub input_sized: Option<bool>,
+    /// Output tokens.
+    pub output_len: Option<u64>,
+    /// The engine's count of the prompt's tokens.
+    pub engine_prompt_tokens: Option<u64>,
+    /// The prefill engine of a split.
+    pub prefill_iid: Option<String>,
+    /// The decode (or aggregated) engine.
+    pub decode_iid: Option<String>,
+    /// Prompt tokens the KV score credited on the computing engine; `None`: not scored.
+    pub cached_tokens: Option<u64>,
+    /// The engine's own count of prompt tokens served from its prefix cache.
+    pub engine_cached_tokens: Option<u64>,
+    /// The computing engine's KV index mode at placement.
+    pub kv_mode: Option<String>,
     /// The predictive admission price.
     pub admission_price: Option<AdmissionPrice>,
-    /// Failed attempts; `None` when absent.
-    pub attempt_failures: Option<Vec<AttemptFailureRow>>,
-    /// The legs sent; `None` when absent.
-    pub legs: Option<Vec<Value>>,
     /// Waits per queue.
     pub queue_waits: Option<QueueWaits>,
+    /// The failed attempts.
+    pub attempt_failures: Vec<AttemptFailureRow>,
+    /// The legs dispatched.
+    pub legs: Vec<LegRow>,
+}
+
+impl RequestRow {
+    /// The decode (or aggregated) engine's id, `""` when none.
+    pub fn engine(&self) -> &str {
+        self.decode_iid.as_deref().unwrap_or("")
+    }
 }
 
 /// `admission_price` of a request row.
@@ -81,12 +108,38 @@ pub struct AdmissionPrice {
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(default)]
 pub struct AttemptFailureRow {
-    /// `prefill`, `decode`, ...
-    pub phase: Option<String>,
-    /// The failure's reason.
-    pub reason: Option<String>,
-    /// Why it was (or was not) retried.
+    /// The attempt's number.
+    pub attempt: u64,
+    /// `prefill`, `decode` or `aggregated`.
+    pub phase: String,
+    /// The engine; `None` for an attempt that was never dispatched.
+    pub iid: Option<String>,
+    /// The failure class (`engine_aborted`, ...).
+    pub reason: String,
+    /// What failed, in words.
+    pub error: Option<String>,
+    /// `false` for an attempt refused before dispatch.
+    pub transient: Option<bool>,
+    /// Why it was not retried (`not_dispatched`).
     pub retry_reason: Option<String>,
+    /// The prompt's index in a batch.
+    pub prompt: Option<u64>,
+}
+
+/// One of a request row's `legs`.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(default)]
+pub struct LegRow {
+    /// The attempt's number.
+    pub attempt: u64,
+    /// `prefill`, `decode` or `whole`.
+    pub leg: String,
+    /// The engine.
+    pub iid: Option<String>,
+    /// The `x-request-id` the engine saw for this leg.
+    pub request_id: Option<String>,
+    /// The prompt's index in a batch.
+    pub prompt: Option<u64>,
 }
 
 /// `queue_waits` of a request row.
@@ -223,15 +276,6 @@ impl RouterHandle {
             .decision_where(what, within, |d| pred(&parse_row(d)))
             .await;
         parse_row(&row)
-    }
-
-    /// Request rows of the journal (rows with a `rid`), oldest first, typed.
-    pub fn settled_rows(&self) -> Vec<SettledRow> {
-        self.journal_rows()
-            .iter()
-            .filter(|r| r.get("rid").is_some())
-            .map(parse_row)
-            .collect()
     }
 
     /// Journal events named `event`, oldest first, typed.

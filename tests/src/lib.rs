@@ -92,9 +92,8 @@ pub use process::{
 };
 pub use proxy::Proxy;
 pub use router::{
-    Clients, FleetSpec, JournalAttemptFailure, JournalLeg, JournalMeta, JournalRequest, LiveStream,
-    RequestRow, RouterHandle, RouterProbe, handoff_file_where, launch_router, launch_router_env,
-    merge, narwhalctl, parse_document, start_router,
+    Clients, FleetSpec, JournalMeta, LiveStream, RouterHandle, RouterProbe, handoff_file_where,
+    launch_router, launch_router_env, merge, narwhalctl, parse_document, start_router,
 };
 pub use sampler::{Sample, Sampler};
 pub use scenario::{DECIDE, L1, L2, ONE_P_THREE_D, decided, pools, reason_of};
@@ -112,8 +111,8 @@ pub const WAIT: Duration = Duration::from_secs(20);
 /// rows, the controller's decisions with typed details (journal_rows.rs).
 mod journal_rows;
 pub use journal_rows::{
-    AdmissionPrice, AttemptFailureRow, DecisionDetails, DecisionRow, EventRow, QueueWaits,
-    SettledRow, parse_row,
+    AdmissionPrice, AttemptFailureRow, DecisionDetails, DecisionRow, EventRow, LegRow, QueueWaits,
+    RequestRow, parse_row,
 };
 /// Typed journal rows: engine and lifecycle events, settled requests (router.rs).
-pub use router::{AttemptRow, EngineEventRow, RequestOutcomeRow};
+pub use router::EngineEventRow;

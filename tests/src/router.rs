@@ -4,6 +4,7 @@
 //! (`state()`, `lifecycle()`, `ready()`, ...); the `*_json` accessors give the same bodies as
 //! JSON for tests that read them by key.
 
+use crate::journal_rows::RequestRow;
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -515,7 +516,7 @@ impl RouterHandle {
             .into_iter()
             .filter(|r| r.get("rid").is_some())
             .filter_map(|r| serde_json::from_value::<RequestRow>(r).ok())
-            .filter(|r| r.status == 200)
+            .filter(|r| r.status == Some(200))
             .collect()
     }
 
@@ -789,38 +790,6 @@ pub async fn handoff_file_where(
     .await
 }
 
-/// A request row of the journal (`narwhal.journal` v1, docs/logging.md) as the tests read it:
-/// where the request went and what the KV score credited it; the row has more fields.
-#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize)]
-#[serde(default)]
-pub struct RequestRow {
-    /// The router's request id.
-    pub rid: String,
-    /// The status the client got.
-    pub status: u16,
-    /// Whether the client streamed.
-    pub stream: bool,
-    /// The prefill engine of a split.
-    pub prefill_iid: Option<String>,
-    /// The decode (or aggregated) engine.
-    pub decode_iid: Option<String>,
-    /// Prompt tokens the KV score credited on the computing engine; `None`: not scored.
-    pub cached_tokens: Option<u64>,
-    /// The engine's own count of prompt tokens served from its prefix cache.
-    pub engine_cached_tokens: Option<u64>,
-    /// The engine's count of the prompt's tokens.
-    pub engine_prompt_tokens: Option<u64>,
-    /// The computing engine's KV index mode at placement.
-    pub kv_mode: Option<String>,
-}
-
-impl RequestRow {
-    /// The decode (or aggregated) engine's id, `""` when none.
-    pub fn engine(&self) -> &str {
-        self.decode_iid.as_deref().unwrap_or("")
-    }
-}
-
 /// An event row of the journal (docs/logging.md, "Journal rows") as the tests read it: the
 /// engine events (`engine_ejected`, `engine_probe`, ...) and the lifecycle events
 /// (`event: engine_lifecycle`, named by `action`; docs/http-api.md, lifecycle). A field the
@@ -858,40 +827,6 @@ pub struct EngineEventRow {
     pub resident: Option<u64>,
 }
 
-/// A settled request's journal row (docs/http-api.md, "Request journal") as the breaker tests
-/// read it: its outcome, attempts and legs; the row has more fields ([`RequestRow`] has the
-/// placement ones).
-#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize)]
-#[serde(default)]
-pub struct RequestOutcomeRow {
-    /// The router's request id.
-    pub rid: String,
-    /// The status the client got; `None` when none was sent.
-    pub status: Option<u16>,
-    /// `completed`, `failed`, ...
-    pub terminal: String,
-    /// Seconds from arrival to settlement.
-    pub duration_s: Option<f64>,
-    /// Attempts made.
-    pub attempts: u64,
-    /// The failed attempts.
-    pub attempt_failures: Vec<AttemptRow>,
-    /// The legs dispatched.
-    pub legs: Vec<AttemptRow>,
-}
-
-/// One of a [`RequestOutcomeRow`]'s `attempt_failures` or `legs`: the engine and, for a failure, why.
-#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize)]
-#[serde(default)]
-pub struct AttemptRow {
-    /// The attempt's number.
-    pub attempt: u64,
-    /// The engine; `None` for a failed attempt that was never dispatched.
-    pub iid: Option<String>,
-    /// A failure's reason (`engine_config`, ...); `""` for a leg.
-    pub reason: String,
-}
-
 impl RouterHandle {
     /// The journal's event rows (rows with an `event`), oldest first, typed. The controller's
     /// rows whose details do not fit an [`EngineEventRow`] are left out.
@@ -913,75 +848,6 @@ impl RouterHandle {
             })
             .collect()
     }
-
-    /// The journal's request rows (rows with a `rid`), oldest first, typed, whatever their
-    /// status.
-    ///
-    /// # Panics
-    /// When a request row does not parse (it is never left out).
-    pub fn request_outcome_rows(&self) -> Vec<RequestOutcomeRow> {
-        self.journal_rows()
-            .into_iter()
-            .filter(|r| r.get("rid").is_some_and(Value::is_string))
-            .map(|r| {
-                serde_json::from_value(r.clone())
-                    .unwrap_or_else(|e| panic!("journal: not a request row ({e}): {r}"))
-            })
-            .collect()
-    }
-}
-
-/// A request row of the journal (any status, rows with a `rid`; docs/http-api.md, "Request
-/// journal") with how it ended, its attempts and its legs: what [`RequestRow`] leaves out.
-#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize)]
-#[serde(default)]
-pub struct JournalRequest {
-    /// The router's request id.
-    pub rid: String,
-    /// The status the client got; `None` for a cancelled request.
-    pub status: Option<u16>,
-    /// `completed`, `failed`, `refused`, `rejected`, `expired`, `cancelled` or `invalid`.
-    pub terminal: String,
-    /// The most attempts any prompt needed.
-    pub attempts: u64,
-    /// The router's estimate of the prompt, tokens; `None` before sizing.
-    pub input_len: Option<u64>,
-    /// The engine's own `usage.prompt_tokens`.
-    pub engine_prompt_tokens: Option<u64>,
-    /// Output tokens.
-    pub output_len: Option<u64>,
-    /// The prefill engine of a split.
-    pub prefill_iid: Option<String>,
-    /// The decode (or aggregated) engine.
-    pub decode_iid: Option<String>,
-    /// Failures of earlier attempts, in order.
-    pub attempt_failures: Vec<JournalAttemptFailure>,
-    /// Every leg dispatched, in order.
-    pub legs: Vec<JournalLeg>,
-}
-
-/// One of a request row's `attempt_failures`.
-#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize)]
-#[serde(default)]
-pub struct JournalAttemptFailure {
-    /// `prefill`, `decode` or `aggregated`.
-    pub phase: String,
-    /// The engine; `None` when the attempt was never dispatched.
-    pub iid: Option<String>,
-    /// The failure class (`engine_aborted`, ...).
-    pub reason: String,
-}
-
-/// One of a request row's `legs`.
-#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize)]
-#[serde(default)]
-pub struct JournalLeg {
-    /// `prefill`, `decode` or `whole`.
-    pub leg: String,
-    /// The engine.
-    pub iid: Option<String>,
-    /// The `x-request-id` the engine saw for this leg.
-    pub request_id: Option<String>,
 }
 
 /// The journal's first row, `{"meta": {...}}`: the fields the tests read.
@@ -998,8 +864,8 @@ impl RouterHandle {
     /// Every request row of the journal (rows with a `rid`, any status), oldest first, typed.
     ///
     /// # Panics
-    /// When a request row does not parse as a [`JournalRequest`].
-    pub fn request_rows(&self) -> Vec<JournalRequest> {
+    /// When a request row does not parse as a [`RequestRow`].
+    pub fn request_rows(&self) -> Vec<RequestRow> {
         self.journal_rows()
             .into_iter()
             .filter(|r| r.get("rid").is_some())

@@ -12,7 +12,7 @@ use narwhal_shared::documents::controller::ControllerFields;
 use narwhal_shared::documents::{ErrorReply, State};
 use narwhal_shared::handoff::Handoff;
 use narwhal_testkit::{
-    DECIDE, DecisionRow, EventRow, L1, L2, Load, ONE_P_THREE_D, RouterHandle, SettledRow, Shape,
+    DECIDE, DecisionRow, EventRow, L1, L2, Load, ONE_P_THREE_D, RequestRow, RouterHandle, Shape,
     controller_fleet, decided, metric, parse_document, parse_row, token_prompt,
     unique_token_prompt,
 };
@@ -36,10 +36,10 @@ fn flip_iid(s: &State, i: usize) -> String {
 }
 
 /// The journal's request rows that settled `terminal`, typed.
-fn settled(r: &RouterHandle, terminal: &str) -> Vec<SettledRow> {
-    r.settled_rows()
+fn settled(r: &RouterHandle, terminal: &str) -> Vec<RequestRow> {
+    r.request_rows()
         .into_iter()
-        .filter(|x| x.terminal.as_deref() == Some(terminal))
+        .filter(|x| x.terminal == terminal)
         .collect()
 }
 
@@ -257,12 +257,10 @@ async fn s12_predictive_admission_refuses_what_cannot_make_its_ttft() {
             (price.price_s.unwrap_or(0.0) - (3.03 + 0.11)).abs() < 0.01,
             "{price:?}"
         );
-        let failures = q.attempt_failures.as_deref();
-        assert_eq!(failures.map(<[_]>::len), Some(1));
+        let failures = &q.attempt_failures;
+        assert_eq!(failures.len(), 1);
         assert_eq!(
-            failures
-                .and_then(<[_]>::first)
-                .and_then(|f| f.retry_reason.as_deref()),
+            failures.first().and_then(|f| f.retry_reason.as_deref()),
             Some("not_dispatched")
         );
         assert_eq!(refused[1].refused_cause.as_deref(), Some("prompt"));
@@ -1018,24 +1016,24 @@ async fn s11_urgent_recovery_cascades_once_the_window_closed() {
     );
     // Their journal rows carry the admission wait (controller.md 11.2). A row is written
     // once its request settled, which may be just after its client got the answer.
-    let queued_rows = |rows: &[SettledRow]| -> Vec<f64> {
+    let queued_rows = |rows: &[RequestRow]| -> Vec<f64> {
         rows.iter()
-            .filter(|x| rids.iter().any(|id| x.rid.as_deref() == Some(id.as_str())))
+            .filter(|x| rids.contains(&x.rid))
             .filter_map(|x| x.queue_waits.as_ref().and_then(|q| q.admission))
             .collect()
     };
     let rows = narwhal_testkit::wait_until(narwhal_testkit::WAIT, || async {
-        let rows = r.settled_rows();
+        let rows = r.request_rows();
         (queued_rows(&rows).len() >= 6).then_some(rows)
     })
     .await
-    .unwrap_or_else(|| r.settled_rows());
+    .unwrap_or_else(|| r.request_rows());
     let waited = queued_rows(&rows);
     assert_eq!(waited.len(), 6, "{rows:?}");
     assert!(waited.iter().all(|w| *w > 0.0), "{waited:?}");
     assert!(
         rows.iter()
-            .filter(|x| x.rid.is_some())
+            .filter(|x| !x.rid.is_empty())
             .all(|x| x.input_sized == Some(true))
     );
 }

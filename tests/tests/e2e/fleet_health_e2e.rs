@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use narwhal_shared::documents::{ErrorReply, State};
 use narwhal_testkit::{
-    Fleet, Reply, RequestOutcomeRow, RouterHandle, SimHandle, eventually, metric, parse_document,
+    Fleet, Reply, RequestRow, RouterHandle, SimHandle, eventually, metric, parse_document,
 };
 use serde_json::{Value, json};
 
@@ -519,7 +519,7 @@ async fn an_engine_that_refuses_the_routers_credentials_is_ejected_and_its_peer_
         "{m}"
     );
     // Attempts on d0 are counted with their reason; no request failed.
-    let requests_rows = router.request_outcome_rows();
+    let requests_rows = router.request_rows();
     assert_eq!(requests_rows.len(), 20, "{:?}", router.journal_rows());
     assert!(
         requests_rows.iter().all(|r| r.status == Some(200)),
@@ -720,8 +720,8 @@ async fn a_wedged_engine_is_out_within_seconds_and_its_requests_served(wedged: W
         Wedged::Aggregated => "e0",
     };
     router.complete("warm").await;
-    let requests = || -> Vec<RequestOutcomeRow> {
-        let rows = router.request_outcome_rows().into_iter();
+    let requests = || -> Vec<RequestRow> {
+        let rows = router.request_rows().into_iter();
         rows.filter(|r| !r.terminal.is_empty()).collect()
     };
     // The journal is written after the answer: wait for the warm request's row, or it could
@@ -777,9 +777,9 @@ async fn a_wedged_engine_is_out_within_seconds_and_its_requests_served(wedged: W
     }
     // Requests whose legs never touched the wedged engine were never slow; those it held
     // were failed over and served.
-    let rows: Vec<RequestOutcomeRow> = requests().into_iter().skip(before).collect();
-    let touched = |r: &RequestOutcomeRow| r.legs.iter().any(|l| l.iid.as_deref() == Some(iid));
-    let held: Vec<&RequestOutcomeRow> = rows.iter().filter(|r| touched(r)).collect();
+    let rows: Vec<RequestRow> = requests().into_iter().skip(before).collect();
+    let touched = |r: &RequestRow| r.legs.iter().any(|l| l.iid.as_deref() == Some(iid));
+    let held: Vec<&RequestRow> = rows.iter().filter(|r| touched(r)).collect();
     assert!(!held.is_empty(), "the wedged engine was given some request");
     for r in &held {
         assert_eq!(r.terminal, "completed", "{r:?}");

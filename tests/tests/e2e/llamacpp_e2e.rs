@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use narwhal_shared::documents::replies::ErrorDetail;
 use narwhal_testkit::{
-    FleetSpec, Http, JournalRequest, RouterHandle, RouterProbe, start_router, usage_of, wait_until,
+    FleetSpec, Http, RequestRow, RouterHandle, RouterProbe, start_router, usage_of, wait_until,
 };
 use serde_json::{Value, json};
 use tempfile::TempDir;
@@ -679,7 +679,7 @@ async fn killed_engine_is_ejected_then_readmitted() {
         router.journal_rows()
     );
     // And e1 takes traffic again.
-    let served_by_e1 = |rows: &[JournalRequest]| {
+    let served_by_e1 = |rows: &[RequestRow]| {
         rows.iter()
             .filter(|r| r.decode_iid.as_deref() == Some("e1") && r.terminal == "completed")
             .count()

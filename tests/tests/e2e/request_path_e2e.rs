@@ -17,7 +17,7 @@
 use narwhal_shared::documents::replies::ErrorDetail;
 use narwhal_shared::documents::{ErrorReply, ModelCard, ModelList};
 use narwhal_testkit::{
-    FakeEngine, Reply, RouterHandle, SettledRow, WAIT, eventually, parse_document, parse_row,
+    FakeEngine, Reply, RequestRow, RouterHandle, WAIT, eventually, parse_document, parse_row,
     router_over_fakes, sse_data,
 };
 use serde::Deserialize;
@@ -122,11 +122,9 @@ fn texts_by_index(chunks: &[Value]) -> std::collections::BTreeMap<u64, String> {
 }
 
 /// The request's journal row (waits for it).
-async fn journal_row(r: &RouterHandle, rid: &str) -> SettledRow {
+async fn journal_row(r: &RouterHandle, rid: &str) -> RequestRow {
     eventually("the request's journal row", WAIT, || async {
-        r.settled_rows()
-            .into_iter()
-            .find(|row| row.rid.as_deref() == Some(rid))
+        r.request_rows().into_iter().find(|row| row.rid == rid)
     })
     .await
 }
@@ -196,9 +194,9 @@ async fn a_prompt_batch_is_fanned_out_one_descriptor_per_prompt() {
         assert_eq!(ids.len(), 6, "one request id per leg");
     }
     let row = journal_row(&r, a.header("x-request-id")).await;
-    assert_eq!(row.terminal.as_deref(), Some("completed"), "{row:?}");
+    assert_eq!(row.terminal, "completed", "{row:?}");
     assert_eq!(row.output_len, Some(9), "{row:?}");
-    assert_eq!(row.legs.as_ref().map(Vec::len), Some(6), "{row:?}");
+    assert_eq!(row.legs.len(), 6, "{row:?}");
 
     // Streaming, with usage: each index carries its own prompt's text; one usage chunk.
     let body = json!({"model": "tiny-sim", "prompt": prompts, "max_tokens": 3, "stream": true,
@@ -380,7 +378,7 @@ async fn an_engine_without_token_ids_is_served_and_counted() {
     }
     for rid in &rids {
         let row = journal_row(&r, rid).await;
-        assert_eq!(row.terminal.as_deref(), Some("completed"), "{row:?}");
+        assert_eq!(row.terminal, "completed", "{row:?}");
         assert_eq!(row.output_len, Some(4), "tokens counted: {row:?}");
     }
     for path in ["/v1/completions", "/v1/chat/completions"] {
