@@ -323,6 +323,48 @@ pub fn strings(v: &Value) -> Vec<String> {
         .collect()
 }
 
+/// A completion answer or stream chunk as the router sends it, the fields tests read; `None`:
+/// absent or `null`. Engines' answers are open documents: this reads what the tests check.
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(default)]
+pub struct Answer {
+    /// `text_completion`, `chat.completion.chunk`, ...
+    pub object: Option<String>,
+    /// The choices.
+    pub choices: Option<Vec<AnswerChoice>>,
+    /// The usage.
+    pub usage: Option<Usage>,
+}
+
+/// One of an [`Answer`]'s choices.
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(default)]
+pub struct AnswerChoice {
+    /// Its index.
+    pub index: Option<u64>,
+    /// A completion's text.
+    pub text: Option<String>,
+    /// Why it ended.
+    pub finish_reason: Option<String>,
+}
+
+impl Answer {
+    /// Choice `k`, if there is one.
+    pub fn choice(&self, k: usize) -> Option<&AnswerChoice> {
+        self.choices.as_ref().and_then(|c| c.get(k))
+    }
+
+    /// The number of choices (`None` without a `choices` list).
+    pub fn choice_count(&self) -> Option<usize> {
+        self.choices.as_ref().map(Vec::len)
+    }
+
+    /// The usage, default when absent.
+    pub fn usage(&self) -> Usage {
+        self.usage.unwrap_or_default()
+    }
+}
+
 /// OpenAI's `usage` of a completion answer or chunk, as tests read it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
 #[serde(default)]
@@ -333,6 +375,8 @@ pub struct Usage {
     pub completion_tokens: Option<u64>,
     /// Their sum.
     pub total_tokens: Option<u64>,
+    /// The router estimated the counts (the engine gave none).
+    pub estimated: Option<bool>,
 }
 
 /// The `usage` of answer `v` (an OpenAI answer or chunk, or an SDK driver result), typed; every

@@ -78,8 +78,8 @@ pub use fleet::{
     STANDBY_TAKEOVER_AFTER,
 };
 pub use http::{
-    Http, Reply, Usage, answer_text, count, http_client, metric, openai_request, sse_data,
-    sse_text, strings, usage_of,
+    Answer, AnswerChoice, Http, Reply, Usage, answer_text, count, http_client, metric,
+    openai_request, sse_data, sse_text, strings, usage_of,
 };
 pub use ports::{engine_port, engine_ports};
 pub use proc::{

@@ -17,60 +17,10 @@
 use narwhal_shared::documents::replies::ErrorDetail;
 use narwhal_shared::documents::{ErrorReply, ModelCard, ModelList};
 use narwhal_testkit::{
-    FakeEngine, Reply, RequestRow, RouterHandle, WAIT, eventually, parse_document, parse_row,
-    router_over_fakes, sse_data,
+    Answer, FakeEngine, Reply, RequestRow, RouterHandle, WAIT, eventually, parse_document,
+    parse_row, router_over_fakes, sse_data,
 };
-use serde::Deserialize;
 use serde_json::{Value, json};
-
-/// A completion answer or stream chunk as the router sends it, the fields these tests read;
-/// `None`: absent or `null`.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(default)]
-struct Answer {
-    /// `text_completion`, `chat.completion.chunk`, ...
-    object: Option<String>,
-    /// The choices.
-    choices: Option<Vec<AnswerChoice>>,
-    /// The usage.
-    usage: Option<AnswerUsage>,
-}
-
-/// One of an [`Answer`]'s choices.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(default)]
-struct AnswerChoice {
-    index: Option<u64>,
-    text: Option<String>,
-    finish_reason: Option<String>,
-}
-
-/// An [`Answer`]'s usage.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(default)]
-struct AnswerUsage {
-    prompt_tokens: Option<u64>,
-    completion_tokens: Option<u64>,
-    total_tokens: Option<u64>,
-    estimated: Option<bool>,
-}
-
-impl Answer {
-    /// Choice `k`, if there is one.
-    fn choice(&self, k: usize) -> Option<&AnswerChoice> {
-        self.choices.as_ref().and_then(|c| c.get(k))
-    }
-
-    /// The number of choices (`None` without a `choices` list).
-    fn choice_count(&self) -> Option<usize> {
-        self.choices.as_ref().map(Vec::len)
-    }
-
-    /// The usage, default when absent.
-    fn usage(&self) -> AnswerUsage {
-        self.usage.clone().unwrap_or_default()
-    }
-}
 
 /// A vLLM prefill/decode pair of fakes and a router over them.
 async fn pd(backend: &str, p: &FakeEngine, d: &FakeEngine) -> RouterHandle {

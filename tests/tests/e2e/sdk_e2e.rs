@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use narwhal_shared::documents::replies::ErrorDetail;
 use narwhal_testkit::{
-    EngineSpec, FleetSpec, RouterHandle, SimHandle, parse_row, start_router, start_sim,
+    EngineSpec, FleetSpec, RouterHandle, SimHandle, Usage, parse_row, start_router, start_sim,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -90,22 +90,13 @@ struct SdkResult {
     /// Choice 0's last finish reason.
     finish_reason: Option<String>,
     /// The answer's usage (streams: the last chunk that carried one).
-    usage: Option<SdkUsage>,
+    usage: Option<Usage>,
     /// The parsed answer, dumped (non-streaming).
     response: Option<SdkResponse>,
     /// The parsed chunks, dumped (streaming).
     chunks: Option<Vec<SdkChunk>>,
     /// A failure's error body: the router's `error` object.
     body: Option<ErrorDetail>,
-}
-
-/// `usage` of an [`SdkResult`].
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(default)]
-struct SdkUsage {
-    prompt_tokens: Option<u64>,
-    completion_tokens: Option<u64>,
-    total_tokens: Option<u64>,
 }
 
 /// `response` of an [`SdkResult`].
