@@ -126,6 +126,18 @@ pub struct Fleet {
 }
 
 impl Fleet {
+    /// One prefill and one decode simulator of `dialect` behind a router whose fleet file
+    /// takes `overrides` (merged over the kit's defaults).
+    pub async fn pd_pair(dialect: &str, overrides: Value) -> Fleet {
+        Fleet::builder()
+            .dialect(dialect)
+            .prefill(1)
+            .decode(1)
+            .fleet(overrides)
+            .start()
+            .await
+    }
+
     /// A builder: vLLM, no engines, no agents, one router.
     pub fn builder() -> FleetBuilder {
         FleetBuilder {

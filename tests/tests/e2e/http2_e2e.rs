@@ -27,13 +27,7 @@ type H2 = http2::SendRequest<Full<Bytes>>;
 
 /// A vLLM P/D pair behind a router with `overrides`.
 async fn fleet(overrides: Value) -> Fleet {
-    Fleet::builder()
-        .dialect("vllm")
-        .prefill(1)
-        .decode(1)
-        .fleet(overrides)
-        .start()
-        .await
+    Fleet::pd_pair("vllm", overrides).await
 }
 
 /// One HTTP/2 connection (prior knowledge) to the router's data listener.

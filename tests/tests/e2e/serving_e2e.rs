@@ -17,13 +17,7 @@ use serde_json::{Value, json};
 /// One prefill (`p0`) and one decode (`d0`) simulator of `dialect` behind a router, with fleet
 /// overrides.
 async fn fleet_with(dialect: &str, overrides: Value) -> Fleet {
-    Fleet::builder()
-        .dialect(dialect)
-        .prefill(1)
-        .decode(1)
-        .fleet(overrides)
-        .start()
-        .await
+    Fleet::pd_pair(dialect, overrides).await
 }
 
 async fn fleet(dialect: &str) -> Fleet {
