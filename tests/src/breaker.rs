@@ -34,21 +34,6 @@ impl RouterHandle {
         })
         .await
     }
-
-    /// Waits until `/narwhal/state` lists `iid` among the ejected engines; that state.
-    ///
-    /// # Panics
-    /// When it does not within [`WAIT`].
-    pub async fn wait_ejected(&self, iid: &str) -> Value {
-        eventually(&format!("{iid} ejected"), WAIT, || async {
-            let st = self.state_json().await;
-            st["ejected"]
-                .as_array()
-                .is_some_and(|a| a.iter().any(|x| x == iid))
-                .then_some(st)
-        })
-        .await
-    }
 }
 
 /// The same waits, typed ([`EngineEventRow`], [`State`]).
@@ -79,7 +64,7 @@ impl RouterHandle {
     ///
     /// # Panics
     /// When it does not within [`WAIT`].
-    pub async fn wait_ejected_typed(&self, iid: &str) -> State {
+    pub async fn wait_ejected(&self, iid: &str) -> State {
         eventually(&format!("{iid} ejected"), WAIT, || async {
             let st = self.state().await;
             st.ejected.iter().any(|x| x == iid).then_some(st)

@@ -297,19 +297,6 @@ impl RouterHandle {
         .await;
         found.unwrap_or_else(|| panic!("fewer than {n} decisions within {within:?}"))
     }
-
-    /// Waits (at most [`WAIT`]) until `/narwhal/state` (as JSON) satisfies `pred`; returns it.
-    ///
-    /// # Panics
-    /// When it never does.
-    pub async fn state_where(&self, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
-        let found = wait_until(WAIT, || async {
-            let s = self.state_json().await;
-            pred(&s).then_some(s)
-        })
-        .await;
-        found.unwrap_or_else(|| panic!("/narwhal/state never showed {what}"))
-    }
 }
 
 /// A streaming completion held open on the engine that decodes it.

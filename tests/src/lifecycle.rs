@@ -56,15 +56,14 @@ impl RouterHandle {
     ///
     /// # Panics
     /// When it never is; the message shows the last document.
-    pub async fn engine_state_until(&self, iid: &str, state: &str) -> Value {
+    pub async fn engine_state_until(&self, iid: &str, state: &str) -> Lifecycle {
         let what = format!("{iid} {state}");
         let wanted = |d: &narwhal_shared::documents::Lifecycle| {
             d.engines
                 .get(iid)
                 .is_some_and(|e| e.state.as_str() == state)
         };
-        self.lifecycle_until(&what, wanted).await;
-        self.lifecycle_json().await
+        self.lifecycle_until(&what, wanted).await
     }
 
     /// Drains engine `iid` alone, which must answer 200, and waits for its `drain_complete`

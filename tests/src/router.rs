@@ -387,11 +387,6 @@ impl RouterHandle {
         parse_document(&r.what, &r.text())
     }
 
-    /// `GET /narwhal/state` as JSON, for what a test reads by key.
-    pub async fn state_json(&self) -> Value {
-        self.get("/narwhal/state").await.json()
-    }
-
     /// The `ha` section of `/narwhal/state`.
     pub async fn ha(&self) -> state::Ha {
         self.state().await.ha
@@ -442,13 +437,6 @@ impl RouterHandle {
         doc
     }
 
-    /// `GET /narwhal/lifecycle` as JSON (it must answer 200), for what a test reads by key.
-    pub async fn lifecycle_json(&self) -> Value {
-        let r = self.get("/narwhal/lifecycle").await;
-        assert_eq!(r.status, 200, "{}: {}", r.what, r.text());
-        r.json()
-    }
-
     /// Polls `/narwhal/lifecycle` until `ok(doc)` (for at most [`WAIT`]).
     ///
     /// # Panics
@@ -462,8 +450,8 @@ impl RouterHandle {
         match got {
             Some(d) => d,
             None => panic!(
-                "timed out waiting for {what}: {:#}",
-                self.lifecycle_json().await
+                "timed out waiting for {what}: {:#?}",
+                self.lifecycle().await
             ),
         }
     }

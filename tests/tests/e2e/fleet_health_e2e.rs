@@ -493,7 +493,7 @@ async fn an_engine_that_refuses_the_routers_credentials_is_ejected_and_its_peer_
     let router = f.router();
     let (codes, _) = send(router, 20, "keyed").await;
     assert!(codes.iter().all(|c| *c == 200), "{codes:?}");
-    let st = router.wait_ejected_typed("d0").await;
+    let st = router.wait_ejected("d0").await;
     assert!(
         st.breaker
             .ejections
