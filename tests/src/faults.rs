@@ -668,7 +668,8 @@ pub async fn run(scenario: Scenario) -> Outcome {
         inject(&scenario, &mut f, &mut p, &s, clock.as_ref(), t0, &mut rec).await;
     // A 503 whose write reached the lease store unconfirmed (docs/ha.md): its outcome is
     // unknown, and the store, so a successor, may hold it.
-    let (interrupted, outcome_unknown) = interrupted_answer(pending, &mut rec.notes).await;
+    let (interrupted, outcome_unknown, made_in_memory) =
+        interrupted_answer(pending, &mut rec.notes).await;
     if interrupted == Some(Some(200)) {
         let engines = if when.wave() { all.clone() } else { p1.clone() };
         rec.acked.insert(0, Acked::Active(engines));
@@ -714,15 +715,26 @@ pub async fn run(scenario: Scenario) -> Outcome {
     }
     // A readmission answered 503 (not acknowledged) or not at all may have taken effect: it
     // stays in the memory of the router that made it (docs/ha.md, "Failover without loss"),
-    // which publishes it when it controls the fleet again under the same epoch. Only then is
-    // the engine's state undetermined; on a successor, or under a later epoch, the earlier
+    // which publishes it when it controls the fleet again under the same epoch, or under the
+    // next one when the 503 came after the change was made (its publish failed: "could not
+    // be made durable") and nobody held the lease after it: that router then claims the next
+    // epoch with its own memory (docs/ha.md, "Fencing and coming back"). Only then is the
+    // engine's state undetermined; on a successor, or under a later epoch otherwise (a
+    // validation fenced before it changed anything must not act later), the earlier
     // acknowledged action must hold, unless the 503 said its outcome is unknown (the lease
     // store got the write and did not confirm it: a successor may read it).
-    let same_control = controller == Some(0) && end_epoch == Some(epoch);
+    let reclaimed = made_in_memory && end_epoch == Some(epoch + 1);
+    let same_control = controller == Some(0) && (end_epoch == Some(epoch) || reclaimed);
     let undetermined: Vec<String> = match interrupted {
         Some(None | Some(503)) if same_control || outcome_unknown => {
             let engines = if when.wave() { all.clone() } else { p1.clone() };
-            rec.notes.push(if same_control {
+            rec.notes.push(if same_control && reclaimed {
+                format!(
+                    "{engines:?} undetermined: the unacknowledged readmission's router claimed \
+                     epoch {} with its own memory",
+                    epoch + 1
+                )
+            } else if same_control {
                 format!(
                     "{engines:?} undetermined: the unacknowledged readmission's router kept \
                      epoch {epoch}"
@@ -1008,24 +1020,27 @@ async fn disk_fault(
 }
 
 /// How the readmission the fault interrupted (if any) was answered: `(its status, None when
-/// it got no answer; whether a 503 said its outcome is unknown)`, a refusal noted in `notes`.
+/// it got no answer; whether a 503 said its outcome is unknown; whether a 503 came after the
+/// change was made in the router's memory, its publish failing)`, a refusal noted in `notes`.
 async fn interrupted_answer(
     pending: Option<Pending>,
     notes: &mut Vec<String>,
-) -> (Option<Option<u16>>, bool) {
+) -> (Option<Option<u16>>, bool, bool) {
     let mut outcome_unknown = false;
+    let mut made_in_memory = false;
     let interrupted = match pending {
         Some(h) => {
             let answer = h.await.unwrap_or(None);
             if let Some((st, error)) = answer.as_ref().filter(|(st, _)| *st != 200) {
                 notes.push(format!("readmission answered {st}: {error}"));
                 outcome_unknown = *st == 503 && error.contains("outcome unknown");
+                made_in_memory = *st == 503 && error.contains("could not be made durable");
             }
             Some(answer.map(|(st, _)| st))
         }
         None => None,
     };
-    (interrupted, outcome_unknown)
+    (interrupted, outcome_unknown, made_in_memory)
 }
 
 /// Waits (up to 200 polls 50 ms apart) until one of `routers` reports it controls the fleet:
