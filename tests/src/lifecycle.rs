@@ -7,7 +7,7 @@
 //!   router.readmit(&json!({"wave": true})).await
 //!   router.cancel_drain(&json!({"engines": ["p1"]})).await
 //!   router.drain_engine("d0").await / router.readmit_engine("d0").await   {"engines": [iid]}
-//!   router.engine_state_until("d0", "drained").await    polls GET /narwhal/lifecycle
+//!   router.engine_state_until("d0", DrainState::Drained).await    polls GET /narwhal/lifecycle
 //!   router.drain_to_complete("d0").await    drain (200), then its drain_complete event
 //! ```
 //!
@@ -40,43 +40,6 @@ impl RouterHandle {
     pub async fn cancel_drain(&self, body: &Value) -> (u16, Value) {
         self.lifecycle_post_json("cancel-drain", body).await
     }
-
-    /// [`RouterHandle::drain`] of engine `iid` alone, no deadline: `{"engines": [iid]}`.
-    pub async fn drain_engine(&self, iid: &str) -> (u16, Value) {
-        self.drain(&json!({"engines": [iid]})).await
-    }
-
-    /// [`RouterHandle::readmit`] of engine `iid` alone: `{"engines": [iid]}`.
-    pub async fn readmit_engine(&self, iid: &str) -> (u16, Value) {
-        self.readmit(&json!({"engines": [iid]})).await
-    }
-
-    /// Polls `/narwhal/lifecycle` (for at most [`crate::WAIT`]) until engine `iid`'s `state` is
-    /// `state` (`active`, `drained`, `blocked`, ...); returns the document.
-    ///
-    /// # Panics
-    /// When it never is; the message shows the last document.
-    pub async fn engine_state_until(&self, iid: &str, state: &str) -> Lifecycle {
-        let what = format!("{iid} {state}");
-        let wanted = |d: &narwhal_shared::documents::Lifecycle| {
-            d.engines
-                .get(iid)
-                .is_some_and(|e| e.state.as_str() == state)
-        };
-        self.lifecycle_until(&what, wanted).await
-    }
-
-    /// Drains engine `iid` alone, which must answer 200, and waits for its `drain_complete`
-    /// journal event ([`RouterHandle::journal_event`]); the drain's lifecycle document.
-    ///
-    /// # Panics
-    /// When the drain is refused or never completes.
-    pub async fn drain_to_complete(&self, iid: &str) -> Value {
-        let (status, doc) = self.drain_engine(iid).await;
-        assert_eq!(status, 200, "{doc:#}");
-        self.journal_event("drain_complete", Some(iid)).await;
-        doc
-    }
 }
 
 /// The lifecycle actions and their journal events, typed: the bodies are
@@ -100,7 +63,7 @@ impl RouterHandle {
     }
 
     /// [`RouterHandle::drain_typed`] of engine `iid` alone, no deadline: `{"engines": [iid]}`.
-    pub async fn drain_engine_typed(&self, iid: &str) -> (u16, LifecycleReply) {
+    pub async fn drain_engine(&self, iid: &str) -> (u16, LifecycleReply) {
         let body = DrainBody {
             engines: vec![iid.to_string()],
             ..DrainBody::default()
@@ -109,28 +72,28 @@ impl RouterHandle {
     }
 
     /// [`RouterHandle::readmit_typed`] of engine `iid` alone: `{"engines": [iid]}`.
-    pub async fn readmit_engine_typed(&self, iid: &str) -> (u16, LifecycleReply) {
+    pub async fn readmit_engine(&self, iid: &str) -> (u16, LifecycleReply) {
         self.readmit_typed(&ReadmitBody::engine(iid)).await
     }
 
-    /// [`RouterHandle::drain_to_complete`], typed: drains engine `iid` alone, which must answer
-    /// 200, and waits for its `drain_complete` journal event; the drain's reply.
+    /// Drains engine `iid` alone, which must answer 200, and waits for its `drain_complete`
+    /// journal event ([`RouterHandle::journal_event`]); the drain's reply.
     ///
     /// # Panics
     /// When the drain is refused or never completes.
-    pub async fn drain_to_complete_typed(&self, iid: &str) -> LifecycleReply {
-        let (status, doc) = self.drain_engine_typed(iid).await;
+    pub async fn drain_to_complete(&self, iid: &str) -> LifecycleReply {
+        let (status, doc) = self.drain_engine(iid).await;
         assert_eq!(status, 200, "{doc:#?}");
         self.journal_event("drain_complete", Some(iid)).await;
         doc
     }
 
-    /// [`RouterHandle::engine_state_until`], typed: polls `/narwhal/lifecycle` until engine
-    /// `iid` is in `state`; that document.
+    /// Polls `/narwhal/lifecycle` (for at most [`crate::WAIT`]) until engine `iid` is in
+    /// `state`; that document.
     ///
     /// # Panics
     /// When it never is.
-    pub async fn engine_state_until_typed(&self, iid: &str, state: DrainState) -> Lifecycle {
+    pub async fn engine_state_until(&self, iid: &str, state: DrainState) -> Lifecycle {
         let what = format!("{iid} {}", state.as_str());
         self.lifecycle_until(&what, |d| d.engine(iid).is_some_and(|e| e.state == state))
             .await

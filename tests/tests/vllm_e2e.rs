@@ -45,11 +45,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use narwhal_shared::agent_protocol::TransferVerdict;
-use narwhal_shared::documents::State;
+use narwhal_shared::documents::{LifecycleReply, State};
+use narwhal_shared::handoff::DrainState;
 use narwhal_testkit::certs::make_dev_certs;
 use narwhal_testkit::{
     AgentEngine, Clients, FleetSpec, Http, RouterHandle, engine_port, http_client, launch_router,
-    start_agent_for, strings as strs, wait_until,
+    start_agent_for, wait_until,
 };
 use serde_json::{Value, json};
 
@@ -1117,7 +1118,7 @@ async fn pd_over_nixl_and_readmission_through_agents() {
     r.drain_to_complete("p0").await;
     let (status, doc) = r.cancel_drain(&json!({"engines": ["p0"]})).await;
     assert_eq!(status, 200, "{doc:#}");
-    r.engine_state_until("p0", "active").await;
+    r.engine_state_until("p0", DrainState::Active).await;
     transfer("after cancel-drain", 7, &p0, &d0, &r).await;
     drop(r);
     drop((h0, h1));
@@ -1226,37 +1227,47 @@ async fn pd_router_through_agents(
     (r, h0, h1)
 }
 
+/// `p0`'s entry of a lifecycle reply.
+///
+/// # Panics
+/// When the reply has no `p0`.
+fn p0_of(reply: &LifecycleReply) -> narwhal_shared::documents::lifecycle::Engine {
+    reply
+        .document
+        .engine("p0")
+        .cloned()
+        .unwrap_or_else(|| panic!("no p0 in {reply:#?}"))
+}
+
 /// (b) Drains the prefill `p0` and restarts it: readmission is refused before the restart and
 /// while the new vLLM loads, then passes every check through its agent (attesting vLLM's own
 /// process start, moving KV over NIXL to `d0`), with confirmed KV evidence.
 async fn readmission_through_the_agent(r: &RouterHandle, p0: &mut Vllm, d0: &Vllm) {
     // Readmission is refused before a restart.
     let doc = r.drain_to_complete("p0").await;
-    let old = doc["engines"]["p0"]["old_process_start"]
-        .as_f64()
-        .expect("identity recorded");
+    let old = p0_of(&doc).old_process_start.expect("identity recorded");
     let (status, doc) = r.readmit_engine("p0").await;
-    assert_eq!(status, 409, "{doc:#}");
+    assert_eq!(status, 409, "{doc:#?}");
     assert_eq!(
-        doc["engines"]["p0"]["error"],
+        p0_of(&doc).error,
         "engine process did not restart after drain"
     );
     // The supervisor's part: stop the whole process group, start a new vLLM on the same ports.
     p0.stop();
     p0.start();
     let (status, doc) = r.readmit_engine("p0").await;
-    assert_eq!(status, 409, "readmitted while vLLM loads: {doc:#}");
+    assert_eq!(status, 409, "readmitted while vLLM loads: {doc:#?}");
     assert!(
-        strs(&doc["engines"]["p0"]["checks"]).is_empty(),
-        "the health check fails first while vLLM loads: {doc:#}"
+        p0_of(&doc).checks.is_empty(),
+        "the health check fails first while vLLM loads: {doc:#?}"
     );
-    let loading_error = doc["engines"]["p0"]["error"].clone();
+    let loading_error = p0_of(&doc).error;
     let load_s = p0.healthy().await;
     let reads = d0.metric("vllm:nixl_xfer_time_seconds_count", &[]).await;
     let (status, doc) = r.readmit_engine("p0").await;
-    assert_eq!(status, 200, "{doc:#}");
-    let e = &doc["engines"]["p0"];
-    let checks = strs(&e["checks"]);
+    assert_eq!(status, 200, "{doc:#?}");
+    let e = p0_of(&doc);
+    let checks = e.checks.clone();
     eprintln!(
         "vllm_e2e: while loading ({load_s:.0} s) readmit said {loading_error}; after: {checks:?}"
     );
@@ -1275,7 +1286,7 @@ async fn readmission_through_the_agent(r: &RouterHandle, p0: &mut Vllm, d0: &Vll
             "final health"
         ]
     );
-    let new = e["new_process_start"].as_f64().expect("new_process_start");
+    let new = e.new_process_start.expect("new_process_start");
     let vllms_own = p0.metric("process_start_time_seconds", &[]).await;
     assert!(new > old, "new process start {new} after the old {old}");
     assert!(

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use narwhal_shared::documents::controller::ControllerFields;
 use narwhal_shared::documents::{ErrorReply, State};
-use narwhal_shared::handoff::Handoff;
+use narwhal_shared::handoff::{DrainState, Handoff};
 use narwhal_testkit::{
     DECIDE, DecisionRow, EventRow, L1, L2, Load, ONE_P_THREE_D, RequestRow, RouterHandle, Shape,
     controller_fleet, decided, metric, parse_document, parse_row, token_prompt,
@@ -1414,7 +1414,7 @@ async fn a_flip_is_checked_in_the_new_role_and_reversed_when_the_check_fails() {
                 checks.iter().any(|c| c.starts_with("fabric produce to ")),
                 "{checks:?}"
             );
-            r.engine_state_until("e1", "active").await;
+            r.engine_state_until("e1", DrainState::Active).await;
             let lc = r.lifecycle().await;
             assert!(lc.engine("e1").is_some_and(|e| e.accepts_new));
             assert!(r.state().await.pools.prefill.contains(&"e1".to_string()));
@@ -1434,7 +1434,7 @@ async fn a_flip_is_checked_in_the_new_role_and_reversed_when_the_check_fails() {
             undo.reason.starts_with("role check of e1 failed"),
             "{undo:#?}"
         );
-        r.engine_state_until("e1", "blocked").await;
+        r.engine_state_until("e1", DrainState::Blocked).await;
         let lc = r.lifecycle().await;
         let e1 = lc.engine("e1");
         assert!(!e1.map_or("", |e| e.error.as_str()).is_empty(), "{lc:#?}");

@@ -565,7 +565,7 @@ fn assert_checks(got: &[String], want: &[String], ctx: &str) {
 async fn drain_restart_readmit(f: &mut Fleet, r: &RouterHandle, iid: &str) {
     let ctx = format!("{} {iid}", f.dialect);
     let (status, doc) = r.drain_engine(iid).await;
-    assert_eq!(status, 200, "{ctx}: {doc:#}");
+    assert_eq!(status, 200, "{ctx}: {doc:#?}");
     r.journal_event("drain_complete", Some(iid)).await;
     f.sim_mut(iid).restart(&[]).expect("restart");
     let (status, doc) = readmit(r, iid).await;

@@ -447,9 +447,9 @@ async fn a_standby_does_not_eject_engines_the_primary_restarted() {
         .standby()
         .start()
         .await;
-    f.router().drain_to_complete_typed("d0").await;
+    f.router().drain_to_complete("d0").await;
     f.sim_mut("d0").restart(&[]).expect("d0 restarts");
-    let (status, doc) = f.router().readmit_engine_typed("d0").await;
+    let (status, doc) = f.router().readmit_engine("d0").await;
     assert_eq!(status, 200, "{doc:?}");
     // Let the standby tick over the new process for a while (a rule about something that
     // must not happen: nothing to poll for).

@@ -203,8 +203,11 @@ async fn interrupted_validation_is_restored_as_blocked() {
     assert!(!d0.accepts_new);
     // The running d0 started after `old_process_start` (1.0): readmission passes.
     let (s, doc) = b.readmit_engine("d0").await;
-    assert_eq!(s, 200, "{doc}");
-    assert_eq!(doc["engines"]["d0"]["state"], "active");
+    assert_eq!(s, 200, "{doc:?}");
+    assert_eq!(
+        doc.document.engine("d0").map(|e| e.state),
+        Some(DrainState::Active)
+    );
 }
 
 /// The state file's directory is made once, at start: one removed under a running router is

@@ -228,7 +228,7 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
         "an individual drain keeps the router ready"
     );
     // Not readmittable while work is resident.
-    let (status, doc) = r.readmit_engine_typed("d0").await;
+    let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 409);
     assert_eq!(doc.document.error, "d0 is draining, expected drained");
     // New work avoids d0 (it is served on p0) while the streams continue.
@@ -300,12 +300,12 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_again() {
     let (mut f, r) = lab("individual", &[], json!({})).await;
-    let doc = r.drain_to_complete_typed("d0").await.document;
+    let doc = r.drain_to_complete("d0").await.document;
     let old = doc.engines["d0"]
         .old_process_start
         .expect("identity recorded");
 
-    let (status, doc) = r.readmit_engine_typed("d0").await;
+    let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 409, "{doc:#?}");
     let doc = doc.document;
     assert_eq!(doc.error, "readmission validation failed");
@@ -318,7 +318,7 @@ async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_a
 
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     let new_start = started_at(&f, "d0").await;
-    let (status, doc) = r.readmit_engine_typed("d0").await;
+    let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 200, "{doc:#?}");
     let doc = doc.document;
     assert_eq!(doc.error, "");
@@ -373,11 +373,11 @@ async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
     let (mut f, r) = lab("individual", &[], json!({})).await;
-    r.drain_to_complete_typed("p0").await;
+    r.drain_to_complete("p0").await;
     f.sim_mut("p0").restart(&[]).expect("restart p0");
 
     async fn refused(f: &Fleet, r: &RouterHandle, what: &str) -> (String, Vec<String>) {
-        let (status, doc) = r.readmit_engine_typed("p0").await;
+        let (status, doc) = r.readmit_engine("p0").await;
         let doc = doc.document;
         if status != 409 {
             let faults = f.sim("p0").faults().await;
@@ -459,7 +459,7 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
     assert_checks(&checks, &all[..6]);
 
     // Nothing wrong any more: readmitted.
-    let (status, doc) = r.readmit_engine_typed("p0").await;
+    let (status, doc) = r.readmit_engine("p0").await;
     assert_eq!(status, 200, "{doc:#?}");
     assert_checks(&doc.document.engines["p0"].checks, &all);
     let failed = r
@@ -477,7 +477,7 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whole_wave_drain_and_readmission() {
     let (mut f, r) = lab("whole_wave", &["--tpot-ms", "40"], json!({})).await;
-    let (status, doc) = r.drain_engine_typed("p0").await;
+    let (status, doc) = r.drain_engine("p0").await;
     assert_eq!(status, 409);
     assert_eq!(
         doc.document.error,
@@ -506,13 +506,13 @@ async fn whole_wave_drain_and_readmission() {
         "{ready:?}"
     );
     // p0 has nothing resident: drained, but not ready_to_stop until the whole wave is.
-    let doc = r.engine_state_until_typed("p0", DrainState::Drained).await;
+    let doc = r.engine_state_until("p0", DrainState::Drained).await;
     assert!(!doc.engines["p0"].ready_to_stop, "{doc:#?}");
     assert_eq!(doc.engines["d0"].state, DrainState::Draining);
     assert!(!doc.wave.ready_to_stop);
     assert!(!r.has_event("wave_ready_to_stop", None));
     // Readmission shapes during a wave.
-    let (status, doc) = r.readmit_engine_typed("p0").await;
+    let (status, doc) = r.readmit_engine("p0").await;
     assert_eq!(status, 409);
     assert_eq!(
         doc.document.error,
@@ -604,7 +604,7 @@ async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requ
         DrainState::Active,
         "ejection is not a lifecycle hold"
     );
-    let (status, doc) = r.drain_engine_typed("p0").await;
+    let (status, doc) = r.drain_engine("p0").await;
     assert_eq!(status, 409, "{doc:#?}");
     assert_eq!(
         doc.document.error,
@@ -738,10 +738,10 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
     )
     .await;
 
-    r.drain_to_complete_typed("p0").await;
+    r.drain_to_complete("p0").await;
     let before = r.lifecycle().await;
     // architecture.md 9.5: the same drain again is idempotent.
-    let (status, again) = r.drain_engine_typed("p0").await;
+    let (status, again) = r.drain_engine("p0").await;
     assert_eq!(status, 200, "{again:#?}");
     let again = again.document;
     assert_eq!(again.error, "");
@@ -795,7 +795,7 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
 async fn drain_with_agent_down_is_503_holds_the_engine_and_the_retry_succeeds() {
     let (mut f, r) = lab("individual", &[], json!({"agent": {"timeout_s": 2}})).await;
     f.agent_mut("h0").proc.kill();
-    let (status, doc) = r.drain_engine_typed("p0").await;
+    let (status, doc) = r.drain_engine("p0").await;
     assert_eq!(status, 503, "{doc:#?}");
     let doc = doc.document;
     let err = &doc.error;
@@ -816,7 +816,7 @@ async fn drain_with_agent_down_is_503_holds_the_engine_and_the_retry_succeeds() 
     let after = requests(&f, "p0", "prefill").await + requests(&f, "p0", "aggregated").await;
     assert_eq!(after, before, "a blocked engine receives no traffic");
 
-    let (status, doc) = r.readmit_engine_typed("p0").await;
+    let (status, doc) = r.readmit_engine("p0").await;
     assert_eq!(status, 409);
     assert_eq!(
         doc.document.error,
@@ -824,7 +824,7 @@ async fn drain_with_agent_down_is_503_holds_the_engine_and_the_retry_succeeds() 
     );
 
     f.agent_mut("h0").restart(None).expect("agent h0 restarts");
-    let (status, doc) = r.drain_engine_typed("p0").await;
+    let (status, doc) = r.drain_engine("p0").await;
     assert_eq!(status, 200, "{doc:#?}");
     assert_eq!(doc.document.error, "");
     let start = started_at(&f, "p0").await;
@@ -1007,7 +1007,7 @@ async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
         "1 resident request(s) remain after the drain deadline"
     );
     assert!(!e.ready_to_stop);
-    let (status, doc) = r.readmit_engine_typed("d0").await;
+    let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 409);
     assert_eq!(
         doc.document.error,
@@ -1125,7 +1125,7 @@ async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
 async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
     let (mut f, r) = lab_with("sglang", "individual", &[], json!({})).await;
     r.complete("warm up").await;
-    r.drain_to_complete_typed("p0").await;
+    r.drain_to_complete("p0").await;
     let old_port = f.sim("p0").bootstrap_port;
     f.sim_mut("p0")
         .restart(&["--bootstrap-port", "0"])
@@ -1163,7 +1163,7 @@ async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
             (i, bad)
         })
     };
-    let (status, doc) = r.readmit_engine_typed("p0").await;
+    let (status, doc) = r.readmit_engine("p0").await;
     assert_eq!(status, 200, "{doc:#?}");
     // SGLang: the vLLM checks without direct generation.
     let sglang: Vec<&str> = vllm_checks("new process identity", "fabric produce to d0")
@@ -1245,12 +1245,12 @@ async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
         d.process_starts.contains_key("d0")
     })
     .await;
-    r.drain_to_complete_typed("p0").await;
+    r.drain_to_complete("p0").await;
     f.sim_mut("p0").restart(&[]).expect("restart p0");
     f.sim_mut("d0")
         .restart(&[])
         .expect("d0 restarted without the router knowing");
-    let (status, doc) = r.readmit_engine_typed("p0").await;
+    let (status, doc) = r.readmit_engine("p0").await;
     let doc = doc.document;
     if status == 200 {
         // On a loaded machine the monitor can see d0's restart first (its health path down
@@ -1287,7 +1287,7 @@ async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
     );
     assert_eq!(r.ready().await.0, 503, "nothing live");
     assert!(!r.has_event("recovery_validation_started", Some("d0")));
-    let (status, doc) = r.readmit_engine_typed("p0").await;
+    let (status, doc) = r.readmit_engine("p0").await;
     assert_eq!(status, 200, "{doc:#?}");
     let doc = doc.document;
     let d0 = &doc.engines["d0"];
@@ -1319,7 +1319,7 @@ async fn engine_crashing_while_draining_is_readmitted_by_the_operator() {
     )
     .await;
     let s = r.open_stream("its decode engine will crash", 30).await;
-    let (status, doc) = r.drain_engine_typed("d0").await;
+    let (status, doc) = r.drain_engine("d0").await;
     assert_eq!(status, 200, "{doc:#?}");
     assert_eq!(doc.document.engines["d0"].state, DrainState::Draining);
     f.sim_mut("d0").proc.kill();
@@ -1333,7 +1333,7 @@ async fn engine_crashing_while_draining_is_readmitted_by_the_operator() {
     // Health answers again, but the drain hold stands until the operator readmits.
     let doc = r.lifecycle().await;
     assert_eq!(doc.engines["d0"].state, DrainState::Drained, "{doc:#?}");
-    let (status, doc) = r.readmit_engine_typed("d0").await;
+    let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 200, "{doc:#?}");
     assert!(!r.has_event("recovery_validation_started", Some("d0")));
     r.lifecycle_until("d0 back", |d| d.engines["d0"].accepts_new)

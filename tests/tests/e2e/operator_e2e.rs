@@ -225,7 +225,7 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     let (status, doc) = r.drain(&json!({"engines": ["p1"], "deadline_s": 30})).await;
     assert_eq!(status, 200, "{doc:#}");
     assert_eq!(doc["warnings"], json!([]), "p0 still serves prefill");
-    r.engine_state_until("p1", "drained").await;
+    r.engine_state_until("p1", DrainState::Drained).await;
     let out = narwhalctl(&control, &["cancel-drain", "p1"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -271,7 +271,9 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
         "{stdout}"
     );
     assert_eq!(f.router().completion("aggregated", 2).await.status, 200);
-    f.router().engine_state_until("d0", "drained").await;
+    f.router()
+        .engine_state_until("d0", DrainState::Drained)
+        .await;
 
     // A restarted engine is not a cancel: refused, and readmission takes it.
     f.sim_mut("d0").restart(&[]).expect("restart d0");
@@ -285,7 +287,7 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
         "{doc:#}"
     );
     let (status, doc) = r.readmit_engine("d0").await;
-    assert_eq!(status, 200, "{doc:#}");
+    assert_eq!(status, 200, "{doc:#?}");
     // Rules: a wave, an active engine.
     let (status, doc) = r.cancel_drain(&json!({"wave": true})).await;
     assert_eq!(status, 409, "{doc:#}");
