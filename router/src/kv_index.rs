@@ -124,24 +124,12 @@ pub(crate) fn keyed_chain(tokens: &[u32], block_size: u32, seed: u64) -> Vec<u64
         .collect()
 }
 
-/// What a batch's sequence number means for the engine's stream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Seq {
-    /// The expected next batch (or the first batch of a stream, numbered 0).
-    Next,
-    /// A new engine process (vLLM numbers from 0 per process): numbered 0 after later numbers,
-    /// or, on the live stream, numbered at or below a batch that stream already delivered
-    /// (one PUB connection delivers a process's batches in order, so going back there means
-    /// another process, whose first batches were missed).
-    Restarted,
-    /// Batches `from..seq` were missed (a first batch numbered above 0 missed `0..seq`).
-    Gap {
-        /// The first missed sequence number.
-        from: u64,
-    },
-    /// Already seen (a replay overlapping the stream): ignored.
-    Old,
-}
+/// What a batch's sequence number means for the engine's stream: the block set's rule
+/// ([`narwhal_shared::kv_blocks::step_after`]), and on the live stream a number at or below a
+/// batch that stream already delivered is a new engine process too (one PUB connection
+/// delivers a process's batches in order, so going back there means another process, whose
+/// first batches were missed).
+pub(crate) use narwhal_shared::kv_blocks::Step as Seq;
 
 /// An engine's index mode (docs/http-api.md `kv_index`; docs/design/kv-aware-placement.md
 /// section 3): what its credit is learned from.
@@ -696,14 +684,7 @@ impl KvIndex {
         if live && en.last_live.is_some_and(|l| seq <= l) {
             return Seq::Restarted;
         }
-        match en.next_seq {
-            None if seq == 0 => Seq::Next,
-            None => Seq::Gap { from: 0 },
-            Some(n) if seq == n => Seq::Next,
-            Some(_) if seq == 0 => Seq::Restarted,
-            Some(n) if seq < n => Seq::Old,
-            Some(n) => Seq::Gap { from: n },
-        }
+        narwhal_shared::kv_blocks::step_after(en.next_seq, seq)
     }
 
     /// Applies the expected batch `seq` of engine `e`.

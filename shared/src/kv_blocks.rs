@@ -41,6 +41,19 @@ pub enum Step {
     },
 }
 
+/// What batch `seq` of a stream means when `next_seq` is the one expected (`None` before the
+/// first): the one rule of the router's index and the agent's block set.
+pub fn step_after(next_seq: Option<u64>, seq: u64) -> Step {
+    match next_seq {
+        None if seq == 0 => Step::Next,
+        None => Step::Gap { from: 0 },
+        Some(n) if seq == n => Step::Next,
+        Some(_) if seq == 0 => Step::Restarted,
+        Some(n) if seq < n => Step::Old,
+        Some(n) => Step::Gap { from: n },
+    }
+}
+
 /// One block as its `BlockStored` described it.
 #[derive(Debug, Clone, PartialEq)]
 struct Block {
@@ -95,14 +108,7 @@ impl BlockSet {
 
     /// What batch `seq` means (see [`Step`]).
     pub fn step(&self, seq: u64) -> Step {
-        match self.next_seq {
-            None if seq == 0 => Step::Next,
-            None => Step::Gap { from: 0 },
-            Some(n) if seq == n => Step::Next,
-            Some(_) if seq == 0 => Step::Restarted,
-            Some(n) if seq < n => Step::Old,
-            Some(n) => Step::Gap { from: n },
-        }
+        step_after(self.next_seq, seq)
     }
 
     /// Applies batch `seq` as the next one (a set that had none yet is complete when `seq` is

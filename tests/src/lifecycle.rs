@@ -18,7 +18,7 @@
 use narwhal_shared::documents::requests::{DrainBody, ReadmitBody};
 use narwhal_shared::documents::{Lifecycle, LifecycleReply};
 use narwhal_shared::handoff::DrainState;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::router::{EngineEventRow, RouterHandle};
 
@@ -49,17 +49,17 @@ impl RouterHandle {
 impl RouterHandle {
     /// `POST /narwhal/lifecycle/drain` with `body`: `(status, reply)`.
     pub async fn drain_typed(&self, body: &DrainBody) -> (u16, LifecycleReply) {
-        self.lifecycle_post("drain", &json!(body)).await
+        self.lifecycle_post("drain", body).await
     }
 
     /// `POST /narwhal/lifecycle/readmit` with `body`: `(status, reply)`.
     pub async fn readmit_typed(&self, body: &ReadmitBody) -> (u16, LifecycleReply) {
-        self.lifecycle_post("readmit", &json!(body)).await
+        self.lifecycle_post("readmit", body).await
     }
 
     /// `POST /narwhal/lifecycle/cancel-drain` with `body`: `(status, reply)`.
     pub async fn cancel_drain_typed(&self, body: &ReadmitBody) -> (u16, LifecycleReply) {
-        self.lifecycle_post("cancel-drain", &json!(body)).await
+        self.lifecycle_post("cancel-drain", body).await
     }
 
     /// [`RouterHandle::drain_typed`] of engine `iid` alone, no deadline: `{"engines": [iid]}`.

@@ -458,8 +458,13 @@ impl RouterHandle {
 
     /// `POST /narwhal/lifecycle/<action>` with `body`: `(status, reply)`. Every reply must
     /// be the full lifecycle document (handoff-and-lifecycle.md, "Lifecycle API").
-    pub async fn lifecycle_post(&self, action: &str, body: &Value) -> (u16, LifecycleReply) {
-        self.lifecycle_post_raw(action, &body.to_string()).await
+    pub async fn lifecycle_post(
+        &self,
+        action: &str,
+        body: &impl serde::Serialize,
+    ) -> (u16, LifecycleReply) {
+        let body = serde_json::to_string(body).expect("a request body serialises");
+        self.lifecycle_post_raw(action, &body).await
     }
 
     /// [`RouterHandle::lifecycle_post`] as JSON, for what a test reads by key.
