@@ -334,6 +334,12 @@ pub struct Answer {
     pub choices: Option<Vec<AnswerChoice>>,
     /// The usage.
     pub usage: Option<Usage>,
+    /// The answer's id.
+    pub id: Option<String>,
+    /// The model named.
+    pub model: Option<String>,
+    /// vLLM's `kv_transfer_params` (a prefill's descriptor; an open document).
+    pub kv_transfer_params: Option<Value>,
 }
 
 /// One of an [`Answer`]'s choices.
@@ -346,6 +352,26 @@ pub struct AnswerChoice {
     pub text: Option<String>,
     /// Why it ended.
     pub finish_reason: Option<String>,
+    /// A chat answer's message.
+    pub message: Option<AnswerMessage>,
+    /// A chat chunk's delta.
+    pub delta: Option<AnswerMessage>,
+    /// The generated token ids (vLLM's `return_token_ids`).
+    pub token_ids: Option<Vec<u64>>,
+    /// The prompt's token ids (vLLM's `return_token_ids`).
+    pub prompt_token_ids: Option<Vec<u64>>,
+}
+
+/// A chat choice's `message` or a chat chunk's `delta`.
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(default)]
+pub struct AnswerMessage {
+    /// `assistant`, ...
+    pub role: Option<String>,
+    /// The text.
+    pub content: Option<String>,
+    /// Tool calls (an open document).
+    pub tool_calls: Option<Value>,
 }
 
 impl Answer {

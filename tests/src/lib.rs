@@ -36,6 +36,7 @@
 mod agent;
 mod agent_calls;
 mod breaker;
+mod by_id;
 pub mod certs;
 mod controller;
 mod devup;
@@ -66,6 +67,7 @@ pub use agent::{
     start_agent_with,
 };
 pub use agent_calls::{client_as, get_text, post_json};
+pub use by_id::ById;
 pub use controller::{
     HeldStream, Load, LoadStats, Shape, controller_fleet, fast_controller_sections,
     fixture_profile, shared_prefix_prompt, token_prompt, unique_token_prompt,
@@ -78,8 +80,8 @@ pub use fleet::{
     STANDBY_TAKEOVER_AFTER,
 };
 pub use http::{
-    Answer, AnswerChoice, Http, Reply, Usage, answer_text, count, http_client, metric,
-    openai_request, sse_data, sse_text, strings, usage_of,
+    Answer, AnswerChoice, AnswerMessage, Http, Reply, Usage, answer_text, count, http_client,
+    metric, openai_request, sse_data, sse_text, strings, usage_of,
 };
 pub use ports::{engine_port, engine_ports};
 pub use proc::{

@@ -40,6 +40,20 @@ impl RawResponse {
             .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
     }
 
+    /// The body parsed as `T`.
+    ///
+    /// # Panics
+    /// When the body is not a `T`.
+    pub fn json_as<T: serde::de::DeserializeOwned>(&self) -> T {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "not a {} ({e}): {}",
+                std::any::type_name::<T>(),
+                self.text()
+            )
+        })
+    }
+
     /// SSE `data:` payloads in order ([`sse_data`]).
     pub fn events(&self) -> Vec<String> {
         sse_data(&self.text())

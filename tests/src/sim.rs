@@ -137,12 +137,14 @@ impl SimHandle {
         assert_eq!(r.status, 200, "fault {fault} refused: {}", r.text());
     }
 
-    /// `GET /sim/faults`: the faults still queued.
-    pub async fn faults(&self) -> Value {
-        self.http
-            .get(format!("{}/faults", self.admin_url()))
-            .await
-            .json()
+    /// `GET /sim/faults`: the faults still queued, in queue order.
+    ///
+    /// # Panics
+    /// When the simulator does not answer 200 with the faults document.
+    pub async fn faults(&self) -> Vec<crate::sim_stats::SimFault> {
+        let r = self.http.get(format!("{}/faults", self.admin_url())).await;
+        assert_eq!(r.status, 200, "{}: {}", r.what, r.text());
+        r.json_as::<crate::sim_stats::SimFaults>().faults
     }
 
     /// `DELETE /sim/faults`.

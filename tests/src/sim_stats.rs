@@ -113,3 +113,46 @@ pub struct SimCacheCounters {
     /// Cache resets.
     pub resets: u64,
 }
+
+/// One entry of `GET /sim/faults` (`{"faults": [...]}`), as the simulator lists a queued fault:
+/// `count` is the uses left, `skip` the matching requests still to pass untouched
+/// (docs/engine-simulator.md, "Faults").
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimFault {
+    /// `prefill`, `decode`, `aggregated`, `any`, `health`, ...
+    pub phase: String,
+    /// Uses left.
+    pub count: u32,
+    /// Matching requests still to pass untouched (absent: 0).
+    #[serde(default)]
+    pub skip: u32,
+    /// `status`, `hang`, `cut`, `drop`, `omit_kv`, `fragment` or `fail_transfer`.
+    pub action: String,
+    /// For `status`: the status answered.
+    #[serde(default)]
+    pub status: Option<u16>,
+    /// For `status`: the body answered (an open document).
+    #[serde(default)]
+    pub body: Option<serde_json::Value>,
+    /// For `hang`: milliseconds before the first byte.
+    #[serde(default)]
+    pub ms: Option<u64>,
+    /// For `cut`: token chunks sent first.
+    #[serde(default)]
+    pub after_tokens: Option<u32>,
+    /// For `fragment`: bytes per write.
+    #[serde(default)]
+    pub bytes: Option<usize>,
+    /// For `fail_transfer`: `fail` or `recompute`.
+    #[serde(default)]
+    pub policy: Option<String>,
+}
+
+/// `GET /sim/faults`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimFaults {
+    /// The faults still queued, in queue order.
+    pub faults: Vec<SimFault>,
+}

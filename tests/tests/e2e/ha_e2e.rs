@@ -43,8 +43,9 @@ use narwhal_shared::documents::requests::{DrainBody, ReadmitBody};
 use narwhal_shared::documents::state;
 use narwhal_shared::handoff::{DrainState, Handoff};
 use narwhal_testkit::{
-    Fleet, FleetBuilder, Http, LEASE_TTL_S, LeaseBackend, Proxy, RouterHandle, STANDBY_PROBE_S,
-    STANDBY_TAKEOVER_AFTER, Sample, Sampler, handoff_file_where, metric, wait_until,
+    ById, Fleet, FleetBuilder, Http, LEASE_TTL_S, LeaseBackend, Proxy, RouterHandle,
+    STANDBY_PROBE_S, STANDBY_TAKEOVER_AFTER, Sample, Sampler, handoff_file_where, metric,
+    wait_until,
 };
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
@@ -484,7 +485,7 @@ async fn fenced_primary_takes_the_fleet_back_only_with_the_newest_state() {
         "served {} after the takeover, {shown} shown by the new primary",
         served
     );
-    let d0 = &lc.engines["d0"];
+    let d0 = &lc.engines.of("d0");
     assert!(
         d0.state == DrainState::Draining || d0.state == DrainState::Drained,
         "d0 stays held out of placement: {lc:#?}"

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use narwhal_shared::handoff::{DrainState, Handoff};
-use narwhal_testkit::{Fleet, RouterHandle, handoff_file_where, metric};
+use narwhal_testkit::{ById, Fleet, RouterHandle, handoff_file_where, metric};
 use serde_json::{Value, json};
 
 /// p0 (prefill) and d0 (decode), each on its own simulated host with an agent; the test starts
@@ -91,7 +91,7 @@ async fn handoff_validates_round_trips_and_resume_restores_totals_and_holds() {
     assert_eq!(st.offered, 5, "{st:#?}");
     assert!(!st.ha.resume.refused, "{st:#?}");
     let lc = b.lifecycle().await;
-    let d0 = &lc.engines["d0"];
+    let d0 = &lc.engines.of("d0");
     assert_eq!(d0.state, DrainState::Drained, "the hold survives: {lc:#?}");
     assert!(!d0.accepts_new, "{lc:#?}");
     assert_eq!(d0.old_process_start, old_start, "{lc:#?}");
@@ -169,7 +169,7 @@ async fn resume_refuses_torn_invalid_and_foreign_documents() {
         );
         let lc = r.lifecycle().await;
         assert_eq!(
-            lc.engines["p0"].state,
+            lc.engines.of("p0").state,
             DrainState::Blocked,
             "{name}: {lc:#?}"
         );
@@ -194,7 +194,7 @@ async fn interrupted_validation_is_restored_as_blocked() {
     std::fs::write(f.state_path("router-b"), doc.to_string()).expect("write");
     let b = f.start_router("router-b", &["--resume"]);
     let lc = b.lifecycle().await;
-    let d0 = &lc.engines["d0"];
+    let d0 = &lc.engines.of("d0");
     assert_eq!(d0.state, DrainState::Blocked, "{lc:#?}");
     assert_eq!(
         d0.error,

@@ -19,7 +19,8 @@ use std::time::Duration;
 use narwhal_shared::documents::requests::{DrainBody, ReadmitBody};
 use narwhal_shared::handoff::DrainState;
 use narwhal_testkit::{
-    Fleet, RouterHandle, SimHandle, WAIT, bin_path, count as n, metric, narwhalctl, wait_until,
+    ById, Fleet, RouterHandle, SimHandle, WAIT, bin_path, count as n, metric, narwhalctl,
+    wait_until,
 };
 use serde_json::{Value, json};
 
@@ -203,14 +204,14 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
     let s1 = r.open_stream("first stream in flight", 30).await;
     let s2 = r.open_stream("second stream in flight", 30).await;
     r.lifecycle_until("two streams resident on d0", |d| {
-        d.engines["d0"].resident.decode == 2
+        d.engines.of("d0").resident.decode == 2
     })
     .await;
     let (status, doc) = r.drain_typed(&DrainBody::engine("d0", 30.0)).await;
     assert_eq!(status, 200, "{doc:#?}");
     let doc = doc.document;
     assert_eq!(doc.error, "");
-    let e = &doc.engines["d0"];
+    let e = &doc.engines.of("d0");
     assert_eq!(e.state, DrainState::Draining, "{doc:#?}");
     assert!(e.draining);
     assert!(!e.accepts_new);
@@ -220,7 +221,7 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
     let d0_start = started_at(&f, "d0").await;
     let old = e.old_process_start.expect("identity recorded");
     assert!((old - d0_start).abs() < 0.05, "old {old} vs sim {d0_start}");
-    assert_eq!(doc.engines["p0"].state, DrainState::Active);
+    assert_eq!(doc.engines.of("p0").state, DrainState::Active);
     assert!(!doc.wave.active);
     assert_eq!(
         r.ready().await.0,
@@ -247,7 +248,7 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
     let t1 = s1.finish().await;
     assert!(
         !r.has_event("drain_complete", Some("d0"))
-            || r.lifecycle().await.engines["d0"].resident.decode == 0,
+            || r.lifecycle().await.engines.of("d0").resident.decode == 0,
         "drain_complete only after the last stream"
     );
     let t2 = s2.finish().await;
@@ -260,7 +261,7 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
         ["drain_started", "process_recorded", "drain_complete"]
     );
     let doc = r.lifecycle().await;
-    let e = &doc.engines["d0"];
+    let e = &doc.engines.of("d0");
     assert_eq!(e.state, DrainState::Drained, "{doc:#?}");
     assert!(e.ready_to_stop);
     assert!(e.draining);
@@ -301,7 +302,9 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
 async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_again() {
     let (mut f, r) = lab("individual", &[], json!({})).await;
     let doc = r.drain_to_complete("d0").await.document;
-    let old = doc.engines["d0"]
+    let old = doc
+        .engines
+        .of("d0")
         .old_process_start
         .expect("identity recorded");
 
@@ -309,7 +312,7 @@ async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_a
     assert_eq!(status, 409, "{doc:#?}");
     let doc = doc.document;
     assert_eq!(doc.error, "readmission validation failed");
-    let e = &doc.engines["d0"];
+    let e = &doc.engines.of("d0");
     assert_eq!(e.state, DrainState::Blocked);
     assert_eq!(e.error, "engine process did not restart after drain");
     assert_checks(&e.checks, &["health", "attestation", "model"]);
@@ -322,7 +325,7 @@ async fn readmit_requires_a_restart_then_passes_the_checks_in_order_and_serves_a
     assert_eq!(status, 200, "{doc:#?}");
     let doc = doc.document;
     assert_eq!(doc.error, "");
-    let e = &doc.engines["d0"];
+    let e = &doc.engines.of("d0");
     assert_eq!(e.state, DrainState::Active);
     assert_eq!(e.error, "");
     assert_checks(&e.checks, &decode_checks("new process identity"));
@@ -381,15 +384,15 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
         let doc = doc.document;
         if status != 409 {
             let faults = f.sim("p0").faults().await;
-            let recent = f.sim("p0").stats().await["recent"].clone();
+            let recent = f.sim("p0").counters().await.recent;
             panic!(
-                "{what}: {status} {:?}; p0 faults {faults}; p0 recent {recent:#}; router log {}",
+                "{what}: {status} {:?}; p0 faults {faults:?}; p0 recent {recent:#?}; router log {}",
                 doc.error,
                 r.proc.stderr_tail(60)
             );
         }
         assert_eq!(doc.error, "readmission validation failed", "{what}");
-        let e = &doc.engines["p0"];
+        let e = &doc.engines.of("p0");
         assert_eq!(e.state, DrainState::Blocked, "{what}");
         assert!(!e.accepts_new, "{what}");
         (e.error.clone(), e.checks.clone())
@@ -447,8 +450,8 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
     assert_checks(&checks, &all[..5]);
     // The peer is reported by name but holds no record and stays in service.
     let doc = r.lifecycle().await;
-    assert_eq!(doc.engines["d0"].state, DrainState::Active);
-    assert!(doc.engines["d0"].accepts_new);
+    assert_eq!(doc.engines.of("d0").state, DrainState::Active);
+    assert!(doc.engines.of("d0").accepts_new);
 
     // 6. final health: the first /health of the readmission passes, the second fails.
     f.sim("p0")
@@ -461,7 +464,7 @@ async fn each_readmission_check_failing_alone_is_a_409_naming_it() {
     // Nothing wrong any more: readmitted.
     let (status, doc) = r.readmit_engine("p0").await;
     assert_eq!(status, 200, "{doc:#?}");
-    assert_checks(&doc.document.engines["p0"].checks, &all);
+    assert_checks(&doc.document.engines.of("p0").checks, &all);
     let failed = r
         .lifecycle_event_rows()
         .iter()
@@ -507,8 +510,8 @@ async fn whole_wave_drain_and_readmission() {
     );
     // p0 has nothing resident: drained, but not ready_to_stop until the whole wave is.
     let doc = r.engine_state_until("p0", DrainState::Drained).await;
-    assert!(!doc.engines["p0"].ready_to_stop, "{doc:#?}");
-    assert_eq!(doc.engines["d0"].state, DrainState::Draining);
+    assert!(!doc.engines.of("p0").ready_to_stop, "{doc:#?}");
+    assert_eq!(doc.engines.of("d0").state, DrainState::Draining);
     assert!(!doc.wave.ready_to_stop);
     assert!(!r.has_event("wave_ready_to_stop", None));
     // Readmission shapes during a wave.
@@ -548,11 +551,11 @@ async fn whole_wave_drain_and_readmission() {
     let doc = doc.document;
     assert_eq!(doc.error, "readmission validation failed");
     assert_eq!(
-        doc.engines["d0"].error,
+        doc.engines.of("d0").error,
         "engine process did not restart after drain"
     );
     assert_eq!(
-        doc.engines["p0"].error,
+        doc.engines.of("p0").error,
         "another engine in the wave failed validation: d0 (engine process did not restart after drain)"
     );
     for iid in ["p0", "d0"] {
@@ -597,10 +600,10 @@ async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requ
     let (mut f, r) = lab("individual", &[], json!({"recovery": {"eject_after": 1}})).await;
     crash_d0(&mut f, &r, "d0 is gone").await;
     let doc = r
-        .lifecycle_until("d0 out of placement", |d| !d.engines["d0"].accepts_new)
+        .lifecycle_until("d0 out of placement", |d| !d.engines.of("d0").accepts_new)
         .await;
     assert_eq!(
-        doc.engines["d0"].state,
+        doc.engines.of("d0").state,
         DrainState::Active,
         "ejection is not a lifecycle hold"
     );
@@ -611,7 +614,7 @@ async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requ
         "the last schedulable engine requires a whole-wave drain"
     );
     assert_eq!(
-        doc.document.engines["p0"].state,
+        doc.document.engines.of("p0").state,
         DrainState::Active,
         "nothing changed"
     );
@@ -624,9 +627,9 @@ async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requ
     let start = started_at(&f, "d0").await;
     assert!((ev.process_start.unwrap() - start).abs() < 0.05);
     let doc = r
-        .lifecycle_until("d0 back in placement", |d| d.engines["d0"].accepts_new)
+        .lifecycle_until("d0 back in placement", |d| d.engines.of("d0").accepts_new)
         .await;
-    let e = &doc.engines["d0"];
+    let e = &doc.engines.of("d0");
     assert_eq!(e.state, DrainState::Active, "{doc:#?}");
     assert!(!e.restart_required);
     assert_eq!(e.error, "");
@@ -745,7 +748,7 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
     assert_eq!(status, 200, "{again:#?}");
     let again = again.document;
     assert_eq!(again.error, "");
-    assert_eq!(again.engines["p0"], before.engines["p0"]);
+    assert_eq!(again.engines.of("p0"), before.engines.of("p0"));
     assert_eq!(
         again.events.len(),
         before.events.len(),
@@ -803,7 +806,7 @@ async fn drain_with_agent_down_is_503_holds_the_engine_and_the_retry_succeeds() 
         err.starts_with("p0: process identity unreadable: "),
         "{err}"
     );
-    let e = &doc.engines["p0"];
+    let e = &doc.engines.of("p0");
     assert_eq!(e.state, DrainState::Blocked);
     assert!(e.draining);
     assert!(!e.accepts_new);
@@ -828,13 +831,13 @@ async fn drain_with_agent_down_is_503_holds_the_engine_and_the_retry_succeeds() 
     assert_eq!(status, 200, "{doc:#?}");
     assert_eq!(doc.document.error, "");
     let start = started_at(&f, "p0").await;
-    let old = doc.document.engines["p0"].old_process_start.unwrap();
+    let old = doc.document.engines.of("p0").old_process_start.unwrap();
     assert!((old - start).abs() < 0.05);
     r.journal_event("drain_complete", Some("p0")).await;
     let doc = r.lifecycle().await;
-    assert_eq!(doc.engines["p0"].state, DrainState::Drained);
-    assert_eq!(doc.engines["p0"].error, "");
-    assert!(doc.engines["p0"].ready_to_stop);
+    assert_eq!(doc.engines.of("p0").state, DrainState::Drained);
+    assert_eq!(doc.engines.of("p0").error, "");
+    assert!(doc.engines.of("p0").ready_to_stop);
     let actions = actions_of(&r, "p0");
     assert_eq!(
         actions,
@@ -1000,7 +1003,7 @@ async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
     assert_eq!(ev.resident, Some(1), "{ev:?}");
     assert!(!r.has_event("drain_complete", Some("d0")));
     let doc = r.lifecycle().await;
-    let e = &doc.engines["d0"];
+    let e = &doc.engines.of("d0");
     assert_eq!(e.state, DrainState::DeadlineExceeded, "{doc:#?}");
     assert_eq!(
         e.error,
@@ -1020,7 +1023,7 @@ async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
     );
     r.journal_event("drain_complete", Some("d0")).await;
     let doc = r.lifecycle().await;
-    let e = &doc.engines["d0"];
+    let e = &doc.engines.of("d0");
     assert_eq!(e.state, DrainState::Drained, "{doc:#?}");
     assert_eq!(e.error, "", "no stale deadline error");
     assert!(e.ready_to_stop);
@@ -1075,7 +1078,7 @@ async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes
     assert!(!doc.document.wave.active);
     let doc = r
         .lifecycle_until("both engines in placement", |d| {
-            d.engines["p0"].accepts_new && d.engines["d0"].accepts_new
+            d.engines.of("p0").accepts_new && d.engines.of("d0").accepts_new
         })
         .await;
     assert!(doc.router.ready, "{doc:#?}");
@@ -1090,7 +1093,7 @@ async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes
 async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
     let (mut f, r) = lab("individual", &[], json!({"recovery": {"eject_after": 1}})).await;
     crash_d0(&mut f, &r, "d0 is gone").await;
-    r.lifecycle_until("d0 ejected", |d| !d.engines["d0"].accepts_new)
+    r.lifecycle_until("d0 ejected", |d| !d.engines.of("d0").accepts_new)
         .await;
     f.sim_mut("d0")
         .restart(&["--model", "other-model"])
@@ -1102,7 +1105,7 @@ async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
         "{ev:?}"
     );
     let doc = r.lifecycle().await;
-    let e = &doc.engines["d0"];
+    let e = &doc.engines.of("d0");
     assert!(!e.accepts_new, "{doc:#?}");
     assert!(!e.restart_required);
     assert!(
@@ -1112,7 +1115,7 @@ async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
     f.sim_mut("d0").restart(&[]).expect("d0 right again");
     r.journal_event("readmitted", Some("d0")).await;
     r.lifecycle_until("d0 back", |d| {
-        d.engines["d0"].accepts_new && d.engines["d0"].state == DrainState::Active
+        d.engines.of("d0").accepts_new && d.engines.of("d0").state == DrainState::Active
     })
     .await;
     complete_on(&f, &r, "d0 decodes again", &[("d0", "decode")]).await;
@@ -1170,7 +1173,7 @@ async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
         .into_iter()
         .filter(|c| *c != "generation")
         .collect();
-    assert_checks(&doc.document.engines["p0"].checks, &sglang);
+    assert_checks(&doc.document.engines.of("p0").checks, &sglang);
     let p_now = requests(&f, "p0", "prefill").await;
     wait_until(WAIT, || async {
         (requests(&f, "p0", "prefill").await >= p_now + 5).then_some(())
@@ -1214,7 +1217,7 @@ async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() 
     r.journal_event("restart_required", None).await;
     let (status, doc) = r.drain_typed(&wave_drain()).await;
     assert_eq!(status, 200, "{doc:#?}");
-    let old = doc.document.engines["d0"].old_process_start;
+    let old = doc.document.engines.of("d0").old_process_start;
     assert_eq!(
         old,
         Some(d0_start),
@@ -1225,7 +1228,7 @@ async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() 
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     let (status, doc) = r.readmit_typed(&ReadmitBody::wave()).await;
     assert_eq!(status, 200, "{doc:#?}");
-    r.lifecycle_until("d0 back", |d| d.engines["d0"].accepts_new)
+    r.lifecycle_until("d0 back", |d| d.engines.of("d0").accepts_new)
         .await;
     r.complete("after the crash wave").await;
 }
@@ -1257,7 +1260,7 @@ async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
         // for a moment: an absent engine is a new engine) and re-validate it, through its
         // agent, before p0's readmission arrives; then nothing is behind the router's back,
         // and the rule holds if d0 was validated as its new process (seen in a loaded run).
-        let d0 = &doc.engines["d0"];
+        let d0 = &doc.engines.of("d0");
         assert_ne!(d0.old_process_start, d0.new_process_start, "{doc:#?}");
         assert!(
             d0.checks.iter().any(|x| x == "process identity"),
@@ -1268,13 +1271,13 @@ async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
     }
     assert_eq!(status, 409, "{doc:#?}");
     assert_eq!(
-        doc.engines["p0"].error,
+        doc.engines.of("p0").error,
         "peer failed validation: d0 (peer process changed before readmission)"
     );
-    assert_eq!(doc.engines["p0"].state, DrainState::Blocked);
-    assert!(!doc.engines["d0"].accepts_new, "d0 ejected");
+    assert_eq!(doc.engines.of("p0").state, DrainState::Blocked);
+    assert!(!doc.engines.of("d0").accepts_new, "d0 ejected");
     assert_eq!(
-        doc.engines["d0"].state,
+        doc.engines.of("d0").state,
         DrainState::Active,
         "no record for d0"
     );
@@ -1290,17 +1293,17 @@ async fn peer_restarted_behind_the_routers_back_fails_readmission_by_name() {
     let (status, doc) = r.readmit_engine("p0").await;
     assert_eq!(status, 200, "{doc:#?}");
     let doc = doc.document;
-    let d0 = &doc.engines["d0"];
+    let d0 = &doc.engines.of("d0");
     assert_eq!(d0.state, DrainState::Active, "{doc:#?}");
     assert!(!d0.restart_required);
     assert_checks(&d0.checks, &decode_checks("process identity"));
     let d0_start = started_at(&f, "d0").await;
     assert_eq!(doc.process_starts.get("d0").copied(), Some(d0_start));
-    assert_eq!(doc.engines["p0"].state, DrainState::Active);
+    assert_eq!(doc.engines.of("p0").state, DrainState::Active);
     r.journal_event("recovery_validation_started", Some("d0"))
         .await;
     r.lifecycle_until("both back", |d| {
-        d.engines["d0"].accepts_new && d.engines["p0"].accepts_new
+        d.engines.of("d0").accepts_new && d.engines.of("p0").accepts_new
     })
     .await;
     assert_eq!(r.ready().await.0, 200);
@@ -1321,22 +1324,22 @@ async fn engine_crashing_while_draining_is_readmitted_by_the_operator() {
     let s = r.open_stream("its decode engine will crash", 30).await;
     let (status, doc) = r.drain_engine("d0").await;
     assert_eq!(status, 200, "{doc:#?}");
-    assert_eq!(doc.document.engines["d0"].state, DrainState::Draining);
+    assert_eq!(doc.document.engines.of("d0").state, DrainState::Draining);
     f.sim_mut("d0").proc.kill();
     s.drain().await;
     r.journal_event("drain_complete", Some("d0")).await;
     let doc = r.lifecycle().await;
-    assert!(doc.engines["d0"].ready_to_stop, "{doc:#?}");
+    assert!(doc.engines.of("d0").ready_to_stop, "{doc:#?}");
     f.sim_mut("d0")
         .restart(&[])
         .expect("supervisor restarts d0");
     // Health answers again, but the drain hold stands until the operator readmits.
     let doc = r.lifecycle().await;
-    assert_eq!(doc.engines["d0"].state, DrainState::Drained, "{doc:#?}");
+    assert_eq!(doc.engines.of("d0").state, DrainState::Drained, "{doc:#?}");
     let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 200, "{doc:#?}");
     assert!(!r.has_event("recovery_validation_started", Some("d0")));
-    r.lifecycle_until("d0 back", |d| d.engines["d0"].accepts_new)
+    r.lifecycle_until("d0 back", |d| d.engines.of("d0").accepts_new)
         .await;
     complete_on(&f, &r, "d0 decodes again", &[("d0", "decode")]).await;
 }
@@ -1372,19 +1375,19 @@ async fn stalled_engine_is_readmitted_as_the_same_process_after_it_resumes() {
     // Placement picks d0 or d1: send until a request stalled on d0 ejected it.
     for i in 0..20 {
         trip_breaker(&r, &format!("d0 stalls {i}")).await;
-        if !r.lifecycle().await.engines["d0"].accepts_new {
+        if !r.lifecycle().await.engines.of("d0").accepts_new {
             break;
         }
     }
-    r.lifecycle_until("d0 ejected", |d| !d.engines["d0"].accepts_new)
+    r.lifecycle_until("d0 ejected", |d| !d.engines.of("d0").accepts_new)
         .await;
     f.sim("d0").proc.signal(Signal::SIGCONT);
     let ev = r.journal_event_typed("readmitted", Some("d0")).await;
     assert_eq!(ev.process_start, Some(accepted), "same process");
     let doc = r
-        .lifecycle_until("d0 back", |d| d.engines["d0"].accepts_new)
+        .lifecycle_until("d0 back", |d| d.engines.of("d0").accepts_new)
         .await;
-    let e = &doc.engines["d0"];
+    let e = &doc.engines.of("d0");
     assert!(!e.restart_required, "{doc:#?}");
     assert!(e.checks.contains(&"process identity".to_string()));
     let m = r.metrics().await;
@@ -1447,7 +1450,7 @@ async fn a_health_probe_answering_after_a_wave_readmission_does_not_hold_the_fle
     );
     let doc = r
         .lifecycle_until("both engines in placement", |d| {
-            d.engines["p0"].accepts_new && d.engines["d0"].accepts_new
+            d.engines.of("p0").accepts_new && d.engines.of("d0").accepts_new
         })
         .await;
     assert!(!doc.wave.active, "{doc:#?}");

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use narwhal_testkit::sim_stats::SimStats;
-use narwhal_testkit::{Http, MultiSim, metric};
+use narwhal_testkit::{ById, Http, MultiSim, metric};
 use serde_json::json;
 
 fn http() -> Http {
@@ -172,7 +172,7 @@ async fn a_router_readmits_a_wave_of_engines_sharing_one_process() {
             iids.iter().all(|i| l.process_starts.contains_key(*i))
         })
         .await;
-    let start = first.process_starts["p0"];
+    let start = *first.process_starts.of("p0");
     assert!(
         iids.iter().all(|i| first.process_starts[*i] == start),
         "one process, one start: {:?}",

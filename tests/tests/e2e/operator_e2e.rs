@@ -17,8 +17,8 @@ use std::process::Command;
 
 use narwhal_shared::handoff::DrainState;
 use narwhal_testkit::{
-    Clients, EngineSpec, Fleet, FleetSpec, LeaseBackend, WAIT, bin_path, eventually, launch_router,
-    metric, narwhalctl, start_sim,
+    ById, Clients, EngineSpec, Fleet, FleetSpec, LeaseBackend, WAIT, bin_path, eventually,
+    launch_router, metric, narwhalctl, start_sim,
 };
 use serde_json::{Value, json};
 
@@ -241,7 +241,7 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     );
     assert!(stdout.contains("p1: drain cancelled"), "{stdout}");
     let lc = r.lifecycle().await;
-    let p1 = &lc.engines["p1"];
+    let p1 = &lc.engines.of("p1");
     assert_eq!(p1.state, DrainState::Active, "{lc:#?}");
     assert!(p1.accepts_new, "{lc:#?}");
     assert_eq!(p1.new_process_start, p1.old_process_start);

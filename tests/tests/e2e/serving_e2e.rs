@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use narwhal_shared::documents::{ErrorReply, Health, ModelList, State};
 use narwhal_testkit::{
-    Fleet, Reply, WAIT, answer_text, count as n, eventually, metric, openai_request,
+    ById, Fleet, Reply, WAIT, answer_text, count as n, eventually, metric, openai_request,
     parse_document, sse_text, usage_of, wait_until,
 };
 use serde_json::{Value, json};
@@ -823,10 +823,7 @@ async fn a_prefill_that_aborted_is_retried_on_another_prefill() {
         )
         .await;
     let mut sent = 0;
-    while f.sim("p0").faults().await["faults"]
-        .as_array()
-        .is_some_and(|a| !a.is_empty())
-    {
+    while !f.sim("p0").faults().await.is_empty() {
         assert!(sent < 40, "p0 never took its faulted requests");
         for stream in [false, true] {
             let (path, b) = body(false, stream, &format!("abort me {sent}"));
@@ -939,10 +936,10 @@ async fn a_client_gone_after_the_handoff_leaves_no_kv_staged() {
     );
     let st = eventually("cancelled and nothing resident", WAIT, || async {
         let st = router.state().await;
-        (st.cancelled == 1 && st.resident["p0"].prefill == 0).then_some(st)
+        (st.cancelled == 1 && st.resident.of("p0").prefill == 0).then_some(st)
     })
     .await;
-    assert_eq!(st.resident["d0"].decode, 0, "{:?}", st.resident);
+    assert_eq!(st.resident.of("d0").decode, 0, "{:?}", st.resident);
     let m = router.metrics().await;
     assert_eq!(
         metric(&m, "narwhal_kv_pickups_total", &["outcome=\"collected\""]),

@@ -11,7 +11,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use narwhal_testkit::raw::{RawResponse as Resp, request, send};
-use narwhal_testkit::sim_stats::{SimRecent, SimStats};
+use narwhal_testkit::sim_stats::{SimFault, SimFaults, SimRecent, SimStats};
 use narwhal_testkit::{SimHandle, poll_blocking as wait_until};
 use serde_json::{Value, json};
 use tempfile::TempDir;
@@ -69,8 +69,10 @@ impl Sim {
             .unwrap_or_else(|e| panic!("not the /sim/stats document ({e}): {}", r.text()))
     }
 
-    fn faults(&self) -> Value {
-        self.admin("GET", "/faults", "").json()
+    fn faults(&self) -> Vec<SimFault> {
+        self.admin("GET", "/faults", "")
+            .json_as::<SimFaults>()
+            .faults
     }
 
     fn fault(&self, f: Value) {
@@ -410,11 +412,11 @@ fn faults_status_omit_kv_cut_fragment_drop_and_health() {
         json!({"phase": "aggregated", "action": "status", "status": 503,
                    "body": {"error": {"message": "overloaded"}}}),
     );
-    assert_eq!(s.faults()["faults"].as_array().unwrap().len(), 1);
+    assert_eq!(s.faults().len(), 1);
     let r = s.complete(&body);
     assert_eq!(r.status, 503);
     assert_eq!(r.json()["error"]["message"], "overloaded");
-    assert_eq!(s.faults()["faults"], json!([]));
+    assert_eq!(s.faults(), []);
     assert_eq!(s.complete(&body).status, 200, "count 1 by default");
 
     s.fault(json!({"phase": "prefill", "action": "omit_kv"}));
@@ -450,9 +452,9 @@ fn faults_status_omit_kv_cut_fragment_drop_and_health() {
     assert_eq!(s.get("/health").status, 200);
 
     s.fault(json!({"phase": "decode", "action": "hang", "ms": 10, "count": 3}));
-    assert_eq!(s.faults()["faults"][0]["count"], 3);
+    assert_eq!(s.faults()[0].count, 3);
     assert_eq!(s.admin("DELETE", "/faults", "").status, 200);
-    assert_eq!(s.faults()["faults"], json!([]));
+    assert_eq!(s.faults(), []);
     let bad = s.admin(
         "POST",
         "/faults",
