@@ -403,6 +403,16 @@ pub struct Usage {
     pub total_tokens: Option<u64>,
     /// The router estimated the counts (the engine gave none).
     pub estimated: Option<bool>,
+    /// vLLM's `prompt_tokens_details`, when the engine sent it.
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// `usage.prompt_tokens_details` (OpenAI's; vLLM sends it with `--enable-prompt-tokens-details`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens read from the prefix cache.
+    pub cached_tokens: Option<u64>,
 }
 
 /// The `usage` of answer `v` (an OpenAI answer or chunk, or an SDK driver result), typed; every

@@ -45,12 +45,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use narwhal_shared::agent_protocol::TransferVerdict;
-use narwhal_shared::documents::{LifecycleReply, State};
+use narwhal_shared::documents::{ErrorReply, LifecycleReply, ModelList, State};
 use narwhal_shared::handoff::DrainState;
 use narwhal_testkit::certs::make_dev_certs;
 use narwhal_testkit::{
     AgentEngine, Clients, FleetSpec, Http, RouterHandle, engine_port, http_client, launch_router,
-    start_agent_for, wait_until,
+    merge, start_agent_for, usage_of, wait_until,
 };
 use serde_json::{Value, json};
 
@@ -285,14 +285,10 @@ impl Vllm {
                 );
             }
             let models = match http.get(format!("{}/v1/models", self.url)).send().await {
-                Ok(r) if r.status() == 200 => r.json::<Value>().await.ok(),
+                Ok(r) if r.status() == 200 => r.json::<ModelList>().await.ok(),
                 _ => None,
             };
-            let ours = models.is_some_and(|m| {
-                m["data"]
-                    .as_array()
-                    .is_some_and(|d| d.iter().any(|x| x["id"] == MODEL))
-            });
+            let ours = models.is_some_and(|m| m.data.iter().any(|card| card.id == MODEL));
             let alive = self
                 .child
                 .as_mut()
@@ -409,7 +405,7 @@ impl Vllm {
         )
         .await;
         assert_eq!(status, 200, "{v}");
-        v["count"].as_u64().expect("count")
+        tokenized(&v).count
     }
 }
 
@@ -741,14 +737,16 @@ async fn shapes_answer_as_vllm(r: &RouterHandle, direct: &str) {
     ];
     for (what, path, body) in &shapes {
         let mut body = body.clone();
-        body["model"] = json!(MODEL);
+        merge(&mut body, json!({ "model": MODEL }));
         let (s1, routed) = post(&r.data, path, &body).await;
         let (s2, own) = post(direct, path, &body).await;
         assert_eq!((s1, s2), (200, 200), "{what}: {routed} / {own}");
         assert_eq!(norm(routed), norm(own), "{what}: routed vs vLLM's own");
         // The same request streamed, with usage: the same events.
-        body["stream"] = json!(true);
-        body["stream_options"] = json!({"include_usage": true});
+        merge(
+            &mut body,
+            json!({"stream": true, "stream_options": {"include_usage": true}}),
+        );
         let (s1, routed) = post_stream(&r.data, path, &body).await;
         let (s2, own) = post_stream(direct, path, &body).await;
         assert_eq!(
@@ -780,7 +778,8 @@ async fn refusals_answer_as_vllm(r: &RouterHandle, direct: &str) {
     assert_eq!(s2, 400, "vLLM refuses a prompt over --max-model-len: {own}");
     assert_eq!(s1, s2, "{routed}");
     assert_eq!(
-        routed["error"]["message"], own["error"]["message"],
+        error_message(&routed),
+        error_message(&own),
         "{routed} / {own}"
     );
     // vLLM's own request validation: its 400, its words, through the router.
@@ -808,12 +807,13 @@ async fn refusals_answer_as_vllm(r: &RouterHandle, direct: &str) {
         ),
     ];
     for (what, path, mut body) in refused {
-        body["model"] = json!(MODEL);
+        merge(&mut body, json!({ "model": MODEL }));
         let (s1, routed) = post(&r.data, path, &body).await;
         let (s2, own) = post(direct, path, &body).await;
         assert_eq!((s1, s2), (400, 400), "{what}: {routed} / {own}");
         assert_eq!(
-            routed["error"]["message"], own["error"]["message"],
+            error_message(&routed),
+            error_message(&own),
             "{what}: the engine's words reach the client"
         );
     }
@@ -867,7 +867,9 @@ async fn placement_by_kv_events(r: &RouterHandle, engines: &[Vllm]) -> State {
             )
             .await;
             assert_eq!(s, 200, "{v}");
-            let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+            let cached = usage_of(&v)
+                .prompt_tokens_details
+                .and_then(|d| d.cached_tokens);
             let after = [engines[0].sources().await, engines[1].sources().await];
             let other = 1 - holder;
             assert_eq!(
@@ -919,7 +921,7 @@ async fn keys_beyond_tokens(r: &RouterHandle, engines: &[Vllm]) {
     )
     .await;
     assert_eq!(s, 200, "{t}");
-    let ids: Vec<Value> = t["tokens"].as_array().expect("tokens").clone();
+    let ids: Vec<Value> = tokenized(&t).tokens.into_iter().map(Value::from).collect();
     let tools = json!([{"type": "function", "function": {"name": "search",
         "description": "looks a thing up", "parameters": {"type": "object",
         "properties": {"q": {"type": "string"}}}}}]);
@@ -942,9 +944,10 @@ async fn keys_beyond_tokens(r: &RouterHandle, engines: &[Vllm]) {
             ),
         ];
         for (what, path, mut body) in keyed {
-            body["model"] = json!(MODEL);
-            body["max_tokens"] = json!(2);
-            body["temperature"] = json!(0);
+            merge(
+                &mut body,
+                json!({"model": MODEL, "max_tokens": 2, "temperature": 0}),
+            );
             let rows = r.served_requests().len();
             let held = |st: &narwhal_shared::documents::State, iid: &str| {
                 st.kv_index.engines.get(iid).map_or(0, |e| e.blocks)
@@ -1407,7 +1410,7 @@ async fn transfer(tag: &str, seed: usize, p0: &Vllm, d0: &Vllm, r: &RouterHandle
                       "max_tokens": 4, "temperature": 0});
     let (s, v) = post(&r.data, "/v1/completions", &body).await;
     assert_eq!(s, 200, "{tag}: {v}");
-    let prompt = v["usage"]["prompt_tokens"].as_u64().expect("usage");
+    let prompt = usage_of(&v).prompt_tokens.expect("usage");
     let (after, reads_after) = (d0.sources().await, d0.metric(xfers, &[]).await);
     let p_after = p0.sources().await;
     let (computed, hit, external) = (after.0 - before.0, after.1 - before.1, after.2 - before.2);
@@ -1437,4 +1440,33 @@ async fn transfer(tag: &str, seed: usize, p0: &Vllm, d0: &Vllm, r: &RouterHandle
         "{tag}: the decode recomputed the prompt: local_compute +{computed}, \
          external_kv_transfer +{external} of {prompt}"
     );
+}
+
+/// vLLM's `/tokenize` answer, the fields these tests read.
+#[derive(Debug, serde::Deserialize)]
+struct Tokenized {
+    /// The prompt's token count.
+    count: u64,
+    /// The prompt's token ids.
+    tokens: Vec<u64>,
+}
+
+/// `v` read as vLLM's `/tokenize` answer.
+///
+/// # Panics
+/// When it is not one.
+fn tokenized(v: &Value) -> Tokenized {
+    serde_json::from_value(v.clone())
+        .unwrap_or_else(|e| panic!("not a /tokenize answer ({e}): {v}"))
+}
+
+/// The message of an OpenAI error body (vLLM's own or the router's).
+///
+/// # Panics
+/// When `v` is not an error body.
+fn error_message(v: &Value) -> String {
+    serde_json::from_value::<ErrorReply>(v.clone())
+        .unwrap_or_else(|e| panic!("not an error body ({e}): {v}"))
+        .error
+        .message
 }

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use serde::Deserialize;
 use serde_json::Value;
 
 /// Runs `narwhal-bench` with `args`, killing it after `within`.
@@ -70,9 +71,10 @@ fn strings(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
 
-fn read_json(path: &PathBuf) -> Value {
+fn read_json(path: &PathBuf) -> CompareDoc {
     let text = std::fs::read_to_string(path).expect("the --json file");
-    serde_json::from_str(&text).expect("the --json file is JSON")
+    serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("the --json file is not the compare document ({e}): {text}"))
 }
 
 const TARGETS: [(&str, &str); 5] = [
@@ -172,48 +174,109 @@ fn check_tables(stdout: &str) {
     assert!(!stdout.contains("NOT P/D"), "{stdout}");
 }
 
+/// The `narwhal.bench.compare` document (`--json`, docs/benchmarks.md), the fields these tests
+/// check.
+#[derive(Debug, Deserialize)]
+struct CompareDoc {
+    schema: String,
+    version: u32,
+    problems: u64,
+    pinning: Option<Pinning>,
+    targets: Vec<TargetDoc>,
+    sections: Vec<SectionDoc>,
+}
+
+/// `pinning`: the CPU lists the routers and the load ran on.
+#[derive(Debug, Deserialize)]
+struct Pinning {
+    router_cpus: Option<String>,
+}
+
+/// One of the document's `targets`.
+#[derive(Debug, Deserialize)]
+struct TargetDoc {
+    name: String,
+    kind: String,
+    pid: Option<u64>,
+    cpus: Option<String>,
+    peer: bool,
+    command: Option<String>,
+}
+
+/// One of the document's `sections`.
+#[derive(Debug, Deserialize)]
+struct SectionDoc {
+    mode: String,
+    stream: bool,
+    concurrency: u64,
+    requests: u64,
+    targets: Vec<RowDoc>,
+}
+
+/// One target's row of a section.
+#[derive(Debug, Deserialize)]
+struct RowDoc {
+    name: String,
+    peer: bool,
+    completed: u64,
+    errors: u64,
+    windows: Vec<Value>,
+    rps: Option<f64>,
+    p50_ms: Option<f64>,
+    p99_ms: Option<f64>,
+    ttfb_p50_ms: Option<f64>,
+    ratio_to_direct: Option<f64>,
+    ratio_to_peers: serde_json::Map<String, Value>,
+    cpu_ms_per_request: Option<f64>,
+    rss_mib: Option<f64>,
+    peak_rss_mib: Option<f64>,
+    engines: EngineCounts,
+    pd_problem: Option<String>,
+}
+
+/// A row's `engines`: what the engines counted while the target ran.
+#[derive(Debug, Deserialize)]
+struct EngineCounts {
+    prefill: u64,
+    decode: u64,
+    aggregated: u64,
+    issued: u64,
+    consumed: u64,
+    recomputed: u64,
+    rejected: u64,
+}
+
 /// The JSON document's header and targets: schema, no problems, each target's kind, pid,
 /// CPUs (pinned: the router CPU), peer flag and command.
-fn check_document_targets(doc: &Value) {
-    assert_eq!(doc["schema"], "narwhal.bench.compare");
-    assert_eq!(doc["version"], 1);
-    assert_eq!(doc["problems"], 0);
-    let router_cpus = doc["pinning"]["router_cpus"].as_str().map(str::to_string);
-    let targets = doc["targets"].as_array().expect("targets");
-    assert_eq!(targets.len(), TARGETS.len());
-    for (t, (name, kind)) in targets.iter().zip(TARGETS) {
-        assert_eq!(
-            (t["name"].as_str(), t["kind"].as_str()),
-            (Some(name), Some(kind))
-        );
+fn check_document_targets(doc: &CompareDoc) {
+    assert_eq!(doc.schema, "narwhal.bench.compare");
+    assert_eq!(doc.version, 1);
+    assert_eq!(doc.problems, 0);
+    let router_cpus = doc.pinning.as_ref().and_then(|p| p.router_cpus.clone());
+    assert_eq!(doc.targets.len(), TARGETS.len());
+    for (t, (name, kind)) in doc.targets.iter().zip(TARGETS) {
+        assert_eq!((t.name.as_str(), t.kind.as_str()), (name, kind));
         if name == "direct" {
-            assert!(t["pid"].is_null());
+            assert!(t.pid.is_none());
         } else {
-            assert!(t["pid"].as_u64().is_some(), "{t}");
+            assert!(t.pid.is_some(), "{t:?}");
             if let Some(cpus) = &router_cpus {
                 // Pinned: every thread of every router runs only on the router CPU.
-                assert_eq!(t["cpus"].as_str(), Some(cpus.as_str()), "{t}");
+                assert_eq!(t.cpus.as_deref(), Some(cpus.as_str()), "{t:?}");
             }
         }
-        assert_eq!(t["peer"], name.starts_with("self-"), "{t}");
-        assert_eq!(t["command"].is_string(), name.starts_with("self-"), "{t}");
+        assert_eq!(t.peer, name.starts_with("self-"), "{t:?}");
+        assert_eq!(t.command.is_some(), name.starts_with("self-"), "{t:?}");
     }
 }
 
 /// The JSON document's sections: their shapes in order, and in each every target with every
 /// request completed, its figures, and P/D targets transferring KV for each request.
-fn check_sections(doc: &Value) {
-    let sections = doc["sections"].as_array().expect("sections");
-    let shapes: Vec<(&str, bool, u64, u64)> = sections
+fn check_sections(doc: &CompareDoc) {
+    let shapes: Vec<(&str, bool, u64, u64)> = doc
+        .sections
         .iter()
-        .map(|s| {
-            (
-                s["mode"].as_str().unwrap_or_default(),
-                s["stream"].as_bool().unwrap_or_default(),
-                s["concurrency"].as_u64().unwrap_or_default(),
-                s["requests"].as_u64().unwrap_or_default(),
-            )
-        })
+        .map(|s| (s.mode.as_str(), s.stream, s.concurrency, s.requests))
         .collect();
     assert_eq!(
         shapes,
@@ -224,54 +287,75 @@ fn check_sections(doc: &Value) {
             ("latency", false, 1, 20),
         ]
     );
-    for s in sections {
-        let requests = s["requests"].as_u64().expect("requests");
-        let rows = s["targets"].as_array().expect("section targets");
-        assert_eq!(rows.len(), TARGETS.len());
-        for (t, (name, kind)) in rows.iter().zip(TARGETS) {
-            assert_eq!(t["name"], name);
-            assert_eq!(t["completed"], requests, "{name}: {t}");
-            assert_eq!(t["errors"], 0, "{name}: {t}");
-            assert_eq!(t["windows"].as_array().map(Vec::len), Some(1));
-            for field in ["rps", "p50_ms", "p99_ms", "ttfb_p50_ms", "ratio_to_direct"] {
-                let v = t[field].as_f64().unwrap_or(f64::NAN);
-                assert!(v.is_finite() && v > 0.0, "{name}.{field} = {}", t[field]);
-            }
-            let ratios = t["ratio_to_peers"].as_object().expect("ratio_to_peers");
-            assert_eq!(
-                ratios.keys().map(String::as_str).collect::<Vec<_>>(),
-                ["self-pd", "self-agg"]
-            );
-            if t["peer"] == true {
-                // A target against itself, round by round.
-                assert_eq!(ratios[name].as_f64(), Some(1.0), "{name}: {t}");
-            }
-            if name == "direct" {
-                assert!(t["cpu_ms_per_request"].is_null() && t["rss_mib"].is_null());
-                assert_eq!(t["ratio_to_direct"].as_f64(), Some(1.0));
-            } else {
-                let cpu = t["cpu_ms_per_request"].as_f64().expect("cpu per request");
-                assert!(cpu.is_finite() && cpu >= 0.0, "{name}: {t}");
-                let (rss, peak) = (
-                    t["rss_mib"].as_f64().expect("rss"),
-                    t["peak_rss_mib"].as_f64().expect("peak"),
-                );
-                assert!(rss > 0.0 && peak >= rss, "{name}: {t}");
-            }
-            let e = &t["engines"];
-            if kind == "pd" {
-                // Each completed request: one prefill leg, one decode leg fed by its KV.
-                for k in ["prefill", "decode", "issued", "consumed"] {
-                    assert_eq!(e[k], requests, "{name} engines.{k}: {e}");
-                }
-                for k in ["aggregated", "recomputed", "rejected"] {
-                    assert_eq!(e[k], 0, "{name} engines.{k}: {e}");
-                }
-                assert!(t["pd_problem"].is_null());
-            } else {
-                assert_eq!(e["aggregated"], requests, "{name} engines: {e}");
-            }
+    for s in &doc.sections {
+        let requests = s.requests;
+        assert_eq!(s.targets.len(), TARGETS.len());
+        for (t, (name, kind)) in s.targets.iter().zip(TARGETS) {
+            check_row(t, name, kind, requests);
         }
+    }
+}
+
+/// One target's row of a section: every request completed, finite positive figures, the
+/// ratio columns, memory for routers, and KV transferred for each request of a P/D target.
+fn check_row(t: &RowDoc, name: &str, kind: &str, requests: u64) {
+    assert_eq!(t.name, name);
+    assert_eq!(t.completed, requests, "{name}: {t:?}");
+    assert_eq!(t.errors, 0, "{name}: {t:?}");
+    assert_eq!(t.windows.len(), 1);
+    for (field, v) in [
+        ("rps", t.rps),
+        ("p50_ms", t.p50_ms),
+        ("p99_ms", t.p99_ms),
+        ("ttfb_p50_ms", t.ttfb_p50_ms),
+        ("ratio_to_direct", t.ratio_to_direct),
+    ] {
+        let v = v.unwrap_or(f64::NAN);
+        assert!(v.is_finite() && v > 0.0, "{name}.{field} = {v}");
+    }
+    let ratios = &t.ratio_to_peers;
+    assert_eq!(
+        ratios.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["self-pd", "self-agg"]
+    );
+    if t.peer {
+        // A target against itself, round by round.
+        assert_eq!(
+            ratios.get(name).and_then(Value::as_f64),
+            Some(1.0),
+            "{name}: {t:?}"
+        );
+    }
+    if name == "direct" {
+        assert!(t.cpu_ms_per_request.is_none() && t.rss_mib.is_none());
+        assert_eq!(t.ratio_to_direct, Some(1.0));
+    } else {
+        let cpu = t.cpu_ms_per_request.expect("cpu per request");
+        assert!(cpu.is_finite() && cpu >= 0.0, "{name}: {t:?}");
+        let (rss, peak) = (t.rss_mib.expect("rss"), t.peak_rss_mib.expect("peak"));
+        assert!(rss > 0.0 && peak >= rss, "{name}: {t:?}");
+    }
+    let e = &t.engines;
+    if kind == "pd" {
+        // Each completed request: one prefill leg, one decode leg fed by its KV.
+        for (k, n) in [
+            ("prefill", e.prefill),
+            ("decode", e.decode),
+            ("issued", e.issued),
+            ("consumed", e.consumed),
+        ] {
+            assert_eq!(n, requests, "{name} engines.{k}: {e:?}");
+        }
+        for (k, n) in [
+            ("aggregated", e.aggregated),
+            ("recomputed", e.recomputed),
+            ("rejected", e.rejected),
+        ] {
+            assert_eq!(n, 0, "{name} engines.{k}: {e:?}");
+        }
+        assert!(t.pd_problem.is_none());
+    } else {
+        assert_eq!(e.aggregated, requests, "{name} engines: {e:?}");
     }
 }
 
@@ -313,12 +397,12 @@ fn pd_peer_that_does_not_transfer_kv_fails_the_run() {
         "{line}"
     );
     let doc = read_json(&json);
-    assert_eq!(doc["problems"], 1, "{doc}");
-    let rows = doc["sections"][0]["targets"].as_array().expect("targets");
-    let row = |n: &str| rows.iter().find(|t| t["name"] == n).expect(n);
-    assert!(row("fake-pd")["pd_problem"].is_string());
-    assert!(row("ours-pd")["pd_problem"].is_null());
-    assert_eq!(row("fake-pd")["errors"], 0);
+    assert_eq!(doc.problems, 1, "{doc:?}");
+    let rows = &doc.sections[0].targets;
+    let row = |n: &str| rows.iter().find(|t| t.name == n).expect(n);
+    assert!(row("fake-pd").pd_problem.is_some());
+    assert!(row("ours-pd").pd_problem.is_none());
+    assert_eq!(row("fake-pd").errors, 0);
 }
 
 /// Bad peer specs are refused before anything starts, naming the peer and the fault.
