@@ -20,7 +20,50 @@ use narwhal_testkit::{
     Answer, FakeEngine, Reply, RequestRow, RouterHandle, WAIT, eventually, parse_document,
     parse_row, router_over_fakes, sse_data,
 };
+use serde::Deserialize;
 use serde_json::{Value, json};
+
+/// An answer's `usage` with exactly OpenAI's three counts (wire shape: another key, such as
+/// `estimated`, or a missing count refuses to parse).
+#[derive(Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExactUsage {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    total_tokens: u64,
+}
+
+impl ExactUsage {
+    /// The usage of answer `v`.
+    fn of(v: &Value) -> ExactUsage {
+        #[derive(Deserialize)]
+        struct WithUsage {
+            usage: ExactUsage,
+        }
+        parse_row::<WithUsage>(v).usage
+    }
+
+    /// `prompt` + `completion` = the total.
+    fn new(prompt_tokens: u64, completion_tokens: u64) -> ExactUsage {
+        ExactUsage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// A leg's body as the engine received it: the fields read here (`None`: absent or `null`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct LegBody {
+    /// One prompt (a string) or a batch.
+    prompt: Option<Value>,
+    /// The leg asked for a stream.
+    stream: Option<bool>,
+    /// vLLM's descriptor.
+    kv_transfer_params: Option<Value>,
+}
 
 /// A vLLM prefill/decode pair of fakes and a router over them.
 async fn pd(backend: &str, p: &FakeEngine, d: &FakeEngine) -> RouterHandle {
@@ -116,24 +159,31 @@ async fn a_prompt_batch_is_fanned_out_one_descriptor_per_prompt() {
     }
     // wire shape: `usage` has exactly these keys.
     assert_eq!(
-        v["usage"],
-        json!({"prompt_tokens": 21, "completion_tokens": 9, "total_tokens": 30}),
+        ExactUsage::of(&v),
+        ExactUsage::new(21, 9),
         "the prompts' usages summed: {v}"
     );
     // wire shape: the legs as the engines received them (request bodies, not documents).
     {
         let (ps, ds) = (p.seen(), d.seen());
-        let mut pre: Vec<&str> = ps
+        let mut pre: Vec<String> = ps
             .prefill
             .iter()
-            .map(|(_, b)| b["prompt"].as_str().expect("one prompt per prefill leg"))
+            .map(|(_, b)| match parse_row::<LegBody>(b).prompt {
+                Some(Value::String(p)) => p,
+                other => panic!("one prompt per prefill leg: {other:?}"),
+            })
             .collect();
         pre.sort_unstable();
         assert_eq!(pre, prompts, "one prefill leg per prompt");
         assert_eq!(ds.decode.len(), 3, "one decode leg per prompt");
         for (_, b) in &ds.decode {
-            assert!(b["prompt"].is_string(), "{b}");
-            assert!(b["kv_transfer_params"].is_object(), "own descriptor: {b}");
+            let leg: LegBody = parse_row(b);
+            assert!(matches!(leg.prompt, Some(Value::String(_))), "{b}");
+            assert!(
+                matches!(leg.kv_transfer_params, Some(Value::Object(_))),
+                "own descriptor: {b}"
+            );
         }
         let ids: std::collections::BTreeSet<_> = ps
             .prefill
@@ -274,8 +324,8 @@ async fn a_prefill_that_finished_the_generation_is_the_answer() {
         assert_eq!(choice.text.as_deref(), Some(""), "{v}");
         // wire shape: `usage` has exactly these keys, and the answer no descriptor key.
         assert_eq!(
-            v["usage"],
-            json!({"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}),
+            ExactUsage::of(&v),
+            ExactUsage::new(7, 1),
             "the prefill engine's usage: {v}"
         );
         assert!(v.get("kv_transfer_params").is_none(), "{v}");
@@ -342,14 +392,18 @@ async fn an_engine_without_token_ids_is_served_and_counted() {
         let v = a.json();
         // wire shape: `usage` has exactly these keys (no `estimated`).
         assert_eq!(
-            v["usage"],
-            json!({"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}),
+            ExactUsage::of(&v),
+            ExactUsage::new(7, 4),
             "the engine's usage: {v}"
         );
         let seen = e.seen();
         // wire shape: the leg as the engine received it.
         let (_, leg) = seen.decode.last().expect("a leg");
-        assert_eq!(leg["stream"], false, "sent non-streaming: {leg}");
+        assert_eq!(
+            parse_row::<LegBody>(leg).stream,
+            Some(false),
+            "sent non-streaming: {leg}"
+        );
         assert!(leg.get("stream_options").is_none(), "{leg}");
     }
     assert!(nothing_ejected(&r).await);
@@ -391,10 +445,17 @@ async fn usage_is_the_engines_or_marked_estimated() {
         a.text()
     );
     // wire shape: no `estimated` key in the usage, no `token_ids` key in any choice.
-    assert!(last["usage"].get("estimated").is_none(), "{}", a.text());
     assert!(
-        cs.iter()
-            .all(|c| c["choices"][0].get("token_ids").is_none()),
+        last.get("usage").and_then(|u| u.get("estimated")).is_none(),
+        "{}",
+        a.text()
+    );
+    assert!(
+        cs.iter().all(|c| c
+            .get("choices")
+            .and_then(|cs| cs.get(0))
+            .and_then(|c| c.get("token_ids"))
+            .is_none()),
         "token ids stripped (not asked for)"
     );
 }

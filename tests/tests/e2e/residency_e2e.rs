@@ -5,7 +5,9 @@
 
 use std::time::Duration;
 
-use narwhal_testkit::{Fleet, eventually};
+use narwhal_shared::documents::requests::DrainBody;
+use narwhal_shared::handoff::DrainState;
+use narwhal_testkit::{Answer, Fleet, eventually, parse_row};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -28,15 +30,26 @@ async fn draining_the_decode_engine_waits_for_a_request_still_in_its_prefill() {
     })
     .await;
     let (_, drain) = router
-        .drain(&json!({"engines": ["d0"], "deadline_s": 60}))
+        .drain_typed(&DrainBody {
+            engines: vec!["d0".to_string()],
+            deadline_s: Some(60.0),
+            ..DrainBody::default()
+        })
         .await;
-    let d0 = &drain["engines"]["d0"];
-    assert_eq!(d0["state"], "draining", "{drain}");
-    assert_eq!(d0["resident"]["decode"], 1, "the request holds d0: {drain}");
-    assert_eq!(d0["ready_to_stop"], false, "{drain}");
+    let d0 = drain
+        .document
+        .engine("d0")
+        .unwrap_or_else(|| panic!("no d0 in the drain's reply: {drain:?}"));
+    assert_eq!(d0.state, DrainState::Draining, "{drain:?}");
+    assert_eq!(d0.resident.decode, 1, "the request holds d0: {drain:?}");
+    assert!(!d0.ready_to_stop, "{drain:?}");
     let (status, body) = request.await.expect("request task");
     assert_eq!(status, 200, "the committed request completes on d0: {body}");
-    assert_eq!(body["usage"]["completion_tokens"], 4, "{body}");
+    assert_eq!(
+        parse_row::<Answer>(&body).usage().completion_tokens,
+        Some(4),
+        "{body}"
+    );
     let st = f.sim("d0").counters().await;
     assert_eq!(st.kv.consumed, 1, "{st:?}");
     let drained = narwhal_testkit::wait_until(Duration::from_secs(5), || async {

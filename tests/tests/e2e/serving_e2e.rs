@@ -8,9 +8,10 @@
 use std::time::{Duration, Instant};
 
 use narwhal_shared::documents::{ErrorReply, Health, ModelList, State};
+use narwhal_testkit::sim_stats::{SimRecent, SimStats};
 use narwhal_testkit::{
-    ById, Fleet, Reply, WAIT, answer_text, count as n, eventually, metric, openai_request,
-    parse_document, sse_text, usage_of, wait_until,
+    Answer, ById, Fleet, Reply, WAIT, answer_text, eventually, metric, openai_request,
+    parse_document, parse_row, sse_text, usage_of, wait_until,
 };
 use serde_json::{Value, json};
 
@@ -42,16 +43,13 @@ fn body(chat: bool, stream: bool, prompt: &str) -> (&'static str, Value) {
 }
 
 /// `(prefill stats, decode stats)`.
-async fn stats(f: &Fleet) -> (Value, Value) {
-    (f.sim("p0").stats().await, f.sim("d0").stats().await)
+async fn stats(f: &Fleet) -> (SimStats, SimStats) {
+    (f.sim("p0").counters().await, f.sim("d0").counters().await)
 }
 
 /// Requests each engine received, every phase.
-fn total_requests(s: &Value) -> u64 {
-    ["prefill", "decode", "aggregated"]
-        .iter()
-        .map(|k| n(&s["requests"][*k]))
-        .sum()
+fn total_requests(s: &SimStats) -> u64 {
+    s.requests.prefill + s.requests.decode + s.requests.aggregated
 }
 
 /// Every shape through P/D: the descriptor (or bootstrap room) was issued by the prefill
@@ -100,13 +98,13 @@ async fn pd_round_trip(dialect: &str) {
         texts.push((chat, prompt, text));
     }
     let (p, d) = stats(&f).await;
-    assert_eq!(n(&p["requests"]["prefill"]), 4, "prefill stats {p}");
-    assert_eq!(n(&p["kv"]["issued"]), 4, "prefill stats {p}");
-    assert_eq!(n(&p["kv"]["served"]), 4, "prefill stats {p}");
-    assert_eq!(n(&d["requests"]["decode"]), 4, "decode stats {d}");
-    assert_eq!(n(&d["kv"]["consumed"]), 4, "decode stats {d}");
-    assert_eq!(n(&d["kv"]["recomputed"]), 0, "decode recomputed: {d}");
-    assert_eq!(n(&d["kv"]["rejected"]), 0, "decode stats {d}");
+    assert_eq!(p.requests.prefill, 4, "prefill stats {p:?}");
+    assert_eq!(p.kv.issued, 4, "prefill stats {p:?}");
+    assert_eq!(p.kv.served, 4, "prefill stats {p:?}");
+    assert_eq!(d.requests.decode, 4, "decode stats {d:?}");
+    assert_eq!(d.kv.consumed, 4, "decode stats {d:?}");
+    assert_eq!(d.kv.recomputed, 0, "decode recomputed: {d:?}");
+    assert_eq!(d.kv.rejected, 0, "decode stats {d:?}");
     // Each client request maps to exactly one prefill and one decode leg on the engines: the
     // journal row names each leg's request id (a plain UUID per leg, docs/deviations.md).
     let rows = eventually("every request's journal row", WAIT, || async {
@@ -131,12 +129,10 @@ async fn pd_round_trip(dialect: &str) {
             assert_eq!(ids.len(), 1, "one {leg} leg for {rid}: {row:?}");
             ids[0].to_string()
         };
-        let legs = |s: &Value, phase: &str, id: &str| -> Vec<Value> {
-            s["recent"]
-                .as_array()
-                .expect("recent")
+        let legs = |s: &SimStats, phase: &str, id: &str| -> Vec<SimRecent> {
+            s.recent
                 .iter()
-                .filter(|r| r["request_id"] == id && r["phase"] == phase)
+                .filter(|r| r.request_id == id && r.phase == phase)
                 .cloned()
                 .collect()
         };
@@ -145,18 +141,18 @@ async fn pd_round_trip(dialect: &str) {
         assert_eq!(
             legs(&p, "prefill", &pid).len(),
             1,
-            "prefill legs for {rid}: {p}"
+            "prefill legs for {rid}: {p:?}"
         );
         let dlegs = legs(&d, "decode", &did);
-        assert_eq!(dlegs.len(), 1, "decode legs for {rid}: {d}");
+        assert_eq!(dlegs.len(), 1, "decode legs for {rid}: {d:?}");
         // The decode leg streams for every client (behaviour.md 7.1 step 6, 7.2 step 4): its
         // first token bounds a stuck decode engine, and the role controller reads its timing.
-        assert_eq!(
-            dlegs[0]["stream"], true,
-            "decode leg of {rid} (client stream {stream}): {}",
+        assert!(
+            dlegs[0].stream,
+            "decode leg of {rid} (client stream {stream}): {:?}",
             dlegs[0]
         );
-        assert_eq!(legs(&p, "prefill", &pid)[0]["stream"], false, "{p}");
+        assert!(!legs(&p, "prefill", &pid)[0].stream, "{p:?}");
     }
     // Same text as an aggregated run of the same prompt on the decode engine.
     for (chat, prompt, text) in &texts {
@@ -260,24 +256,16 @@ async fn context_length_400_is_the_clients_fault() {
             assert!(v.error.message.contains("context length"), "{v:?}");
         }
         let idle = wait_until(Duration::from_secs(2), || async {
-            let d = f.sim("d0").stats().await;
-            (d["in_flight"] == 0).then_some(d)
+            let d = f.sim("d0").counters().await;
+            (d.in_flight == 0).then_some(d)
         })
         .await;
         assert!(idle.is_some(), "{dialect}: a decode leg was left waiting");
         let (p, d) = stats(&f).await;
-        assert_eq!(
-            n(&p["requests"]["prefill"]),
-            4,
-            "{dialect}: not retried: {p}"
-        );
-        assert_eq!(n(&d["kv"]["consumed"]), 0, "{d}");
+        assert_eq!(p.requests.prefill, 4, "{dialect}: not retried: {p:?}");
+        assert_eq!(d.kv.consumed, 0, "{d:?}");
         if dialect == "vllm" {
-            assert_eq!(
-                n(&d["requests"]["decode"]),
-                0,
-                "vllm decode must not start: {d}"
-            );
+            assert_eq!(d.requests.decode, 0, "vllm decode must not start: {d:?}");
         }
         let st = router.state().await;
         assert_eq!(
@@ -307,16 +295,15 @@ async fn prefill_without_descriptor_fails_instead_of_recomputing() {
     assert!(!v.error.kind.is_empty(), "{v:?}");
     let (p, d) = stats(&f).await;
     assert_eq!(
-        n(&p["requests"]["prefill"]),
-        1,
-        "KV handoff failures are not retried: {p}"
+        p.requests.prefill, 1,
+        "KV handoff failures are not retried: {p:?}"
     );
     assert_eq!(
-        n(&d["requests"]["decode"]) + n(&d["requests"]["aggregated"]),
+        d.requests.decode + d.requests.aggregated,
         0,
-        "no silent recompute: {d}"
+        "no silent recompute: {d:?}"
     );
-    assert_eq!(n(&d["kv"]["recomputed"]), 0, "{d}");
+    assert_eq!(d.kv.recomputed, 0, "{d:?}");
     let st = f.router().state().await;
     assert_eq!(st.failed, 1, "{st:?}");
 }
@@ -351,12 +338,8 @@ async fn decode_dying_after_output_ends_stream_with_one_error_frame() {
     let err: ErrorReply = serde_json::from_str(errors[0]).expect("error frame is JSON");
     assert_eq!(err.error.code, Some(json!("failed")), "{err:?}");
     let (p, d) = stats(&f).await;
-    assert_eq!(
-        n(&d["requests"]["decode"]),
-        1,
-        "not retried after output: {d}"
-    );
-    assert_eq!(n(&p["requests"]["prefill"]), 1, "{p}");
+    assert_eq!(d.requests.decode, 1, "not retried after output: {d:?}");
+    assert_eq!(p.requests.prefill, 1, "{p:?}");
     let st = f.router().state().await;
     assert_eq!(st.failed, 1, "{st:?}");
 }
@@ -377,21 +360,21 @@ async fn client_disconnect_cancels_both_legs() {
         let legs_running = wait_until(Duration::from_secs(5), || async {
             let (p, d) = stats(&f).await;
             let want_decode = if dialect == "sglang" { 1 } else { 0 };
-            (p["in_flight"] == 1 && d["in_flight"] == want_decode).then_some(())
+            (p.in_flight == 1 && d.in_flight == want_decode).then_some(())
         })
         .await;
         assert!(legs_running.is_some(), "{dialect}: legs never started");
         req.abort();
         let seen = wait_until(Duration::from_secs(1), || async {
             let (p, d) = stats(&f).await;
-            let decode_ok = dialect == "vllm" || (d["cancelled"] == 1 && d["in_flight"] == 0);
-            (p["cancelled"] == 1 && p["in_flight"] == 0 && decode_ok).then_some(())
+            let decode_ok = dialect == "vllm" || (d.cancelled == 1 && d.in_flight == 0);
+            (p.cancelled == 1 && p.in_flight == 0 && decode_ok).then_some(())
         })
         .await;
         let (p, d) = stats(&f).await;
         assert!(
             seen.is_some(),
-            "{dialect}: engines did not see the cancellation within 1 s: prefill {p} decode {d}"
+            "{dialect}: engines did not see the cancellation within 1 s: prefill {p:?} decode {d:?}"
         );
         let settled = wait_until(Duration::from_secs(2), || async {
             let st = f.router().state().await;
@@ -440,7 +423,7 @@ async fn malformed_bodies_are_refused_before_any_engine() {
         assert_eq!(
             total_requests(s),
             0,
-            "an invalid request reached an engine: {s}"
+            "an invalid request reached an engine: {s:?}"
         );
     }
     let st = f.router().state().await;
@@ -472,7 +455,7 @@ async fn client_supplied_transfer_fields_are_refused() {
             assert_eq!(
                 total_requests(s),
                 0,
-                "{dialect}: a refused request reached an engine: {s}"
+                "{dialect}: a refused request reached an engine: {s:?}"
             );
         }
     }
@@ -583,7 +566,7 @@ async fn a_long_prompt_under_pd_fits_the_relays_event_bound() {
 }
 
 /// The data frames of a streamed answer, parsed (`[DONE]` left out).
-fn frames_of(text: &str) -> Vec<Value> {
+fn frames_of(text: &str) -> Vec<Answer> {
     narwhal_testkit::sse_data(text)
         .iter()
         .filter(|f| f.as_str() != "[DONE]")
@@ -605,36 +588,32 @@ async fn n_choices_are_served_aggregated_and_refused_across_a_split() {
     let a = r.post_data("/v1/completions", &body).await;
     let v = a.json_or_null();
     assert_eq!(a.status, 200, "{v}");
-    let idx: Vec<u64> = v["choices"]
-        .as_array()
-        .map(|c| c.iter().filter_map(|x| x["index"].as_u64()).collect())
-        .unwrap_or_default();
+    let answer: Answer = parse_row(&v);
+    let choices = answer.choices.clone().unwrap_or_default();
+    let idx: Vec<u64> = choices.iter().filter_map(|x| x.index).collect();
     assert_eq!(idx, vec![0, 1, 2], "{v}");
-    assert_eq!(v["usage"]["completion_tokens"], 12, "{v}");
-    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
-    assert_eq!(v["usage"]["total_tokens"], prompt + 12, "{v}");
-    let texts: Vec<&str> = v["choices"]
-        .as_array()
-        .map(|c| c.iter().filter_map(|x| x["text"].as_str()).collect())
-        .unwrap_or_default();
+    let usage = answer.usage();
+    assert_eq!(usage.completion_tokens, Some(12), "{v}");
+    let prompt = usage.prompt_tokens.unwrap_or(0);
+    assert_eq!(usage.total_tokens, Some(prompt + 12), "{v}");
+    let texts: Vec<&str> = choices.iter().filter_map(|x| x.text.as_deref()).collect();
     assert_ne!(texts[0], texts[1], "each choice is its own sample: {v}");
 
-    let mut chat = json!({"model": "tiny-sim", "messages": [{"role": "user", "content": "hi"}],
-                          "max_tokens": 4, "n": 2, "stream": true,
-                          "stream_options": {"include_usage": true}});
+    let chat = json!({"model": "tiny-sim", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 4, "n": 2, "stream": true,
+                      "stream_options": {"include_usage": true}});
     let s = r.post_data("/v1/chat/completions", &chat).await;
     assert_eq!(s.status, 200, "{}", s.text());
     let frames = frames_of(&s.text());
     let mut per_index = std::collections::BTreeMap::<u64, usize>::new();
     for fr in &frames {
-        for c in fr["choices"].as_array().into_iter().flatten() {
-            if c["delta"]["content"]
-                .as_str()
+        for c in fr.choices.iter().flatten() {
+            if c.delta
+                .as_ref()
+                .and_then(|d| d.content.as_deref())
                 .is_some_and(|t| !t.is_empty())
             {
-                *per_index
-                    .entry(c["index"].as_u64().unwrap_or(99))
-                    .or_default() += 1;
+                *per_index.entry(c.index.unwrap_or(99)).or_default() += 1;
             }
         }
     }
@@ -643,10 +622,10 @@ async fn n_choices_are_served_aggregated_and_refused_across_a_split() {
         std::collections::BTreeMap::from([(0, 4), (1, 4)]),
         "{frames:?}"
     );
-    let usage = frames.iter().rev().find(|fr| fr["usage"].is_object());
+    let usage = frames.iter().rev().find_map(|fr| fr.usage);
     assert_eq!(
-        usage.map(|u| u["usage"]["completion_tokens"].clone()),
-        Some(json!(8)),
+        usage.map(|u| u.completion_tokens),
+        Some(Some(8)),
         "{frames:?}"
     );
 
@@ -654,18 +633,22 @@ async fn n_choices_are_served_aggregated_and_refused_across_a_split() {
     let b = r.post_data("/v1/completions", &batch).await;
     let v = b.json_or_null();
     assert_eq!(b.status, 200, "{v}");
-    let mut idx: Vec<u64> = v["choices"]
-        .as_array()
-        .map(|c| c.iter().filter_map(|x| x["index"].as_u64()).collect())
-        .unwrap_or_default();
+    let answer: Answer = parse_row(&v);
+    let mut idx: Vec<u64> = answer
+        .choices
+        .iter()
+        .flatten()
+        .filter_map(|x| x.index)
+        .collect();
     idx.sort_unstable();
     assert_eq!(idx, vec![0, 1, 2, 3], "{v}");
-    assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
+    assert_eq!(answer.usage().completion_tokens, Some(8), "{v}");
 
     // A P/D split must refuse, naming the split.
     let pd = fleet("vllm").await;
-    chat["stream"] = json!(false);
-    chat.as_object_mut().map(|o| o.remove("stream_options"));
+    // The same request, not streamed.
+    let chat = json!({"model": "tiny-sim", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 4, "n": 2, "stream": false});
     let refused = pd.router().post_data("/v1/chat/completions", &chat).await;
     assert_eq!(refused.status, 400, "{}", refused.text());
     let v = error_of(&refused);
@@ -675,7 +658,7 @@ async fn n_choices_are_served_aggregated_and_refused_across_a_split() {
             .contains("n > 1 cannot be served across a split"),
         "{v:?}"
     );
-    assert_eq!(pd.sim("d0").stats().await["requests"]["aggregated"], 0);
+    assert_eq!(pd.sim("d0").counters().await.requests.aggregated, 0);
 }
 
 /// A slow KV fabric: the decode's pull of the prefill's KV takes 4 s (the simulator's
@@ -700,9 +683,7 @@ async fn a_slow_kv_fabric_is_served_within_the_transfer_budget() {
             let a = r.completion(&format!("slow fabric {i}"), 4).await;
             assert_eq!(a.status, 200, "{dialect}: {}", a.text());
         }
-        let consumed = f.sim("d0").stats().await["kv"]["consumed"]
-            .as_u64()
-            .unwrap_or(0);
+        let consumed = f.sim("d0").counters().await.kv.consumed;
         assert_eq!(consumed, 2, "{dialect}: both served across the split");
         let rows = r.request_rows();
         let retried: Vec<_> = rows.iter().filter(|row| row.attempts != 1).collect();
@@ -876,9 +857,9 @@ async fn a_prefill_that_aborted_is_retried_on_another_prefill() {
         Some(0.0),
         "declared, and nothing failed: {m}"
     );
-    let (d0, p1) = (f.sim("d0").stats().await, f.sim("p1").stats().await);
-    assert_eq!(n(&d0["kv"]["recomputed"]), 0, "{d0}");
-    assert!(n(&p1["kv"]["issued"]) >= 2, "{p1}");
+    let (d0, p1) = (f.sim("d0").counters().await, f.sim("p1").counters().await);
+    assert_eq!(d0.kv.recomputed, 0, "{d0:?}");
+    assert!(p1.kv.issued >= 2, "{p1:?}");
 }
 
 /// A client that leaves after the vLLM prefill handed off its KV and before the (queued) decode
@@ -897,7 +878,7 @@ async fn a_client_gone_after_the_handoff_leaves_no_kv_staged() {
         .await;
     let router = f.router();
     router.complete("warm up please").await;
-    let served_before = n(&f.sim("p0").stats().await["kv"]["served"]);
+    let served_before = f.sim("p0").counters().await.kv.served;
     // The decode takes 3 s to start reading, as a queued vLLM decode does.
     f.sim("d0")
         .fault(json!({"phase": "decode", "action": "hang", "ms": 3000}))
@@ -908,26 +889,26 @@ async fn a_client_gone_after_the_handoff_leaves_no_kv_staged() {
     let req = tokio::spawn(async move { client.post(url).json(&b).send().await });
     let handed_off = wait_until(Duration::from_secs(5), || async {
         let (p, d) = stats(&f).await;
-        (n(&p["kv"]["issued"]) >= 2 && d["in_flight"] == 1).then_some(())
+        (p.kv.issued >= 2 && d.in_flight == 1).then_some(())
     })
     .await;
     assert!(handed_off.is_some(), "the prefill never handed off");
     req.abort();
     let left = Instant::now();
     let collected = wait_until(Duration::from_secs(6), || async {
-        let p = f.sim("p0").stats().await;
-        (n(&p["kv"]["served"]) > served_before).then_some(())
+        let p = f.sim("p0").counters().await;
+        (p.kv.served > served_before).then_some(())
     })
     .await;
     let (p, d) = stats(&f).await;
     assert!(
         collected.is_some(),
-        "the staged KV was not read within 6 s of the disconnect: prefill {p} decode {d}"
+        "the staged KV was not read within 6 s of the disconnect: prefill {p:?} decode {d:?}"
     );
-    assert_eq!(n(&p["kv"]["expired"]), 0, "{p}");
+    assert_eq!(p.kv.expired, 0, "{p:?}");
     // Read, then closed: the decode generates nothing for nobody.
     let idle = wait_until(Duration::from_secs(3), || async {
-        (f.sim("d0").stats().await["in_flight"] == 0).then_some(())
+        (f.sim("d0").counters().await.in_flight == 0).then_some(())
     })
     .await;
     assert!(

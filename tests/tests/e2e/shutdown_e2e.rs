@@ -80,16 +80,16 @@ async fn sigterm_keeps_the_listeners_open_and_lets_streams_finish() {
         "exited when the streams ended, not at the budget: {:?}",
         t0.elapsed()
     );
-    let rows = r.journal_rows();
-    let streams: Vec<_> = rows.iter().filter(|x| x["stream"] == true).collect();
+    let rows = r.request_rows();
+    let streams: Vec<_> = rows.iter().filter(|x| x.stream).collect();
     assert_eq!(streams.len(), 2, "{rows:?}");
     assert!(
-        streams.iter().all(|x| x["terminal"] == "completed"),
+        streams.iter().all(|x| x.terminal == "completed"),
         "{rows:?}"
     );
     assert!(
         rows.iter()
-            .any(|x| x["terminal"] == "rejected" && x["reason"] == "not_ready"),
+            .any(|x| x.terminal == "rejected" && x.reason.as_deref() == Some("not_ready")),
         "the refused request is counted rejected/not_ready: {rows:?}"
     );
 }
@@ -116,13 +116,13 @@ async fn at_the_budget_streams_end_with_the_error_frame_and_are_failed_not_cance
     );
     let code = exit_code(&mut r, Duration::from_secs(15)).await;
     assert_eq!(code, Some(0), "{}", r.proc.stderr_tail(20));
-    let rows = r.journal_rows();
+    let rows = r.request_rows();
     let row = rows
         .iter()
-        .find(|x| x["stream"] == true)
+        .find(|x| x.stream)
         .unwrap_or_else(|| panic!("{rows:?}"));
-    assert_eq!(row["terminal"], "failed", "{row}");
-    assert_eq!(row["reason"], "shutdown", "{row}");
-    assert_eq!(row["status"], 200, "{row}");
+    assert_eq!(row.terminal, "failed", "{row:?}");
+    assert_eq!(row.reason.as_deref(), Some("shutdown"), "{row:?}");
+    assert_eq!(row.status, Some(200), "{row:?}");
     assert_eq!(d.seen().cancelled, 1, "the decode leg was closed");
 }
