@@ -11,6 +11,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use narwhal_shared::agent_protocol::{ErrorBody, ErrorDetail, FenceShown};
+use narwhal_shared::attestation::AttestationPayload;
+use narwhal_shared::{ProcessIdentity, SignedDocument};
 use narwhal_testkit::certs::{DevCerts, DevRole, make_certs};
 use narwhal_testkit::{
     AgentHandle, EngineSpec, FleetSpec, bin_path, client_as, get_text as get, post_json as post,
@@ -30,6 +32,13 @@ fn certs(dir: &Path) -> DevCerts {
         ],
     )
     .expect("certs")
+}
+
+/// An agent's `GET /v1/engines/<iid>/process` answer, typed.
+#[track_caller]
+fn identity(body: &Value) -> ProcessIdentity {
+    serde_json::from_value(body.clone())
+        .unwrap_or_else(|e| panic!("not a process identity ({e}): {body}"))
 }
 
 /// The value of the sample whose line starts with `prefix` (name and labels).
@@ -159,7 +168,11 @@ async fn an_operator_certificate_cannot_fence_the_routers() {
         )
         .await;
     assert_eq!(status, 200, "{att}");
-    assert_eq!(att["payload"]["epoch"], router_epoch + 100, "{att}");
+    let signed: SignedDocument = serde_json::from_value(att.clone())
+        .unwrap_or_else(|e| panic!("not a signed document ({e}): {att}"));
+    let payload: AttestationPayload = serde_json::from_value(signed.payload)
+        .unwrap_or_else(|e| panic!("not an attestation ({e}): {att}"));
+    assert_eq!(payload.header.epoch, router_epoch + 100, "{att}");
     assert_eq!(fence(&a1).epoch, router_epoch + 100);
 }
 
@@ -270,7 +283,7 @@ async fn a_restarted_engine_is_never_answered_from_the_identity_cache() {
     };
     let (status, first) = read(c.clone(), process.clone()).await;
     assert_eq!(status, 200, "{first}");
-    assert_eq!(first["pid"], sim.proc.pid());
+    assert_eq!(identity(&first).pid, sim.proc.pid());
     for _ in 0..3 {
         let (status, again) = read(c.clone(), process.clone()).await;
         assert_eq!((status, &again), (200, &first));
@@ -303,7 +316,11 @@ async fn a_restarted_engine_is_never_answered_from_the_identity_cache() {
         async move {
             let (status, body) = read(c, process).await;
             if status == 200 {
-                assert_ne!(body["pid"], old_pid, "old identity after restart: {body}");
+                assert_ne!(
+                    identity(&body).pid,
+                    old_pid,
+                    "old identity after restart: {body}"
+                );
                 return Some(body);
             }
             None
@@ -311,8 +328,10 @@ async fn a_restarted_engine_is_never_answered_from_the_identity_cache() {
     })
     .await
     .expect("the restarted engine is read");
-    assert_eq!(new["pid"], sim.proc.pid());
-    assert_ne!(new["start_ticks"], Value::Null);
+    // Typed: `start_ticks` is read as a number (never null).
+    let new = identity(&new);
+    assert_eq!(new.pid, sim.proc.pid());
+    assert!(new.start_ticks > 0, "{new:?}");
     let (_, metrics) = get(&c, format!("{}/metrics", agent.url)).await;
     assert!(
         sample(

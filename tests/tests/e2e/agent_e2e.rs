@@ -19,6 +19,8 @@ use narwhal_shared::{
     PublicKey, SystemClock, TransferVerdict, Verifier, VerifyError,
 };
 use narwhal_testkit::certs::make_dev_certs;
+use narwhal_testkit::sim_stats::SimStats;
+use narwhal_testkit::typed_d::KvHandle;
 use narwhal_testkit::{Fleet, keygen, wait_until};
 use serde_json::{Value, json};
 
@@ -148,20 +150,16 @@ async fn probe_fed_from_p0(a: &Agent, b: &Agent, id: &str) {
 
 /// The consumer's own record (`/sim/stats` `recent`) of the agent's decode leg of check
 /// `check_id`: a `decode`-phase request (KV received, not recomputed) that ended `ok`.
-fn assert_decoded_with_kv(stats: &Value, check_id: &str) {
+fn assert_decoded_with_kv(stats: &SimStats, check_id: &str) {
     let prefix = format!("narwhal-check-{check_id}-");
-    let leg = stats["recent"]
-        .as_array()
-        .and_then(|r| {
-            r.iter().rev().find(|e| {
-                e["request_id"]
-                    .as_str()
-                    .is_some_and(|id| id.starts_with(&prefix) && id.ends_with("-decode"))
-            })
-        })
-        .unwrap_or_else(|| panic!("no decode leg of {check_id} in {stats:#}"));
-    assert_eq!(leg["phase"], "decode", "{leg}");
-    assert_eq!(leg["outcome"], "ok", "{leg}");
+    let leg = stats
+        .recent
+        .iter()
+        .rev()
+        .find(|e| e.request_id.starts_with(&prefix) && e.request_id.ends_with("-decode"))
+        .unwrap_or_else(|| panic!("no decode leg of {check_id} in {stats:#?}"));
+    assert_eq!(leg.phase, "decode", "{leg:?}");
+    assert_eq!(leg.outcome, "ok", "{leg:?}");
 }
 
 /// A probe of `d0` through `agent` from the local producer `producer`.
@@ -230,7 +228,7 @@ async fn an_attestation_for_a_running_simulator_verifies() {
     // The host contract document is attested, with its launch digest. (open document: the
     // contract's fields are the host's, a JSON object in the payload.)
     let attested = p.contract.as_ref().expect("contract attested");
-    assert_eq!(attested["connector"], "NixlConnector");
+    assert_eq!(attested.get("connector"), Some(&json!("NixlConnector")));
     assert!(
         p.launch_digest
             .as_deref()
@@ -568,17 +566,14 @@ async fn a_vllm_kv_check_between_two_simulators_through_two_agents_passes_and_fa
     let mut f = two_hosts("vllm").await;
     let (a, b) = (agent(&f, "a"), agent(&f, "b"));
 
-    let before = f.sim("d0").stats().await;
+    let before = f.sim("d0").counters().await;
     let produced = produce(&a, "chk-1").await;
     assert!(produced.payload.result.ok, "{:?}", produced.payload.result);
     let kv = produced.payload.kv.clone().expect("descriptor");
-    // open document: the KV descriptor is the engine's own `kv_transfer_params`.
-    assert_eq!(kv["do_remote_prefill"], true);
-    assert!(
-        kv["remote_engine_id"]
-            .as_str()
-            .is_some_and(|s| !s.is_empty())
-    );
+    // The KV descriptor is the engine's own `kv_transfer_params`.
+    let handle = KvHandle::of(&kv);
+    assert_eq!(handle.do_remote_prefill, Some(true));
+    assert!(handle.remote_engine_id.is_some_and(|s| !s.is_empty()));
     let consumed = consume(&b, "chk-1", kv).await;
     let r = &consumed.payload;
     assert!(r.result.ok, "{:?}", r.result);
@@ -586,10 +581,10 @@ async fn a_vllm_kv_check_between_two_simulators_through_two_agents_passes_and_fa
     assert_eq!(r.transfer.source, "vllm_nixl_metrics");
     assert_eq!(r.transfer.transferred, Some(true), "{:?}", r.transfer);
     assert_eq!(r.transfer.verdict, Some(TransferVerdict::Confirmed));
-    let after = f.sim("d0").stats().await;
+    let after = f.sim("d0").counters().await;
     assert_decoded_with_kv(&after, "chk-1");
-    assert!(after["kv"]["consumed"].as_i64() > before["kv"]["consumed"].as_i64());
-    assert_eq!(after["kv"]["recomputed"], before["kv"]["recomputed"]);
+    assert!(after.kv.consumed > before.kv.consumed);
+    assert_eq!(after.kv.recomputed, before.kv.recomputed);
 
     // Producer restarts between the two halves: the consumer half fails, signed.
     let produced = produce(&a, "chk-2").await;
@@ -635,13 +630,13 @@ async fn an_sglang_kv_check_through_two_agents_uses_the_bootstrap_rendezvous() {
         .expect("attestation");
     assert_eq!(att.payload.engine.dialect, "sglang");
     assert!(att.payload.engine.bootstrap_port.is_some());
-    let before = f.sim("d0").stats().await;
+    let before = f.sim("d0").counters().await;
     let produced = produce(&a, "s-1").await;
     assert!(produced.payload.result.ok, "{:?}", produced.payload.result);
     let kv = produced.payload.kv.clone().expect("rendezvous");
-    // open document: the rendezvous is the engine's own `kv_transfer_params`.
+    // The rendezvous is the engine's own `kv_transfer_params`.
     assert_eq!(
-        kv["bootstrap_port"].as_u64(),
+        KvHandle::of(&kv).bootstrap_port,
         att.payload.engine.bootstrap_port.map(u64::from)
     );
     let consumed = consume(&b, "s-1", kv).await;
@@ -651,10 +646,10 @@ async fn an_sglang_kv_check_through_two_agents_uses_the_bootstrap_rendezvous() {
         consumed.payload.transfer.verdict,
         Some(TransferVerdict::Confirmed)
     );
-    let after = f.sim("d0").stats().await;
+    let after = f.sim("d0").counters().await;
     assert_decoded_with_kv(&after, "s-1");
-    assert!(after["kv"]["consumed"].as_i64() > before["kv"]["consumed"].as_i64());
-    assert_eq!(after["kv"]["recomputed"], before["kv"]["recomputed"]);
+    assert!(after.kv.consumed > before.kv.consumed);
+    assert_eq!(after.kv.recomputed, before.kv.recomputed);
 
     // Standalone probe on SGLang: no rendezvous, a local decode only.
     let alone = b
@@ -712,14 +707,14 @@ async fn a_probe_of_a_suspect_can_decode_from_a_named_local_producer() {
     let engines = [("p0", "prefill"), ("d0", "decode")];
     let f = world("vllm", &engines, &[("a", &["p0", "d0"])]).await;
     let agent = agent(&f, "a");
-    let before = f.sim("d0").stats().await;
+    let before = f.sim("d0").counters().await;
     let probe = probe_from(&agent, "p0").await.expect("probe");
     assert!(probe.payload.ok, "{:?}", probe.payload);
     assert_eq!(probe.payload.mode, "from_producer");
     assert!(probe.payload.produce.as_ref().is_some_and(|l| l.ok));
     assert_eq!(probe.payload.transfer.transferred, Some(true));
-    let after = f.sim("d0").stats().await;
-    assert!(after["kv"]["consumed"].as_i64() > before["kv"]["consumed"].as_i64());
+    let after = f.sim("d0").counters().await;
+    assert!(after.kv.consumed > before.kv.consumed);
     // An unknown producer is a 404 naming it.
     match probe_from(&agent, "zz").await {
         Err(AgentClientError::Status {

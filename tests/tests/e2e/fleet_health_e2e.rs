@@ -19,11 +19,8 @@ fn loading() -> Value {
 
 /// Requests a simulator received in every phase.
 async fn requests(sim: &SimHandle) -> u64 {
-    let r = sim.stats().await["requests"].clone();
-    ["prefill", "decode", "aggregated"]
-        .iter()
-        .map(|k| r[k].as_u64().unwrap_or(0))
-        .sum()
+    let r = sim.counters().await.requests;
+    r.prefill + r.decode + r.aggregated
 }
 
 /// `n` completions one after another; the status of each and the slowest time.
@@ -411,8 +408,7 @@ async fn a_decode_failing_because_its_producer_restarted_is_the_producers() {
             .fault(json!({"phase": "decode", "action": "hang", "ms": 4000, "count": 1}))
             .await;
     }
-    let prefills = |v: Value| v["requests"]["prefill"].as_u64().unwrap_or(0);
-    let before = prefills(f.sim("p0").stats().await);
+    let before = f.sim("p0").counters().await.requests.prefill;
     let (http, data) = (f.router().http.clone(), f.router().data.clone());
     let request = tokio::spawn(async move {
         let body = json!({"model": "tiny-sim", "prompt": "in flight", "max_tokens": 4});
@@ -421,7 +417,7 @@ async fn a_decode_failing_because_its_producer_restarted_is_the_producers() {
             .status
     });
     eventually("the prefill leg ran", Duration::from_secs(10), || async {
-        (prefills(f.sim("p0").stats().await) > before).then_some(())
+        (f.sim("p0").counters().await.requests.prefill > before).then_some(())
     })
     .await;
     f.sim_mut("p0").restart(&[]).expect("p0 restarts in place");
@@ -503,9 +499,7 @@ async fn an_engine_that_refuses_the_routers_credentials_is_ejected_and_its_peer_
     );
     let ejected = router.first_event_typed("engine_ejected", "d0").await;
     assert_eq!(ejected.cause, "engine_config", "{ejected:?}");
-    let refused = f.sim("d0").stats().await["unauthorized"]
-        .as_u64()
-        .unwrap_or(0);
+    let refused = f.sim("d0").counters().await.unauthorized;
     assert!(refused >= 1, "d0 was never tried");
     assert_eq!(requests(f.sim("d1")).await, 20, "d1 served every request");
     let m = router.metrics().await;

@@ -269,12 +269,12 @@ impl Lab {
 
 /// A greedy request of `api` (`completions` or `chat`) with `extra` params merged in.
 fn call(api: &str, prompt: &str, extra: Value) -> Value {
-    let mut p = json!({"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0});
-    if api == "chat" {
-        p["messages"] = json!([{"role": "user", "content": prompt}]);
+    let mut p = if api == "chat" {
+        json!({"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+               "messages": [{"role": "user", "content": prompt}]})
     } else {
-        p["prompt"] = json!(prompt);
-    }
+        json!({"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0, "prompt": prompt})
+    };
     for (k, v) in extra.as_object().expect("object") {
         p[k] = v.clone();
     }

@@ -6,7 +6,33 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use narwhal_testkit::{DevUp, alive, bin_path, run, run_within, signal_pid, wait_all_dead};
+use narwhal_shared::documents::State;
+use narwhal_testkit::{
+    DevUp, alive, bin_path, parse_document, run, run_within, signal_pid, wait_all_dead,
+};
+use serde::Deserialize;
+
+/// A `narwhal-dev up` session's ready file (`narwhal.dev-fleet`), the members these tests read.
+#[derive(Debug, Deserialize)]
+struct DevReady {
+    /// The fleet process.
+    dev_pid: i64,
+    /// The engines, in fleet order.
+    engines: Vec<DevEngine>,
+}
+
+/// One of [`DevReady`]'s engines.
+#[derive(Debug, Deserialize)]
+struct DevEngine {
+    pid: i64,
+}
+
+/// `up`'s ready file, typed.
+fn ready_of(up: &DevUp) -> DevReady {
+    let doc = up.doc();
+    serde_json::from_value(doc.clone())
+        .unwrap_or_else(|e| panic!("not a narwhal-dev ready file ({e}): {doc}"))
+}
 
 #[test]
 fn narwhal_dev_refuses_a_busy_dir_restarts_by_dir_and_its_children_die_with_kill_9() {
@@ -31,7 +57,7 @@ fn narwhal_dev_refuses_a_busy_dir_restarts_by_dir_and_its_children_die_with_kill
         r.stdout,
         r.stderr
     );
-    let holder = up.doc()["dev_pid"].as_i64().unwrap();
+    let holder = ready_of(&up).dev_pid;
     assert!(
         r.stderr.contains("in use by another narwhal-dev session")
             && r.stderr.contains(&format!("pid {holder}")),
@@ -44,12 +70,12 @@ fn narwhal_dev_refuses_a_busy_dir_restarts_by_dir_and_its_children_die_with_kill
     );
 
     // restart --dir finds the session although the ready file is elsewhere.
-    let old = up.doc()["engines"][0]["pid"].as_i64().unwrap();
+    let old = ready_of(&up).engines[0].pid;
     let mut cmd = Command::new(bin_path("narwhal-dev"));
     cmd.args(["restart", "p0", "--dir"]).arg(&dir);
     let r = run(cmd);
     assert_eq!(r.code, 0, "restart --dir: {}{}", r.stdout, r.stderr);
-    let new = up.doc()["engines"][0]["pid"].as_i64().unwrap();
+    let new = ready_of(&up).engines[0].pid;
     assert_ne!(old, new, "p0 has a new process");
     assert!(alive(new as i32));
 
@@ -75,7 +101,7 @@ fn narwhal_dev_children_die_when_its_fleet_process_is_killed() {
     let dir = tmp.path().join("fleet");
     let mut up = DevUp::start(&dir, None, &["--hosts", "1"]);
     let pids = up.pids();
-    let fleet_pid = up.doc()["dev_pid"].as_i64().unwrap() as i32;
+    let fleet_pid = ready_of(&up).dev_pid as i32;
     assert_ne!(fleet_pid, up.pid(), "the fleet runs in its own process");
     signal_pid(fleet_pid, nix::sys::signal::Signal::SIGKILL).expect("kill -9");
     let left = wait_all_dead(&pids, Duration::from_secs(60));
@@ -152,8 +178,8 @@ async fn the_dev_fleet_runs_the_role_controller_unless_told_not_to() {
         let (status, state) =
             narwhal_testkit::get_text(&http, format!("{control}/narwhal/state")).await;
         assert_eq!(status, 200);
-        let state: serde_json::Value = serde_json::from_str(&state).expect("state JSON");
-        assert_eq!(state["controller"], want, "controller {name}");
+        let state: State = parse_document("/narwhal/state", &state);
+        assert_eq!(state.controller.controller, want, "controller {name}");
         let (status, metrics) =
             narwhal_testkit::get_text(&http, format!("{control}/metrics")).await;
         assert_eq!(status, 200);

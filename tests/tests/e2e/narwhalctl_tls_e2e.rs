@@ -6,9 +6,12 @@
 
 use std::path::{Path, PathBuf};
 
+use narwhal_shared::documents::LifecycleReply;
 use narwhal_testkit::certs::{DevCerts, make_dev_certs};
-use narwhal_testkit::{EngineSpec, Fleet, FleetSpec, ctl, narwhalctl, start_router, start_sim};
-use serde_json::{Value, json};
+use narwhal_testkit::{
+    ById, EngineSpec, Fleet, FleetSpec, ctl, narwhalctl, parse_document, start_router, start_sim,
+};
+use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn narwhalctl_drains_and_readmits_over_mutual_tls_and_strangers_are_refused() {
@@ -52,9 +55,8 @@ async fn narwhalctl_drains_and_readmits_over_mutual_tls_and_strangers_are_refuse
         &["--json", "drain", "d0", "--wait", "--timeout-s", "20"],
     );
     assert_eq!(code, 0, "drain: {out}{err}");
-    let doc: Value =
-        serde_json::from_str(out.lines().last().unwrap_or("")).expect("--json document");
-    assert_eq!(doc["engines"]["d0"]["ready_to_stop"], true, "{doc}");
+    let doc: LifecycleReply = parse_document("drain --json", out.lines().last().unwrap_or(""));
+    assert!(doc.document.engines.of("d0").ready_to_stop, "{doc:?}");
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     let (code, out, err) = ctl(Some(&certs), &["readmit", "d0"]);
     assert_eq!(code, 0, "readmit: {out}{err}");

@@ -25,8 +25,29 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use serde::Deserialize;
 use serde_json::Value;
 use tokio::io::AsyncWriteExt;
+
+/// The members of one `sdk_driver.py` result that say how the call ended: `ok`, and on success
+/// `schema_errors`, on failure the exception's `class`, `mro`, `status_code` and `message`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct Outcome {
+    ok: Option<bool>,
+    schema_errors: Option<Vec<Value>>,
+    class: Option<String>,
+    mro: Option<Vec<String>>,
+    status_code: Option<u16>,
+    message: Option<String>,
+}
+
+/// `result`'s [`Outcome`].
+#[track_caller]
+fn outcome(result: &Value, what: &str) -> Outcome {
+    serde_json::from_value(result.clone())
+        .unwrap_or_else(|e| panic!("{what}: not an sdk_driver.py result ({e}): {result}"))
+}
 
 /// `tests/python/` of this checkout.
 pub(crate) fn python_dir() -> PathBuf {
@@ -191,14 +212,16 @@ pub(crate) async fn sdk1(python: &Path, base: &str, call: Value, timeout: Durati
 /// Asserts a call succeeded and its answer validates against the SDK's own types; returns it.
 #[track_caller]
 pub(crate) fn ok(result: &Value, what: &str) -> Value {
+    let o = outcome(result, what);
     assert_eq!(
-        result["ok"], true,
+        o.ok,
+        Some(true),
         "{what}: expected a successful answer, the SDK raised {}",
         result
     );
     assert_eq!(
-        result["schema_errors"],
-        Value::Array(vec![]),
+        o.schema_errors,
+        Some(vec![]),
         "{what}: the answer does not validate against the SDK's types: {result}"
     );
     result.clone()
@@ -208,20 +231,22 @@ pub(crate) fn ok(result: &Value, what: &str) -> Value {
 /// HTTP `status`, and returns its message.
 #[track_caller]
 pub(crate) fn api_error(result: &Value, class: &str, status: u16, what: &str) -> String {
+    let o = outcome(result, what);
     assert_eq!(
-        result["ok"], false,
+        o.ok,
+        Some(false),
         "{what}: expected {class} ({status}), got a successful answer: {result}"
     );
     assert_eq!(
-        result["class"], class,
+        o.class.as_deref(),
+        Some(class),
         "{what}: expected the SDK to raise {class}: {result}"
     );
     assert!(
-        result["mro"]
-            .as_array()
+        o.mro
             .is_some_and(|m| m.iter().any(|c| c == "APIStatusError")),
         "{what}: {class} should be an APIStatusError: {result}"
     );
-    assert_eq!(result["status_code"], status, "{what}: {result}");
-    result["message"].as_str().unwrap_or_default().to_string()
+    assert_eq!(o.status_code, Some(status), "{what}: {result}");
+    o.message.unwrap_or_default()
 }

@@ -10,11 +10,67 @@ use std::net::TcpStream;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use narwhal_shared::check_request::Bootstrap;
+use narwhal_shared::documents::ErrorReply;
 use narwhal_testkit::raw::{RawResponse as Resp, request, send};
 use narwhal_testkit::sim_stats::{SimFault, SimFaults, SimRecent, SimStats};
-use narwhal_testkit::{SimHandle, poll_blocking as wait_until};
+use narwhal_testkit::typed_d::KvHandle;
+use narwhal_testkit::{Answer, SimHandle, poll_blocking as wait_until};
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tempfile::TempDir;
+
+/// SGLang's `GET /server_info`, the members these tests read.
+#[derive(Debug, Deserialize)]
+struct ServerInfo {
+    /// `prefill`, `decode` or `null` (a string).
+    disaggregation_mode: String,
+    served_model_name: String,
+    /// `null` unless a prefill-mode server.
+    disaggregation_bootstrap_port: Option<u64>,
+}
+
+/// SGLang's `GET /get_model_info`, the member these tests read.
+#[derive(Debug, Deserialize)]
+struct ModelInfo {
+    is_generation: bool,
+}
+
+/// vLLM's `GET /version`.
+#[derive(Debug, Deserialize)]
+struct Version {
+    version: String,
+}
+
+/// vLLM's `POST /tokenize` answer, the members these tests read.
+#[derive(Debug, Deserialize)]
+struct Tokenized {
+    count: u64,
+    max_model_len: u64,
+}
+
+/// The simulator's `--ready-file` (docs/engine-simulator.md).
+#[derive(Debug, Deserialize)]
+struct ReadyFile {
+    url: String,
+    kv_port: Option<u64>,
+    bootstrap_port: Option<u64>,
+    pid: u32,
+}
+
+/// A completion body with SGLang's rendezvous members flattened in.
+#[derive(Serialize)]
+struct InRoom {
+    #[serde(flatten)]
+    body: Value,
+    #[serde(flatten)]
+    room: Bootstrap,
+}
+
+/// The `kv_transfer_params` of a completion answer (or stream chunk) `a`, typed.
+fn handle_of(a: &Answer) -> KvHandle {
+    KvHandle::of(a.kv_transfer_params.as_ref().expect("kv_transfer_params"))
+}
 
 /// A running simulator (killed on drop) and its address for raw HTTP/1.
 struct Sim {
@@ -117,11 +173,13 @@ fn failing_prefill(p: &Sim, bport: u64, room: u64, status: u16) {
 }
 
 /// `body` with the SGLang rendezvous of `room` on the bootstrap server at `bport`.
-fn in_room(mut body: Value, bport: u64, room: u64) -> Value {
-    body["bootstrap_host"] = json!("127.0.0.1");
-    body["bootstrap_port"] = json!(bport);
-    body["bootstrap_room"] = json!(room);
-    body
+fn in_room(body: Value, bport: u64, room: u64) -> Value {
+    let room = Bootstrap {
+        bootstrap_host: "127.0.0.1".into(),
+        bootstrap_port: Some(bport),
+        bootstrap_room: room,
+    };
+    serde_json::to_value(InRoom { body, room }).expect("a request body")
 }
 
 const PROMPT: &str = "the quick brown fox jumps over the lazy dog again and again";
@@ -133,10 +191,11 @@ fn vllm_descriptor_decode_equals_aggregated_and_is_consumed_once() {
     // Aggregated reference on the decode engine.
     let agg = d.complete(&json!({"model": "tiny-sim", "prompt": PROMPT, "max_tokens": 6}));
     assert_eq!(agg.status, 200);
-    let agg_text = agg.json()["choices"][0]["text"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let agg_text = agg
+        .json_as::<Answer>()
+        .choice(0)
+        .and_then(|c| c.text.clone())
+        .unwrap();
     assert_eq!(agg_text.split_whitespace().count(), 6);
 
     // Prefill leg as the router sends it (behaviour.md 7.1 step 2).
@@ -150,21 +209,21 @@ fn vllm_descriptor_decode_equals_aggregated_and_is_consumed_once() {
         .to_string(),
     );
     assert_eq!(pre.status, 200, "{}", pre.text());
-    let pre = pre.json();
-    let kv = pre["kv_transfer_params"].clone();
-    assert_eq!(kv["do_remote_prefill"], true);
-    assert_eq!(kv["do_remote_decode"], false);
-    assert_eq!(kv["remote_engine_id"], "prod-1");
-    assert_eq!(kv["remote_host"], "127.0.0.1");
-    assert_eq!(kv["tp_size"], 1);
+    let pre: Answer = pre.json_as();
+    let kv = handle_of(&pre);
+    assert_eq!(kv.do_remote_prefill, Some(true));
+    assert_eq!(kv.do_remote_decode, Some(false));
+    assert_eq!(kv.remote_engine_id.as_deref(), Some("prod-1"));
+    assert_eq!(kv.remote_host.as_deref(), Some("127.0.0.1"));
+    assert_eq!(kv.tp_size, Some(1));
     // 12 prompt tokens -> one 16-token block.
-    assert_eq!(kv["remote_block_ids"].as_array().unwrap().len(), 1);
-    assert_eq!(pre["usage"]["completion_tokens"], 1);
+    assert_eq!(kv.remote_block_ids.as_ref().unwrap().len(), 1);
+    assert_eq!(pre.usage().completion_tokens, Some(1));
 
     // Decode leg (behaviour.md 7.1 step 6).
     let dec_body = json!({"model": "tiny-sim", "prompt": PROMPT, "max_tokens": 6,
         "stream": true, "return_token_ids": true, "stream_interval": 1,
-        "kv_transfer_params": kv});
+        "kv_transfer_params": pre.kv_transfer_params});
     let dec = request(
         &d.addr,
         "POST",
@@ -180,18 +239,10 @@ fn vllm_descriptor_decode_equals_aggregated_and_is_consumed_once() {
         agg_text,
         "decode after transfer = aggregated"
     );
-    let first: Value = serde_json::from_str(&dec.events()[0]).unwrap();
-    assert_eq!(
-        first["choices"][0]["token_ids"].as_array().unwrap().len(),
-        1
-    );
-    assert_eq!(
-        first["choices"][0]["prompt_token_ids"]
-            .as_array()
-            .unwrap()
-            .len(),
-        12
-    );
+    let first: Answer = serde_json::from_str(&dec.events()[0]).unwrap();
+    let first = first.choice(0).unwrap();
+    assert_eq!(first.token_ids.as_ref().unwrap().len(), 1);
+    assert_eq!(first.prompt_token_ids.as_ref().unwrap().len(), 12);
 
     let ps = p.stats();
     assert_eq!(ps.kv.issued, 1);
@@ -199,7 +250,7 @@ fn vllm_descriptor_decode_equals_aggregated_and_is_consumed_once() {
     assert_eq!(ps.requests.prefill, 1);
     let pr = ps.recent.last().unwrap().clone();
     assert_eq!(pr.request_id, "r1-a1-prefill");
-    assert_eq!(json!(pr.block_ids), kv["remote_block_ids"]);
+    assert_eq!(pr.block_ids, kv.remote_block_ids);
     assert_eq!(pr.kv_peer, Some(format!("http://{}", d.addr)));
     let ds = d.stats();
     assert_eq!(ds.kv.consumed, 1);
@@ -216,23 +267,20 @@ fn vllm_descriptor_decode_equals_aggregated_and_is_consumed_once() {
     assert_eq!(again.status, 200, "stream already started");
     let ev = again.events();
     assert_eq!(ev.len(), 2, "{ev:?}");
-    let err: Value = serde_json::from_str(&ev[0]).unwrap();
-    assert_eq!(err["error"]["code"], 500);
-    assert!(
-        err["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("already consumed")
-    );
+    let err: ErrorReply = serde_json::from_str(&ev[0]).unwrap();
+    assert_eq!(err.error.code, Some(json!(500)));
+    assert!(err.error.message.contains("already consumed"), "{err:?}");
     assert_eq!(ev[1], "[DONE]");
 
     // A descriptor naming another engine id (the producer restarted): non-streaming -> 500.
     let pre2 = p
         .complete(&json!({"prompt": PROMPT, "max_tokens": 1,
                     "kv_transfer_params": {"do_remote_decode": true}}))
-        .json();
-    let mut kv2 = pre2["kv_transfer_params"].clone();
-    kv2["remote_engine_id"] = json!("prod-0-before-restart");
+        .json_as::<Answer>();
+    let kv2 = KvHandle {
+        remote_engine_id: Some("prod-0-before-restart".into()),
+        ..handle_of(&pre2)
+    };
     let wrong = d.complete(&json!({"prompt": PROMPT, "max_tokens": 6, "kv_transfer_params": kv2}));
     assert_eq!(wrong.status, 500);
     assert!(wrong.text().contains("does not match"), "{}", wrong.text());
@@ -243,9 +291,9 @@ fn vllm_descriptor_decode_equals_aggregated_and_is_consumed_once() {
             &json!({"prompt": "something else entirely", "max_tokens": 1,
                     "kv_transfer_params": {"do_remote_decode": true}}),
         )
-        .json();
+        .json_as::<Answer>();
     let other = d.complete(&json!({"prompt": PROMPT, "max_tokens": 6,
-                "kv_transfer_params": pre3["kv_transfer_params"]}));
+                "kv_transfer_params": pre3.kv_transfer_params}));
     assert_eq!(other.status, 500);
     assert!(
         other.text().contains("different prompt"),
@@ -254,8 +302,10 @@ fn vllm_descriptor_decode_equals_aggregated_and_is_consumed_once() {
     );
 
     // Unreachable producer.
-    let mut kv4 = kv.clone();
-    kv4["remote_port"] = json!(1);
+    let kv4 = KvHandle {
+        remote_port: Some(1),
+        ..kv.clone()
+    };
     let unreachable =
         d.complete(&json!({"prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": kv4}));
     assert_eq!(unreachable.status, 500);
@@ -273,21 +323,19 @@ fn vllm_blocks_expire_after_the_lease() {
     let pre = p
         .complete(&json!({"prompt": PROMPT, "max_tokens": 1,
                     "kv_transfer_params": {"do_remote_decode": true}}))
-        .json();
+        .json_as::<Answer>();
     assert!(p.stat_reaches(|s| s.kv.expired == 1, Duration::from_secs(3)));
     let late = d.complete(&json!({"prompt": PROMPT, "max_tokens": 2,
-                "kv_transfer_params": pre["kv_transfer_params"]}));
+                "kv_transfer_params": pre.kv_transfer_params}));
     assert_eq!(late.status, 500);
     assert_eq!(p.stats().kv.served, 0);
 }
 
 fn bootstrap_port(p: &Sim) -> u64 {
-    let info = p.get("/server_info").json();
-    assert_eq!(info["disaggregation_mode"], "prefill");
-    assert_eq!(info["served_model_name"], "tiny-sim");
-    info["disaggregation_bootstrap_port"]
-        .as_u64()
-        .expect("bootstrap port")
+    let info: ServerInfo = p.get("/server_info").json_as();
+    assert_eq!(info.disaggregation_mode, "prefill");
+    assert_eq!(info.served_model_name, "tiny-sim");
+    info.disaggregation_bootstrap_port.expect("bootstrap port")
 }
 
 #[test]
@@ -335,7 +383,7 @@ fn sglang_bootstrap_prefill_and_decode_in_both_orders() {
             (post(&d_addr, &dec_body), pre)
         };
         assert_eq!(pre.status, 200, "{}", pre.text());
-        assert_eq!(pre.json()["usage"]["completion_tokens"], 1);
+        assert_eq!(pre.json_as::<Answer>().usage().completion_tokens, Some(1));
         assert_eq!(dec.status, 200);
         assert_eq!(dec.stream_text(), agg_text, "room {room}");
         let last = d.last_recent();
@@ -415,7 +463,7 @@ fn faults_status_omit_kv_cut_fragment_drop_and_health() {
     assert_eq!(s.faults().len(), 1);
     let r = s.complete(&body);
     assert_eq!(r.status, 503);
-    assert_eq!(r.json()["error"]["message"], "overloaded");
+    assert_eq!(r.json_as::<ErrorReply>().error.message, "overloaded");
     assert_eq!(s.faults(), []);
     assert_eq!(s.complete(&body).status, 200, "count 1 by default");
 
@@ -423,6 +471,7 @@ fn faults_status_omit_kv_cut_fragment_drop_and_health() {
     let r = s.complete(&json!({"prompt": PROMPT, "max_tokens": 1,
                 "kv_transfer_params": {"do_remote_decode": true}}));
     assert_eq!(r.status, 200);
+    // wire shape: the member is absent, not null.
     assert!(r.json().get("kv_transfer_params").is_none());
     assert_eq!(s.stats().kv.issued, 0);
 
@@ -521,16 +570,16 @@ fn validation_metrics_and_ready_file() {
         "--ready-file",
         ready.to_str().unwrap(),
     ]);
-    let doc: Value = serde_json::from_slice(&std::fs::read(&ready).unwrap()).unwrap();
-    assert_eq!(doc["url"], format!("http://{}", s.addr));
-    assert!(doc["kv_port"].as_u64().unwrap() > 0);
-    assert_eq!(doc["bootstrap_port"], Value::Null);
-    assert_eq!(doc["pid"], s.handle.proc.pid());
+    let doc: ReadyFile = serde_json::from_slice(&std::fs::read(&ready).unwrap()).unwrap();
+    assert_eq!(doc.url, format!("http://{}", s.addr));
+    assert!(doc.kv_port.unwrap() > 0);
+    assert_eq!(doc.bootstrap_port, None);
+    assert_eq!(doc.pid, s.handle.proc.pid());
 
     let r = s.complete(&json!({"model": "nope", "prompt": "a"}));
     assert_eq!(r.status, 404);
     assert_eq!(
-        r.json()["error"]["message"],
+        r.json_as::<ErrorReply>().error.message,
         "The model `nope` does not exist."
     );
     let r = request(&s.addr, "POST", "/v1/completions", &[], "{not json");
@@ -545,10 +594,10 @@ fn validation_metrics_and_ready_file() {
                 "max_completion_tokens": 2}),
     );
     assert_eq!(r.status, 200);
-    let v = r.json();
-    assert_eq!(v["object"], "chat.completion");
-    assert_eq!(v["usage"]["completion_tokens"], 2);
-    assert_eq!(s.get("/version").json()["version"], "0.11.0-sim");
+    let v: Answer = r.json_as();
+    assert_eq!(v.object.as_deref(), Some("chat.completion"));
+    assert_eq!(v.usage().completion_tokens, Some(2));
+    assert_eq!(s.get("/version").json_as::<Version>().version, "0.11.0-sim");
     let m = s.get("/metrics").text();
     assert!(m.contains(
         "vllm:request_success_total{engine=\"0\",finished_reason=\"length\",model_name=\"m1\"} 1"
@@ -561,11 +610,11 @@ fn validation_metrics_and_ready_file() {
         .parse()
         .unwrap();
     assert_eq!(start, s.stats().started_at);
-    let t = s
+    let t: Tokenized = s
         .post("/tokenize", &json!({"model": "m1", "prompt": "a b c"}))
-        .json();
-    assert_eq!(t["count"], 3);
-    assert_eq!(t["max_model_len"], 32);
+        .json_as();
+    assert_eq!(t.count, 3);
+    assert_eq!(t.max_model_len, 32);
     assert_eq!(s.stats().requests.aggregated, 4);
     assert_eq!(s.admin("POST", "/stats/reset", "").status, 200);
     assert_eq!(s.stats().requests.aggregated, 0);
@@ -615,10 +664,14 @@ fn health_hang_holds_until_the_client_gives_up() {
     ));
     drop(c);
     assert_eq!(s.get("/health").status, 200, "the fault applied once");
-    let info = s.get("/server_info").json();
-    assert_eq!(info["disaggregation_mode"], "null");
-    assert_eq!(info["disaggregation_bootstrap_port"], Value::Null);
-    assert_eq!(s.get("/get_model_info").json()["is_generation"], true);
+    let info: ServerInfo = s.get("/server_info").json_as();
+    assert_eq!(info.disaggregation_mode, "null");
+    assert_eq!(info.disaggregation_bootstrap_port, None);
+    assert!(
+        s.get("/get_model_info")
+            .json_as::<ModelInfo>()
+            .is_generation
+    );
     assert!(s.get("/metrics").text().contains("sglang:num_running_reqs"));
     assert_eq!(s.get("/version").status, 404, "vLLM-only route");
 }
@@ -662,9 +715,12 @@ fn max_running_tpot_and_streamed_prefill() {
     );
     let ev = r.events();
     assert_eq!(ev.len(), 4, "role, 2 tokens, [DONE]: {ev:?}");
-    let last: Value = serde_json::from_str(&ev[2]).unwrap();
-    assert_eq!(last["kv_transfer_params"]["remote_engine_id"], "sp");
-    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    let last: Answer = serde_json::from_str(&ev[2]).unwrap();
+    assert_eq!(handle_of(&last).remote_engine_id.as_deref(), Some("sp"));
+    assert_eq!(
+        last.choice(0).and_then(|c| c.finish_reason.as_deref()),
+        Some("length")
+    );
     assert_eq!(p.stats().kv.issued, 1);
 }
 
@@ -737,10 +793,13 @@ fn a_kept_side_channel_survives_a_producer_restart() {
         let pre = p
             .complete(&json!({"prompt": prompt, "max_tokens": 1,
                               "kv_transfer_params": {"do_remote_decode": true}}))
-            .json();
-        assert_eq!(pre["kv_transfer_params"]["remote_port"].to_string(), kv);
+            .json_as::<Answer>();
+        assert_eq!(
+            handle_of(&pre).remote_port.map(|p| p.to_string()),
+            Some(kv.clone())
+        );
         let dec = d.complete(&json!({"prompt": prompt, "max_tokens": 3,
-                                     "kv_transfer_params": pre["kv_transfer_params"]}));
+                                     "kv_transfer_params": pre.kv_transfer_params}));
         assert_eq!(dec.status, 200, "transfer {i}: {}", dec.text());
     };
     let mut p = producer("prod-a");
