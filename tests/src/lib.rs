@@ -118,4 +118,4 @@ pub use journal_rows::{
 };
 /// Typed journal rows: engine and lifecycle events, settled requests (router.rs).
 pub use router::EngineEventRow;
-pub mod typed_d;
+pub mod kv_handle;

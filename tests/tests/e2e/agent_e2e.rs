@@ -20,7 +20,7 @@ use narwhal_shared::{
 };
 use narwhal_testkit::certs::make_dev_certs;
 use narwhal_testkit::sim_stats::SimStats;
-use narwhal_testkit::typed_d::KvHandle;
+use narwhal_testkit::kv_handle::KvHandle;
 use narwhal_testkit::{Fleet, keygen, wait_until};
 use serde_json::{Value, json};
 
