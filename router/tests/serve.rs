@@ -16,9 +16,11 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
-use narwhal_shared::documents::{ErrorReply, State};
-use narwhal_testkit::{FakeEngine, Reply, RouterHandle, fake_descriptor, raw};
-use serde_json::{Value, json};
+use narwhal_shared::documents::{ErrorReply, ModelList, Ready, State, Targets};
+use narwhal_testkit::{Answer, FakeEngine, Reply, RouterHandle, fake_descriptor, merge, raw};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Map, Value, json};
 
 const BIN: &str = env!("CARGO_BIN_EXE_narwhal-serve");
 
@@ -120,6 +122,83 @@ fn resident(st: &State, iid: &str) -> Option<(u64, u64)> {
     st.resident.get(iid).map(|r| (r.prefill, r.decode))
 }
 
+/// The `--ready-file` document a started router writes: its listeners, pid and run id.
+#[derive(Debug, Deserialize)]
+struct ReadyFile {
+    data: String,
+    control: String,
+    pid: u64,
+    run: String,
+}
+
+/// `s`'s ready file, typed.
+fn ready_file(s: &RouterHandle) -> ReadyFile {
+    typed("the ready file", &s.ready_doc)
+}
+
+/// A body the router sent a fake engine, the fields these tests read (`None`: absent or
+/// `null`); the fake keeps bodies whole ([`narwhal_testkit::Seen`]).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct EngineBody {
+    max_tokens: Option<u64>,
+    min_tokens: Option<u64>,
+    stream: Option<bool>,
+    return_token_ids: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    /// vLLM's descriptor (an open document, compared whole).
+    kv_transfer_params: Option<Value>,
+    /// SGLang's rendezvous.
+    bootstrap_host: Option<String>,
+    bootstrap_port: Option<u64>,
+    bootstrap_room: Option<u64>,
+    /// SGLang's request id.
+    rid: Option<String>,
+}
+
+/// `stream_options` of an [`EngineBody`].
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+/// A request row of the journal, the fields read here: `legs` whole, as written, and the run.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct JournalRequest {
+    rid: String,
+    run: Option<String>,
+    terminal: String,
+    prefill_iid: Option<String>,
+    decode_iid: Option<String>,
+    output_len: Option<u64>,
+    stream: Option<bool>,
+    legs: Value,
+}
+
+/// An answer's `usage`, whole as sent.
+#[derive(Debug, Deserialize)]
+struct UsageDoc {
+    usage: Value,
+}
+
+/// A stream chunk's choices with their keys as sent, for what a chunk must not carry.
+#[derive(Debug, Deserialize)]
+struct ChunkKeys {
+    choices: Vec<Map<String, Value>>,
+}
+
+/// `v` as the document `T` (`what` and `v` in the message when it is not one).
+fn typed<T: DeserializeOwned>(what: &str, v: &Value) -> T {
+    serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("{what} ({e}): {v}"))
+}
+
+/// A body the router sent a fake engine, typed.
+fn sent(body: &Value) -> EngineBody {
+    typed("a body sent to an engine", body)
+}
+
 /// A loopback address nothing listens on (bound and released).
 fn dead_addr() -> std::net::SocketAddr {
     let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -136,9 +215,11 @@ fn bad_fleet_exits_2_and_names_every_bad_key() {
         "vllm",
         vec![json!({"iid": "p0", "url": "http://127.0.0.1:1", "rol": "prefill"})],
     );
-    f["serving"]["max_attempts"] = json!(7);
-    f["slo"]["tpot_s"] = json!("fast");
-    f["engine"]["bogus_key"] = json!(1);
+    merge(
+        &mut f,
+        json!({"serving": {"max_attempts": 7}, "slo": {"tpot_s": "fast"},
+               "engine": {"bogus_key": 1}}),
+    );
     let path = write_fleet(dir.path(), &f);
     let out = Command::new(BIN)
         .arg("--fleet")
@@ -216,10 +297,16 @@ async fn good_fleet_announces_and_serves_the_documents() {
         ),
         &[],
     );
-    assert_eq!(s.ready_doc["data"], json!(s.data));
-    assert_eq!(s.ready_doc["control"], json!(s.control));
-    assert!(s.ready_doc["pid"].as_u64().is_some());
-    let run = s.ready_doc["run"].as_str().unwrap().to_string();
+    // `pid` is a number, `run` a string: the ready file parses.
+    let ready_file = ready_file(&s);
+    assert_eq!(ready_file.data, s.data);
+    assert_eq!(ready_file.control, s.control);
+    assert_eq!(
+        ready_file.pid,
+        u64::from(s.proc.pid()),
+        "the router's own pid"
+    );
+    let run = ready_file.run;
     assert!(run.contains('-'));
 
     let (st, ready) = s.get_data("/ready").await.status_json();
@@ -234,25 +321,36 @@ async fn good_fleet_announces_and_serves_the_documents() {
         health,
         json!({"status": "ok", "instances": 2, "available_instances": 1})
     );
-    let mut models = s.get_data("/v1/models").await.json_or_null();
-    assert!(
-        models["data"][0]["created"].is_u64(),
-        "OpenAI's model object has `created`: {models}"
-    );
-    models["data"][0]
-        .as_object_mut()
-        .expect("a model object")
-        .remove("created");
+    // OpenAI's model object has `created`, a number: the list parses as a `ModelList`.
+    let models = s.get_data("/v1/models").await;
+    let created = models
+        .json_as::<ModelList>()
+        .data
+        .first()
+        .unwrap_or_else(|| panic!("a model card: {}", models.text()))
+        .created;
     assert_eq!(
-        models,
-        json!({"object": "list", "data": [{"id": "tiny-sim", "object": "model", "owned_by": "narwhal"}]})
+        models.json_or_null(),
+        json!({"object": "list", "data": [{"id": "tiny-sim", "object": "model", "created": created, "owned_by": "narwhal"}]})
     );
-    let targets = s.get("/narwhal/targets").await.json_or_null();
-    assert_eq!(targets[1]["targets"], json!(["127.0.0.1:18101"]));
-    assert_eq!(targets[1]["labels"]["__metrics_path__"], "/v1x/metrics");
+    let targets_reply = s.get("/narwhal/targets").await;
+    let targets: Targets = targets_reply.json_as();
     assert_eq!(
-        targets[0]["labels"],
-        json!({"iid": "e0", "backend": "vllm", "__scheme__": "http", "__metrics_path__": "/metrics"})
+        serde_json::to_value(&targets).unwrap(),
+        targets_reply.json_or_null(),
+        "the targets document has nothing beyond its type"
+    );
+    assert_eq!(targets[1].targets, ["127.0.0.1:18101"]);
+    assert_eq!(targets[1].labels.metrics_path, "/v1x/metrics");
+    let e0 = &targets[0].labels;
+    assert_eq!(
+        (
+            e0.iid.as_str(),
+            e0.backend.as_str(),
+            e0.scheme.as_str(),
+            e0.metrics_path.as_str()
+        ),
+        ("e0", "vllm", "http", "/metrics")
     );
     let st = s.state().await;
     assert_eq!(st.schema, "narwhal.state");
@@ -286,9 +384,8 @@ async fn good_fleet_announces_and_serves_the_documents() {
         "{text}"
     );
     // Journal header carries the run id.
-    let first = std::fs::read_to_string(&s.journal).unwrap();
-    let header: Value = serde_json::from_str(first.lines().next().unwrap()).unwrap();
-    assert_eq!(header["meta"]["run"], json!(run));
+    let meta = s.journal_meta().expect("the journal's header row");
+    assert_eq!(meta.run, Some(run));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -296,7 +393,7 @@ async fn ingress_rules_answer_before_any_engine_is_called() {
     let f = FakeEngine::new(0, 2);
     let url = f.spawn().await;
     let mut fl = fleet("vllm", vec![json!({"iid": "d0", "url": url})]);
-    fl["serving"]["max_request_bytes"] = json!(64);
+    merge(&mut fl, json!({"serving": {"max_request_bytes": 64}}));
     let s = start(&fl, &[]);
     // Bodies sent as they are, without a content-type.
     let post = |body: &'static str| {
@@ -359,11 +456,14 @@ async fn vllm_two_stage_carries_the_descriptor_verbatim() {
     .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text());
     let rid = r.header("x-request-id").to_string();
-    let v = r.json();
-    assert_eq!(v["object"], "text_completion");
-    assert_eq!(v["choices"][0]["text"], " t0 t1 t2");
+    let v: Answer = r.json_as();
+    assert_eq!(v.object.as_deref(), Some("text_completion"));
     assert_eq!(
-        v["usage"],
+        v.choice(0).and_then(|c| c.text.as_deref()),
+        Some(" t0 t1 t2")
+    );
+    assert_eq!(
+        r.json_as::<UsageDoc>().usage,
         json!({"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10})
     );
     // Each leg has its own plain UUID request id (the form every engine accepts; see
@@ -373,29 +473,35 @@ async fn vllm_two_stage_carries_the_descriptor_verbatim() {
         let (prid, pbody) = &ps.prefill[0];
         let prid = prid.clone().expect("prefill x-request-id");
         assert!(uuid_like(&prid) && prid != rid, "{prid}");
-        assert_eq!(pbody["max_tokens"], 1);
-        assert_eq!(pbody["stream"], false);
+        let pbody = sent(pbody);
+        assert_eq!(pbody.max_tokens, Some(1));
+        assert_eq!(pbody.stream, Some(false));
         assert_eq!(
-            pbody["kv_transfer_params"],
-            json!({"do_remote_decode": true})
+            pbody.kv_transfer_params,
+            Some(json!({"do_remote_decode": true}))
         );
         assert_eq!(
-            pbody["min_tokens"], 1,
+            pbody.min_tokens,
+            Some(1),
             "the prefill may not end early (client min_tokens)"
         );
         let ds = d.seen();
         let (drid, dbody) = &ds.decode[0];
         let drid = drid.clone().expect("decode x-request-id");
         assert!(uuid_like(&drid) && drid != rid && drid != prid, "{drid}");
+        let dbody = sent(dbody);
         assert_eq!(
-            dbody["kv_transfer_params"],
-            fake_descriptor(),
+            dbody.kv_transfer_params,
+            Some(fake_descriptor()),
             "descriptor carried verbatim"
         );
-        assert_eq!(dbody["stream"], true);
-        assert_eq!(dbody["return_token_ids"], true);
-        assert_eq!(dbody["stream_options"]["include_usage"], true);
-        assert_eq!(dbody["min_tokens"], 1);
+        assert_eq!(dbody.stream, Some(true));
+        assert_eq!(dbody.return_token_ids, Some(true));
+        assert_eq!(
+            dbody.stream_options.and_then(|o| o.include_usage),
+            Some(true)
+        );
+        assert_eq!(dbody.min_tokens, Some(1));
         (prid, drid)
     };
     // Streaming chat: token ids and the usage chunk stripped (client asked for neither).
@@ -412,32 +518,32 @@ async fn vllm_two_stage_carries_the_descriptor_verbatim() {
         "role chunk + 3 tokens + [DONE]: {frames:?}"
     );
     for f in &frames[..4] {
-        let c: Value = serde_json::from_str(f).unwrap();
-        assert!(c["choices"][0].get("token_ids").is_none());
+        let c: ChunkKeys = serde_json::from_str(f).unwrap();
+        assert!(!c.choices[0].contains_key("token_ids"), "{f}");
     }
     // Journal rows and counters.
     eventually("two served", || async { s.state().await.served == 2 }).await;
     let text = std::fs::read_to_string(&s.journal).unwrap();
-    let rows: Vec<Value> = text
+    let rows: Vec<JournalRequest> = text
         .lines()
         .skip(1)
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    let row = rows.iter().find(|r| r["rid"] == json!(rid)).unwrap();
-    assert_eq!(row["terminal"], "completed");
-    assert_eq!(row["prefill_iid"], "p0");
-    assert_eq!(row["decode_iid"], "d0");
-    assert_eq!(row["output_len"], 3);
-    assert_eq!(row["stream"], false);
+    let row = rows.iter().find(|r| r.rid == rid).unwrap();
+    assert_eq!(row.terminal, "completed");
+    assert_eq!(row.prefill_iid.as_deref(), Some("p0"));
+    assert_eq!(row.decode_iid.as_deref(), Some("d0"));
+    assert_eq!(row.output_len, Some(3));
+    assert_eq!(row.stream, Some(false));
     assert_eq!(
-        row["legs"],
+        row.legs,
         json!([
             {"attempt": 1, "leg": "prefill", "iid": "p0", "request_id": prid, "prompt": null},
             {"attempt": 1, "leg": "decode", "iid": "d0", "request_id": drid, "prompt": null},
         ]),
-        "{row}"
+        "{row:?}"
     );
-    assert_eq!(row["run"], s.ready_doc["run"]);
+    assert_eq!(row.run, Some(ready_file(&s).run));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -450,14 +556,9 @@ async fn engine_context_length_400_is_relayed_without_retry_or_ejection() {
     for _ in 0..3 {
         let r = complete(&s, json!({"prompt": "long", "max_tokens": 3})).await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST);
-        let v = r.json();
-        assert_eq!(v["error"]["type"], "invalid_request_error");
-        assert!(
-            v["error"]["message"]
-                .as_str()
-                .unwrap()
-                .contains("maximum context length")
-        );
+        let v = r.json_as::<ErrorReply>().error;
+        assert_eq!(v.kind, "invalid_request_error");
+        assert!(v.message.contains("maximum context length"), "{v:?}");
     }
     assert_eq!(
         p.seen().prefill.len(),
@@ -500,20 +601,19 @@ async fn sglang_prefill_failure_cancels_the_waiting_decode() {
     eventually("decode leg cancelled", || async { d.seen().cancelled == 1 }).await;
     let ps = p.seen();
     let ds = d.seen();
-    let (_, pb) = &ps.prefill[0];
-    let (_, db) = &ds.decode[0];
-    assert_eq!(pb["bootstrap_port"], 8998);
-    assert_eq!(pb["bootstrap_host"], "127.0.0.1");
-    assert_eq!(pb["bootstrap_room"], db["bootstrap_room"]);
-    assert!(pb["bootstrap_room"].as_u64().unwrap() < (1u64 << 63));
+    let (pb, db) = (sent(&ps.prefill[0].1), sent(&ds.decode[0].1));
+    assert_eq!(pb.bootstrap_port, Some(8998));
+    assert_eq!(pb.bootstrap_host.as_deref(), Some("127.0.0.1"));
+    assert_eq!(pb.bootstrap_room, db.bootstrap_room);
+    assert!(pb.bootstrap_room.unwrap() < (1u64 << 63));
     // Each SGLang leg's `rid` is its own UUID (docs/deviations.md, "One plain UUID per leg").
-    let (prid, drid) = (pb["rid"].as_str().unwrap(), db["rid"].as_str().unwrap());
+    let (prid, drid) = (pb.rid.as_deref().unwrap(), db.rid.as_deref().unwrap());
     assert!(
         uuid_like(prid) && uuid_like(drid) && prid != drid,
         "{prid} {drid}"
     );
-    assert_eq!(pb["max_tokens"], 1);
-    assert_eq!(db["stream"], true);
+    assert_eq!(pb.max_tokens, Some(1));
+    assert_eq!(db.stream, Some(true));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -523,10 +623,15 @@ async fn sglang_chat_streams_and_counts_content_chunks() {
     let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4});
     let r = s.post_data("/v1/chat/completions", &chat).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text());
-    let v = r.json();
-    assert_eq!(v["object"], "chat.completion");
-    assert_eq!(v["choices"][0]["message"]["content"], " t0 t1 t2 t3");
-    assert_eq!(v["usage"]["completion_tokens"], 4);
+    let v: Answer = r.json_as();
+    assert_eq!(v.object.as_deref(), Some("chat.completion"));
+    assert_eq!(
+        v.choice(0)
+            .and_then(|c| c.message.as_ref())
+            .and_then(|m| m.content.as_deref()),
+        Some(" t0 t1 t2 t3")
+    );
+    assert_eq!(v.usage().completion_tokens, Some(4));
     let ds = d.seen();
     let (_, db) = &ds.decode[0];
     assert!(
@@ -534,7 +639,8 @@ async fn sglang_chat_streams_and_counts_content_chunks() {
         "no token ids asked on SGLang chat"
     );
     assert_eq!(
-        db["max_tokens"], 4,
+        sent(db).max_tokens,
+        Some(4),
         "max_completion_tokens renamed for SGLang decode"
     );
 }
@@ -587,7 +693,7 @@ async fn no_live_engine_answers_503_backend_unavailable() {
         "vllm",
         vec![json!({"iid": "d0", "url": format!("http://{}", dead_addr())})],
     );
-    fl["recovery"]["readmit_every"] = json!(100000);
+    merge(&mut fl, json!({"recovery": {"readmit_every": 100000}}));
     let s = start(&fl, &[]);
     // d0 never answered its health: it is not placed (the health gate).
     assert_eq!(s.state().await.awaiting_health, ["d0"]);
@@ -598,9 +704,9 @@ async fn no_live_engine_answers_503_backend_unavailable() {
         r.json(),
         json!({"error": {"message": "No engines are available", "type": "backend_unavailable", "code": "backend_unavailable"}})
     );
-    let (st, ready) = s.get_data("/ready").await.status_json();
-    assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(ready["reason"], "no available engines");
+    let ready = s.get_data("/ready").await;
+    assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(ready.json_as::<Ready>().reason, "no available engines");
     assert_eq!(
         s.state().await.outcome_reasons.rejected.get("not_ready"),
         Some(&1)
@@ -629,14 +735,12 @@ async fn transient_decode_failure_is_retried_once() {
     };
     // The journal names the retry's leg by its attempt.
     eventually("the request's journal row", || async {
-        s.journal_rows().iter().any(|r| {
-            r["rid"] == json!(rid)
-                && r["legs"].as_array().is_some_and(|legs| {
-                    legs.iter().any(|l| {
-                        l["attempt"] == 2
-                            && l["leg"] == "decode"
-                            && l["request_id"] == json!(second)
-                    })
+        s.request_rows().iter().any(|r| {
+            r.rid == rid
+                && r.legs.iter().any(|l| {
+                    l.attempt == 2
+                        && l.leg == "decode"
+                        && l.request_id.as_deref() == Some(second.as_str())
                 })
         })
     })
@@ -681,9 +785,11 @@ async fn inflight_limit_answers_429_with_retry_after() {
 /// `first_token_timeout_s`) to `s` seconds.
 fn deadlines(s: f64) -> impl FnOnce(&mut Value) {
     move |fl: &mut Value| {
-        fl["serving"]["request_timeout_s"] = json!(s);
-        fl["serving"]["prefill_timeout_s"] = json!(s);
-        fl["engine"]["first_token_timeout_s"] = json!(s);
+        merge(
+            fl,
+            json!({"serving": {"request_timeout_s": s, "prefill_timeout_s": s},
+                   "engine": {"first_token_timeout_s": s}}),
+        );
     }
 }
 
@@ -694,7 +800,7 @@ async fn deadline_before_output_is_504_request_expired() {
     let s = pd_with("vllm", &p, &d, deadlines(0.5), &[]).await;
     let r = complete(&s, json!({"prompt": "x"})).await;
     assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT, "{}", r.text());
-    assert_eq!(r.json()["error"]["type"], "request_expired");
+    assert_eq!(r.json_as::<ErrorReply>().error.kind, "request_expired");
     eventually("decode cancelled", || async { d.seen().cancelled == 1 }).await;
     assert_eq!(
         s.state().await.outcome_reasons.expired.get("deadline"),
@@ -790,8 +896,10 @@ async fn non_streaming_client_gone_while_prefill_waits_cancels_the_leg() {
 async fn admission_queue_waits_then_expires_and_caps_retained_requests() {
     let (p, d) = (FakeEngine::new(0, 1), FakeEngine::new(50, 1000));
     let queue = |fl: &mut Value| {
-        fl["serving"]["queue_capacity"] = json!(1);
-        fl["serving"]["queue_timeout_s"] = json!(0.5);
+        merge(
+            fl,
+            json!({"serving": {"queue_capacity": 1, "queue_timeout_s": 0.5}}),
+        );
     };
     let s = pd_with("vllm", &p, &d, queue, &["--max-concurrent", "1"]).await;
     let (sock, _) = open_stream(

@@ -11,6 +11,7 @@ use std::io::Write;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use narwhal_shared::documents::ErrorReply;
 use narwhal_testkit::raw::{self, RawResponse};
 use narwhal_testkit::{FakeEngine, RouterHandle, WAIT, eventually, router_over_fakes};
 use serde_json::json;
@@ -56,7 +57,7 @@ async fn an_early_413_tells_the_keepalive_client_to_reconnect() {
         head.contains("\r\nconnection: close"),
         "the 413 tells the client the connection ends: {head}"
     );
-    assert_eq!(resp.json()["error"]["type"], "request_too_large");
+    assert_eq!(resp.json_as::<ErrorReply>().error.kind, "request_too_large");
     // A new connection serves the next request.
     let ok = r.completion("hello", 2).await;
     assert_eq!(ok.status, 200, "{}", ok.text());
@@ -117,20 +118,17 @@ async fn a_client_that_stalls_mid_body_gets_408_after_the_body_timeout() {
         "bounded by serving.body_read_timeout_s (1 s), not the 600 s request timeout: {took:?}"
     );
     assert!(head.contains("\r\nconnection: close"), "{head}");
-    let err = resp.json()["error"].clone();
-    assert_eq!(err["code"], "request_timeout", "{err}");
+    let err = resp.json_as::<ErrorReply>().error;
+    assert_eq!(err.code, Some(json!("request_timeout")), "{err:?}");
     assert!(
-        err["message"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("serving.body_read_timeout_s"),
-        "{err}"
+        err.message.contains("serving.body_read_timeout_s"),
+        "{err:?}"
     );
     let row = eventually("the stalled request's journal row", WAIT, || async {
-        r.journal_rows().into_iter().find(|x| x["status"] == 408)
+        r.request_rows().into_iter().find(|x| x.status == Some(408))
     })
     .await;
-    assert_eq!(row["terminal"], "invalid", "{row}");
+    assert_eq!(row.terminal, "invalid", "{row:?}");
 }
 
 /// HEAD is served wherever GET is (RFC 9110 sections 9.1 and 9.3.2): on every GET route of

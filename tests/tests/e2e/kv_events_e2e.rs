@@ -22,6 +22,7 @@ use narwhal_testkit::kv_events::{
     pub_frames,
 };
 use narwhal_testkit::{SimHandle, wait_until};
+use serde::Deserialize;
 use serde_json::{Value, json};
 use zeromq::{Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
 
@@ -29,87 +30,172 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-fn u64s(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_u64().expect("u64"))
-        .collect()
+/// What `kv_events_reference.py` prints: the engine and pinned version it ran, the topic (hex),
+/// each fixture batch with the frames the engine's publisher sent for it, the frames a live SUB
+/// received and the frames a replay DEALER received (each frame hex).
+#[derive(Debug, Deserialize)]
+struct ReferenceDoc {
+    engine: String,
+    version: String,
+    topic: String,
+    batches: Vec<ReferenceBatch>,
+    live: Vec<Vec<String>>,
+    replay: Vec<Vec<String>>,
+}
+
+/// One of a [`ReferenceDoc`]'s batches: the fixture and the publisher's frames for it (`None`
+/// when the replay did not have it).
+#[derive(Debug, Deserialize)]
+struct ReferenceBatch {
+    fixture: FixtureBatch,
+    #[serde(default)]
+    frames: Option<Vec<String>>,
+}
+
+/// A fixture batch (plain JSON, as the reference script prints it).
+#[derive(Debug, Deserialize)]
+struct FixtureBatch {
+    ts: f64,
+    events: Vec<FixtureEvent>,
+    #[serde(default)]
+    data_parallel_rank: Option<i64>,
+}
+
+/// A fixture event, by its `type`.
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type")]
+enum FixtureEvent {
+    BlockStored {
+        block_hashes: Vec<FixtureHash>,
+        #[serde(default)]
+        parent_block_hash: Option<FixtureHash>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        #[serde(default)]
+        lora_id: Option<i64>,
+        #[serde(default)]
+        medium: Option<String>,
+        #[serde(default)]
+        lora_name: Option<String>,
+        #[serde(default)]
+        extra_keys: Option<Vec<Option<Vec<FixtureExtraKey>>>>,
+        #[serde(default)]
+        group_idx: Option<u32>,
+        #[serde(default)]
+        kv_cache_spec_kind: Option<String>,
+        #[serde(default)]
+        session_id: Option<String>,
+        #[serde(default)]
+        cache_salt: Option<String>,
+    },
+    BlockRemoved {
+        block_hashes: Vec<FixtureHash>,
+        #[serde(default)]
+        medium: Option<String>,
+        #[serde(default)]
+        group_idx: Option<u32>,
+    },
+    AllBlocksCleared,
 }
 
 /// A block hash of the fixture: vLLM's unsigned, or SGLang's signed int64 (its 64 bits).
-fn hash(v: &Value) -> Option<u64> {
-    v.as_u64().or_else(|| v.as_i64().map(|i| i as u64))
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(untagged)]
+enum FixtureHash {
+    Unsigned(u64),
+    Signed(i64),
 }
 
-fn hashes(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| hash(x).expect("a hash"))
-        .collect()
-}
-
-fn opt_str(v: &Value, k: &str) -> Option<String> {
-    v.get(k).and_then(Value::as_str).map(str::to_string)
-}
-
-/// One extra-key entry of the fixture: a string, an `[identifier, offset]` pair, or
-/// `{"digest": hex}` (bytes).
-fn extra_key(p: &Value) -> ExtraKey {
-    match p {
-        Value::String(s) => ExtraKey::Text(s.clone()),
-        Value::Array(pair) => ExtraKey::Media {
-            identifier: pair[0].as_str().expect("identifier").to_string(),
-            offset: pair[1].as_i64().expect("offset"),
-        },
-        other => {
-            let hex = other["digest"].as_str().expect("digest");
-            ExtraKey::Digest(
-                (0..hex.len())
-                    .step_by(2)
-                    .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
-                    .collect(),
-            )
+impl FixtureHash {
+    fn bits(self) -> u64 {
+        match self {
+            FixtureHash::Unsigned(u) => u,
+            FixtureHash::Signed(i) => i as u64,
         }
     }
 }
 
-/// The fixture's event (plain JSON, as the reference script prints it) as our type.
-fn event(e: &Value) -> KvEvent {
-    match e["type"].as_str().expect("type") {
-        "BlockStored" => KvEvent::BlockStored {
-            block_hashes: hashes(&e["block_hashes"]),
-            parent_block_hash: hash(&e["parent_block_hash"]),
-            token_ids: u64s(&e["token_ids"])
-                .into_iter()
-                .map(|t| t as u32)
-                .collect(),
-            block_size: e["block_size"].as_u64().expect("block_size") as u32,
-            lora_id: e["lora_id"].as_i64(),
-            medium: opt_str(e, "medium"),
-            lora_name: opt_str(e, "lora_name"),
-            extra_keys: e.get("extra_keys").and_then(Value::as_array).map(|keys| {
-                keys.iter()
-                    .map(|k| {
-                        k.as_array()
-                            .map(|parts| parts.iter().map(extra_key).collect())
-                    })
+fn hashes(v: Vec<FixtureHash>) -> Vec<u64> {
+    v.into_iter().map(FixtureHash::bits).collect()
+}
+
+/// One extra-key entry of the fixture: a string, an `[identifier, offset]` pair, or
+/// `{"digest": hex}` (bytes).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum FixtureExtraKey {
+    Text(String),
+    Media(String, i64),
+    Digest { digest: String },
+}
+
+impl FixtureExtraKey {
+    fn key(self) -> ExtraKey {
+        match self {
+            FixtureExtraKey::Text(s) => ExtraKey::Text(s),
+            FixtureExtraKey::Media(identifier, offset) => ExtraKey::Media { identifier, offset },
+            FixtureExtraKey::Digest { digest: hex } => ExtraKey::Digest(
+                (0..hex.len())
+                    .step_by(2)
+                    .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
+                    .collect(),
+            ),
+        }
+    }
+}
+
+/// The fixture's event as our type.
+fn event(e: FixtureEvent) -> KvEvent {
+    match e {
+        FixtureEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            medium,
+            lora_name,
+            extra_keys,
+            group_idx,
+            kv_cache_spec_kind,
+            session_id,
+            cache_salt,
+        } => KvEvent::BlockStored {
+            block_hashes: hashes(block_hashes),
+            parent_block_hash: parent_block_hash.map(FixtureHash::bits),
+            token_ids,
+            block_size,
+            lora_id,
+            medium,
+            lora_name,
+            extra_keys: extra_keys.map(|keys| {
+                keys.into_iter()
+                    .map(|k| k.map(|parts| parts.into_iter().map(FixtureExtraKey::key).collect()))
                     .collect()
             }),
-            group_idx: e.get("group_idx").and_then(Value::as_u64).map(|g| g as u32),
-            kv_cache_spec_kind: opt_str(e, "kv_cache_spec_kind"),
-            session_id: opt_str(e, "session_id"),
-            cache_salt: opt_str(e, "cache_salt"),
+            group_idx,
+            kv_cache_spec_kind,
+            session_id,
+            cache_salt,
         },
-        "BlockRemoved" => KvEvent::BlockRemoved {
-            block_hashes: hashes(&e["block_hashes"]),
-            medium: opt_str(e, "medium"),
-            group_idx: e.get("group_idx").and_then(Value::as_u64).map(|g| g as u32),
+        FixtureEvent::BlockRemoved {
+            block_hashes,
+            medium,
+            group_idx,
+        } => KvEvent::BlockRemoved {
+            block_hashes: hashes(block_hashes),
+            medium,
+            group_idx,
         },
-        "AllBlocksCleared" => KvEvent::AllBlocksCleared,
-        t => panic!("unknown fixture event {t}"),
+        FixtureEvent::AllBlocksCleared => KvEvent::AllBlocksCleared,
     }
+}
+
+/// The simulator's ready file, the KV event endpoints (present with `--kv-events-config`).
+#[derive(Debug, Deserialize)]
+struct SimKvReady {
+    kv_events_endpoint: String,
+    kv_events_replay_endpoint: String,
 }
 
 #[tokio::test]
@@ -158,33 +244,32 @@ async fn matches_reference(engine: &str, version: &str, encode: fn(&KvEventBatch
         String::from_utf8_lossy(&out.stderr)
     );
     let doc: Value = serde_json::from_slice(&out.stdout).expect("reference JSON");
-    assert_eq!(doc["engine"], engine);
-    assert_eq!(doc["version"], version, "the pinned wheel");
+    let reference: ReferenceDoc =
+        serde_json::from_value(doc.clone()).unwrap_or_else(|e| panic!("reference ({e}): {doc}"));
+    assert_eq!(reference.engine, engine);
+    assert_eq!(reference.version, version, "the pinned wheel");
     let topic = "kv@sim";
-    assert_eq!(doc["topic"], hex(topic.as_bytes()));
-    let batches = doc["batches"].as_array().expect("batches");
+    assert_eq!(reference.topic, hex(topic.as_bytes()));
+    let batches = reference.batches;
     assert!(!batches.is_empty());
+    let n_batches = batches.len();
     let mut ours_by_seq = Vec::new();
-    for (seq, b) in batches.iter().enumerate() {
-        let f = &b["fixture"];
+    for (seq, b) in batches.into_iter().enumerate() {
+        let f = b.fixture;
         let batch = KvEventBatch {
-            ts: f["ts"].as_f64().expect("ts"),
-            events: f["events"]
-                .as_array()
-                .expect("events")
-                .iter()
-                .map(event)
-                .collect(),
+            ts: f.ts,
+            events: f.events.into_iter().map(event).collect(),
             // vLLM's publisher fills in its rank when the batch has none.
-            data_parallel_rank: Some(f["data_parallel_rank"].as_i64().unwrap_or(0)),
+            data_parallel_rank: Some(f.data_parallel_rank.unwrap_or(0)),
         };
         let payload = encode(&batch);
         let ours: Vec<String> = pub_frames(topic, seq as u64, &payload)
             .iter()
             .map(|x| hex(x))
             .collect();
-        let theirs: Vec<String> = serde_json::from_value(b["frames"].clone())
-            .unwrap_or_else(|_| panic!("batch {seq} missing from {engine}'s replay: {doc}"));
+        let theirs: Vec<String> = b
+            .frames
+            .unwrap_or_else(|| panic!("batch {seq} missing from {engine}'s replay: {doc}"));
         assert_eq!(
             ours, theirs,
             "batch {seq}: our frames differ from {engine}'s"
@@ -195,13 +280,11 @@ async fn matches_reference(engine: &str, version: &str, encode: fn(&KvEventBatch
     // The live SUB frames: a fixture batch the slow-joining SUB received is the replayed one;
     // after the replay the script publishes the last batch again under new sequence numbers
     // until the SUB has one of them, so at least one live frame is always checked.
-    let live = doc["live"].as_array().expect("live");
-    let last = batches.len() - 1;
+    let last = n_batches - 1;
     let mut republished = 0;
-    for l in live {
-        let l: Vec<String> = serde_json::from_value(l.clone()).expect("frames");
+    for l in reference.live {
         let seq = u64::from_str_radix(&l[1], 16).expect("a sequence frame") as usize;
-        let want = if seq < batches.len() {
+        let want = if seq < n_batches {
             ours_by_seq[seq].clone()
         } else {
             republished += 1;
@@ -216,16 +299,21 @@ async fn matches_reference(engine: &str, version: &str, encode: fn(&KvEventBatch
         "the SUB received none of the republished batches: {doc}"
     );
     // Replay as a DEALER sees it: ["", topic, seq, payload] per batch, then the end marker.
-    let replay = doc["replay"].as_array().expect("replay");
-    assert_eq!(replay.len(), batches.len() + 1);
+    let replay = reference.replay;
+    assert_eq!(replay.len(), n_batches + 1);
     assert_eq!(
         replay.last().expect("end"),
-        &json!(["", "", hex(&REPLAY_END), ""])
+        &[
+            String::new(),
+            String::new(),
+            hex(&REPLAY_END),
+            String::new()
+        ]
     );
-    for (i, r) in replay[..batches.len()].iter().enumerate() {
+    for (i, r) in replay[..n_batches].iter().enumerate() {
         let mut want = vec![String::new()];
         want.extend(ours_by_seq[i].clone());
-        assert_eq!(r, &json!(want), "replayed batch {i}");
+        assert_eq!(r, &want, "replayed batch {i}");
     }
 }
 
@@ -307,14 +395,15 @@ async fn sim_publishes_its_prompt_blocks() {
         &["--block-size", "4", "--kv-events-config", &cfg.to_string()],
     )
     .expect("start sim");
-    let pub_ep = sim.ready["kv_events_endpoint"]
-        .as_str()
-        .expect("kv_events_endpoint in the ready file")
-        .to_string();
-    let replay_ep = sim.ready["kv_events_replay_endpoint"]
-        .as_str()
-        .expect("kv_events_replay_endpoint")
-        .to_string();
+    let SimKvReady {
+        kv_events_endpoint: pub_ep,
+        kv_events_replay_endpoint: replay_ep,
+    } = serde_json::from_value(sim.ready.clone()).unwrap_or_else(|e| {
+        panic!(
+            "kv_events_endpoint and kv_events_replay_endpoint in the ready file ({e}): {}",
+            sim.ready
+        )
+    });
     let mut sub = zeromq::SubSocket::new();
     sub.connect(&pub_ep).await.expect("connect SUB");
     sub.subscribe("kv").await.expect("subscribe");

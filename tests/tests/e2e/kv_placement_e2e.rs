@@ -68,10 +68,27 @@ async fn complete_on(sim: &SimHandle, prompt: &str) {
     assert!(r.status().is_success(), "{}", r.status());
 }
 
+/// An engine's chat answer, the count read here: `usage.prompt_tokens_details.cached_tokens`
+/// (required: an answer without it does not parse).
+#[derive(Debug, serde::Deserialize)]
+struct CachedUsageAnswer {
+    usage: CachedUsage,
+}
+
+/// `usage` of a [`CachedUsageAnswer`].
+#[derive(Debug, serde::Deserialize)]
+struct CachedUsage {
+    prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details` of a [`CachedUsageAnswer`].
+#[derive(Debug, serde::Deserialize)]
+struct PromptTokensDetails {
+    cached_tokens: u64,
+}
+
 async fn hits(sim: &SimHandle) -> u64 {
-    sim.stats().await["prefix_cache"]["hits"]
-        .as_u64()
-        .unwrap_or(0)
+    sim.counters().await.prefix_cache.map_or(0, |c| c.hits)
 }
 
 /// The router's `kv_index.engines.<iid>` once `ok` holds for it (an engine the document
@@ -863,7 +880,7 @@ async fn blocks_stored_for_an_image_are_never_credited_to_text() {
         {"role": "system", "content": system},
         {"role": "user", "content": [{"type": "text", "text": "look at"}, image,
                                      {"type": "text", "text": words(12100, 6)}]}]});
-    let r: Value = reqwest::Client::new()
+    let r: CachedUsageAnswer = reqwest::Client::new()
         .post(format!("{}/v1/chat/completions", f.sim(&iid).url))
         .json(&body)
         .send()
@@ -872,9 +889,7 @@ async fn blocks_stored_for_an_image_are_never_credited_to_text() {
         .json()
         .await
         .expect("JSON");
-    let image_hit = r["usage"]["prompt_tokens_details"]["cached_tokens"]
-        .as_u64()
-        .expect("cached_tokens");
+    let image_hit = r.usage.prompt_tokens_details.cached_tokens;
     assert!(
         image_hit > engine,
         "the image's own blocks hit for the image ({image_hit}), not for text ({engine})"
@@ -898,12 +913,15 @@ async fn engines_that_render_tools_differently_are_caught_on_a_sampled_request()
         .await;
     let router = f.router();
     let chat = |tools: bool, i: usize| {
-        let mut body = json!({"model": "tiny-sim", "max_tokens": 2, "messages": [
+        let messages = json!([
             {"role": "system", "content": words(13000, 20)},
-            {"role": "user", "content": words(13100 + 10 * i, 4)}]});
-        if tools {
-            body["tools"] = json!([{"type": "function", "function": {"name": "search"}}]);
-        }
+            {"role": "user", "content": words(13100 + 10 * i, 4)}]);
+        let body = if tools {
+            json!({"model": "tiny-sim", "max_tokens": 2, "messages": messages,
+                   "tools": [{"type": "function", "function": {"name": "search"}}]})
+        } else {
+            json!({"model": "tiny-sim", "max_tokens": 2, "messages": messages})
+        };
         async move {
             let r = router
                 .http
