@@ -11,12 +11,64 @@ use std::time::Duration;
 use narwhal_shared::documents::controller::ControllerFields;
 use narwhal_shared::documents::{ErrorReply, State};
 use narwhal_shared::handoff::{DrainState, Handoff};
+use narwhal_testkit::sim_stats::SimStats;
 use narwhal_testkit::{
     DECIDE, DecisionRow, EventRow, L1, L2, Load, ONE_P_THREE_D, RequestRow, RouterHandle, Shape,
     controller_fleet, decided, metric, parse_document, parse_row, token_prompt,
     unique_token_prompt,
 };
+use serde::Deserialize;
 use serde_json::{Value, json};
+
+/// SGLang's `GET /server_info` as the simulator answers it, the fields read here.
+#[derive(Debug, Deserialize)]
+struct ServerInfo {
+    /// The launch argument.
+    disaggregation_mode: String,
+    /// The schedulers' live state.
+    internal_states: Vec<SchedulerState>,
+}
+
+/// One entry of [`ServerInfo::internal_states`].
+#[derive(Debug, Deserialize)]
+struct SchedulerState {
+    /// The live role (it differs from the launch argument after a switch).
+    disaggregation_mode: String,
+    /// Decode CUDA-graph memory (0 outside decode).
+    decode_cuda_graph_memory_gb: f64,
+}
+
+impl ServerInfo {
+    /// The first scheduler's live role.
+    fn live_mode(&self) -> Option<&str> {
+        self.internal_states
+            .first()
+            .map(|s| s.disaggregation_mode.as_str())
+    }
+}
+
+/// SGLang's `POST /pd_role_switch` answer, the fields read here.
+#[derive(Debug, Deserialize)]
+struct RoleSwitchReply {
+    success: Option<bool>,
+    message: Option<String>,
+}
+
+/// What `narwhal-bench profile` measured (a fleet file's profile), the costs checked here.
+#[derive(Debug, Deserialize)]
+struct MeasuredProfile {
+    ttft_a: f64,
+    ttft_b: f64,
+    ttft_c: f64,
+    tpot_intercept: f64,
+    tpot_request_slope: f64,
+}
+
+/// The engine's `POST /tokenize` answer: how many tokens the prompt is.
+#[derive(Debug, Deserialize)]
+struct Tokenized {
+    count: u64,
+}
 
 /// The controller's fields of `/narwhal/state` (every world here runs the controller).
 fn ctl(s: &State) -> &ControllerFields {
@@ -651,12 +703,8 @@ async fn s6_without_a_donor_the_fleet_health_hold_applies() {
     assert_eq!(r.events("below_floor").len(), 1);
     assert_eq!(ctl(&s).control.flips_refused, 0);
     assert_eq!(s.pools.prefill, ["e0"]);
-    let served_aggregated = fleet.sim("e1").stats().await["requests"]["aggregated"]
-        .as_u64()
-        .unwrap_or(0)
-        + fleet.sim("e2").stats().await["requests"]["aggregated"]
-            .as_u64()
-            .unwrap_or(0);
+    let served_aggregated = fleet.sim("e1").counters().await.requests.aggregated
+        + fleet.sim("e2").counters().await.requests.aggregated;
     assert!(served_aggregated > 0, "prefill legs ran on e1/e2");
 }
 
@@ -1064,25 +1112,25 @@ async fn s13_sglang_donor_is_held_until_idle_then_switched() {
         "{reason}"
     );
     let donor = reason.split(' ').nth(1).unwrap_or("").to_string();
-    let decodes = |v: &Value| v["requests"]["decode"].as_u64().unwrap_or(0);
-    let before = decodes(&fleet.sim(&donor).stats().await);
+    let decodes = |v: &SimStats| v.requests.decode;
+    let before = decodes(&fleet.sim(&donor).counters().await);
     let others: u64 = {
         let mut n = 0;
         for i in ["e1", "e2", "e3"].iter().filter(|i| **i != donor) {
-            n += decodes(&fleet.sim(i).stats().await);
+            n += decodes(&fleet.sim(i).counters().await);
         }
         n
     };
     narwhal_testkit::eventually("traffic on the other decode engines", DECIDE, || async {
         let mut n = 0;
         for i in ["e1", "e2", "e3"].iter().filter(|i| **i != donor) {
-            n += decodes(&fleet.sim(i).stats().await);
+            n += decodes(&fleet.sim(i).counters().await);
         }
         (n >= others + 5).then_some(())
     })
     .await;
     assert_eq!(
-        decodes(&fleet.sim(&donor).stats().await),
+        decodes(&fleet.sim(&donor).counters().await),
         before,
         "new decode legs avoid {donor}"
     );
@@ -1093,23 +1141,19 @@ async fn s13_sglang_donor_is_held_until_idle_then_switched() {
     assert!(applied.at > hold.at);
     let sim = fleet.sim(&donor);
     narwhal_testkit::eventually("the engine switched", DECIDE, || async {
-        (sim.stats().await["role_switches"] == 1).then_some(())
+        (sim.counters().await.role_switches == 1).then_some(())
     })
     .await;
-    let info = fleet
+    let info: ServerInfo = fleet
         .http
         .get(format!("{}/server_info", sim.url))
         .await
-        .json();
-    assert_eq!(info["internal_states"][0]["disaggregation_mode"], "prefill");
+        .json_as();
+    assert_eq!(info.live_mode(), Some("prefill"), "{info:?}");
     let s = r.state().await;
     assert!(s.pools.prefill.contains(&donor));
     narwhal_testkit::eventually("the switched engine serves prefill", DECIDE, || async {
-        (sim.stats().await["requests"]["prefill"]
-            .as_u64()
-            .unwrap_or(0)
-            > 0)
-        .then_some(())
+        (sim.counters().await.requests.prefill > 0).then_some(())
     })
     .await;
     load.stop().await;
@@ -1460,12 +1504,9 @@ async fn a_queued_client_that_leaves_is_never_dispatched() {
         .await;
     let r = fleet.router();
     let (stream, _) = r.hold_stream(10, 100).await;
-    let count = |v: &Value| {
-        v["requests"]["prefill"].as_u64().unwrap_or(0)
-            + v["requests"]["decode"].as_u64().unwrap_or(0)
-            + v["requests"]["aggregated"].as_u64().unwrap_or(0)
-    };
-    let before = count(&fleet.sim("e0").stats().await) + count(&fleet.sim("e1").stats().await);
+    let count = |v: &SimStats| v.requests.prefill + v.requests.decode + v.requests.aggregated;
+    let before =
+        count(&fleet.sim("e0").counters().await) + count(&fleet.sim("e1").counters().await);
     let client = r.http.client().clone();
     let url = format!("{}/v1/completions", r.data);
     let gone = tokio::spawn(async move {
@@ -1492,7 +1533,7 @@ async fn a_queued_client_that_leaves_is_never_dispatched() {
     assert!(stream.finish().await);
     r.state_until("the leaver settled cancelled", |s| s.cancelled == 1)
         .await;
-    let after = count(&fleet.sim("e0").stats().await) + count(&fleet.sim("e1").stats().await);
+    let after = count(&fleet.sim("e0").counters().await) + count(&fleet.sim("e1").counters().await);
     assert_eq!(after, before, "no leg of the leaver reached an engine");
 }
 
@@ -1510,8 +1551,8 @@ async fn the_simulated_sglang_role_switch_route_follows_sglang() {
     let r = fleet.http.post(&url, &json!({"new_role": "decode"})).await;
     assert_eq!(r.status.as_u16(), 400);
     assert_eq!(
-        r.json()["message"],
-        "--enable-pd-role-switch is not set on this instance"
+        r.json_as::<RoleSwitchReply>().message.as_deref(),
+        Some("--enable-pd-role-switch is not set on this instance")
     );
     drop(fleet);
     let fleet = narwhal_testkit::Fleet::builder()
@@ -1528,17 +1569,14 @@ async fn the_simulated_sglang_role_switch_route_follows_sglang() {
             .http
             .get(format!("{}/server_info", sim.url))
             .await
-            .json()
+            .json_as::<ServerInfo>()
     };
-    assert_eq!(
-        info().await["internal_states"][0]["disaggregation_mode"],
-        "prefill"
-    );
+    assert_eq!(info().await.live_mode(), Some("prefill"));
     let bad = fleet.http.post(&url, &json!({"new_role": "both"})).await;
     assert_eq!(
         (
             bad.status.as_u16(),
-            bad.json()["message"].as_str().map(String::from)
+            bad.json_as::<RoleSwitchReply>().message
         ),
         (400, Some("invalid new_role=\"both\"".into()))
     );
@@ -1546,9 +1584,9 @@ async fn the_simulated_sglang_role_switch_route_follows_sglang() {
         .http
         .post(&url, &json!({"new_role": "prefill"}))
         .await
-        .json();
+        .json_as::<RoleSwitchReply>();
     assert_eq!(
-        (same["success"].as_bool(), same["message"].as_str()),
+        (same.success, same.message.as_deref()),
         (Some(true), Some("already in target role"))
     );
     let ok = fleet.http.post(&url, &json!({"new_role": "decode"})).await;
@@ -1558,18 +1596,19 @@ async fn the_simulated_sglang_role_switch_route_follows_sglang() {
         json!({"success": true, "message": "ok", "old_role": "prefill", "new_role": "decode"})
     );
     let st = info().await;
-    assert_eq!(st["internal_states"][0]["disaggregation_mode"], "decode");
+    assert_eq!(st.live_mode(), Some("decode"), "{st:?}");
     assert_eq!(
-        st["disaggregation_mode"], "prefill",
+        st.disaggregation_mode, "prefill",
         "the server argument keeps the launch role"
     );
     assert!(
-        st["internal_states"][0]["decode_cuda_graph_memory_gb"]
-            .as_f64()
-            .unwrap_or(0.0)
-            > 0.0
+        st.internal_states
+            .first()
+            .map_or(0.0, |s| s.decode_cuda_graph_memory_gb)
+            > 0.0,
+        "{st:?}"
     );
-    assert_eq!(sim.stats().await["role_switches"], 1);
+    assert_eq!(sim.counters().await.role_switches, 1);
 }
 
 /// `narwhal-bench profile` measures an engine's profile in the fleet file's shape; the simulator's
@@ -1608,18 +1647,24 @@ async fn the_profiling_tool_recovers_the_simulators_costs() {
         String::from_utf8_lossy(&out.stderr)
     );
     let p: Value = serde_json::from_slice(&out.stdout).expect("a JSON profile");
-    let near = |k: &str, want: f64, tol: f64| {
-        let got = p[k].as_f64().unwrap_or(f64::NAN);
+    let measured: MeasuredProfile =
+        serde_json::from_value(p.clone()).unwrap_or_else(|e| panic!("not a profile: {e}: {p:#}"));
+    let near = |k: &str, got: f64, want: f64, tol: f64| {
         assert!(
             (got - want).abs() <= tol,
             "{k}: {got} vs {want} ± {tol} in {p:#}"
         );
     };
-    near("ttft_b", 0.0004, 0.00006);
-    near("ttft_c", 0.030, 0.015);
-    near("tpot_intercept", 0.015, 0.004);
-    near("tpot_request_slope", 0.0008, 0.0003);
-    near("ttft_a", 0.0, 1e-7);
+    near("ttft_b", measured.ttft_b, 0.0004, 0.00006);
+    near("ttft_c", measured.ttft_c, 0.030, 0.015);
+    near("tpot_intercept", measured.tpot_intercept, 0.015, 0.004);
+    near(
+        "tpot_request_slope",
+        measured.tpot_request_slope,
+        0.0008,
+        0.0003,
+    );
+    near("ttft_a", measured.ttft_a, 0.0, 1e-7);
     // A router takes it as it is: its controller runs on it.
     let doc = json!({"schema": "narwhal.fleet", "schema_version": 2, "model": "tiny-sim",
         "engines": [{"iid": "e0", "url": fleet.sim("e0").url}], "slo": {"ttft_s": 1, "tpot_s": 0.1},
@@ -1662,9 +1707,8 @@ async fn predictive_sizing_uses_tokenize_and_falls_back_to_characters() {
             &json!({"model": "tiny-sim", "prompt": prompt}),
         )
         .await
-        .json()["count"]
-        .as_u64()
-        .expect("the engine counts");
+        .json_as::<Tokenized>()
+        .count;
     assert_ne!(
         counted, estimate,
         "the test needs a prompt the two sizings disagree on"

@@ -19,8 +19,16 @@ use narwhal_shared::documents::lifecycle::Engine;
 use narwhal_shared::{
     AgentClient, AgentEndpoint, AgentTimeouts, Fence, PublicKey, SystemClock, TransferVerdict,
 };
-use narwhal_testkit::{Fleet, Http, RouterHandle, SimHandle, metric};
+use narwhal_testkit::{Answer, Fleet, Http, RouterHandle, SimHandle, metric};
+use serde::Deserialize;
 use serde_json::{Value, json};
+
+/// A simulator's `--ready-file` document, the field read here.
+#[derive(Debug, Deserialize)]
+struct SimReady {
+    /// Base URL of its admin listener.
+    admin: String,
+}
 
 // ---------------------------------------------------------------------------------------------
 // The simulator's surfaces.
@@ -62,7 +70,9 @@ async fn the_test_hooks_are_served_only_on_the_admin_listener() {
     for dialect in ["vllm", "sglang"] {
         let (s, _dir) = raw_sim(&["--dialect", dialect]);
         assert_ne!(s.admin, s.url, "{dialect}: a listener of its own");
-        assert_eq!(s.ready["admin"], s.admin.as_str());
+        let ready: SimReady = serde_json::from_value(s.ready.clone())
+            .unwrap_or_else(|e| panic!("{dialect}: ready file: {e}: {}", s.ready));
+        assert_eq!(ready.admin, s.admin);
         // The engine port is the engine's: no hooks, a 404 as from vLLM or SGLang.
         for (method, path) in [
             ("GET", "/sim/stats"),
@@ -84,7 +94,7 @@ async fn the_test_hooks_are_served_only_on_the_admin_listener() {
         }
         // Nothing was queued through the engine port, and the admin listener serves the hooks.
         assert_eq!(s.faults().await, []);
-        assert_eq!(s.stats().await["dialect"], dialect);
+        assert_eq!(s.counters().await.dialect, dialect);
         // The admin listener serves nothing of the engine's.
         for path in ["/v1/models", "/metrics", "/health"] {
             let r = http.get(format!("{}{path}", s.admin)).await;
@@ -100,7 +110,7 @@ async fn the_admin_listener_keeps_its_port_across_a_restart() {
     let before = f.sim("d0").admin.clone();
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     assert_eq!(f.sim("d0").admin, before);
-    assert_eq!(f.sim("d0").stats().await["requests"]["decode"], 0);
+    assert_eq!(f.sim("d0").counters().await.requests.decode, 0);
 }
 
 /// A vLLM prefill on `p` (through the engine port): its descriptor.
@@ -113,7 +123,9 @@ async fn vllm_prefill(http: &Http, p: &SimHandle, prompt: &str) -> Value {
         )
         .await;
     assert_eq!(r.status, 200, "{}", r.text());
-    r.json()["kv_transfer_params"].clone()
+    r.json_as::<Answer>()
+        .kv_transfer_params
+        .unwrap_or(Value::Null)
 }
 
 /// A vLLM decode on `d` with descriptor `kv` (non-streaming): the status.
@@ -388,7 +400,7 @@ async fn with_the_engines_transfer_counters_the_evidence_is_confirmed() {
                 "SGLang publishes no sources: {t:?}"
             );
         }
-        assert_eq!(f.sim("d0").stats().await["kv"]["consumed"], 1);
+        assert_eq!(f.sim("d0").counters().await.kv.consumed, 1);
     }
 }
 
@@ -414,7 +426,7 @@ async fn without_transfer_counters_a_successful_decode_is_inferred() {
             "{t:?}"
         );
         // The simulator did transfer: only the evidence is weaker.
-        assert_eq!(f.sim("d0").stats().await["kv"]["consumed"], 1);
+        assert_eq!(f.sim("d0").counters().await.kv.consumed, 1);
     }
 }
 
@@ -445,14 +457,8 @@ async fn a_failed_transfer_is_refuted_and_fails_the_check_naming_it() {
         t.recomputed_delta.is_some_and(|d| d > 1),
         "local_compute rose by the prompt: {t:?}"
     );
-    let st = f.sim("d0").stats().await;
-    assert_eq!(
-        (
-            st["kv"]["rejected"].as_u64(),
-            st["kv"]["recomputed"].as_u64()
-        ),
-        (Some(1), Some(1))
-    );
+    let kv = f.sim("d0").counters().await.kv;
+    assert_eq!((kv.rejected, kv.recomputed), (1, 1), "{kv:?}");
 
     // Policy "fail" (vLLM's default): the decode fails with the engine's message.
     let c = refuted_check(&f, Some(fail_transfer()), "vllm-fail").await;
@@ -497,7 +503,7 @@ async fn an_sglang_consumer_that_is_not_in_decode_mode_is_refuted() {
     assert!(!r.ok);
     let err = r.error.as_deref().unwrap_or_default();
     assert!(err.contains("disaggregation_mode \"null\""), "{err}");
-    assert_eq!(f.sim("d0").stats().await["kv"]["consumed"], 0);
+    assert_eq!(f.sim("d0").counters().await.kv.consumed, 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -578,13 +584,9 @@ async fn drain_restart_readmit(f: &mut Fleet, r: &RouterHandle, iid: &str) {
     let e = entry(&doc, iid);
     assert_eq!(e.state.as_str(), "active", "{ctx}: {doc:#?}");
     assert_checks(&e.checks, &expected_checks(&f.dialect, iid), &ctx);
-    let before = f.sim("d0").stats().await["kv"]["consumed"]
-        .as_u64()
-        .unwrap_or(0);
+    let before = f.sim("d0").counters().await.kv.consumed;
     r.complete(&format!("served after {iid} came back")).await;
-    let after = f.sim("d0").stats().await["kv"]["consumed"]
-        .as_u64()
-        .unwrap_or(0);
+    let after = f.sim("d0").counters().await.kv.consumed;
     assert!(after > before, "{ctx}: P/D traffic after the readmission");
 }
 
@@ -643,12 +645,12 @@ async fn agents_in_front_of_keyed_engines_readmit_through_the_six_checks() {
     r.complete("served by keyed engines").await;
     // Nobody reached the engines without the key.
     for iid in ["p0", "d0"] {
-        assert_eq!(f.sim(iid).stats().await["unauthorized"], 0, "{iid}");
+        assert_eq!(f.sim(iid).counters().await.unauthorized, 0, "{iid}");
     }
     drain_restart_readmit(&mut f, &r, "d0").await;
     drain_restart_readmit(&mut f, &r, "p0").await;
     for iid in ["p0", "d0"] {
-        assert_eq!(f.sim(iid).stats().await["unauthorized"], 0, "{iid}");
+        assert_eq!(f.sim(iid).counters().await.unauthorized, 0, "{iid}");
     }
     // The key is in no document the agents sign or the router serves.
     // The raw body: no field of it, known or not, carries the key.

@@ -145,6 +145,25 @@ async fn served_of(r: &RouterHandle) -> u64 {
     st.served
 }
 
+/// The `narwhal.router-lease` record of a file lease, the fields read here (the lease crate's
+/// `LeaseRecord`, which the kit does not depend on).
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+struct LeaseRecord {
+    /// Fencing epoch.
+    epoch: u64,
+    /// Holder token.
+    holder: String,
+}
+
+/// The fleet's file lease record, typed (`None` for etcd, or before the first write).
+fn lease_record(f: &Fleet) -> Option<LeaseRecord> {
+    let v = f.lease_file()?;
+    Some(
+        serde_json::from_value(v.clone())
+            .unwrap_or_else(|e| panic!("not a lease record: {e}: {v}")),
+    )
+}
+
 /// A lease record another router (`holder`) wrote for `epoch`, valid for `valid_s` seconds.
 fn foreign_lease(epoch: u64, holder: &str, valid_s: f64) -> Value {
     let now = std::time::SystemTime::now()
@@ -221,9 +240,9 @@ async fn kill_during_wave(backend: LeaseBackend) {
     let sha = s.ha().await;
     assert_eq!(epoch_of(&sha), epoch + 1, "claimed epoch+1: {sha:?}");
     assert_ne!(holder_of(&sha), holder);
-    if let Some(rec) = f.lease_file() {
-        assert_eq!(rec["holder"], sha.holder.as_str(), "{rec}");
-        assert_eq!(rec["epoch"], epoch + 1, "{rec}");
+    if let Some(rec) = lease_record(&f) {
+        assert_eq!(rec.holder, sha.holder.as_str(), "{rec:?}");
+        assert_eq!(rec.epoch, epoch + 1, "{rec:?}");
     }
 
     // Same wave state on the new primary.
@@ -491,8 +510,8 @@ async fn fenced_primary_takes_the_fleet_back_only_with_the_newest_state() {
         "d0 stays held out of placement: {lc:#?}"
     );
     assert!(!d0.accepts_new, "{lc:#?}");
-    if let Some(rec) = f.lease_file() {
-        assert_eq!(rec["epoch"], epoch + 2, "one claim, no churn: {rec}");
+    if let Some(rec) = lease_record(&f) {
+        assert_eq!(rec.epoch, epoch + 2, "one claim, no churn: {rec:?}");
     }
 }
 
@@ -557,16 +576,15 @@ async fn standby_refuses_a_handoff_older_than_the_lease_and_does_not_churn_the_e
         "[ha_e2e] File: stale handoff refused: {}",
         why.unwrap_or_default()
     );
-    let first = f.lease_file().expect("lease record");
+    let first = lease_record(&f).expect("lease record");
     // Several more takeover attempts' worth of time.
     let churn = wait_until(Duration::from_secs(2), || async {
-        let rec = f.lease_file()?;
-        (rec["epoch"] != first["epoch"] || s.controls().await.as_deref() == Some("active"))
-            .then_some(rec)
+        let rec = lease_record(&f)?;
+        (rec.epoch != first.epoch || s.controls().await.as_deref() == Some("active")).then_some(rec)
     })
     .await;
-    assert_eq!(churn, None, "the epoch moved on from {first}");
-    assert!(first["epoch"].as_u64() <= Some(epoch + 2), "{first}");
+    assert_eq!(churn, None, "the epoch moved on from {first:?}");
+    assert!(first.epoch <= epoch + 2, "{first:?}");
     assert_eq!(s.ready().await.0, 503);
 }
 
@@ -617,10 +635,10 @@ async fn a_foreign_lease_record_fences_the_primary_and_stops_its_state_writes() 
     })
     .await;
     assert_eq!(changed, None, "a fenced router rewrote the state file");
-    let rec = f.lease_file().expect("lease");
+    let rec = lease_record(&f).expect("lease");
     assert_eq!(
-        rec["holder"], "other:0",
-        "the foreign record is left alone: {rec}"
+        rec.holder, "other:0",
+        "the foreign record is left alone: {rec:?}"
     );
 }
 
@@ -676,9 +694,9 @@ async fn unreachable_primary_keeps_its_lease(backend: LeaseBackend) {
         "{lc:#?}"
     );
     assert_eq!(p.controls().await.as_deref(), Some("active"));
-    if let Some(rec) = f.lease_file() {
-        assert_eq!(rec["holder"], holder.as_str(), "not claimed: {rec}");
-        assert_eq!(rec["epoch"], epoch, "{rec}");
+    if let Some(rec) = lease_record(&f) {
+        assert_eq!(rec.holder, holder.as_str(), "not claimed: {rec:?}");
+        assert_eq!(rec.epoch, epoch, "{rec:?}");
     }
     // The primary still serves.
     assert_eq!(p.completion("still here", 2).await.status, 200);
@@ -782,9 +800,9 @@ async fn standby_with_its_wall_clock_ahead(backend: LeaseBackend) {
         s.proc.stderr_tail(20)
     );
     assert!(seen.len() >= 20, "sampled: {}", seen.len());
-    if let Some(rec) = f.lease_file() {
-        assert_eq!(rec["holder"], holder.as_str(), "not claimed: {rec}");
-        assert_eq!(rec["epoch"], epoch, "{rec}");
+    if let Some(rec) = lease_record(&f) {
+        assert_eq!(rec.holder, holder.as_str(), "not claimed: {rec:?}");
+        assert_eq!(rec.epoch, epoch, "{rec:?}");
     }
     let lc = s.lifecycle().await;
     assert_eq!(

@@ -2,11 +2,12 @@
 //! routers, agents and simulators with mutual TLS; the router is killed with SIGKILL and a new one
 //! resumes from `recovery.state_path`.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
-use narwhal_shared::handoff::{DrainState, Handoff};
-use narwhal_testkit::{ById, Fleet, RouterHandle, handoff_file_where, metric};
-use serde_json::{Value, json};
+use narwhal_shared::handoff::{DrainRecord, DrainState, Handoff, LifecycleState};
+use narwhal_testkit::{ById, Fleet, RouterHandle, handoff_file_where, merge, metric};
+use serde_json::json;
 
 /// p0 (prefill) and d0 (decode), each on its own simulated host with an agent; the test starts
 /// the routers (all sharing `state.json`).
@@ -67,7 +68,7 @@ async fn handoff_validates_round_trips_and_resume_restores_totals_and_holds() {
     ] {
         assert!(h.counters.contains_key(c), "counter {c} missing: {live}");
     }
-    assert_eq!(h.counters["served"], 5);
+    assert_eq!(h.counters.get("served"), Some(&5), "{live}");
     assert!(h.demand_risk.is_none());
     assert_eq!(
         serde_json::to_value(&h).expect("serialise"),
@@ -75,7 +76,7 @@ async fn handoff_validates_round_trips_and_resume_restores_totals_and_holds() {
         "round trip"
     );
     let saved = handoff_file_where(&f.state_path("router-a"), Duration::from_secs(10), |h| {
-        h.counters["served"] == 5
+        h.counters.get("served") == Some(&5)
             && h.lifecycle
                 .records
                 .iter()
@@ -128,19 +129,29 @@ async fn resume_refuses_torn_invalid_and_foreign_documents() {
     let good = a.handoff().await;
     drop(a);
     let text = serde_json::to_string(&good).expect("json");
+    let h = Handoff::from_value(good.clone()).expect("the live handoff validates");
+    // A negative epoch has no typed form: the document itself, with that one field replaced.
     let mut bad_epoch = good.clone();
-    bad_epoch["epoch"] = json!(-1);
-    let mut foreign = good.clone();
-    foreign["engines"] = json!(["e0", "e9"]);
-    foreign["roles"] = json!({});
-    foreign["lifecycle"]["process_starts"] = json!({});
-    let mut other_model = good.clone();
-    other_model["model"] = json!("another-model");
+    merge(&mut bad_epoch, json!({"epoch": -1}));
+    let foreign = Handoff {
+        engines: vec!["e0".into(), "e9".into()],
+        roles: BTreeMap::new(),
+        lifecycle: LifecycleState {
+            process_starts: BTreeMap::new(),
+            ..h.lifecycle.clone()
+        },
+        ..h.clone()
+    };
+    let other_model = Handoff {
+        model: "another-model".into(),
+        ..h.clone()
+    };
+    let json = |h: &Handoff| serde_json::to_string(h).expect("json");
     let cases: [(&str, String, &str); 4] = [
         ("torn", text[..text.len() / 2].to_string(), "not JSON"),
         ("bad field", bad_epoch.to_string(), "epoch"),
-        ("foreign fleet", foreign.to_string(), "handoff names"),
-        ("foreign model", other_model.to_string(), "model"),
+        ("foreign fleet", json(&foreign), "handoff names"),
+        ("foreign model", json(&other_model), "model"),
     ];
     for (i, (name, content, want)) in cases.into_iter().enumerate() {
         let label = format!("router-{i}");
@@ -184,14 +195,22 @@ async fn resume_refuses_torn_invalid_and_foreign_documents() {
 async fn interrupted_validation_is_restored_as_blocked() {
     let f = fleet().await;
     let a = f.start_router("router-a", &[]);
-    let mut doc: Value = a.handoff().await;
+    let mut doc = Handoff::from_value(a.handoff().await).expect("the live handoff validates");
     drop(a);
-    doc["lifecycle"]["records"] = json!([{
-        "iid": "d0", "state": "validating", "requested_at": 1.0e9, "deadline_at": 1.0e9,
-        "restart_required": true, "wave_id": "", "old_process_start": 1.0,
-        "new_process_start": null, "error": "", "checks": []
-    }]);
-    std::fs::write(f.state_path("router-b"), doc.to_string()).expect("write");
+    doc.lifecycle.records = vec![DrainRecord {
+        iid: "d0".into(),
+        state: DrainState::Validating,
+        requested_at: 1.0e9,
+        deadline_at: 1.0e9,
+        restart_required: true,
+        wave_id: String::new(),
+        old_process_start: Some(1.0),
+        new_process_start: None,
+        error: String::new(),
+        checks: vec![],
+    }];
+    let text = serde_json::to_string(&doc).expect("json");
+    std::fs::write(f.state_path("router-b"), text).expect("write");
     let b = f.start_router("router-b", &["--resume"]);
     let lc = b.lifecycle().await;
     let d0 = &lc.engines.of("d0");

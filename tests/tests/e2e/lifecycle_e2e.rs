@@ -19,8 +19,7 @@ use std::time::Duration;
 use narwhal_shared::documents::requests::{DrainBody, ReadmitBody};
 use narwhal_shared::handoff::DrainState;
 use narwhal_testkit::{
-    ById, Fleet, RouterHandle, SimHandle, WAIT, bin_path, count as n, metric, narwhalctl,
-    wait_until,
+    ById, Fleet, RouterHandle, SimHandle, WAIT, bin_path, metric, narwhalctl, wait_until,
 };
 use serde_json::{Value, json};
 
@@ -65,14 +64,18 @@ async fn lab_sized(
 
 /// Requests engine `iid` received in `phase` (`prefill`, `decode`, `aggregated`).
 async fn requests(f: &Fleet, iid: &str, phase: &str) -> u64 {
-    n(&f.sim(iid).stats().await["requests"][phase])
+    let r = f.sim(iid).counters().await.requests;
+    match phase {
+        "prefill" => r.prefill,
+        "decode" => r.decode,
+        "aggregated" => r.aggregated,
+        _ => panic!("no phase {phase:?}"),
+    }
 }
 
 /// The engine's process start, as the simulator reports it.
 async fn started_at(f: &Fleet, iid: &str) -> f64 {
-    f.sim(iid).stats().await["started_at"]
-        .as_f64()
-        .expect("started_at")
+    f.sim(iid).counters().await.started_at
 }
 
 /// One completion whose answer does not matter, not even a transport error: it trips the
@@ -1109,7 +1112,7 @@ async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
     assert!(!e.accepts_new, "{doc:#?}");
     assert!(!e.restart_required);
     assert!(
-        f.sim("d0").stats().await["requests"]["decode"] == 0,
+        f.sim("d0").counters().await.requests.decode == 0,
         "no traffic reaches an engine that failed validation"
     );
     f.sim_mut("d0").restart(&[]).expect("d0 right again");
@@ -1134,7 +1137,7 @@ async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
         .restart(&["--bootstrap-port", "0"])
         .expect("p0 back on a new bootstrap port");
     assert_ne!(f.sim("p0").bootstrap_port, old_port, "a new bootstrap port");
-    let rejected_before = f.sim("d0").stats().await["kv"]["rejected"].clone();
+    let rejected_before = f.sim("d0").counters().await.kv.rejected;
     // Traffic runs through the readmission: the first P/D requests placed on p0 after it is
     // back must already use its new bootstrap port.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -1184,21 +1187,21 @@ async fn sglang_prefill_readmitted_on_a_new_bootstrap_port_serves_at_once() {
     let (sent, bad) = hammer.await.unwrap();
     assert!(bad.is_empty(), "{} of {sent} failed: {bad:?}", bad.len());
     assert_eq!(
-        f.sim("d0").stats().await["kv"]["rejected"],
+        f.sim("d0").counters().await.kv.rejected,
         rejected_before,
         "no decode used a stale bootstrap port"
     );
     let (p, d) = (
-        f.sim("p0").stats().await["requests"]["prefill"].clone(),
-        f.sim("d0").stats().await["kv"].clone(),
+        f.sim("p0").counters().await.requests.prefill,
+        f.sim("d0").counters().await.kv,
     );
     for i in 0..3 {
         r.complete(&format!("right after readmission {i}")).await;
     }
-    let d2 = f.sim("d0").stats().await["kv"].clone();
-    assert!(requests(&f, "p0", "prefill").await >= n(&p) + 3);
-    assert_eq!(d2["rejected"], d["rejected"], "no rendezvous failed: {d2}");
-    assert!(n(&d2["consumed"]) >= n(&d["consumed"]) + 3, "{d2}");
+    let d2 = f.sim("d0").counters().await.kv;
+    assert!(requests(&f, "p0", "prefill").await >= p + 3);
+    assert_eq!(d2.rejected, d.rejected, "no rendezvous failed: {d2:?}");
+    assert!(d2.consumed >= d.consumed + 3, "{d2:?}");
 }
 
 /// Under `whole_wave`, an engine that crashed (ejected, still down) is bound to the last process

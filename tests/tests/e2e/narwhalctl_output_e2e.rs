@@ -7,13 +7,78 @@
 //! `wave-restart` needs a restart command an operator could type: `narwhal-dev restart {iid}
 //! --dir DIR`.
 
+use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use narwhal_shared::documents::Lifecycle;
 use narwhal_testkit::{
     CommandOutput, DevUp, Http, RouterProbe, bin_path, ctl, json_values, run, signal_pid,
 };
+use serde::Deserialize;
 use serde_json::{Value, json};
+
+/// The document `narwhalctl --json wave-restart` prints (schema `narwhalctl.wave-restart`), the
+/// fields these tests read (narwhalctl's own type is inside its binary).
+#[derive(Debug, Deserialize)]
+struct WaveReport {
+    /// The wave finished.
+    ok: bool,
+    /// What happened to each engine.
+    engines: Vec<EngineReport>,
+    /// What stopped the wave, `None` on success.
+    error: Option<String>,
+    /// The exact command that continues the wave, `None` on success.
+    next_command: Option<String>,
+    /// The router's lifecycle document at the end, `None` if it could not be read.
+    lifecycle: Option<Lifecycle>,
+}
+
+/// One engine of a [`WaveReport`].
+#[derive(Debug, Deserialize)]
+struct EngineReport {
+    iid: String,
+    /// The restart command exited 0.
+    restarted: bool,
+    /// The readmission passed.
+    readmitted: bool,
+    /// Checks the router reported for it.
+    checks: Vec<String>,
+}
+
+/// What `narwhalctl --json status` adds to the lifecycle document: the ejected engines with
+/// their breaker causes.
+#[derive(Debug, Deserialize)]
+struct StatusReport {
+    ejected: BTreeMap<String, Ejected>,
+}
+
+/// An ejected engine of a [`StatusReport`]: ejections per breaker cause.
+#[derive(Debug, Deserialize)]
+struct Ejected {
+    causes: BTreeMap<String, u64>,
+}
+
+/// An engine of `narwhal-dev up`'s ready file ([`DevUp::engine`]), the fields read here.
+#[derive(Debug, Deserialize)]
+struct DevEngine {
+    url: String,
+    pid: i32,
+}
+
+/// Engine `iid` of the session's ready file, typed.
+fn dev_engine(up: &DevUp, iid: &str) -> DevEngine {
+    let e = up.engine(iid);
+    serde_json::from_value(e.clone()).unwrap_or_else(|err| panic!("{iid}: {err}: {e}"))
+}
+
+/// The one [`WaveReport`] a `wave-restart --json` printed, with its text for messages.
+fn wave_report(r: &CommandOutput) -> (WaveReport, Value) {
+    let doc = one_document(r);
+    let rep = serde_json::from_value(doc.clone())
+        .unwrap_or_else(|e| panic!("not a wave-restart report: {e}: {doc}"));
+    (rep, doc)
+}
 
 /// `narwhalctl --json wave-restart <args> --timeout-s 90` against `control`.
 fn wave_restart(control: &str, args: &[&str]) -> CommandOutput {
@@ -110,19 +175,17 @@ fn narwhalctl_wave_restart_json_is_one_document_and_a_failed_wave_names_the_comm
     );
     let r = wave_restart(&control, &["--rolling", "--restart-cmd", &restart_cmd]);
     assert_eq!(r.code, 0, "rolling wave: {}{}", r.stdout, r.stderr);
-    let rep = &one_document(&r);
-    assert_eq!(rep["ok"], true, "{rep}");
-    assert_eq!(rep["engines"].as_array().map(Vec::len), Some(3), "{rep}");
-    for e in rep["engines"].as_array().unwrap() {
-        assert_eq!(e["readmitted"], true, "{e}");
+    let (rep, doc) = wave_report(&r);
+    assert!(rep.ok, "{doc}");
+    assert_eq!(rep.engines.len(), 3, "{doc}");
+    for e in &rep.engines {
+        assert!(e.readmitted, "{e:?}");
         assert!(
-            e["checks"]
-                .as_array()
-                .is_some_and(|c| c.iter().any(|x| x == "new process identity")),
-            "{e}"
+            e.checks.iter().any(|x| x == "new process identity"),
+            "{e:?}"
         );
     }
-    let p0_url = up.engine("p0")["url"].as_str().expect("p0 url").to_string();
+    let p0_url = dev_engine(&up, "p0").url;
     let p0_port = p0_url.rsplit(':').next().unwrap();
     assert!(
         r.stderr.contains(&format!(
@@ -147,19 +210,16 @@ fn narwhalctl_wave_restart_json_is_one_document_and_a_failed_wave_names_the_comm
     );
     let r = wave_restart(&control, &["--restart-cmd", &flaky]);
     assert_eq!(r.code, 1, "failed wave: {}{}", r.stdout, r.stderr);
-    let rep = &one_document(&r);
-    assert_eq!(rep["ok"], false, "{rep}");
+    let (rep, doc) = wave_report(&r);
+    assert!(!rep.ok, "{doc}");
     assert!(
-        rep["error"]
-            .as_str()
+        rep.error
+            .as_deref()
             .unwrap_or("")
             .contains("d1: restart command"),
-        "{rep}"
+        "{doc}"
     );
-    let next = rep["next_command"]
-        .as_str()
-        .expect("next_command")
-        .to_string();
+    let next = rep.next_command.expect("next_command");
     assert!(next.contains("--resume --engines d1,p0"), "{next}");
     assert!(
         r.stderr.contains(&next),
@@ -177,23 +237,28 @@ fn narwhalctl_wave_restart_json_is_one_document_and_a_failed_wave_names_the_comm
     cmd.arg("-c").arg(&next);
     let r = run(cmd);
     assert_eq!(r.code, 0, "resumed wave `{next}`: {}{}", r.stdout, r.stderr);
-    let docs = json_values(&r.stdout);
-    assert_eq!(docs.len(), 1, "{}", r.stdout);
-    assert_eq!(docs[0]["ok"], true, "{}", docs[0]);
-    assert_eq!(docs[0]["lifecycle"]["wave"]["active"], false, "{}", docs[0]);
-    let restarted: Vec<&str> = docs[0]["engines"]
-        .as_array()
-        .unwrap()
+    let (rep, doc) = wave_report(&r);
+    assert!(rep.ok, "{doc}");
+    assert_eq!(
+        rep.lifecycle
+            .as_ref()
+            .filter(|l| l.is_lifecycle())
+            .map(|l| l.wave.active),
+        Some(false),
+        "{doc}"
+    );
+    let restarted: Vec<&str> = rep
+        .engines
         .iter()
-        .filter(|e| e["restarted"] == true)
-        .filter_map(|e| e["iid"].as_str())
+        .filter(|e| e.restarted)
+        .map(|e| e.iid.as_str())
         .collect();
     // d0 was restarted before d1 failed; the engines after d1 (p0) were not yet.
     assert_eq!(
         restarted,
         ["d1", "p0"],
         "--resume restarts only what is left: {}",
-        docs[0]
+        doc
     );
     drop(up);
 }
@@ -209,7 +274,7 @@ async fn narwhalctl_status_shows_an_ejected_engine_as_ejected_with_its_cause() {
     let (data, control, _) = up.urls();
     // Two decode engines, so ejecting one never empties the role (the panic threshold keeps a
     // role's last engine in placement).
-    let d1 = up.engine("d1")["pid"].as_i64().expect("d1 pid") as i32;
+    let d1 = dev_engine(&up, "d1").pid;
     signal_pid(d1, nix::sys::signal::Signal::SIGKILL).expect("kill d1");
     let probe = RouterProbe {
         control: control.clone(),
@@ -246,14 +311,15 @@ async fn narwhalctl_status_shows_an_ejected_engine_as_ejected_with_its_cause() {
         "{line}"
     );
     let r = ctl(&control, &["--json", "status"]);
-    let docs = json_values(&r.stdout);
-    assert_eq!(docs.len(), 1);
+    let doc = one_document(&r);
+    let status: StatusReport = serde_json::from_value(doc.clone())
+        .unwrap_or_else(|e| panic!("not a status report: {e}: {doc}"));
+    let d1_causes = status.ejected.get("d1").map(|e| &e.causes);
     assert!(
         causes
             .iter()
-            .any(|c| docs[0]["ejected"]["d1"]["causes"][c].as_u64() >= Some(1)),
-        "{}",
-        docs[0]
+            .any(|c| d1_causes.and_then(|m| m.get(*c)).copied() >= Some(1)),
+        "{doc}"
     );
     drop(up);
 }

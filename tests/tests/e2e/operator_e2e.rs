@@ -15,6 +15,7 @@
 use std::path::Path;
 use std::process::Command;
 
+use narwhal_shared::documents::requests::{DrainBody, ReadmitBody};
 use narwhal_shared::handoff::DrainState;
 use narwhal_testkit::{
     ById, Clients, EngineSpec, Fleet, FleetSpec, LeaseBackend, WAIT, bin_path, eventually,
@@ -42,6 +43,14 @@ fn write_fleet(dir: &Path, name: &str, doc: &Value) -> String {
     p.to_string_lossy().into_owned()
 }
 
+/// A readmission or cancel-drain body naming `iids`.
+fn engines(iids: &[&str]) -> ReadmitBody {
+    ReadmitBody {
+        engines: iids.iter().map(|i| i.to_string()).collect(),
+        wave: false,
+    }
+}
+
 /// A missing TLS file was found only after the `listening` line and the ready file (exit 1); the
 /// unit's `RestartPreventExitStatus=2` needs exit 2 before anything is bound or printed.
 /// `check-config` reports the same problems, and directories the run would write in.
@@ -52,14 +61,19 @@ fn an_unusable_file_stops_the_router_before_it_listens_and_check_config_names_it
         start_sim(dir.path(), &EngineSpec::new("p0", "prefill"), "vllm").expect("p0"),
         start_sim(dir.path(), &EngineSpec::new("d0", "decode"), "vllm").expect("d0"),
     ];
-    let good = FleetSpec::for_sims("vllm", &sims).to_json(dir.path());
+    let spec = FleetSpec::for_sims("vllm", &sims);
+    let good = spec.to_json(dir.path());
     let good_path = write_fleet(dir.path(), "good.json", &good);
     let missing = dir.path().join("nowhere");
-    let mut bad = good.clone();
-    bad["control"] = json!({"tls": {"ca": missing.join("ca.pem"), "cert": missing.join("c.pem"),
-                                    "key": missing.join("c.key")}});
-    bad["tls"] = json!({"ca": missing.join("ca.pem"), "cert": missing.join("r.pem"),
-                        "key": missing.join("r.key")});
+    let bad = spec
+        .clone()
+        .with(json!({
+            "control": {"tls": {"ca": missing.join("ca.pem"), "cert": missing.join("c.pem"),
+                                "key": missing.join("c.key")}},
+            "tls": {"ca": missing.join("ca.pem"), "cert": missing.join("r.pem"),
+                    "key": missing.join("r.key")},
+        }))
+        .to_json(dir.path());
     let bad_path = write_fleet(dir.path(), "bad.json", &bad);
     let ready = dir.path().join("ready.json");
     let ready_s = ready.to_string_lossy().into_owned();
@@ -105,8 +119,10 @@ fn an_unusable_file_stops_the_router_before_it_listens_and_check_config_names_it
     assert!(stderr.contains("--standby-of needs a lease"), "{stderr}");
     // A lease directory the run could not write (a ProtectSystem sandbox, a read-only mount):
     // /proc takes no new files, even from root.
-    let mut lease = good.clone();
-    lease["lease"] = json!({"backend": "file", "path": "/proc/narwhal-test/router.lease"});
+    let lease = spec
+        .clone()
+        .with(json!({"lease": {"backend": "file", "path": "/proc/narwhal-test/router.lease"}}))
+        .to_json(dir.path());
     let lease_path = write_fleet(dir.path(), "lease.json", &lease);
     let (code, _, stderr) = serve(&["check-config", "--fleet", &lease_path]);
     assert_eq!(code, 2, "{stderr}");
@@ -117,10 +133,14 @@ fn an_unusable_file_stops_the_router_before_it_listens_and_check_config_names_it
     );
     // Two engines naming one KV-event socket: one would be credited with the other's blocks
     // while shown `exact`; refused naming both.
-    let mut crossed = good.clone();
-    for i in 0..2 {
-        crossed["engines"][i]["kv_events"] = json!({"endpoint": "tcp://127.0.0.1:5557"});
+    let mut crossed = spec.clone();
+    for iid in ["p0", "d0"] {
+        crossed = crossed.engine_with(
+            iid,
+            json!({"kv_events": {"endpoint": "tcp://127.0.0.1:5557"}}),
+        );
     }
+    let crossed = crossed.to_json(dir.path());
     let crossed_path = write_fleet(dir.path(), "crossed.json", &crossed);
     let (code, _, stderr) = serve(&["check-config", "--fleet", &crossed_path]);
     assert_eq!(code, 2, "{stderr}");
@@ -152,9 +172,14 @@ async fn a_router_fenced_by_a_stale_epoch_names_the_agent_and_the_documented_res
     assert!(epoch >= 1);
     // The HA router checked every identity at startup, presenting its epoch to both agents.
     f.router_mut().proc.kill();
-    let mut doc = f.spec("nolease", "router").to_json(f.dir());
-    doc["lease"] = json!({"backend": "none"});
-    doc["recovery"]["state_path"] = json!(f.dir().join("nolease.state.json"));
+    let mut doc = f
+        .spec("nolease", "router")
+        .with(json!({"recovery": {"state_path": f.dir().join("nolease.state.json")}}))
+        .to_json(f.dir());
+    // The lease section replaced whole (not merged: no file lease keys are left behind).
+    doc.as_object_mut()
+        .expect("a fleet document")
+        .insert("lease".into(), json!({"backend": "none"}));
     let clients = Clients::identity(f.certs(), "operator");
     let r = launch_router(f.dir(), "nolease", &doc, &[], clients.clone()).expect("router");
     let ready = eventually("the router is fenced by the agents", WAIT, || async {
@@ -222,9 +247,9 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     let mut f = Fleet::builder().prefill(2).decode(1).agents().start().await;
     let control = f.router().control.clone();
     let r = f.router();
-    let (status, doc) = r.drain(&json!({"engines": ["p1"], "deadline_s": 30})).await;
-    assert_eq!(status, 200, "{doc:#}");
-    assert_eq!(doc["warnings"], json!([]), "p0 still serves prefill");
+    let (status, doc) = r.drain_typed(&DrainBody::engine("p1", 30.0)).await;
+    assert_eq!(status, 200, "{doc:#?}");
+    assert_eq!(doc.warnings, Some(vec![]), "p0 still serves prefill");
     r.engine_state_until("p1", DrainState::Drained).await;
     let out = narwhalctl(&control, &["cancel-drain", "p1"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -246,8 +271,8 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     assert!(p1.accepts_new, "{lc:#?}");
     assert_eq!(p1.new_process_start, p1.old_process_start);
     r.journal_event("drain_cancel_started", Some("p1")).await;
-    let ev = r.journal_event("drain_cancelled", Some("p1")).await;
-    assert_eq!(ev["process_start"].as_f64(), p1.old_process_start);
+    let ev = r.journal_event_typed("drain_cancelled", Some("p1")).await;
+    assert_eq!(ev.process_start, p1.old_process_start, "{ev:?}");
     assert!(!r.has_event("readmitted", Some("p1")), "not a readmission");
     let m = r.metrics().await;
     assert_eq!(
@@ -278,25 +303,24 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     // A restarted engine is not a cancel: refused, and readmission takes it.
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     let r = f.router();
-    let (status, doc) = r.cancel_drain(&json!({"engines": ["d0"]})).await;
-    assert_eq!(status, 409, "{doc:#}");
+    let (status, doc) = r.cancel_drain_typed(&engines(&["d0"])).await;
+    assert_eq!(status, 409, "{doc:#?}");
     assert!(
-        doc["engines"]["d0"]["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("engine process restarted since the drain")),
-        "{doc:#}"
+        doc.document
+            .engine("d0")
+            .is_some_and(|e| e.error.contains("engine process restarted since the drain")),
+        "{doc:#?}"
     );
     let (status, doc) = r.readmit_engine("d0").await;
     assert_eq!(status, 200, "{doc:#?}");
     // Rules: a wave, an active engine.
-    let (status, doc) = r.cancel_drain(&json!({"wave": true})).await;
-    assert_eq!(status, 409, "{doc:#}");
-    let (status, doc) = r.cancel_drain(&json!({"engines": ["p0"]})).await;
-    assert_eq!(status, 409, "{doc:#}");
-    assert!(
-        doc["error"]
-            .as_str()
-            .is_some_and(|e| e.starts_with("p0 is active")),
-        "{doc:#}"
-    );
+    let wave = ReadmitBody {
+        wave: true,
+        ..ReadmitBody::default()
+    };
+    let (status, doc) = r.cancel_drain_typed(&wave).await;
+    assert_eq!(status, 409, "{doc:#?}");
+    let (status, doc) = r.cancel_drain_typed(&engines(&["p0"])).await;
+    assert_eq!(status, 409, "{doc:#?}");
+    assert!(doc.document.error.starts_with("p0 is active"), "{doc:#?}");
 }
