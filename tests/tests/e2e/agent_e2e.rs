@@ -19,8 +19,8 @@ use narwhal_shared::{
     PublicKey, SystemClock, TransferVerdict, Verifier, VerifyError,
 };
 use narwhal_testkit::certs::make_dev_certs;
-use narwhal_testkit::sim_stats::SimStats;
 use narwhal_testkit::kv_handle::KvHandle;
+use narwhal_testkit::sim_stats::SimStats;
 use narwhal_testkit::{Fleet, keygen, wait_until};
 use serde_json::{Value, json};
 

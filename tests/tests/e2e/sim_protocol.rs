@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 
 use narwhal_shared::check_request::Bootstrap;
 use narwhal_shared::documents::ErrorReply;
+use narwhal_testkit::kv_handle::KvHandle;
 use narwhal_testkit::raw::{RawResponse as Resp, request, send};
 use narwhal_testkit::sim_stats::{SimFault, SimFaults, SimRecent, SimStats};
-use narwhal_testkit::kv_handle::KvHandle;
 use narwhal_testkit::{Answer, SimHandle, poll_blocking as wait_until};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
