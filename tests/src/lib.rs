@@ -35,6 +35,7 @@
 
 mod agent;
 mod agent_calls;
+pub mod bench_docs;
 mod breaker;
 mod by_id;
 pub mod certs;
@@ -54,6 +55,7 @@ mod proc;
 mod process;
 mod proxy;
 pub mod raw;
+pub mod readers;
 mod router;
 mod sampler;
 mod scenario;

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use serde::Deserialize;
+use narwhal_testkit::bench_docs::{CompareDoc, RowDoc};
 use serde_json::Value;
 
 /// Runs `narwhal-bench` with `args`, killing it after `within`.
@@ -172,78 +172,6 @@ fn check_tables(stdout: &str) {
         4
     );
     assert!(!stdout.contains("NOT P/D"), "{stdout}");
-}
-
-/// The `narwhal.bench.compare` document (`--json`, docs/benchmarks.md), the fields these tests
-/// check.
-#[derive(Debug, Deserialize)]
-struct CompareDoc {
-    schema: String,
-    version: u32,
-    problems: u64,
-    pinning: Option<Pinning>,
-    targets: Vec<TargetDoc>,
-    sections: Vec<SectionDoc>,
-}
-
-/// `pinning`: the CPU lists the routers and the load ran on.
-#[derive(Debug, Deserialize)]
-struct Pinning {
-    router_cpus: Option<String>,
-}
-
-/// One of the document's `targets`.
-#[derive(Debug, Deserialize)]
-struct TargetDoc {
-    name: String,
-    kind: String,
-    pid: Option<u64>,
-    cpus: Option<String>,
-    peer: bool,
-    command: Option<String>,
-}
-
-/// One of the document's `sections`.
-#[derive(Debug, Deserialize)]
-struct SectionDoc {
-    mode: String,
-    stream: bool,
-    concurrency: u64,
-    requests: u64,
-    targets: Vec<RowDoc>,
-}
-
-/// One target's row of a section.
-#[derive(Debug, Deserialize)]
-struct RowDoc {
-    name: String,
-    peer: bool,
-    completed: u64,
-    errors: u64,
-    windows: Vec<Value>,
-    rps: Option<f64>,
-    p50_ms: Option<f64>,
-    p99_ms: Option<f64>,
-    ttfb_p50_ms: Option<f64>,
-    ratio_to_direct: Option<f64>,
-    ratio_to_peers: serde_json::Map<String, Value>,
-    cpu_ms_per_request: Option<f64>,
-    rss_mib: Option<f64>,
-    peak_rss_mib: Option<f64>,
-    engines: EngineCounts,
-    pd_problem: Option<String>,
-}
-
-/// A row's `engines`: what the engines counted while the target ran.
-#[derive(Debug, Deserialize)]
-struct EngineCounts {
-    prefill: u64,
-    decode: u64,
-    aggregated: u64,
-    issued: u64,
-    consumed: u64,
-    recomputed: u64,
-    rejected: u64,
 }
 
 /// The JSON document's header and targets: schema, no problems, each target's kind, pid,

@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use narwhal_testkit::ById;
-use serde::Deserialize;
+use narwhal_testkit::bench_docs::PrefixDoc;
 
 #[test]
 fn shared_prefix_workload_reports_every_target_and_exact_beats_blind() {
@@ -161,52 +161,4 @@ fn shared_prefix_workload_reports_every_target_and_exact_beats_blind() {
     assert!(s.before.queries.unwrap_or(0) > 0, "{s:?}");
     assert!(s.after.queries.unwrap_or(0) > 0, "{s:?}");
     println!("{stdout}");
-}
-
-/// The `narwhal.bench.prefix` document (`--json`, docs/benchmarks.md), the fields this test
-/// checks; a figure the bench could not compute is `null` (`None`).
-#[derive(Debug, Deserialize)]
-struct PrefixDoc {
-    schema: String,
-    requests: u64,
-    oracle: Oracle,
-    targets: Vec<PrefixTarget>,
-    standby: Standby,
-}
-
-/// `oracle`: the hit rate of a pooled LRU cache, bounded and not.
-#[derive(Debug, Deserialize)]
-struct Oracle {
-    hit_rate: f64,
-    unbounded_hit_rate: f64,
-}
-
-/// One of `targets`.
-#[derive(Debug, Deserialize)]
-struct PrefixTarget {
-    name: String,
-    requests: Option<u64>,
-    completed: Option<u64>,
-    ttft_p50_s: Option<f64>,
-    ttft_p90_s: Option<f64>,
-    slo_attainment: Option<f64>,
-    throughput_rps: Option<f64>,
-    hit_rate: Option<f64>,
-    queries: Option<u64>,
-}
-
-/// `standby`: the hit rate before and after the standby took over.
-#[derive(Debug, Deserialize)]
-struct Standby {
-    hit_rate_before: Option<f64>,
-    hit_rate_after: Option<f64>,
-    ratio: Option<f64>,
-    before: Queries,
-    after: Queries,
-}
-
-/// `standby.before` / `standby.after`.
-#[derive(Debug, Deserialize)]
-struct Queries {
-    queries: Option<u64>,
 }

@@ -11,6 +11,7 @@ use std::time::Duration;
 use narwhal_shared::documents::controller::ControllerFields;
 use narwhal_shared::documents::{ErrorReply, State};
 use narwhal_shared::handoff::{DrainState, Handoff};
+use narwhal_testkit::readers::{MeasuredProfile, RoleSwitchReply, ServerInfo};
 use narwhal_testkit::sim_stats::SimStats;
 use narwhal_testkit::{
     DECIDE, DecisionRow, EventRow, L1, L2, Load, ONE_P_THREE_D, RequestRow, RouterHandle, Shape,
@@ -19,50 +20,6 @@ use narwhal_testkit::{
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
-
-/// SGLang's `GET /server_info` as the simulator answers it, the fields read here.
-#[derive(Debug, Deserialize)]
-struct ServerInfo {
-    /// The launch argument.
-    disaggregation_mode: String,
-    /// The schedulers' live state.
-    internal_states: Vec<SchedulerState>,
-}
-
-/// One entry of [`ServerInfo::internal_states`].
-#[derive(Debug, Deserialize)]
-struct SchedulerState {
-    /// The live role (it differs from the launch argument after a switch).
-    disaggregation_mode: String,
-    /// Decode CUDA-graph memory (0 outside decode).
-    decode_cuda_graph_memory_gb: f64,
-}
-
-impl ServerInfo {
-    /// The first scheduler's live role.
-    fn live_mode(&self) -> Option<&str> {
-        self.internal_states
-            .first()
-            .map(|s| s.disaggregation_mode.as_str())
-    }
-}
-
-/// SGLang's `POST /pd_role_switch` answer, the fields read here.
-#[derive(Debug, Deserialize)]
-struct RoleSwitchReply {
-    success: Option<bool>,
-    message: Option<String>,
-}
-
-/// What `narwhal-bench profile` measured (a fleet file's profile), the costs checked here.
-#[derive(Debug, Deserialize)]
-struct MeasuredProfile {
-    ttft_a: f64,
-    ttft_b: f64,
-    ttft_c: f64,
-    tpot_intercept: f64,
-    tpot_request_slope: f64,
-}
 
 /// The engine's `POST /tokenize` answer: how many tokens the prompt is.
 #[derive(Debug, Deserialize)]

@@ -7,57 +7,15 @@
 //! `wave-restart` needs a restart command an operator could type: `narwhal-dev restart {iid}
 //! --dir DIR`.
 
-use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use narwhal_shared::documents::Lifecycle;
+use narwhal_testkit::readers::{StatusReport, WaveReport};
 use narwhal_testkit::{
     CommandOutput, DevUp, Http, RouterProbe, bin_path, ctl, json_values, run, signal_pid,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
-
-/// The document `narwhalctl --json wave-restart` prints (schema `narwhalctl.wave-restart`), the
-/// fields these tests read (narwhalctl's own type is inside its binary).
-#[derive(Debug, Deserialize)]
-struct WaveReport {
-    /// The wave finished.
-    ok: bool,
-    /// What happened to each engine.
-    engines: Vec<EngineReport>,
-    /// What stopped the wave, `None` on success.
-    error: Option<String>,
-    /// The exact command that continues the wave, `None` on success.
-    next_command: Option<String>,
-    /// The router's lifecycle document at the end, `None` if it could not be read.
-    lifecycle: Option<Lifecycle>,
-}
-
-/// One engine of a [`WaveReport`].
-#[derive(Debug, Deserialize)]
-struct EngineReport {
-    iid: String,
-    /// The restart command exited 0.
-    restarted: bool,
-    /// The readmission passed.
-    readmitted: bool,
-    /// Checks the router reported for it.
-    checks: Vec<String>,
-}
-
-/// What `narwhalctl --json status` adds to the lifecycle document: the ejected engines with
-/// their breaker causes.
-#[derive(Debug, Deserialize)]
-struct StatusReport {
-    ejected: BTreeMap<String, Ejected>,
-}
-
-/// An ejected engine of a [`StatusReport`]: ejections per breaker cause.
-#[derive(Debug, Deserialize)]
-struct Ejected {
-    causes: BTreeMap<String, u64>,
-}
 
 /// An engine of `narwhal-dev up`'s ready file ([`DevUp::engine`]), the fields read here.
 #[derive(Debug, Deserialize)]

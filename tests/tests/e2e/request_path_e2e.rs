@@ -16,42 +16,13 @@
 
 use narwhal_shared::documents::replies::ErrorDetail;
 use narwhal_shared::documents::{ErrorReply, ModelCard, ModelList};
+use narwhal_testkit::readers::ExactUsage;
 use narwhal_testkit::{
     Answer, FakeEngine, Reply, RequestRow, RouterHandle, WAIT, eventually, parse_document,
     parse_row, router_over_fakes, sse_data,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
-
-/// An answer's `usage` with exactly OpenAI's three counts (wire shape: another key, such as
-/// `estimated`, or a missing count refuses to parse).
-#[derive(Debug, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ExactUsage {
-    prompt_tokens: u64,
-    completion_tokens: u64,
-    total_tokens: u64,
-}
-
-impl ExactUsage {
-    /// The usage of answer `v`.
-    fn of(v: &Value) -> ExactUsage {
-        #[derive(Deserialize)]
-        struct WithUsage {
-            usage: ExactUsage,
-        }
-        parse_row::<WithUsage>(v).usage
-    }
-
-    /// `prompt` + `completion` = the total.
-    fn new(prompt_tokens: u64, completion_tokens: u64) -> ExactUsage {
-        ExactUsage {
-            prompt_tokens,
-            completion_tokens,
-            total_tokens: prompt_tokens + completion_tokens,
-        }
-    }
-}
 
 /// A leg's body as the engine received it: the fields read here (`None`: absent or `null`).
 #[derive(Debug, Default, Deserialize)]
