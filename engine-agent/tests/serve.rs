@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::routing::{get, post};
+use narwhal_shared::agent_protocol::AgentReadyFile;
 use narwhal_shared::{
     AgentClient, AgentClientError, AgentEndpoint, AgentTimeouts, Fence, PublicKey, SystemClock,
     TlsFiles,
@@ -78,8 +79,8 @@ async fn fake_vllm() -> u16 {
         )
         .route(
             "/v1/completions",
-            post(|Json(body): Json<Value>| async move {
-                if body["model"] != "fake-model" {
+            post(|Json(body): Json<ModelOnly>| async move {
+                if body.model.as_deref() != Some("fake-model") {
                     return (
                         axum::http::StatusCode::NOT_FOUND,
                         Json(json!({"error": {"message": "no such model"}})),
@@ -145,11 +146,11 @@ async fn the_agent_attests_and_checks_a_local_engine_over_mutual_tls() {
         .expect("first line shape")
         .to_string();
     assert!(url.starts_with("https://127.0.0.1:"), "{url}");
-    let ready: Value = serde_json::from_slice(&std::fs::read(&ready).unwrap()).unwrap();
-    assert_eq!(ready["url"], url.as_str());
-    assert_eq!(ready["pid"], child.0.id());
-    assert_eq!(ready["agent_id"], "t");
-    let public_key = PublicKey::parse(ready["public_key"].as_str().unwrap()).unwrap();
+    let ready: AgentReadyFile = serde_json::from_slice(&std::fs::read(&ready).unwrap()).unwrap();
+    assert_eq!(ready.url, url);
+    assert_eq!(ready.pid, child.0.id());
+    assert_eq!(ready.agent_id, "t");
+    let public_key = PublicKey::parse(&ready.public_key).unwrap();
 
     let client = AgentClient::new(
         AgentEndpoint {
@@ -211,4 +212,11 @@ async fn the_agent_attests_and_checks_a_local_engine_over_mutual_tls() {
             .unwrap();
     assert_eq!(fence_file, json!({"epoch": 3, "holder": "r"}));
     drop(child);
+}
+
+/// The member of a completion request the fake engine checks.
+#[derive(Debug, serde::Deserialize)]
+struct ModelOnly {
+    /// The model asked for.
+    model: Option<String>,
 }

@@ -17,7 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::StatusCode;
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use super::machine::{Command, Now};
@@ -362,19 +363,22 @@ impl Controller {
         if status != StatusCode::OK {
             return Err(SwitchError::ServerInfoStatus(status));
         }
-        let info: Value = serde_json::from_slice(&body).map_err(SwitchError::ServerInfoJson)?;
-        let state = &info["internal_states"][0];
-        if state["disaggregation_mode"].as_str() == Some(to.as_str()) {
+        let info: ServerInfo =
+            serde_json::from_slice(&body).map_err(SwitchError::ServerInfoJson)?;
+        let state = info.internal_states.into_iter().next().unwrap_or_default();
+        if state.disaggregation_mode.as_ref().and_then(Value::as_str) == Some(to.as_str()) {
             return Ok(());
         }
-        let mut req = json!({"new_role": to.as_str()});
-        if to == Role::Decode
-            && let Some(gb) = state["decode_cuda_graph_memory_gb"]
-                .as_f64()
-                .filter(|g| *g > 0.0)
-        {
-            req["decode_cuda_graph_memory_gb"] = json!(gb);
-        }
+        let switch = RoleSwitchRequest {
+            new_role: to.as_str(),
+            decode_cuda_graph_memory_gb: state
+                .decode_cuda_graph_memory_gb
+                .as_ref()
+                .and_then(Value::as_f64)
+                .filter(|g| to == Role::Decode && *g > 0.0),
+        };
+        // A struct of a string and a finite number always serialises.
+        let req = serde_json::to_value(&switch).unwrap_or(Value::Null);
         let give_up = self.h.clock.now() + SWITCH_IDLE_WAIT;
         loop {
             let (status, body) = self
@@ -384,16 +388,18 @@ impl Controller {
                 .await
                 .map_err(SwitchError::Post)?;
             let text = String::from_utf8_lossy(&body).to_string();
-            let answer: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-            if status == StatusCode::OK && answer["success"] == json!(true) {
+            let answer: RoleSwitchReply = serde_json::from_slice(&body).unwrap_or_default();
+            if status == StatusCode::OK && answer.success == Some(Value::Bool(true)) {
                 return Ok(());
             }
             if text.contains("not idle") && self.h.clock.now() < give_up {
                 tokio::time::sleep(SWITCH_RETRY).await;
                 continue;
             }
-            let message = answer["message"]
-                .as_str()
+            let message = answer
+                .message
+                .as_ref()
+                .and_then(Value::as_str)
                 .unwrap_or(text.as_str())
                 .to_string();
             return Err(SwitchError::Refused { to, message });
@@ -409,4 +415,44 @@ impl Controller {
             .copied()
             .collect()
     }
+}
+
+/// SGLang's `GET /server_info`, the member the role switch reads (controller.md 9.2). Its
+/// members are read leniently, as the untyped reading did: a member of another JSON type is as
+/// good as absent.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct ServerInfo {
+    /// One entry per scheduler; the first is read.
+    internal_states: Vec<SchedulerState>,
+}
+
+/// One of [`ServerInfo::internal_states`].
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct SchedulerState {
+    /// The live role (`prefill`, `decode`, `null`): a string.
+    disaggregation_mode: Option<Value>,
+    /// The decode CUDA-graph memory to give back on a switch to decode, GB: a number.
+    decode_cuda_graph_memory_gb: Option<Value>,
+}
+
+/// `POST /pd_role_switch`'s body (SGLang's own tests of the route).
+#[derive(Debug, Serialize)]
+struct RoleSwitchRequest {
+    /// `prefill` or `decode`.
+    new_role: &'static str,
+    /// For a switch to decode, `decode_cuda_graph_memory_gb` from `/server_info` when positive.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    decode_cuda_graph_memory_gb: Option<f64>,
+}
+
+/// `POST /pd_role_switch`'s answer: `success: true`, else a `message`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RoleSwitchReply {
+    /// `true` when switched.
+    success: Option<Value>,
+    /// Why not.
+    message: Option<Value>,
 }

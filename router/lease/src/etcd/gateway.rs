@@ -3,6 +3,7 @@
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as B64;
+use serde::Serialize;
 use serde_json::Value;
 
 use crate::LeaseRecord;
@@ -106,4 +107,115 @@ pub(super) fn vanished(epoch: u64) -> LeaseRecord {
         schema_version: 1,
         updated_at: f64::NEG_INFINITY,
     }
+}
+
+// Requests. The gateway's JSON mapping of etcd's `etcdserverpb` messages: bytes are base64,
+// int64 numbers decimal strings, field names as in the proto (`TTL`, `ID`).
+
+/// `POST /v3/auth/authenticate`.
+#[derive(Debug, Serialize)]
+pub(super) struct AuthenticateRequest<'a> {
+    /// The etcd user (`lease.auth.user`).
+    pub(super) name: &'a str,
+    /// Its password, read from `lease.auth.password_file`.
+    pub(super) password: &'a str,
+}
+
+/// `POST /v3/kv/range` of one key, and a transaction's `request_range`.
+#[derive(Debug, Serialize)]
+pub(super) struct RangeRequest {
+    /// The key, base64.
+    pub(super) key: String,
+}
+
+impl RangeRequest {
+    /// The range of exactly `key`.
+    pub(super) fn of(key: &str) -> RangeRequest {
+        RangeRequest { key: b64(key) }
+    }
+}
+
+/// A transaction's `request_put`.
+#[derive(Debug, Serialize)]
+pub(super) struct PutRequest {
+    /// The key, base64.
+    pub(super) key: String,
+    /// The value, base64.
+    pub(super) value: String,
+    /// The lease the key is attached to (its ID, decimal), none for a key that outlives it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) lease: Option<String>,
+}
+
+/// One operation of a transaction (`RequestOp`: `{"request_range": ...}` or
+/// `{"request_put": ...}`).
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum RequestOp {
+    /// Read a key.
+    RequestRange(RangeRequest),
+    /// Write a key.
+    RequestPut(PutRequest),
+}
+
+/// One guard of a transaction: the key's `mod_revision` equals the one read, or (never seen)
+/// its `version` is 0, the key is absent.
+#[derive(Debug, Serialize)]
+pub(super) struct Compare {
+    /// The key, base64.
+    pub(super) key: String,
+    /// Always `EQUAL`.
+    pub(super) result: &'static str,
+    /// `MOD` (compare `mod_revision`) or `VERSION` (compare `version`).
+    pub(super) target: &'static str,
+    /// With `MOD`: the revision read, decimal.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) mod_revision: Option<String>,
+    /// With `VERSION`: `"0"`, absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) version: Option<String>,
+}
+
+impl Compare {
+    /// `mod_revision == rev` when the key was seen at `rev`, else "absent" (`version == 0`).
+    pub(super) fn unchanged(key: &str, seen: Option<i64>) -> Compare {
+        let (target, mod_revision, version) = match seen {
+            Some(rev) => ("MOD", Some(rev.to_string()), None),
+            None => ("VERSION", None, Some("0".to_string())),
+        };
+        Compare {
+            key: b64(key),
+            result: "EQUAL",
+            target,
+            mod_revision,
+            version,
+        }
+    }
+}
+
+/// `POST /v3/kv/txn`: the guards and the operations done when they all hold (no `compare`:
+/// an unguarded read of several keys at one revision).
+#[derive(Debug, Serialize)]
+pub(super) struct TxnRequest {
+    /// The guards.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(super) compare: Vec<Compare>,
+    /// The operations.
+    pub(super) success: Vec<RequestOp>,
+}
+
+/// `POST /v3/lease/grant`.
+#[derive(Debug, Serialize)]
+pub(super) struct LeaseGrantRequest {
+    /// The lease's time to live, seconds, decimal.
+    #[serde(rename = "TTL")]
+    pub(super) ttl: String,
+}
+
+/// `POST /v3/lease/revoke` and `/v3/lease/keepalive`: one lease by its ID.
+#[derive(Debug, Serialize)]
+pub(super) struct LeaseIdRequest {
+    /// The lease ID, decimal.
+    #[serde(rename = "ID")]
+    pub(super) id: String,
 }

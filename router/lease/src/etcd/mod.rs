@@ -51,7 +51,8 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as B64;
-use serde_json::{Value, json};
+use serde::Serialize;
+use serde_json::Value;
 use tokio::sync::Mutex;
 
 use super::{
@@ -245,7 +246,7 @@ impl EtcdLease {
         st: &mut State,
         op: &'static str,
         path: &str,
-        body: &Value,
+        body: &(impl Serialize + Sync),
     ) -> Result<Value, LeaseError> {
         let work = async {
             let mut fresh_token = false;
@@ -302,7 +303,10 @@ impl EtcdLease {
             return Ok(());
         };
         let password = read_password(&auth.password_file)?;
-        let body = json!({"name": auth.user, "password": password});
+        let body = AuthenticateRequest {
+            name: &auth.user,
+            password: &password,
+        };
         match self
             .post_within(
                 st,
@@ -354,7 +358,7 @@ impl EtcdLease {
         &self,
         st: &mut State,
         path: &str,
-        body: &Value,
+        body: &(impl Serialize + Sync),
         token: Option<&str>,
     ) -> Result<Value, Failure> {
         self.post_within(st, path, body, token, None).await
@@ -366,7 +370,7 @@ impl EtcdLease {
         &self,
         st: &mut State,
         path: &str,
-        body: &Value,
+        body: &(impl Serialize + Sync),
         token: Option<&str>,
         bound: Option<Duration>,
     ) -> Result<Value, Failure> {
@@ -494,10 +498,13 @@ impl EtcdLease {
         st: &mut State,
         other: &str,
     ) -> Result<[Option<(Vec<u8>, i64)>; 2], LeaseError> {
-        let body = json!({"success": [
-            {"request_range": {"key": b64(&self.key)}},
-            {"request_range": {"key": b64(other)}},
-        ]});
+        let body = TxnRequest {
+            compare: Vec::new(),
+            success: vec![
+                RequestOp::RequestRange(RangeRequest::of(&self.key)),
+                RequestOp::RequestRange(RangeRequest::of(other)),
+            ],
+        };
         let resp = self.rpc(st, "txn", "/v3/kv/txn", &body).await?;
         let mut out = [None, None];
         let responses = resp.get("responses").and_then(Value::as_array);
@@ -540,7 +547,7 @@ impl EtcdLease {
     }
 
     async fn get_record(&self, st: &mut State) -> Result<Option<(LeaseRecord, i64)>, LeaseError> {
-        let body = json!({"key": b64(&self.key)});
+        let body = RangeRequest::of(&self.key);
         let resp = self.rpc(st, "get", "/v3/kv/range", &body).await?;
         match first_kv(Some(&resp)) {
             None => Ok(None),
@@ -552,31 +559,29 @@ impl EtcdLease {
     }
 
     /// `mod_revision == rev` when the key was seen, else "absent" (`version == 0`).
-    fn unchanged(key: &str, seen: Option<i64>) -> Value {
-        match seen {
-            Some(rev) => json!({"key": b64(key), "result": "EQUAL", "target": "MOD",
-                "mod_revision": rev.to_string()}),
-            None => json!({"key": b64(key), "result": "EQUAL", "target": "VERSION",
-                "version": "0"}),
-        }
+    fn unchanged(key: &str, seen: Option<i64>) -> Compare {
+        Compare::unchanged(key, seen)
     }
 
-    fn put(key: &str, value: &[u8], lease: Option<i64>) -> Value {
-        let mut put = json!({"key": b64(key), "value": B64.encode(value)});
-        if let Some(id) = lease {
-            put["lease"] = Value::String(id.to_string());
-        }
-        json!({"request_put": put})
+    fn put(key: &str, value: &[u8], lease: Option<i64>) -> RequestOp {
+        RequestOp::RequestPut(PutRequest {
+            key: b64(key),
+            value: B64.encode(value),
+            lease: lease.map(|id| id.to_string()),
+        })
     }
 
     /// One guarded transaction; whether its compares held.
     async fn txn(
         &self,
         st: &mut State,
-        compare: Vec<Value>,
-        puts: Vec<Value>,
+        compare: Vec<Compare>,
+        puts: Vec<RequestOp>,
     ) -> Result<bool, LeaseError> {
-        let body = json!({"compare": compare, "success": puts});
+        let body = TxnRequest {
+            compare,
+            success: puts,
+        };
         let resp = self.rpc(st, "txn", "/v3/kv/txn", &body).await?;
         Ok(resp
             .get("succeeded")
@@ -585,7 +590,9 @@ impl EtcdLease {
     }
 
     async fn grant(&self, st: &mut State) -> Result<i64, LeaseError> {
-        let body = json!({"TTL": self.ttl_s.to_string()});
+        let body = LeaseGrantRequest {
+            ttl: self.ttl_s.to_string(),
+        };
         let resp = self.rpc(st, "grant", "/v3/lease/grant", &body).await?;
         match int(resp.get("ID")) {
             0 => Err(self.err("grant", format!("no lease ID in etcd's answer {resp}"))),
@@ -594,7 +601,7 @@ impl EtcdLease {
     }
 
     async fn revoke(&self, st: &mut State, id: i64) -> Result<(), LeaseError> {
-        let body = json!({"ID": id.to_string()});
+        let body = LeaseIdRequest { id: id.to_string() };
         match self.rpc(st, "revoke", "/v3/lease/revoke", &body).await {
             Ok(_) => Ok(()),
             // Already expired: nothing to revoke.
@@ -605,7 +612,7 @@ impl EtcdLease {
 
     /// One keep-alive round trip; `Ok(false)` when etcd says the lease is gone (TTL ≤ 0).
     async fn keep_alive(&self, st: &mut State, id: i64) -> Result<bool, LeaseError> {
-        let body = json!({"ID": id.to_string()});
+        let body = LeaseIdRequest { id: id.to_string() };
         match self
             .rpc(st, "keep-alive", "/v3/lease/keepalive", &body)
             .await

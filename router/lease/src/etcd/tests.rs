@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::config::etcd_endpoint_rule;
+use serde_json::json;
 
 #[test]
 fn gateway_answers_and_errors_parse() {
