@@ -34,6 +34,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use narwhal_shared::documents::LifecycleReply;
+use narwhal_shared::documents::requests::{DrainBody, ReadmitBody};
 use narwhal_shared::handoff::DrainState;
 use nix::sys::signal::Signal;
 use rand::{Rng, SeedableRng};
@@ -785,12 +787,12 @@ async fn stage(
     let when = scenario.when;
     let p1 = vec!["p1".to_string()];
     // Stage the action; `pending` is a readmission the fault will interrupt.
-    let ack = |what: &str, status: u16, doc: &serde_json::Value| {
+    let ack = |what: &str, status: u16, doc: &LifecycleReply| {
         assert_eq!(status, 200, "{scenario}: {what} before the fault: {doc:#?}");
     };
     let mut pending = None;
     if when.wave() {
-        let (st, doc) = p.drain(&json!({"wave": true, "deadline_s": 60})).await;
+        let (st, doc) = p.drain(&DrainBody::wave(60.0)).await;
         ack("wave drain", st, &doc);
         acked.push(Acked::Held(all.to_vec()));
         if when == Timing::DuringWaveReadmit {
@@ -802,7 +804,7 @@ async fn stage(
             pending = Some(post_in_background(p, "readmit", json!({"wave": true})));
         }
     } else {
-        let (st, doc) = p.drain(&json!({"engines": p1, "deadline_s": 60})).await;
+        let (st, doc) = p.drain(&DrainBody::engine("p1", 60.0)).await;
         ack("drain p1", st, &doc);
         acked.push(Acked::Held(p1.clone()));
         if when != Timing::AfterDrainAck {
@@ -813,7 +815,7 @@ async fn stage(
             .await;
             f.sim_mut("p1").restart(&[]).expect("restart p1");
             if when == Timing::AfterReadmitAck {
-                let (st, doc) = p.readmit(&json!({"engines": p1})).await;
+                let (st, doc) = p.readmit(&ReadmitBody::engine("p1")).await;
                 ack("readmit p1", st, &doc);
                 acked.push(Acked::Active(p1.clone()));
             } else {

@@ -3,9 +3,9 @@
 //! lifecycle API of docs/design/handoff-and-lifecycle.md).
 //!
 //! ```text
-//!   router.drain(&json!({"engines": ["d0"], "deadline_s": 30})).await   -> (status, document)
-//!   router.readmit(&json!({"wave": true})).await
-//!   router.cancel_drain(&json!({"engines": ["p1"]})).await
+//!   router.drain(&DrainBody::engine("d0", 30.0)).await   -> (status, LifecycleReply)
+//!   router.readmit(&ReadmitBody::wave()).await
+//!   router.cancel_drain(&ReadmitBody::engine("p1")).await
 //!   router.drain_engine("d0").await / router.readmit_engine("d0").await   {"engines": [iid]}
 //!   router.engine_state_until("d0", DrainState::Drained).await    polls GET /narwhal/lifecycle
 //!   router.drain_to_complete("d0").await    drain (200), then its drain_complete event
@@ -18,29 +18,8 @@
 use narwhal_shared::documents::requests::{DrainBody, ReadmitBody};
 use narwhal_shared::documents::{Lifecycle, LifecycleReply};
 use narwhal_shared::handoff::DrainState;
-use serde_json::Value;
 
 use crate::router::{EngineEventRow, RouterHandle};
-
-impl RouterHandle {
-    /// `POST /narwhal/lifecycle/drain` with `body` (`engines`, `wave`, `deadline_s`):
-    /// `(status, lifecycle document)`.
-    pub async fn drain(&self, body: &Value) -> (u16, Value) {
-        self.lifecycle_post_json("drain", body).await
-    }
-
-    /// `POST /narwhal/lifecycle/readmit` with `body` (`engines`, `wave`): `(status, lifecycle
-    /// document)`.
-    pub async fn readmit(&self, body: &Value) -> (u16, Value) {
-        self.lifecycle_post_json("readmit", body).await
-    }
-
-    /// `POST /narwhal/lifecycle/cancel-drain` with `body` (`engines`, `wave`): `(status,
-    /// lifecycle document)`.
-    pub async fn cancel_drain(&self, body: &Value) -> (u16, Value) {
-        self.lifecycle_post_json("cancel-drain", body).await
-    }
-}
 
 /// The lifecycle actions and their journal events, typed: the bodies are
 /// [`DrainBody`]/[`ReadmitBody`], the answers [`LifecycleReply`] (through
@@ -48,32 +27,32 @@ impl RouterHandle {
 /// events [`EngineEventRow`]s.
 impl RouterHandle {
     /// `POST /narwhal/lifecycle/drain` with `body`: `(status, reply)`.
-    pub async fn drain_typed(&self, body: &DrainBody) -> (u16, LifecycleReply) {
+    pub async fn drain(&self, body: &DrainBody) -> (u16, LifecycleReply) {
         self.lifecycle_post("drain", body).await
     }
 
     /// `POST /narwhal/lifecycle/readmit` with `body`: `(status, reply)`.
-    pub async fn readmit_typed(&self, body: &ReadmitBody) -> (u16, LifecycleReply) {
+    pub async fn readmit(&self, body: &ReadmitBody) -> (u16, LifecycleReply) {
         self.lifecycle_post("readmit", body).await
     }
 
     /// `POST /narwhal/lifecycle/cancel-drain` with `body`: `(status, reply)`.
-    pub async fn cancel_drain_typed(&self, body: &ReadmitBody) -> (u16, LifecycleReply) {
+    pub async fn cancel_drain(&self, body: &ReadmitBody) -> (u16, LifecycleReply) {
         self.lifecycle_post("cancel-drain", body).await
     }
 
-    /// [`RouterHandle::drain_typed`] of engine `iid` alone, no deadline: `{"engines": [iid]}`.
+    /// [`RouterHandle::drain`] of engine `iid` alone, no deadline: `{"engines": [iid]}`.
     pub async fn drain_engine(&self, iid: &str) -> (u16, LifecycleReply) {
         let body = DrainBody {
             engines: vec![iid.to_string()],
             ..DrainBody::default()
         };
-        self.drain_typed(&body).await
+        self.drain(&body).await
     }
 
-    /// [`RouterHandle::readmit_typed`] of engine `iid` alone: `{"engines": [iid]}`.
+    /// [`RouterHandle::readmit`] of engine `iid` alone: `{"engines": [iid]}`.
     pub async fn readmit_engine(&self, iid: &str) -> (u16, LifecycleReply) {
-        self.readmit_typed(&ReadmitBody::engine(iid)).await
+        self.readmit(&ReadmitBody::engine(iid)).await
     }
 
     /// Drains engine `iid` alone, which must answer 200, and waits for its `drain_complete`
@@ -105,16 +84,5 @@ impl RouterHandle {
             .into_iter()
             .filter(|e| e.event == "engine_lifecycle")
             .collect()
-    }
-
-    /// [`RouterHandle::journal_event`], typed: waits (at most [`crate::WAIT`]) for lifecycle
-    /// event `action` (of engine `iid`, if given), reading only the journal file.
-    ///
-    /// # Panics
-    /// When it never appears; the message lists the events.
-    pub async fn journal_event_typed(&self, action: &str, iid: Option<&str>) -> EngineEventRow {
-        let row = self.journal_event(action, iid).await;
-        serde_json::from_value(row.clone())
-            .unwrap_or_else(|e| panic!("{action} event: not an event row ({e}): {row}"))
     }
 }

@@ -513,37 +513,29 @@ impl RouterHandle {
             .collect()
     }
 
-    /// Lifecycle events in the journal (`event: engine_lifecycle`), oldest first.
-    pub fn lifecycle_events(&self) -> Vec<Value> {
-        self.journal_rows()
-            .into_iter()
-            .filter(|r| r["event"] == "engine_lifecycle")
-            .collect()
-    }
-
     /// Whether the journal holds lifecycle event `action` (of engine `iid`, if given).
     pub fn has_event(&self, action: &str, iid: Option<&str>) -> bool {
-        self.lifecycle_events()
+        self.lifecycle_event_rows()
             .iter()
-            .any(|e| e["action"] == action && iid.is_none_or(|i| e["iid"] == i))
+            .any(|e| e.action == action && iid.is_none_or(|i| e.iid == i))
     }
 
     /// Waits (at most [`WAIT`]) for lifecycle event `action` (of engine `iid`, if given),
-    /// reading only the journal file, never the router.
+    /// reading only the journal file, never the router; the event.
     ///
     /// # Panics
     /// When it never appears; the message lists the events.
-    pub async fn journal_event(&self, action: &str, iid: Option<&str>) -> Value {
+    pub async fn journal_event(&self, action: &str, iid: Option<&str>) -> EngineEventRow {
         let found = wait_until(WAIT, || async {
-            self.lifecycle_events()
+            self.lifecycle_event_rows()
                 .into_iter()
-                .find(|e| e["action"] == action && iid.is_none_or(|i| e["iid"] == i))
+                .find(|e| e.action == action && iid.is_none_or(|i| e.iid == i))
         })
         .await;
         found.unwrap_or_else(|| {
             panic!(
                 "no {action} {iid:?} event in the journal; events: {:#?}",
-                self.lifecycle_events()
+                self.lifecycle_event_rows()
             )
         })
     }

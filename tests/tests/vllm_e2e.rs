@@ -45,6 +45,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use narwhal_shared::agent_protocol::TransferVerdict;
+use narwhal_shared::documents::requests::ReadmitBody;
 use narwhal_shared::documents::{ErrorReply, LifecycleReply, ModelList, State};
 use narwhal_shared::handoff::DrainState;
 use narwhal_testkit::certs::make_dev_certs;
@@ -1119,8 +1120,8 @@ async fn pd_over_nixl_and_readmission_through_agents() {
     // `cancel-drain`: a drained prefill taken back before any restart keeps its process (no
     // readmission checks) and is placed again.
     r.drain_to_complete("p0").await;
-    let (status, doc) = r.cancel_drain(&json!({"engines": ["p0"]})).await;
-    assert_eq!(status, 200, "{doc:#}");
+    let (status, doc) = r.cancel_drain(&ReadmitBody::engine("p0")).await;
+    assert_eq!(status, 200, "{doc:#?}");
     r.engine_state_until("p0", DrainState::Active).await;
     transfer("after cancel-drain", 7, &p0, &d0, &r).await;
     drop(r);

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use narwhal_shared::agent_protocol::{ErrorBody, ErrorDetail, FenceShown};
 use narwhal_shared::attestation::AttestationPayload;
+use narwhal_shared::documents::requests::DrainBody;
 use narwhal_shared::{ProcessIdentity, SignedDocument};
 use narwhal_testkit::certs::{DevCerts, DevRole, make_certs};
 use narwhal_testkit::{
@@ -150,10 +151,11 @@ async fn an_operator_certificate_cannot_fence_the_routers() {
     let http = client_as(&certs, "router");
     let (status, ready) = get(&http, format!("{}/ready", router.control)).await;
     assert_eq!(status, 200, "{ready}");
-    let (status, drained) = router
-        .drain(&json!({"engines": ["p0"], "deadline_s": 30}))
-        .await;
-    assert_eq!(status, 200, "drain after the operator's attempt: {drained}");
+    let (status, drained) = router.drain(&DrainBody::engine("p0", 30.0)).await;
+    assert_eq!(
+        status, 200,
+        "drain after the operator's attempt: {drained:#?}"
+    );
     assert_eq!(fence(&a0), before);
 
     // Control: the same call with the router's certificate and a higher epoch is accepted and

@@ -176,7 +176,7 @@ fn foreign_lease(epoch: u64, holder: &str, valid_s: f64) -> Value {
 
 /// A fenced router refuses lifecycle actions with 503.
 async fn assert_lifecycle_refused(r: &RouterHandle) {
-    let (status, doc) = r.drain_typed(&DrainBody::engine("d0", 30.0)).await;
+    let (status, doc) = r.drain(&DrainBody::engine("d0", 30.0)).await;
     assert_eq!(status, 503, "{doc:#?}");
 }
 
@@ -195,7 +195,7 @@ async fn kill_during_wave(backend: LeaseBackend) {
     let (epoch, holder) = lease_of(&p).await;
     assert!(epoch >= 1, "{:?}", p.ha().await);
 
-    let (status, doc) = p.drain_typed(&DrainBody::wave(60.0)).await;
+    let (status, doc) = p.drain(&DrainBody::wave(60.0)).await;
     assert_eq!(status, 200, "{doc:#?}");
     let wave_id = doc.document.wave.id.clone();
     // Both engines idle: the wave becomes ready to stop; the standby retains that document
@@ -270,7 +270,7 @@ async fn kill_during_wave(backend: LeaseBackend) {
     for sim in &mut f.sims {
         sim.restart(&[]).expect("restart simulator");
     }
-    let (status, doc) = s.readmit_typed(&ReadmitBody::wave()).await;
+    let (status, doc) = s.readmit(&ReadmitBody::wave()).await;
     assert_eq!(status, 200, "{doc:#?}");
     let doc = doc.document;
     assert!(!doc.wave.active, "{doc:#?}");
@@ -480,7 +480,7 @@ async fn fenced_primary_takes_the_fleet_back_only_with_the_newest_state() {
     for i in 0..2 {
         assert_eq!(s.completion(&format!("new {i}"), 2).await.status, 200);
     }
-    let (status, doc) = s.drain_typed(&DrainBody::engine("d0", 60.0)).await;
+    let (status, doc) = s.drain(&DrainBody::engine("d0", 60.0)).await;
     assert_eq!(status, 200, "{doc:#?}");
     let shown = served_of(&s).await;
     assert!(shown >= 2, "{shown}");

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use narwhal_shared::documents::requests::{DrainBody, ReadmitBody};
 use narwhal_shared::handoff::{DrainRecord, DrainState, Handoff, LifecycleState};
 use narwhal_testkit::{ById, Fleet, RouterHandle, handoff_file_where, merge, metric};
 use serde_json::json;
@@ -45,8 +46,8 @@ async fn handoff_validates_round_trips_and_resume_restores_totals_and_holds() {
     }
     serve_some(&a, 5).await;
     // Drain d0 (restart required) so the handoff carries a lifecycle hold.
-    let (s, doc) = a.drain(&json!({"engines": ["d0"], "deadline_s": 60})).await;
-    assert_eq!(s, 200, "{doc}");
+    let (s, doc) = a.drain(&DrainBody::engine("d0", 60.0)).await;
+    assert_eq!(s, 200, "{doc:#?}");
     let live = a.handoff().await;
     let h = Handoff::from_value(live.clone()).expect("the live handoff validates");
     assert_eq!(h.schema, "narwhal.handoff");
@@ -107,12 +108,12 @@ async fn handoff_validates_round_trips_and_resume_restores_totals_and_holds() {
         "metrics continue from the restored totals: {m}"
     );
     // The restored hold is a real hold: readmission needs the restart, then succeeds.
-    let readmit_d0 = json!({"engines": ["d0"]});
+    let readmit_d0 = ReadmitBody::engine("d0");
     let (s, doc) = b.readmit(&readmit_d0).await;
-    assert_eq!(s, 409, "{doc}");
+    assert_eq!(s, 409, "{doc:#?}");
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     let (s, doc) = b.readmit(&readmit_d0).await;
-    assert_eq!(s, 200, "{doc}");
+    assert_eq!(s, 200, "{doc:#?}");
     serve_some(&b, 2).await;
     let st = b.state().await;
     assert_eq!(st.served, 7, "{st:#?}");

@@ -210,7 +210,7 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
         d.engines.of("d0").resident.decode == 2
     })
     .await;
-    let (status, doc) = r.drain_typed(&DrainBody::engine("d0", 30.0)).await;
+    let (status, doc) = r.drain(&DrainBody::engine("d0", 30.0)).await;
     assert_eq!(status, 200, "{doc:#?}");
     let doc = doc.document;
     assert_eq!(doc.error, "");
@@ -246,7 +246,7 @@ async fn drain_with_two_streams_in_flight_completes_them_then_is_ready_to_stop()
     assert!(
         !r.has_event("drain_complete", Some("d0")),
         "no drain_complete while streams are resident: {:#?}",
-        r.lifecycle_events()
+        r.lifecycle_event_rows()
     );
     let t1 = s1.finish().await;
     assert!(
@@ -493,7 +493,7 @@ async fn whole_wave_drain_and_readmission() {
     assert_eq!(r.ready().await.0, 200);
 
     let stream = r.open_stream("resident through the wave drain", 25).await;
-    let (status, doc) = r.drain_typed(&DrainBody::wave(30.0)).await;
+    let (status, doc) = r.drain(&DrainBody::wave(30.0)).await;
     assert_eq!(status, 200, "{doc:#?}");
     let doc = doc.document;
     let wave_id = doc.wave.id.clone();
@@ -528,7 +528,7 @@ async fn whole_wave_drain_and_readmission() {
         wave: true,
         ..readmit_of(&["p0"])
     };
-    let (status, doc) = r.readmit_typed(&body).await;
+    let (status, doc) = r.readmit(&body).await;
     assert_eq!(status, 409);
     assert_eq!(
         doc.document.error,
@@ -536,7 +536,7 @@ async fn whole_wave_drain_and_readmission() {
     );
 
     stream.finish().await;
-    let ev = r.journal_event_typed("wave_ready_to_stop", None).await;
+    let ev = r.journal_event("wave_ready_to_stop", None).await;
     assert_eq!(ev.wave_id, wave_id);
     assert_eq!(ev.engines, ["d0", "p0"]);
     let doc = r.lifecycle().await;
@@ -549,7 +549,7 @@ async fn whole_wave_drain_and_readmission() {
 
     // Only p0 is restarted: the wave is refused, naming d0.
     f.sim_mut("p0").restart(&[]).expect("restart p0");
-    let (status, doc) = r.readmit_typed(&ReadmitBody::wave()).await;
+    let (status, doc) = r.readmit(&ReadmitBody::wave()).await;
     assert_eq!(status, 409, "{doc:#?}");
     let doc = doc.document;
     assert_eq!(doc.error, "readmission validation failed");
@@ -568,7 +568,7 @@ async fn whole_wave_drain_and_readmission() {
     assert_eq!(r.ready().await.0, 503);
 
     f.sim_mut("d0").restart(&[]).expect("restart d0");
-    let (status, doc) = r.readmit_typed(&ReadmitBody::wave()).await;
+    let (status, doc) = r.readmit(&ReadmitBody::wave()).await;
     assert_eq!(status, 200, "{doc:#?}");
     let doc = doc.document;
     assert!(!doc.wave.active);
@@ -588,7 +588,7 @@ async fn whole_wave_drain_and_readmission() {
             "{iid}: {checks:?}"
         );
     }
-    let ev = r.journal_event_typed("wave_readmitted", None).await;
+    let ev = r.journal_event("wave_readmitted", None).await;
     assert_eq!(ev.wave_id, wave_id);
     assert_eq!(r.ready().await.0, 200);
     let legs = [("p0", "prefill"), ("d0", "decode")];
@@ -626,7 +626,7 @@ async fn breaker_ejected_engine_is_validated_and_readmitted_without_restart_requ
     f.sim_mut("d0").restart(&[]).expect("d0 back");
     r.journal_event("recovery_validation_started", Some("d0"))
         .await;
-    let ev = r.journal_event_typed("readmitted", Some("d0")).await;
+    let ev = r.journal_event("readmitted", Some("d0")).await;
     let start = started_at(&f, "d0").await;
     assert!((ev.process_start.unwrap() - start).abs() < 0.05);
     let doc = r
@@ -764,7 +764,7 @@ async fn lifecycle_refusals_have_the_reference_shapes() {
         "a drain of p0 is already active with deadline_s 300; repeat it without deadline_s or with the same value",
     )
     .await;
-    let (status, again) = r.drain_typed(&DrainBody::engine("p0", 300.0)).await;
+    let (status, again) = r.drain(&DrainBody::engine("p0", 300.0)).await;
     assert_eq!(status, 200, "{again:#?}");
     conflict(drain_of(&["d0"]), "lifecycle action already active for p0").await;
     conflict(wave_drain(), "lifecycle action already active for p0").await;
@@ -998,11 +998,9 @@ async fn narwhalctl_wave_restart_and_rolling_restart() {
 async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
     let (_f, r) = lab("individual", &["--tpot-ms", "40"], json!({})).await;
     let s = r.open_stream("outlives the drain deadline", 30).await;
-    let (status, doc) = r.drain_typed(&DrainBody::engine("d0", 0.2)).await;
+    let (status, doc) = r.drain(&DrainBody::engine("d0", 0.2)).await;
     assert_eq!(status, 200, "{doc:#?}");
-    let ev = r
-        .journal_event_typed("drain_deadline_exceeded", Some("d0"))
-        .await;
+    let ev = r.journal_event("drain_deadline_exceeded", Some("d0")).await;
     assert_eq!(ev.resident, Some(1), "{ev:?}");
     assert!(!r.has_event("drain_complete", Some("d0")));
     let doc = r.lifecycle().await;
@@ -1040,7 +1038,7 @@ async fn drain_deadline_is_reported_by_the_timer_and_never_cancels_work() {
 async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes() {
     let (mut f, r) = lab("whole_wave", &[], json!({"recovery": {"eject_after": 1}})).await;
     crash_d0(&mut f, &r, "d0 is gone").await;
-    let ev = r.journal_event_typed("restart_required", None).await;
+    let ev = r.journal_event("restart_required", None).await;
     assert_eq!(ev.reason, "engine d0 was excluded", "{ev:?}");
     let wave_id = ev.wave_id.clone();
     let ready = r.not_ready().await;
@@ -1059,14 +1057,14 @@ async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes
     }
     // The engine answers again; automatic recovery must not readmit it under whole_wave.
     f.sim_mut("d0").restart(&[]).expect("d0 back");
-    let (status, doc) = r.readmit_typed(&ReadmitBody::wave()).await;
+    let (status, doc) = r.readmit(&ReadmitBody::wave()).await;
     assert_eq!(status, 409, "{doc:#?}");
     assert_eq!(
         doc.document.error,
         "d0 has no recorded pre-restart process identity"
     );
     // Drain the wave: identities are captured for the held records (no new wave).
-    let (status, doc) = r.drain_typed(&wave_drain()).await;
+    let (status, doc) = r.drain(&wave_drain()).await;
     assert_eq!(status, 200, "{doc:#?}");
     assert_eq!(doc.document.wave.id, wave_id, "same wave");
     r.journal_event("wave_ready_to_stop", None).await;
@@ -1076,7 +1074,7 @@ async fn whole_wave_ejection_requires_a_restart_wave_that_the_operator_completes
     );
     f.sim_mut("p0").restart(&[]).expect("restart p0");
     f.sim_mut("d0").restart(&[]).expect("restart d0");
-    let (status, doc) = r.readmit_typed(&ReadmitBody::wave()).await;
+    let (status, doc) = r.readmit(&ReadmitBody::wave()).await;
     assert_eq!(status, 200, "{doc:#?}");
     assert!(!doc.document.wave.active);
     let doc = r
@@ -1101,7 +1099,7 @@ async fn failed_recovery_validation_keeps_the_engine_out_and_is_retried() {
     f.sim_mut("d0")
         .restart(&["--model", "other-model"])
         .expect("d0 serves another model");
-    let ev = r.journal_event_typed("validation_failed", Some("d0")).await;
+    let ev = r.journal_event("validation_failed", Some("d0")).await;
     assert_eq!(
         ev.error.as_deref(),
         Some(r#"serves ["other-model"], expected tiny-sim"#),
@@ -1218,7 +1216,7 @@ async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() 
     .await;
     crash_d0(&mut f, &r, "d0 crashed").await;
     r.journal_event("restart_required", None).await;
-    let (status, doc) = r.drain_typed(&wave_drain()).await;
+    let (status, doc) = r.drain(&wave_drain()).await;
     assert_eq!(status, 200, "{doc:#?}");
     let old = doc.document.engines.of("d0").old_process_start;
     assert_eq!(
@@ -1229,7 +1227,7 @@ async fn crashed_engine_is_bound_to_its_verified_process_when_the_wave_drains() 
     r.journal_event("wave_ready_to_stop", None).await;
     f.sim_mut("p0").restart(&[]).expect("restart p0");
     f.sim_mut("d0").restart(&[]).expect("restart d0");
-    let (status, doc) = r.readmit_typed(&ReadmitBody::wave()).await;
+    let (status, doc) = r.readmit(&ReadmitBody::wave()).await;
     assert_eq!(status, 200, "{doc:#?}");
     r.lifecycle_until("d0 back", |d| d.engines.of("d0").accepts_new)
         .await;
@@ -1385,7 +1383,7 @@ async fn stalled_engine_is_readmitted_as_the_same_process_after_it_resumes() {
     r.lifecycle_until("d0 ejected", |d| !d.engines.of("d0").accepts_new)
         .await;
     f.sim("d0").proc.signal(Signal::SIGCONT);
-    let ev = r.journal_event_typed("readmitted", Some("d0")).await;
+    let ev = r.journal_event("readmitted", Some("d0")).await;
     assert_eq!(ev.process_start, Some(accepted), "same process");
     let doc = r
         .lifecycle_until("d0 back", |d| d.engines.of("d0").accepts_new)
@@ -1426,7 +1424,7 @@ async fn a_health_probe_answering_after_a_wave_readmission_does_not_hold_the_fle
     let (mut f, r) = lab("whole_wave", &[], fast_probes).await;
     crash_d0(&mut f, &r, "d0 crashed").await;
     r.journal_event("restart_required", None).await;
-    let (status, doc) = r.drain_typed(&wave_drain()).await;
+    let (status, doc) = r.drain(&wave_drain()).await;
     assert_eq!(status, 200, "{doc:#?}");
     r.journal_event("wave_ready_to_stop", None).await;
     f.sim_mut("p0").restart(&[]).expect("restart p0");
@@ -1434,7 +1432,7 @@ async fn a_health_probe_answering_after_a_wave_readmission_does_not_hold_the_fle
     f.sim("d0")
         .fault(json!({"phase": "health", "action": "hang", "ms": 1000, "count": 1000}))
         .await;
-    let (status, doc) = r.readmit_typed(&ReadmitBody::wave()).await;
+    let (status, doc) = r.readmit(&ReadmitBody::wave()).await;
     assert_eq!(status, 200, "{doc:#?}");
     r.journal_event("wave_readmitted", None).await;
     // Longer than a probe in flight takes to answer (1 s) and the next monitor tick.

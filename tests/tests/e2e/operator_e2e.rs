@@ -247,7 +247,7 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     let mut f = Fleet::builder().prefill(2).decode(1).agents().start().await;
     let control = f.router().control.clone();
     let r = f.router();
-    let (status, doc) = r.drain_typed(&DrainBody::engine("p1", 30.0)).await;
+    let (status, doc) = r.drain(&DrainBody::engine("p1", 30.0)).await;
     assert_eq!(status, 200, "{doc:#?}");
     assert_eq!(doc.warnings, Some(vec![]), "p0 still serves prefill");
     r.engine_state_until("p1", DrainState::Drained).await;
@@ -271,7 +271,7 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     assert!(p1.accepts_new, "{lc:#?}");
     assert_eq!(p1.new_process_start, p1.old_process_start);
     r.journal_event("drain_cancel_started", Some("p1")).await;
-    let ev = r.journal_event_typed("drain_cancelled", Some("p1")).await;
+    let ev = r.journal_event("drain_cancelled", Some("p1")).await;
     assert_eq!(ev.process_start, p1.old_process_start, "{ev:?}");
     assert!(!r.has_event("readmitted", Some("p1")), "not a readmission");
     let m = r.metrics().await;
@@ -303,7 +303,7 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
     // A restarted engine is not a cancel: refused, and readmission takes it.
     f.sim_mut("d0").restart(&[]).expect("restart d0");
     let r = f.router();
-    let (status, doc) = r.cancel_drain_typed(&engines(&["d0"])).await;
+    let (status, doc) = r.cancel_drain(&engines(&["d0"])).await;
     assert_eq!(status, 409, "{doc:#?}");
     assert!(
         doc.document
@@ -318,9 +318,9 @@ async fn cancel_drain_returns_the_same_process_and_a_sole_engine_drain_warns() {
         wave: true,
         ..ReadmitBody::default()
     };
-    let (status, doc) = r.cancel_drain_typed(&wave).await;
+    let (status, doc) = r.cancel_drain(&wave).await;
     assert_eq!(status, 409, "{doc:#?}");
-    let (status, doc) = r.cancel_drain_typed(&engines(&["p0"])).await;
+    let (status, doc) = r.cancel_drain(&engines(&["p0"])).await;
     assert_eq!(status, 409, "{doc:#?}");
     assert!(doc.document.error.starts_with("p0 is active"), "{doc:#?}");
 }

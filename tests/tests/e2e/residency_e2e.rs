@@ -30,7 +30,7 @@ async fn draining_the_decode_engine_waits_for_a_request_still_in_its_prefill() {
     })
     .await;
     let (_, drain) = router
-        .drain_typed(&DrainBody {
+        .drain(&DrainBody {
             engines: vec!["d0".to_string()],
             deadline_s: Some(60.0),
             ..DrainBody::default()
