@@ -119,3 +119,4 @@ pub use journal_rows::{
 /// Typed journal rows: engine and lifecycle events, settled requests (router.rs).
 pub use router::EngineEventRow;
 pub mod kv_handle;
+pub mod typed_e;
