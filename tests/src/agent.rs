@@ -3,10 +3,12 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::certs::DevCerts;
 use crate::proc::{ChildProc, ProcError, START_TIMEOUT, bin_path, read_json_file, write_file};
+use crate::router::merge;
 use crate::sim::SimHandle;
 
 /// A running `narwhal-agent` serving some simulated engines.
@@ -101,16 +103,14 @@ pub fn start_agent_keyed(
         .iter()
         .map(|s| {
             AgentEngine {
-            iid: s.iid.clone(),
-            url: s.url.clone(),
-            dialect: s.dialect.clone(),
-            port: s.port,
-            // A simulator publishing KV events (its ready file names the sockets): the agent
-            // follows them (every topic).
-            kv_events: s.ready["kv_events_endpoint"].as_str().map(|ep| {
-                json!({"endpoint": ep, "replay_endpoint": s.ready["kv_events_replay_endpoint"]})
-            }),
-        }
+                iid: s.iid.clone(),
+                url: s.url.clone(),
+                dialect: s.dialect.clone(),
+                port: s.port,
+                // A simulator publishing KV events (its ready file names the sockets): the agent
+                // follows them (every topic).
+                kv_events: kv_events_of(s),
+            }
         })
         .collect();
     start_agent_for(
@@ -160,21 +160,18 @@ pub fn start_agent_for(
     if !key.exists() {
         keygen(&key)?;
     }
-    let engines: Vec<Value> = engines
+    let engines: Vec<EngineConfig> = engines
         .iter()
-        .map(|s| {
-            let mut e = json!({"iid": s.iid, "url": s.url, "dialect": s.dialect,
-                               "process": {"listen_port": s.port}});
-            if let Some(doc) = contract_document {
-                e["contract_document"] = json!(doc);
-            }
-            if let Some(key) = api_key_file {
-                e["api_key_file"] = json!(key);
-            }
-            if let Some(kv) = &s.kv_events {
-                e["kv_events"] = kv.clone();
-            }
-            e
+        .map(|s| EngineConfig {
+            iid: &s.iid,
+            url: &s.url,
+            dialect: &s.dialect,
+            process: ProcessConfig {
+                listen_port: s.port,
+            },
+            contract_document,
+            api_key_file,
+            kv_events: s.kv_events.as_ref(),
         })
         .collect();
     let doc = json!({
@@ -199,6 +196,56 @@ pub fn start_agent_for(
     };
     agent.read_ready()?;
     Ok(agent)
+}
+
+/// What the kit reads of a simulator's ready file: the KV event sockets it publishes on, when
+/// it publishes KV events.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct SimKvSockets {
+    /// The publisher's endpoint.
+    kv_events_endpoint: Option<String>,
+    /// Its replay endpoint.
+    kv_events_replay_endpoint: Option<String>,
+}
+
+/// `engines[].kv_events` for simulator `s`: the sockets its ready file names, `None` when it
+/// publishes no KV events.
+fn kv_events_of(s: &SimHandle) -> Option<Value> {
+    let ready = SimKvSockets::deserialize(&s.ready).unwrap_or_default();
+    let replay = ready.kv_events_replay_endpoint;
+    ready
+        .kv_events_endpoint
+        .map(|ep| json!({"endpoint": ep, "replay_endpoint": replay}))
+}
+
+/// One of an agent config's `engines` (docs/agent.md).
+#[derive(Debug, Serialize)]
+struct EngineConfig<'a> {
+    iid: &'a str,
+    url: &'a str,
+    dialect: &'a str,
+    process: ProcessConfig,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    contract_document: Option<&'a Path>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    api_key_file: Option<&'a Path>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_events: Option<&'a Value>,
+}
+
+/// `engines[].process`: the process bound to the engine.
+#[derive(Debug, Serialize)]
+struct ProcessConfig {
+    listen_port: u16,
+}
+
+/// What the kit reads of an agent's `--ready-file` document.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct AgentReady {
+    /// `ed25519:<base64>`.
+    public_key: Option<String>,
 }
 
 fn write_config(path: &Path, doc: &Value) -> Result<(), ProcError> {
@@ -231,8 +278,11 @@ impl AgentHandle {
             })?;
         let path = ready_path(&self.dir, &self.server_name);
         self.ready = read_json_file(&path);
-        self.public_key = match self.ready["public_key"].as_str() {
-            Some(k) => k.to_string(),
+        self.public_key = match AgentReady::deserialize(&self.ready)
+            .unwrap_or_default()
+            .public_key
+        {
+            Some(k) => k,
             None => {
                 return Err(ProcError::BadLine {
                     bin: "narwhal-agent".into(),
@@ -253,12 +303,12 @@ impl AgentHandle {
         self.proc.kill();
         let mut cfg = read_json_file(&self.config);
         let port = self.url.rsplit(':').next().unwrap_or("0").to_string();
-        cfg["listen"] = json!(format!("127.0.0.1:{port}"));
+        merge(&mut cfg, json!({"listen": format!("127.0.0.1:{port}")}));
         if let Some(key) = key {
             if !key.exists() {
                 keygen(key)?;
             }
-            cfg["signing_key"] = json!(key);
+            merge(&mut cfg, json!({"signing_key": key}));
         }
         write_config(&self.config, &cfg)?;
         self.proc = spawn_agent(&self.dir, &self.server_name, &self.config)?.0;

@@ -11,6 +11,7 @@
 use narwhal_shared::documents::State;
 use serde_json::Value;
 
+use crate::controller::RowHead;
 use crate::router::{EngineEventRow, RouterHandle};
 use crate::{WAIT, eventually};
 
@@ -20,7 +21,10 @@ impl RouterHandle {
     pub fn events_of(&self, event: &str, iid: &str) -> Vec<Value> {
         self.journal_rows()
             .into_iter()
-            .filter(|r| r["event"] == event && r["iid"] == iid)
+            .filter(|r| {
+                let head = RowHead::of(r);
+                head.event.as_deref() == Some(event) && head.iid.as_deref() == Some(iid)
+            })
             .collect()
     }
 

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use narwhal_shared::documents::{DecisionEvent, State};
+use serde::{Deserialize, Deserializer};
 use serde_json::{Value, json};
 
 use crate::WAIT;
@@ -167,10 +168,10 @@ impl Load {
                 } else {
                     unique_token_prompt(shape.input, k)
                 };
-                let mut body = json!({"model": "tiny-sim", "prompt": prompt});
-                if let Some(m) = shape.max_tokens {
-                    body["max_tokens"] = json!(m);
-                }
+                let body = match shape.max_tokens {
+                    Some(m) => json!({"model": "tiny-sim", "prompt": prompt, "max_tokens": m}),
+                    None => json!({"model": "tiny-sim", "prompt": prompt}),
+                };
                 let (client, url, st) = (client.clone(), url.clone(), st.clone());
                 st.sent.fetch_add(1, Ordering::Relaxed);
                 requests.spawn(async move {
@@ -202,12 +203,49 @@ impl Load {
     }
 }
 
+/// The head of a journal row, as the kit's filters read it: its naming members, each `None`
+/// when the row has none (or one that is not a string). Reading it never fails on an object.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub(crate) struct RowHead {
+    /// An event row's name.
+    #[serde(deserialize_with = "string_or_none")]
+    pub(crate) event: Option<String>,
+    /// The engine it is about.
+    #[serde(deserialize_with = "string_or_none")]
+    pub(crate) iid: Option<String>,
+    /// How a request row ended.
+    #[serde(deserialize_with = "string_or_none")]
+    pub(crate) terminal: Option<String>,
+    /// A decision's result.
+    #[serde(deserialize_with = "string_or_none")]
+    pub(crate) result: Option<String>,
+    /// A decision's (or an outcome's) reason.
+    #[serde(deserialize_with = "string_or_none")]
+    pub(crate) reason: Option<String>,
+}
+
+impl RowHead {
+    /// The head of `row`; all `None` when `row` is not an object.
+    pub(crate) fn of(row: &Value) -> RowHead {
+        RowHead::deserialize(row).unwrap_or_default()
+    }
+}
+
+/// A member that is a string, else `None` (any other JSON value).
+fn string_or_none<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    Ok(match Value::deserialize(d)? {
+        Value::String(s) => Some(s),
+        _ => None,
+    })
+}
+
 impl RouterHandle {
     /// Journal events named `event`, oldest first.
     pub fn events(&self, event: &str) -> Vec<Value> {
         self.journal_rows()
             .into_iter()
-            .filter(|r| r["event"] == event)
+            .filter(|r| RowHead::of(r).event.as_deref() == Some(event))
             .collect()
     }
 

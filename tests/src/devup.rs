@@ -4,6 +4,7 @@
 //! ```text
 //!   DevUp::start(dir, ready_file, &["--standby"])   returns once the ready file names the fleet
 //!     .doc()       the ready file (`router`, `standby`, `engines[]`, `agents[]`, pids)
+//!     .ready()     the same, typed ([`DevReady`])
 //!     .urls()      (data, control, standby control or "")
 //!     .engine(iid) one engine's entry (`iid`, `url`, `pid`)
 //!     .pids()      every process of the session, named
@@ -16,8 +17,14 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use crate::dev_ready::DevReady;
 use crate::proc::bin_path;
 use crate::process::{blocking_until, exit_within, signal_pid};
+
+/// `doc` read as a ready file; `None` when it is not one (a member of the wrong type).
+fn typed(doc: &Value) -> Option<DevReady> {
+    serde_json::from_value(doc.clone()).ok()
+}
 
 /// How long `narwhal-dev up` may take to write its ready file. Generous: the machine is shared
 /// by several builds at once, and the session starts a whole fleet.
@@ -80,7 +87,7 @@ impl DevUp {
     /// The ready file, once it names the session's control endpoint (`dev_control`).
     pub fn ready_doc(&self) -> Option<Value> {
         let doc: Value = serde_json::from_slice(&std::fs::read(&self.ready).ok()?).ok()?;
-        (!doc["dev_control"].as_str().unwrap_or("").is_empty()).then_some(doc)
+        (!typed(&doc)?.dev_control.is_empty()).then_some(doc)
     }
 
     /// The ready file as it is now.
@@ -91,27 +98,34 @@ impl DevUp {
         self.ready_doc().expect("ready file")
     }
 
+    /// The ready file as it is now, typed.
+    ///
+    /// # Panics
+    /// When it cannot be read, or is not a ready file.
+    pub fn ready(&self) -> DevReady {
+        let doc = self.doc();
+        typed(&doc).unwrap_or_else(|| panic!("not a narwhal-dev ready file: {doc}"))
+    }
+
     /// Engine `iid`'s entry in the ready file (`iid`, `url`, `pid`, ...).
     ///
     /// # Panics
     /// When the session has no such engine.
     pub fn engine(&self, iid: &str) -> Value {
-        let doc = self.doc();
-        doc["engines"]
-            .as_array()
-            .and_then(|a| a.iter().find(|e| e["iid"] == iid))
-            .cloned()
-            .unwrap_or_else(|| panic!("no engine {iid} in the ready file: {doc}"))
+        let ready = self.ready();
+        let engine = ready
+            .engine(iid)
+            .unwrap_or_else(|| panic!("no engine {iid} in the ready file: {ready:?}"));
+        serde_json::to_value(engine).expect("an engine entry is JSON")
     }
 
     /// `(data, control, standby control or "")` of the session's routers.
     pub fn urls(&self) -> (String, String, String) {
-        let doc = self.doc();
-        let s = |v: &Value| v.as_str().unwrap_or("").to_string();
+        let ready = self.ready();
         (
-            s(&doc["router"]["data"]),
-            s(&doc["router"]["control"]),
-            s(&doc["standby"]["control"]),
+            ready.router.data,
+            ready.router.control,
+            ready.standby.map(|s| s.control).unwrap_or_default(),
         )
     }
 
@@ -134,22 +148,20 @@ impl DevUp {
     /// # Panics
     /// When one has no pid in the ready file.
     pub fn pids(&self) -> Vec<(String, i32)> {
-        let d = self.doc();
-        let pid = |v: &Value| v.as_i64().unwrap_or(0) as i32;
+        let d = self.ready();
+        let pid = |p: u32| p as i32;
         let mut v = vec![
-            ("fleet process".to_string(), pid(&d["dev_pid"])),
-            ("router".to_string(), pid(&d["router"]["pid"])),
+            ("fleet process".to_string(), pid(d.dev_pid)),
+            ("router".to_string(), pid(d.router.pid)),
         ];
-        if d["standby"].is_object() {
-            v.push(("standby".into(), pid(&d["standby"]["pid"])));
+        if let Some(s) = &d.standby {
+            v.push(("standby".into(), pid(s.pid)));
         }
-        for e in d["engines"].as_array().into_iter().flatten() {
-            let name = format!("engine {}", e["iid"].as_str().unwrap_or("?"));
-            v.push((name, pid(&e["pid"])));
+        for e in &d.engines {
+            v.push((format!("engine {}", e.iid), pid(e.pid)));
         }
-        for a in d["agents"].as_array().into_iter().flatten() {
-            let name = format!("agent {}", a["id"].as_str().unwrap_or("?"));
-            v.push((name, pid(&a["pid"])));
+        for a in &d.agents {
+            v.push((format!("agent {}", a.id), pid(a.pid)));
         }
         for (name, pid) in &v {
             assert!(*pid > 0, "{name} has no pid in the ready file");

@@ -478,6 +478,26 @@ impl Drop for EtcdServer {
     }
 }
 
+/// The members of the gateway's answers the kit reads (`None` or empty when absent): an
+/// authentication's `token`, a range's `kvs`, a key-value's base64 `value`.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default)]
+struct Reply {
+    /// `/v3/auth/authenticate`: the token for later calls.
+    token: Option<String>,
+    /// `/v3/kv/range`: the key-values found.
+    kvs: Vec<Value>,
+    /// A key-value's value, base64.
+    value: Option<String>,
+}
+
+impl Reply {
+    /// What `v` holds of these members (all absent when it is not such an answer).
+    fn of(v: &Value) -> Reply {
+        serde::Deserialize::deserialize(v).unwrap_or_default()
+    }
+}
+
 /// etcd's JSON gateway, for test setup and for checking what the router wrote.
 #[derive(Debug, Clone)]
 pub struct Gateway {
@@ -528,14 +548,14 @@ impl Gateway {
                 json!({"name": user, "password": password}),
             )
             .await;
-        self.token = v["token"].as_str().map(str::to_string);
+        self.token = Reply::of(&v).token;
     }
 
     /// The value at `key`, if any (as text).
     pub async fn get(&self, key: &str) -> Option<String> {
         self.get_kv(key).await.map(|kv| {
             let v = B64
-                .decode(kv["value"].as_str().unwrap_or(""))
+                .decode(Reply::of(&kv).value.unwrap_or_default())
                 .expect("base64 value");
             String::from_utf8(v).expect("utf-8 value")
         })
@@ -546,7 +566,7 @@ impl Gateway {
         let v = self
             .ok("/v3/kv/range", json!({"key": B64.encode(key)}))
             .await;
-        v["kvs"].as_array().and_then(|a| a.first().cloned())
+        Reply::of(&v).kvs.into_iter().next()
     }
 
     /// Writes `value` at `key` (no lease).

@@ -17,9 +17,10 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
+use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::router::{FleetSpec, RouterHandle};
+use crate::router::{FleetSpec, RouterHandle, merge};
 
 /// What a fake engine received.
 #[derive(Debug, Default)]
@@ -217,13 +218,34 @@ impl Drop for CancelGuard {
     }
 }
 
+/// What the fake engine reads of the body the router sends it (`None`: absent or `null`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct EngineBody {
+    /// Whether the router asked for a stream.
+    stream: Option<bool>,
+    /// vLLM's `return_token_ids`.
+    return_token_ids: Option<bool>,
+    /// The prompt: text, token ids, or a batch (an open document).
+    prompt: Option<Value>,
+}
+
+/// One choice of an answer or chunk, with `token_ids` when `ids` are given.
+fn choice_with_ids(mut choice: Value, ids: Option<Value>) -> Value {
+    if let Some(ids) = ids {
+        merge(&mut choice, json!({ "token_ids": ids }));
+    }
+    choice
+}
+
 async fn completions(State(f): State<FakeEngine>, headers: HeaderMap, body: Bytes) -> Response {
     let v: Value = serde_json::from_slice(&body).expect("the router sends JSON");
+    let b = EngineBody::deserialize(&v).expect("the router sends an OpenAI request body");
     let rid = headers
         .get("x-request-id")
         .map(|h| h.to_str().expect("ASCII request id").to_string());
     let is_prefill = v.pointer("/kv_transfer_params/do_remote_decode") == Some(&json!(true))
-        || (v.get("bootstrap_room").is_some() && v["stream"] == json!(false));
+        || (v.get("bootstrap_room").is_some() && b.stream == Some(false));
     let mut guard = CancelGuard {
         seen: f.seen.clone(),
         done: false,
@@ -278,14 +300,14 @@ async fn completions(State(f): State<FakeEngine>, headers: HeaderMap, body: Byte
     }
     tokio::time::sleep(f.decode_head_delay).await;
     let chat = v.get("messages").is_some();
-    let with_ids = f.token_ids && v["return_token_ids"] == json!(true);
+    let with_ids = f.token_ids && b.return_token_ids == Some(true);
     let (n, tpot, usage) = (f.tokens, f.tpot, f.usage);
-    let tag = match (&v["prompt"], f.tag_prompt) {
-        (Value::String(p), true) => format!("{p}:"),
-        (p, true) if !p.is_null() => format!("{p}:"),
+    let tag = match (&b.prompt, f.tag_prompt) {
+        (Some(Value::String(p)), true) => format!("{p}:"),
+        (Some(p), true) => format!("{p}:"),
         _ => String::new(),
     };
-    if v["stream"] != json!(true) && !f.always_streams {
+    if b.stream != Some(true) && !f.always_streams {
         // A whole (non-streaming) answer, after the time its tokens take.
         tokio::time::sleep(tpot * n as u32).await;
         guard.done = true;
@@ -296,13 +318,11 @@ async fn completions(State(f): State<FakeEngine>, headers: HeaderMap, body: Byte
         } else {
             json!({"index": 0, "text": text, "finish_reason": "length"})
         };
+        let ids = with_ids.then(|| json!((0..n).map(|i| 101 + i).collect::<Vec<_>>()));
         let mut answer = json!({"id": "c", "object": if chat { "chat.completion" } else { "text_completion" },
-                                "created": 1, "model": "tiny-sim", "choices": [choice],
+                                "created": 1, "model": "tiny-sim", "choices": [choice_with_ids(choice, ids)],
                                 "usage": {"prompt_tokens": 7, "completion_tokens": n,
                                           "total_tokens": 7 + n}});
-        if with_ids {
-            answer["choices"][0]["token_ids"] = json!((0..n).map(|i| 101 + i).collect::<Vec<_>>());
-        }
         if !f.usage {
             answer.as_object_mut().expect("object").remove("usage");
         }
@@ -321,15 +341,15 @@ async fn completions(State(f): State<FakeEngine>, headers: HeaderMap, body: Byte
                 tokio::time::sleep(tpot).await;
             }
             let frame = if i == 0 {
-                let mut c = json!({"id": "c", "object": "chunk", "created": 1, "model": "tiny-sim",
-                               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                            "finish_reason": null}]});
-                if !chat {
-                    c["choices"][0] = json!({"index": 0, "text": "", "finish_reason": null});
-                }
-                if with_ids {
-                    c["choices"][0]["token_ids"] = json!([]);
-                }
+                let choice = if chat {
+                    json!({"index": 0, "delta": {"role": "assistant", "content": ""},
+                           "finish_reason": null})
+                } else {
+                    json!({"index": 0, "text": "", "finish_reason": null})
+                };
+                let choice = choice_with_ids(choice, with_ids.then(|| json!([])));
+                let c = json!({"id": "c", "object": "chunk", "created": 1, "model": "tiny-sim",
+                               "choices": [choice]});
                 format!("data: {c}\n\n")
             } else if i <= n {
                 let text = format!(" {tag}t{}", i - 1);
@@ -339,11 +359,8 @@ async fn completions(State(f): State<FakeEngine>, headers: HeaderMap, body: Byte
                 } else {
                     json!({"index": 0, "text": text, "finish_reason": finish})
                 };
-                let mut c =
-                    json!({"id": "c", "created": 1, "model": "tiny-sim", "choices": [choice]});
-                if with_ids {
-                    c["choices"][0]["token_ids"] = json!([100 + i]);
-                }
+                let choice = choice_with_ids(choice, with_ids.then(|| json!([100 + i])));
+                let c = json!({"id": "c", "created": 1, "model": "tiny-sim", "choices": [choice]});
                 format!("data: {c}\n\n")
             } else if usage {
                 let usage = json!({"id": "c", "choices": [],

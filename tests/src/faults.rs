@@ -34,9 +34,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use narwhal_shared::documents::LifecycleReply;
 use narwhal_shared::documents::requests::{DrainBody, ReadmitBody};
-use narwhal_shared::handoff::DrainState;
+use narwhal_shared::documents::{Lifecycle, LifecycleReply};
+use narwhal_shared::handoff::{DrainState, Handoff};
 use nix::sys::signal::Signal;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -46,6 +46,7 @@ use crate::fleet::{Fleet, LEASE_TTL_S, LeaseBackend};
 use crate::http::Http;
 use crate::router::{RouterHandle, RouterProbe};
 use crate::sampler::{Sample, Sampler};
+use crate::sim_stats::SimStats;
 
 /// When the fault hits the primary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -530,9 +531,8 @@ fn post_in_background(
     tokio::spawn(async move {
         let resp = http.client().post(url).json(&body).send().await.ok()?;
         let status = resp.status().as_u16();
-        let doc: Value = resp.json().await.unwrap_or(Value::Null);
-        let error = doc["error"].as_str().unwrap_or_default().to_string();
-        Some((status, error))
+        let doc: Lifecycle = resp.json().await.unwrap_or_default();
+        Some((status, doc.error))
     })
 }
 
@@ -912,7 +912,9 @@ async fn clock_jump(
     // Over a TTL of renewals on the stepped clock: a skew-driven takeover shows here.
     tokio::time::sleep(Duration::from_secs(3)).await;
     // The step reached the router: its handoff document's `at` (its wall clock).
-    let shown = r.handoff().await["at"].as_f64();
+    let shown = serde_json::from_value::<Handoff>(r.handoff().await)
+        .ok()
+        .map(|h| h.at);
     let real = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .expect("wall clock")
@@ -1169,21 +1171,17 @@ async fn check_acked(
             }
         }
     }
-    let requests = |st: &Value| {
-        ["prefill", "decode", "aggregated"]
-            .iter()
-            .map(|k| st["requests"][k].as_u64().unwrap_or(0))
-            .sum::<u64>()
-    };
+    let requests =
+        |st: &SimStats| st.requests.prefill + st.requests.decode + st.requests.aggregated;
     let mut before = Vec::new();
     for iid in &held {
-        before.push(requests(&f.sim(iid).stats().await));
+        before.push(requests(&f.sim(iid).counters().await));
     }
     for k in 0..6 {
         let _ = c.completion(&format!("after the fault {k}"), 2).await;
     }
     for (iid, b) in held.iter().zip(before) {
-        let after = requests(&f.sim(iid).stats().await);
+        let after = requests(&f.sim(iid).counters().await);
         if after != b {
             v.push(format!(
                 "{iid} was drained (acknowledged) but got {} requests",

@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use narwhal_shared::handoff::Handoff;
+use serde::Deserialize;
 use serde_json::{Value, json};
 use tempfile::TempDir;
 
@@ -31,8 +32,20 @@ use crate::http::Http;
 use crate::ports::engine_ports;
 use crate::proc::read_json_file;
 use crate::proxy::Proxy;
-use crate::router::{Clients, FleetSpec, RouterHandle, handoff_file_where, launch_router_env};
+use crate::router::{
+    Clients, FleetSpec, RouterHandle, handoff_file_where, launch_router_env, merge,
+};
 use crate::sim::{EngineSpec, SimHandle, start_sim};
+
+/// What the kit reads of a fleet's `lease` section: its backend and, for `file`, its path.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct LeaseSection {
+    /// `file` or `etcd`.
+    backend: String,
+    /// The lease file (`file` backend).
+    path: Option<PathBuf>,
+}
 
 /// The environment variable that holds the engines' API key for the routers of a fleet
 /// built with [`FleetBuilder::engine_api_key`] (their `engine.engine_api_key_env`).
@@ -498,7 +511,7 @@ impl FleetBuilder {
                         "replay_endpoint": format!("tcp://127.0.0.1:{r}"), "topic": "kv"});
                     if dp > 1 {
                         spec = spec.args(&["--data-parallel-size", &dp.to_string()]);
-                        keys["data_parallel_size"] = json!(dp);
+                        merge(&mut keys, json!({"data_parallel_size": dp}));
                     }
                     kv_keys.push((spec.iid.clone(), json!({ "kv_events": keys })));
                 }
@@ -624,9 +637,14 @@ impl Fleet {
         let lock = self
             .lease
             .as_ref()
-            .filter(|l| l["backend"] == "file")
-            .and_then(|l| l["path"].as_str())
-            .map(|p| PathBuf::from(format!("{p}.lock")));
+            .and_then(|l| LeaseSection::deserialize(l).ok())
+            .filter(|l| l.backend == "file")
+            .and_then(|l| l.path)
+            .map(|p| {
+                let mut lock = p.into_os_string();
+                lock.push(".lock");
+                PathBuf::from(lock)
+            });
         let Some(lock) = lock else {
             r.proc.signal(nix::sys::signal::Signal::SIGSTOP);
             return;
@@ -749,7 +767,7 @@ impl Fleet {
         if let Some(lease) = &self.lease {
             let mut lease = lease.clone();
             if let Some(p) = self.etcd_proxy.as_ref().filter(|_| label == "primary") {
-                lease["endpoints"] = json!([p.url]);
+                merge(&mut lease, json!({"endpoints": [p.url]}));
             }
             spec = spec.with(json!({
                 "lease": lease,

@@ -40,6 +40,7 @@ mod breaker;
 mod by_id;
 pub mod certs;
 mod controller;
+pub mod dev_ready;
 mod devup;
 pub mod disk;
 pub mod etcd;
@@ -49,6 +50,7 @@ pub mod faults;
 mod fleet;
 pub mod fsync;
 mod http;
+pub mod kv_handle;
 mod lifecycle;
 pub mod ports;
 mod proc;
@@ -120,4 +122,3 @@ pub use journal_rows::{
 };
 /// Typed journal rows: engine and lifecycle events, settled requests (router.rs).
 pub use router::EngineEventRow;
-pub mod kv_handle;

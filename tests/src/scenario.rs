@@ -14,9 +14,11 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use narwhal_shared::documents::state::Pools;
+use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::controller::{Load, Shape, token_prompt, unique_token_prompt};
+use crate::controller::{Load, RowHead, Shape, token_prompt, unique_token_prompt};
 use crate::fleet::{Fleet, FleetBuilder};
 use crate::router::RouterHandle;
 
@@ -40,24 +42,41 @@ pub const ONE_P_THREE_D: [&str; 4] = ["prefill", "decode", "decode", "decode"];
 /// Whether decision `d` has `result` (`applied`, `held`, `blocked`, `advisory`) and a reason
 /// starting with `reason`.
 pub fn decided(d: &Value, result: &str, reason: &str) -> bool {
-    d["result"] == result && d["reason"].as_str().is_some_and(|r| r.starts_with(reason))
+    let head = RowHead::of(d);
+    head.result.as_deref() == Some(result) && head.reason.is_some_and(|r| r.starts_with(reason))
+}
+
+/// A row's `reason`, borrowed from it (`None` when absent or not a string).
+#[derive(Default, Deserialize)]
+#[serde(default)]
+struct ReasonOf<'a> {
+    #[serde(borrow)]
+    reason: Option<&'a str>,
 }
 
 /// A decision's (or any journal row's) `reason`, `""` when it has none.
 pub fn reason_of(d: &Value) -> &str {
-    d["reason"].as_str().unwrap_or("")
+    ReasonOf::deserialize(d)
+        .unwrap_or_default()
+        .reason
+        .unwrap_or("")
+}
+
+/// What [`pools`] reads of `/narwhal/state`.
+#[derive(Default, Deserialize)]
+#[serde(default)]
+struct PoolsOf {
+    pools: Pools,
 }
 
 /// The engines of `role` in `/narwhal/state`'s `pools`, in order.
 pub fn pools(state: &Value, role: &str) -> Vec<String> {
-    state["pools"][role]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|v| v.as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default()
+    let p = PoolsOf::deserialize(state).unwrap_or_default().pools;
+    match role {
+        "prefill" => p.prefill,
+        "decode" => p.decode,
+        _ => Vec::new(),
+    }
 }
 
 impl FleetBuilder {
@@ -95,8 +114,10 @@ impl RouterHandle {
     /// # Panics
     /// When none comes; the message lists the last decisions.
     pub async fn applied(&self, what: &str, within: Duration) -> Value {
-        self.decision_where(what, within, |d| d["result"] == "applied")
-            .await
+        self.decision_where(what, within, |d| {
+            RowHead::of(d).result.as_deref() == Some("applied")
+        })
+        .await
     }
 
     /// Posts `n` completions of `input`-token prompts asking `max_tokens`, all at once, each
@@ -140,7 +161,7 @@ impl RouterHandle {
     pub fn settled(&self, terminal: &str) -> Vec<Value> {
         self.journal_rows()
             .into_iter()
-            .filter(|x| x["terminal"] == terminal)
+            .filter(|x| RowHead::of(x).terminal.as_deref() == Some(terminal))
             .collect()
     }
 }

@@ -87,16 +87,6 @@ impl SimHandle {
         self.admin.rsplit(':').next().and_then(|p| p.parse().ok())
     }
 
-    /// `GET /sim/stats` (counters, `recent` requests, `in_flight`, `started_at`).
-    ///
-    /// # Panics
-    /// When the simulator does not answer 200 with JSON.
-    pub async fn stats(&self) -> Value {
-        let r = self.http.get(format!("{}/stats", self.admin_url())).await;
-        assert_eq!(r.status, 200, "{}: {}", r.what, r.text());
-        r.json()
-    }
-
     /// `GET /sim/stats`, typed ([`crate::sim_stats::SimStats`]).
     ///
     /// # Panics

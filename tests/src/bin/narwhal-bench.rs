@@ -71,6 +71,7 @@ mod prefix_trace;
 mod profile;
 #[path = "narwhal-bench/shifting.rs"]
 mod shifting;
+use narwhal_testkit::sim_stats::SimStats;
 use narwhal_testkit::{
     EngineSpec, FleetSpec, RouterHandle, SimHandle, engine_port, start_router, start_sim,
 };
@@ -253,38 +254,35 @@ struct Engines {
 
 impl Engines {
     /// `/sim/stats` of the engines behind a target of `kind`, in order.
-    async fn stats(&self, kind: Kind) -> Vec<Value> {
+    async fn stats(&self, kind: Kind) -> Vec<SimStats> {
         match kind {
-            Kind::Pd => vec![self.prefill.stats().await, self.decode.stats().await],
-            Kind::Agg | Kind::Direct => vec![self.agg.stats().await],
+            Kind::Pd => vec![self.prefill.counters().await, self.decode.counters().await],
+            Kind::Agg | Kind::Direct => vec![self.agg.counters().await],
         }
     }
 }
 
 /// What the engines of a `kind` target counted between two [`Engines::stats`] readings.
-fn engine_counts(kind: Kind, before: &[Value], after: &[Value]) -> EngineCounts {
-    let d = |i: usize, path: [&str; 2]| {
-        let get = |v: &[Value]| {
-            v.get(i)
-                .map_or(0, |v| v[path[0]][path[1]].as_u64().unwrap_or(0))
-        };
+fn engine_counts(kind: Kind, before: &[SimStats], after: &[SimStats]) -> EngineCounts {
+    let d = |i: usize, count: fn(&SimStats) -> u64| {
+        let get = |v: &[SimStats]| v.get(i).map_or(0, count);
         get(after).saturating_sub(get(before))
     };
-    let sum = |path: [&str; 2]| (0..after.len()).map(|i| d(i, path)).sum::<u64>();
+    let sum = |count: fn(&SimStats) -> u64| (0..after.len()).map(|i| d(i, count)).sum::<u64>();
     match kind {
         Kind::Pd => EngineCounts {
-            prefill: d(0, ["requests", "prefill"]),
-            decode: d(1, ["requests", "decode"]),
-            aggregated: sum(["requests", "aggregated"]),
-            issued: d(0, ["kv", "issued"]),
-            consumed: d(1, ["kv", "consumed"]),
-            recomputed: sum(["kv", "recomputed"]),
-            rejected: sum(["kv", "rejected"]),
+            prefill: d(0, |s| s.requests.prefill),
+            decode: d(1, |s| s.requests.decode),
+            aggregated: sum(|s| s.requests.aggregated),
+            issued: d(0, |s| s.kv.issued),
+            consumed: d(1, |s| s.kv.consumed),
+            recomputed: sum(|s| s.kv.recomputed),
+            rejected: sum(|s| s.kv.rejected),
         },
         Kind::Agg | Kind::Direct => EngineCounts {
-            aggregated: sum(["requests", "aggregated"]),
-            recomputed: sum(["kv", "recomputed"]),
-            rejected: sum(["kv", "rejected"]),
+            aggregated: sum(|s| s.requests.aggregated),
+            recomputed: sum(|s| s.kv.recomputed),
+            rejected: sum(|s| s.kv.rejected),
             ..Default::default()
         },
     }

@@ -26,11 +26,16 @@ use clap::{Parser, Subcommand};
 use futures_util::StreamExt;
 use std::sync::{Arc, Mutex};
 
+use narwhal_shared::documents::State;
+use narwhal_shared::handoff::Handoff;
 use narwhal_testkit::certs::make_dev_certs;
+use narwhal_testkit::dev_ready::{DEV_FLEET_SCHEMA, DevAgent, DevEngine, DevReady, DevRouter};
+use narwhal_testkit::sim_stats::SimStats;
 use narwhal_testkit::{
-    AgentHandle, EngineSpec, FleetSpec, RouterHandle, SimHandle, bin_path, start_agent,
-    start_router, start_sim,
+    AgentHandle, Answer, DecisionRow, EngineSpec, FleetSpec, RouterHandle, SimHandle, bin_path,
+    start_agent, start_router, start_sim,
 };
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 #[derive(Parser)]
@@ -292,33 +297,53 @@ impl Fleet {
         })
     }
 
-    fn ready_doc(&self) -> Value {
-        json!({
-            "schema": "narwhal.dev-fleet",
-            "schema_version": 1,
-            "dir": self.dir,
-            "dialect": self.dialect,
-            "certs": self.certs,
-            "dev_control": self.dev_control,
-            "dev_pid": std::process::id(),
-            "router": {
-                "data": self.router.data,
-                "control": self.router.control,
-                "pid": self.router.proc.pid(),
-                "fleet": self.router.fleet,
-                "journal": self.router.journal,
+    fn ready_doc(&self) -> DevReady {
+        DevReady {
+            schema: DEV_FLEET_SCHEMA.into(),
+            schema_version: 1,
+            dir: self.dir.clone(),
+            dialect: self.dialect.clone(),
+            certs: self.certs.clone(),
+            dev_control: self.dev_control.clone(),
+            dev_pid: std::process::id(),
+            router: DevRouter {
+                data: self.router.data.clone(),
+                control: self.router.control.clone(),
+                pid: self.router.proc.pid(),
+                fleet: self.router.fleet.clone(),
+                journal: Some(self.router.journal.clone()),
             },
-            "standby": self.standby.as_ref().map(|r| json!({
-                "data": r.data, "control": r.control, "pid": r.proc.pid(), "fleet": r.fleet,
-            })),
-            "engines": self.sims.iter().zip(&self.host_of).map(|(s, h)| json!({
-                "iid": s.iid, "role": s.role, "url": s.url, "admin": s.admin, "pid": s.proc.pid(),
-                "agent": h,
-            })).collect::<Vec<_>>(),
-            "agents": self.agents.iter().map(|a| json!({
-                "id": a.agent_id, "url": a.url, "pid": a.proc.pid(), "public_key": a.public_key,
-            })).collect::<Vec<_>>(),
-        })
+            standby: self.standby.as_ref().map(|r| DevRouter {
+                data: r.data.clone(),
+                control: r.control.clone(),
+                pid: r.proc.pid(),
+                fleet: r.fleet.clone(),
+                journal: None,
+            }),
+            engines: self
+                .sims
+                .iter()
+                .zip(&self.host_of)
+                .map(|(s, h)| DevEngine {
+                    iid: s.iid.clone(),
+                    role: s.role.clone(),
+                    url: s.url.clone(),
+                    admin: s.admin.clone(),
+                    pid: s.proc.pid(),
+                    agent: h.clone(),
+                })
+                .collect(),
+            agents: self
+                .agents
+                .iter()
+                .map(|a| DevAgent {
+                    id: a.agent_id.clone(),
+                    url: a.url.clone(),
+                    pid: a.proc.pid(),
+                    public_key: a.public_key.clone(),
+                })
+                .collect(),
+        }
     }
 
     /// Stops the routers gracefully (SIGTERM: open streams finish, the lease is released),
@@ -360,6 +385,38 @@ impl Fleet {
 
 type SharedFleet = Arc<Mutex<Fleet>>;
 
+/// What `POST /restart/{iid}` answers: `{"iid", "pid"}` (200), or `{"error"}`.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
+struct RestartAnswer {
+    /// The engine restarted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    iid: Option<String>,
+    /// Its new process id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pid: Option<u32>,
+    /// Why it was not restarted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+impl RestartAnswer {
+    fn restarted(iid: String, pid: u32) -> Self {
+        RestartAnswer {
+            iid: Some(iid),
+            pid: Some(pid),
+            error: None,
+        }
+    }
+
+    fn failed(error: String) -> Self {
+        RestartAnswer {
+            error: Some(error),
+            ..RestartAnswer::default()
+        }
+    }
+}
+
 /// Serves `POST /restart/{iid}` on loopback for `narwhal-dev restart`.
 async fn dev_control(fleet: SharedFleet, ready: PathBuf) -> std::io::Result<String> {
     use axum::extract::{Path as UrlPath, State};
@@ -369,12 +426,12 @@ async fn dev_control(fleet: SharedFleet, ready: PathBuf) -> std::io::Result<Stri
     async fn restart(
         State((fleet, ready)): State<(SharedFleet, PathBuf)>,
         UrlPath(iid): UrlPath<String>,
-    ) -> (axum::http::StatusCode, axum::Json<Value>) {
+    ) -> (axum::http::StatusCode, axum::Json<RestartAnswer>) {
         let out = tokio::task::spawn_blocking(move || {
             let mut f = fleet.lock().unwrap_or_else(|p| p.into_inner());
             let r = f.restart(&iid);
             if r.is_ok() {
-                let _ = write_atomically(&ready, &format!("{:#}\n", f.ready_doc()));
+                let _ = write_atomically(&ready, &pretty(&f.ready_doc()));
             }
             r.map(|pid| (iid, pid))
         })
@@ -382,15 +439,15 @@ async fn dev_control(fleet: SharedFleet, ready: PathBuf) -> std::io::Result<Stri
         match out {
             Ok(Ok((iid, pid))) => (
                 axum::http::StatusCode::OK,
-                axum::Json(json!({"iid": iid, "pid": pid})),
+                axum::Json(RestartAnswer::restarted(iid, pid)),
             ),
             Ok(Err(e)) => (
                 axum::http::StatusCode::BAD_REQUEST,
-                axum::Json(json!({"error": e})),
+                axum::Json(RestartAnswer::failed(e)),
             ),
             Err(e) => (
                 axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-                axum::Json(json!({"error": e.to_string()})),
+                axum::Json(RestartAnswer::failed(e.to_string())),
             ),
         }
     }
@@ -422,7 +479,7 @@ async fn bring_up(args: &UpArgs) -> Result<(SharedFleet, PathBuf), String> {
         f.dev_control = url.clone();
         (f.ready_doc(), f.dir.clone())
     };
-    write_atomically(&ready, &format!("{doc:#}\n"))
+    write_atomically(&ready, &pretty(&doc))
         .map_err(|e| format!("write {}: {e}", ready.display()))?;
     let session_path = dir.join(session::SESSION_FILE);
     write_atomically(
@@ -431,6 +488,12 @@ async fn bring_up(args: &UpArgs) -> Result<(SharedFleet, PathBuf), String> {
     )
     .map_err(|e| format!("write {}: {e}", session_path.display()))?;
     Ok((fleet, ready))
+}
+
+/// `doc` as indented JSON and a newline, as the session's files are written.
+fn pretty(doc: &impl Serialize) -> String {
+    let text = serde_json::to_string_pretty(doc).expect("a document serialises");
+    format!("{text}\n")
 }
 
 fn write_atomically(path: &Path, text: &str) -> Result<(), narwhal_shared::AtomicWriteError> {
@@ -491,12 +554,14 @@ async fn restart(args: RestartArgs) -> ExitCode {
     {
         Ok(r) => {
             let ok = r.status().is_success();
-            let body: Value = r.json().await.unwrap_or_default();
+            let body: RestartAnswer = r.json().await.unwrap_or_default();
             if ok {
-                println!("{}: restarted as pid {}", args.iid, body["pid"]);
+                let pid = body.pid.map_or_else(|| "?".to_string(), |p| p.to_string());
+                println!("{}: restarted as pid {pid}", args.iid);
                 ExitCode::SUCCESS
             } else {
-                eprintln!("narwhal-dev restart: {}", body["error"]);
+                let error = body.error.as_deref().unwrap_or("no reason given");
+                eprintln!("narwhal-dev restart: {error}");
                 ExitCode::FAILURE
             }
         }
@@ -657,13 +722,17 @@ async fn send(http: &reqwest::Client, data: &str, i: usize) -> Outcome {
     };
     let status = resp.status().as_u16();
     let (tokens, ok, note) = if !stream {
-        match resp.json::<Value>().await {
-            Ok(v) => {
-                let n = v["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize;
+        let answer = resp.bytes().await.map_err(|e| e.to_string()).and_then(|b| {
+            let a = serde_json::from_slice::<Answer>(&b).map_err(|e| e.to_string())?;
+            Ok((a, String::from_utf8_lossy(&b).into_owned()))
+        });
+        match answer {
+            Ok((a, text)) => {
+                let n = a.usage().completion_tokens.unwrap_or(0) as usize;
                 let ok = status == 200 && n > 0;
-                (n, ok, if ok { String::new() } else { v.to_string() })
+                (n, ok, if ok { String::new() } else { text })
             }
-            Err(e) => (0, false, e.to_string()),
+            Err(e) => (0, false, e),
         }
     } else {
         let mut body = resp.bytes_stream();
@@ -692,12 +761,15 @@ async fn send(http: &reqwest::Client, data: &str, i: usize) -> Outcome {
         let errors = frames.iter().filter(|f| f.contains("\"error\"")).count();
         let n = frames
             .iter()
-            .filter_map(|f| serde_json::from_str::<Value>(f).ok())
-            .filter(|v| {
-                let c = &v["choices"][0];
-                let text = c["text"]
-                    .as_str()
-                    .or_else(|| c["delta"]["content"].as_str());
+            .filter_map(|f| serde_json::from_str::<Answer>(f).ok())
+            .filter(|a| {
+                let Some(c) = a.choice(0) else {
+                    return false;
+                };
+                let text = c
+                    .text
+                    .as_deref()
+                    .or_else(|| c.delta.as_ref().and_then(|d| d.content.as_deref()));
                 text.is_some_and(|t| !t.is_empty())
             })
             .count();
@@ -812,14 +884,10 @@ async fn demo_dialect(
     println!("router data={data} control={control}; one agent per engine host, mutual TLS");
     let mut all_ok = demo_requests(http, &data, args.requests).await;
     all_ok &= demo_engine_stats(http, &engines, args.requests).await;
-    if let Ok(state) = router_state(http, &control).await {
+    if let Some(state) = router_state(http, &control).await {
         println!(
             "router /narwhal/state: offered={} served={} failed={} cancelled={} invalid={}",
-            state["offered"],
-            state["served"],
-            state["failed"],
-            state["cancelled"],
-            state["invalid_requests"]
+            state.offered, state.served, state.failed, state.cancelled, state.invalid_requests
         );
     }
     all_ok &= demo_restarts(http, dialect, &data, &control, &dir).await;
@@ -831,13 +899,17 @@ async fn demo_dialect(
     Ok(all_ok)
 }
 
-/// The router's `/narwhal/state` on `control`.
-async fn router_state(http: &reqwest::Client, control: &str) -> Result<Value, reqwest::Error> {
-    http.get(format!("{control}/narwhal/state"))
+/// The router's `/narwhal/state` on `control`; `None` when it answered no state document.
+async fn router_state(http: &reqwest::Client, control: &str) -> Option<State> {
+    let state = http
+        .get(format!("{control}/narwhal/state"))
         .send()
-        .await?
-        .json::<Value>()
         .await
+        .ok()?
+        .json::<State>()
+        .await
+        .ok()?;
+    state.is_state().then_some(state)
 }
 
 /// Sends `requests` requests of every shape to `data` at once and prints a line per shape
@@ -891,29 +963,19 @@ async fn demo_engine_stats(
             http.get(format!("{admin}/stats"))
                 .send()
                 .await?
-                .json::<Value>()
+                .json::<SimStats>()
                 .await
         };
         match stats.await {
             Ok(st) => {
-                let req = &st["requests"];
-                let total = ["prefill", "decode", "aggregated"]
-                    .iter()
-                    .map(|k| req[*k].as_u64().unwrap_or(0))
-                    .sum::<u64>();
-                let kv = |k: &str| st["kv"][k].as_u64().unwrap_or(0);
-                consumed += kv("consumed");
-                recomputed += kv("recomputed");
+                let req = st.requests;
+                let total = req.prefill + req.decode + req.aggregated;
+                let kv = st.kv;
+                consumed += kv.consumed;
+                recomputed += kv.recomputed;
                 println!(
                     "{:<5} {:<8} {:>8} {:>7} {:>7} {:>9} {:>9} {:>11}",
-                    iid,
-                    role,
-                    total,
-                    kv("issued"),
-                    kv("served"),
-                    kv("consumed"),
-                    kv("rejected"),
-                    kv("recomputed")
+                    iid, role, total, kv.issued, kv.served, kv.consumed, kv.rejected, kv.recomputed
                 );
             }
             Err(e) => {
@@ -993,14 +1055,11 @@ async fn demo_failover(
     println!("\n--- {dialect}: failover (kill -9 the primary router) ---");
     // The standby applies the last handoff it retained: let it catch up with the primary
     // first (it writes what it retained to its own state file).
-    let primary_served = router_state(http, control)
-        .await
-        .map(|st| st["served"].clone())
-        .unwrap_or_default();
+    let primary_served = router_state(http, control).await.map(|st| st.served);
     let retained = dir.join("state-standby.json");
     let in_sync = narwhal_testkit::wait_until(Duration::from_secs(10), || async {
-        let doc: Value = serde_json::from_slice(&std::fs::read(&retained).ok()?).ok()?;
-        (doc["counters"]["served"] == primary_served && doc["lifecycle"]["wave_id"] == "")
+        let doc = Handoff::parse(&std::fs::read_to_string(&retained).ok()?).ok()?;
+        (doc.counters.get("served").copied() == primary_served && doc.lifecycle.wave_id.is_empty())
             .then_some(())
     })
     .await;
@@ -1033,10 +1092,10 @@ async fn demo_failover(
             println!("FAILED: the standby did not take over within 20 s");
         }
     }
-    if let Ok(st) = router_state(http, &standby_control).await {
+    if let Some(st) = router_state(http, &standby_control).await {
         println!(
             "standby /narwhal/state: epoch={} served={} (continued from the primary's handoff)",
-            st["ha"]["epoch"], st["served"]
+            st.ha.epoch, st.served
         );
     }
     let futs = (0..8).map(|i| send(http, &standby_data, i));
@@ -1124,46 +1183,48 @@ async fn controller_tour(http: &reqwest::Client, dir: &Path) -> bool {
 /// Watches the router's decisions for up to [`FLIP_WITHIN`], printing each as it changes,
 /// until a flip is applied and its role check passes: `(the applied decision, whether its
 /// role check passed)`.
-async fn watch_flip(fleet: &SharedFleet) -> (Option<Value>, bool) {
+async fn watch_flip(fleet: &SharedFleet) -> (Option<DecisionRow>, bool) {
     let lock = || fleet.lock().unwrap_or_else(|p| p.into_inner());
     let t0 = Instant::now();
     let mut seen = 0;
     let mut last: (String, String) = Default::default();
-    let mut flipped: Option<Value> = None;
+    let mut flipped: Option<DecisionRow> = None;
     let mut checked = false;
     while t0.elapsed() < FLIP_WITHIN && !checked {
         tokio::time::sleep(Duration::from_millis(250)).await;
         let (decisions, passed) = {
             let f = lock();
-            (f.router.decisions(), f.router.events("role_check_passed"))
+            (
+                f.router.decision_rows(),
+                f.router.event_rows("role_check_passed"),
+            )
         };
         for d in decisions.iter().skip(seen) {
-            let key = (
-                d["result"].as_str().unwrap_or("").to_string(),
-                d["reason"].as_str().unwrap_or("").to_string(),
-            );
-            if key != last || d["result"] == "applied" {
+            let key = (d.result.clone(), d.reason.clone());
+            let applied = d.result == "applied";
+            if key != last || applied {
                 println!(
                     "{:>5.1} s  {:<8} {}P/{}D  by {}: {}",
                     t0.elapsed().as_secs_f64(),
                     key.0,
-                    d["prefill"],
-                    d["decode"],
-                    d["by"].as_str().unwrap_or("?"),
+                    d.prefill,
+                    d.decode,
+                    d.by,
                     key.1
                 );
-                if d["result"] == "applied" {
+                if applied {
+                    let decode_work = d.details.get("decode_work").and_then(Value::as_f64);
                     println!(
                         "         rule {}, prefill work {:.2} engines, decode work {:.2} engines, {:.1} s of demand evidence",
-                        d["eligibility_rule"].as_str().unwrap_or("?"),
-                        d["prefill_work"].as_f64().unwrap_or(f64::NAN),
-                        d["decode_work"].as_f64().unwrap_or(f64::NAN),
-                        d["evidence_span_s"].as_f64().unwrap_or(f64::NAN)
+                        d.detail.eligibility_rule.as_deref().unwrap_or("?"),
+                        d.detail.prefill_work.unwrap_or(f64::NAN),
+                        decode_work.unwrap_or(f64::NAN),
+                        d.detail.evidence_span_s.unwrap_or(f64::NAN)
                     );
                 }
                 last = key;
             }
-            if d["result"] == "applied" && flipped.is_none() {
+            if applied && flipped.is_none() {
                 flipped = Some(d.clone());
             }
         }
@@ -1172,7 +1233,7 @@ async fn watch_flip(fleet: &SharedFleet) -> (Option<Value>, bool) {
             println!(
                 "{:>5.1} s  role check of {} passed in its new role (readmission checks through its agent)",
                 t0.elapsed().as_secs_f64(),
-                p["iid"].as_str().unwrap_or("?")
+                p.iid.as_deref().unwrap_or("?")
             );
             checked = true;
         }
@@ -1184,32 +1245,21 @@ async fn watch_flip(fleet: &SharedFleet) -> (Option<Value>, bool) {
 /// (`/metrics`); false when a counter family has no sample above 0.
 async fn print_controller_state(http: &reqwest::Client, control: &str) -> bool {
     let mut good = true;
-    let state: Option<Value> = async {
-        http.get(format!("{control}/narwhal/state"))
-            .send()
-            .await
-            .ok()?
-            .json()
-            .await
-            .ok()
-    }
-    .await;
-    if let Some(st) = &state {
-        for f in st["flips"].as_array().into_iter().flatten() {
+    if let Some(st) = router_state(http, control).await {
+        let fields = st.controller.fields.as_ref();
+        for f in fields.map(|c| c.flips.as_slice()).unwrap_or_default() {
             println!(
                 "flip: {} to {} by {} ({} decode streams resident, kept on it to the end)",
-                f["iid"].as_str().unwrap_or("?"),
-                f["to"].as_str().unwrap_or("?"),
-                f["by"].as_str().unwrap_or("?"),
-                f["decode_inflight"]
+                f.iid, f.to, f.by, f.decode_inflight
             );
         }
+        let load = fields.map(|c| c.load).unwrap_or_default();
         println!(
             "pools now: prefill {} decode {}; load prefill {} decode {} (1.0 = at the SLO)",
-            st["pools"]["prefill"],
-            st["pools"]["decode"],
-            st["load"]["prefill"],
-            st["load"]["decode"]
+            json!(st.pools.prefill),
+            json!(st.pools.decode),
+            json!(load.prefill),
+            json!(load.decode)
         );
     }
     let metrics = async {

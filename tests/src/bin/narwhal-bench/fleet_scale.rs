@@ -56,11 +56,13 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use narwhal_shared::documents::{Lifecycle, State};
+use narwhal_shared::handoff::Handoff;
 use narwhal_testkit::certs::{DevCerts, make_dev_certs};
 use narwhal_testkit::{
     AgentEngine, AgentHandle, Clients, EngineSpec, FleetSpec, Http, LEASE_TTL_S, MultiSim,
     RouterHandle, STANDBY_PROBE_S, STANDBY_TAKEOVER_AFTER, SimHandle, launch_router,
-    read_json_file, start_agent_for, start_sim,
+    start_agent_for, start_sim,
 };
 use serde_json::{Value, json};
 
@@ -501,20 +503,19 @@ async fn lifecycle_until(
     http: &Http,
     control: &str,
     within: Duration,
-    ok: impl Fn(&Value) -> bool,
+    ok: impl Fn(&Lifecycle) -> bool,
 ) -> Result<(), String> {
     let deadline = Instant::now() + within;
     loop {
-        let doc = http
-            .get(format!("{control}/narwhal/lifecycle"))
-            .await
-            .json_or_null();
-        if ok(&doc) {
+        let r = http.get(format!("{control}/narwhal/lifecycle")).await;
+        let doc: Lifecycle = serde_json::from_slice(&r.body).unwrap_or_default();
+        if doc.is_lifecycle() && ok(&doc) {
             return Ok(());
         }
         if Instant::now() > deadline {
             return Err(format!(
-                "lifecycle not as expected within {within:?}: {doc}"
+                "lifecycle not as expected within {within:?}: {}",
+                r.text()
             ));
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -643,8 +644,7 @@ async fn start(args: &Args, n: usize, per_agent: usize, cpus: Cpus<'_>) -> Resul
     let control = router.control.clone();
     let all: Vec<String> = iids.iter().map(|(i, _)| i.clone()).collect();
     lifecycle_until(&http, &control, Duration::from_secs(120), |d| {
-        all.iter()
-            .all(|i| d["process_starts"].get(i).is_some_and(|v| !v.is_null()))
+        all.iter().all(|i| d.process_starts.contains_key(i))
     })
     .await?;
     let startup_s = t0.elapsed().as_secs_f64();
@@ -659,17 +659,20 @@ async fn start(args: &Args, n: usize, per_agent: usize, cpus: Cpus<'_>) -> Resul
     // Wait until placement has every engine (the health gate) before the windows.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let s = http
-            .get(format!("{control}/narwhal/state"))
-            .await
-            .json_or_null();
-        let waiting = |k: &str| s[k].as_array().map_or(usize::MAX, Vec::len);
-        let ready = waiting("awaiting_health") == 0 && waiting("ejected") == 0;
+        let s: Option<State> =
+            serde_json::from_slice(&http.get(format!("{control}/narwhal/state")).await.body)
+                .ok()
+                .filter(State::is_state);
+        let ready = s
+            .as_ref()
+            .is_some_and(|s| s.awaiting_health.is_empty() && s.ejected.is_empty());
         if ready || Instant::now() > deadline {
             if !ready {
+                let (awaiting, ejected) = s
+                    .map(|s| (json!(s.awaiting_health), json!(s.ejected)))
+                    .unwrap_or_default();
                 row.failures.push(format!(
-                    "{n} engines: not all in placement: awaiting_health {}, ejected {}",
-                    s["awaiting_health"], s["ejected"]
+                    "{n} engines: not all in placement: awaiting_health {awaiting}, ejected {ejected}"
                 ));
             }
             break;
@@ -827,7 +830,7 @@ async fn finish(
         row.failures.push(format!("drain p0: {code} {body}"));
     }
     lifecycle_until(&http, &control, Duration::from_secs(60), |d| {
-        d["engines"]["p0"]["ready_to_stop"] == true
+        d.engine("p0").is_some_and(|e| e.ready_to_stop)
     })
     .await?;
     p0.restart(&[]).map_err(|e| format!("restart p0: {e}"))?;
@@ -843,7 +846,7 @@ async fn finish(
         row.failures.push(format!("wave drain: {code} {body}"));
     }
     lifecycle_until(&http, &control, Duration::from_secs(120), |d| {
-        d["wave"]["ready_to_stop"] == true
+        d.wave.ready_to_stop
     })
     .await?;
     p0.restart(&[]).map_err(|e| format!("restart p0: {e}"))?;
@@ -914,8 +917,10 @@ async fn standby_takeover(
     let state = dir.join("standby.state.json");
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let doc = read_json_file(&state);
-        if doc["epoch"].as_u64() == Some(ha.epoch) && doc["holder"].as_str() == Some(&ha.holder) {
+        let doc = std::fs::read_to_string(&state)
+            .ok()
+            .and_then(|text| Handoff::parse(&text).ok());
+        if doc.is_some_and(|h| h.epoch == ha.epoch && h.holder == ha.holder) {
             break;
         }
         if Instant::now() > deadline {

@@ -17,6 +17,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use narwhal_testkit::Answer as Completion;
+use serde::Deserialize as _;
 
 /// One measured window's shape.
 #[derive(Debug, Clone)]
@@ -439,11 +441,11 @@ pub(crate) async fn once(
 pub(crate) fn answer_text(stream: bool, body: &[u8]) -> Result<String, String> {
     let text = std::str::from_utf8(body).map_err(|e| format!("answer is not UTF-8: {e}"))?;
     if !stream {
-        let v: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| format!("answer is not JSON: {e}"))?;
-        return v["choices"][0]["text"]
-            .as_str()
-            .map(str::to_string)
+        let a: Completion = serde_json::from_str(text)
+            .map_err(|e| format!("answer is not a JSON completion: {e}"))?;
+        return a
+            .choice(0)
+            .and_then(|c| c.text.clone())
             .ok_or_else(|| format!("answer has no choices[0].text: {text}"));
     }
     let mut out = String::new();
@@ -462,7 +464,9 @@ pub(crate) fn answer_text(stream: bool, body: &[u8]) -> Result<String, String> {
         if v.get("error").is_some() {
             return Err(format!("error frame: {data}"));
         }
-        if let Some(t) = v["choices"][0]["text"].as_str() {
+        let a = Completion::deserialize(&v)
+            .map_err(|e| format!("frame is not a chunk ({e}): {data}"))?;
+        if let Some(t) = a.choice(0).and_then(|c| c.text.as_deref()) {
             out.push_str(t);
         }
     }

@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use futures_util::StreamExt;
+use narwhal_testkit::sim_stats::SimStats;
 use narwhal_testkit::{
     EngineSpec, FleetSpec, LeaseBackend, SimHandle, engine_port, start_router, start_sim,
 };
@@ -227,12 +228,13 @@ async fn counts_of(sim: &SimHandle) -> Result<Counts, String> {
     for _ in 0..5 {
         let r = http.get(&url).timeout(Duration::from_secs(20)).send().await;
         match r {
-            Ok(r) if r.status().is_success() => match r.json::<Value>().await {
+            Ok(r) if r.status().is_success() => match r.json::<SimStats>().await {
                 Ok(st) => {
+                    let cache = st.prefix_cache.as_ref();
                     return Ok(Counts {
-                        hits: st["prefix_cache"]["hits"].as_u64().unwrap_or(0),
-                        queries: st["prefix_cache"]["queries"].as_u64().unwrap_or(0),
-                        requests: st["requests"]["aggregated"].as_u64().unwrap_or(0),
+                        hits: cache.map_or(0, |c| c.hits),
+                        queries: cache.map_or(0, |c| c.queries),
+                        requests: st.requests.aggregated,
                     });
                 }
                 Err(e) => last = e.to_string(),

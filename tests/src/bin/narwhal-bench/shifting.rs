@@ -252,8 +252,10 @@ async fn run(a: Args) -> Result<(), String> {
     drop(probe);
     let mut profile = profile;
     // Sized for the whole batch range a fleet can see, not only the points measured.
-    profile["decode_max_requests"] = json!(256);
-    profile["decode_max_kv_tokens"] = json!(4_000_000);
+    narwhal_testkit::merge(
+        &mut profile,
+        json!({"decode_max_requests": 256, "decode_max_kv_tokens": 4_000_000}),
+    );
     println!("measured profile: {profile}");
     let fixed_sims = fleet(dir.path(), "f", &a)?;
     let ctl_sims = fleet(dir.path(), "c", &a)?;

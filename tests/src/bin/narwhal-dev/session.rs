@@ -279,6 +279,14 @@ impl DirLock {
     }
 }
 
+/// What `restart` reads of the session document or the ready file (both name it).
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default)]
+struct NamesDevControl {
+    /// The session's restart endpoint, `http://127.0.0.1:PORT`.
+    dev_control: Option<String>,
+}
+
 /// The session document written into `dir` once the fleet is up.
 pub(crate) fn session_doc(dir: &Path, dev_control: &str, ready_file: &Path) -> Value {
     json!({
@@ -303,12 +311,12 @@ pub(crate) fn dev_control_of(dir: &Path) -> Result<String, String> {
     let mut problems = Vec::new();
     for name in [SESSION_FILE, "fleet.ready.json"] {
         let path = dir.join(name);
-        let doc: Result<Value, String> = std::fs::read(&path)
+        let doc: Result<NamesDevControl, String> = std::fs::read(&path)
             .map_err(|e| e.to_string())
             .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()));
         match doc {
-            Ok(d) => match d["dev_control"].as_str().filter(|s| !s.is_empty()) {
-                Some(url) => return Ok(url.to_string()),
+            Ok(d) => match d.dev_control.filter(|s| !s.is_empty()) {
+                Some(url) => return Ok(url),
                 None => problems.push(format!("{} names no dev_control endpoint", path.display())),
             },
             Err(e) => problems.push(format!("{}: {e}", path.display())),
