@@ -19,7 +19,6 @@ pub const DEV_FLEET_SCHEMA: &str = "narwhal.dev-fleet";
 
 /// The ready file of a `narwhal-dev up` session: everything it started.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(default)]
 pub struct DevReady {
     /// Always [`DEV_FLEET_SCHEMA`].
     pub schema: String,
@@ -47,7 +46,6 @@ pub struct DevReady {
 
 /// A router of [`DevReady`].
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(default)]
 pub struct DevRouter {
     /// Its data listener's URL.
     pub data: String,
@@ -64,7 +62,6 @@ pub struct DevRouter {
 
 /// An engine of [`DevReady`].
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(default)]
 pub struct DevEngine {
     /// Its instance id (`p0`, `d0`, ...).
     pub iid: String,
@@ -82,7 +79,6 @@ pub struct DevEngine {
 
 /// An agent of [`DevReady`].
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(default)]
 pub struct DevAgent {
     /// Its agent id (`host0`, ...).
     pub id: String,

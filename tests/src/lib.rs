@@ -99,7 +99,7 @@ pub use process::{
 pub use proxy::Proxy;
 pub use router::{
     Clients, FleetSpec, JournalMeta, LiveStream, RouterHandle, RouterProbe, handoff_file_where,
-    launch_router, launch_router_env, merge, narwhalctl, parse_document, start_router,
+    launch_router, launch_router_env, merge, narwhalctl, parse_document, start_router, whole,
 };
 pub use sampler::{Sample, Sampler};
 pub use scenario::{DECIDE, L1, L2, ONE_P_THREE_D, decided, pools, reason_of};

@@ -5,7 +5,6 @@
 
 use std::collections::BTreeMap;
 
-use narwhal_shared::documents::Lifecycle;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -75,7 +74,8 @@ pub struct WaveReport {
     /// The exact command that continues the wave, `None` on success.
     pub next_command: Option<String>,
     /// The router's lifecycle document at the end, `None` if it could not be read.
-    pub lifecycle: Option<Lifecycle>,
+    /// Read it with [`crate::whole`], so a missing member is not taken for its default.
+    pub lifecycle: Option<Value>,
 }
 
 /// One engine of a [`WaveReport`].

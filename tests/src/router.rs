@@ -432,7 +432,7 @@ impl RouterHandle {
     pub async fn lifecycle(&self) -> Lifecycle {
         let r = self.get("/narwhal/lifecycle").await;
         assert_eq!(r.status, 200, "{}: {}", r.what, r.text());
-        let doc: Lifecycle = parse_document(&r.what, &r.text());
+        let doc: Lifecycle = whole(&r.what, &parse_document(&r.what, &r.text()));
         assert!(doc.is_lifecycle(), "{}: {}", r.what, r.text());
         doc
     }
@@ -477,7 +477,8 @@ impl RouterHandle {
     /// [`RouterHandle::lifecycle_post`] with a raw body (for malformed-body tests).
     pub async fn lifecycle_post_raw(&self, action: &str, body: &str) -> (u16, LifecycleReply) {
         let (status, text) = self.lifecycle_post_text(action, body).await;
-        (status, parse_document("lifecycle reply", &text))
+        let raw: Value = parse_document("lifecycle reply", &text);
+        (status, whole("lifecycle reply", &raw))
     }
 
     /// POSTs `body` to `/narwhal/lifecycle/<action>`: the status and the reply's text, which
@@ -710,6 +711,25 @@ impl RouterProbe {
 pub fn parse_document<T: DeserializeOwned>(what: &str, text: &str) -> T {
     serde_json::from_str(text)
         .unwrap_or_else(|e| panic!("{what}: not the expected document ({e}): {text}"))
+}
+
+/// `raw` read as the document `T` whole: written back, it is `raw` again, so no member was
+/// missing (and defaulted by a lenient reader), none unknown (and dropped), none of another
+/// type. For the documents whose type is also the writer's (the shared lifecycle document,
+/// ...), which read leniently for compatibility.
+///
+/// # Panics
+/// When `raw` is not a `T`, or not all of it.
+pub fn whole<T: DeserializeOwned + serde::Serialize>(what: &str, raw: &Value) -> T {
+    let doc: T = serde_json::from_value(raw.clone())
+        .unwrap_or_else(|e| panic!("{what}: not the expected document ({e}): {raw}"));
+    let back = serde_json::to_value(&doc).expect("a document serialises");
+    assert_eq!(
+        &back, raw,
+        "{what}: the typed reading is not the whole document (a member missing, unknown or \
+         of another type)"
+    );
+    doc
 }
 
 /// Runs `narwhalctl --router <router> <args>` to completion.
