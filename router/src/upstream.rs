@@ -78,12 +78,12 @@ impl LegId {
         }
     }
 
-    /// The limit that bounds this leg, for a timeout's message.
-    pub(crate) fn limit_name(&self) -> &'static str {
+    /// The limit that bounds this leg, for a timeout ([`LegError::Timeout`]).
+    pub(crate) fn limit(&self) -> LegLimit {
         if self.label.ends_with("-prefill") {
-            "prefill leg exceeded serving.prefill_timeout_s"
+            LegLimit::Prefill
         } else {
-            "whole leg exceeded serving.request_timeout_s"
+            LegLimit::Whole
         }
     }
 }
@@ -304,7 +304,7 @@ impl Upstream {
         };
         match tokio::time::timeout_at(limit.into(), fut).await {
             Ok(r) => r,
-            Err(_) => Err(LegError::Timeout(leg.limit_name())),
+            Err(_) => Err(LegError::Timeout(leg.limit())),
         }
     }
 
@@ -331,7 +331,7 @@ impl Upstream {
         };
         match tokio::time::timeout_at(limit.into(), fut).await {
             Ok(r) => r,
-            Err(_) => Err(LegError::Timeout(leg.limit_name())),
+            Err(_) => Err(LegError::Timeout(leg.limit())),
         }
     }
 
@@ -616,8 +616,8 @@ pub(crate) enum LegError {
     /// with `Retry-After`, counted `failed/local_pool`. The failure's kind is
     /// [`causes::TransportKind::Local`], naming the resource.
     Local(ConnectFailure),
-    /// A leg-level timeout (prefill elapsed limit).
-    Timeout(&'static str),
+    /// A leg-level timeout: the leg's elapsed limit (a prefill's, a whole leg's) passed.
+    Timeout(LegLimit),
     /// No first token within `engine.first_token_timeout_s`.
     FirstTokenTimeout,
     /// Silence between chunks over `engine.decode_read_timeout_s`.
@@ -869,7 +869,7 @@ impl LegError {
             LegError::Stalled => {
                 "engine stalled: nothing sent while its peers answered, and its own generation probe got no token".into()
             }
-            LegError::Timeout(s) => (*s).to_string(),
+            LegError::Timeout(l) => l.to_string(),
             LegError::FirstTokenTimeout => {
                 "no first token within engine.first_token_timeout_s".into()
             }
@@ -916,7 +916,7 @@ mod tests;
 pub(crate) use causes::TransportKind;
 pub(crate) use causes::{
     BodyFailure, BootstrapError, CallFailure, ConnectFailure, ConnectStage, CutDuring, CutFailure,
-    EngineAbort, EngineCall, EngineCallError, InvalidAnswer, KvHandoffFailure, LocalResource,
-    NoDescriptor,
+    EngineAbort, EngineCall, EngineCallError, InvalidAnswer, KvHandoffFailure, LegLimit,
+    LocalResource, NoDescriptor,
 };
 pub(crate) use live::LiveStream;

@@ -293,6 +293,6 @@ pub(super) async fn prefill(
     };
     match tokio::time::timeout_at(limit.into(), fut).await {
         Ok(r) => r,
-        Err(_) => Err(LegError::Timeout(leg.limit_name())),
+        Err(_) => Err(LegError::Timeout(leg.limit())),
     }
 }

@@ -328,6 +328,18 @@ pub(crate) enum KvHandoffFailure {
     NoHost,
 }
 
+/// The elapsed limit of a leg that timed out ([`super::LegError::Timeout`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum LegLimit {
+    /// A prefill leg's, `serving.prefill_timeout_s` (or the request's deadline, if sooner).
+    #[error("prefill leg exceeded serving.prefill_timeout_s")]
+    Prefill,
+    /// A whole (non-streaming, aggregated) leg's: the request's deadline,
+    /// `serving.request_timeout_s`.
+    #[error("whole leg exceeded serving.request_timeout_s")]
+    Whole,
+}
+
 /// Why an engine gave a request up, answering 200.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum EngineAbort {

@@ -225,6 +225,20 @@ fn classification() {
         "request http://e:8000/v1/completions: connection reset"
     );
     assert_eq!(LegError::FirstTokenTimeout.http_status(), 504);
+    let prefill = LegError::Timeout(LegId::new("r", None, 1, "prefill").limit());
+    assert_eq!(
+        prefill.detail(),
+        "prefill leg exceeded serving.prefill_timeout_s"
+    );
+    assert_eq!(prefill.class(Phase::Prefill), Some(FailureClass::Timeout));
+    assert_eq!(
+        (prefill.http_status(), prefill.reason()),
+        (504, "engine_timeout")
+    );
+    assert_eq!(
+        LegError::Timeout(LegId::new("r", Some(2), 1, "whole").limit()).detail(),
+        "whole leg exceeded serving.request_timeout_s"
+    );
 }
 
 /// An error whose source is `inner`, shown as `outer`: an error chain as hyper-util builds it.
