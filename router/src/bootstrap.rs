@@ -15,41 +15,8 @@ use serde_json::Value;
 use crate::config::{Backend, Config, secs};
 use crate::facts::{self, Facts};
 use crate::fleet::Fleet;
-use crate::upstream::Upstream;
-
-/// Why a bootstrap port could not be learned.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub(crate) enum BootstrapError {
-    /// The engine did not answer (connect error, timeout).
-    #[error("{0}")]
-    Unreachable(String),
-    /// The router could not open the connection (out of descriptors or memory): nothing is
-    /// known about the engine.
-    #[error("router out of connection resources: {0}")]
-    Local(String),
-    /// `/server_info` answered another status.
-    #[error("{url} answered {status}")]
-    Status {
-        /// The `/server_info` URL.
-        url: String,
-        /// Its status.
-        status: StatusCode,
-    },
-    /// The answer is not JSON.
-    #[error("{url}: not JSON: {reason}")]
-    NotJson {
-        /// The `/server_info` URL.
-        url: String,
-        /// The parser's message.
-        reason: String,
-    },
-    /// The answer has no usable `disaggregation_bootstrap_port`.
-    #[error("{url}: no disaggregation_bootstrap_port")]
-    NoPort {
-        /// The `/server_info` URL.
-        url: String,
-    },
-}
+pub(crate) use crate::upstream::BootstrapError;
+use crate::upstream::{CallFailure, Upstream};
 
 /// The bootstrap port of prefill engine `iid`: cached, else learned now.
 ///
@@ -82,9 +49,9 @@ pub(crate) async fn refresh(
     let (status, body) = upstream
         .get(&url, secs(cfg.engine.health_timeout_s))
         .await
-        .map_err(|e| match e {
-            crate::upstream::ControlCallError::Local(d) => BootstrapError::Local(d),
-            e => BootstrapError::Unreachable(e.to_string()),
+        .map_err(|e| match e.failure {
+            CallFailure::Local(c) => BootstrapError::Local(c),
+            _ => BootstrapError::Unreachable(e),
         })?;
     if status != StatusCode::OK {
         return Err(BootstrapError::Status { url, status });
@@ -182,11 +149,9 @@ pub(crate) async fn blame_producer(
     if cfg.backend == Backend::Vllm {
         let url = format!("{}{}", cfg.engines[p].url, cfg.engines[p].health_path);
         return match upstream.probe_get(&url, timeout).await {
-            Err(crate::upstream::ProbeError::Unreachable(_)) => unreachable(),
             // Busy, or the router out of descriptors: nothing against the engine.
-            Err(
-                crate::upstream::ProbeError::TimedOut(_) | crate::upstream::ProbeError::Local(_),
-            ) => true,
+            Err(e) if e.timed_out() || e.is_local() => true,
+            Err(_) => unreachable(),
             Ok(_) => {
                 let reading = read_facts(cfg, upstream, p).await;
                 let saw_process = identifies_process(&reading);
@@ -202,7 +167,7 @@ pub(crate) async fn blame_producer(
     }
     let url = format!("{}/server_info", cfg.engines[p].url);
     let now = match upstream.probe_get(&url, timeout).await {
-        Err(crate::upstream::ProbeError::Local(_)) => return true,
+        Err(e) if e.is_local() => return true,
         Err(_) => return unreachable(),
         Ok((StatusCode::OK, body)) => serde_json::from_slice::<Value>(&body)
             .ok()

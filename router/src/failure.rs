@@ -677,7 +677,15 @@ mod tests {
             (
                 RequestFailure::Leg {
                     phase: Phase::Prefill,
-                    err: LegError::Local("connect: Too many open files (os error 24)".into()),
+                    err: LegError::Local(crate::upstream::ConnectFailure {
+                        call: crate::upstream::EngineCall::Leg,
+                        stage: crate::upstream::ConnectStage::Connect,
+                        kind: crate::upstream::TransportKind::Local(
+                            crate::upstream::LocalResource::Descriptors,
+                        ),
+                        url: "http://10.0.0.7:8000/v1/completions".into(),
+                        chain: "client error (Connect): Too many open files (os error 24)".into(),
+                    }),
                 },
                 503,
                 "server_overloaded_error",
@@ -783,7 +791,13 @@ mod tests {
     fn engine_details_reach_the_journal_never_the_client() {
         let f = RequestFailure::Leg {
             phase: Phase::Prefill,
-            err: LegError::Connect("connect 10.0.0.7:8000: refused".into()),
+            err: LegError::Connect(crate::upstream::ConnectFailure {
+                call: crate::upstream::EngineCall::Leg,
+                stage: crate::upstream::ConnectStage::Connect,
+                kind: crate::upstream::TransportKind::Refused,
+                url: "10.0.0.7:8000".into(),
+                chain: "refused".into(),
+            }),
         };
         assert_eq!(wire(&f)["error"]["message"], "Upstream request failed");
         assert_eq!(

@@ -28,7 +28,7 @@ use crate::breaker::{HealthAnswer, ProbeKind, ProbeResult, Ticket};
 use crate::config::{Backend, secs};
 use crate::metrics::labels;
 use crate::parts::Parts;
-use crate::upstream::{LegError, LegId, ProbeError};
+use crate::upstream::{EngineCallError, LegError, LegId};
 use narwhal_relay::RelayOptions;
 
 /// SGLang's placeholder rendezvous host: a request naming it runs locally on a prefill- or
@@ -267,9 +267,9 @@ async fn stall_probe(parts: Arc<Parts>, iid: usize) {
 /// `GET <engine><health_path>` within `engine.health_timeout_s`.
 ///
 /// # Errors
-/// [`ProbeError::Local`] when the router could not open the probe's connection (out of
-/// descriptors or memory): no answer about the engine.
-async fn health(parts: &Parts, iid: usize) -> Result<HealthAnswer, ProbeError> {
+/// [`EngineCallError`] ([`EngineCallError::is_local`]) when the router could not open the
+/// probe's connection (out of descriptors or memory): no answer about the engine.
+async fn health(parts: &Parts, iid: usize) -> Result<HealthAnswer, EngineCallError> {
     let e = &parts.cfg.engines[iid];
     let url = format!("{}{}", e.url, e.health_path);
     match parts
@@ -279,9 +279,9 @@ async fn health(parts: &Parts, iid: usize) -> Result<HealthAnswer, ProbeError> {
     {
         Ok((StatusCode::OK, _)) => Ok(HealthAnswer::Ok),
         Ok((status, _)) => Ok(HealthAnswer::Unhealthy(status.as_u16())),
-        Err(ProbeError::TimedOut(_)) => Ok(HealthAnswer::TimedOut),
-        Err(ProbeError::Unreachable(_)) => Ok(HealthAnswer::Unreachable),
-        Err(local @ ProbeError::Local(_)) => Err(local),
+        Err(local) if local.is_local() => Err(local),
+        Err(e) if e.timed_out() => Ok(HealthAnswer::TimedOut),
+        Err(_) => Ok(HealthAnswer::Unreachable),
     }
 }
 

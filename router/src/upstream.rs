@@ -78,12 +78,12 @@ impl LegId {
         }
     }
 
-    /// The limit that bounds this leg, for a timeout's message.
-    pub(crate) fn limit_name(&self) -> &'static str {
+    /// The limit that bounds this leg, for a timeout ([`LegError::Timeout`]).
+    pub(crate) fn limit(&self) -> LegLimit {
         if self.label.ends_with("-prefill") {
-            "prefill leg exceeded serving.prefill_timeout_s"
+            LegLimit::Prefill
         } else {
-            "whole leg exceeded serving.request_timeout_s"
+            LegLimit::Whole
         }
     }
 }
@@ -113,13 +113,15 @@ impl Upstream {
         }
     }
 
-    /// POSTs `body` as JSON with the leg's ids; the engine's answer, whatever its status.
+    /// POSTs `body` as JSON with the leg's ids for `call` (a leg or a control POST); the
+    /// engine's answer, whatever its status.
     async fn post(
         &self,
         url: &str,
         leg: &LegId,
         body: &Value,
-    ) -> Result<hyper::Response<Incoming>, LegError> {
+        call: EngineCall,
+    ) -> Result<hyper::Response<Incoming>, ConnectFailure> {
         let mut b = Request::builder()
             .method(Method::POST)
             .uri(url)
@@ -135,15 +137,15 @@ impl Upstream {
         }
         let req = b
             .body(Full::new(Bytes::from(body.to_string())))
-            .map_err(|e| LegError::Connect(format!("bad engine URL {url}: {e}")))?;
+            .map_err(|e| ConnectFailure::bad_url(call, url, &e))?;
         self.client.request(req).await.map_err(|e| {
-            if local_exhaustion(&e) {
-                LegError::Local(format!("connect {url}: {}", error_chain(&e)))
-            } else if e.is_connect() {
-                LegError::Connect(format!("connect {url}: {}", error_chain(&e)))
+            // The router's own exhaustion is always told as a connect.
+            let stage = if e.is_connect() || local_exhaustion(&e).is_some() {
+                ConnectStage::Connect
             } else {
-                LegError::Connect(format!("request {url}: {}", error_chain(&e)))
-            }
+                ConnectStage::Request
+            };
+            ConnectFailure::new(call, stage, url, &e)
         })
     }
 
@@ -155,7 +157,7 @@ impl Upstream {
         leg: &LegId,
         body: &Value,
     ) -> Result<hyper::Response<Incoming>, LegError> {
-        let resp = self.post(url, leg, body).await?;
+        let resp = self.post(url, leg, body, EngineCall::Leg).await?;
         let status = resp.status();
         if status != StatusCode::OK {
             let bytes = read_bounded(resp.into_body(), ERROR_BODY_LIMIT)
@@ -169,107 +171,106 @@ impl Upstream {
     /// GET `url`, returning status and (bounded) body. Used for `/health` and `/server_info`.
     ///
     /// # Errors
-    /// [`ControlCallError`]: the request could not be built, sent or read in `timeout`.
+    /// [`EngineCallError`] ([`EngineCall::Get`]): the request could not be built, sent or
+    /// read in `timeout`.
     pub(crate) async fn get(
         &self,
         url: &str,
         timeout: Duration,
-    ) -> Result<(StatusCode, Bytes), ControlCallError> {
+    ) -> Result<(StatusCode, Bytes), EngineCallError> {
+        let call = EngineCall::Get;
+        let failed = |failure| EngineCallError { call, failure };
         let req = Request::builder()
             .method(Method::GET)
             .uri(url)
             .body(Full::new(Bytes::new()))
-            .map_err(ControlCallError::Request)?;
+            .map_err(|e| failed(CallFailure::Connect(ConnectFailure::bad_url(call, url, &e))))?;
         let fut = async {
-            let resp = self.client.request(req).await.map_err(|e| {
-                if local_exhaustion(&e) {
-                    ControlCallError::Local(error_chain(&e))
-                } else {
-                    ControlCallError::Connect(error_chain(&e))
-                }
-            })?;
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|e| failed(connect_failure(call, url, &e).into()))?;
             let status = resp.status();
             let body = read_bounded(resp.into_body(), ERROR_BODY_LIMIT)
                 .await
-                .map_err(ControlCallError::Body)?;
+                .map_err(|b| failed(CallFailure::Body(b)))?;
             Ok((status, body))
         };
         tokio::time::timeout(timeout, fut)
             .await
-            .map_err(|_| ControlCallError::TimedOut(timeout))?
+            .map_err(|_| failed(CallFailure::TimedOut(timeout)))?
     }
 
     /// POST `body` as JSON to `url`, returning status and (bounded) body. Used for control
     /// calls: `/tokenize`, SGLang's `/pd_role_switch`.
     ///
     /// # Errors
-    /// [`ControlCallError`]: the request could not be sent or read in `timeout`.
+    /// [`EngineCallError`] ([`EngineCall::Post`]): the request could not be sent or read in
+    /// `timeout`.
     pub(crate) async fn post_json(
         &self,
         url: &str,
         body: &Value,
         timeout: Duration,
-    ) -> Result<(StatusCode, Bytes), ControlCallError> {
+    ) -> Result<(StatusCode, Bytes), EngineCallError> {
+        let call = EngineCall::Post;
+        let failed = |failure| EngineCallError { call, failure };
         let fut = async {
             let resp = self
                 .post(
                     url,
                     &LegId::new("narwhal-control", None, 0, "control"),
                     body,
+                    call,
                 )
                 .await
-                .map_err(|e| match e {
-                    LegError::Local(d) => ControlCallError::Local(d),
-                    e => ControlCallError::Connect(e.detail()),
-                })?;
+                .map_err(|c| failed(c.into()))?;
             let status = resp.status();
             let body = read_bounded(resp.into_body(), ERROR_BODY_LIMIT)
                 .await
-                .map_err(ControlCallError::Body)?;
+                .map_err(|b| failed(CallFailure::Body(b)))?;
             Ok((status, body))
         };
         tokio::time::timeout(timeout, fut)
             .await
-            .map_err(|_| ControlCallError::TimedOut(timeout))?
+            .map_err(|_| failed(CallFailure::TimedOut(timeout)))?
     }
 
     /// A breaker probe: GET `url` with the engine credentials, bounded by `timeout`; the
-    /// answer's status and (bounded) body, or how it failed: [`ProbeError::TimedOut`] for
-    /// the timeout or a connect timeout (maybe busy), [`ProbeError::Unreachable`] for
+    /// answer's status and (bounded) body, or how it failed ([`EngineCall::Probe`]):
+    /// [`EngineCallError::timed_out`] for the timeout or a connect timeout (maybe busy),
+    /// [`EngineCallError::is_local`] for the router's own exhaustion, unreachable for
     /// anything else (refused, reset: nothing is listening).
     pub(crate) async fn probe_get(
         &self,
         url: &str,
         timeout: Duration,
-    ) -> Result<(StatusCode, Bytes), ProbeError> {
+    ) -> Result<(StatusCode, Bytes), EngineCallError> {
+        let call = EngineCall::Probe;
+        let failed = |failure| EngineCallError { call, failure };
         let mut b = Request::builder().method(Method::GET).uri(url);
         if let Some(k) = &self.api_key {
             b = b.header(http::header::AUTHORIZATION, format!("Bearer {k}"));
         }
         let req = b
             .body(Full::new(Bytes::new()))
-            .map_err(|e| ProbeError::Unreachable(format!("bad engine URL {url}: {e}")))?;
+            .map_err(|e| failed(CallFailure::Connect(ConnectFailure::bad_url(call, url, &e))))?;
         let fut = async {
-            let resp = self.client.request(req).await.map_err(|e| {
-                let timed_out = e.is_connect() && is_timeout(&e);
-                let detail = error_chain(&e);
-                if local_exhaustion(&e) {
-                    ProbeError::Local(detail)
-                } else if timed_out {
-                    ProbeError::TimedOut(detail)
-                } else {
-                    ProbeError::Unreachable(detail)
-                }
-            })?;
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|e| failed(connect_failure(call, url, &e).into()))?;
             let status = resp.status();
             let body = read_bounded(resp.into_body(), PROBE_BODY_LIMIT)
                 .await
-                .map_err(|e| ProbeError::Unreachable(e.to_string()))?;
+                .map_err(|b| failed(CallFailure::Body(b)))?;
             Ok((status, body))
         };
-        tokio::time::timeout(timeout, fut).await.map_err(|_| {
-            ProbeError::TimedOut(format!("no answer within {:.3}s", timeout.as_secs_f64()))
-        })?
+        tokio::time::timeout(timeout, fut)
+            .await
+            .map_err(|_| failed(CallFailure::TimedOut(timeout)))?
     }
 
     /// A whole (non-streaming) leg: a non-streaming client's request on an aggregated
@@ -303,7 +304,7 @@ impl Upstream {
         };
         match tokio::time::timeout_at(limit.into(), fut).await {
             Ok(r) => r,
-            Err(_) => Err(LegError::Timeout(leg.limit_name())),
+            Err(_) => Err(LegError::Timeout(leg.limit())),
         }
     }
 
@@ -330,7 +331,7 @@ impl Upstream {
         };
         match tokio::time::timeout_at(limit.into(), fut).await {
             Ok(r) => r,
-            Err(_) => Err(LegError::Timeout(leg.limit_name())),
+            Err(_) => Err(LegError::Timeout(leg.limit())),
         }
     }
 
@@ -356,8 +357,8 @@ impl Upstream {
             });
         match read_bounded(resp.into_body(), max_bytes).await {
             Ok(b) => Ok((b, streamed)),
-            Err(ReadFailure::TooLarge) => Err(LegError::Stream(StreamFailure::ResponseLimit)),
-            Err(ReadFailure::Body(e)) => Err(LegError::Cut(format!("reading the answer: {e}"))),
+            Err(BodyFailure::TooLarge) => Err(LegError::Stream(StreamFailure::ResponseLimit)),
+            Err(BodyFailure::Cut(c)) => Err(LegError::Cut(c)),
         }
     }
 
@@ -400,16 +401,17 @@ pub(crate) fn answer_value(
 ) -> Result<Value, LegError> {
     let answer = match sse_chat {
         Some(chat) if streamed => assemble_sse(bytes, chat).map_err(LegError::Stream)?,
-        _ => serde_json::from_slice::<Value>(bytes)
-            .map_err(|e| LegError::InvalidResponse(format!("answer is not JSON: {e}")))?,
+        _ => serde_json::from_slice::<Value>(bytes).map_err(|e| {
+            LegError::InvalidResponse(InvalidAnswer::NotJson {
+                parser: e.to_string(),
+            })
+        })?,
     };
     if let Some(err) = answer.get("error").filter(|e| !e.is_null()) {
         return Err(LegError::Stream(upstream_error(err)));
     }
     if !answer.get("choices").is_some_and(Value::is_array) {
-        return Err(LegError::InvalidResponse(
-            "answer has no choices array".into(),
-        ));
+        return Err(LegError::InvalidResponse(InvalidAnswer::NoChoices));
     }
     Ok(answer)
 }
@@ -440,73 +442,48 @@ impl CleanAnswer {
     }
 }
 
-/// Why a control call ([`Upstream::get`], [`Upstream::post_json`]) got no answer.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum ControlCallError {
-    /// The URL does not make a request.
-    #[error("{0}")]
-    Request(http::Error),
-    /// The connection or the request failed (the error chain).
-    #[error("{0}")]
-    Connect(String),
-    /// The router could not open the connection: it is out of descriptors or memory
-    /// ([`local_exhaustion`]). Says nothing about the engine.
-    #[error("router out of connection resources: {0}")]
-    Local(String),
-    /// The answer's body could not be read within its bound.
-    #[error("{0}")]
-    Body(ReadFailure),
-    /// No answer within the timeout.
-    #[error("timed out after {:.3}s", .0.as_secs_f64())]
-    TimedOut(Duration),
-}
-
 /// Probe answers (`/health`, `/metrics`, `/v1/models`, `/server_info`) are capped at this many
 /// bytes.
 const PROBE_BODY_LIMIT: usize = 4 * 1024 * 1024;
-
-/// How a [`Upstream::probe_get`] failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum ProbeError {
-    /// No answer in time (or the connection could not be set up in time).
-    #[error("timed out: {0}")]
-    TimedOut(String),
-    /// No connection or a broken one.
-    #[error("unreachable: {0}")]
-    Unreachable(String),
-    /// The router itself could not open a connection: it is out of file descriptors or
-    /// memory ([`local_exhaustion`]). Says nothing about the engine.
-    #[error("router out of connection resources: {0}")]
-    Local(String),
-}
 
 /// Whether an error's source chain holds an I/O error of the router's own resources: `EMFILE`
 /// (its descriptor limit, `LimitNOFILE`), `ENFILE` (the system's), `ENOBUFS` or `ENOMEM`
 /// (kernel memory for a socket), `EADDRNOTAVAIL` (no local port left for the connection). Such a connect never reached the engine, so it is not the
 /// engine's failure: no breaker evidence, no ejection (behaviour.md 6.2, the `local_pool`
 /// reason).
-fn local_exhaustion(e: &(dyn std::error::Error + 'static)) -> bool {
+fn local_exhaustion(e: &(dyn std::error::Error + 'static)) -> Option<LocalResource> {
     let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(inner) = src {
-        if inner
+        let resource = inner
             .downcast_ref::<std::io::Error>()
             .and_then(std::io::Error::raw_os_error)
-            .is_some_and(|n| {
-                matches!(
-                    n,
-                    libc::EMFILE
-                        | libc::ENFILE
-                        | libc::ENOBUFS
-                        | libc::ENOMEM
-                        | libc::EADDRNOTAVAIL
-                )
-            })
-        {
-            return true;
+            .and_then(|n| match n {
+                libc::EMFILE | libc::ENFILE => Some(LocalResource::Descriptors),
+                libc::ENOBUFS | libc::ENOMEM => Some(LocalResource::Memory),
+                libc::EADDRNOTAVAIL => Some(LocalResource::Ports),
+                _ => None,
+            });
+        if resource.is_some() {
+            return resource;
         }
         src = inner.source();
     }
-    false
+    None
+}
+
+/// A failed request of `call` to `url` (hyper-util's error `e`): at the connect when
+/// hyper-util says so ([`ConnectStage::Connect`]), else on the open connection.
+fn connect_failure(
+    call: EngineCall,
+    url: &str,
+    e: &hyper_util::client::legacy::Error,
+) -> ConnectFailure {
+    let stage = if e.is_connect() {
+        ConnectStage::Connect
+    } else {
+        ConnectStage::Request
+    };
+    ConnectFailure::new(call, stage, url, e)
 }
 
 /// Whether an error's source chain holds an I/O timeout.
@@ -524,6 +501,7 @@ fn is_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// An error and its sources, `outer: inner: ...`: the words the journal keeps.
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut src = e.source();
@@ -535,31 +513,17 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// Why a bounded read stopped.
-#[derive(Debug)]
-pub(crate) enum ReadFailure {
-    /// Over the limit.
-    TooLarge,
-    /// The body failed (cut, protocol error).
-    Body(String),
-}
-
-impl std::fmt::Display for ReadFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ReadFailure::TooLarge => f.write_str("answer over the size limit"),
-            ReadFailure::Body(e) => f.write_str(e),
-        }
-    }
-}
-
-async fn read_bounded(mut body: Incoming, limit: usize) -> Result<Bytes, ReadFailure> {
+/// Reads `body` whole, at most `limit` bytes.
+///
+/// # Errors
+/// [`BodyFailure::TooLarge`] over `limit`, [`BodyFailure::Cut`] when the body fails.
+async fn read_bounded(mut body: Incoming, limit: usize) -> Result<Bytes, BodyFailure> {
     let mut buf = Vec::new();
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| ReadFailure::Body(error_chain(&e)))?;
+        let frame = frame.map_err(|e| BodyFailure::Cut(CutFailure::new(CutDuring::Answer, &e)))?;
         if let Ok(data) = frame.into_data() {
             if buf.len() + data.len() > limit {
-                return Err(ReadFailure::TooLarge);
+                return Err(BodyFailure::TooLarge);
             }
             buf.extend_from_slice(&data);
         }
@@ -643,21 +607,23 @@ static NO_PARAM: Value = Value::Null;
 /// How a leg failed.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum LegError {
-    /// Connect error, reset, or protocol error before an answer.
-    Connect(String),
+    /// Connect error, reset, or protocol error before an answer (also a bad engine URL, and
+    /// the SGLang prefill leg's task ending without its result): where and what, typed.
+    Connect(ConnectFailure),
     /// The router could not open a connection to the engine for lack of its own resources
     /// (descriptors or memory, [`local_exhaustion`]): not the engine's failure, so no breaker
     /// evidence and no retry (another engine needs a descriptor too); the client gets 503
-    /// with `Retry-After`, counted `failed/local_pool`.
-    Local(String),
-    /// A leg-level timeout (prefill elapsed limit).
-    Timeout(&'static str),
+    /// with `Retry-After`, counted `failed/local_pool`. The failure's kind is
+    /// [`causes::TransportKind::Local`], naming the resource.
+    Local(ConnectFailure),
+    /// A leg-level timeout: the leg's elapsed limit (a prefill's, a whole leg's) passed.
+    Timeout(LegLimit),
     /// No first token within `engine.first_token_timeout_s`.
     FirstTokenTimeout,
     /// Silence between chunks over `engine.decode_read_timeout_s`.
     ReadTimeout,
-    /// The stream was cut mid-body.
-    Cut(String),
+    /// The answer's body (a whole answer, or a decode stream) was cut mid-way.
+    Cut(CutFailure),
     /// The engine answered with an error status.
     Status {
         /// HTTP status.
@@ -676,22 +642,33 @@ pub(crate) enum LegError {
         /// `{"message", "type": "invalid_request_error", "param", "code"}`, the engine's words.
         error: Box<ErrorDetail>,
     },
-    /// A 200 prefill without a usable KV descriptor / rendezvous.
-    KvHandoff(String),
+    /// A 200 prefill without a usable KV descriptor / rendezvous: which, and why.
+    KvHandoff(KvHandoffFailure),
     /// A 200 prefill whose choices end with `finish_reason: "abort"` and carry no descriptor:
     /// the engine gave the request up (vLLM's `RequestStatus.FINISHED_ABORTED`: preempted,
     /// out of KV cache, shutting down or paused in abort mode; vLLM's `_raise_if_error`
     /// raises only for `"error"`, so the answer is a 200). Nothing was output: retried on
     /// another prefill engine, charged as `kv_handoff`, counted `engine_aborted`.
-    Aborted(String),
+    Aborted(EngineAbort),
     /// The engine sent nothing on this leg while its peers of the same role answered, and a
     /// direct generation probe of its own got no token either ([`crate::stall`]): the router
     /// ejected it (cause `stalled`) and gave up its waiting legs, which are retried elsewhere.
     Stalled,
-    /// A non-JSON or malformed answer.
-    InvalidResponse(String),
+    /// A non-JSON or malformed answer: what is wrong with it.
+    InvalidResponse(InvalidAnswer),
     /// A relay-level stream failure.
     Stream(StreamFailure),
+}
+
+impl From<ConnectFailure> for LegError {
+    /// [`LegError::Local`] for the router's own exhaustion, else [`LegError::Connect`].
+    fn from(c: ConnectFailure) -> LegError {
+        if c.is_local() {
+            LegError::Local(c)
+        } else {
+            LegError::Connect(c)
+        }
+    }
 }
 
 impl LegError {
@@ -884,16 +861,15 @@ impl LegError {
     /// Detail for logs and the journal.
     pub(crate) fn detail(&self) -> String {
         match self {
-            LegError::Connect(s)
-            | LegError::Local(s)
-            | LegError::Cut(s)
-            | LegError::KvHandoff(s)
-            | LegError::Aborted(s)
-            | LegError::InvalidResponse(s) => s.clone(),
+            LegError::Connect(c) | LegError::Local(c) => c.to_string(),
+            LegError::Cut(c) => c.to_string(),
+            LegError::KvHandoff(k) => k.to_string(),
+            LegError::Aborted(a) => a.to_string(),
+            LegError::InvalidResponse(i) => i.to_string(),
             LegError::Stalled => {
                 "engine stalled: nothing sent while its peers answered, and its own generation probe got no token".into()
             }
-            LegError::Timeout(s) => (*s).to_string(),
+            LegError::Timeout(l) => l.to_string(),
             LegError::FirstTokenTimeout => {
                 "no first token within engine.first_token_timeout_s".into()
             }
@@ -931,8 +907,16 @@ fn mentions_context_length(msg: &str) -> bool {
         || (m.contains("exceeds") && m.contains("length"))
 }
 
+mod causes;
 mod live;
 #[cfg(test)]
 mod tests;
 
+#[cfg(test)]
+pub(crate) use causes::TransportKind;
+pub(crate) use causes::{
+    BodyFailure, BootstrapError, CallFailure, ConnectFailure, ConnectStage, CutDuring, CutFailure,
+    EngineAbort, EngineCall, EngineCallError, InvalidAnswer, KvHandoffFailure, LegLimit,
+    LocalResource, NoDescriptor,
+};
 pub(crate) use live::LiveStream;

@@ -29,7 +29,7 @@ use crate::config::{Backend, Config, Role, secs};
 use crate::fleet::Fleet;
 use crate::ha_phase::EpochScope;
 use crate::placement::Exclusion;
-use crate::upstream::ControlCallError;
+use crate::upstream::EngineCallError;
 
 /// How long an engine-side switch keeps retrying while the engine answers `not idle`
 /// (controller.md 9.2).
@@ -45,7 +45,7 @@ const SWITCH_TIMEOUT: Duration = Duration::from_secs(60);
 enum SwitchError {
     /// `GET /server_info` got no answer (the upstream client's reason).
     #[error("GET /server_info: {0}")]
-    ServerInfo(ControlCallError),
+    ServerInfo(EngineCallError),
     /// `GET /server_info` answered another status than 200.
     #[error("GET /server_info answered {0}")]
     ServerInfoStatus(StatusCode),
@@ -54,7 +54,7 @@ enum SwitchError {
     ServerInfoJson(#[source] serde_json::Error),
     /// `POST /pd_role_switch` got no answer (the upstream client's reason).
     #[error("POST /pd_role_switch: {0}")]
-    Post(ControlCallError),
+    Post(EngineCallError),
     /// The engine answered the switch with a failure (after the `not idle` retries).
     #[error("engine refused the switch to {}: {message}", .to.as_str())]
     Refused {

@@ -16,7 +16,7 @@ use crate::config::secs;
 use crate::controller::Track;
 use crate::ingress::Endpoint;
 use crate::placement::Phase;
-use crate::upstream::{LegError, LegId};
+use crate::upstream::{ConnectFailure, KvHandoffFailure, LegError, LegId};
 
 use super::aggregated::decode_body;
 use super::leg::{
@@ -52,12 +52,12 @@ pub(super) async fn run(
         .await
         .map_err(|e| {
             fail_p(match e {
-                bootstrap::BootstrapError::Local(d) => LegError::Local(d),
-                e => LegError::KvHandoff(e.to_string()),
+                bootstrap::BootstrapError::Local(c) => LegError::Local(c),
+                e => LegError::KvHandoff(KvHandoffFailure::BootstrapPort(e)),
             })
         })?;
     let host = url_host(&parts.cfg.engines[prefill].url)
-        .ok_or_else(|| fail_p(LegError::KvHandoff("prefill engine URL has no host".into())))?;
+        .ok_or_else(|| fail_p(LegError::KvHandoff(KvHandoffFailure::NoHost)))?;
     let room: u64 = rand::rng().random::<u64>() >> 1;
     let rv = Rendezvous { host, port, room };
     let pleg = new_leg(ctx, sub, n, "prefill", prefill, log);
@@ -106,7 +106,7 @@ pub(super) async fn run(
         tokio::select! {
             r = &mut ptask.0, if !prefill_done => {
                 prefill_done = true;
-                let r = r.unwrap_or_else(|e| Err(LegError::Connect(format!("prefill task ended: {e}"))));
+                let r = r.unwrap_or_else(|e| Err(LegError::Connect(ConnectFailure::task_ended(&e))));
                 if let Err(err) = r {
                     // Dropping `dfut` on return closes the decode connection at once.
                     return Err(fail_p(err));

@@ -256,7 +256,7 @@ fn a_prefill_answered_abort_is_the_engines_abort() {
     assert!(!prefill_aborted(&answer(Value::Null)));
     assert!(!prefill_aborted(&json!({"choices": []})));
     assert!(!prefill_aborted(&json!({"error": {"message": "abort"}})));
-    let err = crate::upstream::LegError::Aborted("x".into());
+    let err = crate::upstream::LegError::Aborted(crate::upstream::EngineAbort::PrefillAborted);
     assert!(err.transient(), "retried on another prefill");
     assert_eq!(err.reason(), "engine_aborted");
     assert_eq!(

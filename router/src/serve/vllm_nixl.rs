@@ -14,7 +14,7 @@ use crate::breaker::Observation;
 use crate::config::secs;
 use crate::controller::Track;
 use crate::placement::Phase;
-use crate::upstream::{LegError, LegId, answer_value};
+use crate::upstream::{EngineAbort, KvHandoffFailure, LegError, LegId, NoDescriptor, answer_value};
 use narwhal_relay::descriptor_span;
 
 use crate::upstream::Upstream;
@@ -219,26 +219,6 @@ fn check_descriptor(d: &Value) -> Result<(), NoDescriptor> {
     Ok(())
 }
 
-/// Why a vLLM prefill answer carries no usable KV descriptor (the answer is then a 502
-/// naming it, never recomputed: docs/design/engine-protocols.md 2.2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub(super) enum NoDescriptor {
-    /// Neither `choices[0].kv_transfer_params` nor `kv_transfer_params`.
-    #[error("no handoff: the prefill answer carries no kv_transfer_params")]
-    Absent,
-    /// `kv_transfer_params` is empty or not an object.
-    #[error("no handoff: kv_transfer_params is not a non-empty object")]
-    NotAnObject,
-    /// `remote_engine_id` missing, empty or not a string.
-    #[error("no handoff: remote_engine_id must be a non-empty string")]
-    EngineId,
-    /// `remote_block_ids` is not a list of non-negative integers (or of such lists).
-    #[error(
-        "no handoff: remote_block_ids must be a list of non-negative integers or a list of such lists"
-    )]
-    BlockIds,
-}
-
 /// Body of a vLLM prefill leg (behaviour.md 7.1 step 2). A client `min_tokens` ≥ 1 becomes
 /// `min_tokens: 1` (not removed, as the reference does): the prefill's one token may then
 /// not be EOS or end a stop string, so the prefill cannot end a generation the client asked
@@ -305,14 +285,14 @@ pub(super) async fn prefill(
             Err(_) if prefill_finished(&answer, client_max_tokens) => {
                 Ok(Prefilled::Finished(answer))
             }
-            Err(_) if prefill_aborted(&answer) => Err(LegError::Aborted(
-                "the prefill answered 200 with finish_reason \"abort\" and no kv_transfer_params (the engine aborted the request)".into(),
-            )),
-            Err(e) => Err(LegError::KvHandoff(e.to_string())),
+            Err(_) if prefill_aborted(&answer) => {
+                Err(LegError::Aborted(EngineAbort::PrefillAborted))
+            }
+            Err(e) => Err(LegError::KvHandoff(KvHandoffFailure::NoDescriptor(e))),
         }
     };
     match tokio::time::timeout_at(limit.into(), fut).await {
         Ok(r) => r,
-        Err(_) => Err(LegError::Timeout(leg.limit_name())),
+        Err(_) => Err(LegError::Timeout(leg.limit())),
     }
 }

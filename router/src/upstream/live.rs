@@ -12,7 +12,7 @@ use narwhal_relay::{
     Aggregator, Head, RelayOptions, RelayStep, SseParser, StreamFailure, StreamState, chunk_usage,
 };
 
-use super::{LegError, error_chain};
+use super::{CutDuring, CutFailure, LegError};
 
 /// A decode stream that has produced its first token. Dropping it closes the upstream.
 pub(crate) struct LiveStream {
@@ -122,7 +122,7 @@ impl LiveStream {
                     self.ended = true;
                 }
                 Some(Err(e)) => {
-                    return Err(LegError::Cut(error_chain(&e)));
+                    return Err(LegError::Cut(CutFailure::new(CutDuring::Stream, &e)));
                 }
                 Some(Ok(f)) => {
                     if let Ok(data) = f.into_data()

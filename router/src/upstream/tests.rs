@@ -139,13 +139,26 @@ fn the_routers_own_exhaustion_is_not_the_engines_failure() {
         libc::EADDRNOTAVAIL,
     ] {
         let e = Wrap(std::io::Error::from_raw_os_error(errno));
-        assert!(local_exhaustion(&e), "errno {errno}");
+        assert!(local_exhaustion(&e).is_some(), "errno {errno}");
     }
     for errno in [libc::ECONNREFUSED, libc::ECONNRESET, libc::ETIMEDOUT] {
         let e = Wrap(std::io::Error::from_raw_os_error(errno));
-        assert!(!local_exhaustion(&e), "errno {errno}");
+        assert!(local_exhaustion(&e).is_none(), "errno {errno}");
     }
-    let local = LegError::Local("connect: Too many open files (os error 24)".into());
+    let local = LegError::Local(ConnectFailure::new(
+        EngineCall::Leg,
+        ConnectStage::Connect,
+        "http://e:8000/v1/completions",
+        &Wrap(std::io::Error::from_raw_os_error(libc::EMFILE)),
+    ));
+    assert!(matches!(
+        &local,
+        LegError::Local(c) if c.kind == TransportKind::Local(LocalResource::Descriptors)
+    ));
+    assert_eq!(
+        local.detail(),
+        "connect http://e:8000/v1/completions: client error (Connect): Too many open files (os error 24)"
+    );
     assert_eq!(local.class(Phase::Prefill), None);
     assert_eq!(local.class(Phase::Decode), None);
     assert!(!local.transient());
@@ -189,14 +202,200 @@ fn classification() {
         param: Value::Null,
     };
     assert_eq!(o.class(Phase::Decode), Some(FailureClass::Overload));
-    assert!(!LegError::KvHandoff("x".into()).transient());
+    let kv = LegError::KvHandoff(KvHandoffFailure::NoDescriptor(NoDescriptor::Absent));
+    assert!(!kv.transient());
+    assert_eq!(kv.class(Phase::Prefill), Some(FailureClass::KvHandoff));
     assert_eq!(
-        LegError::KvHandoff("x".into()).class(Phase::Prefill),
-        Some(FailureClass::KvHandoff)
+        kv.detail(),
+        "no handoff: the prefill answer carries no kv_transfer_params"
     );
+    let connect = LegError::Connect(ConnectFailure {
+        call: EngineCall::Leg,
+        stage: ConnectStage::Request,
+        kind: TransportKind::Reset,
+        url: "http://e:8000/v1/completions".into(),
+        chain: "connection reset".into(),
+    });
     assert_eq!(
-        LegError::Connect("x".into()).class(Phase::Prefill),
+        connect.class(Phase::Prefill),
         Some(FailureClass::Connection)
     );
+    assert_eq!(
+        connect.detail(),
+        "request http://e:8000/v1/completions: connection reset"
+    );
     assert_eq!(LegError::FirstTokenTimeout.http_status(), 504);
+    let prefill = LegError::Timeout(LegId::new("r", None, 1, "prefill").limit());
+    assert_eq!(
+        prefill.detail(),
+        "prefill leg exceeded serving.prefill_timeout_s"
+    );
+    assert_eq!(prefill.class(Phase::Prefill), Some(FailureClass::Timeout));
+    assert_eq!(
+        (prefill.http_status(), prefill.reason()),
+        (504, "engine_timeout")
+    );
+    assert_eq!(
+        LegError::Timeout(LegId::new("r", Some(2), 1, "whole").limit()).detail(),
+        "whole leg exceeded serving.request_timeout_s"
+    );
+}
+
+/// An error whose source is `inner`, shown as `outer`: an error chain as hyper-util builds it.
+#[derive(Debug)]
+struct Chain(&'static str, std::io::Error);
+impl std::fmt::Display for Chain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+impl std::error::Error for Chain {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.1)
+    }
+}
+
+/// The transport's kind is read off the error chain: the router's own exhaustion, a
+/// timeout, a refusal, a reset, a resolver's failure.
+#[test]
+fn the_transport_kind_is_read_off_the_error_chain() {
+    use std::io::{Error, ErrorKind};
+    let kind = |outer, e| TransportKind::of(&Chain(outer, e));
+    assert_eq!(
+        kind("tcp connect error", Error::from_raw_os_error(libc::ENFILE)),
+        TransportKind::Local(LocalResource::Descriptors)
+    );
+    assert_eq!(
+        kind("tcp open error", Error::from_raw_os_error(libc::ENOBUFS)),
+        TransportKind::Local(LocalResource::Memory)
+    );
+    assert_eq!(
+        kind(
+            "tcp connect error",
+            Error::from_raw_os_error(libc::EADDRNOTAVAIL)
+        ),
+        TransportKind::Local(LocalResource::Ports)
+    );
+    assert_eq!(
+        kind("tcp connect error", Error::new(ErrorKind::TimedOut, "x")),
+        TransportKind::TimedOut
+    );
+    assert_eq!(
+        kind(
+            "tcp connect error",
+            Error::from_raw_os_error(libc::ECONNREFUSED)
+        ),
+        TransportKind::Refused
+    );
+    assert_eq!(
+        kind("x", Error::from_raw_os_error(libc::ECONNRESET)),
+        TransportKind::Reset
+    );
+    assert_eq!(
+        kind(
+            "dns error",
+            Error::other("failed to lookup address information")
+        ),
+        TransportKind::Dns
+    );
+    assert_eq!(kind("x", Error::other("y")), TransportKind::Other);
+}
+
+/// The one error of the control calls and the probes says what failed, and shows the words
+/// the journal and the logs have always shown for each call.
+#[test]
+fn an_engine_calls_failure_keeps_its_words() {
+    let url = "http://e:8000/health";
+    let refused = Chain(
+        "client error (Connect)",
+        std::io::Error::from_raw_os_error(libc::ECONNREFUSED),
+    );
+    let refused_chain = error_chain(&refused);
+    let timed_out = Chain(
+        "client error (Connect)",
+        std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timeout"),
+    );
+    let emfile = Chain(
+        "client error (Connect)",
+        std::io::Error::from_raw_os_error(libc::EMFILE),
+    );
+    let emfile_chain = error_chain(&emfile);
+    let err = |call, failure| EngineCallError { call, failure };
+    let connect = |call, e: &Chain| {
+        CallFailure::from(ConnectFailure::new(call, ConnectStage::Connect, url, e))
+    };
+    for call in [EngineCall::Get, EngineCall::Post, EngineCall::Probe] {
+        let e = err(call, connect(call, &refused));
+        assert!(!e.is_local() && !e.timed_out(), "{call:?}");
+        let want = match call {
+            EngineCall::Get => refused_chain.clone(),
+            EngineCall::Probe => format!("unreachable: {refused_chain}"),
+            _ => format!("connect {url}: {refused_chain}"),
+        };
+        assert_eq!(e.to_string(), want);
+        let e = err(call, connect(call, &emfile));
+        assert!(e.is_local(), "{call:?}");
+        let want = match call {
+            EngineCall::Post => {
+                format!("router out of connection resources: connect {url}: {emfile_chain}")
+            }
+            _ => format!("router out of connection resources: {emfile_chain}"),
+        };
+        assert_eq!(e.to_string(), want);
+        let e = err(call, CallFailure::TimedOut(Duration::from_millis(1500)));
+        assert!(e.timed_out());
+        let want = match call {
+            EngineCall::Probe => "timed out: no answer within 1.500s",
+            _ => "timed out after 1.500s",
+        };
+        assert_eq!(e.to_string(), want);
+        let e = err(call, CallFailure::Body(BodyFailure::TooLarge));
+        assert!(!e.timed_out() && !e.is_local());
+        let want = match call {
+            EngineCall::Probe => "unreachable: answer over the size limit",
+            _ => "answer over the size limit",
+        };
+        assert_eq!(e.to_string(), want);
+    }
+    let probe = err(EngineCall::Probe, connect(EngineCall::Probe, &timed_out));
+    assert!(probe.timed_out());
+    assert_eq!(
+        probe.to_string(),
+        format!("timed out: {}", error_chain(&timed_out))
+    );
+    let bad = Request::builder()
+        .uri("http://bad host/")
+        .body(())
+        .unwrap_err();
+    let probe = err(
+        EngineCall::Probe,
+        CallFailure::Connect(ConnectFailure::bad_url(
+            EngineCall::Probe,
+            "http://bad host",
+            &bad,
+        )),
+    );
+    assert!(!probe.timed_out() && !probe.is_local());
+    assert_eq!(
+        probe.to_string(),
+        format!("unreachable: bad engine URL http://bad host: {bad}")
+    );
+    let get = err(
+        EngineCall::Get,
+        CallFailure::Connect(ConnectFailure::bad_url(
+            EngineCall::Get,
+            "http://bad host",
+            &bad,
+        )),
+    );
+    assert_eq!(get.to_string(), bad.to_string());
+    let cut = CutFailure::new(CutDuring::Answer, &refused);
+    assert_eq!(
+        LegError::Cut(cut.clone()).detail(),
+        format!("reading the answer: {refused_chain}")
+    );
+    assert_eq!(
+        err(EngineCall::Get, CallFailure::Body(BodyFailure::Cut(cut))).to_string(),
+        refused_chain
+    );
 }
