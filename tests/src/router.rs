@@ -384,7 +384,7 @@ impl RouterHandle {
     /// When the body is not a state document.
     pub async fn state(&self) -> State {
         let r = self.get("/narwhal/state").await;
-        parse_document(&r.what, &r.text())
+        whole(&r.what, &parse_document(&r.what, &r.text()))
     }
 
     /// The `ha` section of `/narwhal/state`.
