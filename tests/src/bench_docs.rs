@@ -3,7 +3,7 @@
 //! shared-prefix workload). A figure the bench could not compute is `null` (`None`). They
 //! read the members the tests check; the bench writes more.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 /// The `narwhal.bench.compare` document (`--json`, docs/benchmarks.md), the fields these tests
@@ -100,23 +100,41 @@ pub struct RowDoc {
     pub pd_problem: Option<String>,
 }
 
-/// A row's `engines`: what the engines counted while the target ran.
-#[derive(Debug, Deserialize)]
+/// A row's and a window's `engines`: what the engines behind a target counted while it ran
+/// (deltas of `/sim/stats`). The bench writes it and the tests read it with this one type.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EngineCounts {
-    /// Prefill legs.
+    /// Prefill legs (`requests.prefill` of the prefill engine).
     pub prefill: u64,
-    /// Decode legs.
+    /// Decode legs (`requests.decode` of the decode engine).
     pub decode: u64,
-    /// Aggregated requests.
+    /// Aggregated requests (`requests.aggregated`, every engine of the target).
     pub aggregated: u64,
-    /// KV descriptors or rooms prefill engines issued.
+    /// KV descriptors or rooms the prefill engine produced (`kv.issued`).
     pub issued: u64,
-    /// KV transfers decode engines read.
+    /// Transfers the decode engine completed (`kv.consumed`).
     pub consumed: u64,
-    /// Decodes that recomputed the prompt.
+    /// Decode-capable requests served without transferred KV (`kv.recomputed`).
     pub recomputed: u64,
-    /// KV reads refused.
+    /// Failed transfers (`kv.rejected`).
     pub rejected: u64,
+}
+
+/// Field by field.
+impl std::ops::Add for EngineCounts {
+    type Output = EngineCounts;
+
+    fn add(self, o: EngineCounts) -> EngineCounts {
+        EngineCounts {
+            prefill: self.prefill + o.prefill,
+            decode: self.decode + o.decode,
+            aggregated: self.aggregated + o.aggregated,
+            issued: self.issued + o.issued,
+            consumed: self.consumed + o.consumed,
+            recomputed: self.recomputed + o.recomputed,
+            rejected: self.rejected + o.rejected,
+        }
+    }
 }
 
 /// The `narwhal.bench.prefix` document (`--json`, docs/benchmarks.md), the fields this test

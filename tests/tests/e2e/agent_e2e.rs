@@ -21,7 +21,7 @@ use narwhal_shared::{
 use narwhal_testkit::certs::make_dev_certs;
 use narwhal_testkit::kv_handle::KvHandle;
 use narwhal_testkit::sim_stats::SimStats;
-use narwhal_testkit::{Fleet, keygen, wait_until};
+use narwhal_testkit::{Fleet, keygen, merge, wait_until};
 use serde_json::{Value, json};
 
 fn fence(epoch: u64) -> Fence {
@@ -384,7 +384,10 @@ async fn tampered_wrong_key_replayed_stale_and_lower_epoch_answers_are_each_reje
     // Tampered payload: the signature no longer covers it.
     // wire shape: the signed bytes are edited as JSON, below any type.
     let mut tampered = doc.clone();
-    tampered.payload["engine"]["version"] = json!("9.9.9-evil");
+    merge(
+        &mut tampered.payload,
+        json!({"engine": {"version": "9.9.9-evil"}}),
+    );
     let v = Verifier::new(agent.public_key, 30.0);
     assert_eq!(
         v.verify::<AttestationPayload>(&tampered, &expected, t)

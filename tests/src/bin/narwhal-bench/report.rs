@@ -5,48 +5,10 @@ use std::fmt::Write as _;
 
 use serde_json::{Value, json};
 
+pub(crate) use narwhal_testkit::bench_docs::EngineCounts;
+
 use crate::load::{Sample, quantile};
 use crate::peer::Kind;
-
-/// What the engines behind a target counted during one window (deltas of `/sim/stats`).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct EngineCounts {
-    /// Prefill legs (`requests.prefill` of the prefill engine).
-    pub prefill: u64,
-    /// Decode legs (`requests.decode` of the decode engine).
-    pub decode: u64,
-    /// Aggregated requests (`requests.aggregated`, every engine of the target).
-    pub aggregated: u64,
-    /// KV descriptors / rooms the prefill engine produced (`kv.issued`).
-    pub issued: u64,
-    /// Transfers the decode engine completed (`kv.consumed`).
-    pub consumed: u64,
-    /// Decode-capable requests served without transferred KV (`kv.recomputed`).
-    pub recomputed: u64,
-    /// Failed transfers (`kv.rejected`).
-    pub rejected: u64,
-}
-
-impl EngineCounts {
-    /// `self + o`, field by field.
-    pub(crate) fn add(self, o: EngineCounts) -> EngineCounts {
-        EngineCounts {
-            prefill: self.prefill + o.prefill,
-            decode: self.decode + o.decode,
-            aggregated: self.aggregated + o.aggregated,
-            issued: self.issued + o.issued,
-            consumed: self.consumed + o.consumed,
-            recomputed: self.recomputed + o.recomputed,
-            rejected: self.rejected + o.rejected,
-        }
-    }
-
-    fn to_json(self) -> Value {
-        json!({"prefill": self.prefill, "decode": self.decode, "aggregated": self.aggregated,
-               "issued": self.issued, "consumed": self.consumed,
-               "recomputed": self.recomputed, "rejected": self.rejected})
-    }
-}
 
 /// One measured window of one target.
 #[derive(Debug, Clone)]
@@ -180,7 +142,7 @@ impl TargetRun {
     pub(crate) fn engines(&self) -> EngineCounts {
         self.windows
             .iter()
-            .fold(EngineCounts::default(), |a, w| a.add(w.engines))
+            .fold(EngineCounts::default(), |a, w| a + w.engines)
     }
 
     /// For a P/D target: why its engines' counts show it did not do P/D (a decode leg without
@@ -436,7 +398,7 @@ impl Section {
                     "cpu_ratio_to_peers": cpu_peers,
                     "completed": completed,
                     "errors": errors,
-                    "engines": t.engines().to_json(),
+                    "engines": t.engines(),
                     "pd_problem": t.pd_problem(),
                     "windows": t.windows.iter().map(|w| json!({
                         "round": w.round,
@@ -451,7 +413,7 @@ impl Section {
                         "cpu_ms_per_request": w.cpu_ms_per_req(),
                         "rss_kib": w.rss_kib.map(|m| m.0),
                         "hwm_kib": w.rss_kib.map(|m| m.1),
-                        "engines": w.engines.to_json(),
+                        "engines": w.engines,
                         "loadavg": w.loadavg,
                     })).collect::<Vec<_>>(),
                 })
