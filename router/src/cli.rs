@@ -439,6 +439,7 @@ fn check_config(args: &Args) -> ExitCode {
                     crate::config::LeaseBackend::None => "none",
                     crate::config::LeaseBackend::File => "file",
                     crate::config::LeaseBackend::Etcd => "etcd",
+                    crate::config::LeaseBackend::Kubernetes => "kubernetes",
                 },
                 if c.cfg.control_tls.is_some() {
                     "on"

@@ -695,6 +695,7 @@ async fn the_driver_keeps_the_lease_past_its_ttl_and_fences_on_a_takeover() {
         renew_interval_s: 1.0,
         safety_margin_s: 0.5,
         etcd: EtcdAccess::default(),
+        kubernetes: Default::default(),
     };
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let a = Arc::new(LeaseDriver::from_config(&section, "router-a", clock.clone()).unwrap());

@@ -54,6 +54,7 @@ fn section(path: &std::path::Path) -> LeaseSection {
         renew_interval_s: 0.2,
         safety_margin_s: 0.2,
         etcd: Default::default(),
+        kubernetes: Default::default(),
     }
 }
 

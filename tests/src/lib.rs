@@ -50,6 +50,7 @@ pub mod faults;
 mod fleet;
 pub mod fsync;
 mod http;
+pub mod k8s;
 pub mod kv_handle;
 mod lifecycle;
 pub mod ports;

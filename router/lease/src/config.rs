@@ -12,6 +12,9 @@ pub enum LeaseBackend {
     File,
     /// etcd v3 lease.
     Etcd,
+    /// A `coordination.k8s.io/v1` Lease object on the Kubernetes API server
+    /// (docs/ha.md, "`kubernetes` backend").
+    Kubernetes,
 }
 
 /// `lease.tls`: how the etcd backend checks etcd's certificate, and the client certificate it
@@ -70,6 +73,71 @@ pub struct LeaseSection {
     pub safety_margin_s: f64,
     /// etcd TLS and authentication (`lease.tls`, `lease.auth`; empty by default).
     pub etcd: EtcdAccess,
+    /// `lease.kubernetes` (used only by `backend = "kubernetes"`).
+    pub kubernetes: KubernetesAccess,
+}
+
+/// `lease.kubernetes`: which Lease object, on which API server, with which credentials. Every
+/// key but `name` defaults to what Kubernetes mounts into a pod (its service account's token,
+/// the cluster CA, its namespace) and the API server address Kubernetes puts in every pod's
+/// environment; the defaults are resolved when the router starts
+/// ([`crate::KubeLease::from_access`]), so a router outside a pod names them all.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KubernetesAccess {
+    /// `lease.kubernetes.name`: the Lease object's name (default `narwhal-router`; a DNS
+    /// subdomain name, checked by the config validator).
+    pub name: String,
+    /// `lease.kubernetes.namespace`; `None`: the pod's own namespace, read from
+    /// [`SA_NAMESPACE_FILE`].
+    pub namespace: Option<String>,
+    /// `lease.kubernetes.api_server` (`https://HOST:PORT`); `None`:
+    /// `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`.
+    pub api_server: Option<String>,
+    /// `lease.kubernetes.token_file`: a bearer token, read again before every call, so a
+    /// projected token that the kubelet rotates is picked up; `None`: [`SA_TOKEN_FILE`].
+    pub token_file: Option<PathBuf>,
+    /// `lease.kubernetes.ca_file`: the CA the API server's certificate must chain to, then the
+    /// only root trusted; `None`: [`SA_CA_FILE`].
+    pub ca_file: Option<PathBuf>,
+}
+
+impl Default for KubernetesAccess {
+    fn default() -> Self {
+        KubernetesAccess {
+            name: DEFAULT_KUBE_LEASE_NAME.to_string(),
+            namespace: None,
+            api_server: None,
+            token_file: None,
+            ca_file: None,
+        }
+    }
+}
+
+/// `lease.kubernetes.name`'s default.
+pub const DEFAULT_KUBE_LEASE_NAME: &str = "narwhal-router";
+/// Where Kubernetes mounts a pod's service-account token.
+pub const SA_TOKEN_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/token";
+/// Where Kubernetes mounts the cluster CA in a pod.
+pub const SA_CA_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt";
+/// Where Kubernetes mounts a pod's namespace.
+pub const SA_NAMESPACE_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
+
+/// Why `name` cannot name a Kubernetes object (a Lease, a namespace), if it cannot: RFC 1123
+/// DNS subdomain rules as the API server applies them (at most 253 characters of lowercase
+/// letters, digits, `-` and `.`, starting and ending with a letter or digit).
+pub fn kube_name_rule(name: &str) -> Option<&'static str> {
+    let ok_char = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.';
+    let alnum = |c: Option<char>| c.is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    if name.is_empty() || name.len() > 253 {
+        return Some("must be 1 to 253 characters");
+    }
+    if !name.chars().all(ok_char) || !alnum(name.chars().next()) || !alnum(name.chars().last()) {
+        return Some(
+            "must be lowercase letters, digits, '-' and '.', starting and ending with a letter \
+             or digit (a Kubernetes object name)",
+        );
+    }
+    None
 }
 
 /// Why an etcd endpoint cannot be used, if it cannot. Usable: `https://HOST:PORT`,

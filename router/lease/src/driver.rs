@@ -28,8 +28,8 @@ use narwhal_shared::Clock;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    AnyStore, Claim, Control, EtcdLease, Expiry, FileLease, Freshness, Lease, LeaseError,
-    LeaseLoss, LeaseRecord, LeaseStore, LeaseTiming,
+    AnyStore, Claim, Control, EtcdLease, Expiry, FileLease, Freshness, KubeLease, Lease,
+    LeaseError, LeaseLoss, LeaseRecord, LeaseStore, LeaseTiming,
 };
 use crate::config::{LeaseBackend, LeaseSection};
 
@@ -103,7 +103,9 @@ impl LeaseDriver<AnyStore> {
     /// - `etcd`: [`EtcdLease`] on `lease.endpoints` / `lease.key` with `lease.tls` /
     ///   `lease.auth` ([`EtcdLease::with_access`]), each etcd call bounded by
     ///   `renew_interval_s` (at least 0.25 s), the password check (`/v3/auth/authenticate`) by
-    ///   `max(renew_interval_s, ttl_s)`.
+    ///   `max(renew_interval_s, ttl_s)`;
+    /// - `kubernetes`: [`KubeLease`] for `lease.kubernetes` ([`KubeLease::from_access`]), each
+    ///   API call bounded by `renew_interval_s` (at least 0.25 s).
     ///
     /// Nothing is claimed yet; call [`LeaseDriver::claim`].
     ///
@@ -135,6 +137,11 @@ impl LeaseDriver<AnyStore> {
                 timing.ttl,
                 op_timeout,
                 &section.etcd,
+            )?)),
+            LeaseBackend::Kubernetes => AnyStore::Kubernetes(Box::new(KubeLease::from_access(
+                &section.kubernetes,
+                timing.ttl,
+                op_timeout,
             )?)),
         };
         timing.validate()?;
@@ -590,6 +597,7 @@ mod tests {
             renew_interval_s: 1.0,
             safety_margin_s: 1.0,
             etcd: Default::default(),
+            kubernetes: Default::default(),
         };
         let d = LeaseDriver::from_config(&section, "r1", Arc::new(SystemClock)).unwrap();
         let now = SystemClock.now();
@@ -613,6 +621,7 @@ mod tests {
             renew_interval_s: 1.0,
             safety_margin_s: 1.0,
             etcd: Default::default(),
+            kubernetes: Default::default(),
         };
         let err = LeaseDriver::from_config(&section, "r1", Arc::new(SystemClock)).unwrap_err();
         assert_eq!(

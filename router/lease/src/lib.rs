@@ -4,20 +4,22 @@
 //! ```text
 //!  LeaseDriver ──(clock: mono `started` before the write, wall `now`)──► LeaseStore
 //!     │  owns the pure core `machine::Lease`           ├─ FileLease  flock(<path>.lock) + atomic fsynced record
-//!     │  claim / renew loop / release                  └─ EtcdLease  etcd v3 lease + txn on <key>, <key>/epoch
+//!     │  claim / renew loop / release                  ├─ EtcdLease  etcd v3 lease + txn on <key>, <key>/epoch
+//!     │                                                 └─ KubeLease  one Lease object, PUT guarded by resourceVersion
 //!     │  feeds every read (and its own writes) to the core's `Observer` (monotonic first sight)
 //!     └─► control(now): Active | Standby | Fenced; LeaseEvent::Fenced to the router on a lost renewal
 //!  publish(handoff) ──► beside the record (<path>.handoff, <key>/handoff), only while it is ours
 //! ```
 //!
-//! The store does the read-decide-write atomically (under the flock, or as an etcd
-//! compare-and-swap transaction); the decision itself is always the pure core's
+//! The store does the read-decide-write atomically (under the flock, as an etcd
+//! compare-and-swap transaction, or as a Kubernetes write guarded by `resourceVersion`); the decision itself is always the pure core's
 //! ([`Lease::claim`], [`Lease::renew`], [`Lease::release`]), so both backends share one rule set.
 
 pub mod config;
 pub mod driver;
 pub mod etcd;
 pub mod file;
+pub mod kubernetes;
 pub mod machine;
 
 use std::future::Future;
@@ -26,6 +28,7 @@ use std::time::Instant;
 pub use driver::{LeaseDriver, LeaseEvent, LeaseStatus, holder_token};
 pub use etcd::EtcdLease;
 pub use file::FileLease;
+pub use kubernetes::KubeLease;
 pub use machine::{
     Claim, Control, Expiry, Freshness, LEASE_SCHEMA, Lease, LeaseLoss, LeaseRecord, LeaseTiming,
     Observer, RecordError, TimingError,
@@ -83,6 +86,19 @@ pub enum LeaseError {
         /// The configured endpoints, comma-separated.
         endpoints: String,
         /// The client's error or `timed out after <n> s`.
+        message: String,
+    },
+    /// A Kubernetes API call failed, timed out, or was refused.
+    #[error("kubernetes {op} of lease {lease} at {api_server}: {message}")]
+    Kubernetes {
+        /// The operation (`get`, `create`, `update`).
+        op: &'static str,
+        /// `<namespace>/<name>`.
+        lease: String,
+        /// The API server's base URL.
+        api_server: String,
+        /// The client's error, or the API server's status, reason and message, with what to
+        /// check for 401 and 403.
         message: String,
     },
 }
@@ -186,7 +202,8 @@ pub trait LeaseStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<bool, LeaseError>> + Send;
 }
 
-/// The backend chosen by the fleet file's `lease.backend` (`file` or `etcd`; `none` has no
+/// The backend chosen by the fleet file's `lease.backend` (`file`, `etcd` or `kubernetes`;
+/// `none` has no
 /// store at all, see [`LeaseDriver::from_config`]).
 #[derive(Debug)]
 pub enum AnyStore {
@@ -194,6 +211,8 @@ pub enum AnyStore {
     File(FileLease),
     /// `lease.backend = "etcd"` (boxed: keeps the enum small).
     Etcd(Box<EtcdLease>),
+    /// `lease.backend = "kubernetes"` (boxed: keeps the enum small).
+    Kubernetes(Box<KubeLease>),
 }
 
 impl LeaseStore for AnyStore {
@@ -201,6 +220,7 @@ impl LeaseStore for AnyStore {
         match self {
             AnyStore::File(s) => s.describe(),
             AnyStore::Etcd(s) => s.describe(),
+            AnyStore::Kubernetes(s) => s.describe(),
         }
     }
 
@@ -208,6 +228,7 @@ impl LeaseStore for AnyStore {
         match self {
             AnyStore::File(s) => s.expiry(),
             AnyStore::Etcd(s) => s.expiry(),
+            AnyStore::Kubernetes(s) => s.expiry(),
         }
     }
 
@@ -215,6 +236,7 @@ impl LeaseStore for AnyStore {
         match self {
             AnyStore::File(s) => s.read().await,
             AnyStore::Etcd(s) => s.read().await,
+            AnyStore::Kubernetes(s) => s.read().await,
         }
     }
 
@@ -222,6 +244,7 @@ impl LeaseStore for AnyStore {
         match self {
             AnyStore::File(s) => s.claim(core, now, now_wall).await,
             AnyStore::Etcd(s) => s.claim(core, now, now_wall).await,
+            AnyStore::Kubernetes(s) => s.claim(core, now, now_wall).await,
         }
     }
 
@@ -234,6 +257,7 @@ impl LeaseStore for AnyStore {
         match self {
             AnyStore::File(s) => s.renew(core, now, now_wall).await,
             AnyStore::Etcd(s) => s.renew(core, now, now_wall).await,
+            AnyStore::Kubernetes(s) => s.renew(core, now, now_wall).await,
         }
     }
 
@@ -241,6 +265,7 @@ impl LeaseStore for AnyStore {
         match self {
             AnyStore::File(s) => s.release(core, now_wall).await,
             AnyStore::Etcd(s) => s.release(core, now_wall).await,
+            AnyStore::Kubernetes(s) => s.release(core, now_wall).await,
         }
     }
 
@@ -253,6 +278,7 @@ impl LeaseStore for AnyStore {
         match self {
             AnyStore::File(s) => s.publish(core, now, doc).await,
             AnyStore::Etcd(s) => s.publish(core, now, doc).await,
+            AnyStore::Kubernetes(s) => s.publish(core, now, doc).await,
         }
     }
 
@@ -260,6 +286,7 @@ impl LeaseStore for AnyStore {
         match self {
             AnyStore::File(s) => s.read_all().await,
             AnyStore::Etcd(s) => s.read_all().await,
+            AnyStore::Kubernetes(s) => s.read_all().await,
         }
     }
 }

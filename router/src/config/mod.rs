@@ -482,7 +482,8 @@ pub struct AgentSection {
 }
 
 pub use narwhal_lease::config::{
-    EtcdAccess, EtcdAuth, EtcdTls, LeaseBackend, LeaseSection, etcd_endpoint_rule,
+    EtcdAccess, EtcdAuth, EtcdTls, KubernetesAccess, LeaseBackend, LeaseSection,
+    etcd_endpoint_rule, kube_name_rule,
 };
 
 /// PEM file paths for a TLS identity (`tls`, `control.tls`).

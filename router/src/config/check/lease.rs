@@ -1,5 +1,5 @@
-//! The `lease` section: the backend, its path or etcd endpoints and key, the timing, and
-//! etcd's TLS and authentication.
+//! The `lease` section: the backend, its path or etcd endpoints and key, the timing,
+//! etcd's TLS and authentication, and the Kubernetes Lease (`lease.kubernetes`).
 
 use std::path::PathBuf;
 
@@ -7,7 +7,8 @@ use serde_json::Value;
 
 use super::{Checker, Obj, non_negative, positive};
 use crate::config::{
-    ConfigIssue, EtcdAccess, EtcdAuth, EtcdTls, LeaseBackend, LeaseSection, etcd_endpoint_rule,
+    ConfigIssue, EtcdAccess, EtcdAuth, EtcdTls, KubernetesAccess, LeaseBackend, LeaseSection,
+    etcd_endpoint_rule, kube_name_rule,
 };
 
 impl Checker<'_> {
@@ -25,11 +26,18 @@ impl Checker<'_> {
                 "safety_margin_s",
                 "tls",
                 "auth",
+                "kubernetes",
             ],
         );
-        let backend = match self.choice(&o, "backend", "none", &["none", "file", "etcd"]) {
+        let backend = match self.choice(
+            &o,
+            "backend",
+            "none",
+            &["none", "file", "etcd", "kubernetes"],
+        ) {
             "file" => LeaseBackend::File,
             "etcd" => LeaseBackend::Etcd,
+            "kubernetes" => LeaseBackend::Kubernetes,
             _ => LeaseBackend::None,
         };
         let path = self.string(&o, "path", "");
@@ -48,6 +56,7 @@ impl Checker<'_> {
             }
         }
         let etcd = self.etcd_access(&o, backend);
+        let kubernetes = self.kubernetes_access(&o, backend);
         if backend == LeaseBackend::Etcd {
             for (i, e) in endpoints.iter().enumerate() {
                 if let Some(rule) = etcd_endpoint_rule(e, etcd.tls.is_some()) {
@@ -68,6 +77,7 @@ impl Checker<'_> {
             renew_interval_s: self.num(&o, "renew_interval_s", 1.0, positive),
             safety_margin_s: self.num(&o, "safety_margin_s", 1.0, non_negative),
             etcd,
+            kubernetes,
         };
         if backend == LeaseBackend::File && l.path.is_empty() {
             self.issues.push(ConfigIssue::Missing {
@@ -88,6 +98,78 @@ impl Checker<'_> {
             );
         }
         l
+    }
+
+    /// `lease.kubernetes` (docs/ha.md, "`kubernetes` backend"): object names checked as the
+    /// API server would, paths non-empty; what is left out is resolved at startup.
+    pub(super) fn kubernetes_access(
+        &mut self,
+        lease: &Obj<'_>,
+        backend: LeaseBackend,
+    ) -> KubernetesAccess {
+        if lease.get("kubernetes").is_some() && backend != LeaseBackend::Kubernetes {
+            self.issues.push(ConfigIssue::Rule {
+                path: lease.p("kubernetes"),
+                value: "{…}".into(),
+                rule: "only used by lease.backend = \"kubernetes\"".into(),
+            });
+        }
+        let k = self.obj(
+            "lease.kubernetes",
+            lease.get("kubernetes"),
+            &["name", "namespace", "api_server", "token_file", "ca_file"],
+        );
+        let mut out = KubernetesAccess::default();
+        let name = |c: &mut Self, key: &str| -> Option<String> {
+            let v = k.get(key)?;
+            match v.as_str() {
+                Some(s) => {
+                    if let Some(rule) = kube_name_rule(s) {
+                        c.rule(k.p(key), v, rule);
+                    }
+                    Some(s.to_string())
+                }
+                None => {
+                    c.ty(k.p(key), v, "a string");
+                    None
+                }
+            }
+        };
+        if let Some(n) = name(self, "name") {
+            out.name = n;
+        }
+        out.namespace = name(self, "namespace");
+        if let Some(v) = k.get("api_server") {
+            match v.as_str() {
+                Some(s) => {
+                    let rest = s
+                        .trim_end_matches('/')
+                        .strip_prefix("https://")
+                        .unwrap_or("");
+                    if rest.is_empty() || rest.contains(['/', '?', '#', '@', ' ']) {
+                        self.rule(k.p("api_server"), v, "must be https://HOST:PORT (no path)");
+                    }
+                    out.api_server = Some(s.to_string());
+                }
+                None => self.ty(k.p("api_server"), v, "a string"),
+            }
+        }
+        for key in ["token_file", "ca_file"] {
+            let Some(v) = k.get(key) else { continue };
+            let p = match v {
+                Value::String(s) if !s.is_empty() => PathBuf::from(s),
+                _ => {
+                    self.ty(k.p(key), v, "a non-empty path string");
+                    continue;
+                }
+            };
+            if key == "token_file" {
+                out.token_file = Some(p);
+            } else {
+                out.ca_file = Some(p);
+            }
+        }
+        out
     }
 
     /// `lease.tls` and `lease.auth` (docs/ha.md, "etcd TLS and authentication").

@@ -1,0 +1,698 @@
+//! A real Kubernetes API server for tests (docs/kubernetes.md, "What is tested"): the tests
+//! start kube-apiserver v1.20.2, built from Debian's own source package, on a loopback port
+//! with its own etcd, and `cargo test --workspace` on a fresh machine builds it once.
+//!
+//! ```text
+//!   control_plane_bin(name): $NARWHAL_K8S_BIN_DIR/<name> ─► <cache>/k8s-v1.20.2/bin/<name>
+//!                    ─► build it: tests/k8s/build-control-plane.sh (apt source package, Debian's
+//!                       Go; about 4 minutes of two cores, once per machine, under a file lock)
+//!   KubeApiServer::start(): etcd (narwhal_testkit::etcd) + kube-apiserver on free loopback
+//!                    ports; a CA and serving certificate made now with rcgen; one admin token
+//!                    (group system:masters); service-account signing keys, so TokenRequest
+//!                    mints pod-bound tokens; RBAC on
+//!   KubeClient:      typed REST calls for setup and for checking what the router wrote
+//! ```
+//!
+//! A test that needs the API server and cannot have it FAILS with the reason; it never passes
+//! by skipping.
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::etcd::{EtcdOptions, EtcdServer, cache_dir, free_port};
+
+/// Signals for [`KubeApiServer::signal`] (SIGSTOP, SIGCONT), re-exported for tests that do
+/// not depend on nix.
+pub use nix::sys::signal::Signal;
+
+/// The Kubernetes version the kit builds and starts.
+pub const K8S_VERSION: &str = "v1.20.2";
+/// The service-account issuer, and the default audience of the tokens it mints.
+pub const SA_ISSUER: &str = "https://kubernetes.default.svc.cluster.local";
+
+/// The path of control-plane binary `name` (`kube-apiserver`, `kube-controller-manager`,
+/// `kube-scheduler`), building all three once per machine when no cached copy exists (see the
+/// module doc).
+///
+/// # Errors
+/// What was tried, and the build's log, when none can be had.
+pub fn control_plane_bin(name: &str) -> Result<PathBuf, String> {
+    static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let dir = DIR.get_or_init(find_or_build).clone()?;
+    Ok(dir.join(name))
+}
+
+fn find_or_build() -> Result<PathBuf, String> {
+    if let Some(d) = std::env::var_os("NARWHAL_K8S_BIN_DIR") {
+        let d = PathBuf::from(d);
+        return if d.join("kube-apiserver").is_file() {
+            Ok(d)
+        } else {
+            Err(format!(
+                "NARWHAL_K8S_BIN_DIR={} holds no kube-apiserver",
+                d.display()
+            ))
+        };
+    }
+    let dir = cache_dir().join(format!("k8s-{K8S_VERSION}")).join("bin");
+    let have = |d: &Path| {
+        [
+            "kube-apiserver",
+            "kube-controller-manager",
+            "kube-scheduler",
+        ]
+        .iter()
+        .all(|b| d.join(b).is_file())
+    };
+    if have(&dir) {
+        return Ok(dir);
+    }
+    std::fs::create_dir_all(cache_dir()).map_err(|e| format!("creating the cache: {e}"))?;
+    // One build per machine: other test processes wait on the lock, then find the binaries.
+    let lock = std::fs::File::create(cache_dir().join("k8s-build.lock"))
+        .map_err(|e| format!("k8s build lock: {e}"))?;
+    lock.lock().map_err(|e| format!("k8s build lock: {e}"))?;
+    if have(&dir) {
+        return Ok(dir);
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("k8s/build-control-plane.sh");
+    let log = cache_dir().join("k8s-build.log");
+    eprintln!(
+        "narwhal-testkit: building kube-apiserver {K8S_VERSION} from Debian's source package \
+         (once per machine, about 4 minutes; log {})",
+        log.display()
+    );
+    let out = std::fs::File::create(&log).map_err(|e| format!("k8s build log: {e}"))?;
+    let status = Command::new("bash")
+        .arg(&script)
+        .arg(&dir)
+        .stdin(Stdio::null())
+        .stdout(out.try_clone().map_err(|e| e.to_string())?)
+        .stderr(out)
+        .status()
+        .map_err(|e| format!("running {}: {e}", script.display()))?;
+    if !status.success() || !have(&dir) {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(30).collect();
+        return Err(format!(
+            "{} failed ({status}); the last lines of {}:\n{}",
+            script.display(),
+            log.display(),
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        ));
+    }
+    Ok(dir)
+}
+
+/// A Kubernetes `Status` (an error answer), or any answer's `kind` and `message`.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct StatusDoc {
+    /// `Status` for errors.
+    pub kind: String,
+    /// What went wrong.
+    pub message: String,
+    /// `NotFound`, `Conflict`, `Forbidden`, ...
+    pub reason: String,
+}
+
+/// A failed REST call: the HTTP status (0: no answer) and the message.
+#[derive(Debug, Clone)]
+pub struct CallError {
+    /// HTTP status; 0 when there was no answer.
+    pub status: u16,
+    /// The server's `Status` message, or the transport error.
+    pub message: String,
+}
+
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HTTP {}: {}", self.status, self.message)
+    }
+}
+
+/// A REST client of the API server with one bearer token.
+#[derive(Debug, Clone)]
+pub struct KubeClient {
+    http: reqwest::Client,
+    /// `https://127.0.0.1:PORT`.
+    pub url: String,
+    token: String,
+}
+
+impl KubeClient {
+    /// A client of `url` trusting `ca`, presenting `token`.
+    ///
+    /// # Panics
+    /// When the CA cannot be read.
+    pub fn new(url: &str, ca: &Path, token: &str) -> KubeClient {
+        let tls = narwhal_shared::tls::build_client_config(
+            narwhal_shared::tls::ServerTrust::Ca(ca),
+            None,
+            &[b"http/1.1"],
+        )
+        .expect("API server CA");
+        KubeClient {
+            http: reqwest::Client::builder()
+                .use_preconfigured_tls(tls)
+                .no_proxy()
+                .timeout(Duration::from_secs(20))
+                .build()
+                .expect("reqwest client"),
+            url: url.to_string(),
+            token: token.to_string(),
+        }
+    }
+
+    async fn call<T: DeserializeOwned>(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&(impl Serialize + Sync)>,
+    ) -> Result<T, CallError> {
+        let mut req = self
+            .http
+            .request(method, format!("{}{path}", self.url))
+            .bearer_auth(&self.token);
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        let resp = req.send().await.map_err(|e| CallError {
+            status: 0,
+            message: format!("{e:?}"),
+        })?;
+        let status = resp.status().as_u16();
+        let bytes = resp.bytes().await.map_err(|e| CallError {
+            status,
+            message: e.to_string(),
+        })?;
+        if (200..300).contains(&status) {
+            return serde_json::from_slice(&bytes).map_err(|e| CallError {
+                status,
+                message: format!(
+                    "not the expected document ({e}): {}",
+                    String::from_utf8_lossy(&bytes)
+                ),
+            });
+        }
+        let s: StatusDoc = serde_json::from_slice(&bytes).unwrap_or_default();
+        Err(CallError {
+            status,
+            message: if s.message.is_empty() {
+                String::from_utf8_lossy(&bytes).into_owned()
+            } else {
+                format!("{}: {}", s.reason, s.message)
+            },
+        })
+    }
+
+    /// `GET path`, typed.
+    ///
+    /// # Errors
+    /// The status and message of a failed call.
+    pub async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, CallError> {
+        self.call(reqwest::Method::GET, path, None::<&()>).await
+    }
+
+    /// `POST path` with `body`, typed.
+    ///
+    /// # Errors
+    /// The status and message of a failed call.
+    pub async fn post<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &(impl Serialize + Sync),
+    ) -> Result<T, CallError> {
+        self.call(reqwest::Method::POST, path, Some(body)).await
+    }
+
+    /// `PUT path` with `body`, typed.
+    ///
+    /// # Errors
+    /// The status and message of a failed call.
+    pub async fn put<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &(impl Serialize + Sync),
+    ) -> Result<T, CallError> {
+        self.call(reqwest::Method::PUT, path, Some(body)).await
+    }
+
+    /// `DELETE path`.
+    ///
+    /// # Errors
+    /// The status and message of a failed call.
+    pub async fn delete(&self, path: &str) -> Result<(), CallError> {
+        self.call::<serde_json::Value>(reqwest::Method::DELETE, path, None::<&()>)
+            .await
+            .map(drop)
+    }
+
+    /// Creates (`POST`) the object `body` at collection `path`; an object that already exists
+    /// is left as it is.
+    ///
+    /// # Panics
+    /// On any other failure.
+    pub async fn ensure(&self, path: &str, body: &(impl Serialize + Sync)) {
+        match self.post::<serde_json::Value>(path, body).await {
+            Ok(_) => {}
+            Err(e) if e.status == 409 => {}
+            Err(e) => panic!("creating at {path}: {e}"),
+        }
+    }
+}
+
+/// A service account in a namespace, with a Role and RoleBinding granting `rules`.
+#[derive(Debug, Clone)]
+pub struct Grant<'a> {
+    /// Namespace (created when missing).
+    pub namespace: &'a str,
+    /// The service account (created).
+    pub account: &'a str,
+    /// The Role's rules, as RBAC `PolicyRule`s.
+    pub rules: Vec<Rule<'a>>,
+}
+
+/// One RBAC `PolicyRule`.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Rule<'a> {
+    /// API groups (`""` core, `coordination.k8s.io`).
+    pub api_groups: Vec<&'a str>,
+    /// Resources (`leases`).
+    pub resources: Vec<&'a str>,
+    /// Only these objects (empty: all).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub resource_names: Vec<&'a str>,
+    /// Verbs.
+    pub verbs: Vec<&'a str>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Object<'a, S: Serialize> {
+    api_version: &'a str,
+    kind: &'a str,
+    metadata: Meta<'a>,
+    #[serde(flatten)]
+    body: S,
+}
+
+#[derive(Serialize)]
+struct Meta<'a> {
+    name: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    namespace: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct NoBody {}
+
+#[derive(Serialize)]
+struct RoleBody<'a> {
+    rules: &'a [Rule<'a>],
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct BindingBody<'a> {
+    role_ref: RoleRef<'a>,
+    subjects: Vec<Subject<'a>>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct RoleRef<'a> {
+    api_group: &'a str,
+    kind: &'a str,
+    name: &'a str,
+}
+
+#[derive(Serialize)]
+struct Subject<'a> {
+    kind: &'a str,
+    name: &'a str,
+    namespace: &'a str,
+}
+
+#[derive(Serialize)]
+struct TokenRequestBody<'a> {
+    spec: TokenRequestSpec<'a>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct TokenRequestSpec<'a> {
+    audiences: Vec<&'a str>,
+    expiration_seconds: i64,
+}
+
+#[derive(serde::Deserialize)]
+struct TokenRequestAnswer {
+    status: TokenStatus,
+}
+
+#[derive(serde::Deserialize)]
+struct TokenStatus {
+    token: String,
+}
+
+impl KubeClient {
+    /// Creates `g`'s namespace, service account, Role (named after the account) and
+    /// RoleBinding; what exists already is left as it is.
+    pub async fn grant(&self, g: &Grant<'_>) {
+        let ns = g.namespace;
+        self.ensure(
+            "/api/v1/namespaces",
+            &Object {
+                api_version: "v1",
+                kind: "Namespace",
+                metadata: Meta {
+                    name: ns,
+                    namespace: None,
+                },
+                body: NoBody {},
+            },
+        )
+        .await;
+        let meta = || Meta {
+            name: g.account,
+            namespace: Some(ns),
+        };
+        self.ensure(
+            &format!("/api/v1/namespaces/{ns}/serviceaccounts"),
+            &Object {
+                api_version: "v1",
+                kind: "ServiceAccount",
+                metadata: meta(),
+                body: NoBody {},
+            },
+        )
+        .await;
+        self.ensure(
+            &format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles"),
+            &Object {
+                api_version: "rbac.authorization.k8s.io/v1",
+                kind: "Role",
+                metadata: meta(),
+                body: RoleBody { rules: &g.rules },
+            },
+        )
+        .await;
+        self.ensure(
+            &format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings"),
+            &Object {
+                api_version: "rbac.authorization.k8s.io/v1",
+                kind: "RoleBinding",
+                metadata: meta(),
+                body: BindingBody {
+                    role_ref: RoleRef {
+                        api_group: "rbac.authorization.k8s.io",
+                        kind: "Role",
+                        name: g.account,
+                    },
+                    subjects: vec![Subject {
+                        kind: "ServiceAccount",
+                        name: g.account,
+                        namespace: ns,
+                    }],
+                },
+            },
+        )
+        .await;
+    }
+
+    /// A token for service account `account` in `namespace` (TokenRequest), valid for an
+    /// hour, for the API server's own audience.
+    ///
+    /// # Panics
+    /// When the API server refuses.
+    pub async fn token_for(&self, namespace: &str, account: &str) -> String {
+        let a: TokenRequestAnswer = self
+            .post(
+                &format!("/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token"),
+                &Object {
+                    api_version: "authentication.k8s.io/v1",
+                    kind: "TokenRequest",
+                    metadata: Meta {
+                        name: account,
+                        namespace: Some(namespace),
+                    },
+                    body: TokenRequestBody {
+                        spec: TokenRequestSpec {
+                            audiences: vec![SA_ISSUER],
+                            expiration_seconds: 3600,
+                        },
+                    },
+                },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("TokenRequest for {namespace}/{account}: {e}"));
+        a.status.token
+    }
+}
+
+/// A kube-apiserver with its own etcd, on loopback, killed on drop.
+#[derive(Debug)]
+pub struct KubeApiServer {
+    etcd: EtcdServer,
+    child: Child,
+    command: (PathBuf, Vec<std::ffi::OsString>),
+    /// `https://127.0.0.1:PORT`.
+    pub url: String,
+    /// The CA the serving certificate chains to (PEM).
+    pub ca: PathBuf,
+    /// A token of group `system:masters`.
+    pub admin_token: String,
+    log: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+fn make_ca() -> (String, Issuer<'static, KeyPair>) {
+    let key = KeyPair::generate().expect("CA key");
+    let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "narwhal test cluster CA");
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let cert = params.self_signed(&key).expect("self-sign CA");
+    (cert.pem(), Issuer::new(params, key))
+}
+
+fn make_serving(issuer: &Issuer<'static, KeyPair>) -> (String, String) {
+    let key = KeyPair::generate().expect("serving key");
+    let sans = ["127.0.0.1", "localhost", "kubernetes.default.svc"];
+    let mut params = CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+        .expect("serving params");
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "kube-apiserver");
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    params.use_authority_key_identifier_extension = true;
+    let cert = params.signed_by(&key, issuer).expect("sign serving");
+    (cert.pem(), key.serialize_pem())
+}
+
+impl KubeApiServer {
+    /// Starts etcd and kube-apiserver and waits (90 s) until `/readyz` answers 200 and the
+    /// `default` namespace exists.
+    ///
+    /// # Panics
+    /// When the binaries cannot be had or the server does not become ready (its log says why).
+    pub async fn start() -> KubeApiServer {
+        let bin = control_plane_bin("kube-apiserver")
+            .unwrap_or_else(|e| panic!("these tests need a real kube-apiserver: {e}"));
+        let etcd = EtcdServer::start(EtcdOptions::default()).await;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let write = |name: &str, text: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).expect("write");
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+            p
+        };
+        let (ca_pem, issuer) = make_ca();
+        let ca = write("ca.pem", &ca_pem);
+        let (cert, key) = make_serving(&issuer);
+        let cert = write("apiserver.pem", &cert);
+        let key = write("apiserver.key", &key);
+        let sa = KeyPair::generate().expect("service-account key");
+        let sa_key = write("sa.key", &sa.serialize_pem());
+        let sa_pub = write("sa.pub", &sa.public_key_pem());
+        let admin_token = format!("admin-{:016x}", rand::random::<u64>());
+        let tokens = write(
+            "tokens.csv",
+            &format!("{admin_token},narwhal-admin,narwhal-admin-uid,\"system:masters\"\n"),
+        );
+        let log = dir.path().join("kube-apiserver.log");
+        for _ in 0..3 {
+            let port = free_port();
+            let url = format!("https://127.0.0.1:{port}");
+            let mut cmd = Command::new(&bin);
+            cmd.args(["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1"])
+                .arg(format!("--secure-port={port}"))
+                .arg("--insecure-port=0")
+                .arg(format!("--etcd-servers={}", etcd.endpoint))
+                .arg("--tls-cert-file")
+                .arg(&cert)
+                .arg("--tls-private-key-file")
+                .arg(&key)
+                .arg("--cert-dir")
+                .arg(dir.path().join("certs"))
+                .arg("--token-auth-file")
+                .arg(&tokens)
+                .arg("--authorization-mode=RBAC")
+                .arg(format!("--service-account-issuer={SA_ISSUER}"))
+                .arg("--service-account-key-file")
+                .arg(&sa_pub)
+                .arg("--service-account-signing-key-file")
+                .arg(&sa_key)
+                .arg(format!("--api-audiences={SA_ISSUER}"))
+                .arg("--feature-gates=BoundServiceAccountTokenVolume=true")
+                .arg("--service-cluster-ip-range=10.96.0.0/16")
+                .arg("--allow-privileged=true")
+                .arg("--enable-priority-and-fairness=false")
+                .arg("--profiling=false");
+            let command = (bin.clone(), cmd.get_args().map(ToOwned::to_owned).collect());
+            let out = std::fs::File::create(&log).expect("apiserver log");
+            let mut child = cmd
+                .stdin(Stdio::null())
+                .stdout(out.try_clone().expect("dup log"))
+                .stderr(out)
+                .spawn()
+                .unwrap_or_else(|e| panic!("spawning {}: {e}", bin.display()));
+            let admin = KubeClient::new(&url, &ca, &admin_token);
+            if wait_ready(&mut child, &admin, &log).await {
+                return KubeApiServer {
+                    etcd,
+                    child,
+                    command,
+                    url,
+                    ca,
+                    admin_token,
+                    log,
+                    dir,
+                };
+            }
+            // Most likely a port taken meanwhile: try another.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!(
+            "kube-apiserver {} did not become ready in 3 attempts; its last log:\n{}",
+            bin.display(),
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+    }
+
+    /// The API server's log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Its temporary directory (certificates, keys, log).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Its etcd.
+    pub fn etcd(&self) -> &EtcdServer {
+        &self.etcd
+    }
+
+    /// A client with the admin token.
+    pub fn admin(&self) -> KubeClient {
+        KubeClient::new(&self.url, &self.ca, &self.admin_token)
+    }
+
+    /// A client presenting `token`.
+    pub fn client(&self, token: &str) -> KubeClient {
+        KubeClient::new(&self.url, &self.ca, token)
+    }
+
+    /// Sends `sig` (SIGSTOP, SIGCONT) to the API server.
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).expect("pid"));
+        nix::sys::signal::kill(pid, sig).expect("signal kube-apiserver");
+    }
+
+    /// `kill -9` of the API server (reaped); [`KubeApiServer::restart`] brings it back.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the API server again after [`KubeApiServer::kill`], same port, same etcd, and
+    /// waits until it is ready.
+    ///
+    /// # Panics
+    /// When it does not become ready.
+    pub async fn restart(&mut self) {
+        let (bin, args) = &self.command;
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.log)
+            .expect("apiserver log");
+        self.child = Command::new(bin)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("dup log"))
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("respawning {}: {e}", bin.display()));
+        let admin = self.admin();
+        assert!(
+            wait_ready(&mut self.child, &admin, &self.log).await,
+            "kube-apiserver did not restart:\n{}",
+            self.log_text()
+        );
+    }
+}
+
+/// Waits (90 s) until the API server answers a read of the `default` namespace (which it
+/// creates itself once its bootstrap controllers ran); `false` when it exited or timed out.
+async fn wait_ready(child: &mut Child, admin: &KubeClient, log: &Path) -> bool {
+    let t0 = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            eprintln!(
+                "kube-apiserver exited with {status}:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+            return false;
+        }
+        let ready = admin
+            .get::<serde_json::Value>("/api/v1/namespaces/default")
+            .await;
+        if ready.is_ok() {
+            return true;
+        }
+        if t0.elapsed() > Duration::from_secs(90) {
+            eprintln!(
+                "kube-apiserver at {} not ready after 90 s ({:?})",
+                admin.url,
+                ready.err()
+            );
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+impl Drop for KubeApiServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
