@@ -21,10 +21,12 @@ use narwhal_router::lease::{
     Claim, Control, KubeLease, Lease, LeaseDriver, LeaseError, LeaseLoss, LeaseStore, LeaseTiming,
 };
 use narwhal_shared::{Clock, SystemClock};
-use narwhal_testkit::k8s::{Grant, KubeApiServer, KubeClient, Rule, Signal};
+use narwhal_testkit::k8s::{
+    KUBE_NAMESPACE, KUBE_ROUTER_ACCOUNT, KubeApiServer, KubeClient, Signal, router_grant,
+};
 
-const NS: &str = "narwhal";
-const ACCOUNT: &str = "narwhal-router";
+const NS: &str = KUBE_NAMESPACE;
+const ACCOUNT: &str = KUBE_ROUTER_ACCOUNT;
 const S: Duration = Duration::from_secs(1);
 
 fn ms(n: u64) -> Duration {
@@ -36,28 +38,6 @@ fn timing(ttl_ms: u64, renew_ms: u64, margin_ms: u64) -> LeaseTiming {
         ttl: Duration::from_millis(ttl_ms),
         renew_interval: Duration::from_millis(renew_ms),
         safety_margin: Duration::from_millis(margin_ms),
-    }
-}
-
-/// The router's Role for Lease `name`: what the chart grants.
-fn router_grant(name: &str) -> Grant<'_> {
-    Grant {
-        namespace: NS,
-        account: ACCOUNT,
-        rules: vec![
-            Rule {
-                api_groups: vec!["coordination.k8s.io"],
-                resources: vec!["leases"],
-                resource_names: vec![name],
-                verbs: vec!["get", "update"],
-            },
-            Rule {
-                api_groups: vec!["coordination.k8s.io"],
-                resources: vec!["leases"],
-                resource_names: vec![],
-                verbs: vec!["create"],
-            },
-        ],
     }
 }
 

@@ -306,6 +306,7 @@ impl fmt::Display for Scenario {
         let lease = match self.lease {
             LeaseBackend::File => "file",
             LeaseBackend::Etcd => "etcd",
+            LeaseBackend::Kubernetes => "kubernetes",
         };
         write!(
             f,
@@ -1251,6 +1252,7 @@ pub fn summary(outcomes: &[Outcome]) -> String {
         let lease = match o.scenario.lease {
             LeaseBackend::File => "file",
             LeaseBackend::Etcd => "etcd",
+            LeaseBackend::Kubernetes => "kubernetes",
         };
         let e = by
             .entry(format!(

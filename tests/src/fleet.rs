@@ -65,6 +65,10 @@ pub enum LeaseBackend {
     File,
     /// A real etcd started on loopback for the fleet (key `/narwhal/test/lease`).
     Etcd,
+    /// A real kube-apiserver started on loopback for the fleet ([`crate::k8s`]): Lease
+    /// `narwhal/router-lease`, the routers authenticating as service account
+    /// `narwhal/narwhal-router` with the chart's Role (a token file in the fleet's directory).
+    Kubernetes,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,6 +130,8 @@ pub struct Fleet {
     etcd: Option<Etcd>,
     /// The primary's way to etcd, with [`FleetBuilder::primary_etcd_through_a_proxy`].
     etcd_proxy: Option<Proxy>,
+    /// The API server of a [`LeaseBackend::Kubernetes`] lease.
+    kube: Option<crate::k8s::KubeApiServer>,
     /// Added to the environment of the router of that label ([`FleetBuilder::router_env`]).
     label_env: Vec<(String, Vec<(String, String)>)>,
     /// The primary's state file and journal disk ([`FleetBuilder::primary_disk`]); before
@@ -440,7 +446,7 @@ impl FleetBuilder {
             base = base.engine_with(&iid, keys);
         }
         let (base, agents) = self.start_agents(dir.path(), &hosts, &sims, certs.as_ref(), base);
-        let (lease, etcd) = self.start_lease(dir.path()).await;
+        let (lease, etcd, kube) = self.start_lease(dir.path()).await;
         let etcd_proxy = match (&etcd, self.etcd_proxy) {
             (Some(e), true) => Some(Proxy::start(&e.endpoint).await),
             _ => None,
@@ -469,6 +475,7 @@ impl FleetBuilder {
             control_tls: self.control_tls,
             etcd,
             etcd_proxy,
+            kube,
             label_env: self.label_env.clone(),
             disk,
             fsync: None,
@@ -571,20 +578,41 @@ impl FleetBuilder {
         (base, agents)
     }
 
-    /// The lease document of [`FleetBuilder::lease`] (a file under `dir`, or a fresh etcd
-    /// started here), and that etcd.
-    async fn start_lease(&self, dir: &Path) -> (Option<Value>, Option<Etcd>) {
+    /// The lease document of [`FleetBuilder::lease`] (a file under `dir`, or a fresh etcd or
+    /// kube-apiserver started here), and that etcd or API server.
+    async fn start_lease(
+        &self,
+        dir: &Path,
+    ) -> (
+        Option<Value>,
+        Option<Etcd>,
+        Option<crate::k8s::KubeApiServer>,
+    ) {
         match self.lease {
-            None => (None, None),
+            None => (None, None, None),
             Some(LeaseBackend::File) => (
                 Some(json!({"backend": "file", "path": dir.join("router.lease")})),
+                None,
                 None,
             ),
             Some(LeaseBackend::Etcd) => {
                 let etcd = Etcd::start(crate::etcd::EtcdOptions::default()).await;
                 let l = json!({"backend": "etcd", "endpoints": [etcd.endpoint],
                                "key": "/narwhal/test/lease"});
-                (Some(l), Some(etcd))
+                (Some(l), Some(etcd), None)
+            }
+            Some(LeaseBackend::Kubernetes) => {
+                use crate::k8s::{KUBE_LEASE, KUBE_NAMESPACE, KUBE_ROUTER_ACCOUNT, router_grant};
+                let api = crate::k8s::KubeApiServer::start().await;
+                let admin = api.admin();
+                admin.grant(&router_grant(KUBE_LEASE)).await;
+                let token = admin.token_for(KUBE_NAMESPACE, KUBE_ROUTER_ACCOUNT).await;
+                let token_file = dir.join("router.token");
+                std::fs::write(&token_file, token).expect("write the router's token");
+                let l = json!({"backend": "kubernetes", "kubernetes": {
+                    "name": KUBE_LEASE, "namespace": KUBE_NAMESPACE, "api_server": api.url,
+                    "token_file": token_file, "ca_file": api.ca}});
+                (Some(l), None, Some(api))
             }
         }
     }
@@ -923,6 +951,16 @@ impl Fleet {
     pub fn write_lease_file(&self, record: &Value) {
         let path = self.lease_path().expect("a file lease");
         narwhal_shared::write_atomic(&path, format!("{record}\n").as_bytes()).expect("write lease");
+    }
+
+    /// The fleet's kube-apiserver ([`LeaseBackend::Kubernetes`]).
+    ///
+    /// # Panics
+    /// Without a Kubernetes lease.
+    pub fn kube(&self) -> &crate::k8s::KubeApiServer {
+        self.kube
+            .as_ref()
+            .expect("this fleet has no Kubernetes lease")
     }
 
     /// The fleet's etcd.

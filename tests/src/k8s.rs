@@ -272,6 +272,36 @@ impl KubeClient {
     }
 }
 
+/// The namespace of the fleet's Lease ([`crate::LeaseBackend::Kubernetes`]).
+pub const KUBE_NAMESPACE: &str = "narwhal";
+/// The fleet's Lease name (the chart's default, `lease.kubernetes.name`).
+pub const KUBE_LEASE: &str = "narwhal-router";
+/// The routers' service account.
+pub const KUBE_ROUTER_ACCOUNT: &str = "narwhal-router";
+
+/// The routers' Role for Lease `name`, as the chart grants it: `get` and `update` on that one
+/// Lease, `create` on leases (which RBAC cannot limit by name) in [`KUBE_NAMESPACE`].
+pub fn router_grant(name: &str) -> Grant<'_> {
+    Grant {
+        namespace: KUBE_NAMESPACE,
+        account: KUBE_ROUTER_ACCOUNT,
+        rules: vec![
+            Rule {
+                api_groups: vec!["coordination.k8s.io"],
+                resources: vec!["leases"],
+                resource_names: vec![name],
+                verbs: vec!["get", "update"],
+            },
+            Rule {
+                api_groups: vec!["coordination.k8s.io"],
+                resources: vec!["leases"],
+                resource_names: vec![],
+                verbs: vec!["create"],
+            },
+        ],
+    }
+}
+
 /// A service account in a namespace, with a Role and RoleBinding granting `rules`.
 #[derive(Debug, Clone)]
 pub struct Grant<'a> {

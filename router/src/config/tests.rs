@@ -608,3 +608,53 @@ fn adapters_are_named_once_and_never_the_base_model() {
     v["adapters"] = serde_json::json!("tenant-a");
     assert!(messages(v).iter().any(|x| x.contains("adapters")));
 }
+
+#[test]
+fn lease_kubernetes_parses_into_the_section_with_the_pod_defaults_left_open() {
+    let mut v = base();
+    v["lease"] = serde_json::json!({"backend": "kubernetes"});
+    let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+    assert_eq!(c.lease.backend, LeaseBackend::Kubernetes);
+    assert_eq!(c.lease.kubernetes, KubernetesAccess::default());
+    assert_eq!(c.lease.kubernetes.name, "narwhal-router");
+    v["lease"] = serde_json::json!({"backend": "kubernetes", "kubernetes": {
+        "name": "router-a", "namespace": "inference", "api_server": "https://10.0.0.1:6443",
+        "token_file": "/run/token", "ca_file": "/run/ca.crt"}});
+    let c = Config::from_json_str(&v.to_string(), &no_env).unwrap();
+    assert_eq!(
+        c.lease.kubernetes,
+        KubernetesAccess {
+            name: "router-a".into(),
+            namespace: Some("inference".into()),
+            api_server: Some("https://10.0.0.1:6443".into()),
+            token_file: Some("/run/token".into()),
+            ca_file: Some("/run/ca.crt".into()),
+        }
+    );
+}
+
+#[test]
+fn lease_kubernetes_errors_name_the_key() {
+    let mut v = base();
+    v["lease"] = serde_json::json!({"backend": "kubernetes", "kubernetes": {
+        "name": "Router_A", "namespace": "-ns", "api_server": "http://10.0.0.1:6443/x",
+        "token_file": "", "ca": "/x"}});
+    let m = messages(v.clone());
+    for want in [
+        "lease.kubernetes.ca: unknown key",
+        "lease.kubernetes.name = \"Router_A\": must be lowercase letters",
+        "lease.kubernetes.namespace = \"-ns\": must be lowercase letters",
+        "lease.kubernetes.api_server = \"http://10.0.0.1:6443/x\": must be https://HOST:PORT (no path)",
+        "lease.kubernetes.token_file must be a non-empty path string, got \"\"",
+    ] {
+        assert!(m.iter().any(|x| x.starts_with(want)), "{want} not in {m:?}");
+    }
+    v["lease"] = serde_json::json!({"backend": "etcd", "endpoints": ["e:2379"],
+        "kubernetes": {"name": "x"}});
+    let m = messages(v);
+    assert!(
+        m.iter()
+            .any(|x| x == "lease.kubernetes = {…}: only used by lease.backend = \"kubernetes\""),
+        "{m:?}"
+    );
+}

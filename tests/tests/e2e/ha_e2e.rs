@@ -1,6 +1,7 @@
 //! End-to-end tests of high availability (docs/ha.md): a primary and a warm standby
-//! (`--standby-of`) sharing one lease (`file` or `etcd` backend), real agents with mutual TLS
-//! and real simulators.
+//! (`--standby-of`) sharing one lease (`file` or `etcd` backend, and for the `kill -9` and
+//! `SIGSTOP` takeovers also `kubernetes`, a Lease on a real kube-apiserver), real agents with
+//! mutual TLS and real simulators.
 //!
 //! Covered, each for both lease backends unless noted:
 //! - `kill -9` of the primary during a whole-fleet wave: the standby takes over within the
@@ -29,7 +30,8 @@
 //!   printed (`--nocapture`).
 //!
 //! etcd: the `etcd` binary (Debian `etcd-server`; override with `NARWHAL_ETCD_BIN`) is
-//! required. Without it the etcd tests FAIL with a message saying so.
+//! required. Without it the etcd tests FAIL with a message saying so. The kubernetes variants
+//! need kube-apiserver (`narwhal_testkit::k8s`, built once per machine when missing).
 // Tests measure wall time (deadlines, takeover gaps): the clock ban of clippy.toml is for
 // product code.
 #![allow(clippy::disallowed_methods)]
@@ -70,8 +72,17 @@ fn takeover_bound() -> Duration {
 // the test's client presents the operator certificate (accepted by mutual-TLS control
 // listeners, and by the agents for reads only).
 
-/// Two tests running `$scenario` with a file lease and with an etcd lease.
+/// Two tests running `$scenario` with a file lease and with an etcd lease, and a third with a
+/// Kubernetes Lease on a real kube-apiserver when named.
 macro_rules! per_backend {
+    ($scenario:ident: $file:ident, $etcd:ident, $kube:ident) => {
+        per_backend!($scenario: $file, $etcd);
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $kube() {
+            $scenario(LeaseBackend::Kubernetes).await;
+        }
+    };
     ($scenario:ident: $file:ident, $etcd:ident) => {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn $file() {
@@ -287,7 +298,8 @@ async fn kill_during_wave(backend: LeaseBackend) {
 per_backend!(
     kill_during_wave:
     kill_9_during_whole_wave_file_lease,
-    kill_9_during_whole_wave_etcd_lease
+    kill_9_during_whole_wave_etcd_lease,
+    kill_9_during_whole_wave_kubernetes_lease
 );
 
 // ---------------------------------------------------------------------------------------------
@@ -455,7 +467,8 @@ async fn sigstop_then_sigcont(backend: LeaseBackend) {
 per_backend!(
     sigstop_then_sigcont:
     sigstop_past_the_lease_then_sigcont_file_lease,
-    sigstop_past_the_lease_then_sigcont_etcd_lease
+    sigstop_past_the_lease_then_sigcont_etcd_lease,
+    sigstop_past_the_lease_then_sigcont_kubernetes_lease
 );
 
 /// After a takeover, the fenced old primary (started without `--standby-of`) waits as a standby of
@@ -738,7 +751,8 @@ per_backend!(
 /// out, so half a second more.
 fn skewed_takeover_bound(backend: LeaseBackend) -> Duration {
     let sweep = match backend {
-        LeaseBackend::File => 0.0,
+        // Expiry by observation, as for the file lease.
+        LeaseBackend::File | LeaseBackend::Kubernetes => 0.0,
         LeaseBackend::Etcd => TTL_S.ceil() - TTL_S + 0.5,
     };
     Duration::from_secs_f64(TTL_S + 1.0 + sweep)

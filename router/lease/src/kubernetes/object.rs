@@ -107,11 +107,13 @@ pub struct Status {
 /// A Unix time (seconds) as Kubernetes' `MicroTime` (`2006-01-02T15:04:05.000000Z`: exactly six
 /// fractional digits, UTC); `None` for a time outside what the format can write.
 pub fn micro_time(unix_s: f64) -> Option<String> {
-    let nanos = (unix_s * 1e9).round();
-    if !nanos.is_finite() {
+    // Rounded to whole microseconds first: an f64 holds today's Unix time in microseconds
+    // exactly, not in nanoseconds.
+    let micros = (unix_s * 1e6).round();
+    if !micros.is_finite() {
         return None;
     }
-    let t = time::OffsetDateTime::from_unix_timestamp_nanos(nanos as i128).ok()?;
+    let t = time::OffsetDateTime::from_unix_timestamp_nanos(micros as i128 * 1000).ok()?;
     let format = time::macros::format_description!(
         "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:6]Z"
     );
