@@ -36,17 +36,18 @@
 //! packages). The bearer token is read from `token_file` before every call, so a projected
 //! token that the kubelet rotates is used as soon as it changes.
 
+pub mod api;
 pub mod object;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
 use tokio::sync::Mutex;
 
+use self::api::{Failure, KubeApi, read_token};
 use self::object::{
     ANNOTATIONS_LIMIT_BYTES, HANDOFF_ANNOTATION, KEEP_EPOCH_FINALIZER, LeaseObject, LeaseSpec,
-    ObjectMeta, RECORD_ANNOTATION, Status, micro_time,
+    ObjectMeta, RECORD_ANNOTATION, micro_time,
 };
 use crate::config::{
     KubernetesAccess, SA_CA_FILE, SA_NAMESPACE_FILE, SA_TOKEN_FILE, kube_name_rule,
@@ -73,8 +74,7 @@ pub struct KubeLease {
     ca_file: PathBuf,
     /// `spec.leaseDurationSeconds`: the ttl rounded up to whole seconds (at least 1).
     ttl_s: i32,
-    op_timeout: Duration,
-    http: reqwest::Client,
+    api: KubeApi,
     /// The highest epoch this router read or wrote: a Lease recreated from nothing is claimed
     /// above it. Also serialises the store's operations.
     highest_epoch: Mutex<u64>,
@@ -95,19 +95,6 @@ impl std::fmt::Debug for KubeLease {
 
 fn config_err(msg: impl Into<String>) -> LeaseError {
     LeaseError::Config(msg.into())
-}
-
-/// One call's failure before it becomes a [`LeaseError`].
-enum Failure {
-    /// No answer (connection, TLS, timeout), or the token file could not be read. `sent`: the
-    /// request may have reached the server (so a write may have landed).
-    Transport { message: String, sent: bool },
-    /// The server answered with an error status.
-    Server {
-        status: u16,
-        reason: String,
-        message: String,
-    },
 }
 
 /// What a write came to.
@@ -203,7 +190,8 @@ impl KubeLease {
         let ca_file = access.ca_file.clone().unwrap_or_else(|| SA_CA_FILE.into());
         read_token(&token_file)
             .map_err(|e| config_err(format!("lease.kubernetes.token_file: {e}")))?;
-        let http = client(&ca_file, op_timeout)?;
+        let api = KubeApi::new(&api_server, &token_file, &ca_file, op_timeout)
+            .map_err(|e| config_err(format!("lease.kubernetes.{e}")))?;
         let collection =
             format!("{api_server}/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases");
         Ok(KubeLease {
@@ -215,8 +203,7 @@ impl KubeLease {
             token_file,
             ca_file,
             ttl_s: i32::try_from((ttl.as_secs_f64().ceil() as i64).max(1)).unwrap_or(i32::MAX),
-            op_timeout,
-            http,
+            api,
             highest_epoch: Mutex::new(0),
         })
     }
@@ -251,59 +238,6 @@ impl KubeLease {
             lease: format!("{}/{}", self.namespace, self.name),
             api_server: self.api_server.clone(),
             message: message.into(),
-        }
-    }
-
-    /// One call, bounded by the per-call timeout: `GET` without a body, `POST`/`PUT` with one.
-    async fn call(
-        &self,
-        method: reqwest::Method,
-        url: &str,
-        body: Option<&(impl Serialize + Sync)>,
-    ) -> Result<Vec<u8>, Failure> {
-        let token = read_token(&self.token_file).map_err(|e| Failure::Transport {
-            message: format!("token file: {e}"),
-            sent: false,
-        })?;
-        let mut req = self
-            .http
-            .request(method, url)
-            .bearer_auth(token)
-            .header(http::header::ACCEPT, "application/json");
-        if let Some(b) = body {
-            req = req.json(b);
-        }
-        let work = async {
-            let resp = req.send().await.map_err(|e| Failure::Transport {
-                message: describe(&e),
-                sent: !e.is_connect(),
-            })?;
-            let status = resp.status();
-            let bytes = resp.bytes().await.map_err(|e| Failure::Transport {
-                message: describe(&e),
-                sent: true,
-            })?;
-            if status.is_success() {
-                return Ok(bytes.to_vec());
-            }
-            let s: Status = serde_json::from_slice(&bytes).unwrap_or_default();
-            let message = if s.message.is_empty() {
-                String::from_utf8_lossy(&bytes).chars().take(300).collect()
-            } else {
-                s.message
-            };
-            Err(Failure::Server {
-                status: status.as_u16(),
-                reason: s.reason,
-                message,
-            })
-        };
-        match tokio::time::timeout(self.op_timeout, work).await {
-            Ok(r) => r,
-            Err(_) => Err(Failure::Transport {
-                message: format!("timed out after {} s", self.op_timeout.as_secs_f64()),
-                sent: true,
-            }),
         }
     }
 
@@ -348,6 +282,7 @@ impl KubeLease {
     /// The Lease object, `None` when there is none.
     async fn get(&self) -> Result<Option<LeaseObject>, LeaseError> {
         match self
+            .api
             .call(reqwest::Method::GET, &self.url, None::<&()>)
             .await
         {
@@ -367,7 +302,7 @@ impl KubeLease {
         } else {
             (reqwest::Method::PUT, &self.url, "update")
         };
-        match self.call(method, url, Some(obj)).await {
+        match self.api.call(method, url, Some(obj)).await {
             Ok(_) => Ok(Written::Yes),
             Err(Failure::Server { status: 409, .. }) => Ok(Written::Lost),
             // The object was deleted (finalizer removed) between the read and the write.
@@ -437,51 +372,6 @@ impl KubeLease {
         *highest = (*highest).max(epoch);
         *highest
     }
-}
-
-/// The bearer token in `path`, trimmed; an error for an unreadable or empty file.
-fn read_token(path: &Path) -> Result<String, String> {
-    match std::fs::read_to_string(path) {
-        Ok(t) if !t.trim().is_empty() => Ok(t.trim().to_string()),
-        Ok(_) => Err(format!("{} is empty", path.display())),
-        Err(e) => Err(format!("{}: {e}", path.display())),
-    }
-}
-
-/// The HTTP client: only `ca_file` trusted, ALPN `http/1.1`, no proxy, each call bounded.
-fn client(ca_file: &Path, op_timeout: Duration) -> Result<reqwest::Client, LeaseError> {
-    use narwhal_shared::tls::{ServerTrust, build_client_config};
-    let rustls =
-        build_client_config(ServerTrust::Ca(ca_file), None, &[b"http/1.1"]).map_err(|e| {
-            config_err(format!(
-                "lease.kubernetes.ca_file: {}: {e}",
-                ca_file.display()
-            ))
-        })?;
-    reqwest::Client::builder()
-        .use_preconfigured_tls(rustls)
-        .no_proxy()
-        .connect_timeout(op_timeout)
-        .timeout(op_timeout)
-        .build()
-        .map_err(|e| config_err(format!("lease: building the Kubernetes HTTP client: {e}")))
-}
-
-/// A transport error with its causes.
-fn describe(e: &reqwest::Error) -> String {
-    let mut parts: Vec<String> = Vec::new();
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = cur {
-        let text = err.to_string();
-        if !parts.iter().any(|p| p.contains(&text)) {
-            parts.push(text);
-        }
-        cur = err.source();
-    }
-    if e.is_timeout() {
-        parts.push("timed out".into());
-    }
-    parts.join(": ")
 }
 
 /// The view a claim decides on when the Lease has no record but this router saw epoch `epoch`
