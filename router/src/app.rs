@@ -63,6 +63,8 @@ pub struct Listeners {
     pub data: tokio::net::TcpListener,
     /// `/narwhal/*`, `/metrics`, `/health`, `/ready`.
     pub control: tokio::net::TcpListener,
+    /// `/narwhal/self-drain` (`control.self_drain.listen`), when configured.
+    pub self_drain: Option<tokio::net::TcpListener>,
 }
 
 /// Runtime options from the command line.
@@ -125,6 +127,9 @@ pub enum Error {
     /// The lease backend could not be set up (timings, etcd endpoints); names the key.
     #[error(transparent)]
     Lease(#[from] LeaseError),
+    /// `control.self_drain` cannot reach Kubernetes as configured; names the key.
+    #[error("{0}")]
+    SelfDrain(String),
     /// The startup announcement failed (the ready file could not be written).
     #[error(transparent)]
     Announce(#[from] AnnounceError),
@@ -149,6 +154,12 @@ pub async fn run(
     let grace = Duration::from_secs(config.serving.graceful_timeout_s);
     let agents = Agents::from_config(&config, clock.clone())?;
     let lease = LeaseDriver::from_config(&config.lease, &opts.router_id, clock.clone())?;
+    let self_drain = match (&config.self_drain, &listeners.self_drain) {
+        (Some(section), Some(_)) => {
+            Some(crate::self_drain::SelfDrain::from_config(section).map_err(Error::SelfDrain)?)
+        }
+        _ => None,
+    };
     // A warm standby serves nothing until it takes over (behaviour.md 2.9).
     let phase = if opts.standby.is_some() {
         HaPhase::Shadowing
@@ -164,6 +175,9 @@ pub async fn run(
         Arc::new(lease),
         phase,
     );
+    if let Some(sd) = self_drain {
+        let _ = parts.self_drain.set(sd);
+    }
     let stop = tokio_util::sync::CancellationToken::new();
     if let Some(standby) = opts.standby {
         ha::start_standby(&parts, standby, &stop);
@@ -210,6 +224,15 @@ pub async fn run(
         stop.clone(),
         CLOSE_WAIT,
     ));
+    let self_drain = listeners.self_drain.map(|l| {
+        tokio::spawn(http::serve(
+            l,
+            parts.clone(),
+            Side::SelfDrain,
+            stop.clone(),
+            CLOSE_WAIT,
+        ))
+    });
     // Announce once every engine's health gate was answered and the KV index was rebuilt from
     // the engines' replay buffers (each bounded; a shutdown meanwhile wins).
     let mut stopped = false;
@@ -229,6 +252,9 @@ pub async fn run(
     stop.cancel();
     let _ = data.await;
     let _ = control.await;
+    if let Some(t) = self_drain {
+        let _ = t.await;
+    }
     let _ = monitor.await;
     let _ = controller.await;
     let _ = lifecycle_timer.await;

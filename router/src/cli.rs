@@ -180,6 +180,9 @@ struct ReadyFile<'a> {
     data: &'a str,
     /// The control listener's URL.
     control: &'a str,
+    /// The self-drain listener's URL (`control.self_drain`), when configured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    self_drain: Option<&'a str>,
     /// The router's process id.
     pid: u32,
     /// The run id (the journal's `run`).
@@ -232,7 +235,9 @@ enum Problem {
         max: u64,
     },
     /// `--standby-of` with lease backend `none`.
-    #[error("--standby-of needs a lease: set lease.backend to file or etcd in the fleet file")]
+    #[error(
+        "--standby-of needs a lease: set lease.backend to file, etcd or kubernetes in the fleet file"
+    )]
     StandbyWithoutLease,
     /// The `tls` (`prefix` empty) or `control.tls` (`prefix` `control.`) files cannot be used.
     #[error("{prefix}{source}")]
@@ -248,6 +253,9 @@ enum Problem {
     /// The lease backend cannot be set up.
     #[error("lease config: {0}")]
     Lease(#[source] LeaseError),
+    /// `control.self_drain` cannot reach Kubernetes as configured (names the key).
+    #[error("{0}")]
+    SelfDrain(String),
 }
 
 /// `problems`, one per line.
@@ -308,6 +316,11 @@ fn preflight(args: &Args) -> Result<Checked, PreflightError> {
     let router_id = args.router_id.as_deref().unwrap_or("check-config");
     if let Err(e) = narwhal_lease::LeaseDriver::from_config(&cfg.lease, router_id, clock) {
         problems.push(Problem::Lease(e));
+    }
+    if let Some(section) = &cfg.self_drain
+        && let Err(e) = crate::self_drain::SelfDrain::from_config(section)
+    {
+        problems.push(Problem::SelfDrain(e));
     }
     if problems.is_empty() {
         Ok(Checked {
@@ -538,6 +551,14 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
         Ok(l) => l,
         Err(c) => return c,
     };
+    let self_drain = match &cfg.self_drain {
+        Some(sd) => match bind(&sd.listen).await {
+            Ok(l) => Some(l),
+            Err(c) => return c,
+        },
+        None => None,
+    };
+    let self_drain_addr = self_drain.as_ref().and_then(|l| l.local_addr().ok());
     let (Ok(data_addr), Ok(control_addr)) = (data.local_addr(), control.local_addr()) else {
         eprintln!("narwhal-serve: cannot read the bound addresses");
         return ExitCode::from(1);
@@ -581,6 +602,8 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
         "http"
     };
     let control_url = format!("{control_scheme}://{control_addr}");
+    // The self-drain listener serves TLS with the control certificate when there is one.
+    let self_drain_url = self_drain_addr.map(|a| format!("{control_scheme}://{a}"));
     let standby = args
         .standby_of
         .as_ref()
@@ -602,12 +625,14 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
     // startup health round).
     let ready_file = args.ready_file.clone();
     let (data_url2, control_url2, run2) = (data_url.clone(), control_url.clone(), run.clone());
+    let self_drain_url2 = self_drain_url.clone();
     let announce = move || -> Result<(), AnnounceError> {
         let (data_url, control_url, run) = (data_url2, control_url2, run2);
         if let Some(path) = &ready_file {
             let doc = ReadyFile {
                 data: &data_url,
                 control: &control_url,
+                self_drain: self_drain_url2.as_deref(),
                 pid: std::process::id(),
                 run: &run,
             };
@@ -627,7 +652,11 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
     tracing::info!(data = %data_url, control = %control_url, run = %run, engines = cfg.engines.len(), backend = %cfg.backend, "narwhal-serve started");
     let result = crate::app::run(
         cfg,
-        Listeners { data, control },
+        Listeners {
+            data,
+            control,
+            self_drain,
+        },
         RunOptions {
             journal,
             max_concurrent,
@@ -784,7 +813,7 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "--max-concurrent 0 must be in 1..=64 (serving.max_connections)\n\
-             --standby-of needs a lease: set lease.backend to file or etcd in the fleet file\n\
+             --standby-of needs a lease: set lease.backend to file, etcd or kubernetes in the fleet file\n\
              tls: required by engines[].agent (mutual TLS to the agents)"
         );
     }

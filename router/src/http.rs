@@ -67,6 +67,9 @@ async fn read_control_body(req: Request<Incoming>) -> Result<bytes::Bytes, BodyE
 pub(crate) enum Side {
     Data,
     Control,
+    /// `control.self_drain.listen`: engine pods' preStop hooks (bearer tokens, no client
+    /// certificates).
+    SelfDrain,
 }
 
 /// Answers one request. The control routes' steps that wait (a durable publish, a lifecycle
@@ -163,37 +166,18 @@ async fn route(parts: Arc<Parts>, side: Side, mut req: Request<Incoming>) -> Res
                     return r;
                 }
             };
-            // The action runs in its own task: a client that gives up (a timeout during a long
-            // validation) must not cancel it half-way and leave records `validating`.
-            let lifecycle = parts.lifecycle.clone();
-            // The epoch scope the action runs under: its acknowledgement needs it still live.
-            let scope = parts.ha.scope();
             let action = match path.as_str() {
                 "/narwhal/lifecycle/drain" => Action::Drain,
                 "/narwhal/lifecycle/cancel-drain" => Action::CancelDrain,
                 _ => Action::Readmit,
             };
-            let action = tokio::spawn(async move { api::handle(&lifecycle, action, &body).await });
-            match action.await {
-                Ok((status, doc)) => {
-                    // Acknowledged only once durable where a successor reads (ha-and-fencing.md).
-                    let (status, doc) = Box::pin(crate::handoff::acknowledge(
-                        &parts,
-                        status,
-                        doc,
-                        scope.as_ref(),
-                    ))
-                    .await;
-                    json_response(status, &doc, &rid)
-                }
-                Err(e) => json_response(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    &parts
-                        .lifecycle
-                        .document(&format!("lifecycle action failed: {e}")),
-                    &rid,
-                ),
-            }
+            Box::pin(lifecycle_action(parts, action, body, &rid)).await
+        }
+        (Side::SelfDrain, Method::POST, "/narwhal/self-drain") => {
+            Box::pin(self_drain_post(parts, req, &rid)).await
+        }
+        (Side::SelfDrain, Method::GET, "/narwhal/self-drain") => {
+            Box::pin(self_drain_get(parts, req.headers(), &rid)).await
         }
         (Side::Control, Method::GET, "/narwhal/targets") => {
             json_response(StatusCode::OK, &documents::targets(&parts.cfg), &rid)
@@ -231,6 +215,170 @@ async fn route(parts: Arc<Parts>, side: Side, mut req: Request<Incoming>) -> Res
     }
 }
 
+/// Runs lifecycle `action` on `body` in its own task and answers once it is acknowledged
+/// durable where a successor reads (ha-and-fencing.md): the control listener's lifecycle routes
+/// and the self-drain.
+async fn lifecycle_action(
+    parts: Arc<Parts>,
+    action: Action,
+    body: bytes::Bytes,
+    rid: &str,
+) -> Response<Body> {
+    // The action runs in its own task: a client that gives up (a timeout during a long
+    // validation) must not cancel it half-way and leave records `validating`.
+    let lifecycle = parts.lifecycle.clone();
+    // The epoch scope the action runs under: its acknowledgement needs it still live.
+    let scope = parts.ha.scope();
+    let action = tokio::spawn(async move { api::handle(&lifecycle, action, &body).await });
+    match action.await {
+        Ok((status, doc)) => {
+            // Acknowledged only once durable where a successor reads (ha-and-fencing.md).
+            let (status, doc) = Box::pin(crate::handoff::acknowledge(
+                &parts,
+                status,
+                doc,
+                scope.as_ref(),
+            ))
+            .await;
+            json_response(status, &doc, rid)
+        }
+        Err(e) => json_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &parts
+                .lifecycle
+                .document(&format!("lifecycle action failed: {e}")),
+            rid,
+        ),
+    }
+}
+
+/// A self-drain refusal as an error document.
+fn refused(r: &crate::self_drain::Refusal, rid: &str) -> Response<Body> {
+    let kind = match r.status {
+        StatusCode::UNAUTHORIZED => "authentication_error",
+        StatusCode::FORBIDDEN => "permission_error",
+        StatusCode::BAD_REQUEST => "invalid_request_error",
+        _ => "unavailable",
+    };
+    json_response(r.status, &ErrorReply::new(r.message.clone(), kind), rid)
+}
+
+/// The calling pod and its engines' ids, or the refusal (module `self_drain`).
+async fn self_drain_caller(
+    parts: &Parts,
+    headers: &http::HeaderMap,
+) -> Result<(crate::self_drain::PodRef, Vec<String>), crate::self_drain::Refusal> {
+    let sd = parts
+        .self_drain
+        .get()
+        .ok_or_else(|| crate::self_drain::Refusal {
+            status: StatusCode::NOT_FOUND,
+            message: "control.self_drain is not configured".into(),
+        })?;
+    let token = crate::self_drain::bearer(headers)?;
+    let pod = sd.pod_of(&token).await?;
+    let engines = sd.engines_of(&parts.cfg, &pod).await?;
+    let names = engines
+        .iter()
+        .map(|i| parts.cfg.engines[*i].iid.clone())
+        .collect();
+    Ok((pod, names))
+}
+
+/// `POST /narwhal/self-drain`: drains the calling pod's engines (or the one it names among
+/// them) with `control.self_drain.deadline_s`; engines already out of placement are left as
+/// they are, so a preStop hook that runs twice changes nothing.
+async fn self_drain_post(parts: Arc<Parts>, req: Request<Incoming>, rid: &str) -> Response<Body> {
+    let headers = req.headers().clone();
+    let body = match read_control_body(req).await {
+        Ok(b) => b,
+        Err(e) => {
+            let r = crate::self_drain::Refusal {
+                status: StatusCode::BAD_REQUEST,
+                message: e.to_string(),
+            };
+            let mut resp = refused(&r, rid);
+            resp.headers_mut().insert(
+                http::header::CONNECTION,
+                http::HeaderValue::from_static("close"),
+            );
+            return resp;
+        }
+    };
+    let asked: crate::self_drain::SelfDrainBody = if body.iter().all(u8::is_ascii_whitespace) {
+        crate::self_drain::SelfDrainBody::default()
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(b) => b,
+            Err(e) => {
+                let r = crate::self_drain::Refusal {
+                    status: StatusCode::BAD_REQUEST,
+                    message: format!("body: {e} (expected {{}} or {{\"engine\": \"<id>\"}})"),
+                };
+                return refused(&r, rid);
+            }
+        }
+    };
+    let (pod, mine) = match self_drain_caller(&parts, &headers).await {
+        Ok(x) => x,
+        Err(r) => return refused(&r, rid),
+    };
+    let targets: Vec<String> = match asked.engine {
+        Some(e) if mine.contains(&e) => vec![e],
+        Some(e) => {
+            let r = crate::self_drain::Refusal {
+                status: StatusCode::FORBIDDEN,
+                message: format!(
+                    "pod {pod} may drain only its own engine(s) ({}), not {e}",
+                    mine.join(", ")
+                ),
+            };
+            return refused(&r, rid);
+        }
+        None => mine,
+    };
+    let doc = parts.lifecycle.document("");
+    let fresh: Vec<String> = targets
+        .iter()
+        .filter(|iid| doc.engines.get(*iid).is_none_or(|e| !e.draining))
+        .cloned()
+        .collect();
+    tracing::info!(%pod, engines = ?targets, draining_now = ?fresh, "self-drain");
+    if fresh.is_empty() {
+        return json_response(
+            StatusCode::OK,
+            &narwhal_shared::documents::LifecycleReply::from(doc),
+            rid,
+        );
+    }
+    let deadline_s = parts
+        .self_drain
+        .get()
+        .map_or(300.0, crate::self_drain::SelfDrain::deadline_s);
+    let drain = narwhal_shared::documents::requests::DrainBody {
+        engines: fresh,
+        wave: false,
+        deadline_s: Some(deadline_s),
+    };
+    let body = serde_json::to_vec(&drain).unwrap_or_default();
+    lifecycle_action(parts, Action::Drain, body.into(), rid).await
+}
+
+/// `GET /narwhal/self-drain`: the calling pod's engines and whether they may stop.
+async fn self_drain_get(parts: Arc<Parts>, headers: &http::HeaderMap, rid: &str) -> Response<Body> {
+    match self_drain_caller(&parts, headers).await {
+        Ok((pod, mine)) => {
+            let doc = parts.lifecycle.document("");
+            json_response(
+                StatusCode::OK,
+                &crate::self_drain::status_of(&doc, &pod, &mine),
+                rid,
+            )
+        }
+        Err(r) => refused(&r, rid),
+    }
+}
+
 /// `GET /v1/models/` + model id.
 const MODELS_PREFIX: &str = "/v1/models/";
 
@@ -257,6 +405,7 @@ fn model(parts: &Parts, path: &str, rid: &str) -> Response<Body> {
 fn allowed(side: Side, path: &str) -> Option<&'static str> {
     let post = match side {
         Side::Data => ["/v1/completions", "/v1/chat/completions"].contains(&path),
+        Side::SelfDrain => path == "/narwhal/self-drain",
         Side::Control => [
             "/narwhal/lifecycle/drain",
             "/narwhal/lifecycle/readmit",
@@ -265,6 +414,7 @@ fn allowed(side: Side, path: &str) -> Option<&'static str> {
         .contains(&path),
     };
     let get = match side {
+        Side::SelfDrain => ["/narwhal/self-drain", "/health", "/ready"].contains(&path),
         Side::Data => {
             ["/v1/models", "/health", "/ready"].contains(&path) || path.starts_with(MODELS_PREFIX)
         }
@@ -280,7 +430,8 @@ fn allowed(side: Side, path: &str) -> Option<&'static str> {
         .contains(&path),
     };
     match (post, get) {
-        (true, _) => Some("POST"),
+        (true, true) => Some("GET, HEAD, POST"),
+        (true, false) => Some("POST"),
         (false, true) => Some("GET, HEAD"),
         (false, false) => None,
     }
@@ -395,13 +546,19 @@ pub(crate) async fn serve(
 ) {
     let graceful = GracefulShutdown::new();
     let tls = match (side, &parts.cfg.control_tls) {
-        (Side::Control, Some(files)) => {
+        (Side::Control | Side::SelfDrain, Some(files)) => {
             let files = narwhal_shared::TlsFiles {
                 ca: files.ca.clone(),
                 cert: files.cert.clone(),
                 key: files.key.clone(),
             };
-            match files.server_config() {
+            let made = if side == Side::SelfDrain {
+                // Callers authenticate with their pod's token, not a certificate.
+                files.server_config_without_client_auth()
+            } else {
+                files.server_config()
+            };
+            match made {
                 Ok(cfg) => Some(tokio_rustls::TlsAcceptor::from(Arc::new(cfg))),
                 Err(e) => {
                     tracing::error!(error = %e, "control.tls unusable; the control listener stays closed");

@@ -148,6 +148,7 @@ mod profile;
 mod readiness;
 mod response;
 mod retry;
+mod self_drain;
 mod serve;
 mod stall;
 mod upstream;

@@ -55,6 +55,9 @@ pub(crate) struct Parts {
     pub(crate) kv: Arc<KvCache>,
     /// Wakes the state-file writer after a lifecycle or ejection change.
     pub(crate) dirty: Arc<Notify>,
+    /// `control.self_drain`'s Kubernetes side (TokenReview, pod reads): set once by `app::run`
+    /// before the listeners serve, when configured.
+    pub(crate) self_drain: std::sync::OnceLock<crate::self_drain::SelfDrain>,
 }
 
 impl Parts {
@@ -131,6 +134,7 @@ impl Parts {
             controller,
             kv,
             dirty,
+            self_drain: std::sync::OnceLock::new(),
         })
     }
 

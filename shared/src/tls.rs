@@ -163,6 +163,29 @@ impl TlsFiles {
         Ok(cfg)
     }
 
+    /// Server side without client certificates (the router's self-drain listener, whose
+    /// callers authenticate with a bearer token): presents `cert`/`key`; `ca` is not used;
+    /// ALPN `http/1.1`.
+    ///
+    /// # Errors
+    /// Any [`TlsError`], naming the file.
+    pub fn server_config_without_client_auth(&self) -> Result<ServerConfig, TlsError> {
+        let mut cfg = ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|source| TlsError::Rustls {
+                context: "protocol versions",
+                source,
+            })?
+            .with_no_client_auth()
+            .with_single_cert(load_certs("cert", &self.cert)?, load_key("key", &self.key)?)
+            .map_err(|source| TlsError::Rustls {
+                context: "server certificate and key",
+                source,
+            })?;
+        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(cfg)
+    }
+
     /// Client side (the router, tests): trusts only `ca`, presents `cert`/`key`.
     ///
     /// # Errors

@@ -492,6 +492,143 @@ impl KubeClient {
     }
 }
 
+/// The members of a Pod the kit reads back.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct PodDoc {
+    /// `metadata` (name, uid, deletion).
+    pub metadata: PodMetaDoc,
+}
+
+/// A Pod's `metadata`, the members the kit reads.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct PodMetaDoc {
+    /// The pod's name.
+    pub name: String,
+    /// Its UID.
+    pub uid: String,
+    /// Set once it is being deleted.
+    pub deletion_timestamp: Option<String>,
+}
+
+impl KubeClient {
+    /// Binds service account `namespace/account` to the cluster role `role` (a
+    /// ClusterRoleBinding named `<account>-<role>`, `:` replaced by `-`).
+    pub async fn bind_cluster_role(&self, namespace: &str, account: &str, role: &str) {
+        let name = format!("{account}-{}", role.replace(':', "-"));
+        self.ensure(
+            "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+            &Object {
+                api_version: "rbac.authorization.k8s.io/v1",
+                kind: "ClusterRoleBinding",
+                metadata: Meta {
+                    name: &name,
+                    namespace: None,
+                },
+                body: BindingBody {
+                    role_ref: RoleRef {
+                        api_group: "rbac.authorization.k8s.io",
+                        kind: "ClusterRole",
+                        name: role,
+                    },
+                    subjects: vec![Subject {
+                        kind: "ServiceAccount",
+                        name: account,
+                        namespace,
+                    }],
+                },
+            },
+        )
+        .await;
+    }
+
+    /// Creates pod `namespace/name` running as service account `account` with one container
+    /// declaring `ports`, then writes its status as a kubelet would (`Running`, Ready, `podIP`
+    /// = `ip`); its UID.
+    ///
+    /// # Panics
+    /// When the API server refuses.
+    pub async fn create_pod(
+        &self,
+        namespace: &str,
+        name: &str,
+        account: &str,
+        ports: &[u16],
+        ip: &str,
+    ) -> String {
+        let ports: Vec<serde_json::Value> = ports
+            .iter()
+            .map(|p| serde_json::json!({"containerPort": p}))
+            .collect();
+        let pod = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"serviceAccountName": account, "nodeName": "node-a",
+                     "containers": [{"name": "engine", "image": "engine:test", "ports": ports}]}
+        });
+        let mut created: serde_json::Value = self
+            .post(&format!("/api/v1/namespaces/{namespace}/pods"), &pod)
+            .await
+            .unwrap_or_else(|e| panic!("creating pod {namespace}/{name}: {e}"));
+        crate::router::merge(
+            &mut created,
+            serde_json::json!({"status": {"phase": "Running", "podIP": ip,
+                "conditions": [{"type": "Ready", "status": "True"}]}}),
+        );
+        let done: PodDoc = self
+            .put(
+                &format!("/api/v1/namespaces/{namespace}/pods/{name}/status"),
+                &created,
+            )
+            .await
+            .unwrap_or_else(|e| panic!("writing the status of pod {namespace}/{name}: {e}"));
+        done.metadata.uid
+    }
+
+    /// Deletes pod `namespace/name` at once (grace period 0), as a kubelet confirms it.
+    ///
+    /// # Panics
+    /// When the API server refuses.
+    pub async fn delete_pod_now(&self, namespace: &str, name: &str) {
+        self.call::<serde_json::Value>(
+            reqwest::Method::DELETE,
+            &format!("/api/v1/namespaces/{namespace}/pods/{name}?gracePeriodSeconds=0"),
+            None::<&()>,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("deleting pod {namespace}/{name}: {e}"));
+    }
+
+    /// A token for service account `namespace/account` bound to pod `pod` (its `uid`), for
+    /// `audience`, valid for an hour: what a projected service-account token volume holds.
+    ///
+    /// # Panics
+    /// When the API server refuses.
+    pub async fn pod_token(
+        &self,
+        namespace: &str,
+        account: &str,
+        pod: &str,
+        uid: &str,
+        audience: &str,
+    ) -> String {
+        let req = serde_json::json!({
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "spec": {"audiences": [audience], "expirationSeconds": 3600,
+                     "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": pod, "uid": uid}}
+        });
+        let a: TokenRequestAnswer = self
+            .post(
+                &format!("/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token"),
+                &req,
+            )
+            .await
+            .unwrap_or_else(|e| panic!("TokenRequest bound to pod {namespace}/{pod}: {e}"));
+        a.status.token
+    }
+}
+
 /// A kube-apiserver with its own etcd, on loopback, killed on drop.
 #[derive(Debug)]
 pub struct KubeApiServer {

@@ -188,6 +188,26 @@ pub struct RouterHandle {
     _tmp: Option<tempfile::TempDir>,
 }
 
+/// The ready file's `self_drain` member.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default)]
+struct ReadySelfDrain {
+    self_drain: Option<String>,
+}
+
+impl RouterHandle {
+    /// The self-drain listener's base URL (`control.self_drain`), from the ready file.
+    ///
+    /// # Panics
+    /// When the router has none.
+    pub fn self_drain_url(&self) -> String {
+        <ReadySelfDrain as serde::Deserialize>::deserialize(&self.ready_doc)
+            .ok()
+            .and_then(|r| r.self_drain)
+            .unwrap_or_else(|| panic!("no self_drain in the ready file: {}", self.ready_doc))
+    }
+}
+
 /// Writes `fleet` into `dir` and starts `narwhal-serve` on loopback ports with `extra_args`.
 ///
 /// # Errors

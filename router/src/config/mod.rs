@@ -547,8 +547,33 @@ pub struct Config {
     pub tls: Option<TlsFiles>,
     /// Control listener mTLS identity.
     pub control_tls: Option<TlsFiles>,
+    /// `control.self_drain`: the listener on which engine pods drain themselves.
+    pub self_drain: Option<SelfDrainSection>,
     /// `engine_contract` as given (validated for key names and types).
     pub engine_contract: Option<Value>,
+}
+
+/// `control.self_drain` (ours; docs/kubernetes.md, "Self-drain"): a listener on which an
+/// engine pod's preStop hook drains that pod's own engine, authenticated by the pod's bound
+/// service-account token (Kubernetes TokenReview), never by a client certificate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SelfDrainSection {
+    /// `listen`: the address to bind (`0.0.0.0:8002`; port 0 picks one). TLS with the
+    /// `control.tls` certificate when that is set (no client certificate asked), else plain.
+    pub listen: String,
+    /// `audience` (default `narwhal-self-drain`): the audience a token must be minted for; a
+    /// token for any other audience (the API server's own included) is refused.
+    pub audience: String,
+    /// `deadline_s` (default 300, 1..=`MAX_DEADLINE_S`): the deadline of the drain a pod
+    /// starts.
+    pub deadline_s: f64,
+    /// `api_server`; `None`: `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`.
+    pub api_server: Option<String>,
+    /// `token_file`: the router's own token for TokenReview and pod reads; `None`: the pod's
+    /// service-account token.
+    pub token_file: Option<PathBuf>,
+    /// `ca_file`: the cluster CA; `None`: the pod's.
+    pub ca_file: Option<PathBuf>,
 }
 
 /// One problem in a fleet file. Every variant names the dotted key (and value when there is

@@ -181,3 +181,17 @@ pub struct LifecycleView {
     /// As [`Lifecycle::events`].
     pub events: Vec<Value>,
 }
+
+/// `GET /narwhal/self-drain` (docs/kubernetes.md, "Self-drain"): the engines of the pod whose
+/// token called, as `GET /narwhal/lifecycle` shows them, and whether all may stop. An engine
+/// pod's preStop hook polls it until `ready_to_stop`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SelfDrainStatus {
+    /// The calling pod, `<namespace>/<name>`.
+    pub pod: String,
+    /// Its engines (those whose URL is the pod's IP and one of its container ports), by id.
+    pub engines: BTreeMap<String, Engine>,
+    /// Every one of them is `ready_to_stop`.
+    pub ready_to_stop: bool,
+}

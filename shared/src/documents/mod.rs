@@ -32,7 +32,9 @@ pub mod targets;
 use serde::{Deserialize, Serialize};
 
 pub use controller::{ControllerFields, ControllerReport, Decision, DecisionEvent};
-pub use lifecycle::{LIFECYCLE_SCHEMA, LIFECYCLE_VERSION, Lifecycle, LifecycleView};
+pub use lifecycle::{
+    LIFECYCLE_SCHEMA, LIFECYCLE_VERSION, Lifecycle, LifecycleView, SelfDrainStatus,
+};
 pub use models::{ModelCard, ModelList};
 pub use ordered::Ordered;
 pub use ready::{Health, Ready};

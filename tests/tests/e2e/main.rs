@@ -27,6 +27,7 @@ mod ha_faults_e2e;
 mod handoff_e2e;
 mod http2_e2e;
 mod http_hygiene_e2e;
+mod kubernetes_e2e;
 mod kv_events_e2e;
 mod kv_placement_e2e;
 mod kv_standby_e2e;

@@ -10,6 +10,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::object::Status;
+use crate::config::{SA_CA_FILE, SA_TOKEN_FILE};
 
 /// One call's failure.
 #[derive(Debug, Clone)]
@@ -84,6 +85,53 @@ impl KubeApi {
             timeout,
             http,
         })
+    }
+
+    /// The client a component configures with `api_server`, `token_file` and `ca_file`, each
+    /// defaulting to what Kubernetes gives a pod: `https://$KUBERNETES_SERVICE_HOST:
+    /// $KUBERNETES_SERVICE_PORT` (read through `env`), its service-account token and the
+    /// cluster CA ([`SA_TOKEN_FILE`], [`SA_CA_FILE`]). Reads the token now, so a missing one
+    /// stops the component at startup.
+    ///
+    /// # Errors
+    /// `<key>: <why>` naming `api_server` (not set outside a pod, or not `https://HOST:PORT`),
+    /// `token_file` (unreadable or empty) or `ca_file`; the caller prefixes its section.
+    pub fn resolve(
+        api_server: Option<&str>,
+        token_file: Option<&Path>,
+        ca_file: Option<&Path>,
+        timeout: Duration,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<KubeApi, String> {
+        let api_server = match api_server {
+            Some(a) => a.trim_end_matches('/').to_string(),
+            None => match (
+                env("KUBERNETES_SERVICE_HOST"),
+                env("KUBERNETES_SERVICE_PORT"),
+            ) {
+                (Some(h), Some(p)) if !h.is_empty() && !p.is_empty() => {
+                    // An IPv6 service address needs brackets in a URL.
+                    let host = if h.contains(':') { format!("[{h}]") } else { h };
+                    format!("https://{host}:{p}")
+                }
+                _ => {
+                    return Err("api_server: not set, and KUBERNETES_SERVICE_HOST / \
+                                KUBERNETES_SERVICE_PORT are not in the environment (not in a \
+                                pod?): set it to https://HOST:PORT"
+                        .into());
+                }
+            },
+        };
+        let rest = api_server.strip_prefix("https://").unwrap_or("");
+        if rest.is_empty() || rest.contains(['/', '?', '#', '@', ' ']) {
+            return Err(format!(
+                "api_server = {api_server:?}: must be https://HOST:PORT (no path)"
+            ));
+        }
+        let token_file = token_file.unwrap_or(Path::new(SA_TOKEN_FILE));
+        let ca_file = ca_file.unwrap_or(Path::new(SA_CA_FILE));
+        read_token(token_file).map_err(|e| format!("token_file: {e}"))?;
+        KubeApi::new(&api_server, token_file, ca_file, timeout)
     }
 
     /// The API server's base URL.

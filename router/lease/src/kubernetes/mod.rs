@@ -44,14 +44,12 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Mutex;
 
-use self::api::{Failure, KubeApi, read_token};
+use self::api::{Failure, KubeApi};
 use self::object::{
     ANNOTATIONS_LIMIT_BYTES, HANDOFF_ANNOTATION, KEEP_EPOCH_FINALIZER, LeaseObject, LeaseSpec,
     ObjectMeta, RECORD_ANNOTATION, micro_time,
 };
-use crate::config::{
-    KubernetesAccess, SA_CA_FILE, SA_NAMESPACE_FILE, SA_TOKEN_FILE, kube_name_rule,
-};
+use crate::config::{KubernetesAccess, SA_CA_FILE, SA_NAMESPACE_FILE, kube_name_rule};
 use crate::{
     Claim, Expiry, Lease, LeaseError, LeaseLoss, LeaseRecord, LeaseStore, parse_record,
     render_record,
@@ -157,41 +155,17 @@ impl KubeLease {
                 "lease.kubernetes.namespace = {namespace:?}: {rule}"
             )));
         }
-        let api_server = match &access.api_server {
-            Some(a) => a.trim_end_matches('/').to_string(),
-            None => match (
-                env("KUBERNETES_SERVICE_HOST"),
-                env("KUBERNETES_SERVICE_PORT"),
-            ) {
-                (Some(h), Some(p)) if !h.is_empty() && !p.is_empty() => {
-                    // An IPv6 service address needs brackets in a URL.
-                    let host = if h.contains(':') { format!("[{h}]") } else { h };
-                    format!("https://{host}:{p}")
-                }
-                _ => {
-                    return Err(config_err(
-                        "lease.kubernetes.api_server: not set, and KUBERNETES_SERVICE_HOST / \
-                         KUBERNETES_SERVICE_PORT are not in the environment (not in a pod?): \
-                         set it to https://HOST:PORT",
-                    ));
-                }
-            },
-        };
-        let rest = api_server.strip_prefix("https://").unwrap_or("");
-        if rest.is_empty() || rest.contains(['/', '?', '#', '@', ' ']) {
-            return Err(config_err(format!(
-                "lease.kubernetes.api_server = {api_server:?}: must be https://HOST:PORT (no path)"
-            )));
-        }
-        let token_file = access
-            .token_file
-            .clone()
-            .unwrap_or_else(|| SA_TOKEN_FILE.into());
+        let api = KubeApi::resolve(
+            access.api_server.as_deref(),
+            access.token_file.as_deref(),
+            access.ca_file.as_deref(),
+            op_timeout,
+            env,
+        )
+        .map_err(|e| config_err(format!("lease.kubernetes.{e}")))?;
+        let api_server = api.base().to_string();
+        let token_file = api.token_file().to_path_buf();
         let ca_file = access.ca_file.clone().unwrap_or_else(|| SA_CA_FILE.into());
-        read_token(&token_file)
-            .map_err(|e| config_err(format!("lease.kubernetes.token_file: {e}")))?;
-        let api = KubeApi::new(&api_server, &token_file, &ca_file, op_timeout)
-            .map_err(|e| config_err(format!("lease.kubernetes.{e}")))?;
         let collection =
             format!("{api_server}/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases");
         Ok(KubeLease {

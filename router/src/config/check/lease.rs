@@ -8,7 +8,7 @@ use serde_json::Value;
 use super::{Checker, Obj, non_negative, positive};
 use crate::config::{
     ConfigIssue, EtcdAccess, EtcdAuth, EtcdTls, KubernetesAccess, LeaseBackend, LeaseSection,
-    etcd_endpoint_rule, kube_name_rule,
+    SelfDrainSection, etcd_endpoint_rule, kube_name_rule,
 };
 
 impl Checker<'_> {
@@ -170,6 +170,78 @@ impl Checker<'_> {
             }
         }
         out
+    }
+
+    /// `control.self_drain` (docs/kubernetes.md, "Self-drain").
+    pub(super) fn self_drain(&mut self, v: Option<&Value>) -> Option<SelfDrainSection> {
+        let o = self.obj(
+            "control.self_drain",
+            v,
+            &[
+                "listen",
+                "audience",
+                "deadline_s",
+                "api_server",
+                "token_file",
+                "ca_file",
+            ],
+        );
+        o.map?;
+        let listen = match o.get("listen") {
+            Some(Value::String(s)) if !s.is_empty() => s.clone(),
+            Some(v) => {
+                self.ty(o.p("listen"), v, "a non-empty address string (HOST:PORT)");
+                String::new()
+            }
+            None => {
+                self.issues.push(ConfigIssue::Missing {
+                    path: o.p("listen"),
+                });
+                String::new()
+            }
+        };
+        let audience = self.string(&o, "audience", "narwhal-self-drain");
+        if audience.is_empty() {
+            self.rule(o.p("audience"), &Value::from(""), "must not be empty");
+        }
+        let deadline_s = self.num(&o, "deadline_s", 300.0, |x| {
+            (!(1.0..=crate::lifecycle::machine::MAX_DEADLINE_S).contains(&x))
+                .then_some("must be at least 1 s and at most a year (a drain's deadline)")
+        });
+        let mut api_server = None;
+        if let Some(v) = o.get("api_server") {
+            match v.as_str() {
+                Some(s) => {
+                    let rest = s
+                        .trim_end_matches('/')
+                        .strip_prefix("https://")
+                        .unwrap_or("");
+                    if rest.is_empty() || rest.contains(['/', '?', '#', '@', ' ']) {
+                        self.rule(o.p("api_server"), v, "must be https://HOST:PORT (no path)");
+                    }
+                    api_server = Some(s.to_string());
+                }
+                None => self.ty(o.p("api_server"), v, "a string"),
+            }
+        }
+        let mut path = |key: &str| match o.get(key) {
+            Some(Value::String(s)) if !s.is_empty() => Some(PathBuf::from(s)),
+            Some(v) => {
+                self.ty(o.p(key), v, "a non-empty path string");
+                None
+            }
+            None => None,
+        };
+        let token_file = path("token_file");
+        let ca_file = path("ca_file");
+        Some(SelfDrainSection {
+            listen,
+            audience,
+            deadline_s,
+            api_server,
+            token_file,
+            ca_file,
+        })
     }
 
     /// `lease.tls` and `lease.auth` (docs/ha.md, "etcd TLS and authentication").

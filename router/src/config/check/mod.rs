@@ -327,8 +327,9 @@ impl Checker<'_> {
         let agent = self.agent_section(top.get("agent"));
         let lease = self.lease(top.get("lease"));
         let tls = self.tls("tls", top.get("tls"));
-        let control = self.obj("control", top.get("control"), &["tls"]);
+        let control = self.obj("control", top.get("control"), &["tls", "self_drain"]);
         let control_tls = self.tls("control.tls", control.get("tls"));
+        let self_drain = self.self_drain(control.get("self_drain"));
 
         let backend = self.backend(top_backend, &engine, &engines);
         let n = self.fleet_rules(&top, &engines, &controller, &recovery, tls.as_ref());
@@ -356,6 +357,7 @@ impl Checker<'_> {
             lease,
             tls,
             control_tls,
+            self_drain,
             engine_contract,
         })
     }

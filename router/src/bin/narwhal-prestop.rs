@@ -1,0 +1,189 @@
+//! `narwhal-prestop`: an engine pod's preStop hook (docs/kubernetes.md, "Self-drain"). Drains
+//! this pod's engine through the router's self-drain listener, authenticated by the pod's
+//! projected service-account token, and returns once the router says it may stop
+//! (`ready_to_stop`), or when its budget ends. It fails open: when no router answers within
+//! `--connect-timeout-s`, it returns at once, so a node drain never hangs on it.
+//!
+//! Exit status: 0 ready to stop; 1 no router answered; 2 the router refused (the message says
+//! why: token, pod, engine); 3 the budget ended first. Kubelet goes on to SIGTERM either way;
+//! a non-zero status shows as a `FailedPreStopHook` event on the pod.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use narwhal_shared::documents::{ErrorReply, SelfDrainStatus};
+
+#[derive(Parser)]
+#[command(
+    name = "narwhal-prestop",
+    version,
+    about = "Drain this engine pod's engine through the Narwhal router, then return"
+)]
+struct Args {
+    /// The router's self-drain listener (`control.self_drain.listen`), through the chart's
+    /// Service: `https://narwhal-self-drain.narwhal.svc:8002`.
+    #[arg(long, env = "NARWHAL_SELF_DRAIN_URL")]
+    router: String,
+    /// The pod's projected service-account token for the self-drain audience.
+    #[arg(
+        long,
+        env = "NARWHAL_TOKEN_FILE",
+        default_value = "/var/run/secrets/narwhal/token"
+    )]
+    token_file: PathBuf,
+    /// CA (PEM) of the router's certificate (`control.tls`); needed for `https://`.
+    #[arg(long, env = "NARWHAL_CA")]
+    ca: Option<PathBuf>,
+    /// Drain only this engine of the pod (default: all of the pod's engines).
+    #[arg(long)]
+    engine: Option<String>,
+    /// Give up waiting after this many seconds (keep it below the pod's
+    /// terminationGracePeriodSeconds minus the engine's own shutdown).
+    #[arg(long, default_value_t = 300.0)]
+    budget_s: f64,
+    /// How long to keep trying to reach a router before failing open.
+    #[arg(long, default_value_t = 5.0)]
+    connect_timeout_s: f64,
+    /// Seconds between polls of the drain.
+    #[arg(long, default_value_t = 1.0)]
+    poll_s: f64,
+}
+
+#[derive(serde::Serialize)]
+struct Body<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine: Option<&'a str>,
+}
+
+/// One call's outcome.
+enum Answer {
+    /// A 2xx with its body.
+    Ok(Vec<u8>),
+    /// The router answered with an error: status and message.
+    Refused(u16, String),
+    /// No answer.
+    Unreachable(String),
+}
+
+fn client(args: &Args) -> Result<reqwest::Client, String> {
+    use narwhal_shared::tls::{ServerTrust, build_client_config, plain_http_client_config};
+    let tls = match &args.ca {
+        Some(ca) => build_client_config(ServerTrust::Ca(ca), None, &[b"http/1.1"])
+            .map_err(|e| format!("--ca {}: {e}", ca.display()))?,
+        None => plain_http_client_config().map_err(|e| e.to_string())?,
+    };
+    reqwest::Client::builder()
+        .use_preconfigured_tls(tls)
+        .no_proxy()
+        .connect_timeout(Duration::from_secs_f64(args.connect_timeout_s.max(0.1)))
+        .timeout(Duration::from_secs(30))
+        .build()
+        .map_err(|e| e.to_string())
+}
+
+async fn call(http: &reqwest::Client, args: &Args, post: bool) -> Answer {
+    let token = match std::fs::read_to_string(&args.token_file) {
+        Ok(t) => t.trim().to_string(),
+        Err(e) => {
+            return Answer::Refused(0, format!("token file {}: {e}", args.token_file.display()));
+        }
+    };
+    let url = format!("{}/narwhal/self-drain", args.router.trim_end_matches('/'));
+    let req = if post {
+        http.post(&url).json(&Body {
+            engine: args.engine.as_deref(),
+        })
+    } else {
+        http.get(&url)
+    };
+    match req.bearer_auth(token).send().await {
+        Ok(resp) => {
+            let status = resp.status().as_u16();
+            let bytes = resp.bytes().await.map(|b| b.to_vec()).unwrap_or_default();
+            if (200..300).contains(&status) {
+                Answer::Ok(bytes)
+            } else {
+                let msg = serde_json::from_slice::<ErrorReply>(&bytes)
+                    .map(|e| e.error.message)
+                    .ok()
+                    .filter(|m| !m.is_empty())
+                    .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+                Answer::Refused(status, msg)
+            }
+        }
+        Err(e) => Answer::Unreachable(e.to_string()),
+    }
+}
+
+async fn run(args: Args) -> ExitCode {
+    let http = match client(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("narwhal-prestop: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let started = tokio::time::Instant::now();
+    let budget = Duration::from_secs_f64(args.budget_s.max(0.0));
+    let connect = Duration::from_secs_f64(args.connect_timeout_s.max(0.0));
+    let poll = Duration::from_secs_f64(args.poll_s.max(0.05));
+    // Start the drain, retrying a router that does not answer until the connect timeout.
+    loop {
+        match call(&http, &args, true).await {
+            Answer::Ok(_) => break,
+            Answer::Refused(status, msg) => {
+                eprintln!("narwhal-prestop: the router refused the drain ({status}): {msg}");
+                return ExitCode::from(2);
+            }
+            Answer::Unreachable(e) if started.elapsed() >= connect => {
+                eprintln!(
+                    "narwhal-prestop: no router answered at {} within {} s ({e}): not draining \
+                     (failing open)",
+                    args.router,
+                    connect.as_secs_f64()
+                );
+                return ExitCode::from(1);
+            }
+            Answer::Unreachable(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    eprintln!("narwhal-prestop: drain started; waiting until ready to stop");
+    loop {
+        if let Answer::Ok(bytes) = call(&http, &args, false).await
+            && let Ok(st) = serde_json::from_slice::<SelfDrainStatus>(&bytes)
+            && st.ready_to_stop
+        {
+            eprintln!(
+                "narwhal-prestop: {} ready to stop after {:.1} s ({})",
+                st.pod,
+                started.elapsed().as_secs_f64(),
+                st.engines.keys().cloned().collect::<Vec<_>>().join(", ")
+            );
+            return ExitCode::SUCCESS;
+        }
+        if started.elapsed() + poll > budget {
+            eprintln!(
+                "narwhal-prestop: not ready to stop within the {} s budget: stopping anyway",
+                budget.as_secs_f64()
+            );
+            return ExitCode::from(3);
+        }
+        tokio::time::sleep(poll).await;
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt.block_on(run(args)),
+        Err(e) => {
+            eprintln!("narwhal-prestop: starting the runtime: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,378 @@
+//! Self-drain (`control.self_drain`; docs/kubernetes.md, "Self-drain"): an engine pod's preStop
+//! hook drains that pod's own engine through the router and waits until it may stop, with
+//! nothing but the pod's bound service-account token.
+//!
+//! ```text
+//!  POST /narwhal/self-drain  {"engine"?: iid}     Authorization: Bearer <pod's token>
+//!  GET  /narwhal/self-drain                       (same token)
+//!    TokenReview(token, audience)   ── not authenticated ──────────────────────► 401
+//!    the pod it is bound to          ── none (not a pod-bound token) ───────────► 403
+//!    GET the pod                     ── gone, or a new pod under the name ──────► 403
+//!    its engines: URL host = podIP, port one of its container ports ── none ────► 403
+//!    POST: a named engine not among them ──────────────────────────────────────► 403
+//!    POST: the lifecycle drain of its engines (as /narwhal/lifecycle/drain answers)
+//!    GET:  SelfDrainStatus {pod, engines, ready_to_stop}
+//! ```
+//!
+//! The pod is read from the API server on every call rather than trusted from the token: the
+//! API server still accepts a pod-bound token for a moment after its pod was deleted, so a token
+//! whose pod is gone, or whose name now belongs to another pod (another UID), drains nothing. A
+//! pod marked for deletion is the normal case (its preStop runs then) and may drain itself.
+
+use std::collections::BTreeMap;
+
+use http::StatusCode;
+use narwhal_lease::kubernetes::api::{Failure, KubeApi};
+use narwhal_shared::documents::SelfDrainStatus;
+use serde::{Deserialize, Serialize};
+
+use crate::config::{Config, SelfDrainSection};
+
+/// The key TokenReview puts the bound pod's name under in `user.extra`.
+const POD_NAME_EXTRA: &str = "authentication.kubernetes.io/pod-name";
+/// The key TokenReview puts the bound pod's UID under in `user.extra`.
+const POD_UID_EXTRA: &str = "authentication.kubernetes.io/pod-uid";
+/// The user name prefix of a service account (`system:serviceaccount:<ns>:<name>`).
+const SA_USER_PREFIX: &str = "system:serviceaccount:";
+
+/// How long one API call may take, seconds.
+const API_TIMEOUT_S: f64 = 5.0;
+
+/// A refused self-drain: the status to answer and why.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Refusal {
+    /// 401, 403, 400, or 503 when the API server could not be asked.
+    pub(crate) status: StatusCode,
+    /// What to tell the caller.
+    pub(crate) message: String,
+}
+
+fn refuse(status: StatusCode, message: impl Into<String>) -> Refusal {
+    Refusal {
+        status,
+        message: message.into(),
+    }
+}
+
+/// The pod a token is bound to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PodRef {
+    /// Its namespace (from the service account's user name).
+    pub(crate) namespace: String,
+    /// Its name.
+    pub(crate) name: String,
+    /// Its UID.
+    pub(crate) uid: String,
+}
+
+impl std::fmt::Display for PodRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// The self-drain's Kubernetes side: TokenReview and pod reads.
+#[derive(Debug)]
+pub(crate) struct SelfDrain {
+    api: KubeApi,
+    audience: String,
+    deadline_s: f64,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct TokenReview<'a> {
+    api_version: &'static str,
+    kind: &'static str,
+    spec: TokenReviewSpec<'a>,
+}
+
+#[derive(Serialize)]
+struct TokenReviewSpec<'a> {
+    token: &'a str,
+    audiences: [&'a str; 1],
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct TokenReviewAnswer {
+    status: TokenReviewStatus,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct TokenReviewStatus {
+    authenticated: bool,
+    user: UserInfo,
+    error: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct UserInfo {
+    username: String,
+    extra: BTreeMap<String, Vec<String>>,
+}
+
+/// The members of a Pod the self-drain reads.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct Pod {
+    metadata: PodMeta,
+    spec: PodSpec,
+    status: PodStatus,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct PodMeta {
+    uid: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct PodSpec {
+    containers: Vec<Container>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct Container {
+    ports: Vec<ContainerPort>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+struct ContainerPort {
+    container_port: u16,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+struct PodStatus {
+    #[serde(rename = "podIP")]
+    pod_ip: String,
+}
+
+/// `POST /narwhal/self-drain`'s body: empty, or the one engine to drain.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub(crate) struct SelfDrainBody {
+    /// One of the pod's engines; absent: all of them.
+    pub(crate) engine: Option<String>,
+}
+
+impl SelfDrain {
+    /// The self-drain of `section`, resolving its API access as a pod's (see
+    /// [`KubeApi::resolve`]).
+    ///
+    /// # Errors
+    /// `control.self_drain.<key>: <why>`.
+    pub(crate) fn from_config(section: &SelfDrainSection) -> Result<SelfDrain, String> {
+        let api = KubeApi::resolve(
+            section.api_server.as_deref(),
+            section.token_file.as_deref(),
+            section.ca_file.as_deref(),
+            std::time::Duration::from_secs_f64(API_TIMEOUT_S),
+            |k| std::env::var(k).ok(),
+        )
+        .map_err(|e| format!("control.self_drain.{e}"))?;
+        Ok(SelfDrain {
+            api,
+            audience: section.audience.clone(),
+            deadline_s: section.deadline_s,
+        })
+    }
+
+    /// The drain deadline of a self-drain, seconds.
+    pub(crate) fn deadline_s(&self) -> f64 {
+        self.deadline_s
+    }
+
+    fn unavailable(&self, what: &str, f: &Failure) -> Refusal {
+        refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{what} at {}: {f}", self.api.base()),
+        )
+    }
+
+    /// The pod `token` is bound to, by TokenReview for this router's audience.
+    ///
+    /// # Errors
+    /// 401 when the token is not accepted (expired, another audience, not a token);
+    /// 403 when it is not bound to a pod; 503 when the API server could not be asked.
+    pub(crate) async fn pod_of(&self, token: &str) -> Result<PodRef, Refusal> {
+        let review = TokenReview {
+            api_version: "authentication.k8s.io/v1",
+            kind: "TokenReview",
+            spec: TokenReviewSpec {
+                token,
+                audiences: [&self.audience],
+            },
+        };
+        let answer: TokenReviewAnswer = self
+            .api
+            .post("/apis/authentication.k8s.io/v1/tokenreviews", &review)
+            .await
+            .map_err(|f| self.unavailable("TokenReview", &f))?;
+        let st = answer.status;
+        if !st.authenticated {
+            let why = if st.error.is_empty() {
+                "not authenticated".to_string()
+            } else {
+                st.error
+            };
+            return Err(refuse(
+                StatusCode::UNAUTHORIZED,
+                format!(
+                    "the token was not accepted for audience {:?}: {why}",
+                    self.audience
+                ),
+            ));
+        }
+        let first = |k: &str| st.user.extra.get(k).and_then(|v| v.first()).cloned();
+        let namespace = st
+            .user
+            .username
+            .strip_prefix(SA_USER_PREFIX)
+            .and_then(|rest| rest.split_once(':'))
+            .map(|(ns, _)| ns.to_string());
+        match (namespace, first(POD_NAME_EXTRA), first(POD_UID_EXTRA)) {
+            (Some(namespace), Some(name), Some(uid)) => Ok(PodRef {
+                namespace,
+                name,
+                uid,
+            }),
+            _ => Err(refuse(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "{} is not bound to a pod: only a pod's projected service-account token \
+                     (audience {:?}) may drain that pod's engine",
+                    st.user.username, self.audience
+                ),
+            )),
+        }
+    }
+
+    /// The engines of `pod` in `cfg` (indices), read from the live pod: its UID must be the
+    /// token's, and an engine is the pod's when its URL's host is the pod's IP and its port one
+    /// of the pod's container ports (any port when it declares none).
+    ///
+    /// # Errors
+    /// 403 when the pod is gone, is another pod under the name, has no IP, or serves no engine
+    /// of this fleet; 503 when the API server could not be asked.
+    pub(crate) async fn engines_of(
+        &self,
+        cfg: &Config,
+        pod: &PodRef,
+    ) -> Result<Vec<usize>, Refusal> {
+        let path = format!("/api/v1/namespaces/{}/pods/{}", pod.namespace, pod.name);
+        let live: Pod = match self.api.get(&path).await {
+            Ok(p) => p,
+            Err(Failure::Server { status: 404, .. }) => {
+                return Err(refuse(
+                    StatusCode::FORBIDDEN,
+                    format!("pod {pod} is gone: its token drains nothing"),
+                ));
+            }
+            Err(f) => return Err(self.unavailable(&format!("reading pod {pod}"), &f)),
+        };
+        if live.metadata.uid != pod.uid {
+            return Err(refuse(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "pod {pod} is now another pod (uid {}, the token's is {}): its token \
+                     drains nothing",
+                    live.metadata.uid, pod.uid
+                ),
+            ));
+        }
+        let ip = live.status.pod_ip;
+        if ip.is_empty() {
+            return Err(refuse(
+                StatusCode::FORBIDDEN,
+                format!("pod {pod} has no IP yet: it serves no engine"),
+            ));
+        }
+        let ports: Vec<u16> = live
+            .spec
+            .containers
+            .iter()
+            .flat_map(|c| c.ports.iter().map(|p| p.container_port))
+            .collect();
+        let engines = engines_at(cfg, &ip, &ports);
+        if engines.is_empty() {
+            return Err(refuse(
+                StatusCode::FORBIDDEN,
+                format!("pod {pod} ({ip}) serves no engine of this fleet"),
+            ));
+        }
+        Ok(engines)
+    }
+}
+
+/// The engines whose URL's host is `ip` and whose port is one of `ports` (any port when
+/// `ports` is empty).
+fn engines_at(cfg: &Config, ip: &str, ports: &[u16]) -> Vec<usize> {
+    let want: std::net::IpAddr = match ip.parse() {
+        Ok(a) => a,
+        Err(_) => return Vec::new(),
+    };
+    cfg.engines
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| {
+            let Ok(url) = reqwest::Url::parse(&e.url) else {
+                return false;
+            };
+            let host_ok = url
+                .host_str()
+                .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
+                .and_then(|h| h.parse::<std::net::IpAddr>().ok())
+                .is_some_and(|a| a == want);
+            let port_ok = ports.is_empty()
+                || url
+                    .port_or_known_default()
+                    .is_some_and(|p| ports.contains(&p));
+            host_ok && port_ok
+        })
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// The bearer token of an `Authorization` header.
+///
+/// # Errors
+/// 401 when there is none.
+pub(crate) fn bearer(headers: &http::HeaderMap) -> Result<String, Refusal> {
+    headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| {
+            refuse(
+                StatusCode::UNAUTHORIZED,
+                "no bearer token: send the pod's projected service-account token as \
+                 Authorization: Bearer <token>",
+            )
+        })
+}
+
+/// The status document of `pod`'s `engines` from the lifecycle document `doc`.
+pub(crate) fn status_of(
+    doc: &narwhal_shared::documents::Lifecycle,
+    pod: &PodRef,
+    engines: &[String],
+) -> SelfDrainStatus {
+    let engines: BTreeMap<String, _> = engines
+        .iter()
+        .filter_map(|iid| doc.engines.get(iid).map(|e| (iid.clone(), e.clone())))
+        .collect();
+    SelfDrainStatus {
+        pod: pod.to_string(),
+        ready_to_stop: !engines.is_empty() && engines.values().all(|e| e.ready_to_stop),
+        engines,
+    }
+}

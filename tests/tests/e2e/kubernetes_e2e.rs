@@ -1,0 +1,211 @@
+//! Engine pods drain themselves through the router (`control.self_drain`; docs/kubernetes.md,
+//! "Self-drain"), on a real kube-apiserver (`narwhal_testkit::k8s`) with real routers, agents
+//! and simulators: the pods are objects on the API server whose IP and container port are the
+//! simulators', and their tokens are minted by TokenRequest bound to them, as a projected
+//! service-account token volume holds them.
+//!
+//! - a pod's token reads and drains its own engine, through `narwhal-prestop` (the preStop
+//!   hook), which returns once the engine is `ready_to_stop`;
+//! - another pod's token naming that engine is refused 403; a token for another audience, and a
+//!   request without one, 401; a deleted pod's token drains nothing;
+//! - `narwhal-prestop` with no router to answer fails open within its connect timeout.
+// Tests measure wall time (deadlines): the clock ban of clippy.toml is for product code.
+#![allow(clippy::disallowed_methods)]
+
+use std::time::{Duration, Instant};
+
+use narwhal_shared::documents::{ErrorReply, SelfDrainStatus};
+use narwhal_shared::handoff::DrainState;
+use narwhal_testkit::k8s::{Grant, KubeApiServer, Rule, SA_ISSUER};
+use narwhal_testkit::{ById, Fleet, bin_path};
+use serde_json::json;
+
+const NS: &str = "narwhal";
+const AUDIENCE: &str = "narwhal-self-drain";
+
+/// A self-drain call's status and body.
+async fn call(url: &str, token: Option<&str>, body: Option<&str>) -> (u16, String) {
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let url = format!("{url}/narwhal/self-drain");
+    let mut req = match body {
+        Some(b) => http
+            .post(&url)
+            .header("content-type", "application/json")
+            .body(b.to_string()),
+        None => http.get(&url),
+    };
+    if let Some(t) = token {
+        req = req.bearer_auth(t);
+    }
+    let resp = req.send().await.unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.text().await.unwrap())
+}
+
+fn message(body: &str) -> String {
+    serde_json::from_str::<ErrorReply>(body)
+        .map(|e| e.error.message)
+        .unwrap_or_else(|_| body.to_string())
+}
+
+/// The port of engine `iid`'s URL in the fleet.
+fn port_of(f: &Fleet, iid: &str) -> u16 {
+    let url = reqwest::Url::parse(&f.sim(iid).url).unwrap();
+    url.port().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_drains_only_its_own_engine_with_its_bound_token() {
+    let api = KubeApiServer::start().await;
+    let admin = api.admin();
+    // The router's identity: TokenReview (system:auth-delegator) and reading pods.
+    admin
+        .grant(&Grant {
+            namespace: NS,
+            account: "narwhal-router",
+            rules: vec![Rule {
+                api_groups: vec![""],
+                resources: vec!["pods"],
+                resource_names: vec![],
+                verbs: vec!["get"],
+            }],
+        })
+        .await;
+    admin
+        .bind_cluster_role(NS, "narwhal-router", "system:auth-delegator")
+        .await;
+    admin
+        .grant(&Grant {
+            namespace: NS,
+            account: "engine",
+            rules: vec![],
+        })
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let router_token = dir.path().join("router.token");
+    std::fs::write(&router_token, admin.token_for(NS, "narwhal-router").await).unwrap();
+
+    let f = Fleet::builder()
+        .prefill(1)
+        .decode(1)
+        .agents()
+        .fleet(json!({"control": {"self_drain": {
+            "listen": "127.0.0.1:0", "audience": AUDIENCE, "deadline_s": 60,
+            "api_server": api.url, "token_file": router_token, "ca_file": api.ca}}}))
+        .start()
+        .await;
+    let url = f.router().self_drain_url();
+
+    // Two engine pods at the simulators' address and ports.
+    let p0 = admin
+        .create_pod(NS, "p0-pod", "engine", &[port_of(&f, "p0")], "127.0.0.1")
+        .await;
+    let d0 = admin
+        .create_pod(NS, "d0-pod", "engine", &[port_of(&f, "d0")], "127.0.0.1")
+        .await;
+    let p0_token = admin.pod_token(NS, "engine", "p0-pod", &p0, AUDIENCE).await;
+    let d0_token = admin.pod_token(NS, "engine", "d0-pod", &d0, AUDIENCE).await;
+
+    // Its own engine, read with its token.
+    let (status, body) = call(&url, Some(&p0_token), None).await;
+    assert_eq!(status, 200, "{body}");
+    let st: SelfDrainStatus = serde_json::from_str(&body).unwrap();
+    assert_eq!(st.pod, "narwhal/p0-pod");
+    assert_eq!(st.engines.keys().collect::<Vec<_>>(), vec!["p0"]);
+    assert!(!st.ready_to_stop);
+
+    // Another pod's token naming p0: 403, and p0 stays in placement.
+    let (status, body) = call(&url, Some(&d0_token), Some(r#"{"engine": "p0"}"#)).await;
+    assert_eq!(status, 403, "{body}");
+    assert_eq!(
+        message(&body),
+        "pod narwhal/d0-pod may drain only its own engine(s) (d0), not p0"
+    );
+    // A token for another audience (the API server's own), and none at all: 401.
+    let api_token = admin
+        .pod_token(NS, "engine", "p0-pod", &p0, SA_ISSUER)
+        .await;
+    let (status, body) = call(&url, Some(&api_token), Some("{}")).await;
+    assert_eq!(status, 401, "{body}");
+    assert!(
+        message(&body)
+            .starts_with("the token was not accepted for audience \"narwhal-self-drain\""),
+        "{body}"
+    );
+    let (status, body) = call(&url, None, Some("{}")).await;
+    assert_eq!(status, 401, "{body}");
+    let lc = f.router().lifecycle().await;
+    assert_eq!(lc.engines.of("p0").state, DrainState::Active, "{lc:#?}");
+
+    // The preStop hook with p0's token: drains p0 and returns once it may stop.
+    let token_file = dir.path().join("p0.token");
+    std::fs::write(&token_file, &p0_token).unwrap();
+    let started = Instant::now();
+    let out = tokio::process::Command::new(bin_path("narwhal-prestop"))
+        .args(["--router", &url, "--budget-s", "60", "--poll-s", "0.2"])
+        .arg("--token-file")
+        .arg(&token_file)
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("narwhal/p0-pod ready to stop"), "{stderr}");
+    eprintln!(
+        "[kubernetes_e2e] preStop returned after {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
+    let lc = f.router().lifecycle().await;
+    let e = lc.engines.of("p0");
+    assert!(e.draining && e.ready_to_stop, "{lc:#?}");
+    assert_eq!(lc.engines.of("d0").state, DrainState::Active, "{lc:#?}");
+    // Run again (a hook retried): nothing changes, it is still ready to stop.
+    let (status, body) = call(&url, Some(&p0_token), Some("{}")).await;
+    assert_eq!(status, 200, "{body}");
+
+    // The pod is deleted: its token drains nothing (refused by TokenReview, or by the pod
+    // check while the API server still accepts a token of a pod just deleted).
+    admin.delete_pod_now(NS, "d0-pod").await;
+    let (status, body) = call(&url, Some(&d0_token), Some("{}")).await;
+    assert!(status == 401 || status == 403, "{status} {body}");
+    if status == 403 {
+        assert_eq!(
+            message(&body),
+            "pod narwhal/d0-pod is gone: its token drains nothing"
+        );
+    }
+    let lc = f.router().lifecycle().await;
+    assert_eq!(lc.engines.of("d0").state, DrainState::Active, "{lc:#?}");
+}
+
+/// With no router to answer, the preStop hook fails open within its connect timeout, so a node
+/// drain never waits on it.
+#[tokio::test]
+async fn the_prestop_hook_fails_open_when_no_router_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "t").unwrap();
+    let port = narwhal_testkit::etcd::free_port();
+    let started = Instant::now();
+    let out = tokio::process::Command::new(bin_path("narwhal-prestop"))
+        .args([
+            "--router",
+            &format!("http://127.0.0.1:{port}"),
+            "--connect-timeout-s",
+            "1",
+        ])
+        .arg("--token-file")
+        .arg(&token_file)
+        .output()
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("failing open"), "{stderr}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+}
