@@ -224,6 +224,12 @@ pub async fn run(
         stop.clone(),
         CLOSE_WAIT,
     ));
+    let readmit = parts
+        .cfg
+        .self_drain
+        .as_ref()
+        .filter(|s| s.readmit && parts.self_drain.get().is_some())
+        .map(|_| tokio::spawn(crate::restart_readmit::run(parts.clone(), stop.clone())));
     let self_drain = listeners.self_drain.map(|l| {
         tokio::spawn(http::serve(
             l,
@@ -253,6 +259,9 @@ pub async fn run(
     let _ = data.await;
     let _ = control.await;
     if let Some(t) = self_drain {
+        let _ = t.await;
+    }
+    if let Some(t) = readmit {
         let _ = t.await;
     }
     let _ = monitor.await;

@@ -418,6 +418,34 @@ pub(crate) async fn publish(parts: &Parts, takeover: bool) -> Result<bool, Publi
 /// after that scope ended (the router was paused past its lease, lost control and claimed it
 /// again, applying a state that may not hold the change) acknowledges nothing. Found by the
 /// `ha::model` property.
+/// Runs lifecycle `action` on `body` (the request body's bytes) in its own task and answers
+/// once it is acknowledged ([`acknowledge`]): the control listener's lifecycle routes, the
+/// self-drain, and the readmission of a restarted engine. A client that gives up (a timeout
+/// during a long validation) does not cancel the action half-way and leave records
+/// `validating`.
+pub(crate) async fn acknowledged_action(
+    parts: &Arc<Parts>,
+    action: crate::lifecycle::api::Action,
+    body: bytes::Bytes,
+) -> (StatusCode, LifecycleReply) {
+    let lifecycle = parts.lifecycle.clone();
+    // The epoch scope the action runs under: its acknowledgement needs it still live.
+    let scope = parts.ha.scope();
+    let run =
+        tokio::spawn(async move { crate::lifecycle::api::handle(&lifecycle, action, &body).await });
+    match run.await {
+        Ok((status, doc)) => Box::pin(acknowledge(parts, status, doc, scope.as_ref())).await,
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            LifecycleReply::from(
+                parts
+                    .lifecycle
+                    .document(&format!("lifecycle action failed: {e}")),
+            ),
+        ),
+    }
+}
+
 pub(crate) async fn acknowledge(
     parts: &Parts,
     status: StatusCode,

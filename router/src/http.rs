@@ -36,7 +36,7 @@ use narwhal_shared::documents::ErrorReply;
 
 use crate::documents;
 use crate::ingress::Endpoint;
-use crate::lifecycle::api::{self, Action};
+use crate::lifecycle::api::Action;
 use crate::parts::Parts;
 use crate::response::{Body, json_response};
 use crate::serve::completion;
@@ -215,41 +215,16 @@ async fn route(parts: Arc<Parts>, side: Side, mut req: Request<Incoming>) -> Res
     }
 }
 
-/// Runs lifecycle `action` on `body` in its own task and answers once it is acknowledged
-/// durable where a successor reads (ha-and-fencing.md): the control listener's lifecycle routes
-/// and the self-drain.
+/// Runs lifecycle `action` on `body` and answers once it is acknowledged durable where a
+/// successor reads ([`crate::handoff::acknowledged_action`]).
 async fn lifecycle_action(
     parts: Arc<Parts>,
     action: Action,
     body: bytes::Bytes,
     rid: &str,
 ) -> Response<Body> {
-    // The action runs in its own task: a client that gives up (a timeout during a long
-    // validation) must not cancel it half-way and leave records `validating`.
-    let lifecycle = parts.lifecycle.clone();
-    // The epoch scope the action runs under: its acknowledgement needs it still live.
-    let scope = parts.ha.scope();
-    let action = tokio::spawn(async move { api::handle(&lifecycle, action, &body).await });
-    match action.await {
-        Ok((status, doc)) => {
-            // Acknowledged only once durable where a successor reads (ha-and-fencing.md).
-            let (status, doc) = Box::pin(crate::handoff::acknowledge(
-                &parts,
-                status,
-                doc,
-                scope.as_ref(),
-            ))
-            .await;
-            json_response(status, &doc, rid)
-        }
-        Err(e) => json_response(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            &parts
-                .lifecycle
-                .document(&format!("lifecycle action failed: {e}")),
-            rid,
-        ),
-    }
+    let (status, doc) = crate::handoff::acknowledged_action(&parts, action, body).await;
+    json_response(status, &doc, rid)
 }
 
 /// A self-drain refusal as an error document.

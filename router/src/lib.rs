@@ -147,6 +147,7 @@ mod placement;
 mod profile;
 mod readiness;
 mod response;
+mod restart_readmit;
 mod retry;
 mod self_drain;
 mod serve;

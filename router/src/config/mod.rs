@@ -564,9 +564,11 @@ pub struct SelfDrainSection {
     /// `audience` (default `narwhal-self-drain`): the audience a token must be minted for; a
     /// token for any other audience (the API server's own included) is refused.
     pub audience: String,
-    /// `deadline_s` (default 300, 1..=`MAX_DEADLINE_S`): the deadline of the drain a pod
-    /// starts.
+    /// `deadline_s` (default 300, 1 s to a year): the deadline of the drain a pod starts.
     pub deadline_s: f64,
+    /// `readmit` (default true): the controlling router readmits a drained engine through the
+    /// six checks once a restarted process answers at its address (`restart_readmit`).
+    pub readmit: bool,
     /// `api_server`; `None`: `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`.
     pub api_server: Option<String>,
     /// `token_file`: the router's own token for TokenReview and pod reads; `None`: the pod's

@@ -181,6 +181,7 @@ impl Checker<'_> {
                 "listen",
                 "audience",
                 "deadline_s",
+                "readmit",
                 "api_server",
                 "token_file",
                 "ca_file",
@@ -208,6 +209,7 @@ impl Checker<'_> {
             (!(1.0..=crate::lifecycle::machine::MAX_DEADLINE_S).contains(&x))
                 .then_some("must be at least 1 s and at most a year (a drain's deadline)")
         });
+        let readmit = self.boolean(&o, "readmit", true);
         let mut api_server = None;
         if let Some(v) = o.get("api_server") {
             match v.as_str() {
@@ -238,6 +240,7 @@ impl Checker<'_> {
             listen,
             audience,
             deadline_s,
+            readmit,
             api_server,
             token_file,
             ca_file,
