@@ -255,8 +255,8 @@ impl SelfDrain {
     }
 
     /// The engines of `pod` in `cfg` (indices), read from the live pod: its UID must be the
-    /// token's, and an engine is the pod's when its URL's host is the pod's IP and its port one
-    /// of the pod's container ports (any port when it declares none).
+    /// token's, and an engine is the pod's when its URL's host is (or resolves to) the pod's IP
+    /// and its port is one of the pod's container ports (any port when it declares none).
     ///
     /// # Errors
     /// 403 when the pod is gone, is another pod under the name, has no IP, or serves no engine
@@ -300,7 +300,7 @@ impl SelfDrain {
             .iter()
             .flat_map(|c| c.ports.iter().map(|p| p.container_port))
             .collect();
-        let engines = engines_at(cfg, &ip, &ports);
+        let engines = engines_at(cfg, &ip, &ports).await;
         if engines.is_empty() {
             return Err(refuse(
                 StatusCode::FORBIDDEN,
@@ -311,33 +311,46 @@ impl SelfDrain {
     }
 }
 
-/// The engines whose URL's host is `ip` and whose port is one of `ports` (any port when
-/// `ports` is empty).
-fn engines_at(cfg: &Config, ip: &str, ports: &[u16]) -> Vec<usize> {
-    let want: std::net::IpAddr = match ip.parse() {
-        Ok(a) => a,
-        Err(_) => return Vec::new(),
+/// The engines whose URL's host is `ip`, or a name that resolves to `ip` (a StatefulSet pod's
+/// DNS name, a headless Service's), and whose port is one of `ports` (any port when `ports` is
+/// empty). A name resolved through a ClusterIP Service gives the Service's address, never a
+/// pod's: such an engine is no pod's (docs/kubernetes.md, "Self-drain").
+async fn engines_at(cfg: &Config, ip: &str, ports: &[u16]) -> Vec<usize> {
+    let Ok(want) = ip.parse::<std::net::IpAddr>() else {
+        return Vec::new();
     };
-    cfg.engines
-        .iter()
-        .enumerate()
-        .filter(|(_, e)| {
-            let Ok(url) = reqwest::Url::parse(&e.url) else {
-                return false;
-            };
-            let host_ok = url
-                .host_str()
-                .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
-                .and_then(|h| h.parse::<std::net::IpAddr>().ok())
-                .is_some_and(|a| a == want);
-            let port_ok = ports.is_empty()
-                || url
-                    .port_or_known_default()
-                    .is_some_and(|p| ports.contains(&p));
-            host_ok && port_ok
-        })
-        .map(|(i, _)| i)
-        .collect()
+    let mut out = Vec::new();
+    for (i, e) in cfg.engines.iter().enumerate() {
+        let Ok(url) = reqwest::Url::parse(&e.url) else {
+            continue;
+        };
+        let Some(port) = url.port_or_known_default() else {
+            continue;
+        };
+        if !ports.is_empty() && !ports.contains(&port) {
+            continue;
+        }
+        let Some(host) = url.host_str() else { continue };
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let matches = match host.parse::<std::net::IpAddr>() {
+            Ok(a) => a == want,
+            Err(_) => {
+                let resolved = tokio::time::timeout(
+                    std::time::Duration::from_secs(2),
+                    tokio::net::lookup_host((host, port)),
+                )
+                .await;
+                match resolved {
+                    Ok(Ok(mut addrs)) => addrs.any(|a| a.ip() == want),
+                    _ => false,
+                }
+            }
+        };
+        if matches {
+            out.push(i);
+        }
+    }
+    out
 }
 
 /// The bearer token of an `Authorization` header.
@@ -374,5 +387,37 @@ pub(crate) fn status_of(
         pod: pod.to_string(),
         ready_to_stop: !engines.is_empty() && engines.values().all(|e| e.ready_to_stop),
         engines,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(urls: &[&str]) -> Config {
+        let mut engines = Vec::new();
+        for (i, u) in urls.iter().enumerate() {
+            engines.push(serde_json::json!({"iid": format!("e{i}"), "url": u, "role": "decode"}));
+        }
+        let v = serde_json::json!({"schema": "narwhal.fleet", "schema_version": 2,
+            "model": "m", "slo": {"ttft_s": 1, "tpot_s": 0.1}, "engines": engines});
+        Config::from_json_str(&v.to_string(), &|_| None).unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_engine_is_the_pods_by_address_or_resolved_name_and_container_port() {
+        let c = cfg(&[
+            "http://127.0.0.1:8000",
+            "http://localhost:8001",
+            "http://127.0.0.2:8000",
+            "http://[::1]:8000",
+        ]);
+        assert_eq!(engines_at(&c, "127.0.0.1", &[8000]).await, vec![0]);
+        // A name that resolves to the pod's IP (a StatefulSet pod's DNS name on a cluster).
+        assert_eq!(engines_at(&c, "127.0.0.1", &[8001]).await, vec![1]);
+        assert_eq!(engines_at(&c, "127.0.0.1", &[]).await, vec![0, 1]);
+        assert_eq!(engines_at(&c, "::1", &[8000]).await, vec![3]);
+        assert!(engines_at(&c, "10.0.0.9", &[8000]).await.is_empty());
+        assert!(engines_at(&c, "not an ip", &[]).await.is_empty());
     }
 }
