@@ -232,6 +232,13 @@ impl FleetBuilder {
         self
     }
 
+    /// One engine with id `iid` and role `role` listening on loopback address `host`
+    /// (`127.0.0.11`): an engine of an address of its own, as a pod has.
+    pub fn engine_on(mut self, iid: &str, role: &str, host: &str) -> Self {
+        self.engines.push(EngineSpec::new(iid, role).on(host));
+        self
+    }
+
     /// One engine with id `iid`, role `role` and simulator flags of its own (besides those of
     /// [`FleetBuilder::sim_args`]), e.g. `--api-key k` on one engine only.
     pub fn engine_with_args(mut self, iid: &str, role: &str, args: &[&str]) -> Self {

@@ -498,6 +498,60 @@ impl KubeClient {
 pub struct PodDoc {
     /// `metadata` (name, uid, deletion).
     pub metadata: PodMetaDoc,
+    /// `spec` (the node it is bound to).
+    pub spec: PodSpecDoc,
+    /// `status` (phase).
+    pub status: PodStatusDoc,
+}
+
+/// A Pod's `spec`, the members the kit reads.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct PodSpecDoc {
+    /// The node the scheduler bound it to (`None` while pending).
+    pub node_name: Option<String>,
+}
+
+/// A Pod's `status`, the members the kit reads.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct PodStatusDoc {
+    /// `Pending`, `Running`, ...
+    pub phase: String,
+    /// `Ready`, `ContainersReady`, ...
+    pub conditions: Vec<ConditionDoc>,
+}
+
+impl PodStatusDoc {
+    /// Its `Ready` condition is `True`.
+    pub fn ready(&self) -> bool {
+        self.conditions
+            .iter()
+            .any(|c| c.kind == "Ready" && c.status == "True")
+    }
+}
+
+/// One status condition.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct ConditionDoc {
+    /// `Ready`, ...
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// `True`, `False`, `Unknown`.
+    pub status: String,
+    /// Why (`Unschedulable`, ...).
+    pub reason: String,
+    /// What the controller said.
+    pub message: String,
+}
+
+/// A list answer's `items`.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct ListDoc<T> {
+    /// The objects.
+    pub items: Vec<T>,
 }
 
 /// A Pod's `metadata`, the members the kit reads.
@@ -586,6 +640,111 @@ impl KubeClient {
         done.metadata.uid
     }
 
+    /// The pods of `namespace` whose labels match `selector` (`app=engine`).
+    ///
+    /// # Panics
+    /// When the API server refuses.
+    pub async fn pods(&self, namespace: &str, selector: &str) -> Vec<PodDoc> {
+        let list: ListDoc<PodDoc> = self
+            .get(&format!(
+                "/api/v1/namespaces/{namespace}/pods?labelSelector={selector}"
+            ))
+            .await
+            .unwrap_or_else(|e| panic!("listing pods of {namespace}: {e}"));
+        list.items
+    }
+
+    /// Writes pod `namespace/name`'s status as a kubelet does once its container runs:
+    /// `Running`, `podIP` = `ip`, and Ready when its readiness probe passed (`ready`).
+    ///
+    /// # Errors
+    /// The failed call (a pod deleted meanwhile, a conflict with another writer).
+    pub async fn set_pod_running(
+        &self,
+        namespace: &str,
+        name: &str,
+        ip: &str,
+        ready: bool,
+    ) -> Result<(), CallError> {
+        let path = format!("/api/v1/namespaces/{namespace}/pods/{name}");
+        let mut pod: serde_json::Value = self.get(&path).await?;
+        let ready = if ready { "True" } else { "False" };
+        crate::router::merge(
+            &mut pod,
+            serde_json::json!({"status": {"phase": "Running", "podIP": ip,
+                "podIPs": [{"ip": ip}], "hostIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": ready},
+                               {"type": "ContainersReady", "status": ready},
+                               {"type": "Initialized", "status": "True"},
+                               {"type": "PodScheduled", "status": "True"}]}}),
+        );
+        self.put::<serde_json::Value>(&format!("{path}/status"), &pod)
+            .await
+            .map(drop)
+    }
+
+    /// Creates node `name` with room for 110 pods and writes its status Ready, as a kubelet
+    /// registering would, with no taints.
+    ///
+    /// # Panics
+    /// When the API server refuses.
+    pub async fn create_node(&self, name: &str) {
+        let node = serde_json::json!({"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}}});
+        let mut created: serde_json::Value = self
+            .post("/api/v1/nodes", &node)
+            .await
+            .unwrap_or_else(|e| panic!("creating node {name}: {e}"));
+        let room = serde_json::json!({"cpu": "64", "memory": "256Gi", "pods": "110"});
+        crate::router::merge(
+            &mut created,
+            serde_json::json!({"status": {"capacity": room, "allocatable": room,
+                "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}]}}),
+        );
+        self.put::<serde_json::Value>(&format!("/api/v1/nodes/{name}/status"), &created)
+            .await
+            .unwrap_or_else(|e| panic!("writing node {name}'s status: {e}"));
+        // The API server's admission (TaintNodesByCondition) gives a new node the `not-ready`
+        // taint; the node lifecycle controller that would lift it is not run, so lift it here.
+        self.merge_patch(
+            &format!("/api/v1/nodes/{name}"),
+            &serde_json::json!({"spec": {"taints": null}}),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("lifting node {name}'s not-ready taint: {e}"));
+    }
+
+    /// Merge-patches the object at `path` with `patch` (`application/merge-patch+json`).
+    ///
+    /// # Errors
+    /// The status and message of a failed call.
+    pub async fn merge_patch(
+        &self,
+        path: &str,
+        patch: &serde_json::Value,
+    ) -> Result<(), CallError> {
+        let resp = self
+            .http
+            .patch(format!("{}{path}", self.url))
+            .bearer_auth(&self.token)
+            .header("content-type", "application/merge-patch+json")
+            .body(patch.to_string())
+            .send()
+            .await
+            .map_err(|e| CallError {
+                status: 0,
+                message: e.to_string(),
+            })?;
+        let status = resp.status().as_u16();
+        if (200..300).contains(&status) {
+            return Ok(());
+        }
+        Err(CallError {
+            status,
+            message: resp.text().await.unwrap_or_default(),
+        })
+    }
+
     /// Deletes pod `namespace/name` at once (grace period 0), as a kubelet confirms it.
     ///
     /// # Panics
@@ -642,6 +801,8 @@ pub struct KubeApiServer {
     /// A token of group `system:masters`.
     pub admin_token: String,
     log: PathBuf,
+    /// kube-controller-manager and kube-scheduler, once started.
+    controllers: Vec<Child>,
     dir: tempfile::TempDir,
 }
 
@@ -749,6 +910,7 @@ impl KubeApiServer {
                     ca,
                     admin_token,
                     log,
+                    controllers: Vec::new(),
                     dir,
                 };
             }
@@ -761,6 +923,70 @@ impl KubeApiServer {
             bin.display(),
             std::fs::read_to_string(&log).unwrap_or_default()
         );
+    }
+
+    /// Starts kube-controller-manager (every controller but those of cloud, node lifecycle and
+    /// IPAM, routes and Services) and kube-scheduler against this server with the admin token,
+    /// neither serving a port nor electing a leader, and registers node `node-a`: Deployments,
+    /// StatefulSets, PodDisruptionBudgets and scheduling then work; the test plays the kubelet.
+    ///
+    /// # Panics
+    /// When a binary cannot be had or started.
+    pub async fn start_controllers(&mut self) {
+        let kubeconfig = self.dir.path().join("admin.kubeconfig");
+        let doc = serde_json::json!({
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "test", "cluster": {"server": self.url,
+                          "certificate-authority": self.ca}}],
+            "users": [{"name": "admin", "user": {"token": self.admin_token}}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "admin"}}],
+            "current-context": "test"
+        });
+        std::fs::write(&kubeconfig, doc.to_string()).expect("kubeconfig");
+        let sa_key = self.dir.path().join("sa.key");
+        let spawn = |name: &str, args: Vec<String>| {
+            let bin =
+                control_plane_bin(name).unwrap_or_else(|e| panic!("these tests need {name}: {e}"));
+            let log = std::fs::File::create(self.dir.path().join(format!("{name}.log")))
+                .expect("controller log");
+            Command::new(&bin)
+                .args(args)
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().expect("dup log"))
+                .stderr(log)
+                .spawn()
+                .unwrap_or_else(|e| panic!("spawning {}: {e}", bin.display()))
+        };
+        let kc = format!("--kubeconfig={}", kubeconfig.display());
+        self.controllers.push(spawn(
+            "kube-controller-manager",
+            vec![
+                kc.clone(),
+                "--controllers=*,-nodelifecycle,-nodeipam,-cloud-node-lifecycle,-route,-service"
+                    .into(),
+                "--leader-elect=false".into(),
+                "--port=0".into(),
+                "--secure-port=0".into(),
+                format!("--service-account-private-key-file={}", sa_key.display()),
+                format!("--root-ca-file={}", self.ca.display()),
+                "--concurrent-statefulset-syncs=2".into(),
+            ],
+        ));
+        self.controllers.push(spawn(
+            "kube-scheduler",
+            vec![
+                kc,
+                "--leader-elect=false".into(),
+                "--port=0".into(),
+                "--secure-port=0".into(),
+            ],
+        ));
+        self.admin().create_node("node-a").await;
+    }
+
+    /// A controller's log (`kube-controller-manager`, `kube-scheduler`).
+    pub fn controller_log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))).unwrap_or_default()
     }
 
     /// The API server's log so far.
@@ -859,6 +1085,10 @@ async fn wait_ready(child: &mut Child, admin: &KubeClient, log: &Path) -> bool {
 
 impl Drop for KubeApiServer {
     fn drop(&mut self) {
+        for c in &mut self.controllers {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

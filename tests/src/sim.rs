@@ -23,6 +23,9 @@ pub struct EngineSpec {
     pub role: String,
     /// Extra simulator flags (`--ttft-ms 5`, ...).
     pub sim_args: Vec<String>,
+    /// The loopback address its engine port listens on (default `127.0.0.1`): engines of
+    /// their own address, as pods have (`EngineSpec::on`).
+    pub host: String,
 }
 
 impl EngineSpec {
@@ -32,7 +35,16 @@ impl EngineSpec {
             iid: iid.to_string(),
             role: role.to_string(),
             sim_args: Vec::new(),
+            host: "127.0.0.1".to_string(),
         }
+    }
+
+    /// Listens on loopback address `host` (`127.0.0.11`) instead of `127.0.0.1`, across
+    /// restarts too.
+    #[must_use]
+    pub fn on(mut self, host: &str) -> Self {
+        self.host = host.to_string();
+        self
     }
 
     /// Adds simulator flags.
@@ -67,6 +79,8 @@ pub struct SimHandle {
     pub engine_id: String,
     /// Extra flags it was started with.
     pub sim_args: Vec<String>,
+    /// The loopback address its engine port listens on ([`EngineSpec::on`]).
+    pub host: String,
     /// Its `--ready-file` document (`url`, `admin`, `pid`, `engine_id`, `kv_port`,
     /// `bootstrap_port`).
     pub ready: Value,
@@ -164,6 +178,7 @@ impl SimHandle {
             iid: self.iid.clone(),
             role: self.role.clone(),
             sim_args: args,
+            host: self.host.clone(),
         };
         let ports = Ports {
             listen: self.port,
@@ -281,7 +296,7 @@ fn spawn_sim(
     cmd.args(["--dialect", dialect, "--model", "tiny-sim"]);
     match ports {
         Some(p) => {
-            cmd.args(["--listen", &format!("127.0.0.1:{}", p.listen)]);
+            cmd.args(["--listen", &format!("{}:{}", spec.host, p.listen)]);
             let admin = p.admin.unwrap_or(0);
             cmd.args(["--admin-listen", &format!("127.0.0.1:{admin}")]);
             if let Some(k) = p.kv {
@@ -292,7 +307,8 @@ fn spawn_sim(
             }
         }
         None => {
-            cmd.args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"]);
+            cmd.args(["--listen", &format!("{}:0", spec.host)]);
+            cmd.args(["--admin-listen", "127.0.0.1:0"]);
         }
     }
     if dialect == "sglang" {
@@ -347,6 +363,7 @@ fn finish_spawn(
         admin,
         engine_id: doc["engine_id"].as_str().unwrap_or_default().to_string(),
         sim_args: spec.sim_args.clone(),
+        host: spec.host.clone(),
         ready: doc,
         dir: dir.to_path_buf(),
         http: Http::new(Duration::from_secs(30)),

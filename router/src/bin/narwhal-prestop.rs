@@ -7,6 +7,11 @@
 //! Exit status: 0 ready to stop; 1 no router answered; 2 the router refused (the message says
 //! why: token, pod, engine); 3 the budget ended first. Kubelet goes on to SIGTERM either way;
 //! a non-zero status shows as a `FailedPreStopHook` event on the pod.
+//!
+//! With `--ready` it is the engine container's readiness probe instead: exit 0 when the router
+//! places on every engine of this pod (each `accepts_new`: readmitted through the checks), 1
+//! otherwise. A rollout that waits for Ready pods then waits for the router's checks before it
+//! takes the next pod down.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -49,6 +54,10 @@ struct Args {
     /// Seconds between polls of the drain.
     #[arg(long, default_value_t = 1.0)]
     poll_s: f64,
+    /// Readiness probe: drain nothing; exit 0 when the router places on every engine of this
+    /// pod, 1 otherwise.
+    #[arg(long)]
+    ready: bool,
 }
 
 #[derive(serde::Serialize)]
@@ -125,6 +134,40 @@ async fn run(args: Args) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if args.ready {
+        return match call(&http, &args, false).await {
+            Answer::Ok(bytes) => match serde_json::from_slice::<SelfDrainStatus>(&bytes) {
+                Ok(st) if !st.engines.is_empty() && st.engines.values().all(|e| e.accepts_new) => {
+                    ExitCode::SUCCESS
+                }
+                Ok(st) => {
+                    let out: Vec<&String> = st
+                        .engines
+                        .iter()
+                        .filter(|(_, e)| !e.accepts_new)
+                        .map(|(iid, _)| iid)
+                        .collect();
+                    eprintln!("narwhal-prestop: not in placement yet: {out:?}");
+                    ExitCode::from(1)
+                }
+                Err(e) => {
+                    eprintln!("narwhal-prestop: not a self-drain status: {e}");
+                    ExitCode::from(1)
+                }
+            },
+            Answer::Refused(status, msg) => {
+                eprintln!("narwhal-prestop: the router refused ({status}): {msg}");
+                ExitCode::from(1)
+            }
+            Answer::Unreachable(e) => {
+                eprintln!(
+                    "narwhal-prestop: no router answered at {}: {e}",
+                    args.router
+                );
+                ExitCode::from(1)
+            }
+        };
+    }
     let started = tokio::time::Instant::now();
     let budget = Duration::from_secs_f64(args.budget_s.max(0.0));
     let connect = Duration::from_secs_f64(args.connect_timeout_s.max(0.0));

@@ -377,3 +377,235 @@ async fn a_rolling_restart_of_four_engine_pods_fails_no_request() {
         );
     }
 }
+
+/// A StatefulSet's status, the members read here.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+struct StsStatus {
+    ready_replicas: u32,
+    updated_replicas: u32,
+    current_revision: String,
+    update_revision: String,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default)]
+struct StsDoc {
+    status: StsStatus,
+}
+
+/// The engines of the StatefulSet `engine`, by ordinal: pod `engine-<k>` is engine `ENGINES[k]`
+/// at loopback address `127.0.0.<10 + k>`.
+const ENGINES: [&str; 4] = ["p0", "p1", "d0", "d1"];
+
+fn ordinal(pod: &str) -> usize {
+    pod.rsplit('-').next().and_then(|k| k.parse().ok()).unwrap()
+}
+
+/// `narwhal-prestop` as a pod's hook with the token in `token_file`: `--ready` as the readiness
+/// probe, else the preStop; its exit code and stderr.
+async fn prestop(url: &str, token_file: &std::path::Path, ready: bool) -> (Option<i32>, String) {
+    let mut cmd = tokio::process::Command::new(bin_path("narwhal-prestop"));
+    cmd.args(["--router", url, "--budget-s", "60", "--poll-s", "0.2"])
+        .arg("--token-file")
+        .arg(token_file);
+    if ready {
+        cmd.arg("--ready");
+    }
+    let out = cmd.output().await.unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `kubectl rollout restart` of a 4-pod engine StatefulSet with a PodDisruptionBudget, on a real
+/// API server with the real StatefulSet controller and scheduler, under steady traffic. The test
+/// plays the kubelet: it starts a pod's engine (a simulator at the pod's address) and probes its
+/// readiness with `narwhal-prestop --ready` (Ready only once the router places on it again);
+/// on deletion it runs the preStop (`narwhal-prestop`, the pod's bound token), stops the engine
+/// and confirms the deletion. Each pod is drained before its engine stops, each new pod is
+/// readmitted through the router's checks before it turns Ready (so before the controller takes
+/// the next one), and no request fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollout_restart_of_an_engine_statefulset_fails_no_request() {
+    let mut api = KubeApiServer::start().await;
+    api.start_controllers().await;
+    let admin = api.admin();
+    admin
+        .grant(&Grant {
+            namespace: NS,
+            account: "narwhal-router",
+            rules: vec![Rule {
+                api_groups: vec![""],
+                resources: vec!["pods"],
+                resource_names: vec![],
+                verbs: vec!["get"],
+            }],
+        })
+        .await;
+    admin
+        .bind_cluster_role(NS, "narwhal-router", "system:auth-delegator")
+        .await;
+    admin
+        .grant(&Grant {
+            namespace: NS,
+            account: "engine",
+            rules: vec![],
+        })
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let router_token = dir.path().join("router.token");
+    std::fs::write(&router_token, admin.token_for(NS, "narwhal-router").await).unwrap();
+    let ip = |k: usize| format!("127.0.0.{}", 10 + k);
+    let mut f = Fleet::builder()
+        .engine_on("p0", "prefill", &ip(0))
+        .engine_on("p1", "prefill", &ip(1))
+        .engine_on("d0", "decode", &ip(2))
+        .engine_on("d1", "decode", &ip(3))
+        .agents()
+        .fleet(json!({"control": {"self_drain": {
+            "listen": "127.0.0.1:0", "audience": AUDIENCE, "deadline_s": 60,
+            "api_server": api.url, "token_file": router_token, "ca_file": api.ca}}}))
+        .start()
+        .await;
+    let url = f.router().self_drain_url();
+
+    let sts = json!({"apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": "engine", "namespace": NS},
+        "spec": {"replicas": 4, "serviceName": "engine", "podManagementPolicy": "Parallel",
+                 "selector": {"matchLabels": {"app": "engine"}},
+                 "updateStrategy": {"type": "RollingUpdate"},
+                 "template": {"metadata": {"labels": {"app": "engine"}},
+                              "spec": {"serviceAccountName": "engine",
+                                       "terminationGracePeriodSeconds": 120,
+                                       "containers": [{"name": "engine", "image": "engine:test"}]}}}});
+    let sts_path = format!("/apis/apps/v1/namespaces/{NS}/statefulsets");
+    admin.ensure(&sts_path, &sts).await;
+    let pdb = json!({"apiVersion": "policy/v1beta1", "kind": "PodDisruptionBudget",
+        "metadata": {"name": "engine", "namespace": NS},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app": "engine"}}}});
+    admin
+        .ensure(
+            &format!("/apis/policy/v1beta1/namespaces/{NS}/poddisruptionbudgets"),
+            &pdb,
+        )
+        .await;
+
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut workers = Vec::new();
+    let mut tokens: std::collections::BTreeMap<String, std::path::PathBuf> = Default::default();
+    let mut drained: Vec<String> = Vec::new();
+    let mut restarted = [false; 4];
+    let mut rollout_started = false;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        if Instant::now() > deadline {
+            let pods = admin.pods(NS, "app=engine").await;
+            let tail = |name: &str| {
+                let log = api.controller_log(name);
+                let lines: Vec<&str> = log.lines().rev().take(25).collect();
+                lines.into_iter().rev().collect::<Vec<_>>().join("\n")
+            };
+            panic!(
+                "the rollout did not finish; drained {drained:?}; pods {pods:#?}\n\
+                 kube-scheduler:\n{}\nkube-controller-manager:\n{}",
+                tail("kube-scheduler"),
+                tail("kube-controller-manager")
+            );
+        }
+        // The kubelet's round.
+        for pod in admin.pods(NS, "app=engine").await {
+            let name = pod.metadata.name.clone();
+            let k = ordinal(&name);
+            let iid = ENGINES[k];
+            let uid = pod.metadata.uid.clone();
+            if pod.spec.node_name.is_none() {
+                continue;
+            }
+            let token_file = match tokens.get(&uid) {
+                Some(t) => t.clone(),
+                None => {
+                    let t = dir.path().join(format!("{uid}.token"));
+                    let token = admin.pod_token(NS, "engine", &name, &uid, AUDIENCE).await;
+                    std::fs::write(&t, token).unwrap();
+                    tokens.insert(uid.clone(), t.clone());
+                    t
+                }
+            };
+            if pod.metadata.deletion_timestamp.is_some() {
+                // preStop, then SIGTERM, then the deletion confirmed.
+                let (code, stderr) = prestop(&url, &token_file, false).await;
+                assert_eq!(code, Some(0), "{name} preStop: {stderr}");
+                let lc = f.router().lifecycle().await;
+                let e = lc.engines.of(iid);
+                assert!(e.draining && e.ready_to_stop, "{iid} drained: {lc:#?}");
+                f.sim_mut(iid).proc.kill();
+                admin.delete_pod_now(NS, &name).await;
+                drained.push(name);
+                restarted[k] = true;
+                continue;
+            }
+            if pod.status.ready() {
+                continue;
+            }
+            if pod.status.phase != "Running" {
+                if restarted[k] {
+                    // The replacement pod's container: a new engine process, same address.
+                    f.sim_mut(iid).restart(&[]).expect("start the engine");
+                }
+                let _ = admin.set_pod_running(NS, &name, &ip(k), false).await;
+                continue;
+            }
+            // The readiness probe: Ready once the router places on the pod's engine.
+            if prestop(&url, &token_file, true).await.0 == Some(0) {
+                let _ = admin.set_pod_running(NS, &name, &ip(k), true).await;
+            }
+        }
+        let st: StsDoc = admin.get(&format!("{sts_path}/engine")).await.unwrap();
+        let s = &st.status;
+        if !rollout_started && s.ready_replicas == 4 {
+            // Every pod Ready: the steady traffic starts, then `kubectl rollout restart`.
+            workers = steady_traffic(&f.router().data, 4, stop.clone());
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            admin
+                .merge_patch(
+                    &format!("{sts_path}/engine"),
+                    &json!({"spec": {"template": {"metadata": {"annotations": {
+                        "kubectl.kubernetes.io/restartedAt": "now"}}}}}),
+                )
+                .await
+                .unwrap();
+            rollout_started = true;
+        } else if rollout_started
+            && drained.len() == 4
+            && s.ready_replicas == 4
+            && s.updated_replicas == 4
+            && s.current_revision == s.update_revision
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The StatefulSet controller takes pods down from the highest ordinal, one at a time.
+    assert_eq!(drained, ["engine-3", "engine-2", "engine-1", "engine-0"]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.cancel();
+    let mut sent = 0;
+    let mut failed = Vec::new();
+    for w in workers {
+        let t = w.await.unwrap();
+        sent += t.sent;
+        failed.extend(t.failed);
+    }
+    eprintln!(
+        "[kubernetes_e2e] StatefulSet rollout restart: {sent} requests, {} failed",
+        failed.len()
+    );
+    assert!(sent > 20, "traffic ran: {sent}");
+    assert!(failed.is_empty(), "failed requests: {failed:#?}");
+    for iid in ENGINES {
+        let ev = f.router().journal_event("readmitted", Some(iid)).await;
+        assert_eq!(ev.iid, iid);
+    }
+}
