@@ -60,42 +60,13 @@ fn port_of(f: &Fleet, iid: &str) -> u16 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_drains_only_its_own_engine_with_its_bound_token() {
-    let api = KubeApiServer::start().await;
-    let admin = api.admin();
-    // The router's identity: TokenReview (system:auth-delegator) and reading pods.
-    admin
-        .grant(&Grant {
-            namespace: NS,
-            account: "narwhal-router",
-            rules: vec![Rule {
-                api_groups: vec![""],
-                resources: vec!["pods"],
-                resource_names: vec![],
-                verbs: vec!["get"],
-            }],
-        })
-        .await;
-    admin
-        .bind_cluster_role(NS, "narwhal-router", "system:auth-delegator")
-        .await;
-    admin
-        .grant(&Grant {
-            namespace: NS,
-            account: "engine",
-            rules: vec![],
-        })
-        .await;
-    let dir = tempfile::tempdir().unwrap();
-    let router_token = dir.path().join("router.token");
-    std::fs::write(&router_token, admin.token_for(NS, "narwhal-router").await).unwrap();
-
+    let c = Cluster::start(false).await;
+    let (admin, dir) = (&c.admin, c.dir.path());
     let f = Fleet::builder()
         .prefill(1)
         .decode(1)
         .agents()
-        .fleet(json!({"control": {"self_drain": {
-            "listen": "127.0.0.1:0", "audience": AUDIENCE, "deadline_s": 60,
-            "api_server": api.url, "token_file": router_token, "ca_file": api.ca}}}))
+        .fleet(c.self_drain())
         .start()
         .await;
     let url = f.router().self_drain_url();
@@ -142,7 +113,7 @@ async fn a_pod_drains_only_its_own_engine_with_its_bound_token() {
     assert_eq!(lc.engines.of("p0").state, DrainState::Active, "{lc:#?}");
 
     // The preStop hook with p0's token: drains p0 and returns once it may stop.
-    let token_file = dir.path().join("p0.token");
+    let token_file = dir.join("p0.token");
     std::fs::write(&token_file, &p0_token).unwrap();
     let started = Instant::now();
     let out = tokio::process::Command::new(bin_path("narwhal-prestop"))
@@ -265,40 +236,13 @@ fn steady_traffic(
 /// before the next pod goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_of_four_engine_pods_fails_no_request() {
-    let api = KubeApiServer::start().await;
-    let admin = api.admin();
-    admin
-        .grant(&Grant {
-            namespace: NS,
-            account: "narwhal-router",
-            rules: vec![Rule {
-                api_groups: vec![""],
-                resources: vec!["pods"],
-                resource_names: vec![],
-                verbs: vec!["get"],
-            }],
-        })
-        .await;
-    admin
-        .bind_cluster_role(NS, "narwhal-router", "system:auth-delegator")
-        .await;
-    admin
-        .grant(&Grant {
-            namespace: NS,
-            account: "engine",
-            rules: vec![],
-        })
-        .await;
-    let dir = tempfile::tempdir().unwrap();
-    let router_token = dir.path().join("router.token");
-    std::fs::write(&router_token, admin.token_for(NS, "narwhal-router").await).unwrap();
+    let c = Cluster::start(false).await;
+    let (admin, dir) = (&c.admin, c.dir.path());
     let mut f = Fleet::builder()
         .prefill(2)
         .decode(2)
         .agents()
-        .fleet(json!({"control": {"self_drain": {
-            "listen": "127.0.0.1:0", "audience": AUDIENCE, "deadline_s": 60,
-            "api_server": api.url, "token_file": router_token, "ca_file": api.ca}}}))
+        .fleet(c.self_drain())
         .start()
         .await;
     let url = f.router().self_drain_url();
@@ -310,7 +254,7 @@ async fn a_rolling_restart_of_four_engine_pods_fails_no_request() {
         let uid = admin
             .create_pod(NS, &pod, "engine", &[port_of(&f, iid)], "127.0.0.1")
             .await;
-        let token_file = dir.path().join(format!("{pod}.token"));
+        let token_file = dir.join(format!("{pod}.token"));
         std::fs::write(
             &token_file,
             admin.pod_token(NS, "engine", &pod, &uid, AUDIENCE).await,
@@ -429,34 +373,8 @@ async fn prestop(url: &str, token_file: &std::path::Path, ready: bool) -> (Optio
 /// the next one), and no request fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rollout_restart_of_an_engine_statefulset_fails_no_request() {
-    let mut api = KubeApiServer::start().await;
-    api.start_controllers().await;
-    let admin = api.admin();
-    admin
-        .grant(&Grant {
-            namespace: NS,
-            account: "narwhal-router",
-            rules: vec![Rule {
-                api_groups: vec![""],
-                resources: vec!["pods"],
-                resource_names: vec![],
-                verbs: vec!["get"],
-            }],
-        })
-        .await;
-    admin
-        .bind_cluster_role(NS, "narwhal-router", "system:auth-delegator")
-        .await;
-    admin
-        .grant(&Grant {
-            namespace: NS,
-            account: "engine",
-            rules: vec![],
-        })
-        .await;
-    let dir = tempfile::tempdir().unwrap();
-    let router_token = dir.path().join("router.token");
-    std::fs::write(&router_token, admin.token_for(NS, "narwhal-router").await).unwrap();
+    let c = Cluster::start(true).await;
+    let admin = &c.admin;
     let ip = |k: usize| format!("127.0.0.{}", 10 + k);
     let mut f = Fleet::builder()
         .engine_on("p0", "prefill", &ip(0))
@@ -464,9 +382,7 @@ async fn a_rollout_restart_of_an_engine_statefulset_fails_no_request() {
         .engine_on("d0", "decode", &ip(2))
         .engine_on("d1", "decode", &ip(3))
         .agents()
-        .fleet(json!({"control": {"self_drain": {
-            "listen": "127.0.0.1:0", "audience": AUDIENCE, "deadline_s": 60,
-            "api_server": api.url, "token_file": router_token, "ca_file": api.ca}}}))
+        .fleet(c.self_drain())
         .start()
         .await;
     let url = f.router().self_drain_url();
@@ -494,74 +410,14 @@ async fn a_rollout_restart_of_an_engine_statefulset_fails_no_request() {
 
     let stop = tokio_util::sync::CancellationToken::new();
     let mut workers = Vec::new();
-    let mut tokens: std::collections::BTreeMap<String, std::path::PathBuf> = Default::default();
-    let mut drained: Vec<String> = Vec::new();
-    let mut restarted = [false; 4];
+    let mut kubelet = Kubelet::default();
     let mut rollout_started = false;
     let deadline = Instant::now() + Duration::from_secs(90);
     loop {
         if Instant::now() > deadline {
-            let pods = admin.pods(NS, "app=engine").await;
-            let tail = |name: &str| {
-                let log = api.controller_log(name);
-                let lines: Vec<&str> = log.lines().rev().take(25).collect();
-                lines.into_iter().rev().collect::<Vec<_>>().join("\n")
-            };
-            panic!(
-                "the rollout did not finish; drained {drained:?}; pods {pods:#?}\n\
-                 kube-scheduler:\n{}\nkube-controller-manager:\n{}",
-                tail("kube-scheduler"),
-                tail("kube-controller-manager")
-            );
+            panic!("the rollout did not finish: {}", c.explain(&kubelet).await);
         }
-        // The kubelet's round.
-        for pod in admin.pods(NS, "app=engine").await {
-            let name = pod.metadata.name.clone();
-            let k = ordinal(&name);
-            let iid = ENGINES[k];
-            let uid = pod.metadata.uid.clone();
-            if pod.spec.node_name.is_none() {
-                continue;
-            }
-            let token_file = match tokens.get(&uid) {
-                Some(t) => t.clone(),
-                None => {
-                    let t = dir.path().join(format!("{uid}.token"));
-                    let token = admin.pod_token(NS, "engine", &name, &uid, AUDIENCE).await;
-                    std::fs::write(&t, token).unwrap();
-                    tokens.insert(uid.clone(), t.clone());
-                    t
-                }
-            };
-            if pod.metadata.deletion_timestamp.is_some() {
-                // preStop, then SIGTERM, then the deletion confirmed.
-                let (code, stderr) = prestop(&url, &token_file, false).await;
-                assert_eq!(code, Some(0), "{name} preStop: {stderr}");
-                let lc = f.router().lifecycle().await;
-                let e = lc.engines.of(iid);
-                assert!(e.draining && e.ready_to_stop, "{iid} drained: {lc:#?}");
-                f.sim_mut(iid).proc.kill();
-                admin.delete_pod_now(NS, &name).await;
-                drained.push(name);
-                restarted[k] = true;
-                continue;
-            }
-            if pod.status.ready() {
-                continue;
-            }
-            if pod.status.phase != "Running" {
-                if restarted[k] {
-                    // The replacement pod's container: a new engine process, same address.
-                    f.sim_mut(iid).restart(&[]).expect("start the engine");
-                }
-                let _ = admin.set_pod_running(NS, &name, &ip(k), false).await;
-                continue;
-            }
-            // The readiness probe: Ready once the router places on the pod's engine.
-            if prestop(&url, &token_file, true).await.0 == Some(0) {
-                let _ = admin.set_pod_running(NS, &name, &ip(k), true).await;
-            }
-        }
+        kubelet.round(&c, &mut f, &url).await;
         let st: StsDoc = admin.get(&format!("{sts_path}/engine")).await.unwrap();
         let s = &st.status;
         if !rollout_started && s.ready_replicas == 4 {
@@ -578,7 +434,7 @@ async fn a_rollout_restart_of_an_engine_statefulset_fails_no_request() {
                 .unwrap();
             rollout_started = true;
         } else if rollout_started
-            && drained.len() == 4
+            && kubelet.drained.len() == 4
             && s.ready_replicas == 4
             && s.updated_replicas == 4
             && s.current_revision == s.update_revision
@@ -588,9 +444,96 @@ async fn a_rollout_restart_of_an_engine_statefulset_fails_no_request() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // The StatefulSet controller takes pods down from the highest ordinal, one at a time.
-    assert_eq!(drained, ["engine-3", "engine-2", "engine-1", "engine-0"]);
+    assert_eq!(
+        kubelet.drained,
+        ["engine-3", "engine-2", "engine-1", "engine-0"]
+    );
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.cancel();
+    no_request_failed("StatefulSet rollout restart", workers).await;
+    for iid in ENGINES {
+        let ev = f.router().journal_event("readmitted", Some(iid)).await;
+        assert_eq!(ev.iid, iid);
+    }
+}
+
+/// An API server with the router's identity (TokenReview through `system:auth-delegator`,
+/// reading pods) and the engines' service account, and the router's token in a file.
+struct Cluster {
+    api: KubeApiServer,
+    admin: narwhal_testkit::k8s::KubeClient,
+    dir: tempfile::TempDir,
+    router_token: std::path::PathBuf,
+}
+
+impl Cluster {
+    /// Starts it, with the controllers and a node when `controllers`.
+    async fn start(controllers: bool) -> Cluster {
+        let mut api = KubeApiServer::start().await;
+        if controllers {
+            api.start_controllers().await;
+        }
+        let admin = api.admin();
+        admin
+            .grant(&Grant {
+                namespace: NS,
+                account: "narwhal-router",
+                rules: vec![Rule {
+                    api_groups: vec![""],
+                    resources: vec!["pods"],
+                    resource_names: vec![],
+                    verbs: vec!["get"],
+                }],
+            })
+            .await;
+        admin
+            .bind_cluster_role(NS, "narwhal-router", "system:auth-delegator")
+            .await;
+        admin
+            .grant(&Grant {
+                namespace: NS,
+                account: "engine",
+                rules: vec![],
+            })
+            .await;
+        let dir = tempfile::tempdir().unwrap();
+        let router_token = dir.path().join("router.token");
+        std::fs::write(&router_token, admin.token_for(NS, "narwhal-router").await).unwrap();
+        Cluster {
+            api,
+            admin,
+            dir,
+            router_token,
+        }
+    }
+
+    /// The fleet-file section of a router that takes self-drains from this cluster's pods.
+    fn self_drain(&self) -> serde_json::Value {
+        json!({"control": {"self_drain": {
+            "listen": "127.0.0.1:0", "audience": AUDIENCE, "deadline_s": 60,
+            "api_server": self.api.url, "token_file": self.router_token,
+            "ca_file": self.api.ca}}})
+    }
+
+    /// The pods and the controllers' last lines, for a rollout that did not finish.
+    async fn explain(&self, kubelet: &Kubelet) -> String {
+        let pods = self.admin.pods(NS, "app=engine").await;
+        let tail = |name: &str| {
+            let log = self.api.controller_log(name);
+            let lines: Vec<&str> = log.lines().rev().take(25).collect();
+            lines.into_iter().rev().collect::<Vec<_>>().join("\n")
+        };
+        format!(
+            "drained {:?}; pods {pods:#?}\nkube-scheduler:\n{}\nkube-controller-manager:\n{}",
+            kubelet.drained,
+            tail("kube-scheduler"),
+            tail("kube-controller-manager")
+        )
+    }
+}
+
+/// Joins the traffic workers and asserts that they ran and that no request failed.
+async fn no_request_failed(what: &str, workers: Vec<tokio::task::JoinHandle<Traffic>>) {
     let mut sent = 0;
     let mut failed = Vec::new();
     for w in workers {
@@ -599,13 +542,71 @@ async fn a_rollout_restart_of_an_engine_statefulset_fails_no_request() {
         failed.extend(t.failed);
     }
     eprintln!(
-        "[kubernetes_e2e] StatefulSet rollout restart: {sent} requests, {} failed",
+        "[kubernetes_e2e] {what}: {sent} requests, {} failed",
         failed.len()
     );
     assert!(sent > 20, "traffic ran: {sent}");
     assert!(failed.is_empty(), "failed requests: {failed:#?}");
-    for iid in ENGINES {
-        let ev = f.router().journal_event("readmitted", Some(iid)).await;
-        assert_eq!(ev.iid, iid);
+}
+
+/// The test's kubelet for the StatefulSet `engine` ([`ENGINES`]).
+#[derive(Default)]
+struct Kubelet {
+    /// Each pod's bound token, in a file, by pod UID.
+    tokens: std::collections::BTreeMap<String, std::path::PathBuf>,
+    /// The pods drained by their preStop, in order.
+    drained: Vec<String>,
+    /// Which engines' processes were stopped (their next pod starts a new one).
+    stopped: [bool; 4],
+}
+
+impl Kubelet {
+    /// One round over the pods bound to the node: a pod being deleted runs its preStop (which
+    /// must drain its engine), its engine stops and its deletion is confirmed; a new pod starts
+    /// its engine (a new process where one was stopped) and runs; a running pod turns Ready
+    /// when its readiness probe (`narwhal-prestop --ready`) passes.
+    async fn round(&mut self, c: &Cluster, f: &mut Fleet, url: &str) {
+        for pod in c.admin.pods(NS, "app=engine").await {
+            if pod.spec.node_name.is_none() {
+                continue;
+            }
+            let name = pod.metadata.name.clone();
+            let k = ordinal(&name);
+            let iid = ENGINES[k];
+            let ip = format!("127.0.0.{}", 10 + k);
+            let token_file = self.token(c, &name, &pod.metadata.uid).await;
+            if pod.metadata.deletion_timestamp.is_some() {
+                let (code, stderr) = prestop(url, &token_file, false).await;
+                assert_eq!(code, Some(0), "{name} preStop: {stderr}");
+                let lc = f.router().lifecycle().await;
+                let e = lc.engines.of(iid);
+                assert!(e.draining && e.ready_to_stop, "{iid} drained: {lc:#?}");
+                f.sim_mut(iid).proc.kill();
+                c.admin.delete_pod_now(NS, &name).await;
+                self.drained.push(name);
+                self.stopped[k] = true;
+            } else if pod.status.ready() {
+            } else if pod.status.phase != "Running" {
+                if self.stopped[k] {
+                    f.sim_mut(iid).restart(&[]).expect("start the engine");
+                    self.stopped[k] = false;
+                }
+                let _ = c.admin.set_pod_running(NS, &name, &ip, false).await;
+            } else if prestop(url, &token_file, true).await.0 == Some(0) {
+                let _ = c.admin.set_pod_running(NS, &name, &ip, true).await;
+            }
+        }
+    }
+
+    /// Pod `name`'s bound token (UID `uid`) in a file, minted once.
+    async fn token(&mut self, c: &Cluster, name: &str, uid: &str) -> std::path::PathBuf {
+        if let Some(t) = self.tokens.get(uid) {
+            return t.clone();
+        }
+        let t = c.dir.path().join(format!("{uid}.token"));
+        let token = c.admin.pod_token(NS, "engine", name, uid, AUDIENCE).await;
+        std::fs::write(&t, token).unwrap();
+        self.tokens.insert(uid.to_string(), t.clone());
+        t
     }
 }
