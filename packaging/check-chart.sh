@@ -16,7 +16,8 @@
 #      schema in kubernetes-validate: it is the one kind allowed to be skipped, and is checked
 #      against the rules file instead;
 #   6. what each render must say (the lease section, the Role, probes, Services, the agent's
-#      privileges, the preStop drain, ...), read back with PyYAML;
+#      privileges, the self-drain section, Service and permissions, the engine pods' preStop
+#      narwhal-prestop and projected token, ...), read back with PyYAML;
 #   7. values the schema or the templates must refuse;
 #   8. every value of values.yaml is in the values table of docs/kubernetes.md;
 #   9. packaging/helm/rendered/narwhal.yaml equals a fresh default render.
@@ -172,9 +173,9 @@ matrix=(
   "default|default values|"
   "engines|example engines|--set engines.example.enabled=true"
   "prometheusrule|PrometheusRule API present|--api-versions monitoring.coreos.com/v1"
-  "tls|TLS everywhere, --standby-of, example engines|--set router.tls.enabled=true --set router.controlTLS.enabled=true --set engines.example.enabled=true --set engines.controlClientTLS.secretName=narwhal-ctl-tls --set tests.clientTLS.secretName=narwhal-ctl-tls --set router.standbyOfControlService=true"
-  "minimal|one router, no agent, monitoring or tests|--set router.replicas=1 --set router.antiAffinity=none --set router.podDisruptionBudget.enabled=false --set agent.enabled=false --set monitoring.dashboard.enabled=false --set monitoring.rules.enabled=false --set monitoring.prometheusRule.enabled=false --set tests.enabled=false --set router.checkConfig=false"
-  "renamed|release names, per-node agent configs, limits|--set fullnameOverride=nw --set router.lease.name=nw-lease --set router.stateVolumeSizeLimit=1Gi --set router.antiAffinity=required --set-json agent.engines=[{\"iid\":\"e9\",\"url\":\"http://127.0.0.1:9000\",\"dialect\":\"sglang\"}] --set-json agent.nodes={\"gpu-b\":{\"engines\":[{\"iid\":\"e8\",\"url\":\"http://127.0.0.1:8000\",\"dialect\":\"vllm\",\"process\":{\"listen_port\":8000}}]}}"
+  "tls|TLS everywhere, --standby-of, example engines|--set router.tls.enabled=true --set router.controlTLS.enabled=true --set engines.example.enabled=true --set tests.clientTLS.secretName=narwhal-ctl-tls --set router.standbyOfControlService=true"
+  "minimal|one router, no agent, self-drain, monitoring or tests|--set router.replicas=1 --set router.antiAffinity=none --set router.podDisruptionBudget.enabled=false --set agent.enabled=false --set selfDrain.enabled=false --set monitoring.dashboard.enabled=false --set monitoring.rules.enabled=false --set monitoring.prometheusRule.enabled=false --set tests.enabled=false --set router.checkConfig=false"
+  "renamed|release names, per-node agent configs, self-drain namespaces, limits|--set fullnameOverride=nw --set router.lease.name=nw-lease --set selfDrain.port=9002 --set selfDrain.audience=nw-drain --set selfDrain.deadlineSeconds=120 --set selfDrain.readmit=false --set-json selfDrain.engineNamespaces=[\"gpu-a\",\"gpu-b\"] --set router.stateVolumeSizeLimit=1Gi --set router.antiAffinity=required --set-json agent.engines=[{\"iid\":\"e9\",\"url\":\"http://127.0.0.1:9000\",\"dialect\":\"sglang\"}] --set-json agent.nodes={\"gpu-b\":{\"engines\":[{\"iid\":\"e8\",\"url\":\"http://127.0.0.1:8000\",\"dialect\":\"vllm\",\"process\":{\"listen_port\":8000}}]}}"
   "kube-1.20|Kubernetes 1.20.2, example engines|--kube-version 1.20.2 --set engines.example.enabled=true"
 )
 validate_args=()
@@ -242,6 +243,20 @@ check("fleet lease is the kubernetes backend", fleet["lease"] == want, fleet["le
 check("fleet recovery.state_path is in the state volume",
       fleet["recovery"]["state_path"].startswith("/var/lib/narwhal/"))
 
+# The self-drain (selfDrain.*): control.self_drain with exactly the chart's keys (api_server,
+# token_file and ca_file default to the pod's service-account mount).
+self_drain = name != "minimal"
+sd_port = 9002 if name == "renamed" else 8002
+sd_scheme = "https" if name == "tls" else "http"
+sd_url = f"{sd_scheme}://{prefix}-self-drain.narwhal.svc:{sd_port}"
+control = fleet.get("control") or {}
+if self_drain:
+    want = {"listen": f"0.0.0.0:{sd_port}", "audience": "nw-drain" if name == "renamed" else "narwhal-self-drain",
+            "deadline_s": 120 if name == "renamed" else 300, "readmit": name != "renamed"}
+    check("fleet control.self_drain from selfDrain.*", control.get("self_drain") == want, control.get("self_drain"))
+else:
+    check("no control.self_drain when selfDrain is disabled", "self_drain" not in control, control)
+
 # The Role: get/update on the one Lease, create on leases, nothing else.
 role = one("Role", f"{prefix}-router")
 rules = sorted((r["apiGroups"], r["resources"], r.get("resourceNames") or [], sorted(r["verbs"])) for r in role["rules"])
@@ -269,12 +284,45 @@ check("router runs as non-root without capabilities",
       spec["securityContext"]["runAsNonRoot"] and router["securityContext"]["capabilities"]["drop"] == ["ALL"]
       and router["securityContext"]["readOnlyRootFilesystem"])
 labels = dep["spec"]["template"]["metadata"]["labels"]
-for svc_name in (prefix, f"{prefix}-control"):
+for svc_name in (prefix, f"{prefix}-control") + ((f"{prefix}-self-drain",) if self_drain else ()):
     svc = one("Service", svc_name)
     check(f"Service {svc_name}: Ready pods only, selects the routers",
           svc["spec"]["publishNotReadyAddresses"] is False
           and all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
           and svc["spec"]["selector"]["app.kubernetes.io/component"] == "router")
+ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+if self_drain:
+    svc = one("Service", f"{prefix}-self-drain")
+    check(f"Service {prefix}-self-drain: port {sd_port} to the router's self-drain port",
+          svc["spec"]["ports"] == [{"name": "self-drain", "port": sd_port, "targetPort": "self-drain", "protocol": "TCP"}]
+          and ports.get("self-drain") == sd_port, (svc["spec"]["ports"], ports))
+else:
+    check("no self-drain Service or port when selfDrain is disabled",
+          not find("Service", f"{prefix}-self-drain") and "self-drain" not in ports, ports)
+
+# The self-drain's permissions: TokenReview through system:auth-delegator (cluster-wide), and
+# `get` on pods (nothing else) in each engine namespace, both for the routers' account only.
+router_sa = [{"kind": "ServiceAccount", "name": f"{prefix}-router", "namespace": "narwhal"}]
+crbs = [b for b in find("ClusterRoleBinding") if b["roleRef"]["name"] == "system:auth-delegator"]
+pod_roles = [r for r in find("Role") if r["metadata"]["name"] == f"{prefix}-router-self-drain"]
+pod_bindings = [b for b in find("RoleBinding") if b["metadata"]["name"] == f"{prefix}-router-self-drain"]
+if self_drain:
+    check("ClusterRoleBinding to system:auth-delegator (TokenReview) for the routers' account",
+          len(crbs) == 1 and crbs[0]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                                    "name": "system:auth-delegator"}
+          and crbs[0]["subjects"] == router_sa and "narwhal" in crbs[0]["metadata"]["name"], crbs)
+    want_ns = ["gpu-a", "gpu-b"] if name == "renamed" else ["narwhal"]
+    check(f"pods Role: get on pods, nothing else, in {want_ns}",
+          sorted(r["metadata"]["namespace"] for r in pod_roles) == want_ns
+          and all(r["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}] for r in pod_roles),
+          [(r["metadata"]["namespace"], r["rules"]) for r in pod_roles])
+    check("pods RoleBinding in each engine namespace, for the routers' account",
+          sorted(b["metadata"]["namespace"] for b in pod_bindings) == want_ns
+          and all(b["subjects"] == router_sa and b["roleRef"]["kind"] == "Role"
+                  and b["roleRef"]["name"] == f"{prefix}-router-self-drain" for b in pod_bindings),
+          pod_bindings)
+else:
+    check("no TokenReview or pods permissions when selfDrain is disabled", not crbs and not pod_roles and not pod_bindings)
 pdb = find("PodDisruptionBudget", f"{prefix}-router")
 if name == "minimal":
     check("no router PodDisruptionBudget when disabled", not pdb)
@@ -343,34 +391,80 @@ if name == "prometheusrule":
 else:
     check("no PrometheusRule without the monitoring.coreos.com/v1 API", not prom)
 
-# The example engines: preStop drain through the router, grace, PodDisruptionBudget per role.
-engines = [d for d in find("Deployment") if d["metadata"]["name"].startswith(f"{prefix}-engine-")]
+# The example engines: one StatefulSet of one pod per instance behind the headless Service, the
+# fleet naming each by its pod's DNS name; preStop narwhal-prestop with the pod's projected
+# token, grace, PodDisruptionBudget per role.
+engines = [d for d in find("StatefulSet") + find("Deployment") if d["metadata"]["name"].startswith(f"{prefix}-engine-")]
 if name in ("engines", "tls", "kube-1.20"):
-    check("example engines: one Deployment per instance", len(engines) == 2, len(engines))
+    check("example engines: one StatefulSet per instance", len(engines) == 2 and all(d["kind"] == "StatefulSet" for d in engines),
+          [(d["kind"], d["metadata"]["name"]) for d in engines])
+    headless = one("Service", f"{prefix}-engines")
+    check(f"headless Service {prefix}-engines: clusterIP None, not-ready and terminating pods published",
+          headless is not None and headless["spec"]["clusterIP"] == "None"
+          and headless["spec"]["publishNotReadyAddresses"] is True
+          and headless["spec"]["selector"].get("app.kubernetes.io/component") == "engine", headless and headless["spec"])
+    urls = {e["iid"]: e["url"] for e in fleet["engines"]}
     for d in engines:
         iid = d["metadata"]["labels"]["narwhal.dev/iid"]
         pod = d["spec"]["template"]["spec"]
         c = pod["containers"][0]
+        cport = c["ports"][0]["containerPort"]
+        check(f"engine {iid}: a StatefulSet of one pod governed by {prefix}-engines, updated on delete",
+              d["spec"]["replicas"] == 1 and d["spec"]["serviceName"] == f"{prefix}-engines"
+              and d["spec"]["updateStrategy"] == {"type": "OnDelete"}, d["spec"].get("updateStrategy"))
+        check(f"engine {iid}: the fleet names it by its pod's DNS name and container port",
+              urls.get(iid) == f"http://{d['metadata']['name']}-0.{prefix}-engines.narwhal.svc:{cport}", (urls.get(iid), cport))
         cmd = c["lifecycle"]["preStop"]["exec"]["command"]
-        i = cmd.index("drain")
-        check(f"engine {iid}: preStop drains it through the control Service and waits",
-              cmd[0] == "/narwhal/bin/narwhalctl" and cmd[i + 1] == iid and "--wait" in cmd
-              and cmd[cmd.index("--router") + 1].endswith(f"{prefix}-control.narwhal.svc:8001"), cmd)
-        wait = int(cmd[cmd.index("--timeout-s") + 1])
-        check(f"engine {iid}: grace = drain wait + engine shutdown + margin",
-              pod["terminationGracePeriodSeconds"] == wait + 30 + 15, pod["terminationGracePeriodSeconds"])
+        want = ["/narwhal/bin/narwhal-prestop", "--router", sd_url, "--token-file", "/var/run/secrets/narwhal/token"]
+        if name == "tls":
+            want += ["--ca", "/narwhal/self-drain-ca/ca.crt"]
+        want += ["--budget-s", "330", "--connect-timeout-s", "5"]
+        check(f"engine {iid}: preStop is narwhal-prestop through the self-drain Service with the pod's token",
+              cmd == want, cmd)
+        budget = int(cmd[cmd.index("--budget-s") + 1])
+        check(f"engine {iid}: grace = drain budget + engine shutdown + margin",
+              pod["terminationGracePeriodSeconds"] == budget + 30 + 15, pod["terminationGracePeriodSeconds"])
+        vols = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        check(f"engine {iid}: projected service-account token for the self-drain audience at /var/run/secrets/narwhal",
+              vols.get("narwhal-token", {}).get("projected", {}).get("sources")
+              == [{"serviceAccountToken": {"audience": "narwhal-self-drain", "expirationSeconds": 3600, "path": "token"}}]
+              and mounts.get("narwhal-token", {}).get("mountPath") == "/var/run/secrets/narwhal",
+              (vols.get("narwhal-token"), mounts.get("narwhal-token")))
+        init = [i for i in pod["initContainers"] if i["name"] == "narwhal-prestop"]
+        check(f"engine {iid}: an init container copies narwhal-prestop from the Narwhal image into /narwhal/bin",
+              len(init) == 1 and init[0]["command"] == ["cp", "/usr/bin/narwhal-prestop", "/narwhal/bin/narwhal-prestop"]
+              and init[0]["image"].startswith("ghcr.io/narwhal-inference/narwhal:")
+              and "emptyDir" in vols.get("narwhal-bin", {})
+              and mounts.get("narwhal-bin", {}).get("mountPath") == "/narwhal/bin", init)
+        check(f"engine {iid}: no API token of its own account", pod.get("automountServiceAccountToken") is False)
         check(f"engine {iid}: role label", d["spec"]["template"]["metadata"]["labels"]["narwhal.dev/role"] in ("prefill", "decode"))
         if name == "tls":
-            check(f"engine {iid}: narwhalctl presents the client certificate", "--cert" in cmd and "--ca" in cmd)
+            check(f"engine {iid}: narwhal-prestop checks the router's certificate against the control CA (ca.crt only)",
+                  vols.get("narwhal-self-drain-ca", {}).get("secret", {}).get("secretName") == "narwhal-control-tls"
+                  and vols["narwhal-self-drain-ca"]["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+                  and mounts.get("narwhal-self-drain-ca", {}).get("mountPath") == "/narwhal/self-drain-ca")
     roles = sorted(p["metadata"]["name"] for p in find("PodDisruptionBudget") if "-engines-" in p["metadata"]["name"])
     check("example engines: one PodDisruptionBudget per role",
           roles == [f"{prefix}-engines-decode", f"{prefix}-engines-prefill"], roles)
 else:
-    check("no example engines unless enabled", not engines)
+    check("no example engines unless enabled", not engines and not find("Service", f"{prefix}-engines"))
 
 # The helm test pod.
 tests = [d for d in find("Pod") if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
 check("helm test pod" + (" absent when disabled" if name == "minimal" else ""), len(tests) == (0 if name == "minimal" else 1))
+if tests:
+    tc = tests[0]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in tc["env"]}
+    script = tc["args"][0]
+    check("helm test: the self-drain Service answers 401 without a token",
+          env.get("SELF_DRAIN") == sd_url and '"$SELF_DRAIN/narwhal/self-drain"' in script
+          and '[ "$code" = 401 ]' in script, env.get("SELF_DRAIN"))
+    if name == "tls":
+        vols = {v["name"]: v for v in tests[0]["spec"]["volumes"]}
+        check("helm test: checks the self-drain certificate against the control CA",
+              vols.get("self-drain-ca", {}).get("secret", {}).get("items") == [{"key": "ca.crt", "path": "ca.crt"}]
+              and "--cacert /self-drain-ca/ca.crt" in script)
 
 for line in lines:
     print(f"ok   {line}")
@@ -408,8 +502,14 @@ refuse "a misspelt router value (schema)" "additional properties 'replica' not a
 refuse "a non-integer replica count (schema)" "/router/replicas" --set router.replicas=two
 refuse "an engine role outside prefill|decode|aggregated (schema)" "/engines/example/instances/0/role" \
   --set engines.example.enabled=true --set 'engines.example.instances[0].role=both'
-refuse "controlTLS without the engines' client certificate" "engines.controlClientTLS.secretName is required" \
-  --set engines.example.enabled=true --set router.controlTLS.enabled=true
+refuse "fleet.control.self_drain (the chart sets it)" "fleet.control.self_drain: the chart sets it" \
+  --set fleet.control.self_drain.listen=0.0.0.0:9
+refuse "engine pods without selfDrain (they drain through it)" "selfDrain.enabled is false" \
+  --set engines.example.enabled=true --set selfDrain.enabled=false
+refuse "a drain budget below the self-drain deadline" "must be at least selfDrain.deadlineSeconds" \
+  --set engines.example.enabled=true --set engines.drainBudgetSeconds=200
+refuse "the narwhalctl drain's values, replaced by the self-drain (schema)" "additional properties 'controlClientTLS' not allowed" \
+  --set engines.controlClientTLS.secretName=x
 
 # --- 8. every value is documented -----------------------------------------------------------
 if "$py" - "$chart/values.yaml" docs/kubernetes.md >"$tmp/values.log" 2>&1 <<'PY'; then

@@ -1,109 +1,133 @@
 {{/*
-narwhal.enginePod: the pod template of one engine (vLLM or SGLang) that leaves the fleet through
-the router before it stops (docs/kubernetes.md, "Engine pods"). Use it as the `template:` of
-your own engine Deployment (one Deployment per engine: the fleet file names each engine by its
-iid and URL):
+narwhal.enginePod: the pod template of an engine (vLLM or SGLang) that leaves the fleet through
+the router before it stops (docs/kubernetes.md, "Engine pods" and "Self-drain"). Use it as the
+`template:` of your own engine StatefulSet, behind a headless Service, so that each pod has a DNS
+name the fleet file can name the engine by (the router resolves it to the pod's address, which is
+how it knows which engine a pod's token may drain):
 
   spec:
+    serviceName: engines            # a headless Service (clusterIP: None,
+                                    # publishNotReadyAddresses: true) selecting these pods
     replicas: 1
-    strategy: {type: Recreate}
     selector:
       matchLabels: {narwhal.dev/iid: e0, ...}
     template:
       {{- include "narwhal.enginePod" (dict "root" $ "iid" "e0" "role" "prefill"
             "container" $engineContainer "pod" (dict "nodeSelector" ...)) | nindent 6 }}
 
+and in the fleet file: url: http://<statefulset>-<ordinal>.engines.<namespace>.svc:<port>.
+
 Arguments (a dict):
   root       the chart's root context ($), required
-  iid        the engine's iid in the fleet file, required
   role       prefill | decode | aggregated: the label narwhal.dev/role (PodDisruptionBudgets
              select by it), required
   container  the engine container (a dict in the Pod API's shape), required; it must not set
-             lifecycle.preStop (the helper sets it)
+             lifecycle.preStop (the helper sets it), and it should list the engine's port in
+             `ports` (the router drains for a pod only engines at one of its container ports)
+  iid        the engine's iid in the fleet file, optional: only the label narwhal.dev/iid (the
+             router finds the pod's engine by its address; a StatefulSet of several engines
+             leaves it out)
   pod        more pod spec fields (nodeSelector, tolerations, affinity, volumes, more
-             initContainers or containers, ...), optional
+             initContainers or containers, serviceAccountName, ...), optional
   labels     more pod labels, optional
-  drain      overrides of engines.drain (deadlineSeconds, waitSeconds), optional
-  hostNetwork  overrides engines.hostNetwork, optional
+  drainBudgetSeconds  overrides engines.drainBudgetSeconds, optional
+  hostNetwork         overrides engines.hostNetwork, optional
 
 What it adds:
-  - labels narwhal.dev/role, narwhal.dev/iid and the chart's selector labels with
+  - labels narwhal.dev/role, narwhal.dev/iid (when given) and the chart's selector labels with
     app.kubernetes.io/component: engine;
-  - an init container that copies narwhalctl from the Narwhal image into a shared volume (the
-    engine's image does not have it; it needs glibc 2.34 or newer, as Debian bookworm's or
-    Ubuntu 22.04's);
-  - the engine container's preStop hook: `narwhalctl --router <control Service> drain <iid>
-    --wait --deadline-s D --timeout-s W`: the router stops placing on the engine, the engine's
-    resident requests finish, and the hook returns once the router reports the engine
-    ready_to_stop (or W seconds passed, or the router refused); then the kubelet sends SIGTERM;
-  - terminationGracePeriodSeconds = W + engines.engineShutdownSeconds + engines.marginSeconds,
+  - an init container that copies narwhal-prestop from the Narwhal image into a shared volume
+    mounted at /narwhal/bin (the engine's image does not have it; it needs glibc 2.34 or newer,
+    as Debian bookworm's or Ubuntu 22.04's);
+  - a projected service-account token for the audience selfDrain.audience (one hour, renewed by
+    the kubelet) at /var/run/secrets/narwhal/token, and with router.controlTLS the CA of the
+    router's certificate at /narwhal/self-drain-ca/ca.crt;
+  - the engine container's preStop hook: `narwhal-prestop --router <self-drain Service>
+    --token-file /var/run/secrets/narwhal/token --budget-s B`: the router checks the token
+    (TokenReview) and the live pod, stops placing on the pod's engine, the engine's resident
+    requests finish, and the hook returns once the router reports it ready_to_stop (or B seconds
+    passed, or the router refused, or no router answered within engines.connectTimeoutSeconds);
+    then the kubelet sends SIGTERM. With selfDrain.readmit the router readmits the restarted
+    engine through the six checks by itself;
+  - terminationGracePeriodSeconds = B + engines.engineShutdownSeconds + engines.marginSeconds,
     so the kubelet never cuts the drain short;
+  - automountServiceAccountToken: false unless `pod` sets it (the engine needs no API token);
   - hostNetwork (default true): the agent finds an engine by its listening port only in the
     host's network namespace (docs/agent.md, "Limits").
 */}}
 {{- define "narwhal.enginePod" -}}
 {{- $root := required "narwhal.enginePod: root ($) is required" .root -}}
-{{- $iid := required "narwhal.enginePod: iid is required" .iid -}}
 {{- $role := required "narwhal.enginePod: role is required" .role -}}
+{{- $iid := default "" .iid -}}
+{{- $what := printf "narwhal.enginePod%s" (ternary (printf " %s" $iid) "" (ne $iid "")) -}}
 {{- if not (has $role (list "prefill" "decode" "aggregated")) -}}
-{{- fail (printf "narwhal.enginePod: role %q: expected prefill, decode or aggregated" $role) -}}
+{{- fail (printf "%s: role %q: expected prefill, decode or aggregated" $what $role) -}}
+{{- end -}}
+{{- $sd := $root.Values.selfDrain -}}
+{{- if not $sd.enabled -}}
+{{- fail (printf "%s: selfDrain.enabled is false: engine pods drain through the router's self-drain listener (control.self_drain)" $what) -}}
 {{- end -}}
 {{- $e := $root.Values.engines -}}
-{{- $drain := merge (deepCopy (default (dict) .drain)) (deepCopy $e.drain) -}}
-{{- $wait := int $drain.waitSeconds -}}
-{{- if lt $wait (int $drain.deadlineSeconds) -}}
-{{- fail (printf "narwhal.enginePod %s: drain.waitSeconds (%d) must be at least drain.deadlineSeconds (%d)" $iid $wait (int $drain.deadlineSeconds)) -}}
+{{- $budget := int $e.drainBudgetSeconds -}}
+{{- if hasKey . "drainBudgetSeconds" -}}{{- $budget = int .drainBudgetSeconds -}}{{- end -}}
+{{- if lt $budget (int $sd.deadlineSeconds) -}}
+{{- fail (printf "%s: the drain budget (engines.drainBudgetSeconds, %d) must be at least selfDrain.deadlineSeconds (%d)" $what $budget (int $sd.deadlineSeconds)) -}}
 {{- end -}}
 {{- $hostNetwork := $e.hostNetwork -}}
 {{- if hasKey . "hostNetwork" -}}{{- $hostNetwork = .hostNetwork -}}{{- end -}}
-{{- $routerURL := default (include "narwhal.controlURL" $root) $e.routerURL -}}
+{{- $tls := $root.Values.router.controlTLS.enabled -}}
+{{- $url := default (include "narwhal.selfDrainURL" $root) $e.selfDrainURL -}}
 {{- $container := deepCopy (required "narwhal.enginePod: container is required" .container) -}}
 {{- if not (hasKey $container "name") -}}{{- $_ := set $container "name" "engine" -}}{{- end -}}
 {{- $lifecycle := default (dict) (get $container "lifecycle") -}}
 {{- if hasKey $lifecycle "preStop" -}}
-{{- fail (printf "narwhal.enginePod %s: the container sets lifecycle.preStop; the helper's preStop drains the engine through the router" $iid) -}}
+{{- fail (printf "%s: the container sets lifecycle.preStop; the helper's preStop drains the engine through the router" $what) -}}
 {{- end -}}
-{{- $cmd := list "/narwhal/bin/narwhalctl" "--router" $routerURL -}}
-{{- if $root.Values.router.controlTLS.enabled -}}
-{{- $cmd = concat $cmd (list "--ca" "/narwhal/control-tls/ca.crt" "--cert" "/narwhal/control-tls/tls.crt" "--key" "/narwhal/control-tls/tls.key") -}}
-{{- with $e.controlClientTLS.serverName -}}
-{{- $cmd = concat $cmd (list "--server-name" .) -}}
+{{- $cmd := list "/narwhal/bin/narwhal-prestop" "--router" $url "--token-file" "/var/run/secrets/narwhal/token" -}}
+{{- if $tls -}}
+{{- $cmd = concat $cmd (list "--ca" "/narwhal/self-drain-ca/ca.crt") -}}
 {{- end -}}
-{{- end -}}
-{{- $cmd = concat $cmd (list "--request-timeout-s" (toString (int $e.requestTimeoutSeconds)) "drain" $iid "--wait" "--deadline-s" (toString (int $drain.deadlineSeconds)) "--timeout-s" (toString $wait)) -}}
+{{- $cmd = concat $cmd (list "--budget-s" (toString $budget) "--connect-timeout-s" (toString (int $e.connectTimeoutSeconds))) -}}
 {{- $_ := set $lifecycle "preStop" (dict "exec" (dict "command" $cmd)) -}}
 {{- $_ := set $container "lifecycle" $lifecycle -}}
 {{- $mounts := default (list) (get $container "volumeMounts") -}}
 {{- $mounts = append $mounts (dict "name" "narwhal-bin" "mountPath" "/narwhal/bin" "readOnly" true) -}}
-{{- if $root.Values.router.controlTLS.enabled -}}
-{{- $mounts = append $mounts (dict "name" "narwhal-control-tls" "mountPath" "/narwhal/control-tls" "readOnly" true) -}}
+{{- $mounts = append $mounts (dict "name" "narwhal-token" "mountPath" "/var/run/secrets/narwhal" "readOnly" true) -}}
+{{- if $tls -}}
+{{- $mounts = append $mounts (dict "name" "narwhal-self-drain-ca" "mountPath" "/narwhal/self-drain-ca" "readOnly" true) -}}
 {{- end -}}
 {{- $_ := set $container "volumeMounts" $mounts -}}
 {{- $pod := deepCopy (default (dict) .pod) -}}
+{{- if not (hasKey $pod "automountServiceAccountToken") -}}
+{{- $_ := set $pod "automountServiceAccountToken" false -}}
+{{- end -}}
 {{- $volumes := default (list) (get $pod "volumes") -}}
 {{- $volumes = append $volumes (dict "name" "narwhal-bin" "emptyDir" (dict "sizeLimit" "64Mi")) -}}
-{{- if $root.Values.router.controlTLS.enabled -}}
-{{- $secret := required "engines.controlClientTLS.secretName is required with router.controlTLS.enabled (narwhalctl's client certificate for the drain)" $e.controlClientTLS.secretName -}}
-{{- $volumes = append $volumes (dict "name" "narwhal-control-tls" "secret" (dict "secretName" $secret "defaultMode" 0444)) -}}
+{{- $token := dict "audience" $sd.audience "expirationSeconds" 3600 "path" "token" -}}
+{{- $volumes = append $volumes (dict "name" "narwhal-token" "projected" (dict "sources" (list (dict "serviceAccountToken" $token)))) -}}
+{{- if $tls -}}
+{{- $volumes = append $volumes (include "narwhal.selfDrainCAVolume" (dict "root" $root "name" "narwhal-self-drain-ca") | fromYaml) -}}
 {{- end -}}
 {{- $_ := unset $pod "volumes" -}}
 {{- $init := default (list) (get $pod "initContainers") -}}
 {{- $_ := unset $pod "initContainers" -}}
 {{- $sidecars := default (list) (get $pod "containers") -}}
 {{- $_ := unset $pod "containers" -}}
-{{- $grace := add $wait (int $e.engineShutdownSeconds) (int $e.marginSeconds) -}}
+{{- $grace := add $budget (int $e.engineShutdownSeconds) (int $e.marginSeconds) -}}
 metadata:
   labels:
     {{- include "narwhal.selectorLabels" $root | nindent 4 }}
     app.kubernetes.io/component: engine
     app.kubernetes.io/part-of: narwhal
     narwhal.dev/role: {{ $role }}
+    {{- if $iid }}
     narwhal.dev/iid: {{ $iid | quote }}
+    {{- end }}
     {{- with .labels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
 spec:
-  # narwhalctl's wait (drain.waitSeconds), then the engine's own shutdown
+  # narwhal-prestop's budget (engines.drainBudgetSeconds), then the engine's own shutdown
   # (engines.engineShutdownSeconds), plus engines.marginSeconds.
   terminationGracePeriodSeconds: {{ $grace }}
   {{- if $hostNetwork }}
@@ -118,15 +142,15 @@ spec:
   {{- toYaml . | nindent 2 }}
   {{- end }}
   initContainers:
-    # narwhalctl for the preStop hook, from the Narwhal image.
-    - name: narwhalctl
+    # narwhal-prestop for the preStop hook, from the Narwhal image.
+    - name: narwhal-prestop
       image: {{ include "narwhal.image" $root }}
       imagePullPolicy: {{ $root.Values.image.pullPolicy }}
-      command: ["cp", "/usr/bin/narwhalctl", "/narwhal/bin/narwhalctl"]
+      command: ["cp", "/usr/bin/narwhal-prestop", "/narwhal/bin/narwhal-prestop"]
       securityContext:
         {{- toYaml (merge (dict "runAsNonRoot" true "runAsUser" 10001 "runAsGroup" 10001) (deepCopy $root.Values.router.securityContext)) | nindent 8 }}
       resources:
-        {{- toYaml $e.narwhalctlResources | nindent 8 }}
+        {{- toYaml $e.prestopResources | nindent 8 }}
       volumeMounts:
         - name: narwhal-bin
           mountPath: /narwhal/bin

@@ -57,6 +57,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "narwhal.controlServiceName" -}}
 {{- printf "%s-control" (include "narwhal.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
+{{- define "narwhal.selfDrainServiceName" -}}
+{{- printf "%s-self-drain" (include "narwhal.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
 {{- define "narwhal.agentName" -}}
 {{- printf "%s-agent" (include "narwhal.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
@@ -87,6 +90,37 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{/*
+The self-drain Service's URL inside the cluster: what engine pods' preStop hooks call. The
+listener speaks TLS with the control certificate when router.controlTLS is enabled.
+*/}}
+{{- define "narwhal.selfDrainURL" -}}
+{{- printf "%s://%s.%s.svc:%v" (include "narwhal.controlScheme" .) (include "narwhal.selfDrainServiceName" .) .Release.Namespace .Values.selfDrain.port -}}
+{{- end -}}
+
+{{/*
+The namespaces of the engine pods whose pods the routers may read (selfDrain.engineNamespaces,
+else the release namespace). A JSON list, without duplicates.
+*/}}
+{{- define "narwhal.engineNamespaces" -}}
+{{- toJson (uniq (default (list .Release.Namespace) .Values.selfDrain.engineNamespaces)) -}}
+{{- end -}}
+
+{{/*
+The volume holding the CA of the self-drain listener's certificate (with router.controlTLS):
+selfDrain.caSecretName, else router.controlTLS.secretName; only its key ca.crt is mounted.
+Takes the root context and the volume's name: (dict "root" $ "name" NAME).
+*/}}
+{{- define "narwhal.selfDrainCAVolume" -}}
+name: {{ .name }}
+secret:
+  secretName: {{ default .root.Values.router.controlTLS.secretName .root.Values.selfDrain.caSecretName }}
+  items:
+    - key: ca.crt
+      path: ca.crt
+  defaultMode: 0444
+{{- end -}}
+
+{{/*
 The PodDisruptionBudget API: policy/v1 where the cluster serves it (Kubernetes >= 1.21), else
 policy/v1beta1. Against a cluster (helm install/upgrade) the discovery answer decides, by
 kind; `helm template` knows no kinds, so there the target version decides (--kube-version).
@@ -104,8 +138,10 @@ policy/v1beta1
 {{- end -}}
 
 {{/*
-The router's fleet file: .Values.fleet with the lease forced to the kubernetes backend, and the
-TLS sections and recovery.state_path the chart's volumes provide. Rendered as JSON.
+The router's fleet file: .Values.fleet with the lease forced to the kubernetes backend, the TLS
+sections and recovery.state_path the chart's volumes provide, and control.self_drain from
+selfDrain.* (api_server, token_file and ca_file left out: the pod's service-account mount and
+KUBERNETES_SERVICE_HOST/PORT). Rendered as JSON.
 */}}
 {{- define "narwhal.fleetDocument" -}}
 {{- if hasKey .Values.fleet "lease" -}}
@@ -126,9 +162,18 @@ TLS sections and recovery.state_path the chart's volumes provide. Rendered as JS
 {{- if .Values.router.tls.enabled -}}
 {{- $_ := set $fleet "tls" (dict "ca" "/etc/narwhal/tls/ca.crt" "cert" "/etc/narwhal/tls/tls.crt" "key" "/etc/narwhal/tls/tls.key") -}}
 {{- end -}}
-{{- if .Values.router.controlTLS.enabled -}}
 {{- $control := default (dict) (get $fleet "control") -}}
+{{- if hasKey $control "self_drain" -}}
+{{- fail "fleet.control.self_drain: the chart sets it from selfDrain.* (enabled, port, audience, deadlineSeconds, readmit): remove fleet.control.self_drain" -}}
+{{- end -}}
+{{- if .Values.router.controlTLS.enabled -}}
 {{- $_ := set $control "tls" (dict "ca" "/etc/narwhal/control-tls/ca.crt" "cert" "/etc/narwhal/control-tls/tls.crt" "key" "/etc/narwhal/control-tls/tls.key") -}}
+{{- end -}}
+{{- if .Values.selfDrain.enabled -}}
+{{- $sd := .Values.selfDrain -}}
+{{- $_ := set $control "self_drain" (dict "listen" (printf "0.0.0.0:%d" (int $sd.port)) "audience" $sd.audience "deadline_s" (int $sd.deadlineSeconds) "readmit" $sd.readmit) -}}
+{{- end -}}
+{{- if $control -}}
 {{- $_ := set $fleet "control" $control -}}
 {{- end -}}
 {{- toPrettyJson $fleet -}}
