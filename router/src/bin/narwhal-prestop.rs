@@ -4,8 +4,9 @@
 //! (`ready_to_stop`), or when its budget ends. It fails open: when no router answers within
 //! `--connect-timeout-s`, it returns at once, so a node drain never hangs on it.
 //!
-//! Exit status: 0 ready to stop; 1 no router answered; 2 the router refused (the message says
-//! why: token, pod, engine); 3 the budget ended first. Kubelet goes on to SIGTERM either way;
+//! Exit status: 0 ready to stop; 1 no router answered, or it answered 503 (not in control, or
+//! the API server could not be asked) until `--connect-timeout-s`; 2 the router refused (the
+//! message says why: token, pod, engine); 3 the budget ended first. Kubelet goes on to SIGTERM either way;
 //! a non-zero status shows as a `FailedPreStopHook` event on the pod.
 //!
 //! With `--ready` it is the engine container's readiness probe instead: exit 0 when the router
@@ -41,6 +42,10 @@ struct Args {
     /// CA (PEM) of the router's certificate (`control.tls`); needed for `https://`.
     #[arg(long, env = "NARWHAL_CA")]
     ca: Option<PathBuf>,
+    /// Name to verify in the router's certificate when it differs from the host in `--router`
+    /// (connect to the Service's address, verify the certificate for `router.internal`).
+    #[arg(long)]
+    server_name: Option<String>,
     /// Drain only this engine of the pod (default: all of the pod's engines).
     #[arg(long)]
     engine: Option<String>,
@@ -76,30 +81,45 @@ enum Answer {
     Unreachable(String),
 }
 
-fn client(args: &Args) -> Result<reqwest::Client, String> {
+/// The HTTP client and the base URL to call (with `--server-name`, the name, resolved to the
+/// `--router` address).
+async fn client(args: &Args) -> Result<(reqwest::Client, String), String> {
     use narwhal_shared::tls::{ServerTrust, build_client_config, plain_http_client_config};
     let tls = match &args.ca {
         Some(ca) => build_client_config(ServerTrust::Ca(ca), None, &[b"http/1.1"])
             .map_err(|e| format!("--ca {}: {e}", ca.display()))?,
         None => plain_http_client_config().map_err(|e| e.to_string())?,
     };
-    reqwest::Client::builder()
+    let mut b = reqwest::Client::builder()
         .use_preconfigured_tls(tls)
         .no_proxy()
         .connect_timeout(Duration::from_secs_f64(args.connect_timeout_s.max(0.1)))
-        .timeout(Duration::from_secs(30))
-        .build()
-        .map_err(|e| e.to_string())
+        .timeout(Duration::from_secs(30));
+    let mut url = reqwest::Url::parse(&args.router).map_err(|e| format!("--router: {e}"))?;
+    if let Some(name) = &args.server_name {
+        let host = url.host_str().unwrap_or_default().to_string();
+        let port = url.port_or_known_default().unwrap_or(443);
+        let sock = tokio::net::lookup_host((host.as_str(), port))
+            .await
+            .map_err(|e| format!("--router: cannot resolve {host}: {e}"))?
+            .next()
+            .ok_or_else(|| format!("--router: {host} has no address"))?;
+        b = b.resolve(name, sock);
+        url.set_host(Some(name))
+            .map_err(|e| format!("--server-name {name:?}: {e}"))?;
+    }
+    let http = b.build().map_err(|e| e.to_string())?;
+    Ok((http, url.as_str().trim_end_matches('/').to_string()))
 }
 
-async fn call(http: &reqwest::Client, args: &Args, post: bool) -> Answer {
+async fn call(http: &reqwest::Client, base: &str, args: &Args, post: bool) -> Answer {
     let token = match std::fs::read_to_string(&args.token_file) {
         Ok(t) => t.trim().to_string(),
         Err(e) => {
             return Answer::Refused(0, format!("token file {}: {e}", args.token_file.display()));
         }
     };
-    let url = format!("{}/narwhal/self-drain", args.router.trim_end_matches('/'));
+    let url = format!("{base}/narwhal/self-drain");
     let req = if post {
         http.post(&url).json(&Body {
             engine: args.engine.as_deref(),
@@ -127,7 +147,7 @@ async fn call(http: &reqwest::Client, args: &Args, post: bool) -> Answer {
 }
 
 async fn run(args: Args) -> ExitCode {
-    let http = match client(&args) {
+    let (http, base) = match client(&args).await {
         Ok(c) => c,
         Err(e) => {
             eprintln!("narwhal-prestop: {e}");
@@ -135,7 +155,7 @@ async fn run(args: Args) -> ExitCode {
         }
     };
     if args.ready {
-        return match call(&http, &args, false).await {
+        return match call(&http, &base, &args, false).await {
             Answer::Ok(bytes) => match serde_json::from_slice::<SelfDrainStatus>(&bytes) {
                 Ok(st) if !st.engines.is_empty() && st.engines.values().all(|e| e.accepts_new) => {
                     ExitCode::SUCCESS
@@ -174,8 +194,22 @@ async fn run(args: Args) -> ExitCode {
     let poll = Duration::from_secs_f64(args.poll_s.max(0.05));
     // Start the drain, retrying a router that does not answer until the connect timeout.
     loop {
-        match call(&http, &args, true).await {
+        match call(&http, &base, &args, true).await {
             Answer::Ok(_) => break,
+            // Not in control, or the API server could not be asked: another try may find the
+            // new primary or the API server back, until the connect timeout.
+            Answer::Refused(503, msg) if started.elapsed() < connect => {
+                eprintln!("narwhal-prestop: the router cannot drain now (503): {msg}; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Answer::Refused(503, msg) => {
+                eprintln!(
+                    "narwhal-prestop: the router could not drain within {} s (503: {msg}): not \
+                     draining (failing open)",
+                    connect.as_secs_f64()
+                );
+                return ExitCode::from(1);
+            }
             Answer::Refused(status, msg) => {
                 eprintln!("narwhal-prestop: the router refused the drain ({status}): {msg}");
                 return ExitCode::from(2);
@@ -194,7 +228,7 @@ async fn run(args: Args) -> ExitCode {
     }
     eprintln!("narwhal-prestop: drain started; waiting until ready to stop");
     loop {
-        if let Answer::Ok(bytes) = call(&http, &args, false).await
+        if let Answer::Ok(bytes) = call(&http, &base, &args, false).await
             && let Ok(st) = serde_json::from_slice::<SelfDrainStatus>(&bytes)
             && st.ready_to_stop
         {

@@ -8,7 +8,9 @@
 //!   hook), which returns once the engine is `ready_to_stop`;
 //! - another pod's token naming that engine is refused 403; a token for another audience, and a
 //!   request without one, 401; a deleted pod's token drains nothing;
-//! - `narwhal-prestop` with no router to answer fails open within its connect timeout.
+//! - `narwhal-prestop` with no router to answer fails open within its connect timeout;
+//! - a rollout restart of an engine StatefulSet by the real controllers, the test playing the
+//!   kubelet, and a rolling restart by hand, under steady traffic, fail no request.
 // Tests measure wall time (deadlines): the clock ban of clippy.toml is for product code.
 #![allow(clippy::disallowed_methods)]
 
@@ -23,9 +25,21 @@ use serde_json::json;
 const NS: &str = "narwhal";
 const AUDIENCE: &str = "narwhal-self-drain";
 
-/// A self-drain call's status and body.
-async fn call(url: &str, token: Option<&str>, body: Option<&str>) -> (u16, String) {
+/// A self-drain call's status and body; over TLS trusting `ca` when given (no client
+/// certificate: the listener asks for none).
+async fn call(
+    url: &str,
+    ca: Option<&std::path::Path>,
+    token: Option<&str>,
+    body: Option<&str>,
+) -> (u16, String) {
+    use narwhal_shared::tls::{ServerTrust, build_client_config, plain_http_client_config};
+    let tls = match ca {
+        Some(ca) => build_client_config(ServerTrust::Ca(ca), None, &[b"http/1.1"]).unwrap(),
+        None => plain_http_client_config().unwrap(),
+    };
     let http = reqwest::Client::builder()
+        .use_preconfigured_tls(tls)
         .no_proxy()
         .timeout(Duration::from_secs(30))
         .build()
@@ -66,10 +80,14 @@ async fn a_pod_drains_only_its_own_engine_with_its_bound_token() {
         .prefill(1)
         .decode(1)
         .agents()
+        .control_tls()
         .fleet(c.self_drain())
         .start()
         .await;
+    // TLS with the control certificate, no client certificate asked.
     let url = f.router().self_drain_url();
+    assert!(url.starts_with("https://"), "{url}");
+    let ca = f.certs().ca.clone();
 
     // Two engine pods at the simulators' address and ports.
     let p0 = admin
@@ -82,7 +100,7 @@ async fn a_pod_drains_only_its_own_engine_with_its_bound_token() {
     let d0_token = admin.pod_token(NS, "engine", "d0-pod", &d0, AUDIENCE).await;
 
     // Its own engine, read with its token.
-    let (status, body) = call(&url, Some(&p0_token), None).await;
+    let (status, body) = call(&url, Some(&ca), Some(&p0_token), None).await;
     assert_eq!(status, 200, "{body}");
     let st: SelfDrainStatus = serde_json::from_str(&body).unwrap();
     assert_eq!(st.pod, "narwhal/p0-pod");
@@ -90,7 +108,13 @@ async fn a_pod_drains_only_its_own_engine_with_its_bound_token() {
     assert!(!st.ready_to_stop);
 
     // Another pod's token naming p0: 403, and p0 stays in placement.
-    let (status, body) = call(&url, Some(&d0_token), Some(r#"{"engine": "p0"}"#)).await;
+    let (status, body) = call(
+        &url,
+        Some(&ca),
+        Some(&d0_token),
+        Some(r#"{"engine": "p0"}"#),
+    )
+    .await;
     assert_eq!(status, 403, "{body}");
     assert_eq!(
         message(&body),
@@ -100,14 +124,14 @@ async fn a_pod_drains_only_its_own_engine_with_its_bound_token() {
     let api_token = admin
         .pod_token(NS, "engine", "p0-pod", &p0, SA_ISSUER)
         .await;
-    let (status, body) = call(&url, Some(&api_token), Some("{}")).await;
+    let (status, body) = call(&url, Some(&ca), Some(&api_token), Some("{}")).await;
     assert_eq!(status, 401, "{body}");
     assert!(
         message(&body)
             .starts_with("the token was not accepted for audience \"narwhal-self-drain\""),
         "{body}"
     );
-    let (status, body) = call(&url, None, Some("{}")).await;
+    let (status, body) = call(&url, Some(&ca), None, Some("{}")).await;
     assert_eq!(status, 401, "{body}");
     let lc = f.router().lifecycle().await;
     assert_eq!(lc.engines.of("p0").state, DrainState::Active, "{lc:#?}");
@@ -120,6 +144,8 @@ async fn a_pod_drains_only_its_own_engine_with_its_bound_token() {
         .args(["--router", &url, "--budget-s", "60", "--poll-s", "0.2"])
         .arg("--token-file")
         .arg(&token_file)
+        .arg("--ca")
+        .arg(&ca)
         .output()
         .await
         .unwrap();
@@ -135,13 +161,13 @@ async fn a_pod_drains_only_its_own_engine_with_its_bound_token() {
     assert!(e.draining && e.ready_to_stop, "{lc:#?}");
     assert_eq!(lc.engines.of("d0").state, DrainState::Active, "{lc:#?}");
     // Run again (a hook retried): nothing changes, it is still ready to stop.
-    let (status, body) = call(&url, Some(&p0_token), Some("{}")).await;
+    let (status, body) = call(&url, Some(&ca), Some(&p0_token), Some("{}")).await;
     assert_eq!(status, 200, "{body}");
 
     // The pod is deleted: its token drains nothing (refused by TokenReview, or by the pod
     // check while the API server still accepts a token of a pod just deleted).
     admin.delete_pod_now(NS, "d0-pod").await;
-    let (status, body) = call(&url, Some(&d0_token), Some("{}")).await;
+    let (status, body) = call(&url, Some(&ca), Some(&d0_token), Some("{}")).await;
     assert!(status == 401 || status == 403, "{status} {body}");
     if status == 403 {
         assert_eq!(
