@@ -30,6 +30,7 @@ export DEBIAN_FRONTEND=noninteractive
 apt_pkgs=()
 command -v go >/dev/null 2>&1 || apt_pkgs+=(golang-go)
 command -v rsync >/dev/null 2>&1 || apt_pkgs+=(rsync)
+command -v make >/dev/null 2>&1 || apt_pkgs+=(make)
 [ -d /usr/share/gocode/src/github.com/modern-go/reflect2 ] || apt_pkgs+=(golang-github-modern-go-reflect2-dev)
 command -v dpkg-source >/dev/null 2>&1 || apt_pkgs+=(dpkg-dev)
 if [ "${#apt_pkgs[@]}" -gt 0 ]; then
