@@ -39,6 +39,6 @@ pub use attestation::{
     VerifyError,
 };
 pub use canonical::{canonical_json, sha256_digest};
-pub use identity::ProcessIdentity;
+pub use identity::{PodBinding, ProcessIdentity};
 pub use signing::{KeyError, PublicKey, SignedDocument, SigningKey};
 pub use tls::{TlsError, TlsFiles};

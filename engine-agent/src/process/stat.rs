@@ -139,5 +139,10 @@ pub fn read_identity(pid: u32, listen_port: Option<u16>) -> Result<ProcessIdenti
         ),
         exe,
         listen_port,
+        // A process outside a pod, or whose cgroup file cannot be read, names no pod.
+        pod: std::fs::read_to_string(root.join(pid.to_string()).join("cgroup"))
+            .ok()
+            .as_deref()
+            .and_then(narwhal_shared::PodBinding::from_cgroup),
     })
 }

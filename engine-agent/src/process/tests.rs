@@ -83,6 +83,7 @@ fn a_reused_pid_is_a_different_process() {
         process_start_time_seconds: ProcessIdentity::start_time_seconds(1, t, 100),
         exe: "/bin/engine".into(),
         listen_port: None,
+        pod: None,
     };
     assert!(!ident(a.start_ticks).same_process(&ident(b.start_ticks)));
     assert!(ident(a.start_ticks).same_process(&ident(a.start_ticks)));
@@ -242,6 +243,7 @@ impl ProcView for FakeProc {
             process_start_time_seconds: ProcessIdentity::start_time_seconds(1, start, 100),
             exe: "/bin/engine".into(),
             listen_port: Some(port),
+            pod: None,
         })
     }
     fn scan(&self, port: u16, _hint: Option<u32>) -> Result<ResolvedOwner, ProcessError> {

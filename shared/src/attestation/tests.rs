@@ -18,6 +18,7 @@ fn process(start_ticks: u64) -> ProcessIdentity {
         process_start_time_seconds: ProcessIdentity::start_time_seconds(1_000, start_ticks, 100),
         exe: "/usr/bin/engine".into(),
         listen_port: Some(8000),
+        pod: None,
     }
 }
 
