@@ -8,17 +8,21 @@
 #   3. the chart's files/ are copies of packaging/grafana/ and packaging/prometheus/;
 #   4. `helm lint --strict`, with the default values and with the example engines;
 #   5. `helm template` over a matrix of values (defaults; example engines; PrometheusRule via
-#      --api-versions monitoring.coreos.com/v1; TLS everywhere with --standby-of; a minimal
-#      and a renamed variation; --kube-version 1.20.2), each output validated with
-#      `kubernetes-validate --strict` against Kubernetes 1.30.0 ... 1.37.0 (the 1.20 render is
+#      --api-versions monitoring.coreos.com/v1; TLS everywhere with --standby-of; example
+#      engines with their own readiness probe; a minimal and a renamed variation;
+#      --kube-version 1.20.2), each output validated with `kubernetes-validate --strict`
+#      against Kubernetes 1.30.0 ... 1.37.0 (the 1.20 render is
 #      checked by helm and by the checks below only: no schema of 1.20 is published there, and
 #      its policy/v1beta1 PodDisruptionBudget is gone from 1.25 on). PrometheusRule has no
 #      schema in kubernetes-validate: it is the one kind allowed to be skipped, and is checked
 #      against the rules file instead;
 #   6. what each render must say (the lease section, the Role, probes, Services, the agent's
 #      privileges, the self-drain section, Service and permissions, the engine pods' preStop
-#      narwhal-prestop and projected token, ...), read back with PyYAML;
-#   7. values the schema or the templates must refuse;
+#      narwhal-prestop, readiness probe narwhal-prestop --ready and projected token, ...), read
+#      back with PyYAML;
+#   7. values the schema or the templates must refuse; narwhal.enginePod called with a
+#      container of one's own (a copy of the chart with one more template): its readiness probe
+#      set, kept or refused;
 #   8. every value of values.yaml is in the values table of docs/kubernetes.md;
 #   9. packaging/helm/rendered/narwhal.yaml equals a fresh default render.
 # Usage: bash packaging/check-chart.sh [--write]
@@ -172,6 +176,7 @@ lint "Kubernetes 1.20.2" --kube-version 1.20.2
 matrix=(
   "default|default values|"
   "engines|example engines|--set engines.example.enabled=true"
+  "own-readiness|example engines with their own readiness probe|--set engines.example.enabled=true --set engines.readinessFromRouter=false --set engines.readiness.connectTimeoutSeconds=9"
   "prometheusrule|PrometheusRule API present|--api-versions monitoring.coreos.com/v1"
   "tls|TLS everywhere, --standby-of, example engines|--set router.tls.enabled=true --set router.controlTLS.enabled=true --set engines.example.enabled=true --set tests.clientTLS.secretName=narwhal-ctl-tls --set router.standbyOfControlService=true"
   "minimal|one router, no agent, self-drain, monitoring or tests|--set router.replicas=1 --set router.antiAffinity=none --set router.podDisruptionBudget.enabled=false --set agent.enabled=false --set selfDrain.enabled=false --set monitoring.dashboard.enabled=false --set monitoring.rules.enabled=false --set monitoring.prometheusRule.enabled=false --set tests.enabled=false --set router.checkConfig=false"
@@ -370,7 +375,7 @@ else:
               doc["schema"] == "narwhal.agent-config" and doc["engines"] and doc["agent_id"] == "__NODE_NAME__")
     if name == "renamed":
         check("agent configs: default and per node", sorted(configs) == ["default.json", "node-gpu-b.json"], sorted(configs))
-    if name in ("engines", "tls", "kube-1.20"):
+    if name in ("engines", "tls", "kube-1.20", "own-readiness"):
         check("agent config of the example engines' node", "node-gpu-node-a.json" in configs, sorted(configs))
 
 # Monitoring: the ConfigMaps are the files, byte for byte.
@@ -393,9 +398,10 @@ else:
 
 # The example engines: one StatefulSet of one pod per instance behind the headless Service, the
 # fleet naming each by its pod's DNS name; preStop narwhal-prestop with the pod's projected
-# token, grace, PodDisruptionBudget per role.
+# token, readiness narwhal-prestop --ready through the same router (engines.readinessFromRouter),
+# grace, PodDisruptionBudget per role.
 engines = [d for d in find("StatefulSet") + find("Deployment") if d["metadata"]["name"].startswith(f"{prefix}-engine-")]
-if name in ("engines", "tls", "kube-1.20"):
+if name in ("engines", "tls", "kube-1.20", "own-readiness"):
     check("example engines: one StatefulSet per instance", len(engines) == 2 and all(d["kind"] == "StatefulSet" for d in engines),
           [(d["kind"], d["metadata"]["name"]) for d in engines])
     headless = one("Service", f"{prefix}-engines")
@@ -421,6 +427,16 @@ if name in ("engines", "tls", "kube-1.20"):
         want += ["--budget-s", "330", "--connect-timeout-s", "5"]
         check(f"engine {iid}: preStop is narwhal-prestop through the self-drain Service with the pod's token",
               cmd == want, cmd)
+        probe = c.get("readinessProbe")
+        if name == "own-readiness":
+            check(f"engine {iid}: with engines.readinessFromRouter false, its own readiness probe (httpGet /health), no narwhal-prestop --ready",
+                  probe == {"httpGet": {"path": "/health", "port": cport}, "periodSeconds": 10, "failureThreshold": 3}, probe)
+        else:
+            want_ready = ["/narwhal/bin/narwhal-prestop", "--ready"] + want[1:want.index("--budget-s")] + ["--connect-timeout-s", "3"]
+            check(f"engine {iid}: readiness probe is narwhal-prestop --ready with the preStop's router, token"
+                  + (" and --ca" if name == "tls" else "") + "; every 5 s, timeout 5 s (above the 3 s connect timeout), 1 failure, no delay",
+                  probe == {"exec": {"command": want_ready}, "initialDelaySeconds": 0, "periodSeconds": 5,
+                            "timeoutSeconds": 5, "failureThreshold": 1}, probe)
         budget = int(cmd[cmd.index("--budget-s") + 1])
         check(f"engine {iid}: grace = drain budget + engine shutdown + margin",
               pod["terminationGracePeriodSeconds"] == budget + 30 + 15, pod["terminationGracePeriodSeconds"])
@@ -510,6 +526,85 @@ refuse "a drain budget below the self-drain deadline" "must be at least selfDrai
   --set engines.example.enabled=true --set engines.drainBudgetSeconds=200
 refuse "the narwhalctl drain's values, replaced by the self-drain (schema)" "additional properties 'controlClientTLS' not allowed" \
   --set engines.controlClientTLS.secretName=x
+refuse "a readiness connect timeout not below the probe's timeout" "must be below engines.readiness.timeoutSeconds" \
+  --set engines.example.enabled=true --set engines.readiness.connectTimeoutSeconds=5
+refuse "a misspelt engines.readiness value (schema)" "additional properties 'period' not allowed" \
+  --set engines.readiness.period=5
+
+# narwhal.enginePod called with an engine container of one's own, as a chart that depends on
+# this one (or copies _engine.tpl) calls it: a copy of the chart with one more template, a
+# StatefulSet of the helper's pod around the container.
+hchart="$tmp/helper-chart/narwhal"
+mkdir -p "$tmp/helper-chart"
+cp -R "$chart" "$hchart"
+own_probe='"readinessProbe" (dict "httpGet" (dict "path" "/health" "port" 8000))'
+own_probe_json='{"httpGet": {"path": "/health", "port": 8000}}'
+# helper_render <more container fields> <more narwhal.enginePod arguments> [helm arguments...]
+helper_render() {
+  local fields=$1 args=$2
+  shift 2
+  cat >"$hchart/templates/zz-helper-check.yaml" <<EOF
+{{- \$c := dict "name" "engine" "image" "engine:1" "ports" (list (dict "containerPort" 8000)) $fields }}
+apiVersion: apps/v1
+kind: StatefulSet
+metadata:
+  name: helper-check
+spec:
+  serviceName: engines
+  selector:
+    matchLabels: {app: helper-check}
+  template:
+    {{- include "narwhal.enginePod" (dict "root" \$ "role" "decode" "container" \$c "labels" (dict "app" "helper-check") $args) | nindent 4 }}
+EOF
+  "$helm" template narwhal "$hchart" --namespace narwhal --show-only templates/zz-helper-check.yaml "$@"
+}
+# ready_probe <URL> [--ca]: the readiness probe narwhal.enginePod sets, as JSON.
+ready_probe() {
+  local ca=""
+  if [ "${2:-}" = --ca ]; then ca=', "--ca", "/narwhal/self-drain-ca/ca.crt"'; fi
+  printf '{"exec": {"command": ["/narwhal/bin/narwhal-prestop", "--ready", "--router", "%s", "--token-file", "/var/run/secrets/narwhal/token"%s, "--connect-timeout-s", "3"]}, "initialDelaySeconds": 0, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 1}' "$1" "$ca"
+}
+# helper_probe <what> <the engine container's readinessProbe wanted, JSON> <helper_render arguments...>
+helper_probe() {
+  local what=$1 want=$2 got
+  shift 2
+  if ! helper_render "$@" >"$tmp/helper.yaml" 2>"$tmp/helper.err"; then
+    fail "narwhal.enginePod: $what: $(head -3 "$tmp/helper.err" | tr '\n' ' ')"
+    return
+  fi
+  got=$("$py" - "$tmp/helper.yaml" "$want" 2>&1 <<'PY'
+import json, sys
+import yaml
+c = yaml.safe_load(open(sys.argv[1]))["spec"]["template"]["spec"]["containers"][0]
+got = c.get("readinessProbe")
+print("same" if got == json.loads(sys.argv[2]) else json.dumps(got))
+PY
+  ) || true
+  if [ "$got" = same ]; then
+    ok "narwhal.enginePod: $what"
+  else
+    fail "narwhal.enginePod: $what: readinessProbe $got"
+  fi
+}
+helper_probe "a container without a readiness probe gets narwhal-prestop --ready" \
+  "$(ready_probe http://narwhal-self-drain.narwhal.svc:8002)" "" ""
+helper_probe "the probe asks the preStop's router (engines.selfDrainURL), with --ca under TLS" \
+  "$(ready_probe https://router.internal:8002 --ca)" "" "" \
+  --set engines.selfDrainURL=https://router.internal:8002 --set router.controlTLS.enabled=true
+helper_probe "the container's own readiness probe kept with engines.readinessFromRouter false" \
+  "$own_probe_json" "$own_probe" "" --set engines.readinessFromRouter=false
+helper_probe "the container's own readiness probe kept with the argument readinessFromRouter false" \
+  "$own_probe_json" "$own_probe" '"readinessFromRouter" false'
+helper_probe "no readiness probe with engines.readinessFromRouter false and none of the container's" \
+  null "" "" --set engines.readinessFromRouter=false
+if helper_render "$own_probe" "" >/dev/null 2>"$tmp/helper.err"; then
+  fail "refused: a container with its own readinessProbe under engines.readinessFromRouter: helm template accepted it"
+elif grep -q "the container sets readinessProbe" "$tmp/helper.err" \
+  && grep -q "engines.readinessFromRouter: false" "$tmp/helper.err"; then
+  ok "refused: a container with its own readinessProbe under engines.readinessFromRouter"
+else
+  fail "refused: a container with its own readinessProbe under engines.readinessFromRouter: not with the message: $(head -3 "$tmp/helper.err" | tr '\n' ' ')"
+fi
 
 # --- 8. every value is documented -----------------------------------------------------------
 if "$py" - "$chart/values.yaml" docs/kubernetes.md >"$tmp/values.log" 2>&1 <<'PY'; then

@@ -22,8 +22,9 @@ Arguments (a dict):
   role       prefill | decode | aggregated: the label narwhal.dev/role (PodDisruptionBudgets
              select by it), required
   container  the engine container (a dict in the Pod API's shape), required; it must not set
-             lifecycle.preStop (the helper sets it), and it should list the engine's port in
-             `ports` (the router drains for a pod only engines at one of its container ports)
+             lifecycle.preStop (the helper sets it), nor readinessProbe while readinessFromRouter
+             is true (the helper sets that too), and it should list the engine's port in `ports`
+             (the router drains for a pod only engines at one of its container ports)
   iid        the engine's iid in the fleet file, optional: only the label narwhal.dev/iid (the
              router finds the pod's engine by its address; a StatefulSet of several engines
              leaves it out)
@@ -32,6 +33,7 @@ Arguments (a dict):
   labels     more pod labels, optional
   drainBudgetSeconds  overrides engines.drainBudgetSeconds, optional
   hostNetwork         overrides engines.hostNetwork, optional
+  readinessFromRouter overrides engines.readinessFromRouter, optional
 
 What it adds:
   - labels narwhal.dev/role, narwhal.dev/iid (when given) and the chart's selector labels with
@@ -49,6 +51,12 @@ What it adds:
     passed, or the router refused, or no router answered within engines.connectTimeoutSeconds);
     then the kubelet sends SIGTERM. With selfDrain.readmit the router readmits the restarted
     engine through the six checks by itself;
+  - with engines.readinessFromRouter (default true), the engine container's readiness probe:
+    `narwhal-prestop --ready --router <the same URL> --token-file /var/run/secrets/narwhal/token
+    --connect-timeout-s C` (timing from engines.readiness): the pod turns Ready only once the
+    router places on every engine of the pod (each readmitted through the six checks after a
+    restart), so a rollout or an eviction under a PodDisruptionBudget waits for the router
+    before it takes the next pod down. While no router answers, the pods are NotReady;
   - terminationGracePeriodSeconds = B + engines.engineShutdownSeconds + engines.marginSeconds,
     so the kubelet never cuts the drain short;
   - automountServiceAccountToken: false unless `pod` sets it (the engine needs no API token);
@@ -75,6 +83,8 @@ What it adds:
 {{- end -}}
 {{- $hostNetwork := $e.hostNetwork -}}
 {{- if hasKey . "hostNetwork" -}}{{- $hostNetwork = .hostNetwork -}}{{- end -}}
+{{- $fromRouter := $e.readinessFromRouter -}}
+{{- if hasKey . "readinessFromRouter" -}}{{- $fromRouter = .readinessFromRouter -}}{{- end -}}
 {{- $tls := $root.Values.router.controlTLS.enabled -}}
 {{- $url := default (include "narwhal.selfDrainURL" $root) $e.selfDrainURL -}}
 {{- $container := deepCopy (required "narwhal.enginePod: container is required" .container) -}}
@@ -83,13 +93,24 @@ What it adds:
 {{- if hasKey $lifecycle "preStop" -}}
 {{- fail (printf "%s: the container sets lifecycle.preStop; the helper's preStop drains the engine through the router" $what) -}}
 {{- end -}}
-{{- $cmd := list "/narwhal/bin/narwhal-prestop" "--router" $url "--token-file" "/var/run/secrets/narwhal/token" -}}
-{{- if $tls -}}
-{{- $cmd = concat $cmd (list "--ca" "/narwhal/self-drain-ca/ca.crt") -}}
+{{- if and $fromRouter (hasKey $container "readinessProbe") -}}
+{{- fail (printf "%s: the container sets readinessProbe; with engines.readinessFromRouter the helper's readiness probe (narwhal-prestop --ready) asks the router whether it places on the pod's engines: drop the container's probe, or set engines.readinessFromRouter: false (or the helper's readinessFromRouter argument) to keep it" $what) -}}
 {{- end -}}
-{{- $cmd = concat $cmd (list "--budget-s" (toString $budget) "--connect-timeout-s" (toString (int $e.connectTimeoutSeconds))) -}}
+{{- $router := list "--router" $url "--token-file" "/var/run/secrets/narwhal/token" -}}
+{{- if $tls -}}
+{{- $router = concat $router (list "--ca" "/narwhal/self-drain-ca/ca.crt") -}}
+{{- end -}}
+{{- $cmd := concat (list "/narwhal/bin/narwhal-prestop") $router (list "--budget-s" (toString $budget) "--connect-timeout-s" (toString (int $e.connectTimeoutSeconds))) -}}
 {{- $_ := set $lifecycle "preStop" (dict "exec" (dict "command" $cmd)) -}}
 {{- $_ := set $container "lifecycle" $lifecycle -}}
+{{- if $fromRouter -}}
+{{- $r := $e.readiness -}}
+{{- if ge (int $r.connectTimeoutSeconds) (int $r.timeoutSeconds) -}}
+{{- fail (printf "%s: engines.readiness.connectTimeoutSeconds (%d) must be below engines.readiness.timeoutSeconds (%d): the kubelet would kill the probe before it reports" $what (int $r.connectTimeoutSeconds) (int $r.timeoutSeconds)) -}}
+{{- end -}}
+{{- $ready := concat (list "/narwhal/bin/narwhal-prestop" "--ready") $router (list "--connect-timeout-s" (toString (int $r.connectTimeoutSeconds))) -}}
+{{- $_ := set $container "readinessProbe" (dict "exec" (dict "command" $ready) "initialDelaySeconds" 0 "periodSeconds" (int $r.periodSeconds) "timeoutSeconds" (int $r.timeoutSeconds) "failureThreshold" (int $r.failureThreshold)) -}}
+{{- end -}}
 {{- $mounts := default (list) (get $container "volumeMounts") -}}
 {{- $mounts = append $mounts (dict "name" "narwhal-bin" "mountPath" "/narwhal/bin" "readOnly" true) -}}
 {{- $mounts = append $mounts (dict "name" "narwhal-token" "mountPath" "/var/run/secrets/narwhal" "readOnly" true) -}}
