@@ -497,3 +497,76 @@ fn bad_settings_name_the_key() {
     );
     assert!(err(&base, &[]).contains("lease.kubernetes.token_file"));
 }
+
+/// Others write the Lease too (a label from a policy controller, a manifest that created it):
+/// a renewal and a publish read again and go on; a Lease created without the finalizer gets it
+/// on the first write; and a standby that only polled (`read_all`) claims a recreated Lease
+/// above the epoch it saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outside_writes_do_not_fence_and_a_polling_standby_keeps_the_epoch() {
+    let name = "shared";
+    let c = Cluster::start(name).await;
+    // A Lease made by a manifest: no record, no finalizer.
+    c.admin
+        .post::<LeaseObject>(
+            &format!("/apis/coordination.k8s.io/v1/namespaces/{NS}/leases"),
+            &serde_json::json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": name, "namespace": NS}, "spec": {}}),
+        )
+        .await
+        .unwrap();
+    let (sa, sb) = (c.store(name, 2 * S), c.store(name, 2 * S));
+    let t0 = SystemClock.now();
+    let mut a = Lease::new("a:1".into(), timing(2000, 500, 500));
+    let Claim::Write(r1) = sa.claim(&a, t0, 50.0).await.unwrap() else {
+        panic!()
+    };
+    a.granted(r1.epoch, t0);
+    let obj = c.lease(name).await.unwrap();
+    assert_eq!(
+        obj.metadata.finalizers,
+        vec![KEEP_EPOCH_FINALIZER.to_string()]
+    );
+
+    // A label written between the primary's read and write costs it nothing.
+    let mut labelled = c.lease(name).await.unwrap();
+    labelled
+        .metadata
+        .rest
+        .insert("labels".into(), serde_json::json!({"team": "inference"}));
+    c.admin
+        .put::<LeaseObject>(&Cluster::path(name), &labelled)
+        .await
+        .unwrap();
+    assert_eq!(
+        sa.renew(&a, t0 + ms(100), 50.1)
+            .await
+            .unwrap()
+            .unwrap()
+            .epoch,
+        1
+    );
+    sa.publish(&a, t0 + ms(200), b"{\"doc\":1}".to_vec())
+        .await
+        .unwrap()
+        .unwrap();
+    let kept = c.lease(name).await.unwrap();
+    assert!(kept.metadata.rest.contains_key("labels"), "{kept:?}");
+
+    // The standby only polled; the Lease is then deleted for good (finalizer removed).
+    let (rec, _) = sb.read_all().await.unwrap();
+    assert_eq!(rec.map(|r| r.epoch), Some(1));
+    let mut gone = c.lease(name).await.unwrap();
+    gone.metadata.finalizers.clear();
+    c.admin
+        .put::<LeaseObject>(&Cluster::path(name), &gone)
+        .await
+        .unwrap();
+    c.admin.delete(&Cluster::path(name)).await.unwrap();
+    assert!(c.lease(name).await.is_none());
+    let b = Lease::new("b:2".into(), timing(2000, 500, 500));
+    let Claim::Write(rb) = sb.claim(&b, t0 + ms(300), 50.3).await.unwrap() else {
+        panic!()
+    };
+    assert_eq!(rb.epoch, 2, "above the epoch the standby saw");
+}

@@ -281,7 +281,13 @@ impl KubeLease {
             Err(Failure::Server { status: 409, .. }) => Ok(Written::Lost),
             // The object was deleted (finalizer removed) between the read and the write.
             Err(Failure::Server { status: 404, .. }) if !create => Ok(Written::Lost),
+            // Sent and not answered, or answered by a timeout (408, 504, etcd's "request timed
+            // out" as 500) or a proxy in front of the API server (502, 503): it may have been
+            // applied.
             Err(f @ Failure::Transport { sent: true, .. }) => {
+                Err(LeaseError::Unconfirmed(Box::new(self.failure(op, f))))
+            }
+            Err(f @ Failure::Server { status, .. }) if status == 408 || status >= 500 => {
                 Err(LeaseError::Unconfirmed(Box::new(self.failure(op, f))))
             }
             Err(f) => Err(self.failure(op, f)),
@@ -315,11 +321,21 @@ impl KubeLease {
             metadata: ObjectMeta {
                 name: self.name.clone(),
                 namespace: Some(self.namespace.clone()),
-                finalizers: vec![KEEP_EPOCH_FINALIZER.into()],
                 ..ObjectMeta::default()
             },
             ..LeaseObject::default()
         });
+        // A Lease created by someone else (a manifest, GitOps) gets the finalizer on the first
+        // write; one already marked for deletion cannot take a new finalizer.
+        if out.metadata.deletion_timestamp.is_none()
+            && !out
+                .metadata
+                .finalizers
+                .iter()
+                .any(|f| f == KEEP_EPOCH_FINALIZER)
+        {
+            out.metadata.finalizers.push(KEEP_EPOCH_FINALIZER.into());
+        }
         let text = String::from_utf8_lossy(&render_record(rec))
             .trim_end()
             .to_string();
@@ -345,6 +361,16 @@ impl KubeLease {
     fn saw(highest: &mut u64, epoch: u64) -> u64 {
         *highest = (*highest).max(epoch);
         *highest
+    }
+
+    /// The epoch `obj` shows: its record's, else its `spec.leaseTransitions` (the mirror this
+    /// backend writes), so a record annotation someone removed does not reset the epoch.
+    fn epoch_of(obj: Option<&LeaseObject>, record: Option<&LeaseRecord>) -> u64 {
+        let mirrored = obj
+            .and_then(|o| o.spec.lease_transitions)
+            .and_then(|t| u64::try_from(t).ok())
+            .unwrap_or(0);
+        record.map_or(0, |r| r.epoch).max(mirrored)
     }
 }
 
@@ -374,10 +400,9 @@ impl LeaseStore for KubeLease {
 
     async fn read(&self) -> Result<Option<LeaseRecord>, LeaseError> {
         let mut highest = self.highest_epoch.lock().await;
-        let rec = self.record_of(self.get().await?.as_ref())?;
-        if let Some(r) = &rec {
-            Self::saw(&mut highest, r.epoch);
-        }
+        let obj = self.get().await?;
+        let rec = self.record_of(obj.as_ref())?;
+        Self::saw(&mut highest, Self::epoch_of(obj.as_ref(), rec.as_ref()));
         Ok(rec)
     }
 
@@ -387,7 +412,7 @@ impl LeaseStore for KubeLease {
         for _ in 0..CLAIM_ATTEMPTS {
             let obj = self.get().await?;
             let current = self.record_of(obj.as_ref())?;
-            let stored = current.as_ref().map_or(0, |r| r.epoch);
+            let stored = Self::epoch_of(obj.as_ref(), current.as_ref());
             let seen = Self::saw(&mut highest, stored);
             if let Some(when) = obj
                 .as_ref()
@@ -440,33 +465,32 @@ impl LeaseStore for KubeLease {
     ) -> Result<Result<LeaseRecord, LeaseLoss>, LeaseError> {
         let mut core = core.clone();
         let mut highest = self.highest_epoch.lock().await;
-        let obj = self.get().await?;
-        let current = self.record_of(obj.as_ref())?;
-        if let Some(r) = &current {
-            Self::saw(&mut highest, r.epoch);
-        }
-        let rec = match core.renew(current.as_ref(), now, now_wall) {
-            Ok(rec) => rec,
-            Err(loss) => return Ok(Err(loss)),
-        };
-        let Some(obj) = obj else {
-            // `renew` only succeeds on our own record, so the object exists.
-            return Err(self.err("update", "the Lease vanished during the renewal"));
-        };
-        match self
-            .write(&self.with_record(Some(&obj), &rec, false), false)
-            .await?
-        {
-            Written::Yes => Ok(Ok(rec)),
-            Written::Lost => {
-                // Written between our read and our write: decide on what is there now.
-                let after = self.record_of(self.get().await?.as_ref())?;
-                match core.renew(after.as_ref(), now, now_wall) {
-                    Err(loss) => Ok(Err(loss)),
-                    Ok(_) => Err(self.err("update", "renewal lost the compare-and-swap")),
-                }
+        // A write by someone else in between (a label, an annotation, a delete that only marks
+        // the Lease) is no reason to give up a lease that is still ours: read again and retry.
+        for _ in 0..CLAIM_ATTEMPTS {
+            let obj = self.get().await?;
+            let current = self.record_of(obj.as_ref())?;
+            Self::saw(&mut highest, Self::epoch_of(obj.as_ref(), current.as_ref()));
+            let rec = match core.renew(current.as_ref(), now, now_wall) {
+                Ok(rec) => rec,
+                Err(loss) => return Ok(Err(loss)),
+            };
+            let Some(obj) = obj else {
+                // `renew` only succeeds on our own record, so the object exists.
+                return Err(self.err("update", "the Lease vanished during the renewal"));
+            };
+            match self
+                .write(&self.with_record(Some(&obj), &rec, false), false)
+                .await?
+            {
+                Written::Yes => return Ok(Ok(rec)),
+                Written::Lost => {}
             }
         }
+        Err(self.err(
+            "update",
+            format!("renewal lost the compare-and-swap {CLAIM_ATTEMPTS} times in a row"),
+        ))
     }
 
     async fn publish(
@@ -475,52 +499,56 @@ impl LeaseStore for KubeLease {
         now: Instant,
         doc: Vec<u8>,
     ) -> Result<Result<(), LeaseLoss>, LeaseError> {
-        let _serial = self.highest_epoch.lock().await;
+        let mut highest = self.highest_epoch.lock().await;
         let doc = String::from_utf8(doc)
             .map_err(|e| self.err("update", format!("the handoff document is not UTF-8: {e}")))?;
-        let obj = self.get().await?;
-        let current = self.record_of(obj.as_ref())?;
-        if let Err(loss) = core.may_publish(current.as_ref(), now) {
-            return Ok(Err(loss));
-        }
-        let Some(mut next) = obj else {
-            return Err(self.err("update", "the Lease vanished before the publish"));
-        };
-        next.metadata
-            .annotations
-            .insert(HANDOFF_ANNOTATION.to_string(), doc);
-        let total: usize = next
-            .metadata
-            .annotations
-            .iter()
-            .map(|(k, v)| k.len() + v.len())
-            .sum();
-        if total > ANNOTATIONS_LIMIT_BYTES {
-            // Refused before the call: the API server would answer 422 Invalid.
-            return Err(self.err(
-                "update",
-                format!(
-                    "the handoff document does not fit the Lease: its annotations would be \
-                     {total} bytes, over Kubernetes' {ANNOTATIONS_LIMIT_BYTES}-byte limit"
-                ),
-            ));
-        }
-        match self.write(&next, false).await? {
-            Written::Yes => Ok(Ok(())),
-            Written::Lost => {
-                let after = self.record_of(self.get().await?.as_ref())?;
-                match core.may_publish(after.as_ref(), now) {
-                    Err(loss) => Ok(Err(loss)),
-                    Ok(_) => Err(self.err("update", "publish lost the compare-and-swap")),
-                }
+        // As for a renewal: another writer's change in between is read again, not a loss.
+        for _ in 0..CLAIM_ATTEMPTS {
+            let obj = self.get().await?;
+            let current = self.record_of(obj.as_ref())?;
+            Self::saw(&mut highest, Self::epoch_of(obj.as_ref(), current.as_ref()));
+            if let Err(loss) = core.may_publish(current.as_ref(), now) {
+                return Ok(Err(loss));
+            }
+            let Some(mut next) = obj else {
+                return Err(self.err("update", "the Lease vanished before the publish"));
+            };
+            next.metadata
+                .annotations
+                .insert(HANDOFF_ANNOTATION.to_string(), doc.clone());
+            let total: usize = next
+                .metadata
+                .annotations
+                .iter()
+                .map(|(k, v)| k.len() + v.len())
+                .sum();
+            if total > ANNOTATIONS_LIMIT_BYTES {
+                // Refused before the call: the API server would answer 422 Invalid.
+                return Err(self.err(
+                    "update",
+                    format!(
+                        "the handoff document does not fit the Lease: its annotations would be \
+                         {total} bytes, over Kubernetes' {ANNOTATIONS_LIMIT_BYTES}-byte limit"
+                    ),
+                ));
+            }
+            match self.write(&next, false).await? {
+                Written::Yes => return Ok(Ok(())),
+                Written::Lost => {}
             }
         }
+        Err(self.err(
+            "update",
+            format!("publish lost the compare-and-swap {CLAIM_ATTEMPTS} times in a row"),
+        ))
     }
 
     async fn read_all(&self) -> Result<(Option<LeaseRecord>, Option<Vec<u8>>), LeaseError> {
-        let _serial = self.highest_epoch.lock().await;
+        let mut highest = self.highest_epoch.lock().await;
         let obj = self.get().await?;
         let record = self.record_of(obj.as_ref())?;
+        // A standby polls here: what it saw floors the epoch of a claim on a recreated Lease.
+        Self::saw(&mut highest, Self::epoch_of(obj.as_ref(), record.as_ref()));
         let doc = obj.and_then(|mut o| o.metadata.annotations.remove(HANDOFF_ANNOTATION));
         Ok((record, doc.map(String::into_bytes)))
     }
