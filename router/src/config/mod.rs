@@ -553,6 +553,10 @@ pub struct Config {
     pub engine_contract: Option<Value>,
 }
 
+/// Largest accepted drain deadline, seconds (one year): a lifecycle drain's and
+/// `control.self_drain.deadline_s`.
+pub(crate) const MAX_DRAIN_DEADLINE_S: f64 = 365.0 * 24.0 * 3600.0;
+
 /// `control.self_drain` (ours; docs/kubernetes.md, "Self-drain"): a listener on which an
 /// engine pod's preStop hook drains that pod's own engine, authenticated by the pod's bound
 /// service-account token (Kubernetes TokenReview), never by a client certificate.

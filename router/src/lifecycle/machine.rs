@@ -52,8 +52,9 @@ pub(crate) use record::Record;
 pub(crate) use refusal::LifecycleError;
 pub(crate) use restore::RestoreError;
 
-/// Largest accepted drain deadline, seconds (one year).
-pub(crate) const MAX_DEADLINE_S: f64 = 365.0 * 24.0 * 3600.0;
+/// Largest accepted drain deadline, seconds (one year; the fleet file's
+/// `control.self_drain.deadline_s` is held to it too, so it lives with the config).
+pub(crate) const MAX_DEADLINE_S: f64 = crate::config::MAX_DRAIN_DEADLINE_S;
 
 /// How many lifecycle events the document keeps (behaviour.md 4.1).
 pub(crate) const EVENT_HISTORY: usize = 200;

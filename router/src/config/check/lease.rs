@@ -206,7 +206,7 @@ impl Checker<'_> {
             self.rule(o.p("audience"), &Value::from(""), "must not be empty");
         }
         let deadline_s = self.num(&o, "deadline_s", 300.0, |x| {
-            (!(1.0..=crate::lifecycle::machine::MAX_DEADLINE_S).contains(&x))
+            (!(1.0..=crate::config::MAX_DRAIN_DEADLINE_S).contains(&x))
                 .then_some("must be at least 1 s and at most a year (a drain's deadline)")
         });
         let readmit = self.boolean(&o, "readmit", true);
