@@ -251,7 +251,7 @@ async fn self_drain_caller(
             message: "control.self_drain is not configured".into(),
         })?;
     let token = crate::self_drain::bearer(headers)?;
-    let pod = sd.pod_of(&token).await?;
+    let pod = sd.pod_of(&token, parts.clock.now()).await?;
     let engines = sd.engines_of(&parts.cfg, &pod).await?;
     let names = engines
         .iter()
@@ -312,6 +312,9 @@ async fn self_drain_post(parts: Arc<Parts>, req: Request<Incoming>, rid: &str) -
         }
         None => mine,
     };
+    if let Err(r) = attested_in_pod(&parts, &pod, &targets).await {
+        return refused(&r, rid);
+    }
     let doc = parts.lifecycle.document("");
     let fresh: Vec<String> = targets
         .iter()
@@ -320,11 +323,17 @@ async fn self_drain_post(parts: Arc<Parts>, req: Request<Incoming>, rid: &str) -
         .collect();
     tracing::info!(%pod, engines = ?targets, draining_now = ?fresh, "self-drain");
     if fresh.is_empty() {
-        return json_response(
+        // Already draining (a hook run twice, or a first call whose answer was lost): answer
+        // only once that state is durable where a successor reads, as the first call would.
+        let scope = parts.ha.scope();
+        let (status, doc) = crate::handoff::acknowledge(
+            &parts,
             StatusCode::OK,
-            &narwhal_shared::documents::LifecycleReply::from(doc),
-            rid,
-        );
+            narwhal_shared::documents::LifecycleReply::from(doc),
+            scope.as_ref(),
+        )
+        .await;
+        return json_response(status, &doc, rid);
     }
     let deadline_s = parts
         .self_drain
@@ -337,6 +346,49 @@ async fn self_drain_post(parts: Arc<Parts>, req: Request<Incoming>, rid: &str) -
     };
     let body = serde_json::to_vec(&drain).unwrap_or_default();
     lifecycle_action(parts, Action::Drain, body.into(), rid).await
+}
+
+/// Whether each of `targets` runs in `pod` as its agent attests it: an engine whose agent
+/// reports the pod its process runs in (`ProcessIdentity::pod`, read from the process's
+/// cgroup) must report this pod's UID. An engine outside a pod (no binding) is matched by its
+/// address alone ([`crate::self_drain::SelfDrain::engines_of`]). This closes what an address
+/// cannot: a pod IP reused by another pod, host-network pods sharing the node's address.
+///
+/// # Errors
+/// 403 when an engine's process runs in another pod; 503 when its agent does not answer.
+async fn attested_in_pod(
+    parts: &Parts,
+    pod: &crate::self_drain::PodRef,
+    targets: &[String],
+) -> Result<(), crate::self_drain::Refusal> {
+    let agents = parts.lifecycle.agents();
+    for iid in targets {
+        let Some(i) = parts.cfg.engines.iter().position(|e| &e.iid == iid) else {
+            continue;
+        };
+        let Some(agent) = agents.get(i) else { continue };
+        match agent.process(iid).await {
+            Ok(p) => match p.pod {
+                Some(b) if b.pod_uid != pod.uid => {
+                    return Err(crate::self_drain::Refusal {
+                        status: StatusCode::FORBIDDEN,
+                        message: format!(
+                            "engine {iid} runs in another pod (uid {}), not in {pod}",
+                            b.pod_uid
+                        ),
+                    });
+                }
+                _ => {}
+            },
+            Err(e) => {
+                return Err(crate::self_drain::Refusal {
+                    status: StatusCode::SERVICE_UNAVAILABLE,
+                    message: format!("engine {iid}'s agent did not say which pod it runs in: {e}"),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `GET /narwhal/self-drain`: the calling pod's engines and whether they may stop.

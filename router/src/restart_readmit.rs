@@ -5,9 +5,11 @@
 //! router does: every second it looks for drained engines that are `ready_to_stop` (outside a
 //! wave, which the operator readmits as one set) and whose engine answers its health path, and
 //! readmits each through the six checks (handoff-and-lifecycle.md, "Readmission"), exactly as
-//! `POST /narwhal/lifecycle/readmit` would. The checks refuse the process that was drained
-//! (attestation: a start after the recorded one), so nothing is readmitted before it restarted;
-//! a refused attempt waits 2, 4, then 8 seconds before the next.
+//! `POST /narwhal/lifecycle/readmit` would. It first asks the engine's agent for the process
+//! now behind the engine and goes on only when that process started after the one the drain
+//! recorded: the old process answers health for a while after its drain (the preStop returns,
+//! then the kubelet stops it), and a readmission of it would be refused and block the record.
+//! A refused attempt waits 2, 4, then 8 seconds before the next.
 //!
 //! Stateless: it decides from the lifecycle document alone, so a standby that takes over
 //! mid-restart goes on where the primary stopped.
@@ -57,7 +59,8 @@ pub(crate) async fn run(parts: Arc<Parts>, stop: CancellationToken) {
             let Some(i) = parts.cfg.engines.iter().position(|c| &c.iid == iid) else {
                 continue;
             };
-            if !answers_health(&parts, i).await {
+            if !restarted(&parts, i, e.old_process_start).await || !answers_health(&parts, i).await
+            {
                 continue;
             }
             let body = serde_json::to_vec(&ReadmitBody::engine(iid)).unwrap_or_default();
@@ -79,6 +82,19 @@ pub(crate) async fn run(parts: Arc<Parts>, stop: CancellationToken) {
                 next.insert(iid.clone(), (parts.clock.now() + wait, refusals));
             }
         }
+    }
+}
+
+/// Whether engine `i`'s agent shows a process that started after `old_start` (the drained
+/// process's start, Unix seconds; more than 1 ms later, as `facts` compares starts). `false`
+/// without an agent, without a recorded start, or when the agent does not answer.
+async fn restarted(parts: &Parts, i: usize, old_start: Option<f64>) -> bool {
+    let (Some(agent), Some(old)) = (parts.lifecycle.agents().get(i), old_start) else {
+        return false;
+    };
+    match agent.process(&parts.cfg.engines[i].iid).await {
+        Ok(p) => p.process_start_time_seconds > old + 0.001,
+        Err(_) => false,
     }
 }
 

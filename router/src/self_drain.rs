@@ -20,6 +20,7 @@
 //! pod marked for deletion is the normal case (its preStop runs then) and may drain itself.
 
 use std::collections::BTreeMap;
+use std::time::Instant;
 
 use http::StatusCode;
 use narwhal_lease::kubernetes::api::{Failure, KubeApi};
@@ -37,6 +38,14 @@ const SA_USER_PREFIX: &str = "system:serviceaccount:";
 
 /// How long one API call may take, seconds.
 const API_TIMEOUT_S: f64 = 5.0;
+/// TokenReviews in flight at once: a flood of requests with made-up tokens waits here instead
+/// of loading the API server (and the router's own identity, which also keeps its lease).
+const MAX_REVIEWS: usize = 8;
+/// How long an accepted token's pod is kept (by the token's SHA-256), so a readiness probe
+/// every few seconds costs one TokenReview per this period, not one per probe.
+const REVIEW_CACHE: std::time::Duration = std::time::Duration::from_secs(10);
+/// At most this many cached reviews; past it the cache is emptied.
+const REVIEW_CACHE_MAX: usize = 4096;
 
 /// A refused self-drain: the status to answer and why.
 #[derive(Debug, Clone, PartialEq)]
@@ -77,6 +86,9 @@ pub(crate) struct SelfDrain {
     api: KubeApi,
     audience: String,
     deadline_s: f64,
+    reviews: tokio::sync::Semaphore,
+    /// Accepted tokens (SHA-256) and their pod, with when they were reviewed.
+    reviewed: std::sync::Mutex<std::collections::HashMap<[u8; 32], (PodRef, Instant)>>,
 }
 
 #[derive(Serialize)]
@@ -104,7 +116,8 @@ struct TokenReviewAnswer {
 struct TokenReviewStatus {
     authenticated: bool,
     user: UserInfo,
-    error: String,
+    /// The audiences the token was accepted for (TokenReview asks clients to check it).
+    audiences: Vec<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -150,8 +163,17 @@ struct ContainerPort {
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, rename_all = "camelCase")]
 struct PodStatus {
+    phase: String,
     #[serde(rename = "podIP")]
     pod_ip: String,
+    #[serde(rename = "podIPs")]
+    pod_ips: Vec<PodIp>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct PodIp {
+    ip: String,
 }
 
 /// `POST /narwhal/self-drain`'s body: empty, or the one engine to drain.
@@ -181,6 +203,8 @@ impl SelfDrain {
             api,
             audience: section.audience.clone(),
             deadline_s: section.deadline_s,
+            reviews: tokio::sync::Semaphore::new(MAX_REVIEWS),
+            reviewed: std::sync::Mutex::new(std::collections::HashMap::new()),
         })
     }
 
@@ -196,12 +220,47 @@ impl SelfDrain {
         )
     }
 
-    /// The pod `token` is bound to, by TokenReview for this router's audience.
+    /// The pod `token` is bound to, by TokenReview for this router's audience ([`MAX_REVIEWS`]
+    /// at once; an accepted token is kept [`REVIEW_CACHE`] from `now`).
     ///
     /// # Errors
     /// 401 when the token is not accepted (expired, another audience, not a token);
     /// 403 when it is not bound to a pod; 503 when the API server could not be asked.
-    pub(crate) async fn pod_of(&self, token: &str) -> Result<PodRef, Refusal> {
+    pub(crate) async fn pod_of(&self, token: &str, now: Instant) -> Result<PodRef, Refusal> {
+        let digest: [u8; 32] = ring::digest::digest(&ring::digest::SHA256, token.as_bytes())
+            .as_ref()
+            .try_into()
+            .unwrap_or([0; 32]);
+        let cached = self
+            .reviewed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&digest)
+            .filter(|(_, at)| now.saturating_duration_since(*at) < REVIEW_CACHE)
+            .map(|(pod, _)| pod.clone());
+        if let Some(pod) = cached {
+            return Ok(pod);
+        }
+        let _permit = self.reviews.acquire().await.map_err(|_| {
+            refuse(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the router is shutting down",
+            )
+        })?;
+        let pod = self.review(token).await?;
+        let mut cache = self
+            .reviewed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if cache.len() >= REVIEW_CACHE_MAX {
+            cache.clear();
+        }
+        cache.insert(digest, (pod.clone(), now));
+        Ok(pod)
+    }
+
+    /// One TokenReview of `token` (see [`SelfDrain::pod_of`]).
+    async fn review(&self, token: &str) -> Result<PodRef, Refusal> {
         let review = TokenReview {
             api_version: "authentication.k8s.io/v1",
             kind: "TokenReview",
@@ -216,16 +275,13 @@ impl SelfDrain {
             .await
             .map_err(|f| self.unavailable("TokenReview", &f))?;
         let st = answer.status;
-        if !st.authenticated {
-            let why = if st.error.is_empty() {
-                "not authenticated".to_string()
-            } else {
-                st.error
-            };
+        // The API server's reason is kept for the log, not shown to a caller that may be anyone.
+        if !st.authenticated || !(st.audiences.is_empty() || st.audiences.contains(&self.audience))
+        {
             return Err(refuse(
                 StatusCode::UNAUTHORIZED,
                 format!(
-                    "the token was not accepted for audience {:?}: {why}",
+                    "the token was not accepted for audience {:?}",
                     self.audience
                 ),
             ));
@@ -275,8 +331,24 @@ impl SelfDrain {
                     format!("pod {pod} is gone: its token drains nothing"),
                 ));
             }
+            Err(Failure::Server { status: 403, .. }) => {
+                tracing::warn!(%pod, "self-drain: the router may not read the pod (its RBAC)");
+                return Err(refuse(
+                    StatusCode::FORBIDDEN,
+                    format!("the router may not read pod {pod}: its engines cannot be told"),
+                ));
+            }
             Err(f) => return Err(self.unavailable(&format!("reading pod {pod}"), &f)),
         };
+        if live.status.phase != "Running" {
+            return Err(refuse(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "pod {pod} is {:?}, not Running: its address may be another pod's now",
+                    live.status.phase
+                ),
+            ));
+        }
         if live.metadata.uid != pod.uid {
             return Err(refuse(
                 StatusCode::FORBIDDEN,
@@ -287,8 +359,18 @@ impl SelfDrain {
                 ),
             ));
         }
-        let ip = live.status.pod_ip;
-        if ip.is_empty() {
+        let mut ips: Vec<String> = live
+            .status
+            .pod_ips
+            .iter()
+            .map(|p| p.ip.clone())
+            .filter(|ip| !ip.is_empty())
+            .collect();
+        if ips.is_empty() && !live.status.pod_ip.is_empty() {
+            ips.push(live.status.pod_ip.clone());
+        }
+        let ip = ips.join(", ");
+        if ips.is_empty() {
             return Err(refuse(
                 StatusCode::FORBIDDEN,
                 format!("pod {pod} has no IP yet: it serves no engine"),
@@ -300,7 +382,7 @@ impl SelfDrain {
             .iter()
             .flat_map(|c| c.ports.iter().map(|p| p.container_port))
             .collect();
-        let engines = engines_at(cfg, &ip, &ports).await;
+        let engines = engines_at(cfg, &ips, &ports).await?;
         if engines.is_empty() {
             return Err(refuse(
                 StatusCode::FORBIDDEN,
@@ -311,14 +393,23 @@ impl SelfDrain {
     }
 }
 
-/// The engines whose URL's host is `ip`, or a name that resolves to `ip` (a StatefulSet pod's
-/// DNS name, a headless Service's), and whose port is one of `ports` (any port when `ports` is
-/// empty). A name resolved through a ClusterIP Service gives the Service's address, never a
-/// pod's: such an engine is no pod's (docs/kubernetes.md, "Self-drain").
-async fn engines_at(cfg: &Config, ip: &str, ports: &[u16]) -> Vec<usize> {
-    let Ok(want) = ip.parse::<std::net::IpAddr>() else {
-        return Vec::new();
-    };
+/// The engines whose URL's host is one of `ips`, or a name that resolves to one of them (a
+/// StatefulSet pod's DNS name, a headless Service's), and whose port is one of `ports` (any
+/// port when `ports` is empty). A name resolved through a ClusterIP Service gives the Service's
+/// address, never a pod's: such an engine is no pod's (docs/kubernetes.md, "Self-drain").
+/// Addresses compare in canonical form (`::ffff:10.0.0.5` is `10.0.0.5`).
+///
+/// # Errors
+/// 503 when an engine's name cannot be resolved now (it may be this pod's).
+async fn engines_at(cfg: &Config, ips: &[String], ports: &[u16]) -> Result<Vec<usize>, Refusal> {
+    let want: Vec<std::net::IpAddr> = ips
+        .iter()
+        .filter_map(|ip| ip.parse::<std::net::IpAddr>().ok())
+        .map(|a| a.to_canonical())
+        .collect();
+    if want.is_empty() {
+        return Ok(Vec::new());
+    }
     let mut out = Vec::new();
     for (i, e) in cfg.engines.iter().enumerate() {
         let Ok(url) = reqwest::Url::parse(&e.url) else {
@@ -333,7 +424,7 @@ async fn engines_at(cfg: &Config, ip: &str, ports: &[u16]) -> Vec<usize> {
         let Some(host) = url.host_str() else { continue };
         let host = host.trim_start_matches('[').trim_end_matches(']');
         let matches = match host.parse::<std::net::IpAddr>() {
-            Ok(a) => a == want,
+            Ok(a) => want.contains(&a.to_canonical()),
             Err(_) => {
                 let resolved = tokio::time::timeout(
                     std::time::Duration::from_secs(2),
@@ -341,8 +432,24 @@ async fn engines_at(cfg: &Config, ip: &str, ports: &[u16]) -> Vec<usize> {
                 )
                 .await;
                 match resolved {
-                    Ok(Ok(mut addrs)) => addrs.any(|a| a.ip() == want),
-                    _ => false,
+                    Ok(Ok(addrs)) => {
+                        let addrs: Vec<std::net::IpAddr> =
+                            addrs.map(|a| a.ip().to_canonical()).collect();
+                        // A name of several addresses (a Service's own name) is no one pod's.
+                        addrs.len() == 1 && want.contains(&addrs[0])
+                    }
+                    Ok(Err(err)) => {
+                        return Err(refuse(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            format!("engine {} ({host}) cannot be resolved now: {err}", e.iid),
+                        ));
+                    }
+                    Err(_) => {
+                        return Err(refuse(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            format!("engine {} ({host}) did not resolve within 2 s", e.iid),
+                        ));
+                    }
                 }
             }
         };
@@ -350,7 +457,7 @@ async fn engines_at(cfg: &Config, ip: &str, ports: &[u16]) -> Vec<usize> {
             out.push(i);
         }
     }
-    out
+    Ok(out)
 }
 
 /// The bearer token of an `Authorization` header.
@@ -412,12 +519,39 @@ mod tests {
             "http://127.0.0.2:8000",
             "http://[::1]:8000",
         ]);
-        assert_eq!(engines_at(&c, "127.0.0.1", &[8000]).await, vec![0]);
+        let at = |ips: &[&str]| ips.iter().map(|s| (*s).to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            engines_at(&c, &at(&["127.0.0.1"]), &[8000]).await,
+            Ok(vec![0])
+        );
         // A name that resolves to the pod's IP (a StatefulSet pod's DNS name on a cluster).
-        assert_eq!(engines_at(&c, "127.0.0.1", &[8001]).await, vec![1]);
-        assert_eq!(engines_at(&c, "127.0.0.1", &[]).await, vec![0, 1]);
-        assert_eq!(engines_at(&c, "::1", &[8000]).await, vec![3]);
-        assert!(engines_at(&c, "10.0.0.9", &[8000]).await.is_empty());
-        assert!(engines_at(&c, "not an ip", &[]).await.is_empty());
+        assert_eq!(
+            engines_at(&c, &at(&["127.0.0.1"]), &[8001]).await,
+            Ok(vec![1])
+        );
+        assert_eq!(
+            engines_at(&c, &at(&["127.0.0.1"]), &[]).await,
+            Ok(vec![0, 1])
+        );
+        // Dual stack: either of the pod's addresses; a mapped address is the plain one.
+        assert_eq!(
+            engines_at(&c, &at(&["10.0.0.9", "::1"]), &[8000]).await,
+            Ok(vec![3])
+        );
+        assert_eq!(
+            engines_at(&c, &at(&["::ffff:127.0.0.2"]), &[8000]).await,
+            Ok(vec![2])
+        );
+        assert_eq!(
+            engines_at(&c, &at(&["10.0.0.9"]), &[8000]).await,
+            Ok(vec![])
+        );
+        assert_eq!(engines_at(&c, &at(&["not an ip"]), &[]).await, Ok(vec![]));
+        // A name that does not resolve now may be this pod's: 503, not "no engine".
+        let unresolvable = cfg(&["http://no-such-host.invalid:8000"]);
+        let err = engines_at(&unresolvable, &at(&["10.0.0.9"]), &[8000])
+            .await
+            .unwrap_err();
+        assert_eq!(err.status, StatusCode::SERVICE_UNAVAILABLE, "{err:?}");
     }
 }

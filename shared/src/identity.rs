@@ -50,13 +50,35 @@ pub struct PodBinding {
 
 impl PodBinding {
     /// The pod of a process whose `/proc/<pid>/cgroup` reads `text` (cgroup v1 or v2); `None`
-    /// for a process outside a pod. The deepest path naming a pod wins, and only a pod UID
-    /// shaped as one (32 hex digits in 8-4-4-4-12 groups) counts.
+    /// for a process outside a pod, and when the lines name different pods or containers (a
+    /// process moved in one hierarchy only). Only a pod UID shaped as one (32 hex digits in
+    /// 8-4-4-4-12 groups) counts. Within a path the outermost pod component is taken, on
+    /// purpose: a process can create cgroups below its own, never above. A line that names the
+    /// pod without a container is completed by one that names the container.
     pub fn from_cgroup(text: &str) -> Option<PodBinding> {
-        text.lines()
+        let found: Vec<PodBinding> = text
+            .lines()
             .filter_map(|line| line.splitn(3, ':').nth(2))
             .filter_map(Self::from_path)
-            .max_by_key(|b| !b.container_id.is_empty())
+            .collect();
+        let first = found.first()?;
+        if found.iter().any(|b| b.pod_uid != first.pod_uid) {
+            return None;
+        }
+        let mut ids: Vec<&str> = found
+            .iter()
+            .map(|b| b.container_id.as_str())
+            .filter(|c| !c.is_empty())
+            .collect();
+        ids.dedup();
+        match ids.as_slice() {
+            [] => Some(first.clone()),
+            [one] => Some(PodBinding {
+                pod_uid: first.pod_uid.clone(),
+                container_id: (*one).to_string(),
+            }),
+            _ => None,
+        }
     }
 
     fn from_path(path: &str) -> Option<PodBinding> {
@@ -165,6 +187,14 @@ mod tests {
             "4:cpu,cpuacct:/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{uid_}.slice/docker-{CID}.scope\n"
         );
         assert_eq!(PodBinding::from_cgroup(&docker), bound(CID));
+        // Lines that disagree name no pod.
+        let other = "aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee";
+        assert_eq!(
+            PodBinding::from_cgroup(&format!(
+                "2:pids:/kubepods/pod{UID}/{CID}\n1:memory:/kubepods/pod{other}/{CID}\n"
+            )),
+            None
+        );
         // Only the pod named: the container id is empty.
         assert_eq!(
             PodBinding::from_cgroup(&format!("0::/kubepods/pod{UID}\n")),

@@ -118,6 +118,11 @@ pub fn read_identity(pid: u32, listen_port: Option<u16>) -> Result<ProcessIdenti
         }
         Err(e) => return Err(proc_err(format!("/proc/{pid}/exe"), e)),
     };
+    // Read between the two stat reads, so a pid reused in between cannot lend its pod.
+    let pod = std::fs::read_to_string(root.join(pid.to_string()).join("cgroup"))
+        .ok()
+        .as_deref()
+        .and_then(narwhal_shared::PodBinding::from_cgroup);
     let second = read_stat(root, pid)?;
     if second.start_ticks != first.start_ticks {
         return Err(ProcessError::ChangedDuringRead {
@@ -140,9 +145,6 @@ pub fn read_identity(pid: u32, listen_port: Option<u16>) -> Result<ProcessIdenti
         exe,
         listen_port,
         // A process outside a pod, or whose cgroup file cannot be read, names no pod.
-        pod: std::fs::read_to_string(root.join(pid.to_string()).join("cgroup"))
-            .ok()
-            .as_deref()
-            .and_then(narwhal_shared::PodBinding::from_cgroup),
+        pod,
     })
 }

@@ -4,9 +4,11 @@
 //! (`ready_to_stop`), or when its budget ends. It fails open: when no router answers within
 //! `--connect-timeout-s`, it returns at once, so a node drain never hangs on it.
 //!
-//! Exit status: 0 ready to stop; 1 no router answered, or it answered 503 (not in control, or
-//! the API server could not be asked) until `--connect-timeout-s`; 2 the router refused (the
-//! message says why: token, pod, engine); 3 the budget ended first. Kubelet goes on to SIGTERM either way;
+//! Exit status: 0 ready to stop; 1 no router answered within `--connect-timeout-s`, or it
+//! answered 503 (not in control during a takeover, or the API server could not be asked) for
+//! `--unavailable-wait-s`; 2 the router refused (the message says why: token, pod, engine); 3
+//! the budget ended first. A drain request sent and not answered is followed by polling, which
+//! asks again while the router shows the engine not draining. Kubelet goes on to SIGTERM either way;
 //! a non-zero status shows as a `FailedPreStopHook` event on the pod.
 //!
 //! With `--ready` it is the engine container's readiness probe instead: exit 0 when the router
@@ -56,6 +58,10 @@ struct Args {
     /// How long to keep trying to reach a router before failing open.
     #[arg(long, default_value_t = 5.0)]
     connect_timeout_s: f64,
+    /// How long to keep asking a router that answers 503 (it does not control the fleet: a
+    /// takeover is under way; or it cannot ask the API server) before failing open.
+    #[arg(long, default_value_t = 30.0)]
+    unavailable_wait_s: f64,
     /// Seconds between polls of the drain.
     #[arg(long, default_value_t = 1.0)]
     poll_s: f64,
@@ -77,8 +83,10 @@ enum Answer {
     Ok(Vec<u8>),
     /// The router answered with an error: status and message.
     Refused(u16, String),
-    /// No answer.
+    /// No connection to a router.
     Unreachable(String),
+    /// Sent, and no answer came (a timeout, a connection cut): the drain may have started.
+    Unanswered(String),
 }
 
 /// The HTTP client and the base URL to call (with `--server-name`, the name, resolved to the
@@ -142,7 +150,8 @@ async fn call(http: &reqwest::Client, base: &str, args: &Args, post: bool) -> An
                 Answer::Refused(status, msg)
             }
         }
-        Err(e) => Answer::Unreachable(e.to_string()),
+        Err(e) if e.is_connect() => Answer::Unreachable(e.to_string()),
+        Err(e) => Answer::Unanswered(e.to_string()),
     }
 }
 
@@ -179,7 +188,7 @@ async fn run(args: Args) -> ExitCode {
                 eprintln!("narwhal-prestop: the router refused ({status}): {msg}");
                 ExitCode::from(1)
             }
-            Answer::Unreachable(e) => {
+            Answer::Unreachable(e) | Answer::Unanswered(e) => {
                 eprintln!(
                     "narwhal-prestop: no router answered at {}: {e}",
                     args.router
@@ -192,53 +201,40 @@ async fn run(args: Args) -> ExitCode {
     let budget = Duration::from_secs_f64(args.budget_s.max(0.0));
     let connect = Duration::from_secs_f64(args.connect_timeout_s.max(0.0));
     let poll = Duration::from_secs_f64(args.poll_s.max(0.05));
-    // Start the drain, retrying a router that does not answer until the connect timeout.
-    loop {
-        match call(&http, &base, &args, true).await {
-            Answer::Ok(_) => break,
-            // Not in control, or the API server could not be asked: another try may find the
-            // new primary or the API server back, until the connect timeout.
-            Answer::Refused(503, msg) if started.elapsed() < connect => {
-                eprintln!("narwhal-prestop: the router cannot drain now (503): {msg}; retrying");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            Answer::Refused(503, msg) => {
-                eprintln!(
-                    "narwhal-prestop: the router could not drain within {} s (503: {msg}): not \
-                     draining (failing open)",
-                    connect.as_secs_f64()
-                );
-                return ExitCode::from(1);
-            }
-            Answer::Refused(status, msg) => {
-                eprintln!("narwhal-prestop: the router refused the drain ({status}): {msg}");
-                return ExitCode::from(2);
-            }
-            Answer::Unreachable(e) if started.elapsed() >= connect => {
-                eprintln!(
-                    "narwhal-prestop: no router answered at {} within {} s ({e}): not draining \
-                     (failing open)",
-                    args.router,
-                    connect.as_secs_f64()
-                );
-                return ExitCode::from(1);
-            }
-            Answer::Unreachable(_) => tokio::time::sleep(Duration::from_millis(200)).await,
-        }
+    let unavailable = Duration::from_secs_f64(args.unavailable_wait_s.max(0.0)).min(budget);
+    // Start the drain: a router that cannot be reached is retried until the connect timeout,
+    // one that answers 503 until the unavailable wait, then the hook fails open.
+    match start(&http, &base, &args, started, connect, unavailable).await {
+        Ok(()) => {}
+        Err(code) => return code,
     }
     eprintln!("narwhal-prestop: drain started; waiting until ready to stop");
     loop {
-        if let Answer::Ok(bytes) = call(&http, &base, &args, false).await
-            && let Ok(st) = serde_json::from_slice::<SelfDrainStatus>(&bytes)
-            && st.ready_to_stop
-        {
-            eprintln!(
-                "narwhal-prestop: {} ready to stop after {:.1} s ({})",
-                st.pod,
-                started.elapsed().as_secs_f64(),
-                st.engines.keys().cloned().collect::<Vec<_>>().join(", ")
-            );
-            return ExitCode::SUCCESS;
+        match call(&http, &base, &args, false).await {
+            Answer::Ok(bytes) => match serde_json::from_slice::<SelfDrainStatus>(&bytes) {
+                Ok(st) if st.ready_to_stop => {
+                    eprintln!(
+                        "narwhal-prestop: {} ready to stop after {:.1} s ({})",
+                        st.pod,
+                        started.elapsed().as_secs_f64(),
+                        st.engines.keys().cloned().collect::<Vec<_>>().join(", ")
+                    );
+                    return ExitCode::SUCCESS;
+                }
+                // An engine not draining (a drain whose start was lost, a router that took
+                // over without it): ask again.
+                Ok(st) if st.engines.values().any(|e| !e.draining) => {
+                    eprintln!("narwhal-prestop: not draining at the router: asking again");
+                    let _ = call(&http, &base, &args, true).await;
+                }
+                _ => {}
+            },
+            Answer::Refused(status, msg) => {
+                eprintln!("narwhal-prestop: polling the drain ({status}): {msg}");
+            }
+            Answer::Unreachable(e) | Answer::Unanswered(e) => {
+                eprintln!("narwhal-prestop: polling the drain: {e}");
+            }
         }
         if started.elapsed() + poll > budget {
             eprintln!(
@@ -248,6 +244,54 @@ async fn run(args: Args) -> ExitCode {
             return ExitCode::from(3);
         }
         tokio::time::sleep(poll).await;
+    }
+}
+
+/// Starts the drain (see [`run`]); the exit code when the hook ends here.
+async fn start(
+    http: &reqwest::Client,
+    base: &str,
+    args: &Args,
+    started: tokio::time::Instant,
+    connect: Duration,
+    unavailable: Duration,
+) -> Result<(), ExitCode> {
+    loop {
+        match call(http, base, args, true).await {
+            Answer::Ok(_) => return Ok(()),
+            // Sent and not answered: the router may be draining (a long wait for its lifecycle
+            // lock); polling shows it, and asks again if it is not.
+            Answer::Unanswered(e) => {
+                eprintln!("narwhal-prestop: the drain request got no answer ({e}): polling");
+                return Ok(());
+            }
+            Answer::Refused(503, msg) if started.elapsed() < unavailable => {
+                eprintln!("narwhal-prestop: the router cannot drain now (503): {msg}; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Answer::Refused(503, msg) => {
+                eprintln!(
+                    "narwhal-prestop: the router could not drain within {} s (503: {msg}): not \
+                     draining (failing open)",
+                    unavailable.as_secs_f64()
+                );
+                return Err(ExitCode::from(1));
+            }
+            Answer::Refused(status, msg) => {
+                eprintln!("narwhal-prestop: the router refused the drain ({status}): {msg}");
+                return Err(ExitCode::from(2));
+            }
+            Answer::Unreachable(e) if started.elapsed() >= connect => {
+                eprintln!(
+                    "narwhal-prestop: no router answered at {} within {} s ({e}): not draining \
+                     (failing open)",
+                    args.router,
+                    connect.as_secs_f64()
+                );
+                return Err(ExitCode::from(1));
+            }
+            Answer::Unreachable(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
     }
 }
 

@@ -310,6 +310,18 @@ async fn a_rolling_restart_of_four_engine_pods_fails_no_request() {
 
         // SIGTERM, the pod object removed, the replacement's process at the same address.
         admin.delete_pod_now(NS, &pod).await;
+        if iid == "p0" {
+            // The old process answers health for a while after its drain (here 2.5 s, two
+            // rounds of the readmission loop): it is never readmitted, and the drain stays
+            // ready to stop, not blocked.
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+            let lc = f.router().lifecycle().await;
+            let e = lc.engines.of(iid);
+            assert!(
+                e.draining && e.ready_to_stop && e.state == DrainState::Drained,
+                "{iid} still drained: {lc:#?}"
+            );
+        }
         f.sim_mut(iid).restart(&[]).expect("restart the engine");
         let readmitted = f.router().journal_event("readmitted", Some(iid)).await;
         let lc = f.router().lifecycle().await;
