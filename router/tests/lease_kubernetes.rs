@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use narwhal_router::config::{KubernetesAccess, LeaseBackend, LeaseSection};
 use narwhal_router::lease::kubernetes::object::{
-    HANDOFF_ANNOTATION, KEEP_EPOCH_FINALIZER, LeaseObject, RECORD_ANNOTATION,
+    GZIP_PREFIX, HANDOFF_ANNOTATION, KEEP_EPOCH_FINALIZER, LeaseObject, RECORD_ANNOTATION,
 };
 use narwhal_router::lease::{
     Claim, Control, KubeLease, Lease, LeaseDriver, LeaseError, LeaseLoss, LeaseStore, LeaseTiming,
@@ -334,8 +334,9 @@ async fn a_forbidden_identity_is_told_which_permissions_it_needs() {
 }
 
 /// The handoff is published into the Lease only while it is ours, in one guarded write; a
-/// document near Kubernetes' annotation limit is published and read back whole, one over it is
-/// refused naming the limit and leaves the last one in place.
+/// document near Kubernetes' annotation limit is published and read back whole, a larger one
+/// rides gzipped, and one that does not fit even so is refused naming the limit and leaves the
+/// last one in place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_handoff_rides_in_the_lease_up_to_the_annotation_limit() {
     let name = "handoff";
@@ -367,7 +368,28 @@ async fn the_handoff_rides_in_the_lease_up_to_the_annotation_limit() {
         big.len()
     );
 
-    let too_big = format!("{{\"pad\":\"{}\"}}", "y".repeat(260 * 1024));
+    // A document too large as it is rides gzipped (a fleet's handoff shrinks about tenfold).
+    let large = format!("{{\"pad\":\"{}\"}}", "y".repeat(600 * 1024));
+    sa.publish(&a, t0 + ms(150), large.clone().into_bytes())
+        .await
+        .unwrap()
+        .unwrap();
+    let (_, doc) = sb.read_all().await.unwrap();
+    assert_eq!(doc.as_deref(), Some(large.as_bytes()), "read back whole");
+    let obj = c.lease(name).await.unwrap();
+    assert!(obj.metadata.annotations[HANDOFF_ANNOTATION].starts_with(GZIP_PREFIX));
+    // One that does not fit even gzipped (400 KiB of random hex) is refused before the call,
+    // naming the limit, and the last one stays.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let noise: String = (0..400 * 1024)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            char::from_digit((x % 16) as u32, 16).unwrap()
+        })
+        .collect();
+    let too_big = format!("{{\"pad\":\"{noise}\"}}");
     let err = sa
         .publish(&a, t0 + ms(200), too_big.into_bytes())
         .await
@@ -375,7 +397,7 @@ async fn the_handoff_rides_in_the_lease_up_to_the_annotation_limit() {
         .to_string();
     assert!(err.contains("262144-byte limit"), "{err}");
     let (_, doc) = sb.read_all().await.unwrap();
-    assert_eq!(doc.as_deref(), Some(big.as_bytes()), "the last one stays");
+    assert_eq!(doc.as_deref(), Some(large.as_bytes()), "the last one stays");
 
     // After B's takeover, A's publish is refused and B reads A's last document.
     let mut b = Lease::new("b:2".into(), timing(2000, 500, 500));
@@ -391,7 +413,7 @@ async fn the_handoff_rides_in_the_lease_up_to_the_annotation_limit() {
         Err(LeaseLoss::HeldByAnother)
     );
     let (_, doc) = sb.read_all().await.unwrap();
-    assert_eq!(doc.as_deref(), Some(big.as_bytes()));
+    assert_eq!(doc.as_deref(), Some(large.as_bytes()));
 }
 
 /// The driver on a stopped API server: a renewal fails within its call bound and the lease is

@@ -47,7 +47,7 @@ use tokio::sync::Mutex;
 use self::api::{Failure, KubeApi};
 use self::object::{
     ANNOTATIONS_LIMIT_BYTES, HANDOFF_ANNOTATION, KEEP_EPOCH_FINALIZER, LeaseObject, LeaseSpec,
-    ObjectMeta, RECORD_ANNOTATION, micro_time,
+    ObjectMeta, RECORD_ANNOTATION, decode_handoff, encode_handoff, micro_time,
 };
 use crate::config::{KubernetesAccess, SA_CA_FILE, SA_NAMESPACE_FILE, kube_name_rule};
 use crate::{
@@ -513,25 +513,32 @@ impl LeaseStore for KubeLease {
             let Some(mut next) = obj else {
                 return Err(self.err("update", "the Lease vanished before the publish"));
             };
-            next.metadata
-                .annotations
-                .insert(HANDOFF_ANNOTATION.to_string(), doc.clone());
-            let total: usize = next
+            next.metadata.annotations.remove(HANDOFF_ANNOTATION);
+            let others: usize = next
                 .metadata
                 .annotations
                 .iter()
                 .map(|(k, v)| k.len() + v.len())
-                .sum();
+                .sum::<usize>()
+                + HANDOFF_ANNOTATION.len();
+            let value = encode_handoff(&doc, ANNOTATIONS_LIMIT_BYTES.saturating_sub(others));
+            let total = others + value.len();
             if total > ANNOTATIONS_LIMIT_BYTES {
                 // Refused before the call: the API server would answer 422 Invalid.
                 return Err(self.err(
                     "update",
                     format!(
-                        "the handoff document does not fit the Lease: its annotations would be \
-                         {total} bytes, over Kubernetes' {ANNOTATIONS_LIMIT_BYTES}-byte limit"
+                        "the handoff document ({} bytes, {} gzipped in base64) does not fit \
+                         the Lease: its annotations would be {total} bytes, over Kubernetes' \
+                         {ANNOTATIONS_LIMIT_BYTES}-byte limit",
+                        doc.len(),
+                        value.len()
                     ),
                 ));
             }
+            next.metadata
+                .annotations
+                .insert(HANDOFF_ANNOTATION.to_string(), value);
             match self.write(&next, false).await? {
                 Written::Yes => return Ok(Ok(())),
                 Written::Lost => {}
@@ -549,8 +556,18 @@ impl LeaseStore for KubeLease {
         let record = self.record_of(obj.as_ref())?;
         // A standby polls here: what it saw floors the epoch of a claim on a recreated Lease.
         Self::saw(&mut highest, Self::epoch_of(obj.as_ref(), record.as_ref()));
-        let doc = obj.and_then(|mut o| o.metadata.annotations.remove(HANDOFF_ANNOTATION));
-        Ok((record, doc.map(String::into_bytes)))
+        let doc = match obj.and_then(|mut o| o.metadata.annotations.remove(HANDOFF_ANNOTATION)) {
+            Some(value) => {
+                Some(
+                    decode_handoff(&value).map_err(|reason| LeaseError::Malformed {
+                        at: format!("{} annotation {HANDOFF_ANNOTATION}", self.at()),
+                        reason,
+                    })?,
+                )
+            }
+            None => None,
+        };
+        Ok((record, doc))
     }
 
     async fn release(&self, core: &Lease, now_wall: f64) -> Result<bool, LeaseError> {

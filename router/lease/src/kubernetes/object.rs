@@ -11,8 +11,11 @@ use serde_json::{Map, Value};
 /// The annotation holding the `narwhal.router-lease` record (the same JSON as the file
 /// backend's record).
 pub const RECORD_ANNOTATION: &str = "narwhal.dev/router-lease";
-/// The annotation holding the holder's published handoff document.
+/// The annotation holding the holder's published handoff document: the JSON as it is, or,
+/// when that does not fit the object, [`GZIP_PREFIX`] and the gzip of it in base64.
 pub const HANDOFF_ANNOTATION: &str = "narwhal.dev/handoff";
+/// How a gzipped handoff annotation starts (a JSON document never does).
+pub const GZIP_PREFIX: &str = "gzip+base64:";
 /// The finalizer the backend puts on the Lease it creates: a `kubectl delete` then only marks
 /// the Lease for deletion, so its epoch survives and the next claim goes on from it.
 pub const KEEP_EPOCH_FINALIZER: &str = "narwhal.dev/keep-epoch";
@@ -104,6 +107,44 @@ pub struct Status {
     pub reason: String,
 }
 
+/// The annotation value for handoff document `doc`: itself when `room` bytes hold it, else
+/// [`GZIP_PREFIX`] and its gzip in base64 (a fleet's handoff shrinks about tenfold).
+pub fn encode_handoff(doc: &str, room: usize) -> String {
+    if doc.len() <= room {
+        return doc.to_string();
+    }
+    use base64::Engine as _;
+    use std::io::Write as _;
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    // Writing into a Vec cannot fail.
+    let _ = gz.write_all(doc.as_bytes());
+    let packed = gz.finish().unwrap_or_default();
+    format!(
+        "{GZIP_PREFIX}{}",
+        base64::engine::general_purpose::STANDARD.encode(packed)
+    )
+}
+
+/// The handoff document an annotation value holds (see [`encode_handoff`]).
+///
+/// # Errors
+/// What is wrong with a gzipped value (not base64, not gzip, not UTF-8).
+pub fn decode_handoff(value: &str) -> Result<Vec<u8>, String> {
+    let Some(packed) = value.strip_prefix(GZIP_PREFIX) else {
+        return Ok(value.as_bytes().to_vec());
+    };
+    use base64::Engine as _;
+    use std::io::Read as _;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(packed)
+        .map_err(|e| format!("not base64: {e}"))?;
+    let mut doc = Vec::new();
+    flate2::read::GzDecoder::new(bytes.as_slice())
+        .read_to_end(&mut doc)
+        .map_err(|e| format!("not gzip: {e}"))?;
+    Ok(doc)
+}
+
 /// A Unix time (seconds) as Kubernetes' `MicroTime` (`2006-01-02T15:04:05.000000Z`: exactly six
 /// fractional digits, UTC); `None` for a time outside what the format can write.
 pub fn micro_time(unix_s: f64) -> Option<String> {
@@ -136,6 +177,30 @@ mod tests {
         );
         assert_eq!(micro_time(f64::NAN), None);
         assert_eq!(micro_time(f64::INFINITY), None);
+    }
+
+    #[test]
+    fn a_handoff_too_large_as_it_is_is_gzipped_and_read_back() {
+        let doc = format!("{{\"pad\":\"{}\"}}", "x".repeat(10_000));
+        assert_eq!(encode_handoff(&doc, 20_000), doc, "fits: kept as it is");
+        let packed = encode_handoff(&doc, 1_000);
+        assert!(
+            packed.starts_with(GZIP_PREFIX) && packed.len() < 1_000,
+            "{}",
+            packed.len()
+        );
+        assert_eq!(decode_handoff(&packed).unwrap(), doc.as_bytes());
+        assert_eq!(decode_handoff(&doc).unwrap(), doc.as_bytes());
+        assert!(
+            decode_handoff("gzip+base64:@@")
+                .unwrap_err()
+                .contains("not base64")
+        );
+        assert!(
+            decode_handoff("gzip+base64:AAAA")
+                .unwrap_err()
+                .contains("not gzip")
+        );
     }
 
     #[test]
