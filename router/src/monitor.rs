@@ -269,7 +269,7 @@ async fn stall_probe(parts: Arc<Parts>, iid: usize) {
 /// # Errors
 /// [`EngineCallError`] ([`EngineCallError::is_local`]) when the router could not open the
 /// probe's connection (out of descriptors or memory): no answer about the engine.
-async fn health(parts: &Parts, iid: usize) -> Result<HealthAnswer, EngineCallError> {
+pub(crate) async fn health(parts: &Parts, iid: usize) -> Result<HealthAnswer, EngineCallError> {
     let e = &parts.cfg.engines[iid];
     let url = format!("{}{}", e.url, e.health_path);
     match parts

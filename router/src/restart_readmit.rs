@@ -22,7 +22,7 @@ use http::StatusCode;
 use narwhal_shared::documents::requests::ReadmitBody;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::secs;
+use crate::breaker::HealthAnswer;
 use crate::lifecycle::api::Action;
 use crate::parts::Parts;
 
@@ -59,7 +59,11 @@ pub(crate) async fn run(parts: Arc<Parts>, stop: CancellationToken) {
             let Some(i) = parts.cfg.engines.iter().position(|c| &c.iid == iid) else {
                 continue;
             };
-            if !restarted(&parts, i, e.old_process_start).await || !answers_health(&parts, i).await
+            if !restarted(&parts, i, e.old_process_start).await
+                || !matches!(
+                    crate::monitor::health(&parts, i).await,
+                    Ok(HealthAnswer::Ok)
+                )
             {
                 continue;
             }
@@ -96,17 +100,4 @@ async fn restarted(parts: &Parts, i: usize, old_start: Option<f64>) -> bool {
         Ok(p) => p.process_start_time_seconds > old + 0.001,
         Err(_) => false,
     }
-}
-
-/// Whether engine `i` answers `GET <health_path>` with 200 within the health timeout.
-async fn answers_health(parts: &Parts, i: usize) -> bool {
-    let e = &parts.cfg.engines[i];
-    let url = format!("{}{}", e.url, e.health_path);
-    matches!(
-        parts
-            .upstream
-            .probe_get(&url, secs(parts.cfg.engine.health_timeout_s))
-            .await,
-        Ok((StatusCode::OK, _))
-    )
 }

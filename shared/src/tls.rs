@@ -147,20 +147,7 @@ impl TlsFiles {
                 path: self.ca.clone(),
                 reason: e.to_string(),
             })?;
-        let mut cfg = ServerConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(|source| TlsError::Rustls {
-                context: "protocol versions",
-                source,
-            })?
-            .with_client_cert_verifier(verifier)
-            .with_single_cert(load_certs("cert", &self.cert)?, load_key("key", &self.key)?)
-            .map_err(|source| TlsError::Rustls {
-                context: "server certificate and key",
-                source,
-            })?;
-        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-        Ok(cfg)
+        self.server_config_with(verifier)
     }
 
     /// Server side without client certificates (the router's self-drain listener, whose
@@ -170,13 +157,21 @@ impl TlsFiles {
     /// # Errors
     /// Any [`TlsError`], naming the file.
     pub fn server_config_without_client_auth(&self) -> Result<ServerConfig, TlsError> {
+        self.server_config_with(Arc::new(rustls::server::NoClientAuth))
+    }
+
+    /// `cert`/`key` served with `verifier` deciding on client certificates; ALPN `http/1.1`.
+    fn server_config_with(
+        &self,
+        verifier: Arc<dyn rustls::server::danger::ClientCertVerifier>,
+    ) -> Result<ServerConfig, TlsError> {
         let mut cfg = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|source| TlsError::Rustls {
                 context: "protocol versions",
                 source,
             })?
-            .with_no_client_auth()
+            .with_client_cert_verifier(verifier)
             .with_single_cert(load_certs("cert", &self.cert)?, load_key("key", &self.key)?)
             .map_err(|source| TlsError::Rustls {
                 context: "server certificate and key",

@@ -122,6 +122,17 @@ pub const SA_CA_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.c
 /// Where Kubernetes mounts a pod's namespace.
 pub const SA_NAMESPACE_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
 
+/// Why `url` cannot be a Kubernetes API server address, if it cannot: it must be
+/// `https://HOST:PORT`, no path (a trailing `/` is dropped).
+pub fn kube_api_server_rule(url: &str) -> Option<&'static str> {
+    let rest = url
+        .trim_end_matches('/')
+        .strip_prefix("https://")
+        .unwrap_or("");
+    (rest.is_empty() || rest.contains(['/', '?', '#', '@', ' ']))
+        .then_some("must be https://HOST:PORT (no path)")
+}
+
 /// Why `name` cannot name a Kubernetes object (a Lease, a namespace), if it cannot: RFC 1123
 /// DNS subdomain rules as the API server applies them (at most 253 characters of lowercase
 /// letters, digits, `-` and `.`, starting and ending with a letter or digit).

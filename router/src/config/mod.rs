@@ -483,7 +483,7 @@ pub struct AgentSection {
 
 pub use narwhal_lease::config::{
     EtcdAccess, EtcdAuth, EtcdTls, KubernetesAccess, LeaseBackend, LeaseSection,
-    etcd_endpoint_rule, kube_name_rule,
+    etcd_endpoint_rule, kube_api_server_rule, kube_name_rule,
 };
 
 /// PEM file paths for a TLS identity (`tls`, `control.tls`).

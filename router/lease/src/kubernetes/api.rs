@@ -10,7 +10,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::object::Status;
-use crate::config::{SA_CA_FILE, SA_TOKEN_FILE};
+use crate::config::{SA_CA_FILE, SA_TOKEN_FILE, kube_api_server_rule};
 
 /// One call's failure.
 #[derive(Debug, Clone)]
@@ -122,11 +122,8 @@ impl KubeApi {
                 }
             },
         };
-        let rest = api_server.strip_prefix("https://").unwrap_or("");
-        if rest.is_empty() || rest.contains(['/', '?', '#', '@', ' ']) {
-            return Err(format!(
-                "api_server = {api_server:?}: must be https://HOST:PORT (no path)"
-            ));
+        if let Some(rule) = kube_api_server_rule(&api_server) {
+            return Err(format!("api_server = {api_server:?}: {rule}"));
         }
         let token_file = token_file.unwrap_or(Path::new(SA_TOKEN_FILE));
         let ca_file = ca_file.unwrap_or(Path::new(SA_CA_FILE));

@@ -39,7 +39,6 @@
 pub mod api;
 pub mod object;
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use tokio::sync::Mutex;
@@ -49,7 +48,7 @@ use self::object::{
     ANNOTATIONS_LIMIT_BYTES, HANDOFF_ANNOTATION, KEEP_EPOCH_FINALIZER, LeaseObject, LeaseSpec,
     ObjectMeta, RECORD_ANNOTATION, decode_handoff, encode_handoff, micro_time,
 };
-use crate::config::{KubernetesAccess, SA_CA_FILE, SA_NAMESPACE_FILE, kube_name_rule};
+use crate::config::{KubernetesAccess, SA_NAMESPACE_FILE, kube_name_rule};
 use crate::{
     Claim, Expiry, Lease, LeaseError, LeaseLoss, LeaseRecord, LeaseStore, parse_record,
     render_record,
@@ -60,18 +59,15 @@ const CLAIM_ATTEMPTS: usize = 3;
 
 /// The Kubernetes backend: one Lease object on one API server.
 pub struct KubeLease {
-    /// `https://HOST:PORT` without a trailing slash.
-    api_server: String,
     namespace: String,
     name: String,
     /// `.../namespaces/<ns>/leases`.
     collection: String,
     /// `.../namespaces/<ns>/leases/<name>`.
     url: String,
-    token_file: PathBuf,
-    ca_file: PathBuf,
     /// `spec.leaseDurationSeconds`: the ttl rounded up to whole seconds (at least 1).
     ttl_s: i32,
+    /// The API server's client: its address, the token file, the CA.
     api: KubeApi,
     /// The highest epoch this router read or wrote: a Lease recreated from nothing is claimed
     /// above it. Also serialises the store's operations.
@@ -81,11 +77,10 @@ pub struct KubeLease {
 impl std::fmt::Debug for KubeLease {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KubeLease")
-            .field("api_server", &self.api_server)
+            .field("api_server", &self.api.base())
             .field("namespace", &self.namespace)
             .field("name", &self.name)
-            .field("token_file", &self.token_file)
-            .field("ca_file", &self.ca_file)
+            .field("token_file", &self.api.token_file())
             .field("ttl_s", &self.ttl_s)
             .finish_non_exhaustive()
     }
@@ -163,19 +158,14 @@ impl KubeLease {
             env,
         )
         .map_err(|e| config_err(format!("lease.kubernetes.{e}")))?;
-        let api_server = api.base().to_string();
-        let token_file = api.token_file().to_path_buf();
-        let ca_file = access.ca_file.clone().unwrap_or_else(|| SA_CA_FILE.into());
+        let api_server = api.base();
         let collection =
             format!("{api_server}/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases");
         Ok(KubeLease {
             url: format!("{collection}/{}", access.name),
             collection,
-            api_server,
             namespace,
             name: access.name.clone(),
-            token_file,
-            ca_file,
             ttl_s: i32::try_from((ttl.as_secs_f64().ceil() as i64).max(1)).unwrap_or(i32::MAX),
             api,
             highest_epoch: Mutex::new(0),
@@ -194,7 +184,7 @@ impl KubeLease {
 
     /// The API server's base URL (`https://HOST:PORT`).
     pub fn api_server(&self) -> &str {
-        &self.api_server
+        self.api.base()
     }
 
     /// `spec.leaseDurationSeconds` as written: the ttl rounded up, whole seconds.
@@ -210,7 +200,7 @@ impl KubeLease {
         LeaseError::Kubernetes {
             op,
             lease: format!("{}/{}", self.namespace, self.name),
-            api_server: self.api_server.clone(),
+            api_server: self.api.base().to_string(),
             message: message.into(),
         }
     }
@@ -228,7 +218,7 @@ impl KubeLease {
                 format!(
                     "401 {message}: the API server refused the token in {} (expired, or not a \
                      service-account token of this cluster)",
-                    self.token_file.display()
+                    self.api.token_file().display()
                 ),
             ),
             Failure::Server {
@@ -389,7 +379,7 @@ fn vanished(epoch: u64) -> LeaseRecord {
 
 impl LeaseStore for KubeLease {
     fn describe(&self) -> String {
-        format!("kubernetes {} at {}", self.at(), self.api_server)
+        format!("kubernetes {} at {}", self.at(), self.api.base())
     }
 
     /// The API server keeps no TTL: a record of another holder lapses by this router's own

@@ -8,7 +8,7 @@ use serde_json::Value;
 use super::{Checker, Obj, non_negative, positive};
 use crate::config::{
     ConfigIssue, EtcdAccess, EtcdAuth, EtcdTls, KubernetesAccess, LeaseBackend, LeaseSection,
-    SelfDrainSection, etcd_endpoint_rule, kube_name_rule,
+    SelfDrainSection, etcd_endpoint_rule, kube_api_server_rule, kube_name_rule,
 };
 
 impl Checker<'_> {
@@ -139,37 +139,35 @@ impl Checker<'_> {
             out.name = n;
         }
         out.namespace = name(self, "namespace");
-        if let Some(v) = k.get("api_server") {
+        (out.api_server, out.token_file, out.ca_file) = self.kube_api_keys(&k);
+        out
+    }
+
+    /// The Kubernetes API access keys of `o` (`lease.kubernetes`, `control.self_drain`):
+    /// `api_server` (`https://HOST:PORT`), `token_file` and `ca_file` (non-empty paths); what
+    /// is left out is resolved at startup as a pod's.
+    fn kube_api_keys(&mut self, o: &Obj<'_>) -> (Option<String>, Option<PathBuf>, Option<PathBuf>) {
+        let mut api_server = None;
+        if let Some(v) = o.get("api_server") {
             match v.as_str() {
                 Some(s) => {
-                    let rest = s
-                        .trim_end_matches('/')
-                        .strip_prefix("https://")
-                        .unwrap_or("");
-                    if rest.is_empty() || rest.contains(['/', '?', '#', '@', ' ']) {
-                        self.rule(k.p("api_server"), v, "must be https://HOST:PORT (no path)");
+                    if let Some(rule) = kube_api_server_rule(s) {
+                        self.rule(o.p("api_server"), v, rule);
                     }
-                    out.api_server = Some(s.to_string());
+                    api_server = Some(s.to_string());
                 }
-                None => self.ty(k.p("api_server"), v, "a string"),
+                None => self.ty(o.p("api_server"), v, "a string"),
             }
         }
-        for key in ["token_file", "ca_file"] {
-            let Some(v) = k.get(key) else { continue };
-            let p = match v {
-                Value::String(s) if !s.is_empty() => PathBuf::from(s),
-                _ => {
-                    self.ty(k.p(key), v, "a non-empty path string");
-                    continue;
-                }
-            };
-            if key == "token_file" {
-                out.token_file = Some(p);
-            } else {
-                out.ca_file = Some(p);
+        let mut path = |key: &str| match o.get(key) {
+            Some(Value::String(s)) if !s.is_empty() => Some(PathBuf::from(s)),
+            Some(v) => {
+                self.ty(o.p(key), v, "a non-empty path string");
+                None
             }
-        }
-        out
+            None => None,
+        };
+        (api_server, path("token_file"), path("ca_file"))
     }
 
     /// `control.self_drain` (docs/kubernetes.md, "Self-drain").
@@ -210,32 +208,7 @@ impl Checker<'_> {
                 .then_some("must be at least 1 s and at most a year (a drain's deadline)")
         });
         let readmit = self.boolean(&o, "readmit", true);
-        let mut api_server = None;
-        if let Some(v) = o.get("api_server") {
-            match v.as_str() {
-                Some(s) => {
-                    let rest = s
-                        .trim_end_matches('/')
-                        .strip_prefix("https://")
-                        .unwrap_or("");
-                    if rest.is_empty() || rest.contains(['/', '?', '#', '@', ' ']) {
-                        self.rule(o.p("api_server"), v, "must be https://HOST:PORT (no path)");
-                    }
-                    api_server = Some(s.to_string());
-                }
-                None => self.ty(o.p("api_server"), v, "a string"),
-            }
-        }
-        let mut path = |key: &str| match o.get(key) {
-            Some(Value::String(s)) if !s.is_empty() => Some(PathBuf::from(s)),
-            Some(v) => {
-                self.ty(o.p(key), v, "a non-empty path string");
-                None
-            }
-            None => None,
-        };
-        let token_file = path("token_file");
-        let ca_file = path("ca_file");
+        let (api_server, token_file, ca_file) = self.kube_api_keys(&o);
         Some(SelfDrainSection {
             listen,
             audience,
