@@ -130,6 +130,10 @@ pub enum Error {
     /// `control.self_drain` cannot reach Kubernetes as configured; names the key.
     #[error("{0}")]
     SelfDrain(String),
+    /// `engine.tokenizer` names a model directory that cannot be loaded; names the key and
+    /// the file.
+    #[error("engine.tokenizer: {0}")]
+    Tokenizer(#[from] narwhal_tokenizer::LoadError),
     /// The startup announcement failed (the ready file could not be written).
     #[error(transparent)]
     Announce(#[from] AnnounceError),
@@ -160,6 +164,12 @@ pub async fn run(
         }
         _ => None,
     };
+    let tokenizer = match &config.engine.tokenizer {
+        Some(dir) => Some(Arc::new(narwhal_tokenizer::ModelTokenizer::load(
+            std::path::Path::new(dir),
+        )?)),
+        None => None,
+    };
     // A warm standby serves nothing until it takes over (behaviour.md 2.9).
     let phase = if opts.standby.is_some() {
         HaPhase::Shadowing
@@ -177,6 +187,9 @@ pub async fn run(
     );
     if let Some(sd) = self_drain {
         let _ = parts.self_drain.set(sd);
+    }
+    if let Some(t) = tokenizer {
+        parts.kv.use_tokenizer(t);
     }
     let stop = tokio_util::sync::CancellationToken::new();
     if let Some(standby) = opts.standby {

@@ -279,6 +279,23 @@ fn kv_index(parts: &Parts) -> state::KvIndex {
         tokenize_seconds: counts.seconds,
         unscored: counts.unscored,
         tokenizer_sampled: counts.sampled,
+        router_tokenizer: parts.kv.local_tokenizer().map(|(model_dir, shapes)| {
+            state::RouterTokenizer {
+                model_dir,
+                details: shapes
+                    .iter()
+                    .filter_map(|s| Some((s.shape.to_string(), s.detail.clone()?)))
+                    .collect(),
+                shapes: shapes
+                    .iter()
+                    .map(|s| (s.shape.to_string(), s.status.to_string()))
+                    .collect(),
+                tokenized: counts.local,
+                seconds: counts.local_seconds,
+                fallbacks: counts.local_fallbacks,
+                checked: counts.local_checked,
+            }
+        }),
         engines: parts
             .kv
             .views()
@@ -348,6 +365,13 @@ fn kv_gauges(parts: &Parts) {
     let counts = parts.kv.tokenize_counts();
     raise(&c.tokenize_failures, counts.failures);
     raise(&c.unscored, counts.unscored);
+    raise(&c.router_tokenized, counts.local);
+    raise(&c.router_tokenizer_fallbacks, counts.local_fallbacks);
+    let spent = c.router_tokenize_seconds.get();
+    if counts.local_seconds > spent {
+        c.router_tokenize_seconds
+            .inc_by(counts.local_seconds - spent);
+    }
     let spent = c.tokenize_seconds.get();
     if counts.seconds > spent {
         c.tokenize_seconds.inc_by(counts.seconds - spent);

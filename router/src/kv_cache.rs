@@ -39,9 +39,12 @@ use crate::kv_index::{
 use crate::placement::{Aggregate, Balance, KvScore};
 use crate::upstream::Upstream;
 
+mod local;
 mod ranks;
 mod request;
 mod sample;
+use local::LocalTokenizer;
+pub(crate) use local::ShapeView;
 use ranks::Ranks;
 use request::tokenize_engine;
 pub(crate) use request::{keyed_beyond_tokens, prompt_keys, tokenize_body};
@@ -157,6 +160,13 @@ struct Counts {
     unscored: AtomicU64,
     /// Requests sampled by the tokenizer check.
     sampled: AtomicU64,
+    /// Requests tokenized by the router's own tokenizer, and the microseconds it took.
+    local: AtomicU64,
+    local_micros: AtomicU64,
+    /// Requests the router's tokenizer could not render (asked of `/tokenize` instead).
+    local_fallbacks: AtomicU64,
+    /// Router-tokenized requests checked against an engine's `/tokenize`.
+    local_checked: AtomicU64,
 }
 
 /// The KV score's counts, cumulative since the router started (`/narwhal/state.kv_index`,
@@ -176,6 +186,14 @@ pub(crate) struct TokenizeCounts {
     /// Real requests whose tokens were checked on a second engine (the sampled tokenizer
     /// check, [`sample`]).
     pub(crate) sampled: u64,
+    /// Requests tokenized by the router's own tokenizer (`engine.tokenizer`).
+    pub(crate) local: u64,
+    /// Seconds the router's tokenizer spent on them (rendering and encoding).
+    pub(crate) local_seconds: f64,
+    /// Requests it could not render, asked of an engine's `/tokenize` instead.
+    pub(crate) local_fallbacks: u64,
+    /// Router-tokenized requests checked against an engine's `/tokenize`.
+    pub(crate) local_checked: u64,
 }
 
 /// The KV cache part (module doc).
@@ -196,6 +214,9 @@ pub(crate) struct KvCache {
     ranks: Ranks,
     /// Which real requests the tokenizer check samples ([`sample`]).
     sampler: Mutex<Sampler>,
+    /// The router's own tokenizer, set at startup when `engine.tokenizer` names a model
+    /// directory ([`local`]).
+    local: std::sync::OnceLock<Mutex<LocalTokenizer>>,
 }
 
 impl KvCache {
@@ -231,7 +252,30 @@ impl KvCache {
             upstream,
             tokenizer: Mutex::new(TokenizerCheck::Unchecked),
             counts: Counts::default(),
+            local: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Uses `model` to tokenize requests for the KV score from now on ([`local`]); set once,
+    /// at startup.
+    pub(crate) fn use_tokenizer(&self, model: Arc<narwhal_tokenizer::ModelTokenizer>) {
+        let _ = self.local.set(Mutex::new(LocalTokenizer::new(
+            model,
+            self.cfg.engines.len(),
+        )));
+    }
+
+    fn local(&self) -> Option<MutexGuard<'_, LocalTokenizer>> {
+        self.local
+            .get()
+            .map(|l| l.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The router's tokenizer: its model directory and each shape's agreement with the
+    /// engines; `None` when `engine.tokenizer` is not set.
+    pub(crate) fn local_tokenizer(&self) -> Option<(String, Vec<ShapeView>)> {
+        self.local()
+            .map(|l| (l.model.dir().display().to_string(), l.views()))
     }
 
     fn lock(&self) -> MutexGuard<'_, KvIndex> {
@@ -535,7 +579,7 @@ impl KvCache {
     /// # Errors
     /// [`TokenizeError`]; counted, and the request is placed by load.
     async fn tokens(
-        &self,
+        self: &Arc<Self>,
         fleet: &Fleet,
         body: &Map<String, Value>,
     ) -> Result<(Vec<u32>, Option<usize>), TokenizeError> {
@@ -546,6 +590,9 @@ impl KvCache {
                 .collect::<Option<Vec<u32>>>()
                 .map(|t| (t, None))
                 .ok_or(TokenizeError::Shape);
+        }
+        if let Some(tokens) = self.tokens_here(fleet, body) {
+            return Ok((tokens, None));
         }
         let req = tokenize_body(&self.cfg.model, body)?;
         let e = {
@@ -568,6 +615,94 @@ impl KvCache {
             .unwrap_or_else(|p| p.into_inner());
         failed[e] = r.is_err().then(|| self.clock.now());
         r.map(|t| (t, Some(e)))
+    }
+
+    /// A request's tokens from the router's own tokenizer ([`local`]), when one is
+    /// configured, the request's shape has not been found to differ from the engines, and
+    /// the request renders here; `None` otherwise (the caller asks `/tokenize`; a request
+    /// that does not render here is counted as a fallback). A sampled request is also sent
+    /// to an engine's `/tokenize`, off the request path ([`KvCache::check_local`]).
+    fn tokens_here(self: &Arc<Self>, fleet: &Fleet, body: &Map<String, Value>) -> Option<Vec<u32>> {
+        let shape = Shape::of(body)?;
+        let model = {
+            let local = self.local()?;
+            if !local.usable(shape) {
+                return None;
+            }
+            local.model.clone()
+        };
+        let t0 = std::time::Instant::now();
+        let r = model.tokens(body);
+        let spent = t0.elapsed();
+        match r {
+            Ok(tokens) => {
+                self.counts.local.fetch_add(1, Ordering::Relaxed);
+                self.counts
+                    .local_micros
+                    .fetch_add(spent.as_micros() as u64, Ordering::Relaxed);
+                self.check_local(fleet, body, shape, &tokens);
+                Some(tokens)
+            }
+            Err(err) => {
+                self.counts.local_fallbacks.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(error = %err, shape = shape.as_str(), "kv score: the router's tokenizer does not render this request; asking an engine's /tokenize");
+                None
+            }
+        }
+    }
+
+    /// The router tokenizer's sampled check: when its sampler picks a live engine for this
+    /// request's shape (each engine once per shape, then one request in
+    /// [`sample::SAMPLE_EVERY`]), the request's `/tokenize` body is sent to it off the request
+    /// path and its tokens held against `tokens`. A difference sends the shape's requests to
+    /// `/tokenize` from then on, warned once and shown in `/narwhal/state`
+    /// (`kv_index.router_tokenizer`); a check that cannot be made is made by a later request.
+    fn check_local(
+        self: &Arc<Self>,
+        fleet: &Fleet,
+        body: &Map<String, Value>,
+        shape: Shape,
+        tokens: &[u32],
+    ) {
+        let live = || live_loads(fleet).into_iter().map(|(e, _)| e).collect();
+        let Some(other) = self
+            .local()
+            .and_then(|mut l| l.sampler.pick(shape, usize::MAX, live))
+        else {
+            return;
+        };
+        let Ok(req) = tokenize_body(&self.cfg.model, body) else {
+            return;
+        };
+        let me = self.clone();
+        let ours = tokens.to_vec();
+        tokio::spawn(async move {
+            let theirs = match me.tokenize_on(other, &req).await {
+                Ok(t) => t,
+                Err(err) => {
+                    tracing::debug!(error = %err, shape = shape.as_str(), "kv score: router tokenizer check not made; a later request makes it");
+                    if let Some(mut l) = me.local() {
+                        l.sampler.failed(shape, other);
+                    }
+                    return;
+                }
+            };
+            me.counts.local_checked.fetch_add(1, Ordering::Relaxed);
+            let difference = (theirs != ours).then(|| {
+                let first = ours.iter().zip(&theirs).take_while(|(a, b)| a == b).count();
+                format!(
+                    "the router and {} tokenize a {} request differently ({} and {} tokens, first difference at token {first})",
+                    me.cfg.engines[other].iid,
+                    shape.as_str(),
+                    ours.len(),
+                    theirs.len()
+                )
+            });
+            let Some(mut l) = me.local() else { return };
+            if l.checked(shape, difference.clone()) {
+                tracing::warn!(detail = %difference.unwrap_or_default(), shape = shape.as_str(), "kv score: the router's tokenizer differs from an engine's; this shape's requests are tokenized by the engines from now on");
+            }
+        });
     }
 
     /// The sampled tokenizer check ([`sample`]): when the sampler picks another live engine
@@ -947,6 +1082,10 @@ impl KvCache {
             seconds: self.counts.micros.load(Ordering::Relaxed) as f64 / 1e6,
             unscored: self.counts.unscored.load(Ordering::Relaxed),
             sampled: self.counts.sampled.load(Ordering::Relaxed),
+            local: self.counts.local.load(Ordering::Relaxed),
+            local_seconds: self.counts.local_micros.load(Ordering::Relaxed) as f64 / 1e6,
+            local_fallbacks: self.counts.local_fallbacks.load(Ordering::Relaxed),
+            local_checked: self.counts.local_checked.load(Ordering::Relaxed),
         }
     }
 }

@@ -64,6 +64,7 @@ mod sampler;
 mod scenario;
 mod sim;
 pub mod sim_stats;
+pub mod sim_tokenizer;
 
 use std::time::Duration;
 

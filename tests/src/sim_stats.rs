@@ -50,6 +50,8 @@ pub struct SimRequests {
     pub decode: u64,
     /// Arrived aggregated.
     pub aggregated: u64,
+    /// `POST /tokenize` calls answered.
+    pub tokenize: u64,
 }
 
 /// `kv` of [`SimStats`].

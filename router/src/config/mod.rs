@@ -318,6 +318,12 @@ pub struct EngineSection {
     pub dialect: String,
     /// Size prompts with `/tokenize` (accepted; this version sizes by characters).
     pub tokenize: bool,
+    /// `engine.tokenizer`: the model directory whose `tokenizer.json` and chat template the
+    /// router tokenizes requests with for the KV score, as vLLM's `--tokenizer` names one;
+    /// `None` (the default): every request is tokenized by an engine's `/tokenize`
+    /// (docs/design/kv-aware-placement.md, "The router's tokenizer"). Read at startup: a
+    /// directory that cannot be loaded stops the router, naming the key.
+    pub tokenizer: Option<String>,
     /// Characters per token for sizing (default 3.8).
     pub chars_per_token: f64,
     /// `/tokenize` timeout (default 2).

@@ -40,8 +40,26 @@ pub(crate) fn tokenize_body(
             req["prompt"] = p.clone();
             copy(&mut req, &["add_special_tokens"]);
         }
-        (_, Some(m @ Value::Array(_))) => {
-            req["messages"] = m.clone();
+        (_, Some(Value::Array(ms))) => {
+            // A chat completion renames an assistant's `reasoning_content` to `reasoning`
+            // (vLLM's `ChatCompletionRequest`) before rendering; `/tokenize` reads only
+            // `reasoning`.
+            let renamed = ms
+                .iter()
+                .map(|m| match m {
+                    Value::Object(o)
+                        if o.contains_key("reasoning_content") && !o.contains_key("reasoning") =>
+                    {
+                        let mut o = o.clone();
+                        if let Some(r) = o.remove("reasoning_content") {
+                            o.insert("reasoning".into(), r);
+                        }
+                        Value::Object(o)
+                    }
+                    other => other.clone(),
+                })
+                .collect();
+            req["messages"] = Value::Array(renamed);
             // vLLM's chat completions and its `/tokenize` chat form both default to adding the
             // generation prompt; the request's own choice wins.
             req["add_generation_prompt"] = body
@@ -172,6 +190,13 @@ mod tests {
         );
         let r = tokenize_body("served", &chat).expect("chat");
         assert_eq!(r["model"], "served");
+        let thought = body(serde_json::json!({"messages": [
+            {"role": "assistant", "content": "a", "reasoning_content": "r"}]}));
+        let t = tokenize_body("m", &thought).expect("chat");
+        assert_eq!(
+            t["messages"][0]["reasoning"], "r",
+            "renamed as a chat completion renames it"
+        );
         assert_eq!(r["tools"], tools);
         assert_eq!(r["add_special_tokens"], true);
         assert_eq!(r["add_generation_prompt"], true);

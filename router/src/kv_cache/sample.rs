@@ -31,7 +31,8 @@ pub(crate) enum Shape {
 }
 
 impl Shape {
-    const ALL: [Shape; 3] = [Shape::Completion, Shape::Chat, Shape::ChatWithTools];
+    /// Every shape, in the order `/narwhal/state` lists them.
+    pub(crate) const ALL: [Shape; 3] = [Shape::Completion, Shape::Chat, Shape::ChatWithTools];
 
     /// The shape of a request body; `None` for a token-id prompt (never tokenized).
     pub(crate) fn of(body: &Map<String, Value>) -> Option<Shape> {
@@ -62,7 +63,8 @@ impl Shape {
         }
     }
 
-    fn slot(self) -> usize {
+    /// Its index in [`Shape::ALL`].
+    pub(crate) fn slot(self) -> usize {
         Shape::ALL.iter().position(|s| *s == self).unwrap_or(0)
     }
 }

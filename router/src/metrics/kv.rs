@@ -70,6 +70,14 @@ pub(crate) struct KvCounters {
     /// vLLM keys blocks by that the router cannot compute (multimodal parts, prompt
     /// embeddings).
     pub(crate) unscored: Counter,
+    /// `narwhal_kv_index_router_tokenized_total`: prompts tokenized by the router's own
+    /// tokenizer (`engine.tokenizer`), no engine asked.
+    pub(crate) router_tokenized: Counter,
+    /// `narwhal_kv_index_router_tokenize_seconds_total`: seconds the router's tokenizer spent.
+    pub(crate) router_tokenize_seconds: Counter<f64, AtomicU64>,
+    /// `narwhal_kv_index_router_tokenizer_fallbacks_total`: prompts the router's tokenizer
+    /// could not render, tokenized by an engine instead.
+    pub(crate) router_tokenizer_fallbacks: Counter,
 }
 
 impl KvMetrics {
@@ -94,6 +102,9 @@ impl KvMetrics {
             tokenize_failures: Counter::default(),
             unscored: Counter::default(),
             tokenize_seconds: Counter::default(),
+            router_tokenized: Counter::default(),
+            router_tokenize_seconds: Counter::default(),
+            router_tokenizer_fallbacks: Counter::default(),
         };
         r.register(
             "narwhal_kv_index_mode",
@@ -164,6 +175,21 @@ impl KvMetrics {
             "narwhal_kv_index_unscored",
             "Requests not scored (no /tokenize): at most one engine to choose from with no profiles, or keyed by what the router cannot compute (multimodal parts, prompt_embeds)",
             c.unscored.clone(),
+        );
+        r.register(
+            "narwhal_kv_index_router_tokenized",
+            "Prompts tokenized by the router's own tokenizer (engine.tokenizer) for the KV score",
+            c.router_tokenized.clone(),
+        );
+        r.register(
+            "narwhal_kv_index_router_tokenize_seconds",
+            "Seconds the router's own tokenizer spent rendering and encoding prompts",
+            c.router_tokenize_seconds.clone(),
+        );
+        r.register(
+            "narwhal_kv_index_router_tokenizer_fallbacks",
+            "Prompts the router's tokenizer could not render, tokenized by an engine's /tokenize instead",
+            c.router_tokenizer_fallbacks.clone(),
         );
         KvMetrics {
             gauges: g,

@@ -9,7 +9,8 @@
 //!   quarantined, holds {timed, inference}, inference_sources, breaker {...}, unserved,
 //!   journal_dropped, journal_writes_failing, awaiting_health, degraded,
 //!   kv_index {tokenizer, tokenizer_detail, tokenized, tokenize_failures, tokenize_seconds,
-//!   unscored, tokenizer_sampled, engines {<iid>: {mode, lag_s, blocks, batches, gaps, replays, resets, overflow}}},
+//!   unscored, tokenizer_sampled, router_tokenizer {model_dir, shapes, details, tokenized,
+//!   seconds, fallbacks, checked}, engines {<iid>: {mode, lag_s, blocks, batches, gaps, replays, resets, overflow}}},
 //!   controller, <the controller's fields>}
 //! ```
 //!
@@ -152,8 +153,35 @@ pub struct KvIndex {
     /// Real requests whose tokens were checked on a second engine (the sampled tokenizer
     /// check: each engine once per request shape, then one request in 256 of a shape).
     pub tokenizer_sampled: u64,
+    /// The router's own tokenizer (`engine.tokenizer`); null when none is configured (every
+    /// prompt is then tokenized by an engine's `/tokenize`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub router_tokenizer: Option<RouterTokenizer>,
     /// Per engine id, every configured engine.
     pub engines: BTreeMap<String, KvEngine>,
+}
+
+/// `kv_index.router_tokenizer`: the model's tokenizer in the router and whether it agrees
+/// with the engines' `/tokenize`, per request shape.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RouterTokenizer {
+    /// The model directory (`engine.tokenizer`).
+    pub model_dir: String,
+    /// Per request shape (`completion`, `chat`, `chat with tools`): `unchecked`, `agree`, or
+    /// `mismatch` (that shape's requests are tokenized by the engines until a restart).
+    pub shapes: BTreeMap<String, String>,
+    /// What differed, per mismatched shape.
+    pub details: BTreeMap<String, String>,
+    /// Prompts tokenized by the router.
+    pub tokenized: u64,
+    /// Seconds the router spent on them, in total (rendering and encoding).
+    pub seconds: f64,
+    /// Prompts it could not render (a template error, a chat template in the request),
+    /// tokenized by an engine instead.
+    pub fallbacks: u64,
+    /// Router-tokenized prompts checked against an engine's `/tokenize`.
+    pub checked: u64,
 }
 
 /// `kv_index.engines.<iid>`.

@@ -1136,3 +1136,128 @@ async fn an_engine_over_credited_request_after_request_is_suspect_until_it_agree
         "requests scored while it was suspect are journalled so"
     );
 }
+
+/// With the router's own tokenizer (`engine.tokenizer`: a model directory whose tokenizer and
+/// chat template give the simulators' tokens for the words used), scored requests cost the
+/// engines no `/tokenize` beyond the sampled checks, and are credited exactly what the engine
+/// then hits. A shape the router renders differently from the engines (tools: the template
+/// sees vLLM's `model_dump()` of them, the simulator prints them as they came) is caught by its
+/// first sampled request and tokenized by the engines from then on, while the other shapes stay
+/// with the router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_routers_own_tokenizer_spares_the_engines_and_falls_back_per_shape() {
+    use narwhal_testkit::sim_tokenizer::{SIM_TEMPLATE, model_dir};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let vocab: Vec<String> = (14000..14400).map(|i| format!("w{i}")).collect();
+    let vocab: Vec<&str> = vocab.iter().map(String::as_str).collect();
+    model_dir(dir.path(), &vocab, SIM_TEMPLATE);
+    let f = Fleet::builder()
+        .decode(2)
+        .kv_events()
+        .sim_args(&["--block-size", "4", "--enable-prompt-tokens-details"])
+        .fleet(json!({"engine": {"tokenizer": dir.path()}}))
+        .start()
+        .await;
+    let router = f.router();
+    let engine_tokenizes = || async {
+        let mut n = 0;
+        for iid in ["d0", "d1"] {
+            n += f.sim(iid).counters().await.requests.tokenize;
+        }
+        n
+    };
+    let before = engine_tokenizes().await;
+    let prefix = words(14000, 40);
+    let mut seen = 0;
+    for i in 0..6 {
+        seen += 1;
+        let body = json!({"model": "tiny-sim", "max_tokens": 2,
+            "prompt": format!("{prefix} {}", words(14100 + 5 * i, 4))});
+        let r = served_row(router, "/v1/completions", &body, seen).await;
+        let credit = r.cached_tokens.expect("scored");
+        assert_eq!(
+            Some(credit),
+            r.engine_cached_tokens,
+            "credited what the engine hit: {r:?}"
+        );
+        if i > 0 {
+            assert!(credit >= 40, "the shared prefix followed: {r:?}");
+        }
+    }
+    for i in 0..4 {
+        seen += 1;
+        let body = json!({"model": "tiny-sim", "max_tokens": 2, "messages": [
+            {"role": "system", "content": words(14200, 40)},
+            {"role": "user", "content": words(14300 + 5 * i, 4)}]});
+        let r = served_row(router, "/v1/chat/completions", &body, seen).await;
+        assert_eq!(r.cached_tokens, r.engine_cached_tokens, "{r:?}");
+    }
+    let k = eventually(
+        "completion and chat checked against the engines",
+        WAIT,
+        || async {
+            let k = router.state().await.kv_index;
+            let t = k.router_tokenizer.clone().expect("router_tokenizer shown");
+            let agree = |s: &str| t.shapes.get(s).map(String::as_str) == Some("agree");
+            (agree("completion") && agree("chat") && t.checked >= 2).then_some(k)
+        },
+    )
+    .await;
+    let t = k.router_tokenizer.expect("router_tokenizer");
+    assert_eq!(t.tokenized, 10, "{t:?}");
+    assert_eq!(t.fallbacks, 0, "{t:?}");
+    assert_eq!(t.model_dir, dir.path().display().to_string());
+    // Beside the sampled checks, the engines' agreement probe: one prompt on each engine,
+    // made at the first scored request.
+    let spent = engine_tokenizes().await - before;
+    assert_eq!(
+        spent,
+        t.checked + 2,
+        "the engines tokenized only the sampled checks and the probe ({t:?})"
+    );
+    let tools = json!([{"type": "function", "function": {"name": "w14399"}}]);
+    let tool_chat = |i: usize| {
+        json!({"model": "tiny-sim", "max_tokens": 2, "tools": tools, "messages": [
+            {"role": "user", "content": words(14350 + 5 * i, 4)}]})
+    };
+    seen += 1;
+    served_row(router, "/v1/chat/completions", &tool_chat(0), seen).await;
+    let t = eventually("the tool-calling shape's mismatch", WAIT, || async {
+        let t = router.state().await.kv_index.router_tokenizer?;
+        (t.shapes.get("chat with tools").map(String::as_str) == Some("mismatch")).then_some(t)
+    })
+    .await;
+    let detail = t
+        .details
+        .get("chat with tools")
+        .cloned()
+        .unwrap_or_default();
+    assert!(detail.contains("the router and d"), "{detail}");
+    assert_eq!(t.shapes.get("chat").map(String::as_str), Some("agree"));
+    let engine_before = engine_tokenizes().await;
+    seen += 1;
+    let r = served_row(router, "/v1/chat/completions", &tool_chat(1), seen).await;
+    assert_eq!(
+        r.cached_tokens, r.engine_cached_tokens,
+        "the engines' tokens, credited right: {r:?}"
+    );
+    assert!(
+        engine_tokenizes().await > engine_before,
+        "asked of /tokenize"
+    );
+    let after = router
+        .state()
+        .await
+        .kv_index
+        .router_tokenizer
+        .expect("shown");
+    assert_eq!(
+        after.tokenized, 11,
+        "the router did not tokenize it: {after:?}"
+    );
+    let metrics = router.metrics().await;
+    assert!(
+        metrics.contains("narwhal_kv_index_router_tokenized_total 11"),
+        "{metrics}"
+    );
+}

@@ -758,6 +758,7 @@ fn models(sim: &Sim) -> Response<SimBody> {
 }
 
 async fn tokenize(sim: &Sim, req: Request<Incoming>) -> Response<SimBody> {
+    sim.stats.req_tokenize.fetch_add(1, Relaxed);
     let b = match read_body(req.into_body()).await {
         Ok(b) => b,
         Err(e) => return api_error(&e),

@@ -55,6 +55,8 @@ pub(crate) struct Stats {
     pub(crate) req_decode: AtomicU64,
     /// Requests that arrived as aggregated (and malformed ones).
     pub(crate) req_aggregated: AtomicU64,
+    /// `POST /tokenize` calls answered (any outcome).
+    pub(crate) req_tokenize: AtomicU64,
     /// Descriptors/rooms produced.
     pub(crate) kv_issued: AtomicU64,
     /// Descriptors/rooms of this producer read by a consumer.
@@ -164,6 +166,7 @@ struct Requests {
     prefill: u64,
     decode: u64,
     aggregated: u64,
+    tokenize: u64,
 }
 
 /// `kv` of `/sim/stats`.
@@ -203,6 +206,7 @@ impl Default for Stats {
             req_prefill: AtomicU64::new(0),
             req_decode: AtomicU64::new(0),
             req_aggregated: AtomicU64::new(0),
+            req_tokenize: AtomicU64::new(0),
             kv_issued: AtomicU64::new(0),
             kv_served: AtomicU64::new(0),
             kv_consumed: AtomicU64::new(0),
@@ -303,6 +307,7 @@ impl Stats {
                 prefill: l(&self.req_prefill),
                 decode: l(&self.req_decode),
                 aggregated: l(&self.req_aggregated),
+                tokenize: l(&self.req_tokenize),
             },
             kv: Kv {
                 issued: l(&self.kv_issued),

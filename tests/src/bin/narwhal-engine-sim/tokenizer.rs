@@ -12,24 +12,10 @@
 
 use std::fmt::Write as _;
 
-/// Vocabulary size: every token id is `< VOCAB`.
-pub(crate) const VOCAB: u32 = 32_000;
-
-/// Words of the fixed chat template (see [`chat_tokens`]).
-const CHAT_BEGIN: &str = "<|begin_of_text|>";
-const CHAT_START: &str = "<|start_header|>";
-const CHAT_END: &str = "<|eot|>";
-
-/// FNV-1a over bytes, 64-bit. Stable across processes and platforms.
-fn fnv1a(bytes: &[u8], mut h: u64) -> u64 {
-    for b in bytes {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
-
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+// The words, their ids and the chat template's words live in the testkit, which also writes
+// a model directory whose tokenizer.json gives the same ids (for the router's own tokenizer).
+use narwhal_testkit::sim_tokenizer::{CHAT_BEGIN, CHAT_END, CHAT_START, FNV_OFFSET, fnv1a};
+pub(crate) use narwhal_testkit::sim_tokenizer::{VOCAB, word_id};
 
 /// SplitMix64 finaliser: a cheap, well-mixing bijection on u64.
 fn mix(mut z: u64) -> u64 {
@@ -37,11 +23,6 @@ fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
-}
-
-/// Token id of one whitespace-separated word: stable hash modulo [`VOCAB`].
-pub(crate) fn word_id(word: &str) -> u32 {
-    (fnv1a(word.as_bytes(), FNV_OFFSET) % u64::from(VOCAB)) as u32
 }
 
 /// Tokenizes a completion prompt: whitespace split, one token per word. `""` gives no tokens.

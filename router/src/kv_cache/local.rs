@@ -1,0 +1,141 @@
+//! The router's own tokenizer (`engine.tokenizer`) and its agreement with the engines (pure
+//! state; the driver is `KvCache::tokens` / `KvCache::check_local`;
+//! docs/design/kv-aware-placement.md, "The router's tokenizer"):
+//!
+//! ```text
+//! request of shape S ──S not mismatched──► ModelTokenizer::tokens ──ok──► tokens (no engine asked)
+//!        │                                        └─cannot render──► /tokenize (counted fallback)
+//!        └─S mismatched───────────────────────────────────────────► /tokenize
+//! sampled (each engine once per shape, then 1 in SAMPLE_EVERY): the engine's /tokenize of the
+//! same request, off the request path ──differs──► S mismatched (warned, shown, kept until restart)
+//! ```
+//!
+//! A mismatch is per shape: a template's tool rendering that differs from vLLM's sends only
+//! tool-calling requests back to `/tokenize`. Whether the engines agree with each other is the
+//! engine check's business ([`super::sample`]), which runs as before on every request
+//! tokenized by an engine.
+
+use std::sync::Arc;
+
+use narwhal_tokenizer::ModelTokenizer;
+
+use super::sample::{Sampler, Shape};
+
+/// Per shape: `None` until a check found a difference, then what differed.
+#[derive(Debug)]
+pub(crate) struct LocalTokenizer {
+    /// The loaded model tokenizer.
+    pub(crate) model: Arc<ModelTokenizer>,
+    mismatch: [Option<String>; 3],
+    agreed: [u64; 3],
+    /// Which requests are checked against which engine.
+    pub(crate) sampler: Sampler,
+}
+
+/// What `/narwhal/state` shows of a shape: `unchecked`, `agree` or `mismatch`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ShapeView {
+    /// The shape's name ([`Shape::as_str`]).
+    pub(crate) shape: &'static str,
+    /// `unchecked`, `agree`, `mismatch`.
+    pub(crate) status: &'static str,
+    /// What differed, for a mismatch.
+    pub(crate) detail: Option<String>,
+}
+
+impl LocalTokenizer {
+    /// Nothing checked yet, over `engines` engines.
+    pub(crate) fn new(model: Arc<ModelTokenizer>, engines: usize) -> Self {
+        LocalTokenizer {
+            model,
+            mismatch: [None, None, None],
+            agreed: [0; 3],
+            sampler: Sampler::new(engines),
+        }
+    }
+
+    /// Whether requests of `shape` are tokenized here (no difference found for it).
+    pub(crate) fn usable(&self, shape: Shape) -> bool {
+        self.mismatch[shape.slot()].is_none()
+    }
+
+    /// A check of `shape` came back: `None` when they agreed, else what differed. Returns
+    /// whether this turned the shape to `mismatch` (the first difference; later ones keep it).
+    pub(crate) fn checked(&mut self, shape: Shape, difference: Option<String>) -> bool {
+        let s = shape.slot();
+        match difference {
+            None => {
+                self.agreed[s] += 1;
+                false
+            }
+            Some(d) => {
+                let first = self.mismatch[s].is_none();
+                if first {
+                    self.mismatch[s] = Some(d);
+                }
+                first
+            }
+        }
+    }
+
+    /// Every shape's status, in [`Shape::ALL`] order.
+    pub(crate) fn views(&self) -> Vec<ShapeView> {
+        Shape::ALL
+            .iter()
+            .map(|shape| {
+                let s = shape.slot();
+                let status = match (&self.mismatch[s], self.agreed[s]) {
+                    (Some(_), _) => "mismatch",
+                    (None, 0) => "unchecked",
+                    (None, _) => "agree",
+                };
+                ShapeView {
+                    shape: shape.as_str(),
+                    status,
+                    detail: self.mismatch[s].clone(),
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> Arc<ModelTokenizer> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let vocab = serde_json::json!({"[UNK]": 0, "a": 1});
+        let tok = serde_json::json!({"version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [], "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}});
+        std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).expect("write");
+        Arc::new(ModelTokenizer::load(dir.path()).expect("load"))
+    }
+
+    #[test]
+    fn a_difference_turns_only_its_shape_back_to_the_engines() {
+        let mut l = LocalTokenizer::new(model(), 2);
+        assert!(l.usable(Shape::ChatWithTools));
+        assert_eq!(l.views()[0].status, "unchecked");
+        assert!(!l.checked(Shape::Completion, None));
+        assert!(l.checked(Shape::ChatWithTools, Some("e0: 10 and 12 tokens".into())));
+        assert!(
+            !l.checked(Shape::ChatWithTools, Some("again".into())),
+            "reported once"
+        );
+        assert!(
+            !l.checked(Shape::ChatWithTools, None),
+            "an agreement does not undo it"
+        );
+        assert!(!l.usable(Shape::ChatWithTools));
+        assert!(l.usable(Shape::Chat) && l.usable(Shape::Completion));
+        let v = l.views();
+        assert_eq!(
+            v.iter().map(|s| s.status).collect::<Vec<_>>(),
+            ["agree", "unchecked", "mismatch"]
+        );
+        assert_eq!(v[2].detail.as_deref(), Some("e0: 10 and 12 tokens"));
+    }
+}
