@@ -611,6 +611,10 @@ async fn aggregated_fleet_on_real_vllm() {
     // A client that disconnects mid-stream: the engine aborts the request.
     disconnect_aborts(&r, &engines).await;
 
+    // The router's own tokenizer (narwhal-tokenizer) against vLLM's `/tokenize`: the model's
+    // template and five templates written here, on every request shape; then what each costs.
+    router_tokenizer_agrees_with_vllm(&venv, dir.path(), &engines[0]).await;
+
     // (d) KV events: prefix A stored on e0 and prefix B on e1, each by a request sent to that
     // engine directly, so the router knows them only from the engines' BlockStored events.
     let state = placement_by_kv_events(&r, &engines).await;
@@ -635,6 +639,178 @@ async fn aggregated_fleet_on_real_vllm() {
     drop(engines);
 }
 
+/// Templates that use what real ones use: a system message taken apart and roles checked with
+/// `raise_exception`; tools and tool calls through `tojson`; content parts looped over (vLLM's
+/// `openai` content format); `bos_token`, `namespace`, Python string methods, a template
+/// kwarg and `strftime_now`.
+const TEMPLATES: [(&str, &str); 4] = [
+    (
+        "system and alternating turns",
+        "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}{% set loop_messages = messages[1:] %}{% else %}{% set system = '' %}{% set loop_messages = messages %}{% endif %}\n{% for message in loop_messages %}\n{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}\n{% if loop.first and system %}<|system|>\n{{ system | trim }}<|end|>\n{% endif %}<|{{ message['role'] }}|>\n{{ message['content'] | trim }}<|end|>\n{% endfor %}\n{% if add_generation_prompt %}<|assistant|>\n{% endif %}\n",
+    ),
+    (
+        "tools",
+        "{%- if tools %}<|system|>\n# Tools\n{%- for tool in tools %}\n{{ tool | tojson }}\n{%- endfor %}<|end|>\n{%- endif %}\n{%- for message in messages %}\n{%- if message.role == 'assistant' and message.tool_calls is defined %}<|assistant|>\n{%- for tc in message.tool_calls %}{{ {'name': tc.function.name, 'arguments': tc.function.arguments} | tojson(indent=2) }}{%- endfor %}<|end|>\n{%- elif message.role == 'tool' %}<|user|>\n{{ message.content }}<|end|>\n{%- else %}<|{{ message.role }}|>\n{{ message.content }}<|end|>\n{%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}<|assistant|>\n{%- endif %}",
+    ),
+    (
+        "content parts",
+        "{% for message in messages %}<|{{ message['role'] }}|>\n{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }} {% endif %}{% endfor %}{% endif %}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+    ),
+    (
+        "specials, namespace, methods, kwargs",
+        "{{ bos_token }}{% set ns = namespace(turns=0) %}{% if flavour is defined %}<|system|>\n{{ flavour.upper() }} {{ strftime_now('%Y') }}<|end|>\n{% endif %}{% for m in messages %}{% set ns.turns = ns.turns + 1 %}<|{{ m.role }}|>\n{{ m.content.strip() }}{% if m.content.startswith('hello') %} one{% endif %}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{{ ns.turns }}{% endif %}",
+    ),
+];
+
+/// Request bodies for the router tokenizer's check, each rendered with every template.
+fn tokenizer_bodies() -> Vec<Value> {
+    let turns = json!([
+        {"role": "system", "content": "  you are a narwhal router  "},
+        {"role": "user", "content": "hello world the quick"},
+        {"role": "assistant", "content": "brown fox"},
+        {"role": "user", "content": "jumps over the lazy dog"}]);
+    vec![
+        json!({"messages": turns}),
+        json!({"messages": turns, "add_generation_prompt": false}),
+        json!({"messages": turns, "add_special_tokens": true}),
+        json!({"messages": [{"role": "user", "content": "hello"},
+                            {"role": "assistant", "content": "the quick brown"}],
+               "add_generation_prompt": false, "continue_final_message": true}),
+        json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "hello world"},
+                                                          {"type": "text", "text": "one two"}]}]}),
+        json!({"messages": [{"role": "developer", "content": "be brief"},
+                            {"role": "user", "content": "hello"}]}),
+        json!({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}),
+        json!({"messages": [{"role": "user", "content": "hello tiny llama"}],
+               "chat_template_kwargs": {"flavour": "drain"}}),
+        json!({"messages": [
+                {"role": "user", "content": "weather in one?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"one\", \"days\": 2.0}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+               "tools": [{"type": "function", "function": {"name": "get_weather",
+                    "description": "Weather for a city, é and \"quotes\"",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                   "days": {"type": "number", "default": 1.5}}, "required": ["city"]}}},
+                         {"type": "function", "function": {"name": "no_description"}}]}),
+    ]
+}
+
+/// The router's tokenizer (`narwhal_tokenizer::ModelTokenizer`, what `engine.tokenizer` loads)
+/// against vLLM's own `/tokenize` on `engine`: completions with and without special tokens,
+/// and every body of [`tokenizer_bodies`] rendered with the model's own template and with each
+/// of [`TEMPLATES`] (written into a copy of the model directory as `chat_template.jinja`;
+/// vLLM gets it as the request's `chat_template`). Each pair must agree: the same tokens, or
+/// both refusing (a template's `raise_exception`). Then the cost of each way, printed: the
+/// router's microseconds per prompt (this test's debug build), the `/tokenize` round trip, and
+/// the CPU the engine's API server spends per `/tokenize`.
+async fn router_tokenizer_agrees_with_vllm(venv: &Path, dir: &Path, engine: &Vllm) {
+    use narwhal_tokenizer::ModelTokenizer;
+    let model = venv.join("tiny-llama");
+    let own = ModelTokenizer::load(&model).expect("the model's tokenizer");
+    let mut cases: Vec<(String, ModelTokenizer, Option<&str>)> =
+        vec![("the model's".into(), own, None)];
+    for (i, (name, template)) in TEMPLATES.iter().enumerate() {
+        let d = dir.join(format!("template-{i}"));
+        std::fs::create_dir_all(&d).expect("model copy");
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(model.join(f), d.join(f)).expect("copy");
+        }
+        std::fs::write(d.join("chat_template.jinja"), template).expect("template");
+        cases.push((
+            (*name).into(),
+            ModelTokenizer::load(&d).expect("load"),
+            Some(template),
+        ));
+    }
+    let mut compared = 0;
+    let mut refused = 0;
+    let mut differ = Vec::new();
+    for (name, tok, template) in &cases {
+        let mut bodies = tokenizer_bodies();
+        bodies.push(json!({"prompt": "hello world the quick brown fox"}));
+        bodies.push(json!({"prompt": "hello world", "add_special_tokens": false}));
+        for body in bodies {
+            let mut req = body.clone();
+            req["model"] = json!(MODEL);
+            if let (Some(t), true) = (template, body.get("messages").is_some()) {
+                req["chat_template"] = json!(t);
+            }
+            let (status, theirs) = post(&engine.url, "/tokenize", &req).await;
+            let ours = tok.tokens(body.as_object().expect("object"));
+            compared += 1;
+            match (status, &ours) {
+                (200, Ok(t))
+                    if tokenized(&theirs).tokens
+                        == t.iter().map(|x| u64::from(*x)).collect::<Vec<_>>() => {}
+                (400, Err(_)) => refused += 1,
+                _ => differ.push(format!(
+                    "{name} template, {body}: vLLM {status} {theirs}, router {ours:?} (rendered: {:?})",
+                    body.get("messages").map(|_| tok.render_chat(body.as_object().expect("object")))
+                )),
+            }
+        }
+    }
+    assert!(
+        differ.is_empty(),
+        "{} of {compared} differ:\n{}",
+        differ.len(),
+        differ.join("\n")
+    );
+    assert!(
+        refused >= cases.len() - 1,
+        "the alternation check refused on both sides ({refused})"
+    );
+    eprintln!(
+        "router tokenizer: {compared} renderings equal to vLLM's /tokenize ({refused} refused by both)"
+    );
+
+    // The cost of each way, on one 700-word chat.
+    let long = json!({"messages": [{"role": "system", "content": long_prompt(1, 600)},
+                                  {"role": "user", "content": long_prompt(2, 100)}]});
+    let tok = &cases[0].1;
+    let n = 100;
+    let t0 = Instant::now();
+    let mut len = 0;
+    for _ in 0..n {
+        len = tok
+            .tokens(long.as_object().expect("object"))
+            .expect("tokens")
+            .len();
+    }
+    let local = t0.elapsed() / n;
+    let pid = engine
+        .child
+        .as_ref()
+        .map(std::process::Child::id)
+        .expect("running");
+    let cpu = || {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+        let f: Vec<&str> = stat
+            .rsplit_once(')')
+            .expect("stat")
+            .1
+            .split_whitespace()
+            .collect();
+        f[11].parse::<u64>().expect("utime") + f[12].parse::<u64>().expect("stime")
+    };
+    let mut req = long.clone();
+    req["model"] = json!(MODEL);
+    let (c0, t0) = (cpu(), Instant::now());
+    for _ in 0..n {
+        let (status, _) = post(&engine.url, "/tokenize", &req).await;
+        assert_eq!(status, 200);
+    }
+    let remote = t0.elapsed() / n as u32;
+    let ticks = cpu() - c0;
+    eprintln!(
+        "router tokenizer: a {len}-token chat: {:.0} us in the router (debug build) against a {:.0} us /tokenize round trip; the engine's API server spent {:.1} ms of CPU per /tokenize ({ticks} ticks over {n})",
+        local.as_secs_f64() * 1e6,
+        remote.as_secs_f64() * 1e6,
+        ticks as f64 * 10.0 / f64::from(n),
+    );
+}
+
 /// The aggregated fleet: two engines publishing KV events (side ports 0 and 1), healthy, and
 /// the router over them, serving.
 async fn aggregated_fleet(venv: &Path, dir: &Path) -> (Vec<Vllm>, RouterHandle) {
@@ -654,6 +830,8 @@ async fn aggregated_fleet(venv: &Path, dir: &Path) -> (Vec<Vllm>, RouterHandle) 
                     "--kv-events-config".into(),
                     events.to_string(),
                     "--enable-prompt-tokens-details".into(),
+                    // The router tokenizer's check renders the test's own templates on vLLM.
+                    "--trust-request-chat-template".into(),
                 ],
                 &[],
             )

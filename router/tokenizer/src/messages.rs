@@ -127,7 +127,9 @@ fn text_parts(content: &Value) -> Result<Vec<String>, RenderError> {
                         "refusal" => o.get("refusal"),
                         "thinking" => o.get("thinking"),
                         _ => {
-                            return Err(RenderError::Unsupported("a content part that is not text"));
+                            return Err(RenderError::Unsupported(
+                                "a content part that is not text",
+                            ));
                         }
                     };
                     text.and_then(Value::as_str)
