@@ -189,6 +189,7 @@ pub async fn run(
         let _ = parts.self_drain.set(sd);
     }
     if let Some(t) = tokenizer {
+        parts.controller.use_tokenizer(t.clone());
         parts.kv.use_tokenizer(t);
     }
     let stop = tokio_util::sync::CancellationToken::new();

@@ -93,6 +93,10 @@ pub(crate) struct Controller {
     changing: Mutex<BTreeSet<usize>>,
     /// `/tokenize` failures per engine: `(consecutive failures, backed off until)`.
     tokenize_backoff: Mutex<Vec<(u32, Option<std::time::Instant>)>>,
+    /// The router's own tokenizer (`engine.tokenizer`), set at startup: sizes a prompt
+    /// without an engine's `/tokenize` (docs/design/kv-aware-placement.md, "The router's
+    /// tokenizer").
+    tokenizer: std::sync::OnceLock<Arc<narwhal_tokenizer::ModelTokenizer>>,
 }
 
 impl Controller {
@@ -111,8 +115,14 @@ impl Controller {
             ledger: Mutex::new(Ledger::default()),
             changing: Mutex::new(BTreeSet::new()),
             tokenize_backoff: Mutex::new(vec![(0, None); n]),
+            tokenizer: std::sync::OnceLock::new(),
             h,
         }
+    }
+
+    /// Sizes prompts with `model` from now on (set once, at startup).
+    pub(crate) fn use_tokenizer(&self, model: Arc<narwhal_tokenizer::ModelTokenizer>) {
+        let _ = self.tokenizer.set(model);
     }
 
     fn lock(&self) -> MutexGuard<'_, Machine> {

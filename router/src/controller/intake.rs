@@ -197,7 +197,8 @@ impl Controller {
     }
 
     /// Sizes the prompt (controller.md 10.2): a token-id prompt by its length; with
-    /// predictive admission and `engine.tokenize`, a text prompt through `/tokenize` on the
+    /// predictive admission and `engine.tokenize`, a text prompt by the router's own tokenizer
+    /// when `engine.tokenizer` is set and it renders the request, else through `/tokenize` on the
     /// least-occupied live engine (a failing engine backs off `1 s·2^(k−1)`, at most 30 s);
     /// else the ingress estimate (characters / `chars_per_token`). Records the arrival.
     pub(crate) async fn size(&self, track: &Track, v: &Validated) -> u64 {
@@ -234,6 +235,11 @@ impl Controller {
     }
 
     async fn tokenize(&self, v: &Validated) -> Option<u64> {
+        // The router's own tokenizer first: no engine round trip; a request it cannot render
+        // goes to `/tokenize` as before.
+        if let Some(Ok(tokens)) = self.tokenizer.get().map(|t| t.tokens(&v.body)) {
+            return Some(tokens.len() as u64);
+        }
         let iid = self.tokenize_candidate()?;
         let mut body = json!({"model": self.h.cfg.model});
         for k in ["prompt", "messages"] {
