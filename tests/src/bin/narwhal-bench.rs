@@ -28,8 +28,9 @@
 //! fleet file), `narwhal-bench shifting` (fixed split vs role controller under shifting
 //! demand), `narwhal-bench prefix` (a shared-prefix workload: cache hit rate against an
 //! offline oracle, TTFT and SLO attainment per router, and the hit rate across a takeover) and
-//! `narwhal-bench fleet-scale` (control-plane cost at 4, 64 and 256 engines) and
-//! `narwhal-bench concurrency` (router cost at 1,000 to 10,000 concurrent streams).
+//! `narwhal-bench fleet-scale` (control-plane cost at 4, 64 and 256 engines),
+//! `narwhal-bench concurrency` (router cost at 1,000 to 10,000 concurrent streams) and
+//! `narwhal-bench tokenizer` (the router's own tokenizer against an engine's `/tokenize`).
 // A benchmark measures wall time: the clock ban of clippy.toml is for product code.
 #![allow(clippy::disallowed_methods)]
 
@@ -71,6 +72,8 @@ mod prefix_trace;
 mod profile;
 #[path = "narwhal-bench/shifting.rs"]
 mod shifting;
+#[path = "narwhal-bench/tokenizer.rs"]
+mod tokenizer;
 use narwhal_testkit::sim_stats::SimStats;
 use narwhal_testkit::{
     EngineSpec, FleetSpec, RouterHandle, SimHandle, engine_port, start_router, start_sim,
@@ -304,7 +307,7 @@ fn subcommand(argv: &[String]) -> Option<ExitCode> {
     let which = argv.get(1).map(String::as_str)?;
     if !matches!(
         which,
-        "profile" | "shifting" | "prefix" | "fleet-scale" | "concurrency"
+        "profile" | "shifting" | "prefix" | "fleet-scale" | "concurrency" | "tokenizer"
     ) {
         return None;
     }
@@ -326,6 +329,7 @@ fn subcommand(argv: &[String]) -> Option<ExitCode> {
             "prefix" => prefix::main(rest).await,
             "fleet-scale" => fleet_scale::main(rest).await,
             "concurrency" => concurrency::main(rest).await,
+            "tokenizer" => tokenizer::main(rest).await,
             _ => shifting::main(rest).await,
         }
     }))
