@@ -365,12 +365,12 @@ fn kv_gauges(parts: &Parts) {
     let counts = parts.kv.tokenize_counts();
     raise(&c.tokenize_failures, counts.failures);
     raise(&c.unscored, counts.unscored);
-    raise(&c.router_tokenized, counts.local);
-    raise(&c.router_tokenizer_fallbacks, counts.local_fallbacks);
-    let spent = c.router_tokenize_seconds.get();
+    let t = &parts.metrics.kv.router_tokenizer;
+    raise(&t.tokenized, counts.local);
+    raise(&t.fallbacks, counts.local_fallbacks);
+    let spent = t.seconds.get();
     if counts.local_seconds > spent {
-        c.router_tokenize_seconds
-            .inc_by(counts.local_seconds - spent);
+        t.seconds.inc_by(counts.local_seconds - spent);
     }
     let spent = c.tokenize_seconds.get();
     if counts.seconds > spent {

@@ -47,6 +47,9 @@ pub(crate) struct Validated {
     pub include_usage: bool,
     /// Estimated input tokens (token-id prompt length, else characters / chars_per_token, ≥ 1).
     pub input_len: u64,
+    /// The prompt's tokens from the router's own tokenizer (`engine.tokenizer`), once
+    /// predictive admission's sizing computed them: the KV score reuses them.
+    pub tokens: std::sync::OnceLock<Vec<u32>>,
     /// Prompts in a completions batch (`prompt` a list of two or more strings or token-id
     /// lists); 1 for a single prompt. A batch is served as one request per prompt (see
     /// [`batch_prompts`]).
@@ -411,6 +414,7 @@ pub(crate) fn validate(
         return_token_ids,
         include_usage,
         input_len,
+        tokens: std::sync::OnceLock::new(),
         prompt_count,
         prompt_logprobs,
         max_tokens,

@@ -44,7 +44,7 @@ mod ranks;
 mod request;
 mod sample;
 use local::LocalTokenizer;
-pub(crate) use local::ShapeView;
+pub(crate) use local::{ShapeView, tokens_of};
 use ranks::Ranks;
 use request::tokenize_engine;
 pub(crate) use request::{keyed_beyond_tokens, prompt_keys, tokenize_body};
@@ -160,13 +160,6 @@ struct Counts {
     unscored: AtomicU64,
     /// Requests sampled by the tokenizer check.
     sampled: AtomicU64,
-    /// Requests tokenized by the router's own tokenizer, and the microseconds it took.
-    local: AtomicU64,
-    local_micros: AtomicU64,
-    /// Requests the router's tokenizer could not render (asked of `/tokenize` instead).
-    local_fallbacks: AtomicU64,
-    /// Router-tokenized requests checked against an engine's `/tokenize`.
-    local_checked: AtomicU64,
 }
 
 /// The KV score's counts, cumulative since the router started (`/narwhal/state.kv_index`,
@@ -573,8 +566,10 @@ impl KvCache {
         }
     }
 
-    /// A request's prompt tokens from `/tokenize` on the least loaded live engine (a token-id
-    /// prompt as it is), with `engine.tokenize_timeout_s`.
+    /// A request's prompt tokens: a token-id prompt as it is; the router's own tokenizer's
+    /// (`known` when it already computed them for admission's sizing) unless its shape was
+    /// found to differ; else `/tokenize` on the least loaded live engine, with
+    /// `engine.tokenize_timeout_s`.
     ///
     /// # Errors
     /// [`TokenizeError`]; counted, and the request is placed by load.
@@ -582,6 +577,7 @@ impl KvCache {
         self: &Arc<Self>,
         fleet: &Fleet,
         body: &Map<String, Value>,
+        known: Option<&[u32]>,
     ) -> Result<(Vec<u32>, Option<usize>), TokenizeError> {
         if let Some(Value::Array(ids)) = body.get("prompt") {
             return ids
@@ -591,7 +587,7 @@ impl KvCache {
                 .map(|t| (t, None))
                 .ok_or(TokenizeError::Shape);
         }
-        if let Some(tokens) = self.tokens_here(fleet, body) {
+        if let Some(tokens) = self.tokens_here(fleet, body, known).await {
             return Ok((tokens, None));
         }
         let req = tokenize_body(&self.cfg.model, body)?;
@@ -622,7 +618,12 @@ impl KvCache {
     /// the request renders here; `None` otherwise (the caller asks `/tokenize`; a request
     /// that does not render here is counted as a fallback). A sampled request is also sent
     /// to an engine's `/tokenize`, off the request path ([`KvCache::check_local`]).
-    fn tokens_here(self: &Arc<Self>, fleet: &Fleet, body: &Map<String, Value>) -> Option<Vec<u32>> {
+    async fn tokens_here(
+        self: &Arc<Self>,
+        fleet: &Fleet,
+        body: &Map<String, Value>,
+        known: Option<&[u32]>,
+    ) -> Option<Vec<u32>> {
         let shape = Shape::of(body)?;
         let model = {
             let local = self.local()?;
@@ -631,20 +632,25 @@ impl KvCache {
             }
             local.model.clone()
         };
-        let t0 = std::time::Instant::now();
-        let r = model.tokens(body);
-        let spent = t0.elapsed();
+        let t0 = self.clock.now();
+        let r = match known {
+            Some(t) => Ok(t.to_vec()),
+            None => tokens_of(&model, body).await,
+        };
+        let spent = self.clock.now().saturating_duration_since(t0);
         match r {
             Ok(tokens) => {
-                self.counts.local.fetch_add(1, Ordering::Relaxed);
-                self.counts
-                    .local_micros
-                    .fetch_add(spent.as_micros() as u64, Ordering::Relaxed);
+                if let Some(mut l) = self.local() {
+                    l.counts.tokenized += 1;
+                    l.counts.micros += spent.as_micros() as u64;
+                }
                 self.check_local(fleet, body, shape, &tokens);
                 Some(tokens)
             }
             Err(err) => {
-                self.counts.local_fallbacks.fetch_add(1, Ordering::Relaxed);
+                if let Some(mut l) = self.local() {
+                    l.counts.fallbacks += 1;
+                }
                 tracing::debug!(error = %err, shape = shape.as_str(), "kv score: the router's tokenizer does not render this request; asking an engine's /tokenize");
                 None
             }
@@ -687,7 +693,6 @@ impl KvCache {
                     return;
                 }
             };
-            me.counts.local_checked.fetch_add(1, Ordering::Relaxed);
             let difference = (theirs != ours).then(|| {
                 let first = ours.iter().zip(&theirs).take_while(|(a, b)| a == b).count();
                 format!(
@@ -699,6 +704,7 @@ impl KvCache {
                 )
             });
             let Some(mut l) = me.local() else { return };
+            l.counts.checked += 1;
             if l.checked(shape, difference.clone()) {
                 tracing::warn!(detail = %difference.unwrap_or_default(), shape = shape.as_str(), "kv score: the router's tokenizer differs from an engine's; this shape's requests are tokenized by the engines from now on");
             }
@@ -804,6 +810,7 @@ impl KvCache {
         fleet: &Fleet,
         body: &Map<String, Value>,
         aggregate: Aggregate,
+        known: Option<&[u32]>,
     ) -> Option<Scored> {
         if !self.enabled() {
             return None;
@@ -829,7 +836,7 @@ impl KvCache {
             return None;
         }
         let t0 = self.clock.now();
-        let tokens = match self.tokens(fleet, body).await {
+        let tokens = match self.tokens(fleet, body, known).await {
             Ok((t, on)) => {
                 if let Some(on) = on {
                     self.sample_tokenizer(fleet, body, on, &t);
@@ -1076,16 +1083,17 @@ impl KvCache {
 
     /// The KV score's counts so far.
     pub(crate) fn tokenize_counts(&self) -> TokenizeCounts {
+        let local = self.local().map(|l| l.counts).unwrap_or_default();
         TokenizeCounts {
             tokenized: self.counts.tokenized.load(Ordering::Relaxed),
             failures: self.counts.failures.load(Ordering::Relaxed),
             seconds: self.counts.micros.load(Ordering::Relaxed) as f64 / 1e6,
             unscored: self.counts.unscored.load(Ordering::Relaxed),
             sampled: self.counts.sampled.load(Ordering::Relaxed),
-            local: self.counts.local.load(Ordering::Relaxed),
-            local_seconds: self.counts.local_micros.load(Ordering::Relaxed) as f64 / 1e6,
-            local_fallbacks: self.counts.local_fallbacks.load(Ordering::Relaxed),
-            local_checked: self.counts.local_checked.load(Ordering::Relaxed),
+            local: local.tokenized,
+            local_seconds: local.micros as f64 / 1e6,
+            local_fallbacks: local.fallbacks,
+            local_checked: local.checked,
         }
     }
 }

@@ -805,7 +805,7 @@ async fn router_tokenizer_agrees_with_vllm(venv: &Path, dir: &Path, engine: &Vll
         let (status, _) = post(&engine.url, "/tokenize", &req).await;
         assert_eq!(status, 200);
     }
-    let remote = t0.elapsed() / n as u32;
+    let remote = t0.elapsed() / n;
     let ticks = cpu() - c0;
     eprintln!(
         "router tokenizer: a {len}-token chat: {:.0} us in the router (debug build) against a {:.0} us /tokenize round trip; the engine's API server spent {:.1} ms of CPU per /tokenize ({ticks} ticks over {n})",

@@ -237,8 +237,12 @@ impl Controller {
     async fn tokenize(&self, v: &Validated) -> Option<u64> {
         // The router's own tokenizer first: no engine round trip; a request it cannot render
         // goes to `/tokenize` as before.
-        if let Some(Ok(tokens)) = self.tokenizer.get().map(|t| t.tokens(&v.body)) {
-            return Some(tokens.len() as u64);
+        if let Some(model) = self.tokenizer.get()
+            && let Ok(tokens) = crate::kv_cache::tokens_of(model, &v.body).await
+        {
+            let n = tokens.len() as u64;
+            let _ = v.tokens.set(tokens);
+            return Some(n);
         }
         let iid = self.tokenize_candidate()?;
         let mut body = json!({"model": self.h.cfg.model});

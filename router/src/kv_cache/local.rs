@@ -17,9 +17,50 @@
 
 use std::sync::Arc;
 
-use narwhal_tokenizer::ModelTokenizer;
+use narwhal_tokenizer::{ModelTokenizer, RenderError};
+use serde_json::{Map, Value};
 
 use super::sample::{Sampler, Shape};
+
+/// Prompt text (characters) above which the tokens are computed on the blocking pool rather
+/// than on the request's runtime thread: about 2,000 tokens, some 1.5 ms of one core in a
+/// release build (docs/benchmarks.md, "The router's tokenizer"), long enough to delay the
+/// other connections that thread serves; below it the hand-off would cost more than it saves.
+const INLINE_CHARS: usize = 8 * 1024;
+
+/// The characters of a body's prompt text: its string `prompt`, or its messages' string
+/// contents and text parts (what the tokenizer's time grows with).
+fn prompt_chars(body: &Map<String, Value>) -> usize {
+    fn text(v: &Value) -> usize {
+        match v {
+            Value::String(s) => s.len(),
+            Value::Array(a) => a.iter().map(text).sum(),
+            Value::Object(o) => o.get("text").or_else(|| o.get("content")).map_or(0, text),
+            _ => 0,
+        }
+    }
+    body.get("prompt")
+        .or_else(|| body.get("messages"))
+        .map_or(0, text)
+}
+
+/// `model`'s tokens for `body` ([`ModelTokenizer::tokens`]), computed on tokio's blocking pool
+/// when the prompt is longer than [`INLINE_CHARS`].
+///
+/// # Errors
+/// [`RenderError`] as the tokenizer gives it; `Encode` when the blocking task failed.
+pub(crate) async fn tokens_of(
+    model: &Arc<ModelTokenizer>,
+    body: &Map<String, Value>,
+) -> Result<Vec<u32>, RenderError> {
+    if prompt_chars(body) <= INLINE_CHARS {
+        return model.tokens(body);
+    }
+    let (model, body) = (model.clone(), body.clone());
+    tokio::task::spawn_blocking(move || model.tokens(&body))
+        .await
+        .unwrap_or_else(|e| Err(RenderError::Encode(format!("tokenizer task: {e}"))))
+}
 
 /// Per shape: `None` until a check found a difference, then what differed.
 #[derive(Debug)]
@@ -30,6 +71,21 @@ pub(crate) struct LocalTokenizer {
     agreed: [u64; 3],
     /// Which requests are checked against which engine.
     pub(crate) sampler: Sampler,
+    /// What it did, cumulative.
+    pub(crate) counts: LocalCounts,
+}
+
+/// The router tokenizer's counts (`kv_index.router_tokenizer`).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct LocalCounts {
+    /// Prompts tokenized here.
+    pub(crate) tokenized: u64,
+    /// Microseconds spent on them.
+    pub(crate) micros: u64,
+    /// Prompts not rendered here (asked of `/tokenize`).
+    pub(crate) fallbacks: u64,
+    /// Prompts checked against an engine's `/tokenize`.
+    pub(crate) checked: u64,
 }
 
 /// What `/narwhal/state` shows of a shape: `unchecked`, `agree` or `mismatch`.
@@ -51,6 +107,7 @@ impl LocalTokenizer {
             mismatch: [None, None, None],
             agreed: [0; 3],
             sampler: Sampler::new(engines),
+            counts: LocalCounts::default(),
         }
     }
 

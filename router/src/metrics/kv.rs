@@ -18,6 +18,8 @@ pub(crate) struct KvMetrics {
     pub(crate) counters: KvCounters,
     /// The credit check's counts per engine, raised at each scrape.
     pub(crate) credit: KvCreditCounters,
+    /// The router's own tokenizer's counts, raised at each scrape.
+    pub(crate) router_tokenizer: RouterTokenizerCounters,
 }
 
 /// The credit check's counters (docs/design/kv-aware-placement.md, section 6.1).
@@ -70,14 +72,18 @@ pub(crate) struct KvCounters {
     /// vLLM keys blocks by that the router cannot compute (multimodal parts, prompt
     /// embeddings).
     pub(crate) unscored: Counter,
+}
+
+/// The router's own tokenizer's counters (`engine.tokenizer`).
+pub(crate) struct RouterTokenizerCounters {
     /// `narwhal_kv_index_router_tokenized_total`: prompts tokenized by the router's own
-    /// tokenizer (`engine.tokenizer`), no engine asked.
-    pub(crate) router_tokenized: Counter,
+    /// tokenizer, no engine asked.
+    pub(crate) tokenized: Counter,
     /// `narwhal_kv_index_router_tokenize_seconds_total`: seconds the router's tokenizer spent.
-    pub(crate) router_tokenize_seconds: Counter<f64, AtomicU64>,
+    pub(crate) seconds: Counter<f64, AtomicU64>,
     /// `narwhal_kv_index_router_tokenizer_fallbacks_total`: prompts the router's tokenizer
     /// could not render, tokenized by an engine instead.
-    pub(crate) router_tokenizer_fallbacks: Counter,
+    pub(crate) fallbacks: Counter,
 }
 
 impl KvMetrics {
@@ -102,9 +108,11 @@ impl KvMetrics {
             tokenize_failures: Counter::default(),
             unscored: Counter::default(),
             tokenize_seconds: Counter::default(),
-            router_tokenized: Counter::default(),
-            router_tokenize_seconds: Counter::default(),
-            router_tokenizer_fallbacks: Counter::default(),
+        };
+        let t = RouterTokenizerCounters {
+            tokenized: Counter::default(),
+            seconds: Counter::default(),
+            fallbacks: Counter::default(),
         };
         r.register(
             "narwhal_kv_index_mode",
@@ -179,22 +187,23 @@ impl KvMetrics {
         r.register(
             "narwhal_kv_index_router_tokenized",
             "Prompts tokenized by the router's own tokenizer (engine.tokenizer) for the KV score",
-            c.router_tokenized.clone(),
+            t.tokenized.clone(),
         );
         r.register(
             "narwhal_kv_index_router_tokenize_seconds",
             "Seconds the router's own tokenizer spent rendering and encoding prompts",
-            c.router_tokenize_seconds.clone(),
+            t.seconds.clone(),
         );
         r.register(
             "narwhal_kv_index_router_tokenizer_fallbacks",
             "Prompts the router's tokenizer could not render, tokenized by an engine's /tokenize instead",
-            c.router_tokenizer_fallbacks.clone(),
+            t.fallbacks.clone(),
         );
         KvMetrics {
             gauges: g,
             counters: c,
             credit,
+            router_tokenizer: t,
         }
     }
 }

@@ -90,13 +90,17 @@ pub(super) async fn attempts(
     let policy = RetryPolicy::from_serving(&parts.cfg.serving);
     let mut avoid: BTreeSet<usize> = BTreeSet::new();
     let mut n = 0u32;
-    // The KV score (docs/design/kv-aware-placement.md): the prompt's tokens once, from an
-    // engine's `/tokenize`; `None` places by load.
+    // The KV score (docs/design/kv-aware-placement.md): the prompt's tokens once, from the
+    // router's own tokenizer or an engine's `/tokenize`; `None` places by load.
     let aggregate = match parts.cfg.backend {
         Backend::Vllm => placement::Aggregate::AnyRole,
         Backend::Sglang => placement::Aggregate::DecodeOnly,
     };
-    let kv = parts.kv.score(&parts.fleet, &sub.body, aggregate).await;
+    // Tokens the router's tokenizer computed for admission's sizing are reused (not a batch's).
+    let known = sub.k.is_none().then(|| ctx.v.tokens.get()).flatten();
+    let kv = (parts.kv)
+        .score(&parts.fleet, &sub.body, aggregate, known.map(Vec::as_slice))
+        .await;
     loop {
         n += 1;
         // A fenced router places nothing, not even a retry (behaviour.md 3.4): the body

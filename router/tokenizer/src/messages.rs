@@ -182,13 +182,13 @@ fn message(m: &Value, format: ContentFormat) -> Result<Value, RenderError> {
             }
         }
         "assistant" => {
-            if let Some(calls) = m.get("tool_calls").and_then(Value::as_array) {
-                if !calls.is_empty() {
-                    out.insert(
-                        "tool_calls".into(),
-                        Value::Array(calls.iter().map(tool_call).collect::<Result<_, _>>()?),
-                    );
-                }
+            if let Some(calls) = m.get("tool_calls").and_then(Value::as_array)
+                && !calls.is_empty()
+            {
+                out.insert(
+                    "tool_calls".into(),
+                    Value::Array(calls.iter().map(tool_call).collect::<Result<_, _>>()?),
+                );
             }
             let reasoning = m
                 .get("reasoning")
@@ -259,11 +259,11 @@ pub fn conversation(
         return Ok(out);
     }
     for m in &mut out {
-        if role(m).as_deref() == Some("developer") {
-            if let Some(o) = m.as_object_mut() {
-                o.insert("role".into(), Value::String("system".into()));
-                o.remove("tools");
-            }
+        if role(m).as_deref() == Some("developer")
+            && let Some(o) = m.as_object_mut()
+        {
+            o.insert("role".into(), Value::String("system".into()));
+            o.remove("tools");
         }
     }
     let mut system = Vec::new();

@@ -215,7 +215,7 @@ pub(crate) fn to_json(
         ValueKind::Map => {
             let mut keys: Vec<Value> = value.try_iter()?.collect();
             if style.sort_keys {
-                keys.sort_by(|a, b| a.to_string().cmp(&b.to_string()));
+                keys.sort_by_key(ToString::to_string);
             }
             if keys.is_empty() {
                 out.push_str("{}");

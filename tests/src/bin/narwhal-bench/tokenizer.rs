@@ -89,7 +89,7 @@ pub(crate) async fn main(argv: Vec<String>) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let client = reqwest::Client::new();
+    let client = narwhal_testkit::http_client().build().unwrap_or_default();
     let hz = procs::clock_ticks();
     println!(
         "| system prompt, words | tokens | router µs/request | /tokenize round trip µs | engine CPU µs/call | router ÷ round trip |"
