@@ -17,7 +17,7 @@
 //!   `name`, `description` and `parameters` (`null` when absent), `strict` and
 //!   `defer_loading` only when set; every other key dropped.
 
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 
 use crate::RenderError;
 
@@ -143,6 +143,16 @@ fn text_parts(content: &Value) -> Result<Vec<String>, RenderError> {
     }
 }
 
+/// A JSON object of `fields`, in order.
+fn object<const N: usize>(fields: [(&str, Value); N]) -> Value {
+    Value::Object(
+        fields
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
+    )
+}
+
 /// One message as the template sees it.
 fn message(m: &Value, format: ContentFormat) -> Result<Value, RenderError> {
     let m = m.as_object().ok_or(RenderError::Shape("messages[]"))?;
@@ -163,7 +173,12 @@ fn message(m: &Value, format: ContentFormat) -> Result<Value, RenderError> {
         ContentFormat::OpenAi => Value::Array(
             parts
                 .into_iter()
-                .map(|t| json!({"type": "text", "text": t}))
+                .map(|t| {
+                    object([
+                        ("type", Value::String("text".into())),
+                        ("text", Value::String(t)),
+                    ])
+                })
                 .collect(),
         ),
     };
@@ -228,9 +243,9 @@ fn tool_call(call: &Value) -> Result<Value, RenderError> {
             Some(Value::String(s)) => serde_json::from_str::<Value>(s)
                 .ok()
                 .filter(Value::is_object)
-                .unwrap_or_else(|| json!({})),
+                .unwrap_or_else(|| Value::Object(Map::new())),
             Some(v @ Value::Object(_)) => v.clone(),
-            _ => json!({}),
+            _ => Value::Object(Map::new()),
         };
         f.insert("arguments".into(), parsed);
     }
@@ -292,7 +307,10 @@ pub fn conversation(
     if !merge {
         return Ok(rest);
     }
-    let mut merged = vec![json!({"role": "system", "content": system.join("\n\n")})];
+    let mut merged = vec![object([
+        ("role", Value::String("system".into())),
+        ("content", Value::String(system.join("\n\n"))),
+    ])];
     merged.extend(
         rest.into_iter()
             .filter(|m| role(m).as_deref() != Some("system")),
@@ -342,6 +360,7 @@ pub fn tools(tools: &[Value]) -> Result<Vec<Value>, RenderError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn the_content_format_is_openai_only_when_a_loop_walks_a_messages_content() {
