@@ -84,6 +84,9 @@ pub struct RunOptions {
     /// prints its listening line here, so nothing that waits for them sees a router that has
     /// not looked at its engines yet (the health gate). An error stops the router.
     pub announce: Option<Box<dyn FnOnce() -> Result<(), AnnounceError> + Send>>,
+    /// The model's tokenizer `engine.tokenizer` names, when the caller already loaded it;
+    /// `None`: [`run`] loads it itself when the key is set.
+    pub tokenizer: Option<Arc<narwhal_tokenizer::ModelTokenizer>>,
 }
 
 /// Why the startup announcement ([`RunOptions::announce`]) failed.
@@ -164,11 +167,12 @@ pub async fn run(
         }
         _ => None,
     };
-    let tokenizer = match &config.engine.tokenizer {
-        Some(dir) => Some(Arc::new(narwhal_tokenizer::ModelTokenizer::load(
+    let tokenizer = match (opts.tokenizer, &config.engine.tokenizer) {
+        (Some(t), _) => Some(t),
+        (None, Some(dir)) => Some(Arc::new(narwhal_tokenizer::ModelTokenizer::load(
             std::path::Path::new(dir),
         )?)),
-        None => None,
+        (None, None) => None,
     };
     // A warm standby serves nothing until it takes over (behaviour.md 2.9).
     let phase = if opts.standby.is_some() {

@@ -210,6 +210,8 @@ fn write_atomic(
 struct Checked {
     cfg: Config,
     max_concurrent: usize,
+    /// The model's tokenizer `engine.tokenizer` names, loaded once here for the run.
+    tokenizer: Option<std::sync::Arc<narwhal_tokenizer::ModelTokenizer>>,
 }
 
 /// Why a run cannot start, found by [`preflight`]; shown one problem per line (exit status 2).
@@ -256,6 +258,9 @@ enum Problem {
     /// `control.self_drain` cannot reach Kubernetes as configured (names the key).
     #[error("{0}")]
     SelfDrain(String),
+    /// `engine.tokenizer` names a model directory that cannot be loaded (names the file).
+    #[error("engine.tokenizer: {0}")]
+    Tokenizer(#[source] narwhal_tokenizer::LoadError),
 }
 
 /// `problems`, one per line.
@@ -269,7 +274,8 @@ fn one_per_line(problems: &[Problem]) -> String {
 
 /// Everything a run reads before it serves, checked before anything is bound or printed
 /// (the checks `check-config` runs): the fleet file, the flags that depend on it, and every file it
-/// names (`tls`, `control.tls`, the agents' pinned keys, `lease.tls`, `lease.auth.password_file`),
+/// names (`tls`, `control.tls`, the agents' pinned keys, `lease.tls`, `lease.auth.password_file`,
+/// `engine.tokenizer`'s model directory),
 /// by building the same TLS configurations, agent clients and lease backend the run builds.
 ///
 /// # Errors
@@ -322,10 +328,22 @@ fn preflight(args: &Args) -> Result<Checked, PreflightError> {
     {
         problems.push(Problem::SelfDrain(e));
     }
+    let tokenizer =
+        match cfg.engine.tokenizer.as_deref().map(|dir| {
+            narwhal_tokenizer::ModelTokenizer::load(Path::new(dir)).map(std::sync::Arc::new)
+        }) {
+            Some(Ok(t)) => Some(t),
+            Some(Err(e)) => {
+                problems.push(Problem::Tokenizer(e));
+                None
+            }
+            None => None,
+        };
     if problems.is_empty() {
         Ok(Checked {
             cfg,
             max_concurrent: max_concurrent as usize,
+            tokenizer,
         })
     } else {
         Err(PreflightError::Problems(problems))
@@ -518,7 +536,7 @@ pub fn main_from_args() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let code = rt.block_on(async_main(args, checked.cfg, checked.max_concurrent));
+    let code = rt.block_on(async_main(args, checked));
     rt.shutdown_timeout(std::time::Duration::from_secs(2));
     code
 }
@@ -542,7 +560,12 @@ async fn bind(addr: &str) -> Result<TcpListener, ExitCode> {
     narwhal_shared::net::listen(resolved, LISTEN_BACKLOG).map_err(fail)
 }
 
-async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode {
+async fn async_main(args: Args, checked: Checked) -> ExitCode {
+    let Checked {
+        cfg,
+        max_concurrent,
+        tokenizer,
+    } = checked;
     let data = match bind(&args.listen).await {
         Ok(l) => l,
         Err(c) => return c,
@@ -664,6 +687,7 @@ async fn async_main(args: Args, cfg: Config, max_concurrent: usize) -> ExitCode 
             standby,
             router_id,
             announce: Some(Box::new(announce)),
+            tokenizer,
         },
         shutdown,
     )

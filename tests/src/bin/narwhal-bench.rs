@@ -91,7 +91,16 @@ const MODEL: &str = "tiny-sim";
 #[command(
     name = "narwhal-bench",
     version,
-    about = "Our router against direct traffic and peer routers: throughput, latency, CPU and memory, as ratios"
+    about = "Our router against direct traffic and peer routers: throughput, latency, CPU and memory, as ratios",
+    after_help = "Modes (each has its own --help: narwhal-bench MODE --help):\n  \
+        (none)        the comparison above: --compare (default) and --latency\n  \
+        prefix        a shared-prefix workload: cache hit rate, TTFT and SLO attainment per router\n  \
+        fleet-scale   control-plane cost at 4, 64 and 256 engines\n  \
+        concurrency   router cost at 1,000 to 10,000 concurrent streams\n  \
+        shifting      fixed prefill/decode split against the role controller under shifting demand\n  \
+        profile       an engine's profile for the fleet file\n  \
+        tokenizer     the router's own tokenizer against an engine's /tokenize\n\n\
+        docs/benchmarks.md says how each is run and what it measured."
 )]
 struct Args {
     /// Throughput comparison at --concurrency (the default when neither mode is given).

@@ -72,6 +72,7 @@ fn an_unusable_file_stops_the_router_before_it_listens_and_check_config_names_it
                                 "key": missing.join("c.key")}},
             "tls": {"ca": missing.join("ca.pem"), "cert": missing.join("r.pem"),
                     "key": missing.join("r.key")},
+            "engine": {"tokenizer": missing},
         }))
         .to_json(dir.path());
     let bad_path = write_fleet(dir.path(), "bad.json", &bad);
@@ -92,15 +93,24 @@ fn an_unusable_file_stops_the_router_before_it_listens_and_check_config_names_it
     assert_eq!(code, 2, "stdout: {stdout}\nstderr: {stderr}");
     assert!(stdout.is_empty(), "nothing on stdout: {stdout}");
     assert!(!ready.exists(), "no ready file before the checks pass");
-    for key in ["tls.ca: cannot read", "control.tls.ca: cannot read"] {
+    for key in [
+        "tls.ca: cannot read",
+        "control.tls.ca: cannot read",
+        "engine.tokenizer: ",
+    ] {
         assert!(stderr.contains(key), "{key}: {stderr}");
     }
+    assert!(
+        stderr.contains(&format!("{}", missing.join("tokenizer.json").display())),
+        "the tokenizer's file named: {stderr}"
+    );
 
     // check-config: the same problems, exit 2, nothing bound or written.
     let (code, stdout, stderr) = serve(&["check-config", "--fleet", &bad_path]);
     assert_eq!(code, 2, "{stdout}{stderr}");
     assert!(stdout.is_empty(), "{stdout}");
     assert!(stderr.contains("control.tls.ca: cannot read"), "{stderr}");
+    assert!(stderr.contains("engine.tokenizer: "), "{stderr}");
     // A good fleet: one summary line, exit 0; the run's flags are checked too.
     let (code, stdout, stderr) = serve(&["check-config", "--fleet", &good_path]);
     assert_eq!(code, 0, "{stdout}{stderr}");

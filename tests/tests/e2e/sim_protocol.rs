@@ -769,6 +769,99 @@ fn max_num_seqs_queues_the_rest_in_the_waiting_queue() {
     assert_eq!(s.stats().in_flight, 0);
 }
 
+/// `--kv-pool` as vLLM's one block pool: a running request holds its prompt's and its
+/// output's blocks in the prefix cache's capacity, so one that does not fit beside it waits
+/// (`num_requests_waiting`, `kv_cache_usage_perc` at the first's share) and runs once the first
+/// ends. Its prefix is looked up when it is scheduled, not when it arrived: it hits the first's
+/// prompt blocks, stored when the first was scheduled and kept cached after it ended.
+#[test]
+fn kv_pool_holds_running_requests_blocks_beside_the_cache() {
+    // 8 blocks of 4 tokens; each request: 12 prompt tokens + 16 output = 7 blocks (the second
+    // shares the first's two leading blocks, and needs 5 more: 1 left).
+    let s = Sim::start(&[
+        "--kv-pool",
+        "--block-size",
+        "4",
+        "--kv-cache-blocks",
+        "8",
+        "--tpot-ms",
+        "40",
+        "--enable-prompt-tokens-details",
+    ]);
+    let prompt = "a b c d e f g h i j k l";
+    let body = |tail: &str| {
+        json!({"prompt": format!("{prompt}{tail}"), "max_tokens": 16, "stream": true,
+               "stream_options": {"include_usage": true}})
+        .to_string()
+    };
+    let send = |body: String| {
+        let addr = s.addr.clone();
+        thread::spawn(move || {
+            let r = request(&addr, "POST", "/v1/completions", &[], &body);
+            (r, Instant::now())
+        })
+    };
+    let first = send(body(""));
+    assert!(s.stat_reaches(|s| s.in_flight == 1, Duration::from_secs(2)));
+    let second = send(body(""));
+    assert!(
+        s.stat_reaches(|s| s.waiting == 1, Duration::from_secs(2)),
+        "{:?}",
+        s.stats()
+    );
+    let metrics = s.get("/metrics").text();
+    let gauge = |name: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(&format!("vllm:{name}{{")))
+            .and_then(|l| l.rsplit(' ').next())
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert_eq!(gauge("num_requests_waiting"), "1", "{metrics}");
+    assert_eq!(
+        gauge("kv_cache_usage_perc"),
+        "0.875",
+        "7 of 8 blocks: {metrics}"
+    );
+    let (first, first_end) = first.join().unwrap();
+    let (second, second_end) = second.join().unwrap();
+    assert_eq!(
+        (first.status, second.status),
+        (200, 200),
+        "{}",
+        second.text()
+    );
+    // The second's fifteen 40 ms gaps came after the first ended.
+    assert!(
+        second_end.duration_since(first_end) >= Duration::from_millis(500),
+        "{:?}",
+        second_end.duration_since(first_end)
+    );
+    let cached = |r: &Resp| {
+        r.events().iter().find_map(|e| {
+            serde_json::from_str::<Answer>(e)
+                .ok()
+                .and_then(|a| a.usage)
+                .and_then(|u| u.prompt_tokens_details)
+                .and_then(|d| d.cached_tokens)
+        })
+    };
+    assert_eq!(cached(&first), Some(0));
+    assert_eq!(
+        cached(&second),
+        Some(8),
+        "two of the first's three blocks (the last token is recomputed)"
+    );
+    let stats = s.stats();
+    assert_eq!((stats.waiting, stats.in_flight), (0, 0));
+    let metrics = s.get("/metrics").text();
+    assert!(
+        metrics.contains("vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"tiny-sim\"} 0\n"),
+        "nothing held once both ended: {metrics}"
+    );
+}
+
 /// A decode engine keeps its side-channel connection to a producer for the next block read
 /// (docs/engine-simulator.md, "KV side channel"); when the producer restarts on the same ports,
 /// the kept connection is dead, and the next read goes over a new one instead of failing.

@@ -116,6 +116,14 @@ struct Args {
     /// Prefills computed at once per engine (`--prefill-slots`).
     #[arg(long, default_value_t = 1)]
     prefill_slots: usize,
+    /// Engines whose running requests hold their blocks in the prefix cache's capacity, as
+    /// vLLM's block pool (the simulators' `--kv-pool`): a crowded engine evicts its cache and
+    /// queues.
+    #[arg(long)]
+    kv_pool: bool,
+    /// Token gap growth per KV block running requests hold (microseconds, with --kv-pool).
+    #[arg(long, default_value_t = 0.0)]
+    tpot_per_kv_block_us: f64,
     /// When engine e3 is restarted, as a share of --duration-s (negative: never).
     #[arg(long, default_value_t = 0.5, allow_hyphen_values = true)]
     restart_at: f64,
@@ -352,6 +360,18 @@ fn sim_flags(a: &Args) -> Vec<String> {
     ]
     .into_iter()
     .flat_map(|(k, v)| [k.to_string(), v])
+    .chain(
+        a.kv_pool
+            .then(|| {
+                [
+                    "--kv-pool".to_string(),
+                    "--tpot-per-kv-block-us".to_string(),
+                    a.tpot_per_kv_block_us.to_string(),
+                ]
+            })
+            .into_iter()
+            .flatten(),
+    )
     .collect()
 }
 

@@ -52,6 +52,8 @@ pub(crate) struct StreamPlan {
     pub(crate) tpot: Duration,
     /// Added to each delay per request running on the engine (`--tpot-per-running-us`).
     pub(crate) tpot_per_running: Duration,
+    /// Added to each delay per KV block running requests hold (`--tpot-per-kv-block-us`).
+    pub(crate) tpot_per_kv_block: Duration,
     /// Cut fault: abort after this many token chunks.
     pub(crate) cut_after: Option<u64>,
     /// Fragment fault: bytes per write.
@@ -129,9 +131,14 @@ impl TokenStream {
                     // Running: those in flight less those waiting for a place
                     // (`--max-num-seqs`), which are not in the batch.
                     let running = self.stats.running();
+                    let blocks = self
+                        .stats
+                        .kv_used
+                        .load(std::sync::atomic::Ordering::Relaxed);
                     let gap = self.plan.tpot
                         + self.plan.tpot_per_running
-                            * u32::try_from(running.max(1) - 1).unwrap_or(0);
+                            * u32::try_from(running.max(1) - 1).unwrap_or(0)
+                        + self.plan.tpot_per_kv_block.mul_f64(blocks as f64);
                     let sleep = self
                         .sleep
                         .get_or_insert_with(|| Box::pin(tokio::time::sleep(gap)));
@@ -372,6 +379,7 @@ mod tests {
             include_usage: true,
             tpot: Duration::ZERO,
             tpot_per_running: Duration::ZERO,
+            tpot_per_kv_block: Duration::ZERO,
             cut_after: None,
             fragment: None,
             final_extra: String::new(),

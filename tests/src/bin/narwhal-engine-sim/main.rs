@@ -97,6 +97,18 @@ struct Cli {
     /// (microseconds): a decode batch's cost, so TPOT degrades with load.
     #[arg(long, default_value_t = 0)]
     tpot_per_running_us: u64,
+    /// Each streamed token's delay grows by this per KV block running requests hold
+    /// (microseconds; with `--kv-pool`): a decode step's attention over the batch's context,
+    /// so TPOT degrades with the tokens in the batch.
+    #[arg(long, default_value_t = 0.0)]
+    tpot_per_kv_block_us: f64,
+    /// Running requests hold their blocks in the prefix cache's capacity
+    /// (`--kv-cache-blocks`), as in vLLM's one block pool: a request is scheduled (and its
+    /// prefix looked up) only when its prompt and output fit beside them, waiting FIFO
+    /// meanwhile; its blocks are stored when it is scheduled and stay cached, evictable,
+    /// when it finishes.
+    #[arg(long)]
+    kv_pool: bool,
     /// Prefills computed at once (0 = unlimited); the rest queue FIFO, as on one
     /// accelerator, so prefill capacity is finite.
     #[arg(long, default_value_t = 0)]
@@ -456,6 +468,8 @@ async fn start_engine(
         prefill_slots: cli.prefill_slots,
         max_num_seqs: cli.max_num_seqs,
         tpot_per_running: Duration::from_micros(cli.tpot_per_running_us),
+        tpot_per_kv_block: Duration::from_secs_f64(cli.tpot_per_kv_block_us.max(0.0) / 1e6),
+        kv_pool: cli.kv_pool,
         cache: CacheSettings {
             block_size: cli.block_size,
             blocks: cli.kv_cache_blocks,

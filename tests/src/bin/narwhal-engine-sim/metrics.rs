@@ -129,6 +129,18 @@ pub(crate) fn metrics(sim: &Sim) -> Response<SimBody> {
          # TYPE {p}:generation_tokens_total counter\n\
          {p}:generation_tokens_total{labels} {gen_tokens}\n"
     );
+    if sim.cfg.dialect == Dialect::Vllm {
+        // vLLM's `BlockPool.get_usage`: blocks running requests hold over the pool (cached
+        // blocks no one holds count as free); 0 without `--kv-pool`, where they hold none.
+        let used = s.kv_used.load(Relaxed) as f64;
+        let usage = used / sim.cfg.cache.blocks.max(1) as f64;
+        let _ = write!(
+            out,
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
+             # TYPE vllm:kv_cache_usage_perc gauge\n\
+             vllm:kv_cache_usage_perc{labels} {usage}\n"
+        );
+    }
     let success_name = match sim.cfg.dialect {
         Dialect::Vllm => "request_success_total",
         Dialect::Sglang => "num_requests_total",

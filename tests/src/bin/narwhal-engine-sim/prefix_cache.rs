@@ -13,6 +13,20 @@
 //!                 BlockStored for them all
 //! reset()         drops every block → AllBlocksCleared
 //! ```
+//!
+//! With `--kv-pool` the capacity is also where running requests live, as in vLLM's one
+//! `BlockPool`: [`PrefixCache::admit`] looks the prompt up when the request is scheduled,
+//! pins its hit blocks, stores (and pins) its other full prompt blocks at once (vLLM hashes them
+//! when it allocates them, before the forward pass) and holds the rest, its partial last block
+//! and its output, as blocks no one else can use; it refuses (the request waits) when they do
+//! not fit beside what running requests hold, evicting only unpinned cached blocks, least
+//! recently freed first. [`PrefixCache::release`] gives them back: the pinned blocks stay cached,
+//! evictable, the others are free.
+//! ```text
+//! admit(prompt, out)  pinned: hit + stored full blocks; private: ⌈(len + out) / B⌉ − full
+//!                     fits when new + private ≤ capacity − cached − private held + evictable
+//! release(held)       unpin (tail first, as vLLM frees), private held −= private
+//! ```
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -197,6 +211,9 @@ pub(crate) struct Lookup {
     /// The data-parallel rank whose cache was looked up (0 with one rank); the store goes
     /// to the same rank.
     pub(crate) rank: usize,
+    /// Its blocks were stored when it was admitted ([`PrefixCache::admit`]): nothing is left
+    /// to store once it is computed.
+    pub(crate) stored: bool,
 }
 
 /// One engine process's prefix cache.
@@ -212,6 +229,21 @@ pub(crate) struct PrefixCache {
     lru: BTreeMap<u64, u64>,
     tick: u64,
     counters: CacheCounters,
+    /// Cached blocks running requests hold (`--kv-pool`), by how many hold each: never
+    /// evicted.
+    pins: HashMap<u64, u32>,
+    /// Blocks running requests hold outside the cache: partial prompt blocks and output.
+    private: usize,
+}
+
+/// What a running request holds of the pool ([`PrefixCache::admit`]), given back with
+/// [`PrefixCache::release`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(crate) struct Held {
+    /// Its cached prompt blocks, in prompt order.
+    pinned: Vec<u64>,
+    /// Its other blocks.
+    private: usize,
 }
 
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
@@ -247,6 +279,8 @@ impl PrefixCache {
                 capacity: capacity as u64,
                 ..CacheCounters::default()
             },
+            pins: HashMap::new(),
+            private: 0,
         }
     }
 
@@ -291,6 +325,24 @@ impl PrefixCache {
     /// Looks `prompt`, keyed beyond its tokens by `keys`, up: counts it and refreshes the
     /// blocks it hits.
     pub(crate) fn lookup(&mut self, prompt: &[u32], keys: &Keys) -> Lookup {
+        let l = self.peek(prompt, keys);
+        self.record(prompt, &l);
+        l
+    }
+
+    /// Counts a lookup (queries, hits) and refreshes the blocks it hit: vLLM records a
+    /// request's lookup once, when it is admitted.
+    fn record(&mut self, prompt: &[u32], l: &Lookup) {
+        if !self.enabled {
+            return;
+        }
+        self.touch_all(&l.hashes[..l.hit_blocks]);
+        self.counters.queries += prompt.len() as u64;
+        self.counters.hits += l.hit_tokens as u64;
+    }
+
+    /// The lookup of `prompt` without counting it or refreshing anything.
+    fn peek(&self, prompt: &[u32], keys: &Keys) -> Lookup {
         let hashes = self.hashes(prompt, keys);
         if !self.enabled {
             return Lookup {
@@ -299,6 +351,7 @@ impl PrefixCache {
                 hit_blocks: 0,
                 hit_tokens: 0,
                 keys: keys.clone(),
+                stored: false,
             };
         }
         let max_blocks = prompt.len().saturating_sub(1) / self.block_size;
@@ -307,16 +360,13 @@ impl PrefixCache {
             .take(max_blocks)
             .take_while(|h| self.blocks.contains_key(h))
             .count();
-        let hit: Vec<u64> = hashes[..hit_blocks].to_vec();
-        self.touch_all(&hit);
-        self.counters.queries += prompt.len() as u64;
-        self.counters.hits += (hit_blocks * self.block_size) as u64;
         Lookup {
             rank: 0,
             hashes,
             hit_blocks,
             hit_tokens: hit_blocks * self.block_size,
             keys: keys.clone(),
+            stored: false,
         }
     }
 
@@ -332,23 +382,11 @@ impl PrefixCache {
         let mine: std::collections::HashSet<u64> = lookup.hashes.iter().copied().collect();
         let mut stored = Vec::new();
         for h in &lookup.hashes[lookup.hit_blocks..] {
-            if !self.blocks.contains_key(h) && self.blocks.len() >= self.capacity {
-                let victim = self
-                    .lru
-                    .iter()
-                    .find(|(_, v)| !mine.contains(v))
-                    .map(|(t, v)| (*t, *v));
-                let Some((tick, victim)) = victim else {
+            if !self.blocks.contains_key(h) && self.blocks.len() + self.private >= self.capacity {
+                let Some(removed) = self.evict_one(&mine) else {
                     break; // the prompt alone fills the cache
                 };
-                self.lru.remove(&tick);
-                self.blocks.remove(&victim);
-                self.counters.evictions += 1;
-                events.push(KvEvent::BlockRemoved {
-                    block_hashes: vec![victim],
-                    medium: Some(MEDIUM_GPU.to_string()),
-                    group_idx: Some(0),
-                });
+                events.push(removed);
             }
             self.touch(*h);
             stored.push(*h);
@@ -382,10 +420,128 @@ impl PrefixCache {
         events
     }
 
+    /// Evicts the least recently used cached block that no running request pins and that is
+    /// not in `mine`: its `BlockRemoved`, or `None` when there is none.
+    fn evict_one(&mut self, mine: &std::collections::HashSet<u64>) -> Option<KvEvent> {
+        let (tick, victim) = self
+            .lru
+            .iter()
+            .find(|(_, v)| !mine.contains(v) && !self.pins.contains_key(v))
+            .map(|(t, v)| (*t, *v))?;
+        self.lru.remove(&tick);
+        self.blocks.remove(&victim);
+        self.counters.evictions += 1;
+        Some(KvEvent::BlockRemoved {
+            block_hashes: vec![victim],
+            medium: Some(MEDIUM_GPU.to_string()),
+            group_idx: Some(0),
+        })
+    }
+
+    /// Cached blocks no running request pins (what an admission may evict).
+    fn evictable(&self) -> usize {
+        self.blocks.len() - self.pins.len()
+    }
+
+    /// Blocks running requests hold: pinned cached blocks and private ones (vLLM's
+    /// `kv_cache_usage_perc` × capacity: cached blocks nobody holds count as free).
+    pub(crate) fn used(&self) -> usize {
+        self.pins.len() + self.private
+    }
+
+    /// Schedules a request (`--kv-pool`): looks `prompt` up now, and when its blocks fit beside
+    /// what running requests hold, counts the lookup, pins the hit, stores and pins its other
+    /// full prompt blocks, and holds `⌈(len + output_tokens) / B⌉ − full blocks` more. Returns
+    /// the lookup (marked stored), the events to publish (evictions, then the store) and what
+    /// it holds; `None` when it does not fit yet (nothing changed: it waits, and looks up
+    /// again when it is tried again, as vLLM's waiting queue does).
+    pub(crate) fn admit(
+        &mut self,
+        prompt: &[u32],
+        keys: &Keys,
+        output_tokens: usize,
+    ) -> Option<(Lookup, Vec<KvEvent>, Held)> {
+        let mut l = self.peek(prompt, keys);
+        let bs = self.block_size;
+        let full = if self.enabled { l.hashes.len() } else { 0 };
+        let total = (prompt.len() + output_tokens).div_ceil(bs);
+        let private = total.saturating_sub(full);
+        let new_cached = full - l.hit_blocks;
+        let free = self
+            .capacity
+            .saturating_sub(self.blocks.len() + self.private);
+        let mine: std::collections::HashSet<u64> = l.hashes.iter().copied().collect();
+        let hit_unpinned = l.hashes[..l.hit_blocks]
+            .iter()
+            .filter(|h| !self.pins.contains_key(h))
+            .count();
+        if new_cached + private > free + self.evictable() - hit_unpinned {
+            return None;
+        }
+        self.record(prompt, &l);
+        // Full blocks after the hit that are cached already (another running request's, the
+        // hit being capped one token short): vLLM computes them into blocks of this request's
+        // own, so they are held beside the cached ones.
+        let duplicates = l.hashes[l.hit_blocks..full]
+            .iter()
+            .filter(|h| self.blocks.contains_key(h))
+            .count();
+        let mut events = Vec::new();
+        let mut pinned = Vec::new();
+        if self.enabled {
+            events = self.store(prompt, &l);
+            pinned = l
+                .hashes
+                .iter()
+                .copied()
+                .filter(|h| self.blocks.contains_key(h))
+                .collect();
+            for h in &pinned {
+                *self.pins.entry(*h).or_insert(0) += 1;
+            }
+        }
+        // A full block the store could not keep is held outside the cache.
+        let private = private + (full - pinned.len()) + duplicates;
+        while self.capacity < self.blocks.len() + self.private + private {
+            match self.evict_one(&mine) {
+                Some(e) => events.insert(events.len().saturating_sub(1), e),
+                None => break,
+            }
+        }
+        self.private += private;
+        l.stored = true;
+        let held = Held { pinned, private };
+        Some((l, events, held))
+    }
+
+    /// A running request finished (or went away): its cached blocks are unpinned, stay
+    /// cached and become evictable (its last blocks before its first, as vLLM frees them), its
+    /// other blocks free.
+    pub(crate) fn release(&mut self, held: Held) {
+        for h in &held.pinned {
+            if let Some(n) = self.pins.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    self.pins.remove(h);
+                }
+            }
+        }
+        let cached: Vec<u64> = held
+            .pinned
+            .iter()
+            .copied()
+            .filter(|h| self.blocks.contains_key(h))
+            .collect();
+        self.touch_all(&cached);
+        self.private = self.private.saturating_sub(held.private);
+    }
+
     /// Drops every block (vLLM's `reset_prefix_cache`): `AllBlocksCleared`, or nothing when
-    /// the cache is disabled.
+    /// the cache is disabled or running requests hold blocks of it (`--kv-pool`).
     pub(crate) fn reset(&mut self) -> Option<KvEvent> {
-        if !self.enabled {
+        // vLLM refuses while running requests hold blocks ("Failed to reset prefix cache
+        // because some blocks are not freed yet").
+        if !self.enabled || !self.pins.is_empty() {
             return None;
         }
         self.blocks.clear();
@@ -415,6 +571,62 @@ mod tests {
                 _ => vec![],
             })
             .collect()
+    }
+
+    /// `--kv-pool`: running requests hold their blocks in the cache's capacity. A request
+    /// whose prompt and output do not fit beside them waits (nothing changes, not even the
+    /// counters); a hot prefix shared by running requests is pinned, held once; what a
+    /// finished request held stays cached and evictable; eviction never takes a pinned block.
+    #[test]
+    fn running_requests_hold_their_blocks_in_the_pool() {
+        let k = Keys::default();
+        // 10 blocks of 4 tokens.
+        let mut c = PrefixCache::new(4, 10, true, 1);
+        let a: Vec<u32> = (0..10).collect(); // 2 full blocks + 2 tokens
+        // 2 cached + ⌈(10 + 6) / 4⌉ − 2 = 2 private.
+        let (la, ev, ha) = c.admit(&a, &k, 6).expect("fits");
+        assert!(la.stored && la.hit_blocks == 0);
+        assert_eq!(stored_hashes(&ev), la.hashes);
+        assert_eq!(c.used(), 4);
+        // The same prefix again: its 2 blocks are hits, pinned twice, held once.
+        let (lb, _, hb) = c.admit(&a, &k, 6).expect("fits");
+        assert_eq!(lb.hit_blocks, 2);
+        assert_eq!(c.used(), 6);
+        let before = c.counters();
+        // 8 more blocks do not fit beside the 6 held: it waits, nothing counted.
+        let big: Vec<u32> = (100..132).collect();
+        assert!(c.admit(&big, &k, 0).is_none());
+        assert_eq!(c.counters(), before);
+        c.release(ha);
+        assert!(c.admit(&big, &k, 0).is_none(), "b still pins the prefix");
+        c.release(hb);
+        assert_eq!(c.used(), 0);
+        assert_eq!(c.counters().blocks, 2, "the prefix stays cached, evictable");
+        let (_, ev, hbig) = c
+            .admit(&big, &k, 0)
+            .expect("fits once the prefix is evictable");
+        assert_eq!(
+            ev.iter()
+                .filter(|e| matches!(e, KvEvent::BlockRemoved { .. }))
+                .count(),
+            0,
+            "8 new blocks fit in the 8 free: nothing evicted"
+        );
+        assert_eq!(c.used(), 8);
+        // Another 3 blocks: the free 0 and the evictable prefix 2 are not enough.
+        assert!(c.admit(&(200..212).collect::<Vec<u32>>(), &k, 0).is_none());
+        // 2 blocks: the prefix is evicted to make room.
+        let (_, ev, _) = c
+            .admit(&(300..308).collect::<Vec<u32>>(), &k, 0)
+            .expect("fits");
+        assert_eq!(
+            ev.iter()
+                .filter(|e| matches!(e, KvEvent::BlockRemoved { .. }))
+                .count(),
+            2
+        );
+        assert!(c.reset().is_none(), "no reset while blocks are held");
+        c.release(hbig);
     }
 
     #[test]

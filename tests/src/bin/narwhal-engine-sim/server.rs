@@ -146,6 +146,11 @@ pub(crate) struct Settings {
     /// `--tpot-per-running-us`: each token gap grows by this per request running on the
     /// engine (a decode batch's cost).
     pub(crate) tpot_per_running: Duration,
+    /// `--tpot-per-kv-block-us`: each token gap grows by this per block running requests
+    /// hold (`--kv-pool`).
+    pub(crate) tpot_per_kv_block: Duration,
+    /// `--kv-pool`: running requests hold their blocks in the prefix cache's capacity.
+    pub(crate) kv_pool: bool,
     /// `--block-size`, `--kv-cache-blocks`, `--[no-]enable-prefix-caching`.
     pub(crate) cache: CacheSettings,
     /// `VLLM_SERVER_DEV_MODE=1`: vLLM's development routes (`POST /reset_prefix_cache`).
@@ -248,6 +253,10 @@ pub(crate) struct Sim {
     prefill_gate: Option<Arc<tokio::sync::Semaphore>>,
     /// `--max-num-seqs` permits (`None` = unlimited): a request runs holding one.
     seq_gate: Option<Arc<tokio::sync::Semaphore>>,
+    /// `--kv-pool`: the waiting queue's head (held while a request waits for blocks, so
+    /// the others wait behind it, as in vLLM's FCFS queue) and the wake-up of a release.
+    kv_queue: tokio::sync::Mutex<()>,
+    kv_freed: tokio::sync::Notify,
     /// A failed role switch left the instance unhealthy (SGLang: restart required).
     switch_unhealthy: AtomicBool,
     blocks: Mutex<BlockStore>,
@@ -275,6 +284,25 @@ fn unix_now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The blocks a running request holds under `--kv-pool`, given back when it is dropped (the
+/// request settled or went away), waking the requests waiting for blocks.
+struct KvHold {
+    sim: Arc<Sim>,
+    rank: usize,
+    held: Option<crate::prefix_cache::Held>,
+}
+
+impl Drop for KvHold {
+    fn drop(&mut self) {
+        if let Some(held) = self.held.take() {
+            let mut c = lock(&self.sim.caches[self.rank]);
+            c.release(held);
+            self.sim.stats.kv_used.store(c.used() as u64, Relaxed);
+        }
+        self.sim.kv_freed.notify_waiters();
+    }
 }
 
 impl Sim {
@@ -317,6 +345,8 @@ impl Sim {
             mode: Mutex::new(mode),
             prefill_gate,
             seq_gate,
+            kv_queue: tokio::sync::Mutex::new(()),
+            kv_freed: tokio::sync::Notify::new(),
             switch_unhealthy: AtomicBool::new(false),
             id_prefix: rand::random::<u64>(),
             id_counter: AtomicU64::new(0),
@@ -354,9 +384,63 @@ impl Sim {
         l
     }
 
+    /// Schedules a request under `--kv-pool` ([`PrefixCache::admit`] on data-parallel rank
+    /// `rank`, chosen as [`Sim::cache_lookup`] chooses): waits, first in line, until its prompt
+    /// and `output_tokens` fit beside what running requests hold (counted in `waiting`
+    /// meanwhile), publishes the events of its store (unless `publish` is false: a
+    /// `mute_kv_events` fault), and has `tracker` hold its blocks until it is settled.
+    pub(crate) async fn kv_admit(
+        self: &Arc<Self>,
+        prompt: &[u32],
+        keys: &Keys,
+        rank: Option<usize>,
+        output_tokens: usize,
+        publish: bool,
+        tracker: &mut crate::stats::Tracker,
+    ) -> Lookup {
+        let n = self.caches.len();
+        let rank = rank
+            .filter(|r| *r < n)
+            .unwrap_or_else(|| (self.next_rank.fetch_add(1, Relaxed) as usize) % n);
+        let _head = self.kv_queue.lock().await;
+        let mut waiting = None;
+        loop {
+            let freed = self.kv_freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            let admitted = {
+                let mut c = lock(&self.caches[rank]);
+                let r = c.admit(prompt, keys, output_tokens);
+                self.stats.kv_used.store(c.used() as u64, Relaxed);
+                r
+            };
+            if let Some((mut l, events, held)) = admitted {
+                l.rank = rank;
+                if publish
+                    && !events.is_empty()
+                    && let Some(p) = self.events.get(rank)
+                {
+                    p.publish(events);
+                }
+                tracker.hold_kv(Box::new(KvHold {
+                    sim: self.clone(),
+                    rank,
+                    held: Some(held),
+                }));
+                return l;
+            }
+            waiting.get_or_insert_with(|| crate::stats::Waiting::new(&self.stats));
+            freed.await;
+        }
+    }
+
     /// Stores `prompt`'s computed full blocks and, when `publish` (no `mute_kv_events`
-    /// fault), publishes the batch of events it caused.
+    /// fault), publishes the batch of events it caused (nothing when they were stored when
+    /// the request was scheduled, `--kv-pool`).
     pub(crate) fn cache_store(&self, prompt: &[u32], lookup: &Lookup, publish: bool) {
+        if lookup.stored {
+            return;
+        }
         let mut events = lock(&self.caches[lookup.rank]).store(prompt, lookup);
         if self.cfg.dialect == Dialect::Sglang {
             events = events
@@ -946,6 +1030,7 @@ fn respond(sim: &Sim, mut tracker: Tracker, a: Answer<'_>) -> Response<SimBody> 
             include_usage: p.include_usage,
             tpot: sim.cfg.tpot,
             tpot_per_running: sim.cfg.tpot_per_running,
+            tpot_per_kv_block: sim.cfg.tpot_per_kv_block,
             cut_after: a.cut.map(u64::from),
             fragment: a.fragment,
             final_extra,
@@ -1046,8 +1131,23 @@ async fn completion(
         (Dialect::Vllm, Kind::Chat) => format!("chatcmpl-{rid}"),
         (Dialect::Sglang, _) => rid.clone(),
     };
-    // Only the tokens missing from the prefix cache are computed (and priced).
-    let lookup = sim.cache_lookup(&parsed.prompt, &parsed.keys, dp_rank);
+    // Only the tokens missing from the prefix cache are computed (and priced). Under
+    // `--kv-pool` the prefix is looked up when the request is scheduled, once its blocks fit.
+    let lookup = if sim.cfg.kv_pool {
+        let output = parsed.max_tokens as usize * parsed.n.max(1) as usize;
+        let (prompt, keys) = (&parsed.prompt, &parsed.keys);
+        sim.kv_admit(
+            prompt,
+            keys,
+            dp_rank,
+            output,
+            !fx.mute_kv_events,
+            &mut tracker,
+        )
+        .await
+    } else {
+        sim.cache_lookup(&parsed.prompt, &parsed.keys, dp_rank)
+    };
     let uncached = n_prompt - lookup.hit_tokens;
     let compute = sim.cfg.ttft + sim.cfg.prefill_per_token * uncached as u32;
     let answer = Answer {

@@ -57,6 +57,8 @@ pub(crate) struct Stats {
     pub(crate) req_aggregated: AtomicU64,
     /// `POST /tokenize` calls answered (any outcome).
     pub(crate) req_tokenize: AtomicU64,
+    /// Blocks running requests hold (`--kv-pool`; rank 0's with several ranks).
+    pub(crate) kv_used: AtomicU64,
     /// Descriptors/rooms produced.
     pub(crate) kv_issued: AtomicU64,
     /// Descriptors/rooms of this producer read by a consumer.
@@ -207,6 +209,7 @@ impl Default for Stats {
             req_decode: AtomicU64::new(0),
             req_aggregated: AtomicU64::new(0),
             req_tokenize: AtomicU64::new(0),
+            kv_used: AtomicU64::new(0),
             kv_issued: AtomicU64::new(0),
             kv_served: AtomicU64::new(0),
             kv_consumed: AtomicU64::new(0),
@@ -344,6 +347,8 @@ pub(crate) struct Tracker {
     head_sent: bool,
     /// Its place in the running set (`--max-num-seqs`), released with the tracker.
     seat: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// Its KV blocks (`--kv-pool`), given back with the tracker.
+    kv: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 /// Counts one request in [`Stats::waiting`] while it lives.
@@ -382,7 +387,14 @@ impl Tracker {
             fault: false,
             head_sent: false,
             seat: None,
+            kv: None,
         }
+    }
+
+    /// Holds the request's KV blocks (`--kv-pool`) until it is settled: dropping `hold` gives
+    /// them back.
+    pub(crate) fn hold_kv(&mut self, hold: Box<dyn std::any::Any + Send + Sync>) {
+        self.kv = Some(hold);
     }
 
     /// Holds the request's place in the running set (`--max-num-seqs`) until it is settled.
@@ -443,6 +455,7 @@ impl Tracker {
     /// drop are no-ops.
     pub(crate) fn finish(&mut self, outcome: Outcome, status: u16, tokens: u64) {
         self.seat = None;
+        self.kv = None;
         if let Some(mut r) = self.rec.take() {
             r.outcome = if self.fault {
                 "fault"
