@@ -180,7 +180,7 @@ matrix=(
   "prometheusrule|PrometheusRule API present|--api-versions monitoring.coreos.com/v1"
   "tls|TLS everywhere, --standby-of, example engines|--set router.tls.enabled=true --set router.controlTLS.enabled=true --set engines.example.enabled=true --set tests.clientTLS.secretName=narwhal-ctl-tls --set router.standbyOfControlService=true"
   "minimal|one router, no agent, self-drain, monitoring or tests|--set router.replicas=1 --set router.antiAffinity=none --set router.podDisruptionBudget.enabled=false --set agent.enabled=false --set selfDrain.enabled=false --set monitoring.dashboard.enabled=false --set monitoring.rules.enabled=false --set monitoring.prometheusRule.enabled=false --set tests.enabled=false --set router.checkConfig=false"
-  "renamed|release names, per-node agent configs, self-drain namespaces, limits|--set fullnameOverride=nw --set router.lease.name=nw-lease --set selfDrain.port=9002 --set selfDrain.audience=nw-drain --set selfDrain.deadlineSeconds=120 --set selfDrain.readmit=false --set-json selfDrain.engineNamespaces=[\"gpu-a\",\"gpu-b\"] --set router.stateVolumeSizeLimit=1Gi --set router.antiAffinity=required --set-json agent.engines=[{\"iid\":\"e9\",\"url\":\"http://127.0.0.1:9000\",\"dialect\":\"sglang\"}] --set-json agent.nodes={\"gpu-b\":{\"engines\":[{\"iid\":\"e8\",\"url\":\"http://127.0.0.1:8000\",\"dialect\":\"vllm\",\"process\":{\"listen_port\":8000}}]}}"
+  "renamed|release names, per-node agent configs, self-drain namespaces, limits|--set fullnameOverride=nw --set router.lease.name=nw-lease --set selfDrain.port=9002 --set selfDrain.audience=nw-drain --set selfDrain.deadlineSeconds=120 --set selfDrain.readmit=false --set-json selfDrain.engineNamespaces=[\"gpu-a\",\"gpu-b\"] --set router.stateVolumeSizeLimit=1Gi --set router.antiAffinity=required --set-json router.tokenizer.volume={\"configMap\":{\"name\":\"tiny-tokenizer\"}} --set router.tokenizer.subPath=tiny --set-json agent.engines=[{\"iid\":\"e9\",\"url\":\"http://127.0.0.1:9000\",\"dialect\":\"sglang\"}] --set-json agent.nodes={\"gpu-b\":{\"engines\":[{\"iid\":\"e8\",\"url\":\"http://127.0.0.1:8000\",\"dialect\":\"vllm\",\"process\":{\"listen_port\":8000}}]}}"
   "kube-1.20|Kubernetes 1.20.2, example engines|--kube-version 1.20.2 --set engines.example.enabled=true"
 )
 validate_args=()
@@ -247,6 +247,22 @@ want = {"backend": "kubernetes", "ttl_s": 5, "renew_interval_s": 1, "safety_marg
 check("fleet lease is the kubernetes backend", fleet["lease"] == want, fleet["lease"])
 check("fleet recovery.state_path is in the state volume",
       fleet["recovery"]["state_path"].startswith("/var/lib/narwhal/"))
+
+# The router's tokenizer (router.tokenizer.*): its volume mounted read-only where the fleet's
+# engine.tokenizer points, or neither.
+router_pod = one("Deployment", f"{prefix}-router")["spec"]["template"]["spec"]
+tok_volumes = [v for v in router_pod["volumes"] if v["name"] == "tokenizer"]
+tok_mounts = [m for c in router_pod["containers"] for m in c.get("volumeMounts", []) if m["name"] == "tokenizer"]
+if name == "renamed":
+    check("router tokenizer: engine.tokenizer in the mounted volume",
+          (fleet.get("engine") or {}).get("tokenizer") == "/etc/narwhal/tokenizer/tiny", fleet.get("engine"))
+    check("router tokenizer: its volume, mounted read-only",
+          tok_volumes == [{"name": "tokenizer", "configMap": {"name": "tiny-tokenizer"}}]
+          and tok_mounts and all(m["readOnly"] and m["mountPath"] == "/etc/narwhal/tokenizer" for m in tok_mounts),
+          (tok_volumes, tok_mounts))
+else:
+    check("router tokenizer: none unless asked",
+          not tok_volumes and not tok_mounts and "tokenizer" not in (fleet.get("engine") or {}))
 
 # The self-drain (selfDrain.*): control.self_drain with exactly the chart's keys (api_server,
 # token_file and ca_file default to the pod's service-account mount).
@@ -515,6 +531,8 @@ refuse() {
 }
 refuse "fleet.lease (the chart sets it)" "fleet.lease: the chart sets the lease" --set fleet.lease.backend=file
 refuse "a misspelt router value (schema)" "additional properties 'replica' not allowed" --set router.replica=2
+refuse "fleet.engine.tokenizer beside router.tokenizer.volume (the chart sets it)" "fleet.engine.tokenizer: the chart sets it" \
+  --set fleet.engine.tokenizer=/models/x --set-json 'router.tokenizer.volume={"emptyDir":{}}'
 refuse "a non-integer replica count (schema)" "/router/replicas" --set router.replicas=two
 refuse "an engine role outside prefill|decode|aggregated (schema)" "/engines/example/instances/0/role" \
   --set engines.example.enabled=true --set 'engines.example.instances[0].role=both'

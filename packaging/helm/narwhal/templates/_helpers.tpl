@@ -169,6 +169,14 @@ KUBERNETES_SERVICE_HOST/PORT). Rendered as JSON.
 {{- if .Values.router.controlTLS.enabled -}}
 {{- $_ := set $control "tls" (dict "ca" "/etc/narwhal/control-tls/ca.crt" "cert" "/etc/narwhal/control-tls/tls.crt" "key" "/etc/narwhal/control-tls/tls.key") -}}
 {{- end -}}
+{{- if .Values.router.tokenizer.volume -}}
+{{- $engine := default (dict) (get $fleet "engine") -}}
+{{- if hasKey $engine "tokenizer" -}}
+{{- fail "fleet.engine.tokenizer: the chart sets it from router.tokenizer.volume (mounted at /etc/narwhal/tokenizer): remove fleet.engine.tokenizer" -}}
+{{- end -}}
+{{- $_ := set $engine "tokenizer" (printf "/etc/narwhal/tokenizer/%s" .Values.router.tokenizer.subPath | trimSuffix "/") -}}
+{{- $_ := set $fleet "engine" $engine -}}
+{{- end -}}
 {{- if .Values.selfDrain.enabled -}}
 {{- $sd := .Values.selfDrain -}}
 {{- $_ := set $control "self_drain" (dict "listen" (printf "0.0.0.0:%d" (int $sd.port)) "audience" $sd.audience "deadline_s" (int $sd.deadlineSeconds) "readmit" $sd.readmit) -}}
@@ -251,6 +259,11 @@ engines) every node an example instance is placed on. A list, sorted.
 {{- if .Values.router.controlTLS.enabled }}
 - name: control-tls
   mountPath: /etc/narwhal/control-tls
+  readOnly: true
+{{- end }}
+{{- if .Values.router.tokenizer.volume }}
+- name: tokenizer
+  mountPath: /etc/narwhal/tokenizer
   readOnly: true
 {{- end }}
 {{- end -}}

@@ -41,9 +41,15 @@ use crate::prefix_trace::{self, Kind, Request, Shape};
 #[derive(Debug, Parser)]
 #[command(
     name = "narwhal-bench prefix",
-    about = "Shared-prefix workload: cache hit rate, oracle, TTFT, SLO attainment per router"
+    about = "Shared-prefix workload: cache hit rate, oracle, TTFT, SLO attainment per router",
+    args_override_self = true
 )]
 struct Args {
+    /// A preset of the trace and the engines (SHAPES): its flags come first, so any flag given
+    /// after it wins. One of default, hot-prefix, documents, control; agents, tenants, bypass
+    /// and restart are named but not built yet (refused).
+    #[arg(long, default_value = "default")]
+    shape: String,
     /// Seconds of arrivals per target.
     #[arg(long, default_value_t = 60.0)]
     duration_s: f64,
@@ -454,8 +460,104 @@ struct TargetDef {
     peer: Option<PeerSpec>,
 }
 
+/// The flags a `--shape` preset stands for (`Err`: a shape not built yet, or unknown).
+///
+/// - `hot-prefix`: 2 groups of 4-6k-token prefixes, 1,024 output tokens, on engines whose
+///   running requests hold their KV in the cache's capacity (`--kv-pool`, 1,024 blocks of 16
+///   tokens, a token gap that grows with the blocks held): piling the hot prefix on one engine
+///   crowds it.
+/// - `documents`: 400 documents of 6-8k tokens, weakly skewed, no sessions; the working set
+///   (about 2.8M tokens) some 7 times the caches (4 × 6,000 blocks of 16).
+/// - `control`: no reuse (every prompt a unique 2,000-token question, no prefix, no
+///   sessions): cache awareness must cost nothing here.
+fn preset(shape: &str) -> Result<&'static [&'static str], String> {
+    Ok(match shape {
+        "default" => &[],
+        "hot-prefix" => &[
+            "--groups",
+            "2",
+            "--prefix-min",
+            "4000",
+            "--prefix-max",
+            "6000",
+            "--output-tokens",
+            "1024",
+            "--session-share",
+            "0",
+            "--kv-pool",
+            "--tpot-per-kv-block-us",
+            "20",
+            "--kv-cache-blocks",
+            "1024",
+            "--block-size",
+            "16",
+        ],
+        "documents" => &[
+            "--groups",
+            "400",
+            "--prefix-min",
+            "6000",
+            "--prefix-max",
+            "8000",
+            "--zipf",
+            "0.6",
+            "--session-share",
+            "0",
+            "--kv-cache-blocks",
+            "6000",
+        ],
+        "control" => &[
+            "--groups",
+            "1",
+            "--prefix-min",
+            "0",
+            "--prefix-max",
+            "0",
+            "--question-tokens",
+            "2000",
+            "--session-share",
+            "0",
+        ],
+        "agents" | "tenants" | "bypass" | "restart" => {
+            return Err(format!(
+                "--shape {shape} is not built yet (default, hot-prefix, documents and control are)"
+            ));
+        }
+        other => {
+            return Err(format!(
+                "--shape {other}: unknown (default, hot-prefix, documents, control)"
+            ));
+        }
+    })
+}
+
+/// `argv` with the `--shape` preset's flags inserted before the caller's, so theirs win.
+fn with_preset(argv: Vec<String>) -> Result<Vec<String>, String> {
+    let shape = argv
+        .iter()
+        .position(|a| a == "--shape")
+        .and_then(|i| argv.get(i + 1).cloned())
+        .or_else(|| {
+            argv.iter()
+                .find_map(|a| a.strip_prefix("--shape=").map(str::to_string))
+        })
+        .unwrap_or_else(|| "default".into());
+    let flags = preset(&shape)?;
+    let mut out = argv[..1.min(argv.len())].to_vec();
+    out.extend(flags.iter().map(|f| (*f).to_string()));
+    out.extend(argv.into_iter().skip(1));
+    Ok(out)
+}
+
 /// `narwhal-bench prefix ...` (see the module doc).
 pub(crate) async fn main(argv: Vec<String>) -> std::process::ExitCode {
+    let argv = match with_preset(argv) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("narwhal-bench prefix: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
     match run(Args::parse_from(argv)).await {
         Ok(true) => std::process::ExitCode::SUCCESS,
         Ok(false) => std::process::ExitCode::FAILURE,
@@ -543,7 +645,8 @@ fn workload(a: &Args, shp: &Shape) -> (Vec<Request>, Plan) {
     let cap_blind = slots / per_req(mean_tokens(&blind_trace));
     let probe_trace = prefix_trace::generate(shp, cap_blind, a.duration_s, a.seed);
     let probe = prefix_trace::oracle(&probe_trace, a.block_size, capacity_blocks);
-    let cap_oracle = slots / per_req(probe.mean_uncached(probe_trace.len()));
+    let cap_oracle =
+        (slots / per_req(probe.mean_uncached(probe_trace.len()))).min(decode_capacity(a));
     let rate = a.rate.unwrap_or(a.load * cap_oracle);
     let trace = prefix_trace::generate(shp, rate, a.duration_s, a.seed);
     let oracle = prefix_trace::oracle(&trace, a.block_size, capacity_blocks);
@@ -556,6 +659,41 @@ fn workload(a: &Args, shp: &Shape) -> (Vec<Request>, Plan) {
             cap_blind,
         },
     )
+}
+
+/// Requests per second the engines can decode within the TPOT SLO: per engine, the most
+/// requests running at once whose token gap (`--tpot-ms`, plus `--tpot-per-running-us` per
+/// other one, plus `--tpot-per-kv-block-us` per block they hold) stays within the SLO, and with
+/// `--kv-pool` whose own blocks (output and a partial block; a shared prefix counted once, not
+/// at all here) fit in `--kv-cache-blocks`; each runs `--output-tokens` gaps. Unbounded (a
+/// prefill-only capacity) when the gap never grows and the pool is off.
+fn decode_capacity(a: &Args) -> f64 {
+    let out = f64::from(a.output_tokens.max(1));
+    let own = (out / a.block_size.max(1) as f64).ceil() + 1.0;
+    let gap = |c: f64| {
+        a.tpot_ms as f64 / 1e3
+            + a.tpot_per_running_us as f64 / 1e6 * (c - 1.0)
+            + if a.kv_pool {
+                a.tpot_per_kv_block_us / 1e6 * own * c
+            } else {
+                0.0
+            }
+    };
+    let by_blocks = if a.kv_pool {
+        (a.kv_cache_blocks as f64 / own).floor().max(1.0)
+    } else {
+        f64::INFINITY
+    };
+    let grows = a.tpot_per_running_us > 0 || (a.kv_pool && a.tpot_per_kv_block_us > 0.0);
+    if !grows && by_blocks.is_infinite() {
+        return f64::INFINITY;
+    }
+    // The largest concurrency within both bounds (at least one).
+    let mut c = 1.0_f64;
+    while c < by_blocks && c < 100_000.0 && gap(c + 1.0) <= a.tpot_slo_s {
+        c += 1.0;
+    }
+    a.engines as f64 * c / (out * gap(c).max(1e-6))
 }
 
 /// Mean prompt tokens of a trace.
@@ -589,7 +727,7 @@ fn header(a: &Args, trace: &[Request], plan: &Plan) -> String {
     format!(
         "narwhal-bench prefix: {} requests in {} s at {rate:.2}/s ({} questions, {turns} session turns), mean prompt {mean_tokens:.0} tokens; {} groups, prefixes {}-{} tokens, zipf {}\n\
          engines: {} x (prefill {} us/token + {} ms, {} prefill slot(s), tpot {} ms + {} us/running, {} blocks of {} tokens); working set ~{working} blocks vs {capacity_blocks} in all\n\
-         capacity: {cap_oracle:.2}/s at the oracle's hit rate, {cap_blind:.2}/s cache-blind; SLO: TTFT <= {} s and TPOT <= {} s; our fleet files + {}\n\
+         capacity: {cap_oracle:.2}/s at the oracle's hit rate (the least of prefill's and decode's; decode alone {:.2}/s), {cap_blind:.2}/s cache-blind; shape {}; SLO: TTFT <= {} s and TPOT <= {} s; our fleet files + {}\n\
          oracle (one pooled LRU cache of {capacity_blocks} blocks, arrival order): {:.3}; unbounded cache: {:.3}\n",
         trace.len(),
         a.duration_s,
@@ -606,6 +744,8 @@ fn header(a: &Args, trace: &[Request], plan: &Plan) -> String {
         a.tpot_per_running_us,
         a.kv_cache_blocks,
         a.block_size,
+        decode_capacity(a),
+        a.shape,
         a.ttft_slo_s,
         a.tpot_slo_s,
         a.ours_fleet,
