@@ -31,7 +31,9 @@ use crate::config::{Config, Role, secs};
 use crate::facts::Facts;
 use crate::journal::Journal;
 use crate::metrics::{Metrics, labels};
-use crate::placement::{self, Aggregate, EngineSlot, Exclusion, KvScore, LiveLists, Phase, Plan};
+use crate::placement::{
+    self, Aggregate, EngineSlot, Exclusion, KvScore, LiveLists, Measure, Phase, Plan,
+};
 use crate::stall::StallWatch;
 
 /// What the fleet lock guards.
@@ -65,6 +67,8 @@ pub(crate) struct FleetState {
     /// Legs waiting for their first output, and each engine's latest output: the stall
     /// watch (behaviour.md 6.9, [`crate::stall`]).
     stall: StallWatch,
+    /// What placement weighs load by (`serving.placement_load`).
+    measure: Measure,
 }
 
 impl FleetState {
@@ -150,6 +154,7 @@ impl Fleet {
                 confirmed: vec![None; n],
                 avoided: BTreeSet::new(),
                 stall: StallWatch::new(n, cfg.first_token_timeout()),
+                measure: cfg.serving.placement_load,
             }),
             live: AtomicUsize::new(0),
             held: AtomicBool::new(false),
@@ -199,12 +204,12 @@ impl Fleet {
         kv: Option<&KvScore>,
     ) -> Option<Plan> {
         let state = self.lock();
-        let (slots, lists) = (&state.slots, &state.lists);
+        let (slots, lists, m) = (&state.slots, &state.lists, state.measure);
         if state.avoided.is_empty() {
-            return placement::plan_in(slots, lists, avoid, aggregate, kv, &mut rand::rng());
+            return placement::plan_in(slots, lists, avoid, aggregate, kv, m, &mut rand::rng());
         }
         let avoid: BTreeSet<usize> = avoid.union(&state.avoided).copied().collect();
-        placement::plan_in(slots, lists, &avoid, aggregate, kv, &mut rand::rng())
+        placement::plan_in(slots, lists, &avoid, aggregate, kv, m, &mut rand::rng())
     }
 
     /// The engines a KV score would choose among now, config order
@@ -241,13 +246,15 @@ impl Fleet {
         self.lock().avoided = avoided;
     }
 
-    /// Counts a request resident on `iid` in `phase` until the guard drops.
-    pub(crate) fn resident(self: &Arc<Self>, iid: usize, phase: Phase) -> Resident {
-        bump(&mut self.lock().slots[iid], phase, true);
+    /// Counts a request resident on `iid` in `phase`, holding `tokens` of its KV there
+    /// ([`EngineSlot::kv_tokens`]), until the guard drops.
+    pub(crate) fn resident(self: &Arc<Self>, iid: usize, phase: Phase, tokens: u64) -> Resident {
+        bump(&mut self.lock().slots[iid], phase, tokens, true);
         Resident {
             fleet: self.clone(),
             iid,
             phase,
+            tokens,
         }
     }
 
@@ -662,15 +669,17 @@ impl Fleet {
     }
 }
 
-fn bump(slot: &mut EngineSlot, phase: Phase, up: bool) {
+fn bump(slot: &mut EngineSlot, phase: Phase, tokens: u64, up: bool) {
     let c = match phase {
         Phase::Prefill => &mut slot.resident_prefill,
         Phase::Decode => &mut slot.resident_decode,
     };
     if up {
         *c += 1;
+        slot.kv_tokens += tokens;
     } else {
         *c = c.saturating_sub(1);
+        slot.kv_tokens = slot.kv_tokens.saturating_sub(tokens);
     }
 }
 
@@ -769,11 +778,17 @@ pub(crate) struct Resident {
     fleet: Arc<Fleet>,
     iid: usize,
     phase: Phase,
+    tokens: u64,
 }
 
 impl Drop for Resident {
     fn drop(&mut self) {
-        bump(&mut self.fleet.lock().slots[self.iid], self.phase, false);
+        bump(
+            &mut self.fleet.lock().slots[self.iid],
+            self.phase,
+            self.tokens,
+            false,
+        );
         // Eager drain progress (architecture.md 9.4): only when something is held.
         if self.fleet.held.load(Ordering::Acquire) {
             self.fleet.resident_changed.notify_one();
@@ -845,8 +860,8 @@ mod tests {
             "nothing live before its health answered"
         );
         f.admit_all();
-        let _a = f.resident(1, Phase::Decode);
-        let _b = f.resident(1, Phase::Prefill);
+        let _a = f.resident(1, Phase::Decode, 0);
+        let _b = f.resident(1, Phase::Prefill, 0);
         let by_names = |f: &Fleet| -> Vec<(usize, u32)> {
             let (live, counts) = (f.live_names(), f.resident_counts());
             (0..f.names().len())
@@ -1001,8 +1016,8 @@ mod tests {
     #[tokio::test]
     async fn a_resident_change_under_a_hold_notifies_the_lifecycle() {
         let f = fleet();
-        let a = f.resident(1, Phase::Decode);
-        let b = f.resident(1, Phase::Prefill);
+        let a = f.resident(1, Phase::Decode, 0);
+        let b = f.resident(1, Phase::Prefill, 0);
         assert_eq!(f.resident_counts()["d0"], 2);
         drop(a);
         f.set_held(&BTreeSet::from(["d0".to_string()]));

@@ -74,7 +74,13 @@ pub(crate) struct EngineSlot {
     pub resident_prefill: u32,
     /// Requests resident in the decode phase on it.
     pub resident_decode: u32,
+    /// The KV its resident requests hold, tokens: each one's uncached prompt tokens and output
+    /// budget as placed ([`Measure::Tokens`]).
+    pub kv_tokens: u64,
 }
+
+/// What placement weighs an engine's load by: the fleet file's `serving.placement_load`.
+pub(crate) use crate::config::PlacementLoad as Measure;
 
 impl EngineSlot {
     /// A live engine with nothing resident.
@@ -84,6 +90,7 @@ impl EngineSlot {
             excluded: BTreeSet::new(),
             resident_prefill: 0,
             resident_decode: 0,
+            kv_tokens: 0,
         }
     }
 
@@ -95,6 +102,14 @@ impl EngineSlot {
     /// Outstanding work on the engine: both phases count (one GPU serves both).
     pub(crate) fn outstanding(&self) -> u32 {
         self.resident_prefill + self.resident_decode
+    }
+
+    /// Its load as `measure` weighs it: requests or tokens.
+    pub(crate) fn load(&self, measure: Measure) -> u64 {
+        match measure {
+            Measure::Requests => u64::from(self.outstanding()),
+            Measure::Tokens => self.kv_tokens,
+        }
     }
 }
 
@@ -116,15 +131,20 @@ pub(crate) enum Plan {
     },
 }
 
-/// Choose among `candidates` by power of two choices on outstanding work: sample two distinct
-/// candidates uniformly, keep the less loaded (ties: the first sampled).
-fn p2c<R: Rng + ?Sized>(slots: &[EngineSlot], candidates: &[usize], rng: &mut R) -> Option<usize> {
+/// Choose among `candidates` by power of two choices on their load as `measure` weighs it:
+/// sample two distinct candidates uniformly, keep the less loaded (ties: the first sampled).
+fn p2c<R: Rng + ?Sized>(
+    slots: &[EngineSlot],
+    candidates: &[usize],
+    measure: Measure,
+    rng: &mut R,
+) -> Option<usize> {
     let (a, b) = two_of(candidates.len(), rng)?;
     let Some(b) = b else {
         return Some(candidates[a]);
     };
     let (ia, ib) = (candidates[a], candidates[b]);
-    if slots[ib].outstanding() < slots[ia].outstanding() {
+    if slots[ib].load(measure) < slots[ia].load(measure) {
         Some(ib)
     } else {
         Some(ia)
@@ -185,6 +205,7 @@ pub(crate) fn pick_cached<R: Rng + ?Sized>(
     slots: &[EngineSlot],
     candidates: &[usize],
     score: &KvScore,
+    measure: Measure,
     rng: &mut R,
 ) -> Option<usize> {
     let load = |i: usize| slots[i].outstanding();
@@ -195,12 +216,10 @@ pub(crate) fn pick_cached<R: Rng + ?Sized>(
             Some(acc.map_or((l, l), |(lo, hi)| (lo.min(l), hi.max(l))))
         })?;
     let by_load = score.balance.imbalanced(max, min);
-    let cost = |i: usize| {
-        if by_load {
-            u128::from(load(i))
-        } else {
-            u128::from(score.uncached[i]) * u128::from(load(i) + 1)
-        }
+    let cost = |i: usize| match (by_load, measure) {
+        (true, _) => u128::from(slots[i].load(measure)),
+        (false, Measure::Requests) => u128::from(score.uncached[i]) * u128::from(load(i) + 1),
+        (false, Measure::Tokens) => u128::from(score.uncached[i]) + u128::from(slots[i].kv_tokens),
     };
     let (best, tied) = candidates.iter().fold((u128::MAX, 0usize), |(best, n), i| {
         let c = cost(*i);
@@ -220,7 +239,7 @@ pub(crate) fn pick_cached<R: Rng + ?Sized>(
     let x = at.nth(first)?;
     let y = at.nth(second - first - 1)?;
     let (ia, ib) = if a < b { (x, y) } else { (y, x) };
-    if load(ib) < load(ia) {
+    if slots[ib].load(measure) < slots[ia].load(measure) {
         Some(ib)
     } else {
         Some(ia)
@@ -327,7 +346,14 @@ pub(crate) fn plan<R: Rng + ?Sized>(
     avoid: &BTreeSet<usize>,
     rng: &mut R,
 ) -> Option<Plan> {
-    plan_with(slots, avoid, Aggregate::AnyRole, None, rng)
+    plan_with(
+        slots,
+        avoid,
+        Aggregate::AnyRole,
+        None,
+        Measure::Requests,
+        rng,
+    )
 }
 
 #[cfg(test)]
@@ -337,9 +363,18 @@ pub(crate) fn plan_with<R: Rng + ?Sized>(
     avoid: &BTreeSet<usize>,
     aggregate: Aggregate,
     kv: Option<&KvScore>,
+    measure: Measure,
     rng: &mut R,
 ) -> Option<Plan> {
-    plan_in(slots, &LiveLists::of(slots), avoid, aggregate, kv, rng)
+    plan_in(
+        slots,
+        &LiveLists::of(slots),
+        avoid,
+        aggregate,
+        kv,
+        measure,
+        rng,
+    )
 }
 
 /// Plan one attempt over `slots`, whose live engines are `lists` ([`LiveLists::of`] of the
@@ -356,6 +391,8 @@ pub(crate) fn plan_with<R: Rng + ?Sized>(
 ///   [`Aggregate::AnyRole`], over any live engine (avoid honoured the same way).
 /// * With `kv`, the prefill engine of a split and the engine of an aggregated plan are
 ///   chosen by the KV score ([`pick_cached`]) instead of p2c; the decode leg stays p2c.
+/// * `measure` weighs each engine's load: resident requests, or the KV tokens they hold (a
+///   split's decode leg then goes where the least KV is held).
 /// * `None` when no engine may serve.
 ///
 /// Cost: with nothing avoided and no KV score, constant in the fleet size; with a score,
@@ -366,6 +403,7 @@ pub(crate) fn plan_in<R: Rng + ?Sized>(
     avoid: &BTreeSet<usize>,
     aggregate: Aggregate,
     kv: Option<&KvScore>,
+    measure: Measure,
     rng: &mut R,
 ) -> Option<Plan> {
     debug_assert_eq!(
@@ -374,14 +412,14 @@ pub(crate) fn plan_in<R: Rng + ?Sized>(
         "the fleet's live lists are stale"
     );
     let first = |c: &[usize], rng: &mut R| match kv {
-        Some(score) => pick_cached(slots, c, score, rng),
-        None => p2c(slots, c, rng),
+        Some(score) => pick_cached(slots, c, score, measure, rng),
+        None => p2c(slots, c, measure, rng),
     };
     let pre = preferring(lists.of_role(Role::Prefill), avoid);
     let dec = preferring(lists.of_role(Role::Decode), avoid);
     if !pre.is_empty() && !dec.is_empty() {
         let prefill = first(&pre, rng)?;
-        let decode = p2c(slots, &dec, rng)?;
+        let decode = p2c(slots, &dec, measure, rng)?;
         return Some(Plan::Split { prefill, decode });
     }
     let single = if !dec.is_empty() || aggregate == Aggregate::DecodeOnly {
@@ -548,12 +586,20 @@ mod tests {
                 &BTreeSet::new(),
                 Aggregate::DecodeOnly,
                 None,
+                Measure::Requests,
                 &mut rng
             ),
             None
         );
         assert_eq!(
-            plan_with(&slots, &BTreeSet::new(), Aggregate::AnyRole, None, &mut rng),
+            plan_with(
+                &slots,
+                &BTreeSet::new(),
+                Aggregate::AnyRole,
+                None,
+                Measure::Requests,
+                &mut rng
+            ),
             Some(Plan::Aggregated { engine: 0 })
         );
         slots[1].excluded.clear();
@@ -564,6 +610,7 @@ mod tests {
                 &BTreeSet::new(),
                 Aggregate::DecodeOnly,
                 None,
+                Measure::Requests,
                 &mut rng
             ),
             Some(Plan::Aggregated { engine: 1 })
@@ -618,9 +665,86 @@ mod tests {
                     &BTreeSet::new(),
                     Aggregate::AnyRole,
                     Some(&s),
+                    Measure::Requests,
                     &mut rng
                 ),
                 Some(Plan::Aggregated { engine: 2 })
+            );
+        }
+    }
+
+    /// `placement_load: tokens`: an engine's cost is the prompt tokens it would compute plus
+    /// the KV its residents hold, so a hot prefix's holder keeps it until what it carries
+    /// outweighs computing the prefix elsewhere; the decode leg of a split goes where the least
+    /// KV is held, whatever the request counts.
+    #[test]
+    fn tokens_weigh_what_an_engine_would_compute_against_what_it_carries() {
+        let mut slots = fleet(&[D, D]);
+        let mut rng = StdRng::seed_from_u64(21);
+        // A 5,000-token prefix held by engine 0: 40 uncached there, 5,040 on engine 1 (the
+        // balance guard out of the way, as by default).
+        let s = KvScore {
+            balance: Balance {
+                abs: 1000,
+                rel: 1.5,
+            },
+            ..score(&[40, 5040])
+        };
+        let place = |slots: &[EngineSlot], rng: &mut StdRng| {
+            plan_with(
+                slots,
+                &BTreeSet::new(),
+                Aggregate::AnyRole,
+                Some(&s),
+                Measure::Tokens,
+                rng,
+            )
+        };
+        slots[0].resident_decode = 4;
+        slots[0].kv_tokens = 4 * 1064;
+        assert_eq!(
+            place(&slots, &mut rng),
+            Some(Plan::Aggregated { engine: 0 })
+        );
+        slots[0].resident_decode = 5;
+        slots[0].kv_tokens = 5 * 1064;
+        assert_eq!(
+            place(&slots, &mut rng),
+            Some(Plan::Aggregated { engine: 1 }),
+            "40 + 5,320 held outweighs computing the prefix on the idle engine"
+        );
+        // By requests the holder keeps it: 40 × 6 < 5,040 × 1.
+        assert_eq!(
+            plan_with(
+                &slots,
+                &BTreeSet::new(),
+                Aggregate::AnyRole,
+                Some(&s),
+                Measure::Requests,
+                &mut rng
+            ),
+            Some(Plan::Aggregated { engine: 0 })
+        );
+        // A split's decode leg: engine 2 runs more requests but holds less KV.
+        let mut pd = fleet(&[P, D, D]);
+        pd[1].resident_decode = 1;
+        pd[1].kv_tokens = 9000;
+        pd[2].resident_decode = 3;
+        pd[2].kv_tokens = 600;
+        for _ in 0..20 {
+            assert_eq!(
+                plan_with(
+                    &pd,
+                    &BTreeSet::new(),
+                    Aggregate::AnyRole,
+                    None,
+                    Measure::Tokens,
+                    &mut rng
+                ),
+                Some(Plan::Split {
+                    prefill: 0,
+                    decode: 2
+                })
             );
         }
     }
@@ -638,6 +762,7 @@ mod tests {
                 &BTreeSet::new(),
                 Aggregate::AnyRole,
                 Some(&s),
+                Measure::Requests,
                 &mut rng
             ),
             Some(Plan::Aggregated { engine: 1 })
@@ -650,6 +775,7 @@ mod tests {
                 &BTreeSet::new(),
                 Aggregate::AnyRole,
                 Some(&s),
+                Measure::Requests,
                 &mut rng
             ),
             Some(Plan::Aggregated { engine: 0 })
@@ -670,6 +796,7 @@ mod tests {
                 &BTreeSet::new(),
                 Aggregate::AnyRole,
                 Some(&s),
+                Measure::Requests,
                 &mut rng
             ),
             Some(Plan::Aggregated { engine: 1 })
@@ -683,6 +810,7 @@ mod tests {
                 &BTreeSet::new(),
                 Aggregate::AnyRole,
                 Some(&s),
+                Measure::Requests,
                 &mut rng
             ),
             Some(Plan::Aggregated { engine: 0 })
@@ -696,6 +824,7 @@ mod tests {
                 &BTreeSet::new(),
                 Aggregate::AnyRole,
                 Some(&s),
+                Measure::Requests,
                 &mut rng
             ),
             Some(Plan::Aggregated { engine: 0 })
@@ -716,6 +845,7 @@ mod tests {
                     &BTreeSet::new(),
                     Aggregate::AnyRole,
                     Some(&s),
+                    Measure::Requests,
                     &mut rng
                 ),
                 Some(Plan::Split {
@@ -732,6 +862,7 @@ mod tests {
                 &BTreeSet::new(),
                 Aggregate::AnyRole,
                 Some(&s),
+                Measure::Requests,
                 &mut rng
             ),
             Some(Plan::Split {
@@ -764,7 +895,14 @@ mod tests {
         ];
         let pick = |share: f64, slots: &[EngineSlot], rng: &mut StdRng| {
             let s = score(&credits.map(|c| uncached(1000, &c, share)));
-            plan_with(slots, &BTreeSet::new(), Aggregate::AnyRole, Some(&s), rng)
+            plan_with(
+                slots,
+                &BTreeSet::new(),
+                Aggregate::AnyRole,
+                Some(&s),
+                Measure::Requests,
+                rng,
+            )
         };
         // Counted whole, the guess ties the exact credit: 40 × 4 = 160 < 1,000 × 1.
         let mut seen = BTreeSet::new();

@@ -298,6 +298,8 @@ pub struct Serving {
     /// `kv_approx_block_size`, tokens, 1–65536 (default 16, vLLM's GPU default): the block
     /// size approximate credit is counted in for an engine whose events never told its own.
     pub kv_approx_block_size: u32,
+    /// `placement_load`: `requests` (default) or `tokens` ([`PlacementLoad`]).
+    pub placement_load: PlacementLoad,
     /// `kv_approx_credit`, ratio in (0, 1] (default 1): the share of an approximate credit's
     /// tokens the KV score counts (exact credit counts whole).
     pub kv_approx_credit: f64,
@@ -305,6 +307,22 @@ pub struct Serving {
     /// not ready, for the engines with a KV replay socket to have their index rebuilt from
     /// it before it serves (0: it does not wait).
     pub kv_ready_timeout_s: f64,
+}
+
+/// `serving.placement_load`: what placement weighs an engine's load by
+/// (docs/design/kv-aware-placement.md, section 5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PlacementLoad {
+    /// `requests` (the default): resident requests. Power of two choices on them, and the KV
+    /// score's `uncached × (outstanding + 1)`.
+    #[default]
+    Requests,
+    /// `tokens`: the KV its resident requests hold, tokens (each one's uncached prompt tokens
+    /// and output budget as placed). Power of two choices on it (a split's decode leg
+    /// included), and the KV score's `uncached + held`: the prompt tokens the engine would
+    /// compute plus what it already carries, so a hot prefix is computed again on another
+    /// engine once its holder carries more than that costs.
+    Tokens,
 }
 
 /// `engine` section (behaviour.md 8.1). Times in seconds.

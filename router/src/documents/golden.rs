@@ -90,7 +90,7 @@ fn with_machine(parts: &Parts, f: impl FnOnce(&mut Lifecycle, Now)) {
 /// ten seconds on.
 fn individual() -> (Arc<Parts>, Arc<ManualClock>, crate::fleet::Resident) {
     let (parts, clock) = parts_over(fleet());
-    let resident = parts.fleet.resident(1, Phase::Prefill);
+    let resident = parts.fleet.resident(1, Phase::Prefill, 0);
     parts.fleet.eject(3, EjectCause::HealthProbe);
     parts.fleet.verified(3);
     parts.fleet.eject(3, EjectCause::HealthProbe);
@@ -122,7 +122,7 @@ fn individual() -> (Arc<Parts>, Arc<ManualClock>, crate::fleet::Resident) {
 /// leg past the 30 s deadline, the others drained.
 fn wave() -> (Arc<Parts>, crate::fleet::Resident) {
     let (parts, clock) = parts_over(fleet());
-    let resident = parts.fleet.resident(1, Phase::Prefill);
+    let resident = parts.fleet.resident(1, Phase::Prefill, 0);
     with_machine(&parts, |lc, now| {
         let live = ["p0", "p1", "d0", "d1"]
             .map(String::from)

@@ -15,7 +15,7 @@ use crate::placement::Phase;
 use crate::upstream::WholeAnswer;
 
 use super::leg::{
-    AttemptLog, Fail, Output, Started, engine_url, first_token_limit, leg_failed, new_leg,
+    AttemptLog, Fail, Holds, Output, Started, engine_url, first_token_limit, leg_failed, new_leg,
     relay_options, watched,
 };
 use super::{Ctx, Sub};
@@ -38,7 +38,8 @@ pub(super) async fn run(
     // A non-streaming client's request goes to the engine non-streaming (a whole leg):
     // the answer, its usage and its errors are the engine's (docs/deviations.md).
     let whole = !ctx.v.stream;
-    let seat = parts.fleet.resident(engine, Phase::Decode);
+    let held = AttemptLog::kv_tokens(log, ctx.v, sub.input_len, Holds::Everything);
+    let seat = parts.fleet.resident(engine, Phase::Decode, held);
     let leg = new_leg(
         ctx,
         sub,

@@ -151,6 +151,7 @@ pub(super) async fn attempts(
                 };
                 parts.kv.placed(computes, s);
                 log.cached_tokens = Some(s.credits[computes].cached);
+                log.prompt_tokens = Some(s.prompt_tokens);
                 log.kv_mode = Some(s.credits[computes].reason.mode().as_str());
                 // A split's usage comes from its decode engine: only an aggregated engine's
                 // own count is held against its credit.

@@ -130,6 +130,8 @@ pub(super) struct AttemptLog {
     /// Prompt tokens the KV index credits the computing engine of the latest attempt with
     /// (`None`: not scored).
     pub(super) cached_tokens: Option<u64>,
+    /// The prompt's tokens as the KV score counted them (`None`: not scored).
+    pub(super) prompt_tokens: Option<u64>,
     /// The computing engine's KV index mode at that placement (`exact`, `approximate`,
     /// `none`; `None`: not scored).
     pub(super) kv_mode: Option<&'static str>,
@@ -141,9 +143,56 @@ pub(super) struct AttemptLog {
     pub(super) dp_rank: Option<(usize, u32)>,
 }
 
+/// Output tokens a request without `max_tokens` is assumed to hold in KV, for placement's
+/// `tokens` measure (docs/design/kv-aware-placement.md, section 5).
+const ASSUMED_OUTPUT_TOKENS: u64 = 256;
+
+/// Which part of a request a leg's engine holds in KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Holds {
+    /// It computes the prompt and decodes (aggregated): its uncached prompt tokens and the
+    /// output.
+    Everything,
+    /// A split's prefill: its uncached prompt tokens, until the decode has read them.
+    Prompt,
+    /// A split's decode: the whole prompt (transferred) and the output.
+    Transferred,
+}
+
 impl AttemptLog {
     pub(super) fn lock(log: &Mutex<AttemptLog>) -> std::sync::MutexGuard<'_, AttemptLog> {
         log.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The KV tokens a leg of this attempt holds on its engine (placement's `tokens` measure,
+    /// [`crate::fleet::Fleet::resident`]): of `prompt` tokens, those the KV score does not
+    /// credit the computing engine with ([`AttemptLog::cached_tokens`]; the score's own count
+    /// of the prompt when it scored it), and the output budget
+    /// (`max_tokens` × the sequences asked for, else [`ASSUMED_OUTPUT_TOKENS`]).
+    pub(super) fn kv_tokens(
+        log: &Mutex<AttemptLog>,
+        v: &crate::ingress::Validated,
+        prompt: u64,
+        holds: Holds,
+    ) -> u64 {
+        let (cached, counted) = {
+            let l = AttemptLog::lock(log);
+            (l.cached_tokens.unwrap_or(0), l.prompt_tokens)
+        };
+        let prompt = counted.unwrap_or(prompt);
+        let uncached = prompt.saturating_sub(cached);
+        let width = v
+            .sampling_width
+            .and_then(|k| v.body.get(k))
+            .and_then(Value::as_u64)
+            .unwrap_or(1)
+            .max(1);
+        let output = v.max_tokens.unwrap_or(ASSUMED_OUTPUT_TOKENS) * width;
+        match holds {
+            Holds::Everything => uncached + output,
+            Holds::Prompt => uncached,
+            Holds::Transferred => prompt + output,
+        }
     }
 
     pub(super) fn into_record(self, rec: &mut RequestRecord) {

@@ -20,8 +20,8 @@ use crate::upstream::{ConnectFailure, KvHandoffFailure, LegError, LegId};
 
 use super::aggregated::decode_body;
 use super::leg::{
-    AbortOnDrop, AttemptLog, Fail, Output, Started, engine_url, first_token_limit, leg_failed,
-    new_leg, relay_options, watched,
+    AbortOnDrop, AttemptLog, Fail, Holds, Output, Started, engine_url, first_token_limit,
+    leg_failed, new_leg, relay_options, watched,
 };
 use super::{Ctx, Sub};
 use crate::upstream::Upstream;
@@ -45,8 +45,10 @@ pub(super) async fn run(
     let now = parts.clock.now();
     let chat = ctx.endpoint == Endpoint::Chat;
     // SGLang: reserve both before either leg starts (behaviour.md 7.2 step 1).
-    let seat_p = parts.fleet.resident(prefill, Phase::Prefill);
-    let seat_d = parts.fleet.resident(decode, Phase::Decode);
+    let held_p = AttemptLog::kv_tokens(log, ctx.v, sub.input_len, Holds::Prompt);
+    let held_d = AttemptLog::kv_tokens(log, ctx.v, sub.input_len, Holds::Transferred);
+    let seat_p = parts.fleet.resident(prefill, Phase::Prefill, held_p);
+    let seat_d = parts.fleet.resident(decode, Phase::Decode, held_d);
     let fail_p = |err| leg_failed(Phase::Prefill, prefill, None)(err);
     let port = bootstrap::port(&parts.cfg, &parts.fleet, &parts.upstream, prefill)
         .await

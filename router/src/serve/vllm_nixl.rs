@@ -21,8 +21,8 @@ use crate::upstream::Upstream;
 
 use super::aggregated::decode_body;
 use super::leg::{
-    AttemptLog, Fail, Output, Pickup, Started, engine_url, first_token_limit, leg_failed, new_leg,
-    relay_options, watched,
+    AttemptLog, Fail, Holds, Output, Pickup, Started, engine_url, first_token_limit, leg_failed,
+    new_leg, relay_options, watched,
 };
 use super::{Ctx, Sub};
 
@@ -45,8 +45,10 @@ pub(super) async fn run(
     // decode has pulled it. A drain of either waits for this request
     // (handoff-and-lifecycle.md, "Draining engines"; `ready_to_stop` must not turn true
     // under it).
-    let seat_p = parts.fleet.resident(prefill, Phase::Prefill);
-    let seat = parts.fleet.resident(decode, Phase::Decode);
+    let held_p = AttemptLog::kv_tokens(log, ctx.v, sub.input_len, Holds::Prompt);
+    let held_d = AttemptLog::kv_tokens(log, ctx.v, sub.input_len, Holds::Transferred);
+    let seat_p = parts.fleet.resident(prefill, Phase::Prefill, held_p);
+    let seat = parts.fleet.resident(decode, Phase::Decode, held_d);
     track.dispatched(prefill, Phase::Prefill);
     parts.accounting.prefill_dispatched();
     let limit = (now + secs(parts.cfg.serving.prefill_timeout_s)).min(ctx.deadline);

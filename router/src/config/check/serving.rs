@@ -4,7 +4,7 @@
 use serde_json::Value;
 
 use super::{Checker, non_negative, positive};
-use crate::config::{AdmissionMode, Recovery, RestartPolicy, Serving};
+use crate::config::{AdmissionMode, PlacementLoad, Recovery, RestartPolicy, Serving};
 
 impl Checker<'_> {
     pub(super) fn serving(&mut self, v: Option<&Value>) -> Serving {
@@ -38,6 +38,7 @@ impl Checker<'_> {
                 "kv_approx_block_size",
                 "kv_approx_credit",
                 "kv_ready_timeout_s",
+                "placement_load",
             ],
         );
         let admission = match self.choice(&o, "admission", "open", &["predictive", "open"]) {
@@ -77,6 +78,15 @@ impl Checker<'_> {
                 (!(x > 0.0 && x <= 1.0)).then_some("must be in (0, 1]")
             }),
             kv_ready_timeout_s: self.num(&o, "kv_ready_timeout_s", 5.0, non_negative),
+            placement_load: match self.choice(
+                &o,
+                "placement_load",
+                "requests",
+                &["requests", "tokens"],
+            ) {
+                "tokens" => PlacementLoad::Tokens,
+                _ => PlacementLoad::Requests,
+            },
         };
         if s.prefill_timeout_s > s.request_timeout_s {
             self.rule(

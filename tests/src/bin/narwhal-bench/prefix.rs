@@ -140,6 +140,7 @@ struct Args {
     #[arg(long, default_value_t = 0.1)]
     tpot_slo_s: f64,
     /// Built-in targets to run, comma-separated (ours-exact, ours-approx, ours-blind,
+    /// ours-tokens (ours-exact weighing load in KV tokens, `serving.placement_load`),
     /// round-robin).
     #[arg(long, default_value = "ours-exact,ours-approx,ours-blind,round-robin")]
     targets: String,
@@ -605,6 +606,7 @@ fn target_defs(a: &Args) -> Result<Vec<TargetDef>, String> {
             "ours-exact" => "narwhal-serve, engines' kv_events in the fleet file",
             "ours-approx" => "narwhal-serve, no kv_events",
             "ours-blind" => "narwhal-serve, serving.kv_aware_placement false (placement by load)",
+            "ours-tokens" => "narwhal-serve as ours-exact, serving.placement_load tokens",
             "round-robin" => "the bench itself, request i to engine i mod N",
             other => return Err(format!("--targets: unknown target {other:?}")),
         };
@@ -889,12 +891,15 @@ fn start_target(
         ("round-robin", None) => (Running::Client, String::new()),
         (name, None) => {
             let kv = match name {
-                "ours-exact" => Some(kv.clone()),
+                "ours-exact" | "ours-tokens" => Some(kv.clone()),
                 _ => None,
             };
             let mut spec = ours_fleet(sims, kv, a);
             if name == "ours-blind" {
                 spec = spec.with(json!({"serving": {"kv_aware_placement": false}}));
+            }
+            if name == "ours-tokens" {
+                spec = spec.with(json!({"serving": {"placement_load": "tokens"}}));
             }
             let r = start_router(dir, name, &spec, &["--log-level", "warn"])
                 .map_err(|e| format!("router {name}: {e}"))?;
