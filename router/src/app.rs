@@ -193,6 +193,9 @@ pub async fn run(
         let _ = parts.self_drain.set(sd);
     }
     if let Some(t) = tokenizer {
+        if let Some(e) = t.template_error() {
+            tracing::warn!(error = %e, "engine.tokenizer: a chat template does not compile in the router; the requests it renders are tokenized by the engines' /tokenize");
+        }
         parts.controller.use_tokenizer(t.clone());
         parts.kv.use_tokenizer(t);
     }

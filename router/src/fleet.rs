@@ -676,7 +676,7 @@ fn bump(slot: &mut EngineSlot, phase: Phase, tokens: u64, up: bool) {
     };
     if up {
         *c += 1;
-        slot.kv_tokens += tokens;
+        slot.kv_tokens = slot.kv_tokens.saturating_add(tokens);
     } else {
         *c = c.saturating_sub(1);
         slot.kv_tokens = slot.kv_tokens.saturating_sub(tokens);

@@ -187,11 +187,15 @@ impl AttemptLog {
             .and_then(Value::as_u64)
             .unwrap_or(1)
             .max(1);
-        let output = v.max_tokens.unwrap_or(ASSUMED_OUTPUT_TOKENS) * width;
+        // A client may ask for any `max_tokens`: saturate rather than wrap.
+        let output = v
+            .max_tokens
+            .unwrap_or(ASSUMED_OUTPUT_TOKENS)
+            .saturating_mul(width);
         match holds {
-            Holds::Everything => uncached + output,
+            Holds::Everything => uncached.saturating_add(output),
             Holds::Prompt => uncached,
-            Holds::Transferred => prompt + output,
+            Holds::Transferred => prompt.saturating_add(output),
         }
     }
 

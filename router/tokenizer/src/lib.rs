@@ -97,13 +97,21 @@ const SPECIAL_TOKENS: [&str; 7] = [
 /// The tag transformers appends to the final message to find where it ends.
 const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
 
-/// A model's tokenizer and chat template, loaded once.
+/// A model's tokenizer and chat templates, loaded once.
 pub struct ModelTokenizer {
     dir: PathBuf,
     tokenizer: tokenizers::Tokenizer,
-    chat: Option<Chat>,
+    chat: Templates,
     /// The template's special-token variables (`bos_token`, ...).
     special: Map<String, Value>,
+}
+
+/// The model's chat templates: its default, and the one transformers picks for a request with
+/// tools when the model names one `tool_use`; what did not compile here is left out, named.
+struct Templates {
+    default: Option<Chat>,
+    tool_use: Option<Chat>,
+    error: Option<String>,
 }
 
 /// The chat template and what vLLM derives from its source.
@@ -117,7 +125,7 @@ impl std::fmt::Debug for ModelTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ModelTokenizer")
             .field("dir", &self.dir)
-            .field("chat_template", &self.chat.is_some())
+            .field("chat_template", &self.chat.default.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -145,8 +153,10 @@ fn token_text(v: &Value) -> Option<&str> {
 impl ModelTokenizer {
     /// Loads `dir` as vLLM loads a model's tokenizer: `tokenizer.json` (required),
     /// `tokenizer_config.json` (its special tokens, and its `chat_template`: a string, or a list
-    /// of `{name, template}` whose `default` is used), and `chat_template.jinja`, which wins
-    /// over the config's template as in transformers. No template: completions only.
+    /// of `{name, template}`: `default`, and `tool_use` for requests with tools), and
+    /// `chat_template.jinja` / `additional_chat_templates/tool_use.jinja`, which win over the
+    /// config's as in transformers. No template: completions only. A template minijinja cannot
+    /// compile is left out and named ([`ModelTokenizer::template_error`]).
     ///
     /// # Errors
     /// [`LoadError`] naming the file.
@@ -176,28 +186,51 @@ impl ModelTokenizer {
                 }
             }
         }
-        let jinja_path = dir.join("chat_template.jinja");
-        let (source, from) = if jinja_path.exists() {
-            (Some(read(&jinja_path)?), jinja_path)
-        } else {
-            let t = match config.get("chat_template") {
-                Some(Value::String(s)) => Some(s.clone()),
-                Some(Value::Array(named)) => named
+        // transformers: `chat_template.jinja` and `additional_chat_templates/<name>.jinja` win
+        // over tokenizer_config.json's `chat_template` (a string, or named templates).
+        let named = |name: &str| -> Option<String> {
+            match config.get("chat_template") {
+                Some(Value::String(s)) if name == "default" => Some(s.clone()),
+                Some(Value::Array(list)) => list
                     .iter()
-                    .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                    .find(|t| t.get("name").and_then(Value::as_str) == Some(name))
                     .and_then(|t| t.get("template").and_then(Value::as_str))
                     .map(str::to_string),
                 _ => None,
-            };
-            (t, cfg_path)
+            }
         };
-        let chat = match source {
-            Some(source) => Some(Chat {
-                env: template::environment(source.clone()).map_err(|e| invalid(&from, e))?,
-                format: ContentFormat::detect(&source),
-                source,
-            }),
-            None => None,
+        let mut errors = Vec::new();
+        let mut load = |file: PathBuf, name: &str| -> Result<Option<Chat>, LoadError> {
+            let (source, from) = if file.exists() {
+                (Some(read(&file)?), file)
+            } else {
+                (named(name), cfg_path.clone())
+            };
+            let Some(source) = source else {
+                return Ok(None);
+            };
+            let source = template::without_generation_tags(&source);
+            match template::environment(source.clone()) {
+                Ok(env) => Ok(Some(Chat {
+                    env,
+                    format: ContentFormat::detect(&source),
+                    source,
+                })),
+                Err(e) => {
+                    errors.push(format!("{} ({name}): {e}", from.display()));
+                    Ok(None)
+                }
+            }
+        };
+        let default = load(dir.join("chat_template.jinja"), "default")?;
+        let tool_use = load(
+            dir.join("additional_chat_templates").join("tool_use.jinja"),
+            "tool_use",
+        )?;
+        let chat = Templates {
+            default,
+            tool_use,
+            error: (!errors.is_empty()).then(|| errors.join("; ")),
         };
         Ok(ModelTokenizer {
             dir: dir.to_path_buf(),
@@ -213,16 +246,25 @@ impl ModelTokenizer {
         &self.dir
     }
 
-    /// Whether the model has a chat template (else chat requests are [`RenderError::Unsupported`]).
+    /// Whether the model has a chat template that compiled here (else chat requests are
+    /// refused with [`RenderError`], and the router asks the engine's `/tokenize`).
     #[must_use]
     pub fn has_chat_template(&self) -> bool {
-        self.chat.is_some()
+        self.chat.default.is_some()
     }
 
-    /// The content format detected from the chat template, if any.
+    /// The content format detected from the default chat template, if any.
     #[must_use]
     pub fn content_format(&self) -> Option<ContentFormat> {
-        self.chat.as_ref().map(|c| c.format)
+        self.chat.default.as_ref().map(|c| c.format)
+    }
+
+    /// A chat template of the model that minijinja could not compile (the file and the
+    /// error): such a model's chat requests are tokenized by the engines. Loading does not
+    /// fail for it: the engine renders what the router cannot.
+    #[must_use]
+    pub fn template_error(&self) -> Option<&str> {
+        self.chat.error.as_deref()
     }
 
     /// `text`'s token ids, with the tokenizer's special tokens (its post-processor: a BOS)
@@ -269,10 +311,21 @@ impl ModelTokenizer {
     /// [`RenderError`]; a request carrying its own `chat_template` is `Unsupported` (vLLM
     /// refuses it unless trusted, and renders it only then).
     pub fn render_chat(&self, body: &Map<String, Value>) -> Result<String, RenderError> {
-        let chat = self
-            .chat
-            .as_ref()
-            .ok_or(RenderError::Unsupported("the model has no chat template"))?;
+        let with_tools = body.get("tools").is_some_and(|t| !t.is_null())
+            || body
+                .get("chat_template_kwargs")
+                .and_then(|k| k.get("tools"))
+                .is_some_and(|t| !t.is_null());
+        let chat = match (&self.chat.tool_use, &self.chat.default) {
+            (Some(t), _) if with_tools => t,
+            (_, Some(d)) => d,
+            _ => {
+                return Err(match &self.chat.error {
+                    Some(e) => RenderError::Template(e.clone()),
+                    None => RenderError::Unsupported("the model has no chat template"),
+                });
+            }
+        };
         let messages = body
             .get("messages")
             .and_then(Value::as_array)
@@ -289,17 +342,32 @@ impl ModelTokenizer {
         {
             return Err(RenderError::Unsupported("a chat template in the request"));
         }
+        // A chat completion's own fields over its kwargs (`ChatCompletionRequest.
+        // build_chat_params`: `merge_kwargs(chat_template_kwargs, extra)`, where a null or
+        // "auto" field does not override); `enable_thinking` follows `reasoning_effort` unless
+        // the kwargs name it, even as null.
+        let effort = body.get("reasoning_effort").filter(|v| !v.is_null());
+        if let Some(effort) = effort
+            && !kwargs.contains_key("enable_thinking")
+        {
+            kwargs.insert(
+                "enable_thinking".into(),
+                Value::Bool(effort.as_str() != Some("none")),
+            );
+        }
+        for key in ["documents", "reasoning_effort"] {
+            if let Some(v) = body
+                .get(key)
+                .filter(|v| !v.is_null() && v.as_str() != Some("auto"))
+            {
+                kwargs.insert(key.into(), v.clone());
+            }
+        }
+        // The merge over the server's defaults drops null and "auto" (`merge_kwargs` in
+        // `preprocess_chat`); what transformers consumes itself never reaches the template.
         kwargs.retain(|k, v| {
             !(v.is_null() || v.as_str() == Some("auto") || CONSUMED_KWARGS.contains(&k.as_str()))
         });
-        if let Some(effort) = body.get("reasoning_effort").filter(|v| !v.is_null()) {
-            kwargs
-                .entry("reasoning_effort")
-                .or_insert_with(|| effort.clone());
-            kwargs
-                .entry("enable_thinking")
-                .or_insert(Value::Bool(effort.as_str() != Some("none")));
-        }
         let flag = |k: &str, default: bool| body.get(k).and_then(Value::as_bool).unwrap_or(default);
         let continue_final = flag("continue_final_message", false);
         let generation = flag("add_generation_prompt", true);
@@ -315,10 +383,7 @@ impl ModelTokenizer {
             Some(Value::Array(t)) => Value::Array(messages::tools(&t)?),
             Some(_) => return Err(RenderError::Shape("tools")),
         };
-        let documents = kwargs
-            .remove("documents")
-            .or_else(|| body.get("documents").cloned())
-            .unwrap_or(Value::Null);
+        let documents = kwargs.remove("documents").unwrap_or(Value::Null);
         let mut conversation = messages::conversation(messages, chat.format, &chat.source)?;
         let final_text = if continue_final {
             Some(mark_final(&mut conversation, &chat.source)?)

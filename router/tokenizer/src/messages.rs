@@ -39,16 +39,19 @@ impl ContentFormat {
     #[must_use]
     pub fn detect(template: &str) -> ContentFormat {
         let loops = for_loops(template);
+        // Names bound to the messages: `messages` and what `{% set x = messages[...] %}` binds.
+        let mut lists = vec!["messages"];
+        lists.extend(set_from(template, "messages"));
         let items: Vec<&str> = loops
             .iter()
-            .filter(|(_, iter)| base_name(iter) == "messages" && iter_is_plain(iter))
+            .filter(|(_, iter)| lists.contains(&base_name(iter)) && iter_is_plain(iter))
             .map(|(target, _)| *target)
             .collect();
-        for (_, iter) in &loops {
-            let iter = strip_filters(iter);
-            if iter == "content" {
+        for (_, raw) in &loops {
+            if raw.trim() == "content" {
                 return ContentFormat::OpenAi;
             }
+            let iter = strip_filters(raw);
             for m in &items {
                 for access in [
                     format!("{m}['content']"),
@@ -63,6 +66,25 @@ impl ContentFormat {
         }
         ContentFormat::String
     }
+}
+
+/// The names `{% set name = source... %}` binds from `source` (a slice or the list itself).
+fn set_from<'a>(template: &'a str, source: &str) -> Vec<&'a str> {
+    let mut out = Vec::new();
+    let mut rest = template;
+    while let Some(start) = rest.find("{%") {
+        rest = &rest[start + 2..];
+        let Some(end) = rest.find("%}") else { break };
+        let tag = rest[..end].trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        rest = &rest[end + 2..];
+        if let Some((name, value)) = tag.strip_prefix("set ").and_then(|b| b.split_once('=')) {
+            let value = value.trim();
+            if base_name(value) == source && iter_is_plain(value) {
+                out.push(name.trim());
+            }
+        }
+    }
+    out
 }
 
 /// `(target, iterable)` of every `{% for target in iterable %}` tag.
@@ -366,8 +388,14 @@ mod tests {
     fn the_content_format_is_openai_only_when_a_loop_walks_a_messages_content() {
         let string = "{% for m in messages %}{{ m['content'] }}{% endfor %}";
         assert_eq!(ContentFormat::detect(string), ContentFormat::String);
+        // A filtered `content` is not the bare name vLLM's fallback looks for.
+        assert_eq!(
+            ContentFormat::detect("{% for c in content | list %}{% endfor %}"),
+            ContentFormat::String
+        );
         for openai in [
             "{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}",
+            "{%- set loop_messages = messages[1:] %}{% for message in loop_messages %}{% for b in message['content'] %}{% endfor %}{% endfor %}",
             "{%- for message in messages[1:] -%}{%- for c in message.content | selectattr('type') -%}{%- endfor -%}{%- endfor -%}",
             "{% for item in content %}{{ item }}{% endfor %}",
         ] {

@@ -40,6 +40,28 @@ pub(crate) fn environment(source: String) -> Result<Environment<'static>, Error>
     Ok(env)
 }
 
+/// `source` without transformers' `{% generation %}` / `{% endgeneration %}` tags (its
+/// `AssistantTracker` extension marks the assistant's tokens with them and renders what they
+/// enclose as it is; vLLM never asks for the mask), which minijinja does not know.
+pub(crate) fn without_generation_tags(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        let Some(len) = rest[start..].find("%}") else {
+            break;
+        };
+        let tag = &rest[start + 2..start + len];
+        let word = tag.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        out.push_str(&rest[..start]);
+        if word != "generation" && word != "endgeneration" {
+            out.push_str(&rest[start..start + len + 2]);
+        }
+        rest = &rest[start + len + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
 /// `raise_exception(message)`: the template refuses the request (a template's own check, such
 /// as "roles must alternate").
 fn raise_exception(message: String) -> Result<Value, Error> {
@@ -317,6 +339,14 @@ mod tests {
     fn render(source: &str, ctx: Value) -> Result<String, Error> {
         let env = environment(source.to_string())?;
         env.get_template(CHAT)?.render(ctx)
+    }
+
+    #[test]
+    fn generation_tags_render_what_they_enclose() {
+        let t = without_generation_tags(
+            "a{% generation %}b{%- endgeneration -%}c{% if x %}d{% endif %}",
+        );
+        assert_eq!(t, "abc{% if x %}d{% endif %}");
     }
 
     #[test]

@@ -173,6 +173,35 @@ fn kwargs_reach_the_template_as_vllm_passes_them() {
 }
 
 #[test]
+fn named_templates_give_tool_requests_the_tool_use_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("tokenizer.json"), tokenizer_json()).expect("write");
+    let cfg = json!({"chat_template": [{"name": "default", "template": "plain"},
+                                       {"name": "tool_use", "template": "tools:{{ tools | length }}"}]});
+    std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).expect("write");
+    let m = ModelTokenizer::load(dir.path()).expect("load");
+    assert_eq!(
+        m.render_chat(&body(json!({"messages": []})))
+            .expect("render"),
+        "plain"
+    );
+    let tools = json!({"messages": [], "tools": [{"type": "function", "function": {"name": "f"}}]});
+    assert_eq!(m.render_chat(&body(tools)).expect("render"), "tools:1");
+}
+
+#[test]
+fn the_request_fields_win_over_its_kwargs_as_in_a_chat_completion() {
+    let t = "{{ reasoning_effort }}|{{ enable_thinking is defined }}|{{ documents | length }}";
+    let (_d, m) = model(Some(t), None);
+    let chat = body(
+        json!({"messages": [], "reasoning_effort": "high", "documents": [1, 2],
+        "chat_template_kwargs": {"reasoning_effort": "low", "enable_thinking": null, "documents": [1]}}),
+    );
+    // enable_thinking named (even as null) is not derived; null is then dropped.
+    assert_eq!(m.render_chat(&chat).expect("render"), "high|False|2");
+}
+
+#[test]
 fn a_chat_template_file_wins_over_the_config_and_a_broken_one_is_named() {
     let (_d, m) = model(Some(TINY), Some("file:{{ messages | length }}"));
     assert_eq!(
@@ -183,8 +212,16 @@ fn a_chat_template_file_wins_over_the_config_and_a_broken_one_is_named() {
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::write(dir.path().join("tokenizer.json"), tokenizer_json()).expect("write");
     std::fs::write(dir.path().join("chat_template.jinja"), "{% for %}").expect("write");
-    let err = ModelTokenizer::load(dir.path()).expect_err("broken");
-    assert!(err.to_string().contains("chat_template.jinja"), "{err}");
+    // A template minijinja cannot compile is named, and chat goes to the engines.
+    let broken = ModelTokenizer::load(dir.path()).expect("loads");
+    assert!(!broken.has_chat_template());
+    let err = broken.template_error().unwrap_or_default();
+    assert!(err.contains("chat_template.jinja"), "{err}");
+    assert!(matches!(
+        broken.render_chat(&body(json!({"messages": []}))),
+        Err(RenderError::Template(_))
+    ));
+    assert!(broken.tokens(&body(json!({"prompt": "hello"}))).is_ok());
     let missing = ModelTokenizer::load(&dir.path().join("nope")).expect_err("missing");
     assert!(missing.to_string().contains("tokenizer.json"), "{missing}");
 }

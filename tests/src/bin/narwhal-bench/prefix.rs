@@ -665,24 +665,27 @@ fn workload(a: &Args, shp: &Shape) -> (Vec<Request>, Plan) {
 
 /// Requests per second the engines can decode within the TPOT SLO: per engine, the most
 /// requests running at once whose token gap (`--tpot-ms`, plus `--tpot-per-running-us` per
-/// other one, plus `--tpot-per-kv-block-us` per block they hold) stays within the SLO, and with
-/// `--kv-pool` whose own blocks (output and a partial block; a shared prefix counted once, not
-/// at all here) fit in `--kv-cache-blocks`; each runs `--output-tokens` gaps. Unbounded (a
-/// prefill-only capacity) when the gap never grows and the pool is off.
+/// other one, plus `--tpot-per-kv-block-us` per block held: one group prefix of the mean
+/// length, shared, and each request's own question, output and partial block) stays within the
+/// SLO, and with `--kv-pool` whose blocks fit in `--kv-cache-blocks` beside that prefix; each
+/// runs `--output-tokens` gaps. Unbounded (a prefill-only capacity) when the gap never grows
+/// and the pool is off.
 fn decode_capacity(a: &Args) -> f64 {
+    let bs = a.block_size.max(1) as f64;
     let out = f64::from(a.output_tokens.max(1));
-    let own = (out / a.block_size.max(1) as f64).ceil() + 1.0;
+    let prefix = ((a.prefix_min + a.prefix_max.max(a.prefix_min)) as f64 / 2.0 / bs).floor();
+    let own = ((out + a.question_tokens as f64) / bs).ceil() + 1.0;
     let gap = |c: f64| {
         a.tpot_ms as f64 / 1e3
             + a.tpot_per_running_us as f64 / 1e6 * (c - 1.0)
             + if a.kv_pool {
-                a.tpot_per_kv_block_us / 1e6 * own * c
+                a.tpot_per_kv_block_us / 1e6 * (prefix + own * c)
             } else {
                 0.0
             }
     };
     let by_blocks = if a.kv_pool {
-        (a.kv_cache_blocks as f64 / own).floor().max(1.0)
+        ((a.kv_cache_blocks as f64 - prefix) / own).floor().max(1.0)
     } else {
         f64::INFINITY
     };

@@ -133,7 +133,8 @@ pub(crate) fn metrics(sim: &Sim) -> Response<SimBody> {
         // vLLM's `BlockPool.get_usage`: blocks running requests hold over the pool (cached
         // blocks no one holds count as free); 0 without `--kv-pool`, where they hold none.
         let used = s.kv_used.load(Relaxed) as f64;
-        let usage = used / sim.cfg.cache.blocks.max(1) as f64;
+        let pool = sim.cfg.cache.blocks.max(1) * sim.cfg.data_parallel_size.max(1);
+        let usage = used / pool as f64;
         let _ = write!(
             out,
             "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\

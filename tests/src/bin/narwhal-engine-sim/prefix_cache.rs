@@ -443,6 +443,17 @@ impl PrefixCache {
         self.blocks.len() - self.pins.len()
     }
 
+    /// Whether a reset is refused because running requests hold blocks (`--kv-pool`).
+    pub(crate) fn refuses_reset(&self) -> bool {
+        self.enabled && self.used() > 0
+    }
+
+    /// Whether a request of `tokens` (prompt and output) can ever fit the pool: vLLM refuses to
+    /// start with a `max_model_len` its KV cache cannot hold.
+    pub(crate) fn fits_ever(&self, tokens: usize) -> bool {
+        tokens.div_ceil(self.block_size) <= self.capacity
+    }
+
     /// Blocks running requests hold: pinned cached blocks and private ones (vLLM's
     /// `kv_cache_usage_perc` × capacity: cached blocks nobody holds count as free).
     pub(crate) fn used(&self) -> usize {
@@ -470,7 +481,6 @@ impl PrefixCache {
         let free = self
             .capacity
             .saturating_sub(self.blocks.len() + self.private);
-        let mine: std::collections::HashSet<u64> = l.hashes.iter().copied().collect();
         let hit_unpinned = l.hashes[..l.hit_blocks]
             .iter()
             .filter(|h| !self.pins.contains_key(h))
@@ -479,31 +489,33 @@ impl PrefixCache {
             return None;
         }
         self.record(prompt, &l);
-        // Full blocks after the hit that are cached already (another running request's, the
-        // hit being capped one token short): vLLM computes them into blocks of this request's
-        // own, so they are held beside the cached ones.
-        let duplicates = l.hashes[l.hit_blocks..full]
+        // Full blocks after the hit that are cached already (the hit stops one token short of
+        // the prompt): vLLM computes them into blocks of this request's own, so they are held
+        // beside the cached copies, which stay evictable.
+        let duplicates: std::collections::HashSet<u64> = l.hashes[l.hit_blocks..full]
             .iter()
+            .copied()
             .filter(|h| self.blocks.contains_key(h))
-            .count();
+            .collect();
         let mut events = Vec::new();
         let mut pinned = Vec::new();
         if self.enabled {
             events = self.store(prompt, &l);
-            pinned = l
-                .hashes
+            pinned = l.hashes[..full]
                 .iter()
                 .copied()
-                .filter(|h| self.blocks.contains_key(h))
+                .filter(|h| self.blocks.contains_key(h) && !duplicates.contains(h))
                 .collect();
             for h in &pinned {
                 *self.pins.entry(*h).or_insert(0) += 1;
             }
         }
-        // A full block the store could not keep is held outside the cache.
-        let private = private + (full - pinned.len()) + duplicates;
+        // The duplicates, and a full block the store could not keep, are held outside the
+        // cache. Room for them is made from blocks no one pins, its own copies included.
+        let private = private + (full - pinned.len());
+        let none = std::collections::HashSet::new();
         while self.capacity < self.blocks.len() + self.private + private {
-            match self.evict_one(&mine) {
+            match self.evict_one(&none) {
                 Some(e) => events.insert(events.len().saturating_sub(1), e),
                 None => break,
             }
@@ -537,11 +549,12 @@ impl PrefixCache {
     }
 
     /// Drops every block (vLLM's `reset_prefix_cache`): `AllBlocksCleared`, or nothing when
-    /// the cache is disabled or running requests hold blocks of it (`--kv-pool`).
+    /// the cache is disabled or running requests hold blocks (`--kv-pool`; [`PrefixCache::
+    /// refuses_reset`] tells the two apart).
     pub(crate) fn reset(&mut self) -> Option<KvEvent> {
         // vLLM refuses while running requests hold blocks ("Failed to reset prefix cache
         // because some blocks are not freed yet").
-        if !self.enabled || !self.pins.is_empty() {
+        if !self.enabled || self.used() > 0 {
             return None;
         }
         self.blocks.clear();
@@ -627,6 +640,34 @@ mod tests {
         );
         assert!(c.reset().is_none(), "no reset while blocks are held");
         c.release(hbig);
+    }
+
+    /// A prompt run again while its blocks are cached but unpinned: its last full block is
+    /// recomputed into a block of its own (the hit stops one token short), and the cached
+    /// copy may be evicted to make room, as vLLM's pool does.
+    #[test]
+    fn a_recomputed_block_of_a_cached_prompt_fits_by_evicting_its_copy() {
+        let k = Keys::default();
+        let mut c = PrefixCache::new(4, 3, true, 1);
+        let a: Vec<u32> = (0..8).collect(); // 2 full blocks
+        let (_, _, h) = c.admit(&a, &k, 4).expect("3 blocks fit");
+        assert_eq!(c.used(), 3);
+        c.release(h);
+        let (l, ev, h) = c.admit(&a, &k, 4).expect("fits again");
+        assert_eq!(l.hit_blocks, 1);
+        assert_eq!(
+            c.used(),
+            3,
+            "1 pinned hit + a recomputed block + the output"
+        );
+        assert!(
+            c.used() <= 3 && c.counters().blocks + 2 <= 3,
+            "{:?}",
+            c.counters()
+        );
+        assert!(ev.iter().any(|e| matches!(e, KvEvent::BlockRemoved { .. })));
+        c.release(h);
+        assert!(!c.fits_ever(13) && c.fits_ever(12));
     }
 
     #[test]

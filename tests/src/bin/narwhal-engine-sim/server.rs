@@ -253,9 +253,10 @@ pub(crate) struct Sim {
     prefill_gate: Option<Arc<tokio::sync::Semaphore>>,
     /// `--max-num-seqs` permits (`None` = unlimited): a request runs holding one.
     seq_gate: Option<Arc<tokio::sync::Semaphore>>,
-    /// `--kv-pool`: the waiting queue's head (held while a request waits for blocks, so
-    /// the others wait behind it, as in vLLM's FCFS queue) and the wake-up of a release.
-    kv_queue: tokio::sync::Mutex<()>,
+    /// `--kv-pool`: each data-parallel rank's waiting queue head (held while a request waits
+    /// for blocks, so the others wait behind it, as in vLLM's FCFS queue; one scheduler per
+    /// rank) and the wake-up of a release.
+    kv_queues: Vec<tokio::sync::Mutex<()>>,
     kv_freed: tokio::sync::Notify,
     /// A failed role switch left the instance unhealthy (SGLang: restart required).
     switch_unhealthy: AtomicBool,
@@ -297,9 +298,8 @@ struct KvHold {
 impl Drop for KvHold {
     fn drop(&mut self) {
         if let Some(held) = self.held.take() {
-            let mut c = lock(&self.sim.caches[self.rank]);
-            c.release(held);
-            self.sim.stats.kv_used.store(c.used() as u64, Relaxed);
+            lock(&self.sim.caches[self.rank]).release(held);
+            self.sim.note_kv_used();
         }
         self.sim.kv_freed.notify_waiters();
     }
@@ -317,6 +317,7 @@ impl Sim {
     ) -> Self {
         let mode = cfg.mode;
         let c = cfg.cache;
+        let ranks = cfg.data_parallel_size.max(1);
         let prefill_gate = (cfg.prefill_slots > 0)
             .then(|| Arc::new(tokio::sync::Semaphore::new(cfg.prefill_slots)));
         let seq_gate =
@@ -345,7 +346,7 @@ impl Sim {
             mode: Mutex::new(mode),
             prefill_gate,
             seq_gate,
-            kv_queue: tokio::sync::Mutex::new(()),
+            kv_queues: (0..ranks).map(|_| tokio::sync::Mutex::new(())).collect(),
             kv_freed: tokio::sync::Notify::new(),
             switch_unhealthy: AtomicBool::new(false),
             id_prefix: rand::random::<u64>(),
@@ -397,25 +398,34 @@ impl Sim {
         output_tokens: usize,
         publish: bool,
         tracker: &mut crate::stats::Tracker,
-    ) -> Lookup {
+    ) -> Result<Lookup, ApiError> {
         let n = self.caches.len();
         let rank = rank
             .filter(|r| *r < n)
             .unwrap_or_else(|| (self.next_rank.fetch_add(1, Relaxed) as usize) % n);
-        let _head = self.kv_queue.lock().await;
-        let mut waiting = None;
+        if !lock(&self.caches[rank]).fits_ever(prompt.len() + output_tokens) {
+            return Err(ApiError::bad_request(format!(
+                "the prompt's {} tokens and max_tokens {output_tokens} need more KV blocks than the \
+                 engine has (--kv-cache-blocks {} of --block-size {})",
+                prompt.len(),
+                self.cfg.cache.blocks,
+                self.cfg.cache.block_size
+            )));
+        }
+        // Counted waiting from here: behind the queue's head too.
+        let _waiting = crate::stats::Waiting::new(&self.stats);
+        let _head = self.kv_queues[rank].lock().await;
         loop {
             let freed = self.kv_freed.notified();
             tokio::pin!(freed);
             freed.as_mut().enable();
-            let admitted = {
-                let mut c = lock(&self.caches[rank]);
-                let r = c.admit(prompt, keys, output_tokens);
-                self.stats.kv_used.store(c.used() as u64, Relaxed);
-                r
-            };
-            if let Some((mut l, events, held)) = admitted {
+            let admitted = lock(&self.caches[rank]).admit(prompt, keys, output_tokens);
+            if let Some((mut l, mut events, held)) = admitted {
+                self.note_kv_used();
                 l.rank = rank;
+                if self.cfg.dialect == Dialect::Sglang {
+                    events = events.into_iter().map(|e| keys.as_sglang(e)).collect();
+                }
                 if publish
                     && !events.is_empty()
                     && let Some(p) = self.events.get(rank)
@@ -427,11 +437,17 @@ impl Sim {
                     rank,
                     held: Some(held),
                 }));
-                return l;
+                return Ok(l);
             }
-            waiting.get_or_insert_with(|| crate::stats::Waiting::new(&self.stats));
             freed.await;
         }
+    }
+
+    /// Records the blocks running requests hold over every rank (`--kv-pool`): the token
+    /// gap's and `vllm:kv_cache_usage_perc`'s input.
+    fn note_kv_used(&self) {
+        let used: usize = self.caches.iter().map(|c| lock(c).used()).sum();
+        self.stats.kv_used.store(used as u64, Relaxed);
     }
 
     /// Stores `prompt`'s computed full blocks and, when `publish` (no `mute_kv_events`
@@ -499,9 +515,13 @@ impl Sim {
         n
     }
 
-    /// Empties the prefix cache (`POST /reset_prefix_cache`) and publishes `AllBlocksCleared`.
-    /// No request holds blocks between steps in the simulator, so this always succeeds.
+    /// Empties the prefix cache (`POST /reset_prefix_cache`) and publishes `AllBlocksCleared`;
+    /// `false` (nothing cleared) while running requests hold blocks (`--kv-pool`), as vLLM
+    /// refuses then. Without `--kv-pool` no request holds blocks between steps: it succeeds.
     pub(crate) fn reset_prefix_cache(&self) -> bool {
+        if self.caches.iter().any(|c| lock(c).refuses_reset()) {
+            return false;
+        }
         for (rank, cache) in self.caches.iter().enumerate() {
             let ev = lock(cache).reset();
             if let (Some(p), Some(ev)) = (self.events.get(rank), ev) {
@@ -1136,15 +1156,20 @@ async fn completion(
     let lookup = if sim.cfg.kv_pool {
         let output = parsed.max_tokens as usize * parsed.n.max(1) as usize;
         let (prompt, keys) = (&parsed.prompt, &parsed.keys);
-        sim.kv_admit(
-            prompt,
-            keys,
-            dp_rank,
-            output,
-            !fx.mute_kv_events,
-            &mut tracker,
-        )
-        .await
+        let admitted = sim
+            .kv_admit(
+                prompt,
+                keys,
+                dp_rank,
+                output,
+                !fx.mute_kv_events,
+                &mut tracker,
+            )
+            .await;
+        match admitted {
+            Ok(l) => l,
+            Err(e) => return fail(&mut tracker, parsed.stream, &e),
+        }
     } else {
         sim.cache_lookup(&parsed.prompt, &parsed.keys, dp_rank)
     };

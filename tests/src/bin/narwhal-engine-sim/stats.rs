@@ -57,7 +57,7 @@ pub(crate) struct Stats {
     pub(crate) req_aggregated: AtomicU64,
     /// `POST /tokenize` calls answered (any outcome).
     pub(crate) req_tokenize: AtomicU64,
-    /// Blocks running requests hold (`--kv-pool`; rank 0's with several ranks).
+    /// Blocks running requests hold (`--kv-pool`), over every data-parallel rank.
     pub(crate) kv_used: AtomicU64,
     /// Descriptors/rooms produced.
     pub(crate) kv_issued: AtomicU64,
