@@ -467,8 +467,9 @@ struct TargetDef {
 ///   running requests hold their KV in the cache's capacity (`--kv-pool`, 1,024 blocks of 16
 ///   tokens, a token gap that grows with the blocks held): piling the hot prefix on one engine
 ///   crowds it.
-/// - `documents`: 400 documents of 6-8k tokens, weakly skewed, no sessions; the working set
-///   (about 2.8M tokens) some 7 times the caches (4 × 6,000 blocks of 16).
+/// - `documents`: 400 documents of 6-8k tokens, weakly skewed, no sessions: about 2.8M tokens
+///   of documents against 4 × 6,000 blocks of 16 (384k tokens) of cache; how much of them a run
+///   touches grows with its length (the header prints the working set).
 /// - `control`: no reuse (every prompt a unique 2,000-token question, no prefix, no
 ///   sessions): cache awareness must cost nothing here.
 fn preset(shape: &str) -> Result<&'static [&'static str], String> {
