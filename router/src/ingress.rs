@@ -48,8 +48,9 @@ pub(crate) struct Validated {
     /// Estimated input tokens (token-id prompt length, else characters / chars_per_token, ≥ 1).
     pub input_len: u64,
     /// The prompt's tokens from the router's own tokenizer (`engine.tokenizer`), once
-    /// predictive admission's sizing computed them: the KV score reuses them.
-    pub tokens: std::sync::OnceLock<Vec<u32>>,
+    /// predictive admission's sizing computed them, and the microseconds that took: the KV
+    /// score reuses them and counts that time as its own.
+    pub tokens: std::sync::OnceLock<(Vec<u32>, u64)>,
     /// Prompts in a completions batch (`prompt` a list of two or more strings or token-id
     /// lists); 1 for a single prompt. A batch is served as one request per prompt (see
     /// [`batch_prompts`]).

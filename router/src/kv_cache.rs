@@ -577,7 +577,7 @@ impl KvCache {
         self: &Arc<Self>,
         fleet: &Fleet,
         body: &Map<String, Value>,
-        known: Option<&[u32]>,
+        known: Option<(&[u32], u64)>,
     ) -> Result<(Vec<u32>, Option<usize>), TokenizeError> {
         if let Some(Value::Array(ids)) = body.get("prompt") {
             return ids
@@ -622,7 +622,7 @@ impl KvCache {
         self: &Arc<Self>,
         fleet: &Fleet,
         body: &Map<String, Value>,
-        known: Option<&[u32]>,
+        known: Option<(&[u32], u64)>,
     ) -> Option<Vec<u32>> {
         let shape = Shape::of(body)?;
         let model = {
@@ -633,11 +633,12 @@ impl KvCache {
             local.model.clone()
         };
         let t0 = self.clock.now();
-        let r = match known {
-            Some(t) => Ok(t.to_vec()),
-            None => tokens_of(&model, body).await,
+        let (r, earlier) = match known {
+            Some((t, micros)) => (Ok(t.to_vec()), micros),
+            None => (tokens_of(&model, body).await, 0),
         };
-        let spent = self.clock.now().saturating_duration_since(t0);
+        let spent = self.clock.now().saturating_duration_since(t0)
+            + std::time::Duration::from_micros(earlier);
         match r {
             Ok(tokens) => {
                 if let Some(mut l) = self.local() {
@@ -810,7 +811,7 @@ impl KvCache {
         fleet: &Fleet,
         body: &Map<String, Value>,
         aggregate: Aggregate,
-        known: Option<&[u32]>,
+        known: Option<(&[u32], u64)>,
     ) -> Option<Scored> {
         if !self.enabled() {
             return None;

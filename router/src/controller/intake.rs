@@ -237,11 +237,13 @@ impl Controller {
     async fn tokenize(&self, v: &Validated) -> Option<u64> {
         // The router's own tokenizer first: no engine round trip; a request it cannot render
         // goes to `/tokenize` as before.
+        let t0 = self.h.clock.now();
         if let Some(model) = self.tokenizer.get()
             && let Ok(tokens) = crate::kv_cache::tokens_of(model, &v.body).await
         {
             let n = tokens.len() as u64;
-            let _ = v.tokens.set(tokens);
+            let spent = self.h.clock.now().saturating_duration_since(t0);
+            let _ = v.tokens.set((tokens, spent.as_micros() as u64));
             return Some(n);
         }
         let iid = self.tokenize_candidate()?;

@@ -79,6 +79,23 @@ pub(super) fn shape_plan(
     }
 }
 
+/// The request's KV score ([`crate::kv_cache::KvCache::score`]): the tokens the router's own
+/// tokenizer computed for admission's sizing are reused, and counted with the time they took
+/// (a batch's prompts were not sized one by one).
+async fn score(
+    ctx: &Ctx<'_>,
+    sub: &Sub<'_>,
+    aggregate: placement::Aggregate,
+) -> Option<crate::kv_cache::Scored> {
+    let known = sub.k.is_none().then(|| ctx.v.tokens.get()).flatten();
+    let known = known.map(|(t, micros)| (t.as_slice(), *micros));
+    let parts = ctx.parts;
+    parts
+        .kv
+        .score(&parts.fleet, &sub.body, aggregate, known)
+        .await
+}
+
 /// Run attempts until one reaches its first output (behaviour.md 7.5).
 pub(super) async fn attempts(
     ctx: &Ctx<'_>,
@@ -96,11 +113,7 @@ pub(super) async fn attempts(
         Backend::Vllm => placement::Aggregate::AnyRole,
         Backend::Sglang => placement::Aggregate::DecodeOnly,
     };
-    // Tokens the router's tokenizer computed for admission's sizing are reused (not a batch's).
-    let known = sub.k.is_none().then(|| ctx.v.tokens.get()).flatten();
-    let kv = (parts.kv)
-        .score(&parts.fleet, &sub.body, aggregate, known.map(Vec::as_slice))
-        .await;
+    let kv = score(ctx, sub, aggregate).await;
     loop {
         n += 1;
         // A fenced router places nothing, not even a retry (behaviour.md 3.4): the body
