@@ -15,9 +15,10 @@
 //! came; a template sees them as vLLM's `model_dump()` gives them), which is what a test of the
 //! router's per-shape fallback needs.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
-use serde_json::{Map, Value, json};
+use serde::Serialize;
 
 /// Vocabulary size: every token id is `< VOCAB`.
 pub const VOCAB: u32 = 32_000;
@@ -61,7 +62,6 @@ pub const SIM_TEMPLATE: &str = "<|begin_of_text|>{% if tools %} <|start_header|>
 /// # Panics
 /// When the files cannot be written (a test's temporary directory).
 pub fn model_dir(dir: &Path, words: &[&str], template: &str) {
-    let mut vocab = Map::new();
     let fixed = [
         CHAT_BEGIN,
         CHAT_START,
@@ -72,18 +72,71 @@ pub fn model_dir(dir: &Path, words: &[&str], template: &str) {
         "tool",
         "tools",
     ];
-    for w in fixed.iter().chain(words) {
-        vocab.insert((*w).to_string(), json!(word_id(w)));
-    }
-    vocab.insert("[UNK]".into(), json!(VOCAB));
-    let tokenizer = json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
-        "post_processor": null, "decoder": null,
-        "model": {"type": "WordLevel", "vocab": Value::Object(vocab), "unk_token": "[UNK]"}
-    });
-    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).expect("tokenizer.json");
-    let config = json!({"chat_template": template});
-    std::fs::write(dir.join("tokenizer_config.json"), config.to_string())
-        .expect("tokenizer_config.json");
+    let mut vocab: BTreeMap<String, u32> = fixed
+        .iter()
+        .chain(words)
+        .map(|w| ((*w).to_string(), word_id(w)))
+        .collect();
+    vocab.insert("[UNK]".into(), VOCAB);
+    let tokenizer = TokenizerJson {
+        version: "1.0",
+        truncation: None,
+        padding: None,
+        added_tokens: Vec::new(),
+        normalizer: None,
+        pre_tokenizer: Typed {
+            kind: "WhitespaceSplit",
+        },
+        post_processor: None,
+        decoder: None,
+        model: WordLevel {
+            kind: "WordLevel",
+            vocab,
+            unk_token: "[UNK]",
+        },
+    };
+    let text = serde_json::to_string(&tokenizer).expect("tokenizer.json");
+    std::fs::write(dir.join("tokenizer.json"), text).expect("tokenizer.json");
+    let config = serde_json::to_string(&TokenizerConfig {
+        chat_template: template,
+    })
+    .expect("tokenizer_config.json");
+    std::fs::write(dir.join("tokenizer_config.json"), config).expect("tokenizer_config.json");
+}
+
+/// The `tokenizer.json` [`model_dir`] writes (the `tokenizers` crate's format, the members a
+/// word-level tokenizer needs).
+#[derive(Serialize)]
+struct TokenizerJson {
+    version: &'static str,
+    truncation: Option<()>,
+    padding: Option<()>,
+    added_tokens: Vec<()>,
+    normalizer: Option<()>,
+    pre_tokenizer: Typed,
+    post_processor: Option<()>,
+    decoder: Option<()>,
+    model: WordLevel,
+}
+
+/// A component named only by its `type`.
+#[derive(Serialize)]
+struct Typed {
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
+/// A word-level model: each word's id, and the id of any other word.
+#[derive(Serialize)]
+struct WordLevel {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    vocab: BTreeMap<String, u32>,
+    unk_token: &'static str,
+}
+
+/// The `tokenizer_config.json` [`model_dir`] writes.
+#[derive(Serialize)]
+struct TokenizerConfig<'a> {
+    chat_template: &'a str,
 }

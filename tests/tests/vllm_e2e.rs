@@ -732,9 +732,9 @@ async fn router_tokenizer_agrees_with_vllm(venv: &Path, dir: &Path, engine: &Vll
         bodies.push(json!({"prompt": "hello world", "add_special_tokens": false}));
         for body in bodies {
             let mut req = body.clone();
-            req["model"] = json!(MODEL);
+            narwhal_testkit::merge(&mut req, json!({"model": MODEL}));
             if let (Some(t), true) = (template, body.get("messages").is_some()) {
-                req["chat_template"] = json!(t);
+                narwhal_testkit::merge(&mut req, json!({"chat_template": t}));
             }
             let (status, theirs) = post(&engine.url, "/tokenize", &req).await;
             let ours = tok.tokens(body.as_object().expect("object"));
@@ -799,7 +799,7 @@ async fn router_tokenizer_agrees_with_vllm(venv: &Path, dir: &Path, engine: &Vll
         f[11].parse::<u64>().expect("utime") + f[12].parse::<u64>().expect("stime")
     };
     let mut req = long.clone();
-    req["model"] = json!(MODEL);
+    narwhal_testkit::merge(&mut req, json!({"model": MODEL}));
     let (c0, t0) = (cpu(), Instant::now());
     for _ in 0..n {
         let (status, _) = post(&engine.url, "/tokenize", &req).await;

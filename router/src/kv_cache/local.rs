@@ -21,6 +21,8 @@ use narwhal_tokenizer::{ModelTokenizer, RenderError};
 use serde_json::{Map, Value};
 
 use super::sample::{Sampler, Shape};
+use super::{KvCache, live_loads, tokenize_body};
+use crate::fleet::Fleet;
 
 /// Prompt text (characters) above which the tokens are computed on the blocking pool rather
 /// than on the request's runtime thread: about 2,000 tokens, some 1.5 ms of one core in a
@@ -153,6 +155,108 @@ impl LocalTokenizer {
                 }
             })
             .collect()
+    }
+}
+
+/// The KV cache's side of the router's tokenizer: tokens computed here, and the sampled check.
+impl KvCache {
+    /// A request's tokens from the router's own tokenizer ([`local`]), when one is
+    /// configured, the request's shape has not been found to differ from the engines, and
+    /// the request renders here; `None` otherwise (the caller asks `/tokenize`; a request
+    /// that does not render here is counted as a fallback). A sampled request is also sent
+    /// to an engine's `/tokenize`, off the request path ([`KvCache::check_local`]).
+    pub(super) async fn tokens_here(
+        self: &Arc<Self>,
+        fleet: &Fleet,
+        body: &Map<String, Value>,
+        known: Option<(&[u32], u64)>,
+    ) -> Option<Vec<u32>> {
+        let shape = Shape::of(body)?;
+        let model = {
+            let local = self.local()?;
+            if !local.usable(shape) {
+                return None;
+            }
+            local.model.clone()
+        };
+        let t0 = self.clock.now();
+        let (r, earlier) = match known {
+            Some((t, micros)) => (Ok(t.to_vec()), micros),
+            None => (tokens_of(&model, body).await, 0),
+        };
+        let spent = self.clock.now().saturating_duration_since(t0)
+            + std::time::Duration::from_micros(earlier);
+        match r {
+            Ok(tokens) => {
+                if let Some(mut l) = self.local() {
+                    l.counts.tokenized += 1;
+                    l.counts.micros += spent.as_micros() as u64;
+                }
+                self.check_local(fleet, body, shape, &tokens);
+                Some(tokens)
+            }
+            Err(err) => {
+                if let Some(mut l) = self.local() {
+                    l.counts.fallbacks += 1;
+                }
+                tracing::debug!(error = %err, shape = shape.as_str(), "kv score: the router's tokenizer does not render this request; asking an engine's /tokenize");
+                None
+            }
+        }
+    }
+
+    /// The router tokenizer's sampled check: when its sampler picks a live engine for this
+    /// request's shape (each engine once per shape, then one request in
+    /// [`sample::SAMPLE_EVERY`]), the request's `/tokenize` body is sent to it off the request
+    /// path and its tokens held against `tokens`. A difference sends the shape's requests to
+    /// `/tokenize` from then on, warned once and shown in `/narwhal/state`
+    /// (`kv_index.router_tokenizer`); a check that cannot be made is made by a later request.
+    fn check_local(
+        self: &Arc<Self>,
+        fleet: &Fleet,
+        body: &Map<String, Value>,
+        shape: Shape,
+        tokens: &[u32],
+    ) {
+        let live = || live_loads(fleet).into_iter().map(|(e, _)| e).collect();
+        let Some(other) = self
+            .local()
+            .and_then(|mut l| l.sampler.pick(shape, usize::MAX, live))
+        else {
+            return;
+        };
+        let Ok(req) = tokenize_body(&self.cfg.model, body) else {
+            return;
+        };
+        let me = self.clone();
+        let ours = tokens.to_vec();
+        tokio::spawn(async move {
+            let theirs = match me.tokenize_on(other, &req).await {
+                Ok(t) => t,
+                Err(err) => {
+                    tracing::debug!(error = %err, shape = shape.as_str(), "kv score: router tokenizer check not made; a later request makes it");
+                    if let Some(mut l) = me.local() {
+                        l.sampler.failed(shape, other);
+                    }
+                    return;
+                }
+            };
+            let difference = (theirs != ours).then(|| {
+                let first = ours.iter().zip(&theirs).take_while(|(a, b)| a == b).count();
+                format!(
+                    "the router and {} tokenize a {} request differently ({} and {} tokens, first difference at token {first})",
+                    me.cfg.engines[other].iid,
+                    shape.as_str(),
+                    ours.len(),
+                    theirs.len()
+                )
+            });
+            let Some(mut l) = me.local() else { return };
+            l.counts.checked += 1;
+            if l.checked(shape, difference.clone()) {
+                tracing::warn!(detail = %difference.unwrap_or_default(), shape = shape.as_str(), "kv score: the router's tokenizer differs from an engine's; this shape's requests are tokenized by the engines from now on");
+            }
+        });
     }
 }
 

@@ -68,46 +68,42 @@ impl ContentFormat {
     }
 }
 
-/// The names `{% set name = source... %}` binds from `source` (a slice or the list itself).
-fn set_from<'a>(template: &'a str, source: &str) -> Vec<&'a str> {
-    let mut out = Vec::new();
+/// The statements of every `{% ... %}` tag, whitespace control and blanks trimmed.
+fn statements(template: &str) -> impl Iterator<Item = &str> {
     let mut rest = template;
-    while let Some(start) = rest.find("{%") {
+    std::iter::from_fn(move || {
+        let start = rest.find("{%")?;
         rest = &rest[start + 2..];
-        let Some(end) = rest.find("%}") else { break };
+        let end = rest.find("%}")?;
         let tag = rest[..end].trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
         rest = &rest[end + 2..];
-        if let Some((name, value)) = tag.strip_prefix("set ").and_then(|b| b.split_once('=')) {
+        Some(tag)
+    })
+}
+
+/// The names `{% set name = source... %}` binds from `source` (a slice or the list itself).
+fn set_from<'a>(template: &'a str, source: &str) -> Vec<&'a str> {
+    statements(template)
+        .filter_map(|tag| tag.strip_prefix("set ")?.split_once('='))
+        .filter(|(_, value)| {
             let value = value.trim();
-            if base_name(value) == source && iter_is_plain(value) {
-                out.push(name.trim());
-            }
-        }
-    }
-    out
+            base_name(value) == source && iter_is_plain(value)
+        })
+        .map(|(name, _)| name.trim())
+        .collect()
 }
 
 /// `(target, iterable)` of every `{% for target in iterable %}` tag.
 fn for_loops(template: &str) -> Vec<(&str, &str)> {
-    let mut out = Vec::new();
-    let mut rest = template;
-    while let Some(start) = rest.find("{%") {
-        rest = &rest[start + 2..];
-        let Some(end) = rest.find("%}") else { break };
-        let tag = rest[..end].trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
-        rest = &rest[end + 2..];
-        let Some(body) = tag.strip_prefix("for ") else {
-            continue;
-        };
-        let Some((target, iter)) = body.split_once(" in ") else {
-            continue;
-        };
-        // `for x in xs if cond` and `recursive`: the iterable ends before them.
-        let iter = iter.split(" if ").next().unwrap_or(iter);
-        let iter = iter.trim().trim_end_matches("recursive").trim();
-        out.push((target.trim(), iter));
-    }
-    out
+    statements(template)
+        .filter_map(|tag| tag.strip_prefix("for ")?.split_once(" in "))
+        .map(|(target, iter)| {
+            // `for x in xs if cond` and `recursive`: the iterable ends before them.
+            let iter = iter.split(" if ").next().unwrap_or(iter);
+            let iter = iter.trim().trim_end_matches("recursive").trim();
+            (target.trim(), iter)
+        })
+        .collect()
 }
 
 /// The iterable without trailing filters (`xs | selectattr(...)`) or tests.

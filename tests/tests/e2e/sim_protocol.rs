@@ -724,6 +724,16 @@ fn max_running_tpot_and_streamed_prefill() {
     assert_eq!(p.stats().kv.issued, 1);
 }
 
+/// The value of gauge `vllm:<name>` in a `/metrics` text (`""` when it has none).
+fn vllm_gauge(metrics: &str, name: &str) -> String {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(&format!("vllm:{name}{{")))
+        .and_then(|l| l.rsplit(' ').next())
+        .unwrap_or_default()
+        .to_string()
+}
+
 /// `--max-num-seqs` as vLLM's scheduler: past the bound a request waits its turn (it is not
 /// refused), counted in `num_requests_waiting` and not in `num_requests_running`, and its first
 /// token comes after the running one ends.
@@ -747,14 +757,7 @@ fn max_num_seqs_queues_the_rest_in_the_waiting_queue() {
         s.stats()
     );
     let metrics = s.get("/metrics").text();
-    let gauge = |name: &str| {
-        metrics
-            .lines()
-            .find(|l| l.starts_with(&format!("vllm:{name}{{")))
-            .and_then(|l| l.rsplit(' ').next())
-            .unwrap_or_default()
-            .to_string()
-    };
+    let gauge = |name: &str| vllm_gauge(&metrics, name);
     assert_eq!(gauge("num_requests_running"), "1", "{metrics}");
     assert_eq!(gauge("num_requests_waiting"), "1", "{metrics}");
     let (first, first_end) = first.join().unwrap();
@@ -810,14 +813,7 @@ fn kv_pool_holds_running_requests_blocks_beside_the_cache() {
         s.stats()
     );
     let metrics = s.get("/metrics").text();
-    let gauge = |name: &str| {
-        metrics
-            .lines()
-            .find(|l| l.starts_with(&format!("vllm:{name}{{")))
-            .and_then(|l| l.rsplit(' ').next())
-            .unwrap_or_default()
-            .to_string()
-    };
+    let gauge = |name: &str| vllm_gauge(&metrics, name);
     assert_eq!(gauge("num_requests_waiting"), "1", "{metrics}");
     assert_eq!(
         gauge("kv_cache_usage_perc"),
