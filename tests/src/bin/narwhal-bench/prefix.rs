@@ -37,6 +37,9 @@ use serde_json::{Value, json};
 use crate::peer::{Kind as PeerKind, PeerProc, PeerSpec};
 use crate::prefix_trace::{self, Kind, Request, Shape};
 
+/// The model the simulators serve.
+const MODEL: &str = "tiny-sim";
+
 /// `narwhal-bench prefix` flags.
 #[derive(Debug, Parser)]
 #[command(
@@ -45,9 +48,9 @@ use crate::prefix_trace::{self, Kind, Request, Shape};
     args_override_self = true
 )]
 struct Args {
-    /// A preset of the trace and the engines (SHAPES): its flags come first, so any flag given
-    /// after it wins. One of default, hot-prefix, documents, control; agents, tenants, bypass
-    /// and restart are named but not built yet (refused).
+    /// A preset of the trace and the engines: its flags come first, so any flag given after it
+    /// wins. One of default, hot-prefix, documents, control, tenants, bypass, restart; agents
+    /// is named but not built yet (refused).
     #[arg(long, default_value = "default")]
     shape: String,
     /// Seconds of arrivals per target.
@@ -95,6 +98,18 @@ struct Args {
     /// Seconds at least between two turns of a session.
     #[arg(long, default_value_t = 2.0)]
     turn_gap_s: f64,
+    /// Tenants, each its own `cache_salt` (0: none); a session keeps its tenant.
+    #[arg(long, default_value_t = 0)]
+    tenants: usize,
+    /// Share of requests sent straight to the engines (request i to engine i mod N), as a
+    /// second router would (0-1).
+    #[arg(long, default_value_t = 0.0)]
+    bypass: f64,
+    /// When the target router is restarted (SIGTERM, then started again with the same
+    /// configuration), as a share of --duration-s (negative: never); the engines' hit rate of
+    /// the 10 s before and after is reported.
+    #[arg(long, default_value_t = -1.0, allow_hyphen_values = true)]
+    router_restart_at: f64,
     /// Output tokens per request (`max_tokens`).
     #[arg(long, default_value_t = 32)]
     output_tokens: u32,
@@ -232,6 +247,8 @@ struct Row {
     engines: Vec<Counts>,
     /// SLO attainment of the requests sent in each 10 s of the run (0-1).
     slo_by_10s: Vec<f64>,
+    /// The router-restart figure (`--router-restart-at`).
+    restart: Option<Restart>,
 }
 
 /// A simulator's prefix-cache counters (`/sim/stats`), tried a few times: a simulator queueing
@@ -277,18 +294,16 @@ async fn counts_each(sims: &[SimHandle]) -> Result<Vec<Counts>, String> {
     Ok(out)
 }
 
-/// One streamed completion of `text` to `urls[0]`, trying the next URL when one refuses
-/// (used by the standby figure: the primary, then the standby) until `deadline`.
+/// One streamed completion (`body`) to `urls[0]`, trying again while `urls` holds more than
+/// one URL (the standby figure: the primary, then the standby; a router restart: the old
+/// router, then the new one) until `deadline`.
 async fn one(
     http: reqwest::Client,
     urls: Arc<Mutex<Vec<String>>>,
-    text: Arc<String>,
-    max_tokens: u32,
+    body: Arc<Value>,
     deadline: Instant,
     start: Instant,
 ) -> Outcome {
-    let body = json!({"model": "tiny-sim", "prompt": &*text, "max_tokens": max_tokens,
-                      "stream": true});
     let t0 = Instant::now();
     let sent_s = start.elapsed().as_secs_f64();
     let mut fail = Outcome {
@@ -299,7 +314,7 @@ async fn one(
         let url = urls.lock().unwrap_or_else(|e| e.into_inner())[0].clone();
         let r = http
             .post(format!("{url}/v1/completions"))
-            .json(&body)
+            .json(&*body)
             .send()
             .await;
         let r = match r {
@@ -461,6 +476,9 @@ struct TargetDef {
     peer: Option<PeerSpec>,
 }
 
+/// The shapes built.
+const BUILT: &str = "default, hot-prefix, documents, control, tenants, bypass, restart";
+
 /// The flags a `--shape` preset stands for (`Err`: a shape not built yet, or unknown).
 ///
 /// - `hot-prefix`: 2 groups of 4-6k-token prefixes, 1,024 output tokens, on engines whose
@@ -472,6 +490,15 @@ struct TargetDef {
 ///   touches grows with its length (the header prints the working set).
 /// - `control`: no reuse (every prompt a unique 2,000-token question, no prefix, no
 ///   sessions): cache awareness must cost nothing here.
+/// - `tenants`: one system prompt of 4-6k tokens shared by 8 tenants, each its own
+///   `cache_salt` (so 8 copies in the caches, none shared), sessions keeping their tenant: a
+///   router that credits a prefix across tenants places on caches that miss.
+/// - `bypass`: the default trace with a quarter of the requests sent straight to the engines
+///   (request i to engine i mod N), as a second router would: the engines' KV events show
+///   what they stored, our own placements cannot.
+/// - `restart`: the default trace, the target router restarted (SIGTERM, then started again)
+///   half way through and no engine restarted: the hit rate of the 10 s from the restart
+///   against the 10 s before.
 fn preset(shape: &str) -> Result<&'static [&'static str], String> {
     Ok(match shape {
         "default" => &[],
@@ -520,15 +547,25 @@ fn preset(shape: &str) -> Result<&'static [&'static str], String> {
             "--session-share",
             "0",
         ],
-        "agents" | "tenants" | "bypass" | "restart" => {
+        "tenants" => &[
+            "--groups",
+            "1",
+            "--prefix-min",
+            "4000",
+            "--prefix-max",
+            "6000",
+            "--tenants",
+            "8",
+        ],
+        "bypass" => &["--bypass", "0.25"],
+        "restart" => &["--restart-at", "-1", "--router-restart-at", "0.5"],
+        "agents" => {
             return Err(format!(
-                "--shape {shape} is not built yet (default, hot-prefix, documents and control are)"
+                "--shape {shape} is not built yet ({BUILT} are)"
             ));
         }
         other => {
-            return Err(format!(
-                "--shape {other}: unknown (default, hot-prefix, documents, control)"
-            ));
+            return Err(format!("--shape {other}: unknown ({BUILT}, agents)"));
         }
     })
 }
@@ -582,6 +619,8 @@ fn shape(a: &Args) -> Shape {
         session_share: a.session_share,
         zipf: a.zipf,
         turn_gap_s: a.turn_gap_s,
+        tenants: a.tenants,
+        bypass: a.bypass,
     }
 }
 
@@ -733,7 +772,7 @@ fn header(a: &Args, trace: &[Request], plan: &Plan) -> String {
     format!(
         "narwhal-bench prefix: {} requests in {} s at {rate:.2}/s ({} questions, {turns} session turns), mean prompt {mean_tokens:.0} tokens; {} groups, prefixes {}-{} tokens, zipf {}\n\
          engines: {} x (prefill {} us/token + {} ms, {} prefill slot(s), tpot {} ms + {} us/running, {} blocks of {} tokens); working set ~{working} blocks vs {capacity_blocks} in all\n\
-         capacity: {cap_oracle:.2}/s at the oracle's hit rate (the least of prefill's and decode's; decode alone {:.2}/s), {cap_blind:.2}/s cache-blind; shape {}; SLO: TTFT <= {} s and TPOT <= {} s; our fleet files + {}\n\
+         capacity: {cap_oracle:.2}/s at the oracle's hit rate (the least of prefill's and decode's; decode alone {:.2}/s), {cap_blind:.2}/s cache-blind; shape {} ({} tenants, {:.0}% sent straight to the engines, router restart at {}); SLO: TTFT <= {} s and TPOT <= {} s; our fleet files + {}\n\
          oracle (one pooled LRU cache of {capacity_blocks} blocks, arrival order): {:.3}; unbounded cache: {:.3}\n",
         trace.len(),
         a.duration_s,
@@ -752,6 +791,13 @@ fn header(a: &Args, trace: &[Request], plan: &Plan) -> String {
         a.block_size,
         decode_capacity(a),
         a.shape,
+        a.tenants,
+        100.0 * a.bypass,
+        if a.router_restart_at >= 0.0 {
+            format!("{} s", a.router_restart_at * a.duration_s)
+        } else {
+            "none".into()
+        },
         a.ttft_slo_s,
         a.tpot_slo_s,
         a.ours_fleet,
@@ -763,6 +809,12 @@ fn header(a: &Args, trace: &[Request], plan: &Plan) -> String {
 async fn run(a: Args) -> Result<bool, String> {
     if a.engines < 2 || a.groups == 0 || a.duration_s <= 0.0 || a.block_size == 0 {
         return Err("--engines must be at least 2, --groups and --block-size at least 1, --duration-s positive".into());
+    }
+    if a.router_restart_at >= 0.0 && a.restart_at >= 0.0 {
+        return Err("--router-restart-at and --restart-at: restart the router or an engine in a run, not both (--restart-at -1)".into());
+    }
+    if !(0.0..=1.0).contains(&a.bypass) {
+        return Err(format!("--bypass {}: a share, 0 to 1", a.bypass));
     }
     let defs = target_defs(&a)?;
     serde_json::from_str::<Value>(&a.ours_fleet)
@@ -797,8 +849,8 @@ async fn run(a: Args) -> Result<bool, String> {
             restart_all(&mut sims).await?;
         }
         let urls: Vec<String> = sims.iter().map(|s| s.url.clone()).collect();
-        let (mut running, url, command) =
-            start_target(&a, def, dir.path(), &sims, &events, &bin_dir)?;
+        let (launch, command) = start_target(&a, def, dir.path(), &sims, &events, &bin_dir)?;
+        let (mut running, url) = launch.start()?;
         // Ready: a one-word prompt (no full block: nothing cached, nothing stored).
         let targets: Vec<String> = if url.is_empty() {
             urls.clone()
@@ -806,7 +858,13 @@ async fn run(a: Args) -> Result<bool, String> {
             vec![url.clone()]
         };
         wait_ready(&a, def, &http, &mut running, &targets).await?;
-        let row = drive(&a, def, &http, &url, &mut sims, &trace).await?;
+        let target = Target {
+            def,
+            launch: &launch,
+            running: &mut running,
+            url: &url,
+        };
+        let row = drive(&a, &http, target, &mut sims, &trace).await?;
         print_row(&row);
         if let Some(c) = &command {
             head.push_str(&format!("  {}: {c}\n", def.name));
@@ -845,9 +903,8 @@ async fn run(a: Args) -> Result<bool, String> {
     Ok(all_ok)
 }
 
-/// Starts target `def` over `sims` (a peer with its placeholders, one of our routers, or
-/// nothing for round robin): what keeps it alive, its URL (empty: round robin) and a peer's
-/// rendered command.
+/// How target `def` starts over `sims` (a peer with its placeholders rendered, one of our
+/// routers, or nothing for round robin), and a peer's rendered command.
 fn start_target(
     a: &Args,
     def: &TargetDef,
@@ -855,14 +912,13 @@ fn start_target(
     sims: &[SimHandle],
     events: &[Events],
     bin_dir: &str,
-) -> Result<(Running, String, Option<String>), String> {
+) -> Result<(Launch, Option<String>), String> {
     let urls: Vec<String> = sims.iter().map(|s| s.url.clone()).collect();
     let kv: Vec<Value> = events
         .iter()
         .map(|e| json!({"endpoint": e.endpoint, "replay_endpoint": e.replay}))
         .collect();
-    let mut command = None;
-    let running = match (def.name.as_str(), &def.peer) {
+    Ok(match (def.name.as_str(), &def.peer) {
         (_, Some(p)) => {
             let pdir = dir.join(format!("peer-{}", p.name));
             std::fs::create_dir_all(&pdir).map_err(|e| e.to_string())?;
@@ -871,7 +927,7 @@ fn start_target(
             v.insert("port", port.to_string());
             v.insert("aux_port", engine_port().to_string());
             v.insert("host", "127.0.0.1".into());
-            v.insert("model", "tiny-sim".into());
+            v.insert("model", MODEL.into());
             v.insert("dir", pdir.display().to_string());
             v.insert("bin_dir", bin_dir.to_string());
             v.insert("engine_url", urls[0].clone());
@@ -885,14 +941,16 @@ fn start_target(
             };
             v.insert("kv_event_sources", pairs(&|e| &e.endpoint));
             v.insert("kv_event_replay_sources", pairs(&|e| &e.replay));
-            let c = p.render(&v)?;
-            command = Some(c.clone());
-            (
-                Running::Peer(PeerProc::spawn(&p.name, &c, dir)?),
-                format!("http://127.0.0.1:{port}"),
-            )
+            let command = p.render(&v)?;
+            let launch = Launch::Peer {
+                name: p.name.clone(),
+                command: command.clone(),
+                dir: dir.to_path_buf(),
+                url: format!("http://127.0.0.1:{port}"),
+            };
+            (launch, Some(command))
         }
-        ("round-robin", None) => (Running::Client, String::new()),
+        ("round-robin", None) => (Launch::Client, None),
         (name, None) => {
             let kv = match name {
                 "ours-exact" | "ours-tokens" => Some(kv.clone()),
@@ -905,14 +963,77 @@ fn start_target(
             if name == "ours-tokens" {
                 spec = spec.with(json!({"serving": {"placement_load": "tokens"}}));
             }
-            let r = start_router(dir, name, &spec, &["--log-level", "warn"])
-                .map_err(|e| format!("router {name}: {e}"))?;
-            let url = r.data.clone();
-            (Running::Ours(Box::new(r)), url)
+            let launch = Launch::Ours {
+                dir: dir.to_path_buf(),
+                name: name.to_string(),
+                spec: Box::new(spec),
+            };
+            (launch, None)
         }
-    };
-    let (running, url) = running;
-    Ok((running, url, command))
+    })
+}
+
+/// How a target starts (owned, so a router restart can start it again on a blocking thread).
+#[derive(Debug, Clone)]
+enum Launch {
+    /// One of our routers: the fleet file written into `dir` under `name` (the same state
+    /// file each time).
+    Ours {
+        dir: PathBuf,
+        name: String,
+        spec: Box<FleetSpec>,
+    },
+    /// A peer's rendered command, listening at `url`.
+    Peer {
+        name: String,
+        command: String,
+        dir: PathBuf,
+        url: String,
+    },
+    /// Round robin by the bench itself.
+    Client,
+}
+
+impl Launch {
+    /// Starts it (blocking until our router prints its listening line): what keeps it alive
+    /// and its URL (empty: round robin).
+    fn start(&self) -> Result<(Running, String), String> {
+        match self {
+            Launch::Ours { dir, name, spec } => {
+                let r = start_router(dir, name, spec, &["--log-level", "warn"])
+                    .map_err(|e| format!("router {name}: {e}"))?;
+                let url = r.data.clone();
+                Ok((Running::Ours(Box::new(r)), url))
+            }
+            Launch::Peer {
+                name,
+                command,
+                dir,
+                url,
+            } => Ok((Running::Peer(PeerProc::spawn(name, command, dir)?), url.clone())),
+            Launch::Client => Ok((Running::Client, String::new())),
+        }
+    }
+}
+
+/// Stops `running` as a deployment restarts a router: SIGTERM (our router finishes what it
+/// serves), at most 30 s to exit, then SIGKILL.
+fn stop_gracefully(running: Running) {
+    match running {
+        Running::Ours(mut r) => {
+            r.proc.signal(nix::sys::signal::Signal::SIGTERM);
+            r.proc.wait_exit(Duration::from_secs(30));
+        }
+        Running::Peer(mut p) => {
+            let group = nix::unistd::Pid::from_raw(-(p.pid as i32));
+            let _ = nix::sys::signal::kill(group, nix::sys::signal::Signal::SIGTERM);
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while p.exited().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Running::Client => {}
+    }
 }
 
 /// Waits until every URL of `targets` completes a one-word prompt, within `--start-timeout`;
@@ -938,7 +1059,7 @@ async fn wait_ready(
             }
             let r = http
                 .post(format!("{t}/v1/completions"))
-                .json(&json!({"model": "tiny-sim", "prompt": "hello", "max_tokens": 1}))
+                .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 1}))
                 .send()
                 .await;
             if matches!(&r, Ok(r) if r.status().is_success()) {
@@ -975,6 +1096,15 @@ fn print_row(row: &Row) {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    if let Some(r) = &row.restart {
+        println!(
+            "    router restart: hit rate {:.3} in the 10 s before, {:.3} in the 10 s from it (x{:.2}); listening and answering again after {:.1} s",
+            r.before.rate(),
+            r.after.rate(),
+            r.after.rate() / r.before.rate().max(1e-9),
+            r.down_s
+        );
+    }
     println!(
         "    SLO met per 10 s of sending: {}",
         row.slo_by_10s
@@ -1029,7 +1159,8 @@ fn json_doc(
             "block_size": a.block_size, "prefill_us_per_token": a.prefill_us_per_token,
             "ttft_ms": a.ttft_ms, "tpot_ms": a.tpot_ms, "prefill_slots": a.prefill_slots,
             "ttft_slo_s": a.ttft_slo_s, "tpot_slo_s": a.tpot_slo_s,
-            "restart_at": a.restart_at,
+            "restart_at": a.restart_at, "router_restart_at": a.router_restart_at,
+            "tenants": a.tenants, "bypass": a.bypass, "shape": a.shape,
             "ours_fleet": serde_json::from_str::<Value>(&a.ours_fleet).unwrap_or_default(),
         },
         "requests": requests,
@@ -1045,6 +1176,10 @@ fn json_doc(
             "slo_met": r.slo_met, "completed": r.completed, "requests": r.requests,
             "throughput_rps": r.throughput, "goodput_rps": r.goodput, "wall_s": r.wall_s,
             "slo_by_10s": r.slo_by_10s,
+            "router_restart": r.restart.map(|x| json!({
+                "hit_rate_before": x.before.rate(), "hit_rate_after": x.after.rate(),
+                "ratio": x.after.rate() / x.before.rate().max(1e-9), "down_s": x.down_s,
+            })),
             "engines": r.engines.iter().map(|c| json!({
                 "requests": c.requests, "hits": c.hits, "queries": c.queries,
             })).collect::<Vec<_>>(),
@@ -1053,13 +1188,31 @@ fn json_doc(
     })
 }
 
-/// Sends the trace to `url` (empty: round robin over the engines themselves), restarting the
-/// last engine at `--restart-at`; the row of figures.
+/// The target a trace is sent to: how it starts again (a router restart), what keeps it
+/// running, and its URL (empty: round robin over the engines themselves).
+struct Target<'a> {
+    def: &'a TargetDef,
+    launch: &'a Launch,
+    running: &'a mut Running,
+    url: &'a str,
+}
+
+/// The router-restart figure: the engines' counters in the 10 s before the restart and the
+/// 10 s from it, and how long the target took to listen again.
+#[derive(Debug, Clone, Copy)]
+struct Restart {
+    before: Counts,
+    after: Counts,
+    down_s: f64,
+}
+
+/// Sends the trace to the target (a request marked direct to engine i mod N instead),
+/// restarting the last engine at `--restart-at` and the target router at
+/// `--router-restart-at`; the row of figures.
 async fn drive(
     a: &Args,
-    def: &TargetDef,
     http: &reqwest::Client,
-    url: &str,
+    mut target: Target<'_>,
     sims: &mut Vec<SimHandle>,
     trace: &Arc<Vec<Request>>,
 ) -> Result<Row, String> {
@@ -1068,10 +1221,28 @@ async fn drive(
     let restart_s = (a.restart_at >= 0.0).then_some(a.restart_at * a.duration_s);
     let mut restarted = restart_s.is_none();
     let mut dead = Counts::default();
+    // The router restart: counters sampled 10 s before it, at it, and 10 s after.
+    let marks_at: Vec<f64> = if a.router_restart_at >= 0.0 && !target.url.is_empty() {
+        let at = a.router_restart_at * a.duration_s;
+        vec![at - 10.0, at, at + 10.0]
+    } else {
+        Vec::new()
+    };
+    let mut marks = Vec::new();
+    let mut relaunch = None;
+    let routed = Arc::new(Mutex::new(vec![target.url.to_string()]));
     let start = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     let mut restart_task = None;
     for (i, r) in trace.iter().enumerate() {
+        while marks.len() < marks_at.len() && r.at_s >= marks_at[marks.len()] {
+            let at = marks_at[marks.len()].max(0.0);
+            tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
+            marks.push(counts_all(sims).await?);
+            if marks.len() == 2 {
+                relaunch = Some(restart_router(&mut target, &routed, http));
+            }
+        }
         let due = start + Duration::from_secs_f64(r.at_s);
         if !restarted && r.at_s >= restart_s.unwrap_or(f64::MAX) {
             tokio::time::sleep_until(
@@ -1087,24 +1258,19 @@ async fn drive(
             restarted = true;
         }
         tokio::time::sleep_until(due.into()).await;
-        let target = if url.is_empty() {
-            engine_urls[i % engine_urls.len()].clone()
+        let urls = if target.url.is_empty() || r.direct {
+            Arc::new(Mutex::new(vec![engine_urls[i % engine_urls.len()].clone()]))
         } else {
-            url.to_string()
+            routed.clone()
         };
-        let (http, text, max) = (http.clone(), Arc::new(r.text()), a.output_tokens);
+        let (http, body) = (http.clone(), Arc::new(r.body(MODEL, a.output_tokens)));
         let deadline = Instant::now() + Duration::from_secs_f64(a.request_timeout);
-        tasks.spawn(async move {
-            one(
-                http,
-                Arc::new(Mutex::new(vec![target])),
-                text,
-                max,
-                deadline,
-                start,
-            )
-            .await
-        });
+        tasks.spawn(async move { one(http, urls, body, deadline, start).await });
+    }
+    while marks.len() < marks_at.len() {
+        let at = marks_at[marks.len()].max(0.0);
+        tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
+        marks.push(counts_all(sims).await?);
     }
     if let Some(t) = restart_task {
         let fresh = t.await.map_err(|e| e.to_string())??;
@@ -1114,6 +1280,14 @@ async fn drive(
     while let Some(o) = tasks.join_next().await {
         outcomes.push(o.map_err(|e| e.to_string())?);
     }
+    let down_s = match relaunch {
+        Some(t) => {
+            let (running, down_s) = t.await.map_err(|e| e.to_string())??;
+            *target.running = running;
+            down_s
+        }
+        None => 0.0,
+    };
     let wall = start.elapsed().as_secs_f64();
     let mut after = counts_each(sims).await?;
     if let Some(last) = after.last_mut() {
@@ -1126,13 +1300,65 @@ async fn drive(
         .collect();
     let mut row = row(
         a,
-        def,
+        target.def,
         each.iter().copied().fold(Counts::default(), Counts::plus),
         &outcomes,
         wall,
     );
     row.engines = each;
+    if let [m0, m1, m2] = marks[..] {
+        row.restart = Some(Restart {
+            before: m1.minus(m0),
+            after: m2.minus(m1),
+            down_s,
+        });
+    }
     Ok(row)
+}
+
+/// Restarts the target router on a blocking thread: requests meanwhile retry (`routed` holds
+/// the old URL twice) until the new router listens, then go to it. Resolves to what keeps the
+/// new one running and the seconds from the SIGTERM to its listening line.
+fn restart_router(
+    target: &mut Target<'_>,
+    routed: &Arc<Mutex<Vec<String>>>,
+    http: &reqwest::Client,
+) -> tokio::task::JoinHandle<Result<(Running, f64), String>> {
+    let old = std::mem::replace(target.running, Running::Client);
+    let launch = target.launch.clone();
+    let routed = routed.clone();
+    {
+        let mut u = routed.lock().unwrap_or_else(|e| e.into_inner());
+        let was = u[0].clone();
+        *u = vec![was.clone(), was];
+    }
+    let http = http.clone();
+    tokio::spawn(async move {
+        let t0 = Instant::now();
+        let (running, url) = tokio::task::spawn_blocking(move || {
+            stop_gracefully(old);
+            launch.start()
+        })
+        .await
+        .map_err(|e| e.to_string())??;
+        // Until it completes a one-word prompt, requests keep retrying (at the new URL).
+        *routed.lock().unwrap_or_else(|e| e.into_inner()) = vec![url.clone(), url.clone()];
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while Instant::now() < deadline {
+            let r = http
+                .post(format!("{url}/v1/completions"))
+                .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 1}))
+                .send()
+                .await;
+            if matches!(&r, Ok(r) if r.status().is_success()) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let down_s = t0.elapsed().as_secs_f64();
+        *routed.lock().unwrap_or_else(|e| e.into_inner()) = vec![url];
+        Ok((running, down_s))
+    })
 }
 
 /// Whether `o` completed within both SLOs.
@@ -1158,6 +1384,7 @@ fn row(a: &Args, def: &TargetDef, counts: Counts, outcomes: &[Outcome], wall: f6
         goodput: met as f64 / a.duration_s,
         wall_s: wall,
         engines: Vec::new(),
+        restart: None,
         slo_by_10s: (0..(a.duration_s / 10.0).ceil() as usize)
             .map(|w| {
                 let (lo, hi) = (w as f64 * 10.0, (w + 1) as f64 * 10.0);
@@ -1257,14 +1484,13 @@ async fn standby_figure(a: &Args, shp: &Shape, rate: f64) -> Result<Standby, Str
             next_mark += 1;
         }
         tokio::time::sleep_until((start + Duration::from_secs_f64(r.at_s)).into()).await;
-        let (http, text, max, urls) = (
+        let (http, body, urls) = (
             http.clone(),
-            Arc::new(r.text()),
-            a.output_tokens,
+            Arc::new(r.body(MODEL, a.output_tokens)),
             urls.clone(),
         );
         let deadline = Instant::now() + Duration::from_secs_f64(a.request_timeout);
-        tasks.spawn(async move { one(http, urls, text, max, deadline, start).await });
+        tasks.spawn(async move { one(http, urls, body, deadline, start).await });
     }
     let takeover = match takeover {
         Some(t) => t.await.map_err(|e| e.to_string())?.map(|d| d.as_secs_f64()),
@@ -1338,6 +1564,18 @@ fn table(rows: &[Row], oracle: prefix_trace::Oracle, standby: Option<&Standby>) 
         oracle.reuse_rate(),
         oracle.reuse_rate() / oracle.hit_rate().max(1e-9)
     ));
+    for r in rows {
+        if let Some(x) = &r.restart {
+            t.push_str(&format!(
+                "\nrouter restart ({}): hit rate {:.3} in the 10 s before, {:.3} in the 10 s from it (x{:.2}); answering again after {:.1} s\n",
+                r.name,
+                x.before.rate(),
+                x.after.rate(),
+                x.after.rate() / x.before.rate().max(1e-9),
+                x.down_s
+            ));
+        }
+    }
     if let Some(s) = standby {
         t.push_str(&format!(
             "\nstandby (ours exact, kill -9 of the primary): hit rate {:.3} in the 10 s before, {:.3} in the 10 s after (x{:.2}); takeover {} s; {} of {} requests failed ({} sent in the 10 s before the kill, {} after)\n",

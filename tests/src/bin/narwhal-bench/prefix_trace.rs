@@ -45,6 +45,11 @@ pub(crate) struct Request {
     pub(crate) kind: Kind,
     /// The prompt, in order.
     pub(crate) segments: Vec<Segment>,
+    /// The tenant's `cache_salt` (`t3`), when the trace has tenants: vLLM keys the first
+    /// block's hash (so the whole chain) by it, and tenants share no cached block.
+    pub(crate) salt: Option<String>,
+    /// Sent straight to an engine, as a second router would, not to the target.
+    pub(crate) direct: bool,
 }
 
 impl Request {
@@ -67,6 +72,17 @@ impl Request {
             }
         }
         out
+    }
+
+    /// The streamed completion request's body: `model`, the prompt, `max_tokens`, and the
+    /// tenant's `cache_salt`.
+    pub(crate) fn body(&self, model: &str, max_tokens: u32) -> serde_json::Value {
+        let mut b = serde_json::json!({"model": model, "prompt": self.text(),
+                                       "max_tokens": max_tokens, "stream": true});
+        if let Some(salt) = &self.salt {
+            b["cache_salt"] = salt.clone().into();
+        }
+        b
     }
 
     /// A stable id per token (hash of its word), in prompt order: what the oracle's blocks
@@ -114,18 +130,24 @@ pub(crate) struct Shape {
     pub(crate) zipf: f64,
     /// Seconds at least between two turns of one session.
     pub(crate) turn_gap_s: f64,
+    /// Tenants (`cache_salt` values, uniform; 0: none): a session keeps its tenant.
+    pub(crate) tenants: usize,
+    /// Share of requests sent straight to an engine (0-1).
+    pub(crate) bypass: f64,
 }
 
 struct Session {
     id: usize,
     group: usize,
+    tenant: Option<String>,
     turn: usize,
     last_s: f64,
 }
 
 /// Builds `n` requests at Poisson arrivals of `rate` per second from `seed`. The prompts
 /// and their order depend on the seed only (a session's minimum turn gap aside, which is
-/// checked against the arrival times).
+/// checked against the arrival times). Tenants and bypass draw from the generator only when
+/// they are on, so a trace without them is the same as before they existed.
 pub(crate) fn generate(shape: &Shape, rate: f64, duration_s: f64, seed: u64) -> Vec<Request> {
     let mut rng = StdRng::seed_from_u64(seed);
     let lens: Vec<usize> = (0..shape.groups)
@@ -145,6 +167,9 @@ pub(crate) fn generate(shape: &Shape, rate: f64, duration_s: f64, seed: u64) -> 
         }
         shape.groups - 1
     };
+    let pick_tenant = |rng: &mut StdRng| {
+        (shape.tenants > 0).then(|| format!("t{}", rng.random_range(0..shape.tenants)))
+    };
     let mut next_session = 0usize;
     let mut sessions: Vec<Session> = (0..shape.sessions)
         .map(|_| {
@@ -152,6 +177,7 @@ pub(crate) fn generate(shape: &Shape, rate: f64, duration_s: f64, seed: u64) -> 
             Session {
                 id: next_session - 1,
                 group: pick_group(&mut rng),
+                tenant: pick_tenant(&mut rng),
                 turn: 0,
                 last_s: f64::NEG_INFINITY,
             }
@@ -191,13 +217,17 @@ pub(crate) fn generate(shape: &Shape, rate: f64, duration_s: f64, seed: u64) -> 
                 at_s: t,
                 kind: Kind::Turn(s.turn),
                 segments,
+                salt: s.tenant.clone(),
+                direct: false,
             });
             if s.turn >= shape.turns {
                 let group = pick_group(&mut rng);
+                let tenant = pick_tenant(&mut rng);
                 next_session += 1;
                 sessions[slot] = Session {
                     id: next_session - 1,
                     group,
+                    tenant,
                     turn: 0,
                     last_s: t,
                 };
@@ -218,7 +248,14 @@ pub(crate) fn generate(shape: &Shape, rate: f64, duration_s: f64, seed: u64) -> 
                         len: shape.question_tokens,
                     },
                 ],
+                salt: pick_tenant(&mut rng),
+                direct: false,
             });
+        }
+        if shape.bypass > 0.0
+            && let Some(last) = out.last_mut()
+        {
+            last.direct = rng.random::<f64>() < shape.bypass;
         }
     }
     out
@@ -300,7 +337,10 @@ impl Lru {
 /// The full blocks' chained hashes of a prompt.
 fn block_hashes(req: &Request, block_size: usize) -> Vec<u64> {
     let ids = req.token_ids();
-    let mut parent = 0u64;
+    let mut parent = req
+        .salt
+        .as_ref()
+        .map_or(0, |s| fnv(s.as_bytes(), 0xcbf2_9ce4_8422_2325));
     ids.chunks_exact(block_size)
         .map(|c| {
             let mut h = fnv(&parent.to_le_bytes(), 0xcbf2_9ce4_8422_2325);
@@ -359,6 +399,8 @@ mod tests {
             session_share: 0.4,
             zipf: 0.0,
             turn_gap_s: 0.0,
+            tenants: 0,
+            bypass: 0.0,
         }
     }
 
@@ -397,6 +439,8 @@ mod tests {
                     len: 8,
                 },
             ],
+            salt: None,
+            direct: false,
         };
         // 72 tokens: 4 full blocks of 16, all of the shared prefix.
         let twice = vec![q("g0", "q1"), q("g0", "q2")];
@@ -409,5 +453,41 @@ mod tests {
         let small = oracle(&between, 16, 4);
         assert_eq!((small.hits, small.reuse_hits), (0, 64));
         assert_eq!(oracle(&between, 16, 8).hits, 64);
+    }
+
+    #[test]
+    fn tenants_keep_their_salt_per_session_and_share_no_block() {
+        let shp = Shape {
+            tenants: 3,
+            bypass: 0.25,
+            ..shape()
+        };
+        let trace = generate(&shp, 10.0, 60.0, 3);
+        // Tenants and bypass draw from the generator on top of the same prompts and order.
+        let plain = generate(&shape(), 10.0, 60.0, 3);
+        assert_ne!(trace.len(), 0);
+        let mut salt_of: HashMap<String, Option<String>> = HashMap::new();
+        for r in trace.iter().filter(|r| matches!(r.kind, Kind::Turn(_))) {
+            let session = r.segments[1].tag.split('u').next().unwrap().to_string();
+            let was = salt_of.entry(session.clone()).or_insert(r.salt.clone());
+            assert_eq!(*was, r.salt, "{session} changed tenant");
+        }
+        assert!(trace.iter().all(|r| r.salt.is_some()));
+        assert!(plain.iter().all(|r| r.salt.is_none() && !r.direct));
+        let direct = trace.iter().filter(|r| r.direct).count() as f64 / trace.len() as f64;
+        assert!((0.15..0.35).contains(&direct), "bypass share {direct}");
+        assert_eq!(
+            trace[0].body("m", 4)["cache_salt"],
+            serde_json::json!(trace[0].salt.clone().unwrap())
+        );
+        // One prompt under two salts: nothing shared; under one salt twice: its blocks hit.
+        let salted = |salt: &str| Request {
+            salt: Some(salt.into()),
+            ..trace[0].clone()
+        };
+        let two = oracle(&[salted("t0"), salted("t1")], 16, 1000);
+        assert_eq!(two.reuse_hits, 0);
+        let same = oracle(&[salted("t0"), salted("t0")], 16, 1000);
+        assert!(same.reuse_hits > 0);
     }
 }
