@@ -49,8 +49,8 @@ const MODEL: &str = "tiny-sim";
 )]
 struct Args {
     /// A preset of the trace and the engines: its flags come first, so any flag given after it
-    /// wins. One of default, hot-prefix, documents, control, tenants, bypass, restart; agents
-    /// is named but not built yet (refused).
+    /// wins. One of default, hot-prefix, documents, control, agents, tenants, bypass,
+    /// restart.
     #[arg(long, default_value = "default")]
     shape: String,
     /// Seconds of arrivals per target.
@@ -98,6 +98,17 @@ struct Args {
     /// Seconds at least between two turns of a session.
     #[arg(long, default_value_t = 2.0)]
     turn_gap_s: f64,
+    /// Agents: every request a streamed chat completion whose group prefix is its `tools`
+    /// block (one function, the prefix's words its description), a session's turns a think
+    /// time apart (--think-min-s to --think-max-s) instead of --turn-gap-s.
+    #[arg(long)]
+    agents: bool,
+    /// Shortest think time between an agent session's turns (seconds, with --agents).
+    #[arg(long, default_value_t = 15.0)]
+    think_min_s: f64,
+    /// Longest think time (seconds, with --agents).
+    #[arg(long, default_value_t = 60.0)]
+    think_max_s: f64,
     /// Tenants, each its own `cache_salt` (0: none); a session keeps its tenant.
     #[arg(long, default_value_t = 0)]
     tenants: usize,
@@ -304,6 +315,12 @@ async fn one(
     deadline: Instant,
     start: Instant,
 ) -> Outcome {
+    let chat = body.get("messages").is_some();
+    let (path, token_key) = if chat {
+        ("chat/completions", "\"content\":\"")
+    } else {
+        ("completions", "\"text\"")
+    };
     let t0 = Instant::now();
     let sent_s = start.elapsed().as_secs_f64();
     let mut fail = Outcome {
@@ -313,7 +330,7 @@ async fn one(
     loop {
         let url = urls.lock().unwrap_or_else(|e| e.into_inner())[0].clone();
         let r = http
-            .post(format!("{url}/v1/completions"))
+            .post(format!("{url}/v1/{path}"))
             .json(&*body)
             .send()
             .await;
@@ -336,7 +353,8 @@ async fn one(
         while let Some(c) = s.next().await {
             let Ok(c) = c else { break };
             let t = String::from_utf8_lossy(&c);
-            let n = t.matches("\"text\"").count();
+            // A chat stream's first chunk names the role with empty content: no token.
+            let n = t.matches(token_key).count() - t.matches("\"content\":\"\"").count();
             if n > 0 {
                 first.get_or_insert(t0.elapsed().as_secs_f64());
                 chunks += n;
@@ -477,7 +495,7 @@ struct TargetDef {
 }
 
 /// The shapes built.
-const BUILT: &str = "default, hot-prefix, documents, control, tenants, bypass, restart";
+const BUILT: &str = "default, hot-prefix, documents, control, agents, tenants, bypass, restart";
 
 /// The flags a `--shape` preset stands for (`Err`: a shape not built yet, or unknown).
 ///
@@ -490,6 +508,10 @@ const BUILT: &str = "default, hot-prefix, documents, control, tenants, bypass, r
 ///   touches grows with its length (the header prints the working set).
 /// - `control`: no reuse (every prompt a unique 2,000-token question, no prefix, no
 ///   sessions): cache awareness must cost nothing here.
+/// - `agents`: 8 agent kinds, each a 2-4k-token `tools` block, as chat completions; 256
+///   sessions of up to 8 turns whose next turn comes 15-60 s of think time after the last
+///   (an arrival whose session is thinking is a one-shot call of its kind instead): a
+///   session's context is worth keeping across a long idle gap.
 /// - `tenants`: one system prompt of 4-6k tokens shared by 8 tenants, each its own
 ///   `cache_salt` (so 8 copies in the caches, none shared), sessions keeping their tenant: a
 ///   router that credits a prefix across tenants places on caches that miss.
@@ -559,13 +581,25 @@ fn preset(shape: &str) -> Result<&'static [&'static str], String> {
         ],
         "bypass" => &["--bypass", "0.25"],
         "restart" => &["--restart-at", "-1", "--router-restart-at", "0.5"],
-        "agents" => {
-            return Err(format!(
-                "--shape {shape} is not built yet ({BUILT} are)"
-            ));
-        }
+        "agents" => &[
+            "--agents",
+            "--groups",
+            "8",
+            "--prefix-min",
+            "2000",
+            "--prefix-max",
+            "4000",
+            "--session-share",
+            "0.9",
+            "--sessions",
+            "256",
+            "--turns",
+            "8",
+            "--answer-tokens",
+            "120",
+        ],
         other => {
-            return Err(format!("--shape {other}: unknown ({BUILT}, agents)"));
+            return Err(format!("--shape {other}: unknown ({BUILT})"));
         }
     })
 }
@@ -621,6 +655,7 @@ fn shape(a: &Args) -> Shape {
         turn_gap_s: a.turn_gap_s,
         tenants: a.tenants,
         bypass: a.bypass,
+        agents: a.agents.then_some((a.think_min_s, a.think_max_s)),
     }
 }
 

@@ -50,6 +50,10 @@ pub(crate) struct Request {
     pub(crate) salt: Option<String>,
     /// Sent straight to an engine, as a second router would, not to the target.
     pub(crate) direct: bool,
+    /// A chat completion whose first segment is the `tools` block (an agent's tool
+    /// definitions) and whose others are the messages, user and assistant in turn; else a
+    /// completion of the segments' text.
+    pub(crate) chat: bool,
 }
 
 impl Request {
@@ -77,12 +81,43 @@ impl Request {
     /// The streamed completion request's body: `model`, the prompt, `max_tokens`, and the
     /// tenant's `cache_salt`.
     pub(crate) fn body(&self, model: &str, max_tokens: u32) -> serde_json::Value {
-        let mut b = serde_json::json!({"model": model, "prompt": self.text(),
-                                       "max_tokens": max_tokens, "stream": true});
+        let mut b = if self.chat {
+            self.chat_body(model, max_tokens)
+        } else {
+            serde_json::json!({"model": model, "prompt": self.text(),
+                               "max_tokens": max_tokens, "stream": true})
+        };
         if let Some(salt) = &self.salt {
             b["cache_salt"] = salt.clone().into();
         }
         b
+    }
+
+    /// The chat form ([`Request::chat`]): one function whose description is the first
+    /// segment's words (the simulator renders `tools` before the messages, as chat templates
+    /// do), then the other segments as messages, user first.
+    fn chat_body(&self, model: &str, max_tokens: u32) -> serde_json::Value {
+        let words = |s: &Segment| {
+            (0..s.len)
+                .map(|i| format!("{}w{i}", s.tag))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let (tools, rest) = self.segments.split_first().expect("a request has a segment");
+        let messages: Vec<serde_json::Value> = rest
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                serde_json::json!({"role": role, "content": words(s)})
+            })
+            .collect();
+        serde_json::json!({
+            "model": model, "messages": messages, "max_tokens": max_tokens, "stream": true,
+            "tools": [{"type": "function", "function": {
+                "name": tools.tag, "description": words(tools),
+                "parameters": {"type": "object", "properties": {}}}}],
+        })
     }
 
     /// A stable id per token (hash of its word), in prompt order: what the oracle's blocks
@@ -134,6 +169,10 @@ pub(crate) struct Shape {
     pub(crate) tenants: usize,
     /// Share of requests sent straight to an engine (0-1).
     pub(crate) bypass: f64,
+    /// Agents: every request a chat completion whose group prefix is its `tools` block, and a
+    /// session's next turn due a think time after its last (uniform in `think_s`), not
+    /// `turn_gap_s`.
+    pub(crate) agents: Option<(f64, f64)>,
 }
 
 struct Session {
@@ -141,7 +180,8 @@ struct Session {
     group: usize,
     tenant: Option<String>,
     turn: usize,
-    last_s: f64,
+    /// When its next turn may come (seconds from the start).
+    due_s: f64,
 }
 
 /// Builds `n` requests at Poisson arrivals of `rate` per second from `seed`. The prompts
@@ -179,7 +219,7 @@ pub(crate) fn generate(shape: &Shape, rate: f64, duration_s: f64, seed: u64) -> 
                 group: pick_group(&mut rng),
                 tenant: pick_tenant(&mut rng),
                 turn: 0,
-                last_s: f64::NEG_INFINITY,
+                due_s: f64::NEG_INFINITY,
             }
         })
         .collect();
@@ -193,10 +233,14 @@ pub(crate) fn generate(shape: &Shape, rate: f64, duration_s: f64, seed: u64) -> 
         }
         let turn = shape.sessions > 0 && rng.random::<f64>() < shape.session_share;
         let slot = rng.random_range(0..shape.sessions.max(1));
-        if turn && t - sessions[slot].last_s >= shape.turn_gap_s {
+        if turn && t >= sessions[slot].due_s {
+            let gap = match shape.agents {
+                Some((lo, hi)) => rng.random_range(lo..=hi.max(lo)),
+                None => shape.turn_gap_s,
+            };
             let s = &mut sessions[slot];
             s.turn += 1;
-            s.last_s = t;
+            s.due_s = t + gap;
             let mut segments = vec![Segment {
                 tag: format!("g{}", s.group),
                 len: lens[s.group],
@@ -219,6 +263,7 @@ pub(crate) fn generate(shape: &Shape, rate: f64, duration_s: f64, seed: u64) -> 
                 segments,
                 salt: s.tenant.clone(),
                 direct: false,
+                chat: shape.agents.is_some(),
             });
             if s.turn >= shape.turns {
                 let group = pick_group(&mut rng);
@@ -229,7 +274,7 @@ pub(crate) fn generate(shape: &Shape, rate: f64, duration_s: f64, seed: u64) -> 
                     group,
                     tenant,
                     turn: 0,
-                    last_s: t,
+                    due_s: t + gap,
                 };
             }
         } else {
@@ -250,6 +295,7 @@ pub(crate) fn generate(shape: &Shape, rate: f64, duration_s: f64, seed: u64) -> 
                 ],
                 salt: pick_tenant(&mut rng),
                 direct: false,
+                chat: shape.agents.is_some(),
             });
         }
         if shape.bypass > 0.0
@@ -401,6 +447,7 @@ mod tests {
             turn_gap_s: 0.0,
             tenants: 0,
             bypass: 0.0,
+            agents: None,
         }
     }
 
@@ -441,6 +488,7 @@ mod tests {
             ],
             salt: None,
             direct: false,
+            chat: false,
         };
         // 72 tokens: 4 full blocks of 16, all of the shared prefix.
         let twice = vec![q("g0", "q1"), q("g0", "q2")];
