@@ -200,6 +200,14 @@ pub async fn run(
         parts.kv.use_tokenizer(t);
     }
     let stop = tokio_util::sync::CancellationToken::new();
+    let carried = crate::kv_cache::carried_path(&parts.cfg.recovery.state_path);
+    if opts.standby.is_none() {
+        // A primary takes the approximate KV guesses its predecessor on this state file
+        // carried over a graceful restart (docs/design/kv-aware-placement.md).
+        parts
+            .kv
+            .load_carried(&carried, parts.clock.wall().unwrap_or(0.0));
+    }
     if let Some(standby) = opts.standby {
         ha::start_standby(&parts, standby, &stop);
     } else {
@@ -276,6 +284,11 @@ pub async fn run(
     }
     let was_controlling = parts.ha.controls_fleet();
     drain_requests(&parts, grace).await;
+    if was_controlling {
+        parts
+            .kv
+            .save_carried(&parts.fleet, &carried, parts.clock.wall().unwrap_or(0.0));
+    }
     stop.cancel();
     let _ = data.await;
     let _ = control.await;

@@ -20,6 +20,7 @@
 //! nothing, so its approximate index (engines without events) is cold at a takeover. After a takeover the new primary's identity checks apply as always: a new process
 //! behind an engine drops its entries before it is scored again.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -39,10 +40,12 @@ use crate::kv_index::{
 use crate::placement::{Aggregate, Balance, KvScore};
 use crate::upstream::Upstream;
 
+mod carry;
 mod local;
 mod ranks;
 mod request;
 mod sample;
+pub(crate) use carry::path_for as carried_path;
 use local::LocalTokenizer;
 pub(crate) use local::{ShapeView, tokens_of};
 use ranks::Ranks;
@@ -210,6 +213,9 @@ pub(crate) struct KvCache {
     /// The router's own tokenizer, set at startup when `engine.tokenizer` names a model
     /// directory ([`local`]).
     local: std::sync::OnceLock<Mutex<LocalTokenizer>>,
+    /// Per index slot: approximate guesses a router before this one carried over its
+    /// restart, until the engine's process is confirmed ([`carry`]).
+    carry: Mutex<BTreeMap<usize, carry::Pending>>,
 }
 
 impl KvCache {
@@ -246,6 +252,7 @@ impl KvCache {
             tokenizer: Mutex::new(TokenizerCheck::Unchecked),
             counts: Counts::default(),
             local: std::sync::OnceLock::new(),
+            carry: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -765,6 +772,7 @@ impl KvCache {
         if let (epoch, Some(all)) = fleet.incarnations_since(ix.processes_seen()) {
             ix.sync_processes(epoch, &self.ranks.expand(&all));
         }
+        self.adopt_carried(fleet, &mut ix, now);
         let mut chains: Vec<(u32, Vec<u64>)> = Vec::new();
         // Engines placement does not choose among (a decode engine of a split, an engine out
         // of placement) get no credit and no expiry walk: only the chosen are scored.

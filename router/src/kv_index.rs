@@ -789,6 +789,33 @@ impl KvIndex {
         en.process = Some(process);
     }
 
+    /// Engine `e`'s approximate guesses live at `now` for a router started after this one,
+    /// when `e` publishes no KV events (`engines[].kv_events` unset: the engine's own replay
+    /// rebuilds the rest): ([`approx::Approx::export`]).
+    pub(crate) fn approx_export(
+        &self,
+        e: usize,
+        now: Instant,
+    ) -> Option<(u32, Vec<(u64, Duration)>)> {
+        if self.engines[e].configured || !self.settings.aware {
+            return None;
+        }
+        self.approx.export(e, now).filter(|(_, b)| !b.is_empty())
+    }
+
+    /// Takes guesses a router before this one carried for engine `e`, whose current process
+    /// (`process`, the fleet's incarnation count) is the one they were learned from
+    /// ([`approx::Approx::import`]); the guesses taken.
+    pub(crate) fn approx_import(
+        &mut self,
+        e: usize,
+        block_size: u32,
+        carried: &[(u64, Instant)],
+        process: u64,
+    ) -> usize {
+        self.approx.import(e, block_size, carried, process)
+    }
+
     /// Drops engine `e`'s entries and restarts its stream (a batch that could not be decoded:
     /// what it held is unknown).
     pub(crate) fn reset(&mut self, e: usize) {

@@ -149,8 +149,8 @@ pub struct PrefixDoc {
     pub oracle: Oracle,
     /// The targets, in run order.
     pub targets: Vec<PrefixTarget>,
-    /// The standby takeover's hit rates.
-    pub standby: Standby,
+    /// The standby takeover's hit rates (`null` with `--standby-s 0`).
+    pub standby: Option<Standby>,
 }
 
 /// `oracle`: the hit rate of a pooled LRU cache, bounded and not.
@@ -183,6 +183,24 @@ pub struct PrefixTarget {
     pub hit_rate: Option<f64>,
     /// Prompt tokens looked up.
     pub queries: Option<u64>,
+    /// The router-restart figure (`--router-restart-at`), `null` without one.
+    pub router_restart: Option<RouterRestart>,
+}
+
+/// `targets[].router_restart`: the hit rate of the 10 s before the target router's restart and
+/// of the 10 s from it.
+#[derive(Debug, Deserialize)]
+pub struct RouterRestart {
+    /// Hit rate in the 10 s before the SIGTERM, 0 to 1.
+    pub hit_rate_before: f64,
+    /// Hit rate in the 10 s from it.
+    pub hit_rate_after: f64,
+    /// Seconds from the SIGTERM until the new router answered.
+    pub down_s: f64,
+    /// The window before.
+    pub before: Queries,
+    /// The window from the restart.
+    pub after: Queries,
 }
 
 /// `standby`: the hit rate before and after the standby took over.

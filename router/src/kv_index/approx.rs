@@ -191,6 +191,84 @@ impl Approx {
         }
     }
 
+    /// Engine `e`'s guesses live at `now`, least recently touched first, each as (our hash,
+    /// its age at `now`), and the block size they were cut at; `None` before its first
+    /// credit. What a router shutting down carries to the router started after it
+    /// (`kv_cache::carry`).
+    pub(crate) fn export(&self, e: usize, now: Instant) -> Option<(u32, Vec<(u64, Duration)>)> {
+        let p = &self.engines[e];
+        if p.block_size == 0 {
+            return None;
+        }
+        let live = p
+            .order
+            .values()
+            .filter_map(|h| {
+                let (t, _) = p.blocks.get(h)?;
+                let age = now.saturating_duration_since(*t);
+                (age < self.ttl).then_some((*h, age))
+            })
+            .collect();
+        Some((p.block_size, live))
+    }
+
+    /// Adds `carried` (our hash, when last touched; least recently touched first) to engine
+    /// `e`'s guesses at `block_size`, bound to process `process`, as older than every guess it
+    /// already holds (the router's own placements since it started win: a hash already held
+    /// keeps its entry). Carried guesses at another block size than the engine's own are not
+    /// taken. The per-engine bound then evicts the least recently touched. Returns the guesses
+    /// taken.
+    pub(crate) fn import(
+        &mut self,
+        e: usize,
+        block_size: u32,
+        carried: &[(u64, Instant)],
+        process: u64,
+    ) -> usize {
+        let max = self.max_blocks;
+        let p = &mut self.engines[e];
+        if p.block_size != 0 && p.block_size != block_size {
+            return 0;
+        }
+        if p.process.is_some_and(|old| old != process) {
+            p.clear();
+        }
+        p.process = Some(process);
+        p.block_size = block_size;
+        let own: Vec<(u64, Instant)> = p
+            .order
+            .values()
+            .filter_map(|h| p.blocks.get(h).map(|(t, _)| (*h, *t)))
+            .collect();
+        p.clear();
+        p.next_stamp = 0;
+        let mine: std::collections::HashSet<u64> = own.iter().map(|(h, _)| *h).collect();
+        let fresh: Vec<(u64, Instant)> = carried
+            .iter()
+            .filter(|(h, _)| !mine.contains(h))
+            .copied()
+            .collect();
+        for (h, t) in fresh.iter().chain(own.iter()) {
+            let stamp = p.next_stamp;
+            p.next_stamp += 1;
+            if let Some((_, old)) = p.blocks.insert(*h, (*t, stamp)) {
+                p.order.remove(&old);
+            }
+            p.order.insert(stamp, *h);
+        }
+        while p.blocks.len() > max {
+            let Some((_, h)) = p.order.pop_first() else {
+                break;
+            };
+            p.blocks.remove(&h);
+            p.evicted += 1;
+        }
+        fresh
+            .iter()
+            .filter(|(h, _)| p.blocks.contains_key(h))
+            .count()
+    }
+
     /// Entries engine `e` holds, expired or not (memory, for tests).
     #[cfg(test)]
     pub(crate) fn entries(&self, e: usize) -> usize {
@@ -319,6 +397,48 @@ mod tests {
         assert!(a.holds(0, 2, t));
         assert_eq!(a.entries(0), 1);
         assert!(a.holds(1, 1, t), "another engine keeps its guesses");
+    }
+
+    #[test]
+    fn carried_guesses_keep_their_ages_and_order_and_come_before_the_engines_own() {
+        let t = t0() + secs(1000);
+        let mut a = Approx::new(2, TTL, 4);
+        a.placed(0, &[1, 2, 3], 16, t);
+        a.placed(0, &[4], 16, t + secs(100));
+        // At 150 s: 1-3 are 150 s old (expired), 4 is 50 s old.
+        let (bs, live) = a.export(0, t + secs(150)).unwrap();
+        assert_eq!((bs, live), (16, vec![(4, secs(50))]));
+        let (_, all) = a.export(0, t + secs(110)).unwrap();
+        assert_eq!(
+            all.iter().map(|(h, _)| *h).collect::<Vec<_>>(),
+            [3, 2, 1, 4],
+            "least recently touched first (a prompt's tail before its head)"
+        );
+        assert_eq!(a.export(1, t), None, "nothing credited yet");
+
+        // Engine 1 of a new router: its own placement at `now`, then the carried guesses.
+        let now = t + secs(200);
+        a.sync_process(1, 7);
+        a.placed(1, &[9, 3], 16, now);
+        let carried: Vec<(u64, Instant)> = all.iter().map(|(h, age)| (*h, now - *age)).collect();
+        assert_eq!(
+            a.import(1, 16, &carried, 7),
+            2,
+            "3 is its own already; 2 goes by the bound"
+        );
+        assert_eq!(a.entries(1), 4);
+        assert!(a.holds(1, 9, now) && a.holds(1, 3, now) && a.holds(1, 4, now));
+        assert!(
+            a.holds(1, 1, now) && !a.holds(1, 2, now),
+            "the least recently touched went"
+        );
+        // The carried ages hold: 1 was 110 s old at the export, so it expires 10 s later.
+        assert!(a.holds(1, 1, now + secs(9)) && !a.holds(1, 1, now + secs(10)));
+        assert!(a.holds(1, 3, now + secs(119)), "the new placement's time, not the carried one");
+        // Another block size is not taken; another process drops what the engine held.
+        assert_eq!(a.import(1, 32, &carried, 7), 0);
+        assert_eq!(a.import(1, 16, &carried[..1], 8), 1);
+        assert_eq!(a.entries(1), 1);
     }
 
     #[test]

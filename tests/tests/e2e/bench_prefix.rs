@@ -150,7 +150,7 @@ fn shared_prefix_workload_reports_every_target_and_exact_beats_blind() {
         exact > blind,
         "exact {exact:.3} vs blind {blind:.3}:\n{stdout}"
     );
-    let s = &doc.standby;
+    let s = doc.standby.as_ref().expect("the standby figure");
     for (k, v) in [
         ("hit_rate_before", s.hit_rate_before),
         ("hit_rate_after", s.hit_rate_after),
@@ -160,5 +160,69 @@ fn shared_prefix_workload_reports_every_target_and_exact_beats_blind() {
     }
     assert!(s.before.queries.unwrap_or(0) > 0, "{s:?}");
     assert!(s.after.queries.unwrap_or(0) > 0, "{s:?}");
+    println!("{stdout}");
+}
+
+/// The agents, tenants, bypass and restart shapes' machinery on a tiny scale, all in one run:
+/// chat completions with a tools block, salted tenants, a third of the requests straight to
+/// the engines, and each of our routers restarted half way (SIGTERM, started again). No
+/// request fails across the restart (ours finishes what it serves; the client retries until
+/// the new router answers), and the figure's windows both looked prompts up.
+#[test]
+fn agents_tenants_bypass_and_a_router_restart_run_and_fail_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("prefix.json");
+    let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    let args = [
+        "prefix", "--agents", "--think-min-s", "1", "--think-max-s", "3", "--tenants", "3",
+        "--bypass", "0.3", "--restart-at", "-1", "--router-restart-at", "0.5",
+        "--duration-s", "24", "--rate", "4", "--groups", "4", "--prefix-min", "200",
+        "--prefix-max", "300", "--question-tokens", "8", "--sessions", "6", "--turns", "3",
+        "--user-tokens", "8", "--answer-tokens", "8", "--session-share", "0.6",
+        "--output-tokens", "4", "--kv-cache-blocks", "200", "--prefill-us-per-token", "100",
+        "--ttft-ms", "5", "--tpot-ms", "5", "--tpot-per-running-us", "0",
+        "--targets", "ours-exact,ours-approx", "--standby-s", "0", "--request-timeout", "30",
+    ];
+    let mut child = Command::new(env!("CARGO_BIN_EXE_narwhal-bench"))
+        .args(args)
+        .arg("--json")
+        .arg(&json)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).expect("stdout file"))
+        .stderr(std::fs::File::create(&err).expect("stderr file"))
+        .spawn()
+        .expect("start narwhal-bench");
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("narwhal-bench prefix did not finish within 300 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let stdout = std::fs::read_to_string(&out).unwrap_or_default();
+    let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+    assert!(
+        status.success(),
+        "narwhal-bench prefix failed ({status}); stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    let text = std::fs::read_to_string(&json).expect("the --json file");
+    let doc: PrefixDoc = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("not the prefix document ({e}): {text}"));
+    assert!(doc.standby.is_none(), "{doc:?}");
+    assert!(doc.requests >= 40, "{doc:?}");
+    for t in &doc.targets {
+        assert_eq!(t.completed, Some(doc.requests), "{t:?}\n{stdout}");
+        let r = t.router_restart.as_ref().expect("router_restart");
+        assert!(r.before.queries.unwrap_or(0) > 0, "{r:?}");
+        assert!(r.after.queries.unwrap_or(0) > 0, "{r:?}");
+        assert!((0.0..=1.0).contains(&r.hit_rate_before), "{r:?}");
+        assert!((0.0..=1.0).contains(&r.hit_rate_after), "{r:?}");
+        assert!(r.down_s > 0.0, "{r:?}");
+    }
     println!("{stdout}");
 }

@@ -569,6 +569,69 @@ async fn a_restarted_router_is_exact_from_its_first_request() {
     second_router_places_by_what_is_held(&f, &prefix, &holders).await;
 }
 
+/// A router restarted gracefully keeps its approximate index (engines without KV events): the
+/// first router, stopping, carries its guesses beside its state file; the second takes each
+/// engine's once it has read that engine's process start and found the process they were
+/// learned from. A prefix the first router placed on `d0` is credited on `d0` by the second
+/// from its first request; the guesses for an engine restarted between the two are dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_restarted_gracefully_keeps_its_approximate_index_for_the_same_processes() {
+    let mut f = Fleet::builder()
+        .decode(2)
+        .sim_args(&["--block-size", "4", "--tpot-ms", "20"])
+        .fleet(json!({"serving": {"kv_approx_block_size": 4}}))
+        .start()
+        .await;
+    let prefix = |g: usize| words(1000 * (g + 1), 40);
+    let mut first = f.router.take().expect("the fleet's router");
+    // Prefix 0 streams on one engine while prefix 1 is placed: by load, on the other.
+    let stream = first.open_stream(&prefix(0), 100).await;
+    complete(&first, &format!("{} {}", prefix(1), words(0, 6))).await;
+    stream.finish().await;
+    let rows = eventually("both first rows", WAIT, || async {
+        let r = served(&first);
+        (r.len() >= 2).then_some(r)
+    })
+    .await;
+    // The rows come as the answers end (the stream's last); prompt 1 is 46 tokens.
+    let holder = |tokens: u64| {
+        rows.iter()
+            .find(|r| r.engine_prompt_tokens == Some(tokens))
+            .map(|r| r.engine().to_string())
+            .unwrap_or_default()
+    };
+    let (h0, h1) = (holder(40), holder(46));
+    assert!(!h0.is_empty() && !h1.is_empty() && h0 != h1, "{rows:?}");
+    first.proc.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(first.proc.wait_exit(WAIT), Some(0), "the first router stops");
+    let carried = f.dir().join("state.json.kv-approx");
+    assert!(carried.exists(), "the guesses are carried beside the state file");
+    // The engine holding prefix 1 restarts between the two routers: a new process.
+    f.sim_mut(&h1).restart(&[]).expect("restart the engine");
+    let second = f.start_router("second", &[]);
+    for g in 0..2 {
+        complete(&second, &format!("{} {}", prefix(g), words(100, 6))).await;
+    }
+    let rows = eventually("the second router's rows", WAIT, || async {
+        let r = served(&second);
+        (r.len() >= 2).then_some(r)
+    })
+    .await;
+    assert_eq!(rows[0].engine(), h0, "prefix 0 goes where it was placed: {rows:?}");
+    assert_eq!(rows[0].kv_mode.as_deref(), Some("approximate"), "{rows:?}");
+    assert_eq!(
+        rows[0].cached_tokens,
+        Some(40),
+        "credited from the carried guesses at once: {rows:?}"
+    );
+    assert_eq!(
+        rows[1].cached_tokens,
+        Some(0),
+        "the restarted engine's guesses were dropped: {rows:?}"
+    );
+    assert!(!carried.exists(), "the file is read once");
+}
+
 /// Four 40-token prefixes (10 blocks of 4), `holders[g]` holding prefix `g` (sent to it
 /// directly: placed by load, all four could land on one engine, and the other would have
 /// nothing to replay).

@@ -112,8 +112,8 @@ struct Args {
     /// Tenants, each its own `cache_salt` (0: none); a session keeps its tenant.
     #[arg(long, default_value_t = 0)]
     tenants: usize,
-    /// Share of requests sent straight to the engines (request i to engine i mod N), as a
-    /// second router would (0-1).
+    /// Share of requests sent straight to the engines by a second router placing by prefix
+    /// affinity (a hash of the request's group prefix and salt picks the engine; 0-1).
     #[arg(long, default_value_t = 0.0)]
     bypass: f64,
     /// When the target router is restarted (SIGTERM, then started again with the same
@@ -515,9 +515,9 @@ const BUILT: &str = "default, hot-prefix, documents, control, agents, tenants, b
 /// - `tenants`: one system prompt of 4-6k tokens shared by 8 tenants, each its own
 ///   `cache_salt` (so 8 copies in the caches, none shared), sessions keeping their tenant: a
 ///   router that credits a prefix across tenants places on caches that miss.
-/// - `bypass`: the default trace with a quarter of the requests sent straight to the engines
-///   (request i to engine i mod N), as a second router would: the engines' KV events show
-///   what they stored, our own placements cannot.
+/// - `bypass`: the default trace with a quarter of the requests sent straight to the engines by
+///   a second router placing by prefix affinity (a hash of the group prefix picks the engine):
+///   the engines' KV events show what they stored, our own placements cannot.
 /// - `restart`: the default trace, the target router restarted (SIGTERM, then started again)
 ///   half way through and no engine restarted: the hit rate of the 10 s from the restart
 ///   against the 10 s before.
@@ -1214,6 +1214,8 @@ fn json_doc(
             "router_restart": r.restart.map(|x| json!({
                 "hit_rate_before": x.before.rate(), "hit_rate_after": x.after.rate(),
                 "ratio": x.after.rate() / x.before.rate().max(1e-9), "down_s": x.down_s,
+                "before": {"hits": x.before.hits, "queries": x.before.queries},
+                "after": {"hits": x.after.hits, "queries": x.after.queries},
             })),
             "engines": r.engines.iter().map(|c| json!({
                 "requests": c.requests, "hits": c.hits, "queries": c.queries,
@@ -1241,7 +1243,8 @@ struct Restart {
     down_s: f64,
 }
 
-/// Sends the trace to the target (a request marked direct to engine i mod N instead),
+/// Sends the trace to the target (a request marked direct to the engine its prefix affinity
+/// picks instead; round robin: request i to engine i mod N),
 /// restarting the last engine at `--restart-at` and the target router at
 /// `--router-restart-at`; the row of figures.
 async fn drive(
@@ -1293,8 +1296,11 @@ async fn drive(
             restarted = true;
         }
         tokio::time::sleep_until(due.into()).await;
-        let urls = if target.url.is_empty() || r.direct {
+        let urls = if target.url.is_empty() {
             Arc::new(Mutex::new(vec![engine_urls[i % engine_urls.len()].clone()]))
+        } else if r.direct {
+            let e = (r.affinity() % engine_urls.len() as u64) as usize;
+            Arc::new(Mutex::new(vec![engine_urls[e].clone()]))
         } else {
             routed.clone()
         };

@@ -120,6 +120,14 @@ impl Request {
         })
     }
 
+    /// Where a second router placing by prefix affinity sends it (the bypass): a hash of its
+    /// first segment (a group's prefix, or a question's own) and its salt.
+    pub(crate) fn affinity(&self) -> u64 {
+        let first = self.segments.first().map_or("", |s| s.tag.as_str());
+        let salt = self.salt.as_deref().unwrap_or("");
+        fnv(salt.as_bytes(), fnv(first.as_bytes(), 0xcbf2_9ce4_8422_2325))
+    }
+
     /// A stable id per token (hash of its word), in prompt order: what the oracle's blocks
     /// are made of.
     fn token_ids(&self) -> Vec<u64> {
