@@ -137,7 +137,9 @@ pub(crate) fn pending(
 pub(crate) fn decide(p: &Pending, start: Option<f64>, now: Instant, ttl: Duration) -> Adopt {
     let newest = p.blocks.iter().map(|(_, t)| *t).max();
     if newest.is_none_or(|t| now.saturating_duration_since(t) >= ttl) {
-        return Adopt::Drop("every carried guess expired before the engine's process was read".into());
+        return Adopt::Drop(
+            "every carried guess expired before the engine's process was read".into(),
+        );
     }
     match start {
         None => Adopt::Wait,
@@ -339,9 +341,13 @@ mod tests {
         let p = pending(&doc(), now, 1000.0, ttl).remove("e0").unwrap();
         assert_eq!(decide(&p, None, now, ttl), Adopt::Wait);
         assert_eq!(decide(&p, Some(10.0005), now, ttl), Adopt::Take);
-        assert!(matches!(decide(&p, Some(10.5), now, ttl), Adopt::Drop(w) if w.contains("another process")));
+        assert!(
+            matches!(decide(&p, Some(10.5), now, ttl), Adopt::Drop(w) if w.contains("another process"))
+        );
         // Still unread once its newest guess (5 s old) expired: dropped.
         assert_eq!(decide(&p, None, now + secs(114), ttl), Adopt::Wait);
-        assert!(matches!(decide(&p, None, now + secs(115), ttl), Adopt::Drop(w) if w.contains("expired")));
+        assert!(
+            matches!(decide(&p, None, now + secs(115), ttl), Adopt::Drop(w) if w.contains("expired"))
+        );
     }
 }

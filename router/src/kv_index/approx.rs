@@ -434,7 +434,10 @@ mod tests {
         );
         // The carried ages hold: 1 was 110 s old at the export, so it expires 10 s later.
         assert!(a.holds(1, 1, now + secs(9)) && !a.holds(1, 1, now + secs(10)));
-        assert!(a.holds(1, 3, now + secs(119)), "the new placement's time, not the carried one");
+        assert!(
+            a.holds(1, 3, now + secs(119)),
+            "the new placement's time, not the carried one"
+        );
         // Another block size is not taken; another process drops what the engine held.
         assert_eq!(a.import(1, 32, &carried, 7), 0);
         assert_eq!(a.import(1, 16, &carried[..1], 8), 1);

@@ -603,9 +603,16 @@ async fn a_router_restarted_gracefully_keeps_its_approximate_index_for_the_same_
     let (h0, h1) = (holder(40), holder(46));
     assert!(!h0.is_empty() && !h1.is_empty() && h0 != h1, "{rows:?}");
     first.proc.signal(nix::sys::signal::Signal::SIGTERM);
-    assert_eq!(first.proc.wait_exit(WAIT), Some(0), "the first router stops");
+    assert_eq!(
+        first.proc.wait_exit(WAIT),
+        Some(0),
+        "the first router stops"
+    );
     let carried = f.dir().join("state.json.kv-approx");
-    assert!(carried.exists(), "the guesses are carried beside the state file");
+    assert!(
+        carried.exists(),
+        "the guesses are carried beside the state file"
+    );
     // The engine holding prefix 1 restarts between the two routers: a new process.
     f.sim_mut(&h1).restart(&[]).expect("restart the engine");
     let second = f.start_router("second", &[]);
@@ -617,7 +624,11 @@ async fn a_router_restarted_gracefully_keeps_its_approximate_index_for_the_same_
         (r.len() >= 2).then_some(r)
     })
     .await;
-    assert_eq!(rows[0].engine(), h0, "prefix 0 goes where it was placed: {rows:?}");
+    assert_eq!(
+        rows[0].engine(),
+        h0,
+        "prefix 0 goes where it was placed: {rows:?}"
+    );
     assert_eq!(rows[0].kv_mode.as_deref(), Some("approximate"), "{rows:?}");
     assert_eq!(
         rows[0].cached_tokens,

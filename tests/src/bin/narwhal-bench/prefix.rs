@@ -1045,7 +1045,10 @@ impl Launch {
                 command,
                 dir,
                 url,
-            } => Ok((Running::Peer(PeerProc::spawn(name, command, dir)?), url.clone())),
+            } => Ok((
+                Running::Peer(PeerProc::spawn(name, command, dir)?),
+                url.clone(),
+            )),
             Launch::Client => Ok((Running::Client, String::new())),
         }
     }

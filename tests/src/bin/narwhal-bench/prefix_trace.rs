@@ -103,7 +103,10 @@ impl Request {
                 .collect::<Vec<_>>()
                 .join(" ")
         };
-        let (tools, rest) = self.segments.split_first().expect("a request has a segment");
+        let (tools, rest) = self
+            .segments
+            .split_first()
+            .expect("a request has a segment");
         let messages: Vec<serde_json::Value> = rest
             .iter()
             .enumerate()
@@ -125,7 +128,10 @@ impl Request {
     pub(crate) fn affinity(&self) -> u64 {
         let first = self.segments.first().map_or("", |s| s.tag.as_str());
         let salt = self.salt.as_deref().unwrap_or("");
-        fnv(salt.as_bytes(), fnv(first.as_bytes(), 0xcbf2_9ce4_8422_2325))
+        fnv(
+            salt.as_bytes(),
+            fnv(first.as_bytes(), 0xcbf2_9ce4_8422_2325),
+        )
     }
 
     /// A stable id per token (hash of its word), in prompt order: what the oracle's blocks
