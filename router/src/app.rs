@@ -234,6 +234,7 @@ pub async fn run(
         .collect();
     parts.kv.spawn(parts.fleet.clone(), snapshots, stop.clone());
     let controller = tokio::spawn(parts.controller.clone().run(stop.clone()));
+    let engine_load = tokio::spawn(crate::engine_load::run(parts.clone(), stop.clone()));
     let lifecycle_timer = {
         let parts = parts.clone();
         let stop = stop.clone();
@@ -300,6 +301,7 @@ pub async fn run(
     }
     let _ = monitor.await;
     let _ = controller.await;
+    let _ = engine_load.await;
     let _ = lifecycle_timer.await;
     let _ = state_writer.await;
     if was_controlling {

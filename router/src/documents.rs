@@ -573,6 +573,10 @@ pub(crate) fn metrics(parts: &Parts) -> String {
                 .resident
                 .get_or_create(&labels(&[("iid", iid), ("phase", "decode")]))
                 .set(i64::from(s.resident_decode));
+            m.roles
+                .foreign
+                .get_or_create(&labels(&[("iid", iid)]))
+                .set(i64::from(s.foreign));
             for c in FailureClass::ALL {
                 m.engines
                     .breaker_streak

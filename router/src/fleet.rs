@@ -264,6 +264,18 @@ impl Fleet {
         self.resident_changed.notified().await;
     }
 
+    /// Engine `iid` reported `reported` requests running or waiting (its `/metrics`): what
+    /// exceeds ours resident on it now is foreign load, weighed by placement
+    /// ([`EngineSlot::busy`]); `None` (unread) counts none.
+    pub(crate) fn set_reported(&self, iid: usize, reported: Option<u64>) {
+        let mut state = self.lock();
+        let slot = &mut state.slots[iid];
+        let ours = u64::from(slot.outstanding());
+        slot.foreign = reported.map_or(0, |r| {
+            u32::try_from(r.saturating_sub(ours)).unwrap_or(u32::MAX)
+        });
+    }
+
     /// Engine names with their prefill + decode resident counts.
     pub(crate) fn resident_counts(&self) -> BTreeMap<String, u32> {
         let state = self.lock();

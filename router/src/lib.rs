@@ -122,6 +122,7 @@ pub mod config;
 mod controller;
 mod demand;
 mod documents;
+mod engine_load;
 mod facts;
 mod failure;
 mod fleet;

@@ -188,6 +188,7 @@ pub(crate) struct Roles {
     pub(crate) instance_role: Family<Labels, Gauge>,
     pub(crate) pool_instances: Family<Labels, Gauge>,
     pub(crate) resident: Family<Labels, Gauge>,
+    pub(crate) foreign: Family<Labels, Gauge>,
 }
 
 /// This router's readiness, lease epoch and what it persists: journal drops, state-file writes and failures, the last takeover gap.
@@ -418,6 +419,11 @@ fn register_lifecycle(reg: &mut Registrar, durability: &Durability, roles: &Role
         "narwhal_resident_requests",
         "Requests resident on each instance",
         &roles.resident,
+    );
+    reg.add(
+        "narwhal_engine_foreign_requests",
+        "Requests an engine reported running or waiting beyond this router's own (serving.engine_load_poll_s; 0 when off)",
+        &roles.foreign,
     );
 }
 

@@ -77,6 +77,10 @@ pub(crate) struct EngineSlot {
     /// The KV its resident requests hold, tokens: each one's uncached prompt tokens and output
     /// budget as placed ([`Measure::Tokens`]).
     pub kv_tokens: u64,
+    /// Requests the engine itself reports running or waiting beyond ours (another router's,
+    /// clients' sent to it directly), as of the last reading (`serving.engine_load_poll_s`;
+    /// `engine_load`): placement weighs them with ours; drains never wait for them.
+    pub foreign: u32,
 }
 
 /// What placement weighs an engine's load by: the fleet file's `serving.placement_load`.
@@ -91,6 +95,7 @@ impl EngineSlot {
             resident_prefill: 0,
             resident_decode: 0,
             kv_tokens: 0,
+            foreign: 0,
         }
     }
 
@@ -104,10 +109,16 @@ impl EngineSlot {
         self.resident_prefill + self.resident_decode
     }
 
-    /// Its load as `measure` weighs it: requests or tokens.
+    /// The requests placement weighs: ours resident and the foreign ones the engine reported.
+    pub(crate) fn busy(&self) -> u32 {
+        self.outstanding().saturating_add(self.foreign)
+    }
+
+    /// Its load as `measure` weighs it: requests (ours and foreign, [`EngineSlot::busy`]) or
+    /// tokens.
     pub(crate) fn load(&self, measure: Measure) -> u64 {
         match measure {
-            Measure::Requests => u64::from(self.outstanding()),
+            Measure::Requests => u64::from(self.busy()),
             Measure::Tokens => self.kv_tokens,
         }
     }
@@ -208,7 +219,7 @@ pub(crate) fn pick_cached<R: Rng + ?Sized>(
     measure: Measure,
     rng: &mut R,
 ) -> Option<usize> {
-    let load = |i: usize| slots[i].outstanding();
+    let load = |i: usize| slots[i].busy();
     let (min, max) = candidates
         .iter()
         .map(|i| load(*i))

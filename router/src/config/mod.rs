@@ -300,6 +300,11 @@ pub struct Serving {
     pub kv_approx_block_size: u32,
     /// `placement_load`: `requests` (default) or `tokens` ([`PlacementLoad`]).
     pub placement_load: PlacementLoad,
+    /// `engine_load_poll_s`, seconds ≥ 0 (default 0: off): how often the router reads each
+    /// engine's own count of requests running and waiting from its `/metrics`, so placement
+    /// weighs the load other routers and clients put on it (docs/design/kv-aware-placement.md
+    /// section 5).
+    pub engine_load_poll_s: f64,
     /// `kv_approx_credit`, ratio in (0, 1] (default 1): the share of an approximate credit's
     /// tokens the KV score counts (exact credit counts whole).
     pub kv_approx_credit: f64,

@@ -643,6 +643,59 @@ async fn a_router_restarted_gracefully_keeps_its_approximate_index_for_the_same_
     assert!(!carried.exists(), "the file is read once");
 }
 
+/// With `serving.engine_load_poll_s`, placement weighs the requests an engine reports running
+/// or waiting beyond the router's own (another router's, clients' sent to it directly): with
+/// four streams sent straight to `d0`, every request the router places goes to `d1`, and
+/// `narwhal_engine_foreign_requests` shows the four; once they end, both engines serve again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_the_engines_report_beyond_the_routers_own_is_weighed_in_placement() {
+    let f = Fleet::builder()
+        .decode(2)
+        .sim_args(&["--tpot-ms", "20"])
+        .fleet(json!({"serving": {"engine_load_poll_s": 0.1, "kv_aware_placement": false}}))
+        .start()
+        .await;
+    let router = f.router();
+    let http = reqwest::Client::new();
+    let mut streams = Vec::new();
+    for k in 0..4 {
+        let body = json!({"model": "tiny-sim", "prompt": words(500 + k, 4), "max_tokens": 400,
+                          "stream": true});
+        let r = http
+            .post(format!("{}/v1/completions", f.sim("d0").url))
+            .json(&body)
+            .send()
+            .await
+            .expect("a stream straight to d0");
+        assert!(r.status().is_success());
+        streams.push(r);
+    }
+    let line = "narwhal_engine_foreign_requests{iid=\"d0\"} 4";
+    eventually(
+        "the router reads d0's four foreign requests",
+        WAIT,
+        || async { router.metrics().await.contains(line).then_some(()) },
+    )
+    .await;
+    for k in 0..6 {
+        complete(router, &words(100 * k, 5)).await;
+    }
+    let rows = eventually("six rows", WAIT, || async {
+        let r = served(router);
+        (r.len() >= 6).then_some(r)
+    })
+    .await;
+    for r in &rows {
+        assert_eq!(r.engine(), "d1", "d0 is busy with foreign requests: {r:?}");
+    }
+    drop(streams);
+    let idle = "narwhal_engine_foreign_requests{iid=\"d0\"} 0";
+    eventually("d0's foreign requests end", WAIT, || async {
+        router.metrics().await.contains(idle).then_some(())
+    })
+    .await;
+}
+
 /// Four 40-token prefixes (10 blocks of 4), `holders[g]` holding prefix `g` (sent to it
 /// directly: placed by load, all four could land on one engine, and the other would have
 /// nothing to replay).

@@ -39,6 +39,7 @@ impl Checker<'_> {
                 "kv_approx_credit",
                 "kv_ready_timeout_s",
                 "placement_load",
+                "engine_load_poll_s",
             ],
         );
         let admission = match self.choice(&o, "admission", "open", &["predictive", "open"]) {
@@ -78,6 +79,10 @@ impl Checker<'_> {
                 (!(x > 0.0 && x <= 1.0)).then_some("must be in (0, 1]")
             }),
             kv_ready_timeout_s: self.num(&o, "kv_ready_timeout_s", 5.0, non_negative),
+            engine_load_poll_s: self.num(&o, "engine_load_poll_s", 0.0, |x| {
+                (x != 0.0 && !(0.05..=60.0).contains(&x))
+                    .then_some("must be 0 (off) or in [0.05, 60]")
+            }),
             placement_load: match self.choice(
                 &o,
                 "placement_load",
