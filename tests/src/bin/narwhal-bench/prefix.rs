@@ -11,6 +11,9 @@
 //!     ─► send the trace (client: TTFT = first token chunk, TPOT = (end − first)/(chunks − 1))
 //!     ─► at --restart-at, restart engine e3 ─► hit rate from the simulators' own counters
 //!        (`/sim/stats` prefix_cache: hits ÷ queries, vLLM's prefix_cache_hits/queries)
+//!     (--bypass: a share of the trace straight to the engines, by prefix affinity;
+//!      --router-restart-at: the target router SIGTERMed and started again, the hit rate of
+//!      the 10 s before and the 10 s from it)
 //!  standby: ours exact as a primary + a warm standby on a fleet of its own; kill -9 of the
 //!     primary; hit rate in the 10 s before and after
 //!  ─► markdown table (stdout, --out) and JSON (--json)
