@@ -192,6 +192,10 @@ struct Args {
     /// Seconds a request may take before it counts as failed.
     #[arg(long, default_value_t = 120.0)]
     request_timeout: f64,
+    /// Keep the run's directory (every process's log, our routers' journals and fleet files)
+    /// instead of removing it; its path is printed.
+    #[arg(long)]
+    keep_dir: bool,
     /// Write the markdown table here too.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -864,10 +868,14 @@ async fn run(a: Args) -> Result<bool, String> {
     let mut head = header(&a, &trace, &plan);
     print!("{head}");
     let _ = std::io::Write::flush(&mut std::io::stdout());
-    let dir = tempfile::Builder::new()
+    let mut dir = tempfile::Builder::new()
         .prefix("narwhal-bench-prefix-")
         .tempdir()
         .map_err(|e| e.to_string())?;
+    if a.keep_dir {
+        dir.disable_cleanup(true);
+        println!("  logs, journals and fleet files stay in {}", dir.path().display());
+    }
     let (mut sims, events) = engines(dir.path(), &a)?;
     let http = narwhal_testkit::http_client()
         .timeout(Duration::from_secs_f64(a.request_timeout))
@@ -1164,6 +1172,18 @@ async fn print_kv_index(r: &narwhal_testkit::RouterHandle) {
         .iter()
         .map(|(k, v)| format!("{k}:{}", v.mode))
         .collect();
+    let checks: Vec<String> = kv
+        .engines
+        .iter()
+        .map(|(k, v)| {
+            let c = &v.credit;
+            format!(
+                "{k}:{}/{} over ({} tokens over, {} under)",
+                c.over_credited, c.checked, c.over_tokens, c.under_tokens
+            )
+        })
+        .collect();
+    println!("    credit check (over-credited/checked): {}", checks.join(" "));
     println!(
         "    kv_index at the end: modes {}; tokenizer {}, {} prompts tokenized ({:.2} ms each), {} tokenize failures",
         modes.join(" "),
