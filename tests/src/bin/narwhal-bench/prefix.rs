@@ -196,6 +196,12 @@ struct Args {
     /// Seconds a request may take before it counts as failed.
     #[arg(long, default_value_t = 120.0)]
     request_timeout: f64,
+    /// Seconds from the start of each target's run whose requests are sent but not counted:
+    /// the hit rate is the engines' counters from then on, and SLO, TTFT, throughput and failures
+    /// count the requests sent from then on (cold caches fill first). The per-10 s SLO line
+    /// still shows every window.
+    #[arg(long, default_value_t = 0.0)]
+    warmup_s: f64,
     /// Keep the run's directory (every process's log, our routers' journals and fleet files)
     /// instead of removing it; its path is printed.
     #[arg(long)]
@@ -765,7 +771,7 @@ fn header(a: &Args, trace: &[Request], plan: &Plan) -> String {
     format!(
         "narwhal-bench prefix: {} requests in {} s at {rate:.2}/s ({} questions, {turns} session turns), mean prompt {mean_tokens:.0} tokens; {} groups, prefixes {}-{} tokens, zipf {}\n\
          engines: {} x (prefill {} us/token + {} ms, {} prefill slot(s), tpot {} ms + {} us/running, {} blocks of {} tokens); working set ~{working} blocks vs {capacity_blocks} in all\n\
-         capacity: {cap_oracle:.2}/s at the oracle's hit rate (the least of prefill's and decode's; decode alone {:.2}/s), {cap_blind:.2}/s cache-blind; shape {} ({} tenants, {:.0}% sent straight to the engines, router restart at {}); SLO: TTFT <= {} s and TPOT <= {} s; our fleet files + {}\n\
+         capacity: {cap_oracle:.2}/s at the oracle's hit rate (the least of prefill's and decode's; decode alone {:.2}/s), {cap_blind:.2}/s cache-blind; shape {} ({} tenants, {:.0}% sent straight to the engines, router restart at {}, the first {} s not counted); SLO: TTFT <= {} s and TPOT <= {} s; our fleet files + {}\n\
          oracle (one pooled LRU cache of {capacity_blocks} blocks, arrival order): {:.3}; unbounded cache: {:.3}\n",
         trace.len(),
         a.duration_s,
@@ -791,6 +797,7 @@ fn header(a: &Args, trace: &[Request], plan: &Plan) -> String {
         } else {
             "none".into()
         },
+        a.warmup_s,
         a.ttft_slo_s,
         a.tpot_slo_s,
         a.ours_fleet,
@@ -802,6 +809,14 @@ fn header(a: &Args, trace: &[Request], plan: &Plan) -> String {
 async fn run(a: Args) -> Result<bool, String> {
     if a.engines < 2 || a.groups == 0 || a.duration_s <= 0.0 || a.block_size == 0 {
         return Err("--engines must be at least 2, --groups and --block-size at least 1, --duration-s positive".into());
+    }
+    if !(0.0..a.duration_s).contains(&a.warmup_s)
+        || (a.restart_at >= 0.0 && a.warmup_s >= a.restart_at * a.duration_s)
+    {
+        return Err(format!(
+            "--warmup-s {}: at least 0, less than --duration-s and before the engine restart (--restart-at -1 turns it off)",
+            a.warmup_s
+        ));
     }
     if a.router_restart_at >= 0.0 && a.restart_at >= 0.0 {
         return Err("--router-restart-at and --restart-at: restart the router or an engine in a run, not both (--restart-at -1)".into());
@@ -997,6 +1012,7 @@ fn json_doc(
             "ttft_ms": a.ttft_ms, "tpot_ms": a.tpot_ms, "prefill_slots": a.prefill_slots,
             "ttft_slo_s": a.ttft_slo_s, "tpot_slo_s": a.tpot_slo_s,
             "restart_at": a.restart_at, "router_restart_at": a.router_restart_at,
+            "warmup_s": a.warmup_s,
             "tenants": a.tenants, "bypass": a.bypass, "shape": a.shape,
             "ours_fleet": serde_json::from_str::<Value>(&a.ours_fleet).unwrap_or_default(),
         },
@@ -1047,7 +1063,8 @@ async fn drive(
     sims: &mut Vec<SimHandle>,
     trace: &Arc<Vec<Request>>,
 ) -> Result<Row, String> {
-    let before = counts_each(sims).await?;
+    let mut before = counts_each(sims).await?;
+    let mut warm = a.warmup_s <= 0.0;
     let engine_urls: Vec<String> = sims.iter().map(|s| s.url.clone()).collect();
     let restart_s = (a.restart_at >= 0.0).then_some(a.restart_at * a.duration_s);
     let mut restarted = restart_s.is_none();
@@ -1073,6 +1090,13 @@ async fn drive(
             if marks.len() == 2 {
                 relaunch = Some(restart_router(&mut target, &routed, http));
             }
+        }
+        if !warm && r.at_s >= a.warmup_s {
+            // The counters from here on are the run's (the engine restart comes later).
+            let at = start + Duration::from_secs_f64(a.warmup_s);
+            tokio::time::sleep_until(at.into()).await;
+            before = counts_each(sims).await?;
+            warm = true;
         }
         let due = start + Duration::from_secs_f64(r.at_s);
         if !restarted && r.at_s >= restart_s.unwrap_or(f64::MAX) {
@@ -1155,11 +1179,21 @@ fn meets(a: &Args, o: &Outcome) -> bool {
     o.ok && o.ttft.is_some_and(|t| t <= a.ttft_slo_s) && o.tpot.is_some_and(|t| t <= a.tpot_slo_s)
 }
 
-fn row(a: &Args, def: &TargetDef, counts: Counts, outcomes: &[Outcome], wall: f64) -> Row {
+/// A target's figures from its outcomes: those sent from `--warmup-s` on, but the per-10 s
+/// SLO line (every window).
+fn row(a: &Args, def: &TargetDef, counts: Counts, all: &[Outcome], wall: f64) -> Row {
+    let outcomes: Vec<Outcome> = all
+        .iter()
+        .filter(|o| o.sent_s >= a.warmup_s)
+        .copied()
+        .collect();
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok).collect();
     let mut ttfts: Vec<f64> = ok.iter().filter_map(|o| o.ttft).collect();
     let met = ok.iter().filter(|o| meets(a, o)).count();
-    let last = ok.iter().map(|o| o.end_s).fold(0.0f64, f64::max);
+    let last = ok
+        .iter()
+        .map(|o| o.end_s - a.warmup_s)
+        .fold(0.0f64, f64::max);
     Row {
         name: def.name.clone(),
         what: def.what.clone(),
@@ -1170,14 +1204,14 @@ fn row(a: &Args, def: &TargetDef, counts: Counts, outcomes: &[Outcome], wall: f6
         completed: ok.len(),
         requests: outcomes.len(),
         throughput: ok.len() as f64 / last.max(1e-9),
-        goodput: met as f64 / a.duration_s,
+        goodput: met as f64 / (a.duration_s - a.warmup_s),
         wall_s: wall,
         engines: Vec::new(),
         restart: None,
         slo_by_10s: (0..(a.duration_s / 10.0).ceil() as usize)
             .map(|w| {
                 let (lo, hi) = (w as f64 * 10.0, (w + 1) as f64 * 10.0);
-                let mine: Vec<&Outcome> = outcomes
+                let mine: Vec<&Outcome> = all
                     .iter()
                     .filter(|o| (lo..hi).contains(&o.sent_s))
                     .collect();
