@@ -62,6 +62,27 @@ impl Part {
             .is_some_and(|(t, _)| now.saturating_duration_since(*t) < ttl)
     }
 
+    /// Makes `h` the most recently touched entry, touched at `at`.
+    fn touch(&mut self, h: u64, at: Instant) {
+        let stamp = self.next_stamp;
+        self.next_stamp += 1;
+        if let Some((_, old)) = self.blocks.insert(h, (at, stamp)) {
+            self.order.remove(&old);
+        }
+        self.order.insert(stamp, h);
+    }
+
+    /// Evicts the least recently touched entries beyond `max`, counting them.
+    fn bound(&mut self, max: usize) {
+        while self.blocks.len() > max {
+            let Some((_, h)) = self.order.pop_first() else {
+                break;
+            };
+            self.blocks.remove(&h);
+            self.evicted += 1;
+        }
+    }
+
     /// Drops entries touched `ttl` or longer before `now` (the oldest stamps first).
     fn expire(&mut self, now: Instant, ttl: Duration) {
         while let Some((&stamp, &h)) = self.order.first_key_value() {
@@ -120,20 +141,9 @@ impl Approx {
         p.expire(now, ttl);
         // Last block first: the prompt's head ends up most recently used.
         for h in chain.iter().rev() {
-            let stamp = p.next_stamp;
-            p.next_stamp += 1;
-            if let Some((_, old)) = p.blocks.insert(*h, (now, stamp)) {
-                p.order.remove(&old);
-            }
-            p.order.insert(stamp, *h);
+            p.touch(*h, now);
         }
-        while p.blocks.len() > max {
-            let Some((_, h)) = p.order.pop_first() else {
-                break;
-            };
-            p.blocks.remove(&h);
-            p.evicted += 1;
-        }
+        p.bound(max);
     }
 
     /// The block size engine `e`'s guesses were cut at (`None` before its first credit).
@@ -249,20 +259,9 @@ impl Approx {
             .copied()
             .collect();
         for (h, t) in fresh.iter().chain(own.iter()) {
-            let stamp = p.next_stamp;
-            p.next_stamp += 1;
-            if let Some((_, old)) = p.blocks.insert(*h, (*t, stamp)) {
-                p.order.remove(&old);
-            }
-            p.order.insert(stamp, *h);
+            p.touch(*h, *t);
         }
-        while p.blocks.len() > max {
-            let Some((_, h)) = p.order.pop_first() else {
-                break;
-            };
-            p.blocks.remove(&h);
-            p.evicted += 1;
-        }
+        p.bound(max);
         fresh
             .iter()
             .filter(|(h, _)| p.blocks.contains_key(h))

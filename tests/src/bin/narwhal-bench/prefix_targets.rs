@@ -215,12 +215,8 @@ pub(super) async fn wait_ready(
                     p.log_tail(20)
                 ));
             }
-            let r = http
-                .post(format!("{t}/v1/completions"))
-                .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 1}))
-                .send()
-                .await;
-            if matches!(&r, Ok(r) if r.status().is_success()) {
+            let r = answers(http, t).await;
+            if r.is_ok() {
                 break;
             }
             if Instant::now() >= deadline {
@@ -277,12 +273,7 @@ pub(super) fn restart_router(
         *routed.lock().unwrap_or_else(|e| e.into_inner()) = vec![url.clone(), url.clone()];
         let deadline = Instant::now() + Duration::from_secs(120);
         while Instant::now() < deadline {
-            let r = http
-                .post(format!("{url}/v1/completions"))
-                .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 1}))
-                .send()
-                .await;
-            if matches!(&r, Ok(r) if r.status().is_success()) {
+            if answers(&http, &url).await.is_ok() {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -291,4 +282,19 @@ pub(super) fn restart_router(
         *routed.lock().unwrap_or_else(|e| e.into_inner()) = vec![url];
         Ok((running, down_s))
     })
+}
+
+/// Whether `url` completes a one-word prompt (no full block: nothing cached, nothing stored);
+/// the refusal or error otherwise.
+async fn answers(http: &reqwest::Client, url: &str) -> Result<(), String> {
+    let r = http
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 1}))
+        .send()
+        .await;
+    match r {
+        Ok(r) if r.status().is_success() => Ok(()),
+        Ok(r) => Err(format!("status {}", r.status())),
+        Err(e) => Err(e.to_string()),
+    }
 }
